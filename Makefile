@@ -1,0 +1,62 @@
+# llmsched developer targets. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+BIN := $(abspath $(VENV))/bin
+export PATH := $(BIN):$(PATH)
+export VIRTUAL_ENV := $(abspath $(VENV))
+
+.PHONY: help venv build test test-rust test-python lint fmt bench bench-rust demo fuzz clean
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
+
+$(VENV)/.deps: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip uv
+	$(BIN)/uv pip install -q -p $(PY) -r pyproject.toml --extra test --extra dev
+	touch $@
+
+venv: $(VENV)/.deps ## Create the virtual environment with every Python dependency
+
+build: $(VENV)/.deps ## Build the Rust extension (release) into the virtual environment
+	rm -f python/llmsched/_llmsched*.so
+	$(BIN)/maturin develop --release --uv -q
+
+test-rust: ## Run the Rust tests (release, no Python needed)
+	cargo test --release
+
+test-python: build ## Run the Python tests
+	$(PY) -m pytest -q
+
+test: test-rust test-python ## Install everything, then run cargo test and pytest
+
+lint: build ## cargo fmt/clippy, ruff, mypy and stubtest
+	cargo fmt --all -- --check
+	cargo clippy --release --all-targets --all-features -- -D warnings
+	$(BIN)/ruff check python tests benches
+	$(BIN)/ruff format --check python tests benches
+	$(BIN)/mypy
+	$(PY) -m mypy.stubtest llmsched._llmsched --allowlist .stubtest-allowlist
+
+fmt: $(VENV)/.deps ## Format Rust and Python sources
+	cargo fmt --all
+	$(BIN)/ruff format python tests benches
+	$(BIN)/ruff check --fix python tests benches
+
+bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
+	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \
+		--benchmark-max-time=0.2 --benchmark-warmup=on --benchmark-columns=min,median,ops,rounds \
+		--benchmark-group-by=group --benchmark-sort=name
+
+bench-rust: ## The criterion benchmarks (pure Rust figures)
+	cargo bench --bench prefix_index
+
+demo: build ## Run the main job
+	$(PY) -m llmsched demo
+
+clean: ## Remove build outputs and the virtual environment
+	rm -rf target $(VENV) python/llmsched/_llmsched*.so .pytest_cache .mypy_cache .ruff_cache .benchmarks

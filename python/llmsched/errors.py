@@ -1,0 +1,44 @@
+"""The llmsched exception hierarchy.
+
+Every error that llmsched raises for bad input subclasses both :class:`LlmschedError` and the
+built-in exception it resembles, so ``except ValueError`` keeps working.
+
+>>> from llmsched.errors import InvalidTokenError
+>>> issubclass(InvalidTokenError, ValueError)
+True
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "InvalidTokenError",
+    "LlmschedError",
+    "MalformedEventError",
+    "UnknownBlockError",
+    "UnknownWorkerError",
+]
+
+
+class LlmschedError(Exception):
+    """Base class of every exception raised by llmsched."""
+
+
+class InvalidTokenError(LlmschedError, ValueError):
+    """A token id is negative or above 2**32 - 1."""
+
+
+class ConfigError(LlmschedError, ValueError):
+    """A configuration is impossible or names something unknown."""
+
+
+class MalformedEventError(LlmschedError, ValueError):
+    """A vLLM KV-event payload could not be decoded; nothing was applied."""
+
+
+class UnknownWorkerError(LlmschedError, KeyError):
+    """A worker name is not known to the structure."""
+
+
+class UnknownBlockError(LlmschedError, KeyError):
+    """A block hash (or a parent) is not held where the operation needs it."""

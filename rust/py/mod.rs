@@ -1,0 +1,14 @@
+//! The PyO3 layer: argument extraction, GIL release, error mapping. No logic lives here.
+
+use pyo3::prelude::*;
+
+mod errors;
+mod hashing;
+mod tokens;
+
+#[pymodule]
+fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    hashing::register(m)?;
+    Ok(())
+}
