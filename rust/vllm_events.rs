@@ -40,6 +40,8 @@ pub struct EventBatch {
     pub ts: f64,
     pub events: Vec<KvEvent>,
     pub dp_rank: Option<i64>,
+    /// Events of a type this decoder does not know, skipped.
+    pub unknown_events: u32,
 }
 
 /// Why a payload could not be decoded.

@@ -10,19 +10,26 @@ from __future__ import annotations
 from llmsched._llmsched import __version__
 from llmsched.errors import (
     ConfigError,
+    HashChainError,
     InvalidTokenError,
     LlmschedError,
     MalformedEventError,
+    SnapshotError,
     UnknownBlockError,
     UnknownWorkerError,
 )
 from llmsched.hashing import block_hashes, namespace_seed
+from llmsched.prefix_index import PrefixIndex, PrefixMatch
 
 __all__ = [
     "ConfigError",
+    "HashChainError",
     "InvalidTokenError",
     "LlmschedError",
     "MalformedEventError",
+    "PrefixIndex",
+    "PrefixMatch",
+    "SnapshotError",
     "UnknownBlockError",
     "UnknownWorkerError",
     "__version__",

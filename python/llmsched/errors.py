@@ -12,9 +12,11 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "HashChainError",
     "InvalidTokenError",
     "LlmschedError",
     "MalformedEventError",
+    "SnapshotError",
     "UnknownBlockError",
     "UnknownWorkerError",
 ]
@@ -42,3 +44,11 @@ class UnknownWorkerError(LlmschedError, KeyError):
 
 class UnknownBlockError(LlmschedError, KeyError):
     """A block hash (or a parent) is not held where the operation needs it."""
+
+
+class HashChainError(LlmschedError, ValueError):
+    """Block hashes are not a chain consistent with the index (a hash sits elsewhere already)."""
+
+
+class SnapshotError(LlmschedError, ValueError):
+    """A serialised index is corrupt or of an unknown format; nothing was loaded."""

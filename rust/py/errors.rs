@@ -6,14 +6,39 @@ use pyo3::import_exception;
 use pyo3::PyErr;
 
 use crate::hashing::HashError;
+use crate::prefix_index::IndexError;
 
 import_exception!(llmsched.errors, InvalidTokenError);
+import_exception!(llmsched.errors, ConfigError);
+import_exception!(llmsched.errors, MalformedEventError);
+import_exception!(llmsched.errors, UnknownWorkerError);
+import_exception!(llmsched.errors, UnknownBlockError);
+import_exception!(llmsched.errors, HashChainError);
+import_exception!(llmsched.errors, SnapshotError);
 
 impl From<HashError> for PyErr {
     fn from(err: HashError) -> PyErr {
         match err {
             HashError::ZeroBlockSize => PyValueError::new_err(err.to_string()),
             HashError::TokenOutOfRange { .. } => InvalidTokenError::new_err(err.to_string()),
+        }
+    }
+}
+
+impl From<IndexError> for PyErr {
+    fn from(err: IndexError) -> PyErr {
+        let msg = err.to_string();
+        match err {
+            IndexError::UnknownWorker(_) => UnknownWorkerError::new_err(msg),
+            IndexError::UnknownParent(_)
+            | IndexError::ParentNotHeld { .. }
+            | IndexError::NotHeld { .. } => UnknownBlockError::new_err(msg),
+            IndexError::Conflict(_) => HashChainError::new_err(msg),
+            IndexError::InvalidConfig(_) => ConfigError::new_err(msg),
+            IndexError::InvalidTtl(_) => PyValueError::new_err(msg),
+            IndexError::Hash(h) => h.into(),
+            IndexError::Decode(_) => MalformedEventError::new_err(msg),
+            IndexError::Snapshot(_) => SnapshotError::new_err(msg),
         }
     }
 }

@@ -4,11 +4,13 @@ use pyo3::prelude::*;
 
 mod errors;
 mod hashing;
+mod prefix_index;
 mod tokens;
 
 #[pymodule]
 fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hashing::register(m)?;
+    prefix_index::register(m)?;
     Ok(())
 }

@@ -1,0 +1,286 @@
+"""The prefix index: which worker holds which cached prefix.
+
+A concurrent compressed radix tree over chained block hashes (see :mod:`llmsched.hashing`). Fed
+by the engines (:meth:`PrefixIndex.store`, :meth:`PrefixIndex.apply_vllm_events`: confirmed
+holdings) or by the router's own decisions (:meth:`PrefixIndex.record`: approximate holdings that
+expire), and queried with :meth:`PrefixIndex.match` on every request.
+
+>>> import numpy as np
+>>> from llmsched import PrefixIndex
+>>> index = PrefixIndex(block_size=4)
+>>> prompt = np.arange(40, dtype=np.uint32)
+>>> index.store("replica-a", index.hash_tokens(prompt))
+10
+>>> index.store("replica-b", index.hash_tokens(prompt[:20]))
+5
+>>> index.match_tokens(prompt).as_dict()
+{'replica-a': 10, 'replica-b': 5}
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from llmsched import _llmsched
+from llmsched._llmsched import PrefixMatch
+from llmsched._tokens import TokensLike, as_token_array
+from llmsched.hashing import _check_block_size, _check_seed
+
+__all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
+
+Worker = int | str
+"""A worker's name: any int (64-bit) or str, chosen by the caller."""
+
+Tier = Literal["gpu", "cpu", "storage"]
+"""Where a cached block lives (vLLM's ``medium``)."""
+
+HashesLike = Any
+"""Block hashes: a numpy ``uint64`` array (read in place) or a sequence of non-negative ints."""
+
+DEFAULT_RECORD_TTL_S = 60.0
+"""How long a routing decision noted by :meth:`PrefixIndex.record` counts, unless confirmed."""
+
+
+def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.uint64]:
+    """Return ``hashes`` as a 1-D contiguous ``uint64`` array, copying only when needed.
+
+    >>> as_hash_array([1, 2]).dtype
+    dtype('uint64')
+    """
+    if isinstance(hashes, np.ndarray):
+        if hashes.dtype.kind == "i" and hashes.size and (hashes < 0).any():
+            raise ValueError(f"{what} must be non-negative 64-bit ints")
+        if hashes.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be integers, got dtype {hashes.dtype}")
+        arr = hashes if hashes.dtype == np.uint64 else hashes.astype(np.uint64)
+    else:
+        if isinstance(hashes, (bytes, bytearray, str)):
+            raise TypeError(f"{what} must be a sequence of ints, got {type(hashes).__name__}")
+        items = list(hashes)
+        if any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) for h in items):
+            raise TypeError(f"{what} must be ints")
+        try:
+            arr = np.array(items, dtype=np.uint64)
+        except OverflowError:
+            raise ValueError(f"{what} must be ints in 0..2**64-1") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr
+
+
+class PrefixIndex:
+    """A concurrent prefix index over chained block hashes.
+
+    Args:
+        block_size: tokens per block. Engines' block sizes must be multiples of it for their
+            KV events to apply.
+        seed: base seed of every hash chain.
+        model: model name folded into the chain seed.
+        worker_capacity: blocks each worker may hold; beyond it the worker's least recently used
+            blocks are evicted (always from the tail, so holdings stay prefix-closed).
+        max_bytes: estimated bytes the whole index may use; beyond it the globally least recently
+            used leaves are evicted.
+
+    One index may be shared by many threads: matches run in parallel, writes are serialised,
+    and every call that grows with its input releases the GIL.
+
+    >>> PrefixIndex(block_size=16).block_size
+    16
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        seed: int = 0,
+        model: str | None = None,
+        worker_capacity: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        _check_block_size(block_size)
+        _check_seed(seed)
+        for name, value in (("worker_capacity", worker_capacity), ("max_bytes", max_bytes)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        self._native = _llmsched.PrefixIndex(block_size, seed, model, worker_capacity, max_bytes)
+
+    @classmethod
+    def _wrap(cls, native: _llmsched.PrefixIndex) -> PrefixIndex:
+        self = cls.__new__(cls)
+        self._native = native
+        return self
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._native.block_size
+
+    @property
+    def seed(self) -> int:
+        """Base seed of every hash chain."""
+        return self._native.seed
+
+    @property
+    def model(self) -> str | None:
+        """Model name folded into the chain seed."""
+        return self._native.model
+
+    def hash_tokens(
+        self, tokens: TokensLike, *, lora: str | None = None, cache_salt: str | None = None
+    ) -> npt.NDArray[np.uint64]:
+        """Chained block hashes of ``tokens`` in this index's namespace.
+
+        >>> len(PrefixIndex(block_size=4).hash_tokens(range(10)))
+        2
+        """
+        return self._native.hash_tokens(as_token_array(tokens), lora, cache_salt)
+
+    def store(
+        self, worker: Worker, hashes: HashesLike, parent: int | None = None, tier: Tier = "gpu"
+    ) -> int:
+        """Record that ``worker`` holds ``hashes`` on ``tier``: a chain starting at the root, or
+        continuing after block ``parent`` (which ``worker`` must hold). Returns the blocks
+        ``worker`` newly holds. Raises UnknownBlockError or HashChainError, changing nothing.
+
+        >>> index = PrefixIndex(block_size=2)
+        >>> h = index.hash_tokens([1, 2, 3, 4, 5, 6])
+        >>> index.store(0, h[:2]), index.store(0, h[2:], parent=int(h[1]))
+        (2, 1)
+        """
+        return self._native.store(worker, as_hash_array(hashes), parent, tier)
+
+    def record(
+        self,
+        worker: Worker,
+        hashes: HashesLike,
+        ttl_s: float = DEFAULT_RECORD_TTL_S,
+        *,
+        now: float | None = None,
+    ) -> int:
+        """Note a routing decision: ``worker`` will soon hold ``hashes`` (from the root). The
+        holding is approximate: it stops counting after ``ttl_s`` seconds unless an engine
+        confirms it. ``now`` defaults to ``time.monotonic()``.
+
+        >>> index = PrefixIndex(block_size=2)
+        >>> index.record("a", index.hash_tokens([1, 2, 3, 4]), ttl_s=5.0, now=0.0)
+        2
+        >>> index.match_tokens([1, 2, 3, 4], now=4.0).longest, index.match_tokens([1, 2], now=6.0).longest
+        (2, 0)
+        """
+        return self._native.record(worker, as_hash_array(hashes), ttl_s, _now(now))
+
+    def remove(self, worker: Worker, hashes: HashesLike, tier: Tier | None = None) -> int:
+        """Drop ``worker``'s holding of each block (of ``tier`` only, if given); a block left in
+        no tier is dropped with everything below it. Every block must be held, or
+        UnknownBlockError is raised and nothing changes. Returns the blocks dropped.
+        """
+        return self._native.remove(worker, as_hash_array(hashes), tier)
+
+    def clear(self, worker: Worker) -> int:
+        """Drop everything ``worker`` holds (it stays registered). Returns the blocks dropped."""
+        return self._native.clear(worker)
+
+    def remove_worker(self, worker: Worker) -> int:
+        """Drop everything ``worker`` holds and forget it. Returns the blocks dropped."""
+        return self._native.remove_worker(worker)
+
+    def set_capacity(self, worker: Worker, blocks: int | None) -> int:
+        """Set (or lift, with None) ``worker``'s capacity in blocks; returns blocks evicted."""
+        if blocks is not None and (not isinstance(blocks, int) or blocks < 1):
+            raise ValueError(f"capacity must be a positive int or None, got {blocks!r}")
+        return self._native.set_capacity(worker, blocks)
+
+    def match(self, hashes: HashesLike, *, now: float | None = None) -> PrefixMatch:
+        """The leading blocks of ``hashes`` each worker holds, overall and per tier.
+
+        >>> index = PrefixIndex(block_size=2)
+        >>> h = index.hash_tokens([1, 2, 3, 4])
+        >>> _ = index.store("a", h)
+        >>> index.match(h).as_dict()
+        {'a': 2}
+        """
+        return self._native.match_hashes(as_hash_array(hashes), _now(now))
+
+    def match_tokens(
+        self,
+        tokens: TokensLike,
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        now: float | None = None,
+    ) -> PrefixMatch:
+        """Hash ``tokens`` in this index's namespace and match them, in one native call."""
+        return self._native.match_tokens(as_token_array(tokens), lora, cache_salt, _now(now))
+
+    def match_many(
+        self, queries: Iterable[HashesLike], *, now: float | None = None
+    ) -> list[PrefixMatch]:
+        """:meth:`match` for many queries in one call (one GIL release)."""
+        arrays = [as_hash_array(q) for q in queries]
+        return self._native.match_many(arrays, _now(now))
+
+    def apply_vllm_events(self, worker: Worker, payload: bytes) -> dict[str, int]:
+        """Decode a vLLM ``EventBatch`` msgpack payload and apply it for ``worker`` atomically.
+
+        Both event encodings are accepted (array-encoded before vLLM 0.24, map-encoded since).
+        Blocks are keyed by this index's own hash of each event's ``token_ids``, so the engine's
+        hash algorithm and seed never matter. A stored event whose parent is unknown, or a
+        removal of an unknown block, is skipped and counted in the returned report. A malformed
+        payload raises MalformedEventError and changes nothing.
+        """
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+        return self._native.apply_vllm_events(worker, bytes(payload))
+
+    def expire(self, *, now: float | None = None) -> int:
+        """Drop approximate holdings that have expired; returns the blocks dropped."""
+        return self._native.expire(_now(now))
+
+    def holdings(self, worker: Worker) -> dict[int, tuple[list[str], bool]]:
+        """Every block ``worker`` holds: ``{hash: (tiers, confirmed)}``."""
+        return self._native.holdings(worker)
+
+    def workers(self) -> list[Worker]:
+        """The registered workers."""
+        return self._native.workers()
+
+    def stats(self) -> dict[str, Any]:
+        """Counts (workers, nodes, blocks, holdings, per-worker blocks) and estimated bytes."""
+        return self._native.stats()
+
+    def dumps(self) -> bytes:
+        """Serialise the index (approximate holdings keep their remaining lifetime)."""
+        return self._native.dumps(time.monotonic())
+
+    @classmethod
+    def loads(cls, data: bytes) -> PrefixIndex:
+        """Rebuild an index from :meth:`dumps` output; SnapshotError if it is corrupt.
+
+        >>> index = PrefixIndex(block_size=2)
+        >>> _ = index.store(1, index.hash_tokens([5, 6, 7, 8]))
+        >>> PrefixIndex.loads(index.dumps()).match_tokens([5, 6, 7, 8]).as_dict()
+        {1: 2}
+        """
+        return cls._wrap(_llmsched.PrefixIndex.loads(bytes(data), time.monotonic()))
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"PrefixIndex(block_size={self.block_size}, workers={s['workers']}, "
+            f"blocks={s['blocks']}, nodes={s['nodes']})"
+        )
+
+
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else float(now)
+
+

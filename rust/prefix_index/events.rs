@@ -1,0 +1,153 @@
+//! Applying decoded vLLM KV events to the index.
+//!
+//! The index never reproduces the engine's hash: each `BlockStored` is re-hashed from its
+//! `token_ids` with this index's chain (seeded by the parent's index hash, or by the namespace
+//! of its LoRA adapter at the root), and a per-worker map remembers which index blocks each engine
+//! block became. An engine block may span several index blocks when the engine's block size is a
+//! multiple of the index's.
+
+use super::tree::{Attrs, StoreRefusal, WorkerId};
+use super::{PrefixIndex, State, Tier};
+use crate::hashing;
+use crate::vllm_events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+
+/// What applying one batch did. Skipped events change nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub events: u64,
+    /// Engine blocks stored.
+    pub blocks_stored: u64,
+    /// Engine blocks removed (from the named tier).
+    pub blocks_removed: u64,
+    /// `AllBlocksCleared` events applied.
+    pub cleared: u64,
+    /// Stored events skipped because their parent block is unknown for this worker (a missed
+    /// event, or a parent evicted from the index).
+    pub unknown_parent: u64,
+    /// Removed engine blocks that were not known for this worker.
+    pub unknown_removed: u64,
+    /// Stored events skipped because the engine's block size is not a multiple of the index's.
+    pub block_size_mismatch: u64,
+    /// Stored events whose blocks conflict with the index's structure (hash collisions).
+    pub conflicts: u64,
+    /// Events of a type this index does not know, skipped.
+    pub unknown_events: u64,
+}
+
+pub(super) fn apply_batch(
+    index: &PrefixIndex,
+    st: &mut State,
+    w: WorkerId,
+    batch: &EventBatch,
+) -> ApplyReport {
+    let mut report = ApplyReport {
+        events: batch.events.len() as u64,
+        unknown_events: u64::from(batch.unknown_events),
+        ..Default::default()
+    };
+    for event in &batch.events {
+        match event {
+            KvEvent::Stored(stored) => apply_stored(index, st, w, stored, &mut report),
+            KvEvent::Removed(removed) => apply_removed(st, w, removed, &mut report),
+            KvEvent::AllCleared => {
+                st.tree.clear_worker(w);
+                st.workers.engine[w as usize].clear();
+                report.cleared += 1;
+            }
+        }
+    }
+    report
+}
+
+fn apply_stored(
+    index: &PrefixIndex,
+    st: &mut State,
+    w: WorkerId,
+    ev: &BlockStored,
+    report: &mut ApplyReport,
+) {
+    let bs = index.config.block_size;
+    let engine_bs = ev.block_size as usize;
+    if engine_bs % bs != 0 {
+        report.block_size_mismatch += 1;
+        return;
+    }
+    let per_engine_block = engine_bs / bs;
+    let parent = match ev.parent_block_hash {
+        None => None,
+        Some(p) => match st.workers.engine[w as usize].get(&p) {
+            Some(&(_, last, _)) if st.tree.holds(w, last) => Some(last),
+            _ => {
+                report.unknown_parent += 1;
+                return;
+            }
+        },
+    };
+    let seed = parent.unwrap_or_else(|| index.chain_seed(ev.lora_name.as_deref(), None));
+    let Ok(ours) = hashing::chain_hashes(&ev.token_ids, bs, seed) else {
+        report.conflicts += 1;
+        return;
+    };
+    if ours.len() != ev.block_hashes.len() * per_engine_block {
+        report.block_size_mismatch += 1;
+        return;
+    }
+    let attrs = Attrs { tiers: ev.medium.bit(), confirmed: true, expires: f64::INFINITY };
+    match st.tree.store(w, &ours, parent, attrs) {
+        Ok(_) => {}
+        Err(StoreRefusal::Conflict(_)) => {
+            report.conflicts += 1;
+            return;
+        }
+        Err(StoreRefusal::UnknownParent(_) | StoreRefusal::ParentNotHeld(_)) => {
+            report.unknown_parent += 1;
+            return;
+        }
+    }
+    let map = &mut st.workers.engine[w as usize];
+    for (i, &engine_hash) in ev.block_hashes.iter().enumerate() {
+        let span = &ours[i * per_engine_block..(i + 1) * per_engine_block];
+        map.insert(engine_hash, (span[0], span[span.len() - 1], span.len() as u32));
+    }
+    report.blocks_stored += ev.block_hashes.len() as u64;
+}
+
+fn apply_removed(st: &mut State, w: WorkerId, ev: &BlockRemoved, report: &mut ApplyReport) {
+    for &engine_hash in &ev.block_hashes {
+        let Some(&(first, last, span)) = st.workers.engine[w as usize].get(&engine_hash) else {
+            report.unknown_removed += 1;
+            continue;
+        };
+        if !st.tree.holds(w, first) {
+            st.workers.engine[w as usize].remove(&engine_hash);
+            report.unknown_removed += 1;
+            continue;
+        }
+        // The engine block's index blocks, first to last; when its tail is already gone, the
+        // first block alone (dropping it drops what is left below).
+        let blocks = if st.tree.holds(w, last) {
+            st.tree.chain_tail(last, span as usize)
+        } else {
+            vec![first]
+        };
+        let mut changed = false;
+        for h in blocks {
+            changed |= st.tree.remove_tiers(w, h, ev.medium.bit()).0;
+        }
+        if changed {
+            report.blocks_removed += 1;
+        } else {
+            report.unknown_removed += 1;
+        }
+        if !st.tree.holds(w, first) {
+            st.workers.engine[w as usize].remove(&engine_hash);
+        }
+    }
+}
+
+impl Tier {
+    /// The tier for vLLM's `medium` field (None means GPU in old versions).
+    pub fn from_medium(medium: Option<&str>) -> Tier {
+        medium.and_then(Tier::parse).unwrap_or(Tier::Gpu)
+    }
+}

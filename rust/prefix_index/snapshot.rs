@@ -1,0 +1,206 @@
+//! `dumps` / `loads`: the index as msgpack bytes, so a restarted router does not start cold.
+//!
+//! Nodes are written parents first; derived state (block map, leaf order, counts) is rebuilt on
+//! load, and every structural invariant is checked, so a corrupt or hostile snapshot is refused
+//! rather than loaded.
+
+use hashbrown::{HashMap, HashSet};
+use serde::{Deserialize, Serialize};
+
+use super::tree::{Attrs, Holder, Node, NodeId, Tree, ROOT};
+use super::{IndexConfig, IndexError, State, WorkerKey, Workers};
+
+const FORMAT: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+struct Snapshot {
+    format: u32,
+    block_size: u64,
+    seed: u64,
+    model: Option<String>,
+    worker_capacity: Option<u64>,
+    max_bytes: Option<u64>,
+    stamp: u64,
+    workers: Vec<SnapWorker>,
+    nodes: Vec<SnapNode>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SnapWorker {
+    key: Option<WorkerKey>,
+    capacity: Option<u64>,
+    engine: Vec<(u64, u64, u64, u32)>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SnapNode {
+    /// Position of the parent in `nodes`, or None for a child of the root.
+    parent: Option<u32>,
+    hashes: Vec<u64>,
+    /// (worker, tiers, confirmed, seconds left for approximate holdings, stamp)
+    holders: Vec<(u32, u8, bool, f64, u64)>,
+}
+
+pub(super) fn dump(config: &IndexConfig, st: &State, now: f64) -> Vec<u8> {
+    let mut order: Vec<NodeId> = Vec::new();
+    let mut position: HashMap<NodeId, u32> = HashMap::new();
+    let mut stack: Vec<NodeId> = st.tree.nodes[ROOT as usize].children.values().copied().collect();
+    while let Some(id) = stack.pop() {
+        position.insert(id, order.len() as u32);
+        order.push(id);
+        stack.extend(st.tree.nodes[id as usize].children.values().copied());
+    }
+    let nodes = order
+        .iter()
+        .map(|&id| {
+            let n = &st.tree.nodes[id as usize];
+            SnapNode {
+                parent: (n.parent != ROOT).then(|| position[&n.parent]),
+                hashes: n.hashes.clone(),
+                holders: n
+                    .holders
+                    .iter()
+                    .map(|h| {
+                        let left = if h.attrs.confirmed { f64::INFINITY } else { h.attrs.expires - now };
+                        (h.worker, h.attrs.tiers, h.attrs.confirmed, left, h.stamp)
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    let workers = (0..st.workers.keys.len())
+        .map(|i| SnapWorker {
+            key: st.workers.keys[i].clone(),
+            capacity: st.workers.capacity[i],
+            engine: st.workers.engine[i].iter().map(|(&e, &(f, l, n))| (e, f, l, n)).collect(),
+        })
+        .collect();
+    let snap = Snapshot {
+        format: FORMAT,
+        block_size: config.block_size as u64,
+        seed: config.seed,
+        model: config.model.clone(),
+        worker_capacity: config.worker_capacity,
+        max_bytes: config.max_bytes,
+        stamp: st.tree.stamp,
+        workers,
+        nodes,
+    };
+    rmp_serde::to_vec(&snap).expect("snapshot types always serialise")
+}
+
+pub(super) fn load(data: &[u8], now: f64) -> Result<(IndexConfig, State), IndexError> {
+    let snap: Snapshot = rmp_serde::from_slice(data).map_err(|e| bad(e.to_string()))?;
+    if snap.format != FORMAT {
+        return Err(bad(format!("unsupported format {}", snap.format)));
+    }
+    let config = IndexConfig {
+        block_size: usize::try_from(snap.block_size).map_err(|_| bad("block_size".into()))?,
+        seed: snap.seed,
+        model: snap.model,
+        worker_capacity: snap.worker_capacity,
+        max_bytes: snap.max_bytes,
+    };
+    if config.block_size == 0 {
+        return Err(bad("block_size is 0".into()));
+    }
+    let workers = load_workers(snap.workers)?;
+    let nodes = load_nodes(snap.nodes, &workers, now)?;
+    let tree = Tree::rebuild(nodes, snap.stamp, workers.keys.len())?;
+    Ok((config, State { tree, workers }))
+}
+
+fn load_workers(snap: Vec<SnapWorker>) -> Result<Workers, IndexError> {
+    let mut workers = Workers::default();
+    for (i, sw) in snap.into_iter().enumerate() {
+        if let Some(key) = &sw.key {
+            if workers.ids.insert(key.clone(), i as u32).is_some() {
+                return Err(bad(format!("worker {key} appears twice")));
+            }
+        }
+        workers.keys.push(sw.key);
+        workers.capacity.push(sw.capacity);
+        workers.engine.push(sw.engine.into_iter().map(|(e, f, l, n)| (e, (f, l, n))).collect());
+    }
+    Ok(workers)
+}
+
+fn load_nodes(snap: Vec<SnapNode>, workers: &Workers, now: f64) -> Result<Vec<Node>, IndexError> {
+    let mut nodes = vec![Node::default()];
+    let mut seen: HashSet<u64> = HashSet::new();
+    for (i, sn) in snap.into_iter().enumerate() {
+        let parent = match sn.parent {
+            None => ROOT,
+            Some(p) if (p as usize) < i => p + 1,
+            Some(p) => return Err(bad(format!("node {i} names parent {p} out of order"))),
+        };
+        if sn.hashes.is_empty() {
+            return Err(bad(format!("node {i} has no blocks")));
+        }
+        if let Some(h) = sn.hashes.iter().find(|h| !seen.insert(**h)) {
+            return Err(bad(format!("block {h:#018x} appears twice")));
+        }
+        let mut holders = Vec::with_capacity(sn.holders.len());
+        for (w, tiers, confirmed, left, stamp) in sn.holders {
+            let known = workers.keys.get(w as usize).is_some_and(|k| k.is_some());
+            if !known || tiers == 0 || tiers > 0b111 || left.is_nan() {
+                return Err(bad(format!("node {i} has an invalid holding for worker {w}")));
+            }
+            let expires = if confirmed { f64::INFINITY } else { now + left };
+            let attrs = Attrs { tiers, confirmed, expires };
+            holders.push(Holder { worker: w, attrs, stamp, child_count: 0 });
+        }
+        if holders.is_empty() || !holders.windows(2).all(|p| p[0].worker < p[1].worker) {
+            return Err(bad(format!("node {i} holders are empty or not sorted")));
+        }
+        let first = sn.hashes[0];
+        let id = nodes.len() as NodeId;
+        if nodes[parent as usize].children.insert(first, id).is_some() {
+            return Err(bad(format!("node {i} duplicates a sibling")));
+        }
+        nodes.push(Node { hashes: sn.hashes, parent, children: HashMap::new(), holders });
+    }
+    Ok(nodes)
+}
+
+fn bad(reason: String) -> IndexError {
+    IndexError::Snapshot(reason)
+}
+
+impl Tree {
+    /// A tree from loaded nodes (index 0 the root, parents before children), with derived state
+    /// rebuilt and prefix closure checked.
+    fn rebuild(nodes: Vec<Node>, stamp: u64, workers: usize) -> Result<Tree, IndexError> {
+        let mut tree = Tree::new();
+        tree.nodes = nodes;
+        tree.stamp = stamp;
+        if workers > 0 {
+            tree.ensure_worker(workers as u32 - 1);
+        }
+        for id in 1..tree.nodes.len() {
+            let parent = tree.nodes[id].parent as usize;
+            for k in 0..tree.nodes[id].holders.len() {
+                let w = tree.nodes[id].holders[k].worker;
+                if parent != ROOT as usize {
+                    let Some(p) = tree.nodes[parent].holders.iter_mut().find(|h| h.worker == w) else {
+                        return Err(bad(format!("worker {w} holds a block without its parent")));
+                    };
+                    p.child_count += 1;
+                }
+                tree.workers[w as usize].held += tree.nodes[id].hashes.len() as u64;
+            }
+            tree.holder_count += tree.nodes[id].holders.len();
+            for (j, &h) in tree.nodes[id].hashes.iter().enumerate() {
+                tree.blocks.insert(h, super::tree::Loc { node: id as NodeId, offset: j as u32 });
+            }
+        }
+        for id in 1..tree.nodes.len() {
+            for h in &tree.nodes[id].holders {
+                if h.child_count == 0 {
+                    tree.workers[h.worker as usize].leaves.insert((h.stamp, id as NodeId));
+                }
+            }
+        }
+        Ok(tree)
+    }
+}

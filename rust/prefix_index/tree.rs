@@ -1,0 +1,756 @@
+//! The compressed radix tree behind [`super::PrefixIndex`].
+//!
+//! Algorithm: nodes hold a run of chained block hashes (an edge) and the set of workers holding
+//! every block of that run, with identical attributes (tiers, confirmed/approximate, expiry, LRU
+//! stamp). A run of blocks held by the same workers is therefore one node, and matching a prompt is
+//! one child lookup per node followed by a tight comparison of u64s along the edge. A global map
+//! from block hash to (node, offset) finds a parent block for `store(.., parent=..)` and removals.
+//!
+//! Invariants: each worker's holdings are prefix-closed (a worker holding a block holds its
+//! parent), so a node's holders are a subset of its parent's. Recency is "whole path": touching a
+//! block touches every ancestor, so stamps never increase going down a worker's path, and the
+//! least recently used block of a worker is always at the tail of one of its leaves (nodes with no
+//! child held by it). Each worker keeps its leaves ordered by stamp; eviction trims the oldest.
+//!
+//! Complexity: match O(nodes on path + blocks compared + holders on path * log(workers)); store
+//! O(blocks + nodes on path); eviction O(log leaves) per trimmed node; a split moves the tail's
+//! entries in the block map, O(tail length).
+
+use std::collections::BTreeSet;
+
+use hashbrown::HashMap;
+
+pub type WorkerId = u32;
+pub(crate) type NodeId = u32;
+pub(crate) const ROOT: NodeId = 0;
+const DEAD: NodeId = NodeId::MAX;
+
+/// What a worker's holding of a run of blocks says, apart from its recency.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Attrs {
+    /// One bit per [`super::Tier`].
+    pub tiers: u8,
+    /// Reported by the engine (events or `store`); approximate holdings are not.
+    pub confirmed: bool,
+    /// Expiry of an approximate holding on the caller's clock; infinite when confirmed.
+    pub expires: f64,
+}
+
+impl Attrs {
+    /// The attributes after a new holding `new` lands on top of `self`.
+    fn merged(self, new: Attrs) -> Attrs {
+        let confirmed = self.confirmed || new.confirmed;
+        Attrs {
+            tiers: self.tiers | new.tiers,
+            confirmed,
+            expires: if confirmed { f64::INFINITY } else { self.expires.max(new.expires) },
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Holder {
+    pub worker: WorkerId,
+    pub attrs: Attrs,
+    pub stamp: u64,
+    /// Children of this node that this worker also holds; zero makes the node its leaf.
+    pub child_count: u32,
+}
+
+impl Holder {
+    fn same_holding(&self, other: &Holder) -> bool {
+        self.worker == other.worker && self.attrs == other.attrs && self.stamp == other.stamp
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Node {
+    pub hashes: Vec<u64>,
+    pub parent: NodeId,
+    pub children: HashMap<u64, NodeId>,
+    /// Sorted by worker id.
+    pub holders: Vec<Holder>,
+}
+
+impl Node {
+    pub fn holder(&self, w: WorkerId) -> Option<&Holder> {
+        self.holders.binary_search_by_key(&w, |h| h.worker).ok().map(|i| &self.holders[i])
+    }
+    fn holder_mut(&mut self, w: WorkerId) -> Option<&mut Holder> {
+        match self.holders.binary_search_by_key(&w, |h| h.worker) {
+            Ok(i) => Some(&mut self.holders[i]),
+            Err(_) => None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Loc {
+    pub node: NodeId,
+    pub offset: u32,
+}
+
+/// A position in the tree: after block `offset - 1` of `node` (offset 0 of ROOT is the start).
+#[derive(Clone, Copy, Debug)]
+struct Pos {
+    node: NodeId,
+    offset: usize,
+}
+
+/// Per-worker bookkeeping owned by the tree.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WorkerTree {
+    pub held: u64,
+    /// The worker's leaves ordered by stamp (oldest first).
+    pub leaves: BTreeSet<(u64, NodeId)>,
+}
+
+/// Per-tier and overall leading-block counts of one worker in a match.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MatchEntry {
+    pub worker: WorkerId,
+    pub blocks: u32,
+    pub tiers: [u32; 3],
+}
+
+/// Why a store was refused. Nothing changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StoreRefusal {
+    UnknownParent(u64),
+    ParentNotHeld(u64),
+    Conflict(u64),
+}
+
+pub(crate) struct Tree {
+    pub nodes: Vec<Node>,
+    free: Vec<NodeId>,
+    pub blocks: HashMap<u64, Loc>,
+    pub workers: Vec<WorkerTree>,
+    pub holder_count: usize,
+    pub stamp: u64,
+}
+
+impl Default for Tree {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Tree {
+    pub fn new() -> Self {
+        Tree {
+            nodes: vec![Node::default()],
+            free: Vec::new(),
+            blocks: HashMap::new(),
+            workers: Vec::new(),
+            holder_count: 0,
+            stamp: 0,
+        }
+    }
+
+    pub fn live_nodes(&self) -> usize {
+        self.nodes.len() - self.free.len() - 1
+    }
+
+    pub fn ensure_worker(&mut self, w: WorkerId) {
+        let need = w as usize + 1;
+        if self.workers.len() < need {
+            self.workers.resize_with(need, WorkerTree::default);
+        }
+    }
+
+    pub fn held(&self, w: WorkerId) -> u64 {
+        self.workers.get(w as usize).map_or(0, |t| t.held)
+    }
+
+    pub fn next_stamp(&mut self) -> u64 {
+        self.stamp += 1;
+        self.stamp
+    }
+
+    /// Whether `w` holds the block `hash` (expired approximate holdings included).
+    pub fn holds(&self, w: WorkerId, hash: u64) -> bool {
+        self.blocks.get(&hash).is_some_and(|loc| self.nodes[loc.node as usize].holder(w).is_some())
+    }
+
+    // ---- matching -------------------------------------------------------------------------
+
+    /// Leading blocks of `hashes` each worker holds (overall and per tier), sorted by worker,
+    /// workers with no leading block omitted. Returns the blocks present in the tree at all.
+    pub fn match_hashes(&self, hashes: &[u64], now: f64, out: &mut Vec<MatchEntry>) -> usize {
+        out.clear();
+        let mut cur = ROOT;
+        let mut pos = 0usize;
+        while pos < hashes.len() {
+            let Some(&child) = self.nodes[cur as usize].children.get(&hashes[pos]) else {
+                break;
+            };
+            let node = &self.nodes[child as usize];
+            let run = node.hashes.iter().zip(&hashes[pos..]).take_while(|(a, b)| a == b).count();
+            let (start, end) = (pos as u32, (pos + run) as u32);
+            for h in &node.holders {
+                if h.attrs.expires <= now {
+                    continue;
+                }
+                if start == 0 {
+                    out.push(first_entry(h, end));
+                } else if let Ok(i) = out.binary_search_by_key(&h.worker, |e| e.worker) {
+                    extend_entry(&mut out[i], h, start, end);
+                }
+            }
+            pos += run;
+            if run < node.hashes.len() {
+                break;
+            }
+            cur = child;
+        }
+        pos
+    }
+
+    // ---- storing --------------------------------------------------------------------------
+
+    /// Adds `w`'s holding of `hashes` (a chain continuing after `parent`, or from the root) with
+    /// `attrs`, touching the whole path. Returns the number of blocks newly held by `w`.
+    pub fn store(
+        &mut self,
+        w: WorkerId,
+        hashes: &[u64],
+        parent: Option<u64>,
+        attrs: Attrs,
+    ) -> Result<u64, StoreRefusal> {
+        let start = self.start_pos(w, parent)?;
+        let existing = self.existing_run(start, hashes);
+        self.check_new_hashes(&hashes[existing..])?;
+        if hashes.is_empty() {
+            return Ok(0);
+        }
+        self.ensure_worker(w);
+        let stamp = self.next_stamp();
+        let mut touched = Vec::new();
+        let (mut pos, mut added) = self.hold_existing(w, start, &hashes[..existing], attrs, &mut touched);
+        if existing < hashes.len() {
+            let new = self.add_new_run(w, pos, &hashes[existing..], attrs, &mut touched);
+            added += (hashes.len() - existing) as u64;
+            pos = new;
+        }
+        let end = self.end_node(pos, &mut touched);
+        self.touch_path(w, end, stamp, attrs.confirmed);
+        self.workers[w as usize].held += added;
+        self.merge_around(&touched);
+        Ok(added)
+    }
+
+    fn start_pos(&self, w: WorkerId, parent: Option<u64>) -> Result<Pos, StoreRefusal> {
+        let Some(p) = parent else {
+            return Ok(Pos { node: ROOT, offset: 0 });
+        };
+        let loc = self.blocks.get(&p).ok_or(StoreRefusal::UnknownParent(p))?;
+        if self.nodes[loc.node as usize].holder(w).is_none() {
+            return Err(StoreRefusal::ParentNotHeld(p));
+        }
+        Ok(Pos { node: loc.node, offset: loc.offset as usize + 1 })
+    }
+
+    /// Where the block after `pos` is `hash`, if it is.
+    fn next_loc(&self, pos: Pos, hash: u64) -> Option<Pos> {
+        let node = &self.nodes[pos.node as usize];
+        if pos.offset < node.hashes.len() {
+            (node.hashes[pos.offset] == hash).then_some(pos)
+        } else {
+            node.children.get(&hash).map(|&c| Pos { node: c, offset: 0 })
+        }
+    }
+
+    /// How many leading `hashes` already sit in the tree right after `start`.
+    fn existing_run(&self, start: Pos, hashes: &[u64]) -> usize {
+        let mut pos = start;
+        for (i, &h) in hashes.iter().enumerate() {
+            match self.next_loc(pos, h) {
+                Some(p) => pos = Pos { node: p.node, offset: p.offset + 1 },
+                None => return i,
+            }
+        }
+        hashes.len()
+    }
+
+    /// New blocks must not exist elsewhere in the tree, nor repeat: the input is not a chain.
+    fn check_new_hashes(&self, new: &[u64]) -> Result<(), StoreRefusal> {
+        if let Some(&h) = new.iter().find(|h| self.blocks.contains_key(*h)) {
+            return Err(StoreRefusal::Conflict(h));
+        }
+        if new.len() > 1 {
+            let mut seen = hashbrown::HashSet::with_capacity(new.len());
+            if let Some(&h) = new.iter().find(|h| !seen.insert(**h)) {
+                return Err(StoreRefusal::Conflict(h));
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives `w` (with `attrs`) every block of the already-present run after `start`.
+    fn hold_existing(
+        &mut self,
+        w: WorkerId,
+        start: Pos,
+        run: &[u64],
+        attrs: Attrs,
+        touched: &mut Vec<NodeId>,
+    ) -> (Pos, u64) {
+        let mut pos = start;
+        let mut added = 0u64;
+        let mut i = 0usize;
+        while i < run.len() {
+            let p = self.next_loc(pos, run[i]).expect("run checked by existing_run");
+            let len = self.nodes[p.node as usize].hashes.len();
+            let to = (p.offset + run.len() - i).min(len);
+            let (node, newly) = self.hold_range(w, p.node, p.offset, to, attrs, touched);
+            added += newly;
+            i += to - p.offset;
+            pos = Pos { node, offset: self.nodes[node as usize].hashes.len() };
+            if to < len && node == p.node {
+                pos.offset = to;
+            }
+        }
+        (pos, added)
+    }
+
+    /// Makes `w` hold blocks `from..to` of `node` with `attrs` merged in, splitting only when the
+    /// holding changes. Returns the node that now ends at `to` and the blocks newly held.
+    fn hold_range(
+        &mut self,
+        w: WorkerId,
+        node: NodeId,
+        from: usize,
+        to: usize,
+        attrs: Attrs,
+        touched: &mut Vec<NodeId>,
+    ) -> (NodeId, u64) {
+        let current = self.nodes[node as usize].holder(w).map(|h| h.attrs);
+        if current.is_some_and(|a| a.merged(attrs) == a) {
+            return (node, 0);
+        }
+        let target = self.isolate(node, from, to);
+        touched.push(target);
+        let len = (to - from) as u64;
+        match current {
+            Some(a) => {
+                let h = self.nodes[target as usize].holder_mut(w).expect("holder present");
+                h.attrs = a.merged(attrs);
+                (target, 0)
+            }
+            None => {
+                self.add_holder(w, target, attrs);
+                (target, len)
+            }
+        }
+    }
+
+    /// Appends a run of new blocks after `pos`, held by `w` alone. Returns the position after it.
+    fn add_new_run(
+        &mut self,
+        w: WorkerId,
+        pos: Pos,
+        new: &[u64],
+        attrs: Attrs,
+        touched: &mut Vec<NodeId>,
+    ) -> Pos {
+        let mut at = pos.node;
+        if pos.offset < self.nodes[at as usize].hashes.len() {
+            self.split(at, pos.offset);
+            touched.push(at);
+        }
+        if self.can_append(at, w, attrs) {
+            let node = &mut self.nodes[at as usize];
+            let base = node.hashes.len();
+            node.hashes.extend_from_slice(new);
+            for (j, &h) in new.iter().enumerate() {
+                self.blocks.insert(h, Loc { node: at, offset: (base + j) as u32 });
+            }
+            return Pos { node: at, offset: base + new.len() };
+        }
+        let child = self.alloc(Node {
+            hashes: new.to_vec(),
+            parent: at,
+            children: HashMap::new(),
+            holders: Vec::new(),
+        });
+        for (j, &h) in new.iter().enumerate() {
+            self.blocks.insert(h, Loc { node: child, offset: j as u32 });
+        }
+        self.nodes[at as usize].children.insert(new[0], child);
+        self.add_holder(w, child, attrs);
+        at = child;
+        Pos { node: at, offset: new.len() }
+    }
+
+    /// A leaf held by `w` alone with the same attributes grows in place: no new node.
+    fn can_append(&self, node: NodeId, w: WorkerId, attrs: Attrs) -> bool {
+        let n = &self.nodes[node as usize];
+        node != ROOT
+            && n.children.is_empty()
+            && n.holders.len() == 1
+            && n.holders[0].worker == w
+            && n.holders[0].attrs == attrs
+    }
+
+    /// The node ending at `pos`, splitting when the position is inside an edge.
+    fn end_node(&mut self, pos: Pos, touched: &mut Vec<NodeId>) -> NodeId {
+        if pos.node != ROOT && pos.offset < self.nodes[pos.node as usize].hashes.len() {
+            self.split(pos.node, pos.offset);
+            touched.push(pos.node);
+        }
+        pos.node
+    }
+
+    /// Stamps `w`'s holding of every node from `end` up to the root; confirmed holdings confirm
+    /// their ancestors too (an engine holding a block holds its parent).
+    fn touch_path(&mut self, w: WorkerId, end: NodeId, stamp: u64, confirm: bool) {
+        let mut cur = end;
+        while cur != ROOT {
+            let node = &mut self.nodes[cur as usize];
+            let parent = node.parent;
+            let h = node.holder_mut(w).expect("prefix-closed holdings");
+            let old = h.stamp;
+            h.stamp = stamp;
+            if confirm && !h.attrs.confirmed {
+                h.attrs.confirmed = true;
+                h.attrs.expires = f64::INFINITY;
+            }
+            if h.child_count == 0 {
+                let leaves = &mut self.workers[w as usize].leaves;
+                leaves.remove(&(old, cur));
+                leaves.insert((stamp, cur));
+            }
+            cur = parent;
+        }
+    }
+
+    fn add_holder(&mut self, w: WorkerId, node: NodeId, attrs: Attrs) {
+        let stamp = self.stamp;
+        let n = &mut self.nodes[node as usize];
+        // Prefix closure: nothing below a node its worker did not hold is held by that worker,
+        // so a new holding is always a leaf.
+        let at = n.holders.binary_search_by_key(&w, |h| h.worker).unwrap_err();
+        n.holders.insert(at, Holder { worker: w, attrs, stamp, child_count: 0 });
+        let parent = n.parent;
+        self.holder_count += 1;
+        self.workers[w as usize].leaves.insert((stamp, node));
+        if parent != ROOT {
+            let p = self.nodes[parent as usize].holder_mut(w).expect("prefix-closed holdings");
+            p.child_count += 1;
+            if p.child_count == 1 {
+                let old = p.stamp;
+                self.workers[w as usize].leaves.remove(&(old, parent));
+            }
+        }
+    }
+
+    // ---- structure ------------------------------------------------------------------------
+
+    fn alloc(&mut self, node: Node) -> NodeId {
+        match self.free.pop() {
+            Some(id) => {
+                self.nodes[id as usize] = node;
+                id
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as NodeId
+            }
+        }
+    }
+
+    pub fn is_live(&self, node: NodeId) -> bool {
+        (node as usize) < self.nodes.len() && self.nodes[node as usize].parent != DEAD
+    }
+
+    /// Splits `node` before block `at` (0 < at < len); the tail becomes its only child.
+    fn split(&mut self, node: NodeId, at: usize) -> NodeId {
+        let n = &mut self.nodes[node as usize];
+        debug_assert!(at > 0 && at < n.hashes.len());
+        let tail_hashes = n.hashes.split_off(at);
+        let children = std::mem::take(&mut n.children);
+        let holders = n.holders.clone();
+        for h in &mut n.holders {
+            h.child_count = 1;
+        }
+        let first = tail_hashes[0];
+        let tail = self.alloc(Node { hashes: tail_hashes, parent: node, children, holders });
+        self.nodes[node as usize].children.insert(first, tail);
+        let grandchildren: Vec<NodeId> = self.nodes[tail as usize].children.values().copied().collect();
+        for g in grandchildren {
+            self.nodes[g as usize].parent = tail;
+        }
+        for (j, h) in self.nodes[tail as usize].hashes.iter().enumerate() {
+            self.blocks.insert(*h, Loc { node: tail, offset: j as u32 });
+        }
+        for h in &self.nodes[tail as usize].holders {
+            if h.child_count == 0 {
+                let leaves = &mut self.workers[h.worker as usize].leaves;
+                leaves.remove(&(h.stamp, node));
+                leaves.insert((h.stamp, tail));
+            }
+        }
+        self.holder_count += self.nodes[tail as usize].holders.len();
+        tail
+    }
+
+    /// Splits so that blocks `from..to` of `node` are exactly one node, and returns it.
+    fn isolate(&mut self, node: NodeId, from: usize, to: usize) -> NodeId {
+        if to < self.nodes[node as usize].hashes.len() {
+            self.split(node, to);
+        }
+        if from > 0 {
+            self.split(node, from)
+        } else {
+            node
+        }
+    }
+
+    /// Merges `node` with its only child while both hold the same holdings.
+    fn try_merge_down(&mut self, node: NodeId) {
+        while node != ROOT && self.is_live(node) && self.nodes[node as usize].children.len() == 1 {
+            let child = *self.nodes[node as usize].children.values().next().expect("one child");
+            let (n, c) = (&self.nodes[node as usize], &self.nodes[child as usize]);
+            let same = n.holders.len() == c.holders.len()
+                && n.holders.iter().zip(&c.holders).all(|(a, b)| a.same_holding(b));
+            if !same {
+                return;
+            }
+            let c = std::mem::take(&mut self.nodes[child as usize]);
+            self.nodes[child as usize].parent = DEAD;
+            self.free.push(child);
+            let base = self.nodes[node as usize].hashes.len();
+            for (j, h) in c.hashes.iter().enumerate() {
+                self.blocks.insert(*h, Loc { node, offset: (base + j) as u32 });
+            }
+            for &g in c.children.values() {
+                self.nodes[g as usize].parent = node;
+            }
+            for h in &c.holders {
+                if h.child_count == 0 {
+                    let leaves = &mut self.workers[h.worker as usize].leaves;
+                    leaves.remove(&(h.stamp, child));
+                    leaves.insert((h.stamp, node));
+                }
+            }
+            self.holder_count -= c.holders.len();
+            let n = &mut self.nodes[node as usize];
+            n.hashes.extend_from_slice(&c.hashes);
+            n.children = c.children;
+            n.holders = c.holders;
+        }
+    }
+
+    /// Restores compression around nodes whose holdings or structure changed.
+    fn merge_around(&mut self, touched: &[NodeId]) {
+        for &t in touched {
+            if self.is_live(t) {
+                let parent = self.nodes[t as usize].parent;
+                self.try_merge_down(parent);
+            }
+            self.try_merge_down(t);
+        }
+    }
+
+    // ---- removing -------------------------------------------------------------------------
+
+    /// Drops `w`'s holding of block `hash` and of every block below it. Returns blocks dropped.
+    pub fn drop_from(&mut self, w: WorkerId, hash: u64) -> u64 {
+        let Some(loc) = self.blocks.get(&hash).copied() else { return 0 };
+        if self.nodes[loc.node as usize].holder(w).is_none() {
+            return 0;
+        }
+        let top = if loc.offset > 0 { self.split(loc.node, loc.offset as usize) } else { loc.node };
+        let dropped = self.drop_subtree(w, top);
+        self.merge_around(&[loc.node]);
+        dropped
+    }
+
+    /// Drops `w` from `top` and every node below it that `w` holds, deleting nodes left with no
+    /// holder. Returns blocks dropped.
+    fn drop_subtree(&mut self, w: WorkerId, top: NodeId) -> u64 {
+        let mut visited = Vec::new();
+        let mut stack = vec![top];
+        let mut dropped = 0u64;
+        while let Some(id) = stack.pop() {
+            let n = &mut self.nodes[id as usize];
+            let Ok(i) = n.holders.binary_search_by_key(&w, |h| h.worker) else { continue };
+            let h = n.holders.remove(i);
+            dropped += n.hashes.len() as u64;
+            if h.child_count > 0 {
+                stack.extend(n.children.values().copied());
+            } else {
+                self.workers[w as usize].leaves.remove(&(h.stamp, id));
+            }
+            self.holder_count -= 1;
+            visited.push(id);
+        }
+        self.workers[w as usize].held -= dropped;
+        let parent = self.nodes[top as usize].parent;
+        if parent != ROOT {
+            let p = self.nodes[parent as usize].holder_mut(w).expect("prefix-closed holdings");
+            p.child_count -= 1;
+            if p.child_count == 0 {
+                let stamp = p.stamp;
+                self.workers[w as usize].leaves.insert((stamp, parent));
+            }
+        }
+        for &id in &visited {
+            if self.is_live(id) && self.nodes[id as usize].holders.is_empty() {
+                self.delete_subtree(id);
+            }
+        }
+        let mut around: Vec<NodeId> = visited.into_iter().filter(|&v| self.is_live(v)).collect();
+        around.push(parent);
+        self.merge_around(&around);
+        dropped
+    }
+
+    /// Unlinks and frees a subtree that nobody holds.
+    fn delete_subtree(&mut self, top: NodeId) {
+        let parent = self.nodes[top as usize].parent;
+        let first = self.nodes[top as usize].hashes[0];
+        self.nodes[parent as usize].children.remove(&first);
+        let mut stack = vec![top];
+        while let Some(id) = stack.pop() {
+            let n = std::mem::take(&mut self.nodes[id as usize]);
+            debug_assert!(n.holders.is_empty());
+            for h in &n.hashes {
+                self.blocks.remove(h);
+            }
+            stack.extend(n.children.values().copied());
+            self.nodes[id as usize].parent = DEAD;
+            self.free.push(id);
+        }
+    }
+
+    /// Clears tier bits `tiers` of `w`'s holding of block `hash`; a holding left with no tier is
+    /// dropped with everything below it. Returns (whether anything changed, blocks dropped).
+    pub fn remove_tiers(&mut self, w: WorkerId, hash: u64, tiers: u8) -> (bool, u64) {
+        let Some(loc) = self.blocks.get(&hash).copied() else { return (false, 0) };
+        let Some(h) = self.nodes[loc.node as usize].holder(w) else { return (false, 0) };
+        if h.attrs.tiers & tiers == 0 {
+            return (false, 0);
+        }
+        if h.attrs.tiers & !tiers == 0 {
+            return (true, self.drop_from(w, hash));
+        }
+        let off = loc.offset as usize;
+        let target = self.isolate(loc.node, off, off + 1);
+        let h = self.nodes[target as usize].holder_mut(w).expect("holder present");
+        h.attrs.tiers &= !tiers;
+        self.merge_around(&[target, loc.node]);
+        (true, 0)
+    }
+
+    /// Drops everything `w` holds. Returns blocks dropped.
+    pub fn clear_worker(&mut self, w: WorkerId) -> u64 {
+        let tops: Vec<NodeId> = self.nodes[ROOT as usize]
+            .children
+            .values()
+            .copied()
+            .filter(|&c| self.nodes[c as usize].holder(w).is_some())
+            .collect();
+        tops.into_iter().map(|t| self.drop_subtree(w, t)).sum()
+    }
+
+    /// Trims `w`'s least recently used leaves until it holds at most `keep` blocks.
+    pub fn evict_to(&mut self, w: WorkerId, keep: u64) -> u64 {
+        let mut evicted = 0u64;
+        while self.held(w) > keep {
+            evicted += self.evict_oldest_leaf(w, self.held(w) - keep);
+        }
+        evicted
+    }
+
+    /// The stamp of `w`'s least recently used leaf.
+    pub fn oldest_leaf_stamp(&self, w: WorkerId) -> Option<u64> {
+        self.workers.get(w as usize)?.leaves.first().map(|&(s, _)| s)
+    }
+
+    /// Trims at most `need` blocks from the tail of `w`'s least recently used leaf.
+    pub fn evict_oldest_leaf(&mut self, w: WorkerId, need: u64) -> u64 {
+        let Some(&(_, leaf)) = self.workers[w as usize].leaves.first() else { return 0 };
+        let len = self.nodes[leaf as usize].hashes.len() as u64;
+        let take = need.min(len);
+        let first = self.nodes[leaf as usize].hashes[(len - take) as usize];
+        self.drop_from(w, first)
+    }
+
+    /// The chain of block hashes from the root to `hash` inclusive, last `count` of them.
+    pub fn chain_tail(&self, hash: u64, count: usize) -> Vec<u64> {
+        let mut out = Vec::with_capacity(count);
+        let Some(mut loc) = self.blocks.get(&hash).copied() else { return out };
+        while out.len() < count {
+            let n = &self.nodes[loc.node as usize];
+            out.push(n.hashes[loc.offset as usize]);
+            if loc.offset > 0 {
+                loc.offset -= 1;
+            } else if n.parent == ROOT {
+                break;
+            } else {
+                let p = n.parent;
+                loc = Loc { node: p, offset: (self.nodes[p as usize].hashes.len() - 1) as u32 };
+            }
+        }
+        out.reverse();
+        out
+    }
+
+    /// Drops expired approximate holdings (and, by prefix closure, what lies below them).
+    pub fn expire(&mut self, now: f64) -> u64 {
+        let mut expired: Vec<(WorkerId, u64)> = Vec::new();
+        let mut stack = vec![ROOT];
+        while let Some(id) = stack.pop() {
+            let n = &self.nodes[id as usize];
+            for h in &n.holders {
+                if h.attrs.expires <= now && self.nodes[n.parent as usize].holder(h.worker).is_none_or(|p| p.attrs.expires > now) {
+                    expired.push((h.worker, n.hashes[0]));
+                }
+            }
+            stack.extend(n.children.values().copied());
+        }
+        expired.into_iter().map(|(w, h)| self.drop_from(w, h)).sum()
+    }
+}
+
+fn first_entry(h: &Holder, end: u32) -> MatchEntry {
+    let mut tiers = [0u32; 3];
+    for (t, slot) in tiers.iter_mut().enumerate() {
+        if h.attrs.tiers & (1 << t) != 0 {
+            *slot = end;
+        }
+    }
+    MatchEntry { worker: h.worker, blocks: end, tiers }
+}
+
+fn extend_entry(e: &mut MatchEntry, h: &Holder, start: u32, end: u32) {
+    if e.blocks != start {
+        return;
+    }
+    e.blocks = end;
+    for (t, slot) in e.tiers.iter_mut().enumerate() {
+        if *slot == start && h.attrs.tiers & (1 << t) != 0 {
+            *slot = end;
+        }
+    }
+}
+
+impl Tree {
+    /// Every block `w` holds with its tier bits and whether it is confirmed, sorted by hash.
+    pub fn holdings(&self, w: WorkerId) -> Vec<(u64, u8, bool)> {
+        let mut out = Vec::new();
+        let mut stack = vec![ROOT];
+        while let Some(id) = stack.pop() {
+            let n = &self.nodes[id as usize];
+            if id != ROOT {
+                let Some(h) = n.holder(w) else { continue };
+                out.extend(n.hashes.iter().map(|&b| (b, h.attrs.tiers, h.attrs.confirmed)));
+            }
+            stack.extend(n.children.values().copied());
+        }
+        out.sort_unstable();
+        out
+    }
+}
