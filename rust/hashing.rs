@@ -97,6 +97,13 @@ pub fn chain_hashes_into<T: TokenId>(
         prev = xxh3_64_with_seed(&bytes, prev);
         out.push(prev);
     }
+    // The trailing partial block is not hashed, but bad ids in it are still bad input.
+    let tail_start = tokens.len() - tokens.len() % block_size;
+    if let Some(j) = tokens[tail_start..].iter().position(|t| t.to_u32().is_none()) {
+        out.truncate(start);
+        let value = tokens[tail_start + j].raw();
+        return Err(HashError::TokenOutOfRange { position: tail_start + j, value });
+    }
     Ok(())
 }
 

@@ -475,3 +475,6 @@ fn estimated_bytes(st: &State) -> u64 {
         + st.tree.holder_count as u64 * BYTES_PER_HOLDING
         + st.workers.engine_entries() as u64 * BYTES_PER_ENGINE_BLOCK
 }
+
+#[cfg(test)]
+mod model_tests;

@@ -1,0 +1,248 @@
+"""Behaviour of llmsched.PrefixIndex: API contract, errors leaving state unchanged, bounds."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import llmsched
+from llmsched import PrefixIndex
+from llmsched.reference.prefix_index import ReferencePrefixIndex
+
+
+def chain(index: PrefixIndex, start: int, blocks: int) -> np.ndarray:
+    return index.hash_tokens(np.arange(start, start + blocks * index.block_size, dtype=np.uint32))
+
+
+def snapshot(index: PrefixIndex) -> tuple[object, ...]:
+    return (
+        index.stats(),
+        {w: index.holdings(w) for w in index.workers()},
+    )
+
+
+def test_match_counts_leading_blocks_per_worker_and_tier() -> None:
+    index = PrefixIndex(block_size=4)
+    h = chain(index, 0, 10)
+    assert index.store("a", h) == 10
+    assert index.store("b", h[:6], tier="cpu") == 6
+    assert index.store("b", h[6:8], parent=int(h[5])) == 2
+    m = index.match(h)
+    assert m.as_dict() == {"a": 10, "b": 8}
+    assert m.tiers() == {
+        "a": {"gpu": 10, "cpu": 0, "storage": 0},
+        "b": {"gpu": 0, "cpu": 6, "storage": 0},
+    }
+    assert m.longest == 10 and m.query_blocks == 10 and m.tree_blocks == 10
+    assert list(m.workers) == ["a", "b"]
+    assert m.blocks.dtype == np.uint32
+
+
+def test_match_tokens_equals_hash_then_match() -> None:
+    index = PrefixIndex(block_size=16, model="m")
+    tokens = np.arange(1000, dtype=np.int64)
+    index.store(7, index.hash_tokens(tokens[:640]))
+    assert index.match_tokens(tokens).as_dict() == {7: 40}
+    assert index.match_tokens(tokens.tolist()).as_dict() == {7: 40}
+    assert index.match_tokens(tokens, lora="adapter").as_dict() == {}
+    assert index.match_tokens(tokens, cache_salt="tenant").as_dict() == {}
+
+
+def test_namespaces_never_share_entries() -> None:
+    a = PrefixIndex(block_size=4, model="llama")
+    b = PrefixIndex(block_size=4, model="qwen")
+    tokens = list(range(16))
+    assert not set(a.hash_tokens(tokens)) & set(b.hash_tokens(tokens))
+    assert not set(a.hash_tokens(tokens, lora="x")) & set(a.hash_tokens(tokens, lora="y"))
+
+
+def test_compressed_edges_keep_nodes_few() -> None:
+    index = PrefixIndex(block_size=16)
+    system = np.arange(2000, dtype=np.uint32)
+    for w in range(64):
+        index.store(w, index.hash_tokens(system))
+    for turn in range(8):
+        tokens = np.concatenate([system, np.arange(5000 + turn * 500, 5000 + turn * 500 + 480)])
+        index.store(turn, index.hash_tokens(tokens))
+    stats = index.stats()
+    assert stats["blocks"] == 125 + 8 * 30
+    assert stats["nodes"] == 9
+
+
+def test_record_expires_unless_confirmed() -> None:
+    index = PrefixIndex(block_size=2)
+    h = chain(index, 0, 4)
+    index.record("a", h, ttl_s=10, now=0)
+    index.record("b", h, ttl_s=10, now=0)
+    index.store("b", h[:2])
+    assert index.match(h, now=5).as_dict() == {"a": 4, "b": 4}
+    assert index.match(h, now=11).as_dict() == {"b": 2}
+    assert index.expire(now=11) == 4 + 2
+    assert index.holdings("b") == {int(x): (["gpu"], True) for x in h[:2]}
+    with pytest.raises(ValueError, match="ttl"):
+        index.record("a", h, ttl_s=0)
+
+
+def test_remove_by_tier_then_cascade() -> None:
+    index = PrefixIndex(block_size=2)
+    h = chain(index, 0, 5)
+    index.store("a", h)
+    index.store("a", h, tier="cpu")
+    assert index.remove("a", h[2:3], tier="gpu") == 0
+    assert index.match(h).tiers()["a"] == {"gpu": 2, "cpu": 5, "storage": 0}
+    assert index.remove("a", h[1:2]) == 4
+    assert index.match(h).as_dict() == {"a": 1}
+
+
+def test_bad_input_raises_and_changes_nothing() -> None:
+    index = PrefixIndex(block_size=2)
+    h = chain(index, 0, 4)
+    other = chain(index, 100, 2)
+    index.store("a", h[:2])
+    before = snapshot(index)
+    cases = [
+        (llmsched.UnknownBlockError, lambda: index.store("a", h[3:], parent=int(h[2]))),
+        (llmsched.UnknownBlockError, lambda: index.store("b", h[2:], parent=int(h[1]))),
+        (llmsched.HashChainError, lambda: index.store("a", [int(other[0]), int(h[0])])),
+        (llmsched.HashChainError, lambda: index.store("a", [int(other[0]), int(other[0])])),
+        (llmsched.UnknownBlockError, lambda: index.remove("a", [int(h[0]), int(h[3])])),
+        (llmsched.UnknownWorkerError, lambda: index.remove("nobody", h[:1])),
+        (llmsched.UnknownWorkerError, lambda: index.clear("nobody")),
+        (ValueError, lambda: index.store("a", [-1])),
+        (ValueError, lambda: index.store("a", [2**64])),
+        (TypeError, lambda: index.store("a", [1.5])),
+        (TypeError, lambda: index.store("a", np.array([1.0]))),
+        (TypeError, lambda: index.store(1.5, h)),  # type: ignore[arg-type]
+        (TypeError, lambda: index.store(True, h)),
+        (ValueError, lambda: index.store("a", h, tier="ssd")),  # type: ignore[arg-type]
+        (llmsched.InvalidTokenError, lambda: index.match_tokens([1, 2, -3, 4])),
+        (llmsched.InvalidTokenError, lambda: index.match_tokens(np.array([2**32], np.int64))),
+        (TypeError, lambda: index.match_tokens(np.array([1.0, 2.0]))),
+        (ValueError, lambda: index.match_tokens(np.zeros((2, 2), np.int32))),
+        (ValueError, lambda: index.set_capacity("a", 0)),
+        (llmsched.SnapshotError, lambda: PrefixIndex.loads(b"\x93\x01\x02")),
+        (TypeError, lambda: index.apply_vllm_events("a", "text")),  # type: ignore[arg-type]
+    ]
+    for exc, call in cases:
+        with pytest.raises(exc):
+            call()
+        assert snapshot(index) == before, call
+    with pytest.raises(KeyError):
+        index.remove("nobody", h[:1])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"block_size": 0}, {"block_size": -1}, {"worker_capacity": 0}, {"max_bytes": 0}, {"seed": -1}],
+)
+def test_impossible_config_is_refused(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        PrefixIndex(**kwargs)
+
+
+def test_worker_capacity_evicts_least_recently_used_tail_first() -> None:
+    index = PrefixIndex(block_size=2, worker_capacity=6)
+    old, new = chain(index, 0, 4), chain(index, 100, 4)
+    index.store("a", old)
+    index.store("a", new)
+    # 8 blocks held, capacity 6: the tail of the older chain goes first.
+    assert index.match(old).as_dict() == {"a": 2}
+    assert index.match(new).as_dict() == {"a": 4}
+    index.record("a", old[:2], ttl_s=60)  # touching a prefix protects it
+    index.store("a", chain(index, 200, 2))
+    assert index.match(old).as_dict() == {"a": 2}
+    assert index.match(new).as_dict() == {"a": 2}
+    assert index.stats()["worker_blocks"] == {"a": 6}
+
+
+def test_max_bytes_bounds_the_estimate() -> None:
+    index = PrefixIndex(block_size=2, max_bytes=20_000)
+    for i in range(50):
+        index.store(i % 4, chain(index, i * 1000, 20))
+        assert index.stats()["bytes"] <= 20_000
+    assert index.stats()["blocks"] > 0
+
+
+def test_snapshot_round_trip_keeps_everything() -> None:
+    index = PrefixIndex(block_size=2, seed=9, model="m", worker_capacity=50)
+    h = chain(index, 0, 6)
+    index.store(1, h)
+    index.store("two", h[:3], tier="storage")
+    index.record(3, h[:4], ttl_s=100)
+    copy = PrefixIndex.loads(index.dumps())
+    assert (copy.block_size, copy.seed, copy.model) == (2, 9, "m")
+    assert copy.match(h).tiers() == index.match(h).tiers()
+    assert snapshot(copy) == snapshot(index)
+    data = index.dumps()
+    for cut in range(0, len(data) - 1, max(1, len(data) // 50)):
+        with pytest.raises(llmsched.SnapshotError):
+            PrefixIndex.loads(data[:cut])
+
+
+def test_match_many_equals_single_matches() -> None:
+    index = PrefixIndex(block_size=4)
+    chains = [chain(index, i * 100, 5) for i in range(5)]
+    for i, c in enumerate(chains[:3]):
+        index.store(i, c[: i + 2])
+    many = index.match_many(chains)
+    assert [m.as_dict() for m in many] == [index.match(c).as_dict() for c in chains]
+
+
+def test_threads_hammering_one_index_agree_with_the_twin() -> None:
+    """Writers on disjoint workers and readers run at once; the end state equals the twin's."""
+    index = PrefixIndex(block_size=4, worker_capacity=40)
+    twin = ReferencePrefixIndex(block_size=4, worker_capacity=40)
+    system = list(range(64))
+    rng = np.random.default_rng(7)
+    plans = []
+    for w in range(4):
+        ops = []
+        for i in range(300):
+            tail = [10_000 + w * 1000 + int(x) for x in rng.integers(0, 50, size=8)]
+            ops.append(("store", index.hash_tokens(system + tail)))
+            if i % 7 == 0:
+                ops.append(("remove", None))
+        plans.append(ops)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def write(w: int) -> None:
+        try:
+            for op, hashes in plans[w]:
+                if op == "store":
+                    index.store(w, hashes)
+                else:
+                    index.clear(w)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def read() -> None:
+        query = index.hash_tokens(system + [10_000] * 8)
+        try:
+            while not stop.is_set():
+                m = index.match(query)
+                assert all(0 < b <= len(query) for b in m.blocks)
+                assert m.longest <= m.tree_blocks
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join(timeout=120)
+    stop.set()
+    for t in readers:
+        t.join(timeout=30)
+    assert not errors, errors
+    for w in range(4):
+        for op, hashes in plans[w]:
+            if op == "store":
+                twin.store(w, [int(x) for x in hashes])
+            else:
+                twin.clear(w)
+    for w in range(4):
+        assert index.holdings(w) == twin.holdings(w)
