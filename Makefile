@@ -30,7 +30,7 @@ test-rust: ## Run the Rust tests (release, no Python needed)
 	cargo test --release
 
 test-python: build ## Run the Python tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -p no:cacheprovider
 
 test: test-rust test-python ## Install everything, then run cargo test and pytest
 

@@ -53,7 +53,6 @@ def raise_out_of_range(tokens: Iterable[Any], what: str) -> None:
     for position, value in enumerate(tokens):
         if not 0 <= int(value) <= 0xFFFFFFFF:
             raise InvalidTokenError(
-                f"{what}: token id {value} at position {position} is out of range "
-                "(0 to 4294967295)"
+                f"{what}: token id {value} at position {position} is out of range (0 to 4294967295)"
             )
     raise InvalidTokenError(f"{what}: token id out of range (0 to 4294967295)")

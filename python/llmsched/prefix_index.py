@@ -173,8 +173,10 @@ class PrefixIndex:
         >>> index = PrefixIndex(block_size=2)
         >>> index.record("a", index.hash_tokens([1, 2, 3, 4]), ttl_s=5.0, now=0.0)
         2
-        >>> index.match_tokens([1, 2, 3, 4], now=4.0).longest, index.match_tokens([1, 2], now=6.0).longest
-        (2, 0)
+        >>> index.match_tokens([1, 2, 3, 4], now=4.0).longest
+        2
+        >>> index.match_tokens([1, 2, 3, 4], now=6.0).longest
+        0
         """
         return self._native.record(worker, as_hash_array(hashes), ttl_s, _now(now))
 
@@ -282,5 +284,3 @@ class PrefixIndex:
 
 def _now(now: float | None) -> float:
     return time.monotonic() if now is None else float(now)
-
-

@@ -16,8 +16,8 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 pub use events::ApplyReport;
-pub use tree::{MatchEntry, WorkerId};
 use tree::{Attrs, StoreRefusal, Tree};
+pub use tree::{MatchEntry, WorkerId};
 
 use crate::hashing::{self, HashError, TokenId};
 use crate::vllm_events::DecodeError;
@@ -403,7 +403,9 @@ impl PrefixIndex {
             nodes: st.tree.live_nodes(),
             blocks: st.tree.blocks.len(),
             holdings: st.tree.holder_count,
-            worker_blocks: live.map(|(i, _)| (i as WorkerId, st.tree.held(i as WorkerId))).collect(),
+            worker_blocks: live
+                .map(|(i, _)| (i as WorkerId, st.tree.held(i as WorkerId)))
+                .collect(),
             engine_blocks: st.workers.engine_entries(),
             bytes: estimated_bytes(&st),
         }
@@ -456,7 +458,9 @@ impl PrefixIndex {
 fn refusal(r: StoreRefusal, worker: &WorkerKey) -> IndexError {
     match r {
         StoreRefusal::UnknownParent(h) => IndexError::UnknownParent(h),
-        StoreRefusal::ParentNotHeld(h) => IndexError::ParentNotHeld { worker: worker.clone(), hash: h },
+        StoreRefusal::ParentNotHeld(h) => {
+            IndexError::ParentNotHeld { worker: worker.clone(), hash: h }
+        }
         StoreRefusal::Conflict(h) => IndexError::Conflict(h),
     }
 }

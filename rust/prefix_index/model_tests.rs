@@ -26,7 +26,13 @@ struct Model {
 }
 
 impl Model {
-    fn store(&mut self, w: i64, hashes: &[u64], parent: Option<u64>, attrs: (u8, bool, f64)) -> bool {
+    fn store(
+        &mut self,
+        w: i64,
+        hashes: &[u64],
+        parent: Option<u64>,
+        attrs: (u8, bool, f64),
+    ) -> bool {
         let empty = HashMap::new();
         let mine = self.held.get(&w).unwrap_or(&empty);
         if let Some(p) = parent {
@@ -245,7 +251,8 @@ fn check(index: &PrefixIndex, model: &Model, chains: &[Vec<u64>], now: f64) {
     }
     for (&w, mine) in &model.held {
         let got = index.holdings(&WorkerKey::Int(w)).expect("known worker");
-        let mut want: Vec<(u64, u8, bool)> = mine.iter().map(|(h, x)| (*h, x.tiers, x.confirmed)).collect();
+        let mut want: Vec<(u64, u8, bool)> =
+            mine.iter().map(|(h, x)| (*h, x.tiers, x.confirmed)).collect();
         want.sort_unstable();
         assert_eq!(got, want);
     }

@@ -61,7 +61,8 @@ pub(super) fn dump(config: &IndexConfig, st: &State, now: f64) -> Vec<u8> {
                     .holders
                     .iter()
                     .map(|h| {
-                        let left = if h.attrs.confirmed { f64::INFINITY } else { h.attrs.expires - now };
+                        let left =
+                            if h.attrs.confirmed { f64::INFINITY } else { h.attrs.expires - now };
                         (h.worker, h.attrs.tiers, h.attrs.confirmed, left, h.stamp)
                     })
                     .collect(),
@@ -182,7 +183,8 @@ impl Tree {
             for k in 0..tree.nodes[id].holders.len() {
                 let w = tree.nodes[id].holders[k].worker;
                 if parent != ROOT as usize {
-                    let Some(p) = tree.nodes[parent].holders.iter_mut().find(|h| h.worker == w) else {
+                    let Some(p) = tree.nodes[parent].holders.iter_mut().find(|h| h.worker == w)
+                    else {
                         return Err(bad(format!("worker {w} holds a block without its parent")));
                     };
                     p.child_count += 1;

@@ -227,7 +227,8 @@ impl Tree {
         self.ensure_worker(w);
         let stamp = self.next_stamp();
         let mut touched = Vec::new();
-        let (mut pos, mut added) = self.hold_existing(w, start, &hashes[..existing], attrs, &mut touched);
+        let (mut pos, mut added) =
+            self.hold_existing(w, start, &hashes[..existing], attrs, &mut touched);
         if existing < hashes.len() {
             let new = self.add_new_run(w, pos, &hashes[existing..], attrs, &mut touched);
             added += (hashes.len() - existing) as u64;
@@ -477,7 +478,8 @@ impl Tree {
         let first = tail_hashes[0];
         let tail = self.alloc(Node { hashes: tail_hashes, parent: node, children, holders });
         self.nodes[node as usize].children.insert(first, tail);
-        let grandchildren: Vec<NodeId> = self.nodes[tail as usize].children.values().copied().collect();
+        let grandchildren: Vec<NodeId> =
+            self.nodes[tail as usize].children.values().copied().collect();
         for g in grandchildren {
             self.nodes[g as usize].parent = tail;
         }
@@ -705,7 +707,11 @@ impl Tree {
         while let Some(id) = stack.pop() {
             let n = &self.nodes[id as usize];
             for h in &n.holders {
-                if h.attrs.expires <= now && self.nodes[n.parent as usize].holder(h.worker).is_none_or(|p| p.attrs.expires > now) {
+                if h.attrs.expires <= now
+                    && self.nodes[n.parent as usize]
+                        .holder(h.worker)
+                        .is_none_or(|p| p.attrs.expires > now)
+                {
                     expired.push((h.worker, n.hashes[0]));
                 }
             }

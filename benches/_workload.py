@@ -1,0 +1,63 @@
+"""A realistic prefix-cache workload for the benchmarks: shared system prompts, multi-turn sessions.
+
+Sessions start from one of a few system prompts and grow turn by turn; every turn's full prompt
+(1,000 to 10,000 tokens) is one stored sequence, held by the session's worker and sometimes a
+second one. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Sequence:
+    worker: int
+    tokens: npt.NDArray[np.uint32]
+    # Length in tokens of the previous turn of the same session (0 for a first turn).
+    previous: int
+
+
+def sessions(
+    workers: int,
+    sequences: int = 10_000,
+    turns: int = 5,
+    system_prompts: int = 16,
+    seed: int = 0,
+) -> list[Sequence]:
+    """``sequences`` stored prompts: sessions of ``turns`` turns over shared system prompts."""
+    rng = np.random.default_rng(seed)
+    systems = [
+        rng.integers(0, 128_000, size=int(rng.integers(800, 2_000)), dtype=np.uint32)
+        for _ in range(system_prompts)
+    ]
+    out: list[Sequence] = []
+    session = 0
+    while len(out) < sequences:
+        prompt = systems[session % system_prompts]
+        worker = int(rng.integers(0, workers))
+        previous = 0
+        for _ in range(turns):
+            turn = rng.integers(0, 128_000, size=int(rng.integers(200, 1_600)), dtype=np.uint32)
+            prompt = np.concatenate([prompt, turn])
+            if len(prompt) > 10_000:
+                break
+            out.append(Sequence(worker, prompt, previous))
+            if rng.random() < 0.2:
+                out.append(Sequence(int(rng.integers(0, workers)), prompt, 0))
+            previous = len(prompt)
+        session += 1
+    return out[:sequences]
+
+
+def long_prompt(seq: list[Sequence], tokens: int = 10_000, seed: int = 1) -> npt.NDArray[np.uint32]:
+    """A prompt of exactly ``tokens`` tokens that extends the longest stored sequence."""
+    rng = np.random.default_rng(seed)
+    base = max(seq, key=lambda s: len(s.tokens)).tokens[:tokens]
+    extra = rng.integers(0, 128_000, size=tokens - len(base), dtype=np.uint32)
+    return np.concatenate([base, extra])
