@@ -132,7 +132,13 @@ mod tests {
     fn rejects_out_of_range_without_output() {
         let mut out = vec![7];
         let err = chain_hashes_into(&[1i64, 2, -3, 4], 2, 0, &mut out).unwrap_err();
-        assert_eq!(err, HashError::TokenOutOfRange { position: 2, value: -3 });
+        assert_eq!(
+            err,
+            HashError::TokenOutOfRange {
+                position: 2,
+                value: -3
+            }
+        );
         assert_eq!(out, vec![7]);
         assert_eq!(chain_hashes(&[1u32], 0, 0), Err(HashError::ZeroBlockSize));
     }
