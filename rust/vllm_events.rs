@@ -391,15 +391,6 @@ fn read_block_hashes(reader: &mut Reader<'_>) -> Result<Vec<u64>> {
     Ok(hashes)
 }
 
-fn read_token_ids(reader: &mut Reader<'_>) -> Result<Vec<u32>> {
-    let count = reader.array_len("token_ids")?;
-    let mut tokens = Vec::with_capacity(count);
-    for _ in 0..count {
-        tokens.push(reader.token_id()?);
-    }
-    Ok(tokens)
-}
-
 /// Reads `extra_keys`: nil, or one entry per block (nil, or a tuple left undecoded).
 fn read_extra_keys(reader: &mut Reader<'_>) -> Result<Option<Vec<bool>>> {
     if reader.take_nil("extra_keys")? {
@@ -510,7 +501,7 @@ impl<'a> StoredFields<'a> {
                     Some(reader.block_hash("parent_block_hash")?)
                 };
             }
-            StoredField::TokenIds => self.token_ids = read_token_ids(reader)?,
+            StoredField::TokenIds => self.token_ids = reader.token_ids("token_ids")?,
             StoredField::BlockSize => {
                 self.block_size = reader.integer_in::<u32>("block_size")?;
                 if self.block_size == 0 {

@@ -72,6 +72,7 @@ impl<'a> Reader<'a> {
         self.pos
     }
 
+    #[inline]
     pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
@@ -97,6 +98,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Takes the next `n` bytes.
+    #[inline]
     pub fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
             return Err(self.error(
@@ -112,6 +114,7 @@ impl<'a> Reader<'a> {
         Ok(bytes)
     }
 
+    #[inline]
     fn take_array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
         let bytes = self.take(N, what)?;
         let mut out = [0u8; N];
@@ -119,23 +122,28 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
+    #[inline]
     fn be_u8(&mut self, what: &str) -> Result<u8> {
         Ok(self.take_array::<1>(what)?[0])
     }
 
+    #[inline]
     fn be_u16(&mut self, what: &str) -> Result<u16> {
         Ok(u16::from_be_bytes(self.take_array(what)?))
     }
 
+    #[inline]
     fn be_u32(&mut self, what: &str) -> Result<u32> {
         Ok(u32::from_be_bytes(self.take_array(what)?))
     }
 
+    #[inline]
     fn be_u64(&mut self, what: &str) -> Result<u64> {
         Ok(u64::from_be_bytes(self.take_array(what)?))
     }
 
     /// Reads the next marker; returns it with the offset it was read at.
+    #[inline]
     pub fn marker(&mut self, what: &str) -> Result<(usize, Marker)> {
         let at = self.pos;
         let byte = self.be_u8(what)?;
@@ -143,6 +151,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next marker without consuming it.
+    #[inline]
     pub fn peek_marker(&self, what: &str) -> Result<Marker> {
         match self.buf.get(self.pos) {
             Some(&byte) => Ok(Marker::from_u8(byte)),
@@ -151,6 +160,7 @@ impl<'a> Reader<'a> {
     }
 
     /// True (and consumed) when the next value is nil.
+    #[inline]
     pub fn take_nil(&mut self, what: &str) -> Result<bool> {
         if self.peek_marker(what)? == Marker::Null {
             self.pos += 1;
@@ -303,17 +313,51 @@ impl<'a> Reader<'a> {
         self.integer_in(what).map(Some)
     }
 
-    /// Reads a token id: an integer in `0..=u32::MAX`. The hot loop of the decoder.
-    #[inline]
-    pub fn token_id(&mut self) -> Result<u32> {
-        let at = self.pos;
-        let Some(&byte) = self.buf.get(at) else {
-            return Err(self.error(at, "payload ends inside token_ids"));
-        };
-        if byte < 0x80 {
-            self.pos += 1;
-            return Ok(u32::from(byte));
+    /// Reads an array of token ids (integers in `0..=u32::MAX`): the hot loop of the decoder.
+    ///
+    /// Decoding msgpack integers is a serial chain (each marker gives the next one's position),
+    /// so the loop keeps that chain short: the position lives in a local, the output is written
+    /// through a pre-sized slice, and the encodings an engine writes for token ids (fixint, u8,
+    /// u16, u32) are decoded without data-dependent branches while at least 5 bytes remain. The
+    /// value is the top bytes of the big-endian word after the marker (ids from a large
+    /// vocabulary mix the u16 and u32 forms at random, which a branch would mispredict). Other
+    /// encodings, and the last few bytes of the payload, go through the general path.
+    pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
+        let count = self.array_len(what)?;
+        let mut tokens = vec![0u32; count];
+        let buf = self.buf;
+        let mut pos = self.pos;
+        for slot in tokens.iter_mut() {
+            if let Some(&[marker, b1, b2, b3, b4]) = buf.get(pos..pos + 5) {
+                let is_fixint = marker < 0x80;
+                if is_fixint || (0xcc..=0xce).contains(&marker) {
+                    // Encoded width, marker included: 1 (fixint), 2 (0xcc), 3 (0xcd), 5 (0xce).
+                    let width = if is_fixint {
+                        1
+                    } else {
+                        u32::from(marker - 0xca) + u32::from(marker == 0xce)
+                    };
+                    let after_marker = u64::from(u32::from_be_bytes([b1, b2, b3, b4]));
+                    // A fixint shifts the word out entirely and keeps the marker itself.
+                    let multi_byte = after_marker >> (8 * (5 - width));
+                    let fixint = u64::from(marker) * u64::from(is_fixint);
+                    *slot = (multi_byte | fixint) as u32;
+                    pos += width as usize;
+                    continue;
+                }
+            }
+            self.pos = pos;
+            *slot = self.token_id_general()?;
+            pos = self.pos;
         }
+        self.pos = pos;
+        Ok(tokens)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn token_id_general(&mut self) -> Result<u32> {
+        let at = self.pos;
         let value = self.integer("token id")?.widened();
         u32::try_from(value)
             .map_err(|_| self.error(at, format!("token id {value} is outside 0..=4294967295")))
@@ -337,7 +381,21 @@ impl<'a> Reader<'a> {
     /// Reads an opaque 64-bit block id: an integer (negative ones reinterpreted as their u64
     /// bits) or a bin whose last 8 bytes, read big-endian and left-padded with zeros, give the
     /// id. The two forms of one engine hash therefore agree.
+    #[inline]
     pub fn block_hash(&mut self, what: &str) -> Result<u64> {
+        // Fast path: the u64 form vLLM writes for int hashes (0xcf, then 8 bytes).
+        if let [0xcf, b0, b1, b2, b3, b4, b5, b6, b7, ..] =
+            *self.buf.get(self.pos..).unwrap_or_default()
+        {
+            self.pos += 9;
+            return Ok(u64::from_be_bytes([b0, b1, b2, b3, b4, b5, b6, b7]));
+        }
+        self.block_hash_general(what)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn block_hash_general(&mut self, what: &str) -> Result<u64> {
         let (at, marker) = self.marker(what)?;
         if let Some(len) = self.bin_len_after(marker, what)? {
             let bytes = self.take(len, what)?;
