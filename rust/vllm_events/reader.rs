@@ -1,0 +1,599 @@
+//! A bounds-checked msgpack cursor over a borrowed payload.
+//!
+//! Markers are classified with `rmp::Marker`; everything after the marker is read here from the
+//! slice so that every failure carries the byte offset where it happened. Nothing is trusted:
+//! a declared array, map, str or bin length is compared with the bytes that remain before any
+//! caller allocates for it (every array element needs at least one byte, every map entry two),
+//! skipping is iterative with a fixed nesting bound, and no read can index past the end.
+
+use rmp::Marker;
+
+use super::DecodeError;
+
+/// The deepest nesting of containers accepted inside one skipped (unknown or ignored) value.
+/// vLLM's deepest legitimate value, an `extra_keys` entry, nests about three levels.
+pub const MAX_SKIP_DEPTH: usize = 32;
+
+pub type Result<T> = std::result::Result<T, DecodeError>;
+
+/// A msgpack integer as written on the wire (msgpack keeps the signed/unsigned distinction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Integer {
+    Unsigned(u64),
+    Signed(i64),
+}
+
+impl Integer {
+    fn widened(self) -> i128 {
+        match self {
+            Integer::Unsigned(v) => i128::from(v),
+            Integer::Signed(v) => i128::from(v),
+        }
+    }
+}
+
+/// Forward-only cursor; `pos` is always `<= buf.len()`.
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+/// A human name for what a marker introduces, for error messages.
+pub fn marker_name(marker: Marker) -> &'static str {
+    match marker {
+        Marker::FixPos(_) | Marker::FixNeg(_) => "an integer",
+        Marker::U8 | Marker::U16 | Marker::U32 | Marker::U64 => "an integer",
+        Marker::I8 | Marker::I16 | Marker::I32 | Marker::I64 => "an integer",
+        Marker::Null => "nil",
+        Marker::True | Marker::False => "a bool",
+        Marker::F32 | Marker::F64 => "a float",
+        Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => "a str",
+        Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => "a bin",
+        Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => "an array",
+        Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => "a map",
+        Marker::FixExt1
+        | Marker::FixExt2
+        | Marker::FixExt4
+        | Marker::FixExt8
+        | Marker::FixExt16
+        | Marker::Ext8
+        | Marker::Ext16
+        | Marker::Ext32 => "an ext value",
+        Marker::Reserved => "the reserved byte 0xc1",
+    }
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    #[inline]
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    /// Moves back to an earlier position (used to re-read a map whose tag was not first).
+    pub fn rewind_to(&mut self, pos: usize) {
+        debug_assert!(pos <= self.pos);
+        self.pos = pos.min(self.buf.len());
+    }
+
+    pub fn error(&self, offset: usize, reason: impl Into<String>) -> DecodeError {
+        DecodeError { offset, reason: reason.into() }
+    }
+
+    fn wrong_type(&self, at: usize, marker: Marker, expected: &str, what: &str) -> DecodeError {
+        self.error(at, format!("{what}: expected {expected}, found {}", marker_name(marker)))
+    }
+
+    /// Takes the next `n` bytes.
+    #[inline]
+    pub fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        if n > self.remaining() {
+            return Err(self.error(
+                self.pos,
+                format!("payload ends inside {what}: {n} bytes needed, {} left", self.remaining()),
+            ));
+        }
+        let bytes = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(bytes)
+    }
+
+    #[inline]
+    fn take_array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+        let bytes = self.take(N, what)?;
+        let mut out = [0u8; N];
+        out.copy_from_slice(bytes);
+        Ok(out)
+    }
+
+    #[inline]
+    fn be_u8(&mut self, what: &str) -> Result<u8> {
+        Ok(self.take_array::<1>(what)?[0])
+    }
+
+    #[inline]
+    fn be_u16(&mut self, what: &str) -> Result<u16> {
+        Ok(u16::from_be_bytes(self.take_array(what)?))
+    }
+
+    #[inline]
+    fn be_u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_be_bytes(self.take_array(what)?))
+    }
+
+    #[inline]
+    fn be_u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_be_bytes(self.take_array(what)?))
+    }
+
+    /// Reads the next marker; returns it with the offset it was read at.
+    #[inline]
+    pub fn marker(&mut self, what: &str) -> Result<(usize, Marker)> {
+        let at = self.pos;
+        let byte = self.be_u8(what)?;
+        Ok((at, Marker::from_u8(byte)))
+    }
+
+    /// The next marker without consuming it.
+    #[inline]
+    pub fn peek_marker(&self, what: &str) -> Result<Marker> {
+        match self.buf.get(self.pos) {
+            Some(&byte) => Ok(Marker::from_u8(byte)),
+            None => Err(self.error(self.pos, format!("payload ends where {what} should start"))),
+        }
+    }
+
+    /// True (and consumed) when the next value is nil.
+    #[inline]
+    pub fn take_nil(&mut self, what: &str) -> Result<bool> {
+        if self.peek_marker(what)? == Marker::Null {
+            self.pos += 1;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Checks a declared element count against the bytes left (each element needs one byte or
+    /// more), so callers may allocate `count` slots.
+    fn checked_count(
+        &self,
+        at: usize,
+        count: usize,
+        min_bytes_each: usize,
+        what: &str,
+    ) -> Result<usize> {
+        if count.saturating_mul(min_bytes_each) > self.remaining() {
+            return Err(self.error(
+                at,
+                format!(
+                    "{what} declares {count} elements but only {} bytes follow",
+                    self.remaining()
+                ),
+            ));
+        }
+        Ok(count)
+    }
+
+    /// The length of the array header at `at` (after its marker was read), if `marker` is one.
+    fn array_len_after(&mut self, marker: Marker, what: &str) -> Result<Option<usize>> {
+        Ok(match marker {
+            Marker::FixArray(n) => Some(usize::from(n)),
+            Marker::Array16 => Some(usize::from(self.be_u16(what)?)),
+            Marker::Array32 => Some(self.be_u32(what)? as usize),
+            _ => None,
+        })
+    }
+
+    fn map_len_after(&mut self, marker: Marker, what: &str) -> Result<Option<usize>> {
+        Ok(match marker {
+            Marker::FixMap(n) => Some(usize::from(n)),
+            Marker::Map16 => Some(usize::from(self.be_u16(what)?)),
+            Marker::Map32 => Some(self.be_u32(what)? as usize),
+            _ => None,
+        })
+    }
+
+    fn str_len_after(&mut self, marker: Marker, what: &str) -> Result<Option<usize>> {
+        Ok(match marker {
+            Marker::FixStr(n) => Some(usize::from(n)),
+            Marker::Str8 => Some(usize::from(self.be_u8(what)?)),
+            Marker::Str16 => Some(usize::from(self.be_u16(what)?)),
+            Marker::Str32 => Some(self.be_u32(what)? as usize),
+            _ => None,
+        })
+    }
+
+    fn bin_len_after(&mut self, marker: Marker, what: &str) -> Result<Option<usize>> {
+        Ok(match marker {
+            Marker::Bin8 => Some(usize::from(self.be_u8(what)?)),
+            Marker::Bin16 => Some(usize::from(self.be_u16(what)?)),
+            Marker::Bin32 => Some(self.be_u32(what)? as usize),
+            _ => None,
+        })
+    }
+
+    /// Reads an array header; the returned count is safe to allocate for.
+    pub fn array_len(&mut self, what: &str) -> Result<usize> {
+        let (at, marker) = self.marker(what)?;
+        match self.array_len_after(marker, what)? {
+            Some(n) => self.checked_count(at, n, 1, what),
+            None => Err(self.wrong_type(at, marker, "an array", what)),
+        }
+    }
+
+    /// Reads a container header: `Ok(Container::Array(n))` or `Ok(Container::Map(n))`.
+    pub fn container(&mut self, what: &str) -> Result<(usize, Container)> {
+        let (at, marker) = self.marker(what)?;
+        if let Some(n) = self.array_len_after(marker, what)? {
+            return Ok((at, Container::Array(self.checked_count(at, n, 1, what)?)));
+        }
+        if let Some(n) = self.map_len_after(marker, what)? {
+            return Ok((at, Container::Map(self.checked_count(at, n, 2, what)?)));
+        }
+        Err(self.wrong_type(at, marker, "an array or a map", what))
+    }
+
+    /// Reads a UTF-8 string without copying.
+    pub fn str(&mut self, what: &str) -> Result<&'a str> {
+        let (at, marker) = self.marker(what)?;
+        let Some(len) = self.str_len_after(marker, what)? else {
+            return Err(self.wrong_type(at, marker, "a str", what));
+        };
+        let bytes = self.take(len, what)?;
+        std::str::from_utf8(bytes)
+            .map_err(|err| self.error(at, format!("{what}: str is not valid UTF-8 ({err})")))
+    }
+
+    /// Reads nil (None) or a UTF-8 string.
+    pub fn optional_str(&mut self, what: &str) -> Result<Option<&'a str>> {
+        if self.take_nil(what)? {
+            return Ok(None);
+        }
+        self.str(what).map(Some)
+    }
+
+    /// Reads an integer of any width and signedness.
+    pub fn integer(&mut self, what: &str) -> Result<Integer> {
+        let (at, marker) = self.marker(what)?;
+        self.integer_after(at, marker, what)
+    }
+
+    fn integer_after(&mut self, at: usize, marker: Marker, what: &str) -> Result<Integer> {
+        Ok(match marker {
+            Marker::FixPos(v) => Integer::Unsigned(u64::from(v)),
+            Marker::FixNeg(v) => Integer::Signed(i64::from(v)),
+            Marker::U8 => Integer::Unsigned(u64::from(self.be_u8(what)?)),
+            Marker::U16 => Integer::Unsigned(u64::from(self.be_u16(what)?)),
+            Marker::U32 => Integer::Unsigned(u64::from(self.be_u32(what)?)),
+            Marker::U64 => Integer::Unsigned(self.be_u64(what)?),
+            Marker::I8 => Integer::Signed(i64::from(self.be_u8(what)? as i8)),
+            Marker::I16 => Integer::Signed(i64::from(self.be_u16(what)? as i16)),
+            Marker::I32 => Integer::Signed(i64::from(self.be_u32(what)? as i32)),
+            Marker::I64 => Integer::Signed(self.be_u64(what)? as i64),
+            _ => return Err(self.wrong_type(at, marker, "an integer", what)),
+        })
+    }
+
+    /// Reads an integer that must lie in `T`'s range.
+    pub fn integer_in<T: TryFrom<i128>>(&mut self, what: &str) -> Result<T> {
+        let at = self.pos;
+        let value = self.integer(what)?.widened();
+        T::try_from(value).map_err(|_| {
+            self.error(
+                at,
+                format!("{what}: {value} is out of range for {}", std::any::type_name::<T>()),
+            )
+        })
+    }
+
+    /// Reads nil (None) or an integer in `T`'s range.
+    pub fn optional_integer_in<T: TryFrom<i128>>(&mut self, what: &str) -> Result<Option<T>> {
+        if self.take_nil(what)? {
+            return Ok(None);
+        }
+        self.integer_in(what).map(Some)
+    }
+
+    /// Reads an array of token ids (integers in `0..=u32::MAX`): the hot loop of the decoder.
+    ///
+    /// Decoding msgpack integers is a serial chain (each marker gives the next one's position),
+    /// so the loop keeps that chain short: the position lives in a local, the output is written
+    /// through a pre-sized slice, and the encodings an engine writes for token ids (fixint, u8,
+    /// u16, u32) are decoded without data-dependent branches while at least 5 bytes remain. The
+    /// value is the top bytes of the big-endian word after the marker (ids from a large
+    /// vocabulary mix the u16 and u32 forms at random, which a branch would mispredict). Other
+    /// encodings, and the last few bytes of the payload, go through the general path.
+    pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
+        let count = self.array_len(what)?;
+        let mut tokens = vec![0u32; count];
+        let buf = self.buf;
+        let mut pos = self.pos;
+        for slot in tokens.iter_mut() {
+            if let Some(&[marker, b1, b2, b3, b4]) = buf.get(pos..pos + 5) {
+                let is_fixint = marker < 0x80;
+                if is_fixint || (0xcc..=0xce).contains(&marker) {
+                    // Encoded width, marker included: 1 (fixint), 2 (0xcc), 3 (0xcd), 5 (0xce).
+                    let width = if is_fixint {
+                        1
+                    } else {
+                        u32::from(marker - 0xca) + u32::from(marker == 0xce)
+                    };
+                    let after_marker = u64::from(u32::from_be_bytes([b1, b2, b3, b4]));
+                    // A fixint shifts the word out entirely and keeps the marker itself.
+                    let multi_byte = after_marker >> (8 * (5 - width));
+                    let fixint = u64::from(marker) * u64::from(is_fixint);
+                    *slot = (multi_byte | fixint) as u32;
+                    pos += width as usize;
+                    continue;
+                }
+            }
+            self.pos = pos;
+            *slot = self.token_id_general()?;
+            pos = self.pos;
+        }
+        self.pos = pos;
+        Ok(tokens)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn token_id_general(&mut self) -> Result<u32> {
+        let at = self.pos;
+        let value = self.integer("token id")?.widened();
+        u32::try_from(value)
+            .map_err(|_| self.error(at, format!("token id {value} is outside 0..=4294967295")))
+    }
+
+    /// Reads a float (f32 or f64) or an integer, as f64.
+    pub fn number(&mut self, what: &str) -> Result<f64> {
+        let (at, marker) = self.marker(what)?;
+        match marker {
+            Marker::F32 => Ok(f64::from(f32::from_bits(self.be_u32(what)?))),
+            Marker::F64 => Ok(f64::from_bits(self.be_u64(what)?)),
+            _ => match self.integer_after(at, marker, what) {
+                // Rounds to the nearest f64, as Python's float(int) does.
+                Ok(Integer::Unsigned(v)) => Ok(v as f64),
+                Ok(Integer::Signed(v)) => Ok(v as f64),
+                Err(_) => Err(self.wrong_type(at, marker, "a float or an integer", what)),
+            },
+        }
+    }
+
+    /// Reads an opaque 64-bit block id: an integer (negative ones reinterpreted as their u64
+    /// bits) or a bin whose last 8 bytes, read big-endian and left-padded with zeros, give the
+    /// id. The two forms of one engine hash therefore agree.
+    #[inline]
+    pub fn block_hash(&mut self, what: &str) -> Result<u64> {
+        // Fast path: the u64 form vLLM writes for int hashes (0xcf, then 8 bytes).
+        if let [0xcf, b0, b1, b2, b3, b4, b5, b6, b7, ..] =
+            *self.buf.get(self.pos..).unwrap_or_default()
+        {
+            self.pos += 9;
+            return Ok(u64::from_be_bytes([b0, b1, b2, b3, b4, b5, b6, b7]));
+        }
+        self.block_hash_general(what)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn block_hash_general(&mut self, what: &str) -> Result<u64> {
+        let (at, marker) = self.marker(what)?;
+        if let Some(len) = self.bin_len_after(marker, what)? {
+            let bytes = self.take(len, what)?;
+            let tail = &bytes[bytes.len().saturating_sub(8)..];
+            return Ok(tail.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)));
+        }
+        match self.integer_after(at, marker, what) {
+            Ok(Integer::Unsigned(v)) => Ok(v),
+            Ok(Integer::Signed(v)) => Ok(v as u64),
+            Err(_) => Err(self.wrong_type(at, marker, "an integer or a bin", what)),
+        }
+    }
+
+    /// Skips one complete value of any type, without recursion: a fixed stack of pending
+    /// element counts bounds the nesting at [`MAX_SKIP_DEPTH`] containers.
+    pub fn skip_value(&mut self, what: &str) -> Result<()> {
+        let mut pending = [0usize; MAX_SKIP_DEPTH];
+        let mut depth = 0usize;
+        loop {
+            let (at, children) = self.skip_header(what)?;
+            if let Some(children) = children {
+                if depth == MAX_SKIP_DEPTH {
+                    return Err(self.error(
+                        at,
+                        format!("{what}: nested deeper than {MAX_SKIP_DEPTH} containers"),
+                    ));
+                }
+                if children > 0 {
+                    pending[depth] = children;
+                    depth += 1;
+                    continue;
+                }
+            }
+            // One value finished: retire it from the innermost open container, closing every
+            // container that it completes.
+            loop {
+                if depth == 0 {
+                    return Ok(());
+                }
+                pending[depth - 1] -= 1;
+                if pending[depth - 1] > 0 {
+                    break;
+                }
+                depth -= 1;
+            }
+        }
+    }
+
+    /// Skips one complete value of any nesting depth, checking only that it is well formed.
+    /// Linear in its size with constant memory (a count of the values still owed). Used where a
+    /// map is scanned ahead; the values are read again, with all checks, afterwards.
+    pub fn skip_value_unbounded(&mut self, what: &str) -> Result<()> {
+        let mut owed: usize = 1;
+        while owed > 0 {
+            owed -= 1;
+            if let (_, Some(children)) = self.skip_header(what)? {
+                // `children <= remaining bytes`, so this never overflows.
+                owed += children;
+            }
+        }
+        Ok(())
+    }
+
+    /// Consumes one value's header and any scalar payload; for a container returns how many
+    /// values (elements, or keys plus values) follow it.
+    fn skip_header(&mut self, what: &str) -> Result<(usize, Option<usize>)> {
+        let (at, marker) = self.marker(what)?;
+        if let Some(n) = self.array_len_after(marker, what)? {
+            return self.children(at, n, 1, what);
+        }
+        if let Some(n) = self.map_len_after(marker, what)? {
+            return self.children(at, n, 2, what);
+        }
+        let payload = match marker {
+            // Handled just above.
+            Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => 0,
+            Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => 0,
+            Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::True | Marker::False => {
+                0
+            }
+            Marker::U8 | Marker::I8 => 1,
+            Marker::U16 | Marker::I16 => 2,
+            Marker::U32 | Marker::I32 | Marker::F32 => 4,
+            Marker::U64 | Marker::I64 | Marker::F64 => 8,
+            Marker::FixStr(n) => usize::from(n),
+            Marker::Str8 | Marker::Bin8 => usize::from(self.be_u8(what)?),
+            Marker::Str16 | Marker::Bin16 => usize::from(self.be_u16(what)?),
+            Marker::Str32 | Marker::Bin32 => self.be_u32(what)? as usize,
+            // Fixed extensions: one type byte, then 1 to 16 data bytes.
+            Marker::FixExt1 => 2,
+            Marker::FixExt2 => 3,
+            Marker::FixExt4 => 5,
+            Marker::FixExt8 => 9,
+            Marker::FixExt16 => 17,
+            // Sized extensions: the length, then one type byte, then the data.
+            Marker::Ext8 => usize::from(self.be_u8(what)?) + 1,
+            Marker::Ext16 => usize::from(self.be_u16(what)?) + 1,
+            Marker::Ext32 => (self.be_u32(what)? as usize).saturating_add(1),
+            Marker::Reserved => {
+                return Err(self.error(at, format!("{what}: the reserved byte 0xc1 is not msgpack")))
+            }
+        };
+        self.take(payload, what)?;
+        Ok((at, None))
+    }
+
+    /// The number of values inside a container of `count` entries of `values_each` values.
+    fn children(
+        &self,
+        at: usize,
+        count: usize,
+        values_each: usize,
+        what: &str,
+    ) -> Result<(usize, Option<usize>)> {
+        let count = self.checked_count(at, count, values_each, what)?;
+        Ok((at, Some(count * values_each)))
+    }
+}
+
+/// A container header: how many elements (array) or entries (map) follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Container {
+    Array(usize),
+    Map(usize),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integers_of_every_width() {
+        let cases: &[(&[u8], Integer)] = &[
+            (&[0x05], Integer::Unsigned(5)),
+            (&[0xff], Integer::Signed(-1)),
+            (&[0xcc, 0xff], Integer::Unsigned(255)),
+            (&[0xcd, 0x01, 0x00], Integer::Unsigned(256)),
+            (&[0xce, 0, 1, 0, 0], Integer::Unsigned(65536)),
+            (&[0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff], Integer::Unsigned(u64::MAX)),
+            (&[0xd0, 0x80], Integer::Signed(-128)),
+            (&[0xd1, 0x80, 0x00], Integer::Signed(-32768)),
+            (&[0xd2, 0x80, 0, 0, 0], Integer::Signed(i64::from(i32::MIN))),
+            (&[0xd3, 0x80, 0, 0, 0, 0, 0, 0, 0], Integer::Signed(i64::MIN)),
+        ];
+        for (bytes, expected) in cases {
+            let mut reader = Reader::new(bytes);
+            assert_eq!(reader.integer("x").unwrap(), *expected, "{bytes:02x?}");
+            assert_eq!(reader.remaining(), 0);
+        }
+    }
+
+    #[test]
+    fn block_hash_forms_agree() {
+        let as_uint = [0xcf, 0xf8, 0x92, 0x55, 0x3b, 0xef, 0x84, 0xef, 0x0c];
+        let as_int = [0xd3, 0xf8, 0x92, 0x55, 0x3b, 0xef, 0x84, 0xef, 0x0c];
+        let mut as_bin = vec![0xc4, 32];
+        as_bin.extend([0xaa; 24]);
+        as_bin.extend([0xf8, 0x92, 0x55, 0x3b, 0xef, 0x84, 0xef, 0x0c]);
+        let expected = 0xf892_553b_ef84_ef0c_u64;
+        for bytes in [&as_uint[..], &as_int[..], &as_bin[..]] {
+            assert_eq!(Reader::new(bytes).block_hash("h").unwrap(), expected);
+        }
+        // Short bins are left-padded with zeros.
+        assert_eq!(Reader::new(&[0xc4, 2, 0x01, 0x02]).block_hash("h").unwrap(), 0x0102);
+        assert_eq!(Reader::new(&[0xc4, 0]).block_hash("h").unwrap(), 0);
+    }
+
+    #[test]
+    fn declared_lengths_are_checked_before_use() {
+        let err = Reader::new(&[0xdd, 0xff, 0xff, 0xff, 0xff, 0x00]).array_len("a").unwrap_err();
+        assert!(err.reason.contains("declares 4294967295 elements"), "{err}");
+        let err = Reader::new(&[0xdf, 0x00, 0x00, 0x00, 0x02, 0x01, 0x02, 0x03])
+            .container("m")
+            .unwrap_err();
+        assert!(err.reason.contains("declares 2 elements"), "{err}");
+        let err = Reader::new(&[0xdb, 0xff, 0xff, 0xff, 0xff]).str("s").unwrap_err();
+        assert!(err.reason.contains("payload ends inside"), "{err}");
+    }
+
+    #[test]
+    fn skip_handles_every_kind_and_bounds_depth() {
+        let mixed: &[u8] = &[
+            0x94, 0xc0, 0xd4, 0x01, 0x02, 0x82, 0xa1, b'a', 0xc7, 0x01, 0x05, 0xff, 0xa1, b'b',
+            0x90, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0,
+        ];
+        let mut reader = Reader::new(mixed);
+        reader.skip_value("v").unwrap();
+        assert_eq!(reader.remaining(), 0);
+
+        let nested = |depth: usize| {
+            let mut bytes = vec![0x91; depth - 1];
+            bytes.push(0x90);
+            bytes
+        };
+        Reader::new(&nested(MAX_SKIP_DEPTH)).skip_value("v").unwrap();
+        let err = Reader::new(&nested(MAX_SKIP_DEPTH + 1)).skip_value("v").unwrap_err();
+        assert!(err.reason.contains("nested deeper"), "{err}");
+        assert_eq!(err.offset, MAX_SKIP_DEPTH);
+        // The unbounded skip takes any depth in constant memory.
+        let deep = nested(1_000_000);
+        let mut reader = Reader::new(&deep);
+        reader.skip_value_unbounded("v").unwrap();
+        assert_eq!(reader.remaining(), 0);
+    }
+
+    #[test]
+    fn reserved_byte_and_bad_utf8_are_rejected() {
+        assert!(Reader::new(&[0xc1]).skip_value("v").is_err());
+        assert!(Reader::new(&[0xc1]).skip_value_unbounded("v").is_err());
+        let err = Reader::new(&[0xa2, 0xff, 0xfe]).str("s").unwrap_err();
+        assert!(err.reason.contains("UTF-8"), "{err}");
+    }
+}
