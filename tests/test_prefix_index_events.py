@@ -1,0 +1,161 @@
+"""The prefix index fed by vLLM KV events: the shared vectors and a real engine's capture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+import llmsched
+from llmsched import PrefixIndex
+
+VECTORS = Path(__file__).resolve().parent.parent.parent / "shared" / "vectors"
+
+
+def load(name: str) -> dict:
+    return json.loads((VECTORS / name).read_text())
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], **extra: object) -> dict:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        **extra,
+    }
+
+
+def batch(*events: object) -> bytes:
+    return msgpack.packb([1.0, list(events), 0])
+
+
+def test_vector_batch_applies_all_three_event_kinds() -> None:
+    vec = load("vllm_kv_events.json")
+    index = PrefixIndex(block_size=16)
+    report = index.apply_vllm_events("engine", bytes.fromhex(vec["payload_hex"]))
+    assert report["events"] == 3
+    assert report["blocks_stored"] == 2
+    assert report["blocks_removed"] == 1
+    assert report["cleared"] == 1
+    assert index.match_tokens(list(range(32))).as_dict() == {}
+
+
+def test_vector_events_one_by_one() -> None:
+    events = load("vllm_kv_events.json")["decoded"]["events"]
+    index = PrefixIndex(block_size=16)
+    tokens = list(range(32))
+    index.apply_vllm_events("e", batch(events[0]))
+    assert index.match_tokens(tokens).as_dict() == {"e": 2}
+    index.apply_vllm_events("e", batch(events[1]))
+    assert index.match_tokens(tokens).as_dict() == {"e": 1}
+    index.apply_vllm_events("e", batch(events[2]))
+    assert index.match_tokens(tokens).as_dict() == {}
+
+
+def test_old_array_encoding_and_finer_index_blocks() -> None:
+    """vLLM <= 0.23 positional events; an index with blocks half the engine's size."""
+    index = PrefixIndex(block_size=8)
+    tokens = list(range(48))
+    old = ["BlockStored", [11, 12], None, tokens[:32], 16, None, "GPU"]
+    child = ["BlockStored", [13], 12, tokens[32:], 16, None, None]
+    report = index.apply_vllm_events(3, batch(old, child))
+    assert report["blocks_stored"] == 3
+    assert index.match_tokens(tokens).as_dict() == {3: 6}
+    index.apply_vllm_events(3, batch(["BlockRemoved", [12], "GPU"]))
+    assert index.match_tokens(tokens).as_dict() == {3: 2}
+
+
+def test_unknown_parent_and_removal_are_counted_and_skipped() -> None:
+    index = PrefixIndex(block_size=16)
+    tokens = list(range(64))
+    report = index.apply_vllm_events(
+        "e",
+        batch(
+            stored([1], None, tokens[:16]),
+            stored([3], 2, tokens[32:48]),
+            {"type": "BlockRemoved", "block_hashes": [99], "medium": "GPU"},
+            {"type": "SomethingNew", "x": 1},
+        ),
+    )
+    assert report["blocks_stored"] == 1
+    assert report["unknown_parent"] == 1
+    assert report["unknown_removed"] == 1
+    assert report["unknown_events"] == 1
+    assert index.match_tokens(tokens).as_dict() == {"e": 1}
+
+
+def test_tiers_from_medium_and_lora_namespaces() -> None:
+    index = PrefixIndex(block_size=16)
+    tokens = list(range(32))
+    index.apply_vllm_events(
+        "e",
+        batch(
+            stored([1, 2], None, tokens),
+            stored([1, 2], None, tokens, medium="CPU"),
+            stored([7], None, tokens[:16], lora_name="sql-adapter"),
+        ),
+    )
+    assert index.match_tokens(tokens).tiers() == {"e": {"gpu": 2, "cpu": 2, "storage": 0}}
+    assert index.match_tokens(tokens, lora="sql-adapter").as_dict() == {"e": 1}
+    index.apply_vllm_events(
+        "e", batch({"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"})
+    )
+    assert index.match_tokens(tokens).tiers() == {"e": {"gpu": 1, "cpu": 2, "storage": 0}}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\x93",
+        msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1]}], 0]),
+        msgpack.packb([1.0, [stored([1], None, list(range(15)))], 0]),
+        msgpack.packb([1.0, [stored([1], None, [-1] * 16)], 0]),
+        msgpack.packb([1.0, [stored([1], None, [2**40] * 16)], 0]),
+        msgpack.packb({"not": "a batch"}),
+        b"\xdd\xff\xff\xff\xff",
+    ],
+)
+def test_malformed_payload_raises_and_changes_nothing(payload: bytes) -> None:
+    index = PrefixIndex(block_size=16)
+    index.apply_vllm_events("e", batch(stored([1], None, list(range(16)))))
+    before = (index.stats(), index.holdings("e"))
+    with pytest.raises(llmsched.MalformedEventError):
+        index.apply_vllm_events("e", payload)
+    assert (index.stats(), index.holdings("e")) == before
+
+
+def test_a_batch_with_a_bad_event_applies_nothing() -> None:
+    index = PrefixIndex(block_size=16)
+    good = stored([1], None, list(range(16)))
+    bad = stored([2], 1, list(range(3)))
+    with pytest.raises(llmsched.MalformedEventError):
+        index.apply_vllm_events("e", batch(good, bad))
+    assert index.workers() == []
+
+
+@pytest.mark.parametrize("block_size", [32, 16])
+def test_real_engine_capture_with_a_gap(block_size: int) -> None:
+    """A real vLLM CPU engine's events, joined late (seq 0 and 1 missed): the index must agree
+    with what the engine held at the end, skipping events whose parent it never saw."""
+    cap = load("vllm_real_capture_gap.json")
+    assert cap["block_size"] == 32
+    index = PrefixIndex(block_size=block_size)
+    skipped = 0
+    for _topic, seq, payload in cap["frames"]:
+        assert int(seq, 16) >= 2
+        report = index.apply_vllm_events("tiny", bytes.fromhex(payload))
+        skipped += report["unknown_parent"]
+    assert skipped > 0
+    scale = 32 // block_size
+    for request, expected in zip(cap["requests"], cap["expected_prompt_blocks"], strict=True):
+        prompt = np.array(request["prompt"], dtype=np.uint32)
+        got = index.match_tokens(prompt).as_dict().get("tiny", 0)
+        assert got == expected * scale, (len(prompt), got, expected)
