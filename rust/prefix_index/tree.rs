@@ -279,13 +279,17 @@ impl Tree {
         if let Some(&h) = new.iter().find(|h| self.blocks.contains_key(*h)) {
             return Err(StoreRefusal::Conflict(h));
         }
-        if new.len() > 1 {
+        // Short runs (one engine event) compare pairwise; long ones pay for a set.
+        let repeated = if new.len() <= 32 {
+            new.iter().enumerate().find(|(i, h)| new[..*i].contains(h)).map(|(_, h)| *h)
+        } else {
             let mut seen = hashbrown::HashSet::with_capacity(new.len());
-            if let Some(&h) = new.iter().find(|h| !seen.insert(**h)) {
-                return Err(StoreRefusal::Conflict(h));
-            }
+            new.iter().find(|h| !seen.insert(**h)).copied()
+        };
+        match repeated {
+            Some(h) => Err(StoreRefusal::Conflict(h)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Gives `w` (with `attrs`) every block of the already-present run after `start`.
