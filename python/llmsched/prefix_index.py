@@ -230,6 +230,24 @@ class PrefixIndex:
         arrays = [as_hash_array(q) for q in queries]
         return self._native.match_many(arrays, _now(now))
 
+    def match_tokens_many(
+        self,
+        prompts: Iterable[TokensLike],
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        now: float | None = None,
+    ) -> list[PrefixMatch]:
+        """:meth:`match_tokens` for many prompts (hashing releases the GIL per prompt).
+
+        >>> index = PrefixIndex(block_size=2)
+        >>> _ = index.store("a", index.hash_tokens([1, 2, 3, 4]))
+        >>> [m.longest for m in index.match_tokens_many([[1, 2, 3, 4], [9, 9]])]
+        [2, 0]
+        """
+        hashes = [self.hash_tokens(p, lora=lora, cache_salt=cache_salt) for p in prompts]
+        return self._native.match_many(hashes, _now(now))
+
     def apply_vllm_events(self, worker: Worker, payload: bytes) -> dict[str, int]:
         """Decode a vLLM ``EventBatch`` msgpack payload and apply it for ``worker`` atomically.
 
