@@ -5,6 +5,7 @@
 
 pub mod hashing;
 pub mod prefix_index;
+pub mod slices;
 pub mod vllm_events;
 
 #[cfg(feature = "python")]

@@ -1,0 +1,353 @@
+//! The switch-cost model: what ending a slice costs the yielded request, from model and GPU
+//! numbers.
+//!
+//! Formulas (REFERENCE §6):
+//! - prefill (recompute) FLOPs ≈ `2 * params * context`, so an endpoint prefills
+//!   `prefill_tokens_per_s = gpu_flops * compute_efficiency / (2 * params)` tokens a second
+//!   (Llama-3-8B on an H100 at 50% efficiency: about 32 us per token of context);
+//! - KV bytes per token = `2 * layers * kv_heads * head_dim * dtype_bytes` (K and V, every layer;
+//!   Llama-3-8B in bf16: 128 KiB);
+//! - KV capacity in tokens = `(gpu_memory_bytes * memory_fraction - params * dtype_bytes) /
+//!   kv_bytes_per_token` (the memory left once the weights are loaded);
+//! - a decode step is memory bound: `decode_step_s ≈ params * dtype_bytes /
+//!   (hbm_bytes_per_s * bandwidth_efficiency)` (weights read once per step; KV reads ignored).
+//!
+//! The cost of a switch for a request with `context` tokens of KV on an endpoint is
+//! `switch_s = p_evict * context / prefill_tokens_per_s + requeue_delay_s`, where `p_evict`, the
+//! expected share of the context evicted before the request resumes, comes from the endpoint's
+//! free KV and the KV demand of the work admitted in the meantime (see [`evict_probability`]).
+
+use serde::{Deserialize, Serialize};
+
+use super::SliceError;
+
+/// Model dimensions that set compute and KV size.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelDims {
+    /// Parameter count.
+    pub params: f64,
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// Bytes per weight and per KV element (2 for bf16).
+    pub dtype_bytes: u32,
+}
+
+impl ModelDims {
+    /// Llama-3-8B (8.03 B parameters, 32 layers, 8 KV heads of 128, bf16).
+    pub const LLAMA3_8B: ModelDims = ModelDims {
+        params: 8.03e9,
+        layers: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype_bytes: 2,
+    };
+
+    /// `2 * layers * kv_heads * head_dim * dtype_bytes`.
+    pub fn kv_bytes_per_token(&self) -> f64 {
+        2.0 * f64::from(self.layers)
+            * f64::from(self.kv_heads)
+            * f64::from(self.head_dim)
+            * f64::from(self.dtype_bytes)
+    }
+
+    /// `2 * params` FLOPs per token of prefill.
+    pub fn prefill_flops_per_token(&self) -> f64 {
+        2.0 * self.params
+    }
+
+    pub fn weight_bytes(&self) -> f64 {
+        self.params * f64::from(self.dtype_bytes)
+    }
+}
+
+impl Default for ModelDims {
+    fn default() -> Self {
+        Self::LLAMA3_8B
+    }
+}
+
+/// Peak numbers of one GPU (REFERENCE §8).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GpuSpec {
+    /// Dense bf16 FLOP/s.
+    pub flops: f64,
+    pub hbm_bytes_per_s: f64,
+    pub memory_bytes: f64,
+}
+
+impl GpuSpec {
+    /// H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB.
+    pub const H100_SXM: GpuSpec = GpuSpec {
+        flops: 989e12,
+        hbm_bytes_per_s: 3.35e12,
+        memory_bytes: 80e9,
+    };
+}
+
+impl Default for GpuSpec {
+    fn default() -> Self {
+        Self::H100_SXM
+    }
+}
+
+/// How to derive a cost model from a model and a GPU (the decoded form of
+/// `SwitchCostModel.from_model(...)`). Every field has a default.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CostModelDims {
+    pub model: ModelDims,
+    pub gpu: GpuSpec,
+    /// Achieved share of peak FLOP/s in prefill.
+    pub compute_efficiency: f64,
+    /// Achieved share of peak HBM bandwidth in decode.
+    pub bandwidth_efficiency: f64,
+    /// Share of GPU memory the engine may use (vLLM `gpu_memory_utilization`).
+    pub memory_fraction: f64,
+    pub requeue_delay_s: f64,
+    pub priority_base: f64,
+}
+
+impl Default for CostModelDims {
+    fn default() -> Self {
+        Self {
+            model: ModelDims::default(),
+            gpu: GpuSpec::default(),
+            compute_efficiency: 0.5,
+            bandwidth_efficiency: 0.7,
+            memory_fraction: 0.9,
+            requeue_delay_s: 0.005,
+            priority_base: 2.0,
+        }
+    }
+}
+
+/// The switch-cost model's parameters. Defaults: Llama-3-8B on one H100 SXM
+/// (`CostModelDims::default()`); this is the one place they are set.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SwitchCostModel {
+    /// Prompt tokens an endpoint prefills per second (recompute rate).
+    pub prefill_tokens_per_s: f64,
+    /// Seconds per decode step (one token for every running request).
+    pub decode_step_s: f64,
+    /// KV cache size of an endpoint, in tokens.
+    pub kv_capacity_tokens: f64,
+    /// Fixed cost of ending a slice and sending the next one (HTTP round trip, scheduling).
+    pub requeue_delay_s: f64,
+    /// A request of priority `p` weighs `priority_base ** p`.
+    pub priority_base: f64,
+}
+
+impl Default for SwitchCostModel {
+    fn default() -> Self {
+        Self::from_dims(&CostModelDims::default())
+    }
+}
+
+impl SwitchCostModel {
+    /// Derives the parameters from model dimensions and GPU numbers (formulas in the module docs).
+    /// Does not validate; [`SwitchCostModel::validated`] does.
+    pub fn from_dims(dims: &CostModelDims) -> Self {
+        let usable = dims.gpu.memory_bytes * dims.memory_fraction - dims.model.weight_bytes();
+        Self {
+            prefill_tokens_per_s: dims.gpu.flops * dims.compute_efficiency
+                / dims.model.prefill_flops_per_token(),
+            decode_step_s: dims.model.weight_bytes()
+                / (dims.gpu.hbm_bytes_per_s * dims.bandwidth_efficiency),
+            kv_capacity_tokens: (usable / dims.model.kv_bytes_per_token()).max(0.0),
+            requeue_delay_s: dims.requeue_delay_s,
+            priority_base: dims.priority_base,
+        }
+    }
+
+    /// Decodes parameters given as a JSON object over the defaults; unknown names are rejected.
+    pub fn from_json(params: &str) -> Result<Self, SliceError> {
+        decode_json::<Self>("cost model", params)?.validated()
+    }
+
+    /// Decodes `CostModelDims` given as a JSON object over the defaults, then derives the model.
+    pub fn from_dims_json(dims: &str) -> Result<Self, SliceError> {
+        let dims = decode_json::<CostModelDims>("cost model dims", dims)?;
+        for (name, value) in [
+            ("compute_efficiency", dims.compute_efficiency),
+            ("bandwidth_efficiency", dims.bandwidth_efficiency),
+            ("memory_fraction", dims.memory_fraction),
+        ] {
+            if !(value > 0.0 && value <= 1.0) {
+                return Err(bad_param("cost model dims", name, "must be in (0, 1]"));
+            }
+        }
+        let model = Self::from_dims(&dims);
+        if model.kv_capacity_tokens < 1.0 {
+            return Err(bad_param(
+                "cost model dims",
+                "gpu.memory_bytes",
+                "leaves no room for KV after the weights",
+            ));
+        }
+        model.validated()
+    }
+
+    /// Checks every parameter is finite and in range.
+    pub fn validated(self) -> Result<Self, SliceError> {
+        for (name, value) in [
+            ("prefill_tokens_per_s", self.prefill_tokens_per_s),
+            ("decode_step_s", self.decode_step_s),
+            ("kv_capacity_tokens", self.kv_capacity_tokens),
+            ("priority_base", self.priority_base),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(bad_param(
+                    "cost model",
+                    name,
+                    "must be a positive finite number",
+                ));
+            }
+        }
+        if !(self.requeue_delay_s.is_finite() && self.requeue_delay_s >= 0.0) {
+            return Err(bad_param(
+                "cost model",
+                "requeue_delay_s",
+                "must be finite and >= 0",
+            ));
+        }
+        Ok(self)
+    }
+
+    /// The weight of a request of priority `priority`: `priority_base ** priority`.
+    #[inline]
+    pub fn weight(&self, priority: i32) -> f64 {
+        self.priority_base.powf(f64::from(priority))
+    }
+
+    /// Seconds to recompute `context` tokens at `prefill_tokens_per_s`.
+    #[inline]
+    pub fn recompute_s(context: f64, prefill_tokens_per_s: f64) -> f64 {
+        context / prefill_tokens_per_s
+    }
+
+    /// `p_evict * context / prefill_tokens_per_s + requeue_delay_s`.
+    #[inline]
+    pub fn switch_s(&self, p_evict: f64, context: f64, prefill_tokens_per_s: f64) -> f64 {
+        p_evict * Self::recompute_s(context, prefill_tokens_per_s) + self.requeue_delay_s
+    }
+}
+
+/// Expected share of a paused request's `context` tokens evicted before it resumes.
+///
+/// vLLM keeps a finished (here: paused) request's blocks as evictable cache and evicts free
+/// blocks least recently used first, and a request's tail blocks before its head. The blocks of
+/// the paused request are the newest, so they go only once the endpoint's other free KV
+/// (`free_tokens`) is used up by the work admitted meanwhile (`demand_tokens`):
+/// `p_evict = clamp((demand_tokens - free_tokens) / context, 0, 1)`.
+/// Growth of the other running requests' KV during the pause is ignored.
+#[inline]
+pub fn evict_probability(context: f64, demand_tokens: f64, free_tokens: f64) -> f64 {
+    if context <= 0.0 {
+        return 0.0;
+    }
+    ((demand_tokens - free_tokens) / context).clamp(0.0, 1.0)
+}
+
+/// Decodes a JSON object over `T`'s defaults, naming `what` in errors.
+pub(crate) fn decode_json<T: for<'de> Deserialize<'de>>(
+    what: &str,
+    params: &str,
+) -> Result<T, SliceError> {
+    let trimmed = params.trim();
+    let text = if trimmed.is_empty() { "{}" } else { trimmed };
+    let bad = |reason: String| SliceError::BadParams {
+        what: what.to_string(),
+        reason,
+    };
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+    if !value.is_object() {
+        return Err(bad("expected an object of named parameters".to_string()));
+    }
+    serde_json::from_value(value).map_err(|e| bad(e.to_string()))
+}
+
+pub(crate) fn bad_param(what: &str, name: &str, reason: &str) -> SliceError {
+    SliceError::BadParams {
+        what: what.to_string(),
+        reason: format!("{name} {reason}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_8b_on_h100_matches_reference_figures() {
+        let dims = ModelDims::LLAMA3_8B;
+        assert_eq!(dims.kv_bytes_per_token(), 131_072.0); // 128 KiB
+        let model = SwitchCostModel::default();
+        let us_per_token = 1e6 / model.prefill_tokens_per_s;
+        assert!((us_per_token - 32.5).abs() < 0.5, "{us_per_token}");
+        // (72 GB - 16.06 GB) / 128 KiB
+        assert!(
+            (model.kv_capacity_tokens - 426_788.0).abs() < 1.0,
+            "{}",
+            model.kv_capacity_tokens
+        );
+        assert!(
+            (model.decode_step_s - 0.006_848).abs() < 1e-5,
+            "{}",
+            model.decode_step_s
+        );
+    }
+
+    #[test]
+    fn eviction_table() {
+        // (context, demand, free, expected)
+        let cases = [
+            (1000.0, 0.0, 0.0, 0.0),
+            (1000.0, 500.0, 1000.0, 0.0),
+            (1000.0, 1500.0, 1000.0, 0.5),
+            (1000.0, 5000.0, 1000.0, 1.0),
+            (0.0, 5000.0, 0.0, 0.0),
+        ];
+        for (context, demand, free, want) in cases {
+            assert_eq!(
+                evict_probability(context, demand, free),
+                want,
+                "{context} {demand} {free}"
+            );
+        }
+    }
+
+    #[test]
+    fn switch_cost_adds_recompute_and_requeue() {
+        let model = SwitchCostModel {
+            requeue_delay_s: 0.01,
+            ..SwitchCostModel::default()
+        };
+        let cost = model.switch_s(0.5, 2000.0, 10_000.0);
+        assert!((cost - (0.1 + 0.01)).abs() < 1e-12);
+        assert_eq!(model.weight(0), 1.0);
+        assert_eq!(model.weight(2), 4.0);
+        assert_eq!(model.weight(-1), 0.5);
+    }
+
+    #[test]
+    fn rejects_unknown_and_bad_params() {
+        let err = SwitchCostModel::from_json(r#"{"prefil_tokens_per_s": 3}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+        let err = SwitchCostModel::from_json(r#"{"decode_step_s": -1}"#).unwrap_err();
+        assert!(err.to_string().contains("decode_step_s"), "{err}");
+        let ok = SwitchCostModel::from_json(r#"{"decode_step_s": 0.02}"#).unwrap();
+        assert_eq!(ok.decode_step_s, 0.02);
+        assert_eq!(
+            ok.prefill_tokens_per_s,
+            SwitchCostModel::default().prefill_tokens_per_s
+        );
+        let err = SwitchCostModel::from_dims_json(r#"{"gpu": {"memory_bytes": 1e9}}"#).unwrap_err();
+        assert!(err.to_string().contains("no room"), "{err}");
+        let err = SwitchCostModel::from_dims_json(r#"{"model": {"layerz": 3}}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+}
