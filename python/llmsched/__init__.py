@@ -15,11 +15,14 @@ from llmsched.errors import (
     LlmschedError,
     MalformedEventError,
     SnapshotError,
+    SliceStateError,
     UnknownBlockError,
+    UnknownRequestError,
     UnknownWorkerError,
 )
 from llmsched.hashing import block_hashes, namespace_seed
 from llmsched.prefix_index import PrefixIndex, PrefixMatch
+from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
 
 __all__ = [
     "ConfigError",
@@ -30,8 +33,14 @@ __all__ = [
     "PrefixIndex",
     "PrefixMatch",
     "SnapshotError",
+    "SliceAssembler",
+    "SliceStateError",
+    "SliceTracker",
+    "SwitchCostModel",
     "UnknownBlockError",
+    "UnknownRequestError",
     "UnknownWorkerError",
+    "WaitingRequest",
     "__version__",
     "block_hashes",
     "namespace_seed",

@@ -17,7 +17,9 @@ __all__ = [
     "LlmschedError",
     "MalformedEventError",
     "SnapshotError",
+    "SliceStateError",
     "UnknownBlockError",
+    "UnknownRequestError",
     "UnknownWorkerError",
 ]
 
@@ -52,3 +54,9 @@ class HashChainError(LlmschedError, ValueError):
 
 class SnapshotError(LlmschedError, ValueError):
     """A serialised index is corrupt or of an unknown format; nothing was loaded."""
+class UnknownRequestError(LlmschedError, KeyError):
+    """A request id is not tracked (never admitted, or already finished or removed)."""
+
+
+class SliceStateError(LlmschedError, ValueError):
+    """A slice operation does not fit the request's state (e.g. a decision mid-slice)."""

@@ -42,3 +42,23 @@ impl From<IndexError> for PyErr {
         }
     }
 }
+
+import_exception!(llmsched.errors, UnknownRequestError);
+import_exception!(llmsched.errors, SliceStateError);
+
+impl From<crate::slices::SliceError> for PyErr {
+    fn from(err: crate::slices::SliceError) -> PyErr {
+        use crate::slices::SliceError as E;
+        let message = err.to_string();
+        match err {
+            E::UnknownPolicy { .. } | E::BadParams { .. } => ConfigError::new_err(message),
+            E::UnknownRequest(_) => UnknownRequestError::new_err(message),
+            E::UnknownEndpoint(_) => UnknownWorkerError::new_err(message),
+            E::DuplicateRequest(_)
+            | E::WrongPhase { .. }
+            | E::SliceOverrun { .. }
+            | E::NotAtBoundary { .. } => SliceStateError::new_err(message),
+            E::InvalidValue { .. } => PyValueError::new_err(message),
+        }
+    }
+}

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod errors;
 mod hashing;
 mod prefix_index;
+mod slices;
 mod tokens;
 
 #[pymodule]
@@ -12,5 +13,6 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hashing::register(m)?;
     prefix_index::register(m)?;
+    slices::register(m)?;
     Ok(())
 }

@@ -331,6 +331,18 @@ impl SliceTracker {
         self.policy.entry_level(prompt_tokens)
     }
 
+    /// Slice length at `level` under the policy.
+    pub fn quantum(&self, level: u8) -> Result<u32, SliceError> {
+        let levels = self.policy.levels();
+        if level >= levels {
+            return Err(invalid(
+                "level",
+                format!("{level} is not below the policy's {levels} levels"),
+            ));
+        }
+        Ok(self.policy.quantum(level))
+    }
+
     /// Names of the known endpoints, in the order they were first reported.
     pub fn endpoint_names(&self) -> Vec<Arc<str>> {
         self.endpoints.iter().map(|e| e.name.clone()).collect()
