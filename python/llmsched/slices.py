@@ -488,7 +488,8 @@ class SliceTracker:
             now = time.monotonic()
         try:
             return self._native.decide(request_id, finished, waiting, now)
-        except (OverflowError, TypeError):
+        except (OverflowError, TypeError, ValueError):
+            # Name the offending argument when extraction failed; else re-raise as is.
             _check_int("request_id", request_id, 0, _U64)
             _check_now(now)
             _explain_waiting(waiting)
