@@ -772,6 +772,11 @@ class SliceAssembler:
         return self._generated_tokens
 
     @property
+    def generated_token_ids(self) -> list[int]:
+        """Output token ids over all slices, when the engine returned them."""
+        return list(self._generated_ids)
+
+    @property
     def remaining_tokens(self) -> int:
         """Output tokens the user's budget still allows."""
         return self._max_tokens - self._generated_tokens
@@ -953,12 +958,13 @@ class SliceAssembler:
             raise SliceStateError(
                 f"the engine generated {count} tokens in a slice of {self._slice_max}"
             )
-        if self._prompt_ids is not None and not self.done:
-            if len(self._slice_ids) != count:
-                raise SliceStateError(
-                    f"the engine returned {len(self._slice_ids)} token ids for {count} tokens; "
-                    "token-id continuation needs return_token_ids"
-                )
+        ids_complete = len(self._slice_ids) == count
+        if self._prompt_ids is not None and not self.done and not ids_complete:
+            raise SliceStateError(
+                f"the engine returned {len(self._slice_ids)} token ids for {count} tokens; "
+                "token-id continuation needs return_token_ids"
+            )
+        if ids_complete or self.done:
             self._generated_ids.extend(self._slice_ids)
         return count
 
