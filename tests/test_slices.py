@@ -7,6 +7,9 @@ import heapq
 import threading
 from typing import Any
 
+import llmsched
+import llmsched.reference.slices as twin_module
+import llmsched.slices as slices_module
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,10 +21,6 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
-
-import llmsched
-import llmsched.reference.slices as twin_module
-import llmsched.slices as slices_module
 from llmsched.errors import ConfigError, SliceStateError, UnknownRequestError, UnknownWorkerError
 from llmsched.reference.slices import SliceTracker as TwinTracker
 from llmsched.slices import (
@@ -34,18 +33,37 @@ from llmsched.slices import (
     policy_names,
 )
 
-STATE_FIELDS = (
-    "priority level prompt_tokens max_tokens generated_tokens slice_generated slice_tokens "
-    "slices context_tokens endpoint route_to phase paused_since"
-).split()
-DECISION_FIELDS = (
-    "action level priority endpoint next_slice_tokens context_tokens generated_tokens slices "
-    "benefit_s yield_cost_s migrate_cost_s evict_probability"
-).split()
+STATE_FIELDS = [
+    "priority",
+    "level",
+    "prompt_tokens",
+    "max_tokens",
+    "generated_tokens",
+    "slice_generated",
+    "slice_tokens",
+    "slices",
+    "context_tokens",
+    "endpoint",
+    "route_to",
+    "phase",
+    "paused_since",
+]
+DECISION_FIELDS = [
+    "action",
+    "level",
+    "priority",
+    "endpoint",
+    "next_slice_tokens",
+    "context_tokens",
+    "generated_tokens",
+    "slices",
+    "benefit_s",
+    "yield_cost_s",
+    "migrate_cost_s",
+    "evict_probability",
+]
 
-COST = SwitchCostModel(
-    prefill_tokens_per_s=10_000, decode_step_s=0.01, kv_capacity_tokens=50_000
-)
+COST = SwitchCostModel(prefill_tokens_per_s=10_000, decode_step_s=0.01, kv_capacity_tokens=50_000)
 
 
 def test_doctests() -> None:
@@ -396,7 +414,7 @@ def _simulate_starvation(promote_after_s: float, arrivals: list[float]) -> list[
     queue: list[tuple[int, float, int, int]] = []  # (level, enqueued, id, output tokens)
     outputs = {0: 400}
     heapq.heappush(queue, (0, 0.0, 0, 400))
-    for i, at in enumerate(arrivals, start=1):
+    for i in range(1, len(arrivals) + 1):
         outputs[i] = 2
     pending = sorted((at, i) for i, at in enumerate(arrivals, start=1))
     now, running, paused_at, backlog = 0.0, None, 0.0, 0

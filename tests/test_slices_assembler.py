@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from llmsched.errors import ConfigError, SliceStateError
 from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
 
@@ -20,8 +19,9 @@ BLOCK = 4
 class FakeEngine:
     """A deterministic greedy 'model' with a character-level vocabulary (id = code point) and
     an OpenAI-style streaming API: the next token is a hash of the last three tokens; EOS when
-    the hash says so once the context has 8 tokens: a function of the context only. A prefix cache of ``cache_tokens`` (block
-    granular, oldest sequences evicted first) reports ``cached_tokens`` as vLLM does."""
+    the hash says so once the context has 8 tokens (a function of the context only). A prefix
+    cache of ``cache_tokens`` (block granular, oldest sequences evicted first) reports
+    ``cached_tokens`` as vLLM does."""
 
     def __init__(self, *, seed: int = 7, eos_every: int = 0, cache_tokens: int = 0) -> None:
         self.seed = seed
@@ -247,7 +247,9 @@ def test_yielding_gateway_loop_still_matches() -> None:
 @pytest.mark.parametrize("stop", [["d c"], ["zz", "ca"], ["b", "a "]])
 @pytest.mark.parametrize("slice_tokens", [1, 2, 5])
 @pytest.mark.parametrize("forward_stop", [True, False])
-def test_stop_strings_with_the_engine(stop: list[str], slice_tokens: int, forward_stop: bool) -> None:
+def test_stop_strings_with_the_engine(
+    stop: list[str], slice_tokens: int, forward_stop: bool
+) -> None:
     request = {"model": "m", "prompt": [104, 105], "max_tokens": 60, "stop": stop}
     whole = run_uninterrupted(FakeEngine(), request, "completions")
     asm = SliceAssembler(request, forward_stop=forward_stop)
@@ -259,7 +261,10 @@ def test_stop_strings_with_the_engine(stop: list[str], slice_tokens: int, forwar
                 break
         asm.end_slice()
     assert asm.text == whole["asm"].text
-    assert (asm.finish_reason, asm.stop_reason) == (whole["asm"].finish_reason, whole["asm"].stop_reason)
+    assert (asm.finish_reason, asm.stop_reason) == (
+        whole["asm"].finish_reason,
+        whole["asm"].stop_reason,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from llmsched.slices_experiment import ExperimentConfig, main, run_experiment
 
 SMALL = ExperimentConfig(
@@ -38,10 +37,25 @@ def test_nobody_waiting_costs_nothing(policy: str) -> None:
     assert sliced.makespan_s == pytest.approx(base.makespan_s)
 
 
-def test_main_prints_a_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_prints_a_table(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import llmsched.slices_experiment as experiment
 
     monkeypatch.setattr(experiment, "ExperimentConfig", lambda: SMALL)
     main()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| policy") and len(lines) == 5
+
+
+def test_readme_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Token slices", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md#token-slices", "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["yield 1 gpu-0 6", "finish 1 None 0"]
+    assert lines[2].startswith("'ab\\nab\\nab\\na' length SliceUsage(prompt_tokens=3")
+    assert "'ab\\nab\\nab\\na' length" in section  # the README states what it prints

@@ -95,6 +95,7 @@ class PrefixIndex:
     def loads(data: bytes, now: float) -> PrefixIndex: ...
 # --- token slices (rust/py/slices.rs) ---
 
+@final
 class SwitchCostModel:
     def __new__(cls, params_json: str = "{}") -> SwitchCostModel: ...
     @staticmethod
@@ -116,6 +117,7 @@ class SwitchCostModel:
     ) -> float: ...
     def to_json(self) -> str: ...
 
+@final
 class SliceDecision:
     """A slice-boundary decision: ``action`` is continue, yield, migrate or finish."""
 
@@ -144,6 +146,7 @@ class SliceDecision:
     @property
     def evict_probability(self) -> float: ...
 
+@final
 class SliceState:
     """A snapshot of one tracked request."""
 
@@ -174,6 +177,7 @@ class SliceState:
     @property
     def paused_since(self) -> float | None: ...
 
+@final
 class EndpointLoad:
     """An endpoint's load as last reported."""
 
@@ -190,6 +194,7 @@ class EndpointLoad:
     @property
     def decode_step_s(self) -> float: ...
 
+@final
 class SliceTracker:
     def __new__(
         cls, policy: str, params_json: str, cost_model: SwitchCostModel
@@ -229,7 +234,7 @@ class SliceTracker:
     def remove(self, key: int) -> bool: ...
     def state(self, key: int) -> SliceState | None: ...
     def __len__(self) -> int: ...
-    def __contains__(self, key: int) -> bool: ...
+    def __contains__(self, key: int, /) -> bool: ...
 
 def evict_probability(context: float, demand_tokens: float, free_tokens: float) -> float: ...
 def slice_policy_names() -> list[str]: ...

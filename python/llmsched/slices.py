@@ -198,7 +198,9 @@ class SwitchCostModel:
         """
         return self._native.weight(priority)
 
-    def recompute_s(self, context_tokens: float, prefill_tokens_per_s: float | None = None) -> float:
+    def recompute_s(
+        self, context_tokens: float, prefill_tokens_per_s: float | None = None
+    ) -> float:
         """Seconds to recompute ``context_tokens`` of KV (default rate: this model's).
 
         >>> SwitchCostModel(prefill_tokens_per_s=1000).recompute_s(500)
@@ -295,15 +297,15 @@ def _check_now(now: object) -> None:
 def _explain_waiting(waiting: object) -> None:
     if isinstance(waiting, (str, bytes)) or not isinstance(waiting, Sequence):
         raise TypeError("waiting must be a sequence of WaitingRequest tuples")
-    limits = (("priority", -_I32 - 1, _I32), ("level", 0, 255))
-    limits += (("context_tokens", 0, _U32), ("expected_tokens", 0, _U32))
+    limits = [("priority", -_I32 - 1, _I32), ("level", 0, 255)]
+    limits += [("context_tokens", 0, _U32), ("expected_tokens", 0, _U32)]
     for i, item in enumerate(waiting):
         if not isinstance(item, tuple) or len(item) != 4:
             raise TypeError(
                 f"waiting[{i}] must be a WaitingRequest "
                 "(priority, level, context_tokens, expected_tokens)"
             )
-        for (field, low, high), value in zip(limits, item):
+        for (field, low, high), value in zip(limits, item, strict=True):
             _check_int(f"waiting[{i}].{field}", value, low, high)
 
 
@@ -722,9 +724,7 @@ class SliceAssembler:
             if not isinstance(m, Mapping) or "role" not in m:
                 raise ConfigError(f"messages[{i}] must be a mapping with a role")
         last = messages[-1]
-        if self._request.get("continue_final_message") and not isinstance(
-            last.get("content"), str
-        ):
+        if self._request.get("continue_final_message") and not isinstance(last.get("content"), str):
             raise ConfigError("continue_final_message needs a final message with text content")
         self._messages = [dict(m) for m in messages]
 
@@ -817,7 +817,9 @@ class SliceAssembler:
             body.pop("stop", None)
         min_tokens = self._request.get("min_tokens")
         if min_tokens:
-            body["min_tokens"] = min(max(0, min_tokens - self._generated_tokens), body["max_tokens"])
+            body["min_tokens"] = min(
+                max(0, min_tokens - self._generated_tokens), body["max_tokens"]
+            )
         if self._api == "completions":
             if self._prompt_ids is not None:
                 body["prompt"] = self._prompt_ids + self._generated_ids

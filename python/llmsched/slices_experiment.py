@@ -210,8 +210,7 @@ class _Sim:
 def _workload(cfg: ExperimentConfig) -> list[_Req]:
     rng = random.Random(cfg.seed)
     reqs = [
-        _Req(i, 0.05 * i, cfg.long_prompt, cfg.long_output, is_long=True)
-        for i in range(cfg.n_long)
+        _Req(i, 0.05 * i, cfg.long_prompt, cfg.long_output, is_long=True) for i in range(cfg.n_long)
     ]
     at = cfg.short_start_s
     for i in range(cfg.n_short):

@@ -114,7 +114,7 @@ class SliceTracker:
     def quantum(self, level: int) -> int:
         if self.policy == "fixed":
             return int(self.params["slice_tokens"])
-        return int(self.params["base_quantum"]) * 2 ** min(level, self.levels - 1)
+        return int(self.params["base_quantum"]) << min(level, self.levels - 1)
 
     def entry_level(self, prompt_tokens: int) -> int:
         if self.policy == "fixed":
@@ -273,7 +273,9 @@ class SliceTracker:
         step = load.decode_step_s
         benefit = step * x_r * weights
         context = float(request.context_tokens)
-        p_evict = 0.0 if context <= 0 else min(1.0, max(0.0, (demand - load.kv_free_tokens) / context))
+        p_evict = (
+            0.0 if context <= 0 else min(1.0, max(0.0, (demand - load.kv_free_tokens) / context))
+        )
         w_r = self.weight(request.priority)
         switch = p_evict * (context / load.prefill_tokens_per_s) + self.cost["requeue_delay_s"]
         yield_cost = w_r * (step * let_through + switch)
