@@ -13,11 +13,7 @@ fn tracker(endpoints: usize, kv_usage: f64) -> SliceTracker {
     let mut t = SliceTracker::from_config("fixed", params, SwitchCostModel::default()).unwrap();
     for i in 0..endpoints {
         // Others are busy (waiting > 0) so the migration scan visits all and picks none.
-        let report = EndpointReport {
-            kv_usage,
-            waiting: u32::from(i > 0),
-            ..Default::default()
-        };
+        let report = EndpointReport { kv_usage, waiting: u32::from(i > 0), ..Default::default() };
         t.set_endpoint(&format!("gpu-{i}"), report).unwrap();
     }
     // Other tracked requests make the hash lookup realistic.
@@ -47,13 +43,7 @@ fn bench_decide(c: &mut Criterion) {
         ("continue-nobody-waiting", 1, 0, 1, Action::Continue),
         ("continue-8-waiting-long", 16, 8, 100_000, Action::Continue),
         ("yield-8-waiting-short", 16, 8, 4, Action::Yield),
-        (
-            "continue-8-waiting-long-64-endpoints",
-            64,
-            8,
-            100_000,
-            Action::Continue,
-        ),
+        ("continue-8-waiting-long-64-endpoints", 64, 8, 100_000, Action::Continue),
     ];
     for (name, endpoints, n_waiting, expected, want) in scenarios {
         let mut t = tracker(endpoints, 0.5);

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from llmsched.reference.slices import SliceTracker as TwinTracker
 from llmsched.slices import SliceTracker, SwitchCostModel, WaitingRequest
 

@@ -7,9 +7,6 @@ import heapq
 import threading
 from typing import Any
 
-import llmsched
-import llmsched.reference.slices as twin_module
-import llmsched.slices as slices_module
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +18,10 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
+
+import llmsched
+import llmsched.reference.slices as twin_module
+import llmsched.slices as slices_module
 from llmsched.errors import ConfigError, SliceStateError, UnknownRequestError, UnknownWorkerError
 from llmsched.reference.slices import SliceTracker as TwinTracker
 from llmsched.slices import (

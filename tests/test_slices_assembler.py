@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from llmsched.errors import ConfigError, SliceStateError
 from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from llmsched.slices_experiment import ExperimentConfig, main, run_experiment
 
 SMALL = ExperimentConfig(

@@ -93,6 +93,7 @@ class PrefixIndex:
     def dumps(self, now: float) -> bytes: ...
     @staticmethod
     def loads(data: bytes, now: float) -> PrefixIndex: ...
+
 # --- token slices (rust/py/slices.rs) ---
 
 @final

@@ -16,8 +16,8 @@ __all__ = [
     "InvalidTokenError",
     "LlmschedError",
     "MalformedEventError",
-    "SnapshotError",
     "SliceStateError",
+    "SnapshotError",
     "UnknownBlockError",
     "UnknownRequestError",
     "UnknownWorkerError",
@@ -54,6 +54,8 @@ class HashChainError(LlmschedError, ValueError):
 
 class SnapshotError(LlmschedError, ValueError):
     """A serialised index is corrupt or of an unknown format; nothing was loaded."""
+
+
 class UnknownRequestError(LlmschedError, KeyError):
     """A request id is not tracked (never admitted, or already finished or removed)."""
 

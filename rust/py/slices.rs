@@ -22,17 +22,13 @@ impl PySwitchCostModel {
     #[new]
     #[pyo3(signature = (params_json = "{}"))]
     fn new(params_json: &str) -> PyResult<Self> {
-        Ok(Self {
-            model: core::SwitchCostModel::from_json(params_json)?,
-        })
+        Ok(Self { model: core::SwitchCostModel::from_json(params_json)? })
     }
 
     /// Derives the model from model dimensions and GPU numbers given as a JSON object.
     #[staticmethod]
     fn from_dims_json(dims_json: &str) -> PyResult<Self> {
-        Ok(Self {
-            model: core::SwitchCostModel::from_dims_json(dims_json)?,
-        })
+        Ok(Self { model: core::SwitchCostModel::from_dims_json(dims_json)? })
     }
 
     #[getter]
@@ -65,8 +61,7 @@ impl PySwitchCostModel {
     }
 
     fn switch_s(&self, evict_probability: f64, context: f64, prefill_tokens_per_s: f64) -> f64 {
-        self.model
-            .switch_s(evict_probability, context, prefill_tokens_per_s)
+        self.model.switch_s(evict_probability, context, prefill_tokens_per_s)
     }
 
     fn to_json(&self) -> String {
@@ -220,9 +215,7 @@ impl PySliceTracker {
     #[pyo3(signature = (policy, params_json, cost_model))]
     fn new(policy: &str, params_json: &str, cost_model: &PySwitchCostModel) -> PyResult<Self> {
         let tracker = core::SliceTracker::from_config(policy, params_json, cost_model.model)?;
-        Ok(Self {
-            inner: Arc::new(Mutex::new(tracker)),
-        })
+        Ok(Self { inner: Arc::new(Mutex::new(tracker)) })
     }
 
     #[getter]
@@ -240,9 +233,7 @@ impl PySliceTracker {
     }
 
     fn cost_model(&self) -> PySwitchCostModel {
-        PySwitchCostModel {
-            model: *self.inner.lock().cost_model(),
-        }
+        PySwitchCostModel { model: *self.inner.lock().cost_model() }
     }
 
     fn quantum(&self, level: u8) -> PyResult<u32> {
@@ -274,19 +265,11 @@ impl PySliceTracker {
     }
 
     fn endpoint_load(&self, name: &str) -> Option<PyEndpointLoad> {
-        self.inner
-            .lock()
-            .endpoint_load(name)
-            .map(PyEndpointLoad::from)
+        self.inner.lock().endpoint_load(name).map(PyEndpointLoad::from)
     }
 
     fn endpoint_names(&self) -> Vec<String> {
-        self.inner
-            .lock()
-            .endpoint_names()
-            .iter()
-            .map(|n| n.to_string())
-            .collect()
+        self.inner.lock().endpoint_names().iter().map(|n| n.to_string()).collect()
     }
 
     fn admit(
@@ -297,10 +280,7 @@ impl PySliceTracker {
         priority: i32,
         endpoint: &str,
     ) -> PyResult<(u8, u32)> {
-        let start = self
-            .inner
-            .lock()
-            .admit(key, prompt_tokens, max_tokens, priority, endpoint)?;
+        let start = self.inner.lock().admit(key, prompt_tokens, max_tokens, priority, endpoint)?;
         Ok(start_tuple(start))
     }
 
@@ -318,14 +298,12 @@ impl PySliceTracker {
     ) -> PyResult<PySliceDecision> {
         let waiting: Vec<WaitingRequest> = waiting
             .into_iter()
-            .map(
-                |(priority, level, context_tokens, expected_tokens)| WaitingRequest {
-                    priority,
-                    level,
-                    context_tokens,
-                    expected_tokens,
-                },
-            )
+            .map(|(priority, level, context_tokens, expected_tokens)| WaitingRequest {
+                priority,
+                level,
+                context_tokens,
+                expected_tokens,
+            })
             .collect();
         let decision = self.inner.lock().decide(key, finished, &waiting, now)?;
         Ok(decision.into())

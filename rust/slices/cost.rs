@@ -36,13 +36,8 @@ pub struct ModelDims {
 
 impl ModelDims {
     /// Llama-3-8B (8.03 B parameters, 32 layers, 8 KV heads of 128, bf16).
-    pub const LLAMA3_8B: ModelDims = ModelDims {
-        params: 8.03e9,
-        layers: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        dtype_bytes: 2,
-    };
+    pub const LLAMA3_8B: ModelDims =
+        ModelDims { params: 8.03e9, layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2 };
 
     /// `2 * layers * kv_heads * head_dim * dtype_bytes`.
     pub fn kv_bytes_per_token(&self) -> f64 {
@@ -80,11 +75,8 @@ pub struct GpuSpec {
 
 impl GpuSpec {
     /// H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s, 80 GB.
-    pub const H100_SXM: GpuSpec = GpuSpec {
-        flops: 989e12,
-        hbm_bytes_per_s: 3.35e12,
-        memory_bytes: 80e9,
-    };
+    pub const H100_SXM: GpuSpec =
+        GpuSpec { flops: 989e12, hbm_bytes_per_s: 3.35e12, memory_bytes: 80e9 };
 }
 
 impl Default for GpuSpec {
@@ -200,19 +192,11 @@ impl SwitchCostModel {
             ("priority_base", self.priority_base),
         ] {
             if !(value.is_finite() && value > 0.0) {
-                return Err(bad_param(
-                    "cost model",
-                    name,
-                    "must be a positive finite number",
-                ));
+                return Err(bad_param("cost model", name, "must be a positive finite number"));
             }
         }
         if !(self.requeue_delay_s.is_finite() && self.requeue_delay_s >= 0.0) {
-            return Err(bad_param(
-                "cost model",
-                "requeue_delay_s",
-                "must be finite and >= 0",
-            ));
+            return Err(bad_param("cost model", "requeue_delay_s", "must be finite and >= 0"));
         }
         Ok(self)
     }
@@ -259,10 +243,7 @@ pub(crate) fn decode_json<T: for<'de> Deserialize<'de>>(
 ) -> Result<T, SliceError> {
     let trimmed = params.trim();
     let text = if trimmed.is_empty() { "{}" } else { trimmed };
-    let bad = |reason: String| SliceError::BadParams {
-        what: what.to_string(),
-        reason,
-    };
+    let bad = |reason: String| SliceError::BadParams { what: what.to_string(), reason };
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
     if !value.is_object() {
         return Err(bad("expected an object of named parameters".to_string()));
@@ -271,10 +252,7 @@ pub(crate) fn decode_json<T: for<'de> Deserialize<'de>>(
 }
 
 pub(crate) fn bad_param(what: &str, name: &str, reason: &str) -> SliceError {
-    SliceError::BadParams {
-        what: what.to_string(),
-        reason: format!("{name} {reason}"),
-    }
+    SliceError::BadParams { what: what.to_string(), reason: format!("{name} {reason}") }
 }
 
 #[cfg(test)]
@@ -289,16 +267,8 @@ mod tests {
         let us_per_token = 1e6 / model.prefill_tokens_per_s;
         assert!((us_per_token - 32.5).abs() < 0.5, "{us_per_token}");
         // (72 GB - 16.06 GB) / 128 KiB
-        assert!(
-            (model.kv_capacity_tokens - 426_788.0).abs() < 1.0,
-            "{}",
-            model.kv_capacity_tokens
-        );
-        assert!(
-            (model.decode_step_s - 0.006_848).abs() < 1e-5,
-            "{}",
-            model.decode_step_s
-        );
+        assert!((model.kv_capacity_tokens - 426_788.0).abs() < 1.0, "{}", model.kv_capacity_tokens);
+        assert!((model.decode_step_s - 0.006_848).abs() < 1e-5, "{}", model.decode_step_s);
     }
 
     #[test]
@@ -312,20 +282,13 @@ mod tests {
             (0.0, 5000.0, 0.0, 0.0),
         ];
         for (context, demand, free, want) in cases {
-            assert_eq!(
-                evict_probability(context, demand, free),
-                want,
-                "{context} {demand} {free}"
-            );
+            assert_eq!(evict_probability(context, demand, free), want, "{context} {demand} {free}");
         }
     }
 
     #[test]
     fn switch_cost_adds_recompute_and_requeue() {
-        let model = SwitchCostModel {
-            requeue_delay_s: 0.01,
-            ..SwitchCostModel::default()
-        };
+        let model = SwitchCostModel { requeue_delay_s: 0.01, ..SwitchCostModel::default() };
         let cost = model.switch_s(0.5, 2000.0, 10_000.0);
         assert!((cost - (0.1 + 0.01)).abs() < 1e-12);
         assert_eq!(model.weight(0), 1.0);
@@ -341,10 +304,7 @@ mod tests {
         assert!(err.to_string().contains("decode_step_s"), "{err}");
         let ok = SwitchCostModel::from_json(r#"{"decode_step_s": 0.02}"#).unwrap();
         assert_eq!(ok.decode_step_s, 0.02);
-        assert_eq!(
-            ok.prefill_tokens_per_s,
-            SwitchCostModel::default().prefill_tokens_per_s
-        );
+        assert_eq!(ok.prefill_tokens_per_s, SwitchCostModel::default().prefill_tokens_per_s);
         let err = SwitchCostModel::from_dims_json(r#"{"gpu": {"memory_bytes": 1e9}}"#).unwrap_err();
         assert!(err.to_string().contains("no room"), "{err}");
         let err = SwitchCostModel::from_dims_json(r#"{"model": {"layerz": 3}}"#).unwrap_err();

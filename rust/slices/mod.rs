@@ -67,17 +67,9 @@ pub enum SliceError {
     #[error("unknown endpoint {0:?}")]
     UnknownEndpoint(String),
     #[error("request {key} is {actual}; this needs it {expected}")]
-    WrongPhase {
-        key: RequestKey,
-        expected: &'static str,
-        actual: &'static str,
-    },
+    WrongPhase { key: RequestKey, expected: &'static str, actual: &'static str },
     #[error("request {key}: {tokens} tokens exceed the {left} left in its slice")]
-    SliceOverrun {
-        key: RequestKey,
-        tokens: u32,
-        left: u32,
-    },
+    SliceOverrun { key: RequestKey, tokens: u32, left: u32 },
     #[error("request {key} is not at a slice boundary: {left} tokens left in its slice")]
     NotAtBoundary { key: RequestKey, left: u32 },
     #[error("invalid {name}: {reason}")]
@@ -85,10 +77,7 @@ pub enum SliceError {
 }
 
 fn invalid(name: impl Into<String>, reason: impl Into<String>) -> SliceError {
-    SliceError::InvalidValue {
-        name: name.into(),
-        reason: reason.into(),
-    }
+    SliceError::InvalidValue { name: name.into(), reason: reason.into() }
 }
 
 /// What happens after a slice boundary.
@@ -299,10 +288,7 @@ impl SliceTracker {
         params_json: &str,
         cost: SwitchCostModel,
     ) -> Result<Self, SliceError> {
-        Ok(Self::new(
-            build_policy(policy, params_json)?,
-            cost.validated()?,
-        ))
+        Ok(Self::new(build_policy(policy, params_json)?, cost.validated()?))
     }
 
     pub fn policy(&self) -> &dyn SlicePolicy {
@@ -350,9 +336,7 @@ impl SliceTracker {
 
     /// The last load of endpoint `name`.
     pub fn endpoint_load(&self, name: &str) -> Option<EndpointLoad> {
-        self.endpoint_ids
-            .get(name)
-            .map(|&id| self.endpoints[id as usize].load)
+        self.endpoint_ids.get(name).map(|&id| self.endpoints[id as usize].load)
     }
 
     /// Adds endpoint `name` or updates its load.
@@ -369,9 +353,7 @@ impl SliceTracker {
             kv_capacity_tokens: report.kv_capacity_tokens.unwrap_or(base.kv_capacity_tokens),
             kv_usage: report.kv_usage,
             waiting: report.waiting,
-            prefill_tokens_per_s: report
-                .prefill_tokens_per_s
-                .unwrap_or(base.prefill_tokens_per_s),
+            prefill_tokens_per_s: report.prefill_tokens_per_s.unwrap_or(base.prefill_tokens_per_s),
             decode_step_s: report.decode_step_s.unwrap_or(base.decode_step_s),
         };
         validate_load(&load)?;
@@ -387,11 +369,7 @@ impl SliceTracker {
                     .map_err(|_| invalid("endpoint", "too many endpoints"))?;
                 let name: Arc<str> = Arc::from(name);
                 self.endpoint_ids.insert(name.clone(), id);
-                self.endpoints.push(Endpoint {
-                    name,
-                    load,
-                    kv_free_tokens,
-                });
+                self.endpoints.push(Endpoint { name, load, kv_free_tokens });
             }
         }
         Ok(())
@@ -438,24 +416,14 @@ impl SliceTracker {
                 phase: Phase::Running,
             },
         );
-        Ok(SliceStart {
-            level,
-            slice_tokens,
-        })
+        Ok(SliceStart { level, slice_tokens })
     }
 
     fn running(&mut self, key: RequestKey) -> Result<&mut Request, SliceError> {
-        let request = self
-            .requests
-            .get_mut(&key)
-            .ok_or(SliceError::UnknownRequest(key))?;
+        let request = self.requests.get_mut(&key).ok_or(SliceError::UnknownRequest(key))?;
         match request.phase {
             Phase::Running => Ok(request),
-            other => Err(SliceError::WrongPhase {
-                key,
-                expected: "running",
-                actual: other.name(),
-            }),
+            other => Err(SliceError::WrongPhase { key, expected: "running", actual: other.name() }),
         }
     }
 
@@ -496,10 +464,7 @@ impl SliceTracker {
         let level = self.policy.level_after_quantum(request.level);
         let next_slice_tokens = self.policy.quantum(level).min(request.remaining());
         let trade = self.weigh(&request, next_slice_tokens, waiting);
-        let stored = self
-            .requests
-            .get_mut(&key)
-            .ok_or(SliceError::UnknownRequest(key))?;
+        let stored = self.requests.get_mut(&key).ok_or(SliceError::UnknownRequest(key))?;
         stored.level = level;
         stored.slice_generated = 0;
         stored.slice_tokens = next_slice_tokens;
@@ -547,17 +512,11 @@ impl SliceTracker {
         let levels = self.policy.levels();
         for (i, w) in waiting.iter().enumerate() {
             if w.level >= levels {
-                let reason = format!(
-                    "level {} is not below the policy's {levels} levels",
-                    w.level
-                );
+                let reason = format!("level {} is not below the policy's {levels} levels", w.level);
                 return Err(invalid(format!("waiting[{i}]"), reason));
             }
             if w.expected_tokens == 0 {
-                return Err(invalid(
-                    format!("waiting[{i}]"),
-                    "expected_tokens must be at least 1",
-                ));
+                return Err(invalid(format!("waiting[{i}]"), "expected_tokens must be at least 1"));
             }
         }
         Ok(())
@@ -593,22 +552,16 @@ impl SliceTracker {
         let context = request.context_tokens() as f64;
         let evict_probability = evict_probability(context, demand, endpoint.kv_free_tokens);
         let w_r = self.cost.weight(request.priority);
-        let switch_s = self.cost.switch_s(
-            evict_probability,
-            context,
-            endpoint.load.prefill_tokens_per_s,
-        );
+        let switch_s =
+            self.cost.switch_s(evict_probability, context, endpoint.load.prefill_tokens_per_s);
         let yield_cost_s = w_r * (step_s * let_through + switch_s);
         let migration = self.best_migration(here, context + x_r, context, w_r);
         let (action, target, cost) = match migration {
             Some((id, cost)) if cost < yield_cost_s => (Action::Migrate, id, cost),
             _ => (Action::Yield, here, yield_cost_s),
         };
-        let (action, target) = if benefit_s > cost {
-            (action, target)
-        } else {
-            (Action::Continue, here)
-        };
+        let (action, target) =
+            if benefit_s > cost { (action, target) } else { (Action::Continue, here) };
         Tradeoff {
             action,
             target,
@@ -632,10 +585,8 @@ impl SliceTracker {
             if id == here || endpoint.load.waiting > 0 || endpoint.kv_free_tokens < room {
                 continue;
             }
-            let cost = weight
-                * self
-                    .cost
-                    .switch_s(1.0, context, endpoint.load.prefill_tokens_per_s);
+            let cost =
+                weight * self.cost.switch_s(1.0, context, endpoint.load.prefill_tokens_per_s);
             if best.is_none_or(|(_, c)| cost < c) {
                 best = Some((id, cost));
             }
@@ -646,16 +597,9 @@ impl SliceTracker {
     /// Starts the next slice of a paused request on `endpoint` (where the router sent it).
     pub fn resume(&mut self, key: RequestKey, endpoint: &str) -> Result<SliceStart, SliceError> {
         let endpoint = self.endpoint_id(endpoint)?;
-        let request = self
-            .requests
-            .get_mut(&key)
-            .ok_or(SliceError::UnknownRequest(key))?;
+        let request = self.requests.get_mut(&key).ok_or(SliceError::UnknownRequest(key))?;
         if request.phase == Phase::Running {
-            return Err(SliceError::WrongPhase {
-                key,
-                expected: "paused",
-                actual: "running",
-            });
+            return Err(SliceError::WrongPhase { key, expected: "paused", actual: "running" });
         }
         let slice_tokens = self.policy.quantum(request.level).min(request.remaining());
         request.phase = Phase::Running;
@@ -664,10 +608,7 @@ impl SliceTracker {
         request.slices += 1;
         request.slice_generated = 0;
         request.slice_tokens = slice_tokens;
-        Ok(SliceStart {
-            level: request.level,
-            slice_tokens,
-        })
+        Ok(SliceStart { level: request.level, slice_tokens })
     }
 
     /// Promotes to level 0 every paused request that has waited `promote_after_s` or longer by

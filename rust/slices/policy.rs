@@ -37,17 +37,10 @@ pub const REGISTRY: &[(&str, Factory)] = &[("fixed", FixedSlice::build), ("mlfq"
 /// Builds the policy `name` from a JSON object of parameters (empty: every default).
 pub fn build_policy(name: &str, params_json: &str) -> Result<Box<dyn SlicePolicy>, SliceError> {
     let (_, factory) =
-        REGISTRY
-            .iter()
-            .find(|(n, _)| *n == name)
-            .ok_or_else(|| SliceError::UnknownPolicy {
-                name: name.to_string(),
-                known: REGISTRY
-                    .iter()
-                    .map(|(n, _)| *n)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })?;
+        REGISTRY.iter().find(|(n, _)| *n == name).ok_or_else(|| SliceError::UnknownPolicy {
+            name: name.to_string(),
+            known: REGISTRY.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+        })?;
     factory(params_json)
 }
 
@@ -79,11 +72,7 @@ impl FixedSlice {
     fn build(params: &str) -> Result<Box<dyn SlicePolicy>, SliceError> {
         let policy: Self = decode_json("policy fixed", params)?;
         if policy.slice_tokens == 0 {
-            return Err(bad_param(
-                "policy fixed",
-                "slice_tokens",
-                "must be at least 1",
-            ));
+            return Err(bad_param("policy fixed", "slice_tokens", "must be at least 1"));
         }
         Ok(Box::new(policy))
     }
@@ -135,12 +124,7 @@ pub struct Mlfq {
 
 impl Default for Mlfq {
     fn default() -> Self {
-        Self {
-            base_quantum: 512,
-            levels: 4,
-            join_ratio: 8.0,
-            promote_after_s: 10.0,
-        }
+        Self { base_quantum: 512, levels: 4, join_ratio: 8.0, promote_after_s: 10.0 }
     }
 }
 
@@ -148,11 +132,7 @@ impl Mlfq {
     fn build(params: &str) -> Result<Box<dyn SlicePolicy>, SliceError> {
         let policy: Self = decode_json("policy mlfq", params)?;
         if policy.base_quantum == 0 {
-            return Err(bad_param(
-                "policy mlfq",
-                "base_quantum",
-                "must be at least 1",
-            ));
+            return Err(bad_param("policy mlfq", "base_quantum", "must be at least 1"));
         }
         if !(1..=16).contains(&policy.levels) {
             return Err(bad_param("policy mlfq", "levels", "must be in 1..=16"));
@@ -166,11 +146,7 @@ impl Mlfq {
             ));
         }
         if !(policy.join_ratio.is_finite() && policy.join_ratio > 0.0) {
-            return Err(bad_param(
-                "policy mlfq",
-                "join_ratio",
-                "must be a positive finite number",
-            ));
+            return Err(bad_param("policy mlfq", "join_ratio", "must be a positive finite number"));
         }
         if !(policy.promote_after_s.is_finite() && policy.promote_after_s > 0.0) {
             return Err(bad_param(
@@ -248,22 +224,11 @@ mod tests {
 
     #[test]
     fn mlfq_levels_table() {
-        let p = build_policy(
-            "mlfq",
-            r#"{"base_quantum": 100, "levels": 3, "join_ratio": 2}"#,
-        )
-        .unwrap();
+        let p =
+            build_policy("mlfq", r#"{"base_quantum": 100, "levels": 3, "join_ratio": 2}"#).unwrap();
         // quantum: 100, 200, 400; join thresholds: 200, 400, 800.
         assert_eq!((p.quantum(0), p.quantum(1), p.quantum(2)), (100, 200, 400));
-        let cases = [
-            (0, 0),
-            (200, 0),
-            (201, 1),
-            (400, 1),
-            (401, 2),
-            (800, 2),
-            (100_000, 2),
-        ];
+        let cases = [(0, 0), (200, 0), (201, 1), (400, 1), (401, 2), (800, 2), (100_000, 2)];
         for (prompt, level) in cases {
             assert_eq!(p.entry_level(prompt), level, "prompt {prompt}");
         }

@@ -24,12 +24,7 @@ fn tracker(policy: &str, params: &str) -> SliceTracker {
 }
 
 fn short(expected: u32) -> WaitingRequest {
-    WaitingRequest {
-        priority: 0,
-        level: 0,
-        context_tokens: 100,
-        expected_tokens: expected,
-    }
+    WaitingRequest { priority: 0, level: 0, context_tokens: 100, expected_tokens: expected }
 }
 
 /// Runs one full slice of `key` and decides with `waiting`.
@@ -43,21 +38,12 @@ fn boundary(t: &mut SliceTracker, key: RequestKey, waiting: &[WaitingRequest]) -
 fn fixed_slices_add_up_to_the_budget() {
     let mut t = tracker("fixed", r#"{"slice_tokens": 300}"#);
     let start = t.admit(1, 50, 1000, 0, "a").unwrap();
-    assert_eq!(
-        start,
-        SliceStart {
-            level: 0,
-            slice_tokens: 300
-        }
-    );
+    assert_eq!(start, SliceStart { level: 0, slice_tokens: 300 });
     let mut budgets = vec![300];
     loop {
         let d = boundary(&mut t, 1, &[]);
         if d.action == Action::Finish {
-            assert_eq!(
-                (d.generated_tokens, d.slices, d.context_tokens),
-                (1000, 4, 1050)
-            );
+            assert_eq!((d.generated_tokens, d.slices, d.context_tokens), (1000, 4, 1050));
             break;
         }
         assert_eq!(d.action, Action::Continue);
@@ -76,66 +62,24 @@ fn refusals_leave_the_tracker_unchanged() {
     let before = t.get(1).unwrap();
     assert_eq!(
         t.record_tokens(1, 7).unwrap_err(),
-        SliceError::SliceOverrun {
-            key: 1,
-            tokens: 7,
-            left: 6
-        }
+        SliceError::SliceOverrun { key: 1, tokens: 7, left: 6 }
     );
     assert_eq!(
         t.decide(1, false, &[], 0.0).unwrap_err(),
         SliceError::NotAtBoundary { key: 1, left: 6 }
     );
-    assert_eq!(
-        t.admit(1, 5, 100, 0, "a").unwrap_err(),
-        SliceError::DuplicateRequest(1)
-    );
-    assert!(matches!(
-        t.admit(2, 5, 100, 0, "zz"),
-        Err(SliceError::UnknownEndpoint(_))
-    ));
-    assert!(matches!(
-        t.admit(2, 5, 0, 0, "a"),
-        Err(SliceError::InvalidValue { .. })
-    ));
-    assert!(matches!(
-        t.resume(1, "a"),
-        Err(SliceError::WrongPhase { .. })
-    ));
-    assert!(matches!(
-        t.decide(1, false, &[], f64::NAN),
-        Err(SliceError::InvalidValue { .. })
-    ));
-    let bad_level = WaitingRequest {
-        level: 1,
-        ..short(5)
-    };
-    assert!(matches!(
-        t.decide(1, true, &[bad_level], 0.0),
-        Err(SliceError::InvalidValue { .. })
-    ));
-    assert!(matches!(
-        t.decide(1, true, &[short(0)], 0.0),
-        Err(SliceError::InvalidValue { .. })
-    ));
-    assert_eq!(
-        t.decide(9, false, &[], 0.0).unwrap_err(),
-        SliceError::UnknownRequest(9)
-    );
-    let bad = EndpointReport {
-        kv_usage: 1.5,
-        ..EndpointReport::default()
-    };
+    assert_eq!(t.admit(1, 5, 100, 0, "a").unwrap_err(), SliceError::DuplicateRequest(1));
+    assert!(matches!(t.admit(2, 5, 100, 0, "zz"), Err(SliceError::UnknownEndpoint(_))));
+    assert!(matches!(t.admit(2, 5, 0, 0, "a"), Err(SliceError::InvalidValue { .. })));
+    assert!(matches!(t.resume(1, "a"), Err(SliceError::WrongPhase { .. })));
+    assert!(matches!(t.decide(1, false, &[], f64::NAN), Err(SliceError::InvalidValue { .. })));
+    let bad_level = WaitingRequest { level: 1, ..short(5) };
+    assert!(matches!(t.decide(1, true, &[bad_level], 0.0), Err(SliceError::InvalidValue { .. })));
+    assert!(matches!(t.decide(1, true, &[short(0)], 0.0), Err(SliceError::InvalidValue { .. })));
+    assert_eq!(t.decide(9, false, &[], 0.0).unwrap_err(), SliceError::UnknownRequest(9));
+    let bad = EndpointReport { kv_usage: 1.5, ..EndpointReport::default() };
     assert!(t.set_endpoint("a", bad).is_err());
-    assert!(t
-        .set_endpoint(
-            "b",
-            EndpointReport {
-                decode_step_s: Some(-1.0),
-                ..bad
-            }
-        )
-        .is_err());
+    assert!(t.set_endpoint("b", EndpointReport { decode_step_s: Some(-1.0), ..bad }).is_err());
     assert_eq!(t.get(1).unwrap(), before);
     assert_eq!(t.endpoint_names().len(), 1);
     assert_eq!(t.endpoint_load("a").unwrap().kv_usage, 0.0);
@@ -148,18 +92,9 @@ fn mlfq_levels_move_as_specified() {
     // join thresholds: 100, 200, 400 prompt tokens.
     assert_eq!([50, 150, 300, 5000].map(|p| t.entry_level(p)), [0, 1, 2, 2]);
     let start = t.admit(1, 150, 1000, 0, "a").unwrap();
-    assert_eq!(
-        start,
-        SliceStart {
-            level: 1,
-            slice_tokens: 20
-        }
-    );
+    assert_eq!(start, SliceStart { level: 1, slice_tokens: 20 });
     let d = boundary(&mut t, 1, &[]);
-    assert_eq!(
-        (d.action, d.level, d.next_slice_tokens),
-        (Action::Continue, 2, 40)
-    );
+    assert_eq!((d.action, d.level, d.next_slice_tokens), (Action::Continue, 2, 40));
     let d = boundary(&mut t, 1, &[]);
     assert_eq!((d.level, d.next_slice_tokens), (2, 40)); // stays at the bottom
                                                          // A short waiting request at level 0 makes the long one yield.
@@ -168,31 +103,15 @@ fn mlfq_levels_move_as_specified() {
     assert_eq!(t.get(1).unwrap().phase, Phase::Paused { since: 1.0 });
     assert!(t.promote(5.9).unwrap().is_empty());
     assert_eq!(t.promote(6.0).unwrap(), vec![(1, 0)]);
-    assert_eq!(
-        t.resume(1, "a").unwrap(),
-        SliceStart {
-            level: 0,
-            slice_tokens: 10
-        }
-    );
+    assert_eq!(t.resume(1, "a").unwrap(), SliceStart { level: 0, slice_tokens: 10 });
     let view = t.get(1).unwrap();
-    assert_eq!(
-        (view.slices, view.generated_tokens, view.phase),
-        (4, 100, Phase::Running)
-    );
+    assert_eq!((view.slices, view.generated_tokens, view.phase), (4, 100, Phase::Running));
 }
 
 #[test]
 fn nobody_waiting_always_continues() {
     let mut t = tracker("mlfq", r#"{"base_quantum": 4, "levels": 2}"#);
-    t.set_endpoint(
-        "a",
-        EndpointReport {
-            kv_usage: 1.0,
-            ..EndpointReport::default()
-        },
-    )
-    .unwrap();
+    t.set_endpoint("a", EndpointReport { kv_usage: 1.0, ..EndpointReport::default() }).unwrap();
     t.admit(7, 10, 100, -3, "a").unwrap();
     for _ in 0..10 {
         let d = boundary(&mut t, 7, &[]);
@@ -205,10 +124,7 @@ fn nobody_waiting_always_continues() {
 fn cost_and_benefit_follow_the_formulas() {
     // base quantum 100: the running request (prompt 900) enters level 0 and moves to level 1
     // (next slice 200); waiting shorts have x_i = 30 each.
-    let mut t = tracker(
-        "mlfq",
-        r#"{"base_quantum": 100, "levels": 3, "join_ratio": 10}"#,
-    );
+    let mut t = tracker("mlfq", r#"{"base_quantum": 100, "levels": 3, "join_ratio": 10}"#);
     let report = EndpointReport {
         kv_usage: 0.999,
         kv_capacity_tokens: Some(100_000.0),
@@ -250,14 +166,7 @@ fn priority_weights_tilt_the_decision() {
 #[test]
 fn migrates_to_an_idle_endpoint_when_cheaper() {
     let mut t = tracker("fixed", r#"{"slice_tokens": 500}"#);
-    t.set_endpoint(
-        "b",
-        EndpointReport {
-            waiting: 2,
-            ..EndpointReport::default()
-        },
-    )
-    .unwrap();
+    t.set_endpoint("b", EndpointReport { waiting: 2, ..EndpointReport::default() }).unwrap();
     t.set_endpoint("c", EndpointReport::default()).unwrap();
     t.admit(1, 1000, 10_000, 0, "a").unwrap();
     // Waiting work of 400 tokens: yield pauses 4 s, migrating costs 1.5k/10k + 0.005 s.
@@ -278,17 +187,11 @@ fn finish_on_end_of_sequence_or_budget() {
     t.admit(1, 3, 20, 0, "a").unwrap();
     t.record_tokens(1, 5).unwrap();
     let d = t.decide(1, true, &[short(1)], 0.0).unwrap();
-    assert_eq!(
-        (d.action, d.generated_tokens, d.endpoint),
-        (Action::Finish, 5, None)
-    );
+    assert_eq!((d.action, d.generated_tokens, d.endpoint), (Action::Finish, 5, None));
     assert!(!t.contains(1));
     t.admit(2, 3, 8, 0, "a").unwrap();
     t.record_tokens(2, 8).unwrap();
-    assert_eq!(
-        t.decide(2, false, &[short(1)], 0.0).unwrap().action,
-        Action::Finish
-    );
+    assert_eq!(t.decide(2, false, &[short(1)], 0.0).unwrap().action, Action::Finish);
 }
 
 #[test]
@@ -301,19 +204,9 @@ fn endpoint_reports_keep_unset_fields() {
         ..EndpointReport::default()
     };
     t.set_endpoint("b", first).unwrap();
-    t.set_endpoint(
-        "b",
-        EndpointReport {
-            kv_usage: 0.25,
-            ..EndpointReport::default()
-        },
-    )
-    .unwrap();
+    t.set_endpoint("b", EndpointReport { kv_usage: 0.25, ..EndpointReport::default() }).unwrap();
     let load = t.endpoint_load("b").unwrap();
-    assert_eq!(
-        (load.kv_capacity_tokens, load.decode_step_s, load.kv_usage),
-        (1000.0, 0.5, 0.25)
-    );
+    assert_eq!((load.kv_capacity_tokens, load.decode_step_s, load.kv_usage), (1000.0, 0.5, 0.25));
     assert_eq!(load.prefill_tokens_per_s, PREFILL);
     assert_eq!(load.kv_free_tokens(), 750.0);
 }
@@ -322,10 +215,7 @@ fn endpoint_reports_keep_unset_fields() {
 #[derive(Debug, Clone)]
 enum Op {
     Record(u32),
-    Decide {
-        finished: bool,
-        waiting: Vec<(i32, u32)>,
-    },
+    Decide { finished: bool, waiting: Vec<(i32, u32)> },
     Resume,
     Promote(f64),
 }
