@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import heapq
 import threading
 from typing import Any
@@ -20,8 +19,6 @@ from hypothesis.stateful import (
 )
 
 import llmsched
-import llmsched.reference.slices as twin_module
-import llmsched.slices as slices_module
 from llmsched.errors import ConfigError, SliceStateError, UnknownRequestError, UnknownWorkerError
 from llmsched.reference.slices import SliceTracker as TwinTracker
 from llmsched.slices import (
@@ -65,13 +62,6 @@ DECISION_FIELDS = [
 ]
 
 COST = SwitchCostModel(prefill_tokens_per_s=10_000, decode_step_s=0.01, kv_capacity_tokens=50_000)
-
-
-def test_doctests() -> None:
-    for module in (slices_module, twin_module):
-        result = doctest.testmod(module)
-        assert result.attempted > 0
-        assert result.failed == 0
 
 
 def test_policies_registry_and_defaults() -> None:
