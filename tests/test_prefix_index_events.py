@@ -12,7 +12,16 @@ import pytest
 import llmsched
 from llmsched import PrefixIndex
 
-VECTORS = Path(__file__).resolve().parent.parent.parent / "shared" / "vectors"
+def _vectors() -> Path:
+    """``shared/vectors`` beside the checkout (or beside any folder above it)."""
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "shared" / "vectors"
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("shared/vectors not found beside the checkout")
+
+
+VECTORS = _vectors()
 
 
 def load(name: str) -> dict:
