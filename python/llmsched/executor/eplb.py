@@ -231,14 +231,22 @@ class ExpertPlacement:
             raise ConfigError("every logical expert needs at least one physical slot")
 
     @classmethod
-    def contiguous(cls, num_layers: int, num_experts: int) -> ExpertPlacement:
-        """One slot per expert in order: expert ``e`` on GPU ``e // (E / G)``.
+    def contiguous(
+        cls, num_layers: int, num_experts: int, num_slots: int | None = None
+    ) -> ExpertPlacement:
+        """Experts in order, one slot each (expert ``e`` on GPU ``e // (E / G)``); any extra
+        slots hold a second replica of experts ``0, 1, ...`` in turn.
 
         >>> ExpertPlacement.contiguous(2, 3).logcnt.tolist()
         [[1, 1, 1], [1, 1, 1]]
+        >>> ExpertPlacement.contiguous(1, 3, 4).phy2log.tolist()
+        [[0, 1, 2, 0]]
         """
-        phy2log = np.tile(np.arange(num_experts, dtype=np.int64), (num_layers, 1))
-        return cls.from_phy2log(phy2log, num_experts)
+        slots = num_experts if num_slots is None else num_slots
+        if slots < num_experts:
+            raise ConfigError(f"{slots} slots cannot hold {num_experts} experts")
+        row = np.arange(slots, dtype=np.int64) % num_experts
+        return cls.from_phy2log(np.tile(row, (num_layers, 1)), num_experts)
 
     @classmethod
     def from_phy2log(cls, phy2log: npt.ArrayLike, num_experts: int) -> ExpertPlacement:

@@ -81,12 +81,26 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 def encode_event_batch(ts: float, events: Sequence[KVEvent], dp_rank: int | None) -> bytes:
     """One msgpack ``EventBatch`` payload (the third ZMQ frame vLLM publishes).
 
+    Encoded as vLLM's msgspec encoder writes it: ``BlockStored`` (a struct of more than 15
+    declared fields) always gets a 16-bit map header, smaller events a fixmap.
+
     >>> encode_event_batch(0.0, [], None).hex()
     '93cb000000000000000090c0'
     """
-    packed = msgpack.packb([float(ts), [e.to_wire() for e in events], dp_rank], use_bin_type=True)
-    assert isinstance(packed, bytes)
-    return packed
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_array_header(3), packer.pack(float(ts))]
+    parts.append(packer.pack_array_header(len(events)))
+    for event in events:
+        fields = event.to_wire()
+        if isinstance(event, BlockStored):
+            parts.append(b"\xde" + len(fields).to_bytes(2, "big"))
+        else:
+            parts.append(packer.pack_map_header(len(fields)))
+        for key, value in fields.items():
+            parts.append(packer.pack(key))
+            parts.append(packer.pack(value))
+    parts.append(packer.pack(dp_rank))
+    return b"".join(parts)
 
 
 def decode_event_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
