@@ -67,6 +67,7 @@ __all__ = [
     "KVCacheManager",
     "KVSizing",
     "LocalExperts",
+    "ModelConfig",
     "MoEModelSpec",
     "MoETransformer",
     "PagedKV",

@@ -356,6 +356,7 @@ class ExpertBackend(abc.ABC):
         self.placement = placement
         self._log2phy: list[Tensor] = []
         self._logcnt: list[Tensor] = []
+        self._next_replica: list[Tensor] = []
         for layer in range(placement.num_layers):
             self._cache_layer_maps(layer)
 
@@ -363,19 +364,28 @@ class ExpertBackend(abc.ABC):
         device = self.store.device
         log2phy = torch.as_tensor(self.placement.log2phy[layer], device=device)
         logcnt = torch.as_tensor(self.placement.logcnt[layer], device=device)
+        turn = torch.zeros_like(logcnt)
         if layer < len(self._log2phy):
             self._log2phy[layer], self._logcnt[layer] = log2phy, logcnt
+            self._next_replica[layer] = turn
         else:
             self._log2phy.append(log2phy)
             self._logcnt.append(logcnt)
+            self._next_replica.append(turn)
 
     def physical_ids(self, layer: int, expert_ids: Tensor) -> Tensor:
-        """Slot for each (token, choice): replicas taken round-robin over the rows."""
-        replica = (
-            torch.arange(expert_ids.numel(), device=expert_ids.device).view_as(expert_ids)
-            % self._logcnt[layer][expert_ids]
-        )
-        return self._log2phy[layer][expert_ids, replica]
+        """Slot for each (token, choice): each expert's replicas taken in turn (round-robin
+        continuing across forward passes, so small batches still spread evenly)."""
+        flat = expert_ids.flatten()
+        counts = torch.bincount(flat, minlength=self.placement.num_experts)
+        order = torch.argsort(flat, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        occurrence = torch.empty_like(flat)
+        occurrence[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+        turn = self._next_replica[layer]
+        replica = (turn[flat] + occurrence) % self._logcnt[layer][flat]
+        self._next_replica[layer] = (turn + counts) % self._logcnt[layer]
+        return self._log2phy[layer][flat, replica].view_as(expert_ids)
 
     @property
     def requires_lockstep(self) -> bool:
