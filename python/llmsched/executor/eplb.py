@@ -23,8 +23,9 @@ Tie-breaking (fixed, so every rank computes the same map from the same load):
 - among packs of equal load the lowest-numbered pack is chosen;
 - among experts with equal load per replica the lowest-numbered expert gets the extra replica.
 
-Complexity: ``O(L * (E log E + S log S + (S - E) * E + S * G))`` with plain loops over packs; the
-maps are tiny next to a forward pass, and the balancer runs off the critical path.
+Complexity: ``O(L * (E log E + S log S + (S - E) * E + S * G))``; the Python loops run over item
+ranks and extra slots with all layers (and nodes) advanced together as numpy rows. The balancer
+runs off the critical path.
 
 Comparison: contiguous placement (expert ``e`` on GPU ``e // (E/G)``, no replicas) is the
 baseline; ``gpu_loads`` measures both on the same load.
@@ -162,21 +163,26 @@ def _hierarchical(
 
 
 def _balanced_packing(weights: FloatArray, num_packs: int) -> tuple[IntArray, IntArray]:
-    """Per row, items (heaviest first) into the lightest pack with room; equal-size packs."""
+    """Per row, items (heaviest first) into the lightest pack with room; equal-size packs.
+
+    Rows are independent, so the loop runs over item ranks with every row advanced at once.
+    """
     num_rows, num_items = weights.shape
     capacity = num_items // num_packs
+    rows = np.arange(num_rows)
+    order = np.argsort(-weights, axis=-1, kind="stable")
     pack_of = np.empty((num_rows, num_items), dtype=np.int64)
     rank_in_pack = np.empty((num_rows, num_items), dtype=np.int64)
-    for row in range(num_rows):
-        pack_load = np.zeros(num_packs)
-        pack_size = np.zeros(num_packs, dtype=np.int64)
-        for item in np.argsort(-weights[row], kind="stable"):
-            open_load = np.where(pack_size < capacity, pack_load, np.inf)
-            pack = int(np.argmin(open_load))
-            pack_of[row, item] = pack
-            rank_in_pack[row, item] = pack_size[pack]
-            pack_load[pack] += weights[row, item]
-            pack_size[pack] += 1
+    pack_load = np.zeros((num_rows, num_packs))
+    pack_size = np.zeros((num_rows, num_packs), dtype=np.int64)
+    for position in range(num_items):
+        item = order[:, position]
+        open_load = np.where(pack_size < capacity, pack_load, np.inf)
+        pack = np.argmin(open_load, axis=-1)
+        pack_of[rows, item] = pack
+        rank_in_pack[rows, item] = pack_size[rows, pack]
+        pack_load[rows, pack] += weights[rows, item]
+        pack_size[rows, pack] += 1
     return pack_of, rank_in_pack
 
 
