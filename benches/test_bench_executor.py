@@ -3,8 +3,9 @@
 ``eplb``: ``rebalance_experts`` (numpy) beside ``reference.eplb`` (plain lists) on a
 DeepSeek-like shape (58 MoE layers, 256 experts, 288 slots, 8 groups, 4 nodes, 32 GPUs).
 
-``expert-move``: a serving run of a mid-size model (8 MoE layers of 32 experts in 40 slots) during which
-the experts are rebalanced, once layer by layer in the background and once stop-the-world.
+``expert-move``: a serving run of a mid-size model (8 MoE layers of 32 experts in 40 slots)
+during which the experts are rebalanced, once layer by layer in the background and once
+stop-the-world.
 The interesting figure is the longest stall of serving, recorded in ``extra_info``
 (``stall_ms``), next to the mean step time (``step_ms``).
 """
@@ -55,8 +56,14 @@ def serve_with_rebalance(stop_the_world: bool) -> dict[str, float]:
 
     torch.set_num_threads(1)
     config = ModelConfig(
-        num_layers=8, num_experts=32, hidden_size=128, expert_hidden_size=256, head_dim=32,
-        num_heads=4, num_kv_heads=2, shared_expert_hidden_size=128,
+        num_layers=8,
+        num_experts=32,
+        hidden_size=128,
+        expert_hidden_size=256,
+        head_dim=32,
+        num_heads=4,
+        num_kv_heads=2,
+        shared_expert_hidden_size=128,
     )
     placement = ExpertPlacement.contiguous(8, 32, 40)
     model = MoETransformer(config, LocalExperts.build(config, placement))

@@ -22,7 +22,9 @@ def model() -> MoETransformer:
 def prompts(count: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(512) for _ in range(shared)]
-    return [prefix + [rng.randrange(512) for _ in range(rng.randrange(3, 70))] for _ in range(count)]
+    return [
+        prefix + [rng.randrange(512) for _ in range(rng.randrange(3, 70))] for _ in range(count)
+    ]
 
 
 def dense_greedy(model: MoETransformer, prompt: list[int], max_tokens: int) -> list[int]:
@@ -40,7 +42,7 @@ def reference(model: MoETransformer) -> list[list[int]]:
 
 
 def test_engine_matches_dense_greedy_decoding(model, reference) -> None:
-    for prompt, tokens in list(zip(prompts(8, shared=20), reference))[:3]:
+    for prompt, tokens in list(zip(prompts(8, shared=20), reference, strict=True))[:3]:
         assert tokens == dense_greedy(model, prompt, 24)
 
 
@@ -106,7 +108,10 @@ def test_token_slices_with_kv_evicted_between_slices_give_the_same_tokens(
 def test_preempting_mid_generation_recomputes_to_the_same_tokens(model) -> None:
     prompt = prompts(1, seed=4)[0]
     (whole,) = Engine(model).generate([prompt], SamplingParams(max_tokens=30))
-    for params in (SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, temperature=1.0, seed=9)):
+    for params in (
+        SamplingParams(max_tokens=30),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=9),
+    ):
         engine = Engine(model, EngineConfig(enable_prefix_caching=False))
         engine.add_request("r", prompt, params)
         outputs = []
@@ -133,7 +138,9 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(model) -> None:
 def test_stop_tokens_and_metrics(model, reference) -> None:
     first = reference[0]
     engine = Engine(model)
-    engine.add_request("a", prompts(8, shared=20)[0], SamplingParams(max_tokens=24, stop_token_ids=(first[4],)))
+    engine.add_request(
+        "a", prompts(8, shared=20)[0], SamplingParams(max_tokens=24, stop_token_ids=(first[4],))
+    )
     outs = []
     while engine.has_unfinished():
         outs += engine.step()

@@ -35,7 +35,9 @@ def all_prompts() -> list[list[int]]:
 def serve(rank, world, placement, dbo, rebalance_at=None):
     """Serve this rank's share of the prompts in lockstep; returns {prompt index: tokens}."""
     model = MoETransformer(CONFIG, AllToAllExperts.build(CONFIG, placement))
-    engine = Engine(model, EngineConfig(num_blocks=48, max_num_batched_tokens=40), dual_batch_overlap=dbo)
+    engine = Engine(
+        model, EngineConfig(num_blocks=48, max_num_batched_tokens=40), dual_batch_overlap=dbo
+    )
     rebalancer = ExpertRebalancer(model, num_gpus=world)
     engine.step_hooks.append(rebalancer)
     for index, prompt in enumerate(all_prompts()):
@@ -107,3 +109,14 @@ def test_expert_parallel_equals_single_process(world, single_process) -> None:
     assert moved == [[(2, 2)]] * world
     assert all(p == placements[0] for p in placements)
     assert placements[0] != REPLICATED.phy2log.tolist()
+
+
+def failing_rank(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    torch.distributed.barrier()  # would wait for rank 1 forever
+
+
+def test_a_failing_rank_is_reported_and_the_others_stopped() -> None:
+    with pytest.raises(RuntimeError, match="rank 1 exited with 1"):
+        launch(failing_rank, 2)

@@ -48,12 +48,12 @@ def test_falls_back_to_global_when_groups_do_not_divide_nodes() -> None:
     load = [[5, 4, 3, 2, 1, 9]]
     got = rebalance_experts(load, 6, 3, 2, 2)
     expected = rebalance_experts(load, 6, 1, 1, 2)
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 def test_ties_break_by_lowest_index() -> None:
-    phy2log, _, logcnt = rebalance_experts([[1, 1, 1, 1]], 6, 1, 1, 2)
+    _, _, logcnt = rebalance_experts([[1, 1, 1, 1]], 6, 1, 1, 2)
     assert logcnt.tolist() == [[2, 2, 1, 1]]  # extras to experts 0 then 1
     # All loads equal: items in index order, each into the lowest-numbered open GPU.
     assert rebalance_experts(np.zeros((1, 4)), 4, 1, 1, 2)[0].tolist() == [[0, 1, 2, 3]]
@@ -88,7 +88,13 @@ def eplb_cases(draw):
     num_replicas = -(-num_experts // num_gpus) * num_gpus + extra
     loads = st.integers(0, 50) if draw(st.booleans()) else st.floats(0, 1e3)
     layers = draw(st.integers(1, 3))
-    load = draw(st.lists(st.lists(loads, min_size=num_experts, max_size=num_experts), min_size=layers, max_size=layers))
+    load = draw(
+        st.lists(
+            st.lists(loads, min_size=num_experts, max_size=num_experts),
+            min_size=layers,
+            max_size=layers,
+        )
+    )
     return load, num_replicas, num_groups, num_nodes, num_gpus
 
 
@@ -148,7 +154,9 @@ def test_eplb_lowers_max_over_mean_gpu_load_on_recorded_routing() -> None:
         assert measured_ratio == pytest.approx(predicted, abs=0.05), slots
 
     # Online: record, rebalance in the background, move layer by layer, same tokens throughout.
-    model = MoETransformer(config, LocalExperts.build(config, ExpertPlacement.contiguous(2, 16, 24)))
+    model = MoETransformer(
+        config, LocalExperts.build(config, ExpertPlacement.contiguous(2, 16, 24))
+    )
     engine = Engine(model, EngineConfig(num_blocks=96))
     expected = Engine(MoETransformer(config), EngineConfig(num_blocks=96)).generate(prompts, params)
     rebalancer = ExpertRebalancer(model, num_gpus=gpus)

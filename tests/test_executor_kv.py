@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from llmsched import PrefixIndex  # noqa: E402
 from llmsched.executor.config import DEFAULT_BLOCK_SIZE, EngineConfig, ModelConfig  # noqa: E402
 from llmsched.executor.engine import Engine, SamplingParams  # noqa: E402
 from llmsched.executor.kv_cache import BlockPool, KVCacheManager, NoFreeBlocksError  # noqa: E402
@@ -142,6 +143,7 @@ class IndexModel:
 def random_workload(engine: Engine, rng: random.Random, requests: int) -> None:
     systems = [[rng.randrange(512) for _ in range(rng.randrange(16, 48))] for _ in range(3)]
     next_id = 0
+    cleared_midway = False
     for _ in range(400):
         if next_id < requests and rng.random() < 0.5:
             prompt = rng.choice(systems) + [rng.randrange(512) for _ in range(rng.randrange(1, 40))]
@@ -150,7 +152,12 @@ def random_workload(engine: Engine, rng: random.Random, requests: int) -> None:
             next_id += 1
         if engine.running and rng.random() < 0.05:
             engine.abort_request(rng.choice(engine.running).request_id)
-        if not engine.has_unfinished() and rng.random() < 0.2:
+        if next_id == requests // 2 and not cleared_midway:
+            while engine.has_unfinished():
+                engine.step()
+            assert engine.reset_prefix_cache()
+            cleared_midway = True
+        elif not engine.has_unfinished() and rng.random() < 0.2:
             assert engine.reset_prefix_cache()
         engine.step()
         if next_id == requests and not engine.has_unfinished():
@@ -160,16 +167,29 @@ def random_workload(engine: Engine, rng: random.Random, requests: int) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_replayed_events_match_the_engine_cache(seed: int) -> None:
     index = IndexModel()
+    native = PrefixIndex(block_size=DEFAULT_BLOCK_SIZE)
+    reports = []
+
+    def publish(payload: bytes) -> None:
+        index.apply(payload)
+        reports.append(native.apply_vllm_events("engine-0", payload))
+
     engine = Engine(
         MoETransformer(ModelConfig()),
         EngineConfig(num_blocks=16, max_num_batched_tokens=48, max_num_seqs=6),
-        publisher=index.apply,
+        publisher=publish,
     )
     random_workload(engine, random.Random(seed), requests=30)
     metrics = engine.metrics()
     assert metrics.prefix_cache_hits > 0 and metrics.num_preemptions > 0
     actual = {h: (b.parent_hash, b.token_ids) for h, b in engine.cached_blocks().items()}
     assert index.blocks == actual
+    # The native index keys blocks by its own hash of the tokens; with the same xxh3 chain and
+    # seed those equal the engine's hashes, so its holdings are exactly the engine's cache.
+    assert set(native.holdings("engine-0")) == set(actual)
+    for key in ("unknown_parent", "unknown_removed", "conflicts", "block_size_mismatch"):
+        assert sum(r[key] for r in reports) == 0, key
+    assert sum(r["cleared"] for r in reports) > 0
     assert len(engine.take_kv_event_batches()) > 0
     # The engine's hashes are llmsched's xxh3 chain: recompute each from its parent and tokens.
     for block_hash, (parent, tokens) in index.blocks.items():

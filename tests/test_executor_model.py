@@ -51,7 +51,7 @@ def test_paged_attention_equals_dense_attention(config: ModelConfig) -> None:
     prompts = [prompt(n, seed=n) for n in (1, 15, 16, 17, 50)]
     # Blocks deliberately scattered and out of order.
     tables = [[15], [14], [13], [12, 11], [3, 0, 7, 9]]
-    chunks = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)]
+    chunks = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
     logits = run_chunks(model, kv, chunks)
     for row, p in enumerate(prompts):
         dense = model.forward_dense(p)[-1]
@@ -97,7 +97,7 @@ def test_mixed_batch_of_prefill_and_decode_rows(model: MoETransformer) -> None:
 def test_two_micro_batches_equal_one(model: MoETransformer) -> None:
     prompts = [prompt(n, seed=n) for n in (9, 30, 18)]
     tables = [[0], [1, 2], [3, 4]]
-    chunks = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)]
+    chunks = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
     one = run_chunks(model, PagedKV(model.config, 5, BLOCK), chunks)
     kv = PagedKV(model.config, 5, BLOCK)
     first, second = model.forward(

@@ -1,8 +1,5 @@
 """Wide-EP sizing, the dual-batch-overlap cost term, calibration and the CLI."""
 
-import doctest
-import importlib
-
 import pytest
 
 from llmsched.errors import ConfigError
@@ -18,7 +15,9 @@ def test_kv_per_rank_grows_as_expert_parallelism_widens() -> None:
     # llm-d quotes 598K KV tokens per 8-GPU node at TP8; the plain model gives 612K (2% off).
     assert tp8.total_kv_tokens == pytest.approx(598e3, rel=0.05)
     widths = [8, 16, 32, 64]
-    per_rank = [kv_tokens_per_rank(v3, ParallelLayout(dp=w, ep=w), H200).kv_tokens_per_rank for w in widths]
+    per_rank = [
+        kv_tokens_per_rank(v3, ParallelLayout(dp=w, ep=w), H200).kv_tokens_per_rank for w in widths
+    ]
     assert per_rank == sorted(per_rank) and per_rank[-1] > 3 * per_rank[0]
     # Per node (8 ranks) data-parallel attention holds several times the TP8 figure.
     ep8 = kv_tokens_per_rank(v3, ParallelLayout(dp=8, ep=8), H200)
@@ -26,9 +25,13 @@ def test_kv_per_rank_grows_as_expert_parallelism_widens() -> None:
 
 
 def test_kv_heads_split_over_tensor_parallel_ranks_when_there_are_enough() -> None:
-    gqa = MoEModelSpec("gqa", dense_params=1e9, expert_params=8e9, kv_bytes_per_token=1024, kv_heads=8)
+    gqa = MoEModelSpec(
+        "gqa", dense_params=1e9, expert_params=8e9, kv_bytes_per_token=1024, kv_heads=8
+    )
     assert kv_tokens_per_rank(gqa, ParallelLayout(tp=4), 80e9).kv_bytes_per_token_per_rank == 256
-    mla = MoEModelSpec("mla", dense_params=1e9, expert_params=8e9, kv_bytes_per_token=1024, kv_heads=1)
+    mla = MoEModelSpec(
+        "mla", dense_params=1e9, expert_params=8e9, kv_bytes_per_token=1024, kv_heads=1
+    )
     assert kv_tokens_per_rank(mla, ParallelLayout(tp=4), 80e9).kv_bytes_per_token_per_rank == 1024
 
 
@@ -55,7 +58,13 @@ def test_dbo_gain_is_large_when_communication_is_slow_and_small_when_fast() -> N
 
 
 def test_step_time_fit_recovers_known_coefficients(tmp_path) -> None:
-    truth = {"b0": 2e-3, "prefill_tokens": 1e-5, "decode_tokens": 3e-5, "prefill_tokens_sq": 1e-9, "decode_context_tokens": 2e-8}
+    truth = {
+        "b0": 2e-3,
+        "prefill_tokens": 1e-5,
+        "decode_tokens": 3e-5,
+        "prefill_tokens_sq": 1e-9,
+        "decode_context_tokens": 2e-8,
+    }
     samples = []
     for batch in (1, 2, 4, 8):
         for context in (16, 128, 512):
@@ -76,30 +85,17 @@ def test_step_time_fit_recovers_known_coefficients(tmp_path) -> None:
     profile.save(path)
     loaded = StepTimeProfile.load(path)
     assert loaded.coefficients == profile.coefficients
-    assert loaded.predict(100, 4, 10_000, 400) == pytest.approx(profile.predict(100, 4, 10_000, 400))
+    assert loaded.predict(100, 4, 10_000, 400) == pytest.approx(
+        profile.predict(100, 4, 10_000, 400)
+    )
     path.write_text("kind: something-else\n")
-    with pytest.raises(ConfigError, match="not a llmsched.step_time_profile"):
+    with pytest.raises(ConfigError, match=r"not a llmsched\.step_time_profile"):
         StepTimeProfile.load(path)
 
 
-EXECUTOR_MODULES = ["config", "eplb", "sizing", "step_time"]
-TORCH_MODULES = ["model", "kv_cache", "kv_events", "engine", "rebalance", "expert_parallel", "calibrate"]
-
-
-@pytest.mark.parametrize("name", EXECUTOR_MODULES + TORCH_MODULES + ["__init__"])
-def test_docstring_examples_run(name) -> None:
-    if name in TORCH_MODULES or name == "__init__":
-        torch = pytest.importorskip("torch")
-        torch.set_num_threads(1)
-    module_name = "llmsched.executor" if name == "__init__" else f"llmsched.executor.{name}"
-    result = doctest.testmod(importlib.import_module(module_name))
-    assert result.failed == 0 and result.attempted > 0
-
-
-def test_cli_doctest_and_help(capsys) -> None:
+def test_cli_help(capsys) -> None:
     from llmsched import cli
 
-    assert doctest.testmod(cli).failed == 0
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["calibrate", "--help"])
     assert exit_info.value.code == 0
@@ -114,8 +110,19 @@ def test_calibrate_command_writes_a_profile_with_fit_error(tmp_path, capsys) -> 
     out = tmp_path / "profile.yaml"
     try:
         status = cli.main(
-            ["calibrate", "--out", str(out), "--device", "cpu", "--batch-sizes", "1,4",
-             "--context-lens", "16,64,128", "--repeats", "2"]
+            [
+                "calibrate",
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--batch-sizes",
+                "1,4",
+                "--context-lens",
+                "16,64,128",
+                "--repeats",
+                "2",
+            ]
         )
     finally:
         torch.set_num_threads(threads)

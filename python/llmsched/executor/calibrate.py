@@ -102,22 +102,26 @@ def calibrate(
             decode = [SequenceChunk([prompts[i][0]], context, tables[i]) for i in range(batch)]
             mixed = [*decode, SequenceChunk(prompts[batch], 0, tables[batch])]
 
-            def step(chunks: list[SequenceChunk]) -> Callable[[], object]:
+            def step(chunks: list[SequenceChunk], kv: PagedKV = kv) -> Callable[[], object]:
                 return lambda: model.forward([ForwardBatch.build(chunks, block_size, dev)], kv)
 
             decode_ctx = batch * (context + 1)
             samples.append(
-                StepSample(batch * context, 0, batch * context**2, 0, time_it(step(prefill), grid.repeats))
+                StepSample(
+                    batch * context, 0, batch * context**2, 0, time_it(step(prefill), grid.repeats)
+                )
             )
+            samples.append(StepSample(0, batch, 0, decode_ctx, time_it(step(decode), grid.repeats)))
             samples.append(
-                StepSample(0, batch, 0, decode_ctx, time_it(step(decode), grid.repeats))
-            )
-            samples.append(
-                StepSample(context, batch, context**2, decode_ctx, time_it(step(mixed), grid.repeats))
+                StepSample(
+                    context, batch, context**2, decode_ctx, time_it(step(mixed), grid.repeats)
+                )
             )
     meta = {
         "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
+        "device_name": torch.cuda.get_device_name(dev)
+        if dev.type == "cuda"
+        else platform.machine(),
         "torch": str(torch.__version__),
         "threads": torch.get_num_threads(),
         "block_size": block_size,

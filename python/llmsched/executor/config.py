@@ -102,7 +102,9 @@ class ModelConfig:
         try:
             base = _PRESETS[name]
         except KeyError:
-            raise ConfigError(f"unknown model preset {name!r}; expected one of {sorted(_PRESETS)}")
+            raise ConfigError(
+                f"unknown model preset {name!r}; expected one of {sorted(_PRESETS)}"
+            ) from None
         return dataclasses.replace(base, **overrides)
 
     def to_dict(self) -> dict[str, Any]:

@@ -329,7 +329,7 @@ class Engine:
         ]
         logits = self.model.forward(batches, self.kv)
         sampled: dict[int, int] = {}
-        for group, batch, group_logits in zip(groups, batches, logits):
+        for group, batch, group_logits in zip(groups, batches, logits, strict=True):
             for row, local in enumerate(batch.sample_sequences):
                 request = scheduled[group[local]][0]
                 sampled[group[local]] = self._sample(request, group_logits[row])
@@ -439,7 +439,7 @@ class Engine:
             per_request = list(params)
         self._generate_calls += 1
         ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, per_request):
+        for request_id, prompt, p in zip(ids, prompts, per_request, strict=True):
             self.add_request(request_id, prompt, p)
         results: dict[str, list[int]] = {}
         while any(i not in results for i in ids):

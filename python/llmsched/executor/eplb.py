@@ -225,7 +225,7 @@ class ExpertPlacement:
     logcnt: IntArray
 
     def __post_init__(self) -> None:
-        num_layers, num_slots = self.phy2log.shape
+        num_layers = self.phy2log.shape[0]
         if self.logcnt.shape[0] != num_layers or self.log2phy.shape[:2] != self.logcnt.shape:
             raise ConfigError("phy2log, log2phy and logcnt disagree on layers or experts")
         counts = np.stack(
@@ -350,7 +350,8 @@ def gpu_loads(load: npt.ArrayLike, placement: ExpertPlacement, num_gpus: int) ->
         raise ConfigError(f"{placement.num_slots} slots do not split over {num_gpus} GPUs")
     per_replica = weights / placement.logcnt
     slot_load = np.take_along_axis(per_replica, placement.phy2log, axis=-1)
-    return slot_load.reshape(weights.shape[0], num_gpus, -1).sum(axis=-1)
+    per_gpu: FloatArray = slot_load.reshape(weights.shape[0], num_gpus, -1).sum(axis=-1)
+    return per_gpu
 
 
 def imbalance(load: npt.ArrayLike, placement: ExpertPlacement, num_gpus: int) -> float:

@@ -20,6 +20,9 @@ llmsched.errors.ConfigError: expert parallelism needs torch.distributed initiali
 
 from __future__ import annotations
 
+import datetime
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import tempfile
@@ -29,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from llmsched.errors import ConfigError
 from llmsched.executor.config import ModelConfig
@@ -40,6 +42,9 @@ from llmsched.executor.model import Dispatched, ExpertBackend, ExpertStore
 __all__ = ["AllToAllExperts", "launch", "run_until_done"]
 
 Tensor = torch.Tensor
+
+_COLLECTIVE_TIMEOUT_S = 300
+"""How long a launched rank waits in a collective before giving up (a peer has died)."""
 
 
 class AllToAllExperts(ExpertBackend):
@@ -80,7 +85,9 @@ class AllToAllExperts(ExpertBackend):
             )
         per_rank = placement.num_slots // world_size
         rank = dist.get_rank(group)
-        store = ExpertStore(config, placement, range(rank * per_rank, (rank + 1) * per_rank), device)
+        store = ExpertStore(
+            config, placement, range(rank * per_rank, (rank + 1) * per_rank), device
+        )
         return cls(store, placement, group)
 
     @property
@@ -217,7 +224,11 @@ def _rank_main(
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=_COLLECTIVE_TIMEOUT_S),
     )
     try:
         result = fn(rank, world_size, *args)
@@ -237,15 +248,36 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     # A fork server imports torch once; each launch then forks clean ranks from it instead of
     # paying a fresh interpreter and torch import per rank.
-    context = mp.get_context("forkserver")
+    context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed", __name__])
     with tempfile.TemporaryDirectory(prefix="llmsched-ep-") as tmp:
         store_path = os.path.join(tmp, "store")
-        mp.start_processes(
-            _rank_main,
-            args=(world_size, store_path, tmp, fn, args),
-            nprocs=world_size,
-            join=True,
-            start_method="forkserver",
-        )
+        ranks = [
+            context.Process(target=_rank_main, args=(r, world_size, store_path, tmp, fn, args))
+            for r in range(world_size)
+        ]
+        for process in ranks:
+            process.start()
+        try:
+            _join_or_fail(ranks)
+        finally:
+            for process in ranks:
+                if process.is_alive():
+                    process.terminate()
+                process.join()
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _join_or_fail(ranks: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    """Wait for every rank; as soon as one fails, raise (the caller stops the others, which
+    would otherwise wait in a collective for the dead rank)."""
+    pending = list(ranks)
+    while pending:
+        multiprocessing.connection.wait([p.sentinel for p in pending])
+        for process in list(pending):
+            if process.exitcode is None:
+                continue
+            pending.remove(process)
+            if process.exitcode != 0:
+                rank = list(ranks).index(process)
+                raise RuntimeError(f"expert-parallel rank {rank} exited with {process.exitcode}")

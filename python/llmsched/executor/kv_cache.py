@@ -146,7 +146,7 @@ class BlockPool:
         run: list[int] = []
         run_parent = parent_hash
         parent = parent_hash
-        for index, (block, block_hash) in enumerate(zip(blocks, hashes)):
+        for index, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
             fresh = self.block_hash[block] is None and block_hash not in self.cached
             if fresh:
                 tokens = tuple(token_ids[index * size : (index + 1) * size])

@@ -63,7 +63,11 @@ class BlockRemoved:
 
     def to_wire(self) -> dict[str, Any]:
         """The vLLM map encoding."""
-        return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(self.block_hashes),
+            "medium": self.medium,
+        }
 
 
 @dataclass(frozen=True)

@@ -284,9 +284,7 @@ class ExpertStore:
             self.w_up.append(up)
             self.w_down.append(down)
 
-    def logical_weights(
-        self, layer: int, experts: Sequence[int]
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def logical_weights(self, layer: int, experts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """Freshly materialised weights of logical ``experts`` of ``layer`` (stacked)."""
         cfg = self.config
         dtype = torch_dtype(cfg.dtype)
@@ -559,7 +557,8 @@ class MoETransformer:
 
     def load_snapshot(self) -> np.ndarray:
         """The recorded logical load ``[L, E]`` as a numpy array (tokens routed per expert)."""
-        return self.expert_load.cpu().numpy().copy()
+        snapshot: np.ndarray = self.expert_load.cpu().numpy().copy()
+        return snapshot
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -582,19 +581,15 @@ class MoETransformer:
         v = (x @ w.wv).view(tokens, cfg.num_kv_heads, cfg.head_dim)
         return self._rope(q, positions), self._rope(k, positions), v
 
-    def _paged_attention(
-        self, layer: int, x: Tensor, batch: ForwardBatch, kv: PagedKV
-    ) -> Tensor:
+    def _paged_attention(self, layer: int, x: Tensor, batch: ForwardBatch, kv: PagedKV) -> Tensor:
         cfg = self.config
         w = self.layers[layer]
         q, k, v = self._qkv(w, x, batch.positions)
-        kv.key[layer].view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(
-            0, batch.slot_mapping, k
-        )
+        kv.key[layer].view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, batch.slot_mapping, k)
         kv.value[layer].view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(
             0, batch.slot_mapping, v
         )
-        num_seqs, max_blocks = batch.kv_blocks.shape
+        num_seqs = batch.kv_blocks.shape[0]
         group = cfg.num_heads // cfg.num_kv_heads
 
         def context(cache: Tensor) -> Tensor:
@@ -617,7 +612,9 @@ class MoETransformer:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             is_causal=True,
         )
         return out[0].transpose(0, 1).reshape(x.shape[0], -1) @ w.wo

@@ -83,7 +83,9 @@ class StepTimeProfile:
     meta: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def fit(cls, samples: Sequence[StepSample], meta: Mapping[str, Any] | None = None) -> StepTimeProfile:
+    def fit(
+        cls, samples: Sequence[StepSample], meta: Mapping[str, Any] | None = None
+    ) -> StepTimeProfile:
         """Relative-error least-squares fit of the five-term model (and the three-term one)."""
         if len(samples) < len(TERMS):
             raise ConfigError(f"need at least {len(TERMS)} samples to fit, got {len(samples)}")
@@ -96,7 +98,7 @@ class StepTimeProfile:
         coef, *_ = np.linalg.lstsq(scaled, ones, rcond=None)
         linear, *_ = np.linalg.lstsq(scaled[:, :3], ones, rcond=None)
         return cls(
-            coefficients={t: float(c) for t, c in zip(TERMS, coef)},
+            coefficients={t: float(c) for t, c in zip(TERMS, coef, strict=True)},
             error=FitError.of(x @ coef, y),
             linear_error=FitError.of(x[:, :3] @ linear, y),
             samples=list(samples),
@@ -116,7 +118,7 @@ class StepTimeProfile:
         features = StepSample(
             prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens, 1.0
         ).features()
-        return float(sum(self.coefficients[t] * f for t, f in zip(TERMS, features)))
+        return float(sum(self.coefficients[t] * f for t, f in zip(TERMS, features, strict=True)))
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML document as plain data."""

@@ -73,7 +73,7 @@ def rebalance_experts(
     all_log2phy = []
     for phy2log, ranks in layers:
         log2phy = [[-1] * width for _ in range(num_experts)]
-        for slot, (expert, rank) in enumerate(zip(phy2log, ranks)):
+        for slot, (expert, rank) in enumerate(zip(phy2log, ranks, strict=True)):
             log2phy[expert][rank] = slot
         all_log2phy.append(log2phy)
     return [phy2log for phy2log, _ in layers], all_log2phy, all_logcnt
