@@ -1,0 +1,449 @@
+"""The engine loop: continuous batching over the paged KV cache, as vLLM V1 schedules.
+
+Each :meth:`Engine.step` spends a token budget (``max_num_batched_tokens``): first on running
+requests in admission order (one token for a decode, the next chunk for a prefill), then on
+waiting requests in queue order, which first take their cached prefix. A prompt longer than
+what is left of the budget is prefilled in chunks over several steps (chunked prefill). When a
+running request needs a block and none is free, the most recently admitted running request is
+preempted by recompute: its blocks are freed (cached ones stay cached), its progress reset, and
+it goes back to the front of the queue; its prompt and generated tokens are recomputed later.
+
+Sampling is greedy at temperature 0; otherwise token ``i`` of a request is drawn with a
+generator seeded by ``(seed, i)``, so a preempted, recomputed request draws the same tokens.
+
+After every step the engine publishes what vLLM publishes: the step's KV events as one msgpack
+``EventBatch`` payload (to ``publisher`` and :meth:`Engine.take_kv_event_batches`) and
+:class:`EngineMetrics`.
+
+>>> from llmsched.executor.config import EngineConfig, ModelConfig
+>>> from llmsched.executor.model import MoETransformer
+>>> engine = Engine(MoETransformer(ModelConfig()), EngineConfig(num_blocks=16))
+>>> out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3))
+>>> len(out[0])
+3
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from llmsched.errors import ConfigError, InvalidTokenError
+from llmsched.executor.config import EngineConfig
+from llmsched.executor.kv_cache import CachedBlock, KVCacheManager
+from llmsched.executor.kv_events import encode_event_batch
+from llmsched.executor.model import ForwardBatch, MoETransformer, PagedKV, SequenceChunk
+
+__all__ = ["Engine", "EngineMetrics", "Request", "RequestOutput", "SamplingParams"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request samples: greedy at ``temperature == 0``, else seeded multinomial.
+
+    >>> SamplingParams(max_tokens=0)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: max_tokens must be >= 1, got 0
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class Request:
+    """A request's tokens and progress inside the engine."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    sample_seed: int
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Tokens generated so far."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """The engine's gauges and counters, named after vLLM's (REFERENCE.md section 9).
+
+    Prefix-cache queries and hits count tokens, as vLLM's counters do.
+
+    >>> print(EngineMetrics(1, 2, 0.5, 10, 4, 0, 7, 3).prometheus("m").splitlines()[0])
+    vllm:num_requests_running{model_name="m"} 1
+    """
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_generated_tokens: int
+    num_steps: int
+
+    def prometheus(self, model_name: str) -> str:
+        """The metrics in Prometheus text format with vLLM's names."""
+        label = f'{{model_name="{model_name}"}}'
+        lines = [
+            f"vllm:num_requests_running{label} {self.num_requests_running}",
+            f"vllm:num_requests_waiting{label} {self.num_requests_waiting}",
+            f"vllm:kv_cache_usage_perc{label} {self.kv_cache_usage}",
+            f"vllm:prefix_cache_queries_total{label} {self.prefix_cache_queries}",
+            f"vllm:prefix_cache_hits_total{label} {self.prefix_cache_hits}",
+            f"vllm:num_preemptions_total{label} {self.num_preemptions}",
+            f"vllm:generation_tokens_total{label} {self.num_generated_tokens}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass
+class _Counters:
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+
+
+@dataclass
+class _Schedule:
+    chunks: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: bool = False
+
+
+class Engine:
+    """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    ``dual_batch_overlap`` splits each step's sequences into two micro-batches of about equal
+    tokens (see :meth:`MoETransformer.forward`). ``step_hooks`` run after every step (the
+    expert rebalancer moves a layer there).
+    """
+
+    def __init__(
+        self,
+        model: MoETransformer,
+        config: EngineConfig | None = None,
+        *,
+        dual_batch_overlap: bool = False,
+        publisher: Callable[[bytes], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        self.dual_batch_overlap = dual_batch_overlap
+        self.publisher = publisher
+        self.clock = clock
+        cfg = self.config
+        self.kv = PagedKV(model.config, cfg.num_blocks, cfg.block_size, model.device)
+        self.kv_manager = KVCacheManager(
+            cfg.num_blocks,
+            cfg.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            hash_seed=cfg.hash_seed,
+            medium=cfg.medium,
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_hooks: list[Callable[[Engine], None]] = []
+        self._counters = _Counters()
+        self._event_batches: list[bytes] = []
+        self._generate_calls = 0
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Queue a request; raises (and queues nothing) if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already in the engine")
+        tokens = [int(t) for t in prompt_token_ids]
+        if not tokens:
+            raise ConfigError(f"request {request_id!r} has an empty prompt")
+        vocab = self.model.config.vocab_size
+        for position, token in enumerate(tokens):
+            if not 0 <= token < vocab:
+                raise InvalidTokenError(
+                    f"request {request_id!r}: token id {token} at position {position} is "
+                    f"outside the vocabulary (0 to {vocab - 1})"
+                )
+        longest = len(tokens) + params.max_tokens
+        capacity = self.config.num_blocks * self.config.block_size
+        if longest > min(capacity, self.model.config.max_position):
+            raise ConfigError(
+                f"request {request_id!r} may reach {longest} tokens; the engine holds at most "
+                f"{min(capacity, self.model.config.max_position)}"
+            )
+        seed = params.seed
+        if seed is None:
+            seed = xxhash.xxh3_64_intdigest(request_id.encode(), seed=self.config.hash_seed)
+        request = Request(request_id, tokens, len(tokens), params, seed)
+        self.requests[request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is, freeing its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            raise ConfigError(f"unknown request id {request_id!r}")
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_manager.free(request_id)
+        self._publish_events()
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request by recompute (free its KV, requeue it at the front)."""
+        request = self.requests.get(request_id)
+        if request is None or request not in self.running:
+            raise ConfigError(f"request {request_id!r} is not running")
+        self._preempt(request)
+        self._publish_events()
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self._counters.num_preemptions += 1
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, publish events; outputs of sampled requests."""
+        schedule = self._schedule()
+        outputs: list[RequestOutput] = []
+        if schedule.chunks or self.model.backend.requires_lockstep:
+            outputs = self._execute(schedule.chunks)
+        self._counters.num_steps += 1
+        self._publish_events()
+        for hook in self.step_hooks:
+            hook(self)
+        return outputs
+
+    def _schedule(self) -> _Schedule:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        schedule = _Schedule()
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + count
+            while not self.kv_manager.allocate(request.request_id, end):
+                victim = self.running[-1]
+                self._preempt(victim)
+                schedule.preempted = True
+                if victim is request:
+                    break
+            if schedule.preempted and request not in self.running:
+                break
+            schedule.chunks.append((request, count))
+            budget -= count
+            index += 1
+        while (
+            self.waiting
+            and budget > 0
+            and not schedule.preempted
+            and len(self.running) < cfg.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit = self.kv_manager.lookup(request.request_id, request.token_ids)
+            remaining = request.num_tokens - hit
+            count = min(remaining, budget)
+            chunk_refused = count < remaining and not cfg.enable_chunked_prefill
+            if chunk_refused or not self.kv_manager.allocate(request.request_id, hit + count):
+                self.kv_manager.free(request.request_id)
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = hit
+            self._counters.prefix_cache_queries += request.num_tokens
+            self._counters.prefix_cache_hits += hit
+            self.running.append(request)
+            schedule.chunks.append((request, count))
+            budget -= count
+        return schedule
+
+    def _execute(self, scheduled: list[tuple[Request, int]]) -> list[RequestOutput]:
+        chunks = []
+        for request, count in scheduled:
+            start = request.num_computed_tokens
+            chunks.append(
+                SequenceChunk(
+                    token_ids=request.token_ids[start : start + count],
+                    start=start,
+                    block_table=self.kv_manager.block_table(request.request_id),
+                    sample=start + count == request.num_tokens,
+                )
+            )
+        groups = self._micro_batches(chunks)
+        batches = [
+            ForwardBatch.build([chunks[i] for i in g], self.config.block_size, self.model.device)
+            for g in groups
+        ]
+        logits = self.model.forward(batches, self.kv)
+        sampled: dict[int, int] = {}
+        for group, batch, group_logits in zip(groups, batches, logits, strict=True):
+            for row, local in enumerate(batch.sample_sequences):
+                request = scheduled[group[local]][0]
+                sampled[group[local]] = self._sample(request, group_logits[row])
+        outputs = []
+        for index, (request, count) in enumerate(scheduled):
+            request.num_computed_tokens += count
+            self.kv_manager.commit(
+                request.request_id, request.token_ids, request.num_computed_tokens
+            )
+            if index in sampled:
+                outputs.append(self._append_token(request, sampled[index]))
+        return outputs
+
+    def _micro_batches(self, chunks: list[SequenceChunk]) -> list[list[int]]:
+        if not self.dual_batch_overlap:
+            return [list(range(len(chunks)))]
+        total = sum(len(c.token_ids) for c in chunks)
+        first: list[int] = []
+        tokens = 0
+        for index, chunk in enumerate(chunks):
+            if tokens * 2 >= total:
+                break
+            first.append(index)
+            tokens += len(chunk.token_ids)
+        return [first, list(range(len(first), len(chunks)))]
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> int:
+        params = request.params
+        if params.temperature == 0:
+            return int(torch.argmax(logits).item())
+        position = len(request.output_token_ids)
+        token_seed = xxhash.xxh3_64_intdigest(position.to_bytes(8, "little"), request.sample_seed)
+        generator = torch.Generator().manual_seed(token_seed & (2**63 - 1))
+        probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+
+    def _append_token(self, request: Request, token: int) -> RequestOutput:
+        request.token_ids.append(token)
+        self._counters.num_generated_tokens += 1
+        if token in request.params.stop_token_ids:
+            request.finish_reason = "stop"
+        elif len(request.output_token_ids) >= request.params.max_tokens:
+            request.finish_reason = "length"
+        if request.finish_reason is not None:
+            self.running.remove(request)
+            self.kv_manager.free(request.request_id)
+            del self.requests[request.request_id]
+        return RequestOutput(
+            request.request_id,
+            [token],
+            list(request.output_token_ids),
+            request.finish_reason is not None,
+            request.finish_reason,
+        )
+
+    # -- caching, events, metrics ----------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (``AllBlocksCleared``); refused while requests hold KV."""
+        cleared = self.kv_manager.pool.reset()
+        self._publish_events()
+        return cleared
+
+    def cached_blocks(self) -> dict[int, CachedBlock]:
+        """The prefix cache right now: block hash -> block id, parent hash and tokens."""
+        return dict(self.kv_manager.pool.cached)
+
+    def _publish_events(self) -> None:
+        events = self.kv_manager.pool.take_events()
+        if not events:
+            return
+        payload = encode_event_batch(self.clock(), events, self.config.dp_rank)
+        self._event_batches.append(payload)
+        if self.publisher is not None:
+            self.publisher(payload)
+
+    def take_kv_event_batches(self) -> list[bytes]:
+        """The ``EventBatch`` payloads published since the last call."""
+        batches, self._event_batches = self._event_batches, []
+        return batches
+
+    def metrics(self) -> EngineMetrics:
+        """Current gauges and counters."""
+        c = self._counters
+        return EngineMetrics(
+            num_requests_running=len(self.running),
+            num_requests_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_manager.pool.usage,
+            prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits,
+            num_preemptions=c.num_preemptions,
+            num_generated_tokens=c.num_generated_tokens,
+            num_steps=c.num_steps,
+        )
+
+    # -- convenience -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[int]]:
+        """Run ``prompts`` to completion; the generated tokens of each, in order."""
+        if params is None or isinstance(params, SamplingParams):
+            per_request = [params or SamplingParams()] * len(prompts)
+        else:
+            per_request = list(params)
+        self._generate_calls += 1
+        ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, per_request, strict=True):
+            self.add_request(request_id, prompt, p)
+        results: dict[str, list[int]] = {}
+        while any(i not in results for i in ids):
+            for output in self.step():
+                if output.finished:
+                    results[output.request_id] = output.output_token_ids
+        return [results[i] for i in ids]

@@ -1,0 +1,697 @@
+"""A small decoder-only MoE transformer with deterministic seeded weights.
+
+Each layer: RMSNorm, grouped-query attention with rotary positions over a paged KV cache,
+RMSNorm, then a mixture of experts (softmax router, top-k, weights renormalised over the chosen
+experts, SwiGLU experts) plus an always-on shared expert.
+
+Weights come from seeded generators, one seed per tensor name (``xxh3_64(name, seed)``), so any
+process materialises exactly the tensors it holds (an expert-parallel rank builds only its own
+experts) and every process agrees on their values. Nothing is downloaded.
+
+Expert execution goes through an :class:`ExpertBackend` in three phases (dispatch, compute,
+combine) so that the same forward pass serves one process (:class:`LocalExperts`), expert
+parallelism over ranks (``expert_parallel.AllToAllExperts``) and dual-batch overlap, where the
+phases of two micro-batches interleave so one's communication overlaps the other's compute.
+
+>>> import torch
+>>> from llmsched.executor.config import ModelConfig
+>>> model = MoETransformer(ModelConfig.preset("small"))
+>>> model.forward_dense([1, 2, 3]).shape
+torch.Size([3, 512])
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import xxhash
+
+from llmsched.errors import ConfigError
+from llmsched.executor.config import ModelConfig
+from llmsched.executor.eplb import ExpertPlacement
+
+__all__ = [
+    "Dispatched",
+    "ExpertBackend",
+    "ExpertStore",
+    "ForwardBatch",
+    "LocalExperts",
+    "MoETransformer",
+    "PagedKV",
+    "SequenceChunk",
+    "seeded_tensor",
+    "torch_dtype",
+]
+
+Tensor = torch.Tensor
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype named by a :class:`ModelConfig` dtype string.
+
+    >>> torch_dtype("float32")
+    torch.float32
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def seeded_tensor(
+    name: str,
+    shape: Sequence[int],
+    std: float,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Tensor:
+    """A normal(0, std) tensor whose values depend only on ``(seed, name, shape, device type)``.
+
+    >>> a = seeded_tensor("w", (2, 2), 1.0, 0, torch.device("cpu"), torch.float32)
+    >>> torch.equal(a, seeded_tensor("w", (2, 2), 1.0, 0, torch.device("cpu"), torch.float32))
+    True
+    """
+    tensor_seed = xxhash.xxh3_64_intdigest(name.encode(), seed=seed) & (2**63 - 1)
+    generator = torch.Generator(device=device).manual_seed(tensor_seed)
+    values = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
+    return (values * std).to(dtype)
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """The tokens one sequence computes in a step, after ``start`` tokens already in its cache.
+
+    ``block_table`` lists the KV blocks holding positions ``0 .. start + len(token_ids) - 1``;
+    ``sample`` asks for the logits of the chunk's last token.
+    """
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+    sample: bool = True
+
+
+@dataclass
+class ForwardBatch:
+    """Sequence chunks flattened into one batch, with the indices paged attention needs.
+
+    Rows are the chunks' tokens concatenated in order. Attention runs padded: ``query_index``
+    ``[B, max_q]`` gathers each sequence's rows, ``kv_blocks`` ``[B, max_blocks]`` its cache
+    blocks, and ``attn_mask`` ``[B, 1, max_q, max_ctx]`` keeps keys at or before each query's
+    position. ``sample_rows`` are the rows whose logits the pass returns.
+
+    >>> b = ForwardBatch.build([SequenceChunk([5, 6, 7], 0, [0])], block_size=4)
+    >>> b.slot_mapping.tolist(), b.sample_rows.tolist()
+    ([0, 1, 2], [2])
+    """
+
+    token_ids: Tensor
+    positions: Tensor
+    slot_mapping: Tensor
+    query_index: Tensor
+    query_valid: Tensor
+    kv_blocks: Tensor
+    attn_mask: Tensor
+    sample_rows: Tensor
+    num_sequences: int
+    sample_sequences: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of rows (tokens) in the batch."""
+        return int(self.token_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        chunks: Sequence[SequenceChunk],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Flatten ``chunks`` (each needs enough blocks for its positions).
+
+        >>> ForwardBatch.build([], block_size=4).num_tokens
+        0
+        """
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_sequences: list[int] = []
+        for index, chunk in enumerate(chunks):
+            end = chunk.start + len(chunk.token_ids)
+            if len(chunk.token_ids) == 0:
+                raise ConfigError(f"sequence chunk {index} has no tokens")
+            if len(chunk.block_table) * block_size < end:
+                raise ConfigError(
+                    f"sequence chunk {index} needs {-(-end // block_size)} blocks for {end} "
+                    f"positions, has {len(chunk.block_table)}"
+                )
+            tokens.extend(chunk.token_ids)
+            for position in range(chunk.start, end):
+                positions.append(position)
+                block = chunk.block_table[position // block_size]
+                slots.append(block * block_size + position % block_size)
+            if chunk.sample:
+                sample_rows.append(len(tokens) - 1)
+                sample_sequences.append(index)
+        query_lens = [len(c.token_ids) for c in chunks]
+        context_lens = [c.start + len(c.token_ids) for c in chunks]
+        num_seqs = len(chunks)
+        max_q = max(query_lens, default=0)
+        max_blocks = max((-(-n // block_size) for n in context_lens), default=0)
+
+        query_index = torch.zeros((num_seqs, max_q), dtype=torch.long)
+        query_valid = torch.zeros((num_seqs, max_q), dtype=torch.bool)
+        kv_blocks = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
+        query_pos = torch.zeros((num_seqs, max_q), dtype=torch.long)
+        row = 0
+        for index, chunk in enumerate(chunks):
+            q = query_lens[index]
+            query_index[index, :q] = torch.arange(row, row + q)
+            query_valid[index, :q] = True
+            query_pos[index, :q] = torch.arange(chunk.start, chunk.start + q)
+            needed = -(-context_lens[index] // block_size)
+            kv_blocks[index, :needed] = torch.tensor(list(chunk.block_table[:needed]))
+            row += q
+        key_pos = torch.arange(max_blocks * block_size)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]
+        # Padding queries see key 0 only, so softmax stays finite; their rows are dropped.
+        mask = torch.where(query_valid[:, :, None], mask, key_pos[None, None, :] == 0)
+
+        def put(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(
+            token_ids=put(tokens),
+            positions=put(positions),
+            slot_mapping=put(slots),
+            query_index=query_index.to(device),
+            query_valid=query_valid.to(device),
+            kv_blocks=kv_blocks.to(device),
+            attn_mask=mask[:, None].to(device),
+            sample_rows=put(sample_rows),
+            num_sequences=num_seqs,
+            sample_sequences=sample_sequences,
+        )
+
+
+class PagedKV:
+    """The KV tensors: ``key[L, num_blocks, block_size, kv_heads, head_dim]`` and ``value``.
+
+    >>> kv = PagedKV(ModelConfig(), num_blocks=4, block_size=16)
+    >>> tuple(kv.key.shape)
+    (2, 4, 16, 2, 16)
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        dtype = torch_dtype(config.dtype)
+        self.block_size = block_size
+        self.key = torch.zeros(shape, dtype=dtype, device=device)
+        self.value = torch.zeros(shape, dtype=dtype, device=device)
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes over all layers (``2 * layers * kv_heads * head_dim * b``).
+
+        >>> PagedKV(ModelConfig(), 1, 16).bytes_per_token()
+        512
+        """
+        layers, _, _, heads, dim = self.key.shape
+        return 2 * layers * heads * dim * self.key.element_size()
+
+
+@dataclass
+class Dispatched:
+    """Token rows on their way to (or arrived at) the expert slots that serve them.
+
+    ``rows`` and ``slots`` are the rows this process computes and their local slot ids once
+    ``works`` (async collectives) complete; ``order`` maps the sent rows back to the
+    (token, choice) pairs, and the counts size the return trip.
+    """
+
+    rows: Tensor
+    slots: Tensor
+    num_pairs: int
+    order: Tensor | None = None
+    send_counts: list[int] = field(default_factory=list)
+    recv_counts: list[int] = field(default_factory=list)
+    works: list[object] = field(default_factory=list)
+    output: Tensor | None = None
+
+
+class ExpertStore:
+    """SwiGLU weights of the physical expert slots one process holds, per layer.
+
+    Slot ``s`` of layer ``l`` holds logical expert ``placement.phy2log[l, s]``; its weights are
+    the seeded weights of that logical expert, so replicas are exact copies.
+
+    >>> cfg = ModelConfig()
+    >>> store = ExpertStore(cfg, ExpertPlacement.contiguous(2, 8), range(0, 4))
+    >>> tuple(store.w_gate[0].shape)
+    (4, 64, 64)
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        placement: ExpertPlacement,
+        slots: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.slots = list(slots)
+        self.w_gate: list[Tensor] = []
+        self.w_up: list[Tensor] = []
+        self.w_down: list[Tensor] = []
+        for layer in range(config.num_layers):
+            experts = [int(placement.phy2log[layer, s]) for s in self.slots]
+            gate, up, down = self.logical_weights(layer, experts)
+            self.w_gate.append(gate)
+            self.w_up.append(up)
+            self.w_down.append(down)
+
+    def logical_weights(self, layer: int, experts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """Freshly materialised weights of logical ``experts`` of ``layer`` (stacked)."""
+        cfg = self.config
+        dtype = torch_dtype(cfg.dtype)
+        hidden, inner = cfg.hidden_size, cfg.expert_hidden_size
+        empty = torch.empty((0, hidden, inner), dtype=dtype, device=self.device)
+        gates, ups, downs = [empty], [empty], [empty.transpose(1, 2)]
+        for expert in experts:
+            prefix = f"layers.{layer}.experts.{expert}"
+            args = (cfg.seed, self.device, dtype)
+            gates.append(seeded_tensor(f"{prefix}.gate", (1, hidden, inner), hidden**-0.5, *args))
+            ups.append(seeded_tensor(f"{prefix}.up", (1, hidden, inner), hidden**-0.5, *args))
+            downs.append(seeded_tensor(f"{prefix}.down", (1, inner, hidden), inner**-0.5, *args))
+        return torch.cat(gates), torch.cat(ups), torch.cat(downs)
+
+    def run(self, layer: int, rows: Tensor, local_slots: Tensor) -> Tensor:
+        """Each row through the expert in its local slot; output rows in input order."""
+        out = torch.zeros_like(rows)
+        if rows.shape[0] == 0:
+            return out
+        order = torch.argsort(local_slots, stable=True)
+        counts = torch.bincount(local_slots, minlength=len(self.slots)).tolist()
+        start = 0
+        for slot, count in enumerate(counts):
+            if count == 0:
+                continue
+            picked = order[start : start + count]
+            x = rows[picked]
+            hidden = F.silu(x @ self.w_gate[layer][slot]) * (x @ self.w_up[layer][slot])
+            out[picked] = hidden @ self.w_down[layer][slot]
+            start += count
+        return out
+
+    def replace_layer(self, layer: int, gate: Tensor, up: Tensor, down: Tensor) -> None:
+        """Install new slot weights for ``layer`` (an expert move)."""
+        self.w_gate[layer], self.w_up[layer], self.w_down[layer] = gate, up, down
+
+    def slot_weights(self, layer: int, local_slots: Sequence[int]) -> Tensor:
+        """The weights of ``local_slots`` flattened into rows (for sending to another rank)."""
+        index = torch.tensor(list(local_slots), dtype=torch.long, device=self.device)
+        parts = (self.w_gate[layer], self.w_up[layer], self.w_down[layer])
+        return torch.cat([p[index].flatten(1) for p in parts], dim=1)
+
+    def unflatten(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Inverse of :meth:`slot_weights`."""
+        hidden, inner = self.config.hidden_size, self.config.expert_hidden_size
+        size = hidden * inner
+        gate = flat[:, :size].reshape(-1, hidden, inner)
+        up = flat[:, size : 2 * size].reshape(-1, hidden, inner)
+        down = flat[:, 2 * size :].reshape(-1, inner, hidden)
+        return gate.contiguous(), up.contiguous(), down.contiguous()
+
+
+class ExpertBackend(abc.ABC):
+    """Runs the routed experts of an MoE layer in three phases.
+
+    ``dispatch`` sends each (token, choice) row towards its physical slot and may return before
+    the rows arrive; ``compute`` waits for them, runs the local experts and starts the return
+    trip; ``combine`` waits for the results, returned in (token, choice) order. A backend also
+    owns the expert placement and moves experts when it changes.
+    """
+
+    placement: ExpertPlacement
+    store: ExpertStore
+
+    def __init__(self, store: ExpertStore, placement: ExpertPlacement) -> None:
+        self.store = store
+        self.placement = placement
+        self._log2phy: list[Tensor] = []
+        self._logcnt: list[Tensor] = []
+        self._next_replica: list[Tensor] = []
+        for layer in range(placement.num_layers):
+            self._cache_layer_maps(layer)
+
+    def _cache_layer_maps(self, layer: int) -> None:
+        device = self.store.device
+        log2phy = torch.as_tensor(self.placement.log2phy[layer], device=device)
+        logcnt = torch.as_tensor(self.placement.logcnt[layer], device=device)
+        turn = torch.zeros_like(logcnt)
+        if layer < len(self._log2phy):
+            self._log2phy[layer], self._logcnt[layer] = log2phy, logcnt
+            self._next_replica[layer] = turn
+        else:
+            self._log2phy.append(log2phy)
+            self._logcnt.append(logcnt)
+            self._next_replica.append(turn)
+
+    def physical_ids(self, layer: int, expert_ids: Tensor) -> Tensor:
+        """Slot for each (token, choice): each expert's replicas taken in turn (round-robin
+        continuing across forward passes, so small batches still spread evenly)."""
+        flat = expert_ids.flatten()
+        counts = torch.bincount(flat, minlength=self.placement.num_experts)
+        order = torch.argsort(flat, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        occurrence = torch.empty_like(flat)
+        occurrence[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+        turn = self._next_replica[layer]
+        replica = (turn[flat] + occurrence) % self._logcnt[layer][flat]
+        self._next_replica[layer] = (turn + counts) % self._logcnt[layer]
+        return self._log2phy[layer][flat, replica].view_as(expert_ids)
+
+    @property
+    def requires_lockstep(self) -> bool:
+        """True when every rank must run every forward pass (collectives inside)."""
+        return False
+
+    @abc.abstractmethod
+    def dispatch(self, layer: int, rows: Tensor, physical_ids: Tensor) -> Dispatched:
+        """Start sending ``rows`` (one per (token, choice)) to their slots."""
+
+    @abc.abstractmethod
+    def compute(self, layer: int, dispatched: Dispatched) -> Dispatched:
+        """Wait for arrivals, run the local experts, start the return trip."""
+
+    @abc.abstractmethod
+    def combine(self, computed: Dispatched) -> Tensor:
+        """Wait for the results; rows in (token, choice) order."""
+
+    @abc.abstractmethod
+    def move_layer(self, layer: int, new_layer_placement: ExpertPlacement) -> None:
+        """Move ``layer``'s experts to a new one-layer placement."""
+
+
+class LocalExperts(ExpertBackend):
+    """Every physical slot in this process; dispatch and combine are no-ops.
+
+    >>> backend = LocalExperts.build(ModelConfig())
+    >>> backend.placement.num_slots
+    8
+    """
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        placement: ExpertPlacement | None = None,
+        device: torch.device | str = "cpu",
+    ) -> LocalExperts:
+        """All slots of ``placement`` (default: one slot per expert) in this process."""
+        placement = placement or ExpertPlacement.contiguous(config.num_layers, config.num_experts)
+        _check_placement(config, placement)
+        store = ExpertStore(config, placement, range(placement.num_slots), device)
+        return cls(store, placement)
+
+    def dispatch(self, layer: int, rows: Tensor, physical_ids: Tensor) -> Dispatched:
+        return Dispatched(rows=rows, slots=physical_ids.flatten(), num_pairs=rows.shape[0])
+
+    def compute(self, layer: int, dispatched: Dispatched) -> Dispatched:
+        dispatched.output = self.store.run(layer, dispatched.rows, dispatched.slots)
+        return dispatched
+
+    def combine(self, computed: Dispatched) -> Tensor:
+        assert computed.output is not None
+        return computed.output
+
+    def move_layer(self, layer: int, new_layer_placement: ExpertPlacement) -> None:
+        """Rebuild the layer's slots by copying each logical expert from a current replica."""
+        new_phy2log = new_layer_placement.phy2log[0]
+        source_slots = [int(self.placement.log2phy[layer, e, 0]) for e in new_phy2log]
+        flat = self.store.slot_weights(layer, source_slots)
+        self.store.replace_layer(layer, *self.store.unflatten(flat))
+        self.placement = self.placement.with_layer(layer, new_layer_placement)
+        self._cache_layer_maps(layer)
+
+
+def _check_placement(config: ModelConfig, placement: ExpertPlacement) -> None:
+    if placement.num_layers != config.num_layers or placement.num_experts != config.num_experts:
+        raise ConfigError(
+            f"placement is for {placement.num_layers} layers x {placement.num_experts} experts, "
+            f"model has {config.num_layers} x {config.num_experts}"
+        )
+
+
+@dataclass
+class _LayerWeights:
+    attn_norm: Tensor
+    wq: Tensor
+    wk: Tensor
+    wv: Tensor
+    wo: Tensor
+    moe_norm: Tensor
+    router: Tensor
+    router_bias: Tensor
+    shared_gate: Tensor
+    shared_up: Tensor
+    shared_down: Tensor
+
+
+@dataclass
+class _MicroBatch:
+    batch: ForwardBatch
+    hidden: Tensor
+    normed: Tensor = field(default_factory=lambda: torch.empty(0))
+    topk_weights: Tensor = field(default_factory=lambda: torch.empty(0))
+    pending: Dispatched | None = None
+
+
+class MoETransformer:
+    """The model: dense attention weights here, routed experts behind an :class:`ExpertBackend`.
+
+    ``forward`` runs one or more micro-batches over a :class:`PagedKV` and returns the logits
+    of each micro-batch's sample rows. The router's choices are counted into ``expert_load``
+    ``[L, E]`` (logical) and ``slot_load`` ``[L, S]`` (physical) for the load balancer.
+
+    >>> model = MoETransformer(ModelConfig())
+    >>> kv = PagedKV(model.config, num_blocks=2, block_size=16)
+    >>> batch = ForwardBatch.build([SequenceChunk([1, 2, 3], 0, [0])], 16)
+    >>> model.forward([batch], kv)[0].shape
+    torch.Size([1, 512])
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: ExpertBackend | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(config.dtype)
+        self.backend = backend or LocalExperts.build(config, device=self.device)
+        _check_placement(config, self.backend.placement)
+        self.embed = self._tensor("embed", (config.vocab_size, config.hidden_size), 1.0)
+        self.final_norm = torch.ones(config.hidden_size, dtype=self.dtype, device=self.device)
+        self.lm_head = self._tensor(
+            "lm_head", (config.hidden_size, config.vocab_size), config.hidden_size**-0.5
+        )
+        self.layers = [self._layer_weights(layer) for layer in range(config.num_layers)]
+        half = config.head_dim // 2
+        inv_freq = config.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.arange(config.max_position, dtype=torch.float64)[:, None] * inv_freq
+        self._cos = angles.cos().to(self.dtype).to(self.device)
+        self._sin = angles.sin().to(self.dtype).to(self.device)
+        self.reset_load()
+
+    def _tensor(self, name: str, shape: Sequence[int], std: float) -> Tensor:
+        return seeded_tensor(name, shape, std, self.config.seed, self.device, self.dtype)
+
+    def _layer_weights(self, layer: int) -> _LayerWeights:
+        cfg = self.config
+        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads
+        kv_dim *= cfg.head_dim
+        fs = cfg.shared_expert_hidden_size
+        p = f"layers.{layer}"
+        ones = torch.ones(h, dtype=self.dtype, device=self.device)
+        return _LayerWeights(
+            attn_norm=ones,
+            wq=self._tensor(f"{p}.wq", (h, q_dim), h**-0.5),
+            wk=self._tensor(f"{p}.wk", (h, kv_dim), h**-0.5),
+            wv=self._tensor(f"{p}.wv", (h, kv_dim), h**-0.5),
+            wo=self._tensor(f"{p}.wo", (q_dim, h), q_dim**-0.5),
+            moe_norm=ones.clone(),
+            router=self._tensor(f"{p}.router", (h, cfg.num_experts), h**-0.5),
+            router_bias=self._tensor(f"{p}.router_bias", (cfg.num_experts,), cfg.router_skew),
+            shared_gate=self._tensor(f"{p}.shared.gate", (h, fs), h**-0.5),
+            shared_up=self._tensor(f"{p}.shared.up", (h, fs), h**-0.5),
+            shared_down=self._tensor(f"{p}.shared.down", (fs, h), max(fs, 1) ** -0.5),
+        )
+
+    # -- load statistics -------------------------------------------------------------------
+
+    def reset_load(self) -> None:
+        """Zero the recorded per-expert and per-slot routing counts."""
+        cfg = self.config
+        self.expert_load = torch.zeros(
+            (cfg.num_layers, cfg.num_experts), dtype=torch.long, device=self.device
+        )
+        self.slot_load = torch.zeros(
+            (cfg.num_layers, self.backend.placement.num_slots), dtype=torch.long, device=self.device
+        )
+
+    def load_snapshot(self) -> np.ndarray:
+        """The recorded logical load ``[L, E]`` as a numpy array (tokens routed per expert)."""
+        snapshot: np.ndarray = self.expert_load.cpu().numpy().copy()
+        return snapshot
+
+    # -- building blocks -------------------------------------------------------------------
+
+    def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.config.rms_eps)).to(x.dtype) * weight
+
+    def _rope(self, x: Tensor, positions: Tensor) -> Tensor:
+        half = self.config.head_dim // 2
+        cos = self._cos[positions][:, None, :]
+        sin = self._sin[positions][:, None, :]
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def _qkv(self, w: _LayerWeights, x: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+        cfg = self.config
+        tokens = x.shape[0]
+        q = (x @ w.wq).view(tokens, cfg.num_heads, cfg.head_dim)
+        k = (x @ w.wk).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = (x @ w.wv).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def _paged_attention(self, layer: int, x: Tensor, batch: ForwardBatch, kv: PagedKV) -> Tensor:
+        cfg = self.config
+        w = self.layers[layer]
+        q, k, v = self._qkv(w, x, batch.positions)
+        kv.key[layer].view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, batch.slot_mapping, k)
+        kv.value[layer].view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(
+            0, batch.slot_mapping, v
+        )
+        num_seqs = batch.kv_blocks.shape[0]
+        group = cfg.num_heads // cfg.num_kv_heads
+
+        def context(cache: Tensor) -> Tensor:
+            gathered = cache[layer][batch.kv_blocks]  # [B, blocks, block_size, kvh, hd]
+            gathered = gathered.reshape(num_seqs, -1, cfg.num_kv_heads, cfg.head_dim)
+            return gathered.transpose(1, 2).repeat_interleave(group, dim=1)
+
+        queries = q[batch.query_index].transpose(1, 2)  # [B, heads, max_q, hd]
+        out = F.scaled_dot_product_attention(
+            queries, context(kv.key), context(kv.value), attn_mask=batch.attn_mask
+        )
+        out = out.transpose(1, 2)[batch.query_valid]  # [T, heads, hd] in row order
+        return out.reshape(x.shape[0], -1) @ w.wo
+
+    def _dense_attention(self, layer: int, x: Tensor, positions: Tensor) -> Tensor:
+        cfg = self.config
+        w = self.layers[layer]
+        q, k, v = self._qkv(w, x, positions)
+        group = cfg.num_heads // cfg.num_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+        )
+        return out[0].transpose(0, 1).reshape(x.shape[0], -1) @ w.wo
+
+    def _route(self, layer: int, normed: Tensor) -> tuple[Tensor, Tensor]:
+        w = self.layers[layer]
+        logits = (normed @ w.router).float() + w.router_bias.float()
+        probs = torch.softmax(logits, dim=-1)
+        weights, expert_ids = torch.topk(probs, self.config.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(normed.dtype), expert_ids
+
+    def _shared_expert(self, layer: int, normed: Tensor) -> Tensor:
+        w = self.layers[layer]
+        if self.config.shared_expert_hidden_size == 0:
+            return torch.zeros_like(normed)
+        return (F.silu(normed @ w.shared_gate) * (normed @ w.shared_up)) @ w.shared_down
+
+    def _start_moe(self, layer: int, mb: _MicroBatch) -> None:
+        w = self.layers[layer]
+        mb.normed = self._rms_norm(mb.hidden, w.moe_norm)
+        mb.topk_weights, expert_ids = self._route(layer, mb.normed)
+        physical = self.backend.physical_ids(layer, expert_ids)
+        ones = torch.ones(expert_ids.numel(), dtype=torch.long, device=self.device)
+        self.expert_load[layer].index_add_(0, expert_ids.flatten(), ones)
+        self.slot_load[layer].index_add_(0, physical.flatten(), ones)
+        rows = mb.normed.repeat_interleave(self.config.top_k, dim=0)
+        mb.pending = self.backend.dispatch(layer, rows, physical)
+
+    def _finish_moe(self, layer: int, mb: _MicroBatch) -> None:
+        assert mb.pending is not None
+        shared = self._shared_expert(layer, mb.normed)
+        routed = self.backend.combine(mb.pending).view(-1, self.config.top_k, mb.hidden.shape[1])
+        mb.hidden = mb.hidden + (routed * mb.topk_weights[..., None]).sum(dim=1) + shared
+        mb.pending = None
+
+    # -- forward passes --------------------------------------------------------------------
+
+    def forward(self, batches: Sequence[ForwardBatch], kv: PagedKV) -> list[Tensor]:
+        """Logits (float32) of each micro-batch's sample rows, writing K/V into ``kv``.
+
+        With two micro-batches the phases interleave layer by layer: A's dispatch is in flight
+        while B's attention runs, A's return trip while B's experts run. One micro-batch is
+        the plain pass. Every micro-batch must use distinct cache blocks.
+        """
+        mbs = [_MicroBatch(b, self.embed[b.token_ids]) for b in batches]
+        for layer in range(self.config.num_layers):
+            w = self.layers[layer]
+            for mb in mbs:
+                normed = self._rms_norm(mb.hidden, w.attn_norm)
+                if mb.batch.num_tokens:
+                    mb.hidden = mb.hidden + self._paged_attention(layer, normed, mb.batch, kv)
+                self._start_moe(layer, mb)
+            for mb in mbs:
+                assert mb.pending is not None
+                mb.pending = self.backend.compute(layer, mb.pending)
+            for mb in mbs:
+                self._finish_moe(layer, mb)
+        return [self._logits(mb.hidden[mb.batch.sample_rows]) for mb in mbs]
+
+    def forward_dense(self, token_ids: Sequence[int]) -> Tensor:
+        """Logits of every position of one sequence, attention without any cache (reference).
+
+        >>> MoETransformer(ModelConfig()).forward_dense([7]).dtype
+        torch.float32
+        """
+        tokens = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens.shape[0], device=self.device)
+        mb = _MicroBatch(ForwardBatch.build([], 1, self.device), self.embed[tokens])
+        for layer in range(self.config.num_layers):
+            normed = self._rms_norm(mb.hidden, self.layers[layer].attn_norm)
+            mb.hidden = mb.hidden + self._dense_attention(layer, normed, positions)
+            self._start_moe(layer, mb)
+            assert mb.pending is not None
+            mb.pending = self.backend.compute(layer, mb.pending)
+            self._finish_moe(layer, mb)
+        return self._logits(mb.hidden)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return (self._rms_norm(hidden, self.final_norm) @ self.lm_head).float()

@@ -1,0 +1,160 @@
+"""The step-time model the simulator uses, its least-squares fit and its YAML profile.
+
+Model (BLIS's linear terms plus Vidur's attention terms, REFERENCE.md section 8)::
+
+    t = b0 + b1 * prefill_tokens + b2 * decode_tokens
+           + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
+
+fitted by least squares on relative error (each sample's row divided by its measured time, so a
+1 ms decode step counts as much as a 100 ms prefill). Fit error is the relative error of the
+fitted model on the samples (median, mean, max), reported beside the error of the three-term
+linear model fitted the same way.
+
+>>> samples = [StepSample(p, d, p * p, d * (p + 9), 1e-3 + 2e-6 * p + 5e-6 * d)
+...            for p, d in [(0, 1), (0, 8), (16, 0), (64, 0), (256, 0), (0, 32), (32, 4)]]
+>>> profile = StepTimeProfile.fit(samples)
+>>> round(profile.predict(128, 0) * 1e3, 3)
+1.256
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from llmsched.errors import ConfigError
+
+__all__ = ["FitError", "StepSample", "StepTimeProfile"]
+
+PROFILE_KIND = "llmsched.step_time_profile"
+PROFILE_VERSION = 1
+TERMS = ("b0", "prefill_tokens", "decode_tokens", "prefill_tokens_sq", "decode_context_tokens")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: its batch composition and wall time in seconds."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_tokens_sq: int
+    decode_context_tokens: int
+    seconds: float
+
+    def features(self) -> list[float]:
+        """The regressors in :data:`TERMS` order."""
+        return [
+            1.0,
+            float(self.prefill_tokens),
+            float(self.decode_tokens),
+            float(self.prefill_tokens_sq),
+            float(self.decode_context_tokens),
+        ]
+
+
+@dataclass(frozen=True)
+class FitError:
+    """Relative error of a fitted model over the samples."""
+
+    median: float
+    mean: float
+    max: float
+
+    @classmethod
+    def of(cls, predicted: np.ndarray, measured: np.ndarray) -> FitError:
+        """Relative errors ``|predicted - measured| / measured``."""
+        rel = np.abs(predicted - measured) / measured
+        return cls(float(np.median(rel)), float(rel.mean()), float(rel.max()))
+
+
+@dataclass
+class StepTimeProfile:
+    """Fitted coefficients (seconds per term), fit errors and the context they came from."""
+
+    coefficients: dict[str, float]
+    error: FitError
+    linear_error: FitError
+    samples: list[StepSample] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def fit(
+        cls, samples: Sequence[StepSample], meta: Mapping[str, Any] | None = None
+    ) -> StepTimeProfile:
+        """Relative-error least-squares fit of the five-term model (and the three-term one)."""
+        if len(samples) < len(TERMS):
+            raise ConfigError(f"need at least {len(TERMS)} samples to fit, got {len(samples)}")
+        x = np.array([s.features() for s in samples])
+        y = np.array([s.seconds for s in samples])
+        if (y <= 0).any():
+            raise ConfigError("every sample needs a positive time")
+        scaled = x / y[:, None]
+        ones = np.ones_like(y)
+        coef, *_ = np.linalg.lstsq(scaled, ones, rcond=None)
+        linear, *_ = np.linalg.lstsq(scaled[:, :3], ones, rcond=None)
+        return cls(
+            coefficients={t: float(c) for t, c in zip(TERMS, coef, strict=True)},
+            error=FitError.of(x @ coef, y),
+            linear_error=FitError.of(x[:, :3] @ linear, y),
+            samples=list(samples),
+            meta=dict(meta or {}),
+        )
+
+    def predict(
+        self,
+        prefill_tokens: int,
+        decode_tokens: int,
+        prefill_tokens_sq: int | None = None,
+        decode_context_tokens: int = 0,
+    ) -> float:
+        """Predicted step seconds; ``prefill_tokens_sq`` defaults to one chunk's square."""
+        if prefill_tokens_sq is None:
+            prefill_tokens_sq = prefill_tokens * prefill_tokens
+        features = StepSample(
+            prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens, 1.0
+        ).features()
+        return float(sum(self.coefficients[t] * f for t, f in zip(TERMS, features, strict=True)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML document as plain data."""
+        return {
+            "kind": PROFILE_KIND,
+            "version": PROFILE_VERSION,
+            "meta": self.meta,
+            "terms": list(TERMS),
+            "coefficients": self.coefficients,
+            "fit_error": asdict(self.error),
+            "linear_fit_error": asdict(self.linear_error),
+            "samples": [asdict(s) for s in self.samples],
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write the profile as YAML."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepTimeProfile:
+        """Read a profile written by :meth:`save`; raises ConfigError naming what is wrong."""
+        data = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
+            raise ConfigError(f"{path}: not a {PROFILE_KIND} document")
+        if data.get("version") != PROFILE_VERSION:
+            raise ConfigError(f"{path}: unsupported profile version {data.get('version')!r}")
+        coefficients = data.get("coefficients")
+        if not isinstance(coefficients, dict) or set(coefficients) != set(TERMS):
+            raise ConfigError(f"{path}: coefficients must name exactly {list(TERMS)}")
+        try:
+            return cls(
+                coefficients={t: float(coefficients[t]) for t in TERMS},
+                error=FitError(**data["fit_error"]),
+                linear_error=FitError(**data["linear_fit_error"]),
+                samples=[StepSample(**s) for s in data.get("samples", [])],
+                meta=dict(data.get("meta") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: malformed profile: {exc}") from None

@@ -1,0 +1,167 @@
+"""The engine: batching, chunked prefill, preemption by recompute, token slices, sampling."""
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from llmsched.errors import ConfigError, InvalidTokenError  # noqa: E402
+from llmsched.executor.config import EngineConfig, ModelConfig  # noqa: E402
+from llmsched.executor.engine import Engine, SamplingParams  # noqa: E402
+from llmsched.executor.model import MoETransformer  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model() -> MoETransformer:
+    return MoETransformer(ModelConfig())
+
+
+def prompts(count: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(512) for _ in range(shared)]
+    return [
+        prefix + [rng.randrange(512) for _ in range(rng.randrange(3, 70))] for _ in range(count)
+    ]
+
+
+def dense_greedy(model: MoETransformer, prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(int(model.forward_dense(tokens)[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def reference(model: MoETransformer) -> list[list[int]]:
+    """Greedy tokens from a roomy engine (checked against dense attention below)."""
+    engine = Engine(model, EngineConfig(num_blocks=128, max_num_batched_tokens=1024))
+    return engine.generate(prompts(8, shared=20), SamplingParams(max_tokens=24))
+
+
+def test_engine_matches_dense_greedy_decoding(model, reference) -> None:
+    for prompt, tokens in list(zip(prompts(8, shared=20), reference, strict=True))[:3]:
+        assert tokens == dense_greedy(model, prompt, 24)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        EngineConfig(num_blocks=128, max_num_batched_tokens=16),  # chunked prefill
+        EngineConfig(num_blocks=14, max_num_batched_tokens=64),  # preemption
+        EngineConfig(num_blocks=128, enable_prefix_caching=False, max_num_seqs=2),
+        EngineConfig(num_blocks=64, enable_chunked_prefill=False, max_num_batched_tokens=128),
+    ],
+    ids=["chunked", "preempting", "no-prefix-cache", "whole-prompts"],
+)
+def test_scheduling_choices_do_not_change_greedy_tokens(model, reference, config) -> None:
+    engine = Engine(model, config)
+    assert engine.generate(prompts(8, shared=20), SamplingParams(max_tokens=24)) == reference
+    metrics = engine.metrics()
+    assert metrics.num_requests_running == metrics.num_requests_waiting == 0
+    assert metrics.kv_cache_usage == 0.0
+    if config.num_blocks == 14:
+        assert metrics.num_preemptions > 0
+    if config.enable_prefix_caching:
+        assert metrics.prefix_cache_hits > 0
+    else:
+        assert metrics.prefix_cache_hits == 0
+
+
+def test_dual_batch_overlap_gives_identical_tokens(model, reference) -> None:
+    engine = Engine(model, EngineConfig(num_blocks=128), dual_batch_overlap=True)
+    assert engine.generate(prompts(8, shared=20), SamplingParams(max_tokens=24)) == reference
+
+
+def test_chunked_prefill_respects_the_token_budget(model) -> None:
+    engine = Engine(model, EngineConfig(max_num_batched_tokens=10))
+    engine.add_request("long", list(range(35)), SamplingParams(max_tokens=2))
+    computed = []
+    while engine.has_unfinished():
+        before = engine.requests["long"].num_computed_tokens if "long" in engine.requests else 0
+        engine.step()
+        after = engine.requests["long"].num_computed_tokens if "long" in engine.requests else None
+        computed.append((before, after))
+    assert computed[:4] == [(0, 10), (10, 20), (20, 30), (30, 35)]
+
+
+@pytest.mark.parametrize("slice_tokens", [1, 5, 16])
+def test_token_slices_with_kv_evicted_between_slices_give_the_same_tokens(
+    model, slice_tokens
+) -> None:
+    """Each slice is a new request continuing the last one; the cache is wiped in between."""
+    prompt = prompts(1, seed=3)[0]
+    engine = Engine(model, EngineConfig(num_blocks=32))
+    (whole,) = engine.generate([prompt], SamplingParams(max_tokens=30))
+    sliced: list[int] = []
+    while len(sliced) < 30:
+        assert engine.reset_prefix_cache()
+        count = min(slice_tokens, 30 - len(sliced))
+        (part,) = engine.generate([prompt + sliced], SamplingParams(max_tokens=count))
+        sliced += part
+    assert sliced == whole
+    assert engine.metrics().prefix_cache_hits == 0
+
+
+def test_preempting_mid_generation_recomputes_to_the_same_tokens(model) -> None:
+    prompt = prompts(1, seed=4)[0]
+    (whole,) = Engine(model).generate([prompt], SamplingParams(max_tokens=30))
+    for params in (
+        SamplingParams(max_tokens=30),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=9),
+    ):
+        engine = Engine(model, EngineConfig(enable_prefix_caching=False))
+        engine.add_request("r", prompt, params)
+        outputs = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs = out.output_token_ids
+            if "r" in engine.requests and len(engine.requests["r"].output_token_ids) % 7 == 3:
+                engine.preempt("r")
+        (uninterrupted,) = Engine(model).generate([prompt], params)
+        assert outputs == uninterrupted
+        assert engine.metrics().num_preemptions >= 4
+    assert whole == Engine(model).generate([prompt], SamplingParams(max_tokens=30))[0]
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(model) -> None:
+    batch = prompts(3, seed=5)
+    run = lambda seed: Engine(model).generate(  # noqa: E731
+        batch, SamplingParams(max_tokens=12, temperature=1.0, seed=seed)
+    )
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_stop_tokens_and_metrics(model, reference) -> None:
+    first = reference[0]
+    engine = Engine(model)
+    engine.add_request(
+        "a", prompts(8, shared=20)[0], SamplingParams(max_tokens=24, stop_token_ids=(first[4],))
+    )
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "stop"
+    assert outs[-1].output_token_ids == first[: first.index(first[4]) + 1]
+    text = engine.metrics().prometheus("tiny")
+    assert 'vllm:prefix_cache_queries_total{model_name="tiny"}' in text
+
+
+def test_bad_requests_are_rejected_without_changing_the_engine(model) -> None:
+    engine = Engine(model, EngineConfig(num_blocks=4))
+    engine.add_request("ok", [1, 2, 3])
+    with pytest.raises(InvalidTokenError, match="position 1"):
+        engine.add_request("bad", [1, 512, 3])
+    with pytest.raises(ConfigError, match="already"):
+        engine.add_request("ok", [1])
+    with pytest.raises(ConfigError, match="at most 64"):
+        engine.add_request("long", list(range(60)), SamplingParams(max_tokens=10))
+    with pytest.raises(ConfigError, match="empty prompt"):
+        engine.add_request("empty", [])
+    with pytest.raises(ConfigError, match="not running"):
+        engine.preempt("ok")
+    assert [r.request_id for r in engine.waiting] == ["ok"]
+    assert set(engine.requests) == {"ok"}
