@@ -12,6 +12,7 @@ import pytest
 import llmsched
 from llmsched import PrefixIndex
 
+
 def _vectors() -> Path:
     """``shared/vectors`` beside the checkout (or beside any folder above it)."""
     for parent in Path(__file__).resolve().parents:
