@@ -28,7 +28,13 @@ fn xxh3_block_hashes<'py>(
     chain_seed: u64,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let tokens = TokenArray::extract(tokens, "tokens")?;
-    let hashes = tokens.visit_detached(py, ChainHashes { block_size, chain_seed })??;
+    let hashes = tokens.visit_detached(
+        py,
+        ChainHashes {
+            block_size,
+            chain_seed,
+        },
+    )??;
     Ok(hashes.into_pyarray(py))
 }
 
