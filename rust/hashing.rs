@@ -238,7 +238,7 @@ struct BlockWords {
 impl BlockWords {
     fn new(block_size: usize) -> Self {
         Self {
-            words: Vec::with_capacity(block_size),
+            words: vec![0; block_size],
         }
     }
 
@@ -249,17 +249,16 @@ impl BlockWords {
         if let Some(bytes) = T::as_le_u32_bytes(block) {
             return Ok(bytes);
         }
-        // Convert and check the whole block branch-free first (it vectorises); look for the
-        // offending position only on the error path.
-        self.words.clear();
+        // Convert and check the whole block without branches first (it vectorises); look for
+        // the offending position only on the error path.
         let mut all_in_range = true;
-        self.words.extend(block.iter().map(|&t| {
+        for (word, &t) in self.words.iter_mut().zip(block) {
             let v = t.to_u32();
             all_in_range &= v.is_some();
-            v.unwrap_or(0).to_le()
-        }));
+            *word = v.unwrap_or(0).to_le();
+        }
         if all_in_range {
-            Ok(bytemuck::cast_slice(&self.words))
+            Ok(bytemuck::cast_slice(&self.words[..block.len()]))
         } else {
             Err(first_out_of_range(block).unwrap_or(0))
         }

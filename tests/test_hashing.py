@@ -1,7 +1,6 @@
+import llmsched
 import numpy as np
 import pytest
-
-import llmsched
 from llmsched.reference import hashing as ref
 
 
