@@ -150,6 +150,8 @@ proptest! {
         let packed = pack_text(&text);
         let kept = &packed[..packed.len().min(max_tokens)];
         let full = naive_chain(kept, block_size, seed);
+        let only_full = text_chain_hashes(&text, block_size, seed, false, max_tokens).unwrap();
+        prop_assert_eq!(&only_full, &full);
         let got = text_chain_hashes(&text, block_size, seed, true, max_tokens).unwrap();
         prop_assert_eq!(&got[..full.len()], &full[..]);
         let tail = &kept[full.len() * block_size..];

@@ -51,7 +51,9 @@ pub fn text_chain_hashes(
         prev = xxh3_64_with_seed(block, prev);
         out.push(prev);
     }
-    if include_partial && !tail.is_empty() {
+    // The tail is a full block when its last pseudo-token is the padded one.
+    let tail_is_full_block = tail.len().div_ceil(BYTES_PER_TOKEN) == block_size;
+    if !tail.is_empty() && (include_partial || tail_is_full_block) {
         let mut padded = tail.to_vec();
         padded.resize(tail.len().next_multiple_of(BYTES_PER_TOKEN), 0);
         out.push(xxh3_64_with_seed(&padded, prev));
@@ -98,6 +100,26 @@ mod tests {
         assert_eq!(
             text_chain_hashes(b"", 2, 7, true, usize::MAX).unwrap(),
             Vec::<u64>::new()
+        );
+    }
+
+    #[test]
+    fn a_full_block_ending_in_the_padded_pseudo_token_counts_as_full() {
+        let text = b"012345"; // 2 pseudo-tokens, "0123" and "45\0\0": one full block of 2
+        let expect = vec![xxh3_64_with_seed(b"012345\0\0", 3)];
+        assert_eq!(
+            text_chain_hashes(text, 2, 3, false, usize::MAX).unwrap(),
+            expect
+        );
+        assert_eq!(
+            text_chain_hashes(text, 2, 3, true, usize::MAX).unwrap(),
+            expect
+        );
+        assert_eq!(
+            text_chain_hashes(text, 1, 3, false, usize::MAX)
+                .unwrap()
+                .len(),
+            2
         );
     }
 
