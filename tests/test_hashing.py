@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import cbor2
-import numpy as np
-import pytest
-
 import llmsched
 import llmsched._tokens
 import llmsched.hashing
 import llmsched.reference.hashing
+import numpy as np
+import pytest
 from llmsched import ConfigError, InvalidTokenError
 from llmsched.reference import hashing as ref
 
@@ -70,9 +69,10 @@ def test_vllm_vectors_twin(case: dict[str, Any]) -> None:
 
 
 def test_vllm_vectors_cbor_bytes() -> None:
-    assert cbor2.dumps("vllm-none-hash", canonical=True).hex() == VLLM[
-        "cbor_of_seed_vllm-none-hash_hex"
-    ]
+    assert (
+        cbor2.dumps("vllm-none-hash", canonical=True).hex()
+        == VLLM["cbor_of_seed_vllm-none-hash_hex"]
+    )
     block0 = (ref.vllm_none_hash(), tuple(VLLM["tokens"][:16]), None)
     assert cbor2.dumps(block0, canonical=True).hex() == VLLM["cbor_of_block0_input_hex"]
 
@@ -80,8 +80,9 @@ def test_vllm_vectors_cbor_bytes() -> None:
 def test_vllm_default_seed_is_vllm_none_hash() -> None:
     assert llmsched.hashing.VLLM_DEFAULT_NONE_HASH_SEED == "vllm-none-hash"
     assert llmsched.vllm_none_hash() == llmsched.vllm_none_hash("vllm-none-hash")
-    assert llmsched.block_hashes(VLLM["tokens"], algo="vllm_sha256_cbor").tolist() == (
-        VLLM_CASES[0]["event_uint64"]
+    assert (
+        llmsched.block_hashes(VLLM["tokens"], algo="vllm_sha256_cbor").tolist()
+        == (VLLM_CASES[0]["event_uint64"])
     )
 
 
@@ -91,14 +92,12 @@ def test_vllm_extra_keys_match_twin() -> None:
         got = llmsched.vllm_block_digests(tokens, 16, lora=lora, cache_salt=salt)
         assert got == ref.vllm_block_digests(tokens, 16, lora=lora, cache_salt=salt)
         plain = llmsched.vllm_block_digests(tokens, 16)
-        assert all(a != b for a, b in zip(got, plain))
+        assert all(a != b for a, b in zip(got, plain, strict=True))
 
 
 def test_vllm_empty_cache_salt_is_no_salt() -> None:
     tokens = list(range(64))
-    assert llmsched.vllm_block_digests(tokens, cache_salt="") == llmsched.vllm_block_digests(
-        tokens
-    )
+    assert llmsched.vllm_block_digests(tokens, cache_salt="") == llmsched.vllm_block_digests(tokens)
 
 
 # --- xxh3 chain ------------------------------------------------------------------------------
@@ -439,7 +438,7 @@ def test_batch_equals_one_by_one_xxh3(threads: int | None) -> None:
     prompts = _prompts()
     got = llmsched.block_hashes_batch(prompts, 16, seed=4, lora="l", threads=threads)
     assert len(got) == len(prompts)
-    for p, h in zip(prompts, got):
+    for p, h in zip(prompts, got, strict=True):
         assert h.dtype == np.uint64
         assert h.tolist() == llmsched.block_hashes(p, 16, seed=4, lora="l").tolist()
 
@@ -449,13 +448,13 @@ def test_batch_equals_one_by_one_vllm(threads: int | None) -> None:
     prompts = _prompts()[:10]
     kw: dict[str, Any] = {"seed": "0", "lora": "a", "cache_salt": "s"}
     got = llmsched.block_hashes_batch(prompts, 16, algo="vllm_sha256_cbor", threads=threads, **kw)
-    for p, h in zip(prompts, got):
+    for p, h in zip(prompts, got, strict=True):
         expect = ref.vllm_block_hashes(np.asarray(p).tolist(), 16, "0", "a", "s")
         assert h.tolist() == expect
 
 
 def test_batch_large_enough_for_two_threads() -> None:
-    prompts = [np.arange(n, dtype=np.uint32) % 999 for n in range(20_000, 20_010)]
+    prompts = [np.arange(n, dtype=np.uint32) % 999 for n in range(20_000, 20_030)]
     auto = llmsched.block_hashes_batch(prompts)
     assert [h.tolist() for h in auto] == [llmsched.block_hashes(p).tolist() for p in prompts]
 
@@ -505,3 +504,10 @@ def test_docstring_examples(module: Any) -> None:
     result = doctest.testmod(module)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_readme_example_runs() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Block hashing", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md#block-hashing", "exec"), {})

@@ -221,9 +221,9 @@ def block_hashes_batch(
     """:func:`block_hashes` of many prompts in one call, with the GIL released throughout.
 
     Every prompt may have its own length and integer dtype; all share the block size and
-    namespace. ``threads=None`` hashes on one thread below 65,536 tokens in total and on up to
-    two above (where that measured faster); pass an int to choose. If any prompt is bad the
-    call raises, naming the prompt, and returns nothing.
+    namespace. ``threads=None`` hashes on one thread below 524,288 tokens in total and on up
+    to two above (where a second thread measured faster); pass an int to choose. If any prompt
+    is bad the call raises, naming the prompt, and returns nothing.
 
     >>> out = block_hashes_batch([range(32), range(48)], block_size=16)
     >>> [len(h) for h in out]
@@ -251,9 +251,11 @@ def _xxh3_chain_seed(
 ) -> int:
     if isinstance(seed, str):
         raise TypeError("seed must be an int for algo='xxh3' (a str seed is for vLLM's hash)")
-    return namespace_seed(
-        0 if seed is None else seed, model=model, lora=lora, cache_salt=cache_salt
-    )
+    seed = 0 if seed is None else seed
+    if model is None and lora is None and cache_salt is None:
+        _check_seed(seed)  # no namespace: the seed is the chain seed (saves a native call)
+        return seed
+    return namespace_seed(seed, model=model, lora=lora, cache_salt=cache_salt)
 
 
 def _vllm_seed(
@@ -276,6 +278,8 @@ def _vllm_seed(
 
 
 def _check_algo(algo: object) -> Algorithm:
+    if algo == "xxh3":
+        return "xxh3"
     for known in ALGORITHMS:
         if algo == known:
             return known
@@ -294,6 +298,8 @@ def _check_text(text: object) -> None:
 
 
 def _check_int(name: str, value: object, *, minimum: int, maximum: int = 2**63 - 1) -> None:
+    if type(value) is int and minimum <= value <= maximum:
+        return
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:

@@ -6,16 +6,18 @@
 //! lowest-numbered failing prompt and no output.
 //!
 //! Complexity: O(total tokens) work, split across threads; one O(prompts) pass to cut the runs.
-//! Spawning a thread costs tens of microseconds, so [`auto_threads`] only goes parallel when
-//! the batch holds at least [`PARALLEL_MIN_TOKENS`] tokens (measured in
-//! `benches/test_bench_hashing.py`).
+//! Spawning and joining a thread costs tens of microseconds, so [`auto_threads`] only goes
+//! parallel from [`PARALLEL_MIN_TOKENS`] tokens. Measured on the 2-core development machine
+//! while other jobs kept it busy (min of many runs, 16-token blocks): 2 threads took 2x longer
+//! at 16,000 tokens, 0.7x as fast at 256,000, 1.2x faster at 640,000 and 1.6x at 2.5 million
+//! (`benches/test_bench_hashing.py::test_batch_threads` repeats this).
 
 use std::fmt;
 
 use super::{HashError, TokenSlice};
 
 /// Smallest batch, in tokens, that [`auto_threads`] hashes on more than one thread.
-pub const PARALLEL_MIN_TOKENS: usize = 1 << 16;
+pub const PARALLEL_MIN_TOKENS: usize = 1 << 19;
 
 /// Most threads [`auto_threads`] picks.
 pub const MAX_AUTO_THREADS: usize = 2;
