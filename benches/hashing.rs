@@ -17,9 +17,7 @@ const BLOCK_SIZE: usize = 16;
 
 /// Deterministic token ids below a 150k vocabulary.
 fn tokens(n: usize) -> Vec<u32> {
-    (0..n as u64)
-        .map(|i| (i.wrapping_mul(2_654_435_761) % 150_000) as u32)
-        .collect()
+    (0..n as u64).map(|i| (i.wrapping_mul(2_654_435_761) % 150_000) as u32).collect()
 }
 
 fn xxh3_chain(c: &mut Criterion) {
@@ -71,10 +69,7 @@ fn batch(c: &mut Criterion) {
     let prompts: Vec<Vec<u32>> = (0..64).map(|i| tokens(2_000 + 250 * i)).collect();
     let slices: Vec<TokenSlice<'_>> = prompts.iter().map(|p| TokenSlice::U32(p)).collect();
     let total: usize = prompts.iter().map(Vec::len).sum();
-    let visitor = ChainHashes {
-        block_size: BLOCK_SIZE,
-        chain_seed: 0,
-    };
+    let visitor = ChainHashes { block_size: BLOCK_SIZE, chain_seed: 0 };
     group.throughput(Throughput::Elements(total as u64));
     for threads in [1, 2] {
         group.bench_function(BenchmarkId::new("xxh3_threads", threads), |b| {

@@ -10,9 +10,10 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-import llmsched
 import numpy as np
 import pytest
+
+import llmsched
 from llmsched.reference import hashing as ref
 
 SIZES = {"10k": 10_000, "1m": 1_000_000}

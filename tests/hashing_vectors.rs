@@ -34,12 +34,8 @@ fn load_vllm_vectors() -> Value {
 #[test]
 fn vllm_vectors_every_case() {
     let v = load_vllm_vectors();
-    let tokens: Vec<u32> = v["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
+    let tokens: Vec<u32> =
+        v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
     let block_size = v["block_size"].as_u64().unwrap() as usize;
     let cases = v["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 2);
@@ -47,16 +43,9 @@ fn vllm_vectors_every_case() {
         assert!(case["extra_keys"].is_null());
         let seed = case["seed"].as_str().unwrap();
         let hasher = VllmBlockHasher::new(block_size, seed, None, None).unwrap();
-        assert_eq!(
-            hex(hasher.none_hash()),
-            case["none_hash_hex"].as_str().unwrap()
-        );
-        let digests: Vec<String> = hasher
-            .digests(&tokens)
-            .unwrap()
-            .iter()
-            .map(|d| hex(d))
-            .collect();
+        assert_eq!(hex(hasher.none_hash()), case["none_hash_hex"].as_str().unwrap());
+        let digests: Vec<String> =
+            hasher.digests(&tokens).unwrap().iter().map(|d| hex(d)).collect();
         let expect: Vec<&str> = case["block_hashes_hex"]
             .as_array()
             .unwrap()
@@ -64,12 +53,8 @@ fn vllm_vectors_every_case() {
             .map(|h| h.as_str().unwrap())
             .collect();
         assert_eq!(digests, expect, "seed {seed}");
-        let events: Vec<u64> = case["event_uint64"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| e.as_u64().unwrap())
-            .collect();
+        let events: Vec<u64> =
+            case["event_uint64"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap()).collect();
         assert_eq!(hasher.event_hashes(&tokens).unwrap(), events, "seed {seed}");
         // Any integer width gives the same digests.
         let as_i64: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
@@ -82,19 +67,11 @@ fn vllm_vectors_exact_cbor_bytes() {
     let v = load_vllm_vectors();
     let tokens: Vec<u32> = (0..16).collect();
     let mut seed_cbor = Vec::new();
-    minicbor::Encoder::new(&mut seed_cbor)
-        .str("vllm-none-hash")
-        .unwrap();
-    assert_eq!(
-        hex(&seed_cbor),
-        v["cbor_of_seed_vllm-none-hash_hex"].as_str().unwrap()
-    );
+    minicbor::Encoder::new(&mut seed_cbor).str("vllm-none-hash").unwrap();
+    assert_eq!(hex(&seed_cbor), v["cbor_of_seed_vllm-none-hash_hex"].as_str().unwrap());
     let mut block0 = Vec::new();
     encode_block_input(&mut block0, &none_hash("vllm-none-hash"), &tokens, &[]).unwrap();
-    assert_eq!(
-        hex(&block0),
-        v["cbor_of_block0_input_hex"].as_str().unwrap()
-    );
+    assert_eq!(hex(&block0), v["cbor_of_block0_input_hex"].as_str().unwrap());
 }
 
 /// The xxh3 chain restated naively: collect each block's bytes, hash, chain.
@@ -134,6 +111,11 @@ proptest! {
     ) {
         let position = at.index(tokens.len());
         tokens[position] = bad;
+        // A later bad id, possibly in the unhashed tail, must not mask the first.
+        let last = tokens.len() - 1;
+        if position < last {
+            tokens[last] = -1;
+        }
         let expect = HashError::TokenOutOfRange { position, value: i128::from(bad) };
         prop_assert_eq!(chain_hashes(&tokens, block_size, 0), Err(expect.clone()));
         let vllm = VllmBlockHasher::new(block_size, "s", None, None).unwrap();

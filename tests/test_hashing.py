@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import doctest
 import json
 import threading
 import tracemalloc
@@ -11,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import cbor2
+import numpy as np
+import pytest
+
 import llmsched
 import llmsched._tokens
 import llmsched.hashing
-import llmsched.reference.hashing
-import numpy as np
-import pytest
 from llmsched import ConfigError, InvalidTokenError
 from llmsched.reference import hashing as ref
 
@@ -490,24 +489,3 @@ def test_concurrent_calls_agree_with_sequential() -> None:
     for t in threads:
         t.join(timeout=60)
     assert [results[i] for i in range(len(prompts))] == expect
-
-
-# --- docstring examples ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "module",
-    [llmsched.hashing, llmsched._tokens, llmsched.reference.hashing],
-    ids=lambda m: m.__name__,
-)
-def test_docstring_examples(module: Any) -> None:
-    result = doctest.testmod(module)
-    assert result.attempted > 0
-    assert result.failed == 0
-
-
-def test_readme_example_runs() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Block hashing", 1)[1]
-    code = section.split("```python", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md#block-hashing", "exec"), {})

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import llmsched
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import llmsched
 from llmsched import InvalidTokenError
 from llmsched.hashing import ALGORITHMS
 from llmsched.reference import hashing as ref

@@ -60,12 +60,7 @@ where
     let hash_run = |first: usize, run: &[TokenSlice<'_>]| -> Result<Vec<O>, BatchError> {
         run.iter()
             .enumerate()
-            .map(|(i, p)| {
-                hash_one(p).map_err(|error| BatchError {
-                    prompt: first + i,
-                    error,
-                })
-            })
+            .map(|(i, p)| hash_one(p).map_err(|error| BatchError { prompt: first + i, error }))
             .collect()
     };
     let results: Vec<Result<Vec<O>, BatchError>> = std::thread::scope(|scope| {
@@ -130,13 +125,7 @@ mod tests {
 
     #[test]
     fn runs_cover_every_prompt_in_order() {
-        for lens in [
-            vec![],
-            vec![5],
-            vec![1, 1, 1, 1, 1],
-            vec![100, 1, 1, 1],
-            vec![0, 0, 7],
-        ] {
+        for lens in [vec![], vec![5], vec![1, 1, 1, 1, 1], vec![100, 1, 1, 1], vec![0, 0, 7]] {
             let owned = prompts(&lens);
             let slices: Vec<TokenSlice<'_>> = owned.iter().map(|p| TokenSlice::U32(p)).collect();
             for threads in 1..5 {
@@ -157,19 +146,10 @@ mod tests {
     fn parallel_equals_sequential() {
         let owned = prompts(&[40, 3, 0, 100, 17, 64, 1]);
         let slices: Vec<TokenSlice<'_>> = owned.iter().map(|p| TokenSlice::U32(p)).collect();
-        let visitor = ChainHashes {
-            block_size: 4,
-            chain_seed: 11,
-        };
-        let expect: Vec<Vec<u64>> = owned
-            .iter()
-            .map(|p| chain_hashes(p, 4, 11).unwrap())
-            .collect();
+        let visitor = ChainHashes { block_size: 4, chain_seed: 11 };
+        let expect: Vec<Vec<u64>> = owned.iter().map(|p| chain_hashes(p, 4, 11).unwrap()).collect();
         for threads in 1..4 {
-            assert_eq!(
-                hash_batch(&slices, threads, |s| s.visit(visitor)).unwrap(),
-                expect
-            );
+            assert_eq!(hash_batch(&slices, threads, |s| s.visit(visitor)).unwrap(), expect);
         }
     }
 
@@ -183,20 +163,11 @@ mod tests {
             TokenSlice::I64(&good),
             TokenSlice::I64(&bad),
         ];
-        let visitor = ChainHashes {
-            block_size: 2,
-            chain_seed: 0,
-        };
+        let visitor = ChainHashes { block_size: 2, chain_seed: 0 };
         for threads in 1..4 {
             let err = hash_batch(&slices, threads, |s| s.visit(visitor)).unwrap_err();
             assert_eq!(err.prompt, 1);
-            assert_eq!(
-                err.error,
-                HashError::TokenOutOfRange {
-                    position: 1,
-                    value: -5
-                }
-            );
+            assert_eq!(err.error, HashError::TokenOutOfRange { position: 1, value: -5 });
             assert_eq!(err.to_string(), format!("prompt 1: {}", err.error));
         }
     }

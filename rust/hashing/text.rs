@@ -70,10 +70,7 @@ mod tests {
     fn packs_little_endian_with_zero_padding() {
         assert_eq!(pack_text(b""), Vec::<u32>::new());
         assert_eq!(pack_text(b"abcd"), vec![u32::from_le_bytes(*b"abcd")]);
-        assert_eq!(
-            pack_text(b"abcde"),
-            vec![u32::from_le_bytes(*b"abcd"), u32::from(b'e')]
-        );
+        assert_eq!(pack_text(b"abcde"), vec![u32::from_le_bytes(*b"abcd"), u32::from(b'e')]);
     }
 
     #[test]
@@ -93,48 +90,25 @@ mod tests {
         let got = text_chain_hashes(text, 2, 7, true, usize::MAX).unwrap();
         let first = xxh3_64_with_seed(b"01234567", 7);
         assert_eq!(got, vec![first, xxh3_64_with_seed(b"89\0\0", first)]);
-        assert_eq!(
-            text_chain_hashes(text, 2, 7, false, usize::MAX).unwrap(),
-            vec![first]
-        );
-        assert_eq!(
-            text_chain_hashes(b"", 2, 7, true, usize::MAX).unwrap(),
-            Vec::<u64>::new()
-        );
+        assert_eq!(text_chain_hashes(text, 2, 7, false, usize::MAX).unwrap(), vec![first]);
+        assert_eq!(text_chain_hashes(b"", 2, 7, true, usize::MAX).unwrap(), Vec::<u64>::new());
     }
 
     #[test]
     fn a_full_block_ending_in_the_padded_pseudo_token_counts_as_full() {
         let text = b"012345"; // 2 pseudo-tokens, "0123" and "45\0\0": one full block of 2
         let expect = vec![xxh3_64_with_seed(b"012345\0\0", 3)];
-        assert_eq!(
-            text_chain_hashes(text, 2, 3, false, usize::MAX).unwrap(),
-            expect
-        );
-        assert_eq!(
-            text_chain_hashes(text, 2, 3, true, usize::MAX).unwrap(),
-            expect
-        );
-        assert_eq!(
-            text_chain_hashes(text, 1, 3, false, usize::MAX)
-                .unwrap()
-                .len(),
-            2
-        );
+        assert_eq!(text_chain_hashes(text, 2, 3, false, usize::MAX).unwrap(), expect);
+        assert_eq!(text_chain_hashes(text, 2, 3, true, usize::MAX).unwrap(), expect);
+        assert_eq!(text_chain_hashes(text, 1, 3, false, usize::MAX).unwrap().len(), 2);
     }
 
     #[test]
     fn keeps_at_most_max_tokens() {
         let text = b"abcdefghijklmnopqrstuvwxyz";
         let capped = text_chain_hashes(text, 2, 0, true, 3).unwrap();
-        assert_eq!(
-            capped,
-            text_chain_hashes(&text[..12], 2, 0, true, usize::MAX).unwrap()
-        );
+        assert_eq!(capped, text_chain_hashes(&text[..12], 2, 0, true, usize::MAX).unwrap());
         assert!(text_chain_hashes(text, 2, 0, true, 0).unwrap().is_empty());
-        assert_eq!(
-            text_chain_hashes(text, 0, 0, true, 3),
-            Err(HashError::ZeroBlockSize)
-        );
+        assert_eq!(text_chain_hashes(text, 0, 0, true, 3), Err(HashError::ZeroBlockSize));
     }
 }

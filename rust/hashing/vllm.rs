@@ -118,11 +118,7 @@ impl VllmBlockHasher {
 
     /// The extra keys of block `index`, in vLLM's order.
     fn extra_keys(&self, index: usize) -> Vec<&str> {
-        let salt = if index == 0 {
-            self.cache_salt.as_deref()
-        } else {
-            None
-        };
+        let salt = if index == 0 { self.cache_salt.as_deref() } else { None };
         self.lora.as_deref().into_iter().chain(salt).collect()
     }
 
@@ -193,13 +189,8 @@ mod tests {
     fn encodes_shortest_form_integers() {
         let mut buf = Vec::new();
         let parent = [0xAB; 32];
-        encode_block_input(
-            &mut buf,
-            &parent,
-            &[0u32, 23, 24, 255, 256, 65_536, u32::MAX],
-            &[],
-        )
-        .unwrap();
+        encode_block_input(&mut buf, &parent, &[0u32, 23, 24, 255, 256, 65_536, u32::MAX], &[])
+            .unwrap();
         let mut expect = vec![0x83, 0x58, 0x20];
         expect.extend_from_slice(&parent);
         expect.extend_from_slice(&[0x87, 0x00, 0x17, 0x18, 0x18, 0x18, 0xff, 0x19, 0x01, 0x00]);
@@ -213,10 +204,7 @@ mod tests {
         let mut buf = Vec::new();
         encode_block_input(&mut buf, &[0; 32], &[1i64], &["ab", "c"]).unwrap();
         assert_eq!(&buf[buf.len() - 6..], &[0x82, 0x62, b'a', b'b', 0x61, b'c']);
-        assert_eq!(
-            encode_block_input(&mut Vec::new(), &[0; 32], &[1i64, -1], &[]),
-            Err(1)
-        );
+        assert_eq!(encode_block_input(&mut Vec::new(), &[0; 32], &[1i64, -1], &[]), Err(1));
     }
 
     #[test]
@@ -226,10 +214,7 @@ mod tests {
         assert_eq!(h.extra_keys(1), vec!["lora"]);
         let empty_salt = VllmBlockHasher::new(4, "s", None, Some("")).unwrap();
         assert!(empty_salt.extra_keys(0).is_empty());
-        assert_eq!(
-            empty_salt,
-            VllmBlockHasher::new(4, "s", None, None).unwrap()
-        );
+        assert_eq!(empty_salt, VllmBlockHasher::new(4, "s", None, None).unwrap());
     }
 
     #[test]
@@ -253,18 +238,9 @@ mod tests {
     fn rejects_bad_ids_and_zero_block_size() {
         let h = VllmBlockHasher::new(2, DEFAULT_NONE_HASH_SEED, None, None).unwrap();
         let err = h.digests(&[1i64, 2, 3, 1 << 40, 5]).unwrap_err();
-        assert_eq!(
-            err,
-            HashError::TokenOutOfRange {
-                position: 3,
-                value: 1 << 40
-            }
-        );
+        assert_eq!(err, HashError::TokenOutOfRange { position: 3, value: 1 << 40 });
         assert!(h.digests(&[1i64, 2, -1]).is_err());
-        assert_eq!(
-            VllmBlockHasher::new(0, "s", None, None),
-            Err(HashError::ZeroBlockSize)
-        );
+        assert_eq!(VllmBlockHasher::new(0, "s", None, None), Err(HashError::ZeroBlockSize));
     }
 
     #[test]

@@ -21,13 +21,7 @@ fn xxh3_block_hashes<'py>(
     chain_seed: u64,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let tokens = TokenArray::extract(tokens, "tokens")?;
-    let hashes = tokens.visit_detached(
-        py,
-        ChainHashes {
-            block_size,
-            chain_seed,
-        },
-    )??;
+    let hashes = tokens.visit_detached(py, ChainHashes { block_size, chain_seed })??;
     Ok(hashes.into_pyarray(py))
 }
 
@@ -92,10 +86,7 @@ fn text_bytes<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     if let Ok(b) = text.cast::<PyBytes>() {
         return Ok(b.as_bytes());
     }
-    Err(PyTypeError::new_err(format!(
-        "text must be str or bytes, got {}",
-        text.get_type().name()?
-    )))
+    Err(PyTypeError::new_err(format!("text must be str or bytes, got {}", text.get_type().name()?)))
 }
 
 /// Chained xxh3 hashes of text packed 4 bytes per pseudo-token (see
@@ -148,22 +139,12 @@ where
     F: Fn(&TokenSlice<'_>) -> Result<Vec<u64>, hashing::HashError> + Send + Sync,
 {
     let arrays = prompt_arrays(prompts)?;
-    let slices = arrays
-        .iter()
-        .map(TokenArray::as_token_slice)
-        .collect::<PyResult<Vec<_>>>()?;
+    let slices = arrays.iter().map(TokenArray::as_token_slice).collect::<PyResult<Vec<_>>>()?;
     let results = py.detach(|| {
         let total = slices.iter().map(TokenSlice::len).sum();
-        hash_batch(
-            &slices,
-            threads.unwrap_or_else(|| auto_threads(total)),
-            hash_one,
-        )
+        hash_batch(&slices, threads.unwrap_or_else(|| auto_threads(total)), hash_one)
     })?;
-    PyList::new(
-        py,
-        results.into_iter().map(|hashes| hashes.into_pyarray(py)),
-    )
+    PyList::new(py, results.into_iter().map(|hashes| hashes.into_pyarray(py)))
 }
 
 /// Chained xxh3 block hashes of many prompts (see `llmsched.hashing.block_hashes_batch`).
@@ -176,10 +157,7 @@ fn xxh3_block_hashes_batch<'py>(
     chain_seed: u64,
     threads: Option<usize>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let visitor = ChainHashes {
-        block_size,
-        chain_seed,
-    };
+    let visitor = ChainHashes { block_size, chain_seed };
     batch_to_list(py, &prompts, threads, |s| s.visit(visitor))
 }
 
