@@ -432,8 +432,8 @@ def _prompts() -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize("threads", [None, 1, 2, 3])
-def test_batch_equals_one_by_one_xxh3(threads: int | None) -> None:
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_batch_equals_one_by_one_xxh3(threads: int) -> None:
     prompts = _prompts()
     got = llmsched.block_hashes_batch(prompts, 16, seed=4, lora="l", threads=threads)
     assert len(got) == len(prompts)
@@ -442,8 +442,8 @@ def test_batch_equals_one_by_one_xxh3(threads: int | None) -> None:
         assert h.tolist() == llmsched.block_hashes(p, 16, seed=4, lora="l").tolist()
 
 
-@pytest.mark.parametrize("threads", [None, 2])
-def test_batch_equals_one_by_one_vllm(threads: int | None) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_equals_one_by_one_vllm(threads: int) -> None:
     prompts = _prompts()[:10]
     kw: dict[str, Any] = {"seed": "0", "lora": "a", "cache_salt": "s"}
     got = llmsched.block_hashes_batch(prompts, 16, algo="vllm_sha256_cbor", threads=threads, **kw)
@@ -452,10 +452,12 @@ def test_batch_equals_one_by_one_vllm(threads: int | None) -> None:
         assert h.tolist() == expect
 
 
-def test_batch_large_enough_for_two_threads() -> None:
+def test_batch_default_equals_two_threads() -> None:
     prompts = [np.arange(n, dtype=np.uint32) % 999 for n in range(20_000, 20_030)]
-    auto = llmsched.block_hashes_batch(prompts)
-    assert [h.tolist() for h in auto] == [llmsched.block_hashes(p).tolist() for p in prompts]
+    two = llmsched.block_hashes_batch(prompts, threads=2)
+    default = llmsched.block_hashes_batch(prompts)
+    assert [h.tolist() for h in two] == [h.tolist() for h in default]
+    assert [h.tolist() for h in default] == [llmsched.block_hashes(p).tolist() for p in prompts]
 
 
 def test_batch_errors_name_the_prompt() -> None:
@@ -469,8 +471,11 @@ def test_batch_errors_name_the_prompt() -> None:
         llmsched.block_hashes_batch([good, [1.5]])
     with pytest.raises(TypeError, match="prompts must be a list"):
         llmsched.block_hashes_batch(good)
-    with pytest.raises(ValueError, match="threads"):
-        llmsched.block_hashes_batch([good], threads=0)
+    for threads in (0, 5000):
+        with pytest.raises(ValueError, match="threads"):
+            llmsched.block_hashes_batch([good], threads=threads)
+    with pytest.raises(TypeError, match="threads"):
+        llmsched.block_hashes_batch([good], threads=None)  # type: ignore[arg-type]
     assert llmsched.block_hashes_batch([]) == []
 
 

@@ -42,7 +42,7 @@ def xxh3_block_hashes_batch(
     prompts: list[npt.NDArray[np.integer]],
     block_size: int,
     chain_seed: int,
-    threads: int | None = None,
+    threads: int = 1,
 ) -> list[npt.NDArray[np.uint64]]: ...
 def vllm_block_hashes_batch(
     prompts: list[npt.NDArray[np.integer]],
@@ -50,7 +50,7 @@ def vllm_block_hashes_batch(
     seed: str,
     lora: str | None = None,
     cache_salt: str | None = None,
-    threads: int | None = None,
+    threads: int = 1,
 ) -> list[npt.NDArray[np.uint64]]: ...
 
 # ---- prefix_index --------------------------------------------------------------------------

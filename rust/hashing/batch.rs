@@ -6,21 +6,16 @@
 //! lowest-numbered failing prompt and no output.
 //!
 //! Complexity: O(total tokens) work, split across threads; one O(prompts) pass to cut the runs.
-//! Spawning and joining a thread costs tens of microseconds, so [`auto_threads`] only goes
-//! parallel from [`PARALLEL_MIN_TOKENS`] tokens. Measured on the 2-core development machine
-//! while other jobs kept it busy (min of many runs, 16-token blocks): 2 threads took 2x longer
-//! at 16,000 tokens, 0.7x as fast at 256,000, 1.2x faster at 640,000 and 1.6x at 2.5 million
-//! (`benches/test_bench_hashing.py::test_batch_threads` repeats this).
+//!
+//! Threads are the caller's choice, one by default: spawning and joining a thread costs tens of
+//! microseconds, and on the 2-core development machine, busy with other jobs, a second thread
+//! never paid off (medians, 16-token blocks: 0.4x at 64,000 tokens, 0.8x at 640,000, 0.96x at
+//! 2.5 million; only the best runs at 2.5 million reached 1.6x). A gateway with idle cores may
+//! gain on large batches; `benches/test_bench_hashing.py::test_batch_threads` measures it.
 
 use std::fmt;
 
 use super::{HashError, TokenSlice};
-
-/// Smallest batch, in tokens, that [`auto_threads`] hashes on more than one thread.
-pub const PARALLEL_MIN_TOKENS: usize = 1 << 19;
-
-/// Most threads [`auto_threads`] picks.
-pub const MAX_AUTO_THREADS: usize = 2;
 
 /// A batch failed: `error` occurred in prompt number `prompt`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,15 +31,6 @@ impl fmt::Display for BatchError {
 }
 
 impl std::error::Error for BatchError {}
-
-/// The thread count for a batch of `total_tokens` tokens: one below [`PARALLEL_MIN_TOKENS`],
-/// else up to [`MAX_AUTO_THREADS`] as the machine allows.
-pub fn auto_threads(total_tokens: usize) -> usize {
-    if total_tokens < PARALLEL_MIN_TOKENS {
-        return 1;
-    }
-    std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_AUTO_THREADS))
-}
 
 /// Applies `hash_one` to every prompt on up to `threads` threads (see the module docs).
 pub fn hash_batch<O, F>(
@@ -170,11 +156,5 @@ mod tests {
             assert_eq!(err.error, HashError::TokenOutOfRange { position: 1, value: -5 });
             assert_eq!(err.to_string(), format!("prompt 1: {}", err.error));
         }
-    }
-
-    #[test]
-    fn auto_threads_stays_single_for_small_batches() {
-        assert_eq!(auto_threads(PARALLEL_MIN_TOKENS - 1), 1);
-        assert!((1..=MAX_AUTO_THREADS).contains(&auto_threads(PARALLEL_MIN_TOKENS)));
     }
 }

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
 
 use super::tokens::{TokenArray, TokenSlice};
-use crate::hashing::batch::{auto_threads, hash_batch};
+use crate::hashing::batch::hash_batch;
 use crate::hashing::text::{pack_text as core_pack_text, text_chain_hashes};
 use crate::hashing::vllm::{self, VllmBlockHasher, VllmDigests, VllmEventHashes};
 use crate::hashing::{self, ChainHashes};
@@ -127,12 +127,12 @@ fn prompt_arrays<'py>(prompts: &[Bound<'py, PyAny>]) -> PyResult<Vec<TokenArray<
         .collect()
 }
 
-/// Hashes every prompt with `hash_one` with the GIL released, on `threads` threads (automatic
-/// when None), and returns a list of numpy arrays.
+/// Hashes every prompt with `hash_one` with the GIL released, on `threads` threads, and returns
+/// a list of numpy arrays.
 fn batch_to_list<'py, F>(
     py: Python<'py>,
     prompts: &[Bound<'py, PyAny>],
-    threads: Option<usize>,
+    threads: usize,
     hash_one: F,
 ) -> PyResult<Bound<'py, PyList>>
 where
@@ -140,22 +140,19 @@ where
 {
     let arrays = prompt_arrays(prompts)?;
     let slices = arrays.iter().map(TokenArray::as_token_slice).collect::<PyResult<Vec<_>>>()?;
-    let results = py.detach(|| {
-        let total = slices.iter().map(TokenSlice::len).sum();
-        hash_batch(&slices, threads.unwrap_or_else(|| auto_threads(total)), hash_one)
-    })?;
+    let results = py.detach(|| hash_batch(&slices, threads, hash_one))?;
     PyList::new(py, results.into_iter().map(|hashes| hashes.into_pyarray(py)))
 }
 
 /// Chained xxh3 block hashes of many prompts (see `llmsched.hashing.block_hashes_batch`).
 #[pyfunction]
-#[pyo3(signature = (prompts, block_size, chain_seed, threads=None))]
+#[pyo3(signature = (prompts, block_size, chain_seed, threads=1))]
 fn xxh3_block_hashes_batch<'py>(
     py: Python<'py>,
     prompts: Vec<Bound<'py, PyAny>>,
     block_size: usize,
     chain_seed: u64,
-    threads: Option<usize>,
+    threads: usize,
 ) -> PyResult<Bound<'py, PyList>> {
     let visitor = ChainHashes { block_size, chain_seed };
     batch_to_list(py, &prompts, threads, |s| s.visit(visitor))
@@ -164,7 +161,7 @@ fn xxh3_block_hashes_batch<'py>(
 /// vLLM `sha256_cbor` event-form block hashes of many prompts (see
 /// `llmsched.hashing.block_hashes_batch`).
 #[pyfunction]
-#[pyo3(signature = (prompts, block_size, seed, lora=None, cache_salt=None, threads=None))]
+#[pyo3(signature = (prompts, block_size, seed, lora=None, cache_salt=None, threads=1))]
 fn vllm_block_hashes_batch<'py>(
     py: Python<'py>,
     prompts: Vec<Bound<'py, PyAny>>,
@@ -172,7 +169,7 @@ fn vllm_block_hashes_batch<'py>(
     seed: &str,
     lora: Option<&str>,
     cache_salt: Option<&str>,
-    threads: Option<usize>,
+    threads: usize,
 ) -> PyResult<Bound<'py, PyList>> {
     let hasher = VllmBlockHasher::new(block_size, seed, lora, cache_salt)?;
     batch_to_list(py, &prompts, threads, |s| s.visit(VllmEventHashes(&hasher)))
