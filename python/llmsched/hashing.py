@@ -222,9 +222,9 @@ def block_hashes_batch(
 
     Every prompt may have its own length and integer dtype; all share the block size and
     namespace. ``threads`` splits the batch across that many threads (one by default: on a
-    busy 2-core machine a second thread measured slower even at 2.5 million tokens; try 2 where
-    cores sit idle and batches are large). If any prompt is bad the call raises, naming the
-    prompt, and returns nothing.
+    busy 2-core machine a second thread measured slower up to 640,000 tokens and only
+    sometimes faster, up to 1.6x, at 2.5 million; try 2 where cores sit idle and batches are
+    large). If any prompt is bad the call raises, naming the prompt, and returns nothing.
 
     >>> out = block_hashes_batch([range(32), range(48)], block_size=16)
     >>> [len(h) for h in out]

