@@ -55,6 +55,7 @@ bench: build ## A short pass of the benchmarks, each figure beside its pure-Pyth
 bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench --bench prefix_index
 	cargo bench --bench slices
+	cargo bench --bench hashing
 
 demo: build ## Run the main job
 	$(PY) -m llmsched demo

@@ -20,7 +20,15 @@ from llmsched.errors import (
     UnknownRequestError,
     UnknownWorkerError,
 )
-from llmsched.hashing import block_hashes, namespace_seed
+from llmsched.hashing import (
+    block_hashes,
+    block_hashes_batch,
+    namespace_seed,
+    pack_text,
+    text_block_hashes,
+    vllm_block_digests,
+    vllm_none_hash,
+)
 from llmsched.prefix_index import PrefixIndex, PrefixMatch
 from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
 
@@ -43,5 +51,10 @@ __all__ = [
     "WaitingRequest",
     "__version__",
     "block_hashes",
+    "block_hashes_batch",
     "namespace_seed",
+    "pack_text",
+    "text_block_hashes",
+    "vllm_block_digests",
+    "vllm_none_hash",
 ]

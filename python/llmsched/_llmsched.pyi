@@ -7,6 +7,7 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+VLLM_DEFAULT_NONE_HASH_SEED: str
 
 def xxh3_block_hashes(
     tokens: npt.NDArray[np.integer], block_size: int, chain_seed: int
@@ -14,6 +15,43 @@ def xxh3_block_hashes(
 def namespace_seed(
     seed: int, model: str | None = None, lora: str | None = None, cache_salt: str | None = None
 ) -> int: ...
+def vllm_block_hashes(
+    tokens: npt.NDArray[np.integer],
+    block_size: int,
+    seed: str,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+) -> npt.NDArray[np.uint64]: ...
+def vllm_block_digests(
+    tokens: npt.NDArray[np.integer],
+    block_size: int,
+    seed: str,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+) -> list[bytes]: ...
+def vllm_none_hash(seed: str) -> bytes: ...
+def text_block_hashes(
+    text: str | bytes,
+    block_size: int,
+    chain_seed: int,
+    include_partial: bool,
+    max_tokens: int | None = None,
+) -> npt.NDArray[np.uint64]: ...
+def pack_text(text: str | bytes) -> npt.NDArray[np.uint32]: ...
+def xxh3_block_hashes_batch(
+    prompts: list[npt.NDArray[np.integer]],
+    block_size: int,
+    chain_seed: int,
+    threads: int = 1,
+) -> list[npt.NDArray[np.uint64]]: ...
+def vllm_block_hashes_batch(
+    prompts: list[npt.NDArray[np.integer]],
+    block_size: int,
+    seed: str,
+    lora: str | None = None,
+    cache_salt: str | None = None,
+    threads: int = 1,
+) -> list[npt.NDArray[np.uint64]]: ...
 
 # ---- prefix_index --------------------------------------------------------------------------
 

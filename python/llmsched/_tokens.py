@@ -1,15 +1,34 @@
-"""Normalising token input for the native module (any buffer, list or numpy array)."""
+"""Normalising token input for the native module.
+
+Accepted, in order of preference:
+
+- a numpy array of any integer dtype (``int8`` .. ``uint64``): read in place when it is 1-D,
+  C-contiguous and in native byte order, else copied once;
+- any object exporting the buffer protocol with an integer format (``array.array``,
+  ``memoryview``, ...): wrapped without copying;
+- a list, tuple, range or other iterable of Python ints: converted once.
+
+Rejected with ``TypeError``: floats, bools, strings, ``bytes``/``bytearray`` (their width is
+ambiguous; wrap them with ``numpy.frombuffer(buf, dtype=...)``), and anything else that is not
+integers. Ids outside ``0..2**32-1`` raise :class:`~llmsched.errors.InvalidTokenError` naming
+the position and value; for numpy input the native code checks them while hashing.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
+from llmsched.errors import InvalidTokenError
+
 TokensLike = Any
 """Token ids: a numpy integer array, any buffer of integers, or a sequence of ints."""
+
+MAX_TOKEN_ID = 0xFFFFFFFF
+"""The largest token id (ids are unsigned 32-bit integers)."""
 
 
 def as_token_array(tokens: TokensLike, what: str = "tokens") -> npt.NDArray[np.integer]:
@@ -17,42 +36,89 @@ def as_token_array(tokens: TokensLike, what: str = "tokens") -> npt.NDArray[np.i
 
     >>> as_token_array([1, 2, 3]).dtype
     dtype('int64')
+    >>> import array
+    >>> as_token_array(array.array("I", [7, 8])).dtype
+    dtype('uint32')
     """
     if isinstance(tokens, np.ndarray):
         arr = tokens
-    elif isinstance(tokens, (bytes, bytearray, memoryview)):
+    elif isinstance(tokens, (list, tuple, range)):
+        arr = _from_ints(tokens, what)
+    elif isinstance(tokens, str):
+        raise TypeError(f"{what} must be token ids, got str; hash raw text with text_block_hashes")
+    elif isinstance(tokens, (bytes, bytearray)):
         raise TypeError(
             f"{what}: raw bytes are ambiguous; wrap them with numpy.frombuffer(buf, dtype=...)"
         )
-    elif isinstance(tokens, (list, tuple, range)) or not hasattr(tokens, "__buffer__"):
-        if isinstance(tokens, Iterable) and not isinstance(tokens, (list, tuple, range)):
-            tokens = list(tokens)
-        if len(tokens) == 0:
-            return np.zeros(0, dtype=np.int64)
-        try:
-            arr = np.asarray(tokens, dtype=np.int64)
-        except OverflowError:
-            raise_out_of_range(tokens, what)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"{what} must be integers: {exc}") from None
     else:
-        arr = np.asarray(tokens)
+        arr = _from_other(tokens, what)
+    return _checked(arr, what)
+
+
+def _from_other(tokens: object, what: str) -> npt.NDArray[Any]:
+    """A buffer (wrapped in place) or an iterable of ints (converted)."""
+    try:
+        view = memoryview(tokens)  # type: ignore[arg-type]
+    except TypeError:
+        if isinstance(tokens, Iterable):
+            return _from_ints(list(tokens), what)
+        raise TypeError(
+            f"{what} must be a numpy integer array, a buffer of integers or a sequence of ints, "
+            f"got {type(tokens).__name__}"
+        ) from None
+    try:
+        return np.asarray(view)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{what}: unsupported buffer format {view.format!r}: {exc}") from None
+
+
+def _from_ints(values: Sequence[Any], what: str) -> npt.NDArray[Any]:
+    """A numpy array of the Python ints in ``values`` (no silent float or bool conversion)."""
+    if len(values) == 0:
+        return np.zeros(0, dtype=np.uint32)
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(f"{what} must be a flat sequence of ints: {exc}") from None
+    if arr.dtype.kind in "iu":
+        return arr
+    if arr.dtype.kind in "fO":
+        # numpy falls back to float or object for ints beyond int64/uint64 too: tell apart
+        # an out-of-range id from a non-integer element.
+        _raise_for_elements(values, what)
+    raise TypeError(f"{what} must be integers, got elements of dtype {arr.dtype}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _raise_for_elements(values: Iterable[Any], what: str) -> NoReturn:
+    """Raise for the first element that is not an int in range."""
+    for position, value in enumerate(values):
+        if not _is_int(value):
+            raise TypeError(f"{what}[{position}] must be an int, got {type(value).__name__}")
+    raise_out_of_range(values, what)
+
+
+def _checked(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.integer]:
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return arr
 
 
-def raise_out_of_range(tokens: Iterable[Any], what: str) -> None:
+def raise_out_of_range(tokens: Iterable[Any], what: str) -> NoReturn:
     """Raise InvalidTokenError naming the first id outside 0..2**32-1."""
-    from llmsched.errors import InvalidTokenError
-
     for position, value in enumerate(tokens):
-        if not 0 <= int(value) <= 0xFFFFFFFF:
+        if not 0 <= int(value) <= MAX_TOKEN_ID:
             raise InvalidTokenError(
-                f"{what}: token id {value} at position {position} is out of range (0 to 4294967295)"
+                f"{what}: token id {value} at position {position} is out of range "
+                f"(0 to {MAX_TOKEN_ID})"
             )
-    raise InvalidTokenError(f"{what}: token id out of range (0 to 4294967295)")
+    raise InvalidTokenError(f"{what}: token id out of range (0 to {MAX_TOKEN_ID})")

@@ -5,6 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::import_exception;
 use pyo3::PyErr;
 
+use crate::hashing::batch::BatchError;
 use crate::hashing::HashError;
 use crate::prefix_index::IndexError;
 
@@ -59,6 +60,16 @@ impl From<crate::slices::SliceError> for PyErr {
             | E::SliceOverrun { .. }
             | E::NotAtBoundary { .. } => SliceStateError::new_err(message),
             E::InvalidValue { .. } => PyValueError::new_err(message),
+        }
+    }
+}
+
+impl From<BatchError> for PyErr {
+    fn from(err: BatchError) -> PyErr {
+        let message = err.to_string();
+        match err.error {
+            HashError::ZeroBlockSize => PyValueError::new_err(message),
+            HashError::TokenOutOfRange { .. } => InvalidTokenError::new_err(message),
         }
     }
 }

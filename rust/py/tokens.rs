@@ -4,13 +4,7 @@ use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArra
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::hashing::TokenId;
-
-/// Code that runs over a token slice of whatever integer type the array holds.
-pub trait TokenVisitor {
-    type Output;
-    fn visit<T: TokenId + Sync>(self, tokens: &[T]) -> Self::Output;
-}
+pub use crate::hashing::{TokenSlice, TokenVisitor};
 
 /// A borrowed numpy token array.
 pub enum TokenArray<'py> {
@@ -58,30 +52,27 @@ impl<'py> TokenArray<'py> {
         Ok(out)
     }
 
+    /// The tokens as a typed slice (fails if the array is not contiguous).
+    pub fn as_token_slice(&self) -> PyResult<TokenSlice<'_>> {
+        Ok(match self {
+            Self::U8(a) => TokenSlice::U8(a.as_slice()?),
+            Self::U16(a) => TokenSlice::U16(a.as_slice()?),
+            Self::U32(a) => TokenSlice::U32(a.as_slice()?),
+            Self::U64(a) => TokenSlice::U64(a.as_slice()?),
+            Self::I8(a) => TokenSlice::I8(a.as_slice()?),
+            Self::I16(a) => TokenSlice::I16(a.as_slice()?),
+            Self::I32(a) => TokenSlice::I32(a.as_slice()?),
+            Self::I64(a) => TokenSlice::I64(a.as_slice()?),
+        })
+    }
+
     /// Runs `visitor` over the tokens with the GIL released.
     pub fn visit_detached<V>(&self, py: Python<'_>, visitor: V) -> PyResult<V::Output>
     where
         V: TokenVisitor + Send,
         V::Output: Send,
     {
-        match self {
-            Self::U8(a) => run(py, a.as_slice()?, visitor),
-            Self::U16(a) => run(py, a.as_slice()?, visitor),
-            Self::U32(a) => run(py, a.as_slice()?, visitor),
-            Self::U64(a) => run(py, a.as_slice()?, visitor),
-            Self::I8(a) => run(py, a.as_slice()?, visitor),
-            Self::I16(a) => run(py, a.as_slice()?, visitor),
-            Self::I32(a) => run(py, a.as_slice()?, visitor),
-            Self::I64(a) => run(py, a.as_slice()?, visitor),
-        }
+        let tokens = self.as_token_slice()?;
+        Ok(py.detach(|| tokens.visit(visitor)))
     }
-}
-
-fn run<T, V>(py: Python<'_>, tokens: &[T], visitor: V) -> PyResult<V::Output>
-where
-    T: TokenId + Sync,
-    V: TokenVisitor + Send,
-    V::Output: Send,
-{
-    Ok(py.detach(|| visitor.visit(tokens)))
 }
