@@ -56,9 +56,17 @@ bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench --bench prefix_index
 	cargo bench --bench slices
 	cargo bench --bench hashing
+	cargo bench --bench vllm_events
 
 demo: build ## Run the main job
 	$(PY) -m llmsched demo
 
 clean: ## Remove build outputs and the virtual environment
 	rm -rf target $(VENV) python/llmsched/_llmsched*.so .pytest_cache .mypy_cache .ruff_cache .benchmarks
+
+FUZZ_SECONDS ?= 60
+fuzz: $(VENV)/.deps ## Fuzz the vLLM event decoder for FUZZ_SECONDS (nightly Rust; installs cargo-fuzz)
+	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz
+	$(PY) fuzz/seeds.py fuzz/corpus/vllm_events
+	cargo +nightly fuzz run --sanitizer none --debug-assertions vllm_events fuzz/corpus/vllm_events -- \
+		-dict=fuzz/vllm_events.dict -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1

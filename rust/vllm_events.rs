@@ -336,16 +336,24 @@ fn find_map_tag(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<EventK
     Err(reader.error(at, "event map has no \"type\" key"))
 }
 
+/// vLLM's `medium` name for a tier.
+pub fn medium_name(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Gpu => "GPU",
+        Tier::Cpu => "CPU",
+        Tier::Storage => "STORAGE",
+    }
+}
+
+/// The tier a `medium` names (ASCII case ignored); nil or absent means GPU.
 fn parse_tier(reader: &Reader<'_>, at: usize, medium: Option<&str>) -> Result<Tier> {
     let Some(name) = medium else {
         return Ok(Tier::Gpu);
     };
-    for (known, tier) in [("GPU", Tier::Gpu), ("CPU", Tier::Cpu), ("STORAGE", Tier::Storage)] {
-        if name.eq_ignore_ascii_case(known) {
-            return Ok(tier);
-        }
-    }
-    Err(reader.error(at, format!("medium {name:?} is not one of GPU, CPU, STORAGE")))
+    [Tier::Gpu, Tier::Cpu, Tier::Storage]
+        .into_iter()
+        .find(|&tier| name.eq_ignore_ascii_case(medium_name(tier)))
+        .ok_or_else(|| reader.error(at, format!("medium {name:?} is not one of GPU, CPU, STORAGE")))
 }
 
 fn read_block_hashes(reader: &mut Reader<'_>) -> Result<Vec<u64>> {

@@ -3,7 +3,7 @@
 
 use _llmsched::prefix_index::Tier;
 use _llmsched::vllm_events::{
-    decode_event_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, MAX_SKIP_DEPTH,
+    decode_event_batch, medium_name, BlockRemoved, BlockStored, EventBatch, KvEvent, MAX_SKIP_DEPTH,
 };
 use proptest::prelude::*;
 use rmpv::Value;
@@ -63,14 +63,6 @@ fn decode_err(payload: &[u8]) -> String {
     }
 }
 
-fn tier_name(tier: Tier) -> &'static str {
-    match tier {
-        Tier::Gpu => "GPU",
-        Tier::Cpu => "CPU",
-        Tier::Storage => "STORAGE",
-    }
-}
-
 fn json_u64s(value: &serde_json::Value) -> Vec<u64> {
     value.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect()
 }
@@ -95,13 +87,13 @@ fn shared_vector_decodes_as_documented() {
                     json_u64s(&want["token_ids"]).iter().map(|&t| t as u32).collect();
                 assert_eq!(stored.token_ids, tokens);
                 assert_eq!(u64::from(stored.block_size), want["block_size"].as_u64().unwrap());
-                assert_eq!(tier_name(stored.medium), want["medium"].as_str().unwrap());
+                assert_eq!(medium_name(stored.medium), want["medium"].as_str().unwrap());
                 assert_eq!(stored.lora_name, None);
                 assert_eq!(stored.lora_id, None);
             }
             (KvEvent::Removed(removed), "BlockRemoved") => {
                 assert_eq!(removed.block_hashes, json_u64s(&want["block_hashes"]));
-                assert_eq!(tier_name(removed.medium), want["medium"].as_str().unwrap());
+                assert_eq!(medium_name(removed.medium), want["medium"].as_str().unwrap());
             }
             (KvEvent::AllCleared, "AllBlocksCleared") => {}
             (event, kind) => panic!("decoded {event:?}, expected a {kind}"),
@@ -694,7 +686,7 @@ fn event_fields(event: &KvEvent, enc: &Encoding) -> (&'static str, Vec<(&'static
                 ("token_ids", ints(&e.token_ids)),
                 ("block_size", Value::from(e.block_size)),
                 ("lora_id", opt(&e.lora_id, |&v| Value::from(v))),
-                ("medium", s(tier_name(e.medium))),
+                ("medium", s(medium_name(e.medium))),
                 ("lora_name", opt(&e.lora_name, |v| s(v))),
                 ("extra_keys", extra),
                 ("group_idx", opt(&e.group_idx, |&v| Value::from(v))),
@@ -709,7 +701,7 @@ fn event_fields(event: &KvEvent, enc: &Encoding) -> (&'static str, Vec<(&'static
         KvEvent::Removed(e) => {
             let fields = vec![
                 ("block_hashes", hashes(&e.block_hashes)),
-                ("medium", s(tier_name(e.medium))),
+                ("medium", s(medium_name(e.medium))),
                 ("group_idx", opt(&e.group_idx, |&v| Value::from(v))),
             ];
             ("BlockRemoved", fields)

@@ -31,6 +31,7 @@ from llmsched.hashing import (
 )
 from llmsched.prefix_index import PrefixIndex, PrefixMatch
 from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
+from llmsched.vllm_events import decode_vllm_events
 
 __all__ = [
     "ConfigError",
@@ -52,6 +53,7 @@ __all__ = [
     "__version__",
     "block_hashes",
     "block_hashes_batch",
+    "decode_vllm_events",
     "namespace_seed",
     "pack_text",
     "text_block_hashes",

@@ -8,6 +8,7 @@ use pyo3::PyErr;
 use crate::hashing::batch::BatchError;
 use crate::hashing::HashError;
 use crate::prefix_index::IndexError;
+use crate::vllm_events::DecodeError;
 
 import_exception!(llmsched.errors, InvalidTokenError);
 import_exception!(llmsched.errors, ConfigError);
@@ -71,5 +72,11 @@ impl From<BatchError> for PyErr {
             HashError::ZeroBlockSize => PyValueError::new_err(message),
             HashError::TokenOutOfRange { .. } => InvalidTokenError::new_err(message),
         }
+    }
+}
+
+impl From<DecodeError> for PyErr {
+    fn from(err: DecodeError) -> PyErr {
+        MalformedEventError::new_err(err.to_string())
     }
 }

@@ -7,6 +7,7 @@ mod hashing;
 mod prefix_index;
 mod slices;
 mod tokens;
+mod vllm_events;
 
 #[pymodule]
 fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -14,5 +15,6 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hashing::register(m)?;
     prefix_index::register(m)?;
     slices::register(m)?;
+    vllm_events::register(m)?;
     Ok(())
 }

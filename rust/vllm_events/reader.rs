@@ -472,21 +472,62 @@ impl<'a> Reader<'a> {
             Marker::Str8 | Marker::Bin8 => usize::from(self.be_u8(what)?),
             Marker::Str16 | Marker::Bin16 => usize::from(self.be_u16(what)?),
             Marker::Str32 | Marker::Bin32 => self.be_u32(what)? as usize,
-            // Fixed extensions: one type byte, then 1 to 16 data bytes.
-            Marker::FixExt1 => 2,
-            Marker::FixExt2 => 3,
-            Marker::FixExt4 => 5,
-            Marker::FixExt8 => 9,
-            Marker::FixExt16 => 17,
-            // Sized extensions: the length, then one type byte, then the data.
-            Marker::Ext8 => usize::from(self.be_u8(what)?) + 1,
-            Marker::Ext16 => usize::from(self.be_u16(what)?) + 1,
-            Marker::Ext32 => (self.be_u32(what)? as usize).saturating_add(1),
+            Marker::FixExt1 => return self.skip_ext(at, 1, what),
+            Marker::FixExt2 => return self.skip_ext(at, 2, what),
+            Marker::FixExt4 => return self.skip_ext(at, 4, what),
+            Marker::FixExt8 => return self.skip_ext(at, 8, what),
+            Marker::FixExt16 => return self.skip_ext(at, 16, what),
+            Marker::Ext8 => {
+                let len = usize::from(self.be_u8(what)?);
+                return self.skip_ext(at, len, what);
+            }
+            Marker::Ext16 => {
+                let len = usize::from(self.be_u16(what)?);
+                return self.skip_ext(at, len, what);
+            }
+            Marker::Ext32 => {
+                let len = self.be_u32(what)? as usize;
+                return self.skip_ext(at, len, what);
+            }
             Marker::Reserved => {
                 return Err(self.error(at, format!("{what}: the reserved byte 0xc1 is not msgpack")))
             }
         };
         self.take(payload, what)?;
+        Ok((at, None))
+    }
+
+    /// Skips an extension value (type byte, then `len` data bytes). The one type the msgpack
+    /// spec defines, the timestamp (-1), must be well formed: 4, 8 or 12 bytes with at most
+    /// 999,999,999 nanoseconds.
+    fn skip_ext(&mut self, at: usize, len: usize, what: &str) -> Result<(usize, Option<usize>)> {
+        let ext_type = self.be_u8(what)? as i8;
+        let data = self.take(len, what)?;
+        if ext_type == -1 {
+            let nanoseconds = match *data {
+                [_, _, _, _] => 0,
+                [b0, b1, b2, b3, b4, b5, b6, b7] => {
+                    u64::from_be_bytes([b0, b1, b2, b3, b4, b5, b6, b7]) >> 34
+                }
+                [b0, b1, b2, b3, _, _, _, _, _, _, _, _] => {
+                    u64::from(u32::from_be_bytes([b0, b1, b2, b3]))
+                }
+                _ => {
+                    return Err(self.error(
+                        at,
+                        format!(
+                            "{what}: a timestamp extension has {len} bytes; 4, 8 or 12 expected"
+                        ),
+                    ))
+                }
+            };
+            if nanoseconds > 999_999_999 {
+                return Err(self.error(
+                    at,
+                    format!("{what}: timestamp extension with {nanoseconds} nanoseconds"),
+                ));
+            }
+        }
         Ok((at, None))
     }
 
@@ -587,6 +628,29 @@ mod tests {
         let mut reader = Reader::new(&deep);
         reader.skip_value_unbounded("v").unwrap();
         assert_eq!(reader.remaining(), 0);
+    }
+
+    #[test]
+    fn timestamp_extensions_are_validated() {
+        let valid: [&[u8]; 3] = [
+            &[0xd6, 0xff, 0, 0, 0, 1],
+            &[0xd7, 0xff, 0xee, 0x6b, 0x27, 0xfc, 0, 0, 0, 0],
+            &[0xc7, 12, 0xff, 0x3b, 0x9a, 0xc9, 0xff, 0, 0, 0, 0, 0, 0, 0, 0],
+        ];
+        for bytes in valid {
+            Reader::new(bytes).skip_value("t").unwrap();
+        }
+        let invalid: [&[u8]; 3] = [
+            &[0xd4, 0xff, 0x01],
+            &[0xd7, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0],
+            &[0xc7, 12, 0xff, 0x3b, 0x9a, 0xca, 0x00, 0, 0, 0, 0, 0, 0, 0, 0],
+        ];
+        for bytes in invalid {
+            let err = Reader::new(bytes).skip_value("t").unwrap_err();
+            assert!(err.reason.contains("timestamp"), "{err}");
+        }
+        // Other extension types are opaque.
+        Reader::new(&[0xd4, 0x05, 0x01]).skip_value("t").unwrap();
     }
 
     #[test]

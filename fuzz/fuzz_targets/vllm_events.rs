@@ -1,0 +1,109 @@
+//! Fuzz target for the vLLM KV-event decoder.
+//!
+//! Checks, for any input: no panic; an error names an offset inside the payload; a successful
+//! decode satisfies the decoder's documented invariants, allocates no more elements than the
+//! payload has bytes, and survives a round trip (re-encoded canonically as map events, it
+//! decodes to the same batch).
+
+#![no_main]
+
+use _llmsched::vllm_events::{decode_event_batch, medium_name, EventBatch, KvEvent};
+use libfuzzer_sys::fuzz_target;
+use rmpv::Value;
+
+fuzz_target!(|data: &[u8]| {
+    match decode_event_batch(data) {
+        Err(err) => assert!(err.offset <= data.len(), "{err} (len {})", data.len()),
+        Ok(batch) => {
+            check_invariants(&batch, data.len());
+            let again = decode_event_batch(&reencode(&batch)).expect("re-encoded batch decodes");
+            assert_eq!(again.ts.to_bits(), batch.ts.to_bits());
+            assert_eq!(again.dp_rank, batch.dp_rank);
+            assert_eq!(again.events, batch.events);
+            assert_eq!(again.unknown_events, 0);
+        }
+    }
+});
+
+fn check_invariants(batch: &EventBatch, payload_len: usize) {
+    assert!(batch.events.len() + batch.unknown_events as usize <= payload_len);
+    let mut elements = 0usize;
+    for event in &batch.events {
+        match event {
+            KvEvent::Stored(stored) => {
+                assert!(stored.block_size >= 1);
+                let blocks = stored.block_hashes.len();
+                assert_eq!(stored.token_ids.len(), blocks * stored.block_size as usize);
+                assert!(stored.has_extra_keys.is_empty() || stored.has_extra_keys.len() == blocks);
+                elements += blocks + stored.token_ids.len() + stored.has_extra_keys.len();
+            }
+            KvEvent::Removed(removed) => elements += removed.block_hashes.len(),
+            KvEvent::AllCleared => {}
+        }
+    }
+    // Every decoded element was read from at least one payload byte.
+    assert!(elements <= payload_len, "{elements} elements from {payload_len} bytes");
+}
+
+fn opt<T>(value: &Option<T>, to_value: impl Fn(&T) -> Value) -> Value {
+    value.as_ref().map_or(Value::Nil, to_value)
+}
+
+fn hashes(hashes: &[u64]) -> Value {
+    Value::Array(hashes.iter().map(|&h| Value::from(h)).collect())
+}
+
+fn event_value(event: &KvEvent) -> Value {
+    let fields: Vec<(&str, Value)> = match event {
+        KvEvent::Stored(e) => {
+            let extra = if e.has_extra_keys.is_empty() {
+                Value::Nil
+            } else {
+                let entry = |&present: &bool| {
+                    if present {
+                        Value::Array(vec![Value::from("x")])
+                    } else {
+                        Value::Nil
+                    }
+                };
+                Value::Array(e.has_extra_keys.iter().map(entry).collect())
+            };
+            vec![
+                ("type", Value::from("BlockStored")),
+                ("block_hashes", hashes(&e.block_hashes)),
+                ("parent_block_hash", opt(&e.parent_block_hash, |&h| Value::from(h))),
+                ("token_ids", Value::Array(e.token_ids.iter().map(|&t| Value::from(t)).collect())),
+                ("block_size", Value::from(e.block_size)),
+                ("lora_id", opt(&e.lora_id, |&v| Value::from(v))),
+                ("medium", Value::from(medium_name(e.medium))),
+                ("lora_name", opt(&e.lora_name, |v| Value::from(v.as_str()))),
+                ("extra_keys", extra),
+                ("group_idx", opt(&e.group_idx, |&v| Value::from(v))),
+                ("kv_cache_spec_kind", opt(&e.kv_cache_spec_kind, |v| Value::from(v.as_str()))),
+                (
+                    "kv_cache_spec_sliding_window",
+                    opt(&e.kv_cache_spec_sliding_window, |&v| Value::from(v)),
+                ),
+            ]
+        }
+        KvEvent::Removed(e) => vec![
+            ("type", Value::from("BlockRemoved")),
+            ("block_hashes", hashes(&e.block_hashes)),
+            ("medium", Value::from(medium_name(e.medium))),
+            ("group_idx", opt(&e.group_idx, |&v| Value::from(v))),
+        ],
+        KvEvent::AllCleared => vec![("type", Value::from("AllBlocksCleared"))],
+    };
+    Value::Map(fields.into_iter().map(|(k, v)| (Value::from(k), v)).collect())
+}
+
+fn reencode(batch: &EventBatch) -> Vec<u8> {
+    let value = Value::Array(vec![
+        Value::F64(batch.ts),
+        Value::Array(batch.events.iter().map(event_value).collect()),
+        opt(&batch.dp_rank, |&v| Value::from(v)),
+    ]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &value).expect("writing to a Vec cannot fail");
+    out
+}
