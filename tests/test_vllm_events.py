@@ -102,7 +102,12 @@ def test_old_array_encoding() -> None:
     stored, removed, cleared = batch["events"]
     assert stored["block_hashes"] == [11, 12] and stored["parent_block_hash"] == 10
     assert stored["lora_id"] == 7 and stored["lora_name"] is None
-    assert removed == {"type": "BlockRemoved", "block_hashes": [12], "medium": "CPU", "group_idx": None}
+    assert removed == {
+        "type": "BlockRemoved",
+        "block_hashes": [12],
+        "medium": "CPU",
+        "group_idx": None,
+    }
     assert cleared == {"type": "AllBlocksCleared"}
     assert batch["ts"] == 3.0 and batch["dp_rank"] == 1
 
@@ -278,20 +283,29 @@ def stored_fields(draw: Any) -> list[tuple[str, Any]]:
     if draw(st.integers(0, 9)) == 0:  # occasionally break an invariant
         tokens = [*tokens, draw(st.one_of(token, st.just(-1), st.just(2**32), st.just(1.0)))]
     extra = draw(
-        st.one_of(st.none(), st.lists(extra_entry, min_size=blocks, max_size=blocks + (blocks == 0)))
+        st.one_of(
+            st.none(), st.lists(extra_entry, min_size=blocks, max_size=blocks + (blocks == 0))
+        )
     )
     return [
         ("block_hashes", draw(st.lists(block_hash, min_size=blocks, max_size=blocks))),
         ("parent_block_hash", draw(st.one_of(st.none(), block_hash))),
         ("token_ids", tokens),
-        ("block_size", draw(st.one_of(st.just(block_size), st.just(0), st.just(-1)))
-         if draw(st.integers(0, 9)) == 0 else block_size),
+        (
+            "block_size",
+            draw(st.one_of(st.just(block_size), st.just(0), st.just(-1)))
+            if draw(st.integers(0, 9)) == 0
+            else block_size,
+        ),
         ("lora_id", draw(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)))),
         ("medium", draw(medium)),
         ("lora_name", draw(st.one_of(st.none(), st.text(max_size=8)))),
         ("extra_keys", extra),
         ("group_idx", draw(optional_u32)),
-        ("kv_cache_spec_kind", draw(st.one_of(st.none(), st.sampled_from(["full_attention", "x"])))),
+        (
+            "kv_cache_spec_kind",
+            draw(st.one_of(st.none(), st.sampled_from(["full_attention", "x"]))),
+        ),
         ("kv_cache_spec_sliding_window", draw(optional_u32)),
     ]
 
