@@ -65,7 +65,7 @@ def test_shared_vector(decode: Any) -> None:
     assert decoded["dp_rank"] == expected["dp_rank"]
     assert decoded["unknown_events"] == 0
     assert len(decoded["events"]) == len(expected["events"])
-    for got, want in zip(decoded["events"], expected["events"]):
+    for got, want in zip(decoded["events"], expected["events"], strict=True):
         assert {key: got[key] for key in want} == want
 
 
@@ -199,7 +199,7 @@ def _pack_int(value: int, draw: Any) -> bytes:
 def _pack_len(count: int, fix_base: int | None, fix_max: int, markers: tuple[int, ...]) -> bytes:
     if fix_base is not None and count <= fix_max:
         return bytes([fix_base | count])
-    for marker, fmt in zip(markers, (">B", ">H", ">I")):
+    for marker, fmt in zip(markers, (">B", ">H", ">I"), strict=True):
         if count < 2 ** (8 * struct.calcsize(fmt)):
             return bytes([marker]) + struct.pack(fmt, count)
     raise ValueError(count)

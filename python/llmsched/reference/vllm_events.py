@@ -283,7 +283,7 @@ def _map_event(pairs: _Map) -> dict[str, Any] | None:
     elif tag == "BlockRemoved":
         known, read, finish = _REMOVED_FIELDS, _read_removed_field, _finish_removed
     fields: dict[str, Any] = {}
-    for key, (_, value) in zip(keys, pairs):
+    for key, (_, value) in zip(keys, pairs, strict=True):
         if key == "type":
             continue
         if not known:
