@@ -33,6 +33,11 @@
 //! - The batch itself is also accepted as a map `{"ts", "events", "data_parallel_rank"}` (msgspec
 //!   writes that if the struct is not declared `array_like`), and as a 2-element array (dp_rank
 //!   omitted as a default); elements past the third are skipped.
+//! - Skipped values are still checked to be well-formed msgpack, including the one extension the
+//!   msgpack spec defines (timestamp, type -1: 4, 8 or 12 bytes, nanoseconds below 10^9); other
+//!   extension types are opaque. Strings are checked for UTF-8 only where they are read.
+//! - The pure-Python twin `llmsched.reference.vllm_events` accepts and rejects the same payloads
+//!   (hypothesis tests compare the two on generated, re-encoded and mutated payloads).
 
 mod reader;
 
