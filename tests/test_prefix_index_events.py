@@ -169,3 +169,25 @@ def test_real_engine_capture_with_a_gap(block_size: int) -> None:
         prompt = np.array(request["prompt"], dtype=np.uint32)
         got = index.match_tokens(prompt).as_dict().get("tiny", 0)
         assert got == expected * scale, (len(prompt), got, expected)
+
+
+def test_other_cache_groups_and_extra_keys_are_skipped() -> None:
+    """Hybrid models repeat events per KV-cache group; only group 0 is indexed. Blocks whose
+    extra keys (images, a cache salt) make them more than their tokens are not keyed by tokens."""
+    index = PrefixIndex(block_size=16)
+    tokens = list(range(16))
+    report = index.apply_vllm_events(
+        "e",
+        batch(
+            stored([1], None, tokens, group_idx=1),
+            stored([2], None, tokens, extra_keys=[["image-hash"]]),
+            stored([3], None, tokens, extra_keys=[None]),
+            stored([4], None, tokens, lora_name="sql", extra_keys=[["sql"]]),
+            {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "group_idx": 1},
+        ),
+    )
+    assert report["other_groups"] == 2
+    assert report["extra_keys"] == 1
+    assert report["blocks_stored"] == 2
+    assert index.match_tokens(tokens).as_dict() == {"e": 1}
+    assert index.match_tokens(tokens, lora="sql").as_dict() == {"e": 1}

@@ -254,8 +254,10 @@ class PrefixIndex:
         Both event encodings are accepted (array-encoded before vLLM 0.24, map-encoded since).
         Blocks are keyed by this index's own hash of each event's ``token_ids``, so the engine's
         hash algorithm and seed never matter. A stored event whose parent is unknown, or a
-        removal of an unknown block, is skipped and counted in the returned report. A malformed
-        payload raises MalformedEventError and changes nothing.
+        removal of an unknown block, is skipped and counted in the returned report, as are events
+        of KV-cache groups other than group 0 (hybrid models repeat their events per group) and
+        stored blocks whose extra keys (multimodal inputs, a cache salt) make them more than their
+        tokens. A malformed payload raises MalformedEventError and changes nothing.
         """
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, got {type(payload).__name__}")

@@ -32,6 +32,12 @@ pub struct ApplyReport {
     pub conflicts: u64,
     /// Events of a type this index does not know, skipped.
     pub unknown_events: u64,
+    /// Events for a KV-cache group other than group 0, skipped: hybrid models send one event per
+    /// group for the same tokens, and only the first (full attention) group decides prefix reuse.
+    pub other_groups: u64,
+    /// Stored events skipped because their blocks carry extra keys (multimodal inputs, a cache
+    /// salt) that make their content more than their tokens, with no LoRA name to explain them.
+    pub extra_keys: u64,
 }
 
 pub(super) fn apply_batch(
@@ -66,6 +72,14 @@ fn apply_stored(
     ev: &BlockStored,
     report: &mut ApplyReport,
 ) {
+    if ev.group_idx.unwrap_or(0) != 0 {
+        report.other_groups += 1;
+        return;
+    }
+    if ev.lora_name.is_none() && ev.any_extra_keys() {
+        report.extra_keys += 1;
+        return;
+    }
     let bs = index.config.block_size;
     let engine_bs = ev.block_size as usize;
     if engine_bs % bs != 0 {
@@ -113,6 +127,10 @@ fn apply_stored(
 }
 
 fn apply_removed(st: &mut State, w: WorkerId, ev: &BlockRemoved, report: &mut ApplyReport) {
+    if ev.group_idx.unwrap_or(0) != 0 {
+        report.other_groups += 1;
+        return;
+    }
     for &engine_hash in &ev.block_hashes {
         let Some(&(first, last, span)) = st.workers.engine[w as usize].get(&engine_hash) else {
             report.unknown_removed += 1;

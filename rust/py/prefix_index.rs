@@ -363,6 +363,8 @@ fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyD
     d.set_item("block_size_mismatch", r.block_size_mismatch)?;
     d.set_item("conflicts", r.conflicts)?;
     d.set_item("unknown_events", r.unknown_events)?;
+    d.set_item("other_groups", r.other_groups)?;
+    d.set_item("extra_keys", r.extra_keys)?;
     Ok(d)
 }
 
