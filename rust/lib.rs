@@ -5,6 +5,7 @@
 
 pub mod hashing;
 pub mod prefix_index;
+pub mod routing;
 pub mod slices;
 pub mod vllm_events;
 

@@ -253,6 +253,12 @@ impl PrefixIndex {
         self.state.read().workers.keys.get(id as usize).cloned().flatten()
     }
 
+    /// Blocks `worker` holds (0 for an unknown worker): the size of its tree.
+    pub fn held_blocks(&self, worker: &WorkerKey) -> u64 {
+        let st = self.state.read();
+        st.workers.id(worker).map_or(0, |w| st.tree.held(w))
+    }
+
     /// Registered workers as (id, name).
     pub fn workers(&self) -> Vec<(WorkerId, WorkerKey)> {
         let st = self.state.read();

@@ -1,0 +1,185 @@
+//! Profile handlers: which profiles run for a request.
+//!
+//! `single-profile-handler` runs the only profile. `pd-profile-handler` runs the decode profile,
+//! then decides disaggregation with a decider:
+//! - `prefix-based-pd-decider` (llm-d's rule): split iff the prompt tokens not cached on the
+//!   chosen decode endpoint are at least `nonCachedTokens` (0: always split);
+//! - `load-aware-pd-decider` (ours): the same test, then the prefill profile runs and its choice
+//!   is kept only if its queue (waiting requests plus the router's requests not yet past their
+//!   first token; a saturated endpoint counts as infinitely long) is at most the decode
+//!   endpoint's queue plus `queueMargin` (default 0). Otherwise the decode endpoint prefills.
+//!
+//! A prefill profile that finds no endpoint means no split, not an error.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::plugin::Candidate;
+use super::registry::{check_range, decode, ParamError, Plugin};
+
+/// A profile handler as configured (profile names resolved later).
+#[derive(Debug, Clone, PartialEq)]
+pub enum HandlerSpec {
+    Single,
+    Pd { decode_profile: String, prefill_profile: String, decider: DeciderRef },
+}
+
+/// How a P/D handler names its decider.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeciderRef {
+    /// A decider plugin, by name.
+    Plugin(String),
+    /// The legacy `threshold` parameter of the handler itself.
+    Inline(DeciderSpec),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DeciderSpec {
+    PrefixBased { non_cached_tokens: u64 },
+    LoadAware { non_cached_tokens: u64, queue_margin: f64 },
+}
+
+impl DeciderSpec {
+    /// Whether a prompt with `uncached` tokens not cached on the decode endpoint should split.
+    pub fn wants_prefill(&self, uncached: u64) -> bool {
+        let (DeciderSpec::PrefixBased { non_cached_tokens }
+        | DeciderSpec::LoadAware { non_cached_tokens, .. }) = *self;
+        uncached >= non_cached_tokens
+    }
+
+    /// Whether the prefill endpoint chosen should be used, given the decode endpoint.
+    pub fn keeps_prefill(&self, decode: &Candidate, prefill: &Candidate) -> bool {
+        match *self {
+            DeciderSpec::PrefixBased { .. } => true,
+            DeciderSpec::LoadAware { queue_margin, .. } => {
+                queue(prefill) <= queue(decode) + queue_margin
+            }
+        }
+    }
+}
+
+/// Waiting requests plus the router's requests still prefilling; infinite when saturated.
+pub fn queue(c: &Candidate) -> f64 {
+    if c.saturated {
+        f64::INFINITY
+    } else {
+        f64::from(c.metrics.waiting) + c.inflight.prefill_requests as f64
+    }
+}
+
+/// A resolved handler: profile indices.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Handler {
+    Single { profile: usize },
+    Pd { decode: usize, prefill: usize, decider: DeciderSpec },
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SingleParams {}
+
+pub fn single_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let _: SingleParams = decode(params)?;
+    Ok(Plugin::Handler(HandlerSpec::Single))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct PdParams {
+    decode_profile: String,
+    prefill_profile: String,
+    decider_plugin_name: Option<String>,
+    threshold: Option<u64>,
+    hash_block_size: Option<usize>,
+}
+
+impl Default for PdParams {
+    fn default() -> Self {
+        PdParams {
+            decode_profile: "decode".into(),
+            prefill_profile: "prefill".into(),
+            decider_plugin_name: None,
+            threshold: None,
+            hash_block_size: None,
+        }
+    }
+}
+
+pub fn pd_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let p: PdParams = decode(params)?;
+    let _ = p.hash_block_size; // legacy, accepted: the index's block size is used
+    let decider = match (p.decider_plugin_name, p.threshold) {
+        (Some(_), Some(_)) => {
+            return Err(ParamError::new("threshold", "give either threshold or deciderPluginName"));
+        }
+        (Some(name), None) => DeciderRef::Plugin(name),
+        (None, t) => {
+            DeciderRef::Inline(DeciderSpec::PrefixBased { non_cached_tokens: t.unwrap_or(0) })
+        }
+    };
+    if p.decode_profile == p.prefill_profile {
+        return Err(ParamError::new("prefillProfile", "must differ from decodeProfile"));
+    }
+    Ok(Plugin::Handler(HandlerSpec::Pd {
+        decode_profile: p.decode_profile,
+        prefill_profile: p.prefill_profile,
+        decider,
+    }))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct PrefixDeciderParams {
+    non_cached_tokens: u64,
+}
+
+pub fn prefix_decider_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let p: PrefixDeciderParams = decode(params)?;
+    Ok(Plugin::Decider(DeciderSpec::PrefixBased { non_cached_tokens: p.non_cached_tokens }))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct LoadAwareDeciderParams {
+    non_cached_tokens: u64,
+    queue_margin: f64,
+}
+
+pub fn load_aware_decider_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let p: LoadAwareDeciderParams = decode(params)?;
+    check_range("queueMargin", p.queue_margin, 0.0, f64::MAX)?;
+    Ok(Plugin::Decider(DeciderSpec::LoadAware {
+        non_cached_tokens: p.non_cached_tokens,
+        queue_margin: p.queue_margin,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::testing::Fixture;
+
+    #[test]
+    fn threshold_edges() {
+        let d = DeciderSpec::PrefixBased { non_cached_tokens: 256 };
+        assert!(!d.wants_prefill(255));
+        assert!(d.wants_prefill(256));
+        assert!(d.wants_prefill(257));
+        assert!(DeciderSpec::PrefixBased { non_cached_tokens: 0 }.wants_prefill(0));
+    }
+
+    #[test]
+    fn load_aware_compares_queues() {
+        let d = DeciderSpec::LoadAware { non_cached_tokens: 16, queue_margin: 1.0 };
+        let f = Fixture::new(2).waiting(&[3, 4]);
+        let (dec, pre) = (&f.candidates[0], &f.candidates[1]);
+        assert!(d.keeps_prefill(dec, pre)); // 4 <= 3 + 1
+        let f = Fixture::new(2).waiting(&[3, 5]);
+        assert!(!d.keeps_prefill(&f.candidates[0], &f.candidates[1]));
+        let mut f = Fixture::new(2);
+        f.candidates[1].saturated = true;
+        assert!(!d.keeps_prefill(&f.candidates[0], &f.candidates[1]));
+        assert!(DeciderSpec::PrefixBased { non_cached_tokens: 0 }
+            .keeps_prefill(&f.candidates[0], &f.candidates[1]));
+    }
+}

@@ -1,0 +1,188 @@
+//! Router-side in-flight accounting per endpoint: requests and tokens the router sent there and
+//! that have not finished. These counts are fresh (the router made the decisions), unlike
+//! scraped metrics.
+//!
+//! A [`Ticket`] holds one request's share on each endpoint it uses and gives it back in steps:
+//! at the first token the prefill share goes (the whole share of a separate prefill endpoint), at
+//! the end everything. Dropping a ticket finishes it, so counts cannot leak.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+
+/// Counters of one endpoint. Shared by the pool and by tickets through an `Arc`.
+#[derive(Debug, Default)]
+pub struct InFlight {
+    requests: AtomicI64,
+    prefill_requests: AtomicI64,
+    prefill_tokens: AtomicI64,
+    tokens: AtomicI64,
+}
+
+/// A copy of an endpoint's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InFlightSnapshot {
+    /// Requests sent and not finished.
+    pub requests: u64,
+    /// Of those, requests that have not produced their first token.
+    pub prefill_requests: u64,
+    /// Uncached prompt tokens of requests that have not produced their first token.
+    pub prefill_tokens: u64,
+    /// Prompt tokens of all requests sent and not finished.
+    pub tokens: u64,
+}
+
+impl InFlight {
+    pub fn snapshot(&self) -> InFlightSnapshot {
+        let read = |a: &AtomicI64| a.load(Ordering::Relaxed).max(0) as u64;
+        InFlightSnapshot {
+            requests: read(&self.requests),
+            prefill_requests: read(&self.prefill_requests),
+            prefill_tokens: read(&self.prefill_tokens),
+            tokens: read(&self.tokens),
+        }
+    }
+
+    fn add(&self, share: &Share, sign: i64) {
+        self.requests.fetch_add(sign * share.requests, Ordering::Relaxed);
+        self.prefill_requests.fetch_add(sign * share.prefill_requests, Ordering::Relaxed);
+        self.prefill_tokens.fetch_add(sign * share.prefill_tokens, Ordering::Relaxed);
+        self.tokens.fetch_add(sign * share.tokens, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Share {
+    requests: i64,
+    prefill_requests: i64,
+    prefill_tokens: i64,
+    tokens: i64,
+}
+
+/// What a request does on one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Prefill and decode on one endpoint.
+    Whole { uncached_tokens: u64 },
+    /// Prefill only: the share ends at the first token.
+    Prefill { uncached_tokens: u64 },
+    /// Decode only, after a remote prefill.
+    Decode,
+}
+
+/// Where a request stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Running,
+    Decoding,
+    Finished,
+}
+
+/// One request's in-flight share on the endpoints it uses.
+#[derive(Debug)]
+pub struct Ticket {
+    holdings: Vec<(Arc<InFlight>, Part, Share)>,
+    stage: Stage,
+}
+
+impl Ticket {
+    /// Adds the request to each endpoint's counters.
+    pub fn start(parts: Vec<(Arc<InFlight>, Part)>, prompt_tokens: u64) -> Ticket {
+        let tokens = prompt_tokens as i64;
+        let holdings = parts
+            .into_iter()
+            .map(|(counters, part)| {
+                let share = match part {
+                    Part::Whole { uncached_tokens } | Part::Prefill { uncached_tokens } => Share {
+                        requests: 1,
+                        prefill_requests: 1,
+                        prefill_tokens: uncached_tokens as i64,
+                        tokens,
+                    },
+                    Part::Decode => Share { requests: 1, tokens, ..Share::default() },
+                };
+                counters.add(&share, 1);
+                (counters, part, share)
+            })
+            .collect();
+        Ticket { holdings, stage: Stage::Running }
+    }
+
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// The first token arrived: prefill work is done. Returns false if it was already noted or
+    /// the request finished.
+    pub fn first_token(&mut self) -> bool {
+        if self.stage != Stage::Running {
+            return false;
+        }
+        for (counters, part, share) in &mut self.holdings {
+            let done = match part {
+                Part::Prefill { .. } => *share,
+                Part::Whole { .. } => Share {
+                    prefill_requests: share.prefill_requests,
+                    prefill_tokens: share.prefill_tokens,
+                    ..Share::default()
+                },
+                Part::Decode => Share::default(),
+            };
+            counters.add(&done, -1);
+            share.requests -= done.requests;
+            share.prefill_requests -= done.prefill_requests;
+            share.prefill_tokens -= done.prefill_tokens;
+            share.tokens -= done.tokens;
+        }
+        self.stage = Stage::Decoding;
+        true
+    }
+
+    /// The request ended (success, error or cancel): gives back everything still held. Returns
+    /// false if it had already finished.
+    pub fn finish(&mut self) -> bool {
+        if self.stage == Stage::Finished {
+            return false;
+        }
+        for (counters, _, share) in &mut self.holdings {
+            counters.add(share, -1);
+            *share = Share::default();
+        }
+        self.stage = Stage::Finished;
+        true
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_return_to_zero_in_steps() {
+        let d = Arc::new(InFlight::default());
+        let p = Arc::new(InFlight::default());
+        let mut local = Ticket::start(vec![(d.clone(), Part::Whole { uncached_tokens: 30 })], 100);
+        let mut split = Ticket::start(
+            vec![(p.clone(), Part::Prefill { uncached_tokens: 80 }), (d.clone(), Part::Decode)],
+            100,
+        );
+        let s = d.snapshot();
+        assert_eq!((s.requests, s.prefill_requests, s.prefill_tokens, s.tokens), (2, 1, 30, 200));
+        assert_eq!(p.snapshot().prefill_tokens, 80);
+        assert!(split.first_token());
+        assert_eq!(p.snapshot(), InFlightSnapshot::default());
+        assert!(local.first_token());
+        assert!(!local.first_token());
+        let s = d.snapshot();
+        assert_eq!((s.requests, s.prefill_requests, s.prefill_tokens, s.tokens), (2, 0, 0, 200));
+        assert!(local.finish());
+        assert!(!local.finish());
+        drop(split);
+        assert_eq!(d.snapshot(), InFlightSnapshot::default());
+    }
+}

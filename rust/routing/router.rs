@@ -1,0 +1,445 @@
+//! The router: one decision per request, then in-flight accounting once it is sent.
+//!
+//! Algorithm (per request): hash the prompt once (the index's block size and namespace), match
+//! it once against the shared prefix index, read every member's metrics and in-flight counts
+//! once into candidates, then let the profile handler run profiles (filters -> scorers ->
+//! picker) over those shared candidates. Complexity: O(prompt tokens) hashing, O(prompt blocks)
+//! matching, O(endpoints x plugins) scoring, O(endpoints) picking. No lock is held while
+//! plugins run; a decision reads an immutable member list and lock-free metric cells.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+use parking_lot::{Mutex, RwLock};
+
+use super::config::RouterConfig;
+use super::endpoint::Endpoint;
+use super::handler::Handler;
+use super::inflight::{Part, Ticket};
+use super::plugin::{Candidate, Commit, RequestContext, RequestMeta};
+use super::pool::{EndpointPool, Members};
+use super::profile::ProfileOutcome;
+use super::rng::DecisionRng;
+use super::RoutingError;
+use crate::hashing::TokenId;
+use crate::prefix_index::{MatchResult, PrefixIndex, WorkerId, WorkerKey};
+
+/// Router options. Defaults live here.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterOptions {
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// Seconds an approximate prefix entry recorded for a sent request counts, unless an engine
+    /// confirms it.
+    pub record_ttl: f64,
+    /// Seconds a session stays bound to its endpoint after its last request.
+    pub session_ttl: f64,
+    /// Most sessions remembered.
+    pub max_sessions: usize,
+}
+
+impl Default for RouterOptions {
+    fn default() -> Self {
+        RouterOptions { seed: 0, record_ttl: 60.0, session_ttl: 3600.0, max_sessions: 100_000 }
+    }
+}
+
+/// Index worker id -> member slot, for one member-list generation.
+#[derive(Default)]
+struct IdMap {
+    generation: u64,
+    /// By index worker id: slot, or [`NOT_A_MEMBER`]. Ids past the end are unknown yet.
+    slots: Vec<u32>,
+}
+
+const NOT_A_MEMBER: u32 = u32::MAX;
+
+/// The P/D decision, when a P/D handler ran.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PdNote {
+    /// Prompt tokens not cached on the chosen decode endpoint.
+    pub uncached_tokens: u64,
+    /// Whether the decider asked for a prefill endpoint.
+    pub wanted: bool,
+    /// Whether one is used.
+    pub disaggregated: bool,
+}
+
+/// The outcome of [`Router::decide`].
+pub struct Decision {
+    pub members: Arc<Members>,
+    /// Every endpoint considered (serving the request's model).
+    pub base: Vec<Candidate>,
+    /// Profile runs in order; the first is the primary (decode) profile.
+    pub outcomes: Vec<ProfileOutcome>,
+    /// The outcome of the prefill profile, when the request is split.
+    pub prefill_outcome: Option<usize>,
+    pub pd: Option<PdNote>,
+    pub hashes: Vec<u64>,
+    pub prompt_tokens: u64,
+    pub block_size: usize,
+    /// No endpoint held any part of the prompt.
+    pub cold: bool,
+    pub session_id: Option<String>,
+    pub sequence: u64,
+}
+
+impl Decision {
+    fn candidate(&self, base_index: usize) -> &Candidate {
+        &self.base[base_index]
+    }
+
+    /// The chosen (decode) endpoint.
+    pub fn chosen(&self) -> &Candidate {
+        self.candidate(self.outcomes[0].order[0] as usize)
+    }
+
+    /// The chosen endpoint, then the fallbacks, in order.
+    pub fn ranked(&self) -> impl Iterator<Item = &Candidate> {
+        self.outcomes[0].order.iter().map(|&i| self.candidate(i as usize))
+    }
+
+    /// The prefill endpoint, when split.
+    pub fn prefill(&self) -> Option<&Candidate> {
+        self.prefill_outcome.and_then(|o| self.outcomes[o].chosen()).map(|i| self.candidate(i))
+    }
+
+    pub fn endpoint(&self, c: &Candidate) -> &Endpoint {
+        &self.members.list[c.slot].endpoint
+    }
+
+    /// Prompt tokens cached on `c`.
+    pub fn cached_tokens(&self, c: &Candidate) -> u64 {
+        (u64::from(c.cached_blocks) * self.block_size as u64).min(self.prompt_tokens)
+    }
+}
+
+/// Sessions bound to endpoints, with expiry.
+#[derive(Default)]
+struct Sessions {
+    bound: HashMap<String, (WorkerKey, f64)>,
+}
+
+/// Routes requests over a pool with a configuration. Share it between threads.
+pub struct Router {
+    pool: Arc<EndpointPool>,
+    index: Arc<PrefixIndex>,
+    config: RouterConfig,
+    options: RouterOptions,
+    ids: RwLock<IdMap>,
+    sessions: Mutex<Sessions>,
+    sequence: AtomicU64,
+}
+
+impl Router {
+    pub fn new(
+        pool: Arc<EndpointPool>,
+        index: Arc<PrefixIndex>,
+        config: RouterConfig,
+        options: RouterOptions,
+    ) -> Result<Router, RoutingError> {
+        let index_bs = index.config().block_size;
+        if let (Some(bs), Some(key)) = (config.index_hints.block_size, &config.block_size_key) {
+            if bs != index_bs {
+                return Err(RoutingError::Config(super::config::ConfigError {
+                    key: key.clone(),
+                    message: format!(
+                        "is {bs} but the prefix index uses blocks of {index_bs} tokens"
+                    ),
+                }));
+            }
+        }
+        if !(options.record_ttl.is_finite() && options.record_ttl > 0.0) {
+            return Err(RoutingError::InvalidValue(format!(
+                "record_ttl must be positive, got {}",
+                options.record_ttl
+            )));
+        }
+        if !(options.session_ttl > 0.0) || options.max_sessions == 0 {
+            return Err(RoutingError::InvalidValue(
+                "session_ttl and max_sessions must be positive".into(),
+            ));
+        }
+        Ok(Router {
+            pool,
+            index,
+            config,
+            options,
+            ids: RwLock::new(IdMap::default()),
+            sessions: Mutex::new(Sessions::default()),
+            sequence: AtomicU64::new(0),
+        })
+    }
+
+    pub fn pool(&self) -> &Arc<EndpointPool> {
+        &self.pool
+    }
+
+    pub fn index(&self) -> &Arc<PrefixIndex> {
+        &self.index
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    pub fn options(&self) -> RouterOptions {
+        self.options
+    }
+
+    /// Hashes `tokens` in the index's namespace (LoRA and cache salt from `meta`) and decides.
+    pub fn decide<T: TokenId>(
+        &self,
+        tokens: &[T],
+        meta: &RequestMeta,
+        now: f64,
+    ) -> Result<Decision, RoutingError> {
+        let hashes =
+            self.index.hash_tokens(tokens, meta.lora.as_deref(), meta.cache_salt.as_deref())?;
+        self.decide_hashes(hashes, tokens.len() as u64, meta, now)
+    }
+
+    /// Decides for a prompt of `prompt_tokens` tokens whose block hashes are `hashes`.
+    pub fn decide_hashes(
+        &self,
+        hashes: Vec<u64>,
+        prompt_tokens: u64,
+        meta: &RequestMeta,
+        now: f64,
+    ) -> Result<Decision, RoutingError> {
+        if !now.is_finite() {
+            return Err(RoutingError::InvalidValue(format!("now must be finite, got {now}")));
+        }
+        let sequence = self.sequence.fetch_add(1, Ordering::Relaxed);
+        let mut rng = DecisionRng::new(self.options.seed, sequence);
+        let members = self.pool.snapshot();
+        let matched = self.index.match_hashes(&hashes, now);
+        let cached = self.cached_by_slot(&members, &matched);
+        let policy = self.pool.policy();
+        let base: Vec<Candidate> = members
+            .list
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| serves(&m.endpoint, meta))
+            .map(|(slot, m)| {
+                let metrics = m.metrics();
+                Candidate {
+                    slot,
+                    metrics,
+                    saturated: policy.saturated(metrics.timestamp, now),
+                    inflight: m.inflight.snapshot(),
+                    cached_blocks: cached[slot],
+                }
+            })
+            .collect();
+        let ctx = RequestContext {
+            meta,
+            prompt_tokens,
+            query_blocks: hashes.len(),
+            block_size: self.index.config().block_size,
+            any_hit: base.iter().any(|c| c.cached_blocks > 0),
+            session_slot: self.session_slot(meta, &members, now),
+            now,
+            members: &members,
+            index: Some(&self.index),
+        };
+        let (outcomes, prefill_outcome, pd) = self.run_handler(&ctx, &base, &mut rng)?;
+        let cold = !ctx.any_hit;
+        drop(ctx);
+        Ok(Decision {
+            members,
+            base,
+            outcomes,
+            prefill_outcome,
+            pd,
+            hashes,
+            prompt_tokens,
+            block_size: self.index.config().block_size,
+            cold,
+            session_id: meta.session_id.clone(),
+            sequence,
+        })
+    }
+
+    fn run_profile(
+        &self,
+        i: usize,
+        ctx: &RequestContext<'_>,
+        base: &[Candidate],
+        rng: &mut DecisionRng,
+    ) -> Result<ProfileOutcome, RoutingError> {
+        Ok(self.config.profiles[i].run(i, ctx, base, rng)?)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn run_handler(
+        &self,
+        ctx: &RequestContext<'_>,
+        base: &[Candidate],
+        rng: &mut DecisionRng,
+    ) -> Result<(Vec<ProfileOutcome>, Option<usize>, Option<PdNote>), RoutingError> {
+        let primary = match self.config.handler {
+            Handler::Single { profile } | Handler::Pd { decode: profile, .. } => profile,
+        };
+        let first = self.run_profile(primary, ctx, base, rng)?;
+        let Some(chosen) = first.chosen() else {
+            return Err(self.no_endpoint(primary, base.len()));
+        };
+        let Handler::Pd { prefill, decider, .. } = self.config.handler else {
+            return Ok((vec![first], None, None));
+        };
+        let decode = &base[chosen];
+        let uncached_tokens = ctx.uncached_tokens(decode);
+        let mut note = PdNote {
+            uncached_tokens,
+            wanted: decider.wants_prefill(uncached_tokens),
+            disaggregated: false,
+        };
+        let mut outcomes = vec![first];
+        if note.wanted {
+            let second = self.run_profile(prefill, ctx, base, rng)?;
+            note.disaggregated =
+                second.chosen().is_some_and(|p| decider.keeps_prefill(decode, &base[p]));
+            outcomes.push(second);
+        }
+        let prefill_outcome = note.disaggregated.then_some(1);
+        Ok((outcomes, prefill_outcome, Some(note)))
+    }
+
+    fn no_endpoint(&self, profile: usize, considered: usize) -> RoutingError {
+        let name = self.config.profiles[profile].name.clone();
+        let detail = if considered == 0 {
+            "no endpoint in the pool serves the request's model".to_string()
+        } else {
+            format!("the filters removed all {considered} endpoints")
+        };
+        RoutingError::NoEndpoint { profile: name, detail }
+    }
+
+    /// Cached blocks per member slot, from a match keyed by index worker id.
+    fn cached_by_slot(&self, members: &Members, matched: &MatchResult) -> Vec<u32> {
+        let mut cached = vec![0u32; members.list.len()];
+        if matched.entries.is_empty() {
+            return cached;
+        }
+        let resolve = |ids: &IdMap, cached: &mut [u32]| -> bool {
+            if ids.generation != members.generation {
+                return false;
+            }
+            for e in &matched.entries {
+                match ids.slots.get(e.worker as usize) {
+                    Some(&NOT_A_MEMBER) => {}
+                    Some(&slot) => cached[slot as usize] = e.blocks,
+                    None => return false,
+                }
+            }
+            true
+        };
+        if resolve(&self.ids.read(), &mut cached) {
+            return cached;
+        }
+        // A new generation or a worker registered since the map was built: rebuild it.
+        let mut ids = self.ids.write();
+        *ids = self.build_id_map(members);
+        cached.fill(0);
+        resolve(&ids, &mut cached);
+        cached
+    }
+
+    fn build_id_map(&self, members: &Members) -> IdMap {
+        let workers: Vec<(WorkerId, WorkerKey)> = self.index.workers();
+        let len = workers.iter().map(|(id, _)| *id as usize + 1).max().unwrap_or(0);
+        let mut slots = vec![NOT_A_MEMBER; len];
+        for (id, key) in workers {
+            if let Some(&slot) = members.by_id.get(&key) {
+                slots[id as usize] = slot as u32;
+            }
+        }
+        IdMap { generation: members.generation, slots }
+    }
+
+    fn session_slot(&self, meta: &RequestMeta, members: &Members, now: f64) -> Option<usize> {
+        let id = meta.session_id.as_ref()?;
+        let sessions = self.sessions.lock();
+        let (key, expires) = sessions.bound.get(id)?;
+        if now > *expires {
+            return None;
+        }
+        members.by_id.get(key).copied()
+    }
+
+    /// The request of `decision` is being sent to its chosen endpoint (or to `endpoint`, one of
+    /// the considered endpoints, e.g. a fallback): adds it to the in-flight counts, records
+    /// approximate prefix entries for the endpoints used, binds the session and lets stateful
+    /// plugins see the commit. Returns the ticket that gives the counts back.
+    pub fn commit(
+        &self,
+        decision: &Decision,
+        endpoint: Option<&WorkerKey>,
+        now: f64,
+    ) -> Result<Ticket, RoutingError> {
+        let decode = match endpoint {
+            None => decision.chosen(),
+            Some(key) => decision
+                .base
+                .iter()
+                .find(|c| &decision.endpoint(c).id == key)
+                .ok_or_else(|| RoutingError::UnknownEndpoint(key.clone()))?,
+        };
+        let prefill = decision.prefill();
+        let decode_key = &decision.endpoint(decode).id;
+        let prefill_key = prefill.map(|p| &decision.endpoint(p).id);
+        if !decision.hashes.is_empty() {
+            self.index.record(decode_key, &decision.hashes, self.options.record_ttl, now)?;
+            if let Some(key) = prefill_key {
+                self.index.record(key, &decision.hashes, self.options.record_ttl, now)?;
+            }
+        }
+        let member = |c: &Candidate| decision.members.list[c.slot].inflight.clone();
+        let uncached = |c: &Candidate| decision.prompt_tokens - decision.cached_tokens(c);
+        let parts = match prefill {
+            Some(p) => vec![
+                (member(p), Part::Prefill { uncached_tokens: uncached(p) }),
+                (member(decode), Part::Decode),
+            ],
+            None => vec![(member(decode), Part::Whole { uncached_tokens: uncached(decode) })],
+        };
+        let commit = Commit { decode: decode_key, prefill: prefill_key, cold: decision.cold, now };
+        for scorer in &self.config.scorers {
+            scorer.on_commit(&commit);
+        }
+        if let Some(id) = &decision.session_id {
+            self.bind_session(id, decode_key, now);
+        }
+        Ok(Ticket::start(parts, decision.prompt_tokens))
+    }
+
+    fn bind_session(&self, id: &str, key: &WorkerKey, now: f64) {
+        let mut sessions = self.sessions.lock();
+        let expires = now + self.options.session_ttl;
+        if sessions.bound.len() >= self.options.max_sessions && !sessions.bound.contains_key(id) {
+            sessions.bound.retain(|_, (_, e)| *e >= now);
+            if sessions.bound.len() >= self.options.max_sessions {
+                // Still full: drop the session closest to expiry.
+                let oldest = sessions
+                    .bound
+                    .iter()
+                    .min_by(|a, b| a.1 .1.total_cmp(&b.1 .1))
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    sessions.bound.remove(&k);
+                }
+            }
+        }
+        sessions.bound.insert(id.to_string(), (key.clone(), expires));
+    }
+}
+
+/// Whether `endpoint` serves the request's model (either side unspecified matches).
+fn serves(endpoint: &Endpoint, meta: &RequestMeta) -> bool {
+    match (&endpoint.model, &meta.model) {
+        (Some(a), Some(b)) => a == b,
+        _ => true,
+    }
+}

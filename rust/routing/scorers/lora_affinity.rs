@@ -1,0 +1,81 @@
+//! `lora-affinity-scorer`: for a request naming a LoRA adapter, 1.0 where the adapter is active,
+//! else 0.8 where another adapter fits (distinct active or waiting adapters < max), else 0.6
+//! where the adapter is waiting, else 0 (the order of the Gateway API Inference Extension).
+//! A request without an adapter scores 1.0 everywhere. No parameters.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
+use crate::routing::registry::{decode, ParamError, Plugin};
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {}
+
+pub struct LoraAffinityScorer;
+
+impl Scorer for LoraAffinityScorer {
+    fn score(
+        &self,
+        ctx: &RequestContext<'_>,
+        cands: &[Candidate],
+        out: &mut [f64],
+    ) -> PluginResult {
+        let Some(adapter) = ctx.meta.lora.as_deref() else {
+            out.fill(1.0);
+            return Ok(());
+        };
+        for (o, c) in out.iter_mut().zip(cands) {
+            let loras = ctx.loras(c);
+            *o = if loras.is_active(adapter) {
+                1.0
+            } else if loras.has_room() {
+                0.8
+            } else if loras.is_waiting(adapter) {
+                0.6
+            } else {
+                0.0
+            };
+        }
+        Ok(())
+    }
+}
+
+pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
+    let _: Params = decode(params)?;
+    Ok(Plugin::scorer(LoraAffinityScorer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::endpoint::LoraState;
+    use crate::routing::testing::{close, Fixture};
+
+    fn state(active: &[&str], waiting: &[&str], max: u32) -> LoraState {
+        LoraState {
+            active: active.iter().map(|s| s.to_string()).collect(),
+            waiting: waiting.iter().map(|s| s.to_string()).collect(),
+            max_loras: max,
+        }
+    }
+
+    #[test]
+    fn table() {
+        let mut f = Fixture::new(5);
+        let states = [
+            state(&["a"], &[], 1),
+            state(&["b"], &[], 2),
+            state(&["b"], &["a"], 2),
+            state(&["b", "c"], &[], 2),
+            state(&["b"], &["a"], 0),
+        ];
+        for (m, s) in f.members.list.iter().zip(states) {
+            *m.loras_mut() = std::sync::Arc::new(s);
+        }
+        assert!(close(&f.score(&LoraAffinityScorer), &[1.0, 1.0, 1.0, 1.0, 1.0]));
+        f.meta.lora = Some("a".into());
+        assert!(close(&f.score(&LoraAffinityScorer), &[1.0, 0.8, 0.6, 0.0, 0.6]));
+    }
+}

@@ -1,0 +1,48 @@
+//! `session-affinity-scorer`: 1 for the endpoint the request's session is bound to, 0 for the
+//! others (and 0 everywhere for a request without a bound session). The router binds a session
+//! to the decode endpoint of each committed decision. No parameters.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
+use crate::routing::registry::{decode, ParamError, Plugin};
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {}
+
+pub struct SessionAffinityScorer;
+
+impl Scorer for SessionAffinityScorer {
+    fn score(
+        &self,
+        ctx: &RequestContext<'_>,
+        cands: &[Candidate],
+        out: &mut [f64],
+    ) -> PluginResult {
+        for (o, c) in out.iter_mut().zip(cands) {
+            *o = if ctx.session_slot == Some(c.slot) { 1.0 } else { 0.0 };
+        }
+        Ok(())
+    }
+}
+
+pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
+    let _: Params = decode(params)?;
+    Ok(Plugin::scorer(SessionAffinityScorer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routing::testing::{close, Fixture};
+
+    #[test]
+    fn table() {
+        let mut f = Fixture::new(3);
+        assert!(close(&f.score(&SessionAffinityScorer), &[0.0, 0.0, 0.0]));
+        f.session_slot = Some(1);
+        assert!(close(&f.score(&SessionAffinityScorer), &[0.0, 1.0, 0.0]));
+    }
+}

@@ -1,0 +1,326 @@
+//! End-to-end tests of the router: the worked example of llm-d's documentation, staleness,
+//! P/D edges, fallbacks, seeding, commits and a thread stress test.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use super::endpoint::{Endpoint, Role};
+use super::plugin::RequestMeta;
+use super::pool::{EndpointPool, MetricsUpdate, StaleMode, StalePolicy};
+use super::router::{Router, RouterOptions};
+use super::{parse_config, presets, RoutingError};
+use crate::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
+
+fn key(s: &str) -> WorkerKey {
+    WorkerKey::Str(s.into())
+}
+
+struct Setup {
+    pool: Arc<EndpointPool>,
+    index: Arc<PrefixIndex>,
+}
+
+impl Setup {
+    fn new(names: &[&str], policy: StalePolicy) -> Setup {
+        let pool = Arc::new(EndpointPool::new(policy).unwrap());
+        for n in names {
+            pool.upsert(Endpoint { address: format!("{n}:8000"), ..Endpoint::new(key(n)) });
+        }
+        let index = Arc::new(
+            PrefixIndex::new(IndexConfig { block_size: 16, ..IndexConfig::default() }).unwrap(),
+        );
+        Setup { pool, index }
+    }
+
+    fn metrics(&self, name: &str, waiting: u32, kv: f64, now: f64) {
+        let u = MetricsUpdate {
+            waiting: Some(waiting),
+            kv_cache_usage: Some(kv),
+            ..Default::default()
+        };
+        self.pool.update_metrics(&key(name), u, now).unwrap();
+    }
+
+    fn store(&self, name: &str, tokens: &[u32]) {
+        let h = self.index.hash_tokens(tokens, None, None).unwrap();
+        self.index.store(&key(name), &h, None, crate::prefix_index::Tier::Gpu).unwrap();
+    }
+
+    fn router(&self, config: Value, seed: u64) -> Router {
+        let options = RouterOptions { seed, ..RouterOptions::default() };
+        Router::new(self.pool.clone(), self.index.clone(), parse_config(&config).unwrap(), options)
+            .unwrap()
+    }
+}
+
+fn prompt(n: u32) -> Vec<u32> {
+    (0..n).collect()
+}
+
+fn name(d: &super::Decision, c: &super::plugin::Candidate) -> String {
+    match &d.endpoint(c).id {
+        WorkerKey::Str(s) => s.clone(),
+        WorkerKey::Int(i) => i.to_string(),
+    }
+}
+
+#[test]
+fn worked_example_b_wins_with_4_4() {
+    let s = Setup::new(&["A", "B", "C"], StalePolicy::default());
+    for (n, q, kv) in [("A", 0, 0.2), ("B", 4, 0.5), ("C", 8, 0.9)] {
+        s.metrics(n, q, kv, 0.0);
+    }
+    let p = prompt(160); // 10 blocks
+    s.store("B", &p[..128]);
+    s.store("C", &p);
+    let router = s.router(presets::preset("llm-d").unwrap(), 0);
+    let d = router.decide(&p, &RequestMeta::default(), 0.1).unwrap();
+    assert_eq!(name(&d, d.chosen()), "B");
+    let o = &d.outcomes[0];
+    let totals: Vec<(String, f64)> =
+        o.kept.iter().zip(&o.totals).map(|(&b, &t)| (name(&d, &d.base[b as usize]), t)).collect();
+    for (n, want) in [("A", 3.6), ("B", 4.4), ("C", 3.2)] {
+        let got = totals.iter().find(|(x, _)| x == n).unwrap().1;
+        assert!((got - want).abs() < 1e-9, "{n}: {got}");
+    }
+    let ranked: Vec<String> = d.ranked().map(|c| name(&d, c)).collect();
+    assert_eq!(ranked, vec!["B", "A", "C"]);
+}
+
+#[test]
+fn stale_metrics_policies() {
+    for (mode, want) in [(StaleMode::Saturated, "B"), (StaleMode::Ignore, "A")] {
+        let s = Setup::new(&["A", "B"], StalePolicy { stale_after: 0.2, mode });
+        s.metrics("A", 0, 0.0, 0.0); // stale at t = 1
+        s.metrics("B", 5, 0.5, 0.95);
+        let config = json!({"plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}],
+            "schedulingProfiles": [{"name": "x", "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "kv-cache-utilization-scorer"}]}]});
+        let d = s.router(config, 0).decide(&prompt(32), &RequestMeta::default(), 1.0).unwrap();
+        assert_eq!(name(&d, d.chosen()), want, "{mode:?}");
+    }
+}
+
+fn pd_setup() -> Setup {
+    let s = Setup::new(&[], StalePolicy { mode: StaleMode::Ignore, ..StalePolicy::default() });
+    for (n, role) in [("D", Role::Decode), ("P", Role::Prefill)] {
+        s.pool.upsert(Endpoint { role: Some(role), ..Endpoint::new(key(n)) });
+    }
+    s
+}
+
+fn pd_config(decider: Value) -> Value {
+    json!({
+        "plugins": [{"type": "prefill-filter"}, {"type": "decode-filter"}, {"type": "queue-scorer"},
+                    decider, {"type": "pd-profile-handler", "parameters": {"deciderPluginName": "decider"}}],
+        "schedulingProfiles": [
+            {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"}, {"pluginRef": "queue-scorer"}]},
+            {"name": "decode", "plugins": [{"pluginRef": "decode-filter"}, {"pluginRef": "queue-scorer"}]}]
+    })
+}
+
+#[test]
+fn pd_threshold_edges() {
+    let s = pd_setup();
+    let p = prompt(160);
+    s.store("D", &p[..64]); // 4 blocks = 64 tokens cached: 96 uncached
+    for (threshold, split) in [(95, true), (96, true), (97, false), (0, true)] {
+        let decider = json!({"type": "prefix-based-pd-decider", "name": "decider", "parameters": {"nonCachedTokens": threshold}});
+        let d = s.router(pd_config(decider), 0).decide(&p, &RequestMeta::default(), 0.0).unwrap();
+        assert_eq!(name(&d, d.chosen()), "D");
+        assert_eq!(d.pd.unwrap().uncached_tokens, 96);
+        assert_eq!(d.prefill().is_some(), split, "threshold {threshold}");
+        if split {
+            assert_eq!(name(&d, d.prefill().unwrap()), "P");
+        }
+    }
+}
+
+#[test]
+fn load_aware_pd_rule_weighs_queues() {
+    let s = pd_setup();
+    let decider = json!({"type": "load-aware-pd-decider", "name": "decider", "parameters": {"nonCachedTokens": 16, "queueMargin": 2}});
+    let router = s.router(pd_config(decider), 0);
+    let update = |n: &str, q: u32| {
+        s.pool
+            .update_metrics(&key(n), MetricsUpdate { waiting: Some(q), ..Default::default() }, 0.0)
+            .unwrap()
+    };
+    for (pq, dq, split) in [(0, 0, true), (3, 1, true), (4, 1, false)] {
+        update("P", pq);
+        update("D", dq);
+        let d = router.decide(&prompt(160), &RequestMeta::default(), 0.0).unwrap();
+        assert_eq!(d.prefill().is_some(), split, "prefill queue {pq}, decode queue {dq}");
+        assert!(d.pd.unwrap().wanted);
+    }
+}
+
+#[test]
+fn no_prefill_endpoint_means_no_split_and_no_decode_endpoint_is_an_error() {
+    let s = Setup::new(&["D"], StalePolicy::default());
+    let decider = json!({"type": "prefix-based-pd-decider", "name": "decider"});
+    let d = s
+        .router(pd_config(decider.clone()), 0)
+        .decide(&prompt(64), &RequestMeta::default(), 0.0)
+        .unwrap();
+    assert!(d.pd.unwrap().wanted && d.prefill().is_none());
+    let only_prefill = pd_setup();
+    only_prefill.pool.remove(&key("D")).unwrap();
+    let err = only_prefill
+        .router(pd_config(decider), 0)
+        .decide(&prompt(64), &RequestMeta::default(), 0.0)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, RoutingError::NoEndpoint { ref profile, .. } if profile == "decode"),
+        "{err}"
+    );
+}
+
+#[test]
+fn seeded_decisions_replay_and_fallbacks_are_ordered() {
+    let names: Vec<String> = (0..16).map(|i| format!("e{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let s = Setup::new(&refs, StalePolicy { mode: StaleMode::Ignore, ..StalePolicy::default() });
+    for (i, n) in refs.iter().enumerate() {
+        s.metrics(n, (i % 4) as u32, 0.1 * (i % 5) as f64, 0.0);
+    }
+    for preset in ["random", "llm-d", "least-load"] {
+        let run = |seed| {
+            let router = s.router(presets::preset(preset).unwrap(), seed);
+            (0..20)
+                .map(|_| {
+                    let d = router.decide(&prompt(100), &RequestMeta::default(), 0.0).unwrap();
+                    d.ranked().map(|c| c.slot).collect::<Vec<_>>()
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7), "{preset}");
+    }
+    let router = s.router(presets::preset("llm-d").unwrap(), 1);
+    let d = router.decide(&prompt(100), &RequestMeta::default(), 0.0).unwrap();
+    let o = &d.outcomes[0];
+    let total_of = |b: u32| o.totals[o.kept.iter().position(|&k| k == b).unwrap()];
+    let ranked: Vec<f64> = o.order.iter().map(|&b| total_of(b)).collect();
+    assert_eq!(ranked.len(), 4);
+    assert!(ranked.windows(2).all(|w| w[0] >= w[1]), "{ranked:?}");
+    let best = o.totals.iter().copied().fold(f64::MIN, f64::max);
+    assert_eq!(ranked[0], best);
+}
+
+#[test]
+fn commit_records_prefix_and_counts_return_to_zero() {
+    let s =
+        Setup::new(&["A", "B"], StalePolicy { mode: StaleMode::Ignore, ..StalePolicy::default() });
+    let router = s.router(presets::preset("prefix-only").unwrap(), 0);
+    let p = prompt(64);
+    let d = router.decide(&p, &RequestMeta::default(), 0.0).unwrap();
+    assert!(d.cold);
+    let chosen = name(&d, d.chosen());
+    let mut ticket = router.commit(&d, None, 0.0).unwrap();
+    let member = s.pool.snapshot().get(&key(&chosen)).unwrap().clone();
+    assert_eq!(member.inflight.snapshot().prefill_tokens, 64);
+    // The approximate entry makes the next identical prompt warm on the same endpoint.
+    let again = router.decide(&p, &RequestMeta::default(), 1.0).unwrap();
+    assert_eq!(name(&again, again.chosen()), chosen);
+    assert!(!again.cold);
+    // It expires after the record ttl (60 s).
+    assert!(router.decide(&p, &RequestMeta::default(), 61.0).unwrap().cold);
+    ticket.first_token();
+    assert_eq!(member.inflight.snapshot().prefill_tokens, 0);
+    assert_eq!(member.inflight.snapshot().requests, 1);
+    drop(ticket);
+    assert_eq!(member.inflight.snapshot().requests, 0);
+    // Committing to an endpoint that was not considered is refused.
+    assert!(matches!(
+        router.commit(&d, Some(&key("Z")), 0.0),
+        Err(RoutingError::UnknownEndpoint(_))
+    ));
+}
+
+#[test]
+fn sessions_stick_after_commit() {
+    let s = Setup::new(
+        &["A", "B", "C"],
+        StalePolicy { mode: StaleMode::Ignore, ..StalePolicy::default() },
+    );
+    let config = json!({"plugins": [{"type": "session-affinity-scorer"}, {"type": "random-picker"}],
+        "schedulingProfiles": [{"name": "x", "plugins": [{"pluginRef": "session-affinity-scorer"}]}]});
+    let router = s.router(config, 3);
+    let meta = RequestMeta { session_id: Some("s1".into()), ..RequestMeta::default() };
+    let first = router.decide(&prompt(8), &meta, 0.0).unwrap();
+    let bound = name(&first, first.chosen());
+    drop(router.commit(&first, None, 0.0).unwrap());
+    for t in 1..10 {
+        let d = router.decide(&prompt(8), &meta, f64::from(t)).unwrap();
+        assert_eq!(name(&d, d.chosen()), bound);
+    }
+}
+
+#[test]
+fn concurrent_decisions_leave_no_in_flight_counts() {
+    let names: Vec<String> = (0..8).map(|i| format!("e{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let s = Setup::new(&refs, StalePolicy { mode: StaleMode::Ignore, ..StalePolicy::default() });
+    let router = Arc::new(s.router(presets::preset("llm-d").unwrap(), 0));
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let router = router.clone();
+            let pool = s.pool.clone();
+            std::thread::spawn(move || {
+                for i in 0..500u32 {
+                    let tokens: Vec<u32> =
+                        (0..64).map(|x| x + (i % 7) * 1000 + t * 100_000).collect();
+                    let d = router.decide(&tokens, &RequestMeta::default(), f64::from(i)).unwrap();
+                    let mut ticket = router.commit(&d, None, f64::from(i)).unwrap();
+                    if i % 2 == 0 {
+                        ticket.first_token();
+                    }
+                    let u = MetricsUpdate { waiting: Some(i % 5), ..Default::default() };
+                    pool.update_metrics(&WorkerKey::Str(format!("e{}", i % 8)), u, f64::from(i))
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for m in &s.pool.snapshot().list {
+        assert_eq!(m.inflight.snapshot(), super::InFlightSnapshot::default());
+    }
+}
+
+#[test]
+fn shared_index_block_size_must_match() {
+    let s = Setup::new(&["A"], StalePolicy::default());
+    let config = json!({"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSize": 64}}],
+        "schedulingProfiles": [{"name": "x", "plugins": [{"pluginRef": "prefix-cache-scorer"}]}]});
+    let err = Router::new(
+        s.pool.clone(),
+        s.index.clone(),
+        parse_config(&config).unwrap(),
+        RouterOptions::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(err, RoutingError::Config(ref e) if e.key == "plugins[0].parameters.blockSize"),
+        "{err}"
+    );
+}
+
+#[test]
+fn model_mismatch_is_not_a_candidate() {
+    let s = Setup::new(&[], StalePolicy::default());
+    s.pool.upsert(Endpoint { model: Some("m1".into()), ..Endpoint::new(key("A")) });
+    s.pool.upsert(Endpoint { model: Some("m2".into()), ..Endpoint::new(key("B")) });
+    let router = s.router(presets::preset("random").unwrap(), 0);
+    for _ in 0..10 {
+        let meta = RequestMeta { model: Some("m2".into()), ..RequestMeta::default() };
+        let d = router.decide(&prompt(8), &meta, 0.0).unwrap();
+        assert_eq!(name(&d, d.chosen()), "B");
+    }
+    let meta = RequestMeta { model: Some("m3".into()), ..RequestMeta::default() };
+    assert!(matches!(router.decide(&prompt(8), &meta, 0.0), Err(RoutingError::NoEndpoint { .. })));
+}
