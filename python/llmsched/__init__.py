@@ -14,9 +14,11 @@ from llmsched.errors import (
     InvalidTokenError,
     LlmschedError,
     MalformedEventError,
+    NoEndpointError,
     SliceStateError,
     SnapshotError,
     UnknownBlockError,
+    UnknownEndpointError,
     UnknownRequestError,
     UnknownWorkerError,
 )
@@ -31,22 +33,29 @@ from llmsched.hashing import (
 )
 from llmsched.prefix_index import PrefixIndex, PrefixMatch
 from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
+from llmsched.routing import Decision, Endpoint, EndpointPool, Router
 from llmsched.vllm_events import decode_vllm_events
 
 __all__ = [
     "ConfigError",
+    "Decision",
+    "Endpoint",
+    "EndpointPool",
     "HashChainError",
     "InvalidTokenError",
     "LlmschedError",
     "MalformedEventError",
+    "NoEndpointError",
     "PrefixIndex",
     "PrefixMatch",
+    "Router",
     "SliceAssembler",
     "SliceStateError",
     "SliceTracker",
     "SnapshotError",
     "SwitchCostModel",
     "UnknownBlockError",
+    "UnknownEndpointError",
     "UnknownRequestError",
     "UnknownWorkerError",
     "WaitingRequest",

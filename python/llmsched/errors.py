@@ -16,9 +16,11 @@ __all__ = [
     "InvalidTokenError",
     "LlmschedError",
     "MalformedEventError",
+    "NoEndpointError",
     "SliceStateError",
     "SnapshotError",
     "UnknownBlockError",
+    "UnknownEndpointError",
     "UnknownRequestError",
     "UnknownWorkerError",
 ]
@@ -62,3 +64,11 @@ class UnknownRequestError(LlmschedError, KeyError):
 
 class SliceStateError(LlmschedError, ValueError):
     """A slice operation does not fit the request's state (e.g. a decision mid-slice)."""
+
+
+class NoEndpointError(LlmschedError, LookupError):
+    """No endpoint can serve a request: none serves its model, or the filters removed them all."""
+
+
+class UnknownEndpointError(LlmschedError, KeyError):
+    """An endpoint id is not in the pool (or was not considered by the decision)."""

@@ -8,6 +8,7 @@ use pyo3::PyErr;
 use crate::hashing::batch::BatchError;
 use crate::hashing::HashError;
 use crate::prefix_index::IndexError;
+use crate::routing::RoutingError;
 use crate::vllm_events::DecodeError;
 
 import_exception!(llmsched.errors, InvalidTokenError);
@@ -17,6 +18,8 @@ import_exception!(llmsched.errors, UnknownWorkerError);
 import_exception!(llmsched.errors, UnknownBlockError);
 import_exception!(llmsched.errors, HashChainError);
 import_exception!(llmsched.errors, SnapshotError);
+import_exception!(llmsched.errors, NoEndpointError);
+import_exception!(llmsched.errors, UnknownEndpointError);
 
 impl From<HashError> for PyErr {
     fn from(err: HashError) -> PyErr {
@@ -78,5 +81,23 @@ impl From<BatchError> for PyErr {
 impl From<DecodeError> for PyErr {
     fn from(err: DecodeError) -> PyErr {
         MalformedEventError::new_err(err.to_string())
+    }
+}
+
+impl From<RoutingError> for PyErr {
+    fn from(err: RoutingError) -> PyErr {
+        let msg = err.to_string();
+        match err {
+            RoutingError::Config(e) => ConfigError::new_err(e.to_string()),
+            RoutingError::NoEndpoint { .. } => NoEndpointError::new_err(msg),
+            RoutingError::UnknownEndpoint(_) => UnknownEndpointError::new_err(msg),
+            RoutingError::InvalidValue(_) => PyValueError::new_err(msg),
+            RoutingError::Index(e) => e.into(),
+            // A Python plugin's own exception comes back as it was raised.
+            RoutingError::Plugin(e) => match e.source.downcast::<PyErr>() {
+                Ok(py_err) => *py_err,
+                Err(other) => pyo3::exceptions::PyRuntimeError::new_err(format!("plugin {:?} failed: {other}", e.plugin)),
+            },
+        }
     }
 }

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod errors;
 mod hashing;
 mod prefix_index;
+mod routing;
 mod slices;
 mod tokens;
 mod vllm_events;
@@ -16,5 +17,6 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     prefix_index::register(m)?;
     slices::register(m)?;
     vllm_events::register(m)?;
+    routing::register(m)?;
     Ok(())
 }

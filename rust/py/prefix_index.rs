@@ -68,6 +68,16 @@ impl PyPrefixIndex {
         names[id as usize] = Some(name);
     }
 
+    /// Remembers the Python name (an int or a str) of a worker another component registered.
+    pub fn remember_key(&self, py: Python<'_>, key: &WorkerKey) -> PyResult<()> {
+        let obj = match key {
+            WorkerKey::Int(i) => i.into_pyobject(py)?.into_any(),
+            WorkerKey::Str(s) => s.into_pyobject(py)?.into_any(),
+        };
+        self.remember_name(&obj, key);
+        Ok(())
+    }
+
     /// Remembers the Python name of `worker` once the core has registered it.
     fn remember_name(&self, worker: &Bound<'_, PyAny>, key: &WorkerKey) {
         let Some(id) = self.inner.worker_id(key) else { return };

@@ -1,0 +1,231 @@
+"""Pure-Python twin of the routing decision, written for obviousness.
+
+It is the oracle of the property tests (same scores and choice as the native router for
+deterministic pickers) and the baseline of the benchmarks. It reads a configuration in the same
+llm-d shape (single profile or a P/D handler with a prefix-based decider), endpoints as plain
+dataclasses, and the cached blocks per endpoint from a prefix match.
+
+>>> from llmsched.reference.routing import ReferenceEndpoint, decide
+>>> config = {"plugins": [{"type": "queue-scorer"}],
+...           "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "queue-scorer"}]}]}
+>>> eps = [ReferenceEndpoint("a", waiting=3), ReferenceEndpoint("b", waiting=1)]
+>>> decide(config, eps, cached={}, prompt_tokens=16, block_size=16).best
+['b']
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmsched.reference.prefix_index import ReferencePrefixIndex
+
+__all__ = ["ReferenceDecision", "ReferenceEndpoint", "decide", "decide_tokens"]
+
+
+@dataclass
+class ReferenceEndpoint:
+    """An endpoint with its metrics and the router's in-flight counts."""
+
+    id: Any
+    role: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
+    saturated: bool = False
+    in_flight_requests: int = 0
+    in_flight_prefill_requests: int = 0
+    in_flight_prefill_tokens: int = 0
+    in_flight_tokens: int = 0
+
+
+@dataclass
+class ReferenceProfileRun:
+    profile: str
+    kept: list[Any]
+    scores: dict[Any, dict[str, float]]
+    totals: dict[Any, float]
+
+
+@dataclass
+class ReferenceDecision:
+    runs: list[ReferenceProfileRun]
+    best: list[Any]
+    """Every endpoint the picker could choose (several when tied)."""
+    prefill_best: list[Any] | None = None
+
+
+def _lower_is_better(values: list[float]) -> list[float]:
+    lo, hi = min(values), max(values)
+    return [(hi - v) / (hi - lo) if hi > lo else 1.0 for v in values]
+
+
+def _score(kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: dict[str, Any]):
+    cached = ctx["cached"]
+    full = ctx["prompt_tokens"] // ctx["block_size"]
+    if kind == "queue-scorer":
+        return _lower_is_better([e.waiting for e in eps])
+    if kind in ("running-requests-scorer", "running-requests-size-scorer"):
+        return _lower_is_better([e.running for e in eps])
+    if kind == "kv-cache-utilization-scorer":
+        return [1.0 - e.kv_cache_usage for e in eps]
+    if kind == "load-aware-scorer":
+        t = p.get("threshold", 128)
+        return [0.5 if e.waiting == 0 else 0.5 * (1 - min(e.waiting, t) / t) for e in eps]
+    if kind == "active-request-scorer":
+        idle = p.get("idleThreshold", 0)
+        top = max(e.in_flight_requests for e in eps)
+        return [
+            1.0
+            if e.in_flight_requests <= idle or top == 0
+            else (top - e.in_flight_requests) / top
+            for e in eps
+        ]
+    if kind == "token-load-scorer":
+        t = p.get("queueThresholdTokens", 4_194_304)
+        return [1 - min(1.0, e.in_flight_prefill_tokens / t) for e in eps]
+    if kind == "prefix-cache-scorer":
+        cap = p.get("maxPrefixBlocksToMatch", math.inf)
+        total = min(full, cap)
+        return [0.0 if total == 0 else min(cached.get(e.id, 0), cap) / total for e in eps]
+    if kind == "session-affinity-scorer":
+        return [1.0 if e.id == ctx.get("session_endpoint") else 0.0 for e in eps]
+    raise NotImplementedError(kind)
+
+
+def _filter(kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: dict[str, Any]):
+    """Returns (keep flags, fail_open)."""
+    if kind == "decode-filter":
+        return [e.role != "prefill" for e in eps], False
+    if kind == "prefill-filter":
+        return [e.role in ("prefill", "both") for e in eps], False
+    if kind == "utilization-filter":
+        q = p.get("queueDepthThreshold", 5)
+        kv = p.get("kvCacheUtilThreshold", 0.8)
+        return [not e.saturated and e.waiting < q and e.kv_cache_usage < kv for e in eps], True
+    if kind == "by-label":
+        return [
+            e.labels[p["label"]] in p.get("validValues", [])
+            if p["label"] in e.labels
+            else p.get("allowsNoLabel", False)
+            for e in eps
+        ], False
+    raise NotImplementedError(kind)
+
+
+def _run_profile(profile: Mapping[str, Any], plugins: dict[str, Any], eps, ctx):
+    current = list(eps)
+    scorers: list[tuple[str, str, Mapping[str, Any], float]] = []
+    picker = ("max-score-picker", {})
+    for ref in profile["plugins"]:
+        plugin = plugins[ref["pluginRef"]]
+        kind, params = plugin["type"], plugin.get("parameters") or {}
+        if kind.endswith("-filter") or kind == "by-label":
+            if not current:
+                continue
+            keep, fail_open = _filter(kind, params, current, ctx)
+            if not any(keep) and fail_open:
+                continue
+            current = [e for e, k in zip(current, keep, strict=True) if k]
+        elif kind.endswith("-picker"):
+            picker = (kind, params)
+        else:
+            scorers.append((ref["pluginRef"], kind, params, ref.get("weight", 1.0)))
+    scores: dict[Any, dict[str, float]] = {e.id: {} for e in current}
+    totals = {e.id: 0.0 for e in current}
+    for name, kind, params, weight in scorers:
+        fresh = [e for e in current if not e.saturated] if _reads_metrics(kind) else current
+        raw = dict(zip([e.id for e in fresh], _score(kind, params, fresh, ctx), strict=True))
+        for e in current:
+            s = raw.get(e.id, 0.0)
+            s = 0.0 if math.isnan(s) else min(1.0, max(0.0, s))
+            scores[e.id][name] = s
+            totals[e.id] += s * weight
+    run = ReferenceProfileRun(profile["name"], [e.id for e in current], scores, totals)
+    return run, _best(picker, current, totals, ctx)
+
+
+def _reads_metrics(kind: str) -> bool:
+    return kind in (
+        "queue-scorer",
+        "running-requests-scorer",
+        "running-requests-size-scorer",
+        "kv-cache-utilization-scorer",
+        "load-aware-scorer",
+    )
+
+
+def _best(picker, eps: list[ReferenceEndpoint], totals: dict[Any, float], ctx) -> list[Any]:
+    if not eps:
+        return []
+    kind, params = picker
+    if kind == "max-score-picker":
+        top = max(totals.values())
+        return [e.id for e in eps if totals[e.id] == top]
+    if kind == "softmax-cost-picker" and params.get("temperature", 0.0) == 0.0:
+        bs = ctx["block_size"]
+        scale = params.get("prefillLoadScale", 1.0)
+
+        def cost(e: ReferenceEndpoint) -> float:
+            prompt = ctx["prompt_tokens"] / bs
+            prefill = max(0.0, prompt - ctx["cached"].get(e.id, 0) + e.in_flight_prefill_tokens / bs)
+            return scale * prefill + e.in_flight_tokens / bs
+
+        low = min(cost(e) for e in eps)
+        return [e.id for e in eps if cost(e) == low]
+    raise NotImplementedError(kind)
+
+
+def decide(
+    config: Mapping[str, Any],
+    endpoints: Sequence[ReferenceEndpoint],
+    cached: Mapping[Any, int],
+    prompt_tokens: int,
+    block_size: int,
+    session_endpoint: Any = None,
+) -> ReferenceDecision:
+    """The decision for a prompt of ``prompt_tokens`` tokens, ``cached[id]`` leading blocks of
+    which endpoint ``id`` holds."""
+    plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
+    profiles = {p["name"]: p for p in config["schedulingProfiles"]}
+    ctx = {
+        "cached": dict(cached),
+        "prompt_tokens": prompt_tokens,
+        "block_size": block_size,
+        "session_endpoint": session_endpoint,
+    }
+    handler = next((p for p in config["plugins"] if p["type"] == "pd-profile-handler"), None)
+    if handler is None:
+        run, best = _run_profile(next(iter(profiles.values())), plugins, list(endpoints), ctx)
+        return ReferenceDecision([run], best)
+    params = handler.get("parameters") or {}
+    decode_run, best = _run_profile(
+        profiles[params.get("decodeProfile", "decode")], plugins, list(endpoints), ctx
+    )
+    decider = plugins[params["deciderPluginName"]]
+    threshold = (decider.get("parameters") or {}).get("nonCachedTokens", 0)
+    # Every tied decode endpoint must agree for the oracle to be exact; use the first.
+    chosen = best[0]
+    uncached = prompt_tokens - min(prompt_tokens, ctx["cached"].get(chosen, 0) * block_size)
+    if uncached < threshold:
+        return ReferenceDecision([decode_run], best)
+    prefill_run, prefill_best = _run_profile(
+        profiles[params.get("prefillProfile", "prefill")], plugins, list(endpoints), ctx
+    )
+    return ReferenceDecision([decode_run, prefill_run], best, prefill_best)
+
+
+def decide_tokens(
+    config: Mapping[str, Any],
+    endpoints: Sequence[ReferenceEndpoint],
+    index: ReferencePrefixIndex,
+    tokens: Sequence[int],
+    now: float = 0.0,
+) -> ReferenceDecision:
+    """The whole decision from token ids: hash, match, decide (the benchmark baseline)."""
+    hashes = index.hash_tokens(tokens)
+    matched = {w: v[0] for w, v in index.match(hashes, now).items()}
+    return decide(config, endpoints, matched, len(tokens), index.block_size)

@@ -1,0 +1,729 @@
+"""Routing: which endpoint serves a request, balancing prefix-cache affinity against load.
+
+An :class:`EndpointPool` holds the endpoints (model-server replicas) and their latest metrics,
+updated from any thread. A :class:`Router` decides per request: it hashes the prompt once,
+matches it once against a shared :class:`~llmsched.PrefixIndex`, and runs the configured
+profile (filters, weighted scorers, a picker) over the endpoints. The configuration has the
+shape of llm-d's ``EndpointPickerConfig`` (a dict, a YAML or JSON file, or a preset name), and
+plugin type names are llm-d's, so an existing config can be brought along.
+
+>>> from llmsched import EndpointPool, Router
+>>> pool = EndpointPool(["a", "b"], stale_policy="ignore")
+>>> pool.update("b", waiting=5, kv_cache_usage=0.9)
+>>> router = Router(pool, config="llm-d")
+>>> decision = router.pick(tokens=list(range(64)))
+>>> decision.endpoint, decision.fallbacks
+('a', ['b'])
+
+Time: every call that depends on the clock takes ``now`` (seconds, any origin), defaulting to
+``time.monotonic()``. A simulator passes its own clock everywhere (metrics updates, picks,
+``started``), which keeps staleness and the expiry of approximate prefix entries consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from llmsched import _llmsched
+from llmsched._tokens import TokensLike, as_token_array
+from llmsched.errors import ConfigError
+from llmsched.prefix_index import PrefixIndex
+
+__all__ = [
+    "Decision",
+    "Endpoint",
+    "EndpointPool",
+    "EndpointScores",
+    "Explanation",
+    "ProfileExplanation",
+    "Role",
+    "Router",
+    "StalePolicy",
+    "load_config",
+]
+
+EndpointId = int | str
+"""An endpoint's id: any int (64-bit) or str. It is also its worker name in the prefix index."""
+
+Role = Literal["prefill", "decode", "both"]
+"""What an endpoint does in a prefill/decode split (None: unlabelled, serves both)."""
+
+StalePolicy = Literal["saturated", "ignore"]
+"""How metrics older than ``stale_after_s`` are read: the endpoint counts as saturated (load
+scorers give it 0, utilization filters drop it), or the last metrics are used as they are."""
+
+ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
+"""A configuration: a dict, a preset name (see :meth:`Router.presets`) or a YAML / JSON path."""
+
+ScorerFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[float]]
+FilterFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[bool]]
+
+PYTHON_PLUGIN_TYPES = ("python-scorer", "python-filter")
+"""Plugin types whose ``parameters.function`` is a Python callable (the slower path)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An endpoint's description. Metrics change separately (:meth:`EndpointPool.update`).
+
+    >>> Endpoint("pod-1", address="10.0.0.1:8000", role="decode").role
+    'decode'
+    """
+
+    id: EndpointId
+    address: str = ""
+    role: Role | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    model: str | None = None
+
+
+class EndpointPool:
+    """The endpoints a router picks from, with their latest metrics.
+
+    Args:
+        endpoints: initial endpoints (an :class:`Endpoint`, or just an id).
+        stale_after_s: metrics older than this many seconds are stale (default 0.2 s; an
+            endpoint that never reported is stale).
+        stale_policy: ``"saturated"`` (the default) or ``"ignore"``.
+
+    Every method may be called from any thread, also while routers decide.
+
+    >>> pool = EndpointPool([Endpoint(1, address="h1:8000"), 2])
+    >>> pool.update(1, waiting=3, running=8, kv_cache_usage=0.5, now=10.0)
+    >>> [e["waiting"] for e in pool.endpoints()]
+    [3, 0]
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(
+        self,
+        endpoints: Iterable[Endpoint | EndpointId] = (),
+        *,
+        stale_after_s: float | None = None,
+        stale_policy: StalePolicy | None = None,
+    ) -> None:
+        default_after, default_policy = _llmsched.EndpointPool.default_staleness()
+        after = default_after if stale_after_s is None else stale_after_s
+        if isinstance(after, bool) or not isinstance(after, (int, float)) or not after >= 0:
+            raise ValueError(f"stale_after_s must be a number >= 0, got {stale_after_s!r}")
+        self._native = _llmsched.EndpointPool(float(after), stale_policy or default_policy)
+        for endpoint in endpoints:
+            self.add(endpoint)
+
+    @property
+    def stale_after_s(self) -> float:
+        """Seconds after which metrics are stale."""
+        return self._native.stale_after
+
+    @property
+    def stale_policy(self) -> StalePolicy:
+        """How stale metrics are read."""
+        policy: StalePolicy = self._native.stale_policy  # type: ignore[assignment]
+        return policy
+
+    def add(self, endpoint: Endpoint | EndpointId) -> bool:
+        """Add an endpoint, or replace the description of the one with its id (keeping its
+        metrics and in-flight counts). Returns True if it is new.
+
+        >>> pool = EndpointPool()
+        >>> pool.add(Endpoint("a", labels={"zone": "eu"})), pool.add("a")
+        (True, False)
+        """
+        if not isinstance(endpoint, Endpoint):
+            endpoint = Endpoint(endpoint)
+        labels = dict(endpoint.labels)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            raise TypeError("labels must map str to str")
+        return self._native.upsert(
+            endpoint.id, endpoint.address, endpoint.role, labels, endpoint.model
+        )
+
+    def remove(self, endpoint_id: EndpointId) -> None:
+        """Remove an endpoint (UnknownEndpointError if absent). Requests in flight there keep
+        their accounting until they finish."""
+        self._native.remove(endpoint_id)
+
+    def update(
+        self,
+        endpoint_id: EndpointId,
+        *,
+        waiting: int | None = None,
+        running: int | None = None,
+        kv_cache_usage: float | None = None,
+        max_concurrency: int | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Record a metrics snapshot taken at ``now``; fields left None keep their value.
+
+        ``kv_cache_usage`` is a fraction in 0..1 (vLLM's ``kv_cache_usage_perc``). Raises
+        UnknownEndpointError or ValueError and changes nothing on bad input.
+        """
+        for name, value in (
+            ("waiting", waiting),
+            ("running", running),
+            ("max_concurrency", max_concurrency),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32
+            ):
+                raise ValueError(f"{name} must be an int in 0..2**32-1, got {value!r}")
+        if kv_cache_usage is not None and not (
+            isinstance(kv_cache_usage, (int, float)) and 0.0 <= kv_cache_usage <= 1.0
+        ):
+            raise ValueError(f"kv_cache_usage must be in 0..1, got {kv_cache_usage!r}")
+        self._native.update(
+            endpoint_id,
+            waiting,
+            running,
+            None if kv_cache_usage is None else float(kv_cache_usage),
+            max_concurrency,
+            _now(now),
+        )
+
+    def set_loras(
+        self,
+        endpoint_id: EndpointId,
+        active: Iterable[str] = (),
+        waiting: Iterable[str] = (),
+        max_loras: int = 0,
+    ) -> None:
+        """Set the LoRA adapters an endpoint has active (running requests) and waiting, and
+        how many it holds at once."""
+        self._native.set_loras(endpoint_id, list(active), list(waiting), max_loras)
+
+    def update_from_metrics_text(
+        self, endpoint_id: EndpointId, text: str, *, now: float | None = None
+    ) -> dict[str, Any]:
+        """Apply a Prometheus ``/metrics`` scrape of a vLLM or SGLang engine (queue, running,
+        KV-cache use, LoRA adapters). Returns the values read.
+
+        >>> pool = EndpointPool(["a"])
+        >>> text = 'vllm:num_requests_waiting{engine="0"} 7.0\\nvllm:kv_cache_usage_perc 0.5\\n'
+        >>> pool.update_from_metrics_text("a", text, now=0.0)["waiting"]
+        7
+        """
+        return self._native.update_from_metrics_text(endpoint_id, text, _now(now))
+
+    def endpoints(self) -> list[dict[str, Any]]:
+        """Every endpoint: description, last metrics, LoRA state and in-flight counts."""
+        return self._native.endpoints()
+
+    def __len__(self) -> int:
+        return len(self._native)
+
+    def __repr__(self) -> str:
+        return f"EndpointPool({len(self)} endpoints, stale after {self.stale_after_s} s)"
+
+
+def load_config(config: ConfigLike) -> dict[str, Any]:
+    """The configuration as a dict: a preset by name, a YAML / JSON file, or a dict (copied).
+
+    >>> load_config("prefix-only")["plugins"][0]["type"]
+    'prefix-cache-scorer'
+    """
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, str):
+        preset = _llmsched.Router.preset(config)
+        if preset is not None:
+            loaded: dict[str, Any] = json.loads(preset)
+            return loaded
+    path = Path(config)
+    if not path.is_file():
+        names = ", ".join(_llmsched.Router.preset_names())
+        raise ConfigError(f"config {str(config)!r} is neither a preset ({names}) nor a file")
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            value = json.loads(text)
+        else:
+            import yaml
+
+            value = yaml.safe_load(text)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"{path}: cannot parse: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: config must be a mapping")
+    return value
+
+
+class Router:
+    """Picks endpoints for requests.
+
+    Args:
+        pool: the endpoints.
+        index: the prefix index shared with other routers or fed by engine events; None builds
+            one (block size from the prefix scorer's ``blockSize``, else the index default).
+        config: a preset name (``"llm-d"``, ``"sglang-cache-aware"``, ``"dynamo-kv"``, ...),
+            a YAML / JSON path, or a dict in llm-d's ``EndpointPickerConfig`` shape. Errors raise
+            ConfigError naming the offending key.
+        seed: seed of every random choice (tie-breaks, random pickers); a run replays when the
+            same requests arrive in the same order.
+        record_ttl_s: how long an approximate prefix entry recorded by :meth:`Decision.started`
+            counts unless an engine confirms it (default 60 s).
+        session_ttl_s, max_sessions: session affinity bookkeeping (defaults 3600 s, 100,000).
+
+    User plugins: a plugin entry ``{"type": "python-scorer", "name": ..., "parameters":
+    {"function": fn}}`` (or ``python-filter``) calls ``fn(request, endpoints)`` once per
+    decision with the GIL held; it returns one score (0..1) or keep-flag per endpoint. Each
+    endpoint is a dict (id, address, role, labels, waiting, running, kv_cache_usage, saturated,
+    in-flight counts, cached_tokens). This path is much slower than a built-in plugin (Python
+    objects per endpoint). Filters take ``"failOpen": true`` to be skipped instead of emptying
+    the set; scorers take ``"readsMetrics": true`` to score saturated endpoints 0.
+
+    >>> router = Router(EndpointPool(["a"]), config="round-robin")
+    >>> router.pick(tokens=[1, 2, 3]).endpoint
+    'a'
+    """
+
+    __slots__ = ("_index", "_native", "_pool")
+
+    def __init__(
+        self,
+        pool: EndpointPool,
+        index: PrefixIndex | None = None,
+        config: ConfigLike = "llm-d",
+        *,
+        seed: int | None = None,
+        record_ttl_s: float | None = None,
+        session_ttl_s: float | None = None,
+        max_sessions: int | None = None,
+    ) -> None:
+        if not isinstance(pool, EndpointPool):
+            raise TypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if seed is not None and not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
+        config_json, functions = _native_config(load_config(config))
+        if index is None:
+            block_size, capacity = _llmsched.Router.index_hints(config_json, functions)
+            index = (
+                PrefixIndex(worker_capacity=capacity)
+                if block_size is None
+                else PrefixIndex(block_size, worker_capacity=capacity)
+            )
+        elif not isinstance(index, PrefixIndex):
+            raise TypeError(f"index must be a PrefixIndex or None, got {type(index).__name__}")
+        self._pool = pool
+        self._index = index
+        self._native = _llmsched.Router(
+            pool._native,
+            index._native,
+            config_json,
+            functions,
+            seed,
+            record_ttl_s,
+            session_ttl_s,
+            max_sessions,
+        )
+
+    @staticmethod
+    def presets() -> list[str]:
+        """Names of the ready-made configurations.
+
+        >>> "llm-d" in Router.presets()
+        True
+        """
+        return _llmsched.Router.preset_names()
+
+    @staticmethod
+    def plugin_types() -> list[str]:
+        """Every plugin type name a configuration may use."""
+        return _llmsched.Router.plugin_types()
+
+    @property
+    def pool(self) -> EndpointPool:
+        """The endpoint pool."""
+        return self._pool
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The prefix index matched on every pick."""
+        return self._index
+
+    @property
+    def profiles(self) -> list[str]:
+        """Names of the configured scheduling profiles."""
+        return self._native.profiles
+
+    def pick(
+        self,
+        tokens: TokensLike | None = None,
+        *,
+        text: str | bytes | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        model: str | None = None,
+        lora: str | None = None,
+        priority: int = 0,
+        session_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        cache_salt: str | None = None,
+        now: float | None = None,
+    ) -> Decision:
+        """Decide where one request goes. Give exactly one of ``tokens`` (token ids: numpy
+        array or sequence), ``text`` (a raw prompt) or ``messages`` (chat messages); text is
+        hashed as pseudo-tokens of 4 UTF-8 bytes, as llm-d's approximate mode does.
+
+        ``model`` restricts the endpoints to those serving it; ``lora`` names the adapter (it
+        is folded into the prompt hashes and read by the LoRA plugins). Nothing changes until
+        :meth:`Decision.started`. Raises NoEndpointError when no endpoint can serve it.
+
+        >>> router = Router(EndpointPool(["a", "b"]), config="prefix-only", seed=1)
+        >>> d = router.pick(text="You are a helpful assistant.", now=0.0)
+        >>> d.endpoint in ("a", "b")
+        True
+        """
+        given = sum(x is not None for x in (tokens, text, messages))
+        if given != 1:
+            raise TypeError("give exactly one of tokens=, text= or messages=")
+        if messages is not None:
+            text = render_messages(messages)
+        array = text_tokens(text) if text is not None else as_token_array(tokens)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        header_items = _headers(headers)
+        native = self._native.pick(
+            array, model, lora, priority, session_id, header_items, cache_salt, _now(now)
+        )
+        return Decision(native)
+
+    def __repr__(self) -> str:
+        return f"Router(profiles={self.profiles}, endpoints={len(self._pool)})"
+
+
+class Decision:
+    """Where a request goes: the chosen endpoint, ordered fallbacks, the prefill endpoint
+    when the request is split, and a per-endpoint, per-scorer breakdown (:meth:`explain`).
+
+    In-flight accounting: call :meth:`started` when the request is sent (or use the decision
+    as a context manager), :meth:`first_token` when its first token arrives, :meth:`finished`
+    at the end. ``started`` also records approximate prefix entries for the endpoints used and
+    binds the session. A decision that is dropped finishes itself.
+
+    >>> router = Router(EndpointPool(["a"]), config="least-load")
+    >>> with router.pick(tokens=[1, 2, 3], now=0.0) as d:
+    ...     d.stage
+    'sent'
+    >>> d.stage
+    'finished'
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: _llmsched.Decision) -> None:
+        self._native = native
+
+    @property
+    def endpoint(self) -> EndpointId:
+        """The chosen endpoint's id (the decode endpoint when split)."""
+        return self._native.endpoint
+
+    @property
+    def address(self) -> str:
+        """The chosen endpoint's address."""
+        return self._native.address
+
+    @property
+    def fallbacks(self) -> list[EndpointId]:
+        """Next-best endpoints, best first (the picker's ``maxNumOfEndpoints`` minus one)."""
+        return self._native.fallbacks
+
+    @property
+    def fallback_addresses(self) -> list[str]:
+        """Addresses of :attr:`fallbacks`."""
+        return self._native.fallback_addresses
+
+    @property
+    def prefill_endpoint(self) -> EndpointId | None:
+        """The endpoint that prefills the prompt when the request is split, else None."""
+        return self._native.prefill_endpoint
+
+    @property
+    def prefill_address(self) -> str | None:
+        """The prefill endpoint's address, else None."""
+        return self._native.prefill_address
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prefill runs on a separate endpoint."""
+        return self._native.prefill_endpoint is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens (or pseudo-tokens) in the prompt."""
+        return self._native.prompt_tokens
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens cached on the chosen endpoint."""
+        return self._native.cached
+
+    @property
+    def cold(self) -> bool:
+        """No endpoint held any part of the prompt."""
+        return self._native.cold
+
+    @property
+    def stage(self) -> str:
+        """``"picked"``, ``"sent"``, ``"decoding"`` or ``"finished"``."""
+        return self._native.stage
+
+    def cached_tokens(self) -> dict[EndpointId, int]:
+        """Prompt tokens cached on every endpoint considered."""
+        return self._native.cached_tokens()
+
+    def pd(self) -> dict[str, Any] | None:
+        """The prefill/decode decision (uncached tokens on the decode endpoint, whether a
+        split was wanted and made), or None without a P/D handler."""
+        return self._native.pd()
+
+    def started(self, endpoint: EndpointId | None = None, *, now: float | None = None) -> None:
+        """The request is being sent: to the chosen endpoint, or to ``endpoint`` (e.g. a
+        fallback). Adds it to the in-flight counts, records approximate prefix entries for the
+        endpoints used, binds the session. Once only."""
+        self._native.started(endpoint, _now(now))
+
+    def first_token(self) -> bool:
+        """The first token arrived: the prefill work is done. False if already noted."""
+        return self._native.first_token()
+
+    def finished(self) -> bool:
+        """The request ended (done, failed or cancelled): its in-flight counts are given back.
+        False if it had already finished."""
+        return self._native.finished()
+
+    def __enter__(self) -> Decision:
+        if self.stage == "picked":
+            self.started()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.finished()
+
+    def explain(self) -> Explanation:
+        """Per profile, per endpoint: every scorer's clamped score, the weighted total, the
+        rank, or the filter that removed it. ``print()`` it for a table.
+
+        >>> pool = EndpointPool(["a", "b"], stale_policy="ignore")
+        >>> pool.update("b", waiting=4)
+        >>> d = Router(pool, config="least-load").pick(tokens=[1, 2, 3])
+        >>> row = d.explain()["default"].row("b")
+        >>> row.scores["queue-scorer"], row.total
+        (0.0, 1.0)
+        """
+        profiles = [ProfileExplanation._from_raw(p) for p in self._native.explain_data()]
+        return Explanation(profiles=profiles, pd=self.pd())
+
+    def __repr__(self) -> str:
+        split = f", prefill={self.prefill_endpoint!r}" if self.disaggregated else ""
+        return f"Decision(endpoint={self.endpoint!r}{split}, fallbacks={self.fallbacks!r})"
+
+
+@dataclass(frozen=True)
+class EndpointScores:
+    """One endpoint in one profile run."""
+
+    endpoint: EndpointId
+    address: str
+    cached_tokens: int
+    saturated: bool
+    removed_by: str | None
+    """The filter that removed it, or None if it reached the scorers."""
+    scores: dict[str, float]
+    """Each scorer's clamped score (empty if removed)."""
+    weighted: dict[str, float]
+    """Each scorer's score times its weight."""
+    total: float | None
+    rank: int | None
+    """0 for the chosen endpoint, 1.. for fallbacks, None otherwise."""
+
+
+@dataclass(frozen=True)
+class ProfileExplanation:
+    """One profile run: its plugins and a row per endpoint considered."""
+
+    profile: str
+    picker: str
+    filters: list[str]
+    skipped_filters: list[str]
+    """Fail-open filters skipped because they would have removed every endpoint."""
+    weights: dict[str, float]
+    rows: list[EndpointScores]
+
+    @classmethod
+    def _from_raw(cls, raw: dict[str, Any]) -> ProfileExplanation:
+        weights = dict(raw["scorers"])
+        names = list(weights)
+        rows = []
+        for r in raw["rows"]:
+            scores = dict(zip(names, r["scores"], strict=True)) if r["scores"] is not None else {}
+            rows.append(
+                EndpointScores(
+                    endpoint=r["endpoint"],
+                    address=r["address"],
+                    cached_tokens=r["cached_tokens"],
+                    saturated=r["saturated"],
+                    removed_by=r["removed_by"],
+                    scores=scores,
+                    weighted={k: v * weights[k] for k, v in scores.items()},
+                    total=r["total"],
+                    rank=r["rank"],
+                )
+            )
+        return cls(
+            raw["profile"], raw["picker"], raw["filters"], raw["skipped_filters"], weights, rows
+        )
+
+    def row(self, endpoint: EndpointId) -> EndpointScores:
+        """The row of ``endpoint`` (KeyError if it was not considered)."""
+        for r in self.rows:
+            if r.endpoint == endpoint:
+                return r
+        raise KeyError(endpoint)
+
+    def __str__(self) -> str:
+        names = list(self.weights)
+        head = ["endpoint", *[f"{n} x{self.weights[n]:g}" for n in names], "total", "rank"]
+        lines = [head]
+        ordered = sorted(self.rows, key=lambda r: (r.rank is None, r.rank or 0, -(r.total or 0)))
+        for r in ordered:
+            if r.removed_by is not None:
+                lines.append([str(r.endpoint), f"removed by {r.removed_by}"])
+                continue
+            cells = [f"{r.scores[n]:.3f}" for n in names]
+            total = "" if r.total is None else f"{r.total:.3f}"
+            rank = "" if r.rank is None else str(r.rank)
+            lines.append([str(r.endpoint), *cells, total, rank])
+        widths = [max(len(row[i]) for row in lines if i < len(row)) for i in range(len(head))]
+        title = f"profile {self.profile!r} (picker {self.picker})"
+        body = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(row)) for row in lines]
+        return "\n".join([title, *body])
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :meth:`Decision.explain` returns: the profiles run, in order."""
+
+    profiles: list[ProfileExplanation]
+    pd: dict[str, Any] | None
+
+    def __getitem__(self, profile: str) -> ProfileExplanation:
+        for p in self.profiles:
+            if p.profile == profile:
+                return p
+        raise KeyError(profile)
+
+    def __str__(self) -> str:
+        parts = [str(p) for p in self.profiles]
+        if self.pd is not None:
+            parts.append(f"P/D: {self.pd}")
+        return "\n\n".join(parts)
+
+
+def text_tokens(text: str | bytes) -> npt.NDArray[np.uint32]:
+    """The pseudo-tokens of a raw prompt: its UTF-8 bytes packed 4 per ``uint32``, little-endian,
+    the last zero-padded (llm-d's approximate mode).
+
+    This is the one place text becomes tokens for routing; it follows the definition of
+    ``llmsched.hashing.pack_text`` and is to be switched to it once that lands.
+
+    >>> text_tokens("hello").tolist() == [int.from_bytes(b"hell", "little"), ord("o")]
+    True
+    """
+    if isinstance(text, str):
+        data = text.encode("utf-8")
+    elif isinstance(text, (bytes, bytearray, memoryview)):
+        data = bytes(text)
+    else:
+        raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
+    padded = data + b"\0" * (-len(data) % 4)
+    return np.frombuffer(padded, dtype="<u4").astype(np.uint32)
+
+
+def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
+    """One string for chat messages, stable across requests so shared prefixes hash alike:
+    ``"<|role|>\\ncontent\\n"`` per message; list contents join their text parts.
+
+    >>> render_messages([{"role": "system", "content": "Be brief."}])
+    '<|system|>\\nBe brief.\\n'
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} mappings")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise TypeError(f"messages[{i}] must be a mapping with a str 'role'")
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "".join(
+                part.get("text", "")
+                for part in content
+                if isinstance(part, Mapping) and part.get("type") == "text"
+            )
+        if not isinstance(content, str):
+            raise TypeError(f"messages[{i}]['content'] must be a str or a list of parts")
+        out.append(f"<|{m['role']}|>\n{content}\n")
+    return "".join(out)
+
+
+def _native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The config as JSON for the native parser, Python callables replaced by handles."""
+    functions: list[Any] = []
+    plugins = config.get("plugins")
+    if isinstance(plugins, list):
+        config = dict(config)
+        plugins = [dict(p) if isinstance(p, Mapping) else p for p in plugins]
+        for i, p in enumerate(plugins):
+            if not isinstance(p, dict) or p.get("type") not in PYTHON_PLUGIN_TYPES:
+                continue
+            params = dict(p.get("parameters") or {})
+            fn = params.pop("function", None)
+            if not callable(fn):
+                raise ConfigError(f"plugins[{i}].parameters.function: must be a callable")
+            params["handle"] = len(functions)
+            functions.append(fn)
+            p["parameters"] = params
+        config["plugins"] = plugins
+    try:
+        text = json.dumps(config, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config: cannot be represented as JSON: {exc}") from None
+    return text, functions
+
+
+def _headers(headers: Mapping[str, str] | None) -> list[tuple[str, str]]:
+    if headers is None:
+        return []
+    if not isinstance(headers, Mapping):
+        raise TypeError("headers must be a mapping of str to str")
+    items = list(headers.items())
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in items):
+        raise TypeError("headers must map str to str")
+    return items
+
+
+def _now(now: float | None) -> float:
+    if now is None:
+        return time.monotonic()
+    value = float(now)
+    if not math.isfinite(value):
+        raise ValueError(f"now must be finite, got {now!r}")
+    return value
