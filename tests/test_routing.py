@@ -1,0 +1,450 @@
+"""Routing through the Python API: the worked example, configs, staleness, P/D, seeds,
+fallbacks, accounting, user plugins and thread safety."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmsched import (
+    ConfigError,
+    Endpoint,
+    EndpointPool,
+    NoEndpointError,
+    PrefixIndex,
+    Router,
+    UnknownEndpointError,
+)
+from llmsched.routing import load_config, render_messages, text_tokens
+
+# shared/ sits beside the checkout (one level further up from a worktree).
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = next(
+    (d / "shared" for d in (ROOT.parent, ROOT.parent.parent) if (d / "shared").is_dir()),
+    ROOT.parent / "shared",
+)
+
+PD_YAML = """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefill-filter
+- type: decode-filter
+- type: queue-scorer
+- type: prefix-cache-scorer
+  parameters:
+    blockSize: 16
+- type: prefix-based-pd-decider
+  parameters:
+    nonCachedTokens: {threshold}
+- type: pd-profile-handler
+  parameters:
+    deciderPluginName: prefix-based-pd-decider
+schedulingProfiles:
+- name: prefill
+  plugins:
+  - pluginRef: prefill-filter
+  - pluginRef: queue-scorer
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: prefix-cache-scorer
+    weight: 2
+"""
+
+
+def worked_example() -> tuple[Router, np.ndarray]:
+    pool = EndpointPool(["A", "B", "C"])
+    for name, queue, kv in [("A", 0, 0.2), ("B", 4, 0.5), ("C", 8, 0.9)]:
+        pool.update(name, waiting=queue, kv_cache_usage=kv, now=0.0)
+    index = PrefixIndex(block_size=16)
+    prompt = np.arange(160, dtype=np.uint32)  # 10 blocks
+    index.store("B", index.hash_tokens(prompt[:128]))
+    index.store("C", index.hash_tokens(prompt))
+    return Router(pool, index, config="llm-d"), prompt
+
+
+def test_worked_example_b_wins_with_4_4() -> None:
+    router, prompt = worked_example()
+    d = router.pick(tokens=prompt, now=0.1)
+    assert d.endpoint == "B"
+    assert d.fallbacks == ["A", "C"]
+    profile = d.explain()["default"]
+    totals = {r.endpoint: r.total for r in profile.rows}
+    assert totals == pytest.approx({"A": 3.6, "B": 4.4, "C": 3.2})
+    b = profile.row("B")
+    assert b.scores == pytest.approx(
+        {"queue-scorer": 0.5, "kv-cache-utilization-scorer": 0.5, "prefix-cache-scorer": 0.8}
+    )
+    assert b.weighted["prefix-cache-scorer"] == pytest.approx(2.4)
+    assert d.cached_tokens() == {"A": 0, "B": 128, "C": 160}
+    assert "4.400" in str(d.explain())
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"plugins": [{"type": "nope-scorer"}], "schedulingProfiles": []}, "plugins[0].type"),
+        (
+            {
+                "plugins": [{"type": "queue-scorer", "parameters": {"treshold": 1}}],
+                "schedulingProfiles": [],
+            },
+            "plugins[0].parameters.treshold",
+        ),
+        (
+            {
+                "plugins": [{"type": "queue-scorer"}],
+                "schedulingProfiles": [
+                    {"name": "p", "plugins": [{"pluginRef": "queue-scorer", "weight": -2}]}
+                ],
+            },
+            "schedulingProfiles[0].plugins[0].weight",
+        ),
+        (
+            {
+                "plugins": [{"type": "queue-scorer"}],
+                "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "kv"}]}],
+            },
+            "schedulingProfiles[0].plugins[0].pluginRef",
+        ),
+        ({"plugins": [], "schedulingProfile": []}, "schedulingProfile"),
+        (
+            {
+                "plugins": [{"type": "load-aware-scorer", "parameters": {"threshold": 0}}],
+                "schedulingProfiles": [],
+            },
+            "plugins[0].parameters.threshold",
+        ),
+        (
+            {
+                "plugins": [{"type": "python-scorer", "parameters": {"function": 3}}],
+                "schedulingProfiles": [],
+            },
+            "plugins[0].parameters.function",
+        ),
+    ],
+)
+def test_config_errors_name_the_key(config: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        Router(EndpointPool(["a"]), config=config)
+
+
+def test_config_from_yaml_json_and_presets(tmp_path: Path) -> None:
+    yaml_path = tmp_path / "epp.yaml"
+    yaml_path.write_text(PD_YAML.format(threshold=64))
+    router = Router(EndpointPool(["a"]), config=yaml_path)
+    assert router.profiles == ["prefill", "decode"]
+    assert router.index.block_size == 16
+    json_path = tmp_path / "epp.json"
+    json_path.write_text(json.dumps(load_config("dynamo-kv")))
+    assert Router(EndpointPool(["a"]), config=str(json_path)).profiles == ["default"]
+    for name in Router.presets():
+        Router(EndpointPool(["a"]), config=name).pick(tokens=[1, 2, 3])
+    with pytest.raises(ConfigError, match="neither a preset"):
+        Router(EndpointPool(["a"]), config="no-such-preset")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        Router(EndpointPool(["a"]), config=bad)
+
+
+def test_shared_index_block_size_must_match_the_config() -> None:
+    with pytest.raises(ConfigError, match=r"plugins\[3\]\.parameters\.blockSize"):
+        Router(EndpointPool(["a"]), PrefixIndex(block_size=64), config=PD_YAML_CONFIG())
+
+
+def PD_YAML_CONFIG(threshold: int = 64) -> dict:
+    import yaml
+
+    loaded: dict = yaml.safe_load(PD_YAML.format(threshold=threshold))
+    return loaded
+
+
+@pytest.mark.parametrize(("policy", "winner"), [("saturated", "B"), ("ignore", "A")])
+def test_stale_metrics_policies(policy: str, winner: str) -> None:
+    pool = EndpointPool(["A", "B"], stale_after_s=0.2, stale_policy=policy)  # type: ignore[arg-type]
+    pool.update("A", waiting=0, kv_cache_usage=0.0, now=0.0)
+    pool.update("B", waiting=5, kv_cache_usage=0.5, now=0.9)
+    router = Router(pool, config="llm-d")
+    d = router.pick(tokens=[1, 2, 3], now=1.0)
+    assert d.endpoint == winner
+    row = d.explain()["default"].row("A")
+    assert row.saturated == (policy == "saturated")
+    if policy == "saturated":
+        assert row.scores["queue-scorer"] == 0.0
+        assert row.scores["kv-cache-utilization-scorer"] == 0.0
+
+
+@pytest.mark.parametrize(("threshold", "split"), [(95, True), (96, True), (97, False)])
+def test_pd_threshold_edges(threshold: int, split: bool) -> None:
+    pool = EndpointPool(
+        [Endpoint("D", address="d:80", role="decode"), Endpoint("P", address="p:80", role="prefill")],
+        stale_policy="ignore",
+    )
+    index = PrefixIndex(block_size=16)
+    prompt = np.arange(160, dtype=np.uint32)
+    index.store("D", index.hash_tokens(prompt[:64]))  # 96 tokens uncached on D
+    router = Router(pool, index, config=PD_YAML_CONFIG(threshold))
+    d = router.pick(tokens=prompt, now=0.0)
+    assert d.endpoint == "D"
+    assert d.pd() == {"uncached_tokens": 96, "wanted": split, "disaggregated": split}
+    assert d.disaggregated is split
+    assert d.prefill_endpoint == ("P" if split else None)
+    assert d.prefill_address == ("p:80" if split else None)
+    if split:
+        d.started(now=0.0)
+        rows = {e["id"]: e for e in pool.endpoints()}
+        assert rows["P"]["in_flight_prefill_tokens"] == 160
+        assert rows["D"]["in_flight_requests"] == 1
+        assert rows["D"]["in_flight_prefill_tokens"] == 0
+        d.first_token()
+        assert {e["id"]: e["in_flight_requests"] for e in pool.endpoints()} == {"D": 1, "P": 0}
+        d.finished()
+
+
+def test_seeded_pickers_replay() -> None:
+    pool = EndpointPool([f"e{i}" for i in range(12)], stale_policy="ignore")
+    prompts = [np.arange(i, i + 50) for i in range(30)]
+    for config in ["random", "llm-d", "dynamo-kv", "least-load"]:
+
+        def run(seed: int, config: str = config) -> list[tuple]:
+            router = Router(pool, config=config, seed=seed)
+            return [
+                (d.endpoint, *d.fallbacks)
+                for d in (router.pick(tokens=p, now=0.0) for p in prompts)
+            ]
+
+        assert run(5) == run(5), config
+    assert run(5, "random") != run(6, "random")
+
+
+def test_fallbacks_follow_the_scores() -> None:
+    pool = EndpointPool([f"e{i}" for i in range(10)], stale_policy="ignore")
+    for i in range(10):
+        pool.update(f"e{i}", waiting=(7 * i) % 10, kv_cache_usage=i / 20, now=0.0)
+    d = Router(pool, config="llm-d", seed=3).pick(tokens=list(range(40)), now=0.0)
+    profile = d.explain()["default"]
+    ranked = [d.endpoint, *d.fallbacks]
+    assert len(ranked) == 4
+    totals = [profile.row(e).total for e in ranked]
+    assert totals == sorted(totals, reverse=True)
+    assert totals[0] == max(r.total for r in profile.rows)
+    assert [profile.row(e).rank for e in ranked] == [0, 1, 2, 3]
+
+
+def test_accounting_and_approximate_prefix_records() -> None:
+    pool = EndpointPool(["a", "b"], stale_policy="ignore")
+    router = Router(pool, config="prefix-only", record_ttl_s=30.0)
+    prompt = np.arange(64, dtype=np.int64)
+    d = router.pick(tokens=prompt, now=0.0)
+    assert d.cold and d.stage == "picked"
+    with pytest.raises(RuntimeError, match="before started"):
+        d.first_token()
+    d.started(now=0.0)
+    with pytest.raises(RuntimeError, match="already"):
+        d.started(now=0.0)
+    chosen = d.endpoint
+    assert router.index.match_tokens(prompt, now=1.0).as_dict() == {chosen: 4}
+    again = router.pick(tokens=prompt, now=1.0)
+    assert again.endpoint == chosen and again.cached == 64
+    assert router.pick(tokens=prompt, now=31.0).cold  # the approximate entry expired
+    counts = {e["id"]: e["in_flight_requests"] for e in pool.endpoints()}
+    assert counts[chosen] == 1
+    assert d.first_token() and not d.first_token()
+    assert d.finished() and not d.finished()
+    assert all(e["in_flight_requests"] == 0 for e in pool.endpoints())
+
+
+def test_started_on_a_fallback_and_unknown_endpoints() -> None:
+    pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
+    router = Router(pool, config="random", seed=0)
+    d = router.pick(tokens=[1, 2, 3], now=0.0)
+    with pytest.raises(UnknownEndpointError):
+        d.started("zzz", now=0.0)
+    d.started(d.fallbacks[0], now=0.0)
+    counts = {e["id"]: e["in_flight_requests"] for e in pool.endpoints()}
+    assert counts[d.fallbacks[0]] == 1 and counts[d.endpoint] == 0
+    d.finished()
+    with pytest.raises(UnknownEndpointError):
+        pool.update("zzz", waiting=1)
+    with pytest.raises(KeyError):
+        pool.remove("zzz")
+
+
+def test_dropped_decisions_give_their_counts_back() -> None:
+    pool = EndpointPool(["a"], stale_policy="ignore")
+    router = Router(pool, config="least-load")
+    d = router.pick(tokens=[1, 2, 3], now=0.0)
+    d.started(now=0.0)
+    assert pool.endpoints()[0]["in_flight_requests"] == 1
+    del d
+    gc.collect()
+    assert pool.endpoints()[0]["in_flight_requests"] == 0
+
+
+def test_bad_input_changes_nothing() -> None:
+    pool = EndpointPool(["a"])
+    pool.update("a", waiting=2, now=0.0)
+    with pytest.raises(ValueError, match="kv_cache_usage"):
+        pool.update("a", waiting=9, kv_cache_usage=1.5)
+    with pytest.raises(ValueError, match="waiting"):
+        pool.update("a", waiting=-1)
+    assert pool.endpoints()[0]["waiting"] == 2
+    with pytest.raises(ValueError, match="role"):
+        pool.add(Endpoint("x", role="decoder"))  # type: ignore[arg-type]
+    assert len(pool) == 1
+    router = Router(pool)
+    with pytest.raises(TypeError, match="exactly one"):
+        router.pick()
+    with pytest.raises(TypeError, match="exactly one"):
+        router.pick(tokens=[1], text="x")
+    with pytest.raises(ValueError, match="out of range"):
+        router.pick(tokens=[1, -2])
+    with pytest.raises(ValueError, match="now"):
+        router.pick(tokens=[1], now=float("nan"))
+    with pytest.raises(TypeError, match="headers"):
+        router.pick(tokens=[1], headers={"a": 1})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="stale_policy"):
+        EndpointPool(stale_policy="never")  # type: ignore[arg-type]
+
+
+def test_no_endpoint() -> None:
+    with pytest.raises(NoEndpointError, match="model"):
+        Router(EndpointPool()).pick(tokens=[1, 2])
+    pool = EndpointPool([Endpoint("p", role="prefill")])
+    config = {
+        "plugins": [{"type": "decode-filter"}],
+        "schedulingProfiles": [{"name": "d", "plugins": [{"pluginRef": "decode-filter"}]}],
+    }
+    with pytest.raises(NoEndpointError, match="filters removed"):
+        Router(pool, config=config).pick(tokens=[1, 2])
+    models = EndpointPool([Endpoint("x", model="m1"), Endpoint("y", model="m2")])
+    assert Router(models, config="random").pick(tokens=[1], model="m2").endpoint == "y"
+
+
+def test_text_and_messages_share_prefixes() -> None:
+    pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
+    router = Router(pool, config="prefix-only", seed=2)
+    system = "You are a careful assistant. " * 40
+    d = router.pick(text=system + "First question?", now=0.0)
+    d.started(now=0.0)
+    d.finished()
+    follow = router.pick(text=system + "Another one.", now=1.0)
+    assert follow.endpoint == d.endpoint and follow.cached > 0
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    m = router.pick(messages=messages, now=2.0)
+    m.started(now=2.0)
+    parts = [{"type": "text", "text": system}]
+    again = router.pick(
+        messages=[{"role": "system", "content": parts}, {"role": "user", "content": "Yo"}],
+        now=3.0,
+    )
+    assert again.endpoint == m.endpoint and again.cached > 0
+    assert text_tokens(b"abcde").tolist() == [int.from_bytes(b"abcd", "little"), ord("e")]
+    with pytest.raises(TypeError):
+        render_messages([{"content": "no role"}])
+
+
+def test_python_plugins() -> None:
+    pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
+    seen: list[dict] = []
+
+    def prefer_c(request: dict, endpoints: list[dict]) -> list[float]:
+        seen.append(request)
+        return [1.0 if e["id"] == "c" else 0.0 for e in endpoints]
+
+    def drop_a(request: dict, endpoints: list[dict]) -> list[bool]:
+        return [e["id"] != "a" for e in endpoints]
+
+    config = {
+        "plugins": [
+            {"type": "python-filter", "name": "no-a", "parameters": {"function": drop_a}},
+            {"type": "python-scorer", "name": "c", "parameters": {"function": prefer_c}},
+        ],
+        "schedulingProfiles": [
+            {"name": "p", "plugins": [{"pluginRef": "no-a"}, {"pluginRef": "c", "weight": 2}]}
+        ],
+    }
+    d = Router(pool, config=config).pick(tokens=list(range(40)), lora="x", now=0.0)
+    assert d.endpoint == "c" and d.fallbacks == ["b"]
+    assert d.explain()["p"].row("a").removed_by == "no-a"
+    assert seen[0]["prompt_tokens"] == 40 and seen[0]["lora"] == "x"
+
+    def broken(request: dict, endpoints: list[dict]) -> list[float]:
+        raise ZeroDivisionError("boom")
+
+    config["plugins"][1]["parameters"] = {"function": broken}
+    with pytest.raises(ZeroDivisionError, match="boom"):
+        Router(pool, config=config).pick(tokens=[1])
+    config["plugins"][1]["parameters"] = {"function": lambda r, e: [0.5]}
+    with pytest.raises(ValueError, match="returned 1 values for 2"):
+        Router(pool, config=config).pick(tokens=[1])
+
+
+def test_sessions_stick() -> None:
+    pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
+    config = {
+        "plugins": [{"type": "session-affinity-scorer"}, {"type": "random-picker"}],
+        "schedulingProfiles": [
+            {"name": "p", "plugins": [{"pluginRef": "session-affinity-scorer"}]}
+        ],
+    }
+    router = Router(pool, config=config, seed=11)
+    first = router.pick(tokens=[1, 2], session_id="s", now=0.0)
+    with first:
+        pass
+    for t in range(1, 8):
+        assert router.pick(tokens=[9, t], session_id="s", now=float(t)).endpoint == first.endpoint
+
+
+def test_metrics_text_from_a_real_vllm() -> None:
+    path = SHARED / "vectors" / "vllm_metrics_under_load.txt"
+    if not path.exists():
+        pytest.skip("shared/vectors not beside the checkout")
+    pool = EndpointPool(["vllm"])
+    read = pool.update_from_metrics_text("vllm", path.read_text(), now=0.0)
+    assert (read["waiting"], read["running"]) == (7, 3)
+    assert pool.endpoints()[0]["kv_cache_usage"] == pytest.approx(0.782608695652174)
+    with pytest.raises(ValueError, match="no vLLM"):
+        pool.update_from_metrics_text("vllm", "up 1\n")
+
+
+@pytest.mark.timeout(120)
+def test_in_flight_counts_return_to_zero_under_threads() -> None:
+    pool = EndpointPool([f"e{i}" for i in range(8)], stale_policy="ignore")
+    router = Router(pool, config="llm-d", seed=0)
+    errors: list[BaseException] = []
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 50_000, size=int(n), dtype=np.uint32) for n in rng.integers(16, 600, 64)]
+
+    def work(t: int) -> None:
+        try:
+            for i in range(400):
+                with router.pick(tokens=prompts[(i * 7 + t) % len(prompts)]) as d:
+                    if i % 3:
+                        d.first_token()
+                pool.update(f"e{(i + t) % 8}", waiting=i % 6, kv_cache_usage=(i % 10) / 10)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for e in pool.endpoints():
+        assert (e["in_flight_requests"], e["in_flight_prefill_tokens"], e["in_flight_tokens"]) == (
+            0,
+            0,
+            0,
+        )
+    assert set(router.index.workers()) <= {f"e{i}" for i in range(8)}
