@@ -138,7 +138,8 @@ def _run_profile(profile: Mapping[str, Any], plugins: dict[str, Any], eps, ctx):
     totals = {e.id: 0.0 for e in current}
     for name, kind, params, weight in scorers:
         fresh = [e for e in current if not e.saturated] if _reads_metrics(kind) else current
-        raw = dict(zip([e.id for e in fresh], _score(kind, params, fresh, ctx), strict=True))
+        values = _score(kind, params, fresh, ctx) if fresh else []
+        raw = dict(zip([e.id for e in fresh], values, strict=True))
         for e in current:
             s = raw.get(e.id, 0.0)
             s = 0.0 if math.isnan(s) else min(1.0, max(0.0, s))
