@@ -386,17 +386,24 @@ class Router:
         >>> d.endpoint in ("a", "b")
         True
         """
-        given = sum(x is not None for x in (tokens, text, messages))
-        if given != 1:
-            raise TypeError("give exactly one of tokens=, text= or messages=")
-        if messages is not None:
-            text = render_messages(messages)
-        array = text_tokens(text) if text is not None else as_token_array(tokens)
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if (
+            text is None
+            and messages is None
+            and type(tokens) is np.ndarray
+            and tokens.ndim == 1
+            and tokens.dtype.kind in "iu"
+            and tokens.flags.c_contiguous
+        ):
+            array = tokens  # the common case, read in place: skip the normalisation below
+        else:
+            array = _prompt_array(tokens, text, messages)
+        if type(priority) is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        header_items = _headers(headers)
+        header_items = [] if headers is None else _headers(headers)
+        # The native side checks that `now` is finite.
+        clock = time.monotonic() if now is None else now
         native = self._native.pick(
-            array, model, lora, priority, session_id, header_items, cache_salt, _now(now)
+            array, model, lora, priority, session_id, header_items, cache_salt, clock
         )
         return Decision(native)
 
@@ -709,9 +716,22 @@ def _native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
     return text, functions
 
 
-def _headers(headers: Mapping[str, str] | None) -> list[tuple[str, str]]:
-    if headers is None:
-        return []
+def _prompt_array(
+    tokens: TokensLike | None,
+    text: str | bytes | None,
+    messages: Sequence[Mapping[str, Any]] | None,
+) -> npt.NDArray[np.integer]:
+    """The prompt as a token array, from exactly one of the three forms."""
+    if sum(x is not None for x in (tokens, text, messages)) != 1:
+        raise TypeError("give exactly one of tokens=, text= or messages=")
+    if messages is not None:
+        text = render_messages(messages)
+    if text is not None:
+        return text_tokens(text)
+    return as_token_array(tokens)
+
+
+def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     if not isinstance(headers, Mapping):
         raise TypeError("headers must be a mapping of str to str")
     items = list(headers.items())
