@@ -57,6 +57,7 @@ bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench --bench slices
 	cargo bench --bench hashing
 	cargo bench --bench vllm_events
+	cargo bench --bench routing
 
 demo: build ## Run the main job
 	$(PY) -m llmsched demo

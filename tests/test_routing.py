@@ -186,7 +186,10 @@ def test_stale_metrics_policies(policy: str, winner: str) -> None:
 @pytest.mark.parametrize(("threshold", "split"), [(95, True), (96, True), (97, False)])
 def test_pd_threshold_edges(threshold: int, split: bool) -> None:
     pool = EndpointPool(
-        [Endpoint("D", address="d:80", role="decode"), Endpoint("P", address="p:80", role="prefill")],
+        [
+            Endpoint("D", address="d:80", role="decode"),
+            Endpoint("P", address="p:80", role="prefill"),
+        ],
         stale_policy="ignore",
     )
     index = PrefixIndex(block_size=16)
@@ -423,7 +426,9 @@ def test_in_flight_counts_return_to_zero_under_threads() -> None:
     router = Router(pool, config="llm-d", seed=0)
     errors: list[BaseException] = []
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 50_000, size=int(n), dtype=np.uint32) for n in rng.integers(16, 600, 64)]
+    prompts = [
+        rng.integers(0, 50_000, size=int(n), dtype=np.uint32) for n in rng.integers(16, 600, 64)
+    ]
 
     def work(t: int) -> None:
         try:

@@ -47,7 +47,9 @@ endpoint = st.fixed_dictionaries(
 
 @st.composite
 def configs(draw: st.DrawFn) -> dict[str, Any]:
-    scorers = draw(st.lists(st.sampled_from(range(len(SCORERS))), min_size=1, max_size=4, unique=True))
+    scorers = draw(
+        st.lists(st.sampled_from(range(len(SCORERS))), min_size=1, max_size=4, unique=True)
+    )
     filters = draw(st.lists(st.sampled_from(range(len(FILTERS))), max_size=2, unique=True))
     picker = draw(st.sampled_from(["max-score-picker", "softmax-cost-picker"]))
     plugins: list[dict[str, Any]] = []
@@ -88,7 +90,10 @@ def test_native_matches_the_twin(
         pool.add(Endpoint(name, role=s["role"], labels=labels))
         if s["age"] is not None:
             pool.update(
-                name, waiting=s["waiting"], running=s["running"], kv_cache_usage=s["kv"],
+                name,
+                waiting=s["waiting"],
+                running=s["running"],
+                kv_cache_usage=s["kv"],
                 now=now - s["age"],
             )
         if s["cached"] and len(hashes):

@@ -436,7 +436,8 @@ class Decision:
     @property
     def endpoint(self) -> EndpointId:
         """The chosen endpoint's id (the decode endpoint when split)."""
-        return self._native.endpoint
+        chosen: EndpointId = self._native.endpoint
+        return chosen
 
     @property
     def address(self) -> str:
@@ -456,7 +457,8 @@ class Decision:
     @property
     def prefill_endpoint(self) -> EndpointId | None:
         """The endpoint that prefills the prompt when the request is split, else None."""
-        return self._native.prefill_endpoint
+        prefill: EndpointId | None = self._native.prefill_endpoint
+        return prefill
 
     @property
     def prefill_address(self) -> str | None:

@@ -96,7 +96,10 @@ impl From<RoutingError> for PyErr {
             // A Python plugin's own exception comes back as it was raised.
             RoutingError::Plugin(e) => match e.source.downcast::<PyErr>() {
                 Ok(py_err) => *py_err,
-                Err(other) => pyo3::exceptions::PyRuntimeError::new_err(format!("plugin {:?} failed: {other}", e.plugin)),
+                Err(other) => pyo3::exceptions::PyRuntimeError::new_err(format!(
+                    "plugin {:?} failed: {other}",
+                    e.plugin
+                )),
             },
         }
     }

@@ -32,7 +32,8 @@ fn key_object<'py>(py: Python<'py>, key: &WorkerKey) -> PyResult<Bound<'py, PyAn
 }
 
 fn parse_json(text: &str) -> PyResult<Value> {
-    serde_json::from_str(text).map_err(|e| PyValueError::new_err(format!("config is not valid JSON: {e}")))
+    serde_json::from_str(text)
+        .map_err(|e| PyValueError::new_err(format!("config is not valid JSON: {e}")))
 }
 
 // ---- pool ---------------------------------------------------------------------------------
@@ -48,9 +49,13 @@ impl PyEndpointPool {
     #[new]
     fn new(stale_after: f64, stale_policy: &str) -> PyResult<Self> {
         let mode = StaleMode::parse(stale_policy).ok_or_else(|| {
-            PyValueError::new_err(format!("stale_policy must be 'saturated' or 'ignore', got {stale_policy:?}"))
+            PyValueError::new_err(format!(
+                "stale_policy must be 'saturated' or 'ignore', got {stale_policy:?}"
+            ))
         })?;
-        Ok(PyEndpointPool { inner: Arc::new(EndpointPool::new(StalePolicy { stale_after, mode })?) })
+        Ok(PyEndpointPool {
+            inner: Arc::new(EndpointPool::new(StalePolicy { stale_after, mode })?),
+        })
     }
 
     #[staticmethod]
@@ -82,7 +87,9 @@ impl PyEndpointPool {
         let role = match role {
             None => None,
             Some(r) => Some(Role::parse(r).ok_or_else(|| {
-                PyValueError::new_err(format!("role must be 'prefill', 'decode', 'both' or None, got {r:?}"))
+                PyValueError::new_err(format!(
+                    "role must be 'prefill', 'decode', 'both' or None, got {r:?}"
+                ))
             })?),
         };
         let endpoint = Endpoint { id: worker_key(id)?, address, role, labels, model };
@@ -166,7 +173,10 @@ impl PyEndpointPool {
                 d.set_item("running", mt.running)?;
                 d.set_item("kv_cache_usage", mt.kv_cache_usage)?;
                 d.set_item("max_concurrency", mt.max_concurrency)?;
-                d.set_item("timestamp", if mt.timestamp.is_finite() { Some(mt.timestamp) } else { None })?;
+                d.set_item(
+                    "timestamp",
+                    if mt.timestamp.is_finite() { Some(mt.timestamp) } else { None },
+                )?;
                 let l = m.loras();
                 d.set_item("active_loras", l.active.clone())?;
                 d.set_item("waiting_loras", l.waiting.clone())?;
@@ -206,7 +216,11 @@ struct PyCallable {
 }
 
 impl PyCallable {
-    fn call<T>(&self, ctx: &RequestContext<'_>, cands: &[Candidate]) -> Result<Vec<T>, Box<dyn std::error::Error + Send + Sync>>
+    fn call<T>(
+        &self,
+        ctx: &RequestContext<'_>,
+        cands: &[Candidate],
+    ) -> Result<Vec<T>, Box<dyn std::error::Error + Send + Sync>>
     where
         T: for<'a, 'py> FromPyObject<'a, 'py>,
     {
@@ -245,7 +259,11 @@ fn request_dict<'py>(py: Python<'py>, ctx: &RequestContext<'_>) -> PyResult<Boun
     Ok(d)
 }
 
-fn candidate_dict<'py>(py: Python<'py>, ctx: &RequestContext<'_>, c: &Candidate) -> PyResult<Bound<'py, PyDict>> {
+fn candidate_dict<'py>(
+    py: Python<'py>,
+    ctx: &RequestContext<'_>,
+    c: &Candidate,
+) -> PyResult<Bound<'py, PyDict>> {
     let e = ctx.endpoint(c);
     let d = PyDict::new(py);
     d.set_item("id", key_object(py, &e.id)?)?;
@@ -264,7 +282,12 @@ fn candidate_dict<'py>(py: Python<'py>, ctx: &RequestContext<'_>, c: &Candidate)
 }
 
 impl Scorer for PyCallable {
-    fn score(&self, ctx: &RequestContext<'_>, cands: &[Candidate], out: &mut [f64]) -> PluginResult {
+    fn score(
+        &self,
+        ctx: &RequestContext<'_>,
+        cands: &[Candidate],
+        out: &mut [f64],
+    ) -> PluginResult {
         out.copy_from_slice(&self.call::<f64>(ctx, cands)?);
         Ok(())
     }
@@ -275,7 +298,13 @@ impl Scorer for PyCallable {
 }
 
 impl Filter for PyCallable {
-    fn filter(&self, ctx: &RequestContext<'_>, cands: &[Candidate], keep: &mut [bool], _: &mut DecisionRng) -> PluginResult {
+    fn filter(
+        &self,
+        ctx: &RequestContext<'_>,
+        cands: &[Candidate],
+        keep: &mut [bool],
+        _: &mut DecisionRng,
+    ) -> PluginResult {
         keep.copy_from_slice(&self.call::<bool>(ctx, cands)?);
         Ok(())
     }
@@ -300,7 +329,11 @@ fn registry(py: Python<'_>, functions: &[Py<PyAny>]) -> Registry {
                 .get(p.handle)
                 .ok_or_else(|| ParamError::new("function", "must be a callable"))?;
             let name = Python::attach(|py| {
-                function.bind(py).getattr("__name__").and_then(|n| n.extract::<String>()).unwrap_or_else(|_| "python".into())
+                function
+                    .bind(py)
+                    .getattr("__name__")
+                    .and_then(|n| n.extract::<String>())
+                    .unwrap_or_else(|_| "python".into())
             });
             let plugin = PyCallable {
                 name,
@@ -353,7 +386,8 @@ impl PyRouter {
         max_sessions: Option<usize>,
     ) -> PyResult<Self> {
         let value = parse_json(config_json)?;
-        let config = config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from)?;
+        let config =
+            config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from)?;
         let d = RouterOptions::default();
         let options = RouterOptions {
             seed: seed.unwrap_or(d.seed),
@@ -367,9 +401,14 @@ impl PyRouter {
 
     /// (block size, worker capacity) the configuration asks of a prefix index, or None each.
     #[staticmethod]
-    fn index_hints(py: Python<'_>, config_json: &str, functions: Vec<Py<PyAny>>) -> PyResult<(Option<usize>, Option<u64>)> {
+    fn index_hints(
+        py: Python<'_>,
+        config_json: &str,
+        functions: Vec<Py<PyAny>>,
+    ) -> PyResult<(Option<usize>, Option<u64>)> {
         let value = parse_json(config_json)?;
-        let config = config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from)?;
+        let config =
+            config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from)?;
         Ok((config.index_hints.block_size, config.index_hints.worker_capacity))
     }
 
@@ -424,8 +463,13 @@ impl PyRouter {
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let meta = RequestMeta { model, lora, priority, session_id, headers, cache_salt };
         let router = &slf.get().inner;
-        let decision = tokens.visit_detached(py, Decide { router, meta: &meta, now })?.map_err(routing_err)?;
-        Ok(PyDecision { router: slf.clone().unbind(), decision, ticket: Mutex::new(TicketState::Picked) })
+        let decision =
+            tokens.visit_detached(py, Decide { router, meta: &meta, now })?.map_err(routing_err)?;
+        Ok(PyDecision {
+            router: slf.clone().unbind(),
+            decision,
+            ticket: Mutex::new(TicketState::Picked),
+        })
     }
 }
 
@@ -535,8 +579,14 @@ impl PyDecision {
             p.set_item("picker", &profile.picker_name)?;
             let filters: Vec<&str> = profile.filters.iter().map(|f| f.name.as_str()).collect();
             p.set_item("filters", &filters)?;
-            p.set_item("skipped_filters", o.skipped_filters.iter().map(|&f| filters[f]).collect::<Vec<_>>())?;
-            p.set_item("scorers", profile.scorers.iter().map(|s| (s.name.clone(), s.weight)).collect::<Vec<_>>())?;
+            p.set_item(
+                "skipped_filters",
+                o.skipped_filters.iter().map(|&f| filters[f]).collect::<Vec<_>>(),
+            )?;
+            p.set_item(
+                "scorers",
+                profile.scorers.iter().map(|s| (s.name.clone(), s.weight)).collect::<Vec<_>>(),
+            )?;
             let rows = PyList::empty(py);
             for (b, c) in d.base.iter().enumerate() {
                 let r = PyDict::new(py);
@@ -545,9 +595,13 @@ impl PyDecision {
                 r.set_item("cached_tokens", d.cached_tokens(c))?;
                 r.set_item("saturated", c.saturated)?;
                 let removed = o.removed_by[b];
-                r.set_item("removed_by", if removed == KEPT { None } else { Some(filters[removed as usize]) })?;
+                r.set_item(
+                    "removed_by",
+                    if removed == KEPT { None } else { Some(filters[removed as usize]) },
+                )?;
                 if let Some(i) = o.kept.iter().position(|&k| k as usize == b) {
-                    let scores: Vec<f64> = (0..profile.scorers.len()).map(|j| o.score(j, i)).collect();
+                    let scores: Vec<f64> =
+                        (0..profile.scorers.len()).map(|j| o.score(j, i)).collect();
                     r.set_item("scores", scores)?;
                     r.set_item("total", o.totals.get(i).copied())?;
                 } else {
@@ -578,7 +632,12 @@ impl PyDecision {
     }
 
     #[pyo3(signature = (endpoint, now))]
-    fn started(&self, py: Python<'_>, endpoint: Option<&Bound<'_, PyAny>>, now: f64) -> PyResult<()> {
+    fn started(
+        &self,
+        py: Python<'_>,
+        endpoint: Option<&Bound<'_, PyAny>>,
+        now: f64,
+    ) -> PyResult<()> {
         let key = endpoint.map(worker_key).transpose()?;
         let mut state = self.ticket.lock();
         if !matches!(*state, TicketState::Picked) {
@@ -587,7 +646,10 @@ impl PyDecision {
         let router = self.router.get();
         let ticket = py.detach(|| router.inner.commit(&self.decision, key.as_ref(), now))?;
         let index = router.index.get();
-        index.remember_key(py, key.as_ref().unwrap_or(&self.decision.endpoint(self.decision.chosen()).id))?;
+        index.remember_key(
+            py,
+            key.as_ref().unwrap_or(&self.decision.endpoint(self.decision.chosen()).id),
+        )?;
         if let Some(p) = self.decision.prefill() {
             index.remember_key(py, &self.decision.endpoint(p).id)?;
         }

@@ -141,7 +141,7 @@ pub struct EndpointPool {
 
 impl EndpointPool {
     pub fn new(policy: StalePolicy) -> Result<Self, RoutingError> {
-        if !(policy.stale_after >= 0.0) {
+        if policy.stale_after.is_nan() || policy.stale_after < 0.0 {
             return Err(RoutingError::InvalidValue(format!(
                 "stale_after must be a non-negative number of seconds, got {}",
                 policy.stale_after

@@ -156,7 +156,7 @@ impl Router {
                 options.record_ttl
             )));
         }
-        if !(options.session_ttl > 0.0) || options.max_sessions == 0 {
+        if options.session_ttl.is_nan() || options.session_ttl <= 0.0 || options.max_sessions == 0 {
             return Err(RoutingError::InvalidValue(
                 "session_ttl and max_sessions must be positive".into(),
             ));
@@ -246,7 +246,6 @@ impl Router {
         };
         let (outcomes, prefill_outcome, pd) = self.run_handler(&ctx, &base, &mut rng)?;
         let cold = !ctx.any_hit;
-        drop(ctx);
         Ok(Decision {
             members,
             base,

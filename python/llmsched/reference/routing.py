@@ -63,7 +63,13 @@ def _lower_is_better(values: list[float]) -> list[float]:
     return [(hi - v) / (hi - lo) if hi > lo else 1.0 for v in values]
 
 
-def _score(kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: dict[str, Any]):
+Context = dict[str, Any]
+Picker = tuple[str, Mapping[str, Any]]
+
+
+def _score(
+    kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: Context
+) -> list[float]:
     cached = ctx["cached"]
     full = ctx["prompt_tokens"] // ctx["block_size"]
     if kind == "queue-scorer":
@@ -79,9 +85,7 @@ def _score(kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: d
         idle = p.get("idleThreshold", 0)
         top = max(e.in_flight_requests for e in eps)
         return [
-            1.0
-            if e.in_flight_requests <= idle or top == 0
-            else (top - e.in_flight_requests) / top
+            1.0 if e.in_flight_requests <= idle or top == 0 else (top - e.in_flight_requests) / top
             for e in eps
         ]
     if kind == "token-load-scorer":
@@ -96,7 +100,9 @@ def _score(kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: d
     raise NotImplementedError(kind)
 
 
-def _filter(kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: dict[str, Any]):
+def _filter(
+    kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: Context
+) -> tuple[list[bool], bool]:
     """Returns (keep flags, fail_open)."""
     if kind == "decode-filter":
         return [e.role != "prefill" for e in eps], False
@@ -116,10 +122,15 @@ def _filter(kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: 
     raise NotImplementedError(kind)
 
 
-def _run_profile(profile: Mapping[str, Any], plugins: dict[str, Any], eps, ctx):
+def _run_profile(
+    profile: Mapping[str, Any],
+    plugins: dict[str, Any],
+    eps: list[ReferenceEndpoint],
+    ctx: Context,
+) -> tuple[ReferenceProfileRun, list[Any]]:
     current = list(eps)
     scorers: list[tuple[str, str, Mapping[str, Any], float]] = []
-    picker = ("max-score-picker", {})
+    picker: Picker = ("max-score-picker", {})
     for ref in profile["plugins"]:
         plugin = plugins[ref["pluginRef"]]
         kind, params = plugin["type"], plugin.get("parameters") or {}
@@ -159,7 +170,9 @@ def _reads_metrics(kind: str) -> bool:
     )
 
 
-def _best(picker, eps: list[ReferenceEndpoint], totals: dict[Any, float], ctx) -> list[Any]:
+def _best(
+    picker: Picker, eps: list[ReferenceEndpoint], totals: dict[Any, float], ctx: Context
+) -> list[Any]:
     if not eps:
         return []
     kind, params = picker
@@ -167,12 +180,13 @@ def _best(picker, eps: list[ReferenceEndpoint], totals: dict[Any, float], ctx) -
         top = max(totals.values())
         return [e.id for e in eps if totals[e.id] == top]
     if kind == "softmax-cost-picker" and params.get("temperature", 0.0) == 0.0:
-        bs = ctx["block_size"]
-        scale = params.get("prefillLoadScale", 1.0)
+        bs: int = ctx["block_size"]
+        scale = float(params.get("prefillLoadScale", 1.0))
 
         def cost(e: ReferenceEndpoint) -> float:
-            prompt = ctx["prompt_tokens"] / bs
-            prefill = max(0.0, prompt - ctx["cached"].get(e.id, 0) + e.in_flight_prefill_tokens / bs)
+            prompt: float = ctx["prompt_tokens"] / bs
+            cached: int = ctx["cached"].get(e.id, 0)
+            prefill = max(0.0, prompt - cached + e.in_flight_prefill_tokens / bs)
             return scale * prefill + e.in_flight_tokens / bs
 
         low = min(cost(e) for e in eps)

@@ -145,7 +145,7 @@ mod tests {
         f
     }
 
-    fn build(factory: fn(&Value) -> Result<Plugin, ParamError>, p: &Value) -> Arc<dyn Filter> {
+    fn build(factory: impl Fn(&Value) -> Result<Plugin, ParamError>, p: &Value) -> Arc<dyn Filter> {
         match factory(p) {
             Ok(Plugin::Filter(f)) => f,
             _ => panic!("{p}"),
@@ -155,7 +155,8 @@ mod tests {
     #[test]
     fn table() {
         let f = fixture();
-        let cases: Vec<(fn(&Value) -> Result<Plugin, ParamError>, Value, Vec<usize>)> = vec![
+        type Factory = fn(&Value) -> Result<Plugin, ParamError>;
+        let cases: Vec<(Factory, Value, Vec<usize>)> = vec![
             (by_label_factory, json!({"label": "tier", "validValues": ["gold"]}), vec![0, 3]),
             (
                 by_label_factory,

@@ -1,6 +1,6 @@
 //! `softmax-cost-picker`: NVIDIA Dynamo's KV router. Each candidate's cost, in blocks, is
-//! `prefillLoadScale * max(0, prompt_blocks - cached_blocks + active_prefill_blocks)
-//!  + active_decode_blocks`, with the active blocks from the router's in-flight counts (prefill:
+//! `prefillLoadScale * max(0, prompt_blocks - cached_blocks + active_prefill_blocks) +
+//! active_decode_blocks`, with the active blocks from the router's in-flight counts (prefill:
 //! uncached tokens not yet prefilled; decode: prompt tokens of requests in flight).
 //!
 //! `temperature` 0 (the default) takes the lowest cost; ties go to the endpoint holding the
