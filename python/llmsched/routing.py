@@ -623,7 +623,7 @@ class ProfileExplanation:
             lines.append([str(r.endpoint), *cells, total, rank])
         widths = [max(len(row[i]) for row in lines if i < len(row)) for i in range(len(head))]
         title = f"profile {self.profile!r} (picker {self.picker})"
-        body = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(row)) for row in lines]
+        body = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip() for row in lines]
         return "\n".join([title, *body])
 
 
