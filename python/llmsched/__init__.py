@@ -32,8 +32,8 @@ from llmsched.hashing import (
     vllm_none_hash,
 )
 from llmsched.prefix_index import PrefixIndex, PrefixMatch
-from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
 from llmsched.routing import Decision, Endpoint, EndpointPool, Router
+from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
 from llmsched.vllm_events import decode_vllm_events
 
 __all__ = [
