@@ -377,8 +377,9 @@ class Router:
         array or sequence), ``text`` (a raw prompt) or ``messages`` (chat messages); text is
         hashed as pseudo-tokens of 4 UTF-8 bytes, as llm-d's approximate mode does.
 
-        ``model`` restricts the endpoints to those serving it; ``lora`` names the adapter (it
-        is folded into the prompt hashes and read by the LoRA plugins). Nothing changes until
+        ``model`` restricts the endpoints to those serving it; ``lora`` names the adapter and
+        ``cache_salt`` isolates a tenant's cache (both are folded into the prompt hashes);
+        ``priority``, ``session_id`` and ``headers`` reach the plugins. Nothing changes until
         :meth:`Decision.started`. Raises NoEndpointError when no endpoint can serve it.
 
         >>> router = Router(EndpointPool(["a", "b"]), config="prefix-only", seed=1)
