@@ -38,6 +38,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array
 from llmsched.errors import ConfigError
+from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 
 __all__ = [
@@ -649,23 +650,20 @@ class Explanation:
 
 
 def text_tokens(text: str | bytes) -> npt.NDArray[np.uint32]:
-    """The pseudo-tokens of a raw prompt: its UTF-8 bytes packed 4 per ``uint32``, little-endian,
-    the last zero-padded (llm-d's approximate mode).
+    """The pseudo-tokens of a raw prompt, as llm-d's approximate mode packs them: its UTF-8 bytes
+    4 per ``uint32``, little-endian, the last zero-padded (:func:`llmsched.hashing.pack_text`).
 
-    This is the one place text becomes tokens for routing; it follows the definition of
-    ``llmsched.hashing.pack_text`` and is to be switched to it once that lands.
+    The router hashes them with its index's block size, like token ids, so text prompts that
+    share a prefix share blocks (a trailing partial block is not hashed).
 
     >>> text_tokens("hello").tolist() == [int.from_bytes(b"hell", "little"), ord("o")]
     True
     """
-    if isinstance(text, str):
-        data = text.encode("utf-8")
-    elif isinstance(text, (bytes, bytearray, memoryview)):
-        data = bytes(text)
-    else:
+    if isinstance(text, (bytearray, memoryview)):
+        text = bytes(text)
+    if not isinstance(text, (str, bytes)):
         raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
-    padded = data + b"\0" * (-len(data) % 4)
-    return np.frombuffer(padded, dtype="<u4").astype(np.uint32)
+    return pack_text(text)
 
 
 def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
