@@ -283,8 +283,6 @@ def slice_policy_defaults(name: str) -> str: ...
 
 def decode_vllm_events(payload: bytes) -> dict[str, Any]: ...
 
-
-
 # ---- routing -------------------------------------------------------------------------------
 
 @final
