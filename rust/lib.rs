@@ -6,6 +6,7 @@
 pub mod hashing;
 pub mod prefix_index;
 pub mod routing;
+pub mod sim;
 pub mod slices;
 pub mod vllm_events;
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DuplicateRequestError",
     "HashChainError",
     "InvalidTokenError",
     "LlmschedError",
@@ -72,3 +73,7 @@ class NoEndpointError(LlmschedError, LookupError):
 
 class UnknownEndpointError(LlmschedError, KeyError):
     """An endpoint id is not in the pool (or was not considered by the decision)."""
+
+
+class DuplicateRequestError(LlmschedError, ValueError):
+    """A request id is already in use where a new one is needed (the simulator's KV cache)."""

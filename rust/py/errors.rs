@@ -9,6 +9,7 @@ use crate::hashing::batch::BatchError;
 use crate::hashing::HashError;
 use crate::prefix_index::IndexError;
 use crate::routing::RoutingError;
+use crate::sim::KvError;
 use crate::vllm_events::DecodeError;
 
 import_exception!(llmsched.errors, InvalidTokenError);
@@ -20,6 +21,7 @@ import_exception!(llmsched.errors, HashChainError);
 import_exception!(llmsched.errors, SnapshotError);
 import_exception!(llmsched.errors, NoEndpointError);
 import_exception!(llmsched.errors, UnknownEndpointError);
+import_exception!(llmsched.errors, DuplicateRequestError);
 
 impl From<HashError> for PyErr {
     fn from(err: HashError) -> PyErr {
@@ -101,6 +103,17 @@ impl From<RoutingError> for PyErr {
                     e.plugin
                 )),
             },
+        }
+    }
+}
+
+impl From<KvError> for PyErr {
+    fn from(err: KvError) -> PyErr {
+        let msg = err.to_string();
+        match err {
+            KvError::InvalidConfig => ConfigError::new_err(msg),
+            KvError::UnknownRequest(_) => UnknownRequestError::new_err(msg),
+            KvError::DuplicateRequest(_) => DuplicateRequestError::new_err(msg),
         }
     }
 }

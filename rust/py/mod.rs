@@ -6,6 +6,7 @@ mod errors;
 mod hashing;
 mod prefix_index;
 mod routing;
+mod sim;
 mod slices;
 mod tokens;
 mod vllm_events;
@@ -18,5 +19,6 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     slices::register(m)?;
     vllm_events::register(m)?;
     routing::register(m)?;
+    sim::register(m)?;
     Ok(())
 }

@@ -1,0 +1,218 @@
+"""Scenario configuration: plain data with defaults in one place, loadable from YAML.
+
+A scenario file is a mapping with the keys of :class:`ScenarioConfig`; ``base: <name>`` starts
+from a named scenario (:data:`SCENARIOS`) and overrides only what the file gives (nested
+mappings merge). Unknown keys raise ConfigError naming them.
+
+>>> cfg = ScenarioConfig.from_dict({"base": "agentic", "replicas": 4})
+>>> cfg.replicas, cfg.workload["kind"]
+(4, 'agentic')
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmsched.errors import ConfigError
+from llmsched.sim.replica import EngineConfig
+from llmsched.sim.stepmodel import StepModelConfig
+from llmsched.sim.workloads import from_dict
+
+__all__ = ["DEFAULT_POLICIES", "SCENARIOS", "PDConfig", "ScenarioConfig", "SliceConfig", "load_scenario"]
+
+DEFAULT_POLICIES = [
+    "random",
+    "round-robin",
+    "least-load",
+    "prefix-only",
+    "llm-d",
+    "sglang-cache-aware",
+    "dynamo-kv",
+]
+
+
+@dataclass
+class PDConfig:
+    """Prefill/decode disaggregation: the first ``prefill_replicas`` replicas only prefill;
+    KV moves to the decode replica at ``transfer_bw`` bytes/s after ``transfer_latency_s``."""
+
+    prefill_replicas: int = 0
+    transfer_bw: float = 25e9  # a 200 Gb/s RDMA NIC
+    transfer_latency_s: float = 1e-3
+    kv_bytes_per_token: int | None = None  # None: from the step model
+
+
+@dataclass
+class SliceConfig:
+    """Token slices: each call generates at most ``tokens`` tokens, then the request goes back
+    to the end of its replica's queue as a continuation (0: off)."""
+
+    tokens: int = 0
+
+
+def _default_slo() -> dict[int, dict[str, float]]:
+    return {
+        1: {"ttft_s": 1.0, "tpot_s": 0.05},
+        0: {"ttft_s": 2.0, "tpot_s": 0.1},
+        -1: {"ttft_s": 30.0, "tpot_s": 0.2},
+    }
+
+
+@dataclass
+class ScenarioConfig:
+    """Everything one simulated experiment needs."""
+
+    name: str = "custom"
+    description: str = ""
+    replicas: int = 8
+    seed: int = 0
+    step_model: StepModelConfig = field(default_factory=StepModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    workload: dict[str, Any] = field(default_factory=lambda: {"kind": "agentic"})
+    policies: list[Any] = field(default_factory=lambda: list(DEFAULT_POLICIES))
+    metrics_delay_s: float = 0.05  # what a 50 ms metrics scrape shows at worst
+    kv_events_delay_s: float = 0.0
+    kv_sample_s: float = 1.0
+    max_time_s: float | None = None
+    pd: PDConfig = field(default_factory=PDConfig)
+    slices: SliceConfig = field(default_factory=SliceConfig)
+    slo: dict[int, dict[str, float]] = field(default_factory=_default_slo)
+
+    def validate(self) -> None:
+        """ConfigError for impossible settings."""
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if not 0 <= self.pd.prefill_replicas < self.replicas:
+            raise ConfigError("pd.prefill_replicas must leave at least one decode replica")
+        if self.pd.transfer_bw <= 0 or self.pd.transfer_latency_s < 0:
+            raise ConfigError("pd.transfer_bw must be > 0 and transfer_latency_s >= 0")
+        if self.slices.tokens < 0:
+            raise ConfigError("slices.tokens must be >= 0")
+        for name in ("metrics_delay_s", "kv_events_delay_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+        if self.kv_sample_s <= 0:
+            raise ConfigError("kv_sample_s must be > 0")
+        if not self.policies:
+            raise ConfigError("policies must name at least one policy")
+        for prio, slo in self.slo.items():
+            if not isinstance(slo, dict) or set(slo) - {"ttft_s", "tpot_s"}:
+                raise ConfigError(f"slo[{prio}] must be a mapping with ttft_s and/or tpot_s")
+        self.engine.validate()
+
+    def roles(self) -> list[str]:
+        """Each replica's role."""
+        p = self.pd.prefill_replicas
+        if not p:
+            return ["both"] * self.replicas
+        return ["prefill"] * p + ["decode"] * (self.replicas - p)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for ``--json``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScenarioConfig:
+        """Build from plain data (see the module docs); ConfigError names what is wrong."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"scenario: expected a mapping, got {type(data).__name__}")
+        data = copy.deepcopy(data)
+        base_name = data.pop("base", None)
+        if base_name is not None:
+            if base_name not in SCENARIOS:
+                raise ConfigError(f"unknown base scenario {base_name!r}; known: {sorted(SCENARIOS)}")
+            data = _merge(copy.deepcopy(SCENARIOS[base_name]), data)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"scenario: unknown key(s) {unknown}; known: {sorted(known)}")
+        nested = {
+            "step_model": StepModelConfig,
+            "engine": EngineConfig,
+            "pd": PDConfig,
+            "slices": SliceConfig,
+        }
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in nested:
+                values[key] = from_dict(nested[key], value, key)
+            elif key == "slo":
+                if not isinstance(value, dict):
+                    raise ConfigError("slo must map priorities to {ttft_s, tpot_s}")
+                values[key] = {int(k): dict(v) for k, v in value.items()}
+            else:
+                values[key] = value
+        try:
+            cfg = cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"scenario: {exc}") from None
+        cfg.validate()
+        return cfg
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and key != "slo":
+            base[key] = _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "agentic": {
+        "name": "agentic",
+        "description": "agentic multi-turn sessions on 8 x Llama-3.1-8B / H100",
+        "workload": {"kind": "agentic"},
+    },
+    "shared-prefix": {
+        "name": "shared-prefix",
+        "description": "llm-d shared-prefix benchmark: 150 tenants x 6k-token contexts, 8 replicas",
+        "workload": {"kind": "shared_prefix", "num_requests": 6000, "arrival": {"rate": 36.0}},
+    },
+    "long-short": {
+        "name": "long-short",
+        "description": "short interactive requests behind long ones (head-of-line blocking)",
+        "replicas": 4,
+        "workload": {"kind": "long_short", "num_requests": 6000, "arrival": {"rate": 40.0}},
+        "policies": ["least-load"],
+    },
+    "priority": {
+        "name": "priority",
+        "description": "interactive (priority 1) and batch (priority -1) traffic, overloaded",
+        "replicas": 4,
+        "workload": {"kind": "priority", "num_requests": 6000, "arrival": {"rate": 24.0}},
+        "policies": ["least-load"],
+    },
+    "pd": {
+        "name": "pd",
+        "description": "prefill/decode disaggregation: 2 prefill + 6 decode replicas",
+        "pd": {"prefill_replicas": 2},
+        "workload": {"kind": "shared_prefix", "num_requests": 4000, "arrival": {"rate": 30.0}},
+        "policies": ["llm-d"],
+    },
+}
+
+
+def load_scenario(name: str | None = None, path: str | Path | None = None) -> ScenarioConfig:
+    """A named scenario, or a YAML file (which may name its ``base``)."""
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not YAML: {exc}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a scenario file must be a mapping")
+        if name is not None:
+            data.setdefault("base", name)
+        return ScenarioConfig.from_dict(data)
+    return ScenarioConfig.from_dict({"base": name or "agentic"})

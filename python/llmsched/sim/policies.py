@@ -1,0 +1,129 @@
+"""Routing policies as the simulator calls them: a thin adapter over the library's deciders.
+
+The simulator asks a :class:`Policy` for each request's replica (and prefill replica when
+prefill/decode pools exist), tells it about first tokens and finishes (in-flight accounting),
+and feeds it engine metrics. The prefix index the policies read is the simulation's
+:class:`llmsched.PrefixIndex`, fed by the replicas' KV events.
+
+>>> sorted(policy_names())[:3]
+['least-load', 'prefix-only', 'random']
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from llmsched.errors import ConfigError
+from llmsched.sim.request import Request
+
+if TYPE_CHECKING:
+    from llmsched.sim.simulator import Simulation
+
+__all__ = ["Policy", "make_policy", "policy_names"]
+
+
+class Policy(Protocol):
+    """What the simulator needs from a router."""
+
+    name: str
+
+    def update_metrics(
+        self, replica: int, waiting: int, running: int, kv_usage: float, now: float
+    ) -> None:
+        """An engine's metrics as the gateway now sees them (published at ``now``)."""
+        ...
+
+    def pick(self, req: Request, now: float) -> tuple[int, int | None]:
+        """(replica that decodes, prefill replica or None) for ``req``."""
+        ...
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        """``req`` produced its first token."""
+        ...
+
+    def on_finished(self, req: Request, now: float) -> None:
+        """``req`` completed."""
+        ...
+
+
+class _IndexPolicy:
+    """Policies that need only the prefix index and in-flight counts."""
+
+    def __init__(self, name: str, sim: Simulation) -> None:
+        self.name = name
+        self.index = sim.index
+        roles = sim.config.roles()
+        self.decoders = np.array([i for i, r in enumerate(roles) if r != "prefill"])
+        self.prefillers = np.array([i for i, r in enumerate(roles) if r == "prefill"])
+        self.rng = np.random.default_rng(sim.config.seed)
+        self.inflight = np.zeros(len(roles), dtype=np.int64)
+        self._rr = 0
+
+    def update_metrics(
+        self, replica: int, waiting: int, running: int, kv_usage: float, now: float
+    ) -> None:
+        """These policies use their own in-flight counts instead."""
+
+    def _least(self, candidates: np.ndarray) -> int:
+        load = self.inflight[candidates]
+        best = candidates[load == load.min()]
+        return int(best[self.rng.integers(len(best))])
+
+    def _choose(self, req: Request, now: float) -> int:
+        if self.name == "random":
+            return int(self.decoders[self.rng.integers(len(self.decoders))])
+        if self.name == "round-robin":
+            self._rr += 1
+            return int(self.decoders[self._rr % len(self.decoders)])
+        if self.name == "least-load":
+            return self._least(self.decoders)
+        match = self.index.match(req.hashes[: req.prompt_len // self.index.block_size], now=now)
+        held = dict(zip(match.workers, match.blocks.tolist(), strict=True))
+        blocks = np.array([held.get(int(r), 0) for r in self.decoders])
+        best = self.decoders[blocks == blocks.max()]
+        return self._least(best)
+
+    def pick(self, req: Request, now: float) -> tuple[int, int | None]:
+        """The choice, plus the least-loaded prefill replica when pools are split."""
+        target = self._choose(req, now)
+        self.inflight[target] += 1
+        prefill = None
+        if len(self.prefillers):
+            prefill = self._least(self.prefillers)
+            self.inflight[prefill] += 1
+        req.handle = (target, prefill)
+        return target, prefill
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        """Prefill work is over: the prefill replica's in-flight count drops."""
+        _, prefill = req.handle
+        if prefill is not None:
+            self.inflight[prefill] -= 1
+
+    def on_finished(self, req: Request, now: float) -> None:
+        """The request leaves its replica."""
+        target, _ = req.handle
+        self.inflight[target] -= 1
+
+
+_INDEX_POLICIES = ("random", "round-robin", "least-load", "prefix-only")
+
+
+def policy_names() -> list[str]:
+    """Names :func:`make_policy` accepts."""
+    return list(_INDEX_POLICIES)
+
+
+def make_policy(spec: Any, sim: Simulation) -> Policy:
+    """The policy ``spec`` names (or ``spec`` itself if it already is one)."""
+    if not isinstance(spec, (str, dict)):
+        if all(hasattr(spec, m) for m in ("pick", "on_finished", "update_metrics")):
+            policy: Policy = spec
+            return policy
+        raise ConfigError(f"policy must be a name, a router config or a Policy, got {spec!r}")
+    name = spec if isinstance(spec, str) else spec.get("name")
+    if name in _INDEX_POLICIES:
+        return _IndexPolicy(name, sim)
+    raise ConfigError(f"unknown policy {name!r}; known: {policy_names()}")

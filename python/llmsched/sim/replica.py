@@ -1,0 +1,395 @@
+"""One simulated vLLM-like engine: continuous batching over a paged, prefix-cached KV cache.
+
+Algorithm (vLLM V1's scheduler, per step):
+
+1. Requests part-way through their prefill continue with a chunk of at most the step's token
+   budget (``max_num_batched_tokens`` less one token per decoding request).
+2. Waiting requests are admitted in order while the budget, ``max_num_seqs`` and the KV cache
+   allow: the prefix-cache hit is taken (at most all but the last prompt token), then blocks
+   for the first chunk are allocated. Nothing is admitted in a step that preempted.
+3. Decoding requests need a slot for their next token; when the cache is full the most recently
+   admitted running request (lowest priority first under ``scheduling: priority``) is preempted
+   by recompute: its blocks are freed (full ones stay cached) and it waits at the front of the
+   queue to prefill its prompt and output so far again.
+4. The step takes the step model's time; a request whose prefill completes samples a token at
+   its end (its first token, unless it is resuming).
+
+Speed: while no request is prefilling and none can be admitted, the batch is constant until the
+next finish, the next arrival or a full cache, so that whole run of decode steps is one event
+(:class:`~llmsched.sim.stepmodel.DecodeRun` sums it in closed form; an arrival cuts it at the
+step in progress). Per-request decode progress is implicit: a decoding request that joined at
+decode step ``s`` with ``g`` tokens has ``g + (S - s)`` after step ``S``. Cost: O(log n) per
+event plus O(requests touched), never O(tokens).
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from llmsched.errors import ConfigError
+from llmsched.sim.request import DECODE, DONE, PREFILL, WAITING, Request
+from llmsched.sim.stepmodel import DecodeRun, StepModel
+
+if TYPE_CHECKING:
+    from llmsched.sim.simulator import Simulation
+
+__all__ = ["EngineConfig", "Replica"]
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass
+class EngineConfig:
+    """vLLM engine settings that shape scheduling (defaults: vLLM V1 on an 80 GB GPU)."""
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    kv_tokens: int | None = None  # KV capacity; None: from the step model
+    scheduling: str = "fcfs"  # or "priority" (higher Request.priority first)
+
+    def validate(self) -> None:
+        """ConfigError for impossible settings."""
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            raise ConfigError(f"engine.kv_tokens must hold at least one block, got {self.kv_tokens}")
+        if self.scheduling not in ("fcfs", "priority"):
+            raise ConfigError(f"engine.scheduling must be 'fcfs' or 'priority', not {self.scheduling!r}")
+
+
+def _priority_key(r: Request) -> tuple[int, float, int]:
+    return (-r.priority, r.arrival, r.id)
+
+
+class Replica:
+    """One engine. The simulation calls :meth:`enqueue` and :meth:`on_step_end`; the replica
+    calls back the simulation for first tokens, finishes and completed P/D prefills."""
+
+    def __init__(
+        self,
+        rid: int,
+        role: str,
+        cfg: EngineConfig,
+        model: StepModel,
+        kv: Any,
+        sim: Simulation,
+    ) -> None:
+        if role not in ROLES:
+            raise ConfigError(f"unknown replica role {role!r}; known: {list(ROLES)}")
+        self.id = rid
+        self.role = role
+        self.cfg = cfg
+        self.bs = cfg.block_size
+        self.model = model
+        self.kv = kv
+        self.sim = sim
+        self.waiting: Any = [] if cfg.scheduling == "priority" else deque()
+        self.running: list[Request] = []
+        self.prefilling: list[Request] = []
+        self.decode_n = 0
+        self.decode_ctx = 0  # KV tokens of the decoding requests after step ``decode_step``
+        self.decode_step = 0
+        self.finishes: list[tuple[int, int, int, Request]] = []
+        self.version = 0
+        self.busy = False
+        # The step (or decode run) in flight.
+        self.step_start = 0.0
+        self.step_end = 0.0
+        self.chunks: list[tuple[Request, int]] = []
+        self.run: DecodeRun | None = None
+        self.run_steps = 0  # 0: a single step (decode slots already allocated)
+        # Counters.
+        self.prefill_tokens = 0
+        self.recomputed_tokens = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self.preemptions = 0
+        self.steps = 0
+        self.busy_time = 0.0
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def metrics(self) -> tuple[int, int, float]:
+        """(waiting, running, KV-cache use 0..1), as the engine's /metrics would report."""
+        return len(self.waiting), len(self.running), self.kv.usage()
+
+    # -- input -------------------------------------------------------------------------------
+
+    def enqueue(self, req: Request, now: float) -> None:
+        """A request arrives (routed here, or its KV transferred here)."""
+        req.replica = self
+        req.phase = WAITING
+        self._wait(req)
+        if not self.busy:
+            self._schedule(now)
+        elif self.run_steps > 1:
+            self._cut_run(now)
+        self.sim.publish(self, now)
+
+    def _wait(self, req: Request, front: bool = False) -> None:
+        if self.cfg.scheduling == "priority":
+            insort(self.waiting, req, key=_priority_key)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def _cut_run(self, now: float) -> None:
+        """End the decode run at the step in progress, so the arrival is seen at its end."""
+        assert self.run is not None
+        done = self.run.steps_within(now - self.step_start, self.run_steps)
+        keep = min(done + 1, self.run_steps)
+        if keep < self.run_steps:
+            self.run_steps = keep
+            self.step_end = self.step_start + self.run.time(keep)
+            self.version += 1
+            self.sim.at(self.step_end, self)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def on_step_end(self, now: float) -> None:
+        """Apply the step (or decode run) that just ended, then start the next one."""
+        self.busy = False
+        self.busy_time += now - self.step_start
+        if self.run_steps:
+            k = self.run_steps
+            grown = self.kv.advance_decoding(k)
+            assert grown, "decode run was sized to fit the cache"
+            self.decode_step += k
+            self.decode_ctx += self.decode_n * k
+            self.steps += k
+        else:
+            self.steps += 1
+            if self.decode_n:
+                self.decode_step += 1
+                self.decode_ctx += self.decode_n
+            for req, chunk in self.chunks:
+                self._prefilled(req, chunk, now)
+        self.chunks = []
+        self._finish_due(now)
+        self._schedule(now)
+        self.sim.kv_events(self, now)
+        self.sim.publish(self, now)
+
+    def _prefilled(self, req: Request, chunk: int, now: float) -> None:
+        req.computed += chunk
+        kv = self.kv
+        kv.commit(req.id, req.hashes, req.computed // self.bs)
+        if req.computed < req.target:
+            return
+        self.prefilling.remove(req)
+        if self.role == "prefill":
+            self.running.remove(req)
+            kv.free(req.id)
+            req.kv_started = False
+            self.sim.prefill_done(req, now)
+            return
+        req.generated += 1
+        if req.first_token_time < 0:
+            self.sim.first_token(req, now)
+        if req.generated >= req.output_len or req.call_end == req.generated:
+            self._finish(req, now)
+            return
+        req.phase = DECODE
+        req.join_step = self.decode_step
+        req.join_gen = req.generated
+        kv.set_decoding(req.id, True)
+        self.decode_n += 1
+        self.decode_ctx += req.computed
+        stop = req.output_len
+        if req.call_end:
+            stop = min(stop, req.call_end)
+        heapq.heappush(
+            self.finishes, (self.decode_step + stop - req.generated, req.id, req.version, req)
+        )
+
+    def _finish_due(self, now: float) -> None:
+        finishes = self.finishes
+        while finishes and finishes[0][0] <= self.decode_step:
+            _, _, version, req = heapq.heappop(finishes)
+            if version == req.version and req.phase == DECODE:
+                self._leave_decode(req)
+                self._finish(req, now)
+
+    def _leave_decode(self, req: Request) -> None:
+        tokens = self.kv.tokens_of(req.id)
+        req.generated = req.join_gen + self.decode_step - req.join_step
+        req.computed = tokens
+        self.decode_n -= 1
+        self.decode_ctx -= tokens
+        self.kv.set_decoding(req.id, False)
+
+    def _finish(self, req: Request, now: float) -> None:
+        kv = self.kv
+        kv.commit(req.id, req.hashes, req.computed // self.bs)
+        kv.free(req.id)
+        req.kv_started = False
+        req.phase = DONE
+        req.version += 1
+        self.running.remove(req)
+        self.sim.finished(req, now)
+
+    def _preempt(self, victim: Request) -> None:
+        """Recompute preemption: free the victim's blocks, requeue it at the front."""
+        if victim.phase == DECODE:
+            self._leave_decode(victim)
+        else:
+            self.prefilling.remove(victim)
+            for i, (req, _) in enumerate(self.chunks):
+                if req is victim:
+                    del self.chunks[i]
+                    break
+        self.kv.commit(victim.id, victim.hashes, victim.computed // self.bs)
+        self.kv.free(victim.id)
+        self.running.remove(victim)
+        victim.kv_started = False
+        victim.high_water = max(victim.high_water, victim.computed)
+        victim.computed = 0
+        victim.target = victim.prompt_len + victim.generated
+        victim.phase = WAITING
+        victim.version += 1
+        victim.preemptions += 1
+        self.preemptions += 1
+        self._wait(victim, front=True)
+
+    def _victim(self, spare: Request | None = None) -> Request | None:
+        candidates = [r for r in self.running if r is not spare]
+        if not candidates:
+            return None
+        if self.cfg.scheduling == "priority":
+            return max(candidates, key=lambda r: (-r.priority, r.arrival, r.id))
+        return candidates[-1]
+
+    def _schedule(self, now: float) -> None:
+        """Build and start the next step, or go idle."""
+        budget = self.cfg.max_num_batched_tokens - self.decode_n
+        chunks = self.chunks
+        kv = self.kv
+        preempted = False
+        for req in list(self.prefilling):
+            if budget <= 0:
+                break
+            if req.phase != PREFILL:
+                continue
+            chunk = min(req.target - req.computed, budget)
+            while not kv.allocate(req.id, req.computed + chunk):
+                victim = self._victim(spare=req)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted = True
+            else:
+                chunks.append((req, chunk))
+                budget -= chunk
+        if not preempted:
+            budget = self._admit(budget, now)
+        if chunks and self.decode_n:
+            # Decode slots for this step; if prefills get preempted for them, the step may
+            # end up decode-only, which is still a single step with its slots allocated.
+            while not kv.advance_decoding(1):
+                victim = self._victim()
+                assert victim is not None
+                self._preempt(victim)
+            self._start_single(now)
+        elif chunks:
+            self._start_single(now)
+        elif self.decode_n:
+            self._start_run(now)
+        elif self.waiting and not self.running:
+            if not preempted:
+                # Nothing runs and the head still does not fit: it never will.
+                head = self.waiting.popleft() if isinstance(self.waiting, deque) else self.waiting.pop(0)
+                self._reject(head, now)
+            self._schedule(now)
+
+    def _admit(self, budget: int, now: float) -> int:
+        kv = self.kv
+        bs = self.bs
+        waiting = self.waiting
+        seats = self.cfg.max_num_seqs - len(self.running)
+        while waiting and budget > 0 and seats > 0:
+            req = waiting[0]
+            if not req.kv_started:
+                hit = kv.start(req.id, req.hashes, (req.target - 1) // bs)
+                req.kv_started = True
+                req.computed = hit * bs
+                if req.kv_ready:
+                    req.computed = max(req.computed, req.target - 1)
+                self.hit_tokens += hit * bs
+                self.query_tokens += req.target
+                if req.cached_tokens < 0:
+                    req.cached_tokens = hit * bs
+            chunk = min(req.target - req.computed, budget)
+            if not kv.allocate(req.id, req.computed + chunk):
+                kv.free(req.id)
+                req.kv_started = False
+                break
+            if isinstance(waiting, deque):
+                waiting.popleft()
+            else:
+                waiting.pop(0)
+            req.phase = PREFILL
+            self.running.append(req)
+            self.prefilling.append(req)
+            self.chunks.append((req, chunk))
+            budget -= chunk
+            seats -= 1
+        return budget
+
+    def _start_single(self, now: float) -> None:
+        p = sq = ctx = read = 0
+        for req, chunk in self.chunks:
+            done = req.computed
+            p += chunk
+            sq += chunk * chunk
+            ctx += chunk * done
+            read += done
+            if done < req.high_water:
+                recomputed = min(done + chunk, req.high_water) - done
+                self.recomputed_tokens += recomputed
+                req.recomputed_tokens += recomputed
+            req.prefilled_tokens += chunk
+        self.prefill_tokens += p
+        dt = self.model.step_time(p, sq, ctx, self.decode_n, self.decode_ctx, read)
+        self.run = None
+        self.run_steps = 0
+        self._start(now, dt)
+
+    def _start_run(self, now: float) -> None:
+        kv = self.kv
+        limit = self.finishes[0][0] - self.decode_step if self.finishes else 1
+        limit = max(1, limit)
+        fit = kv.decode_capacity(limit)
+        while fit == 0:
+            victim = self._victim()
+            assert victim is not None
+            self._preempt(victim)
+            if not self.decode_n:
+                self._schedule(now)
+                return
+            fit = kv.decode_capacity(limit)
+        self.run = self.model.decode_run(self.decode_n, self.decode_ctx)
+        self.run_steps = fit
+        self._start(now, self.run.time(fit))
+
+    def _start(self, now: float, dt: float) -> None:
+        self.busy = True
+        self.step_start = now
+        self.step_end = now + dt
+        self.version += 1
+        self.sim.at(self.step_end, self)
+
+    def _reject(self, req: Request, now: float) -> None:
+        """A request that cannot fit in an empty cache: vLLM refuses it."""
+        if req.kv_started:
+            self.kv.free(req.id)
+            req.kv_started = False
+        req.rejected = True
+        req.phase = DONE
+        self.sim.finished(req, now)

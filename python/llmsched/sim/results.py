@@ -1,0 +1,201 @@
+"""What a simulation measured: per-request records and the summary figures.
+
+Figures (``summary()``): TTFT, time per output token (TPOT, decode time over output tokens
+after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and requests/s
+over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
+hit over tokens queried at admission, vLLM's counters); prefill tokens computed and recomputed
+after preemption; KV use (mean and peak over time); SLO attainment per priority (TTFT and TPOT
+both within the class's targets); Jain's fairness over tenants of the mean normalised speed
+(a request's time alone on an idle replica over its actual end-to-end time); and the wall time
+with the share spent in the routing decision code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from llmsched.sim.simulator import Simulation
+
+__all__ = ["SimResult", "jain"]
+
+FIELDS = (
+    "arrival",
+    "first_token",
+    "finish",
+    "prompt",
+    "output",
+    "cached",
+    "prefilled",
+    "recomputed",
+    "tenant",
+    "priority",
+    "ideal",
+)
+
+
+def jain(values: npt.ArrayLike) -> float:
+    """Jain's fairness index ``(sum x)^2 / (n * sum x^2)``: 1 when all equal.
+
+    >>> jain([1, 1, 1]), round(jain([1, 0, 0]), 3)
+    (1.0, 0.333)
+    """
+    x = np.asarray(values, dtype=float)
+    if len(x) == 0 or not (x * x).sum() > 0:
+        return 1.0
+    return float(x.sum() ** 2 / (len(x) * (x * x).sum()))
+
+
+def _pct(x: npt.NDArray[np.float64]) -> dict[str, float]:
+    if len(x) == 0:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    p50, p90, p99 = np.percentile(x, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(x.mean())}
+
+
+@dataclass
+class SimResult:
+    """Per-request arrays (completed requests), engine counters and timing of one run."""
+
+    policy: str
+    scenario: str
+    requests: dict[str, npt.NDArray[Any]]
+    rejected: int
+    engine: dict[str, int]
+    kv_trace: list[list[tuple[float, float]]]
+    slo: dict[int, dict[str, float]]
+    wall_s: float
+    decision_s: float
+    feed_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def collect(cls, sim: Simulation, wall_s: float) -> SimResult:
+        """Gather the records of a finished simulation."""
+        done = [r for r in sim.done if not r.rejected]
+        model = sim.model
+        budget = sim.config.engine.max_num_batched_tokens
+        ideal_cache: dict[tuple[int, int], float] = {}
+
+        def ideal(prompt: int, output: int) -> float:
+            key = (prompt, output)
+            if key not in ideal_cache:
+                t, left, ctx = 0.0, prompt, 0
+                while left > 0:
+                    chunk = min(left, budget)
+                    t += model.step_time(chunk, chunk * chunk, chunk * ctx, 0, 0, ctx)
+                    left -= chunk
+                    ctx += chunk
+                ideal_cache[key] = t + model.decode_run(1, prompt).time(output - 1)
+            return ideal_cache[key]
+
+        rows = {
+            "arrival": [r.arrival for r in done],
+            "first_token": [r.first_token_time for r in done],
+            "finish": [r.finish_time for r in done],
+            "prompt": [r.prompt_len for r in done],
+            "output": [r.output_len for r in done],
+            "cached": [max(r.cached_tokens, 0) for r in done],
+            "prefilled": [r.prefilled_tokens for r in done],
+            "recomputed": [r.recomputed_tokens for r in done],
+            "tenant": [r.tenant for r in done],
+            "priority": [r.priority for r in done],
+            "ideal": [ideal(r.prompt_len, r.output_len) for r in done],
+        }
+        requests = {k: np.asarray(v) for k, v in rows.items()}
+        engine = {
+            name: int(sum(getattr(rep, attr) for rep in sim.replicas))
+            for name, attr in (
+                ("prefill_tokens", "prefill_tokens"),
+                ("recomputed_tokens", "recomputed_tokens"),
+                ("hit_tokens", "hit_tokens"),
+                ("query_tokens", "query_tokens"),
+                ("preemptions", "preemptions"),
+                ("steps", "steps"),
+            )
+        }
+        return cls(
+            policy=sim.name,
+            scenario=sim.config.name,
+            requests=requests,
+            rejected=sum(1 for r in sim.done if r.rejected),
+            engine=engine,
+            kv_trace=sim.kv_trace,
+            slo=sim.config.slo,
+            wall_s=wall_s,
+            decision_s=sim.decision_s,
+            feed_s=sim.feed_s,
+            extra={"feed_skipped": sim.feed_skipped},
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The figures described in the module docs, as plain data."""
+        r = self.requests
+        n = len(r["arrival"])
+        out: dict[str, Any] = {"policy": self.policy, "scenario": self.scenario, "completed": n}
+        out["rejected"] = self.rejected
+        if n == 0:
+            return out
+        ttft = r["first_token"] - r["arrival"]
+        e2e = r["finish"] - r["arrival"]
+        multi = r["output"] > 1
+        tpot = (r["finish"][multi] - r["first_token"][multi]) / (r["output"][multi] - 1)
+        makespan = float(r["finish"].max() - r["arrival"].min())
+        out["ttft_s"] = _pct(ttft)
+        out["tpot_s"] = _pct(tpot)
+        out["e2e_s"] = _pct(e2e)
+        out["makespan_s"] = makespan
+        out["output_tok_s"] = float(r["output"].sum() / makespan) if makespan > 0 else 0.0
+        out["requests_s"] = n / makespan if makespan > 0 else 0.0
+        eng = self.engine
+        out["prefix_hit_rate"] = eng["hit_tokens"] / eng["query_tokens"] if eng["query_tokens"] else 0.0
+        out["prefill_tokens"] = eng["prefill_tokens"]
+        out["recomputed_tokens"] = eng["recomputed_tokens"]
+        out["prompt_tokens"] = int(r["prompt"].sum())
+        out["output_tokens"] = int(r["output"].sum())
+        out["preemptions"] = eng["preemptions"]
+        usage = [u for trace in self.kv_trace for _, u in trace]
+        out["kv_use"] = {"mean": float(np.mean(usage)) if usage else 0.0, "peak": max(usage, default=0.0)}
+        slo_out = {}
+        for prio in sorted(set(r["priority"].tolist())):
+            mask = r["priority"] == prio
+            target = self.slo.get(prio, {})
+            ok = np.ones(int(mask.sum()), dtype=bool)
+            if "ttft_s" in target:
+                ok &= ttft[mask] <= target["ttft_s"]
+            if "tpot_s" in target:
+                req_tpot = np.where(
+                    r["output"][mask] > 1,
+                    (r["finish"][mask] - r["first_token"][mask]) / np.maximum(r["output"][mask] - 1, 1),
+                    0.0,
+                )
+                ok &= req_tpot <= target["tpot_s"]
+            slo_out[int(prio)] = float(ok.mean())
+        out["slo_attainment"] = slo_out
+        speed = r["ideal"] / np.maximum(e2e, 1e-12)
+        tenants = sorted(set(r["tenant"].tolist()))
+        out["fairness_jain"] = jain([speed[r["tenant"] == t].mean() for t in tenants])
+        out["wall_s"] = self.wall_s
+        out["sim_requests_per_wall_s"] = n / self.wall_s if self.wall_s > 0 else 0.0
+        out["decision_share"] = self.decision_s / self.wall_s if self.wall_s > 0 else 0.0
+        out["feed_share"] = self.feed_s / self.wall_s if self.wall_s > 0 else 0.0
+        return out
+
+    def kv_series(self, points: int = 200) -> dict[str, list[float]]:
+        """Mean KV use over replicas on a regular time grid (for plots and JSON)."""
+        end = max((t for trace in self.kv_trace for t, _ in trace), default=0.0)
+        grid = np.linspace(0.0, end, points)
+        rows = []
+        for trace in self.kv_trace:
+            if not trace:
+                continue
+            t = np.array([p[0] for p in trace])
+            u = np.array([p[1] for p in trace])
+            idx = np.clip(np.searchsorted(t, grid, side="right") - 1, 0, len(t) - 1)
+            rows.append(u[idx])
+        mean = np.mean(rows, axis=0) if rows else np.zeros(points)
+        return {"t": grid.tolist(), "kv_use": mean.tolist()}

@@ -1,0 +1,257 @@
+"""The discrete-event simulation: arrivals, routing decisions, replicas, KV events, metrics.
+
+Events live in one heap ordered by (time, sequence): request arrivals (open-loop ones are
+pulled from the workload one at a time), the end of each replica's step or decode run, KV
+transfers between prefill and decode replicas, and delayed KV-event batches. Each routing
+decision is made by the policy on what a gateway would see at that moment: engine metrics as
+published ``metrics_delay_s`` ago and the prefix index as fed by the engines' KV events.
+
+>>> from llmsched.sim.config import ScenarioConfig
+>>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
+...     "num_requests": 50, "arrival": {"rate": 5.0}}})
+>>> result = Simulation(cfg, "round-robin").run()
+>>> result.summary()["completed"]
+50
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from llmsched.errors import ConfigError, UnknownBlockError
+from llmsched.prefix_index import PrefixIndex
+from llmsched.sim.config import ScenarioConfig
+from llmsched.sim.kv import make_kv_cache
+from llmsched.sim.policies import Policy, make_policy
+from llmsched.sim.replica import Replica
+from llmsched.sim.request import DONE, WAITING, Request
+from llmsched.sim.results import SimResult
+from llmsched.sim.stepmodel import build_step_model
+from llmsched.sim.workloads import make_workload
+
+__all__ = ["Simulation"]
+
+STREAM_ARRIVAL, ARRIVAL, STEP, TRANSFER, KV_FEED = 0, 1, 2, 3, 4
+
+
+class Simulation:
+    """One scenario under one routing policy.
+
+    Args:
+        config: the scenario.
+        policy: a policy name (see :func:`llmsched.sim.policies.policy_names`), a routing
+            config dict, or a :class:`~llmsched.sim.policies.Policy` object.
+        progress: called with the number of finished requests every ``progress_every``.
+    """
+
+    def __init__(
+        self,
+        config: ScenarioConfig,
+        policy: str | dict[str, Any] | Policy,
+        *,
+        progress: Callable[[int], None] | None = None,
+        progress_every: int = 500,
+    ) -> None:
+        self.config = config
+        self.model = build_step_model(config.step_model)
+        engine = config.engine
+        engine.validate()
+        kv_tokens = engine.kv_tokens or self.model.kv_capacity_tokens()
+        if kv_tokens is None:
+            raise ConfigError("engine.kv_tokens is needed: the step model gives no KV capacity")
+        self.kv_blocks = kv_tokens // engine.block_size
+        self.index = PrefixIndex(block_size=engine.block_size, seed=config.seed)
+        chain_seed = self.index.seed
+        self.workload = make_workload(
+            config.workload, seed=config.seed, block_size=engine.block_size, chain_seed=chain_seed
+        )
+        roles = config.roles()
+        self.replicas = [
+            Replica(i, role, engine, self.model, make_kv_cache(self.kv_blocks, engine.block_size), self)
+            for i, role in enumerate(roles)
+        ]
+        self.policy = make_policy(policy, self)
+        self.name = self.policy.name
+        self.heap: list[tuple[float, int, int, Any, int]] = []
+        self._seq = 0
+        self.now = 0.0
+        self._arrivals = iter(self.workload.arrivals())
+        self.done: list[Request] = []
+        self._pending_metrics: list[deque[tuple[float, int, int, float]]] = [
+            deque() for _ in self.replicas
+        ]
+        self.kv_trace: list[list[tuple[float, float]]] = [[] for _ in self.replicas]
+        self._next_kv_sample = [0.0] * len(self.replicas)
+        self.decision_s = 0.0
+        self.feed_s = 0.0
+        self.feed_skipped = 0
+        self.progress = progress
+        self.progress_every = progress_every
+        self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
+
+    # -- scheduling helpers used by the replicas ---------------------------------------------
+
+    def at(self, when: float, replica: Replica) -> None:
+        """Wake ``replica`` at ``when`` (its current step's end)."""
+        self._seq += 1
+        heapq.heappush(self.heap, (when, self._seq, STEP, replica, replica.version))
+
+    def _push(self, when: float, kind: int, obj: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (when, self._seq, kind, obj, 0))
+
+    def publish(self, replica: Replica, now: float) -> None:
+        """The replica's metrics changed; the gateway sees them ``metrics_delay_s`` later."""
+        waiting, running, usage = len(replica.waiting), len(replica.running), replica.kv.usage()
+        rid = replica.id
+        if now >= self._next_kv_sample[rid]:
+            self.kv_trace[rid].append((now, usage))
+            self._next_kv_sample[rid] = now + self.config.kv_sample_s
+        if self.config.metrics_delay_s > 0:
+            self._pending_metrics[rid].append((now, waiting, running, usage))
+        else:
+            t = time.perf_counter()
+            self.policy.update_metrics(rid, waiting, running, usage, now)
+            self.feed_s += time.perf_counter() - t
+
+    def _deliver_metrics(self, now: float) -> None:
+        horizon = now - self.config.metrics_delay_s
+        for rid, pending in enumerate(self._pending_metrics):
+            last = None
+            while pending and pending[0][0] <= horizon:
+                last = pending.popleft()
+            if last is not None:
+                self.policy.update_metrics(rid, last[1], last[2], last[3], last[0])
+
+    def kv_events(self, replica: Replica, now: float) -> None:
+        """Forward the replica's KV events to the prefix index (after ``kv_events_delay_s``)."""
+        events = replica.kv.take_events()
+        if not events:
+            return
+        if self.config.kv_events_delay_s > 0:
+            self._push(now + self.config.kv_events_delay_s, KV_FEED, (replica.id, events))
+        else:
+            self._apply_kv_events(replica.id, events)
+
+    def _apply_kv_events(self, rid: int, events: list[tuple[Any, ...]]) -> None:
+        t = time.perf_counter()
+        index = self.index
+        for event in events:
+            try:
+                if event[0] == "stored":
+                    index.store(rid, event[2], parent=event[1])
+                else:
+                    index.remove(rid, event[1])
+            except UnknownBlockError:
+                # Only when a delayed batch lands after its parent was dropped; counted.
+                self.feed_skipped += 1
+        self.feed_s += time.perf_counter() - t
+
+    # -- request life cycle ------------------------------------------------------------------
+
+    def _dispatch(self, req: Request, now: float) -> None:
+        if self.config.metrics_delay_s > 0:
+            self._deliver_metrics(now)
+        t = time.perf_counter()
+        target, prefill = self.policy.pick(req, now)
+        self.decision_s += time.perf_counter() - t
+        req.dispatched = now
+        if self.config.slices.tokens:
+            req.call_end = min(req.output_len, req.generated + self.config.slices.tokens)
+        if prefill is not None and prefill != target:
+            req.prefill_replica = self.replicas[prefill]
+            req.decode_replica = self.replicas[target]
+            self.replicas[prefill].enqueue(req, now)
+        else:
+            self.replicas[target].enqueue(req, now)
+
+    def prefill_done(self, req: Request, now: float) -> None:
+        """A prefill replica finished ``req``'s prompt: transfer the KV to its decode replica."""
+        decode: Replica = req.decode_replica
+        whole = req.prompt_len // decode.bs
+        uncached = whole - decode.kv.lookup(req.hashes, whole)
+        nbytes = uncached * decode.bs * self.kv_bytes_per_token
+        pd = self.config.pd
+        req.kv_ready = True
+        req.computed = 0
+        req.phase = WAITING
+        self._push(now + pd.transfer_latency_s + nbytes / pd.transfer_bw, TRANSFER, (decode, req))
+
+    def first_token(self, req: Request, now: float) -> None:
+        """``req`` produced its first token."""
+        req.first_token_time = now
+        t = time.perf_counter()
+        self.policy.on_first_token(req, now)
+        self.decision_s += time.perf_counter() - t
+
+    def finished(self, req: Request, now: float) -> None:
+        """``req`` finished (or ended a token slice, or was refused)."""
+        if not req.rejected and req.generated < req.output_len:
+            # A token slice ended: continue on the same replica as a new call.
+            replica = req.replica
+            req.high_water = max(req.high_water, req.computed)
+            req.computed = 0
+            req.target = req.prompt_len + req.generated
+            req.call_end = min(req.output_len, req.generated + self.config.slices.tokens)
+            req.phase = WAITING
+            replica.enqueue(req, now)
+            return
+        req.finish_time = now
+        req.phase = DONE
+        self.done.append(req)
+        t = time.perf_counter()
+        self.policy.on_finished(req, now)
+        self.decision_s += time.perf_counter() - t
+        follow = self.workload.on_finish(req, now)
+        if follow is not None:
+            self._push(follow.arrival, ARRIVAL, follow)
+        if self.progress is not None and len(self.done) % self.progress_every == 0:
+            self.progress(len(self.done))
+
+    # -- main loop ---------------------------------------------------------------------------
+
+    def _next_arrival(self) -> None:
+        req = next(self._arrivals, None)
+        if req is not None:
+            self._push(req.arrival, STREAM_ARRIVAL, req)
+
+    def run(self) -> SimResult:
+        """Run to completion (or ``max_time_s``) and return the result."""
+        wall = time.perf_counter()
+        heap = self.heap
+        self._next_arrival()
+        limit = self.config.max_time_s
+        pop = heapq.heappop
+        while heap:
+            when, _, kind, obj, version = pop(heap)
+            if limit is not None and when > limit:
+                break
+            self.now = when
+            if kind == STEP:
+                if version == obj.version:
+                    obj.on_step_end(when)
+            elif kind == STREAM_ARRIVAL:
+                self._next_arrival()
+                self._dispatch(obj, when)
+            elif kind == ARRIVAL:
+                self._dispatch(obj, when)
+            elif kind == TRANSFER:
+                decode, req = obj
+                decode.enqueue(req, when)
+            else:
+                self._apply_kv_events(*obj)
+        if self.progress is not None:
+            self.progress(len(self.done))
+        return SimResult.collect(self, time.perf_counter() - wall)
+
+
+def _kv_bytes(model: Any) -> int:
+    spec = getattr(model, "model", None)
+    if spec is not None and hasattr(spec, "kv_bytes_per_token"):
+        return int(spec.kv_bytes_per_token)
+    return 131_072  # Llama-3-8B bf16 (REFERENCE.md section 6)
+

@@ -1,0 +1,482 @@
+"""How long one engine step takes: a roofline model of model plus GPU, or a fitted linear model.
+
+A step processes a batch: prefill chunks (``prefill_tokens`` in all, ``prefill_sq`` the sum of
+squared chunk lengths, ``prefill_ctx`` the sum over chunks of chunk length times the context
+already cached before it, ``prefill_read`` the sum of those contexts: the KV each chunk reads)
+and ``decode_tokens`` decoding requests whose KV lengths sum to ``decode_ctx``.
+
+Roofline (REFERENCE.md section 8 peaks)::
+
+    flops = 2 * active_params * (P + D) + 4 * layers * q_dim * (prefill_ctx + prefill_sq / 2 + decode_ctx)
+    bytes = weights_read(P + D) + kv_bytes_per_token * (P + D + prefill_read + decode_ctx)
+    t = max(flops / (tp * peak_flops * compute_eff), bytes / (tp * hbm_bw * memory_eff))
+        + step_overhead + tensor-parallel all-reduce time
+
+where ``weights_read`` is every weight for a dense model and, for a MoE model, the shared weights
+plus the experts that ``T`` tokens touch in expectation (``E * (1 - (1 - k/E)^T)`` of ``E``).
+
+Linear (BLIS plus Vidur attention terms, the file ``llmsched calibrate`` writes)::
+
+    t = b0 + b1 * P + b2 * D + b3 * prefill_sq + b4 * decode_ctx
+
+A run of decode-only steps with a constant batch is summed in closed form (:class:`DecodeRun`), so
+the simulator pays per event, not per token.
+
+>>> model = RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"])
+>>> round(model.step_time(prefill_tokens=10_000, prefill_sq=10_000**2), 2)
+0.32
+>>> round(model.step_time(decode_tokens=1, decode_ctx=1000) * 1e3, 1)
+6.5
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from llmsched.errors import ConfigError
+
+__all__ = [
+    "GPUS",
+    "MODELS",
+    "DecodeRun",
+    "GpuSpec",
+    "LinearStepModel",
+    "ModelSpec",
+    "RooflineStepModel",
+    "StepModel",
+    "load_step_model",
+]
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Peak dense bf16 FLOP/s, HBM bandwidth (bytes/s) and memory (bytes) of one GPU."""
+
+    name: str
+    flops: float
+    hbm_bw: float
+    memory: float
+    link_bw: float = 450e9  # NVLink bytes/s per direction, for tensor-parallel all-reduce
+
+
+# REFERENCE.md section 8 (vendor datasheets): dense bf16 peaks, HBM bandwidth, memory.
+GPUS: dict[str, GpuSpec] = {
+    "H100": GpuSpec("H100", 989e12, 3.35e12, 80e9),
+    "H200": GpuSpec("H200", 989e12, 4.8e12, 141e9),
+    "A100": GpuSpec("A100", 312e12, 2.0e12, 80e9, link_bw=300e9),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a transformer, enough for FLOPs, bytes and KV size.
+
+    ``params`` counts every weight; ``active_params`` those one token uses (equal for dense
+    models). For MoE models ``expert_params`` is the part of ``params`` held in routed experts.
+    """
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    active_params: float = 0.0
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_params: float = 0.0
+    bytes_per_param: int = 2
+    kv_bytes_per_elem: int = 2
+    default_tp: int = 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """``2 * layers * kv_heads * head_dim * bytes`` (REFERENCE.md section 6)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_elem
+
+    @property
+    def active(self) -> float:
+        """Parameters one token multiplies through."""
+        return self.active_params or self.params
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weight bytes one step reads when it processes ``tokens`` tokens."""
+        if not self.experts or tokens <= 0:
+            return self.params * self.bytes_per_param
+        shared = self.params - self.expert_params
+        touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** tokens
+        return (shared + self.expert_params * touched) * self.bytes_per_param
+
+
+# Public model cards (Hugging Face config.json of each model).
+MODELS: dict[str, ModelSpec] = {
+    "llama-3.1-8b": ModelSpec(
+        "llama-3.1-8b", params=8.03e9, layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128
+    ),
+    "qwen2.5-32b": ModelSpec(
+        "qwen2.5-32b",
+        params=32.8e9,
+        layers=64,
+        hidden=5120,
+        heads=40,
+        kv_heads=8,
+        head_dim=128,
+        default_tp=2,
+    ),
+    "qwen3-30b-a3b": ModelSpec(
+        "qwen3-30b-a3b",
+        params=30.5e9,
+        active_params=3.3e9,
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        experts=128,
+        experts_per_token=8,
+        expert_params=29.0e9,
+    ),
+}
+
+
+class StepModel(Protocol):
+    """What the simulator needs from a step-time model."""
+
+    def step_time(
+        self,
+        prefill_tokens: int = 0,
+        prefill_sq: float = 0.0,
+        prefill_ctx: float = 0.0,
+        decode_tokens: int = 0,
+        decode_ctx: float = 0.0,
+        prefill_read: float = 0.0,
+    ) -> float:
+        """Seconds for one step of this batch."""
+        ...
+
+    def decode_run(self, batch: int, ctx: float) -> DecodeRun:
+        """The decode-only steps of ``batch`` requests whose KV lengths sum to ``ctx``."""
+        ...
+
+    def kv_capacity_tokens(self) -> int | None:
+        """KV-cache tokens one replica holds, or None when the model does not say."""
+        ...
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """Step ``j`` (from 0) of a decode-only run takes ``max(a1 + g1*j, a2 + g2*j) + c`` seconds.
+
+    Algorithm: each piece is affine in ``j`` (the KV read grows by one token per request per
+    step), so the sum of ``k`` steps splits at the crossover into two arithmetic series: O(1).
+    :meth:`steps_within` inverts it by bisection over ``k``: O(log k).
+
+    >>> run = DecodeRun(1.0, 0.0, 0.0, 1.0, 0.0)   # max(1, j)
+    >>> [run.time(k) for k in range(5)]
+    [0.0, 1.0, 2.0, 4.0, 7.0]
+    >>> run.steps_within(4.5, 10)
+    3
+    """
+
+    a1: float
+    g1: float
+    a2: float
+    g2: float
+    c: float
+
+    def time(self, k: int) -> float:
+        """Seconds for the first ``k`` steps."""
+        if k <= 0:
+            return 0.0
+        # Steps j < split take the piece that is larger at j = 0, the rest the other one.
+        first_a, first_g, second_a, second_g = self.a1, self.g1, self.a2, self.g2
+        if first_a < second_a or (first_a == second_a and first_g < second_g):
+            first_a, first_g, second_a, second_g = second_a, second_g, first_a, first_g
+        if second_g > first_g:
+            split = min(k, max(0, math.ceil((first_a - second_a) / (second_g - first_g))))
+        else:
+            split = k
+        total = _series(first_a, first_g, 0, split) + _series(second_a, second_g, split, k)
+        return total + self.c * k
+
+    def steps_within(self, seconds: float, limit: int) -> int:
+        """The most steps (at most ``limit``) that complete within ``seconds``."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.time(mid) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def _series(a: float, g: float, start: int, stop: int) -> float:
+    """Sum of ``a + g*j`` for ``start <= j < stop``."""
+    n = stop - start
+    if n <= 0:
+        return 0.0
+    return a * n + g * (start + stop - 1) * n / 2
+
+
+@dataclass(frozen=True)
+class RooflineStepModel:
+    """Step time from peak FLOP/s and HBM bandwidth with efficiencies (see the module docs).
+
+    Args:
+        model, gpu: the presets in :data:`MODELS` and :data:`GPUS` (or your own specs).
+        tp: tensor-parallel degree (GPUs per replica); ``None`` takes the model's default.
+        compute_eff: achieved fraction of peak FLOP/s (prefill MFU).
+        memory_eff: achieved fraction of HBM bandwidth.
+        step_overhead_s: fixed CPU/launch cost per step.
+        allreduce_latency_s: per all-reduce (two per layer) when ``tp > 1``.
+        gpu_memory_utilization: vLLM's fraction of GPU memory it may use.
+        activation_reserve: bytes per GPU kept for activations and CUDA graphs.
+
+    >>> RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"]).kv_capacity_tokens()
+    410404
+    """
+
+    model: ModelSpec
+    gpu: GpuSpec
+    tp: int | None = None
+    compute_eff: float = 0.6
+    memory_eff: float = 0.8
+    step_overhead_s: float = 0.5e-3
+    allreduce_latency_s: float = 8e-6
+    gpu_memory_utilization: float = 0.9
+    activation_reserve: float = 2 * GIB
+
+    def __post_init__(self) -> None:
+        if self.tp is None:
+            object.__setattr__(self, "tp", self.model.default_tp)
+        for name in ("compute_eff", "memory_eff", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {value}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"tp must be a positive int, got {self.tp!r}")
+        if self.kv_capacity_tokens() < 1:
+            raise ConfigError(
+                f"{self.model.name} does not fit on {self.tp} x {self.gpu.name}: no room for KV"
+            )
+
+    @property
+    def _tp(self) -> int:
+        assert self.tp is not None
+        return self.tp
+
+    @property
+    def _flop_rate(self) -> float:
+        return self._tp * self.gpu.flops * self.compute_eff
+
+    @property
+    def _byte_rate(self) -> float:
+        return self._tp * self.gpu.hbm_bw * self.memory_eff
+
+    @property
+    def _attn_flops_per_pair(self) -> float:
+        # QK^T and AV, 2 FLOPs per multiply-add, per (query token, key token) pair.
+        return 4.0 * self.model.layers * self.model.heads * self.model.head_dim
+
+    def _fixed(self, tokens: int) -> float:
+        comm = 0.0
+        if self._tp > 1 and tokens > 0:
+            per_reduce = tokens * self.model.hidden * 2 * 2 * (self._tp - 1) / self._tp
+            comm = 2 * self.model.layers * (self.allreduce_latency_s + per_reduce / self.gpu.link_bw)
+        return self.step_overhead_s + comm
+
+    def step_time(
+        self,
+        prefill_tokens: int = 0,
+        prefill_sq: float = 0.0,
+        prefill_ctx: float = 0.0,
+        decode_tokens: int = 0,
+        decode_ctx: float = 0.0,
+        prefill_read: float = 0.0,
+    ) -> float:
+        """Seconds for one step (see the module docs)."""
+        tokens = prefill_tokens + decode_tokens
+        if tokens <= 0:
+            return 0.0
+        pairs = prefill_ctx + prefill_sq / 2 + decode_ctx
+        flops = 2.0 * self.model.active * tokens + self._attn_flops_per_pair * pairs
+        kv = self.model.kv_bytes_per_token * (tokens + prefill_read + decode_ctx)
+        moved = self.model.weight_bytes_read(tokens) + kv
+        return max(flops / self._flop_rate, moved / self._byte_rate) + self._fixed(tokens)
+
+    def decode_run(self, batch: int, ctx: float) -> DecodeRun:
+        """Closed-form decode run (``ctx`` grows by ``batch`` per step)."""
+        kvb = self.model.kv_bytes_per_token
+        a1 = (2.0 * self.model.active * batch + self._attn_flops_per_pair * ctx) / self._flop_rate
+        g1 = self._attn_flops_per_pair * batch / self._flop_rate
+        a2 = (self.model.weight_bytes_read(batch) + kvb * (batch + ctx)) / self._byte_rate
+        g2 = kvb * batch / self._byte_rate
+        return DecodeRun(a1, g1, a2, g2, self._fixed(batch))
+
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens that fit beside the weights (vLLM's sizing, simplified)."""
+        usable = self._tp * (self.gpu.memory * self.gpu_memory_utilization - self.activation_reserve)
+        free = usable - self.model.params * self.model.bytes_per_param
+        return max(0, int(free // self.model.kv_bytes_per_token))
+
+
+LINEAR_TERMS = ("b0", "b1", "b2", "b3", "b4")
+# The names ``llmsched calibrate`` writes, in the same order.
+CALIBRATE_TERMS = (
+    "b0",
+    "prefill_tokens",
+    "decode_tokens",
+    "prefill_tokens_sq",
+    "decode_context_tokens",
+)
+
+
+@dataclass(frozen=True)
+class LinearStepModel:
+    """``t = b0 + b1*P + b2*D + b3*sum(chunk^2) + b4*sum(decode KV lengths)`` in seconds.
+
+    ``kv_tokens`` optionally fixes the KV capacity of a replica (tokens).
+
+    >>> LinearStepModel(b0=1e-3, b1=2e-5, b2=1e-4).step_time(prefill_tokens=100, decode_tokens=10)
+    0.004
+    """
+
+    b0: float
+    b1: float
+    b2: float
+    b3: float = 0.0
+    b4: float = 0.0
+    kv_tokens: int | None = None
+    model: str = "fitted"
+
+    def __post_init__(self) -> None:
+        for name in LINEAR_TERMS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"coefficient {name} must be a finite number >= 0, got {value!r}")
+        if self.b0 + self.b1 + self.b2 <= 0:
+            raise ConfigError("a step must take time: b0, b1 and b2 are all zero")
+        if self.kv_tokens is not None and (not isinstance(self.kv_tokens, int) or self.kv_tokens < 1):
+            raise ConfigError(f"kv_tokens must be a positive int, got {self.kv_tokens!r}")
+
+    def step_time(
+        self,
+        prefill_tokens: int = 0,
+        prefill_sq: float = 0.0,
+        prefill_ctx: float = 0.0,
+        decode_tokens: int = 0,
+        decode_ctx: float = 0.0,
+        prefill_read: float = 0.0,
+    ) -> float:
+        """Seconds for one step; ``prefill_ctx`` and ``prefill_read`` are not terms of it."""
+        if prefill_tokens + decode_tokens <= 0:
+            return 0.0
+        return (
+            self.b0
+            + self.b1 * prefill_tokens
+            + self.b2 * decode_tokens
+            + self.b3 * prefill_sq
+            + self.b4 * decode_ctx
+        )
+
+    def decode_run(self, batch: int, ctx: float) -> DecodeRun:
+        """One affine piece: ``b0 + b2*batch + b4*(ctx + batch*j)``."""
+        a = self.b0 + self.b2 * batch + self.b4 * ctx
+        g = self.b4 * batch
+        return DecodeRun(a, g, a, g, 0.0)
+
+    def kv_capacity_tokens(self) -> int | None:
+        """The configured capacity, if any."""
+        return self.kv_tokens
+
+
+@dataclass
+class StepModelConfig:
+    """Which step model a scenario uses: a preset roofline, or a linear profile file."""
+
+    model: str = "llama-3.1-8b"
+    gpu: str = "H100"
+    tp: int | None = None
+    profile: str | None = None
+    roofline: dict[str, float] = field(default_factory=dict)
+
+
+def build_step_model(config: StepModelConfig) -> StepModel:
+    """The step model ``config`` names; ConfigError for unknown presets or bad parameters."""
+    if config.profile is not None:
+        return load_step_model(config.profile)
+    if config.model not in MODELS:
+        raise ConfigError(f"unknown model {config.model!r}; presets: {sorted(MODELS)}")
+    if config.gpu not in GPUS:
+        raise ConfigError(f"unknown gpu {config.gpu!r}; presets: {sorted(GPUS)}")
+    allowed = {f.name for f in fields(RooflineStepModel)} - {"model", "gpu", "tp"}
+    unknown = sorted(set(config.roofline) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown roofline parameter(s) {unknown}; known: {sorted(allowed)}")
+    return RooflineStepModel(
+        MODELS[config.model], GPUS[config.gpu], tp=config.tp, **config.roofline
+    )
+
+
+def load_step_model(source: str | Path | dict[str, Any]) -> LinearStepModel:
+    """A :class:`LinearStepModel` from a YAML file (or its parsed dict).
+
+    Schema (both spellings of the coefficients are accepted; absent attention terms are 0)::
+
+        model: llama-3.1-8b-h100        # free text, optional
+        kv_tokens: 400000               # KV capacity per replica, optional
+        coefficients: {b0: 0.004, b1: 3.1e-5, b2: 1.2e-4, b3: 0.0, b4: 0.0}
+
+    or the file ``llmsched calibrate`` writes (``kind: llmsched.step_time_profile``, coefficients
+    named ``b0, prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens``).
+
+    >>> load_step_model({"coefficients": {"b0": 0.001, "b1": 1e-5, "b2": 5e-5}}).b1
+    1e-05
+    """
+    where = "step model"
+    if isinstance(source, dict):
+        data: Any = source
+    else:
+        where = str(source)
+        try:
+            data = yaml.safe_load(Path(source).read_text())
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{where}: not YAML: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
+        raise ConfigError(f"{where}: needs a 'coefficients' mapping")
+    coefficients = dict(data["coefficients"])
+    for short, long in zip(LINEAR_TERMS, CALIBRATE_TERMS, strict=True):
+        if long != short and long in coefficients:
+            if short in coefficients:
+                raise ConfigError(f"{where}: both {short!r} and {long!r} given")
+            coefficients[short] = coefficients.pop(long)
+    unknown = sorted(set(coefficients) - set(LINEAR_TERMS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown coefficient(s) {unknown}")
+    missing = [t for t in ("b0", "b1", "b2") if t not in coefficients]
+    if missing:
+        raise ConfigError(f"{where}: missing coefficient(s) {missing}")
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    model = data.get("model", meta.get("model", "fitted"))
+    kv_tokens = data.get("kv_tokens")
+    try:
+        return LinearStepModel(
+            **{t: float(v) for t, v in coefficients.items()},
+            kv_tokens=kv_tokens,
+            model=str(model),
+        )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(f"{where}: malformed coefficients: {exc}") from None

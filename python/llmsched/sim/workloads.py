@@ -1,0 +1,599 @@
+"""Seeded workloads: agentic sessions, shared-prefix tenants, long/short mix, priorities, traces.
+
+Every workload yields :class:`~llmsched.sim.request.Request` objects whose ``hashes`` are real
+chained block hashes (:func:`llmsched.block_hashes`) of their token content, so prefix caching
+and prefix-aware routing see exactly the sharing the workload has. A multi-turn session's next
+prompt is its previous prompt plus the previous output plus a new message; the next turn is
+created when the previous one finishes (closed loop) after a think time.
+
+Arrival processes (``arrival``): ``poisson`` (exponential gaps), ``gamma`` (gaps with coefficient
+of variation ``cv``: burstier above 1), ``constant``; agentic sessions may instead be
+``closed``: ``concurrency`` sessions at a time, a new one starting when one ends.
+
+>>> w = make_workload({"kind": "shared_prefix", "num_requests": 5, "num_groups": 2,
+...                    "system_prompt_len": 64, "question_len": 16, "output_len": 8})
+>>> [r.prompt_len for r in w.arrivals()]
+[80, 80, 80, 80, 80]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from llmsched.errors import ConfigError
+from llmsched.hashing import block_hashes
+from llmsched.sim.request import Request
+
+__all__ = [
+    "AgenticConfig",
+    "ArrivalConfig",
+    "Conversation",
+    "LongShortConfig",
+    "PriorityConfig",
+    "SharedPrefixConfig",
+    "TraceConfig",
+    "Workload",
+    "make_workload",
+]
+
+VOCAB = 128_000
+U64_TOP = np.iinfo(np.int64).max
+
+
+class Workload(Protocol):
+    """What the simulator asks of a workload."""
+
+    expected_requests: int
+
+    def arrivals(self) -> Iterator[Request]:
+        """Open-loop requests (and the first turns of sessions) in arrival order."""
+        ...
+
+    def on_finish(self, request: Request, now: float) -> Request | None:
+        """The follow-up a finished request causes (next turn), if any."""
+        ...
+
+
+class Conversation:
+    """A growing token sequence with its chained block hashes, extended incrementally.
+
+    >>> c = Conversation(block_size=4, chain_seed=0)
+    >>> c.append(np.arange(10, dtype=np.uint32)); len(c.hashes)
+    2
+    >>> c.append(np.arange(6, dtype=np.uint32)); len(c.hashes)
+    4
+    """
+
+    __slots__ = ("block_size", "chain_seed", "hashes", "tokens")
+
+    def __init__(self, block_size: int, chain_seed: int) -> None:
+        self.block_size = block_size
+        self.chain_seed = chain_seed
+        self.tokens: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
+        self.hashes: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+
+    def append(self, new_tokens: npt.NDArray[np.uint32]) -> None:
+        """Add tokens; hashes only the blocks that become full."""
+        self.tokens = np.concatenate([self.tokens, new_tokens])
+        done = len(self.hashes)
+        tail = self.tokens[done * self.block_size :]
+        if len(tail) >= self.block_size:
+            seed = int(self.hashes[-1]) if done else self.chain_seed
+            more = block_hashes(tail, self.block_size, seed=seed)
+            self.hashes = np.concatenate([self.hashes, more])
+
+    def copy(self) -> Conversation:
+        """An independent copy (arrays are never mutated in place, so sharing them is safe)."""
+        other = Conversation(self.block_size, self.chain_seed)
+        other.tokens, other.hashes = self.tokens, self.hashes
+        return other
+
+
+@dataclass
+class ArrivalConfig:
+    """How requests (or sessions) arrive: ``poisson``, ``gamma``, ``constant`` or ``closed``."""
+
+    process: str = "poisson"
+    rate: float = 10.0  # per second, open loop
+    cv: float = 1.0  # gamma only
+    concurrency: int = 64  # closed loop only
+
+    def validate(self, closed_allowed: bool) -> None:
+        """ConfigError for an unknown process or impossible numbers."""
+        known = ("poisson", "gamma", "constant", *(("closed",) if closed_allowed else ()))
+        if self.process not in known:
+            raise ConfigError(f"unknown arrival process {self.process!r}; known: {list(known)}")
+        if self.process != "closed" and not self.rate > 0:
+            raise ConfigError(f"arrival rate must be > 0, got {self.rate}")
+        if self.process == "gamma" and not self.cv > 0:
+            raise ConfigError(f"gamma cv must be > 0, got {self.cv}")
+        if self.process == "closed" and self.concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
+
+    def gaps(self, rng: np.random.Generator, n: int) -> npt.NDArray[np.float64]:
+        """``n`` inter-arrival gaps in seconds."""
+        if self.process == "constant":
+            return np.full(n, 1.0 / self.rate)
+        if self.process == "gamma":
+            shape = 1.0 / (self.cv * self.cv)
+            return rng.gamma(shape, 1.0 / (self.rate * shape), n)
+        return rng.exponential(1.0 / self.rate, n)
+
+
+def _lengths(rng: np.random.Generator, mean: float, cv: float, n: int) -> npt.NDArray[np.int64]:
+    """Gamma-distributed positive integer lengths (``cv == 0``: all equal to ``mean``)."""
+    if cv <= 0:
+        return np.full(n, max(1, round(mean)), dtype=np.int64)
+    shape = 1.0 / (cv * cv)
+    return np.maximum(1, np.rint(rng.gamma(shape, mean / shape, n))).astype(np.int64)
+
+
+def _tokens(rng: np.random.Generator, n: int) -> npt.NDArray[np.uint32]:
+    return rng.integers(0, VOCAB, n, dtype=np.uint32)
+
+
+class _Base:
+    """Shared plumbing: the rng, request ids, hashing namespace."""
+
+    def __init__(self, seed: int, block_size: int, chain_seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.block_size = block_size
+        self.chain_seed = chain_seed
+        self._next_id = 0
+        self.expected_requests = 0
+
+    def _id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _single(
+        self,
+        arrival: float,
+        conv: Conversation,
+        output_len: int,
+        **kw: Any,
+    ) -> Request:
+        """A request whose output nobody reuses: the output's blocks get fresh random ids."""
+        prompt_len = len(conv.tokens)
+        full = (prompt_len + output_len) // self.block_size
+        extra = full - len(conv.hashes)
+        hashes = conv.hashes
+        if extra > 0:
+            fresh = self.rng.integers(1, U64_TOP, extra, dtype=np.int64).astype(np.uint64)
+            hashes = np.concatenate([hashes, fresh])
+        return Request(
+            self._id(), arrival, prompt_len, output_len, hashes, tokens=conv.tokens, **kw
+        )
+
+    def on_finish(self, request: Request, now: float) -> Request | None:
+        """Single-turn workloads cause no follow-ups."""
+        return None
+
+
+# -- agentic multi-turn ----------------------------------------------------------------------
+
+
+@dataclass
+class AgenticConfig:
+    """Agentic sessions (REFERENCE.md section 8: ~10k-token first turn with ~2k reasoning
+    output, then ~5 turns of ~500-token inputs). The first input includes one of
+    ``system_prompts`` shared system prompts."""
+
+    sessions: int = 1000
+    arrival: ArrivalConfig = field(
+        default_factory=lambda: ArrivalConfig(process="closed", concurrency=192)
+    )
+    first_input: int = 10_000
+    first_output: int = 2_000
+    followup_turns: int = 5
+    followup_input: int = 500
+    followup_output: int = 300
+    length_cv: float = 0.3
+    think_time_s: float = 2.0
+    system_prompts: int = 4
+    system_prompt_len: int = 2_000
+
+
+class _Session:
+    __slots__ = ("conv", "id", "turns_left")
+
+    def __init__(self, sid: int, conv: Conversation, turns_left: int) -> None:
+        self.id = sid
+        self.conv = conv
+        self.turns_left = turns_left
+
+
+class AgenticWorkload(_Base):
+    """Multi-turn agent sessions; tenants are the system prompts."""
+
+    def __init__(self, cfg: AgenticConfig, seed: int, block_size: int, chain_seed: int) -> None:
+        super().__init__(seed, block_size, chain_seed)
+        cfg.arrival.validate(closed_allowed=True)
+        if cfg.sessions < 1 or cfg.system_prompts < 1:
+            raise ConfigError("agentic: sessions and system_prompts must be >= 1")
+        if cfg.system_prompt_len >= cfg.first_input:
+            raise ConfigError("agentic: system_prompt_len must be below first_input")
+        self.cfg = cfg
+        self.expected_requests = cfg.sessions * (1 + cfg.followup_turns)
+        self._systems = []
+        for _ in range(cfg.system_prompts):
+            conv = Conversation(block_size, chain_seed)
+            conv.append(_tokens(self.rng, cfg.system_prompt_len))
+            self._systems.append(conv)
+        self._started = 0
+        self._sessions: dict[int, _Session] = {}
+
+    def _first_turn(self, arrival: float) -> Request:
+        cfg = self.cfg
+        sid = self._started
+        self._started += 1
+        tenant = int(self.rng.integers(0, cfg.system_prompts))
+        conv = self._systems[tenant].copy()
+        user = int(_lengths(self.rng, cfg.first_input - cfg.system_prompt_len, cfg.length_cv, 1)[0])
+        conv.append(_tokens(self.rng, user))
+        session = _Session(sid, conv, cfg.followup_turns)
+        self._sessions[sid] = session
+        output = int(_lengths(self.rng, cfg.first_output, cfg.length_cv, 1)[0])
+        return self._turn(session, arrival, output, tenant, turn=0)
+
+    def _turn(self, s: _Session, arrival: float, output: int, tenant: int, turn: int) -> Request:
+        prompt = s.conv.tokens
+        prompt_len = len(prompt)
+        s.conv.append(_tokens(self.rng, output))  # what the model will answer
+        req = Request(
+            self._id(),
+            arrival,
+            prompt_len,
+            output,
+            s.conv.hashes,
+            tokens=prompt,
+            tenant=tenant,
+            session=s.id,
+            turn=turn,
+        )
+        return req
+
+    def arrivals(self) -> Iterator[Request]:
+        """First turns: ``concurrency`` sessions staggered over the first seconds (closed
+        loop), or session starts at the arrival process's rate."""
+        cfg = self.cfg
+        if cfg.arrival.process == "closed":
+            n = min(cfg.arrival.concurrency, cfg.sessions)
+            starts = np.sort(self.rng.uniform(0.0, 10.0, n))
+        else:
+            starts = np.cumsum(cfg.arrival.gaps(self.rng, cfg.sessions))
+        for t in starts:
+            yield self._first_turn(float(t))
+
+    def on_finish(self, request: Request, now: float) -> Request | None:
+        """Next turn after a think time; a finished session makes room for a new one."""
+        cfg = self.cfg
+        session = self._sessions.get(request.session) if request.session is not None else None
+        if session is None:
+            return None
+        think = float(self.rng.exponential(cfg.think_time_s)) if cfg.think_time_s > 0 else 0.0
+        if session.turns_left > 0:
+            session.turns_left -= 1
+            session.conv.append(
+                _tokens(self.rng, int(_lengths(self.rng, cfg.followup_input, cfg.length_cv, 1)[0]))
+            )
+            output = int(_lengths(self.rng, cfg.followup_output, cfg.length_cv, 1)[0])
+            turn = cfg.followup_turns - session.turns_left
+            return self._turn(session, now + think, output, request.tenant, turn)
+        del self._sessions[session.id]
+        if cfg.arrival.process == "closed" and self._started < cfg.sessions:
+            return self._first_turn(now + think)
+        return None
+
+
+# -- shared prefix (inference-perf) -----------------------------------------------------------
+
+
+@dataclass
+class SharedPrefixConfig:
+    """inference-perf ``shared_prefix``: ``num_groups`` system prompts (tenants), each with
+    ``num_prompts_per_group`` questions; every request picks one of those prompts at random."""
+
+    num_requests: int = 4000
+    num_groups: int = 150
+    num_prompts_per_group: int = 5
+    system_prompt_len: int = 6_000
+    question_len: int = 1_200
+    output_len: int = 1_000
+    arrival: ArrivalConfig = field(default_factory=lambda: ArrivalConfig(rate=20.0))
+
+
+class SharedPrefixWorkload(_Base):
+    """Tenants sharing long system prompts."""
+
+    def __init__(
+        self, cfg: SharedPrefixConfig, seed: int, block_size: int, chain_seed: int
+    ) -> None:
+        super().__init__(seed, block_size, chain_seed)
+        cfg.arrival.validate(closed_allowed=False)
+        for name in ("num_requests", "num_groups", "num_prompts_per_group", "output_len"):
+            if getattr(cfg, name) < 1:
+                raise ConfigError(f"shared_prefix: {name} must be >= 1")
+        self.cfg = cfg
+        self.expected_requests = cfg.num_requests
+        self._prompts: list[list[Conversation]] = []
+        for _ in range(cfg.num_groups):
+            system = Conversation(block_size, chain_seed)
+            system.append(_tokens(self.rng, cfg.system_prompt_len))
+            group = []
+            for _ in range(cfg.num_prompts_per_group):
+                conv = system.copy()
+                conv.append(_tokens(self.rng, cfg.question_len))
+                group.append(conv)
+            self._prompts.append(group)
+
+    def arrivals(self) -> Iterator[Request]:
+        """Requests at the arrival process's rate; prompt chosen uniformly."""
+        cfg = self.cfg
+        times = np.cumsum(cfg.arrival.gaps(self.rng, cfg.num_requests))
+        groups = self.rng.integers(0, cfg.num_groups, cfg.num_requests)
+        picks = self.rng.integers(0, cfg.num_prompts_per_group, cfg.num_requests)
+        for t, g, p in zip(times.tolist(), groups.tolist(), picks.tolist(), strict=True):
+            yield self._single(t, self._prompts[g][p], cfg.output_len, tenant=g)
+
+
+# -- long/short mix --------------------------------------------------------------------------
+
+
+@dataclass
+class LongShortConfig:
+    """Mostly short interactive requests with a fraction of long ones (head-of-line blocking).
+    Tenant 0 is short, tenant 1 long."""
+
+    num_requests: int = 4000
+    long_fraction: float = 0.1
+    short_input: int = 512
+    short_output: int = 128
+    long_input: int = 16_000
+    long_output: int = 2_000
+    length_cv: float = 0.3
+    arrival: ArrivalConfig = field(default_factory=lambda: ArrivalConfig(rate=20.0))
+
+
+class LongShortWorkload(_Base):
+    """Short and long requests interleaved."""
+
+    def __init__(self, cfg: LongShortConfig, seed: int, block_size: int, chain_seed: int) -> None:
+        super().__init__(seed, block_size, chain_seed)
+        cfg.arrival.validate(closed_allowed=False)
+        if not 0 <= cfg.long_fraction <= 1:
+            raise ConfigError(f"long_fraction must be in [0, 1], got {cfg.long_fraction}")
+        self.cfg = cfg
+        self.expected_requests = cfg.num_requests
+
+    def arrivals(self) -> Iterator[Request]:
+        """Poisson (or as configured) arrivals, each long with probability ``long_fraction``."""
+        cfg = self.cfg
+        times = np.cumsum(cfg.arrival.gaps(self.rng, cfg.num_requests))
+        is_long = self.rng.random(cfg.num_requests) < cfg.long_fraction
+        for t, long in zip(times.tolist(), is_long.tolist(), strict=True):
+            inp, out = (
+                (cfg.long_input, cfg.long_output) if long else (cfg.short_input, cfg.short_output)
+            )
+            conv = Conversation(self.block_size, self.chain_seed)
+            conv.append(_tokens(self.rng, int(_lengths(self.rng, inp, cfg.length_cv, 1)[0])))
+            output = int(_lengths(self.rng, out, cfg.length_cv, 1)[0])
+            yield self._single(t, conv, output, tenant=int(long))
+
+
+# -- interactive + batch priorities ----------------------------------------------------------
+
+
+@dataclass
+class PriorityConfig:
+    """Interactive requests (priority 1, tenant 0) mixed with batch requests (priority -1,
+    tenant 1: sheddable in flow control's terms)."""
+
+    num_requests: int = 4000
+    batch_fraction: float = 0.5
+    interactive_input: int = 1_000
+    interactive_output: int = 200
+    batch_input: int = 4_000
+    batch_output: int = 1_000
+    length_cv: float = 0.3
+    arrival: ArrivalConfig = field(default_factory=lambda: ArrivalConfig(rate=20.0))
+
+
+class PriorityWorkload(_Base):
+    """Two priority classes."""
+
+    def __init__(self, cfg: PriorityConfig, seed: int, block_size: int, chain_seed: int) -> None:
+        super().__init__(seed, block_size, chain_seed)
+        cfg.arrival.validate(closed_allowed=False)
+        if not 0 <= cfg.batch_fraction <= 1:
+            raise ConfigError(f"batch_fraction must be in [0, 1], got {cfg.batch_fraction}")
+        self.cfg = cfg
+        self.expected_requests = cfg.num_requests
+
+    def arrivals(self) -> Iterator[Request]:
+        """Arrivals in order; each is batch with probability ``batch_fraction``."""
+        cfg = self.cfg
+        times = np.cumsum(cfg.arrival.gaps(self.rng, cfg.num_requests))
+        is_batch = self.rng.random(cfg.num_requests) < cfg.batch_fraction
+        for t, batch in zip(times.tolist(), is_batch.tolist(), strict=True):
+            if batch:
+                inp, out, prio = cfg.batch_input, cfg.batch_output, -1
+            else:
+                inp, out, prio = cfg.interactive_input, cfg.interactive_output, 1
+            conv = Conversation(self.block_size, self.chain_seed)
+            conv.append(_tokens(self.rng, int(_lengths(self.rng, inp, cfg.length_cv, 1)[0])))
+            output = int(_lengths(self.rng, out, cfg.length_cv, 1)[0])
+            yield self._single(t, conv, output, tenant=int(batch), priority=prio)
+
+
+# -- trace replay ----------------------------------------------------------------------------
+
+
+@dataclass
+class TraceConfig:
+    """Replay a JSONL trace: one object per line with ``timestamp``, ``input_length``,
+    ``output_length`` and optionally ``hash_ids`` (Mooncake: one id per ``hash_block``-token
+    block; equal ids mean equal content), ``tenant``, ``priority``, ``session``.
+    ``timestamp_unit`` is ``ms`` (Mooncake) or ``s``; ``time_scale`` divides the gaps
+    (2 replays twice as fast); ``limit`` keeps the first lines."""
+
+    path: str = ""
+    timestamp_unit: str = "ms"
+    time_scale: float = 1.0
+    hash_block: int = 512
+    limit: int | None = None
+
+
+class TraceWorkload(_Base):
+    """A recorded trace. Blocks named by ``hash_ids`` get content derived from the id (and
+    their position in the chain), so requests sharing leading ids share a cached prefix."""
+
+    def __init__(self, cfg: TraceConfig, seed: int, block_size: int, chain_seed: int) -> None:
+        super().__init__(seed, block_size, chain_seed)
+        if cfg.timestamp_unit not in ("ms", "s"):
+            raise ConfigError(f"timestamp_unit must be 'ms' or 's', got {cfg.timestamp_unit!r}")
+        if not cfg.time_scale > 0:
+            raise ConfigError(f"time_scale must be > 0, got {cfg.time_scale}")
+        if cfg.hash_block < 1 or cfg.hash_block % block_size:
+            raise ConfigError(
+                f"hash_block {cfg.hash_block} must be a positive multiple of block size {block_size}"
+            )
+        self.cfg = cfg
+        self._rows = _read_trace(cfg)
+        self.expected_requests = len(self._rows)
+        self._block_hashes: dict[tuple[int, ...], npt.NDArray[np.uint64]] = {}
+
+    def _chain(self, ids: tuple[int, ...]) -> npt.NDArray[np.uint64]:
+        """Hashes of the content of blocks ``ids`` (memoised by prefix)."""
+        if not ids:
+            return np.zeros(0, dtype=np.uint64)
+        known = self._block_hashes.get(ids)
+        if known is not None:
+            return known
+        parent = self._chain(ids[:-1])
+        block = np.random.default_rng(ids[-1] & U64_TOP).integers(
+            0, VOCAB, self.cfg.hash_block, dtype=np.uint32
+        )
+        seed = int(parent[-1]) if len(parent) else self.chain_seed
+        out = np.concatenate([parent, block_hashes(block, self.block_size, seed=seed)])
+        self._block_hashes[ids] = out
+        return out
+
+    def arrivals(self) -> Iterator[Request]:
+        """The trace's requests, timestamps rebased to start at 0."""
+        if not self._rows:
+            return
+        scale = (1e-3 if self.cfg.timestamp_unit == "ms" else 1.0) / self.cfg.time_scale
+        t0 = self._rows[0]["timestamp"]
+        for row in self._rows:
+            prompt_len = row["input_length"]
+            output_len = row["output_length"]
+            shared = self._chain(tuple(row.get("hash_ids", ())))
+            whole = prompt_len // self.block_size
+            hashes = shared[:whole]
+            extra = (prompt_len + output_len) // self.block_size - len(hashes)
+            if extra > 0:
+                fresh = self.rng.integers(1, U64_TOP, extra, dtype=np.int64).astype(np.uint64)
+                hashes = np.concatenate([hashes, fresh])
+            yield Request(
+                self._id(),
+                (row["timestamp"] - t0) * scale,
+                prompt_len,
+                output_len,
+                hashes,
+                tenant=int(row.get("tenant", 0)),
+                priority=int(row.get("priority", 0)),
+                session=row.get("session"),
+            )
+
+
+def _read_trace(cfg: TraceConfig) -> list[dict[str, Any]]:
+    path = Path(cfg.path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"trace {path}: cannot read: {exc}") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"trace {path}:{n}: not JSON: {exc}") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"trace {path}:{n}: each line must be an object")
+        for key in ("timestamp", "input_length", "output_length"):
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"trace {path}:{n}: {key} must be a number >= 0, got {value!r}")
+        row["input_length"] = int(row["input_length"])
+        row["output_length"] = int(row["output_length"])
+        if row["input_length"] < 1:
+            raise ConfigError(f"trace {path}:{n}: input_length must be >= 1")
+        ids = row.get("hash_ids", [])
+        if not isinstance(ids, list) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids
+        ):
+            raise ConfigError(f"trace {path}:{n}: hash_ids must be a list of ints >= 0")
+        if len(ids) * cfg.hash_block < row["input_length"] - cfg.hash_block:
+            raise ConfigError(
+                f"trace {path}:{n}: {len(ids)} hash_ids cannot cover "
+                f"{row['input_length']} input tokens in blocks of {cfg.hash_block}"
+            )
+        rows.append(row)
+        if cfg.limit is not None and len(rows) >= cfg.limit:
+            break
+    rows.sort(key=lambda r: r["timestamp"])
+    return rows
+
+
+# -- construction from config data -----------------------------------------------------------
+
+KINDS: dict[str, tuple[type[Any], type[Any]]] = {
+    "agentic": (AgenticConfig, AgenticWorkload),
+    "shared_prefix": (SharedPrefixConfig, SharedPrefixWorkload),
+    "long_short": (LongShortConfig, LongShortWorkload),
+    "priority": (PriorityConfig, PriorityWorkload),
+    "trace": (TraceConfig, TraceWorkload),
+}
+
+
+def from_dict(cls: type[Any], data: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from ``data`` over its defaults; ConfigError names unknown keys."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "arrival":
+            values[key] = from_dict(ArrivalConfig, value, f"{where}.arrival")
+        else:
+            values[key] = value
+    return cls(**values)
+
+
+def make_workload(
+    spec: dict[str, Any], seed: int = 0, block_size: int = 16, chain_seed: int = 0
+) -> Workload:
+    """The workload ``spec`` describes: ``{"kind": ..., <that kind's parameters>}``."""
+    if not isinstance(spec, dict) or "kind" not in spec:
+        raise ConfigError("workload: needs a 'kind'")
+    params = dict(spec)
+    kind = params.pop("kind")
+    if kind not in KINDS:
+        raise ConfigError(f"unknown workload kind {kind!r}; known: {sorted(KINDS)}")
+    config_cls, workload_cls = KINDS[kind]
+    cfg = from_dict(config_cls, params, f"workload ({kind})")
+    workload: Workload = workload_cls(cfg, seed, block_size, chain_seed)
+    return workload

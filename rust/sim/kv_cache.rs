@@ -1,0 +1,377 @@
+//! One simulated replica's paged KV cache with prefix caching (vLLM V1's block pool, simplified).
+//!
+//! Semantics (the pure-Python twin `llmsched.reference.sim_kv` states them at length):
+//! - `num_blocks` blocks; a block is in use (references > 0) or free. A free block may keep its
+//!   content hash (cached) and be hit again until it is reused.
+//! - Free blocks wait in one queue, least recently freed first; a request's blocks are freed
+//!   last block first so chains are evicted tail first; free blocks without a hash go to the
+//!   front. Allocation pops the front, evicting the popped block's hash.
+//! - `commit` hashes a request's full blocks; if the hash is already cached by another block the
+//!   request shares that block and releases its copy, so cached chains stay prefix-closed (a
+//!   block is never evicted before its cached descendants).
+//!
+//! Algorithm / complexity: an intrusive doubly linked free list over block ids (O(1) push,
+//! pop and unlink), a hash map from content hash to block, per-request block vectors. Every
+//! operation costs O(blocks it touches); `decode_capacity` bisects over steps, O(R log k) for
+//! R decoding requests.
+//!
+//! Events: `Stored { parent, hashes }` for each run of newly cached blocks, `Removed { hashes }`
+//! for each run of evictions, reduced to the roots of the evicted subtrees (a prefix index that
+//! drops a block drops everything below it, and every descendant of an evicted block has
+//! already been evicted).
+
+use hashbrown::{HashMap, HashSet};
+use thiserror::Error;
+
+/// Errors from KV-cache operations; nothing changes when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum KvError {
+    #[error("num_blocks and block_size must be at least 1")]
+    InvalidConfig,
+    #[error("request {0} holds no blocks")]
+    UnknownRequest(u64),
+    #[error("request {0} is already started")]
+    DuplicateRequest(u64),
+}
+
+/// A change to the set of cached blocks, in the order it happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Blocks newly cached, a chain continuing after `parent` (None: from the root).
+    Stored { parent: Option<u64>, hashes: Vec<u64> },
+    /// Cached blocks evicted (roots of the evicted subtrees only).
+    Removed { hashes: Vec<u64> },
+}
+
+/// An event as recorded: removals keep each block's parent until they are reduced.
+#[derive(Debug, Clone)]
+enum Pending {
+    Stored { parent: Option<u64>, hashes: Vec<u64> },
+    Removed(Vec<(u64, Option<u64>)>),
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    hash: Option<u64>,
+    parent: Option<u64>,
+    refs: u32,
+    prev: u32,
+    next: u32,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Request {
+    blocks: Vec<u32>,
+    tokens: u64,
+    committed: usize,
+    decoding: bool,
+}
+
+/// One replica's KV cache.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    block_size: u64,
+    blocks: Vec<Block>,
+    /// The free list's sentinel: `blocks[sentinel]` is not a real block.
+    sentinel: u32,
+    free_len: usize,
+    cached: HashMap<u64, u32>,
+    requests: HashMap<u64, Request>,
+    events: Vec<Pending>,
+}
+
+impl KvCache {
+    /// An empty cache of `num_blocks` blocks of `block_size` tokens, all free.
+    pub fn new(num_blocks: u32, block_size: u32) -> Result<Self, KvError> {
+        if num_blocks == 0 || block_size == 0 || num_blocks == u32::MAX {
+            return Err(KvError::InvalidConfig);
+        }
+        let n = num_blocks as usize;
+        let sentinel = num_blocks;
+        let blocks = (0..=n)
+            .map(|i| Block {
+                hash: None,
+                parent: None,
+                refs: 0,
+                prev: if i == 0 { sentinel } else { i as u32 - 1 },
+                next: if i == n { 0 } else { i as u32 + 1 },
+            })
+            .collect::<Vec<_>>();
+        let mut cache = KvCache {
+            block_size: u64::from(block_size),
+            blocks,
+            sentinel,
+            free_len: n,
+            cached: HashMap::new(),
+            requests: HashMap::new(),
+            events: Vec::new(),
+        };
+        // The sentinel closes the ring: its next is block 0, its prev the last block.
+        cache.blocks[n].prev = sentinel - 1;
+        cache.blocks[n - 1].next = sentinel;
+        Ok(cache)
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.sentinel as usize
+    }
+
+    pub fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
+    /// Blocks not in use (cached or empty).
+    pub fn free_blocks(&self) -> usize {
+        self.free_len
+    }
+
+    /// Blocks with a content hash.
+    pub fn cached_blocks(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Fraction of blocks in use.
+    pub fn usage(&self) -> f64 {
+        1.0 - self.free_len as f64 / self.num_blocks() as f64
+    }
+
+    /// Requests holding blocks.
+    pub fn requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Leading blocks of `hashes` that are cached, at most `max_blocks`.
+    pub fn lookup(&self, hashes: &[u64], max_blocks: usize) -> usize {
+        hashes.iter().take(max_blocks).take_while(|h| self.cached.contains_key(*h)).count()
+    }
+
+    pub fn tokens_of(&self, req: u64) -> Result<u64, KvError> {
+        Ok(self.get(req)?.tokens)
+    }
+
+    pub fn blocks_of(&self, req: u64) -> Result<usize, KvError> {
+        Ok(self.get(req)?.blocks.len())
+    }
+
+    /// Registers `req` and takes references on its cached prefix; returns the blocks hit.
+    pub fn start(&mut self, req: u64, hashes: &[u64], max_blocks: usize) -> Result<usize, KvError> {
+        if self.requests.contains_key(&req) {
+            return Err(KvError::DuplicateRequest(req));
+        }
+        let hit = self.lookup(hashes, max_blocks);
+        let mut state = Request::default();
+        state.blocks.reserve(hashes.len().max(hit));
+        for h in &hashes[..hit] {
+            let block = self.cached[h];
+            self.take_ref(block);
+            state.blocks.push(block);
+        }
+        state.tokens = hit as u64 * self.block_size;
+        state.committed = hit;
+        self.requests.insert(req, state);
+        Ok(hit)
+    }
+
+    /// Gives `req` room for `tokens` tokens; Ok(false), changing nothing, if blocks run out.
+    pub fn allocate(&mut self, req: u64, tokens: u64) -> Result<bool, KvError> {
+        let have = self.get(req)?.blocks.len();
+        let need = (tokens.div_ceil(self.block_size) as usize).saturating_sub(have);
+        if need > self.free_len {
+            return Ok(false);
+        }
+        let mut new_blocks = Vec::with_capacity(need);
+        for _ in 0..need {
+            new_blocks.push(self.pop_free());
+        }
+        let state = self.requests.get_mut(&req).expect("checked above");
+        state.blocks.extend(new_blocks);
+        state.tokens = state.tokens.max(tokens);
+        Ok(true)
+    }
+
+    /// Caches `req`'s full blocks `[committed, upto)` under `hashes`.
+    pub fn commit(&mut self, req: u64, hashes: &[u64], upto: usize) -> Result<(), KvError> {
+        let mut state = self.requests.remove(&req).ok_or(KvError::UnknownRequest(req))?;
+        let full = (state.tokens / self.block_size) as usize;
+        let stop = upto.min(state.blocks.len()).min(hashes.len()).min(full);
+        let mut run: Vec<u64> = Vec::new();
+        let mut run_parent = None;
+        for i in state.committed..stop {
+            let h = hashes[i];
+            let parent = if i > 0 { Some(hashes[i - 1]) } else { None };
+            match self.cached.get(&h).copied() {
+                Some(other) if other != state.blocks[i] => {
+                    self.flush_stored(run_parent, &mut run);
+                    self.take_ref(other);
+                    self.drop_ref(state.blocks[i]);
+                    state.blocks[i] = other;
+                }
+                Some(_) => {}
+                None => {
+                    if run.is_empty() {
+                        run_parent = parent;
+                    }
+                    let block = &mut self.blocks[state.blocks[i] as usize];
+                    block.hash = Some(h);
+                    block.parent = parent;
+                    self.cached.insert(h, state.blocks[i]);
+                    run.push(h);
+                }
+            }
+        }
+        self.flush_stored(run_parent, &mut run);
+        state.committed = state.committed.max(stop);
+        self.requests.insert(req, state);
+        Ok(())
+    }
+
+    /// Drops `req`'s references, last block first.
+    pub fn free(&mut self, req: u64) -> Result<(), KvError> {
+        let state = self.requests.remove(&req).ok_or(KvError::UnknownRequest(req))?;
+        for &block in state.blocks.iter().rev() {
+            self.drop_ref(block);
+        }
+        Ok(())
+    }
+
+    /// Marks `req` as growing one token per decode step (or not).
+    pub fn set_decoding(&mut self, req: u64, decoding: bool) -> Result<(), KvError> {
+        self.requests.get_mut(&req).ok_or(KvError::UnknownRequest(req))?.decoding = decoding;
+        Ok(())
+    }
+
+    fn decode_need(&self, steps: u64) -> usize {
+        self.requests
+            .values()
+            .filter(|s| s.decoding)
+            .map(|s| {
+                ((s.tokens + steps).div_ceil(self.block_size) as usize)
+                    .saturating_sub(s.blocks.len())
+            })
+            .sum()
+    }
+
+    /// The most decode steps, at most `limit`, whose new blocks fit in the free blocks.
+    pub fn decode_capacity(&self, limit: u64) -> u64 {
+        let (mut lo, mut hi) = (0u64, limit);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.decode_need(mid) <= self.free_len {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+
+    /// Grows every decoding request by `steps` tokens; false, changing nothing, if it does not fit.
+    pub fn advance_decoding(&mut self, steps: u64) -> bool {
+        if self.decode_need(steps) > self.free_len {
+            return false;
+        }
+        let ids: Vec<u64> =
+            self.requests.iter().filter(|(_, s)| s.decoding).map(|(&id, _)| id).collect();
+        for id in ids {
+            let (tokens, have) = {
+                let s = &self.requests[&id];
+                (s.tokens + steps, s.blocks.len())
+            };
+            let need = (tokens.div_ceil(self.block_size) as usize).saturating_sub(have);
+            let new_blocks: Vec<u32> = (0..need).map(|_| self.pop_free()).collect();
+            let s = self.requests.get_mut(&id).expect("collected above");
+            s.blocks.extend(new_blocks);
+            s.tokens = tokens;
+        }
+        true
+    }
+
+    /// The events since the last call, in order; removals reduced to subtree roots.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+            .into_iter()
+            .map(|event| match event {
+                Pending::Stored { parent, hashes } => KvEvent::Stored { parent, hashes },
+                Pending::Removed(removed) => {
+                    let gone: HashSet<u64> = removed.iter().map(|&(h, _)| h).collect();
+                    let hashes = removed
+                        .into_iter()
+                        .filter(|(_, parent)| parent.is_none_or(|p| !gone.contains(&p)))
+                        .map(|(h, _)| h)
+                        .collect();
+                    KvEvent::Removed { hashes }
+                }
+            })
+            .collect()
+    }
+
+    // ---- internals -----------------------------------------------------------------------
+
+    fn get(&self, req: u64) -> Result<&Request, KvError> {
+        self.requests.get(&req).ok_or(KvError::UnknownRequest(req))
+    }
+
+    fn unlink(&mut self, b: u32) {
+        let (prev, next) = (self.blocks[b as usize].prev, self.blocks[b as usize].next);
+        self.blocks[prev as usize].next = next;
+        self.blocks[next as usize].prev = prev;
+        self.free_len -= 1;
+    }
+
+    fn link_after(&mut self, at: u32, b: u32) {
+        let next = self.blocks[at as usize].next;
+        self.blocks[b as usize].prev = at;
+        self.blocks[b as usize].next = next;
+        self.blocks[at as usize].next = b;
+        self.blocks[next as usize].prev = b;
+        self.free_len += 1;
+    }
+
+    fn take_ref(&mut self, b: u32) {
+        if self.blocks[b as usize].refs == 0 {
+            self.unlink(b);
+        }
+        self.blocks[b as usize].refs += 1;
+    }
+
+    fn drop_ref(&mut self, b: u32) {
+        let block = &mut self.blocks[b as usize];
+        block.refs -= 1;
+        if block.refs == 0 {
+            if block.hash.is_some() {
+                let tail = self.blocks[self.sentinel as usize].prev;
+                self.link_after(tail, b);
+            } else {
+                self.link_after(self.sentinel, b);
+            }
+        }
+    }
+
+    /// Pops the least recently freed block (the caller checked one is free), evicting its hash.
+    fn pop_free(&mut self) -> u32 {
+        let b = self.blocks[self.sentinel as usize].next;
+        debug_assert_ne!(b, self.sentinel, "pop from an empty free list");
+        self.unlink(b);
+        let block = &mut self.blocks[b as usize];
+        block.refs = 1;
+        if let Some(h) = block.hash.take() {
+            let parent = block.parent.take();
+            self.cached.remove(&h);
+            self.push_removed(h, parent);
+        }
+        b
+    }
+
+    fn push_removed(&mut self, h: u64, parent: Option<u64>) {
+        match self.events.last_mut() {
+            Some(Pending::Removed(removed)) => removed.push((h, parent)),
+            _ => self.events.push(Pending::Removed(vec![(h, parent)])),
+        }
+    }
+
+    fn flush_stored(&mut self, parent: Option<u64>, run: &mut Vec<u64>) {
+        if !run.is_empty() {
+            self.events.push(Pending::Stored { parent, hashes: std::mem::take(run) });
+        }
+    }
+}
