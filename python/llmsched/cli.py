@@ -14,7 +14,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_calibrate_command", "add_demo_command", "build_parser", "main"]
+__all__ = ["add_calibrate_command", "add_demo_command", "add_sim_command", "build_parser", "main"]
 
 Subparsers = Any  # argparse's private _SubParsersAction
 
@@ -112,6 +112,65 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         f"fit error (relative): median {err.median:.1%}, mean {err.mean:.1%}, max {err.max:.1%}"
         f"; linear-only model: median {lin.median:.1%}, mean {lin.mean:.1%}, max {lin.max:.1%}"
     )
+def add_sim_command(subparsers: Subparsers) -> None:
+    """``llmsched sim``: simulate a scenario under several routing policies and compare."""
+    parser = subparsers.add_parser(
+        "sim",
+        help="simulate replicas under several routing policies and compare them",
+        description=(
+            "Discrete-event simulation of vLLM-like replicas driven by llmsched's routing. "
+            "Default: agentic multi-turn sessions on 8 replicas under every named policy."
+        ),
+    )
+    parser.add_argument("--scenario", default=None, help="named scenario (default: agentic)")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml", help="scenario file")
+    parser.add_argument(
+        "--policies", default=None, help="comma-separated policy names (default: the scenario's)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="workload and router seed")
+    parser.add_argument("--jobs", type=int, default=None, help="parallel processes")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write every figure as JSON")
+    parser.add_argument("--plot", default=None, metavar="OUT.png", help="write the plots")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--list", action="store_true", help="list the named scenarios and policies, then exit"
+    )
+    parser.set_defaults(handler=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    import sys
+
+    from llmsched.errors import ConfigError
+    from llmsched.sim.config import SCENARIOS, load_scenario
+    from llmsched.sim.policies import policy_names
+    from llmsched.sim.runner import format_table, timed_compare, write_json, write_plot
+
+    if args.list:
+        for name, spec in SCENARIOS.items():
+            print(f"{name:<16}{spec.get('description', '')}")
+        print("policies: " + ", ".join(policy_names()))
+        return 0
+    try:
+        config = load_scenario(args.scenario, args.config)
+        if args.seed is not None:
+            config.seed = args.seed
+        if args.policies:
+            config.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        if args.jobs is not None and args.jobs < 1:
+            raise ConfigError("--jobs must be at least 1")
+        print(f"llmsched sim: {config.name}: {config.description}".rstrip(": "))
+        results, wall = timed_compare(config, jobs=args.jobs, progress=not args.quiet)
+    except ConfigError as exc:
+        print(f"llmsched sim: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(results, wall))
+    if args.json:
+        write_json(args.json, config, results, wall)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, results)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -121,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_command(subparsers)
     add_calibrate_command(subparsers)
+    add_sim_command(subparsers)
     return parser
 
 

@@ -108,22 +108,90 @@ class _IndexPolicy:
         self.inflight[target] -= 1
 
 
+class RouterPolicy:
+    """A :class:`llmsched.routing.Router` driving the simulation: every replica is an endpoint
+    (role ``prefill``/``decode`` when pools are split) whose metrics the replicas publish;
+    the router matches prompts against the simulation's prefix index and keeps its in-flight
+    counts through the decision's ``started`` / ``first_token`` / ``finished``.
+
+    Metrics are never stale in simulated time (each replica republishes whenever they
+    change), so the pool reads them as they are (``stale_policy="ignore"``).
+    """
+
+    def __init__(self, name: str, config: Any, sim: Simulation) -> None:
+        from llmsched.routing import Endpoint, EndpointPool, Router
+
+        roles = sim.config.roles()
+        endpoints = [Endpoint(i, role=None if r == "both" else r) for i, r in enumerate(roles)]  # type: ignore[arg-type]
+        self.name = name
+        self.pool = EndpointPool(endpoints, stale_policy="ignore")
+        self.router = Router(self.pool, sim.index, config=config, seed=sim.config.seed)
+
+    def update_metrics(
+        self, replica: int, waiting: int, running: int, kv_usage: float, now: float
+    ) -> None:
+        """Forward a metrics snapshot to the pool."""
+        self.pool.update(
+            replica, waiting=waiting, running=running, kv_cache_usage=min(kv_usage, 1.0), now=now
+        )
+
+    def pick(self, req: Request, now: float) -> tuple[int, int | None]:
+        """Route with the router and start the decision's in-flight accounting."""
+        session = None if req.session is None else str(req.session)
+        decision = self.router.pick(
+            tokens=req.tokens, priority=req.priority, session_id=session, now=now
+        )
+        decision.started(now=now)
+        req.handle = decision
+        prefill = decision.prefill_endpoint
+        return int(decision.endpoint), None if prefill is None else int(prefill)
+
+    def on_first_token(self, req: Request, now: float) -> None:
+        """Prefill work is over."""
+        req.handle.first_token()
+
+    def on_finished(self, req: Request, now: float) -> None:
+        """The request's in-flight counts go back."""
+        req.handle.finished()
+
+
+def _router_presets() -> list[str] | None:
+    try:
+        from llmsched.routing import Router
+    except ImportError:
+        return None
+    return list(Router.presets())
+
+
 _INDEX_POLICIES = ("random", "round-robin", "least-load", "prefix-only")
 
 
 def policy_names() -> list[str]:
-    """Names :func:`make_policy` accepts."""
-    return list(_INDEX_POLICIES)
+    """Names :func:`make_policy` accepts (the router's presets)."""
+    presets = _router_presets()
+    return presets if presets is not None else list(_INDEX_POLICIES)
 
 
 def make_policy(spec: Any, sim: Simulation) -> Policy:
-    """The policy ``spec`` names (or ``spec`` itself if it already is one)."""
+    """The policy ``spec`` names: a router preset name, ``{"name": ..., "config": <llm-d style
+    router config or preset>}``, or a :class:`Policy` object used as it is."""
     if not isinstance(spec, (str, dict)):
         if all(hasattr(spec, m) for m in ("pick", "on_finished", "update_metrics")):
             policy: Policy = spec
             return policy
         raise ConfigError(f"policy must be a name, a router config or a Policy, got {spec!r}")
-    name = spec if isinstance(spec, str) else spec.get("name")
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - {"name", "config"})
+        if unknown or "name" not in spec:
+            raise ConfigError(f"policy entries need 'name' (and may give 'config'), got {spec}")
+        name, config = str(spec["name"]), spec.get("config", spec["name"])
+    else:
+        name, config = spec, spec
+    presets = _router_presets()
+    if presets is not None:
+        if isinstance(config, str) and config not in presets:
+            raise ConfigError(f"unknown policy {config!r}; known: {presets}")
+        return RouterPolicy(name, config, sim)
     if name in _INDEX_POLICIES:
         return _IndexPolicy(name, sim)
     raise ConfigError(f"unknown policy {name!r}; known: {policy_names()}")

@@ -198,7 +198,7 @@ class Simulation:
             req.target = req.prompt_len + req.generated
             req.call_end = min(req.output_len, req.generated + self.config.slices.tokens)
             req.phase = WAITING
-            replica.enqueue(req, now)
+            self._push(now, TRANSFER, (replica, req))  # after the replica's step is applied
             return
         req.finish_time = now
         req.phase = DONE

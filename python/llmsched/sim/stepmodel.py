@@ -200,10 +200,11 @@ class DecodeRun:
         first_a, first_g, second_a, second_g = self.a1, self.g1, self.a2, self.g2
         if first_a < second_a or (first_a == second_a and first_g < second_g):
             first_a, first_g, second_a, second_g = second_a, second_g, first_a, first_g
+        split = k
         if second_g > first_g:
-            split = min(k, max(0, math.ceil((first_a - second_a) / (second_g - first_g))))
-        else:
-            split = k
+            crossover = (first_a - second_a) / (second_g - first_g)
+            if crossover < k:
+                split = max(0, math.ceil(crossover))
         total = _series(first_a, first_g, 0, split) + _series(second_a, second_g, split, k)
         return total + self.c * k
 
@@ -264,35 +265,40 @@ class RooflineStepModel:
                 raise ConfigError(f"{name} must be in (0, 1], got {value}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"tp must be a positive int, got {self.tp!r}")
+        self._derive()
         if self.kv_capacity_tokens() < 1:
             raise ConfigError(
                 f"{self.model.name} does not fit on {self.tp} x {self.gpu.name}: no room for KV"
             )
 
-    @property
-    def _tp(self) -> int:
-        assert self.tp is not None
-        return self.tp
-
-    @property
-    def _flop_rate(self) -> float:
-        return self._tp * self.gpu.flops * self.compute_eff
-
-    @property
-    def _byte_rate(self) -> float:
-        return self._tp * self.gpu.hbm_bw * self.memory_eff
-
-    @property
-    def _attn_flops_per_pair(self) -> float:
-        # QK^T and AV, 2 FLOPs per multiply-add, per (query token, key token) pair.
-        return 4.0 * self.model.layers * self.model.heads * self.model.head_dim
+    def _derive(self) -> None:
+        """Constants every step uses, computed once (the model is immutable)."""
+        tp = self.tp
+        assert tp is not None
+        m = self.model
+        derived = {
+            "_flop_rate": tp * self.gpu.flops * self.compute_eff,
+            "_byte_rate": tp * self.gpu.hbm_bw * self.memory_eff,
+            # QK^T and AV, 2 FLOPs per multiply-add, per (query token, key token) pair.
+            "_attn": 4.0 * m.layers * m.heads * m.head_dim,
+            "_kvb": m.kv_bytes_per_token,
+            "_active2": 2.0 * m.active,
+            "_dense_bytes": m.params * m.bytes_per_param if not m.experts else 0.0,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     def _fixed(self, tokens: int) -> float:
-        comm = 0.0
-        if self._tp > 1 and tokens > 0:
-            per_reduce = tokens * self.model.hidden * 2 * 2 * (self._tp - 1) / self._tp
-            comm = 2 * self.model.layers * (self.allreduce_latency_s + per_reduce / self.gpu.link_bw)
+        tp = self.tp
+        assert tp is not None
+        if tp == 1 or tokens <= 0:
+            return self.step_overhead_s
+        per_reduce = tokens * self.model.hidden * 2 * 2 * (tp - 1) / tp
+        comm = 2 * self.model.layers * (self.allreduce_latency_s + per_reduce / self.gpu.link_bw)
         return self.step_overhead_s + comm
+
+    def _weights(self, tokens: int) -> float:
+        return self._dense_bytes or self.model.weight_bytes_read(tokens)
 
     def step_time(
         self,
@@ -307,24 +313,23 @@ class RooflineStepModel:
         tokens = prefill_tokens + decode_tokens
         if tokens <= 0:
             return 0.0
-        pairs = prefill_ctx + prefill_sq / 2 + decode_ctx
-        flops = 2.0 * self.model.active * tokens + self._attn_flops_per_pair * pairs
-        kv = self.model.kv_bytes_per_token * (tokens + prefill_read + decode_ctx)
-        moved = self.model.weight_bytes_read(tokens) + kv
+        flops = self._active2 * tokens + self._attn * (prefill_ctx + prefill_sq / 2 + decode_ctx)
+        moved = self._weights(tokens) + self._kvb * (tokens + prefill_read + decode_ctx)
         return max(flops / self._flop_rate, moved / self._byte_rate) + self._fixed(tokens)
 
     def decode_run(self, batch: int, ctx: float) -> DecodeRun:
         """Closed-form decode run (``ctx`` grows by ``batch`` per step)."""
-        kvb = self.model.kv_bytes_per_token
-        a1 = (2.0 * self.model.active * batch + self._attn_flops_per_pair * ctx) / self._flop_rate
-        g1 = self._attn_flops_per_pair * batch / self._flop_rate
-        a2 = (self.model.weight_bytes_read(batch) + kvb * (batch + ctx)) / self._byte_rate
-        g2 = kvb * batch / self._byte_rate
+        kvb, attn, flop_rate, byte_rate = self._kvb, self._attn, self._flop_rate, self._byte_rate
+        a1 = (self._active2 * batch + attn * ctx) / flop_rate
+        g1 = attn * batch / flop_rate
+        a2 = (self._weights(batch) + kvb * (batch + ctx)) / byte_rate
+        g2 = kvb * batch / byte_rate
         return DecodeRun(a1, g1, a2, g2, self._fixed(batch))
 
     def kv_capacity_tokens(self) -> int:
         """KV tokens that fit beside the weights (vLLM's sizing, simplified)."""
-        usable = self._tp * (self.gpu.memory * self.gpu_memory_utilization - self.activation_reserve)
+        assert self.tp is not None
+        usable = self.tp * (self.gpu.memory * self.gpu_memory_utilization - self.activation_reserve)
         free = usable - self.model.params * self.model.bytes_per_param
         return max(0, int(free // self.model.kv_bytes_per_token))
 
@@ -401,19 +406,26 @@ class LinearStepModel:
 
 @dataclass
 class StepModelConfig:
-    """Which step model a scenario uses: a preset roofline, or a linear profile file."""
+    """Which step model a scenario uses: a preset roofline (``model``, ``gpu``, ``tp`` and
+    ``roofline`` overrides of :class:`RooflineStepModel`'s efficiencies), a linear profile file
+    (``profile``), or linear coefficients given inline (``linear: {b0: ..., b1: ...}``)."""
 
     model: str = "llama-3.1-8b"
     gpu: str = "H100"
     tp: int | None = None
     profile: str | None = None
+    linear: dict[str, float] | None = None
     roofline: dict[str, float] = field(default_factory=dict)
 
 
 def build_step_model(config: StepModelConfig) -> StepModel:
     """The step model ``config`` names; ConfigError for unknown presets or bad parameters."""
+    if config.profile is not None and config.linear is not None:
+        raise ConfigError("step_model: give a profile file or inline linear coefficients, not both")
     if config.profile is not None:
         return load_step_model(config.profile)
+    if config.linear is not None:
+        return load_step_model({"coefficients": config.linear})
     if config.model not in MODELS:
         raise ConfigError(f"unknown model {config.model!r}; presets: {sorted(MODELS)}")
     if config.gpu not in GPUS:

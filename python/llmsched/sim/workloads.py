@@ -1,7 +1,7 @@
 """Seeded workloads: agentic sessions, shared-prefix tenants, long/short mix, priorities, traces.
 
 Every workload yields :class:`~llmsched.sim.request.Request` objects whose ``hashes`` are real
-chained block hashes (:func:`llmsched.block_hashes`) of their token content, so prefix caching
+chained block hashes (:mod:`llmsched.hashing`) of their token content, so prefix caching
 and prefix-aware routing see exactly the sharing the workload has. A multi-turn session's next
 prompt is its previous prompt plus the previous output plus a new message; the next turn is
 created when the previous one finishes (closed loop) after a think time.
@@ -19,6 +19,7 @@ of variation ``cv``: burstier above 1), ``constant``; agentic sessions may inste
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -28,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llmsched.errors import ConfigError
-from llmsched.hashing import block_hashes
+from llmsched import _llmsched
 from llmsched.sim.request import Request
 
 __all__ = [
@@ -62,37 +63,51 @@ class Workload(Protocol):
 
 
 class Conversation:
-    """A growing token sequence with its chained block hashes, extended incrementally.
+    """A growing token sequence's chained block hashes, extended incrementally.
+
+    ``tokens`` holds the whole sequence (routers hash prompts themselves); with
+    ``keep_tokens=False`` only the trailing partial block is kept (all a continuation needs).
 
     >>> c = Conversation(block_size=4, chain_seed=0)
-    >>> c.append(np.arange(10, dtype=np.uint32)); len(c.hashes)
-    2
-    >>> c.append(np.arange(6, dtype=np.uint32)); len(c.hashes)
-    4
+    >>> c.append(np.arange(10, dtype=np.uint32)); len(c.hashes), c.length
+    (2, 10)
+    >>> c.append(np.arange(6, dtype=np.uint32)); len(c.hashes), c.length
+    (4, 16)
     """
 
-    __slots__ = ("block_size", "chain_seed", "hashes", "tokens")
+    __slots__ = ("block_size", "chain_seed", "hashes", "keep_tokens", "length", "tail", "tokens")
 
-    def __init__(self, block_size: int, chain_seed: int) -> None:
+    def __init__(self, block_size: int, chain_seed: int, keep_tokens: bool = True) -> None:
         self.block_size = block_size
         self.chain_seed = chain_seed
-        self.tokens: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
+        self.keep_tokens = keep_tokens
+        self.length = 0
+        self.tail: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
+        self.tokens: npt.NDArray[np.uint32] | None = self.tail if keep_tokens else None
         self.hashes: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 
     def append(self, new_tokens: npt.NDArray[np.uint32]) -> None:
         """Add tokens; hashes only the blocks that become full."""
-        self.tokens = np.concatenate([self.tokens, new_tokens])
-        done = len(self.hashes)
-        tail = self.tokens[done * self.block_size :]
-        if len(tail) >= self.block_size:
-            seed = int(self.hashes[-1]) if done else self.chain_seed
-            more = block_hashes(tail, self.block_size, seed=seed)
-            self.hashes = np.concatenate([self.hashes, more])
+        self.length += len(new_tokens)
+        if self.tokens is not None:
+            self.tokens = np.concatenate([self.tokens, new_tokens])
+        tail = np.concatenate([self.tail, new_tokens]) if len(self.tail) else new_tokens
+        full = len(tail) - len(tail) % self.block_size
+        if full:
+            seed = int(self.hashes[-1]) if len(self.hashes) else self.chain_seed
+            more = _llmsched.xxh3_block_hashes(tail[:full], self.block_size, seed)
+            self.hashes = np.concatenate([self.hashes, more]) if len(self.hashes) else more
+        self.tail = tail[full:]
 
     def copy(self) -> Conversation:
         """An independent copy (arrays are never mutated in place, so sharing them is safe)."""
-        other = Conversation(self.block_size, self.chain_seed)
-        other.tokens, other.hashes = self.tokens, self.hashes
+        other = Conversation(self.block_size, self.chain_seed, self.keep_tokens)
+        other.length, other.tail, other.tokens, other.hashes = (
+            self.length,
+            self.tail,
+            self.tokens,
+            self.hashes,
+        )
         return other
 
 
@@ -135,6 +150,14 @@ def _lengths(rng: np.random.Generator, mean: float, cv: float, n: int) -> npt.ND
     return np.maximum(1, np.rint(rng.gamma(shape, mean / shape, n))).astype(np.int64)
 
 
+def _length(rng: random.Random, mean: float, cv: float) -> int:
+    """One gamma-distributed positive integer length (``cv == 0``: ``mean``)."""
+    if cv <= 0:
+        return max(1, round(mean))
+    shape = 1.0 / (cv * cv)
+    return max(1, round(rng.gammavariate(shape, mean / shape)))
+
+
 def _tokens(rng: np.random.Generator, n: int) -> npt.NDArray[np.uint32]:
     return rng.integers(0, VOCAB, n, dtype=np.uint32)
 
@@ -144,6 +167,7 @@ class _Base:
 
     def __init__(self, seed: int, block_size: int, chain_seed: int) -> None:
         self.rng = np.random.default_rng(seed)
+        self.scalar_rng = random.Random(seed)  # numpy's per-call cost dominates scalar draws
         self.block_size = block_size
         self.chain_seed = chain_seed
         self._next_id = 0
@@ -161,7 +185,7 @@ class _Base:
         **kw: Any,
     ) -> Request:
         """A request whose output nobody reuses: the output's blocks get fresh random ids."""
-        prompt_len = len(conv.tokens)
+        prompt_len = conv.length
         full = (prompt_len + output_len) // self.block_size
         extra = full - len(conv.hashes)
         hashes = conv.hashes
@@ -234,18 +258,18 @@ class AgenticWorkload(_Base):
         cfg = self.cfg
         sid = self._started
         self._started += 1
-        tenant = int(self.rng.integers(0, cfg.system_prompts))
+        tenant = self.scalar_rng.randrange(cfg.system_prompts)
         conv = self._systems[tenant].copy()
-        user = int(_lengths(self.rng, cfg.first_input - cfg.system_prompt_len, cfg.length_cv, 1)[0])
+        user = _length(self.scalar_rng, cfg.first_input - cfg.system_prompt_len, cfg.length_cv)
         conv.append(_tokens(self.rng, user))
         session = _Session(sid, conv, cfg.followup_turns)
         self._sessions[sid] = session
-        output = int(_lengths(self.rng, cfg.first_output, cfg.length_cv, 1)[0])
+        output = _length(self.scalar_rng, cfg.first_output, cfg.length_cv)
         return self._turn(session, arrival, output, tenant, turn=0)
 
     def _turn(self, s: _Session, arrival: float, output: int, tenant: int, turn: int) -> Request:
         prompt = s.conv.tokens
-        prompt_len = len(prompt)
+        prompt_len = s.conv.length
         s.conv.append(_tokens(self.rng, output))  # what the model will answer
         req = Request(
             self._id(),
@@ -278,13 +302,14 @@ class AgenticWorkload(_Base):
         session = self._sessions.get(request.session) if request.session is not None else None
         if session is None:
             return None
-        think = float(self.rng.exponential(cfg.think_time_s)) if cfg.think_time_s > 0 else 0.0
+        rng = self.scalar_rng
+        think = rng.expovariate(1.0 / cfg.think_time_s) if cfg.think_time_s > 0 else 0.0
         if session.turns_left > 0:
             session.turns_left -= 1
             session.conv.append(
-                _tokens(self.rng, int(_lengths(self.rng, cfg.followup_input, cfg.length_cv, 1)[0]))
+                _tokens(self.rng, _length(rng, cfg.followup_input, cfg.length_cv))
             )
-            output = int(_lengths(self.rng, cfg.followup_output, cfg.length_cv, 1)[0])
+            output = _length(rng, cfg.followup_output, cfg.length_cv)
             turn = cfg.followup_turns - session.turns_left
             return self._turn(session, now + think, output, request.tenant, turn)
         del self._sessions[session.id]
@@ -383,8 +408,8 @@ class LongShortWorkload(_Base):
                 (cfg.long_input, cfg.long_output) if long else (cfg.short_input, cfg.short_output)
             )
             conv = Conversation(self.block_size, self.chain_seed)
-            conv.append(_tokens(self.rng, int(_lengths(self.rng, inp, cfg.length_cv, 1)[0])))
-            output = int(_lengths(self.rng, out, cfg.length_cv, 1)[0])
+            conv.append(_tokens(self.rng, _length(self.scalar_rng, inp, cfg.length_cv)))
+            output = _length(self.scalar_rng, out, cfg.length_cv)
             yield self._single(t, conv, output, tenant=int(long))
 
 
@@ -428,8 +453,8 @@ class PriorityWorkload(_Base):
             else:
                 inp, out, prio = cfg.interactive_input, cfg.interactive_output, 1
             conv = Conversation(self.block_size, self.chain_seed)
-            conv.append(_tokens(self.rng, int(_lengths(self.rng, inp, cfg.length_cv, 1)[0])))
-            output = int(_lengths(self.rng, out, cfg.length_cv, 1)[0])
+            conv.append(_tokens(self.rng, _length(self.scalar_rng, inp, cfg.length_cv)))
+            output = _length(self.scalar_rng, out, cfg.length_cv)
             yield self._single(t, conv, output, tenant=int(batch), priority=prio)
 
 
@@ -468,23 +493,22 @@ class TraceWorkload(_Base):
         self.cfg = cfg
         self._rows = _read_trace(cfg)
         self.expected_requests = len(self._rows)
-        self._block_hashes: dict[tuple[int, ...], npt.NDArray[np.uint64]] = {}
+        self._chains: dict[tuple[int, ...], Conversation] = {}
 
-    def _chain(self, ids: tuple[int, ...]) -> npt.NDArray[np.uint64]:
-        """Hashes of the content of blocks ``ids`` (memoised by prefix)."""
-        if not ids:
-            return np.zeros(0, dtype=np.uint64)
-        known = self._block_hashes.get(ids)
+    def _chain(self, ids: tuple[int, ...]) -> Conversation:
+        """The content of blocks ``ids``: each id's tokens derive from the id (memoised by
+        prefix, so requests sharing leading ids share tokens and hashes)."""
+        known = self._chains.get(ids)
         if known is not None:
             return known
-        parent = self._chain(ids[:-1])
-        block = np.random.default_rng(ids[-1] & U64_TOP).integers(
-            0, VOCAB, self.cfg.hash_block, dtype=np.uint32
-        )
-        seed = int(parent[-1]) if len(parent) else self.chain_seed
-        out = np.concatenate([parent, block_hashes(block, self.block_size, seed=seed)])
-        self._block_hashes[ids] = out
-        return out
+        if ids:
+            conv = self._chain(ids[:-1]).copy()
+            rng = np.random.default_rng(ids[-1] & U64_TOP)
+            conv.append(rng.integers(0, VOCAB, self.cfg.hash_block, dtype=np.uint32))
+        else:
+            conv = Conversation(self.block_size, self.chain_seed)
+        self._chains[ids] = conv
+        return conv
 
     def arrivals(self) -> Iterator[Request]:
         """The trace's requests, timestamps rebased to start at 0."""
@@ -494,20 +518,18 @@ class TraceWorkload(_Base):
         t0 = self._rows[0]["timestamp"]
         for row in self._rows:
             prompt_len = row["input_length"]
-            output_len = row["output_length"]
             shared = self._chain(tuple(row.get("hash_ids", ())))
-            whole = prompt_len // self.block_size
-            hashes = shared[:whole]
-            extra = (prompt_len + output_len) // self.block_size - len(hashes)
-            if extra > 0:
-                fresh = self.rng.integers(1, U64_TOP, extra, dtype=np.int64).astype(np.uint64)
-                hashes = np.concatenate([hashes, fresh])
-            yield Request(
-                self._id(),
+            conv = Conversation(self.block_size, self.chain_seed)
+            if shared.length >= prompt_len:
+                assert shared.tokens is not None
+                conv.append(shared.tokens[:prompt_len])
+            else:
+                conv = shared.copy()
+                conv.append(_tokens(self.rng, prompt_len - shared.length))
+            yield self._single(
                 (row["timestamp"] - t0) * scale,
-                prompt_len,
-                output_len,
-                hashes,
+                conv,
+                row["output_length"],
                 tenant=int(row.get("tenant", 0)),
                 priority=int(row.get("priority", 0)),
                 session=row.get("session"),

@@ -1,0 +1,236 @@
+"""Run one scenario under several policies (in parallel processes) and report the results.
+
+>>> from llmsched.sim.config import ScenarioConfig
+>>> cfg = ScenarioConfig.from_dict({"replicas": 2, "policies": ["random", "round-robin"],
+...     "workload": {"kind": "long_short", "num_requests": 40}})
+>>> results = compare(cfg, jobs=1, progress=False)
+>>> [r.policy for r in results]
+['random', 'round-robin']
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any, TextIO
+
+from llmsched.sim.config import ScenarioConfig
+from llmsched.sim.results import SimResult
+from llmsched.sim.simulator import Simulation
+
+__all__ = ["compare", "format_table", "write_json", "write_plot"]
+
+_counter: Any = None
+
+
+def _init_worker(counter: Any) -> None:
+    global _counter
+    _counter = counter
+
+
+def _bump(done: int, last: list[int]) -> None:
+    if _counter is not None:
+        with _counter.get_lock():
+            _counter.value += done - last[0]
+    last[0] = done
+
+
+def _simulate(config: ScenarioConfig, policy: Any) -> SimResult:
+    last = [0]
+    sim = Simulation(config, policy, progress=lambda n: _bump(n, last), progress_every=200)
+    return sim.run()
+
+
+def compare(
+    config: ScenarioConfig,
+    policies: list[Any] | None = None,
+    *,
+    jobs: int | None = None,
+    progress: bool = True,
+    out: TextIO = sys.stderr,
+) -> list[SimResult]:
+    """Simulate ``config`` once per policy (``config.policies`` by default), ``jobs`` at a
+    time in separate processes (default: one per CPU, at most one per policy), with a
+    progress bar over simulated requests. Results come back in policy order."""
+    policies = list(policies if policies is not None else config.policies)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(policies)))
+    counter = multiprocessing.get_context("spawn").Value("q", 0)
+    _init_worker(counter)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        total = _expected_requests(config) * len(policies)
+        bar = tqdm(total=total, unit="req", file=out, desc=config.name, leave=False)
+    try:
+        if jobs == 1:
+            results = []
+            for p in policies:
+                results.append(_simulate(config, p))
+                _tick(bar, counter)
+            return results
+        return _parallel(config, policies, jobs, counter, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+        _init_worker(None)
+
+
+def _parallel(
+    config: ScenarioConfig, policies: list[Any], jobs: int, counter: Any, bar: Any
+) -> list[SimResult]:
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(counter,)
+    ) as pool:
+        futures: dict[Future[SimResult], int] = {
+            pool.submit(_simulate, config, p): i for i, p in enumerate(policies)
+        }
+        results: list[SimResult | None] = [None] * len(policies)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for f in done:
+                results[futures[f]] = f.result()
+            _tick(bar, counter)
+    return [r for r in results if r is not None]
+
+
+def _tick(bar: Any, counter: Any) -> None:
+    if bar is not None:
+        bar.n = counter.value
+        bar.refresh()
+
+
+def _expected_requests(config: ScenarioConfig) -> int:
+    from llmsched.sim.workloads import make_workload
+
+    spec = dict(config.workload)
+    if spec.get("kind") == "trace":
+        return max(1, make_workload(spec).expected_requests)
+    for key in ("num_requests",):
+        if key in spec:
+            return int(spec[key])
+    if spec.get("kind") == "agentic":
+        from llmsched.sim.workloads import AgenticConfig, from_dict
+
+        params = {k: v for k, v in spec.items() if k != "kind"}
+        cfg = from_dict(AgenticConfig, params, "workload")
+        return int(cfg.sessions * (1 + cfg.followup_turns))
+    from llmsched.sim.workloads import KINDS
+
+    return int(KINDS[spec["kind"]][0]().num_requests)
+
+
+def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
+    """The comparison table (one row per policy) and a timing footer."""
+    header = (
+        f"{'policy':<20}{'out tok/s':>10}{'req/s':>7}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+        f"{'TPOT p50':>9}{'E2E p90':>9}{'hit':>6}{'prefill':>9}{'recomp':>8}{'preempt':>8}"
+        f"{'SLO':>6}{'Jain':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    total = 0
+    decision = wall = 0.0
+    for r in results:
+        s = r.summary()
+        total += s["completed"]
+        wall += s.get("wall_s", 0.0)
+        decision += s.get("decision_share", 0.0) * s.get("wall_s", 0.0)
+        if s["completed"] == 0:
+            lines.append(f"{s['policy']:<20} (no request completed)")
+            continue
+        slo = s["slo_attainment"]
+        slo_all = sum(slo.values()) / len(slo) if slo else float("nan")
+        lines.append(
+            f"{s['policy']:<20}{s['output_tok_s']:>10.0f}{s['requests_s']:>7.2f}"
+            f"{_secs(s['ttft_s']['p50']):>9}{_secs(s['ttft_s']['p90']):>8}"
+            f"{_secs(s['ttft_s']['p99']):>8}{_secs(s['tpot_s']['p50']):>9}"
+            f"{_secs(s['e2e_s']['p90']):>9}{s['prefix_hit_rate']:>6.0%}"
+            f"{s['prefill_tokens'] / 1e6:>8.1f}M{s['recomputed_tokens'] / 1e6:>7.2f}M"
+            f"{s['preemptions']:>8}{slo_all:>6.0%}{s['fairness_jain']:>6.2f}"
+        )
+    elapsed = wall_s if wall_s is not None else wall
+    share = decision / wall if wall > 0 else 0.0
+    lines.append(
+        f"\n{total} simulated requests in {elapsed:.1f} s wall "
+        f"({total / elapsed if elapsed > 0 else 0:,.0f} requests/s); "
+        f"routing decisions took {share:.1%} of simulation time"
+    )
+    return "\n".join(lines)
+
+
+def _secs(x: float) -> str:
+    if x != x:  # nan
+        return "-"
+    if x < 1:
+        return f"{x * 1e3:.0f}ms"
+    return f"{x:.1f}s"
+
+
+def write_json(
+    path: str | Path, config: ScenarioConfig, results: list[SimResult], wall_s: float
+) -> None:
+    """Every summary figure plus the KV-use series, and the scenario, as JSON."""
+    doc = {
+        "scenario": config.to_dict(),
+        "wall_s": wall_s,
+        "results": [dict(r.summary(), kv_use_series=r.kv_series()) for r in results],
+    }
+    Path(path).write_text(json.dumps(doc, indent=1, default=_jsonable))
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"cannot encode {type(x).__name__}")
+
+
+def write_plot(path: str | Path, results: list[SimResult]) -> None:
+    """TTFT CDFs, output throughput and prefix-cache hit-rate bars, KV use over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    for r in results:
+        ttft = np.sort(r.requests["first_token"] - r.requests["arrival"])
+        if len(ttft):
+            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=r.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.legend(fontsize=8)
+    summaries = [r.summary() for r in results]
+    names = [s["policy"] for s in summaries]
+    axes[0][1].bar(names, [s.get("output_tok_s", 0.0) for s in summaries])
+    axes[0][1].set_title("output tokens/s")
+    axes[1][0].bar(names, [s.get("prefix_hit_rate", 0.0) for s in summaries])
+    axes[1][0].set_title("prefix-cache hit rate")
+    for a in (axes[0][1], axes[1][0]):
+        a.tick_params(axis="x", rotation=30, labelsize=8)
+    ax = axes[1][1]
+    for r in results:
+        series = r.kv_series()
+        ax.plot(series["t"], series["kv_use"], label=r.policy)
+    ax.set_xlabel("simulated time (s)")
+    ax.set_title("mean KV-cache use")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def timed_compare(config: ScenarioConfig, **kw: Any) -> tuple[list[SimResult], float]:
+    """:func:`compare` and its wall time."""
+    start = time.perf_counter()
+    results = compare(config, **kw)
+    return results, time.perf_counter() - start

@@ -1,0 +1,227 @@
+"""Exact cases of the simulated engine: idle-replica timings, conservation of tokens, queueing
+formulas, preemption, prefix caching, P/D transfers and token slices."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from llmsched.sim import ScenarioConfig, Simulation
+from llmsched.sim.request import DONE
+
+
+def scenario(**over) -> ScenarioConfig:
+    data = {"replicas": 1, "metrics_delay_s": 0.0, "policies": ["round-robin"]}
+    data.update(over)
+    return ScenarioConfig.from_dict(data)
+
+
+def one_request(prompt: int, output: int, **over) -> ScenarioConfig:
+    workload = {
+        "kind": "long_short",
+        "num_requests": 1,
+        "long_fraction": 0.0,
+        "short_input": prompt,
+        "short_output": output,
+        "length_cv": 0.0,
+    }
+    return scenario(workload=workload, **over)
+
+
+def prefill_time(model, prompt: int, budget: int) -> float:
+    t, ctx = 0.0, 0
+    while ctx < prompt:
+        chunk = min(budget, prompt - ctx)
+        t += model.step_time(chunk, chunk * chunk, chunk * ctx, 0, 0, ctx)
+        ctx += chunk
+    return t
+
+
+@pytest.mark.parametrize("prompt", [100, 8192, 20_000])
+def test_idle_replica_ttft_is_the_modelled_prefill_time(prompt: int) -> None:
+    sim = Simulation(one_request(prompt, 50), "round-robin")
+    result = sim.run()
+    (req,) = sim.done
+    assert req.first_token_time - req.arrival == pytest.approx(
+        prefill_time(sim.model, prompt, 8192), rel=1e-12
+    )
+    decode = sim.model.decode_run(1, prompt).time(49)
+    assert req.finish_time - req.first_token_time == pytest.approx(decode, rel=1e-12)
+    assert result.summary()["prefill_tokens"] == prompt
+
+
+def test_linear_model_single_request() -> None:
+    cfg = one_request(
+        1000,
+        11,
+        step_model={"linear": {"b0": 0.002, "b1": 1e-4, "b2": 1e-3}},
+        engine={"kv_tokens": 100_000},
+    )
+    sim = Simulation(cfg, "round-robin")
+    sim.run()
+    (req,) = sim.done
+    assert req.first_token_time - req.arrival == pytest.approx(0.002 + 0.1)
+    assert req.finish_time - req.first_token_time == pytest.approx(10 * (0.002 + 1e-3))
+
+
+def conserved(sim: Simulation) -> None:
+    """Every request finished with all its tokens, and no replica holds KV any more."""
+    for req in sim.done:
+        assert req.phase == DONE and not req.rejected
+        assert req.generated == req.output_len
+        assert req.prefilled_tokens >= req.prompt_len - req.cached_tokens
+    assert sum(r.prefilled_tokens for r in sim.done) == sum(rep.prefill_tokens for rep in sim.replicas)
+    for rep in sim.replicas:
+        assert rep.kv.requests() == 0 and rep.kv.usage() == 0.0
+        assert not rep.running and not rep.waiting and rep.decode_n == 0 and rep.decode_ctx == 0
+
+
+def test_tokens_in_equal_tokens_out_under_load() -> None:
+    cfg = scenario(
+        replicas=2,
+        workload={"kind": "long_short", "num_requests": 300, "arrival": {"rate": 30.0}},
+    )
+    sim = Simulation(cfg, "round-robin")
+    result = sim.run()
+    conserved(sim)
+    s = result.summary()
+    assert s["completed"] == 300
+    assert s["output_tokens"] == sum(r.output_len for r in sim.done)
+
+
+def test_preemption_by_recompute_keeps_every_token() -> None:
+    # A tiny KV cache forces preemptions; work is recomputed and nothing is lost.
+    cfg = scenario(
+        engine={"kv_tokens": 6000, "max_num_seqs": 64},
+        workload={
+            "kind": "long_short",
+            "num_requests": 60,
+            "short_input": 400,
+            "short_output": 600,
+            "long_fraction": 0.0,
+            "arrival": {"rate": 50.0},
+        },
+    )
+    sim = Simulation(cfg, "round-robin")
+    s = sim.run().summary()
+    conserved(sim)
+    assert s["preemptions"] > 0 and s["recomputed_tokens"] > 0
+    assert s["prefill_tokens"] >= s["prompt_tokens"] - s["prompt_tokens"] * s["prefix_hit_rate"]
+
+
+def test_request_larger_than_the_cache_is_refused() -> None:
+    sim = Simulation(one_request(5000, 10, engine={"kv_tokens": 2000}), "round-robin")
+    s = sim.run().summary()
+    assert s["completed"] == 0 and s["rejected"] == 1
+
+
+def test_repeated_prompt_hits_the_prefix_cache() -> None:
+    cfg = scenario(
+        workload={
+            "kind": "shared_prefix",
+            "num_requests": 50,
+            "num_groups": 1,
+            "num_prompts_per_group": 1,
+            "system_prompt_len": 4000,
+            "question_len": 96,
+            "output_len": 20,
+            "arrival": {"rate": 2.0},
+        }
+    )
+    sim = Simulation(cfg, "round-robin")
+    s = sim.run().summary()
+    # The first request computes everything; the rest hit all but the last block (at least one
+    # prompt token is always computed, as in vLLM), so they recompute one block each.
+    assert s["prefill_tokens"] == 4096 + 49 * 16
+    assert s["prefix_hit_rate"] > 0.95
+    conserved(sim)
+
+
+def queue_run(cv: float, rate: float, n: int) -> tuple[float, float]:
+    cfg = scenario(
+        step_model={"linear": {"b0": 0.0, "b1": 1e-4, "b2": 0.0}},
+        engine={"max_num_seqs": 1, "kv_tokens": 1_000_000, "max_num_batched_tokens": 100_000},
+        workload={
+            "kind": "long_short",
+            "num_requests": n,
+            "long_fraction": 0.0,
+            "short_input": 1000,
+            "short_output": 1,
+            "length_cv": cv,
+            "arrival": {"rate": rate},
+        },
+        seed=3,
+    )
+    sim = Simulation(cfg, "round-robin")
+    sim.run()
+    sojourn = np.array([r.finish_time - r.arrival for r in sim.done])
+    service = np.array([r.prompt_len * 1e-4 for r in sim.done])
+    return float(sojourn.mean()), float(service.mean())
+
+
+def test_single_replica_matches_md1() -> None:
+    # No batching, deterministic service 0.1 s, Poisson arrivals at rho = 0.7:
+    # W = S + rho * S / (2 * (1 - rho)) (Pollaczek-Khinchine).
+    mean, service = queue_run(cv=0.0, rate=7.0, n=20_000)
+    rho = 7.0 * service
+    expected = service + rho * service / (2 * (1 - rho))
+    assert math.isclose(mean, expected, rel_tol=0.05), (mean, expected)
+
+
+def test_single_replica_matches_mm1() -> None:
+    # Exponential prompt lengths make the service time exponential: W = 1 / (mu - lambda).
+    mean, service = queue_run(cv=1.0, rate=6.0, n=30_000)
+    expected = 1.0 / (1.0 / service - 6.0)
+    assert math.isclose(mean, expected, rel_tol=0.08), (mean, expected)
+
+
+def test_pd_transfer_and_decode_split() -> None:
+    cfg = scenario(
+        replicas=2,
+        pd={"prefill_replicas": 1, "transfer_bw": 1e9, "transfer_latency_s": 0.01},
+        workload={
+            "kind": "long_short",
+            "num_requests": 1,
+            "long_fraction": 0.0,
+            "short_input": 4096,
+            "short_output": 10,
+            "length_cv": 0.0,
+        },
+    )
+    sim = Simulation(cfg, "llm-d-pd" if "llm-d-pd" in _names() else "round-robin")
+    sim.run()
+    (req,) = sim.done
+    prefill, decode = sim.replicas
+    assert prefill.prefill_tokens == 4096 and decode.prefill_tokens == 1
+    transfer = 0.01 + 4096 * sim.kv_bytes_per_token / 1e9
+    first_step = sim.model.step_time(1, 1, 4095, 0, 0, 4095)
+    expected = prefill_time(sim.model, 4096, 8192) + transfer + first_step
+    assert req.first_token_time - req.arrival == pytest.approx(expected, rel=1e-9)
+    conserved(sim)
+
+
+def test_token_slices_requeue_and_finish() -> None:
+    cfg = scenario(
+        slices={"tokens": 64},
+        workload={"kind": "long_short", "num_requests": 40, "arrival": {"rate": 10.0}},
+    )
+    sim = Simulation(cfg, "round-robin")
+    s = sim.run().summary()
+    assert s["completed"] == 40
+    conserved(sim)
+
+
+def test_seeded_runs_replay_exactly() -> None:
+    cfg = scenario(replicas=3, workload={"kind": "agentic", "sessions": 12})
+    a = Simulation(cfg, "random").run().summary()
+    b = Simulation(cfg, "random").run().summary()
+    for key in ("ttft_s", "e2e_s", "prefill_tokens", "output_tokens", "prefix_hit_rate"):
+        assert a[key] == b[key]
+
+
+def _names() -> list[str]:
+    from llmsched.sim.policies import policy_names
+
+    return policy_names()

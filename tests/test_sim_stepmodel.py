@@ -1,0 +1,181 @@
+"""Step-time models: closed-form decode runs against step-by-step sums, presets, YAML profiles."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmsched.errors import ConfigError
+from llmsched.sim.stepmodel import (
+    GPUS,
+    MODELS,
+    DecodeRun,
+    LinearStepModel,
+    RooflineStepModel,
+    StepModelConfig,
+    build_step_model,
+    load_step_model,
+)
+
+finite = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
+
+
+@given(finite, finite, finite, finite, finite, st.integers(0, 300))
+def test_decode_run_time_is_the_sum_of_its_steps(a1, g1, a2, g2, c, k) -> None:
+    run = DecodeRun(a1, g1, a2, g2, c)
+    brute = sum(max(a1 + g1 * j, a2 + g2 * j) + c for j in range(k))
+    assert math.isclose(run.time(k), brute, rel_tol=1e-9, abs_tol=1e-9)
+
+
+@given(finite, finite, st.floats(1e-3, 5.0), st.floats(0.0, 500.0), st.integers(0, 200))
+def test_steps_within_inverts_time(a, g, c, seconds, limit) -> None:
+    run = DecodeRun(a, g, a / 2, g * 2, c)
+    k = run.steps_within(seconds, limit)
+    assert 0 <= k <= limit
+    assert run.time(k) <= seconds + 1e-12
+    if k < limit:
+        assert run.time(k + 1) > seconds
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+def test_roofline_decode_run_matches_step_time(model: str, gpu: str) -> None:
+    tp = 2 if model != "llama-3.1-8b" else 1
+    m = RooflineStepModel(MODELS[model], GPUS[gpu], tp=tp)
+    for batch, ctx in [(1, 1000), (32, 32 * 4000), (256, 256 * 900)]:
+        run = m.decode_run(batch, ctx)
+        steps = [m.step_time(decode_tokens=batch, decode_ctx=ctx + batch * j) for j in range(50)]
+        assert math.isclose(run.time(50), sum(steps), rel_tol=1e-9)
+
+
+def test_linear_decode_run_matches_step_time() -> None:
+    m = LinearStepModel(b0=2e-3, b1=3e-5, b2=1e-4, b3=1e-9, b4=2e-8)
+    run = m.decode_run(16, 16 * 500)
+    steps = [m.step_time(decode_tokens=16, decode_ctx=16 * 500 + 16 * j) for j in range(40)]
+    assert math.isclose(run.time(40), sum(steps), rel_tol=1e-12)
+
+
+def test_roofline_figures_from_the_reference() -> None:
+    llama = MODELS["llama-3.1-8b"]
+    assert llama.kv_bytes_per_token == 128 * 1024  # REFERENCE.md section 6
+    m = RooflineStepModel(llama, GPUS["H100"])
+    # Prefill is compute bound: ~2 * params FLOPs per token at 60% of 989 TFLOP/s.
+    per_token = m.step_time(prefill_tokens=4096, prefill_sq=4096**2) / 4096
+    assert 25e-6 < per_token < 40e-6
+    # Decode of one request is bandwidth bound: 16 GB of weights at 80% of 3.35 TB/s.
+    assert 5e-3 < m.step_time(decode_tokens=1, decode_ctx=100) < 7e-3
+    assert m.step_time() == 0.0
+    h200 = RooflineStepModel(llama, GPUS["H200"])
+    assert h200.step_time(decode_tokens=8, decode_ctx=8000) < m.step_time(
+        decode_tokens=8, decode_ctx=8000
+    )
+    assert h200.kv_capacity_tokens() > m.kv_capacity_tokens()
+
+
+def test_moe_reads_fewer_weights_for_small_batches() -> None:
+    moe = MODELS["qwen3-30b-a3b"]
+    assert moe.weight_bytes_read(1) < 0.2 * moe.params * 2
+    assert moe.weight_bytes_read(4096) == pytest.approx(moe.params * 2, rel=1e-3)
+
+
+def test_tensor_parallel_adds_all_reduce_time() -> None:
+    spec = MODELS["qwen2.5-32b"]
+    tp2 = RooflineStepModel(spec, GPUS["H100"])
+    assert tp2.tp == 2
+    assert tp2.step_time(decode_tokens=1, decode_ctx=10) > tp2.step_overhead_s + 2 * 64 * 8e-6
+
+
+def test_roofline_rejects_impossible_settings() -> None:
+    with pytest.raises(ConfigError, match="compute_eff"):
+        RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], compute_eff=1.5)
+    with pytest.raises(ConfigError, match="does not fit"):
+        RooflineStepModel(
+            MODELS["qwen2.5-32b"], GPUS["A100"], tp=1, gpu_memory_utilization=0.8
+        )
+    with pytest.raises(ConfigError, match="tp"):
+        RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], tp=0)
+
+
+def test_build_step_model_names_unknown_things() -> None:
+    assert isinstance(build_step_model(StepModelConfig()), RooflineStepModel)
+    with pytest.raises(ConfigError, match="unknown model 'gpt-9'"):
+        build_step_model(StepModelConfig(model="gpt-9"))
+    with pytest.raises(ConfigError, match="unknown gpu 'B300'"):
+        build_step_model(StepModelConfig(gpu="B300"))
+    with pytest.raises(ConfigError, match="mfu"):
+        build_step_model(StepModelConfig(roofline={"mfu": 0.5}))
+    m = build_step_model(StepModelConfig(roofline={"compute_eff": 0.5}))
+    assert isinstance(m, RooflineStepModel) and m.compute_eff == 0.5
+
+
+def test_load_step_model_both_schemas(tmp_path) -> None:
+    short = tmp_path / "short.yaml"
+    short.write_text(
+        yaml.safe_dump(
+            {"model": "m", "kv_tokens": 1000, "coefficients": {"b0": 1e-3, "b1": 2e-5, "b2": 3e-5}}
+        )
+    )
+    m = load_step_model(short)
+    assert (m.b0, m.b1, m.b2, m.b3, m.b4, m.kv_tokens, m.model) == (
+        1e-3,
+        2e-5,
+        3e-5,
+        0.0,
+        0.0,
+        1000,
+        "m",
+    )
+    # The document `llmsched calibrate` writes.
+    calibrated = tmp_path / "cal.yaml"
+    calibrated.write_text(
+        yaml.safe_dump(
+            {
+                "kind": "llmsched.step_time_profile",
+                "version": 1,
+                "meta": {"model": "tiny"},
+                "coefficients": {
+                    "b0": 1e-3,
+                    "prefill_tokens": 2e-5,
+                    "decode_tokens": 3e-5,
+                    "prefill_tokens_sq": 1e-10,
+                    "decode_context_tokens": 1e-9,
+                },
+            }
+        )
+    )
+    c = load_step_model(calibrated)
+    assert (c.b3, c.b4, c.model) == (1e-10, 1e-9, "tiny")
+    assert c.step_time(prefill_tokens=100, prefill_sq=100**2, decode_tokens=2, decode_ctx=50) == (
+        pytest.approx(1e-3 + 2e-5 * 100 + 3e-5 * 2 + 1e-10 * 1e4 + 1e-9 * 50)
+    )
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({}, "coefficients"),
+        ({"coefficients": {"b0": 1.0, "b1": 1.0}}, "missing coefficient"),
+        ({"coefficients": {"b0": 1.0, "b1": 1.0, "b2": 1.0, "b9": 1.0}}, "unknown coefficient"),
+        ({"coefficients": {"b0": 1.0, "b1": -1.0, "b2": 1.0}}, "b1 must be"),
+        ({"coefficients": {"b0": 0, "b1": 0, "b2": 0}}, "must take time"),
+        ({"coefficients": {"b0": 1, "b1": 1, "b2": 1, "decode_tokens": 1}}, "both"),
+        ({"coefficients": {"b0": "x", "b1": 1, "b2": 1}}, "malformed"),
+        ({"coefficients": {"b0": 1, "b1": 1, "b2": 1}, "kv_tokens": 0}, "kv_tokens"),
+    ],
+)
+def test_load_step_model_errors(doc, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_step_model(doc)
+
+
+def test_load_step_model_file_errors(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_step_model(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("coefficients: [unclosed")
+    with pytest.raises(ConfigError, match="not YAML"):
+        load_step_model(bad)
