@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -599,7 +599,11 @@ def from_dict(cls: type[Any], data: dict[str, Any], where: str) -> Any:
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key == "arrival":
-            values[key] = from_dict(ArrivalConfig, value, f"{where}.arrival")
+            # Over the workload's own default process (agentic sessions default to closed).
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}.arrival: expected a mapping")
+            base = asdict(cls().arrival)
+            values[key] = from_dict(ArrivalConfig, {**base, **value}, f"{where}.arrival")
         else:
             values[key] = value
     return cls(**values)
