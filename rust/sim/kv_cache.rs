@@ -20,8 +20,33 @@
 //! drops a block drops everything below it, and every descendant of an evicted block has
 //! already been evicted).
 
+use std::hash::{BuildHasherDefault, Hasher};
+
 use hashbrown::{HashMap, HashSet};
 use thiserror::Error;
+
+/// Content hashes are already uniformly distributed (xxh3 chains), so the map uses them as
+/// they are instead of hashing them again.
+#[derive(Default, Clone, Copy)]
+struct ContentHasher(u64);
+
+impl Hasher for ContentHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type ByContent<V> = HashMap<u64, V, BuildHasherDefault<ContentHasher>>;
 
 /// Errors from KV-cache operations; nothing changes when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -75,7 +100,7 @@ pub struct KvCache {
     /// The free list's sentinel: `blocks[sentinel]` is not a real block.
     sentinel: u32,
     free_len: usize,
-    cached: HashMap<u64, u32>,
+    cached: ByContent<u32>,
     requests: HashMap<u64, Request>,
     events: Vec<Pending>,
 }
@@ -102,7 +127,7 @@ impl KvCache {
             blocks,
             sentinel,
             free_len: n,
-            cached: HashMap::new(),
+            cached: ByContent::default(),
             requests: HashMap::new(),
             events: Vec::new(),
         };

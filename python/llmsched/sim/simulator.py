@@ -46,6 +46,7 @@ class Simulation:
         policy: a policy name (see :func:`llmsched.sim.policies.policy_names`), a routing
             config dict, or a :class:`~llmsched.sim.policies.Policy` object.
         progress: called with the number of finished requests every ``progress_every``.
+        native_kv: use the Rust KV cache (False: its pure-Python twin, for benchmarks).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class Simulation:
         *,
         progress: Callable[[int], None] | None = None,
         progress_every: int = 500,
+        native_kv: bool = True,
     ) -> None:
         self.config = config
         self.model = build_step_model(config.step_model)
@@ -71,7 +73,14 @@ class Simulation:
         )
         roles = config.roles()
         self.replicas = [
-            Replica(i, role, engine, self.model, make_kv_cache(self.kv_blocks, engine.block_size), self)
+            Replica(
+                i,
+                role,
+                engine,
+                self.model,
+                make_kv_cache(self.kv_blocks, engine.block_size, native=native_kv),
+                self,
+            )
             for i, role in enumerate(roles)
         ]
         self.policy = make_policy(policy, self)
@@ -160,6 +169,7 @@ class Simulation:
         target, prefill = self.policy.pick(req, now)
         self.decision_s += time.perf_counter() - t
         req.dispatched = now
+        req.tokens = None  # only the router reads them; let the memory go
         if self.config.slices.tokens:
             req.call_end = min(req.output_len, req.generated + self.config.slices.tokens)
         if prefill is not None and prefill != target:

@@ -75,22 +75,40 @@ class Conversation:
     (4, 16)
     """
 
-    __slots__ = ("block_size", "chain_seed", "hashes", "keep_tokens", "length", "tail", "tokens")
+    __slots__ = ("_buf", "_owned", "block_size", "chain_seed", "hashes", "length", "tail")
 
     def __init__(self, block_size: int, chain_seed: int, keep_tokens: bool = True) -> None:
         self.block_size = block_size
         self.chain_seed = chain_seed
-        self.keep_tokens = keep_tokens
         self.length = 0
         self.tail: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
-        self.tokens: npt.NDArray[np.uint32] | None = self.tail if keep_tokens else None
         self.hashes: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+        # Tokens live in a buffer that grows by doubling; views handed out (``tokens``) cover
+        # only what was written before, and appends write past them, so views never change.
+        # A copy shares the buffer until its first append (``_owned`` False).
+        self._buf: npt.NDArray[np.uint32] | None = np.zeros(0, dtype=np.uint32) if keep_tokens else None
+        self._owned = True
+
+    @property
+    def tokens(self) -> npt.NDArray[np.uint32] | None:
+        """The whole sequence (a read-only view), or None without ``keep_tokens``."""
+        if self._buf is None:
+            return None
+        view = self._buf[: self.length]
+        view.flags.writeable = False
+        return view
 
     def append(self, new_tokens: npt.NDArray[np.uint32]) -> None:
         """Add tokens; hashes only the blocks that become full."""
-        self.length += len(new_tokens)
-        if self.tokens is not None:
-            self.tokens = np.concatenate([self.tokens, new_tokens])
+        n = len(new_tokens)
+        if self._buf is not None:
+            end = self.length + n
+            if not self._owned or end > len(self._buf):
+                grown = np.empty(max(end, 2 * len(self._buf), 1024), dtype=np.uint32)
+                grown[: self.length] = self._buf[: self.length]
+                self._buf, self._owned = grown, True
+            self._buf[self.length : end] = new_tokens
+        self.length += n
         tail = np.concatenate([self.tail, new_tokens]) if len(self.tail) else new_tokens
         full = len(tail) - len(tail) % self.block_size
         if full:
@@ -100,14 +118,11 @@ class Conversation:
         self.tail = tail[full:]
 
     def copy(self) -> Conversation:
-        """An independent copy (arrays are never mutated in place, so sharing them is safe)."""
-        other = Conversation(self.block_size, self.chain_seed, self.keep_tokens)
-        other.length, other.tail, other.tokens, other.hashes = (
-            self.length,
-            self.tail,
-            self.tokens,
-            self.hashes,
-        )
+        """An independent copy (it shares storage until either side appends)."""
+        other = Conversation(self.block_size, self.chain_seed, self._buf is not None)
+        other.length, other.tail, other.hashes = self.length, self.tail, self.hashes
+        other._buf, other._owned = self._buf, False
+        self._owned = False
         return other
 
 
