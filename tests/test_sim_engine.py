@@ -202,15 +202,32 @@ def test_pd_transfer_and_decode_split() -> None:
     conserved(sim)
 
 
-def test_token_slices_requeue_and_finish() -> None:
+@pytest.mark.parametrize("policy", ["fixed", "mlfq"])
+def test_token_slices_yield_and_finish(policy: str) -> None:
+    params = {"slice_tokens": 64} if policy == "fixed" else {"base_quantum": 64}
     cfg = scenario(
-        slices={"tokens": 64},
-        workload={"kind": "long_short", "num_requests": 40, "arrival": {"rate": 10.0}},
+        slices={"policy": policy, "params": params},
+        engine={"max_num_seqs": 4},
+        workload={"kind": "long_short", "num_requests": 80, "arrival": {"rate": 20.0}},
     )
     sim = Simulation(cfg, "round-robin")
     s = sim.run().summary()
-    assert s["completed"] == 40
+    assert s["completed"] == 80
+    assert sim.slice_switches > 0  # with a queue, slices yield
+    assert len(sim.slices) == 0  # every request left the tracker
     conserved(sim)
+
+
+def test_token_slices_continue_when_nobody_waits() -> None:
+    cfg = one_request(500, 300, slices={"policy": "fixed", "params": {"slice_tokens": 32}})
+    sim = Simulation(cfg, "round-robin")
+    sim.run()
+    (req,) = sim.done
+    assert sim.slice_switches == 0
+    # No yield means no extra prefill: the idle-replica timing is unchanged.
+    assert req.finish_time - req.first_token_time == pytest.approx(
+        sim.model.decode_run(1, 500).time(299), rel=1e-12
+    )
 
 
 def test_seeded_runs_replay_exactly() -> None:

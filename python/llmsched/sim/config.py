@@ -49,10 +49,14 @@ class PDConfig:
 
 @dataclass
 class SliceConfig:
-    """Token slices: each call generates at most ``tokens`` tokens, then the request goes back
-    to the end of its replica's queue as a continuation (0: off)."""
+    """Token slices through :class:`llmsched.slices.SliceTracker`: ``policy`` ``fixed`` or
+    ``mlfq`` with its ``params`` (empty: off). At each slice boundary the tracker decides,
+    from the replica's queue and KV use, whether the request continues in the batch, yields
+    (back to the end of its replica's queue, keeping its cached KV) or migrates (to an idle
+    replica, which recomputes it)."""
 
-    tokens: int = 0
+    policy: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 def _default_slo() -> dict[int, dict[str, float]]:
@@ -91,8 +95,13 @@ class ScenarioConfig:
             raise ConfigError("pd.prefill_replicas must leave at least one decode replica")
         if self.pd.transfer_bw <= 0 or self.pd.transfer_latency_s < 0:
             raise ConfigError("pd.transfer_bw must be > 0 and transfer_latency_s >= 0")
-        if self.slices.tokens < 0:
-            raise ConfigError("slices.tokens must be >= 0")
+        if self.slices.policy:
+            from llmsched.slices import policy_names
+
+            if self.slices.policy not in policy_names():
+                raise ConfigError(
+                    f"unknown slices.policy {self.slices.policy!r}; known: {policy_names()}"
+                )
         for name in ("metrics_delay_s", "kv_events_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")

@@ -193,7 +193,9 @@ class Replica:
         req.generated += 1
         if req.first_token_time < 0:
             self.sim.first_token(req, now)
-        if req.generated >= req.output_len or req.call_end == req.generated:
+        if req.generated >= req.output_len or (
+            req.call_end == req.generated and not self.sim.slice_continues(req, now)
+        ):
             self._finish(req, now)
             return
         req.phase = DECODE
@@ -213,9 +215,18 @@ class Replica:
         finishes = self.finishes
         while finishes and finishes[0][0] <= self.decode_step:
             _, _, version, req = heapq.heappop(finishes)
-            if version == req.version and req.phase == DECODE:
-                self._leave_decode(req)
-                self._finish(req, now)
+            if version != req.version or req.phase != DECODE:
+                continue
+            generated = req.join_gen + self.decode_step - req.join_step
+            if generated < req.output_len:
+                req.generated = generated
+                if self.sim.slice_continues(req, now):
+                    # The next slice goes on in the batch: only the stopping point moves.
+                    stop = min(req.output_len, req.call_end)
+                    heapq.heappush(finishes, (req.join_step + stop - req.join_gen, req.id, version, req))
+                    continue
+            self._leave_decode(req)
+            self._finish(req, now)
 
     def _leave_decode(self, req: Request) -> None:
         tokens = self.kv.tokens_of(req.id)

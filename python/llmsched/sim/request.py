@@ -56,6 +56,8 @@ class Request:
         "rejected",
         "replica",
         "session",
+        "slice_endpoint",
+        "slice_start",
                 "target",
         "tenant",
         "tokens",
@@ -111,6 +113,8 @@ class Request:
         self.preemptions = 0
         self.rejected = False
         self.call_end = 0  # token slices: this call stops when generated reaches it
+        self.slice_start = 0  # tokens generated when the current slice began
+        self.slice_endpoint = -1  # where a yielded or migrated slice continues
 
     @property
     def finished(self) -> bool:

@@ -32,6 +32,7 @@ from llmsched.sim.request import DONE, WAITING, Request
 from llmsched.sim.results import SimResult
 from llmsched.sim.stepmodel import build_step_model
 from llmsched.sim.workloads import make_workload
+from llmsched.slices import SliceTracker, SwitchCostModel, WaitingRequest
 
 __all__ = ["Simulation"]
 
@@ -101,6 +102,32 @@ class Simulation:
         self.progress = progress
         self.progress_every = progress_every
         self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
+        self.slices = self._slice_tracker()
+        self.slice_switches = 0
+
+    def _slice_tracker(self) -> SliceTracker | None:
+        cfg = self.config.slices
+        if not cfg.policy:
+            return None
+        spec = getattr(self.model, "model", None)
+        gpu = getattr(self.model, "gpu", None)
+        cost = None
+        if spec is not None and gpu is not None:
+            tp = self.model.tp
+            cost = SwitchCostModel.from_model(
+                params=spec.params,
+                layers=spec.layers,
+                kv_heads=spec.kv_heads,
+                head_dim=spec.head_dim,
+                gpu_flops=gpu.flops * tp,
+                gpu_hbm_bytes_per_s=gpu.hbm_bw * tp,
+                gpu_memory_bytes=gpu.memory * tp,
+                compute_efficiency=self.model.compute_eff,
+                bandwidth_efficiency=self.model.memory_eff,
+                memory_fraction=self.model.gpu_memory_utilization,
+            )
+        endpoints = [str(r.id) for r in self.replicas]
+        return SliceTracker(cfg.policy, cfg.params, cost_model=cost, endpoints=endpoints)
 
     # -- scheduling helpers used by the replicas ---------------------------------------------
 
@@ -170,8 +197,15 @@ class Simulation:
         self.decision_s += time.perf_counter() - t
         req.dispatched = now
         req.tokens = None  # only the router reads them; let the memory go
-        if self.config.slices.tokens:
-            req.call_end = min(req.output_len, req.generated + self.config.slices.tokens)
+        if self.slices is not None:
+            start = self.slices.admit(
+                req.id,
+                prompt_tokens=req.prompt_len,
+                max_tokens=req.output_len,
+                endpoint=str(target),
+                priority=req.priority,
+            )
+            req.call_end = min(req.output_len, start.slice_tokens)
         if prefill is not None and prefill != target:
             req.prefill_replica = self.replicas[prefill]
             req.decode_replica = self.replicas[target]
@@ -191,6 +225,29 @@ class Simulation:
         req.phase = WAITING
         self._push(now + pd.transfer_latency_s + nbytes / pd.transfer_bw, TRANSFER, (decode, req))
 
+    def slice_continues(self, req: Request, now: float) -> bool:
+        """A slice of ``req`` ended (``generated == call_end``): ask the slice tracker. True:
+        the next slice runs on in the batch (``call_end`` moved). False: the request leaves the
+        batch and :meth:`finished` requeues it where ``req.slice_endpoint`` says."""
+        tracker = self.slices
+        assert tracker is not None
+        replica = req.replica
+        t = time.perf_counter()
+        tracker.record_tokens(req.id, req.generated - req.slice_start)
+        waiting = [
+            WaitingRequest(w.priority, 0, w.prompt_len + w.generated, w.output_len - w.generated)
+            for w in list(replica.waiting)[:8]
+        ]
+        tracker.set_endpoint(str(replica.id), kv_usage=min(replica.kv.usage(), 1.0), waiting=len(replica.waiting))
+        decision = tracker.decide(req.id, finished=False, waiting=waiting, now=now)
+        self.decision_s += time.perf_counter() - t
+        req.slice_start = req.generated
+        if decision.action == "continue":
+            req.call_end = min(req.output_len, req.generated + decision.next_slice_tokens)
+            return True
+        req.slice_endpoint = int(decision.endpoint) if decision.endpoint is not None else replica.id
+        return False
+
     def first_token(self, req: Request, now: float) -> None:
         """``req`` produced its first token."""
         req.first_token_time = now
@@ -201,15 +258,21 @@ class Simulation:
     def finished(self, req: Request, now: float) -> None:
         """``req`` finished (or ended a token slice, or was refused)."""
         if not req.rejected and req.generated < req.output_len:
-            # A token slice ended: continue on the same replica as a new call.
-            replica = req.replica
+            # A token slice yielded or migrated: its continuation is a new call for the rest
+            # (prompt plus output so far), queued where the tracker sent it.
+            assert self.slices is not None
+            replica = self.replicas[req.slice_endpoint]
+            start = self.slices.resume(req.id, endpoint=str(replica.id))
             req.high_water = max(req.high_water, req.computed)
             req.computed = 0
             req.target = req.prompt_len + req.generated
-            req.call_end = min(req.output_len, req.generated + self.config.slices.tokens)
+            req.call_end = min(req.output_len, req.generated + start.slice_tokens)
             req.phase = WAITING
+            self.slice_switches += 1
             self._push(now, TRANSFER, (replica, req))  # after the replica's step is applied
             return
+        if self.slices is not None:
+            self.slices.remove(req.id)
         req.finish_time = now
         req.phase = DONE
         self.done.append(req)
