@@ -59,8 +59,8 @@ bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench --bench vllm_events
 	cargo bench --bench routing
 
-demo: build ## Run the main job
-	$(PY) -m llmsched demo
+demo: build ## Run the main job: the simulator comparing routing policies (llmsched sim)
+	$(PY) -m llmsched sim
 
 clean: ## Remove build outputs and the virtual environment
 	rm -rf target $(VENV) python/llmsched/_llmsched*.so .pytest_cache .mypy_cache .ruff_cache .benchmarks

@@ -59,7 +59,9 @@ def test_kv_cache_twin_agrees() -> None:
     assert _life_cycles(native, chains) == _life_cycles(twin, chains) == 16 * (BLOCKS - 1)
 
 
-AGENTIC = ScenarioConfig.from_dict({"base": "agentic", "workload": {"kind": "agentic", "sessions": 100}})
+AGENTIC = ScenarioConfig.from_dict(
+    {"base": "agentic", "workload": {"kind": "agentic", "sessions": 100}}
+)
 
 
 @pytest.mark.parametrize("policy", ["random", "llm-d"])

@@ -72,7 +72,9 @@ def conserved(sim: Simulation) -> None:
         assert req.phase == DONE and not req.rejected
         assert req.generated == req.output_len
         assert req.prefilled_tokens >= req.prompt_len - req.cached_tokens
-    assert sum(r.prefilled_tokens for r in sim.done) == sum(rep.prefill_tokens for rep in sim.replicas)
+    assert sum(r.prefilled_tokens for r in sim.done) == sum(
+        rep.prefill_tokens for rep in sim.replicas
+    )
     for rep in sim.replicas:
         assert rep.kv.requests() == 0 and rep.kv.usage() == 0.0
         assert not rep.running and not rep.waiting and rep.decode_n == 0 and rep.decode_ctx == 0

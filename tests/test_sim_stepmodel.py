@@ -93,9 +93,7 @@ def test_roofline_rejects_impossible_settings() -> None:
     with pytest.raises(ConfigError, match="compute_eff"):
         RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], compute_eff=1.5)
     with pytest.raises(ConfigError, match="does not fit"):
-        RooflineStepModel(
-            MODELS["qwen2.5-32b"], GPUS["A100"], tp=1, gpu_memory_utilization=0.8
-        )
+        RooflineStepModel(MODELS["qwen2.5-32b"], GPUS["A100"], tp=1, gpu_memory_utilization=0.8)
     with pytest.raises(ConfigError, match="tp"):
         RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], tp=0)
 

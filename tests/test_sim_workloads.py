@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -54,7 +55,7 @@ def test_agentic_turns_extend_the_conversation() -> None:
         req = w.on_finish(req, now)
     assert len(turns) == 6  # the first turn and 5 follow-ups
     assert turns[0].prompt_len > 7000 and turns[0].output_len > 1000
-    for prev, nxt in zip(turns, turns[1:], strict=False):
+    for prev, nxt in itertools.pairwise(turns):
         assert nxt.arrival >= prev.arrival
         # The next prompt repeats the previous prompt and its answer.
         assert nxt.prompt_len > prev.prompt_len + prev.output_len
@@ -66,7 +67,9 @@ def test_agentic_turns_extend_the_conversation() -> None:
 
 
 def test_agentic_closed_loop_replaces_finished_sessions() -> None:
-    w, starts = first({"kind": "agentic", "sessions": 5, "followup_turns": 0, "arrival": {"concurrency": 2}})
+    w, starts = first(
+        {"kind": "agentic", "sessions": 5, "followup_turns": 0, "arrival": {"concurrency": 2}}
+    )
     assert len(starts) == 2
     nxt = w.on_finish(starts[0], 10.0)
     assert nxt is not None and nxt.turn == 0 and nxt.session == 2
@@ -148,7 +151,10 @@ def test_trace_scaling_and_limit(tmp_path) -> None:
         ('{"timestamp": -1, "input_length": 5, "output_length": 1}', "timestamp"),
         ('{"timestamp": 0, "input_length": 0, "output_length": 1}', "input_length"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "x"}', "hash_ids"),
-        ('{"timestamp": 0, "input_length": 5000, "output_length": 1, "hash_ids": [1]}', "cannot cover"),
+        (
+            '{"timestamp": 0, "input_length": 5000, "output_length": 1, "hash_ids": [1]}',
+            "cannot cover",
+        ),
     ],
 )
 def test_trace_errors_name_the_line(tmp_path, line: str, message: str) -> None:

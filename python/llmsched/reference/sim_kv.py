@@ -18,7 +18,8 @@ The semantics, in the plainest terms (vLLM V1's block pool with prefix caching, 
   free blocks, ``advance_decoding`` allocates them.
 
 Events come out of :meth:`take_events` in order: ``("stored", parent, hashes)`` and
-``("removed", hashes)`` (roots of the evicted subtrees only), ready for :meth:`llmsched.PrefixIndex.store` / ``remove``.
+``("removed", hashes)`` (roots of the evicted subtrees only), ready for
+:meth:`llmsched.PrefixIndex.store` / ``remove``.
 
 >>> kv = ReferenceKvCache(num_blocks=4, block_size=2)
 >>> kv.start(1, [10, 11], max_blocks=1), kv.allocate(1, 4)

@@ -23,7 +23,14 @@ from llmsched.sim.replica import EngineConfig
 from llmsched.sim.stepmodel import StepModelConfig
 from llmsched.sim.workloads import from_dict
 
-__all__ = ["DEFAULT_POLICIES", "SCENARIOS", "PDConfig", "ScenarioConfig", "SliceConfig", "load_scenario"]
+__all__ = [
+    "DEFAULT_POLICIES",
+    "SCENARIOS",
+    "PDConfig",
+    "ScenarioConfig",
+    "SliceConfig",
+    "load_scenario",
+]
 
 DEFAULT_POLICIES = [
     "random",
@@ -134,7 +141,9 @@ class ScenarioConfig:
         base_name = data.pop("base", None)
         if base_name is not None:
             if base_name not in SCENARIOS:
-                raise ConfigError(f"unknown base scenario {base_name!r}; known: {sorted(SCENARIOS)}")
+                raise ConfigError(
+                    f"unknown base scenario {base_name!r}; known: {sorted(SCENARIOS)}"
+                )
             data = _merge(copy.deepcopy(SCENARIOS[base_name]), data)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

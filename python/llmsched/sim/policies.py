@@ -122,7 +122,7 @@ class RouterPolicy:
         from llmsched.routing import Endpoint, EndpointPool, Router
 
         roles = sim.config.roles()
-        endpoints = [Endpoint(i, role=None if r == "both" else r) for i, r in enumerate(roles)]  # type: ignore[arg-type]
+        endpoints = [Endpoint(i, role=None if r == "both" else r) for i, r in enumerate(roles)]
         self.name = name
         self.pool = EndpointPool(endpoints, stale_policy="ignore")
         self.router = Router(self.pool, sim.index, config=config, seed=sim.config.seed)

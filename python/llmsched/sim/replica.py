@@ -58,9 +58,13 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_tokens is not None and self.kv_tokens < self.block_size:
-            raise ConfigError(f"engine.kv_tokens must hold at least one block, got {self.kv_tokens}")
+            raise ConfigError(
+                f"engine.kv_tokens must hold at least one block, got {self.kv_tokens}"
+            )
         if self.scheduling not in ("fcfs", "priority"):
-            raise ConfigError(f"engine.scheduling must be 'fcfs' or 'priority', not {self.scheduling!r}")
+            raise ConfigError(
+                f"engine.scheduling must be 'fcfs' or 'priority', not {self.scheduling!r}"
+            )
 
 
 def _priority_key(r: Request) -> tuple[int, float, int]:
@@ -223,7 +227,9 @@ class Replica:
                 if self.sim.slice_continues(req, now):
                     # The next slice goes on in the batch: only the stopping point moves.
                     stop = min(req.output_len, req.call_end)
-                    heapq.heappush(finishes, (req.join_step + stop - req.join_gen, req.id, version, req))
+                    heapq.heappush(
+                        finishes, (req.join_step + stop - req.join_gen, req.id, version, req)
+                    )
                     continue
             self._leave_decode(req)
             self._finish(req, now)
@@ -315,7 +321,11 @@ class Replica:
         elif self.waiting and not self.running:
             if not preempted:
                 # Nothing runs and the head still does not fit: it never will.
-                head = self.waiting.popleft() if isinstance(self.waiting, deque) else self.waiting.pop(0)
+                head = (
+                    self.waiting.popleft()
+                    if isinstance(self.waiting, deque)
+                    else self.waiting.pop(0)
+                )
                 self._reject(head, now)
             self._schedule(now)
 

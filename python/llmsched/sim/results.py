@@ -152,14 +152,19 @@ class SimResult:
         out["output_tok_s"] = float(r["output"].sum() / makespan) if makespan > 0 else 0.0
         out["requests_s"] = n / makespan if makespan > 0 else 0.0
         eng = self.engine
-        out["prefix_hit_rate"] = eng["hit_tokens"] / eng["query_tokens"] if eng["query_tokens"] else 0.0
+        out["prefix_hit_rate"] = (
+            eng["hit_tokens"] / eng["query_tokens"] if eng["query_tokens"] else 0.0
+        )
         out["prefill_tokens"] = eng["prefill_tokens"]
         out["recomputed_tokens"] = eng["recomputed_tokens"]
         out["prompt_tokens"] = int(r["prompt"].sum())
         out["output_tokens"] = int(r["output"].sum())
         out["preemptions"] = eng["preemptions"]
         usage = [u for trace in self.kv_trace for _, u in trace]
-        out["kv_use"] = {"mean": float(np.mean(usage)) if usage else 0.0, "peak": max(usage, default=0.0)}
+        out["kv_use"] = {
+            "mean": float(np.mean(usage)) if usage else 0.0,
+            "peak": max(usage, default=0.0),
+        }
         slo_out = {}
         for prio in sorted(set(r["priority"].tolist())):
             mask = r["priority"] == prio
@@ -170,7 +175,8 @@ class SimResult:
             if "tpot_s" in target:
                 req_tpot = np.where(
                     r["output"][mask] > 1,
-                    (r["finish"][mask] - r["first_token"][mask]) / np.maximum(r["output"][mask] - 1, 1),
+                    (r["finish"][mask] - r["first_token"][mask])
+                    / np.maximum(r["output"][mask] - 1, 1),
                     0.0,
                 )
                 ok &= req_tpot <= target["tpot_s"]

@@ -30,7 +30,7 @@ from llmsched.sim.policies import Policy, make_policy
 from llmsched.sim.replica import Replica
 from llmsched.sim.request import DONE, WAITING, Request
 from llmsched.sim.results import SimResult
-from llmsched.sim.stepmodel import build_step_model
+from llmsched.sim.stepmodel import RooflineStepModel, build_step_model
 from llmsched.sim.workloads import make_workload
 from llmsched.slices import SliceTracker, SwitchCostModel, WaitingRequest
 
@@ -109,11 +109,11 @@ class Simulation:
         cfg = self.config.slices
         if not cfg.policy:
             return None
-        spec = getattr(self.model, "model", None)
-        gpu = getattr(self.model, "gpu", None)
         cost = None
-        if spec is not None and gpu is not None:
-            tp = self.model.tp
+        model = self.model
+        if isinstance(model, RooflineStepModel):
+            spec, gpu = model.model, model.gpu
+            tp = model.tp or 1
             cost = SwitchCostModel.from_model(
                 params=spec.params,
                 layers=spec.layers,
@@ -122,9 +122,9 @@ class Simulation:
                 gpu_flops=gpu.flops * tp,
                 gpu_hbm_bytes_per_s=gpu.hbm_bw * tp,
                 gpu_memory_bytes=gpu.memory * tp,
-                compute_efficiency=self.model.compute_eff,
-                bandwidth_efficiency=self.model.memory_eff,
-                memory_fraction=self.model.gpu_memory_utilization,
+                compute_efficiency=model.compute_eff,
+                bandwidth_efficiency=model.memory_eff,
+                memory_fraction=model.gpu_memory_utilization,
             )
         endpoints = [str(r.id) for r in self.replicas]
         return SliceTracker(cfg.policy, cfg.params, cost_model=cost, endpoints=endpoints)
@@ -238,7 +238,9 @@ class Simulation:
             WaitingRequest(w.priority, 0, w.prompt_len + w.generated, w.output_len - w.generated)
             for w in list(replica.waiting)[:8]
         ]
-        tracker.set_endpoint(str(replica.id), kv_usage=min(replica.kv.usage(), 1.0), waiting=len(replica.waiting))
+        tracker.set_endpoint(
+            str(replica.id), kv_usage=min(replica.kv.usage(), 1.0), waiting=len(replica.waiting)
+        )
         decision = tracker.decide(req.id, finished=False, waiting=waiting, now=now)
         self.decision_s += time.perf_counter() - t
         req.slice_start = req.generated
@@ -327,4 +329,3 @@ def _kv_bytes(model: Any) -> int:
     if spec is not None and hasattr(spec, "kv_bytes_per_token"):
         return int(spec.kv_bytes_per_token)
     return 131_072  # Llama-3-8B bf16 (REFERENCE.md section 6)
-

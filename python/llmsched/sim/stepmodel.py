@@ -7,7 +7,8 @@ and ``decode_tokens`` decoding requests whose KV lengths sum to ``decode_ctx``.
 
 Roofline (REFERENCE.md section 8 peaks)::
 
-    flops = 2 * active_params * (P + D) + 4 * layers * q_dim * (prefill_ctx + prefill_sq / 2 + decode_ctx)
+    flops = 2 * active_params * (P + D)
+            + 4 * layers * q_dim * (prefill_ctx + prefill_sq / 2 + decode_ctx)
     bytes = weights_read(P + D) + kv_bytes_per_token * (P + D + prefill_read + decode_ctx)
     t = max(flops / (tp * peak_flops * compute_eff), bytes / (tp * hbm_bw * memory_eff))
         + step_overhead + tensor-parallel all-reduce time
@@ -255,6 +256,13 @@ class RooflineStepModel:
     allreduce_latency_s: float = 8e-6
     gpu_memory_utilization: float = 0.9
     activation_reserve: float = 2 * GIB
+    # Derived in __post_init__ (see _derive).
+    _flop_rate: float = field(init=False, repr=False, compare=False, default=0.0)
+    _byte_rate: float = field(init=False, repr=False, compare=False, default=0.0)
+    _attn: float = field(init=False, repr=False, compare=False, default=0.0)
+    _kvb: float = field(init=False, repr=False, compare=False, default=0.0)
+    _active2: float = field(init=False, repr=False, compare=False, default=0.0)
+    _dense_bytes: float = field(init=False, repr=False, compare=False, default=0.0)
 
     def __post_init__(self) -> None:
         if self.tp is None:
@@ -370,7 +378,9 @@ class LinearStepModel:
                 raise ConfigError(f"coefficient {name} must be a finite number >= 0, got {value!r}")
         if self.b0 + self.b1 + self.b2 <= 0:
             raise ConfigError("a step must take time: b0, b1 and b2 are all zero")
-        if self.kv_tokens is not None and (not isinstance(self.kv_tokens, int) or self.kv_tokens < 1):
+        if self.kv_tokens is not None and (
+            not isinstance(self.kv_tokens, int) or self.kv_tokens < 1
+        ):
             raise ConfigError(f"kv_tokens must be a positive int, got {self.kv_tokens!r}")
 
     def step_time(
@@ -479,7 +489,7 @@ def load_step_model(source: str | Path | dict[str, Any]) -> LinearStepModel:
     missing = [t for t in ("b0", "b1", "b2") if t not in coefficients]
     if missing:
         raise ConfigError(f"{where}: missing coefficient(s) {missing}")
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    meta: dict[str, Any] = data["meta"] if isinstance(data.get("meta"), dict) else {}
     model = data.get("model", meta.get("model", "fitted"))
     kv_tokens = data.get("kv_tokens")
     try:

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from llmsched.errors import ConfigError
 from llmsched import _llmsched
+from llmsched.errors import ConfigError
 from llmsched.sim.request import Request
 
 __all__ = [
@@ -86,7 +86,9 @@ class Conversation:
         # Tokens live in a buffer that grows by doubling; views handed out (``tokens``) cover
         # only what was written before, and appends write past them, so views never change.
         # A copy shares the buffer until its first append (``_owned`` False).
-        self._buf: npt.NDArray[np.uint32] | None = np.zeros(0, dtype=np.uint32) if keep_tokens else None
+        self._buf: npt.NDArray[np.uint32] | None = (
+            np.zeros(0, dtype=np.uint32) if keep_tokens else None
+        )
         self._owned = True
 
     @property
@@ -321,9 +323,7 @@ class AgenticWorkload(_Base):
         think = rng.expovariate(1.0 / cfg.think_time_s) if cfg.think_time_s > 0 else 0.0
         if session.turns_left > 0:
             session.turns_left -= 1
-            session.conv.append(
-                _tokens(self.rng, _length(rng, cfg.followup_input, cfg.length_cv))
-            )
+            session.conv.append(_tokens(self.rng, _length(rng, cfg.followup_input, cfg.length_cv)))
             output = _length(rng, cfg.followup_output, cfg.length_cv)
             turn = cfg.followup_turns - session.turns_left
             return self._turn(session, now + think, output, request.tenant, turn)
@@ -503,7 +503,8 @@ class TraceWorkload(_Base):
             raise ConfigError(f"time_scale must be > 0, got {cfg.time_scale}")
         if cfg.hash_block < 1 or cfg.hash_block % block_size:
             raise ConfigError(
-                f"hash_block {cfg.hash_block} must be a positive multiple of block size {block_size}"
+                f"hash_block {cfg.hash_block} must be a positive multiple of "
+                f"block size {block_size}"
             )
         self.cfg = cfg
         self._rows = _read_trace(cfg)
