@@ -93,6 +93,7 @@ class ScenarioConfig:
     pd: PDConfig = field(default_factory=PDConfig)
     slices: SliceConfig = field(default_factory=SliceConfig)
     slo: dict[int, dict[str, float]] = field(default_factory=_default_slo)
+    variants: list[dict[str, Any]] = field(default_factory=list)
 
     def validate(self) -> None:
         """ConfigError for impossible settings."""
@@ -116,6 +117,11 @@ class ScenarioConfig:
             raise ConfigError("kv_sample_s must be > 0")
         if not self.policies:
             raise ConfigError("policies must name at least one policy")
+        for i, variant in enumerate(self.variants):
+            if not isinstance(variant, dict) or not isinstance(variant.get("name"), str):
+                raise ConfigError(f"variants[{i}] must be a mapping with a 'name'")
+            if {"variants", "base", "policies"} & set(variant):
+                raise ConfigError(f"variants[{i}] may not set variants, base or policies")
         for prio, slo in self.slo.items():
             if not isinstance(slo, dict) or set(slo) - {"ttft_s", "tpot_s"}:
                 raise ConfigError(f"slo[{prio}] must be a mapping with ttft_s and/or tpot_s")
@@ -127,6 +133,20 @@ class ScenarioConfig:
         if not p:
             return ["both"] * self.replicas
         return ["prefill"] * p + ["decode"] * (self.replicas - p)
+
+    def expand(self) -> list[tuple[str, ScenarioConfig]]:
+        """(label, scenario) for each variant (overrides merged over this scenario), or just
+        this scenario when it has none."""
+        if not self.variants:
+            return [("", self)]
+        base = self.to_dict()
+        base.pop("variants")
+        out = []
+        for variant in self.variants:
+            over = copy.deepcopy(variant)
+            label = over.pop("name")
+            out.append((label, ScenarioConfig.from_dict(_merge(copy.deepcopy(base), over))))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for ``--json``)."""
@@ -206,6 +226,20 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "replicas": 4,
         "workload": {"kind": "priority", "num_requests": 6000, "arrival": {"rate": 24.0}},
         "policies": ["least-load"],
+    },
+    "slices": {
+        "name": "slices",
+        "description": "long and short requests on memory-limited engines, with and without "
+        "token slices",
+        "replicas": 4,
+        "engine": {"max_num_seqs": 32},
+        "workload": {"kind": "long_short", "num_requests": 3000, "arrival": {"rate": 12.0}},
+        "policies": ["round-robin"],
+        "variants": [
+            {"name": "no slices"},
+            {"name": "fixed 256", "slices": {"policy": "fixed", "params": {"slice_tokens": 256}}},
+            {"name": "mlfq 128", "slices": {"policy": "mlfq", "params": {"base_quantum": 128}}},
+        ],
     },
     "pd": {
         "name": "pd",

@@ -5,7 +5,8 @@ after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and
 over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
 hit over tokens queried at admission, vLLM's counters); prefill tokens computed and recomputed
 after preemption; KV use (mean and peak over time); SLO attainment per priority (TTFT and TPOT
-both within the class's targets); Jain's fairness over tenants of the mean normalised speed
+both within the class's targets); TTFT and end-to-end latency per tenant (up to 16
+tenants); Jain's fairness over tenants of the mean normalised speed
 (a request's time alone on an idle replica over its actual end-to-end time); and the wall time
 with the share spent in the routing decision code.
 """
@@ -36,6 +37,9 @@ FIELDS = (
     "priority",
     "ideal",
 )
+
+
+MAX_TENANT_ROWS = 16  # per-tenant figures are reported up to this many tenants
 
 
 def jain(values: npt.ArrayLike) -> float:
@@ -185,6 +189,15 @@ class SimResult:
         speed = r["ideal"] / np.maximum(e2e, 1e-12)
         tenants = sorted(set(r["tenant"].tolist()))
         out["fairness_jain"] = jain([speed[r["tenant"] == t].mean() for t in tenants])
+        if len(tenants) <= MAX_TENANT_ROWS:
+            out["by_tenant"] = {
+                int(t): {
+                    "completed": int((r["tenant"] == t).sum()),
+                    "ttft_s": _pct(ttft[r["tenant"] == t]),
+                    "e2e_s": _pct(e2e[r["tenant"] == t]),
+                }
+                for t in tenants
+            }
         out["wall_s"] = self.wall_s
         out["sim_requests_per_wall_s"] = n / self.wall_s if self.wall_s > 0 else 0.0
         out["decision_share"] = self.decision_s / self.wall_s if self.wall_s > 0 else 0.0

@@ -40,10 +40,13 @@ def _bump(done: int, last: list[int]) -> None:
     last[0] = done
 
 
-def _simulate(config: ScenarioConfig, policy: Any) -> SimResult:
+def _simulate(config: ScenarioConfig, policy: Any, label: str = "") -> SimResult:
     last = [0]
     sim = Simulation(config, policy, progress=lambda n: _bump(n, last), progress_every=200)
-    return sim.run()
+    result = sim.run()
+    if label:
+        result.policy = f"{result.policy} [{label}]"
+    return result
 
 
 def compare(
@@ -54,27 +57,28 @@ def compare(
     progress: bool = True,
     out: TextIO = sys.stderr,
 ) -> list[SimResult]:
-    """Simulate ``config`` once per policy (``config.policies`` by default), ``jobs`` at a
-    time in separate processes (default: one per CPU, at most one per policy), with a
-    progress bar over simulated requests. Results come back in policy order."""
+    """Simulate ``config`` once per policy (``config.policies`` by default) and variant,
+    ``jobs`` at a time in separate processes (default: one per CPU, at most one per run), with
+    a progress bar over simulated requests. Results come back in (variant, policy) order."""
     policies = list(policies if policies is not None else config.policies)
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(policies)))
+    runs = [(cfg, p, label) for label, cfg in config.expand() for p in policies]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(runs)))
     counter = multiprocessing.get_context("spawn").Value("q", 0)
     _init_worker(counter)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        total = _expected_requests(config) * len(policies)
+        total = _expected_requests(config) * len(runs)
         bar = tqdm(total=total, unit="req", file=out, desc=config.name, leave=False)
     try:
         if jobs == 1:
             results = []
-            for p in policies:
-                results.append(_simulate(config, p))
+            for run in runs:
+                results.append(_simulate(*run))
                 _tick(bar, counter)
             return results
-        return _parallel(config, policies, jobs, counter, bar)
+        return _parallel(runs, jobs, counter, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -82,16 +86,16 @@ def compare(
 
 
 def _parallel(
-    config: ScenarioConfig, policies: list[Any], jobs: int, counter: Any, bar: Any
+    runs: list[tuple[ScenarioConfig, Any, str]], jobs: int, counter: Any, bar: Any
 ) -> list[SimResult]:
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         max_workers=jobs, mp_context=ctx, initializer=_init_worker, initargs=(counter,)
     ) as pool:
         futures: dict[Future[SimResult], int] = {
-            pool.submit(_simulate, config, p): i for i, p in enumerate(policies)
+            pool.submit(_simulate, *run): i for i, run in enumerate(runs)
         }
-        results: list[SimResult | None] = [None] * len(policies)
+        results: list[SimResult | None] = [None] * len(runs)
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -130,7 +134,7 @@ def _expected_requests(config: ScenarioConfig) -> int:
 def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
     """The comparison table (one row per policy) and a timing footer."""
     header = (
-        f"{'policy':<20}{'out tok/s':>10}{'req/s':>7}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+        f"{'policy':<28}{'out tok/s':>10}{'req/s':>7}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
         f"{'TPOT p50':>9}{'E2E p90':>9}{'hit':>6}{'prefill':>9}{'recomp':>8}{'preempt':>8}"
         f"{'SLO':>6}{'Jain':>6}"
     )
@@ -143,12 +147,12 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         wall += s.get("wall_s", 0.0)
         decision += s.get("decision_share", 0.0) * s.get("wall_s", 0.0)
         if s["completed"] == 0:
-            lines.append(f"{s['policy']:<20} (no request completed)")
+            lines.append(f"{s['policy']:<28} (no request completed)")
             continue
         slo = s["slo_attainment"]
         slo_all = sum(slo.values()) / len(slo) if slo else float("nan")
         lines.append(
-            f"{s['policy']:<20}{s['output_tok_s']:>10.0f}{s['requests_s']:>7.2f}"
+            f"{s['policy']:<28}{s['output_tok_s']:>10.0f}{s['requests_s']:>7.2f}"
             f"{_secs(s['ttft_s']['p50']):>9}{_secs(s['ttft_s']['p90']):>8}"
             f"{_secs(s['ttft_s']['p99']):>8}{_secs(s['tpot_s']['p50']):>9}"
             f"{_secs(s['e2e_s']['p90']):>9}{s['prefix_hit_rate']:>6.0%}"
