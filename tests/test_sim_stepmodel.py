@@ -177,3 +177,30 @@ def test_load_step_model_file_errors(tmp_path) -> None:
     bad.write_text("coefficients: [unclosed")
     with pytest.raises(ConfigError, match="not YAML"):
         load_step_model(bad)
+
+
+def test_reads_the_profile_llmsched_calibrate_writes(tmp_path) -> None:
+    from llmsched.executor.step_time import StepSample, StepTimeProfile
+
+    truth = (1e-3, 2e-6, 5e-6, 1e-10, 3e-9)
+    samples = [
+        StepSample(
+            p, d, p * p, c, truth[0] + truth[1] * p + truth[2] * d + truth[3] * p * p + truth[4] * c
+        )
+        for p, d, c in [
+            (0, 1, 100),
+            (0, 8, 900),
+            (16, 0, 0),
+            (64, 0, 0),
+            (512, 0, 0),
+            (0, 32, 5000),
+            (32, 4, 700),
+            (256, 16, 3000),
+        ]
+    ]
+    path = tmp_path / "profile.yaml"
+    StepTimeProfile.fit(samples, meta={"model": "tiny-moe"}).save(path)
+    model = load_step_model(path)
+    assert model.model == "tiny-moe"
+    for got, want in zip((model.b0, model.b1, model.b2, model.b3, model.b4), truth, strict=True):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-15)
