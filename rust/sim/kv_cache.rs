@@ -183,14 +183,14 @@ impl KvCache {
         if self.requests.contains_key(&req) {
             return Err(KvError::DuplicateRequest(req));
         }
-        let hit = self.lookup(hashes, max_blocks);
         let mut state = Request::default();
-        state.blocks.reserve(hashes.len().max(hit));
-        for h in &hashes[..hit] {
-            let block = self.cached[h];
+        state.blocks.reserve(hashes.len());
+        for h in hashes.iter().take(max_blocks) {
+            let Some(&block) = self.cached.get(h) else { break };
             self.take_ref(block);
             state.blocks.push(block);
         }
+        let hit = state.blocks.len();
         state.tokens = hit as u64 * self.block_size;
         state.committed = hit;
         self.requests.insert(req, state);

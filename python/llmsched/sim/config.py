@@ -210,8 +210,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "shared-prefix": {
         "name": "shared-prefix",
-        "description": "llm-d shared-prefix benchmark: 150 tenants x 6k-token contexts, 8 replicas",
-        "workload": {"kind": "shared_prefix", "num_requests": 6000, "arrival": {"rate": 36.0}},
+        "description": "llm-d shared-prefix benchmark: 150 tenants x 6k-token contexts, "
+        "8 x Qwen2.5-32B on 2 x H100",
+        "step_model": {"model": "qwen2.5-32b"},
+        "workload": {"kind": "shared_prefix", "num_requests": 3000, "arrival": {"rate": 15.0}},
     },
     "long-short": {
         "name": "long-short",

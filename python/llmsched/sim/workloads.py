@@ -227,9 +227,9 @@ class AgenticConfig:
     output, then ~5 turns of ~500-token inputs). The first input includes one of
     ``system_prompts`` shared system prompts."""
 
-    sessions: int = 1000
+    sessions: int = 600
     arrival: ArrivalConfig = field(
-        default_factory=lambda: ArrivalConfig(process="closed", concurrency=192)
+        default_factory=lambda: ArrivalConfig(process="closed", concurrency=160)
     )
     first_input: int = 10_000
     first_output: int = 2_000
