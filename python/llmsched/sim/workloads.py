@@ -183,6 +183,7 @@ class _Base:
     """Shared plumbing: the rng, request ids, hashing namespace."""
 
     def __init__(self, seed: int, block_size: int, chain_seed: int) -> None:
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.scalar_rng = random.Random(seed)  # numpy's per-call cost dominates scalar draws
         self.block_size = block_size
@@ -243,10 +244,16 @@ class AgenticConfig:
 
 
 class _Session:
-    __slots__ = ("conv", "id", "turns_left")
+    """One session's conversation and its own random streams: its content and think times
+    depend only on the seed and its number, never on when other requests finish, so every
+    policy sees the same sessions."""
 
-    def __init__(self, sid: int, conv: Conversation, turns_left: int) -> None:
+    __slots__ = ("conv", "id", "rng", "scalar_rng", "turns_left")
+
+    def __init__(self, sid: int, seed: int, conv: Conversation, turns_left: int) -> None:
         self.id = sid
+        self.rng = np.random.default_rng([seed, sid])
+        self.scalar_rng = random.Random(seed * 1_000_003 + sid)
         self.conv = conv
         self.turns_left = turns_left
 
@@ -275,19 +282,20 @@ class AgenticWorkload(_Base):
         cfg = self.cfg
         sid = self._started
         self._started += 1
-        tenant = self.scalar_rng.randrange(cfg.system_prompts)
-        conv = self._systems[tenant].copy()
-        user = _length(self.scalar_rng, cfg.first_input - cfg.system_prompt_len, cfg.length_cv)
-        conv.append(_tokens(self.rng, user))
-        session = _Session(sid, conv, cfg.followup_turns)
+        session = _Session(sid, self.seed, Conversation(self.block_size, self.chain_seed), 0)
+        session.turns_left = cfg.followup_turns
+        tenant = session.scalar_rng.randrange(cfg.system_prompts)
+        session.conv = self._systems[tenant].copy()
+        user = _length(session.scalar_rng, cfg.first_input - cfg.system_prompt_len, cfg.length_cv)
+        session.conv.append(_tokens(session.rng, user))
         self._sessions[sid] = session
-        output = _length(self.scalar_rng, cfg.first_output, cfg.length_cv)
+        output = _length(session.scalar_rng, cfg.first_output, cfg.length_cv)
         return self._turn(session, arrival, output, tenant, turn=0)
 
     def _turn(self, s: _Session, arrival: float, output: int, tenant: int, turn: int) -> Request:
         prompt = s.conv.tokens
         prompt_len = s.conv.length
-        s.conv.append(_tokens(self.rng, output))  # what the model will answer
+        s.conv.append(_tokens(s.rng, output))  # what the model will answer
         req = Request(
             self._id(),
             arrival,
@@ -319,11 +327,13 @@ class AgenticWorkload(_Base):
         session = self._sessions.get(request.session) if request.session is not None else None
         if session is None:
             return None
-        rng = self.scalar_rng
+        rng = session.scalar_rng
         think = rng.expovariate(1.0 / cfg.think_time_s) if cfg.think_time_s > 0 else 0.0
         if session.turns_left > 0:
             session.turns_left -= 1
-            session.conv.append(_tokens(self.rng, _length(rng, cfg.followup_input, cfg.length_cv)))
+            session.conv.append(
+                _tokens(session.rng, _length(rng, cfg.followup_input, cfg.length_cv))
+            )
             output = _length(rng, cfg.followup_output, cfg.length_cv)
             turn = cfg.followup_turns - session.turns_left
             return self._turn(session, now + think, output, request.tenant, turn)
