@@ -120,8 +120,8 @@ class ScenarioConfig:
         for i, variant in enumerate(self.variants):
             if not isinstance(variant, dict) or not isinstance(variant.get("name"), str):
                 raise ConfigError(f"variants[{i}] must be a mapping with a 'name'")
-            if {"variants", "base", "policies"} & set(variant):
-                raise ConfigError(f"variants[{i}] may not set variants, base or policies")
+            if {"variants", "base"} & set(variant):
+                raise ConfigError(f"variants[{i}] may not set variants or base")
         for prio, slo in self.slo.items():
             if not isinstance(slo, dict) or set(slo) - {"ttft_s", "tpot_s"}:
                 raise ConfigError(f"slo[{prio}] must be a mapping with ttft_s and/or tpot_s")
@@ -245,10 +245,24 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "pd": {
         "name": "pd",
-        "description": "prefill/decode disaggregation: 2 prefill + 6 decode replicas",
-        "pd": {"prefill_replicas": 2},
-        "workload": {"kind": "shared_prefix", "num_requests": 4000, "arrival": {"rate": 30.0}},
+        "description": "8 replicas serving both phases, or split 2 prefill + 6 decode "
+        "(llm-d's P/D profile)",
+        "workload": {
+            "kind": "long_short",
+            "num_requests": 4000,
+            "long_fraction": 0.3,
+            "long_input": 8000,
+            "long_output": 500,
+            "short_input": 2000,
+            "short_output": 300,
+            "arrival": {"rate": 14.0},
+        },
         "policies": ["llm-d"],
+        "variants": [
+            {"name": "8 mixed"},
+            {"name": "2P+6D", "pd": {"prefill_replicas": 2}, "policies": ["llm-d-pd"]},
+            {"name": "3P+5D", "pd": {"prefill_replicas": 3}, "policies": ["llm-d-pd"]},
+        ],
     },
 }
 

@@ -57,11 +57,14 @@ def compare(
     progress: bool = True,
     out: TextIO = sys.stderr,
 ) -> list[SimResult]:
-    """Simulate ``config`` once per policy (``config.policies`` by default) and variant,
+    """Simulate ``config`` once per policy (each variant's ``policies`` by default) and variant,
     ``jobs`` at a time in separate processes (default: one per CPU, at most one per run), with
     a progress bar over simulated requests. Results come back in (variant, policy) order."""
-    policies = list(policies if policies is not None else config.policies)
-    runs = [(cfg, p, label) for label, cfg in config.expand() for p in policies]
+    runs = [
+        (cfg, p, label)
+        for label, cfg in config.expand()
+        for p in (policies if policies is not None else cfg.policies)
+    ]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(runs)))
     counter = multiprocessing.get_context("spawn").Value("q", 0)
     _init_worker(counter)
