@@ -31,7 +31,9 @@ def test_base_scenario_and_merging(tmp_path) -> None:
     path.write_text(yaml.safe_dump({"base": "shared-prefix", "workload": {"num_requests": 10}}))
     cfg = load_scenario(path=path)
     assert cfg.workload["kind"] == "shared_prefix" and cfg.workload["num_requests"] == 10
-    assert load_scenario("pd", None).pd.prefill_replicas == 2
+    variants = load_scenario("pd", None).expand()
+    assert [label for label, _ in variants] == ["8 mixed", "2P+6D", "3P+5D"]
+    assert variants[1][1].pd.prefill_replicas == 2 and variants[1][1].policies == ["llm-d-pd"]
 
 
 @pytest.mark.parametrize(

@@ -244,3 +244,22 @@ def _names() -> list[str]:
     from llmsched.sim.policies import policy_names
 
     return policy_names()
+
+
+def test_flow_control_protects_interactive_traffic() -> None:
+    pytest.importorskip("llmsched.flow")
+    runs = {}
+    for label, cfg in ScenarioConfig.from_dict(
+        {"base": "priority", "workload": {"kind": "priority", "num_requests": 1500}}
+    ).expand():
+        sim = Simulation(cfg, "llm-d")
+        runs[label] = (sim, sim.run().summary())
+    for sim, summary in runs.values():
+        assert len(sim.done) == 1500  # every request completed or was refused
+        assert summary["completed"] + summary["rejected"] == 1500
+        for rep in sim.replicas:
+            assert rep.kv.requests() == 0
+    plain = runs["no flow control"][1]
+    gated = runs["flow control"][1]
+    assert gated["slo_attainment"][1] > plain["slo_attainment"][1]
+    assert gated["by_tenant"][0]["ttft_s"]["p90"] < plain["by_tenant"][0]["ttft_s"]["p90"]

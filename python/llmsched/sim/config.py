@@ -26,6 +26,7 @@ from llmsched.sim.workloads import from_dict
 __all__ = [
     "DEFAULT_POLICIES",
     "SCENARIOS",
+    "FlowConfig",
     "PDConfig",
     "ScenarioConfig",
     "SliceConfig",
@@ -66,6 +67,16 @@ class SliceConfig:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class FlowConfig:
+    """Flow control in front of the router (:class:`llmsched.flow.FlowController`, built
+    from ``config``, its llm-d style configuration): requests wait in priority bands until the
+    pool's saturation lets their band dispatch; refused or expired ones count as rejected."""
+
+    enabled: bool = False
+    config: dict[str, Any] = field(default_factory=dict)
+
+
 def _default_slo() -> dict[int, dict[str, float]]:
     return {
         1: {"ttft_s": 1.0, "tpot_s": 0.05},
@@ -92,6 +103,7 @@ class ScenarioConfig:
     max_time_s: float | None = None
     pd: PDConfig = field(default_factory=PDConfig)
     slices: SliceConfig = field(default_factory=SliceConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
     slo: dict[int, dict[str, float]] = field(default_factory=_default_slo)
     variants: list[dict[str, Any]] = field(default_factory=list)
 
@@ -174,6 +186,7 @@ class ScenarioConfig:
             "engine": EngineConfig,
             "pd": PDConfig,
             "slices": SliceConfig,
+            "flow": FlowConfig,
         }
         values: dict[str, Any] = {}
         for key, value in data.items():
@@ -224,10 +237,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "priority": {
         "name": "priority",
-        "description": "interactive (priority 1) and batch (priority -1) traffic, overloaded",
+        "description": "interactive (priority 1) and batch (priority -1) traffic, overloaded, "
+        "with and without flow control",
         "replicas": 4,
         "workload": {"kind": "priority", "num_requests": 6000, "arrival": {"rate": 24.0}},
-        "policies": ["least-load"],
+        "policies": ["llm-d"],
+        "variants": [
+            {"name": "no flow control"},
+            {"name": "flow control", "flow": {"enabled": True}},
+        ],
     },
     "slices": {
         "name": "slices",

@@ -4,8 +4,8 @@ Figures (``summary()``): TTFT, time per output token (TPOT, decode time over out
 after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and requests/s
 over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
 hit over tokens queried at admission, vLLM's counters); prefill tokens computed and recomputed
-after preemption; KV use (mean and peak over time); SLO attainment per priority (TTFT and TPOT
-both within the class's targets); TTFT and end-to-end latency per tenant (up to 16
+after preemption; KV use (mean and peak over time); SLO attainment per priority (the share of
+the class's requests, refused ones included, that got TTFT and TPOT within its targets); TTFT and end-to-end latency per tenant (up to 16
 tenants); Jain's fairness over tenants of the mean normalised speed
 (a request's time alone on an idle replica over its actual end-to-end time); and the wall time
 with the share spent in the routing decision code.
@@ -54,6 +54,13 @@ def jain(values: npt.ArrayLike) -> float:
     return float(x.sum() ** 2 / (len(x) * (x * x).sum()))
 
 
+def _count(values: Any) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
 def _pct(x: npt.NDArray[np.float64]) -> dict[str, float]:
     if len(x) == 0:
         return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
@@ -69,6 +76,7 @@ class SimResult:
     scenario: str
     requests: dict[str, npt.NDArray[Any]]
     rejected: int
+    rejected_by_priority: dict[int, int]
     engine: dict[str, int]
     kv_trace: list[list[tuple[float, float]]]
     slo: dict[int, dict[str, float]]
@@ -127,6 +135,7 @@ class SimResult:
             scenario=sim.config.name,
             requests=requests,
             rejected=sum(1 for r in sim.done if r.rejected),
+            rejected_by_priority=_count(r.priority for r in sim.done if r.rejected),
             engine=engine,
             kv_trace=sim.kv_trace,
             slo=sim.config.slo,
@@ -170,7 +179,7 @@ class SimResult:
             "peak": max(usage, default=0.0),
         }
         slo_out = {}
-        for prio in sorted(set(r["priority"].tolist())):
+        for prio in sorted(set(r["priority"].tolist()) | set(self.rejected_by_priority)):
             mask = r["priority"] == prio
             target = self.slo.get(prio, {})
             ok = np.ones(int(mask.sum()), dtype=bool)
@@ -184,7 +193,8 @@ class SimResult:
                     0.0,
                 )
                 ok &= req_tpot <= target["tpot_s"]
-            slo_out[int(prio)] = float(ok.mean())
+            # A request that was refused missed its targets too.
+            slo_out[int(prio)] = float(ok.sum() / (len(ok) + self.rejected_by_priority.get(prio, 0)))
         out["slo_attainment"] = slo_out
         speed = r["ideal"] / np.maximum(e2e, 1e-12)
         tenants = sorted(set(r["tenant"].tolist()))

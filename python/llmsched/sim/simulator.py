@@ -7,6 +7,7 @@ decision is made by the policy on what a gateway would see at that moment: engin
 published ``metrics_delay_s`` ago and the prefix index as fed by the engines' KV events.
 
 >>> from llmsched.sim.config import ScenarioConfig
+from llmsched.sim.gate import FlowGate
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
 ...     "num_requests": 50, "arrival": {"rate": 5.0}}})
 >>> result = Simulation(cfg, "round-robin").run()
@@ -104,6 +105,7 @@ class Simulation:
         self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
         self.slices = self._slice_tracker()
         self.slice_switches = 0
+        self.gate = FlowGate(self, config.flow.config) if config.flow.enabled else None
 
     def _slice_tracker(self) -> SliceTracker | None:
         cfg = self.config.slices
@@ -150,9 +152,16 @@ class Simulation:
         if self.config.metrics_delay_s > 0:
             self._pending_metrics[rid].append((now, waiting, running, usage))
         else:
-            t = time.perf_counter()
-            self.policy.update_metrics(rid, waiting, running, usage, now)
-            self.feed_s += time.perf_counter() - t
+            self._metrics_seen(rid, waiting, running, usage, now)
+
+    def _metrics_seen(self, rid: int, waiting: int, running: int, usage: float, now: float) -> None:
+        t = time.perf_counter()
+        self.policy.update_metrics(rid, waiting, running, usage, now)
+        if self.gate is not None:
+            self.gate.endpoint(rid, waiting, running, usage, now)
+        self.feed_s += time.perf_counter() - t
+        if self.gate is not None and self.gate.queued:
+            self._pump(self.now)
 
     def _deliver_metrics(self, now: float) -> None:
         horizon = now - self.config.metrics_delay_s
@@ -161,7 +170,7 @@ class Simulation:
             while pending and pending[0][0] <= horizon:
                 last = pending.popleft()
             if last is not None:
-                self.policy.update_metrics(rid, last[1], last[2], last[3], last[0])
+                self._metrics_seen(rid, last[1], last[2], last[3], last[0])
 
     def kv_events(self, replica: Replica, now: float) -> None:
         """Forward the replica's KV events to the prefix index (after ``kv_events_delay_s``)."""
@@ -188,6 +197,33 @@ class Simulation:
         self.feed_s += time.perf_counter() - t
 
     # -- request life cycle ------------------------------------------------------------------
+
+    def _arrive(self, req: Request, now: float) -> None:
+        if self.gate is None:
+            self._dispatch(req, now)
+            return
+        if self.config.metrics_delay_s > 0:
+            self._deliver_metrics(now)
+        if not self.gate.offer(req, now):
+            self._reject(req, now)
+        self._pump(now)
+
+    def _pump(self, now: float) -> None:
+        """Dispatch what flow control lets through; reject what it dropped."""
+        assert self.gate is not None
+        for req in self.gate.expired(now):
+            self._reject(req, now)
+        for req in self.gate.ready(now):
+            self._dispatch(req, now)
+
+    def _reject(self, req: Request, now: float) -> None:
+        req.rejected = True
+        req.phase = DONE
+        req.finish_time = now
+        self.done.append(req)
+        follow = self.workload.on_finish(req, now)
+        if follow is not None:
+            self._push(follow.arrival, ARRIVAL, follow)
 
     def _dispatch(self, req: Request, now: float) -> None:
         if self.config.metrics_delay_s > 0:
@@ -278,9 +314,16 @@ class Simulation:
         req.finish_time = now
         req.phase = DONE
         self.done.append(req)
-        t = time.perf_counter()
-        self.policy.on_finished(req, now)
-        self.decision_s += time.perf_counter() - t
+        if req.rejected:
+            # Refused by its engine (larger than the KV cache): it never got a first token.
+            self.policy.on_finished(req, now)
+        else:
+            t = time.perf_counter()
+            self.policy.on_finished(req, now)
+            self.decision_s += time.perf_counter() - t
+        if self.gate is not None:
+            self.gate.complete(req, now)
+            self._pump(now)
         follow = self.workload.on_finish(req, now)
         if follow is not None:
             self._push(follow.arrival, ARRIVAL, follow)
@@ -311,9 +354,9 @@ class Simulation:
                     obj.on_step_end(when)
             elif kind == STREAM_ARRIVAL:
                 self._next_arrival()
-                self._dispatch(obj, when)
+                self._arrive(obj, when)
             elif kind == ARRIVAL:
-                self._dispatch(obj, when)
+                self._arrive(obj, when)
             elif kind == TRANSFER:
                 decode, req = obj
                 decode.enqueue(req, when)
