@@ -112,6 +112,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         f"fit error (relative): median {err.median:.1%}, mean {err.mean:.1%}, max {err.max:.1%}"
         f"; linear-only model: median {lin.median:.1%}, mean {lin.mean:.1%}, max {lin.max:.1%}"
     )
+
+
 def add_sim_command(subparsers: Subparsers) -> None:
     """``llmsched sim``: simulate a scenario under several routing policies and compare."""
     parser = subparsers.add_parser(

@@ -68,10 +68,16 @@ class FlowGate:
         self.queued -= len(gone)
         return [d.payload for d in gone]
 
-    def endpoint(self, replica: int, waiting: int, running: int, kv_usage: float, now: float) -> None:
+    def endpoint(
+        self, replica: int, waiting: int, running: int, kv_usage: float, now: float
+    ) -> None:
         """A replica's metrics, for the saturation detector."""
         self.controller.update_endpoint(
-            str(replica), waiting=waiting, running=running, kv_usage=min(kv_usage, 1.0), timestamp=now
+            str(replica),
+            waiting=waiting,
+            running=running,
+            kv_usage=min(kv_usage, 1.0),
+            timestamp=now,
         )
 
     def complete(self, req: Request, now: float) -> None:

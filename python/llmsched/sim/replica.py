@@ -102,6 +102,7 @@ class Replica:
         self.finishes: list[tuple[int, int, int, Request]] = []
         self.version = 0
         self.busy = False
+        self.stepping = False  # applying a step: arrivals wait for the next schedule
         # The step (or decode run) in flight.
         self.step_start = 0.0
         self.step_end = 0.0
@@ -130,6 +131,8 @@ class Replica:
         req.replica = self
         req.phase = WAITING
         self._wait(req)
+        if self.stepping:
+            return  # arrived from a callback of the step being applied: scheduled right after
         if not self.busy:
             self._schedule(now)
         elif self.run_steps > 1:
@@ -160,6 +163,7 @@ class Replica:
     def on_step_end(self, now: float) -> None:
         """Apply the step (or decode run) that just ended, then start the next one."""
         self.busy = False
+        self.stepping = True
         self.busy_time += now - self.step_start
         if self.run_steps:
             k = self.run_steps
@@ -177,6 +181,7 @@ class Replica:
                 self._prefilled(req, chunk, now)
         self.chunks = []
         self._finish_due(now)
+        self.stepping = False
         self._schedule(now)
         self.sim.kv_events(self, now)
         self.sim.publish(self, now)

@@ -194,7 +194,9 @@ class SimResult:
                 )
                 ok &= req_tpot <= target["tpot_s"]
             # A request that was refused missed its targets too.
-            slo_out[int(prio)] = float(ok.sum() / (len(ok) + self.rejected_by_priority.get(prio, 0)))
+            slo_out[int(prio)] = float(
+                ok.sum() / (len(ok) + self.rejected_by_priority.get(prio, 0))
+            )
         out["slo_attainment"] = slo_out
         speed = r["ideal"] / np.maximum(e2e, 1e-12)
         tenants = sorted(set(r["tenant"].tolist()))

@@ -7,7 +7,6 @@ decision is made by the policy on what a gateway would see at that moment: engin
 published ``metrics_delay_s`` ago and the prefix index as fed by the engines' KV events.
 
 >>> from llmsched.sim.config import ScenarioConfig
-from llmsched.sim.gate import FlowGate
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
 ...     "num_requests": 50, "arrival": {"rate": 5.0}}})
 >>> result = Simulation(cfg, "round-robin").run()
@@ -26,6 +25,7 @@ from typing import Any
 from llmsched.errors import ConfigError, UnknownBlockError
 from llmsched.prefix_index import PrefixIndex
 from llmsched.sim.config import ScenarioConfig
+from llmsched.sim.gate import FlowGate
 from llmsched.sim.kv import make_kv_cache
 from llmsched.sim.policies import Policy, make_policy
 from llmsched.sim.replica import Replica
