@@ -112,6 +112,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         f"fit error (relative): median {err.median:.1%}, mean {err.mean:.1%}, max {err.max:.1%}"
         f"; linear-only model: median {lin.median:.1%}, mean {lin.mean:.1%}, max {lin.max:.1%}"
     )
+    return 0
 
 
 def add_sim_command(subparsers: Subparsers) -> None:

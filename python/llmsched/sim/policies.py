@@ -11,6 +11,7 @@ and feeds it engine metrics. The prefix index the policies read is the simulatio
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -119,8 +120,9 @@ class RouterPolicy:
     """
 
     def __init__(self, name: str, config: Any, sim: Simulation) -> None:
-        from llmsched.routing import Endpoint, EndpointPool, Router
-
+        routing = _routing()
+        assert routing is not None
+        Endpoint, EndpointPool, Router = routing.Endpoint, routing.EndpointPool, routing.Router
         roles = sim.config.roles()
         endpoints = [Endpoint(i, role=None if r == "both" else r) for i, r in enumerate(roles)]
         self.name = name
@@ -155,12 +157,17 @@ class RouterPolicy:
         req.handle.finished()
 
 
-def _router_presets() -> list[str] | None:
+def _routing() -> Any:
+    """:mod:`llmsched.routing` (issue 3), or None where it is not installed yet."""
     try:
-        from llmsched.routing import Router
+        return importlib.import_module("llmsched.routing")
     except ImportError:
         return None
-    return list(Router.presets())
+
+
+def _router_presets() -> list[str] | None:
+    routing = _routing()
+    return None if routing is None else list(routing.Router.presets())
 
 
 _INDEX_POLICIES = ("random", "round-robin", "least-load", "prefix-only")

@@ -5,9 +5,10 @@ after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and
 over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
 hit over tokens queried at admission, vLLM's counters); prefill tokens computed and recomputed
 after preemption; KV use (mean and peak over time); SLO attainment per priority (the share of
-the class's requests, refused ones included, that got TTFT and TPOT within its targets); TTFT and end-to-end latency per tenant (up to 16
-tenants); Jain's fairness over tenants of the mean normalised speed
-(a request's time alone on an idle replica over its actual end-to-end time); and the wall time
+the class's requests, refused ones included, that got TTFT and TPOT within its targets); TTFT
+and end-to-end latency per tenant (up to 16 tenants); Jain's fairness over tenants of the mean
+normalised speed (a request's time alone on an idle replica over its actual end-to-end time);
+and the wall time
 with the share spent in the routing decision code.
 """
 
