@@ -400,3 +400,100 @@ impl KvCache {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn removed(events: &[KvEvent]) -> Vec<u64> {
+        events
+            .iter()
+            .flat_map(|e| match e {
+                KvEvent::Removed { hashes } => hashes.clone(),
+                KvEvent::Stored { .. } => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Fills `req` with `chain`, caches it and frees it.
+    fn cache_chain(kv: &mut KvCache, req: u64, chain: &[u64]) {
+        kv.start(req, chain, chain.len()).unwrap();
+        assert!(kv.allocate(req, chain.len() as u64 * kv.block_size()).unwrap());
+        kv.commit(req, chain, chain.len()).unwrap();
+        kv.free(req).unwrap();
+    }
+
+    #[test]
+    fn hits_take_references_and_free_releases_them() {
+        let mut kv = KvCache::new(8, 4).unwrap();
+        cache_chain(&mut kv, 1, &[10, 11, 12]);
+        assert_eq!((kv.free_blocks(), kv.cached_blocks()), (8, 3));
+        assert_eq!(
+            kv.take_events(),
+            vec![KvEvent::Stored { parent: None, hashes: vec![10, 11, 12] }]
+        );
+        assert_eq!(kv.start(2, &[10, 11, 99], 3).unwrap(), 2);
+        assert_eq!(kv.free_blocks(), 6);
+        assert_eq!(kv.tokens_of(2).unwrap(), 8);
+        kv.free(2).unwrap();
+        assert_eq!(kv.free_blocks(), 8);
+        assert_eq!(kv.start(3, &[10, 11, 12], 1).unwrap(), 1, "max_blocks caps the hit");
+    }
+
+    #[test]
+    fn eviction_is_tail_first_and_reported_as_subtree_roots() {
+        let mut kv = KvCache::new(4, 4).unwrap();
+        cache_chain(&mut kv, 1, &[1, 2]);
+        cache_chain(&mut kv, 2, &[7, 8]);
+        kv.take_events();
+        // Three fresh blocks: the empty ones go first... there are none, so the oldest chain's
+        // tail (2), then its head (1), then the next chain's tail (8) are evicted.
+        kv.start(3, &[], 0).unwrap();
+        assert!(kv.allocate(3, 12).unwrap());
+        let events = kv.take_events();
+        assert_eq!(removed(&events), vec![1, 8], "2 is implied by its parent 1");
+        assert_eq!(kv.lookup(&[7, 8], 2), 1);
+        assert!(!kv.allocate(3, 20).unwrap(), "all or nothing");
+        assert_eq!(kv.blocks_of(3).unwrap(), 3);
+    }
+
+    #[test]
+    fn duplicate_content_shares_the_cached_block() {
+        let mut kv = KvCache::new(8, 4).unwrap();
+        for req in [1, 2] {
+            kv.start(req, &[5, 6], 0).unwrap();
+            assert!(kv.allocate(req, 8).unwrap());
+        }
+        kv.commit(1, &[5, 6], 2).unwrap();
+        kv.commit(2, &[5, 6], 2).unwrap();
+        assert_eq!((kv.cached_blocks(), kv.free_blocks()), (2, 6));
+        kv.free(1).unwrap();
+        assert_eq!(kv.free_blocks(), 6, "request 2 still holds the shared blocks");
+        kv.free(2).unwrap();
+        assert_eq!(kv.free_blocks(), 8);
+    }
+
+    #[test]
+    fn decode_capacity_counts_block_boundaries() {
+        let mut kv = KvCache::new(4, 4).unwrap();
+        kv.start(1, &[], 0).unwrap();
+        assert!(kv.allocate(1, 3).unwrap()); // one block, one slot left
+        kv.set_decoding(1, true).unwrap();
+        assert_eq!(kv.decode_capacity(100), 13, "1 slot + 3 free blocks of 4");
+        assert!(kv.advance_decoding(13));
+        assert_eq!(kv.free_blocks(), 0);
+        assert!(!kv.advance_decoding(1));
+        assert_eq!(kv.tokens_of(1).unwrap(), 16);
+    }
+
+    #[test]
+    fn errors_change_nothing() {
+        let mut kv = KvCache::new(4, 4).unwrap();
+        assert_eq!(KvCache::new(0, 4).unwrap_err(), KvError::InvalidConfig);
+        assert_eq!(kv.allocate(9, 4).unwrap_err(), KvError::UnknownRequest(9));
+        kv.start(1, &[], 0).unwrap();
+        assert_eq!(kv.start(1, &[], 0).unwrap_err(), KvError::DuplicateRequest(1));
+        assert_eq!(kv.free(2).unwrap_err(), KvError::UnknownRequest(2));
+        assert_eq!((kv.requests(), kv.free_blocks()), (1, 4));
+    }
+}
