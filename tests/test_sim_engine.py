@@ -333,3 +333,34 @@ def test_flow_gate_plumbing(monkeypatch) -> None:
         for p in (1, -1)
     }
     assert np.mean(waits[1]) < np.mean(waits[-1])
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.5])
+def test_index_mirrors_the_engines_caches(delay: float) -> None:
+    """The router's index, fed by the replicas' KV events (now or ``delay`` later), ends up
+    holding exactly what each replica's cache holds."""
+    cfg = scenario(
+        replicas=3,
+        kv_events_delay_s=delay,
+        metrics_delay_s=0.2,
+        engine={"kv_tokens": 40_000},
+        workload={
+            "kind": "shared_prefix",
+            "num_requests": 300,
+            "num_groups": 12,
+            "system_prompt_len": 2000,
+            "question_len": 200,
+            "output_len": 50,
+            "arrival": {"rate": 30.0},
+        },
+    )
+    sim = Simulation(cfg, "prefix-only")
+    sim.run()
+    assert sim.feed_skipped == 0
+    probes = {tuple(r.hashes[: r.prompt_len // 16].tolist()): r for r in sim.done}
+    for prompt in probes:
+        hashes = np.array(prompt, dtype=np.uint64)
+        # Far in the future: a router's approximate entries have expired, confirmed ones stay.
+        held = sim.index.match(hashes, now=sim.now + 1e6).as_dict()
+        for rep in sim.replicas:
+            assert held.get(rep.id, 0) == rep.kv.lookup(hashes)
