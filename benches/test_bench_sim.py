@@ -68,10 +68,6 @@ AGENTIC = ScenarioConfig.from_dict(
 @pytest.mark.parametrize("native", [True, False], ids=["native", "twin"])
 def test_simulate_agentic(benchmark, policy: str, native: bool) -> None:
     benchmark.group = f"simulate agentic, 600 requests, {policy}"
-    from llmsched.sim.policies import policy_names
-
-    if policy not in policy_names():
-        pytest.skip(f"{policy} needs the router")
 
     def run():
         return Simulation(AGENTIC, policy, native_kv=native).run().summary()

@@ -13,8 +13,6 @@ import pytest
 
 from llmsched.sim import ScenarioConfig, Simulation
 
-pytest.importorskip("llmsched.routing")
-
 
 def run(config: dict, policy: str) -> dict:
     return Simulation(ScenarioConfig.from_dict(config), policy).run().summary()

@@ -192,7 +192,7 @@ def test_pd_transfer_and_decode_split() -> None:
             "length_cv": 0.0,
         },
     )
-    sim = Simulation(cfg, "llm-d-pd" if "llm-d-pd" in _names() else "round-robin")
+    sim = Simulation(cfg, "llm-d-pd")
     sim.run()
     (req,) = sim.done
     prefill, decode = sim.replicas
@@ -238,12 +238,6 @@ def test_seeded_runs_replay_exactly() -> None:
     b = Simulation(cfg, "random").run().summary()
     for key in ("ttft_s", "e2e_s", "prefill_tokens", "output_tokens", "prefix_hit_rate"):
         assert a[key] == b[key]
-
-
-def _names() -> list[str]:
-    from llmsched.sim.policies import policy_names
-
-    return policy_names()
 
 
 def test_flow_control_protects_interactive_traffic() -> None:
