@@ -3,6 +3,7 @@
 //! One module per concept. The PyO3 layer lives in [`py`] (behind the `python` feature), so
 //! `cargo test` and `cargo bench` never need a Python interpreter.
 
+pub mod flow;
 pub mod hashing;
 pub mod prefix_index;
 pub mod routing;

@@ -1,0 +1,719 @@
+//! Flow control: decides *when* a request may be dispatched, so high-priority traffic stays fast
+//! under overload while batch work fills idle capacity (after llm-d-router's flow control layer).
+//!
+//! Model: a request joins the flow `(tenant, priority)` inside the band of its priority.
+//! `dispatch` serves the highest non-empty band, provided pool saturation is below that band's
+//! ceiling; if that band is blocked, nothing lower dispatches (no priority inversion). Within the
+//! band a [fairness policy](fairness) picks the flow and an [ordering policy](ordering) the
+//! request. Every request ends in exactly one [`Outcome`]: dispatched, rejected at the door
+//! (capacity, shedding, no endpoints) or evicted from the queue (TTL, preemption, cancellation).
+//! Dispatched requests stay *running* until `complete`, which feeds fairness (output tokens),
+//! concurrency saturation and preemption.
+//!
+//! Time is the caller's: every call takes `now` in seconds on one monotonic clock; an earlier
+//! `now` than already seen counts as the latest seen.
+//!
+//! Complexity: with n queued requests, F flows in a band and B bands, `enqueue`, `dispatch`,
+//! `cancel` and `complete` cost O(log n + log F + B) plus O(log n) per request they evict;
+//! `expire` costs O(B) plus O(log n) per expired request.
+
+mod band;
+pub mod config;
+pub mod fairness;
+mod key;
+pub mod metrics;
+pub mod ordering;
+pub mod registry;
+pub mod request;
+pub mod saturation;
+pub mod shedding;
+
+use std::cmp::Reverse;
+use std::collections::BTreeSet;
+use std::mem;
+use std::sync::Arc;
+
+use hashbrown::{HashMap, HashSet};
+
+use band::{Band, TenantId};
+pub use config::{BandConfig, FlowConfig, Limits, PolicySpec, PreemptionConfig, ResolvedConfig};
+use fairness::FlowIdx;
+use key::{Key, QueueKey};
+use metrics::{jain_index, BandMetrics, ControllerMetrics, FlowMetrics};
+use ordering::OrderingInput;
+pub use registry::PolicyRegistry;
+use request::check_time;
+pub use request::{FlowDecision, FlowError, FlowRequest, Outcome, RequestId};
+pub use saturation::EndpointMetrics;
+use saturation::{CeilingPolicy, InFlight, Saturation, SaturationDetector};
+use shedding::SheddingPolicy;
+
+/// A queued request.
+struct Queued<P> {
+    band: u32,
+    flow: FlowIdx,
+    key: QueueKey,
+    arrival: f64,
+    tokens: u64,
+    bytes: u64,
+    payload: P,
+}
+
+/// A dispatched request that has not completed.
+struct Running {
+    band: u32,
+    flow: FlowIdx,
+    priority: i32,
+    tokens: u64,
+    dispatch_seq: u64,
+}
+
+/// Tenant names interned once; flows refer to them by index.
+#[derive(Default)]
+struct Tenants {
+    names: Vec<Arc<str>>,
+    ids: HashMap<Arc<str>, TenantId>,
+}
+
+impl Tenants {
+    fn intern(&mut self, name: &str) -> TenantId {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
+        }
+        let id = self.names.len() as TenantId;
+        let shared: Arc<str> = Arc::from(name);
+        self.names.push(shared.clone());
+        self.ids.insert(shared, id);
+        id
+    }
+
+    fn shared(&self, name: &str) -> Arc<str> {
+        match self.ids.get(name) {
+            Some(&id) => self.names[id as usize].clone(),
+            None => Arc::from(name),
+        }
+    }
+}
+
+/// What a capacity check allows.
+enum Admission {
+    Fits,
+    /// Fits once these lower-priority queued requests are evicted.
+    FitsAfterEvicting(Vec<RequestId>),
+    Refused,
+}
+
+/// Victims named by `preemption_victims` and the pacing of the next decision.
+#[derive(Default)]
+struct Preemption {
+    /// Running sheddable requests: lowest priority first, then newest dispatch first.
+    candidates: BTreeSet<(i32, Reverse<u64>, RequestId)>,
+    pending: HashSet<RequestId>,
+    next_decision_at: f64,
+}
+
+/// The flow controller. `P` is an opaque payload carried from `enqueue` to the decision.
+pub struct FlowController<P> {
+    config: ResolvedConfig,
+    registry: PolicyRegistry,
+    buckets: Arc<[f64]>,
+    bands: Vec<Band>,
+    /// Band indexes from the highest priority down.
+    band_order: Vec<u32>,
+    band_of_priority: HashMap<i32, u32>,
+    tenants: Tenants,
+    queued: HashMap<RequestId, Queued<P>>,
+    queued_bytes: u64,
+    running: HashMap<RequestId, Running>,
+    inflight: InFlight,
+    detector: Box<dyn SaturationDetector>,
+    ceilings: Box<dyn CeilingPolicy>,
+    shedder: Box<dyn SheddingPolicy>,
+    preemption: Preemption,
+    /// Evictions that happened as a side effect (TTL during dispatch, preemption on arrival).
+    evicted: Vec<FlowDecision<P>>,
+    outcome_counts: [u64; Outcome::ALL.len()],
+    clock: f64,
+    next_seq: u64,
+    /// No queued request expires before this time (a lower bound).
+    next_expiry: f64,
+}
+
+impl<P> FlowController<P> {
+    /// A controller with the built-in policies.
+    pub fn new(config: &FlowConfig) -> Result<Self, FlowError> {
+        Self::with_registry(config, PolicyRegistry::builtin())
+    }
+
+    /// A controller from a JSON config (absent keys default, unknown keys are errors).
+    pub fn from_json(text: &str) -> Result<Self, FlowError> {
+        Self::new(&FlowConfig::from_json(text)?)
+    }
+
+    /// A controller whose policies come from `registry`.
+    pub fn with_registry(config: &FlowConfig, registry: PolicyRegistry) -> Result<Self, FlowError> {
+        let config = config.resolve(&registry)?;
+        let detector = registry.saturation(&config.saturation)?.policy;
+        let ceilings = registry.ceilings(&config.ceilings)?.policy;
+        let shedder = registry.shedding(&config.shedding)?.policy;
+        let buckets: Arc<[f64]> = Arc::from(config.wait_buckets_s.clone());
+        let mut controller = FlowController {
+            registry,
+            buckets,
+            bands: Vec::new(),
+            band_order: Vec::new(),
+            band_of_priority: HashMap::new(),
+            tenants: Tenants::default(),
+            queued: HashMap::new(),
+            queued_bytes: 0,
+            running: HashMap::new(),
+            inflight: InFlight::default(),
+            detector,
+            ceilings,
+            shedder,
+            preemption: Preemption::default(),
+            evicted: Vec::new(),
+            outcome_counts: [0; Outcome::ALL.len()],
+            clock: f64::NEG_INFINITY,
+            next_seq: 0,
+            next_expiry: f64::INFINITY,
+            config,
+        };
+        let configured: Vec<i32> = controller.config.bands.keys().copied().collect();
+        for priority in configured {
+            controller.band_index(priority)?;
+        }
+        Ok(controller)
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.config
+    }
+
+    /// Queued requests.
+    pub fn len(&self) -> usize {
+        self.queued.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queued.is_empty()
+    }
+
+    /// Dispatched requests not yet completed.
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_queued(&self, id: RequestId) -> bool {
+        self.queued.contains_key(&id)
+    }
+
+    pub fn is_running(&self, id: RequestId) -> bool {
+        self.running.contains_key(&id)
+    }
+
+    /// Side-effect evictions waiting in the outbox.
+    pub fn evicted_len(&self) -> usize {
+        self.evicted.len()
+    }
+
+    /// Takes the evictions that happened as side effects of `enqueue` (preempted queued
+    /// requests) and `dispatch`/`enqueue`/`preemption_victims` (TTL), oldest first.
+    pub fn drain_evicted(&mut self) -> Vec<FlowDecision<P>> {
+        mem::take(&mut self.evicted)
+    }
+
+    /// Offers a request. `Ok(None)`: queued. `Ok(Some(decision))`: refused at the door
+    /// (capacity, shedding or no endpoints), payload returned. Errors leave everything unchanged.
+    pub fn enqueue(
+        &mut self,
+        request: FlowRequest<'_, P>,
+        now: f64,
+    ) -> Result<Option<FlowDecision<P>>, FlowError> {
+        request.validate()?;
+        let now = check_time("now", now)?;
+        if self.queued.contains_key(&request.id) || self.running.contains_key(&request.id) {
+            return Err(FlowError::DuplicateRequest(request.id));
+        }
+        let now = self.advance(now);
+        self.expire_to_outbox(now);
+        let saturation = self.saturation_at(now);
+        if saturation.no_endpoints {
+            return Ok(Some(self.refuse(request, Outcome::RejectedNoEndpoints)));
+        }
+        if request.priority < 0 && self.shedder.shed(saturation.value) {
+            return Ok(Some(self.refuse(request, Outcome::RejectedShed)));
+        }
+        let victims = match self.admission(request.priority, request.bytes) {
+            Admission::Refused => return Ok(Some(self.refuse(request, Outcome::RejectedCapacity))),
+            Admission::Fits => Vec::new(),
+            Admission::FitsAfterEvicting(victims) => victims,
+        };
+        let band = self.band_index(request.priority)?;
+        for victim in victims {
+            if let Some(decision) = self.evict(victim, Outcome::EvictedPreempted, now) {
+                self.evicted.push(decision);
+            }
+        }
+        self.insert(band, request, now);
+        Ok(None)
+    }
+
+    /// The next request to send to an endpoint, or `None` when nothing is queued or the highest
+    /// non-empty band is blocked by saturation (or there are no endpoints). Expired requests met
+    /// on the way go to the eviction outbox.
+    pub fn dispatch(&mut self, now: f64) -> Result<Option<FlowDecision<P>>, FlowError> {
+        let now = self.advance(check_time("now", now)?);
+        self.expire_to_outbox(now);
+        let saturation = self.saturation_at(now);
+        let Some(band) = self.top_nonempty_band() else {
+            return Ok(None);
+        };
+        if Self::blocks(saturation, self.bands[band as usize].ceiling) {
+            return Ok(None);
+        }
+        Ok(self.dispatch_from(band, now))
+    }
+
+    /// Removes a queued request (outcome `EvictedCancelled`); `None` when it is not queued.
+    pub fn cancel(
+        &mut self,
+        id: RequestId,
+        now: f64,
+    ) -> Result<Option<FlowDecision<P>>, FlowError> {
+        let now = self.advance(check_time("now", now)?);
+        Ok(self.evict(id, Outcome::EvictedCancelled, now))
+    }
+
+    /// Evicts every queued request whose TTL has run out (`arrival + ttl_s <= now`).
+    pub fn expire(&mut self, now: f64) -> Result<Vec<FlowDecision<P>>, FlowError> {
+        let now = self.advance(check_time("now", now)?);
+        let mut expired = Vec::new();
+        self.expire_into(now, &mut expired);
+        Ok(expired)
+    }
+
+    /// Charges output tokens of a running request to its flow as they stream.
+    pub fn record_output(
+        &mut self,
+        id: RequestId,
+        output_tokens: u64,
+        now: f64,
+    ) -> Result<(), FlowError> {
+        let now = self.advance(check_time("now", now)?);
+        let running = self.running.get(&id).ok_or(FlowError::UnknownRequest(id))?;
+        let (band, flow) = (running.band, running.flow);
+        self.charge_output(band, flow, output_tokens, now);
+        Ok(())
+    }
+
+    /// A running request finished (or was revoked); `output_tokens` not yet recorded are charged.
+    pub fn complete(
+        &mut self,
+        id: RequestId,
+        output_tokens: u64,
+        now: f64,
+    ) -> Result<(), FlowError> {
+        let now = self.advance(check_time("now", now)?);
+        let running = self
+            .running
+            .remove(&id)
+            .ok_or(FlowError::UnknownRequest(id))?;
+        self.charge_output(running.band, running.flow, output_tokens, now);
+        self.inflight.requests -= 1;
+        self.inflight.tokens -= running.tokens;
+        if running.priority < 0 {
+            let candidate = (running.priority, Reverse(running.dispatch_seq), id);
+            self.preemption.candidates.remove(&candidate);
+        }
+        if self.preemption.pending.remove(&id) && self.preemption.pending.is_empty() {
+            self.preemption.next_decision_at = now + self.config.preemption.pacing_s;
+        }
+        Ok(())
+    }
+
+    /// Running sheddable requests to revoke because a higher band is blocked by saturation:
+    /// lowest priority first, then newest dispatch, at most `max_victims`. No new victims are
+    /// named until every named victim has completed and `pacing_s` has passed.
+    pub fn preemption_victims(&mut self, now: f64) -> Result<Vec<RequestId>, FlowError> {
+        let now = self.advance(check_time("now", now)?);
+        let limit = self.config.preemption.max_victims as usize;
+        if limit == 0 || !self.preemption.pending.is_empty() {
+            return Ok(Vec::new());
+        }
+        if now < self.preemption.next_decision_at {
+            return Ok(Vec::new());
+        }
+        self.expire_to_outbox(now);
+        let saturation = self.saturation_at(now);
+        let Some(band) = self.top_nonempty_band() else {
+            return Ok(Vec::new());
+        };
+        let band = &self.bands[band as usize];
+        if saturation.no_endpoints || saturation.value < band.ceiling {
+            return Ok(Vec::new());
+        }
+        let victims: Vec<RequestId> = self
+            .preemption
+            .candidates
+            .iter()
+            .take_while(|(priority, _, _)| *priority < band.priority)
+            .take(limit)
+            .map(|&(_, _, id)| id)
+            .collect();
+        self.preemption.pending.extend(victims.iter().copied());
+        Ok(victims)
+    }
+
+    /// Records an endpoint's load report (for the `utilization` detector).
+    pub fn update_endpoint(
+        &mut self,
+        endpoint: &str,
+        metrics: EndpointMetrics,
+    ) -> Result<(), FlowError> {
+        check_time("timestamp", metrics.timestamp)?;
+        if !(metrics.kv_usage.is_finite() && (0.0..=1.0).contains(&metrics.kv_usage)) {
+            return Err(FlowError::InvalidInput(format!(
+                "kv_usage of endpoint '{endpoint}' must be in [0, 1], got {}",
+                metrics.kv_usage
+            )));
+        }
+        self.detector.update_endpoint(endpoint, metrics);
+        Ok(())
+    }
+
+    /// Forgets an endpoint; false when it was unknown.
+    pub fn remove_endpoint(&mut self, endpoint: &str) -> bool {
+        self.detector.remove_endpoint(endpoint)
+    }
+
+    /// The saturation gauge at `now`.
+    pub fn saturation(&mut self, now: f64) -> Result<Saturation, FlowError> {
+        let now = self.advance(check_time("now", now)?);
+        Ok(self.saturation_at(now))
+    }
+
+    /// Jain's fairness index over the service tokens of the flows of band `priority`, or over
+    /// tenants (all bands together) when `priority` is `None`.
+    pub fn jain_index(&self, priority: Option<i32>) -> f64 {
+        match priority {
+            Some(p) => match self.band_of_priority.get(&p) {
+                Some(&band) => jain_index(
+                    self.bands[band as usize]
+                        .flows
+                        .iter()
+                        .map(|f| f.service_tokens as f64),
+                ),
+                None => 1.0,
+            },
+            None => {
+                let mut per_tenant = vec![0u64; self.tenants.names.len()];
+                for flow in self.bands.iter().flat_map(|b| b.flows.iter()) {
+                    per_tenant[flow.tenant as usize] += flow.service_tokens;
+                }
+                jain_index(per_tenant.into_iter().map(|s| s as f64))
+            }
+        }
+    }
+
+    /// A snapshot of every gauge and counter.
+    pub fn metrics(&mut self, now: f64) -> Result<ControllerMetrics, FlowError> {
+        let saturation = self.saturation(now)?;
+        let bands = self
+            .band_order
+            .iter()
+            .map(|&b| {
+                let band = &self.bands[b as usize];
+                BandMetrics {
+                    priority: band.priority,
+                    ceiling: band.ceiling,
+                    queued: band.queued,
+                    queued_bytes: band.bytes,
+                    flows: band.flows.len(),
+                    dispatched: band.dispatched,
+                    wait_s: band.wait_s.clone(),
+                }
+            })
+            .collect();
+        let flows = self
+            .band_order
+            .iter()
+            .flat_map(|&b| {
+                let band = &self.bands[b as usize];
+                band.flows.iter().map(move |flow| (band.priority, flow))
+            })
+            .map(|(priority, flow)| FlowMetrics {
+                tenant: self.tenants.names[flow.tenant as usize].to_string(),
+                priority,
+                queued: flow.items.len() as u64,
+                queued_bytes: flow.bytes,
+                dispatched: flow.dispatched,
+                service_tokens: flow.service_tokens,
+            })
+            .collect();
+        let outcomes = Outcome::ALL
+            .iter()
+            .map(|outcome| (outcome.name(), self.outcome_counts[outcome.index()]))
+            .collect();
+        Ok(ControllerMetrics {
+            saturation: saturation.value,
+            no_endpoints: saturation.no_endpoints,
+            queued: self.queued.len() as u64,
+            queued_bytes: self.queued_bytes,
+            running: self.inflight.requests,
+            running_tokens: self.inflight.tokens,
+            outcomes,
+            bands,
+            flows,
+            jain_index: self.jain_index(None),
+        })
+    }
+
+    /// How many requests ended in each outcome, in [`Outcome::ALL`] order.
+    pub fn outcome_counts(&self) -> [u64; Outcome::ALL.len()] {
+        self.outcome_counts
+    }
+
+    fn advance(&mut self, now: f64) -> f64 {
+        self.clock = self.clock.max(now);
+        self.clock
+    }
+
+    fn next_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    fn saturation_at(&mut self, now: f64) -> Saturation {
+        self.detector.saturation(now, self.inflight)
+    }
+
+    fn blocks(saturation: Saturation, ceiling: f64) -> bool {
+        saturation.no_endpoints || saturation.value >= ceiling
+    }
+
+    fn top_nonempty_band(&self) -> Option<u32> {
+        self.band_order
+            .iter()
+            .copied()
+            .find(|&b| self.bands[b as usize].queued > 0)
+    }
+
+    /// The band of `priority`, created (and every band's ceiling re-ranked) on first use.
+    fn band_index(&mut self, priority: i32) -> Result<u32, FlowError> {
+        if let Some(&band) = self.band_of_priority.get(&priority) {
+            return Ok(band);
+        }
+        let settings = self.config.band(priority);
+        let band = Band::new(priority, settings, &self.registry, self.buckets.clone())?;
+        let index = self.bands.len() as u32;
+        self.bands.push(band);
+        self.band_of_priority.insert(priority, index);
+        let position = self
+            .band_order
+            .partition_point(|&b| self.bands[b as usize].priority > priority);
+        self.band_order.insert(position, index);
+        for (rank, &b) in self.band_order.iter().enumerate() {
+            let band = &mut self.bands[b as usize];
+            band.ceiling = band
+                .settings
+                .ceiling
+                .unwrap_or_else(|| self.ceilings.ceiling(rank));
+        }
+        Ok(index)
+    }
+
+    /// Band and global limits; over the global limits, lower-priority queued requests (lowest
+    /// band first, newest first) may make room.
+    fn admission(&self, priority: i32, bytes: u64) -> Admission {
+        let band_fits = match self.band_of_priority.get(&priority) {
+            Some(&band) => self.bands[band as usize].fits(bytes),
+            None => Band::fits_limits(self.config.band(priority), 0, 0, bytes),
+        };
+        if !band_fits {
+            return Admission::Refused;
+        }
+        let global = &self.config.global;
+        let over_requests = global
+            .max_requests
+            .map_or(0, |max| (self.queued.len() as u64 + 1).saturating_sub(max));
+        let over_bytes = global.max_bytes.map_or(0, |max| {
+            self.queued_bytes.saturating_add(bytes).saturating_sub(max)
+        });
+        if over_requests == 0 && over_bytes == 0 {
+            return Admission::Fits;
+        }
+        if !self.config.preemption.evict_queued {
+            return Admission::Refused;
+        }
+        let (mut freed_requests, mut freed_bytes) = (0u64, 0u64);
+        let mut victims = Vec::new();
+        let lower_bands = self
+            .band_order
+            .iter()
+            .rev()
+            .map(|&b| &self.bands[b as usize])
+            .take_while(|band| band.priority < priority);
+        for band in lower_bands {
+            for &id in band.arrivals.values().rev() {
+                if freed_requests >= over_requests && freed_bytes >= over_bytes {
+                    return Admission::FitsAfterEvicting(victims);
+                }
+                victims.push(id);
+                freed_requests += 1;
+                freed_bytes += self.queued.get(&id).map_or(0, |q| q.bytes);
+            }
+        }
+        if freed_requests >= over_requests && freed_bytes >= over_bytes {
+            Admission::FitsAfterEvicting(victims)
+        } else {
+            Admission::Refused
+        }
+    }
+
+    fn insert(&mut self, band_index: u32, request: FlowRequest<'_, P>, now: f64) {
+        let tenant = self.tenants.intern(request.tenant);
+        let seq = self.next_seq();
+        let band = &mut self.bands[band_index as usize];
+        let flow = band.flow(tenant, request.tenant);
+        let input = OrderingInput {
+            arrival: now,
+            deadline: request.deadline,
+            ttft_target: request.ttft_target,
+        };
+        let key = (Key(band.ordering.key(&input)), seq);
+        band.push(flow, key, request.id, request.bytes);
+        if let Some(ttl) = band.settings.ttl_s {
+            self.next_expiry = self.next_expiry.min(now + ttl);
+        }
+        self.queued_bytes += request.bytes;
+        self.queued.insert(
+            request.id,
+            Queued {
+                band: band_index,
+                flow,
+                key,
+                arrival: now,
+                tokens: request.tokens,
+                bytes: request.bytes,
+                payload: request.payload,
+            },
+        );
+    }
+
+    fn refuse(&mut self, request: FlowRequest<'_, P>, outcome: Outcome) -> FlowDecision<P> {
+        self.outcome_counts[outcome.index()] += 1;
+        FlowDecision {
+            id: request.id,
+            outcome,
+            priority: request.priority,
+            tenant: self.tenants.shared(request.tenant),
+            tokens: request.tokens,
+            bytes: request.bytes,
+            waited_s: 0.0,
+            payload: request.payload,
+        }
+    }
+
+    fn decision(
+        &mut self,
+        id: RequestId,
+        entry: Queued<P>,
+        outcome: Outcome,
+        now: f64,
+    ) -> FlowDecision<P> {
+        self.outcome_counts[outcome.index()] += 1;
+        let band = &self.bands[entry.band as usize];
+        let tenant = band.flows[entry.flow as usize].tenant;
+        FlowDecision {
+            id,
+            outcome,
+            priority: band.priority,
+            tenant: self.tenants.names[tenant as usize].clone(),
+            tokens: entry.tokens,
+            bytes: entry.bytes,
+            waited_s: now - entry.arrival,
+            payload: entry.payload,
+        }
+    }
+
+    /// Removes a queued request with an eviction outcome.
+    fn evict(&mut self, id: RequestId, outcome: Outcome, now: f64) -> Option<FlowDecision<P>> {
+        let entry = self.queued.remove(&id)?;
+        self.bands[entry.band as usize].remove(entry.flow, entry.key, entry.bytes, None);
+        self.queued_bytes -= entry.bytes;
+        Some(self.decision(id, entry, outcome, now))
+    }
+
+    fn dispatch_from(&mut self, band_index: u32, now: f64) -> Option<FlowDecision<P>> {
+        let band = &mut self.bands[band_index as usize];
+        let (flow, key, id) = band.next()?;
+        let entry = self.queued.remove(&id)?;
+        band.remove(flow, key, entry.bytes, Some((entry.tokens, now)));
+        band.wait_s.record(now - entry.arrival);
+        let priority = band.priority;
+        self.queued_bytes -= entry.bytes;
+        let dispatch_seq = self.next_seq();
+        self.running.insert(
+            id,
+            Running {
+                band: band_index,
+                flow,
+                priority,
+                tokens: entry.tokens,
+                dispatch_seq,
+            },
+        );
+        self.inflight.requests += 1;
+        self.inflight.tokens += entry.tokens;
+        if priority < 0 {
+            self.preemption
+                .candidates
+                .insert((priority, Reverse(dispatch_seq), id));
+        }
+        Some(self.decision(id, entry, Outcome::Dispatched, now))
+    }
+
+    fn charge_output(&mut self, band: u32, flow: FlowIdx, output_tokens: u64, now: f64) {
+        let band = &mut self.bands[band as usize];
+        band.flows[flow as usize].service_tokens += output_tokens;
+        band.fairness.charge(flow, 0, output_tokens, now);
+    }
+
+    fn expire_to_outbox(&mut self, now: f64) {
+        if now < self.next_expiry {
+            return;
+        }
+        let mut outbox = mem::take(&mut self.evicted);
+        self.expire_into(now, &mut outbox);
+        self.evicted = outbox;
+    }
+
+    /// Evicts expired requests band by band, oldest first; within a band arrival order is
+    /// expiry order because the band's TTL is one number.
+    fn expire_into(&mut self, now: f64, out: &mut Vec<FlowDecision<P>>) {
+        let mut next_expiry = f64::INFINITY;
+        for b in 0..self.bands.len() {
+            let Some(ttl) = self.bands[b].settings.ttl_s else {
+                continue;
+            };
+            while let Some((_, &id)) = self.bands[b].arrivals.first_key_value() {
+                let Some(expires_at) = self.queued.get(&id).map(|q| q.arrival + ttl) else {
+                    break;
+                };
+                if expires_at > now {
+                    next_expiry = next_expiry.min(expires_at);
+                    break;
+                }
+                if let Some(decision) = self.evict(id, Outcome::EvictedTtl, now) {
+                    out.push(decision);
+                }
+            }
+        }
+        self.next_expiry = next_expiry;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,340 @@
+//! Table-driven behaviour tests of the controller.
+
+use super::*;
+
+fn controller(json: &str) -> FlowController<u32> {
+    FlowController::from_json(json).unwrap()
+}
+
+/// Concurrency saturation (no endpoints needed) with plenty of room.
+const ROOMY: &str = r#"{"saturation": {"type": "concurrency", "max_requests": 1000}}"#;
+
+fn request(id: RequestId, priority: i32, tenant: &str) -> FlowRequest<'_, u32> {
+    FlowRequest {
+        id,
+        priority,
+        tenant,
+        tokens: 10,
+        bytes: 100,
+        deadline: None,
+        ttft_target: None,
+        payload: id as u32,
+    }
+}
+
+fn drain_ids(c: &mut FlowController<u32>, now: f64) -> Vec<RequestId> {
+    let mut ids = Vec::new();
+    while let Some(d) = c.dispatch(now).unwrap() {
+        assert_eq!(d.outcome, Outcome::Dispatched);
+        assert_eq!(d.payload, d.id as u32);
+        ids.push(d.id);
+    }
+    ids
+}
+
+#[test]
+fn higher_bands_first_then_round_robin_within() {
+    let mut c = controller(ROOMY);
+    for (id, priority, tenant) in [
+        (1, 0, "a"),
+        (2, 0, "a"),
+        (3, 0, "b"),
+        (4, 5, "z"),
+        (5, -1, "a"),
+    ] {
+        assert!(c
+            .enqueue(request(id, priority, tenant), 0.0)
+            .unwrap()
+            .is_none());
+    }
+    assert_eq!(drain_ids(&mut c, 1.0), vec![4, 1, 3, 2, 5]);
+    assert_eq!(c.running_len(), 5);
+}
+
+#[test]
+fn blocked_higher_band_stops_lower_bands() {
+    let json = r#"{"saturation": {"type": "utilization"},
+        "bands": [{"priority": 10, "ceiling": 0.5}, {"priority": 0, "ceiling": 1.0}]}"#;
+    let mut c = controller(json);
+    let load = |kv| EndpointMetrics {
+        waiting: 0,
+        running: 0,
+        kv_usage: kv,
+        timestamp: 0.0,
+    };
+    c.update_endpoint("e", load(0.56)).unwrap(); // saturation 0.7
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    assert_eq!(
+        drain_ids(&mut c, 0.0),
+        vec![1],
+        "low band alone dispatches at 0.7 < 1.0"
+    );
+    c.enqueue(request(2, 10, "a"), 0.0).unwrap();
+    c.enqueue(request(3, 0, "a"), 0.0).unwrap();
+    assert_eq!(
+        drain_ids(&mut c, 0.0),
+        Vec::<RequestId>::new(),
+        "no inversion"
+    );
+    c.update_endpoint("e", load(0.32)).unwrap(); // saturation 0.4
+    assert_eq!(drain_ids(&mut c, 0.1), vec![2, 3]);
+}
+
+#[test]
+fn no_endpoints_refuses_and_stale_metrics_saturate() {
+    let mut c = controller("{}");
+    let d = c.enqueue(request(1, 0, "a"), 0.0).unwrap().unwrap();
+    assert_eq!((d.outcome, d.payload), (Outcome::RejectedNoEndpoints, 1));
+    assert_eq!(d.outcome.http_status(), 503);
+    let load = EndpointMetrics {
+        waiting: 0,
+        running: 0,
+        kv_usage: 0.0,
+        timestamp: 0.0,
+    };
+    c.update_endpoint("e", load).unwrap();
+    assert!(c.enqueue(request(2, 0, "a"), 0.1).unwrap().is_none());
+    assert_eq!(
+        c.saturation(0.5).unwrap().value,
+        1.0,
+        "older than 200 ms counts as saturated"
+    );
+    assert!(c.dispatch(0.5).unwrap().is_none());
+    c.update_endpoint(
+        "e",
+        EndpointMetrics {
+            timestamp: 0.5,
+            ..load
+        },
+    )
+    .unwrap();
+    assert_eq!(drain_ids(&mut c, 0.5), vec![2]);
+}
+
+#[test]
+fn ttl_expires_in_arrival_order_and_never_dispatches_late() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 1},
+        "default_band": {"ttl_s": 10}}"#;
+    let mut c = controller(json);
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    c.enqueue(request(2, 0, "a"), 1.0).unwrap();
+    c.enqueue(request(3, 0, "b"), 5.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 9.0), vec![1]); // saturated after one
+    let expired: Vec<_> = c
+        .expire(11.0)
+        .unwrap()
+        .iter()
+        .map(|d| (d.id, d.outcome))
+        .collect();
+    assert_eq!(expired, vec![(2, Outcome::EvictedTtl)]);
+    c.complete(1, 5, 12.0).unwrap();
+    // 3 expires at 15: a dispatch at 15 must evict rather than serve it.
+    assert!(c.dispatch(15.0).unwrap().is_none());
+    let evicted: Vec<_> = c
+        .drain_evicted()
+        .iter()
+        .map(|d| (d.id, d.waited_s))
+        .collect();
+    assert_eq!(evicted, vec![(3, 10.0)]);
+    assert_eq!(c.outcome_counts()[Outcome::EvictedTtl.index()], 2);
+}
+
+#[test]
+fn band_capacity_refuses_and_global_capacity_evicts_lower_newest_first() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 1000},
+        "global": {"max_requests": 3},
+        "bands": [{"priority": 9, "max_requests": 1}]}"#;
+    let mut c = controller(json);
+    for (id, priority) in [(1, -2), (2, -2), (3, 0)] {
+        assert!(c
+            .enqueue(request(id, priority, "a"), 0.0)
+            .unwrap()
+            .is_none());
+    }
+    // Same priority as the lowest band cannot evict anything.
+    let d = c.enqueue(request(4, -2, "a"), 0.0).unwrap().unwrap();
+    assert_eq!(d.outcome, Outcome::RejectedCapacity);
+    assert_eq!(d.outcome.http_status(), 429);
+    assert!(c.enqueue(request(5, 9, "a"), 0.0).unwrap().is_none());
+    let evicted: Vec<_> = c
+        .drain_evicted()
+        .iter()
+        .map(|d| (d.id, d.outcome))
+        .collect();
+    assert_eq!(evicted, vec![(2, Outcome::EvictedPreempted)]);
+    let d = c.enqueue(request(6, 9, "b"), 0.0).unwrap().unwrap();
+    assert_eq!(
+        d.outcome,
+        Outcome::RejectedCapacity,
+        "band 9 holds one request"
+    );
+    assert_eq!(drain_ids(&mut c, 0.0), vec![5, 3, 1]);
+}
+
+#[test]
+fn byte_capacity_counts_bytes() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 10},
+        "global": {"max_bytes": 250}, "preemption": {"evict_queued": false}}"#;
+    let mut c = controller(json);
+    assert!(c.enqueue(request(1, 0, "a"), 0.0).unwrap().is_none());
+    assert!(c.enqueue(request(2, 0, "a"), 0.0).unwrap().is_none());
+    let d = c.enqueue(request(3, 5, "a"), 0.0).unwrap().unwrap();
+    assert_eq!(d.outcome, Outcome::RejectedCapacity);
+}
+
+#[test]
+fn shedding_only_touches_negative_priorities() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 2},
+        "shedding": {"type": "threshold", "threshold": 0.5}}"#;
+    let mut c = controller(json);
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 0.0), vec![1]); // saturation now 0.5
+    let d = c.enqueue(request(2, -1, "a"), 0.0).unwrap().unwrap();
+    assert_eq!(
+        (d.outcome, d.outcome.reason()),
+        (Outcome::RejectedShed, "load-shed")
+    );
+    assert!(c.enqueue(request(3, 0, "a"), 0.0).unwrap().is_none());
+}
+
+#[test]
+fn cancel_and_bad_input_leave_state_consistent() {
+    let mut c = controller(ROOMY);
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    assert_eq!(
+        c.enqueue(request(1, 3, "b"), 0.0).unwrap_err(),
+        FlowError::DuplicateRequest(1)
+    );
+    let bad = FlowRequest {
+        deadline: Some(f64::NAN),
+        ..request(2, 0, "a")
+    };
+    assert!(matches!(
+        c.enqueue(bad, 0.0),
+        Err(FlowError::InvalidInput(_))
+    ));
+    assert!(matches!(
+        c.dispatch(f64::INFINITY),
+        Err(FlowError::InvalidInput(_))
+    ));
+    assert_eq!(c.len(), 1);
+    let d = c.cancel(1, 1.0).unwrap().unwrap();
+    assert_eq!(
+        (d.id, d.outcome, d.waited_s),
+        (1, Outcome::EvictedCancelled, 1.0)
+    );
+    assert!(c.cancel(1, 1.0).unwrap().is_none());
+    assert_eq!(
+        c.complete(1, 0, 1.0).unwrap_err(),
+        FlowError::UnknownRequest(1)
+    );
+    assert!(c.is_empty());
+}
+
+#[test]
+fn preemption_victims_lowest_priority_newest_first_capped_and_paced() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 4},
+        "shedding": {"type": "none"}}"#;
+    let mut c = controller(json);
+    for (id, priority) in [(1, -1), (2, -3), (3, -3), (4, -2)] {
+        c.enqueue(request(id, priority, "batch"), 0.0).unwrap();
+    }
+    assert_eq!(drain_ids(&mut c, 0.0), vec![1, 4, 2, 3]);
+    assert!(
+        c.preemption_victims(0.0).unwrap().is_empty(),
+        "nothing blocked yet"
+    );
+    c.enqueue(request(10, 5, "chat"), 0.0).unwrap();
+    assert!(c.dispatch(0.0).unwrap().is_none(), "pool full");
+    assert_eq!(c.preemption_victims(0.0).unwrap(), vec![3, 2]);
+    assert!(
+        c.preemption_victims(0.1).unwrap().is_empty(),
+        "victims still running"
+    );
+    c.complete(3, 0, 0.2).unwrap();
+    assert_eq!(drain_ids(&mut c, 0.2), vec![10]);
+    c.enqueue(request(11, 5, "chat"), 0.2).unwrap();
+    c.complete(2, 0, 0.3).unwrap();
+    assert_eq!(drain_ids(&mut c, 0.3), vec![11]);
+    c.enqueue(request(12, 5, "chat"), 0.3).unwrap();
+    assert!(
+        c.preemption_victims(0.5).unwrap().is_empty(),
+        "paced until 0.3 + 0.5"
+    );
+    assert_eq!(c.preemption_victims(0.8).unwrap(), vec![4, 1]);
+}
+
+#[test]
+fn edf_and_slo_orderings() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 100},
+        "bands": [{"priority": 1, "ordering": {"type": "edf"}},
+                  {"priority": 2, "ordering": {"type": "slo-deadline", "default_ttft_s": 5}}]}"#;
+    let mut c = controller(json);
+    let with = |id, priority, deadline, ttft| FlowRequest {
+        deadline,
+        ttft_target: ttft,
+        ..request(id, priority, "a")
+    };
+    c.enqueue(with(1, 1, None, None), 0.0).unwrap();
+    c.enqueue(with(2, 1, Some(9.0), None), 0.0).unwrap();
+    c.enqueue(with(3, 1, Some(3.0), None), 0.0).unwrap();
+    c.enqueue(with(4, 2, None, None), 0.0).unwrap(); // due 5
+    c.enqueue(with(5, 2, None, Some(1.0)), 2.0).unwrap(); // due 3
+    assert_eq!(drain_ids(&mut c, 2.0), vec![5, 4, 3, 2, 1]);
+}
+
+#[test]
+fn vtc_serves_the_light_tenant() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 1000},
+        "default_band": {"fairness": {"type": "vtc"}}}"#;
+    let mut c = controller(json);
+    let sized = |id, tenant, tokens| FlowRequest {
+        tokens,
+        ..request(id, 0, tenant)
+    };
+    c.enqueue(sized(1, "heavy", 1000), 0.0).unwrap();
+    c.enqueue(sized(2, "heavy", 1000), 0.0).unwrap();
+    c.enqueue(sized(3, "light", 10), 0.0).unwrap();
+    c.enqueue(sized(4, "light", 10), 0.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 0.0), vec![1, 3, 4, 2]);
+    assert!(c.jain_index(None) < 0.6);
+}
+
+#[test]
+fn holdback_ceilings_follow_rank() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 10},
+        "ceilings": {"type": "holdback", "top": 1.0, "step": 0.5, "floor": 0.1}}"#;
+    let mut c = controller(json);
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    c.enqueue(request(2, 9, "a"), 0.0).unwrap();
+    let m = c.metrics(0.0).unwrap();
+    let ceilings: Vec<_> = m.bands.iter().map(|b| (b.priority, b.ceiling)).collect();
+    assert_eq!(ceilings, vec![(9, 1.0), (0, 0.5)]);
+}
+
+#[test]
+fn metrics_snapshot() {
+    let mut c = controller(ROOMY);
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    c.enqueue(request(2, 0, "b"), 0.0).unwrap();
+    c.enqueue(request(3, 0, "b"), 0.0).unwrap();
+    c.dispatch(0.02).unwrap();
+    let m = c.metrics(0.02).unwrap();
+    assert_eq!(
+        (m.queued, m.queued_bytes, m.running, m.running_tokens),
+        (2, 200, 1, 10)
+    );
+    assert_eq!(m.outcomes["dispatched"], 1);
+    assert_eq!(m.bands[0].wait_s.count, 1);
+    assert_eq!(
+        m.bands[0].wait_s.counts[2], 1,
+        "0.02 s lands in (0.01, 0.025]"
+    );
+    let flows: Vec<_> = m
+        .flows
+        .iter()
+        .map(|f| (f.tenant.as_str(), f.queued))
+        .collect();
+    assert_eq!(flows, vec![("a", 0), ("b", 2)]);
+    assert_eq!(m.saturation, 0.001);
+}
