@@ -10,7 +10,10 @@ from __future__ import annotations
 from llmsched._llmsched import __version__
 from llmsched.errors import (
     ConfigError,
+    DuplicateRequestError,
+    FlowRejected,
     HashChainError,
+    InvalidRequestError,
     InvalidTokenError,
     LlmschedError,
     MalformedEventError,
@@ -22,6 +25,7 @@ from llmsched.errors import (
     UnknownRequestError,
     UnknownWorkerError,
 )
+from llmsched.flow import FlowController, FlowDecision, FlowRequest, Outcome
 from llmsched.hashing import (
     block_hashes,
     block_hashes_batch,
@@ -39,13 +43,20 @@ from llmsched.vllm_events import decode_vllm_events
 __all__ = [
     "ConfigError",
     "Decision",
+    "DuplicateRequestError",
     "Endpoint",
     "EndpointPool",
+    "FlowController",
+    "FlowDecision",
+    "FlowRejected",
+    "FlowRequest",
     "HashChainError",
+    "InvalidRequestError",
     "InvalidTokenError",
     "LlmschedError",
     "MalformedEventError",
     "NoEndpointError",
+    "Outcome",
     "PrefixIndex",
     "PrefixMatch",
     "Router",

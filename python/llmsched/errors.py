@@ -10,10 +10,17 @@ True
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmsched._llmsched import Outcome
+
 __all__ = [
     "ConfigError",
     "DuplicateRequestError",
+    "FlowRejected",
     "HashChainError",
+    "InvalidRequestError",
     "InvalidTokenError",
     "LlmschedError",
     "MalformedEventError",
@@ -77,3 +84,31 @@ class UnknownEndpointError(LlmschedError, KeyError):
 
 class DuplicateRequestError(LlmschedError, ValueError):
     """A request id is already in use where a new one is needed (the simulator's KV cache)."""
+
+
+class InvalidRequestError(LlmschedError, ValueError):
+    """A flow-control request or call carries a value no policy can act on (negative size,
+    non-finite time, ...); nothing was changed."""
+
+
+class FlowRejected(LlmschedError):
+    """A request was not dispatched: refused at the door or evicted from the queue.
+
+    Carries the terminal ``outcome`` (an :class:`llmsched.flow.Outcome`), the HTTP status and
+    the dropped-reason header value a gateway answers with.
+
+    >>> from llmsched.flow import Outcome
+    >>> err = FlowRejected(7, Outcome.EVICTED_TTL)
+    >>> err.http_status, err.reason
+    (429, 'ttl-expired')
+    """
+
+    def __init__(self, request_id: int, outcome: Outcome) -> None:
+        self.request_id = request_id
+        self.outcome = outcome
+        self.http_status: int = outcome.http_status
+        self.reason: str = outcome.reason
+        super().__init__(
+            f"request {request_id} not dispatched: {outcome.key} "
+            f"(HTTP {outcome.http_status}, {outcome.reason})"
+        )

@@ -117,3 +117,18 @@ impl From<KvError> for PyErr {
         }
     }
 }
+
+import_exception!(llmsched.errors, InvalidRequestError);
+
+impl From<crate::flow::FlowError> for PyErr {
+    fn from(err: crate::flow::FlowError) -> PyErr {
+        use crate::flow::FlowError;
+        let message = err.to_string();
+        match err {
+            FlowError::Config(_) => ConfigError::new_err(message),
+            FlowError::InvalidInput(_) => InvalidRequestError::new_err(message),
+            FlowError::DuplicateRequest(_) => DuplicateRequestError::new_err(message),
+            FlowError::UnknownRequest(_) => UnknownRequestError::new_err(message),
+        }
+    }
+}

@@ -3,6 +3,7 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod flow;
 mod hashing;
 mod prefix_index;
 mod routing;
@@ -20,5 +21,6 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     vllm_events::register(m)?;
     routing::register(m)?;
     sim::register(m)?;
+    flow::register(m)?;
     Ok(())
 }

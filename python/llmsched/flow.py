@@ -1,0 +1,554 @@
+"""Flow control: decides *when* a request may be dispatched.
+
+High-priority traffic stays fast under overload while batch work fills idle capacity. Requests
+join the flow ``(tenant, priority)``; :meth:`FlowController.dispatch` serves the highest
+non-empty priority band while pool saturation is below that band's ceiling (no lower band
+dispatches while a higher one is blocked), a fairness policy picks the flow inside the band
+(``strict``, ``round-robin``, ``vtc``, ``las``) and an ordering policy the request (``fcfs``,
+``edf``, ``slo-deadline``). Every request ends in exactly one :class:`Outcome`, which carries
+the HTTP status and the dropped-reason header value for gateways.
+
+Configuration is a plain dict (or YAML): absent keys take their defaults, unknown keys raise
+:class:`~llmsched.errors.ConfigError`. :func:`default_config` shows every default.
+
+Two ways to drive it: the synchronous core (``enqueue``, ``dispatch``, ``complete``, ``cancel``,
+``expire``) for a gateway with its own loop, or ``await controller.admit(request)``, which
+returns when the request is dispatched and raises :class:`~llmsched.errors.FlowRejected`
+otherwise. One controller is safe to share between threads and asyncio tasks.
+
+>>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1}})
+>>> ctrl.enqueue(FlowRequest(1, priority=-1, tenant="batch")) is None
+True
+>>> ctrl.enqueue(FlowRequest(2, priority=10, tenant="chat")) is None
+True
+>>> ctrl.dispatch().id   # the interactive request goes first
+2
+>>> ctrl.dispatch() is None   # one request in flight = saturated
+True
+>>> ctrl.complete(2, output_tokens=20)
+>>> ctrl.dispatch().id
+1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
+from llmsched.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    FlowRejected,
+    UnknownRequestError,
+)
+
+__all__ = [
+    "FlowController",
+    "FlowDecision",
+    "FlowRequest",
+    "Outcome",
+    "default_config",
+    "load_config",
+    "resolve_config",
+]
+
+ConfigLike = Mapping[str, Any] | str | os.PathLike[str] | None
+"""A config dict, YAML/JSON text, a path to a YAML/JSON file, or None for the defaults."""
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRequest:
+    """A request asking to be dispatched.
+
+    ``priority``: higher first; negative = sheddable. ``tenant``: the fairness id. ``tokens``:
+    prompt size (fairness cost, in-flight tokens). ``size_bytes``: counts against byte limits.
+    ``deadline``: absolute time on the controller's clock (``edf``). ``ttft_target``: seconds
+    (``slo-deadline``). ``payload``: anything; handed back in the :class:`FlowDecision`.
+
+    >>> FlowRequest(7, priority=2, tenant="acme", tokens=512).priority
+    2
+    """
+
+    id: int
+    priority: int = 0
+    tenant: str = "default"
+    tokens: int = 0
+    size_bytes: int = 0
+    deadline: float | None = None
+    ttft_target: float | None = None
+    payload: Any = None
+
+
+def load_config(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a config from YAML (or JSON) text or a file path into a plain dict.
+
+    >>> load_config("default_band: {ttl_s: 30}")
+    {'default_band': {'ttl_s': 30}}
+    """
+    text = str(source)
+    is_path = isinstance(source, os.PathLike) or (
+        "\n" not in text and not text.lstrip().startswith("{") and Path(text).is_file()
+    )
+    if is_path:
+        text = Path(source).read_text()
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"flow config is not valid YAML: {err}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"flow config must be a mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+def _as_dict(config: ConfigLike) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config)
+    raise TypeError(f"config must be a mapping, YAML text or a path, got {type(config).__name__}")
+
+
+def _to_json(config: Mapping[str, Any]) -> str:
+    try:
+        return json.dumps(config, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"flow config must be plain data (JSON-compatible): {err}") from None
+
+
+def resolve_config(config: ConfigLike = None) -> dict[str, Any]:
+    """The full configuration: ``config`` merged over every default and checked.
+
+    >>> resolve_config({"default_band": {"fairness": {"type": "vtc"}}})["default_band"]["fairness"]
+    {'type': 'vtc', 'w_p': 1.0, 'w_q': 2.0, 'weights': {}}
+    """
+    resolved: dict[str, Any] = json.loads(flow_resolve_config(_to_json(_as_dict(config))))
+    return resolved
+
+
+def default_config() -> dict[str, Any]:
+    """Every default, in config form (defaults live in the Rust core, nowhere else).
+
+    >>> default_config()["default_band"]["max_requests"]
+    5000
+    """
+    return resolve_config(None)
+
+
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[FlowDecision]"]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class FlowController:
+    """Priority bands, fairness, capacity, saturation, shedding and preemption for one pool.
+
+    ``clock`` supplies ``now`` (seconds, monotonic) wherever a call does not pass one.
+    ``poll_interval_s`` bounds how long an :meth:`admit` sleeps without re-checking TTL expiry
+    and saturation on its own (every ``enqueue``, ``complete`` and ``update_endpoint`` already
+    wakes waiters that can go).
+
+    >>> ctrl = FlowController()   # llm-d defaults: utilization saturation needs endpoints
+    >>> ctrl.enqueue(FlowRequest(1)).key
+    'rejected_no_endpoints'
+    >>> ctrl.update_endpoint("pod-a", waiting=1, kv_usage=0.2)
+    >>> ctrl.enqueue(FlowRequest(2)) is None
+    True
+    >>> ctrl.dispatch().id
+    2
+    """
+
+    def __init__(
+        self,
+        config: ConfigLike = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        poll_interval_s: float = 1.0,
+    ) -> None:
+        if not (isinstance(poll_interval_s, (int, float)) and 0 < poll_interval_s < math.inf):
+            raise ValueError(f"poll_interval_s must be a number > 0, got {poll_interval_s!r}")
+        self._core = FlowCore(_to_json(_as_dict(config)))
+        self._config: dict[str, Any] = json.loads(self._core.config_json())
+        self._clock = clock
+        self._poll_interval_s = float(poll_interval_s)
+        self._waiters: dict[int, _Waiter] = {}
+        # Dispatched by `pump` with nobody awaiting them: handed out by `dispatch`.
+        self._unclaimed: deque[FlowDecision] = deque()
+        # Side-effect evictions with nobody awaiting them: handed out by `drain_evicted`.
+        self._evicted: deque[FlowDecision] = deque()
+        self._pump_lock = threading.Lock()
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The resolved configuration (a copy)."""
+        return json.loads(json.dumps(self._config))  # type: ignore[no-any-return]
+
+    def _now(self, now: float | None) -> float:
+        return self._clock() if now is None else now
+
+    # -- synchronous core ------------------------------------------------------------------
+
+    def enqueue(self, request: FlowRequest, *, now: float | None = None) -> Outcome | None:
+        """Offers a request: ``None`` when queued, else the refusal :class:`Outcome`
+        (``REJECTED_CAPACITY``, ``REJECTED_SHED`` or ``REJECTED_NO_ENDPOINTS``).
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4},
+        ...                        "default_band": {"max_requests": 1}})
+        >>> ctrl.enqueue(FlowRequest(1)), ctrl.enqueue(FlowRequest(2))
+        (None, Outcome.REJECTED_CAPACITY)
+        """
+        if not isinstance(request, FlowRequest):
+            raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+        refused = self._core.enqueue(
+            request.id,
+            request.priority,
+            request.tenant,
+            request.tokens,
+            request.size_bytes,
+            request.deadline,
+            request.ttft_target,
+            request.payload,
+            self._clock() if now is None else now,
+        )
+        if self._core.has_evicted():
+            self._route_evictions()
+        return refused
+
+    def dispatch(self, *, now: float | None = None) -> FlowDecision | None:
+        """The next request to send to an endpoint, or ``None`` (empty, or the highest
+        non-empty band is blocked). Requests awaited by :meth:`admit` go to their waiter.
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
+        >>> _ = ctrl.enqueue(FlowRequest(1, payload="hello"))
+        >>> ctrl.dispatch().payload
+        'hello'
+        """
+        if self._unclaimed:
+            with contextlib.suppress(IndexError):
+                return self._unclaimed.popleft()
+        t = self._clock() if now is None else now
+        while True:
+            decision = self._core.dispatch(t)
+            if self._core.has_evicted():
+                self._route_evictions()
+            if decision is None or not self._settle_waiter(decision):
+                return decision
+
+    def complete(self, request_id: int, output_tokens: int = 0, *, now: float | None = None) -> None:
+        """Marks a dispatched request finished (or revoked); charges ``output_tokens`` not yet
+        reported to its tenant and frees its in-flight share. Raises
+        :class:`~llmsched.errors.UnknownRequestError` when it is not running.
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
+        >>> _ = ctrl.enqueue(FlowRequest(1)); _ = ctrl.dispatch()
+        >>> ctrl.complete(1, output_tokens=30)
+        >>> ctrl.running_count()
+        0
+        """
+        self._core.complete(request_id, output_tokens, self._now(now))
+        if self._waiters:
+            self.pump()
+
+    def record_output(self, request_id: int, output_tokens: int, *, now: float | None = None) -> None:
+        """Charges output tokens of a running request as they stream (VTC's per-token rule).
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
+        >>> _ = ctrl.enqueue(FlowRequest(1)); _ = ctrl.dispatch()
+        >>> ctrl.record_output(1, 8)
+        """
+        self._core.record_output(request_id, output_tokens, self._now(now))
+
+    def cancel(self, request_id: int, *, now: float | None = None) -> FlowDecision | None:
+        """Removes a queued request (``EVICTED_CANCELLED``); ``None`` when it is not queued.
+        A pending :meth:`admit` for it raises :class:`~llmsched.errors.FlowRejected`.
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1}})
+        >>> _ = ctrl.enqueue(FlowRequest(1))
+        >>> ctrl.cancel(1).outcome
+        Outcome.EVICTED_CANCELLED
+        """
+        decision = self._core.cancel(request_id, self._now(now))
+        if decision is not None:
+            self._settle_waiter(decision)
+        return decision
+
+    def expire(self, *, now: float | None = None) -> list[FlowDecision]:
+        """Evicts queued requests whose TTL ran out (``EVICTED_TTL``) and returns them.
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1},
+        ...                        "default_band": {"ttl_s": 5}})
+        >>> _ = ctrl.enqueue(FlowRequest(1), now=0.0)
+        >>> [d.id for d in ctrl.expire(now=5.0)]
+        [1]
+        """
+        expired = self._core.expire(self._now(now))
+        for decision in expired:
+            self._settle_waiter(decision)
+        return expired
+
+    def drain_evicted(self) -> list[FlowDecision]:
+        """Evictions that happened as side effects (TTL met during ``dispatch``/``enqueue``,
+        queued requests preempted by a higher-priority arrival) and that no :meth:`admit`
+        awaited. Synchronous users should drain them to learn every outcome.
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1},
+        ...                        "global": {"max_requests": 1}})
+        >>> _ = ctrl.enqueue(FlowRequest(1, priority=-1)); _ = ctrl.enqueue(FlowRequest(2))
+        >>> [(d.id, d.outcome) for d in ctrl.drain_evicted()]
+        [(1, Outcome.EVICTED_PREEMPTED)]
+        """
+        self._route_evictions()
+        drained: list[FlowDecision] = []
+        with contextlib.suppress(IndexError):
+            while True:
+                drained.append(self._evicted.popleft())
+        return drained
+
+    def preemption_victims(self, *, now: float | None = None) -> list[int]:
+        """Running sheddable requests to revoke because a higher band is blocked by saturation
+        (lowest priority, then newest dispatch; capped and paced by ``preemption``). Cancel them
+        at the endpoint, then call :meth:`complete` (and re-enqueue them if you like).
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1}})
+        >>> _ = ctrl.enqueue(FlowRequest(1, priority=-1)); _ = ctrl.dispatch()
+        >>> _ = ctrl.enqueue(FlowRequest(2, priority=5))
+        >>> ctrl.preemption_victims()
+        [1]
+        """
+        return self._core.preemption_victims(self._now(now))
+
+    def update_endpoint(
+        self,
+        endpoint: str,
+        *,
+        waiting: int = 0,
+        running: int = 0,
+        kv_usage: float = 0.0,
+        timestamp: float | None = None,
+    ) -> None:
+        """Feeds one endpoint's load report to the saturation detector (``utilization``:
+        ``max(waiting / queue_threshold, kv_usage / kv_threshold)``, mean over endpoints).
+        ``timestamp`` defaults to now; reports older than ``staleness_s`` are stale.
+
+        >>> ctrl = FlowController()
+        >>> ctrl.update_endpoint("pod-a", waiting=5, kv_usage=0.4, timestamp=0.0)
+        >>> ctrl.saturation(now=0.1)
+        1.0
+        """
+        self._core.update_endpoint(endpoint, waiting, running, kv_usage, self._now(timestamp))
+        if self._waiters:
+            self.pump()
+
+    def remove_endpoint(self, endpoint: str) -> bool:
+        """Forgets an endpoint; False when it was unknown.
+
+        >>> FlowController().remove_endpoint("pod-a")
+        False
+        """
+        removed = self._core.remove_endpoint(endpoint)
+        if self._waiters:
+            self.pump()
+        return removed
+
+    def saturation(self, *, now: float | None = None) -> float:
+        """The saturation gauge (what an autoscaler or admission layer reads).
+
+        >>> FlowController({"saturation": {"type": "concurrency", "max_requests": 2}}).saturation()
+        0.0
+        """
+        return self._core.saturation(self._now(now))
+
+    def metrics(self, *, now: float | None = None) -> dict[str, Any]:
+        """Queue lengths per band and flow, wait-time histograms, outcome counts, saturation
+        and Jain's fairness index, as a plain dict.
+
+        >>> FlowController({"saturation": {"type": "concurrency", "max_requests": 2}}).metrics()["queued"]
+        0
+        """
+        metrics: dict[str, Any] = json.loads(self._core.metrics_json(self._now(now)))
+        return metrics
+
+    def jain_index(self, priority: int | None = None) -> float:
+        """Jain's fairness index over tenants' service tokens (one band, or all bands).
+
+        >>> FlowController().jain_index()
+        1.0
+        """
+        return self._core.jain_index(priority)
+
+    def running_count(self) -> int:
+        """Dispatched requests not yet completed.
+
+        >>> FlowController().running_count()
+        0
+        """
+        return self._core.running_count()
+
+    def is_queued(self, request_id: int) -> bool:
+        """Whether ``request_id`` is waiting in the queue.
+
+        >>> FlowController().is_queued(3)
+        False
+        """
+        return self._core.is_queued(request_id)
+
+    def is_running(self, request_id: int) -> bool:
+        """Whether ``request_id`` was dispatched and has not completed.
+
+        >>> FlowController().is_running(3)
+        False
+        """
+        return self._core.is_running(request_id)
+
+    def __len__(self) -> int:
+        return len(self._core)
+
+    # -- asyncio facade --------------------------------------------------------------------
+
+    def pump(self, *, now: float | None = None) -> int:
+        """Dispatches everything that may go now; awaited requests wake their :meth:`admit`,
+        the rest wait for :meth:`dispatch`. Returns how many were dispatched.
+
+        >>> FlowController().pump()
+        0
+        """
+        t = self._clock() if now is None else now
+        count = 0
+        with self._pump_lock:
+            while (decision := self._core.dispatch(t)) is not None:
+                count += 1
+                if not self._settle_waiter(decision):
+                    self._unclaimed.append(decision)
+            if self._core.has_evicted():
+                self._route_evictions()
+        return count
+
+    def poll(self, *, now: float | None = None) -> int:
+        """Expires overdue requests, then :meth:`pump`. Call it periodically when nothing else
+        drives the controller.
+
+        >>> FlowController().poll()
+        0
+        """
+        t = self._clock() if now is None else now
+        for decision in self._core.expire(t):
+            if not self._settle_waiter(decision):
+                self._evicted.append(decision)
+        return self.pump(now=t)
+
+    async def admit(self, request: FlowRequest) -> FlowDecision:
+        """Enqueues ``request`` and returns its :class:`FlowDecision` once dispatched; raises
+        :class:`~llmsched.errors.FlowRejected` (with outcome, HTTP status and reason) when it
+        is refused or evicted. Cancelling the awaiting task cancels the request; if it was
+        dispatched in the same instant, it is completed on the caller's behalf.
+
+        >>> import asyncio
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 8}})
+        >>> asyncio.run(ctrl.admit(FlowRequest(1, tenant="a"))).id
+        1
+        """
+        if not isinstance(request, FlowRequest):
+            raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[FlowDecision] = loop.create_future()
+        waiter: _Waiter = (loop, future)
+        if self._waiters.setdefault(request.id, waiter) is not waiter:
+            raise DuplicateRequestError(f"request {request.id} is already awaited by admit()")
+        try:
+            refused = self.enqueue(request)
+        except BaseException:
+            self._waiters.pop(request.id, None)
+            raise
+        if refused is not None:
+            self._waiters.pop(request.id, None)
+            raise FlowRejected(request.id, refused)
+        self.pump()
+        try:
+            decision = await self._wait(future, self._expiry_of(request))
+        except asyncio.CancelledError:
+            self._abandon(request.id, future)
+            raise
+        if decision.outcome != Outcome.DISPATCHED:
+            raise FlowRejected(request.id, decision.outcome)
+        return decision
+
+    def _expiry_of(self, request: FlowRequest) -> float:
+        ttl = self._band_settings(request.priority).get("ttl_s")
+        return math.inf if ttl is None else self._clock() + float(ttl)
+
+    def _band_settings(self, priority: int) -> dict[str, Any]:
+        for band in self._config["bands"]:
+            if band["priority"] == priority:
+                return band  # type: ignore[no-any-return]
+        return self._config["default_band"]  # type: ignore[no-any-return]
+
+    async def _wait(self, future: asyncio.Future[FlowDecision], expires_at: float) -> FlowDecision:
+        while True:
+            timeout = min(self._poll_interval_s, max(expires_at - self._clock(), 0.0) + 1e-3)
+            done, _ = await asyncio.wait((future,), timeout=timeout)
+            if done:
+                return future.result()
+            self.poll()
+
+    def _abandon(self, request_id: int, future: asyncio.Future[FlowDecision]) -> None:
+        """The awaiting task was cancelled: cancel the request, or, when a decision is already
+        on its way, release a dispatched request once it lands."""
+        cancelled = self._core.cancel(request_id, self._clock())
+        if cancelled is not None:
+            self._waiters.pop(request_id, None)
+            return
+        future.add_done_callback(lambda f: self._release(request_id, f))
+
+    def _release(self, request_id: int, future: asyncio.Future[FlowDecision]) -> None:
+        if future.cancelled() or future.result().outcome != Outcome.DISPATCHED:
+            return
+        with contextlib.suppress(UnknownRequestError):
+            self.complete(request_id)
+
+    def _route_evictions(self) -> None:
+        for decision in self._core.drain_evicted():
+            if not self._settle_waiter(decision):
+                self._evicted.append(decision)
+
+    def _settle_waiter(self, decision: FlowDecision) -> bool:
+        """Hands ``decision`` to the :meth:`admit` awaiting it; False when there is none."""
+        waiter = self._waiters.pop(decision.id, None)
+        if waiter is None:
+            return False
+        loop, future = waiter
+        if _running_loop() is loop:
+            _set_result(future, decision)
+            return True
+        try:
+            loop.call_soon_threadsafe(_set_result, future, decision)
+        except RuntimeError:  # the waiter's loop is closed: nobody will use a dispatch
+            if decision.outcome == Outcome.DISPATCHED:
+                with contextlib.suppress(UnknownRequestError):
+                    self._core.complete(decision.id, 0, self._clock())
+        return True
+
+
+def _set_result(future: asyncio.Future[FlowDecision], decision: FlowDecision) -> None:
+    if not future.done():
+        future.set_result(decision)
