@@ -15,7 +15,12 @@ const GLOBAL_MAX: usize = 7;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Enqueue { priority: i32, tenant: u8, tokens: u64, deadline: Option<u8> },
+    Enqueue {
+        priority: i32,
+        tenant: u8,
+        tokens: u64,
+        deadline: Option<u8>,
+    },
     Dispatch,
     Complete(usize),
     Cancel(usize),
@@ -37,7 +42,13 @@ fn op() -> impl Strategy<Value = Op> {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum State {
-    Queued { priority: i32, arrival: f64, key: f64, seq: u64, tenant: u8 },
+    Queued {
+        priority: i32,
+        arrival: f64,
+        key: f64,
+        seq: u64,
+        tenant: u8,
+    },
     Running,
     Done(Outcome),
 }
@@ -51,11 +62,18 @@ struct Model {
 
 impl Model {
     fn queued(&self) -> impl Iterator<Item = (u64, &State)> {
-        self.states.iter().filter(|(_, s)| matches!(s, State::Queued { .. })).map(|(id, s)| (*id, s))
+        self.states
+            .iter()
+            .filter(|(_, s)| matches!(s, State::Queued { .. }))
+            .map(|(id, s)| (*id, s))
     }
 
     fn running(&self) -> Vec<u64> {
-        self.states.iter().filter(|(_, s)| **s == State::Running).map(|(id, _)| *id).collect()
+        self.states
+            .iter()
+            .filter(|(_, s)| **s == State::Running)
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     fn live(&self, now: f64) -> Vec<(u64, State)> {
@@ -68,7 +86,10 @@ impl Model {
     /// Every decision must concern a queued request and end it exactly once.
     fn finish(&mut self, decision: &FlowDecision<()>) {
         let state = self.states.get(&decision.id).copied();
-        assert!(matches!(state, Some(State::Queued { .. })), "{decision:?} for {state:?}");
+        assert!(
+            matches!(state, Some(State::Queued { .. })),
+            "{decision:?} for {state:?}"
+        );
         let next = if decision.outcome == Outcome::Dispatched {
             State::Running
         } else {
@@ -81,7 +102,9 @@ impl Model {
     /// `None` when it cannot be admitted.
     fn victims_for(&self, priority: i32, now: f64) -> Option<Vec<u64>> {
         let live = self.live(now);
-        let same = live.iter().filter(|(_, s)| matches!(s, State::Queued { priority: p, .. } if *p == priority));
+        let same = live
+            .iter()
+            .filter(|(_, s)| matches!(s, State::Queued { priority: p, .. } if *p == priority));
         if same.count() >= BAND_MAX {
             return None;
         }
@@ -89,7 +112,9 @@ impl Model {
         let mut lower: Vec<(i32, u64, u64)> = live
             .iter()
             .filter_map(|(id, s)| match *s {
-                State::Queued { priority: p, seq, .. } if p < priority => Some((p, u64::MAX - seq, *id)),
+                State::Queued {
+                    priority: p, seq, ..
+                } if p < priority => Some((p, u64::MAX - seq, *id)),
                 _ => None,
             })
             .collect();
@@ -120,8 +145,14 @@ fn config(fairness: &str, ordering: &str, max_running: usize) -> String {
 }
 
 fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: Vec<Op>) {
-    let mut c: FlowController<()> = FlowController::from_json(&config(fairness, ordering, max_running)).unwrap();
-    let mut model = Model { states: BTreeMap::new(), max_running, strict: fairness == "strict", ordering };
+    let mut c: FlowController<()> =
+        FlowController::from_json(&config(fairness, ordering, max_running)).unwrap();
+    let mut model = Model {
+        states: BTreeMap::new(),
+        max_running,
+        strict: fairness == "strict",
+        ordering,
+    };
     let tenants = ["a", "b", "c"];
     let mut now = 0.0;
     let mut next_id = 0u64;
@@ -129,7 +160,12 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
     for op in ops {
         match op {
             Op::Advance(dt) => now += f64::from(dt) / 10.0,
-            Op::Enqueue { priority, tenant, tokens, deadline } => {
+            Op::Enqueue {
+                priority,
+                tenant,
+                tokens,
+                deadline,
+            } => {
                 next_id += 1;
                 let deadline = deadline.map(|d| now + f64::from(d));
                 let request = FlowRequest {
@@ -162,7 +198,9 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
                 match (&result, &expected_victims) {
                     (Some(d), _) if d.outcome == Outcome::RejectedShed => {}
                     (Some(d), None) => assert_eq!(d.outcome, Outcome::RejectedCapacity),
-                    (None, Some(expected)) => assert_eq!(&victims, expected, "lowest, newest first"),
+                    (None, Some(expected)) => {
+                        assert_eq!(&victims, expected, "lowest, newest first")
+                    }
                     _ => panic!("admission {result:?}, expected victims {expected_victims:?}"),
                 }
                 match result {
@@ -170,11 +208,20 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
                         seq += 1;
                         model.states.insert(
                             next_id,
-                            State::Queued { priority, arrival: now, key, seq, tenant },
+                            State::Queued {
+                                priority,
+                                arrival: now,
+                                key,
+                                seq,
+                                tenant,
+                            },
                         );
                     }
                     Some(d) => {
-                        assert!(matches!(d.outcome, Outcome::RejectedCapacity | Outcome::RejectedShed));
+                        assert!(matches!(
+                            d.outcome,
+                            Outcome::RejectedCapacity | Outcome::RejectedShed
+                        ));
                         if d.outcome == Outcome::RejectedShed {
                             assert!(priority < 0, "only sheddable requests are shed");
                         }
@@ -199,7 +246,10 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
                             _ => None,
                         });
                         assert_eq!(Some(d.priority), top.max(), "strict priority");
-                        let Some(State::Queued { arrival, tenant, .. }) = model.states.get(&d.id).copied() else {
+                        let Some(State::Queued {
+                            arrival, tenant, ..
+                        }) = model.states.get(&d.id).copied()
+                        else {
                             panic!("dispatched unknown {d:?}");
                         };
                         assert!(arrival + TTL > now, "TTL honoured");
@@ -209,9 +259,11 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
                             _ => unreachable!(),
                         };
                         let candidates = live.iter().filter(|(_, s)| match s {
-                            State::Queued { priority, tenant: t, .. } => {
-                                *priority == d.priority && (model.strict || *t == tenant)
-                            }
+                            State::Queued {
+                                priority,
+                                tenant: t,
+                                ..
+                            } => *priority == d.priority && (model.strict || *t == tenant),
                             _ => false,
                         });
                         let best = candidates
@@ -251,7 +303,9 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
             Op::Expire => {
                 let due: Vec<u64> = model
                     .queued()
-                    .filter(|(_, s)| matches!(s, State::Queued { arrival, .. } if arrival + TTL <= now))
+                    .filter(
+                        |(_, s)| matches!(s, State::Queued { arrival, .. } if arrival + TTL <= now),
+                    )
                     .map(|(id, _)| id)
                     .collect();
                 let mut expired: Vec<u64> = Vec::new();

@@ -34,6 +34,10 @@ pub trait FairnessPolicy: Send + fmt::Debug {
     fn pick(&mut self) -> Option<FlowIdx>;
     /// Service rendered to `flow` at time `now`.
     fn charge(&mut self, flow: FlowIdx, prompt_tokens: u64, output_tokens: u64, now: f64);
+    /// The policy's per-flow number at `now` (VTC counter, LAS attained service), for metrics.
+    fn counter(&self, _flow: FlowIdx, _now: f64) -> Option<f64> {
+        None
+    }
 }
 
 fn at(flow: FlowIdx) -> usize {
@@ -261,6 +265,10 @@ impl FairnessPolicy for VtcFairness {
         let value = self.counters.counters[at(flow)] + cost;
         self.counters.set(flow, value);
     }
+
+    fn counter(&self, flow: FlowIdx, _now: f64) -> Option<f64> {
+        Some(self.counters.counters[at(flow)])
+    }
 }
 
 /// Parameters of `las`.
@@ -365,6 +373,11 @@ impl FairnessPolicy for LasFairness {
         let scale = ((now - self.t_ref) / self.params.half_life_s).exp2();
         let value = self.counters.counters[at(flow)] + cost * scale;
         self.counters.set(flow, value);
+    }
+
+    fn counter(&self, flow: FlowIdx, now: f64) -> Option<f64> {
+        let decay = (-(now - self.t_ref) / self.params.half_life_s).exp2();
+        Some(self.counters.counters[at(flow)] * decay)
     }
 }
 

@@ -79,6 +79,9 @@ pub struct FlowMetrics {
     pub dispatched: u64,
     /// Prompt tokens dispatched plus output tokens reported.
     pub service_tokens: u64,
+    /// The fairness policy's number for the flow (VTC counter, LAS decayed attained service);
+    /// `None` for policies without one.
+    pub fairness_counter: Option<f64>,
 }
 
 /// A snapshot of the whole controller.

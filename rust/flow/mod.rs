@@ -301,9 +301,10 @@ impl<P> FlowController<P> {
         output_tokens: u64,
         now: f64,
     ) -> Result<(), FlowError> {
-        let now = self.advance(check_time("now", now)?);
+        let now = check_time("now", now)?;
         let running = self.running.get(&id).ok_or(FlowError::UnknownRequest(id))?;
         let (band, flow) = (running.band, running.flow);
+        let now = self.advance(now);
         self.charge_output(band, flow, output_tokens, now);
         Ok(())
     }
@@ -315,11 +316,12 @@ impl<P> FlowController<P> {
         output_tokens: u64,
         now: f64,
     ) -> Result<(), FlowError> {
-        let now = self.advance(check_time("now", now)?);
+        let now = check_time("now", now)?;
         let running = self
             .running
             .remove(&id)
             .ok_or(FlowError::UnknownRequest(id))?;
+        let now = self.advance(now);
         self.charge_output(running.band, running.flow, output_tokens, now);
         self.inflight.requests -= 1;
         self.inflight.tokens -= running.tokens;
@@ -419,7 +421,8 @@ impl<P> FlowController<P> {
 
     /// A snapshot of every gauge and counter.
     pub fn metrics(&mut self, now: f64) -> Result<ControllerMetrics, FlowError> {
-        let saturation = self.saturation(now)?;
+        let now = self.advance(check_time("now", now)?);
+        let saturation = self.saturation_at(now);
         let bands = self
             .band_order
             .iter()
@@ -441,15 +444,19 @@ impl<P> FlowController<P> {
             .iter()
             .flat_map(|&b| {
                 let band = &self.bands[b as usize];
-                band.flows.iter().map(move |flow| (band.priority, flow))
+                band.flows
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, flow)| (band, i as FlowIdx, flow))
             })
-            .map(|(priority, flow)| FlowMetrics {
+            .map(|(band, index, flow)| FlowMetrics {
                 tenant: self.tenants.names[flow.tenant as usize].to_string(),
-                priority,
+                priority: band.priority,
                 queued: flow.items.len() as u64,
                 queued_bytes: flow.bytes,
                 dispatched: flow.dispatched,
                 service_tokens: flow.service_tokens,
+                fairness_counter: band.fairness.counter(index, now),
             })
             .collect();
         let outcomes = Outcome::ALL

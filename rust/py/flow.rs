@@ -8,14 +8,20 @@ use pyo3::prelude::*;
 
 use super::errors::InvalidRequestError;
 use crate::flow::{
-    EndpointMetrics, FlowConfig, FlowController, FlowDecision, FlowRequest, Outcome,
-    PolicyRegistry,
+    EndpointMetrics, FlowConfig, FlowController, FlowDecision, FlowRequest, Outcome, PolicyRegistry,
 };
 
 type Core = FlowController<Py<PyAny>>;
 
 /// The terminal outcome of a request, with its HTTP status and dropped-reason header value.
-#[pyclass(frozen, eq, eq_int, hash, name = "Outcome", module = "llmsched._llmsched")]
+#[pyclass(
+    frozen,
+    eq,
+    eq_int,
+    hash,
+    name = "Outcome",
+    module = "llmsched._llmsched"
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PyOutcome {
     #[pyo3(name = "DISPATCHED")]
@@ -170,7 +176,9 @@ impl PyFlowCore {
     fn new(config_json: &str) -> PyResult<Self> {
         let config = FlowConfig::from_json(config_json)?;
         let core = FlowController::with_registry(&config, PolicyRegistry::builtin())?;
-        Ok(PyFlowCore { inner: Arc::new(Mutex::new(core)) })
+        Ok(PyFlowCore {
+            inner: Arc::new(Mutex::new(core)),
+        })
     }
 
     /// The resolved configuration as JSON.
@@ -233,12 +241,18 @@ impl PyFlowCore {
     }
 
     fn record_output(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
-        let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
+        let (id, tokens) = (
+            non_negative("id", id)?,
+            non_negative("output_tokens", output_tokens)?,
+        );
         Ok(self.inner.lock().record_output(id, tokens, now)?)
     }
 
     fn complete(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
-        let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
+        let (id, tokens) = (
+            non_negative("id", id)?,
+            non_negative("output_tokens", output_tokens)?,
+        );
         Ok(self.inner.lock().complete(id, tokens, now)?)
     }
 

@@ -1,0 +1,255 @@
+"""The friendly flow-control API: config, outcomes, bad input, preemption, metrics, README
+example, doctests and a thread-stress test."""
+
+from __future__ import annotations
+
+import doctest
+import math
+import random
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import llmsched
+import llmsched.errors
+import llmsched.flow
+import llmsched.reference.flow
+from llmsched.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    FlowRejected,
+    InvalidRequestError,
+    UnknownRequestError,
+)
+from llmsched.flow import (
+    FlowController,
+    FlowRequest,
+    Outcome,
+    default_config,
+    load_config,
+    resolve_config,
+)
+
+ROOMY = {"saturation": {"type": "concurrency", "max_requests": 1000}}
+
+
+@pytest.mark.parametrize("module", [llmsched.flow, llmsched.errors, llmsched.reference.flow])
+def test_doctests(module: Any) -> None:
+    result = doctest.testmod(module)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_readme_flow_control_example_runs() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Flow control", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    exec(compile(code.group(1), "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "reason", "key"),
+    [
+        (Outcome.DISPATCHED, 200, "", "dispatched"),
+        (Outcome.REJECTED_CAPACITY, 429, "queue-capacity", "rejected_capacity"),
+        (Outcome.REJECTED_SHED, 429, "load-shed", "rejected_shed"),
+        (Outcome.REJECTED_NO_ENDPOINTS, 503, "no-endpoints", "rejected_no_endpoints"),
+        (Outcome.EVICTED_TTL, 429, "ttl-expired", "evicted_ttl"),
+        (Outcome.EVICTED_PREEMPTED, 429, "preempted", "evicted_preempted"),
+        (Outcome.EVICTED_CANCELLED, 503, "cancelled", "evicted_cancelled"),
+    ],
+)
+def test_outcome_http_mapping(outcome: Outcome, status: int, reason: str, key: str) -> None:
+    assert (outcome.http_status, outcome.reason, outcome.key) == (status, reason, key)
+    err = FlowRejected(1, outcome)
+    assert (err.outcome, err.http_status, err.reason, err.request_id) == (outcome, status, reason, 1)
+
+
+def test_defaults_live_in_one_place_and_resolve_round_trips() -> None:
+    defaults = default_config()
+    assert defaults["default_band"]["ttl_s"] == 60.0
+    assert defaults["saturation"] == {
+        "type": "utilization",
+        "queue_threshold": 5.0,
+        "kv_threshold": 0.8,
+        "staleness_s": 0.2,
+        "stale_policy": "saturated",
+    }
+    assert defaults["shedding"] == {"type": "probabilistic", "power": 5.0, "scale": 300.0, "seed": 0}
+    assert resolve_config(defaults) == defaults
+    assert FlowController(defaults).config == defaults
+
+
+def test_yaml_config_text_and_file(tmp_path: Path) -> None:
+    text = "default_band:\n  fairness: {type: las, half_life_s: 10}\nbands:\n  - {priority: -1, ttl_s: 5}\n"
+    path = tmp_path / "flow.yaml"
+    path.write_text(text)
+    for source in (text, path, str(path)):
+        config = FlowController(source).config
+        assert config["default_band"]["fairness"]["half_life_s"] == 10.0
+        assert config["bands"][0]["ttl_s"] == 5.0
+    assert load_config("") == {}
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"default_band": {"fairness": {"type": "fifo"}}}, "unknown fairness policy type 'fifo'"),
+        ({"default_band": {"fairness": {"type": "vtc", "wq": 2}}}, "unknown field `wq`"),
+        ({"saturation": {"type": "concurrency"}}, "max_requests or max_tokens"),
+        ({"bands": [{"priority": 1}, {"priority": 1}]}, "appears twice"),
+        ({"bandz": []}, "unknown field `bandz`"),
+        ({"default_band": {"ttl_s": math.nan}}, "JSON-compatible"),
+        ("- just\n- a list", "must be a mapping"),
+        ("a: [", "not valid YAML"),
+    ],
+)
+def test_bad_config_names_the_problem(config: Any, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        FlowController(config)
+
+
+def test_bad_input_raises_and_changes_nothing() -> None:
+    ctrl = FlowController(ROOMY)
+    assert ctrl.enqueue(FlowRequest(1, tenant="a", tokens=5, size_bytes=9), now=1.0) is None
+    before = ctrl.metrics(now=1.0)
+    cases: list[tuple[type[Exception], str, Any]] = [
+        (InvalidRequestError, "tokens must be >= 0", lambda: ctrl.enqueue(FlowRequest(2, tokens=-1))),
+        (InvalidRequestError, "id must be >= 0", lambda: ctrl.enqueue(FlowRequest(-2))),
+        (InvalidRequestError, "32 bits", lambda: ctrl.enqueue(FlowRequest(2, priority=2**40))),
+        (InvalidRequestError, "deadline", lambda: ctrl.enqueue(FlowRequest(2, deadline=math.inf))),
+        (InvalidRequestError, "ttft_target", lambda: ctrl.enqueue(FlowRequest(2, ttft_target=-1))),
+        (InvalidRequestError, "now must be", lambda: ctrl.enqueue(FlowRequest(2), now=math.nan)),
+        (InvalidRequestError, "now must be", lambda: ctrl.dispatch(now=math.inf)),
+        (InvalidRequestError, "kv_usage", lambda: ctrl.update_endpoint("e", kv_usage=1.5)),
+        (InvalidRequestError, "waiting", lambda: ctrl.update_endpoint("e", waiting=-1)),
+        (DuplicateRequestError, "already queued", lambda: ctrl.enqueue(FlowRequest(1))),
+        (UnknownRequestError, "not running", lambda: ctrl.complete(1)),
+        (UnknownRequestError, "not running", lambda: ctrl.record_output(77, 3)),
+        (TypeError, "FlowRequest", lambda: ctrl.enqueue({"id": 3})),  # type: ignore[arg-type]
+        (TypeError, "tokens", lambda: ctrl.enqueue(FlowRequest(3, tokens="5"))),  # type: ignore[arg-type]
+    ]
+    for kind, needle, call in cases:
+        with pytest.raises(kind, match=needle):
+            call()
+    assert ctrl.metrics(now=1.0) == before
+    assert isinstance(UnknownRequestError("x"), KeyError)
+    assert isinstance(InvalidRequestError("x"), ValueError)
+    assert len(ctrl) == 1 and ctrl.is_queued(1)
+
+
+def test_batch_yields_to_interactive_and_preemption_names_victims() -> None:
+    ctrl = FlowController(
+        {
+            "saturation": {"type": "concurrency", "max_requests": 3},
+            "shedding": {"type": "none"},
+            "preemption": {"max_victims": 2, "pacing_s": 0.5},
+        }
+    )
+    for i in range(6):
+        ctrl.enqueue(FlowRequest(i, priority=-1, tenant="batch"), now=0.0)
+    assert [ctrl.dispatch(now=0.0).id for _ in range(3)] == [0, 1, 2]  # type: ignore[union-attr]
+    ctrl.enqueue(FlowRequest(100, priority=5, tenant="chat"), now=0.1)
+    assert ctrl.dispatch(now=0.1) is None
+    assert ctrl.preemption_victims(now=0.1) == [2, 1]
+    ctrl.complete(2, now=0.2)
+    chat = ctrl.dispatch(now=0.2)
+    assert chat is not None and chat.id == 100 and chat.tenant == "chat"
+    assert chat.wait_s == pytest.approx(0.1)
+    assert ctrl.preemption_victims(now=0.3) == []  # 1 still being revoked
+
+
+def test_metrics_and_jain_index() -> None:
+    ctrl = FlowController({**ROOMY, "default_band": {"fairness": {"type": "vtc"}}})
+    for i, tenant in enumerate(["a", "a", "b", "b"]):
+        ctrl.enqueue(FlowRequest(i, tenant=tenant, tokens=100 if tenant == "a" else 10), now=0.0)
+    order = [ctrl.dispatch(now=0.5).id for _ in range(4)]  # type: ignore[union-attr]
+    assert order == [0, 2, 3, 1]
+    metrics = ctrl.metrics(now=0.5)
+    assert metrics["outcomes"]["dispatched"] == 4
+    assert metrics["bands"][0]["wait_s"]["count"] == 4
+    assert {f["tenant"]: f["fairness_counter"] for f in metrics["flows"]} == {"a": 200.0, "b": 20.0}
+    assert ctrl.jain_index() == pytest.approx((220**2) / (2 * (200**2 + 20**2)))
+    assert ctrl.jain_index(priority=0) == ctrl.jain_index()
+
+
+def test_endpoint_feed_drives_saturation() -> None:
+    now = [0.0]
+    ctrl = FlowController(clock=lambda: now[0])
+    ctrl.update_endpoint("a", waiting=5, kv_usage=0.2)  # 1.0
+    ctrl.update_endpoint("b", waiting=0, kv_usage=0.4)  # 0.5
+    assert ctrl.saturation() == 0.75
+    now[0] = 0.3  # both reports are older than 200 ms
+    assert ctrl.saturation() == 1.0
+    assert ctrl.remove_endpoint("a") and not ctrl.remove_endpoint("a")
+    ctrl.update_endpoint("b", kv_usage=0.0)
+    assert ctrl.saturation() == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_thread_stress_accounts_for_every_request() -> None:
+    ctrl = FlowController(
+        {
+            "saturation": {"type": "concurrency", "max_requests": 16},
+            "default_band": {"max_requests": 400, "fairness": {"type": "vtc"}},
+            "global": {"max_requests": 1000},
+            "shedding": {"type": "probabilistic", "power": 2, "scale": 0.5, "seed": 3},
+        }
+    )
+    threads, per_thread = 8, 1500
+    lock = threading.Lock()
+    finished: dict[int, str] = {}
+    refused: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def record(request_id: int, outcome: str) -> None:
+        with lock:
+            assert request_id not in finished, f"{request_id} finished twice"
+            finished[request_id] = outcome
+
+    def worker(t: int) -> None:
+        rng = random.Random(t)
+        running: list[int] = []
+        try:
+            for i in range(per_thread):
+                rid = t * 1_000_000 + i
+                priority = rng.choice([-1, 0, 2])
+                outcome = ctrl.enqueue(FlowRequest(rid, priority=priority, tenant=f"t{t % 3}"))
+                if outcome is not None:
+                    with lock:
+                        refused[rid] = outcome.key
+                if rng.random() < 0.6 and (d := ctrl.dispatch()) is not None:
+                    record(d.id, d.outcome.key)
+                    running.append(d.id)
+                if rng.random() < 0.1 and (c := ctrl.cancel(rid - rng.randint(0, 5))) is not None:
+                    record(c.id, c.outcome.key)
+                if running and rng.random() < 0.7:
+                    ctrl.complete(running.pop(rng.randrange(len(running))), output_tokens=3)
+                for e in ctrl.drain_evicted():
+                    record(e.id, e.outcome.key)
+            for rid in running:
+                ctrl.complete(rid)
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    assert not errors, errors
+    while (d := ctrl.dispatch()) is not None:
+        record(d.id, d.outcome.key)
+        ctrl.complete(d.id)
+    for e in ctrl.drain_evicted() + ctrl.expire(now=math.floor(1e9)):
+        record(e.id, e.outcome.key)
+    total = threads * per_thread
+    assert set(finished).isdisjoint(refused)
+    assert len(finished) + len(refused) == total
+    assert len(ctrl) == 0 and ctrl.running_count() == 0
+    counts = ctrl.metrics()["outcomes"]
+    assert sum(counts.values()) == total
+    assert counts["dispatched"] == sum(o == "dispatched" for o in finished.values())

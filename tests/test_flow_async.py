@@ -1,0 +1,146 @@
+"""The asyncio facade: thousands of concurrent admits with random cancellations, TTL expiry,
+rejections, and two event loops in two threads sharing one controller."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections import Counter
+
+import pytest
+
+from llmsched.errors import DuplicateRequestError, FlowRejected
+from llmsched.flow import FlowController, FlowDecision, FlowRequest, Outcome
+
+
+async def _client(ctrl: FlowController, rid: int, rng: random.Random) -> FlowDecision:
+    request = FlowRequest(
+        rid,
+        priority=rng.choice([-1, 0, 0, 3]),
+        tenant=f"tenant-{rng.randrange(7)}",
+        tokens=rng.randrange(1, 400),
+    )
+    decision = await ctrl.admit(request)
+    try:
+        await asyncio.sleep(rng.random() * 0.004)  # the request runs on an endpoint
+    finally:
+        ctrl.complete(rid, output_tokens=rng.randrange(50))
+    return decision
+
+
+async def _swarm(ctrl: FlowController, ids: range, seed: int) -> tuple[Counter[str], int, int]:
+    rng = random.Random(seed)
+    tasks = [asyncio.create_task(_client(ctrl, rid, rng)) for rid in ids]
+    await asyncio.sleep(0)
+    cancelled = 0
+    for task in rng.sample(tasks, len(tasks) // 5):
+        await asyncio.sleep(rng.random() * 0.002)
+        cancelled += task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    seen: Counter[str] = Counter()
+    for result in results:
+        if isinstance(result, FlowDecision):
+            seen["dispatched"] += 1
+        elif isinstance(result, FlowRejected):
+            seen[result.outcome.key] += 1
+        elif isinstance(result, asyncio.CancelledError):
+            seen["task_cancelled"] += 1
+        else:
+            raise AssertionError(f"unexpected {result!r}")
+    return seen, cancelled, len(tasks)
+
+
+def _check(ctrl: FlowController, seen: Counter[str], total: int) -> None:
+    counts = ctrl.metrics()["outcomes"]
+    assert sum(counts.values()) == total, "every request ends in exactly one outcome"
+    assert len(ctrl) == 0 and ctrl.running_count() == 0, "nothing left queued or running"
+    for key in ("rejected_capacity", "rejected_shed", "evicted_ttl", "evicted_preempted"):
+        assert counts[key] == seen[key], key
+    # A cancelled task either cancelled its queued request or released its dispatched one.
+    released = counts["dispatched"] - seen["dispatched"]
+    assert released >= 0
+    assert counts["evicted_cancelled"] + released == seen["task_cancelled"]
+
+
+CONFIG = {
+    "saturation": {"type": "concurrency", "max_requests": 24},
+    "default_band": {"max_requests": 1500, "fairness": {"type": "vtc"}},
+    "global": {"max_requests": 3000},
+    "shedding": {"type": "threshold", "threshold": 0.99},
+}
+
+
+@pytest.mark.timeout(120)
+def test_thousands_of_admits_with_random_cancellations() -> None:
+    ctrl = FlowController(CONFIG, poll_interval_s=0.05)
+    seen, cancelled, total = asyncio.run(_swarm(ctrl, range(4000), seed=1))
+    assert total == 4000 and cancelled > 0
+    assert seen["dispatched"] > 1000
+    _check(ctrl, seen, total)
+
+
+@pytest.mark.timeout(120)
+def test_two_event_loops_in_two_threads_share_one_controller() -> None:
+    ctrl = FlowController(CONFIG, poll_interval_s=0.05)
+    outcomes: list[tuple[Counter[str], int, int]] = []
+
+    def run(ids: range, seed: int) -> None:
+        outcomes.append(asyncio.run(_swarm(ctrl, ids, seed)))
+
+    threads = [
+        threading.Thread(target=run, args=(range(k * 10_000, k * 10_000 + 1500), k))
+        for k in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seen = outcomes[0][0] + outcomes[1][0]
+    _check(ctrl, seen, outcomes[0][2] + outcomes[1][2])
+
+
+@pytest.mark.timeout(30)
+def test_admit_raises_with_outcome_http_status_and_reason() -> None:
+    async def scenario() -> None:
+        ctrl = FlowController(
+            {
+                "saturation": {"type": "concurrency", "max_requests": 1},
+                "default_band": {"max_requests": 1, "ttl_s": 0.2},
+            },
+            poll_interval_s=0.05,
+        )
+        first = await ctrl.admit(FlowRequest(1))  # holds the only slot, never completes
+        assert first.outcome == Outcome.DISPATCHED
+        waiting = asyncio.create_task(ctrl.admit(FlowRequest(2)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(FlowRejected) as full:
+            await ctrl.admit(FlowRequest(3))
+        assert (full.value.outcome, full.value.http_status) == (Outcome.REJECTED_CAPACITY, 429)
+        with pytest.raises(DuplicateRequestError):
+            await ctrl.admit(FlowRequest(2))
+        with pytest.raises(FlowRejected) as expired:
+            await waiting
+        assert (expired.value.outcome, expired.value.reason) == (Outcome.EVICTED_TTL, "ttl-expired")
+        ctrl.complete(1)
+        assert (await ctrl.admit(FlowRequest(4))).id == 4
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_sync_cancel_wakes_admit_and_waiters_wake_on_complete() -> None:
+    async def scenario() -> None:
+        ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1}})
+        await ctrl.admit(FlowRequest(1))
+        second = asyncio.create_task(ctrl.admit(FlowRequest(2)))
+        third = asyncio.create_task(ctrl.admit(FlowRequest(3)))
+        await asyncio.sleep(0.01)
+        cancelled = ctrl.cancel(3)
+        assert cancelled is not None and cancelled.outcome == Outcome.EVICTED_CANCELLED
+        with pytest.raises(FlowRejected, match="cancelled"):
+            await third
+        ctrl.complete(1)  # frees the slot: 2 is dispatched without any polling
+        assert (await asyncio.wait_for(second, 0.5)).id == 2
+
+    asyncio.run(scenario())
