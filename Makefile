@@ -58,6 +58,7 @@ bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench --bench hashing
 	cargo bench --bench vllm_events
 	cargo bench --bench routing
+	cargo bench --bench flow
 
 demo: build ## Run the main job: the simulator comparing routing policies (llmsched sim)
 	$(PY) -m llmsched sim

@@ -1,35 +1,53 @@
-//! A priority band: its flows (one per tenant), their ordered queues, the band's arrival order
-//! (for TTL and newest-first eviction) and the band's policies.
+//! A priority band: its flows (one per tenant) with their queues, the band's arrival order (for
+//! TTL and newest-first eviction) and the band's policies. Request data lives in the slab; the
+//! band only threads slot indexes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use hashbrown::HashMap;
-
 use super::config::BandConfig;
 use super::fairness::{FairnessPolicy, FlowIdx};
-use super::key::QueueKey;
+use super::key::{Key, QueueKey};
 use super::metrics::Histogram;
 use super::ordering::OrderingPolicy;
 use super::registry::PolicyRegistry;
-use super::request::{FlowError, RequestId};
+use super::request::FlowError;
+use super::slab::{Chain, List, Slab, NIL};
 
 /// Index into the controller's tenant table.
 pub type TenantId = u32;
+
+/// How a flow keeps its requests in order.
+#[derive(Debug)]
+enum FlowOrder {
+    /// Arrival order (the ordering key is constant): an intrusive list, O(1).
+    Fifo(List),
+    /// By `(key, arrival sequence)`: O(log n).
+    Keyed(BTreeMap<QueueKey, u32>),
+}
 
 /// The queue of one `(tenant, priority)` flow.
 #[derive(Debug)]
 pub struct FlowQueue {
     pub tenant: TenantId,
-    pub items: BTreeMap<QueueKey, RequestId>,
+    order: FlowOrder,
+    pub len: u64,
     pub bytes: u64,
     pub dispatched: u64,
     pub service_tokens: u64,
 }
 
 impl FlowQueue {
-    fn head(&self) -> Option<QueueKey> {
-        self.items.first_key_value().map(|(key, _)| *key)
+    /// The first request's position and slot.
+    fn head<P>(&self, slab: &Slab<P>) -> Option<(QueueKey, u32)> {
+        match &self.order {
+            FlowOrder::Fifo(list) if list.head != NIL => {
+                let slot = slab.get(list.head);
+                Some(((Key(slot.key), slot.seq), list.head))
+            }
+            FlowOrder::Fifo(_) => None,
+            FlowOrder::Keyed(map) => map.first_key_value().map(|(key, &index)| (*key, index)),
+        }
     }
 }
 
@@ -42,9 +60,8 @@ pub struct Band {
     pub fairness: Box<dyn FairnessPolicy>,
     pub ordering: Box<dyn OrderingPolicy>,
     pub flows: Vec<FlowQueue>,
-    flow_of_tenant: HashMap<TenantId, FlowIdx>,
-    /// Queued requests by arrival sequence: oldest first (TTL), newest last (eviction).
-    pub arrivals: BTreeMap<u64, RequestId>,
+    /// Queued slots by arrival: oldest at the head (TTL), newest at the tail (eviction).
+    pub arrivals: List,
     pub queued: u64,
     pub bytes: u64,
     pub dispatched: u64,
@@ -65,8 +82,7 @@ impl Band {
             fairness: registry.fairness(&settings.fairness)?.policy,
             ordering: registry.ordering(&settings.ordering)?.policy,
             flows: Vec::new(),
-            flow_of_tenant: HashMap::new(),
-            arrivals: BTreeMap::new(),
+            arrivals: List::default(),
             queued: 0,
             bytes: 0,
             dispatched: 0,
@@ -74,20 +90,22 @@ impl Band {
         })
     }
 
-    /// The flow of `tenant`, created on first use.
-    pub fn flow(&mut self, tenant: TenantId, name: &str) -> FlowIdx {
-        if let Some(&flow) = self.flow_of_tenant.get(&tenant) {
-            return flow;
-        }
+    /// Adds the flow of `tenant` (the caller knows it is new).
+    pub fn add_flow(&mut self, tenant: TenantId, name: &str) -> FlowIdx {
         let flow = self.flows.len() as FlowIdx;
+        let order = if self.ordering.is_fifo() {
+            FlowOrder::Fifo(List::default())
+        } else {
+            FlowOrder::Keyed(BTreeMap::new())
+        };
         self.flows.push(FlowQueue {
             tenant,
-            items: BTreeMap::new(),
+            order,
+            len: 0,
             bytes: 0,
             dispatched: 0,
             service_tokens: 0,
         });
-        self.flow_of_tenant.insert(tenant, flow);
         self.fairness.add_flow(flow, name);
         flow
     }
@@ -105,27 +123,55 @@ impl Band {
                 .is_none_or(|max| held.saturating_add(bytes) <= max)
     }
 
-    pub fn push(&mut self, flow: FlowIdx, key: QueueKey, id: RequestId, bytes: u64) {
+    /// Queues the slot `index` (its band, flow, key and bytes are set).
+    pub fn push<P>(&mut self, slab: &mut Slab<P>, index: u32) {
+        let slot = slab.get(index);
+        let (flow, key, bytes) = (slot.flow, (Key(slot.key), slot.seq), slot.bytes);
         let queue = &mut self.flows[flow as usize];
-        let old_head = queue.head();
-        queue.items.insert(key, id);
+        // A FIFO arrival goes last, so it becomes the head only of an empty flow.
+        let becomes_head = match &mut queue.order {
+            FlowOrder::Fifo(list) => {
+                let was_empty = list.head == NIL;
+                slab.push_back(list, index, Chain::Flow);
+                was_empty
+            }
+            FlowOrder::Keyed(map) => {
+                let becomes_head = map.first_key_value().is_none_or(|(head, _)| key < *head);
+                map.insert(key, index);
+                becomes_head
+            }
+        };
+        queue.len += 1;
         queue.bytes += bytes;
-        self.arrivals.insert(key.1, id);
+        slab.push_back(&mut self.arrivals, index, Chain::Band);
         self.queued += 1;
         self.bytes += bytes;
-        if old_head.is_none_or(|head| key < head) {
+        if becomes_head {
             self.fairness.head_changed(flow, Some(key));
         }
     }
 
-    /// Removes a queued request. With `served = Some((tokens, now))` it is being dispatched: the
-    /// fairness policy is charged before it learns the new head.
-    pub fn remove(&mut self, flow: FlowIdx, key: QueueKey, bytes: u64, served: Option<(u64, f64)>) {
+    /// Unqueues the slot `index`. With `served = Some((tokens, now))` it is being dispatched:
+    /// the fairness policy is charged before it learns the new head.
+    pub fn remove<P>(&mut self, slab: &mut Slab<P>, index: u32, served: Option<(u64, f64)>) {
+        let slot = slab.get(index);
+        let (flow, key, bytes) = (slot.flow, (Key(slot.key), slot.seq), slot.bytes);
         let queue = &mut self.flows[flow as usize];
-        let was_head = queue.head() == Some(key);
-        queue.items.remove(&key);
+        let was_head = match &mut queue.order {
+            FlowOrder::Fifo(list) => {
+                let was_head = list.head == index;
+                slab.unlink(list, index, Chain::Flow);
+                was_head
+            }
+            FlowOrder::Keyed(map) => {
+                let was_head = map.first_key_value().is_some_and(|(head, _)| *head == key);
+                map.remove(&key);
+                was_head
+            }
+        };
+        queue.len -= 1;
         queue.bytes -= bytes;
-        self.arrivals.remove(&key.1);
+        slab.unlink(&mut self.arrivals, index, Chain::Band);
         self.queued -= 1;
         self.bytes -= bytes;
         if let Some((tokens, now)) = served {
@@ -135,15 +181,17 @@ impl Band {
             self.fairness.charge(flow, tokens, 0, now);
         }
         if was_head {
-            let head = self.flows[flow as usize].head();
+            let head = self.flows[flow as usize].head(slab).map(|(head, _)| head);
             self.fairness.head_changed(flow, head);
         }
     }
 
-    /// The next request of the flow the fairness policy picks.
-    pub fn next(&mut self) -> Option<(FlowIdx, QueueKey, RequestId)> {
+    /// The slot the fairness policy serves next.
+    pub fn next<P>(&mut self, slab: &Slab<P>) -> Option<u32> {
         let flow = self.fairness.pick()?;
-        let (&key, &id) = self.flows.get(flow as usize)?.items.first_key_value()?;
-        Some((flow, key, id))
+        self.flows
+            .get(flow as usize)?
+            .head(slab)
+            .map(|(_, index)| index)
     }
 }

@@ -14,11 +14,12 @@
 //!
 //! Ties always go to the flow created first in the band.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use super::heap::FlowHeap;
 use super::key::{Key, QueueKey};
 
 /// Index of a flow inside its band (creation order).
@@ -47,69 +48,90 @@ fn at(flow: FlowIdx) -> usize {
 /// `strict`: one order across all flows of the band, as if they were a single queue.
 #[derive(Debug, Default)]
 pub struct StrictFairness {
-    heads: Vec<Option<QueueKey>>,
-    by_head: BTreeSet<(QueueKey, FlowIdx)>,
+    heads: FlowHeap<QueueKey>,
 }
 
 impl FairnessPolicy for StrictFairness {
-    fn add_flow(&mut self, _flow: FlowIdx, _tenant: &str) {
-        self.heads.push(None);
-    }
+    fn add_flow(&mut self, _flow: FlowIdx, _tenant: &str) {}
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {
-        if let Some(old) = self.heads[at(flow)].take() {
-            self.by_head.remove(&(old, flow));
-        }
-        if let Some(new) = head {
-            self.by_head.insert((new, flow));
-            self.heads[at(flow)] = Some(new);
+        match head {
+            Some(key) => self.heads.set(flow, key),
+            None => self.heads.remove(flow),
         }
     }
 
     fn pick(&mut self) -> Option<FlowIdx> {
-        self.by_head.first().map(|&(_, flow)| flow)
+        self.heads.peek().map(|(_, flow)| flow)
     }
 
     fn charge(&mut self, _flow: FlowIdx, _prompt: u64, _output: u64, _now: f64) {}
 }
 
 /// `round-robin`: each backlogged flow in turn; the served flow moves to the back.
+///
+/// The ring is a deque of `(flow, turn)`; an entry is live while its flow is backlogged and the
+/// turn is the flow's latest, so a flow that empties leaves a stale entry behind instead of an
+/// O(F) removal. Stale entries are skipped when reached and compacted away when they outnumber
+/// live ones.
 #[derive(Debug, Default)]
 pub struct RoundRobinFairness {
-    turn_of: Vec<Option<u64>>,
-    ring: BTreeMap<u64, FlowIdx>,
-    next_turn: u64,
+    ring: VecDeque<(FlowIdx, u32)>,
+    turn: Vec<u32>,
+    active: Vec<bool>,
+    live: usize,
 }
 
 impl RoundRobinFairness {
     fn join_back(&mut self, flow: FlowIdx) {
-        let turn = self.next_turn;
-        self.next_turn += 1;
-        self.ring.insert(turn, flow);
-        self.turn_of[at(flow)] = Some(turn);
+        let turn = &mut self.turn[at(flow)];
+        *turn = turn.wrapping_add(1);
+        self.ring.push_back((flow, *turn));
+    }
+
+    fn is_live(&self, (flow, turn): (FlowIdx, u32)) -> bool {
+        self.active[at(flow)] && self.turn[at(flow)] == turn
+    }
+
+    fn compact(&mut self) {
+        let mut ring = std::mem::take(&mut self.ring);
+        ring.retain(|&entry| self.is_live(entry));
+        self.ring = ring;
     }
 }
 
 impl FairnessPolicy for RoundRobinFairness {
     fn add_flow(&mut self, _flow: FlowIdx, _tenant: &str) {
-        self.turn_of.push(None);
+        self.turn.push(0);
+        self.active.push(false);
     }
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {
-        match (head, self.turn_of[at(flow)]) {
-            (Some(_), None) => self.join_back(flow),
-            (None, Some(turn)) => {
-                self.ring.remove(&turn);
-                self.turn_of[at(flow)] = None;
+        match (head, self.active[at(flow)]) {
+            (Some(_), false) => {
+                self.active[at(flow)] = true;
+                self.live += 1;
+                self.join_back(flow);
+                if self.ring.len() > 2 * self.live + 16 {
+                    self.compact();
+                }
+            }
+            (None, true) => {
+                self.active[at(flow)] = false;
+                self.live -= 1;
             }
             _ => {}
         }
     }
 
     fn pick(&mut self) -> Option<FlowIdx> {
-        let (_, flow) = self.ring.pop_first()?;
-        self.join_back(flow);
-        Some(flow)
+        while let Some(entry) = self.ring.pop_front() {
+            if self.is_live(entry) {
+                self.join_back(entry.0);
+                return Some(entry.0);
+            }
+        }
+        None
     }
 
     fn charge(&mut self, _flow: FlowIdx, _prompt: u64, _output: u64, _now: f64) {}
@@ -138,38 +160,36 @@ fn check_non_negative(name: &str, value: f64) -> Result<(), String> {
 struct CounterOrder {
     counters: Vec<f64>,
     weights: Vec<f64>,
-    backlogged: Vec<bool>,
-    order: BTreeSet<(Key, FlowIdx)>,
+    order: FlowHeap<Key>,
 }
 
 impl CounterOrder {
     fn add_flow(&mut self, weight: f64) {
         self.counters.push(0.0);
         self.weights.push(weight);
-        self.backlogged.push(false);
+    }
+
+    fn is_backlogged(&self, flow: FlowIdx) -> bool {
+        self.order.contains(flow)
     }
 
     fn set(&mut self, flow: FlowIdx, value: f64) {
-        let i = at(flow);
-        if self.backlogged[i] {
-            self.order.remove(&(Key(self.counters[i]), flow));
-            self.order.insert((Key(value), flow));
+        self.counters[at(flow)] = value;
+        if self.order.contains(flow) {
+            self.order.set(flow, Key(value));
         }
-        self.counters[i] = value;
     }
 
     fn join(&mut self, flow: FlowIdx) {
-        self.backlogged[at(flow)] = true;
-        self.order.insert((Key(self.counters[at(flow)]), flow));
+        self.order.set(flow, Key(self.counters[at(flow)]));
     }
 
     fn leave(&mut self, flow: FlowIdx) {
-        self.backlogged[at(flow)] = false;
-        self.order.remove(&(Key(self.counters[at(flow)]), flow));
+        self.order.remove(flow);
     }
 
     fn least(&self) -> Option<(f64, FlowIdx)> {
-        self.order.first().map(|&(key, flow)| (key.0, flow))
+        self.order.peek().map(|(key, flow)| (key.0, flow))
     }
 }
 
@@ -239,7 +259,7 @@ impl FairnessPolicy for VtcFairness {
     }
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {
-        let backlogged = self.counters.backlogged[at(flow)];
+        let backlogged = self.counters.is_backlogged(flow);
         match head {
             Some(_) if !backlogged => {
                 let floor = self.counters.least().map_or(self.last_left, |(c, _)| c);
@@ -350,7 +370,7 @@ impl FairnessPolicy for LasFairness {
     }
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {
-        let backlogged = self.counters.backlogged[at(flow)];
+        let backlogged = self.counters.is_backlogged(flow);
         match head {
             Some(_) if !backlogged => self.counters.join(flow),
             None if backlogged => self.counters.leave(flow),

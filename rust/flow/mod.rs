@@ -20,6 +20,7 @@
 mod band;
 pub mod config;
 pub mod fairness;
+mod heap;
 mod key;
 pub mod metrics;
 pub mod ordering;
@@ -27,6 +28,7 @@ pub mod registry;
 pub mod request;
 pub mod saturation;
 pub mod shedding;
+mod slab;
 
 use std::cmp::Reverse;
 use std::collections::BTreeSet;
@@ -38,7 +40,6 @@ use hashbrown::{HashMap, HashSet};
 use band::{Band, TenantId};
 pub use config::{BandConfig, FlowConfig, Limits, PolicySpec, PreemptionConfig, ResolvedConfig};
 use fairness::FlowIdx;
-use key::{Key, QueueKey};
 use metrics::{jain_index, BandMetrics, ControllerMetrics, FlowMetrics};
 use ordering::OrderingInput;
 pub use registry::PolicyRegistry;
@@ -47,32 +48,15 @@ pub use request::{FlowDecision, FlowError, FlowRequest, Outcome, RequestId};
 pub use saturation::EndpointMetrics;
 use saturation::{CeilingPolicy, InFlight, Saturation, SaturationDetector};
 use shedding::SheddingPolicy;
+use slab::{Chain, NewSlot, Slab, SlotState, NIL};
 
-/// A queued request.
-struct Queued<P> {
-    band: u32,
-    flow: FlowIdx,
-    key: QueueKey,
-    arrival: f64,
-    tokens: u64,
-    bytes: u64,
-    payload: P,
-}
-
-/// A dispatched request that has not completed.
-struct Running {
-    band: u32,
-    flow: FlowIdx,
-    priority: i32,
-    tokens: u64,
-    dispatch_seq: u64,
-}
-
-/// Tenant names interned once; flows refer to them by index.
+/// Tenant names interned once, with each tenant's flow in every band it has used.
 #[derive(Default)]
 struct Tenants {
     names: Vec<Arc<str>>,
     ids: HashMap<Arc<str>, TenantId>,
+    /// `flows[tenant][band]`: the tenant's flow in that band, or `NIL`.
+    flows: Vec<Vec<FlowIdx>>,
 }
 
 impl Tenants {
@@ -84,6 +68,7 @@ impl Tenants {
         let shared: Arc<str> = Arc::from(name);
         self.names.push(shared.clone());
         self.ids.insert(shared, id);
+        self.flows.push(Vec::new());
         id
     }
 
@@ -93,13 +78,29 @@ impl Tenants {
             None => Arc::from(name),
         }
     }
+
+    /// The tenant's flow in `band`, created there on first use.
+    fn flow_in(&mut self, tenant: TenantId, band_index: u32, band: &mut Band) -> FlowIdx {
+        let flows = &mut self.flows[tenant as usize];
+        if let Some(&flow) = flows.get(band_index as usize) {
+            if flow != NIL {
+                return flow;
+            }
+        }
+        if flows.len() <= band_index as usize {
+            flows.resize(band_index as usize + 1, NIL);
+        }
+        let flow = band.add_flow(tenant, &self.names[tenant as usize]);
+        flows[band_index as usize] = flow;
+        flow
+    }
 }
 
 /// What a capacity check allows.
 enum Admission {
     Fits,
-    /// Fits once these lower-priority queued requests are evicted.
-    FitsAfterEvicting(Vec<RequestId>),
+    /// Fits once these lower-priority queued slots are evicted.
+    FitsAfterEvicting(Vec<u32>),
     Refused,
 }
 
@@ -122,9 +123,12 @@ pub struct FlowController<P> {
     band_order: Vec<u32>,
     band_of_priority: HashMap<i32, u32>,
     tenants: Tenants,
-    queued: HashMap<RequestId, Queued<P>>,
+    /// Queued and running requests.
+    slab: Slab<P>,
+    /// Request id to slot.
+    index: HashMap<RequestId, u32>,
+    queued: u64,
     queued_bytes: u64,
-    running: HashMap<RequestId, Running>,
     inflight: InFlight,
     detector: Box<dyn SaturationDetector>,
     ceilings: Box<dyn CeilingPolicy>,
@@ -164,9 +168,10 @@ impl<P> FlowController<P> {
             band_order: Vec::new(),
             band_of_priority: HashMap::new(),
             tenants: Tenants::default(),
-            queued: HashMap::new(),
+            slab: Slab::default(),
+            index: HashMap::new(),
+            queued: 0,
             queued_bytes: 0,
-            running: HashMap::new(),
             inflight: InFlight::default(),
             detector,
             ceilings,
@@ -193,24 +198,30 @@ impl<P> FlowController<P> {
 
     /// Queued requests.
     pub fn len(&self) -> usize {
-        self.queued.len()
+        self.queued as usize
     }
 
     pub fn is_empty(&self) -> bool {
-        self.queued.is_empty()
+        self.queued == 0
     }
 
     /// Dispatched requests not yet completed.
     pub fn running_len(&self) -> usize {
-        self.running.len()
+        self.inflight.requests as usize
+    }
+
+    fn state_of(&self, id: RequestId) -> Option<(u32, SlotState)> {
+        self.index
+            .get(&id)
+            .map(|&slot| (slot, self.slab.get(slot).state))
     }
 
     pub fn is_queued(&self, id: RequestId) -> bool {
-        self.queued.contains_key(&id)
+        matches!(self.state_of(id), Some((_, SlotState::Queued)))
     }
 
     pub fn is_running(&self, id: RequestId) -> bool {
-        self.running.contains_key(&id)
+        matches!(self.state_of(id), Some((_, SlotState::Running)))
     }
 
     /// Side-effect evictions waiting in the outbox.
@@ -233,7 +244,7 @@ impl<P> FlowController<P> {
     ) -> Result<Option<FlowDecision<P>>, FlowError> {
         request.validate()?;
         let now = check_time("now", now)?;
-        if self.queued.contains_key(&request.id) || self.running.contains_key(&request.id) {
+        if self.index.contains_key(&request.id) {
             return Err(FlowError::DuplicateRequest(request.id));
         }
         let now = self.advance(now);
@@ -252,7 +263,7 @@ impl<P> FlowController<P> {
         };
         let band = self.band_index(request.priority)?;
         for victim in victims {
-            if let Some(decision) = self.evict(victim, Outcome::EvictedPreempted, now) {
+            if let Some(decision) = self.evict_slot(victim, Outcome::EvictedPreempted, now) {
                 self.evicted.push(decision);
             }
         }
@@ -283,7 +294,12 @@ impl<P> FlowController<P> {
         now: f64,
     ) -> Result<Option<FlowDecision<P>>, FlowError> {
         let now = self.advance(check_time("now", now)?);
-        Ok(self.evict(id, Outcome::EvictedCancelled, now))
+        match self.state_of(id) {
+            Some((slot, SlotState::Queued)) => {
+                Ok(self.evict_slot(slot, Outcome::EvictedCancelled, now))
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Evicts every queued request whose TTL has run out (`arrival + ttl_s <= now`).
@@ -294,6 +310,13 @@ impl<P> FlowController<P> {
         Ok(expired)
     }
 
+    fn running_slot(&self, id: RequestId) -> Result<u32, FlowError> {
+        match self.state_of(id) {
+            Some((slot, SlotState::Running)) => Ok(slot),
+            _ => Err(FlowError::UnknownRequest(id)),
+        }
+    }
+
     /// Charges output tokens of a running request to its flow as they stream.
     pub fn record_output(
         &mut self,
@@ -302,10 +325,9 @@ impl<P> FlowController<P> {
         now: f64,
     ) -> Result<(), FlowError> {
         let now = check_time("now", now)?;
-        let running = self.running.get(&id).ok_or(FlowError::UnknownRequest(id))?;
-        let (band, flow) = (running.band, running.flow);
+        let slot = self.running_slot(id)?;
         let now = self.advance(now);
-        self.charge_output(band, flow, output_tokens, now);
+        self.charge_output(slot, output_tokens, now);
         Ok(())
     }
 
@@ -317,21 +339,23 @@ impl<P> FlowController<P> {
         now: f64,
     ) -> Result<(), FlowError> {
         let now = check_time("now", now)?;
-        let running = self
-            .running
-            .remove(&id)
-            .ok_or(FlowError::UnknownRequest(id))?;
+        let slot = self.running_slot(id)?;
         let now = self.advance(now);
-        self.charge_output(running.band, running.flow, output_tokens, now);
+        self.charge_output(slot, output_tokens, now);
+        let running = self.slab.get(slot);
+        let (priority, dispatch_seq, tokens) = (running.priority, running.seq, running.tokens);
         self.inflight.requests -= 1;
-        self.inflight.tokens -= running.tokens;
-        if running.priority < 0 {
-            let candidate = (running.priority, Reverse(running.dispatch_seq), id);
-            self.preemption.candidates.remove(&candidate);
+        self.inflight.tokens -= tokens;
+        if priority < 0 {
+            self.preemption
+                .candidates
+                .remove(&(priority, Reverse(dispatch_seq), id));
         }
         if self.preemption.pending.remove(&id) && self.preemption.pending.is_empty() {
             self.preemption.next_decision_at = now + self.config.preemption.pacing_s;
         }
+        self.index.remove(&id);
+        self.slab.release(slot);
         Ok(())
     }
 
@@ -452,7 +476,7 @@ impl<P> FlowController<P> {
             .map(|(band, index, flow)| FlowMetrics {
                 tenant: self.tenants.names[flow.tenant as usize].to_string(),
                 priority: band.priority,
-                queued: flow.items.len() as u64,
+                queued: flow.len,
                 queued_bytes: flow.bytes,
                 dispatched: flow.dispatched,
                 service_tokens: flow.service_tokens,
@@ -466,7 +490,7 @@ impl<P> FlowController<P> {
         Ok(ControllerMetrics {
             saturation: saturation.value,
             no_endpoints: saturation.no_endpoints,
-            queued: self.queued.len() as u64,
+            queued: self.queued,
             queued_bytes: self.queued_bytes,
             running: self.inflight.requests,
             running_tokens: self.inflight.tokens,
@@ -544,7 +568,7 @@ impl<P> FlowController<P> {
         let global = &self.config.global;
         let over_requests = global
             .max_requests
-            .map_or(0, |max| (self.queued.len() as u64 + 1).saturating_sub(max));
+            .map_or(0, |max| (self.queued + 1).saturating_sub(max));
         let over_bytes = global.max_bytes.map_or(0, |max| {
             self.queued_bytes.saturating_add(bytes).saturating_sub(max)
         });
@@ -563,13 +587,15 @@ impl<P> FlowController<P> {
             .map(|&b| &self.bands[b as usize])
             .take_while(|band| band.priority < priority);
         for band in lower_bands {
-            for &id in band.arrivals.values().rev() {
+            let mut slot = band.arrivals.tail;
+            while slot != NIL {
                 if freed_requests >= over_requests && freed_bytes >= over_bytes {
                     return Admission::FitsAfterEvicting(victims);
                 }
-                victims.push(id);
+                victims.push(slot);
                 freed_requests += 1;
-                freed_bytes += self.queued.get(&id).map_or(0, |q| q.bytes);
+                freed_bytes += self.slab.get(slot).bytes;
+                slot = self.slab.prev(slot, Chain::Band);
             }
         }
         if freed_requests >= over_requests && freed_bytes >= over_bytes {
@@ -583,30 +609,31 @@ impl<P> FlowController<P> {
         let tenant = self.tenants.intern(request.tenant);
         let seq = self.next_seq();
         let band = &mut self.bands[band_index as usize];
-        let flow = band.flow(tenant, request.tenant);
+        let flow = self.tenants.flow_in(tenant, band_index, band);
         let input = OrderingInput {
             arrival: now,
             deadline: request.deadline,
             ttft_target: request.ttft_target,
         };
-        let key = (Key(band.ordering.key(&input)), seq);
-        band.push(flow, key, request.id, request.bytes);
+        let slot = self.slab.insert(NewSlot {
+            id: request.id,
+            seq,
+            arrival: now,
+            key: band.ordering.key(&input),
+            tokens: request.tokens,
+            bytes: request.bytes,
+            band: band_index,
+            flow,
+            priority: request.priority,
+            payload: request.payload,
+        });
+        band.push(&mut self.slab, slot);
         if let Some(ttl) = band.settings.ttl_s {
             self.next_expiry = self.next_expiry.min(now + ttl);
         }
+        self.queued += 1;
         self.queued_bytes += request.bytes;
-        self.queued.insert(
-            request.id,
-            Queued {
-                band: band_index,
-                flow,
-                key,
-                arrival: now,
-                tokens: request.tokens,
-                bytes: request.bytes,
-                payload: request.payload,
-            },
-        );
+        self.index.insert(request.id, slot);
     }
 
     fn refuse(&mut self, request: FlowRequest<'_, P>, outcome: Outcome) -> FlowDecision<P> {
@@ -623,69 +650,73 @@ impl<P> FlowController<P> {
         }
     }
 
-    fn decision(
-        &mut self,
-        id: RequestId,
-        entry: Queued<P>,
-        outcome: Outcome,
-        now: f64,
-    ) -> FlowDecision<P> {
-        self.outcome_counts[outcome.index()] += 1;
+    /// The decision for a slot leaving the queue; takes its payload.
+    fn decision(&mut self, slot: u32, outcome: Outcome, now: f64) -> Option<FlowDecision<P>> {
+        let entry = self.slab.get_mut(slot);
+        let payload = entry.payload.take()?;
         let band = &self.bands[entry.band as usize];
         let tenant = band.flows[entry.flow as usize].tenant;
-        FlowDecision {
-            id,
+        self.outcome_counts[outcome.index()] += 1;
+        Some(FlowDecision {
+            id: entry.id,
             outcome,
-            priority: band.priority,
+            priority: entry.priority,
             tenant: self.tenants.names[tenant as usize].clone(),
             tokens: entry.tokens,
             bytes: entry.bytes,
             waited_s: now - entry.arrival,
-            payload: entry.payload,
-        }
+            payload,
+        })
     }
 
-    /// Removes a queued request with an eviction outcome.
-    fn evict(&mut self, id: RequestId, outcome: Outcome, now: f64) -> Option<FlowDecision<P>> {
-        let entry = self.queued.remove(&id)?;
-        self.bands[entry.band as usize].remove(entry.flow, entry.key, entry.bytes, None);
-        self.queued_bytes -= entry.bytes;
-        Some(self.decision(id, entry, outcome, now))
+    /// Removes a queued slot with an eviction outcome.
+    fn evict_slot(&mut self, slot: u32, outcome: Outcome, now: f64) -> Option<FlowDecision<P>> {
+        let entry = self.slab.get(slot);
+        let (id, band, bytes) = (entry.id, entry.band, entry.bytes);
+        self.bands[band as usize].remove(&mut self.slab, slot, None);
+        self.queued -= 1;
+        self.queued_bytes -= bytes;
+        let decision = self.decision(slot, outcome, now);
+        self.index.remove(&id);
+        self.slab.release(slot);
+        decision
     }
 
     fn dispatch_from(&mut self, band_index: u32, now: f64) -> Option<FlowDecision<P>> {
         let band = &mut self.bands[band_index as usize];
-        let (flow, key, id) = band.next()?;
-        let entry = self.queued.remove(&id)?;
-        band.remove(flow, key, entry.bytes, Some((entry.tokens, now)));
-        band.wait_s.record(now - entry.arrival);
-        let priority = band.priority;
-        self.queued_bytes -= entry.bytes;
-        let dispatch_seq = self.next_seq();
-        self.running.insert(
-            id,
-            Running {
-                band: band_index,
-                flow,
-                priority,
-                tokens: entry.tokens,
-                dispatch_seq,
-            },
+        let slot = band.next(&self.slab)?;
+        let entry = self.slab.get(slot);
+        let (tokens, bytes, arrival, priority, id) = (
+            entry.tokens,
+            entry.bytes,
+            entry.arrival,
+            entry.priority,
+            entry.id,
         );
+        band.remove(&mut self.slab, slot, Some((tokens, now)));
+        band.wait_s.record(now - arrival);
+        self.queued -= 1;
+        self.queued_bytes -= bytes;
+        let dispatch_seq = self.next_seq();
+        let decision = self.decision(slot, Outcome::Dispatched, now);
+        let entry = self.slab.get_mut(slot);
+        entry.state = SlotState::Running;
+        entry.seq = dispatch_seq;
         self.inflight.requests += 1;
-        self.inflight.tokens += entry.tokens;
+        self.inflight.tokens += tokens;
         if priority < 0 {
             self.preemption
                 .candidates
                 .insert((priority, Reverse(dispatch_seq), id));
         }
-        Some(self.decision(id, entry, Outcome::Dispatched, now))
+        decision
     }
 
-    fn charge_output(&mut self, band: u32, flow: FlowIdx, output_tokens: u64, now: f64) {
-        let band = &mut self.bands[band as usize];
-        band.flows[flow as usize].service_tokens += output_tokens;
-        band.fairness.charge(flow, 0, output_tokens, now);
+    fn charge_output(&mut self, slot: u32, output_tokens: u64, now: f64) {
+        let entry = self.slab.get(slot);
+        let band = &mut self.bands[entry.band as usize];
+        band.flows[entry.flow as usize].service_tokens += output_tokens;
+        band.fairness.charge(entry.flow, 0, output_tokens, now);
     }
 
     fn expire_to_outbox(&mut self, now: f64) {
@@ -705,20 +736,27 @@ impl<P> FlowController<P> {
             let Some(ttl) = self.bands[b].settings.ttl_s else {
                 continue;
             };
-            while let Some((_, &id)) = self.bands[b].arrivals.first_key_value() {
-                let Some(expires_at) = self.queued.get(&id).map(|q| q.arrival + ttl) else {
+            loop {
+                let oldest = self.bands[b].arrivals.head;
+                if oldest == NIL {
                     break;
-                };
+                }
+                let expires_at = self.slab.get(oldest).arrival + ttl;
                 if expires_at > now {
                     next_expiry = next_expiry.min(expires_at);
                     break;
                 }
-                if let Some(decision) = self.evict(id, Outcome::EvictedTtl, now) {
+                if let Some(decision) = self.evict_slot(oldest, Outcome::EvictedTtl, now) {
                     out.push(decision);
                 }
             }
         }
         self.next_expiry = next_expiry;
+    }
+
+    /// Heap slots held (queued, running and free), for memory reports.
+    pub fn slots_allocated(&self) -> usize {
+        self.slab.capacity()
     }
 }
 

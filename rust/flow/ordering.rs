@@ -24,6 +24,11 @@ pub struct OrderingInput {
 pub trait OrderingPolicy: Send + fmt::Debug {
     /// The request's key; smaller goes first.
     fn key(&self, request: &OrderingInput) -> f64;
+    /// True when the key never depends on the request, so arrival order is the order (the
+    /// flow then keeps an O(1) list instead of a tree).
+    fn is_fifo(&self) -> bool {
+        false
+    }
 }
 
 /// `fcfs`: first come, first served.
@@ -33,6 +38,10 @@ pub struct Fcfs;
 impl OrderingPolicy for Fcfs {
     fn key(&self, _request: &OrderingInput) -> f64 {
         0.0
+    }
+
+    fn is_fifo(&self) -> bool {
+        true
     }
 }
 
