@@ -161,11 +161,9 @@ fn policies(c: &mut Criterion) {
             FlowController::from_json(&config(fairness, ordering)).unwrap();
         let mut workload = Workload::new();
         workload.fill(&mut controller, 100_000);
-        let id = BenchmarkId::new(
-            format!("{fairness}+{ordering}"),
-            "8bands-1000flows-100k-queued",
-        );
-        group.bench_function(id, |b| b.iter(|| workload.pair(&mut controller)));
+        let name = format!("{fairness}+{ordering}");
+        let scenario = "8bands-1000flows-100k-queued";
+        bench_both(&mut group, &name, scenario, &mut controller, &mut workload);
     }
     group.finish();
 }
@@ -192,11 +190,15 @@ fn million_queued(c: &mut Criterion) {
         "flow/memory: {bytes:.0} heap bytes per queued request with no payload, \
          {bytes_word:.0} with an 8-byte payload (a Python object pointer), at 1,000,000 queued"
     );
-    let mut group = c.benchmark_group("flow/enqueue_dispatch");
+    let mut group = c.benchmark_group("flow");
     group.throughput(Throughput::Elements(1));
-    group.bench_function(
-        BenchmarkId::new("vtc+fcfs", "8bands-1000flows-1M-queued"),
-        |b| b.iter(|| workload.pair(&mut controller)),
+    let scenario = "8bands-1000flows-1M-queued";
+    bench_both(
+        &mut group,
+        "vtc+fcfs",
+        scenario,
+        &mut controller,
+        &mut workload,
     );
     group.finish();
 }
