@@ -69,9 +69,9 @@ ConfigLike = Mapping[str, Any] | str | os.PathLike[str] | None
 """A config dict, YAML/JSON text, a path to a YAML/JSON file, or None for the defaults."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FlowRequest:
-    """A request asking to be dispatched.
+    """A request asking to be dispatched (its fields are read once, at enqueue).
 
     ``priority``: higher first; negative = sheddable. ``tenant``: the fairness id. ``tokens``:
     prompt size (fairness cost, in-flight tokens). ``size_bytes``: counts against byte limits.
