@@ -98,10 +98,7 @@ impl Workload {
     /// Enqueue a request, dispatch one; returns the dispatched id.
     fn pair<P: Default>(&mut self, c: &mut FlowController<P>) -> u64 {
         self.enqueue(c);
-        let decision = c
-            .dispatch(self.now)
-            .expect("valid time")
-            .expect("backlog never empties");
+        let decision = c.dispatch(self.now).expect("valid time").expect("backlog never empties");
         black_box(decision.id)
     }
 
@@ -176,11 +173,7 @@ fn live_bytes_per_request<P: Default>(queued: usize) -> (f64, FlowController<P>,
     let before = LIVE_BYTES.load(Ordering::Relaxed);
     workload.fill(&mut controller, queued);
     let after = LIVE_BYTES.load(Ordering::Relaxed);
-    (
-        (after - before) as f64 / queued as f64,
-        controller,
-        workload,
-    )
+    ((after - before) as f64 / queued as f64, controller, workload)
 }
 
 fn million_queued(c: &mut Criterion) {
@@ -193,13 +186,7 @@ fn million_queued(c: &mut Criterion) {
     let mut group = c.benchmark_group("flow");
     group.throughput(Throughput::Elements(1));
     let scenario = "8bands-1000flows-1M-queued";
-    bench_both(
-        &mut group,
-        "vtc+fcfs",
-        scenario,
-        &mut controller,
-        &mut workload,
-    );
+    bench_both(&mut group, "vtc+fcfs", scenario, &mut controller, &mut workload);
     group.finish();
 }
 

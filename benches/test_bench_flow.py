@@ -2,9 +2,11 @@
 
 ``cycle`` groups time 1,000 request lifecycles (enqueue, dispatch, complete = 3 calls each)
 over a standing backlog in 8 priority bands and 1,000 tenants: per-call cost is the time
-divided by 3,000. ``depth`` groups time enqueue + dispatch pairs at 10,000 queued (both) and at
-1,000,000 queued (native only: the naive twin is O(n) per call); the 1,000,000 fixture also
-reports resident memory per queued request.
+divided by 3,000. ``test_cycle`` calls the native core with plain arguments (as the twin is
+called); ``test_cycle_wrapper`` goes through the friendly ``FlowController`` (a
+``FlowRequest`` built per request, keyword arguments). ``depth`` times enqueue + dispatch
+pairs at 10,000 queued (both) and at 1,000,000 queued (native only: the naive twin is O(n)
+per call); the 1,000,000 fixture also reports resident memory per queued request.
 """
 
 from __future__ import annotations
@@ -93,12 +95,12 @@ def backlog(target: Any, workload: Workload, count: int) -> Any:
 
 
 @pytest.mark.parametrize("fairness", ["round-robin", "vtc"])
-def test_cycle_core(benchmark: Any, fairness: str) -> None:
+def test_cycle(benchmark: Any, fairness: str) -> None:
     workload = Workload()
     core = backlog(FlowCore(json.dumps(config(fairness))), workload, 10_000)
     assert workload.lifecycles(core, 10) == 10 and len(core) == 10_000
     benchmark.group = f"flow-cycle-{fairness}"
-    benchmark.extra_info["calls_per_round"] = 3 * LIFECYCLES
+    benchmark.extra_info.update(items=3 * LIFECYCLES, unit="calls")
     assert benchmark(workload.lifecycles, core, LIFECYCLES) == LIFECYCLES
 
 
@@ -109,7 +111,7 @@ def test_cycle_wrapper(benchmark: Any, fairness: str) -> None:
     backlog(ctrl._core, workload, 10_000)
     assert workload.lifecycles(ctrl, 10) == 10 and len(ctrl) == 10_000
     benchmark.group = f"flow-cycle-{fairness}"
-    benchmark.extra_info["calls_per_round"] = 3 * LIFECYCLES
+    benchmark.extra_info.update(items=3 * LIFECYCLES, unit="calls")
     assert benchmark(workload.lifecycles, ctrl, LIFECYCLES) == LIFECYCLES
 
 
@@ -119,7 +121,7 @@ def test_cycle_twin(benchmark: Any, fairness: str) -> None:
     twin = backlog(FlowControllerTwin(resolve_config(config(fairness))), workload, 10_000)
     assert workload.lifecycles(twin, 10) == 10 and len(twin) == 10_000
     benchmark.group = f"flow-cycle-{fairness}"
-    benchmark.extra_info["calls_per_round"] = 3 * LIFECYCLES
+    benchmark.extra_info.update(items=3 * LIFECYCLES, unit="calls")
     result = benchmark.pedantic(workload.lifecycles, args=(twin, LIFECYCLES), rounds=3)
     assert result == LIFECYCLES
 
@@ -154,6 +156,7 @@ def test_pairs_at_1m_queued(
     benchmark.extra_info["resident_bytes_per_queued_request"] = round(per_request)
     with capsys.disabled():
         print(f"\nflow: {per_request:.0f} resident bytes per queued request at 1,000,000 queued")
+    benchmark.extra_info.update(items=1_000, unit="pairs")
     assert benchmark(_pairs_then_complete, core, workload, 1_000) == 1_000
     assert len(core) == 1_000_000
 
@@ -162,6 +165,7 @@ def test_pairs_at_1m_queued(
 def test_pairs_at_10k_queued(benchmark: Any) -> None:
     workload = Workload()
     core = backlog(FlowCore(json.dumps(config("vtc"))), workload, 10_000)
+    benchmark.extra_info.update(items=1_000, unit="pairs")
     assert benchmark(_pairs_then_complete, core, workload, 1_000) == 1_000
 
 
@@ -170,5 +174,6 @@ def test_pairs_at_10k_queued_twin(benchmark: Any) -> None:
     workload = Workload()
     twin = backlog(FlowControllerTwin(resolve_config(config("vtc"))), workload, 10_000)
     assert _pairs_then_complete(twin, workload, 10) == 10
+    benchmark.extra_info.update(items=1_000, unit="pairs")
     result = benchmark.pedantic(_pairs_then_complete, args=(twin, workload, 1_000), rounds=3)
     assert result == 1_000

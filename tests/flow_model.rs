@@ -15,12 +15,7 @@ const GLOBAL_MAX: usize = 7;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Enqueue {
-        priority: i32,
-        tenant: u8,
-        tokens: u64,
-        deadline: Option<u8>,
-    },
+    Enqueue { priority: i32, tenant: u8, tokens: u64, deadline: Option<u8> },
     Dispatch,
     Complete(usize),
     Cancel(usize),
@@ -42,13 +37,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum State {
-    Queued {
-        priority: i32,
-        arrival: f64,
-        key: f64,
-        seq: u64,
-        tenant: u8,
-    },
+    Queued { priority: i32, arrival: f64, key: f64, seq: u64, tenant: u8 },
     Running,
     Done(Outcome),
 }
@@ -69,11 +58,7 @@ impl Model {
     }
 
     fn running(&self) -> Vec<u64> {
-        self.states
-            .iter()
-            .filter(|(_, s)| **s == State::Running)
-            .map(|(id, _)| *id)
-            .collect()
+        self.states.iter().filter(|(_, s)| **s == State::Running).map(|(id, _)| *id).collect()
     }
 
     fn live(&self, now: f64) -> Vec<(u64, State)> {
@@ -86,10 +71,7 @@ impl Model {
     /// Every decision must concern a queued request and end it exactly once.
     fn finish(&mut self, decision: &FlowDecision<()>) {
         let state = self.states.get(&decision.id).copied();
-        assert!(
-            matches!(state, Some(State::Queued { .. })),
-            "{decision:?} for {state:?}"
-        );
+        assert!(matches!(state, Some(State::Queued { .. })), "{decision:?} for {state:?}");
         let next = if decision.outcome == Outcome::Dispatched {
             State::Running
         } else {
@@ -112,9 +94,9 @@ impl Model {
         let mut lower: Vec<(i32, u64, u64)> = live
             .iter()
             .filter_map(|(id, s)| match *s {
-                State::Queued {
-                    priority: p, seq, ..
-                } if p < priority => Some((p, u64::MAX - seq, *id)),
+                State::Queued { priority: p, seq, .. } if p < priority => {
+                    Some((p, u64::MAX - seq, *id))
+                }
                 _ => None,
             })
             .collect();
@@ -147,12 +129,8 @@ fn config(fairness: &str, ordering: &str, max_running: usize) -> String {
 fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: Vec<Op>) {
     let mut c: FlowController<()> =
         FlowController::from_json(&config(fairness, ordering, max_running)).unwrap();
-    let mut model = Model {
-        states: BTreeMap::new(),
-        max_running,
-        strict: fairness == "strict",
-        ordering,
-    };
+    let mut model =
+        Model { states: BTreeMap::new(), max_running, strict: fairness == "strict", ordering };
     let tenants = ["a", "b", "c"];
     let mut now = 0.0;
     let mut next_id = 0u64;
@@ -160,12 +138,7 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
     for op in ops {
         match op {
             Op::Advance(dt) => now += f64::from(dt) / 10.0,
-            Op::Enqueue {
-                priority,
-                tenant,
-                tokens,
-                deadline,
-            } => {
+            Op::Enqueue { priority, tenant, tokens, deadline } => {
                 next_id += 1;
                 let deadline = deadline.map(|d| now + f64::from(d));
                 let request = FlowRequest {
@@ -208,13 +181,7 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
                         seq += 1;
                         model.states.insert(
                             next_id,
-                            State::Queued {
-                                priority,
-                                arrival: now,
-                                key,
-                                seq,
-                                tenant,
-                            },
+                            State::Queued { priority, arrival: now, key, seq, tenant },
                         );
                     }
                     Some(d) => {
@@ -246,9 +213,8 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
                             _ => None,
                         });
                         assert_eq!(Some(d.priority), top.max(), "strict priority");
-                        let Some(State::Queued {
-                            arrival, tenant, ..
-                        }) = model.states.get(&d.id).copied()
+                        let Some(State::Queued { arrival, tenant, .. }) =
+                            model.states.get(&d.id).copied()
                         else {
                             panic!("dispatched unknown {d:?}");
                         };
@@ -259,11 +225,9 @@ fn run(fairness: &'static str, ordering: &'static str, max_running: usize, ops: 
                             _ => unreachable!(),
                         };
                         let candidates = live.iter().filter(|(_, s)| match s {
-                            State::Queued {
-                                priority,
-                                tenant: t,
-                                ..
-                            } => *priority == d.priority && (model.strict || *t == tenant),
+                            State::Queued { priority, tenant: t, .. } => {
+                                *priority == d.priority && (model.strict || *t == tenant)
+                            }
                             _ => false,
                         });
                         let best = candidates

@@ -65,7 +65,12 @@ def test_readme_flow_control_example_runs() -> None:
 def test_outcome_http_mapping(outcome: Outcome, status: int, reason: str, key: str) -> None:
     assert (outcome.http_status, outcome.reason, outcome.key) == (status, reason, key)
     err = FlowRejected(1, outcome)
-    assert (err.outcome, err.http_status, err.reason, err.request_id) == (outcome, status, reason, 1)
+    assert (err.outcome, err.http_status, err.reason, err.request_id) == (
+        outcome,
+        status,
+        reason,
+        1,
+    )
 
 
 def test_defaults_live_in_one_place_and_resolve_round_trips() -> None:
@@ -78,13 +83,21 @@ def test_defaults_live_in_one_place_and_resolve_round_trips() -> None:
         "staleness_s": 0.2,
         "stale_policy": "saturated",
     }
-    assert defaults["shedding"] == {"type": "probabilistic", "power": 5.0, "scale": 300.0, "seed": 0}
+    assert defaults["shedding"] == {
+        "type": "probabilistic",
+        "power": 5.0,
+        "scale": 300.0,
+        "seed": 0,
+    }
     assert resolve_config(defaults) == defaults
     assert FlowController(defaults).config == defaults
 
 
 def test_yaml_config_text_and_file(tmp_path: Path) -> None:
-    text = "default_band:\n  fairness: {type: las, half_life_s: 10}\nbands:\n  - {priority: -1, ttl_s: 5}\n"
+    text = (
+        "default_band:\n  fairness: {type: las, half_life_s: 10}\n"
+        "bands:\n  - {priority: -1, ttl_s: 5}\n"
+    )
     path = tmp_path / "flow.yaml"
     path.write_text(text)
     for source in (text, path, str(path)):
@@ -117,7 +130,11 @@ def test_bad_input_raises_and_changes_nothing() -> None:
     assert ctrl.enqueue(FlowRequest(1, tenant="a", tokens=5, size_bytes=9), now=1.0) is None
     before = ctrl.metrics(now=1.0)
     cases: list[tuple[type[Exception], str, Any]] = [
-        (InvalidRequestError, "tokens must be >= 0", lambda: ctrl.enqueue(FlowRequest(2, tokens=-1))),
+        (
+            InvalidRequestError,
+            "tokens must be >= 0",
+            lambda: ctrl.enqueue(FlowRequest(2, tokens=-1)),
+        ),
         (InvalidRequestError, "id must be >= 0", lambda: ctrl.enqueue(FlowRequest(-2))),
         (InvalidRequestError, "32 bits", lambda: ctrl.enqueue(FlowRequest(2, priority=2**40))),
         (InvalidRequestError, "deadline", lambda: ctrl.enqueue(FlowRequest(2, deadline=math.inf))),

@@ -158,7 +158,9 @@ class FlowMachine(RuleBasedStateMachine):
 
     def finish(self, decision: TwinDecision) -> None:
         assert self.state.get(decision.id) == "queued", (decision, self.state.get(decision.id))
-        self.state[decision.id] = "running" if decision.outcome == "dispatched" else decision.outcome
+        self.state[decision.id] = (
+            "running" if decision.outcome == "dispatched" else decision.outcome
+        )
 
     def compare_outbox(self) -> None:
         native = self.native.drain_evicted()
@@ -332,7 +334,14 @@ class FlowMachine(RuleBasedStateMachine):
 
     @rule(
         bad=st.sampled_from(
-            ["negative_tokens", "nan_now", "duplicate", "unknown_complete", "bad_kv", "nan_deadline"]
+            [
+                "negative_tokens",
+                "nan_now",
+                "duplicate",
+                "unknown_complete",
+                "bad_kv",
+                "nan_deadline",
+            ]
         )
     )
     def bad_input(self, bad: str) -> None:
@@ -439,8 +448,12 @@ def test_vtc_service_gap_bound(
     config = {
         "saturation": {"type": "concurrency", "max_requests": 10**6},
         "shedding": {"type": "none"},
-        "default_band": {"max_requests": None, "max_bytes": None, "ttl_s": None,
-                         "fairness": {"type": "vtc", "w_p": w_p, "w_q": w_q}},
+        "default_band": {
+            "max_requests": None,
+            "max_bytes": None,
+            "ttl_s": None,
+            "fairness": {"type": "vtc", "w_p": w_p, "w_q": w_q},
+        },
     }
     core = FlowCore(json.dumps(config))
     service = {"a": 0.0, "b": 0.0}

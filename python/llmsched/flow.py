@@ -255,7 +255,9 @@ class FlowController:
             if decision is None or not self._settle_waiter(decision):
                 return decision
 
-    def complete(self, request_id: int, output_tokens: int = 0, *, now: float | None = None) -> None:
+    def complete(
+        self, request_id: int, output_tokens: int = 0, *, now: float | None = None
+    ) -> None:
         """Marks a dispatched request finished (or revoked); charges ``output_tokens`` not yet
         reported to its tenant and frees its in-flight share. Raises
         :class:`~llmsched.errors.UnknownRequestError` when it is not running.
@@ -270,7 +272,9 @@ class FlowController:
         if self._waiters:
             self.pump()
 
-    def record_output(self, request_id: int, output_tokens: int, *, now: float | None = None) -> None:
+    def record_output(
+        self, request_id: int, output_tokens: int, *, now: float | None = None
+    ) -> None:
         """Charges output tokens of a running request as they stream (VTC's per-token rule).
 
         >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
@@ -383,7 +387,8 @@ class FlowController:
         """Queue lengths per band and flow, wait-time histograms, outcome counts, saturation
         and Jain's fairness index, as a plain dict.
 
-        >>> FlowController({"saturation": {"type": "concurrency", "max_requests": 2}}).metrics()["queued"]
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 2}})
+        >>> ctrl.metrics()["queued"]
         0
         """
         metrics: dict[str, Any] = json.loads(self._core.metrics_json(self._now(now)))

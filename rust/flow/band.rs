@@ -118,9 +118,7 @@ impl Band {
     /// The same check for a band that does not exist yet (or does, given its counts).
     pub fn fits_limits(settings: &BandConfig, queued: u64, held: u64, bytes: u64) -> bool {
         settings.max_requests.is_none_or(|max| queued < max)
-            && settings
-                .max_bytes
-                .is_none_or(|max| held.saturating_add(bytes) <= max)
+            && settings.max_bytes.is_none_or(|max| held.saturating_add(bytes) <= max)
     }
 
     /// Queues the slot `index` (its band, flow, key and bytes are set).
@@ -189,9 +187,6 @@ impl Band {
     /// The slot the fairness policy serves next.
     pub fn next<P>(&mut self, slab: &Slab<P>) -> Option<u32> {
         let flow = self.fairness.pick()?;
-        self.flows
-            .get(flow as usize)?
-            .head(slab)
-            .map(|(_, index)| index)
+        self.flows.get(flow as usize)?.head(slab).map(|(_, index)| index)
     }
 }

@@ -33,10 +33,7 @@ pub struct PolicySpec {
 impl PolicySpec {
     /// A spec with default parameters.
     pub fn named(kind: &str) -> Self {
-        PolicySpec {
-            kind: kind.to_owned(),
-            params: Map::new(),
-        }
+        PolicySpec { kind: kind.to_owned(), params: Map::new() }
     }
 }
 
@@ -92,11 +89,7 @@ pub struct PreemptionConfig {
 impl Default for PreemptionConfig {
     fn default() -> Self {
         // llm-d in-flight eviction: at most 2 per decision, 500 ms after revocations end.
-        PreemptionConfig {
-            evict_queued: true,
-            max_victims: 2,
-            pacing_s: 0.5,
-        }
+        PreemptionConfig { evict_queued: true, max_victims: 2, pacing_s: 0.5 }
     }
 }
 
@@ -161,9 +154,7 @@ fn check_positive(what: &str, value: f64) -> Result<(), FlowError> {
     if value.is_finite() && value > 0.0 {
         Ok(())
     } else {
-        Err(config_error(format!(
-            "{what} must be a finite number > 0, got {value}"
-        )))
+        Err(config_error(format!("{what} must be a finite number > 0, got {value}")))
     }
 }
 
@@ -180,9 +171,7 @@ impl FlowConfig {
         for (i, raw) in self.bands.iter().enumerate() {
             let (priority, band) = resolve_override(i, raw, &default_band, registry)?;
             if bands.insert(priority, band).is_some() {
-                return Err(config_error(format!(
-                    "bands: priority {priority} appears twice"
-                )));
+                return Err(config_error(format!("bands: priority {priority} appears twice")));
             }
         }
         check_limit("global.max_requests", self.global.max_requests)?;
@@ -212,10 +201,7 @@ impl FlowConfig {
 }
 
 fn resolved_spec(spec: &PolicySpec, params: Map<String, Value>) -> PolicySpec {
-    PolicySpec {
-        kind: spec.kind.clone(),
-        params,
-    }
+    PolicySpec { kind: spec.kind.clone(), params }
 }
 
 fn check_buckets(buckets: &[f64]) -> Result<(), FlowError> {
@@ -273,11 +259,7 @@ fn resolve_override(
         .ok_or_else(|| config_error(format!("{at}: needs an integer 'priority' (32-bit)")))?;
     let mut merged = match serde_json::to_value(default_band) {
         Ok(Value::Object(map)) => map,
-        _ => {
-            return Err(config_error(format!(
-                "{at}: default band did not serialise"
-            )))
-        }
+        _ => return Err(config_error(format!("{at}: default band did not serialise"))),
     };
     for (key, value) in raw.iter().filter(|(key, _)| key.as_str() != "priority") {
         merged.insert(key.clone(), value.clone());
@@ -354,28 +336,16 @@ mod tests {
         let cases = [
             (r#"{"bandz": []}"#, "unknown field `bandz`"),
             (r#"{"default_band": {"ttl_s": -1}}"#, "default_band: ttl_s"),
-            (
-                r#"{"bands": [{"max_requests": 3}]}"#,
-                "bands[0]: needs an integer 'priority'",
-            ),
-            (
-                r#"{"bands": [{"priority": 1, "colour": 3}]}"#,
-                "unknown field `colour`",
-            ),
-            (
-                r#"{"bands": [{"priority": 1}, {"priority": 1}]}"#,
-                "priority 1 appears twice",
-            ),
+            (r#"{"bands": [{"max_requests": 3}]}"#, "bands[0]: needs an integer 'priority'"),
+            (r#"{"bands": [{"priority": 1, "colour": 3}]}"#, "unknown field `colour`"),
+            (r#"{"bands": [{"priority": 1}, {"priority": 1}]}"#, "priority 1 appears twice"),
             (
                 r#"{"bands": [{"priority": 1, "fairness": {"type": "x"}}]}"#,
                 "bands[0]: unknown fairness",
             ),
             (r#"{"global": {"max_bytes": 0}}"#, "global.max_bytes"),
             (r#"{"wait_buckets_s": [1, 1]}"#, "increase strictly"),
-            (
-                r#"{"saturation": {"type": "utilization", "kv_threshold": 0}}"#,
-                "kv_threshold",
-            ),
+            (r#"{"saturation": {"type": "utilization", "kv_threshold": 0}}"#, "kv_threshold"),
             (r#"{"preemption": {"pacing_s": -1}}"#, "pacing_s"),
             (r#"{"ceilings": {"type": "holdback", "floor": 2}}"#, "floor"),
         ];

@@ -207,11 +207,7 @@ pub struct VtcParams {
 impl Default for VtcParams {
     fn default() -> Self {
         // Sheng et al., OSDI'24: output tokens cost twice prompt tokens.
-        VtcParams {
-            w_p: 1.0,
-            w_q: 2.0,
-            weights: TenantWeights::new(),
-        }
+        VtcParams { w_p: 1.0, w_q: 2.0, weights: TenantWeights::new() }
     }
 }
 
@@ -239,11 +235,7 @@ pub struct VtcFairness {
 
 impl VtcFairness {
     pub fn new(params: VtcParams) -> Self {
-        VtcFairness {
-            params,
-            counters: CounterOrder::default(),
-            last_left: 0.0,
-        }
+        VtcFairness { params, counters: CounterOrder::default(), last_left: 0.0 }
     }
 
     /// The counter of `flow` (for metrics and tests).
@@ -254,8 +246,7 @@ impl VtcFairness {
 
 impl FairnessPolicy for VtcFairness {
     fn add_flow(&mut self, _flow: FlowIdx, tenant: &str) {
-        self.counters
-            .add_flow(self.params.weights.get(tenant).copied().unwrap_or(1.0));
+        self.counters.add_flow(self.params.weights.get(tenant).copied().unwrap_or(1.0));
     }
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {
@@ -345,11 +336,7 @@ pub struct LasFairness {
 
 impl LasFairness {
     pub fn new(params: LasParams) -> Self {
-        LasFairness {
-            params,
-            counters: CounterOrder::default(),
-            t_ref: 0.0,
-        }
+        LasFairness { params, counters: CounterOrder::default(), t_ref: 0.0 }
     }
 
     fn rebase(&mut self, now: f64) {
@@ -365,8 +352,7 @@ impl LasFairness {
 
 impl FairnessPolicy for LasFairness {
     fn add_flow(&mut self, _flow: FlowIdx, tenant: &str) {
-        self.counters
-            .add_flow(self.params.weights.get(tenant).copied().unwrap_or(1.0));
+        self.counters.add_flow(self.params.weights.get(tenant).copied().unwrap_or(1.0));
     }
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {
@@ -470,10 +456,7 @@ mod tests {
 
     #[test]
     fn las_prefers_flow_whose_service_decayed() {
-        let mut las = LasFairness::new(LasParams {
-            half_life_s: 1.0,
-            ..LasParams::default()
-        });
+        let mut las = LasFairness::new(LasParams { half_life_s: 1.0, ..LasParams::default() });
         las.add_flow(0, "a");
         las.add_flow(1, "b");
         las.charge(0, 100, 0, 0.0);

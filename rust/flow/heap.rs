@@ -16,18 +16,13 @@ pub struct FlowHeap<K> {
 
 impl<K> Default for FlowHeap<K> {
     fn default() -> Self {
-        FlowHeap {
-            entries: Vec::new(),
-            position: Vec::new(),
-        }
+        FlowHeap { entries: Vec::new(), position: Vec::new() }
     }
 }
 
 impl<K: Ord + Copy> FlowHeap<K> {
     pub fn contains(&self, flow: FlowIdx) -> bool {
-        self.position
-            .get(flow as usize)
-            .is_some_and(|&p| p != ABSENT)
+        self.position.get(flow as usize).is_some_and(|&p| p != ABSENT)
     }
 
     /// The least `(key, flow)`.

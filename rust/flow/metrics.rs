@@ -24,12 +24,7 @@ fn serialize_bounds<S: serde::Serializer>(bounds: &Arc<[f64]>, s: S) -> Result<S
 impl Histogram {
     pub fn new(bounds: Arc<[f64]>) -> Self {
         let counts = vec![0; bounds.len() + 1];
-        Histogram {
-            bounds,
-            counts,
-            sum: 0.0,
-            count: 0,
-        }
+        Histogram { bounds, counts, sum: 0.0, count: 0 }
     }
 
     pub fn record(&mut self, value: f64) {

@@ -211,9 +211,7 @@ impl<P> FlowController<P> {
     }
 
     fn state_of(&self, id: RequestId) -> Option<(u32, SlotState)> {
-        self.index
-            .get(&id)
-            .map(|&slot| (slot, self.slab.get(slot).state))
+        self.index.get(&id).map(|&slot| (slot, self.slab.get(slot).state))
     }
 
     pub fn is_queued(&self, id: RequestId) -> bool {
@@ -347,9 +345,7 @@ impl<P> FlowController<P> {
         self.inflight.requests -= 1;
         self.inflight.tokens -= tokens;
         if priority < 0 {
-            self.preemption
-                .candidates
-                .remove(&(priority, Reverse(dispatch_seq), id));
+            self.preemption.candidates.remove(&(priority, Reverse(dispatch_seq), id));
         }
         if self.preemption.pending.remove(&id) && self.preemption.pending.is_empty() {
             self.preemption.next_decision_at = now + self.config.preemption.pacing_s;
@@ -426,10 +422,7 @@ impl<P> FlowController<P> {
         match priority {
             Some(p) => match self.band_of_priority.get(&p) {
                 Some(&band) => jain_index(
-                    self.bands[band as usize]
-                        .flows
-                        .iter()
-                        .map(|f| f.service_tokens as f64),
+                    self.bands[band as usize].flows.iter().map(|f| f.service_tokens as f64),
                 ),
                 None => 1.0,
             },
@@ -468,10 +461,7 @@ impl<P> FlowController<P> {
             .iter()
             .flat_map(|&b| {
                 let band = &self.bands[b as usize];
-                band.flows
-                    .iter()
-                    .enumerate()
-                    .map(move |(i, flow)| (band, i as FlowIdx, flow))
+                band.flows.iter().enumerate().map(move |(i, flow)| (band, i as FlowIdx, flow))
             })
             .map(|(band, index, flow)| FlowMetrics {
                 tenant: self.tenants.names[flow.tenant as usize].to_string(),
@@ -525,10 +515,7 @@ impl<P> FlowController<P> {
     }
 
     fn top_nonempty_band(&self) -> Option<u32> {
-        self.band_order
-            .iter()
-            .copied()
-            .find(|&b| self.bands[b as usize].queued > 0)
+        self.band_order.iter().copied().find(|&b| self.bands[b as usize].queued > 0)
     }
 
     /// The band of `priority`, created (and every band's ceiling re-ranked) on first use.
@@ -541,16 +528,12 @@ impl<P> FlowController<P> {
         let index = self.bands.len() as u32;
         self.bands.push(band);
         self.band_of_priority.insert(priority, index);
-        let position = self
-            .band_order
-            .partition_point(|&b| self.bands[b as usize].priority > priority);
+        let position =
+            self.band_order.partition_point(|&b| self.bands[b as usize].priority > priority);
         self.band_order.insert(position, index);
         for (rank, &b) in self.band_order.iter().enumerate() {
             let band = &mut self.bands[b as usize];
-            band.ceiling = band
-                .settings
-                .ceiling
-                .unwrap_or_else(|| self.ceilings.ceiling(rank));
+            band.ceiling = band.settings.ceiling.unwrap_or_else(|| self.ceilings.ceiling(rank));
         }
         Ok(index)
     }
@@ -566,12 +549,11 @@ impl<P> FlowController<P> {
             return Admission::Refused;
         }
         let global = &self.config.global;
-        let over_requests = global
-            .max_requests
-            .map_or(0, |max| (self.queued + 1).saturating_sub(max));
-        let over_bytes = global.max_bytes.map_or(0, |max| {
-            self.queued_bytes.saturating_add(bytes).saturating_sub(max)
-        });
+        let over_requests =
+            global.max_requests.map_or(0, |max| (self.queued + 1).saturating_sub(max));
+        let over_bytes = global
+            .max_bytes
+            .map_or(0, |max| self.queued_bytes.saturating_add(bytes).saturating_sub(max));
         if over_requests == 0 && over_bytes == 0 {
             return Admission::Fits;
         }
@@ -686,13 +668,8 @@ impl<P> FlowController<P> {
         let band = &mut self.bands[band_index as usize];
         let slot = band.next(&self.slab)?;
         let entry = self.slab.get(slot);
-        let (tokens, bytes, arrival, priority, id) = (
-            entry.tokens,
-            entry.bytes,
-            entry.arrival,
-            entry.priority,
-            entry.id,
-        );
+        let (tokens, bytes, arrival, priority, id) =
+            (entry.tokens, entry.bytes, entry.arrival, entry.priority, entry.id);
         band.remove(&mut self.slab, slot, Some((tokens, now)));
         band.wait_s.record(now - arrival);
         self.queued -= 1;
@@ -705,9 +682,7 @@ impl<P> FlowController<P> {
         self.inflight.requests += 1;
         self.inflight.tokens += tokens;
         if priority < 0 {
-            self.preemption
-                .candidates
-                .insert((priority, Reverse(dispatch_seq), id));
+            self.preemption.candidates.insert((priority, Reverse(dispatch_seq), id));
         }
         decision
     }

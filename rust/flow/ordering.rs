@@ -65,9 +65,7 @@ pub struct SloDeadlineParams {
 
 impl Default for SloDeadlineParams {
     fn default() -> Self {
-        SloDeadlineParams {
-            default_ttft_s: 1.0,
-        }
+        SloDeadlineParams { default_ttft_s: 1.0 }
     }
 }
 
@@ -76,10 +74,7 @@ impl SloDeadlineParams {
         if self.default_ttft_s.is_finite() && self.default_ttft_s >= 0.0 {
             Ok(())
         } else {
-            Err(format!(
-                "default_ttft_s must be a finite number >= 0, got {}",
-                self.default_ttft_s
-            ))
+            Err(format!("default_ttft_s must be a finite number >= 0, got {}", self.default_ttft_s))
         }
     }
 }
@@ -102,38 +97,22 @@ mod tests {
 
     #[test]
     fn keys_table() {
-        let slo = SloDeadline {
-            params: SloDeadlineParams {
-                default_ttft_s: 2.0,
-            },
-        };
+        let slo = SloDeadline { params: SloDeadlineParams { default_ttft_s: 2.0 } };
         let cases: [(OrderingInput, f64, f64, f64); 3] = [
             (
-                OrderingInput {
-                    arrival: 1.0,
-                    deadline: None,
-                    ttft_target: None,
-                },
+                OrderingInput { arrival: 1.0, deadline: None, ttft_target: None },
                 0.0,
                 f64::INFINITY,
                 3.0,
             ),
             (
-                OrderingInput {
-                    arrival: 1.0,
-                    deadline: Some(5.0),
-                    ttft_target: Some(0.5),
-                },
+                OrderingInput { arrival: 1.0, deadline: Some(5.0), ttft_target: Some(0.5) },
                 0.0,
                 5.0,
                 1.5,
             ),
             (
-                OrderingInput {
-                    arrival: 4.0,
-                    deadline: Some(-1.0),
-                    ttft_target: Some(0.0),
-                },
+                OrderingInput { arrival: 4.0, deadline: Some(-1.0), ttft_target: Some(0.0) },
                 0.0,
                 -1.0,
                 4.0,

@@ -173,119 +173,77 @@ impl Default for PolicyRegistry {
 }
 
 fn strict(params: &Params) -> Result<Built<dyn FairnessPolicy>, String> {
-    Ok(Built {
-        params: no_params(params)?,
-        policy: Box::new(StrictFairness::default()),
-    })
+    Ok(Built { params: no_params(params)?, policy: Box::new(StrictFairness::default()) })
 }
 
 fn round_robin(params: &Params) -> Result<Built<dyn FairnessPolicy>, String> {
-    Ok(Built {
-        params: no_params(params)?,
-        policy: Box::new(RoundRobinFairness::default()),
-    })
+    Ok(Built { params: no_params(params)?, policy: Box::new(RoundRobinFairness::default()) })
 }
 
 fn vtc(params: &Params) -> Result<Built<dyn FairnessPolicy>, String> {
     let (p, params) = decode_params::<VtcParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(VtcFairness::new(p)),
-    })
+    Ok(Built { params, policy: Box::new(VtcFairness::new(p)) })
 }
 
 fn las(params: &Params) -> Result<Built<dyn FairnessPolicy>, String> {
     let (p, params) = decode_params::<LasParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(LasFairness::new(p)),
-    })
+    Ok(Built { params, policy: Box::new(LasFairness::new(p)) })
 }
 
 fn fcfs(params: &Params) -> Result<Built<dyn OrderingPolicy>, String> {
-    Ok(Built {
-        params: no_params(params)?,
-        policy: Box::new(Fcfs),
-    })
+    Ok(Built { params: no_params(params)?, policy: Box::new(Fcfs) })
 }
 
 fn edf(params: &Params) -> Result<Built<dyn OrderingPolicy>, String> {
-    Ok(Built {
-        params: no_params(params)?,
-        policy: Box::new(EarliestDeadline),
-    })
+    Ok(Built { params: no_params(params)?, policy: Box::new(EarliestDeadline) })
 }
 
 fn slo_deadline(params: &Params) -> Result<Built<dyn OrderingPolicy>, String> {
     let (p, params) = decode_params::<SloDeadlineParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(SloDeadline { params: p }),
-    })
+    Ok(Built { params, policy: Box::new(SloDeadline { params: p }) })
 }
 
 fn utilization(params: &Params) -> Result<Built<dyn SaturationDetector>, String> {
     let (p, params) = decode_params::<UtilizationParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(UtilizationDetector::new(p)),
-    })
+    Ok(Built { params, policy: Box::new(UtilizationDetector::new(p)) })
 }
 
 fn concurrency(params: &Params) -> Result<Built<dyn SaturationDetector>, String> {
     let (p, params) = decode_params::<ConcurrencyParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(ConcurrencyDetector { params: p }),
-    })
+    Ok(Built { params, policy: Box::new(ConcurrencyDetector { params: p }) })
 }
 
 fn static_ceiling(params: &Params) -> Result<Built<dyn CeilingPolicy>, String> {
     let (p, params) = decode_params::<StaticCeilingParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(StaticCeiling { params: p }),
-    })
+    Ok(Built { params, policy: Box::new(StaticCeiling { params: p }) })
 }
 
 fn holdback(params: &Params) -> Result<Built<dyn CeilingPolicy>, String> {
     let (p, params) = decode_params::<HoldbackParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(HoldbackCeiling { params: p }),
-    })
+    Ok(Built { params, policy: Box::new(HoldbackCeiling { params: p }) })
 }
 
 fn probabilistic(params: &Params) -> Result<Built<dyn SheddingPolicy>, String> {
     let (p, params) = decode_params::<ProbabilisticParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(ProbabilisticShedding::new(p)),
-    })
+    Ok(Built { params, policy: Box::new(ProbabilisticShedding::new(p)) })
 }
 
 fn threshold(params: &Params) -> Result<Built<dyn SheddingPolicy>, String> {
     let (p, params) = decode_params::<ThresholdParams>(params)?;
     p.validate()?;
-    Ok(Built {
-        params,
-        policy: Box::new(ThresholdShedding { params: p }),
-    })
+    Ok(Built { params, policy: Box::new(ThresholdShedding { params: p }) })
 }
 
 fn no_shedding(params: &Params) -> Result<Built<dyn SheddingPolicy>, String> {
-    Ok(Built {
-        params: no_params(params)?,
-        policy: Box::new(NoShedding),
-    })
+    Ok(Built { params: no_params(params)?, policy: Box::new(NoShedding) })
 }
 
 #[cfg(test)]
@@ -300,42 +258,18 @@ mod tests {
     #[test]
     fn fills_defaults_and_rejects_unknown() {
         let r = PolicyRegistry::builtin();
-        let built = r
-            .fairness(&spec(json!({"type": "vtc", "w_q": 3.0})))
-            .unwrap();
-        assert_eq!(
-            Value::Object(built.params),
-            json!({"w_p": 1.0, "w_q": 3.0, "weights": {}})
-        );
-        let err = r
-            .fairness(&spec(json!({"type": "vtc", "wq": 3.0})))
-            .err()
-            .unwrap();
+        let built = r.fairness(&spec(json!({"type": "vtc", "w_q": 3.0}))).unwrap();
+        assert_eq!(Value::Object(built.params), json!({"w_p": 1.0, "w_q": 3.0, "weights": {}}));
+        let err = r.fairness(&spec(json!({"type": "vtc", "wq": 3.0}))).err().unwrap();
         assert!(err.to_string().contains("unknown field `wq`"), "{err}");
         let err = r.fairness(&spec(json!({"type": "fair"}))).err().unwrap();
-        assert!(
-            err.to_string()
-                .contains("unknown fairness policy type 'fair'"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("unknown fairness policy type 'fair'"), "{err}");
         assert!(err.to_string().contains("round-robin"), "{err}");
-        let err = r
-            .ordering(&spec(json!({"type": "fcfs", "x": 1})))
-            .err()
-            .unwrap();
+        let err = r.ordering(&spec(json!({"type": "fcfs", "x": 1}))).err().unwrap();
         assert!(err.to_string().contains("unknown field `x`"), "{err}");
-        let err = r
-            .saturation(&spec(json!({"type": "concurrency"})))
-            .err()
-            .unwrap();
-        assert!(
-            err.to_string().contains("max_requests or max_tokens"),
-            "{err}"
-        );
-        let err = r
-            .shedding(&spec(json!({"type": "probabilistic", "power": -1})))
-            .err()
-            .unwrap();
+        let err = r.saturation(&spec(json!({"type": "concurrency"}))).err().unwrap();
+        assert!(err.to_string().contains("max_requests or max_tokens"), "{err}");
+        let err = r.shedding(&spec(json!({"type": "probabilistic", "power": -1}))).err().unwrap();
         assert!(err.to_string().contains("power"), "{err}");
     }
 }

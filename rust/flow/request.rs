@@ -150,8 +150,6 @@ pub(crate) fn check_time(name: &str, value: f64) -> Result<f64, FlowError> {
     if value.is_finite() {
         Ok(value)
     } else {
-        Err(FlowError::InvalidInput(format!(
-            "{name} must be a finite number, got {value}"
-        )))
+        Err(FlowError::InvalidInput(format!("{name} must be a finite number, got {value}")))
     }
 }

@@ -122,11 +122,7 @@ pub struct UtilizationDetector {
 
 impl UtilizationDetector {
     pub fn new(params: UtilizationParams) -> Self {
-        UtilizationDetector {
-            params,
-            endpoints: BTreeMap::new(),
-            cache: None,
-        }
+        UtilizationDetector { params, endpoints: BTreeMap::new(), cache: None }
     }
 
     fn endpoint_saturation(&self, m: &EndpointMetrics) -> f64 {
@@ -154,20 +150,11 @@ impl UtilizationDetector {
             }
         }
         let saturation = if counted == 0 {
-            Saturation {
-                value: 1.0,
-                no_endpoints: true,
-            }
+            Saturation { value: 1.0, no_endpoints: true }
         } else {
-            Saturation {
-                value: total / counted as f64,
-                no_endpoints: false,
-            }
+            Saturation { value: total / counted as f64, no_endpoints: false }
         };
-        CachedSaturation {
-            saturation,
-            oldest_fresh,
-        }
+        CachedSaturation { saturation, oldest_fresh }
     }
 
     fn still_valid(&self, cached: &CachedSaturation, now: f64) -> bool {
@@ -237,18 +224,10 @@ impl SaturationDetector for ConcurrencyDetector {
     }
 
     fn saturation(&mut self, _now: f64, inflight: InFlight) -> Saturation {
-        let by_requests = self
-            .params
-            .max_requests
-            .map_or(0.0, |m| inflight.requests as f64 / m as f64);
-        let by_tokens = self
-            .params
-            .max_tokens
-            .map_or(0.0, |m| inflight.tokens as f64 / m as f64);
-        Saturation {
-            value: by_requests.max(by_tokens),
-            no_endpoints: false,
-        }
+        let by_requests =
+            self.params.max_requests.map_or(0.0, |m| inflight.requests as f64 / m as f64);
+        let by_tokens = self.params.max_tokens.map_or(0.0, |m| inflight.tokens as f64 / m as f64);
+        Saturation { value: by_requests.max(by_tokens), no_endpoints: false }
     }
 }
 
@@ -299,11 +278,7 @@ pub struct HoldbackParams {
 
 impl Default for HoldbackParams {
     fn default() -> Self {
-        HoldbackParams {
-            top: 1.0,
-            step: 0.1,
-            floor: 0.1,
-        }
+        HoldbackParams { top: 1.0, step: 0.1, floor: 0.1 }
     }
 }
 
@@ -312,16 +287,10 @@ impl HoldbackParams {
         check_positive("top", self.top)?;
         check_positive("floor", self.floor)?;
         if !(self.step.is_finite() && self.step >= 0.0) {
-            return Err(format!(
-                "step must be a finite number >= 0, got {}",
-                self.step
-            ));
+            return Err(format!("step must be a finite number >= 0, got {}", self.step));
         }
         if self.floor > self.top {
-            return Err(format!(
-                "floor ({}) must not exceed top ({})",
-                self.floor, self.top
-            ));
+            return Err(format!("floor ({}) must not exceed top ({})", self.floor, self.top));
         }
         Ok(())
     }
@@ -344,12 +313,7 @@ mod tests {
     use super::*;
 
     fn metrics(waiting: u64, kv_usage: f64, timestamp: f64) -> EndpointMetrics {
-        EndpointMetrics {
-            waiting,
-            running: 0,
-            kv_usage,
-            timestamp,
-        }
+        EndpointMetrics { waiting, running: 0, kv_usage, timestamp }
     }
 
     #[test]
@@ -360,60 +324,27 @@ mod tests {
         d.update_endpoint("a", metrics(5, 0.4, 0.0));
         d.update_endpoint("b", metrics(0, 0.4, 0.0));
         let s = d.saturation(0.1, InFlight::default());
-        assert_eq!(
-            s,
-            Saturation {
-                value: 0.75,
-                no_endpoints: false
-            }
-        );
+        assert_eq!(s, Saturation { value: 0.75, no_endpoints: false });
     }
 
     #[test]
     fn stale_policies() {
         let table = [
-            (
-                StalePolicy::Saturated,
-                Saturation {
-                    value: 0.5,
-                    no_endpoints: false,
-                },
-            ),
-            (
-                StalePolicy::Ignore,
-                Saturation {
-                    value: 0.0,
-                    no_endpoints: false,
-                },
-            ),
-            (
-                StalePolicy::Last,
-                Saturation {
-                    value: 0.0,
-                    no_endpoints: false,
-                },
-            ),
+            (StalePolicy::Saturated, Saturation { value: 0.5, no_endpoints: false }),
+            (StalePolicy::Ignore, Saturation { value: 0.0, no_endpoints: false }),
+            (StalePolicy::Last, Saturation { value: 0.0, no_endpoints: false }),
         ];
         for (policy, expected) in table {
-            let params = UtilizationParams {
-                stale_policy: policy,
-                ..UtilizationParams::default()
-            };
+            let params = UtilizationParams { stale_policy: policy, ..UtilizationParams::default() };
             let mut d = UtilizationDetector::new(params);
             d.update_endpoint("old", metrics(0, 0.0, 0.0));
             d.update_endpoint("new", metrics(0, 0.0, 1.0));
             // Cached before "old" turns stale, recomputed after.
             assert_eq!(d.saturation(0.1, InFlight::default()).value, 0.0);
-            assert_eq!(
-                d.saturation(1.0, InFlight::default()),
-                expected,
-                "{policy:?}"
-            );
+            assert_eq!(d.saturation(1.0, InFlight::default()), expected, "{policy:?}");
         }
-        let params = UtilizationParams {
-            stale_policy: StalePolicy::Ignore,
-            ..UtilizationParams::default()
-        };
+        let params =
+            UtilizationParams { stale_policy: StalePolicy::Ignore, ..UtilizationParams::default() };
         let mut d = UtilizationDetector::new(params);
         d.update_endpoint("a", metrics(0, 0.0, 0.0));
         assert!(d.saturation(5.0, InFlight::default()).no_endpoints);
@@ -421,33 +352,15 @@ mod tests {
 
     #[test]
     fn concurrency_takes_the_larger_ratio() {
-        let params = ConcurrencyParams {
-            max_requests: Some(10),
-            max_tokens: Some(1000),
-        };
+        let params = ConcurrencyParams { max_requests: Some(10), max_tokens: Some(1000) };
         let mut d = ConcurrencyDetector { params };
-        let s = d.saturation(
-            0.0,
-            InFlight {
-                requests: 2,
-                tokens: 500,
-            },
-        );
+        let s = d.saturation(0.0, InFlight { requests: 2, tokens: 500 });
         assert_eq!(s.value, 0.5);
     }
 
     #[test]
     fn holdback_ceilings() {
-        let h = HoldbackCeiling {
-            params: HoldbackParams {
-                top: 1.0,
-                step: 0.25,
-                floor: 0.3,
-            },
-        };
-        assert_eq!(
-            [h.ceiling(0), h.ceiling(1), h.ceiling(2), h.ceiling(9)],
-            [1.0, 0.75, 0.5, 0.3]
-        );
+        let h = HoldbackCeiling { params: HoldbackParams { top: 1.0, step: 0.25, floor: 0.3 } };
+        assert_eq!([h.ceiling(0), h.ceiling(1), h.ceiling(2), h.ceiling(9)], [1.0, 0.75, 0.5, 0.3]);
     }
 }

@@ -32,27 +32,17 @@ pub struct ProbabilisticParams {
 impl Default for ProbabilisticParams {
     fn default() -> Self {
         // llm-d: min(sat^5 * 300, 1).
-        ProbabilisticParams {
-            power: 5.0,
-            scale: 300.0,
-            seed: 0,
-        }
+        ProbabilisticParams { power: 5.0, scale: 300.0, seed: 0 }
     }
 }
 
 impl ProbabilisticParams {
     pub fn validate(&self) -> Result<(), String> {
         if !(self.power.is_finite() && self.power > 0.0) {
-            return Err(format!(
-                "power must be a finite number > 0, got {}",
-                self.power
-            ));
+            return Err(format!("power must be a finite number > 0, got {}", self.power));
         }
         if !(self.scale.is_finite() && self.scale >= 0.0) {
-            return Err(format!(
-                "scale must be a finite number >= 0, got {}",
-                self.scale
-            ));
+            return Err(format!("scale must be a finite number >= 0, got {}", self.scale));
         }
         Ok(())
     }
@@ -105,10 +95,7 @@ impl ThresholdParams {
         if self.threshold.is_finite() && self.threshold >= 0.0 {
             Ok(())
         } else {
-            Err(format!(
-                "threshold must be a finite number >= 0, got {}",
-                self.threshold
-            ))
+            Err(format!("threshold must be a finite number >= 0, got {}", self.threshold))
         }
     }
 }
@@ -159,9 +146,7 @@ mod tests {
         let mut p = ProbabilisticShedding::new(ProbabilisticParams::default());
         let shed = (0..100_000).filter(|_| p.shed(0.2)).count();
         assert!((9_000..10_200).contains(&shed), "{shed}");
-        let mut t = ThresholdShedding {
-            params: ThresholdParams { threshold: 0.5 },
-        };
+        let mut t = ThresholdShedding { params: ThresholdParams { threshold: 0.5 } };
         assert!(!t.shed(0.49) && t.shed(0.5));
     }
 }

@@ -31,10 +31,7 @@ struct Links {
     next: u32,
 }
 
-const UNLINKED: Links = Links {
-    prev: NIL,
-    next: NIL,
-};
+const UNLINKED: Links = Links { prev: NIL, next: NIL };
 
 /// One request, queued or running.
 #[derive(Debug)]
@@ -65,10 +62,7 @@ pub struct List {
 
 impl Default for List {
     fn default() -> Self {
-        List {
-            head: NIL,
-            tail: NIL,
-        }
+        List { head: NIL, tail: NIL }
     }
 }
 
@@ -81,10 +75,7 @@ pub struct Slab<P> {
 
 impl<P> Default for Slab<P> {
     fn default() -> Self {
-        Slab {
-            slots: Vec::new(),
-            free: Vec::new(),
-        }
+        Slab { slots: Vec::new(), free: Vec::new() }
     }
 }
 
@@ -164,10 +155,7 @@ impl<P> Slab<P> {
     }
 
     pub fn push_back(&mut self, list: &mut List, index: u32, chain: Chain) {
-        *self.links(index, chain) = Links {
-            prev: list.tail,
-            next: NIL,
-        };
+        *self.links(index, chain) = Links { prev: list.tail, next: NIL };
         if list.tail == NIL {
             list.head = index;
         } else {

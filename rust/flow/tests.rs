@@ -35,17 +35,9 @@ fn drain_ids(c: &mut FlowController<u32>, now: f64) -> Vec<RequestId> {
 #[test]
 fn higher_bands_first_then_round_robin_within() {
     let mut c = controller(ROOMY);
-    for (id, priority, tenant) in [
-        (1, 0, "a"),
-        (2, 0, "a"),
-        (3, 0, "b"),
-        (4, 5, "z"),
-        (5, -1, "a"),
-    ] {
-        assert!(c
-            .enqueue(request(id, priority, tenant), 0.0)
-            .unwrap()
-            .is_none());
+    for (id, priority, tenant) in [(1, 0, "a"), (2, 0, "a"), (3, 0, "b"), (4, 5, "z"), (5, -1, "a")]
+    {
+        assert!(c.enqueue(request(id, priority, tenant), 0.0).unwrap().is_none());
     }
     assert_eq!(drain_ids(&mut c, 1.0), vec![4, 1, 3, 2, 5]);
     assert_eq!(c.running_len(), 5);
@@ -56,26 +48,13 @@ fn blocked_higher_band_stops_lower_bands() {
     let json = r#"{"saturation": {"type": "utilization"},
         "bands": [{"priority": 10, "ceiling": 0.5}, {"priority": 0, "ceiling": 1.0}]}"#;
     let mut c = controller(json);
-    let load = |kv| EndpointMetrics {
-        waiting: 0,
-        running: 0,
-        kv_usage: kv,
-        timestamp: 0.0,
-    };
+    let load = |kv| EndpointMetrics { waiting: 0, running: 0, kv_usage: kv, timestamp: 0.0 };
     c.update_endpoint("e", load(0.56)).unwrap(); // saturation 0.7
     c.enqueue(request(1, 0, "a"), 0.0).unwrap();
-    assert_eq!(
-        drain_ids(&mut c, 0.0),
-        vec![1],
-        "low band alone dispatches at 0.7 < 1.0"
-    );
+    assert_eq!(drain_ids(&mut c, 0.0), vec![1], "low band alone dispatches at 0.7 < 1.0");
     c.enqueue(request(2, 10, "a"), 0.0).unwrap();
     c.enqueue(request(3, 0, "a"), 0.0).unwrap();
-    assert_eq!(
-        drain_ids(&mut c, 0.0),
-        Vec::<RequestId>::new(),
-        "no inversion"
-    );
+    assert_eq!(drain_ids(&mut c, 0.0), Vec::<RequestId>::new(), "no inversion");
     c.update_endpoint("e", load(0.32)).unwrap(); // saturation 0.4
     assert_eq!(drain_ids(&mut c, 0.1), vec![2, 3]);
 }
@@ -86,28 +65,12 @@ fn no_endpoints_refuses_and_stale_metrics_saturate() {
     let d = c.enqueue(request(1, 0, "a"), 0.0).unwrap().unwrap();
     assert_eq!((d.outcome, d.payload), (Outcome::RejectedNoEndpoints, 1));
     assert_eq!(d.outcome.http_status(), 503);
-    let load = EndpointMetrics {
-        waiting: 0,
-        running: 0,
-        kv_usage: 0.0,
-        timestamp: 0.0,
-    };
+    let load = EndpointMetrics { waiting: 0, running: 0, kv_usage: 0.0, timestamp: 0.0 };
     c.update_endpoint("e", load).unwrap();
     assert!(c.enqueue(request(2, 0, "a"), 0.1).unwrap().is_none());
-    assert_eq!(
-        c.saturation(0.5).unwrap().value,
-        1.0,
-        "older than 200 ms counts as saturated"
-    );
+    assert_eq!(c.saturation(0.5).unwrap().value, 1.0, "older than 200 ms counts as saturated");
     assert!(c.dispatch(0.5).unwrap().is_none());
-    c.update_endpoint(
-        "e",
-        EndpointMetrics {
-            timestamp: 0.5,
-            ..load
-        },
-    )
-    .unwrap();
+    c.update_endpoint("e", EndpointMetrics { timestamp: 0.5, ..load }).unwrap();
     assert_eq!(drain_ids(&mut c, 0.5), vec![2]);
 }
 
@@ -120,21 +83,12 @@ fn ttl_expires_in_arrival_order_and_never_dispatches_late() {
     c.enqueue(request(2, 0, "a"), 1.0).unwrap();
     c.enqueue(request(3, 0, "b"), 5.0).unwrap();
     assert_eq!(drain_ids(&mut c, 9.0), vec![1]); // saturated after one
-    let expired: Vec<_> = c
-        .expire(11.0)
-        .unwrap()
-        .iter()
-        .map(|d| (d.id, d.outcome))
-        .collect();
+    let expired: Vec<_> = c.expire(11.0).unwrap().iter().map(|d| (d.id, d.outcome)).collect();
     assert_eq!(expired, vec![(2, Outcome::EvictedTtl)]);
     c.complete(1, 5, 12.0).unwrap();
     // 3 expires at 15: a dispatch at 15 must evict rather than serve it.
     assert!(c.dispatch(15.0).unwrap().is_none());
-    let evicted: Vec<_> = c
-        .drain_evicted()
-        .iter()
-        .map(|d| (d.id, d.waited_s))
-        .collect();
+    let evicted: Vec<_> = c.drain_evicted().iter().map(|d| (d.id, d.waited_s)).collect();
     assert_eq!(evicted, vec![(3, 10.0)]);
     assert_eq!(c.outcome_counts()[Outcome::EvictedTtl.index()], 2);
 }
@@ -146,28 +100,17 @@ fn band_capacity_refuses_and_global_capacity_evicts_lower_newest_first() {
         "bands": [{"priority": 9, "max_requests": 1}]}"#;
     let mut c = controller(json);
     for (id, priority) in [(1, -2), (2, -2), (3, 0)] {
-        assert!(c
-            .enqueue(request(id, priority, "a"), 0.0)
-            .unwrap()
-            .is_none());
+        assert!(c.enqueue(request(id, priority, "a"), 0.0).unwrap().is_none());
     }
     // Same priority as the lowest band cannot evict anything.
     let d = c.enqueue(request(4, -2, "a"), 0.0).unwrap().unwrap();
     assert_eq!(d.outcome, Outcome::RejectedCapacity);
     assert_eq!(d.outcome.http_status(), 429);
     assert!(c.enqueue(request(5, 9, "a"), 0.0).unwrap().is_none());
-    let evicted: Vec<_> = c
-        .drain_evicted()
-        .iter()
-        .map(|d| (d.id, d.outcome))
-        .collect();
+    let evicted: Vec<_> = c.drain_evicted().iter().map(|d| (d.id, d.outcome)).collect();
     assert_eq!(evicted, vec![(2, Outcome::EvictedPreempted)]);
     let d = c.enqueue(request(6, 9, "b"), 0.0).unwrap().unwrap();
-    assert_eq!(
-        d.outcome,
-        Outcome::RejectedCapacity,
-        "band 9 holds one request"
-    );
+    assert_eq!(d.outcome, Outcome::RejectedCapacity, "band 9 holds one request");
     assert_eq!(drain_ids(&mut c, 0.0), vec![5, 3, 1]);
 }
 
@@ -190,10 +133,7 @@ fn shedding_only_touches_negative_priorities() {
     c.enqueue(request(1, 0, "a"), 0.0).unwrap();
     assert_eq!(drain_ids(&mut c, 0.0), vec![1]); // saturation now 0.5
     let d = c.enqueue(request(2, -1, "a"), 0.0).unwrap().unwrap();
-    assert_eq!(
-        (d.outcome, d.outcome.reason()),
-        (Outcome::RejectedShed, "load-shed")
-    );
+    assert_eq!((d.outcome, d.outcome.reason()), (Outcome::RejectedShed, "load-shed"));
     assert!(c.enqueue(request(3, 0, "a"), 0.0).unwrap().is_none());
 }
 
@@ -201,33 +141,15 @@ fn shedding_only_touches_negative_priorities() {
 fn cancel_and_bad_input_leave_state_consistent() {
     let mut c = controller(ROOMY);
     c.enqueue(request(1, 0, "a"), 0.0).unwrap();
-    assert_eq!(
-        c.enqueue(request(1, 3, "b"), 0.0).unwrap_err(),
-        FlowError::DuplicateRequest(1)
-    );
-    let bad = FlowRequest {
-        deadline: Some(f64::NAN),
-        ..request(2, 0, "a")
-    };
-    assert!(matches!(
-        c.enqueue(bad, 0.0),
-        Err(FlowError::InvalidInput(_))
-    ));
-    assert!(matches!(
-        c.dispatch(f64::INFINITY),
-        Err(FlowError::InvalidInput(_))
-    ));
+    assert_eq!(c.enqueue(request(1, 3, "b"), 0.0).unwrap_err(), FlowError::DuplicateRequest(1));
+    let bad = FlowRequest { deadline: Some(f64::NAN), ..request(2, 0, "a") };
+    assert!(matches!(c.enqueue(bad, 0.0), Err(FlowError::InvalidInput(_))));
+    assert!(matches!(c.dispatch(f64::INFINITY), Err(FlowError::InvalidInput(_))));
     assert_eq!(c.len(), 1);
     let d = c.cancel(1, 1.0).unwrap().unwrap();
-    assert_eq!(
-        (d.id, d.outcome, d.waited_s),
-        (1, Outcome::EvictedCancelled, 1.0)
-    );
+    assert_eq!((d.id, d.outcome, d.waited_s), (1, Outcome::EvictedCancelled, 1.0));
     assert!(c.cancel(1, 1.0).unwrap().is_none());
-    assert_eq!(
-        c.complete(1, 0, 1.0).unwrap_err(),
-        FlowError::UnknownRequest(1)
-    );
+    assert_eq!(c.complete(1, 0, 1.0).unwrap_err(), FlowError::UnknownRequest(1));
     assert!(c.is_empty());
 }
 
@@ -240,27 +162,18 @@ fn preemption_victims_lowest_priority_newest_first_capped_and_paced() {
         c.enqueue(request(id, priority, "batch"), 0.0).unwrap();
     }
     assert_eq!(drain_ids(&mut c, 0.0), vec![1, 4, 2, 3]);
-    assert!(
-        c.preemption_victims(0.0).unwrap().is_empty(),
-        "nothing blocked yet"
-    );
+    assert!(c.preemption_victims(0.0).unwrap().is_empty(), "nothing blocked yet");
     c.enqueue(request(10, 5, "chat"), 0.0).unwrap();
     assert!(c.dispatch(0.0).unwrap().is_none(), "pool full");
     assert_eq!(c.preemption_victims(0.0).unwrap(), vec![3, 2]);
-    assert!(
-        c.preemption_victims(0.1).unwrap().is_empty(),
-        "victims still running"
-    );
+    assert!(c.preemption_victims(0.1).unwrap().is_empty(), "victims still running");
     c.complete(3, 0, 0.2).unwrap();
     assert_eq!(drain_ids(&mut c, 0.2), vec![10]);
     c.enqueue(request(11, 5, "chat"), 0.2).unwrap();
     c.complete(2, 0, 0.3).unwrap();
     assert_eq!(drain_ids(&mut c, 0.3), vec![11]);
     c.enqueue(request(12, 5, "chat"), 0.3).unwrap();
-    assert!(
-        c.preemption_victims(0.5).unwrap().is_empty(),
-        "paced until 0.3 + 0.5"
-    );
+    assert!(c.preemption_victims(0.5).unwrap().is_empty(), "paced until 0.3 + 0.5");
     assert_eq!(c.preemption_victims(0.8).unwrap(), vec![4, 1]);
 }
 
@@ -288,10 +201,7 @@ fn vtc_serves_the_light_tenant() {
     let json = r#"{"saturation": {"type": "concurrency", "max_requests": 1000},
         "default_band": {"fairness": {"type": "vtc"}}}"#;
     let mut c = controller(json);
-    let sized = |id, tenant, tokens| FlowRequest {
-        tokens,
-        ..request(id, 0, tenant)
-    };
+    let sized = |id, tenant, tokens| FlowRequest { tokens, ..request(id, 0, tenant) };
     c.enqueue(sized(1, "heavy", 1000), 0.0).unwrap();
     c.enqueue(sized(2, "heavy", 1000), 0.0).unwrap();
     c.enqueue(sized(3, "light", 10), 0.0).unwrap();
@@ -320,21 +230,11 @@ fn metrics_snapshot() {
     c.enqueue(request(3, 0, "b"), 0.0).unwrap();
     c.dispatch(0.02).unwrap();
     let m = c.metrics(0.02).unwrap();
-    assert_eq!(
-        (m.queued, m.queued_bytes, m.running, m.running_tokens),
-        (2, 200, 1, 10)
-    );
+    assert_eq!((m.queued, m.queued_bytes, m.running, m.running_tokens), (2, 200, 1, 10));
     assert_eq!(m.outcomes["dispatched"], 1);
     assert_eq!(m.bands[0].wait_s.count, 1);
-    assert_eq!(
-        m.bands[0].wait_s.counts[2], 1,
-        "0.02 s lands in (0.01, 0.025]"
-    );
-    let flows: Vec<_> = m
-        .flows
-        .iter()
-        .map(|f| (f.tenant.as_str(), f.queued))
-        .collect();
+    assert_eq!(m.bands[0].wait_s.counts[2], 1, "0.02 s lands in (0.01, 0.025]");
+    let flows: Vec<_> = m.flows.iter().map(|f| (f.tenant.as_str(), f.queued)).collect();
     assert_eq!(flows, vec![("a", 0), ("b", 2)]);
     assert_eq!(m.saturation, 0.001);
 }

@@ -14,14 +14,7 @@ use crate::flow::{
 type Core = FlowController<Py<PyAny>>;
 
 /// The terminal outcome of a request, with its HTTP status and dropped-reason header value.
-#[pyclass(
-    frozen,
-    eq,
-    eq_int,
-    hash,
-    name = "Outcome",
-    module = "llmsched._llmsched"
-)]
+#[pyclass(frozen, eq, eq_int, hash, name = "Outcome", module = "llmsched._llmsched")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PyOutcome {
     #[pyo3(name = "DISPATCHED")]
@@ -176,9 +169,7 @@ impl PyFlowCore {
     fn new(config_json: &str) -> PyResult<Self> {
         let config = FlowConfig::from_json(config_json)?;
         let core = FlowController::with_registry(&config, PolicyRegistry::builtin())?;
-        Ok(PyFlowCore {
-            inner: Arc::new(Mutex::new(core)),
-        })
+        Ok(PyFlowCore { inner: Arc::new(Mutex::new(core)) })
     }
 
     /// The resolved configuration as JSON.
@@ -241,18 +232,12 @@ impl PyFlowCore {
     }
 
     fn record_output(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
-        let (id, tokens) = (
-            non_negative("id", id)?,
-            non_negative("output_tokens", output_tokens)?,
-        );
+        let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
         Ok(self.inner.lock().record_output(id, tokens, now)?)
     }
 
     fn complete(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
-        let (id, tokens) = (
-            non_negative("id", id)?,
-            non_negative("output_tokens", output_tokens)?,
-        );
+        let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
         Ok(self.inner.lock().complete(id, tokens, now)?)
     }
 

@@ -7,7 +7,8 @@ float arithmetic, same SplitMix64 draws. It takes a *resolved* config (the outpu
 their snake_case keys (``Outcome.key``).
 
 >>> from llmsched.flow import resolve_config
->>> twin = FlowControllerTwin(resolve_config({"saturation": {"type": "concurrency", "max_requests": 2}}))
+>>> config = resolve_config({"saturation": {"type": "concurrency", "max_requests": 2}})
+>>> twin = FlowControllerTwin(config)
 >>> twin.enqueue(1, 0, "a", 10, 100, None, None, None, 0.0) is None
 True
 >>> twin.dispatch(0.5).outcome
@@ -17,6 +18,7 @@ True
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ from llmsched.errors import DuplicateRequestError, InvalidRequestError, UnknownR
 
 _MASK = (1 << 64) - 1
 _I32 = (-(2**31), 2**31 - 1)
-_exp2 = getattr(math, "exp2", lambda x: 2.0**x)
+_exp2: Callable[[float], float] = getattr(math, "exp2", lambda x: 2.0**x)
 _LAS_REBASE_HALF_LIVES = 64.0
 
 
@@ -171,9 +173,8 @@ class _Band:
         if self.fairness == "vtc":
             return self.counters[flow]
         if self.fairness == "las":
-            return self.counters[flow] * _exp2(
-                -(now - self.t_ref) / self.fairness_params["half_life_s"]
-            )
+            half_life: float = self.fairness_params["half_life_s"]
+            return self.counters[flow] * _exp2(-(now - self.t_ref) / half_life)
         return None
 
     def pick(self) -> int:
@@ -281,7 +282,9 @@ class FlowControllerTwin:
         policy = self.config["shedding"]
         if policy["type"] == "probabilistic":
             draw = self.rng.uniform()
-            probability = min(max(saturation, 0.0) ** policy["power"] * policy["scale"], 1.0)
+            power: float = policy["power"]
+            scale: float = policy["scale"]
+            probability = min(float(max(saturation, 0.0) ** power) * scale, 1.0)
             return draw < probability
         if policy["type"] == "threshold":
             return bool(saturation >= policy["threshold"])
@@ -550,7 +553,14 @@ class FlowControllerTwin:
                 queued = len(band.flow_items(flow))
                 dispatched = band.flow_dispatched[flow]
                 out.append(
-                    (tenant, priority, queued, dispatched, band.service[flow], band.counter(flow, now))
+                    (
+                        tenant,
+                        priority,
+                        queued,
+                        dispatched,
+                        band.service[flow],
+                        band.counter(flow, now),
+                    )
                 )
         return out
 
