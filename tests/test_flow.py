@@ -42,14 +42,6 @@ def test_doctests(module: Any) -> None:
     assert result.failed == 0 and result.attempted > 0
 
 
-def test_readme_flow_control_example_runs() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Flow control", 1)[1].split("\n## ", 1)[0]
-    code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None
-    exec(compile(code.group(1), "README.md", "exec"), {})
-
-
 @pytest.mark.parametrize(
     ("outcome", "status", "reason", "key"),
     [
