@@ -118,5 +118,7 @@ def failing_rank(rank, world):
 
 
 def test_a_failing_rank_is_reported_and_the_others_stopped() -> None:
-    with pytest.raises(RuntimeError, match="rank 1 exited with 1"):
+    # Rank 0's barrier may fail first once rank 1's connection drops: either report is right,
+    # what matters is that launch() raises instead of hanging.
+    with pytest.raises(RuntimeError, match=r"rank [01] exited with 1"):
         launch(failing_rank, 2)

@@ -31,7 +31,12 @@ class FlowGate:
         except ImportError:
             raise ConfigError("flow.enabled needs llmsched.flow, which is not installed") from None
         self._flow_request = flow.FlowRequest
+        # Simulated replicas report only when something changes, so a quiet replica's last
+        # report stays true: keep it rather than counting it stale, and start every replica idle.
+        config = {"saturation": {"type": "utilization", "stale_policy": "last"}, **config}
         self.controller = flow.FlowController(config, clock=lambda: sim.now)
+        for replica in sim.replicas:
+            self.endpoint(replica.id, 0, 0, 0.0, 0.0)
         self._slo = sim.config.slo
         self.queued = 0
 
