@@ -14,6 +14,9 @@ use crate::prefix_index::{
     ApplyReport, IndexConfig, IndexError, MatchResult, PrefixIndex, Tier, WorkerId, WorkerKey,
 };
 
+/// Queries shorter than this many blocks are matched without releasing the GIL.
+const DETACH_MIN_BLOCKS: usize = 4096;
+
 /// A worker name from Python: an int or a str.
 pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
@@ -243,7 +246,13 @@ impl PyPrefixIndex {
         now: f64,
     ) -> PyResult<PyMatch> {
         let hashes = hashes.as_slice()?;
-        let m = py.detach(|| self.inner.match_hashes(hashes, now));
+        // A match of a few thousand blocks takes a microsecond or two: handing the GIL over and
+        // back costs more than that when threads contend, so only long queries release it.
+        let m = if hashes.len() < DETACH_MIN_BLOCKS {
+            self.inner.match_hashes(hashes, now)
+        } else {
+            py.detach(|| self.inner.match_hashes(hashes, now))
+        };
         Ok(self.result(py, m))
     }
 
