@@ -237,17 +237,6 @@ impl PrefixIndex {
         self.state.read().workers.id(key)
     }
 
-    /// The id of a worker, registering it if new.
-    pub fn intern_worker(&self, key: &WorkerKey) -> WorkerId {
-        if let Some(id) = self.worker_id(key) {
-            return id;
-        }
-        let mut st = self.state.write();
-        let id = st.workers.intern(key, self.config.worker_capacity);
-        st.tree.ensure_worker(id);
-        id
-    }
-
     /// The name of worker `id`, if it is still registered.
     pub fn worker_key(&self, id: WorkerId) -> Option<WorkerKey> {
         self.state.read().workers.keys.get(id as usize).cloned().flatten()
