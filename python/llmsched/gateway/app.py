@@ -1,0 +1,665 @@
+"""The reference gateway: an OpenAI-compatible HTTP front that admits, routes and proxies.
+
+Per request: authenticate, read the body (size-limited), tokenize (or hash the text), admit
+through :class:`~llmsched.FlowController`, pick with :class:`~llmsched.Router`, send to the
+chosen engine and stream its answer back byte for byte. When an engine fails before its first
+byte the request goes to the next endpoint (bounded by ``retries.max_attempts``); an engine
+that refuses connections is left out of routing for ``retries.eject_s``. The upstream URL is
+always built from the configured :class:`~llmsched.integrations.EngineSpec`, never from
+anything in the request.
+
+>>> import asyncio
+>>> gw = Gateway({"engines": [{"host": "127.0.0.1", "port": 9}], "models": ["m"],
+...               "scrape": {"enabled": False}})
+>>> sorted(r.resource.canonical for r in gw.app.router.routes()
+...        if r.method == "POST")
+['/v1/chat/completions', '/v1/completions']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from llmsched.errors import FlowRejected, NoEndpointError, UnknownEndpointError
+from llmsched.flow import FlowController, FlowRequest
+from llmsched.gateway.config import ApiKey, GatewayConfig, load_config
+from llmsched.gateway.metrics import GatewayMetrics
+from llmsched.gateway.tokenize import PromptError, PromptTokenizer
+from llmsched.integrations import EngineSpec
+from llmsched.prefix_index import PrefixIndex
+from llmsched.routing import Decision, Endpoint, EndpointPool, Router
+
+__all__ = ["Gateway"]
+
+log = logging.getLogger("llmsched.gateway")
+
+TENANT_HEADER = "x-llmsched-tenant"
+PRIORITY_HEADER = "x-llmsched-priority"
+SESSION_HEADER = "x-session-id"
+DROPPED_REASON_HEADER = "x-llmsched-dropped-reason"
+
+_ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Response headers copied from the engine; hop-by-hop and framing headers are aiohttp's job.
+_PASSED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
+# Bodies read whole to find the usage block of a non-streaming answer.
+_USAGE_PARSE_LIMIT = 1 << 20
+
+
+class _Refusal(Exception):
+    """A request answered by the gateway itself (status, OpenAI error type, message)."""
+
+    def __init__(
+        self, status: int, kind: str, message: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+class _UpstreamFailed(Exception):
+    """One attempt failed before the engine's first byte (retryable)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+@dataclass
+class _Prompt:
+    """What routing and flow control need from a request body."""
+
+    tokens: np.ndarray[Any, Any] | None
+    text: str | None
+    messages: list[dict[str, Any]] | None
+    size: int
+
+
+class Gateway:
+    """The gateway: an aiohttp :attr:`app` plus the llmsched components behind it.
+
+    Args:
+        config: a :class:`~llmsched.gateway.config.GatewayConfig`, a mapping or a YAML path.
+
+    Components (public, for embedding and tests): :attr:`index` (one
+    :class:`~llmsched.PrefixIndex` with the configured block size), :attr:`pool` (an
+    :class:`~llmsched.Endpoint` per engine, id = ``spec.worker_id``), :attr:`router`,
+    :attr:`flow` (None when ``flow`` is null), :attr:`metrics`. :meth:`start` also starts a
+    KV-event subscriber (engines with ``kv_events``) and a metrics scraper.
+    """
+
+    def __init__(self, config: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]) -> None:
+        self.config = config if isinstance(config, GatewayConfig) else load_config(config)
+        cfg = self.config
+        self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
+        self.index = PrefixIndex(cfg.block_size)
+        # Scraped metrics count as fresh for a few scrape intervals; without scraping there
+        # are no metrics, and the load scorers read in-flight counts only.
+        stale_after = 3 * cfg.scrape.interval_s + cfg.scrape.timeout_s
+        self.pool = EndpointPool(
+            [self._endpoint(spec) for spec in cfg.engines],
+            stale_after_s=stale_after,
+            stale_policy="saturated" if cfg.scrape.enabled else "ignore",
+        )
+        self.router = Router(self.pool, self.index, cfg.router)
+        self.flow = None if cfg.flow is None else FlowController(_flow_config(cfg, stale_after))
+        self.tokenizer = None if cfg.tokenizer is None else PromptTokenizer(cfg.tokenizer)
+        self._subscriber: Any = None
+        self._scraper: Any = None
+        self.metrics = GatewayMetrics(flow=self.flow, index=self.index, kv_counters=self._kv_counters)
+        self._keys = {
+            hashlib.sha256(key.encode()).digest(): identity
+            for key, identity in cfg.auth.api_keys.items()
+        }
+        self._ids = itertools.count(1)
+        self._ejected: dict[str, float] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._scrape_task: asyncio.Task[None] | None = None
+        self._port: int | None = None
+        self.app = web.Application(client_max_size=cfg.limits.max_body_bytes)
+        self.app.add_routes(
+            [
+                web.post(_ROUTES["completions"], self._completions),
+                web.post(_ROUTES["chat"], self._chat),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/ready", self._ready),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+
+    @staticmethod
+    def _endpoint(spec: EngineSpec) -> Endpoint:
+        return Endpoint(
+            spec.worker_id,
+            address=f"{spec.host}:{spec.port}",
+            role=spec.role,  # type: ignore[arg-type]
+            labels=dict(spec.labels),
+            model=spec.model,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The port listened on (known after :meth:`start`; useful with ``listen.port: 0``)."""
+        if self._port is None:
+            raise RuntimeError("the gateway is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running gateway."""
+        return f"http://{self.config.listen.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Opens the upstream client, starts the KV-event subscriber and the metrics scraper,
+        then listens."""
+        cfg = self.config
+        timeouts = cfg.timeouts
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(
+                total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
+            ),
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        with_events = [spec for spec in cfg.engines if spec.kv_events]
+        if with_events:
+            from llmsched.integrations import KVEventSubscriber
+
+            self._subscriber = KVEventSubscriber(self.index, with_events)
+            self._subscriber.start()
+        if cfg.scrape.enabled:
+            from llmsched.integrations import MetricsScraper
+
+            self._scraper = MetricsScraper(
+                cfg.engines,
+                pool=self.pool,
+                flow=self.flow,
+                interval_s=cfg.scrape.interval_s,
+                timeout_s=cfg.scrape.timeout_s,
+            )
+            self._scrape_task = asyncio.create_task(self._scraper.run())
+        limits = cfg.limits
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,  # a client that goes away cancels its upstream request
+            access_log=None,
+            max_line_size=limits.max_line_size,
+            max_field_size=limits.max_field_size,
+            max_headers=limits.max_headers,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.listen.host, cfg.listen.port)
+        await site.start()
+        address = self._runner.addresses[0] if self._runner.addresses else None
+        self._port = int(address[1]) if isinstance(address, tuple) else cfg.listen.port
+
+    async def stop(self) -> None:
+        """Stops listening (in-flight requests are cancelled), then the background work."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._scrape_task is not None:
+            self._scrape_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scrape_task
+            self._scrape_task = None
+        if self._subscriber is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._subscriber.stop)
+            self._subscriber = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._port = None
+
+    async def __aenter__(self) -> Gateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def _kv_counters(self) -> dict[str, int]:
+        if self._subscriber is None:
+            return {}
+        counters: dict[str, int] = self._subscriber.counters()
+        return counters
+
+    # -- small endpoints -----------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        self._restore_ejected(time.monotonic())
+        routable = self.routable_endpoints()
+        status = 200 if routable else 503
+        return web.json_response({"ready": bool(routable), "endpoints": len(routable)}, status=status)
+
+    def routable_endpoints(self) -> list[str]:
+        """Engines a request could go to now: in the pool (not ejected after refusing
+        connections) and, once scraped, answering their last scrape."""
+        present = {str(e["id"]) for e in self.pool.endpoints()}
+        snapshot: dict[str, dict[str, Any]] = (
+            self._scraper.snapshot() if self._scraper is not None else {}
+        )
+        return [
+            worker
+            for worker in self._specs
+            if worker in present and snapshot.get(worker, {}).get("ok", True) is not False
+        ]
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._authenticate(request)
+        except _Refusal as refusal:
+            return self._refuse("models", refusal)
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "llmsched"}
+            for m in self.config.models
+        ]
+        self.metrics.requests.labels("models", "200").inc()
+        return web.json_response({"object": "list", "data": data})
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        try:
+            tenant, priority = self._authenticate(request)
+            body = await self._read_body(request)
+            payload = _json_object(body)
+            model = payload.get("model")
+            if not isinstance(model, str):
+                raise _Refusal(400, "invalid_request_error", "'model' must be a string")
+            if model not in self.config.models:
+                raise _Refusal(404, "model_not_found", f"model {model!r} is not served here")
+            prompt = self._prompt(route, payload)
+        except _Refusal as refusal:
+            return self._refuse(route, refusal)
+        request_id = next(self._ids)
+        queued_s = 0.0
+        if self.flow is not None:
+            before = time.perf_counter()
+            flow_request = FlowRequest(
+                request_id, priority=priority, tenant=tenant, tokens=prompt.size, size_bytes=len(body)
+            )
+            try:
+                await self.flow.admit(flow_request)
+            except FlowRejected as rejected:
+                return self._refuse(route, _flow_refusal(rejected, self.config.limits.retry_after_s))
+            queued_s = time.perf_counter() - before
+            self.metrics.queue_seconds.observe(queued_s)
+        output_tokens = 0
+        try:
+            pick_args = self._pick_args(prompt, model, priority, payload, request)
+            decision = self._pick(pick_args)
+            if decision is None:
+                return self._refuse(route, _Refusal(503, "no_endpoint", "no engine can serve it"))
+            self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - queued_s)
+            response, output_tokens = await self._proxy(request, route, body, decision, pick_args)
+            return response
+        finally:
+            if self.flow is not None:
+                self.flow.complete(request_id, output_tokens)
+
+    def _authenticate(self, request: web.Request) -> tuple[str, int]:
+        """(tenant, priority): from the API key when auth is on (headers ignored), else from
+        the ``x-llmsched-tenant`` / ``x-llmsched-priority`` headers."""
+        if self.config.auth.enabled:
+            identity = self._identity(_presented_key(request))
+            if identity is None:
+                raise _Refusal(401, "invalid_api_key", "missing or invalid API key")
+            return identity.tenant, identity.priority
+        tenant = request.headers.get(TENANT_HEADER, "default") or "default"
+        raw = request.headers.get(PRIORITY_HEADER)
+        if raw is None:
+            return tenant, 0
+        try:
+            priority = int(raw)
+        except ValueError:
+            priority = 1 << 40
+        if not -(2**31) <= priority < 2**31:
+            raise _Refusal(400, "invalid_request_error", f"{PRIORITY_HEADER} must be an int")
+        return tenant, priority
+
+    def _identity(self, key: str | None) -> ApiKey | None:
+        if key is None:
+            return None
+        digest = hashlib.sha256(key.encode()).digest()
+        # Every stored digest is compared, in constant time, whatever matches: the time taken
+        # says nothing about which key or how much of it was right.
+        found = None
+        for stored, identity in self._keys.items():
+            if hmac.compare_digest(stored, digest):
+                found = identity
+        return found
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.config.limits.max_body_bytes
+            raise _Refusal(413, "request_too_large", f"body exceeds {limit} bytes") from None
+
+    def _prompt(self, route: str, payload: dict[str, Any]) -> _Prompt:
+        try:
+            if route == "chat":
+                messages = payload.get("messages")
+                if not isinstance(messages, list) or not messages:
+                    raise PromptError("'messages' must be a non-empty list")
+                if self.tokenizer is not None:
+                    extra = payload.get("chat_template_kwargs")
+                    tools = payload.get("tools")
+                    variables = dict(extra) if isinstance(extra, dict) else {}
+                    if tools is not None:
+                        variables["tools"] = tools
+                    ids = self.tokenizer.chat_tokens(messages, variables)
+                    return _Prompt(np.asarray(ids, dtype=np.uint32), None, None, len(ids))
+                _check_messages(messages)
+                size = sum(len(str(m.get("content", ""))) for m in messages) // 4
+                return _Prompt(None, None, messages, size)
+            prompt = payload.get("prompt")
+            if self.tokenizer is not None:
+                ids = self.tokenizer.completion_tokens(prompt)
+                return _Prompt(np.asarray(ids, dtype=np.uint32), None, None, len(ids))
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch routes by its first prompt
+            if isinstance(prompt, str):
+                return _Prompt(None, prompt, None, len(prompt) // 4)
+            if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
+                return _Prompt(np.asarray(prompt, dtype=np.uint32), None, None, len(prompt))
+            raise PromptError("'prompt' must be a string or a list of token ids")
+        except PromptError as exc:
+            raise _Refusal(400, "invalid_request_error", str(exc)) from None
+
+    def _pick_args(
+        self,
+        prompt: _Prompt,
+        model: str,
+        priority: int,
+        payload: Mapping[str, Any],
+        request: web.Request,
+    ) -> dict[str, Any]:
+        args: dict[str, Any] = {"model": model, "priority": priority}
+        if prompt.tokens is not None:
+            args["tokens"] = prompt.tokens
+        elif prompt.text is not None:
+            args["text"] = prompt.text
+        else:
+            args["messages"] = prompt.messages
+        salt = payload.get("cache_salt")
+        if isinstance(salt, str):
+            args["cache_salt"] = salt
+        session = request.headers.get(SESSION_HEADER)
+        if session:
+            args["session_id"] = session
+        return args
+
+    def _pick(self, args: Mapping[str, Any]) -> Decision | None:
+        now = time.monotonic()
+        if self._ejected:
+            self._restore_ejected(now)
+        started = time.perf_counter()
+        try:
+            decision = self.router.pick(**args, now=now)
+        except NoEndpointError:
+            return None
+        finally:
+            self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        return decision
+
+    # -- upstream ------------------------------------------------------------------------
+
+    async def _proxy(
+        self,
+        request: web.Request,
+        route: str,
+        body: bytes,
+        decision: Decision,
+        pick_args: Mapping[str, Any],
+    ) -> tuple[web.StreamResponse, int]:
+        """Sends to the chosen endpoint, then to fallbacks while attempts fail before the
+        first byte. Returns the response sent and the output tokens counted."""
+        considered = [str(e) for e in decision.cached_tokens()]
+        order = [str(decision.endpoint), *map(str, decision.fallbacks)]
+        order += [e for e in considered if e not in order]
+        attempts = 0
+        current: Decision | None = decision
+        for endpoint in order:
+            if attempts >= self.config.retries.max_attempts:
+                break
+            if current is None:  # a retry: a fresh decision carries the in-flight accounting
+                current = self._pick(pick_args)
+                if current is None:
+                    break
+            try:
+                current.started(endpoint)
+            except UnknownEndpointError:  # ejected or removed since the first pick
+                current.finished()
+                current = None
+                continue
+            attempts += 1
+            if attempts > 1:
+                self.metrics.retries.inc()
+            try:
+                return await self._attempt(request, route, body, current, endpoint)
+            except _UpstreamFailed as failed:
+                self.metrics.upstream_errors.labels(endpoint, failed.kind).inc()
+                if failed.kind in ("connect", "timeout"):
+                    self._eject(endpoint)
+                current.finished()
+                current = None
+            finally:
+                if current is not None:
+                    current.finished()
+        return self._refuse(
+            route,
+            _Refusal(502, "upstream_error", f"no engine answered ({attempts} attempts)"),
+        ), 0
+
+    async def _attempt(
+        self, request: web.Request, route: str, body: bytes, decision: Decision, endpoint: str
+    ) -> tuple[web.StreamResponse, int]:
+        """One upstream attempt. Raises _UpstreamFailed before the first byte went to the
+        client; after that, errors end the client's response."""
+        assert self._session is not None, "the gateway is not started"
+        spec = self._specs[endpoint]
+        headers = {"Content-Type": "application/json"}
+        accept = request.headers.get("Accept")
+        if accept:
+            headers["Accept"] = accept
+        prefill = decision.prefill_address
+        if self.config.pd.enabled and prefill is not None and decision.disaggregated:
+            # llm-d's routing sidecar on the decode engine runs prefill on the host:port named
+            # in this header (llm-d/llm-d-routing-sidecar, README).
+            headers[self.config.pd.header] = prefill
+        url = spec.base_url + _ROUTES[route]
+        try:
+            upstream = await self._session.post(url, data=body, headers=headers)
+        except asyncio.TimeoutError:
+            raise _UpstreamFailed("timeout") from None
+        except aiohttp.ClientError:
+            raise _UpstreamFailed("connect") from None
+        try:
+            if upstream.status >= 500:
+                raise _UpstreamFailed("status_5xx")
+            try:
+                first = await upstream.content.readany()
+            except asyncio.TimeoutError:
+                raise _UpstreamFailed("timeout") from None
+            except aiohttp.ClientError:
+                raise _UpstreamFailed("broken") from None
+            decision.first_token()
+            response = web.StreamResponse(status=upstream.status)
+            for name in _PASSED_RESPONSE_HEADERS:
+                value = upstream.headers.get(name)
+                if value is not None:
+                    response.headers[name] = value
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            counter = _OutputCounter(upstream.headers.get("Content-Type", ""))
+            try:
+                await response.prepare(request)
+                chunk = first
+                while chunk:
+                    counter.feed(chunk)
+                    await response.write(chunk)
+                    try:
+                        chunk = await upstream.content.readany()
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        # Mid-stream failure: the client already has bytes; end its response.
+                        self.metrics.upstream_errors.labels(endpoint, "broken").inc()
+                        self.metrics.requests.labels(route, "aborted").inc()
+                        with contextlib.suppress(ConnectionError):
+                            await response.write_eof()
+                        return response, counter.tokens()
+                await response.write_eof()
+            except ConnectionError:  # the client went away; the finally closes upstream
+                self.metrics.requests.labels(route, "client_gone").inc()
+                return response, counter.tokens()
+            self.metrics.routed.labels(endpoint).inc()
+            self.metrics.requests.labels(route, str(upstream.status)).inc()
+            return response, counter.tokens()
+        finally:
+            # A response not read to its end (failure, client gone) closes its connection.
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
+
+    def _eject(self, endpoint: str) -> None:
+        """Leaves an engine that refused connections out of routing for ``eject_s``."""
+        if endpoint in self._ejected or len(self._ejected) + 1 >= len(self._specs):
+            return  # never eject the last engine: retries and /ready still need one
+        with contextlib.suppress(UnknownEndpointError):
+            self.pool.remove(endpoint)
+            self._ejected[endpoint] = time.monotonic() + self.config.retries.eject_s
+            self.metrics.ejections.labels(endpoint).inc()
+            log.warning("engine %s refused connections; left out for %.1f s", endpoint,
+                        self.config.retries.eject_s)
+
+    def _restore_ejected(self, now: float) -> None:
+        for endpoint, until in list(self._ejected.items()):
+            if until <= now:
+                del self._ejected[endpoint]
+                self.pool.add(self._endpoint(self._specs[endpoint]))
+
+    def _refuse(self, route: str, refusal: _Refusal) -> web.Response:
+        reason = refusal.headers.get(DROPPED_REASON_HEADER, refusal.kind)
+        self.metrics.rejections.labels(reason).inc()
+        self.metrics.requests.labels(route, str(refusal.status)).inc()
+        body = {
+            "error": {
+                "message": refusal.message,
+                "type": refusal.kind,
+                "param": None,
+                "code": refusal.status,
+            }
+        }
+        return web.json_response(body, status=refusal.status, headers=refusal.headers)
+
+
+class _OutputCounter:
+    """Output tokens of an answer, for flow control's fairness accounting: the usage block of
+    a JSON answer, else one token per streamed event (what vLLM sends by default)."""
+
+    __slots__ = ("_body", "_events", "_json")
+
+    def __init__(self, content_type: str) -> None:
+        self._json = content_type.startswith("application/json")
+        self._body = bytearray()
+        self._events = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if self._json:
+            if len(self._body) + len(chunk) <= _USAGE_PARSE_LIMIT:
+                self._body += chunk
+        else:
+            self._events += chunk.count(b"data: {")
+
+    def tokens(self) -> int:
+        if not self._json:
+            return self._events
+        try:
+            usage = json.loads(self._body).get("usage") or {}
+            value = usage.get("completion_tokens", 0)
+        except (ValueError, AttributeError):
+            return 0
+        return value if type(value) is int and value >= 0 else 0
+
+
+def _presented_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization")
+    if auth is not None:
+        scheme, _, token = auth.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    return request.headers.get("x-api-key")
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise _Refusal(400, "invalid_request_error", "the body is not valid JSON") from None
+    if not isinstance(payload, dict):
+        raise _Refusal(400, "invalid_request_error", "the body must be a JSON object")
+    return payload
+
+
+def _check_messages(messages: Sequence[Any]) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise PromptError(f"messages[{i}] must be an object with a string role")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise PromptError(f"messages[{i}].content must be a string or a list of parts")
+
+
+def _flow_refusal(rejected: FlowRejected, retry_after_s: int) -> _Refusal:
+    return _Refusal(
+        rejected.http_status,
+        "rate_limit_exceeded" if rejected.http_status == 429 else "service_unavailable",
+        f"request not admitted: {rejected.reason}",
+        {DROPPED_REASON_HEADER: rejected.reason, "Retry-After": str(retry_after_s)},
+    )
+
+
+def _flow_config(cfg: GatewayConfig, stale_after_s: float) -> dict[str, Any]:
+    """The flow config with the saturation staleness matched to the scrape interval unless
+    the config sets it (llm-d's 200 ms default would read every scrape as stale)."""
+    flow = json.loads(json.dumps(cfg.flow))
+    saturation = flow.setdefault("saturation", {})
+    if isinstance(saturation, dict) and saturation.get("type", "utilization") == "utilization":
+        saturation.setdefault("staleness_s", stale_after_s)
+    return dict(flow)

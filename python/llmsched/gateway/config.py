@@ -1,0 +1,436 @@
+"""The gateway's configuration: one YAML file (or a dict) read into frozen dataclasses.
+
+Every key is checked when the file is read; a wrong one raises
+:class:`~llmsched.errors.ConfigError` naming it (``"limits.max_body_bytes: must be ..."``).
+Defaults live in the dataclasses below and nowhere else.
+
+>>> config = load_config({
+...     "engines": [{"host": "127.0.0.1", "port": 8001}, {"host": "127.0.0.1", "port": 8002}],
+...     "models": ["tiny"],
+...     "block_size": 32,
+... })
+>>> [e.worker_id for e in config.engines], config.listen.port
+(['127.0.0.1:8001', '127.0.0.1:8002'], 8000)
+>>> load_config({"engines": [], "models": ["tiny"]})
+Traceback (most recent call last):
+...
+llmsched.errors.ConfigError: engines: must list at least one engine
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmsched.errors import ConfigError
+from llmsched.integrations import EngineSpec
+
+__all__ = [
+    "ApiKey",
+    "AuthConfig",
+    "GatewayConfig",
+    "LimitsConfig",
+    "ListenConfig",
+    "PdConfig",
+    "RetriesConfig",
+    "ScrapeConfig",
+    "SlicesConfig",
+    "TimeoutsConfig",
+    "load_config",
+]
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    """Where the gateway listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """What an API key stands for: the fairness id and priority of every request it signs."""
+
+    tenant: str
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """API keys (``Authorization: Bearer <key>`` or ``x-api-key: <key>``).
+
+    ``api_keys`` merges the keys written in the config, in ``api_keys_file`` (a YAML / JSON
+    mapping of the same form) and in the environment variable ``api_keys_env`` (the same
+    form as YAML / JSON text), later sources overriding earlier ones.
+    """
+
+    api_keys: Mapping[str, ApiKey] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests must carry a key (some key is configured)."""
+        return bool(self.api_keys)
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Request size limits (aiohttp refuses bigger requests before a handler runs).
+
+    ``retry_after_s`` is the ``Retry-After`` a flow-control rejection carries.
+    """
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_field_size: int = 8190
+    max_line_size: int = 8190
+    max_headers: int = 64
+    retry_after_s: int = 1
+
+
+@dataclass(frozen=True)
+class RetriesConfig:
+    """Attempts per request (the first included) when an engine fails before its first byte,
+    and how long an engine that refused connections is left out of routing."""
+
+    max_attempts: int = 3
+    eject_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    """Upstream timeouts in seconds (None: no limit). ``read_s`` is the longest silence
+    between two chunks; ``total_s`` caps a whole request."""
+
+    connect_s: float | None = 2.0
+    read_s: float | None = 600.0
+    total_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ScrapeConfig:
+    """How often and how patiently engines' ``/metrics`` are scraped."""
+
+    enabled: bool = True
+    interval_s: float = 0.2
+    timeout_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    """Prefill/decode disaggregation: when the router splits a request, it goes to the decode
+    endpoint with the prefill endpoint in ``header`` (llm-d's routing sidecar reads
+    ``x-prefiller-host-port``)."""
+
+    enabled: bool = False
+    header: str = "x-prefiller-host-port"
+
+
+@dataclass(frozen=True)
+class SlicesConfig:
+    """Token slices (not served by this gateway yet; the key is accepted only when disabled)."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The whole gateway configuration. Build it with :func:`load_config`."""
+
+    engines: tuple[EngineSpec, ...]
+    models: tuple[str, ...]
+    listen: ListenConfig = ListenConfig()
+    block_size: int = 16
+    tokenizer: Path | None = None
+    router: str | Mapping[str, Any] = "llm-d"
+    flow: Mapping[str, Any] | None = None
+    auth: AuthConfig = AuthConfig()
+    limits: LimitsConfig = LimitsConfig()
+    retries: RetriesConfig = RetriesConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
+    pd: PdConfig = PdConfig()
+    slices: SlicesConfig = SlicesConfig()
+
+
+_TOP_KEYS = frozenset(
+    {
+        "listen",
+        "engines",
+        "models",
+        "block_size",
+        "tokenizer",
+        "router",
+        "flow",
+        "auth",
+        "limits",
+        "retries",
+        "timeouts",
+        "scrape",
+        "pd",
+        "slices",
+    }
+)
+
+
+def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayConfig:
+    """Reads and checks a gateway config from a mapping or a YAML / JSON file path.
+
+    Relative paths inside a file (``tokenizer``, ``auth.api_keys_file``) are resolved against
+    the file's directory.
+    """
+    base = Path.cwd()
+    if isinstance(source, Mapping):
+        raw: Any = dict(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        raw = _read_yaml(path, "config")
+        base = path.resolve().parent
+    if not isinstance(raw, dict):
+        raise ConfigError("config: must be a mapping")
+    unknown = sorted(set(raw) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key (known: {', '.join(sorted(_TOP_KEYS))})")
+    engines = _engines(raw.get("engines"))
+    models = _models(raw.get("models"))
+    block_size = _int(raw, "block_size", GatewayConfig.block_size, "", low=1)
+    tokenizer = _tokenizer(raw.get("tokenizer"), base)
+    router = raw.get("router", GatewayConfig.router)
+    if not isinstance(router, (str, Mapping)):
+        raise ConfigError("router: must be a preset name, a file path or a mapping")
+    flow = raw.get("flow")
+    if flow is not None and not isinstance(flow, Mapping):
+        raise ConfigError("flow: must be a mapping or null")
+    return GatewayConfig(
+        engines=engines,
+        models=models,
+        listen=_listen(_section(raw, "listen")),
+        block_size=block_size,
+        tokenizer=tokenizer,
+        router=router,
+        flow=None if flow is None else dict(flow),
+        auth=_auth(_section(raw, "auth"), base),
+        limits=_limits(_section(raw, "limits")),
+        retries=_retries(_section(raw, "retries")),
+        timeouts=_timeouts(_section(raw, "timeouts")),
+        scrape=_scrape(_section(raw, "scrape")),
+        pd=_pd(_section(raw, "pd")),
+        slices=_slices(_section(raw, "slices")),
+    )
+
+
+def _read_yaml(path: Path, what: str) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{what}: cannot read {str(path)!r}: {exc}") from None
+
+
+def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: must be a mapping")
+    return dict(value)
+
+
+def _reject_unknown(section: Mapping[str, Any], prefix: str, known: set[str]) -> None:
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+
+
+def _int(
+    raw: Mapping[str, Any], key: str, default: int, prefix: str, *, low: int, high: int = 2**31
+) -> int:
+    value = raw.get(key, default)
+    name = f"{prefix}.{key}" if prefix else key
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name}: must be an int in {low}..{high}, got {value!r}")
+    return value
+
+
+def _seconds(
+    raw: Mapping[str, Any], key: str, default: float | None, prefix: str, *, nullable: bool
+) -> float | None:
+    value = raw.get(key, default)
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        allowed = " or null" if nullable else ""
+        raise ConfigError(f"{prefix}.{key}: must be a number of seconds > 0{allowed}, got {value!r}")
+    return float(value)
+
+
+def _bool(raw: Mapping[str, Any], key: str, default: bool, prefix: str) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{prefix}.{key}: must be true or false, got {value!r}")
+    return value
+
+
+def _engines(value: Any) -> tuple[EngineSpec, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError("engines: must list at least one engine")
+    engines = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"engines[{i}]: must be a mapping")
+        try:
+            engines.append(EngineSpec.from_dict(entry))
+        except (ConfigError, ValueError, TypeError) as exc:
+            raise ConfigError(f"engines[{i}]: {exc}") from None
+    ids = [e.worker_id for e in engines]
+    duplicates = sorted({w for w in ids if ids.count(w) > 1})
+    if duplicates:
+        raise ConfigError(f"engines: {duplicates[0]} is listed twice")
+    return tuple(engines)
+
+
+def _models(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(m, str) and m for m in value)
+    ):
+        raise ConfigError("models: must list at least one model name")
+    return tuple(value)
+
+
+def _tokenizer(value: Any, base: Path) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError("tokenizer: must be a directory path or null")
+    path = base / value
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(f"tokenizer: {str(path)!r} holds no tokenizer.json")
+    return path
+
+
+def _listen(raw: dict[str, Any]) -> ListenConfig:
+    _reject_unknown(raw, "listen", {"host", "port"})
+    host = raw.get("host", ListenConfig.host)
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"listen.host: must be a host name or address, got {host!r}")
+    return ListenConfig(host=host, port=_int(raw, "port", ListenConfig.port, "listen", low=0))
+
+
+def _auth(raw: dict[str, Any], base: Path) -> AuthConfig:
+    _reject_unknown(raw, "auth", {"api_keys", "api_keys_file", "api_keys_env"})
+    keys = _api_keys(raw.get("api_keys"), "auth.api_keys")
+    file = raw.get("api_keys_file")
+    if file is not None:
+        if not isinstance(file, str):
+            raise ConfigError("auth.api_keys_file: must be a path")
+        path = base / file
+        if not path.is_file():
+            raise ConfigError(f"auth.api_keys_file: {str(path)!r} does not exist")
+        keys.update(_api_keys(_read_yaml(path, "auth.api_keys_file"), "auth.api_keys_file"))
+    env = raw.get("api_keys_env")
+    if env is not None:
+        if not isinstance(env, str) or not env:
+            raise ConfigError("auth.api_keys_env: must name an environment variable")
+        text = os.environ.get(env)
+        if text is None:
+            raise ConfigError(f"auth.api_keys_env: environment variable {env} is not set")
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError(f"auth.api_keys_env: {env} is not a YAML / JSON mapping") from None
+        keys.update(_api_keys(loaded, f"auth.api_keys_env ({env})"))
+    return AuthConfig(api_keys=keys)
+
+
+def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: must map API keys to {{tenant, priority}}")
+    keys = {}
+    for key, spec in value.items():
+        # Keys are secrets: an error names the tenant, never the key itself.
+        if not isinstance(key, str) or len(key) < 8:
+            raise ConfigError(f"{where}: every key must be a str of at least 8 characters")
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where}: the entry of each key must be a mapping")
+        unknown = sorted(set(spec) - {"tenant", "priority"})
+        if unknown:
+            raise ConfigError(f"{where}.<key>.{unknown[0]}: unknown key (known: priority, tenant)")
+        tenant = spec.get("tenant")
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"{where}.<key>.tenant: must be a non-empty str")
+        priority = spec.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"{where}.<key {tenant}>.priority: must be an int")
+        keys[key] = ApiKey(tenant=tenant, priority=priority)
+    return keys
+
+
+def _limits(raw: dict[str, Any]) -> LimitsConfig:
+    d = LimitsConfig()
+    _reject_unknown(raw, "limits", set(d.__dataclass_fields__))
+    return LimitsConfig(
+        max_body_bytes=_int(raw, "max_body_bytes", d.max_body_bytes, "limits", low=1024),
+        max_field_size=_int(raw, "max_field_size", d.max_field_size, "limits", low=256),
+        max_line_size=_int(raw, "max_line_size", d.max_line_size, "limits", low=256),
+        max_headers=_int(raw, "max_headers", d.max_headers, "limits", low=8, high=10_000),
+        retry_after_s=_int(raw, "retry_after_s", d.retry_after_s, "limits", low=0),
+    )
+
+
+def _retries(raw: dict[str, Any]) -> RetriesConfig:
+    d = RetriesConfig()
+    _reject_unknown(raw, "retries", set(d.__dataclass_fields__))
+    eject = _seconds(raw, "eject_s", d.eject_s, "retries", nullable=False)
+    assert eject is not None
+    return RetriesConfig(
+        max_attempts=_int(raw, "max_attempts", d.max_attempts, "retries", low=1, high=100),
+        eject_s=eject,
+    )
+
+
+def _timeouts(raw: dict[str, Any]) -> TimeoutsConfig:
+    d = TimeoutsConfig()
+    _reject_unknown(raw, "timeouts", set(d.__dataclass_fields__))
+    return TimeoutsConfig(
+        connect_s=_seconds(raw, "connect_s", d.connect_s, "timeouts", nullable=True),
+        read_s=_seconds(raw, "read_s", d.read_s, "timeouts", nullable=True),
+        total_s=_seconds(raw, "total_s", d.total_s, "timeouts", nullable=True),
+    )
+
+
+def _scrape(raw: dict[str, Any]) -> ScrapeConfig:
+    d = ScrapeConfig()
+    _reject_unknown(raw, "scrape", set(d.__dataclass_fields__))
+    interval = _seconds(raw, "interval_s", d.interval_s, "scrape", nullable=False)
+    timeout = _seconds(raw, "timeout_s", d.timeout_s, "scrape", nullable=False)
+    assert interval is not None and timeout is not None
+    return ScrapeConfig(
+        enabled=_bool(raw, "enabled", d.enabled, "scrape"), interval_s=interval, timeout_s=timeout
+    )
+
+
+def _pd(raw: dict[str, Any]) -> PdConfig:
+    d = PdConfig()
+    _reject_unknown(raw, "pd", set(d.__dataclass_fields__))
+    header = raw.get("header", d.header)
+    if not isinstance(header, str) or not header or not header.isascii() or " " in header:
+        raise ConfigError(f"pd.header: must be an HTTP header name, got {header!r}")
+    return PdConfig(enabled=_bool(raw, "enabled", d.enabled, "pd"), header=header.lower())
+
+
+def _slices(raw: dict[str, Any]) -> SlicesConfig:
+    _reject_unknown(raw, "slices", {"enabled"})
+    if _bool(raw, "enabled", False, "slices"):
+        raise ConfigError("slices.enabled: token slices are not served by this gateway yet")
+    return SlicesConfig()

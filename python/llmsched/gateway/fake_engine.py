@@ -1,0 +1,245 @@
+"""A fake OpenAI-compatible engine for tests and benchmarks: a real aiohttp server on loopback.
+
+It answers ``/v1/completions`` and ``/v1/chat/completions`` in vLLM's shapes (JSON, or SSE
+``data: {...}`` events ending with ``data: [DONE]`` when ``stream`` is true), serves a
+vLLM-style ``/metrics`` with its live request counts, and records every request it receives
+(path, headers, body) and every client disconnect. Its :attr:`FakeEngine.mode` scripts
+failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error500"``,
+``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens).
+
+>>> import asyncio, aiohttp
+>>> async def demo():
+...     async with FakeEngine(model="tiny", answer_tokens=3) as engine:
+...         async with aiohttp.ClientSession() as s:
+...             body = {"model": "tiny", "prompt": "hi"}
+...             async with s.post(engine.url + "/v1/completions", json=body) as r:
+...                 return (await r.json())["choices"][0]["text"], len(engine.received)
+>>> asyncio.run(demo())
+(' t0 t1 t2', 1)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["FakeEngine", "ReceivedRequest"]
+
+MODES = ("ok", "drop", "error500", "stall", "slow")
+
+
+@dataclass
+class ReceivedRequest:
+    """One request as the engine received it."""
+
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    host: str
+    received_at: float = field(default_factory=time.monotonic)
+
+
+class FakeEngine:
+    """A scripted OpenAI-compatible engine on ``host:port`` (port 0 picks a free one).
+
+    Args:
+        model: the served model name.
+        answer_tokens: tokens per answer (capped by the request's ``max_tokens``).
+        token_delay_s: pause between streamed tokens in mode ``"slow"``.
+        host, port: where to listen.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str = "fake",
+        answer_tokens: int = 4,
+        token_delay_s: float = 0.05,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.model = model
+        self.answer_tokens = answer_tokens
+        self.token_delay_s = token_delay_s
+        self.host = host
+        self._requested_port = port
+        self.mode = "ok"
+        self.received: list[ReceivedRequest] = []
+        self.disconnects = 0
+        self.disconnected = asyncio.Event()
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self._port: int | None = None
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application()
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat),
+                web.get("/metrics", self._metrics),
+                web.get("/health", self._health),
+            ]
+        )
+
+    @property
+    def port(self) -> int:
+        """The port listened on (after :meth:`start`)."""
+        if self._port is None:
+            raise RuntimeError("the fake engine is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    def spec(self) -> dict[str, Any]:
+        """This engine's entry for a gateway config's ``engines`` list."""
+        return {"host": self.host, "port": self.port, "model": self.model}
+
+    async def start(self) -> None:
+        """Listens (again, on the same port after a :meth:`stop`)."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        port = self._port if self._port is not None else self._requested_port
+        site = web.TCPSite(self._runner, self.host, port, reuse_address=True)
+        await site.start()
+        address = self._runner.addresses[0]
+        self._port = int(address[1])
+
+    async def stop(self) -> None:
+        """Stops listening: connections are then refused."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def paths(self) -> list[str]:
+        """Paths of the requests received, in order."""
+        return [r.path for r in self.received]
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            f'vllm:num_requests_running{{model_name="{self.model}"}} {float(self.running)}\n'
+            f'vllm:num_requests_waiting{{model_name="{self.model}"}} {float(self.waiting)}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} {self.kv_cache_usage}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(
+            ReceivedRequest(request.path, dict(request.headers), body, request.host)
+        )
+        self.running += 1
+        try:
+            return await self._answer(request, body, chat=chat)
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            self.disconnected.set()
+            raise
+        finally:
+            self.running -= 1
+
+    async def _answer(
+        self, request: web.Request, body: dict[str, Any], *, chat: bool
+    ) -> web.StreamResponse:
+        mode = self.mode
+        if mode == "drop":
+            if request.transport is not None:
+                request.transport.close()
+            await asyncio.sleep(3600)  # cancelled when the connection goes
+        if mode == "error500":
+            return web.json_response({"error": {"message": "engine failure"}}, status=500)
+        if mode == "stall":
+            await asyncio.sleep(3600)
+        max_tokens = body.get("max_tokens")
+        n = self.answer_tokens if not isinstance(max_tokens, int) else min(max_tokens, self.answer_tokens)
+        pieces = [f" t{i}" for i in range(n)]
+        created = int(time.time())
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.received)}"
+        if not body.get("stream"):
+            return web.json_response(_full_answer(ident, created, body, pieces, chat=chat))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        for i, piece in enumerate(pieces):
+            if mode == "slow" and i:
+                await asyncio.sleep(self.token_delay_s)
+            finish = "length" if i == n - 1 else None
+            chunk = _chunk(ident, created, body, piece, finish, chat=chat)
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _full_answer(
+    ident: str, created: int, body: dict[str, Any], pieces: list[str], *, chat: bool
+) -> dict[str, Any]:
+    text = "".join(pieces)
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "length",
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+    prompt_tokens = len(json.dumps(body.get("messages") or body.get("prompt"))) // 4
+    return {
+        "id": ident,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(pieces),
+            "total_tokens": prompt_tokens + len(pieces),
+        },
+    }
+
+
+def _chunk(
+    ident: str,
+    created: int,
+    body: dict[str, Any],
+    piece: str,
+    finish: str | None,
+    *,
+    chat: bool,
+) -> dict[str, Any]:
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+    return {
+        "id": ident,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": body.get("model"),
+        "choices": [choice],
+    }

@@ -1,0 +1,160 @@
+"""The gateway's own Prometheus metrics, in a dedicated registry (never the global one, so
+several gateways in one process, e.g. in tests, keep separate figures).
+
+Counters and histograms are updated on the request path; gauges that mirror state owned by
+other components (flow-control queues and saturation, the prefix index, KV-event counters)
+are read when ``/metrics`` is scraped, by :class:`_StateCollector`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmsched.flow import FlowController
+from llmsched.prefix_index import PrefixIndex
+
+__all__ = ["GatewayMetrics"]
+
+PREFIX = "llmsched_gateway"
+
+# Decisions take tens of microseconds; requests through the gateway take milliseconds.
+_DECISION_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
+)  # fmt: skip
+_OVERHEAD_BUCKETS = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5, 10.0, 60.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports. ``render()`` is the ``/metrics`` body."""
+
+    def __init__(
+        self,
+        *,
+        flow: FlowController | None,
+        index: PrefixIndex,
+        kv_counters: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Requests answered, by route and HTTP status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            f"{PREFIX}_rejections",
+            "Requests refused by the gateway, by reason (the dropped-reason header value for "
+            "flow-control refusals)",
+            ["reason"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            f"{PREFIX}_decision_seconds",
+            "Time of one routing decision (Router.pick)",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.overhead_seconds = Histogram(
+            f"{PREFIX}_overhead_seconds",
+            "Time from a request's arrival to its upstream send, without flow-control queueing "
+            "(auth, parsing, tokenization, admission, routing)",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            f"{PREFIX}_admission_wait_seconds",
+            "Time a request waited in flow control before dispatch",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            f"{PREFIX}_upstream_errors",
+            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, "
+            "broken)",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            f"{PREFIX}_retries", "Requests re-sent to another endpoint", registry=r
+        )
+        self.routed = Counter(
+            f"{PREFIX}_routed",
+            "Requests sent to each endpoint (the successful attempt)",
+            ["endpoint"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            f"{PREFIX}_ejections",
+            "Times an endpoint was left out of routing after refusing connections",
+            ["endpoint"],
+            registry=r,
+        )
+        r.register(_StateCollector(flow, index, kv_counters))
+
+    def render(self) -> bytes:
+        """The exposition text of every metric."""
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """Gauges and counters read from the live components when scraped."""
+
+    def __init__(
+        self,
+        flow: FlowController | None,
+        index: PrefixIndex,
+        kv_counters: Callable[[], dict[str, int]] | None,
+    ) -> None:
+        self._flow = flow
+        self._index = index
+        self._kv_counters = kv_counters
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: the families depend on the live state
+
+    def collect(self) -> Iterator[Metric]:
+        stats: dict[str, Any] = self._index.stats()
+        for key, help_text in (
+            ("blocks", "Blocks held in the prefix index"),
+            ("workers", "Workers known to the prefix index"),
+            ("bytes", "Estimated bytes used by the prefix index"),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}_index_{key}", help_text, value=stats[key])
+        if self._flow is not None:
+            yield from self._flow_metrics(self._flow.metrics())
+        if self._kv_counters is not None:
+            family = CounterMetricFamily(
+                f"{PREFIX}_kv_events", "KV-event subscriber counters", labels=["counter"]
+            )
+            for name, value in sorted(self._kv_counters().items()):
+                family.add_metric([name], value)
+            yield family
+
+    @staticmethod
+    def _flow_metrics(metrics: dict[str, Any]) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_saturation", "Pool saturation seen by flow control", value=metrics["saturation"]
+        )
+        queued = GaugeMetricFamily(
+            f"{PREFIX}_queue_length", "Requests waiting in flow control, by priority", labels=["priority"]
+        )
+        for band in metrics["bands"]:
+            queued.add_metric([str(band["priority"])], band["queued"])
+        yield queued
+        yield GaugeMetricFamily(
+            f"{PREFIX}_running", "Dispatched requests not yet complete", value=metrics["running"]
+        )
+        outcomes = CounterMetricFamily(
+            f"{PREFIX}_flow_outcomes", "Flow-control outcomes, by outcome", labels=["outcome"]
+        )
+        for key, count in sorted(metrics["outcomes"].items()):
+            outcomes.add_metric([key], count)
+        yield outcomes

@@ -1,0 +1,225 @@
+"""Prompt tokenization that reproduces what a vLLM engine feeds its model.
+
+A :class:`PromptTokenizer` loads a directory written by ``save_pretrained`` (``tokenizer.json``,
+``tokenizer_config.json`` and possibly ``chat_template.jinja``) with the ``tokenizers``
+library alone, so the gateway needs neither ``transformers`` nor ``torch``:
+
+- completions: a string prompt is encoded with the tokenizer's special tokens (vLLM's
+  ``add_special_tokens=True`` default for ``/v1/completions``); a list of token ids is used
+  as is;
+- chat: the messages are rendered through the tokenizer's chat template the way Hugging Face
+  ``apply_chat_template`` does (sandboxed Jinja, ``trim_blocks``, ``lstrip_blocks``,
+  ``raise_exception``, ``tojson``, the special tokens as variables,
+  ``add_generation_prompt=True``), and the text is encoded *without* adding special tokens
+  again (vLLM's chat default ``add_special_tokens=False``: the template writes them).
+  List contents are reduced to their text parts joined by newlines, vLLM's "string"
+  content format.
+
+The gateway routes on these ids; they equal the engine's when both load the same files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from llmsched.errors import ConfigError
+
+__all__ = ["PromptError", "PromptTokenizer"]
+
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class PromptError(ValueError):
+    """A prompt or a chat conversation cannot be turned into tokens (answered with HTTP 400)."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (Hugging Face's assistant-mask marker):
+    renders its body unchanged, so templates that use it parse."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja2's declared class attribute
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Hugging Face overrides Jinja's HTML-escaping tojson with plain json.dumps.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as saved: a str, or an AddedToken dict with ``content``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+class PromptTokenizer:
+    """Token ids for completion prompts and chat conversations (see the module docstring).
+
+    Args:
+        directory: a ``save_pretrained`` tokenizer directory.
+
+    Raises :class:`~llmsched.errors.ConfigError` when the directory cannot be loaded or its
+    chat template does not compile.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        path = Path(directory)
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a bare Exception on bad files
+            raise ConfigError(f"tokenizer: cannot load {str(path)!r}: {exc}") from None
+        config: dict[str, Any] = {}
+        config_path = path / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text())
+            except ValueError as exc:
+                raise ConfigError(f"tokenizer: {str(config_path)!r}: {exc}") from None
+        self._special = {
+            key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))
+        }
+        source = _chat_template_source(path, config)
+        self._template: jinja2.Template | None = None
+        if source is not None:
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True,
+                lstrip_blocks=True,
+                extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+            )
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            try:
+                self._template = env.from_string(source)
+            except jinja2.TemplateError as exc:
+                raise ConfigError(f"tokenizer: chat template does not compile: {exc}") from None
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat requests can be tokenized."""
+        return self._template is not None
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens the chat template sees (``bos_token``, ``eos_token``, ...)."""
+        return dict(self._special)
+
+    def completion_tokens(self, prompt: Any) -> list[int]:
+        """The ids of a ``/v1/completions`` prompt: a str (encoded with special tokens) or a
+        list of ids (returned as is). A batch (a list of prompts) yields its first prompt's."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(self._tokenizer.encode(prompt, add_special_tokens=True).ids)
+        if isinstance(prompt, list) and all(
+            type(t) is int and 0 <= t < 2**32 for t in prompt
+        ):
+            return prompt
+        raise PromptError("prompt must be a string or a list of token ids")
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None
+    ) -> str:
+        """The chat template's text for ``messages`` with ``add_generation_prompt=True``.
+
+        ``extra``: further template variables (``tools``, ``chat_template_kwargs`` items).
+        """
+        if self._template is None:
+            raise PromptError("the configured tokenizer has no chat template")
+        variables: dict[str, Any] = dict(self._special)
+        variables.update(extra or {})
+        variables["messages"] = _string_contents(messages)
+        variables.setdefault("add_generation_prompt", True)
+        try:
+            return self._template.render(**variables)
+        except jinja2.TemplateError as exc:
+            raise PromptError(f"chat template: {exc}") from None
+
+    def chat_tokens(
+        self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """The ids of a chat conversation: the rendered template, encoded without adding
+        special tokens (the template wrote them)."""
+        text = self.render_chat(messages, extra)
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _chat_template_source(path: Path, config: Mapping[str, Any]) -> str | None:
+    """The template: ``chat_template.jinja`` (newer ``save_pretrained``) or the
+    ``chat_template`` entry of ``tokenizer_config.json`` (a str, or named templates)."""
+    file = path / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _string_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise PromptError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise PromptError(f"messages[{i}] must be an object with a string role")
+        item = dict(message)
+        content = item.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, Mapping) or part.get("type") != "text":
+                    raise PromptError(f"messages[{i}].content: only text parts are supported")
+                texts.append(str(part.get("text", "")))
+            item["content"] = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise PromptError(f"messages[{i}].content must be a string or a list of parts")
+        out.append(item)
+    return out
