@@ -14,7 +14,14 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_calibrate_command", "add_demo_command", "add_sim_command", "build_parser", "main"]
+__all__ = [
+    "add_calibrate_command",
+    "add_demo_command",
+    "add_serve_command",
+    "add_sim_command",
+    "build_parser",
+    "main",
+]
 
 Subparsers = Any  # argparse's private _SubParsersAction
 
@@ -177,6 +184,67 @@ def _run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_command(subparsers: Subparsers) -> None:
+    """``llmsched serve``: run the reference gateway in front of configured engines."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the reference OpenAI-compatible gateway in front of vLLM / SGLang engines",
+        description=(
+            "Serve /v1/completions and /v1/chat/completions: authenticate, admit through flow "
+            "control, route with the prefix-aware router and proxy to the chosen engine."
+        ),
+    )
+    parser.add_argument("--config", required=True, metavar="FILE.yaml", help="gateway config")
+    parser.add_argument("--host", default=None, help="listen address (overrides listen.host)")
+    parser.add_argument("--port", type=int, default=None, help="port (overrides listen.port)")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+    import logging
+    import signal
+    import sys
+
+    from llmsched.errors import ConfigError
+    from llmsched.gateway import Gateway, load_config
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = load_config(args.config)
+        listen = config.listen
+        if args.host is not None:
+            listen = dataclasses.replace(listen, host=args.host)
+        if args.port is not None:
+            if not 0 <= args.port <= 65535:
+                raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+            listen = dataclasses.replace(listen, port=args.port)
+        gateway = Gateway(dataclasses.replace(config, listen=listen))
+    except ConfigError as exc:
+        print(f"llmsched serve: {exc}", file=sys.stderr)
+        return 2
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await gateway.start()
+        engines = ", ".join(spec.worker_id for spec in gateway.config.engines)
+        print(f"llmsched serve: listening on {gateway.url} in front of {engines}", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await gateway.stop()
+
+    asyncio.run(serve())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``llmsched`` parser with every subcommand registered."""
     parser = argparse.ArgumentParser(prog="llmsched", description=__doc__.splitlines()[0])
@@ -184,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_command(subparsers)
     add_calibrate_command(subparsers)
     add_sim_command(subparsers)
+    add_serve_command(subparsers)
     return parser
 
 

@@ -122,7 +122,9 @@ class Gateway:
         self.tokenizer = None if cfg.tokenizer is None else PromptTokenizer(cfg.tokenizer)
         self._subscriber: Any = None
         self._scraper: Any = None
-        self.metrics = GatewayMetrics(flow=self.flow, index=self.index, kv_counters=self._kv_counters)
+        self.metrics = GatewayMetrics(
+            flow=self.flow, index=self.index, kv_counters=self._kv_counters
+        )
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
             for key, identity in cfg.auth.api_keys.items()
@@ -254,7 +256,9 @@ class Gateway:
         self._restore_ejected(time.monotonic())
         routable = self.routable_endpoints()
         status = 200 if routable else 503
-        return web.json_response({"ready": bool(routable), "endpoints": len(routable)}, status=status)
+        return web.json_response(
+            {"ready": bool(routable), "endpoints": len(routable)}, status=status
+        )
 
     def routable_endpoints(self) -> list[str]:
         """Engines a request could go to now: in the pool (not ejected after refusing
@@ -312,12 +316,18 @@ class Gateway:
         if self.flow is not None:
             before = time.perf_counter()
             flow_request = FlowRequest(
-                request_id, priority=priority, tenant=tenant, tokens=prompt.size, size_bytes=len(body)
+                request_id,
+                priority=priority,
+                tenant=tenant,
+                tokens=prompt.size,
+                size_bytes=len(body),
             )
             try:
                 await self.flow.admit(flow_request)
             except FlowRejected as rejected:
-                return self._refuse(route, _flow_refusal(rejected, self.config.limits.retry_after_s))
+                return self._refuse(
+                    route, _flow_refusal(rejected, self.config.limits.retry_after_s)
+                )
             queued_s = time.perf_counter() - before
             self.metrics.queue_seconds.observe(queued_s)
         output_tokens = 0
@@ -566,8 +576,11 @@ class Gateway:
             self.pool.remove(endpoint)
             self._ejected[endpoint] = time.monotonic() + self.config.retries.eject_s
             self.metrics.ejections.labels(endpoint).inc()
-            log.warning("engine %s refused connections; left out for %.1f s", endpoint,
-                        self.config.retries.eject_s)
+            log.warning(
+                "engine %s refused connections; left out for %.1f s",
+                endpoint,
+                self.config.retries.eject_s,
+            )
 
     def _restore_ejected(self, now: float) -> None:
         for endpoint, until in list(self._ejected.items()):
@@ -659,7 +672,7 @@ def _flow_config(cfg: GatewayConfig, stale_after_s: float) -> dict[str, Any]:
     """The flow config with the saturation staleness matched to the scrape interval unless
     the config sets it (llm-d's 200 ms default would read every scrape as stale)."""
     flow = json.loads(json.dumps(cfg.flow))
-    saturation = flow.setdefault("saturation", {})
+    saturation = flow.setdefault("saturation", {"type": "utilization"})
     if isinstance(saturation, dict) and saturation.get("type", "utilization") == "utilization":
         saturation.setdefault("staleness_s", stale_after_s)
     return dict(flow)

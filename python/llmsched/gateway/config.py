@@ -265,7 +265,9 @@ def _seconds(
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
         allowed = " or null" if nullable else ""
-        raise ConfigError(f"{prefix}.{key}: must be a number of seconds > 0{allowed}, got {value!r}")
+        raise ConfigError(
+            f"{prefix}.{key}: must be a number of seconds > 0{allowed}, got {value!r}"
+        )
     return float(value)
 
 
@@ -297,11 +299,7 @@ def _engines(value: Any) -> tuple[EngineSpec, ...]:
 def _models(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(m, str) and m for m in value)
-    ):
+    if not isinstance(value, list) or not value or not all(isinstance(m, str) and m for m in value):
         raise ConfigError("models: must list at least one model name")
     return tuple(value)
 
@@ -322,7 +320,7 @@ def _listen(raw: dict[str, Any]) -> ListenConfig:
     host = raw.get("host", ListenConfig.host)
     if not isinstance(host, str) or not host:
         raise ConfigError(f"listen.host: must be a host name or address, got {host!r}")
-    return ListenConfig(host=host, port=_int(raw, "port", ListenConfig.port, "listen", low=0))
+    return ListenConfig(host=host, port=_int(raw, "port", ListenConfig.port, "listen", low=0, high=65535))
 
 
 def _auth(raw: dict[str, Any], base: Path) -> AuthConfig:

@@ -70,6 +70,8 @@ class FakeEngine:
         self._requested_port = port
         self.mode = "ok"
         self.received: list[ReceivedRequest] = []
+        self.sent: list[bytes] = []
+        """The body of each answer, as written (for byte-exact passthrough checks)."""
         self.disconnects = 0
         self.disconnected = asyncio.Event()
         self.running = 0
@@ -177,20 +179,35 @@ class FakeEngine:
         if mode == "stall":
             await asyncio.sleep(3600)
         max_tokens = body.get("max_tokens")
-        n = self.answer_tokens if not isinstance(max_tokens, int) else min(max_tokens, self.answer_tokens)
+        n = (
+            self.answer_tokens
+            if not isinstance(max_tokens, int)
+            else min(max_tokens, self.answer_tokens)
+        )
         pieces = [f" t{i}" for i in range(n)]
         created = int(time.time())
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.received)}"
         if not body.get("stream"):
-            return web.json_response(_full_answer(ident, created, body, pieces, chat=chat))
+            answer = json.dumps(_full_answer(ident, created, body, pieces, chat=chat)).encode()
+            self.sent.append(answer)
+            return web.Response(body=answer, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
+        written = bytearray()
+        self.sent.append(b"")
         for i, piece in enumerate(pieces):
             if mode == "slow" and i:
                 await asyncio.sleep(self.token_delay_s)
             finish = "length" if i == n - 1 else None
-            chunk = _chunk(ident, created, body, piece, finish, chat=chat)
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            event = (
+                b"data: "
+                + json.dumps(_chunk(ident, created, body, piece, finish, chat=chat)).encode()
+            )
+            written += event + b"\n\n"
+            self.sent[-1] = bytes(written)
+            await response.write(event + b"\n\n")
+        written += b"data: [DONE]\n\n"
+        self.sent[-1] = bytes(written)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

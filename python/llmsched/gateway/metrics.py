@@ -77,8 +77,7 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             f"{PREFIX}_upstream_errors",
-            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, "
-            "broken)",
+            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken)",
             ["endpoint", "kind"],
             registry=r,
         )
@@ -141,10 +140,14 @@ class _StateCollector(Collector):
     @staticmethod
     def _flow_metrics(metrics: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily(
-            f"{PREFIX}_saturation", "Pool saturation seen by flow control", value=metrics["saturation"]
+            f"{PREFIX}_saturation",
+            "Pool saturation seen by flow control",
+            value=metrics["saturation"],
         )
         queued = GaugeMetricFamily(
-            f"{PREFIX}_queue_length", "Requests waiting in flow control, by priority", labels=["priority"]
+            f"{PREFIX}_queue_length",
+            "Requests waiting in flow control, by priority",
+            labels=["priority"],
         )
         for band in metrics["bands"]:
             queued.add_metric([str(band["priority"])], band["queued"])

@@ -157,9 +157,7 @@ class PromptTokenizer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return list(self._tokenizer.encode(prompt, add_special_tokens=True).ids)
-        if isinstance(prompt, list) and all(
-            type(t) is int and 0 <= t < 2**32 for t in prompt
-        ):
+        if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return prompt
         raise PromptError("prompt must be a string or a list of token ids")
 

@@ -1,0 +1,374 @@
+"""The reference gateway against fake engines: routing, passthrough, retries, cancellation,
+overload and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from _gateway_harness import MODEL, Rig, rig, run
+
+SYSTEM = "You are a helpful assistant that answers in full sentences. " * 4
+
+
+def _only_engine_with_requests(r: Rig) -> int:
+    used = [i for i, e in enumerate(r.engines) if e.received]
+    assert len(used) == 1, [len(e.received) for e in r.engines]
+    return used[0]
+
+
+def test_non_streaming_completion_is_passed_through_byte_for_byte() -> None:
+    async def body() -> None:
+        async with rig() as r:
+            response = await r.complete("Hello there", max_tokens=3)
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("application/json")
+            engine = r.engines[_only_engine_with_requests(r)]
+            assert await response.read() == engine.sent[0]
+            assert json.loads(engine.sent[0])["choices"][0]["text"] == " t0 t1 t2"
+
+    run(body())
+
+
+def test_streaming_chat_is_passed_through_byte_for_byte() -> None:
+    async def body() -> None:
+        async with rig(answer_tokens=6) as r:
+            request = {
+                "model": MODEL,
+                "stream": True,
+                "messages": [{"role": "user", "content": "Tell me a story"}],
+            }
+            async with r.client.post(r.url("/v1/chat/completions"), json=request) as response:
+                assert response.status == 200
+                assert response.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+                received = await response.read()
+            engine = r.engines[_only_engine_with_requests(r)]
+            assert engine.received[0].path == "/v1/chat/completions"
+            assert received == engine.sent[0]
+            assert received.endswith(b"data: [DONE]\n\n")
+            assert received.count(b"data: {") == 6
+
+    run(body())
+
+
+def test_multi_turn_conversations_return_to_the_engine_holding_their_prefix() -> None:
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            conversations = 16
+            homes: dict[int, set[int]] = {c: set() for c in range(conversations)}
+            histories = {
+                c: f"Conversation {c}: {chr(65 + c) * 40} Please help me with task {c}."
+                for c in range(conversations)
+            }
+            for turn in range(3):
+                for c in range(conversations):
+                    prompt = histories[c] + f" User turn {turn}."
+                    response = await r.complete(prompt)
+                    assert response.status == 200
+                    text = json.loads(await response.read())["choices"][0]["text"]
+                    homes[c].add(r.engines.index(r.engine_of_request(-1)))
+                    histories[c] = prompt + text
+            assert all(len(h) == 1 for h in homes.values()), homes
+            # Cold first turns tie and spread (random tie-break: all 16 on one engine has
+            # probability 2**-15); later turns follow their prefix, not a favourite engine.
+            assert {next(iter(h)) for h in homes.values()} == {0, 1}
+            assert r.metric("llmsched_gateway_decision_seconds_count") == 3 * conversations
+
+    run(body())
+
+
+async def _warm(r: Rig, prompt: str) -> int:
+    """Sends ``prompt`` once; returns the engine that served it."""
+    response = await r.complete(prompt)
+    assert response.status == 200
+    return r.engines.index(r.engine_of_request(-1))
+
+
+def test_retry_goes_to_another_engine_when_the_first_drops_the_connection() -> None:
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            home = await _warm(r, SYSTEM + " first")
+            other = 1 - home
+            r.engines[home].mode = "drop"
+            response = await r.complete(SYSTEM + " first, again")
+            assert response.status == 200
+            assert len(r.engines[home].received) == 2  # the warm-up and the failed attempt
+            assert len(r.engines[other].received) == 1
+            assert await response.read() == r.engines[other].sent[-1]
+            assert r.metric("llmsched_gateway_retries_total") == 1
+            worker = r.gateway.config.engines[home].worker_id
+            assert (
+                r.metric("llmsched_gateway_upstream_errors_total", endpoint=worker, kind="connect")
+                == 1
+            )
+            # No in-flight count is left behind on either engine.
+            assert all(e["in_flight_requests"] == 0 for e in r.gateway.pool.endpoints())
+
+    run(body())
+
+
+def test_retry_after_a_500_before_the_first_byte_keeps_the_engine_in_rotation() -> None:
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            home = await _warm(r, SYSTEM + " second")
+            r.engines[home].mode = "error500"
+            response = await r.complete(SYSTEM + " second, again", stream=True)
+            assert response.status == 200
+            assert len(r.engines[1 - home].received) == 1
+            worker = r.gateway.config.engines[home].worker_id
+            assert (
+                r.metric(
+                    "llmsched_gateway_upstream_errors_total", endpoint=worker, kind="status_5xx"
+                )
+                == 1
+            )
+            assert len(r.gateway.pool) == 2  # a 500 is not a dead engine
+
+    run(body())
+
+
+def test_a_stopped_engine_is_routed_around() -> None:
+    async def body() -> None:
+        async with rig(engines=2, retries={"eject_s": 60}) as r:
+            home = await _warm(r, SYSTEM + " third")
+            await r.engines[home].stop()
+            for i in range(5):
+                response = await r.complete(SYSTEM + f" third, turn {i}")
+                assert response.status == 200
+            assert len(r.engines[1 - home].received) == 5
+            worker = r.gateway.config.engines[home].worker_id
+            # One refused connection, then the engine is left out of routing.
+            assert (
+                r.metric("llmsched_gateway_upstream_errors_total", endpoint=worker, kind="connect")
+                == 1
+            )
+            assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 1
+            assert r.gateway.routable_endpoints() == [r.gateway.config.engines[1 - home].worker_id]
+            async with r.client.get(r.url("/ready")) as ready:
+                assert ready.status == 200
+
+    run(body())
+
+
+def test_every_engine_failing_gives_502_without_engine_details() -> None:
+    async def body() -> None:
+        async with rig(engines=2, retries={"max_attempts": 5}) as r:
+            for engine in r.engines:
+                engine.mode = "error500"
+            response = await r.complete("anything")
+            assert response.status == 502
+            text = (await response.read()).decode()
+            assert json.loads(text)["error"]["type"] == "upstream_error"
+            for engine in r.engines:
+                assert str(engine.port) not in text and "127.0.0.1" not in text
+            assert sum(len(e.received) for e in r.engines) == 2  # each engine tried once
+
+    run(body())
+
+
+def test_retries_are_bounded_by_max_attempts() -> None:
+    async def body() -> None:
+        async with rig(engines=3, retries={"max_attempts": 2}) as r:
+            for engine in r.engines:
+                engine.mode = "error500"
+            response = await r.complete("anything")
+            assert response.status == 502
+            assert sum(len(e.received) for e in r.engines) == 2
+
+    run(body())
+
+
+def test_a_cancelled_client_request_cancels_the_upstream_one() -> None:
+    async def body() -> None:
+        async with rig(
+            engines=1, flow={"saturation": {"type": "concurrency", "max_requests": 4}}
+        ) as r:
+            engine = r.engines[0]
+            engine.mode = "stall"
+            request = r.client.post(r.url("/v1/completions"), json={"model": MODEL, "prompt": "x"})
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(request, timeout=0.3)
+            await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
+            assert engine.disconnects == 1
+            await _until(lambda: r.gateway.flow is not None and r.gateway.flow.running_count() == 0)
+            assert r.gateway.pool.endpoints()[0]["in_flight_requests"] == 0
+
+    run(body())
+
+
+def test_a_client_leaving_a_stream_cancels_the_upstream_stream() -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=200) as r:
+            engine = r.engines[0]
+            engine.mode = "slow"
+            engine.token_delay_s = 0.02
+            request = {"model": MODEL, "prompt": "x", "stream": True}
+            response = await r.client.post(r.url("/v1/completions"), json=request)
+            assert response.status == 200
+            assert (await response.content.readany()).startswith(b"data: {")
+            response.close()
+            await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
+            await _until(lambda: r.gateway.pool.endpoints()[0]["in_flight_requests"] == 0)
+
+    run(body())
+
+
+def test_overload_sheds_sheddable_requests_while_high_priority_ones_pass() -> None:
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 1}}
+        async with rig(engines=1, answer_tokens=10, flow=flow) as r:
+            engine = r.engines[0]
+            engine.mode = "slow"
+            engine.token_delay_s = 0.03
+            busy = asyncio.ensure_future(r.complete("busy", stream=True))
+            await _until(lambda: engine.running == 1)
+            shed = await r.complete("batch job", headers={"x-llmsched-priority": "-1"})
+            assert shed.status == 429
+            assert shed.headers["x-llmsched-dropped-reason"] == "load-shed"
+            assert shed.headers["Retry-After"] == "1"
+            error = json.loads(await shed.read())["error"]
+            assert error["type"] == "rate_limit_exceeded" and error["code"] == 429
+            # A high-priority request waits for capacity instead, then passes.
+            urgent = await r.complete("interactive", headers={"x-llmsched-priority": "5"})
+            assert urgent.status == 200
+            assert (await busy).status == 200
+            assert len(engine.received) == 2  # the shed request never reached it
+            assert r.metric("llmsched_gateway_rejections_total", reason="load-shed") == 1
+            assert r.metric("llmsched_gateway_flow_outcomes_total", outcome="rejected_shed") == 1
+
+    run(body())
+
+
+def test_flow_control_without_engine_metrics_answers_503_no_endpoints() -> None:
+    async def body() -> None:
+        # Utilization saturation needs scraped metrics; with scraping off there are none.
+        async with rig(engines=1, flow={}) as r:
+            response = await r.complete("hello")
+            assert response.status == 503
+            assert response.headers["x-llmsched-dropped-reason"] == "no-endpoints"
+            assert not r.engines[0].received
+
+    run(body())
+
+
+def test_prefill_decode_split_names_the_prefill_engine_in_the_sidecar_header() -> None:
+    async def body() -> None:
+        router = {
+            "plugins": [
+                {"type": "prefill-filter"},
+                {"type": "decode-filter"},
+                {"type": "prefix-cache-scorer"},
+                {"type": "max-score-picker"},
+                {"type": "prefix-based-pd-decider", "parameters": {"nonCachedTokens": 8}},
+                {
+                    "type": "pd-profile-handler",
+                    "parameters": {"deciderPluginName": "prefix-based-pd-decider"},
+                },
+            ],
+            "schedulingProfiles": [
+                {
+                    "name": "prefill",
+                    "plugins": [
+                        {"pluginRef": "prefill-filter"},
+                        {"pluginRef": "prefix-cache-scorer"},
+                        {"pluginRef": "max-score-picker"},
+                    ],
+                },
+                {
+                    "name": "decode",
+                    "plugins": [
+                        {"pluginRef": "decode-filter"},
+                        {"pluginRef": "prefix-cache-scorer"},
+                        {"pluginRef": "max-score-picker"},
+                    ],
+                },
+            ],
+        }
+        roles = [{"role": "prefill"}, {"role": "decode"}]
+        async with rig(engines=2, engine_fields=roles, router=router, pd={"enabled": True}) as r:
+            prefill, decode = r.engines
+            response = await r.complete(SYSTEM)  # far more than 8 uncached pseudo-tokens
+            assert response.status == 200
+            assert not prefill.received
+            (received,) = decode.received
+            assert received.headers["x-prefiller-host-port"] == f"127.0.0.1:{prefill.port}"
+
+    run(body())
+
+
+def test_models_health_ready_and_metrics() -> None:
+    async def body() -> None:
+        async with rig(
+            engines=2, flow={"saturation": {"type": "concurrency", "max_requests": 8}}
+        ) as r:
+            async with r.client.get(r.url("/v1/models")) as response:
+                assert response.status == 200
+                assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
+            async with r.client.get(r.url("/health")) as response:
+                assert response.status == 200
+            async with r.client.get(r.url("/ready")) as response:
+                assert (await response.json()) == {"ready": True, "endpoints": 2}
+            assert (await r.complete(SYSTEM)).status == 200
+            async with r.client.get(r.url("/metrics")) as response:
+                text = await response.text()
+            for name in (
+                "llmsched_gateway_decision_seconds_bucket",
+                "llmsched_gateway_overhead_seconds_count",
+                "llmsched_gateway_saturation",
+                "llmsched_gateway_index_blocks",
+                "llmsched_gateway_retries_total",
+                'llmsched_gateway_flow_outcomes_total{outcome="dispatched"} 1.0',
+                'llmsched_gateway_requests_total{route="completions",status="200"} 1.0',
+            ):
+                assert name in text, name
+            # The approximate prefix entries recorded at dispatch are in the index.
+            assert r.metric("llmsched_gateway_index_blocks") > 0
+
+    run(body())
+
+
+def test_ready_is_503_when_no_engine_is_routable() -> None:
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            r.gateway.pool.remove(r.gateway.config.engines[0].worker_id)
+            async with r.client.get(r.url("/ready")) as response:
+                assert response.status == 503
+
+    run(body())
+
+
+def test_bad_requests_are_400_in_openai_error_shape() -> None:
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            cases = [
+                b"not json",
+                b"[1, 2]",
+                json.dumps({"prompt": "no model"}).encode(),
+                json.dumps({"model": MODEL, "prompt": 3}).encode(),
+                json.dumps({"model": MODEL, "prompt": [1, -2]}).encode(),
+            ]
+            for data in cases:
+                async with r.client.post(r.url("/v1/completions"), data=data) as response:
+                    assert response.status == 400, data
+                    assert (await response.json())["error"]["type"] == "invalid_request_error"
+            bad_chat = {"model": MODEL, "messages": "hi"}
+            async with r.client.post(r.url("/v1/chat/completions"), json=bad_chat) as response:
+                assert response.status == 400
+            bad_priority = {"x-llmsched-priority": "high"}
+            assert (await r.complete("x", headers=bad_priority)).status == 400
+            assert not r.engines[0].received
+
+    run(body())
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)

@@ -1,0 +1,192 @@
+"""Gateway configuration: every key checked, errors name the key, the CLI reads the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from llmsched.cli import build_parser
+from llmsched.errors import ConfigError
+from llmsched.gateway import load_config
+from llmsched.gateway.config import ApiKey
+
+ENGINES = [{"host": "127.0.0.1", "port": 8001}, {"host": "127.0.0.1", "port": 8002}]
+
+
+def base(**overrides: Any) -> dict[str, Any]:
+    return {"engines": ENGINES, "models": ["tiny"], **overrides}
+
+
+def test_defaults_and_a_full_file(tmp_path: Path) -> None:
+    config = load_config(base())
+    assert config.listen.host == "127.0.0.1" and config.listen.port == 8000
+    assert config.flow is None and not config.auth.enabled and config.tokenizer is None
+    assert config.router == "llm-d" and config.retries.max_attempts == 3
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump({"sk-file-key-0001": {"tenant": "f"}}))
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    text = {
+        "listen": {"host": "0.0.0.0", "port": 9000},
+        "engines": [{**ENGINES[0], "role": "decode", "labels": {"zone": "a"}}],
+        "models": "tiny",
+        "block_size": 32,
+        "tokenizer": "tok",
+        "router": "prefix-only",
+        "flow": {"default_band": {"ttl_s": 5}},
+        "auth": {"api_keys": {"sk-inline-key-01": {"tenant": "t", "priority": 2}}, "api_keys_file": "keys.yaml"},
+        "limits": {"max_body_bytes": 2048, "retry_after_s": 3},
+        "retries": {"max_attempts": 2, "eject_s": 1.5},
+        "timeouts": {"connect_s": 0.5, "read_s": None},
+        "scrape": {"interval_s": 0.5},
+        "pd": {"enabled": True},
+        "slices": {"enabled": False},
+    }
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(text))
+    config = load_config(path)
+    assert config.listen.port == 9000 and config.models == ("tiny",)
+    assert config.engines[0].role == "decode" and config.engines[0].labels == {"zone": "a"}
+    assert config.tokenizer == tmp_path / "tok"
+    assert config.auth.api_keys == {
+        "sk-inline-key-01": ApiKey("t", 2),
+        "sk-file-key-0001": ApiKey("f", 0),
+    }
+    assert config.timeouts.read_s is None and config.timeouts.connect_s == 0.5
+    assert config.pd.header == "x-prefiller-host-port"
+
+
+def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GW_KEYS", json.dumps({"sk-env-key-00001": {"tenant": "env", "priority": -1}}))
+    config = load_config(base(auth={"api_keys_env": "GW_KEYS"}))
+    assert config.auth.api_keys == {"sk-env-key-00001": ApiKey("env", -1)}
+    monkeypatch.delenv("GW_KEYS")
+    with pytest.raises(ConfigError, match="auth.api_keys_env: environment variable GW_KEYS"):
+        load_config(base(auth={"api_keys_env": "GW_KEYS"}))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"engines": []}, "engines: must list at least one engine"),
+        ({"engines": [{"host": "h"}]}, r"engines\[0\]: .*'port'"),
+        ({"engines": [{"host": "h", "port": 1, "replicas": 2}]}, r"engines\[0\]: unknown engine key 'replicas'"),
+        ({"engines": [ENGINES[0], ENGINES[0]]}, "engines: 127.0.0.1:8001 is listed twice"),
+        ({"models": []}, "models: must list"),
+        ({"model": "x"}, "model: unknown key"),
+        ({"block_size": 0}, "block_size: must be an int"),
+        ({"tokenizer": "/nonexistent"}, "tokenizer: .* holds no tokenizer.json"),
+        ({"router": 3}, "router: must be"),
+        ({"flow": [1]}, "flow: must be a mapping"),
+        ({"listen": {"port": 70000}}, r"listen.port: must be an int in 0..65535"),
+        ({"listen": {"address": "x"}}, "listen.address: unknown key"),
+        ({"limits": {"max_body_bytes": 10}}, "limits.max_body_bytes: must be an int"),
+        ({"limits": {"max_body": 10}}, "limits.max_body: unknown key"),
+        ({"retries": {"max_attempts": 0}}, "retries.max_attempts"),
+        ({"retries": {"eject_s": -1}}, "retries.eject_s"),
+        ({"timeouts": {"connect_s": "1s"}}, "timeouts.connect_s"),
+        ({"scrape": {"interval_s": 0}}, "scrape.interval_s"),
+        ({"scrape": {"enabled": "yes"}}, "scrape.enabled: must be true or false"),
+        ({"pd": {"header": "bad header"}}, "pd.header"),
+        ({"slices": {"enabled": True}}, "slices.enabled: token slices are not served"),
+        ({"auth": {"api_keys": {"short": {"tenant": "t"}}}}, "auth.api_keys: every key must be"),
+        ({"auth": {"api_keys": {"sk-long-enough-1": {"priority": 1}}}}, r"auth.api_keys.<key>.tenant"),
+        ({"auth": {"api_keys": {"sk-long-enough-1": {"tenant": "t", "role": "x"}}}}, r"<key>.role: unknown key"),
+        ({"auth": {"api_keys_file": "/nonexistent.yaml"}}, "auth.api_keys_file: .* does not exist"),
+    ],
+)
+def test_config_errors_name_the_key(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(base(**overrides))
+
+
+def test_key_errors_never_echo_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(base(auth={"api_keys": {"sk-secret-value-1": {"tenant": 5}}}))
+    assert "sk-secret-value-1" not in str(info.value)
+
+
+def test_missing_or_unparsable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engines: [\n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(bad)
+    bad.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="config: must be a mapping"):
+        load_config(bad)
+
+
+def test_router_and_flow_errors_surface_when_the_gateway_is_built() -> None:
+    from llmsched.gateway import Gateway
+
+    with pytest.raises(ConfigError):
+        Gateway(base(router={"plugins": [{"type": "no-such-plugin"}]}))
+    with pytest.raises(ConfigError):
+        Gateway(base(flow={"default_band": {"no_such_key": 1}}))
+
+
+def test_serve_command_parses_its_arguments() -> None:
+    args = build_parser().parse_args(["serve", "--config", "g.yaml", "--port", "0"])
+    assert args.config == "g.yaml" and args.port == 0 and args.host is None
+
+
+def test_serve_command_reports_config_errors(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(base(retries={"max_attempts": 0})))
+    done = subprocess.run(
+        [sys.executable, "-m", "llmsched", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "retries.max_attempts" in done.stderr
+
+
+def test_serve_command_serves_until_signalled(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(base(scrape={"enabled": False})))
+    command = [sys.executable, "-m", "llmsched", "serve", "--config", str(path)]
+    with subprocess.Popen(
+        [*command, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+    ) as process:
+        _check_serving(process, port)
+
+
+def _check_serving(process: subprocess.Popen[str], port: int) -> None:
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert f"listening on http://127.0.0.1:{port}" in line, line
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    assert json.load(r) == {"status": "ok"}
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0

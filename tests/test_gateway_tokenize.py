@@ -1,0 +1,193 @@
+"""Gateway tokenization: completion prompts and chat templates rendered like Hugging Face /
+vLLM, and routing on the resulting token ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _gateway_harness import MODEL, rig, run
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+from llmsched.errors import ConfigError
+from llmsched.gateway.tokenize import PromptError, PromptTokenizer
+
+TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}"
+    "<|{{ m['role'] }}|>\n"
+    "{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+CORPUS = [
+    "you are a helpful assistant that answers briefly",
+    "hello there how are you today",
+    "tell me a story about a dragon and a knight",
+    "the quick brown fox jumps over the lazy dog",
+] * 20
+
+
+def make_tokenizer(directory: Path, *, template_file: bool = False, **config: object) -> Path:
+    """A small BPE tokenizer saved the way ``save_pretrained`` lays it out."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings: dict[str, object] = {
+        "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True},
+        "eos_token": "</s>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if template_file:
+        (directory / "chat_template.jinja").write_text(TEMPLATE)
+    else:
+        settings["chat_template"] = TEMPLATE
+    settings.update(config)
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return directory
+
+
+MESSAGES = [
+    {"role": "system", "content": "you are a helpful assistant"},
+    {"role": "user", "content": "hello there"},
+]
+RENDERED = "<s><|system|>\nyou are a helpful assistant</s>\n<|user|>\nhello there</s>\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("template_file", [False, True])
+def test_chat_template_renders_like_hugging_face(tmp_path: Path, template_file: bool) -> None:
+    tok = PromptTokenizer(make_tokenizer(tmp_path, template_file=template_file))
+    assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert tok.render_chat(MESSAGES) == RENDERED
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ids = tok.chat_tokens(MESSAGES)
+    # The template wrote the BOS; encoding does not add a second one (vLLM's chat default).
+    assert ids == raw.encode(RENDERED, add_special_tokens=False).ids
+    bos = raw.token_to_id("<s>")
+    assert ids[0] == bos and ids[1] != bos
+
+
+def test_completion_prompts_get_special_tokens_and_id_lists_pass_unchanged(tmp_path: Path) -> None:
+    tok = PromptTokenizer(make_tokenizer(tmp_path))
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ids = tok.completion_tokens("hello there")
+    assert ids == raw.encode("hello there").ids
+    assert ids[0] == raw.token_to_id("<s>")
+    assert tok.completion_tokens([5, 6, 7]) == [5, 6, 7]
+    assert tok.completion_tokens(["hello there", "other"]) == ids  # a batch: the first prompt
+    for bad in (3, [1, -1], [1.5], None):
+        with pytest.raises(PromptError):
+            tok.completion_tokens(bad)
+
+
+def test_list_contents_join_their_text_parts(tmp_path: Path) -> None:
+    tok = PromptTokenizer(make_tokenizer(tmp_path))
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert tok.render_chat(parts) == "<s><|user|>\na\nb</s>\n<|assistant|>\n"
+    with pytest.raises(PromptError, match="only text parts"):
+        tok.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_template_errors_become_prompt_errors(tmp_path: Path) -> None:
+    tok = PromptTokenizer(make_tokenizer(tmp_path))
+    with pytest.raises(PromptError, match="unknown role tool"):
+        tok.render_chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(PromptError):
+        tok.render_chat([])
+
+
+def test_template_features_hugging_face_provides(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}"
+        "{% if loop.index > 0 %}{% break %}{% endif %}{% endfor %}"
+    )
+    tok = PromptTokenizer(make_tokenizer(tmp_path, chat_template=template))
+    assert tok.render_chat([{"role": "user", "content": "é<"}, MESSAGES[0]]) == '"é<"'
+
+
+def test_the_sandbox_refuses_unsafe_templates(tmp_path: Path) -> None:
+    template = "{{ messages.__class__.__mro__ }}"
+    tok = PromptTokenizer(make_tokenizer(tmp_path, chat_template=template))
+    with pytest.raises(PromptError):
+        tok.render_chat(MESSAGES)
+
+
+def test_named_templates_and_missing_template(tmp_path: Path) -> None:
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    assert PromptTokenizer(make_tokenizer(tmp_path / "a", chat_template=named)).render_chat(
+        MESSAGES
+    ) == "D"
+    tok = PromptTokenizer(make_tokenizer(tmp_path / "b", chat_template=None))
+    assert not tok.has_chat_template
+    with pytest.raises(PromptError, match="no chat template"):
+        tok.chat_tokens(MESSAGES)
+
+
+def test_broken_tokenizer_directories_raise_config_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot load"):
+        PromptTokenizer(tmp_path)
+    good = make_tokenizer(tmp_path / "good", chat_template="{% for %}")
+    with pytest.raises(ConfigError, match="does not compile"):
+        PromptTokenizer(good)
+
+
+def test_matches_transformers_apply_chat_template_when_available(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    directory = make_tokenizer(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    tok = PromptTokenizer(directory)
+    expected = reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert tok.render_chat(MESSAGES) == expected
+    # vLLM's chat path: render, then encode without adding special tokens.
+    assert tok.chat_tokens(MESSAGES) == reference(expected, add_special_tokens=False)["input_ids"]
+    # vLLM's completion path: encode with special tokens.
+    assert tok.completion_tokens("hello there") == reference("hello there")["input_ids"]
+
+
+def test_the_gateway_routes_chat_on_template_token_ids(tmp_path: Path) -> None:
+    directory = make_tokenizer(tmp_path)
+    tok = PromptTokenizer(directory)
+
+    async def body() -> None:
+        async with rig(engines=2, tokenizer=str(directory)) as r:
+            history = list(MESSAGES)
+            homes = set()
+            for turn in range(3):
+                request = {"model": MODEL, "messages": history}
+                async with r.client.post(r.url("/v1/chat/completions"), json=request) as response:
+                    assert response.status == 200
+                    answer = (await response.json())["choices"][0]["message"]["content"]
+                served = r.engine_of_request(-1)
+                homes.add(served.port)
+                # The index holds the blocks of the template's token ids for that engine.
+                ids = tok.chat_tokens(history)
+                worker = f"127.0.0.1:{served.port}"
+                assert r.gateway.index.match_tokens(ids).as_dict()[worker] == len(ids) // 4
+                history = [*history, {"role": "assistant", "content": answer}]
+                history.append({"role": "user", "content": f"and turn {turn}"})
+            assert len(homes) == 1
+            bad = {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}
+            async with r.client.post(r.url("/v1/chat/completions"), json=bad) as response:
+                assert response.status == 400
+                assert "unknown role" in (await response.json())["error"]["message"]
+
+    run(body())
