@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
+
 from _gateway_harness import MODEL, Rig, rig, run
 
 SYSTEM = "You are a helpful assistant that answers in full sentences. " * 4

@@ -44,7 +44,10 @@ def test_defaults_and_a_full_file(tmp_path: Path) -> None:
         "tokenizer": "tok",
         "router": "prefix-only",
         "flow": {"default_band": {"ttl_s": 5}},
-        "auth": {"api_keys": {"sk-inline-key-01": {"tenant": "t", "priority": 2}}, "api_keys_file": "keys.yaml"},
+        "auth": {
+            "api_keys": {"sk-inline-key-01": {"tenant": "t", "priority": 2}},
+            "api_keys_file": "keys.yaml",
+        },
         "limits": {"max_body_bytes": 2048, "retry_after_s": 3},
         "retries": {"max_attempts": 2, "eject_s": 1.5},
         "timeouts": {"connect_s": 0.5, "read_s": None},
@@ -67,11 +70,13 @@ def test_defaults_and_a_full_file(tmp_path: Path) -> None:
 
 
 def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GW_KEYS", json.dumps({"sk-env-key-00001": {"tenant": "env", "priority": -1}}))
+    monkeypatch.setenv(
+        "GW_KEYS", json.dumps({"sk-env-key-00001": {"tenant": "env", "priority": -1}})
+    )
     config = load_config(base(auth={"api_keys_env": "GW_KEYS"}))
     assert config.auth.api_keys == {"sk-env-key-00001": ApiKey("env", -1)}
     monkeypatch.delenv("GW_KEYS")
-    with pytest.raises(ConfigError, match="auth.api_keys_env: environment variable GW_KEYS"):
+    with pytest.raises(ConfigError, match=r"auth\.api_keys_env: environment variable GW_KEYS"):
         load_config(base(auth={"api_keys_env": "GW_KEYS"}))
 
 
@@ -80,7 +85,10 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         ({"engines": []}, "engines: must list at least one engine"),
         ({"engines": [{"host": "h"}]}, r"engines\[0\]: .*'port'"),
-        ({"engines": [{"host": "h", "port": 1, "replicas": 2}]}, r"engines\[0\]: unknown engine key 'replicas'"),
+        (
+            {"engines": [{"host": "h", "port": 1, "replicas": 2}]},
+            r"engines\[0\]: unknown engine key 'replicas'",
+        ),
         ({"engines": [ENGINES[0], ENGINES[0]]}, "engines: 127.0.0.1:8001 is listed twice"),
         ({"models": []}, "models: must list"),
         ({"model": "x"}, "model: unknown key"),
@@ -100,8 +108,14 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"pd": {"header": "bad header"}}, "pd.header"),
         ({"slices": {"enabled": True}}, "slices.enabled: token slices are not served"),
         ({"auth": {"api_keys": {"short": {"tenant": "t"}}}}, "auth.api_keys: every key must be"),
-        ({"auth": {"api_keys": {"sk-long-enough-1": {"priority": 1}}}}, r"auth.api_keys.<key>.tenant"),
-        ({"auth": {"api_keys": {"sk-long-enough-1": {"tenant": "t", "role": "x"}}}}, r"<key>.role: unknown key"),
+        (
+            {"auth": {"api_keys": {"sk-long-enough-1": {"priority": 1}}}},
+            r"auth.api_keys.<key>.tenant",
+        ),
+        (
+            {"auth": {"api_keys": {"sk-long-enough-1": {"tenant": "t", "role": "x"}}}},
+            r"<key>.role: unknown key",
+        ),
         ({"auth": {"api_keys_file": "/nonexistent.yaml"}}, "auth.api_keys_file: .* does not exist"),
     ],
 )

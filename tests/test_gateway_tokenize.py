@@ -3,71 +3,28 @@ vLLM, and routing on the resulting token ids."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from _gateway_harness import MODEL, rig, run
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from llmsched.errors import ConfigError
+from llmsched.gateway.fake_engine import write_tokenizer
 from llmsched.gateway.tokenize import PromptError, PromptTokenizer
-
-TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role ' + m['role']) }}"
-    "{% endif %}"
-    "<|{{ m['role'] }}|>\n"
-    "{{ m['content'] }}{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-CORPUS = [
-    "you are a helpful assistant that answers briefly",
-    "hello there how are you today",
-    "tell me a story about a dragon and a knight",
-    "the quick brown fox jumps over the lazy dog",
-] * 20
 
 
 def make_tokenizer(directory: Path, *, template_file: bool = False, **config: object) -> Path:
-    """A small BPE tokenizer saved the way ``save_pretrained`` lays it out."""
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    bos = tokenizer.token_to_id("<s>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    settings: dict[str, object] = {
-        "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True},
-        "eos_token": "</s>",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    if template_file:
-        (directory / "chat_template.jinja").write_text(TEMPLATE)
-    else:
-        settings["chat_template"] = TEMPLATE
-    settings.update(config)
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    return directory
+    return write_tokenizer(directory, template_file=template_file, **config)
 
 
 MESSAGES = [
     {"role": "system", "content": "you are a helpful assistant"},
     {"role": "user", "content": "hello there"},
 ]
-RENDERED = "<s><|system|>\nyou are a helpful assistant</s>\n<|user|>\nhello there</s>\n<|assistant|>\n"
+RENDERED = (
+    "<s><|system|>\nyou are a helpful assistant</s>\n<|user|>\nhello there</s>\n<|assistant|>\n"
+)
 
 
 @pytest.mark.parametrize("template_file", [False, True])
@@ -132,9 +89,10 @@ def test_the_sandbox_refuses_unsafe_templates(tmp_path: Path) -> None:
 
 def test_named_templates_and_missing_template(tmp_path: Path) -> None:
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
-    assert PromptTokenizer(make_tokenizer(tmp_path / "a", chat_template=named)).render_chat(
-        MESSAGES
-    ) == "D"
+    assert (
+        PromptTokenizer(make_tokenizer(tmp_path / "a", chat_template=named)).render_chat(MESSAGES)
+        == "D"
+    )
     tok = PromptTokenizer(make_tokenizer(tmp_path / "b", chat_template=None))
     assert not tok.has_chat_template
     with pytest.raises(PromptError, match="no chat template"):

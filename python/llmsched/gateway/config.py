@@ -320,7 +320,9 @@ def _listen(raw: dict[str, Any]) -> ListenConfig:
     host = raw.get("host", ListenConfig.host)
     if not isinstance(host, str) or not host:
         raise ConfigError(f"listen.host: must be a host name or address, got {host!r}")
-    return ListenConfig(host=host, port=_int(raw, "port", ListenConfig.port, "listen", low=0, high=65535))
+    return ListenConfig(
+        host=host, port=_int(raw, "port", ListenConfig.port, "listen", low=0, high=65535)
+    )
 
 
 def _auth(raw: dict[str, Any], base: Path) -> AuthConfig:

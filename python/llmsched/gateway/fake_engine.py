@@ -20,15 +20,19 @@ failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-__all__ = ["FakeEngine", "ReceivedRequest"]
+__all__ = ["FakeEngine", "ReceivedRequest", "main", "write_tokenizer"]
 
 MODES = ("ok", "drop", "error500", "stall", "slow")
 
@@ -260,3 +264,108 @@ def _chunk(
         "model": body.get("model"),
         "choices": [choice],
     }
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}"
+    "<|{{ m['role'] }}|>\n"
+    "{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""The chat template :func:`write_tokenizer` saves unless told otherwise."""
+
+_CORPUS = [
+    "you are a helpful assistant that answers briefly",
+    "hello there how are you today",
+    "tell me a story about a dragon and a knight",
+    "the quick brown fox jumps over the lazy dog",
+] * 20
+
+
+def write_tokenizer(
+    directory: str | Path, *, template_file: bool = False, **config: object
+) -> Path:
+    """Trains a small byte-level BPE tokenizer (BOS added by its post-processor) and saves
+    it the way ``save_pretrained`` lays a ``PreTrainedTokenizerFast`` out:
+    ``tokenizer.json``, ``tokenizer_config.json`` with :data:`CHAT_TEMPLATE` (or in
+    ``chat_template.jinja`` when ``template_file``). ``config`` overrides config entries
+    (``chat_template=None`` leaves the template out)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    settings: dict[str, object] = {
+        # The form transformers writes for an AddedToken special token.
+        "bos_token": {
+            "__type": "AddedToken",
+            "content": "<s>",
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        },
+        "eos_token": "</s>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if template_file:
+        (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    else:
+        settings["chat_template"] = CHAT_TEMPLATE
+    settings.update(config)
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m llmsched.gateway.fake_engine --engines 2``: serve fake engines until
+    SIGINT / SIGTERM; prints their ports as one JSON line once listening."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--model", default="fake")
+    parser.add_argument("--answer-tokens", type=int, default=4)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+
+    async def serve() -> None:
+        engines = [
+            FakeEngine(model=args.model, answer_tokens=args.answer_tokens, host=args.host)
+            for _ in range(args.engines)
+        ]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        for engine in engines:
+            await engine.start()
+        print(json.dumps({"ports": [e.port for e in engines]}), flush=True)
+        try:
+            await stop.wait()
+        finally:
+            for engine in engines:
+                await engine.stop()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
