@@ -1,0 +1,255 @@
+"""Gateway benchmarks.
+
+1. Overhead under load: fake engines in one process, ``llmsched serve`` in another, and an
+   open-loop client here sending ~300 requests/s, alternately straight to an engine and
+   through the gateway. The overhead per request is the gateway's latency quantile minus the
+   direct one (p50 and p99); the figures go to ``benchmark.extra_info`` and are printed.
+2. The per-request decision path (tokenize a chat conversation, admit through flow control,
+   pick, start, finish), beside its pure-Python twin (the same tokenizer, the naive flow
+   controller and the naive router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import yaml
+
+from llmsched import Endpoint, EndpointPool, FlowController, FlowRequest, PrefixIndex, Router
+from llmsched.flow import resolve_config
+from llmsched.gateway.fake_engine import write_tokenizer
+from llmsched.gateway.tokenize import PromptTokenizer
+from llmsched.reference.flow import FlowControllerTwin
+from llmsched.reference.prefix_index import ReferencePrefixIndex
+from llmsched.reference.routing import ReferenceEndpoint, decide_tokens
+
+RATE = float(os.environ.get("LLMSCHED_BENCH_GATEWAY_RATE", "300"))
+SECONDS = float(os.environ.get("LLMSCHED_BENCH_GATEWAY_SECONDS", "3"))
+MODEL = "tiny"
+FLOW = {"saturation": {"type": "concurrency", "max_requests": 4096}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _started(command: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if marker not in line:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"{command[2]} did not start: {line!r}")
+    return process, line
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Two fake engines and a gateway in front, each in its own process."""
+    engines, line = _started(
+        [sys.executable, "-m", "llmsched.gateway.fake_engine", "--engines", "2", "--model", MODEL],
+        "ports",
+    )
+    ports = json.loads(line)["ports"]
+    port = _free_port()
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "engines": [{"host": "127.0.0.1", "port": p} for p in ports],
+        "models": [MODEL],
+        "block_size": 16,
+        "router": "llm-d",
+        "flow": FLOW,
+        "scrape": {"enabled": True, "interval_s": 0.2},
+    }
+    path = tmp_path_factory.mktemp("gateway") / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    gateway, _ = _started(
+        [sys.executable, "-m", "llmsched", "serve", "--config", str(path), "--log-level", "ERROR"],
+        "listening",
+    )
+    try:
+        yield {
+            "gateway": f"http://127.0.0.1:{port}",
+            "engines": [f"http://127.0.0.1:{p}" for p in ports],
+        }
+    finally:
+        for process in (gateway, engines):
+            process.terminate()
+            process.wait(timeout=10)
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+def _prompt(i: int) -> str:
+    # 64 sessions with a long shared opening each, so routing matches real prefixes.
+    session = i % 64
+    return f"Session {session}: " + "context " * 200 + f"turn {i // 64}"
+
+
+async def _load(fleet: dict[str, Any]) -> dict[str, list[float]]:
+    """Open loop at RATE: request k starts at k / RATE; even ones go straight to an engine,
+    odd ones through the gateway. Returns the latencies (s) of each path."""
+    latencies: dict[str, list[float]] = {"direct": [], "gateway": []}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(k: int, record: bool) -> None:
+            path = "gateway" if k % 2 else "direct"
+            base = fleet["gateway"] if path == "gateway" else fleet["engines"][(k // 2) % 2]
+            body = {"model": MODEL, "prompt": _prompt(k), "max_tokens": 4}
+            started = time.perf_counter()
+            async with session.post(base + "/v1/completions", json=body) as response:
+                await response.read()
+                assert response.status == 200, await response.text()
+            if record:
+                latencies[path].append(time.perf_counter() - started)
+
+        warmup = int(RATE * 0.5)
+        total = warmup + int(RATE * SECONDS)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        tasks = []
+        for k in range(total):
+            delay = t0 + k / RATE - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one(k, k >= warmup)))
+        await asyncio.gather(*tasks)
+    return latencies
+
+
+def test_gateway_overhead_under_load(
+    benchmark: Any, fleet: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    benchmark.group = f"gateway overhead at {RATE:g} requests/s (extra_info)"
+    result: dict[str, list[float]] = {}
+
+    def measure() -> None:
+        result.update(asyncio.run(_load(fleet)))
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    assert len(result["gateway"]) > 0.9 * RATE * SECONDS / 2
+    figures = {}
+    for q in (50, 99):
+        direct = float(np.percentile(result["direct"], q))
+        through = float(np.percentile(result["gateway"], q))
+        figures[f"direct_p{q}_ms"] = round(direct * 1e3, 3)
+        figures[f"gateway_p{q}_ms"] = round(through * 1e3, 3)
+        figures[f"overhead_p{q}_ms"] = round((through - direct) * 1e3, 3)
+    benchmark.extra_info.update(figures)
+    with capsys.disabled():
+        print(
+            f"\ngateway overhead at {RATE:g} req/s over {SECONDS:g} s: "
+            f"p50 {figures['overhead_p50_ms']} ms, p99 {figures['overhead_p99_ms']} ms "
+            f"(direct p50 {figures['direct_p50_ms']} ms / p99 {figures['direct_p99_ms']} ms, "
+            f"through the gateway p50 {figures['gateway_p50_ms']} ms / "
+            f"p99 {figures['gateway_p99_ms']} ms)"
+        )
+
+
+# -- the decision path -----------------------------------------------------------------------
+
+ENDPOINTS = 8
+BLOCK = 16
+DECISION_GROUP = f"gateway decision path: tokenize chat + admit + pick, {ENDPOINTS} endpoints"
+
+
+@cache
+def _decision_setup(directory: str) -> dict[str, Any]:
+    tokenizer = PromptTokenizer(directory)
+    words = "you are a helpful assistant that answers briefly hello there how are you today "
+    conversations = [
+        [
+            {"role": "system", "content": f"{words * 20} conversation {c}"},
+            {"role": "user", "content": words * 5},
+        ]
+        for c in range(32)
+    ]
+    prompts = [tokenizer.chat_tokens(m) for m in conversations]
+    ids = [f"10.0.0.{i}:8000" for i in range(ENDPOINTS)]
+    index = PrefixIndex(BLOCK)
+    twin_index = ReferencePrefixIndex(block_size=BLOCK)
+    for c, tokens in enumerate(prompts):
+        hashes = index.hash_tokens(tokens)
+        index.store(ids[c % ENDPOINTS], hashes)
+        twin_index.store(ids[c % ENDPOINTS], hashes.tolist())
+    pool = EndpointPool([Endpoint(i, address=i) for i in ids], stale_policy="ignore")
+    router = Router(pool, index, "llm-d", seed=0)
+    twins = [ReferenceEndpoint(i) for i in ids]
+    return {
+        "tokenizer": tokenizer,
+        "messages": conversations[5],
+        "router": router,
+        "twin_index": twin_index,
+        "twins": twins,
+        "router_config": _llm_d_config(),
+    }
+
+
+def _llm_d_config() -> dict[str, Any]:
+    from llmsched.routing import load_config
+
+    return load_config("llm-d")
+
+
+@pytest.fixture(scope="module")
+def decision(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _decision_setup(str(write_tokenizer(tmp_path_factory.mktemp("tokenizer"))))
+
+
+def test_decision_path(benchmark: Any, decision: dict[str, Any]) -> None:
+    benchmark.group = DECISION_GROUP
+    tokenizer, router = decision["tokenizer"], decision["router"]
+    flow = FlowController(FLOW)
+    ids = iter(range(1, 1 << 62))
+
+    def path() -> Any:
+        tokens = np.asarray(tokenizer.chat_tokens(decision["messages"]), dtype=np.uint32)
+        request_id = next(ids)
+        assert flow.enqueue(FlowRequest(request_id, tokens=len(tokens))) is None
+        assert flow.dispatch() is not None
+        d = router.pick(tokens=tokens, model=MODEL, now=0.0)
+        d.started(now=0.0)
+        d.finished()
+        flow.complete(request_id)
+        return d
+
+    assert path().endpoint == "10.0.0.5:8000"  # conversation 5 is held there
+    benchmark(path)
+
+
+def test_decision_path_twin(benchmark: Any, decision: dict[str, Any]) -> None:
+    benchmark.group = DECISION_GROUP
+    tokenizer = decision["tokenizer"]
+    flow = FlowControllerTwin(resolve_config(FLOW))
+    ids = iter(range(1, 1 << 62))
+    clock = [0.0]
+
+    def path() -> Any:
+        tokens = tokenizer.chat_tokens(decision["messages"])
+        request_id = next(ids)
+        clock[0] += 1e-6
+        assert flow.enqueue(request_id, 0, "default", len(tokens), 0, None, None, None, clock[0]) is None
+        assert flow.dispatch(clock[0]) is not None
+        d = decide_tokens(decision["router_config"], decision["twins"], decision["twin_index"], tokens)
+        flow.complete(request_id, 0, clock[0])
+        return d
+
+    assert path().best == ["10.0.0.5:8000"]
+    benchmark(path)
