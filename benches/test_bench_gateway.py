@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Iterator
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -30,11 +29,11 @@ import yaml
 
 from llmsched import Endpoint, EndpointPool, FlowController, FlowRequest, PrefixIndex, Router
 from llmsched.flow import resolve_config
-from llmsched.gateway.fake_engine import write_tokenizer
 from llmsched.gateway.tokenize import PromptTokenizer
 from llmsched.reference.flow import FlowControllerTwin
 from llmsched.reference.prefix_index import ReferencePrefixIndex
 from llmsched.reference.routing import ReferenceEndpoint, decide_tokens
+from llmsched.testing.openai_engine import write_tokenizer
 
 RATE = float(os.environ.get("LLMSCHED_BENCH_GATEWAY_RATE", "300"))
 SECONDS = float(os.environ.get("LLMSCHED_BENCH_GATEWAY_SECONDS", "3"))
@@ -63,7 +62,15 @@ def _started(command: list[str], marker: str) -> tuple[subprocess.Popen[str], st
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Two fake engines and a gateway in front, each in its own process."""
     engines, line = _started(
-        [sys.executable, "-m", "llmsched.gateway.fake_engine", "--engines", "2", "--model", MODEL],
+        [
+            sys.executable,
+            "-m",
+            "llmsched.testing.openai_engine",
+            "--engines",
+            "2",
+            "--model",
+            MODEL,
+        ],
         "ports",
     )
     ports = json.loads(line)["ports"]
@@ -245,9 +252,14 @@ def test_decision_path_twin(benchmark: Any, decision: dict[str, Any]) -> None:
         tokens = tokenizer.chat_tokens(decision["messages"])
         request_id = next(ids)
         clock[0] += 1e-6
-        assert flow.enqueue(request_id, 0, "default", len(tokens), 0, None, None, None, clock[0]) is None
+        assert (
+            flow.enqueue(request_id, 0, "default", len(tokens), 0, None, None, None, clock[0])
+            is None
+        )
         assert flow.dispatch(clock[0]) is not None
-        d = decide_tokens(decision["router_config"], decision["twins"], decision["twin_index"], tokens)
+        d = decide_tokens(
+            decision["router_config"], decision["twins"], decision["twin_index"], tokens
+        )
         flow.complete(request_id, 0, clock[0])
         return d
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from llmsched.gateway import Gateway
-from llmsched.gateway.fake_engine import FakeEngine
+from llmsched.testing.openai_engine import FakeOpenAIEngine
 
 T = TypeVar("T")
 MODEL = "tiny"
@@ -26,7 +26,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 @dataclass
 class Rig:
     gateway: Gateway
-    engines: list[FakeEngine]
+    engines: list[FakeOpenAIEngine]
     client: aiohttp.ClientSession
 
     def url(self, path: str) -> str:
@@ -41,7 +41,7 @@ class Rig:
         await response.read()
         return response
 
-    def engine_of_request(self, index: int = -1) -> FakeEngine:
+    def engine_of_request(self, index: int = -1) -> FakeOpenAIEngine:
         """The engine that received the request ``index`` counted over all engines, in
         arrival order."""
         received = sorted(
@@ -74,7 +74,7 @@ async def rig(
 ) -> AsyncIterator[Rig]:
     """``engines`` fake engines and a gateway in front (scraping off unless overridden).
     ``engine_fields``: extra keys of each engine's config entry (e.g. its role)."""
-    fakes = [FakeEngine(model=MODEL, answer_tokens=answer_tokens) for _ in range(engines)]
+    fakes = [FakeOpenAIEngine(model=MODEL, answer_tokens=answer_tokens) for _ in range(engines)]
     for fake in fakes:
         await fake.start()
     config: dict[str, Any] = {

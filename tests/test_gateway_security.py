@@ -7,7 +7,7 @@ import json
 
 from _gateway_harness import MODEL, rig, run
 
-from llmsched.gateway.fake_engine import FakeEngine
+from llmsched.testing.openai_engine import FakeOpenAIEngine
 
 KEYS = {
     "sk-interactive-0001": {"tenant": "acme", "priority": 5},
@@ -115,7 +115,7 @@ def test_unknown_model_is_404_without_contacting_engines() -> None:
 
 def test_requests_naming_other_addresses_still_go_only_to_configured_engines() -> None:
     async def body() -> None:
-        async with FakeEngine(model=MODEL) as attacker, rig(engines=1) as r:
+        async with FakeOpenAIEngine(model=MODEL) as attacker, rig(engines=1) as r:
             target = f"127.0.0.1:{attacker.port}"
             headers = {
                 "Host": target,

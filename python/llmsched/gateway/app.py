@@ -270,7 +270,7 @@ class Gateway:
         return [
             worker
             for worker in self._specs
-            if worker in present and snapshot.get(worker, {}).get("ok", True) is not False
+            if worker in present and _answering(snapshot.get(worker))
         ]
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -630,6 +630,11 @@ class _OutputCounter:
         except (ValueError, AttributeError):
             return 0
         return value if type(value) is int and value >= 0 else 0
+
+
+def _answering(scrape: Mapping[str, Any] | None) -> bool:
+    """Not known to fail: never scraped yet, or its last scrape succeeded."""
+    return scrape is None or not scrape.get("scrapes") or bool(scrape.get("ok"))
 
 
 def _presented_key(request: web.Request) -> str | None:

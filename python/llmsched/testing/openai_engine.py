@@ -1,15 +1,17 @@
-"""A fake OpenAI-compatible engine for tests and benchmarks: a real aiohttp server on loopback.
+"""A fake OpenAI-compatible engine for tests and benchmarks: a real aiohttp server on the
+caller's event loop (the OpenAI API; :class:`~llmsched.testing.fake_engine.FakeHTTPEngine`
+serves scripted metrics on a thread).
 
 It answers ``/v1/completions`` and ``/v1/chat/completions`` in vLLM's shapes (JSON, or SSE
 ``data: {...}`` events ending with ``data: [DONE]`` when ``stream`` is true), serves a
 vLLM-style ``/metrics`` with its live request counts, and records every request it receives
-(path, headers, body) and every client disconnect. Its :attr:`FakeEngine.mode` scripts
+(path, headers, body) and every client disconnect. Its :attr:`FakeOpenAIEngine.mode` scripts
 failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error500"``,
 ``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens).
 
 >>> import asyncio, aiohttp
 >>> async def demo():
-...     async with FakeEngine(model="tiny", answer_tokens=3) as engine:
+...     async with FakeOpenAIEngine(model="tiny", answer_tokens=3) as engine:
 ...         async with aiohttp.ClientSession() as s:
 ...             body = {"model": "tiny", "prompt": "hi"}
 ...             async with s.post(engine.url + "/v1/completions", json=body) as r:
@@ -32,7 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["FakeEngine", "ReceivedRequest", "main", "write_tokenizer"]
+__all__ = ["FakeOpenAIEngine", "ReceivedRequest", "main", "write_tokenizer"]
 
 MODES = ("ok", "drop", "error500", "stall", "slow")
 
@@ -48,7 +50,7 @@ class ReceivedRequest:
     received_at: float = field(default_factory=time.monotonic)
 
 
-class FakeEngine:
+class FakeOpenAIEngine:
     """A scripted OpenAI-compatible engine on ``host:port`` (port 0 picks a free one).
 
     Args:
@@ -125,7 +127,7 @@ class FakeEngine:
             await self._runner.cleanup()
             self._runner = None
 
-    async def __aenter__(self) -> FakeEngine:
+    async def __aenter__(self) -> FakeOpenAIEngine:
         await self.start()
         return self
 
@@ -336,7 +338,7 @@ def write_tokenizer(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m llmsched.gateway.fake_engine --engines 2``: serve fake engines until
+    """``python -m llmsched.testing.openai_engine --engines 2``: serve fake engines until
     SIGINT / SIGTERM; prints their ports as one JSON line once listening."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--engines", type=int, default=1)
@@ -347,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     async def serve() -> None:
         engines = [
-            FakeEngine(model=args.model, answer_tokens=args.answer_tokens, host=args.host)
+            FakeOpenAIEngine(model=args.model, answer_tokens=args.answer_tokens, host=args.host)
             for _ in range(args.engines)
         ]
         stop = asyncio.Event()
