@@ -83,6 +83,8 @@ class FakeOpenAIEngine:
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
+        self.metrics_status = 200
+        """Status of ``/metrics`` answers (anything but 200 makes scrapes fail)."""
         self._port: int | None = None
         self._runner: web.AppRunner | None = None
         self.app = web.Application()
@@ -122,7 +124,7 @@ class FakeOpenAIEngine:
         self._port = int(address[1])
 
     async def stop(self) -> None:
-        """Stops listening: connections are then refused."""
+        """Stops listening (connections are then refused) and closes open connections."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -144,6 +146,8 @@ class FakeOpenAIEngine:
         return web.Response(text="")
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_status != 200:
+            return web.Response(text="unavailable", status=self.metrics_status)
         text = (
             f'vllm:num_requests_running{{model_name="{self.model}"}} {float(self.running)}\n'
             f'vllm:num_requests_waiting{{model_name="{self.model}"}} {float(self.waiting)}\n'
