@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -94,6 +95,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield {
             "gateway": f"http://127.0.0.1:{port}",
             "engines": [f"http://127.0.0.1:{p}" for p in ports],
+            "gateway_pid": gateway.pid,
         }
     finally:
         for process in (gateway, engines):
@@ -101,6 +103,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             process.wait(timeout=10)
             if process.stdout is not None:
                 process.stdout.close()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (Linux), None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _prompt(i: int) -> str:
@@ -147,8 +158,12 @@ def test_gateway_overhead_under_load(
     benchmark.group = f"gateway overhead at {RATE:g} requests/s (extra_info)"
     result: dict[str, list[float]] = {}
 
+    cpu: list[float | None] = []
+
     def measure() -> None:
+        cpu.append(_cpu_seconds(fleet["gateway_pid"]))
         result.update(asyncio.run(_load(fleet)))
+        cpu.append(_cpu_seconds(fleet["gateway_pid"]))
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     assert len(result["gateway"]) > 0.9 * RATE * SECONDS / 2
@@ -159,6 +174,14 @@ def test_gateway_overhead_under_load(
         figures[f"direct_p{q}_ms"] = round(direct * 1e3, 3)
         figures[f"gateway_p{q}_ms"] = round(through * 1e3, 3)
         figures[f"overhead_p{q}_ms"] = round((through - direct) * 1e3, 3)
+    before, after = cpu
+    if before is not None and after is not None:
+        # The gateway's own CPU per proxied request (warm-up included): a figure that other
+        # processes competing for the cores inflate much less than latencies.
+        proxied = len(result["gateway"]) * (1 + 0.5 / SECONDS)
+        figures["gateway_cpu_per_request_ms"] = round((after - before) / proxied * 1e3, 3)
+    load = os.getloadavg()[0]
+    figures["load_average_1m"] = round(load, 2)
     benchmark.extra_info.update(figures)
     with capsys.disabled():
         print(
@@ -166,7 +189,9 @@ def test_gateway_overhead_under_load(
             f"p50 {figures['overhead_p50_ms']} ms, p99 {figures['overhead_p99_ms']} ms "
             f"(direct p50 {figures['direct_p50_ms']} ms / p99 {figures['direct_p99_ms']} ms, "
             f"through the gateway p50 {figures['gateway_p50_ms']} ms / "
-            f"p99 {figures['gateway_p99_ms']} ms)"
+            f"p99 {figures['gateway_p99_ms']} ms); gateway CPU per request "
+            f"{figures.get('gateway_cpu_per_request_ms')} ms; load average {load:.2f} "
+            f"on {os.cpu_count()} cores"
         )
 
 

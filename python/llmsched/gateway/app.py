@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 from aiohttp import web
+from yarl import URL
 
 from llmsched.errors import FlowRejected, NoEndpointError, UnknownEndpointError
 from llmsched.flow import FlowController, FlowRequest
@@ -58,6 +59,8 @@ _ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _PASSED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
 # Bodies read whole to find the usage block of a non-streaming answer.
 _USAGE_PARSE_LIMIT = 1 << 20
+# Non-streamed answers up to this size are read whole and sent in one response.
+_WHOLE_BODY_LIMIT = 8 << 20
 
 
 class _Refusal(Exception):
@@ -108,6 +111,12 @@ class Gateway:
         self.config = config if isinstance(config, GatewayConfig) else load_config(config)
         cfg = self.config
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
+        # Upstream URLs come from the configured engines only, parsed once.
+        self._urls = {
+            (worker, route): URL(spec.base_url + path)
+            for worker, spec in self._specs.items()
+            for route, path in _ROUTES.items()
+        }
         self.index = PrefixIndex(cfg.block_size)
         # Scraped metrics count as fresh for a few scrape intervals; without scraping there
         # are no metrics, and the load scorers read in-flight counts only.
@@ -504,7 +513,6 @@ class Gateway:
         """One upstream attempt. Raises _UpstreamFailed before the first byte went to the
         client; after that, errors end the client's response."""
         assert self._session is not None, "the gateway is not started"
-        spec = self._specs[endpoint]
         headers = {"Content-Type": "application/json"}
         accept = request.headers.get("Accept")
         if accept:
@@ -514,7 +522,7 @@ class Gateway:
             # llm-d's routing sidecar on the decode engine runs prefill on the host:port named
             # in this header (llm-d/llm-d-routing-sidecar, README).
             headers[self.config.pd.header] = prefill
-        url = spec.base_url + _ROUTES[route]
+        url = self._urls[endpoint, route]
         try:
             upstream = await self._session.post(url, data=body, headers=headers)
         except asyncio.TimeoutError:
@@ -524,6 +532,14 @@ class Gateway:
         try:
             if upstream.status >= 500:
                 raise _UpstreamFailed("status_5xx")
+            content_type = upstream.headers.get("Content-Type", "")
+            length = upstream.content_length
+            if (
+                length is not None
+                and length <= _WHOLE_BODY_LIMIT
+                and "event-stream" not in content_type
+            ):
+                return await self._answer_whole(request, route, upstream, decision, endpoint)
             try:
                 first = await upstream.content.readany()
             except asyncio.TimeoutError:
@@ -567,6 +583,35 @@ class Gateway:
                 upstream.release()
             else:
                 upstream.close()
+
+    async def _answer_whole(
+        self,
+        request: web.Request,
+        route: str,
+        upstream: aiohttp.ClientResponse,
+        decision: Decision,
+        endpoint: str,
+    ) -> tuple[web.StreamResponse, int]:
+        """A complete (non-streamed) answer of known length: read it whole, then send it in
+        one response (fewer writes than relaying chunks). A failure while reading is still
+        before the client's first byte, hence retryable."""
+        try:
+            data = await upstream.read()
+        except asyncio.TimeoutError:
+            raise _UpstreamFailed("timeout") from None
+        except aiohttp.ClientError:
+            raise _UpstreamFailed("broken") from None
+        decision.first_token()
+        response = web.Response(body=data, status=upstream.status)
+        for name in _PASSED_RESPONSE_HEADERS:
+            value = upstream.headers.get(name)
+            if value is not None:
+                response.headers[name] = value
+        counter = _OutputCounter(response.headers.get("Content-Type", ""))
+        counter.feed(data)
+        self.metrics.routed.labels(endpoint).inc()
+        self.metrics.requests.labels(route, str(upstream.status)).inc()
+        return response, counter.tokens()
 
     def _eject(self, endpoint: str) -> None:
         """Leaves an engine that refused connections out of routing for ``eject_s``."""
