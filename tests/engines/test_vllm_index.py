@@ -39,7 +39,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 
 def cached_blocks(index: PrefixIndex, worker: str, prompt: list[int]) -> int:
-    return index.match_tokens(np.asarray(prompt, dtype=np.uint32)).get(worker, 0)
+    return index.match_tokens(np.asarray(prompt, dtype=np.uint32)).as_dict().get(worker, 0)
 
 
 def complete(engine: VllmEngine, prompt: list[int], max_tokens: int = 4) -> dict[str, object]:
