@@ -4,7 +4,8 @@
   PUB and replay ROUTER) that publishes scripted batches, can lose some, restart, or misbehave.
 - :class:`~llmsched.testing.fake_engine.FakeHTTPEngine`: an aiohttp server on its own thread that
   serves a scripted Prometheus ``/metrics`` (text, status, delay) and any routes you add.
-- :func:`~llmsched.testing.fake_engine.event_batch`, ``stored_event`` and friends: msgpack ``EventBatch`` payloads.
+- :func:`~llmsched.testing.fake_engine.event_batch`, ``stored_event`` and friends: msgpack
+  ``EventBatch`` payloads.
 """
 
 from __future__ import annotations
