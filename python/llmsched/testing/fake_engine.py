@@ -331,7 +331,8 @@ class FakeHTTPEngine:
         if setup is not None:
             setup(self.app)
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(self.app, handle_signals=False)
+        # Closing does not wait for handlers still delaying (a test's slow scrape).
+        self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=0.1)
         ready: queue.Queue[BaseException | int] = queue.Queue()
         self._thread = threading.Thread(
             target=self._serve, args=(ready,), name="fake-http-engine", daemon=True
