@@ -255,3 +255,8 @@ def test_configuration_errors() -> None:
         MetricsScraper([spec], interval_s=float("nan"))
     with pytest.raises(TypeError, match="EngineSpec"):
         MetricsScraper(["h:1"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("text", [UNDER_LOAD, OLD_VLLM, SGLANG], ids=["new", "old", "sglang"])
+def test_prefilter_reads_the_same_values_as_a_full_parse(text: str) -> None:
+    assert parse_engine_metrics(text) == parse_engine_metrics(text, prefilter=False)
