@@ -453,3 +453,38 @@ def test_configuration_errors() -> None:
     assert sub.workers() == ["h:1"]
     with pytest.raises(KeyError, match="h:3"):
         sub.counters() and sub.worker_counters("h:3")
+
+
+def test_bind_failure_is_retried_with_backoff() -> None:
+    """The endpoint to bind is taken: the subscriber counts socket errors and retries (backing
+    off) until the port is free, then takes events as usual."""
+    import zmq
+
+    ctx = zmq.Context()
+    squatter = ctx.socket(zmq.PULL)
+    port = squatter.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    index = PrefixIndex(block_size=BLOCK)
+    spec = EngineSpec("127.0.0.1", 8000, kv_events=endpoint, kv_events_bind=True, topic="kv@a")
+    try:
+        with KVEventSubscriber(index, [spec], **FAST) as sub:
+            wait(sub, lambda c: c["socket_errors"] >= 3)
+            assert sub.bound_endpoint(spec.worker_id) is None
+            squatter.close(linger=0)
+            # Connect only once the subscriber holds the port (not the squatter's closing one).
+            deadline = time.monotonic() + WAIT_S
+            while sub.bound_endpoint(spec.worker_id) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with FakeKVPublisher(topic="kv@a", endpoint=endpoint, connect=True) as fake:
+                assert fake.wait_subscribed()
+                payloads = script(5, seed=30)
+                for p in payloads:
+                    fake.publish(p)
+                wait(sub, lambda c: c["batches"] >= 5)
+            assert sub.bound_endpoint(spec.worker_id) == endpoint
+    finally:
+        squatter.close(linger=0)
+        ctx.term()
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )

@@ -151,6 +151,7 @@ class _Publisher:
         assert endpoint is not None
         backoff_first, backoff_max = self.owner.backoff_s
         sub = ctx.socket(zmq.SUB)
+        monitor: zmq.Socket[bytes] | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, RCVHWM)
@@ -164,6 +165,8 @@ class _Publisher:
             else:
                 sub.connect(endpoint)
         except zmq.ZMQError:
+            if monitor is not None:
+                monitor.close(linger=0)
             sub.close(linger=0)
             self._failed()
             return
