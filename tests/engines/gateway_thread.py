@@ -66,6 +66,7 @@ class GatewayThread:
         self.call(self.gateway.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
     def connection(self, timeout_s: float = 60.0) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=timeout_s)
