@@ -1,0 +1,457 @@
+"""Scrape engines' Prometheus ``/metrics`` and feed the router's pool and the flow controller.
+
+All engines are scraped concurrently (aiohttp, one session, a timeout per request). The text is
+parsed by ``prometheus_client``'s parser; vLLM names of several versions and SGLang names map to
+the endpoint metrics:
+
+================================  =========================================================
+value                             source (summed over an engine's label sets unless noted)
+================================  =========================================================
+``waiting``                       ``vllm:num_requests_waiting``, ``sglang:num_queue_reqs``
+``running``                       ``vllm:num_requests_running``, ``sglang:num_running_reqs``
+``kv_cache_usage`` (mean, 0..1)   ``vllm:kv_cache_usage_perc``, older
+                                  ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``
+``prefix_cache_queries/hits``     ``vllm:prefix_cache_{queries,hits}_total`` (tokens), older
+                                  ``vllm:gpu_prefix_cache_{queries,hits}_total``
+``preemptions``                   ``vllm:num_preemptions_total``
+``block_size``, ``num_gpu_blocks``  labels of ``vllm:cache_config_info``
+``active/waiting_loras``          labels of ``vllm:lora_requests_info`` (latest sample)
+================================  =========================================================
+
+A successful scrape updates ``pool`` (:meth:`EndpointPool.update`, :meth:`EndpointPool.set_loras`)
+and ``flow`` (:meth:`FlowController.update_endpoint`); a failed one (timeout, HTTP error, text
+without load metrics) is counted and leaves the endpoint to go stale in the pool.
+
+>>> import asyncio
+>>> from llmsched import EndpointPool
+>>> from llmsched.integrations import MetricsScraper
+>>> from llmsched.testing import FakeHTTPEngine
+>>> text = 'vllm:num_requests_running{engine="0"} 3\\nvllm:num_requests_waiting{engine="0"} 7\\n'
+>>> with FakeHTTPEngine(metrics_text=text) as engine:
+...     pool = EndpointPool()
+...     scraper = MetricsScraper([engine.spec()], pool=pool)
+...     result = asyncio.run(scraper.scrape_once())[engine.spec().worker_id]
+>>> result.ok, result.values["running"], result.values["waiting"]
+(True, 3, 7)
+>>> pool.endpoints()[0]["waiting"]
+7
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import re
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmsched.errors import ConfigError, UnknownEndpointError
+from llmsched.flow import FlowController
+from llmsched.integrations.identity import EngineSpec
+from llmsched.routing import Endpoint, EndpointPool, Role
+
+__all__ = [
+    "DEFAULT_INTERVAL_S",
+    "DEFAULT_TIMEOUT_S",
+    "MetricsScraper",
+    "ScrapeResult",
+    "parse_engine_metrics",
+]
+
+DEFAULT_INTERVAL_S = 0.2
+"""Seconds between the starts of two scrape rounds."""
+
+DEFAULT_TIMEOUT_S = 1.0
+"""Seconds one scrape may take in all (connect, headers, body)."""
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+"""A larger metrics body is refused (a misbehaving engine must not exhaust memory)."""
+
+# Sample name -> (value, how it combines over an engine's label sets).
+_SUMS = {
+    "vllm:num_requests_waiting": "waiting",
+    "sglang:num_queue_reqs": "waiting",
+    "vllm:num_requests_running": "running",
+    "sglang:num_running_reqs": "running",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:gpu_prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:gpu_prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:num_preemptions_total": "preemptions",
+}
+# KV-cache use, by preference: the current vLLM name, the older one, SGLang's.
+_KV_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_CACHE_INFO = "vllm:cache_config_info"
+_LORA_INFO = "vllm:lora_requests_info"
+_COUNTS = ("waiting", "running", "prefix_cache_queries", "prefix_cache_hits", "preemptions")
+
+# Only the families above are handed to the parser: a vLLM scrape is mostly histograms this
+# scraper never reads, and skipping their lines makes parsing several times faster.
+_FAMILIES = sorted(
+    {name.removesuffix("_total") for name in _SUMS} | {*_KV_NAMES, _CACHE_INFO, _LORA_INFO}
+)
+_RELEVANT_LINE = re.compile(
+    r"^(?:# (?:HELP|TYPE) )?(?:"
+    + "|".join(re.escape(n) for n in _FAMILIES)
+    + r")(?:_total)?[ \t{].*$",
+    re.MULTILINE,
+)
+
+
+@dataclass(frozen=True)
+class ScrapeResult:
+    """One engine's scrape: ``ok``, the ``values`` read (see the module table), the ``error``
+    of a failed scrape, when it finished (``at``, ``time.monotonic()``) and how long it took."""
+
+    worker: str
+    ok: bool
+    values: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    at: float = 0.0
+    duration_s: float = 0.0
+
+
+def parse_engine_metrics(text: str, *, prefilter: bool = True) -> dict[str, Any]:
+    """Read a vLLM or SGLang ``/metrics`` text into the values of the module table. Raises
+    ValueError when the text does not parse or holds no load metric (waiting, running, KV use).
+
+    ``prefilter`` hands the parser only the lines of the families read (the same values, several
+    times faster on a vLLM scrape); False parses everything (the benchmark's baseline).
+
+    >>> parse_engine_metrics('sglang:num_queue_reqs 4\\nsglang:token_usage 0.25\\n')
+    {'waiting': 4, 'kv_cache_usage': 0.25}
+    """
+    relevant = "\n".join(_RELEVANT_LINE.findall(text)) if prefilter else text
+    sums: dict[str, float] = {}
+    kv: dict[str, list[float]] = {}
+    values: dict[str, Any] = {}
+    lora: tuple[float, dict[str, str]] | None = None
+    for family in text_string_to_metric_families(relevant + "\n"):
+        for sample in family.samples:
+            name, value = sample.name, sample.value
+            if math.isnan(value):
+                continue
+            if name in _SUMS:
+                key = _SUMS[name]
+                sums[key] = sums.get(key, 0.0) + value
+            elif name in _KV_NAMES:
+                kv.setdefault(name, []).append(value)
+            elif name == _CACHE_INFO:
+                values.update(_cache_config(sample.labels))
+            elif name == _LORA_INFO and (lora is None or value >= lora[0]):
+                lora = (value, sample.labels)
+    for key in _COUNTS:
+        if key in sums:
+            values[key] = max(0, round(sums[key]))
+    for name in _KV_NAMES:
+        if kv.get(name):
+            mean = sum(kv[name]) / len(kv[name])
+            values["kv_cache_usage"] = min(1.0, max(0.0, mean))
+            break
+    if lora is not None:
+        values.update(_loras(lora[1]))
+    if not {"waiting", "running", "kv_cache_usage"} & values.keys():
+        raise ValueError("no vLLM or SGLang load metrics in the text")
+    return _ordered(values)
+
+
+def _ordered(values: dict[str, Any]) -> dict[str, Any]:
+    order = ("waiting", "running", "kv_cache_usage")
+    head = {k: values[k] for k in order if k in values}
+    return head | {k: v for k, v in values.items() if k not in head}
+
+
+def _cache_config(labels: dict[str, str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key in ("block_size", "num_gpu_blocks"):
+        raw = labels.get(key, "")
+        if raw.isdigit():
+            out[key] = int(raw)
+    return out
+
+
+def _loras(labels: dict[str, str]) -> dict[str, Any]:
+    def names(key: str) -> list[str]:
+        return [n.strip() for n in labels.get(key, "").split(",") if n.strip()]
+
+    raw_max = labels.get("max_lora", "")
+    return {
+        "active_loras": names("running_lora_adapters"),
+        "waiting_loras": names("waiting_lora_adapters"),
+        "max_loras": int(raw_max) if raw_max.isdigit() else 0,
+    }
+
+
+class _EngineState:
+    """What the scraper remembers of one engine (guarded by the scraper's lock)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.last: ScrapeResult | None = None
+        self.last_ok: float | None = None
+        self.scrapes = 0
+        self.failures = 0
+        self.consecutive_failures = 0
+        self.values: dict[str, Any] = {}
+
+
+class MetricsScraper:
+    """Polls the engines' ``/metrics`` and feeds ``pool`` and ``flow``.
+
+    Args:
+        engines: the engines (worker ids as in :func:`~llmsched.integrations.worker_id`).
+        pool: the router's endpoint pool; engines it lacks are added (address, role, labels,
+            model from the spec).
+        flow: a flow controller to feed load reports to.
+        interval_s: seconds between the starts of two rounds.
+        timeout_s: seconds one scrape may take.
+
+    Run ``await run()`` on your event loop, or :meth:`start` / :meth:`stop` for a thread with
+    its own loop. :meth:`snapshot` may be read from any thread.
+    """
+
+    def __init__(
+        self,
+        engines: Iterable[EngineSpec],
+        *,
+        pool: EndpointPool | None = None,
+        flow: FlowController | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        for name, value in (("interval_s", interval_s), ("timeout_s", timeout_s)):
+            if isinstance(value, bool) or not (
+                isinstance(value, (int, float)) and 0 < value < math.inf
+            ):
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        self._engines: dict[str, _EngineState] = {}
+        for spec in engines:
+            if not isinstance(spec, EngineSpec):
+                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+            if spec.worker_id in self._engines:
+                raise ConfigError(f"engine {spec.worker_id} is listed twice")
+            self._engines[spec.worker_id] = _EngineState(spec)
+        self.pool = pool
+        self.flow = flow
+        self.interval_s = float(interval_s)
+        self.timeout_s = float(timeout_s)
+        if pool is not None:
+            known = {e["id"] for e in pool.endpoints()}
+            for worker, state in self._engines.items():
+                if worker not in known:
+                    pool.add(_endpoint_of(state.spec))
+        self._lock = threading.Lock()
+        self._session: aiohttp.ClientSession | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._rounds = 0
+
+    # -- scraping -----------------------------------------------------------------------------
+
+    async def scrape_once(self) -> dict[str, ScrapeResult]:
+        """Scrape every engine concurrently, apply the results, and return them by worker."""
+        if self._session is not None:
+            return await self._round(self._session)
+        async with self._new_session() as session:
+            return await self._round(session)
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+
+    async def _round(self, session: aiohttp.ClientSession) -> dict[str, ScrapeResult]:
+        results = await asyncio.gather(
+            *(self._scrape(session, state.spec) for state in self._engines.values())
+        )
+        for result in results:
+            self._apply(result)
+        with self._lock:
+            self._rounds += 1
+        return {r.worker: r for r in results}
+
+    async def _scrape(self, session: aiohttp.ClientSession, spec: EngineSpec) -> ScrapeResult:
+        worker = spec.worker_id
+        started = time.monotonic()
+        try:
+            async with session.get(spec.metrics_url) as response:
+                if response.status != 200:
+                    raise _ScrapeFailed(f"HTTP {response.status}")
+                body = await response.content.read(MAX_BODY_BYTES + 1)
+                if len(body) > MAX_BODY_BYTES:
+                    raise _ScrapeFailed(f"metrics body over {MAX_BODY_BYTES} bytes")
+            text = body.decode("utf-8", errors="replace")
+            values = parse_engine_metrics(text)
+        except asyncio.TimeoutError:
+            return self._failure(worker, started, f"timeout after {self.timeout_s} s")
+        except aiohttp.ClientError as err:
+            return self._failure(worker, started, f"{type(err).__name__}: {err}")
+        except (_ScrapeFailed, ValueError) as err:
+            return self._failure(worker, started, str(err))
+        done = time.monotonic()
+        return ScrapeResult(worker, True, values, None, done, done - started)
+
+    @staticmethod
+    def _failure(worker: str, started: float, error: str) -> ScrapeResult:
+        done = time.monotonic()
+        return ScrapeResult(worker, False, {}, error, done, done - started)
+
+    def _apply(self, result: ScrapeResult) -> None:
+        state = self._engines[result.worker]
+        if result.ok:
+            self._feed(result)
+        with self._lock:
+            state.last = result
+            state.scrapes += 1
+            if result.ok:
+                state.last_ok = result.at
+                state.consecutive_failures = 0
+                state.values = dict(result.values)
+            else:
+                state.failures += 1
+                state.consecutive_failures += 1
+
+    def _feed(self, result: ScrapeResult) -> None:
+        values = result.values
+        # An endpoint the gateway removed from the pool meanwhile is simply not updated.
+        with contextlib.suppress(UnknownEndpointError):
+            self._feed_pool(result.worker, values)
+        if self.flow is not None:
+            self.flow.update_endpoint(
+                result.worker,
+                waiting=values.get("waiting", 0),
+                running=values.get("running", 0),
+                kv_usage=values.get("kv_cache_usage", 0.0),
+            )
+
+    def _feed_pool(self, worker: str, values: dict[str, Any]) -> None:
+        if self.pool is not None:
+            self.pool.update(
+                worker,
+                waiting=values.get("waiting"),
+                running=values.get("running"),
+                kv_cache_usage=values.get("kv_cache_usage"),
+            )
+            if "active_loras" in values:
+                self.pool.set_loras(
+                    worker, values["active_loras"], values["waiting_loras"], values["max_loras"]
+                )
+
+    # -- loops --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Scrape every ``interval_s`` until cancelled (one session for the whole run)."""
+        if self._session is not None:
+            raise RuntimeError("the scraper is already running")
+        async with self._new_session() as session:
+            self._session = session
+            try:
+                while True:
+                    started = time.monotonic()
+                    await self._round(session)
+                    await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+            finally:
+                self._session = None
+
+    def start(self) -> None:
+        """Run :meth:`run` on a daemon thread with its own event loop."""
+        if self._thread is not None:
+            raise RuntimeError("the scraper is already running")
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            self._task = loop.create_task(self.run())
+            started.set()
+            try:
+                loop.run_until_complete(self._task)
+            except asyncio.CancelledError:
+                pass
+            finally:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=main, name="llmsched-metrics", daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Cancel the thread's loop and wait for it (sockets and session closed)."""
+        thread, loop, task = self._thread, self._loop, self._task
+        if thread is None or loop is None or task is None:
+            return
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"the scraper thread did not stop within {timeout} s")
+        self._thread = self._loop = self._task = None
+
+    def __enter__(self) -> MetricsScraper:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per worker: ``ok`` (last scrape), ``values`` (of the last good scrape), ``scrapes``,
+        ``failures``, ``consecutive_failures``, ``last_ok`` (monotonic time or None),
+        ``last_error`` and ``last_duration_s``. A consistent copy.
+
+        >>> MetricsScraper([EngineSpec("h", 1)]).snapshot()["h:1"]["ok"]
+        False
+        """
+        with self._lock:
+            return {
+                worker: {
+                    "ok": s.last is not None and s.last.ok,
+                    "values": dict(s.values),
+                    "scrapes": s.scrapes,
+                    "failures": s.failures,
+                    "consecutive_failures": s.consecutive_failures,
+                    "last_ok": s.last_ok,
+                    "last_error": None if s.last is None else s.last.error,
+                    "last_duration_s": None if s.last is None else s.last.duration_s,
+                }
+                for worker, s in self._engines.items()
+            }
+
+    @property
+    def rounds(self) -> int:
+        """Scrape rounds completed."""
+        with self._lock:
+            return self._rounds
+
+    def __repr__(self) -> str:
+        return f"MetricsScraper({len(self._engines)} engines, every {self.interval_s} s)"
+
+
+class _ScrapeFailed(Exception):
+    """A scrape got an answer that is not a usable metrics text."""
+
+
+def _endpoint_of(spec: EngineSpec) -> Endpoint:
+    role: Role | None = spec.role  # type: ignore[assignment]
+    return Endpoint(
+        spec.worker_id,
+        address=f"{spec.base_url.removeprefix('http://')}",
+        role=role,
+        labels=spec.labels,
+        model=spec.model,
+    )

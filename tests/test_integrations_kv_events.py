@@ -1,0 +1,490 @@
+"""KVEventSubscriber against fake engines: real ZMQ on loopback, scripted batches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llmsched import PrefixIndex
+from llmsched.errors import ConfigError
+from llmsched.integrations import EngineSpec, KVEventSubscriber
+from llmsched.testing import (
+    FakeKVPublisher,
+    cleared_event,
+    event_batch,
+    removed_event,
+    stored_event,
+)
+
+BLOCK = 16
+FAST = {"backoff_s": (0.01, 0.05), "replay_timeout_s": 2.0}
+WAIT_S = 10.0
+
+
+def _vectors() -> Path:
+    """``shared/vectors`` beside the checkout (or beside any folder above it)."""
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "shared" / "vectors"
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("shared/vectors not found beside the checkout")
+
+
+def script(n: int, seed: int = 0, *, clears: bool = True) -> list[bytes]:
+    """``n`` batches of an engine's life: chains grown from roots or from held blocks, tail
+    removals, now and then a full clear. Engine block hashes are opaque ints."""
+    rng = random.Random(seed)
+    held: dict[int, int | None] = {}  # engine hash -> parent
+    children: dict[int, int] = {}
+    next_hash = 1 + seed * 1_000_000
+    out = []
+    for _ in range(n):
+        events: list[Any] = []
+        for _ in range(rng.randint(1, 3)):
+            roll = rng.random()
+            if roll < 0.08 and held and clears:
+                events.append(cleared_event())
+                held.clear()
+                children.clear()
+            elif roll < 0.3 and held:
+                leaves = [h for h in held if children.get(h, 0) == 0]
+                victim = rng.choice(leaves)
+                parent = held.pop(victim)
+                if parent is not None:
+                    children[parent] -= 1
+                events.append(removed_event([victim]))
+            else:
+                parent = rng.choice([None, *held]) if held else None
+                blocks = rng.randint(1, 3)
+                hashes = list(range(next_hash, next_hash + blocks))
+                next_hash += blocks
+                tokens = [rng.randrange(50_000) for _ in range(blocks * BLOCK)]
+                events.append(stored_event(hashes, parent, tokens, BLOCK))
+                prev = parent
+                for h in hashes:
+                    held[h] = prev
+                    if prev is not None:
+                        children[prev] = children.get(prev, 0) + 1
+                    prev = h
+        out.append(event_batch(*events, ts=float(len(out))))
+    return out
+
+
+def direct(payloads: list[bytes], worker: str) -> PrefixIndex:
+    """The oracle: the same payloads applied straight to a fresh index."""
+    index = PrefixIndex(block_size=BLOCK)
+    for p in payloads:
+        index.apply_vllm_events(worker, p)
+    return index
+
+
+def holdings(index: PrefixIndex, worker: str) -> dict[int, Any]:
+    return index.holdings(worker) if worker in index.workers() else {}
+
+
+def wait(sub: KVEventSubscriber, cond: Callable[[dict[str, int]], bool]) -> dict[str, int]:
+    assert sub.wait_for(cond, WAIT_S), sub.counters()
+    return sub.counters()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeKVPublisher]:
+    with FakeKVPublisher(topic="kv@a") as engine:
+        yield engine
+
+
+def spec_of(engine: FakeKVPublisher, port: int = 8000, **kw: Any) -> EngineSpec:
+    return EngineSpec("127.0.0.1", port, **{**engine.spec_kwargs(), **kw})
+
+
+def test_normal_flow_matches_direct_apply(fake: FakeKVPublisher) -> None:
+    payloads = script(60)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        for p in payloads:
+            fake.publish(p)
+        c = wait(sub, lambda c: c["batches"] >= 60)
+        assert sub.last_seq(spec.worker_id) == 59
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+    assert c["gaps"] == c["replays"] == c["resyncs"] == c["decode_errors"] == 0
+    assert c["blocks_stored"] > 0 and c["blocks_removed"] > 0
+    assert c["connects"] == 1
+    assert sub.worker_counters(spec.worker_id)["batches"] == 60
+
+
+def test_bind_mode_engine_connects() -> None:
+    payloads = script(30, seed=1)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = EngineSpec(
+        "127.0.0.1", 8000, kv_events="tcp://127.0.0.1:*", kv_events_bind=True, topic="kv@b"
+    )
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        endpoint = sub.bound_endpoint(spec.worker_id)
+        assert endpoint is not None and endpoint.startswith("tcp://127.0.0.1:")
+        with FakeKVPublisher(topic="kv@b", endpoint=endpoint, connect=True, replay=False) as eng:
+            assert eng.wait_subscribed()
+            for p in payloads:
+                eng.publish(p)
+            wait(sub, lambda c: c["batches"] >= 30)
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def test_late_joiner_recovered_via_replay(fake: FakeKVPublisher) -> None:
+    payloads = script(20, seed=2)
+    for p in payloads[:8]:
+        fake.publish(p, deliver=False)  # published before the subscriber existed
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        for p in payloads[8:]:
+            fake.publish(p)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 19)
+    assert fake.replay_requests == [0]
+    assert c["gaps"] == 1 and c["replays"] == 1 and c["resyncs"] == 0
+    assert c["replayed_batches"] >= 8
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+@pytest.mark.parametrize("with_topic", [False, True], ids=["seq-payload", "topic-seq-payload"])
+def test_gap_in_the_middle_recovered_via_replay(with_topic: bool) -> None:
+    payloads = script(30, seed=3)
+    index = PrefixIndex(block_size=BLOCK)
+    with FakeKVPublisher(topic="kv@a", replay_with_topic=with_topic) as fake:
+        spec = spec_of(fake)
+        with KVEventSubscriber(index, [spec], **FAST) as sub:
+            assert fake.wait_subscribed()
+            for i, p in enumerate(payloads):
+                fake.publish(p, deliver=not 10 <= i < 15)
+            # Every one of the 25 live batches is either applied or dropped as a duplicate.
+            c = wait(sub, lambda c: c["batches"] - c["replayed_batches"] + c["duplicates"] == 25)
+            assert sub.last_seq(spec.worker_id) == 29
+        assert fake.replay_requests == [10]
+    assert c["gaps"] == 1 and c["missed_batches"] == 5 and c["resyncs"] == 0
+    assert c["replayed_batches"] >= 5
+    # Live batches the replay had already delivered are dropped, never applied twice.
+    assert c["batches"] == 30
+    assert c["duplicates"] == c["replayed_batches"] - 5
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def _marker() -> bytes:
+    """A batch storing a root block that nothing later touches."""
+    return event_batch(stored_event([999_999], None, [7] * BLOCK, BLOCK))
+
+
+@pytest.mark.parametrize("how", ["buffer-gone", "no-replay-socket", "replay-timeout"])
+def test_uncoverable_gap_clears_worker_and_resyncs(how: str) -> None:
+    payloads = [_marker(), *script(20, seed=4, clears=False)]
+    index = PrefixIndex(block_size=BLOCK)
+    with FakeKVPublisher(topic="kv@a", replay=how != "no-replay-socket") as fake:
+        spec = spec_of(fake)
+        opts = {**FAST, "replay_timeout_s": 0.3}
+        with KVEventSubscriber(index, [spec], **opts) as sub:
+            assert fake.wait_subscribed()
+            for p in payloads[:6]:
+                fake.publish(p)
+            wait(sub, lambda c: c["batches"] >= 6)
+            assert index.match_tokens([7] * BLOCK).as_dict() == {spec.worker_id: 1}
+            for p in payloads[6:10]:
+                fake.publish(p, deliver=False)
+            if how == "buffer-gone":
+                fake.forget(before_seq=10)  # the engine's buffer no longer holds 6..9
+            fake.replay_answers = how != "replay-timeout"
+            for p in payloads[10:]:
+                fake.publish(p)
+            c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 20)
+    assert c["gaps"] == 1 and c["resyncs"] == 1
+    assert c["replays"] == (0 if how == "no-replay-socket" else 1)
+    assert c["replay_timeouts"] == (1 if how == "replay-timeout" else 0)
+    # The worker was cleared (the marker block is gone) and rebuilt from seq 10 on.
+    assert index.match_tokens([7] * BLOCK).as_dict() == {}
+    expected = direct(payloads[10:], spec.worker_id)
+    assert holdings(index, spec.worker_id) == holdings(expected, spec.worker_id)
+
+
+def test_seq_going_backwards_is_a_restart(fake: FakeKVPublisher) -> None:
+    before, after = [_marker(), *script(5, seed=5, clears=False)], script(7, seed=6)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        for p in before:
+            fake.publish(p)
+        wait(sub, lambda c: c["batches"] >= len(before))
+        fake.restart()
+        for p in after:
+            fake.publish(p)
+        c = wait(sub, lambda c: c["batches"] >= len(before) + len(after))
+        assert sub.last_seq(spec.worker_id) == len(after) - 1
+    assert c["restarts"] == 1 and c["gaps"] == 0
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(after, spec.worker_id), spec.worker_id
+    )
+
+
+def test_foreign_topic_is_refused_even_when_zmq_prefix_matches(fake: FakeKVPublisher) -> None:
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    evil = event_batch(stored_event([1], None, list(range(BLOCK)), BLOCK))
+    good = event_batch(stored_event([2], None, list(range(100, 100 + BLOCK)), BLOCK))
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        # "kv@a-evil" passes the SUB socket's prefix filter for "kv@a"; it must still be refused.
+        fake.send_frames([b"kv@a-evil", (0).to_bytes(8, "big"), evil])
+        fake.send_frames([b"kv@a\x00", (0).to_bytes(8, "big"), evil])
+        fake.publish(good)
+        c = wait(sub, lambda c: c["batches"] >= 1 and c["topic_rejected"] >= 2)
+    assert c["topic_rejected"] == 2
+    assert index.match_tokens(list(range(BLOCK))).as_dict() == {}
+    assert index.match_tokens(list(range(100, 100 + BLOCK))).as_dict() == {spec.worker_id: 1}
+
+
+def test_malformed_messages_are_counted_and_change_nothing(fake: FakeKVPublisher) -> None:
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    first, last = script(2, seed=7)
+    topic = b"kv@a"
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        fake.publish(first)
+        wait(sub, lambda c: c["batches"] >= 1)
+        before = holdings(index, spec.worker_id)
+        # A payload that is not msgpack, and one whose second event is broken: nothing applies.
+        broken = event_batch(stored_event([50], None, [1] * BLOCK, BLOCK), {"type": "BlockStored"})
+        fake.publish(b"\xc1 not msgpack")
+        fake.publish(broken)
+        fake.send_frames([topic, (3).to_bytes(8, "big")])  # two frames
+        fake.send_frames([topic, (3).to_bytes(4, "big"), last])  # a 4-byte seq
+        fake.send_frames([topic, (3).to_bytes(8, "big"), last, b"extra"])  # four frames
+        c = wait(sub, lambda c: c["decode_errors"] >= 5)
+        assert holdings(index, spec.worker_id) == before
+        fake.publish(last)  # seq 3: the malformed batches 1 and 2 still count as taken
+        c = wait(sub, lambda c: c["batches"] >= 2)
+    assert c["decode_errors"] == 5 and c["gaps"] == 0
+    assert holdings(index, spec.worker_id) == holdings(
+        direct([first, last], spec.worker_id), spec.worker_id
+    )
+
+
+def test_reconnects_when_the_publisher_comes_back() -> None:
+    index = PrefixIndex(block_size=BLOCK)
+    first, second = script(4, seed=8), script(3, seed=9)
+    engine = FakeKVPublisher(topic="kv@a", replay=False)
+    spec = spec_of(engine)
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        assert engine.wait_subscribed()
+        for p in first:
+            engine.publish(p)
+        wait(sub, lambda c: c["batches"] >= 4)
+        engine.close()
+        wait(sub, lambda c: c["disconnects"] >= 1)
+        # The engine comes back on the same port with a fresh sequence.
+        with FakeKVPublisher(topic="kv@a", endpoint=engine.endpoint, replay=False) as again:
+            assert again.wait_subscribed()
+            for p in second:
+                again.publish(p)
+            c = wait(sub, lambda c: c["batches"] >= 7)
+    assert c["connects"] == 2 and c["reconnects"] == 1 and c["restarts"] == 1
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(second, spec.worker_id), spec.worker_id
+    )
+
+
+def test_thread_stops_promptly_and_closes_everything(fake: FakeKVPublisher) -> None:
+    threads_before = threading.active_count()
+    sub = KVEventSubscriber(PrefixIndex(block_size=BLOCK), [spec_of(fake)], **FAST)
+    sub.start()
+    assert fake.wait_subscribed()
+    with pytest.raises(RuntimeError, match="already running"):
+        sub.start()
+    started = time.monotonic()
+    sub.stop()
+    elapsed = time.monotonic() - started
+    assert threading.active_count() == threads_before
+    assert sub._ctx is None  # every socket closed, the context terminated
+    assert elapsed < 2.0, elapsed  # a hang, not a timing measurement
+    sub.start()  # and it can run again
+    sub.stop()
+
+
+def test_asyncio_run_and_cancel(fake: FakeKVPublisher) -> None:
+    payloads = script(25, seed=10)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    sub = KVEventSubscriber(index, [spec], **FAST)
+
+    async def main() -> dict[str, int]:
+        task = asyncio.create_task(sub.run())
+        await asyncio.to_thread(fake.wait_subscribed)
+        for i, p in enumerate(payloads):
+            fake.publish(p, deliver=i != 12)  # one gap, replayed on the event loop
+        while sub.last_seq(spec.worker_id) != 24:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return sub.counters()
+
+    c = asyncio.run(main())
+    assert c["gaps"] == 1 and c["replays"] == 1 and c["resyncs"] == 0
+    assert sub._ctx is None
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def test_many_engines_and_data_parallel_ranks() -> None:
+    index = PrefixIndex(block_size=BLOCK)
+    fakes, specs, scripts = [], [], {}
+    try:
+        for e in range(3):
+            for rank in range(2):
+                topic = f"kv@10.0.0.{e}:8000@tiny"
+                if e == 2:  # this engine connects to endpoints the subscriber binds
+                    spec = EngineSpec(
+                        "10.0.0.2",
+                        8000,
+                        dp_rank=rank,
+                        topic=topic,
+                        kv_events="tcp://127.0.0.1:*",
+                        kv_events_bind=True,
+                    )
+                else:
+                    fake = FakeKVPublisher(topic=topic)
+                    fakes.append(fake)
+                    spec = EngineSpec(f"10.0.0.{e}", 8000, dp_rank=rank, **fake.spec_kwargs())
+                specs.append(spec)
+                scripts[spec.worker_id] = script(15, seed=20 + 2 * e + rank)
+        with KVEventSubscriber(index, specs, **FAST) as sub:
+            for spec in specs[4:]:
+                fakes.append(
+                    FakeKVPublisher(
+                        topic=spec.topic,
+                        endpoint=sub.bound_endpoint(spec.worker_id),
+                        connect=True,
+                    )
+                )
+            assert [f.wait_subscribed() for f in fakes] == [True] * 6
+            for _ in range(15):  # interleaved, as engines publish
+                for fake, spec in zip(fakes, specs, strict=True):
+                    fake.publish(scripts[spec.worker_id][fake.next_seq])
+            c = wait(sub, lambda c: c["batches"] >= 90)
+            assert all(sub.last_seq(s.worker_id) == 14 for s in specs)
+    finally:
+        for fake in fakes:
+            fake.close()
+    assert c["gaps"] == 0
+    assert sorted(index.workers()) == sorted(scripts)
+    assert {s.worker_id for s in specs} >= {"10.0.0.0:8000", "10.0.0.0:8000/dp1"}
+    for worker, payloads in scripts.items():
+        assert holdings(index, worker) == holdings(direct(payloads, worker), worker)
+
+
+def test_shared_vector_batch(fake: FakeKVPublisher) -> None:
+    vec = json.loads((_vectors() / "vllm_kv_events.json").read_text())
+    payload = bytes.fromhex(vec["payload_hex"])
+    index = PrefixIndex(block_size=16)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        fake.publish(payload)
+        c = wait(sub, lambda c: c["batches"] >= 1)
+    assert (c["events"], c["blocks_stored"], c["blocks_removed"], c["all_cleared"]) == (3, 2, 1, 1)
+
+
+def test_real_engine_capture_joined_late() -> None:
+    """A real vLLM engine's frames starting at seq 2: the replay no longer holds 0 and 1, so the
+    subscriber resyncs from the first batch it has and agrees with the engine's prompts."""
+    cap = json.loads((_vectors() / "vllm_real_capture_gap.json").read_text())
+    topic = bytes.fromhex(cap["frames"][0][0]).decode()
+    index = PrefixIndex(block_size=cap["block_size"])
+    with FakeKVPublisher(topic=topic) as fake:
+        spec = spec_of(fake)
+        first_seq = int(cap["frames"][0][1], 16)
+        fake.skip_to(first_seq)
+        with KVEventSubscriber(index, [spec], **FAST) as sub:
+            assert fake.wait_subscribed()
+            for _topic, seq, payload in cap["frames"]:
+                assert fake.publish(bytes.fromhex(payload)) == int(seq, 16)
+            last = int(cap["frames"][-1][1], 16)
+            c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == last)
+    assert fake.replay_requests == [0]
+    assert c["gaps"] == 1 and c["resyncs"] == 1
+    for request, expected in zip(cap["requests"], cap["expected_prompt_blocks"], strict=True):
+        prompt = np.array(request["prompt"], dtype=np.uint32)
+        assert index.match_tokens(prompt).as_dict().get(spec.worker_id, 0) == expected
+
+
+def test_configuration_errors() -> None:
+    index = PrefixIndex(block_size=BLOCK)
+    a = EngineSpec("h", 1, kv_events="tcp://127.0.0.1:5557")
+    with pytest.raises(ConfigError, match="listed twice"):
+        KVEventSubscriber(index, [a, a])
+    b = EngineSpec("h", 2, kv_events="tcp://127.0.0.1:5557")
+    with pytest.raises(ConfigError, match="share the KV-event endpoint"):
+        KVEventSubscriber(index, [a, b])
+    with pytest.raises(ConfigError, match="backoff_s"):
+        KVEventSubscriber(index, [a], backoff_s=(2.0, 1.0))
+    with pytest.raises(ConfigError, match="replay_timeout_s"):
+        KVEventSubscriber(index, [a], replay_timeout_s=0)
+    with pytest.raises(TypeError, match="PrefixIndex"):
+        KVEventSubscriber(object(), [a])  # type: ignore[arg-type]
+    sub = KVEventSubscriber(index, [a, EngineSpec("h", 3)])  # no kv_events: not subscribed
+    assert sub.workers() == ["h:1"]
+    with pytest.raises(KeyError, match="h:3"):
+        sub.counters() and sub.worker_counters("h:3")
+
+
+def test_bind_failure_is_retried_with_backoff() -> None:
+    """The endpoint to bind is taken: the subscriber counts socket errors and retries (backing
+    off) until the port is free, then takes events as usual."""
+    import zmq
+
+    ctx = zmq.Context()
+    squatter = ctx.socket(zmq.PULL)
+    port = squatter.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    index = PrefixIndex(block_size=BLOCK)
+    spec = EngineSpec("127.0.0.1", 8000, kv_events=endpoint, kv_events_bind=True, topic="kv@a")
+    try:
+        with KVEventSubscriber(index, [spec], **FAST) as sub:
+            wait(sub, lambda c: c["socket_errors"] >= 3)
+            assert sub.bound_endpoint(spec.worker_id) is None
+            squatter.close(linger=0)
+            # Connect only once the subscriber holds the port (not the squatter's closing one).
+            deadline = time.monotonic() + WAIT_S
+            while sub.bound_endpoint(spec.worker_id) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with FakeKVPublisher(topic="kv@a", endpoint=endpoint, connect=True) as fake:
+                assert fake.wait_subscribed()
+                payloads = script(5, seed=30)
+                for p in payloads:
+                    fake.publish(p)
+                wait(sub, lambda c: c["batches"] >= 5)
+            assert sub.bound_endpoint(spec.worker_id) == endpoint
+    finally:
+        squatter.close(linger=0)
+        ctx.term()
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
