@@ -9,6 +9,9 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+# Imported here, on the main thread: the gateway would otherwise import the integrations from
+# its loop thread while pytest compiles test modules, which trips a CPython 3.11 AST race.
+import llmsched.integrations  # noqa: F401
 from llmsched.gateway import Gateway
 
 from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
@@ -63,6 +66,7 @@ class GatewayThread:
         self.call(self.gateway.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
     def connection(self, timeout_s: float = 60.0) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=timeout_s)

@@ -49,14 +49,24 @@ def complete(engine: VllmEngine, prompt: list[int], max_tokens: int = 4) -> dict
     )
 
 
-def settle(index: PrefixIndex, worker: str, prompt: list[int]) -> None:
+def settle(
+    index: PrefixIndex, worker: str, prompt: list[int], subscriber: KVEventSubscriber
+) -> None:
     """Wait until the request's full prompt blocks are in the index, then a little longer for
     the events of its last steps (eviction of other blocks among them)."""
     full = len(prompt) // BLOCK_SIZE
     assert wait_until(lambda: cached_blocks(index, worker, prompt) >= full), (
-        f"prompt blocks of {worker} never reached the index"
+        f"prompt blocks of {worker} never reached the index: {subscriber.worker_counters(worker)}"
     )
     time.sleep(0.3)
+
+
+def wait_connected(subscriber: KVEventSubscriber, engines: list[VllmEngine]) -> None:
+    """Wait for every engine to connect to the subscriber's bound sockets, then a little for
+    the subscription to reach the engine (a PUB socket drops what it sends before that)."""
+    connected = subscriber.wait_for(lambda c: c["connects"] >= len(engines), timeout=30.0)
+    assert connected, subscriber.counters()
+    time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +75,7 @@ def fed_index(engines: list[VllmEngine]) -> Iterator[tuple[PrefixIndex, KVEventS
     subscriber = KVEventSubscriber(index, [spec(e) for e in engines])
     subscriber.start()
     try:
+        wait_connected(subscriber, engines)
         yield index, subscriber
     finally:
         subscriber.stop()
@@ -75,14 +86,15 @@ def test_index_predicts_each_engine_prefix_cache_hit(
 ) -> None:
     """Before each request, the index says how many prompt tokens the engine has cached; the
     engine's own `prefix_cache_hits` counter must grow by exactly that. The workload shares
-    prefixes and overflows the engine's 64 blocks, so evictions (BlockRemoved) happen too."""
+    prefixes and overflows the engine's 64 blocks (7 bases of 10 blocks), so evictions
+    (BlockRemoved) happen too."""
     index, subscriber = fed_index
     engine = engines[0]
     worker = spec(engine).worker_id
     rng = random.Random(7)
-    bases = [[rng.randrange(5, VOCAB) for _ in range(320)] for _ in range(4)]
+    bases = [[rng.randrange(5, VOCAB) for _ in range(320)] for _ in range(7)]
     checked = hits_seen = 0
-    for step in range(24):
+    for step in range(30):
         base = bases[rng.randrange(len(bases))]
         keep = rng.choice([64, 150, 200, 320])
         prompt = base[:keep] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 40))]
@@ -97,9 +109,9 @@ def test_index_predicts_each_engine_prefix_cache_hit(
         )
         hits_seen += predicted > 0
         checked += 1
-        settle(index, worker, prompt)
+        settle(index, worker, prompt, subscriber)
     counters = subscriber.counters()
-    assert checked == 24 and hits_seen >= 8
+    assert checked == 30 and hits_seen >= 8
     assert counters["blocks_removed"] > 0, "the workload was meant to make the engine evict"
     assert counters["decode_errors"] == 0
 
@@ -115,7 +127,7 @@ def test_killed_subscriber_catches_up_through_replay(
     rng = random.Random(11)
     warm = [rng.randrange(5, VOCAB) for _ in range(100)]
     complete(engine, warm)
-    settle(index, worker, warm)
+    settle(index, worker, warm, subscriber)
 
     subscriber.stop()
     missed = [rng.randrange(5, VOCAB) for _ in range(130)]
@@ -140,3 +152,4 @@ def test_killed_subscriber_catches_up_through_replay(
     finally:
         revived.stop()
         subscriber.start()
+        wait_connected(subscriber, engines)

@@ -15,7 +15,7 @@ import pytest
 from .gateway_thread import GatewayThread, gateway_config
 from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
 
-WORDS = "the cache prefix token route engine queue batch memory block replica tenant".split()
+WORDS = ("the", "cache", "prefix", "token", "route", "engine", "queue", "batch", "memory", "block")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,9 @@ def test_conversations_return_to_the_engine_holding_their_prefix(
             hit = hits(engines)[served] - before_h[served]
             worker = gateway.gateway.config.engines[served].worker_id
             predicted = min(cached.get(worker, 0), (len(tokens) - 1) // BLOCK_SIZE) * BLOCK_SIZE
-            assert hit == predicted, f"conversation {c} turn {turn}: hit {hit}, index said {predicted}"
+            assert hit == predicted, (
+                f"conversation {c} turn {turn}: hit {hit}, index said {predicted}"
+            )
             if turn == 0:
                 homes[c] = served
             else:
@@ -111,8 +113,10 @@ def test_conversations_return_to_the_engine_holding_their_prefix(
 def test_cancelled_client_request_is_cancelled_upstream(
     engines: list[VllmEngine], gateway: GatewayThread
 ) -> None:
-    """A streaming client that hangs up after the first chunk makes the engine abort."""
-    aborted_before = sum(e.metric("vllm:request_success_total", finished_reason="abort") for e in engines)
+    """A streaming client that hangs up after the first chunk makes the engine stop: it goes
+    idle long before the 400 tokens asked for are generated. (vLLM does not count aborted
+    requests in `request_success_total`, so the generated-token counter is the witness.)"""
+    generated_before = sum(e.metric("vllm:generation_tokens_total") for e in engines)
     conn = gateway.connection()
     body = {
         "model": MODEL_NAME,
@@ -125,15 +129,15 @@ def test_cancelled_client_request_is_cancelled_upstream(
     conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     reply = conn.getresponse()
     assert reply.status == 200
-    assert reply.fp is not None
-    first = reply.fp.readline()
+    first = reply.readline()
     assert first.startswith(b"data: "), first
-    conn.sock.close() if conn.sock is not None else None
     conn.close()
     deadline = time.monotonic() + 20
-    aborted = aborted_before
-    while time.monotonic() < deadline and aborted == aborted_before:
-        time.sleep(0.2)
-        aborted = sum(e.metric("vllm:request_success_total", finished_reason="abort") for e in engines)
-    assert aborted == aborted_before + 1
+    while time.monotonic() < deadline and any(
+        e.metric("vllm:num_requests_running") > 0 for e in engines
+    ):
+        time.sleep(0.1)
     assert all(e.metric("vllm:num_requests_running") == 0 for e in engines)
+    time.sleep(1.0)  # a request that were still running would keep generating meanwhile
+    generated = sum(e.metric("vllm:generation_tokens_total") for e in engines) - generated_before
+    assert 1 <= generated < 200, f"{generated} tokens generated after the client hung up"
