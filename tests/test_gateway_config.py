@@ -106,7 +106,10 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"scrape": {"interval_s": 0}}, "scrape.interval_s"),
         ({"scrape": {"enabled": "yes"}}, "scrape.enabled: must be true or false"),
         ({"pd": {"header": "bad header"}}, "pd.header"),
-        ({"slices": {"enabled": True}}, "slices.enabled: token slices are not served"),
+        ({"slices": {"enabled": "yes"}}, "slices.enabled: must be true or false"),
+        ({"slices": {"policy": "lottery"}}, "slices: "),
+        ({"slices": {"params": {"slice_tokens": 0}}}, "slices: "),
+        ({"slices": {"chunk": 5}}, "slices.chunk: unknown key"),
         ({"auth": {"api_keys": {"short": {"tenant": "t"}}}}, "auth.api_keys: every key must be"),
         (
             {"auth": {"api_keys": {"sk-long-enough-1": {"priority": 1}}}},

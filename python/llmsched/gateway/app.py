@@ -40,10 +40,12 @@ from llmsched.errors import FlowRejected, NoEndpointError, UnknownEndpointError
 from llmsched.flow import FlowController, FlowRequest
 from llmsched.gateway.config import ApiKey, GatewayConfig, load_config
 from llmsched.gateway.metrics import GatewayMetrics
+from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.gateway.tokenize import PromptError, PromptTokenizer
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import Decision, Endpoint, EndpointPool, Router
+from llmsched.slices import SliceTracker
 
 __all__ = ["Gateway"]
 
@@ -129,6 +131,11 @@ class Gateway:
         self.router = Router(self.pool, self.index, cfg.router)
         self.flow = None if cfg.flow is None else FlowController(_flow_config(cfg, stale_after))
         self.tokenizer = None if cfg.tokenizer is None else PromptTokenizer(cfg.tokenizer)
+        self.slice_tracker = (
+            SliceTracker(cfg.slices.policy, cfg.slices.params, endpoints=list(self._specs))
+            if cfg.slices.enabled
+            else None
+        )
         self._subscriber: Any = None
         self._scraper: Any = None
         self.metrics = GatewayMetrics(
@@ -340,8 +347,34 @@ class Gateway:
             queued_s = time.perf_counter() - before
             self.metrics.queue_seconds.observe(queued_s)
         output_tokens = 0
+        flow_id: int | None = request_id
         try:
             pick_args = self._pick_args(prompt, model, priority, payload, request)
+            assembler = (
+                None
+                if self.slice_tracker is None
+                else make_assembler(payload, route, self.config.slices.default_max_tokens)
+            )
+            if assembler is not None and self.slice_tracker is not None:
+                sliced = SlicedRequest(
+                    self,
+                    self.slice_tracker,
+                    assembler,
+                    route=route,
+                    request_id=request_id,
+                    flow_id=request_id,
+                    tenant=tenant,
+                    priority=priority,
+                    prompt_tokens=prompt.size,
+                    stream=bool(payload.get("stream")),
+                    base_pick_args=pick_args,
+                    next_flow_id=lambda: next(self._ids),
+                )
+                try:
+                    self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - queued_s)
+                    return await sliced.run(request)
+                finally:
+                    flow_id, output_tokens = sliced.flow_id, sliced.uncharged_tokens()
             decision = self._pick(pick_args)
             if decision is None:
                 return self._refuse(route, _Refusal(503, "no_endpoint", "no engine can serve it"))
@@ -349,8 +382,8 @@ class Gateway:
             response, output_tokens = await self._proxy(request, route, body, decision, pick_args)
             return response
         finally:
-            if self.flow is not None:
-                self.flow.complete(request_id, output_tokens)
+            if self.flow is not None and flow_id is not None:
+                self.flow.complete(flow_id, output_tokens)
 
     def _authenticate(self, request: web.Request) -> tuple[str, int]:
         """(tenant, priority): from the API key when auth is on (headers ignored), else from

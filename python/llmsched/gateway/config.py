@@ -132,9 +132,14 @@ class PdConfig:
 
 @dataclass(frozen=True)
 class SlicesConfig:
-    """Token slices (not served by this gateway yet; the key is accepted only when disabled)."""
+    """Token slices: decode in slices of ``policy``'s length (a :class:`~llmsched.SliceTracker`
+    policy and its ``params``), re-routing each continuation; ``default_max_tokens`` bounds a
+    request that sets no ``max_tokens``."""
 
     enabled: bool = False
+    policy: str = "fixed"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    default_max_tokens: int = 256
 
 
 @dataclass(frozen=True)
@@ -430,7 +435,25 @@ def _pd(raw: dict[str, Any]) -> PdConfig:
 
 
 def _slices(raw: dict[str, Any]) -> SlicesConfig:
-    _reject_unknown(raw, "slices", {"enabled"})
-    if _bool(raw, "enabled", False, "slices"):
-        raise ConfigError("slices.enabled: token slices are not served by this gateway yet")
-    return SlicesConfig()
+    d = SlicesConfig()
+    _reject_unknown(raw, "slices", set(d.__dataclass_fields__))
+    policy = raw.get("policy", d.policy)
+    params = raw.get("params") or {}
+    if not isinstance(policy, str):
+        raise ConfigError(f"slices.policy: must be a policy name, got {policy!r}")
+    if not isinstance(params, Mapping):
+        raise ConfigError("slices.params: must be a mapping")
+    from llmsched.slices import SliceTracker
+
+    try:
+        SliceTracker(policy, params)
+    except ConfigError as exc:
+        raise ConfigError(f"slices: {exc}") from None
+    return SlicesConfig(
+        enabled=_bool(raw, "enabled", d.enabled, "slices"),
+        policy=policy,
+        params=dict(params),
+        default_max_tokens=_int(
+            raw, "default_max_tokens", d.default_max_tokens, "slices", low=1, high=2**31
+        ),
+    )

@@ -81,6 +81,9 @@ class GatewayMetrics:
             ["endpoint", "kind"],
             registry=r,
         )
+        self.slices = Counter(
+            f"{PREFIX}_slices", "Engine calls made for sliced requests (one per slice)", registry=r
+        )
         self.retries = Counter(
             f"{PREFIX}_retries", "Requests re-sent to another endpoint", registry=r
         )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import time
 from collections.abc import Sequence
@@ -194,11 +195,20 @@ class FakeOpenAIEngine:
             if not isinstance(max_tokens, int)
             else min(max_tokens, self.answer_tokens)
         )
-        pieces = [f" t{i}" for i in range(n)]
+        # Output token k reads " t<k>" with id OUTPUT_ID_BASE + k; a continuation (its
+        # earlier output in the prompt) carries on the count.
+        done = _generated_before(body, chat=chat)
+        pieces = [f" t{done + i}" for i in range(n)]
+        ids = (
+            [OUTPUT_ID_BASE + done + i for i in range(n)] if body.get("return_token_ids") else None
+        )
         created = int(time.time())
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.received)}"
         if not body.get("stream"):
-            answer = json.dumps(_full_answer(ident, created, body, pieces, chat=chat)).encode()
+            full = _full_answer(ident, created, body, pieces, chat=chat)
+            if ids is not None:
+                full["choices"][0]["token_ids"] = ids
+            answer = json.dumps(full).encode()
             self.sent.append(answer)
             return web.Response(body=answer, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
@@ -209,18 +219,43 @@ class FakeOpenAIEngine:
             if mode == "slow" and i:
                 await asyncio.sleep(self.token_delay_s)
             finish = "length" if i == n - 1 else None
-            event = (
-                b"data: "
-                + json.dumps(_chunk(ident, created, body, piece, finish, chat=chat)).encode()
-            )
+            chunk = _chunk(ident, created, body, piece, finish, chat=chat)
+            if ids is not None:
+                chunk["choices"][0]["token_ids"] = [ids[i]]
+            event = b"data: " + json.dumps(chunk).encode()
             written += event + b"\n\n"
             self.sent[-1] = bytes(written)
+            await response.write(event + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = _full_answer(ident, created, body, pieces, chat=chat)["usage"]
+            event = b"data: " + json.dumps({"id": ident, "choices": [], "usage": usage}).encode()
+            written += event + b"\n\n"
             await response.write(event + b"\n\n")
         written += b"data: [DONE]\n\n"
         self.sent[-1] = bytes(written)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+OUTPUT_ID_BASE = 1000
+"""Token id of the fake's first output token (``" t0"``)."""
+
+_PIECE = re.compile(r" t\d+")
+
+
+def _generated_before(body: dict[str, Any], *, chat: bool) -> int:
+    """Output tokens of an earlier call found in a continuation's prompt."""
+    if chat:
+        messages = body.get("messages") or []
+        last = messages[-1] if messages else {}
+        if body.get("continue_final_message") and isinstance(last.get("content"), str):
+            return len(_PIECE.findall(last["content"]))
+        return 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return sum(1 for t in prompt if isinstance(t, int) and t >= OUTPUT_ID_BASE)
+    return len(_PIECE.findall(prompt)) if isinstance(prompt, str) else 0
 
 
 def _full_answer(

@@ -1,0 +1,289 @@
+"""Token slices in the gateway: one request decoded as several engine calls.
+
+A request is cut with :class:`~llmsched.SliceAssembler` (continuation = prompt plus the tokens
+generated so far) and budgeted by a :class:`~llmsched.SliceTracker`. Each slice is routed
+afresh by the router (the engine holding the conversation's KV usually wins on its prefix),
+streamed from the engine, and stitched back into one response: a single JSON answer, or one SSE
+stream when the client asked for ``stream``. At each boundary the tracker decides whether the
+request continues, yields (its flow-control slot goes back and the continuation queues again at
+the decided priority) or migrates.
+
+Not covered: retries within a sliced request (a failed slice ends it with 502, or ends the
+stream), and requests the assembler cannot slice (``n > 1``, ``logprobs``, batched prompts),
+which are proxied unsliced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from llmsched.errors import ConfigError, FlowRejected
+from llmsched.flow import FlowController, FlowRequest
+from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
+
+if TYPE_CHECKING:
+    from llmsched.gateway.app import Gateway
+
+__all__ = ["SliceFailed", "SlicedRequest", "make_assembler"]
+
+# At most this many queued requests are described to the tracker at a boundary.
+_WAITING_SAMPLE = 16
+
+
+class SliceFailed(Exception):
+    """An engine call of a sliced request failed (status or connection)."""
+
+
+def make_assembler(
+    payload: Mapping[str, Any], route: str, default_max_tokens: int
+) -> SliceAssembler | None:
+    """The assembler of a request, or None when it cannot be sliced."""
+    try:
+        return SliceAssembler(
+            payload,
+            api="chat" if route == "chat" else "completions",
+            default_max_tokens=default_max_tokens,
+        )
+    except ConfigError:
+        return None
+
+
+class SlicedRequest:
+    """One sliced request through the gateway (see the module docstring)."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        tracker: SliceTracker,
+        assembler: SliceAssembler,
+        *,
+        route: str,
+        request_id: int,
+        flow_id: int,
+        tenant: str,
+        priority: int,
+        prompt_tokens: int,
+        stream: bool,
+        base_pick_args: Mapping[str, Any],
+        next_flow_id: Callable[[], int],
+    ) -> None:
+        self.gateway = gateway
+        self.tracker = tracker
+        self.asm = assembler
+        self.route = route
+        self.request_id = request_id
+        self.flow_id: int | None = flow_id
+        """The flow-control id of the current admission (a new one after a yield; None while
+        a continuation waits to be admitted again)."""
+        self.stream = stream
+        self._charged = 0
+        self.tenant = tenant
+        self.priority = priority
+        self.prompt_tokens = prompt_tokens
+        self.base_pick_args = dict(base_pick_args)
+        self.next_flow_id = next_flow_id
+        self.endpoints: list[str] = []
+        """The engine of every slice, in order."""
+
+    async def run(self, request: web.Request) -> web.StreamResponse:
+        """Runs every slice; returns the response sent to the client."""
+        stream = self.stream
+        response: web.StreamResponse | None = None
+        try:
+            slice_tokens = 0
+            first = True
+            while True:
+                body = self.asm.next_request(max(slice_tokens, 1))
+                decision = self.gateway._pick(self._pick_args(body))
+                if decision is None:
+                    raise SliceFailed("no engine can serve the continuation")
+                endpoint = str(decision.endpoint)
+                if first:
+                    start = self.tracker.admit(
+                        self.request_id,
+                        prompt_tokens=self.prompt_tokens,
+                        max_tokens=self.asm.remaining_tokens,
+                        endpoint=endpoint,
+                        priority=self.priority,
+                    )
+                    body = self.asm.next_request(start.slice_tokens)
+                    first = False
+                elif self._paused():
+                    start = self.tracker.resume(self.request_id, endpoint=endpoint)
+                    body = self.asm.next_request(start.slice_tokens)
+                self.endpoints.append(endpoint)
+                decision.started(endpoint)
+                try:
+                    chunks = await self._call(endpoint, body, decision)
+                finally:
+                    decision.finished()
+                self.gateway.metrics.slices.inc()
+                if stream:
+                    if response is None:
+                        response = web.StreamResponse(
+                            headers={"Content-Type": "text/event-stream; charset=utf-8"}
+                        )
+                        await response.prepare(request)
+                    for chunk in chunks:
+                        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.tracker.record_tokens(self.request_id, self.asm.last_slice_tokens)
+                if self.asm.done:
+                    break
+                slice_tokens = await self._boundary()
+            if response is None:
+                return web.json_response(self.asm.response())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        except SliceFailed as failed:
+            self.gateway.metrics.upstream_errors.labels(
+                self.endpoints[-1] if self.endpoints else "none", "slice"
+            ).inc()
+            if response is None:
+                return self.gateway._refuse(
+                    self.route, _upstream_refusal(f"a slice failed: {failed}")
+                )
+            await response.write_eof()
+            return response
+        finally:
+            self.tracker.remove(self.request_id)
+
+    def uncharged_tokens(self) -> int:
+        """Output tokens not yet charged to the tenant in flow control."""
+        return self.asm.generated_tokens - self._charged
+
+    def _paused(self) -> bool:
+        state = self.tracker.state(self.request_id)
+        return state is not None and state.phase != "running"
+
+    def _pick_args(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Routing input of a slice's call: its whole prompt (the continuation included)."""
+        args = {
+            k: v for k, v in self.base_pick_args.items() if k not in ("tokens", "text", "messages")
+        }
+        tokenizer = self.gateway.tokenizer
+        if self.route == "chat":
+            messages = body["messages"]
+            if tokenizer is not None:
+                extra = {"add_generation_prompt": not body.get("continue_final_message")}
+                ids = tokenizer.chat_tokens(messages, extra)
+                args["tokens"] = np.asarray(ids, dtype=np.uint32)
+            else:
+                args["messages"] = messages
+            return args
+        prompt = body["prompt"]
+        if isinstance(prompt, list):
+            args["tokens"] = np.asarray(prompt, dtype=np.uint32)
+        elif tokenizer is not None:
+            args["tokens"] = np.asarray(tokenizer.completion_tokens(prompt), dtype=np.uint32)
+        else:
+            args["text"] = prompt
+        return args
+
+    async def _call(
+        self, endpoint: str, body: dict[str, Any], decision: Any
+    ) -> list[dict[str, Any]]:
+        """One slice's engine call, streamed into the assembler; returns the user chunks."""
+        session = self.gateway._session
+        assert session is not None, "the gateway is not started"
+        url = self.gateway._urls[endpoint, self.route]
+        chunks: list[dict[str, Any]] = []
+        try:
+            async with session.post(url, json=body) as upstream:
+                if upstream.status != 200:
+                    raise SliceFailed(f"engine answered {upstream.status}")
+                buffered = b""
+                first = True
+                async for data in upstream.content.iter_any():
+                    if first:
+                        decision.first_token()
+                        first = False
+                    buffered += data
+                    *events, buffered = buffered.split(b"\n\n")
+                    for event in events:
+                        chunks.extend(self._feed(event))
+                if buffered.strip():
+                    chunks.extend(self._feed(buffered))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise SliceFailed(type(exc).__name__) from None
+        chunks.extend(self.asm.end_slice())
+        return chunks
+
+    def _feed(self, event: bytes) -> list[dict[str, Any]]:
+        for line in event.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return []
+            try:
+                return self.asm.feed(json.loads(data))
+            except ValueError as exc:
+                raise SliceFailed(f"malformed engine event: {exc}") from None
+        return []
+
+    async def _boundary(self) -> int:
+        """The tracker's decision at a slice boundary; returns the next slice's length."""
+        self._report_loads()
+        decision = self.tracker.decide(
+            self.request_id, waiting=self._waiting(), now=time.monotonic()
+        )
+        if decision.action == "finish":
+            raise SliceFailed("the slice tracker finished the request before its end")
+        flow = self.gateway.flow
+        if decision.action == "yield" and flow is not None and self.flow_id is not None:
+            # Give the slot back; the continuation queues again like a new request would.
+            flow.complete(self.flow_id, self.uncharged_tokens())
+            self._charged = self.asm.generated_tokens
+            self.flow_id = None
+            continuation = self.next_flow_id()
+            try:
+                await flow.admit(
+                    FlowRequest(
+                        continuation,
+                        priority=decision.priority,
+                        tenant=self.tenant,
+                        tokens=decision.context_tokens,
+                    )
+                )
+            except FlowRejected as rejected:
+                raise SliceFailed(f"continuation not admitted: {rejected.reason}") from None
+            self.flow_id = continuation
+        return decision.next_slice_tokens
+
+    def _report_loads(self) -> None:
+        for endpoint in self.gateway.pool.endpoints():
+            self.tracker.set_endpoint(
+                str(endpoint["id"]),
+                kv_usage=float(endpoint["kv_cache_usage"]),
+                waiting=int(endpoint["waiting"]),
+            )
+
+    def _waiting(self) -> list[WaitingRequest]:
+        """The requests queued in flow control, as the tracker sees them (their sizes are not
+        exported by the controller: each counts as a short new request)."""
+        flow: FlowController | None = self.gateway.flow
+        if flow is None:
+            return []
+        quantum = self.tracker.quantum(0)
+        queued = (
+            WaitingRequest(int(band["priority"]), 0, 0, quantum)
+            for band in flow.metrics()["bands"]
+            for _ in range(int(band["queued"]))
+        )
+        return list(itertools.islice(queued, _WAITING_SAMPLE))
+
+
+def _upstream_refusal(message: str) -> Any:
+    from llmsched.gateway.app import _Refusal
+
+    return _Refusal(502, "upstream_error", message)

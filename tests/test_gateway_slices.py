@@ -1,0 +1,110 @@
+"""Token slices through the gateway: continuation calls per slice, stitched into one answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from _gateway_harness import MODEL, rig, run
+
+from llmsched.testing.openai_engine import OUTPUT_ID_BASE
+
+SLICES = {"enabled": True, "policy": "fixed", "params": {"slice_tokens": 4}}
+
+
+def test_a_non_streaming_completion_is_decoded_in_slices_and_stitched() -> None:
+    async def body() -> None:
+        async with rig(engines=2, answer_tokens=100, slices=SLICES) as r:
+            prompt = list(range(1, 40))
+            response = await r.complete(prompt, max_tokens=10)
+            assert response.status == 200
+            answer = json.loads(await response.read())
+            assert answer["choices"][0]["text"] == "".join(f" t{i}" for i in range(10))
+            assert answer["choices"][0]["finish_reason"] == "length"
+            assert answer["usage"]["completion_tokens"] == 10
+            assert answer["usage"]["slice_details"]["slices"] == 3
+            calls = sorted((q.received_at, q.body) for e in r.engines for q in e.received)
+            bodies = [b for _, b in calls]
+            assert [b["max_tokens"] for b in bodies] == [4, 4, 2]
+            # Each continuation re-sends the prompt plus the ids generated so far.
+            assert bodies[1]["prompt"] == prompt + [OUTPUT_ID_BASE + i for i in range(4)]
+            assert bodies[2]["prompt"] == prompt + [OUTPUT_ID_BASE + i for i in range(8)]
+            # The router sends every continuation where the conversation's prefix is.
+            assert len({id(e) for e in r.engines if e.received}) == 1
+            assert r.metric("llmsched_gateway_slices_total") == 3
+
+    run(body())
+
+
+def test_a_streaming_chat_is_decoded_in_slices_as_one_stream() -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            request = {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": 9,
+                "messages": [{"role": "user", "content": "Tell me a story"}],
+            }
+            async with r.client.post(r.url("/v1/chat/completions"), json=request) as response:
+                assert response.status == 200
+                assert response.headers["Content-Type"].startswith("text/event-stream")
+                raw = await response.read()
+            events = [e for e in raw.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+            assert text == "".join(f" t{i}" for i in range(9))
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert len({c["id"] for c in chunks}) == 1  # one response id across slices
+            bodies = [q.body for q in r.engines[0].received]
+            assert [b["max_tokens"] for b in bodies] == [4, 4, 1]
+            assert bodies[1]["continue_final_message"] is True
+            assert bodies[1]["messages"][-1] == {"role": "assistant", "content": " t0 t1 t2 t3"}
+
+    run(body())
+
+
+def test_requests_that_cannot_be_sliced_are_proxied_whole() -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=6, slices=SLICES) as r:
+            response = await r.complete("hello", n=2)
+            assert response.status == 200
+            (received,) = r.engines[0].received
+            assert received.body["n"] == 2 and "stream_options" not in received.body
+
+    run(body())
+
+
+def test_a_failing_slice_ends_the_request_with_502() -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            r.engines[0].mode = "error500"
+            response = await r.complete([1, 2, 3], max_tokens=10)
+            assert response.status == 502
+            assert r.gateway.slice_tracker is not None and len(r.gateway.slice_tracker) == 0
+
+    run(body())
+
+
+def test_a_slice_boundary_yields_to_a_waiting_higher_priority_request() -> None:
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 1}}
+        async with rig(engines=1, answer_tokens=100, slices=SLICES, flow=flow) as r:
+            engine = r.engines[0]
+            engine.mode = "slow"
+            engine.token_delay_s = 0.05
+            long = asyncio.ensure_future(r.complete([1, 2, 3], max_tokens=12, stream=True))
+            while not engine.received:
+                await asyncio.sleep(0.005)
+            urgent = {"x-llmsched-priority": "5"}
+            short = await r.complete([7, 8, 9], max_tokens=2, headers=urgent)
+            assert short.status == 200
+            assert (await long).status == 200
+            order = [
+                q.body["prompt"][0] for q in sorted(engine.received, key=lambda q: q.received_at)
+            ]
+            # The waiting request ran between two slices of the long one (the long one gave
+            # its flow-control slot back at a boundary instead of holding it to the end).
+            assert order[0] == 1 and 7 in order and order.index(7) < len(order) - 1, order
+
+    run(body())
