@@ -87,6 +87,28 @@ class _UpstreamFailed(Exception):
 
 
 @dataclass
+class _Incoming:
+    """A request read and checked, before admission."""
+
+    tenant: str
+    priority: int
+    body: bytes
+    payload: dict[str, Any]
+    prompt: _Prompt
+    pick_args: dict[str, Any]
+    queued_s: float = 0.0
+
+
+@dataclass
+class _FlowSlot:
+    """A request's place in flow control: the id to complete (None when nothing is held, e.g.
+    a sliced continuation waiting to be admitted again) and the output tokens to charge."""
+
+    flow_id: int | None
+    output_tokens: int = 0
+
+
+@dataclass
 class _Prompt:
     """What routing and flow control need from a request body."""
 
@@ -314,76 +336,100 @@ class Gateway:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        """One generation request: read and check it, admit it, serve it, release it."""
         arrived = time.perf_counter()
         try:
-            tenant, priority = self._authenticate(request)
-            body = await self._read_body(request)
-            payload = _json_object(body)
-            model = payload.get("model")
-            if not isinstance(model, str):
-                raise _Refusal(400, "invalid_request_error", "'model' must be a string")
-            if model not in self.config.models:
-                raise _Refusal(404, "model_not_found", f"model {model!r} is not served here")
-            prompt = self._prompt(route, payload)
+            incoming = await self._read_request(request, route)
         except _Refusal as refusal:
             return self._refuse(route, refusal)
         request_id = next(self._ids)
-        queued_s = 0.0
+        slot = _FlowSlot(request_id)
         if self.flow is not None:
-            before = time.perf_counter()
-            flow_request = FlowRequest(
-                request_id,
-                priority=priority,
-                tenant=tenant,
-                tokens=prompt.size,
-                size_bytes=len(body),
-            )
             try:
-                await self.flow.admit(flow_request)
+                incoming.queued_s = await self._admit(request_id, incoming)
             except FlowRejected as rejected:
-                return self._refuse(
-                    route, _flow_refusal(rejected, self.config.limits.retry_after_s)
-                )
-            queued_s = time.perf_counter() - before
-            self.metrics.queue_seconds.observe(queued_s)
-        output_tokens = 0
-        flow_id: int | None = request_id
+                dropped = _flow_refusal(rejected, self.config.limits.retry_after_s)
+                return self._refuse(route, dropped)
         try:
-            pick_args = self._pick_args(prompt, model, priority, payload, request)
-            assembler = (
-                None
-                if self.slice_tracker is None
-                else make_assembler(payload, route, self.config.slices.default_max_tokens)
-            )
-            if assembler is not None and self.slice_tracker is not None:
-                sliced = SlicedRequest(
-                    self,
-                    self.slice_tracker,
-                    assembler,
-                    route=route,
-                    request_id=request_id,
-                    flow_id=request_id,
-                    tenant=tenant,
-                    priority=priority,
-                    prompt_tokens=prompt.size,
-                    stream=bool(payload.get("stream")),
-                    base_pick_args=pick_args,
-                    next_flow_id=lambda: next(self._ids),
-                )
-                try:
-                    self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - queued_s)
-                    return await sliced.run(request)
-                finally:
-                    flow_id, output_tokens = sliced.flow_id, sliced.uncharged_tokens()
-            decision = self._pick(pick_args)
-            if decision is None:
-                return self._refuse(route, _Refusal(503, "no_endpoint", "no engine can serve it"))
-            self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - queued_s)
-            response, output_tokens = await self._proxy(request, route, body, decision, pick_args)
-            return response
+            return await self._serve(request, route, incoming, slot, arrived)
         finally:
-            if self.flow is not None and flow_id is not None:
-                self.flow.complete(flow_id, output_tokens)
+            if self.flow is not None and slot.flow_id is not None:
+                self.flow.complete(slot.flow_id, slot.output_tokens)
+
+    async def _read_request(self, request: web.Request, route: str) -> _Incoming:
+        """Authenticates, reads (size-limited) and checks a request; raises _Refusal."""
+        tenant, priority = self._authenticate(request)
+        body = await self._read_body(request)
+        payload = _json_object(body)
+        model = payload.get("model")
+        if not isinstance(model, str):
+            raise _Refusal(400, "invalid_request_error", "'model' must be a string")
+        if model not in self.config.models:
+            raise _Refusal(404, "model_not_found", f"model {model!r} is not served here")
+        prompt = self._prompt(route, payload)
+        pick_args = self._pick_args(prompt, model, priority, payload, request)
+        return _Incoming(tenant, priority, body, payload, prompt, pick_args)
+
+    async def _admit(self, flow_id: int, incoming: _Incoming) -> float:
+        """Waits for flow control to dispatch the request; returns the seconds it waited."""
+        assert self.flow is not None
+        before = time.perf_counter()
+        flow_request = FlowRequest(
+            flow_id,
+            priority=incoming.priority,
+            tenant=incoming.tenant,
+            tokens=incoming.prompt.size,
+            size_bytes=len(incoming.body),
+        )
+        await self.flow.admit(flow_request)
+        queued_s = time.perf_counter() - before
+        self.metrics.queue_seconds.observe(queued_s)
+        return queued_s
+
+    async def _serve(
+        self,
+        request: web.Request,
+        route: str,
+        incoming: _Incoming,
+        slot: _FlowSlot,
+        arrived: float,
+    ) -> web.StreamResponse:
+        """Routes and proxies an admitted request (sliced when slices are on and it can be);
+        records in ``slot`` what flow control must be told at the end."""
+        assembler = (
+            None
+            if self.slice_tracker is None
+            else make_assembler(incoming.payload, route, self.config.slices.default_max_tokens)
+        )
+        if assembler is not None and self.slice_tracker is not None:
+            assert slot.flow_id is not None
+            sliced = SlicedRequest(
+                self,
+                self.slice_tracker,
+                assembler,
+                route=route,
+                request_id=slot.flow_id,
+                flow_id=slot.flow_id,
+                tenant=incoming.tenant,
+                priority=incoming.priority,
+                prompt_tokens=incoming.prompt.size,
+                stream=bool(incoming.payload.get("stream")),
+                base_pick_args=incoming.pick_args,
+                next_flow_id=lambda: next(self._ids),
+            )
+            self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
+            try:
+                return await sliced.run(request)
+            finally:
+                slot.flow_id, slot.output_tokens = sliced.flow_id, sliced.uncharged_tokens()
+        decision = self._pick(incoming.pick_args)
+        if decision is None:
+            return self._refuse(route, _Refusal(503, "no_endpoint", "no engine can serve it"))
+        self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
+        response, slot.output_tokens = await self._proxy(
+            request, route, incoming.body, decision, incoming.pick_args
+        )
+        return response
 
     def _authenticate(self, request: web.Request) -> tuple[str, int]:
         """(tenant, priority): from the API key when auth is on (headers ignored), else from
