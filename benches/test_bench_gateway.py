@@ -290,3 +290,51 @@ def test_decision_path_twin(benchmark: Any, decision: dict[str, Any]) -> None:
 
     assert path().best == ["10.0.0.5:8000"]
     benchmark(path)
+
+
+ADMIT_PICK_GROUP = f"gateway admit + pick (tokens given), {ENDPOINTS} endpoints"
+
+
+def test_admit_pick(benchmark: Any, decision: dict[str, Any]) -> None:
+    benchmark.group = ADMIT_PICK_GROUP
+    router = decision["router"]
+    tokens = np.asarray(decision["tokenizer"].chat_tokens(decision["messages"]), dtype=np.uint32)
+    flow = FlowController(FLOW)
+    ids = iter(range(1, 1 << 62))
+
+    def path() -> Any:
+        request_id = next(ids)
+        assert flow.enqueue(FlowRequest(request_id, tokens=len(tokens))) is None
+        assert flow.dispatch() is not None
+        d = router.pick(tokens=tokens, model=MODEL, now=0.0)
+        d.started(now=0.0)
+        d.finished()
+        flow.complete(request_id)
+        return d
+
+    assert path().endpoint == "10.0.0.5:8000"
+    benchmark.extra_info["prompt_tokens"] = len(tokens)
+    benchmark(path)
+
+
+def test_admit_pick_twin(benchmark: Any, decision: dict[str, Any]) -> None:
+    benchmark.group = ADMIT_PICK_GROUP
+    tokens = decision["tokenizer"].chat_tokens(decision["messages"])
+    flow = FlowControllerTwin(resolve_config(FLOW))
+    ids = iter(range(1, 1 << 62))
+    clock = [0.0]
+
+    def path() -> Any:
+        request_id = next(ids)
+        clock[0] += 1e-6
+        queued = flow.enqueue(request_id, 0, "default", len(tokens), 0, None, None, None, clock[0])
+        assert queued is None
+        assert flow.dispatch(clock[0]) is not None
+        d = decide_tokens(
+            decision["router_config"], decision["twins"], decision["twin_index"], tokens
+        )
+        flow.complete(request_id, 0, clock[0])
+        return d
+
+    assert path().best == ["10.0.0.5:8000"]
+    benchmark(path)
