@@ -305,8 +305,16 @@ fn simulate<'py>(
         .map_err(|e| PyValueError::new_err(format!("router config is not valid JSON: {e}")))?;
     let router = parse_config(&value).map_err(RoutingError::from)?;
     let plan = plan(workload)?;
-    let out = py.detach(|| sim_engine(cfg, model, router, &plan))?;
-    output(py, out)
+    let budget = cfg.max_num_batched_tokens;
+    let (out, ideal) = py.detach(|| {
+        let out = sim_engine(cfg, model, router, &plan)?;
+        let ideal: Vec<f64> =
+            out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
+        Ok::<_, crate::sim::SimError>((out, ideal))
+    })?;
+    let d = output(py, out)?;
+    d.set_item("ideal", ideal.into_pyarray(py))?;
+    Ok(d)
 }
 
 fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> {
