@@ -1,6 +1,7 @@
 """Run one scenario under several policies (in parallel processes) and report the results.
 
->>> from llmsched.sim.config import ScenarioConfig
+>>> from llmsched.sim import fast
+from llmsched.sim.config import ScenarioConfig
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "policies": ["random", "round-robin"],
 ...     "workload": {"kind": "long_short", "num_requests": 40}})
 >>> results = compare(cfg, jobs=1, progress=False)
@@ -15,10 +16,17 @@ import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from pathlib import Path
 from typing import Any, TextIO
 
+from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.results import SimResult
 from llmsched.sim.simulator import Simulation
@@ -49,6 +57,11 @@ def _simulate(config: ScenarioConfig, policy: Any, label: str = "") -> SimResult
     return result
 
 
+def _native(run: tuple[ScenarioConfig, Any, str]) -> bool:
+    """Whether the Rust engine runs this (scenario, policy) pair."""
+    return fast.unsupported(run[0], run[1]) is None
+
+
 def compare(
     config: ScenarioConfig,
     policies: list[Any] | None = None,
@@ -58,8 +71,8 @@ def compare(
     out: TextIO = sys.stderr,
 ) -> list[SimResult]:
     """Simulate ``config`` once per policy (each variant's ``policies`` by default) and variant,
-    ``jobs`` at a time in separate processes (default: one per CPU, at most one per run), with
-    a progress bar over simulated requests. Results come back in (variant, policy) order."""
+    ``jobs`` at a time (default: one per CPU, at most one per run): Rust-engine runs in threads,
+    Python-engine runs in separate processes, with a progress bar over simulated requests. Results come back in (variant, policy) order."""
     runs = [
         (cfg, p, label)
         for label, cfg in config.expand()
@@ -75,17 +88,41 @@ def compare(
         total = _expected_requests(config) * len(runs)
         bar = tqdm(total=total, unit="req", file=out, desc=config.name, leave=False)
     try:
-        if jobs == 1:
-            results = []
-            for run in runs:
-                results.append(_simulate(*run))
+        # Rust-engine runs go to threads of this process (the engine releases the GIL and the
+        # policies share one workload plan); the rest to processes (or inline with one job).
+        native = [i for i, run in enumerate(runs) if _native(run)]
+        python = [i for i in range(len(runs)) if i not in set(native)]
+        results: list[SimResult | None] = [None] * len(runs)
+        for i, result in zip(native, _threads([runs[i] for i in native], jobs, counter, bar)):
+            results[i] = result
+        if jobs == 1 or len(python) <= 1:
+            for i in python:
+                results[i] = _simulate(*runs[i])
                 _tick(bar, counter)
-            return results
-        return _parallel(runs, jobs, counter, bar)
+        else:
+            for i, result in zip(python, _parallel([runs[i] for i in python], jobs, counter, bar)):
+                results[i] = result
+        return [r for r in results if r is not None]
     finally:
         if bar is not None:
             bar.close()
         _init_worker(None)
+
+
+def _threads(
+    runs: list[tuple[ScenarioConfig, Any, str]], jobs: int, counter: Any, bar: Any
+) -> list[SimResult]:
+    if not runs:
+        return []
+    for config, _, _ in runs:
+        fast.cached_plan(config)  # once per workload, before the threads share it
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_simulate, *run) for run in runs]
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _tick(bar, counter)
+        return [f.result() for f in futures]
 
 
 def _parallel(
