@@ -47,7 +47,7 @@ def unsupported(config: ScenarioConfig, policy: Any, native_kv: bool = True) -> 
     """Why the Rust engine cannot run ``policy`` on ``config`` (None: it can).
 
     >>> from llmsched.sim.config import ScenarioConfig
-    >>> unsupported(ScenarioConfig.from_dict({"base": "pd"}), "llm-d")
+    >>> unsupported(ScenarioConfig.from_dict({"pd": {"prefill_replicas": 2}}), "llm-d-pd")
     'prefill/decode disaggregation'
     """
     if not native_kv:
@@ -315,7 +315,8 @@ def collect(sim: Simulation, out: dict[str, Any], wall_s: float) -> SimResult:
 
 
 def done_requests(out: dict[str, Any]) -> list[Request]:
-    """The finished requests of a native run as :class:`Request` objects (no hashes)."""
+    """The finished requests of a native run as :class:`Request` objects (without hashes or
+    tokens; ``session`` is the session number of agentic turns, None otherwise)."""
     empty = np.zeros(0, dtype=np.uint64)
     done = []
     for i in range(len(out["id"])):

@@ -201,10 +201,12 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         )
     elapsed = wall_s if wall_s is not None else wall
     share = decision / wall if wall > 0 else 0.0
+    engines = sorted({r.engine_name for r in results})
     lines.append(
         f"\n{total} simulated requests in {elapsed:.1f} s wall "
         f"({total / elapsed if elapsed > 0 else 0:,.0f} requests/s); "
-        f"routing decisions took {share:.1%} of simulation time"
+        f"routing decisions took {share:.1%} of simulation time "
+        f"(engine: {' and '.join(engines)})"
     )
     return "\n".join(lines)
 
