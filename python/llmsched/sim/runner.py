@@ -48,18 +48,22 @@ def _bump(done: int, last: list[int]) -> None:
     last[0] = done
 
 
-def _simulate(config: ScenarioConfig, policy: Any, label: str = "") -> SimResult:
+def _simulate(
+    config: ScenarioConfig, policy: Any, label: str = "", engine: str = "auto"
+) -> SimResult:
     last = [0]
-    sim = Simulation(config, policy, progress=lambda n: _bump(n, last), progress_every=200)
+    sim = Simulation(
+        config, policy, progress=lambda n: _bump(n, last), progress_every=200, engine=engine
+    )
     result = sim.run()
     if label:
         result.policy = f"{result.policy} [{label}]"
     return result
 
 
-def _native(run: tuple[ScenarioConfig, Any, str]) -> bool:
-    """Whether the Rust engine runs this (scenario, policy) pair."""
-    return fast.unsupported(run[0], run[1]) is None
+def _native(run: tuple[ScenarioConfig, Any, str, str]) -> bool:
+    """Whether the Rust engine runs this (scenario, policy, label, engine) run."""
+    return run[3] != "python" and fast.unsupported(run[0], run[1]) is None
 
 
 def compare(
@@ -69,12 +73,14 @@ def compare(
     jobs: int | None = None,
     progress: bool = True,
     out: TextIO = sys.stderr,
+    engine: str = "auto",
 ) -> list[SimResult]:
     """Simulate ``config`` once per policy (each variant's ``policies`` by default) and variant,
     ``jobs`` at a time (default: one per CPU, at most one per run): Rust-engine runs in threads,
-    Python-engine runs in separate processes, with a progress bar over simulated requests. Results come back in (variant, policy) order."""
+    Python-engine runs in separate processes, with a progress bar over simulated requests. ``engine`` is passed to each
+    :class:`Simulation`. Results come back in (variant, policy) order."""
     runs = [
-        (cfg, p, label)
+        (cfg, p, label, engine)
         for label, cfg in config.expand()
         for p in (policies if policies is not None else cfg.policies)
     ]
@@ -110,11 +116,11 @@ def compare(
 
 
 def _threads(
-    runs: list[tuple[ScenarioConfig, Any, str]], jobs: int, counter: Any, bar: Any
+    runs: list[tuple[ScenarioConfig, Any, str, str]], jobs: int, counter: Any, bar: Any
 ) -> list[SimResult]:
     if not runs:
         return []
-    for config, _, _ in runs:
+    for config, *_ in runs:
         fast.cached_plan(config)  # once per workload, before the threads share it
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(_simulate, *run) for run in runs]
@@ -126,7 +132,7 @@ def _threads(
 
 
 def _parallel(
-    runs: list[tuple[ScenarioConfig, Any, str]], jobs: int, counter: Any, bar: Any
+    runs: list[tuple[ScenarioConfig, Any, str, str]], jobs: int, counter: Any, bar: Any
 ) -> list[SimResult]:
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
