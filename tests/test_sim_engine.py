@@ -121,7 +121,9 @@ def test_preemption_by_recompute_keeps_every_token(engine: str) -> None:
 
 @ENGINES
 def test_request_larger_than_the_cache_is_refused(engine: str) -> None:
-    sim = Simulation(one_request(5000, 10, engine={"kv_tokens": 2000}), "round-robin", engine=engine)
+    sim = Simulation(
+        one_request(5000, 10, engine={"kv_tokens": 2000}), "round-robin", engine=engine
+    )
     s = sim.run().summary()
     assert s["completed"] == 0 and s["rejected"] == 1
 

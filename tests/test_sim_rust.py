@@ -4,6 +4,7 @@ cover fall back to the Python engine, visibly."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -188,8 +189,15 @@ def test_default_scenario_shape_equal(policy: str) -> None:
 
 def test_trace_workload_with_sessions(tmp_path) -> None:
     rows = [
-        '{"timestamp": %d, "input_length": %d, "output_length": 20, "hash_ids": [%s], '
-        '"session": "s%d"}' % (i * 50, 900 + i, ", ".join(str(h) for h in range(i % 3 + 1)), i % 4)
+        json.dumps(
+            {
+                "timestamp": i * 50,
+                "input_length": 900 + i,
+                "output_length": 20,
+                "hash_ids": list(range(i % 3 + 1)),
+                "session": f"s{i % 4}",
+            }
+        )
         for i in range(40)
     ]
     path = tmp_path / "trace.jsonl"

@@ -338,7 +338,10 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("priority", i(|r| r.priority))?;
     d.set_item("session", i(|r| r.session.map_or(-1, |s| s as i64)))?;
     d.set_item("turn", i(|r| r.turn as i64))?;
-    d.set_item("rejected", done.iter().map(|r| r.rejected).collect::<Vec<bool>>().into_pyarray(py))?;
+    d.set_item(
+        "rejected",
+        done.iter().map(|r| r.rejected).collect::<Vec<bool>>().into_pyarray(py),
+    )?;
     let replicas = PyList::empty(py);
     for rep in &out.replicas {
         let r = PyDict::new(py);

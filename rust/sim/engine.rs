@@ -279,7 +279,9 @@ impl<'p> Simulation<'p> {
     ) -> Result<Self, SimError> {
         plan.validate()?;
         if cfg.replicas == 0 || cfg.block_size == 0 || cfg.max_num_seqs == 0 {
-            return Err(SimError::Config("replicas, block_size and max_num_seqs must be >= 1".into()));
+            return Err(SimError::Config(
+                "replicas, block_size and max_num_seqs must be >= 1".into(),
+            ));
         }
         if !(cfg.kv_sample > 0.0 && cfg.metrics_delay >= 0.0 && cfg.kv_events_delay >= 0.0) {
             return Err(SimError::Config("kv_sample must be > 0 and delays >= 0".into()));
@@ -573,8 +575,8 @@ impl World<'_> {
     fn pick(&mut self, r: usize, now: f64) -> Result<usize, SimError> {
         let q = &self.reqs[r];
         let whole = (q.prompt_len / self.bs) as usize;
-        let hashes = self.plan.hashes[q.hashes.0..q.hashes.0 + whole.min(q.hashes.1 - q.hashes.0)]
-            .to_vec();
+        let hashes =
+            self.plan.hashes[q.hashes.0..q.hashes.0 + whole.min(q.hashes.1 - q.hashes.0)].to_vec();
         let meta = RequestMeta {
             model: None,
             lora: None,
@@ -626,7 +628,14 @@ impl World<'_> {
     }
 
     /// The replica's metrics changed; the gateway sees them `metrics_delay` later.
-    fn publish(&mut self, rid: usize, waiting: u32, running: u32, usage: f64, now: f64) -> Result<(), SimError> {
+    fn publish(
+        &mut self,
+        rid: usize,
+        waiting: u32,
+        running: u32,
+        usage: f64,
+        now: f64,
+    ) -> Result<(), SimError> {
         if now >= self.next_kv_sample[rid] {
             self.kv_trace[rid].push((now, usage));
             self.next_kv_sample[rid] = now + self.cfg.kv_sample;
@@ -639,7 +648,14 @@ impl World<'_> {
         }
     }
 
-    fn metrics_seen(&mut self, rid: usize, waiting: u32, running: u32, usage: f64, now: f64) -> Result<(), SimError> {
+    fn metrics_seen(
+        &mut self,
+        rid: usize,
+        waiting: u32,
+        running: u32,
+        usage: f64,
+        now: f64,
+    ) -> Result<(), SimError> {
         let start = Instant::now();
         let update = MetricsUpdate {
             waiting: Some(waiting),
@@ -718,7 +734,13 @@ impl Replica {
     }
 
     fn publish(&self, w: &mut World<'_>, now: f64) -> Result<(), SimError> {
-        w.publish(self.id, self.waiting.len() as u32, self.running.len() as u32, self.kv.usage(), now)
+        w.publish(
+            self.id,
+            self.waiting.len() as u32,
+            self.running.len() as u32,
+            self.kv.usage(),
+            now,
+        )
     }
 
     fn enqueue(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
@@ -789,7 +811,13 @@ impl Replica {
         self.publish(w, now)
     }
 
-    fn prefilled(&mut self, r: usize, chunk: u64, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
+    fn prefilled(
+        &mut self,
+        r: usize,
+        chunk: u64,
+        now: f64,
+        w: &mut World<'_>,
+    ) -> Result<(), SimError> {
         let q = &mut w.reqs[r];
         q.computed += chunk;
         let (id, computed, target) = (q.id, q.computed, q.target);
@@ -884,13 +912,15 @@ impl Replica {
     }
 
     fn victim(&self, spare: Option<usize>, w: &World<'_>) -> Option<usize> {
-        let candidates = self.running.iter().copied().filter(|&r| Some(r) != spare);
+        let mut candidates = self.running.iter().copied().filter(|&r| Some(r) != spare);
         if w.cfg.priority_scheduling {
             candidates.max_by(|&a, &b| {
-                priority_key(&w.reqs[a]).partial_cmp(&priority_key(&w.reqs[b])).unwrap_or(Ordering::Equal)
+                priority_key(&w.reqs[a])
+                    .partial_cmp(&priority_key(&w.reqs[b]))
+                    .unwrap_or(Ordering::Equal)
             })
         } else {
-            candidates.last()
+            candidates.next_back()
         }
     }
 

@@ -85,7 +85,11 @@ impl Plan {
                 return bad(format!("session {i}: no turns"));
             }
             for t in &s.turns {
-                if t.blocks > s.hashes.len() || t.prompt_len == 0 || !(t.think >= 0.0) {
+                if t.blocks > s.hashes.len()
+                    || t.prompt_len == 0
+                    || t.think.is_nan()
+                    || t.think < 0.0
+                {
                     return bad(format!("session {i}: a turn is malformed"));
                 }
             }

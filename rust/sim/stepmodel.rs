@@ -60,8 +60,7 @@ impl Roofline {
         if self.tp == 1 || tokens == 0 {
             return self.step_overhead;
         }
-        let per_reduce =
-            (tokens * self.hidden * 2 * 2 * (self.tp - 1)) as f64 / self.tp as f64;
+        let per_reduce = (tokens * self.hidden * 2 * 2 * (self.tp - 1)) as f64 / self.tp as f64;
         let comm = (2 * self.layers) as f64 * (self.allreduce_latency + per_reduce / self.link_bw);
         self.step_overhead + comm
     }
@@ -74,8 +73,7 @@ impl Roofline {
             return self.params * self.bytes_per_param;
         }
         let shared = self.params - self.expert_params;
-        let touched =
-            1.0 - (1.0 - self.experts_per_token / self.experts).powf(tokens as f64);
+        let touched = 1.0 - (1.0 - self.experts_per_token / self.experts).powf(tokens as f64);
         (shared + self.expert_params * touched) * self.bytes_per_param
     }
 }
@@ -101,8 +99,8 @@ impl StepModel {
                 let attn_terms =
                     w.prefill_ctx as f64 + w.prefill_sq as f64 / 2.0 + w.decode_ctx as f64;
                 let flops = r.active2 * tokens as f64 + r.attn * attn_terms;
-                let moved = r.weights(tokens)
-                    + r.kvb * (tokens + w.prefill_read + w.decode_ctx) as f64;
+                let moved =
+                    r.weights(tokens) + r.kvb * (tokens + w.prefill_read + w.decode_ctx) as f64;
                 py_max(flops / r.flop_rate, moved / r.byte_rate) + r.fixed(tokens)
             }
             StepModel::Linear(l) => {

@@ -28,7 +28,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmEngine]]:
+def engines(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[VllmEngine]]:
     """Two real engines serving the same model, each with its own KV-event feed."""
     logs = tmp_path_factory.mktemp("engine-logs")
     pair = [VllmEngine(tiny_model, f"e{i}", logs / f"e{i}.log") for i in range(2)]

@@ -164,7 +164,9 @@ class VllmEngine:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1.0)
-        raise RuntimeError(f"engine {self.name} not healthy after {timeout_s} s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"engine {self.name} not healthy after {timeout_s} s:\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         """End the engine and its children; waits for them."""

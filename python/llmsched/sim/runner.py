@@ -77,8 +77,9 @@ def compare(
 ) -> list[SimResult]:
     """Simulate ``config`` once per policy (each variant's ``policies`` by default) and variant,
     ``jobs`` at a time (default: one per CPU, at most one per run): Rust-engine runs in threads,
-    Python-engine runs in separate processes, with a progress bar over simulated requests. ``engine`` is passed to each
-    :class:`Simulation`. Results come back in (variant, policy) order."""
+    Python-engine runs in separate processes, with a progress bar over simulated requests.
+    ``engine`` is passed to each :class:`Simulation`. Results come back in (variant, policy)
+    order."""
     runs = [
         (cfg, p, label, engine)
         for label, cfg in config.expand()
@@ -99,14 +100,16 @@ def compare(
         native = [i for i, run in enumerate(runs) if _native(run)]
         python = [i for i in range(len(runs)) if i not in set(native)]
         results: list[SimResult | None] = [None] * len(runs)
-        for i, result in zip(native, _threads([runs[i] for i in native], jobs, counter, bar)):
+        threaded = _threads([runs[i] for i in native], jobs, counter, bar)
+        for i, result in zip(native, threaded, strict=True):
             results[i] = result
         if jobs == 1 or len(python) <= 1:
             for i in python:
                 results[i] = _simulate(*runs[i])
                 _tick(bar, counter)
         else:
-            for i, result in zip(python, _parallel([runs[i] for i in python], jobs, counter, bar)):
+            spawned = _parallel([runs[i] for i in python], jobs, counter, bar)
+            for i, result in zip(python, spawned, strict=True):
                 results[i] = result
         return [r for r in results if r is not None]
     finally:

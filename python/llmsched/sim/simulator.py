@@ -24,10 +24,10 @@ from typing import Any
 
 from llmsched.errors import ConfigError, UnknownBlockError
 from llmsched.prefix_index import PrefixIndex
+from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.gate import FlowGate
 from llmsched.sim.kv import make_kv_cache
-from llmsched.sim import fast
 from llmsched.sim.policies import Policy, make_policy, resolve_policy
 from llmsched.sim.replica import Replica
 from llmsched.sim.request import DONE, WAITING, Request
@@ -93,6 +93,7 @@ class Simulation:
         self.slice_switches = 0
         self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
         if self.engine == "rust":
+            assert isinstance(policy, (str, dict)), "fast.unsupported() sends objects to Python"
             self.name, self._router_config = resolve_policy(policy)
             self.replicas: list[Any] = []
             self.kv_trace: list[list[tuple[float, float]]] = []
@@ -100,20 +101,22 @@ class Simulation:
             self.slices: SliceTracker | None = None
             self.gate: FlowGate | None = None
             return
-        engine = engine_cfg
-        self.index = PrefixIndex(block_size=engine.block_size, seed=config.seed)
-        chain_seed = self.index.seed
+        index = PrefixIndex(block_size=engine_cfg.block_size, seed=config.seed)
+        self.index = index
         self.workload = make_workload(
-            config.workload, seed=config.seed, block_size=engine.block_size, chain_seed=chain_seed
+            config.workload,
+            seed=config.seed,
+            block_size=engine_cfg.block_size,
+            chain_seed=index.seed,
         )
         roles = config.roles()
         self.replicas = [
             Replica(
                 i,
                 role,
-                engine,
+                engine_cfg,
                 self.model,
-                make_kv_cache(self.kv_blocks, engine.block_size, native=native_kv),
+                make_kv_cache(self.kv_blocks, engine_cfg.block_size, native=native_kv),
                 self,
             )
             for i, role in enumerate(roles)
@@ -127,7 +130,7 @@ class Simulation:
         self._pending_metrics: list[deque[tuple[float, int, int, float]]] = [
             deque() for _ in self.replicas
         ]
-        self.kv_trace: list[list[tuple[float, float]]] = [[] for _ in self.replicas]
+        self.kv_trace = [[] for _ in self.replicas]
         self._next_kv_sample = [0.0] * len(self.replicas)
         self.slices = self._slice_tracker()
         self.gate = FlowGate(self, config.flow.config) if config.flow.enabled else None
@@ -218,6 +221,7 @@ class Simulation:
     def _apply_kv_events(self, rid: int, events: list[tuple[Any, ...]]) -> None:
         t = time.perf_counter()
         index = self.index
+        assert index is not None, "the Python engine always has its index"
         for event in events:
             try:
                 if event[0] == "stored":

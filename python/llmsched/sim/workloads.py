@@ -250,7 +250,7 @@ class _Script:
     and the session's number), so its content never depends on when other requests finish
     and every policy and both engines see the same sessions."""
 
-    __slots__ = ("conv", "thinks", "tenant", "turns")
+    __slots__ = ("conv", "tenant", "thinks", "turns")
 
     def __init__(self, tenant: int, conv: Conversation) -> None:
         self.tenant = tenant
