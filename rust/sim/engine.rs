@@ -539,7 +539,10 @@ impl World<'_> {
                 o.session.clone(),
                 0,
             )
-        } else if plan.open.is_empty() && self.stream_next < plan.starts.len() {
+        } else if plan.open.is_empty()
+            && self.stream_next < plan.starts.len()
+            && self.sessions_started < plan.sessions.len()
+        {
             let sid = self.sessions_started;
             self.sessions_started += 1;
             self.session_turn_request(sid, 0, plan.starts[self.stream_next])

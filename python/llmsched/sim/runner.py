@@ -1,7 +1,7 @@
-"""Run one scenario under several policies (in parallel processes) and report the results.
+"""Run one scenario under several policies (in parallel threads or processes) and report the
+results.
 
->>> from llmsched.sim import fast
-from llmsched.sim.config import ScenarioConfig
+>>> from llmsched.sim.config import ScenarioConfig
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "policies": ["random", "round-robin"],
 ...     "workload": {"kind": "long_short", "num_requests": 40}})
 >>> results = compare(cfg, jobs=1, progress=False)

@@ -336,8 +336,11 @@ class AgenticWorkload(_Base):
         return np.cumsum(cfg.arrival.gaps(self.rng, cfg.sessions))
 
     def arrivals(self) -> Iterator[Request]:
-        """First turns at :meth:`starts`."""
+        """First turns at :meth:`starts` (fewer if finished sessions of a closed loop already
+        started all ``sessions``)."""
         for t in self.starts():
+            if self._started >= self.cfg.sessions:
+                return
             yield self._first_turn(float(t))
 
     def on_finish(self, request: Request, now: float) -> Request | None:
