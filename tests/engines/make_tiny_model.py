@@ -27,66 +27,13 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<pad>", "<|end|>"]
 VOCAB_SIZE = 512
 
-WORDS = [
-    "the",
-    "a",
-    "an",
-    "of",
-    "to",
-    "in",
-    "on",
-    "for",
-    "with",
-    "about",
-    "system",
-    "user",
-    "assistant",
-    "tool",
-    "call",
-    "result",
-    "please",
-    "explain",
-    "write",
-    "code",
-    "function",
-    "data",
-    "model",
-    "cache",
-    "prefix",
-    "token",
-    "request",
-    "route",
-    "engine",
-    "fast",
-    "slow",
-    "queue",
-    "batch",
-    "time",
-    "memory",
-    "block",
-    "hash",
-    "replica",
-    "tenant",
-    "share",
-    "agent",
-    "turn",
-    "reply",
-    "answer",
-    "question",
-    "document",
-    "summary",
-    "list",
-    "plan",
-    "step",
-    "check",
-    "test",
-    "value",
-    "number",
-    "zero",
-    "one",
-    "two",
-    "three",
-]
+WORDS_TEXT = (
+    "the a an of to in on for with about system user assistant tool call result please "
+    "explain write code function data model cache prefix token request route engine fast "
+    "slow queue batch time memory block hash replica tenant share agent turn reply answer "
+    "question document summary list plan step check test value number zero one two three"
+)
+WORDS = WORDS_TEXT.split(" ")
 
 
 def corpus(seed: int, lines: int) -> list[str]:

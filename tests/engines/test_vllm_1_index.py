@@ -64,9 +64,8 @@ def settle(
 def wait_connected(subscriber: KVEventSubscriber, engines: list[VllmEngine]) -> None:
     """Wait for every engine to connect to the subscriber's bound sockets, then a little for
     the subscription to reach the engine (a PUB socket drops what it sends before that)."""
-    for engine in engines:
-        worker = spec(engine).worker_id
-        assert wait_until(lambda: subscriber.worker_counters(worker)["connects"] >= 1), worker
+    connected = subscriber.wait_for(lambda c: c["connects"] >= len(engines), timeout=30.0)
+    assert connected, subscriber.counters()
     time.sleep(0.5)
 
 
@@ -87,7 +86,8 @@ def test_index_predicts_each_engine_prefix_cache_hit(
 ) -> None:
     """Before each request, the index says how many prompt tokens the engine has cached; the
     engine's own `prefix_cache_hits` counter must grow by exactly that. The workload shares
-    prefixes and overflows the engine's 64 blocks (7 bases of 10 blocks), so evictions (BlockRemoved) happen too."""
+    prefixes and overflows the engine's 64 blocks (7 bases of 10 blocks), so evictions
+    (BlockRemoved) happen too."""
     index, subscriber = fed_index
     engine = engines[0]
     worker = spec(engine).worker_id

@@ -15,7 +15,7 @@ import pytest
 from .gateway_thread import GatewayThread, gateway_config
 from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
 
-WORDS = "the cache prefix token route engine queue batch memory block replica tenant".split()
+WORDS = ("the", "cache", "prefix", "token", "route", "engine", "queue", "batch", "memory", "block")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,9 @@ def test_conversations_return_to_the_engine_holding_their_prefix(
             hit = hits(engines)[served] - before_h[served]
             worker = gateway.gateway.config.engines[served].worker_id
             predicted = min(cached.get(worker, 0), (len(tokens) - 1) // BLOCK_SIZE) * BLOCK_SIZE
-            assert hit == predicted, f"conversation {c} turn {turn}: hit {hit}, index said {predicted}"
+            assert hit == predicted, (
+                f"conversation {c} turn {turn}: hit {hit}, index said {predicted}"
+            )
             if turn == 0:
                 homes[c] = served
             else:
