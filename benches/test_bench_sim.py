@@ -1,5 +1,6 @@
-"""Simulator benchmarks: the KV cache beside its pure-Python twin, and whole simulations
-(simulated requests per wall second in ``extra_info``) with the native cache and with the twin.
+"""Simulator benchmarks: the KV cache beside its pure-Python twin; whole simulations on the
+Python engine with the native cache and with the twin; and the Rust engine beside the Python
+engine (simulated requests per wall second in ``extra_info``).
 
 The comparison tables of ``llmsched sim`` report the same rate for the default scenario; here a
 smaller agentic run keeps ``make bench`` short.
@@ -67,13 +68,34 @@ AGENTIC = ScenarioConfig.from_dict(
 @pytest.mark.parametrize("policy", ["random", "llm-d"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "twin"])
 def test_simulate_agentic(benchmark, policy: str, native: bool) -> None:
-    benchmark.group = f"simulate agentic, 600 requests, {policy}"
+    benchmark.group = f"Python engine: simulate agentic, 600 requests, {policy}"
 
     def run():
-        return Simulation(AGENTIC, policy, native_kv=native).run().summary()
+        return Simulation(AGENTIC, policy, native_kv=native, engine="python").run().summary()
 
     summary = run()
     assert summary["completed"] == 600
     benchmark.pedantic(run, rounds=3 if native else 1)
+    benchmark.extra_info["sim_requests_per_wall_s"] = round(600 / benchmark.stats.stats.median)
+    benchmark.extra_info["decision_share"] = round(summary["decision_share"], 3)
+
+
+@pytest.mark.parametrize("policy", ["random", "llm-d"])
+@pytest.mark.parametrize("engine", ["rust", "python"])
+def test_engines_simulate_agentic(benchmark, policy: str, engine: str) -> None:
+    """The Rust engine beside the Python engine (its twin) on the same scenario: both produce
+    the same result, so the ratio of the medians is the engine's speed-up."""
+    benchmark.group = f"engines: simulate agentic, 600 requests, {policy}"
+
+    def run():
+        return Simulation(AGENTIC, policy, engine=engine).run()
+
+    result = run()
+    other = Simulation(AGENTIC, policy, engine="python" if engine == "rust" else "rust").run()
+    for key in result.requests:
+        assert np.array_equal(result.requests[key], other.requests[key]), key
+    summary = result.summary()
+    assert summary["completed"] == 600 and summary["engine"] == engine
+    benchmark.pedantic(run, rounds=5 if engine == "rust" else 2)
     benchmark.extra_info["sim_requests_per_wall_s"] = round(600 / benchmark.stats.stats.median)
     benchmark.extra_info["decision_share"] = round(summary["decision_share"], 3)

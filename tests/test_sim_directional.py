@@ -14,8 +14,10 @@ import pytest
 from llmsched.sim import ScenarioConfig, Simulation
 
 
-def run(config: dict, policy: str) -> dict:
-    return Simulation(ScenarioConfig.from_dict(config), policy).run().summary()
+def run(config: dict, policy: str, engine: str = "auto") -> dict:
+    summary = Simulation(ScenarioConfig.from_dict(config), policy, engine=engine).run().summary()
+    assert engine == "auto" or summary["engine"] == engine
+    return summary
 
 
 SHARED_PREFIX = {
@@ -24,9 +26,10 @@ SHARED_PREFIX = {
 }
 
 
-def test_shared_prefix_cache_and_load_aware_beats_random() -> None:
-    random = run(SHARED_PREFIX, "random")
-    llmd = run(SHARED_PREFIX, "llm-d")
+@pytest.mark.parametrize("engine", ["rust", "python"])
+def test_shared_prefix_cache_and_load_aware_beats_random(engine: str) -> None:
+    random = run(SHARED_PREFIX, "random", engine)
+    llmd = run(SHARED_PREFIX, "llm-d", engine)
     assert random["completed"] == llmd["completed"] == 1500
     assert llmd["output_tok_s"] >= 1.5 * random["output_tok_s"], (llmd, random)
     assert llmd["ttft_s"]["p90"] * 10 <= random["ttft_s"]["p90"]

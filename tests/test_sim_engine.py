@@ -11,6 +11,8 @@ import pytest
 from llmsched.sim import ScenarioConfig, Simulation
 from llmsched.sim.request import DONE
 
+ENGINES = pytest.mark.parametrize("engine", ["rust", "python"])
+
 
 def scenario(**over) -> ScenarioConfig:
     data = {"replicas": 1, "metrics_delay_s": 0.0, "policies": ["round-robin"]}
@@ -40,8 +42,9 @@ def prefill_time(model, prompt: int, budget: int) -> float:
 
 
 @pytest.mark.parametrize("prompt", [100, 8192, 20_000])
-def test_idle_replica_ttft_is_the_modelled_prefill_time(prompt: int) -> None:
-    sim = Simulation(one_request(prompt, 50), "round-robin")
+@ENGINES
+def test_idle_replica_ttft_is_the_modelled_prefill_time(prompt: int, engine: str) -> None:
+    sim = Simulation(one_request(prompt, 50), "round-robin", engine=engine)
     result = sim.run()
     (req,) = sim.done
     assert req.first_token_time - req.arrival == pytest.approx(
@@ -52,14 +55,15 @@ def test_idle_replica_ttft_is_the_modelled_prefill_time(prompt: int) -> None:
     assert result.summary()["prefill_tokens"] == prompt
 
 
-def test_linear_model_single_request() -> None:
+@ENGINES
+def test_linear_model_single_request(engine: str) -> None:
     cfg = one_request(
         1000,
         11,
         step_model={"linear": {"b0": 0.002, "b1": 1e-4, "b2": 1e-3}},
         engine={"kv_tokens": 100_000},
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = Simulation(cfg, "round-robin", engine=engine)
     sim.run()
     (req,) = sim.done
     assert req.first_token_time - req.arrival == pytest.approx(0.002 + 0.1)
@@ -80,12 +84,13 @@ def conserved(sim: Simulation) -> None:
         assert not rep.running and not rep.waiting and rep.decode_n == 0 and rep.decode_ctx == 0
 
 
-def test_tokens_in_equal_tokens_out_under_load() -> None:
+@ENGINES
+def test_tokens_in_equal_tokens_out_under_load(engine: str) -> None:
     cfg = scenario(
         replicas=2,
         workload={"kind": "long_short", "num_requests": 300, "arrival": {"rate": 30.0}},
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = Simulation(cfg, "round-robin", engine=engine)
     result = sim.run()
     conserved(sim)
     s = result.summary()
@@ -93,7 +98,8 @@ def test_tokens_in_equal_tokens_out_under_load() -> None:
     assert s["output_tokens"] == sum(r.output_len for r in sim.done)
 
 
-def test_preemption_by_recompute_keeps_every_token() -> None:
+@ENGINES
+def test_preemption_by_recompute_keeps_every_token(engine: str) -> None:
     # A tiny KV cache forces preemptions; work is recomputed and nothing is lost.
     cfg = scenario(
         engine={"kv_tokens": 6000, "max_num_seqs": 64},
@@ -106,20 +112,24 @@ def test_preemption_by_recompute_keeps_every_token() -> None:
             "arrival": {"rate": 50.0},
         },
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = Simulation(cfg, "round-robin", engine=engine)
     s = sim.run().summary()
     conserved(sim)
     assert s["preemptions"] > 0 and s["recomputed_tokens"] > 0
     assert s["prefill_tokens"] >= s["prompt_tokens"] - s["prompt_tokens"] * s["prefix_hit_rate"]
 
 
-def test_request_larger_than_the_cache_is_refused() -> None:
-    sim = Simulation(one_request(5000, 10, engine={"kv_tokens": 2000}), "round-robin")
+@ENGINES
+def test_request_larger_than_the_cache_is_refused(engine: str) -> None:
+    sim = Simulation(
+        one_request(5000, 10, engine={"kv_tokens": 2000}), "round-robin", engine=engine
+    )
     s = sim.run().summary()
     assert s["completed"] == 0 and s["rejected"] == 1
 
 
-def test_repeated_prompt_hits_the_prefix_cache() -> None:
+@ENGINES
+def test_repeated_prompt_hits_the_prefix_cache(engine: str) -> None:
     cfg = scenario(
         workload={
             "kind": "shared_prefix",
@@ -132,7 +142,7 @@ def test_repeated_prompt_hits_the_prefix_cache() -> None:
             "arrival": {"rate": 2.0},
         }
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = Simulation(cfg, "round-robin", engine=engine)
     s = sim.run().summary()
     # The first request computes everything; the rest hit all but the last block (at least one
     # prompt token is always computed, as in vLLM), so they recompute one block each.
@@ -141,7 +151,7 @@ def test_repeated_prompt_hits_the_prefix_cache() -> None:
     conserved(sim)
 
 
-def queue_run(cv: float, rate: float, n: int) -> tuple[float, float]:
+def queue_run(cv: float, rate: float, n: int, engine: str) -> tuple[float, float]:
     cfg = scenario(
         step_model={"linear": {"b0": 0.0, "b1": 1e-4, "b2": 0.0}},
         engine={"max_num_seqs": 1, "kv_tokens": 1_000_000, "max_num_batched_tokens": 100_000},
@@ -156,25 +166,27 @@ def queue_run(cv: float, rate: float, n: int) -> tuple[float, float]:
         },
         seed=3,
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = Simulation(cfg, "round-robin", engine=engine)
     sim.run()
     sojourn = np.array([r.finish_time - r.arrival for r in sim.done])
     service = np.array([r.prompt_len * 1e-4 for r in sim.done])
     return float(sojourn.mean()), float(service.mean())
 
 
-def test_single_replica_matches_md1() -> None:
+@ENGINES
+def test_single_replica_matches_md1(engine: str) -> None:
     # No batching, deterministic service 0.1 s, Poisson arrivals at rho = 0.7:
     # W = S + rho * S / (2 * (1 - rho)) (Pollaczek-Khinchine).
-    mean, service = queue_run(cv=0.0, rate=7.0, n=20_000)
+    mean, service = queue_run(cv=0.0, rate=7.0, n=20_000, engine=engine)
     rho = 7.0 * service
     expected = service + rho * service / (2 * (1 - rho))
     assert math.isclose(mean, expected, rel_tol=0.05), (mean, expected)
 
 
-def test_single_replica_matches_mm1() -> None:
+@ENGINES
+def test_single_replica_matches_mm1(engine: str) -> None:
     # Exponential prompt lengths make the service time exponential: W = 1 / (mu - lambda).
-    mean, service = queue_run(cv=1.0, rate=6.0, n=30_000)
+    mean, service = queue_run(cv=1.0, rate=6.0, n=30_000, engine=engine)
     expected = 1.0 / (1.0 / service - 6.0)
     assert math.isclose(mean, expected, rel_tol=0.08), (mean, expected)
 
@@ -232,10 +244,11 @@ def test_token_slices_continue_when_nobody_waits() -> None:
     )
 
 
-def test_seeded_runs_replay_exactly() -> None:
+@ENGINES
+def test_seeded_runs_replay_exactly(engine: str) -> None:
     cfg = scenario(replicas=3, workload={"kind": "agentic", "sessions": 12})
-    a = Simulation(cfg, "random").run().summary()
-    b = Simulation(cfg, "random").run().summary()
+    a = Simulation(cfg, "random", engine=engine).run().summary()
+    b = Simulation(cfg, "random", engine=engine).run().summary()
     for key in ("ttft_s", "e2e_s", "prefill_tokens", "output_tokens", "prefix_hit_rate"):
         assert a[key] == b[key]
 
@@ -348,7 +361,7 @@ def test_index_mirrors_the_engines_caches(delay: float) -> None:
             "arrival": {"rate": 30.0},
         },
     )
-    sim = Simulation(cfg, "prefix-only")
+    sim = Simulation(cfg, "prefix-only", engine="python")  # the Python engine exposes its index
     sim.run()
     assert sim.feed_skipped == 0
     probes = {tuple(r.hashes[: r.prompt_len // 16].tolist()): r for r in sim.done}

@@ -493,3 +493,9 @@ class FlowCore:
     def __len__(self) -> int: ...
 
 def flow_resolve_config(config_json: str) -> str: ...
+def simulate(
+    config: dict[str, Any],
+    step: dict[str, Any],
+    router_json: str,
+    workload: dict[str, Any],
+) -> dict[str, Any]: ...

@@ -143,6 +143,12 @@ def add_sim_command(subparsers: Subparsers) -> None:
     parser.add_argument("--plot", default=None, metavar="OUT.png", help="write the plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--engine",
+        choices=["auto", "rust", "python"],
+        default="auto",
+        help="simulation engine (auto: Rust where it covers the scenario)",
+    )
+    parser.add_argument(
         "--list", action="store_true", help="list the named scenarios and policies, then exit"
     )
     parser.set_defaults(handler=_run_sim)
@@ -170,7 +176,9 @@ def _run_sim(args: argparse.Namespace) -> int:
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError("--jobs must be at least 1")
         print(f"llmsched sim: {config.name}: {config.description}".rstrip(": "))
-        results, wall = timed_compare(config, jobs=args.jobs, progress=not args.quiet)
+        results, wall = timed_compare(
+            config, jobs=args.jobs, progress=not args.quiet, engine=args.engine
+        )
     except ConfigError as exc:
         print(f"llmsched sim: {exc}", file=sys.stderr)
         return 2

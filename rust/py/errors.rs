@@ -132,3 +132,15 @@ impl From<crate::flow::FlowError> for PyErr {
         }
     }
 }
+
+impl From<crate::sim::SimError> for PyErr {
+    fn from(err: crate::sim::SimError) -> PyErr {
+        use crate::sim::SimError;
+        match err {
+            SimError::Config(_) | SimError::Plan(_) => ConfigError::new_err(err.to_string()),
+            SimError::Kv(e) => e.into(),
+            SimError::Index(e) => e.into(),
+            SimError::Routing(e) => e.into(),
+        }
+    }
+}

@@ -1,10 +1,16 @@
-//! Bindings for `crate::sim` (the simulator's KV cache).
+//! Bindings for `crate::sim`: the simulator's KV cache (the Python engine's) and the whole
+//! Rust engine (`simulate`).
 
 use numpy::{IntoPyArray, PyReadonlyArray1};
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyList, PyTuple};
 
-use crate::sim::{KvCache, KvEvent};
+use crate::routing::{parse_config, RoutingError};
+use crate::sim::{
+    simulate as sim_engine, DoneRecord, KvCache, KvEvent, Linear, OpenRequest, Plan, Roofline,
+    Session, SimConfig, SimOutput, StepModel, Turn,
+};
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
 /// each simulation owns its replicas' caches.
@@ -121,6 +127,249 @@ impl PyKvCache {
     }
 }
 
+// ---- the Rust engine ----------------------------------------------------------------------
+
+/// `dict[name]`, converted; a missing or mistyped item raises naming it.
+fn item<'py, T>(dict: &Bound<'py, PyDict>, name: &str) -> PyResult<T>
+where
+    T: for<'a> FromPyObject<'a, 'py>,
+{
+    let value = dict
+        .get_item(name)?
+        .ok_or_else(|| PyKeyError::new_err(format!("simulation argument {name:?} is missing")))?;
+    value.extract::<T>().map_err(|e| {
+        let e: PyErr = e.into();
+        PyTypeError::new_err(format!("simulation argument {name:?}: {e}"))
+    })
+}
+
+fn usizes(values: &[i64], name: &str) -> PyResult<Vec<usize>> {
+    values
+        .iter()
+        .map(|&v| {
+            usize::try_from(v)
+                .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {v}")))
+        })
+        .collect()
+}
+
+fn step_model(d: &Bound<'_, PyDict>) -> PyResult<StepModel> {
+    let kind: String = item(d, "kind")?;
+    Ok(match kind.as_str() {
+        "linear" => StepModel::Linear(Linear {
+            b0: item(d, "b0")?,
+            b1: item(d, "b1")?,
+            b2: item(d, "b2")?,
+            b3: item(d, "b3")?,
+            b4: item(d, "b4")?,
+        }),
+        "roofline" => StepModel::Roofline(Roofline {
+            flop_rate: item(d, "flop_rate")?,
+            byte_rate: item(d, "byte_rate")?,
+            attn: item(d, "attn")?,
+            kvb: item(d, "kvb")?,
+            active2: item(d, "active2")?,
+            dense_bytes: item(d, "dense_bytes")?,
+            params: item(d, "params")?,
+            expert_params: item(d, "expert_params")?,
+            experts: item(d, "experts")?,
+            experts_per_token: item(d, "experts_per_token")?,
+            bytes_per_param: item(d, "bytes_per_param")?,
+            tp: item(d, "tp")?,
+            hidden: item(d, "hidden")?,
+            layers: item(d, "layers")?,
+            step_overhead: item(d, "step_overhead")?,
+            allreduce_latency: item(d, "allreduce_latency")?,
+            link_bw: item(d, "link_bw")?,
+        }),
+        other => return Err(PyValueError::new_err(format!("unknown step model kind {other:?}"))),
+    })
+}
+
+fn ranges(offsets: &[usize], name: &str) -> PyResult<Vec<std::ops::Range<usize>>> {
+    if offsets.windows(2).any(|w| w[0] > w[1]) {
+        return Err(PyValueError::new_err(format!("{name} must not decrease")));
+    }
+    Ok(offsets.windows(2).map(|w| w[0]..w[1]).collect())
+}
+
+fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
+    let hashes: PyReadonlyArray1<'_, u64> = item(d, "hashes")?;
+    let hashes = hashes.as_slice()?.to_vec();
+    let kind: String = item(d, "kind")?;
+    let mut plan = Plan { hashes, ..Plan::default() };
+    let offsets: PyReadonlyArray1<'_, i64> = item(d, "hash_offsets")?;
+    let spans = ranges(&usizes(offsets.as_slice()?, "hash_offsets")?, "hash_offsets")?;
+    let tenant: PyReadonlyArray1<'_, i64> = item(d, "tenant")?;
+    let tenant = tenant.as_slice()?;
+    if kind == "open" {
+        let arrival: PyReadonlyArray1<'_, f64> = item(d, "arrival")?;
+        let prompt: PyReadonlyArray1<'_, i64> = item(d, "prompt")?;
+        let output: PyReadonlyArray1<'_, i64> = item(d, "output")?;
+        let priority: PyReadonlyArray1<'_, i64> = item(d, "priority")?;
+        let sessions: Vec<Option<String>> = item(d, "session")?;
+        let (arrival, priority) = (arrival.as_slice()?, priority.as_slice()?);
+        let prompt = usizes(prompt.as_slice()?, "prompt")?;
+        let output = usizes(output.as_slice()?, "output")?;
+        let n = arrival.len();
+        if [prompt.len(), output.len(), priority.len(), tenant.len(), sessions.len(), spans.len()]
+            .iter()
+            .any(|&len| len != n)
+        {
+            return Err(PyValueError::new_err("plan arrays differ in length"));
+        }
+        plan.open = (0..n)
+            .map(|i| OpenRequest {
+                arrival: arrival[i],
+                prompt_len: prompt[i] as u64,
+                output_len: output[i] as u64,
+                tenant: tenant[i],
+                priority: priority[i],
+                session: sessions[i].clone(),
+                hashes: spans[i].clone(),
+            })
+            .collect();
+    } else if kind == "sessions" {
+        let starts: PyReadonlyArray1<'_, f64> = item(d, "starts")?;
+        plan.starts = starts.as_slice()?.to_vec();
+        plan.closed = item(d, "closed")?;
+        let turn_offsets: PyReadonlyArray1<'_, i64> = item(d, "turn_offsets")?;
+        let turns = ranges(&usizes(turn_offsets.as_slice()?, "turn_offsets")?, "turn_offsets")?;
+        let prompt: PyReadonlyArray1<'_, i64> = item(d, "turn_prompt")?;
+        let output: PyReadonlyArray1<'_, i64> = item(d, "turn_output")?;
+        let blocks: PyReadonlyArray1<'_, i64> = item(d, "turn_blocks")?;
+        let think: PyReadonlyArray1<'_, f64> = item(d, "turn_think")?;
+        let prompt = usizes(prompt.as_slice()?, "turn_prompt")?;
+        let output = usizes(output.as_slice()?, "turn_output")?;
+        let blocks = usizes(blocks.as_slice()?, "turn_blocks")?;
+        let think = think.as_slice()?;
+        let t = prompt.len();
+        if [output.len(), blocks.len(), think.len()].iter().any(|&len| len != t)
+            || turns.len() != spans.len()
+            || tenant.len() != spans.len()
+            || turns.last().is_some_and(|r| r.end > t)
+        {
+            return Err(PyValueError::new_err("plan arrays differ in length"));
+        }
+        plan.sessions = (0..spans.len())
+            .map(|s| Session {
+                tenant: tenant[s],
+                hashes: spans[s].clone(),
+                turns: turns[s]
+                    .clone()
+                    .map(|i| Turn {
+                        prompt_len: prompt[i] as u64,
+                        output_len: output[i] as u64,
+                        blocks: blocks[i],
+                        think: think[i],
+                    })
+                    .collect(),
+            })
+            .collect();
+    } else {
+        return Err(PyValueError::new_err(format!("unknown plan kind {kind:?}")));
+    }
+    Ok(plan)
+}
+
+fn sim_config(d: &Bound<'_, PyDict>) -> PyResult<SimConfig> {
+    Ok(SimConfig {
+        replicas: item(d, "replicas")?,
+        block_size: item(d, "block_size")?,
+        kv_blocks: item(d, "kv_blocks")?,
+        max_num_batched_tokens: item(d, "max_num_batched_tokens")?,
+        max_num_seqs: item(d, "max_num_seqs")?,
+        priority_scheduling: item(d, "priority_scheduling")?,
+        metrics_delay: item(d, "metrics_delay_s")?,
+        kv_events_delay: item(d, "kv_events_delay_s")?,
+        kv_sample: item(d, "kv_sample_s")?,
+        max_time: item(d, "max_time_s")?,
+        seed: item(d, "seed")?,
+    })
+}
+
+/// Runs one scenario on the Rust engine (`llmsched.sim.fast` prepares the arguments) with the
+/// GIL released; returns the finished requests as arrays, per-replica end states, the KV-use
+/// trace and the time spent in routing decisions and feeds.
+#[pyfunction]
+fn simulate<'py>(
+    py: Python<'py>,
+    config: &Bound<'py, PyDict>,
+    step: &Bound<'py, PyDict>,
+    router_json: &str,
+    workload: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let cfg = sim_config(config)?;
+    let model = step_model(step)?;
+    let value: serde_json::Value = serde_json::from_str(router_json)
+        .map_err(|e| PyValueError::new_err(format!("router config is not valid JSON: {e}")))?;
+    let router = parse_config(&value).map_err(RoutingError::from)?;
+    let plan = plan(workload)?;
+    let budget = cfg.max_num_batched_tokens;
+    let (out, ideal) = py.detach(|| {
+        let out = sim_engine(cfg, model, router, &plan)?;
+        let ideal: Vec<f64> =
+            out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
+        Ok::<_, crate::sim::SimError>((out, ideal))
+    })?;
+    let d = output(py, out)?;
+    d.set_item("ideal", ideal.into_pyarray(py))?;
+    Ok(d)
+}
+
+fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let done = &out.done;
+    let f = |g: fn(&DoneRecord) -> f64| done.iter().map(g).collect::<Vec<f64>>().into_pyarray(py);
+    let i = |g: fn(&DoneRecord) -> i64| done.iter().map(g).collect::<Vec<i64>>().into_pyarray(py);
+    d.set_item("id", i(|r| r.id as i64))?;
+    d.set_item("arrival", f(|r| r.arrival))?;
+    d.set_item("dispatched", f(|r| r.dispatched))?;
+    d.set_item("first_token", f(|r| r.first_token))?;
+    d.set_item("finish", f(|r| r.finish))?;
+    d.set_item("prompt", i(|r| r.prompt_len as i64))?;
+    d.set_item("output", i(|r| r.output_len as i64))?;
+    d.set_item("generated", i(|r| r.generated as i64))?;
+    d.set_item("cached", i(|r| r.cached_tokens))?;
+    d.set_item("prefilled", i(|r| r.prefilled as i64))?;
+    d.set_item("recomputed", i(|r| r.recomputed as i64))?;
+    d.set_item("preemptions", i(|r| r.preemptions as i64))?;
+    d.set_item("tenant", i(|r| r.tenant))?;
+    d.set_item("priority", i(|r| r.priority))?;
+    d.set_item("session", i(|r| r.session.map_or(-1, |s| s as i64)))?;
+    d.set_item("turn", i(|r| r.turn as i64))?;
+    d.set_item(
+        "rejected",
+        done.iter().map(|r| r.rejected).collect::<Vec<bool>>().into_pyarray(py),
+    )?;
+    let replicas = PyList::empty(py);
+    for rep in &out.replicas {
+        let r = PyDict::new(py);
+        let c = rep.counters;
+        r.set_item("prefill_tokens", c.prefill_tokens)?;
+        r.set_item("recomputed_tokens", c.recomputed_tokens)?;
+        r.set_item("hit_tokens", c.hit_tokens)?;
+        r.set_item("query_tokens", c.query_tokens)?;
+        r.set_item("preemptions", c.preemptions)?;
+        r.set_item("steps", c.steps)?;
+        r.set_item("kv_requests", rep.kv_requests)?;
+        r.set_item("kv_usage", rep.kv_usage)?;
+        r.set_item("running", rep.running)?;
+        r.set_item("waiting", rep.waiting)?;
+        r.set_item("decode_n", rep.decode_n)?;
+        r.set_item("decode_ctx", rep.decode_ctx)?;
+        replicas.append(r)?;
+    }
+    d.set_item("replicas", replicas)?;
+    d.set_item("kv_trace", out.kv_trace)?;
+    d.set_item("decision_s", out.decision.as_secs_f64())?;
+    d.set_item("feed_s", out.feed.as_secs_f64())?;
+    d.set_item("feed_skipped", out.feed_skipped)?;
+    d.set_item("now", out.now)?;
+    Ok(d)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyKvCache>()
+    m.add_class::<PyKvCache>()?;
+    m.add_function(wrap_pyfunction!(simulate, m)?)
 }

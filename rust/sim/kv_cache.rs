@@ -75,13 +75,43 @@ enum Pending {
     Removed(Vec<(u64, Option<u64>)>),
 }
 
+/// 32 bytes: the free list is walked in an order unrelated to memory, so every block touched
+/// is a cache miss and a smaller block is a faster cache.
 #[derive(Debug, Clone)]
 struct Block {
-    hash: Option<u64>,
-    parent: Option<u64>,
+    /// Content hash, meaningful when `HASHED` is set.
+    hash: u64,
+    /// Parent's content hash, meaningful when `HAS_PARENT` is set.
+    parent: u64,
     refs: u32,
     prev: u32,
     next: u32,
+    flags: u8,
+}
+
+const HASHED: u8 = 1;
+const HAS_PARENT: u8 = 2;
+
+impl Block {
+    fn hashed(&self) -> bool {
+        self.flags & HASHED != 0
+    }
+
+    fn set_hash(&mut self, hash: u64, parent: Option<u64>) {
+        self.hash = hash;
+        self.parent = parent.unwrap_or(0);
+        self.flags = HASHED | if parent.is_some() { HAS_PARENT } else { 0 };
+    }
+
+    /// Forgets the content: (hash, parent) if there was one.
+    fn take_hash(&mut self) -> Option<(u64, Option<u64>)> {
+        if !self.hashed() {
+            return None;
+        }
+        let parent = (self.flags & HAS_PARENT != 0).then_some(self.parent);
+        self.flags = 0;
+        Some((self.hash, parent))
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -115,8 +145,9 @@ impl KvCache {
         let sentinel = num_blocks;
         let blocks = (0..=n)
             .map(|i| Block {
-                hash: None,
-                parent: None,
+                hash: 0,
+                parent: 0,
+                flags: 0,
                 refs: 0,
                 prev: if i == 0 { sentinel } else { i as u32 - 1 },
                 next: if i == n { 0 } else { i as u32 + 1 },
@@ -224,22 +255,24 @@ impl KvCache {
         for i in state.committed..stop {
             let h = hashes[i];
             let parent = if i > 0 { Some(hashes[i - 1]) } else { None };
-            match self.cached.get(&h).copied() {
-                Some(other) if other != state.blocks[i] => {
-                    self.flush_stored(run_parent, &mut run);
-                    self.take_ref(other);
-                    self.drop_ref(state.blocks[i]);
-                    state.blocks[i] = other;
+            let mine = state.blocks[i];
+            // One probe of the map for both the lookup and the insertion.
+            match self.cached.entry(h) {
+                hashbrown::hash_map::Entry::Occupied(e) => {
+                    let other = *e.get();
+                    if other != mine {
+                        self.flush_stored(run_parent, &mut run);
+                        self.take_ref(other);
+                        self.drop_ref(mine);
+                        state.blocks[i] = other;
+                    }
                 }
-                Some(_) => {}
-                None => {
+                hashbrown::hash_map::Entry::Vacant(e) => {
+                    e.insert(mine);
                     if run.is_empty() {
                         run_parent = parent;
                     }
-                    let block = &mut self.blocks[state.blocks[i] as usize];
-                    block.hash = Some(h);
-                    block.parent = parent;
-                    self.cached.insert(h, state.blocks[i]);
+                    self.blocks[mine as usize].set_hash(h, parent);
                     run.push(h);
                 }
             }
@@ -363,7 +396,7 @@ impl KvCache {
         let block = &mut self.blocks[b as usize];
         block.refs -= 1;
         if block.refs == 0 {
-            if block.hash.is_some() {
+            if block.hashed() {
                 let tail = self.blocks[self.sentinel as usize].prev;
                 self.link_after(tail, b);
             } else {
@@ -379,8 +412,7 @@ impl KvCache {
         self.unlink(b);
         let block = &mut self.blocks[b as usize];
         block.refs = 1;
-        if let Some(h) = block.hash.take() {
-            let parent = block.parent.take();
+        if let Some((h, parent)) = block.take_hash() {
             self.cached.remove(&h);
             self.push_removed(h, parent);
         }

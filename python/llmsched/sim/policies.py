@@ -20,7 +20,7 @@ from llmsched.sim.request import Request
 if TYPE_CHECKING:
     from llmsched.sim.simulator import Simulation
 
-__all__ = ["Policy", "RouterPolicy", "make_policy", "policy_names"]
+__all__ = ["Policy", "RouterPolicy", "make_policy", "policy_names", "resolve_policy"]
 
 
 class Policy(Protocol):
@@ -107,6 +107,16 @@ def make_policy(spec: Any, sim: Simulation) -> Policy:
             policy: Policy = spec
             return policy
         raise ConfigError(f"policy must be a name, a router config or a Policy, got {spec!r}")
+    name, config = resolve_policy(spec)
+    return RouterPolicy(name, config, sim)
+
+
+def resolve_policy(spec: str | dict[str, Any]) -> tuple[str, Any]:
+    """(name, router config) of a policy given by name or as ``{"name", "config"}``.
+
+    >>> resolve_policy({"name": "mine", "config": "llm-d"})
+    ('mine', 'llm-d')
+    """
     if isinstance(spec, dict):
         unknown = sorted(set(spec) - {"name", "config"})
         if unknown or "name" not in spec:
@@ -116,4 +126,4 @@ def make_policy(spec: Any, sim: Simulation) -> Policy:
         name, config = spec, spec
     if isinstance(config, str) and config not in policy_names():
         raise ConfigError(f"unknown policy {config!r}; known: {policy_names()}")
-    return RouterPolicy(name, config, sim)
+    return name, config

@@ -9,7 +9,8 @@ the class's requests, refused ones included, that got TTFT and TPOT within its t
 and end-to-end latency per tenant (up to 16 tenants); Jain's fairness over tenants of the mean
 normalised speed (a request's time alone on an idle replica over its actual end-to-end time);
 and the wall time
-with the share spent in the routing decision code.
+with the share spent in the routing decision code, and which engine ran (``engine``:
+``"rust"`` or ``"python"``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class SimResult:
     decision_s: float
     feed_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    engine_name: str = "python"  # which engine ran it: "rust" or "python"
 
     @classmethod
     def collect(cls, sim: Simulation, wall_s: float) -> SimResult:
@@ -151,6 +153,7 @@ class SimResult:
         r = self.requests
         n = len(r["arrival"])
         out: dict[str, Any] = {"policy": self.policy, "scenario": self.scenario, "completed": n}
+        out["engine"] = self.engine_name
         out["rejected"] = self.rejected
         if n == 0:
             return out

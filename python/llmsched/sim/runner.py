@@ -1,4 +1,5 @@
-"""Run one scenario under several policies (in parallel processes) and report the results.
+"""Run one scenario under several policies (in parallel threads or processes) and report the
+results.
 
 >>> from llmsched.sim.config import ScenarioConfig
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "policies": ["random", "round-robin"],
@@ -15,10 +16,17 @@ import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from pathlib import Path
 from typing import Any, TextIO
 
+from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.results import SimResult
 from llmsched.sim.simulator import Simulation
@@ -40,13 +48,22 @@ def _bump(done: int, last: list[int]) -> None:
     last[0] = done
 
 
-def _simulate(config: ScenarioConfig, policy: Any, label: str = "") -> SimResult:
+def _simulate(
+    config: ScenarioConfig, policy: Any, label: str = "", engine: str = "auto"
+) -> SimResult:
     last = [0]
-    sim = Simulation(config, policy, progress=lambda n: _bump(n, last), progress_every=200)
+    sim = Simulation(
+        config, policy, progress=lambda n: _bump(n, last), progress_every=200, engine=engine
+    )
     result = sim.run()
     if label:
         result.policy = f"{result.policy} [{label}]"
     return result
+
+
+def _native(run: tuple[ScenarioConfig, Any, str, str]) -> bool:
+    """Whether the Rust engine runs this (scenario, policy, label, engine) run."""
+    return run[3] != "python" and fast.unsupported(run[0], run[1]) is None
 
 
 def compare(
@@ -56,12 +73,15 @@ def compare(
     jobs: int | None = None,
     progress: bool = True,
     out: TextIO = sys.stderr,
+    engine: str = "auto",
 ) -> list[SimResult]:
     """Simulate ``config`` once per policy (each variant's ``policies`` by default) and variant,
-    ``jobs`` at a time in separate processes (default: one per CPU, at most one per run), with
-    a progress bar over simulated requests. Results come back in (variant, policy) order."""
+    ``jobs`` at a time (default: one per CPU, at most one per run): Rust-engine runs in threads,
+    Python-engine runs in separate processes, with a progress bar over simulated requests.
+    ``engine`` is passed to each :class:`Simulation`. Results come back in (variant, policy)
+    order."""
     runs = [
-        (cfg, p, label)
+        (cfg, p, label, engine)
         for label, cfg in config.expand()
         for p in (policies if policies is not None else cfg.policies)
     ]
@@ -75,21 +95,47 @@ def compare(
         total = _expected_requests(config) * len(runs)
         bar = tqdm(total=total, unit="req", file=out, desc=config.name, leave=False)
     try:
-        if jobs == 1:
-            results = []
-            for run in runs:
-                results.append(_simulate(*run))
+        # Rust-engine runs go to threads of this process (the engine releases the GIL and the
+        # policies share one workload plan); the rest to processes (or inline with one job).
+        native = [i for i, run in enumerate(runs) if _native(run)]
+        python = [i for i in range(len(runs)) if i not in set(native)]
+        results: list[SimResult | None] = [None] * len(runs)
+        threaded = _threads([runs[i] for i in native], jobs, counter, bar)
+        for i, result in zip(native, threaded, strict=True):
+            results[i] = result
+        if jobs == 1 or len(python) <= 1:
+            for i in python:
+                results[i] = _simulate(*runs[i])
                 _tick(bar, counter)
-            return results
-        return _parallel(runs, jobs, counter, bar)
+        else:
+            spawned = _parallel([runs[i] for i in python], jobs, counter, bar)
+            for i, result in zip(python, spawned, strict=True):
+                results[i] = result
+        return [r for r in results if r is not None]
     finally:
         if bar is not None:
             bar.close()
         _init_worker(None)
 
 
+def _threads(
+    runs: list[tuple[ScenarioConfig, Any, str, str]], jobs: int, counter: Any, bar: Any
+) -> list[SimResult]:
+    if not runs:
+        return []
+    for config, *_ in runs:
+        fast.cached_plan(config)  # once per workload, before the threads share it
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_simulate, *run) for run in runs]
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _tick(bar, counter)
+        return [f.result() for f in futures]
+
+
 def _parallel(
-    runs: list[tuple[ScenarioConfig, Any, str]], jobs: int, counter: Any, bar: Any
+    runs: list[tuple[ScenarioConfig, Any, str, str]], jobs: int, counter: Any, bar: Any
 ) -> list[SimResult]:
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
@@ -164,10 +210,12 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         )
     elapsed = wall_s if wall_s is not None else wall
     share = decision / wall if wall > 0 else 0.0
+    engines = sorted({r.engine_name for r in results})
     lines.append(
         f"\n{total} simulated requests in {elapsed:.1f} s wall "
         f"({total / elapsed if elapsed > 0 else 0:,.0f} requests/s); "
-        f"routing decisions took {share:.1%} of simulation time"
+        f"routing decisions took {share:.1%} of simulation time "
+        f"(engine: {' and '.join(engines)})"
     )
     return "\n".join(lines)
 

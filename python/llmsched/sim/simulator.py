@@ -24,10 +24,11 @@ from typing import Any
 
 from llmsched.errors import ConfigError, UnknownBlockError
 from llmsched.prefix_index import PrefixIndex
+from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.gate import FlowGate
 from llmsched.sim.kv import make_kv_cache
-from llmsched.sim.policies import Policy, make_policy
+from llmsched.sim.policies import Policy, make_policy, resolve_policy
 from llmsched.sim.replica import Replica
 from llmsched.sim.request import DONE, WAITING, Request
 from llmsched.sim.results import SimResult
@@ -49,6 +50,10 @@ class Simulation:
             config dict, or a :class:`~llmsched.sim.policies.Policy` object.
         progress: called with the number of finished requests every ``progress_every``.
         native_kv: use the Rust KV cache (False: its pure-Python twin, for benchmarks).
+        engine: ``"auto"`` (the default) runs the Rust engine (:mod:`llmsched.sim.fast`)
+            when it covers the scenario and the Python engine otherwise, naming the reason in
+            :attr:`fallback_reason`; ``"rust"`` insists (ConfigError if it cannot);
+            ``"python"`` always runs the Python engine, the reference twin.
     """
 
     def __init__(
@@ -59,28 +64,59 @@ class Simulation:
         progress: Callable[[int], None] | None = None,
         progress_every: int = 500,
         native_kv: bool = True,
+        engine: str = "auto",
     ) -> None:
         self.config = config
         self.model = build_step_model(config.step_model)
-        engine = config.engine
-        engine.validate()
-        kv_tokens = engine.kv_tokens or self.model.kv_capacity_tokens()
+        engine_cfg = config.engine
+        engine_cfg.validate()
+        kv_tokens = engine_cfg.kv_tokens or self.model.kv_capacity_tokens()
         if kv_tokens is None:
             raise ConfigError("engine.kv_tokens is needed: the step model gives no KV capacity")
-        self.kv_blocks = kv_tokens // engine.block_size
-        self.index = PrefixIndex(block_size=engine.block_size, seed=config.seed)
-        chain_seed = self.index.seed
+        self.kv_blocks = kv_tokens // engine_cfg.block_size
+        if engine not in fast.ENGINES:
+            raise ConfigError(f"unknown engine {engine!r}; known: {list(fast.ENGINES)}")
+        reason = fast.unsupported(config, policy, native_kv) if engine != "python" else None
+        if engine == "rust" and reason is not None:
+            raise ConfigError(f"the Rust engine does not cover {reason}; use engine='auto'")
+        self.engine = "rust" if engine != "python" and reason is None else "python"
+        self.fallback_reason = reason
+        """Why ``engine="auto"`` fell back to the Python engine (None: it did not)."""
+        self._done: list[Request] | None = []
+        self._native_done: dict[str, Any] | None = None
+        self.progress = progress
+        self.progress_every = progress_every
+        self.now = 0.0
+        self.decision_s = 0.0
+        self.feed_s = 0.0
+        self.feed_skipped = 0
+        self.slice_switches = 0
+        self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
+        if self.engine == "rust":
+            assert isinstance(policy, (str, dict)), "fast.unsupported() sends objects to Python"
+            self.name, self._router_config = resolve_policy(policy)
+            self.replicas: list[Any] = []
+            self.kv_trace: list[list[tuple[float, float]]] = []
+            self.index: PrefixIndex | None = None
+            self.slices: SliceTracker | None = None
+            self.gate: FlowGate | None = None
+            return
+        index = PrefixIndex(block_size=engine_cfg.block_size, seed=config.seed)
+        self.index = index
         self.workload = make_workload(
-            config.workload, seed=config.seed, block_size=engine.block_size, chain_seed=chain_seed
+            config.workload,
+            seed=config.seed,
+            block_size=engine_cfg.block_size,
+            chain_seed=index.seed,
         )
         roles = config.roles()
         self.replicas = [
             Replica(
                 i,
                 role,
-                engine,
+                engine_cfg,
                 self.model,
-                make_kv_cache(self.kv_blocks, engine.block_size, native=native_kv),
+                make_kv_cache(self.kv_blocks, engine_cfg.block_size, native=native_kv),
                 self,
             )
             for i, role in enumerate(roles)
@@ -91,21 +127,21 @@ class Simulation:
         self._seq = 0
         self.now = 0.0
         self._arrivals = iter(self.workload.arrivals())
-        self.done: list[Request] = []
         self._pending_metrics: list[deque[tuple[float, int, int, float]]] = [
             deque() for _ in self.replicas
         ]
-        self.kv_trace: list[list[tuple[float, float]]] = [[] for _ in self.replicas]
+        self.kv_trace = [[] for _ in self.replicas]
         self._next_kv_sample = [0.0] * len(self.replicas)
-        self.decision_s = 0.0
-        self.feed_s = 0.0
-        self.feed_skipped = 0
-        self.progress = progress
-        self.progress_every = progress_every
-        self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
         self.slices = self._slice_tracker()
-        self.slice_switches = 0
         self.gate = FlowGate(self, config.flow.config) if config.flow.enabled else None
+
+    @property
+    def done(self) -> list[Request]:
+        """Finished (and refused) requests, in the order they left."""
+        if self._done is None:
+            assert self._native_done is not None
+            self._done = fast.done_requests(self._native_done)
+        return self._done
 
     def _slice_tracker(self) -> SliceTracker | None:
         cfg = self.config.slices
@@ -185,6 +221,7 @@ class Simulation:
     def _apply_kv_events(self, rid: int, events: list[tuple[Any, ...]]) -> None:
         t = time.perf_counter()
         index = self.index
+        assert index is not None, "the Python engine always has its index"
         for event in events:
             try:
                 if event[0] == "stored":
@@ -339,6 +376,12 @@ class Simulation:
 
     def run(self) -> SimResult:
         """Run to completion (or ``max_time_s``) and return the result."""
+        if self.engine == "rust":
+            self._done = None
+            result = fast.run(self, self._router_config)
+            if self.progress is not None:
+                self.progress(len(result.requests["arrival"]) + result.rejected)
+            return result
         wall = time.perf_counter()
         heap = self.heap
         self._next_arrival()

@@ -243,19 +243,20 @@ class AgenticConfig:
     system_prompt_len: int = 2_000
 
 
-class _Session:
-    """One session's conversation and its own random streams: its content and think times
-    depend only on the seed and its number, never on when other requests finish, so every
-    policy sees the same sessions."""
+class _Script:
+    """One session, written out in full: its tenant, every turn's (prompt length, output
+    length, blocks of the chain it covers), the think time after each turn, and the whole
+    conversation. Drawn from the session's own random streams (seeded by the workload seed
+    and the session's number), so its content never depends on when other requests finish
+    and every policy and both engines see the same sessions."""
 
-    __slots__ = ("conv", "id", "rng", "scalar_rng", "turns_left")
+    __slots__ = ("conv", "tenant", "thinks", "turns")
 
-    def __init__(self, sid: int, seed: int, conv: Conversation, turns_left: int) -> None:
-        self.id = sid
-        self.rng = np.random.default_rng([seed, sid])
-        self.scalar_rng = random.Random(seed * 1_000_003 + sid)
+    def __init__(self, tenant: int, conv: Conversation) -> None:
+        self.tenant = tenant
         self.conv = conv
-        self.turns_left = turns_left
+        self.turns: list[tuple[int, int, int]] = []
+        self.thinks: list[float] = []
 
 
 class AgenticWorkload(_Base):
@@ -276,68 +277,85 @@ class AgenticWorkload(_Base):
             conv.append(_tokens(self.rng, cfg.system_prompt_len))
             self._systems.append(conv)
         self._started = 0
-        self._sessions: dict[int, _Session] = {}
+        self._sessions: dict[int, tuple[_Script, int]] = {}
+
+    def script(self, sid: int) -> _Script:
+        """Session ``sid`` in full. The draw order is the order the turns happen in: tenant,
+        first message and output, then per follow-up the think time before it, its message
+        and output, and finally the think time after the last turn."""
+        cfg = self.cfg
+        rng = np.random.default_rng([self.seed, sid])
+        scalar = random.Random(self.seed * 1_000_003 + sid)
+        tenant = scalar.randrange(cfg.system_prompts)
+        conv = self._systems[tenant].copy()
+        script = _Script(tenant, conv)
+        user = _length(scalar, cfg.first_input - cfg.system_prompt_len, cfg.length_cv)
+        conv.append(_tokens(rng, user))
+        output = _length(scalar, cfg.first_output, cfg.length_cv)
+        for turn in range(cfg.followup_turns + 1):
+            if turn:
+                conv.append(_tokens(rng, _length(scalar, cfg.followup_input, cfg.length_cv)))
+                output = _length(scalar, cfg.followup_output, cfg.length_cv)
+            prompt_len = conv.length
+            conv.append(_tokens(rng, output))  # what the model will answer
+            script.turns.append((prompt_len, output, len(conv.hashes)))
+            think = scalar.expovariate(1.0 / cfg.think_time_s) if cfg.think_time_s > 0 else 0.0
+            script.thinks.append(think)
+        return script
 
     def _first_turn(self, arrival: float) -> Request:
-        cfg = self.cfg
         sid = self._started
         self._started += 1
-        session = _Session(sid, self.seed, Conversation(self.block_size, self.chain_seed), 0)
-        session.turns_left = cfg.followup_turns
-        tenant = session.scalar_rng.randrange(cfg.system_prompts)
-        session.conv = self._systems[tenant].copy()
-        user = _length(session.scalar_rng, cfg.first_input - cfg.system_prompt_len, cfg.length_cv)
-        session.conv.append(_tokens(session.rng, user))
-        self._sessions[sid] = session
-        output = _length(session.scalar_rng, cfg.first_output, cfg.length_cv)
-        return self._turn(session, arrival, output, tenant, turn=0)
+        script = self.script(sid)
+        self._sessions[sid] = (script, 0)
+        return self._turn(sid, script, 0, arrival)
 
-    def _turn(self, s: _Session, arrival: float, output: int, tenant: int, turn: int) -> Request:
-        prompt = s.conv.tokens
-        prompt_len = s.conv.length
-        s.conv.append(_tokens(s.rng, output))  # what the model will answer
-        req = Request(
+    def _turn(self, sid: int, script: _Script, turn: int, arrival: float) -> Request:
+        prompt_len, output, blocks = script.turns[turn]
+        tokens = script.conv.tokens
+        return Request(
             self._id(),
             arrival,
             prompt_len,
             output,
-            s.conv.hashes,
-            tokens=prompt,
-            tenant=tenant,
-            session=s.id,
+            script.conv.hashes[:blocks],
+            tokens=None if tokens is None else tokens[:prompt_len],
+            tenant=script.tenant,
+            session=sid,
             turn=turn,
         )
-        return req
 
-    def arrivals(self) -> Iterator[Request]:
-        """First turns: ``concurrency`` sessions staggered over the first seconds (closed
-        loop), or session starts at the arrival process's rate."""
+    def starts(self) -> npt.NDArray[np.float64]:
+        """Start times of the sessions the arrival stream starts: ``concurrency`` sessions
+        staggered over the first 10 seconds (closed loop), or every session at the arrival
+        process's rate. Draws from the workload's generator: call once, before anything else."""
         cfg = self.cfg
         if cfg.arrival.process == "closed":
             n = min(cfg.arrival.concurrency, cfg.sessions)
-            starts = np.sort(self.rng.uniform(0.0, 10.0, n))
-        else:
-            starts = np.cumsum(cfg.arrival.gaps(self.rng, cfg.sessions))
-        for t in starts:
+            return np.sort(self.rng.uniform(0.0, 10.0, n))
+        return np.cumsum(cfg.arrival.gaps(self.rng, cfg.sessions))
+
+    def arrivals(self) -> Iterator[Request]:
+        """First turns at :meth:`starts` (fewer if finished sessions of a closed loop already
+        started all ``sessions``)."""
+        for t in self.starts():
+            if self._started >= self.cfg.sessions:
+                return
             yield self._first_turn(float(t))
 
     def on_finish(self, request: Request, now: float) -> Request | None:
         """Next turn after a think time; a finished session makes room for a new one."""
         cfg = self.cfg
-        session = self._sessions.get(request.session) if request.session is not None else None
-        if session is None:
+        state = self._sessions.get(request.session) if request.session is not None else None
+        if state is None:
             return None
-        rng = session.scalar_rng
-        think = rng.expovariate(1.0 / cfg.think_time_s) if cfg.think_time_s > 0 else 0.0
-        if session.turns_left > 0:
-            session.turns_left -= 1
-            session.conv.append(
-                _tokens(session.rng, _length(rng, cfg.followup_input, cfg.length_cv))
-            )
-            output = _length(rng, cfg.followup_output, cfg.length_cv)
-            turn = cfg.followup_turns - session.turns_left
-            return self._turn(session, now + think, output, request.tenant, turn)
-        del self._sessions[session.id]
+        script, turn = state
+        think = script.thinks[turn]
+        sid = int(request.session)  # type: ignore[arg-type]
+        if turn + 1 < len(script.turns):
+            self._sessions[sid] = (script, turn + 1)
+            return self._turn(sid, script, turn + 1, now + think)
+        del self._sessions[sid]
         if cfg.arrival.process == "closed" and self._started < cfg.sessions:
             return self._first_turn(now + think)
         return None

@@ -1,0 +1,346 @@
+"""The Rust engine: the whole simulation in native code, calling the routing core directly.
+
+:class:`~llmsched.sim.simulator.Simulation` uses it when the scenario allows (``engine="auto"``)
+and otherwise runs its Python engine, saying why in :attr:`Simulation.fallback_reason` and in
+the result's ``engine`` field. Both engines run the same model step for step and give the same
+results for the same seed and scenario (the equivalence tests compare them request by request).
+
+The workload is generated once, by the Python workload classes, into a *plan* (every request's
+lengths and block hashes; sessions as scripts whose turns start as earlier turns finish) that
+the engine replays; plans are cached, so the policies of one comparison share one plan.
+
+>>> from llmsched.sim.config import ScenarioConfig
+>>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
+...     "num_requests": 50, "arrival": {"rate": 5.0}}})
+>>> unsupported(cfg, "round-robin") is None
+True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from llmsched import _llmsched
+from llmsched.routing import PYTHON_PLUGIN_TYPES, _native_config, load_config
+from llmsched.sim.request import DONE, Request
+from llmsched.sim.results import SimResult
+from llmsched.sim.stepmodel import LinearStepModel, RooflineStepModel, StepModel
+from llmsched.sim.workloads import AgenticWorkload, make_workload
+
+if TYPE_CHECKING:
+    from llmsched.sim.config import ScenarioConfig
+    from llmsched.sim.simulator import Simulation
+
+__all__ = ["build_plan", "run", "unsupported"]
+
+ENGINES = ("auto", "rust", "python")
+PLAN_CACHE_SIZE = 4  # plans kept (one comparison needs one per variant)
+
+
+def unsupported(config: ScenarioConfig, policy: Any, native_kv: bool = True) -> str | None:
+    """Why the Rust engine cannot run ``policy`` on ``config`` (None: it can).
+
+    >>> from llmsched.sim.config import ScenarioConfig
+    >>> unsupported(ScenarioConfig.from_dict({"pd": {"prefill_replicas": 2}}), "llm-d-pd")
+    'prefill/decode disaggregation'
+    """
+    if not native_kv:
+        return "the pure-Python KV cache twin"
+    if config.flow.enabled:
+        return "flow control"
+    if config.slices.policy:
+        return "token slices"
+    if config.pd.prefill_replicas:
+        return "prefill/decode disaggregation"
+    if not isinstance(policy, (str, dict)):
+        return "a Python Policy object"
+    if isinstance(policy, dict) and isinstance(policy.get("config"), dict):
+        plugins = policy["config"].get("plugins")
+        if isinstance(plugins, list) and any(
+            isinstance(p, dict) and p.get("type") in PYTHON_PLUGIN_TYPES for p in plugins
+        ):
+            return "Python routing plugins"
+    if not isinstance(
+        _step_model_or_none(config), (RooflineStepModel, LinearStepModel)
+    ):  # pragma: no cover - build_step_model only makes these
+        return "a custom step model"
+    return None
+
+
+def _step_model_or_none(config: ScenarioConfig) -> Any:
+    from llmsched.sim.stepmodel import build_step_model
+
+    return build_step_model(config.step_model)
+
+
+def step_args(model: StepModel) -> dict[str, Any]:
+    """The step model's constants for the native engine (same expressions, same order)."""
+    if isinstance(model, LinearStepModel):
+        return {"kind": "linear", **{b: float(getattr(model, b)) for b in LINEAR}}
+    assert isinstance(model, RooflineStepModel)
+    spec, tp = model.model, model.tp
+    assert tp is not None
+    return {
+        "kind": "roofline",
+        "flop_rate": model._flop_rate,
+        "byte_rate": model._byte_rate,
+        "attn": model._attn,
+        "kvb": float(model._kvb),
+        "active2": model._active2,
+        "dense_bytes": float(model._dense_bytes),
+        "params": float(spec.params),
+        "expert_params": float(spec.expert_params),
+        "experts": float(spec.experts),
+        "experts_per_token": float(spec.experts_per_token),
+        "bytes_per_param": float(spec.bytes_per_param),
+        "tp": tp,
+        "hidden": spec.hidden,
+        "layers": spec.layers,
+        "step_overhead": float(model.step_overhead_s),
+        "allreduce_latency": float(model.allreduce_latency_s),
+        "link_bw": float(model.gpu.link_bw),
+    }
+
+
+LINEAR = ("b0", "b1", "b2", "b3", "b4")
+
+
+# -- plans ------------------------------------------------------------------------------------
+
+
+def build_plan(spec: dict[str, Any], seed: int, block_size: int, chain_seed: int) -> dict[str, Any]:
+    """The workload ``spec`` as plain arrays (see the module docs).
+
+    >>> plan = build_plan({"kind": "long_short", "num_requests": 3}, 0, 16, 0)
+    >>> plan["kind"], len(plan["arrival"])
+    ('open', 3)
+    """
+    workload = make_workload(spec, seed=seed, block_size=block_size, chain_seed=chain_seed)
+    if isinstance(workload, AgenticWorkload):
+        return _session_plan(workload)
+    requests = list(workload.arrivals())
+    hashes = [r.hashes for r in requests]
+    return {
+        "kind": "open",
+        "arrival": np.array([r.arrival for r in requests], dtype=np.float64),
+        "prompt": np.array([r.prompt_len for r in requests], dtype=np.int64),
+        "output": np.array([r.output_len for r in requests], dtype=np.int64),
+        "tenant": np.array([r.tenant for r in requests], dtype=np.int64),
+        "priority": np.array([r.priority for r in requests], dtype=np.int64),
+        "session": [None if r.session is None else str(r.session) for r in requests],
+        "hash_offsets": _offsets([len(h) for h in hashes]),
+        "hashes": _concat(hashes),
+    }
+
+
+def _session_plan(workload: AgenticWorkload) -> dict[str, Any]:
+    starts = workload.starts()
+    scripts = [workload.script(sid) for sid in range(workload.cfg.sessions)]
+    turns = [t for s in scripts for t in s.turns]
+    hashes = [s.conv.hashes for s in scripts]
+    return {
+        "kind": "sessions",
+        "starts": np.asarray(starts, dtype=np.float64),
+        "closed": workload.cfg.arrival.process == "closed",
+        "tenant": np.array([s.tenant for s in scripts], dtype=np.int64),
+        "hash_offsets": _offsets([len(h) for h in hashes]),
+        "hashes": _concat(hashes),
+        "turn_offsets": _offsets([len(s.turns) for s in scripts]),
+        "turn_prompt": np.array([t[0] for t in turns], dtype=np.int64),
+        "turn_output": np.array([t[1] for t in turns], dtype=np.int64),
+        "turn_blocks": np.array([t[2] for t in turns], dtype=np.int64),
+        "turn_think": np.array([th for s in scripts for th in s.thinks], dtype=np.float64),
+    }
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    if not arrays:
+        return np.zeros(0, dtype=np.uint64)
+    return np.ascontiguousarray(np.concatenate(arrays), dtype=np.uint64)
+
+
+_plans: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_plans_lock = threading.Lock()
+
+
+def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
+    """:func:`build_plan` for ``config``, shared by runs of the same workload and seed."""
+    spec = config.workload
+    key_parts: list[Any] = [spec, config.seed, config.engine.block_size]
+    if spec.get("kind") == "trace" and isinstance(spec.get("path"), str):
+        try:
+            st = os.stat(spec["path"])
+            key_parts.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            pass  # make_workload reports the unreadable file
+    key = json.dumps(key_parts, sort_keys=True, default=str)
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is None:
+            plan = build_plan(spec, config.seed, config.engine.block_size, config.seed)
+            _plans[key] = plan
+            while len(_plans) > PLAN_CACHE_SIZE:
+                _plans.popitem(last=False)
+        else:
+            _plans.move_to_end(key)
+        return plan
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+class ReplicaEnd:
+    """A replica's counters and state when a Rust-engine run ended (the attributes of
+    :class:`~llmsched.sim.replica.Replica` that results and tests read)."""
+
+    def __init__(self, rid: int, data: dict[str, Any]) -> None:
+        self.id = rid
+        self.prefill_tokens = int(data["prefill_tokens"])
+        self.recomputed_tokens = int(data["recomputed_tokens"])
+        self.hit_tokens = int(data["hit_tokens"])
+        self.query_tokens = int(data["query_tokens"])
+        self.preemptions = int(data["preemptions"])
+        self.steps = int(data["steps"])
+        self.running = int(data["running"])
+        self.waiting = int(data["waiting"])
+        self.decode_n = int(data["decode_n"])
+        self.decode_ctx = int(data["decode_ctx"])
+        self.kv = _KvEnd(int(data["kv_requests"]), float(data["kv_usage"]))
+
+
+class _KvEnd:
+    def __init__(self, requests: int, usage: float) -> None:
+        self._requests, self._usage = requests, usage
+
+    def requests(self) -> int:
+        return self._requests
+
+    def usage(self) -> float:
+        return self._usage
+
+
+def run(sim: Simulation, router_config: Any) -> SimResult:
+    """Run ``sim``'s scenario on the Rust engine and collect its result."""
+    config = sim.config
+    engine = config.engine
+    settings = {
+        "replicas": config.replicas,
+        "block_size": engine.block_size,
+        "kv_blocks": sim.kv_blocks,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_num_seqs": engine.max_num_seqs,
+        "priority_scheduling": engine.scheduling == "priority",
+        "metrics_delay_s": float(config.metrics_delay_s),
+        "kv_events_delay_s": float(config.kv_events_delay_s),
+        "kv_sample_s": float(config.kv_sample_s),
+        "max_time_s": None if config.max_time_s is None else float(config.max_time_s),
+        "seed": config.seed,
+    }
+    router_json, functions = _native_config(load_config(router_config))
+    assert not functions, "unsupported() sends Python plugins to the Python engine"
+    import time
+
+    wall = time.perf_counter()
+    plan = cached_plan(config)
+    out = _llmsched.simulate(settings, step_args(sim.model), router_json, plan)
+    wall_s = time.perf_counter() - wall
+    sim.now = float(out["now"])
+    sim.feed_skipped = int(out["feed_skipped"])
+    sim.replicas = [ReplicaEnd(i, d) for i, d in enumerate(out["replicas"])]
+    sim.kv_trace = out["kv_trace"]
+    sim.decision_s = float(out["decision_s"])
+    sim.feed_s = float(out["feed_s"])
+    sim._native_done = out
+    return collect(sim, out, wall_s)
+
+
+def collect(sim: Simulation, out: dict[str, Any], wall_s: float) -> SimResult:
+    """A :class:`SimResult` from the native engine's arrays."""
+    ok = ~out["rejected"]
+    requests = {
+        "arrival": out["arrival"][ok],
+        "first_token": out["first_token"][ok],
+        "finish": out["finish"][ok],
+        "prompt": out["prompt"][ok],
+        "output": out["output"][ok],
+        "cached": np.maximum(out["cached"][ok], 0),
+        "prefilled": out["prefilled"][ok],
+        "recomputed": out["recomputed"][ok],
+        "tenant": out["tenant"][ok],
+        "priority": out["priority"][ok],
+        "ideal": out["ideal"][ok],
+    }
+    engine = {
+        name: int(sum(getattr(rep, name) for rep in sim.replicas))
+        for name in (
+            "prefill_tokens",
+            "recomputed_tokens",
+            "hit_tokens",
+            "query_tokens",
+            "preemptions",
+            "steps",
+        )
+    }
+    rejected_priorities = out["priority"][out["rejected"]].tolist()
+    by_priority: dict[int, int] = {}
+    for p in rejected_priorities:
+        by_priority[p] = by_priority.get(p, 0) + 1
+    return SimResult(
+        policy=sim.name,
+        scenario=sim.config.name,
+        requests=requests,
+        rejected=len(rejected_priorities),
+        rejected_by_priority=by_priority,
+        engine=engine,
+        kv_trace=sim.kv_trace,
+        slo=sim.config.slo,
+        wall_s=wall_s,
+        decision_s=sim.decision_s,
+        feed_s=sim.feed_s,
+        extra={"feed_skipped": sim.feed_skipped},
+        engine_name="rust",
+    )
+
+
+def done_requests(out: dict[str, Any]) -> list[Request]:
+    """The finished requests of a native run as :class:`Request` objects (without hashes or
+    tokens; ``session`` is the session number of agentic turns, None otherwise)."""
+    empty = np.zeros(0, dtype=np.uint64)
+    done = []
+    for i in range(len(out["id"])):
+        session = int(out["session"][i])
+        req = Request(
+            int(out["id"][i]),
+            float(out["arrival"][i]),
+            int(out["prompt"][i]),
+            int(out["output"][i]),
+            empty,
+            tenant=int(out["tenant"][i]),
+            priority=int(out["priority"][i]),
+            session=None if session < 0 else session,
+            turn=int(out["turn"][i]),
+        )
+        req.phase = DONE
+        req.dispatched = float(out["dispatched"][i])
+        req.first_token_time = float(out["first_token"][i])
+        req.finish_time = float(out["finish"][i])
+        req.generated = int(out["generated"][i])
+        req.cached_tokens = int(out["cached"][i])
+        req.prefilled_tokens = int(out["prefilled"][i])
+        req.recomputed_tokens = int(out["recomputed"][i])
+        req.preemptions = int(out["preemptions"][i])
+        req.rejected = bool(out["rejected"][i])
+        done.append(req)
+    return done

@@ -1,0 +1,231 @@
+//! Step time of one engine step: the roofline and fitted linear models of
+//! `llmsched.sim.stepmodel`, evaluated with the same floating-point expressions in the same order
+//! so the Rust engine's clock agrees with the Python engine's to the last bit.
+//!
+//! The Python side derives every constant (`_flop_rate`, `_attn`, ...) and hands them over as
+//! [`Roofline`]; the formulas are documented there.
+
+/// Constants of a roofline model (see `RooflineStepModel` in Python).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Roofline {
+    pub flop_rate: f64,
+    pub byte_rate: f64,
+    pub attn: f64,
+    pub kvb: f64,
+    pub active2: f64,
+    /// Weight bytes a dense model reads per step; 0 for a MoE model (see `weights`).
+    pub dense_bytes: f64,
+    pub params: f64,
+    pub expert_params: f64,
+    pub experts: f64,
+    pub experts_per_token: f64,
+    pub bytes_per_param: f64,
+    pub tp: u64,
+    pub hidden: u64,
+    pub layers: u64,
+    pub step_overhead: f64,
+    pub allreduce_latency: f64,
+    pub link_bw: f64,
+}
+
+/// `t = b0 + b1*P + b2*D + b3*prefill_sq + b4*decode_ctx`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Linear {
+    pub b0: f64,
+    pub b1: f64,
+    pub b2: f64,
+    pub b3: f64,
+    pub b4: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepModel {
+    Roofline(Roofline),
+    Linear(Linear),
+}
+
+/// The work of one step (the arguments of Python's `step_time`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepWork {
+    pub prefill_tokens: u64,
+    pub prefill_sq: u64,
+    pub prefill_ctx: u64,
+    pub decode_tokens: u64,
+    pub decode_ctx: u64,
+    pub prefill_read: u64,
+}
+
+impl Roofline {
+    fn fixed(&self, tokens: u64) -> f64 {
+        if self.tp == 1 || tokens == 0 {
+            return self.step_overhead;
+        }
+        let per_reduce = (tokens * self.hidden * 2 * 2 * (self.tp - 1)) as f64 / self.tp as f64;
+        let comm = (2 * self.layers) as f64 * (self.allreduce_latency + per_reduce / self.link_bw);
+        self.step_overhead + comm
+    }
+
+    fn weights(&self, tokens: u64) -> f64 {
+        if self.dense_bytes != 0.0 {
+            return self.dense_bytes;
+        }
+        if self.experts == 0.0 || tokens == 0 {
+            return self.params * self.bytes_per_param;
+        }
+        let shared = self.params - self.expert_params;
+        let touched = 1.0 - (1.0 - self.experts_per_token / self.experts).powf(tokens as f64);
+        (shared + self.expert_params * touched) * self.bytes_per_param
+    }
+}
+
+/// Python's `max(a, b)`: `a` unless `b` is larger.
+fn py_max(a: f64, b: f64) -> f64 {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+impl StepModel {
+    /// Seconds for one step of `w`.
+    pub fn step_time(&self, w: &StepWork) -> f64 {
+        let tokens = w.prefill_tokens + w.decode_tokens;
+        if tokens == 0 {
+            return 0.0;
+        }
+        match self {
+            StepModel::Roofline(r) => {
+                let attn_terms =
+                    w.prefill_ctx as f64 + w.prefill_sq as f64 / 2.0 + w.decode_ctx as f64;
+                let flops = r.active2 * tokens as f64 + r.attn * attn_terms;
+                let moved =
+                    r.weights(tokens) + r.kvb * (tokens + w.prefill_read + w.decode_ctx) as f64;
+                py_max(flops / r.flop_rate, moved / r.byte_rate) + r.fixed(tokens)
+            }
+            StepModel::Linear(l) => {
+                l.b0 + l.b1 * w.prefill_tokens as f64
+                    + l.b2 * w.decode_tokens as f64
+                    + l.b3 * w.prefill_sq as f64
+                    + l.b4 * w.decode_ctx as f64
+            }
+        }
+    }
+
+    /// The decode-only steps of `batch` requests whose KV lengths sum to `ctx`.
+    pub fn decode_run(&self, batch: u64, ctx: u64) -> DecodeRun {
+        match self {
+            StepModel::Roofline(r) => DecodeRun {
+                a1: (r.active2 * batch as f64 + r.attn * ctx as f64) / r.flop_rate,
+                g1: r.attn * batch as f64 / r.flop_rate,
+                a2: (r.weights(batch) + r.kvb * (batch + ctx) as f64) / r.byte_rate,
+                g2: r.kvb * batch as f64 / r.byte_rate,
+                c: r.fixed(batch),
+            },
+            StepModel::Linear(l) => {
+                let a = l.b0 + l.b2 * batch as f64 + l.b4 * ctx as f64;
+                let g = l.b4 * batch as f64;
+                DecodeRun { a1: a, g1: g, a2: a, g2: g, c: 0.0 }
+            }
+        }
+    }
+
+    /// A request's time alone on an idle replica: its chunked prefill, then its decode steps.
+    pub fn ideal(&self, prompt: u64, output: u64, budget: u64) -> f64 {
+        let (mut t, mut left, mut ctx) = (0.0, prompt, 0u64);
+        while left > 0 {
+            let chunk = left.min(budget);
+            t += self.step_time(&StepWork {
+                prefill_tokens: chunk,
+                prefill_sq: chunk * chunk,
+                prefill_ctx: chunk * ctx,
+                prefill_read: ctx,
+                ..StepWork::default()
+            });
+            left -= chunk;
+            ctx += chunk;
+        }
+        t + self.decode_run(1, prompt).time(output.saturating_sub(1))
+    }
+}
+
+/// Step `j` of a decode-only run takes `max(a1 + g1*j, a2 + g2*j) + c` seconds.
+///
+/// Algorithm: each piece is affine in `j`, so `k` steps split at the crossover into two
+/// arithmetic series: O(1); `steps_within` bisects over `k`: O(log k).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeRun {
+    pub a1: f64,
+    pub g1: f64,
+    pub a2: f64,
+    pub g2: f64,
+    pub c: f64,
+}
+
+/// Sum of `a + g*j` for `start <= j < stop`.
+fn series(a: f64, g: f64, start: u64, stop: u64) -> f64 {
+    if stop <= start {
+        return 0.0;
+    }
+    let n = (stop - start) as f64;
+    a * n + g * (start + stop - 1) as f64 * n / 2.0
+}
+
+impl DecodeRun {
+    /// Seconds for the first `k` steps.
+    pub fn time(&self, k: u64) -> f64 {
+        if k == 0 {
+            return 0.0;
+        }
+        let (mut fa, mut fg, mut sa, mut sg) = (self.a1, self.g1, self.a2, self.g2);
+        if fa < sa || (fa == sa && fg < sg) {
+            (fa, fg, sa, sg) = (sa, sg, fa, fg);
+        }
+        let mut split = k;
+        if sg > fg {
+            let crossover = (fa - sa) / (sg - fg);
+            if crossover < k as f64 {
+                split = crossover.ceil().max(0.0) as u64;
+            }
+        }
+        let total = series(fa, fg, 0, split) + series(sa, sg, split, k);
+        total + self.c * k as f64
+    }
+
+    /// The most steps (at most `limit`) that complete within `seconds`.
+    pub fn steps_within(&self, seconds: f64, limit: u64) -> u64 {
+        let (mut lo, mut hi) = (0, limit);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if self.time(mid) <= seconds {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_run_matches_the_python_doctest() {
+        let run = DecodeRun { a1: 1.0, g1: 0.0, a2: 0.0, g2: 1.0, c: 0.0 };
+        let times: Vec<f64> = (0..5).map(|k| run.time(k)).collect();
+        assert_eq!(times, vec![0.0, 1.0, 2.0, 4.0, 7.0]);
+        assert_eq!(run.steps_within(4.5, 10), 3);
+    }
+
+    #[test]
+    fn linear_model_is_affine() {
+        let m = StepModel::Linear(Linear { b0: 1e-3, b1: 2e-5, b2: 1e-4, b3: 0.0, b4: 0.0 });
+        let w = StepWork { prefill_tokens: 100, decode_tokens: 10, ..StepWork::default() };
+        assert!((m.step_time(&w) - 0.004).abs() < 1e-15);
+        assert_eq!(m.step_time(&StepWork::default()), 0.0);
+        let run = m.decode_run(2, 10);
+        assert!((run.time(3) - 3.0 * (1e-3 + 2e-4)).abs() < 1e-15);
+    }
+}

@@ -1,0 +1,313 @@
+"""The Rust engine against its oracle, the Python engine: the same scenario and seed give the
+same requests, timings and counters, bit for bit; and scenarios the Rust engine does not
+cover fall back to the Python engine, visibly."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmsched.errors import ConfigError
+from llmsched.sim import ScenarioConfig, Simulation
+from llmsched.sim.fast import build_plan, unsupported
+from llmsched.sim.results import SimResult
+
+POLICIES = [
+    "random",
+    "round-robin",
+    "least-load",
+    "prefix-only",
+    "llm-d",
+    "sglang-cache-aware",
+    "dynamo-kv",
+]
+
+
+def both(cfg: ScenarioConfig, policy: Any) -> tuple[Simulation, SimResult, Simulation, SimResult]:
+    py = Simulation(cfg, policy, engine="python")
+    py_result = py.run()
+    rs = Simulation(cfg, policy, engine="rust")
+    rs_result = rs.run()
+    return py, py_result, rs, rs_result
+
+
+def assert_same(cfg: ScenarioConfig, policy: Any) -> None:
+    py, a, rs, b = both(cfg, policy)
+    assert (a.engine_name, b.engine_name) == ("python", "rust")
+    for key in a.requests:
+        np.testing.assert_array_equal(a.requests[key], b.requests[key], err_msg=key)
+    assert a.engine == b.engine
+    assert (a.rejected, a.rejected_by_priority) == (b.rejected, b.rejected_by_priority)
+    assert [list(t) for t in a.kv_trace] == [list(t) for t in b.kv_trace]
+    assert py.feed_skipped == rs.feed_skipped
+    assert py.now == rs.now
+    # Sessions by number (agentic); a trace's session names stay in the plan.
+    rows = [
+        (r.id, _sid(r.session), r.turn, r.dispatched, r.generated, r.preemptions, r.rejected)
+        for r in py.done
+    ]
+    assert rows == [
+        (r.id, r.session, r.turn, r.dispatched, r.generated, r.preemptions, r.rejected)
+        for r in rs.done
+    ]
+    for p, r in zip(py.replicas, rs.replicas, strict=True):
+        assert (p.kv.requests(), p.kv.usage(), p.decode_n, p.decode_ctx, p.steps) == (
+            r.kv.requests(),
+            r.kv.usage(),
+            r.decode_n,
+            r.decode_ctx,
+            r.steps,
+        )
+
+
+def _sid(session: Any) -> int | None:
+    return session if isinstance(session, int) else None
+
+
+WORKLOADS = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "kind": st.just("long_short"),
+            "num_requests": st.integers(1, 120),
+            "long_fraction": st.sampled_from([0.0, 0.2, 0.5]),
+            "long_input": st.integers(500, 6000),
+            "short_input": st.integers(1, 800),
+            "short_output": st.integers(1, 200),
+            "arrival": st.fixed_dictionaries(
+                {
+                    "process": st.sampled_from(["poisson", "gamma", "constant"]),
+                    "rate": st.floats(2.0, 80.0),
+                }
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "kind": st.just("shared_prefix"),
+            "num_requests": st.integers(1, 120),
+            "num_groups": st.integers(1, 6),
+            "num_prompts_per_group": st.integers(1, 3),
+            "system_prompt_len": st.integers(16, 2000),
+            "question_len": st.integers(1, 300),
+            "output_len": st.integers(1, 120),
+            "arrival": st.fixed_dictionaries({"rate": st.floats(2.0, 60.0)}),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "kind": st.just("agentic"),
+            "sessions": st.integers(1, 12),
+            "first_input": st.integers(600, 3000),
+            "first_output": st.integers(1, 200),
+            "followup_turns": st.integers(0, 3),
+            "followup_input": st.integers(1, 300),
+            "followup_output": st.integers(1, 100),
+            "system_prompt_len": st.integers(1, 500),
+            "think_time_s": st.sampled_from([0.0, 0.5, 2.0]),
+            "arrival": st.one_of(
+                st.fixed_dictionaries(
+                    {"process": st.just("closed"), "concurrency": st.integers(1, 8)}
+                ),
+                st.fixed_dictionaries(
+                    {"process": st.just("poisson"), "rate": st.floats(0.5, 10.0)}
+                ),
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "kind": st.just("priority"),
+            "num_requests": st.integers(1, 120),
+            "arrival": st.fixed_dictionaries({"rate": st.floats(2.0, 60.0)}),
+        }
+    ),
+)
+
+STEP_MODELS = st.one_of(
+    st.fixed_dictionaries(
+        {"model": st.sampled_from(["llama-3.1-8b", "qwen2.5-32b", "qwen3-30b-a3b"])}
+    ),
+    st.fixed_dictionaries(
+        {
+            "linear": st.fixed_dictionaries(
+                {
+                    "b0": st.floats(0.0, 0.01),
+                    "b1": st.floats(1e-6, 1e-4),
+                    "b2": st.floats(0.0, 1e-3),
+                    "b3": st.sampled_from([0.0, 1e-9]),
+                    "b4": st.sampled_from([0.0, 1e-7]),
+                }
+            ),
+            "profile": st.none(),
+        }
+    ),
+)
+
+SCENARIOS = st.fixed_dictionaries(
+    {
+        "replicas": st.integers(1, 4),
+        "seed": st.integers(0, 2**32),
+        "metrics_delay_s": st.sampled_from([0.0, 0.05, 0.3]),
+        "kv_events_delay_s": st.sampled_from([0.0, 0.2]),
+        "kv_sample_s": st.sampled_from([0.1, 1.0]),
+        "max_time_s": st.sampled_from([None, None, 5.0]),
+        "step_model": STEP_MODELS,
+        "engine": st.fixed_dictionaries(
+            {
+                "block_size": st.sampled_from([16, 32]),
+                # Small caches force preemption, eviction and refusals.
+                "kv_tokens": st.sampled_from([1_000, 4_000, 20_000, 200_000]),
+                "max_num_batched_tokens": st.sampled_from([256, 2048, 8192]),
+                "max_num_seqs": st.sampled_from([2, 16, 256]),
+                "scheduling": st.sampled_from(["fcfs", "priority"]),
+            }
+        ),
+        "workload": WORKLOADS,
+    }
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=SCENARIOS, policy=st.sampled_from(POLICIES))
+def test_rust_engine_equals_python_engine(scenario: dict[str, Any], policy: str) -> None:
+    assert_same(ScenarioConfig.from_dict(scenario), policy)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_default_scenario_shape_equal(policy: str) -> None:
+    """The default scenario, scaled down: every preset routes identically on both engines."""
+    cfg = ScenarioConfig.from_dict(
+        {"base": "agentic", "workload": {"kind": "agentic", "sessions": 40}}
+    )
+    assert_same(cfg, policy)
+
+
+def test_trace_workload_with_sessions(tmp_path) -> None:
+    rows = [
+        json.dumps(
+            {
+                "timestamp": i * 50,
+                "input_length": 900 + i,
+                "output_length": 20,
+                "hash_ids": list(range(i % 3 + 1)),
+                "session": f"s{i % 4}",
+            }
+        )
+        for i in range(40)
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(rows))
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 2,
+            "workload": {"kind": "trace", "path": str(path), "timestamp_unit": "ms"},
+        }
+    )
+    assert_same(cfg, "llm-d")
+
+
+def test_policy_given_as_config_dict() -> None:
+    cfg = ScenarioConfig.from_dict(
+        {"replicas": 3, "workload": {"kind": "long_short", "num_requests": 80}}
+    )
+    policy = {
+        "name": "queue-only",
+        "config": {
+            "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
+                }
+            ],
+        },
+    }
+    assert_same(cfg, policy)
+    assert Simulation(cfg, policy).run().policy == "queue-only"
+
+
+def _scorer(request: dict[str, Any], endpoints: list[dict[str, Any]]) -> list[float]:
+    return [1.0 for _ in endpoints]
+
+
+FALLBACKS = [
+    ({"pd": {"prefill_replicas": 1}}, "llm-d-pd", "prefill/decode disaggregation"),
+    ({"engine": {"scheduling": "priority"}}, "llm-d", None),
+    ({"flow": {"enabled": True}}, "llm-d", "flow control"),
+    ({"slices": {"policy": "fixed", "params": {"slice_tokens": 64}}}, "llm-d", "token slices"),
+    (
+        {},
+        {
+            "name": "custom",
+            "config": {
+                "plugins": [
+                    {"type": "python-scorer", "name": "mine", "parameters": {"function": _scorer}},
+                    {"type": "max-score-picker"},
+                ],
+                "schedulingProfiles": [
+                    {"name": "default", "plugins": [{"pluginRef": "mine"}]},
+                ],
+            },
+        },
+        "Python routing plugins",
+    ),
+]
+
+
+@pytest.mark.parametrize(("over", "policy", "reason"), FALLBACKS)
+def test_uncovered_scenarios_fall_back_visibly(over: dict, policy: Any, reason: str | None) -> None:
+    data = {"replicas": 2, "workload": {"kind": "long_short", "num_requests": 30}}
+    data.update(over)
+    cfg = ScenarioConfig.from_dict(data)
+    assert unsupported(cfg, policy) == reason
+    sim = Simulation(cfg, policy)
+    expected = "rust" if reason is None else "python"
+    assert (sim.engine, sim.fallback_reason) == (expected, reason)
+    summary = sim.run().summary()
+    assert summary["engine"] == expected
+    if reason is not None:
+        with pytest.raises(ConfigError, match=reason):
+            Simulation(cfg, policy, engine="rust")
+
+
+def test_policy_objects_and_the_kv_twin_run_on_python() -> None:
+    cfg = ScenarioConfig.from_dict({"replicas": 1, "workload": {"kind": "long_short"}})
+    assert Simulation(cfg, "llm-d", native_kv=False).fallback_reason == (
+        "the pure-Python KV cache twin"
+    )
+    assert Simulation(cfg, "llm-d", engine="python").fallback_reason is None
+
+
+def test_bad_engine_and_policy_names_raise() -> None:
+    cfg = ScenarioConfig.from_dict({"replicas": 1})
+    with pytest.raises(ConfigError, match="unknown engine"):
+        Simulation(cfg, "llm-d", engine="fortran")
+    with pytest.raises(ConfigError, match="unknown policy"):
+        Simulation(cfg, "no-such-policy")
+
+
+def test_plan_matches_the_live_workload() -> None:
+    """The plan the Rust engine replays holds exactly the requests the Python workload makes
+    (session content never depends on timing)."""
+    spec = {"kind": "agentic", "sessions": 5, "followup_turns": 2}
+    plan = build_plan(spec, 7, 16, 7)
+    assert plan["kind"] == "sessions" and len(plan["turn_prompt"]) == 15
+    cfg = ScenarioConfig.from_dict({"replicas": 2, "seed": 7, "workload": spec})
+    sim = Simulation(cfg, "round-robin", engine="python")
+    sim.run()
+    offsets = plan["turn_offsets"]
+    for req in sim.done:
+        i = offsets[req.session] + req.turn
+        assert (req.prompt_len, req.output_len) == (
+            plan["turn_prompt"][i],
+            plan["turn_output"][i],
+        )
+        start = plan["hash_offsets"][req.session]
+        np.testing.assert_array_equal(
+            plan["hashes"][start : start + plan["turn_blocks"][i]], req.hashes
+        )
