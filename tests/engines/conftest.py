@@ -6,6 +6,7 @@ engines take about a minute to start on two cores and need the separate vLLM env
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def engines(
 ) -> Iterator[list[VllmEngine]]:
     """Two real engines serving the same model, each with its own KV-event feed."""
     logs = tmp_path_factory.mktemp("engine-logs")
-    pair = [VllmEngine(tiny_model, f"e{i}", logs / f"e{i}.log") for i in range(2)]
+    cores = os.cpu_count() or 1
+    pair = [VllmEngine(tiny_model, f"e{i}", logs / f"e{i}.log", cpu=i % cores) for i in range(2)]
     start_engines(pair)
     yield pair
     for engine in pair:

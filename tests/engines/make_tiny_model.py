@@ -92,7 +92,7 @@ def make_model(out: Path, seed: int) -> None:
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=1024,
+        max_position_embeddings=2048,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=3,

@@ -70,6 +70,7 @@ class VllmEngine:
     log_path: Path
     num_blocks: int = 64
     max_num_seqs: int = 4
+    cpu: int = 0  # the core its OpenMP thread is bound to
     port: int = field(default_factory=free_port)
     kv_events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -116,7 +117,7 @@ class VllmEngine:
             "--block-size",
             str(BLOCK_SIZE),
             "--max-model-len",
-            "512",
+            "2000",
             "--enable-prefix-caching",
             "--enforce-eager",
             # On CPU this is the share of host memory reserved; the block override keeps it small.
@@ -126,6 +127,8 @@ class VllmEngine:
             str(self.num_blocks),
             "--max-num-seqs",
             str(self.max_num_seqs),
+            # Logs "Aborted request(s) <id>": the witness that a client's hang-up reached it.
+            "--enable-log-requests",
             "--kv-events-config",
             json.dumps(kv_events),
         ]
@@ -137,6 +140,12 @@ class VllmEngine:
             HF_HUB_OFFLINE="1",
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1",
+            # By default every engine binds core 0 and its OpenMP thread spins between steps,
+            # which starves the API servers on a two-core machine: the first streamed chunk
+            # then arrives only after the whole generation. One core each, and sleeping waits.
+            VLLM_CPU_OMP_THREADS_BIND=str(self.cpu),
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            OMP_WAIT_POLICY="PASSIVE",
             # Our test runner may set these for its own interpreter; the engine must not inherit.
             PYTHONDONTWRITEBYTECODE="",
         )
