@@ -7,6 +7,8 @@
 
 use std::ops::Range;
 
+use super::kv_cache::ByContent;
+
 /// A request whose arrival time is fixed in advance (open loop).
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpenRequest {
@@ -98,6 +100,25 @@ impl Plan {
             return bad("session start not finite".into());
         }
         Ok(())
+    }
+
+    /// Every hash position's dense content id (equal hashes, equal ids; ids numbered by first
+    /// appearance) and each id's hash: the KV caches then index arrays instead of hashing.
+    pub fn content_ids(&self) -> (Vec<u32>, Vec<u64>) {
+        let mut number: ByContent<u32> = ByContent::default();
+        number.reserve(self.hashes.len());
+        let mut unique = Vec::new();
+        let ids = self
+            .hashes
+            .iter()
+            .map(|&h| {
+                *number.entry(h).or_insert_with(|| {
+                    unique.push(h);
+                    (unique.len() - 1) as u32
+                })
+            })
+            .collect();
+        (ids, unique)
     }
 
     /// Requests the plan makes in all.
