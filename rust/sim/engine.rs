@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::kv_cache::{IdEvent, KvCore, KvError};
-use super::plan::{Plan, PlanError};
+use super::plan::{Contents, Plan, PlanError};
 use super::stepmodel::{DecodeRun, StepModel, StepWork};
 use crate::prefix_index::{IndexConfig, IndexError, PrefixIndex, Tier, WorkerKey};
 use crate::routing::{
@@ -232,9 +232,8 @@ struct World<'p> {
     cfg: SimConfig,
     model: StepModel,
     plan: &'p Plan,
-    /// Content id of each position of `plan.hashes`, and each id's hash.
-    content: Vec<u32>,
-    unique: Vec<u64>,
+    /// `plan.hashes` numbered: the KV caches' content ids.
+    contents: Arc<Contents>,
     bs: u64,
     now: f64,
     heap: BinaryHeap<Event>,
@@ -304,12 +303,13 @@ impl<'p> Simulation<'p> {
         }
         let options = RouterOptions { seed: cfg.seed, ..RouterOptions::default() };
         let router = Router::new(pool.clone(), index.clone(), router_config, options)?;
-        let (content, unique) = plan.content_ids();
+        let contents =
+            plan.contents.clone().unwrap_or_else(|| Arc::new(Contents::number(&plan.hashes)));
         let mut replicas = Vec::with_capacity(cfg.replicas);
         for id in 0..cfg.replicas {
             replicas.push(Replica {
                 id,
-                kv: KvCore::new(cfg.kv_blocks, cfg.block_size, unique.len())?,
+                kv: KvCore::new(cfg.kv_blocks, cfg.block_size, contents.unique().len())?,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 prefilling: Vec::new(),
@@ -333,8 +333,7 @@ impl<'p> Simulation<'p> {
             cfg,
             model,
             plan,
-            content,
-            unique,
+            contents,
             now: 0.0,
             heap: BinaryHeap::new(),
             seq: 0,
@@ -711,7 +710,7 @@ impl World<'_> {
     fn apply_kv_events(&mut self, rid: usize, events: Vec<IdEvent>) -> Result<(), SimError> {
         let start = Instant::now();
         let key = &self.keys[rid];
-        let unique = &self.unique;
+        let unique = self.contents.unique();
         let mut hashes: Vec<u64> = Vec::new();
         for event in events {
             hashes.clear();
@@ -748,7 +747,7 @@ impl Replica {
     /// Request `r`'s content ids (its block hashes, numbered).
     fn hashes<'a>(&self, w: &'a World<'_>, r: usize) -> &'a [u32] {
         let (a, b) = w.reqs[r].hashes;
-        &w.content[a..b]
+        &w.contents.ids()[a..b]
     }
 
     fn publish(&self, w: &mut World<'_>, now: f64) -> Result<(), SimError> {
