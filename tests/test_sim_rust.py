@@ -319,7 +319,12 @@ def test_plan_contents_number_equal_hashes_equally(monkeypatch: pytest.MonkeyPat
     from llmsched import _llmsched
     from llmsched.sim import fast
 
-    spec = {"kind": "shared_prefix", "num_groups": 2, "num_prompts_per_group": 4, "num_requests": 30}
+    spec = {
+        "kind": "shared_prefix",
+        "num_groups": 2,
+        "num_prompts_per_group": 4,
+        "num_requests": 30,
+    }
     plan = build_plan(spec, 3, 16, 3)
     contents = plan["contents"]
     assert len(contents) == len(plan["hashes"])

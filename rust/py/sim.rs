@@ -10,8 +10,8 @@ use crate::routing::{parse_config, RoutingError};
 use std::sync::Arc;
 
 use crate::sim::{
-    simulate as sim_engine, Contents, DoneRecord, KvCache, KvEvent, Linear, OpenRequest, Plan, Roofline,
-    Session, SimConfig, SimOutput, StepModel, Turn,
+    simulate as sim_engine, Contents, DoneRecord, KvCache, KvEvent, Linear, OpenRequest, Plan,
+    Roofline, Session, SimConfig, SimOutput, StepModel, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
