@@ -76,6 +76,7 @@ bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench --bench vllm_events
 	cargo bench --bench routing
 	cargo bench --bench flow
+	cargo bench --bench sim_kv
 
 demo: build ## Run the main job: the simulator comparing routing policies (llmsched sim)
 	$(PY) -m llmsched sim

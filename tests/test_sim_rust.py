@@ -311,3 +311,35 @@ def test_plan_matches_the_live_workload() -> None:
         np.testing.assert_array_equal(
             plan["hashes"][start : start + plan["turn_blocks"][i]], req.hashes
         )
+
+
+def test_plan_contents_number_equal_hashes_equally(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's hashes are numbered once; a run without the numbering (the engine numbers them
+    itself) gives the same result, and a numbering of other hashes is refused."""
+    from llmsched import _llmsched
+    from llmsched.sim import fast
+
+    spec = {
+        "kind": "shared_prefix",
+        "num_groups": 2,
+        "num_prompts_per_group": 4,
+        "num_requests": 30,
+    }
+    plan = build_plan(spec, 3, 16, 3)
+    contents = plan["contents"]
+    assert len(contents) == len(plan["hashes"])
+    assert contents.distinct == len(np.unique(plan["hashes"])) < len(plan["hashes"])
+    cfg = ScenarioConfig.from_dict({"replicas": 2, "seed": 3, "workload": spec})
+    numbered = Simulation(cfg, "llm-d", engine="rust").run()
+    monkeypatch.setattr(fast, "cached_plan", lambda _cfg: {**plan, "contents": None})
+    unnumbered = Simulation(cfg, "llm-d", engine="rust").run()
+    for key in numbered.requests:
+        np.testing.assert_array_equal(numbered.requests[key], unnumbered.requests[key])
+    assert numbered.engine == unnumbered.engine
+    other = _llmsched.number_contents(plan["hashes"][::-1].copy())
+    monkeypatch.setattr(fast, "cached_plan", lambda _cfg: {**plan, "contents": other})
+    with pytest.raises(ConfigError, match="numbered from other hashes"):
+        Simulation(cfg, "llm-d", engine="rust").run()
+    monkeypatch.setattr(fast, "cached_plan", lambda _cfg: {**plan, "contents": 5})
+    with pytest.raises(TypeError, match="PlanContents"):
+        Simulation(cfg, "llm-d", engine="rust").run()

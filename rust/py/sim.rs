@@ -7,9 +7,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::routing::{parse_config, RoutingError};
+use std::sync::Arc;
+
 use crate::sim::{
-    simulate as sim_engine, DoneRecord, KvCache, KvEvent, Linear, OpenRequest, Plan, Roofline,
-    Session, SimConfig, SimOutput, StepModel, Turn,
+    simulate as sim_engine, Contents, DoneRecord, KvCache, KvEvent, Linear, OpenRequest, Plan,
+    Roofline, Session, SimConfig, SimOutput, StepModel, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
@@ -129,6 +131,35 @@ impl PyKvCache {
 
 // ---- the Rust engine ----------------------------------------------------------------------
 
+/// A workload plan's block hashes numbered once (equal hashes, equal ids), so that every run
+/// of the plan skips that pass; `number_contents` builds it and `simulate` checks it matches
+/// the plan's hashes.
+#[pyclass(module = "llmsched._llmsched", name = "PlanContents", frozen)]
+pub struct PyPlanContents {
+    inner: Arc<Contents>,
+}
+
+#[pymethods]
+impl PyPlanContents {
+    /// Distinct hashes.
+    #[getter]
+    fn distinct(&self) -> usize {
+        self.inner.unique().len()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.ids().len()
+    }
+}
+
+/// Numbers a plan's block hashes (the GIL released while it runs).
+#[pyfunction]
+fn number_contents(py: Python<'_>, hashes: PyReadonlyArray1<'_, u64>) -> PyResult<PyPlanContents> {
+    let hashes = hashes.as_slice()?;
+    let inner = py.detach(|| Arc::new(Contents::number(hashes)));
+    Ok(PyPlanContents { inner })
+}
+
 /// `dict[name]`, converted; a missing or mistyped item raises naming it.
 fn item<'py, T>(dict: &Bound<'py, PyDict>, name: &str) -> PyResult<T>
 where
@@ -197,7 +228,17 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
     let hashes: PyReadonlyArray1<'_, u64> = item(d, "hashes")?;
     let hashes = hashes.as_slice()?.to_vec();
     let kind: String = item(d, "kind")?;
-    let mut plan = Plan { hashes, ..Plan::default() };
+    let contents = match d.get_item("contents")? {
+        Some(c) if !c.is_none() => Some(
+            c.cast::<PyPlanContents>()
+                .map_err(|_| PyTypeError::new_err("plan item \"contents\" must be PlanContents"))?
+                .get()
+                .inner
+                .clone(),
+        ),
+        _ => None,
+    };
+    let mut plan = Plan { hashes, contents, ..Plan::default() };
     let offsets: PyReadonlyArray1<'_, i64> = item(d, "hash_offsets")?;
     let spans = ranges(&usizes(offsets.as_slice()?, "hash_offsets")?, "hash_offsets")?;
     let tenant: PyReadonlyArray1<'_, i64> = item(d, "tenant")?;
@@ -371,5 +412,7 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKvCache>()?;
+    m.add_class::<PyPlanContents>()?;
+    m.add_function(wrap_pyfunction!(number_contents, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)
 }

@@ -19,8 +19,8 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::kv_cache::{KvCache, KvError, KvEvent};
-use super::plan::{Plan, PlanError};
+use super::kv_cache::{IdEvent, KvCore, KvError};
+use super::plan::{Contents, Plan, PlanError};
 use super::stepmodel::{DecodeRun, StepModel, StepWork};
 use crate::prefix_index::{IndexConfig, IndexError, PrefixIndex, Tier, WorkerKey};
 use crate::routing::{
@@ -160,7 +160,7 @@ pub struct Counters {
 
 struct Replica {
     id: usize,
-    kv: KvCache,
+    kv: KvCore,
     waiting: VecDeque<usize>,
     running: Vec<usize>,
     prefilling: Vec<usize>,
@@ -232,6 +232,8 @@ struct World<'p> {
     cfg: SimConfig,
     model: StepModel,
     plan: &'p Plan,
+    /// `plan.hashes` numbered: the KV caches' content ids.
+    contents: Arc<Contents>,
     bs: u64,
     now: f64,
     heap: BinaryHeap<Event>,
@@ -245,7 +247,7 @@ struct World<'p> {
     pending_metrics: Vec<VecDeque<(f64, u32, u32, f64)>>,
     kv_trace: Vec<Vec<(f64, f64)>>,
     next_kv_sample: Vec<f64>,
-    feeds: Vec<Option<(usize, Vec<KvEvent>)>>,
+    feeds: Vec<Option<(usize, Vec<IdEvent>)>>,
     decision: Duration,
     feed: Duration,
     feed_skipped: u64,
@@ -301,11 +303,13 @@ impl<'p> Simulation<'p> {
         }
         let options = RouterOptions { seed: cfg.seed, ..RouterOptions::default() };
         let router = Router::new(pool.clone(), index.clone(), router_config, options)?;
+        let contents =
+            plan.contents.clone().unwrap_or_else(|| Arc::new(Contents::number(&plan.hashes)));
         let mut replicas = Vec::with_capacity(cfg.replicas);
         for id in 0..cfg.replicas {
             replicas.push(Replica {
                 id,
-                kv: KvCache::new(cfg.kv_blocks, cfg.block_size)?,
+                kv: KvCore::new(cfg.kv_blocks, cfg.block_size, contents.unique().len())?,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 prefilling: Vec::new(),
@@ -329,6 +333,7 @@ impl<'p> Simulation<'p> {
             cfg,
             model,
             plan,
+            contents,
             now: 0.0,
             heap: BinaryHeap::new(),
             seq: 0,
@@ -688,7 +693,7 @@ impl World<'_> {
         Ok(())
     }
 
-    fn kv_events(&mut self, rid: usize, events: Vec<KvEvent>, now: f64) -> Result<(), SimError> {
+    fn kv_events(&mut self, rid: usize, events: Vec<IdEvent>, now: f64) -> Result<(), SimError> {
         if events.is_empty() {
             return Ok(());
         }
@@ -702,15 +707,23 @@ impl World<'_> {
         }
     }
 
-    fn apply_kv_events(&mut self, rid: usize, events: Vec<KvEvent>) -> Result<(), SimError> {
+    fn apply_kv_events(&mut self, rid: usize, events: Vec<IdEvent>) -> Result<(), SimError> {
         let start = Instant::now();
         let key = &self.keys[rid];
+        let unique = self.contents.unique();
+        let mut hashes: Vec<u64> = Vec::new();
         for event in events {
-            let applied = match &event {
-                KvEvent::Stored { parent, hashes } => {
-                    self.index.store(key, hashes, *parent, Tier::Gpu).map(|_| ())
+            hashes.clear();
+            let applied = match event {
+                IdEvent::Stored { parent, ids } => {
+                    hashes.extend(ids.iter().map(|&id| unique[id as usize]));
+                    let parent = parent.map(|id| unique[id as usize]);
+                    self.index.store(key, &hashes, parent, Tier::Gpu).map(|_| ())
                 }
-                KvEvent::Removed { hashes } => self.index.remove(key, hashes, None).map(|_| ()),
+                IdEvent::Removed { ids } => {
+                    hashes.extend(ids.iter().map(|&id| unique[id as usize]));
+                    self.index.remove(key, &hashes, None).map(|_| ())
+                }
             };
             match applied {
                 Ok(()) => {}
@@ -731,9 +744,10 @@ impl World<'_> {
 // ---- one replica ---------------------------------------------------------------------------
 
 impl Replica {
-    fn hashes<'a>(&self, w: &'a World<'_>, r: usize) -> &'a [u64] {
+    /// Request `r`'s content ids (its block hashes, numbered).
+    fn hashes<'a>(&self, w: &'a World<'_>, r: usize) -> &'a [u32] {
         let (a, b) = w.reqs[r].hashes;
-        &w.plan.hashes[a..b]
+        &w.contents.ids()[a..b]
     }
 
     fn publish(&self, w: &mut World<'_>, now: f64) -> Result<(), SimError> {

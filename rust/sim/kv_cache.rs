@@ -10,10 +10,13 @@
 //!   request shares that block and releases its copy, so cached chains stay prefix-closed (a
 //!   block is never evicted before its cached descendants).
 //!
-//! Algorithm / complexity: an intrusive doubly linked free list over block ids (O(1) push,
-//! pop and unlink), a hash map from content hash to block, per-request block vectors. Every
-//! operation costs O(blocks it touches); `decode_capacity` bisects over steps, O(R log k) for
-//! R decoding requests.
+//! Algorithm / complexity: [`KvCore`] names contents by dense ids (0, 1, 2, ... assigned once
+//! per workload plan, see `Plan::content_ids`), so "which block holds this content" is an array
+//! slot, not a hash-map probe: an intrusive doubly linked free list over block ids (O(1) push,
+//! pop and unlink), a content-id -> block array, per-request block vectors. Every operation
+//! costs O(blocks it touches) with no hashing; `decode_capacity` bisects over steps, O(R log k)
+//! for R decoding requests. [`KvCache`] is the same cache addressed by 64-bit content hashes
+//! (the Python engine's), interning each hash to an id on first sight.
 //!
 //! Events: `Stored { parent, hashes }` for each run of newly cached blocks, `Removed { hashes }`
 //! for each run of evictions, reduced to the roots of the evicted subtrees (a prefix index that
@@ -22,13 +25,13 @@
 
 use std::hash::{BuildHasherDefault, Hasher};
 
-use hashbrown::{HashMap, HashSet};
+use hashbrown::HashMap;
 use thiserror::Error;
 
-/// Content hashes are already uniformly distributed (xxh3 chains), so the map uses them as
-/// they are instead of hashing them again.
+/// Content hashes are already uniformly distributed (xxh3 chains), so the interner uses them
+/// as they are instead of hashing them again.
 #[derive(Default, Clone, Copy)]
-struct ContentHasher(u64);
+pub struct ContentHasher(u64);
 
 impl Hasher for ContentHasher {
     fn finish(&self) -> u64 {
@@ -46,7 +49,8 @@ impl Hasher for ContentHasher {
     }
 }
 
-type ByContent<V> = HashMap<u64, V, BuildHasherDefault<ContentHasher>>;
+/// A map keyed by content hash.
+pub type ByContent<V> = HashMap<u64, V, BuildHasherDefault<ContentHasher>>;
 
 /// Errors from KV-cache operations; nothing changes when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -59,7 +63,7 @@ pub enum KvError {
     DuplicateRequest(u64),
 }
 
-/// A change to the set of cached blocks, in the order it happened.
+/// A change to the set of cached blocks, in the order it happened, contents named by hash.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
     /// Blocks newly cached, a chain continuing after `parent` (None: from the root).
@@ -68,50 +72,51 @@ pub enum KvEvent {
     Removed { hashes: Vec<u64> },
 }
 
+/// [`KvEvent`] with contents named by id (what [`KvCore`] reports).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdEvent {
+    Stored { parent: Option<u32>, ids: Vec<u32> },
+    Removed { ids: Vec<u32> },
+}
+
+/// How many blocks ahead the walks over a request's blocks ask for the next block's cache line:
+/// blocks are visited in an order unrelated to memory, so each is otherwise a cache miss.
+const PREFETCH_AHEAD: usize = 8;
+
+/// Asks the CPU to load `value`'s cache line (a hint: no effect on results).
+#[inline(always)]
+fn prefetch<T>(value: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults or writes; the pointer comes from a live reference.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((value as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = value;
+}
+
+/// No content / no parent / no block.
+const NONE: u32 = u32::MAX;
+
 /// An event as recorded: removals keep each block's parent until they are reduced.
 #[derive(Debug, Clone)]
 enum Pending {
-    Stored { parent: Option<u64>, hashes: Vec<u64> },
-    Removed(Vec<(u64, Option<u64>)>),
+    Stored { parent: Option<u32>, ids: Vec<u32> },
+    Removed(Vec<(u32, u32)>),
 }
 
-/// 32 bytes: the free list is walked in an order unrelated to memory, so every block touched
+/// 20 bytes: the free list is walked in an order unrelated to memory, so every block touched
 /// is a cache miss and a smaller block is a faster cache.
 #[derive(Debug, Clone)]
 struct Block {
-    /// Content hash, meaningful when `HASHED` is set.
-    hash: u64,
-    /// Parent's content hash, meaningful when `HAS_PARENT` is set.
-    parent: u64,
+    /// Content id, NONE when the block holds no cached content.
+    content: u32,
+    /// Parent's content id, NONE for a chain's first block.
+    parent: u32,
     refs: u32,
     prev: u32,
     next: u32,
-    flags: u8,
-}
-
-const HASHED: u8 = 1;
-const HAS_PARENT: u8 = 2;
-
-impl Block {
-    fn hashed(&self) -> bool {
-        self.flags & HASHED != 0
-    }
-
-    fn set_hash(&mut self, hash: u64, parent: Option<u64>) {
-        self.hash = hash;
-        self.parent = parent.unwrap_or(0);
-        self.flags = HASHED | if parent.is_some() { HAS_PARENT } else { 0 };
-    }
-
-    /// Forgets the content: (hash, parent) if there was one.
-    fn take_hash(&mut self) -> Option<(u64, Option<u64>)> {
-        if !self.hashed() {
-            return None;
-        }
-        let parent = (self.flags & HAS_PARENT != 0).then_some(self.parent);
-        self.flags = 0;
-        Some((self.hash, parent))
-    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -122,22 +127,28 @@ struct Request {
     decoding: bool,
 }
 
-/// One replica's KV cache.
+/// One replica's KV cache, contents named by dense ids.
 #[derive(Debug, Clone)]
-pub struct KvCache {
+pub struct KvCore {
     block_size: u64,
     blocks: Vec<Block>,
     /// The free list's sentinel: `blocks[sentinel]` is not a real block.
     sentinel: u32,
     free_len: usize,
-    cached: ByContent<u32>,
+    /// Content id -> the block caching it (NONE: not cached); grows on demand.
+    block_of: Vec<u32>,
+    cached_len: usize,
     requests: HashMap<u64, Request>,
     events: Vec<Pending>,
+    /// Scratch for reducing removals: the removal batch number that evicted each content.
+    gone_stamp: Vec<u32>,
+    stamp: u32,
 }
 
-impl KvCache {
-    /// An empty cache of `num_blocks` blocks of `block_size` tokens, all free.
-    pub fn new(num_blocks: u32, block_size: u32) -> Result<Self, KvError> {
+impl KvCore {
+    /// An empty cache of `num_blocks` blocks of `block_size` tokens, all free; `contents` is
+    /// a size hint for the number of distinct content ids.
+    pub fn new(num_blocks: u32, block_size: u32, contents: usize) -> Result<Self, KvError> {
         if num_blocks == 0 || block_size == 0 || num_blocks == u32::MAX {
             return Err(KvError::InvalidConfig);
         }
@@ -145,22 +156,24 @@ impl KvCache {
         let sentinel = num_blocks;
         let blocks = (0..=n)
             .map(|i| Block {
-                hash: 0,
-                parent: 0,
-                flags: 0,
+                content: NONE,
+                parent: NONE,
                 refs: 0,
                 prev: if i == 0 { sentinel } else { i as u32 - 1 },
                 next: if i == n { 0 } else { i as u32 + 1 },
             })
             .collect::<Vec<_>>();
-        let mut cache = KvCache {
+        let mut cache = KvCore {
             block_size: u64::from(block_size),
             blocks,
             sentinel,
             free_len: n,
-            cached: ByContent::default(),
+            block_of: vec![NONE; contents],
+            cached_len: 0,
             requests: HashMap::new(),
             events: Vec::new(),
+            gone_stamp: Vec::new(),
+            stamp: 0,
         };
         // The sentinel closes the ring: its next is block 0, its prev the last block.
         cache.blocks[n].prev = sentinel - 1;
@@ -181,9 +194,9 @@ impl KvCache {
         self.free_len
     }
 
-    /// Blocks with a content hash.
+    /// Blocks with a content.
     pub fn cached_blocks(&self) -> usize {
-        self.cached.len()
+        self.cached_len
     }
 
     /// Fraction of blocks in use.
@@ -196,9 +209,13 @@ impl KvCache {
         self.requests.len()
     }
 
-    /// Leading blocks of `hashes` that are cached, at most `max_blocks`.
-    pub fn lookup(&self, hashes: &[u64], max_blocks: usize) -> usize {
-        hashes.iter().take(max_blocks).take_while(|h| self.cached.contains_key(*h)).count()
+    fn cached(&self, id: u32) -> Option<u32> {
+        self.block_of.get(id as usize).copied().filter(|&b| b != NONE)
+    }
+
+    /// Leading contents of `ids` that are cached, at most `max_blocks`.
+    pub fn lookup(&self, ids: &[u32], max_blocks: usize) -> usize {
+        ids.iter().take(max_blocks).take_while(|&&id| self.cached(id).is_some()).count()
     }
 
     pub fn tokens_of(&self, req: u64) -> Result<u64, KvError> {
@@ -210,14 +227,17 @@ impl KvCache {
     }
 
     /// Registers `req` and takes references on its cached prefix; returns the blocks hit.
-    pub fn start(&mut self, req: u64, hashes: &[u64], max_blocks: usize) -> Result<usize, KvError> {
+    pub fn start(&mut self, req: u64, ids: &[u32], max_blocks: usize) -> Result<usize, KvError> {
         if self.requests.contains_key(&req) {
             return Err(KvError::DuplicateRequest(req));
         }
         let mut state = Request::default();
-        state.blocks.reserve(hashes.len());
-        for h in hashes.iter().take(max_blocks) {
-            let Some(&block) = self.cached.get(h) else { break };
+        state.blocks.reserve(ids.len());
+        for (i, &id) in ids.iter().take(max_blocks).enumerate() {
+            if let Some(ahead) = ids.get(i + PREFETCH_AHEAD).and_then(|&a| self.cached(a)) {
+                prefetch(&self.blocks[ahead as usize]);
+            }
+            let Some(block) = self.cached(id) else { break };
             self.take_ref(block);
             state.blocks.push(block);
         }
@@ -235,46 +255,48 @@ impl KvCache {
         if need > self.free_len {
             return Ok(false);
         }
-        let mut new_blocks = Vec::with_capacity(need);
+        let mut state = self.requests.remove(&req).expect("checked above");
+        state.blocks.reserve(need);
         for _ in 0..need {
-            new_blocks.push(self.pop_free());
+            state.blocks.push(self.pop_free());
         }
-        let state = self.requests.get_mut(&req).expect("checked above");
-        state.blocks.extend(new_blocks);
         state.tokens = state.tokens.max(tokens);
+        self.requests.insert(req, state);
         Ok(true)
     }
 
-    /// Caches `req`'s full blocks `[committed, upto)` under `hashes`.
-    pub fn commit(&mut self, req: u64, hashes: &[u64], upto: usize) -> Result<(), KvError> {
+    /// Caches `req`'s full blocks `[committed, upto)` under `ids`.
+    pub fn commit(&mut self, req: u64, ids: &[u32], upto: usize) -> Result<(), KvError> {
         let mut state = self.requests.remove(&req).ok_or(KvError::UnknownRequest(req))?;
         let full = (state.tokens / self.block_size) as usize;
-        let stop = upto.min(state.blocks.len()).min(hashes.len()).min(full);
-        let mut run: Vec<u64> = Vec::new();
+        let stop = upto.min(state.blocks.len()).min(ids.len()).min(full);
+        if let Some(&top) = ids[..stop].iter().max() {
+            if top as usize >= self.block_of.len() {
+                self.block_of.resize(top as usize + 1, NONE);
+            }
+        }
+        let mut run: Vec<u32> = Vec::new();
         let mut run_parent = None;
         for i in state.committed..stop {
-            let h = hashes[i];
-            let parent = if i > 0 { Some(hashes[i - 1]) } else { None };
+            let id = ids[i];
+            let parent = if i > 0 { ids[i - 1] } else { NONE };
             let mine = state.blocks[i];
-            // One probe of the map for both the lookup and the insertion.
-            match self.cached.entry(h) {
-                hashbrown::hash_map::Entry::Occupied(e) => {
-                    let other = *e.get();
-                    if other != mine {
-                        self.flush_stored(run_parent, &mut run);
-                        self.take_ref(other);
-                        self.drop_ref(mine);
-                        state.blocks[i] = other;
-                    }
+            let other = self.block_of[id as usize];
+            if other == NONE {
+                self.block_of[id as usize] = mine;
+                self.cached_len += 1;
+                if run.is_empty() {
+                    run_parent = (parent != NONE).then_some(parent);
                 }
-                hashbrown::hash_map::Entry::Vacant(e) => {
-                    e.insert(mine);
-                    if run.is_empty() {
-                        run_parent = parent;
-                    }
-                    self.blocks[mine as usize].set_hash(h, parent);
-                    run.push(h);
-                }
+                let block = &mut self.blocks[mine as usize];
+                block.content = id;
+                block.parent = parent;
+                run.push(id);
+            } else if other != mine {
+                self.flush_stored(run_parent, &mut run);
+                self.take_ref(other);
+                self.drop_ref(mine);
+                state.blocks[i] = other;
             }
         }
         self.flush_stored(run_parent, &mut run);
@@ -286,8 +308,12 @@ impl KvCache {
     /// Drops `req`'s references, last block first.
     pub fn free(&mut self, req: u64) -> Result<(), KvError> {
         let state = self.requests.remove(&req).ok_or(KvError::UnknownRequest(req))?;
-        for &block in state.blocks.iter().rev() {
-            self.drop_ref(block);
+        let blocks = &state.blocks;
+        for i in (0..blocks.len()).rev() {
+            if let Some(&ahead) = i.checked_sub(PREFETCH_AHEAD).and_then(|j| blocks.get(j)) {
+                prefetch(&self.blocks[ahead as usize]);
+            }
+            self.drop_ref(blocks[i]);
         }
         Ok(())
     }
@@ -331,39 +357,53 @@ impl KvCache {
         let ids: Vec<u64> =
             self.requests.iter().filter(|(_, s)| s.decoding).map(|(&id, _)| id).collect();
         for id in ids {
-            let (tokens, have) = {
-                let s = &self.requests[&id];
-                (s.tokens + steps, s.blocks.len())
-            };
-            let need = (tokens.div_ceil(self.block_size) as usize).saturating_sub(have);
-            let new_blocks: Vec<u32> = (0..need).map(|_| self.pop_free()).collect();
-            let s = self.requests.get_mut(&id).expect("collected above");
-            s.blocks.extend(new_blocks);
-            s.tokens = tokens;
+            let mut s = self.requests.remove(&id).expect("collected above");
+            s.tokens += steps;
+            let need = (s.tokens.div_ceil(self.block_size) as usize).saturating_sub(s.blocks.len());
+            for _ in 0..need {
+                s.blocks.push(self.pop_free());
+            }
+            self.requests.insert(id, s);
         }
         true
     }
 
     /// The events since the last call, in order; removals reduced to subtree roots.
-    pub fn take_events(&mut self) -> Vec<KvEvent> {
-        std::mem::take(&mut self.events)
-            .into_iter()
-            .map(|event| match event {
-                Pending::Stored { parent, hashes } => KvEvent::Stored { parent, hashes },
+    pub fn take_events(&mut self) -> Vec<IdEvent> {
+        let events = std::mem::take(&mut self.events);
+        let mut out = Vec::with_capacity(events.len());
+        for event in events {
+            match event {
+                Pending::Stored { parent, ids } => out.push(IdEvent::Stored { parent, ids }),
                 Pending::Removed(removed) => {
-                    let gone: HashSet<u64> = removed.iter().map(|&(h, _)| h).collect();
-                    let hashes = removed
-                        .into_iter()
-                        .filter(|(_, parent)| parent.is_none_or(|p| !gone.contains(&p)))
-                        .map(|(h, _)| h)
-                        .collect();
-                    KvEvent::Removed { hashes }
+                    let stamp = self.next_stamp();
+                    for &(id, _) in &removed {
+                        self.gone_stamp[id as usize] = stamp;
+                    }
+                    let gone = |p: u32| p != NONE && self.gone_stamp[p as usize] == stamp;
+                    let ids =
+                        removed.iter().filter(|&&(_, parent)| !gone(parent)).map(|&(id, _)| id);
+                    out.push(IdEvent::Removed { ids: ids.collect() });
                 }
-            })
-            .collect()
+            }
+        }
+        out
     }
 
     // ---- internals -----------------------------------------------------------------------
+
+    /// A fresh removal-batch stamp, `gone_stamp` sized to every content id.
+    fn next_stamp(&mut self) -> u32 {
+        if self.gone_stamp.len() < self.block_of.len() {
+            self.gone_stamp.resize(self.block_of.len(), 0);
+        }
+        if self.stamp == u32::MAX {
+            self.gone_stamp.fill(0);
+            self.stamp = 0;
+        }
+        self.stamp += 1;
+        self.stamp
+    }
 
     fn get(&self, req: u64) -> Result<&Request, KvError> {
         self.requests.get(&req).ok_or(KvError::UnknownRequest(req))
@@ -396,7 +436,7 @@ impl KvCache {
         let block = &mut self.blocks[b as usize];
         block.refs -= 1;
         if block.refs == 0 {
-            if block.hashed() {
+            if block.content != NONE {
                 let tail = self.blocks[self.sentinel as usize].prev;
                 self.link_after(tail, b);
             } else {
@@ -405,31 +445,168 @@ impl KvCache {
         }
     }
 
-    /// Pops the least recently freed block (the caller checked one is free), evicting its hash.
+    /// Pops the least recently freed block (the caller checked one is free), evicting its content.
     fn pop_free(&mut self) -> u32 {
         let b = self.blocks[self.sentinel as usize].next;
         debug_assert_ne!(b, self.sentinel, "pop from an empty free list");
         self.unlink(b);
         let block = &mut self.blocks[b as usize];
         block.refs = 1;
-        if let Some((h, parent)) = block.take_hash() {
-            self.cached.remove(&h);
-            self.push_removed(h, parent);
+        let (content, parent) = (block.content, block.parent);
+        if content != NONE {
+            block.content = NONE;
+            block.parent = NONE;
+            self.block_of[content as usize] = NONE;
+            self.cached_len -= 1;
+            self.push_removed(content, parent);
         }
         b
     }
 
-    fn push_removed(&mut self, h: u64, parent: Option<u64>) {
+    fn push_removed(&mut self, id: u32, parent: u32) {
         match self.events.last_mut() {
-            Some(Pending::Removed(removed)) => removed.push((h, parent)),
-            _ => self.events.push(Pending::Removed(vec![(h, parent)])),
+            Some(Pending::Removed(removed)) => removed.push((id, parent)),
+            _ => self.events.push(Pending::Removed(vec![(id, parent)])),
         }
     }
 
-    fn flush_stored(&mut self, parent: Option<u64>, run: &mut Vec<u64>) {
+    fn flush_stored(&mut self, parent: Option<u32>, run: &mut Vec<u32>) {
         if !run.is_empty() {
-            self.events.push(Pending::Stored { parent, hashes: std::mem::take(run) });
+            self.events.push(Pending::Stored { parent, ids: std::mem::take(run) });
         }
+    }
+}
+
+/// One replica's KV cache addressed by 64-bit content hashes: a [`KvCore`] plus an interner
+/// that numbers each hash on first sight (numbers are never reused, so memory grows with the
+/// distinct hashes seen).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    core: KvCore,
+    ids: ByContent<u32>,
+    hashes: Vec<u64>,
+}
+
+impl KvCache {
+    /// An empty cache of `num_blocks` blocks of `block_size` tokens, all free.
+    pub fn new(num_blocks: u32, block_size: u32) -> Result<Self, KvError> {
+        Ok(KvCache {
+            core: KvCore::new(num_blocks, block_size, 0)?,
+            ids: ByContent::default(),
+            hashes: Vec::new(),
+        })
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.core.num_blocks()
+    }
+
+    pub fn block_size(&self) -> u64 {
+        self.core.block_size()
+    }
+
+    /// Blocks not in use (cached or empty).
+    pub fn free_blocks(&self) -> usize {
+        self.core.free_blocks()
+    }
+
+    /// Blocks with a content hash.
+    pub fn cached_blocks(&self) -> usize {
+        self.core.cached_blocks()
+    }
+
+    /// Fraction of blocks in use.
+    pub fn usage(&self) -> f64 {
+        self.core.usage()
+    }
+
+    /// Requests holding blocks.
+    pub fn requests(&self) -> usize {
+        self.core.requests()
+    }
+
+    /// The ids of the leading hashes already numbered, at most `max_blocks` (a hash never
+    /// seen is not cached, so a lookup may stop there).
+    fn known(&self, hashes: &[u64], max_blocks: usize) -> Vec<u32> {
+        hashes.iter().take(max_blocks).map_while(|h| self.ids.get(h).copied()).collect()
+    }
+
+    /// Leading blocks of `hashes` that are cached, at most `max_blocks`.
+    pub fn lookup(&self, hashes: &[u64], max_blocks: usize) -> usize {
+        self.core.lookup(&self.known(hashes, max_blocks), max_blocks)
+    }
+
+    pub fn tokens_of(&self, req: u64) -> Result<u64, KvError> {
+        self.core.tokens_of(req)
+    }
+
+    pub fn blocks_of(&self, req: u64) -> Result<usize, KvError> {
+        self.core.blocks_of(req)
+    }
+
+    /// Registers `req` and takes references on its cached prefix; returns the blocks hit.
+    pub fn start(&mut self, req: u64, hashes: &[u64], max_blocks: usize) -> Result<usize, KvError> {
+        let ids = self.known(hashes, max_blocks);
+        self.core.start(req, &ids, max_blocks)
+    }
+
+    /// Gives `req` room for `tokens` tokens; Ok(false), changing nothing, if blocks run out.
+    pub fn allocate(&mut self, req: u64, tokens: u64) -> Result<bool, KvError> {
+        self.core.allocate(req, tokens)
+    }
+
+    /// Caches `req`'s full blocks `[committed, upto)` under `hashes`.
+    pub fn commit(&mut self, req: u64, hashes: &[u64], upto: usize) -> Result<(), KvError> {
+        self.core.get(req)?;
+        let ids: Vec<u32> = hashes.iter().take(upto).map(|&h| self.intern(h)).collect();
+        self.core.commit(req, &ids, upto)
+    }
+
+    /// Drops `req`'s references, last block first.
+    pub fn free(&mut self, req: u64) -> Result<(), KvError> {
+        self.core.free(req)
+    }
+
+    /// Marks `req` as growing one token per decode step (or not).
+    pub fn set_decoding(&mut self, req: u64, decoding: bool) -> Result<(), KvError> {
+        self.core.set_decoding(req, decoding)
+    }
+
+    /// The most decode steps, at most `limit`, whose new blocks fit in the free blocks.
+    pub fn decode_capacity(&self, limit: u64) -> u64 {
+        self.core.decode_capacity(limit)
+    }
+
+    /// Grows every decoding request by `steps` tokens; false, changing nothing, if it does not fit.
+    pub fn advance_decoding(&mut self, steps: u64) -> bool {
+        self.core.advance_decoding(steps)
+    }
+
+    /// The events since the last call, in order; removals reduced to subtree roots.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        let hash = |id: u32| self.hashes[id as usize];
+        self.core
+            .take_events()
+            .into_iter()
+            .map(|event| match event {
+                IdEvent::Stored { parent, ids } => KvEvent::Stored {
+                    parent: parent.map(hash),
+                    hashes: ids.into_iter().map(hash).collect(),
+                },
+                IdEvent::Removed { ids } => {
+                    KvEvent::Removed { hashes: ids.into_iter().map(hash).collect() }
+                }
+            })
+            .collect()
+    }
+
+    fn intern(&mut self, hash: u64) -> u32 {
+        let next = self.hashes.len() as u32;
+        let id = *self.ids.entry(hash).or_insert(next);
+        if id == next {
+            self.hashes.push(hash);
+        }
+        id
     }
 }
 

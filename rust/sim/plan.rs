@@ -6,6 +6,9 @@
 //! number, so a plan holds sessions as scripts and the engine starts turns as turns finish.
 
 use std::ops::Range;
+use std::sync::Arc;
+
+use super::kv_cache::ByContent;
 
 /// A request whose arrival time is fixed in advance (open loop).
 #[derive(Debug, Clone, PartialEq)]
@@ -51,6 +54,52 @@ pub struct Plan {
     pub starts: Vec<f64>,
     /// Closed loop: a finished session starts the next one after its last think time.
     pub closed: bool,
+    /// `hashes` numbered once for every run of the plan (None: each run numbers them).
+    pub contents: Option<Arc<Contents>>,
+}
+
+/// Dense content ids for a hash array: equal hashes get equal ids, numbered by first
+/// appearance, so the KV caches index arrays by id instead of hashing 64-bit hashes.
+/// Built only by [`Contents::number`], so ids and hashes always agree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Contents {
+    ids: Vec<u32>,
+    unique: Vec<u64>,
+}
+
+impl Contents {
+    /// Numbers `hashes` (one hash-map pass).
+    pub fn number(hashes: &[u64]) -> Self {
+        let mut number: ByContent<u32> = ByContent::default();
+        number.reserve(hashes.len());
+        let mut unique = Vec::new();
+        let ids = hashes
+            .iter()
+            .map(|&h| {
+                *number.entry(h).or_insert_with(|| {
+                    unique.push(h);
+                    (unique.len() - 1) as u32
+                })
+            })
+            .collect();
+        Contents { ids, unique }
+    }
+
+    /// The id of each position of the numbered hash array.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Each id's hash.
+    pub fn unique(&self) -> &[u64] {
+        &self.unique
+    }
+
+    /// Whether these are the ids of `hashes` (one pass, no hashing).
+    pub fn numbers(&self, hashes: &[u64]) -> bool {
+        self.ids.len() == hashes.len()
+            && self.ids.iter().zip(hashes).all(|(&id, &h)| self.unique.get(id as usize) == Some(&h))
+    }
 }
 
 /// Why a plan is unusable.
@@ -96,6 +145,9 @@ impl Plan {
         }
         if self.starts.iter().any(|t| !t.is_finite()) {
             return bad("session start not finite".into());
+        }
+        if self.contents.as_ref().is_some_and(|c| !c.numbers(&self.hashes)) {
+            return bad("content ids were numbered from other hashes".into());
         }
         Ok(())
     }

@@ -7,7 +7,9 @@ results for the same seed and scenario (the equivalence tests compare them reque
 
 The workload is generated once, by the Python workload classes, into a *plan* (every request's
 lengths and block hashes; sessions as scripts whose turns start as earlier turns finish) that
-the engine replays; plans are cached, so the policies of one comparison share one plan.
+the engine replays; plans are cached, so the policies of one comparison share one plan, and
+each plan's block hashes are numbered once (``contents``: the KV caches address blocks by
+these dense ids instead of hashing 64-bit hashes in every run).
 
 >>> from llmsched.sim.config import ScenarioConfig
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
@@ -123,9 +125,12 @@ def build_plan(spec: dict[str, Any], seed: int, block_size: int, chain_seed: int
     """
     workload = make_workload(spec, seed=seed, block_size=block_size, chain_seed=chain_seed)
     if isinstance(workload, AgenticWorkload):
-        return _session_plan(workload)
+        plan = _session_plan(workload)
+        plan["contents"] = _llmsched.number_contents(plan["hashes"])
+        return plan
     requests = list(workload.arrivals())
     hashes = [r.hashes for r in requests]
+    all_hashes = _concat(hashes)
     return {
         "kind": "open",
         "arrival": np.array([r.arrival for r in requests], dtype=np.float64),
@@ -135,7 +140,8 @@ def build_plan(spec: dict[str, Any], seed: int, block_size: int, chain_seed: int
         "priority": np.array([r.priority for r in requests], dtype=np.int64),
         "session": [None if r.session is None else str(r.session) for r in requests],
         "hash_offsets": _offsets([len(h) for h in hashes]),
-        "hashes": _concat(hashes),
+        "hashes": all_hashes,
+        "contents": _llmsched.number_contents(all_hashes),
     }
 
 
