@@ -488,3 +488,59 @@ def test_bind_failure_is_retried_with_backoff() -> None:
     assert holdings(index, spec.worker_id) == holdings(
         direct(payloads, spec.worker_id), spec.worker_id
     )
+
+
+def test_catch_up_on_connect_fetches_what_was_sent_before(fake: FakeKVPublisher) -> None:
+    """With ``catch_up``, batches an engine sent before the subscriber existed arrive through
+    its replay socket at once, though no live batch follows to reveal the gap."""
+    payloads = script(12, seed=21)
+    for p in payloads[:8]:
+        fake.publish(p, deliver=False)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], catch_up=True, **FAST) as sub:
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 7)
+        assert c["catch_ups"] == 1 and c["replayed_batches"] == 8
+        assert holdings(index, spec.worker_id) == holdings(
+            direct(payloads[:8], spec.worker_id), spec.worker_id
+        )
+        assert fake.wait_subscribed()
+        for p in payloads[8:]:
+            fake.publish(p)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 11)
+    assert fake.replay_requests == [0]
+    assert c["gaps"] == 0 and c["replays"] == 0 and c["resyncs"] == 0
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> None:
+    """A subscriber stopped and started again asks for the batches after the last it applied."""
+    payloads = script(10, seed=22)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    sub = KVEventSubscriber(index, [spec], catch_up=True, **FAST)
+    sub.start()
+    try:
+        assert fake.wait_subscribed()
+        for p in payloads[:5]:
+            fake.publish(p)
+        wait(sub, lambda c: sub.last_seq(spec.worker_id) == 4)
+        sub.stop()
+        for p in payloads[5:]:
+            fake.publish(p, deliver=False)  # nobody listens while it is stopped
+        sub.start()
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 9)
+    finally:
+        sub.stop()
+    assert fake.replay_requests == [0, 5]
+    assert c["catch_ups"] == 2 and c["gaps"] == 0 and c["resyncs"] == 0
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def test_catch_up_must_be_a_bool() -> None:
+    with pytest.raises(ConfigError, match="catch_up"):
+        KVEventSubscriber(PrefixIndex(block_size=BLOCK), [], catch_up="yes")  # type: ignore[arg-type]

@@ -47,6 +47,34 @@ def sentence(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+def test_started_gateway_learns_the_engines_caches(
+    engines: list[VllmEngine], gateway: GatewayThread
+) -> None:
+    """The engines served requests before this gateway existed (the index tests); without a
+    single request through it, its subscriber catches up from their replay sockets."""
+    index = gateway.gateway.index
+    workers = [spec.worker_id for spec in gateway.gateway.config.engines]
+
+    def known() -> bool:
+        held = index.workers()
+        return all(w in held and index.holdings(w) for w in workers)
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not known():
+        time.sleep(0.1)
+    assert known(), f"the gateway's index knows {index.workers()}"
+    conn = gateway.connection()
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    catch_ups = [
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("llmsched_gateway_kv_events") and 'counter="catch_ups"' in line
+    ]
+    assert catch_ups and catch_ups[0] >= len(workers), catch_ups
+
+
 def test_gateway_tokens_equal_the_engine_tokens(
     engines: list[VllmEngine], gateway: GatewayThread
 ) -> None:

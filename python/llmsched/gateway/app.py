@@ -226,7 +226,9 @@ class Gateway:
         if with_events:
             from llmsched.integrations import KVEventSubscriber
 
-            self._subscriber = KVEventSubscriber(self.index, with_events)
+            # A (re)started gateway learns what the engines already cache from their replay
+            # sockets right away, not only when an engine next stores or evicts a block.
+            self._subscriber = KVEventSubscriber(self.index, with_events, catch_up=True)
             self._subscriber.start()
         if cfg.scrape.enabled:
             from llmsched.integrations import MetricsScraper

@@ -87,6 +87,7 @@ COUNTERS = (
     "gaps",
     "missed_batches",
     "replays",
+    "catch_ups",
     "replayed_batches",
     "replay_timeouts",
     "resyncs",
@@ -224,6 +225,8 @@ class _Publisher:
                 self.owner._bump(self, "connects")
                 if self.counts["connects"] > 1:
                     self.owner._bump(self, "reconnects")
+                if self.owner.catch_up:
+                    self.request_catch_up()
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.owner._bump(self, "disconnects")
 
@@ -271,6 +274,18 @@ class _Publisher:
             self.owner._bump(self, "duplicates")
         else:
             self.gap(expected, seq, payload)
+
+    def request_catch_up(self) -> None:
+        """A publisher (re)connected: ask its replay socket for every batch after the last one
+        applied, so what it sent while nobody listened arrives now rather than when its next
+        live batch reveals the gap (an idle engine may not send one for a long time)."""
+        if self.dealer is None or self.replay is not None:
+            return
+        start = 0 if self.next_seq is None else self.next_seq
+        self.owner._bump(self, "catch_ups")
+        self.replay = _Replay(start, time.monotonic() + self.owner.replay_timeout_s, [])
+        self.next_seq = start
+        self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
 
     def gap(self, start: int, seq: int, payload: bytes) -> None:
         self.owner._bump(self, "gaps")
@@ -381,6 +396,10 @@ class KVEventSubscriber:
         engines: the engines; those without ``kv_events`` are skipped.
         backoff_s: first and largest delay between reconnection attempts (exponential).
         replay_timeout_s: how long a replay may take before the gap counts as not covered.
+        catch_up: when a publisher connects (or reconnects), ask its replay socket at once for
+            the batches after the last one applied (counted in ``catch_ups``), instead of
+            waiting for its next live batch to show the gap. Off by default: then the only
+            replays are the ones gaps ask for.
 
     Runs on its own daemon thread (:meth:`start` / :meth:`stop`, or ``with``) or as an asyncio
     task (``await run()``; cancelling the task stops it). Counters may be read from any thread.
@@ -393,6 +412,7 @@ class KVEventSubscriber:
         *,
         backoff_s: tuple[float, float] = DEFAULT_BACKOFF_S,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        catch_up: bool = False,
     ) -> None:
         if not isinstance(index, PrefixIndex):
             raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
@@ -401,8 +421,11 @@ class KVEventSubscriber:
             isinstance(replay_timeout_s, (int, float)) and replay_timeout_s > 0
         ):
             raise ConfigError(f"replay_timeout_s must be a number > 0, got {replay_timeout_s!r}")
+        if not isinstance(catch_up, bool):
+            raise ConfigError(f"catch_up must be a bool, got {catch_up!r}")
         self.index = index
         self.backoff_s = (first, largest)
+        self.catch_up = catch_up
         self.replay_timeout_s = float(replay_timeout_s)
         self._publishers: dict[str, _Publisher] = {}
         seen_endpoints: dict[str, str] = {}
