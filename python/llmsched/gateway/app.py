@@ -27,8 +27,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,9 +37,15 @@ import numpy as np
 from aiohttp import web
 from yarl import URL
 
-from llmsched.errors import FlowRejected, NoEndpointError, UnknownEndpointError
+from llmsched.errors import (
+    ConfigError,
+    FlowRejected,
+    NoEndpointError,
+    UnknownEndpointError,
+    UnknownWorkerError,
+)
 from llmsched.flow import FlowController, FlowRequest
-from llmsched.gateway.config import ApiKey, GatewayConfig, load_config
+from llmsched.gateway.config import ApiKey, GatewayConfig, load_config, read_engines_file
 from llmsched.gateway.metrics import GatewayMetrics
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.gateway.tokenize import PromptError, PromptTokenizer
@@ -135,12 +142,7 @@ class Gateway:
         self.config = config if isinstance(config, GatewayConfig) else load_config(config)
         cfg = self.config
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
-        # Upstream URLs come from the configured engines only, parsed once.
-        self._urls = {
-            (worker, route): URL(spec.base_url + path)
-            for worker, spec in self._specs.items()
-            for route, path in _ROUTES.items()
-        }
+        self._urls = _upstream_urls(self._specs)
         self.index = PrefixIndex(cfg.block_size)
         # Scraped metrics count as fresh for a few scrape intervals; without scraping there
         # are no metrics, and the load scorers read in-flight counts only.
@@ -172,6 +174,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._scrape_task: asyncio.Task[None] | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
         self._port: int | None = None
         self.app = web.Application(client_max_size=cfg.limits.max_body_bytes)
         self.app.add_routes(
@@ -222,25 +225,9 @@ class Gateway:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
-        with_events = [spec for spec in cfg.engines if spec.kv_events]
-        if with_events:
-            from llmsched.integrations import KVEventSubscriber
-
-            # A (re)started gateway learns what the engines already cache from their replay
-            # sockets right away, not only when an engine next stores or evicts a block.
-            self._subscriber = KVEventSubscriber(self.index, with_events, catch_up=True)
-            self._subscriber.start()
-        if cfg.scrape.enabled:
-            from llmsched.integrations import MetricsScraper
-
-            self._scraper = MetricsScraper(
-                cfg.engines,
-                pool=self.pool,
-                flow=self.flow,
-                interval_s=cfg.scrape.interval_s,
-                timeout_s=cfg.scrape.timeout_s,
-            )
-            self._scrape_task = asyncio.create_task(self._scraper.run())
+        await self._start_feeds()
+        if cfg.discovery.file is not None:
+            self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
         limits = cfg.limits
         self._runner = web.AppRunner(
             self.app,
@@ -261,14 +248,12 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._scrape_task is not None:
-            self._scrape_task.cancel()
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._scrape_task
-            self._scrape_task = None
-        if self._subscriber is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._subscriber.stop)
-            self._subscriber = None
+                await self._discovery_task
+            self._discovery_task = None
+        await self._stop_feeds()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -280,6 +265,107 @@ class Gateway:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+    async def _start_feeds(self) -> None:
+        """The KV-event subscriber and the metrics scraper, for the current engines."""
+        cfg = self.config
+        engines = list(self._specs.values())
+        with_events = [spec for spec in engines if spec.kv_events]
+        if with_events:
+            from llmsched.integrations import KVEventSubscriber
+
+            # A (re)started gateway learns what the engines already cache from their replay
+            # sockets right away, not only when an engine next stores or evicts a block.
+            self._subscriber = KVEventSubscriber(self.index, with_events, catch_up=True)
+            self._subscriber.start()
+        if cfg.scrape.enabled:
+            from llmsched.integrations import MetricsScraper
+
+            self._scraper = MetricsScraper(
+                engines,
+                pool=self.pool,
+                flow=self.flow,
+                interval_s=cfg.scrape.interval_s,
+                timeout_s=cfg.scrape.timeout_s,
+            )
+            self._scrape_task = asyncio.create_task(self._scraper.run())
+
+    async def _stop_feeds(self) -> None:
+        if self._scrape_task is not None:
+            self._scrape_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scrape_task
+            self._scrape_task = None
+        self._scraper = None
+        if self._subscriber is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._subscriber.stop)
+            self._subscriber = None
+
+    @property
+    def engines(self) -> list[EngineSpec]:
+        """The engines requests may go to now (from ``engines``, or the discovery file)."""
+        return list(self._specs.values())
+
+    async def set_engines(self, engines: Iterable[EngineSpec]) -> tuple[list[str], list[str]]:
+        """Replace the set of engines (what discovery calls); returns the worker ids added and
+        removed. Engines kept keep their metrics, in-flight counts and index entries; removed
+        ones leave the pool, the flow controller and the index; a running gateway restarts its
+        KV-event subscriber (which catches up from the replay sockets) and its scraper on the
+        new set. An empty or repeated set raises ConfigError and changes nothing."""
+        specs: dict[str, EngineSpec] = {}
+        for spec in engines:
+            if not isinstance(spec, EngineSpec):
+                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+            if spec.worker_id in specs:
+                raise ConfigError(f"engines: {spec.worker_id} is listed twice")
+            specs[spec.worker_id] = spec
+        if not specs:
+            raise ConfigError("engines: must list at least one engine")
+        added = [w for w in specs if w not in self._specs]
+        removed = [w for w in self._specs if w not in specs]
+        changed = [w for w in specs if w in self._specs and specs[w] != self._specs[w]]
+        if not (added or removed or changed):
+            return [], []
+        for worker in removed:
+            self._ejected.pop(worker, None)
+            with contextlib.suppress(UnknownEndpointError):
+                self.pool.remove(worker)
+            if self.flow is not None:
+                self.flow.remove_endpoint(worker)
+            with contextlib.suppress(UnknownWorkerError):
+                self.index.remove_worker(worker)
+        for worker in added + changed:
+            if worker not in self._ejected:  # an ejected engine returns with its new spec
+                self.pool.add(self._endpoint(specs[worker]))
+            if self.slice_tracker is not None:
+                self.slice_tracker.set_endpoint(worker)
+        self._specs = specs
+        self._urls = _upstream_urls(specs)
+        self.metrics.engines_changed.inc(len(added) + len(removed) + len(changed))
+        log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
+        if self._session is not None:  # started: the feeds follow the new set
+            await self._stop_feeds()
+            await self._start_feeds()
+        return added, removed
+
+    async def _watch_discovery(self, path: Path) -> None:
+        """Re-reads the discovery file when it changes; a file that cannot be read or checked
+        keeps the current engines (logged and counted)."""
+        seen = _file_version(path)
+        while True:
+            await asyncio.sleep(self.config.discovery.interval_s)
+            version = _file_version(path)
+            if version == seen:
+                continue
+            seen = version
+            try:
+                engines = await asyncio.get_running_loop().run_in_executor(
+                    None, read_engines_file, path
+                )
+                await self.set_engines(engines)
+            except ConfigError as exc:
+                self.metrics.discovery_errors.inc()
+                log.warning("discovery: keeping the current engines: %s", exc)
 
     def _kv_counters(self) -> dict[str, int]:
         if self._subscriber is None:
@@ -603,7 +689,9 @@ class Gateway:
             # llm-d's routing sidecar on the decode engine runs prefill on the host:port named
             # in this header (llm-d/llm-d-routing-sidecar, README).
             headers[self.config.pd.header] = prefill
-        url = self._urls[endpoint, route]
+        url = self._urls.get((endpoint, route))
+        if url is None:  # discovery removed the engine after it was picked
+            raise _UpstreamFailed("removed")
         try:
             upstream = await self._session.post(url, data=body, headers=headers)
         except asyncio.TimeoutError:
@@ -807,3 +895,21 @@ def _flow_config(cfg: GatewayConfig, stale_after_s: float) -> dict[str, Any]:
     if isinstance(saturation, dict) and saturation.get("type", "utilization") == "utilization":
         saturation.setdefault("staleness_s", stale_after_s)
     return dict(flow)
+
+
+def _upstream_urls(specs: Mapping[str, EngineSpec]) -> dict[tuple[str, str], URL]:
+    """Upstream URLs, parsed once, from the configured engines only."""
+    return {
+        (worker, route): URL(spec.base_url + path)
+        for worker, spec in specs.items()
+        for route, path in _ROUTES.items()
+    }
+
+
+def _file_version(path: Path) -> tuple[int, int] | None:
+    """What tells a rewritten file apart (modification time and size); None if unreadable."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size

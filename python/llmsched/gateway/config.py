@@ -33,6 +33,7 @@ from llmsched.integrations import EngineSpec
 __all__ = [
     "ApiKey",
     "AuthConfig",
+    "DiscoveryConfig",
     "GatewayConfig",
     "LimitsConfig",
     "ListenConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "SlicesConfig",
     "TimeoutsConfig",
     "load_config",
+    "read_engines_file",
 ]
 
 
@@ -143,6 +145,17 @@ class SlicesConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """Engines listed in a file the gateway re-reads when it changes: a Kubernetes ConfigMap
+    mounted as a volume, or a file any discovery agent rewrites. The file holds the same list
+    as ``engines`` (or a mapping with that one key); it is the only source of engines when set,
+    and like ``engines`` it is configuration, never taken from requests."""
+
+    file: Path | None = None
+    interval_s: float = 2.0
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The whole gateway configuration. Build it with :func:`load_config`."""
 
@@ -160,6 +173,7 @@ class GatewayConfig:
     scrape: ScrapeConfig = ScrapeConfig()
     pd: PdConfig = PdConfig()
     slices: SlicesConfig = SlicesConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
 
 _TOP_KEYS = frozenset(
@@ -178,6 +192,7 @@ _TOP_KEYS = frozenset(
         "scrape",
         "pd",
         "slices",
+        "discovery",
     }
 )
 
@@ -202,7 +217,13 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     unknown = sorted(set(raw) - _TOP_KEYS)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key (known: {', '.join(sorted(_TOP_KEYS))})")
-    engines = _engines(raw.get("engines"))
+    discovery = _discovery(_section(raw, "discovery"), base)
+    if discovery.file is None:
+        engines = _engines(raw.get("engines"))
+    elif raw.get("engines") is not None:
+        raise ConfigError("engines: give either engines or discovery.file, not both")
+    else:
+        engines = read_engines_file(discovery.file)
     models = _models(raw.get("models"))
     block_size = _int(raw, "block_size", GatewayConfig.block_size, "", low=1)
     tokenizer = _tokenizer(raw.get("tokenizer"), base)
@@ -227,7 +248,19 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         scrape=_scrape(_section(raw, "scrape")),
         pd=_pd(_section(raw, "pd")),
         slices=_slices(_section(raw, "slices")),
+        discovery=discovery,
     )
+
+
+def read_engines_file(path: Path) -> tuple[EngineSpec, ...]:
+    """The engines a discovery file lists (ConfigError naming the problem otherwise)."""
+    raw = _read_yaml(path, "discovery.file")
+    if isinstance(raw, Mapping) and set(raw) == {"engines"}:
+        raw = raw["engines"]
+    try:
+        return _engines(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"discovery.file {str(path)!r}: {exc}") from None
 
 
 def _read_yaml(path: Path, what: str) -> Any:
@@ -423,6 +456,20 @@ def _scrape(raw: dict[str, Any]) -> ScrapeConfig:
     return ScrapeConfig(
         enabled=_bool(raw, "enabled", d.enabled, "scrape"), interval_s=interval, timeout_s=timeout
     )
+
+
+def _discovery(raw: dict[str, Any], base: Path) -> DiscoveryConfig:
+    d = DiscoveryConfig()
+    _reject_unknown(raw, "discovery", set(d.__dataclass_fields__))
+    interval = _seconds(raw, "interval_s", d.interval_s, "discovery", nullable=False)
+    assert interval is not None
+    file = raw.get("file")
+    if file is None:
+        return DiscoveryConfig(interval_s=interval)
+    if not isinstance(file, (str, os.PathLike)) or not str(file):
+        raise ConfigError(f"discovery.file: must be a path, got {file!r}")
+    path = Path(file)
+    return DiscoveryConfig(file=path if path.is_absolute() else base / path, interval_s=interval)
 
 
 def _pd(raw: dict[str, Any]) -> PdConfig:

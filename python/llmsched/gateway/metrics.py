@@ -99,6 +99,16 @@ class GatewayMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.engines_changed = Counter(
+            f"{PREFIX}_engine_changes",
+            "Engines added, removed or changed by discovery",
+            registry=r,
+        )
+        self.discovery_errors = Counter(
+            f"{PREFIX}_discovery_errors",
+            "Discovery file reads that failed (the current engines were kept)",
+            registry=r,
+        )
         r.register(_StateCollector(flow, index, kv_counters))
 
     def render(self) -> bytes:

@@ -195,7 +195,9 @@ class SlicedRequest:
         """One slice's engine call, streamed into the assembler; returns the user chunks."""
         session = self.gateway._session
         assert session is not None, "the gateway is not started"
-        url = self.gateway._urls[endpoint, self.route]
+        url = self.gateway._urls.get((endpoint, self.route))
+        if url is None:
+            raise SliceFailed(f"engine {endpoint} was removed by discovery")
         chunks: list[dict[str, Any]] = []
         try:
             async with session.post(url, json=body) as upstream:
