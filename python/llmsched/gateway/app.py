@@ -351,7 +351,9 @@ class Gateway:
     async def _watch_discovery(self, path: Path) -> None:
         """Re-reads the discovery file when it changes; a file that cannot be read or checked
         keeps the current engines (logged and counted)."""
-        seen = _file_version(path)
+        # The first pass re-reads the file: it may have changed since the config was loaded
+        # (a no-op when it did not).
+        seen: tuple[int, int] | None = (-1, -1)
         while True:
             await asyncio.sleep(self.config.discovery.interval_s)
             version = _file_version(path)
