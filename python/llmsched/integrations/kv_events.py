@@ -379,13 +379,15 @@ class _Publisher:
             self.owner.index.clear(self.worker)
 
     def apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
-        self.next_seq = seq + 1
         try:
             report = self.owner.index.apply_vllm_events(self.worker, payload)
         except MalformedEventError:
+            self.next_seq = seq + 1  # skipped, not waited for
             self.owner._bump(self, "decode_errors")
             return
-        self.owner._count_batch(self, report, replayed)
+        # The sequence number moves with the counters, after the index: whoever sees
+        # `last_seq` reach a batch also sees its blocks and its counts.
+        self.owner._count_batch(self, seq, report, replayed)
 
 
 class KVEventSubscriber:
@@ -460,8 +462,11 @@ class KVEventSubscriber:
             self._totals[key] += n
             self._changed.notify_all()
 
-    def _count_batch(self, pub: _Publisher, report: dict[str, int], replayed: bool) -> None:
+    def _count_batch(
+        self, pub: _Publisher, seq: int, report: dict[str, int], replayed: bool
+    ) -> None:
         with self._lock:
+            pub.next_seq = seq + 1
             for counts in (pub.counts, self._totals):
                 counts["batches"] += 1
                 if replayed:
