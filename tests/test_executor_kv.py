@@ -1,13 +1,13 @@
 """Paged KV cache: LRU eviction, prefix caching, and vLLM-format KV events that replay exactly."""
 
-import json
 import random
-from pathlib import Path
 
 import msgpack
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from _shared import shared_vector  # noqa: E402
 
 from llmsched import PrefixIndex  # noqa: E402
 from llmsched.executor.config import DEFAULT_BLOCK_SIZE, EngineConfig, ModelConfig  # noqa: E402
@@ -25,15 +25,6 @@ from llmsched.hashing import block_hashes  # noqa: E402
 from llmsched.reference import hashing as ref_hashing  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-def shared_vector(name: str) -> dict:
-    here = Path(__file__).resolve()
-    for folder in here.parents:
-        candidate = folder / "shared" / "vectors" / name
-        if candidate.exists():
-            return json.loads(candidate.read_text())
-    pytest.fail(f"shared/vectors/{name} not found above {here}")
 
 
 def test_event_batch_encoding_is_byte_identical_to_vllm_vector() -> None:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import array
-import json
 import threading
 import tracemalloc
-from pathlib import Path
 from typing import Any
 
 import cbor2
 import numpy as np
 import pytest
+from _shared import shared_vector
 
 import llmsched
 import llmsched._tokens
@@ -22,17 +21,7 @@ from llmsched.reference import hashing as ref
 INT_DTYPES = [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64]
 
 
-def shared_vectors(name: str) -> Path:
-    """``shared/vectors/<name>`` beside the checkout or beside any folder above it."""
-    root = Path(__file__).resolve().parents[1]
-    for folder in (root, *root.parents):
-        candidate = folder / "shared" / "vectors" / name
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"shared/vectors/{name} not found above {root}")
-
-
-VLLM = json.loads(shared_vectors("vllm_block_hashes.json").read_text())
+VLLM = shared_vector("vllm_block_hashes.json")
 VLLM_CASES = VLLM["cases"]
 
 

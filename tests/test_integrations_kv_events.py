@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _shared import shared_vector
 
 from llmsched import PrefixIndex
 from llmsched.errors import ConfigError
@@ -28,15 +27,6 @@ from llmsched.testing import (
 BLOCK = 16
 FAST = {"backoff_s": (0.01, 0.05), "replay_timeout_s": 2.0}
 WAIT_S = 10.0
-
-
-def _vectors() -> Path:
-    """``shared/vectors`` beside the checkout (or beside any folder above it)."""
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "vectors"
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("shared/vectors not found beside the checkout")
 
 
 def script(n: int, seed: int = 0, *, clears: bool = True) -> list[bytes]:
@@ -401,7 +391,7 @@ def test_many_engines_and_data_parallel_ranks() -> None:
 
 
 def test_shared_vector_batch(fake: FakeKVPublisher) -> None:
-    vec = json.loads((_vectors() / "vllm_kv_events.json").read_text())
+    vec = shared_vector("vllm_kv_events.json")
     payload = bytes.fromhex(vec["payload_hex"])
     index = PrefixIndex(block_size=16)
     spec = spec_of(fake)
@@ -415,7 +405,7 @@ def test_shared_vector_batch(fake: FakeKVPublisher) -> None:
 def test_real_engine_capture_joined_late() -> None:
     """A real vLLM engine's frames starting at seq 2: the replay no longer holds 0 and 1, so the
     subscriber resyncs from the first batch it has and agrees with the engine's prompts."""
-    cap = json.loads((_vectors() / "vllm_real_capture_gap.json").read_text())
+    cap = shared_vector("vllm_real_capture_gap.json")
     topic = bytes.fromhex(cap["frames"][0][0]).decode()
     index = PrefixIndex(block_size=cap["block_size"])
     with FakeKVPublisher(topic=topic) as fake:

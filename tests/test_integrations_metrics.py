@@ -6,9 +6,9 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from _shared import shared_vector_path
 from aiohttp import web
 
 from llmsched import EndpointPool, FlowController
@@ -17,17 +17,7 @@ from llmsched.integrations import EngineSpec, MetricsScraper
 from llmsched.integrations.metrics import parse_engine_metrics
 from llmsched.testing import FakeHTTPEngine
 
-
-def _vectors() -> Path:
-    """``shared/vectors`` beside the checkout (or beside any folder above it)."""
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "vectors"
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("shared/vectors not found beside the checkout")
-
-
-UNDER_LOAD = (_vectors() / "vllm_metrics_under_load.txt").read_text()
+UNDER_LOAD = shared_vector_path("vllm_metrics_under_load.txt").read_text()
 
 OLD_VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
+from _shared import shared_vector_path
 
 import llmsched
 from llmsched import PrefixIndex
 
-
-def _vectors() -> Path:
-    """``shared/vectors`` beside the checkout (or beside any folder above it)."""
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "vectors"
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("shared/vectors not found beside the checkout")
-
-
-VECTORS = _vectors()
+VECTORS = shared_vector_path("vllm_kv_events.json").parent
 
 
 def load(name: str) -> dict:

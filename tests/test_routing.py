@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _shared import shared_vector_path
 
 from llmsched import (
     ConfigError,
@@ -21,13 +22,6 @@ from llmsched import (
     UnknownEndpointError,
 )
 from llmsched.routing import load_config, render_messages, text_tokens
-
-# shared/ sits beside the checkout (one level further up from a worktree).
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = next(
-    (d / "shared" for d in (ROOT.parent, ROOT.parent.parent) if (d / "shared").is_dir()),
-    ROOT.parent / "shared",
-)
 
 PD_YAML = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -409,9 +403,7 @@ def test_sessions_stick() -> None:
 
 
 def test_metrics_text_from_a_real_vllm() -> None:
-    path = SHARED / "vectors" / "vllm_metrics_under_load.txt"
-    if not path.exists():
-        pytest.skip("shared/vectors not beside the checkout")
+    path = shared_vector_path("vllm_metrics_under_load.txt")
     pool = EndpointPool(["vllm"])
     read = pool.update_from_metrics_text("vllm", path.read_text(), now=0.0)
     assert (read["waiting"], read["running"]) == (7, 3)

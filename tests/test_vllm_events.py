@@ -4,15 +4,13 @@ agreement with the pure-Python twin on generated, non-canonically encoded and mu
 from __future__ import annotations
 
 import doctest
-import json
 import math
-import os
 import struct
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
+from _shared import shared_vector
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,20 +18,6 @@ import llmsched
 import llmsched.vllm_events
 from llmsched.errors import MalformedEventError
 from llmsched.reference import vllm_events as twin
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _vector(name: str) -> Any:
-    """A file of ``../shared/vectors`` (one level higher from a nested worktree)."""
-    candidates = [ROOT.parent / "shared", ROOT.parent.parent / "shared"]
-    if "LLMSCHED_SHARED_DIR" in os.environ:
-        candidates.insert(0, Path(os.environ["LLMSCHED_SHARED_DIR"]))
-    for candidate in candidates:
-        path = candidate / "vectors" / name
-        if path.is_file():
-            return json.loads(path.read_text())
-    raise AssertionError(f"{name} not found under any of {candidates}")
 
 
 def _outcome(decode: Any, payload: bytes) -> Any:
@@ -57,8 +41,8 @@ def _agree(payload: bytes) -> Any:
 
 
 @pytest.mark.parametrize("decode", [llmsched.decode_vllm_events, twin.decode_vllm_events])
-def test_shared_vector(decode: Any) -> None:
-    vector = _vector("vllm_kv_events.json")
+def test_sharedshared_vector(decode: Any) -> None:
+    vector = shared_vector("vllm_kv_events.json")
     decoded = decode(bytes.fromhex(vector["payload_hex"]))
     expected = vector["decoded"]
     assert decoded["ts"] == expected["ts"]
@@ -70,7 +54,7 @@ def test_shared_vector(decode: Any) -> None:
 
 
 def test_real_capture_frames_decode_identically() -> None:
-    capture = _vector("vllm_real_capture_gap.json")
+    capture = shared_vector("vllm_real_capture_gap.json")
     kinds: set[str] = set()
     for topic_hex, _seq_hex, payload_hex in capture["frames"]:
         assert bytes.fromhex(topic_hex).decode() == "kv@tiny"
@@ -151,7 +135,7 @@ def test_malformed_payloads_raise_naming_the_problem(payload: bytes, needle: str
 
 
 def test_every_truncation_of_the_vector_raises() -> None:
-    payload = bytes.fromhex(_vector("vllm_kv_events.json")["payload_hex"])
+    payload = bytes.fromhex(shared_vector("vllm_kv_events.json")["payload_hex"])
     for cut in range(len(payload)):
         assert _agree(payload[:cut]) == ("error",)
 
