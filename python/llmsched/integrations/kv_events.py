@@ -281,11 +281,8 @@ class _Publisher:
         live batch reveals the gap (an idle engine may not send one for a long time)."""
         if self.dealer is None or self.replay is not None:
             return
-        start = 0 if self.next_seq is None else self.next_seq
         self.owner._bump(self, "catch_ups")
-        self.replay = _Replay(start, time.monotonic() + self.owner.replay_timeout_s, [])
-        self.next_seq = start
-        self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        self.ask_replay(0 if self.next_seq is None else self.next_seq, [])
 
     def gap(self, start: int, seq: int, payload: bytes) -> None:
         self.owner._bump(self, "gaps")
@@ -295,9 +292,12 @@ class _Publisher:
             self.apply(seq, payload)
             return
         self.owner._bump(self, "replays")
-        self.replay = _Replay(
-            start, time.monotonic() + self.owner.replay_timeout_s, [(seq, payload)]
-        )
+        self.ask_replay(start, [(seq, payload)])
+
+    def ask_replay(self, start: int, held_back: list[tuple[int, bytes]]) -> None:
+        """Ask the replay socket for every batch from ``start``; live batches wait meanwhile."""
+        assert self.dealer is not None
+        self.replay = _Replay(start, time.monotonic() + self.owner.replay_timeout_s, held_back)
         self.next_seq = start
         # The ROUTER expects [identity, empty delimiter, start seq]; the DEALER adds the identity.
         self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
