@@ -1,0 +1,429 @@
+//! The prefix index: which worker holds which cached prefix, as a concurrent compressed radix
+//! tree over chained block hashes (see [`tree`] for the algorithm).
+//!
+//! Workers are named by the caller (an integer or a string) and interned to dense ids. Holdings
+//! come from the engines (`store`, vLLM KV events: confirmed) or from the router's own decisions
+//! (`record`: approximate, expiring). One `RwLock` guards the whole index: matches share it, and
+//! writers hold it only for the duration of one call, so a batch of events applies atomically.
+
+mod events;
+mod snapshot;
+pub(crate) mod tree;
+
+use hashbrown::HashMap;
+use parking_lot::RwLock;
+use thiserror::Error;
+
+pub use events::ApplyReport;
+use tree::{Attrs, StoreRefusal, Tree};
+pub use tree::{MatchEntry, WorkerId};
+
+use crate::hashing::{self, HashError, TokenId};
+use crate::protocols::DecodeError;
+pub use crate::protocols::{Tier, WorkerKey};
+
+/// Construction parameters. Defaults live here and nowhere else.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexConfig {
+    /// Tokens per block; must divide the engines' block size for events to apply.
+    pub block_size: usize,
+    /// Base seed of every hash chain.
+    pub seed: u64,
+    /// Model name folded into the chain seed.
+    pub model: Option<String>,
+    /// Blocks each worker may hold before its least recently used are evicted.
+    pub worker_capacity: Option<u64>,
+    /// Estimated bytes the whole index may use before the globally oldest leaves are evicted.
+    pub max_bytes: Option<u64>,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig { block_size: 16, seed: 0, model: None, worker_capacity: None, max_bytes: None }
+    }
+}
+
+/// Errors from index operations. The index is unchanged when one is returned.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum IndexError {
+    #[error("unknown worker {0}")]
+    UnknownWorker(WorkerKey),
+    #[error("parent block {0:#018x} is not in the index")]
+    UnknownParent(u64),
+    #[error("worker {worker} does not hold parent block {hash:#018x}")]
+    ParentNotHeld { worker: WorkerKey, hash: u64 },
+    #[error("block {0:#018x} is already in the index at another position: hashes must be a chain")]
+    Conflict(u64),
+    #[error("worker {worker} does not hold block {hash:#018x}")]
+    NotHeld { worker: WorkerKey, hash: u64 },
+    #[error("invalid index configuration: {0}")]
+    InvalidConfig(String),
+    #[error("ttl must be a positive finite number of seconds, got {0}")]
+    InvalidTtl(f64),
+    #[error(transparent)]
+    Hash(#[from] HashError),
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    #[error("invalid index snapshot: {0}")]
+    Snapshot(String),
+}
+
+/// The result of a match: per worker, the leading blocks it holds, overall and per tier.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MatchResult {
+    /// Workers with at least one leading block, sorted by id.
+    pub entries: Vec<MatchEntry>,
+    /// Blocks in the query.
+    pub query_blocks: usize,
+    /// Leading blocks present in the index at all (held by any worker).
+    pub tree_blocks: usize,
+}
+
+impl MatchResult {
+    /// The longest match over all workers.
+    pub fn longest(&self) -> u32 {
+        self.entries.iter().map(|e| e.blocks).max().unwrap_or(0)
+    }
+}
+
+/// Counts describing the index.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct IndexStats {
+    pub workers: usize,
+    pub nodes: usize,
+    pub blocks: usize,
+    pub holdings: usize,
+    pub worker_blocks: Vec<(WorkerId, u64)>,
+    pub engine_blocks: usize,
+    pub bytes: u64,
+}
+
+/// Per-worker state kept beside the tree.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Workers {
+    pub keys: Vec<Option<WorkerKey>>,
+    pub ids: HashMap<WorkerKey, WorkerId>,
+    pub capacity: Vec<Option<u64>>,
+    /// Engine block hash -> (first, last, count) of the index blocks covering that engine block.
+    pub engine: Vec<HashMap<u64, (u64, u64, u32)>>,
+}
+
+impl Workers {
+    fn id(&self, key: &WorkerKey) -> Option<WorkerId> {
+        self.ids.get(key).copied()
+    }
+
+    fn intern(&mut self, key: &WorkerKey, default_capacity: Option<u64>) -> WorkerId {
+        if let Some(id) = self.ids.get(key) {
+            return *id;
+        }
+        let id = self.keys.len() as WorkerId;
+        self.keys.push(Some(key.clone()));
+        self.ids.insert(key.clone(), id);
+        self.capacity.push(default_capacity);
+        self.engine.push(HashMap::new());
+        id
+    }
+
+    fn engine_entries(&self) -> usize {
+        self.engine.iter().map(|m| m.len()).sum()
+    }
+}
+
+pub(crate) struct State {
+    pub tree: Tree,
+    pub workers: Workers,
+}
+
+/// A concurrent prefix index. Share it between threads by reference or `Arc`.
+pub struct PrefixIndex {
+    config: IndexConfig,
+    state: RwLock<State>,
+}
+
+// Rough per-item costs for the running memory estimate that `max_bytes` is checked against
+// (hash-map entries include control bytes and load-factor slack).
+const BYTES_PER_BLOCK: u64 = 8 + 20;
+const BYTES_PER_NODE: u64 = std::mem::size_of::<tree::Node>() as u64 + 24;
+const BYTES_PER_HOLDING: u64 = std::mem::size_of::<tree::Holder>() as u64 + 40;
+const BYTES_PER_ENGINE_BLOCK: u64 = 8 + 24 + 4;
+
+impl PrefixIndex {
+    pub fn new(config: IndexConfig) -> Result<Self, IndexError> {
+        if config.block_size == 0 {
+            return Err(IndexError::InvalidConfig("block_size must be at least 1".into()));
+        }
+        if config.worker_capacity == Some(0) {
+            return Err(IndexError::InvalidConfig("worker_capacity must be at least 1".into()));
+        }
+        Ok(PrefixIndex {
+            config,
+            state: RwLock::new(State { tree: Tree::new(), workers: Workers::default() }),
+        })
+    }
+
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    /// The chain seed for prompts of a LoRA adapter and cache salt under this index's model.
+    pub fn chain_seed(&self, lora: Option<&str>, cache_salt: Option<&str>) -> u64 {
+        hashing::namespace_seed(self.config.seed, self.config.model.as_deref(), lora, cache_salt)
+    }
+
+    /// Chained hashes of `tokens` under this index's block size and namespace.
+    pub fn hash_tokens<T: TokenId>(
+        &self,
+        tokens: &[T],
+        lora: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<Vec<u64>, IndexError> {
+        let seed = self.chain_seed(lora, cache_salt);
+        Ok(hashing::chain_hashes(tokens, self.config.block_size, seed)?)
+    }
+
+    /// The id of a known worker.
+    pub fn worker_id(&self, key: &WorkerKey) -> Option<WorkerId> {
+        self.state.read().workers.id(key)
+    }
+
+    /// The name of worker `id`, if it is still registered.
+    pub fn worker_key(&self, id: WorkerId) -> Option<WorkerKey> {
+        self.state.read().workers.keys.get(id as usize).cloned().flatten()
+    }
+
+    /// Blocks `worker` holds (0 for an unknown worker): the size of its tree.
+    pub fn held_blocks(&self, worker: &WorkerKey) -> u64 {
+        let st = self.state.read();
+        st.workers.id(worker).map_or(0, |w| st.tree.held(w))
+    }
+
+    /// Registered workers as (id, name).
+    pub fn workers(&self) -> Vec<(WorkerId, WorkerKey)> {
+        let st = self.state.read();
+        let keys = st.workers.keys.iter().enumerate();
+        keys.filter_map(|(i, k)| k.clone().map(|k| (i as WorkerId, k))).collect()
+    }
+
+    /// Records that `worker` holds `hashes` (a chain after `parent`, or from the root) on `tier`.
+    /// Returns the blocks it newly holds.
+    pub fn store(
+        &self,
+        worker: &WorkerKey,
+        hashes: &[u64],
+        parent: Option<u64>,
+        tier: Tier,
+    ) -> Result<u64, IndexError> {
+        let attrs = Attrs { tiers: tier.bit(), confirmed: true, expires: f64::INFINITY };
+        self.store_with(worker, hashes, parent, attrs)
+    }
+
+    /// Notes a routing decision: `worker` will soon hold `hashes` (from the root), until `now + ttl`
+    /// unless an engine confirms them first.
+    pub fn record(
+        &self,
+        worker: &WorkerKey,
+        hashes: &[u64],
+        ttl: f64,
+        now: f64,
+    ) -> Result<u64, IndexError> {
+        if !(ttl.is_finite() && ttl > 0.0) {
+            return Err(IndexError::InvalidTtl(ttl));
+        }
+        let attrs = Attrs { tiers: Tier::Gpu.bit(), confirmed: false, expires: now + ttl };
+        self.store_with(worker, hashes, None, attrs)
+    }
+
+    /// Drops `worker`'s holding of each block (of `tier` only, if given) and, for a block left in
+    /// no tier, of everything below it. Every block must be held, or nothing changes.
+    pub fn remove(
+        &self,
+        worker: &WorkerKey,
+        hashes: &[u64],
+        tier: Option<Tier>,
+    ) -> Result<u64, IndexError> {
+        let mut st = self.state.write();
+        let w = st.workers.id(worker).ok_or_else(|| IndexError::UnknownWorker(worker.clone()))?;
+        if let Some(&h) = hashes.iter().find(|&&h| !st.tree.holds(w, h)) {
+            return Err(IndexError::NotHeld { worker: worker.clone(), hash: h });
+        }
+        let tiers = tier.map_or(0b111, Tier::bit);
+        let mut dropped = 0;
+        for &h in hashes {
+            dropped += st.tree.remove_tiers(w, h, tiers).1;
+        }
+        Ok(dropped)
+    }
+
+    /// Drops everything `worker` holds; the worker stays registered.
+    pub fn clear(&self, worker: &WorkerKey) -> Result<u64, IndexError> {
+        let mut st = self.state.write();
+        let w = st.workers.id(worker).ok_or_else(|| IndexError::UnknownWorker(worker.clone()))?;
+        st.workers.engine[w as usize].clear();
+        Ok(st.tree.clear_worker(w))
+    }
+
+    /// Drops everything `worker` holds and forgets the worker.
+    pub fn remove_worker(&self, worker: &WorkerKey) -> Result<u64, IndexError> {
+        let mut st = self.state.write();
+        let w = st.workers.id(worker).ok_or_else(|| IndexError::UnknownWorker(worker.clone()))?;
+        let dropped = st.tree.clear_worker(w);
+        st.workers.engine[w as usize] = HashMap::new();
+        st.workers.keys[w as usize] = None;
+        st.workers.ids.remove(worker);
+        Ok(dropped)
+    }
+
+    /// Sets (or lifts, with None) a worker's capacity in blocks, evicting at once if over it.
+    pub fn set_capacity(&self, worker: &WorkerKey, blocks: Option<u64>) -> Result<u64, IndexError> {
+        if blocks == Some(0) {
+            return Err(IndexError::InvalidConfig("capacity must be at least 1 block".into()));
+        }
+        let mut st = self.state.write();
+        let w = st.workers.intern(worker, self.config.worker_capacity);
+        st.workers.capacity[w as usize] = blocks;
+        Ok(self.enforce_bounds(&mut st, w))
+    }
+
+    /// Leading blocks of `hashes` held by each worker (approximate holdings expired at `now` do
+    /// not count).
+    pub fn match_hashes(&self, hashes: &[u64], now: f64) -> MatchResult {
+        let mut out = MatchResult { query_blocks: hashes.len(), ..Default::default() };
+        self.match_into(hashes, now, &mut out);
+        out
+    }
+
+    /// Like [`Self::match_hashes`], reusing `out`'s allocation.
+    pub fn match_into(&self, hashes: &[u64], now: f64, out: &mut MatchResult) {
+        let st = self.state.read();
+        out.query_blocks = hashes.len();
+        out.tree_blocks = st.tree.match_hashes(hashes, now, &mut out.entries);
+    }
+
+    /// Hashes `tokens` and matches them.
+    pub fn match_tokens<T: TokenId>(
+        &self,
+        tokens: &[T],
+        lora: Option<&str>,
+        cache_salt: Option<&str>,
+        now: f64,
+    ) -> Result<MatchResult, IndexError> {
+        let hashes = self.hash_tokens(tokens, lora, cache_salt)?;
+        Ok(self.match_hashes(&hashes, now))
+    }
+
+    /// Decodes a vLLM `EventBatch` payload and applies it for `worker` atomically.
+    pub fn apply_vllm_events(
+        &self,
+        worker: &WorkerKey,
+        payload: &[u8],
+    ) -> Result<ApplyReport, IndexError> {
+        let batch = crate::vllm_events::decode_event_batch(payload)?;
+        let mut st = self.state.write();
+        let w = st.workers.intern(worker, self.config.worker_capacity);
+        st.tree.ensure_worker(w);
+        let report = events::apply_batch(self, &mut st, w, &batch);
+        self.enforce_bounds(&mut st, w);
+        Ok(report)
+    }
+
+    /// Every block `worker` holds: (hash, tier bits, confirmed), sorted by hash.
+    pub fn holdings(&self, worker: &WorkerKey) -> Result<Vec<(u64, u8, bool)>, IndexError> {
+        let st = self.state.read();
+        let w = st.workers.id(worker).ok_or_else(|| IndexError::UnknownWorker(worker.clone()))?;
+        Ok(st.tree.holdings(w))
+    }
+
+    /// Drops approximate holdings that expired at `now`. Returns blocks dropped.
+    pub fn expire(&self, now: f64) -> u64 {
+        self.state.write().tree.expire(now)
+    }
+
+    /// Counts and an estimate of the bytes used.
+    pub fn stats(&self) -> IndexStats {
+        let st = self.state.read();
+        let live = st.workers.keys.iter().enumerate().filter(|(_, k)| k.is_some());
+        IndexStats {
+            workers: st.workers.ids.len(),
+            nodes: st.tree.live_nodes(),
+            blocks: st.tree.blocks.len(),
+            holdings: st.tree.holder_count,
+            worker_blocks: live
+                .map(|(i, _)| (i as WorkerId, st.tree.held(i as WorkerId)))
+                .collect(),
+            engine_blocks: st.workers.engine_entries(),
+            bytes: estimated_bytes(&st),
+        }
+    }
+
+    /// Serialises the index. Approximate holdings keep their remaining lifetime relative to `now`.
+    pub fn dumps(&self, now: f64) -> Vec<u8> {
+        snapshot::dump(&self.config, &self.state.read(), now)
+    }
+
+    /// Rebuilds an index from [`Self::dumps`] output, on a clock that reads `now`.
+    pub fn loads(data: &[u8], now: f64) -> Result<Self, IndexError> {
+        let (config, state) = snapshot::load(data, now)?;
+        Ok(PrefixIndex { config, state: RwLock::new(state) })
+    }
+
+    /// Stores under the write lock; a new worker is registered only when the store succeeds.
+    fn store_with(
+        &self,
+        worker: &WorkerKey,
+        hashes: &[u64],
+        parent: Option<u64>,
+        attrs: Attrs,
+    ) -> Result<u64, IndexError> {
+        let mut st = self.state.write();
+        let w = st.workers.id(worker).unwrap_or(st.workers.keys.len() as WorkerId);
+        let added = st.tree.store(w, hashes, parent, attrs).map_err(|r| refusal(r, worker))?;
+        st.workers.intern(worker, self.config.worker_capacity);
+        st.tree.ensure_worker(w);
+        self.enforce_bounds(&mut st, w);
+        Ok(added)
+    }
+
+    /// Evicts for `w`'s capacity, then for the global memory cap. Returns blocks evicted.
+    fn enforce_bounds(&self, st: &mut State, w: WorkerId) -> u64 {
+        let mut evicted = 0;
+        if let Some(cap) = st.workers.capacity.get(w as usize).copied().flatten() {
+            evicted += st.tree.evict_to(w, cap);
+        }
+        if let Some(max) = self.config.max_bytes {
+            while estimated_bytes(st) > max {
+                let Some(oldest) = oldest_worker(&st.tree) else { break };
+                evicted += st.tree.evict_oldest_leaf(oldest, u64::MAX);
+            }
+        }
+        evicted
+    }
+}
+
+fn refusal(r: StoreRefusal, worker: &WorkerKey) -> IndexError {
+    match r {
+        StoreRefusal::UnknownParent(h) => IndexError::UnknownParent(h),
+        StoreRefusal::ParentNotHeld(h) => {
+            IndexError::ParentNotHeld { worker: worker.clone(), hash: h }
+        }
+        StoreRefusal::Conflict(h) => IndexError::Conflict(h),
+    }
+}
+
+/// The worker whose least recently used leaf is the oldest of all.
+fn oldest_worker(tree: &Tree) -> Option<WorkerId> {
+    (0..tree.workers.len() as WorkerId)
+        .filter_map(|w| tree.oldest_leaf_stamp(w).map(|s| (s, w)))
+        .min()
+        .map(|(_, w)| w)
+}
+
+fn estimated_bytes(st: &State) -> u64 {
+    st.tree.blocks.len() as u64 * BYTES_PER_BLOCK
+        + st.tree.live_nodes() as u64 * BYTES_PER_NODE
+        + st.tree.holder_count as u64 * BYTES_PER_HOLDING
+        + st.workers.engine_entries() as u64 * BYTES_PER_ENGINE_BLOCK
+}
+
+#[cfg(test)]
+mod model_tests;

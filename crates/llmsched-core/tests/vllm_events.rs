@@ -1,0 +1,799 @@
+//! Tests of the vLLM KV-event decoder: shared vectors, a real capture, the old array encoding,
+//! hostile payloads, and a proptest round trip through both encodings.
+
+use llmsched_core::prefix_index::Tier;
+use llmsched_core::vllm_events::{
+    decode_event_batch, medium_name, BlockRemoved, BlockStored, EventBatch, KvEvent, MAX_SKIP_DEPTH,
+};
+use proptest::prelude::*;
+use rmpv::Value;
+
+const KV_EVENTS_VECTOR: &str = "vllm_kv_events.json";
+const CAPTURE_VECTOR: &str = "vllm_real_capture_gap.json";
+
+/// Reads a file of `../shared/vectors/`. The shared folder sits beside the checkout (CI and the
+/// main checkout); a nested git worktree finds it one level higher; `LLMSCHED_SHARED_DIR`
+/// overrides both. A missing vector fails the test.
+fn read_json(name: &str) -> serde_json::Value {
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut candidates: Vec<std::path::PathBuf> =
+        std::env::var_os("LLMSCHED_SHARED_DIR").map(Into::into).into_iter().collect();
+    candidates.push(manifest.join("../shared"));
+    candidates.push(manifest.join("../../shared"));
+    let path = candidates
+        .iter()
+        .map(|dir| dir.join("vectors").join(name))
+        .find(|path| path.is_file())
+        .unwrap_or_else(|| panic!("{name} not found under any of {candidates:?}"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("{path:?}: {err}"));
+    serde_json::from_str(&text).expect("vector file is JSON")
+}
+
+fn from_hex(hex: &str) -> Vec<u8> {
+    assert!(hex.len() % 2 == 0, "odd hex length");
+    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect()
+}
+
+fn encode(value: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, value).unwrap();
+    out
+}
+
+fn s(text: &str) -> Value {
+    Value::from(text)
+}
+
+fn ints<T: Into<Value> + Copy>(values: &[T]) -> Value {
+    Value::Array(values.iter().map(|&v| v.into()).collect())
+}
+
+fn map(entries: Vec<(&str, Value)>) -> Value {
+    Value::Map(entries.into_iter().map(|(k, v)| (s(k), v)).collect())
+}
+
+fn batch(events: Vec<Value>) -> Vec<u8> {
+    encode(&Value::Array(vec![Value::F64(12.5), Value::Array(events), Value::from(3)]))
+}
+
+fn decode_err(payload: &[u8]) -> String {
+    match decode_event_batch(payload) {
+        Ok(batch) => panic!("expected an error, decoded {batch:?}"),
+        Err(err) => err.to_string(),
+    }
+}
+
+fn json_u64s(value: &serde_json::Value) -> Vec<u64> {
+    value.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect()
+}
+
+#[test]
+fn shared_vector_decodes_as_documented() {
+    let vector = read_json(KV_EVENTS_VECTOR);
+    let payload = from_hex(vector["payload_hex"].as_str().unwrap());
+    let decoded = decode_event_batch(&payload).unwrap();
+    let expected = &vector["decoded"];
+    assert_eq!(decoded.ts, expected["ts"].as_f64().unwrap());
+    assert_eq!(decoded.dp_rank, expected["dp_rank"].as_i64());
+    assert_eq!(decoded.unknown_events, 0);
+    let expected_events = expected["events"].as_array().unwrap();
+    assert_eq!(decoded.events.len(), expected_events.len());
+    for (event, want) in decoded.events.iter().zip(expected_events) {
+        match (event, want["type"].as_str().unwrap()) {
+            (KvEvent::Stored(stored), "BlockStored") => {
+                assert_eq!(stored.block_hashes, json_u64s(&want["block_hashes"]));
+                assert_eq!(stored.parent_block_hash, want["parent_block_hash"].as_u64());
+                let tokens: Vec<u32> =
+                    json_u64s(&want["token_ids"]).iter().map(|&t| t as u32).collect();
+                assert_eq!(stored.token_ids, tokens);
+                assert_eq!(u64::from(stored.block_size), want["block_size"].as_u64().unwrap());
+                assert_eq!(medium_name(stored.medium), want["medium"].as_str().unwrap());
+                assert_eq!(stored.lora_name, None);
+                assert_eq!(stored.lora_id, None);
+            }
+            (KvEvent::Removed(removed), "BlockRemoved") => {
+                assert_eq!(removed.block_hashes, json_u64s(&want["block_hashes"]));
+                assert_eq!(medium_name(removed.medium), want["medium"].as_str().unwrap());
+            }
+            (KvEvent::AllCleared, "AllBlocksCleared") => {}
+            (event, kind) => panic!("decoded {event:?}, expected a {kind}"),
+        }
+    }
+}
+
+#[test]
+fn every_frame_of_the_real_capture_decodes() {
+    let capture = read_json(CAPTURE_VECTOR);
+    let block_size = capture["block_size"].as_u64().unwrap() as u32;
+    let frames = capture["frames"].as_array().unwrap();
+    assert!(!frames.is_empty());
+    let (mut stored_blocks, mut removed_blocks) = (0usize, 0usize);
+    for (index, frame) in frames.iter().enumerate() {
+        let payload = from_hex(frame[2].as_str().unwrap());
+        let batch =
+            decode_event_batch(&payload).unwrap_or_else(|err| panic!("frame {index}: {err}"));
+        assert_eq!(batch.unknown_events, 0);
+        assert_eq!(batch.dp_rank, Some(0));
+        assert!(batch.ts > 1.7e9, "frame {index}: ts {}", batch.ts);
+        for event in &batch.events {
+            match event {
+                KvEvent::Stored(stored) => {
+                    assert_eq!(stored.block_size, block_size);
+                    assert_eq!(stored.token_ids.len(), stored.block_hashes.len() * 32);
+                    assert_eq!(stored.medium, Tier::Gpu);
+                    assert_eq!(stored.group_idx, Some(0));
+                    assert_eq!(stored.kv_cache_spec_kind.as_deref(), Some("full_attention"));
+                    // The capture's extra_keys are [None, ...]: one flag per block, all false.
+                    assert_eq!(stored.has_extra_keys, vec![false; stored.block_hashes.len()]);
+                    stored_blocks += stored.block_hashes.len();
+                }
+                KvEvent::Removed(removed) => {
+                    assert_eq!(removed.group_idx, Some(0));
+                    removed_blocks += removed.block_hashes.len();
+                }
+                KvEvent::AllCleared => {}
+            }
+        }
+    }
+    assert!(stored_blocks > 0 && removed_blocks > 0, "{stored_blocks} {removed_blocks}");
+}
+
+/// A vLLM 0.11-style array-encoded batch: `[tag, block_hashes, parent, tokens, block_size,
+/// lora_id, medium]` with no later fields.
+fn old_format_batch() -> Vec<u8> {
+    batch(vec![
+        Value::Array(vec![
+            s("BlockStored"),
+            ints(&[11u64, 12]),
+            Value::from(10u64),
+            ints(&[1u32, 2, 3, 4]),
+            Value::from(2),
+            Value::from(7),
+            s("GPU"),
+        ]),
+        Value::Array(vec![s("BlockRemoved"), ints(&[12u64]), s("CPU")]),
+        Value::Array(vec![s("AllBlocksCleared")]),
+    ])
+}
+
+#[test]
+fn old_array_encoding_decodes() {
+    let decoded = decode_event_batch(&old_format_batch()).unwrap();
+    assert_eq!(
+        decoded,
+        EventBatch {
+            ts: 12.5,
+            dp_rank: Some(3),
+            unknown_events: 0,
+            events: vec![
+                KvEvent::Stored(BlockStored {
+                    block_hashes: vec![11, 12],
+                    parent_block_hash: Some(10),
+                    token_ids: vec![1, 2, 3, 4],
+                    block_size: 2,
+                    lora_id: Some(7),
+                    ..BlockStored::default()
+                }),
+                KvEvent::Removed(BlockRemoved {
+                    block_hashes: vec![12],
+                    medium: Tier::Cpu,
+                    group_idx: None
+                }),
+                KvEvent::AllCleared,
+            ],
+        }
+    );
+}
+
+#[test]
+fn array_encoding_with_every_field_and_trailing_extras() {
+    // 0.33 field order, then two fields from a future version.
+    let stored = Value::Array(vec![
+        s("BlockStored"),
+        ints(&[5u64]),
+        Value::Nil,
+        ints(&[9u32, 8]),
+        Value::from(2),
+        Value::Nil,
+        s("storage"),
+        s("adapter-a"),
+        Value::Array(vec![Value::Array(vec![s("mm-hash"), Value::from(3)])]),
+        Value::from(1),
+        s("sliding_window"),
+        Value::from(128),
+        s("local"),
+        Value::Nil,
+        s("session-1"),
+        ints(&[4u32, 5]),
+        Value::Map(vec![(s("future"), ints(&[1u8]))]),
+        Value::Nil,
+    ]);
+    let removed = Value::Array(vec![
+        s("BlockRemoved"),
+        ints(&[5u64]),
+        Value::Nil,
+        Value::from(1),
+        s("local"),
+        Value::Nil,
+        Value::from(99),
+    ]);
+    let decoded = decode_event_batch(&batch(vec![stored, removed])).unwrap();
+    let KvEvent::Stored(stored) = &decoded.events[0] else { panic!("{decoded:?}") };
+    assert_eq!(stored.medium, Tier::Storage);
+    assert_eq!(stored.lora_name.as_deref(), Some("adapter-a"));
+    assert_eq!(stored.has_extra_keys, vec![true]);
+    assert!(stored.any_extra_keys());
+    assert_eq!(stored.group_idx, Some(1));
+    assert_eq!(stored.kv_cache_spec_kind.as_deref(), Some("sliding_window"));
+    assert_eq!(stored.kv_cache_spec_sliding_window, Some(128));
+    assert_eq!(
+        decoded.events[1],
+        KvEvent::Removed(BlockRemoved {
+            block_hashes: vec![5],
+            medium: Tier::Gpu,
+            group_idx: Some(1)
+        })
+    );
+}
+
+#[test]
+fn array_encoding_without_optional_trailing_fields() {
+    let minimal = Value::Array(vec![
+        s("BlockStored"),
+        ints(&[5u64]),
+        Value::Nil,
+        ints(&[9u32]),
+        Value::from(1),
+    ]);
+    let removed = Value::Array(vec![s("BlockRemoved"), ints(&[5u64])]);
+    let decoded = decode_event_batch(&batch(vec![minimal, removed])).unwrap();
+    let KvEvent::Stored(stored) = &decoded.events[0] else { panic!("{decoded:?}") };
+    assert_eq!(stored.medium, Tier::Gpu);
+    assert_eq!(stored.token_ids, vec![9]);
+    let too_short = Value::Array(vec![s("BlockStored"), ints(&[5u64]), Value::Nil, ints(&[9u32])]);
+    assert!(decode_err(&batch(vec![too_short])).contains("lacks block_size"));
+    assert!(decode_err(&batch(vec![Value::Array(vec![s("BlockRemoved")])]))
+        .contains("lacks block_hashes"));
+    assert!(decode_err(&batch(vec![Value::Array(vec![])])).contains("empty"));
+}
+
+#[test]
+fn map_encoding_omits_defaults_ignores_unknown_fields_and_tag_order() {
+    let stored = map(vec![
+        ("block_hashes", ints(&[1u64, 2])),
+        ("future_field", Value::Array(vec![map(vec![("x", Value::Nil)])])),
+        ("token_ids", ints(&[1u32, 2])),
+        ("parent_block_hash", Value::Nil),
+        ("type", s("BlockStored")),
+        ("block_size", Value::from(1)),
+    ]);
+    let cleared = map(vec![("type", s("AllBlocksCleared")), ("reason", s("reset"))]);
+    let decoded = decode_event_batch(&batch(vec![stored, cleared])).unwrap();
+    assert_eq!(
+        decoded.events,
+        vec![
+            KvEvent::Stored(BlockStored {
+                block_hashes: vec![1, 2],
+                token_ids: vec![1, 2],
+                block_size: 1,
+                ..BlockStored::default()
+            }),
+            KvEvent::AllCleared,
+        ]
+    );
+    // A required field missing from a map.
+    let no_parent = map(vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(&[1u64])),
+        ("token_ids", ints(&[1u32])),
+        ("block_size", Value::from(1)),
+    ]);
+    assert!(decode_err(&batch(vec![no_parent])).contains("lacks parent_block_hash"));
+    assert!(decode_err(&batch(vec![map(vec![("block_hashes", ints(&[1u64]))])]))
+        .contains("no \"type\" key"));
+}
+
+#[test]
+fn unknown_event_types_are_counted_and_skipped() {
+    let events = vec![
+        map(vec![("type", s("BlockMoved")), ("to", s("CPU")), ("blocks", ints(&[1u64]))]),
+        Value::Array(vec![s("Heartbeat"), Value::from(1), Value::Nil]),
+        Value::Array(vec![s("AllBlocksCleared")]),
+    ];
+    let decoded = decode_event_batch(&batch(events)).unwrap();
+    assert_eq!(decoded.unknown_events, 2);
+    assert_eq!(decoded.events, vec![KvEvent::AllCleared]);
+}
+
+#[test]
+fn int_and_bytes_forms_of_a_hash_agree() {
+    let hash: u64 = 0xf892_553b_ef84_ef0c;
+    let mut digest = vec![0x5a; 24];
+    digest.extend(hash.to_be_bytes());
+    let removed = |hashes: Value| map(vec![("type", s("BlockRemoved")), ("block_hashes", hashes)]);
+    let events = vec![
+        removed(Value::Array(vec![Value::from(hash)])),
+        removed(Value::Array(vec![Value::from(hash as i64)])),
+        removed(Value::Array(vec![Value::Binary(digest)])),
+        removed(Value::Array(vec![Value::Binary(hash.to_be_bytes().to_vec())])),
+        removed(Value::Array(vec![Value::Binary(vec![0x01, 0x02])])),
+    ];
+    let decoded = decode_event_batch(&batch(events)).unwrap();
+    let hashes: Vec<u64> = decoded
+        .events
+        .iter()
+        .map(|event| match event {
+            KvEvent::Removed(removed) => removed.block_hashes[0],
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(hashes, vec![hash, hash, hash, hash, 0x0102]);
+}
+
+#[test]
+fn batch_shapes() {
+    // Map-encoded batch, and a 2-element array (dp_rank omitted as a default).
+    let as_map = encode(&map(vec![
+        ("ts", Value::from(7)),
+        ("events", Value::Array(vec![Value::Array(vec![s("AllBlocksCleared")])])),
+        ("data_parallel_rank", Value::Nil),
+        ("future", Value::Nil),
+    ]));
+    let decoded = decode_event_batch(&as_map).unwrap();
+    assert_eq!((decoded.ts, decoded.dp_rank, decoded.events.len()), (7.0, None, 1));
+    let two = encode(&Value::Array(vec![Value::F32(1.5), Value::Array(vec![])]));
+    assert_eq!(decode_event_batch(&two).unwrap().dp_rank, None);
+    let four = encode(&Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(vec![]),
+        Value::from(-2),
+        s("later"),
+    ]));
+    assert_eq!(decode_event_batch(&four).unwrap().dp_rank, Some(-2));
+    assert!(decode_err(&encode(&Value::Array(vec![Value::F64(1.0)]))).contains("1 elements"));
+    assert!(decode_err(&encode(&map(vec![("ts", Value::from(1))]))).contains("\"events\""));
+    assert!(decode_err(&encode(&s("batch"))).contains("expected an array or a map"));
+    assert!(decode_err(&[]).contains("payload ends"));
+}
+
+#[test]
+fn trailing_garbage_is_rejected() {
+    let mut payload = old_format_batch();
+    let length = payload.len();
+    payload.push(0xc0);
+    let err = decode_event_batch(&payload).unwrap_err();
+    assert_eq!(err.offset, length);
+    assert!(err.reason.contains("trailing"));
+}
+
+#[test]
+fn every_truncation_of_a_vector_fails_cleanly() {
+    let vector = read_json(KV_EVENTS_VECTOR);
+    let capture = read_json(CAPTURE_VECTOR);
+    let mut payloads = vec![from_hex(vector["payload_hex"].as_str().unwrap()), old_format_batch()];
+    payloads.push(from_hex(capture["frames"][0][2].as_str().unwrap()));
+    for payload in payloads {
+        decode_event_batch(&payload).unwrap();
+        for cut in 0..payload.len() {
+            let err = decode_event_batch(&payload[..cut]).unwrap_err();
+            assert!(err.offset <= cut, "cut {cut}: {err}");
+        }
+    }
+}
+
+#[test]
+fn huge_declared_lengths_fail_before_allocating() {
+    // Each declares 2**32 - 1 elements or bytes and supplies a few.
+    let cases: Vec<Vec<u8>> = vec![
+        vec![0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0],
+        vec![0x93, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0],
+        vec![0x93, 0x00, 0x91, 0xdf, 0xff, 0xff, 0xff, 0xff, 0xc0],
+        vec![0x93, 0x00, 0x91, 0x92, 0xdb, 0xff, 0xff, 0xff, 0xff, b'x'],
+        vec![0x93, 0x00, 0x91, 0x93, 0xa1, b'Z', 0xc6, 0xff, 0xff, 0xff, 0xff, b'x'],
+        vec![0x93, 0x00, 0x91, 0x93, 0xa1, b'Z', 0xc9, 0xff, 0xff, 0xff, 0xff, b'x'],
+    ];
+    for payload in cases {
+        let err = decode_event_batch(&payload).unwrap_err();
+        assert!(
+            err.reason.contains("declares") || err.reason.contains("payload ends"),
+            "{payload:02x?}: {err}"
+        );
+    }
+    // A BlockStored whose token_ids declares a huge length.
+    let mut payload = vec![0x93, 0x00, 0x91, 0x95, 0xab];
+    payload.extend(b"BlockStored");
+    payload.extend([0x91, 0x01, 0xc0, 0xdd, 0x7f, 0xff, 0xff, 0xff, 0x01, 0x02]);
+    assert!(decode_err(&payload).contains("token_ids declares 2147483647 elements"));
+}
+
+fn nested_arrays(depth: usize) -> Value {
+    let mut value = Value::Nil;
+    for _ in 0..depth {
+        value = Value::Array(vec![value]);
+    }
+    value
+}
+
+#[test]
+fn nesting_in_skipped_values_is_bounded() {
+    let with_unknown =
+        |value: Value| batch(vec![map(vec![("type", s("AllBlocksCleared")), ("blob", value)])]);
+    decode_event_batch(&with_unknown(nested_arrays(MAX_SKIP_DEPTH))).unwrap();
+    assert!(decode_err(&with_unknown(nested_arrays(MAX_SKIP_DEPTH + 1))).contains("nested deeper"));
+    // Far deeper than any stack allows, built by hand (rmpv's encoder recurses).
+    let mut payload = vec![0x93, 0x00, 0x91, 0x82, 0xa4];
+    payload.extend(b"type");
+    payload.push(0xb0);
+    payload.extend(b"AllBlocksCleared");
+    payload.extend([0xa1, b'x']);
+    payload.extend(std::iter::repeat_n(0x91, 1_000_000));
+    payload.push(0xc0);
+    payload.push(0xc0);
+    assert!(decode_err(&payload).contains("nested deeper"));
+    // The same depth before the tag (the scan-ahead path) and in an unknown event type.
+    let mut tag_last = vec![0x93, 0x00, 0x91, 0x82, 0xa1, b'x'];
+    tag_last.extend(std::iter::repeat_n(0x91, 1_000_000));
+    tag_last.push(0xc0);
+    tag_last.extend([0xa4, b't', b'y', b'p', b'e', 0xa1, b'Z', 0xc0]);
+    assert!(decode_err(&tag_last).contains("nested deeper"));
+    let entry = Value::Array(vec![nested_arrays(MAX_SKIP_DEPTH + 1)]);
+    let stored = map(vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(&[1u64])),
+        ("parent_block_hash", Value::Nil),
+        ("token_ids", ints(&[1u32])),
+        ("block_size", Value::from(1)),
+        ("extra_keys", entry),
+    ]);
+    assert!(decode_err(&batch(vec![stored])).contains("nested deeper"));
+}
+
+fn stored_with(field: &str, value: Value) -> Vec<u8> {
+    let mut entries = vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", ints(&[1u64, 2])),
+        ("parent_block_hash", Value::Nil),
+        ("token_ids", ints(&[1u32, 2, 3, 4])),
+        ("block_size", Value::from(2)),
+    ];
+    entries.retain(|(name, _)| *name != field);
+    entries.push((field, value));
+    batch(vec![map(entries)])
+}
+
+#[test]
+fn wrong_types_and_values_are_rejected() {
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (stored_with("block_hashes", s("12")), "expected an array"),
+        (stored_with("block_hashes", Value::Array(vec![s("1"), s("2")])), "an integer or a bin"),
+        (
+            stored_with("block_hashes", Value::Array(vec![Value::F64(1.0), Value::from(2)])),
+            "found a float",
+        ),
+        (stored_with("parent_block_hash", Value::Boolean(true)), "found a bool"),
+        (stored_with("token_ids", Value::Array(vec![Value::F64(1.0); 4])), "token id"),
+        (stored_with("token_ids", ints(&[1i64, 2, -1, 4])), "token id -1"),
+        (stored_with("token_ids", ints(&[1u64, 2, 1 << 32, 4])), "token id 4294967296"),
+        (stored_with("token_ids", ints(&[1u32, 2, 3])), "3 token_ids for 2 blocks of 2"),
+        (stored_with("block_size", Value::from(0)), "block_size is 0"),
+        (stored_with("block_size", Value::from(-2)), "out of range"),
+        (stored_with("block_size", Value::Nil), "expected an integer"),
+        (stored_with("medium", s("TPU")), "medium \"TPU\""),
+        (stored_with("medium", Value::from(1)), "expected a str"),
+        (stored_with("lora_name", Value::from(1)), "expected a str"),
+        (stored_with("group_idx", Value::from(-1)), "out of range"),
+        (stored_with("extra_keys", ints(&[1u8])), "1 extra_keys entries for 2 blocks"),
+        (stored_with("extra_keys", s("x")), "expected an array"),
+        (stored_with("lora_id", Value::from(u64::MAX)), "out of range"),
+        (batch(vec![Value::from(1)]), "event: expected an array or a map"),
+        (batch(vec![Value::Array(vec![Value::from(1)])]), "event type tag"),
+        (batch(vec![map(vec![("type", Value::from(1))])]), "event type tag"),
+        (encode(&Value::Array(vec![s("ts"), Value::Array(vec![]), Value::Nil])), "ts"),
+        (encode(&Value::Array(vec![Value::F64(1.0), Value::Nil, Value::Nil])), "events"),
+        (encode(&Value::Array(vec![Value::F64(1.0), Value::Array(vec![]), s("0")])), "dp_rank"),
+    ];
+    for (payload, needle) in cases {
+        let err = decode_err(&payload);
+        assert!(err.contains(needle), "{needle:?} not in {err:?}");
+    }
+    // Case-insensitive medium.
+    let decoded = decode_event_batch(&stored_with("medium", s("cPu"))).unwrap();
+    let KvEvent::Stored(stored) = &decoded.events[0] else { panic!() };
+    assert_eq!(stored.medium, Tier::Cpu);
+}
+
+#[test]
+fn duplicate_keys_are_rejected() {
+    let mut entries = vec![
+        ("type", s("BlockRemoved")),
+        ("block_hashes", ints(&[1u64])),
+        ("block_hashes", ints(&[2u64])),
+    ];
+    assert!(decode_err(&batch(vec![map(entries.clone())])).contains("appears twice"));
+    entries.remove(2);
+    entries.push(("type", s("BlockRemoved")));
+    assert!(decode_err(&batch(vec![map(entries)])).contains("\"type\" appears twice"));
+    let twice_ts = encode(&map(vec![
+        ("ts", Value::from(1)),
+        ("ts", Value::from(1)),
+        ("events", Value::Array(vec![])),
+    ]));
+    assert!(decode_err(&twice_ts).contains("appears twice"));
+}
+
+#[test]
+fn strings_must_be_utf8_where_read() {
+    // The type tag "Block\xff".
+    let payload = [0x93, 0x00, 0x91, 0x91, 0xa6, b'B', b'l', b'o', b'c', b'k', 0xff, 0xc0];
+    assert!(decode_err(&payload).contains("UTF-8"));
+    let mut payload = stored_with("medium", s("GPU"));
+    let at = payload.windows(3).position(|w| w == b"GPU").unwrap();
+    payload[at] = 0xc3;
+    assert!(decode_err(&payload).contains("UTF-8"));
+}
+
+#[test]
+fn errors_name_the_event_and_offset() {
+    let payload = batch(vec![Value::Array(vec![s("AllBlocksCleared")]), Value::from(5)]);
+    let err = decode_event_batch(&payload).unwrap_err();
+    assert!(err.reason.starts_with("event 1:"), "{err}");
+    assert_eq!(payload[err.offset], 0x05);
+}
+
+// ---- proptest: random batches in both encodings decode to the model ----
+
+#[derive(Debug, Clone)]
+enum HashForm {
+    Unsigned,
+    Signed,
+    Digest(usize),
+}
+
+fn hash_value(hash: u64, form: &HashForm) -> Value {
+    match form {
+        HashForm::Unsigned => Value::from(hash),
+        HashForm::Signed => Value::from(hash as i64),
+        HashForm::Digest(prefix) => {
+            let mut bytes = vec![0xab; *prefix];
+            bytes.extend(hash.to_be_bytes());
+            Value::Binary(bytes)
+        }
+    }
+}
+
+fn hash_form() -> impl Strategy<Value = HashForm> {
+    prop_oneof![
+        Just(HashForm::Unsigned),
+        Just(HashForm::Signed),
+        (0usize..25).prop_map(HashForm::Digest)
+    ]
+}
+
+fn tier() -> impl Strategy<Value = Tier> {
+    prop_oneof![Just(Tier::Gpu), Just(Tier::Cpu), Just(Tier::Storage)]
+}
+
+fn stored_event() -> impl Strategy<Value = BlockStored> {
+    (1u32..5, 0usize..4).prop_flat_map(|(block_size, blocks)| {
+        (
+            proptest::collection::vec(any::<u64>(), blocks),
+            proptest::option::of(any::<u64>()),
+            proptest::collection::vec(any::<u32>(), blocks * block_size as usize),
+            tier(),
+            proptest::option::of("[a-z]{0,8}"),
+            proptest::option::of(any::<i64>()),
+            proptest::option::of(proptest::collection::vec(any::<bool>(), blocks)),
+            proptest::option::of(any::<u32>()),
+            proptest::option::of("[a-z_]{0,12}"),
+            proptest::option::of(any::<u32>()),
+        )
+            .prop_map(
+                move |(
+                    hashes,
+                    parent,
+                    tokens,
+                    medium,
+                    lora,
+                    lora_id,
+                    extra,
+                    group,
+                    kind,
+                    window,
+                )| {
+                    BlockStored {
+                        block_hashes: hashes,
+                        parent_block_hash: parent,
+                        token_ids: tokens,
+                        block_size,
+                        lora_name: lora,
+                        medium,
+                        lora_id,
+                        has_extra_keys: extra.unwrap_or_default(),
+                        group_idx: group,
+                        kv_cache_spec_kind: kind,
+                        kv_cache_spec_sliding_window: window,
+                    }
+                },
+            )
+    })
+}
+
+fn event() -> impl Strategy<Value = KvEvent> {
+    prop_oneof![
+        4 => stored_event().prop_map(KvEvent::Stored),
+        2 => (proptest::collection::vec(any::<u64>(), 0..4), tier(), proptest::option::of(any::<u32>()))
+            .prop_map(|(block_hashes, medium, group_idx)| {
+                KvEvent::Removed(BlockRemoved { block_hashes, medium, group_idx })
+            }),
+        1 => Just(KvEvent::AllCleared),
+    ]
+}
+
+/// How one event is written: array or map, hash form, map key order, padding.
+#[derive(Debug, Clone)]
+struct Encoding {
+    as_map: bool,
+    hash_form: HashForm,
+    rotate_keys: usize,
+    unknown_field: bool,
+    explicit_defaults: bool,
+}
+
+fn encoding() -> impl Strategy<Value = Encoding> {
+    (any::<bool>(), hash_form(), 0usize..16, any::<bool>(), any::<bool>()).prop_map(
+        |(as_map, hash_form, rotate_keys, unknown_field, explicit_defaults)| Encoding {
+            as_map,
+            hash_form,
+            rotate_keys,
+            unknown_field,
+            explicit_defaults,
+        },
+    )
+}
+
+fn opt<T>(value: &Option<T>, f: impl Fn(&T) -> Value) -> Value {
+    value.as_ref().map_or(Value::Nil, f)
+}
+
+fn event_fields(event: &KvEvent, enc: &Encoding) -> (&'static str, Vec<(&'static str, Value)>) {
+    let hashes = |hashes: &[u64]| {
+        Value::Array(hashes.iter().map(|&h| hash_value(h, &enc.hash_form)).collect())
+    };
+    match event {
+        KvEvent::Stored(e) => {
+            let extra = if e.has_extra_keys.is_empty() {
+                Value::Nil
+            } else {
+                Value::Array(
+                    e.has_extra_keys
+                        .iter()
+                        .map(|&present| {
+                            if present {
+                                Value::Array(vec![s("mm"), Value::from(1)])
+                            } else {
+                                Value::Nil
+                            }
+                        })
+                        .collect(),
+                )
+            };
+            let fields = vec![
+                ("block_hashes", hashes(&e.block_hashes)),
+                (
+                    "parent_block_hash",
+                    opt(&e.parent_block_hash, |&h| hash_value(h, &enc.hash_form)),
+                ),
+                ("token_ids", ints(&e.token_ids)),
+                ("block_size", Value::from(e.block_size)),
+                ("lora_id", opt(&e.lora_id, |&v| Value::from(v))),
+                ("medium", s(medium_name(e.medium))),
+                ("lora_name", opt(&e.lora_name, |v| s(v))),
+                ("extra_keys", extra),
+                ("group_idx", opt(&e.group_idx, |&v| Value::from(v))),
+                ("kv_cache_spec_kind", opt(&e.kv_cache_spec_kind, |v| s(v))),
+                (
+                    "kv_cache_spec_sliding_window",
+                    opt(&e.kv_cache_spec_sliding_window, |&v| Value::from(v)),
+                ),
+            ];
+            ("BlockStored", fields)
+        }
+        KvEvent::Removed(e) => {
+            let fields = vec![
+                ("block_hashes", hashes(&e.block_hashes)),
+                ("medium", s(medium_name(e.medium))),
+                ("group_idx", opt(&e.group_idx, |&v| Value::from(v))),
+            ];
+            ("BlockRemoved", fields)
+        }
+        KvEvent::AllCleared => ("AllBlocksCleared", vec![]),
+    }
+}
+
+fn encode_event(event: &KvEvent, enc: &Encoding) -> Value {
+    let (tag, mut fields) = event_fields(event, enc);
+    let required = if tag == "BlockStored" { 4 } else { 1 }.min(fields.len());
+    if enc.as_map {
+        // Defaulted fields at their default may be omitted (msgspec omit_defaults).
+        if !enc.explicit_defaults {
+            let mut index = 0;
+            fields.retain(|(_, value)| {
+                index += 1;
+                index <= required || *value != Value::Nil
+            });
+        }
+        let mut entries: Vec<(Value, Value)> = vec![(s("type"), s(tag))];
+        entries.extend(fields.into_iter().map(|(k, v)| (s(k), v)));
+        if enc.unknown_field {
+            entries.push((s("locality"), Value::Array(vec![s("rack-1"), Value::from(-3)])));
+        }
+        let len = entries.len();
+        entries.rotate_left(enc.rotate_keys % len);
+        Value::Map(entries)
+    } else {
+        // Trailing nils may be omitted (msgspec array_like with omit_defaults).
+        if !enc.explicit_defaults {
+            while fields.len() > required && fields.last().is_some_and(|(_, v)| *v == Value::Nil) {
+                fields.pop();
+            }
+        }
+        let mut items = vec![s(tag)];
+        items.extend(fields.into_iter().map(|(_, v)| v));
+        if enc.unknown_field && items.len() == 12 {
+            items.push(s("later-field"));
+        }
+        Value::Array(items)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn random_batches_round_trip_in_both_encodings(
+        ts in -1e12f64..1e12,
+        dp_rank in proptest::option::of(any::<i64>()),
+        events in proptest::collection::vec((event(), encoding()), 0..6),
+        unknown_at in proptest::collection::vec(0usize..8, 0..3),
+    ) {
+        let mut values: Vec<Value> =
+            events.iter().map(|(event, enc)| encode_event(event, enc)).collect();
+        for &position in &unknown_at {
+            let unknown = Value::Array(vec![s("BlockMoved"), ints(&[1u64]), Value::Nil]);
+            values.insert(position.min(values.len()), unknown);
+        }
+        let dp_value = dp_rank.map_or(Value::Nil, Value::from);
+        let payload = encode(&Value::Array(vec![Value::F64(ts), Value::Array(values), dp_value]));
+        let decoded = decode_event_batch(&payload).unwrap();
+        let expected = EventBatch {
+            ts,
+            dp_rank,
+            unknown_events: unknown_at.len() as u32,
+            events: events.into_iter().map(|(event, _)| event).collect(),
+        };
+        prop_assert_eq!(decoded, expected);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = decode_event_batch(&bytes);
+    }
+
+    #[test]
+    fn mutated_vectors_never_panic(position in 0usize..1000, byte in any::<u8>()) {
+        let vector = read_json(KV_EVENTS_VECTOR);
+        let mut payload = from_hex(vector["payload_hex"].as_str().unwrap());
+        let at = position % payload.len();
+        payload[at] = byte;
+        if let Ok(batch) = decode_event_batch(&payload) {
+            for event in batch.events {
+                if let KvEvent::Stored(stored) = event {
+                    prop_assert_eq!(
+                        stored.token_ids.len(),
+                        stored.block_hashes.len() * stored.block_size as usize
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! Bindings for `llmsched_core::flow`: `FlowCore` (the controller behind a lock, shareable by many
+//! Python threads), `FlowDecision` and `Outcome`.
+
+use std::sync::Arc;
+
+use crate::errors::CoreResult;
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+use super::errors::InvalidRequestError;
+use llmsched_core::flow::{
+    EndpointMetrics, FlowConfig, FlowController, FlowDecision, FlowRequest, Outcome, PolicyRegistry,
+};
+
+type Core = FlowController<Py<PyAny>>;
+
+/// The terminal outcome of a request, with its HTTP status and dropped-reason header value.
+#[pyclass(frozen, eq, eq_int, hash, name = "Outcome", module = "llmsched._llmsched")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PyOutcome {
+    #[pyo3(name = "DISPATCHED")]
+    Dispatched,
+    #[pyo3(name = "REJECTED_CAPACITY")]
+    RejectedCapacity,
+    #[pyo3(name = "REJECTED_SHED")]
+    RejectedShed,
+    #[pyo3(name = "REJECTED_NO_ENDPOINTS")]
+    RejectedNoEndpoints,
+    #[pyo3(name = "EVICTED_TTL")]
+    EvictedTtl,
+    #[pyo3(name = "EVICTED_PREEMPTED")]
+    EvictedPreempted,
+    #[pyo3(name = "EVICTED_CANCELLED")]
+    EvictedCancelled,
+}
+
+impl From<Outcome> for PyOutcome {
+    fn from(outcome: Outcome) -> Self {
+        match outcome {
+            Outcome::Dispatched => PyOutcome::Dispatched,
+            Outcome::RejectedCapacity => PyOutcome::RejectedCapacity,
+            Outcome::RejectedShed => PyOutcome::RejectedShed,
+            Outcome::RejectedNoEndpoints => PyOutcome::RejectedNoEndpoints,
+            Outcome::EvictedTtl => PyOutcome::EvictedTtl,
+            Outcome::EvictedPreempted => PyOutcome::EvictedPreempted,
+            Outcome::EvictedCancelled => PyOutcome::EvictedCancelled,
+        }
+    }
+}
+
+impl PyOutcome {
+    fn core(self) -> Outcome {
+        Outcome::ALL[self as usize]
+    }
+}
+
+#[pymethods]
+impl PyOutcome {
+    /// The HTTP status a gateway answers with (200, 429 or 503).
+    #[getter]
+    fn http_status(&self) -> u16 {
+        self.core().http_status()
+    }
+
+    /// The dropped-reason header value ("" when dispatched).
+    #[getter]
+    fn reason(&self) -> &'static str {
+        self.core().reason()
+    }
+
+    /// The snake_case name used as metrics key.
+    #[getter]
+    fn key(&self) -> &'static str {
+        self.core().name()
+    }
+}
+
+/// A request leaving the queue (or refused at the door): id, outcome and payload.
+#[pyclass(frozen, name = "FlowDecision", module = "llmsched._llmsched")]
+pub struct PyFlowDecision {
+    #[pyo3(get)]
+    id: u64,
+    #[pyo3(get)]
+    outcome: PyOutcome,
+    #[pyo3(get)]
+    priority: i32,
+    tenant: Arc<str>,
+    #[pyo3(get)]
+    tokens: u64,
+    #[pyo3(get)]
+    size_bytes: u64,
+    #[pyo3(get)]
+    wait_s: f64,
+    #[pyo3(get)]
+    payload: Py<PyAny>,
+}
+
+impl From<FlowDecision<Py<PyAny>>> for PyFlowDecision {
+    fn from(d: FlowDecision<Py<PyAny>>) -> Self {
+        PyFlowDecision {
+            id: d.id,
+            outcome: d.outcome.into(),
+            priority: d.priority,
+            tenant: d.tenant,
+            tokens: d.tokens,
+            size_bytes: d.bytes,
+            wait_s: d.waited_s,
+            payload: d.payload,
+        }
+    }
+}
+
+#[pymethods]
+impl PyFlowDecision {
+    #[getter]
+    fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    #[getter]
+    fn http_status(&self) -> u16 {
+        self.outcome.core().http_status()
+    }
+
+    #[getter]
+    fn reason(&self) -> &'static str {
+        self.outcome.core().reason()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "FlowDecision(id={}, outcome={}, priority={}, tenant={:?}, wait_s={})",
+            self.id,
+            self.outcome.core().name(),
+            self.priority,
+            &*self.tenant,
+            self.wait_s
+        )
+    }
+}
+
+fn decisions(list: Vec<FlowDecision<Py<PyAny>>>) -> Vec<PyFlowDecision> {
+    list.into_iter().map(PyFlowDecision::from).collect()
+}
+
+fn non_negative(name: &str, value: i64) -> PyResult<u64> {
+    u64::try_from(value)
+        .map_err(|_| InvalidRequestError::new_err(format!("{name} must be >= 0, got {value}")))
+}
+
+fn priority_i32(value: i64) -> PyResult<i32> {
+    i32::try_from(value).map_err(|_| {
+        InvalidRequestError::new_err(format!("priority must fit in 32 bits, got {value}"))
+    })
+}
+
+/// The flow controller core (see `llmsched.flow.FlowController` for the friendly API).
+///
+/// Every method takes the lock for the duration of one O(log n) operation; payloads are never
+/// dropped while the lock is held.
+#[pyclass(frozen, name = "FlowCore", module = "llmsched._llmsched")]
+pub struct PyFlowCore {
+    inner: Arc<Mutex<Core>>,
+}
+
+#[pymethods]
+impl PyFlowCore {
+    #[new]
+    #[pyo3(signature = (config_json))]
+    fn new(config_json: &str) -> PyResult<Self> {
+        let config = FlowConfig::from_json(config_json).py()?;
+        let core = FlowController::with_registry(&config, PolicyRegistry::builtin()).py()?;
+        Ok(PyFlowCore { inner: Arc::new(Mutex::new(core)) })
+    }
+
+    /// The resolved configuration as JSON.
+    fn config_json(&self) -> String {
+        self.inner.lock().config().to_json()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (id, priority, tenant, tokens, size_bytes, deadline, ttft_target, payload, now))]
+    fn enqueue(
+        &self,
+        id: i64,
+        priority: i64,
+        tenant: &str,
+        tokens: i64,
+        size_bytes: i64,
+        deadline: Option<f64>,
+        ttft_target: Option<f64>,
+        payload: Py<PyAny>,
+        now: f64,
+    ) -> PyResult<Option<PyOutcome>> {
+        let request = FlowRequest {
+            id: non_negative("id", id)?,
+            priority: priority_i32(priority)?,
+            tenant,
+            tokens: non_negative("tokens", tokens)?,
+            bytes: non_negative("size_bytes", size_bytes)?,
+            deadline,
+            ttft_target,
+            payload,
+        };
+        let refused = self.inner.lock().enqueue(request, now).py()?;
+        Ok(refused.map(|decision| decision.outcome.into()))
+    }
+
+    fn dispatch(&self, now: f64) -> PyResult<Option<PyFlowDecision>> {
+        let dispatched = self.inner.lock().dispatch(now).py()?;
+        Ok(dispatched.map(PyFlowDecision::from))
+    }
+
+    fn cancel(&self, id: i64, now: f64) -> PyResult<Option<PyFlowDecision>> {
+        let id = non_negative("id", id)?;
+        let cancelled = self.inner.lock().cancel(id, now).py()?;
+        Ok(cancelled.map(PyFlowDecision::from))
+    }
+
+    fn expire(&self, py: Python<'_>, now: f64) -> PyResult<Vec<PyFlowDecision>> {
+        let inner = &self.inner;
+        let expired = py.detach(|| inner.lock().expire(now)).py()?;
+        Ok(decisions(expired))
+    }
+
+    fn drain_evicted(&self) -> Vec<PyFlowDecision> {
+        let evicted = self.inner.lock().drain_evicted();
+        decisions(evicted)
+    }
+
+    fn has_evicted(&self) -> bool {
+        self.inner.lock().evicted_len() > 0
+    }
+
+    fn record_output(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
+        let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
+        Ok(self.inner.lock().record_output(id, tokens, now).py()?)
+    }
+
+    fn complete(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
+        let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
+        Ok(self.inner.lock().complete(id, tokens, now).py()?)
+    }
+
+    fn preemption_victims(&self, now: f64) -> PyResult<Vec<u64>> {
+        Ok(self.inner.lock().preemption_victims(now).py()?)
+    }
+
+    fn update_endpoint(
+        &self,
+        endpoint: &str,
+        waiting: i64,
+        running: i64,
+        kv_usage: f64,
+        timestamp: f64,
+    ) -> PyResult<()> {
+        let metrics = EndpointMetrics {
+            waiting: non_negative("waiting", waiting)?,
+            running: non_negative("running", running)?,
+            kv_usage,
+            timestamp,
+        };
+        Ok(self.inner.lock().update_endpoint(endpoint, metrics).py()?)
+    }
+
+    fn remove_endpoint(&self, endpoint: &str) -> bool {
+        self.inner.lock().remove_endpoint(endpoint)
+    }
+
+    fn saturation(&self, now: f64) -> PyResult<f64> {
+        Ok(self.inner.lock().saturation(now).py()?.value)
+    }
+
+    #[pyo3(signature = (priority=None))]
+    fn jain_index(&self, priority: Option<i64>) -> PyResult<f64> {
+        let priority = priority.map(priority_i32).transpose()?;
+        Ok(self.inner.lock().jain_index(priority))
+    }
+
+    fn metrics_json(&self, py: Python<'_>, now: f64) -> PyResult<String> {
+        let inner = &self.inner;
+        let metrics = py.detach(|| inner.lock().metrics(now)).py()?;
+        serde_json::to_string(&metrics)
+            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))
+    }
+
+    fn is_queued(&self, id: u64) -> bool {
+        self.inner.lock().is_queued(id)
+    }
+
+    fn is_running(&self, id: u64) -> bool {
+        self.inner.lock().is_running(id)
+    }
+
+    fn running_count(&self) -> usize {
+        self.inner.lock().running_len()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.lock().len()
+    }
+}
+
+/// Resolves a config (defaults filled in, everything checked) and returns it as JSON.
+#[pyfunction]
+fn flow_resolve_config(config_json: &str) -> PyResult<String> {
+    let config = FlowConfig::from_json(config_json).py()?;
+    Ok(config.resolve(&PolicyRegistry::builtin()).py()?.to_json())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyOutcome>()?;
+    m.add_class::<PyFlowDecision>()?;
+    m.add_class::<PyFlowCore>()?;
+    m.add_function(wrap_pyfunction!(flow_resolve_config, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,488 @@
+//! Bindings for `llmsched_core::prefix_index`.
+
+use std::sync::Arc;
+
+use crate::errors::CoreResult;
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use parking_lot::RwLock;
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use super::tokens::{TokenArray, TokenVisitor};
+use llmsched_core::hashing::TokenId;
+use llmsched_core::prefix_index::{
+    ApplyReport, IndexConfig, IndexError, MatchResult, PrefixIndex, Tier, WorkerId, WorkerKey,
+};
+
+/// Queries shorter than this many blocks are matched without releasing the GIL.
+const DETACH_MIN_BLOCKS: usize = 4096;
+
+/// A worker name from Python: an int or a str.
+pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err("worker must be an int or a str, got bool"));
+    }
+    if let Ok(s) = obj.extract::<String>() {
+        return Ok(WorkerKey::Str(s));
+    }
+    match obj.extract::<i64>() {
+        Ok(i) => Ok(WorkerKey::Int(i)),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "worker must be an int (64-bit) or a str, got {}",
+            obj.get_type().name()?
+        ))),
+    }
+}
+
+fn tier(name: &str) -> PyResult<Tier> {
+    Tier::parse(name).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "unknown tier {name:?}: expected 'gpu', 'cpu' or 'storage'"
+        ))
+    })
+}
+
+/// The native prefix index; `llmsched.PrefixIndex` wraps it.
+#[pyclass(frozen, module = "llmsched._llmsched", name = "PrefixIndex")]
+pub struct PyPrefixIndex {
+    pub inner: Arc<PrefixIndex>,
+    /// Python names of interned workers, by id, so results do not rebuild strings.
+    names: RwLock<Vec<Option<Py<PyAny>>>>,
+}
+
+impl PyPrefixIndex {
+    fn wrap(py: Python<'_>, inner: PrefixIndex) -> PyResult<Self> {
+        let this = PyPrefixIndex { inner: Arc::new(inner), names: RwLock::new(Vec::new()) };
+        for (id, key) in this.inner.workers() {
+            let obj = match key {
+                WorkerKey::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+                WorkerKey::Str(s) => s.into_pyobject(py)?.into_any().unbind(),
+            };
+            this.remember(id, obj);
+        }
+        Ok(this)
+    }
+
+    fn remember(&self, id: WorkerId, name: Py<PyAny>) {
+        let mut names = self.names.write();
+        if names.len() <= id as usize {
+            names.resize_with(id as usize + 1, || None);
+        }
+        names[id as usize] = Some(name);
+    }
+
+    /// Remembers the Python name (an int or a str) of a worker another component registered.
+    pub fn remember_key(&self, py: Python<'_>, key: &WorkerKey) -> PyResult<()> {
+        let obj = match key {
+            WorkerKey::Int(i) => i.into_pyobject(py)?.into_any(),
+            WorkerKey::Str(s) => s.into_pyobject(py)?.into_any(),
+        };
+        self.remember_name(&obj, key);
+        Ok(())
+    }
+
+    /// Remembers the Python name of `worker` once the core has registered it.
+    fn remember_name(&self, worker: &Bound<'_, PyAny>, key: &WorkerKey) {
+        let Some(id) = self.inner.worker_id(key) else { return };
+        let known = self.names.read().get(id as usize).is_some_and(|n| n.is_some());
+        if !known {
+            self.remember(id, worker.clone().unbind());
+        }
+    }
+
+    fn result(&self, py: Python<'_>, m: MatchResult) -> PyMatch {
+        let names = self.names.read();
+        let workers = m
+            .entries
+            .iter()
+            .map(|e| match names.get(e.worker as usize) {
+                Some(Some(n)) => n.clone_ref(py),
+                _ => py.None(),
+            })
+            .collect();
+        PyMatch { m, workers }
+    }
+}
+
+struct MatchTokens<'a> {
+    index: &'a PrefixIndex,
+    lora: Option<&'a str>,
+    cache_salt: Option<&'a str>,
+    now: f64,
+}
+
+impl TokenVisitor for MatchTokens<'_> {
+    type Output = Result<MatchResult, IndexError>;
+    fn visit<T: TokenId + Sync>(self, tokens: &[T]) -> Self::Output {
+        self.index.match_tokens(tokens, self.lora, self.cache_salt, self.now)
+    }
+}
+
+struct HashTokens<'a> {
+    index: &'a PrefixIndex,
+    lora: Option<&'a str>,
+    cache_salt: Option<&'a str>,
+}
+
+impl TokenVisitor for HashTokens<'_> {
+    type Output = Result<Vec<u64>, IndexError>;
+    fn visit<T: TokenId + Sync>(self, tokens: &[T]) -> Self::Output {
+        self.index.hash_tokens(tokens, self.lora, self.cache_salt)
+    }
+}
+
+#[pymethods]
+impl PyPrefixIndex {
+    #[new]
+    #[pyo3(signature = (block_size, seed, model, worker_capacity, max_bytes))]
+    fn new(
+        py: Python<'_>,
+        block_size: usize,
+        seed: u64,
+        model: Option<String>,
+        worker_capacity: Option<u64>,
+        max_bytes: Option<u64>,
+    ) -> PyResult<Self> {
+        let config = IndexConfig { block_size, seed, model, worker_capacity, max_bytes };
+        Self::wrap(py, PrefixIndex::new(config).py()?)
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.config().seed
+    }
+
+    #[getter]
+    fn model(&self) -> Option<String> {
+        self.inner.config().model.clone()
+    }
+
+    #[getter]
+    fn worker_capacity(&self) -> Option<u64> {
+        self.inner.config().worker_capacity
+    }
+
+    #[getter]
+    fn max_bytes(&self) -> Option<u64> {
+        self.inner.config().max_bytes
+    }
+
+    fn store(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        hashes: PyReadonlyArray1<'_, u64>,
+        parent: Option<u64>,
+        tier_name: &str,
+    ) -> PyResult<u64> {
+        let key = worker_key(worker)?;
+        let t = tier(tier_name)?;
+        let hashes = hashes.as_slice()?;
+        let added = py.detach(|| self.inner.store(&key, hashes, parent, t)).py()?;
+        self.remember_name(worker, &key);
+        Ok(added)
+    }
+
+    fn record(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        hashes: PyReadonlyArray1<'_, u64>,
+        ttl: f64,
+        now: f64,
+    ) -> PyResult<u64> {
+        let key = worker_key(worker)?;
+        let hashes = hashes.as_slice()?;
+        let added = py.detach(|| self.inner.record(&key, hashes, ttl, now)).py()?;
+        self.remember_name(worker, &key);
+        Ok(added)
+    }
+
+    #[pyo3(signature = (worker, hashes, tier_name=None))]
+    fn remove(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        hashes: PyReadonlyArray1<'_, u64>,
+        tier_name: Option<&str>,
+    ) -> PyResult<u64> {
+        let key = worker_key(worker)?;
+        let t = tier_name.map(tier).transpose()?;
+        let hashes = hashes.as_slice()?;
+        Ok(py.detach(|| self.inner.remove(&key, hashes, t)).py()?)
+    }
+
+    fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let key = worker_key(worker)?;
+        Ok(py.detach(|| self.inner.clear(&key)).py()?)
+    }
+
+    fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let key = worker_key(worker)?;
+        Ok(py.detach(|| self.inner.remove_worker(&key)).py()?)
+    }
+
+    fn set_capacity(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        blocks: Option<u64>,
+    ) -> PyResult<u64> {
+        let key = worker_key(worker)?;
+        let evicted = py.detach(|| self.inner.set_capacity(&key, blocks)).py()?;
+        self.remember_name(worker, &key);
+        Ok(evicted)
+    }
+
+    fn match_hashes(
+        &self,
+        py: Python<'_>,
+        hashes: PyReadonlyArray1<'_, u64>,
+        now: f64,
+    ) -> PyResult<PyMatch> {
+        let hashes = hashes.as_slice()?;
+        // A match of a few thousand blocks takes a microsecond or two: handing the GIL over and
+        // back costs more than that when threads contend, so only long queries release it.
+        let m = if hashes.len() < DETACH_MIN_BLOCKS {
+            self.inner.match_hashes(hashes, now)
+        } else {
+            py.detach(|| self.inner.match_hashes(hashes, now))
+        };
+        Ok(self.result(py, m))
+    }
+
+    #[pyo3(signature = (tokens, lora, cache_salt, now))]
+    fn match_tokens(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        lora: Option<&str>,
+        cache_salt: Option<&str>,
+        now: f64,
+    ) -> PyResult<PyMatch> {
+        let tokens = TokenArray::extract(tokens, "tokens")?;
+        let visitor = MatchTokens { index: &self.inner, lora, cache_salt, now };
+        let m = tokens.visit_detached(py, visitor)?.py()?;
+        Ok(self.result(py, m))
+    }
+
+    #[pyo3(signature = (tokens, lora, cache_salt))]
+    fn hash_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        lora: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        let tokens = TokenArray::extract(tokens, "tokens")?;
+        let visitor = HashTokens { index: &self.inner, lora, cache_salt };
+        Ok(tokens.visit_detached(py, visitor)?.py()?.into_pyarray(py))
+    }
+
+    fn match_many(
+        &self,
+        py: Python<'_>,
+        queries: Vec<PyReadonlyArray1<'_, u64>>,
+        now: f64,
+    ) -> PyResult<Vec<PyMatch>> {
+        let slices = queries.iter().map(|q| q.as_slice()).collect::<Result<Vec<_>, _>>()?;
+        let results: Vec<MatchResult> =
+            py.detach(|| slices.iter().map(|h| self.inner.match_hashes(h, now)).collect());
+        Ok(results.into_iter().map(|m| self.result(py, m)).collect())
+    }
+
+    fn apply_vllm_events<'py>(
+        &self,
+        py: Python<'py>,
+        worker: &Bound<'py, PyAny>,
+        payload: &[u8],
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let key = worker_key(worker)?;
+        let report = py.detach(|| self.inner.apply_vllm_events(&key, payload)).py()?;
+        self.remember_name(worker, &key);
+        report_dict(py, &report)
+    }
+
+    fn expire(&self, py: Python<'_>, now: f64) -> u64 {
+        py.detach(|| self.inner.expire(now))
+    }
+
+    fn holdings<'py>(
+        &self,
+        py: Python<'py>,
+        worker: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let key = worker_key(worker)?;
+        let rows = py.detach(|| self.inner.holdings(&key)).py()?;
+        let out = PyDict::new(py);
+        for (hash, tiers, confirmed) in rows {
+            let names: Vec<&str> =
+                Tier::ALL.iter().filter(|t| tiers & t.bit() != 0).map(|t| t.name()).collect();
+            out.set_item(hash, (names, confirmed))?;
+        }
+        Ok(out)
+    }
+
+    fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let names = self.names.read();
+        let live = self.inner.workers();
+        let objs: Vec<Py<PyAny>> = live
+            .iter()
+            .filter_map(|(id, _)| names.get(*id as usize).and_then(|n| n.as_ref()))
+            .map(|n| n.clone_ref(py))
+            .collect();
+        PyList::new(py, objs)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.stats());
+        let out = PyDict::new(py);
+        out.set_item("workers", s.workers)?;
+        out.set_item("nodes", s.nodes)?;
+        out.set_item("blocks", s.blocks)?;
+        out.set_item("holdings", s.holdings)?;
+        out.set_item("engine_blocks", s.engine_blocks)?;
+        out.set_item("bytes", s.bytes)?;
+        let per_worker = PyDict::new(py);
+        let names = self.names.read();
+        for (id, blocks) in s.worker_blocks {
+            if let Some(Some(n)) = names.get(id as usize) {
+                per_worker.set_item(n.bind(py), blocks)?;
+            }
+        }
+        out.set_item("worker_blocks", per_worker)?;
+        Ok(out)
+    }
+
+    fn dumps<'py>(&self, py: Python<'py>, now: f64) -> Bound<'py, PyBytes> {
+        let data = py.detach(|| self.inner.dumps(now));
+        PyBytes::new(py, &data)
+    }
+
+    #[staticmethod]
+    fn loads(py: Python<'_>, data: &[u8], now: f64) -> PyResult<Self> {
+        let inner = py.detach(|| PrefixIndex::loads(data, now)).py()?;
+        Self::wrap(py, inner)
+    }
+}
+
+fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("events", r.events)?;
+    d.set_item("blocks_stored", r.blocks_stored)?;
+    d.set_item("blocks_removed", r.blocks_removed)?;
+    d.set_item("cleared", r.cleared)?;
+    d.set_item("unknown_parent", r.unknown_parent)?;
+    d.set_item("unknown_removed", r.unknown_removed)?;
+    d.set_item("block_size_mismatch", r.block_size_mismatch)?;
+    d.set_item("conflicts", r.conflicts)?;
+    d.set_item("unknown_events", r.unknown_events)?;
+    d.set_item("other_groups", r.other_groups)?;
+    d.set_item("extra_keys", r.extra_keys)?;
+    Ok(d)
+}
+
+/// The result of a prefix match (see `llmsched.PrefixMatch`).
+#[pyclass(frozen, module = "llmsched._llmsched", name = "PrefixMatch")]
+pub struct PyMatch {
+    pub m: MatchResult,
+    workers: Vec<Py<PyAny>>,
+}
+
+impl PyMatch {
+    fn column<'py>(&self, py: Python<'py>, f: impl Fn(usize) -> u32) -> Bound<'py, PyArray1<u32>> {
+        (0..self.m.entries.len()).map(f).collect::<Vec<u32>>().into_pyarray(py)
+    }
+}
+
+#[pymethods]
+impl PyMatch {
+    /// Workers holding at least one leading block, in worker-id order.
+    #[getter]
+    fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.workers.iter().map(|w| w.clone_ref(py)))
+    }
+
+    /// Leading blocks held by each worker in `workers`, in any tier.
+    #[getter]
+    fn blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.column(py, |i| self.m.entries[i].blocks)
+    }
+
+    #[getter]
+    fn gpu_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.column(py, |i| self.m.entries[i].tiers[Tier::Gpu as usize])
+    }
+
+    #[getter]
+    fn cpu_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.column(py, |i| self.m.entries[i].tiers[Tier::Cpu as usize])
+    }
+
+    #[getter]
+    fn storage_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.column(py, |i| self.m.entries[i].tiers[Tier::Storage as usize])
+    }
+
+    #[getter]
+    fn longest(&self) -> u32 {
+        self.m.longest()
+    }
+
+    #[getter]
+    fn query_blocks(&self) -> usize {
+        self.m.query_blocks
+    }
+
+    #[getter]
+    fn tree_blocks(&self) -> usize {
+        self.m.tree_blocks
+    }
+
+    /// `{worker: leading blocks}` for workers with at least one.
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (w, e) in self.workers.iter().zip(&self.m.entries) {
+            d.set_item(w.bind(py), e.blocks)?;
+        }
+        Ok(d)
+    }
+
+    /// `{worker: {"gpu": n, "cpu": n, "storage": n}}` for workers with at least one block.
+    fn tiers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (w, e) in self.workers.iter().zip(&self.m.entries) {
+            let t = PyDict::new(py);
+            for tier in Tier::ALL {
+                t.set_item(tier.name(), e.tiers[tier as usize])?;
+            }
+            d.set_item(w.bind(py), t)?;
+        }
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.m.entries.len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "PrefixMatch(longest={}, query_blocks={}, workers={})",
+            self.m.longest(),
+            self.m.query_blocks,
+            self.as_dict(py)?.repr()?
+        ))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyPrefixIndex>()?;
+    m.add_class::<PyMatch>()?;
+    Ok(())
+}

@@ -1,0 +1,693 @@
+//! Bindings for `llmsched_core::routing`: the pool, the router, decisions, and Python plugins.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::errors::{CoreResult, ToPyErr};
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::prefix_index::{worker_key, PyPrefixIndex};
+use super::tokens::{TokenArray, TokenVisitor};
+use llmsched_core::hashing::TokenId;
+use llmsched_core::prefix_index::WorkerKey;
+use llmsched_core::routing::inflight::{Stage, Ticket};
+use llmsched_core::routing::plugin::{
+    Candidate, Filter, OnEmpty, PluginResult, RequestContext, Scorer,
+};
+use llmsched_core::routing::profile::KEPT;
+use llmsched_core::routing::registry::{decode, ParamError, Plugin, Registry};
+use llmsched_core::routing::rng::DecisionRng;
+use llmsched_core::routing::{
+    config, metrics_text, presets, Decision, Endpoint, EndpointPool, LoraState, MetricsUpdate,
+    RequestMeta, Role, Router, RouterOptions, RoutingError, StaleMode, StalePolicy,
+};
+
+fn key_object<'py>(py: Python<'py>, key: &WorkerKey) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match key {
+        WorkerKey::Int(i) => i.into_pyobject(py)?.into_any(),
+        WorkerKey::Str(s) => s.into_pyobject(py)?.into_any(),
+    })
+}
+
+fn parse_json(text: &str) -> PyResult<Value> {
+    serde_json::from_str(text)
+        .map_err(|e| PyValueError::new_err(format!("config is not valid JSON: {e}")))
+}
+
+// ---- pool ---------------------------------------------------------------------------------
+
+/// The native endpoint pool; `llmsched.EndpointPool` wraps it.
+#[pyclass(frozen, module = "llmsched._llmsched", name = "EndpointPool")]
+pub struct PyEndpointPool {
+    pub inner: Arc<EndpointPool>,
+}
+
+#[pymethods]
+impl PyEndpointPool {
+    #[new]
+    fn new(stale_after: f64, stale_policy: &str) -> PyResult<Self> {
+        let mode = StaleMode::parse(stale_policy).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "stale_policy must be 'saturated' or 'ignore', got {stale_policy:?}"
+            ))
+        })?;
+        Ok(PyEndpointPool {
+            inner: Arc::new(EndpointPool::new(StalePolicy { stale_after, mode }).py()?),
+        })
+    }
+
+    #[staticmethod]
+    fn default_staleness() -> (f64, &'static str) {
+        let p = StalePolicy::default();
+        (p.stale_after, p.mode.name())
+    }
+
+    #[getter]
+    fn stale_after(&self) -> f64 {
+        self.inner.policy().stale_after
+    }
+
+    #[getter]
+    fn stale_policy(&self) -> &'static str {
+        self.inner.policy().mode.name()
+    }
+
+    #[pyo3(signature = (id, address, role, labels, model))]
+    fn upsert(
+        &self,
+        py: Python<'_>,
+        id: &Bound<'_, PyAny>,
+        address: String,
+        role: Option<&str>,
+        labels: BTreeMap<String, String>,
+        model: Option<String>,
+    ) -> PyResult<bool> {
+        let role = match role {
+            None => None,
+            Some(r) => Some(Role::parse(r).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "role must be 'prefill', 'decode', 'both' or None, got {r:?}"
+                ))
+            })?),
+        };
+        let endpoint = Endpoint { id: worker_key(id)?, address, role, labels, model };
+        Ok(py.detach(|| self.inner.upsert(endpoint)))
+    }
+
+    fn remove(&self, py: Python<'_>, id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let key = worker_key(id)?;
+        Ok(py.detach(|| self.inner.remove(&key)).py()?)
+    }
+
+    #[pyo3(signature = (id, waiting, running, kv_cache_usage, max_concurrency, now))]
+    fn update(
+        &self,
+        id: &Bound<'_, PyAny>,
+        waiting: Option<u32>,
+        running: Option<u32>,
+        kv_cache_usage: Option<f64>,
+        max_concurrency: Option<u32>,
+        now: f64,
+    ) -> PyResult<()> {
+        let key = worker_key(id)?;
+        let update = MetricsUpdate { waiting, running, kv_cache_usage, max_concurrency };
+        Ok(self.inner.update_metrics(&key, update, now).py()?)
+    }
+
+    fn set_loras(
+        &self,
+        id: &Bound<'_, PyAny>,
+        active: Vec<String>,
+        waiting: Vec<String>,
+        max_loras: u32,
+    ) -> PyResult<()> {
+        let key = worker_key(id)?;
+        Ok(self.inner.set_loras(&key, LoraState { active, waiting, max_loras }).py()?)
+    }
+
+    /// Applies a Prometheus text scrape; returns the fields it found.
+    fn update_from_metrics_text<'py>(
+        &self,
+        py: Python<'py>,
+        id: &Bound<'py, PyAny>,
+        text: &str,
+        now: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let key = worker_key(id)?;
+        let scrape = py.detach(|| metrics_text::parse(text)).py()?;
+        if self.inner.snapshot().get(&key).is_none() {
+            return Err(RoutingError::UnknownEndpoint(key).to_py_err());
+        }
+        self.inner.update_metrics(&key, scrape.update, now).py()?;
+        let out = PyDict::new(py);
+        out.set_item("waiting", scrape.update.waiting)?;
+        out.set_item("running", scrape.update.running)?;
+        out.set_item("kv_cache_usage", scrape.update.kv_cache_usage)?;
+        if let Some(l) = scrape.loras {
+            out.set_item("active_loras", l.active.clone())?;
+            out.set_item("waiting_loras", l.waiting.clone())?;
+            out.set_item("max_loras", l.max_loras)?;
+            self.inner.set_loras(&key, l).py()?;
+        }
+        Ok(out)
+    }
+
+    /// Every endpoint as a dict (description, metrics, LoRA state, in-flight counts).
+    fn endpoints<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let members = self.inner.snapshot();
+        let rows = members
+            .list
+            .iter()
+            .map(|m| {
+                let e = &m.endpoint;
+                let d = PyDict::new(py);
+                d.set_item("id", key_object(py, &e.id)?)?;
+                d.set_item("address", &e.address)?;
+                d.set_item("role", e.role.map(Role::name))?;
+                d.set_item("labels", e.labels.clone())?;
+                d.set_item("model", e.model.clone())?;
+                let mt = m.metrics();
+                d.set_item("waiting", mt.waiting)?;
+                d.set_item("running", mt.running)?;
+                d.set_item("kv_cache_usage", mt.kv_cache_usage)?;
+                d.set_item("max_concurrency", mt.max_concurrency)?;
+                d.set_item(
+                    "timestamp",
+                    if mt.timestamp.is_finite() { Some(mt.timestamp) } else { None },
+                )?;
+                let l = m.loras();
+                d.set_item("active_loras", l.active.clone())?;
+                d.set_item("waiting_loras", l.waiting.clone())?;
+                d.set_item("max_loras", l.max_loras)?;
+                let f = m.inflight.snapshot();
+                d.set_item("in_flight_requests", f.requests)?;
+                d.set_item("in_flight_prefill_tokens", f.prefill_tokens)?;
+                d.set_item("in_flight_tokens", f.tokens)?;
+                Ok(d)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, rows)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+// ---- Python plugins -------------------------------------------------------------------------
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct PyPluginParams {
+    handle: usize,
+    fail_open: bool,
+    reads_metrics: bool,
+}
+
+/// A Python callable as a scorer or filter. It is called once per decision with the GIL held:
+/// `fn(request: dict, endpoints: list[dict]) -> list[float] | list[bool]`.
+struct PyCallable {
+    name: String,
+    function: Py<PyAny>,
+    fail_open: bool,
+    reads_metrics: bool,
+}
+
+impl PyCallable {
+    fn call<T>(
+        &self,
+        ctx: &RequestContext<'_>,
+        cands: &[Candidate],
+    ) -> Result<Vec<T>, Box<dyn std::error::Error + Send + Sync>>
+    where
+        T: for<'a, 'py> FromPyObject<'a, 'py>,
+    {
+        Python::attach(|py| -> PyResult<Vec<T>> {
+            let request = request_dict(py, ctx)?;
+            let endpoints = cands.iter().map(|c| candidate_dict(py, ctx, c)).collect::<PyResult<Vec<_>>>()?;
+            let out = self.function.call1(py, (request, PyList::new(py, endpoints)?))?;
+            let values: Vec<T> = out.bind(py).extract().map_err(|_| {
+                PyTypeError::new_err(format!("plugin {:?} must return a list with one number (scorer) or bool (filter) per endpoint", self.name))
+            })?;
+            if values.len() != cands.len() {
+                return Err(PyValueError::new_err(format!(
+                    "plugin {:?} returned {} values for {} endpoints",
+                    self.name,
+                    values.len(),
+                    cands.len()
+                )));
+            }
+            Ok(values)
+        })
+        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+    }
+}
+
+fn request_dict<'py>(py: Python<'py>, ctx: &RequestContext<'_>) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("prompt_tokens", ctx.prompt_tokens)?;
+    d.set_item("prompt_blocks", ctx.query_blocks)?;
+    d.set_item("block_size", ctx.block_size)?;
+    d.set_item("model", ctx.meta.model.clone())?;
+    d.set_item("lora", ctx.meta.lora.clone())?;
+    d.set_item("priority", ctx.meta.priority)?;
+    d.set_item("session_id", ctx.meta.session_id.clone())?;
+    d.set_item("headers", ctx.meta.headers.iter().cloned().collect::<BTreeMap<_, _>>())?;
+    d.set_item("now", ctx.now)?;
+    Ok(d)
+}
+
+fn candidate_dict<'py>(
+    py: Python<'py>,
+    ctx: &RequestContext<'_>,
+    c: &Candidate,
+) -> PyResult<Bound<'py, PyDict>> {
+    let e = ctx.endpoint(c);
+    let d = PyDict::new(py);
+    d.set_item("id", key_object(py, &e.id)?)?;
+    d.set_item("address", &e.address)?;
+    d.set_item("role", e.role.map(Role::name))?;
+    d.set_item("labels", e.labels.clone())?;
+    d.set_item("waiting", c.metrics.waiting)?;
+    d.set_item("running", c.metrics.running)?;
+    d.set_item("kv_cache_usage", c.metrics.kv_cache_usage)?;
+    d.set_item("saturated", c.saturated)?;
+    d.set_item("in_flight_requests", c.inflight.requests)?;
+    d.set_item("in_flight_prefill_tokens", c.inflight.prefill_tokens)?;
+    d.set_item("cached_blocks", c.cached_blocks)?;
+    d.set_item("cached_tokens", ctx.cached_tokens(c))?;
+    Ok(d)
+}
+
+impl Scorer for PyCallable {
+    fn score(
+        &self,
+        ctx: &RequestContext<'_>,
+        cands: &[Candidate],
+        out: &mut [f64],
+    ) -> PluginResult {
+        out.copy_from_slice(&self.call::<f64>(ctx, cands)?);
+        Ok(())
+    }
+
+    fn reads_metrics(&self) -> bool {
+        self.reads_metrics
+    }
+}
+
+impl Filter for PyCallable {
+    fn filter(
+        &self,
+        ctx: &RequestContext<'_>,
+        cands: &[Candidate],
+        keep: &mut [bool],
+        _: &mut DecisionRng,
+    ) -> PluginResult {
+        keep.copy_from_slice(&self.call::<bool>(ctx, cands)?);
+        Ok(())
+    }
+
+    fn on_empty(&self) -> OnEmpty {
+        if self.fail_open {
+            OnEmpty::FailOpen
+        } else {
+            OnEmpty::FailClosed
+        }
+    }
+}
+
+/// The built-in registry plus `python-scorer` and `python-filter` over `functions`.
+fn registry(py: Python<'_>, functions: &[Py<PyAny>]) -> Registry {
+    let mut r = Registry::builtin();
+    for (type_name, filter) in [("python-scorer", false), ("python-filter", true)] {
+        let functions: Vec<Py<PyAny>> = functions.iter().map(|f| f.clone_ref(py)).collect();
+        r.add(type_name, move |params: &Value| {
+            let p: PyPluginParams = decode(params)?;
+            let function = functions
+                .get(p.handle)
+                .ok_or_else(|| ParamError::new("function", "must be a callable"))?;
+            let name = Python::attach(|py| {
+                function
+                    .bind(py)
+                    .getattr("__name__")
+                    .and_then(|n| n.extract::<String>())
+                    .unwrap_or_else(|_| "python".into())
+            });
+            let plugin = PyCallable {
+                name,
+                function: Python::attach(|py| function.clone_ref(py)),
+                fail_open: p.fail_open,
+                reads_metrics: p.reads_metrics,
+            };
+            Ok(if filter { Plugin::filter(plugin) } else { Plugin::scorer(plugin) })
+        });
+    }
+    r
+}
+
+// ---- router -------------------------------------------------------------------------------
+
+/// The native router; `llmsched.Router` wraps it.
+#[pyclass(frozen, module = "llmsched._llmsched", name = "Router")]
+pub struct PyRouter {
+    inner: Router,
+    index: Py<PyPrefixIndex>,
+}
+
+struct Decide<'a> {
+    router: &'a Router,
+    meta: &'a RequestMeta,
+    now: f64,
+}
+
+impl TokenVisitor for Decide<'_> {
+    type Output = Result<Decision, RoutingError>;
+    fn visit<T: TokenId + Sync>(self, tokens: &[T]) -> Self::Output {
+        self.router.decide(tokens, self.meta, self.now)
+    }
+}
+
+#[pymethods]
+impl PyRouter {
+    #[new]
+    #[pyo3(signature = (pool, index, config_json, functions, seed, record_ttl, session_ttl, max_sessions))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        pool: &PyEndpointPool,
+        index: Py<PyPrefixIndex>,
+        config_json: &str,
+        functions: Vec<Py<PyAny>>,
+        seed: Option<u64>,
+        record_ttl: Option<f64>,
+        session_ttl: Option<f64>,
+        max_sessions: Option<usize>,
+    ) -> PyResult<Self> {
+        let value = parse_json(config_json)?;
+        let config =
+            config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from).py()?;
+        let d = RouterOptions::default();
+        let options = RouterOptions {
+            seed: seed.unwrap_or(d.seed),
+            record_ttl: record_ttl.unwrap_or(d.record_ttl),
+            session_ttl: session_ttl.unwrap_or(d.session_ttl),
+            max_sessions: max_sessions.unwrap_or(d.max_sessions),
+        };
+        let inner =
+            Router::new(pool.inner.clone(), index.get().inner.clone(), config, options).py()?;
+        Ok(PyRouter { inner, index })
+    }
+
+    /// (block size, worker capacity) the configuration asks of a prefix index, or None each.
+    #[staticmethod]
+    fn index_hints(
+        py: Python<'_>,
+        config_json: &str,
+        functions: Vec<Py<PyAny>>,
+    ) -> PyResult<(Option<usize>, Option<u64>)> {
+        let value = parse_json(config_json)?;
+        let config =
+            config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from).py()?;
+        Ok((config.index_hints.block_size, config.index_hints.worker_capacity))
+    }
+
+    /// The JSON text of a named preset, or None.
+    #[staticmethod]
+    fn preset(name: &str) -> Option<String> {
+        presets::preset(name).map(|v| v.to_string())
+    }
+
+    #[staticmethod]
+    fn preset_names() -> Vec<&'static str> {
+        presets::NAMES.to_vec()
+    }
+
+    #[staticmethod]
+    fn plugin_types() -> Vec<String> {
+        let mut names = Registry::builtin().type_names();
+        names.extend(["python-filter".to_string(), "python-scorer".to_string()]);
+        names.sort();
+        names
+    }
+
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.options().seed
+    }
+
+    #[getter]
+    fn record_ttl(&self) -> f64 {
+        self.inner.options().record_ttl
+    }
+
+    #[getter]
+    fn profiles(&self) -> Vec<String> {
+        self.inner.config().profiles.iter().map(|p| p.name.clone()).collect()
+    }
+
+    #[pyo3(signature = (tokens, model, lora, priority, session_id, headers, cache_salt, now))]
+    #[allow(clippy::too_many_arguments)]
+    fn pick(
+        slf: &Bound<'_, Self>,
+        tokens: &Bound<'_, PyAny>,
+        model: Option<String>,
+        lora: Option<String>,
+        priority: i32,
+        session_id: Option<String>,
+        headers: Vec<(String, String)>,
+        cache_salt: Option<String>,
+        now: f64,
+    ) -> PyResult<PyDecision> {
+        let py = slf.py();
+        let tokens = TokenArray::extract(tokens, "tokens")?;
+        let meta = RequestMeta { model, lora, priority, session_id, headers, cache_salt };
+        let router = &slf.get().inner;
+        let decision =
+            tokens.visit_detached(py, Decide { router, meta: &meta, now })?.map_err(routing_err)?;
+        Ok(PyDecision {
+            router: slf.clone().unbind(),
+            decision,
+            ticket: Mutex::new(TicketState::Picked),
+        })
+    }
+}
+
+// ---- decision -----------------------------------------------------------------------------
+
+enum TicketState {
+    Picked,
+    Sent(Ticket),
+    Closed,
+}
+
+/// The outcome of one pick (see `llmsched.Decision`).
+#[pyclass(frozen, module = "llmsched._llmsched", name = "Decision")]
+pub struct PyDecision {
+    router: Py<PyRouter>,
+    decision: Decision,
+    ticket: Mutex<TicketState>,
+}
+
+impl PyDecision {
+    fn id<'py>(&self, py: Python<'py>, c: &Candidate) -> PyResult<Bound<'py, PyAny>> {
+        key_object(py, &self.decision.endpoint(c).id)
+    }
+}
+
+#[pymethods]
+impl PyDecision {
+    #[getter]
+    fn endpoint<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.id(py, self.decision.chosen())
+    }
+
+    #[getter]
+    fn address(&self) -> String {
+        self.decision.endpoint(self.decision.chosen()).address.clone()
+    }
+
+    #[getter]
+    fn fallbacks<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        self.decision.ranked().skip(1).map(|c| self.id(py, c)).collect()
+    }
+
+    #[getter]
+    fn fallback_addresses(&self) -> Vec<String> {
+        self.decision.ranked().skip(1).map(|c| self.decision.endpoint(c).address.clone()).collect()
+    }
+
+    #[getter]
+    fn prefill_endpoint<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        self.decision.prefill().map(|c| self.id(py, c)).transpose()
+    }
+
+    #[getter]
+    fn prefill_address(&self) -> Option<String> {
+        self.decision.prefill().map(|c| self.decision.endpoint(c).address.clone())
+    }
+
+    #[getter]
+    fn prompt_tokens(&self) -> u64 {
+        self.decision.prompt_tokens
+    }
+
+    #[getter]
+    fn cold(&self) -> bool {
+        self.decision.cold
+    }
+
+    #[getter]
+    fn sequence(&self) -> u64 {
+        self.decision.sequence
+    }
+
+    /// Prompt tokens cached on the chosen endpoint.
+    #[getter]
+    fn cached(&self) -> u64 {
+        self.decision.cached_tokens(self.decision.chosen())
+    }
+
+    /// `{endpoint: cached prompt tokens}` for every endpoint considered.
+    fn cached_tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for c in &self.decision.base {
+            d.set_item(self.id(py, c)?, self.decision.cached_tokens(c))?;
+        }
+        Ok(d)
+    }
+
+    /// The P/D decision: None without a P/D handler.
+    fn pd<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(note) = self.decision.pd else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("uncached_tokens", note.uncached_tokens)?;
+        d.set_item("wanted", note.wanted)?;
+        d.set_item("disaggregated", note.disaggregated)?;
+        Ok(Some(d))
+    }
+
+    /// Raw material of `Decision.explain()`: one dict per profile run.
+    fn explain_data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let router = self.router.get();
+        let d = &self.decision;
+        let mut profiles = Vec::new();
+        for o in &d.outcomes {
+            let profile = &router.inner.config().profiles[o.profile];
+            let p = PyDict::new(py);
+            p.set_item("profile", &profile.name)?;
+            p.set_item("picker", &profile.picker_name)?;
+            let filters: Vec<&str> = profile.filters.iter().map(|f| f.name.as_str()).collect();
+            p.set_item("filters", &filters)?;
+            p.set_item(
+                "skipped_filters",
+                o.skipped_filters.iter().map(|&f| filters[f]).collect::<Vec<_>>(),
+            )?;
+            p.set_item(
+                "scorers",
+                profile.scorers.iter().map(|s| (s.name.clone(), s.weight)).collect::<Vec<_>>(),
+            )?;
+            let rows = PyList::empty(py);
+            for (b, c) in d.base.iter().enumerate() {
+                let r = PyDict::new(py);
+                r.set_item("endpoint", self.id(py, c)?)?;
+                r.set_item("address", &d.endpoint(c).address)?;
+                r.set_item("cached_tokens", d.cached_tokens(c))?;
+                r.set_item("saturated", c.saturated)?;
+                let removed = o.removed_by[b];
+                r.set_item(
+                    "removed_by",
+                    if removed == KEPT { None } else { Some(filters[removed as usize]) },
+                )?;
+                if let Some(i) = o.kept.iter().position(|&k| k as usize == b) {
+                    let scores: Vec<f64> =
+                        (0..profile.scorers.len()).map(|j| o.score(j, i)).collect();
+                    r.set_item("scores", scores)?;
+                    r.set_item("total", o.totals.get(i).copied())?;
+                } else {
+                    r.set_item("scores", py.None())?;
+                    r.set_item("total", py.None())?;
+                }
+                r.set_item("rank", o.order.iter().position(|&k| k as usize == b))?;
+                rows.append(r)?;
+            }
+            p.set_item("rows", rows)?;
+            profiles.push(p);
+        }
+        PyList::new(py, profiles)
+    }
+
+    /// "picked", "sent", "decoding" or "finished".
+    #[getter]
+    fn stage(&self) -> &'static str {
+        match &*self.ticket.lock() {
+            TicketState::Picked => "picked",
+            TicketState::Sent(t) => match t.stage() {
+                Stage::Running => "sent",
+                Stage::Decoding => "decoding",
+                Stage::Finished => "finished",
+            },
+            TicketState::Closed => "finished",
+        }
+    }
+
+    #[pyo3(signature = (endpoint, now))]
+    fn started(
+        &self,
+        py: Python<'_>,
+        endpoint: Option<&Bound<'_, PyAny>>,
+        now: f64,
+    ) -> PyResult<()> {
+        let key = endpoint.map(worker_key).transpose()?;
+        let mut state = self.ticket.lock();
+        if !matches!(*state, TicketState::Picked) {
+            return Err(PyRuntimeError::new_err("started() was already called for this decision"));
+        }
+        let router = self.router.get();
+        let ticket = py.detach(|| router.inner.commit(&self.decision, key.as_ref(), now)).py()?;
+        let index = router.index.get();
+        index.remember_key(
+            py,
+            key.as_ref().unwrap_or(&self.decision.endpoint(self.decision.chosen()).id),
+        )?;
+        if let Some(p) = self.decision.prefill() {
+            index.remember_key(py, &self.decision.endpoint(p).id)?;
+        }
+        *state = TicketState::Sent(ticket);
+        Ok(())
+    }
+
+    fn first_token(&self) -> PyResult<bool> {
+        match &mut *self.ticket.lock() {
+            TicketState::Sent(t) => Ok(t.first_token()),
+            TicketState::Picked => Err(PyRuntimeError::new_err("first_token() before started()")),
+            TicketState::Closed => Ok(false),
+        }
+    }
+
+    fn finished(&self) -> bool {
+        let mut state = self.ticket.lock();
+        let was_open = match &mut *state {
+            TicketState::Sent(t) => t.finish(),
+            TicketState::Picked => true,
+            TicketState::Closed => false,
+        };
+        *state = TicketState::Closed;
+        was_open
+    }
+}
+
+fn routing_err(e: RoutingError) -> PyErr {
+    e.to_py_err()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEndpointPool>()?;
+    m.add_class::<PyRouter>()?;
+    m.add_class::<PyDecision>()?;
+    Ok(())
+}

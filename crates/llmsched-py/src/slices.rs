@@ -1,0 +1,351 @@
+//! Bindings for `llmsched_core::slices`.
+
+use std::sync::Arc;
+
+use crate::errors::CoreResult;
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+use llmsched_core::slices::{
+    self as core, Decision, EndpointLoad, EndpointReport, Phase, RequestView, SliceStart,
+    WaitingRequest,
+};
+
+/// The switch-cost model (see `llmsched.slices.SwitchCostModel`).
+#[pyclass(frozen, name = "SwitchCostModel", module = "llmsched._llmsched")]
+pub struct PySwitchCostModel {
+    model: core::SwitchCostModel,
+}
+
+#[pymethods]
+impl PySwitchCostModel {
+    /// Parameters as a JSON object decoded over the defaults.
+    #[new]
+    #[pyo3(signature = (params_json = "{}"))]
+    fn new(params_json: &str) -> PyResult<Self> {
+        Ok(Self { model: core::SwitchCostModel::from_json(params_json).py()? })
+    }
+
+    /// Derives the model from model dimensions and GPU numbers given as a JSON object.
+    #[staticmethod]
+    fn from_dims_json(dims_json: &str) -> PyResult<Self> {
+        Ok(Self { model: core::SwitchCostModel::from_dims_json(dims_json).py()? })
+    }
+
+    #[getter]
+    fn prefill_tokens_per_s(&self) -> f64 {
+        self.model.prefill_tokens_per_s
+    }
+    #[getter]
+    fn decode_step_s(&self) -> f64 {
+        self.model.decode_step_s
+    }
+    #[getter]
+    fn kv_capacity_tokens(&self) -> f64 {
+        self.model.kv_capacity_tokens
+    }
+    #[getter]
+    fn requeue_delay_s(&self) -> f64 {
+        self.model.requeue_delay_s
+    }
+    #[getter]
+    fn priority_base(&self) -> f64 {
+        self.model.priority_base
+    }
+
+    fn weight(&self, priority: i32) -> f64 {
+        self.model.weight(priority)
+    }
+
+    fn recompute_s(&self, context: f64, prefill_tokens_per_s: f64) -> f64 {
+        core::SwitchCostModel::recompute_s(context, prefill_tokens_per_s)
+    }
+
+    fn switch_s(&self, evict_probability: f64, context: f64, prefill_tokens_per_s: f64) -> f64 {
+        self.model.switch_s(evict_probability, context, prefill_tokens_per_s)
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::to_string(&self.model).unwrap_or_default()
+    }
+}
+
+/// `clamp((demand - free) / context, 0, 1)`.
+#[pyfunction]
+fn evict_probability(context: f64, demand_tokens: f64, free_tokens: f64) -> f64 {
+    core::evict_probability(context, demand_tokens, free_tokens)
+}
+
+/// The registered slice policy names.
+#[pyfunction]
+fn slice_policy_names() -> Vec<&'static str> {
+    core::REGISTRY.iter().map(|(name, _)| *name).collect()
+}
+
+/// The default parameters of a slice policy, as a JSON object.
+#[pyfunction]
+fn slice_policy_defaults(name: &str) -> PyResult<String> {
+    Ok(core::policy_defaults(name).py()?)
+}
+
+/// A slice-boundary decision.
+#[pyclass(frozen, get_all, name = "SliceDecision", module = "llmsched._llmsched")]
+pub struct PySliceDecision {
+    action: &'static str,
+    level: u8,
+    priority: i32,
+    endpoint: Option<String>,
+    next_slice_tokens: u32,
+    context_tokens: u64,
+    generated_tokens: u32,
+    slices: u32,
+    benefit_s: f64,
+    yield_cost_s: f64,
+    migrate_cost_s: Option<f64>,
+    evict_probability: f64,
+}
+
+impl From<Decision> for PySliceDecision {
+    fn from(d: Decision) -> Self {
+        Self {
+            action: d.action.as_str(),
+            level: d.level,
+            priority: d.priority,
+            endpoint: d.endpoint.map(|e| e.to_string()),
+            next_slice_tokens: d.next_slice_tokens,
+            context_tokens: d.context_tokens,
+            generated_tokens: d.generated_tokens,
+            slices: d.slices,
+            benefit_s: d.benefit_s,
+            yield_cost_s: d.yield_cost_s,
+            migrate_cost_s: d.migrate_cost_s,
+            evict_probability: d.evict_probability,
+        }
+    }
+}
+
+#[pymethods]
+impl PySliceDecision {
+    fn __repr__(&self) -> String {
+        format!(
+            "SliceDecision(action={:?}, level={}, endpoint={:?}, next_slice_tokens={})",
+            self.action, self.level, self.endpoint, self.next_slice_tokens
+        )
+    }
+}
+
+/// A snapshot of one tracked request.
+#[pyclass(frozen, get_all, name = "SliceState", module = "llmsched._llmsched")]
+pub struct PySliceState {
+    priority: i32,
+    level: u8,
+    prompt_tokens: u32,
+    max_tokens: u32,
+    generated_tokens: u32,
+    slice_generated: u32,
+    slice_tokens: u32,
+    slices: u32,
+    context_tokens: u64,
+    endpoint: String,
+    route_to: String,
+    phase: &'static str,
+    paused_since: Option<f64>,
+}
+
+impl From<RequestView> for PySliceState {
+    fn from(v: RequestView) -> Self {
+        let (phase, paused_since) = match v.phase {
+            Phase::Running => ("running", None),
+            Phase::Paused { since } => ("paused", Some(since)),
+        };
+        Self {
+            priority: v.priority,
+            level: v.level,
+            prompt_tokens: v.prompt_tokens,
+            max_tokens: v.max_tokens,
+            generated_tokens: v.generated_tokens,
+            slice_generated: v.slice_generated,
+            slice_tokens: v.slice_tokens,
+            slices: v.slices,
+            context_tokens: v.context_tokens,
+            endpoint: v.endpoint.to_string(),
+            route_to: v.route_to.to_string(),
+            phase,
+            paused_since,
+        }
+    }
+}
+
+/// An endpoint's load as last reported.
+#[pyclass(frozen, get_all, name = "EndpointLoad", module = "llmsched._llmsched")]
+pub struct PyEndpointLoad {
+    kv_capacity_tokens: f64,
+    kv_usage: f64,
+    kv_free_tokens: f64,
+    waiting: u32,
+    prefill_tokens_per_s: f64,
+    decode_step_s: f64,
+}
+
+impl From<EndpointLoad> for PyEndpointLoad {
+    fn from(l: EndpointLoad) -> Self {
+        Self {
+            kv_capacity_tokens: l.kv_capacity_tokens,
+            kv_usage: l.kv_usage,
+            kv_free_tokens: l.kv_free_tokens(),
+            waiting: l.waiting,
+            prefill_tokens_per_s: l.prefill_tokens_per_s,
+            decode_step_s: l.decode_step_s,
+        }
+    }
+}
+
+fn start_tuple(start: SliceStart) -> (u8, u32) {
+    (start.level, start.slice_tokens)
+}
+
+/// Per-request slice budgets and boundary decisions; one lock, shareable across threads.
+#[pyclass(frozen, name = "SliceTracker", module = "llmsched._llmsched")]
+pub struct PySliceTracker {
+    inner: Arc<Mutex<core::SliceTracker>>,
+}
+
+#[pymethods]
+impl PySliceTracker {
+    #[new]
+    #[pyo3(signature = (policy, params_json, cost_model))]
+    fn new(policy: &str, params_json: &str, cost_model: &PySwitchCostModel) -> PyResult<Self> {
+        let tracker =
+            core::SliceTracker::from_config(policy, params_json, cost_model.model).py()?;
+        Ok(Self { inner: Arc::new(Mutex::new(tracker)) })
+    }
+
+    #[getter]
+    fn policy_name(&self) -> &'static str {
+        self.inner.lock().policy().name()
+    }
+
+    #[getter]
+    fn levels(&self) -> u8 {
+        self.inner.lock().policy().levels()
+    }
+
+    fn policy_params_json(&self) -> String {
+        self.inner.lock().policy().params_json()
+    }
+
+    fn cost_model(&self) -> PySwitchCostModel {
+        PySwitchCostModel { model: *self.inner.lock().cost_model() }
+    }
+
+    fn quantum(&self, level: u8) -> PyResult<u32> {
+        Ok(self.inner.lock().quantum(level).py()?)
+    }
+
+    fn entry_level(&self, prompt_tokens: u32) -> u8 {
+        self.inner.lock().entry_level(prompt_tokens)
+    }
+
+    #[pyo3(signature = (name, kv_usage, waiting, kv_capacity_tokens=None, prefill_tokens_per_s=None, decode_step_s=None))]
+    fn set_endpoint(
+        &self,
+        name: &str,
+        kv_usage: f64,
+        waiting: u32,
+        kv_capacity_tokens: Option<f64>,
+        prefill_tokens_per_s: Option<f64>,
+        decode_step_s: Option<f64>,
+    ) -> PyResult<()> {
+        let report = EndpointReport {
+            kv_usage,
+            waiting,
+            kv_capacity_tokens,
+            prefill_tokens_per_s,
+            decode_step_s,
+        };
+        Ok(self.inner.lock().set_endpoint(name, report).py()?)
+    }
+
+    fn endpoint_load(&self, name: &str) -> Option<PyEndpointLoad> {
+        self.inner.lock().endpoint_load(name).map(PyEndpointLoad::from)
+    }
+
+    fn endpoint_names(&self) -> Vec<String> {
+        self.inner.lock().endpoint_names().iter().map(|n| n.to_string()).collect()
+    }
+
+    fn admit(
+        &self,
+        key: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        priority: i32,
+        endpoint: &str,
+    ) -> PyResult<(u8, u32)> {
+        let start =
+            self.inner.lock().admit(key, prompt_tokens, max_tokens, priority, endpoint).py()?;
+        Ok(start_tuple(start))
+    }
+
+    fn record_tokens(&self, key: u64, tokens: u32) -> PyResult<u32> {
+        Ok(self.inner.lock().record_tokens(key, tokens).py()?)
+    }
+
+    /// `waiting`: (priority, level, context_tokens, expected_tokens) tuples in dispatch order.
+    fn decide(
+        &self,
+        key: u64,
+        finished: bool,
+        waiting: Vec<(i32, u8, u32, u32)>,
+        now: f64,
+    ) -> PyResult<PySliceDecision> {
+        let waiting: Vec<WaitingRequest> = waiting
+            .into_iter()
+            .map(|(priority, level, context_tokens, expected_tokens)| WaitingRequest {
+                priority,
+                level,
+                context_tokens,
+                expected_tokens,
+            })
+            .collect();
+        let decision = self.inner.lock().decide(key, finished, &waiting, now).py()?;
+        Ok(decision.into())
+    }
+
+    fn resume(&self, key: u64, endpoint: &str) -> PyResult<(u8, u32)> {
+        Ok(start_tuple(self.inner.lock().resume(key, endpoint).py()?))
+    }
+
+    fn promote(&self, py: Python<'_>, now: f64) -> PyResult<Vec<(u64, u8)>> {
+        let inner = Arc::clone(&self.inner);
+        Ok(py.detach(move || inner.lock().promote(now)).py()?)
+    }
+
+    fn remove(&self, key: u64) -> bool {
+        self.inner.lock().remove(key)
+    }
+
+    fn state(&self, key: u64) -> Option<PySliceState> {
+        self.inner.lock().get(key).map(PySliceState::from)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.lock().len()
+    }
+
+    fn __contains__(&self, key: u64) -> bool {
+        self.inner.lock().contains(key)
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySwitchCostModel>()?;
+    m.add_class::<PySliceDecision>()?;
+    m.add_class::<PySliceState>()?;
+    m.add_class::<PyEndpointLoad>()?;
+    m.add_class::<PySliceTracker>()?;
+    m.add_function(wrap_pyfunction!(evict_probability, m)?)?;
+    m.add_function(wrap_pyfunction!(slice_policy_names, m)?)?;
+    m.add_function(wrap_pyfunction!(slice_policy_defaults, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,78 @@
+//! Token input: a 1-D contiguous numpy integer array of any width, read in place.
+
+use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+pub use llmsched_core::hashing::{TokenSlice, TokenVisitor};
+
+/// A borrowed numpy token array.
+pub enum TokenArray<'py> {
+    U8(PyReadonlyArray1<'py, u8>),
+    U16(PyReadonlyArray1<'py, u16>),
+    U32(PyReadonlyArray1<'py, u32>),
+    U64(PyReadonlyArray1<'py, u64>),
+    I8(PyReadonlyArray1<'py, i8>),
+    I16(PyReadonlyArray1<'py, i16>),
+    I32(PyReadonlyArray1<'py, i32>),
+    I64(PyReadonlyArray1<'py, i64>),
+}
+
+impl<'py> TokenArray<'py> {
+    /// Borrows `obj`, which must be a 1-D C-contiguous numpy array of integers.
+    pub fn extract(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
+            PyTypeError::new_err(format!("{what} must be a numpy array of integers"))
+        })?;
+        if arr.ndim() != 1 {
+            return Err(PyValueError::new_err(format!(
+                "{what} must be one-dimensional, got {} dimensions",
+                arr.ndim()
+            )));
+        }
+        let dtype = arr.dtype();
+        let kind = dtype.kind();
+        let size = dtype.itemsize();
+        let out = match (kind, size) {
+            (b'u', 1) => Self::U8(obj.extract()?),
+            (b'u', 2) => Self::U16(obj.extract()?),
+            (b'u', 4) => Self::U32(obj.extract()?),
+            (b'u', 8) => Self::U64(obj.extract()?),
+            (b'i', 1) => Self::I8(obj.extract()?),
+            (b'i', 2) => Self::I16(obj.extract()?),
+            (b'i', 4) => Self::I32(obj.extract()?),
+            (b'i', 8) => Self::I64(obj.extract()?),
+            _ => {
+                return Err(PyTypeError::new_err(format!(
+                    "{what} must have an integer dtype, got {}",
+                    dtype.str()?
+                )))
+            }
+        };
+        Ok(out)
+    }
+
+    /// The tokens as a typed slice (fails if the array is not contiguous).
+    pub fn as_token_slice(&self) -> PyResult<TokenSlice<'_>> {
+        Ok(match self {
+            Self::U8(a) => TokenSlice::U8(a.as_slice()?),
+            Self::U16(a) => TokenSlice::U16(a.as_slice()?),
+            Self::U32(a) => TokenSlice::U32(a.as_slice()?),
+            Self::U64(a) => TokenSlice::U64(a.as_slice()?),
+            Self::I8(a) => TokenSlice::I8(a.as_slice()?),
+            Self::I16(a) => TokenSlice::I16(a.as_slice()?),
+            Self::I32(a) => TokenSlice::I32(a.as_slice()?),
+            Self::I64(a) => TokenSlice::I64(a.as_slice()?),
+        })
+    }
+
+    /// Runs `visitor` over the tokens with the GIL released.
+    pub fn visit_detached<V>(&self, py: Python<'_>, visitor: V) -> PyResult<V::Output>
+    where
+        V: TokenVisitor + Send,
+        V::Output: Send,
+    {
+        let tokens = self.as_token_slice()?;
+        Ok(py.detach(|| tokens.visit(visitor)))
+    }
+}

@@ -1,0 +1,1116 @@
+//! The discrete-event serving simulation in Rust: the same model as the Python engine
+//! (`llmsched.sim.simulator` and `replica`), step for step, calling the real routing core
+//! ([`Router`] over an [`EndpointPool`] and a [`PrefixIndex`] fed by the replicas' KV events)
+//! directly instead of through Python.
+//!
+//! Algorithm: one heap of events ordered by (time, sequence) — stream arrivals, follow-up
+//! arrivals, the end of a replica's step (or closed-form decode run) and delayed KV-event
+//! batches. Each replica is vLLM V1's scheduler over a paged, prefix-cached [`KvCache`]
+//! (chunked prefill under a token budget, recompute preemption, decode runs summed in closed
+//! form); see `replica.py` for the per-step rules, which this file follows line for line so
+//! that both engines produce identical results for the same plan (the Python engine is the
+//! oracle of the equivalence tests). Cost per event: O(log events + blocks touched).
+//!
+//! Not covered (the Python engine runs these): flow control, token slices, prefill/decode
+//! disaggregation and Python routing plugins.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::kv_cache::{IdEvent, KvCore, KvError};
+use crate::plan::{Contents, Plan, PlanError};
+use crate::stepmodel::{DecodeRun, StepModel, StepWork};
+use llmsched_core::prefix_index::{IndexConfig, IndexError, PrefixIndex, Tier, WorkerKey};
+use llmsched_core::routing::{
+    Endpoint, EndpointPool, MetricsUpdate, RequestMeta, Router, RouterConfig, RouterOptions,
+    RoutingError, StaleMode, StalePolicy, Ticket,
+};
+
+/// Engine and scenario settings (the fields of `EngineConfig` and `ScenarioConfig`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    pub replicas: usize,
+    pub block_size: u32,
+    pub kv_blocks: u32,
+    pub max_num_batched_tokens: u64,
+    pub max_num_seqs: usize,
+    /// `scheduling: priority` (else first come, first served).
+    pub priority_scheduling: bool,
+    pub metrics_delay: f64,
+    pub kv_events_delay: f64,
+    pub kv_sample: f64,
+    pub max_time: Option<f64>,
+    pub seed: u64,
+}
+
+/// Errors that stop a simulation.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    #[error(transparent)]
+    Routing(#[from] RoutingError),
+}
+
+const WAITING: u8 = 0;
+const PREFILL: u8 = 1;
+const DECODE: u8 = 2;
+const DONE: u8 = 3;
+
+/// A request's state (the fields of Python's `Request` the engine uses).
+#[derive(Debug)]
+struct Req {
+    id: u64,
+    arrival: f64,
+    prompt_len: u64,
+    output_len: u64,
+    hashes: (usize, usize),
+    tenant: i64,
+    priority: i64,
+    session: Option<usize>,
+    session_name: Option<String>,
+    turn: usize,
+    phase: u8,
+    target: u64,
+    computed: u64,
+    generated: u64,
+    high_water: u64,
+    join_step: u64,
+    join_gen: u64,
+    kv_started: bool,
+    version: u64,
+    dispatched: f64,
+    first_token: f64,
+    finish: f64,
+    cached_tokens: i64,
+    prefilled: u64,
+    recomputed: u64,
+    preemptions: u64,
+    rejected: bool,
+    ticket: Option<Ticket>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    StreamArrival,
+    Arrival,
+    Step,
+    KvFeed,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Event {
+    time: f64,
+    seq: u64,
+    kind: Kind,
+    obj: usize,
+    version: u64,
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Event {}
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Event {
+    /// Reversed: `BinaryHeap` pops the earliest (time, seq) first.
+    fn cmp(&self, other: &Self) -> Ordering {
+        other.time.total_cmp(&self.time).then(other.seq.cmp(&self.seq))
+    }
+}
+
+/// A scheduled finish: (decode step, request id, version, request slot), min-heap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Finish(u64, u64, u64, usize);
+impl PartialOrd for Finish {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Finish {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (other.0, other.1, other.2).cmp(&(self.0, self.1, self.2))
+    }
+}
+
+/// Engine counters of one replica (summed into the result).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub prefill_tokens: u64,
+    pub recomputed_tokens: u64,
+    pub hit_tokens: u64,
+    pub query_tokens: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+}
+
+struct Replica {
+    id: usize,
+    kv: KvCore,
+    waiting: VecDeque<usize>,
+    running: Vec<usize>,
+    prefilling: Vec<usize>,
+    decode_n: u64,
+    decode_ctx: u64,
+    decode_step: u64,
+    finishes: BinaryHeap<Finish>,
+    version: u64,
+    busy: bool,
+    stepping: bool,
+    step_start: f64,
+    chunks: Vec<(usize, u64)>,
+    run: Option<DecodeRun>,
+    run_steps: u64,
+    counters: Counters,
+}
+
+/// One finished (or refused) request, in the order requests left the simulation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DoneRecord {
+    pub id: u64,
+    pub arrival: f64,
+    pub dispatched: f64,
+    pub first_token: f64,
+    pub finish: f64,
+    pub prompt_len: u64,
+    pub output_len: u64,
+    pub generated: u64,
+    pub cached_tokens: i64,
+    pub prefilled: u64,
+    pub recomputed: u64,
+    pub preemptions: u64,
+    pub tenant: i64,
+    pub priority: i64,
+    pub session: Option<usize>,
+    pub turn: usize,
+    pub rejected: bool,
+}
+
+/// A replica's state when the simulation ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaEnd {
+    pub counters: Counters,
+    pub kv_requests: usize,
+    pub kv_usage: f64,
+    pub running: usize,
+    pub waiting: usize,
+    pub decode_n: u64,
+    pub decode_ctx: u64,
+}
+
+/// What a simulation produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimOutput {
+    pub done: Vec<DoneRecord>,
+    pub replicas: Vec<ReplicaEnd>,
+    /// Per replica: (time, KV use) samples.
+    pub kv_trace: Vec<Vec<(f64, f64)>>,
+    /// Time inside the routing core (decisions, commits, first-token and finish accounting).
+    pub decision: Duration,
+    /// Time feeding metrics to the pool and KV events to the index.
+    pub feed: Duration,
+    pub feed_skipped: u64,
+    pub now: f64,
+}
+
+/// The parts of the simulation a replica calls back into.
+struct World<'p> {
+    cfg: SimConfig,
+    model: StepModel,
+    plan: &'p Plan,
+    /// `plan.hashes` numbered: the KV caches' content ids.
+    contents: Arc<Contents>,
+    bs: u64,
+    now: f64,
+    heap: BinaryHeap<Event>,
+    seq: u64,
+    reqs: Vec<Req>,
+    next_id: u64,
+    stream_next: usize,
+    sessions_started: usize,
+    session_turn: Vec<usize>,
+    done: Vec<usize>,
+    pending_metrics: Vec<VecDeque<(f64, u32, u32, f64)>>,
+    kv_trace: Vec<Vec<(f64, f64)>>,
+    next_kv_sample: Vec<f64>,
+    feeds: Vec<Option<(usize, Vec<IdEvent>)>>,
+    decision: Duration,
+    feed: Duration,
+    feed_skipped: u64,
+    pool: Arc<EndpointPool>,
+    index: Arc<PrefixIndex>,
+    router: Router,
+    keys: Vec<WorkerKey>,
+}
+
+/// Runs one scenario under one routing configuration.
+pub fn simulate(
+    cfg: SimConfig,
+    model: StepModel,
+    router_config: RouterConfig,
+    plan: &Plan,
+) -> Result<SimOutput, SimError> {
+    Simulation::new(cfg, model, router_config, plan)?.run()
+}
+
+struct Simulation<'p> {
+    world: World<'p>,
+    replicas: Vec<Replica>,
+}
+
+impl<'p> Simulation<'p> {
+    fn new(
+        cfg: SimConfig,
+        model: StepModel,
+        router_config: RouterConfig,
+        plan: &'p Plan,
+    ) -> Result<Self, SimError> {
+        plan.validate()?;
+        if cfg.replicas == 0 || cfg.block_size == 0 || cfg.max_num_seqs == 0 {
+            return Err(SimError::Config(
+                "replicas, block_size and max_num_seqs must be >= 1".into(),
+            ));
+        }
+        if !(cfg.kv_sample > 0.0 && cfg.metrics_delay >= 0.0 && cfg.kv_events_delay >= 0.0) {
+            return Err(SimError::Config("kv_sample must be > 0 and delays >= 0".into()));
+        }
+        let index = Arc::new(PrefixIndex::new(IndexConfig {
+            block_size: cfg.block_size as usize,
+            seed: cfg.seed,
+            ..IndexConfig::default()
+        })?);
+        let pool = Arc::new(EndpointPool::new(StalePolicy {
+            mode: StaleMode::Ignore,
+            ..StalePolicy::default()
+        })?);
+        let keys: Vec<WorkerKey> = (0..cfg.replicas).map(|i| WorkerKey::Int(i as i64)).collect();
+        for key in &keys {
+            pool.upsert(Endpoint::new(key.clone()));
+        }
+        let options = RouterOptions { seed: cfg.seed, ..RouterOptions::default() };
+        let router = Router::new(pool.clone(), index.clone(), router_config, options)?;
+        let contents =
+            plan.contents.clone().unwrap_or_else(|| Arc::new(Contents::number(&plan.hashes)));
+        let mut replicas = Vec::with_capacity(cfg.replicas);
+        for id in 0..cfg.replicas {
+            replicas.push(Replica {
+                id,
+                kv: KvCore::new(cfg.kv_blocks, cfg.block_size, contents.unique().len())?,
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+                prefilling: Vec::new(),
+                decode_n: 0,
+                decode_ctx: 0,
+                decode_step: 0,
+                finishes: BinaryHeap::new(),
+                version: 0,
+                busy: false,
+                stepping: false,
+                step_start: 0.0,
+                chunks: Vec::new(),
+                run: None,
+                run_steps: 0,
+                counters: Counters::default(),
+            });
+        }
+        let n = cfg.replicas;
+        let world = World {
+            bs: u64::from(cfg.block_size),
+            cfg,
+            model,
+            plan,
+            contents,
+            now: 0.0,
+            heap: BinaryHeap::new(),
+            seq: 0,
+            reqs: Vec::with_capacity(plan.expected_requests()),
+            next_id: 0,
+            stream_next: 0,
+            sessions_started: 0,
+            session_turn: vec![0; plan.sessions.len()],
+            done: Vec::with_capacity(plan.expected_requests()),
+            pending_metrics: vec![VecDeque::new(); n],
+            kv_trace: vec![Vec::new(); n],
+            next_kv_sample: vec![0.0; n],
+            feeds: Vec::new(),
+            decision: Duration::ZERO,
+            feed: Duration::ZERO,
+            feed_skipped: 0,
+            pool,
+            index,
+            router,
+            keys,
+        };
+        Ok(Simulation { world, replicas })
+    }
+
+    fn run(mut self) -> Result<SimOutput, SimError> {
+        self.world.next_arrival();
+        let limit = self.world.cfg.max_time;
+        while let Some(ev) = self.world.heap.pop() {
+            if limit.is_some_and(|l| ev.time > l) {
+                break;
+            }
+            self.world.now = ev.time;
+            match ev.kind {
+                Kind::Step => {
+                    let replica = &mut self.replicas[ev.obj];
+                    if ev.version == replica.version {
+                        replica.on_step_end(ev.time, &mut self.world)?;
+                    }
+                }
+                Kind::StreamArrival => {
+                    self.world.next_arrival();
+                    self.dispatch(ev.obj, ev.time)?;
+                }
+                Kind::Arrival => self.dispatch(ev.obj, ev.time)?,
+                Kind::KvFeed => {
+                    if let Some((rid, events)) = self.world.feeds[ev.obj].take() {
+                        self.world.apply_kv_events(rid, events)?;
+                    }
+                }
+            }
+        }
+        Ok(self.output())
+    }
+
+    fn dispatch(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        let w = &mut self.world;
+        if w.cfg.metrics_delay > 0.0 {
+            w.deliver_metrics(now)?;
+        }
+        let target = w.pick(r, now)?;
+        w.reqs[r].dispatched = now;
+        self.replicas[target].enqueue(r, now, &mut self.world)
+    }
+
+    fn output(self) -> SimOutput {
+        let w = self.world;
+        let done = w
+            .done
+            .iter()
+            .map(|&r| {
+                let q = &w.reqs[r];
+                DoneRecord {
+                    id: q.id,
+                    arrival: q.arrival,
+                    dispatched: q.dispatched,
+                    first_token: q.first_token,
+                    finish: q.finish,
+                    prompt_len: q.prompt_len,
+                    output_len: q.output_len,
+                    generated: q.generated,
+                    cached_tokens: q.cached_tokens,
+                    prefilled: q.prefilled,
+                    recomputed: q.recomputed,
+                    preemptions: q.preemptions,
+                    tenant: q.tenant,
+                    priority: q.priority,
+                    session: q.session,
+                    turn: q.turn,
+                    rejected: q.rejected,
+                }
+            })
+            .collect();
+        let replicas = self
+            .replicas
+            .iter()
+            .map(|rep| ReplicaEnd {
+                counters: rep.counters,
+                kv_requests: rep.kv.requests(),
+                kv_usage: rep.kv.usage(),
+                running: rep.running.len(),
+                waiting: rep.waiting.len(),
+                decode_n: rep.decode_n,
+                decode_ctx: rep.decode_ctx,
+            })
+            .collect();
+        SimOutput {
+            done,
+            replicas,
+            kv_trace: w.kv_trace,
+            decision: w.decision,
+            feed: w.feed,
+            feed_skipped: w.feed_skipped,
+            now: w.now,
+        }
+    }
+}
+
+// ---- the world: arrivals, routing, metrics, KV events, finishes ------------------------------
+
+impl World<'_> {
+    fn push(&mut self, time: f64, kind: Kind, obj: usize, version: u64) {
+        self.seq += 1;
+        self.heap.push(Event { time, seq: self.seq, kind, obj, version });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn new_request(
+        &mut self,
+        arrival: f64,
+        prompt_len: u64,
+        output_len: u64,
+        hashes: (usize, usize),
+        tenant: i64,
+        priority: i64,
+        session: Option<usize>,
+        session_name: Option<String>,
+        turn: usize,
+    ) -> usize {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.reqs.push(Req {
+            id,
+            arrival,
+            prompt_len,
+            output_len: output_len.max(1),
+            hashes,
+            tenant,
+            priority,
+            session,
+            session_name,
+            turn,
+            phase: WAITING,
+            target: prompt_len,
+            computed: 0,
+            generated: 0,
+            high_water: 0,
+            join_step: 0,
+            join_gen: 0,
+            kv_started: false,
+            version: 0,
+            dispatched: -1.0,
+            first_token: -1.0,
+            finish: -1.0,
+            cached_tokens: -1,
+            prefilled: 0,
+            recomputed: 0,
+            preemptions: 0,
+            rejected: false,
+            ticket: None,
+        });
+        self.reqs.len() - 1
+    }
+
+    /// Turn `turn` of session `sid`, arriving at `arrival`.
+    fn session_turn_request(&mut self, sid: usize, turn: usize, arrival: f64) -> usize {
+        let plan = self.plan;
+        let s = &plan.sessions[sid];
+        let t = s.turns[turn];
+        self.session_turn[sid] = turn;
+        let hashes = (s.hashes.start, s.hashes.start + t.blocks);
+        let name = Some(sid.to_string());
+        self.new_request(
+            arrival,
+            t.prompt_len,
+            t.output_len,
+            hashes,
+            s.tenant,
+            0,
+            Some(sid),
+            name,
+            turn,
+        )
+    }
+
+    /// Pulls the next request of the arrival stream (Python's `_next_arrival`).
+    fn next_arrival(&mut self) {
+        let plan = self.plan;
+        let r = if let Some(o) = plan.open.get(self.stream_next) {
+            let hashes = (o.hashes.start, o.hashes.end);
+            self.new_request(
+                o.arrival,
+                o.prompt_len,
+                o.output_len,
+                hashes,
+                o.tenant,
+                o.priority,
+                None,
+                o.session.clone(),
+                0,
+            )
+        } else if plan.open.is_empty()
+            && self.stream_next < plan.starts.len()
+            && self.sessions_started < plan.sessions.len()
+        {
+            let sid = self.sessions_started;
+            self.sessions_started += 1;
+            self.session_turn_request(sid, 0, plan.starts[self.stream_next])
+        } else {
+            return;
+        };
+        self.stream_next += 1;
+        let arrival = self.reqs[r].arrival;
+        self.push(arrival, Kind::StreamArrival, r, 0);
+    }
+
+    /// The follow-up a finished request causes (the next turn, or a new session).
+    fn on_finish(&mut self, r: usize, now: f64) {
+        let Some(sid) = self.reqs[r].session else { return };
+        let plan = self.plan;
+        let s = &plan.sessions[sid];
+        let turn = self.session_turn[sid];
+        let think = s.turns[turn].think;
+        let follow = if turn + 1 < s.turns.len() {
+            self.session_turn_request(sid, turn + 1, now + think)
+        } else if plan.closed && self.sessions_started < plan.sessions.len() {
+            let next = self.sessions_started;
+            self.sessions_started += 1;
+            self.session_turn_request(next, 0, now + think)
+        } else {
+            return;
+        };
+        let arrival = self.reqs[follow].arrival;
+        self.push(arrival, Kind::Arrival, follow, 0);
+    }
+
+    /// Routes request `r` and starts the decision's in-flight accounting; returns the replica.
+    fn pick(&mut self, r: usize, now: f64) -> Result<usize, SimError> {
+        let q = &self.reqs[r];
+        let whole = (q.prompt_len / self.bs) as usize;
+        let hashes =
+            self.plan.hashes[q.hashes.0..q.hashes.0 + whole.min(q.hashes.1 - q.hashes.0)].to_vec();
+        let meta = RequestMeta {
+            model: None,
+            lora: None,
+            priority: q.priority as i32,
+            session_id: q.session_name.clone(),
+            headers: Vec::new(),
+            cache_salt: None,
+        };
+        let prompt_len = q.prompt_len;
+        let start = Instant::now();
+        let decision = self.router.decide_hashes(hashes, prompt_len, &meta, now)?;
+        let ticket = self.router.commit(&decision, None, now)?;
+        self.decision += start.elapsed();
+        let key = &decision.endpoint(decision.chosen()).id;
+        let target = match key {
+            WorkerKey::Int(i) if (*i as usize) < self.keys.len() && *i >= 0 => *i as usize,
+            other => return Err(SimError::Routing(RoutingError::UnknownEndpoint(other.clone()))),
+        };
+        self.reqs[r].ticket = Some(ticket);
+        Ok(target)
+    }
+
+    fn first_token(&mut self, r: usize, now: f64) {
+        self.reqs[r].first_token = now;
+        let start = Instant::now();
+        if let Some(t) = self.reqs[r].ticket.as_mut() {
+            t.first_token();
+        }
+        self.decision += start.elapsed();
+    }
+
+    fn finished(&mut self, r: usize, now: f64) {
+        let q = &mut self.reqs[r];
+        q.finish = now;
+        q.phase = DONE;
+        self.done.push(r);
+        if q.rejected {
+            if let Some(t) = q.ticket.as_mut() {
+                t.finish();
+            }
+        } else {
+            let start = Instant::now();
+            if let Some(t) = q.ticket.as_mut() {
+                t.finish();
+            }
+            self.decision += start.elapsed();
+        }
+        self.on_finish(r, now);
+    }
+
+    /// The replica's metrics changed; the gateway sees them `metrics_delay` later.
+    fn publish(
+        &mut self,
+        rid: usize,
+        waiting: u32,
+        running: u32,
+        usage: f64,
+        now: f64,
+    ) -> Result<(), SimError> {
+        if now >= self.next_kv_sample[rid] {
+            self.kv_trace[rid].push((now, usage));
+            self.next_kv_sample[rid] = now + self.cfg.kv_sample;
+        }
+        if self.cfg.metrics_delay > 0.0 {
+            self.pending_metrics[rid].push_back((now, waiting, running, usage));
+            Ok(())
+        } else {
+            self.metrics_seen(rid, waiting, running, usage, now)
+        }
+    }
+
+    fn metrics_seen(
+        &mut self,
+        rid: usize,
+        waiting: u32,
+        running: u32,
+        usage: f64,
+        now: f64,
+    ) -> Result<(), SimError> {
+        let start = Instant::now();
+        let update = MetricsUpdate {
+            waiting: Some(waiting),
+            running: Some(running),
+            kv_cache_usage: Some(usage.min(1.0)),
+            max_concurrency: None,
+        };
+        self.pool.update_metrics(&self.keys[rid], update, now)?;
+        self.feed += start.elapsed();
+        Ok(())
+    }
+
+    fn deliver_metrics(&mut self, now: f64) -> Result<(), SimError> {
+        let horizon = now - self.cfg.metrics_delay;
+        for rid in 0..self.pending_metrics.len() {
+            let mut last = None;
+            while let Some(&front) = self.pending_metrics[rid].front() {
+                if front.0 > horizon {
+                    break;
+                }
+                last = self.pending_metrics[rid].pop_front();
+            }
+            if let Some((t, w, r, u)) = last {
+                self.metrics_seen(rid, w, r, u, t)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_events(&mut self, rid: usize, events: Vec<IdEvent>, now: f64) -> Result<(), SimError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        if self.cfg.kv_events_delay > 0.0 {
+            self.feeds.push(Some((rid, events)));
+            let slot = self.feeds.len() - 1;
+            self.push(now + self.cfg.kv_events_delay, Kind::KvFeed, slot, 0);
+            Ok(())
+        } else {
+            self.apply_kv_events(rid, events)
+        }
+    }
+
+    fn apply_kv_events(&mut self, rid: usize, events: Vec<IdEvent>) -> Result<(), SimError> {
+        let start = Instant::now();
+        let key = &self.keys[rid];
+        let unique = self.contents.unique();
+        let mut hashes: Vec<u64> = Vec::new();
+        for event in events {
+            hashes.clear();
+            let applied = match event {
+                IdEvent::Stored { parent, ids } => {
+                    hashes.extend(ids.iter().map(|&id| unique[id as usize]));
+                    let parent = parent.map(|id| unique[id as usize]);
+                    self.index.store(key, &hashes, parent, Tier::Gpu).map(|_| ())
+                }
+                IdEvent::Removed { ids } => {
+                    hashes.extend(ids.iter().map(|&id| unique[id as usize]));
+                    self.index.remove(key, &hashes, None).map(|_| ())
+                }
+            };
+            match applied {
+                Ok(()) => {}
+                // Only when a delayed batch lands after its parent was dropped; counted.
+                Err(
+                    IndexError::UnknownParent(_)
+                    | IndexError::ParentNotHeld { .. }
+                    | IndexError::NotHeld { .. },
+                ) => self.feed_skipped += 1,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.feed += start.elapsed();
+        Ok(())
+    }
+}
+
+// ---- one replica ---------------------------------------------------------------------------
+
+impl Replica {
+    /// Request `r`'s content ids (its block hashes, numbered).
+    fn hashes<'a>(&self, w: &'a World<'_>, r: usize) -> &'a [u32] {
+        let (a, b) = w.reqs[r].hashes;
+        &w.contents.ids()[a..b]
+    }
+
+    fn publish(&self, w: &mut World<'_>, now: f64) -> Result<(), SimError> {
+        w.publish(
+            self.id,
+            self.waiting.len() as u32,
+            self.running.len() as u32,
+            self.kv.usage(),
+            now,
+        )
+    }
+
+    fn enqueue(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
+        w.reqs[r].phase = WAITING;
+        self.wait(r, false, w);
+        if self.stepping {
+            return Ok(());
+        }
+        if !self.busy {
+            self.schedule(now, w)?;
+        } else if self.run_steps > 1 {
+            self.cut_run(now, w);
+        }
+        self.publish(w, now)
+    }
+
+    fn wait(&mut self, r: usize, front: bool, w: &World<'_>) {
+        if w.cfg.priority_scheduling {
+            let key = priority_key(&w.reqs[r]);
+            let at = self.waiting.partition_point(|&x| priority_key(&w.reqs[x]) <= key);
+            self.waiting.insert(at, r);
+        } else if front {
+            self.waiting.push_front(r);
+        } else {
+            self.waiting.push_back(r);
+        }
+    }
+
+    fn cut_run(&mut self, now: f64, w: &mut World<'_>) {
+        let run = self.run.expect("a decode run is in flight");
+        let done = run.steps_within(now - self.step_start, self.run_steps);
+        let keep = (done + 1).min(self.run_steps);
+        if keep < self.run_steps {
+            self.run_steps = keep;
+            let end = self.step_start + run.time(keep);
+            self.version += 1;
+            w.push(end, Kind::Step, self.id, self.version);
+        }
+    }
+
+    fn on_step_end(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
+        self.busy = false;
+        self.stepping = true;
+        if self.run_steps > 0 {
+            let k = self.run_steps;
+            let grown = self.kv.advance_decoding(k);
+            debug_assert!(grown, "decode run was sized to fit the cache");
+            self.decode_step += k;
+            self.decode_ctx += self.decode_n * k;
+            self.counters.steps += k;
+        } else {
+            self.counters.steps += 1;
+            if self.decode_n > 0 {
+                self.decode_step += 1;
+                self.decode_ctx += self.decode_n;
+            }
+            let chunks = std::mem::take(&mut self.chunks);
+            for &(r, chunk) in &chunks {
+                self.prefilled(r, chunk, now, w)?;
+            }
+        }
+        self.chunks.clear();
+        self.finish_due(now, w)?;
+        self.stepping = false;
+        self.schedule(now, w)?;
+        let events = self.kv.take_events();
+        w.kv_events(self.id, events, now)?;
+        self.publish(w, now)
+    }
+
+    fn prefilled(
+        &mut self,
+        r: usize,
+        chunk: u64,
+        now: f64,
+        w: &mut World<'_>,
+    ) -> Result<(), SimError> {
+        let q = &mut w.reqs[r];
+        q.computed += chunk;
+        let (id, computed, target) = (q.id, q.computed, q.target);
+        let upto = (computed / w.bs) as usize;
+        self.kv.commit(id, self.hashes(w, r), upto)?;
+        if computed < target {
+            return Ok(());
+        }
+        remove_item(&mut self.prefilling, r);
+        w.reqs[r].generated += 1;
+        if w.reqs[r].first_token < 0.0 {
+            w.first_token(r, now);
+        }
+        let q = &mut w.reqs[r];
+        if q.generated >= q.output_len {
+            return self.finish(r, now, w);
+        }
+        q.phase = DECODE;
+        q.join_step = self.decode_step;
+        q.join_gen = q.generated;
+        self.kv.set_decoding(q.id, true)?;
+        self.decode_n += 1;
+        self.decode_ctx += q.computed;
+        let stop = q.output_len;
+        self.finishes.push(Finish(self.decode_step + stop - q.generated, q.id, q.version, r));
+        Ok(())
+    }
+
+    fn finish_due(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
+        while let Some(&Finish(step, _, version, r)) = self.finishes.peek() {
+            if step > self.decode_step {
+                break;
+            }
+            self.finishes.pop();
+            if version != w.reqs[r].version || w.reqs[r].phase != DECODE {
+                continue;
+            }
+            self.leave_decode(r, w)?;
+            self.finish(r, now, w)?;
+        }
+        Ok(())
+    }
+
+    fn leave_decode(&mut self, r: usize, w: &mut World<'_>) -> Result<(), SimError> {
+        let q = &mut w.reqs[r];
+        let tokens = self.kv.tokens_of(q.id)?;
+        q.generated = q.join_gen + self.decode_step - q.join_step;
+        q.computed = tokens;
+        self.decode_n -= 1;
+        self.decode_ctx -= tokens;
+        self.kv.set_decoding(q.id, false)?;
+        Ok(())
+    }
+
+    fn finish(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
+        let (id, upto) = (w.reqs[r].id, (w.reqs[r].computed / w.bs) as usize);
+        self.kv.commit(id, self.hashes(w, r), upto)?;
+        self.kv.free(id)?;
+        let q = &mut w.reqs[r];
+        q.kv_started = false;
+        q.phase = DONE;
+        q.version += 1;
+        remove_item(&mut self.running, r);
+        w.finished(r, now);
+        Ok(())
+    }
+
+    fn preempt(&mut self, victim: usize, w: &mut World<'_>) -> Result<(), SimError> {
+        if w.reqs[victim].phase == DECODE {
+            self.leave_decode(victim, w)?;
+        } else {
+            remove_item(&mut self.prefilling, victim);
+            if let Some(i) = self.chunks.iter().position(|&(r, _)| r == victim) {
+                self.chunks.remove(i);
+            }
+        }
+        let (id, upto) = (w.reqs[victim].id, (w.reqs[victim].computed / w.bs) as usize);
+        self.kv.commit(id, self.hashes(w, victim), upto)?;
+        self.kv.free(id)?;
+        remove_item(&mut self.running, victim);
+        let q = &mut w.reqs[victim];
+        q.kv_started = false;
+        q.high_water = q.high_water.max(q.computed);
+        q.computed = 0;
+        q.target = q.prompt_len + q.generated;
+        q.phase = WAITING;
+        q.version += 1;
+        q.preemptions += 1;
+        self.counters.preemptions += 1;
+        self.wait(victim, true, w);
+        Ok(())
+    }
+
+    fn victim(&self, spare: Option<usize>, w: &World<'_>) -> Option<usize> {
+        let mut candidates = self.running.iter().copied().filter(|&r| Some(r) != spare);
+        if w.cfg.priority_scheduling {
+            candidates.max_by(|&a, &b| {
+                priority_key(&w.reqs[a])
+                    .partial_cmp(&priority_key(&w.reqs[b]))
+                    .unwrap_or(Ordering::Equal)
+            })
+        } else {
+            candidates.next_back()
+        }
+    }
+
+    fn schedule(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
+        let mut budget = w.cfg.max_num_batched_tokens as i64 - self.decode_n as i64;
+        let mut preempted = false;
+        let snapshot = self.prefilling.clone();
+        for r in snapshot {
+            if budget <= 0 {
+                break;
+            }
+            if w.reqs[r].phase != PREFILL {
+                continue;
+            }
+            let (id, computed, target) = (w.reqs[r].id, w.reqs[r].computed, w.reqs[r].target);
+            let chunk = (target - computed).min(budget as u64);
+            let mut fits = true;
+            while !self.kv.allocate(id, computed + chunk)? {
+                match self.victim(Some(r), w) {
+                    None => {
+                        fits = false;
+                        break;
+                    }
+                    Some(v) => {
+                        self.preempt(v, w)?;
+                        preempted = true;
+                    }
+                }
+            }
+            if fits {
+                self.chunks.push((r, chunk));
+                budget -= chunk as i64;
+            }
+        }
+        if !preempted {
+            self.admit(budget, w)?;
+        }
+        if !self.chunks.is_empty() && self.decode_n > 0 {
+            while !self.kv.advance_decoding(1) {
+                let Some(v) = self.victim(None, w) else {
+                    return Err(SimError::Config("no request to preempt for decode slots".into()));
+                };
+                self.preempt(v, w)?;
+            }
+            self.start_single(now, w);
+        } else if !self.chunks.is_empty() {
+            self.start_single(now, w);
+        } else if self.decode_n > 0 {
+            self.start_run(now, w)?;
+        } else if !self.waiting.is_empty() && self.running.is_empty() {
+            if !preempted {
+                // Nothing runs and the head still does not fit: it never will.
+                let head = self.waiting.pop_front().expect("not empty");
+                self.reject(head, now, w)?;
+            }
+            self.schedule(now, w)?;
+        }
+        Ok(())
+    }
+
+    fn admit(&mut self, mut budget: i64, w: &mut World<'_>) -> Result<(), SimError> {
+        let bs = w.bs;
+        let mut seats = w.cfg.max_num_seqs as i64 - self.running.len() as i64;
+        while budget > 0 && seats > 0 {
+            let Some(&r) = self.waiting.front() else { break };
+            if !w.reqs[r].kv_started {
+                let max_blocks = ((w.reqs[r].target - 1) / bs) as usize;
+                let hit = self.kv.start(w.reqs[r].id, self.hashes(w, r), max_blocks)? as u64;
+                let q = &mut w.reqs[r];
+                q.kv_started = true;
+                q.computed = hit * bs;
+                self.counters.hit_tokens += hit * bs;
+                self.counters.query_tokens += q.target;
+                if q.cached_tokens < 0 {
+                    q.cached_tokens = (hit * bs) as i64;
+                }
+            }
+            let q = &mut w.reqs[r];
+            let chunk = (q.target - q.computed).min(budget as u64);
+            if !self.kv.allocate(q.id, q.computed + chunk)? {
+                self.kv.free(q.id)?;
+                q.kv_started = false;
+                break;
+            }
+            self.waiting.pop_front();
+            q.phase = PREFILL;
+            self.running.push(r);
+            self.prefilling.push(r);
+            self.chunks.push((r, chunk));
+            budget -= chunk as i64;
+            seats -= 1;
+        }
+        Ok(())
+    }
+
+    fn start_single(&mut self, now: f64, w: &mut World<'_>) {
+        let mut work = StepWork {
+            decode_tokens: self.decode_n,
+            decode_ctx: self.decode_ctx,
+            ..StepWork::default()
+        };
+        for &(r, chunk) in &self.chunks {
+            let q = &mut w.reqs[r];
+            let done = q.computed;
+            work.prefill_tokens += chunk;
+            work.prefill_sq += chunk * chunk;
+            work.prefill_ctx += chunk * done;
+            work.prefill_read += done;
+            if done < q.high_water {
+                let recomputed = (done + chunk).min(q.high_water) - done;
+                self.counters.recomputed_tokens += recomputed;
+                q.recomputed += recomputed;
+            }
+            q.prefilled += chunk;
+        }
+        self.counters.prefill_tokens += work.prefill_tokens;
+        let dt = w.model.step_time(&work);
+        self.run = None;
+        self.run_steps = 0;
+        self.start(now, dt, w);
+    }
+
+    fn start_run(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
+        let limit = match self.finishes.peek() {
+            Some(f) => f.0 as i64 - self.decode_step as i64,
+            None => 1,
+        }
+        .max(1) as u64;
+        let mut fit = self.kv.decode_capacity(limit);
+        while fit == 0 {
+            let Some(v) = self.victim(None, w) else {
+                return Err(SimError::Config("no request to preempt for a decode run".into()));
+            };
+            self.preempt(v, w)?;
+            if self.decode_n == 0 {
+                return self.schedule(now, w);
+            }
+            fit = self.kv.decode_capacity(limit);
+        }
+        let run = w.model.decode_run(self.decode_n, self.decode_ctx);
+        self.run = Some(run);
+        self.run_steps = fit;
+        self.start(now, run.time(fit), w);
+        Ok(())
+    }
+
+    fn start(&mut self, now: f64, dt: f64, w: &mut World<'_>) {
+        self.busy = true;
+        self.step_start = now;
+        self.version += 1;
+        w.push(now + dt, Kind::Step, self.id, self.version);
+    }
+
+    /// A request that cannot fit in an empty cache: vLLM refuses it.
+    fn reject(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
+        if w.reqs[r].kv_started {
+            self.kv.free(w.reqs[r].id)?;
+            w.reqs[r].kv_started = false;
+        }
+        w.reqs[r].rejected = true;
+        w.reqs[r].phase = DONE;
+        w.finished(r, now);
+        Ok(())
+    }
+}
+
+/// Python's `(-priority, arrival, id)`: the waiting order under priority scheduling.
+fn priority_key(q: &Req) -> (i64, f64, u64) {
+    (-q.priority, q.arrival, q.id)
+}
+
+fn remove_item(list: &mut Vec<usize>, item: usize) {
+    if let Some(i) = list.iter().position(|&x| x == item) {
+        list.remove(i);
+    }
+}

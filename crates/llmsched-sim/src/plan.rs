@@ -1,0 +1,159 @@
+//! A workload, materialised: every request's lengths and block hashes, generated once (by the
+//! Python workload classes, `Workload.plan()`) and replayed by the engine.
+//!
+//! Only *when* a closed-loop session's next turn arrives depends on the simulation (its previous
+//! turn's finish plus a think time); what it contains depends only on the seed and the session's
+//! number, so a plan holds sessions as scripts and the engine starts turns as turns finish.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::kv_cache::ByContent;
+
+/// A request whose arrival time is fixed in advance (open loop).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpenRequest {
+    pub arrival: f64,
+    pub prompt_len: u64,
+    pub output_len: u64,
+    pub tenant: i64,
+    pub priority: i64,
+    pub session: Option<String>,
+    /// Into [`Plan::hashes`]: the chained hashes of the full blocks of prompt plus output.
+    pub hashes: Range<usize>,
+}
+
+/// One turn of a session script.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Turn {
+    pub prompt_len: u64,
+    pub output_len: u64,
+    /// Leading hashes of the session's chain this turn covers.
+    pub blocks: usize,
+    /// Think time after this turn finishes (before the next turn, or before a new session).
+    pub think: f64,
+}
+
+/// A multi-turn session: each turn's prompt is the previous prompt, output and a new message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Session {
+    pub tenant: i64,
+    pub hashes: Range<usize>,
+    pub turns: Vec<Turn>,
+}
+
+/// A whole workload.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Plan {
+    pub hashes: Vec<u64>,
+    /// Open-loop requests in arrival order (empty for a session workload).
+    pub open: Vec<OpenRequest>,
+    /// Session scripts by session number.
+    pub sessions: Vec<Session>,
+    /// Start times of the sessions started by the arrival stream (the first `starts.len()`).
+    pub starts: Vec<f64>,
+    /// Closed loop: a finished session starts the next one after its last think time.
+    pub closed: bool,
+    /// `hashes` numbered once for every run of the plan (None: each run numbers them).
+    pub contents: Option<Arc<Contents>>,
+}
+
+/// Dense content ids for a hash array: equal hashes get equal ids, numbered by first
+/// appearance, so the KV caches index arrays by id instead of hashing 64-bit hashes.
+/// Built only by [`Contents::number`], so ids and hashes always agree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Contents {
+    ids: Vec<u32>,
+    unique: Vec<u64>,
+}
+
+impl Contents {
+    /// Numbers `hashes` (one hash-map pass).
+    pub fn number(hashes: &[u64]) -> Self {
+        let mut number: ByContent<u32> = ByContent::default();
+        number.reserve(hashes.len());
+        let mut unique = Vec::new();
+        let ids = hashes
+            .iter()
+            .map(|&h| {
+                *number.entry(h).or_insert_with(|| {
+                    unique.push(h);
+                    (unique.len() - 1) as u32
+                })
+            })
+            .collect();
+        Contents { ids, unique }
+    }
+
+    /// The id of each position of the numbered hash array.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Each id's hash.
+    pub fn unique(&self) -> &[u64] {
+        &self.unique
+    }
+
+    /// Whether these are the ids of `hashes` (one pass, no hashing).
+    pub fn numbers(&self, hashes: &[u64]) -> bool {
+        self.ids.len() == hashes.len()
+            && self.ids.iter().zip(hashes).all(|(&id, &h)| self.unique.get(id as usize) == Some(&h))
+    }
+}
+
+/// Why a plan is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid workload plan: {0}")]
+pub struct PlanError(pub String);
+
+impl Plan {
+    /// Checks every range and count, so the engine may index without further checks.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let n = self.hashes.len();
+        let bad = |what: String| Err(PlanError(what));
+        if !self.open.is_empty() && !self.sessions.is_empty() {
+            return bad("a plan has open requests or sessions, not both".into());
+        }
+        if self.starts.len() > self.sessions.len() {
+            return bad("more session starts than sessions".into());
+        }
+        for (i, r) in self.open.iter().enumerate() {
+            if r.hashes.start > r.hashes.end || r.hashes.end > n {
+                return bad(format!("request {i}: hash range out of bounds"));
+            }
+            if r.prompt_len == 0 || !r.arrival.is_finite() {
+                return bad(format!("request {i}: empty prompt or arrival not finite"));
+            }
+        }
+        for (i, s) in self.sessions.iter().enumerate() {
+            if s.hashes.start > s.hashes.end || s.hashes.end > n {
+                return bad(format!("session {i}: hash range out of bounds"));
+            }
+            if s.turns.is_empty() {
+                return bad(format!("session {i}: no turns"));
+            }
+            for t in &s.turns {
+                if t.blocks > s.hashes.len()
+                    || t.prompt_len == 0
+                    || t.think.is_nan()
+                    || t.think < 0.0
+                {
+                    return bad(format!("session {i}: a turn is malformed"));
+                }
+            }
+        }
+        if self.starts.iter().any(|t| !t.is_finite()) {
+            return bad("session start not finite".into());
+        }
+        if self.contents.as_ref().is_some_and(|c| !c.numbers(&self.hashes)) {
+            return bad("content ids were numbered from other hashes".into());
+        }
+        Ok(())
+    }
+
+    /// Requests the plan makes in all.
+    pub fn expected_requests(&self) -> usize {
+        self.open.len() + self.sessions.iter().map(|s| s.turns.len()).sum::<usize>()
+    }
+}
