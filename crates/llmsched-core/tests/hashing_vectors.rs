@@ -1,4 +1,4 @@
-//! vLLM `sha256_cbor` test vectors (shared `vectors/vllm_block_hashes.json`) and proptest
+//! vLLM `sha256_cbor` test vectors (`tests/data/vllm_block_hashes.json`) and proptest
 //! checks of the hashing definitions against naive restatements.
 
 use std::path::PathBuf;
@@ -12,14 +12,9 @@ use llmsched_core::hashing::text::{pack_text, text_chain_hashes};
 use llmsched_core::hashing::vllm::{encode_block_input, none_hash, VllmBlockHasher};
 use llmsched_core::hashing::{chain_hashes, ChainHashes, HashError, TokenSlice};
 
-/// The shared vectors folder: `shared/vectors` beside the checkout or beside any folder above
-/// it (worktrees sit deeper than the main checkout).
+/// A test vector of the repository's `tests/data/` (the README there says where each came from).
 fn vectors_file(name: &str) -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    root.ancestors()
-        .map(|dir| dir.join("shared").join("vectors").join(name))
-        .find(|path| path.is_file())
-        .unwrap_or_else(|| panic!("shared/vectors/{name} not found above {}", root.display()))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data").join(name)
 }
 
 fn hex(bytes: &[u8]) -> String {

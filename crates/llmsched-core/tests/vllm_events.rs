@@ -11,20 +11,10 @@ use rmpv::Value;
 const KV_EVENTS_VECTOR: &str = "vllm_kv_events.json";
 const CAPTURE_VECTOR: &str = "vllm_real_capture_gap.json";
 
-/// Reads a file of `../shared/vectors/`. The shared folder sits beside the checkout (CI and the
-/// main checkout); a nested git worktree finds it one level higher; `LLMSCHED_SHARED_DIR`
-/// overrides both. A missing vector fails the test.
+/// Reads a test vector of the repository's `tests/data/` (see the README there for where each
+/// came from). A missing vector fails the test.
 fn read_json(name: &str) -> serde_json::Value {
-    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut candidates: Vec<std::path::PathBuf> =
-        std::env::var_os("LLMSCHED_SHARED_DIR").map(Into::into).into_iter().collect();
-    candidates.push(manifest.join("../shared"));
-    candidates.push(manifest.join("../../shared"));
-    let path = candidates
-        .iter()
-        .map(|dir| dir.join("vectors").join(name))
-        .find(|path| path.is_file())
-        .unwrap_or_else(|| panic!("{name} not found under any of {candidates:?}"));
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data").join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("{path:?}: {err}"));
     serde_json::from_str(&text).expect("vector file is JSON")
 }
