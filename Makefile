@@ -26,8 +26,9 @@ build: $(VENV)/.deps ## Build the Rust extension (release) into the virtual envi
 	rm -f python/llmsched/_llmsched*.so
 	$(BIN)/maturin develop --release --uv -q
 
-test-rust: ## Run the Rust tests (release, no Python needed)
-	cargo test --release
+test-rust: ## Run the Rust tests of every crate, doc-tests included (release, no Python needed)
+	cargo test --release --workspace
+	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 
 test-python: build ## Run the Python tests
 	$(PY) -m pytest -q -p no:cacheprovider
@@ -53,7 +54,7 @@ test-engines: build vllm-env ## Tests against two real vLLM CPU engines (tiny mo
 
 lint: build ## cargo fmt/clippy, ruff, mypy and stubtest
 	cargo fmt --all -- --check
-	cargo clippy --release --all-targets --all-features -- -D warnings
+	cargo clippy --release --workspace --all-targets --all-features -- -D warnings
 	$(BIN)/ruff check python tests benches
 	$(BIN)/ruff format --check python tests benches
 	$(BIN)/mypy
@@ -70,13 +71,8 @@ bench: build ## A short pass of the benchmarks, each figure beside its pure-Pyth
 		--benchmark-group-by=group --benchmark-sort=name
 
 bench-rust: ## The criterion benchmarks (pure Rust figures)
-	cargo bench --bench prefix_index
-	cargo bench --bench slices
-	cargo bench --bench hashing
-	cargo bench --bench vllm_events
-	cargo bench --bench routing
-	cargo bench --bench flow
-	cargo bench --bench sim_kv
+	cargo bench -p llmsched-core
+	cargo bench -p llmsched-sim
 
 demo: build ## Run the main job: the simulator comparing routing policies (llmsched sim)
 	$(PY) -m llmsched sim

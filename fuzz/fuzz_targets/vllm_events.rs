@@ -7,7 +7,7 @@
 
 #![no_main]
 
-use _llmsched::vllm_events::{decode_event_batch, medium_name, EventBatch, KvEvent};
+use llmsched_core::vllm_events::{decode_event_batch, medium_name, EventBatch, KvEvent};
 use libfuzzer_sys::fuzz_target;
 use rmpv::Value;
 
