@@ -81,8 +81,11 @@ clean: ## Remove build outputs and the virtual environment
 	rm -rf target $(VENV) python/llmsched/_llmsched*.so .pytest_cache .mypy_cache .ruff_cache .benchmarks
 
 FUZZ_SECONDS ?= 60
-fuzz: $(VENV)/.deps ## Fuzz the vLLM event decoder for FUZZ_SECONDS (nightly Rust; installs cargo-fuzz)
+fuzz: $(VENV)/.deps build ## Fuzz the vLLM event decoder and snapshot loading, FUZZ_SECONDS each (nightly Rust; installs cargo-fuzz)
 	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz
 	$(PY) fuzz/seeds.py fuzz/corpus/vllm_events
+	$(PY) fuzz/snapshot_seeds.py fuzz/corpus/snapshot
 	cargo +nightly fuzz run --sanitizer none --debug-assertions vllm_events fuzz/corpus/vllm_events -- \
 		-dict=fuzz/vllm_events.dict -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1
+	cargo +nightly fuzz run --sanitizer none --debug-assertions snapshot fuzz/corpus/snapshot -- \
+		-max_total_time=$(FUZZ_SECONDS) -print_final_stats=1

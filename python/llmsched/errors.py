@@ -20,6 +20,7 @@ __all__ = [
     "DuplicateRequestError",
     "FlowRejected",
     "HashChainError",
+    "InternalError",
     "InvalidRequestError",
     "InvalidTokenError",
     "LlmschedError",
@@ -89,6 +90,11 @@ class DuplicateRequestError(LlmschedError, ValueError):
 class InvalidRequestError(LlmschedError, ValueError):
     """A flow-control request or call carries a value no policy can act on (negative size,
     non-finite time, ...); nothing was changed."""
+
+
+class InternalError(LlmschedError, RuntimeError):
+    """A bug in llmsched's native core, caught at the Python boundary (no input should cause
+    one: please report it with the message)."""
 
 
 class FlowRejected(LlmschedError):

@@ -29,8 +29,23 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 pub enum HashError {
     #[error("block_size must be at least 1")]
     ZeroBlockSize,
+    #[error("block_size {0} is above the largest supported, {MAX_BLOCK_SIZE} tokens")]
+    BlockSizeTooLarge(usize),
     #[error("token id {value} at position {position} is out of range (0 to 4294967295)")]
     TokenOutOfRange { position: usize, value: i128 },
+}
+
+/// The largest block size accepted anywhere (tokens per block). Engines use 16 to a few
+/// thousand; the bound keeps every per-block buffer small whatever a caller or a snapshot says.
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
+
+/// Checks a block size before anything is sized by it: 1 to [`MAX_BLOCK_SIZE`] tokens.
+pub fn check_block_size(block_size: usize) -> Result<(), HashError> {
+    match block_size {
+        0 => Err(HashError::ZeroBlockSize),
+        n if n > MAX_BLOCK_SIZE => Err(HashError::BlockSizeTooLarge(n)),
+        _ => Ok(()),
+    }
 }
 
 /// A token id element type accepted without conversion of the whole input.
@@ -171,12 +186,10 @@ pub fn chain_hashes_into<T: TokenId>(
     parent: u64,
     out: &mut Vec<u64>,
 ) -> Result<(), HashError> {
-    if block_size == 0 {
-        return Err(HashError::ZeroBlockSize);
-    }
+    check_block_size(block_size)?;
     let start = out.len();
     out.reserve(tokens.len() / block_size);
-    let mut words = BlockWords::new(block_size);
+    let mut words = BlockWords::new(block_size.min(tokens.len()));
     let mut prev = parent;
     for (b, block) in tokens.chunks_exact(block_size).enumerate() {
         let bytes = match words.le_bytes(block) {

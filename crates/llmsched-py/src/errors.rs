@@ -3,7 +3,9 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::import_exception;
-use pyo3::{PyErr, PyResult};
+use std::panic::AssertUnwindSafe;
+
+use pyo3::{PyErr, PyResult, Python};
 
 use llmsched_core::hashing::batch::BatchError;
 use llmsched_core::hashing::HashError;
@@ -29,6 +31,26 @@ impl<T, E: ToPyErr> CoreResult<T> for Result<T, E> {
     }
 }
 
+import_exception!(llmsched.errors, InternalError);
+
+/// Runs core code with the GIL released. A panic in it (a bug: the core validates its input and
+/// returns errors) becomes `InternalError` instead of crossing into Python as pyo3's
+/// `PanicException`, a `BaseException` that `except Exception` would not catch.
+pub(crate) fn detach<T, F>(py: Python<'_>, f: F) -> PyResult<T>
+where
+    T: Send,
+    F: Send + FnOnce() -> T,
+{
+    py.detach(|| std::panic::catch_unwind(AssertUnwindSafe(f))).map_err(|payload| {
+        let reason = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        InternalError::new_err(format!("internal error in llmsched's native core: {reason}"))
+    })
+}
+
 import_exception!(llmsched.errors, InvalidTokenError);
 import_exception!(llmsched.errors, ConfigError);
 import_exception!(llmsched.errors, MalformedEventError);
@@ -44,7 +66,9 @@ impl ToPyErr for HashError {
     fn to_py_err(self) -> PyErr {
         let err = self;
         match err {
-            HashError::ZeroBlockSize => PyValueError::new_err(err.to_string()),
+            HashError::ZeroBlockSize | HashError::BlockSizeTooLarge(_) => {
+                ConfigError::new_err(err.to_string())
+            }
             HashError::TokenOutOfRange { .. } => InvalidTokenError::new_err(err.to_string()),
         }
     }
@@ -95,7 +119,9 @@ impl ToPyErr for BatchError {
         let err = self;
         let message = err.to_string();
         match err.error {
-            HashError::ZeroBlockSize => PyValueError::new_err(message),
+            HashError::ZeroBlockSize | HashError::BlockSizeTooLarge(_) => {
+                ConfigError::new_err(message)
+            }
             HashError::TokenOutOfRange { .. } => InvalidTokenError::new_err(message),
         }
     }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::errors::CoreResult;
+use crate::errors::{detach, CoreResult};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
@@ -219,7 +219,7 @@ impl PyFlowCore {
 
     fn expire(&self, py: Python<'_>, now: f64) -> PyResult<Vec<PyFlowDecision>> {
         let inner = &self.inner;
-        let expired = py.detach(|| inner.lock().expire(now)).py()?;
+        let expired = detach(py, || inner.lock().expire(now))?.py()?;
         Ok(decisions(expired))
     }
 
@@ -279,7 +279,7 @@ impl PyFlowCore {
 
     fn metrics_json(&self, py: Python<'_>, now: f64) -> PyResult<String> {
         let inner = &self.inner;
-        let metrics = py.detach(|| inner.lock().metrics(now)).py()?;
+        let metrics = detach(py, || inner.lock().metrics(now))?.py()?;
         serde_json::to_string(&metrics)
             .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))
     }

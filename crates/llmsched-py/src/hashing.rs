@@ -1,6 +1,6 @@
 //! Bindings for `llmsched_core::hashing`.
 
-use crate::errors::CoreResult;
+use crate::errors::{detach, CoreResult};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -117,7 +117,7 @@ fn pack_text<'py>(
     text: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let bytes = text_bytes(text)?;
-    Ok(py.detach(|| core_pack_text(bytes)).into_pyarray(py))
+    Ok(detach(py, || core_pack_text(bytes))?.into_pyarray(py))
 }
 
 /// Borrows every prompt of a batch as a typed slice.
@@ -142,7 +142,7 @@ where
 {
     let arrays = prompt_arrays(prompts)?;
     let slices = arrays.iter().map(TokenArray::as_token_slice).collect::<PyResult<Vec<_>>>()?;
-    let results = py.detach(|| hash_batch(&slices, threads, hash_one)).py()?;
+    let results = detach(py, || hash_batch(&slices, threads, hash_one))?.py()?;
     PyList::new(py, results.into_iter().map(|hashes| hashes.into_pyarray(py)))
 }
 

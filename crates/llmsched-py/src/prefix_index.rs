@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::errors::CoreResult;
+use crate::errors::{detach, CoreResult};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use parking_lot::RwLock;
 use pyo3::exceptions::PyTypeError;
@@ -184,7 +184,7 @@ impl PyPrefixIndex {
         let key = worker_key(worker)?;
         let t = tier(tier_name)?;
         let hashes = hashes.as_slice()?;
-        let added = py.detach(|| self.inner.store(&key, hashes, parent, t)).py()?;
+        let added = detach(py, || self.inner.store(&key, hashes, parent, t))?.py()?;
         self.remember_name(worker, &key);
         Ok(added)
     }
@@ -199,7 +199,7 @@ impl PyPrefixIndex {
     ) -> PyResult<u64> {
         let key = worker_key(worker)?;
         let hashes = hashes.as_slice()?;
-        let added = py.detach(|| self.inner.record(&key, hashes, ttl, now)).py()?;
+        let added = detach(py, || self.inner.record(&key, hashes, ttl, now))?.py()?;
         self.remember_name(worker, &key);
         Ok(added)
     }
@@ -215,17 +215,17 @@ impl PyPrefixIndex {
         let key = worker_key(worker)?;
         let t = tier_name.map(tier).transpose()?;
         let hashes = hashes.as_slice()?;
-        Ok(py.detach(|| self.inner.remove(&key, hashes, t)).py()?)
+        Ok(detach(py, || self.inner.remove(&key, hashes, t))?.py()?)
     }
 
     fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
         let key = worker_key(worker)?;
-        Ok(py.detach(|| self.inner.clear(&key)).py()?)
+        Ok(detach(py, || self.inner.clear(&key))?.py()?)
     }
 
     fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
         let key = worker_key(worker)?;
-        Ok(py.detach(|| self.inner.remove_worker(&key)).py()?)
+        Ok(detach(py, || self.inner.remove_worker(&key))?.py()?)
     }
 
     fn set_capacity(
@@ -235,7 +235,7 @@ impl PyPrefixIndex {
         blocks: Option<u64>,
     ) -> PyResult<u64> {
         let key = worker_key(worker)?;
-        let evicted = py.detach(|| self.inner.set_capacity(&key, blocks)).py()?;
+        let evicted = detach(py, || self.inner.set_capacity(&key, blocks))?.py()?;
         self.remember_name(worker, &key);
         Ok(evicted)
     }
@@ -252,7 +252,7 @@ impl PyPrefixIndex {
         let m = if hashes.len() < DETACH_MIN_BLOCKS {
             self.inner.match_hashes(hashes, now)
         } else {
-            py.detach(|| self.inner.match_hashes(hashes, now))
+            detach(py, || self.inner.match_hashes(hashes, now))?
         };
         Ok(self.result(py, m))
     }
@@ -293,7 +293,7 @@ impl PyPrefixIndex {
     ) -> PyResult<Vec<PyMatch>> {
         let slices = queries.iter().map(|q| q.as_slice()).collect::<Result<Vec<_>, _>>()?;
         let results: Vec<MatchResult> =
-            py.detach(|| slices.iter().map(|h| self.inner.match_hashes(h, now)).collect());
+            detach(py, || slices.iter().map(|h| self.inner.match_hashes(h, now)).collect())?;
         Ok(results.into_iter().map(|m| self.result(py, m)).collect())
     }
 
@@ -304,13 +304,13 @@ impl PyPrefixIndex {
         payload: &[u8],
     ) -> PyResult<Bound<'py, PyDict>> {
         let key = worker_key(worker)?;
-        let report = py.detach(|| self.inner.apply_vllm_events(&key, payload)).py()?;
+        let report = detach(py, || self.inner.apply_vllm_events(&key, payload))?.py()?;
         self.remember_name(worker, &key);
         report_dict(py, &report)
     }
 
-    fn expire(&self, py: Python<'_>, now: f64) -> u64 {
-        py.detach(|| self.inner.expire(now))
+    fn expire(&self, py: Python<'_>, now: f64) -> PyResult<u64> {
+        detach(py, || self.inner.expire(now))
     }
 
     fn holdings<'py>(
@@ -319,7 +319,7 @@ impl PyPrefixIndex {
         worker: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let key = worker_key(worker)?;
-        let rows = py.detach(|| self.inner.holdings(&key)).py()?;
+        let rows = detach(py, || self.inner.holdings(&key))?.py()?;
         let out = PyDict::new(py);
         for (hash, tiers, confirmed) in rows {
             let names: Vec<&str> =
@@ -341,7 +341,7 @@ impl PyPrefixIndex {
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.inner.stats());
+        let s = detach(py, || self.inner.stats())?;
         let out = PyDict::new(py);
         out.set_item("workers", s.workers)?;
         out.set_item("nodes", s.nodes)?;
@@ -360,14 +360,14 @@ impl PyPrefixIndex {
         Ok(out)
     }
 
-    fn dumps<'py>(&self, py: Python<'py>, now: f64) -> Bound<'py, PyBytes> {
-        let data = py.detach(|| self.inner.dumps(now));
-        PyBytes::new(py, &data)
+    fn dumps<'py>(&self, py: Python<'py>, now: f64) -> PyResult<Bound<'py, PyBytes>> {
+        let data = detach(py, || self.inner.dumps(now))?;
+        Ok(PyBytes::new(py, &data))
     }
 
     #[staticmethod]
     fn loads(py: Python<'_>, data: &[u8], now: f64) -> PyResult<Self> {
-        let inner = py.detach(|| PrefixIndex::loads(data, now)).py()?;
+        let inner = detach(py, || PrefixIndex::loads(data, now))?.py()?;
         Self::wrap(py, inner)
     }
 }

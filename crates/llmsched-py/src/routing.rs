@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::errors::{CoreResult, ToPyErr};
+use crate::errors::{detach, CoreResult, ToPyErr};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -96,12 +96,12 @@ impl PyEndpointPool {
             })?),
         };
         let endpoint = Endpoint { id: worker_key(id)?, address, role, labels, model };
-        Ok(py.detach(|| self.inner.upsert(endpoint)))
+        Ok(detach(py, || self.inner.upsert(endpoint))?)
     }
 
     fn remove(&self, py: Python<'_>, id: &Bound<'_, PyAny>) -> PyResult<()> {
         let key = worker_key(id)?;
-        Ok(py.detach(|| self.inner.remove(&key)).py()?)
+        Ok(detach(py, || self.inner.remove(&key))?.py()?)
     }
 
     #[pyo3(signature = (id, waiting, running, kv_cache_usage, max_concurrency, now))]
@@ -139,7 +139,7 @@ impl PyEndpointPool {
         now: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let key = worker_key(id)?;
-        let scrape = py.detach(|| metrics_text::parse(text)).py()?;
+        let scrape = detach(py, || metrics_text::parse(text))?.py()?;
         if self.inner.snapshot().get(&key).is_none() {
             return Err(RoutingError::UnknownEndpoint(key).to_py_err());
         }
@@ -648,7 +648,7 @@ impl PyDecision {
             return Err(PyRuntimeError::new_err("started() was already called for this decision"));
         }
         let router = self.router.get();
-        let ticket = py.detach(|| router.inner.commit(&self.decision, key.as_ref(), now)).py()?;
+        let ticket = detach(py, || router.inner.commit(&self.decision, key.as_ref(), now))?.py()?;
         let index = router.index.get();
         index.remember_key(
             py,

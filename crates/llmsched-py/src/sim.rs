@@ -1,7 +1,7 @@
 //! Bindings for `llmsched_sim`: the simulator's KV cache (the Python engine's) and the whole
 //! Rust engine (`simulate`).
 
-use crate::errors::CoreResult;
+use crate::errors::{detach, CoreResult};
 use numpy::{IntoPyArray, PyReadonlyArray1};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -157,7 +157,7 @@ impl PyPlanContents {
 #[pyfunction]
 fn number_contents(py: Python<'_>, hashes: PyReadonlyArray1<'_, u64>) -> PyResult<PyPlanContents> {
     let hashes = hashes.as_slice()?;
-    let inner = py.detach(|| Arc::new(Contents::number(hashes)));
+    let inner = detach(py, || Arc::new(Contents::number(hashes)))?;
     Ok(PyPlanContents { inner })
 }
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::errors::CoreResult;
+use crate::errors::{detach, CoreResult};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
@@ -318,7 +318,7 @@ impl PySliceTracker {
 
     fn promote(&self, py: Python<'_>, now: f64) -> PyResult<Vec<(u64, u8)>> {
         let inner = Arc::clone(&self.inner);
-        Ok(py.detach(move || inner.lock().promote(now)).py()?)
+        Ok(detach(py, move || inner.lock().promote(now))?.py()?)
     }
 
     fn remove(&self, key: u64) -> bool {

@@ -1,5 +1,6 @@
 //! Token input: a 1-D contiguous numpy integer array of any width, read in place.
 
+use crate::errors::detach;
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -73,6 +74,6 @@ impl<'py> TokenArray<'py> {
         V::Output: Send,
     {
         let tokens = self.as_token_slice()?;
-        Ok(py.detach(|| tokens.visit(visitor)))
+        Ok(detach(py, || tokens.visit(visitor))?)
     }
 }

@@ -1,6 +1,6 @@
 //! Bindings for `llmsched_core::vllm_events`: a debug view of one decoded payload as plain Python data.
 
-use crate::errors::CoreResult;
+use crate::errors::{detach, CoreResult};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -9,7 +9,7 @@ use llmsched_core::vllm_events::{self, BlockRemoved, BlockStored, EventBatch, Kv
 /// Decodes one vLLM `EventBatch` payload to a dict (see `llmsched.vllm_events`).
 #[pyfunction]
 fn decode_vllm_events<'py>(py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    let batch = py.detach(|| vllm_events::decode_event_batch(payload)).py()?;
+    let batch = detach(py, || vllm_events::decode_event_batch(payload))?.py()?;
     batch_dict(py, &batch)
 }
 

@@ -39,9 +39,7 @@ pub fn text_chain_hashes(
     include_partial: bool,
     max_tokens: usize,
 ) -> Result<Vec<u64>, HashError> {
-    if block_size == 0 {
-        return Err(HashError::ZeroBlockSize);
-    }
+    crate::hashing::check_block_size(block_size)?;
     let kept = &text[..text.len().min(max_tokens.saturating_mul(BYTES_PER_TOKEN))];
     let blocks = kept.chunks_exact(block_size.saturating_mul(BYTES_PER_TOKEN));
     let tail = blocks.remainder();

@@ -92,16 +92,15 @@ pub struct VllmBlockHasher {
 }
 
 impl VllmBlockHasher {
-    /// A hasher with `NONE_HASH = none_hash(seed)`; fails on a zero block size.
+    /// A hasher with `NONE_HASH = none_hash(seed)`; fails on a block size outside
+    /// 1..=[`MAX_BLOCK_SIZE`](crate::hashing::MAX_BLOCK_SIZE).
     pub fn new(
         block_size: usize,
         seed: &str,
         lora: Option<&str>,
         cache_salt: Option<&str>,
     ) -> Result<Self, HashError> {
-        if block_size == 0 {
-            return Err(HashError::ZeroBlockSize);
-        }
+        crate::hashing::check_block_size(block_size)?;
         Ok(Self {
             block_size,
             none_hash: none_hash(seed),

@@ -43,6 +43,18 @@ impl Default for IndexConfig {
     }
 }
 
+impl IndexConfig {
+    /// Checks every field that sizes something, before anything is built from the config.
+    pub fn validate(&self) -> Result<(), IndexError> {
+        hashing::check_block_size(self.block_size)
+            .map_err(|err| IndexError::InvalidConfig(err.to_string()))?;
+        if self.worker_capacity == Some(0) {
+            return Err(IndexError::InvalidConfig("worker_capacity must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
 /// Errors from index operations. The index is unchanged when one is returned.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum IndexError {
@@ -150,12 +162,7 @@ const BYTES_PER_ENGINE_BLOCK: u64 = 8 + 24 + 4;
 
 impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Result<Self, IndexError> {
-        if config.block_size == 0 {
-            return Err(IndexError::InvalidConfig("block_size must be at least 1".into()));
-        }
-        if config.worker_capacity == Some(0) {
-            return Err(IndexError::InvalidConfig("worker_capacity must be at least 1".into()));
-        }
+        config.validate()?;
         Ok(PrefixIndex {
             config,
             state: RwLock::new(State { tree: Tree::new(), workers: Workers::default() }),

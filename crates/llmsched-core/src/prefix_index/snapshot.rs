@@ -102,9 +102,7 @@ pub(super) fn load(data: &[u8], now: f64) -> Result<(IndexConfig, State), IndexE
         worker_capacity: snap.worker_capacity,
         max_bytes: snap.max_bytes,
     };
-    if config.block_size == 0 {
-        return Err(bad("block_size is 0".into()));
-    }
+    config.validate().map_err(|err| bad(err.to_string()))?;
     let workers = load_workers(snap.workers)?;
     let nodes = load_nodes(snap.nodes, &workers, now)?;
     let tree = Tree::rebuild(nodes, snap.stamp, workers.keys.len())?;
@@ -204,5 +202,84 @@ impl Tree {
             }
         }
         Ok(tree)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::prefix_index::{PrefixIndex, Tier};
+
+    /// A small index with confirmed and approximate holdings, engine hashes and two workers.
+    fn sample_snapshot() -> Vec<u8> {
+        let index = PrefixIndex::new(IndexConfig { block_size: 4, ..IndexConfig::default() })
+            .expect("valid config");
+        let tokens: Vec<u32> = (0..64).collect();
+        let hashes = index.hash_tokens(&tokens, None, None).expect("hashable");
+        let a = WorkerKey::Str("a".into());
+        let b = WorkerKey::Int(7);
+        index.store(&a, &hashes[..10], None, Tier::Gpu).expect("stored");
+        index.store(&b, &hashes[..4], None, Tier::Cpu).expect("stored");
+        index.record(&b, &hashes[..12], 30.0, 0.0).expect("recorded");
+        index.dumps(0.0)
+    }
+
+    fn with_block_size(block_size: u64) -> Vec<u8> {
+        let mut snap: Snapshot = rmp_serde::from_slice(&sample_snapshot()).expect("decodes");
+        snap.block_size = block_size;
+        rmp_serde::to_vec(&snap).expect("encodes")
+    }
+
+    #[test]
+    fn a_snapshot_with_a_huge_block_size_is_refused() {
+        for block_size in
+            [0, (crate::hashing::MAX_BLOCK_SIZE + 1) as u64, 1 << 40, 1 << 63, u64::MAX]
+        {
+            let err = PrefixIndex::loads(&with_block_size(block_size), 0.0).err();
+            assert!(
+                matches!(err, Some(IndexError::Snapshot(ref m)) if m.contains("block_size")),
+                "block_size {block_size}: {err:?}"
+            );
+        }
+        assert!(PrefixIndex::loads(&with_block_size(16), 0.0).is_ok());
+    }
+
+    /// Exercises a loaded index the way a router would after a restore.
+    fn use_index(index: &PrefixIndex) {
+        let tokens: Vec<u32> = (0..64).collect();
+        if let Ok(hashes) = index.hash_tokens(&tokens, None, None) {
+            let _ = index.match_hashes(&hashes, 1.0);
+            let _ = index.record(&WorkerKey::Int(1), &hashes, 5.0, 1.0);
+        }
+        let _ = index.stats();
+        let _ = index.expire(100.0);
+        let again = index.dumps(100.0);
+        PrefixIndex::loads(&again, 100.0).expect("a dump of a loaded index loads");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
+
+        /// Damaged snapshots are refused or load into a usable index; nothing panics.
+        #[test]
+        fn damaged_snapshots_never_panic(
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            cut in any::<prop::sample::Index>(),
+            truncate in any::<bool>(),
+        ) {
+            let mut data = sample_snapshot();
+            for (at, byte) in edits {
+                let i = at.index(data.len());
+                data[i] = byte;
+            }
+            if truncate {
+                data.truncate(cut.index(data.len()));
+            }
+            if let Ok(index) = PrefixIndex::loads(&data, 0.0) {
+                use_index(&index);
+            }
+        }
     }
 }
