@@ -54,9 +54,10 @@ test-engines: build vllm-env ## Tests against two real vLLM CPU engines (tiny mo
 
 lint: build ## cargo fmt/clippy, ruff, mypy and stubtest
 	cargo fmt --all -- --check
+	$(PY) tools/check_msrv.py
 	cargo clippy --release --workspace --all-targets --all-features -- -D warnings
-	$(BIN)/ruff check python tests benches
-	$(BIN)/ruff format --check python tests benches
+	$(BIN)/ruff check python tests benches tools fuzz
+	$(BIN)/ruff format --check python tests benches tools fuzz
 	$(BIN)/mypy
 	$(PY) -m mypy.stubtest llmsched._llmsched --allowlist .stubtest-allowlist
 
