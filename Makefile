@@ -63,8 +63,8 @@ lint: build ## cargo fmt/clippy, ruff, mypy and stubtest
 
 fmt: $(VENV)/.deps ## Format Rust and Python sources
 	cargo fmt --all
-	$(BIN)/ruff format python tests benches
-	$(BIN)/ruff check --fix python tests benches
+	$(BIN)/ruff format python tests benches tools fuzz
+	$(BIN)/ruff check --fix python tests benches tools fuzz
 
 bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
 	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \
