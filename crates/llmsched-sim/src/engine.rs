@@ -45,6 +45,11 @@ pub struct SimConfig {
     pub seed: u64,
 }
 
+/// The most replicas one simulation may have.
+pub const MAX_REPLICAS: usize = 65_536;
+/// The most KV blocks all replicas may have together (about 20 bytes each, allocated up front).
+pub const MAX_TOTAL_KV_BLOCKS: u64 = 1 << 28;
+
 /// Errors that stop a simulation.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
@@ -284,6 +289,14 @@ impl<'p> Simulation<'p> {
             return Err(SimError::Config(
                 "replicas, block_size and max_num_seqs must be >= 1".into(),
             ));
+        }
+        let total_blocks = cfg.replicas as u64 * u64::from(cfg.kv_blocks);
+        if cfg.replicas > MAX_REPLICAS || total_blocks > MAX_TOTAL_KV_BLOCKS {
+            return Err(SimError::Config(format!(
+                "{} replicas of {} KV blocks exceed the simulator's bounds ({MAX_REPLICAS} \
+                 replicas, {MAX_TOTAL_KV_BLOCKS} blocks in all)",
+                cfg.replicas, cfg.kv_blocks
+            )));
         }
         if !(cfg.kv_sample > 0.0 && cfg.metrics_delay >= 0.0 && cfg.kv_events_delay >= 0.0) {
             return Err(SimError::Config("kv_sample must be > 0 and delays >= 0".into()));

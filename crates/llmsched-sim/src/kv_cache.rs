@@ -52,10 +52,18 @@ impl Hasher for ContentHasher {
 /// A map keyed by content hash.
 pub type ByContent<V> = HashMap<u64, V, BuildHasherDefault<ContentHasher>>;
 
+/// The most blocks one simulated replica's cache may have: about 20 bytes each are allocated up
+/// front, so the bound keeps a mistaken size from exhausting memory (an H200 serving an 8B
+/// model holds about a million 16-token blocks).
+pub const MAX_KV_BLOCKS: u32 = 1 << 24;
+
 /// Errors from KV-cache operations; nothing changes when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum KvError {
-    #[error("num_blocks and block_size must be at least 1")]
+    #[error(
+        "num_blocks must be 1 to {MAX_KV_BLOCKS} and block_size 1 to {} tokens",
+        llmsched_core::hashing::MAX_BLOCK_SIZE
+    )]
     InvalidConfig,
     #[error("request {0} holds no blocks")]
     UnknownRequest(u64),
@@ -149,7 +157,9 @@ impl KvCore {
     /// An empty cache of `num_blocks` blocks of `block_size` tokens, all free; `contents` is
     /// a size hint for the number of distinct content ids.
     pub fn new(num_blocks: u32, block_size: u32, contents: usize) -> Result<Self, KvError> {
-        if num_blocks == 0 || block_size == 0 || num_blocks == u32::MAX {
+        let block_size_ok =
+            (1..=llmsched_core::hashing::MAX_BLOCK_SIZE).contains(&(block_size as usize));
+        if num_blocks == 0 || num_blocks > MAX_KV_BLOCKS || !block_size_ok {
             return Err(KvError::InvalidConfig);
         }
         let n = num_blocks as usize;
@@ -699,6 +709,9 @@ mod tests {
     fn errors_change_nothing() {
         let mut kv = KvCache::new(4, 4).unwrap();
         assert_eq!(KvCache::new(0, 4).unwrap_err(), KvError::InvalidConfig);
+        assert_eq!(KvCache::new(MAX_KV_BLOCKS + 1, 4).unwrap_err(), KvError::InvalidConfig);
+        assert_eq!(KvCache::new(u32::MAX, 4).unwrap_err(), KvError::InvalidConfig);
+        assert_eq!(KvCache::new(4, 1 << 20).unwrap_err(), KvError::InvalidConfig);
         assert_eq!(kv.allocate(9, 4).unwrap_err(), KvError::UnknownRequest(9));
         kv.start(1, &[], 0).unwrap();
         assert_eq!(kv.start(1, &[], 0).unwrap_err(), KvError::DuplicateRequest(1));

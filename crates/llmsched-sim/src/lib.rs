@@ -9,6 +9,6 @@ pub mod plan;
 pub mod stepmodel;
 
 pub use engine::{simulate, Counters, DoneRecord, ReplicaEnd, SimConfig, SimError, SimOutput};
-pub use kv_cache::{IdEvent, KvCache, KvCore, KvError, KvEvent};
+pub use kv_cache::{IdEvent, KvCache, KvCore, KvError, KvEvent, MAX_KV_BLOCKS};
 pub use plan::{Contents, OpenRequest, Plan, PlanError, Session, Turn};
 pub use stepmodel::{DecodeRun, Linear, Roofline, StepModel, StepWork};
