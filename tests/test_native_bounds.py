@@ -81,3 +81,11 @@ def test_damaged_snapshots_raise_library_errors_only() -> None:
 def test_internal_error_is_an_ordinary_exception() -> None:
     assert issubclass(InternalError, LlmschedError)
     assert issubclass(InternalError, RuntimeError)
+
+
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(2**24 + 1, 16), (2**32 - 1, 16), (8, 2**20)])
+def test_the_simulated_kv_cache_refuses_absurd_sizes(num_blocks: int, block_size: int) -> None:
+    from llmsched.sim.kv import make_kv_cache
+
+    with pytest.raises(ConfigError, match="num_blocks"):
+        make_kv_cache(num_blocks, block_size)

@@ -6,7 +6,7 @@
 //! whose defaulted fields may be missing (vLLM >= 0.24). Both encodings may appear in one batch.
 //!
 //! Algorithm / Complexity: one forward pass over the payload with a bounds-checked cursor
-//! ([`reader::Reader`]); O(payload bytes) time. Memory is O(payload bytes) too: a declared
+//! (`reader::Reader`); O(payload bytes) time. Memory is O(payload bytes) too: a declared
 //! length is checked against the bytes that remain before anything is allocated for it, so a
 //! hostile payload cannot make the decoder reserve more than a small multiple of its own size.
 //! Values that are skipped (unknown fields, unknown event types, `extra_keys` entries) are walked
