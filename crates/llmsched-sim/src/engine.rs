@@ -5,7 +5,7 @@
 //!
 //! Algorithm: one heap of events ordered by (time, sequence) — stream arrivals, follow-up
 //! arrivals, the end of a replica's step (or closed-form decode run) and delayed KV-event
-//! batches. Each replica is vLLM V1's scheduler over a paged, prefix-cached [`KvCache`]
+//! batches. Each replica is vLLM V1's scheduler over a paged, prefix-cached [`KvCore`]
 //! (chunked prefill under a token budget, recompute preemption, decode runs summed in closed
 //! form); see `replica.py` for the per-step rules, which this file follows line for line so
 //! that both engines produce identical results for the same plan (the Python engine is the

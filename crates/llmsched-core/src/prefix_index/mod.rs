@@ -1,5 +1,5 @@
 //! The prefix index: which worker holds which cached prefix, as a concurrent compressed radix
-//! tree over chained block hashes (see [`tree`] for the algorithm).
+//! tree over chained block hashes (see the `tree` submodule for the algorithm).
 //!
 //! Workers are named by the caller (an integer or a string) and interned to dense ids. Holdings
 //! come from the engines (`store`, vLLM KV events: confirmed) or from the router's own decisions
