@@ -16,8 +16,8 @@ highest live sequence number seen since the last restart):
   the first of them has waited ``reorder_wait_s``. The engine's replay socket is then asked for
   ``next`` onwards. The replay runs beside the live stream: live batches keep being read (the
   SUB socket is never left to fill up), held in the buffer, and applied as soon as the replay
-  closes the hole. A replay that ends short of the hole, does not end within
-  ``replay_timeout_s`` (late or absent), or would need more than ``buffer_cap`` held batches
+  closes the hole. A replay that ends short of the hole, stays silent for ``replay_timeout_s``
+  (a late or absent answer), or would need more than ``buffer_cap`` held batches
   (or ``buffer_cap_bytes``) is given up: that worker alone is **resynchronised** (its blocks
   cleared, its replay socket replaced, the stream continued from the first batch held). A
   replay socket that failed is not asked again for ``replay_backoff_s`` (doubling up to the
@@ -94,7 +94,8 @@ DEFAULT_BACKOFF_S = (0.05, 2.0)
 """First and largest delay (seconds) between reconnection attempts."""
 
 DEFAULT_REPLAY_TIMEOUT_S = 2.0
-"""How long a replay may take to end before the gap counts as not covered."""
+"""How long a replay may stay silent (before its first reply, or between two) before it is
+given up and the gap counts as not covered."""
 
 DEFAULT_REPLAY_BACKOFF_S = (10.0, 300.0)
 """First and largest pause (seconds) before a replay socket that failed is asked again."""
@@ -139,7 +140,7 @@ COUNTER_HELP: dict[str, str] = {
     "replays": "replays asked for because of a gap",
     "catch_ups": "replays asked for because a publisher (re)connected",
     "replayed_batches": "batches applied from a replay socket's answer",
-    "replay_timeouts": "replays given up because they did not end within replay_timeout_s",
+    "replay_timeouts": "replays given up because they stayed silent for replay_timeout_s",
     "replays_skipped": "gaps resynchronised at once because the replay socket was backing off",
     "resyncs": "times a worker was cleared because batches were lost for good",
     "restarts": "times a publisher started its sequence over (the worker is cleared)",
@@ -511,6 +512,8 @@ class _Publisher:
             self.finish_replay()
             return
         self.replay.received += 1
+        # A replay that keeps answering is not late: its deadline runs from its last reply.
+        self.replay.deadline = time.monotonic() + self.owner.replay_timeout_s
         if seq < self.expected():
             return  # applied already (from the live stream or this replay)
         if seq > self.expected():
@@ -534,7 +537,8 @@ class _Publisher:
         """Batches before ``seq`` are lost for good: clear the worker, continue at ``seq``."""
         self.owner._bump(self, "resyncs")
         self.clear_worker()
-        self.next_seq = seq
+        with self.owner._lock:
+            self.next_seq = seq
 
     def _reset_dealer(self) -> None:
         # Replies to an abandoned request may still arrive; a fresh socket never sees them.
@@ -568,8 +572,8 @@ class KVEventSubscriber:
         index: the prefix index to feed (worker names are the engines' worker ids).
         engines: the engines; those without ``kv_events`` are skipped.
         backoff_s: first and largest delay between reconnection attempts (exponential).
-        replay_timeout_s: how long a replay may take to end before it is given up and the
-            worker resynchronised.
+        replay_timeout_s: how long a replay may stay silent (before its first reply or between
+            two) before it is given up and the worker resynchronised.
         replay_backoff_s: first and largest pause before a replay socket that timed out (or
             was overtaken by the buffer cap) is asked again (doubling; an answered replay or a
             new connection resets it). Gaps meanwhile resync at once.
