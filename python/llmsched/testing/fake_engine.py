@@ -132,6 +132,9 @@ class FakeKVPublisher:
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 0)
+        # Every subscription is reported, not only the first per topic: a subscriber that comes
+        # back is seen too (wait_subscribed's count).
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         if connect:
             if endpoint is None:
                 raise ValueError("connect=True needs the subscriber's endpoint")
@@ -155,7 +158,8 @@ class FakeKVPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_buffer)
         self._outbox: queue.Queue[list[bytes]] = queue.Queue()
         self._flush_marks: collections.deque[threading.Event] = collections.deque()
-        self._subscribed = threading.Event()
+        self._subscriptions = 0
+        self._subscribed = threading.Condition()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="fake-kv-publisher", daemon=True)
         self._thread.start()
@@ -213,9 +217,11 @@ class FakeKVPublisher:
             self._seq = 0
             self._buffer.clear()
 
-    def wait_subscribed(self, timeout: float = 5.0) -> bool:
-        """Wait until a subscriber's subscription has reached this publisher."""
-        return self._subscribed.wait(timeout)
+    def wait_subscribed(self, timeout: float = 5.0, *, count: int = 1) -> bool:
+        """Wait until ``count`` subscriptions in all (a subscriber that reconnects subscribes
+        again) have reached this publisher."""
+        with self._subscribed:
+            return self._subscribed.wait_for(lambda: self._subscriptions >= count, timeout)
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until everything published so far has been handed to ZMQ."""
@@ -282,7 +288,9 @@ class FakeKVPublisher:
             except zmq.Again:
                 return
             if msg[:1] == b"\x01":
-                self._subscribed.set()
+                with self._subscribed:
+                    self._subscriptions += 1
+                    self._subscribed.notify_all()
 
     def _send_outbox(self) -> None:
         while True:
