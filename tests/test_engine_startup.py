@@ -77,11 +77,11 @@ def test_slow_engine_is_waited_for_while_it_progresses(
     """Startup longer than the stall limit, a log line every 0.1 s: it is waited for."""
     body = 'for i in range(30):\n    print("step", i, flush=True)\n    time.sleep(0.1)\n'
     monkeypatch.setenv("LLMSCHED_VLLM_PYTHON", str(fake_interpreter(tmp_path, body)))
-    monkeypatch.setattr(vllm_engine, "STARTUP_STALL_S", 1.0)
+    monkeypatch.setattr(vllm_engine, "STARTUP_STALL_S", 2.0)
     e = engine(tmp_path)
     try:
         took = start_engines([e])
-        assert e.healthy() and took >= 3.0
+        assert e.healthy() and took > vllm_engine.STARTUP_STALL_S
         assert vllm_engine.machine_factor() >= 1.0
     finally:
         e.stop()
