@@ -534,3 +534,326 @@ def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> Non
 def test_catch_up_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match="catch_up"):
         KVEventSubscriber(PrefixIndex(block_size=BLOCK), [], catch_up="yes")  # type: ignore[arg-type]
+
+
+# -- duplicates, reordering, restarts ---------------------------------------------------------
+
+# Holes are decided by the reorder window alone: a loaded machine may take long between two
+# publishes, which must not turn a reordering into a gap.
+PATIENT = {**FAST, "reorder_wait_s": 60.0}
+
+
+def test_duplicates_are_dropped_and_counted(fake: FakeKVPublisher) -> None:
+    payloads = [_marker(), *script(14, seed=40)]
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], **PATIENT) as sub:
+        assert fake.wait_subscribed()
+        for p in payloads[:10]:
+            fake.publish(p)
+        fake.resend(3)  # each arrives after its first copy: duplicates on the wire
+        fake.resend(9)
+        wait(sub, lambda c: c["duplicates"] >= 2)
+        fake.resend(4)
+        for p in payloads[10:]:
+            fake.publish(p)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 14)
+        assert sub.counters()["duplicates"] == 3
+        # Batch 0 again, once the stream has moved past it: a restart (a documented signal;
+        # a fresh publisher always begins at 0).
+        fake.resend(0)
+        c = wait(sub, lambda c: c["restarts"] >= 1 and sub.last_seq(spec.worker_id) == 0)
+    assert c["duplicates"] == 3 and c["restarts"] == 1, c
+    assert c["gaps"] == c["replays"] == c["resyncs"] == c["reordered"] == 0, c
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads[:1], spec.worker_id), spec.worker_id
+    )
+
+
+def test_duplicates_only_keep_every_block(fake: FakeKVPublisher) -> None:
+    """Duplicates never clear the worker (they used to be taken for an engine restart)."""
+    payloads = [_marker(), *script(11, seed=41, clears=False)]
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], **PATIENT) as sub:
+        assert fake.wait_subscribed()
+        for i, p in enumerate(payloads):
+            fake.publish(p)
+            if i >= 3:
+                fake.resend(i - 2)  # every batch but 0 twice, the copy two batches late
+        c = wait(sub, lambda c: c["duplicates"] >= len(payloads) - 3)
+        assert sub.last_seq(spec.worker_id) == len(payloads) - 1
+    assert c["duplicates"] == len(payloads) - 3 and c["batches"] == len(payloads), c
+    assert c["restarts"] == c["resyncs"] == c["gaps"] == 0, c
+    assert index.match_tokens([7] * BLOCK).as_dict() == {spec.worker_id: 1}
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay-socket", "no-replay-socket"])
+def test_reordering_within_the_window_is_tolerated(replay: bool) -> None:
+    payloads = [_marker(), *script(15, seed=42, clears=False)]
+    index = PrefixIndex(block_size=BLOCK)
+    with FakeKVPublisher(topic="kv@a", replay=replay) as fake:
+        spec = spec_of(fake)
+        with KVEventSubscriber(index, [spec], reorder_window=8, **PATIENT) as sub:
+            assert fake.wait_subscribed()
+            late = {5, 11}
+            for i, p in enumerate(payloads):
+                fake.publish(p, deliver=i not in late)
+                if i == 8:
+                    fake.resend(5)  # 5 arrives after 6, 7 and 8
+                if i == 12:
+                    fake.resend(11)  # 11 after 12
+            c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == len(payloads) - 1)
+            state = sub.worker_state(spec.worker_id)
+        assert fake.replay_requests == []
+    assert c["reordered"] == 2 and c["held_batches"] == 4, c
+    assert c["gaps"] == c["replays"] == c["resyncs"] == c["restarts"] == c["duplicates"] == 0, c
+    assert state["held"] == 0 and state["held_peak"] == 3, state
+    assert index.match_tokens([7] * BLOCK).as_dict() == {spec.worker_id: 1}
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def test_hole_past_the_reorder_window_is_a_gap(fake: FakeKVPublisher) -> None:
+    payloads = script(14, seed=43)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], reorder_window=4, **PATIENT) as sub:
+        assert fake.wait_subscribed()
+        for i, p in enumerate(payloads):
+            fake.publish(p, deliver=i != 5)  # 6..10 held: the fifth is one too many
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 13)
+    assert fake.replay_requests == [5]
+    assert c["gaps"] == 1 and c["missed_batches"] == 1 and c["replays"] == 1, c
+    assert c["reordered"] == c["resyncs"] == 0, c
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def test_sequence_far_below_the_window_is_a_restart(fake: FakeKVPublisher) -> None:
+    """The engine restarted and the subscriber missed its first batches: the sequence goes
+    back by more than the reorder window (not to 0), which only a restart explains."""
+    before = [_marker(), *script(39, seed=44, clears=False)]
+    after = script(10, seed=45)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], reorder_window=16, **FAST) as sub:
+        assert fake.wait_subscribed()
+        for p in before:
+            fake.publish(p)
+        wait(sub, lambda c: sub.last_seq(spec.worker_id) == 39)
+        fake.restart()
+        fake.skip_to(3)  # 0..2 went out before anyone listened to the new engine
+        for p in after:
+            fake.publish(p)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 12)
+    assert c["restarts"] == 1, c
+    # Then a late join: the new engine's replay no longer holds 0..2, so it resyncs at 3.
+    assert fake.replay_requests == [0] and c["resyncs"] == 1 and c["duplicates"] == 0, c
+    assert index.match_tokens([7] * BLOCK).as_dict() == {}
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(after, spec.worker_id), spec.worker_id
+    )
+
+
+def test_new_publisher_identity_is_a_restart() -> None:
+    """A new connection whose first batch does not move past the last one seen is another
+    process on the same address, even though its sequence (3) is within the window."""
+    before, after = [_marker(), *script(5, seed=46, clears=False)], script(5, seed=47)
+    index = PrefixIndex(block_size=BLOCK)
+    first = FakeKVPublisher(topic="kv@a", replay=False)
+    spec = spec_of(first)
+    with KVEventSubscriber(index, [spec], **FAST) as sub:
+        assert first.wait_subscribed()
+        for p in before:
+            first.publish(p)
+        wait(sub, lambda c: sub.last_seq(spec.worker_id) == 5)
+        first.close()
+        wait(sub, lambda c: c["disconnects"] >= 1)
+        with FakeKVPublisher(topic="kv@a", endpoint=first.endpoint, replay=False) as again:
+            again.skip_to(3)
+            assert again.wait_subscribed()
+            for p in after:
+                again.publish(p)
+            c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 7)
+    assert c["reconnects"] == 1 and c["restarts"] == 1 and c["duplicates"] == 0, c
+    # Without a replay socket the late join at 3 resyncs once the hole's wait is up.
+    assert index.match_tokens([7] * BLOCK).as_dict() == {}
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(after, spec.worker_id), spec.worker_id
+    )
+
+
+def test_reconnect_to_the_same_publisher_keeps_the_worker(fake: FakeKVPublisher) -> None:
+    """A subscriber that stops and starts again sees a new connection, but the sequence moves
+    forward: the same publisher, no restart, the outage filled from the replay socket."""
+    payloads = [_marker(), *script(9, seed=48, clears=False)]
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    sub = KVEventSubscriber(index, [spec], **FAST)
+    sub.start()
+    try:
+        assert fake.wait_subscribed()
+        for p in payloads[:5]:
+            fake.publish(p)
+        wait(sub, lambda c: sub.last_seq(spec.worker_id) == 4)
+        sub.stop()
+        fake.publish(payloads[5], deliver=False)
+        sub.start()
+        assert fake.wait_subscribed(count=2)
+        for p in payloads[6:]:
+            fake.publish(p)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 9)
+    finally:
+        sub.stop()
+    assert c["restarts"] == 0 and c["resyncs"] == 0, c
+    assert index.match_tokens([7] * BLOCK).as_dict() == {spec.worker_id: 1}
+
+
+# -- replays that answer late or never ----------------------------------------------------------
+
+
+def test_late_replay_falls_back_to_a_resync_and_the_socket_backs_off(
+    fake: FakeKVPublisher,
+) -> None:
+    payloads = [_marker(), *script(30, seed=50, clears=False)]
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    fake.replay_delay_s = 1.0  # answers, but long after the subscriber gave up
+    opts = {**FAST, "replay_timeout_s": 0.2, "replay_backoff_s": (600.0, 600.0)}
+    with KVEventSubscriber(index, [spec], reorder_window=2, **opts) as sub:
+        assert fake.wait_subscribed()
+        for i, p in enumerate(payloads[:15]):
+            fake.publish(p, deliver=i != 5)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 14)
+        assert c["replays"] == 1 and c["replay_timeouts"] == 1 and c["resyncs"] == 1, c
+        assert sub.worker_state(spec.worker_id)["replay_backoff_s"] > 0
+        # The next gap does not wait on the socket that failed: it resyncs at once.
+        for i, p in enumerate(payloads[15:], start=15):
+            fake.publish(p, deliver=i != 20)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 30)
+        time.sleep(1.5)  # the late answer arrives meanwhile, on a socket already replaced
+        c = sub.counters()
+    assert fake.replay_requests == [5], fake.replay_requests
+    assert c["gaps"] == 2 and c["replays"] == 1 and c["replays_skipped"] == 1, c
+    assert c["resyncs"] == 2 and c["replayed_batches"] == 0, c
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads[21:], spec.worker_id), spec.worker_id
+    )
+
+
+def test_buffer_cap_ends_a_replay_that_does_not_answer(fake: FakeKVPublisher) -> None:
+    """The live stream keeps flowing behind a silent replay socket: at most ``buffer_cap``
+    batches are held, then the replay is given up and the worker resyncs."""
+    payloads = script(200, seed=51)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    fake.replay_answers = False
+    opts = {**FAST, "replay_timeout_s": 600.0}
+    with KVEventSubscriber(index, [spec], reorder_window=4, buffer_cap=50, **opts) as sub:
+        assert fake.wait_subscribed()
+        for i, p in enumerate(payloads):
+            fake.publish(p, deliver=i != 10)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 199)
+        state = sub.worker_state(spec.worker_id)
+    assert c["buffer_overflows"] == 1 and c["replay_timeouts"] == 0, c
+    assert c["replays"] == 1 and c["resyncs"] == 1, c
+    assert state["held_peak"] == 50 and state["held"] == 0 and not state["replaying"], state
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads[11:], spec.worker_id), spec.worker_id
+    )
+
+
+def test_silent_replay_socket_under_heavy_loss_keeps_the_stream_flowing() -> None:
+    """Thousands of batches, one in 50 lost, a replay socket that never answers: the first gap
+    waits for the replay (bounded by the buffer cap), every later one resyncs at once. Held
+    batches never pass the cap (memory bounded) and every batch is taken."""
+    n, every = 6_000, 50
+    payloads = script(n, seed=52)
+    lost = set(range(every - 1, n - 1, every))
+    index = PrefixIndex(block_size=BLOCK)
+    peaks: list[int] = []
+    with FakeKVPublisher(topic="kv@a") as fake:
+        fake.replay_answers = False
+        spec = spec_of(fake)
+        opts = {**FAST, "replay_timeout_s": 600.0, "replay_backoff_s": (600.0, 600.0)}
+        with KVEventSubscriber(index, [spec], reorder_window=8, buffer_cap=200, **opts) as sub:
+            assert fake.wait_subscribed()
+            for i, p in enumerate(payloads):
+                fake.publish(p, deliver=i not in lost)
+                if i % 500 == 0:
+                    peaks.append(sub.worker_state(spec.worker_id)["held"])
+            c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == n - 1)
+            state = sub.worker_state(spec.worker_id)
+    # Every hole is lost for good (one resync each); the ones the first replay's buffer held
+    # are resolved together when the cap gives it up, the others each count as a gap.
+    assert c["resyncs"] == len(lost) and c["gaps"] <= len(lost), c
+    assert c["replays"] == 1 and c["buffer_overflows"] == 1 and c["replay_timeouts"] == 0, c
+    assert c["replays_skipped"] == c["gaps"] - 1, c
+    assert c["batches"] == n - len(lost) and c["duplicates"] == 0 and c["restarts"] == 0, c
+    assert state["held_peak"] == 200 and max(peaks) <= 200, (state, peaks)
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads[max(lost) + 1 :], spec.worker_id), spec.worker_id
+    )
+
+
+def test_replay_runs_beside_a_live_stream(fake: FakeKVPublisher) -> None:
+    """A replay that answers late but within its deadline: live batches are read and held
+    meanwhile (the SUB socket never fills up), and applied once the replay closes the hole."""
+    payloads = script(120, seed=53)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    fake.replay_delay_s = 0.5
+    with KVEventSubscriber(index, [spec], reorder_window=2, **FAST) as sub:
+        assert fake.wait_subscribed()
+        for i, p in enumerate(payloads[:10]):
+            fake.publish(p, deliver=i != 4)
+        wait(sub, lambda c: c["replays"] >= 1)
+        for p in payloads[10:]:
+            fake.publish(p)  # while the replay is outstanding
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 119)
+        state = sub.worker_state(spec.worker_id)
+    assert fake.replay_requests == [4]
+    assert c["replay_timeouts"] == 0 and c["resyncs"] == 0 and c["replayed_batches"] >= 1, c
+    assert state["held_peak"] > 2, state  # live batches piled up beside the replay, not in ZMQ
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def test_counters_are_complete_and_documented(fake: FakeKVPublisher) -> None:
+    from llmsched.integrations.kv_events import COUNTER_HELP, COUNTERS
+
+    sub = KVEventSubscriber(PrefixIndex(block_size=BLOCK), [spec_of(fake)])
+    assert tuple(sub.counters()) == COUNTERS == tuple(COUNTER_HELP)
+    assert tuple(sub.worker_counters(sub.workers()[0])) == COUNTERS
+    assert all(COUNTER_HELP.values())
+    doc = KVEventSubscriber.counters.__doc__ or ""
+    assert [name for name in COUNTERS if f"``{name}``" not in doc] == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"reorder_window": -1}, "reorder_window"),
+        ({"reorder_window": 1.5}, "reorder_window"),
+        ({"reorder_wait_s": 0}, "reorder_wait_s"),
+        ({"reorder_wait_s": float("nan")}, "reorder_wait_s"),
+        ({"replay_timeout_s": float("inf")}, "replay_timeout_s"),
+        ({"buffer_cap": 0}, "buffer_cap"),
+        ({"buffer_cap": True}, "buffer_cap"),
+        ({"buffer_cap_bytes": 0}, "buffer_cap_bytes"),
+        ({"buffer_cap": 8, "reorder_window": 8}, "larger than reorder_window"),
+        ({"replay_backoff_s": (1.0, 0.5)}, "replay_backoff_s"),
+        ({"replay_backoff_s": (1.0, float("inf"))}, "replay_backoff_s"),
+    ],
+)
+def test_sequencing_options_are_validated(kwargs: dict[str, Any], field: str) -> None:
+    a = EngineSpec("h", 1, kv_events="tcp://127.0.0.1:5557")
+    with pytest.raises(ConfigError, match=field):
+        KVEventSubscriber(PrefixIndex(block_size=BLOCK), [a], **kwargs)

@@ -246,3 +246,27 @@ def test_threads_hammering_one_index_agree_with_the_twin() -> None:
                 twin.clear(w)
     for w in range(4):
         assert index.holdings(w) == twin.holdings(w)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_now_is_refused_everywhere_and_changes_nothing(bad: float) -> None:
+    """Every clock-taking method refuses a NaN or infinite ``now`` as Router.pick does."""
+    from llmsched.errors import InvalidRequestError
+
+    index = PrefixIndex(block_size=4)
+    hashes = index.hash_tokens([1, 2, 3, 4, 5, 6, 7, 8])
+    index.record("a", hashes, ttl_s=5.0, now=0.0)
+    before = index.holdings("a")
+    calls = {
+        "record": lambda: index.record("b", hashes, ttl_s=5.0, now=bad),
+        "match": lambda: index.match(hashes, now=bad),
+        "match_tokens": lambda: index.match_tokens([1, 2, 3, 4], now=bad),
+        "match_many": lambda: index.match_many([hashes], now=bad),
+        "match_tokens_many": lambda: index.match_tokens_many([[1, 2, 3, 4]], now=bad),
+        "expire": lambda: index.expire(now=bad),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidRequestError, match="now must be finite"):
+            call()
+        assert index.workers() == ["a"] and index.holdings("a") == before, name
+    assert index.match_tokens(list(range(1, 9)), now=4.0).as_dict() == {"a": 2}

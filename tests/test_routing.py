@@ -21,6 +21,7 @@ from llmsched import (
     Router,
     UnknownEndpointError,
 )
+from llmsched.errors import InvalidRequestError
 from llmsched.routing import load_config, render_messages, text_tokens
 
 PD_YAML = """
@@ -305,8 +306,11 @@ def test_bad_input_changes_nothing() -> None:
         router.pick(tokens=[1], text="x")
     with pytest.raises(ValueError, match="out of range"):
         router.pick(tokens=[1, -2])
-    with pytest.raises(ValueError, match="now"):
-        router.pick(tokens=[1], now=float("nan"))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(InvalidRequestError, match="now must be finite"):
+            router.pick(tokens=[1], now=bad)
+    with pytest.raises(InvalidRequestError, match="now must be finite"):
+        pool.update("a", waiting=1, now=float("nan"))
     with pytest.raises(TypeError, match="headers"):
         router.pick(tokens=[1], headers={"a": 1})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="stale_policy"):

@@ -88,8 +88,8 @@ class DuplicateRequestError(LlmschedError, ValueError):
 
 
 class InvalidRequestError(LlmschedError, ValueError):
-    """A flow-control request or call carries a value no policy can act on (negative size,
-    non-finite time, ...); nothing was changed."""
+    """A request or call carries a value no policy can act on (negative size, a non-finite
+    ``now``, ...); nothing was changed."""
 
 
 class InternalError(LlmschedError, RuntimeError):

@@ -19,6 +19,7 @@ expire), and queried with :meth:`PrefixIndex.match` on every request.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -29,6 +30,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, as_token_array
+from llmsched.errors import InvalidRequestError
 from llmsched.hashing import _check_block_size, _check_seed
 
 __all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
@@ -303,4 +305,11 @@ class PrefixIndex:
 
 
 def _now(now: float | None) -> float:
-    return time.monotonic() if now is None else float(now)
+    # The same check and error as Router and FlowController: a NaN or infinite clock would
+    # make every TTL comparison false (NaN) or expire everything at once (inf).
+    if now is None:
+        return time.monotonic()
+    value = float(now)
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"now must be finite, got {now!r}")
+    return value

@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidRequestError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 
@@ -402,8 +402,7 @@ class Router:
         if type(priority) is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         header_items = [] if headers is None else _headers(headers)
-        # The native side checks that `now` is finite.
-        clock = time.monotonic() if now is None else now
+        clock = _now(now)
         native = self._native.pick(
             array, model, lora, priority, session_id, header_items, cache_salt, clock
         )
@@ -746,5 +745,5 @@ def _now(now: float | None) -> float:
         return time.monotonic()
     value = float(now)
     if not math.isfinite(value):
-        raise ValueError(f"now must be finite, got {now!r}")
+        raise InvalidRequestError(f"now must be finite, got {now!r}")
     return value

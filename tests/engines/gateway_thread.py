@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import llmsched.integrations  # noqa: F401
 from llmsched.gateway import Gateway
 
-from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
+from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, scaled
 
 T = TypeVar("T")
 
@@ -60,7 +60,7 @@ class GatewayThread:
         return Gateway(config)  # built inside the loop: aiohttp objects bind to it
 
     def call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(scaled(timeout_s))
 
     def stop(self) -> None:
         self.call(self.gateway.stop())
@@ -69,7 +69,7 @@ class GatewayThread:
         self.loop.close()
 
     def connection(self, timeout_s: float = 60.0) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=timeout_s)
+        return http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=scaled(timeout_s))
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
         conn = self.connection()

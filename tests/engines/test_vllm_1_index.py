@@ -12,7 +12,7 @@ import pytest
 from llmsched import PrefixIndex
 from llmsched.integrations import EngineSpec, KVEventSubscriber
 
-from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
+from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, scaled
 
 VOCAB = 512
 
@@ -30,7 +30,7 @@ def spec(engine: VllmEngine) -> EngineSpec:
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if condition():
             return True
@@ -64,7 +64,7 @@ def settle(
 def wait_connected(subscriber: KVEventSubscriber, engines: list[VllmEngine]) -> None:
     """Wait for every engine to connect to the subscriber's bound sockets, then a little for
     the subscription to reach the engine (a PUB socket drops what it sends before that)."""
-    connected = subscriber.wait_for(lambda c: c["connects"] >= len(engines), timeout=30.0)
+    connected = subscriber.wait_for(lambda c: c["connects"] >= len(engines), timeout=scaled(30.0))
     assert connected, subscriber.counters()
     time.sleep(0.5)
 
@@ -138,7 +138,7 @@ def test_killed_subscriber_catches_up_through_replay(
     revived.start()
     try:
         trigger = [rng.randrange(5, VOCAB) for _ in range(70)]
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         # The engine reconnects to the new socket on its own schedule; nudge until a live batch
         # arrives and reveals the gap.
         while time.monotonic() < deadline and cached_blocks(index, worker, missed) < 4:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from .gateway_thread import GatewayThread, gateway_config
-from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine
+from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, scaled
 
 WORDS = ("the", "cache", "prefix", "token", "route", "engine", "queue", "batch", "memory", "block")
 
@@ -59,7 +59,7 @@ def test_started_gateway_learns_the_engines_caches(
         held = index.workers()
         return all(w in held and index.holdings(w) for w in workers)
 
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + scaled(20)
     while time.monotonic() < deadline and not known():
         time.sleep(0.1)
     assert known(), f"the gateway's index knows {index.workers()}"
@@ -178,7 +178,7 @@ def test_cancelled_client_request_is_cancelled_upstream(
             for line in engine.log_path.read_text(errors="replace").splitlines()
         )
 
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while time.monotonic() < deadline and not aborted():
         time.sleep(0.2)
     assert aborted(), f"no engine logged the abort of {request_id}"
@@ -196,7 +196,7 @@ def test_scraper_reads_the_engines_load(engines: list[VllmEngine], gateway: Gate
     def row() -> dict[str, Any]:
         return next(e for e in pool.endpoints() if e["id"] == worker)
 
-    conn = http.client.HTTPConnection("127.0.0.1", engines[0].port, timeout=60)
+    conn = http.client.HTTPConnection("127.0.0.1", engines[0].port, timeout=scaled(60))
     body = {
         "model": MODEL_NAME,
         "prompt": "the memory block replica",
@@ -207,7 +207,7 @@ def test_scraper_reads_the_engines_load(engines: list[VllmEngine], gateway: Gate
     conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     reply = conn.getresponse()
     assert reply.status == 200
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     busy: dict[str, Any] = {}
     while time.monotonic() < deadline and not busy:
         seen = row()
@@ -217,7 +217,7 @@ def test_scraper_reads_the_engines_load(engines: list[VllmEngine], gateway: Gate
     conn.close()
     assert busy, f"the scraper never showed the request running: {row()}"
     assert busy["waiting"] == 0
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + scaled(20)
     while time.monotonic() < deadline and row()["running"] != 0:
         time.sleep(0.1)
     assert row()["running"] == 0

@@ -4,21 +4,37 @@ One SUB socket per engine (one per data-parallel rank), each message three frame
 ``[topic, seq (8-byte big-endian), payload]``; each payload goes straight to
 :meth:`PrefixIndex.apply_vllm_events` (decoded and applied in Rust, no per-event Python objects).
 
-Algorithm (per publisher; ``next`` = the sequence number expected next):
+Algorithm (per publisher; ``next`` = the sequence number expected next, ``highest`` = the
+highest live sequence number seen since the last restart):
 
-- ``seq == next``: apply. ``seq < next`` (and after the last live seq): a batch a replay already
-  delivered, dropped. ``seq`` not after the last live seq: the engine restarted; its worker is
-  cleared and the stream starts over.
-- ``seq > next`` (a gap; also a first message with ``seq > 0``, a late joiner): the engine's replay
-  socket is asked for ``next`` onwards; live messages are buffered meanwhile. Replayed batches are
-  applied in order, then the buffered live ones that the replay did not already cover.
-- When the replay cannot cover the gap (no replay endpoint, no answer within
-  ``replay_timeout_s``, or the first replayed seq is past ``next``) the worker is cleared and the
-  stream resynchronises from the first batch it has.
+- **In order** (``seq == next``): applied, then every held batch that now follows on.
+- **Duplicate** (``seq < next``, or a batch already held): dropped, counted in ``duplicates``.
+- **Out of order** (``seq > next``): held in a bounded buffer (``reorder_window`` batches, or
+  ``buffer_cap`` while a replay runs). A batch that arrives after a later one is counted in
+  ``reordered`` and fills its hole, so reordering within the window costs nothing.
+- **Gap**: the hole is still open once more than ``reorder_window`` later batches are held or
+  the first of them has waited ``reorder_wait_s``. The engine's replay socket is then asked for
+  ``next`` onwards. The replay runs beside the live stream: live batches keep being read (the
+  SUB socket is never left to fill up), held in the buffer, and applied as soon as the replay
+  closes the hole. A replay that ends short of the hole, stays silent for ``replay_timeout_s``
+  (a late or absent answer), or would need more than ``buffer_cap`` held batches
+  (or ``buffer_cap_bytes``) is given up: that worker alone is **resynchronised** (its blocks
+  cleared, its replay socket replaced, the stream continued from the first batch held). A
+  replay socket that failed is not asked again for ``replay_backoff_s`` (doubling up to the
+  second value): meanwhile gaps resync at once (``replays_skipped``) instead of holding the
+  live stream back behind a socket that does not answer. Without a replay socket a gap always
+  resyncs.
+- **Restart** (the worker is cleared and the sequence starts over), on any of three signals:
+  batch 0 arrives again after the stream had moved past it (a fresh publisher always begins at
+  0); the sequence goes back by more than ``reorder_window`` below ``highest``; or the first
+  batch after a new connection (a new publisher identity, as ZMQ's socket monitor reports it)
+  does not move past ``highest``. Nothing else clears a worker that has a replay socket.
 
 Sockets are polled together by one thread (:meth:`KVEventSubscriber.start`) or one asyncio task
-(:meth:`KVEventSubscriber.run`). ZMQ reconnects dropped TCP connections on its own with
-exponential backoff (``backoff_s``); a socket that fails is rebuilt with the same backoff.
+(:meth:`KVEventSubscriber.run`), reading at most :data:`DRAIN_BATCH` messages from a socket
+before the others (and the deadlines) get their turn. ZMQ reconnects dropped TCP connections on
+its own with exponential backoff (``backoff_s``); a socket that fails is rebuilt with the same
+backoff.
 
 >>> import msgpack
 >>> import zmq
@@ -46,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -60,46 +77,83 @@ from llmsched.errors import ConfigError, MalformedEventError, UnknownWorkerError
 from llmsched.integrations.identity import EngineSpec
 from llmsched.prefix_index import PrefixIndex
 
-__all__ = ["COUNTERS", "DEFAULT_BACKOFF_S", "DEFAULT_REPLAY_TIMEOUT_S", "KVEventSubscriber"]
+__all__ = [
+    "COUNTERS",
+    "COUNTER_HELP",
+    "DEFAULT_BACKOFF_S",
+    "DEFAULT_BUFFER_CAP",
+    "DEFAULT_BUFFER_CAP_BYTES",
+    "DEFAULT_REORDER_WAIT_S",
+    "DEFAULT_REORDER_WINDOW",
+    "DEFAULT_REPLAY_BACKOFF_S",
+    "DEFAULT_REPLAY_TIMEOUT_S",
+    "KVEventSubscriber",
+]
 
 DEFAULT_BACKOFF_S = (0.05, 2.0)
 """First and largest delay (seconds) between reconnection attempts."""
 
 DEFAULT_REPLAY_TIMEOUT_S = 2.0
-"""How long a replay may take to end before the gap counts as not covered."""
+"""How long a replay may stay silent (before its first reply, or between two) before it is
+given up and the gap counts as not covered."""
+
+DEFAULT_REPLAY_BACKOFF_S = (10.0, 300.0)
+"""First and largest pause (seconds) before a replay socket that failed is asked again."""
+
+DEFAULT_REORDER_WINDOW = 64
+"""Later batches held while a hole in the sequence waits to be filled by a late arrival."""
+
+DEFAULT_REORDER_WAIT_S = 0.05
+"""How long the first batch after a hole waits for a late arrival before the hole is a gap."""
+
+DEFAULT_BUFFER_CAP = 10_000
+"""Live batches held back per engine while a replay runs (vLLM's replay buffer holds 10,000)."""
+
+DEFAULT_BUFFER_CAP_BYTES = 64 * 1024 * 1024
+"""Payload bytes held back per engine while a replay runs."""
 
 POLL_INTERVAL_S = 0.02
 """Longest wait between checks of the stop flag, replay deadlines and socket rebuilds."""
+
+DRAIN_BATCH = 1_000
+"""Messages read from one socket before the other sockets and the deadlines get their turn."""
 
 RCVHWM = 10_000
 """Messages a SUB socket queues before dropping (vLLM's replay buffer holds 10,000 batches)."""
 
 _END_SEQ = -1  # the replay socket's end marker, a signed 8-byte big-endian -1
 
-COUNTERS = (
-    "batches",
-    "events",
-    "blocks_stored",
-    "blocks_removed",
-    "all_cleared",
-    "unknown_parent",
-    "unknown_removed",
-    "gaps",
-    "missed_batches",
-    "replays",
-    "catch_ups",
-    "replayed_batches",
-    "replay_timeouts",
-    "resyncs",
-    "restarts",
-    "duplicates",
-    "decode_errors",
-    "topic_rejected",
-    "connects",
-    "disconnects",
-    "reconnects",
-    "socket_errors",
-)
+COUNTER_HELP: dict[str, str] = {
+    "batches": "batches applied to the index (live and replayed)",
+    "events": "events in the batches applied",
+    "blocks_stored": "blocks stored by those events",
+    "blocks_removed": "blocks removed by those events",
+    "all_cleared": "AllBlocksCleared events applied",
+    "unknown_parent": "stored chains whose parent block the index did not know",
+    "unknown_removed": "removed blocks the index did not know",
+    "gaps": "holes in the sequence not filled within the reorder window",
+    "missed_batches": "batches those holes spanned",
+    "reordered": "live batches that arrived after a later one and filled their hole",
+    "duplicates": "live batches dropped because their sequence number was already taken",
+    "held_batches": "live batches held back (out of order, or during a replay) before applying",
+    "buffer_overflows": "replays given up because the held batches reached the buffer cap",
+    "replays": "replays asked for because of a gap",
+    "catch_ups": "replays asked for because a publisher (re)connected",
+    "replayed_batches": "batches applied from a replay socket's answer",
+    "replay_timeouts": "replays given up because they stayed silent for replay_timeout_s",
+    "replays_skipped": "gaps resynchronised at once because the replay socket was backing off",
+    "resyncs": "times a worker was cleared because batches were lost for good",
+    "restarts": "times a publisher started its sequence over (the worker is cleared)",
+    "decode_errors": "malformed messages or payloads (skipped)",
+    "topic_rejected": "messages with a foreign topic (refused)",
+    "connects": "connections made to (or accepted from) a publisher",
+    "disconnects": "connections lost",
+    "reconnects": "connections after the first (a new publisher identity)",
+    "socket_errors": "socket failures (the socket is rebuilt after a backoff delay)",
+}
+"""What each counter counts (see :meth:`KVEventSubscriber.counters`)."""
+
+COUNTERS = tuple(COUNTER_HELP)
 """The counters kept per worker and in total (see :meth:`KVEventSubscriber.counters`)."""
 
 # Keys of PrefixIndex.apply_vllm_events' report summed into the counters.
@@ -117,16 +171,19 @@ _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNEC
 
 @dataclasses.dataclass
 class _Replay:
-    """A replay in progress: what it must cover and the live batches held back meanwhile."""
+    """A replay in progress: where it starts and when it is given up."""
 
     start: int
     deadline: float
-    buffered: list[tuple[int, bytes]]
     received: int = 0
 
 
 class _Publisher:
-    """One engine's stream: its sockets and the sequence state machine."""
+    """One engine's stream: its sockets and the sequence state machine.
+
+    Every method runs on the subscriber's polling thread (or task); the counters and the
+    snapshot read by :meth:`KVEventSubscriber.worker_state` change under the owner's lock.
+    """
 
     def __init__(self, owner: KVEventSubscriber, spec: EngineSpec) -> None:
         self.owner = owner
@@ -140,8 +197,17 @@ class _Publisher:
         self.retry_at = 0.0
         self.failures = 0
         self.next_seq: int | None = None
-        self.last_live: int | None = None
+        self.highest: int | None = None
+        self.new_peer = False
+        self.peer_highest: int | None = None
+        # Batches after a hole, by seq, waiting for it to be filled (bounded).
+        self.held: dict[int, bytes] = {}
+        self.held_bytes = 0
+        self.held_peak = 0
+        self.held_since: float | None = None  # when the current hole was first seen
         self.replay: _Replay | None = None
+        self.replay_failures = 0
+        self.replay_retry_at = 0.0
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- sockets ------------------------------------------------------------------------------
@@ -188,6 +254,7 @@ class _Publisher:
             if sock is not None:
                 sock.close(linger=0)
         self.sub = self.monitor = self.dealer = None
+        self.replay = None
 
     def _failed(self) -> None:
         self.owner._bump(self, "socket_errors")
@@ -199,14 +266,13 @@ class _Publisher:
     def fail(self) -> None:
         """A socket raised: drop everything and rebuild after a backoff delay."""
         self.close()
-        self.replay = None
         self._failed()
 
     # -- receiving ----------------------------------------------------------------------------
 
     def drain_sub(self) -> None:
         assert self.sub is not None
-        while True:
+        for _ in range(DRAIN_BATCH):
             try:
                 frames = self.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -225,14 +291,21 @@ class _Publisher:
                 self.owner._bump(self, "connects")
                 if self.counts["connects"] > 1:
                     self.owner._bump(self, "reconnects")
+                    # Possibly another process on the same address: its first batch decides.
+                    self.new_peer = True
+                    self.peer_highest = self.highest
+                # A new connection is a new chance for the replay socket too.
+                self.replay_failures = 0
+                self.replay_retry_at = 0.0
                 if self.owner.catch_up:
                     self.request_catch_up()
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.owner._bump(self, "disconnects")
 
     def drain_dealer(self) -> None:
-        assert self.dealer is not None
-        while self.dealer is not None:
+        for _ in range(DRAIN_BATCH):
+            if self.dealer is None:
+                return
             try:
                 frames = self.dealer.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -248,13 +321,35 @@ class _Publisher:
             self.owner._bump(self, "topic_rejected")
             return
         seq = int.from_bytes(seq_bytes, "big")
-        if self.last_live is not None and seq <= self.last_live:
+        if self.is_restart(seq):
             self.restart()
-        self.last_live = seq
-        if self.replay is not None:
-            self.replay.buffered.append((seq, payload))
+        self.new_peer = False
+        expected = self.expected()
+        if seq < expected or seq in self.held:
+            self.owner._bump(self, "duplicates")
+            return
+        if self.highest is not None and seq < self.highest:
+            self.owner._bump(self, "reordered")
+        if self.highest is None or seq > self.highest:
+            self.highest = seq
+        if seq == expected:
+            self.apply(seq, payload)
+            self.drain_held()
         else:
-            self.sequence(seq, payload)
+            self.hold(seq, payload)
+
+    def expected(self) -> int:
+        return 0 if self.next_seq is None else self.next_seq
+
+    def is_restart(self, seq: int) -> bool:
+        """The documented restart signals (see the module docstring)."""
+        if self.highest is None:
+            return False
+        if self.new_peer and self.peer_highest is not None and seq <= self.peer_highest:
+            return True
+        if seq == 0 and self.next_seq is not None and self.next_seq > 0:
+            return True
+        return seq < self.highest - self.owner.reorder_window
 
     def restart(self) -> None:
         """The engine started its sequence over: forget it and whatever replay was running."""
@@ -262,18 +357,108 @@ class _Publisher:
         if self.replay is not None:
             self.replay = None
             self._reset_dealer()
+        self.drop_held()
         self.clear_worker()
-        self.next_seq = None
+        with self.owner._lock:
+            self.next_seq = None
+        self.highest = None
 
-    def sequence(self, seq: int, payload: bytes) -> None:
-        """One live batch in the order received, with no replay running."""
-        expected = 0 if self.next_seq is None else self.next_seq
-        if seq == expected:
+    # -- holding ------------------------------------------------------------------------------
+
+    def hold(self, seq: int, payload: bytes) -> None:
+        """Keep a batch that arrived after a hole until the hole is filled, within the caps.
+
+        A batch that would pass a cap ends the wait: the replay (if any) is given up and every
+        held batch is applied, each remaining hole resynchronised."""
+        owner = self.owner
+        over = len(self.held) >= owner.buffer_cap or (
+            self.held_bytes + len(payload) > owner.buffer_cap_bytes
+        )
+        if over:
+            owner._bump(self, "buffer_overflows")
+            self.give_up_replay()
+            while self.held:
+                self.resync_to_held()
+            if seq < self.expected():
+                owner._bump(self, "duplicates")  # its hole was given up on
+                return
+            if seq == self.expected() or len(payload) > owner.buffer_cap_bytes:
+                if seq > self.expected():
+                    self.resync(seq)
+                self.apply(seq, payload)
+                return
+        self.held[seq] = payload
+        self.held_bytes += len(payload)
+        with owner._lock:
+            self.counts["held_batches"] += 1
+            owner._totals["held_batches"] += 1
+            self.held_peak = max(self.held_peak, len(self.held))
+        if self.held_since is None:
+            self.held_since = time.monotonic()
+        if self.replay is None and len(self.held) > owner.reorder_window:
+            self.gap()
+
+    def drop_held(self) -> None:
+        self.held.clear()
+        self.held_bytes = 0
+        self.held_since = None
+
+    def drain_held(self) -> None:
+        """Apply the held batches that now follow on; a hole that stays starts a new wait."""
+        progressed = False
+        while self.held and self.expected() in self.held:
+            seq = self.expected()
+            payload = self.held.pop(seq)
+            self.held_bytes -= len(payload)
             self.apply(seq, payload)
-        elif seq < expected:
-            self.owner._bump(self, "duplicates")
+            progressed = True
+        if not self.held:
+            self.held_since = None
+        elif progressed or self.held_since is None:
+            self.held_since = time.monotonic()
+
+    def lose_before(self, target: int) -> None:
+        """Batches before ``target`` that are neither applied nor held are lost for good:
+        resynchronise at each such hole and apply what is held up to ``target``."""
+        while self.expected() < target:
+            below = [s for s in self.held if s < target]
+            first = min(below) if below else target
+            if first > self.expected() or self.next_seq is None:
+                self.resync(first)
+            self.drain_held()
+            if not below:
+                return
+
+    def resync_to_held(self) -> None:
+        """The hole before the first held batch is lost for good: resync and go on from it."""
+        if self.held:
+            self.lose_before(min(self.held))
+
+    # -- gaps and replays ---------------------------------------------------------------------
+
+    def check_timers(self, now: float) -> None:
+        """Give up an overdue replay; declare a hole that waited too long a gap."""
+        if self.replay is not None:
+            if now >= self.replay.deadline:
+                self.owner._bump(self, "replay_timeouts")
+                self.give_up_replay()
+                self.resync_to_held()
+        elif self.held_since is not None and now - self.held_since >= self.owner.reorder_wait_s:
+            self.gap()
+
+    def gap(self) -> None:
+        """The hole before the first held batch will not be filled by a late arrival."""
+        expected = self.expected()
+        self.owner._bump(self, "gaps")
+        self.owner._bump(self, "missed_batches", min(self.held) - expected)
+        if self.dealer is None:
+            self.resync_to_held()
+        elif time.monotonic() < self.replay_retry_at:
+            self.owner._bump(self, "replays_skipped")
+            self.resync_to_held()
         else:
-            self.gap(expected, seq, payload)
+            self.owner._bump(self, "replays")
+            self.ask_replay(expected)
 
     def request_catch_up(self) -> None:
         """A publisher (re)connected: ask its replay socket for every batch after the last one
@@ -282,25 +467,25 @@ class _Publisher:
         if self.dealer is None or self.replay is not None:
             return
         self.owner._bump(self, "catch_ups")
-        self.ask_replay(0 if self.next_seq is None else self.next_seq, [])
+        self.ask_replay(self.expected())
 
-    def gap(self, start: int, seq: int, payload: bytes) -> None:
-        self.owner._bump(self, "gaps")
-        self.owner._bump(self, "missed_batches", seq - start)
-        if self.dealer is None:
-            self.resync(seq)
-            self.apply(seq, payload)
-            return
-        self.owner._bump(self, "replays")
-        self.ask_replay(start, [(seq, payload)])
-
-    def ask_replay(self, start: int, held_back: list[tuple[int, bytes]]) -> None:
-        """Ask the replay socket for every batch from ``start``; live batches wait meanwhile."""
+    def ask_replay(self, start: int) -> None:
+        """Ask the replay socket for every batch from ``start``; live batches are held meanwhile."""
         assert self.dealer is not None
-        self.replay = _Replay(start, time.monotonic() + self.owner.replay_timeout_s, held_back)
-        self.next_seq = start
+        self.replay = _Replay(start, time.monotonic() + self.owner.replay_timeout_s)
         # The ROUTER expects [identity, empty delimiter, start seq]; the DEALER adds the identity.
         self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
+
+    def give_up_replay(self) -> None:
+        """Abandon the replay in progress (if any); the replay socket backs off."""
+        if self.replay is None:
+            return
+        self.replay = None
+        self._reset_dealer()
+        first, largest = self.owner.replay_backoff_s
+        delay = min(largest, first * 2 ** min(self.replay_failures, 32))
+        self.replay_failures += 1
+        self.replay_retry_at = time.monotonic() + delay
 
     def on_replay_reply(self, frames: list[bytes]) -> None:
         """One reply frame set: ``[b"", seq, payload]`` (the reference layout and SGLang's) or
@@ -326,47 +511,34 @@ class _Publisher:
         if seq == _END_SEQ:
             self.finish_replay()
             return
-        replay = self.replay
-        replay.received += 1
-        expected = replay.start if self.next_seq is None else self.next_seq
-        if seq < expected:
-            return
-        if seq > expected:
-            self.resync(seq)  # the engine no longer holds what we missed
+        self.replay.received += 1
+        # A replay that keeps answering is not late: its deadline runs from its last reply.
+        self.replay.deadline = time.monotonic() + self.owner.replay_timeout_s
+        if seq < self.expected():
+            return  # applied already (from the live stream or this replay)
+        if seq > self.expected():
+            self.lose_before(seq)  # the engine no longer holds what lies before it
+            if seq < self.expected():
+                return  # its live copy was held and is applied now
         self.apply(seq, payload, replayed=True)
+        self.drain_held()
 
     def finish_replay(self) -> None:
+        """The replay ended and so answered: the socket is trusted again. A hole it left
+        where it started is lost for good (resync); a later one waits as any new hole."""
         replay = self.replay
         assert replay is not None
         self.replay = None
-        self.release(replay.buffered)
-
-    def check_deadline(self, now: float) -> None:
-        if self.replay is not None and now >= self.replay.deadline:
-            self.owner._bump(self, "replay_timeouts")
-            replay = self.replay
-            self.replay = None
-            self._reset_dealer()
-            self.release(replay.buffered)
-
-    def release(self, buffered: list[tuple[int, bytes]]) -> None:
-        """Sequence the live batches held back during a replay (a later gap may start another
-        replay, which then holds back the rest)."""
-        expected = 0 if self.next_seq is None else self.next_seq
-        if buffered and buffered[0][0] > expected:
-            # The replay did not reach the first held-back batch: start over from it.
-            self.resync(buffered[0][0])
-        for i, (seq, payload) in enumerate(buffered):
-            if self.replay is not None:
-                self.replay.buffered.extend(buffered[i:])
-                return
-            self.sequence(seq, payload)
+        self.replay_failures = 0
+        if self.held and self.expected() <= replay.start:
+            self.resync_to_held()
 
     def resync(self, seq: int) -> None:
         """Batches before ``seq`` are lost for good: clear the worker, continue at ``seq``."""
         self.owner._bump(self, "resyncs")
         self.clear_worker()
-        self.next_seq = seq
+        with self.owner._lock:
+            self.next_seq = seq
 
     def _reset_dealer(self) -> None:
         # Replies to an abandoned request may still arrive; a fresh socket never sees them.
@@ -379,10 +551,13 @@ class _Publisher:
             self.owner.index.clear(self.worker)
 
     def apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
+        if self.highest is None or seq > self.highest:
+            self.highest = seq
         try:
             report = self.owner.index.apply_vllm_events(self.worker, payload)
         except MalformedEventError:
-            self.next_seq = seq + 1  # skipped, not waited for
+            with self.owner._lock:
+                self.next_seq = seq + 1  # skipped, not waited for
             self.owner._bump(self, "decode_errors")
             return
         # The sequence number moves with the counters, after the index: whoever sees
@@ -397,7 +572,18 @@ class KVEventSubscriber:
         index: the prefix index to feed (worker names are the engines' worker ids).
         engines: the engines; those without ``kv_events`` are skipped.
         backoff_s: first and largest delay between reconnection attempts (exponential).
-        replay_timeout_s: how long a replay may take before the gap counts as not covered.
+        replay_timeout_s: how long a replay may stay silent (before its first reply or between
+            two) before it is given up and the worker resynchronised.
+        replay_backoff_s: first and largest pause before a replay socket that timed out (or
+            was overtaken by the buffer cap) is asked again (doubling; an answered replay or a
+            new connection resets it). Gaps meanwhile resync at once.
+        reorder_window: later batches held while a hole waits for a late arrival; a batch more
+            than this far below the highest one seen is an engine restart. 0 turns reordering
+            tolerance off (every hole is a gap at once).
+        reorder_wait_s: how long a hole waits for a late arrival before it is a gap.
+        buffer_cap: most batches held per engine (during a replay, or a reorder wait); one more
+            gives the replay up (``buffer_overflows``) and resyncs the worker.
+        buffer_cap_bytes: the same cap in payload bytes.
         catch_up: when a publisher connects (or reconnects), ask its replay socket at once for
             the batches after the last one applied (counted in ``catch_ups``), instead of
             waiting for its next live batch to show the gap. Off by default: then the only
@@ -414,21 +600,33 @@ class KVEventSubscriber:
         *,
         backoff_s: tuple[float, float] = DEFAULT_BACKOFF_S,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        replay_backoff_s: tuple[float, float] = DEFAULT_REPLAY_BACKOFF_S,
+        reorder_window: int = DEFAULT_REORDER_WINDOW,
+        reorder_wait_s: float = DEFAULT_REORDER_WAIT_S,
+        buffer_cap: int = DEFAULT_BUFFER_CAP,
+        buffer_cap_bytes: int = DEFAULT_BUFFER_CAP_BYTES,
         catch_up: bool = False,
     ) -> None:
         if not isinstance(index, PrefixIndex):
             raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
-        first, largest = _check_backoff(backoff_s)
-        if isinstance(replay_timeout_s, bool) or not (
-            isinstance(replay_timeout_s, (int, float)) and replay_timeout_s > 0
-        ):
-            raise ConfigError(f"replay_timeout_s must be a number > 0, got {replay_timeout_s!r}")
+        first, largest = _check_backoff("backoff_s", backoff_s)
+        replay_first, replay_largest = _check_backoff("replay_backoff_s", replay_backoff_s)
+        self.replay_timeout_s = _positive_float("replay_timeout_s", replay_timeout_s)
+        self.reorder_wait_s = _positive_float("reorder_wait_s", reorder_wait_s)
+        self.reorder_window = _int_at_least("reorder_window", reorder_window, 0)
+        self.buffer_cap = _int_at_least("buffer_cap", buffer_cap, 1)
+        self.buffer_cap_bytes = _int_at_least("buffer_cap_bytes", buffer_cap_bytes, 1)
+        if self.buffer_cap <= self.reorder_window:
+            raise ConfigError(
+                f"buffer_cap ({self.buffer_cap}) must be larger than reorder_window "
+                f"({self.reorder_window}): the reorder wait holds that many batches"
+            )
         if not isinstance(catch_up, bool):
             raise ConfigError(f"catch_up must be a bool, got {catch_up!r}")
         self.index = index
         self.backoff_s = (first, largest)
+        self.replay_backoff_s = (replay_first, replay_largest)
         self.catch_up = catch_up
-        self.replay_timeout_s = float(replay_timeout_s)
         self._publishers: dict[str, _Publisher] = {}
         seen_endpoints: dict[str, str] = {}
         for spec in engines:
@@ -476,10 +674,19 @@ class KVEventSubscriber:
             self._changed.notify_all()
 
     def counters(self) -> dict[str, int]:
-        """Totals over every engine (names in :data:`COUNTERS`): batches applied (live and
-        replayed), events, blocks stored and removed, gaps, replays, replayed batches, replay
-        timeouts, resyncs, restarts, duplicates dropped, decode errors, topic rejections,
-        connections, reconnections and socket errors. A consistent copy."""
+        """Totals over every engine, a consistent copy; every key of :data:`COUNTERS` is there
+        and only goes up. :data:`COUNTER_HELP` says what each one counts:
+
+        - applied: ``batches``, ``replayed_batches`` (of those, from a replay), ``events``,
+          ``blocks_stored``, ``blocks_removed``, ``all_cleared``, ``unknown_parent``,
+          ``unknown_removed``;
+        - sequence: ``gaps`` and ``missed_batches``, ``reordered``, ``duplicates``,
+          ``held_batches``, ``buffer_overflows``, ``restarts``;
+        - replay: ``replays``, ``catch_ups``, ``replay_timeouts``, ``replays_skipped``,
+          ``resyncs``;
+        - wire: ``decode_errors``, ``topic_rejected``, ``connects``, ``disconnects``,
+          ``reconnects``, ``socket_errors``.
+        """
         with self._lock:
             return dict(self._totals)
 
@@ -494,6 +701,24 @@ class KVEventSubscriber:
         pub = self._publisher(worker)
         with self._lock:
             return None if pub.next_seq is None else pub.next_seq - 1
+
+    def worker_state(self, worker: str) -> dict[str, Any]:
+        """Where ``worker``'s stream stands: ``next_seq`` (expected next; None before any),
+        ``highest_seq`` (highest seen since the last restart), ``held`` and ``held_bytes``
+        (batches held back now), ``held_peak`` (the most ever held at once, never above
+        ``buffer_cap``), ``replaying`` (a replay is in progress) and ``replay_backoff_s``
+        (seconds before a failed replay socket is asked again; 0 when it may be asked)."""
+        pub = self._publisher(worker)
+        with self._lock:
+            return {
+                "next_seq": pub.next_seq,
+                "highest_seq": pub.highest,
+                "held": len(pub.held),
+                "held_bytes": pub.held_bytes,
+                "held_peak": pub.held_peak,
+                "replaying": pub.replay is not None,
+                "replay_backoff_s": max(0.0, pub.replay_retry_at - time.monotonic()),
+            }
 
     def bound_endpoint(self, worker: str) -> str | None:
         """The endpoint actually bound for ``worker`` (a ``*`` port resolved), once started;
@@ -630,21 +855,20 @@ class KVEventSubscriber:
     def _close_all(self) -> None:
         for pub in self._publishers.values():
             pub.close()
-            pub.replay = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
         self._running = False
 
     def _maintain(self) -> list[zmq.Socket[bytes]]:
-        """Rebuild failed sockets whose backoff has passed, give up overdue replays, and return
-        the sockets to poll."""
+        """Rebuild failed sockets whose backoff has passed, give up overdue replays, turn holes
+        that waited too long into gaps, and return the sockets to poll."""
         now = time.monotonic()
         sockets: list[zmq.Socket[bytes]] = []
         for pub in self._publishers.values():
             if pub.sub is None and now >= pub.retry_at:
                 pub.open(self._ctx_for_dealers())
-            pub.check_deadline(now)
+            pub.check_timers(now)
             sockets.extend(s for s in (pub.sub, pub.monitor, pub.dealer) if s is not None)
         return sockets
 
@@ -671,16 +895,33 @@ class KVEventSubscriber:
         )
 
 
-def _check_backoff(backoff_s: object) -> tuple[float, float]:
+def _check_backoff(name: str, backoff_s: object) -> tuple[float, float]:
     ok = (
         isinstance(backoff_s, tuple)
         and len(backoff_s) == 2
         and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in backoff_s)
         and 0 < backoff_s[0] <= backoff_s[1]
+        and math.isfinite(backoff_s[1])
     )
     if not ok:
         raise ConfigError(
-            f"backoff_s must be (first, largest) with 0 < first <= largest, got {backoff_s!r}"
+            f"{name} must be (first, largest) with 0 < first <= largest, got {backoff_s!r}"
         )
     assert isinstance(backoff_s, tuple)
     return float(backoff_s[0]), float(backoff_s[1])
+
+
+def _positive_float(name: str, value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (value > 0 and math.isfinite(value))
+    ):
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _int_at_least(name: str, value: object, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
+    return value

@@ -3,7 +3,8 @@
 A :class:`FakeKVPublisher` publishes vLLM ``EventBatch`` payloads the way vLLM's
 ``ZmqEventPublisher`` does (three frames, per-publisher sequence numbers, a replay ROUTER answering
 ``[seq, payload]`` replies and a ``-1`` end marker). Tests script it: publish, lose batches on the
-wire (still replayable), forget the replay buffer, restart the sequence, send raw frames.
+wire (still replayable), send a batch again (a duplicate, or a lost one late: reordering),
+forget the replay buffer, restart the sequence, answer replays late or never, send raw frames.
 
 A :class:`FakeHTTPEngine` is an aiohttp server on its own thread serving ``/metrics`` from
 attributes a test changes at will (``metrics_text``, ``status``, ``delay_s``); ``setup`` adds
@@ -23,6 +24,7 @@ import asyncio
 import collections
 import queue
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -106,7 +108,8 @@ class FakeKVPublisher:
 
     The PUB side is an XPUB socket so that :meth:`wait_subscribed` can tell when a subscription
     has arrived; subscribers see an ordinary publisher. Set ``replay_answers = False`` to make
-    the replay socket ignore requests (a replay that times out).
+    the replay socket ignore requests (a replay that times out), or ``replay_delay_s`` to answer
+    each request that many seconds late (the live stream keeps flowing meanwhile).
     """
 
     def __init__(
@@ -122,11 +125,16 @@ class FakeKVPublisher:
         self.topic = topic.encode()
         self.replay_with_topic = replay_with_topic
         self.replay_answers = True
+        self.replay_delay_s = 0.0
         self.replay_requests: list[int] = []
+        self._due_replays: list[tuple[float, bytes, int]] = []  # (when, client, start)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 0)
+        # Every subscription is reported, not only the first per topic: a subscriber that comes
+        # back is seen too (wait_subscribed's count).
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         if connect:
             if endpoint is None:
                 raise ValueError("connect=True needs the subscriber's endpoint")
@@ -150,7 +158,8 @@ class FakeKVPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_buffer)
         self._outbox: queue.Queue[list[bytes]] = queue.Queue()
         self._flush_marks: collections.deque[threading.Event] = collections.deque()
-        self._subscribed = threading.Event()
+        self._subscriptions = 0
+        self._subscribed = threading.Condition()
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="fake-kv-publisher", daemon=True)
         self._thread.start()
@@ -173,6 +182,16 @@ class FakeKVPublisher:
         if deliver:
             self._outbox.put([self.topic, seq.to_bytes(8, "big"), payload])
         return seq
+
+    def resend(self, seq: int) -> None:
+        """Send the published batch ``seq`` (still in the replay buffer) on the wire again: a
+        duplicate if it was delivered, a late arrival (reordering) if it was published with
+        ``deliver=False``."""
+        with self._lock:
+            payload = next((p for s, p in self._buffer if s == seq), None)
+        if payload is None:
+            raise ValueError(f"batch {seq} is not in the replay buffer")
+        self._outbox.put([self.topic, seq.to_bytes(8, "big"), payload])
 
     def send_frames(self, frames: Sequence[bytes]) -> None:
         """Send raw frames as they are (malformed messages, foreign topics)."""
@@ -198,9 +217,11 @@ class FakeKVPublisher:
             self._seq = 0
             self._buffer.clear()
 
-    def wait_subscribed(self, timeout: float = 5.0) -> bool:
-        """Wait until a subscriber's subscription has reached this publisher."""
-        return self._subscribed.wait(timeout)
+    def wait_subscribed(self, timeout: float = 5.0, *, count: int = 1) -> bool:
+        """Wait until ``count`` subscriptions in all (a subscriber that reconnects subscribes
+        again) have reached this publisher."""
+        with self._subscribed:
+            return self._subscribed.wait_for(lambda: self._subscriptions >= count, timeout)
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until everything published so far has been handed to ZMQ."""
@@ -250,7 +271,9 @@ class FakeKVPublisher:
                 if self._pub in ready:
                     self._read_subscriptions()
                 if self._router is not None and self._router in ready:
-                    self._answer_replay(self._router)
+                    self._read_replay_requests(self._router)
+                if self._router is not None and self._due_replays:
+                    self._answer_due(self._router)
                 self._send_outbox()
         finally:
             self._pub.close(linger=0)
@@ -265,7 +288,9 @@ class FakeKVPublisher:
             except zmq.Again:
                 return
             if msg[:1] == b"\x01":
-                self._subscribed.set()
+                with self._subscribed:
+                    self._subscriptions += 1
+                    self._subscribed.notify_all()
 
     def _send_outbox(self) -> None:
         while True:
@@ -278,7 +303,7 @@ class FakeKVPublisher:
                 continue
             self._pub.send_multipart(frames)
 
-    def _answer_replay(self, router: zmq.Socket[bytes]) -> None:
+    def _read_replay_requests(self, router: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
@@ -289,6 +314,16 @@ class FakeKVPublisher:
             client, _, start_bytes = frames
             start = int.from_bytes(start_bytes, "big")
             self.replay_requests.append(start)
+            due = time.monotonic() + self.replay_delay_s
+            self._due_replays.append((due, client, start))
+
+    def _answer_due(self, router: zmq.Socket[bytes]) -> None:
+        now = time.monotonic()
+        waiting = []
+        for due, client, start in self._due_replays:
+            if due > now:
+                waiting.append((due, client, start))
+                continue
             with self._lock:
                 batches = [(s, p) for s, p in self._buffer if s >= start]
             head = [client, b""] + ([self.topic] if self.replay_with_topic else [])
@@ -296,6 +331,7 @@ class FakeKVPublisher:
                 router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
             end_topic = [b""] if self.replay_with_topic else []
             router.send_multipart([client, b"", *end_topic, _END_SEQ, b""])
+        self._due_replays = waiting
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
