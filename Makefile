@@ -17,7 +17,7 @@ help: ## List the targets
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
-	$(BIN)/uv pip install -q -p $(PY) -r pyproject.toml --extra test --extra dev --extra executor
+	$(BIN)/uv pip install -q -p $(PY) -r pyproject.toml --all-extras
 	touch $@
 
 venv: $(VENV)/.deps ## Create the virtual environment with every Python dependency

@@ -30,7 +30,7 @@ import yaml
 
 from llmsched import Endpoint, EndpointPool, FlowController, FlowRequest, PrefixIndex, Router
 from llmsched.flow import resolve_config
-from llmsched.gateway.tokenize import PromptTokenizer
+from llmsched.tokenize import PromptTokenizer
 from llmsched.reference.flow import FlowControllerTwin
 from llmsched.reference.prefix_index import ReferencePrefixIndex
 from llmsched.reference.routing import ReferenceEndpoint, decide_tokens

@@ -48,7 +48,7 @@ from llmsched.flow import FlowController, FlowRequest
 from llmsched.gateway.config import ApiKey, GatewayConfig, load_config, read_engines_file
 from llmsched.gateway.metrics import GatewayMetrics
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
-from llmsched.gateway.tokenize import PromptError, PromptTokenizer
+from llmsched.tokenize import PromptError, PromptTokenizer
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import Decision, Endpoint, EndpointPool, Router

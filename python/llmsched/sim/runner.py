@@ -26,6 +26,7 @@ from concurrent.futures import (
 from pathlib import Path
 from typing import Any, TextIO
 
+from llmsched._extras import require
 from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.results import SimResult
@@ -90,6 +91,7 @@ def compare(
     _init_worker(counter)
     bar = None
     if progress:
+        require("sim", "tqdm", feature="the llmsched sim progress bar")
         from tqdm import tqdm
 
         total = _expected_requests(config) * len(runs)
@@ -247,7 +249,11 @@ def _jsonable(x: Any) -> Any:
 
 
 def write_plot(path: str | Path, results: list[SimResult]) -> None:
-    """TTFT CDFs, output throughput and prefix-cache hit-rate bars, KV use over time."""
+    """TTFT CDFs, output throughput and prefix-cache hit-rate bars, KV use over time.
+
+    Needs the ``sim`` extra (matplotlib); without it raises ``ImportError`` naming the extra.
+    """
+    require("sim", "matplotlib", feature="llmsched sim plots")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -10,7 +10,7 @@ from _gateway_harness import MODEL, rig, run
 from tokenizers import Tokenizer
 
 from llmsched.errors import ConfigError
-from llmsched.gateway.tokenize import PromptError, PromptTokenizer
+from llmsched.tokenize import PromptError, PromptTokenizer
 from llmsched.testing.openai_engine import write_tokenizer
 
 
