@@ -72,7 +72,7 @@ def test_defaults_live_in_one_place_and_resolve_round_trips() -> None:
         "type": "utilization",
         "queue_threshold": 5.0,
         "kv_threshold": 0.8,
-        "staleness_s": 0.2,
+        "staleness_s": 1.0,
         "stale_policy": "saturated",
     }
     assert defaults["shedding"] == {
@@ -133,7 +133,7 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         (InvalidRequestError, "ttft_target", lambda: ctrl.enqueue(FlowRequest(2, ttft_target=-1))),
         (InvalidRequestError, "now must be", lambda: ctrl.enqueue(FlowRequest(2), now=math.nan)),
         (InvalidRequestError, "now must be", lambda: ctrl.dispatch(now=math.inf)),
-        (InvalidRequestError, "kv_usage", lambda: ctrl.update_endpoint("e", kv_usage=1.5)),
+        (InvalidRequestError, "kv_cache_usage", lambda: ctrl.update_endpoint("e", kv_cache_usage=1.5)),
         (InvalidRequestError, "waiting", lambda: ctrl.update_endpoint("e", waiting=-1)),
         (DuplicateRequestError, "already queued", lambda: ctrl.enqueue(FlowRequest(1))),
         (UnknownRequestError, "not running", lambda: ctrl.complete(1)),
@@ -188,13 +188,13 @@ def test_metrics_and_jain_index() -> None:
 def test_endpoint_feed_drives_saturation() -> None:
     now = [0.0]
     ctrl = FlowController(clock=lambda: now[0])
-    ctrl.update_endpoint("a", waiting=5, kv_usage=0.2)  # 1.0
-    ctrl.update_endpoint("b", waiting=0, kv_usage=0.4)  # 0.5
+    ctrl.update_endpoint("a", waiting=5, kv_cache_usage=0.2)  # 1.0
+    ctrl.update_endpoint("b", waiting=0, kv_cache_usage=0.4)  # 0.5
     assert ctrl.saturation() == 0.75
-    now[0] = 0.3  # both reports are older than 200 ms
+    now[0] = 1.1  # both reports are older than the 1 s default
     assert ctrl.saturation() == 1.0
     assert ctrl.remove_endpoint("a") and not ctrl.remove_endpoint("a")
-    ctrl.update_endpoint("b", kv_usage=0.0)
+    ctrl.update_endpoint("b", kv_cache_usage=0.0)
     assert ctrl.saturation() == 0.0
 
 

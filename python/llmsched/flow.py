@@ -32,18 +32,18 @@ True
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -53,7 +53,12 @@ from llmsched.errors import (
     DuplicateRequestError,
     FlowRejected,
     UnknownRequestError,
+    one_line,
 )
+
+if TYPE_CHECKING:
+    # Imported where used: `import llmsched` stays free of asyncio (about 10 ms).
+    import asyncio
 
 __all__ = [
     "FlowController",
@@ -107,7 +112,7 @@ def load_config(source: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"flow config is not valid YAML: {err}") from None
+        raise ConfigError(f"flow config is not valid YAML: {one_line(err)}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -151,12 +156,16 @@ def default_config() -> dict[str, Any]:
     return resolve_config(None)
 
 
-_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[FlowDecision]"]
+_Waiter = tuple["asyncio.AbstractEventLoop", "asyncio.Future[FlowDecision]"]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
+    aio = sys.modules.get("asyncio")
+    if aio is None:  # never imported: no loop can be running
+        return None
     try:
-        return asyncio.get_running_loop()
+        loop: asyncio.AbstractEventLoop = aio.get_running_loop()
+        return loop
     except RuntimeError:
         return None
 
@@ -172,7 +181,7 @@ class FlowController:
     >>> ctrl = FlowController()   # llm-d defaults: utilization saturation needs endpoints
     >>> ctrl.enqueue(FlowRequest(1)).key
     'rejected_no_endpoints'
-    >>> ctrl.update_endpoint("pod-a", waiting=1, kv_usage=0.2)
+    >>> ctrl.update_endpoint("pod-a", waiting=1, kv_cache_usage=0.2)
     >>> ctrl.enqueue(FlowRequest(2)) is None
     True
     >>> ctrl.dispatch().id
@@ -348,19 +357,19 @@ class FlowController:
         *,
         waiting: int = 0,
         running: int = 0,
-        kv_usage: float = 0.0,
+        kv_cache_usage: float = 0.0,
         timestamp: float | None = None,
     ) -> None:
         """Feeds one endpoint's load report to the saturation detector (``utilization``:
-        ``max(waiting / queue_threshold, kv_usage / kv_threshold)``, mean over endpoints).
+        ``max(waiting / queue_threshold, kv_cache_usage / kv_threshold)``, mean over endpoints).
         ``timestamp`` defaults to now; reports older than ``staleness_s`` are stale.
 
         >>> ctrl = FlowController()
-        >>> ctrl.update_endpoint("pod-a", waiting=5, kv_usage=0.4, timestamp=0.0)
+        >>> ctrl.update_endpoint("pod-a", waiting=5, kv_cache_usage=0.4, timestamp=0.0)
         >>> ctrl.saturation(now=0.1)
         1.0
         """
-        self._core.update_endpoint(endpoint, waiting, running, kv_usage, self._now(timestamp))
+        self._core.update_endpoint(endpoint, waiting, running, kv_cache_usage, self._now(timestamp))
         if self._waiters:
             self.pump()
 
@@ -475,6 +484,8 @@ class FlowController:
         """
         if not isinstance(request, FlowRequest):
             raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+        import asyncio
+
         loop = asyncio.get_running_loop()
         future: asyncio.Future[FlowDecision] = loop.create_future()
         waiter: _Waiter = (loop, future)
@@ -509,6 +520,8 @@ class FlowController:
         return self._config["default_band"]  # type: ignore[no-any-return]
 
     async def _wait(self, future: asyncio.Future[FlowDecision], expires_at: float) -> FlowDecision:
+        import asyncio
+
         while True:
             timeout = min(self._poll_interval_s, max(expires_at - self._clock(), 0.0) + 1e-3)
             done, _ = await asyncio.wait((future,), timeout=timeout)

@@ -266,7 +266,7 @@ class SlicedRequest:
         for endpoint in self.gateway.pool.endpoints():
             self.tracker.set_endpoint(
                 str(endpoint["id"]),
-                kv_usage=float(endpoint["kv_cache_usage"]),
+                kv_cache_usage=float(endpoint["kv_cache_usage"]),
                 waiting=int(endpoint["waiting"]),
             )
 

@@ -20,8 +20,15 @@ from llmsched._extras import require
 
 require("integrations", "zmq", "aiohttp", "prometheus_client", feature="llmsched.integrations")
 
-from llmsched.integrations.identity import EngineSpec, worker_id
+from llmsched.integrations.identity import EngineSpec, resolve_engines, worker_id
 from llmsched.integrations.kv_events import KVEventSubscriber
 from llmsched.integrations.metrics import MetricsScraper, ScrapeResult
 
-__all__ = ["EngineSpec", "KVEventSubscriber", "MetricsScraper", "ScrapeResult", "worker_id"]
+__all__ = [
+    "EngineSpec",
+    "KVEventSubscriber",
+    "MetricsScraper",
+    "ScrapeResult",
+    "resolve_engines",
+    "worker_id",
+]

@@ -57,8 +57,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from llmsched.errors import ConfigError, MalformedEventError, UnknownWorkerError
-from llmsched.integrations.identity import EngineSpec
+from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.prefix_index import PrefixIndex
+from llmsched.routing import EndpointPool
 
 __all__ = ["COUNTERS", "DEFAULT_BACKOFF_S", "DEFAULT_REPLAY_TIMEOUT_S", "KVEventSubscriber"]
 
@@ -396,6 +397,9 @@ class KVEventSubscriber:
     Args:
         index: the prefix index to feed (worker names are the engines' worker ids).
         engines: the engines; those without ``kv_events`` are skipped.
+        pool: the router's endpoint pool, if any: an unnamed engine at the address of one of
+            its endpoints feeds that endpoint's worker
+            (:func:`~llmsched.integrations.resolve_engines`), as the metrics scraper does.
         backoff_s: first and largest delay between reconnection attempts (exponential).
         replay_timeout_s: how long a replay may take before the gap counts as not covered.
         catch_up: when a publisher connects (or reconnects), ask its replay socket at once for
@@ -415,7 +419,10 @@ class KVEventSubscriber:
         backoff_s: tuple[float, float] = DEFAULT_BACKOFF_S,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
         catch_up: bool = False,
+        pool: EndpointPool | None = None,
     ) -> None:
+        if pool is not None:
+            engines = resolve_engines(engines, pool)
         if not isinstance(index, PrefixIndex):
             raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
         first, largest = _check_backoff(backoff_s)
