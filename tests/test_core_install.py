@@ -145,7 +145,7 @@ def test_core_api_works_and_optional_modules_name_their_extra(core_env: Path) ->
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["asyncio"] is False
-    assert report["optional_loaded"] == ["yaml"]  # PyYAML is core; nothing optional loads
+    assert report["optional_loaded"] == []  # not even PyYAML (core, loaded for config files)
     for module, extra in OPTIONAL.items():
         message = report["errors"][module]
         assert message is not None, f"{module} imported without its extra"
@@ -191,3 +191,16 @@ def test_cli_names_the_missing_extra(core_env: Path, tmp_path: Path) -> None:
     sim = _run(llmsched, "sim", "--config", scenario, "--jobs", "1")
     assert sim.returncode == 0, sim.stderr
     assert "no progress bar without tqdm" in sim.stdout and "random" in sim.stdout
+
+
+def test_import_llmsched_loads_no_optional_or_heavy_module() -> None:
+    """In this (fully equipped) environment too: the extras' packages, asyncio, PyYAML and
+    logging load only when a feature that needs them is used."""
+    script = (
+        "import sys, llmsched; print(sorted(m for m in ('asyncio', 'yaml', 'logging', 'zmq', "
+        "'aiohttp', 'tokenizers', 'jinja2', 'matplotlib', 'tqdm', 'torch', 'xxhash', 'cbor2', "
+        "'msgpack') if m in sys.modules))"
+    )
+    done = _run(sys.executable, "-c", script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

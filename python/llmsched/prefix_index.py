@@ -19,7 +19,6 @@ expire), and queried with :meth:`PrefixIndex.match` on every request.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -47,7 +46,6 @@ HashesLike = Any
 DEFAULT_RECORD_TTL_S = 60.0
 """How long a routing decision noted by :meth:`PrefixIndex.record` counts, unless confirmed."""
 
-_log = logging.getLogger("llmsched")
 
 
 def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.uint64]:
@@ -316,7 +314,9 @@ class PrefixIndex:
                 self._mismatch[worker] = self._mismatch.get(worker, 0) + skipped
         if first:
             # Every later event of this worker is skipped too: its prefix hits are lost.
-            _log.warning(
+            import logging  # only on this rare path: `import llmsched` stays light
+
+            logging.getLogger("llmsched").warning(
                 "prefix index: the engine block size of worker %r is not a multiple of the "
                 "index block size %d: its stored events are skipped (%d so far, see "
                 "stats()['block_size_mismatch']) and its cache is never matched. Give the "

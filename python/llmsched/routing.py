@@ -23,7 +23,6 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import time
@@ -80,8 +79,6 @@ PSEUDO_TOKEN_NOTE = (
     "llmsched.tokenize and pick(tokens=...), or pass Router(allow_pseudo_tokens=True)"
 )
 """Why a text pick on an index fed by engine events is flagged (logged once, in explain())."""
-
-_log = logging.getLogger("llmsched")
 
 
 @dataclass(frozen=True)
@@ -451,7 +448,9 @@ class Router:
             return ()
         self._pseudo_picks += 1
         if self._pseudo_picks == 1:
-            _log.warning("router: %s", PSEUDO_TOKEN_NOTE)
+            import logging  # only on this rare path: `import llmsched` stays light
+
+            logging.getLogger("llmsched").warning("router: %s", PSEUDO_TOKEN_NOTE)
         return (PSEUDO_TOKEN_NOTE,)
 
     def __repr__(self) -> str:
