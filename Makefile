@@ -35,7 +35,7 @@ test-python: build ## Run the Python tests
 test: test-rust test-python ## Install everything, then run cargo test and pytest
 
 # The real-engine tests run vLLM's CPU build from its own environment (about 6 GB; torch pinned by
-# tests/engines/vllm-overrides.txt, see shared/REFERENCE.md section 10).
+# tests/engines/vllm-overrides.txt; the engine recipe is in tests/engines/vllm_engine.py).
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 
