@@ -30,11 +30,11 @@ import yaml
 
 from llmsched import Endpoint, EndpointPool, FlowController, FlowRequest, PrefixIndex, Router
 from llmsched.flow import resolve_config
-from llmsched.tokenize import PromptTokenizer
 from llmsched.reference.flow import FlowControllerTwin
 from llmsched.reference.prefix_index import ReferencePrefixIndex
 from llmsched.reference.routing import ReferenceEndpoint, decide_tokens
 from llmsched.testing.openai_engine import write_tokenizer
+from llmsched.tokenize import PromptTokenizer
 
 RATE = float(os.environ.get("LLMSCHED_BENCH_GATEWAY_RATE", "300"))
 SECONDS = float(os.environ.get("LLMSCHED_BENCH_GATEWAY_SECONDS", "3"))

@@ -86,9 +86,7 @@ CORE_SCRIPT = textwrap.dedent(
 
 
 def _run(*argv: str | Path, **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(a) for a in argv], capture_output=True, text=True, check=False, **kw
-    )  # type: ignore[call-overload, no-any-return]
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload, no-any-return]
 
 
 def _tool(name: str) -> str | None:

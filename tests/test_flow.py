@@ -133,7 +133,11 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         (InvalidRequestError, "ttft_target", lambda: ctrl.enqueue(FlowRequest(2, ttft_target=-1))),
         (InvalidRequestError, "now must be", lambda: ctrl.enqueue(FlowRequest(2), now=math.nan)),
         (InvalidRequestError, "now must be", lambda: ctrl.dispatch(now=math.inf)),
-        (InvalidRequestError, "kv_cache_usage", lambda: ctrl.update_endpoint("e", kv_cache_usage=1.5)),
+        (
+            InvalidRequestError,
+            "kv_cache_usage",
+            lambda: ctrl.update_endpoint("e", kv_cache_usage=1.5),
+        ),
         (InvalidRequestError, "waiting", lambda: ctrl.update_endpoint("e", waiting=-1)),
         (DuplicateRequestError, "already queued", lambda: ctrl.enqueue(FlowRequest(1))),
         (UnknownRequestError, "not running", lambda: ctrl.complete(1)),

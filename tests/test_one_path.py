@@ -35,7 +35,10 @@ def one_prefix_config(block_size: int | None = None) -> dict[str, object]:
         "schedulingProfiles": [
             {
                 "name": "default",
-                "plugins": [{"pluginRef": "prefix-cache-scorer"}, {"pluginRef": "max-score-picker"}],
+                "plugins": [
+                    {"pluginRef": "prefix-cache-scorer"},
+                    {"pluginRef": "max-score-picker"},
+                ],
             }
         ],
     }
@@ -191,7 +194,7 @@ def test_resolve_engines_names_after_the_pool_and_refuses_conflicts() -> None:
         pool,
     )
     assert (a.worker_id, b.worker_id, c.worker_id) == ("engine-a", "10.0.0.8:8000", "10.0.0.9:80")
-    with pytest.raises(ConfigError, match="'engine-a' is at 10.0.0.9:8000"):
+    with pytest.raises(ConfigError, match=r"'engine-a' is at 10\.0\.0\.9:8000"):
         resolve_engines([EngineSpec("10.0.0.9", 8000, name="engine-a")], pool)
     ranks = EndpointPool([Endpoint("r0", address="h:1"), Endpoint("r1", address="h:1")])
     with pytest.raises(ConfigError, match="several pool endpoints"):

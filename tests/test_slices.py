@@ -335,7 +335,11 @@ class SliceMachine(RuleBasedStateMachine):
     )
     def set_endpoint(self, endpoint: str, usage: float, waiting: int, capacity: Any) -> None:
         self.both(
-            "set_endpoint", endpoint, kv_cache_usage=usage, waiting=waiting, kv_capacity_tokens=capacity
+            "set_endpoint",
+            endpoint,
+            kv_cache_usage=usage,
+            waiting=waiting,
+            kv_capacity_tokens=capacity,
         )
 
     @invariant()

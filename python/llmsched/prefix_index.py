@@ -47,7 +47,6 @@ DEFAULT_RECORD_TTL_S = 60.0
 """How long a routing decision noted by :meth:`PrefixIndex.record` counts, unless confirmed."""
 
 
-
 def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.uint64]:
     """Return ``hashes`` as a 1-D contiguous ``uint64`` array, copying only when needed.
 

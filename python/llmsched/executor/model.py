@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from llmsched._extras import require
 
 require("executor", "torch", "xxhash", feature="llmsched.executor")

@@ -71,7 +71,11 @@ class RouterPolicy:
     ) -> None:
         """Forward a metrics snapshot to the pool."""
         self.pool.update(
-            replica, waiting=waiting, running=running, kv_cache_usage=min(kv_cache_usage, 1.0), now=now
+            replica,
+            waiting=waiting,
+            running=running,
+            kv_cache_usage=min(kv_cache_usage, 1.0),
+            now=now,
         )
 
     def pick(self, req: Request, now: float) -> tuple[int, int | None]:
