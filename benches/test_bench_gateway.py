@@ -254,7 +254,7 @@ def test_decision_path(benchmark: Any, decision: dict[str, Any]) -> None:
     def path() -> Any:
         tokens = np.asarray(tokenizer.chat_tokens(decision["messages"]), dtype=np.uint32)
         request_id = next(ids)
-        assert flow.enqueue(FlowRequest(request_id, tokens=len(tokens))) is None
+        assert flow.enqueue(FlowRequest(request_id, prompt_tokens=len(tokens))) is None
         assert flow.dispatch() is not None
         d = router.pick(tokens=tokens, model=MODEL, now=0.0)
         d.started(now=0.0)
@@ -304,7 +304,7 @@ def test_admit_pick(benchmark: Any, decision: dict[str, Any]) -> None:
 
     def path() -> Any:
         request_id = next(ids)
-        assert flow.enqueue(FlowRequest(request_id, tokens=len(tokens))) is None
+        assert flow.enqueue(FlowRequest(request_id, prompt_tokens=len(tokens))) is None
         assert flow.dispatch() is not None
         d = router.pick(tokens=tokens, model=MODEL, now=0.0)
         d.started(now=0.0)

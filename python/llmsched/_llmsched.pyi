@@ -444,7 +444,7 @@ class FlowDecision:
     @property
     def tenant(self) -> str: ...
     @property
-    def tokens(self) -> int: ...
+    def prompt_tokens(self) -> int: ...
     @property
     def size_bytes(self) -> int: ...
     @property
@@ -465,7 +465,7 @@ class FlowCore:
         id: int,
         priority: int,
         tenant: str,
-        tokens: int,
+        prompt_tokens: int,
         size_bytes: int,
         deadline: float | None,
         ttft_target: float | None,

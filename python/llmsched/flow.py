@@ -77,19 +77,19 @@ ConfigLike = Mapping[str, Any] | str | os.PathLike[str] | None
 class FlowRequest:
     """A request asking to be dispatched (its fields are read once, at enqueue).
 
-    ``priority``: higher first; negative = sheddable. ``tenant``: the fairness id. ``tokens``:
-    prompt size (fairness cost, in-flight tokens). ``size_bytes``: counts against byte limits.
+    ``priority``: higher first; negative = sheddable. ``tenant``: the fairness id.
+    ``prompt_tokens``: the prompt's token count (fairness cost, in-flight tokens). ``size_bytes``: counts against byte limits.
     ``deadline``: absolute time on the controller's clock (``edf``). ``ttft_target``: seconds
     (``slo-deadline``). ``payload``: anything; handed back in the :class:`FlowDecision`.
 
-    >>> FlowRequest(7, priority=2, tenant="acme", tokens=512).priority
+    >>> FlowRequest(7, priority=2, tenant="acme", prompt_tokens=512).priority
     2
     """
 
     id: int
     priority: int = 0
     tenant: str = "default"
-    tokens: int = 0
+    prompt_tokens: int = 0
     size_bytes: int = 0
     deadline: float | None = None
     ttft_target: float | None = None
@@ -234,7 +234,7 @@ class FlowController:
             request.id,
             request.priority,
             request.tenant,
-            request.tokens,
+            request.prompt_tokens,
             request.size_bytes,
             request.deadline,
             request.ttft_target,

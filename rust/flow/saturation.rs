@@ -335,7 +335,11 @@ mod tests {
             (StalePolicy::Last, Saturation { value: 0.0, no_endpoints: false }),
         ];
         for (policy, expected) in table {
-            let params = UtilizationParams { stale_policy: policy, ..UtilizationParams::default() };
+            let params = UtilizationParams {
+                stale_policy: policy,
+                staleness_s: 0.2,
+                ..UtilizationParams::default()
+            };
             let mut d = UtilizationDetector::new(params);
             d.update_endpoint("old", metrics(0, 0.0, 0.0));
             d.update_endpoint("new", metrics(0, 0.0, 1.0));

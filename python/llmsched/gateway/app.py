@@ -468,7 +468,7 @@ class Gateway:
             flow_id,
             priority=incoming.priority,
             tenant=incoming.tenant,
-            tokens=incoming.prompt.size,
+            prompt_tokens=incoming.prompt.size,
             size_bytes=len(incoming.body),
         )
         await self.flow.admit(flow_request)

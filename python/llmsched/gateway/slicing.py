@@ -254,7 +254,7 @@ class SlicedRequest:
                         continuation,
                         priority=decision.priority,
                         tenant=self.tenant,
-                        tokens=decision.context_tokens,
+                        prompt_tokens=decision.context_tokens,
                     )
                 )
             except FlowRejected as rejected:

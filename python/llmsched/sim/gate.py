@@ -48,7 +48,7 @@ class FlowGate:
                 req.id,
                 priority=req.priority,
                 tenant=str(req.tenant),
-                tokens=req.prompt_len,
+                prompt_tokens=req.prompt_len,
                 ttft_target=ttft,
                 payload=req,
             ),
