@@ -78,7 +78,8 @@ class FlowRequest:
     """A request asking to be dispatched (its fields are read once, at enqueue).
 
     ``priority``: higher first; negative = sheddable. ``tenant``: the fairness id.
-    ``prompt_tokens``: the prompt's token count (fairness cost, in-flight tokens). ``size_bytes``: counts against byte limits.
+    ``prompt_tokens``: the prompt's token count (fairness cost, in-flight tokens).
+    ``size_bytes``: counts against byte limits.
     ``deadline``: absolute time on the controller's clock (``edf``). ``ttft_target``: seconds
     (``slo-deadline``). ``payload``: anything; handed back in the :class:`FlowDecision`.
 
