@@ -17,7 +17,7 @@ help: ## List the targets
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
-	$(BIN)/uv pip install -q -p $(PY) -r pyproject.toml --extra test --extra dev --extra executor
+	$(BIN)/uv pip install -q -p $(PY) -r pyproject.toml --all-extras
 	touch $@
 
 venv: $(VENV)/.deps ## Create the virtual environment with every Python dependency
@@ -36,7 +36,7 @@ test-python: build ## Run the Python tests
 test: test-rust test-python ## Install everything, then run cargo test and pytest
 
 # The real-engine tests run vLLM's CPU build from its own environment (about 6 GB; torch pinned by
-# tests/engines/vllm-overrides.txt, see shared/REFERENCE.md section 10).
+# tests/engines/vllm-overrides.txt; the engine recipe is in tests/engines/vllm_engine.py).
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 

@@ -30,11 +30,11 @@ import yaml
 
 from llmsched import Endpoint, EndpointPool, FlowController, FlowRequest, PrefixIndex, Router
 from llmsched.flow import resolve_config
-from llmsched.gateway.tokenize import PromptTokenizer
 from llmsched.reference.flow import FlowControllerTwin
 from llmsched.reference.prefix_index import ReferencePrefixIndex
 from llmsched.reference.routing import ReferenceEndpoint, decide_tokens
 from llmsched.testing.openai_engine import write_tokenizer
+from llmsched.tokenize import PromptTokenizer
 
 RATE = float(os.environ.get("LLMSCHED_BENCH_GATEWAY_RATE", "300"))
 SECONDS = float(os.environ.get("LLMSCHED_BENCH_GATEWAY_SECONDS", "3"))
@@ -254,7 +254,7 @@ def test_decision_path(benchmark: Any, decision: dict[str, Any]) -> None:
     def path() -> Any:
         tokens = np.asarray(tokenizer.chat_tokens(decision["messages"]), dtype=np.uint32)
         request_id = next(ids)
-        assert flow.enqueue(FlowRequest(request_id, tokens=len(tokens))) is None
+        assert flow.enqueue(FlowRequest(request_id, prompt_tokens=len(tokens))) is None
         assert flow.dispatch() is not None
         d = router.pick(tokens=tokens, model=MODEL, now=0.0)
         d.started(now=0.0)
@@ -304,7 +304,7 @@ def test_admit_pick(benchmark: Any, decision: dict[str, Any]) -> None:
 
     def path() -> Any:
         request_id = next(ids)
-        assert flow.enqueue(FlowRequest(request_id, tokens=len(tokens))) is None
+        assert flow.enqueue(FlowRequest(request_id, prompt_tokens=len(tokens))) is None
         assert flow.dispatch() is not None
         d = router.pick(tokens=tokens, model=MODEL, now=0.0)
         d.started(now=0.0)

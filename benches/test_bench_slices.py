@@ -18,7 +18,7 @@ LONG = [WaitingRequest(0, 0, 500 + i, 100_000) for i in range(8)]
 def _tracker(cls: Any) -> Any:
     t = cls("fixed", {"slice_tokens": SLICE}, cost_model=SwitchCostModel(), endpoints=ENDPOINTS)
     for i, name in enumerate(ENDPOINTS):
-        t.set_endpoint(name, kv_usage=0.5, waiting=int(i > 0))
+        t.set_endpoint(name, kv_cache_usage=0.5, waiting=int(i > 0))
     for rid in range(1, 1000):
         t.admit(rid, prompt_tokens=1000, max_tokens=2**32 - 1, endpoint="gpu-0")
     t.admit(0, prompt_tokens=2000, max_tokens=2**32 - 1, endpoint="gpu-0")

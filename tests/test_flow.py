@@ -72,7 +72,7 @@ def test_defaults_live_in_one_place_and_resolve_round_trips() -> None:
         "type": "utilization",
         "queue_threshold": 5.0,
         "kv_threshold": 0.8,
-        "staleness_s": 0.2,
+        "staleness_s": 1.0,
         "stale_policy": "saturated",
     }
     assert defaults["shedding"] == {
@@ -119,13 +119,13 @@ def test_bad_config_names_the_problem(config: Any, needle: str) -> None:
 
 def test_bad_input_raises_and_changes_nothing() -> None:
     ctrl = FlowController(ROOMY)
-    assert ctrl.enqueue(FlowRequest(1, tenant="a", tokens=5, size_bytes=9), now=1.0) is None
+    assert ctrl.enqueue(FlowRequest(1, tenant="a", prompt_tokens=5, size_bytes=9), now=1.0) is None
     before = ctrl.metrics(now=1.0)
     cases: list[tuple[type[Exception], str, Any]] = [
         (
             InvalidRequestError,
-            "tokens must be >= 0",
-            lambda: ctrl.enqueue(FlowRequest(2, tokens=-1)),
+            "prompt_tokens must be >= 0",
+            lambda: ctrl.enqueue(FlowRequest(2, prompt_tokens=-1)),
         ),
         (InvalidRequestError, "id must be >= 0", lambda: ctrl.enqueue(FlowRequest(-2))),
         (InvalidRequestError, "32 bits", lambda: ctrl.enqueue(FlowRequest(2, priority=2**40))),
@@ -133,13 +133,17 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         (InvalidRequestError, "ttft_target", lambda: ctrl.enqueue(FlowRequest(2, ttft_target=-1))),
         (InvalidRequestError, "now must be", lambda: ctrl.enqueue(FlowRequest(2), now=math.nan)),
         (InvalidRequestError, "now must be", lambda: ctrl.dispatch(now=math.inf)),
-        (InvalidRequestError, "kv_usage", lambda: ctrl.update_endpoint("e", kv_usage=1.5)),
+        (
+            InvalidRequestError,
+            "kv_cache_usage",
+            lambda: ctrl.update_endpoint("e", kv_cache_usage=1.5),
+        ),
         (InvalidRequestError, "waiting", lambda: ctrl.update_endpoint("e", waiting=-1)),
         (DuplicateRequestError, "already queued", lambda: ctrl.enqueue(FlowRequest(1))),
         (UnknownRequestError, "not running", lambda: ctrl.complete(1)),
         (UnknownRequestError, "not running", lambda: ctrl.record_output(77, 3)),
         (TypeError, "FlowRequest", lambda: ctrl.enqueue({"id": 3})),  # type: ignore[arg-type]
-        (TypeError, "tokens", lambda: ctrl.enqueue(FlowRequest(3, tokens="5"))),  # type: ignore[arg-type]
+        (TypeError, "prompt_tokens", lambda: ctrl.enqueue(FlowRequest(3, prompt_tokens="5"))),  # type: ignore[arg-type]
     ]
     for kind, needle, call in cases:
         with pytest.raises(kind, match=needle):
@@ -174,7 +178,9 @@ def test_batch_yields_to_interactive_and_preemption_names_victims() -> None:
 def test_metrics_and_jain_index() -> None:
     ctrl = FlowController({**ROOMY, "default_band": {"fairness": {"type": "vtc"}}})
     for i, tenant in enumerate(["a", "a", "b", "b"]):
-        ctrl.enqueue(FlowRequest(i, tenant=tenant, tokens=100 if tenant == "a" else 10), now=0.0)
+        ctrl.enqueue(
+            FlowRequest(i, tenant=tenant, prompt_tokens=100 if tenant == "a" else 10), now=0.0
+        )
     order = [ctrl.dispatch(now=0.5).id for _ in range(4)]  # type: ignore[union-attr]
     assert order == [0, 2, 3, 1]
     metrics = ctrl.metrics(now=0.5)
@@ -188,13 +194,13 @@ def test_metrics_and_jain_index() -> None:
 def test_endpoint_feed_drives_saturation() -> None:
     now = [0.0]
     ctrl = FlowController(clock=lambda: now[0])
-    ctrl.update_endpoint("a", waiting=5, kv_usage=0.2)  # 1.0
-    ctrl.update_endpoint("b", waiting=0, kv_usage=0.4)  # 0.5
+    ctrl.update_endpoint("a", waiting=5, kv_cache_usage=0.2)  # 1.0
+    ctrl.update_endpoint("b", waiting=0, kv_cache_usage=0.4)  # 0.5
     assert ctrl.saturation() == 0.75
-    now[0] = 0.3  # both reports are older than 200 ms
+    now[0] = 1.1  # both reports are older than the 1 s default
     assert ctrl.saturation() == 1.0
     assert ctrl.remove_endpoint("a") and not ctrl.remove_endpoint("a")
-    ctrl.update_endpoint("b", kv_usage=0.0)
+    ctrl.update_endpoint("b", kv_cache_usage=0.0)
     assert ctrl.saturation() == 0.0
 
 

@@ -19,7 +19,7 @@ async def _client(ctrl: FlowController, rid: int, rng: random.Random) -> FlowDec
         rid,
         priority=rng.choice([-1, 0, 0, 3]),
         tenant=f"tenant-{rng.randrange(7)}",
-        tokens=rng.randrange(1, 400),
+        prompt_tokens=rng.randrange(1, 400),
     )
     decision = await ctrl.admit(request)
     try:

@@ -129,7 +129,7 @@ def same(native: FlowDecision | None, twin: TwinDecision | None) -> None:
     if native is None or twin is None:
         assert native is None and twin is None, (native, twin)
         return
-    got = (native.id, native.outcome.key, native.priority, native.tenant, native.tokens)
+    got = (native.id, native.outcome.key, native.priority, native.tenant, native.prompt_tokens)
     assert got == (twin.id, twin.outcome, twin.priority, twin.tenant, twin.tokens)
     assert (native.size_bytes, native.wait_s, native.payload) == (
         twin.size_bytes,

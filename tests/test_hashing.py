@@ -363,27 +363,35 @@ def test_text_matches_twin(include_partial: bool, block_size: int) -> None:
 def test_text_partial_block_and_cap() -> None:
     n_tokens = len(llmsched.pack_text(PROMPT))
     assert n_tokens % 64 != 0
-    full = llmsched.text_block_hashes(PROMPT, include_partial=False)
-    with_tail = llmsched.text_block_hashes(PROMPT)
+    full = llmsched.text_block_hashes(PROMPT, 64)
+    with_tail = llmsched.text_block_hashes(PROMPT, 64, include_partial=True)
     assert len(full) == n_tokens // 64
     assert len(with_tail) == len(full) + 1
     assert with_tail[:-1].tolist() == full.tolist()
-    capped = llmsched.text_block_hashes(PROMPT, max_tokens=100)
-    assert capped.tolist() == llmsched.text_block_hashes(PROMPT.encode()[:400]).tolist()
-    assert len(llmsched.text_block_hashes(PROMPT, max_tokens=None)) == len(with_tail)
+    capped = llmsched.text_block_hashes(PROMPT, 64, include_partial=True, max_tokens=100)
+    expect = llmsched.text_block_hashes(PROMPT.encode()[:400], 64, include_partial=True)
+    assert capped.tolist() == expect.tolist()
     assert llmsched.text_block_hashes(PROMPT, max_tokens=0).tolist() == []
     assert llmsched.text_block_hashes("").tolist() == []
 
 
-def test_text_default_cap_is_llm_d_s() -> None:
+def test_text_defaults_are_the_index_s_and_llm_d_mode_is_opt_in() -> None:
     long = "x" * (4 * 131_072 + 400)
-    assert len(llmsched.text_block_hashes(long)) == 131_072 // 64
+    # No cap by default (the router hashes every pseudo-token); llm-d's cap when asked.
+    assert len(llmsched.text_block_hashes(long)) == (131_072 + 100) // 16
+    llm_d = llmsched.text_block_hashes(
+        long, 64, include_partial=True, max_tokens=llmsched.hashing.TEXT_MAX_TOKENS
+    )
+    assert len(llm_d) == 131_072 // 64
+    assert llmsched.text_block_hashes(PROMPT).tolist() == (
+        llmsched.block_hashes(llmsched.pack_text(PROMPT)).tolist()
+    )
 
 
 def test_text_bytes_equal_str_and_pack_text() -> None:
     assert (
-        llmsched.text_block_hashes(PROMPT).tolist()
-        == llmsched.text_block_hashes(PROMPT.encode()).tolist()
+        llmsched.text_block_hashes(PROMPT, include_partial=True).tolist()
+        == llmsched.text_block_hashes(PROMPT.encode(), include_partial=True).tolist()
     )
     packed = llmsched.pack_text(PROMPT)
     assert packed.dtype == np.uint32

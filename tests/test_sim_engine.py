@@ -277,7 +277,9 @@ class _FakeFlow:
     most ``max_running`` dispatched at once, refusals above ``max_queued``."""
 
     class FlowRequest:
-        def __init__(self, id, priority=0, tenant="", tokens=0, ttft_target=None, payload=None):
+        def __init__(
+            self, id, priority=0, tenant="", prompt_tokens=0, ttft_target=None, payload=None
+        ):
             self.id, self.priority, self.payload = id, priority, payload
 
     class Decision:
@@ -310,8 +312,8 @@ class _FakeFlow:
         def drain_evicted(self):
             return []
 
-        def update_endpoint(self, name, waiting, running, kv_usage, timestamp):
-            self.endpoints[name] = (waiting, running, kv_usage)
+        def update_endpoint(self, name, waiting, running, kv_cache_usage, timestamp):
+            self.endpoints[name] = (waiting, running, kv_cache_usage)
 
         def complete(self, request_id, output_tokens, now):
             self.running.discard(request_id)

@@ -172,7 +172,7 @@ def test_bad_input_leaves_state_unchanged() -> None:
         (ValueError, lambda: t.decide(1, finished=True, waiting=[(0, 0, 1, 0)], now=0.0)),
         (ValueError, lambda: t.decide(1, finished=True, waiting=[(0, 0, -1, 1)], now=0.0)),
         (TypeError, lambda: t.decide(1, finished=True, waiting=[(0, 0)], now=0.0)),
-        (ValueError, lambda: t.set_endpoint("a", kv_usage=1.5)),
+        (ValueError, lambda: t.set_endpoint("a", kv_cache_usage=1.5)),
         (ValueError, lambda: t.set_endpoint("c", decode_step_s=-1.0)),
         (ValueError, lambda: t.quantum(1)),
     ]
@@ -335,7 +335,11 @@ class SliceMachine(RuleBasedStateMachine):
     )
     def set_endpoint(self, endpoint: str, usage: float, waiting: int, capacity: Any) -> None:
         self.both(
-            "set_endpoint", endpoint, kv_usage=usage, waiting=waiting, kv_capacity_tokens=capacity
+            "set_endpoint",
+            endpoint,
+            kv_cache_usage=usage,
+            waiting=waiting,
+            kv_capacity_tokens=capacity,
         )
 
     @invariant()
@@ -507,7 +511,7 @@ def test_thread_stress_shared_tracker() -> None:
 
     def churn() -> None:
         for i in range(300):
-            t.set_endpoint(ENDPOINTS[i % 3], kv_usage=(i % 10) / 10, waiting=i % 2)
+            t.set_endpoint(ENDPOINTS[i % 3], kv_cache_usage=(i % 10) / 10, waiting=i % 2)
             t.promote(now=float(i))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(threads_n)]

@@ -237,7 +237,7 @@ def test_prefix_cache_hits_are_not_counted_as_recompute() -> None:
 def test_yielding_gateway_loop_still_matches() -> None:
     request, _ = REQUESTS["completions-ids"]
     t = SliceTracker("mlfq", {"base_quantum": 4, "levels": 3}, endpoints=["a", "b"])
-    t.set_endpoint("a", kv_usage=0.0)
+    t.set_endpoint("a", kv_cache_usage=0.0)
     short = [WaitingRequest(priority=2, level=0, context_tokens=10, expected_tokens=1)]
     sliced = run_sliced(FakeEngine(), request, "completions", t, prompt_tokens=3, waiting=short)
     whole = run_uninterrupted(FakeEngine(), request, "completions")

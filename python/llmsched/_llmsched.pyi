@@ -223,7 +223,7 @@ class EndpointLoad:
     @property
     def kv_capacity_tokens(self) -> float: ...
     @property
-    def kv_usage(self) -> float: ...
+    def kv_cache_usage(self) -> float: ...
     @property
     def kv_free_tokens(self) -> float: ...
     @property
@@ -444,7 +444,7 @@ class FlowDecision:
     @property
     def tenant(self) -> str: ...
     @property
-    def tokens(self) -> int: ...
+    def prompt_tokens(self) -> int: ...
     @property
     def size_bytes(self) -> int: ...
     @property
@@ -465,7 +465,7 @@ class FlowCore:
         id: int,
         priority: int,
         tenant: str,
-        tokens: int,
+        prompt_tokens: int,
         size_bytes: int,
         deadline: float | None,
         ttft_target: float | None,

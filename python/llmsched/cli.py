@@ -4,6 +4,9 @@ Each subcommand is registered by one ``add_<name>_command`` function that declar
 arguments and sets ``handler``; handlers import what they need lazily, so ``llmsched --help``
 stays fast and works without the optional extras.
 
+Errors in arguments, configuration files, output paths or a missing extra print one line
+(``llmsched <command>: <what is wrong>``) and exit with status 2, before any long work starts.
+
 >>> build_parser().parse_args(["demo", "--replicas", "4"]).replicas
 4
 """
@@ -11,8 +14,13 @@ stays fast and works without the optional extras.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
+
+from llmsched.errors import ConfigError, one_line
 
 __all__ = [
     "add_calibrate_command",
@@ -24,6 +32,38 @@ __all__ = [
 ]
 
 Subparsers = Any  # argparse's private _SubParsersAction
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def check_output_path(option: str, path: str, suffixes: Sequence[str] = ()) -> Path:
+    """Refuse an output path that cannot be written, before the work that produces it.
+
+    Raises :class:`~llmsched.errors.ConfigError` naming ``option`` when the path is a
+    directory, its directory does not exist or is not writable, or its suffix is not one of
+    ``suffixes`` (when given).
+
+    >>> check_output_path("--json", "/no/such/dir/out.json")
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: --json /no/such/dir/out.json: directory /no/such/dir does not exist
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{option} {path}: is a directory")
+    parent = out.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ConfigError(f"{option} {path}: not writable")
+    if suffixes and out.suffix.lower() not in suffixes:
+        raise ConfigError(f"{option} {path}: the file type must be one of {', '.join(suffixes)}")
+    return out
 
 
 def add_demo_command(subparsers: Subparsers) -> None:
@@ -45,7 +85,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     for name in ("replicas", "sessions", "turns"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"llmsched demo: --{name} must be at least 1")
+            raise ConfigError(f"--{name} must be at least 1")
     run_demo(replicas=args.replicas, sessions=args.sessions, turns=args.turns, seed=args.seed)
     return 0
 
@@ -92,6 +132,14 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _run_calibrate(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from llmsched._extras import require
+
+    check_output_path("--out", args.out, (".yaml", ".yml"))
+    for name in ("repeats", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    require("executor", "torch", feature="llmsched calibrate")
     import torch
 
     from llmsched.executor.calibrate import CalibrationGrid, calibrate
@@ -155,39 +203,58 @@ def add_sim_command(subparsers: Subparsers) -> None:
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    import sys
+    import importlib.util
 
-    from llmsched.errors import ConfigError
+    from llmsched._extras import require
     from llmsched.sim.config import SCENARIOS, load_scenario
-    from llmsched.sim.policies import policy_names
-    from llmsched.sim.runner import format_table, timed_compare, write_json, write_plot
+    from llmsched.sim.policies import policy_names, resolve_policy
+    from llmsched.sim.runner import (
+        PLOT_SUFFIXES,
+        TABLE_LEGEND,
+        format_table,
+        timed_compare,
+        write_json,
+        write_plot,
+    )
 
     if args.list:
         for name, spec in SCENARIOS.items():
             print(f"{name:<16}{spec.get('description', '')}")
         print("policies: " + ", ".join(policy_names()))
         return 0
-    try:
-        config = load_scenario(args.scenario, args.config)
-        if args.seed is not None:
-            config.seed = args.seed
-        if args.policies:
-            config.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        if args.jobs is not None and args.jobs < 1:
-            raise ConfigError("--jobs must be at least 1")
-        print(f"llmsched sim: {config.name}: {config.description}".rstrip(": "))
-        results, wall = timed_compare(
-            config, jobs=args.jobs, progress=not args.quiet, engine=args.engine
-        )
-    except ConfigError as exc:
-        print(f"llmsched sim: {exc}", file=sys.stderr)
-        return 2
+    # Everything that can be refused is refused here, before the simulation starts.
+    config = load_scenario(args.scenario, args.config)
+    if args.seed is not None:
+        config.seed = args.seed
+    if args.policies is not None:
+        config.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        if not config.policies:
+            raise ConfigError("--policies names no policy")
+    for _, variant in config.expand():
+        for policy in variant.policies:
+            resolve_policy(policy)
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError("--jobs must be at least 1")
+    if args.json:
+        check_output_path("--json", args.json)
+    if args.plot:
+        check_output_path("--plot", args.plot, PLOT_SUFFIXES)
+        require("sim", "matplotlib", feature="llmsched sim --plot")
+    progress = not args.quiet
+    if progress and importlib.util.find_spec("tqdm") is None:
+        progress = False
+        print("llmsched sim: no progress bar without tqdm (pip install 'llmsched[sim]')")
+    print(f"llmsched sim: {config.name}: {config.description}".rstrip(": "))
+    results, wall = timed_compare(config, jobs=args.jobs, progress=progress, engine=args.engine)
     print(format_table(results, wall))
+    print(TABLE_LEGEND)
     if args.json:
         write_json(args.json, config, results, wall)
         print(f"wrote {args.json}")
     if args.plot:
-        write_plot(args.plot, results)
+        engines = " and ".join(sorted({r.engine_name for r in results}))
+        title = f"{config.name}: seed {config.seed}, {engines} engine"
+        write_plot(args.plot, results, title=title)
         print(f"wrote {args.plot}")
     return 0
 
@@ -222,25 +289,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     import dataclasses
     import logging
     import signal
-    import sys
 
-    from llmsched.errors import ConfigError
     from llmsched.gateway import Gateway, load_config
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
-    try:
-        config = load_config(args.config)
-        listen = config.listen
-        if args.host is not None:
-            listen = dataclasses.replace(listen, host=args.host)
-        if args.port is not None:
-            if not 0 <= args.port <= 65535:
-                raise ConfigError(f"--port must be in 0..65535, got {args.port}")
-            listen = dataclasses.replace(listen, port=args.port)
-        gateway = Gateway(dataclasses.replace(config, listen=listen))
-    except ConfigError as exc:
-        print(f"llmsched serve: {exc}", file=sys.stderr)
-        return 2
+    config = load_config(args.config)
+    listen = config.listen
+    if args.host is not None:
+        listen = dataclasses.replace(listen, host=args.host)
+    if args.port is not None:
+        if not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+        listen = dataclasses.replace(listen, port=args.port)
+    gateway = Gateway(dataclasses.replace(config, listen=listen))
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -272,8 +333,13 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``llmsched`` parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(prog="llmsched", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from llmsched import __version__
+
+    parser = _Parser(prog="llmsched", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"llmsched {__version__}")
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
     add_demo_command(subparsers)
     add_calibrate_command(subparsers)
     add_sim_command(subparsers)
@@ -282,7 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (2: bad arguments, configuration, output
+    path or a missing extra, reported on one line of stderr)."""
     args = build_parser().parse_args(argv)
-    status: int = args.handler(args)
+    try:
+        status: int = args.handler(args)
+    except (ConfigError, ImportError, OSError) as exc:
+        # ConfigError carries its own context; an OSError names the file (e.g. a config that
+        # cannot be read); an ImportError names the extra to install.
+        print(f"llmsched {args.command}: {one_line(exc)}", file=sys.stderr)
+        return 2
     return status

@@ -118,3 +118,22 @@ class FlowRejected(LlmschedError):
             f"request {request_id} not dispatched: {outcome.key} "
             f"(HTTP {outcome.http_status}, {outcome.reason})"
         )
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line: a PyYAML error as its problem and position (line
+    and column, from 1), anything else with its line breaks folded.
+
+    >>> import yaml
+    >>> try:
+    ...     yaml.safe_load("a: [1")
+    ... except yaml.YAMLError as exc:
+    ...     print(one_line(exc))
+    expected ',' or ']', but got '<stream end>' at line 1, column 6
+    """
+    problem = getattr(exc, "problem", None)
+    if isinstance(problem, str):
+        mark = getattr(exc, "problem_mark", None)
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        return f"{problem}{where}"
+    return " ".join(str(exc).split())

@@ -32,20 +32,18 @@ True
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
 from llmsched.errors import (
@@ -53,7 +51,13 @@ from llmsched.errors import (
     DuplicateRequestError,
     FlowRejected,
     UnknownRequestError,
+    one_line,
 )
+
+if TYPE_CHECKING:
+    # Imported where used: `import llmsched` stays free of asyncio and PyYAML (about 10 and
+    # 20 ms).
+    import asyncio
 
 __all__ = [
     "FlowController",
@@ -73,19 +77,20 @@ ConfigLike = Mapping[str, Any] | str | os.PathLike[str] | None
 class FlowRequest:
     """A request asking to be dispatched (its fields are read once, at enqueue).
 
-    ``priority``: higher first; negative = sheddable. ``tenant``: the fairness id. ``tokens``:
-    prompt size (fairness cost, in-flight tokens). ``size_bytes``: counts against byte limits.
+    ``priority``: higher first; negative = sheddable. ``tenant``: the fairness id.
+    ``prompt_tokens``: the prompt's token count (fairness cost, in-flight tokens).
+    ``size_bytes``: counts against byte limits.
     ``deadline``: absolute time on the controller's clock (``edf``). ``ttft_target``: seconds
     (``slo-deadline``). ``payload``: anything; handed back in the :class:`FlowDecision`.
 
-    >>> FlowRequest(7, priority=2, tenant="acme", tokens=512).priority
+    >>> FlowRequest(7, priority=2, tenant="acme", prompt_tokens=512).priority
     2
     """
 
     id: int
     priority: int = 0
     tenant: str = "default"
-    tokens: int = 0
+    prompt_tokens: int = 0
     size_bytes: int = 0
     deadline: float | None = None
     ttft_target: float | None = None
@@ -104,10 +109,12 @@ def load_config(source: str | os.PathLike[str]) -> dict[str, Any]:
     )
     if is_path:
         text = Path(source).read_text()
+    import yaml  # here, not at the top: `import llmsched` stays light
+
     try:
         loaded = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"flow config is not valid YAML: {err}") from None
+        raise ConfigError(f"flow config is not valid YAML: {one_line(err)}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -151,12 +158,16 @@ def default_config() -> dict[str, Any]:
     return resolve_config(None)
 
 
-_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[FlowDecision]"]
+_Waiter = tuple["asyncio.AbstractEventLoop", "asyncio.Future[FlowDecision]"]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
+    aio = sys.modules.get("asyncio")
+    if aio is None:  # never imported: no loop can be running
+        return None
     try:
-        return asyncio.get_running_loop()
+        loop: asyncio.AbstractEventLoop = aio.get_running_loop()
+        return loop
     except RuntimeError:
         return None
 
@@ -172,7 +183,7 @@ class FlowController:
     >>> ctrl = FlowController()   # llm-d defaults: utilization saturation needs endpoints
     >>> ctrl.enqueue(FlowRequest(1)).key
     'rejected_no_endpoints'
-    >>> ctrl.update_endpoint("pod-a", waiting=1, kv_usage=0.2)
+    >>> ctrl.update_endpoint("pod-a", waiting=1, kv_cache_usage=0.2)
     >>> ctrl.enqueue(FlowRequest(2)) is None
     True
     >>> ctrl.dispatch().id
@@ -224,7 +235,7 @@ class FlowController:
             request.id,
             request.priority,
             request.tenant,
-            request.tokens,
+            request.prompt_tokens,
             request.size_bytes,
             request.deadline,
             request.ttft_target,
@@ -348,19 +359,19 @@ class FlowController:
         *,
         waiting: int = 0,
         running: int = 0,
-        kv_usage: float = 0.0,
+        kv_cache_usage: float = 0.0,
         timestamp: float | None = None,
     ) -> None:
         """Feeds one endpoint's load report to the saturation detector (``utilization``:
-        ``max(waiting / queue_threshold, kv_usage / kv_threshold)``, mean over endpoints).
+        ``max(waiting / queue_threshold, kv_cache_usage / kv_threshold)``, mean over endpoints).
         ``timestamp`` defaults to now; reports older than ``staleness_s`` are stale.
 
         >>> ctrl = FlowController()
-        >>> ctrl.update_endpoint("pod-a", waiting=5, kv_usage=0.4, timestamp=0.0)
+        >>> ctrl.update_endpoint("pod-a", waiting=5, kv_cache_usage=0.4, timestamp=0.0)
         >>> ctrl.saturation(now=0.1)
         1.0
         """
-        self._core.update_endpoint(endpoint, waiting, running, kv_usage, self._now(timestamp))
+        self._core.update_endpoint(endpoint, waiting, running, kv_cache_usage, self._now(timestamp))
         if self._waiters:
             self.pump()
 
@@ -475,6 +486,8 @@ class FlowController:
         """
         if not isinstance(request, FlowRequest):
             raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+        import asyncio
+
         loop = asyncio.get_running_loop()
         future: asyncio.Future[FlowDecision] = loop.create_future()
         waiter: _Waiter = (loop, future)
@@ -509,6 +522,8 @@ class FlowController:
         return self._config["default_band"]  # type: ignore[no-any-return]
 
     async def _wait(self, future: asyncio.Future[FlowDecision], expires_at: float) -> FlowDecision:
+        import asyncio
+
         while True:
             timeout = min(self._poll_interval_s, max(expires_at - self._clock(), 0.0) + 1e-3)
             done, _ = await asyncio.wait((future,), timeout=timeout)

@@ -49,6 +49,8 @@ from llmsched.errors import ConfigError
 
 __all__ = [
     "ALGORITHMS",
+    "DEFAULT_BLOCK_SIZE",
+    "TEXT_MAX_TOKENS",
     "VLLM_DEFAULT_NONE_HASH_SEED",
     "Algorithm",
     "block_hashes",
@@ -68,7 +70,11 @@ VLLM_DEFAULT_NONE_HASH_SEED: str = _llmsched.VLLM_DEFAULT_NONE_HASH_SEED
 """The seed string vLLM hashes into ``NONE_HASH`` when ``PYTHONHASHSEED`` is unset."""
 
 TEXT_MAX_TOKENS = 131_072
-"""Default cap on pseudo-tokens hashed per text, as llm-d's approximate mode."""
+"""llm-d's approximate mode's cap on pseudo-tokens hashed per text (pass it as ``max_tokens``)."""
+
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per block when none is given: the same in :func:`block_hashes`,
+:func:`text_block_hashes` and :class:`~llmsched.PrefixIndex` (vLLM's default block size)."""
 
 
 def namespace_seed(
@@ -92,7 +98,7 @@ def namespace_seed(
 
 def block_hashes(
     tokens: TokensLike,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     *,
     seed: int | str | None = None,
     model: str | None = None,
@@ -126,7 +132,7 @@ def block_hashes(
 
 def vllm_block_digests(
     tokens: TokensLike,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     *,
     seed: str | None = None,
     lora: str | None = None,
@@ -160,29 +166,36 @@ def vllm_none_hash(seed: str | None = None) -> bytes:
 
 def text_block_hashes(
     text: str | bytes,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     *,
     seed: int = 0,
     model: str | None = None,
     lora: str | None = None,
     cache_salt: str | None = None,
-    include_partial: bool = True,
-    max_tokens: int | None = TEXT_MAX_TOKENS,
+    include_partial: bool = False,
+    max_tokens: int | None = None,
 ) -> npt.NDArray[np.uint64]:
     """Chained xxh3 hashes of raw text, for approximate prefix routing without a tokenizer.
 
     The UTF-8 bytes (``bytes`` are taken as already encoded) are packed 4 per pseudo-token
     (:func:`pack_text`), as llm-d's approximate mode does; the first ``max_tokens``
-    pseudo-tokens (``None``: all) are hashed in blocks of ``block_size`` with the xxh3 chain of
-    :func:`block_hashes` and the same namespace seed. With ``include_partial`` (the default, as
-    llm-d) a trailing partial block is hashed too, over its pseudo-tokens' bytes, so it ends
-    the array; without it only full blocks count. Zero padding makes a text and the same text
-    plus 1-3 NUL bytes ending in the same pseudo-token hash alike.
+    pseudo-tokens (``None``, the default: all) are hashed in blocks of ``block_size`` with the
+    xxh3 chain of :func:`block_hashes` and the same namespace seed.
 
-    >>> h = text_block_hashes("You are a helpful assistant. " * 20)
-    >>> len(h)  # 580 bytes = 145 pseudo-tokens = 2 full blocks of 64 + a partial one
+    The defaults are those of :meth:`PrefixIndex.hash_text <llmsched.PrefixIndex.hash_text>`
+    and ``Router.pick(text=...)``: with the index's ``block_size``, ``seed`` and ``model``, all
+    three give the same hashes for the same text. ``include_partial=True``,
+    ``block_size=64`` and ``max_tokens=TEXT_MAX_TOKENS`` give llm-d's approximate mode instead:
+    a trailing partial block is hashed too, over its pseudo-tokens' bytes, so it ends the
+    array (those hashes never match an index's full-block ones). Zero padding makes a text
+    and the same text plus 1-3 NUL bytes ending in the same pseudo-token hash alike.
+
+    >>> text = "You are a helpful assistant. " * 20
+    >>> len(text_block_hashes(text))  # 580 bytes = 145 pseudo-tokens = 9 full blocks of 16
+    9
+    >>> len(text_block_hashes(text, 64, include_partial=True))  # 2 full blocks + a partial one
     3
-    >>> bool((h[:2] == block_hashes(pack_text("You are a helpful assistant. " * 20), 64)[:2]).all())
+    >>> bool((text_block_hashes(text) == block_hashes(pack_text(text))).all())
     True
     """
     _check_block_size(block_size)
@@ -209,7 +222,7 @@ def pack_text(text: str | bytes) -> npt.NDArray[np.uint32]:
 
 def block_hashes_batch(
     prompts: Sequence[TokensLike],
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     *,
     seed: int | str | None = None,
     model: str | None = None,

@@ -20,6 +20,7 @@ expire), and queried with :meth:`PrefixIndex.match` on every request.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -31,7 +32,7 @@ from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, as_token_array
 from llmsched.errors import InvalidRequestError
-from llmsched.hashing import _check_block_size, _check_seed
+from llmsched.hashing import DEFAULT_BLOCK_SIZE, _check_block_size, _check_seed, text_block_hashes
 
 __all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
 
@@ -93,15 +94,20 @@ class PrefixIndex:
     One index may be shared by many threads: matches run in parallel, writes are serialised,
     and every call that grows with its input releases the GIL.
 
+    Hashing: :meth:`hash_tokens` and :meth:`hash_text` are the index's one way to turn a prompt
+    into block hashes; ``Router.pick(tokens=/text=/messages=)`` hashes the same way, and
+    :func:`~llmsched.block_hashes` / :func:`~llmsched.text_block_hashes` agree when given the
+    index's ``block_size``, ``seed`` and ``model``.
+
     >>> PrefixIndex(block_size=16).block_size
     16
     """
 
-    __slots__ = ("_native",)
+    __slots__ = ("_events", "_lock", "_mismatch", "_native")
 
     def __init__(
         self,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         seed: int = 0,
         model: str | None = None,
@@ -114,12 +120,24 @@ class PrefixIndex:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         self._native = _llmsched.PrefixIndex(block_size, seed, model, worker_capacity, max_bytes)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self._lock = threading.Lock()
+        self._events = 0  # engine event batches applied
+        self._mismatch: dict[Worker, int] = {}  # stored events skipped for their size, by worker
 
     @classmethod
     def _wrap(cls, native: _llmsched.PrefixIndex) -> PrefixIndex:
         self = cls.__new__(cls)
         self._native = native
+        self._init_state()
         return self
+
+    @property
+    def fed_by_engine_events(self) -> bool:
+        """Whether engine KV events (real token ids) have been applied to this index."""
+        return self._events > 0
 
     @property
     def block_size(self) -> int:
@@ -145,6 +163,30 @@ class PrefixIndex:
         2
         """
         return self._native.hash_tokens(as_token_array(tokens), lora, cache_salt)
+
+    def hash_text(
+        self, text: str | bytes, *, lora: str | None = None, cache_salt: str | None = None
+    ) -> npt.NDArray[np.uint64]:
+        """Chained block hashes of raw text in this index's namespace: its UTF-8 bytes packed
+        4 per pseudo-token (:func:`~llmsched.pack_text`), full blocks only. The same hashes as
+        ``Router.pick(text=text)`` matches and as ``text_block_hashes(text, index.block_size,
+        seed=index.seed, model=index.model)``.
+
+        Pseudo-tokens never equal an engine's token ids: an index fed by KV events holds no
+        blocks these hashes can match (tokenize with :mod:`llmsched.tokenize` instead).
+
+        >>> index = PrefixIndex(block_size=4)
+        >>> len(index.hash_text("0123456789abcdef" * 2))  # 32 bytes = 8 pseudo-tokens
+        2
+        """
+        return text_block_hashes(
+            text,
+            self.block_size,
+            seed=self.seed,
+            model=self.model,
+            lora=lora,
+            cache_salt=cache_salt,
+        )
 
     def store(
         self, worker: Worker, hashes: HashesLike, parent: int | None = None, tier: Tier = "gpu"
@@ -263,7 +305,28 @@ class PrefixIndex:
         """
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
-        return self._native.apply_vllm_events(worker, bytes(payload))
+        report = self._native.apply_vllm_events(worker, bytes(payload))
+        skipped = report.get("block_size_mismatch", 0)
+        with self._lock:
+            self._events += 1
+            first = False
+            if skipped:
+                first = worker not in self._mismatch
+                self._mismatch[worker] = self._mismatch.get(worker, 0) + skipped
+        if first:
+            # Every later event of this worker is skipped too: its prefix hits are lost.
+            import logging  # only on this rare path: `import llmsched` stays light
+
+            logging.getLogger("llmsched").warning(
+                "prefix index: the engine block size of worker %r is not a multiple of the "
+                "index block size %d: its stored events are skipped (%d so far, see "
+                "stats()['block_size_mismatch']) and its cache is never matched. Give the "
+                "index a block size that divides the engine's (vLLM's --block-size)",
+                worker,
+                self.block_size,
+                skipped,
+            )
+        return report
 
     def expire(self, *, now: float | None = None) -> int:
         """Drop approximate holdings that have expired; returns the blocks dropped."""
@@ -278,8 +341,16 @@ class PrefixIndex:
         return self._native.workers()
 
     def stats(self) -> dict[str, Any]:
-        """Counts (workers, nodes, blocks, holdings, per-worker blocks) and estimated bytes."""
-        return self._native.stats()
+        """Counts (workers, nodes, blocks, holdings, per-worker blocks) and estimated bytes;
+        ``event_batches``: engine KV-event batches applied; ``block_size_mismatch``: per worker,
+        the stored events skipped because the engine's block size is not a multiple of
+        :attr:`block_size` (a warning is logged the first time for each worker).
+        """
+        stats = self._native.stats()
+        with self._lock:
+            stats["event_batches"] = self._events
+            stats["block_size_mismatch"] = dict(self._mismatch)
+        return stats
 
     def dumps(self) -> bytes:
         """Serialise the index (approximate holdings keep their remaining lifetime)."""

@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array
-from llmsched.errors import ConfigError, InvalidRequestError
+from llmsched.errors import ConfigError, InvalidRequestError, one_line
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 
@@ -73,6 +73,13 @@ FilterFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[bool]
 PYTHON_PLUGIN_TYPES = ("python-scorer", "python-filter")
 """Plugin types whose ``parameters.function`` is a Python callable (the slower path)."""
 
+PSEUDO_TOKEN_NOTE = (
+    "prompt given as text: hashed as pseudo-tokens (4 UTF-8 bytes each), but the index is fed "
+    "by engine KV events (real token ids), so no cached prefix can match; tokenize with "
+    "llmsched.tokenize and pick(tokens=...), or pass Router(allow_pseudo_tokens=True)"
+)
+"""Why a text pick on an index fed by engine events is flagged (logged once, in explain())."""
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -94,7 +101,8 @@ class EndpointPool:
 
     Args:
         endpoints: initial endpoints (an :class:`Endpoint`, or just an id).
-        stale_after_s: metrics older than this many seconds are stale (default 0.2 s; an
+        stale_after_s: metrics older than this many seconds are stale (default 1 s, five
+            intervals of :class:`~llmsched.integrations.MetricsScraper`'s 0.2 s scrapes; an
             endpoint that never reported is stale).
         stale_policy: ``"saturated"`` (the default) or ``"ignore"``.
 
@@ -254,7 +262,7 @@ def load_config(config: ConfigLike) -> dict[str, Any]:
 
             value = yaml.safe_load(text)
     except (ValueError, ImportError) as exc:
-        raise ConfigError(f"{path}: cannot parse: {exc}") from None
+        raise ConfigError(f"{path}: cannot parse: {one_line(exc)}") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: config must be a mapping")
     return value
@@ -275,6 +283,11 @@ class Router:
         record_ttl_s: how long an approximate prefix entry recorded by :meth:`Decision.started`
             counts unless an engine confirms it (default 60 s).
         session_ttl_s, max_sessions: session affinity bookkeeping (defaults 3600 s, 100,000).
+        allow_pseudo_tokens: text and chat prompts (``pick(text=/messages=)``) are hashed as
+            pseudo-tokens, which never match the real token ids an engine reports in its KV
+            events. Such a pick on an index fed by engine events logs one warning (logger
+            ``llmsched``), is counted in :meth:`stats` and flagged in ``explain()``, unless this
+            is True (the index is fed only by the router's own text picks).
 
     User plugins: a plugin entry ``{"type": "python-scorer", "name": ..., "parameters":
     {"function": fn}}`` (or ``python-filter``) calls ``fn(request, endpoints)`` once per
@@ -289,7 +302,7 @@ class Router:
     'a'
     """
 
-    __slots__ = ("_index", "_native", "_pool")
+    __slots__ = ("_index", "_native", "_pool", "_pseudo_ok", "_pseudo_picks")
 
     def __init__(
         self,
@@ -301,7 +314,12 @@ class Router:
         record_ttl_s: float | None = None,
         session_ttl_s: float | None = None,
         max_sessions: int | None = None,
+        allow_pseudo_tokens: bool = False,
     ) -> None:
+        if not isinstance(allow_pseudo_tokens, bool):
+            raise TypeError("allow_pseudo_tokens must be a bool")
+        self._pseudo_ok = allow_pseudo_tokens
+        self._pseudo_picks = 0
         if not isinstance(pool, EndpointPool):
             raise TypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -360,6 +378,15 @@ class Router:
         """Names of the configured scheduling profiles."""
         return self._native.profiles
 
+    def stats(self) -> dict[str, int]:
+        """``pseudo_token_picks``: text or chat picks made while the index was fed by engine
+        events (see ``allow_pseudo_tokens``); they cannot match the engines' cached prefixes.
+
+        >>> Router(EndpointPool(["a"])).stats()
+        {'pseudo_token_picks': 0}
+        """
+        return {"pseudo_token_picks": self._pseudo_picks}
+
     def pick(
         self,
         tokens: TokensLike | None = None,
@@ -376,7 +403,11 @@ class Router:
     ) -> Decision:
         """Decide where one request goes. Give exactly one of ``tokens`` (token ids: numpy
         array or sequence), ``text`` (a raw prompt) or ``messages`` (chat messages); text is
-        hashed as pseudo-tokens of 4 UTF-8 bytes, as llm-d's approximate mode does.
+        hashed as pseudo-tokens of 4 UTF-8 bytes, as llm-d's approximate mode does: the same
+        hashes as :meth:`PrefixIndex.hash_text` (messages are rendered by
+        :func:`render_messages` first). Pseudo-tokens never match an engine's token ids: for an
+        index fed by engine KV events, tokenize with :mod:`llmsched.tokenize` and pass
+        ``tokens`` (see ``allow_pseudo_tokens``).
 
         ``model`` restricts the endpoints to those serving it; ``lora`` names the adapter and
         ``cache_salt`` isolates a tenant's cache (both are folded into the prompt hashes);
@@ -406,7 +437,20 @@ class Router:
         native = self._native.pick(
             array, model, lora, priority, session_id, header_items, cache_salt, clock
         )
-        return Decision(native)
+        notes: tuple[str, ...] = ()
+        if tokens is None and not self._pseudo_ok:  # a text or chat prompt
+            notes = self._pseudo_token_notes()
+        return Decision(native, self._pool, clock, notes)
+
+    def _pseudo_token_notes(self) -> tuple[str, ...]:
+        if not self._index.fed_by_engine_events:
+            return ()
+        self._pseudo_picks += 1
+        if self._pseudo_picks == 1:
+            import logging  # only on this rare path: `import llmsched` stays light
+
+            logging.getLogger("llmsched").warning("router: %s", PSEUDO_TOKEN_NOTE)
+        return (PSEUDO_TOKEN_NOTE,)
 
     def __repr__(self) -> str:
         return f"Router(profiles={self.profiles}, endpoints={len(self._pool)})"
@@ -429,10 +473,19 @@ class Decision:
     'finished'
     """
 
-    __slots__ = ("_native",)
+    __slots__ = ("_native", "_notes", "_now", "_pool")
 
-    def __init__(self, native: _llmsched.Decision) -> None:
+    def __init__(
+        self,
+        native: _llmsched.Decision,
+        pool: EndpointPool,
+        now: float,
+        notes: tuple[str, ...] = (),
+    ) -> None:
         self._native = native
+        self._pool = pool
+        self._now = now
+        self._notes = notes
 
     @property
     def endpoint(self) -> EndpointId:
@@ -530,7 +583,11 @@ class Decision:
 
     def explain(self) -> Explanation:
         """Per profile, per endpoint: every scorer's clamped score, the weighted total, the
-        rank, or the filter that removed it. ``print()`` it for a table.
+        rank, or the filter that removed it. ``print()`` it for a table. Rows whose scores
+        were forced (an endpoint with stale metrics counts as saturated: scorers that read
+        metrics give it 0) carry a :attr:`EndpointScores.note` saying why, marked ``*`` in the
+        table; :attr:`Explanation.notes` flags the request itself (e.g. a text prompt on an
+        index fed by engine events).
 
         >>> pool = EndpointPool(["a", "b"], stale_policy="ignore")
         >>> pool.update("b", waiting=4)
@@ -539,8 +596,26 @@ class Decision:
         >>> row.scores["queue-scorer"], row.total
         (0.0, 1.0)
         """
-        profiles = [ProfileExplanation._from_raw(p) for p in self._native.explain_data()]
-        return Explanation(profiles=profiles, pd=self.pd())
+        notes = self._saturation_notes()
+        profiles = [ProfileExplanation._from_raw(p, notes) for p in self._native.explain_data()]
+        return Explanation(profiles=profiles, pd=self.pd(), notes=list(self._notes))
+
+    def _saturation_notes(self) -> dict[EndpointId, str]:
+        """Why each endpoint counted as saturated at the pick (its metrics' age then)."""
+        after = self._pool.stale_after_s
+        notes: dict[EndpointId, str] = {}
+        for e in self._pool.endpoints():
+            stamp = e["timestamp"]
+            if stamp is None:
+                why = "no metrics reported"
+            elif stamp <= self._now:
+                why = f"metrics {self._now - stamp:.3g} s old at the pick"
+            else:
+                why = "metrics were stale at the pick (refreshed since)"
+            notes[e["id"]] = (
+                f"saturated: {why} (stale after {after:g} s); scorers that read metrics gave 0"
+            )
+        return notes
 
     def __repr__(self) -> str:
         split = f", prefill={self.prefill_endpoint!r}" if self.disaggregated else ""
@@ -555,6 +630,7 @@ class EndpointScores:
     address: str
     cached_tokens: int
     saturated: bool
+    """Its metrics were stale at the pick (pool ``stale_policy="saturated"``)."""
     removed_by: str | None
     """The filter that removed it, or None if it reached the scorers."""
     scores: dict[str, float]
@@ -564,6 +640,8 @@ class EndpointScores:
     total: float | None
     rank: int | None
     """0 for the chosen endpoint, 1.. for fallbacks, None otherwise."""
+    note: str | None = None
+    """Why its scores were forced (saturated: stale metrics), or None."""
 
 
 @dataclass(frozen=True)
@@ -579,7 +657,9 @@ class ProfileExplanation:
     rows: list[EndpointScores]
 
     @classmethod
-    def _from_raw(cls, raw: dict[str, Any]) -> ProfileExplanation:
+    def _from_raw(
+        cls, raw: dict[str, Any], notes: Mapping[EndpointId, str] | None = None
+    ) -> ProfileExplanation:
         weights = dict(raw["scorers"])
         names = list(weights)
         rows = []
@@ -596,6 +676,7 @@ class ProfileExplanation:
                     weighted={k: v * weights[k] for k, v in scores.items()},
                     total=r["total"],
                     rank=r["rank"],
+                    note=(notes or {}).get(r["endpoint"]) if r["saturated"] else None,
                 )
             )
         return cls(
@@ -614,18 +695,23 @@ class ProfileExplanation:
         head = ["endpoint", *[f"{n} x{self.weights[n]:g}" for n in names], "total", "rank"]
         lines = [head]
         ordered = sorted(self.rows, key=lambda r: (r.rank is None, r.rank or 0, -(r.total or 0)))
+        footnotes = []
         for r in ordered:
+            name = str(r.endpoint)
+            if r.saturated:
+                name += " *"
+                footnotes.append(f"* {r.endpoint}: {r.note or 'saturated (stale metrics)'}")
             if r.removed_by is not None:
-                lines.append([str(r.endpoint), f"removed by {r.removed_by}"])
+                lines.append([name, f"removed by {r.removed_by}"])
                 continue
             cells = [f"{r.scores[n]:.3f}" for n in names]
             total = "" if r.total is None else f"{r.total:.3f}"
             rank = "" if r.rank is None else str(r.rank)
-            lines.append([str(r.endpoint), *cells, total, rank])
+            lines.append([name, *cells, total, rank])
         widths = [max(len(row[i]) for row in lines if i < len(row)) for i in range(len(head))]
         title = f"profile {self.profile!r} (picker {self.picker})"
         body = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip() for row in lines]
-        return "\n".join([title, *body])
+        return "\n".join([title, *body, *footnotes])
 
 
 @dataclass(frozen=True)
@@ -634,6 +720,8 @@ class Explanation:
 
     profiles: list[ProfileExplanation]
     pd: dict[str, Any] | None
+    notes: list[str] = field(default_factory=list)
+    """Warnings about the request itself (e.g. a text prompt on an engine-fed index)."""
 
     def __getitem__(self, profile: str) -> ProfileExplanation:
         for p in self.profiles:
@@ -642,7 +730,7 @@ class Explanation:
         raise KeyError(profile)
 
     def __str__(self) -> str:
-        parts = [str(p) for p in self.profiles]
+        parts = [f"note: {n}" for n in self.notes] + [str(p) for p in self.profiles]
         if self.pd is not None:
             parts.append(f"P/D: {self.pd}")
         return "\n\n".join(parts)

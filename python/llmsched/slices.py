@@ -402,26 +402,26 @@ class SliceTracker:
         self,
         name: str,
         *,
-        kv_usage: float = 0.0,
+        kv_cache_usage: float = 0.0,
         waiting: int = 0,
         kv_capacity_tokens: float | None = None,
         prefill_tokens_per_s: float | None = None,
         decode_step_s: float | None = None,
     ) -> None:
-        """Add endpoint ``name`` or update its load. ``kv_usage`` is the used share of its KV
+        """Add endpoint ``name`` or update its load. ``kv_cache_usage`` is the used share of its KV
         cache (vLLM ``vllm:kv_cache_usage_perc``), ``waiting`` its queue length
         (``vllm:num_requests_waiting``). Fields left None keep their previous value (the cost
         model's for a new endpoint).
 
         >>> t = SliceTracker("fixed")
-        >>> t.set_endpoint("a", kv_usage=0.25, kv_capacity_tokens=1000)
+        >>> t.set_endpoint("a", kv_cache_usage=0.25, kv_capacity_tokens=1000)
         >>> t.endpoint_load("a").kv_free_tokens
         750.0
         """
         _check_int("waiting", waiting, 0, _U32)
         self._native.set_endpoint(
             _endpoint_name(name),
-            float(kv_usage),
+            float(kv_cache_usage),
             waiting,
             kv_capacity_tokens,
             prefill_tokens_per_s,

@@ -190,7 +190,7 @@ class _Sim:
     def report_load(self) -> None:
         assert self.tracker is not None
         usage = min(1.0, self.kv_used() / self.cfg.kv_capacity_tokens)
-        self.tracker.set_endpoint("gpu", kv_usage=usage, waiting=len(self.queue))
+        self.tracker.set_endpoint("gpu", kv_cache_usage=usage, waiting=len(self.queue))
 
     def run(self) -> None:
         pending = sorted(self.reqs, key=lambda r: r.arrival)

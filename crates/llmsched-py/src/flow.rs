@@ -86,7 +86,7 @@ pub struct PyFlowDecision {
     priority: i32,
     tenant: Arc<str>,
     #[pyo3(get)]
-    tokens: u64,
+    prompt_tokens: u64,
     #[pyo3(get)]
     size_bytes: u64,
     #[pyo3(get)]
@@ -102,7 +102,7 @@ impl From<FlowDecision<Py<PyAny>>> for PyFlowDecision {
             outcome: d.outcome.into(),
             priority: d.priority,
             tenant: d.tenant,
-            tokens: d.tokens,
+            prompt_tokens: d.tokens,
             size_bytes: d.bytes,
             wait_s: d.waited_s,
             payload: d.payload,
@@ -179,13 +179,13 @@ impl PyFlowCore {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (id, priority, tenant, tokens, size_bytes, deadline, ttft_target, payload, now))]
+    #[pyo3(signature = (id, priority, tenant, prompt_tokens, size_bytes, deadline, ttft_target, payload, now))]
     fn enqueue(
         &self,
         id: i64,
         priority: i64,
         tenant: &str,
-        tokens: i64,
+        prompt_tokens: i64,
         size_bytes: i64,
         deadline: Option<f64>,
         ttft_target: Option<f64>,
@@ -196,7 +196,7 @@ impl PyFlowCore {
             id: non_negative("id", id)?,
             priority: priority_i32(priority)?,
             tenant,
-            tokens: non_negative("tokens", tokens)?,
+            tokens: non_negative("prompt_tokens", prompt_tokens)?,
             bytes: non_negative("size_bytes", size_bytes)?,
             deadline,
             ttft_target,

@@ -180,7 +180,7 @@ impl From<RequestView> for PySliceState {
 #[pyclass(frozen, get_all, name = "EndpointLoad", module = "llmsched._llmsched")]
 pub struct PyEndpointLoad {
     kv_capacity_tokens: f64,
-    kv_usage: f64,
+    kv_cache_usage: f64,
     kv_free_tokens: f64,
     waiting: u32,
     prefill_tokens_per_s: f64,
@@ -191,7 +191,7 @@ impl From<EndpointLoad> for PyEndpointLoad {
     fn from(l: EndpointLoad) -> Self {
         Self {
             kv_capacity_tokens: l.kv_capacity_tokens,
-            kv_usage: l.kv_usage,
+            kv_cache_usage: l.kv_usage,
             kv_free_tokens: l.kv_free_tokens(),
             waiting: l.waiting,
             prefill_tokens_per_s: l.prefill_tokens_per_s,

@@ -92,13 +92,6 @@ def __getattr__(name: str) -> Any:
     module = _TORCH_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'llmsched.executor' has no attribute {name!r}")
-    try:
-        loaded = importlib.import_module(f"llmsched.executor.{module}")
-    except ModuleNotFoundError as exc:
-        if exc.name == "torch":
-            raise ImportError(
-                f"llmsched.executor.{name} needs torch: install the 'executor' extra "
-                "(pip install 'llmsched[executor]')"
-            ) from exc
-        raise
+    # The torch modules check for the extra themselves and raise ImportError naming it.
+    loaded = importlib.import_module(f"llmsched.executor.{module}")
     return getattr(loaded, name)

@@ -22,6 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmsched._extras import require
+
+require("executor", "torch", feature="llmsched.executor")
+
 import torch
 
 from llmsched.errors import ConfigError

@@ -30,6 +30,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from llmsched._extras import require
+
+require("executor", "torch", "xxhash", feature="llmsched.executor")
+
 import torch
 import xxhash
 

@@ -30,6 +30,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmsched._extras import require
+
+require("executor", "torch", feature="llmsched.executor")
+
 import torch
 import torch.distributed as dist
 

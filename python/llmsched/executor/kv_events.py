@@ -16,6 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llmsched._extras import require
+
+require("executor", "msgpack", feature="llmsched.executor")
+
 import msgpack
 
 __all__ = [

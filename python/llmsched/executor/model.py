@@ -27,6 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from llmsched._extras import require
+
+require("executor", "torch", "xxhash", feature="llmsched.executor")
+
 import torch
 import torch.nn.functional as F
 import xxhash

@@ -28,6 +28,11 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from llmsched._extras import require
+
+require("executor", "torch", feature="llmsched.executor")
+
 import torch
 import torch.distributed as dist
 

@@ -48,11 +48,11 @@ from llmsched.flow import FlowController, FlowRequest
 from llmsched.gateway.config import ApiKey, GatewayConfig, load_config, read_engines_file
 from llmsched.gateway.metrics import GatewayMetrics
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
-from llmsched.gateway.tokenize import PromptError, PromptTokenizer
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import Decision, Endpoint, EndpointPool, Router
 from llmsched.slices import SliceTracker
+from llmsched.tokenize import PromptError, PromptTokenizer
 
 __all__ = ["Gateway"]
 
@@ -468,7 +468,7 @@ class Gateway:
             flow_id,
             priority=incoming.priority,
             tenant=incoming.tenant,
-            tokens=incoming.prompt.size,
+            prompt_tokens=incoming.prompt.size,
             size_bytes=len(incoming.body),
         )
         await self.flow.admit(flow_request)

@@ -254,7 +254,7 @@ class SlicedRequest:
                         continuation,
                         priority=decision.priority,
                         tenant=self.tenant,
-                        tokens=decision.context_tokens,
+                        prompt_tokens=decision.context_tokens,
                     )
                 )
             except FlowRejected as rejected:
@@ -266,7 +266,7 @@ class SlicedRequest:
         for endpoint in self.gateway.pool.endpoints():
             self.tracker.set_endpoint(
                 str(endpoint["id"]),
-                kv_usage=float(endpoint["kv_cache_usage"]),
+                kv_cache_usage=float(endpoint["kv_cache_usage"]),
                 waiting=int(endpoint["waiting"]),
             )
 

@@ -4,6 +4,8 @@
   that the prefix index, the endpoint pool, the flow controller and the scraper all use.
 - :class:`KVEventSubscriber`: keeps a :class:`~llmsched.PrefixIndex` current from the engines'
   ZMQ KV events, with gap detection, replay and resynchronisation.
+Needs the ``integrations`` extra (``pip install 'llmsched[integrations]'``).
+
 - :class:`MetricsScraper`: polls the engines' Prometheus ``/metrics`` and feeds the
   :class:`~llmsched.EndpointPool` and :class:`~llmsched.FlowController`.
 
@@ -14,8 +16,19 @@
 
 from __future__ import annotations
 
-from llmsched.integrations.identity import EngineSpec, worker_id
+from llmsched._extras import require
+
+require("integrations", "zmq", "aiohttp", "prometheus_client", feature="llmsched.integrations")
+
+from llmsched.integrations.identity import EngineSpec, resolve_engines, worker_id
 from llmsched.integrations.kv_events import KVEventSubscriber
 from llmsched.integrations.metrics import MetricsScraper, ScrapeResult
 
-__all__ = ["EngineSpec", "KVEventSubscriber", "MetricsScraper", "ScrapeResult", "worker_id"]
+__all__ = [
+    "EngineSpec",
+    "KVEventSubscriber",
+    "MetricsScraper",
+    "ScrapeResult",
+    "resolve_engines",
+    "worker_id",
+]

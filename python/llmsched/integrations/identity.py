@@ -1,5 +1,11 @@
-"""Engine identity: the one mapping from an engine (host, port, data-parallel rank) to the worker
-id that the prefix index, the endpoint pool, the flow controller and the metrics scraper share.
+"""Engine identity: the one mapping from an engine to the worker id that the prefix index, the
+endpoint pool, the flow controller, the metrics scraper and the KV-event subscriber share.
+
+An engine's worker id is its ``name`` when it has one, else ``host:port`` (plus ``/dp<rank>``).
+:func:`resolve_engines` names the unnamed engines after the pool's endpoint at the same
+address, so an endpoint the user named (``Endpoint("engine-a", address="10.0.0.7:8000")``) is
+the one every component feeds, never a second copy keyed by its address; a genuine conflict
+(two endpoints at one address, a name whose endpoint is elsewhere) raises ConfigError.
 
 >>> from llmsched.integrations import EngineSpec, worker_id
 >>> worker_id("10.0.0.7", 8000), worker_id("10.0.0.7", 8000, dp_rank=1)
@@ -13,13 +19,16 @@ id that the prefix index, the endpoint pool, the flow controller and the metrics
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmsched.errors import ConfigError
 
-__all__ = ["ENDPOINT_SCHEMES", "ROLES", "EngineSpec", "worker_id"]
+if TYPE_CHECKING:
+    from llmsched.routing import EndpointId, EndpointPool
+
+__all__ = ["ENDPOINT_SCHEMES", "ROLES", "EngineSpec", "resolve_engines", "worker_id"]
 
 ROLES = ("prefill", "decode", "both")
 """Values of :attr:`EngineSpec.role` besides None (unlabelled: serves both)."""
@@ -95,6 +104,8 @@ class EngineSpec:
         topic: the topic it publishes with; messages with any other topic are refused.
         metrics_path: the path of its Prometheus metrics.
         labels: free-form labels (copied to the router's endpoint).
+        name: its worker id, when the user names it (e.g. ``"engine-a"``); None: the
+            address-based :func:`worker_id`.
 
     >>> EngineSpec("10.0.0.7", 8000, role="decode").role
     'decode'
@@ -115,8 +126,11 @@ class EngineSpec:
     topic: str = ""
     metrics_path: str = "/metrics"
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+    name: str | None = None
 
     def __post_init__(self) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ConfigError(f"name must be a non-empty str or None, got {self.name!r}")
         _check_host(self.host)
         _check_port(self.port)
         _check_dp_rank(self.dp_rank)
@@ -150,8 +164,23 @@ class EngineSpec:
 
     @property
     def worker_id(self) -> str:
-        """:func:`worker_id` of this engine."""
+        """Its :attr:`name`, else :func:`worker_id` of its address and rank.
+
+        >>> EngineSpec("h", 80, name="engine-a").worker_id
+        'engine-a'
+        """
+        if self.name is not None:
+            return self.name
         return worker_id(self.host, self.port, self.dp_rank)
+
+    @property
+    def address(self) -> str:
+        """``host:port``, the form of :attr:`Endpoint.address <llmsched.Endpoint.address>`.
+
+        >>> EngineSpec("::1", 8000).address
+        '[::1]:8000'
+        """
+        return f"{_host_part(self.host)}:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -187,3 +216,70 @@ class EngineSpec:
             if key not in d:
                 raise ConfigError(f"engine {dict(d)!r} has no {key!r}")
         return cls(**dict(d))
+
+
+def _normal_address(address: str) -> str:
+    """``host:port`` of an endpoint address given with or without scheme and trailing slash."""
+    for scheme in ("http://", "https://"):
+        address = address.removeprefix(scheme)
+    return address.rstrip("/")
+
+
+def resolve_engines(engines: Iterable[EngineSpec], pool: EndpointPool) -> list[EngineSpec]:
+    """``engines`` with each unnamed one named after the pool endpoint at its address.
+
+    An engine whose address-based worker id is already a pool endpoint keeps it, as does one
+    whose address no endpoint has (it is new to the pool). A named engine must not contradict
+    the pool: its endpoint's address, when set, must be the engine's. Raises ConfigError naming
+    the conflict: several endpoints at an unnamed engine's address (data-parallel ranks: name
+    each engine), or two engines resolving to one endpoint.
+
+    >>> from llmsched import Endpoint, EndpointPool
+    >>> pool = EndpointPool([Endpoint("engine-a", address="10.0.0.7:8000")])
+    >>> [e.worker_id for e in resolve_engines([EngineSpec("10.0.0.7", 8000)], pool)]
+    ['engine-a']
+    """
+    by_address: dict[str, list[EndpointId]] = {}
+    addresses: dict[EndpointId, str] = {}
+    for e in pool.endpoints():
+        if e["address"]:
+            address = _normal_address(e["address"])
+            by_address.setdefault(address, []).append(e["id"])
+            addresses[e["id"]] = address
+    out = []
+    for spec in engines:
+        if not isinstance(spec, EngineSpec):
+            raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+        there = by_address.get(spec.address, [])
+        if spec.name is not None:
+            if spec.name in addresses and addresses[spec.name] != spec.address:
+                raise ConfigError(
+                    f"engine {spec.name!r} is at {spec.address} but the pool's endpoint "
+                    f"{spec.name!r} is at {addresses[spec.name]}"
+                )
+            out.append(spec)
+            continue
+        if spec.worker_id in addresses or not there:
+            out.append(spec)  # already keyed by its address, or new to the pool
+            continue
+        if len(there) > 1:
+            raise ConfigError(
+                f"engine at {spec.address} matches several pool endpoints "
+                f"({', '.join(map(repr, there))}); give the engine a name"
+            )
+        if not isinstance(there[0], str):
+            raise ConfigError(
+                f"engine at {spec.address} matches the pool endpoint {there[0]!r}, whose id is "
+                "not a str; give the endpoint a str id or the engine a name"
+            )
+        out.append(dataclasses.replace(spec, name=there[0]))
+    seen: dict[str, EngineSpec] = {}
+    for spec in out:
+        if spec.worker_id in seen:
+            raise ConfigError(
+                f"engines at {seen[spec.worker_id].address} (rank {seen[spec.worker_id].dp_rank})"
+                f" and {spec.address} (rank {spec.dp_rank}) both resolve to endpoint "
+                f"{spec.worker_id!r}; name each engine"
+            )
+        seen[spec.worker_id] = spec
+    return out

@@ -74,8 +74,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from llmsched.errors import ConfigError, MalformedEventError, UnknownWorkerError
-from llmsched.integrations.identity import EngineSpec
+from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.prefix_index import PrefixIndex
+from llmsched.routing import EndpointPool
 
 __all__ = [
     "COUNTERS",
@@ -571,6 +572,9 @@ class KVEventSubscriber:
     Args:
         index: the prefix index to feed (worker names are the engines' worker ids).
         engines: the engines; those without ``kv_events`` are skipped.
+        pool: the router's endpoint pool, if any: an unnamed engine at the address of one of
+            its endpoints feeds that endpoint's worker
+            (:func:`~llmsched.integrations.resolve_engines`), as the metrics scraper does.
         backoff_s: first and largest delay between reconnection attempts (exponential).
         replay_timeout_s: how long a replay may stay silent (before its first reply or between
             two) before it is given up and the worker resynchronised.
@@ -606,7 +610,10 @@ class KVEventSubscriber:
         buffer_cap: int = DEFAULT_BUFFER_CAP,
         buffer_cap_bytes: int = DEFAULT_BUFFER_CAP_BYTES,
         catch_up: bool = False,
+        pool: EndpointPool | None = None,
     ) -> None:
+        if pool is not None:
+            engines = resolve_engines(engines, pool)
         if not isinstance(index, PrefixIndex):
             raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
         first, largest = _check_backoff("backoff_s", backoff_s)

@@ -55,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmsched.errors import ConfigError, UnknownEndpointError
 from llmsched.flow import FlowController
-from llmsched.integrations.identity import EngineSpec
+from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.routing import Endpoint, EndpointPool, Role
 
 __all__ = [
@@ -209,7 +209,8 @@ class MetricsScraper:
     Args:
         engines: the engines (worker ids as in :func:`~llmsched.integrations.worker_id`).
         pool: the router's endpoint pool; engines it lacks are added (address, role, labels,
-            model from the spec).
+            model from the spec). An unnamed engine at the address of an endpoint already in
+            the pool feeds that endpoint (:func:`~llmsched.integrations.resolve_engines`).
         flow: a flow controller to feed load reports to.
         interval_s: seconds between the starts of two rounds.
         timeout_s: seconds one scrape may take.
@@ -233,6 +234,8 @@ class MetricsScraper:
             ):
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
         self._engines: dict[str, _EngineState] = {}
+        if pool is not None:
+            engines = resolve_engines(engines, pool)
         for spec in engines:
             if not isinstance(spec, EngineSpec):
                 raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
@@ -328,7 +331,7 @@ class MetricsScraper:
                 result.worker,
                 waiting=values.get("waiting", 0),
                 running=values.get("running", 0),
-                kv_usage=values.get("kv_cache_usage", 0.0),
+                kv_cache_usage=values.get("kv_cache_usage", 0.0),
             )
 
     def _feed_pool(self, worker: str, values: dict[str, Any]) -> None:
@@ -450,7 +453,7 @@ def _endpoint_of(spec: EngineSpec) -> Endpoint:
     role: Role | None = spec.role  # type: ignore[assignment]
     return Endpoint(
         spec.worker_id,
-        address=f"{spec.base_url.removeprefix('http://')}",
+        address=spec.address,
         role=role,
         labels=spec.labels,
         model=spec.model,

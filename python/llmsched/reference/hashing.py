@@ -16,6 +16,10 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from llmsched._extras import require
+
+require("test", "xxhash", "cbor2", feature="llmsched.reference.hashing")
+
 import cbor2
 import xxhash
 

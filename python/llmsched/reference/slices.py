@@ -136,7 +136,7 @@ class SliceTracker:
         self,
         name: str,
         *,
-        kv_usage: float = 0.0,
+        kv_cache_usage: float = 0.0,
         waiting: int = 0,
         kv_capacity_tokens: float | None = None,
         prefill_tokens_per_s: float | None = None,
@@ -152,13 +152,13 @@ class SliceTracker:
         )
         new = _Endpoint(
             base.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens,
-            kv_usage,
+            kv_cache_usage,
             waiting,
             base.prefill_tokens_per_s if prefill_tokens_per_s is None else prefill_tokens_per_s,
             base.decode_step_s if decode_step_s is None else decode_step_s,
         )
         if not 0.0 <= new.kv_usage <= 1.0:
-            raise ValueError("invalid kv_usage: must be in [0, 1]")
+            raise ValueError("invalid kv_cache_usage: must be in [0, 1]")
         for value in (new.kv_capacity_tokens, new.prefill_tokens_per_s, new.decode_step_s):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError("endpoint load must be positive and finite")

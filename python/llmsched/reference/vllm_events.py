@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmsched._extras import require
+
+require("test", "msgpack", feature="llmsched.reference.vllm_events")
+
 import msgpack
 
 from llmsched.errors import MalformedEventError

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, one_line
 from llmsched.sim.replica import EngineConfig
 from llmsched.sim.stepmodel import StepModelConfig
 from llmsched.sim.workloads import from_dict
@@ -293,7 +293,7 @@ def load_scenario(name: str | None = None, path: str | Path | None = None) -> Sc
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read: {exc}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not YAML: {exc}") from None
+            raise ConfigError(f"{path}: not YAML: {one_line(exc)}") from None
         if data is None:
             data = {}
         if not isinstance(data, dict):

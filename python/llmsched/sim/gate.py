@@ -48,7 +48,7 @@ class FlowGate:
                 req.id,
                 priority=req.priority,
                 tenant=str(req.tenant),
-                tokens=req.prompt_len,
+                prompt_tokens=req.prompt_len,
                 ttft_target=ttft,
                 payload=req,
             ),
@@ -74,14 +74,14 @@ class FlowGate:
         return [d.payload for d in gone]
 
     def endpoint(
-        self, replica: int, waiting: int, running: int, kv_usage: float, now: float
+        self, replica: int, waiting: int, running: int, kv_cache_usage: float, now: float
     ) -> None:
         """A replica's metrics, for the saturation detector."""
         self.controller.update_endpoint(
             str(replica),
             waiting=waiting,
             running=running,
-            kv_usage=min(kv_usage, 1.0),
+            kv_cache_usage=min(kv_cache_usage, 1.0),
             timestamp=now,
         )
 

@@ -29,7 +29,7 @@ class Policy(Protocol):
     name: str
 
     def update_metrics(
-        self, replica: int, waiting: int, running: int, kv_usage: float, now: float
+        self, replica: int, waiting: int, running: int, kv_cache_usage: float, now: float
     ) -> None:
         """An engine's metrics as the gateway now sees them (published at ``now``)."""
         ...
@@ -67,11 +67,15 @@ class RouterPolicy:
         self.router = Router(self.pool, sim.index, config=config, seed=sim.config.seed)
 
     def update_metrics(
-        self, replica: int, waiting: int, running: int, kv_usage: float, now: float
+        self, replica: int, waiting: int, running: int, kv_cache_usage: float, now: float
     ) -> None:
         """Forward a metrics snapshot to the pool."""
         self.pool.update(
-            replica, waiting=waiting, running=running, kv_cache_usage=min(kv_usage, 1.0), now=now
+            replica,
+            waiting=waiting,
+            running=running,
+            kv_cache_usage=min(kv_cache_usage, 1.0),
+            now=now,
         )
 
     def pick(self, req: Request, now: float) -> tuple[int, int | None]:

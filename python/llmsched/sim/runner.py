@@ -26,12 +26,28 @@ from concurrent.futures import (
 from pathlib import Path
 from typing import Any, TextIO
 
+from llmsched._extras import require
 from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.results import SimResult
 from llmsched.sim.simulator import Simulation
 
-__all__ = ["compare", "format_table", "write_json", "write_plot"]
+__all__ = ["TABLE_LEGEND", "compare", "format_table", "policy_colours", "write_json", "write_plot"]
+
+TABLE_LEGEND = """\
+columns (times are simulated; ms or s as printed):
+  out tok/s, req/s   output tokens and completed requests per simulated second (first arrival
+                     to last finish)
+  TTFT p50/p90/p99   time to first token, percentiles over completed requests
+  TPOT p50           time per output token after the first, median
+  E2E p90            arrival to last token, 90th percentile
+  hit                share of prompt tokens found in the engines' prefix caches
+  prefill, recomp    prompt tokens computed, and tokens recomputed after preemption (millions)
+  preempt            requests preempted by the engines (count)
+  SLO                share of requests meeting their priority's TTFT/TPOT targets (refused
+                     requests miss), mean over priorities; - without targets
+  Jain               Jain's fairness index over tenants of ideal/actual latency (1 = fair)"""
+"""What each column of :func:`format_table` means, in which unit."""
 
 _counter: Any = None
 
@@ -90,6 +106,7 @@ def compare(
     _init_worker(counter)
     bar = None
     if progress:
+        require("sim", "tqdm", feature="the llmsched sim progress bar")
         from tqdm import tqdm
 
         total = _expected_requests(config) * len(runs)
@@ -181,7 +198,8 @@ def _expected_requests(config: ScenarioConfig) -> int:
 
 
 def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
-    """The comparison table (one row per policy) and a timing footer."""
+    """The comparison table (one row per policy) and a timing footer; :data:`TABLE_LEGEND`
+    explains the columns."""
     header = (
         f"{'policy':<28}{'out tok/s':>10}{'req/s':>7}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
         f"{'TPOT p50':>9}{'E2E p90':>9}{'hit':>6}{'prefill':>9}{'recomp':>8}{'preempt':>8}"
@@ -246,39 +264,77 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"cannot encode {type(x).__name__}")
 
 
-def write_plot(path: str | Path, results: list[SimResult]) -> None:
-    """TTFT CDFs, output throughput and prefix-cache hit-rate bars, KV use over time."""
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+"""File types :func:`write_plot` writes (chosen by the path's suffix)."""
+
+
+def policy_colours(policies: list[str]) -> dict[str, str]:
+    """One colour per policy, the same in every panel: matplotlib's tab10/tab20 cycle in the
+    order the policies first appear.
+
+    >>> policy_colours(["llm-d", "random", "llm-d"])
+    {'llm-d': '#1f77b4', 'random': '#ff7f0e'}
+    """
+    tab10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
+    tab10 += ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+    names = list(dict.fromkeys(policies))
+    if len(names) <= len(tab10):
+        return {n: tab10[i] for i, n in enumerate(names)}
+    # More policies than tab10 has colours: spread them around the hue circle instead.
+    import colorsys
+
+    out = {}
+    for i, n in enumerate(names):
+        r, g, b = colorsys.hsv_to_rgb(i / len(names), 0.75, 0.85)
+        out[n] = f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+    return out
+
+
+def write_plot(path: str | Path, results: list[SimResult], title: str | None = None) -> None:
+    """TTFT CDFs, output throughput and prefix-cache hit-rate bars, KV use over time, under
+    ``title`` (e.g. scenario, seed and engine), one colour per policy in every panel.
+
+    Needs the ``sim`` extra (matplotlib); without it raises ``ImportError`` naming the extra.
+    """
+    require("sim", "matplotlib", feature="llmsched sim plots")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    summaries = [r.summary() for r in results]
+    names = [s["policy"] for s in summaries]
+    colours = policy_colours(names)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax = axes[0][0]
     for r in results:
         ttft = np.sort(r.requests["first_token"] - r.requests["arrival"])
-        if len(ttft):
-            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=r.policy)
+        # A policy that completed nothing still gets its legend entry (an empty line).
+        ys = np.arange(1, len(ttft) + 1) / max(len(ttft), 1)
+        ax.plot(ttft, ys, label=r.policy, color=colours[r.policy])
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
+    ax.set_xlabel("TTFT (s, simulated)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF")
     ax.legend(fontsize=8)
-    summaries = [r.summary() for r in results]
-    names = [s["policy"] for s in summaries]
-    axes[0][1].bar(names, [s.get("output_tok_s", 0.0) for s in summaries])
-    axes[0][1].set_title("output tokens/s")
-    axes[1][0].bar(names, [s.get("prefix_hit_rate", 0.0) for s in summaries])
-    axes[1][0].set_title("prefix-cache hit rate")
+    bars = [colours[n] for n in names]
+    axes[0][1].bar(names, [s.get("output_tok_s", 0.0) for s in summaries], color=bars)
+    axes[0][1].set_title("output tokens per simulated second")
+    axes[1][0].bar(names, [s.get("prefix_hit_rate", 0.0) for s in summaries], color=bars)
+    axes[1][0].set_title("prefix-cache hit rate (share of prompt tokens)")
+    axes[1][0].set_ylim(0, 1)
     for a in (axes[0][1], axes[1][0]):
         a.tick_params(axis="x", rotation=30, labelsize=8)
     ax = axes[1][1]
     for r in results:
         series = r.kv_series()
-        ax.plot(series["t"], series["kv_use"], label=r.policy)
+        ax.plot(series["t"], series["kv_use"], label=r.policy, color=colours[r.policy])
     ax.set_xlabel("simulated time (s)")
-    ax.set_title("mean KV-cache use")
+    ax.set_ylabel("share of KV-cache blocks in use")
+    ax.set_title("mean KV-cache use over replicas")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

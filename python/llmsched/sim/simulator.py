@@ -312,7 +312,9 @@ class Simulation:
             for w in list(replica.waiting)[:8]
         ]
         tracker.set_endpoint(
-            str(replica.id), kv_usage=min(replica.kv.usage(), 1.0), waiting=len(replica.waiting)
+            str(replica.id),
+            kv_cache_usage=min(replica.kv.usage(), 1.0),
+            waiting=len(replica.waiting),
         )
         decision = tracker.decide(req.id, finished=False, waiting=waiting, now=now)
         self.decision_s += time.perf_counter() - t

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, one_line
 
 __all__ = [
     "GPUS",
@@ -474,7 +474,7 @@ def load_step_model(source: str | Path | dict[str, Any]) -> LinearStepModel:
         except OSError as exc:
             raise ConfigError(f"{where}: cannot read: {exc}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{where}: not YAML: {exc}") from None
+            raise ConfigError(f"{where}: not YAML: {one_line(exc)}") from None
     if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
         raise ConfigError(f"{where}: needs a 'coefficients' mapping")
     coefficients = dict(data["coefficients"])

@@ -10,6 +10,10 @@
 
 from __future__ import annotations
 
+from llmsched._extras import require
+
+require("test", "zmq", "aiohttp", "msgpack", feature="llmsched.testing")
+
 from llmsched.testing.fake_engine import (
     FakeHTTPEngine,
     FakeKVPublisher,

@@ -397,7 +397,7 @@ impl<P> FlowController<P> {
         check_time("timestamp", metrics.timestamp)?;
         if !(metrics.kv_usage.is_finite() && (0.0..=1.0).contains(&metrics.kv_usage)) {
             return Err(FlowError::InvalidInput(format!(
-                "kv_usage of endpoint '{endpoint}' must be in [0, 1], got {}",
+                "kv_cache_usage of endpoint '{endpoint}' must be in [0, 1], got {}",
                 metrics.kv_usage
             )));
         }

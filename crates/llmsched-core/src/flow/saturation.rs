@@ -5,7 +5,7 @@
 //!
 //! | type | saturation | params (defaults) |
 //! |---|---|---|
-//! | `utilization` | mean over endpoints of `max(waiting / queue_threshold, kv_usage / kv_threshold)` | `queue_threshold` 5, `kv_threshold` 0.8, `staleness_s` 0.2, `stale_policy` `saturated` |
+//! | `utilization` | mean over endpoints of `max(waiting / queue_threshold, kv_usage / kv_threshold)` | `queue_threshold` 5, `kv_threshold` 0.8, `staleness_s` 1.0, `stale_policy` `saturated` |
 //! | `concurrency` | `max(in-flight requests / max_requests, in-flight tokens / max_tokens)` | `max_requests`, `max_tokens` (at least one) |
 //!
 //! Metrics older than `staleness_s` count as saturation 1 (`saturated`, llm-d's rule), are left
@@ -82,7 +82,7 @@ impl Default for UtilizationParams {
         UtilizationParams {
             queue_threshold: 5.0,
             kv_threshold: 0.8,
-            staleness_s: 0.2,
+            staleness_s: 1.0,
             stale_policy: StalePolicy::Saturated,
         }
     }
@@ -335,7 +335,11 @@ mod tests {
             (StalePolicy::Last, Saturation { value: 0.0, no_endpoints: false }),
         ];
         for (policy, expected) in table {
-            let params = UtilizationParams { stale_policy: policy, ..UtilizationParams::default() };
+            let params = UtilizationParams {
+                stale_policy: policy,
+                staleness_s: 0.2,
+                ..UtilizationParams::default()
+            };
             let mut d = UtilizationDetector::new(params);
             d.update_endpoint("old", metrics(0, 0.0, 0.0));
             d.update_endpoint("new", metrics(0, 0.0, 1.0));

@@ -68,10 +68,11 @@ fn no_endpoints_refuses_and_stale_metrics_saturate() {
     let load = EndpointMetrics { waiting: 0, running: 0, kv_usage: 0.0, timestamp: 0.0 };
     c.update_endpoint("e", load).unwrap();
     assert!(c.enqueue(request(2, 0, "a"), 0.1).unwrap().is_none());
-    assert_eq!(c.saturation(0.5).unwrap().value, 1.0, "older than 200 ms counts as saturated");
-    assert!(c.dispatch(0.5).unwrap().is_none());
-    c.update_endpoint("e", EndpointMetrics { timestamp: 0.5, ..load }).unwrap();
-    assert_eq!(drain_ids(&mut c, 0.5), vec![2]);
+    assert_eq!(c.saturation(1.0).unwrap().value, 0.0, "1 s old is still fresh");
+    assert_eq!(c.saturation(1.5).unwrap().value, 1.0, "older than 1 s counts as saturated");
+    assert!(c.dispatch(1.5).unwrap().is_none());
+    c.update_endpoint("e", EndpointMetrics { timestamp: 1.5, ..load }).unwrap();
+    assert_eq!(drain_ids(&mut c, 1.5), vec![2]);
 }
 
 #[test]

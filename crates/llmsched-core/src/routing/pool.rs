@@ -46,14 +46,16 @@ impl StaleMode {
 /// Staleness policy. Defaults live here.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StalePolicy {
-    /// Metrics older than this many seconds are stale (llm-d's flow control uses 200 ms).
+    /// Metrics older than this many seconds are stale. The default, 1 s, is 5 scrape intervals
+    /// of the metrics scraper (0.2 s): at 1x (llm-d's 200 ms) a quiet router scored 8% of its
+    /// rows saturated from scheduling jitter alone.
     pub stale_after: f64,
     pub mode: StaleMode,
 }
 
 impl Default for StalePolicy {
     fn default() -> Self {
-        StalePolicy { stale_after: 0.2, mode: StaleMode::Saturated }
+        StalePolicy { stale_after: 1.0, mode: StaleMode::Saturated }
     }
 }
 

@@ -668,7 +668,7 @@ fn check_time(now: f64) -> Result<(), SliceError> {
 
 fn validate_load(load: &EndpointLoad) -> Result<(), SliceError> {
     if !(0.0..=1.0).contains(&load.kv_usage) {
-        return Err(invalid("kv_usage", "must be in [0, 1]"));
+        return Err(invalid("kv_cache_usage", "must be in [0, 1]"));
     }
     for (name, value) in [
         ("kv_capacity_tokens", load.kv_capacity_tokens),

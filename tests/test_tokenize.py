@@ -10,8 +10,8 @@ from _gateway_harness import MODEL, rig, run
 from tokenizers import Tokenizer
 
 from llmsched.errors import ConfigError
-from llmsched.gateway.tokenize import PromptError, PromptTokenizer
 from llmsched.testing.openai_engine import write_tokenizer
+from llmsched.tokenize import PromptError, PromptTokenizer
 
 
 def make_tokenizer(directory: Path, *, template_file: bool = False, **config: object) -> Path:

@@ -1,4 +1,7 @@
-"""Prompt tokenization that reproduces what a vLLM engine feeds its model.
+"""Prompt tokenization that reproduces the token ids a vLLM engine feeds its model.
+
+Needs the ``tokenize`` extra (``pip install 'llmsched[tokenize]'``: ``tokenizers`` and
+``jinja2``); importing this module without it raises ``ImportError`` naming the extra.
 
 A :class:`PromptTokenizer` loads a directory written by ``save_pretrained`` (``tokenizer.json``,
 ``tokenizer_config.json`` and possibly ``chat_template.jinja``) with the ``tokenizers``
@@ -15,7 +18,10 @@ library alone, so the gateway needs neither ``transformers`` nor ``torch``:
   List contents are reduced to their text parts joined by newlines, vLLM's "string"
   content format.
 
-The gateway routes on these ids; they equal the engine's when both load the same files.
+Route and index on these ids: they equal the engine's when both load the same files, so the
+blocks an engine reports in its KV events match the prompts picked with
+``Router.pick(tokens=tokenizer.chat_tokens(messages))``. ``Router.pick(text=...)`` hashes
+pseudo-tokens instead, which never meet an engine's real ids. The gateway uses this module.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from llmsched._extras import require
+
+require("tokenize", "tokenizers", "jinja2", feature="llmsched.tokenize")
 
 import jinja2
 import jinja2.ext
