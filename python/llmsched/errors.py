@@ -22,6 +22,7 @@ __all__ = [
     "HashChainError",
     "InvalidRequestError",
     "InvalidTokenError",
+    "InvalidValueError",
     "LlmschedError",
     "MalformedEventError",
     "NoEndpointError",
@@ -89,6 +90,11 @@ class DuplicateRequestError(LlmschedError, ValueError):
 class InvalidRequestError(LlmschedError, ValueError):
     """A flow-control request or call carries a value no policy can act on (negative size,
     non-finite time, ...); nothing was changed."""
+
+
+class InvalidValueError(LlmschedError, ValueError):
+    """An argument is out of the range :mod:`llmsched.validation` allows (a negative or
+    non-finite ``now``, a probability above 1, ...); nothing was changed."""
 
 
 class FlowRejected(LlmschedError):

@@ -45,15 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
+from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
     ConfigError,
     DuplicateRequestError,
     FlowRejected,
     UnknownRequestError,
 )
+from llmsched.validation import check_now, check_positive_seconds
 
 __all__ = [
     "FlowController",
@@ -65,7 +65,7 @@ __all__ = [
     "resolve_config",
 ]
 
-ConfigLike = Mapping[str, Any] | str | os.PathLike[str] | None
+ConfigLike = ConfigSource | None
 """A config dict, YAML/JSON text, a path to a YAML/JSON file, or None for the defaults."""
 
 
@@ -93,35 +93,20 @@ class FlowRequest:
 
 
 def load_config(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """Reads a config from YAML (or JSON) text or a file path into a plain dict.
+    """Reads a config from YAML (or JSON) text or a file path into a plain dict
+    (:func:`llmsched.config_loader.load_mapping`).
 
     >>> load_config("default_band: {ttl_s: 30}")
     {'default_band': {'ttl_s': 30}}
     """
-    text = str(source)
-    is_path = isinstance(source, os.PathLike) or (
-        "\n" not in text and not text.lstrip().startswith("{") and Path(text).is_file()
-    )
-    if is_path:
-        text = Path(source).read_text()
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"flow config is not valid YAML: {err}") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"flow config must be a mapping, got {type(loaded).__name__}")
-    return loaded
+    return load_mapping(source, what="flow config")
 
 
 def _as_dict(config: ConfigLike) -> dict[str, Any]:
     if config is None:
         return {}
-    if isinstance(config, Mapping):
-        return dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        return load_config(config)
+    if isinstance(config, (Mapping, str, os.PathLike)):
+        return load_mapping(config, what="flow config")
     raise TypeError(f"config must be a mapping, YAML text or a path, got {type(config).__name__}")
 
 
@@ -186,8 +171,7 @@ class FlowController:
         clock: Callable[[], float] = time.monotonic,
         poll_interval_s: float = 1.0,
     ) -> None:
-        if not (isinstance(poll_interval_s, (int, float)) and 0 < poll_interval_s < math.inf):
-            raise ValueError(f"poll_interval_s must be a number > 0, got {poll_interval_s!r}")
+        poll_interval_s = check_positive_seconds("poll_interval_s", poll_interval_s)
         self._core = FlowCore(_to_json(_as_dict(config)))
         self._config: dict[str, Any] = json.loads(self._core.config_json())
         self._clock = clock
@@ -205,7 +189,7 @@ class FlowController:
         return json.loads(json.dumps(self._config))  # type: ignore[no-any-return]
 
     def _now(self, now: float | None) -> float:
-        return self._clock() if now is None else now
+        return check_now(now, self._clock)
 
     # -- synchronous core ------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, as_token_array
-from llmsched.hashing import _check_block_size, _check_seed
+from llmsched.validation import check_block_size, check_now, check_seed
 
 __all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
 
@@ -106,8 +106,8 @@ class PrefixIndex:
         worker_capacity: int | None = None,
         max_bytes: int | None = None,
     ) -> None:
-        _check_block_size(block_size)
-        _check_seed(seed)
+        check_block_size(block_size)
+        check_seed(seed)
         for name, value in (("worker_capacity", worker_capacity), ("max_bytes", max_bytes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -303,4 +303,4 @@ class PrefixIndex:
 
 
 def _now(now: float | None) -> float:
-    return time.monotonic() if now is None else float(now)
+    return check_now(now)

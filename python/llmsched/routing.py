@@ -37,9 +37,11 @@ import numpy.typing as npt
 
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array
+from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
 from llmsched.errors import ConfigError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
+from llmsched.validation import U32_MAX, check_int, check_now, check_probability, check_seed
 
 __all__ = [
     "Decision",
@@ -64,8 +66,9 @@ StalePolicy = Literal["saturated", "ignore"]
 """How metrics older than ``stale_after_s`` are read: the endpoint counts as saturated (load
 scorers give it 0, utilization filters drop it), or the last metrics are used as they are."""
 
-ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
-"""A configuration: a dict, a preset name (see :meth:`Router.presets`) or a YAML / JSON path."""
+ConfigLike = ConfigSource
+"""A configuration: a dict, a preset name (see :meth:`Router.presets`), YAML / JSON text or a
+YAML / JSON path (read by :mod:`llmsched.config_loader`)."""
 
 ScorerFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[float]]
 FilterFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[bool]]
@@ -176,14 +179,10 @@ class EndpointPool:
             ("running", running),
             ("max_concurrency", max_concurrency),
         ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32
-            ):
-                raise ValueError(f"{name} must be an int in 0..2**32-1, got {value!r}")
-        if kv_cache_usage is not None and not (
-            isinstance(kv_cache_usage, (int, float)) and 0.0 <= kv_cache_usage <= 1.0
-        ):
-            raise ValueError(f"kv_cache_usage must be in 0..1, got {kv_cache_usage!r}")
+            if value is not None:
+                check_int(name, value, maximum=U32_MAX)
+        if kv_cache_usage is not None:
+            kv_cache_usage = check_probability("kv_cache_usage", kv_cache_usage)
         self._native.update(
             endpoint_id,
             waiting,
@@ -241,23 +240,10 @@ def load_config(config: ConfigLike) -> dict[str, Any]:
         if preset is not None:
             loaded: dict[str, Any] = json.loads(preset)
             return loaded
-    path = Path(config)
-    if not path.is_file():
-        names = ", ".join(_llmsched.Router.preset_names())
-        raise ConfigError(f"config {str(config)!r} is neither a preset ({names}) nor a file")
-    text = path.read_text()
-    try:
-        if path.suffix == ".json":
-            value = json.loads(text)
-        else:
-            import yaml
-
-            value = yaml.safe_load(text)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError(f"{path}: cannot parse: {exc}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: config must be a mapping")
-    return value
+        if not looks_like_text(config) and not Path(config).is_file():
+            names = ", ".join(_llmsched.Router.preset_names())
+            raise ConfigError(f"config {config!r} is neither a preset ({names}) nor a file")
+    return load_mapping(config, what="router config")
 
 
 class Router:
@@ -304,11 +290,9 @@ class Router:
     ) -> None:
         if not isinstance(pool, EndpointPool):
             raise TypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        if seed is not None and not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
-        config_json, functions = _native_config(load_config(config))
+        if seed is not None:
+            check_seed(seed)
+        config_json, functions = native_config(load_config(config))
         if index is None:
             block_size, capacity = _llmsched.Router.index_hints(config_json, functions)
             index = (
@@ -692,8 +676,15 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     return "".join(out)
 
 
-def _native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
-    """The config as JSON for the native parser, Python callables replaced by handles."""
+def native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The config as JSON for the native parser, and the Python callables its
+    ``python-scorer`` / ``python-filter`` plugins name, replaced in the JSON by their index
+    (``parameters.handle``). Package-internal: the router and the simulator's native engine
+    both hand config to Rust through it.
+
+    >>> native_config({"plugins": [{"type": "python-scorer", "parameters": {"function": len}}]})
+    ('{"plugins": [{"type": "python-scorer", "parameters": {"handle": 0}}]}', [<built-in function len>])
+    """
     functions: list[Any] = []
     plugins = config.get("plugins")
     if isinstance(plugins, list):
@@ -742,9 +733,4 @@ def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 
 def _now(now: float | None) -> float:
-    if now is None:
-        return time.monotonic()
-    value = float(now)
-    if not math.isfinite(value):
-        raise ValueError(f"now must be finite, got {now!r}")
-    return value
+    return check_now(now)

@@ -29,6 +29,7 @@ from typing import Any, Literal, NamedTuple
 from llmsched import _llmsched
 from llmsched._llmsched import EndpointLoad, SliceDecision, SliceState
 from llmsched.errors import ConfigError, SliceStateError
+from llmsched.validation import check_now
 
 __all__ = [
     "EndpointLoad",
@@ -288,10 +289,7 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
 
 
 def _check_now(now: object) -> None:
-    if isinstance(now, bool) or not isinstance(now, (int, float)):
-        raise TypeError(f"now must be a number of seconds, got {type(now).__name__}")
-    if not math.isfinite(now):
-        raise ValueError(f"now must be finite, got {now}")
+    check_now(now)
 
 
 def _explain_waiting(waiting: object) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
 
 __all__ = ["FitError", "StepSample", "StepTimeProfile"]
@@ -140,8 +141,8 @@ class StepTimeProfile:
     @classmethod
     def load(cls, path: str | Path) -> StepTimeProfile:
         """Read a profile written by :meth:`save`; raises ConfigError naming what is wrong."""
-        data = yaml.safe_load(Path(path).read_text())
-        if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
+        data = load_mapping(Path(path), what="step-time profile")
+        if data.get("kind") != PROFILE_KIND:
             raise ConfigError(f"{path}: not a {PROFILE_KIND} document")
         if data.get("version") != PROFILE_VERSION:
             raise ConfigError(f"{path}: unsupported profile version {data.get('version')!r}")

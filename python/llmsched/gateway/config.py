@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from llmsched.config_loader import read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 
@@ -264,10 +265,7 @@ def read_engines_file(path: Path) -> tuple[EngineSpec, ...]:
 
 
 def _read_yaml(path: Path, what: str) -> Any:
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{what}: cannot read {str(path)!r}: {exc}") from None
+    return read_document(path, what=what)
 
 
 def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:

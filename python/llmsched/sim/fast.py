@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmsched import _llmsched
-from llmsched.routing import PYTHON_PLUGIN_TYPES, _native_config, load_config
+from llmsched.routing import PYTHON_PLUGIN_TYPES, load_config, native_config
 from llmsched.sim.request import DONE, Request
 from llmsched.sim.results import SimResult
 from llmsched.sim.stepmodel import LinearStepModel, RooflineStepModel, StepModel
@@ -90,12 +90,7 @@ def step_args(model: StepModel) -> dict[str, Any]:
     assert tp is not None
     return {
         "kind": "roofline",
-        "flop_rate": model._flop_rate,
-        "byte_rate": model._byte_rate,
-        "attn": model._attn,
-        "kvb": float(model._kvb),
-        "active2": model._active2,
-        "dense_bytes": float(model._dense_bytes),
+        **model.constants(),
         "params": float(spec.params),
         "expert_params": float(spec.expert_params),
         "experts": float(spec.experts),
@@ -254,7 +249,7 @@ def run(sim: Simulation, router_config: Any) -> SimResult:
         "max_time_s": None if config.max_time_s is None else float(config.max_time_s),
         "seed": config.seed,
     }
-    router_json, functions = _native_config(load_config(router_config))
+    router_json, functions = native_config(load_config(router_config))
     assert not functions, "unsupported() sends Python plugins to the Python engine"
     import time
 
@@ -268,7 +263,7 @@ def run(sim: Simulation, router_config: Any) -> SimResult:
     sim.kv_trace = out["kv_trace"]
     sim.decision_s = float(out["decision_s"])
     sim.feed_s = float(out["feed_s"])
-    sim._native_done = out
+    sim.attach_native_run(out)
     return collect(sim, out, wall_s)
 
 

@@ -143,6 +143,12 @@ class Simulation:
             self._done = fast.done_requests(self._native_done)
         return self._done
 
+    def attach_native_run(self, out: dict[str, Any]) -> None:
+        """Keep the native engine's raw result: :attr:`done` decodes its requests on first use
+        (the native engine hands back arrays, not :class:`Request` objects)."""
+        self._native_done = out
+        self._done = None
+
     def _slice_tracker(self) -> SliceTracker | None:
         cfg = self.config.slices
         if not cfg.policy:
