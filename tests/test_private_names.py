@@ -52,10 +52,13 @@ def _own_names(tree: ast.AST) -> set[str]:
             and node.value.id in ("self", "cls")
         ):
             own.add(node.attr)
-        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "object.__setattr__":
-            # frozen dataclasses set derived fields this way
-            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
-                own.add(str(node.args[1].value))
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "object.__setattr__"  # how frozen dataclasses set fields
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
+            own.add(str(node.args[1].value))
     return own
 
 
@@ -71,7 +74,7 @@ def private_reaches(source: str, module: str) -> list[str]:
             if node.level:
                 base = module.split(".")[: -node.level]
                 target = ".".join([*base, target] if target else base)
-            if not target.split(".")[0] == "llmsched":
+            if target.split(".")[0] != "llmsched":
                 continue
             for alias in node.names:
                 if _is_private(alias.name) and alias.name != NATIVE and not target.endswith(NATIVE):
@@ -89,9 +92,7 @@ def private_reaches(source: str, module: str) -> list[str]:
 
 def _modules() -> list[Path]:
     return sorted(
-        p
-        for p in PACKAGE.rglob("*.py")
-        if p.relative_to(PACKAGE).parts[0] not in EXCLUDED
+        p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in EXCLUDED
     )
 
 
@@ -106,14 +107,20 @@ def test_no_private_reach_across_modules(path: Path) -> None:
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("from llmsched.hashing import _check_seed\n", ["1: from llmsched.hashing import _check_seed"]),
+        (
+            "from llmsched.hashing import _check_seed\n",
+            ["1: from llmsched.hashing import _check_seed"],
+        ),
         ("from ..routing import _native\n", ["1: from llmsched.routing import _native"]),
         ("def f(model):\n    return model._flop_rate\n", ["2: model._flop_rate"]),
         ("def f(sim, out):\n    sim._native_done = out\n", ["2: sim._native_done"]),
         ("from llmsched import _llmsched\nx = _llmsched.PrefixIndex\n", []),
         ("from llmsched._tokens import as_token_array\n", []),
-        ("class A:\n    def __init__(self):\n        self._x = 1\n    def eq(self, o):\n"
-         "        return o._x == self._x\n", []),
+        (
+            "class A:\n    def __init__(self):\n        self._x = 1\n    def eq(self, o):\n"
+            "        return o._x == self._x\n",
+            [],
+        ),
     ],
 )
 def test_the_check_finds_what_it_should(source: str, expected: list[str]) -> None:

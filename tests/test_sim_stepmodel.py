@@ -175,7 +175,7 @@ def test_load_step_model_file_errors(tmp_path) -> None:
         load_step_model(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("coefficients: [unclosed")
-    with pytest.raises(ConfigError, match="not YAML"):
+    with pytest.raises(ConfigError, match=r"step model: cannot read .*bad\.yaml.*not valid YAML"):
         load_step_model(bad)
 
 

@@ -5,8 +5,8 @@ discovery file, simulator scenarios, step-model profiles) reads it through :func
 or :func:`read_document`, so they accept the same inputs and fail the same way:
 
 * a ``Mapping`` is copied (one level) and used as is;
-* an ``os.PathLike`` is a file; a ``str`` is a file too, unless it holds a newline, starts with
-  ``{`` or names no file and contains ``:`` (then it is YAML / JSON text);
+* an ``os.PathLike`` is a file; a ``str`` is a file too, unless it is blank, holds a newline,
+  starts with ``{`` or ``[``, or names no file and contains ``:`` (then it is YAML / JSON text);
 * files ending in ``.json`` are parsed as JSON, everything else as YAML (a superset of JSON);
   an empty document is an empty mapping.
 
@@ -75,7 +75,7 @@ def looks_like_text(source: str) -> bool:
     >>> looks_like_text("routing.yaml"), looks_like_text("plugins: []")
     (False, True)
     """
-    if "\n" in source or source.lstrip().startswith("{"):
+    if not source.strip() or "\n" in source or source.lstrip().startswith(("{", "[")):
         return True
     return ":" in source and not Path(source).is_file()
 

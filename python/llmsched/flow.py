@@ -42,7 +42,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
@@ -213,7 +212,7 @@ class FlowController:
             request.deadline,
             request.ttft_target,
             request.payload,
-            self._clock() if now is None else now,
+            self._now(now),
         )
         if self._core.has_evicted():
             self._route_evictions()
@@ -231,7 +230,7 @@ class FlowController:
         if self._unclaimed:
             with contextlib.suppress(IndexError):
                 return self._unclaimed.popleft()
-        t = self._clock() if now is None else now
+        t = self._now(now)
         while True:
             decision = self._core.dispatch(t)
             if self._core.has_evicted():
@@ -422,7 +421,7 @@ class FlowController:
         >>> FlowController().pump()
         0
         """
-        t = self._clock() if now is None else now
+        t = self._now(now)
         count = 0
         with self._pump_lock:
             while (decision := self._core.dispatch(t)) is not None:
@@ -440,7 +439,7 @@ class FlowController:
         >>> FlowController().poll()
         0
         """
-        t = self._clock() if now is None else now
+        t = self._now(now)
         for decision in self._core.expire(t):
             if not self._settle_waiter(decision):
                 self._evicted.append(decision)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -386,8 +385,12 @@ class Router:
         if type(priority) is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         header_items = [] if headers is None else _headers(headers)
-        # The native side checks that `now` is finite.
-        clock = time.monotonic() if now is None else now
+        if now is None:
+            clock = time.monotonic()
+        elif type(now) is float and 0.0 <= now < math.inf:
+            clock = now  # the common case, checked inline (pick is the hot path)
+        else:
+            clock = check_now(now)
         native = self._native.pick(
             array, model, lora, priority, session_id, header_items, cache_salt, clock
         )
@@ -682,8 +685,13 @@ def native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
     (``parameters.handle``). Package-internal: the router and the simulator's native engine
     both hand config to Rust through it.
 
-    >>> native_config({"plugins": [{"type": "python-scorer", "parameters": {"function": len}}]})
-    ('{"plugins": [{"type": "python-scorer", "parameters": {"handle": 0}}]}', [<built-in function len>])
+    >>> text, functions = native_config(
+    ...     {"plugins": [{"type": "python-scorer", "parameters": {"function": len}}]}
+    ... )
+    >>> text
+    '{"plugins": [{"type": "python-scorer", "parameters": {"handle": 0}}]}'
+    >>> functions == [len]
+    True
     """
     functions: list[Any] = []
     plugins = config.get("plugins")

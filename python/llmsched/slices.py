@@ -21,8 +21,6 @@ SliceStart(level=0, slice_tokens=4)
 from __future__ import annotations
 
 import json
-import math
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -288,10 +286,6 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise ValueError(f"{name} must be in {low}..{high}, got {value}")
 
 
-def _check_now(now: object) -> None:
-    check_now(now)
-
-
 def _explain_waiting(waiting: object) -> None:
     if isinstance(waiting, (str, bytes)) or not isinstance(waiting, Sequence):
         raise TypeError("waiting must be a sequence of WaitingRequest tuples")
@@ -484,14 +478,12 @@ class SliceTracker:
 
         Mid-slice raises :class:`~llmsched.errors.SliceStateError`; nothing changes on error.
         """
-        if now is None:
-            now = time.monotonic()
+        now = check_now(now)
         try:
             return self._native.decide(request_id, finished, waiting, now)
         except (OverflowError, TypeError, ValueError):
             # Name the offending argument when extraction failed; else re-raise as is.
             _check_int("request_id", request_id, 0, _U64)
-            _check_now(now)
             _explain_waiting(waiting)
             raise
 
@@ -509,10 +501,7 @@ class SliceTracker:
         >>> SliceTracker("mlfq").promote(now=0.0)
         []
         """
-        if now is None:
-            now = time.monotonic()
-        _check_now(now)
-        return self._native.promote(now)
+        return self._native.promote(check_now(now))
 
     def remove(self, request_id: int) -> bool:
         """Stop tracking a request (cancelled or failed); returns whether it was tracked."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from llmsched.config_loader import read_document
+from llmsched.config_loader import load_mapping, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 
@@ -211,7 +211,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        raw = _read_yaml(path, "config")
+        raw = load_mapping(path, what="config")
         base = path.resolve().parent
     if not isinstance(raw, dict):
         raise ConfigError("config: must be a mapping")
