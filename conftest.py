@@ -4,26 +4,30 @@ reason, when that dependency is not installed.
 * A test module whose import fails because an optional dependency is missing (``torch``,
   ``zmq``, ``aiohttp``, ``matplotlib``, ``tokenizers``, ...) is reported as skipped, naming the
   missing module and the extra that installs it, instead of failing collection.
-* The package's own modules are collected for doctests; one that cannot be imported without an
-  optional dependency (the executor without ``torch``, ...) is left out of collection and listed
-  at the end of the run.
+* The same for doctest collection (``--doctest-modules`` imports every module of the package
+  and of ``tests/``): the executor's doctests are skipped without ``torch``, and so on; and for
+  a test or doctest that fails in setup or while running only because such a dependency is
+  missing (an example that touches ``llmsched.executor.Engine`` without ``torch``).
+* Nothing else is turned into a skip: a missing module that no extra names, or a broken import
+  inside an installed package, still fails.
 
-Which modules are optional is read from ``pyproject.toml``: every distribution named in
-``[project.optional-dependencies]`` and not in ``[project.dependencies]``. The test-only and
-developer extras count too, so ``pytest`` never fails collection for a missing plugin's import.
+Which modules are optional: every distribution named in ``[project.optional-dependencies]`` of
+``pyproject.toml`` (the skip reason names its extra), and the heavier imports listed in
+``_UNLISTED`` below.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import re
 import sys
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
+from _pytest.doctest import DoctestModule
 
 ROOT = Path(__file__).resolve().parent
-PACKAGE = ROOT / "python" / "llmsched"
 
 # Distribution name -> import name, where they differ.
 _IMPORT_NAMES = {
@@ -34,8 +38,25 @@ _IMPORT_NAMES = {
     "pytest-benchmark": "pytest_benchmark",
     "pytest-timeout": "pytest_timeout",
 }
-# Imports that are optional although no extra names them (tests that build a real model).
-_UNLISTED = {"transformers": None, "torch": None}
+_DIST_NAMES = {v: k for k, v in _IMPORT_NAMES.items() if v}
+
+# Imports a test module may need that a minimal install can lack, whether or not an extra names
+# them yet (an extra that lists one is named in the skip reason instead of the bare package).
+_UNLISTED: dict[str, str | None] = dict.fromkeys(
+    [
+        "aiohttp",
+        "jinja2",
+        "matplotlib",
+        "prometheus_client",
+        "tokenizers",
+        "torch",
+        "tqdm",
+        "transformers",
+        "uvloop",
+        "yarl",
+        "zmq",
+    ]
+)
 
 
 def _requirement_name(requirement: str) -> str:
@@ -50,40 +71,52 @@ def _optional_imports() -> dict[str, str | None]:
     else:  # pragma: no cover - Python 3.10
         import tomli as tomllib
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    required = {_requirement_name(r) for r in project.get("dependencies", [])}
     optional: dict[str, str | None] = dict(_UNLISTED)
     for extra, requirements in project.get("optional-dependencies", {}).items():
         for requirement in requirements:
             dist = _requirement_name(requirement)
-            if dist.startswith("llmsched") or dist in required:
+            if dist.startswith("llmsched"):
                 continue
             name = _IMPORT_NAMES.get(dist, dist.replace("-", "_"))
-            if name:
-                optional.setdefault(name, extra)
-                if optional[name] is None:
-                    optional[name] = extra
+            if name and optional.get(name) is None:
+                optional[name] = extra
     return optional
 
 
 OPTIONAL = _optional_imports()
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def missing_optional(exc: BaseException | None) -> str | None:
-    """The skip reason when ``exc`` (or what caused it) is a missing optional dependency."""
+    """The skip reason when ``exc`` (or what caused it) is an optional dependency that is not
+    installed; None for anything else (a broken import of an installed package fails)."""
     while exc is not None:
         if isinstance(exc, ModuleNotFoundError) and exc.name:
             top = exc.name.split(".")[0]
-            if top in OPTIONAL:
-                extra = OPTIONAL[top]
-                how = f"pip install 'llmsched[{extra}]'" if extra else f"pip install {top}"
-                return f"needs {top}, which is not installed ({how})"
-            return None
+            if top not in OPTIONAL or _installed(top):
+                return None
+            extra = OPTIONAL[top]
+            dist = _DIST_NAMES.get(top, top)
+            how = f"pip install 'llmsched[{extra}]'" if extra else f"pip install {dist}"
+            return f"needs {top}, which is not installed ({how})"
+        # A doctest example's exception travels inside doctest.UnexpectedException.exc_info.
+        inner = getattr(exc, "exc_info", None)
+        if isinstance(inner, tuple) and len(inner) == 3 and isinstance(inner[1], BaseException):
+            exc = inner[1]
+            continue
         exc = exc.__cause__ or exc.__context__
     return None
 
 
-class _OptionalDependencyModule(pytest.Module):
-    """A test module that is skipped, with the reason, when an optional dependency is missing."""
+class _SkipsMissingOptional(pytest.Module):
+    """A module collector that skips, with the reason, when importing the module needs a
+    missing optional dependency."""
 
     def _getobj(self) -> object:
         try:
@@ -95,6 +128,14 @@ class _OptionalDependencyModule(pytest.Module):
             pytest.skip(reason, allow_module_level=True)
 
 
+class _OptionalDependencyModule(_SkipsMissingOptional):
+    """A test module (tests in it are skipped when an optional dependency is missing)."""
+
+
+class _OptionalDependencyDoctests(_SkipsMissingOptional, DoctestModule):
+    """A module's doctests (the executor's need ``torch``, the gateway's ``aiohttp``, ...)."""
+
+
 def pytest_pycollect_makemodule(
     module_path: Path, parent: pytest.Collector
 ) -> pytest.Module | None:
@@ -103,28 +144,38 @@ def pytest_pycollect_makemodule(
     return _OptionalDependencyModule.from_parent(parent, path=module_path)
 
 
-_LEFT_OUT: dict[str, str] = {}
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(
+    file_path: Path, parent: pytest.Collector
+) -> Generator[None, list[pytest.Collector], list[pytest.Collector]]:
+    collectors = yield
+    return [
+        _OptionalDependencyDoctests.from_parent(parent, path=c.path)
+        if type(c) is DoctestModule
+        else c
+        for c in collectors
+    ]
 
 
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Leaves out of doctest collection a package module that needs a missing optional
-    dependency (importing it is what doctest collection would do first)."""
-    if collection_path.suffix != ".py" or PACKAGE not in collection_path.parents:
-        return None
-    if collection_path.name == "__main__.py":  # doctest collection skips it; importing runs it
-        return None
-    parts = collection_path.relative_to(PACKAGE.parent).with_suffix("").parts
-    module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    # A doctest in a package whose __init__ needs a missing dependency fails in setup.
     try:
-        importlib.import_module(module)
-    except ImportError as exc:
+        return (yield)
+    except Exception as exc:
         reason = missing_optional(exc)
-        if reason is not None:
-            _LEFT_OUT[module] = reason
-            return True
-    return None
+        if reason is None:
+            raise
+        pytest.skip(reason)
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for module, reason in sorted(_LEFT_OUT.items()):
-        terminalreporter.write_line(f"doctests of {module} not collected: {reason}")
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    # A doctest example that uses an optional dependency lazily (``llmsched.executor.Engine``).
+    try:
+        return (yield)
+    except Exception as exc:
+        reason = missing_optional(exc)
+        if reason is None:
+            raise
+        pytest.skip(reason)
