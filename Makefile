@@ -9,7 +9,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build test test-rust test-python test-engines vllm-env lint fmt bench bench-rust demo fuzz clean
+.PHONY: help venv build build-dev test test-rust test-python test-engines vllm-env lint fmt bench bench-rust demo fuzz clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -26,6 +26,12 @@ build: $(VENV)/.deps ## Build the Rust extension (release) into the virtual envi
 	rm -f python/llmsched/_llmsched*.so
 	$(BIN)/maturin develop --release --uv -q
 
+# Unoptimised: compiles several times faster, runs the Rust code 10-50x slower. For editing and
+# type-checking; take figures (bench, demo, sim) and run the simulator tests on `make build`.
+build-dev: $(VENV)/.deps ## Build the Rust extension (debug, quick to compile) into the virtual environment
+	rm -f python/llmsched/_llmsched*.so
+	$(BIN)/maturin develop --profile dev --uv -q
+
 test-rust: ## Run the Rust tests (release, no Python needed)
 	cargo test --release
 
@@ -35,7 +41,7 @@ test-python: build ## Run the Python tests
 test: test-rust test-python ## Install everything, then run cargo test and pytest
 
 # The real-engine tests run vLLM's CPU build from its own environment (about 6 GB; torch pinned by
-# tests/engines/vllm-overrides.txt, see shared/REFERENCE.md section 10).
+# tests/engines/vllm-overrides.txt, see tests/engines/vllm_engine.py).
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 
@@ -51,18 +57,18 @@ test-engines: build vllm-env ## Tests against two real vLLM CPU engines (tiny mo
 	LLMSCHED_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest tests/engines -m engines \
 		-q -p no:cacheprovider
 
-lint: build ## cargo fmt/clippy, ruff, mypy and stubtest
+lint: build-dev ## cargo fmt/clippy, ruff, mypy and stubtest
 	cargo fmt --all -- --check
 	cargo clippy --release --all-targets --all-features -- -D warnings
-	$(BIN)/ruff check python tests benches
-	$(BIN)/ruff format --check python tests benches
+	$(BIN)/ruff check python tests benches conftest.py
+	$(BIN)/ruff format --check python tests benches conftest.py
 	$(BIN)/mypy
 	$(PY) -m mypy.stubtest llmsched._llmsched --allowlist .stubtest-allowlist
 
 fmt: $(VENV)/.deps ## Format Rust and Python sources
 	cargo fmt --all
-	$(BIN)/ruff format python tests benches
-	$(BIN)/ruff check --fix python tests benches
+	$(BIN)/ruff format python tests benches conftest.py
+	$(BIN)/ruff check --fix python tests benches conftest.py
 
 bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
 	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \

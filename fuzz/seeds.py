@@ -1,4 +1,4 @@
-"""Write the seed corpus of the vllm_events fuzz target from the shared test vectors.
+"""Write the seed corpus of the vllm_events fuzz target from the test vectors (tests/data).
 
 Usage: python fuzz/seeds.py OUT_DIR. Seeds: the vLLM 0.33 vector, every payload of the real
 vLLM 0.32 capture, and hand-built payloads in the older array encoding (vLLM <= 0.23).
@@ -8,24 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
 import msgpack
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def shared_dir() -> Path:
-    """The shared folder: beside the checkout, or one level higher from a nested worktree."""
-    candidates = [ROOT.parent / "shared", ROOT.parent.parent / "shared"]
-    if "LLMSCHED_SHARED_DIR" in os.environ:
-        candidates.insert(0, Path(os.environ["LLMSCHED_SHARED_DIR"]))
-    for candidate in candidates:
-        if (candidate / "vectors").is_dir():
-            return candidate
-    raise SystemExit(f"shared vectors not found in any of {candidates}")
 
 
 def array_encoded_seeds() -> list[bytes]:
@@ -45,8 +33,9 @@ def array_encoded_seeds() -> list[bytes]:
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    vectors = shared_dir() / "vectors"
-    seeds = [bytes.fromhex(json.loads((vectors / "vllm_kv_events.json").read_text())["payload_hex"])]
+    vectors = ROOT / "tests" / "data"
+    vector = json.loads((vectors / "vllm_kv_events.json").read_text())
+    seeds = [bytes.fromhex(vector["payload_hex"])]
     capture = json.loads((vectors / "vllm_real_capture_gap.json").read_text())
     seeds += [bytes.fromhex(frame[2]) for frame in capture["frames"]]
     seeds += array_encoded_seeds()

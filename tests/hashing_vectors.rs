@@ -1,4 +1,4 @@
-//! vLLM `sha256_cbor` test vectors (shared `vectors/vllm_block_hashes.json`) and proptest
+//! vLLM `sha256_cbor` test vectors (`tests/data/vllm_block_hashes.json`) and proptest
 //! checks of the hashing definitions against naive restatements.
 
 use std::path::PathBuf;
@@ -12,14 +12,14 @@ use _llmsched::hashing::text::{pack_text, text_chain_hashes};
 use _llmsched::hashing::vllm::{encode_block_input, none_hash, VllmBlockHasher};
 use _llmsched::hashing::{chain_hashes, ChainHashes, HashError, TokenSlice};
 
-/// The shared vectors folder: `shared/vectors` beside the checkout or beside any folder above
-/// it (worktrees sit deeper than the main checkout).
+/// A file of the repository's `tests/data` (looked up from this crate's folder upwards, so a
+/// crate in a workspace subfolder finds it too).
 fn vectors_file(name: &str) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     root.ancestors()
-        .map(|dir| dir.join("shared").join("vectors").join(name))
+        .map(|dir| dir.join("tests").join("data").join(name))
         .find(|path| path.is_file())
-        .unwrap_or_else(|| panic!("shared/vectors/{name} not found above {}", root.display()))
+        .unwrap_or_else(|| panic!("tests/data/{name} not found above {}", root.display()))
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -1,4 +1,4 @@
-"""The vLLM KV-event decoder: shared vectors, the real capture, both encodings, hostile input, and
+"""The vLLM KV-event decoder: the test vectors, the real capture, both encodings, hostile input, and
 agreement with the pure-Python twin on generated, non-canonically encoded and mutated payloads."""
 
 from __future__ import annotations

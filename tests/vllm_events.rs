@@ -1,4 +1,4 @@
-//! Tests of the vLLM KV-event decoder: shared vectors, a real capture, the old array encoding,
+//! Tests of the vLLM KV-event decoder: the test vectors, a real capture, the old array encoding,
 //! hostile payloads, and a proptest round trip through both encodings.
 
 use _llmsched::prefix_index::Tier;
@@ -11,20 +11,15 @@ use rmpv::Value;
 const KV_EVENTS_VECTOR: &str = "vllm_kv_events.json";
 const CAPTURE_VECTOR: &str = "vllm_real_capture_gap.json";
 
-/// Reads a file of `../shared/vectors/`. The shared folder sits beside the checkout (CI and the
-/// main checkout); a nested git worktree finds it one level higher; `LLMSCHED_SHARED_DIR`
-/// overrides both. A missing vector fails the test.
+/// Reads a file of the repository's `tests/data` (looked up from this crate's folder upwards, so
+/// a crate in a workspace subfolder finds it too). A missing vector fails the test.
 fn read_json(name: &str) -> serde_json::Value {
     let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut candidates: Vec<std::path::PathBuf> =
-        std::env::var_os("LLMSCHED_SHARED_DIR").map(Into::into).into_iter().collect();
-    candidates.push(manifest.join("../shared"));
-    candidates.push(manifest.join("../../shared"));
-    let path = candidates
-        .iter()
-        .map(|dir| dir.join("vectors").join(name))
+    let path = manifest
+        .ancestors()
+        .map(|dir| dir.join("tests").join("data").join(name))
         .find(|path| path.is_file())
-        .unwrap_or_else(|| panic!("{name} not found under any of {candidates:?}"));
+        .unwrap_or_else(|| panic!("tests/data/{name} not found above {}", manifest.display()));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("{path:?}: {err}"));
     serde_json::from_str(&text).expect("vector file is JSON")
 }

@@ -119,7 +119,7 @@ class SwitchCostModel:
         requeue_delay_s: float | None = None,
         priority_base: float | None = None,
     ) -> SwitchCostModel:
-        """Derive the model from model dimensions and GPU numbers (REFERENCE §6).
+        """Derive the model from model dimensions and GPU numbers.
 
         - ``prefill_tokens_per_s = gpu_flops * compute_efficiency / (2 * params)``;
         - KV bytes/token ``= 2 * layers * kv_heads * head_dim * dtype_bytes`` and

@@ -1,6 +1,6 @@
 """The step-time model the simulator uses, its least-squares fit and its YAML profile.
 
-Model (BLIS's linear terms plus Vidur's attention terms, REFERENCE.md section 8)::
+Model (BLIS's linear terms plus Vidur's attention terms)::
 
     t = b0 + b1 * prefill_tokens + b2 * decode_tokens
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)

@@ -420,4 +420,4 @@ def _kv_bytes(model: Any) -> int:
     spec = getattr(model, "model", None)
     if spec is not None and hasattr(spec, "kv_bytes_per_token"):
         return int(spec.kv_bytes_per_token)
-    return 131_072  # Llama-3-8B bf16 (REFERENCE.md section 6)
+    return 131_072  # Llama-3-8B bf16: 2 * 32 layers * 8 KV heads * 128 * 2 bytes

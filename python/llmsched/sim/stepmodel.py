@@ -5,7 +5,7 @@ squared chunk lengths, ``prefill_ctx`` the sum over chunks of chunk length times
 already cached before it, ``prefill_read`` the sum of those contexts: the KV each chunk reads)
 and ``decode_tokens`` decoding requests whose KV lengths sum to ``decode_ctx``.
 
-Roofline (REFERENCE.md section 8 peaks)::
+Roofline (peaks from the vendors' datasheets, :data:`GPUS`)::
 
     flops = 2 * active_params * (P + D)
             + 4 * layers * q_dim * (prefill_ctx + prefill_sq / 2 + decode_ctx)
@@ -67,7 +67,7 @@ class GpuSpec:
     link_bw: float = 450e9  # NVLink bytes/s per direction, for tensor-parallel all-reduce
 
 
-# REFERENCE.md section 8 (vendor datasheets): dense bf16 peaks, HBM bandwidth, memory.
+# Vendor datasheets: dense bf16 peaks, HBM bandwidth, memory.
 GPUS: dict[str, GpuSpec] = {
     "H100": GpuSpec("H100", 989e12, 3.35e12, 80e9),
     "H200": GpuSpec("H200", 989e12, 4.8e12, 141e9),
@@ -100,7 +100,7 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """``2 * layers * kv_heads * head_dim * bytes`` (REFERENCE.md section 6)."""
+        """``2 * layers * kv_heads * head_dim * bytes`` (K and V, every layer)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_elem
 
     @property
