@@ -52,6 +52,7 @@ from llmsched.errors import (
     FlowRejected,
     UnknownRequestError,
 )
+from llmsched.types import BandConfig, FlowConfig, FlowMetrics
 from llmsched.validation import check_now, check_positive_seconds
 
 __all__ = [
@@ -116,17 +117,17 @@ def _to_json(config: Mapping[str, Any]) -> str:
         raise ConfigError(f"flow config must be plain data (JSON-compatible): {err}") from None
 
 
-def resolve_config(config: ConfigLike = None) -> dict[str, Any]:
+def resolve_config(config: ConfigLike = None) -> FlowConfig:
     """The full configuration: ``config`` merged over every default and checked.
 
     >>> resolve_config({"default_band": {"fairness": {"type": "vtc"}}})["default_band"]["fairness"]
     {'type': 'vtc', 'w_p': 1.0, 'w_q': 2.0, 'weights': {}}
     """
-    resolved: dict[str, Any] = json.loads(flow_resolve_config(_to_json(_as_dict(config))))
+    resolved: FlowConfig = json.loads(flow_resolve_config(_to_json(_as_dict(config))))
     return resolved
 
 
-def default_config() -> dict[str, Any]:
+def default_config() -> FlowConfig:
     """Every default, in config form (defaults live in the Rust core, nowhere else).
 
     >>> default_config()["default_band"]["max_requests"]
@@ -172,7 +173,7 @@ class FlowController:
     ) -> None:
         poll_interval_s = check_positive_seconds("poll_interval_s", poll_interval_s)
         self._core = FlowCore(_to_json(_as_dict(config)))
-        self._config: dict[str, Any] = json.loads(self._core.config_json())
+        self._config: FlowConfig = json.loads(self._core.config_json())
         self._clock = clock
         self._poll_interval_s = float(poll_interval_s)
         self._waiters: dict[int, _Waiter] = {}
@@ -183,9 +184,10 @@ class FlowController:
         self._pump_lock = threading.Lock()
 
     @property
-    def config(self) -> dict[str, Any]:
+    def config(self) -> FlowConfig:
         """The resolved configuration (a copy)."""
-        return json.loads(json.dumps(self._config))  # type: ignore[no-any-return]
+        config: FlowConfig = json.loads(json.dumps(self._config))
+        return config
 
     def _now(self, now: float | None) -> float:
         return check_now(now, self._clock)
@@ -366,7 +368,7 @@ class FlowController:
         """
         return self._core.saturation(self._now(now))
 
-    def metrics(self, *, now: float | None = None) -> dict[str, Any]:
+    def metrics(self, *, now: float | None = None) -> FlowMetrics:
         """Queue lengths per band and flow, wait-time histograms, outcome counts, saturation
         and Jain's fairness index, as a plain dict.
 
@@ -374,7 +376,7 @@ class FlowController:
         >>> ctrl.metrics()["queued"]
         0
         """
-        metrics: dict[str, Any] = json.loads(self._core.metrics_json(self._now(now)))
+        metrics: FlowMetrics = json.loads(self._core.metrics_json(self._now(now)))
         return metrics
 
     def jain_index(self, priority: int | None = None) -> float:
@@ -485,11 +487,11 @@ class FlowController:
         ttl = self._band_settings(request.priority).get("ttl_s")
         return math.inf if ttl is None else self._clock() + float(ttl)
 
-    def _band_settings(self, priority: int) -> dict[str, Any]:
+    def _band_settings(self, priority: int) -> BandConfig:
         for band in self._config["bands"]:
             if band["priority"] == priority:
-                return band  # type: ignore[no-any-return]
-        return self._config["default_band"]  # type: ignore[no-any-return]
+                return band
+        return self._config["default_band"]
 
     async def _wait(self, future: asyncio.Future[FlowDecision], expires_at: float) -> FlowDecision:
         while True:

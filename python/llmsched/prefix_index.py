@@ -29,6 +29,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, as_token_array
+from llmsched.types import ApplyReport, IndexStats
 from llmsched.validation import check_block_size, check_now, check_seed
 
 __all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
@@ -248,7 +249,7 @@ class PrefixIndex:
         hashes = [self.hash_tokens(p, lora=lora, cache_salt=cache_salt) for p in prompts]
         return self._native.match_many(hashes, _now(now))
 
-    def apply_vllm_events(self, worker: Worker, payload: bytes) -> dict[str, int]:
+    def apply_vllm_events(self, worker: Worker, payload: bytes) -> ApplyReport:
         """Decode a vLLM ``EventBatch`` msgpack payload and apply it for ``worker`` atomically.
 
         Both event encodings are accepted (array-encoded before vLLM 0.24, map-encoded since).
@@ -275,7 +276,7 @@ class PrefixIndex:
         """The registered workers."""
         return self._native.workers()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> IndexStats:
         """Counts (workers, nodes, blocks, holdings, per-worker blocks) and estimated bytes."""
         return self._native.stats()
 

@@ -40,6 +40,14 @@ from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
 from llmsched.errors import ConfigError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
+from llmsched.types import (
+    CandidateInfo,
+    EndpointInfo,
+    MetricsRead,
+    PdNote,
+    ProfileData,
+    RequestInfo,
+)
 from llmsched.validation import U32_MAX, check_int, check_now, check_probability, check_seed
 
 __all__ = [
@@ -69,8 +77,10 @@ ConfigLike = ConfigSource
 """A configuration: a dict, a preset name (see :meth:`Router.presets`), YAML / JSON text or a
 YAML / JSON path (read by :mod:`llmsched.config_loader`)."""
 
-ScorerFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[float]]
-FilterFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[bool]]
+ScorerFunction = Callable[[RequestInfo, list[CandidateInfo]], Sequence[float]]
+"""A ``python-scorer`` plugin's ``function``: one score in [0, 1] per candidate."""
+FilterFunction = Callable[[RequestInfo, list[CandidateInfo]], Sequence[bool]]
+"""A ``python-filter`` plugin's ``function``: whether to keep each candidate."""
 
 PYTHON_PLUGIN_TYPES = ("python-scorer", "python-filter")
 """Plugin types whose ``parameters.function`` is a Python callable (the slower path)."""
@@ -204,7 +214,7 @@ class EndpointPool:
 
     def update_from_metrics_text(
         self, endpoint_id: EndpointId, text: str, *, now: float | None = None
-    ) -> dict[str, Any]:
+    ) -> MetricsRead:
         """Apply a Prometheus ``/metrics`` scrape of a vLLM or SGLang engine (queue, running,
         KV-cache use, LoRA adapters). Returns the values read.
 
@@ -215,7 +225,7 @@ class EndpointPool:
         """
         return self._native.update_from_metrics_text(endpoint_id, text, _now(now))
 
-    def endpoints(self) -> list[dict[str, Any]]:
+    def endpoints(self) -> list[EndpointInfo]:
         """Every endpoint: description, last metrics, LoRA state and in-flight counts."""
         return self._native.endpoints()
 
@@ -483,7 +493,7 @@ class Decision:
         """Prompt tokens cached on every endpoint considered."""
         return self._native.cached_tokens()
 
-    def pd(self) -> dict[str, Any] | None:
+    def pd(self) -> PdNote | None:
         """The prefill/decode decision (uncached tokens on the decode endpoint, whether a
         split was wanted and made), or None without a P/D handler."""
         return self._native.pd()
@@ -567,7 +577,7 @@ class ProfileExplanation:
     rows: list[EndpointScores]
 
     @classmethod
-    def _from_raw(cls, raw: dict[str, Any]) -> ProfileExplanation:
+    def _from_raw(cls, raw: ProfileData) -> ProfileExplanation:
         weights = dict(raw["scorers"])
         names = list(weights)
         rows = []
@@ -621,7 +631,7 @@ class Explanation:
     """What :meth:`Decision.explain` returns: the profiles run, in order."""
 
     profiles: list[ProfileExplanation]
-    pd: dict[str, Any] | None
+    pd: PdNote | None
 
     def __getitem__(self, profile: str) -> ProfileExplanation:
         for p in self.profiles:
