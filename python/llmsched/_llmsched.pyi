@@ -12,6 +12,7 @@ from llmsched.types import (
     EndpointInfo,
     EventBatchDict,
     IndexStats,
+    KVCacheEvent,
     MetricsRead,
     PdNote,
     ProfileData,
@@ -426,7 +427,7 @@ class KvCache:
     def set_decoding(self, req: int, decoding: bool) -> None: ...
     def decode_capacity(self, limit: int) -> int: ...
     def advance_decoding(self, steps: int) -> bool: ...
-    def take_events(self) -> list[tuple[Any, ...]]: ...
+    def take_events(self) -> list[KVCacheEvent]: ...
 
 @final
 class Outcome:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -40,8 +40,9 @@ Worker = int | str
 Tier = Literal["gpu", "cpu", "storage"]
 """Where a cached block lives (vLLM's ``medium``)."""
 
-HashesLike = Any
-"""Block hashes: a numpy ``uint64`` array (read in place) or a sequence of non-negative ints."""
+HashesLike: TypeAlias = Union["npt.NDArray[np.integer[Any]]", Iterable["int | np.integer[Any]"]]
+"""Block hashes: a numpy ``uint64`` array (read in place), another integer array (converted), or
+a sequence or iterable of ints in ``0..2**64-1``."""
 
 DEFAULT_RECORD_TTL_S = 60.0
 """How long a routing decision noted by :meth:`PrefixIndex.record` counts, unless confirmed."""
@@ -53,12 +54,13 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
     >>> as_hash_array([1, 2]).dtype
     dtype('uint64')
     """
+    arr: npt.NDArray[np.uint64]
     if isinstance(hashes, np.ndarray):
         if hashes.dtype.kind == "i" and hashes.size and (hashes < 0).any():
             raise ValueError(f"{what} must be non-negative 64-bit ints")
         if hashes.dtype.kind not in "iu":
             raise TypeError(f"{what} must be integers, got dtype {hashes.dtype}")
-        arr = hashes if hashes.dtype == np.uint64 else hashes.astype(np.uint64)
+        arr = hashes.astype(np.uint64, copy=False)  # no copy when already uint64
     else:
         if isinstance(hashes, (bytes, bytearray, str)):
             raise TypeError(f"{what} must be a sequence of ints, got {type(hashes).__name__}")

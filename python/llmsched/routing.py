@@ -738,6 +738,7 @@ def _prompt_array(
         text = render_messages(messages)
     if text is not None:
         return text_tokens(text)
+    assert tokens is not None  # exactly one of the three is given
     return as_token_array(tokens)
 
 

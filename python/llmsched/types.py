@@ -30,6 +30,7 @@ __all__ = [
     "FlowStats",
     "GlobalLimits",
     "IndexStats",
+    "KVCacheEvent",
     "KVEventDict",
     "MetricsRead",
     "PdNote",
@@ -111,6 +112,13 @@ ReportKey = Literal[
     "extra_keys",
 ]
 """A key of :class:`ApplyReport`."""
+
+
+KVCacheEvent = (
+    tuple[Literal["stored"], int | None, list[int]] | tuple[Literal["removed"], list[int]]
+)
+"""A simulated KV cache's event: ``("stored", parent, hashes)`` or ``("removed", hashes)``,
+ready for :meth:`llmsched.PrefixIndex.store` / ``remove`` (see :mod:`llmsched.sim.kv`)."""
 
 
 # ---- vLLM KV events -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from llmsched.errors import ConfigError, UnknownBlockError
@@ -27,8 +27,8 @@ from llmsched.prefix_index import PrefixIndex
 from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.gate import FlowGate
-from llmsched.sim.kv import make_kv_cache
-from llmsched.sim.policies import Policy, make_policy, resolve_policy
+from llmsched.sim.kv import KVCacheEvent, make_kv_cache
+from llmsched.sim.policies import PolicyLike, make_policy, resolve_policy
 from llmsched.sim.replica import Replica
 from llmsched.sim.request import DONE, WAITING, Request
 from llmsched.sim.results import SimResult
@@ -59,7 +59,7 @@ class Simulation:
     def __init__(
         self,
         config: ScenarioConfig,
-        policy: str | dict[str, Any] | Policy,
+        policy: PolicyLike,
         *,
         progress: Callable[[int], None] | None = None,
         progress_every: int = 500,
@@ -93,7 +93,7 @@ class Simulation:
         self.slice_switches = 0
         self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
         if self.engine == "rust":
-            assert isinstance(policy, (str, dict)), "fast.unsupported() sends objects to Python"
+            assert isinstance(policy, (str, Mapping)), "fast.unsupported() sends objects to Python"
             self.name, self._router_config = resolve_policy(policy)
             self.replicas: list[Any] = []
             self.kv_trace: list[list[tuple[float, float]]] = []
@@ -224,7 +224,7 @@ class Simulation:
         else:
             self._apply_kv_events(replica.id, events)
 
-    def _apply_kv_events(self, rid: int, events: list[tuple[Any, ...]]) -> None:
+    def _apply_kv_events(self, rid: int, events: list[KVCacheEvent]) -> None:
         t = time.perf_counter()
         index = self.index
         assert index is not None, "the Python engine always has its index"
