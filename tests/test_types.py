@@ -7,6 +7,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from _data import vector_path
 
 from llmsched import EndpointPool, PrefixIndex, Router, decode_vllm_events
 from llmsched.flow import FlowController, FlowRequest, default_config
@@ -19,6 +20,7 @@ from llmsched.types import (
     BlockStoredDict,
     CandidateInfo,
     EndpointInfo,
+    EngineMetricValues,
     EventBatchDict,
     FlowConfig,
     FlowMetrics,
@@ -86,6 +88,14 @@ def test_pool_results() -> None:
     lora += 'max_lora="2"} 1.0\n'
     assert_shape(pool.update_from_metrics_text("a", lora, now=0.0), MetricsRead)
     assert "active_loras" in pool.update_from_metrics_text("a", lora, now=0.0)
+
+
+def test_scraped_engine_metrics() -> None:
+    from llmsched.integrations.metrics import parse_engine_metrics
+
+    values = parse_engine_metrics(vector_path("vllm_metrics_under_load.txt").read_text())
+    assert_shape(values, EngineMetricValues)
+    assert {"waiting", "running", "kv_cache_usage"} <= set(values)
 
 
 def test_plugin_arguments_and_explanations() -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "CandidateInfo",
     "EndpointId",
     "EndpointInfo",
+    "EngineMetricValues",
     "EventBatchDict",
     "FlowConfig",
     "FlowMetrics",
@@ -183,6 +184,25 @@ class MetricsRead(_MetricsReadRequired, total=False):
     """:meth:`llmsched.EndpointPool.update_from_metrics_text`: the values a scrape held (None:
     absent from the scrape). The LoRA keys are present only when the scrape reports adapters."""
 
+    active_loras: list[str]
+    waiting_loras: list[str]
+    max_loras: int
+
+
+class EngineMetricValues(TypedDict, total=False):
+    """:func:`llmsched.integrations.metrics.parse_engine_metrics`: what one engine's
+    ``/metrics`` text held (a key is present only when the scrape reported it)."""
+
+    waiting: int
+    running: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    """Tokens looked up in the prefix cache (counter)."""
+    prefix_cache_hits: int
+    """Tokens found in the prefix cache (counter)."""
+    preemptions: int
+    block_size: int
+    num_gpu_blocks: int
     active_loras: list[str]
     waiting_loras: list[str]
     max_loras: int
