@@ -121,3 +121,32 @@ def test_a_refused_clock_changes_nothing() -> None:
     with pytest.raises(InvalidValueError):
         index.record("w", [1, 2], now=math.nan)
     assert index.stats()["blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "needle"),
+    [
+        ("kv", 1.5, InvalidValueError, r"kv_(cache_)?usage must be in \[0, 1\]"),
+        ("kv", math.nan, InvalidValueError, r"kv_(cache_)?usage must be in \[0, 1\]"),
+        ("waiting", -1, InvalidValueError, "waiting must be at least 0"),
+        ("waiting", 2.0, TypeError, "waiting must be an int"),
+    ],
+)
+def test_pool_and_flow_read_load_reports_alike(
+    field: str, value: object, error: type[Exception], needle: str
+) -> None:
+    pool = EndpointPool(["a"])
+    flow = FlowController()
+    if field == "kv":
+        calls = [
+            lambda: pool.update("a", kv_cache_usage=value, now=0.0),  # type: ignore[arg-type]
+            lambda: flow.update_endpoint("a", kv_usage=value, timestamp=0.0),  # type: ignore[arg-type]
+        ]
+    else:
+        calls = [
+            lambda: pool.update("a", waiting=value, now=0.0),  # type: ignore[arg-type]
+            lambda: flow.update_endpoint("a", waiting=value, timestamp=0.0),  # type: ignore[arg-type]
+        ]
+    for call in calls:
+        with pytest.raises(error, match=needle):
+            call()

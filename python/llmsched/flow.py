@@ -53,7 +53,7 @@ from llmsched.errors import (
     UnknownRequestError,
 )
 from llmsched.types import BandConfig, FlowConfig, FlowMetrics
-from llmsched.validation import check_now, check_positive_seconds
+from llmsched.validation import check_int, check_now, check_positive_seconds, check_probability
 
 __all__ = [
     "FlowController",
@@ -345,6 +345,10 @@ class FlowController:
         >>> ctrl.saturation(now=0.1)
         1.0
         """
+        # The same rules as EndpointPool.update (llmsched.validation), checked before the core.
+        waiting = check_int("waiting", waiting)
+        running = check_int("running", running)
+        kv_usage = check_probability("kv_usage", kv_usage)
         self._core.update_endpoint(endpoint, waiting, running, kv_usage, self._now(timestamp))
         if self._waiters:
             self.pump()
