@@ -157,9 +157,10 @@ def pytest_collect_file(
     ]
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
-    # A doctest in a package whose __init__ needs a missing dependency fails in setup.
+def _skip_when_optional_missing(item: pytest.Item) -> Generator[None, None, None]:
+    """Setup or call of a test or doctest that fails only because an optional dependency is
+    missing: a doctest in a package whose ``__init__`` needs it fails in setup, an example that
+    uses one lazily (``llmsched.executor.Engine`` without torch) in the call."""
     try:
         return (yield)
     except Exception as exc:
@@ -169,13 +170,5 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
         pytest.skip(reason)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    # A doctest example that uses an optional dependency lazily (``llmsched.executor.Engine``).
-    try:
-        return (yield)
-    except Exception as exc:
-        reason = missing_optional(exc)
-        if reason is None:
-            raise
-        pytest.skip(reason)
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_skip_when_optional_missing)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_skip_when_optional_missing)

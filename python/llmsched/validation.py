@@ -67,12 +67,7 @@ def check_now(now: object, clock: Callable[[], float] = time.monotonic) -> float
     """
     if now is None:
         return float(clock())
-    if not _is_number(now):
-        raise TypeError(f"now must be a number of seconds, got {type(now).__name__}")
-    value = float(now)  # type: ignore[arg-type]
-    if not (math.isfinite(value) and value >= 0.0):
-        raise InvalidValueError(f"now must be a finite number of seconds >= 0, got {now!r}")
-    return value
+    return _seconds("now", now, strictly_positive=False)
 
 
 def check_positive_seconds(name: str, value: object) -> float:
@@ -81,11 +76,17 @@ def check_positive_seconds(name: str, value: object) -> float:
     >>> check_positive_seconds("poll_interval_s", 0.5)
     0.5
     """
+    return _seconds(name, value, strictly_positive=True)
+
+
+def _seconds(name: str, value: object, *, strictly_positive: bool) -> float:
     if not _is_number(value):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
     seconds = float(value)  # type: ignore[arg-type]
-    if not (math.isfinite(seconds) and seconds > 0.0):
-        raise InvalidValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    in_range = seconds > 0.0 if strictly_positive else seconds >= 0.0
+    if not (math.isfinite(seconds) and in_range):
+        bound = "> 0" if strictly_positive else ">= 0"
+        raise InvalidValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
     return seconds
 
 
