@@ -24,6 +24,7 @@ __all__ = [
     "CandidateInfo",
     "EndpointId",
     "EndpointInfo",
+    "EndpointLoad",
     "EngineMetricValues",
     "EventBatchDict",
     "FlowConfig",
@@ -208,25 +209,30 @@ class EngineMetricValues(TypedDict, total=False):
     max_loras: int
 
 
-class EndpointInfo(TypedDict):
-    """:meth:`llmsched.EndpointPool.endpoints`: one endpoint, its last metrics and counts."""
+class EndpointLoad(TypedDict):
+    """What every view of an endpoint holds: who it is and its load."""
 
     id: EndpointId
     address: str
     role: Literal["prefill", "decode", "both"] | None
     labels: dict[str, str]
-    model: str | None
     waiting: int
     running: int
     kv_cache_usage: float
+    in_flight_requests: int
+    in_flight_prefill_tokens: int
+
+
+class EndpointInfo(EndpointLoad):
+    """:meth:`llmsched.EndpointPool.endpoints`: one endpoint, its last metrics and counts."""
+
+    model: str | None
     max_concurrency: int
     timestamp: float | None
     """When the metrics were taken (None: never)."""
     active_loras: list[str]
     waiting_loras: list[str]
     max_loras: int
-    in_flight_requests: int
-    in_flight_prefill_tokens: int
     in_flight_tokens: int
 
 
@@ -244,19 +250,10 @@ class RequestInfo(TypedDict):
     now: float
 
 
-class CandidateInfo(TypedDict):
+class CandidateInfo(EndpointLoad):
     """One candidate endpoint a ``python-scorer`` / ``python-filter`` function is given."""
 
-    id: EndpointId
-    address: str
-    role: Literal["prefill", "decode", "both"] | None
-    labels: dict[str, str]
-    waiting: int
-    running: int
-    kv_cache_usage: float
     saturated: bool
-    in_flight_requests: int
-    in_flight_prefill_tokens: int
     cached_blocks: int
     cached_tokens: int
 
