@@ -9,7 +9,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build test test-rust test-python test-engines vllm-env lint fmt bench bench-rust demo fuzz clean
+.PHONY: help venv build build-dev test test-rust test-python test-engines vllm-env lint fmt bench bench-rust demo fuzz clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -25,6 +25,12 @@ venv: $(VENV)/.deps ## Create the virtual environment with every Python dependen
 build: $(VENV)/.deps ## Build the Rust extension (release) into the virtual environment
 	rm -f python/llmsched/_llmsched*.so
 	$(BIN)/maturin develop --release --uv -q
+
+# Unoptimised: compiles several times faster, runs the Rust code 10-50x slower. For editing and
+# type-checking; take figures (bench, demo, sim) and run the simulator tests on `make build`.
+build-dev: $(VENV)/.deps ## Build the Rust extension (debug, quick to compile) into the virtual environment
+	rm -f python/llmsched/_llmsched*.so
+	$(BIN)/maturin develop --profile dev --uv -q
 
 test-rust: ## Run the Rust tests of every crate, doc-tests included (release, no Python needed)
 	cargo test --release --workspace
@@ -56,15 +62,15 @@ lint: build ## cargo fmt/clippy, ruff, mypy and stubtest
 	cargo fmt --all -- --check
 	$(PY) tools/check_msrv.py
 	cargo clippy --release --workspace --all-targets --all-features -- -D warnings
-	$(BIN)/ruff check python tests benches tools fuzz
-	$(BIN)/ruff format --check python tests benches tools fuzz
+	$(BIN)/ruff check python tests benches tools fuzz conftest.py
+	$(BIN)/ruff format --check python tests benches tools fuzz conftest.py
 	$(BIN)/mypy
 	$(PY) -m mypy.stubtest llmsched._llmsched --allowlist .stubtest-allowlist
 
 fmt: $(VENV)/.deps ## Format Rust and Python sources
 	cargo fmt --all
-	$(BIN)/ruff format python tests benches tools fuzz
-	$(BIN)/ruff check --fix python tests benches tools fuzz
+	$(BIN)/ruff format python tests benches tools fuzz conftest.py
+	$(BIN)/ruff check --fix python tests benches tools fuzz conftest.py
 
 bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
 	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \

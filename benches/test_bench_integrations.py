@@ -170,15 +170,8 @@ def test_subscriber_throughput_twin(benchmark: Any, publisher: _Publisher) -> No
     assert set(native.holdings(WORKER)) == set(held)
 
 
-def _vectors() -> Path:
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "vectors"
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("shared/vectors not found beside the checkout")
-
-
-UNDER_LOAD = (_vectors() / "vllm_metrics_under_load.txt").read_text()
+VECTORS = Path(__file__).resolve().parent.parent / "tests" / "data"
+UNDER_LOAD = (VECTORS / "vllm_metrics_under_load.txt").read_text()
 
 
 @pytest.mark.parametrize("prefilter", [True, False], ids=["native", "twin"])

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _shared import shared_vector  # noqa: E402
+from _data import load_vector  # noqa: E402
 
 from llmsched import PrefixIndex  # noqa: E402
 from llmsched.executor.config import DEFAULT_BLOCK_SIZE, EngineConfig, ModelConfig  # noqa: E402
@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 
 
 def test_event_batch_encoding_is_byte_identical_to_vllm_vector() -> None:
-    vector = shared_vector("vllm_kv_events.json")
+    vector = load_vector("vllm_kv_events.json")
     decoded = vector["decoded"]
     stored, removed, _ = decoded["events"]
     events = [

@@ -22,6 +22,7 @@ from llmsched.errors import (
     DuplicateRequestError,
     FlowRejected,
     InvalidRequestError,
+    InvalidValueError,
     UnknownRequestError,
 )
 from llmsched.flow import (
@@ -131,14 +132,15 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         (InvalidRequestError, "32 bits", lambda: ctrl.enqueue(FlowRequest(2, priority=2**40))),
         (InvalidRequestError, "deadline", lambda: ctrl.enqueue(FlowRequest(2, deadline=math.inf))),
         (InvalidRequestError, "ttft_target", lambda: ctrl.enqueue(FlowRequest(2, ttft_target=-1))),
-        (InvalidRequestError, "now must be", lambda: ctrl.enqueue(FlowRequest(2), now=math.nan)),
-        (InvalidRequestError, "now must be", lambda: ctrl.dispatch(now=math.inf)),
+        (InvalidValueError, "now must be", lambda: ctrl.enqueue(FlowRequest(2), now=math.nan)),
+        (InvalidValueError, "now must be", lambda: ctrl.dispatch(now=math.inf)),
+        (InvalidValueError, "now must be", lambda: ctrl.pump(now=-1.0)),
         (
-            InvalidRequestError,
+            InvalidValueError,
             "kv_cache_usage",
             lambda: ctrl.update_endpoint("e", kv_cache_usage=1.5),
         ),
-        (InvalidRequestError, "waiting", lambda: ctrl.update_endpoint("e", waiting=-1)),
+        (InvalidValueError, "waiting", lambda: ctrl.update_endpoint("e", waiting=-1)),
         (DuplicateRequestError, "already queued", lambda: ctrl.enqueue(FlowRequest(1))),
         (UnknownRequestError, "not running", lambda: ctrl.complete(1)),
         (UnknownRequestError, "not running", lambda: ctrl.record_output(77, 3)),

@@ -1,5 +1,5 @@
 """The Rust flow controller against its pure-Python twin (hypothesis state machine), with the
-issue's invariants checked on every step, and VTC's service-gap bound."""
+controller's invariants checked on every step, and VTC's service-gap bound."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import Any
 import cbor2
 import numpy as np
 import pytest
-from _shared import shared_vector
+from _data import load_vector
 
 import llmsched
 import llmsched._tokens
@@ -21,7 +21,7 @@ from llmsched.reference import hashing as ref
 INT_DTYPES = [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64]
 
 
-VLLM = shared_vector("vllm_block_hashes.json")
+VLLM = load_vector("vllm_block_hashes.json")
 VLLM_CASES = VLLM["cases"]
 
 

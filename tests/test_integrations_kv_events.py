@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _shared import shared_vector
+from _data import load_vector
 
 from llmsched import PrefixIndex
 from llmsched.errors import ConfigError
@@ -391,7 +391,7 @@ def test_many_engines_and_data_parallel_ranks() -> None:
 
 
 def test_shared_vector_batch(fake: FakeKVPublisher) -> None:
-    vec = shared_vector("vllm_kv_events.json")
+    vec = load_vector("vllm_kv_events.json")
     payload = bytes.fromhex(vec["payload_hex"])
     index = PrefixIndex(block_size=16)
     spec = spec_of(fake)
@@ -405,7 +405,7 @@ def test_shared_vector_batch(fake: FakeKVPublisher) -> None:
 def test_real_engine_capture_joined_late() -> None:
     """A real vLLM engine's frames starting at seq 2: the replay no longer holds 0 and 1, so the
     subscriber resyncs from the first batch it has and agrees with the engine's prompts."""
-    cap = shared_vector("vllm_real_capture_gap.json")
+    cap = load_vector("vllm_real_capture_gap.json")
     topic = bytes.fromhex(cap["frames"][0][0]).decode()
     index = PrefixIndex(block_size=cap["block_size"])
     with FakeKVPublisher(topic=topic) as fake:

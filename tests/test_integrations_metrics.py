@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from _shared import shared_vector_path
+from _data import vector_path
 from aiohttp import web
 
 from llmsched import EndpointPool, FlowController
@@ -17,7 +17,7 @@ from llmsched.integrations import EngineSpec, MetricsScraper
 from llmsched.integrations.metrics import parse_engine_metrics
 from llmsched.testing import FakeHTTPEngine
 
-UNDER_LOAD = shared_vector_path("vllm_metrics_under_load.txt").read_text()
+UNDER_LOAD = vector_path("vllm_metrics_under_load.txt").read_text()
 
 OLD_VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

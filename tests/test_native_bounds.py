@@ -9,28 +9,47 @@ import numpy as np
 import pytest
 
 import llmsched
-from llmsched.errors import ConfigError, InternalError, LlmschedError, SnapshotError
+from llmsched.errors import (
+    ConfigError,
+    InternalError,
+    InvalidValueError,
+    LlmschedError,
+    SnapshotError,
+)
 
 HUGE = [2**16 + 1, 2**40, 2**63]
+# The Python wrappers check arguments first (llmsched.validation); the native layer checks again
+# for callers that reach it directly. Either refuses with a library error naming block_size.
+REFUSED = (ConfigError, InvalidValueError)
 
 
 @pytest.mark.parametrize("block_size", HUGE)
 def test_prefix_index_refuses_a_huge_block_size(block_size: int) -> None:
-    with pytest.raises(ConfigError, match="block_size"):
+    with pytest.raises(REFUSED, match="block_size"):
         llmsched.PrefixIndex(block_size=block_size)
 
 
 @pytest.mark.parametrize("block_size", HUGE)
 def test_hashing_refuses_a_huge_block_size(block_size: int) -> None:
     tokens = np.arange(16, dtype=np.uint32)
-    with pytest.raises(ConfigError, match="block_size"):
+    with pytest.raises(REFUSED, match="block_size"):
         llmsched.block_hashes(tokens, block_size=block_size)
-    with pytest.raises(ConfigError, match="block_size"):
+    with pytest.raises(REFUSED, match="block_size"):
         llmsched.block_hashes(list(range(16)), block_size=block_size, algo="vllm_sha256_cbor")
-    with pytest.raises(ConfigError, match="block_size"):
+    with pytest.raises(REFUSED, match="block_size"):
         llmsched.text_block_hashes("hello " * 10, block_size=block_size)
-    with pytest.raises(ConfigError, match="block_size"):
+    with pytest.raises(REFUSED, match="block_size"):
         llmsched.block_hashes_batch([tokens, tokens], block_size=block_size)
+
+
+def test_the_native_layer_checks_too() -> None:
+    from llmsched import _llmsched
+
+    assert _llmsched.MAX_BLOCK_SIZE == 2**16
+    with pytest.raises(ConfigError, match="block_size"):
+        _llmsched.PrefixIndex(2**16 + 1, 0, None, None, None)
+    with pytest.raises(ConfigError, match="block_size"):
+        _llmsched.xxh3_block_hashes(np.arange(16, dtype=np.uint32), 2**40, 0)
 
 
 def test_the_largest_block_size_still_works() -> None:

@@ -1,22 +1,18 @@
-"""The prefix index fed by vLLM KV events: the shared vectors and a real engine's capture."""
+"""The prefix index fed by vLLM KV events: the test vectors and a real engine's capture."""
 
 from __future__ import annotations
-
-import json
 
 import msgpack
 import numpy as np
 import pytest
-from _shared import shared_vector_path
+from _data import load_vector
 
 import llmsched
 from llmsched import PrefixIndex
 
-VECTORS = shared_vector_path("vllm_kv_events.json").parent
-
 
 def load(name: str) -> dict:
-    return json.loads((VECTORS / name).read_text())
+    return load_vector(name)
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int], **extra: object) -> dict:

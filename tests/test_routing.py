@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _shared import shared_vector_path
+from _data import vector_path
 
 from llmsched import (
     ConfigError,
@@ -407,7 +407,7 @@ def test_sessions_stick() -> None:
 
 
 def test_metrics_text_from_a_real_vllm() -> None:
-    path = shared_vector_path("vllm_metrics_under_load.txt")
+    path = vector_path("vllm_metrics_under_load.txt")
     pool = EndpointPool(["vllm"])
     read = pool.update_from_metrics_text("vllm", path.read_text(), now=0.0)
     assert (read["waiting"], read["running"]) == (7, 3)

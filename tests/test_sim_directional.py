@@ -1,6 +1,6 @@
 """Directional reproduction of published results, scaled down to run in seconds.
 
-- llm-d's shared-prefix benchmark (REFERENCE.md section 8: 8 pods, 150 tenants x 6k-token shared
+- llm-d's shared-prefix benchmark (8 pods, 150 tenants x 6k-token shared
   contexts + 1.2k questions): precise prefix-and-load-aware routing reached about 2x the output
   throughput of random routing with a TTFT p90 of 0.5 s against 93 s.
 - The agentic multi-turn case from the vLLM/llm-d talk: cache-aware routing cuts the prefill

@@ -99,7 +99,7 @@ def test_bad_config_raises_config_error(policy: str, params: Any, match: str) ->
 def test_cost_model_formulas() -> None:
     default = SwitchCostModel()
     assert default.to_dict() == SwitchCostModel(**default.to_dict()).to_dict()
-    # REFERENCE §6: Llama-3-8B on H100 ~ 32 us per token of context.
+    # Llama-3-8B on H100: recompute costs about 32 us per token of context.
     assert 30 < 1e6 / default.prefill_tokens_per_s < 35
     # KV bytes/token = 2*32*8*128*2 = 128 KiB; (0.9*80e9 - 2*8.03e9) / 131072 tokens.
     assert default.kv_capacity_tokens == pytest.approx((0.9 * 80e9 - 2 * 8.03e9) / 131072)

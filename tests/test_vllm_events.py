@@ -1,4 +1,4 @@
-"""The vLLM KV-event decoder: shared vectors, the real capture, both encodings, hostile input, and
+"""The vLLM KV-event decoder: the test vectors, the real capture, both encodings, hostile input, and
 agreement with the pure-Python twin on generated, non-canonically encoded and mutated payloads."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from _shared import shared_vector
+from _data import load_vector
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,8 +41,8 @@ def _agree(payload: bytes) -> Any:
 
 
 @pytest.mark.parametrize("decode", [llmsched.decode_vllm_events, twin.decode_vllm_events])
-def test_sharedshared_vector(decode: Any) -> None:
-    vector = shared_vector("vllm_kv_events.json")
+def test_kv_events_vector(decode: Any) -> None:
+    vector = load_vector("vllm_kv_events.json")
     decoded = decode(bytes.fromhex(vector["payload_hex"]))
     expected = vector["decoded"]
     assert decoded["ts"] == expected["ts"]
@@ -54,7 +54,7 @@ def test_sharedshared_vector(decode: Any) -> None:
 
 
 def test_real_capture_frames_decode_identically() -> None:
-    capture = shared_vector("vllm_real_capture_gap.json")
+    capture = load_vector("vllm_real_capture_gap.json")
     kinds: set[str] = set()
     for topic_hex, _seq_hex, payload_hex in capture["frames"]:
         assert bytes.fromhex(topic_hex).decode() == "kv@tiny"
@@ -135,7 +135,7 @@ def test_malformed_payloads_raise_naming_the_problem(payload: bytes, needle: str
 
 
 def test_every_truncation_of_the_vector_raises() -> None:
-    payload = bytes.fromhex(shared_vector("vllm_kv_events.json")["payload_hex"])
+    payload = bytes.fromhex(load_vector("vllm_kv_events.json")["payload_hex"])
     for cut in range(len(payload)):
         assert _agree(payload[:cut]) == ("error",)
 

@@ -16,16 +16,25 @@ the position and value; for numpy input the native code checks them while hashin
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeAlias, Union
 
 import numpy as np
 import numpy.typing as npt
 
 from llmsched.errors import InvalidTokenError
 
-TokensLike = Any
-"""Token ids: a numpy integer array, any buffer of integers, or a sequence of ints."""
+TokensLike: TypeAlias = Union[
+    "npt.NDArray[np.integer[Any]]",
+    "array.array[int]",
+    memoryview,
+    Sequence[int],
+    Iterable["int | np.integer[Any]"],
+]
+"""Token ids, in order of preference: a numpy integer array (read in place), a buffer of
+integers (``array.array``, ``memoryview``, ...), a sequence of ints, or any iterable of ints.
+``str``, ``bytes`` and floats are refused at run time (see the module docs)."""
 
 MAX_TOKEN_ID = 0xFFFFFFFF
 """The largest token id (ids are unsigned 32-bit integers)."""

@@ -23,6 +23,7 @@ __all__ = [
     "InternalError",
     "InvalidRequestError",
     "InvalidTokenError",
+    "InvalidValueError",
     "LlmschedError",
     "MalformedEventError",
     "NoEndpointError",
@@ -95,6 +96,11 @@ class InvalidRequestError(LlmschedError, ValueError):
 class InternalError(LlmschedError, RuntimeError):
     """A bug in llmsched's native core, caught at the Python boundary (no input should cause
     one: please report it with the message)."""
+
+
+class InvalidValueError(LlmschedError, ValueError):
+    """An argument is out of the range :mod:`llmsched.validation` allows (a negative or
+    non-finite ``now``, a probability above 1, ...); nothing was changed."""
 
 
 class FlowRejected(LlmschedError):

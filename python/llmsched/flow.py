@@ -42,10 +42,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
+from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
     ConfigError,
     DuplicateRequestError,
@@ -53,6 +53,8 @@ from llmsched.errors import (
     UnknownRequestError,
     one_line,
 )
+from llmsched.types import BandConfig, FlowConfig, FlowMetrics
+from llmsched.validation import check_int, check_now, check_positive_seconds, check_probability
 
 if TYPE_CHECKING:
     # Imported where used: `import llmsched` stays free of asyncio and PyYAML (about 10 and
@@ -69,7 +71,7 @@ __all__ = [
     "resolve_config",
 ]
 
-ConfigLike = Mapping[str, Any] | str | os.PathLike[str] | None
+ConfigLike = ConfigSource | None
 """A config dict, YAML/JSON text, a path to a YAML/JSON file, or None for the defaults."""
 
 
@@ -98,37 +100,20 @@ class FlowRequest:
 
 
 def load_config(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """Reads a config from YAML (or JSON) text or a file path into a plain dict.
+    """Reads a config from YAML (or JSON) text or a file path into a plain dict
+    (:func:`llmsched.config_loader.load_mapping`).
 
     >>> load_config("default_band: {ttl_s: 30}")
     {'default_band': {'ttl_s': 30}}
     """
-    text = str(source)
-    is_path = isinstance(source, os.PathLike) or (
-        "\n" not in text and not text.lstrip().startswith("{") and Path(text).is_file()
-    )
-    if is_path:
-        text = Path(source).read_text()
-    import yaml  # here, not at the top: `import llmsched` stays light
-
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"flow config is not valid YAML: {one_line(err)}") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"flow config must be a mapping, got {type(loaded).__name__}")
-    return loaded
+    return load_mapping(source, what="flow config")
 
 
 def _as_dict(config: ConfigLike) -> dict[str, Any]:
     if config is None:
         return {}
-    if isinstance(config, Mapping):
-        return dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        return load_config(config)
+    if isinstance(config, (Mapping, str, os.PathLike)):
+        return load_mapping(config, what="flow config")
     raise TypeError(f"config must be a mapping, YAML text or a path, got {type(config).__name__}")
 
 
@@ -139,17 +124,17 @@ def _to_json(config: Mapping[str, Any]) -> str:
         raise ConfigError(f"flow config must be plain data (JSON-compatible): {err}") from None
 
 
-def resolve_config(config: ConfigLike = None) -> dict[str, Any]:
+def resolve_config(config: ConfigLike = None) -> FlowConfig:
     """The full configuration: ``config`` merged over every default and checked.
 
     >>> resolve_config({"default_band": {"fairness": {"type": "vtc"}}})["default_band"]["fairness"]
     {'type': 'vtc', 'w_p': 1.0, 'w_q': 2.0, 'weights': {}}
     """
-    resolved: dict[str, Any] = json.loads(flow_resolve_config(_to_json(_as_dict(config))))
+    resolved: FlowConfig = json.loads(flow_resolve_config(_to_json(_as_dict(config))))
     return resolved
 
 
-def default_config() -> dict[str, Any]:
+def default_config() -> FlowConfig:
     """Every default, in config form (defaults live in the Rust core, nowhere else).
 
     >>> default_config()["default_band"]["max_requests"]
@@ -197,10 +182,9 @@ class FlowController:
         clock: Callable[[], float] = time.monotonic,
         poll_interval_s: float = 1.0,
     ) -> None:
-        if not (isinstance(poll_interval_s, (int, float)) and 0 < poll_interval_s < math.inf):
-            raise ValueError(f"poll_interval_s must be a number > 0, got {poll_interval_s!r}")
+        poll_interval_s = check_positive_seconds("poll_interval_s", poll_interval_s)
         self._core = FlowCore(_to_json(_as_dict(config)))
-        self._config: dict[str, Any] = json.loads(self._core.config_json())
+        self._config: FlowConfig = json.loads(self._core.config_json())
         self._clock = clock
         self._poll_interval_s = float(poll_interval_s)
         self._waiters: dict[int, _Waiter] = {}
@@ -211,12 +195,13 @@ class FlowController:
         self._pump_lock = threading.Lock()
 
     @property
-    def config(self) -> dict[str, Any]:
+    def config(self) -> FlowConfig:
         """The resolved configuration (a copy)."""
-        return json.loads(json.dumps(self._config))  # type: ignore[no-any-return]
+        config: FlowConfig = json.loads(json.dumps(self._config))
+        return config
 
     def _now(self, now: float | None) -> float:
-        return self._clock() if now is None else now
+        return check_now(now, self._clock)
 
     # -- synchronous core ------------------------------------------------------------------
 
@@ -240,7 +225,7 @@ class FlowController:
             request.deadline,
             request.ttft_target,
             request.payload,
-            self._clock() if now is None else now,
+            self._now(now),
         )
         if self._core.has_evicted():
             self._route_evictions()
@@ -258,7 +243,7 @@ class FlowController:
         if self._unclaimed:
             with contextlib.suppress(IndexError):
                 return self._unclaimed.popleft()
-        t = self._clock() if now is None else now
+        t = self._now(now)
         while True:
             decision = self._core.dispatch(t)
             if self._core.has_evicted():
@@ -371,6 +356,10 @@ class FlowController:
         >>> ctrl.saturation(now=0.1)
         1.0
         """
+        # The same rules as EndpointPool.update (llmsched.validation), checked before the core.
+        waiting = check_int("waiting", waiting)
+        running = check_int("running", running)
+        kv_cache_usage = check_probability("kv_cache_usage", kv_cache_usage)
         self._core.update_endpoint(endpoint, waiting, running, kv_cache_usage, self._now(timestamp))
         if self._waiters:
             self.pump()
@@ -394,7 +383,7 @@ class FlowController:
         """
         return self._core.saturation(self._now(now))
 
-    def metrics(self, *, now: float | None = None) -> dict[str, Any]:
+    def metrics(self, *, now: float | None = None) -> FlowMetrics:
         """Queue lengths per band and flow, wait-time histograms, outcome counts, saturation
         and Jain's fairness index, as a plain dict.
 
@@ -402,7 +391,7 @@ class FlowController:
         >>> ctrl.metrics()["queued"]
         0
         """
-        metrics: dict[str, Any] = json.loads(self._core.metrics_json(self._now(now)))
+        metrics: FlowMetrics = json.loads(self._core.metrics_json(self._now(now)))
         return metrics
 
     def jain_index(self, priority: int | None = None) -> float:
@@ -449,7 +438,7 @@ class FlowController:
         >>> FlowController().pump()
         0
         """
-        t = self._clock() if now is None else now
+        t = self._now(now)
         count = 0
         with self._pump_lock:
             while (decision := self._core.dispatch(t)) is not None:
@@ -467,7 +456,7 @@ class FlowController:
         >>> FlowController().poll()
         0
         """
-        t = self._clock() if now is None else now
+        t = self._now(now)
         for decision in self._core.expire(t):
             if not self._settle_waiter(decision):
                 self._evicted.append(decision)
@@ -515,11 +504,11 @@ class FlowController:
         ttl = self._band_settings(request.priority).get("ttl_s")
         return math.inf if ttl is None else self._clock() + float(ttl)
 
-    def _band_settings(self, priority: int) -> dict[str, Any]:
+    def _band_settings(self, priority: int) -> BandConfig:
         for band in self._config["bands"]:
             if band["priority"] == priority:
-                return band  # type: ignore[no-any-return]
-        return self._config["default_band"]  # type: ignore[no-any-return]
+                return band
+        return self._config["default_band"]
 
     async def _wait(self, future: asyncio.Future[FlowDecision], expires_at: float) -> FlowDecision:
         import asyncio

@@ -46,6 +46,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array
 from llmsched.errors import ConfigError
+from llmsched.validation import check_block_size, check_int, check_seed
 
 __all__ = [
     "ALGORITHMS",
@@ -91,7 +92,7 @@ def namespace_seed(
     >>> namespace_seed(7, lora="a") != namespace_seed(7, lora="b")
     True
     """
-    _check_seed(seed)
+    check_seed(seed)
     _check_names(model=model, lora=lora, cache_salt=cache_salt)
     return _llmsched.namespace_seed(seed, model, lora, cache_salt)
 
@@ -121,7 +122,7 @@ def block_hashes(
     >>> bool((a != b).all())
     True
     """
-    _check_block_size(block_size)
+    check_block_size(block_size)
     arr = as_token_array(tokens)
     if _check_algo(algo) == "xxh3":
         chain_seed = _xxh3_chain_seed(seed, model, lora, cache_salt)
@@ -149,7 +150,7 @@ def vllm_block_digests(
     >>> int.from_bytes(d[1][-8:], "big") == int(block_hashes(range(32), algo="vllm_sha256_cbor")[1])
     True
     """
-    _check_block_size(block_size)
+    check_block_size(block_size)
     arr = as_token_array(tokens)
     vllm_seed = _vllm_seed(seed, None, lora, cache_salt)
     return _llmsched.vllm_block_digests(arr, block_size, vllm_seed, lora, cache_salt)
@@ -198,11 +199,11 @@ def text_block_hashes(
     >>> bool((text_block_hashes(text) == block_hashes(pack_text(text))).all())
     True
     """
-    _check_block_size(block_size)
+    check_block_size(block_size)
     if not isinstance(include_partial, bool):
         raise TypeError(f"include_partial must be a bool, got {type(include_partial).__name__}")
     if max_tokens is not None:
-        _check_int("max_tokens", max_tokens, minimum=0)
+        check_int("max_tokens", max_tokens, minimum=0)
     _check_text(text)
     chain_seed = namespace_seed(seed, model=model, lora=lora, cache_salt=cache_salt)
     return _llmsched.text_block_hashes(text, block_size, chain_seed, include_partial, max_tokens)
@@ -245,8 +246,8 @@ def block_hashes_batch(
     >>> bool((out[1][:2] == out[0]).all())
     True
     """
-    _check_block_size(block_size)
-    _check_int("threads", threads, minimum=1, maximum=1024)
+    check_block_size(block_size)
+    check_int("threads", threads, minimum=1, maximum=1024)
     if isinstance(prompts, (str, bytes, np.ndarray)) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list of token sequences, got {type(prompts).__name__}")
     arrays = [as_token_array(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
@@ -266,7 +267,7 @@ def _xxh3_chain_seed(
         raise TypeError("seed must be an int for algo='xxh3' (a str seed is for vLLM's hash)")
     seed = 0 if seed is None else seed
     if model is None and lora is None and cache_salt is None:
-        _check_seed(seed)  # no namespace: the seed is the chain seed (saves a native call)
+        check_seed(seed)  # no namespace: the seed is the chain seed (saves a native call)
         return seed
     return namespace_seed(seed, model=model, lora=lora, cache_salt=cache_salt)
 
@@ -308,25 +309,3 @@ def _check_names(**names: str | None) -> None:
 def _check_text(text: object) -> None:
     if not isinstance(text, (str, bytes)):
         raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
-
-
-def _check_int(name: str, value: object, *, minimum: int, maximum: int = 2**63 - 1) -> None:
-    if type(value) is int and minimum <= value <= maximum:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    if value > maximum:
-        raise ValueError(f"{name} must be at most {maximum}, got {value}")
-
-
-def _check_block_size(block_size: object) -> None:
-    _check_int("block_size", block_size, minimum=1)
-
-
-def _check_seed(seed: object) -> None:
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if not 0 <= seed <= 0xFFFFFFFFFFFFFFFF:
-        raise ValueError(f"seed must be in 0..2**64-1, got {seed}")

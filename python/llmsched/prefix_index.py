@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -31,8 +31,9 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, as_token_array
-from llmsched.errors import InvalidRequestError
-from llmsched.hashing import DEFAULT_BLOCK_SIZE, _check_block_size, _check_seed, text_block_hashes
+from llmsched.hashing import DEFAULT_BLOCK_SIZE, text_block_hashes
+from llmsched.types import ApplyReport, IndexStats
+from llmsched.validation import check_block_size, check_now, check_seed
 
 __all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
 
@@ -42,8 +43,9 @@ Worker = int | str
 Tier = Literal["gpu", "cpu", "storage"]
 """Where a cached block lives (vLLM's ``medium``)."""
 
-HashesLike = Any
-"""Block hashes: a numpy ``uint64`` array (read in place) or a sequence of non-negative ints."""
+HashesLike: TypeAlias = Union["npt.NDArray[np.integer[Any]]", Iterable["int | np.integer[Any]"]]
+"""Block hashes: a numpy ``uint64`` array (read in place), another integer array (converted), or
+a sequence or iterable of ints in ``0..2**64-1``."""
 
 DEFAULT_RECORD_TTL_S = 60.0
 """How long a routing decision noted by :meth:`PrefixIndex.record` counts, unless confirmed."""
@@ -55,12 +57,13 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
     >>> as_hash_array([1, 2]).dtype
     dtype('uint64')
     """
+    arr: npt.NDArray[np.uint64]
     if isinstance(hashes, np.ndarray):
         if hashes.dtype.kind == "i" and hashes.size and (hashes < 0).any():
             raise ValueError(f"{what} must be non-negative 64-bit ints")
         if hashes.dtype.kind not in "iu":
             raise TypeError(f"{what} must be integers, got dtype {hashes.dtype}")
-        arr = hashes if hashes.dtype == np.uint64 else hashes.astype(np.uint64)
+        arr = hashes.astype(np.uint64, copy=False)  # no copy when already uint64
     else:
         if isinstance(hashes, (bytes, bytearray, str)):
             raise TypeError(f"{what} must be a sequence of ints, got {type(hashes).__name__}")
@@ -114,8 +117,8 @@ class PrefixIndex:
         worker_capacity: int | None = None,
         max_bytes: int | None = None,
     ) -> None:
-        _check_block_size(block_size)
-        _check_seed(seed)
+        check_block_size(block_size)
+        check_seed(seed)
         for name, value in (("worker_capacity", worker_capacity), ("max_bytes", max_bytes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -292,7 +295,7 @@ class PrefixIndex:
         hashes = [self.hash_tokens(p, lora=lora, cache_salt=cache_salt) for p in prompts]
         return self._native.match_many(hashes, _now(now))
 
-    def apply_vllm_events(self, worker: Worker, payload: bytes) -> dict[str, int]:
+    def apply_vllm_events(self, worker: Worker, payload: bytes) -> ApplyReport:
         """Decode a vLLM ``EventBatch`` msgpack payload and apply it for ``worker`` atomically.
 
         Both event encodings are accepted (array-encoded before vLLM 0.24, map-encoded since).
@@ -340,7 +343,7 @@ class PrefixIndex:
         """The registered workers."""
         return self._native.workers()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> IndexStats:
         """Counts (workers, nodes, blocks, holdings, per-worker blocks) and estimated bytes;
         ``event_batches``: engine KV-event batches applied; ``block_size_mismatch``: per worker,
         the stored events skipped because the engine's block size is not a multiple of
@@ -376,11 +379,4 @@ class PrefixIndex:
 
 
 def _now(now: float | None) -> float:
-    # The same check and error as Router and FlowController: a NaN or infinite clock would
-    # make every TTL comparison false (NaN) or expire everything at once (inf).
-    if now is None:
-        return time.monotonic()
-    value = float(now)
-    if not math.isfinite(value):
-        raise InvalidRequestError(f"now must be finite, got {now!r}")
-    return value
+    return check_now(now)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,9 +36,19 @@ import numpy.typing as npt
 
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array
-from llmsched.errors import ConfigError, InvalidRequestError, one_line
+from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
+from llmsched.errors import ConfigError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
+from llmsched.types import (
+    CandidateInfo,
+    EndpointInfo,
+    MetricsRead,
+    PdNote,
+    ProfileData,
+    RequestInfo,
+)
+from llmsched.validation import U32_MAX, check_int, check_now, check_probability, check_seed
 
 __all__ = [
     "Decision",
@@ -64,11 +73,14 @@ StalePolicy = Literal["saturated", "ignore"]
 """How metrics older than ``stale_after_s`` are read: the endpoint counts as saturated (load
 scorers give it 0, utilization filters drop it), or the last metrics are used as they are."""
 
-ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
-"""A configuration: a dict, a preset name (see :meth:`Router.presets`) or a YAML / JSON path."""
+ConfigLike = ConfigSource
+"""A configuration: a dict, a preset name (see :meth:`Router.presets`), YAML / JSON text or a
+YAML / JSON path (read by :mod:`llmsched.config_loader`)."""
 
-ScorerFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[float]]
-FilterFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[bool]]
+ScorerFunction = Callable[[RequestInfo, list[CandidateInfo]], Sequence[float]]
+"""A ``python-scorer`` plugin's ``function``: one score in [0, 1] per candidate."""
+FilterFunction = Callable[[RequestInfo, list[CandidateInfo]], Sequence[bool]]
+"""A ``python-filter`` plugin's ``function``: whether to keep each candidate."""
 
 PYTHON_PLUGIN_TYPES = ("python-scorer", "python-filter")
 """Plugin types whose ``parameters.function`` is a Python callable (the slower path)."""
@@ -184,14 +196,10 @@ class EndpointPool:
             ("running", running),
             ("max_concurrency", max_concurrency),
         ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32
-            ):
-                raise ValueError(f"{name} must be an int in 0..2**32-1, got {value!r}")
-        if kv_cache_usage is not None and not (
-            isinstance(kv_cache_usage, (int, float)) and 0.0 <= kv_cache_usage <= 1.0
-        ):
-            raise ValueError(f"kv_cache_usage must be in 0..1, got {kv_cache_usage!r}")
+            if value is not None:
+                check_int(name, value, maximum=U32_MAX)
+        if kv_cache_usage is not None:
+            kv_cache_usage = check_probability("kv_cache_usage", kv_cache_usage)
         self._native.update(
             endpoint_id,
             waiting,
@@ -214,7 +222,7 @@ class EndpointPool:
 
     def update_from_metrics_text(
         self, endpoint_id: EndpointId, text: str, *, now: float | None = None
-    ) -> dict[str, Any]:
+    ) -> MetricsRead:
         """Apply a Prometheus ``/metrics`` scrape of a vLLM or SGLang engine (queue, running,
         KV-cache use, LoRA adapters). Returns the values read.
 
@@ -225,7 +233,7 @@ class EndpointPool:
         """
         return self._native.update_from_metrics_text(endpoint_id, text, _now(now))
 
-    def endpoints(self) -> list[dict[str, Any]]:
+    def endpoints(self) -> list[EndpointInfo]:
         """Every endpoint: description, last metrics, LoRA state and in-flight counts."""
         return self._native.endpoints()
 
@@ -249,23 +257,10 @@ def load_config(config: ConfigLike) -> dict[str, Any]:
         if preset is not None:
             loaded: dict[str, Any] = json.loads(preset)
             return loaded
-    path = Path(config)
-    if not path.is_file():
-        names = ", ".join(_llmsched.Router.preset_names())
-        raise ConfigError(f"config {str(config)!r} is neither a preset ({names}) nor a file")
-    text = path.read_text()
-    try:
-        if path.suffix == ".json":
-            value = json.loads(text)
-        else:
-            import yaml
-
-            value = yaml.safe_load(text)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError(f"{path}: cannot parse: {one_line(exc)}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: config must be a mapping")
-    return value
+        if not looks_like_text(config) and not Path(config).is_file():
+            names = ", ".join(_llmsched.Router.preset_names())
+            raise ConfigError(f"config {config!r} is neither a preset ({names}) nor a file")
+    return load_mapping(config, what="router config")
 
 
 class Router:
@@ -322,11 +317,9 @@ class Router:
         self._pseudo_picks = 0
         if not isinstance(pool, EndpointPool):
             raise TypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        if seed is not None and not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
-        config_json, functions = _native_config(load_config(config))
+        if seed is not None:
+            check_seed(seed)
+        config_json, functions = native_config(load_config(config))
         if index is None:
             block_size, capacity = _llmsched.Router.index_hints(config_json, functions)
             index = (
@@ -433,7 +426,12 @@ class Router:
         if type(priority) is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         header_items = [] if headers is None else _headers(headers)
-        clock = _now(now)
+        if now is None:
+            clock = time.monotonic()
+        elif type(now) is float and 0.0 <= now < math.inf:
+            clock = now  # the common case, checked inline (pick is the hot path)
+        else:
+            clock = check_now(now)
         native = self._native.pick(
             array, model, lora, priority, session_id, header_items, cache_salt, clock
         )
@@ -548,7 +546,7 @@ class Decision:
         """Prompt tokens cached on every endpoint considered."""
         return self._native.cached_tokens()
 
-    def pd(self) -> dict[str, Any] | None:
+    def pd(self) -> PdNote | None:
         """The prefill/decode decision (uncached tokens on the decode endpoint, whether a
         split was wanted and made), or None without a P/D handler."""
         return self._native.pd()
@@ -658,7 +656,7 @@ class ProfileExplanation:
 
     @classmethod
     def _from_raw(
-        cls, raw: dict[str, Any], notes: Mapping[EndpointId, str] | None = None
+        cls, raw: ProfileData, notes: Mapping[EndpointId, str] | None = None
     ) -> ProfileExplanation:
         weights = dict(raw["scorers"])
         names = list(weights)
@@ -719,7 +717,7 @@ class Explanation:
     """What :meth:`Decision.explain` returns: the profiles run, in order."""
 
     profiles: list[ProfileExplanation]
-    pd: dict[str, Any] | None
+    pd: PdNote | None
     notes: list[str] = field(default_factory=list)
     """Warnings about the request itself (e.g. a text prompt on an engine-fed index)."""
 
@@ -779,8 +777,20 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     return "".join(out)
 
 
-def _native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
-    """The config as JSON for the native parser, Python callables replaced by handles."""
+def native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The config as JSON for the native parser, and the Python callables its
+    ``python-scorer`` / ``python-filter`` plugins name, replaced in the JSON by their index
+    (``parameters.handle``). Package-internal: the router and the simulator's native engine
+    both hand config to Rust through it.
+
+    >>> text, functions = native_config(
+    ...     {"plugins": [{"type": "python-scorer", "parameters": {"function": len}}]}
+    ... )
+    >>> text
+    '{"plugins": [{"type": "python-scorer", "parameters": {"handle": 0}}]}'
+    >>> functions == [len]
+    True
+    """
     functions: list[Any] = []
     plugins = config.get("plugins")
     if isinstance(plugins, list):
@@ -816,6 +826,7 @@ def _prompt_array(
         text = render_messages(messages)
     if text is not None:
         return text_tokens(text)
+    assert tokens is not None  # exactly one of the three is given
     return as_token_array(tokens)
 
 
@@ -829,9 +840,4 @@ def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 
 def _now(now: float | None) -> float:
-    if now is None:
-        return time.monotonic()
-    value = float(now)
-    if not math.isfinite(value):
-        raise InvalidRequestError(f"now must be finite, got {now!r}")
-    return value
+    return check_now(now)

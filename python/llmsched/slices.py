@@ -21,14 +21,13 @@ SliceStart(level=0, slice_tokens=4)
 from __future__ import annotations
 
 import json
-import math
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from llmsched import _llmsched
 from llmsched._llmsched import EndpointLoad, SliceDecision, SliceState
 from llmsched.errors import ConfigError, SliceStateError
+from llmsched.validation import check_now
 
 __all__ = [
     "EndpointLoad",
@@ -120,7 +119,7 @@ class SwitchCostModel:
         requeue_delay_s: float | None = None,
         priority_base: float | None = None,
     ) -> SwitchCostModel:
-        """Derive the model from model dimensions and GPU numbers (REFERENCE §6).
+        """Derive the model from model dimensions and GPU numbers.
 
         - ``prefill_tokens_per_s = gpu_flops * compute_efficiency / (2 * params)``;
         - KV bytes/token ``= 2 * layers * kv_heads * head_dim * dtype_bytes`` and
@@ -285,13 +284,6 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in {low}..{high}, got {value}")
-
-
-def _check_now(now: object) -> None:
-    if isinstance(now, bool) or not isinstance(now, (int, float)):
-        raise TypeError(f"now must be a number of seconds, got {type(now).__name__}")
-    if not math.isfinite(now):
-        raise ValueError(f"now must be finite, got {now}")
 
 
 def _explain_waiting(waiting: object) -> None:
@@ -486,14 +478,12 @@ class SliceTracker:
 
         Mid-slice raises :class:`~llmsched.errors.SliceStateError`; nothing changes on error.
         """
-        if now is None:
-            now = time.monotonic()
+        now = check_now(now)
         try:
             return self._native.decide(request_id, finished, waiting, now)
         except (OverflowError, TypeError, ValueError):
             # Name the offending argument when extraction failed; else re-raise as is.
             _check_int("request_id", request_id, 0, _U64)
-            _check_now(now)
             _explain_waiting(waiting)
             raise
 
@@ -511,10 +501,7 @@ class SliceTracker:
         >>> SliceTracker("mlfq").promote(now=0.0)
         []
         """
-        if now is None:
-            now = time.monotonic()
-        _check_now(now)
-        return self._native.promote(now)
+        return self._native.promote(check_now(now))
 
     def remove(self, request_id: int) -> bool:
         """Stop tracking a request (cancelled or failed); returns whether it was tracked."""

@@ -28,22 +28,21 @@ Decisions worth knowing (the Rust module ``vllm_events`` documents all of them):
 
 from __future__ import annotations
 
-from typing import Any
-
 from llmsched import _llmsched
+from llmsched.types import EventBatchDict
 
 __all__ = ["decode_vllm_events"]
 
 
-def decode_vllm_events(payload: bytes | bytearray | memoryview) -> dict[str, Any]:
+def decode_vllm_events(payload: bytes | bytearray | memoryview) -> EventBatchDict:
     """Decode one vLLM KV-event ``EventBatch`` payload (the third ZMQ frame) to a dict.
 
-    The result has ``ts`` (float), ``dp_rank`` (int or None), ``unknown_events`` (int) and
-    ``events``: dicts tagged by ``type``. A ``BlockStored`` dict holds ``block_hashes``,
-    ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``,
-    ``has_extra_keys``, ``group_idx``, ``kv_cache_spec_kind`` and
-    ``kv_cache_spec_sliding_window``; a ``BlockRemoved`` dict ``block_hashes``, ``medium`` and
-    ``group_idx``; an ``AllBlocksCleared`` dict only its type.
+    The result (an :class:`~llmsched.types.EventBatchDict`) has ``ts`` (float), ``dp_rank``
+    (int or None), ``unknown_events`` (int) and ``events``: dicts tagged by ``type``. A
+    ``BlockStored`` dict holds ``block_hashes``, ``parent_block_hash``, ``token_ids``,
+    ``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``has_extra_keys``, ``group_idx``,
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``; a ``BlockRemoved`` dict
+    ``block_hashes``, ``medium`` and ``group_idx``; an ``AllBlocksCleared`` dict only its type.
 
     Raises :class:`~llmsched.errors.MalformedEventError` (a ``ValueError``) when the payload is
     not a well-formed batch, and ``TypeError`` when it is not bytes-like.

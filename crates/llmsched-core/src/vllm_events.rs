@@ -1,6 +1,6 @@
 //! Decoding of vLLM KV-cache event batches (the msgpack payload, third ZMQ frame).
 //!
-//! Wire format (`../shared/REFERENCE.md` section 1): an `EventBatch` is
+//! Wire format (vLLM `vllm/distributed/kv_events.py`): an `EventBatch` is
 //! `[ts, events, dp_rank]`; each event is either an array `["BlockStored", field, ...]` with every
 //! declared field in order (vLLM <= 0.23) or a map `{"type": "BlockStored", field: value, ...}`
 //! whose defaulted fields may be missing (vLLM >= 0.24). Both encodings may appear in one batch.
@@ -282,7 +282,7 @@ fn read_extra_keys(reader: &mut Reader<'_>) -> Result<Option<Vec<bool>>> {
     Ok(Some(present))
 }
 
-/// `BlockStored` fields in declaration order (REFERENCE section 1); `Ignored` covers the later
+/// `BlockStored` fields in declaration order (vLLM's `BlockStored` class); `Ignored` covers the later
 /// fields this decoder does not use (locality, ownership, session_id, lookahead_token_ids) and
 /// anything newer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,6 +15,7 @@ mod vllm_events;
 #[pymodule]
 fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_BLOCK_SIZE", llmsched_core::hashing::MAX_BLOCK_SIZE)?;
     hashing::register(m)?;
     prefix_index::register(m)?;
     slices::register(m)?;

@@ -104,7 +104,8 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineMetrics:
-    """The engine's gauges and counters, named after vLLM's (REFERENCE.md section 9).
+    """The engine's gauges and counters, named after vLLM's Prometheus metrics
+    (``vllm:num_requests_running``, ...).
 
     Prefix-cache queries and hits count tokens, as vLLM's counters do.
 

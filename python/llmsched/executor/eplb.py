@@ -1,6 +1,6 @@
 """Expert placement and DeepSeek's expert-parallel load balancer (EPLB).
 
-Algorithm (after DeepSeek's EPLB; see REFERENCE.md section 7). Input: ``load[L, E]``, the tokens
+Algorithm (after DeepSeek's open-source EPLB). Input: ``load[L, E]``, the tokens
 routed to each logical expert of each MoE layer. Output, per layer, a map of ``num_replicas``
 physical expert slots (GPU ``g`` holds slots ``g*S/G .. (g+1)*S/G - 1``) to logical experts.
 

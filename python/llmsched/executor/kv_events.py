@@ -1,4 +1,4 @@
-"""KV-cache events in vLLM's wire format (REFERENCE.md section 1).
+"""KV-cache events in vLLM's wire format (vLLM's ``vllm/distributed/kv_events.py``).
 
 An ``EventBatch`` payload is msgpack ``[ts, [events...], dp_rank]``; events are maps tagged by
 ``"type"`` as vLLM >= 0.24 sends them. ``BlockStored`` carries the fields of vLLM 0.11 plus

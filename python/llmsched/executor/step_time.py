@@ -1,6 +1,6 @@
 """The step-time model the simulator uses, its least-squares fit and its YAML profile.
 
-Model (BLIS's linear terms plus Vidur's attention terms, REFERENCE.md section 8)::
+Model (BLIS's linear terms plus Vidur's attention terms)::
 
     t = b0 + b1 * prefill_tokens + b2 * decode_tokens
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
 
 __all__ = ["FitError", "StepSample", "StepTimeProfile"]
@@ -140,8 +141,8 @@ class StepTimeProfile:
     @classmethod
     def load(cls, path: str | Path) -> StepTimeProfile:
         """Read a profile written by :meth:`save`; raises ConfigError naming what is wrong."""
-        data = yaml.safe_load(Path(path).read_text())
-        if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
+        data = load_mapping(Path(path), what="step-time profile")
+        if data.get("kind") != PROFILE_KIND:
             raise ConfigError(f"{path}: not a {PROFILE_KIND} document")
         if data.get("version") != PROFILE_VERSION:
             raise ConfigError(f"{path}: unsupported profile version {data.get('version')!r}")

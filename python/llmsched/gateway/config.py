@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from llmsched.config_loader import load_mapping, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 
@@ -210,7 +211,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        raw = _read_yaml(path, "config")
+        raw = load_mapping(path, what="config")
         base = path.resolve().parent
     if not isinstance(raw, dict):
         raise ConfigError("config: must be a mapping")
@@ -264,10 +265,7 @@ def read_engines_file(path: Path) -> tuple[EngineSpec, ...]:
 
 
 def _read_yaml(path: Path, what: str) -> Any:
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{what}: cannot read {str(path)!r}: {exc}") from None
+    return read_document(path, what=what)
 
 
 def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:

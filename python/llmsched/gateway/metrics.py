@@ -8,7 +8,7 @@ are read when ``/metrics`` is scraped, by :class:`_StateCollector`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from llmsched.flow import FlowController
 from llmsched.prefix_index import PrefixIndex
+from llmsched.types import FlowMetrics
 
 __all__ = ["GatewayMetrics"]
 
@@ -133,7 +134,7 @@ class _StateCollector(Collector):
         return []  # unchecked: the families depend on the live state
 
     def collect(self) -> Iterator[Metric]:
-        stats: dict[str, Any] = self._index.stats()
+        stats: Mapping[str, Any] = self._index.stats()
         for key, help_text in (
             ("blocks", "Blocks held in the prefix index"),
             ("workers", "Workers known to the prefix index"),
@@ -151,7 +152,7 @@ class _StateCollector(Collector):
             yield family
 
     @staticmethod
-    def _flow_metrics(metrics: dict[str, Any]) -> Iterator[Metric]:
+    def _flow_metrics(metrics: FlowMetrics) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             f"{PREFIX}_saturation",
             "Pool saturation seen by flow control",

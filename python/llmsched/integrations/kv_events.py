@@ -77,6 +77,7 @@ from llmsched.errors import ConfigError, MalformedEventError, UnknownWorkerError
 from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import EndpointPool
+from llmsched.types import ApplyReport, ReportKey
 
 __all__ = [
     "COUNTERS",
@@ -158,7 +159,7 @@ COUNTERS = tuple(COUNTER_HELP)
 """The counters kept per worker and in total (see :meth:`KVEventSubscriber.counters`)."""
 
 # Keys of PrefixIndex.apply_vllm_events' report summed into the counters.
-_REPORT_KEYS = (
+_REPORT_KEYS: tuple[tuple[ReportKey, str], ...] = (
     ("events", "events"),
     ("blocks_stored", "blocks_stored"),
     ("blocks_removed", "blocks_removed"),
@@ -667,9 +668,7 @@ class KVEventSubscriber:
             self._totals[key] += n
             self._changed.notify_all()
 
-    def _count_batch(
-        self, pub: _Publisher, seq: int, report: dict[str, int], replayed: bool
-    ) -> None:
+    def _count_batch(self, pub: _Publisher, seq: int, report: ApplyReport, replayed: bool) -> None:
         with self._lock:
             pub.next_seq = seq + 1
             for counts in (pub.counts, self._totals):

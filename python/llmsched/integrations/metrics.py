@@ -48,7 +48,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -57,6 +57,7 @@ from llmsched.errors import ConfigError, UnknownEndpointError
 from llmsched.flow import FlowController
 from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.routing import Endpoint, EndpointPool, Role
+from llmsched.types import EngineMetricValues
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -113,13 +114,13 @@ class ScrapeResult:
 
     worker: str
     ok: bool
-    values: dict[str, Any] = field(default_factory=dict)
+    values: EngineMetricValues = field(default_factory=lambda: EngineMetricValues())
     error: str | None = None
     at: float = 0.0
     duration_s: float = 0.0
 
 
-def parse_engine_metrics(text: str, *, prefilter: bool = True) -> dict[str, Any]:
+def parse_engine_metrics(text: str, *, prefilter: bool = True) -> EngineMetricValues:
     """Read a vLLM or SGLang ``/metrics`` text into the values of the module table. Raises
     ValueError when the text does not parse or holds no load metric (waiting, running, KV use).
 
@@ -160,7 +161,8 @@ def parse_engine_metrics(text: str, *, prefilter: bool = True) -> dict[str, Any]
         values.update(_loras(lora[1]))
     if not {"waiting", "running", "kv_cache_usage"} & values.keys():
         raise ValueError("no vLLM or SGLang load metrics in the text")
-    return _ordered(values)
+    # Keys are set from the tables above, so mypy cannot follow them one by one.
+    return cast(EngineMetricValues, _ordered(values))
 
 
 def _ordered(values: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +202,7 @@ class _EngineState:
         self.scrapes = 0
         self.failures = 0
         self.consecutive_failures = 0
-        self.values: dict[str, Any] = {}
+        self.values = EngineMetricValues()
 
 
 class MetricsScraper:
@@ -316,7 +318,7 @@ class MetricsScraper:
             if result.ok:
                 state.last_ok = result.at
                 state.consecutive_failures = 0
-                state.values = dict(result.values)
+                state.values = result.values.copy()
             else:
                 state.failures += 1
                 state.consecutive_failures += 1
@@ -334,7 +336,7 @@ class MetricsScraper:
                 kv_cache_usage=values.get("kv_cache_usage", 0.0),
             )
 
-    def _feed_pool(self, worker: str, values: dict[str, Any]) -> None:
+    def _feed_pool(self, worker: str, values: EngineMetricValues) -> None:
         if self.pool is not None:
             self.pool.update(
                 worker,

@@ -1,6 +1,6 @@
 """Pure-Python twin of :func:`llmsched.executor.eplb.rebalance_experts` (DeepSeek's EPLB).
 
-Written straight from the three steps (REFERENCE.md section 7), one layer at a time with plain
+Written straight from DeepSeek EPLB's three steps, one layer at a time with plain
 lists, and the same tie-breaking: equal loads keep index order, equal packs take the lowest
 pack, equal load per replica gives the replica to the lowest expert.
 

@@ -37,9 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from llmsched.errors import ConfigError, DuplicateRequestError, UnknownRequestError
+from llmsched.types import KVCacheEvent
 
 __all__ = ["ReferenceKvCache"]
+
+
+HashChain = Sequence[int] | npt.NDArray[np.uint64]
+"""A request's block hashes: a list of ints or a numpy ``uint64`` array."""
 
 
 @dataclass
@@ -82,7 +90,7 @@ class ReferenceKvCache:
         """Fraction of blocks in use (vLLM's ``kv_cache_usage_perc``)."""
         return 1.0 - len(self._free) / self.num_blocks
 
-    def lookup(self, hashes: Sequence[int], max_blocks: int | None = None) -> int:
+    def lookup(self, hashes: HashChain, max_blocks: int | None = None) -> int:
         """Leading blocks of ``hashes`` that are cached (at most ``max_blocks``)."""
         limit = len(hashes) if max_blocks is None else min(max_blocks, len(hashes))
         n = 0
@@ -104,7 +112,7 @@ class ReferenceKvCache:
 
     # -- request life cycle ----------------------------------------------------------------
 
-    def start(self, req: int, hashes: Sequence[int], max_blocks: int) -> int:
+    def start(self, req: int, hashes: HashChain, max_blocks: int) -> int:
         """Register ``req`` and take its prefix-cache hit; returns the blocks hit."""
         if req in self._requests:
             raise DuplicateRequestError(f"request {req} is already started")
@@ -130,7 +138,7 @@ class ReferenceKvCache:
         state.tokens = max(state.tokens, tokens)
         return True
 
-    def commit(self, req: int, hashes: Sequence[int], upto: int) -> None:
+    def commit(self, req: int, hashes: HashChain, upto: int) -> None:
         """Cache ``req``'s blocks ``[committed, upto)`` under ``hashes`` (full blocks only)."""
         state = self._get(req)
         stop = min(upto, len(state.blocks), len(hashes), state.tokens // self.block_size)
@@ -190,12 +198,12 @@ class ReferenceKvCache:
                     state.blocks.append(self._pop_free())
         return True
 
-    def take_events(self) -> list[tuple[Any, ...]]:
+    def take_events(self) -> list[KVCacheEvent]:
         """The stored/removed events since the last call, in order. A removal lists only blocks
         whose parent was not removed with them (dropping a block from a prefix index drops
         everything below it)."""
         events, self._events = self._events, []
-        out: list[tuple[Any, ...]] = []
+        out: list[KVCacheEvent] = []
         for event in events:
             if event[0] == "removed":
                 gone = {h for h, _ in event[1]}

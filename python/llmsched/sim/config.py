@@ -16,9 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from llmsched.errors import ConfigError, one_line
+from llmsched.config_loader import load_mapping
+from llmsched.errors import ConfigError
 from llmsched.sim.replica import EngineConfig
 from llmsched.sim.stepmodel import StepModelConfig
 from llmsched.sim.workloads import from_dict
@@ -288,16 +287,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 def load_scenario(name: str | None = None, path: str | Path | None = None) -> ScenarioConfig:
     """A named scenario, or a YAML file (which may name its ``base``)."""
     if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read: {exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not YAML: {one_line(exc)}") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: a scenario file must be a mapping")
+        data = load_mapping(Path(path), what="scenario")
         if name is not None:
             data.setdefault("base", name)
         return ScenarioConfig.from_dict(data)

@@ -24,12 +24,13 @@ import json
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from llmsched import _llmsched
-from llmsched.routing import PYTHON_PLUGIN_TYPES, _native_config, load_config
+from llmsched.routing import PYTHON_PLUGIN_TYPES, ConfigLike, load_config, native_config
 from llmsched.sim.request import DONE, Request
 from llmsched.sim.results import SimResult
 from llmsched.sim.stepmodel import LinearStepModel, RooflineStepModel, StepModel
@@ -37,6 +38,7 @@ from llmsched.sim.workloads import AgenticWorkload, make_workload
 
 if TYPE_CHECKING:
     from llmsched.sim.config import ScenarioConfig
+    from llmsched.sim.policies import PolicyLike
     from llmsched.sim.simulator import Simulation
 
 __all__ = ["build_plan", "run", "unsupported"]
@@ -45,7 +47,7 @@ ENGINES = ("auto", "rust", "python")
 PLAN_CACHE_SIZE = 4  # plans kept (one comparison needs one per variant)
 
 
-def unsupported(config: ScenarioConfig, policy: Any, native_kv: bool = True) -> str | None:
+def unsupported(config: ScenarioConfig, policy: PolicyLike, native_kv: bool = True) -> str | None:
     """Why the Rust engine cannot run ``policy`` on ``config`` (None: it can).
 
     >>> from llmsched.sim.config import ScenarioConfig
@@ -60,9 +62,9 @@ def unsupported(config: ScenarioConfig, policy: Any, native_kv: bool = True) -> 
         return "token slices"
     if config.pd.prefill_replicas:
         return "prefill/decode disaggregation"
-    if not isinstance(policy, (str, dict)):
+    if not isinstance(policy, (str, Mapping)):
         return "a Python Policy object"
-    if isinstance(policy, dict) and isinstance(policy.get("config"), dict):
+    if isinstance(policy, Mapping) and isinstance(policy.get("config"), Mapping):
         plugins = policy["config"].get("plugins")
         if isinstance(plugins, list) and any(
             isinstance(p, dict) and p.get("type") in PYTHON_PLUGIN_TYPES for p in plugins
@@ -90,12 +92,7 @@ def step_args(model: StepModel) -> dict[str, Any]:
     assert tp is not None
     return {
         "kind": "roofline",
-        "flop_rate": model._flop_rate,
-        "byte_rate": model._byte_rate,
-        "attn": model._attn,
-        "kvb": float(model._kvb),
-        "active2": model._active2,
-        "dense_bytes": float(model._dense_bytes),
+        **model.constants(),
         "params": float(spec.params),
         "expert_params": float(spec.expert_params),
         "experts": float(spec.experts),
@@ -237,7 +234,7 @@ class _KvEnd:
         return self._usage
 
 
-def run(sim: Simulation, router_config: Any) -> SimResult:
+def run(sim: Simulation, router_config: ConfigLike) -> SimResult:
     """Run ``sim``'s scenario on the Rust engine and collect its result."""
     config = sim.config
     engine = config.engine
@@ -254,7 +251,7 @@ def run(sim: Simulation, router_config: Any) -> SimResult:
         "max_time_s": None if config.max_time_s is None else float(config.max_time_s),
         "seed": config.seed,
     }
-    router_json, functions = _native_config(load_config(router_config))
+    router_json, functions = native_config(load_config(router_config))
     assert not functions, "unsupported() sends Python plugins to the Python engine"
     import time
 
@@ -268,7 +265,7 @@ def run(sim: Simulation, router_config: Any) -> SimResult:
     sim.kv_trace = out["kv_trace"]
     sim.decision_s = float(out["decision_s"])
     sim.feed_s = float(out["feed_s"])
-    sim._native_done = out
+    sim.attach_native_run(out)
     return collect(sim, out, wall_s)
 
 

@@ -26,7 +26,7 @@ class FlowGate:
 
     def __init__(self, sim: Simulation, config: dict[str, Any]) -> None:
         try:
-            # Imported by name: flow control is its own component (issue 4) and optional here.
+            # Imported by name: flow control is its own component and optional here.
             flow: Any = importlib.import_module("llmsched.flow")
         except ImportError:
             raise ConfigError("flow.enabled needs llmsched.flow, which is not installed") from None

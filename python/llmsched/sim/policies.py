@@ -11,16 +11,24 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from llmsched.errors import ConfigError
-from llmsched.routing import Endpoint, EndpointPool, Role, Router
+from llmsched.routing import ConfigLike, Endpoint, EndpointPool, Role, Router
 from llmsched.sim.request import Request
 
 if TYPE_CHECKING:
     from llmsched.sim.simulator import Simulation
 
-__all__ = ["Policy", "RouterPolicy", "make_policy", "policy_names", "resolve_policy"]
+__all__ = [
+    "Policy",
+    "PolicyLike",
+    "RouterPolicy",
+    "make_policy",
+    "policy_names",
+    "resolve_policy",
+]
 
 
 class Policy(Protocol):
@@ -47,6 +55,11 @@ class Policy(Protocol):
         ...
 
 
+PolicyLike = str | Mapping[str, Any] | Policy
+"""A policy as scenarios name it: a router preset, ``{"name": ..., "config": <router config>}``,
+or a :class:`Policy` object."""
+
+
 class RouterPolicy:
     """A :class:`llmsched.routing.Router` driving the simulation: every replica is an endpoint
     (role ``prefill``/``decode`` when pools are split) whose metrics the replicas publish;
@@ -57,7 +70,7 @@ class RouterPolicy:
     change), so the pool reads them as they are (``stale_policy="ignore"``).
     """
 
-    def __init__(self, name: str, config: Any, sim: Simulation) -> None:
+    def __init__(self, name: str, config: ConfigLike, sim: Simulation) -> None:
         roles: list[Role | None] = [
             None if r == "both" else cast(Role, r) for r in sim.config.roles()
         ]
@@ -103,25 +116,24 @@ def policy_names() -> list[str]:
     return list(Router.presets())
 
 
-def make_policy(spec: Any, sim: Simulation) -> Policy:
+def make_policy(spec: PolicyLike, sim: Simulation) -> Policy:
     """The policy ``spec`` names: a router preset name, ``{"name": ..., "config": <llm-d style
     router config or preset>}``, or a :class:`Policy` object used as it is."""
-    if not isinstance(spec, (str, dict)):
+    if not isinstance(spec, (str, Mapping)):
         if all(hasattr(spec, m) for m in ("pick", "on_finished", "update_metrics")):
-            policy: Policy = spec
-            return policy
+            return spec
         raise ConfigError(f"policy must be a name, a router config or a Policy, got {spec!r}")
     name, config = resolve_policy(spec)
     return RouterPolicy(name, config, sim)
 
 
-def resolve_policy(spec: str | dict[str, Any]) -> tuple[str, Any]:
+def resolve_policy(spec: str | Mapping[str, Any]) -> tuple[str, ConfigLike]:
     """(name, router config) of a policy given by name or as ``{"name", "config"}``.
 
     >>> resolve_policy({"name": "mine", "config": "llm-d"})
     ('mine', 'llm-d')
     """
-    if isinstance(spec, dict):
+    if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - {"name", "config"})
         if unknown or "name" not in spec:
             raise ConfigError(f"policy entries need 'name' (and may give 'config'), got {spec}")

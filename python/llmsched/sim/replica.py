@@ -35,6 +35,7 @@ from llmsched.sim.request import DECODE, DONE, PREFILL, WAITING, Request
 from llmsched.sim.stepmodel import DecodeRun, StepModel
 
 if TYPE_CHECKING:
+    from llmsched.sim.kv import KVCache
     from llmsched.sim.simulator import Simulation
 
 __all__ = ["EngineConfig", "Replica"]
@@ -81,7 +82,7 @@ class Replica:
         role: str,
         cfg: EngineConfig,
         model: StepModel,
-        kv: Any,
+        kv: KVCache,
         sim: Simulation,
     ) -> None:
         if role not in ROLES:

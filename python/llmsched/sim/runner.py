@@ -29,6 +29,7 @@ from typing import Any, TextIO
 from llmsched._extras import require
 from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
+from llmsched.sim.policies import PolicyLike
 from llmsched.sim.results import SimResult
 from llmsched.sim.simulator import Simulation
 
@@ -65,7 +66,7 @@ def _bump(done: int, last: list[int]) -> None:
 
 
 def _simulate(
-    config: ScenarioConfig, policy: Any, label: str = "", engine: str = "auto"
+    config: ScenarioConfig, policy: PolicyLike, label: str = "", engine: str = "auto"
 ) -> SimResult:
     last = [0]
     sim = Simulation(
@@ -77,14 +78,14 @@ def _simulate(
     return result
 
 
-def _native(run: tuple[ScenarioConfig, Any, str, str]) -> bool:
+def _native(run: tuple[ScenarioConfig, PolicyLike, str, str]) -> bool:
     """Whether the Rust engine runs this (scenario, policy, label, engine) run."""
     return run[3] != "python" and fast.unsupported(run[0], run[1]) is None
 
 
 def compare(
     config: ScenarioConfig,
-    policies: list[Any] | None = None,
+    policies: list[PolicyLike] | None = None,
     *,
     jobs: int | None = None,
     progress: bool = True,
@@ -136,7 +137,7 @@ def compare(
 
 
 def _threads(
-    runs: list[tuple[ScenarioConfig, Any, str, str]], jobs: int, counter: Any, bar: Any
+    runs: list[tuple[ScenarioConfig, PolicyLike, str, str]], jobs: int, counter: Any, bar: Any
 ) -> list[SimResult]:
     if not runs:
         return []
@@ -152,7 +153,7 @@ def _threads(
 
 
 def _parallel(
-    runs: list[tuple[ScenarioConfig, Any, str, str]], jobs: int, counter: Any, bar: Any
+    runs: list[tuple[ScenarioConfig, PolicyLike, str, str]], jobs: int, counter: Any, bar: Any
 ) -> list[SimResult]:
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from llmsched.errors import ConfigError, UnknownBlockError
@@ -27,8 +27,8 @@ from llmsched.prefix_index import PrefixIndex
 from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.gate import FlowGate
-from llmsched.sim.kv import make_kv_cache
-from llmsched.sim.policies import Policy, make_policy, resolve_policy
+from llmsched.sim.kv import KVCacheEvent, make_kv_cache
+from llmsched.sim.policies import PolicyLike, make_policy, resolve_policy
 from llmsched.sim.replica import Replica
 from llmsched.sim.request import DONE, WAITING, Request
 from llmsched.sim.results import SimResult
@@ -59,7 +59,7 @@ class Simulation:
     def __init__(
         self,
         config: ScenarioConfig,
-        policy: str | dict[str, Any] | Policy,
+        policy: PolicyLike,
         *,
         progress: Callable[[int], None] | None = None,
         progress_every: int = 500,
@@ -93,7 +93,7 @@ class Simulation:
         self.slice_switches = 0
         self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
         if self.engine == "rust":
-            assert isinstance(policy, (str, dict)), "fast.unsupported() sends objects to Python"
+            assert isinstance(policy, (str, Mapping)), "fast.unsupported() sends objects to Python"
             self.name, self._router_config = resolve_policy(policy)
             self.replicas: list[Any] = []
             self.kv_trace: list[list[tuple[float, float]]] = []
@@ -142,6 +142,12 @@ class Simulation:
             assert self._native_done is not None
             self._done = fast.done_requests(self._native_done)
         return self._done
+
+    def attach_native_run(self, out: dict[str, Any]) -> None:
+        """Keep the native engine's raw result: :attr:`done` decodes its requests on first use
+        (the native engine hands back arrays, not :class:`Request` objects)."""
+        self._native_done = out
+        self._done = None
 
     def _slice_tracker(self) -> SliceTracker | None:
         cfg = self.config.slices
@@ -218,7 +224,7 @@ class Simulation:
         else:
             self._apply_kv_events(replica.id, events)
 
-    def _apply_kv_events(self, rid: int, events: list[tuple[Any, ...]]) -> None:
+    def _apply_kv_events(self, rid: int, events: list[KVCacheEvent]) -> None:
         t = time.perf_counter()
         index = self.index
         assert index is not None, "the Python engine always has its index"
@@ -416,4 +422,4 @@ def _kv_bytes(model: Any) -> int:
     spec = getattr(model, "model", None)
     if spec is not None and hasattr(spec, "kv_bytes_per_token"):
         return int(spec.kv_bytes_per_token)
-    return 131_072  # Llama-3-8B bf16 (REFERENCE.md section 6)
+    return 131_072  # Llama-3-8B bf16: 2 * 32 layers * 8 KV heads * 128 * 2 bytes

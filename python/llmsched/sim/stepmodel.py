@@ -5,7 +5,7 @@ squared chunk lengths, ``prefill_ctx`` the sum over chunks of chunk length times
 already cached before it, ``prefill_read`` the sum of those contexts: the KV each chunk reads)
 and ``decode_tokens`` decoding requests whose KV lengths sum to ``decode_ctx``.
 
-Roofline (REFERENCE.md section 8 peaks)::
+Roofline (peaks from the vendors' datasheets, :data:`GPUS`)::
 
     flops = 2 * active_params * (P + D)
             + 4 * layers * q_dim * (prefill_ctx + prefill_sq / 2 + decode_ctx)
@@ -33,13 +33,13 @@ the simulator pays per event, not per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
-import yaml
-
-from llmsched.errors import ConfigError, one_line
+from llmsched.config_loader import read_config
+from llmsched.errors import ConfigError
 
 __all__ = [
     "GPUS",
@@ -67,7 +67,7 @@ class GpuSpec:
     link_bw: float = 450e9  # NVLink bytes/s per direction, for tensor-parallel all-reduce
 
 
-# REFERENCE.md section 8 (vendor datasheets): dense bf16 peaks, HBM bandwidth, memory.
+# Vendor datasheets: dense bf16 peaks, HBM bandwidth, memory.
 GPUS: dict[str, GpuSpec] = {
     "H100": GpuSpec("H100", 989e12, 3.35e12, 80e9),
     "H200": GpuSpec("H200", 989e12, 4.8e12, 141e9),
@@ -100,7 +100,7 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """``2 * layers * kv_heads * head_dim * bytes`` (REFERENCE.md section 6)."""
+        """``2 * layers * kv_heads * head_dim * bytes`` (K and V, every layer)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes_per_elem
 
     @property
@@ -229,6 +229,24 @@ def _series(a: float, g: float, start: int, stop: int) -> float:
     return a * n + g * (start + stop - 1) * n / 2
 
 
+class RooflineConstants(TypedDict):
+    """The constants :class:`RooflineStepModel` derives once; every step time is computed from
+    them, the model's dimensions and the batch (see :meth:`RooflineStepModel.constants`)."""
+
+    flop_rate: float
+    """Achieved FLOP/s over the tensor-parallel group."""
+    byte_rate: float
+    """Achieved HBM bytes/s over the tensor-parallel group."""
+    attn: float
+    """Attention FLOPs per (query token, key token) pair over all layers."""
+    kvb: float
+    """KV-cache bytes per token."""
+    active2: float
+    """Two FLOPs per active parameter (dense matmul cost per token)."""
+    dense_bytes: float
+    """Weight bytes read per step for a dense model (0 for a mixture of experts)."""
+
+
 @dataclass(frozen=True)
 class RooflineStepModel:
     """Step time from peak FLOP/s and HBM bandwidth with efficiencies (see the module docs).
@@ -295,6 +313,22 @@ class RooflineStepModel:
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
+
+    def constants(self) -> RooflineConstants:
+        """The derived per-step constants, for an engine that evaluates the same formula
+        elsewhere (the simulator's native engine).
+
+        >>> RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"]).constants()["attn"]
+        524288.0
+        """
+        return {
+            "flop_rate": self._flop_rate,
+            "byte_rate": self._byte_rate,
+            "attn": self._attn,
+            "kvb": float(self._kvb),
+            "active2": self._active2,
+            "dense_bytes": float(self._dense_bytes),
+        }
 
     def _fixed(self, tokens: int) -> float:
         tp = self.tp
@@ -449,8 +483,9 @@ def build_step_model(config: StepModelConfig) -> StepModel:
     )
 
 
-def load_step_model(source: str | Path | dict[str, Any]) -> LinearStepModel:
-    """A :class:`LinearStepModel` from a YAML file (or its parsed dict).
+def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
+    """A :class:`LinearStepModel` from a YAML / JSON file, text or mapping
+    (read by :mod:`llmsched.config_loader`).
 
     Schema (both spellings of the coefficients are accepted; absent attention terms are 0)::
 
@@ -464,18 +499,9 @@ def load_step_model(source: str | Path | dict[str, Any]) -> LinearStepModel:
     >>> load_step_model({"coefficients": {"b0": 0.001, "b1": 1e-5, "b2": 5e-5}}).b1
     1e-05
     """
-    where = "step model"
-    if isinstance(source, dict):
-        data: Any = source
-    else:
-        where = str(source)
-        try:
-            data = yaml.safe_load(Path(source).read_text())
-        except OSError as exc:
-            raise ConfigError(f"{where}: cannot read: {exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{where}: not YAML: {one_line(exc)}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
+    doc = read_config(source, what="step model")
+    where, data = doc.where(), doc.data
+    if not isinstance(data.get("coefficients"), dict):
         raise ConfigError(f"{where}: needs a 'coefficients' mapping")
     coefficients = dict(data["coefficients"])
     for short, long in zip(LINEAR_TERMS, CALIBRATE_TERMS, strict=True):

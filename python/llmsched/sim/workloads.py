@@ -224,8 +224,8 @@ class _Base:
 
 @dataclass
 class AgenticConfig:
-    """Agentic sessions (REFERENCE.md section 8: ~10k-token first turn with ~2k reasoning
-    output, then ~5 turns of ~500-token inputs). The first input includes one of
+    """Agentic sessions (as vLLM and llm-d describe agentic traffic: ~10k-token first turn with
+    ~2k reasoning output, then ~5 turns of ~500-token inputs). The first input includes one of
     ``system_prompts`` shared system prompts."""
 
     sessions: int = 600

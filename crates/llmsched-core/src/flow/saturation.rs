@@ -78,7 +78,7 @@ pub struct UtilizationParams {
 
 impl Default for UtilizationParams {
     fn default() -> Self {
-        // llm-d flow control defaults (REFERENCE.md section 5).
+        // llm-d flow control defaults.
         UtilizationParams {
             queue_threshold: 5.0,
             kv_threshold: 0.8,

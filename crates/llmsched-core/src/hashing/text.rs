@@ -2,7 +2,7 @@
 //!
 //! Definition: the text's UTF-8 bytes are packed 4 per pseudo-token, each pseudo-token a u32
 //! read little-endian and the last one zero-padded, as llm-d's approximate prefix mode does
-//! (source: shared REFERENCE.md section 2). At most `max_tokens` pseudo-tokens are kept (the
+//! (llm-d's tokenizer-free prefix scorer). At most `max_tokens` pseudo-tokens are kept (the
 //! start of the text). Blocks of `block_size` pseudo-tokens are then hashed with the xxh3 chain
 //! of [`super`]: `h[i] = xxh3_64_with_seed(bytes(block_i), seed = h[i-1])`, `h[-1] = chain_seed`.
 //! With `include_partial` (llm-d's behaviour) a trailing partial block is hashed the same way

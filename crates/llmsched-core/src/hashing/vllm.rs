@@ -1,7 +1,7 @@
 //! vLLM's `sha256_cbor` prefix-cache block hash, reproduced bit for bit.
 //!
 //! Definition (vLLM `vllm/v1/core/kv_cache_utils.py`, `hash_block_tokens` with `sha256_cbor`;
-//! source: shared REFERENCE.md section 2 and `vectors/vllm_block_hashes.json`): over full blocks
+//! vectors: `tests/data/vllm_block_hashes.json`): over full blocks
 //! only, `h[i] = SHA-256(CBOR([h[i-1], [t_0, ..., t_{B-1}], extra_keys[i]]))` with
 //! `h[-1] = NONE_HASH = SHA-256(CBOR(seed))`, where `seed` is the text string vLLM hashes:
 //! `$PYTHONHASHSEED` when set, else `"vllm-none-hash"` in recent releases (some releases use

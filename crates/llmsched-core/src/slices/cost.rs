@@ -1,7 +1,7 @@
 //! The switch-cost model: what ending a slice costs the yielded request, from model and GPU
 //! numbers.
 //!
-//! Formulas (REFERENCE §6):
+//! Formulas:
 //! - prefill (recompute) FLOPs ≈ `2 * params * context`, so an endpoint prefills
 //!   `prefill_tokens_per_s = gpu_flops * compute_efficiency / (2 * params)` tokens a second
 //!   (Llama-3-8B on an H100 at 50% efficiency: about 32 us per token of context);
@@ -63,7 +63,7 @@ impl Default for ModelDims {
     }
 }
 
-/// Peak numbers of one GPU (REFERENCE §8).
+/// Peak numbers of one GPU (vendor datasheets).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GpuSpec {

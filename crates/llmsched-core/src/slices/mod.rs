@@ -35,7 +35,7 @@
 //! [`SliceTracker::promote`], `O(tracked requests)`.
 //!
 //! Comparison: llm-d's experimental chunked decode continues every chunk on the same decoder
-//! and never weighs a cost; vLLM preempts by recompute with no cost model (REFERENCE §6).
+//! and never weighs a cost; vLLM preempts by recompute with no cost model.
 
 pub mod cost;
 pub mod policy;

@@ -1,0 +1,403 @@
+"""The shapes of llmsched's structured results and configuration, as ``TypedDict`` classes.
+
+Results stay plain dicts at run time (cheap to build in Rust, easy to print, log or serialise
+as JSON); these classes give them a checked type. Every dict a public method returns is one of
+these, and the native module's stubs (``_llmsched.pyi``) name them too.
+
+>>> from llmsched import PrefixIndex
+>>> stats: IndexStats = PrefixIndex(block_size=16).stats()
+>>> sorted(stats)
+['blocks', 'bytes', 'engine_blocks', 'holdings', 'nodes', 'worker_blocks', 'workers']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+__all__ = [
+    "AllBlocksClearedDict",
+    "ApplyReport",
+    "BandConfig",
+    "BandMetrics",
+    "BlockRemovedDict",
+    "BlockStoredDict",
+    "CandidateInfo",
+    "EndpointId",
+    "EndpointInfo",
+    "EndpointLoad",
+    "EngineMetricValues",
+    "EventBatchDict",
+    "FlowConfig",
+    "FlowMetrics",
+    "FlowStats",
+    "GlobalLimits",
+    "IndexStats",
+    "KVCacheEvent",
+    "KVEventDict",
+    "MetricsRead",
+    "PdNote",
+    "PolicySpec",
+    "PreemptionConfig",
+    "ProfileData",
+    "ProfileRow",
+    "ReportKey",
+    "RequestInfo",
+    "ResolvedBand",
+    "WaitHistogram",
+    "WorkerId",
+]
+
+WorkerId = int | str
+"""A worker (engine) name in the prefix index: an int that fits 64 bits signed, or a str."""
+
+EndpointId = int | str
+"""An endpoint id in the routing pool: an int or a str."""
+
+PolicySpec = dict[str, Any]
+"""A pluggable policy and its parameters: ``{"type": <registered name>, <parameter>: ...}``.
+The parameters belong to the policy (each plugin documents its own), so they stay open here."""
+
+
+# ---- prefix index -------------------------------------------------------------------------
+
+
+class IndexStats(TypedDict):
+    """:meth:`llmsched.PrefixIndex.stats`: sizes of the index."""
+
+    workers: int
+    """Workers known to the index."""
+    nodes: int
+    """Radix-tree nodes."""
+    blocks: int
+    """Distinct blocks held by at least one worker."""
+    holdings: int
+    """(block, worker) pairs."""
+    engine_blocks: int
+    """Engine block hashes mapped to blocks (from KV events)."""
+    bytes: int
+    """Approximate heap bytes used."""
+    worker_blocks: dict[WorkerId, int]
+    """Blocks held, per worker."""
+    event_batches: int
+    """Engine KV-event batches applied (:meth:`llmsched.PrefixIndex.apply_vllm_events`)."""
+    block_size_mismatch: dict[WorkerId, int]
+    """Per worker, stored events skipped because the engine's block size is not a multiple of
+    the index's (a warning is logged the first time for each worker)."""
+
+
+class ApplyReport(TypedDict):
+    """:meth:`llmsched.PrefixIndex.apply_vllm_events`: what one batch of KV events did."""
+
+    events: int
+    blocks_stored: int
+    blocks_removed: int
+    cleared: int
+    unknown_parent: int
+    """``BlockStored`` events skipped: their parent block was never seen (a gap)."""
+    unknown_removed: int
+    """``BlockRemoved`` hashes the index did not know."""
+    block_size_mismatch: int
+    conflicts: int
+    unknown_events: int
+    other_groups: int
+    """Events of a KV-cache group other than the first (ignored)."""
+    extra_keys: int
+    """Blocks stored with extra keys (multimodal, LoRA...) the index cannot hash."""
+
+
+ReportKey = Literal[
+    "events",
+    "blocks_stored",
+    "blocks_removed",
+    "cleared",
+    "unknown_parent",
+    "unknown_removed",
+    "block_size_mismatch",
+    "conflicts",
+    "unknown_events",
+    "other_groups",
+    "extra_keys",
+]
+"""A key of :class:`ApplyReport`."""
+
+
+KVCacheEvent = (
+    tuple[Literal["stored"], int | None, list[int]] | tuple[Literal["removed"], list[int]]
+)
+"""A simulated KV cache's event: ``("stored", parent, hashes)`` or ``("removed", hashes)``,
+ready for :meth:`llmsched.PrefixIndex.store` / ``remove`` (see :mod:`llmsched.sim.kv`)."""
+
+
+# ---- vLLM KV events -----------------------------------------------------------------------
+
+
+class BlockStoredDict(TypedDict):
+    """A decoded ``BlockStored`` event (see :func:`llmsched.decode_vllm_events`)."""
+
+    type: Literal["BlockStored"]
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str
+    lora_name: str | None
+    has_extra_keys: list[bool]
+    group_idx: int | None
+    kv_cache_spec_kind: str | None
+    kv_cache_spec_sliding_window: int | None
+
+
+class BlockRemovedDict(TypedDict):
+    """A decoded ``BlockRemoved`` event."""
+
+    type: Literal["BlockRemoved"]
+    block_hashes: list[int]
+    medium: str
+    group_idx: int | None
+
+
+class AllBlocksClearedDict(TypedDict):
+    """A decoded ``AllBlocksCleared`` event."""
+
+    type: Literal["AllBlocksCleared"]
+
+
+KVEventDict = BlockStoredDict | BlockRemovedDict | AllBlocksClearedDict
+"""One decoded KV event, tagged by ``type``."""
+
+
+class EventBatchDict(TypedDict):
+    """:func:`llmsched.decode_vllm_events`: one decoded ``EventBatch``."""
+
+    ts: float
+    events: list[KVEventDict]
+    dp_rank: int | None
+    unknown_events: int
+    """Events of a type this decoder does not know (skipped)."""
+
+
+# ---- routing ------------------------------------------------------------------------------
+
+
+class _MetricsReadRequired(TypedDict):
+    waiting: int | None
+    running: int | None
+    kv_cache_usage: float | None
+
+
+class MetricsRead(_MetricsReadRequired, total=False):
+    """:meth:`llmsched.EndpointPool.update_from_metrics_text`: the values a scrape held (None:
+    absent from the scrape). The LoRA keys are present only when the scrape reports adapters."""
+
+    active_loras: list[str]
+    waiting_loras: list[str]
+    max_loras: int
+
+
+class EngineMetricValues(TypedDict, total=False):
+    """:func:`llmsched.integrations.metrics.parse_engine_metrics`: what one engine's
+    ``/metrics`` text held (a key is present only when the scrape reported it)."""
+
+    waiting: int
+    running: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    """Tokens looked up in the prefix cache (counter)."""
+    prefix_cache_hits: int
+    """Tokens found in the prefix cache (counter)."""
+    preemptions: int
+    block_size: int
+    num_gpu_blocks: int
+    active_loras: list[str]
+    waiting_loras: list[str]
+    max_loras: int
+
+
+class EndpointLoad(TypedDict):
+    """What every view of an endpoint holds: who it is and its load."""
+
+    id: EndpointId
+    address: str
+    role: Literal["prefill", "decode", "both"] | None
+    labels: dict[str, str]
+    waiting: int
+    running: int
+    kv_cache_usage: float
+    in_flight_requests: int
+    in_flight_prefill_tokens: int
+
+
+class EndpointInfo(EndpointLoad):
+    """:meth:`llmsched.EndpointPool.endpoints`: one endpoint, its last metrics and counts."""
+
+    model: str | None
+    max_concurrency: int
+    timestamp: float | None
+    """When the metrics were taken (None: never)."""
+    active_loras: list[str]
+    waiting_loras: list[str]
+    max_loras: int
+    in_flight_tokens: int
+
+
+class RequestInfo(TypedDict):
+    """The request a ``python-scorer`` / ``python-filter`` function is asked about."""
+
+    prompt_tokens: int
+    prompt_blocks: int
+    block_size: int
+    model: str | None
+    lora: str | None
+    priority: int
+    session_id: str | None
+    headers: dict[str, str]
+    now: float
+
+
+class CandidateInfo(EndpointLoad):
+    """One candidate endpoint a ``python-scorer`` / ``python-filter`` function is given."""
+
+    saturated: bool
+    cached_blocks: int
+    cached_tokens: int
+
+
+class PdNote(TypedDict):
+    """:attr:`llmsched.routing.Decision.pd`: the prefill/decode split decision."""
+
+    uncached_tokens: int
+    wanted: bool
+    """The handler's threshold asked for a split."""
+    disaggregated: bool
+    """A prefill endpoint was picked (``wanted`` and one was available)."""
+
+
+class ProfileRow(TypedDict):
+    """One endpoint's line in a profile run's explanation."""
+
+    endpoint: EndpointId
+    address: str
+    cached_tokens: int
+    saturated: bool
+    removed_by: str | None
+    """The filter that removed it (None: kept)."""
+    scores: list[float] | None
+    """One score per scorer, in the profile's order (None: removed before scoring)."""
+    total: float | None
+    rank: int | None
+
+
+class ProfileData(TypedDict):
+    """One profile run of a decision (raw material of ``Decision.explain()``)."""
+
+    profile: str
+    picker: str
+    filters: list[str]
+    skipped_filters: list[str]
+    scorers: list[tuple[str, float]]
+    """``(name, weight)`` per scorer."""
+    rows: list[ProfileRow]
+
+
+# ---- flow control -------------------------------------------------------------------------
+
+
+class BandConfig(TypedDict):
+    """The resolved settings of a priority band (see :mod:`llmsched.flow`)."""
+
+    max_requests: int
+    max_bytes: int
+    ttl_s: float
+    ceiling: PolicySpec | None
+    fairness: PolicySpec
+    ordering: PolicySpec
+
+
+class ResolvedBand(BandConfig):
+    """A band override, resolved over the default band."""
+
+    priority: int
+
+
+class GlobalLimits(TypedDict):
+    """Limits over all bands (None: no limit)."""
+
+    max_requests: int | None
+    max_bytes: int | None
+
+
+class PreemptionConfig(TypedDict):
+    """When and how many running requests a saturated controller asks to preempt."""
+
+    evict_queued: bool
+    max_victims: int
+    pacing_s: float
+
+
+FlowConfig = TypedDict(
+    "FlowConfig",
+    {
+        "default_band": BandConfig,
+        "bands": list[ResolvedBand],
+        "global": GlobalLimits,
+        "saturation": PolicySpec,
+        "ceilings": PolicySpec,
+        "shedding": PolicySpec,
+        "preemption": PreemptionConfig,
+        "wait_buckets_s": list[float],
+    },
+)
+"""The resolved flow-control configuration (:func:`llmsched.flow.resolve_config`,
+:attr:`llmsched.flow.FlowController.config`). ``global`` is a keyword, hence this spelling."""
+
+
+class WaitHistogram(TypedDict):
+    """Queue waits of a band, in seconds: Prometheus-style cumulative buckets."""
+
+    bounds: list[float]
+    counts: list[int]
+    """One count per bound plus the overflow bucket."""
+    sum: float
+    count: int
+
+
+class BandMetrics(TypedDict):
+    """One priority band in :meth:`llmsched.flow.FlowController.metrics`."""
+
+    priority: int
+    ceiling: float
+    queued: int
+    queued_bytes: int
+    flows: int
+    dispatched: int
+    wait_s: WaitHistogram
+
+
+class FlowStats(TypedDict):
+    """One flow (tenant within a band) in :meth:`llmsched.flow.FlowController.metrics`."""
+
+    tenant: str
+    priority: int
+    queued: int
+    queued_bytes: int
+    dispatched: int
+    service_tokens: int
+    fairness_counter: float | None
+
+
+class FlowMetrics(TypedDict):
+    """:meth:`llmsched.flow.FlowController.metrics`."""
+
+    saturation: float
+    no_endpoints: bool
+    queued: int
+    queued_bytes: int
+    running: int
+    running_tokens: int
+    outcomes: dict[str, int]
+    """Count per terminal outcome key (``dispatched``, ``rejected_capacity``, ...)."""
+    bands: list[BandMetrics]
+    flows: list[FlowStats]
+    jain_index: float
+    """Jain's fairness index over the flows' service."""

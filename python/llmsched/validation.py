@@ -1,0 +1,162 @@
+"""The argument rules every component shares: times, sizes, probabilities and ids.
+
+Each check either returns the value in its canonical Python type or raises, naming the argument
+and the value; nothing is clamped or rounded. One rule per kind of value, used everywhere, so
+``PrefixIndex.record(now=...)``, ``Router.pick(now=...)``, ``FlowController.enqueue(now=...)``
+and ``SliceTracker.step(now=...)`` accept and refuse exactly the same clocks.
+
+* ``now``: an ``int`` or ``float`` (not ``bool``), finite and ``>= 0``, in seconds on the
+  caller's monotonic clock; ``None`` reads the clock.
+* sizes and counts: an ``int`` (not ``bool``) within the stated bounds.
+* probabilities and fractions: a finite number in ``[0, 1]``.
+* ids (workers, endpoints): an ``int`` that fits 64 bits signed, or a ``str``.
+
+Type mistakes raise ``TypeError``; values out of range raise
+:class:`~llmsched.errors.InvalidValueError` (a ``ValueError``).
+
+>>> check_now(12.5)
+12.5
+>>> check_now(float("nan"))
+Traceback (most recent call last):
+    ...
+llmsched.errors.InvalidValueError: now must be a finite number of seconds >= 0, got nan
+>>> check_probability("kv_cache_usage", 0.25)
+0.25
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from llmsched._llmsched import MAX_BLOCK_SIZE
+from llmsched.errors import InvalidValueError
+
+__all__ = [
+    "I64_MAX",
+    "U32_MAX",
+    "U64_MAX",
+    "check_block_size",
+    "check_id",
+    "check_int",
+    "check_now",
+    "check_positive_seconds",
+    "check_probability",
+    "check_seed",
+]
+
+U32_MAX = 2**32 - 1
+I64_MAX = 2**63 - 1
+U64_MAX = 2**64 - 1
+
+
+def _is_number(value: object) -> bool:
+    # bool is an int subclass; a True where a time or size belongs is always a mistake.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_now(now: object, clock: Callable[[], float] = time.monotonic) -> float:
+    """``now`` as seconds: ``clock()`` when ``None``, else finite and ``>= 0``.
+
+    >>> check_now(None, clock=lambda: 3.0)
+    3.0
+    >>> check_now(-1)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: now must be a finite number of seconds >= 0, got -1
+    """
+    if now is None:
+        return float(clock())
+    return _seconds("now", now, strictly_positive=False)
+
+
+def check_positive_seconds(name: str, value: object) -> float:
+    """A duration that must be finite and ``> 0`` (intervals, timeouts).
+
+    >>> check_positive_seconds("poll_interval_s", 0.5)
+    0.5
+    """
+    return _seconds(name, value, strictly_positive=True)
+
+
+def _seconds(name: str, value: object, *, strictly_positive: bool) -> float:
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)  # type: ignore[arg-type]
+    in_range = seconds > 0.0 if strictly_positive else seconds >= 0.0
+    if not (math.isfinite(seconds) and in_range):
+        bound = "> 0" if strictly_positive else ">= 0"
+        raise InvalidValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return seconds
+
+
+def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = I64_MAX) -> int:
+    """An ``int`` (not ``bool``) in ``minimum..maximum``.
+
+    >>> check_int("threads", 4, minimum=1, maximum=1024)
+    4
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise InvalidValueError(f"{name} must be at least {minimum}, got {value}")
+    if value > maximum:
+        raise InvalidValueError(f"{name} must be at most {maximum}, got {value}")
+    return value
+
+
+def check_block_size(block_size: object) -> int:
+    """A block size: an ``int`` from 1 to ``MAX_BLOCK_SIZE`` (65,536) tokens per block, the
+    native core's bound on every per-block buffer.
+
+    >>> check_block_size(16)
+    16
+    >>> check_block_size(2**40)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: block_size must be at most 65536, got 1099511627776
+    """
+    return check_int("block_size", block_size, minimum=1, maximum=MAX_BLOCK_SIZE)
+
+
+def check_seed(seed: object) -> int:
+    """A 64-bit hash seed: an ``int`` in ``0..2**64-1``.
+
+    >>> check_seed(1337)
+    1337
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed <= U64_MAX:
+        raise InvalidValueError(f"seed must be in 0..2**64-1, got {seed}")
+    return seed
+
+
+def check_probability(name: str, value: object) -> float:
+    """A probability or fraction: a finite number in ``[0, 1]``.
+
+    >>> check_probability("long_fraction", 1)
+    1.0
+    """
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__}")
+    p = float(value)  # type: ignore[arg-type]
+    if not 0.0 <= p <= 1.0:  # also false for nan
+        raise InvalidValueError(f"{name} must be in [0, 1], got {value!r}")
+    return p
+
+
+def check_id(name: str, value: object) -> int | str:
+    """A worker or endpoint id: an ``int`` that fits 64 bits signed, or a ``str``.
+
+    >>> check_id("worker", "gpu-0")
+    'gpu-0'
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or a str, got {type(value).__name__}")
+    if not -(2**63) <= value <= I64_MAX:
+        raise InvalidValueError(f"{name} must fit in 64 bits (signed), got {value}")
+    return value

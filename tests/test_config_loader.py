@@ -1,0 +1,115 @@
+"""llmsched.config_loader: every component reads config the same way (mapping, text, YAML or
+JSON file) and fails the same way, naming what it read and the file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from llmsched.config_loader import load_mapping, looks_like_text, read_config, read_document
+from llmsched.errors import ConfigError
+from llmsched.flow import FlowController
+from llmsched.gateway.config import load_config as gateway_config
+from llmsched.routing import load_config as router_config
+from llmsched.sim.config import load_scenario
+from llmsched.sim.stepmodel import load_step_model
+
+DOC = {"default_band": {"ttl_s": 30}, "bands": [{"priority": -1}]}
+
+
+def test_mapping_text_yaml_and_json_files_read_alike(tmp_path: Path) -> None:
+    as_yaml = tmp_path / "c.yaml"
+    as_yaml.write_text(yaml.safe_dump(DOC))
+    as_json = tmp_path / "c.json"
+    as_json.write_text(json.dumps(DOC))
+    sources: list[Any] = [DOC, yaml.safe_dump(DOC), json.dumps(DOC), as_yaml, str(as_json)]
+    for source in sources:
+        assert load_mapping(source, what="c") == DOC
+    copy = load_mapping(DOC, what="c")
+    copy["extra"] = 1
+    assert "extra" not in DOC
+
+
+@pytest.mark.parametrize(
+    ("text", "is_text"),
+    [("a.yaml", False), ("", True), ("   ", True), ("a: 1", True), ("{}", True), ("[1]", True)],
+)
+def test_text_or_path(text: str, is_text: bool) -> None:
+    assert looks_like_text(text) is is_text
+
+
+def test_empty_documents_are_empty_mappings(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    assert load_mapping(empty, what="c") == {}
+    assert load_mapping("", what="c") == {}
+    assert read_document("", what="c") is None
+
+
+def test_errors_name_what_and_the_file(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match=r"^c: cannot read '.*missing\.yaml': does not exist$"):
+        load_mapping(missing, what="c")
+    with pytest.raises(ConfigError, match=r"^c: cannot read '.*': Is a directory$"):
+        load_mapping(tmp_path, what="c")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{'single': quotes}")
+    with pytest.raises(ConfigError, match=r"^c: cannot read '.*bad\.json': not valid YAML / JSON"):
+        load_mapping(bad, what="c")
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n")
+    with pytest.raises(ConfigError, match=r"^c: must be a mapping, got list \('.*list\.yaml'\)$"):
+        load_mapping(listed, what="c")
+    with pytest.raises(ConfigError, match=r"^c: not valid YAML / JSON"):
+        load_mapping("a: [", what="c")
+    with pytest.raises(TypeError, match="c must be a path or YAML / JSON text, got int"):
+        read_document(3, what="c")  # type: ignore[arg-type]
+
+
+def test_key_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("replicas: 0\n")
+    doc = read_config(path, what="scenario")
+    assert doc.path == path
+    assert str(doc.error("replicas", "must be at least 1")) == (
+        f"scenario {str(path)!r}: replicas: must be at least 1"
+    )
+
+
+LOADERS: dict[str, tuple[Callable[[Any], object], str]] = {
+    "router": (router_config, "router config"),
+    "flow": (FlowController, "flow config"),
+    "gateway": (gateway_config, "config"),
+    "scenario": (lambda p: load_scenario(path=p), "scenario"),
+    "step model": (load_step_model, "step model"),
+}
+
+
+@pytest.mark.parametrize("component", sorted(LOADERS))
+def test_every_component_fails_the_same_way(component: str, tmp_path: Path) -> None:
+    load, what = LOADERS[component]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [\n")
+    with pytest.raises(ConfigError, match=rf"^{what}: cannot read '.*bad\.yaml': not valid YAML"):
+        load(bad)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n")
+    with pytest.raises(ConfigError, match=rf"^{what}: must be a mapping, got list"):
+        load(listed)
+
+
+def test_components_read_json_files(tmp_path: Path) -> None:
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps({"coefficients": {"b0": 0.001, "b1": 1e-5, "b2": 5e-5}}))
+    assert load_step_model(path).b1 == 1e-5
+    flow = tmp_path / "flow.json"
+    flow.write_text(json.dumps(DOC))
+    assert FlowController(flow).config["default_band"]["ttl_s"] == 30
+    router = tmp_path / "router.json"
+    router.write_text(json.dumps(router_config("prefix-only")))
+    assert router_config(router) == router_config("prefix-only")
