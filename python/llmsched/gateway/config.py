@@ -35,6 +35,7 @@ __all__ = [
     "AuthConfig",
     "DiscoveryConfig",
     "GatewayConfig",
+    "HealthConfig",
     "LimitsConfig",
     "ListenConfig",
     "PdConfig",
@@ -82,9 +83,13 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """Request size limits (aiohttp refuses bigger requests before a handler runs).
+    """Request limits (aiohttp refuses bigger request lines and headers before a handler runs).
 
-    ``retry_after_s`` is the ``Retry-After`` a flow-control rejection carries.
+    ``max_body_bytes`` also refuses a declared ``Content-Length`` over it before the body is
+    read (413). ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
+    that trickles in or never ends holds no connection longer). ``max_connections`` caps open
+    client connections; one over the cap gets a 503 and is closed. ``retry_after_s`` is the
+    ``Retry-After`` a flow-control rejection or a 503 carries.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -92,6 +97,8 @@ class LimitsConfig:
     max_line_size: int = 8190
     max_headers: int = 64
     retry_after_s: int = 1
+    body_timeout_s: float = 30.0
+    max_connections: int = 4096
 
 
 @dataclass(frozen=True)
@@ -105,12 +112,36 @@ class RetriesConfig:
 
 @dataclass(frozen=True)
 class TimeoutsConfig:
-    """Upstream timeouts in seconds (None: no limit). ``read_s`` is the longest silence
-    between two chunks; ``total_s`` caps a whole request."""
+    """Timeouts in seconds (None: no limit). ``connect_s`` and ``read_s`` (the longest silence
+    between two chunks of an engine's answer) are upstream; ``total_s`` is a whole request's
+    deadline from its arrival, flow-control queueing and streaming included."""
 
     connect_s: float | None = 2.0
     read_s: float | None = 600.0
-    total_s: float | None = None
+    total_s: float | None = 1800.0
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """How engine health is judged (see :mod:`llmsched.gateway.health` for the model).
+
+    Probes are ``GET <engine><path>``; ``interval_s`` (null: off) is the active-check period of
+    engines in routing; ``unhealthy_threshold`` failed probes in a row take an engine down,
+    ``healthy_threshold`` good ones bring it back; ``failures_to_probe`` failed attempts in a
+    row start confirming probes. The circuit breaker opens when, over ``breaker_window_s``,
+    at least ``breaker_min_requests`` attempts ended and ``breaker_failure_rate`` (null: no
+    breaker) of them failed; it stays open ``breaker_open_s`` before a half-open probe."""
+
+    path: str = "/health"
+    interval_s: float | None = 5.0
+    timeout_s: float = 2.0
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
+    failures_to_probe: int = 5
+    breaker_window_s: float = 10.0
+    breaker_min_requests: int = 20
+    breaker_failure_rate: float | None = 0.5
+    breaker_open_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -149,10 +180,12 @@ class DiscoveryConfig:
     """Engines listed in a file the gateway re-reads when it changes: a Kubernetes ConfigMap
     mounted as a volume, or a file any discovery agent rewrites. The file holds the same list
     as ``engines`` (or a mapping with that one key); it is the only source of engines when set,
-    and like ``engines`` it is configuration, never taken from requests."""
+    and like ``engines`` it is configuration, never taken from requests. A file over
+    ``max_bytes`` is refused unread (a runaway agent cannot keep discovery busy)."""
 
     file: Path | None = None
     interval_s: float = 2.0
+    max_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -170,6 +203,7 @@ class GatewayConfig:
     limits: LimitsConfig = LimitsConfig()
     retries: RetriesConfig = RetriesConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    health: HealthConfig = HealthConfig()
     scrape: ScrapeConfig = ScrapeConfig()
     pd: PdConfig = PdConfig()
     slices: SlicesConfig = SlicesConfig()
@@ -189,6 +223,7 @@ _TOP_KEYS = frozenset(
         "limits",
         "retries",
         "timeouts",
+        "health",
         "scrape",
         "pd",
         "slices",
@@ -223,7 +258,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     elif raw.get("engines") is not None:
         raise ConfigError("engines: give either engines or discovery.file, not both")
     else:
-        engines = read_engines_file(discovery.file)
+        engines = read_engines_file(discovery.file, max_bytes=discovery.max_bytes)
     models = _models(raw.get("models"))
     block_size = _int(raw, "block_size", GatewayConfig.block_size, "", low=1)
     tokenizer = _tokenizer(raw.get("tokenizer"), base)
@@ -245,6 +280,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         limits=_limits(_section(raw, "limits")),
         retries=_retries(_section(raw, "retries")),
         timeouts=_timeouts(_section(raw, "timeouts")),
+        health=_health(_section(raw, "health")),
         scrape=_scrape(_section(raw, "scrape")),
         pd=_pd(_section(raw, "pd")),
         slices=_slices(_section(raw, "slices")),
@@ -252,9 +288,24 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     )
 
 
-def read_engines_file(path: Path) -> tuple[EngineSpec, ...]:
-    """The engines a discovery file lists (ConfigError naming the problem otherwise)."""
-    raw = _read_yaml(path, "discovery.file")
+def read_engines_file(
+    path: Path, *, max_bytes: int = DiscoveryConfig.max_bytes
+) -> tuple[EngineSpec, ...]:
+    """The engines a discovery file lists (ConfigError naming the problem otherwise; a file
+    over ``max_bytes`` is refused before it is parsed)."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ConfigError(f"discovery.file: cannot read {str(path)!r}: {exc}") from None
+    if len(data) > max_bytes:
+        raise ConfigError(
+            f"discovery.file {str(path)!r}: larger than discovery.max_bytes ({max_bytes} bytes)"
+        )
+    try:
+        raw = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"discovery.file: cannot read {str(path)!r}: {exc}") from None
     if isinstance(raw, Mapping) and set(raw) == {"engines"}:
         raw = raw["engines"]
     try:
@@ -423,6 +474,51 @@ def _limits(raw: dict[str, Any]) -> LimitsConfig:
         max_line_size=_int(raw, "max_line_size", d.max_line_size, "limits", low=256),
         max_headers=_int(raw, "max_headers", d.max_headers, "limits", low=8, high=10_000),
         retry_after_s=_int(raw, "retry_after_s", d.retry_after_s, "limits", low=0),
+        body_timeout_s=_required_seconds(raw, "body_timeout_s", d.body_timeout_s, "limits"),
+        max_connections=_int(
+            raw, "max_connections", d.max_connections, "limits", low=1, high=1_000_000
+        ),
+    )
+
+
+def _required_seconds(raw: Mapping[str, Any], key: str, default: float, prefix: str) -> float:
+    value = _seconds(raw, key, default, prefix, nullable=False)
+    assert value is not None
+    return value
+
+
+def _health(raw: dict[str, Any]) -> HealthConfig:
+    d = HealthConfig()
+    _reject_unknown(raw, "health", set(d.__dataclass_fields__))
+    path = raw.get("path", d.path)
+    if not isinstance(path, str) or not path.startswith("/") or not path.isascii() or " " in path:
+        raise ConfigError(f"health.path: must be a URL path starting with /, got {path!r}")
+    rate = raw.get("breaker_failure_rate", d.breaker_failure_rate)
+    if rate is not None and (
+        isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1
+    ):
+        raise ConfigError(
+            f"health.breaker_failure_rate: must be a number in (0, 1] or null, got {rate!r}"
+        )
+    return HealthConfig(
+        path=path,
+        interval_s=_seconds(raw, "interval_s", d.interval_s, "health", nullable=True),
+        timeout_s=_required_seconds(raw, "timeout_s", d.timeout_s, "health"),
+        unhealthy_threshold=_int(
+            raw, "unhealthy_threshold", d.unhealthy_threshold, "health", low=1, high=100
+        ),
+        healthy_threshold=_int(
+            raw, "healthy_threshold", d.healthy_threshold, "health", low=1, high=100
+        ),
+        failures_to_probe=_int(
+            raw, "failures_to_probe", d.failures_to_probe, "health", low=1, high=10_000
+        ),
+        breaker_window_s=_required_seconds(raw, "breaker_window_s", d.breaker_window_s, "health"),
+        breaker_min_requests=_int(
+            raw, "breaker_min_requests", d.breaker_min_requests, "health", low=1, high=1_000_000
+        ),
+        breaker_failure_rate=None if rate is None else float(rate),
+        breaker_open_s=_required_seconds(raw, "breaker_open_s", d.breaker_open_s, "health"),
     )
 
 
@@ -463,13 +559,16 @@ def _discovery(raw: dict[str, Any], base: Path) -> DiscoveryConfig:
     _reject_unknown(raw, "discovery", set(d.__dataclass_fields__))
     interval = _seconds(raw, "interval_s", d.interval_s, "discovery", nullable=False)
     assert interval is not None
+    max_bytes = _int(raw, "max_bytes", d.max_bytes, "discovery", low=1024, high=1 << 30)
     file = raw.get("file")
     if file is None:
-        return DiscoveryConfig(interval_s=interval)
+        return DiscoveryConfig(interval_s=interval, max_bytes=max_bytes)
     if not isinstance(file, (str, os.PathLike)) or not str(file):
         raise ConfigError(f"discovery.file: must be a path, got {file!r}")
     path = Path(file)
-    return DiscoveryConfig(file=path if path.is_absolute() else base / path, interval_s=interval)
+    return DiscoveryConfig(
+        file=path if path.is_absolute() else base / path, interval_s=interval, max_bytes=max_bytes
+    )
 
 
 def _pd(raw: dict[str, Any]) -> PdConfig:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -77,7 +77,8 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             f"{PREFIX}_upstream_errors",
-            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken)",
+            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken, "
+            "truncated)",
             ["endpoint", "kind"],
             registry=r,
         )
@@ -95,8 +96,42 @@ class GatewayMetrics:
         )
         self.ejections = Counter(
             f"{PREFIX}_ejections",
-            "Times an endpoint was left out of routing after refusing connections",
+            "Times an endpoint was taken down after failing its health probes",
             ["endpoint"],
+            registry=r,
+        )
+        self.breaker_opens = Counter(
+            f"{PREFIX}_breaker_opens",
+            "Times an endpoint's circuit breaker opened (failure rate over the window)",
+            ["endpoint"],
+            registry=r,
+        )
+        self.probes = Counter(
+            f"{PREFIX}_health_probes",
+            "Health probes of endpoints, by result (ok, failed)",
+            ["endpoint", "result"],
+            registry=r,
+        )
+        self.engine_up = Gauge(
+            f"{PREFIX}_endpoint_up",
+            "1 when an endpoint is in routing, 0 when down or its breaker is open",
+            ["endpoint"],
+            registry=r,
+        )
+        self.truncated = Counter(
+            f"{PREFIX}_truncated_answers",
+            "Engine answers cut off or timed out after their status line, by what the client "
+            "got (error: a 502 before any byte; reset: connection reset mid-body; "
+            "sse_error: an SSE error event, then the stream closed without [DONE])",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.connections = Gauge(
+            f"{PREFIX}_connections", "Client connections open now", registry=r
+        )
+        self.connections_refused = Counter(
+            f"{PREFIX}_connections_refused",
+            "Client connections refused at limits.max_connections",
             registry=r,
         )
         self.engines_changed = Counter(

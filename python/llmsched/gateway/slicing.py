@@ -8,8 +8,8 @@ stream when the client asked for ``stream``. At each boundary the tracker decide
 request continues, yields (its flow-control slot goes back and the continuation queues again at
 the decided priority) or migrates.
 
-Not covered: retries within a sliced request (a failed slice ends it with 502, or ends the
-stream), and requests the assembler cannot slice (``n > 1``, ``logprobs``, batched prompts),
+Not covered: retries within a sliced request (a failed slice ends it with 502, or, once the
+stream started, with an SSE error event and a stream closed without ``[DONE]``), and requests the assembler cannot slice (``n > 1``, ``logprobs``, batched prompts),
 which are proxied unsliced.
 """
 
@@ -31,7 +31,7 @@ from llmsched.flow import FlowController, FlowRequest
 from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
 
 if TYPE_CHECKING:
-    from llmsched.gateway.app import Gateway
+    from llmsched.gateway.app import Gateway, Refusal
 
 __all__ = ["SliceFailed", "SlicedRequest", "make_assembler"]
 
@@ -103,7 +103,7 @@ class SlicedRequest:
             first = True
             while True:
                 body = self.asm.next_request(max(slice_tokens, 1))
-                decision = self.gateway._pick(self._pick_args(body))
+                decision = self.gateway.pick(self._pick_args(body))
                 if decision is None:
                     raise SliceFailed("no engine can serve the continuation")
                 endpoint = str(decision.endpoint)
@@ -149,10 +149,13 @@ class SlicedRequest:
                 self.endpoints[-1] if self.endpoints else "none", "slice"
             ).inc()
             if response is None:
-                return self.gateway._refuse(
+                return self.gateway.refuse(
                     self.route, _upstream_refusal(f"a slice failed: {failed}")
                 )
-            await response.write_eof()
+            # Part of the stream went out: the client must not take it for a whole answer.
+            await self.gateway.abort_response(
+                request, response, self.endpoints[-1] if self.endpoints else "none", sse=True
+            )
             return response
         finally:
             self.tracker.remove(self.request_id)
@@ -193,9 +196,8 @@ class SlicedRequest:
         self, endpoint: str, body: dict[str, Any], decision: Any
     ) -> list[dict[str, Any]]:
         """One slice's engine call, streamed into the assembler; returns the user chunks."""
-        session = self.gateway._session
-        assert session is not None, "the gateway is not started"
-        url = self.gateway._urls.get((endpoint, self.route))
+        session = self.gateway.upstream_session()
+        url = self.gateway.upstream_url(endpoint, self.route)
         if url is None:
             raise SliceFailed(f"engine {endpoint} was removed by discovery")
         chunks: list[dict[str, Any]] = []
@@ -285,7 +287,7 @@ class SlicedRequest:
         return list(itertools.islice(queued, _WAITING_SAMPLE))
 
 
-def _upstream_refusal(message: str) -> Any:
-    from llmsched.gateway.app import _Refusal
+def _upstream_refusal(message: str) -> Refusal:
+    from llmsched.gateway.app import Refusal
 
-    return _Refusal(502, "upstream_error", message)
+    return Refusal(502, "upstream_error", message)
