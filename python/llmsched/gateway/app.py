@@ -109,7 +109,6 @@ class Refusal(Exception):
         self.close = close
 
 
-
 class _UpstreamFailed(Exception):
     """One attempt failed before the engine's status line, or with a 5xx (retryable)."""
 
@@ -281,6 +280,9 @@ class Gateway:
             max_line_size=limits.max_line_size,
             max_field_size=limits.max_field_size,
             max_headers=limits.max_headers,
+            # A body left unread (refused before or while reading it) is not drained: the
+            # connection closes after the answer, so a slow or endless body holds nothing.
+            lingering_time=0,
         )
         await self._runner.setup()
         site = _CappedSite(self._runner, cfg.listen.host, cfg.listen.port, gateway=self)
@@ -406,9 +408,8 @@ class Gateway:
                 continue
             seen = version
             try:
-                max_bytes = self.config.discovery.max_bytes
                 engines = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: read_engines_file(path, max_bytes=max_bytes)
+                    None, _read_capped, path, self.config.discovery.max_bytes
                 )
                 await self.set_engines(engines)
             except ConfigError as exc:
@@ -642,7 +643,7 @@ class Gateway:
                 return await sliced.run(request)
             finally:
                 slot.flow_id, slot.output_tokens = sliced.flow_id, sliced.uncharged_tokens()
-        decision = self._pick(incoming.pick_args)
+        decision = self.pick(incoming.pick_args)
         if decision is None:
             return self.refuse(route, self._no_engine_refusal())
         self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
@@ -823,7 +824,8 @@ class Gateway:
                 return await self._attempt(request, route, body, current, endpoint, deadline)
             except _UpstreamFailed as failed:
                 self.metrics.upstream_errors.labels(endpoint, failed.kind).inc()
-                if failed.kind != "removed":
+                # The request's own deadline ending an attempt says nothing about the engine.
+                if failed.kind != "removed" and time.monotonic() < deadline:
                     self.health.record(endpoint, failed.kind)
                 current.finished()
                 current = None
@@ -835,6 +837,8 @@ class Gateway:
             finally:
                 if current is not None:
                     current.finished()
+        if time.monotonic() >= deadline:
+            return self.refuse(route, _deadline_refusal()), 0
         return self.refuse(
             route,
             Refusal(502, "upstream_error", f"no engine answered ({attempts} attempts)"),
@@ -1140,6 +1144,10 @@ def _file_version(path: Path) -> tuple[int, int] | None:
     return stat.st_mtime_ns, stat.st_size
 
 
+def _read_capped(path: Path, max_bytes: int) -> tuple[EngineSpec, ...]:
+    return read_engines_file(path, max_bytes=max_bytes)
+
+
 def _deadline_refusal() -> Refusal:
     return Refusal(504, "timeout", "the request's deadline (timeouts.total_s) passed")
 
@@ -1149,9 +1157,7 @@ def _header(request: web.Request, name: str) -> str | None:
     hands such bytes over as surrogate escapes, which nothing downstream can encode)."""
     value = request.headers.get(name)
     if value is not None and not _encodable(value):
-        raise Refusal(
-            400, "invalid_request_error", f"header {name} is not valid UTF-8", param=name
-        )
+        raise Refusal(400, "invalid_request_error", f"header {name} is not valid UTF-8", param=name)
     return value
 
 
@@ -1195,20 +1201,19 @@ def _check_fields(payload: Mapping[str, Any]) -> None:
     types the OpenAI API gives them; 400 naming the field otherwise."""
 
     def bad(field: str, what: str) -> Refusal:
-        return Refusal(
-            400, "invalid_request_error", f"'{field}' must be {what}", param=field
-        )
+        return Refusal(400, "invalid_request_error", f"'{field}' must be {what}", param=field)
 
     for field in _TOKEN_LIMIT_FIELDS:
         value = payload.get(field)
-        if value is not None and (
-            type(value) is not int or not 1 <= value <= _MAX_TOKEN_LIMIT
-        ):
+        if value is not None and (type(value) is not int or not 1 <= value <= _MAX_TOKEN_LIMIT):
             raise bad(field, f"an integer in 1..{_MAX_TOKEN_LIMIT} or null")
     stop = payload.get("stop")
-    if stop is not None and not isinstance(stop, str):
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad("stop", "a string, a list of strings or null")
+    if not (
+        stop is None
+        or isinstance(stop, str)
+        or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise bad("stop", "a string, a list of strings or null")
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream", "true, false or null")

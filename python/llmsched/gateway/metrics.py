@@ -126,9 +126,7 @@ class GatewayMetrics:
             ["endpoint", "outcome"],
             registry=r,
         )
-        self.connections = Gauge(
-            f"{PREFIX}_connections", "Client connections open now", registry=r
-        )
+        self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now", registry=r)
         self.connections_refused = Counter(
             f"{PREFIX}_connections_refused",
             "Client connections refused at limits.max_connections",

@@ -9,8 +9,9 @@ request continues, yields (its flow-control slot goes back and the continuation 
 the decided priority) or migrates.
 
 Not covered: retries within a sliced request (a failed slice ends it with 502, or, once the
-stream started, with an SSE error event and a stream closed without ``[DONE]``), and requests the assembler cannot slice (``n > 1``, ``logprobs``, batched prompts),
-which are proxied unsliced.
+stream started, with an SSE error event and a stream closed without ``[DONE]``), and requests
+the assembler cannot slice (``n > 1``, ``logprobs``, batched prompts), which are proxied
+unsliced.
 """
 
 from __future__ import annotations

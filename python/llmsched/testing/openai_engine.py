@@ -91,6 +91,8 @@ class FakeOpenAIEngine:
         self.kv_cache_usage = 0.0
         self.metrics_status = 200
         """Status of ``/metrics`` answers (anything but 200 makes scrapes fail)."""
+        self.chunked_json = False
+        """Send JSON answers of modes ``"cut"`` / ``"hang"`` chunked (no Content-Length)."""
         self.health_status = 200
         """Status of ``/health`` answers (anything but 200 fails the gateway's probes)."""
         self.health_probes = 0
@@ -259,7 +261,8 @@ class FakeOpenAIEngine:
     async def _break_off(self, request: web.Request, answer: bytes) -> web.StreamResponse:
         """A JSON answer whose declared length never fully arrives."""
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
-        response.content_length = len(answer)
+        if not self.chunked_json:
+            response.content_length = len(answer)
         await response.prepare(request)
         await response.write(answer[: len(answer) // 2])
         await self._stop_answering(request)
