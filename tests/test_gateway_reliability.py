@@ -6,6 +6,7 @@ once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 
@@ -232,27 +233,25 @@ def test_ready_is_503_with_every_engine_down_even_without_scraping() -> None:
 def test_with_every_engine_down_flow_control_answers_503_at_once() -> None:
     async def body() -> None:
         flow = {"saturation": {"type": "concurrency", "max_requests": 1}}
-        async with rig(
-            engines=1, answer_tokens=400, flow=flow, health=FAST_HEALTH, retries={"eject_s": 60}
-        ) as r:
+        async with rig(engines=1, flow=flow, health=FAST_HEALTH, retries={"eject_s": 60}) as r:
             engine = r.engines[0]
-            engine.mode = "slow"
-            engine.token_delay_s = 0.02
+            engine.mode = "hang"  # holds the only slot: one event, then silence
             busy = asyncio.ensure_future(r.complete("busy", stream=True))
             await _until(lambda: engine.running == 1)
             queued = asyncio.ensure_future(r.complete("queued"))
             await _until(lambda: r.gateway.flow is not None and len(r.gateway.flow) == 1)
-            await engine.stop()  # the running stream breaks; the queued request must not wait
+            engine.health_status = 503  # the engine's probes fail: it goes down
             response = await asyncio.wait_for(queued, timeout=10)  # the band TTL is 60 s
             assert response.status == 503
             assert response.headers["Retry-After"] == "1"
             assert response.headers["x-llmsched-dropped-reason"] == "no-endpoints"
-            await busy
             # New requests are refused before admission, at once.
             response = await r.complete("later")
             assert response.status == 503 and response.headers["Retry-After"] == "1"
-            assert r.gateway.flow is not None
+            busy.cancel()  # the client of the hung stream leaves
+            with contextlib.suppress(asyncio.CancelledError):
+                await busy
             await _until(lambda: r.gateway.flow is not None and r.gateway.flow.running_count() == 0)
-            assert len(r.gateway.flow) == 0
+            assert r.gateway.flow is not None and len(r.gateway.flow) == 0
 
     run(body())
