@@ -193,7 +193,10 @@ class Gateway:
         self._subscriber: Any = None
         self._scraper: Any = None
         self.metrics = GatewayMetrics(
-            flow=self.flow, index=self.index, kv_counters=self._kv_counters
+            flow=self.flow,
+            index=self.index,
+            kv_counters=self._kv_counters,
+            endpoints=self.pool.endpoints,
         )
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
@@ -700,11 +703,10 @@ class Gateway:
         if declared is not None and declared > limits.max_body_bytes:
             raise too_large  # refused before a byte of it is read
         try:
-            async with asyncio.timeout(limits.body_timeout_s):
-                return await request.read()
+            return await asyncio.wait_for(request.read(), limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise Refusal(
                 408,
                 "request_timeout",

@@ -40,6 +40,7 @@ class GatewayMetrics:
         flow: FlowController | None,
         index: PrefixIndex,
         kv_counters: Callable[[], dict[str, int]] | None = None,
+        endpoints: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -142,7 +143,7 @@ class GatewayMetrics:
             "Discovery file reads that failed (the current engines were kept)",
             registry=r,
         )
-        r.register(_StateCollector(flow, index, kv_counters))
+        r.register(_StateCollector(flow, index, kv_counters, endpoints))
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
@@ -157,10 +158,12 @@ class _StateCollector(Collector):
         flow: FlowController | None,
         index: PrefixIndex,
         kv_counters: Callable[[], dict[str, int]] | None,
+        endpoints: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self._flow = flow
         self._index = index
         self._kv_counters = kv_counters
+        self._endpoints = endpoints
 
     def describe(self) -> list[Metric]:
         return []  # unchecked: the families depend on the live state
@@ -173,6 +176,15 @@ class _StateCollector(Collector):
             ("bytes", "Estimated bytes used by the prefix index"),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_index_{key}", help_text, value=stats[key])
+        if self._endpoints is not None:
+            in_flight = GaugeMetricFamily(
+                f"{PREFIX}_endpoint_in_flight",
+                "Requests started on an endpoint and not finished (endpoints in routing)",
+                labels=["endpoint"],
+            )
+            for endpoint in self._endpoints():
+                in_flight.add_metric([str(endpoint["id"])], endpoint["in_flight_requests"])
+            yield in_flight
         if self._flow is not None:
             yield from self._flow_metrics(self._flow.metrics())
         if self._kv_counters is not None:

@@ -10,7 +10,9 @@ failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error
 ``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens), ``"cut"``
 (send the status line and part of the answer, then close the connection: a stream after its
 first event, a JSON answer halfway through its declared length), ``"hang"`` (the same, then
-silence instead of a close). :attr:`FakeOpenAIEngine.health_status` scripts ``/health``.
+silence instead of a close). A request may script its own failure with a body field
+``x_fake_mode`` naming a mode (it wins over :attr:`~FakeOpenAIEngine.mode`).
+:attr:`FakeOpenAIEngine.health_status` scripts ``/health``.
 Fields vLLM checks (``max_tokens``, ``stream``, ``stream_options``, ``prompt``, ``messages``)
 get vLLM's 400 when malformed.
 
@@ -126,7 +128,10 @@ class FakeOpenAIEngine:
 
     async def start(self) -> None:
         """Listens (again, on the same port after a :meth:`stop`)."""
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # Stopping waits at most a moment for answers in progress (a hung one never ends).
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
         await self._runner.setup()
         port = self._port if self._port is not None else self._requested_port
         site = web.TCPSite(self._runner, self.host, port, reuse_address=True)
@@ -139,6 +144,11 @@ class FakeOpenAIEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @property
+    def listening(self) -> bool:
+        """Whether the engine is started (and not stopped since)."""
+        return self._runner is not None
 
     async def __aenter__(self) -> FakeOpenAIEngine:
         await self.start()
@@ -197,7 +207,7 @@ class FakeOpenAIEngine:
     async def _answer(
         self, request: web.Request, body: dict[str, Any], *, chat: bool
     ) -> web.StreamResponse:
-        mode = self.mode
+        mode = body.get("x_fake_mode", self.mode)
         if mode == "drop":
             if request.transport is not None:
                 request.transport.close()
@@ -228,7 +238,7 @@ class FakeOpenAIEngine:
             answer = json.dumps(full).encode()
             self.sent.append(answer)
             if mode in ("cut", "hang"):
-                return await self._break_off(request, answer)
+                return await self._break_off(request, answer, mode)
             return web.Response(body=answer, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
@@ -238,7 +248,7 @@ class FakeOpenAIEngine:
             if mode == "slow" and i:
                 await asyncio.sleep(self.token_delay_s)
             if mode in ("cut", "hang") and i:
-                await self._stop_answering(request)
+                await self._stop_answering(request, mode)
             finish = "length" if i == n - 1 else None
             chunk = _chunk(ident, created, body, piece, finish, chat=chat)
             if ids is not None:
@@ -258,19 +268,21 @@ class FakeOpenAIEngine:
         await response.write_eof()
         return response
 
-    async def _break_off(self, request: web.Request, answer: bytes) -> web.StreamResponse:
+    async def _break_off(
+        self, request: web.Request, answer: bytes, mode: str
+    ) -> web.StreamResponse:
         """A JSON answer whose declared length never fully arrives."""
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         if not self.chunked_json:
             response.content_length = len(answer)
         await response.prepare(request)
         await response.write(answer[: len(answer) // 2])
-        await self._stop_answering(request)
+        await self._stop_answering(request, mode)
         return response  # not reached
 
-    async def _stop_answering(self, request: web.Request) -> None:
+    async def _stop_answering(self, request: web.Request, mode: str) -> None:
         """``"cut"``: closes the connection mid-answer; ``"hang"``: goes silent."""
-        if self.mode == "cut" and request.transport is not None:
+        if mode == "cut" and request.transport is not None:
             request.transport.close()
         await asyncio.sleep(3600)  # cancelled when the connection goes
 
