@@ -236,3 +236,22 @@ def test_the_serve_process_aborts_cut_answers_refuses_bad_input_and_fails_fast(
                     assert name in text, name
 
     run(body())
+
+
+def test_tenant_names_from_headers_are_bounded() -> None:
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 8}}
+        async with rig(engines=1, flow=flow, limits={"max_tenants": 3}) as r:
+            for i in range(8):
+                response = await r.complete("x", headers={"x-llmsched-tenant": f"t{i}"})
+                assert response.status == 200
+            assert r.gateway.flow is not None
+            tenants = {f["tenant"] for f in r.gateway.flow.metrics()["flows"]}
+            assert tenants == {"t0", "t1", "t2", "~overflow"}
+            assert r.metric("llmsched_gateway_tenants") == 3
+            assert r.metric("llmsched_gateway_tenants_folded_total") == 5
+            # A tenant seen before the cap keeps its own flow.
+            assert (await r.complete("x", headers={"x-llmsched-tenant": "t1"})).status == 200
+            assert r.metric("llmsched_gateway_tenants_folded_total") == 5
+
+    run(body())

@@ -67,6 +67,8 @@ TENANT_HEADER = "x-llmsched-tenant"
 PRIORITY_HEADER = "x-llmsched-priority"
 SESSION_HEADER = "x-session-id"
 DROPPED_REASON_HEADER = "x-llmsched-dropped-reason"
+OVERFLOW_TENANT = "~overflow"
+"""The tenant of requests whose header names a tenant past ``limits.max_tenants``."""
 
 _ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Response headers copied from the engine; hop-by-hop and framing headers are aiohttp's job.
@@ -203,6 +205,8 @@ class Gateway:
             for key, identity in cfg.auth.api_keys.items()
         }
         self._ids = itertools.count(1)
+        self._tenants: set[str] = set()
+        self.metrics.tenants.set_function(lambda: len(self._tenants))
         self.health = EngineHealth(
             cfg.health,
             recheck_s=cfg.retries.eject_s,
@@ -663,7 +667,7 @@ class Gateway:
             if identity is None:
                 raise Refusal(401, "invalid_api_key", "missing or invalid API key")
             return identity.tenant, identity.priority
-        tenant = _header(request, TENANT_HEADER) or "default"
+        tenant = self._bounded_tenant(_header(request, TENANT_HEADER) or "default")
         raw = _header(request, PRIORITY_HEADER)
         if raw is None:
             return tenant, 0
@@ -679,6 +683,18 @@ class Gateway:
                 param=PRIORITY_HEADER,
             )
         return tenant, priority
+
+    def _bounded_tenant(self, tenant: str) -> str:
+        """Tenant names from a header are the client's choice: past ``limits.max_tenants``
+        distinct names, new ones share one flow (:data:`OVERFLOW_TENANT`), so flow control
+        holds a bounded number of flows whatever clients send."""
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) >= self.config.limits.max_tenants:
+            self.metrics.tenants_folded.inc()
+            return OVERFLOW_TENANT
+        self._tenants.add(tenant)
+        return tenant
 
     def _identity(self, key: str | None) -> ApiKey | None:
         if key is None:

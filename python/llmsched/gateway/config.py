@@ -88,7 +88,9 @@ class LimitsConfig:
     ``max_body_bytes`` also refuses a declared ``Content-Length`` over it before the body is
     read (413). ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
     that trickles in or never ends holds no connection longer). ``max_connections`` caps open
-    client connections; one over the cap gets a 503 and is closed. ``retry_after_s`` is the
+    client connections; one over the cap gets a 503 and is closed. ``max_tenants`` bounds the
+    distinct tenant names taken from ``x-llmsched-tenant`` (auth off): later names share one
+    overflow tenant, so flow control's per-tenant flows stay bounded. ``retry_after_s`` is the
     ``Retry-After`` a flow-control rejection or a 503 carries.
     """
 
@@ -99,6 +101,7 @@ class LimitsConfig:
     retry_after_s: int = 1
     body_timeout_s: float = 30.0
     max_connections: int = 4096
+    max_tenants: int = 10_000
 
 
 @dataclass(frozen=True)
@@ -478,6 +481,7 @@ def _limits(raw: dict[str, Any]) -> LimitsConfig:
         max_connections=_int(
             raw, "max_connections", d.max_connections, "limits", low=1, high=1_000_000
         ),
+        max_tenants=_int(raw, "max_tenants", d.max_tenants, "limits", low=1, high=10_000_000),
     )
 
 

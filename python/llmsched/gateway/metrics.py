@@ -127,6 +127,14 @@ class GatewayMetrics:
             ["endpoint", "outcome"],
             registry=r,
         )
+        self.tenants = Gauge(
+            f"{PREFIX}_tenants", "Distinct tenant names taken from request headers", registry=r
+        )
+        self.tenants_folded = Counter(
+            f"{PREFIX}_tenants_folded",
+            "Requests whose header tenant came past limits.max_tenants (served as ~overflow)",
+            registry=r,
+        )
         self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now", registry=r)
         self.connections_refused = Counter(
             f"{PREFIX}_connections_refused",
