@@ -255,3 +255,75 @@ def test_tenant_names_from_headers_are_bounded() -> None:
             assert r.metric("llmsched_gateway_tenants_folded_total") == 5
 
     run(body())
+
+
+# -- per-key limits ----------------------------------------------------------------------
+
+
+def test_a_key_over_its_request_rate_gets_429_with_retry_after() -> None:
+    async def body() -> None:
+        keys = {
+            "sk-limited-000001": {"tenant": "a", "requests_per_s": 0.01, "burst_requests": 2},
+            "sk-free-000000001": {"tenant": "b"},
+        }
+        async with rig(engines=1, auth={"api_keys": keys}) as r:
+            limited = {"Authorization": "Bearer sk-limited-000001"}
+            assert (await r.complete("x", headers=limited)).status == 200
+            assert (await r.complete("x", headers=limited)).status == 200
+            response = await r.complete("x", headers=limited)
+            assert response.status == 429
+            assert response.headers["x-llmsched-dropped-reason"] == "rate-limited"
+            assert int(response.headers["Retry-After"]) >= 1
+            assert json.loads(await response.read())["error"]["type"] == "rate_limit_exceeded"
+            # Another key is not affected.
+            free = {"Authorization": "Bearer sk-free-000000001"}
+            assert (await r.complete("x", headers=free)).status == 200
+            assert len(r.engines[0].received) == 3
+            assert r.metric("llmsched_gateway_rejections_total", reason="rate-limited") == 1
+
+    run(body())
+
+
+def test_a_key_over_its_token_rate_or_concurrency_gets_429() -> None:
+    async def body() -> None:
+        keys = {
+            "sk-tokens-0000001": {"tenant": "a", "tokens_per_s": 0.01, "burst_tokens": 100},
+            "sk-one-at-a-time": {"tenant": "b", "max_concurrent": 1},
+        }
+        async with rig(engines=1, answer_tokens=10, auth={"api_keys": keys}) as r:
+            tokens = {"Authorization": "Bearer sk-tokens-0000001"}
+            # 40 pseudo-tokens of prompt and 10 of output per request: the bucket of 100 is
+            # spent after two requests.
+            prompt = "y" * 160
+            assert (await r.complete(prompt, headers=tokens)).status == 200
+            assert (await r.complete(prompt, headers=tokens)).status == 200
+            assert (await r.complete(prompt, headers=tokens)).status == 429
+            one = {"Authorization": "Bearer sk-one-at-a-time"}
+            r.engines[0].mode = "slow"
+            r.engines[0].token_delay_s = 0.05
+            first = asyncio.ensure_future(r.complete("z", headers=one, stream=True))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while r.engines[0].running == 0 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            second = await r.complete("z", headers=one)
+            assert second.status == 429
+            assert second.headers["x-llmsched-dropped-reason"] == "concurrency-limited"
+            assert (await first).status == 200
+            assert (await r.complete("z", headers=one)).status == 200  # released
+
+    run(body())
+
+
+def test_key_limits_are_checked() -> None:
+    from llmsched.gateway.config import load_config
+
+    base: dict[str, Any] = {"engines": [{"host": "127.0.0.1", "port": 1}], "models": ["m"]}
+    for entry, match in (
+        ({"tenant": "a", "requests_per_s": 0}, "requests_per_s"),
+        ({"tenant": "a", "tokens_per_s": "fast"}, "tokens_per_s"),
+        ({"tenant": "a", "max_concurrent": 0}, "max_concurrent"),
+        ({"tenant": "a", "rps": 1}, "rps: unknown key"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config({**base, "auth": {"api_keys": {"sk-0000000001": entry}}})

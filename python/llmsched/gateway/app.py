@@ -52,6 +52,7 @@ from llmsched.flow import FlowController, FlowRequest
 from llmsched.gateway.config import ApiKey, GatewayConfig, load_config, read_engines_file
 from llmsched.gateway.health import EngineHealth
 from llmsched.gateway.metrics import GatewayMetrics
+from llmsched.gateway.ratelimit import KeyLimiter, retry_after
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.gateway.tokenize import PromptError, PromptTokenizer
 from llmsched.integrations import EngineSpec
@@ -136,6 +137,7 @@ class _Incoming:
     pick_args: dict[str, Any]
     deadline: float
     queued_s: float = 0.0
+    limiter: KeyLimiter | None = None
 
 
 @dataclass
@@ -203,6 +205,11 @@ class Gateway:
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
             for key, identity in cfg.auth.api_keys.items()
+        }
+        self._limiters = {
+            digest: KeyLimiter(**identity.limits())
+            for digest, identity in self._keys.items()
+            if identity.limited
         }
         self._ids = itertools.count(1)
         self._tenants: set[str] = set()
@@ -527,21 +534,31 @@ class Gateway:
                 raise self._no_engine_refusal()
         except Refusal as refusal:
             return self.refuse(route, refusal)
+        limiter = incoming.limiter
+        if limiter is not None:
+            over = limiter.acquire(prompt_tokens=incoming.prompt.size)
+            if over is not None:
+                reason, wait_s = over
+                return self.refuse(route, _limit_refusal(reason, wait_s))
         request_id = next(self._ids)
         slot = _FlowSlot(request_id)
-        if self.flow is not None:
-            try:
-                incoming.queued_s = await self._admit(request_id, incoming)
-            except FlowRejected as rejected:
-                dropped = _flow_refusal(rejected, self.config.limits.retry_after_s)
-                return self.refuse(route, dropped)
-            except Refusal as refusal:
-                return self.refuse(route, refusal)
         try:
-            return await self._serve(request, route, incoming, slot, arrived)
+            if self.flow is not None:
+                try:
+                    incoming.queued_s = await self._admit(request_id, incoming)
+                except FlowRejected as rejected:
+                    dropped = _flow_refusal(rejected, self.config.limits.retry_after_s)
+                    return self.refuse(route, dropped)
+                except Refusal as refusal:
+                    return self.refuse(route, refusal)
+            try:
+                return await self._serve(request, route, incoming, slot, arrived)
+            finally:
+                if self.flow is not None and slot.flow_id is not None:
+                    self.flow.complete(slot.flow_id, slot.output_tokens)
         finally:
-            if self.flow is not None and slot.flow_id is not None:
-                self.flow.complete(slot.flow_id, slot.output_tokens)
+            if limiter is not None:
+                limiter.release(output_tokens=slot.output_tokens)
 
     def _no_engine_refusal(self) -> Refusal:
         return Refusal(
@@ -557,7 +574,7 @@ class Gateway:
     async def _read_request(self, request: web.Request, route: str, deadline: float) -> _Incoming:
         """Authenticates, reads (size- and time-limited) and checks a request; raises
         Refusal."""
-        tenant, priority = self._authenticate(request)
+        tenant, priority, limiter = self._authenticate(request)
         body = await self._read_body(request)
         payload = _json_object(body)
         if b"\\u" in body:  # escapes may encode lone surrogates, which no engine can take
@@ -572,7 +589,9 @@ class Gateway:
         _check_fields(payload)
         prompt = self._prompt(route, payload)
         pick_args = self._pick_args(prompt, model, priority, payload, request)
-        return _Incoming(tenant, priority, body, payload, prompt, pick_args, deadline)
+        return _Incoming(
+            tenant, priority, body, payload, prompt, pick_args, deadline, limiter=limiter
+        )
 
     async def _admit(self, flow_id: int, incoming: _Incoming) -> float:
         """Waits for flow control to dispatch the request; returns the seconds it waited."""
@@ -659,18 +678,19 @@ class Gateway:
         )
         return response
 
-    def _authenticate(self, request: web.Request) -> tuple[str, int]:
-        """(tenant, priority): from the API key when auth is on (headers ignored), else from
-        the ``x-llmsched-tenant`` / ``x-llmsched-priority`` headers."""
+    def _authenticate(self, request: web.Request) -> tuple[str, int, KeyLimiter | None]:
+        """(tenant, priority, the key's limiter): from the API key when auth is on (headers
+        ignored), else from the ``x-llmsched-tenant`` / ``x-llmsched-priority`` headers."""
         if self.config.auth.enabled:
-            identity = self._identity(_presented_key(request))
-            if identity is None:
+            found = self._identity(_presented_key(request))
+            if found is None:
                 raise Refusal(401, "invalid_api_key", "missing or invalid API key")
-            return identity.tenant, identity.priority
+            digest, identity = found
+            return identity.tenant, identity.priority, self._limiters.get(digest)
         tenant = self._bounded_tenant(_header(request, TENANT_HEADER) or "default")
         raw = _header(request, PRIORITY_HEADER)
         if raw is None:
-            return tenant, 0
+            return tenant, 0, None
         try:
             priority = int(raw)
         except ValueError:
@@ -682,7 +702,7 @@ class Gateway:
                 f"{PRIORITY_HEADER} must be an int",
                 param=PRIORITY_HEADER,
             )
-        return tenant, priority
+        return tenant, priority, None
 
     def _bounded_tenant(self, tenant: str) -> str:
         """Tenant names from a header are the client's choice: past ``limits.max_tenants``
@@ -696,7 +716,7 @@ class Gateway:
         self._tenants.add(tenant)
         return tenant
 
-    def _identity(self, key: str | None) -> ApiKey | None:
+    def _identity(self, key: str | None) -> tuple[bytes, ApiKey] | None:
         if key is None:
             return None
         # A header with bytes that are not UTF-8 reaches here with surrogate escapes: its bytes
@@ -707,7 +727,7 @@ class Gateway:
         found = None
         for stored, identity in self._keys.items():
             if hmac.compare_digest(stored, digest):
-                found = identity
+                found = stored, identity
         return found
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -1164,6 +1184,16 @@ def _file_version(path: Path) -> tuple[int, int] | None:
 
 def _read_capped(path: Path, max_bytes: int) -> tuple[EngineSpec, ...]:
     return read_engines_file(path, max_bytes=max_bytes)
+
+
+def _limit_refusal(reason: str, wait_s: float) -> Refusal:
+    what = "requests in progress" if reason == "concurrency-limited" else "rate"
+    return Refusal(
+        429,
+        "rate_limit_exceeded",
+        f"this key's {what} limit is reached",
+        {DROPPED_REASON_HEADER: reason, "Retry-After": retry_after(wait_s)},
+    )
 
 
 def _deadline_refusal() -> Refusal:

@@ -56,12 +56,36 @@ class ListenConfig:
     port: int = 8000
 
 
+_LIMIT_FIELDS = ("requests_per_s", "burst_requests", "tokens_per_s", "burst_tokens")
+
+
 @dataclass(frozen=True)
 class ApiKey:
-    """What an API key stands for: the fairness id and priority of every request it signs."""
+    """What an API key stands for: the fairness id and priority of every request it signs,
+    and its own limits (None: unlimited; see :mod:`llmsched.gateway.ratelimit`)."""
 
     tenant: str
     priority: int = 0
+    requests_per_s: float | None = None
+    burst_requests: float | None = None
+    tokens_per_s: float | None = None
+    burst_tokens: float | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether the key has any rate or concurrency limit."""
+        return any(v is not None for v in self.limits().values())
+
+    def limits(self) -> dict[str, Any]:
+        """The key's limits, as :class:`~llmsched.gateway.ratelimit.KeyLimiter` keywords."""
+        return {
+            "requests_per_s": self.requests_per_s,
+            "burst_requests": self.burst_requests,
+            "tokens_per_s": self.tokens_per_s,
+            "burst_tokens": self.burst_tokens,
+            "max_concurrent": self.max_concurrent,
+        }
 
 
 @dataclass(frozen=True)
@@ -455,16 +479,36 @@ def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
             raise ConfigError(f"{where}: every key must be a str of at least 8 characters")
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{where}: the entry of each key must be a mapping")
-        unknown = sorted(set(spec) - {"tenant", "priority"})
+        known = {"tenant", "priority", "max_concurrent", *_LIMIT_FIELDS}
+        unknown = sorted(set(spec) - known)
         if unknown:
-            raise ConfigError(f"{where}.<key>.{unknown[0]}: unknown key (known: priority, tenant)")
+            raise ConfigError(
+                f"{where}.<key>.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})"
+            )
         tenant = spec.get("tenant")
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(f"{where}.<key>.tenant: must be a non-empty str")
         priority = spec.get("priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ConfigError(f"{where}.<key {tenant}>.priority: must be an int")
-        keys[key] = ApiKey(tenant=tenant, priority=priority)
+        limits: dict[str, Any] = {}
+        for name in _LIMIT_FIELDS:
+            value = spec.get(name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and not (number and 0 < value < 1e12):
+                raise ConfigError(
+                    f"{where}.<key {tenant}>.{name}: must be a number > 0 or null, got {value!r}"
+                )
+            limits[name] = None if value is None else float(value)
+        concurrent = spec.get("max_concurrent")
+        if concurrent is not None and (
+            isinstance(concurrent, bool) or not isinstance(concurrent, int) or concurrent < 1
+        ):
+            raise ConfigError(
+                f"{where}.<key {tenant}>.max_concurrent: must be an int >= 1 or null, "
+                f"got {concurrent!r}"
+            )
+        keys[key] = ApiKey(tenant=tenant, priority=priority, max_concurrent=concurrent, **limits)
     return keys
 
 

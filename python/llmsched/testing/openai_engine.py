@@ -201,6 +201,10 @@ class FakeOpenAIEngine:
             self.disconnects += 1
             self.disconnected.set()
             raise
+        except ConnectionError:  # the client left while the answer was being written
+            self.disconnects += 1
+            self.disconnected.set()
+            return web.Response(status=499)  # never sent: the connection is gone
         finally:
             self.running -= 1
 
