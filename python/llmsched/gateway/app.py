@@ -242,6 +242,10 @@ class Gateway:
                 web.get("/metrics", self._metrics),
             ]
         )
+        if cfg.admin.token is not None:
+            from llmsched.gateway.admin import add_admin_routes
+
+            add_admin_routes(self.app, self, cfg.admin.token)
 
     @staticmethod
     def _endpoint(spec: EngineSpec) -> Endpoint:

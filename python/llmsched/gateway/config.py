@@ -31,6 +31,7 @@ from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 
 __all__ = [
+    "AdminConfig",
     "ApiKey",
     "AuthConfig",
     "DiscoveryConfig",
@@ -216,6 +217,19 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    """The admin API (:mod:`llmsched.gateway.admin`): on when a token is set, in the config
+    (``token``) or in the environment variable ``token_env`` names."""
+
+    token: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the admin routes exist."""
+        return self.token is not None
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The whole gateway configuration. Build it with :func:`load_config`."""
 
@@ -235,6 +249,7 @@ class GatewayConfig:
     pd: PdConfig = PdConfig()
     slices: SlicesConfig = SlicesConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    admin: AdminConfig = AdminConfig()
 
 
 _TOP_KEYS = frozenset(
@@ -255,6 +270,7 @@ _TOP_KEYS = frozenset(
         "pd",
         "slices",
         "discovery",
+        "admin",
     }
 )
 
@@ -312,6 +328,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         pd=_pd(_section(raw, "pd")),
         slices=_slices(_section(raw, "slices")),
         discovery=discovery,
+        admin=_admin(_section(raw, "admin")),
     )
 
 
@@ -510,6 +527,24 @@ def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
             )
         keys[key] = ApiKey(tenant=tenant, priority=priority, max_concurrent=concurrent, **limits)
     return keys
+
+
+def _admin(raw: dict[str, Any]) -> AdminConfig:
+    _reject_unknown(raw, "admin", {"token", "token_env"})
+    token = raw.get("token")
+    env = raw.get("token_env")
+    if token is not None and env is not None:
+        raise ConfigError("admin: give either token or token_env, not both")
+    if env is not None:
+        if not isinstance(env, str) or not env:
+            raise ConfigError("admin.token_env: must name an environment variable")
+        token = os.environ.get(env)
+        if token is None:
+            raise ConfigError(f"admin.token_env: environment variable {env} is not set")
+    # A secret: errors never show it.
+    if token is not None and (not isinstance(token, str) or len(token) < 16):
+        raise ConfigError("admin.token: must be a str of at least 16 characters")
+    return AdminConfig(token=token)
 
 
 def _limits(raw: dict[str, Any]) -> LimitsConfig:

@@ -9,6 +9,7 @@ Model (each engine is in one state):
   seconds, at least ``breaker_min_requests`` attempts ended and at least ``breaker_failure_rate``
   of them failed. Left out for ``breaker_open_s``; then a half-open probe closes the breaker
   (up, window cleared) or opens it again.
+- **draining**: an operator drained it (admin API): no new requests, no probes, until resumed.
 
 Signals:
 
@@ -55,7 +56,7 @@ _CONFIRM_AT_ONCE = frozenset({"connect", "timeout"})
 
 @dataclass
 class _Engine:
-    status: str = "up"  # up | down | open
+    status: str = "up"  # up | down | open | draining
     consecutive: int = 0
     window: deque[tuple[float, bool]] = field(default_factory=deque)
     failures_in_window: int = 0
@@ -114,7 +115,8 @@ class EngineHealth:
         self._wake.set()
 
     def state(self, worker: str) -> str | None:
-        """``"up"``, ``"down"``, ``"open"``, or None for an engine not tracked."""
+        """``"up"``, ``"down"``, ``"open"``, ``"draining"``, or None for an engine not
+        tracked."""
         engine = self._engines.get(worker)
         return None if engine is None else engine.status
 
@@ -126,6 +128,24 @@ class EngineHealth:
     def states(self) -> dict[str, str]:
         """The state of every tracked engine."""
         return {worker: engine.status for worker, engine in self._engines.items()}
+
+    def drain(self, worker: str) -> None:
+        """Takes ``worker`` out of routing until :meth:`resume` (requests in flight finish)."""
+        engine = self._engines.get(worker)
+        if engine is None or engine.status == "draining":
+            return
+        was_up = engine.status == "up"
+        engine.status = "draining"
+        if was_up:
+            self._left_out(worker)
+
+    def resume(self, worker: str) -> bool:
+        """Brings a drained engine back; False when it was not draining."""
+        engine = self._engines.get(worker)
+        if engine is None or engine.status != "draining":
+            return False
+        self._up(worker, engine)
+        return True
 
     # -- passive signals -----------------------------------------------------------------------
 
@@ -241,6 +261,8 @@ class EngineHealth:
                     if engine.bad_probes >= self.config.unhealthy_threshold:
                         self._down(worker, engine)
                         return
+                elif engine.status == "draining":
+                    return
                 elif engine.status == "open":
                     if ok:
                         self._up(worker, engine)
@@ -277,7 +299,7 @@ class EngineHealth:
                 now = self._clock()
                 earliest = now + 1.0
                 for worker, engine in list(self._engines.items()):
-                    if engine.probing:
+                    if engine.probing or engine.status == "draining":
                         continue
                     if engine.next_probe <= now:
                         if engine.status == "up":

@@ -127,6 +127,12 @@ class GatewayMetrics:
             ["endpoint", "outcome"],
             registry=r,
         )
+        self.admin_requests = Counter(
+            f"{PREFIX}_admin_requests",
+            "Admin API calls, by action and HTTP status",
+            ["action", "status"],
+            registry=r,
+        )
         self.tenants = Gauge(
             f"{PREFIX}_tenants", "Distinct tenant names taken from request headers", registry=r
         )
