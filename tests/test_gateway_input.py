@@ -62,6 +62,13 @@ def test_malformed_fields_are_400_naming_the_field(slices: bool) -> None:
                     assert error["type"] == "invalid_request_error"
                     assert error["param"] == field, (error, data)
                     assert field.split("[")[0].split(".")[0] in error["message"]
+            # Nesting: past the gateway's depth limit, and past json's own recursion limit.
+            deep = b'{"model": "tiny", "prompt": "x", "tools": ' + b"[" * 80 + b"]" * 80 + b"}"
+            deeper = b"[" * 100_000 + b"]" * 100_000
+            for data in (deep, deeper):
+                async with r.client.post(r.url("/v1/completions"), data=data) as response:
+                    assert response.status == 400
+                    assert "nested" in (await response.json())["error"]["message"]
             assert not r.engines[0].received
             # Paired surrogate escapes are valid text and pass.
             good = _body(prompt="smile \ud83d\ude00", stop=["\n"], max_tokens=2, cache_salt="s")

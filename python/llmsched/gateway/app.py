@@ -83,6 +83,8 @@ _ROUTABLE_CHECK_S = 0.2
 # Body fields the gateway checks whatever the engine: (name, what is allowed).
 _TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 _MAX_TOKEN_LIMIT = 2**31 - 1
+# Deepest nesting of a request body (chat content parts and tool schemas need a few levels).
+_MAX_DEPTH = 64
 
 
 class Refusal(Exception):
@@ -581,8 +583,9 @@ class Gateway:
         tenant, priority, limiter = self._authenticate(request)
         body = await self._read_body(request)
         payload = _json_object(body)
-        if b"\\u" in body:  # escapes may encode lone surrogates, which no engine can take
-            _check_strings(payload, "")
+        # Escapes may encode lone surrogates, which no engine can take: strings are checked
+        # only when the body has escapes.
+        _check_structure(payload, "", 0, text=b"\\u" in body)
         model = payload.get("model")
         if not isinstance(model, str):
             raise Refusal(400, "invalid_request_error", "'model' must be a string", param="model")
@@ -667,6 +670,7 @@ class Gateway:
                 stream=bool(incoming.payload.get("stream")),
                 base_pick_args=incoming.pick_args,
                 next_flow_id=lambda: next(self._ids),
+                deadline=incoming.deadline,
             )
             self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
             try:
@@ -886,7 +890,9 @@ class Gateway:
             Refusal(502, "upstream_error", f"no engine answered ({attempts} attempts)"),
         ), 0
 
-    def _upstream_timeout(self, deadline: float) -> aiohttp.ClientTimeout:
+    def upstream_timeout(self, deadline: float) -> aiohttp.ClientTimeout:
+        """Upstream timeouts of an attempt: ``timeouts.connect_s`` / ``read_s``, and the time
+        left until the request's ``deadline`` (monotonic seconds) in all. Package-internal."""
         timeouts = self.config.timeouts
         return aiohttp.ClientTimeout(
             total=max(deadline - time.monotonic(), 0.001),
@@ -927,7 +933,7 @@ class Gateway:
             raise _UpstreamFailed("removed")
         try:
             upstream = await self._session.post(
-                url, data=body, headers=headers, timeout=self._upstream_timeout(deadline)
+                url, data=body, headers=headers, timeout=self.upstream_timeout(deadline)
             )
         except asyncio.TimeoutError:
             raise _UpstreamFailed("timeout") from None
@@ -1133,6 +1139,8 @@ def _presented_key(request: web.Request) -> str | None:
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(body)
+    except RecursionError:
+        raise Refusal(400, "invalid_request_error", "the body is nested too deeply") from None
     except ValueError:
         raise Refusal(400, "invalid_request_error", "the body is not valid JSON") from None
     if not isinstance(payload, dict):
@@ -1221,31 +1229,44 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _check_strings(value: Any, path: str) -> None:
-    """400 naming the first string (key or value) holding a lone surrogate (``"\\ud800"`` is
-    valid JSON but no UTF-8 text)."""
+def _check_structure(value: Any, path: str, depth: int, *, text: bool) -> None:
+    """400 when the body nests deeper than :data:`_MAX_DEPTH` or (``text``) a string, key or
+    value, holds a lone surrogate (``"\\ud800"`` is valid JSON but no UTF-8 text); the error
+    names the first such field."""
     if isinstance(value, str):
-        if not _encodable(value):
+        if text and not _encodable(value):
             raise Refusal(
                 400,
                 "invalid_request_error",
                 f"'{path or 'body'}' holds a lone surrogate escape (not valid UTF-8 text)",
                 param=path or None,
             )
-    elif isinstance(value, dict):
+        return
+    if not isinstance(value, (dict, list)):
+        return
+    if depth >= _MAX_DEPTH:
+        raise Refusal(
+            400,
+            "invalid_request_error",
+            f"'{path or 'body'}' is nested deeper than {_MAX_DEPTH} levels",
+            param=path or None,
+        )
+    if isinstance(value, dict):
         for key, item in value.items():
             where = f"{path}.{key}" if path else str(key)
-            if not _encodable(key):
+            if text and not _encodable(key):
                 raise Refusal(
                     400,
                     "invalid_request_error",
                     f"a key in '{path or 'body'}' holds a lone surrogate escape",
                     param=path or None,
                 )
-            _check_strings(item, where)
-    elif isinstance(value, list):
+            if isinstance(item, (str, dict, list)):
+                _check_structure(item, where, depth + 1, text=text)
+    else:
         for i, item in enumerate(value):
-            _check_strings(item, f"{path}[{i}]")
+            if isinstance(item, (str, dict, list)):
+                _check_structure(item, f"{path}[{i}]", depth + 1, text=text)
 
 
 def _check_fields(payload: Mapping[str, Any]) -> None:

@@ -294,6 +294,7 @@ class EngineHealth:
     async def run(self) -> None:
         """Runs due probes until cancelled: active checks of up engines, rechecks of down
         ones, half-open probes of open breakers."""
+        self._wake = asyncio.Event()  # bound to this loop (a gateway may restart on another)
         try:
             while True:
                 now = self._clock()

@@ -76,6 +76,7 @@ class SlicedRequest:
         stream: bool,
         base_pick_args: Mapping[str, Any],
         next_flow_id: Callable[[], int],
+        deadline: float | None = None,
     ) -> None:
         self.gateway = gateway
         self.tracker = tracker
@@ -92,6 +93,8 @@ class SlicedRequest:
         self.prompt_tokens = prompt_tokens
         self.base_pick_args = dict(base_pick_args)
         self.next_flow_id = next_flow_id
+        self.deadline = deadline
+        """The request's deadline (monotonic seconds; None: none), applied to every slice."""
         self.endpoints: list[str] = []
         """The engine of every slice, in order."""
 
@@ -203,7 +206,8 @@ class SlicedRequest:
             raise SliceFailed(f"engine {endpoint} was removed by discovery")
         chunks: list[dict[str, Any]] = []
         try:
-            async with session.post(url, json=body) as upstream:
+            timeout = None if self.deadline is None else self.gateway.upstream_timeout(self.deadline)
+            async with session.post(url, json=body, timeout=timeout) as upstream:
                 if upstream.status != 200:
                     raise SliceFailed(f"engine answered {upstream.status}")
                 buffered = b""
