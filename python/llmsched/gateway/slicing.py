@@ -206,7 +206,8 @@ class SlicedRequest:
             raise SliceFailed(f"engine {endpoint} was removed by discovery")
         chunks: list[dict[str, Any]] = []
         try:
-            timeout = None if self.deadline is None else self.gateway.upstream_timeout(self.deadline)
+            deadline = self.deadline
+            timeout = None if deadline is None else self.gateway.upstream_timeout(deadline)
             async with session.post(url, json=body, timeout=timeout) as upstream:
                 if upstream.status != 200:
                     raise SliceFailed(f"engine answered {upstream.status}")
