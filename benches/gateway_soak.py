@@ -75,7 +75,7 @@ class Soak:
             "models": [MODEL],
             "scrape": {"enabled": False},
             "flow": {"saturation": {"type": "concurrency", "max_requests": 256}},
-            "timeouts": {"read_s": 0.5},
+            "timeouts": {"read_s": 2.0},
             "retries": {"max_attempts": 3, "eject_s": 0.5},
             "health": {"interval_s": 1.0},
         }
@@ -251,6 +251,8 @@ class Soak:
             "fds_end": self.samples[-1][2],
             "gateway_truncated": _metrics(metrics, "llmsched_gateway_truncated_answers_total"),
             "gateway_ejections": _metrics(metrics, "llmsched_gateway_ejections_total"),
+            "gateway_upstream_errors": _metrics(metrics, "llmsched_gateway_upstream_errors_total"),
+            "gateway_retries": _metric(metrics, "llmsched_gateway_retries_total"),
             "gateway_breaker_opens": _metrics(metrics, "llmsched_gateway_breaker_opens_total"),
         }
         passed_off = sum(
@@ -306,7 +308,7 @@ def _metric(text: str, name: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--restart-every", type=int, default=5_000)
     parser.add_argument("--down-s", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)

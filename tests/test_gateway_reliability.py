@@ -111,6 +111,22 @@ def test_a_chunked_json_answer_cut_off_resets_the_client_connection() -> None:
     run(body())
 
 
+def test_no_status_line_within_the_read_timeout_is_a_504_and_is_not_sent_again() -> None:
+    async def body() -> None:
+        async with rig(engines=2, timeouts={"read_s": 0.3}) as r:
+            home = await _warm(r, SYSTEM + " silent")
+            r.engines[home].mode = "stall"  # takes the request, never answers
+            response = await r.complete(SYSTEM + " silent again")
+            assert response.status == 504
+            assert len(r.engines[home].received) == 2
+            assert not r.engines[1 - home].received
+            worker = _worker(r, home)
+            errors = r.metric("llmsched_gateway_upstream_errors_total", endpoint=worker, kind="timeout")
+            assert errors == 1
+
+    run(body())
+
+
 def test_a_request_whose_deadline_passes_gets_504() -> None:
     async def body() -> None:
         async with rig(engines=1, timeouts={"total_s": 0.3}) as r:

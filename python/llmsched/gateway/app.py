@@ -2,9 +2,10 @@
 
 Per request: authenticate, read the body (size- and time-limited), check it, tokenize (or hash
 the text), admit through :class:`~llmsched.FlowController`, pick with :class:`~llmsched.Router`,
-send to the chosen engine and stream its answer back byte for byte. An attempt that fails
-before the engine's status line (or gets a 5xx) goes to the next endpoint (bounded by
-``retries.max_attempts``); an answer whose status line arrived is never sent again: cut off or
+send to the chosen engine and stream its answer back byte for byte. An attempt whose
+connection fails or is closed before the engine's status line (or that gets a 5xx) goes to the
+next endpoint (bounded by ``retries.max_attempts``); one that waits ``timeouts.read_s`` for its
+status line gets a 504; an answer whose status line arrived is never sent again: cut off or
 timed out later, it is a 502 when the client got nothing yet, else the client's connection is
 reset (an SSE stream gets an error event and ends without ``[DONE]``). Engine health follows
 :mod:`llmsched.gateway.health`. The upstream URL is always built from the configured
@@ -120,6 +121,18 @@ class _UpstreamFailed(Exception):
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
         self.kind = kind
+
+
+class _NoAnswer(Exception):
+    """The request went to the engine and no status line came within ``timeouts.read_s`` (or
+    the deadline): not retried, since the engine may be running it."""
+
+
+# Timeouts of the connection itself (the request was not sent): retryable. aiohttp < 3.10 does
+# not tell them apart from read timeouts; there every timeout counts as a read timeout.
+_CONNECT_TIMEOUTS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(aiohttp, "ConnectionTimeoutError", None),) if isinstance(t, type)
+)
 
 
 class _Truncated(Exception):
@@ -875,6 +888,15 @@ class Gateway:
                     self.health.record(endpoint, failed.kind)
                 current.finished()
                 current = None
+            except _NoAnswer:
+                self.metrics.upstream_errors.labels(endpoint, "timeout").inc()
+                if time.monotonic() < deadline:
+                    self.health.record(endpoint, "timeout")
+                    return self.refuse(
+                        route,
+                        Refusal(504, "timeout", "the engine did not answer within timeouts.read_s"),
+                    ), 0
+                return self.refuse(route, _deadline_refusal()), 0
             except _Truncated as truncated:
                 # The status line came: the request ran (or runs) there; it is not re-sent.
                 self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
@@ -915,9 +937,10 @@ class Gateway:
         endpoint: str,
         deadline: float,
     ) -> tuple[web.StreamResponse, int]:
-        """One upstream attempt. Raises _UpstreamFailed before the status line (or on a 5xx)
-        and _Truncated when the answer fails before the client got a byte; after that, a
-        failure aborts the client's response."""
+        """One upstream attempt. Raises _UpstreamFailed when the request did not get through
+        (connection refused or timed out, or closed before a status line) or got a 5xx;
+        _NoAnswer when no status line came in time; _Truncated when the answer fails before
+        the client got a byte; after that, a failure aborts the client's response."""
         assert self._session is not None, "the gateway is not started"
         headers = {"Content-Type": "application/json"}
         accept = request.headers.get("Accept")
@@ -935,8 +958,10 @@ class Gateway:
             upstream = await self._session.post(
                 url, data=body, headers=headers, timeout=self.upstream_timeout(deadline)
             )
-        except asyncio.TimeoutError:
+        except _CONNECT_TIMEOUTS:
             raise _UpstreamFailed("timeout") from None
+        except asyncio.TimeoutError:
+            raise _NoAnswer from None
         except aiohttp.ClientConnectorError:
             raise _UpstreamFailed("connect") from None
         except aiohttp.ClientError:  # connected, then closed before any status line
