@@ -121,8 +121,8 @@ def test_no_status_line_within_the_read_timeout_is_a_504_and_is_not_sent_again()
             assert len(r.engines[home].received) == 2
             assert not r.engines[1 - home].received
             worker = _worker(r, home)
-            errors = r.metric("llmsched_gateway_upstream_errors_total", endpoint=worker, kind="timeout")
-            assert errors == 1
+            errors = "llmsched_gateway_upstream_errors_total"
+            assert r.metric(errors, endpoint=worker, kind="timeout") == 1
 
     run(body())
 
