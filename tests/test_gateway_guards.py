@@ -56,6 +56,20 @@ def test_a_body_that_never_ends_gets_408_and_the_connection_closes() -> None:
     run(body())
 
 
+def test_headers_that_never_end_and_idle_connections_are_closed() -> None:
+    async def body() -> None:
+        async with rig(engines=1, limits={"idle_timeout_s": 0.3}) as r:
+            partial = await _connect(r.gateway.port)
+            partial[1].write(b"POST /v1/completions HTTP/1.1\r\nHost: g\r\n")
+            idle = await _connect(r.gateway.port)
+            for reader, writer in (partial, idle):
+                assert await asyncio.wait_for(reader.read(), timeout=10) == b""  # closed
+                await _close(writer)
+            assert not r.engines[0].received
+
+    run(body())
+
+
 def test_a_declared_body_over_the_limit_is_refused_before_it_arrives() -> None:
     async def body() -> None:
         async with rig(engines=1, limits={"max_body_bytes": 4096}) as r:

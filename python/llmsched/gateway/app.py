@@ -316,6 +316,8 @@ class Gateway:
             # A body left unread (refused before or while reading it) is not drained: the
             # connection closes after the answer, so a slow or endless body holds nothing.
             lingering_time=0,
+            # Idle keep-alive connections and request headers that never end are closed.
+            keepalive_timeout=limits.idle_timeout_s,
         )
         await self._runner.setup()
         site = _CappedSite(self._runner, cfg.listen.host, cfg.listen.port, gateway=self)

@@ -112,8 +112,10 @@ class LimitsConfig:
 
     ``max_body_bytes`` also refuses a declared ``Content-Length`` over it before the body is
     read (413). ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
-    that trickles in or never ends holds no connection longer). ``max_connections`` caps open
-    client connections; one over the cap gets a 503 and is closed. ``max_tenants`` bounds the
+    that trickles in or never ends holds no connection longer); ``idle_timeout_s`` closes a
+    connection idle between requests or whose request headers have not all arrived.
+    ``max_connections`` caps open client connections; one over the cap gets a 503 and is
+    closed. ``max_tenants`` bounds the
     distinct tenant names taken from ``x-llmsched-tenant`` (auth off): later names share one
     overflow tenant, so flow control's per-tenant flows stay bounded. ``retry_after_s`` is the
     ``Retry-After`` a flow-control rejection or a 503 carries.
@@ -125,6 +127,7 @@ class LimitsConfig:
     max_headers: int = 64
     retry_after_s: int = 1
     body_timeout_s: float = 30.0
+    idle_timeout_s: float = 60.0
     max_connections: int = 4096
     max_tenants: int = 10_000
 
@@ -557,6 +560,7 @@ def _limits(raw: dict[str, Any]) -> LimitsConfig:
         max_headers=_int(raw, "max_headers", d.max_headers, "limits", low=8, high=10_000),
         retry_after_s=_int(raw, "retry_after_s", d.retry_after_s, "limits", low=0),
         body_timeout_s=_required_seconds(raw, "body_timeout_s", d.body_timeout_s, "limits"),
+        idle_timeout_s=_required_seconds(raw, "idle_timeout_s", d.idle_timeout_s, "limits"),
         max_connections=_int(
             raw, "max_connections", d.max_connections, "limits", low=1, high=1_000_000
         ),
