@@ -134,8 +134,9 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class RetriesConfig:
-    """Attempts per request (the first included) when an engine fails before its first byte,
-    and how long an engine that refused connections is left out of routing."""
+    """Attempts per request (the first included) while attempts do not get through (see
+    :mod:`llmsched.gateway.app`), and how often an engine taken down by its health probes is
+    probed again (``eject_s``)."""
 
     max_attempts: int = 3
     eject_s: float = 5.0
