@@ -62,6 +62,10 @@ class Soak:
         self.lost: list[str] = []
         self.samples: list[tuple[int, int, int]] = []  # (done, rss_kb, fds)
         self.done = 0
+        # Normal prompts the engines received, moved out of the engines' request logs every
+        # second: 100,000 logged requests would make this process's garbage collector pause
+        # the engines (they share its event loop) for longer than the read timeout.
+        self.received: dict[str, int] = {}
 
     def count(self, kind: str, outcome: str) -> None:
         bucket = self.outcomes.setdefault(kind, {})
@@ -75,7 +79,7 @@ class Soak:
             "models": [MODEL],
             "scrape": {"enabled": False},
             "flow": {"saturation": {"type": "concurrency", "max_requests": 256}},
-            "timeouts": {"read_s": 2.0},
+            "timeouts": {"read_s": 3.0},
             "retries": {"max_attempts": 3, "eject_s": 0.5},
             "health": {"interval_s": 1.0},
         }
@@ -216,19 +220,24 @@ class Soak:
     async def _sample(self, pid: int) -> None:
         while True:
             self.samples.append((self.done, *_usage(pid)))
+            self._collect_received()
             await asyncio.sleep(1.0)
+
+    def _collect_received(self) -> None:
+        for engine in self.engines:
+            log, engine.received = engine.received, []
+            for r in log:
+                prompt = r.body.get("prompt")
+                if isinstance(prompt, str) and prompt.startswith("soak normal "):
+                    self.received[prompt] = self.received.get(prompt, 0) + 1
 
     def _report(self, metrics: str, elapsed: float) -> dict[str, Any]:
         running = _metric(metrics, "llmsched_gateway_running")
         queued = sum(_metrics(metrics, "llmsched_gateway_queue_length").values())
         in_flight = _metrics(metrics, "llmsched_gateway_endpoint_in_flight")
-        received: dict[str, int] = {}
-        for engine in self.engines:
-            for r in engine.received:
-                prompt = r.body.get("prompt")
-                if isinstance(prompt, str) and prompt.startswith("soak normal "):
-                    received[prompt] = received.get(prompt, 0) + 1
-        duplicated = sum(1 for n in received.values() if n > 1)
+        self._collect_received()
+        duplicated = sum(1 for n in self.received.values() if n > 1)
+        never_arrived = self.normal_sent - len(self.received)
         tenth = max(len(self.samples) // 10, 1)
         first, last = self.samples[:tenth], self.samples[-tenth:]
         report = {
@@ -239,6 +248,7 @@ class Soak:
             "normal_ok": self.normal_ok,
             "normal_lost": len(self.lost),
             "normal_duplicated": duplicated,
+            "normal_never_reached_an_engine": never_arrived,
             "lost_examples": self.lost[:10],
             "outcomes": self.outcomes,
             "flow_running_end": running,
