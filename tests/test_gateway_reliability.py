@@ -127,6 +127,22 @@ def test_no_status_line_within_the_read_timeout_is_a_504_and_is_not_sent_again()
     run(body())
 
 
+def test_with_on_5xx_off_a_5xx_is_relayed_and_not_sent_again() -> None:
+    async def body() -> None:
+        async with rig(engines=2, retries={"on_5xx": False}) as r:
+            home = await _warm(r, SYSTEM + " 5xx")
+            r.engines[home].mode = "error500"
+            response = await r.complete(SYSTEM + " 5xx again")
+            assert response.status == 500
+            assert len(r.engines[home].received) == 2
+            assert not r.engines[1 - home].received
+            worker = _worker(r, home)
+            errors = "llmsched_gateway_upstream_errors_total"
+            assert r.metric(errors, endpoint=worker, kind="status_5xx") == 1
+
+    run(body())
+
+
 def test_a_request_whose_deadline_passes_gets_504() -> None:
     async def body() -> None:
         async with rig(engines=1, timeouts={"total_s": 0.3}) as r:

@@ -968,15 +968,20 @@ class Gateway:
             raise _UpstreamFailed("connect") from None
         except aiohttp.ClientError:  # connected, then closed before any status line
             raise _UpstreamFailed("broken") from None
+        # The attempt's outcome for the health model (a relayed 5xx still counts as failed).
+        outcome: str | None = None
         try:
             if upstream.status >= 500:
-                raise _UpstreamFailed("status_5xx")
+                if self.config.retries.on_5xx:
+                    raise _UpstreamFailed("status_5xx")
+                outcome = "status_5xx"
+                self.metrics.upstream_errors.labels(endpoint, outcome).inc()
             content_type = upstream.headers.get("Content-Type", "")
             sse = "event-stream" in content_type
             length = upstream.content_length
             if length is not None and length <= _WHOLE_BODY_LIMIT and not sse:
                 return await self._answer_whole(
-                    request, route, upstream, decision, endpoint, deadline
+                    request, route, upstream, decision, endpoint, deadline, outcome
                 )
             try:
                 first = await upstream.content.readany()
@@ -1012,7 +1017,7 @@ class Gateway:
             except ConnectionError:  # the client went away; the finally closes upstream
                 self.metrics.requests.labels(route, "client_gone").inc()
                 return response, counter.tokens()
-            self.health.record(endpoint, None)
+            self.health.record(endpoint, outcome)
             self.metrics.routed.labels(endpoint).inc()
             self.metrics.requests.labels(route, str(upstream.status)).inc()
             return response, counter.tokens()
@@ -1062,6 +1067,7 @@ class Gateway:
         decision: Decision,
         endpoint: str,
         deadline: float,
+        outcome: str | None,
     ) -> tuple[web.StreamResponse, int]:
         """A complete (non-streamed) answer of known length: read it whole, then send it in
         one response (fewer writes than relaying chunks). A failure while reading comes after
@@ -1079,7 +1085,7 @@ class Gateway:
                 response.headers[name] = value
         counter = _OutputCounter(response.headers.get("Content-Type", ""))
         counter.feed(data)
-        self.health.record(endpoint, None)
+        self.health.record(endpoint, outcome)
         self.metrics.routed.labels(endpoint).inc()
         self.metrics.requests.labels(route, str(upstream.status)).inc()
         return response, counter.tokens()

@@ -136,10 +136,12 @@ class LimitsConfig:
 class RetriesConfig:
     """Attempts per request (the first included) while attempts do not get through (see
     :mod:`llmsched.gateway.app`), and how often an engine taken down by its health probes is
-    probed again (``eject_s``)."""
+    probed again (``eject_s``). ``on_5xx``: a 5xx answer is retried (the engine said it
+    failed the request); false relays it to the client (a request then never runs twice)."""
 
     max_attempts: int = 3
     eject_s: float = 5.0
+    on_5xx: bool = True
 
 
 @dataclass(frozen=True)
@@ -618,6 +620,7 @@ def _retries(raw: dict[str, Any]) -> RetriesConfig:
     return RetriesConfig(
         max_attempts=_int(raw, "max_attempts", d.max_attempts, "retries", low=1, high=100),
         eject_s=eject,
+        on_5xx=_bool(raw, "on_5xx", d.on_5xx, "retries"),
     )
 
 
