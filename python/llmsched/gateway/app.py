@@ -551,7 +551,8 @@ class Gateway:
         deadline = time.monotonic() + (total_s if total_s is not None else 1e9)
         try:
             incoming = await self._read_request(request, route, deadline)
-            if not self.routable_endpoints():
+            # Kept current by probes and scrapes (a flag, not a scan of the engines).
+            if self._nothing_routable is not None and self._nothing_routable.is_set():
                 raise self._no_engine_refusal()
         except Refusal as refusal:
             return self.refuse(route, refusal)
