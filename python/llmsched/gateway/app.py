@@ -32,7 +32,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,6 +239,7 @@ class Gateway:
         self.health.set_engines(self._specs)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -320,13 +321,23 @@ class Gateway:
             keepalive_timeout=limits.idle_timeout_s,
         )
         await self._runner.setup()
-        site = _CappedSite(self._runner, cfg.listen.host, cfg.listen.port, gateway=self)
-        await site.start()
-        address = self._runner.addresses[0] if self._runner.addresses else None
+        server = self._runner.server
+        assert server is not None
+        self._listener = await asyncio.get_running_loop().create_server(
+            _capped(server, limits.max_connections, self.metrics),
+            cfg.listen.host,
+            cfg.listen.port,
+            reuse_address=True,
+        )
+        address = self._listener.sockets[0].getsockname() if self._listener.sockets else None
         self._port = int(address[1]) if isinstance(address, tuple) else cfg.listen.port
 
     async def stop(self) -> None:
         """Stops listening (in-flight requests are cancelled), then the background work."""
+        if self._listener is not None:
+            self._listener.close()
+            await self._listener.wait_closed()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -1359,28 +1370,17 @@ _TOO_MANY_CONNECTIONS = (
 )
 
 
-class _CappedSite(web.TCPSite):
-    """A TCP site that holds at most ``limits.max_connections`` client connections."""
+def _capped(
+    server: web.Server, cap: int, metrics: GatewayMetrics
+) -> Callable[[], asyncio.Protocol]:
+    """The listener's protocol factory: aiohttp's handler while fewer than ``cap`` client
+    connections are open, else a :class:`_Refuser` (a 503, then closed)."""
+    metrics.connections.set_function(lambda: len(server.connections))
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, *, gateway: Gateway) -> None:
-        super().__init__(runner, host, port)
-        self._gateway = gateway
+    def accept() -> asyncio.Protocol:
+        if len(server.connections) >= cap:
+            metrics.connections_refused.inc()
+            return _Refuser()
+        return server()
 
-    async def start(self) -> None:
-        await web.BaseSite.start(self)
-        server = self._runner.server
-        assert server is not None
-        gateway = self._gateway
-        cap = gateway.config.limits.max_connections
-        metrics = gateway.metrics
-
-        def accept() -> asyncio.Protocol:
-            if len(server.connections) >= cap:
-                metrics.connections_refused.inc()
-                return _Refuser()
-            return server()
-
-        metrics.connections.set_function(lambda: len(server.connections))
-        self._server = await asyncio.get_running_loop().create_server(
-            accept, self._host, self._port, backlog=self._backlog, reuse_address=True
-        )
+    return accept
