@@ -164,7 +164,9 @@ def test_dropped_connections_from_client_requests_do_not_eject_a_healthy_engine(
         async with rig(engines=2, health=FAST_HEALTH) as r:
             home = await _warm(r, SYSTEM + " drops")
             engine = r.engines[home]
-            for i in range(12):
+            # Fewer attempts than breaker_min_requests (20): the breaker is not in play; each
+            # drop alone must not take the engine out.
+            for i in range(6):
                 engine.mode = "drop"  # this request makes the engine drop the connection
                 response = await r.complete(SYSTEM + f" drops {i}")
                 assert response.status == 200  # retried elsewhere: no status line came
