@@ -161,7 +161,7 @@ def test_a_request_whose_deadline_passes_gets_504() -> None:
 
 def test_dropped_connections_from_client_requests_do_not_eject_a_healthy_engine() -> None:
     async def body() -> None:
-        async with rig(engines=2, health=FAST_HEALTH) as r:
+        async with rig(engines=2, health={"interval_s": None}) as r:  # probes on demand only
             home = await _warm(r, SYSTEM + " drops")
             engine = r.engines[home]
             # Fewer attempts than breaker_min_requests (20): the breaker is not in play; each
@@ -173,6 +173,18 @@ def test_dropped_connections_from_client_requests_do_not_eject_a_healthy_engine(
                 engine.mode = "ok"
                 assert (await r.complete(SYSTEM + f" fine {i}")).status == 200
             worker = _worker(r, home)
+            # failures_to_probe (5) drops in a row: probes check the engine, which answers them.
+            ok_probes = r.metric(
+                "llmsched_gateway_health_probes_total", endpoint=worker, result="ok"
+            )
+            for i in range(5):  # every engine drops these: 502s, and 5 failures in a row each
+                await r.complete(f"{i} drop in a row", x_fake_mode="drop")
+            await _until(
+                lambda: (
+                    r.metric("llmsched_gateway_health_probes_total", endpoint=worker, result="ok")
+                    > ok_probes
+                )
+            )
             assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 0
             assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 0
             assert r.gateway.health.state(worker) == "up"
