@@ -100,11 +100,13 @@ async def rig(
 
 
 async def raw_request(
-    r: Rig, body: bytes, *, extra: bytes = b"", path: str = "/v1/completions"
+    target: Rig | int, body: bytes, *, extra: bytes = b"", path: str = "/v1/completions"
 ) -> tuple[int, str]:
-    """POSTs ``body`` over a raw socket (``extra``: header lines sent as given, bytes that are
-    not UTF-8 included); returns the status and the decoded body (``Connection: close``)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", r.gateway.port)
+    """POSTs ``body`` over a raw socket to a rig's gateway or a port on loopback (``extra``:
+    header lines sent as given, bytes that are not UTF-8 included); returns the status and
+    the decoded body (``Connection: close``)."""
+    port = target if isinstance(target, int) else target.gateway.port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"

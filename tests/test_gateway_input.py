@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from _gateway_harness import MODEL, Rig, raw_request, rig, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -172,7 +175,28 @@ _HEADERS = st.dictionaries(
     _HEADER_VALUE,
     max_size=3,
 )
+# Well-formed requests with random values: the paths past the checks (slicing included).
+_VALID = st.fixed_dictionaries(
+    {"model": st.just(MODEL)},
+    optional={
+        "prompt": st.one_of(
+            st.text(max_size=40), st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=8)
+        ),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text()}
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+        "max_tokens": st.integers(1, 8),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+        "stream": st.booleans(),
+        "cache_salt": st.text(max_size=8),
+    },
+)
 _RAW = st.one_of(
+    _VALID.map(lambda b: json.dumps(b).encode()),
     _BODY.map(lambda b: json.dumps(b).encode()),
     st.binary(max_size=40),
     _JSON.map(lambda v: json.dumps(v).encode()),
@@ -180,23 +204,42 @@ _RAW = st.one_of(
 
 
 class _Fuzz:
-    """One gateway (slices on, flow control on) kept across hypothesis examples."""
+    """One gateway (slices on, flow control on) kept across hypothesis examples: in this
+    process, or (``serve``) the real ``llmsched serve`` process in front of fakes run here."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, serve: Path | None = None) -> None:
         self.loop = asyncio.new_event_loop()
-        self._cm = rig(
-            engines=2,
-            slices=SLICES,
-            flow={"saturation": {"type": "concurrency", "max_requests": 16}},
-        )
-        self.rig: Rig = self.loop.run_until_complete(self._cm.__aenter__())
         self.statuses: dict[int, int] = {}
+        self._process: asyncio.subprocess.Process | None = None
+        overrides: dict[str, Any] = {
+            "slices": SLICES,
+            "flow": {"saturation": {"type": "concurrency", "max_requests": 16}},
+        }
+        self._cm = rig(engines=2, **overrides)
+        self.rig: Rig = self.loop.run_until_complete(self._cm.__aenter__())
+        self.port = self.rig.gateway.port
+        if serve is not None:
+            config = {**overrides, "engines": [e.spec() for e in self.rig.engines]}
+            config.update(models=[MODEL], block_size=4, scrape={"enabled": False})
+            self.port = self.loop.run_until_complete(self._serve(serve, config))
+
+    async def _serve(self, tmp: Path, config: dict[str, Any]) -> int:
+        path = tmp / "gateway.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "llmsched", "serve", "--config", str(path), "--port", "0",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        assert self._process.stdout is not None
+        line = (await asyncio.wait_for(self._process.stdout.readline(), 60)).decode()
+        assert "listening on http://" in line, line
+        return int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
 
     def send(self, route: str, body: bytes, headers: dict[bytes, bytes]) -> int:
         extra = b"".join(k + b": " + v + b"\r\n" for k, v in headers.items())
         path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
         status, answer = self.loop.run_until_complete(
-            asyncio.wait_for(raw_request(self.rig, body, extra=extra, path=path), 10)
+            asyncio.wait_for(raw_request(self.port, body, extra=extra, path=path), 10)
         )
         self.statuses[status] = self.statuses.get(status, 0) + 1
         assert status < 500, (status, answer, body, headers)
@@ -208,8 +251,15 @@ class _Fuzz:
         return status
 
     def close(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            code = self.loop.run_until_complete(asyncio.wait_for(self._process.wait(), 20))
+            assert code == 0
         self.loop.run_until_complete(self._cm.__aexit__(None, None, None))
         self.loop.close()
+        # The fuzz reached the engines too, not only the gateway's refusals.
+        assert self.statuses.get(200, 0) > 0, self.statuses
+        assert sum(v for k, v in self.statuses.items() if 400 <= k < 500) > 0
 
 
 @pytest.fixture(scope="module")
@@ -217,9 +267,13 @@ def fuzz() -> Any:
     target = _Fuzz()
     yield target
     target.close()
-    # The fuzz reached the engines too, not only the gateway's refusals.
-    assert target.statuses.get(200, 0) > 0, target.statuses
-    assert sum(v for k, v in target.statuses.items() if 400 <= k < 500) > 0
+
+
+@pytest.fixture(scope="module")
+def fuzz_serve(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    target = _Fuzz(serve=tmp_path_factory.mktemp("serve"))
+    yield target
+    target.close()
 
 
 @settings(
@@ -233,3 +287,16 @@ def test_fuzzed_bodies_and_headers_never_get_a_5xx(
     fuzz: _Fuzz, route: str, body: bytes, headers: dict[bytes, bytes]
 ) -> None:
     fuzz.send(route, body, headers)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(route=st.sampled_from(["completions", "chat"]), body=_RAW, headers=_HEADERS)
+def test_fuzzed_input_to_the_serve_process_never_gets_a_5xx(
+    fuzz_serve: _Fuzz, route: str, body: bytes, headers: dict[bytes, bytes]
+) -> None:
+    fuzz_serve.send(route, body, headers)
