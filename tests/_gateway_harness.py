@@ -97,3 +97,44 @@ async def rig(
         await gateway.stop()
         for fake in fakes:
             await fake.stop()
+
+
+async def raw_request(
+    target: Rig | int, body: bytes, *, extra: bytes = b"", path: str = "/v1/completions"
+) -> tuple[int, str]:
+    """POSTs ``body`` over a raw socket to a rig's gateway or a port on loopback (``extra``:
+    header lines sent as given, bytes that are not UTF-8 included); returns the status and
+    the decoded body (``Connection: close``)."""
+    port = target if isinstance(target, int) else target.gateway.port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n".encode()
+            + extra
+            + b"\r\n"
+            + body
+        )
+        await writer.drain()
+        data = await reader.read()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    head, _, payload = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    if b"transfer-encoding: chunked" in head.lower():
+        payload = _dechunk(payload)
+    return status, payload.decode(errors="replace")
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = bytearray()
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out += data[:size]
+        data = data[size + 2 :]
+    return bytes(out)

@@ -1,12 +1,15 @@
 """The reference gateway: an OpenAI-compatible HTTP front that admits, routes and proxies.
 
-Per request: authenticate, read the body (size-limited), tokenize (or hash the text), admit
-through :class:`~llmsched.FlowController`, pick with :class:`~llmsched.Router`, send to the
-chosen engine and stream its answer back byte for byte. When an engine fails before its first
-byte the request goes to the next endpoint (bounded by ``retries.max_attempts``); an engine
-that refuses connections is left out of routing for ``retries.eject_s``. The upstream URL is
-always built from the configured :class:`~llmsched.integrations.EngineSpec`, never from
-anything in the request.
+Per request: authenticate, read the body (size- and time-limited), check it, tokenize (or hash
+the text), admit through :class:`~llmsched.FlowController`, pick with :class:`~llmsched.Router`,
+send to the chosen engine and stream its answer back byte for byte. An attempt whose
+connection fails or is closed before the engine's status line (or that gets a 5xx) goes to the
+next endpoint (bounded by ``retries.max_attempts``); one that waits ``timeouts.read_s`` for its
+status line gets a 504; an answer whose status line arrived is never sent again: cut off or
+timed out later, it is a 502 when the client got nothing yet, else the client's connection is
+reset (an SSE stream gets an error event and ends without ``[DONE]``). Engine health follows
+:mod:`llmsched.gateway.health`. The upstream URL is always built from the configured
+:class:`~llmsched.integrations.EngineSpec`, never from anything in the request.
 
 >>> import asyncio
 >>> gw = Gateway({"engines": [{"host": "127.0.0.1", "port": 9}], "models": ["m"],
@@ -26,8 +29,10 @@ import itertools
 import json
 import logging
 import os
+import socket
+import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +51,9 @@ from llmsched.errors import (
 )
 from llmsched.flow import FlowController, FlowRequest
 from llmsched.gateway.config import ApiKey, GatewayConfig, load_config, read_engines_file
+from llmsched.gateway.health import EngineHealth
 from llmsched.gateway.metrics import GatewayMetrics
+from llmsched.gateway.ratelimit import KeyLimiter, retry_after
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
@@ -54,7 +61,7 @@ from llmsched.routing import Decision, Endpoint, EndpointPool, Router
 from llmsched.slices import SliceTracker
 from llmsched.tokenize import PromptError, PromptTokenizer
 
-__all__ = ["Gateway"]
+__all__ = ["Gateway", "Refusal"]
 
 log = logging.getLogger("llmsched.gateway")
 
@@ -62,6 +69,8 @@ TENANT_HEADER = "x-llmsched-tenant"
 PRIORITY_HEADER = "x-llmsched-priority"
 SESSION_HEADER = "x-session-id"
 DROPPED_REASON_HEADER = "x-llmsched-dropped-reason"
+OVERFLOW_TENANT = "~overflow"
+"""The tenant of requests whose header names a tenant past ``limits.max_tenants``."""
 
 _ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Response headers copied from the engine; hop-by-hop and framing headers are aiohttp's job.
@@ -70,27 +79,65 @@ _PASSED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
 _USAGE_PARSE_LIMIT = 1 << 20
 # Non-streamed answers up to this size are read whole and sent in one response.
 _WHOLE_BODY_LIMIT = 8 << 20
+# How often queued requests learn that no engine is left (they then get a 503 at once).
+_ROUTABLE_CHECK_S = 0.2
+# Body fields the gateway checks whatever the engine: (name, what is allowed).
+_TOKEN_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+_MAX_TOKEN_LIMIT = 2**31 - 1
+# Deepest nesting of a request body (chat content parts and tool schemas need a few levels).
+_MAX_DEPTH = 64
 
 
-class _Refusal(Exception):
-    """A request answered by the gateway itself (status, OpenAI error type, message)."""
+class Refusal(Exception):
+    """A request answered by the gateway itself: HTTP ``status``, OpenAI error ``kind``
+    (``type``), ``message``, the field at fault (``param``), extra ``headers``, and whether the
+    client connection is closed after the answer (``close``: the rest of a body is unread).
+
+    Package-internal: :mod:`llmsched.gateway.slicing` raises it through :meth:`Gateway.refuse`.
+    """
 
     def __init__(
-        self, status: int, kind: str, message: str, headers: Mapping[str, str] | None = None
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        param: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.message = message
         self.headers = dict(headers or {})
+        self.param = param
+        self.close = close
 
 
 class _UpstreamFailed(Exception):
-    """One attempt failed before the engine's first byte (retryable)."""
+    """One attempt failed before the engine's status line, or with a 5xx (retryable)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
         self.kind = kind
+
+
+class _NoAnswer(Exception):
+    """The request went to the engine and no status line came within ``timeouts.read_s`` (or
+    the deadline): not retried, since the engine may be running it."""
+
+
+# Timeouts of the connection itself (the request was not sent): retryable. aiohttp < 3.10 does
+# not tell them apart from read timeouts; there every timeout counts as a read timeout.
+_CONNECT_TIMEOUTS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(aiohttp, "ConnectionTimeoutError", None),) if isinstance(t, type)
+)
+
+
+class _Truncated(Exception):
+    """The engine's answer had its status line, then was cut off or timed out before anything
+    went to the client (never retried: the engine may have run the request)."""
 
 
 @dataclass
@@ -103,7 +150,9 @@ class _Incoming:
     payload: dict[str, Any]
     prompt: _Prompt
     pick_args: dict[str, Any]
+    deadline: float
     queued_s: float = 0.0
+    limiter: KeyLimiter | None = None
 
 
 @dataclass
@@ -163,18 +212,40 @@ class Gateway:
         self._subscriber: Any = None
         self._scraper: Any = None
         self.metrics = GatewayMetrics(
-            flow=self.flow, index=self.index, kv_counters=self._kv_counters
+            flow=self.flow,
+            index=self.index,
+            kv_counters=self._kv_counters,
+            endpoints=self.pool.endpoints,
         )
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
             for key, identity in cfg.auth.api_keys.items()
         }
+        self._limiters = {
+            digest: KeyLimiter(**identity.limits())
+            for digest, identity in self._keys.items()
+            if identity.limited
+        }
         self._ids = itertools.count(1)
-        self._ejected: dict[str, float] = {}
+        self._tenants: set[str] = set()
+        self.metrics.tenants.set_function(lambda: len(self._tenants))
+        self.health = EngineHealth(
+            cfg.health,
+            recheck_s=cfg.retries.eject_s,
+            probe=self._probe,
+            on_change=self._routing_changed,
+            metrics=self.metrics,
+        )
+        self.health.set_engines(self._specs)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._discovery_task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        # Set while no engine is routable: queued requests then leave with a 503 at once.
+        self._nothing_routable: asyncio.Event | None = None
         self._port: int | None = None
         self.app = web.Application(client_max_size=cfg.limits.max_body_bytes)
         self.app.add_routes(
@@ -187,6 +258,10 @@ class Gateway:
                 web.get("/metrics", self._metrics),
             ]
         )
+        if cfg.admin.token is not None:
+            from llmsched.gateway.admin import add_admin_routes
+
+            add_admin_routes(self.app, self, cfg.admin.token)
 
     @staticmethod
     def _endpoint(spec: EngineSpec) -> Endpoint:
@@ -219,7 +294,7 @@ class Gateway:
         timeouts = cfg.timeouts
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(
-                total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
+                total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
             ),
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             auto_decompress=False,
@@ -228,6 +303,9 @@ class Gateway:
         await self._start_feeds()
         if cfg.discovery.file is not None:
             self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
+        self._nothing_routable = asyncio.Event()
+        self._health_task = asyncio.create_task(self.health.run())
+        self._watch_task = asyncio.create_task(self._watch_routable())
         limits = cfg.limits
         self._runner = web.AppRunner(
             self.app,
@@ -236,23 +314,39 @@ class Gateway:
             max_line_size=limits.max_line_size,
             max_field_size=limits.max_field_size,
             max_headers=limits.max_headers,
+            # A body left unread (refused before or while reading it) is not drained: the
+            # connection closes after the answer, so a slow or endless body holds nothing.
+            lingering_time=0,
+            # Idle keep-alive connections and request headers that never end are closed.
+            keepalive_timeout=limits.idle_timeout_s,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.listen.host, cfg.listen.port)
-        await site.start()
-        address = self._runner.addresses[0] if self._runner.addresses else None
+        server = self._runner.server
+        assert server is not None
+        self._listener = await asyncio.get_running_loop().create_server(
+            _capped(server, limits.max_connections, self.metrics),
+            cfg.listen.host,
+            cfg.listen.port,
+            reuse_address=True,
+        )
+        address = self._listener.sockets[0].getsockname() if self._listener.sockets else None
         self._port = int(address[1]) if isinstance(address, tuple) else cfg.listen.port
 
     async def stop(self) -> None:
         """Stops listening (in-flight requests are cancelled), then the background work."""
+        if self._listener is not None:
+            self._listener.close()
+            await self._listener.wait_closed()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._discovery_task is not None:
-            self._discovery_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._discovery_task
-            self._discovery_task = None
+        for task in (self._discovery_task, self._health_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._discovery_task = self._health_task = self._watch_task = None
         await self._stop_feeds()
         if self._session is not None:
             await self._session.close()
@@ -327,20 +421,19 @@ class Gateway:
         if not (added or removed or changed):
             return [], []
         for worker in removed:
-            self._ejected.pop(worker, None)
             with contextlib.suppress(UnknownEndpointError):
                 self.pool.remove(worker)
             if self.flow is not None:
                 self.flow.remove_endpoint(worker)
             with contextlib.suppress(UnknownWorkerError):
                 self.index.remove_worker(worker)
-        for worker in added + changed:
-            if worker not in self._ejected:  # an ejected engine returns with its new spec
-                self.pool.add(self._endpoint(specs[worker]))
+        for worker in added + changed:  # a changed engine starts over as up, with its new spec
+            self.pool.add(self._endpoint(specs[worker]))
             if self.slice_tracker is not None:
                 self.slice_tracker.set_endpoint(worker)
         self._specs = specs
         self._urls = _upstream_urls(specs)
+        self.health.set_engines(specs, reset=changed)
         self.metrics.engines_changed.inc(len(added) + len(removed) + len(changed))
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
         if self._session is not None:  # started: the feeds follow the new set
@@ -362,7 +455,7 @@ class Gateway:
             seen = version
             try:
                 engines = await asyncio.get_running_loop().run_in_executor(
-                    None, read_engines_file, path
+                    None, _read_capped, path, self.config.discovery.max_bytes
                 )
                 await self.set_engines(engines)
             except ConfigError as exc:
@@ -381,7 +474,6 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        self._restore_ejected(time.monotonic())
         routable = self.routable_endpoints()
         status = 200 if routable else 503
         return web.json_response(
@@ -389,8 +481,8 @@ class Gateway:
         )
 
     def routable_endpoints(self) -> list[str]:
-        """Engines a request could go to now: in the pool (not ejected after refusing
-        connections) and, once scraped, answering their last scrape."""
+        """Engines a request could go to now: in the pool, up by the health model (not down,
+        breaker not open) and, once scraped, answering their last scrape."""
         present = {str(e["id"]) for e in self.pool.endpoints()}
         snapshot: dict[str, dict[str, Any]] = (
             self._scraper.snapshot() if self._scraper is not None else {}
@@ -398,8 +490,46 @@ class Gateway:
         return [
             worker
             for worker in self._specs
-            if worker in present and _answering(snapshot.get(worker))
+            if worker in present
+            and self.health.routable(worker)
+            and _answering(snapshot.get(worker))
         ]
+
+    async def _watch_routable(self) -> None:
+        """Keeps ``_nothing_routable`` current (scrapes and probes change it)."""
+        assert self._nothing_routable is not None
+        while True:
+            if self.routable_endpoints():
+                self._nothing_routable.clear()
+            else:
+                self._nothing_routable.set()
+            await asyncio.sleep(_ROUTABLE_CHECK_S)
+
+    def _routing_changed(self, worker: str, routable: bool) -> None:
+        """The health model took an engine out of routing or brought it back."""
+        spec = self._specs.get(worker)
+        if routable and spec is not None:
+            self.pool.add(self._endpoint(spec))
+        elif not routable:
+            with contextlib.suppress(UnknownEndpointError):
+                self.pool.remove(worker)
+        if self._nothing_routable is not None:
+            if self.routable_endpoints():
+                self._nothing_routable.clear()
+            else:
+                self._nothing_routable.set()
+
+    async def _probe(self, worker: str) -> bool:
+        """One health probe: ``GET <engine><health.path>`` answered 200 within the timeout."""
+        spec = self._specs.get(worker)
+        if spec is None or self._session is None:
+            return False
+        timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_s)
+        async with self._session.get(
+            spec.base_url + self.config.health.path, timeout=timeout
+        ) as response:
+            await response.read()
+            return response.status == 200
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = self.metrics.render()
@@ -408,8 +538,8 @@ class Gateway:
     async def _models(self, request: web.Request) -> web.Response:
         try:
             self._authenticate(request)
-        except _Refusal as refusal:
-            return self._refuse("models", refusal)
+        except Refusal as refusal:
+            return self.refuse("models", refusal)
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "llmsched"}
             for m in self.config.models
@@ -428,37 +558,74 @@ class Gateway:
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         """One generation request: read and check it, admit it, serve it, release it."""
         arrived = time.perf_counter()
+        total_s = self.config.timeouts.total_s
+        deadline = time.monotonic() + (total_s if total_s is not None else 1e9)
         try:
-            incoming = await self._read_request(request, route)
-        except _Refusal as refusal:
-            return self._refuse(route, refusal)
+            incoming = await self._read_request(request, route, deadline)
+            # Kept current by probes and scrapes (a flag, not a scan of the engines).
+            if self._nothing_routable is not None and self._nothing_routable.is_set():
+                raise self._no_engine_refusal()
+        except Refusal as refusal:
+            return self.refuse(route, refusal)
+        limiter = incoming.limiter
+        if limiter is not None:
+            over = limiter.acquire(prompt_tokens=incoming.prompt.size)
+            if over is not None:
+                reason, wait_s = over
+                return self.refuse(route, _limit_refusal(reason, wait_s))
         request_id = next(self._ids)
         slot = _FlowSlot(request_id)
-        if self.flow is not None:
-            try:
-                incoming.queued_s = await self._admit(request_id, incoming)
-            except FlowRejected as rejected:
-                dropped = _flow_refusal(rejected, self.config.limits.retry_after_s)
-                return self._refuse(route, dropped)
         try:
-            return await self._serve(request, route, incoming, slot, arrived)
+            if self.flow is not None:
+                try:
+                    incoming.queued_s = await self._admit(request_id, incoming)
+                except FlowRejected as rejected:
+                    dropped = _flow_refusal(rejected, self.config.limits.retry_after_s)
+                    return self.refuse(route, dropped)
+                except Refusal as refusal:
+                    return self.refuse(route, refusal)
+            try:
+                return await self._serve(request, route, incoming, slot, arrived)
+            finally:
+                if self.flow is not None and slot.flow_id is not None:
+                    self.flow.complete(slot.flow_id, slot.output_tokens)
         finally:
-            if self.flow is not None and slot.flow_id is not None:
-                self.flow.complete(slot.flow_id, slot.output_tokens)
+            if limiter is not None:
+                limiter.release(output_tokens=slot.output_tokens)
 
-    async def _read_request(self, request: web.Request, route: str) -> _Incoming:
-        """Authenticates, reads (size-limited) and checks a request; raises _Refusal."""
-        tenant, priority = self._authenticate(request)
+    def _no_engine_refusal(self) -> Refusal:
+        return Refusal(
+            503,
+            "service_unavailable",
+            "no engine is available",
+            {
+                DROPPED_REASON_HEADER: "no-endpoints",
+                "Retry-After": str(self.config.limits.retry_after_s),
+            },
+        )
+
+    async def _read_request(self, request: web.Request, route: str, deadline: float) -> _Incoming:
+        """Authenticates, reads (size- and time-limited) and checks a request; raises
+        Refusal."""
+        tenant, priority, limiter = self._authenticate(request)
         body = await self._read_body(request)
         payload = _json_object(body)
+        # Escapes may encode lone surrogates, which no engine can take: strings are checked
+        # only when the body has escapes.
+        _check_structure(payload, "", 0, text=b"\\u" in body)
         model = payload.get("model")
         if not isinstance(model, str):
-            raise _Refusal(400, "invalid_request_error", "'model' must be a string")
+            raise Refusal(400, "invalid_request_error", "'model' must be a string", param="model")
         if model not in self.config.models:
-            raise _Refusal(404, "model_not_found", f"model {model!r} is not served here")
+            raise Refusal(
+                404, "model_not_found", f"model {model!r} is not served here", param="model"
+            )
+        _check_fields(payload)
         prompt = self._prompt(route, payload)
         pick_args = self._pick_args(prompt, model, priority, payload, request)
-        return _Incoming(tenant, priority, body, payload, prompt, pick_args)
+        return _Incoming(
+            tenant, priority, body, payload, prompt, pick_args, deadline, limiter=limiter
+        )
 
     async def _admit(self, flow_id: int, incoming: _Incoming) -> float:
         """Waits for flow control to dispatch the request; returns the seconds it waited."""
@@ -471,10 +638,34 @@ class Gateway:
             prompt_tokens=incoming.prompt.size,
             size_bytes=len(incoming.body),
         )
-        await self.flow.admit(flow_request)
+        await self._wait_admitted(flow_request, incoming.deadline)
         queued_s = time.perf_counter() - before
         self.metrics.queue_seconds.observe(queued_s)
         return queued_s
+
+    async def _wait_admitted(self, flow_request: FlowRequest, deadline: float) -> None:
+        """``flow.admit``, left with a 503 as soon as no engine is routable, or a 504 at the
+        request's deadline (the queued request is cancelled either way)."""
+        assert self.flow is not None and self._nothing_routable is not None
+        admitted = asyncio.ensure_future(self.flow.admit(flow_request))
+        nothing = asyncio.ensure_future(self._nothing_routable.wait())
+        try:
+            await asyncio.wait(
+                (admitted, nothing),
+                timeout=max(deadline - time.monotonic(), 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            nothing.cancel()
+            if not admitted.done():
+                admitted.cancel()
+                with contextlib.suppress(asyncio.CancelledError, FlowRejected):
+                    await admitted
+        if admitted.cancelled():
+            if time.monotonic() >= deadline:
+                raise _deadline_refusal()
+            raise self._no_engine_refusal()
+        admitted.result()  # raises FlowRejected
 
     async def _serve(
         self,
@@ -506,59 +697,93 @@ class Gateway:
                 stream=bool(incoming.payload.get("stream")),
                 base_pick_args=incoming.pick_args,
                 next_flow_id=lambda: next(self._ids),
+                deadline=incoming.deadline,
             )
             self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
             try:
                 return await sliced.run(request)
             finally:
                 slot.flow_id, slot.output_tokens = sliced.flow_id, sliced.uncharged_tokens()
-        decision = self._pick(incoming.pick_args)
+        decision = self.pick(incoming.pick_args)
         if decision is None:
-            return self._refuse(route, _Refusal(503, "no_endpoint", "no engine can serve it"))
+            return self.refuse(route, self._no_engine_refusal())
         self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
         response, slot.output_tokens = await self._proxy(
-            request, route, incoming.body, decision, incoming.pick_args
+            request, route, incoming.body, decision, incoming.pick_args, incoming.deadline
         )
         return response
 
-    def _authenticate(self, request: web.Request) -> tuple[str, int]:
-        """(tenant, priority): from the API key when auth is on (headers ignored), else from
-        the ``x-llmsched-tenant`` / ``x-llmsched-priority`` headers."""
+    def _authenticate(self, request: web.Request) -> tuple[str, int, KeyLimiter | None]:
+        """(tenant, priority, the key's limiter): from the API key when auth is on (headers
+        ignored), else from the ``x-llmsched-tenant`` / ``x-llmsched-priority`` headers."""
         if self.config.auth.enabled:
-            identity = self._identity(_presented_key(request))
-            if identity is None:
-                raise _Refusal(401, "invalid_api_key", "missing or invalid API key")
-            return identity.tenant, identity.priority
-        tenant = request.headers.get(TENANT_HEADER, "default") or "default"
-        raw = request.headers.get(PRIORITY_HEADER)
+            found = self._identity(_presented_key(request))
+            if found is None:
+                raise Refusal(401, "invalid_api_key", "missing or invalid API key")
+            digest, identity = found
+            return identity.tenant, identity.priority, self._limiters.get(digest)
+        tenant = self._bounded_tenant(_header(request, TENANT_HEADER) or "default")
+        raw = _header(request, PRIORITY_HEADER)
         if raw is None:
-            return tenant, 0
+            return tenant, 0, None
         try:
             priority = int(raw)
         except ValueError:
             priority = 1 << 40
         if not -(2**31) <= priority < 2**31:
-            raise _Refusal(400, "invalid_request_error", f"{PRIORITY_HEADER} must be an int")
-        return tenant, priority
+            raise Refusal(
+                400,
+                "invalid_request_error",
+                f"{PRIORITY_HEADER} must be an int",
+                param=PRIORITY_HEADER,
+            )
+        return tenant, priority, None
 
-    def _identity(self, key: str | None) -> ApiKey | None:
+    def _bounded_tenant(self, tenant: str) -> str:
+        """Tenant names from a header are the client's choice: past ``limits.max_tenants``
+        distinct names, new ones share one flow (:data:`OVERFLOW_TENANT`), so flow control
+        holds a bounded number of flows whatever clients send."""
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) >= self.config.limits.max_tenants:
+            self.metrics.tenants_folded.inc()
+            return OVERFLOW_TENANT
+        self._tenants.add(tenant)
+        return tenant
+
+    def _identity(self, key: str | None) -> tuple[bytes, ApiKey] | None:
         if key is None:
             return None
-        digest = hashlib.sha256(key.encode()).digest()
+        # A header with bytes that are not UTF-8 reaches here with surrogate escapes: its bytes
+        # are hashed as they came, and match no key.
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
         # Every stored digest is compared, in constant time, whatever matches: the time taken
         # says nothing about which key or how much of it was right.
         found = None
         for stored, identity in self._keys.items():
             if hmac.compare_digest(stored, digest):
-                found = identity
+                found = stored, identity
         return found
 
     async def _read_body(self, request: web.Request) -> bytes:
+        limits = self.config.limits
+        too_large = Refusal(
+            413, "request_too_large", f"body exceeds {limits.max_body_bytes} bytes", close=True
+        )
+        declared = request.content_length
+        if declared is not None and declared > limits.max_body_bytes:
+            raise too_large  # refused before a byte of it is read
         try:
-            return await request.read()
+            return await asyncio.wait_for(request.read(), limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
-            limit = self.config.limits.max_body_bytes
-            raise _Refusal(413, "request_too_large", f"body exceeds {limit} bytes") from None
+            raise too_large from None
+        except asyncio.TimeoutError:
+            raise Refusal(
+                408,
+                "request_timeout",
+                f"the body did not arrive within {limits.body_timeout_s:g} s",
+                close=True,
+            ) from None
 
     def _prompt(self, route: str, payload: dict[str, Any]) -> _Prompt:
         try:
@@ -589,7 +814,7 @@ class Gateway:
                 return _Prompt(np.asarray(prompt, dtype=np.uint32), None, None, len(prompt))
             raise PromptError("'prompt' must be a string or a list of token ids")
         except PromptError as exc:
-            raise _Refusal(400, "invalid_request_error", str(exc)) from None
+            raise Refusal(400, "invalid_request_error", str(exc)) from None
 
     def _pick_args(
         self,
@@ -609,15 +834,17 @@ class Gateway:
         salt = payload.get("cache_salt")
         if isinstance(salt, str):
             args["cache_salt"] = salt
-        session = request.headers.get(SESSION_HEADER)
+        session = _header(request, SESSION_HEADER)
         if session:
             args["session_id"] = session
         return args
 
-    def _pick(self, args: Mapping[str, Any]) -> Decision | None:
+    # -- package-internal seam (used by llmsched.gateway.slicing) ---------------------------
+
+    def pick(self, args: Mapping[str, Any]) -> Decision | None:
+        """A routing decision for ``args`` (Router.pick keywords), timed in the metrics; None
+        when no endpoint can serve it. Package-internal."""
         now = time.monotonic()
-        if self._ejected:
-            self._restore_ejected(now)
         started = time.perf_counter()
         try:
             decision = self.router.pick(**args, now=now)
@@ -636,9 +863,11 @@ class Gateway:
         body: bytes,
         decision: Decision,
         pick_args: Mapping[str, Any],
+        deadline: float,
     ) -> tuple[web.StreamResponse, int]:
         """Sends to the chosen endpoint, then to fallbacks while attempts fail before the
-        first byte. Returns the response sent and the output tokens counted."""
+        engine's status line (or get a 5xx). Returns the response sent and the output tokens
+        counted."""
         considered = [str(e) for e in decision.cached_tokens()]
         order = [str(decision.endpoint), *map(str, decision.fallbacks)]
         order += [e for e in considered if e not in order]
@@ -647,13 +876,17 @@ class Gateway:
         for endpoint in order:
             if attempts >= self.config.retries.max_attempts:
                 break
+            if time.monotonic() >= deadline:
+                if current is not None:
+                    current.finished()
+                return self.refuse(route, _deadline_refusal()), 0
             if current is None:  # a retry: a fresh decision carries the in-flight accounting
-                current = self._pick(pick_args)
+                current = self.pick(pick_args)
                 if current is None:
                     break
             try:
                 current.started(endpoint)
-            except UnknownEndpointError:  # ejected or removed since the first pick
+            except UnknownEndpointError:  # taken out of routing or removed since the pick
                 current.finished()
                 current = None
                 continue
@@ -661,26 +894,67 @@ class Gateway:
             if attempts > 1:
                 self.metrics.retries.inc()
             try:
-                return await self._attempt(request, route, body, current, endpoint)
+                return await self._attempt(request, route, body, current, endpoint, deadline)
             except _UpstreamFailed as failed:
                 self.metrics.upstream_errors.labels(endpoint, failed.kind).inc()
-                if failed.kind in ("connect", "timeout"):
-                    self._eject(endpoint)
+                # The request's own deadline ending an attempt says nothing about the engine.
+                if failed.kind != "removed" and time.monotonic() < deadline:
+                    self.health.record(endpoint, failed.kind)
                 current.finished()
                 current = None
+            except _NoAnswer:
+                self.metrics.upstream_errors.labels(endpoint, "timeout").inc()
+                if time.monotonic() < deadline:
+                    self.health.record(endpoint, "timeout")
+                    return self.refuse(
+                        route,
+                        Refusal(504, "timeout", "the engine did not answer within timeouts.read_s"),
+                    ), 0
+                return self.refuse(route, _deadline_refusal()), 0
+            except _Truncated as truncated:
+                # The status line came: the request ran (or runs) there; it is not re-sent.
+                self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
+                self.metrics.truncated.labels(endpoint, "error").inc()
+                return self.refuse(route, Refusal(502, "upstream_error", str(truncated))), 0
             finally:
                 if current is not None:
                     current.finished()
-        return self._refuse(
+        if time.monotonic() >= deadline:
+            return self.refuse(route, _deadline_refusal()), 0
+        return self.refuse(
             route,
-            _Refusal(502, "upstream_error", f"no engine answered ({attempts} attempts)"),
+            Refusal(502, "upstream_error", f"no engine answered ({attempts} attempts)"),
         ), 0
 
+    def upstream_timeout(self, deadline: float) -> aiohttp.ClientTimeout:
+        """Upstream timeouts of an attempt: ``timeouts.connect_s`` / ``read_s``, and the time
+        left until the request's ``deadline`` (monotonic seconds) in all. Package-internal."""
+        timeouts = self.config.timeouts
+        return aiohttp.ClientTimeout(
+            total=max(deadline - time.monotonic(), 0.001),
+            sock_connect=timeouts.connect_s,
+            sock_read=timeouts.read_s,
+        )
+
+    def _cut_failure(self, endpoint: str, deadline: float) -> None:
+        """Counts an answer cut off or timed out after its status line against the engine,
+        unless the request's own deadline ended it."""
+        if time.monotonic() < deadline:
+            self.health.record(endpoint, "truncated")
+
     async def _attempt(
-        self, request: web.Request, route: str, body: bytes, decision: Decision, endpoint: str
+        self,
+        request: web.Request,
+        route: str,
+        body: bytes,
+        decision: Decision,
+        endpoint: str,
+        deadline: float,
     ) -> tuple[web.StreamResponse, int]:
-        """One upstream attempt. Raises _UpstreamFailed before the first byte went to the
-        client; after that, errors end the client's response."""
+        """One upstream attempt. Raises _UpstreamFailed when the request did not get through
+        (connection refused or timed out, or closed before a status line) or got a 5xx;
+        _NoAnswer when no status line came in time; _Truncated when the answer fails before
+        the client got a byte; after that, a failure aborts the client's response."""
         assert self._session is not None, "the gateway is not started"
         headers = {"Content-Type": "application/json"}
         accept = request.headers.get("Accept")
@@ -695,28 +969,37 @@ class Gateway:
         if url is None:  # discovery removed the engine after it was picked
             raise _UpstreamFailed("removed")
         try:
-            upstream = await self._session.post(url, data=body, headers=headers)
-        except asyncio.TimeoutError:
+            upstream = await self._session.post(
+                url, data=body, headers=headers, timeout=self.upstream_timeout(deadline)
+            )
+        except _CONNECT_TIMEOUTS:
             raise _UpstreamFailed("timeout") from None
-        except aiohttp.ClientError:
+        except asyncio.TimeoutError:
+            raise _NoAnswer from None
+        except aiohttp.ClientConnectorError:
             raise _UpstreamFailed("connect") from None
+        except aiohttp.ClientError:  # connected, then closed before any status line
+            raise _UpstreamFailed("broken") from None
+        # The attempt's outcome for the health model (a relayed 5xx still counts as failed).
+        outcome: str | None = None
         try:
             if upstream.status >= 500:
-                raise _UpstreamFailed("status_5xx")
+                if self.config.retries.on_5xx:
+                    raise _UpstreamFailed("status_5xx")
+                outcome = "status_5xx"
+                self.metrics.upstream_errors.labels(endpoint, outcome).inc()
             content_type = upstream.headers.get("Content-Type", "")
+            sse = "event-stream" in content_type
             length = upstream.content_length
-            if (
-                length is not None
-                and length <= _WHOLE_BODY_LIMIT
-                and "event-stream" not in content_type
-            ):
-                return await self._answer_whole(request, route, upstream, decision, endpoint)
+            if length is not None and length <= _WHOLE_BODY_LIMIT and not sse:
+                return await self._answer_whole(
+                    request, route, upstream, decision, endpoint, deadline, outcome
+                )
             try:
                 first = await upstream.content.readany()
-            except asyncio.TimeoutError:
-                raise _UpstreamFailed("timeout") from None
-            except aiohttp.ClientError:
-                raise _UpstreamFailed("broken") from None
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                self._cut_failure(endpoint, deadline)
+                raise _Truncated("the engine's answer was cut off before its first byte") from None
             decision.first_token()
             response = web.StreamResponse(status=upstream.status)
             for name in _PASSED_RESPONSE_HEADERS:
@@ -725,7 +1008,7 @@ class Gateway:
                     response.headers[name] = value
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
-            counter = _OutputCounter(upstream.headers.get("Content-Type", ""))
+            counter = _OutputCounter(content_type)
             try:
                 await response.prepare(request)
                 chunk = first
@@ -735,16 +1018,18 @@ class Gateway:
                     try:
                         chunk = await upstream.content.readany()
                     except (aiohttp.ClientError, asyncio.TimeoutError):
-                        # Mid-stream failure: the client already has bytes; end its response.
-                        self.metrics.upstream_errors.labels(endpoint, "broken").inc()
+                        # Mid-answer failure: the client already has bytes and must not take
+                        # what it got for a whole answer.
+                        self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
+                        self._cut_failure(endpoint, deadline)
+                        await self.abort_response(request, response, endpoint, sse=sse)
                         self.metrics.requests.labels(route, "aborted").inc()
-                        with contextlib.suppress(ConnectionError):
-                            await response.write_eof()
                         return response, counter.tokens()
                 await response.write_eof()
             except ConnectionError:  # the client went away; the finally closes upstream
                 self.metrics.requests.labels(route, "client_gone").inc()
                 return response, counter.tokens()
+            self.health.record(endpoint, outcome)
             self.metrics.routed.labels(endpoint).inc()
             self.metrics.requests.labels(route, str(upstream.status)).inc()
             return response, counter.tokens()
@@ -755,6 +1040,37 @@ class Gateway:
             else:
                 upstream.close()
 
+    async def abort_response(
+        self, request: web.Request, response: web.StreamResponse, endpoint: str, *, sse: bool
+    ) -> None:
+        """Ends a client response whose upstream answer broke off, so that no client takes it
+        for complete: an SSE stream gets an error event and is closed without its final chunk
+        (no ``[DONE]``); any other body is reset (RST), as Envoy and nginx do. Counted.
+        Package-internal."""
+        protocol = request.protocol
+        if sse:
+            event = {
+                "error": {
+                    "message": "the engine's answer was cut off",
+                    "type": "upstream_error",
+                    "param": None,
+                    "code": 502,
+                }
+            }
+            with contextlib.suppress(ConnectionError):
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            self.metrics.truncated.labels(endpoint, "sse_error").inc()
+        else:
+            transport = request.transport
+            sock = None if transport is None else transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.metrics.truncated.labels(endpoint, "reset").inc()
+        # Closing the connection without the terminating chunk: the client's parser sees a
+        # body that ended early (with SO_LINGER 0 the close is a reset).
+        protocol.force_close()
+
     async def _answer_whole(
         self,
         request: web.Request,
@@ -762,16 +1078,17 @@ class Gateway:
         upstream: aiohttp.ClientResponse,
         decision: Decision,
         endpoint: str,
+        deadline: float,
+        outcome: str | None,
     ) -> tuple[web.StreamResponse, int]:
         """A complete (non-streamed) answer of known length: read it whole, then send it in
-        one response (fewer writes than relaying chunks). A failure while reading is still
-        before the client's first byte, hence retryable."""
+        one response (fewer writes than relaying chunks). A failure while reading comes after
+        the status line: a 502, never a retry."""
         try:
             data = await upstream.read()
-        except asyncio.TimeoutError:
-            raise _UpstreamFailed("timeout") from None
-        except aiohttp.ClientError:
-            raise _UpstreamFailed("broken") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            self._cut_failure(endpoint, deadline)
+            raise _Truncated("the engine's answer was cut off") from None
         decision.first_token()
         response = web.Response(body=data, status=upstream.status)
         for name in _PASSED_RESPONSE_HEADERS:
@@ -780,43 +1097,46 @@ class Gateway:
                 response.headers[name] = value
         counter = _OutputCounter(response.headers.get("Content-Type", ""))
         counter.feed(data)
+        self.health.record(endpoint, outcome)
         self.metrics.routed.labels(endpoint).inc()
         self.metrics.requests.labels(route, str(upstream.status)).inc()
         return response, counter.tokens()
 
-    def _eject(self, endpoint: str) -> None:
-        """Leaves an engine that refused connections out of routing for ``eject_s``."""
-        if endpoint in self._ejected or len(self._ejected) + 1 >= len(self._specs):
-            return  # never eject the last engine: retries and /ready still need one
-        with contextlib.suppress(UnknownEndpointError):
-            self.pool.remove(endpoint)
-            self._ejected[endpoint] = time.monotonic() + self.config.retries.eject_s
-            self.metrics.ejections.labels(endpoint).inc()
-            log.warning(
-                "engine %s refused connections; left out for %.1f s",
-                endpoint,
-                self.config.retries.eject_s,
-            )
-
-    def _restore_ejected(self, now: float) -> None:
-        for endpoint, until in list(self._ejected.items()):
-            if until <= now:
-                del self._ejected[endpoint]
-                self.pool.add(self._endpoint(self._specs[endpoint]))
-
-    def _refuse(self, route: str, refusal: _Refusal) -> web.Response:
+    def refuse(self, route: str, refusal: Refusal) -> web.Response:
+        """The gateway's own answer to a request (OpenAI error shape), counted. A configured
+        API key never appears in it. Package-internal."""
         reason = refusal.headers.get(DROPPED_REASON_HEADER, refusal.kind)
         self.metrics.rejections.labels(reason).inc()
         self.metrics.requests.labels(route, str(refusal.status)).inc()
         body = {
             "error": {
-                "message": refusal.message,
+                "message": self._redacted(refusal.message),
                 "type": refusal.kind,
-                "param": None,
+                "param": refusal.param,
                 "code": refusal.status,
             }
         }
-        return web.json_response(body, status=refusal.status, headers=refusal.headers)
+        response = web.json_response(body, status=refusal.status, headers=refusal.headers)
+        if refusal.close:
+            response.force_close()
+        return response
+
+    def _redacted(self, message: str) -> str:
+        for key in self.config.auth.api_keys:
+            if key in message:
+                message = message.replace(key, "<redacted>")
+        return message
+
+    def upstream_session(self) -> aiohttp.ClientSession:
+        """The upstream HTTP client (the gateway must be started). Package-internal."""
+        if self._session is None:
+            raise RuntimeError("the gateway is not started")
+        return self._session
+
+    def upstream_url(self, endpoint: str, route: str) -> URL | None:
+        """The URL of ``route`` on a configured engine; None when the engine is not (or no
+        longer) configured. Package-internal."""
+        return self._urls.get((endpoint, route))
 
 
 class _OutputCounter:
@@ -864,10 +1184,12 @@ def _presented_key(request: web.Request) -> str | None:
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(body)
+    except RecursionError:
+        raise Refusal(400, "invalid_request_error", "the body is nested too deeply") from None
     except ValueError:
-        raise _Refusal(400, "invalid_request_error", "the body is not valid JSON") from None
+        raise Refusal(400, "invalid_request_error", "the body is not valid JSON") from None
     if not isinstance(payload, dict):
-        raise _Refusal(400, "invalid_request_error", "the body must be a JSON object")
+        raise Refusal(400, "invalid_request_error", "the body must be a JSON object")
     return payload
 
 
@@ -880,8 +1202,8 @@ def _check_messages(messages: Sequence[Any]) -> None:
             raise PromptError(f"messages[{i}].content must be a string or a list of parts")
 
 
-def _flow_refusal(rejected: FlowRejected, retry_after_s: int) -> _Refusal:
-    return _Refusal(
+def _flow_refusal(rejected: FlowRejected, retry_after_s: int) -> Refusal:
+    return Refusal(
         rejected.http_status,
         "rate_limit_exceeded" if rejected.http_status == 429 else "service_unavailable",
         f"request not admitted: {rejected.reason}",
@@ -915,3 +1237,150 @@ def _file_version(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_mtime_ns, stat.st_size
+
+
+def _read_capped(path: Path, max_bytes: int) -> tuple[EngineSpec, ...]:
+    return read_engines_file(path, max_bytes=max_bytes)
+
+
+def _limit_refusal(reason: str, wait_s: float) -> Refusal:
+    what = "requests in progress" if reason == "concurrency-limited" else "rate"
+    return Refusal(
+        429,
+        "rate_limit_exceeded",
+        f"this key's {what} limit is reached",
+        {DROPPED_REASON_HEADER: reason, "Retry-After": retry_after(wait_s)},
+    )
+
+
+def _deadline_refusal() -> Refusal:
+    return Refusal(504, "timeout", "the request's deadline (timeouts.total_s) passed")
+
+
+def _header(request: web.Request, name: str) -> str | None:
+    """A request header's value; 400 naming the header when its bytes are not UTF-8 (aiohttp
+    hands such bytes over as surrogate escapes, which nothing downstream can encode)."""
+    value = request.headers.get(name)
+    if value is not None and not _encodable(value):
+        raise Refusal(400, "invalid_request_error", f"header {name} is not valid UTF-8", param=name)
+    return value
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_structure(value: Any, path: str, depth: int, *, text: bool) -> None:
+    """400 when the body nests deeper than :data:`_MAX_DEPTH` or (``text``) a string, key or
+    value, holds a lone surrogate (``"\\ud800"`` is valid JSON but no UTF-8 text); the error
+    names the first such field."""
+    if isinstance(value, str):
+        if text and not _encodable(value):
+            raise Refusal(
+                400,
+                "invalid_request_error",
+                f"'{path or 'body'}' holds a lone surrogate escape (not valid UTF-8 text)",
+                param=path or None,
+            )
+        return
+    if not isinstance(value, (dict, list)):
+        return
+    if depth >= _MAX_DEPTH:
+        raise Refusal(
+            400,
+            "invalid_request_error",
+            f"'{path or 'body'}' is nested deeper than {_MAX_DEPTH} levels",
+            param=path or None,
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if text and not _encodable(key):
+                raise Refusal(
+                    400,
+                    "invalid_request_error",
+                    f"a key in '{path or 'body'}' holds a lone surrogate escape",
+                    param=path or None,
+                )
+            if isinstance(item, (str, dict, list)):
+                _check_structure(item, where, depth + 1, text=text)
+    else:
+        for i, item in enumerate(value):
+            if isinstance(item, (str, dict, list)):
+                _check_structure(item, f"{path}[{i}]", depth + 1, text=text)
+
+
+def _check_fields(payload: Mapping[str, Any]) -> None:
+    """The sampling fields the gateway reads itself (slicing, streaming, cache salt) have the
+    types the OpenAI API gives them; 400 naming the field otherwise."""
+
+    def bad(field: str, what: str) -> Refusal:
+        return Refusal(400, "invalid_request_error", f"'{field}' must be {what}", param=field)
+
+    for field in _TOKEN_LIMIT_FIELDS:
+        value = payload.get(field)
+        if value is not None and (type(value) is not int or not 1 <= value <= _MAX_TOKEN_LIMIT):
+            raise bad(field, f"an integer in 1..{_MAX_TOKEN_LIMIT} or null")
+    stop = payload.get("stop")
+    if not (
+        stop is None
+        or isinstance(stop, str)
+        or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise bad("stop", "a string, a list of strings or null")
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream", "true, false or null")
+    options = payload.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options", "an object or null")
+    salt = payload.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise bad("cache_salt", "a string or null")
+
+
+class _Refuser(asyncio.Protocol):
+    """A connection over ``limits.max_connections``: one 503, then closed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_TOO_MANY_CONNECTIONS)
+        transport.close()
+
+
+_TOO_MANY_BODY = json.dumps(
+    {
+        "error": {
+            "message": "too many connections",
+            "type": "service_unavailable",
+            "param": None,
+            "code": 503,
+        }
+    }
+).encode()
+_TOO_MANY_CONNECTIONS = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nRetry-After: 1\r\n"
+    + f"Content-Length: {len(_TOO_MANY_BODY)}\r\n\r\n".encode()
+    + _TOO_MANY_BODY
+)
+
+
+def _capped(
+    server: web.Server, cap: int, metrics: GatewayMetrics
+) -> Callable[[], asyncio.Protocol]:
+    """The listener's protocol factory: aiohttp's handler while fewer than ``cap`` client
+    connections are open, else a :class:`_Refuser` (a 503, then closed)."""
+    metrics.connections.set_function(lambda: len(server.connections))
+
+    def accept() -> asyncio.Protocol:
+        if len(server.connections) >= cap:
+            metrics.connections_refused.inc()
+            return _Refuser()
+        return server()
+
+    return accept

@@ -32,10 +32,12 @@ from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 
 __all__ = [
+    "AdminConfig",
     "ApiKey",
     "AuthConfig",
     "DiscoveryConfig",
     "GatewayConfig",
+    "HealthConfig",
     "LimitsConfig",
     "ListenConfig",
     "PdConfig",
@@ -56,12 +58,36 @@ class ListenConfig:
     port: int = 8000
 
 
+_LIMIT_FIELDS = ("requests_per_s", "burst_requests", "tokens_per_s", "burst_tokens")
+
+
 @dataclass(frozen=True)
 class ApiKey:
-    """What an API key stands for: the fairness id and priority of every request it signs."""
+    """What an API key stands for: the fairness id and priority of every request it signs,
+    and its own limits (None: unlimited; see :mod:`llmsched.gateway.ratelimit`)."""
 
     tenant: str
     priority: int = 0
+    requests_per_s: float | None = None
+    burst_requests: float | None = None
+    tokens_per_s: float | None = None
+    burst_tokens: float | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether the key has any rate or concurrency limit."""
+        return any(v is not None for v in self.limits().values())
+
+    def limits(self) -> dict[str, Any]:
+        """The key's limits, as :class:`~llmsched.gateway.ratelimit.KeyLimiter` keywords."""
+        return {
+            "requests_per_s": self.requests_per_s,
+            "burst_requests": self.burst_requests,
+            "tokens_per_s": self.tokens_per_s,
+            "burst_tokens": self.burst_tokens,
+            "max_concurrent": self.max_concurrent,
+        }
 
 
 @dataclass(frozen=True)
@@ -83,9 +109,17 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """Request size limits (aiohttp refuses bigger requests before a handler runs).
+    """Request limits (aiohttp refuses bigger request lines and headers before a handler runs).
 
-    ``retry_after_s`` is the ``Retry-After`` a flow-control rejection carries.
+    ``max_body_bytes`` also refuses a declared ``Content-Length`` over it before the body is
+    read (413). ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
+    that trickles in or never ends holds no connection longer); ``idle_timeout_s`` closes a
+    connection idle between requests or whose request headers have not all arrived.
+    ``max_connections`` caps open client connections; one over the cap gets a 503 and is
+    closed. ``max_tenants`` bounds the
+    distinct tenant names taken from ``x-llmsched-tenant`` (auth off): later names share one
+    overflow tenant, so flow control's per-tenant flows stay bounded. ``retry_after_s`` is the
+    ``Retry-After`` a flow-control rejection or a 503 carries.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -93,25 +127,56 @@ class LimitsConfig:
     max_line_size: int = 8190
     max_headers: int = 64
     retry_after_s: int = 1
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 60.0
+    max_connections: int = 4096
+    max_tenants: int = 10_000
 
 
 @dataclass(frozen=True)
 class RetriesConfig:
-    """Attempts per request (the first included) when an engine fails before its first byte,
-    and how long an engine that refused connections is left out of routing."""
+    """Attempts per request (the first included) while attempts do not get through (see
+    :mod:`llmsched.gateway.app`), and how often an engine taken down by its health probes is
+    probed again (``eject_s``). ``on_5xx``: a 5xx answer is retried (the engine said it
+    failed the request); false relays it to the client (a request then never runs twice)."""
 
     max_attempts: int = 3
     eject_s: float = 5.0
+    on_5xx: bool = True
 
 
 @dataclass(frozen=True)
 class TimeoutsConfig:
-    """Upstream timeouts in seconds (None: no limit). ``read_s`` is the longest silence
-    between two chunks; ``total_s`` caps a whole request."""
+    """Timeouts in seconds (None: no limit). ``connect_s`` and ``read_s`` (the longest silence
+    between two chunks of an engine's answer) are upstream; ``total_s`` is a whole request's
+    deadline from its arrival, flow-control queueing and streaming included."""
 
     connect_s: float | None = 2.0
     read_s: float | None = 600.0
-    total_s: float | None = None
+    total_s: float | None = 1800.0
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """How engine health is judged (see :mod:`llmsched.gateway.health` for the model).
+
+    Probes are ``GET <engine><path>``; ``interval_s`` (null: off) is the active-check period of
+    engines in routing; ``unhealthy_threshold`` failed probes in a row take an engine down,
+    ``healthy_threshold`` good ones bring it back; ``failures_to_probe`` failed attempts in a
+    row start confirming probes. The circuit breaker opens when, over ``breaker_window_s``,
+    at least ``breaker_min_requests`` attempts ended and ``breaker_failure_rate`` (null: no
+    breaker) of them failed; it stays open ``breaker_open_s`` before a half-open probe."""
+
+    path: str = "/health"
+    interval_s: float | None = 5.0
+    timeout_s: float = 2.0
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
+    failures_to_probe: int = 5
+    breaker_window_s: float = 10.0
+    breaker_min_requests: int = 20
+    breaker_failure_rate: float | None = 0.5
+    breaker_open_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -150,10 +215,25 @@ class DiscoveryConfig:
     """Engines listed in a file the gateway re-reads when it changes: a Kubernetes ConfigMap
     mounted as a volume, or a file any discovery agent rewrites. The file holds the same list
     as ``engines`` (or a mapping with that one key); it is the only source of engines when set,
-    and like ``engines`` it is configuration, never taken from requests."""
+    and like ``engines`` it is configuration, never taken from requests. A file over
+    ``max_bytes`` is refused unread (a runaway agent cannot keep discovery busy)."""
 
     file: Path | None = None
     interval_s: float = 2.0
+    max_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """The admin API (:mod:`llmsched.gateway.admin`): on when a token is set, in the config
+    (``token``) or in the environment variable ``token_env`` names."""
+
+    token: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the admin routes exist."""
+        return self.token is not None
 
 
 @dataclass(frozen=True)
@@ -171,10 +251,12 @@ class GatewayConfig:
     limits: LimitsConfig = LimitsConfig()
     retries: RetriesConfig = RetriesConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    health: HealthConfig = HealthConfig()
     scrape: ScrapeConfig = ScrapeConfig()
     pd: PdConfig = PdConfig()
     slices: SlicesConfig = SlicesConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    admin: AdminConfig = AdminConfig()
 
 
 _TOP_KEYS = frozenset(
@@ -190,10 +272,12 @@ _TOP_KEYS = frozenset(
         "limits",
         "retries",
         "timeouts",
+        "health",
         "scrape",
         "pd",
         "slices",
         "discovery",
+        "admin",
     }
 )
 
@@ -224,7 +308,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     elif raw.get("engines") is not None:
         raise ConfigError("engines: give either engines or discovery.file, not both")
     else:
-        engines = read_engines_file(discovery.file)
+        engines = read_engines_file(discovery.file, max_bytes=discovery.max_bytes)
     models = _models(raw.get("models"))
     block_size = _int(raw, "block_size", GatewayConfig.block_size, "", low=1)
     tokenizer = _tokenizer(raw.get("tokenizer"), base)
@@ -246,16 +330,33 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         limits=_limits(_section(raw, "limits")),
         retries=_retries(_section(raw, "retries")),
         timeouts=_timeouts(_section(raw, "timeouts")),
+        health=_health(_section(raw, "health")),
         scrape=_scrape(_section(raw, "scrape")),
         pd=_pd(_section(raw, "pd")),
         slices=_slices(_section(raw, "slices")),
         discovery=discovery,
+        admin=_admin(_section(raw, "admin")),
     )
 
 
-def read_engines_file(path: Path) -> tuple[EngineSpec, ...]:
-    """The engines a discovery file lists (ConfigError naming the problem otherwise)."""
-    raw = _read_yaml(path, "discovery.file")
+def read_engines_file(
+    path: Path, *, max_bytes: int = DiscoveryConfig.max_bytes
+) -> tuple[EngineSpec, ...]:
+    """The engines a discovery file lists (ConfigError naming the problem otherwise; a file
+    over ``max_bytes`` is refused before it is parsed)."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ConfigError(f"discovery.file: cannot read {str(path)!r}: {exc}") from None
+    if len(data) > max_bytes:
+        raise ConfigError(
+            f"discovery.file {str(path)!r}: larger than discovery.max_bytes ({max_bytes} bytes)"
+        )
+    try:
+        raw = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"discovery.file: cannot read {str(path)!r}: {exc}") from None
     if isinstance(raw, Mapping) and set(raw) == {"engines"}:
         raw = raw["engines"]
     try:
@@ -399,17 +500,55 @@ def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
             raise ConfigError(f"{where}: every key must be a str of at least 8 characters")
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{where}: the entry of each key must be a mapping")
-        unknown = sorted(set(spec) - {"tenant", "priority"})
+        known = {"tenant", "priority", "max_concurrent", *_LIMIT_FIELDS}
+        unknown = sorted(set(spec) - known)
         if unknown:
-            raise ConfigError(f"{where}.<key>.{unknown[0]}: unknown key (known: priority, tenant)")
+            raise ConfigError(
+                f"{where}.<key>.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})"
+            )
         tenant = spec.get("tenant")
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(f"{where}.<key>.tenant: must be a non-empty str")
         priority = spec.get("priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ConfigError(f"{where}.<key {tenant}>.priority: must be an int")
-        keys[key] = ApiKey(tenant=tenant, priority=priority)
+        limits: dict[str, Any] = {}
+        for name in _LIMIT_FIELDS:
+            value = spec.get(name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and not (number and 0 < value < 1e12):
+                raise ConfigError(
+                    f"{where}.<key {tenant}>.{name}: must be a number > 0 or null, got {value!r}"
+                )
+            limits[name] = None if value is None else float(value)
+        concurrent = spec.get("max_concurrent")
+        if concurrent is not None and (
+            isinstance(concurrent, bool) or not isinstance(concurrent, int) or concurrent < 1
+        ):
+            raise ConfigError(
+                f"{where}.<key {tenant}>.max_concurrent: must be an int >= 1 or null, "
+                f"got {concurrent!r}"
+            )
+        keys[key] = ApiKey(tenant=tenant, priority=priority, max_concurrent=concurrent, **limits)
     return keys
+
+
+def _admin(raw: dict[str, Any]) -> AdminConfig:
+    _reject_unknown(raw, "admin", {"token", "token_env"})
+    token = raw.get("token")
+    env = raw.get("token_env")
+    if token is not None and env is not None:
+        raise ConfigError("admin: give either token or token_env, not both")
+    if env is not None:
+        if not isinstance(env, str) or not env:
+            raise ConfigError("admin.token_env: must name an environment variable")
+        token = os.environ.get(env)
+        if token is None:
+            raise ConfigError(f"admin.token_env: environment variable {env} is not set")
+    # A secret: errors never show it.
+    if token is not None and (not isinstance(token, str) or len(token) < 16):
+        raise ConfigError("admin.token: must be a str of at least 16 characters")
+    return AdminConfig(token=token)
 
 
 def _limits(raw: dict[str, Any]) -> LimitsConfig:
@@ -421,6 +560,53 @@ def _limits(raw: dict[str, Any]) -> LimitsConfig:
         max_line_size=_int(raw, "max_line_size", d.max_line_size, "limits", low=256),
         max_headers=_int(raw, "max_headers", d.max_headers, "limits", low=8, high=10_000),
         retry_after_s=_int(raw, "retry_after_s", d.retry_after_s, "limits", low=0),
+        body_timeout_s=_required_seconds(raw, "body_timeout_s", d.body_timeout_s, "limits"),
+        idle_timeout_s=_required_seconds(raw, "idle_timeout_s", d.idle_timeout_s, "limits"),
+        max_connections=_int(
+            raw, "max_connections", d.max_connections, "limits", low=1, high=1_000_000
+        ),
+        max_tenants=_int(raw, "max_tenants", d.max_tenants, "limits", low=1, high=10_000_000),
+    )
+
+
+def _required_seconds(raw: Mapping[str, Any], key: str, default: float, prefix: str) -> float:
+    value = _seconds(raw, key, default, prefix, nullable=False)
+    assert value is not None
+    return value
+
+
+def _health(raw: dict[str, Any]) -> HealthConfig:
+    d = HealthConfig()
+    _reject_unknown(raw, "health", set(d.__dataclass_fields__))
+    path = raw.get("path", d.path)
+    if not isinstance(path, str) or not path.startswith("/") or not path.isascii() or " " in path:
+        raise ConfigError(f"health.path: must be a URL path starting with /, got {path!r}")
+    rate = raw.get("breaker_failure_rate", d.breaker_failure_rate)
+    if rate is not None and (
+        isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1
+    ):
+        raise ConfigError(
+            f"health.breaker_failure_rate: must be a number in (0, 1] or null, got {rate!r}"
+        )
+    return HealthConfig(
+        path=path,
+        interval_s=_seconds(raw, "interval_s", d.interval_s, "health", nullable=True),
+        timeout_s=_required_seconds(raw, "timeout_s", d.timeout_s, "health"),
+        unhealthy_threshold=_int(
+            raw, "unhealthy_threshold", d.unhealthy_threshold, "health", low=1, high=100
+        ),
+        healthy_threshold=_int(
+            raw, "healthy_threshold", d.healthy_threshold, "health", low=1, high=100
+        ),
+        failures_to_probe=_int(
+            raw, "failures_to_probe", d.failures_to_probe, "health", low=1, high=10_000
+        ),
+        breaker_window_s=_required_seconds(raw, "breaker_window_s", d.breaker_window_s, "health"),
+        breaker_min_requests=_int(
+            raw, "breaker_min_requests", d.breaker_min_requests, "health", low=1, high=1_000_000
+        ),
+        breaker_failure_rate=None if rate is None else float(rate),
+        breaker_open_s=_required_seconds(raw, "breaker_open_s", d.breaker_open_s, "health"),
     )
 
 
@@ -432,6 +618,7 @@ def _retries(raw: dict[str, Any]) -> RetriesConfig:
     return RetriesConfig(
         max_attempts=_int(raw, "max_attempts", d.max_attempts, "retries", low=1, high=100),
         eject_s=eject,
+        on_5xx=_bool(raw, "on_5xx", d.on_5xx, "retries"),
     )
 
 
@@ -461,13 +648,16 @@ def _discovery(raw: dict[str, Any], base: Path) -> DiscoveryConfig:
     _reject_unknown(raw, "discovery", set(d.__dataclass_fields__))
     interval = _seconds(raw, "interval_s", d.interval_s, "discovery", nullable=False)
     assert interval is not None
+    max_bytes = _int(raw, "max_bytes", d.max_bytes, "discovery", low=1024, high=1 << 30)
     file = raw.get("file")
     if file is None:
-        return DiscoveryConfig(interval_s=interval)
+        return DiscoveryConfig(interval_s=interval, max_bytes=max_bytes)
     if not isinstance(file, (str, os.PathLike)) or not str(file):
         raise ConfigError(f"discovery.file: must be a path, got {file!r}")
     path = Path(file)
-    return DiscoveryConfig(file=path if path.is_absolute() else base / path, interval_s=interval)
+    return DiscoveryConfig(
+        file=path if path.is_absolute() else base / path, interval_s=interval, max_bytes=max_bytes
+    )
 
 
 def _pd(raw: dict[str, Any]) -> PdConfig:

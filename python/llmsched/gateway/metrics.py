@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -41,6 +41,7 @@ class GatewayMetrics:
         flow: FlowController | None,
         index: PrefixIndex,
         kv_counters: Callable[[], dict[str, int]] | None = None,
+        endpoints: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -78,7 +79,8 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             f"{PREFIX}_upstream_errors",
-            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken)",
+            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken, "
+            "truncated)",
             ["endpoint", "kind"],
             registry=r,
         )
@@ -96,8 +98,54 @@ class GatewayMetrics:
         )
         self.ejections = Counter(
             f"{PREFIX}_ejections",
-            "Times an endpoint was left out of routing after refusing connections",
+            "Times an endpoint was taken down after failing its health probes",
             ["endpoint"],
+            registry=r,
+        )
+        self.breaker_opens = Counter(
+            f"{PREFIX}_breaker_opens",
+            "Times an endpoint's circuit breaker opened (failure rate over the window)",
+            ["endpoint"],
+            registry=r,
+        )
+        self.probes = Counter(
+            f"{PREFIX}_health_probes",
+            "Health probes of endpoints, by result (ok, failed)",
+            ["endpoint", "result"],
+            registry=r,
+        )
+        self.engine_up = Gauge(
+            f"{PREFIX}_endpoint_up",
+            "1 when an endpoint is in routing, 0 when down or its breaker is open",
+            ["endpoint"],
+            registry=r,
+        )
+        self.truncated = Counter(
+            f"{PREFIX}_truncated_answers",
+            "Engine answers cut off or timed out after their status line, by what the client "
+            "got (error: a 502 before any byte; reset: connection reset mid-body; "
+            "sse_error: an SSE error event, then the stream closed without [DONE])",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.admin_requests = Counter(
+            f"{PREFIX}_admin_requests",
+            "Admin API calls, by action and HTTP status",
+            ["action", "status"],
+            registry=r,
+        )
+        self.tenants = Gauge(
+            f"{PREFIX}_tenants", "Distinct tenant names taken from request headers", registry=r
+        )
+        self.tenants_folded = Counter(
+            f"{PREFIX}_tenants_folded",
+            "Requests whose header tenant came past limits.max_tenants (served as ~overflow)",
+            registry=r,
+        )
+        self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now", registry=r)
+        self.connections_refused = Counter(
+            f"{PREFIX}_connections_refused",
+            "Client connections refused at limits.max_connections",
             registry=r,
         )
         self.engines_changed = Counter(
@@ -110,7 +158,7 @@ class GatewayMetrics:
             "Discovery file reads that failed (the current engines were kept)",
             registry=r,
         )
-        r.register(_StateCollector(flow, index, kv_counters))
+        r.register(_StateCollector(flow, index, kv_counters, endpoints))
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
@@ -125,10 +173,12 @@ class _StateCollector(Collector):
         flow: FlowController | None,
         index: PrefixIndex,
         kv_counters: Callable[[], dict[str, int]] | None,
+        endpoints: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         self._flow = flow
         self._index = index
         self._kv_counters = kv_counters
+        self._endpoints = endpoints
 
     def describe(self) -> list[Metric]:
         return []  # unchecked: the families depend on the live state
@@ -141,6 +191,15 @@ class _StateCollector(Collector):
             ("bytes", "Estimated bytes used by the prefix index"),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_index_{key}", help_text, value=stats[key])
+        if self._endpoints is not None:
+            in_flight = GaugeMetricFamily(
+                f"{PREFIX}_endpoint_in_flight",
+                "Requests started on an endpoint and not finished (endpoints in routing)",
+                labels=["endpoint"],
+            )
+            for endpoint in self._endpoints():
+                in_flight.add_metric([str(endpoint["id"])], endpoint["in_flight_requests"])
+            yield in_flight
         if self._flow is not None:
             yield from self._flow_metrics(self._flow.metrics())
         if self._kv_counters is not None:

@@ -8,9 +8,10 @@ stream when the client asked for ``stream``. At each boundary the tracker decide
 request continues, yields (its flow-control slot goes back and the continuation queues again at
 the decided priority) or migrates.
 
-Not covered: retries within a sliced request (a failed slice ends it with 502, or ends the
-stream), and requests the assembler cannot slice (``n > 1``, ``logprobs``, batched prompts),
-which are proxied unsliced.
+Not covered: retries within a sliced request (a failed slice ends it with 502, or, once the
+stream started, with an SSE error event and a stream closed without ``[DONE]``), and requests
+the assembler cannot slice (``n > 1``, ``logprobs``, batched prompts), which are proxied
+unsliced.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from llmsched.flow import FlowController, FlowRequest
 from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
 
 if TYPE_CHECKING:
-    from llmsched.gateway.app import Gateway
+    from llmsched.gateway.app import Gateway, Refusal
 
 __all__ = ["SliceFailed", "SlicedRequest", "make_assembler"]
 
@@ -75,6 +76,7 @@ class SlicedRequest:
         stream: bool,
         base_pick_args: Mapping[str, Any],
         next_flow_id: Callable[[], int],
+        deadline: float | None = None,
     ) -> None:
         self.gateway = gateway
         self.tracker = tracker
@@ -91,6 +93,8 @@ class SlicedRequest:
         self.prompt_tokens = prompt_tokens
         self.base_pick_args = dict(base_pick_args)
         self.next_flow_id = next_flow_id
+        self.deadline = deadline
+        """The request's deadline (monotonic seconds; None: none), applied to every slice."""
         self.endpoints: list[str] = []
         """The engine of every slice, in order."""
 
@@ -103,7 +107,7 @@ class SlicedRequest:
             first = True
             while True:
                 body = self.asm.next_request(max(slice_tokens, 1))
-                decision = self.gateway._pick(self._pick_args(body))
+                decision = self.gateway.pick(self._pick_args(body))
                 if decision is None:
                     raise SliceFailed("no engine can serve the continuation")
                 endpoint = str(decision.endpoint)
@@ -149,10 +153,13 @@ class SlicedRequest:
                 self.endpoints[-1] if self.endpoints else "none", "slice"
             ).inc()
             if response is None:
-                return self.gateway._refuse(
+                return self.gateway.refuse(
                     self.route, _upstream_refusal(f"a slice failed: {failed}")
                 )
-            await response.write_eof()
+            # Part of the stream went out: the client must not take it for a whole answer.
+            await self.gateway.abort_response(
+                request, response, self.endpoints[-1] if self.endpoints else "none", sse=True
+            )
             return response
         finally:
             self.tracker.remove(self.request_id)
@@ -193,14 +200,15 @@ class SlicedRequest:
         self, endpoint: str, body: dict[str, Any], decision: Any
     ) -> list[dict[str, Any]]:
         """One slice's engine call, streamed into the assembler; returns the user chunks."""
-        session = self.gateway._session
-        assert session is not None, "the gateway is not started"
-        url = self.gateway._urls.get((endpoint, self.route))
+        session = self.gateway.upstream_session()
+        url = self.gateway.upstream_url(endpoint, self.route)
         if url is None:
             raise SliceFailed(f"engine {endpoint} was removed by discovery")
         chunks: list[dict[str, Any]] = []
         try:
-            async with session.post(url, json=body) as upstream:
+            deadline = self.deadline
+            timeout = None if deadline is None else self.gateway.upstream_timeout(deadline)
+            async with session.post(url, json=body, timeout=timeout) as upstream:
                 if upstream.status != 200:
                     raise SliceFailed(f"engine answered {upstream.status}")
                 buffered = b""
@@ -285,7 +293,7 @@ class SlicedRequest:
         return list(itertools.islice(queued, _WAITING_SAMPLE))
 
 
-def _upstream_refusal(message: str) -> Any:
-    from llmsched.gateway.app import _Refusal
+def _upstream_refusal(message: str) -> Refusal:
+    from llmsched.gateway.app import Refusal
 
-    return _Refusal(502, "upstream_error", message)
+    return Refusal(502, "upstream_error", message)

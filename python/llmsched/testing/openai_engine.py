@@ -7,7 +7,14 @@ It answers ``/v1/completions`` and ``/v1/chat/completions`` in vLLM's shapes (JS
 vLLM-style ``/metrics`` with its live request counts, and records every request it receives
 (path, headers, body) and every client disconnect. Its :attr:`FakeOpenAIEngine.mode` scripts
 failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error500"``,
-``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens).
+``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens), ``"cut"``
+(send the status line and part of the answer, then close the connection: a stream after its
+first event, a JSON answer halfway through its declared length), ``"hang"`` (the same, then
+silence instead of a close). A request may script its own failure with a body field
+``x_fake_mode`` naming a mode (it wins over :attr:`~FakeOpenAIEngine.mode`).
+:attr:`FakeOpenAIEngine.health_status` scripts ``/health``.
+Fields vLLM checks (``max_tokens``, ``stream``, ``stream_options``, ``prompt``, ``messages``)
+get vLLM's 400 when malformed.
 
 >>> import asyncio, aiohttp
 >>> async def demo():
@@ -37,7 +44,7 @@ from aiohttp import web
 
 __all__ = ["FakeOpenAIEngine", "ReceivedRequest", "main", "write_tokenizer"]
 
-MODES = ("ok", "drop", "error500", "stall", "slow")
+MODES = ("ok", "drop", "error500", "stall", "slow", "cut", "hang")
 
 
 @dataclass
@@ -86,6 +93,11 @@ class FakeOpenAIEngine:
         self.kv_cache_usage = 0.0
         self.metrics_status = 200
         """Status of ``/metrics`` answers (anything but 200 makes scrapes fail)."""
+        self.chunked_json = False
+        """Send JSON answers of modes ``"cut"`` / ``"hang"`` chunked (no Content-Length)."""
+        self.health_status = 200
+        """Status of ``/health`` answers (anything but 200 fails the gateway's probes)."""
+        self.health_probes = 0
         self._port: int | None = None
         self._runner: web.AppRunner | None = None
         self.app = web.Application()
@@ -116,7 +128,10 @@ class FakeOpenAIEngine:
 
     async def start(self) -> None:
         """Listens (again, on the same port after a :meth:`stop`)."""
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # Stopping waits at most a moment for answers in progress (a hung one never ends).
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
         await self._runner.setup()
         port = self._port if self._port is not None else self._requested_port
         site = web.TCPSite(self._runner, self.host, port, reuse_address=True)
@@ -129,6 +144,11 @@ class FakeOpenAIEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @property
+    def listening(self) -> bool:
+        """Whether the engine is started (and not stopped since)."""
+        return self._runner is not None
 
     async def __aenter__(self) -> FakeOpenAIEngine:
         await self.start()
@@ -144,7 +164,8 @@ class FakeOpenAIEngine:
     # -- handlers ------------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
+        self.health_probes += 1
+        return web.Response(text="", status=self.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.metrics_status != 200:
@@ -163,7 +184,13 @@ class FakeOpenAIEngine:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _bad_request("the body is not valid JSON")
+        problem = _check_body(body, chat=chat)
+        if problem is not None:
+            return _bad_request(problem)
         self.received.append(
             ReceivedRequest(request.path, dict(request.headers), body, request.host)
         )
@@ -174,13 +201,17 @@ class FakeOpenAIEngine:
             self.disconnects += 1
             self.disconnected.set()
             raise
+        except ConnectionError:  # the client left while the answer was being written
+            self.disconnects += 1
+            self.disconnected.set()
+            return web.Response(status=499)  # never sent: the connection is gone
         finally:
             self.running -= 1
 
     async def _answer(
         self, request: web.Request, body: dict[str, Any], *, chat: bool
     ) -> web.StreamResponse:
-        mode = self.mode
+        mode = body.get("x_fake_mode", self.mode)
         if mode == "drop":
             if request.transport is not None:
                 request.transport.close()
@@ -210,6 +241,8 @@ class FakeOpenAIEngine:
                 full["choices"][0]["token_ids"] = ids
             answer = json.dumps(full).encode()
             self.sent.append(answer)
+            if mode in ("cut", "hang"):
+                return await self._break_off(request, answer, mode)
             return web.Response(body=answer, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
@@ -218,6 +251,8 @@ class FakeOpenAIEngine:
         for i, piece in enumerate(pieces):
             if mode == "slow" and i:
                 await asyncio.sleep(self.token_delay_s)
+            if mode in ("cut", "hang") and i:
+                await self._stop_answering(request, mode)
             finish = "length" if i == n - 1 else None
             chunk = _chunk(ident, created, body, piece, finish, chat=chat)
             if ids is not None:
@@ -236,6 +271,49 @@ class FakeOpenAIEngine:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _break_off(
+        self, request: web.Request, answer: bytes, mode: str
+    ) -> web.StreamResponse:
+        """A JSON answer whose declared length never fully arrives."""
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if not self.chunked_json:
+            response.content_length = len(answer)
+        await response.prepare(request)
+        await response.write(answer[: len(answer) // 2])
+        await self._stop_answering(request, mode)
+        return response  # not reached
+
+    async def _stop_answering(self, request: web.Request, mode: str) -> None:
+        """``"cut"``: closes the connection mid-answer; ``"hang"``: goes silent."""
+        if mode == "cut" and request.transport is not None:
+            request.transport.close()
+        await asyncio.sleep(3600)  # cancelled when the connection goes
+
+
+def _bad_request(message: str) -> web.Response:
+    error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+    return web.json_response({"error": error}, status=400)
+
+
+def _check_body(body: Any, *, chat: bool) -> str | None:
+    """What vLLM's request validation would refuse with a 400 (the fields this fake reads)."""
+    if not isinstance(body, dict):
+        return "the body must be a JSON object"
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        return "max_tokens must be an integer >= 1"
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        return "stream must be a boolean"
+    if not isinstance(body.get("stream_options") or {}, dict):
+        return "stream_options must be an object"
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return "messages must be a list of objects"
+    elif not isinstance(body.get("prompt"), (str, list)):
+        return "prompt must be a string or a list"
+    return None
 
 
 OUTPUT_ID_BASE = 1000

@@ -1,0 +1,139 @@
+"""The gateway's admin API: list, add, drain, resume and remove engines at run time.
+
+Enabled when ``admin.token`` (or the variable named by ``admin.token_env``) is set; every call
+must carry ``Authorization: Bearer <token>`` (compared in constant time; 401 otherwise).
+Without a token the routes do not exist (404).
+
+- ``GET /admin/engines``: every engine with its state (``up``, ``down``, ``open``,
+  ``draining``) and requests in flight.
+- ``POST /admin/engines`` with an engine entry (the form of a config ``engines`` item): adds it
+  (201; 409 when its worker id is already there; 400 naming the problem otherwise).
+- ``POST /admin/engines/{worker}/drain``: no new requests go to it; requests in flight finish.
+- ``POST /admin/engines/{worker}/resume``: a drained engine takes requests again.
+- ``DELETE /admin/engines/{worker}``: removes it (from the pool, flow control and the prefix
+  index; 409 for the last engine).
+
+Changes apply to the current set of engines; with ``discovery.file``, the file replaces that
+set whenever it changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from llmsched.errors import ConfigError
+from llmsched.integrations import EngineSpec
+
+if TYPE_CHECKING:
+    from llmsched.gateway.app import Gateway
+
+__all__ = ["add_admin_routes"]
+
+
+def add_admin_routes(app: web.Application, gateway: Gateway, token: str) -> None:
+    """Registers the admin routes of ``gateway`` on ``app``, guarded by ``token``."""
+    admin = _Admin(gateway, token)
+    app.add_routes(
+        [
+            web.get("/admin/engines", admin.list_engines),
+            web.post("/admin/engines", admin.add_engine),
+            web.post("/admin/engines/{worker}/drain", admin.drain),
+            web.post("/admin/engines/{worker}/resume", admin.resume),
+            web.delete("/admin/engines/{worker}", admin.remove),
+        ]
+    )
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = {401: "invalid_api_key", 404: "not_found", 409: "conflict"}.get(
+        status, "invalid_request_error"
+    )
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class _Admin:
+    def __init__(self, gateway: Gateway, token: str) -> None:
+        self.gateway = gateway
+        self._digest = hashlib.sha256(token.encode()).digest()
+
+    def _authorized(self, request: web.Request) -> bool:
+        auth = request.headers.get("Authorization", "")
+        scheme, _, token = auth.partition(" ")
+        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        return scheme.lower() == "bearer" and hmac.compare_digest(digest, self._digest)
+
+    def _done(self, action: str, response: web.Response) -> web.Response:
+        self.gateway.metrics.admin_requests.labels(action, str(response.status)).inc()
+        return response
+
+    async def list_engines(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._done("list", _error(401, "missing or invalid admin token"))
+        in_flight = {
+            str(e["id"]): int(e["in_flight_requests"]) for e in self.gateway.pool.endpoints()
+        }
+        engines = [
+            {
+                "worker_id": spec.worker_id,
+                "host": spec.host,
+                "port": spec.port,
+                "state": self.gateway.health.state(spec.worker_id),
+                "in_flight": in_flight.get(spec.worker_id, 0),
+            }
+            for spec in self.gateway.engines
+        ]
+        return self._done("list", web.json_response({"engines": engines}))
+
+    async def add_engine(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._done("add", _error(401, "missing or invalid admin token"))
+        try:
+            entry: Any = json.loads(await request.read())
+            spec = EngineSpec.from_dict(entry)
+        except (ValueError, TypeError, ConfigError) as exc:
+            return self._done("add", _error(400, f"not an engine entry: {exc}"))
+        current = self.gateway.engines
+        if any(e.worker_id == spec.worker_id for e in current):
+            return self._done("add", _error(409, f"engine {spec.worker_id} is already there"))
+        await self.gateway.set_engines([*current, spec])
+        return self._done("add", web.json_response({"added": spec.worker_id}, status=201))
+
+    async def drain(self, request: web.Request) -> web.Response:
+        return await self._set_drained(request, "drain", drained=True)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        return await self._set_drained(request, "resume", drained=False)
+
+    async def _set_drained(
+        self, request: web.Request, action: str, *, drained: bool
+    ) -> web.Response:
+        if not self._authorized(request):
+            return self._done(action, _error(401, "missing or invalid admin token"))
+        worker = request.match_info["worker"]
+        if self.gateway.health.state(worker) is None:
+            return self._done(action, _error(404, f"no engine {worker}"))
+        if drained:
+            self.gateway.health.drain(worker)
+        elif not self.gateway.health.resume(worker):
+            return self._done(action, _error(409, f"engine {worker} is not draining"))
+        state = self.gateway.health.state(worker)
+        return self._done(action, web.json_response({"worker_id": worker, "state": state}))
+
+    async def remove(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._done("remove", _error(401, "missing or invalid admin token"))
+        worker = request.match_info["worker"]
+        current = self.gateway.engines
+        kept = [e for e in current if e.worker_id != worker]
+        if len(kept) == len(current):
+            return self._done("remove", _error(404, f"no engine {worker}"))
+        if not kept:
+            return self._done("remove", _error(409, "the last engine cannot be removed"))
+        await self.gateway.set_engines(kept)
+        return self._done("remove", web.json_response({"removed": worker}))

@@ -1,0 +1,90 @@
+"""The admin API: authenticated listing, adding, draining, resuming and removing of engines."""
+
+from __future__ import annotations
+
+import pytest
+from _gateway_harness import MODEL, rig, run
+
+from llmsched.errors import ConfigError
+from llmsched.gateway.config import load_config
+from llmsched.testing.openai_engine import FakeOpenAIEngine
+
+TOKEN = "admin-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_admin_calls_need_the_token_and_are_absent_without_one() -> None:
+    async def body() -> None:
+        async with rig(engines=1, admin={"token": TOKEN}) as r:
+            for headers in (None, {"Authorization": "Bearer wrong-token-0123456789"}):
+                async with r.client.get(r.url("/admin/engines"), headers=headers) as response:
+                    assert response.status == 401
+                    assert TOKEN not in await response.text()
+            worker = r.gateway.config.engines[0].worker_id
+            async with r.client.delete(r.url(f"/admin/engines/{worker}")) as response:
+                assert response.status == 401
+            assert len(r.gateway.engines) == 1
+            assert r.metric("llmsched_gateway_admin_requests_total", action="list", status="401")
+        async with rig(engines=1) as r:
+            response = await r.client.get(r.url("/admin/engines"), headers=AUTH)
+            assert response.status == 404
+            response.release()
+
+    run(body())
+
+
+def test_engines_are_added_drained_resumed_and_removed_at_run_time() -> None:
+    async def body() -> None:
+        admin = {"token": TOKEN}
+        async with FakeOpenAIEngine(model=MODEL) as extra, rig(engines=1, admin=admin) as r:
+            first = r.gateway.config.engines[0].worker_id
+            new = f"127.0.0.1:{extra.port}"
+            async with r.client.post(
+                r.url("/admin/engines"), json=extra.spec(), headers=AUTH
+            ) as response:
+                assert response.status == 201
+            async with r.client.post(
+                r.url("/admin/engines"), json=extra.spec(), headers=AUTH
+            ) as response:
+                assert response.status == 409
+            async with r.client.post(
+                r.url("/admin/engines"), json={"host": "x"}, headers=AUTH
+            ) as response:
+                assert response.status == 400
+            async with r.client.get(r.url("/admin/engines"), headers=AUTH) as response:
+                listed = {e["worker_id"]: e["state"] for e in (await response.json())["engines"]}
+            assert listed == {first: "up", new: "up"}
+            # Drained: every request goes to the other engine.
+            async with r.client.post(
+                r.url(f"/admin/engines/{first}/drain"), headers=AUTH
+            ) as response:
+                assert (await response.json())["state"] == "draining"
+            for i in range(6):
+                assert (await r.complete(f"drained {i}")).status == 200
+            assert not r.engines[0].received and len(extra.received) == 6
+            assert r.gateway.routable_endpoints() == [new]
+            async with r.client.post(
+                r.url(f"/admin/engines/{first}/resume"), headers=AUTH
+            ) as response:
+                assert (await response.json())["state"] == "up"
+            assert sorted(r.gateway.routable_endpoints()) == sorted([first, new])
+            async with r.client.delete(r.url(f"/admin/engines/{first}"), headers=AUTH) as response:
+                assert response.status == 200
+            assert [e.worker_id for e in r.gateway.engines] == [new]
+            async with r.client.delete(r.url(f"/admin/engines/{new}"), headers=AUTH) as response:
+                assert response.status == 409  # the last engine stays
+            async with r.client.delete(r.url(f"/admin/engines/{first}"), headers=AUTH) as response:
+                assert response.status == 404
+            assert r.metric("llmsched_gateway_admin_requests_total", action="add", status="201")
+
+    run(body())
+
+
+def test_admin_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = {"engines": [{"host": "127.0.0.1", "port": 1}], "models": ["m"]}
+    with pytest.raises(ConfigError, match="at least 16"):
+        load_config({**base, "admin": {"token": "short"}})
+    with pytest.raises(ConfigError, match="ADMIN_TOKEN_X is not set"):
+        load_config({**base, "admin": {"token_env": "ADMIN_TOKEN_X"}})
+    monkeypatch.setenv("ADMIN_TOKEN_X", TOKEN)
+    assert load_config({**base, "admin": {"token_env": "ADMIN_TOKEN_X"}}).admin.token == TOKEN

@@ -1,0 +1,303 @@
+"""The gateway under faulty engines: answers cut off or timed out never pass for complete ones,
+a request whose status line came back is never re-sent, engine health follows the engines'
+behaviour (probes, failure rates) and not single requests, and no engine left means a 503 at
+once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+
+import aiohttp
+import pytest
+from _gateway_harness import MODEL, Rig, rig, run
+
+SYSTEM = "You are a helpful assistant that answers in full sentences. " * 4
+# Probes fast enough for a test, thresholds as in production.
+FAST_HEALTH = {"interval_s": 0.05, "timeout_s": 1.0}
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+async def _warm(r: Rig, prompt: str) -> int:
+    response = await r.complete(prompt)
+    assert response.status == 200
+    return r.engines.index(r.engine_of_request(-1))
+
+
+def _worker(r: Rig, index: int) -> str:
+    return r.gateway.config.engines[index].worker_id
+
+
+def _truncated(r: Rig, worker: str, outcome: str) -> float:
+    return r.metric("llmsched_gateway_truncated_answers_total", endpoint=worker, outcome=outcome)
+
+
+# -- answers cut off -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["cut", "hang"])
+def test_a_json_answer_cut_off_is_a_502_and_is_not_sent_again(mode: str) -> None:
+    async def body() -> None:
+        async with rig(engines=2, timeouts={"read_s": 0.3}) as r:
+            home = await _warm(r, SYSTEM + mode)
+            r.engines[home].mode = mode
+            response = await r.complete(SYSTEM + mode + " again")
+            assert response.status == 502
+            error = json.loads(await response.read())["error"]
+            assert error["type"] == "upstream_error" and "cut off" in error["message"]
+            # The engine answered (status line): the request ran there and is not re-sent.
+            assert len(r.engines[home].received) == 2
+            assert not r.engines[1 - home].received
+            assert r.metric("llmsched_gateway_retries_total") == 0
+            worker = _worker(r, home)
+            assert _truncated(r, worker, "error") == 1
+            assert r.gateway.pool.endpoints()[0]["in_flight_requests"] == 0
+
+    run(body())
+
+
+@pytest.mark.parametrize("mode", ["cut", "hang"])
+def test_a_stream_cut_off_ends_with_an_error_event_and_no_done(mode: str) -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=6, timeouts={"read_s": 0.3}) as r:
+            r.engines[0].mode = mode
+            request = {"model": MODEL, "prompt": "x", "stream": True}
+            async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                assert response.status == 200
+                received = b""
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for chunk in response.content.iter_any():
+                        received += chunk
+            events = [e for e in received.split(b"\n\n") if e]
+            assert events[0].startswith(b"data: {") and b'"text": " t0"' in events[0]
+            assert json.loads(events[-1][len(b"data: ") :])["error"]["type"] == "upstream_error"
+            assert b"[DONE]" not in received
+            worker = _worker(r, 0)
+            assert _truncated(r, worker, "sse_error") == 1
+            assert r.metric(
+                "llmsched_gateway_requests_total", route="completions", status="aborted"
+            )
+            assert len(r.engines[0].received) == 1
+
+    run(body())
+
+
+def test_a_chunked_json_answer_cut_off_resets_the_client_connection() -> None:
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            engine = r.engines[0]
+            engine.mode = "cut"
+            engine.chunked_json = True
+            body = {"model": MODEL, "prompt": "x"}
+            async with r.client.post(r.url("/v1/completions"), json=body) as response:
+                assert response.status == 200
+                with pytest.raises((aiohttp.ClientPayloadError, aiohttp.ClientOSError)):
+                    await response.read()
+            assert _truncated(r, _worker(r, 0), "reset") == 1
+            # The gateway keeps serving.
+            engine.mode = "ok"
+            assert (await r.complete("y")).status == 200
+
+    run(body())
+
+
+def test_no_status_line_within_the_read_timeout_is_a_504_and_is_not_sent_again() -> None:
+    async def body() -> None:
+        async with rig(engines=2, timeouts={"read_s": 0.3}) as r:
+            home = await _warm(r, SYSTEM + " silent")
+            r.engines[home].mode = "stall"  # takes the request, never answers
+            response = await r.complete(SYSTEM + " silent again")
+            assert response.status == 504
+            assert len(r.engines[home].received) == 2
+            assert not r.engines[1 - home].received
+            worker = _worker(r, home)
+            errors = "llmsched_gateway_upstream_errors_total"
+            assert r.metric(errors, endpoint=worker, kind="timeout") == 1
+
+    run(body())
+
+
+def test_with_on_5xx_off_a_5xx_is_relayed_and_not_sent_again() -> None:
+    async def body() -> None:
+        async with rig(engines=2, retries={"on_5xx": False}) as r:
+            home = await _warm(r, SYSTEM + " 5xx")
+            r.engines[home].mode = "error500"
+            response = await r.complete(SYSTEM + " 5xx again")
+            assert response.status == 500
+            assert len(r.engines[home].received) == 2
+            assert not r.engines[1 - home].received
+            worker = _worker(r, home)
+            errors = "llmsched_gateway_upstream_errors_total"
+            assert r.metric(errors, endpoint=worker, kind="status_5xx") == 1
+
+    run(body())
+
+
+def test_a_request_whose_deadline_passes_gets_504() -> None:
+    async def body() -> None:
+        async with rig(engines=1, timeouts={"total_s": 0.3}) as r:
+            r.engines[0].mode = "stall"
+            response = await r.complete("x")
+            assert response.status == 504
+            assert json.loads(await response.read())["error"]["type"] == "timeout"
+            # The deadline is the request's, not the engine's fault.
+            assert r.gateway.health.state(_worker(r, 0)) == "up"
+
+    run(body())
+
+
+# -- engine health -------------------------------------------------------------------------
+
+
+def test_dropped_connections_from_client_requests_do_not_eject_a_healthy_engine() -> None:
+    async def body() -> None:
+        async with rig(engines=2, health={"interval_s": None}) as r:  # probes on demand only
+            home = await _warm(r, SYSTEM + " drops")
+            engine = r.engines[home]
+            # Fewer attempts than breaker_min_requests (20): the breaker is not in play; each
+            # drop alone must not take the engine out.
+            for i in range(6):
+                engine.mode = "drop"  # this request makes the engine drop the connection
+                response = await r.complete(SYSTEM + f" drops {i}")
+                assert response.status == 200  # retried elsewhere: no status line came
+                engine.mode = "ok"
+                assert (await r.complete(SYSTEM + f" fine {i}")).status == 200
+            worker = _worker(r, home)
+            # failures_to_probe (5) drops in a row: probes check the engine, which answers them.
+            ok_probes = r.metric(
+                "llmsched_gateway_health_probes_total", endpoint=worker, result="ok"
+            )
+            for i in range(5):  # every engine drops these: 502s, and 5 failures in a row each
+                await r.complete(f"{i} drop in a row", x_fake_mode="drop")
+            await _until(
+                lambda: (
+                    r.metric("llmsched_gateway_health_probes_total", endpoint=worker, result="ok")
+                    > ok_probes
+                )
+            )
+            assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 0
+            assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 0
+            assert r.gateway.health.state(worker) == "up"
+            assert len(r.gateway.routable_endpoints()) == 2
+
+    run(body())
+
+
+def test_a_refused_connection_is_confirmed_by_probes_before_ejection() -> None:
+    async def body() -> None:
+        async with rig(engines=2, retries={"eject_s": 60}) as r:
+            home = await _warm(r, SYSTEM + " refused")
+            await r.engines[home].stop()
+            for i in range(5):
+                assert (await r.complete(SYSTEM + f" refused {i}")).status == 200
+            worker = _worker(r, home)
+            await _until(lambda: r.gateway.health.state(worker) == "down")
+            assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 1
+            # Confirmed by failed probes (unhealthy_threshold), not by the request alone.
+            failed = r.metric(
+                "llmsched_gateway_health_probes_total", endpoint=worker, result="failed"
+            )
+            assert failed >= 3
+            assert r.metric("llmsched_gateway_endpoint_up", endpoint=worker) == 0
+            assert r.gateway.routable_endpoints() == [_worker(r, 1 - home)]
+
+    run(body())
+
+
+def test_active_checks_take_an_engine_down_and_bring_it_back() -> None:
+    async def body() -> None:
+        async with rig(engines=2, health=FAST_HEALTH, retries={"eject_s": 0.05}) as r:
+            worker = _worker(r, 0)
+            r.engines[0].health_status = 503
+            await _until(lambda: r.gateway.health.state(worker) == "down")
+            for i in range(4):
+                assert (await r.complete(f"while down {i}")).status == 200
+            assert not r.engines[0].received
+            r.engines[0].health_status = 200
+            await _until(lambda: r.gateway.health.state(worker) == "up")
+            assert sorted(r.gateway.routable_endpoints()) == sorted([worker, _worker(r, 1)])
+            assert r.metric("llmsched_gateway_endpoint_up", endpoint=worker) == 1
+
+    run(body())
+
+
+def test_the_circuit_breaker_opens_on_a_failure_rate_and_closes_after_a_probe() -> None:
+    async def body() -> None:
+        health = {
+            "interval_s": None,
+            "breaker_min_requests": 6,
+            "breaker_failure_rate": 0.5,
+            "breaker_open_s": 0.2,
+            "failures_to_probe": 1000,
+        }
+        async with rig(engines=2, health=health) as r:
+            home = await _warm(r, SYSTEM + " breaker")
+            worker = _worker(r, home)
+            r.engines[home].mode = "error500"
+            for i in range(60):  # cold prompts: about half are picked for the failing engine
+                assert (await r.complete(f"{i} breaker")).status == 200
+                if r.gateway.health.state(worker) == "open":
+                    break
+            assert r.gateway.health.state(worker) == "open"
+            assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 1
+            assert r.gateway.routable_endpoints() == [_worker(r, 1 - home)]
+            r.engines[home].mode = "ok"  # the half-open probe finds it well again
+            await _until(lambda: r.gateway.health.state(worker) == "up")
+            assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 0
+
+    run(body())
+
+
+def test_ready_is_503_with_every_engine_down_even_without_scraping() -> None:
+    async def body() -> None:
+        async with rig(engines=2, health=FAST_HEALTH, retries={"eject_s": 60}) as r:
+            async with r.client.get(r.url("/ready")) as response:
+                assert response.status == 200
+            for engine in r.engines:
+                await engine.stop()
+            await _until(lambda: not r.gateway.routable_endpoints())
+            async with r.client.get(r.url("/ready")) as response:
+                assert response.status == 503
+                assert await response.json() == {"ready": False, "endpoints": 0}
+
+    run(body())
+
+
+# -- nothing can serve ---------------------------------------------------------------------
+
+
+def test_with_every_engine_down_flow_control_answers_503_at_once() -> None:
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 1}}
+        async with rig(engines=1, flow=flow, health=FAST_HEALTH, retries={"eject_s": 60}) as r:
+            engine = r.engines[0]
+            engine.mode = "hang"  # holds the only slot: one event, then silence
+            busy = asyncio.ensure_future(r.complete("busy", stream=True))
+            await _until(lambda: engine.running == 1)
+            queued = asyncio.ensure_future(r.complete("queued"))
+            await _until(lambda: r.gateway.flow is not None and len(r.gateway.flow) == 1)
+            engine.health_status = 503  # the engine's probes fail: it goes down
+            response = await asyncio.wait_for(queued, timeout=10)  # the band TTL is 60 s
+            assert response.status == 503
+            assert response.headers["Retry-After"] == "1"
+            assert response.headers["x-llmsched-dropped-reason"] == "no-endpoints"
+            # New requests are refused before admission, at once.
+            response = await r.complete("later")
+            assert response.status == 503 and response.headers["Retry-After"] == "1"
+            busy.cancel()  # the client of the hung stream leaves
+            with contextlib.suppress(asyncio.CancelledError):
+                await busy
+            await _until(lambda: r.gateway.flow is not None and r.gateway.flow.running_count() == 0)
+            assert r.gateway.flow is not None and len(r.gateway.flow) == 0
+
+    run(body())
