@@ -19,8 +19,22 @@ ROOT = Path(__file__).resolve().parent.parent
 def array_encoded_seeds() -> list[bytes]:
     stored_011 = ["BlockStored", [11, 12], 10, [1, 2, 3, 4], 2, None, "GPU"]
     stored_033 = [
-        "BlockStored", [2**64 - 1], None, [70000, 5], 2, 3, "cpu", "lora-a",
-        [["mm", b"\x01\x02"]], 1, "sliding_window", 128, "local", None, "s1", [9],
+        "BlockStored",
+        [2**64 - 1],
+        None,
+        [70000, 5],
+        2,
+        3,
+        "cpu",
+        "lora-a",
+        [["mm", b"\x01\x02"]],
+        1,
+        "sliding_window",
+        128,
+        "local",
+        None,
+        "s1",
+        [9],
     ]
     removed = ["BlockRemoved", [b"\x00" * 24 + b"\x12" * 8], "STORAGE", 0]
     return [
@@ -34,7 +48,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     vectors = ROOT / "tests" / "data"
-    seeds = [bytes.fromhex(json.loads((vectors / "vllm_kv_events.json").read_text())["payload_hex"])]
+    seeds = [
+        bytes.fromhex(json.loads((vectors / "vllm_kv_events.json").read_text())["payload_hex"])
+    ]
     capture = json.loads((vectors / "vllm_real_capture_gap.json").read_text())
     seeds += [bytes.fromhex(frame[2]) for frame in capture["frames"]]
     seeds += array_encoded_seeds()

@@ -102,7 +102,9 @@ def test_internal_error_is_an_ordinary_exception() -> None:
     assert issubclass(InternalError, RuntimeError)
 
 
-@pytest.mark.parametrize(("num_blocks", "block_size"), [(2**24 + 1, 16), (2**32 - 1, 16), (8, 2**20)])
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size"), [(2**24 + 1, 16), (2**32 - 1, 16), (8, 2**20)]
+)
 def test_the_simulated_kv_cache_refuses_absurd_sizes(num_blocks: int, block_size: int) -> None:
     from llmsched.sim.kv import make_kv_cache
 

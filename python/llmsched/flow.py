@@ -51,7 +51,6 @@ from llmsched.errors import (
     DuplicateRequestError,
     FlowRejected,
     UnknownRequestError,
-    one_line,
 )
 from llmsched.types import BandConfig, FlowConfig, FlowMetrics
 from llmsched.validation import check_int, check_now, check_positive_seconds, check_probability

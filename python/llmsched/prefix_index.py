@@ -19,7 +19,6 @@ expire), and queried with :meth:`PrefixIndex.match` on every request.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Iterable

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from llmsched.flow import FlowController
 from llmsched.prefix_index import PrefixIndex
-from llmsched.types import FlowMetrics
+from llmsched.types import EndpointInfo, FlowMetrics
 
 __all__ = ["GatewayMetrics"]
 
@@ -41,7 +41,7 @@ class GatewayMetrics:
         flow: FlowController | None,
         index: PrefixIndex,
         kv_counters: Callable[[], dict[str, int]] | None = None,
-        endpoints: Callable[[], list[dict[str, Any]]] | None = None,
+        endpoints: Callable[[], list[EndpointInfo]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -173,7 +173,7 @@ class _StateCollector(Collector):
         flow: FlowController | None,
         index: PrefixIndex,
         kv_counters: Callable[[], dict[str, int]] | None,
-        endpoints: Callable[[], list[dict[str, Any]]] | None = None,
+        endpoints: Callable[[], list[EndpointInfo]] | None = None,
     ) -> None:
         self._flow = flow
         self._index = index

@@ -1,8 +1,8 @@
 """Pure-Python twin of :class:`llmsched.slices.SliceTracker` (oracle and benchmark baseline).
 
 Same API as the native tracker's friendly wrapper, written as plainly as possible from the
-formulas in ``crates/llmsched-core/src/slices/mod.rs``. Parameter defaults come from the native module (they live
-in one place), the algorithm does not.
+formulas in ``crates/llmsched-core/src/slices/mod.rs``. Parameter defaults come from the native
+module (they live in one place), the algorithm does not.
 
 >>> t = SliceTracker("fixed", {"slice_tokens": 4}, endpoints=["a"])
 >>> t.admit(1, prompt_tokens=3, max_tokens=6, endpoint="a")
