@@ -5,7 +5,7 @@
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFloat, PyList, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
@@ -15,17 +15,18 @@ use crate::errors::{ConfigError, InternalError};
 /// Nesting deeper than this is refused before conversion (configs are a few levels deep).
 const MAX_DEPTH: usize = 32;
 
-/// A Python config object as a serde value. Floats must be finite (JSON has no NaN or
-/// infinity, and a silent null would hide the mistake); `what` names the config in errors.
+/// A Python config object as a serde value. It must be plain data (None, bool, int, float, str,
+/// and dicts and lists of them), floats finite (JSON has no NaN or infinity, and a silent null
+/// would hide the mistake); `what` names the config in errors, with the path of a bad value.
 pub(crate) fn config_value(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Value> {
-    check_finite(obj, what, &mut String::new(), 0)?;
+    check_plain(obj, what, &mut String::new(), 0)?;
     pythonize::depythonize::<Value>(obj).map_err(|err| {
         let err: PyErr = err.into();
         ConfigError::new_err(format!("{what}: {err}"))
     })
 }
 
-fn check_finite(
+fn check_plain(
     obj: &Bound<'_, PyAny>,
     what: &str,
     path: &mut String,
@@ -34,10 +35,11 @@ fn check_finite(
     if depth > MAX_DEPTH {
         return Err(ConfigError::new_err(format!("{what}: nested more than {MAX_DEPTH} levels")));
     }
+    let at = |path: &str| if path.is_empty() { String::new() } else { format!(" at {path}") };
     if let Ok(float) = obj.cast::<PyFloat>() {
         let value = float.value();
         if !value.is_finite() {
-            let at = if path.is_empty() { String::new() } else { format!(" at {path}") };
+            let at = at(path);
             return Err(ConfigError::new_err(format!(
                 "{what}: value{at} must be finite, got {value}"
             )));
@@ -46,16 +48,27 @@ fn check_finite(
         for (key, value) in dict.iter() {
             let len = path.len();
             path.push_str(&format!(".{key}"));
-            check_finite(&value, what, path, depth + 1)?;
+            check_plain(&value, what, path, depth + 1)?;
             path.truncate(len);
         }
     } else if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
         for (i, value) in obj.try_iter()?.enumerate() {
             let len = path.len();
             path.push_str(&format!("[{i}]"));
-            check_finite(&value?, what, path, depth + 1)?;
+            check_plain(&value?, what, path, depth + 1)?;
             path.truncate(len);
         }
+    } else if !(obj.is_none()
+        || obj.is_instance_of::<PyBool>()
+        || obj.is_instance_of::<PyInt>()
+        || obj.is_instance_of::<PyString>())
+    {
+        let kind = obj.get_type().name()?;
+        return Err(ConfigError::new_err(format!(
+            "{what}: value{} is a {kind}; only plain data (None, bool, int, float, str, and dicts \
+             and lists of them) is accepted",
+            at(path)
+        )));
     }
     Ok(())
 }

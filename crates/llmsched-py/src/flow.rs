@@ -236,16 +236,16 @@ impl PyFlowCore {
 
     fn record_output(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
         let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
-        Ok(self.inner.lock().record_output(id, tokens, now).py()?)
+        self.inner.lock().record_output(id, tokens, now).py()
     }
 
     fn complete(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
         let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
-        Ok(self.inner.lock().complete(id, tokens, now).py()?)
+        self.inner.lock().complete(id, tokens, now).py()
     }
 
     fn preemption_victims(&self, now: f64) -> PyResult<Vec<u64>> {
-        Ok(self.inner.lock().preemption_victims(now).py()?)
+        self.inner.lock().preemption_victims(now).py()
     }
 
     fn update_endpoint(
@@ -262,7 +262,7 @@ impl PyFlowCore {
             kv_usage,
             timestamp,
         };
-        Ok(self.inner.lock().update_endpoint(endpoint, metrics).py()?)
+        self.inner.lock().update_endpoint(endpoint, metrics).py()
     }
 
     fn remove_endpoint(&self, endpoint: &str) -> bool {

@@ -92,12 +92,12 @@ impl PyEndpointPool {
             })?),
         };
         let endpoint = Endpoint { id: worker_key(id)?, address, role, labels, model };
-        Ok(detach(py, || self.inner.upsert(endpoint))?)
+        detach(py, || self.inner.upsert(endpoint))
     }
 
     fn remove(&self, py: Python<'_>, id: &Bound<'_, PyAny>) -> PyResult<()> {
         let key = worker_key(id)?;
-        Ok(detach(py, || self.inner.remove(&key))?.py()?)
+        detach(py, || self.inner.remove(&key))?.py()
     }
 
     #[pyo3(signature = (id, waiting, running, kv_cache_usage, max_concurrency, now))]
@@ -112,7 +112,7 @@ impl PyEndpointPool {
     ) -> PyResult<()> {
         let key = worker_key(id)?;
         let update = MetricsUpdate { waiting, running, kv_cache_usage, max_concurrency };
-        Ok(self.inner.update_metrics(&key, update, now).py()?)
+        self.inner.update_metrics(&key, update, now).py()
     }
 
     fn set_loras(
@@ -123,7 +123,7 @@ impl PyEndpointPool {
         max_loras: u32,
     ) -> PyResult<()> {
         let key = worker_key(id)?;
-        Ok(self.inner.set_loras(&key, LoraState { active, waiting, max_loras }).py()?)
+        self.inner.set_loras(&key, LoraState { active, waiting, max_loras }).py()
     }
 
     /// Applies a Prometheus text scrape; returns the fields it found.

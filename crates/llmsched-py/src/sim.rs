@@ -68,11 +68,11 @@ impl PyKvCache {
     }
 
     fn tokens_of(&self, req: u64) -> PyResult<u64> {
-        Ok(self.inner.tokens_of(req).py()?)
+        self.inner.tokens_of(req).py()
     }
 
     fn blocks_of(&self, req: u64) -> PyResult<usize> {
-        Ok(self.inner.blocks_of(req).py()?)
+        self.inner.blocks_of(req).py()
     }
 
     fn start(
@@ -81,23 +81,23 @@ impl PyKvCache {
         hashes: PyReadonlyArray1<'_, u64>,
         max_blocks: usize,
     ) -> PyResult<usize> {
-        Ok(self.inner.start(req, hashes.as_slice()?, max_blocks).py()?)
+        self.inner.start(req, hashes.as_slice()?, max_blocks).py()
     }
 
     fn allocate(&mut self, req: u64, tokens: u64) -> PyResult<bool> {
-        Ok(self.inner.allocate(req, tokens).py()?)
+        self.inner.allocate(req, tokens).py()
     }
 
     fn commit(&mut self, req: u64, hashes: PyReadonlyArray1<'_, u64>, upto: usize) -> PyResult<()> {
-        Ok(self.inner.commit(req, hashes.as_slice()?, upto).py()?)
+        self.inner.commit(req, hashes.as_slice()?, upto).py()
     }
 
     fn free(&mut self, req: u64) -> PyResult<()> {
-        Ok(self.inner.free(req).py()?)
+        self.inner.free(req).py()
     }
 
     fn set_decoding(&mut self, req: u64, decoding: bool) -> PyResult<()> {
-        Ok(self.inner.set_decoding(req, decoding).py()?)
+        self.inner.set_decoding(req, decoding).py()
     }
 
     fn decode_capacity(&self, limit: u64) -> u64 {

@@ -248,7 +248,7 @@ impl PySliceTracker {
     }
 
     fn quantum(&self, level: u8) -> PyResult<u32> {
-        Ok(self.inner.lock().quantum(level).py()?)
+        self.inner.lock().quantum(level).py()
     }
 
     fn entry_level(&self, prompt_tokens: u32) -> u8 {
@@ -272,7 +272,7 @@ impl PySliceTracker {
             prefill_tokens_per_s,
             decode_step_s,
         };
-        Ok(self.inner.lock().set_endpoint(name, report).py()?)
+        self.inner.lock().set_endpoint(name, report).py()
     }
 
     fn endpoint_load(&self, name: &str) -> Option<PyEndpointLoad> {
@@ -297,7 +297,7 @@ impl PySliceTracker {
     }
 
     fn record_tokens(&self, key: u64, tokens: u32) -> PyResult<u32> {
-        Ok(self.inner.lock().record_tokens(key, tokens).py()?)
+        self.inner.lock().record_tokens(key, tokens).py()
     }
 
     /// `waiting`: (priority, level, context_tokens, expected_tokens) tuples in dispatch order.
@@ -327,7 +327,7 @@ impl PySliceTracker {
 
     fn promote(&self, py: Python<'_>, now: f64) -> PyResult<Vec<(u64, u8)>> {
         let inner = Arc::clone(&self.inner);
-        Ok(detach(py, move || inner.lock().promote(now))?.py()?)
+        detach(py, move || inner.lock().promote(now))?.py()
     }
 
     fn remove(&self, key: u64) -> bool {
