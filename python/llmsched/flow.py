@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
-    ConfigError,
     DuplicateRequestError,
     FlowRejected,
     UnknownRequestError,
