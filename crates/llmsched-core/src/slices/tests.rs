@@ -197,7 +197,7 @@ fn finish_on_end_of_sequence_or_budget() {
 
 #[test]
 fn endpoint_reports_keep_unset_fields() {
-    let mut t = tracker("fixed", "");
+    let mut t = tracker("fixed", "{}");
     let first = EndpointReport {
         kv_usage: 0.5,
         kv_capacity_tokens: Some(1000.0),
