@@ -5,7 +5,9 @@ updated from any thread. A :class:`Router` decides per request: it hashes the pr
 matches it once against a shared :class:`~llmsched.PrefixIndex`, and runs the configured
 profile (filters, weighted scorers, a picker) over the endpoints. The configuration has the
 shape of llm-d's ``EndpointPickerConfig`` (a dict, a YAML or JSON file, or a preset name), and
-plugin type names are llm-d's, so an existing config can be brought along.
+plugin type names are llm-d's and the Gateway API Inference Extension's (with the names their
+earlier releases used), so an existing config can be brought along; docs/llm-d-compatibility.md
+lists every type and parameter and what it becomes here.
 
 >>> from llmsched import EndpointPool, Router
 >>> pool = EndpointPool(["a", "b"], stale_policy="ignore")
@@ -23,6 +25,7 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -30,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +45,8 @@ from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 
 __all__ = [
+    "ConfigInfo",
+    "ConfigNote",
     "Decision",
     "Endpoint",
     "EndpointPool",
@@ -50,9 +55,16 @@ __all__ = [
     "ProfileExplanation",
     "Role",
     "Router",
+    "PreciseWiring",
+    "SaturationThresholds",
     "StalePolicy",
+    "config_info",
     "load_config",
 ]
+
+_log = logging.getLogger("llmsched")
+_LOGGED: set[str] = set()
+"""Messages already logged: each configuration note is logged once per process."""
 
 EndpointId = int | str
 """An endpoint's id: any int (64-bit) or str. It is also its worker name in the prefix index."""
@@ -72,6 +84,50 @@ FilterFunction = Callable[[dict[str, Any], list[dict[str, Any]]], Sequence[bool]
 
 PYTHON_PLUGIN_TYPES = ("python-scorer", "python-filter")
 """Plugin types whose ``parameters.function`` is a Python callable (the slower path)."""
+
+
+class ConfigNote(TypedDict):
+    """Something a configuration does that its author should know: an older plugin name read
+    under its current one, or a setting accepted without effect (and what to use instead)."""
+
+    key: str
+    message: str
+
+
+class PreciseWiring(TypedDict):
+    """What llm-d's precise prefix scorer needs around the router: the engines publish KV events
+    hashed with vLLM's ``sha256_cbor`` over ``block_size``-token blocks with ``vllm_seed`` as
+    ``PYTHONHASHSEED`` (:func:`llmsched.hashing.block_hashes` with ``algo="vllm_sha256_cbor"``
+    reproduces them), and a subscriber applies them to the router's index (``zmq_endpoint``,
+    topics starting with ``topic_filter``)."""
+
+    key: str
+    block_size: int
+    hash_seed: str
+    vllm_seed: str
+    zmq_endpoint: str
+    topic_filter: str
+    discover_pods: bool
+
+
+class SaturationThresholds(TypedDict):
+    """The Inference Extension's ``saturationDetector`` for flow control's ``utilization``
+    detector (None: flow control's default)."""
+
+    queue_depth_threshold: int | None
+    kv_cache_util_threshold: float | None
+    metrics_staleness_s: float | None
+
+
+class ConfigInfo(TypedDict):
+    """What a configuration asks of whoever runs the router (see :func:`config_info`)."""
+
+    block_size: int | None
+    worker_capacity: int | None
+    notes: list[ConfigNote]
+    precise: PreciseWiring | None
+    saturation: SaturationThresholds | None
+    flow_control: bool
 
 
 @dataclass(frozen=True)
@@ -260,6 +316,47 @@ def load_config(config: ConfigLike) -> dict[str, Any]:
     return value
 
 
+def config_info(config: ConfigLike) -> ConfigInfo:
+    """What a configuration asks of whoever runs the router: the prefix index's block size and
+    per-worker capacity, notes (older names, settings without effect), the precise prefix
+    scorer's wiring, the ``saturationDetector`` thresholds and whether ``featureGates`` turns
+    flow control on. Raises ConfigError naming the key for a configuration a Router refuses.
+
+    >>> info = config_info({"featureGates": ["flowControl"],
+    ...     "plugins": [{"type": "kv-cache-scorer"}],
+    ...     "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "kv-cache-scorer"}]}]})
+    >>> info["flow_control"], info["notes"][0]["key"]
+    (True, 'plugins[0].type')
+    """
+    config_json, functions = _native_config(load_config(config))
+    info: ConfigInfo = json.loads(_llmsched.Router.config_info(config_json, functions))
+    return info
+
+
+def log_notes(info: ConfigInfo) -> None:
+    """Logs each note of ``info`` once per process (logger ``llmsched``, level WARNING)."""
+    for note in info["notes"]:
+        message = f"routing config {note['key']}: {note['message']}"
+        if message not in _LOGGED:
+            _LOGGED.add(message)
+            _log.warning(message)
+
+
+def precise_wiring_message(wiring: PreciseWiring) -> str:
+    """What a caller must wire for llm-d's precise prefix scorer, in words."""
+    return (
+        f"routing config {wiring['key']}: the precise prefix scorer reads the prefix index, "
+        "which only KV events from the engines keep exact; a Router that builds its own index "
+        "gets none. Wire them: start vLLM with --block-size "
+        f"{wiring['block_size']}, PYTHONHASHSEED={wiring['vllm_seed']!r} and "
+        "--kv-events-config (publisher zmq, enable_kv_cache_events), then pass Router a shared "
+        "PrefixIndex fed by llmsched.integrations.KVEventSubscriber (endpoint "
+        f"{wiring['zmq_endpoint']}, topics starting {wiring['topic_filter']!r}), or run "
+        "`llmsched serve`, which subscribes to each engine's kv_events. Until then only the "
+        "router's own records of routed requests reach the index."
+    )
+
+
 class Router:
     """Picks endpoints for requests.
 
@@ -284,12 +381,18 @@ class Router:
     objects per endpoint). Filters take ``"failOpen": true`` to be skipped instead of emptying
     the set; scorers take ``"readsMetrics": true`` to score saturated endpoints 0.
 
+    Configuration notes (older plugin names, settings without effect) are logged once through
+    the ``llmsched`` logger and listed in :attr:`warnings`. With llm-d's precise prefix scorer
+    and no ``index``, the Router warns what the caller must wire (KV events into a shared index);
+    ``saturationDetector`` and ``featureGates`` configure flow control, which a bare Router has
+    none of: :func:`config_info` returns them for the caller (the gateway wires them).
+
     >>> router = Router(EndpointPool(["a"]), config="round-robin")
     >>> router.pick(tokens=[1, 2, 3]).endpoint
     'a'
     """
 
-    __slots__ = ("_index", "_native", "_pool")
+    __slots__ = ("_index", "_info", "_native", "_pool", "_warnings")
 
     def __init__(
         self,
@@ -309,8 +412,31 @@ class Router:
         if seed is not None and not 0 <= seed < 2**64:
             raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
         config_json, functions = _native_config(load_config(config))
+        info: ConfigInfo = json.loads(_llmsched.Router.config_info(config_json, functions))
+        log_notes(info)
+        warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]
+        if index is None and info["precise"] is not None:
+            message = precise_wiring_message(info["precise"])
+            warnings.append(message)
+            if message not in _LOGGED:
+                _LOGGED.add(message)
+                _log.warning(message)
+        for section, present in (
+            ("saturationDetector", info["saturation"] is not None),
+            ("featureGates: flowControl", info["flow_control"]),
+        ):
+            if present:
+                message = (
+                    f"routing config {section}: configures flow control, which a bare Router "
+                    "does not run; the gateway (`llmsched serve`) wires it, or pass "
+                    "config_info(config) to a FlowController"
+                )
+                warnings.append(message)
+                if message not in _LOGGED:
+                    _LOGGED.add(message)
+                    _log.warning(message)
         if index is None:
-            block_size, capacity = _llmsched.Router.index_hints(config_json, functions)
+            block_size, capacity = info["block_size"], info["worker_capacity"]
             index = (
                 PrefixIndex(worker_capacity=capacity)
                 if block_size is None
@@ -320,6 +446,8 @@ class Router:
             raise TypeError(f"index must be a PrefixIndex or None, got {type(index).__name__}")
         self._pool = pool
         self._index = index
+        self._info = info
+        self._warnings = warnings
         self._native = _llmsched.Router(
             pool._native,
             index._native,
@@ -359,6 +487,16 @@ class Router:
     def profiles(self) -> list[str]:
         """Names of the configured scheduling profiles."""
         return self._native.profiles
+
+    @property
+    def config_info(self) -> ConfigInfo:
+        """What the configuration asks of the caller (see :func:`config_info`)."""
+        return self._info
+
+    @property
+    def warnings(self) -> list[str]:
+        """The configuration's notes and the wiring it lacks, as logged when it was built."""
+        return list(self._warnings)
 
     def pick(
         self,

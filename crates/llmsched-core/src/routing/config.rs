@@ -130,6 +130,28 @@ const REFUSED: &[(&str, &str)] = &[
     ),
 ];
 
+/// Plugin types of llm-d or the Inference Extension with no counterpart here, and why.
+const REFUSED_TYPES: &[(&str, &str)] = &[
+    (
+        "tokenizer",
+        "is not a plugin here: the caller tokenizes the prompt (the gateway's `tokenizer`) and \
+         passes the tokens to Router.pick",
+    ),
+    (
+        "endpoint-notification-source",
+        "is not a plugin here: endpoints are added and removed through EndpointPool (the \
+         gateway's `engines` or discovery file)",
+    ),
+    (
+        "disagg-profile-handler",
+        "is not supported under this name: use pd-profile-handler with deciderPluginName",
+    ),
+    (
+        "disagg-headers-handler",
+        "is not a plugin here: the gateway sets the prefill header (`pd.header`)",
+    ),
+];
+
 struct Instance {
     key: String,
     plugin: Plugin,
@@ -440,6 +462,9 @@ fn parse_plugins(
         let type_name = string(map.get("type"), &type_key)?
             .ok_or_else(|| ConfigError::new(&type_key, "is required"))?;
         let name = string(map.get("name"), &format!("{at}.name"))?.unwrap_or(type_name).to_string();
+        if let Some((_, why)) = REFUSED_TYPES.iter().find(|(t, _)| *t == type_name) {
+            return Err(ConfigError::new(&type_key, format!("{type_name:?} {why}")));
+        }
         let (factory, current) = registry.resolve(type_name).ok_or_else(|| {
             ConfigError::new(
                 &type_key,
