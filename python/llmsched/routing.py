@@ -52,10 +52,10 @@ __all__ = [
     "EndpointPool",
     "EndpointScores",
     "Explanation",
+    "PreciseWiring",
     "ProfileExplanation",
     "Role",
     "Router",
-    "PreciseWiring",
     "SaturationThresholds",
     "StalePolicy",
     "config_info",
@@ -322,9 +322,9 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     scorer's wiring, the ``saturationDetector`` thresholds and whether ``featureGates`` turns
     flow control on. Raises ConfigError naming the key for a configuration a Router refuses.
 
+    >>> profile = {"name": "default", "plugins": [{"pluginRef": "kv-cache-scorer"}]}
     >>> info = config_info({"featureGates": ["flowControl"],
-    ...     "plugins": [{"type": "kv-cache-scorer"}],
-    ...     "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "kv-cache-scorer"}]}]})
+    ...     "plugins": [{"type": "kv-cache-scorer"}], "schedulingProfiles": [profile]})
     >>> info["flow_control"], info["notes"][0]["key"]
     (True, 'plugins[0].type')
     """
@@ -333,7 +333,7 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     return info
 
 
-def log_notes(info: ConfigInfo) -> None:
+def _log_notes(info: ConfigInfo) -> None:
     """Logs each note of ``info`` once per process (logger ``llmsched``, level WARNING)."""
     for note in info["notes"]:
         message = f"routing config {note['key']}: {note['message']}"
@@ -342,7 +342,7 @@ def log_notes(info: ConfigInfo) -> None:
             _log.warning(message)
 
 
-def precise_wiring_message(wiring: PreciseWiring) -> str:
+def _precise_wiring_message(wiring: PreciseWiring) -> str:
     """What a caller must wire for llm-d's precise prefix scorer, in words."""
     return (
         f"routing config {wiring['key']}: the precise prefix scorer reads the prefix index, "
@@ -413,10 +413,10 @@ class Router:
             raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
         config_json, functions = _native_config(load_config(config))
         info: ConfigInfo = json.loads(_llmsched.Router.config_info(config_json, functions))
-        log_notes(info)
+        _log_notes(info)
         warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]
         if index is None and info["precise"] is not None:
-            message = precise_wiring_message(info["precise"])
+            message = _precise_wiring_message(info["precise"])
             warnings.append(message)
             if message not in _LOGGED:
                 _LOGGED.add(message)
