@@ -103,6 +103,9 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     Ok(Plugin::Tree(Arc::new(parse_tree(params, "")?)))
 }
 
+/// Looks a referenced filter up by (name, parameter path).
+pub type Resolve<'a> = dyn FnMut(&str, &str) -> Result<Arc<dyn Filter>, ParamError> + 'a;
+
 /// The built filter.
 pub struct DecisionTreeFilter {
     current: Arc<dyn Filter>,
@@ -115,7 +118,7 @@ impl DecisionTreeFilter {
     /// Builds `spec`, looking every referenced filter up with `resolve(name, path)`.
     pub fn build(
         spec: &TreeSpec,
-        resolve: &mut dyn FnMut(&str, &str) -> Result<Arc<dyn Filter>, ParamError>,
+        resolve: &mut Resolve<'_>,
     ) -> Result<DecisionTreeFilter, ParamError> {
         let mut node = |n: &Node| -> Result<Arc<dyn Filter>, ParamError> {
             match n {
