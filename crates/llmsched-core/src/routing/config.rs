@@ -152,6 +152,13 @@ const REFUSED_TYPES: &[(&str, &str)] = &[
     ),
 ];
 
+/// Parameters a plugin accepts without effect, and what is used instead.
+const NO_EFFECT_PARAMS: &[(&str, &str, &str)] = &[(
+    "pd-profile-handler",
+    "hashBlockSize",
+    "has no effect: the decider counts uncached tokens with the prefix index's block size",
+)];
+
 struct Instance {
     key: String,
     plugin: Plugin,
@@ -481,6 +488,15 @@ fn parse_plugins(
             });
         }
         let params = map.get("parameters").unwrap_or(&Value::Null);
+        let current_type = current.unwrap_or(type_name);
+        for (t, param, why) in NO_EFFECT_PARAMS {
+            if *t == current_type && params.get(*param).is_some() {
+                notes.push(ConfigNote {
+                    key: format!("{at}.parameters.{param}"),
+                    message: (*why).to_string(),
+                });
+            }
+        }
         let plugin = factory(params).map_err(|e| {
             let key = if e.path.is_empty() {
                 format!("{at}.parameters")
@@ -794,6 +810,12 @@ mod tests {
         assert!(c.notes[0].message.contains("\"kv-cache-utilization-scorer\""), "{:?}", c.notes[0]);
         assert_eq!(c.index_hints.block_size, Some(32));
         assert_eq!(c.profiles[0].scorers.len(), 2);
+        let v = json!({
+            "plugins": [{"type": "pd-profile-handler", "parameters": {"hashBlockSize": 64}}],
+            "schedulingProfiles": [{"name": "decode", "plugins": []}, {"name": "prefill", "plugins": []}]
+        });
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!(c.notes[0].key, "plugins[0].parameters.hashBlockSize");
     }
 
     #[test]
