@@ -28,7 +28,10 @@ LOADING = [
     "llmd-precise-kv-events.yaml",
     "gie-saturation-flow-control.yaml",
 ]
-REFUSED = {"llmd-precise-data-layer.yaml": ("dataLayer", "scrape")}
+REFUSED = {
+    "llmd-precise-data-layer.yaml": ("dataLayer", "scrape"),
+    "llmd-pd-disagg.yaml": ("plugins[0].type", "pd.header"),
+}
 
 
 def corpus(name: str) -> dict[str, Any]:
@@ -237,7 +240,7 @@ def test_saturation_detector_and_feature_gates() -> None:
         "metrics_staleness_s": 0.5,
     }
     bare = Router(_pool(2), config=CORPUS / "gie-saturation-flow-control.yaml")
-    assert sum("bare Router" in w for w in bare.warnings) == 2
+    assert sum("a Router alone" in w for w in bare.warnings) == 2
 
 
 def test_the_gateway_wires_flow_control_and_block_size(tmp_path: Path) -> None:
@@ -290,3 +293,18 @@ def test_llm_d_plugin_types_without_a_counterpart_name_what_to_use() -> None:
     with pytest.raises(ConfigError, match=r"plugins\[0\]\.type") as err:
         Router(EndpointPool(["a"]), config=cfg)
     assert "tokenizer" in str(err.value) and "Router.pick" in str(err.value)
+
+
+def test_the_gateway_warns_for_engines_without_kv_events(caplog: pytest.LogCaptureFixture) -> None:
+    from llmsched.gateway.config import load_config
+
+    caplog.set_level(logging.WARNING, logger="llmsched")
+    engines = [
+        {"host": "127.0.0.1", "port": 8001, "kv_events": "tcp://127.0.0.1:5557", "topic": "kv@a"},
+        {"host": "127.0.0.1", "port": 8002},
+    ]
+    router = str(CORPUS / "llmd-precise-kv-events.yaml")
+    load_config({"engines": engines, "models": ["tiny"], "router": router})
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("127.0.0.1:8002" in m and "kv_events" in m for m in messages), messages
+    assert not any("127.0.0.1:8001" in m for m in messages), messages

@@ -427,9 +427,9 @@ class Router:
         ):
             if present:
                 message = (
-                    f"routing config {section}: configures flow control, which a bare Router "
-                    "does not run; the gateway (`llmsched serve`) wires it, or pass "
-                    "config_info(config) to a FlowController"
+                    f"routing config {section}: configures flow control, which a Router alone "
+                    "does not run; `llmsched serve` applies it, elsewhere read it with "
+                    "config_info(config) and configure a FlowController"
                 )
                 warnings.append(message)
                 if message not in _LOGGED:
