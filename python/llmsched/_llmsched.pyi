@@ -8,6 +8,7 @@ import numpy.typing as npt
 
 from llmsched.types import (
     ApplyReport,
+    ConfigInfo,
     EndpointId,
     EndpointInfo,
     EventBatchDict,
@@ -352,6 +353,8 @@ class Router:
     def index_hints(
         config: Mapping[str, Any], functions: list[Any]
     ) -> tuple[int | None, int | None]: ...
+    @staticmethod
+    def config_info(config: Mapping[str, Any], functions: list[Any]) -> ConfigInfo: ...
     @staticmethod
     def preset(name: str) -> dict[str, Any] | None: ...
     @staticmethod

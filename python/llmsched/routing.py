@@ -5,7 +5,9 @@ updated from any thread. A :class:`Router` decides per request: it hashes the pr
 matches it once against a shared :class:`~llmsched.PrefixIndex`, and runs the configured
 profile (filters, weighted scorers, a picker) over the endpoints. The configuration has the
 shape of llm-d's ``EndpointPickerConfig`` (a dict, a YAML or JSON file, or a preset name), and
-plugin type names are llm-d's, so an existing config can be brought along.
+plugin type names are llm-d's and the Gateway API Inference Extension's (with the names their
+earlier releases used), so an existing config can be brought along; docs/llm-d-compatibility.md
+lists every type and parameter and what it becomes here.
 
 >>> from llmsched import EndpointPool, Router
 >>> pool = EndpointPool(["a", "b"], stale_policy="ignore")
@@ -22,6 +24,7 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -41,26 +44,39 @@ from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import (
     CandidateInfo,
+    ConfigInfo,
+    ConfigNote,
     EndpointInfo,
     MetricsRead,
     PdNote,
+    PreciseWiring,
     ProfileData,
     RequestInfo,
+    SaturationThresholds,
 )
 from llmsched.validation import U32_MAX, check_int, check_now, check_probability, check_seed
 
 __all__ = [
+    "ConfigInfo",
+    "ConfigNote",
     "Decision",
     "Endpoint",
     "EndpointPool",
     "EndpointScores",
     "Explanation",
+    "PreciseWiring",
     "ProfileExplanation",
     "Role",
     "Router",
+    "SaturationThresholds",
     "StalePolicy",
+    "config_info",
     "load_config",
 ]
+
+_log = logging.getLogger("llmsched")
+_LOGGED: set[str] = set()
+"""Messages already logged: each configuration note is logged once per process."""
 
 EndpointId = int | str
 """An endpoint's id: any int (64-bit) or str. It is also its worker name in the prefix index."""
@@ -261,6 +277,47 @@ def load_config(config: ConfigLike) -> dict[str, Any]:
     return load_mapping(config, what="router config")
 
 
+def config_info(config: ConfigLike) -> ConfigInfo:
+    """What a configuration asks of whoever runs the router: the prefix index's block size and
+    per-worker capacity, notes (older names, settings without effect), the precise prefix
+    scorer's wiring, the ``saturationDetector`` thresholds and whether ``featureGates`` turns
+    flow control on. Raises ConfigError naming the key for a configuration a Router refuses.
+
+    >>> profile = {"name": "default", "plugins": [{"pluginRef": "kv-cache-scorer"}]}
+    >>> info = config_info({"featureGates": ["flowControl"],
+    ...     "plugins": [{"type": "kv-cache-scorer"}], "schedulingProfiles": [profile]})
+    >>> info["flow_control"], info["notes"][0]["key"]
+    (True, 'plugins[0].type')
+    """
+    native, functions = native_config(load_config(config))
+    info: ConfigInfo = _llmsched.Router.config_info(native, functions)
+    return info
+
+
+def _log_notes(info: ConfigInfo) -> None:
+    """Logs each note of ``info`` once per process (logger ``llmsched``, level WARNING)."""
+    for note in info["notes"]:
+        message = f"routing config {note['key']}: {note['message']}"
+        if message not in _LOGGED:
+            _LOGGED.add(message)
+            _log.warning(message)
+
+
+def _precise_wiring_message(wiring: PreciseWiring) -> str:
+    """What a caller must wire for llm-d's precise prefix scorer, in words."""
+    return (
+        f"routing config {wiring['key']}: the precise prefix scorer reads the prefix index, "
+        "which only KV events from the engines keep exact; a Router that builds its own index "
+        "gets none. Wire them: start vLLM with --block-size "
+        f"{wiring['block_size']}, PYTHONHASHSEED={wiring['vllm_seed']!r} and "
+        "--kv-events-config (publisher zmq, enable_kv_cache_events), then pass Router a shared "
+        "PrefixIndex fed by llmsched.integrations.KVEventSubscriber (endpoint "
+        f"{wiring['zmq_endpoint']}, topics starting {wiring['topic_filter']!r}), or run "
+        "`llmsched serve`, which subscribes to each engine's kv_events. Until then only the "
+        "router's own records of routed requests reach the index."
+    )
+
+
 class Router:
     """Picks endpoints for requests.
 
@@ -290,12 +347,18 @@ class Router:
     objects per endpoint). Filters take ``"failOpen": true`` to be skipped instead of emptying
     the set; scorers take ``"readsMetrics": true`` to score saturated endpoints 0.
 
+    Configuration notes (older plugin names, settings without effect) are logged once through
+    the ``llmsched`` logger and listed in :attr:`warnings`. With llm-d's precise prefix scorer
+    and no ``index``, the Router warns what the caller must wire (KV events into a shared index);
+    ``saturationDetector`` and ``featureGates`` configure flow control, which a bare Router has
+    none of: :func:`config_info` returns them for the caller (the gateway wires them).
+
     >>> router = Router(EndpointPool(["a"]), config="round-robin")
     >>> router.pick(tokens=[1, 2, 3]).endpoint
     'a'
     """
 
-    __slots__ = ("_index", "_native", "_pool", "_pseudo_ok", "_pseudo_picks")
+    __slots__ = ("_index", "_info", "_native", "_pool", "_pseudo_ok", "_pseudo_picks", "_warnings")
 
     def __init__(
         self,
@@ -318,8 +381,31 @@ class Router:
         if seed is not None:
             check_seed(seed)
         native, functions = native_config(load_config(config))
+        info: ConfigInfo = _llmsched.Router.config_info(native, functions)
+        _log_notes(info)
+        warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]
+        if index is None and info["precise"] is not None:
+            message = _precise_wiring_message(info["precise"])
+            warnings.append(message)
+            if message not in _LOGGED:
+                _LOGGED.add(message)
+                _log.warning(message)
+        for section, present in (
+            ("saturationDetector", info["saturation"] is not None),
+            ("featureGates: flowControl", info["flow_control"]),
+        ):
+            if present:
+                message = (
+                    f"routing config {section}: configures flow control, which a Router alone "
+                    "does not run; `llmsched serve` applies it, elsewhere read it with "
+                    "config_info(config) and configure a FlowController"
+                )
+                warnings.append(message)
+                if message not in _LOGGED:
+                    _LOGGED.add(message)
+                    _log.warning(message)
         if index is None:
-            block_size, capacity = _llmsched.Router.index_hints(native, functions)
+            block_size, capacity = info["block_size"], info["worker_capacity"]
             index = (
                 PrefixIndex(worker_capacity=capacity)
                 if block_size is None
@@ -329,6 +415,8 @@ class Router:
             raise TypeError(f"index must be a PrefixIndex or None, got {type(index).__name__}")
         self._pool = pool
         self._index = index
+        self._info = info
+        self._warnings = warnings
         self._native = _llmsched.Router(
             pool._native,
             index._native,
@@ -377,6 +465,16 @@ class Router:
         {'pseudo_token_picks': 0}
         """
         return {"pseudo_token_picks": self._pseudo_picks}
+
+    @property
+    def config_info(self) -> ConfigInfo:
+        """What the configuration asks of the caller (see :func:`config_info`)."""
+        return self._info
+
+    @property
+    def warnings(self) -> list[str]:
+        """The configuration's notes and the wiring it lacks, as logged when it was built."""
+        return list(self._warnings)
 
     def pick(
         self,

@@ -22,6 +22,8 @@ __all__ = [
     "BlockRemovedDict",
     "BlockStoredDict",
     "CandidateInfo",
+    "ConfigInfo",
+    "ConfigNote",
     "EndpointId",
     "EndpointInfo",
     "EndpointLoad",
@@ -37,12 +39,14 @@ __all__ = [
     "MetricsRead",
     "PdNote",
     "PolicySpec",
+    "PreciseWiring",
     "PreemptionConfig",
     "ProfileData",
     "ProfileRow",
     "ReportKey",
     "RequestInfo",
     "ResolvedBand",
+    "SaturationThresholds",
     "WaitHistogram",
     "WorkerId",
 ]
@@ -401,3 +405,47 @@ class FlowMetrics(TypedDict):
     flows: list[FlowStats]
     jain_index: float
     """Jain's fairness index over the flows' service."""
+
+
+class ConfigNote(TypedDict):
+    """Something a configuration does that its author should know: an older plugin name read
+    under its current one, or a setting accepted without effect (and what to use instead)."""
+
+    key: str
+    message: str
+
+
+class PreciseWiring(TypedDict):
+    """What llm-d's precise prefix scorer needs around the router: the engines publish KV events
+    hashed with vLLM's ``sha256_cbor`` over ``block_size``-token blocks with ``vllm_seed`` as
+    ``PYTHONHASHSEED`` (:func:`llmsched.hashing.block_hashes` with ``algo="vllm_sha256_cbor"``
+    reproduces them), and a subscriber applies them to the router's index (``zmq_endpoint``,
+    topics starting with ``topic_filter``)."""
+
+    key: str
+    block_size: int
+    hash_seed: str
+    vllm_seed: str
+    zmq_endpoint: str
+    topic_filter: str
+    discover_pods: bool
+
+
+class SaturationThresholds(TypedDict):
+    """The Inference Extension's ``saturationDetector`` for flow control's ``utilization``
+    detector (None: flow control's default)."""
+
+    queue_depth_threshold: int | None
+    kv_cache_util_threshold: float | None
+    metrics_staleness_s: float | None
+
+
+class ConfigInfo(TypedDict):
+    """What a configuration asks of whoever runs the router (see :func:`config_info`)."""
+
+    block_size: int | None
+    worker_capacity: int | None
+    notes: list[ConfigNote]
+    precise: PreciseWiring | None
+    saturation: SaturationThresholds | None
+    flow_control: bool

@@ -412,6 +412,52 @@ impl PyRouter {
         Ok((config.index_hints.block_size, config.index_hints.worker_capacity))
     }
 
+    /// What a configuration asks of its caller: the index hints, the notes (older
+    /// names, settings without effect), the precise prefix wiring, the saturation thresholds
+    /// and whether flow control is turned on.
+    #[staticmethod]
+    fn config_info(
+        py: Python<'_>,
+        config: &Bound<'_, PyAny>,
+        functions: Vec<Py<PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let value = config_mapping(Some(config), "router config")?;
+        let c =
+            config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from).py()?;
+        let notes: Vec<Value> = c
+            .notes
+            .iter()
+            .map(|n| serde_json::json!({"key": n.key, "message": n.message}))
+            .collect();
+        let precise = c.precise.as_ref().map(|(key, p)| {
+            serde_json::json!({
+                "key": key,
+                "block_size": p.block_size,
+                "hash_seed": p.hash_seed,
+                "vllm_seed": p.vllm_seed,
+                "zmq_endpoint": p.kv_events.zmq_endpoint,
+                "topic_filter": p.kv_events.topic_filter,
+                "discover_pods": p.kv_events.discover_pods,
+            })
+        });
+        let saturation = c.saturation.map(|s| {
+            serde_json::json!({
+                "queue_depth_threshold": s.queue_depth_threshold,
+                "kv_cache_util_threshold": s.kv_cache_util_threshold,
+                "metrics_staleness_s": s.metrics_staleness_s,
+            })
+        });
+        let info = serde_json::json!({
+            "block_size": c.index_hints.block_size,
+            "worker_capacity": c.index_hints.worker_capacity,
+            "notes": notes,
+            "precise": precise,
+            "saturation": saturation,
+            "flow_control": c.flow_control,
+        });
+        Ok(to_python(py, &info)?.unbind())
+    }
+
     /// The config of a named preset, or None.
     #[staticmethod]
     fn preset<'py>(py: Python<'py>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {

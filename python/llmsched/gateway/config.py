@@ -19,6 +19,7 @@ llmsched.errors.ConfigError: engines: must list at least one engine
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ import yaml
 from llmsched.config_loader import load_mapping, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
+
+_log = logging.getLogger("llmsched")
 
 __all__ = [
     "AdminConfig",
@@ -312,12 +315,11 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     models = _models(raw.get("models"))
     block_size = _int(raw, "block_size", GatewayConfig.block_size, "", low=1)
     tokenizer = _tokenizer(raw.get("tokenizer"), base)
-    router = raw.get("router", GatewayConfig.router)
-    if not isinstance(router, (str, Mapping)):
-        raise ConfigError("router: must be a preset name, a file path or a mapping")
+    router = _router(raw.get("router", GatewayConfig.router), base)
     flow = raw.get("flow")
     if flow is not None and not isinstance(flow, Mapping):
         raise ConfigError("flow: must be a mapping or null")
+    block_size, flow = _wire_router(router, raw, block_size, flow, engines)
     return GatewayConfig(
         engines=engines,
         models=models,
@@ -325,7 +327,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         block_size=block_size,
         tokenizer=tokenizer,
         router=router,
-        flow=None if flow is None else dict(flow),
+        flow=flow,
         auth=_auth(_section(raw, "auth"), base),
         limits=_limits(_section(raw, "limits")),
         retries=_retries(_section(raw, "retries")),
@@ -337,6 +339,114 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         discovery=discovery,
         admin=_admin(_section(raw, "admin")),
     )
+
+
+def _router(value: Any, base: Path) -> str | Mapping[str, Any]:
+    """The router config: a preset name, a mapping, or a path (relative to the config file)."""
+    if isinstance(value, Mapping):
+        return value
+    if not isinstance(value, str) or not value:
+        raise ConfigError("router: must be a preset name, a file path or a mapping")
+    path = Path(value)
+    if not path.is_absolute() and (base / path).is_file():
+        return str(base / path)
+    return value
+
+
+def _wire_router(
+    router: str | Mapping[str, Any],
+    raw: Mapping[str, Any],
+    block_size: int,
+    flow: Mapping[str, Any] | None,
+    engines: tuple[EngineSpec, ...],
+) -> tuple[int, dict[str, Any] | None]:
+    """What an ``EndpointPickerConfig`` asks of the gateway: the index's block size (taken
+    when ``block_size`` is not set, checked when it is), flow control (``featureGates:
+    [flowControl]`` turns it on with llm-d's defaults; ``saturationDetector`` sets its
+    utilization thresholds) and the KV events a precise prefix scorer reads."""
+    from llmsched.routing import config_info
+
+    try:
+        info = config_info(router)
+    except ConfigError as exc:
+        raise ConfigError(f"router: {exc}") from None
+    wanted = info["block_size"]
+    if wanted is not None:
+        if "block_size" not in raw:
+            block_size = wanted
+        elif block_size != wanted:
+            raise ConfigError(
+                f"block_size: is {block_size} but the router config asks for blocks of {wanted} "
+                "tokens; set them equal (or leave block_size out)"
+            )
+    out = None if flow is None else _json_copy(flow)
+    if out is None and info["flow_control"]:
+        out = {}
+    saturation = info["saturation"]
+    if saturation is not None:
+        if out is None:
+            _log.warning(
+                "router config saturationDetector has no effect: flow control is off (add "
+                "featureGates: [flowControl] to the router config or a flow section here)"
+            )
+        else:
+            _merge_saturation(out, saturation)
+    precise = info["precise"]
+    if precise is not None:
+        without = [spec.worker_id for spec in engines if spec.kv_events is None]
+        if without:
+            _log.warning(
+                "router config %s: the precise prefix scorer reads KV events, but engines %s "
+                "list no kv_events endpoint (the gateway subscribes to each engine's publisher, "
+                "not to kvEventsConfig.zmqEndpoint %s); their caches are known only from "
+                "routed requests",
+                precise["key"],
+                ", ".join(without),
+                precise["zmq_endpoint"],
+            )
+        for i, spec in enumerate(engines):
+            if spec.kv_events is not None and not spec.topic.startswith(precise["topic_filter"]):
+                _log.warning(
+                    "engines[%d].topic %r does not start with kvEventsConfig.topicFilter %r; "
+                    "the gateway subscribes to the engine's own topic",
+                    i,
+                    spec.topic,
+                    precise["topic_filter"],
+                )
+    return block_size, out
+
+
+def _json_copy(value: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of a YAML / JSON mapping."""
+    import json
+
+    copied: dict[str, Any] = json.loads(json.dumps(value))
+    return copied
+
+
+def _merge_saturation(flow: dict[str, Any], saturation: Mapping[str, Any]) -> None:
+    """``saturationDetector``'s thresholds into the flow config's ``utilization`` detector; a
+    value the flow config sets differently is an error naming both."""
+    section = flow.setdefault("saturation", {"type": "utilization"})
+    if not isinstance(section, dict) or section.get("type", "utilization") != "utilization":
+        raise ConfigError(
+            "flow.saturation: the router config's saturationDetector configures the "
+            "utilization detector; this flow config uses another"
+        )
+    for ours, theirs in (
+        ("queue_threshold", "queue_depth_threshold"),
+        ("kv_threshold", "kv_cache_util_threshold"),
+        ("staleness_s", "metrics_staleness_s"),
+    ):
+        value = saturation[theirs]
+        if value is None:
+            continue
+        if ours in section and section[ours] != value:
+            raise ConfigError(
+                f"flow.saturation.{ours}: is {section[ours]!r} but the router config's "
+                f"saturationDetector sets {value!r}; give it once"
+            )
+        section[ours] = value
 
 
 def read_engines_file(

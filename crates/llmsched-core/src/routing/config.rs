@@ -14,9 +14,13 @@
 //!
 //! A profile handler is one of the plugins; without one, a single profile runs. A profile with
 //! no picker gets a default `max-score-picker`. Every error names the offending key
-//! (`plugins[2].parameters.threshold`). Top-level sections of llm-d's file that concern other
-//! components (`featureGates`, `saturationDetector`, `flowControl`, `data`) are accepted and
-//! ignored.
+//! (`plugins[2].parameters.threshold`).
+//!
+//! Sections of the file that configure other components are read for the caller, which wires
+//! them ([`RouterConfig::saturation`], [`RouterConfig::flow_control`]); sections llmsched has no
+//! counterpart for are refused by name, with what to use instead. Names of earlier releases and
+//! settings accepted without effect are listed in [`RouterConfig::notes`], which the caller
+//! shows once (Python logs them through the `llmsched` logger).
 
 use std::sync::Arc;
 
@@ -24,10 +28,13 @@ use hashbrown::HashMap;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+use super::filters::decision_tree::{DecisionTreeFilter, TreeSpec};
 use super::handler::{DeciderRef, DeciderSpec, Handler, HandlerSpec};
-use super::plugin::{IndexHints, Scorer};
+use super::plugin::{Filter, IndexHints, Scorer};
 use super::profile::{NamedFilter, Profile, WeightedScorer};
+use super::registry::ParamError;
 use super::registry::{Plugin, Registry};
+use super::scorers::precise_prefix::PreciseSpec;
 
 /// A configuration problem, naming the key where it is.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -43,6 +50,39 @@ impl ConfigError {
     }
 }
 
+/// Something accepted that the user should know about: an older name, a setting without effect.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigNote {
+    pub key: String,
+    pub message: String,
+}
+
+/// The Inference Extension's `saturationDetector` thresholds, for flow control. Unset fields
+/// keep flow control's own defaults (the Extension's: 5 waiting requests, 0.8 KV-cache use,
+/// 200 ms).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SaturationSpec {
+    pub queue_depth_threshold: Option<u64>,
+    pub kv_cache_util_threshold: Option<f64>,
+    pub metrics_staleness_s: Option<f64>,
+}
+
+/// Feature gates llmsched knows: (name, what it does here, whether it has an effect).
+pub const FEATURE_GATES: &[(&str, &str, bool)] = &[
+    ("flowControl", "turns flow control on (llm-d's defaults, with saturationDetector)", true),
+    (
+        "prepareDataPlugins",
+        "has no effect: the router prepares what its plugins read (tokens, prefix match, \
+         metrics) for every request",
+        false,
+    ),
+    (
+        "dataLayer",
+        "has no effect: endpoint metrics come from the gateway's scraper or EndpointPool.update",
+        false,
+    ),
+];
+
 /// A parsed configuration, ready for a router.
 pub struct RouterConfig {
     pub profiles: Vec<Profile>,
@@ -52,6 +92,14 @@ pub struct RouterConfig {
     /// What the scorers ask of the prefix index, with the key that asked for a block size.
     pub index_hints: IndexHints,
     pub block_size_key: Option<String>,
+    /// Older names read under their current ones, settings accepted without effect.
+    pub notes: Vec<ConfigNote>,
+    /// The precise prefix scorer's wiring, with the key of the plugin that asked for it.
+    pub precise: Option<(String, PreciseSpec)>,
+    /// `saturationDetector`, for flow control.
+    pub saturation: Option<SaturationSpec>,
+    /// `featureGates: [flowControl]`.
+    pub flow_control: bool,
 }
 
 impl RouterConfig {
@@ -60,16 +108,56 @@ impl RouterConfig {
     }
 }
 
-const TOP_LEVEL: &[&str] = &[
-    "apiVersion",
-    "kind",
-    "plugins",
-    "schedulingProfiles",
-    "featureGates",
-    "saturationDetector",
-    "flowControl",
-    "data",
+const TOP_LEVEL: &[&str] =
+    &["apiVersion", "kind", "plugins", "schedulingProfiles", "featureGates", "saturationDetector"];
+
+/// Sections of the peers' file with no counterpart here, and what to use instead.
+const REFUSED: &[(&str, &str)] = &[
+    (
+        "flowControl",
+        "is not read here: configure flow control in the gateway's `flow` section (or \
+         FlowController); `featureGates: [flowControl]` turns it on with llm-d's defaults",
+    ),
+    (
+        "data",
+        "is not supported: endpoint metrics come from the gateway's scraper (`scrape`) or \
+         EndpointPool.update, KV-cache state from KV events into the PrefixIndex",
+    ),
+    (
+        "dataLayer",
+        "is not supported: endpoint metrics come from the gateway's scraper (`scrape`) or \
+         EndpointPool.update, KV-cache state from KV events into the PrefixIndex",
+    ),
 ];
+
+/// Plugin types of llm-d or the Inference Extension with no counterpart here, and why.
+const REFUSED_TYPES: &[(&str, &str)] = &[
+    (
+        "tokenizer",
+        "is not a plugin here: the caller tokenizes the prompt (the gateway's `tokenizer`) and \
+         passes the tokens to Router.pick",
+    ),
+    (
+        "endpoint-notification-source",
+        "is not a plugin here: endpoints are added and removed through EndpointPool (the \
+         gateway's `engines` or discovery file)",
+    ),
+    (
+        "disagg-profile-handler",
+        "is not supported under this name: use pd-profile-handler with deciderPluginName",
+    ),
+    (
+        "disagg-headers-handler",
+        "is not a plugin here: the gateway sets the prefill header (`pd.header`)",
+    ),
+];
+
+/// Parameters a plugin accepts without effect, and what is used instead.
+const NO_EFFECT_PARAMS: &[(&str, &str, &str)] = &[(
+    "pd-profile-handler",
+    "hashBlockSize",
+    "has no effect: the decider counts uncached tokens with the prefix index's block size",
+)];
 
 struct Instance {
     key: String,
@@ -80,16 +168,26 @@ struct Instance {
 pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigError> {
     let top = object(value, "config")?;
     for key in top.keys() {
+        if let Some((_, why)) = REFUSED.iter().find(|(k, _)| k == key) {
+            return Err(ConfigError::new(key.clone(), *why));
+        }
         if !TOP_LEVEL.contains(&key.as_str()) {
-            return Err(ConfigError::new(key.clone(), "unknown key"));
+            return Err(ConfigError::new(
+                key.clone(),
+                format!("unknown key (expected one of {TOP_LEVEL:?})"),
+            ));
         }
     }
+    let mut notes = Vec::new();
+    let flow_control = parse_gates(top.get("featureGates"), &mut notes)?;
+    let saturation = top.get("saturationDetector").map(parse_saturation).transpose()?;
     if let Some(kind) = top.get("kind") {
         if kind != "EndpointPickerConfig" {
             return Err(ConfigError::new("kind", "must be EndpointPickerConfig"));
         }
     }
-    let (names, instances) = parse_plugins(top.get("plugins"), registry)?;
+    let (names, mut instances) = parse_plugins(top.get("plugins"), registry, &mut notes)?;
+    resolve_trees(&mut instances, &names)?;
     let profile_values = array(top.get("schedulingProfiles"), "schedulingProfiles")?;
     if profile_values.is_empty() {
         return Err(ConfigError::new("schedulingProfiles", "needs at least one profile"));
@@ -109,8 +207,29 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
     let mut scorers: Vec<Arc<dyn Scorer>> = Vec::new();
     let mut index_hints = IndexHints::default();
     let mut block_size_key = None;
+    let mut precise: Option<(String, PreciseSpec)> = None;
     for inst in &instances {
         if let Plugin::Scorer(s) = &inst.plugin {
+            if let Some(spec) = s.precise() {
+                if let Some((key, other)) = &precise {
+                    if other.block_size != spec.block_size
+                        || other.vllm_seed != spec.vllm_seed
+                        || other.kv_events != spec.kv_events
+                    {
+                        return Err(ConfigError::new(
+                            format!("{}.parameters", inst.key),
+                            format!("differs from the precise prefix settings of {key}; one index serves both"),
+                        ));
+                    }
+                }
+                for (path, message) in &spec.notes {
+                    notes.push(ConfigNote {
+                        key: format!("{}.parameters.{path}", inst.key),
+                        message: message.clone(),
+                    });
+                }
+                precise = precise.or(Some((inst.key.clone(), spec.clone())));
+            }
             let hints = s.index_hints();
             if let Some(bs) = hints.block_size {
                 if index_hints.block_size.is_some_and(|b| b != bs) {
@@ -126,7 +245,181 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
             scorers.push(s.clone());
         }
     }
-    Ok(RouterConfig { profiles, handler, scorers, index_hints, block_size_key })
+    Ok(RouterConfig {
+        profiles,
+        handler,
+        scorers,
+        index_hints,
+        block_size_key,
+        notes,
+        precise,
+        saturation,
+        flow_control,
+    })
+}
+
+fn parse_gates(v: Option<&Value>, notes: &mut Vec<ConfigNote>) -> Result<bool, ConfigError> {
+    let Some(v) = v else { return Ok(false) };
+    let gates = v.as_array().ok_or_else(|| ConfigError::new("featureGates", "must be a list"))?;
+    let mut flow_control = false;
+    for (i, g) in gates.iter().enumerate() {
+        let key = format!("featureGates[{i}]");
+        let name = g.as_str().ok_or_else(|| ConfigError::new(&key, "must be a string"))?;
+        let Some((_, what, effect)) = FEATURE_GATES.iter().find(|(n, _, _)| *n == name) else {
+            let known: Vec<&str> = FEATURE_GATES.iter().map(|(n, _, _)| *n).collect();
+            return Err(ConfigError::new(
+                key,
+                format!("unknown feature gate {name:?} (known: {})", known.join(", ")),
+            ));
+        };
+        if name == "flowControl" {
+            flow_control = true;
+        }
+        if !effect {
+            notes.push(ConfigNote { key, message: format!("{name} {what}") });
+        }
+    }
+    Ok(flow_control)
+}
+
+fn parse_saturation(v: &Value) -> Result<SaturationSpec, ConfigError> {
+    let at = "saturationDetector";
+    let map = object(v, at)?;
+    if map.contains_key("pluginRef") {
+        return Err(ConfigError::new(
+            format!("{at}.pluginRef"),
+            "a saturation detector plugin is not supported; give queueDepthThreshold, \
+             kvCacheUtilThreshold and metricsStalenessThreshold",
+        ));
+    }
+    check_keys(
+        map,
+        &["queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold"],
+        at,
+    )?;
+    let mut spec = SaturationSpec::default();
+    if let Some(q) = map.get("queueDepthThreshold") {
+        spec.queue_depth_threshold = Some(q.as_u64().filter(|&q| q > 0).ok_or_else(|| {
+            ConfigError::new(format!("{at}.queueDepthThreshold"), "must be an integer >= 1")
+        })?);
+    }
+    if let Some(kv) = map.get("kvCacheUtilThreshold") {
+        spec.kv_cache_util_threshold =
+            Some(kv.as_f64().filter(|&k| k > 0.0 && k <= 1.0).ok_or_else(|| {
+                ConfigError::new(format!("{at}.kvCacheUtilThreshold"), "must be a number in (0, 1]")
+            })?);
+    }
+    if let Some(d) = map.get("metricsStalenessThreshold") {
+        let key = format!("{at}.metricsStalenessThreshold");
+        let text = d.as_str().ok_or_else(|| {
+            ConfigError::new(&key, "must be a duration such as \"200ms\" or \"2s\"")
+        })?;
+        let secs = parse_duration(text).map_err(|m| ConfigError::new(&key, m))?;
+        if secs <= 0.0 {
+            return Err(ConfigError::new(key, "must be positive"));
+        }
+        spec.metrics_staleness_s = Some(secs);
+    }
+    Ok(spec)
+}
+
+/// A Go duration ("200ms", "1m30s", "1.5h") in seconds.
+pub fn parse_duration(text: &str) -> Result<f64, String> {
+    let bad = || format!("{text:?} is not a duration (like \"200ms\", \"2s\", \"1m0s\")");
+    let mut rest = text.trim();
+    if rest == "0" {
+        return Ok(0.0);
+    }
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    let mut total = 0.0;
+    while !rest.is_empty() {
+        let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(bad)?;
+        let value: f64 = rest[..num_len].parse().map_err(|_| bad())?;
+        rest = &rest[num_len..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" | "μs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        total += value * scale;
+        rest = &rest[unit_len..];
+    }
+    Ok(total)
+}
+
+/// Builds every decision tree, following references to filters and to other trees.
+fn resolve_trees(
+    instances: &mut [Instance],
+    names: &HashMap<String, usize>,
+) -> Result<(), ConfigError> {
+    let mut built: Vec<Option<Arc<dyn Filter>>> = vec![None; instances.len()];
+    for i in 0..instances.len() {
+        if matches!(instances[i].plugin, Plugin::Tree(_)) {
+            build_tree(i, instances, names, &mut built, &mut Vec::new())?;
+        }
+    }
+    for (inst, b) in instances.iter_mut().zip(built) {
+        if let Some(f) = b {
+            inst.plugin = Plugin::Filter(f);
+        }
+    }
+    Ok(())
+}
+
+fn build_tree(
+    i: usize,
+    instances: &[Instance],
+    names: &HashMap<String, usize>,
+    built: &mut Vec<Option<Arc<dyn Filter>>>,
+    stack: &mut Vec<usize>,
+) -> Result<Arc<dyn Filter>, ConfigError> {
+    if let Some(f) = &built[i] {
+        return Ok(f.clone());
+    }
+    let Plugin::Tree(spec) = &instances[i].plugin else { unreachable!("called on trees") };
+    let spec: Arc<TreeSpec> = spec.clone();
+    stack.push(i);
+    let key = instances[i].key.clone();
+    let mut inner_err: Option<ConfigError> = None;
+    let result = DecisionTreeFilter::build(&spec, &mut |name, path| {
+        let Some(&j) = names.get(name) else {
+            return Err(ParamError::new(path, format!("no plugin named {name:?}")));
+        };
+        match &instances[j].plugin {
+            Plugin::Filter(f) => Ok(f.clone()),
+            Plugin::Tree(_) if stack.contains(&j) => {
+                Err(ParamError::new(path, format!("{name:?} refers back to this tree (a cycle)")))
+            }
+            Plugin::Tree(_) => match build_tree(j, instances, names, built, stack) {
+                Ok(f) => Ok(f),
+                Err(e) => {
+                    inner_err = Some(e);
+                    Err(ParamError::new(path, "invalid"))
+                }
+            },
+            other => {
+                Err(ParamError::new(path, format!("{name:?} is a {}, not a filter", other.kind())))
+            }
+        }
+    });
+    stack.pop();
+    match result {
+        Ok(tree) => {
+            let f: Arc<dyn Filter> = Arc::new(tree);
+            built[i] = Some(f.clone());
+            Ok(f)
+        }
+        Err(e) => Err(inner_err.unwrap_or_else(|| {
+            ConfigError::new(format!("{key}.parameters.{}", e.path), e.message)
+        })),
+    }
 }
 
 fn object<'a>(v: &'a Value, key: &str) -> Result<&'a Map<String, Value>, ConfigError> {
@@ -164,6 +457,7 @@ fn check_keys(map: &Map<String, Value>, allowed: &[&str], at: &str) -> Result<()
 fn parse_plugins(
     v: Option<&Value>,
     registry: &Registry,
+    notes: &mut Vec<ConfigNote>,
 ) -> Result<(HashMap<String, usize>, Vec<Instance>), ConfigError> {
     let mut names = HashMap::new();
     let mut instances = Vec::new();
@@ -175,7 +469,10 @@ fn parse_plugins(
         let type_name = string(map.get("type"), &type_key)?
             .ok_or_else(|| ConfigError::new(&type_key, "is required"))?;
         let name = string(map.get("name"), &format!("{at}.name"))?.unwrap_or(type_name).to_string();
-        let factory = registry.get(type_name).ok_or_else(|| {
+        if let Some((_, why)) = REFUSED_TYPES.iter().find(|(t, _)| *t == type_name) {
+            return Err(ConfigError::new(&type_key, format!("{type_name:?} {why}")));
+        }
+        let (factory, current) = registry.resolve(type_name).ok_or_else(|| {
             ConfigError::new(
                 &type_key,
                 format!(
@@ -184,7 +481,22 @@ fn parse_plugins(
                 ),
             )
         })?;
+        if let Some(current) = current {
+            notes.push(ConfigNote {
+                key: type_key.clone(),
+                message: format!("{type_name:?} is read as {current:?}, its current name"),
+            });
+        }
         let params = map.get("parameters").unwrap_or(&Value::Null);
+        let current_type = current.unwrap_or(type_name);
+        for (t, param, why) in NO_EFFECT_PARAMS {
+            if *t == current_type && params.get(*param).is_some() {
+                notes.push(ConfigNote {
+                    key: format!("{at}.parameters.{param}"),
+                    message: (*why).to_string(),
+                });
+            }
+        }
         let plugin = factory(params).map_err(|e| {
             let key = if e.path.is_empty() {
                 format!("{at}.parameters")
@@ -267,6 +579,7 @@ fn parse_profile(
                 profile.picker = p.clone();
                 profile.picker_name = plugin_ref.to_string();
             }
+            Plugin::Tree(_) => unreachable!("trees are built before profiles"),
             Plugin::Handler(_) | Plugin::Decider(_) => {
                 return Err(ConfigError::new(
                     ref_key,
@@ -475,5 +788,163 @@ mod tests {
                 decider: DeciderSpec::LoadAware { non_cached_tokens: 32, queue_margin: 2.0 }
             }
         );
+    }
+
+    fn single(plugins: Value, refs: Value) -> Value {
+        json!({"plugins": plugins, "schedulingProfiles": [{"name": "default", "plugins": refs}]})
+    }
+
+    #[test]
+    fn aliases_build_the_current_plugin_and_note_it() {
+        let v = single(
+            json!([{"type": "kv-cache-scorer"}, {"type": "prefix-cache", "parameters": {"hashBlockSize": 32}},
+                   {"type": "max-score"}, {"type": "single-profile"}]),
+            json!([{"pluginRef": "kv-cache-scorer"}, {"pluginRef": "prefix-cache", "weight": 50}, {"pluginRef": "max-score"}]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        let keys: Vec<&str> = c.notes.iter().map(|n| n.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["plugins[0].type", "plugins[1].type", "plugins[2].type", "plugins[3].type"]
+        );
+        assert!(c.notes[0].message.contains("\"kv-cache-utilization-scorer\""), "{:?}", c.notes[0]);
+        assert_eq!(c.index_hints.block_size, Some(32));
+        assert_eq!(c.profiles[0].scorers.len(), 2);
+        let v = json!({
+            "plugins": [{"type": "pd-profile-handler", "parameters": {"hashBlockSize": 64}}],
+            "schedulingProfiles": [{"name": "decode", "plugins": []}, {"name": "prefill", "plugins": []}]
+        });
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!(c.notes[0].key, "plugins[0].parameters.hashBlockSize");
+    }
+
+    #[test]
+    fn trees_resolve_forward_and_nested_references() {
+        let v = single(
+            json!([
+                {"type": "decision-tree-filter", "name": "outer", "parameters": {
+                    "current": {"pluginRef": "inner"},
+                    "nextOnFailure": {"pluginRef": "least-queue-filter"}}},
+                {"type": "decision-tree-filter", "name": "inner", "parameters": {
+                    "current": {"pluginRef": "low-queue-filter"}}},
+                {"type": "low-queue-filter", "parameters": {"threshold": 2}},
+                {"type": "least-queue-filter"}, {"type": "random-picker"}
+            ]),
+            json!([{"pluginRef": "outer"}, {"pluginRef": "random-picker"}]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!(c.profiles[0].filters.len(), 1);
+        let cases = [
+            (json!({"current": {"pluginRef": "nope"}}), "plugins[0].parameters.current.pluginRef"),
+            (
+                json!({"current": {"pluginRef": "random-picker"}}),
+                "plugins[0].parameters.current.pluginRef",
+            ),
+            (json!({"current": {"pluginRef": "t"}}), "plugins[0].parameters.current.pluginRef"),
+        ];
+        for (params, key) in cases {
+            let v = single(
+                json!([{"type": "decision-tree-filter", "name": "t", "parameters": params},
+                       {"type": "random-picker"}]),
+                json!([{"pluginRef": "t"}]),
+            );
+            assert_eq!(err(v).key, key);
+        }
+    }
+
+    #[test]
+    fn sections_are_read_or_refused_by_name() {
+        let base =
+            single(json!([{"type": "queue-scorer"}]), json!([{"pluginRef": "queue-scorer"}]));
+        let with = |k: &str, v: Value| {
+            let mut c = base.clone();
+            c.as_object_mut().unwrap().insert(k.into(), v);
+            c
+        };
+        let c = parse(
+            &with("saturationDetector", json!({"queueDepthThreshold": 8, "kvCacheUtilThreshold": 0.9, "metricsStalenessThreshold": "1m0.5s"})),
+            &Registry::builtin(),
+        )
+        .unwrap();
+        assert_eq!(
+            c.saturation,
+            Some(SaturationSpec {
+                queue_depth_threshold: Some(8),
+                kv_cache_util_threshold: Some(0.9),
+                metrics_staleness_s: Some(60.5)
+            })
+        );
+        assert!(!c.flow_control);
+        let c = parse(
+            &with("featureGates", json!(["flowControl", "prepareDataPlugins"])),
+            &Registry::builtin(),
+        )
+        .unwrap();
+        assert!(c.flow_control);
+        assert_eq!(c.notes.len(), 1);
+        assert_eq!(c.notes[0].key, "featureGates[1]");
+        let refused = [
+            (with("featureGates", json!(["flowControl", "magic"])), "featureGates[1]"),
+            (with("saturationDetector", json!({"pluginRef": "d"})), "saturationDetector.pluginRef"),
+            (
+                with("saturationDetector", json!({"queueDepthThreshold": 0})),
+                "saturationDetector.queueDepthThreshold",
+            ),
+            (
+                with("saturationDetector", json!({"kvCacheUtilThreshold": 1.5})),
+                "saturationDetector.kvCacheUtilThreshold",
+            ),
+            (
+                with("saturationDetector", json!({"metricsStalenessThreshold": "soon"})),
+                "saturationDetector.metricsStalenessThreshold",
+            ),
+            (
+                with("saturationDetector", json!({"metricsStalenessThreshold": 200})),
+                "saturationDetector.metricsStalenessThreshold",
+            ),
+            (with("saturationDetector", json!({"queueDepth": 1})), "saturationDetector.queueDepth"),
+            (with("flowControl", json!({})), "flowControl"),
+            (with("data", json!({})), "data"),
+            (with("dataLayer", json!({})), "dataLayer"),
+        ];
+        for (v, key) in refused {
+            assert_eq!(err(v).key, key);
+        }
+        assert!(err(with("data", json!({}))).message.contains("scrape"));
+    }
+
+    #[test]
+    fn durations() {
+        for (text, secs) in [
+            ("200ms", 0.2),
+            ("2s", 2.0),
+            ("1m0s", 60.0),
+            ("1h", 3600.0),
+            ("1.5s", 1.5),
+            ("100us", 1e-4),
+            ("0", 0.0),
+        ] {
+            assert!((parse_duration(text).unwrap() - secs).abs() < 1e-12, "{text}");
+        }
+        for text in ["", "5", "ms", "1x", "1..2s"] {
+            assert!(parse_duration(text).is_err(), "{text}");
+        }
+    }
+
+    #[test]
+    fn precise_spec_and_notes_reach_the_config() {
+        let v = single(
+            json!([{"type": "precise-prefix-cache-scorer", "parameters": {
+                        "tokenProcessorConfig": {"blockSize": 64, "hashSeed": "42"},
+                        "indexerConfig": {"tokenizersPoolConfig": {"modelName": "m"}},
+                        "kvEventsConfig": {"zmqEndpoint": "tcp://*:5557", "topicFilter": "kv@"}}}]),
+            json!([{"pluginRef": "precise-prefix-cache-scorer", "weight": 2}]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        let (key, spec) = c.precise.unwrap();
+        assert_eq!(key, "plugins[0]");
+        assert_eq!((spec.block_size, spec.vllm_seed.as_str()), (64, "42"));
+        assert_eq!(c.index_hints.block_size, Some(64));
+        assert_eq!(c.notes[0].key, "plugins[0].parameters.indexerConfig.tokenizersPoolConfig");
     }
 }

@@ -107,7 +107,7 @@ impl Default for PdParams {
 
 pub fn pd_factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: PdParams = decode(params)?;
-    let _ = p.hash_block_size; // legacy, accepted: the index's block size is used
+    let _ = p.hash_block_size; // legacy: accepted with a note (see `config`)
     let decider = match (p.decider_plugin_name, p.threshold) {
         (Some(_), Some(_)) => {
             return Err(ParamError::new("threshold", "give either threshold or deciderPluginName"));

@@ -154,6 +154,11 @@ pub trait Scorer: Send + Sync {
     fn index_hints(&self) -> IndexHints {
         IndexHints::default()
     }
+
+    /// The wiring a precise (KV-event fed) prefix scorer needs around the router.
+    fn precise(&self) -> Option<&super::scorers::precise_prefix::PreciseSpec> {
+        None
+    }
 }
 
 /// What a plugin asks of the prefix index.

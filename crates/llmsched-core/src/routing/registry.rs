@@ -3,6 +3,10 @@
 //! A factory decodes the plugin's own parameter struct over its defaults (`#[serde(default)]`
 //! on a struct whose `Default` holds the defaults: the one place they live) and rejects unknown
 //! parameters. Adding a plugin is one file and one line in [`Registry::builtin`].
+//!
+//! Names that llm-d or the Gateway API Inference Extension used in earlier releases, or that
+//! one of them uses for a plugin the other names differently, are aliases: they build the
+//! plugin under its current name, and the configuration notes which name is current.
 
 use std::sync::Arc;
 
@@ -22,6 +26,8 @@ pub enum Plugin {
     Picker(Arc<dyn Picker>),
     Handler(HandlerSpec),
     Decider(DeciderSpec),
+    /// A decision-tree filter whose references are resolved once every plugin is built.
+    Tree(Arc<filters::decision_tree::TreeSpec>),
 }
 
 impl Plugin {
@@ -39,7 +45,7 @@ impl Plugin {
 
     pub fn kind(&self) -> &'static str {
         match self {
-            Plugin::Filter(_) => "filter",
+            Plugin::Filter(_) | Plugin::Tree(_) => "filter",
             Plugin::Scorer(_) => "scorer",
             Plugin::Picker(_) => "picker",
             Plugin::Handler(_) => "profile handler",
@@ -88,6 +94,8 @@ pub type Factory = Arc<dyn Fn(&Value) -> Result<Plugin, ParamError> + Send + Syn
 #[derive(Clone, Default)]
 pub struct Registry {
     factories: HashMap<String, Factory>,
+    /// Alias -> current name.
+    aliases: HashMap<String, String>,
 }
 
 impl Registry {
@@ -103,6 +111,11 @@ impl Registry {
         r.add("prefix-cache-affinity-filter", filters::prefix_affinity::factory);
         r.add("session-affinity-filter", filters::session::factory);
         r.add("lora-availability-filter", filters::lora::factory);
+        r.add("low-queue-filter", filters::low_queue::factory);
+        r.add("least-queue-filter", filters::least_queue::factory);
+        r.add("least-kv-cache-filter", filters::least_kv_cache::factory);
+        r.add("lora-affinity-filter", filters::lora_affinity::factory);
+        r.add("decision-tree-filter", filters::decision_tree::factory);
         // Scorers.
         r.add("queue-scorer", scorers::queue::factory);
         r.add("running-requests-scorer", scorers::running::factory);
@@ -112,6 +125,7 @@ impl Registry {
         r.add("active-request-scorer", scorers::active_request::factory);
         r.add("token-load-scorer", scorers::token_load::factory);
         r.add("prefix-cache-scorer", scorers::prefix_cache::factory);
+        r.add("precise-prefix-cache-scorer", scorers::precise_prefix::factory);
         r.add("no-hit-lru-scorer", scorers::no_hit_lru::factory);
         r.add("session-affinity-scorer", scorers::session_affinity::factory);
         r.add("lora-affinity-scorer", scorers::lora_affinity::factory);
@@ -128,7 +142,31 @@ impl Registry {
         r.add("pd-profile-handler", super::handler::pd_factory);
         r.add("prefix-based-pd-decider", super::handler::prefix_decider_factory);
         r.add("load-aware-pd-decider", super::handler::load_aware_decider_factory);
+        // Other and earlier names.
+        r.alias("kv-cache-scorer", "kv-cache-utilization-scorer");
+        r.alias("prefix-cache", "prefix-cache-scorer");
+        r.alias("max-score", "max-score-picker");
+        r.alias("random", "random-picker");
+        r.alias("single-profile", "single-profile-handler");
+        r.alias("low-queue", "low-queue-filter");
+        r.alias("least-queue", "least-queue-filter");
+        r.alias("least-kv-cache", "least-kv-cache-filter");
+        r.alias("lora-affinity", "lora-affinity-filter");
+        r.alias("decision-tree", "decision-tree-filter");
         r
+    }
+
+    /// Makes `alias` build what `current` builds.
+    pub fn alias(&mut self, alias: &str, current: &str) {
+        self.aliases.insert(alias.to_string(), current.to_string());
+    }
+
+    /// The factory for `type_name` and, when it is an alias, the current name.
+    pub fn resolve(&self, type_name: &str) -> Option<(&Factory, Option<&str>)> {
+        match self.aliases.get(type_name) {
+            Some(current) => self.factories.get(current).map(|f| (f, Some(current.as_str()))),
+            None => self.factories.get(type_name).map(|f| (f, None)),
+        }
     }
 
     /// Registers (or replaces) a factory.
@@ -140,12 +178,13 @@ impl Registry {
     }
 
     pub fn get(&self, type_name: &str) -> Option<&Factory> {
-        self.factories.get(type_name)
+        self.resolve(type_name).map(|(f, _)| f)
     }
 
-    /// Registered type names, sorted.
+    /// Registered type names and aliases, sorted.
     pub fn type_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.factories.keys().cloned().collect();
+        let mut names: Vec<String> =
+            self.factories.keys().chain(self.aliases.keys()).cloned().collect();
         names.sort();
         names
     }

@@ -5,6 +5,7 @@ pub mod kv_cache;
 pub mod load_aware;
 pub mod lora_affinity;
 pub mod no_hit_lru;
+pub mod precise_prefix;
 pub mod prefix_cache;
 pub mod queue;
 pub mod running;

@@ -6,6 +6,10 @@
 //! blocks of 64 tokens). `blockSize` (or the older `hashBlockSize`) and `lruCapacityPerServer`
 //! configure the index when the router builds its own; with a shared index `blockSize` must
 //! equal the index's block size.
+//!
+//! `mode` (llm-d's): `estimate` (the default, above) or `cache_tracking`, which makes this the
+//! precise scorer (see `precise_prefix`) configured by `indexerConfig` and `kvEventsConfig`;
+//! the estimate-mode parameters are refused in that mode.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -20,6 +24,9 @@ struct Params {
     hash_block_size: Option<usize>,
     max_prefix_blocks_to_match: Option<u32>,
     lru_capacity_per_server: Option<u64>,
+    mode: Option<String>,
+    indexer_config: Option<Value>,
+    kv_events_config: Option<Value>,
 }
 
 pub struct PrefixCacheScorer {
@@ -49,6 +56,24 @@ impl Scorer for PrefixCacheScorer {
 
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: Params = decode(params)?;
+    match p.mode.as_deref() {
+        None | Some("estimate") => {}
+        Some("cache_tracking") => return cache_tracking(&p),
+        Some(other) => {
+            return Err(ParamError::new(
+                "mode",
+                format!("must be \"estimate\" or \"cache_tracking\", got {other:?}"),
+            ));
+        }
+    }
+    for (set, field) in [
+        (p.indexer_config.is_some(), "indexerConfig"),
+        (p.kv_events_config.is_some(), "kvEventsConfig"),
+    ] {
+        if set {
+            return Err(ParamError::new(field, "is read only with mode: cache_tracking"));
+        }
+    }
     let (field, block_size) = match (p.block_size, p.hash_block_size) {
         (Some(a), Some(b)) if a != b => {
             return Err(ParamError::new("hashBlockSize", "differs from blockSize"));
@@ -69,6 +94,32 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
         max_blocks: p.max_prefix_blocks_to_match.unwrap_or(u32::MAX),
         hints: IndexHints { block_size, worker_capacity: p.lru_capacity_per_server },
     }))
+}
+
+/// `mode: cache_tracking`: the precise scorer with this plugin's `indexerConfig` and
+/// `kvEventsConfig`.
+fn cache_tracking(p: &Params) -> Result<Plugin, ParamError> {
+    let estimate = [
+        (p.block_size.is_some(), "blockSize"),
+        (p.hash_block_size.is_some(), "hashBlockSize"),
+        (p.max_prefix_blocks_to_match.is_some(), "maxPrefixBlocksToMatch"),
+        (p.lru_capacity_per_server.is_some(), "lruCapacityPerServer"),
+    ];
+    if let Some((_, field)) = estimate.iter().find(|(set, _)| *set) {
+        return Err(ParamError::new(
+            field,
+            "is an estimate-mode parameter; with mode: cache_tracking the block size is \
+             indexerConfig.tokenProcessorConfig.blockSize",
+        ));
+    }
+    let mut inner = serde_json::Map::new();
+    if let Some(v) = &p.indexer_config {
+        inner.insert("indexerConfig".into(), v.clone());
+    }
+    if let Some(v) = &p.kv_events_config {
+        inner.insert("kvEventsConfig".into(), v.clone());
+    }
+    super::precise_prefix::factory(&Value::Object(inner))
 }
 
 #[cfg(test)]
@@ -99,5 +150,28 @@ mod tests {
             panic!()
         };
         assert_eq!(s.index_hints().block_size, Some(64));
+        assert!(s.precise().is_none());
+    }
+
+    #[test]
+    fn cache_tracking_mode_is_the_precise_scorer() {
+        let v = serde_json::json!({"mode": "cache_tracking", "indexerConfig": {
+            "tokenProcessorConfig": {"blockSize": 64, "hashSeed": "42"}}});
+        let Plugin::Scorer(s) = factory(&v).unwrap() else { panic!() };
+        let spec = s.precise().unwrap();
+        assert_eq!((spec.block_size, spec.vllm_seed.as_str()), (64, "42"));
+        assert_eq!(s.index_hints().block_size, Some(64));
+        let cases = [
+            (serde_json::json!({"mode": "exact"}), "mode"),
+            (serde_json::json!({"indexerConfig": {}}), "indexerConfig"),
+            (serde_json::json!({"mode": "cache_tracking", "hashBlockSize": 64}), "hashBlockSize"),
+            (
+                serde_json::json!({"mode": "cache_tracking", "indexerConfig": {"tokenProcessorConfig": {"blockSize": 0}}}),
+                "indexerConfig.tokenProcessorConfig.blockSize",
+            ),
+        ];
+        for (params, path) in cases {
+            assert_eq!(factory(&params).err().unwrap().path, path, "{params}");
+        }
     }
 }
