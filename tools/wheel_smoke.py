@@ -22,14 +22,15 @@ import numpy as np
 
 import llmsched
 from llmsched import (
-    ConfigError,
     EndpointPool,
     FlowController,
     FlowRequest,
     PrefixIndex,
     Router,
     SliceTracker,
+    UnknownBlockError,
     block_hashes,
+    decode_vllm_events,
     text_block_hashes,
     vllm_block_digests,
 )
@@ -52,23 +53,29 @@ def check_hashing(data: Path) -> None:
 
 
 def check_index(data: Path) -> None:
-    """Events decode into the index, and a match finds the stored prefix."""
+    """A real event batch (store 32 tokens, remove one block, clear all) decodes and applies;
+    the index matches what is stored."""
     kv = json.loads((data / "vllm_kv_events.json").read_text())
     index = PrefixIndex(block_size=16)
-    index.apply_vllm_events("engine-a", bytes.fromhex(kv["payload_hex"]))
-    vector = json.loads((data / "vllm_block_hashes.json").read_text())
-    stored = vector["cases"][0]["event_uint64"]
-    found = index.match_hashes(np.array(stored, dtype=np.uint64), now=0.0)
-    assert found.longest == 2, found.as_dict()
+    payload = bytes.fromhex(kv["payload_hex"])
+    decoded = decode_vllm_events(payload)  # the vector names the fields the payload carries
+    assert decoded["ts"] == kv["decoded"]["ts"] and len(decoded["events"]) == 3
+    for got, want in zip(decoded["events"], kv["decoded"]["events"]):
+        assert {k: got.get(k) for k in want} == want, (got, want)
+    report = index.apply_vllm_events("engine-a", payload)
+    assert (report["blocks_stored"], report["blocks_removed"], report["cleared"]) == (2, 1, 1)
+    assert index.match_tokens(range(32), now=0.0).as_dict() == {}  # the batch ends cleared
     local = PrefixIndex(block_size=4)
     assert local.store("b", local.hash_tokens(range(12))) == 3
     assert local.match_tokens(range(9), now=0.0).as_dict() == {"b": 2}
+    # An error raised in Rust arrives as its llmsched.errors class and changes nothing.
     try:
-        PrefixIndex(block_size=0)
-    except ConfigError as exc:
-        assert "block_size" in str(exc), exc
+        local.store("c", local.hash_tokens(range(8))[1:], parent=12345)
+    except UnknownBlockError as exc:
+        assert "parent block" in str(exc), exc
     else:
-        raise AssertionError("PrefixIndex(block_size=0) did not raise ConfigError")
+        raise AssertionError("a store under an unknown parent did not raise UnknownBlockError")
+    assert local.workers() == ["b"], local.workers()
 
 
 def check_router() -> None:
@@ -95,11 +102,11 @@ def check_router() -> None:
 
 
 def check_flow() -> None:
-    """A higher priority overtakes a queued backlog once the pool has room."""
+    """A higher priority overtakes a queued request once the saturated pool has room."""
     flow = FlowController({"saturation": {"type": "concurrency", "max_requests": 1}})
-    assert flow.enqueue(FlowRequest(1, tenant="batch", priority=-1), now=0.0) is None
+    assert flow.enqueue(FlowRequest(1, tenant="batch"), now=0.0) is None
     assert flow.dispatch(now=0.0).id == 1
-    assert flow.enqueue(FlowRequest(2, tenant="batch", priority=-1), now=0.0) is None
+    assert flow.enqueue(FlowRequest(2, tenant="batch"), now=0.0) is None
     assert flow.enqueue(FlowRequest(3, tenant="chat", priority=5), now=0.0) is None
     assert flow.dispatch(now=0.0) is None  # saturated
     flow.complete(1, now=0.1)
