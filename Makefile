@@ -42,7 +42,7 @@ WHEEL_SOURCES := Cargo.toml Cargo.lock pyproject.toml README.md LICENSE \
 		-o -name '*.py' -o -name '*.pyi' -o -name py.typed \) 2>/dev/null)
 
 $(DIST)/.stamp: $(WHEEL_SOURCES) | $(VENV)/.deps
-	rm -rf $(DIST)
+	rm -f $(DIST)/llmsched-*.whl $(DIST)/llmsched-*.tar.gz
 	$(BIN)/maturin build --release --zig --compatibility manylinux2014 --out $(DIST)
 	$(BIN)/maturin sdist --out $(DIST)
 	$(PY) tools/wheel_check.py tags $(DIST)/llmsched-*.whl
@@ -63,7 +63,7 @@ test-rust: ## Run the Rust tests of every crate, doc-tests included (release, no
 # The core install test takes the wheel from dist/ when `make wheel` left a current one there,
 # rather than building its own.
 test-python: build ## Run the Python tests
-	LLMSCHED_WHEEL=$$($(MAKE) -s -q $(DIST)/.stamp && ls $(DIST)/llmsched-*.whl) \
+	LLMSCHED_WHEEL=$$($(MAKE) -s -q --no-print-directory $(DIST)/.stamp && ls $(DIST)/llmsched-*.whl) \
 		$(PY) -m pytest -q -p no:cacheprovider
 
 test: test-rust test-python ## Install everything, then run cargo test and pytest
