@@ -3,7 +3,6 @@ controller's invariants checked on every step, and VTC's service-gap bound."""
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -144,7 +143,7 @@ class FlowMachine(RuleBasedStateMachine):
     @initialize(config=configs)
     def setup(self, config: dict[str, Any]) -> None:
         self.resolved = resolve_config(config)
-        self.native = FlowCore(json.dumps(config))
+        self.native = FlowCore(config)
         self.twin = FlowControllerTwin(self.resolved)
         self.now = 0.0
         self.next_id = 0
@@ -398,7 +397,7 @@ class FlowMachine(RuleBasedStateMachine):
     def metrics_agree(self) -> None:
         if not hasattr(self, "twin"):
             return
-        metrics = json.loads(self.native.metrics_json(self.now))
+        metrics = self.native.metrics(self.now)
         per_band = {b["priority"]: b["queued"] for b in metrics["bands"]}
         assert per_band == {p: len(b.items) for p, b in self.twin.bands.items()}
         counts = {k: v for k, v in metrics["outcomes"].items() if v}
@@ -455,7 +454,7 @@ def test_vtc_service_gap_bound(
             "fairness": {"type": "vtc", "w_p": w_p, "w_q": w_q},
         },
     }
-    core = FlowCore(json.dumps(config))
+    core = FlowCore(config)
     service = {"a": 0.0, "b": 0.0}
     backlog = {"a": 0, "b": 0}
     outputs: dict[int, tuple[str, int, int]] = {}  # id -> (tenant, reserved, left)

@@ -251,7 +251,7 @@ def test_threads_hammering_one_index_agree_with_the_twin() -> None:
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_now_is_refused_everywhere_and_changes_nothing(bad: float) -> None:
     """Every clock-taking method refuses a NaN or infinite ``now`` as Router.pick does."""
-    from llmsched.errors import InvalidRequestError
+    from llmsched.errors import InvalidValueError
 
     index = PrefixIndex(block_size=4)
     hashes = index.hash_tokens([1, 2, 3, 4, 5, 6, 7, 8])
@@ -266,7 +266,7 @@ def test_non_finite_now_is_refused_everywhere_and_changes_nothing(bad: float) ->
         "expire": lambda: index.expire(now=bad),
     }
     for name, call in calls.items():
-        with pytest.raises(InvalidRequestError, match="now must be finite"):
+        with pytest.raises(InvalidValueError, match="now must be a finite"):
             call()
         assert index.workers() == ["a"] and index.holdings("a") == before, name
     assert index.match_tokens(list(range(1, 9)), now=4.0).as_dict() == {"a": 2}

@@ -21,7 +21,7 @@ from llmsched import (
     Router,
     UnknownEndpointError,
 )
-from llmsched.errors import InvalidRequestError
+from llmsched.errors import InvalidValueError
 from llmsched.routing import load_config, render_messages, text_tokens
 
 PD_YAML = """
@@ -307,9 +307,9 @@ def test_bad_input_changes_nothing() -> None:
     with pytest.raises(ValueError, match="out of range"):
         router.pick(tokens=[1, -2])
     for bad in (float("nan"), float("inf"), -float("inf")):
-        with pytest.raises(InvalidRequestError, match="now must be finite"):
+        with pytest.raises(InvalidValueError, match="now must be a finite"):
             router.pick(tokens=[1], now=bad)
-    with pytest.raises(InvalidRequestError, match="now must be finite"):
+    with pytest.raises(InvalidValueError, match="now must be a finite"):
         pool.update("a", waiting=1, now=float("nan"))
     with pytest.raises(TypeError, match="headers"):
         router.pick(tokens=[1], headers={"a": 1})  # type: ignore[dict-item]

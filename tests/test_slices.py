@@ -87,7 +87,7 @@ def test_policies_registry_and_defaults() -> None:
         ("mlfq", {"levels": "4"}, "invalid type"),
         ("fixed", {"slice_tokens": 0}, "slice_tokens"),
         ("fixed", {"slice_tokens": 1.5}, "invalid type"),
-        ("fixed", {"slice_tokens": float("nan")}, "Out of range float"),
+        ("fixed", {"slice_tokens": float("nan")}, "slice_tokens must be finite"),
         ("fixed", [("slice_tokens", 3)], "mapping"),
     ],
 )

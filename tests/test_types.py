@@ -128,7 +128,7 @@ def test_flow_results() -> None:
     assert_shape(config, FlowConfig)
     ctrl = FlowController({"bands": [{"priority": 1}]})
     assert_shape(ctrl.config["bands"][0], ResolvedBand)
-    ctrl.update_endpoint("e", waiting=0, kv_usage=0.1, timestamp=0.5)
+    ctrl.update_endpoint("e", waiting=0, kv_cache_usage=0.1, timestamp=0.5)
     ctrl.enqueue(FlowRequest(1, tenant="t"), now=1.0)
     metrics = ctrl.metrics(now=1.0)
     assert_shape(metrics, FlowMetrics)

@@ -140,7 +140,7 @@ def test_pool_and_flow_read_load_reports_alike(
     if field == "kv":
         calls = [
             lambda: pool.update("a", kv_cache_usage=value, now=0.0),  # type: ignore[arg-type]
-            lambda: flow.update_endpoint("a", kv_usage=value, timestamp=0.0),  # type: ignore[arg-type]
+            lambda: flow.update_endpoint("a", kv_cache_usage=value, timestamp=0.0),  # type: ignore[arg-type]
         ]
     else:
         calls = [

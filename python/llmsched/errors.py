@@ -89,8 +89,8 @@ class DuplicateRequestError(LlmschedError, ValueError):
 
 
 class InvalidRequestError(LlmschedError, ValueError):
-    """A request or call carries a value no policy can act on (negative size, a non-finite
-    ``now``, ...); nothing was changed."""
+    """A request carries a value no policy can act on (a negative size, a priority that does
+    not fit in 32 bits, ...); nothing was changed."""
 
 
 class InternalError(LlmschedError, RuntimeError):

@@ -33,7 +33,7 @@ True
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
 import math
 import os
 import sys
@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
-    ConfigError,
     DuplicateRequestError,
     FlowRejected,
     UnknownRequestError,
@@ -116,21 +115,13 @@ def _as_dict(config: ConfigLike) -> dict[str, Any]:
     raise TypeError(f"config must be a mapping, YAML text or a path, got {type(config).__name__}")
 
 
-def _to_json(config: Mapping[str, Any]) -> str:
-    try:
-        return json.dumps(config, allow_nan=False)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"flow config must be plain data (JSON-compatible): {err}") from None
-
-
 def resolve_config(config: ConfigLike = None) -> FlowConfig:
     """The full configuration: ``config`` merged over every default and checked.
 
     >>> resolve_config({"default_band": {"fairness": {"type": "vtc"}}})["default_band"]["fairness"]
     {'type': 'vtc', 'w_p': 1.0, 'w_q': 2.0, 'weights': {}}
     """
-    resolved: FlowConfig = json.loads(flow_resolve_config(_to_json(_as_dict(config))))
-    return resolved
+    return flow_resolve_config(_as_dict(config))
 
 
 def default_config() -> FlowConfig:
@@ -182,8 +173,8 @@ class FlowController:
         poll_interval_s: float = 1.0,
     ) -> None:
         poll_interval_s = check_positive_seconds("poll_interval_s", poll_interval_s)
-        self._core = FlowCore(_to_json(_as_dict(config)))
-        self._config: FlowConfig = json.loads(self._core.config_json())
+        self._core = FlowCore(_as_dict(config))
+        self._config: FlowConfig = self._core.config()
         self._clock = clock
         self._poll_interval_s = float(poll_interval_s)
         self._waiters: dict[int, _Waiter] = {}
@@ -196,8 +187,7 @@ class FlowController:
     @property
     def config(self) -> FlowConfig:
         """The resolved configuration (a copy)."""
-        config: FlowConfig = json.loads(json.dumps(self._config))
-        return config
+        return copy.deepcopy(self._config)
 
     def _now(self, now: float | None) -> float:
         return check_now(now, self._clock)
@@ -390,7 +380,7 @@ class FlowController:
         >>> ctrl.metrics()["queued"]
         0
         """
-        metrics: FlowMetrics = json.loads(self._core.metrics_json(self._now(now)))
+        metrics: FlowMetrics = self._core.metrics(self._now(now))
         return metrics
 
     def jain_index(self, priority: int | None = None) -> float:

@@ -22,7 +22,6 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -255,8 +254,7 @@ def load_config(config: ConfigLike) -> dict[str, Any]:
     if isinstance(config, str):
         preset = _llmsched.Router.preset(config)
         if preset is not None:
-            loaded: dict[str, Any] = json.loads(preset)
-            return loaded
+            return preset
         if not looks_like_text(config) and not Path(config).is_file():
             names = ", ".join(_llmsched.Router.preset_names())
             raise ConfigError(f"config {config!r} is neither a preset ({names}) nor a file")
@@ -319,9 +317,9 @@ class Router:
             raise TypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
         if seed is not None:
             check_seed(seed)
-        config_json, functions = native_config(load_config(config))
+        native, functions = native_config(load_config(config))
         if index is None:
-            block_size, capacity = _llmsched.Router.index_hints(config_json, functions)
+            block_size, capacity = _llmsched.Router.index_hints(native, functions)
             index = (
                 PrefixIndex(worker_capacity=capacity)
                 if block_size is None
@@ -334,7 +332,7 @@ class Router:
         self._native = _llmsched.Router(
             pool._native,
             index._native,
-            config_json,
+            native,
             functions,
             seed,
             record_ttl_s,
@@ -777,17 +775,17 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     return "".join(out)
 
 
-def native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
-    """The config as JSON for the native parser, and the Python callables its
-    ``python-scorer`` / ``python-filter`` plugins name, replaced in the JSON by their index
-    (``parameters.handle``). Package-internal: the router and the simulator's native engine
-    both hand config to Rust through it.
+def native_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """The config for the native parser (plain data, which the native side converts and checks),
+    and the Python callables its ``python-scorer`` / ``python-filter`` plugins name, replaced in
+    the config by their index (``parameters.handle``). Package-internal: the router and the
+    simulator's native engine both hand config to Rust through it.
 
-    >>> text, functions = native_config(
+    >>> plain, functions = native_config(
     ...     {"plugins": [{"type": "python-scorer", "parameters": {"function": len}}]}
     ... )
-    >>> text
-    '{"plugins": [{"type": "python-scorer", "parameters": {"handle": 0}}]}'
+    >>> plain
+    {'plugins': [{'type': 'python-scorer', 'parameters': {'handle': 0}}]}
     >>> functions == [len]
     True
     """
@@ -807,11 +805,7 @@ def native_config(config: dict[str, Any]) -> tuple[str, list[Any]]:
             functions.append(fn)
             p["parameters"] = params
         config["plugins"] = plugins
-    try:
-        text = json.dumps(config, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"config: cannot be represented as JSON: {exc}") from None
-    return text, functions
+    return config, functions
 
 
 def _prompt_array(

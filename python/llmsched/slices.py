@@ -20,7 +20,6 @@ SliceStart(level=0, slice_tokens=4)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -63,21 +62,20 @@ def policy_defaults(name: str) -> dict[str, Any]:
     >>> policy_defaults("mlfq")["levels"]
     4
     """
-    return dict(json.loads(_llmsched.slice_policy_defaults(name)))
+    return dict(_llmsched.slice_policy_defaults(name))
 
 
-def _params_json(params: Mapping[str, Any] | None, what: str) -> str:
+def _params(params: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
+    """Parameters as a plain dict for the native side (which checks values and names unknown
+    ones); names must be strings."""
     if params is None:
-        return "{}"
+        return {}
     if not isinstance(params, Mapping):
         raise ConfigError(f"{what} must be a mapping of names to values, got {type(params)}")
     for name in params:
         if not isinstance(name, str):
             raise ConfigError(f"{what}: parameter names must be strings, got {name!r}")
-    try:
-        return json.dumps(dict(params), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{what}: {exc}") from None
+    return dict(params)
 
 
 class SwitchCostModel:
@@ -99,7 +97,7 @@ class SwitchCostModel:
     __slots__ = ("_native",)
 
     def __init__(self, **params: float) -> None:
-        self._native = _llmsched.SwitchCostModel(_params_json(params, "cost model"))
+        self._native = _llmsched.SwitchCostModel(_params(params, "cost model"))
 
     @classmethod
     def from_model(
@@ -161,7 +159,7 @@ class SwitchCostModel:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"cost model dims: {name} must be a positive number, got {value}")
         self = cls.__new__(cls)
-        self._native = _llmsched.SwitchCostModel.from_dims_json(_params_json(dims, "cost dims"))
+        self._native = _llmsched.SwitchCostModel.from_dims(_params(dims, "cost dims"))
         return self
 
     @property
@@ -233,7 +231,7 @@ class SwitchCostModel:
         >>> sorted(SwitchCostModel().to_dict())[:2]
         ['decode_step_s', 'kv_capacity_tokens']
         """
-        return dict(json.loads(self._native.to_json()))
+        return dict(self._native.params())
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v:g}" for k, v in self.to_dict().items())
@@ -346,7 +344,7 @@ class SliceTracker:
         if not isinstance(self._cost_model, SwitchCostModel):
             raise ConfigError("cost_model must be a SwitchCostModel")
         native = _llmsched.SliceTracker(
-            policy, _params_json(params, f"policy {policy}"), self._cost_model._native
+            policy, _params(params, f"policy {policy}"), self._cost_model._native
         )
         for name in [endpoints] if isinstance(endpoints, str) else endpoints:
             native.set_endpoint(_endpoint_name(name), 0.0, 0)
@@ -360,7 +358,7 @@ class SliceTracker:
     @property
     def params(self) -> dict[str, Any]:
         """The policy parameters in effect (defaults filled in)."""
-        return dict(json.loads(self._native.policy_params_json()))
+        return dict(self._native.policy_params())
 
     @property
     def levels(self) -> int:

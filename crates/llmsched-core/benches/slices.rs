@@ -11,8 +11,8 @@ use llmsched_core::slices::{
 const SLICE: u32 = 64;
 
 fn tracker(endpoints: usize, kv_usage: f64) -> SliceTracker {
-    let params = r#"{"slice_tokens": 64}"#;
-    let mut t = SliceTracker::from_config("fixed", params, SwitchCostModel::default()).unwrap();
+    let params = serde_json::json!({"slice_tokens": 64});
+    let mut t = SliceTracker::from_config("fixed", &params, SwitchCostModel::default()).unwrap();
     for i in 0..endpoints {
         // Others are busy (waiting > 0) so the migration scan visits all and picks none.
         let report = EndpointReport { kv_usage, waiting: u32::from(i > 0), ..Default::default() };

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::convert::{config_mapping, to_python};
 use crate::errors::{detach, CoreResult};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -166,16 +167,17 @@ pub struct PyFlowCore {
 #[pymethods]
 impl PyFlowCore {
     #[new]
-    #[pyo3(signature = (config_json))]
-    fn new(config_json: &str) -> PyResult<Self> {
-        let config = FlowConfig::from_json(config_json).py()?;
+    #[pyo3(signature = (config))]
+    fn new(config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let config = FlowConfig::from_value(config_mapping(Some(config), "flow config")?).py()?;
         let core = FlowController::with_registry(&config, PolicyRegistry::builtin()).py()?;
         Ok(PyFlowCore { inner: Arc::new(Mutex::new(core)) })
     }
 
-    /// The resolved configuration as JSON.
-    fn config_json(&self) -> String {
-        self.inner.lock().config().to_json()
+    /// The resolved configuration, in the input format.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let value = self.inner.lock().config().to_value();
+        to_python(py, &value)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -234,16 +236,16 @@ impl PyFlowCore {
 
     fn record_output(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
         let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
-        Ok(self.inner.lock().record_output(id, tokens, now).py()?)
+        self.inner.lock().record_output(id, tokens, now).py()
     }
 
     fn complete(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
         let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
-        Ok(self.inner.lock().complete(id, tokens, now).py()?)
+        self.inner.lock().complete(id, tokens, now).py()
     }
 
     fn preemption_victims(&self, now: f64) -> PyResult<Vec<u64>> {
-        Ok(self.inner.lock().preemption_victims(now).py()?)
+        self.inner.lock().preemption_victims(now).py()
     }
 
     fn update_endpoint(
@@ -260,7 +262,7 @@ impl PyFlowCore {
             kv_usage,
             timestamp,
         };
-        Ok(self.inner.lock().update_endpoint(endpoint, metrics).py()?)
+        self.inner.lock().update_endpoint(endpoint, metrics).py()
     }
 
     fn remove_endpoint(&self, endpoint: &str) -> bool {
@@ -277,11 +279,10 @@ impl PyFlowCore {
         Ok(self.inner.lock().jain_index(priority))
     }
 
-    fn metrics_json(&self, py: Python<'_>, now: f64) -> PyResult<String> {
+    fn metrics<'py>(&self, py: Python<'py>, now: f64) -> PyResult<Bound<'py, PyAny>> {
         let inner = &self.inner;
         let metrics = detach(py, || inner.lock().metrics(now))?.py()?;
-        serde_json::to_string(&metrics)
-            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))
+        to_python(py, &metrics)
     }
 
     fn is_queued(&self, id: u64) -> bool {
@@ -301,11 +302,14 @@ impl PyFlowCore {
     }
 }
 
-/// Resolves a config (defaults filled in, everything checked) and returns it as JSON.
+/// Resolves a config (defaults filled in, everything checked) and returns it.
 #[pyfunction]
-fn flow_resolve_config(config_json: &str) -> PyResult<String> {
-    let config = FlowConfig::from_json(config_json).py()?;
-    Ok(config.resolve(&PolicyRegistry::builtin()).py()?.to_json())
+fn flow_resolve_config<'py>(
+    py: Python<'py>,
+    config: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let config = FlowConfig::from_value(config_mapping(Some(config), "flow config")?).py()?;
+    to_python(py, &config.resolve(&PolicyRegistry::builtin()).py()?.to_value())
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -2,6 +2,7 @@
 
 use pyo3::prelude::*;
 
+mod convert;
 mod errors;
 mod flow;
 mod hashing;

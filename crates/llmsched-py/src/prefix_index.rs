@@ -215,17 +215,17 @@ impl PyPrefixIndex {
         let key = worker_key(worker)?;
         let t = tier_name.map(tier).transpose()?;
         let hashes = hashes.as_slice()?;
-        Ok(detach(py, || self.inner.remove(&key, hashes, t))?.py()?)
+        detach(py, || self.inner.remove(&key, hashes, t))?.py()
     }
 
     fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
         let key = worker_key(worker)?;
-        Ok(detach(py, || self.inner.clear(&key))?.py()?)
+        detach(py, || self.inner.clear(&key))?.py()
     }
 
     fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
         let key = worker_key(worker)?;
-        Ok(detach(py, || self.inner.remove_worker(&key))?.py()?)
+        detach(py, || self.inner.remove_worker(&key))?.py()
     }
 
     fn set_capacity(

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::convert::{config_mapping, to_python};
 use crate::errors::{detach, CoreResult, ToPyErr};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -32,11 +33,6 @@ fn key_object<'py>(py: Python<'py>, key: &WorkerKey) -> PyResult<Bound<'py, PyAn
         WorkerKey::Int(i) => i.into_pyobject(py)?.into_any(),
         WorkerKey::Str(s) => s.into_pyobject(py)?.into_any(),
     })
-}
-
-fn parse_json(text: &str) -> PyResult<Value> {
-    serde_json::from_str(text)
-        .map_err(|e| PyValueError::new_err(format!("config is not valid JSON: {e}")))
 }
 
 // ---- pool ---------------------------------------------------------------------------------
@@ -96,12 +92,12 @@ impl PyEndpointPool {
             })?),
         };
         let endpoint = Endpoint { id: worker_key(id)?, address, role, labels, model };
-        Ok(detach(py, || self.inner.upsert(endpoint))?)
+        detach(py, || self.inner.upsert(endpoint))
     }
 
     fn remove(&self, py: Python<'_>, id: &Bound<'_, PyAny>) -> PyResult<()> {
         let key = worker_key(id)?;
-        Ok(detach(py, || self.inner.remove(&key))?.py()?)
+        detach(py, || self.inner.remove(&key))?.py()
     }
 
     #[pyo3(signature = (id, waiting, running, kv_cache_usage, max_concurrency, now))]
@@ -116,7 +112,7 @@ impl PyEndpointPool {
     ) -> PyResult<()> {
         let key = worker_key(id)?;
         let update = MetricsUpdate { waiting, running, kv_cache_usage, max_concurrency };
-        Ok(self.inner.update_metrics(&key, update, now).py()?)
+        self.inner.update_metrics(&key, update, now).py()
     }
 
     fn set_loras(
@@ -127,7 +123,7 @@ impl PyEndpointPool {
         max_loras: u32,
     ) -> PyResult<()> {
         let key = worker_key(id)?;
-        Ok(self.inner.set_loras(&key, LoraState { active, waiting, max_loras }).py()?)
+        self.inner.set_loras(&key, LoraState { active, waiting, max_loras }).py()
     }
 
     /// Applies a Prometheus text scrape; returns the fields it found.
@@ -375,20 +371,20 @@ impl TokenVisitor for Decide<'_> {
 #[pymethods]
 impl PyRouter {
     #[new]
-    #[pyo3(signature = (pool, index, config_json, functions, seed, record_ttl, session_ttl, max_sessions))]
+    #[pyo3(signature = (pool, index, config, functions, seed, record_ttl, session_ttl, max_sessions))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         pool: &PyEndpointPool,
         index: Py<PyPrefixIndex>,
-        config_json: &str,
+        config: &Bound<'_, PyAny>,
         functions: Vec<Py<PyAny>>,
         seed: Option<u64>,
         record_ttl: Option<f64>,
         session_ttl: Option<f64>,
         max_sessions: Option<usize>,
     ) -> PyResult<Self> {
-        let value = parse_json(config_json)?;
+        let value = config_mapping(Some(config), "router config")?;
         let config =
             config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from).py()?;
         let d = RouterOptions::default();
@@ -407,19 +403,19 @@ impl PyRouter {
     #[staticmethod]
     fn index_hints(
         py: Python<'_>,
-        config_json: &str,
+        config: &Bound<'_, PyAny>,
         functions: Vec<Py<PyAny>>,
     ) -> PyResult<(Option<usize>, Option<u64>)> {
-        let value = parse_json(config_json)?;
+        let value = config_mapping(Some(config), "router config")?;
         let config =
             config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from).py()?;
         Ok((config.index_hints.block_size, config.index_hints.worker_capacity))
     }
 
-    /// The JSON text of a named preset, or None.
+    /// The config of a named preset, or None.
     #[staticmethod]
-    fn preset(name: &str) -> Option<String> {
-        presets::preset(name).map(|v| v.to_string())
+    fn preset<'py>(py: Python<'py>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+        presets::preset(name).map(|value| to_python(py, &value)).transpose()
     }
 
     #[staticmethod]

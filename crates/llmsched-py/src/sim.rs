@@ -1,6 +1,7 @@
 //! Bindings for `llmsched_sim`: the simulator's KV cache (the Python engine's) and the whole
 //! Rust engine (`simulate`).
 
+use crate::convert::{config_mapping, config_struct};
 use crate::errors::{detach, CoreResult};
 use numpy::{IntoPyArray, PyReadonlyArray1};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
@@ -11,8 +12,8 @@ use llmsched_core::routing::{parse_config, RoutingError};
 use std::sync::Arc;
 
 use llmsched_sim::{
-    simulate as sim_engine, Contents, DoneRecord, KvCache, KvEvent, Linear, OpenRequest, Plan,
-    Roofline, Session, SimConfig, SimOutput, StepModel, Turn,
+    simulate as sim_engine, Contents, DoneRecord, KvCache, KvEvent, OpenRequest, Plan, Session,
+    SimConfig, SimOutput, StepModel, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
@@ -67,11 +68,11 @@ impl PyKvCache {
     }
 
     fn tokens_of(&self, req: u64) -> PyResult<u64> {
-        Ok(self.inner.tokens_of(req).py()?)
+        self.inner.tokens_of(req).py()
     }
 
     fn blocks_of(&self, req: u64) -> PyResult<usize> {
-        Ok(self.inner.blocks_of(req).py()?)
+        self.inner.blocks_of(req).py()
     }
 
     fn start(
@@ -80,23 +81,23 @@ impl PyKvCache {
         hashes: PyReadonlyArray1<'_, u64>,
         max_blocks: usize,
     ) -> PyResult<usize> {
-        Ok(self.inner.start(req, hashes.as_slice()?, max_blocks).py()?)
+        self.inner.start(req, hashes.as_slice()?, max_blocks).py()
     }
 
     fn allocate(&mut self, req: u64, tokens: u64) -> PyResult<bool> {
-        Ok(self.inner.allocate(req, tokens).py()?)
+        self.inner.allocate(req, tokens).py()
     }
 
     fn commit(&mut self, req: u64, hashes: PyReadonlyArray1<'_, u64>, upto: usize) -> PyResult<()> {
-        Ok(self.inner.commit(req, hashes.as_slice()?, upto).py()?)
+        self.inner.commit(req, hashes.as_slice()?, upto).py()
     }
 
     fn free(&mut self, req: u64) -> PyResult<()> {
-        Ok(self.inner.free(req).py()?)
+        self.inner.free(req).py()
     }
 
     fn set_decoding(&mut self, req: u64, decoding: bool) -> PyResult<()> {
-        Ok(self.inner.set_decoding(req, decoding).py()?)
+        self.inner.set_decoding(req, decoding).py()
     }
 
     fn decode_capacity(&self, limit: u64) -> u64 {
@@ -183,39 +184,6 @@ fn usizes(values: &[i64], name: &str) -> PyResult<Vec<usize>> {
                 .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {v}")))
         })
         .collect()
-}
-
-fn step_model(d: &Bound<'_, PyDict>) -> PyResult<StepModel> {
-    let kind: String = item(d, "kind")?;
-    Ok(match kind.as_str() {
-        "linear" => StepModel::Linear(Linear {
-            b0: item(d, "b0")?,
-            b1: item(d, "b1")?,
-            b2: item(d, "b2")?,
-            b3: item(d, "b3")?,
-            b4: item(d, "b4")?,
-        }),
-        "roofline" => StepModel::Roofline(Roofline {
-            flop_rate: item(d, "flop_rate")?,
-            byte_rate: item(d, "byte_rate")?,
-            attn: item(d, "attn")?,
-            kvb: item(d, "kvb")?,
-            active2: item(d, "active2")?,
-            dense_bytes: item(d, "dense_bytes")?,
-            params: item(d, "params")?,
-            expert_params: item(d, "expert_params")?,
-            experts: item(d, "experts")?,
-            experts_per_token: item(d, "experts_per_token")?,
-            bytes_per_param: item(d, "bytes_per_param")?,
-            tp: item(d, "tp")?,
-            hidden: item(d, "hidden")?,
-            layers: item(d, "layers")?,
-            step_overhead: item(d, "step_overhead")?,
-            allreduce_latency: item(d, "allreduce_latency")?,
-            link_bw: item(d, "link_bw")?,
-        }),
-        other => return Err(PyValueError::new_err(format!("unknown step model kind {other:?}"))),
-    })
 }
 
 fn ranges(offsets: &[usize], name: &str) -> PyResult<Vec<std::ops::Range<usize>>> {
@@ -314,37 +282,20 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
     Ok(plan)
 }
 
-fn sim_config(d: &Bound<'_, PyDict>) -> PyResult<SimConfig> {
-    Ok(SimConfig {
-        replicas: item(d, "replicas")?,
-        block_size: item(d, "block_size")?,
-        kv_blocks: item(d, "kv_blocks")?,
-        max_num_batched_tokens: item(d, "max_num_batched_tokens")?,
-        max_num_seqs: item(d, "max_num_seqs")?,
-        priority_scheduling: item(d, "priority_scheduling")?,
-        metrics_delay: item(d, "metrics_delay_s")?,
-        kv_events_delay: item(d, "kv_events_delay_s")?,
-        kv_sample: item(d, "kv_sample_s")?,
-        max_time: item(d, "max_time_s")?,
-        seed: item(d, "seed")?,
-    })
-}
-
 /// Runs one scenario on the Rust engine (`llmsched.sim.fast` prepares the arguments) with the
 /// GIL released; returns the finished requests as arrays, per-replica end states, the KV-use
 /// trace and the time spent in routing decisions and feeds.
 #[pyfunction]
 fn simulate<'py>(
     py: Python<'py>,
-    config: &Bound<'py, PyDict>,
-    step: &Bound<'py, PyDict>,
-    router_json: &str,
+    config: &Bound<'py, PyAny>,
+    step: &Bound<'py, PyAny>,
+    router: &Bound<'py, PyAny>,
     workload: &Bound<'py, PyDict>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let cfg = sim_config(config)?;
-    let model = step_model(step)?;
-    let value: serde_json::Value = serde_json::from_str(router_json)
-        .map_err(|e| PyValueError::new_err(format!("router config is not valid JSON: {e}")))?;
+    let cfg: SimConfig = config_struct(config, "simulation config")?;
+    let model: StepModel = config_struct(step, "step model")?;
+    let value = config_mapping(Some(router), "router config")?;
     let router = parse_config(&value).map_err(RoutingError::from).py()?;
     let plan = plan(workload)?;
     let budget = cfg.max_num_batched_tokens;

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use crate::convert::{config_mapping, to_python};
 use crate::errors::{detach, CoreResult};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -19,17 +20,19 @@ pub struct PySwitchCostModel {
 
 #[pymethods]
 impl PySwitchCostModel {
-    /// Parameters as a JSON object decoded over the defaults.
+    /// Parameters as a mapping decoded over the defaults.
     #[new]
-    #[pyo3(signature = (params_json = "{}"))]
-    fn new(params_json: &str) -> PyResult<Self> {
-        Ok(Self { model: core::SwitchCostModel::from_json(params_json).py()? })
+    #[pyo3(signature = (params = None))]
+    fn new(params: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let params = config_mapping(params, "cost model")?;
+        Ok(Self { model: core::SwitchCostModel::from_params(&params).py()? })
     }
 
-    /// Derives the model from model dimensions and GPU numbers given as a JSON object.
+    /// Derives the model from model dimensions and GPU numbers given as a mapping.
     #[staticmethod]
-    fn from_dims_json(dims_json: &str) -> PyResult<Self> {
-        Ok(Self { model: core::SwitchCostModel::from_dims_json(dims_json).py()? })
+    fn from_dims(dims: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let dims = config_mapping(Some(dims), "cost model dims")?;
+        Ok(Self { model: core::SwitchCostModel::from_dims_params(&dims).py()? })
     }
 
     #[getter]
@@ -65,8 +68,9 @@ impl PySwitchCostModel {
         self.model.switch_s(evict_probability, context, prefill_tokens_per_s)
     }
 
-    fn to_json(&self) -> String {
-        serde_json::to_string(&self.model).unwrap_or_default()
+    /// The parameters, as a mapping.
+    fn params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        to_python(py, &self.model)
     }
 }
 
@@ -82,10 +86,10 @@ fn slice_policy_names() -> Vec<&'static str> {
     core::REGISTRY.iter().map(|(name, _)| *name).collect()
 }
 
-/// The default parameters of a slice policy, as a JSON object.
+/// The default parameters of a slice policy, as a mapping.
 #[pyfunction]
-fn slice_policy_defaults(name: &str) -> PyResult<String> {
-    Ok(core::policy_defaults(name).py()?)
+fn slice_policy_defaults<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    to_python(py, &core::policy_defaults(name).py()?)
 }
 
 /// A slice-boundary decision.
@@ -213,10 +217,14 @@ pub struct PySliceTracker {
 #[pymethods]
 impl PySliceTracker {
     #[new]
-    #[pyo3(signature = (policy, params_json, cost_model))]
-    fn new(policy: &str, params_json: &str, cost_model: &PySwitchCostModel) -> PyResult<Self> {
-        let tracker =
-            core::SliceTracker::from_config(policy, params_json, cost_model.model).py()?;
+    #[pyo3(signature = (policy, params, cost_model))]
+    fn new(
+        policy: &str,
+        params: Option<&Bound<'_, PyAny>>,
+        cost_model: &PySwitchCostModel,
+    ) -> PyResult<Self> {
+        let params = config_mapping(params, &format!("policy {policy}"))?;
+        let tracker = core::SliceTracker::from_config(policy, &params, cost_model.model).py()?;
         Ok(Self { inner: Arc::new(Mutex::new(tracker)) })
     }
 
@@ -230,8 +238,9 @@ impl PySliceTracker {
         self.inner.lock().policy().levels()
     }
 
-    fn policy_params_json(&self) -> String {
-        self.inner.lock().policy().params_json()
+    fn policy_params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let params = self.inner.lock().policy().params();
+        to_python(py, &params)
     }
 
     fn cost_model(&self) -> PySwitchCostModel {
@@ -239,7 +248,7 @@ impl PySliceTracker {
     }
 
     fn quantum(&self, level: u8) -> PyResult<u32> {
-        Ok(self.inner.lock().quantum(level).py()?)
+        self.inner.lock().quantum(level).py()
     }
 
     fn entry_level(&self, prompt_tokens: u32) -> u8 {
@@ -263,7 +272,7 @@ impl PySliceTracker {
             prefill_tokens_per_s,
             decode_step_s,
         };
-        Ok(self.inner.lock().set_endpoint(name, report).py()?)
+        self.inner.lock().set_endpoint(name, report).py()
     }
 
     fn endpoint_load(&self, name: &str) -> Option<PyEndpointLoad> {
@@ -288,7 +297,7 @@ impl PySliceTracker {
     }
 
     fn record_tokens(&self, key: u64, tokens: u32) -> PyResult<u32> {
-        Ok(self.inner.lock().record_tokens(key, tokens).py()?)
+        self.inner.lock().record_tokens(key, tokens).py()
     }
 
     /// `waiting`: (priority, level, context_tokens, expected_tokens) tuples in dispatch order.
@@ -318,7 +327,7 @@ impl PySliceTracker {
 
     fn promote(&self, py: Python<'_>, now: f64) -> PyResult<Vec<(u64, u8)>> {
         let inner = Arc::clone(&self.inner);
-        Ok(detach(py, move || inner.lock().promote(now))?.py()?)
+        detach(py, move || inner.lock().promote(now))?.py()
     }
 
     fn remove(&self, key: u64) -> bool {

@@ -74,6 +74,6 @@ impl<'py> TokenArray<'py> {
         V::Output: Send,
     {
         let tokens = self.as_token_slice()?;
-        Ok(detach(py, || tokens.visit(visitor))?)
+        detach(py, || tokens.visit(visitor))
     }
 }

@@ -29,7 +29,8 @@ use llmsched_core::routing::{
 };
 
 /// Engine and scenario settings (the fields of `EngineConfig` and `ScenarioConfig`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SimConfig {
     pub replicas: usize,
     pub block_size: u32,
@@ -38,9 +39,13 @@ pub struct SimConfig {
     pub max_num_seqs: usize,
     /// `scheduling: priority` (else first come, first served).
     pub priority_scheduling: bool,
+    #[serde(rename = "metrics_delay_s")]
     pub metrics_delay: f64,
+    #[serde(rename = "kv_events_delay_s")]
     pub kv_events_delay: f64,
+    #[serde(rename = "kv_sample_s")]
     pub kv_sample: f64,
+    #[serde(rename = "max_time_s")]
     pub max_time: Option<f64>,
     pub seed: u64,
 }

@@ -5,8 +5,11 @@
 //! The Python side derives every constant (`_flop_rate`, `_attn`, ...) and hands them over as
 //! [`Roofline`]; the formulas are documented there.
 
+use serde::Deserialize;
+
 /// Constants of a roofline model (see `RooflineStepModel` in Python).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Roofline {
     pub flop_rate: f64,
     pub byte_rate: f64,
@@ -29,7 +32,8 @@ pub struct Roofline {
 }
 
 /// `t = b0 + b1*P + b2*D + b3*prefill_sq + b4*decode_ctx`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Linear {
     pub b0: f64,
     pub b1: f64,
@@ -38,7 +42,9 @@ pub struct Linear {
     pub b4: f64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// A step-time model; decoded from `{"kind": "roofline" | "linear", <constants>}`.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
 pub enum StepModel {
     Roofline(Roofline),
     Linear(Linear),

@@ -13,7 +13,6 @@ SliceStart(level=0, slice_tokens=4)
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,7 +75,7 @@ class _Endpoint:
 
 
 def _merge(name: str, params: Mapping[str, Any] | None) -> dict[str, Any]:
-    merged = dict(json.loads(_llmsched.slice_policy_defaults(name)))
+    merged = dict(_llmsched.slice_policy_defaults(name))
     for key, value in (params or {}).items():
         if key not in merged:
             raise ConfigError(f"bad policy {name} parameters: unknown field `{key}`")

@@ -251,13 +251,13 @@ def run(sim: Simulation, router_config: ConfigLike) -> SimResult:
         "max_time_s": None if config.max_time_s is None else float(config.max_time_s),
         "seed": config.seed,
     }
-    router_json, functions = native_config(load_config(router_config))
+    router, functions = native_config(load_config(router_config))
     assert not functions, "unsupported() sends Python plugins to the Python engine"
     import time
 
     wall = time.perf_counter()
     plan = cached_plan(config)
-    out = _llmsched.simulate(settings, step_args(sim.model), router_json, plan)
+    out = _llmsched.simulate(settings, step_args(sim.model), router, plan)
     wall_s = time.perf_counter() - wall
     sim.now = float(out["now"])
     sim.feed_skipped = int(out["feed_skipped"])

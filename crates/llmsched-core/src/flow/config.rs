@@ -164,6 +164,11 @@ impl FlowConfig {
         serde_json::from_str(text).map_err(|e| config_error(format!("flow config: {e}")))
     }
 
+    /// Decodes an object (e.g. converted from Python), with the rules of [`Self::from_json`].
+    pub fn from_value(value: Value) -> Result<Self, FlowError> {
+        serde_json::from_value(value).map_err(|e| config_error(format!("flow config: {e}")))
+    }
+
     /// Checks everything and fills in defaults, including every policy's parameters.
     pub fn resolve(&self, registry: &PolicyRegistry) -> Result<ResolvedConfig, FlowError> {
         let default_band = resolve_band("default_band", &self.default_band, registry)?;
@@ -277,6 +282,11 @@ impl ResolvedConfig {
 
     /// The resolved configuration as JSON, in the input format (re-reads to itself).
     pub fn to_json(&self) -> String {
+        self.to_value().to_string()
+    }
+
+    /// The resolved configuration as an object, in the input format.
+    pub fn to_value(&self) -> Value {
         let bands: Vec<Value> = self
             .bands
             .iter()
@@ -299,7 +309,7 @@ impl ResolvedConfig {
             "preemption": self.preemption,
             "wait_buckets_s": self.wait_buckets_s,
         });
-        config.to_string()
+        config
     }
 }
 

@@ -18,6 +18,7 @@
 //! free KV and the KV demand of the work admitted in the meantime (see [`evict_probability`]).
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use super::SliceError;
 
@@ -155,14 +156,14 @@ impl SwitchCostModel {
         }
     }
 
-    /// Decodes parameters given as a JSON object over the defaults; unknown names are rejected.
-    pub fn from_json(params: &str) -> Result<Self, SliceError> {
-        decode_json::<Self>("cost model", params)?.validated()
+    /// Decodes parameters given as an object over the defaults; unknown names are rejected.
+    pub fn from_params(params: &Value) -> Result<Self, SliceError> {
+        decode_params::<Self>("cost model", params)?.validated()
     }
 
-    /// Decodes `CostModelDims` given as a JSON object over the defaults, then derives the model.
-    pub fn from_dims_json(dims: &str) -> Result<Self, SliceError> {
-        let dims = decode_json::<CostModelDims>("cost model dims", dims)?;
+    /// Decodes `CostModelDims` given as an object over the defaults, then derives the model.
+    pub fn from_dims_params(dims: &Value) -> Result<Self, SliceError> {
+        let dims = decode_params::<CostModelDims>("cost model dims", dims)?;
         for (name, value) in [
             ("compute_efficiency", dims.compute_efficiency),
             ("bandwidth_efficiency", dims.bandwidth_efficiency),
@@ -237,18 +238,18 @@ pub fn evict_probability(context: f64, demand_tokens: f64, free_tokens: f64) -> 
 }
 
 /// Decodes a JSON object over `T`'s defaults, naming `what` in errors.
-pub(crate) fn decode_json<T: for<'de> Deserialize<'de>>(
+pub(crate) fn decode_params<T: for<'de> Deserialize<'de>>(
     what: &str,
-    params: &str,
+    params: &Value,
 ) -> Result<T, SliceError> {
-    let trimmed = params.trim();
-    let text = if trimmed.is_empty() { "{}" } else { trimmed };
     let bad = |reason: String| SliceError::BadParams { what: what.to_string(), reason };
-    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
-    if !value.is_object() {
-        return Err(bad("expected an object of named parameters".to_string()));
+    match params {
+        // No parameters at all: every default.
+        Value::Null => serde_json::from_value(Value::Object(Default::default())),
+        Value::Object(_) => serde_json::from_value(params.clone()),
+        _ => return Err(bad("expected an object of named parameters".to_string())),
     }
-    serde_json::from_value(value).map_err(|e| bad(e.to_string()))
+    .map_err(|e| bad(e.to_string()))
 }
 
 pub(crate) fn bad_param(what: &str, name: &str, reason: &str) -> SliceError {
@@ -257,6 +258,8 @@ pub(crate) fn bad_param(what: &str, name: &str, reason: &str) -> SliceError {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     #[test]
@@ -298,16 +301,17 @@ mod tests {
 
     #[test]
     fn rejects_unknown_and_bad_params() {
-        let err = SwitchCostModel::from_json(r#"{"prefil_tokens_per_s": 3}"#).unwrap_err();
+        let err = SwitchCostModel::from_params(&json!({"prefil_tokens_per_s": 3})).unwrap_err();
         assert!(err.to_string().contains("unknown field"), "{err}");
-        let err = SwitchCostModel::from_json(r#"{"decode_step_s": -1}"#).unwrap_err();
+        let err = SwitchCostModel::from_params(&json!({"decode_step_s": -1})).unwrap_err();
         assert!(err.to_string().contains("decode_step_s"), "{err}");
-        let ok = SwitchCostModel::from_json(r#"{"decode_step_s": 0.02}"#).unwrap();
+        let ok = SwitchCostModel::from_params(&json!({"decode_step_s": 0.02})).unwrap();
         assert_eq!(ok.decode_step_s, 0.02);
         assert_eq!(ok.prefill_tokens_per_s, SwitchCostModel::default().prefill_tokens_per_s);
-        let err = SwitchCostModel::from_dims_json(r#"{"gpu": {"memory_bytes": 1e9}}"#).unwrap_err();
+        let err =
+            SwitchCostModel::from_dims_params(&json!({"gpu": {"memory_bytes": 1e9}})).unwrap_err();
         assert!(err.to_string().contains("no room"), "{err}");
-        let err = SwitchCostModel::from_dims_json(r#"{"model": {"layerz": 3}}"#).unwrap_err();
+        let err = SwitchCostModel::from_dims_params(&json!({"model": {"layerz": 3}})).unwrap_err();
         assert!(err.to_string().contains("unknown field"), "{err}");
     }
 }

@@ -282,13 +282,13 @@ impl SliceTracker {
         }
     }
 
-    /// A tracker with policy `name` built from JSON parameters over its defaults.
+    /// A tracker with policy `name` built from an object of parameters over its defaults.
     pub fn from_config(
         policy: &str,
-        params_json: &str,
+        params: &serde_json::Value,
         cost: SwitchCostModel,
     ) -> Result<Self, SliceError> {
-        Ok(Self::new(build_policy(policy, params_json)?, cost.validated()?))
+        Ok(Self::new(build_policy(policy, params)?, cost.validated()?))
     }
 
     pub fn policy(&self) -> &dyn SlicePolicy {

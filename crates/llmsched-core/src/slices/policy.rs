@@ -7,8 +7,9 @@
 use std::fmt::Debug;
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
-use super::cost::{bad_param, decode_json};
+use super::cost::{bad_param, decode_params};
 use super::SliceError;
 
 /// How a slice policy sizes slices and moves levels. Level 0 is the most urgent.
@@ -25,33 +26,33 @@ pub trait SlicePolicy: Debug + Send + Sync {
     fn level_after_quantum(&self, level: u8) -> u8;
     /// Seconds a paused request may wait before it is promoted; None: never promoted.
     fn promote_after_s(&self) -> Option<f64>;
-    /// The parameters in effect, as a JSON object.
-    fn params_json(&self) -> String;
+    /// The parameters in effect, as an object.
+    fn params(&self) -> Value;
 }
 
-type Factory = fn(&str) -> Result<Box<dyn SlicePolicy>, SliceError>;
+type Factory = fn(&Value) -> Result<Box<dyn SlicePolicy>, SliceError>;
 
 /// Policy name -> factory decoding that policy's parameters. One line per policy.
 pub const REGISTRY: &[(&str, Factory)] = &[("fixed", FixedSlice::build), ("mlfq", Mlfq::build)];
 
-/// Builds the policy `name` from a JSON object of parameters (empty: every default).
-pub fn build_policy(name: &str, params_json: &str) -> Result<Box<dyn SlicePolicy>, SliceError> {
+/// Builds the policy `name` from an object of parameters (null or empty: every default).
+pub fn build_policy(name: &str, params: &Value) -> Result<Box<dyn SlicePolicy>, SliceError> {
     let (_, factory) =
         REGISTRY.iter().find(|(n, _)| *n == name).ok_or_else(|| SliceError::UnknownPolicy {
             name: name.to_string(),
             known: REGISTRY.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
         })?;
-    factory(params_json)
+    factory(params)
 }
 
-/// The default parameters of policy `name`, as a JSON object.
-pub fn policy_defaults(name: &str) -> Result<String, SliceError> {
-    Ok(build_policy(name, "{}")?.params_json())
+/// The default parameters of policy `name`, as an object.
+pub fn policy_defaults(name: &str) -> Result<Value, SliceError> {
+    Ok(build_policy(name, &Value::Null)?.params())
 }
 
-fn to_json<T: Serialize>(value: &T) -> String {
+fn to_value<T: Serialize>(value: &T) -> Value {
     // Plain structs of numbers always serialise.
-    serde_json::to_string(value).unwrap_or_default()
+    serde_json::to_value(value).unwrap_or_default()
 }
 
 /// Every slice has the same length; one level; nothing moves.
@@ -69,8 +70,8 @@ impl Default for FixedSlice {
 }
 
 impl FixedSlice {
-    fn build(params: &str) -> Result<Box<dyn SlicePolicy>, SliceError> {
-        let policy: Self = decode_json("policy fixed", params)?;
+    fn build(params: &Value) -> Result<Box<dyn SlicePolicy>, SliceError> {
+        let policy: Self = decode_params("policy fixed", params)?;
         if policy.slice_tokens == 0 {
             return Err(bad_param("policy fixed", "slice_tokens", "must be at least 1"));
         }
@@ -97,8 +98,8 @@ impl SlicePolicy for FixedSlice {
     fn promote_after_s(&self) -> Option<f64> {
         None
     }
-    fn params_json(&self) -> String {
-        to_json(self)
+    fn params(&self) -> Value {
+        to_value(self)
     }
 }
 
@@ -129,8 +130,8 @@ impl Default for Mlfq {
 }
 
 impl Mlfq {
-    fn build(params: &str) -> Result<Box<dyn SlicePolicy>, SliceError> {
-        let policy: Self = decode_json("policy mlfq", params)?;
+    fn build(params: &Value) -> Result<Box<dyn SlicePolicy>, SliceError> {
+        let policy: Self = decode_params("policy mlfq", params)?;
         if policy.base_quantum == 0 {
             return Err(bad_param("policy mlfq", "base_quantum", "must be at least 1"));
         }
@@ -182,30 +183,32 @@ impl SlicePolicy for Mlfq {
     fn promote_after_s(&self) -> Option<f64> {
         Some(self.promote_after_s)
     }
-    fn params_json(&self) -> String {
-        to_json(self)
+    fn params(&self) -> Value {
+        to_value(self)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     #[test]
     fn registry_builds_each_policy_with_defaults() {
         for (name, _) in REGISTRY {
-            let policy = build_policy(name, "").unwrap();
+            let policy = build_policy(name, &Value::Null).unwrap();
             assert_eq!(policy.name(), *name);
             assert!(policy.levels() >= 1);
         }
-        assert_eq!(policy_defaults("fixed").unwrap(), r#"{"slice_tokens":512}"#);
+        assert_eq!(policy_defaults("fixed").unwrap(), json!({"slice_tokens": 512}));
     }
 
     #[test]
     fn unknown_policy_and_params_are_rejected() {
-        let err = build_policy("lottery", "{}").unwrap_err();
+        let err = build_policy("lottery", &json!({})).unwrap_err();
         assert!(err.to_string().contains("fixed, mlfq"), "{err}");
-        let err = build_policy("mlfq", r#"{"quantum": 5}"#).unwrap_err();
+        let err = build_policy("mlfq", &json!({"quantum": 5})).unwrap_err();
         assert!(err.to_string().contains("unknown field `quantum`"), "{err}");
         for bad in [
             r#"{"levels": 0}"#,
@@ -217,15 +220,16 @@ mod tests {
             r#"{"levels": -1}"#,
             r#"[1]"#,
         ] {
-            assert!(build_policy("mlfq", bad).is_err(), "{bad}");
+            let bad: Value = serde_json::from_str(bad).unwrap();
+            assert!(build_policy("mlfq", &bad).is_err(), "{bad}");
         }
-        assert!(build_policy("fixed", r#"{"slice_tokens": 0}"#).is_err());
+        assert!(build_policy("fixed", &json!({"slice_tokens": 0})).is_err());
     }
 
     #[test]
     fn mlfq_levels_table() {
-        let p =
-            build_policy("mlfq", r#"{"base_quantum": 100, "levels": 3, "join_ratio": 2}"#).unwrap();
+        let p = build_policy("mlfq", &json!({"base_quantum": 100, "levels": 3, "join_ratio": 2}))
+            .unwrap();
         // quantum: 100, 200, 400; join thresholds: 200, 400, 800.
         assert_eq!((p.quantum(0), p.quantum(1), p.quantum(2)), (100, 200, 400));
         let cases = [(0, 0), (200, 0), (201, 1), (400, 1), (401, 2), (800, 2), (100_000, 2)];

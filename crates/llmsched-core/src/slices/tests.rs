@@ -18,7 +18,8 @@ fn cost() -> SwitchCostModel {
 }
 
 fn tracker(policy: &str, params: &str) -> SliceTracker {
-    let mut t = SliceTracker::from_config(policy, params, cost()).unwrap();
+    let params: serde_json::Value = serde_json::from_str(params).unwrap();
+    let mut t = SliceTracker::from_config(policy, &params, cost()).unwrap();
     t.set_endpoint("a", EndpointReport::default()).unwrap();
     t
 }
