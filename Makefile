@@ -9,7 +9,8 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build build-dev test test-rust test-python test-engines vllm-env lint fmt bench bench-rust demo fuzz clean
+.PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines vllm-env lint fmt \
+	bench bench-rust demo fuzz clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -32,12 +33,38 @@ build-dev: $(VENV)/.deps ## Build the Rust extension (debug, quick to compile) i
 	rm -f python/llmsched/_llmsched*.so
 	$(BIN)/maturin develop --profile dev --uv -q
 
+# The distributable wheel: one abi3 wheel for CPython 3.10 and later, linked by zig against glibc
+# 2.17 (manylinux2014: RHEL/UBI 8, Debian 11, Ubuntu 20.04 and newer), plus the sdist. The stamp
+# is newer than every file the wheel is made of while dist/ is current.
+DIST ?= dist
+WHEEL_SOURCES := Cargo.toml Cargo.lock pyproject.toml README.md LICENSE \
+	$(shell find crates python -type f \( -name '*.rs' -o -name '*.toml' -o -name '*.md' \
+		-o -name '*.py' -o -name '*.pyi' -o -name py.typed \) 2>/dev/null)
+
+$(DIST)/.stamp: $(WHEEL_SOURCES) | $(VENV)/.deps
+	rm -f $(DIST)/llmsched-*.whl $(DIST)/llmsched-*.tar.gz
+	$(BIN)/maturin build --release --zig --compatibility manylinux2014 --out $(DIST)
+	$(BIN)/maturin sdist --out $(DIST)
+	$(PY) tools/wheel_check.py tags $(DIST)/llmsched-*.whl
+	touch $@
+
+wheel: $(DIST)/.stamp ## Build the abi3 manylinux2014 wheel (CPython 3.10+) and the sdist into dist/
+
+# The wheel alone in fresh venvs on the oldest and newest CPython found (pyenv, or PYTHONS="a b").
+# `make test` runs tests/test_core_install.py on the same wheel when dist/ is current.
+PYTHONS ?=
+test-wheel: $(DIST)/.stamp ## Install the built wheel alone on the oldest and newest CPython and smoke-test it
+	$(PY) tools/wheel_check.py smoke $(DIST)/llmsched-*.whl $(addprefix --python ,$(PYTHONS))
+
 test-rust: ## Run the Rust tests of every crate, doc-tests included (release, no Python needed)
 	cargo test --release --workspace
 	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 
+# The core install test takes the wheel from dist/ when `make wheel` left a current one there,
+# rather than building its own.
 test-python: build ## Run the Python tests
-	$(PY) -m pytest -q -p no:cacheprovider
+	LLMSCHED_WHEEL=$$($(MAKE) -s -q --no-print-directory $(DIST)/.stamp && ls $(DIST)/llmsched-*.whl) \
+		$(PY) -m pytest -q -p no:cacheprovider
 
 test: test-rust test-python ## Install everything, then run cargo test and pytest
 
@@ -85,7 +112,7 @@ demo: build ## Run the main job: the simulator comparing routing policies (llmsc
 	$(PY) -m llmsched sim
 
 clean: ## Remove build outputs and the virtual environment
-	rm -rf target $(VENV) python/llmsched/_llmsched*.so .pytest_cache .mypy_cache .ruff_cache .benchmarks
+	rm -rf target $(DIST) $(VENV) python/llmsched/_llmsched*.so .pytest_cache .mypy_cache .ruff_cache .benchmarks
 
 FUZZ_SECONDS ?= 60
 fuzz: $(VENV)/.deps build ## Fuzz the vLLM event decoder and snapshot loading, FUZZ_SECONDS each (nightly Rust; installs cargo-fuzz)

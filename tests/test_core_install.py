@@ -5,7 +5,8 @@ core API, ``import llmsched`` without asyncio or any optional package, and an ``
 naming the extra for every optional module. The import time and installed size are measured
 and reported (``-s`` prints them), not asserted.
 
-The wheel comes from ``$LLMSCHED_WHEEL`` when set, else ``maturin build --release`` into a
+The wheel comes from ``$LLMSCHED_WHEEL`` when set (``make test`` sets it to the wheel in
+``dist/`` while ``make wheel`` left a current one there), else ``maturin build --release`` into a
 temporary folder (the Rust build is incremental in ``target/``); the venv is made with ``uv``
 from its local cache (``--offline``). The test skips, saying why, when either step cannot run.
 """
