@@ -24,7 +24,6 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -74,7 +73,14 @@ __all__ = [
     "load_config",
 ]
 
-_log = logging.getLogger("llmsched")
+
+def _warn(message: str) -> None:
+    """One warning on logger ``llmsched`` (imported here: ``import llmsched`` stays light)."""
+    import logging
+
+    logging.getLogger("llmsched").warning(message)
+
+
 _LOGGED: set[str] = set()
 """Messages already logged: each configuration note is logged once per process."""
 
@@ -300,7 +306,7 @@ def _log_notes(info: ConfigInfo) -> None:
         message = f"routing config {note['key']}: {note['message']}"
         if message not in _LOGGED:
             _LOGGED.add(message)
-            _log.warning(message)
+            _warn(message)
 
 
 def _precise_wiring_message(wiring: PreciseWiring) -> str:
@@ -389,7 +395,7 @@ class Router:
             warnings.append(message)
             if message not in _LOGGED:
                 _LOGGED.add(message)
-                _log.warning(message)
+                _warn(message)
         for section, present in (
             ("saturationDetector", info["saturation"] is not None),
             ("featureGates: flowControl", info["flow_control"]),
@@ -403,7 +409,7 @@ class Router:
                 warnings.append(message)
                 if message not in _LOGGED:
                     _LOGGED.add(message)
-                    _log.warning(message)
+                    _warn(message)
         if index is None:
             block_size, capacity = info["block_size"], info["worker_capacity"]
             index = (
