@@ -97,7 +97,9 @@ def missing_optional(exc: BaseException | None) -> str | None:
     """The skip reason when ``exc`` (or what caused it) is an optional dependency that is not
     installed; None for anything else (a broken import of an installed package fails)."""
     while exc is not None:
-        if isinstance(exc, ModuleNotFoundError) and exc.name:
+        # ModuleNotFoundError from a bare import, or the ImportError of
+        # llmsched._extras.require (its `name` is the missing package).
+        if isinstance(exc, ImportError) and exc.name:
             top = exc.name.split(".")[0]
             if top not in OPTIONAL or _installed(top):
                 return None

@@ -81,6 +81,7 @@ def test_compare_in_processes_matches_in_process() -> None:
 
 
 def test_cli_runs_a_scenario_file(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs the sim extra (matplotlib)")
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(TINY))
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"

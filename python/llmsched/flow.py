@@ -205,6 +205,10 @@ class FlowController:
         """
         if not isinstance(request, FlowRequest):
             raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+        for name in ("id", "priority", "prompt_tokens", "size_bytes"):
+            value = getattr(request, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"FlowRequest.{name} must be an int, got {type(value).__name__}")
         refused = self._core.enqueue(
             request.id,
             request.priority,
