@@ -99,7 +99,7 @@ def backlog(target: Any, workload: Workload, count: int) -> Any:
 @pytest.mark.parametrize("fairness", ["round-robin", "vtc"])
 def test_cycle(benchmark: Any, fairness: str) -> None:
     workload = Workload()
-    core = backlog(FlowCore(json.dumps(config(fairness))), workload, 10_000)
+    core = backlog(FlowCore(config(fairness)), workload, 10_000)
     assert workload.lifecycles(core, 10) == 10 and len(core) == 10_000
     benchmark.group = f"flow-cycle-{fairness}"
     benchmark.extra_info.update(items=3 * LIFECYCLES, unit="calls")
@@ -136,7 +136,7 @@ def resident():
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-core = FlowCore(sys.argv[1])
+core = FlowCore(json.loads(sys.argv[1]))
 tenants = [f"tenant-{t}" for t in range(1000)]
 for i in range(1, 8001):  # every band and flow exists before measuring
     core.enqueue(i, i % 8, tenants[i % 1000], 64, 4096, None, None, None, 0.0)
@@ -156,7 +156,7 @@ def resident_bytes_per_queued_request() -> float:
 @pytest.fixture(scope="module")
 def million() -> Iterator[tuple[FlowCore, Workload, float]]:
     workload = Workload()
-    core = backlog(FlowCore(json.dumps(config("vtc"))), workload, 1_000_000)
+    core = backlog(FlowCore(config("vtc")), workload, 1_000_000)
     yield core, workload, resident_bytes_per_queued_request()
 
 
@@ -184,7 +184,7 @@ def test_pairs_at_1m_queued(
 @pytest.mark.benchmark(group="flow-depth")
 def test_pairs_at_10k_queued(benchmark: Any) -> None:
     workload = Workload()
-    core = backlog(FlowCore(json.dumps(config("vtc"))), workload, 10_000)
+    core = backlog(FlowCore(config("vtc")), workload, 10_000)
     benchmark.extra_info.update(items=3_000, unit="calls")
     assert benchmark(_pairs_then_complete, core, workload, 1_000) == 1_000
 
