@@ -12,6 +12,10 @@ use super::{IndexConfig, IndexError, State, WorkerKey, Workers};
 
 const FORMAT: u32 = 1;
 
+/// The largest use stamp a snapshot may carry. Stamps count stores (one per call), so no real
+/// index comes near it; the bound leaves room to keep counting without overflow.
+const MAX_STAMP: u64 = 1 << 62;
+
 #[derive(Serialize, Deserialize)]
 struct Snapshot {
     format: u32,
@@ -103,8 +107,11 @@ pub(super) fn load(data: &[u8], now: f64) -> Result<(IndexConfig, State), IndexE
         max_bytes: snap.max_bytes,
     };
     config.validate().map_err(|err| bad(err.to_string()))?;
+    if snap.stamp > MAX_STAMP {
+        return Err(bad(format!("stamp {} is above {MAX_STAMP}", snap.stamp)));
+    }
     let workers = load_workers(snap.workers)?;
-    let nodes = load_nodes(snap.nodes, &workers, now)?;
+    let nodes = load_nodes(snap.nodes, &workers, now, snap.stamp)?;
     let tree = Tree::rebuild(nodes, snap.stamp, workers.keys.len())?;
     Ok((config, State { tree, workers }))
 }
@@ -124,7 +131,12 @@ fn load_workers(snap: Vec<SnapWorker>) -> Result<Workers, IndexError> {
     Ok(workers)
 }
 
-fn load_nodes(snap: Vec<SnapNode>, workers: &Workers, now: f64) -> Result<Vec<Node>, IndexError> {
+fn load_nodes(
+    snap: Vec<SnapNode>,
+    workers: &Workers,
+    now: f64,
+    stamp_now: u64,
+) -> Result<Vec<Node>, IndexError> {
     let mut nodes = vec![Node::default()];
     let mut seen: HashSet<u64> = HashSet::new();
     for (i, sn) in snap.into_iter().enumerate() {
@@ -142,7 +154,9 @@ fn load_nodes(snap: Vec<SnapNode>, workers: &Workers, now: f64) -> Result<Vec<No
         let mut holders = Vec::with_capacity(sn.holders.len());
         for (w, tiers, confirmed, left, stamp) in sn.holders {
             let known = workers.keys.get(w as usize).is_some_and(|k| k.is_some());
-            if !known || tiers == 0 || tiers > 0b111 || left.is_nan() {
+            // A holding stamped after the index's own stamp would sort as newer than every later
+            // store (LRU eviction order).
+            if !known || tiers == 0 || tiers > 0b111 || left.is_nan() || stamp > stamp_now {
                 return Err(bad(format!("node {i} has an invalid holding for worker {w}")));
             }
             let expires = if confirmed { f64::INFINITY } else { now + left };
@@ -230,6 +244,21 @@ mod tests {
         let mut snap: Snapshot = rmp_serde::from_slice(&sample_snapshot()).expect("decodes");
         snap.block_size = block_size;
         rmp_serde::to_vec(&snap).expect("encodes")
+    }
+
+    #[test]
+    fn a_snapshot_stamp_that_would_overflow_is_refused() {
+        let mut snap: Snapshot = rmp_serde::from_slice(&sample_snapshot()).expect("decodes");
+        let good_stamp = snap.stamp;
+        snap.stamp = u64::MAX;
+        let data = rmp_serde::to_vec(&snap).expect("encodes");
+        let err = PrefixIndex::loads(&data, 0.0).err();
+        assert!(matches!(err, Some(IndexError::Snapshot(ref m)) if m.contains("stamp")), "{err:?}");
+        // A holding stamped after the index's stamp is refused too.
+        snap.stamp = good_stamp;
+        snap.nodes[0].holders[0].4 = good_stamp + 1;
+        let data = rmp_serde::to_vec(&snap).expect("encodes");
+        assert!(PrefixIndex::loads(&data, 0.0).is_err());
     }
 
     #[test]
