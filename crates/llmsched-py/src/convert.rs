@@ -18,7 +18,7 @@ const MAX_DEPTH: usize = 32;
 /// A Python config object as a serde value. It must be plain data (None, bool, int, float, str,
 /// and dicts and lists of them), floats finite (JSON has no NaN or infinity, and a silent null
 /// would hide the mistake); `what` names the config in errors, with the path of a bad value.
-pub(crate) fn config_value(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Value> {
+fn config_value(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Value> {
     check_plain(obj, what, &mut String::new(), 0)?;
     pythonize::depythonize::<Value>(obj).map_err(|err| {
         let err: PyErr = err.into();

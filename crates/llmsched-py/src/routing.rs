@@ -399,19 +399,6 @@ impl PyRouter {
         Ok(PyRouter { inner, index })
     }
 
-    /// (block size, worker capacity) the configuration asks of a prefix index, or None each.
-    #[staticmethod]
-    fn index_hints(
-        py: Python<'_>,
-        config: &Bound<'_, PyAny>,
-        functions: Vec<Py<PyAny>>,
-    ) -> PyResult<(Option<usize>, Option<u64>)> {
-        let value = config_mapping(Some(config), "router config")?;
-        let config =
-            config::parse(&value, &registry(py, &functions)).map_err(RoutingError::from).py()?;
-        Ok((config.index_hints.block_size, config.index_hints.worker_capacity))
-    }
-
     /// What a configuration asks of its caller: the index hints, the notes (older
     /// names, settings without effect), the precise prefix wiring, the saturation thresholds
     /// and whether flow control is turned on.
