@@ -120,6 +120,8 @@ configs = policy(
                 "pacing_s": st.sampled_from([0.0, 0.5]),
             }
         ),
+        # Reclaim after no time, within a run, or never.
+        "flow_idle_s": st.sampled_from([0.0, 0.3, 2.0, None]),
     }
 )
 

@@ -271,6 +271,31 @@ def test_tenant_names_from_headers_are_bounded() -> None:
     run(body())
 
 
+def test_idle_tenants_give_their_place_and_flow_back() -> None:
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 8}, "flow_idle_s": 0.2}
+        limits = {"max_tenants": 2, "tenant_idle_s": 0.2}
+        async with rig(engines=1, flow=flow, limits=limits) as r:
+            for name in ("t0", "t1"):
+                headers = {"x-llmsched-tenant": name}
+                assert (await r.complete("x", headers=headers)).status == 200
+            await asyncio.sleep(0.3)
+            # Both names went idle: two new names get their own flows, none is folded.
+            for name in ("t2", "t3"):
+                headers = {"x-llmsched-tenant": name}
+                assert (await r.complete("x", headers=headers)).status == 200
+            assert r.metric("llmsched_gateway_tenants_folded_total") == 0
+            assert r.metric("llmsched_gateway_tenants") == 2
+            assert r.gateway.flow is not None
+            metrics = r.gateway.flow.metrics()
+            assert {f["tenant"] for f in metrics["flows"]} == {"t2", "t3"}
+            assert metrics["flows_reclaimed"] == 2
+            assert r.metric("llmsched_gateway_flow_tenants") == 2
+            assert r.metric("llmsched_gateway_flows_reclaimed_total") == 2
+
+    run(body())
+
+
 # -- per-key limits ----------------------------------------------------------------------
 
 

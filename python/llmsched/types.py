@@ -350,6 +350,7 @@ FlowConfig = TypedDict(
         "shedding": PolicySpec,
         "preemption": PreemptionConfig,
         "wait_buckets_s": list[float],
+        "flow_idle_s": float | None,
     },
 )
 """The resolved flow-control configuration (:func:`llmsched.flow.resolve_config`,
@@ -405,6 +406,10 @@ class FlowMetrics(TypedDict):
     flows: list[FlowStats]
     jain_index: float
     """Jain's fairness index over the flows' service."""
+    tenants: int
+    """Tenants with at least one flow now (idle flows are reclaimed after ``flow_idle_s``)."""
+    flows_reclaimed: int
+    """Flows reclaimed after ``flow_idle_s`` seconds without a queued or running request."""
 
 
 class ConfigNote(TypedDict):

@@ -32,6 +32,7 @@ import os
 import socket
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,7 +228,8 @@ class Gateway:
             if identity.limited
         }
         self._ids = itertools.count(1)
-        self._tenants: set[str] = set()
+        # Tenant name -> when last seen (monotonic), least recently seen first.
+        self._tenants: OrderedDict[str, float] = OrderedDict()
         self.metrics.tenants.set_function(lambda: len(self._tenants))
         self.health = EngineHealth(
             cfg.health,
@@ -741,14 +743,24 @@ class Gateway:
 
     def _bounded_tenant(self, tenant: str) -> str:
         """Tenant names from a header are the client's choice: past ``limits.max_tenants``
-        distinct names, new ones share one flow (:data:`OVERFLOW_TENANT`), so flow control
-        holds a bounded number of flows whatever clients send."""
+        distinct names seen within ``limits.tenant_idle_s``, new ones share one flow
+        (:data:`OVERFLOW_TENANT`), so flow control holds a bounded number of flows whatever
+        clients send. A name unseen for ``tenant_idle_s`` gives its place back."""
+        now = time.monotonic()
+        idle_s = self.config.limits.tenant_idle_s
+        while self._tenants:
+            oldest, seen = next(iter(self._tenants.items()))
+            if seen + idle_s > now:
+                break
+            del self._tenants[oldest]
         if tenant in self._tenants:
+            self._tenants[tenant] = now
+            self._tenants.move_to_end(tenant)
             return tenant
         if len(self._tenants) >= self.config.limits.max_tenants:
             self.metrics.tenants_folded.inc()
             return OVERFLOW_TENANT
-        self._tenants.add(tenant)
+        self._tenants[tenant] = now
         return tenant
 
     def _identity(self, key: str | None) -> tuple[bytes, ApiKey] | None:

@@ -119,9 +119,11 @@ class LimitsConfig:
     that trickles in or never ends holds no connection longer); ``idle_timeout_s`` closes a
     connection idle between requests or whose request headers have not all arrived.
     ``max_connections`` caps open client connections; one over the cap gets a 503 and is
-    closed. ``max_tenants`` bounds the
-    distinct tenant names taken from ``x-llmsched-tenant`` (auth off): later names share one
-    overflow tenant, so flow control's per-tenant flows stay bounded. ``retry_after_s`` is the
+    closed. ``max_tenants`` bounds the distinct tenant names taken from ``x-llmsched-tenant``
+    (auth off) and seen within the last ``tenant_idle_s`` seconds: later names share one
+    overflow tenant, so flow control's per-tenant flows stay bounded; a name unseen for
+    ``tenant_idle_s`` gives its place back (flow control reclaims its flow after the flow
+    config's ``flow_idle_s``). ``retry_after_s`` is the
     ``Retry-After`` a flow-control rejection or a 503 carries.
     """
 
@@ -134,6 +136,7 @@ class LimitsConfig:
     idle_timeout_s: float = 60.0
     max_connections: int = 4096
     max_tenants: int = 10_000
+    tenant_idle_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -676,6 +679,7 @@ def _limits(raw: dict[str, Any]) -> LimitsConfig:
             raw, "max_connections", d.max_connections, "limits", low=1, high=1_000_000
         ),
         max_tenants=_int(raw, "max_tenants", d.max_tenants, "limits", low=1, high=10_000_000),
+        tenant_idle_s=_required_seconds(raw, "tenant_idle_s", d.tenant_idle_s, "limits"),
     )
 
 

@@ -228,6 +228,16 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_running", "Dispatched requests not yet complete", value=metrics["running"]
         )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_flow_tenants",
+            "Tenants with a flow in flow control (idle flows are reclaimed after flow_idle_s)",
+            value=metrics["tenants"],
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_flows_reclaimed",
+            "Flows reclaimed after flow_idle_s without a queued or running request",
+            value=metrics["flows_reclaimed"],
+        )
         outcomes = CounterMetricFamily(
             f"{PREFIX}_flow_outcomes", "Flow-control outcomes, by outcome", labels=["outcome"]
         )

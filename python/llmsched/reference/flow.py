@@ -6,6 +6,10 @@ float arithmetic, same SplitMix64 draws. It takes a *resolved* config (the outpu
 :func:`llmsched.flow.resolve_config`) so it holds no defaults of its own, and names outcomes by
 their snake_case keys (``Outcome.key``).
 
+Flows idle (nothing queued, nothing running) for ``flow_idle_s`` are reclaimed at the next call
+that takes ``now``; a new flow takes the lowest free number, and a tenant left without flows
+frees its place in the tenant order the same way.
+
 >>> from llmsched.flow import resolve_config
 >>> config = resolve_config({"saturation": {"type": "concurrency", "max_requests": 2}})
 >>> twin = FlowControllerTwin(config)
@@ -92,7 +96,8 @@ class _Band:
         self.settings = settings
         self.fairness: str = settings["fairness"]["type"]
         self.fairness_params: dict[str, Any] = settings["fairness"]
-        self.tenants: list[str] = []
+        self.tenants: list[str | None] = []
+        self.idle_since: list[float | None] = []
         self.items: list[_Item] = []
         self.counters: list[float] = []
         self.weights: list[float] = []
@@ -105,15 +110,29 @@ class _Band:
         self.dispatched = 0
 
     def flow_of(self, tenant: str) -> int:
-        if tenant not in self.tenants:
-            self.tenants.append(tenant)
-            self.counters.append(0.0)
-            weights = self.fairness_params.get("weights", {})
-            self.weights.append(float(weights.get(tenant, 1.0)))
-            self.backlogged.append(False)
-            self.service.append(0)
-            self.flow_dispatched.append(0)
-        return self.tenants.index(tenant)
+        if tenant in self.tenants:
+            return self.tenants.index(tenant)
+        weight = float(self.fairness_params.get("weights", {}).get(tenant, 1.0))
+        if None in self.tenants:
+            flow = self.tenants.index(None)
+            self.tenants[flow] = tenant
+            self.counters[flow] = 0.0
+            self.weights[flow] = weight
+            self.backlogged[flow] = False
+            self.service[flow] = 0
+            self.flow_dispatched[flow] = 0
+            return flow
+        self.tenants.append(tenant)
+        self.idle_since.append(None)
+        self.counters.append(0.0)
+        self.weights.append(weight)
+        self.backlogged.append(False)
+        self.service.append(0)
+        self.flow_dispatched.append(0)
+        return len(self.tenants) - 1
+
+    def live_flows(self) -> list[int]:
+        return [flow for flow, tenant in enumerate(self.tenants) if tenant is not None]
 
     def flow_items(self, flow: int) -> list[_Item]:
         return [item for item in self.items if item.tenant == self.tenants[flow]]
@@ -121,6 +140,7 @@ class _Band:
     def push(self, item: _Item) -> None:
         flow = self.flow_of(item.tenant)
         was_empty = not self.flow_items(flow)
+        self.idle_since[flow] = None
         self.items.append(item)
         if was_empty:
             self._joined(flow)
@@ -140,7 +160,7 @@ class _Band:
         if self.fairness == "round-robin":
             self.ring.append(flow)
         elif self.fairness == "vtc":
-            live = [self.counters[f] for f in range(len(self.tenants)) if self.backlogged[f]]
+            live = [self.counters[f] for f in self.live_flows() if self.backlogged[f]]
             floor = min(live) if live else self.last_left
             self.counters[flow] = max(self.counters[flow], floor)
         self.backlogged[flow] = True
@@ -185,7 +205,7 @@ class _Band:
             flow = self.ring.pop(0)
             self.ring.append(flow)
             return flow
-        live = [f for f in range(len(self.tenants)) if self.backlogged[f]]
+        live = [f for f in self.live_flows() if self.backlogged[f]]
         return min(live, key=lambda f: (self.counters[f], f))
 
     def head(self, flow: int) -> _Item:
@@ -206,7 +226,8 @@ class FlowControllerTwin:
         self.endpoints: dict[str, tuple[int, int, float, float]] = {}
         self.evicted: list[TwinDecision] = []
         self.counts: dict[str, int] = {}
-        self.tenant_order: list[str] = []
+        self.tenant_order: list[str | None] = []
+        self.flows_reclaimed = 0
         self.clock = -math.inf
         self.seq = 0
         shedding = config["shedding"]
@@ -233,7 +254,29 @@ class FlowControllerTwin:
         if not math.isfinite(now):
             raise InvalidRequestError(f"now must be a finite number, got {now}")
         self.clock = max(self.clock, now)
+        self._reclaim(self.clock)
         return self.clock
+
+    def _note_if_idle(self, priority: int, tenant: str, now: float) -> None:
+        band = self.bands[priority]
+        flow = band.tenants.index(tenant)
+        running = any(r.priority == priority and r.tenant == tenant for r in self.running.values())
+        if not band.flow_items(flow) and not running:
+            band.idle_since[flow] = now
+
+    def _reclaim(self, now: float) -> None:
+        idle_s = self.config["flow_idle_s"]
+        if idle_s is None:
+            return
+        for band in self.bands.values():
+            for flow in band.live_flows():
+                since = band.idle_since[flow]
+                if since is not None and since + idle_s <= now:
+                    band.tenants[flow] = None
+                    band.idle_since[flow] = None
+                    self.flows_reclaimed += 1
+        alive = {t for band in self.bands.values() for t in band.tenants if t is not None}
+        self.tenant_order = [t if t in alive else None for t in self.tenant_order]
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -306,6 +349,7 @@ class FlowControllerTwin:
     def _evict(self, request_id: int, outcome: str, now: float) -> TwinDecision:
         item = self.queued.pop(request_id)
         self.bands[item.priority].remove(item, None)
+        self._note_if_idle(item.priority, item.tenant, now)
         return self._decision(item, outcome, now)
 
     def _expire_into(self, now: float, out: list[TwinDecision]) -> None:
@@ -406,7 +450,10 @@ class FlowControllerTwin:
         for victim in victims or []:
             self.evicted.append(self._evict(victim, "evicted_preempted", now))
         if tenant not in self.tenant_order:
-            self.tenant_order.append(tenant)
+            if None in self.tenant_order:
+                self.tenant_order[self.tenant_order.index(None)] = tenant
+            else:
+                self.tenant_order.append(tenant)
         ordering = band.settings["ordering"]
         if ordering["type"] == "edf":
             key = math.inf if deadline is None else deadline
@@ -480,7 +527,8 @@ class FlowControllerTwin:
             raise UnknownRequestError(f"request {request_id} is not running")
         now = self._advance(now)
         self._charge_output(request_id, output_tokens, now)
-        del self.running[request_id]
+        finished = self.running.pop(request_id)
+        self._note_if_idle(finished.priority, finished.tenant, now)
         if request_id in self.pending_victims:
             self.pending_victims.discard(request_id)
             if not self.pending_victims:
@@ -525,13 +573,16 @@ class FlowControllerTwin:
 
     def jain_index(self, priority: int | None = None) -> float:
         if priority is None:
-            per_tenant = dict.fromkeys(self.tenant_order, 0)
+            per_tenant = {t: 0 for t in self.tenant_order if t is not None}
             for band in self.bands.values():
-                for tenant, service in zip(band.tenants, band.service, strict=True):
-                    per_tenant[tenant] += service
+                for flow in band.live_flows():
+                    owner = band.tenants[flow]
+                    assert owner is not None
+                    per_tenant[owner] += band.service[flow]
             values = [float(v) for v in per_tenant.values()]
         elif priority in self.bands:
-            values = [float(v) for v in self.bands[priority].service]
+            band = self.bands[priority]
+            values = [float(band.service[f]) for f in band.live_flows()]
         else:
             return 1.0
         total = sum_sq = 0.0
@@ -549,7 +600,9 @@ class FlowControllerTwin:
         out = []
         for priority in sorted(self.bands, reverse=True):
             band = self.bands[priority]
-            for flow, tenant in enumerate(band.tenants):
+            for flow in band.live_flows():
+                tenant = band.tenants[flow]
+                assert tenant is not None
                 queued = len(band.flow_items(flow))
                 dispatched = band.flow_dispatched[flow]
                 out.append(

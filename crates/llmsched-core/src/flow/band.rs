@@ -1,8 +1,13 @@
 //! A priority band: its flows (one per tenant) with their queues, the band's arrival order (for
 //! TTL and newest-first eviction) and the band's policies. Request data lives in the slab; the
 //! band only threads slot indexes.
+//!
+//! A flow's number is reused once the flow is reclaimed (idle past `flow_idle_s`): the lowest
+//! free number goes to the next new flow, so the flow table never outgrows the flows alive at
+//! one time.
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
 use std::sync::Arc;
 
 use super::config::BandConfig;
@@ -35,9 +40,20 @@ pub struct FlowQueue {
     pub bytes: u64,
     pub dispatched: u64,
     pub service_tokens: u64,
+    /// Dispatched requests of this flow not yet completed.
+    pub running: u64,
+    /// False once reclaimed, until the number is reused.
+    pub live: bool,
+    /// Bumped each time the flow turns idle, so an older idle mark is recognised as stale.
+    pub idle_generation: u32,
 }
 
 impl FlowQueue {
+    /// No queued and no running request.
+    pub fn is_idle(&self) -> bool {
+        self.len == 0 && self.running == 0
+    }
+
     /// The first request's position and slot.
     fn head<P>(&self, slab: &Slab<P>) -> Option<(QueueKey, u32)> {
         match &self.order {
@@ -60,6 +76,8 @@ pub struct Band {
     pub fairness: Box<dyn FairnessPolicy>,
     pub ordering: Box<dyn OrderingPolicy>,
     pub flows: Vec<FlowQueue>,
+    /// Numbers of reclaimed flows, lowest first.
+    free_flows: BinaryHeap<Reverse<FlowIdx>>,
     /// Queued slots by arrival: oldest at the head (TTL), newest at the tail (eviction).
     pub arrivals: List,
     pub queued: u64,
@@ -82,6 +100,7 @@ impl Band {
             fairness: registry.fairness(&settings.fairness)?.policy,
             ordering: registry.ordering(&settings.ordering)?.policy,
             flows: Vec::new(),
+            free_flows: BinaryHeap::new(),
             arrivals: List::default(),
             queued: 0,
             bytes: 0,
@@ -90,24 +109,51 @@ impl Band {
         })
     }
 
-    /// Adds the flow of `tenant` (the caller knows it is new).
+    /// Adds the flow of `tenant` (the caller knows it is new), under the lowest free number.
     pub fn add_flow(&mut self, tenant: TenantId, name: &str) -> FlowIdx {
-        let flow = self.flows.len() as FlowIdx;
         let order = if self.ordering.is_fifo() {
             FlowOrder::Fifo(List::default())
         } else {
             FlowOrder::Keyed(BTreeMap::new())
         };
-        self.flows.push(FlowQueue {
+        let queue = FlowQueue {
             tenant,
             order,
             len: 0,
             bytes: 0,
             dispatched: 0,
             service_tokens: 0,
-        });
+            running: 0,
+            live: true,
+            idle_generation: 0,
+        };
+        let flow = match self.free_flows.pop() {
+            Some(Reverse(flow)) => {
+                let generation = self.flows[flow as usize].idle_generation;
+                self.flows[flow as usize] = FlowQueue { idle_generation: generation, ..queue };
+                flow
+            }
+            None => {
+                self.flows.push(queue);
+                (self.flows.len() - 1) as FlowIdx
+            }
+        };
         self.fairness.add_flow(flow, name);
         flow
+    }
+
+    /// Frees an idle flow's number; its service history is forgotten.
+    pub fn reclaim_flow(&mut self, flow: FlowIdx) {
+        let queue = &mut self.flows[flow as usize];
+        debug_assert!(queue.live && queue.is_idle());
+        queue.live = false;
+        queue.idle_generation = queue.idle_generation.wrapping_add(1);
+        self.free_flows.push(Reverse(flow));
+    }
+
+    /// Flows alive now.
+    pub fn live_flows(&self) -> impl Iterator<Item = (FlowIdx, &FlowQueue)> {
+        self.flows.iter().enumerate().filter(|(_, q)| q.live).map(|(i, q)| (i as FlowIdx, q))
     }
 
     /// Whether one more request of `bytes` stays within the band's own limits.

@@ -11,6 +11,7 @@
 //! shedding:       {type: probabilistic, power: 5, scale: 300, seed: 0}
 //! preemption:     {evict_queued: true, max_victims: 2, pacing_s: 0.5}
 //! wait_buckets_s: [0.005, ..., 60]
+//! flow_idle_s:    300                          # null = flows are never reclaimed
 //! ```
 
 use std::collections::BTreeMap;
@@ -107,7 +108,13 @@ pub struct FlowConfig {
     pub preemption: PreemptionConfig,
     /// Upper bounds of the wait-time histogram buckets, seconds.
     pub wait_buckets_s: Vec<f64>,
+    /// A flow with no queued and no running request for this many seconds is reclaimed (its
+    /// tenant's service history in that band is forgotten); `None` keeps every flow forever.
+    pub flow_idle_s: Option<f64>,
 }
+
+/// llm-d's flow registry collects a flow after 5 minutes idle (`flowGCTimeout`).
+pub const DEFAULT_FLOW_IDLE_S: f64 = 300.0;
 
 impl Default for FlowConfig {
     fn default() -> Self {
@@ -122,6 +129,7 @@ impl Default for FlowConfig {
             wait_buckets_s: vec![
                 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
             ],
+            flow_idle_s: Some(DEFAULT_FLOW_IDLE_S),
         }
     }
 }
@@ -137,6 +145,7 @@ pub struct ResolvedConfig {
     pub shedding: PolicySpec,
     pub preemption: PreemptionConfig,
     pub wait_buckets_s: Vec<f64>,
+    pub flow_idle_s: Option<f64>,
 }
 
 fn config_error(message: String) -> FlowError {
@@ -189,6 +198,13 @@ impl FlowConfig {
             )));
         }
         check_buckets(&self.wait_buckets_s)?;
+        if let Some(idle) = self.flow_idle_s {
+            if !(idle.is_finite() && idle >= 0.0) {
+                return Err(config_error(format!(
+                    "flow_idle_s must be a finite number >= 0 or null, got {idle}"
+                )));
+            }
+        }
         Ok(ResolvedConfig {
             default_band,
             bands,
@@ -201,6 +217,7 @@ impl FlowConfig {
             shedding: resolved_spec(&self.shedding, registry.shedding(&self.shedding)?.params),
             preemption: preemption.clone(),
             wait_buckets_s: self.wait_buckets_s.clone(),
+            flow_idle_s: self.flow_idle_s,
         })
     }
 }
@@ -308,6 +325,7 @@ impl ResolvedConfig {
             "shedding": self.shedding,
             "preemption": self.preemption,
             "wait_buckets_s": self.wait_buckets_s,
+            "flow_idle_s": self.flow_idle_s,
         });
         config
     }

@@ -12,7 +12,9 @@
 //! | `vtc` | least virtual token counter, with the lift rule | `w_p` 1, `w_q` 2, `weights` {} |
 //! | `las` | least attained service, decayed by a half-life | `prompt_weight` 1, `completion_weight` 2, `half_life_s` 60, `weights` {} |
 //!
-//! Ties always go to the flow created first in the band.
+//! Ties always go to the lowest flow number. Numbers are given in creation order, and the number
+//! of a reclaimed flow (idle past `flow_idle_s`) goes to the next new flow, which starts with
+//! no service history.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -27,7 +29,9 @@ pub type FlowIdx = u32;
 
 /// Chooses the next flow to serve within one priority band.
 pub trait FairnessPolicy: Send + fmt::Debug {
-    /// A new flow, numbered `flow` (= number of flows added before), joined the band.
+    /// A new flow joined the band under number `flow`: either the number of flows added
+    /// before, or the number of a reclaimed flow (which was idle, so not backlogged), whose
+    /// state it replaces.
     fn add_flow(&mut self, flow: FlowIdx, tenant: &str);
     /// The head of `flow` is now `head`, or the flow emptied (`None`).
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>);
@@ -101,9 +105,12 @@ impl RoundRobinFairness {
 }
 
 impl FairnessPolicy for RoundRobinFairness {
-    fn add_flow(&mut self, _flow: FlowIdx, _tenant: &str) {
-        self.turn.push(0);
-        self.active.push(false);
+    fn add_flow(&mut self, flow: FlowIdx, _tenant: &str) {
+        // A reused number keeps its turn counter, so ring entries left from before stay stale.
+        if at(flow) == self.turn.len() {
+            self.turn.push(0);
+            self.active.push(false);
+        }
     }
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {
@@ -164,9 +171,14 @@ struct CounterOrder {
 }
 
 impl CounterOrder {
-    fn add_flow(&mut self, weight: f64) {
-        self.counters.push(0.0);
-        self.weights.push(weight);
+    fn add_flow(&mut self, flow: FlowIdx, weight: f64) {
+        if at(flow) == self.counters.len() {
+            self.counters.push(0.0);
+            self.weights.push(weight);
+        } else {
+            self.counters[at(flow)] = 0.0;
+            self.weights[at(flow)] = weight;
+        }
     }
 
     fn is_backlogged(&self, flow: FlowIdx) -> bool {
@@ -245,8 +257,8 @@ impl VtcFairness {
 }
 
 impl FairnessPolicy for VtcFairness {
-    fn add_flow(&mut self, _flow: FlowIdx, tenant: &str) {
-        self.counters.add_flow(self.params.weights.get(tenant).copied().unwrap_or(1.0));
+    fn add_flow(&mut self, flow: FlowIdx, tenant: &str) {
+        self.counters.add_flow(flow, self.params.weights.get(tenant).copied().unwrap_or(1.0));
     }
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {
@@ -351,8 +363,8 @@ impl LasFairness {
 }
 
 impl FairnessPolicy for LasFairness {
-    fn add_flow(&mut self, _flow: FlowIdx, tenant: &str) {
-        self.counters.add_flow(self.params.weights.get(tenant).copied().unwrap_or(1.0));
+    fn add_flow(&mut self, flow: FlowIdx, tenant: &str) {
+        self.counters.add_flow(flow, self.params.weights.get(tenant).copied().unwrap_or(1.0));
     }
 
     fn head_changed(&mut self, flow: FlowIdx, head: Option<QueueKey>) {

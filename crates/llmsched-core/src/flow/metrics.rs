@@ -96,6 +96,10 @@ pub struct ControllerMetrics {
     pub flows: Vec<FlowMetrics>,
     /// Jain's index over tenants' service tokens (all bands).
     pub jain_index: f64,
+    /// Tenants with at least one flow now.
+    pub tenants: usize,
+    /// Flows reclaimed after `flow_idle_s` idle, so far.
+    pub flows_reclaimed: u64,
 }
 
 #[cfg(test)]

@@ -13,6 +13,10 @@
 //! Time is the caller's: every call takes `now` in seconds on one monotonic clock; an earlier
 //! `now` than already seen counts as the latest seen.
 //!
+//! Flows are reclaimed: a flow with no queued and no running request for `flow_idle_s` is
+//! removed at the first call that takes `now` from then on (its tenant too, once it has no flow
+//! left), so a stream of one-off tenant names costs memory only while they are active.
+//!
 //! Complexity: with n queued requests, F flows in a band and B bands, `enqueue`, `dispatch`,
 //! `cancel` and `complete` cost O(log n + log F + B) plus O(log n) per request they evict;
 //! `expire` costs O(B) plus O(log n) per expired request.
@@ -31,7 +35,7 @@ pub mod shedding;
 mod slab;
 
 use std::cmp::Reverse;
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, BinaryHeap, VecDeque};
 use std::mem;
 use std::sync::Arc;
 
@@ -50,13 +54,15 @@ use saturation::{CeilingPolicy, InFlight, Saturation, SaturationDetector};
 use shedding::SheddingPolicy;
 use slab::{Chain, NewSlot, Slab, SlotState, NIL};
 
-/// Tenant names interned once, with each tenant's flow in every band it has used.
+/// Tenant names interned once, with each tenant's flow in every band it has used. The id of a
+/// tenant whose flows were all reclaimed is reused, lowest first.
 #[derive(Default)]
 struct Tenants {
     names: Vec<Arc<str>>,
     ids: HashMap<Arc<str>, TenantId>,
     /// `flows[tenant][band]`: the tenant's flow in that band, or `NIL`.
     flows: Vec<Vec<FlowIdx>>,
+    free: BinaryHeap<Reverse<TenantId>>,
 }
 
 impl Tenants {
@@ -64,11 +70,19 @@ impl Tenants {
         if let Some(&id) = self.ids.get(name) {
             return id;
         }
-        let id = self.names.len() as TenantId;
         let shared: Arc<str> = Arc::from(name);
-        self.names.push(shared.clone());
+        let id = match self.free.pop() {
+            Some(Reverse(id)) => {
+                self.names[id as usize] = shared.clone();
+                id
+            }
+            None => {
+                self.names.push(shared.clone());
+                self.flows.push(Vec::new());
+                (self.names.len() - 1) as TenantId
+            }
+        };
         self.ids.insert(shared, id);
-        self.flows.push(Vec::new());
         id
     }
 
@@ -94,6 +108,34 @@ impl Tenants {
         flows[band_index as usize] = flow;
         flow
     }
+
+    /// Forgets the tenant's flow in `band`, and the tenant once it has no flow left.
+    fn drop_flow(&mut self, tenant: TenantId, band_index: u32) {
+        let flows = &mut self.flows[tenant as usize];
+        flows[band_index as usize] = NIL;
+        if flows.iter().all(|&flow| flow == NIL) {
+            flows.clear();
+            self.ids.remove(&self.names[tenant as usize]);
+            self.free.push(Reverse(tenant));
+        }
+    }
+
+    fn is_live(&self, tenant: TenantId) -> bool {
+        !self.flows[tenant as usize].is_empty()
+    }
+
+    /// Tenants with at least one flow.
+    fn live_count(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+/// A flow that turned idle at `since`; stale once the flow's idle generation moved on.
+struct IdleMark {
+    since: f64,
+    band: u32,
+    flow: FlowIdx,
+    generation: u32,
 }
 
 /// What a capacity check allows.
@@ -141,6 +183,9 @@ pub struct FlowController<P> {
     next_seq: u64,
     /// No queued request expires before this time (a lower bound).
     next_expiry: f64,
+    /// Flows that turned idle, oldest first (the clock never goes back).
+    idle_flows: VecDeque<IdleMark>,
+    flows_reclaimed: u64,
 }
 
 impl<P> FlowController<P> {
@@ -182,6 +227,8 @@ impl<P> FlowController<P> {
             clock: f64::NEG_INFINITY,
             next_seq: 0,
             next_expiry: f64::INFINITY,
+            idle_flows: VecDeque::new(),
+            flows_reclaimed: 0,
             config,
         };
         let configured: Vec<i32> = controller.config.bands.keys().copied().collect();
@@ -342,6 +389,8 @@ impl<P> FlowController<P> {
         self.charge_output(slot, output_tokens, now);
         let running = self.slab.get(slot);
         let (priority, dispatch_seq, tokens) = (running.priority, running.seq, running.tokens);
+        let (band, flow) = (running.band, running.flow);
+        self.bands[band as usize].flows[flow as usize].running -= 1;
         self.inflight.requests -= 1;
         self.inflight.tokens -= tokens;
         if priority < 0 {
@@ -352,6 +401,7 @@ impl<P> FlowController<P> {
         }
         self.index.remove(&id);
         self.slab.release(slot);
+        self.note_if_idle(band, flow, now);
         Ok(())
     }
 
@@ -422,16 +472,20 @@ impl<P> FlowController<P> {
         match priority {
             Some(p) => match self.band_of_priority.get(&p) {
                 Some(&band) => jain_index(
-                    self.bands[band as usize].flows.iter().map(|f| f.service_tokens as f64),
+                    self.bands[band as usize].live_flows().map(|(_, f)| f.service_tokens as f64),
                 ),
                 None => 1.0,
             },
             None => {
                 let mut per_tenant = vec![0u64; self.tenants.names.len()];
-                for flow in self.bands.iter().flat_map(|b| b.flows.iter()) {
+                for (_, flow) in self.bands.iter().flat_map(|b| b.live_flows()) {
                     per_tenant[flow.tenant as usize] += flow.service_tokens;
                 }
-                jain_index(per_tenant.into_iter().map(|s| s as f64))
+                let live = per_tenant
+                    .into_iter()
+                    .enumerate()
+                    .filter(|&(tenant, _)| self.tenants.is_live(tenant as TenantId));
+                jain_index(live.map(|(_, s)| s as f64))
             }
         }
     }
@@ -450,7 +504,7 @@ impl<P> FlowController<P> {
                     ceiling: band.ceiling,
                     queued: band.queued,
                     queued_bytes: band.bytes,
-                    flows: band.flows.len(),
+                    flows: band.live_flows().count(),
                     dispatched: band.dispatched,
                     wait_s: band.wait_s.clone(),
                 }
@@ -461,7 +515,7 @@ impl<P> FlowController<P> {
             .iter()
             .flat_map(|&b| {
                 let band = &self.bands[b as usize];
-                band.flows.iter().enumerate().map(move |(i, flow)| (band, i as FlowIdx, flow))
+                band.live_flows().map(move |(index, flow)| (band, index, flow))
             })
             .map(|(band, index, flow)| FlowMetrics {
                 tenant: self.tenants.names[flow.tenant as usize].to_string(),
@@ -488,6 +542,8 @@ impl<P> FlowController<P> {
             bands,
             flows,
             jain_index: self.jain_index(None),
+            tenants: self.tenants.live_count(),
+            flows_reclaimed: self.flows_reclaimed,
         })
     }
 
@@ -496,9 +552,58 @@ impl<P> FlowController<P> {
         self.outcome_counts
     }
 
+    /// Moves the clock to `now` (never back) and reclaims the flows idle long enough by then.
     fn advance(&mut self, now: f64) -> f64 {
         self.clock = self.clock.max(now);
+        self.reclaim_idle_flows(self.clock);
         self.clock
+    }
+
+    /// Tenants with at least one flow (reclaimed ones are gone).
+    pub fn tenant_count(&self) -> usize {
+        self.tenants.live_count()
+    }
+
+    /// Flows alive in every band together.
+    pub fn flow_count(&self) -> usize {
+        self.bands.iter().map(|band| band.live_flows().count()).sum()
+    }
+
+    /// Marks the flow for reclaim if it has nothing queued and nothing running.
+    fn note_if_idle(&mut self, band: u32, flow: FlowIdx, now: f64) {
+        if self.config.flow_idle_s.is_none() {
+            return;
+        }
+        let queue = &mut self.bands[band as usize].flows[flow as usize];
+        if !queue.is_idle() {
+            return;
+        }
+        queue.idle_generation = queue.idle_generation.wrapping_add(1);
+        let generation = queue.idle_generation;
+        self.idle_flows.push_back(IdleMark { since: now, band, flow, generation });
+    }
+
+    fn reclaim_idle_flows(&mut self, now: f64) {
+        let Some(idle_s) = self.config.flow_idle_s else {
+            return;
+        };
+        while let Some(mark) = self.idle_flows.front() {
+            if mark.since + idle_s > now {
+                break;
+            }
+            let IdleMark { band, flow, generation, .. } = *mark;
+            self.idle_flows.pop_front();
+            let band_ref = &mut self.bands[band as usize];
+            let queue = &band_ref.flows[flow as usize];
+            // Stale: the flow got busy (and maybe idle again, with a newer mark) since.
+            if !queue.live || queue.idle_generation != generation || !queue.is_idle() {
+                continue;
+            }
+            let tenant = queue.tenant;
+            band_ref.reclaim_flow(flow);
+            self.tenants.drop_flow(tenant, band);
+            self.flows_reclaimed += 1;
+        }
     }
 
     fn next_seq(&mut self) -> u64 {
@@ -654,13 +759,14 @@ impl<P> FlowController<P> {
     /// Removes a queued slot with an eviction outcome.
     fn evict_slot(&mut self, slot: u32, outcome: Outcome, now: f64) -> Option<FlowDecision<P>> {
         let entry = self.slab.get(slot);
-        let (id, band, bytes) = (entry.id, entry.band, entry.bytes);
+        let (id, band, flow, bytes) = (entry.id, entry.band, entry.flow, entry.bytes);
         self.bands[band as usize].remove(&mut self.slab, slot, None);
         self.queued -= 1;
         self.queued_bytes -= bytes;
         let decision = self.decision(slot, outcome, now);
         self.index.remove(&id);
         self.slab.release(slot);
+        self.note_if_idle(band, flow, now);
         decision
     }
 
@@ -668,9 +774,10 @@ impl<P> FlowController<P> {
         let band = &mut self.bands[band_index as usize];
         let slot = band.next(&self.slab)?;
         let entry = self.slab.get(slot);
-        let (tokens, bytes, arrival, priority, id) =
-            (entry.tokens, entry.bytes, entry.arrival, entry.priority, entry.id);
+        let (tokens, bytes, arrival, priority, id, flow) =
+            (entry.tokens, entry.bytes, entry.arrival, entry.priority, entry.id, entry.flow);
         band.remove(&mut self.slab, slot, Some((tokens, now)));
+        band.flows[flow as usize].running += 1;
         band.wait_s.record(now - arrival);
         self.queued -= 1;
         self.queued_bytes -= bytes;

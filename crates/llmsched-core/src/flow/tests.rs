@@ -239,3 +239,104 @@ fn metrics_snapshot() {
     assert_eq!(flows, vec![("a", 0), ("b", 2)]);
     assert_eq!(m.saturation, 0.001);
 }
+
+/// Roomy, with flows reclaimed after 10 s idle.
+const RECLAIMING: &str = r#"{"saturation": {"type": "concurrency", "max_requests": 100000},
+    "flow_idle_s": 10, "default_band": {"ttl_s": null, "max_requests": null}}"#;
+
+#[test]
+fn idle_flows_and_tenants_are_reclaimed() {
+    let mut c = controller(RECLAIMING);
+    let names: Vec<String> = (0..8_000).map(|i| format!("tenant-{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        assert!(c.enqueue(request(i as u64, 0, name), 0.0).unwrap().is_none());
+    }
+    assert_eq!((c.tenant_count(), c.flow_count()), (8_000, 8_000));
+    assert_eq!(drain_ids(&mut c, 1.0).len(), 8_000);
+    for i in 0..8_000u64 {
+        c.complete(i, 5, 2.0).unwrap();
+    }
+    // Idle since 2.0: still there at 11.9, gone at 12.0.
+    c.expire(11.9).unwrap();
+    assert_eq!(c.flow_count(), 8_000);
+    c.expire(12.0).unwrap();
+    assert_eq!((c.tenant_count(), c.flow_count()), (0, 0));
+    let metrics = c.metrics(12.0).unwrap();
+    assert_eq!((metrics.tenants, metrics.flows_reclaimed, metrics.flows.len()), (0, 8_000, 0));
+    // A second wave of new names reuses the numbers: the tables do not grow.
+    for i in 0..8_000u64 {
+        let name = format!("other-{i}");
+        assert!(c.enqueue(request(10_000 + i, 0, &name), 13.0).unwrap().is_none());
+    }
+    assert_eq!(c.tenants.names.len(), 8_000);
+    assert_eq!(c.bands[0].flows.len(), 8_000);
+    assert_eq!(c.tenant_count(), 8_000);
+    assert_eq!(drain_ids(&mut c, 14.0).len(), 8_000, "every reused flow serves its request");
+}
+
+#[test]
+fn running_or_queued_requests_keep_a_flow() {
+    let mut c = controller(RECLAIMING);
+    c.enqueue(request(1, 0, "busy"), 0.0).unwrap();
+    c.enqueue(request(2, 0, "waiting"), 0.0).unwrap();
+    assert_eq!(c.dispatch(0.0).unwrap().unwrap().id, 1);
+    c.expire(100.0).unwrap();
+    assert_eq!(c.flow_count(), 2, "a running and a queued request keep their flows");
+    c.complete(1, 0, 100.0).unwrap();
+    c.expire(109.0).unwrap();
+    assert_eq!(c.flow_count(), 2);
+    c.expire(110.0).unwrap();
+    assert_eq!(c.flow_count(), 1, "the busy flow went 10 s after its completion");
+    assert_eq!(c.metrics(110.0).unwrap().flows[0].tenant, "waiting");
+}
+
+#[test]
+fn a_flow_that_turns_busy_again_is_not_reclaimed_by_its_old_idle_mark() {
+    let mut c = controller(RECLAIMING);
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    c.cancel(1, 1.0).unwrap(); // idle from 1.0
+    c.enqueue(request(2, 0, "a"), 5.0).unwrap();
+    c.cancel(2, 8.0).unwrap(); // idle again from 8.0
+    c.expire(12.0).unwrap();
+    assert_eq!(c.flow_count(), 1, "the mark from 1.0 is stale");
+    c.expire(18.0).unwrap();
+    assert_eq!(c.flow_count(), 0);
+}
+
+#[test]
+fn a_reused_flow_number_starts_without_history() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 1000},
+        "flow_idle_s": 0, "default_band": {"fairness": {"type": "vtc"}}}"#;
+    let mut c = controller(json);
+    c.enqueue(request(1, 0, "old"), 0.0).unwrap();
+    drain_ids(&mut c, 0.0);
+    c.complete(1, 1_000, 0.0).unwrap();
+    c.enqueue(request(2, 0, "new"), 1.0).unwrap();
+    let metrics = c.metrics(1.0).unwrap();
+    assert_eq!(metrics.flows.len(), 1);
+    let flow = &metrics.flows[0];
+    assert_eq!((flow.tenant.as_str(), flow.service_tokens, flow.dispatched), ("new", 0, 0));
+    // Not the old flow's 2,010: a fresh counter, lifted to where the last flow left (VTC).
+    assert_eq!(flow.fairness_counter, Some(10.0));
+    assert_eq!(metrics.jain_index, 1.0);
+}
+
+#[test]
+fn flows_are_kept_without_an_idle_timeout() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 1000},
+        "flow_idle_s": null}"#;
+    let mut c = controller(json);
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    c.cancel(1, 0.0).unwrap();
+    c.expire(1e9).unwrap();
+    assert_eq!((c.flow_count(), c.tenant_count()), (1, 1));
+    assert!(c.idle_flows.is_empty());
+}
+
+#[test]
+fn flow_idle_s_is_validated() {
+    for bad in ["-1", "1e999", "\"x\""] {
+        let json = format!(r#"{{"flow_idle_s": {bad}}}"#);
+        assert!(FlowController::<u32>::from_json(&json).is_err(), "{bad}");
+    }
+}
