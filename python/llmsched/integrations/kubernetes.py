@@ -1,0 +1,390 @@
+"""Engines discovered from Kubernetes pods, the way an InferencePool selects them.
+
+:class:`PodSelector` says which pods are engines (namespace, label selector, target port, an
+optional role label for prefill/decode pools); :class:`KubernetesDiscovery` keeps the list of
+engines current with the list/watch protocol that controllers use (through the
+``kubernetes_asyncio`` client):
+
+1. **List** the selected pods and remember the list's ``resourceVersion``.
+2. **Watch** from that version, with bookmarks (so a quiet watch still advances the version)
+   and a server-side timeout; each ``ADDED``/``MODIFIED``/``DELETED`` event updates the pods.
+   A watch that ends, times out or is cut resumes from the last version seen, with no relist.
+3. **410 Gone** (the version fell out of the server's history) or an event that cannot be read
+   means events were missed: list again.
+4. **Errors** (connection refused, 5xx, 429) back off exponentially with jitter, from
+   ``backoff_initial_s`` up to ``backoff_max_s``, and reset after a success.
+5. **Resync**: every ``resync_s`` the pods are listed again even when the watch is healthy,
+   which bounds how long any missed change can survive.
+
+Only *Ready* pods are engines: phase ``Running``, condition ``Ready`` true, an IP, and no
+deletion under way; a pod that turns unready leaves the set at once. Each engine is named after
+its pod, so the pool, the index and the metrics keep one identity for it; its role comes from
+``role_label`` (``prefill``, ``decode`` or ``both``; a pod with another value is left out,
+counted and logged once, since guessing a role would send prefill work to a decoder).
+
+Changes are handed to ``on_change`` as the whole new engine tuple, coalesced over
+``settle_s`` so a rollout of many pods costs one update. :meth:`KubernetesDiscovery.counters`
+reports lists, watches, events, bookmarks, 410s, errors and skipped pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from llmsched._extras import require
+from llmsched.errors import ConfigError
+from llmsched.integrations.identity import ROLES, EngineSpec
+
+require("kubernetes", "kubernetes_asyncio", feature="llmsched.integrations.kubernetes")
+
+import aiohttp  # noqa: E402
+from kubernetes_asyncio import client as k8s  # noqa: E402
+from kubernetes_asyncio import config as k8s_config  # noqa: E402
+from kubernetes_asyncio import watch as k8s_watch  # noqa: E402
+from kubernetes_asyncio.client.exceptions import ApiException  # noqa: E402
+
+__all__ = ["KubernetesDiscovery", "PodSelector", "engines_from_pods"]
+
+log = logging.getLogger("llmsched")
+
+Pod = Mapping[str, Any]
+"""A pod as the API serves it (its JSON object)."""
+
+EngineCallback = Callable[[tuple[EngineSpec, ...]], Awaitable[None]]
+"""Receives the whole engine set after each (coalesced) change."""
+
+
+def _check_port(name: str, value: object, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(f"{name} must be an int in 1..65535, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PodSelector:
+    """Which pods are engines, and where each serves.
+
+    Attributes:
+        namespace: the namespace to watch.
+        selector: the pods' labels, as an InferencePool's ``selector`` (``{"app": "vllm"}``,
+            all must match) or a label-selector string (``"app=vllm,tier in (a,b)"``).
+        target_port: the engines' HTTP port (OpenAI API and ``/metrics``).
+        role_label: the label whose value is the pod's role (``prefill``, ``decode``,
+            ``both``); None: every pod serves both.
+        kv_events_port: the port each pod publishes vLLM KV events on (ZMQ, the subscriber
+            connects to ``tcp://<pod IP>:<port>``); None: no KV events.
+        replay_port: the port of each pod's replay socket (needs ``kv_events_port``).
+        topic: the KV-event topic the engines publish with.
+        model: the model the engines serve (None: any).
+
+    >>> PodSelector("llm", {"app": "vllm"}, 8000).label_selector()
+    'app=vllm'
+    """
+
+    namespace: str
+    selector: Mapping[str, str] | str
+    target_port: int
+    role_label: str | None = None
+    kv_events_port: int | None = None
+    replay_port: int | None = None
+    topic: str = ""
+    model: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
+        if isinstance(self.selector, str):
+            if not self.selector.strip():
+                raise ConfigError("selector must not be empty (it would select every pod)")
+        elif isinstance(self.selector, Mapping):
+            if not self.selector:
+                raise ConfigError("selector must not be empty (it would select every pod)")
+            for key, value in self.selector.items():
+                if not isinstance(key, str) or not isinstance(value, str) or not key:
+                    raise ConfigError(f"selector: labels must map str to str, got {key!r}")
+        else:
+            raise ConfigError(f"selector must be a mapping or a str, got {self.selector!r}")
+        _check_port("target_port", self.target_port, optional=False)
+        _check_port("kv_events_port", self.kv_events_port, optional=True)
+        _check_port("replay_port", self.replay_port, optional=True)
+        if self.replay_port is not None and self.kv_events_port is None:
+            raise ConfigError("replay_port needs kv_events_port")
+        if self.role_label is not None and (
+            not isinstance(self.role_label, str) or not self.role_label
+        ):
+            raise ConfigError(f"role_label must be a non-empty str, got {self.role_label!r}")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> PodSelector:
+        """From a config mapping with these keys; unknown keys raise ConfigError."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        missing = [k for k in ("namespace", "selector", "target_port") if k not in raw]
+        if missing:
+            raise ConfigError(f"missing key {missing[0]!r}")
+        return cls(**raw)
+
+    def label_selector(self) -> str:
+        """The selector in the API's query syntax."""
+        if isinstance(self.selector, str):
+            return self.selector
+        return ",".join(f"{k}={v}" for k, v in sorted(self.selector.items()))
+
+
+def _is_ready(pod: Pod) -> bool:
+    metadata = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if metadata.get("deletionTimestamp") or status.get("phase") != "Running":
+        return False
+    if not status.get("podIP"):
+        return False
+    conditions = status.get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def engines_from_pods(
+    pods: Mapping[str, Pod], selector: PodSelector, skipped: Callable[[str, str], None]
+) -> tuple[EngineSpec, ...]:
+    """The engines among ``pods`` (by pod name): Ready ones, named after their pods, in name
+    order. ``skipped(pod, why)`` hears of each Ready pod left out."""
+    engines = []
+    for name in sorted(pods):
+        pod = pods[name]
+        if not _is_ready(pod):
+            continue
+        labels: Mapping[str, str] = (pod.get("metadata") or {}).get("labels") or {}
+        role = None
+        if selector.role_label is not None:
+            role = labels.get(selector.role_label)
+            if role is not None and role not in ROLES:
+                skipped(name, f"label {selector.role_label}={role!r} is not one of {ROLES}")
+                continue
+        ip: str = pod["status"]["podIP"]
+        host = f"[{ip}]" if ":" in ip else ip
+        kv_events = replay = None
+        if selector.kv_events_port is not None:
+            kv_events = f"tcp://{host}:{selector.kv_events_port}"
+        if selector.replay_port is not None:
+            replay = f"tcp://{host}:{selector.replay_port}"
+        try:
+            engines.append(
+                EngineSpec(
+                    ip,
+                    selector.target_port,
+                    model=selector.model,
+                    role=role,
+                    kv_events=kv_events,
+                    replay=replay,
+                    topic=selector.topic,
+                    labels={**selector.labels, "pod": name},
+                    name=name,
+                )
+            )
+        except ConfigError as exc:
+            skipped(name, str(exc))
+    return tuple(engines)
+
+
+class KubernetesDiscovery:
+    """Keeps the engine set of a :class:`PodSelector` current (see the module doc).
+
+    ``api_client``: a configured ``kubernetes_asyncio`` ``ApiClient``; None loads the in-cluster
+    service account, or ``kubeconfig`` when given. Run :meth:`run` as a task; :attr:`synced`
+    is set once the first list has been handed to ``on_change``.
+    """
+
+    def __init__(
+        self,
+        selector: PodSelector,
+        on_change: EngineCallback,
+        *,
+        api_client: k8s.ApiClient | None = None,
+        kubeconfig: str | None = None,
+        resync_s: float = 300.0,
+        watch_timeout_s: float = 240.0,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        settle_s: float = 0.1,
+    ) -> None:
+        for name, value in (
+            ("resync_s", resync_s),
+            ("watch_timeout_s", watch_timeout_s),
+            ("backoff_initial_s", backoff_initial_s),
+            ("backoff_max_s", backoff_max_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not isinstance(settle_s, (int, float)) or settle_s < 0:
+            raise ConfigError(f"settle_s must be a number of seconds >= 0, got {settle_s!r}")
+        self.selector = selector
+        self._on_change = on_change
+        self._api_client = api_client
+        self._kubeconfig = kubeconfig
+        self.resync_s = float(resync_s)
+        self.watch_timeout_s = float(watch_timeout_s)
+        self.backoff_initial_s = float(backoff_initial_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.settle_s = float(settle_s)
+        self.synced = asyncio.Event()
+        self._pods: dict[str, Pod] = {}
+        self._version: str | None = None
+        self._engines: tuple[EngineSpec, ...] | None = None
+        self._dirty = asyncio.Event()
+        self._skipped_logged: set[tuple[str, str]] = set()
+        self._counters = dict.fromkeys(
+            ("lists", "watches", "events", "bookmarks", "gone", "errors", "updates", "skipped"),
+            0,
+        )
+
+    def engines(self) -> tuple[EngineSpec, ...]:
+        """The engines handed to ``on_change`` last (empty before the first list)."""
+        return self._engines or ()
+
+    def counters(self) -> dict[str, int]:
+        """Lists, watches opened, events, bookmarks, 410s, errors, updates handed on, and
+        Ready pods skipped (bad role label or address)."""
+        return dict(self._counters)
+
+    async def run(self) -> None:
+        """Lists and watches until cancelled; never returns otherwise."""
+        owns_client = self._api_client is None
+        api_client = self._api_client or await self._load_client()
+        publisher = asyncio.create_task(self._publish_changes())
+        try:
+            await self._list_and_watch(k8s.CoreV1Api(api_client))
+        finally:
+            publisher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await publisher
+            if owns_client:
+                await api_client.close()
+
+    async def _load_client(self) -> k8s.ApiClient:
+        configuration = k8s.Configuration()
+        if self._kubeconfig is not None:
+            await k8s_config.load_kube_config(
+                config_file=self._kubeconfig, client_configuration=configuration
+            )
+        else:
+            # The service account's token and CA, mounted into every pod.
+            k8s_config.load_incluster_config(  # type: ignore[no-untyped-call]
+                client_configuration=configuration
+            )
+        return k8s.ApiClient(configuration)
+
+    async def _list_and_watch(self, api: k8s.CoreV1Api) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = self.backoff_initial_s
+        must_list = True
+        resync_at = 0.0
+        while True:
+            try:
+                if must_list or loop.time() >= resync_at:
+                    await self._list(api)
+                    must_list = False
+                    resync_at = loop.time() + self.resync_s
+                await self._watch(api, max(1.0, min(self.watch_timeout_s, resync_at - loop.time())))
+                backoff = self.backoff_initial_s
+            except ApiException as exc:
+                if exc.status == 410:
+                    self._counters["gone"] += 1
+                    log.info("kubernetes discovery: %s expired; listing again", self._version)
+                    must_list = True
+                    continue
+                backoff = await self._back_off(backoff, f"API answered {exc.status} {exc.reason}")
+            except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                # Connection trouble: resume the watch from the last version after the pause.
+                backoff = await self._back_off(backoff, f"{type(exc).__name__}: {exc}")
+            except (ValueError, KeyError, TypeError) as exc:
+                # An answer that cannot be read: events may have been missed, so list afresh.
+                must_list = True
+                backoff = await self._back_off(backoff, f"unreadable answer: {exc!r}")
+
+    async def _back_off(self, backoff: float, why: str) -> float:
+        self._counters["errors"] += 1
+        pause = backoff * random.uniform(0.8, 1.2)
+        log.warning("kubernetes discovery: %s; retrying in %.1f s", why, pause)
+        await asyncio.sleep(pause)
+        return min(backoff * 2, self.backoff_max_s)
+
+    async def _list(self, api: k8s.CoreV1Api) -> None:
+        # The raw answer: pods stay the API's JSON, as the watch hands them over.
+        response = cast(
+            "aiohttp.ClientResponse",
+            await api.list_namespaced_pod(
+                self.selector.namespace,
+                label_selector=self.selector.label_selector(),
+                _preload_content=False,
+            ),
+        )
+        async with response:
+            body = await response.json()
+        self._counters["lists"] += 1
+        self._pods = {item["metadata"]["name"]: item for item in body.get("items") or []}
+        self._version = body["metadata"]["resourceVersion"]
+        self._changed()
+
+    async def _watch(self, api: k8s.CoreV1Api, timeout_s: float) -> None:
+        self._counters["watches"] += 1
+        async with k8s_watch.Watch(return_type="object") as watcher:
+            stream = watcher.stream(
+                api.list_namespaced_pod,
+                self.selector.namespace,
+                label_selector=self.selector.label_selector(),
+                resource_version=self._version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=int(timeout_s),
+            )
+            async for event in stream:
+                self._apply(event["type"], event["raw_object"])
+
+    def _apply(self, kind: str, pod: Pod) -> None:
+        version = pod["metadata"]["resourceVersion"]
+        if kind == "BOOKMARK":
+            self._counters["bookmarks"] += 1
+        elif kind in ("ADDED", "MODIFIED"):
+            self._counters["events"] += 1
+            self._pods[pod["metadata"]["name"]] = pod
+            self._changed()
+        elif kind == "DELETED":
+            self._counters["events"] += 1
+            self._pods.pop(pod["metadata"]["name"], None)
+            self._changed()
+        else:
+            raise ValueError(f"unknown watch event type {kind!r}")
+        self._version = version
+
+    def _changed(self) -> None:
+        self._dirty.set()
+
+    def _skipped(self, pod: str, why: str) -> None:
+        self._counters["skipped"] += 1
+        if (pod, why) not in self._skipped_logged:
+            self._skipped_logged.add((pod, why))
+            log.warning("kubernetes discovery: pod %s is not routed to: %s", pod, why)
+
+    async def _publish_changes(self) -> None:
+        while True:
+            await self._dirty.wait()
+            if self.settle_s and self.synced.is_set():
+                await asyncio.sleep(self.settle_s)
+            self._dirty.clear()
+            engines = engines_from_pods(self._pods, self.selector, self._skipped)
+            if engines != self._engines:
+                self._engines = engines
+                self._counters["updates"] += 1
+                try:
+                    await self._on_change(engines)
+                except Exception:  # the receiver's trouble; discovery goes on
+                    log.exception("kubernetes discovery: on_change failed")
+            self.synced.set()

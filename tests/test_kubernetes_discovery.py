@@ -1,0 +1,252 @@
+"""Kubernetes discovery against a list/watch API server on loopback (llmsched.testing.kube_api),
+through the real ``kubernetes_asyncio`` client: Ready pods only, roles, bookmarks, 410 Gone,
+cut streams, server errors with backoff, and the periodic resync."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kubernetes_asyncio")
+
+from kubernetes_asyncio import client as k8s
+
+from llmsched.errors import ConfigError
+from llmsched.integrations.identity import EngineSpec
+from llmsched.integrations.kubernetes import (
+    KubernetesDiscovery,
+    PodSelector,
+)
+from llmsched.testing.kube_api import FakeKubeAPI, LabelSelector
+
+NS = "llm"
+APP = {"app": "vllm"}
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 60))  # type: ignore[arg-type]
+
+
+class Rig:
+    def __init__(self, api: FakeKubeAPI, discovery: KubernetesDiscovery) -> None:
+        self.api = api
+        self.discovery = discovery
+        self.updates: list[tuple[EngineSpec, ...]] = []
+
+    def names(self) -> list[str | None]:
+        return [e.name for e in self.discovery.engines()]
+
+    async def until(self, check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while not check():
+            if loop.time() > end:
+                raise AssertionError(f"timed out waiting for {what}: {self.names()}")
+            await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def rig(**options: Any) -> AsyncIterator[Rig]:
+    api = FakeKubeAPI(bookmark_s=options.pop("bookmark_s", 0.1))
+    url = await api.start()
+    configuration = k8s.Configuration(host=url)
+    api_client = k8s.ApiClient(configuration)
+    selector = options.pop("selector", PodSelector(NS, APP, 8000, role_label="llm-d.ai/role"))
+    holder: list[Rig] = []
+
+    async def on_change(engines: tuple[EngineSpec, ...]) -> None:
+        holder[0].updates.append(engines)
+
+    options.setdefault("backoff_initial_s", 0.05)
+    options.setdefault("backoff_max_s", 0.2)
+    options.setdefault("settle_s", 0.0)
+    discovery = KubernetesDiscovery(selector, on_change, api_client=api_client, **options)
+    holder.append(Rig(api, discovery))
+    task = asyncio.create_task(discovery.run())
+    try:
+        yield holder[0]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await api_client.close()
+        await api.stop()
+
+
+def test_only_ready_selected_pods_become_engines_with_roles() -> None:
+    async def body() -> None:
+        async with rig() as r:
+            r.api.put_pod(NS, "p0", {**APP, "llm-d.ai/role": "prefill"}, "10.0.0.1")
+            r.api.put_pod(NS, "d0", {**APP, "llm-d.ai/role": "decode"}, "10.0.0.2")
+            r.api.put_pod(NS, "starting", APP, "10.0.0.3", ready=False)
+            r.api.put_pod(NS, "pending", APP, None, phase="Pending", ready=False)
+            r.api.put_pod(NS, "leaving", APP, "10.0.0.4", deleting=True)
+            r.api.put_pod(NS, "other-app", {"app": "web"}, "10.0.0.5")
+            r.api.put_pod("elsewhere", "x", APP, "10.0.0.6")
+            r.api.put_pod(NS, "odd-role", {**APP, "llm-d.ai/role": "leader"}, "10.0.0.7")
+            await r.discovery.synced.wait()
+            await r.until(lambda: r.names() == ["d0", "p0"], "two engines")
+            by_name = {e.name: e for e in r.discovery.engines()}
+            assert (by_name["p0"].host, by_name["p0"].port, by_name["p0"].role) == (
+                "10.0.0.1",
+                8000,
+                "prefill",
+            )
+            assert by_name["d0"].role == "decode"
+            assert by_name["p0"].labels["pod"] == "p0"
+            assert r.discovery.counters()["skipped"] >= 1  # the pod with role "leader"
+            # Turning Ready adds it; turning unready or deleted removes it.
+            r.api.put_pod(NS, "starting", APP, "10.0.0.3", ready=True)
+            await r.until(lambda: "starting" in r.names(), "starting to join")
+            r.api.put_pod(NS, "p0", {**APP, "llm-d.ai/role": "prefill"}, "10.0.0.1", ready=False)
+            await r.until(lambda: "p0" not in r.names(), "p0 to leave")
+            r.api.delete_pod(NS, "d0")
+            await r.until(lambda: r.names() == ["starting"], "d0 to go")
+            # Labels that stop matching take the pod out (the watch sends DELETED).
+            r.api.put_pod(NS, "starting", {"app": "web"}, "10.0.0.3")
+            await r.until(lambda: r.names() == [], "no engines")
+            assert r.updates[-1] == ()
+            assert r.discovery.counters()["lists"] == 1, "all of it through one watch"
+
+    run(body())
+
+
+def test_an_ip_change_is_a_changed_engine() -> None:
+    async def body() -> None:
+        async with rig() as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            r.api.put_pod(NS, "a", APP, "10.0.0.9")
+            await r.until(lambda: r.discovery.engines()[0].host == "10.0.0.9", "new address")
+
+    run(body())
+
+
+def test_bookmarks_let_a_cut_watch_resume_without_listing() -> None:
+    async def body() -> None:
+        async with rig(bookmark_s=0.05) as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            # Changes elsewhere move the version on; bookmarks carry it to the watcher.
+            for i in range(5):
+                r.api.put_pod("elsewhere", f"x{i}", APP, "10.0.1.1")
+            bookmarks = r.discovery.counters()["bookmarks"]
+            await r.until(lambda: r.discovery.counters()["bookmarks"] > bookmarks + 1, "bookmarks")
+            r.api.compact()  # history before now is gone...
+            r.api.drop_watches()  # ...and the stream is cut
+            r.api.put_pod(NS, "b", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["a", "b"], "b after the cut")
+            counters = r.discovery.counters()
+            assert counters["lists"] == 1, "resumed from the bookmark, no 410, no list"
+            assert counters["gone"] == 0
+            assert counters["watches"] >= 2
+
+    run(body())
+
+
+def test_gone_relists_and_recovers_missed_changes() -> None:
+    async def body() -> None:
+        # Without bookmarks the watcher's version stays at its last event, so it expires.
+        async with rig(bookmark_s=3600) as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            r.api.put_pod(NS, "b", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["a", "b"], "a, b")
+            r.api.drop_watches()
+            r.api.delete_pod(NS, "a")
+            r.api.put_pod(NS, "c", APP, "10.0.0.3")
+            r.api.compact()
+            await r.until(lambda: r.names() == ["b", "c"], "the missed changes")
+            counters = r.discovery.counters()
+            assert counters["lists"] >= 2
+
+    run(body())
+
+
+def test_server_errors_back_off_and_recover() -> None:
+    async def body() -> None:
+        async with rig() as r:
+            r.api.fail_next(3, status=500)
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a after the errors")
+            assert r.discovery.counters()["errors"] >= 3
+
+    run(body())
+
+
+def test_resync_lists_again_while_the_watch_is_healthy() -> None:
+    async def body() -> None:
+        async with rig(resync_s=0.3, watch_timeout_s=0.3) as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.discovery.counters()["lists"] >= 3, "resyncs")
+            assert r.names() == ["a"]
+            assert r.discovery.counters()["errors"] == 0
+
+    run(body())
+
+
+def test_a_slow_start_reports_no_engines_until_the_first_list() -> None:
+    async def body() -> None:
+        async with rig() as r:
+            assert r.discovery.engines() == ()
+            await r.discovery.synced.wait()
+            assert r.updates == [()]
+
+    run(body())
+
+
+def test_selector_validation() -> None:
+    with pytest.raises(ConfigError, match="selector must not be empty"):
+        PodSelector(NS, {}, 8000)
+    with pytest.raises(ConfigError, match="target_port"):
+        PodSelector(NS, APP, 0)
+    with pytest.raises(ConfigError, match="replay_port needs kv_events_port"):
+        PodSelector(NS, APP, 8000, replay_port=5558)
+    with pytest.raises(ConfigError, match="unknown key 'port'"):
+        PodSelector.from_dict({"namespace": NS, "selector": APP, "port": 1})
+    selector = PodSelector.from_dict(
+        {"namespace": NS, "selector": "app=vllm,tier in (a,b)", "target_port": 8000}
+    )
+    assert selector.label_selector() == "app=vllm,tier in (a,b)"
+    with pytest.raises(ConfigError, match="resync_s"):
+
+        async def noop(engines: tuple[EngineSpec, ...]) -> None:
+            return None
+
+        KubernetesDiscovery(selector, noop, resync_s=0)
+
+
+def test_kv_event_endpoints_follow_the_pod_address() -> None:
+    async def body() -> None:
+        selector = PodSelector(NS, APP, 8000, kv_events_port=5557, replay_port=5558, topic="kv")
+        async with rig(selector=selector) as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            engine = r.discovery.engines()[0]
+            assert (engine.kv_events, engine.replay, engine.topic) == (
+                "tcp://10.0.0.1:5557",
+                "tcp://10.0.0.1:5558",
+                "kv",
+            )
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("selector", "labels", "expected"),
+    [
+        ("app=vllm", {"app": "vllm"}, True),
+        ("app==vllm", {"app": "web"}, False),
+        ("app!=web", {}, True),
+        ("tier in (a, b)", {"tier": "b"}, True),
+        ("tier notin (a,b)", {"tier": "a"}, False),
+        ("canary", {"canary": ""}, True),
+        ("!canary", {"canary": "1"}, False),
+        ("app=vllm,tier in (a),!canary", {"app": "vllm", "tier": "a"}, True),
+    ],
+)
+def test_fake_server_label_selectors(selector: str, labels: dict[str, str], expected: bool) -> None:
+    assert LabelSelector.parse(selector).matches(labels) is expected
