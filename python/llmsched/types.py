@@ -24,6 +24,8 @@ __all__ = [
     "CandidateInfo",
     "ConfigInfo",
     "ConfigNote",
+    "DataLayerInfo",
+    "DataLayerSource",
     "EndpointId",
     "EndpointInfo",
     "EndpointLoad",
@@ -40,6 +42,7 @@ __all__ = [
     "PdNote",
     "PolicySpec",
     "PreciseWiring",
+    "PrefillHeader",
     "PreemptionConfig",
     "ProfileData",
     "ProfileRow",
@@ -47,6 +50,7 @@ __all__ = [
     "RequestInfo",
     "ResolvedBand",
     "SaturationThresholds",
+    "TokenizerWiring",
     "WaitHistogram",
     "WorkerId",
 ]
@@ -440,6 +444,37 @@ class SaturationThresholds(TypedDict):
     metrics_staleness_s: float | None
 
 
+class TokenizerWiring(TypedDict):
+    """llm-d's ``token-producer`` (earlier ``tokenizer``) plugin: prompts are tokenized with
+    ``model``'s tokenizer before scoring (the caller tokenizes; the gateway with its
+    ``tokenizer``, looked up from ``model`` in the local Hugging Face cache when not set)."""
+
+    key: str
+    model: str
+
+
+class DataLayerSource(TypedDict):
+    """One ``dataLayer`` source (a plugin name) and the plugins extracting from it."""
+
+    source: str
+    extractors: list[str]
+
+
+class DataLayerInfo(TypedDict):
+    """The ``dataLayer`` (or ``data``) section: its sources and ``injectDefaults``."""
+
+    sources: list[DataLayerSource]
+    inject_defaults: bool
+
+
+class PrefillHeader(TypedDict):
+    """The prefill header llm-d sets (``disagg-headers-handler``, or
+    ``disagg-profile-handler`` with a prefill decider); the gateway sets it (``pd``)."""
+
+    key: str
+    header: str
+
+
 class ConfigInfo(TypedDict):
     """What a configuration asks of whoever runs the router (see :func:`config_info`)."""
 
@@ -449,3 +484,9 @@ class ConfigInfo(TypedDict):
     precise: PreciseWiring | None
     saturation: SaturationThresholds | None
     flow_control: bool
+    tokenizer: TokenizerWiring | None
+    data_layer: DataLayerInfo | None
+    prefill_header: PrefillHeader | None
+    default_profile: bool
+    """True when the config gives no ``schedulingProfiles`` and the Inference Extension's
+    default profile was built (every filter, scorer and picker declared)."""
