@@ -383,9 +383,16 @@ def test_data_layer_sample_feeds_the_index_through_one_shared_socket(
                 )
                 if sub.wait_for(lambda c: c["batches"] >= 1, timeout=0.05):
                     break
+            # A topic only sharing a prefix with an engine's is delivered and refused; the next
+            # batch, sent after it on the same connection, shows it has been read.
+            pub.send_multipart([b"kv@127.0.0.2@tiny-2", (0).to_bytes(8, "big"), b"x"])
+            empty = msgpack.packb([0.0, [], None])
+            pub.send_multipart([b"kv@127.0.0.2@tiny", (1).to_bytes(8, "big"), empty])
+            assert sub.wait_for(lambda c: c["batches"] >= 2, timeout=10.0)
         finally:
             pub.close(linger=0)
-        assert sub.worker_counters(second.worker_id)["batches"] == 1
+        assert sub.counters()["topic_rejected"] >= 1
+        assert sub.worker_counters(second.worker_id)["batches"] == 2
         assert sub.worker_counters(gateway.engines[0].worker_id)["batches"] == 0
     pool = EndpointPool([e.worker_id for e in gateway.engines])
     decision = Router(pool, index, cfg).pick(tokens=tokens, now=0.0)
@@ -474,3 +481,27 @@ def test_a_config_without_profiles_gets_the_extensions_default() -> None:
     assert decision.endpoint == "e1"
     row = decision.explain()["default"].row("e0").scores
     assert set(row) == {"queue-scorer", "kv-cache-scorer", "prefix-cache-scorer"}
+
+
+def test_engines_added_later_are_wired_like_the_first(tmp_path: Path) -> None:
+    """An engine discovery (or the admin API) adds later publishes to the shared endpoint too."""
+    import asyncio
+
+    from llmsched.gateway import Gateway
+    from llmsched.integrations import EngineSpec
+
+    (tmp_path / "gateway.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "engines": [{"host": "127.0.0.1", "port": 8001}],
+                "models": ["tiny"],
+                "router": str(CORPUS / "llmd-precise-kv-events.yaml"),
+            }
+        )
+    )
+    gateway = Gateway(tmp_path / "gateway.yaml")
+    later = EngineSpec("127.0.0.3", 8003)
+    added, removed = asyncio.run(gateway.set_engines([*gateway.engines, later]))
+    assert (added, removed) == ([later.worker_id], [])
+    wired = {e.worker_id: (e.kv_events, e.topic) for e in gateway.engines}
+    assert wired[later.worker_id] == ("tcp://*:5557", "kv@127.0.0.3@tiny")

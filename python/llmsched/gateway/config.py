@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -449,6 +449,17 @@ def _wire_router(
             )
         pd = PdConfig(enabled=True, header=header["header"])
     return block_size, out, engines, tokenizer, pd
+
+
+def wire_engines(config: GatewayConfig, engines: Iterable[EngineSpec]) -> tuple[EngineSpec, ...]:
+    """``engines`` as the router config wires them (engines added later, by discovery or the
+    admin API, the way :func:`load_config` wired the first ones): with llm-d's precise prefix
+    scorer, an engine without ``kv_events`` publishes to ``kvEventsConfig.zmqEndpoint``."""
+    from llmsched.routing import config_info
+
+    engines = tuple(engines)
+    precise = config_info(config.router)["precise"]
+    return engines if precise is None else _shared_kv_events(engines, config.models, precise)
 
 
 def _shared_kv_events(
