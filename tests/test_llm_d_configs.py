@@ -344,7 +344,10 @@ def test_data_layer_sample_feeds_the_index_through_one_shared_socket(
     assert info["tokenizer"] == {"key": "plugins[0]", "model": "hf-repo/model-name"}
     assert info["data_layer"] == {
         "sources": [
-            {"source": "endpoint-notification-source", "extractors": ["precise-prefix-cache-scorer"]}
+            {
+                "source": "endpoint-notification-source",
+                "extractors": ["precise-prefix-cache-scorer"],
+            }
         ],
         "inject_defaults": True,
     }
@@ -379,7 +382,11 @@ def test_data_layer_sample_feeds_the_index_through_one_shared_socket(
             for _ in range(400):  # until the subscription has reached the publisher
                 pub.send_multipart([b"kv@127.0.0.9@tiny", (0).to_bytes(8, "big"), b"x"])
                 pub.send_multipart(
-                    [b"kv@127.0.0.2@tiny", (0).to_bytes(8, "big"), msgpack.packb([0.0, [stored], None])]
+                    [
+                        b"kv@127.0.0.2@tiny",
+                        (0).to_bytes(8, "big"),
+                        msgpack.packb([0.0, [stored], None]),
+                    ]
                 )
                 if sub.wait_for(lambda c: c["batches"] >= 1, timeout=0.05):
                     break
@@ -450,9 +457,14 @@ def test_pd_sample_splits_as_llm_ds_disagg_handler(tmp_path: Path) -> None:
     router_path = str(CORPUS / "llmd-pd-disagg.yaml")
     gateway = load_config({"engines": engines, "models": ["tiny"], "router": router_path})
     assert (gateway.pd.enabled, gateway.pd.header) == (True, "x-prefiller-host-port")
-    with pytest.raises(ConfigError, match="pd.enabled"):
+    with pytest.raises(ConfigError, match=r"pd\.enabled"):
         load_config(
-            {"engines": engines, "models": ["tiny"], "router": router_path, "pd": {"enabled": False}}
+            {
+                "engines": engines,
+                "models": ["tiny"],
+                "router": router_path,
+                "pd": {"enabled": False},
+            }
         )
 
 

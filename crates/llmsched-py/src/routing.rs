@@ -434,8 +434,10 @@ impl PyRouter {
                 "metrics_staleness_s": s.metrics_staleness_s,
             })
         });
-        let tokenizer =
-            c.tokenizer.as_ref().map(|(key, model)| serde_json::json!({"key": key, "model": model}));
+        let tokenizer = c
+            .tokenizer
+            .as_ref()
+            .map(|(key, model)| serde_json::json!({"key": key, "model": model}));
         let data_layer = c.data_layer.as_ref().map(|d| {
             let sources: Vec<Value> = d
                 .sources

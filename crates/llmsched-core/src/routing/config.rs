@@ -138,10 +138,7 @@ const REFUSED: &[(&str, &str)] = &[
         "is not read here: configure flow control in the gateway's `flow` section (or \
          FlowController); `featureGates: [flowControl]` turns it on with llm-d's defaults",
     ),
-    (
-        "parser",
-        "is not read here: the gateway parses OpenAI completions and chat completions",
-    ),
+    ("parser", "is not read here: the gateway parses OpenAI completions and chat completions"),
 ];
 
 /// Plugin types of llm-d or the Inference Extension with no counterpart here, and why.
@@ -329,7 +326,10 @@ fn parse_data_section(
 
 /// The Inference Extension's implicit profile: every filter, scorer and picker, in the order
 /// the plugins are declared (scorers at weight 1; a second picker is refused as in any profile).
-fn default_profile(instances: &[Instance], notes: &mut Vec<ConfigNote>) -> Result<Value, ConfigError> {
+fn default_profile(
+    instances: &[Instance],
+    notes: &mut Vec<ConfigNote>,
+) -> Result<Value, ConfigError> {
     let mut pickers = instances.iter().filter(|i| matches!(i.plugin, Plugin::Picker(_)));
     if let (Some(first), Some(second)) = (pickers.next(), pickers.next()) {
         return Err(ConfigError::new(
@@ -818,7 +818,9 @@ fn resolve_handler(
         Some(Instance {
             key,
             plugin:
-                Plugin::Handler(HandlerSpec::Disagg { decode_profile, prefill_profile, decider, .. }),
+                Plugin::Handler(HandlerSpec::Disagg {
+                    decode_profile, prefill_profile, decider, ..
+                }),
             ..
         }) => {
             let params = params_object(instances, key);
@@ -826,8 +828,7 @@ fn resolve_handler(
                 let flat_given = params.is_some_and(|p| p.contains_key(flat));
                 format!("{key}.parameters.{}", if flat_given { flat } else { nested })
             };
-            let decode =
-                profile(decode_profile, at("profiles.decode", "decodeProfile"))?;
+            let decode = profile(decode_profile, at("profiles.decode", "decodeProfile"))?;
             let prefill_at = profiles.iter().position(|p| &p.name == prefill_profile);
             let Some(name) = decider else {
                 if let Some(p) = prefill_at {
@@ -1130,7 +1131,8 @@ mod tests {
         both.as_object_mut().unwrap().insert("dataLayer".into(), json!({}));
         assert_eq!(err(both).key, "data");
         assert!(err(with("flowControl", json!({}))).message.contains("`flow`"));
-        let c = parse(&with("data", json!({"injectDefaults": false})), &Registry::builtin()).unwrap();
+        let c =
+            parse(&with("data", json!({"injectDefaults": false})), &Registry::builtin()).unwrap();
         assert_eq!(c.data_layer, Some(DataLayer { sources: vec![], inject_defaults: false }));
         assert_eq!(c.notes[0].key, "data.injectDefaults");
     }
@@ -1181,8 +1183,12 @@ mod tests {
         assert!(c.default_profile);
         let p = &c.profiles[0];
         assert_eq!(p.name, "default");
-        assert_eq!(p.filters.iter().map(|f| f.name.as_str()).collect::<Vec<_>>(), ["decode-filter"]);
-        let scorers: Vec<(&str, f64)> = p.scorers.iter().map(|s| (s.name.as_str(), s.weight)).collect();
+        assert_eq!(
+            p.filters.iter().map(|f| f.name.as_str()).collect::<Vec<_>>(),
+            ["decode-filter"]
+        );
+        let scorers: Vec<(&str, f64)> =
+            p.scorers.iter().map(|s| (s.name.as_str(), s.weight)).collect();
         assert_eq!(scorers, [("queue-scorer", 1.0), ("kv-cache-utilization-scorer", 1.0)]);
         assert_eq!(p.picker_name, "random-picker");
         assert_eq!(c.tokenizer, Some(("plugins[3]".to_string(), "m".to_string())));
@@ -1236,12 +1242,36 @@ mod tests {
         assert_eq!(c.handler, Handler::Single { profile: 0 });
         assert!(c.notes.iter().any(|n| n.key == "plugins[2].parameters.profiles.prefill"));
         for (params, profiles, key) in [
-            (json!({"deciders": {"prefill": "d"}, "decodeProfile": "x"}), &["decode"][..], "plugins[2].parameters.decodeProfile"),
-            (json!({"deciders": {"encode": "d"}}), &["decode"], "plugins[2].parameters.deciders.encode"),
-            (json!({"deciders": {"prefill": "nope"}}), &["decode", "prefill"], "plugins[2].parameters.deciders.prefill"),
-            (json!({"prefillDeciderPluginName": "plugins"}), &["decode", "prefill"], "plugins[2].parameters.prefillDeciderPluginName"),
-            (json!({"profiles": {"decode": "x"}}), &["decode"], "plugins[2].parameters.profiles.decode"),
-            (json!({"profiles": {"decode": "a", "prefill": "a"}}), &["a"], "plugins[2].parameters.profiles.prefill"),
+            (
+                json!({"deciders": {"prefill": "d"}, "decodeProfile": "x"}),
+                &["decode"][..],
+                "plugins[2].parameters.decodeProfile",
+            ),
+            (
+                json!({"deciders": {"encode": "d"}}),
+                &["decode"],
+                "plugins[2].parameters.deciders.encode",
+            ),
+            (
+                json!({"deciders": {"prefill": "nope"}}),
+                &["decode", "prefill"],
+                "plugins[2].parameters.deciders.prefill",
+            ),
+            (
+                json!({"prefillDeciderPluginName": "plugins"}),
+                &["decode", "prefill"],
+                "plugins[2].parameters.prefillDeciderPluginName",
+            ),
+            (
+                json!({"profiles": {"decode": "x"}}),
+                &["decode"],
+                "plugins[2].parameters.profiles.decode",
+            ),
+            (
+                json!({"profiles": {"decode": "a", "prefill": "a"}}),
+                &["a"],
+                "plugins[2].parameters.profiles.prefill",
+            ),
         ] {
             let e = match disagg(params.clone(), profiles) {
                 Err(e) => e,

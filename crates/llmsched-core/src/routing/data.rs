@@ -65,9 +65,11 @@ pub fn tokenizer_factory(params: &Value) -> Result<Plugin, ParamError> {
     }
     let mut notes = Vec::new();
     if let Some(v) = &p.vllm {
-        for (field, set) in
-            [("http", v.http.is_some()), ("timeout", v.timeout.is_some()), ("mmTimeout", v.mm_timeout.is_some())]
-        {
+        for (field, set) in [
+            ("http", v.http.is_some()),
+            ("timeout", v.timeout.is_some()),
+            ("mmTimeout", v.mm_timeout.is_some()),
+        ] {
             if set {
                 notes.push((
                     format!("vllm.{field}"),
@@ -247,7 +249,8 @@ mod tests {
 
     #[test]
     fn data_layer_sources_and_their_errors() {
-        let ok = json!({"sources": [{"pluginRef": "notify", "extractors": [{"pluginRef": "precise"}]}]});
+        let ok =
+            json!({"sources": [{"pluginRef": "notify", "extractors": [{"pluginRef": "precise"}]}]});
         let layer = parse_data_layer(&ok, "dataLayer", &lookup).unwrap();
         assert_eq!(layer.sources[0].extractors, ["precise"]);
         assert!(layer.inject_defaults);

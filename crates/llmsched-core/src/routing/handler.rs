@@ -32,7 +32,11 @@ use super::registry::{check_range, decode, ParamError, Plugin};
 #[derive(Debug, Clone, PartialEq)]
 pub enum HandlerSpec {
     Single,
-    Pd { decode_profile: String, prefill_profile: String, decider: DeciderRef },
+    Pd {
+        decode_profile: String,
+        prefill_profile: String,
+        decider: DeciderRef,
+    },
     /// llm-d's `disagg-profile-handler`: no decider means the decode profile alone; `notes`
     /// are earlier parameter names read (path under `parameters`, message).
     Disagg {
@@ -244,8 +248,7 @@ pub fn disagg_factory(params: &Value) -> Result<Plugin, ParamError> {
     let prefill_profile =
         profiles.prefill.or(p.prefill_profile).unwrap_or_else(|| "prefill".to_string());
     // The prefill decider's earlier names: prefillDeciderPluginName wins over deciderPluginName.
-    let decider =
-        deciders.prefill.or(p.prefill_decider_plugin_name).or(p.decider_plugin_name);
+    let decider = deciders.prefill.or(p.prefill_decider_plugin_name).or(p.decider_plugin_name);
     if decode_profile.is_empty() || prefill_profile.is_empty() {
         return Err(ParamError::new("profiles", "profile names must not be empty"));
     }
