@@ -303,15 +303,7 @@ fn parse_data_section(
             other => RefKind::Other(other.kind()),
         })
         .collect();
-    let lookup = |name: &str| match names.get(name) {
-        None => RefKind::Missing,
-        Some(&i) => match &kinds[i] {
-            RefKind::Source => RefKind::Source,
-            RefKind::EndpointExtractor => RefKind::EndpointExtractor,
-            RefKind::Other(k) => RefKind::Other(k),
-            RefKind::Missing => RefKind::Missing,
-        },
-    };
+    let lookup = |name: &str| names.get(name).map_or(RefKind::Missing, |&i| kinds[i]);
     let layer = parse_data_layer(&top[at], at, &lookup).map_err(|(k, m)| ConfigError::new(k, m))?;
     if !layer.inject_defaults {
         notes.push(ConfigNote {
@@ -1237,6 +1229,37 @@ mod tests {
         assert_eq!(c.handler, pd(1, 0));
         let keys: Vec<&str> = c.notes.iter().map(|n| n.key.as_str()).collect();
         assert!(keys.contains(&"plugins[2].parameters.deciderPluginName"), "{keys:?}");
+        // Earlier names of the headers handler and llm-d's always-split decider.
+        let c = parse(
+            &json!({"plugins": [
+                {"type": "always-disagg-pd-decider", "name": "d"},
+                {"type": "prefill-header-handler"},
+                {"type": "disagg-profile-handler", "parameters": {"deciders": {"prefill": "d"}}}],
+                "schedulingProfiles": [{"name": "decode", "plugins": []}, {"name": "prefill", "plugins": []}]}),
+            &Registry::builtin(),
+        )
+        .unwrap();
+        assert_eq!(
+            c.handler,
+            Handler::Pd {
+                decode: 0,
+                prefill: 1,
+                decider: DeciderSpec::PrefixBased { non_cached_tokens: 0 }
+            }
+        );
+        assert_eq!(c.notes[0].key, "plugins[1].type");
+        // A data producer in a profile takes no slot and no weight.
+        let v = single(
+            json!([{"type": "token-producer", "parameters": {"modelName": "m"}}, {"type": "queue-scorer"}]),
+            json!([{"pluginRef": "token-producer"}, {"pluginRef": "queue-scorer"}]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!((c.profiles[0].filters.len(), c.profiles[0].scorers.len()), (0, 1));
+        let v = single(
+            json!([{"type": "token-producer", "parameters": {"modelName": "m"}}]),
+            json!([{"pluginRef": "token-producer", "weight": 2}]),
+        );
+        assert_eq!(err(v).key, "schedulingProfiles[0].plugins[0].weight");
         // No prefill profile: decode alone, noted at the profile name.
         let c = disagg(json!({"deciders": {"prefill": "d"}}), &["decode"]).unwrap();
         assert_eq!(c.handler, Handler::Single { profile: 0 });

@@ -115,6 +115,7 @@ pub struct DataLayer {
 }
 
 /// What a data-layer reference may name, for the checks of [`parse_data_layer`].
+#[derive(Debug, Clone, Copy)]
 pub enum RefKind<'a> {
     Missing,
     Source,
