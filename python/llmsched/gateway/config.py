@@ -425,7 +425,14 @@ def _wire_router(
     wanted_tokenizer = info["tokenizer"]
     if wanted_tokenizer is not None and tokenizer is None:
         tokenizer = _cached_tokenizer(wanted_tokenizer["model"])
-        if tokenizer is None:
+        if tokenizer is not None:
+            _log.info(
+                "router config %s: tokenizing with %r's tokenizer from %s",
+                wanted_tokenizer["key"],
+                wanted_tokenizer["model"],
+                tokenizer,
+            )
+        else:
             _log.warning(
                 "router config %s: the token-producer tokenizes prompts with %r's tokenizer, "
                 "which is not in the local Hugging Face cache; set `tokenizer` to a directory "
