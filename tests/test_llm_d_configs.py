@@ -29,6 +29,7 @@ LOADING = [
     "gie-saturation-flow-control.yaml",
     "llmd-precise-data-layer.yaml",
     "llmd-pd-disagg.yaml",
+    "llmd-precise-token-producer.yaml",
 ]
 
 
@@ -517,3 +518,45 @@ def test_engines_added_later_are_wired_like_the_first(tmp_path: Path) -> None:
     assert (added, removed) == ([later.worker_id], [])
     wired = {e.worker_id: (e.kv_events, e.topic) for e in gateway.engines}
     assert wired[later.worker_id] == ("tcp://*:5557", "kv@127.0.0.3@tiny")
+
+
+def test_newest_precise_sample_reads_metrics_through_the_scraper() -> None:
+    """The newest sample declares the metrics source and extractor: the engines' queues and
+    KV-cache use come from their vLLM metrics (here the text a scrape returns), and with the
+    same prefix cached on both endpoints the shorter queue wins."""
+    from llmsched.gateway.config import load_config
+
+    name = "llmd-precise-token-producer.yaml"
+    info = config_info(CORPUS / name)
+    assert info["metrics_source"] == {"key": "plugins[2]", "path": "/metrics"}
+    assert info["tokenizer"] == {"key": "plugins[0]", "model": "hf-repo/model-name"}
+    layer = info["data_layer"]
+    assert layer is not None
+    assert [s["source"] for s in layer["sources"]] == [
+        "metrics-data-source",
+        "endpoint-notification-source",
+    ]
+    assert "plugins[0].parameters.vllm.http" in [n["key"] for n in info["notes"]]
+    pool = _pool(2)
+    for endpoint, waiting in (("e0", 9), ("e1", 2)):
+        text = f'vllm:num_requests_waiting{{engine="0"}} {waiting}\nvllm:kv_cache_usage_perc 0.3\n'
+        assert pool.update_from_metrics_text(endpoint, text, now=0.0)["waiting"] == waiting
+    index = PrefixIndex(64)
+    router = Router(pool, index, CORPUS / name)
+    tokens = list(range(128))
+    for endpoint in ("e0", "e1"):
+        index.store(endpoint, index.hash_tokens(tokens))
+    assert router.pick(tokens=tokens, now=0.0).endpoint == "e1"
+    # The source's path is the engines' metrics path; turning the scraper off contradicts it.
+    cfg = corpus(name)
+    cfg["plugins"][2]["parameters"] = {"path": "/engine-metrics"}
+    engines = [{"host": "127.0.0.1", "port": 8001}]
+    gateway = load_config({"engines": engines, "models": ["tiny"], "router": cfg})
+    assert gateway.engines[0].metrics_path == "/engine-metrics"
+    with pytest.raises(ConfigError, match=r"scrape\.enabled"):
+        load_config(
+            {"engines": engines, "models": ["tiny"], "router": cfg, "scrape": {"enabled": False}}
+        )
+    cfg["plugins"][3]["parameters"] = {"engineConfigs": [{"name": "custom"}]}
+    with pytest.raises(ConfigError, match=r"plugins\[3\]\.parameters\.engineConfigs"):
+        config_info(cfg)

@@ -288,8 +288,8 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     per-worker capacity, notes (older names, settings without effect), the precise prefix
     scorer's wiring, the ``saturationDetector`` thresholds, whether ``featureGates`` turns
     flow control on, the tokenizer a ``token-producer`` names, the ``dataLayer`` sources, the
-    prefill header llm-d's disaggregation handlers set, and whether the Inference Extension's
-    default profile was built. Raises ConfigError naming the key for a configuration a Router
+    prefill header llm-d's disaggregation handlers set, whether the Inference Extension's
+    default profile was built, and the path a ``metrics-data-source`` polls. Raises ConfigError naming the key for a configuration a Router
     refuses.
 
     >>> profile = {"name": "default", "plugins": [{"pluginRef": "kv-cache-scorer"}]}

@@ -39,6 +39,7 @@ __all__ = [
     "KVCacheEvent",
     "KVEventDict",
     "MetricsRead",
+    "MetricsSourceInfo",
     "PdNote",
     "PolicySpec",
     "PreciseWiring",
@@ -475,6 +476,14 @@ class PrefillHeader(TypedDict):
     header: str
 
 
+class MetricsSourceInfo(TypedDict):
+    """The Inference Extension's ``metrics-data-source``: each endpoint's Prometheus metrics
+    are polled at ``path`` (the gateway's scraper, with the engines' ``metrics_path``)."""
+
+    key: str
+    path: str
+
+
 class ConfigInfo(TypedDict):
     """What a configuration asks of whoever runs the router (see :func:`config_info`)."""
 
@@ -490,3 +499,4 @@ class ConfigInfo(TypedDict):
     default_profile: bool
     """True when the config gives no ``schedulingProfiles`` and the Inference Extension's
     default profile was built (every filter, scorer and picker declared)."""
+    metrics_source: MetricsSourceInfo | None

@@ -450,6 +450,10 @@ impl PyRouter {
             .prefill_header
             .as_ref()
             .map(|(key, header)| serde_json::json!({"key": key, "header": header}));
+        let metrics_source = c
+            .metrics_source
+            .as_ref()
+            .map(|(key, path)| serde_json::json!({"key": key, "path": path}));
         let info = serde_json::json!({
             "block_size": c.index_hints.block_size,
             "worker_capacity": c.index_hints.worker_capacity,
@@ -461,6 +465,7 @@ impl PyRouter {
             "data_layer": data_layer,
             "prefill_header": prefill_header,
             "default_profile": c.default_profile,
+            "metrics_source": metrics_source,
         });
         Ok(to_python(py, &info)?.unbind())
     }

@@ -31,6 +31,7 @@ import yaml
 from llmsched.config_loader import load_mapping, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
+from llmsched.types import ConfigInfo
 
 _log = logging.getLogger("llmsched")
 
@@ -400,9 +401,16 @@ def _wire_router(
             )
         else:
             _merge_saturation(out, saturation)
+    engines = _wire_specs(engines, models, info)
+    metrics = info["metrics_source"]
+    scrape = raw.get("scrape") or {}
+    if metrics is not None and isinstance(scrape, Mapping) and scrape.get("enabled") is False:
+        raise ConfigError(
+            f"scrape.enabled: is false but the router config's {metrics['key']} "
+            "(metrics-data-source) polls the engines' metrics; remove one"
+        )
     precise = info["precise"]
     if precise is not None:
-        engines = _shared_kv_events(engines, models, precise)
         without = [spec.worker_id for spec in engines if spec.kv_events is None]
         if without:
             _log.warning(
@@ -464,9 +472,27 @@ def wire_engines(config: GatewayConfig, engines: Iterable[EngineSpec]) -> tuple[
     scorer, an engine without ``kv_events`` publishes to ``kvEventsConfig.zmqEndpoint``."""
     from llmsched.routing import config_info
 
-    engines = tuple(engines)
-    precise = config_info(config.router)["precise"]
-    return engines if precise is None else _shared_kv_events(engines, config.models, precise)
+    return _wire_specs(tuple(engines), config.models, config_info(config.router))
+
+
+def _wire_specs(
+    engines: tuple[EngineSpec, ...], models: tuple[str, ...], info: ConfigInfo
+) -> tuple[EngineSpec, ...]:
+    """The engine specs as the router config asks: KV events to ``kvEventsConfig.zmqEndpoint``
+    for engines without their own, and a ``metrics-data-source``'s ``path`` as the metrics path
+    of engines that keep the default one."""
+    import dataclasses
+
+    metrics = info["metrics_source"]
+    if metrics is not None:
+        engines = tuple(
+            dataclasses.replace(spec, metrics_path=metrics["path"])
+            if spec.metrics_path == "/metrics"
+            else spec
+            for spec in engines
+        )
+    precise = info["precise"]
+    return engines if precise is None else _shared_kv_events(engines, models, precise)
 
 
 def _shared_kv_events(

@@ -30,7 +30,7 @@ use hashbrown::HashMap;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
-use super::data::{parse_data_layer, DataLayer, DataSpec, RefKind};
+use super::data::{parse_data_layer, DataLayer, DataSpec, Feed, RefKind};
 use super::filters::decision_tree::{DecisionTreeFilter, TreeSpec};
 use super::handler::{DeciderRef, DeciderSpec, Handler, HandlerSpec, PREFILL_HEADER};
 use super::plugin::{Filter, IndexHints, Scorer};
@@ -112,6 +112,8 @@ pub struct RouterConfig {
     pub prefill_header: Option<(String, &'static str)>,
     /// Whether the profiles came from the Inference Extension's implicit default.
     pub default_profile: bool,
+    /// A `metrics-data-source`: its key and the metrics path it polls.
+    pub metrics_source: Option<(String, String)>,
 }
 
 impl RouterConfig {
@@ -222,6 +224,12 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
         Plugin::Data(DataSpec::Tokenizer { model, .. }) => Some((inst.key.clone(), model.clone())),
         _ => None,
     });
+    let metrics_source = instances.iter().find_map(|inst| match &inst.plugin {
+        Plugin::Data(DataSpec::MetricsSource { path, .. }) => {
+            Some((inst.key.clone(), path.clone()))
+        }
+        _ => None,
+    });
     let mut scorers: Vec<Arc<dyn Scorer>> = Vec::new();
     let mut index_hints = IndexHints::default();
     let mut block_size_key = None;
@@ -277,6 +285,7 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
         data_layer,
         prefill_header,
         default_profile,
+        metrics_source,
     })
 }
 
@@ -297,10 +306,13 @@ fn parse_data_section(
     };
     let kinds: Vec<RefKind<'static>> = instances
         .iter()
-        .map(|inst| match &inst.plugin {
-            Plugin::Data(d) if d.is_source() => RefKind::Source,
-            Plugin::Scorer(s) if s.precise().is_some() => RefKind::EndpointExtractor,
-            other => RefKind::Other(other.kind()),
+        .map(|inst| match (&inst.plugin, inst.plugin.data_feed()) {
+            (_, Some(feed)) => RefKind::Source(feed),
+            (Plugin::Data(DataSpec::MetricsExtractor { .. }), _) => {
+                RefKind::Extractor(Feed::Metrics)
+            }
+            (Plugin::Scorer(s), _) if s.precise().is_some() => RefKind::Extractor(Feed::Endpoints),
+            (other, _) => RefKind::Other(other.kind()),
         })
         .collect();
     let lookup = |name: &str| names.get(name).map_or(RefKind::Missing, |&i| kinds[i]);
@@ -637,8 +649,8 @@ fn parse_plugins(
             ConfigError::new(key, e.message)
         })?;
         let spec_notes = match &plugin {
-            Plugin::Data(DataSpec::Tokenizer { notes, .. })
-            | Plugin::Handler(HandlerSpec::Disagg { notes, .. })
+            Plugin::Data(d) => d.notes(),
+            Plugin::Handler(HandlerSpec::Disagg { notes, .. })
             | Plugin::Headers(super::handler::HeadersSpec { notes, .. }) => notes.as_slice(),
             _ => &[],
         };

@@ -7,10 +7,15 @@
 //! - `endpoint-notification-source`: delivers endpoint add / remove events to its extractors.
 //!   Here endpoints enter and leave through the pool: the gateway removes a departed engine
 //!   from the pool, the index and the KV-event subscription, and subscribes to a new one.
+//! - `metrics-data-source` with `core-metrics-extractor`: poll each endpoint's Prometheus
+//!   metrics and read the waiting and running requests, KV-cache use and LoRA adapters from
+//!   them. Here that is the gateway's scraper (`scrape`), which maps vLLM's and SGLang's metric
+//!   names itself; the source's `path` becomes the engines' metrics path.
 //! - the `dataLayer` section (the Inference Extension calls it `data`): sources, each with
 //!   extractors, and an optional discovery plugin. A source must name a data-source plugin,
-//!   each extractor a plugin that extracts from it (the precise prefix scorer extracts endpoint
-//!   events); `injectDefaults` adds the metrics source, which here is the gateway's scraper.
+//!   each extractor a plugin that extracts what that source delivers (the precise prefix
+//!   scorer extracts endpoint events, `core-metrics-extractor` metrics); `injectDefaults`
+//!   adds the metrics source, which here is the gateway's scraper.
 //!
 //! A data plugin listed in a scheduling profile takes no slot there (as in the Extension,
 //! where a profile only assigns filters, scorers and pickers) and takes no weight.
@@ -28,12 +33,51 @@ pub enum DataSpec {
     Tokenizer { model: String, notes: Vec<(String, String)> },
     /// Endpoint add / remove events.
     EndpointNotifications,
+    /// Each endpoint's Prometheus metrics, polled at `path`; `notes` as above.
+    MetricsSource { path: String, notes: Vec<(String, String)> },
+    /// Queue, running requests, KV-cache use and adapters read from those metrics.
+    MetricsExtractor { notes: Vec<(String, String)> },
+}
+
+/// What a data-layer source delivers, and so which extractors it takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Feed {
+    Endpoints,
+    Metrics,
+}
+
+impl Feed {
+    fn name(self) -> &'static str {
+        match self {
+            Feed::Endpoints => "endpoint events",
+            Feed::Metrics => "metrics",
+        }
+    }
 }
 
 impl DataSpec {
+    /// What the plugin delivers, when it is a data-layer source.
+    pub fn source_feed(&self) -> Option<Feed> {
+        match self {
+            DataSpec::EndpointNotifications => Some(Feed::Endpoints),
+            DataSpec::MetricsSource { .. } => Some(Feed::Metrics),
+            _ => None,
+        }
+    }
+
     /// Whether the plugin is a data-layer source.
     pub fn is_source(&self) -> bool {
-        matches!(self, DataSpec::EndpointNotifications)
+        self.source_feed().is_some()
+    }
+
+    /// Parameters read without effect (path under `parameters`, why).
+    pub fn notes(&self) -> &[(String, String)] {
+        match self {
+            DataSpec::Tokenizer { notes, .. }
+            | DataSpec::MetricsSource { notes, .. }
+            | DataSpec::MetricsExtractor { notes } => notes,
+            DataSpec::EndpointNotifications => &[],
+        }
     }
 }
 
@@ -99,6 +143,94 @@ pub fn endpoint_notifications_factory(params: &Value) -> Result<Plugin, ParamErr
     Ok(Plugin::Data(DataSpec::EndpointNotifications))
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct MetricsSourceParams {
+    scheme: String,
+    path: String,
+    insecure_skip_verify: Option<bool>,
+}
+
+impl Default for MetricsSourceParams {
+    fn default() -> Self {
+        MetricsSourceParams {
+            scheme: "http".into(),
+            path: "/metrics".into(),
+            insecure_skip_verify: None,
+        }
+    }
+}
+
+/// `metrics-data-source`: `scheme` ("http"; the gateway's scraper speaks http), `path`
+/// ("/metrics"), `insecureSkipVerify` (only meaningful for https; accepted without effect).
+pub fn metrics_source_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let p: MetricsSourceParams = decode(params)?;
+    if p.scheme != "http" {
+        return Err(ParamError::new(
+            "scheme",
+            format!(
+                "{:?} is not supported: the gateway's scraper reads metrics over http",
+                p.scheme
+            ),
+        ));
+    }
+    if !p.path.starts_with('/') {
+        return Err(ParamError::new("path", "must start with '/'"));
+    }
+    let mut notes = Vec::new();
+    if p.insecure_skip_verify.is_some() {
+        notes.push((
+            "insecureSkipVerify".to_string(),
+            "has no effect: metrics are read over http, without TLS".to_string(),
+        ));
+    }
+    Ok(Plugin::Data(DataSpec::MetricsSource { path: p.path, notes }))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct MetricsExtractorParams {
+    engine_label_key: Option<String>,
+    default_engine: Option<String>,
+    engine_configs: Option<Value>,
+}
+
+/// `core-metrics-extractor`: `defaultEngine` ("vllm" or "sglang"; both are recognised from
+/// their metric names), `engineLabelKey` (accepted without effect), `engineConfigs` (custom
+/// metric names: refused).
+pub fn metrics_extractor_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let p: MetricsExtractorParams = decode(params)?;
+    if p.engine_configs.is_some() {
+        return Err(ParamError::new(
+            "engineConfigs",
+            "custom metric names are not supported: the gateway's scraper reads vLLM's and \
+             SGLang's metric names",
+        ));
+    }
+    if let Some(engine) = &p.default_engine {
+        if engine != "vllm" && engine != "sglang" {
+            return Err(ParamError::new(
+                "defaultEngine",
+                format!("{engine:?} is not supported: the scraper reads vllm and sglang metrics"),
+            ));
+        }
+    }
+    let mut notes = Vec::new();
+    for (field, set) in [
+        ("engineLabelKey", p.engine_label_key.is_some()),
+        ("defaultEngine", p.default_engine.is_some()),
+    ] {
+        if set {
+            notes.push((
+                field.to_string(),
+                "has no effect: the scraper recognises the engine from its metric names"
+                    .to_string(),
+            ));
+        }
+    }
+    Ok(Plugin::Data(DataSpec::MetricsExtractor { notes }))
+}
+
 /// One data-layer source and the plugins extracting from it, by name.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataSource {
@@ -118,9 +250,10 @@ pub struct DataLayer {
 #[derive(Debug, Clone, Copy)]
 pub enum RefKind<'a> {
     Missing,
-    Source,
-    /// A scorer that extracts endpoint events (the precise prefix scorer).
-    EndpointExtractor,
+    Source(Feed),
+    /// A plugin that extracts what a source of this feed delivers (the precise prefix scorer
+    /// extracts endpoint events, `core-metrics-extractor` metrics).
+    Extractor(Feed),
     Other(&'a str),
 }
 
@@ -164,21 +297,21 @@ pub fn parse_data_layer(
             ));
         }
         let source = reference(smap.get("pluginRef"), &format!("{sat}.pluginRef"))?;
-        match lookup(&source) {
-            RefKind::Source => {}
+        let feed = match lookup(&source) {
+            RefKind::Source(feed) => feed,
             RefKind::Missing => {
                 return Err((format!("{sat}.pluginRef"), format!("no plugin named {source:?}")))
             }
-            RefKind::EndpointExtractor | RefKind::Other(_) => {
+            RefKind::Extractor(_) | RefKind::Other(_) => {
                 return Err((
                     format!("{sat}.pluginRef"),
                     format!(
                         "{source:?} is not a data source (known sources: \
-                         endpoint-notification-source)"
+                         endpoint-notification-source, metrics-data-source)"
                     ),
                 ))
             }
-        }
+        };
         if layer.sources.iter().any(|s| s.source == source) {
             return Err((format!("{sat}.pluginRef"), format!("{source:?} is listed twice")));
         }
@@ -200,22 +333,26 @@ pub fn parse_data_layer(
             }
             let name = reference(emap.get("pluginRef"), &format!("{eat}.pluginRef"))?;
             match lookup(&name) {
-                RefKind::EndpointExtractor => extractors.push(name),
+                RefKind::Extractor(f) if f == feed => extractors.push(name),
                 RefKind::Missing => {
                     return Err((format!("{eat}.pluginRef"), format!("no plugin named {name:?}")))
                 }
-                RefKind::Source => {
+                RefKind::Source(_) => {
                     return Err((
                         format!("{eat}.pluginRef"),
                         format!("{name:?} is a data source, not an extractor"),
                     ))
                 }
-                RefKind::Other(kind) => {
+                RefKind::Extractor(_) | RefKind::Other(_) => {
                     return Err((
                         format!("{eat}.pluginRef"),
                         format!(
-                            "{name:?} is a {kind} that extracts nothing from endpoint events \
-                             (the precise prefix scorer does)"
+                            "{name:?} extracts nothing from {} ({})",
+                            feed.name(),
+                            match feed {
+                                Feed::Endpoints => "the precise prefix scorer does",
+                                Feed::Metrics => "core-metrics-extractor does",
+                            }
                         ),
                     ))
                 }
@@ -241,8 +378,10 @@ mod tests {
 
     fn lookup(name: &str) -> RefKind<'static> {
         match name {
-            "notify" => RefKind::Source,
-            "precise" => RefKind::EndpointExtractor,
+            "notify" => RefKind::Source(Feed::Endpoints),
+            "precise" => RefKind::Extractor(Feed::Endpoints),
+            "scrape" => RefKind::Source(Feed::Metrics),
+            "core" => RefKind::Extractor(Feed::Metrics),
             "queue" => RefKind::Other("scorer"),
             _ => RefKind::Missing,
         }
@@ -270,10 +409,44 @@ mod tests {
                 "dataLayer.sources[1].pluginRef",
             ),
             (json!({"sources": [{"pluginRef": "notify", "x": 1}]}), "dataLayer.sources[0].x"),
+            (
+                json!({"sources": [{"pluginRef": "scrape", "extractors": [{"pluginRef": "precise"}]}]}),
+                "dataLayer.sources[0].extractors[0].pluginRef",
+            ),
         ];
+        let both = json!({"sources": [
+            {"pluginRef": "scrape", "extractors": [{"pluginRef": "core"}]},
+            {"pluginRef": "notify", "extractors": [{"pluginRef": "precise"}]}]});
+        assert_eq!(parse_data_layer(&both, "data", &lookup).unwrap().sources.len(), 2);
         for (v, key) in cases {
             let (k, _) = parse_data_layer(&v, "dataLayer", &lookup).unwrap_err();
             assert_eq!(k, key, "{v}");
+        }
+    }
+
+    #[test]
+    fn metrics_source_and_extractor_parameters() {
+        let Plugin::Data(DataSpec::MetricsSource { path, notes }) =
+            metrics_source_factory(&json!({"path": "/m", "insecureSkipVerify": true})).unwrap()
+        else {
+            panic!("not a metrics source")
+        };
+        assert_eq!((path.as_str(), notes[0].0.as_str()), ("/m", "insecureSkipVerify"));
+        for (params, field) in [
+            (json!({"scheme": "https"}), "scheme"),
+            (json!({"path": "m"}), "path"),
+            (json!({"port": 1}), "port"),
+        ] {
+            let Err(e) = metrics_source_factory(&params) else { panic!("accepted {params}") };
+            assert_eq!(e.path, field);
+        }
+        assert!(metrics_extractor_factory(&json!({"defaultEngine": "sglang"})).is_ok());
+        for (params, field) in [
+            (json!({"defaultEngine": "triton-tensorrt-llm"}), "defaultEngine"),
+            (json!({"engineConfigs": []}), "engineConfigs"),
+        ] {
+            let Err(e) = metrics_extractor_factory(&params) else { panic!("accepted {params}") };
+            assert_eq!(e.path, field);
         }
     }
 

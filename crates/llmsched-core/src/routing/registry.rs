@@ -48,6 +48,14 @@ impl Plugin {
         Plugin::Picker(Arc::new(p))
     }
 
+    /// What the plugin delivers, when it is a data-layer source.
+    pub fn data_feed(&self) -> Option<super::data::Feed> {
+        match self {
+            Plugin::Data(d) => d.source_feed(),
+            _ => None,
+        }
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             Plugin::Filter(_) | Plugin::Tree(_) => "filter",
@@ -156,6 +164,8 @@ impl Registry {
         // Data producers and data-layer sources.
         r.add("token-producer", super::data::tokenizer_factory);
         r.add("endpoint-notification-source", super::data::endpoint_notifications_factory);
+        r.add("metrics-data-source", super::data::metrics_source_factory);
+        r.add("core-metrics-extractor", super::data::metrics_extractor_factory);
         // Other and earlier names.
         r.alias("kv-cache-scorer", "kv-cache-utilization-scorer");
         r.alias("prefix-cache", "prefix-cache-scorer");
