@@ -289,8 +289,8 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     scorer's wiring, the ``saturationDetector`` thresholds, whether ``featureGates`` turns
     flow control on, the tokenizer a ``token-producer`` names, the ``dataLayer`` sources, the
     prefill header llm-d's disaggregation handlers set, whether the Inference Extension's
-    default profile was built, and the path a ``metrics-data-source`` polls. Raises ConfigError naming the key for a configuration a Router
-    refuses.
+    default profile was built, and the path a ``metrics-data-source`` polls. Raises
+    ConfigError naming the key for a configuration a Router refuses.
 
     >>> profile = {"name": "default", "plugins": [{"pluginRef": "kv-cache-scorer"}]}
     >>> info = config_info({"featureGates": ["flowControl"],
