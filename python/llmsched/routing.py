@@ -286,8 +286,11 @@ def load_config(config: ConfigLike) -> dict[str, Any]:
 def config_info(config: ConfigLike) -> ConfigInfo:
     """What a configuration asks of whoever runs the router: the prefix index's block size and
     per-worker capacity, notes (older names, settings without effect), the precise prefix
-    scorer's wiring, the ``saturationDetector`` thresholds and whether ``featureGates`` turns
-    flow control on. Raises ConfigError naming the key for a configuration a Router refuses.
+    scorer's wiring, the ``saturationDetector`` thresholds, whether ``featureGates`` turns
+    flow control on, the tokenizer a ``token-producer`` names, the ``dataLayer`` sources, the
+    prefill header llm-d's disaggregation handlers set, whether the Inference Extension's
+    default profile was built, and the path a ``metrics-data-source`` polls. Raises
+    ConfigError naming the key for a configuration a Router refuses.
 
     >>> profile = {"name": "default", "plugins": [{"pluginRef": "kv-cache-scorer"}]}
     >>> info = config_info({"featureGates": ["flowControl"],
@@ -319,7 +322,8 @@ def _precise_wiring_message(wiring: PreciseWiring) -> str:
         "--kv-events-config (publisher zmq, enable_kv_cache_events), then pass Router a shared "
         "PrefixIndex fed by llmsched.integrations.KVEventSubscriber (endpoint "
         f"{wiring['zmq_endpoint']}, topics starting {wiring['topic_filter']!r}), or run "
-        "`llmsched serve`, which subscribes to each engine's kv_events. Until then only the "
+        "`llmsched serve`, which subscribes to each engine's kv_events (engines without one "
+        "publish to that endpoint, which it binds and splits by topic). Until then only the "
         "router's own records of routed requests reach the index."
     )
 
@@ -357,7 +361,9 @@ class Router:
     the ``llmsched`` logger and listed in :attr:`warnings`. With llm-d's precise prefix scorer
     and no ``index``, the Router warns what the caller must wire (KV events into a shared index);
     ``saturationDetector`` and ``featureGates`` configure flow control, which a bare Router has
-    none of: :func:`config_info` returns them for the caller (the gateway wires them).
+    none of: :func:`config_info` returns them for the caller (the gateway wires them). Likewise
+    a ``token-producer`` plugin names the tokenizer the caller must use (warned without
+    ``index``), and the prefill header of llm-d's disaggregation handlers is the gateway's.
 
     >>> router = Router(EndpointPool(["a"]), config="round-robin")
     >>> router.pick(tokens=[1, 2, 3]).endpoint
@@ -392,6 +398,19 @@ class Router:
         warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]
         if index is None and info["precise"] is not None:
             message = _precise_wiring_message(info["precise"])
+            warnings.append(message)
+            if message not in _LOGGED:
+                _LOGGED.add(message)
+                _warn(message)
+        tokenizer = info["tokenizer"]
+        if index is None and tokenizer is not None:
+            message = (
+                f"routing config {tokenizer['key']}: llm-d tokenizes each prompt with the "
+                f"tokenizer of {tokenizer['model']!r} before scoring; a Router is given tokens: "
+                "pass Router.pick(tokens=...) the ids of that tokenizer "
+                "(llmsched.tokenize.PromptTokenizer on its saved files), or run `llmsched serve`, "
+                "which tokenizes with its `tokenizer`"
+            )
             warnings.append(message)
             if message not in _LOGGED:
                 _LOGGED.add(message)

@@ -24,6 +24,8 @@ __all__ = [
     "CandidateInfo",
     "ConfigInfo",
     "ConfigNote",
+    "DataLayerInfo",
+    "DataLayerSource",
     "EndpointId",
     "EndpointInfo",
     "EndpointLoad",
@@ -37,16 +39,19 @@ __all__ = [
     "KVCacheEvent",
     "KVEventDict",
     "MetricsRead",
+    "MetricsSourceInfo",
     "PdNote",
     "PolicySpec",
     "PreciseWiring",
     "PreemptionConfig",
+    "PrefillHeader",
     "ProfileData",
     "ProfileRow",
     "ReportKey",
     "RequestInfo",
     "ResolvedBand",
     "SaturationThresholds",
+    "TokenizerWiring",
     "WaitHistogram",
     "WorkerId",
 ]
@@ -445,6 +450,45 @@ class SaturationThresholds(TypedDict):
     metrics_staleness_s: float | None
 
 
+class TokenizerWiring(TypedDict):
+    """llm-d's ``token-producer`` (earlier ``tokenizer``) plugin: prompts are tokenized with
+    ``model``'s tokenizer before scoring (the caller tokenizes; the gateway with its
+    ``tokenizer``, looked up from ``model`` in the local Hugging Face cache when not set)."""
+
+    key: str
+    model: str
+
+
+class DataLayerSource(TypedDict):
+    """One ``dataLayer`` source (a plugin name) and the plugins extracting from it."""
+
+    source: str
+    extractors: list[str]
+
+
+class DataLayerInfo(TypedDict):
+    """The ``dataLayer`` (or ``data``) section: its sources and ``injectDefaults``."""
+
+    sources: list[DataLayerSource]
+    inject_defaults: bool
+
+
+class PrefillHeader(TypedDict):
+    """The prefill header llm-d sets (``disagg-headers-handler``, or
+    ``disagg-profile-handler`` with a prefill decider); the gateway sets it (``pd``)."""
+
+    key: str
+    header: str
+
+
+class MetricsSourceInfo(TypedDict):
+    """The Inference Extension's ``metrics-data-source``: each endpoint's Prometheus metrics
+    are polled at ``path`` (the gateway's scraper, with the engines' ``metrics_path``)."""
+
+    key: str
+    path: str
+
+
 class ConfigInfo(TypedDict):
     """What a configuration asks of whoever runs the router (see :func:`config_info`)."""
 
@@ -454,3 +498,10 @@ class ConfigInfo(TypedDict):
     precise: PreciseWiring | None
     saturation: SaturationThresholds | None
     flow_control: bool
+    tokenizer: TokenizerWiring | None
+    data_layer: DataLayerInfo | None
+    prefill_header: PrefillHeader | None
+    default_profile: bool
+    """True when the config gives no ``schedulingProfiles`` and the Inference Extension's
+    default profile was built (every filter, scorer and picker declared)."""
+    metrics_source: MetricsSourceInfo | None

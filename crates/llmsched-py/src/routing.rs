@@ -434,6 +434,26 @@ impl PyRouter {
                 "metrics_staleness_s": s.metrics_staleness_s,
             })
         });
+        let tokenizer = c
+            .tokenizer
+            .as_ref()
+            .map(|(key, model)| serde_json::json!({"key": key, "model": model}));
+        let data_layer = c.data_layer.as_ref().map(|d| {
+            let sources: Vec<Value> = d
+                .sources
+                .iter()
+                .map(|s| serde_json::json!({"source": s.source, "extractors": s.extractors}))
+                .collect();
+            serde_json::json!({"sources": sources, "inject_defaults": d.inject_defaults})
+        });
+        let prefill_header = c
+            .prefill_header
+            .as_ref()
+            .map(|(key, header)| serde_json::json!({"key": key, "header": header}));
+        let metrics_source = c
+            .metrics_source
+            .as_ref()
+            .map(|(key, path)| serde_json::json!({"key": key, "path": path}));
         let info = serde_json::json!({
             "block_size": c.index_hints.block_size,
             "worker_capacity": c.index_hints.worker_capacity,
@@ -441,6 +461,11 @@ impl PyRouter {
             "precise": precise,
             "saturation": saturation,
             "flow_control": c.flow_control,
+            "tokenizer": tokenizer,
+            "data_layer": data_layer,
+            "prefill_header": prefill_header,
+            "default_profile": c.default_profile,
+            "metrics_source": metrics_source,
         });
         Ok(to_python(py, &info)?.unbind())
     }

@@ -51,7 +51,13 @@ from llmsched.errors import (
     UnknownWorkerError,
 )
 from llmsched.flow import FlowController, FlowRequest
-from llmsched.gateway.config import ApiKey, GatewayConfig, load_config, read_engines_file
+from llmsched.gateway.config import (
+    ApiKey,
+    GatewayConfig,
+    load_config,
+    read_engines_file,
+    wire_engines,
+)
 from llmsched.gateway.health import EngineHealth
 from llmsched.gateway.metrics import GatewayMetrics
 from llmsched.gateway.ratelimit import KeyLimiter, retry_after
@@ -417,6 +423,7 @@ class Gateway:
             specs[spec.worker_id] = spec
         if not specs:
             raise ConfigError("engines: must list at least one engine")
+        specs = {s.worker_id: s for s in wire_engines(self.config, specs.values())}
         added = [w for w in specs if w not in self._specs]
         removed = [w for w in self._specs if w not in specs]
         changed = [w for w in specs if w in self._specs and specs[w] != self._specs[w]]

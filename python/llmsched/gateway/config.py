@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import yaml
 from llmsched.config_loader import load_mapping, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
+from llmsched.types import ConfigInfo
 
 _log = logging.getLogger("llmsched")
 
@@ -322,7 +323,9 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     flow = raw.get("flow")
     if flow is not None and not isinstance(flow, Mapping):
         raise ConfigError("flow: must be a mapping or null")
-    block_size, flow = _wire_router(router, raw, block_size, flow, engines)
+    pd = _pd(_section(raw, "pd"))
+    wired = _wire_router(router, raw, block_size, flow, engines, models, tokenizer, pd)
+    block_size, flow, engines, tokenizer, pd = wired
     return GatewayConfig(
         engines=engines,
         models=models,
@@ -337,7 +340,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         timeouts=_timeouts(_section(raw, "timeouts")),
         health=_health(_section(raw, "health")),
         scrape=_scrape(_section(raw, "scrape")),
-        pd=_pd(_section(raw, "pd")),
+        pd=pd,
         slices=_slices(_section(raw, "slices")),
         discovery=discovery,
         admin=_admin(_section(raw, "admin")),
@@ -362,11 +365,18 @@ def _wire_router(
     block_size: int,
     flow: Mapping[str, Any] | None,
     engines: tuple[EngineSpec, ...],
-) -> tuple[int, dict[str, Any] | None]:
+    models: tuple[str, ...],
+    tokenizer: Path | None,
+    pd: PdConfig,
+) -> tuple[int, dict[str, Any] | None, tuple[EngineSpec, ...], Path | None, PdConfig]:
     """What an ``EndpointPickerConfig`` asks of the gateway: the index's block size (taken
     when ``block_size`` is not set, checked when it is), flow control (``featureGates:
     [flowControl]`` turns it on with llm-d's defaults; ``saturationDetector`` sets its
-    utilization thresholds) and the KV events a precise prefix scorer reads."""
+    utilization thresholds), the KV events a precise prefix scorer reads (engines without
+    their own ``kv_events`` publish to ``kvEventsConfig.zmqEndpoint``, one socket the gateway
+    binds and splits by topic), the tokenizer a ``token-producer`` names (found in the local
+    Hugging Face cache when ``tokenizer`` is not set) and the prefill header of llm-d's
+    disaggregation handlers (``pd`` turned on with it)."""
     from llmsched.routing import config_info
 
     try:
@@ -394,15 +404,22 @@ def _wire_router(
             )
         else:
             _merge_saturation(out, saturation)
+    engines = _wire_specs(engines, models, info)
+    metrics = info["metrics_source"]
+    scrape = raw.get("scrape") or {}
+    if metrics is not None and isinstance(scrape, Mapping) and scrape.get("enabled") is False:
+        raise ConfigError(
+            f"scrape.enabled: is false but the router config's {metrics['key']} "
+            "(metrics-data-source) polls the engines' metrics; remove one"
+        )
     precise = info["precise"]
     if precise is not None:
         without = [spec.worker_id for spec in engines if spec.kv_events is None]
         if without:
             _log.warning(
                 "router config %s: the precise prefix scorer reads KV events, but engines %s "
-                "list no kv_events endpoint (the gateway subscribes to each engine's publisher, "
-                "not to kvEventsConfig.zmqEndpoint %s); their caches are known only from "
-                "routed requests",
+                "list no kv_events endpoint and cannot publish to kvEventsConfig.zmqEndpoint "
+                "%s (see above); their caches are known only from routed requests",
                 precise["key"],
                 ", ".join(without),
                 precise["zmq_endpoint"],
@@ -416,7 +433,134 @@ def _wire_router(
                     spec.topic,
                     precise["topic_filter"],
                 )
-    return block_size, out
+    wanted_tokenizer = info["tokenizer"]
+    if wanted_tokenizer is not None and tokenizer is None:
+        tokenizer = _cached_tokenizer(wanted_tokenizer["model"])
+        if tokenizer is not None:
+            _log.info(
+                "router config %s: tokenizing with %r's tokenizer from %s",
+                wanted_tokenizer["key"],
+                wanted_tokenizer["model"],
+                tokenizer,
+            )
+        else:
+            _log.warning(
+                "router config %s: the token-producer tokenizes prompts with %r's tokenizer, "
+                "which is not in the local Hugging Face cache; set `tokenizer` to a directory "
+                "holding its tokenizer.json. Until then prompts are hashed as pseudo-tokens, "
+                "which never match the engines' KV events",
+                wanted_tokenizer["key"],
+                wanted_tokenizer["model"],
+            )
+    header = info["prefill_header"]
+    if header is not None:
+        section = raw.get("pd") or {}
+        if isinstance(section, Mapping) and section.get("enabled") is False:
+            raise ConfigError(
+                f"pd.enabled: is false but the router config's {header['key']} sets the "
+                f"prefill header {header['header']}; remove one"
+            )
+        if isinstance(section, Mapping) and "header" in section and pd.header != header["header"]:
+            raise ConfigError(
+                f"pd.header: is {pd.header!r} but the router config's {header['key']} sets "
+                f"{header['header']!r} (llm-d's routing sidecar reads it); give it once"
+            )
+        pd = PdConfig(enabled=True, header=header["header"])
+    return block_size, out, engines, tokenizer, pd
+
+
+def wire_engines(config: GatewayConfig, engines: Iterable[EngineSpec]) -> tuple[EngineSpec, ...]:
+    """``engines`` as the router config wires them (engines added later, by discovery or the
+    admin API, the way :func:`load_config` wired the first ones): with llm-d's precise prefix
+    scorer, an engine without ``kv_events`` publishes to ``kvEventsConfig.zmqEndpoint``."""
+    from llmsched.routing import config_info
+
+    return _wire_specs(tuple(engines), config.models, config_info(config.router))
+
+
+def _wire_specs(
+    engines: tuple[EngineSpec, ...], models: tuple[str, ...], info: ConfigInfo
+) -> tuple[EngineSpec, ...]:
+    """The engine specs as the router config asks: KV events to ``kvEventsConfig.zmqEndpoint``
+    for engines without their own, and a ``metrics-data-source``'s ``path`` as the metrics path
+    of engines that keep the default one."""
+    import dataclasses
+
+    metrics = info["metrics_source"]
+    if metrics is not None:
+        engines = tuple(
+            dataclasses.replace(spec, metrics_path=metrics["path"])
+            if spec.metrics_path == "/metrics"
+            else spec
+            for spec in engines
+        )
+    precise = info["precise"]
+    return engines if precise is None else _shared_kv_events(engines, models, precise)
+
+
+def _shared_kv_events(
+    engines: tuple[EngineSpec, ...], models: tuple[str, ...], precise: Mapping[str, Any]
+) -> tuple[EngineSpec, ...]:
+    """Engines without their own ``kv_events`` publish to ``kvEventsConfig.zmqEndpoint``, which
+    the gateway binds once for all of them (llm-d's layout: every vLLM pod connects there and
+    publishes as ``kv@<pod-ip>@<model>``); their topic, when not set, is that one, with the
+    engine's ``model`` or the gateway's only model. With ``discoverPods`` llm-d connects to
+    each pod instead, which here is an engine's own ``kv_events``."""
+    import dataclasses
+
+    if precise["discover_pods"]:
+        return engines
+    endpoint = precise["zmq_endpoint"]
+    out = []
+    for i, spec in enumerate(engines):
+        if spec.kv_events is not None:
+            out.append(spec)
+            continue
+        topic = spec.topic
+        model = spec.model or (models[0] if len(models) == 1 else None)
+        if not topic and model is None:
+            _log.warning(
+                "engines[%d] (%s): cannot publish to kvEventsConfig.zmqEndpoint %s: its topic "
+                "is llm-d's %s<pod-ip>@<model> but the engine names no model and the gateway "
+                "serves several; set the engine's topic (or model)",
+                i,
+                spec.worker_id,
+                endpoint,
+                precise["topic_filter"],
+            )
+            out.append(spec)
+            continue
+        if spec.dp_rank != 0:
+            _log.warning(
+                "engines[%d] (%s): data-parallel rank %d publishes on its own port; give it "
+                "its own kv_events",
+                i,
+                spec.worker_id,
+                spec.dp_rank,
+            )
+            out.append(spec)
+            continue
+        if not topic:
+            topic = f"{precise['topic_filter']}{spec.host}@{model}"
+        out.append(dataclasses.replace(spec, kv_events=endpoint, kv_events_bind=True, topic=topic))
+    return tuple(out)
+
+
+def _cached_tokenizer(model: str) -> Path | None:
+    """The newest snapshot directory of ``model`` in the local Hugging Face cache that holds a
+    ``tokenizer.json`` (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``);
+    None when there is none. Nothing is downloaded."""
+    hub = os.environ.get("HF_HUB_CACHE")
+    if hub is None:
+        home = os.environ.get("HF_HOME")
+        hub = os.path.join(home, "hub") if home else os.path.expanduser("~/.cache/huggingface/hub")
+    snapshots = Path(hub) / f"models--{model.replace('/', '--')}" / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    found = [d for d in snapshots.iterdir() if (d / "tokenizer.json").is_file()]
+    if not found:
+        return None
+    return max(found, key=lambda d: (d / "tokenizer.json").stat().st_mtime)
 
 
 def _json_copy(value: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,16 @@ One SUB socket per engine (one per data-parallel rank), each message three frame
 ``[topic, seq (8-byte big-endian), payload]``; each payload goes straight to
 :meth:`PrefixIndex.apply_vllm_events` (decoded and applied in Rust, no per-event Python objects).
 
+Engines that bind the same endpoint (a fixed port, as llm-d's ``kvEventsConfig.zmqEndpoint``
+``tcp://*:5557``, which every vLLM pod connects to) share one SUB socket: each message goes to
+the engine whose topic it carries (llm-d's engines publish as ``kv@<pod-ip>@<model>``), so
+every engine keeps its own sequence, replay socket and index worker. Such engines need
+distinct, non-empty topics; a message with a topic no engine has is counted in
+``topic_rejected``. On a shared socket a connection cannot be told apart by engine: its
+``connects`` and ``disconnects`` count in the totals only, a new connection asks every member's
+replay socket to catch up (with ``catch_up``), and an engine restart is recognised by its
+sequence alone (batch 0 again, or a fall of more than ``reorder_window``).
+
 Algorithm (per publisher; ``next`` = the sequence number expected next, ``highest`` = the
 highest live sequence number seen since the last restart):
 
@@ -187,9 +197,13 @@ class _Publisher:
     snapshot read by :meth:`KVEventSubscriber.worker_state` change under the owner's lock.
     """
 
-    def __init__(self, owner: KVEventSubscriber, spec: EngineSpec) -> None:
+    def __init__(
+        self, owner: KVEventSubscriber, spec: EngineSpec, group: _SharedSocket | None = None
+    ) -> None:
         self.owner = owner
         self.spec = spec
+        # The shared socket this engine's live stream arrives on (None: its own socket).
+        self.group = group
         self.worker = spec.worker_id
         self.topic = spec.topic.encode()
         self.sub: zmq.Socket[bytes] | None = None
@@ -214,8 +228,18 @@ class _Publisher:
 
     # -- sockets ------------------------------------------------------------------------------
 
+    def needs_open(self) -> bool:
+        """Whether :meth:`open` has sockets to (re)build."""
+        if self.group is None:
+            return self.sub is None
+        return self.dealer is None and self.spec.replay is not None
+
     def open(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         """Create and connect (or bind) the sockets; on failure count it and retry later."""
+        if self.group is not None:  # the live stream is the shared socket's
+            if self.spec.replay is not None:
+                self.dealer = self._new_dealer(ctx)
+            return
         endpoint = self.spec.kv_events
         assert endpoint is not None
         backoff_first, backoff_max = self.owner.backoff_s
@@ -567,6 +591,94 @@ class _Publisher:
         self.owner._count_batch(self, seq, report, replayed)
 
 
+class _SharedSocket:
+    """One bound SUB socket several engines publish to, split by topic."""
+
+    def __init__(self, owner: KVEventSubscriber, endpoint: str) -> None:
+        self.owner = owner
+        self.endpoint = endpoint
+        self.members: dict[bytes, _Publisher] = {}
+        self.sub: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None
+        self.bound: str | None = None
+        self.retry_at = 0.0
+        self.failures = 0
+
+    def open(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        backoff_first, backoff_max = self.owner.backoff_s
+        sub = ctx.socket(zmq.SUB)
+        monitor: zmq.Socket[bytes] | None = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, RCVHWM)
+            sub.setsockopt(zmq.RECONNECT_IVL, max(1, round(backoff_first * 1000)))
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, round(backoff_max * 1000)))
+            for topic in self.members:
+                sub.setsockopt(zmq.SUBSCRIBE, topic)
+            monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
+            sub.bind(self.endpoint)
+            self.bound = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            if monitor is not None:
+                monitor.close(linger=0)
+            sub.close(linger=0)
+            self._failed()
+            return
+        self.sub, self.monitor = sub, monitor
+        self.failures = 0
+
+    def close(self) -> None:
+        for sock in (self.monitor, self.sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self.sub = self.monitor = None
+
+    def _failed(self) -> None:
+        self.owner._bump_total("socket_errors")
+        backoff_first, backoff_max = self.owner.backoff_s
+        delay = min(backoff_max, backoff_first * 2**self.failures)
+        self.failures += 1
+        self.retry_at = time.monotonic() + delay
+
+    def fail(self) -> None:
+        self.close()
+        self._failed()
+
+    def drain_sub(self) -> None:
+        assert self.sub is not None
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = self.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            member = self.members.get(frames[0]) if frames else None
+            if member is None:
+                if len(frames) == 3 and len(frames[1]) == 8:
+                    self.owner._bump_total("topic_rejected")
+                else:
+                    self.owner._bump_total("decode_errors")
+                continue
+            member.on_live(frames)
+
+    def drain_monitor(self) -> None:
+        assert self.monitor is not None
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.owner._bump_total("connects")
+                for member in self.members.values():
+                    member.replay_failures = 0
+                    member.replay_retry_at = 0.0
+                    if self.owner.catch_up:
+                        member.request_catch_up()
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.owner._bump_total("disconnects")
+
+
 class KVEventSubscriber:
     """Keeps ``index`` current from the KV events of ``engines``.
 
@@ -636,18 +748,50 @@ class KVEventSubscriber:
         self.replay_backoff_s = (replay_first, replay_largest)
         self.catch_up = catch_up
         self._publishers: dict[str, _Publisher] = {}
+        self._shared: dict[str, _SharedSocket] = {}
         seen_endpoints: dict[str, str] = {}
-        for spec in engines:
+        listed = list(engines)
+        for spec in listed:
             if not isinstance(spec, EngineSpec):
                 raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+        # Engines binding the same fixed endpoint share one socket, split by topic.
+        binds: dict[str, list[EngineSpec]] = {}
+        for spec in listed:
+            if spec.kv_events is not None and spec.kv_events_bind and _fixed_port(spec.kv_events):
+                binds.setdefault(spec.kv_events, []).append(spec)
+        for endpoint, members in binds.items():
+            if len(members) > 1:
+                self._shared[endpoint] = _SharedSocket(self, endpoint)
+        for spec in listed:
             if spec.kv_events is None:
                 continue
             if spec.worker_id in self._publishers:
                 raise ConfigError(f"engine {spec.worker_id} is listed twice")
+            group = self._shared.get(spec.kv_events) if spec.kv_events_bind else None
+            if group is not None:
+                topic = spec.topic.encode()
+                if not topic:
+                    raise ConfigError(
+                        f"engine {spec.worker_id} binds the shared KV-event endpoint "
+                        f"{spec.kv_events} without a topic; engines sharing an endpoint are "
+                        "told apart by topic (vLLM's --kv-events-config topic, llm-d's "
+                        "kv@<pod-ip>@<model>)"
+                    )
+                if topic in group.members:
+                    raise ConfigError(
+                        f"engines {group.members[topic].worker} and {spec.worker_id} bind the "
+                        f"KV-event endpoint {spec.kv_events} with the same topic {spec.topic!r}; "
+                        "each needs its own"
+                    )
+                publisher = _Publisher(self, spec, group)
+                group.members[topic] = publisher
+                self._publishers[spec.worker_id] = publisher
+                continue
             if spec.kv_events in seen_endpoints and "*" not in spec.kv_events:
                 raise ConfigError(
                     f"engines {seen_endpoints[spec.kv_events]} and {spec.worker_id} share the "
-                    f"KV-event endpoint {spec.kv_events}; each publisher needs its own"
+                    f"KV-event endpoint {spec.kv_events}; each publisher needs its own (or the "
+                    "subscriber binds it: kv_events_bind, with a topic for each)"
                 )
             seen_endpoints[spec.kv_events] = spec.worker_id
             self._publishers[spec.worker_id] = _Publisher(self, spec)
@@ -661,6 +805,12 @@ class KVEventSubscriber:
         self._running = False
 
     # -- counters -----------------------------------------------------------------------------
+
+    def _bump_total(self, key: str, n: int = 1) -> None:
+        """A count no single engine owns (a shared socket's connections, foreign topics)."""
+        with self._lock:
+            self._totals[key] += n
+            self._changed.notify_all()
 
     def _bump(self, pub: _Publisher, key: str, n: int = 1) -> None:
         with self._lock:
@@ -727,9 +877,11 @@ class KVEventSubscriber:
             }
 
     def bound_endpoint(self, worker: str) -> str | None:
-        """The endpoint actually bound for ``worker`` (a ``*`` port resolved), once started;
-        None for an engine the subscriber connects to."""
-        return self._publisher(worker).bound
+        """The endpoint actually bound for ``worker`` (a ``*`` port resolved; the shared
+        socket's for an engine on one), once started; None for an engine the subscriber
+        connects to."""
+        pub = self._publisher(worker)
+        return pub.bound if pub.group is None else pub.group.bound
 
     def workers(self) -> list[str]:
         """The worker ids subscribed to."""
@@ -855,10 +1007,14 @@ class KVEventSubscriber:
 
     def _open_all(self) -> None:
         self._ctx = zmq.Context()
+        for group in self._shared.values():
+            group.open(self._ctx)
         for pub in self._publishers.values():
             pub.open(self._ctx)
 
     def _close_all(self) -> None:
+        for group in self._shared.values():
+            group.close()
         for pub in self._publishers.values():
             pub.close()
         if self._ctx is not None:
@@ -871,8 +1027,12 @@ class KVEventSubscriber:
         that waited too long into gaps, and return the sockets to poll."""
         now = time.monotonic()
         sockets: list[zmq.Socket[bytes]] = []
+        for group in self._shared.values():
+            if group.sub is None and now >= group.retry_at:
+                group.open(self._ctx_for_dealers())
+            sockets.extend(s for s in (group.sub, group.monitor) if s is not None)
         for pub in self._publishers.values():
-            if pub.sub is None and now >= pub.retry_at:
+            if pub.needs_open() and now >= pub.retry_at:
                 pub.open(self._ctx_for_dealers())
             pub.check_timers(now)
             sockets.extend(s for s in (pub.sub, pub.monitor, pub.dealer) if s is not None)
@@ -892,6 +1052,14 @@ class KVEventSubscriber:
                     pub.drain_sub()
             except zmq.ZMQError:
                 pub.fail()
+        for group in self._shared.values():
+            try:
+                if group.monitor is not None and group.monitor in ready:
+                    group.drain_monitor()
+                if group.sub is not None and group.sub in ready:
+                    group.drain_sub()
+            except zmq.ZMQError:
+                group.fail()
 
     def __repr__(self) -> str:
         c = self.counters()
@@ -899,6 +1067,12 @@ class KVEventSubscriber:
             f"KVEventSubscriber({len(self._publishers)} engines, batches={c['batches']}, "
             f"gaps={c['gaps']}, resyncs={c['resyncs']})"
         )
+
+
+def _fixed_port(endpoint: str) -> bool:
+    """Whether a bound endpoint names its port (``tcp://*:5557``), not ``*`` (any free port,
+    one socket per engine) or a non-TCP transport with its own path."""
+    return not endpoint.endswith(":*")
 
 
 def _check_backoff(name: str, backoff_s: object) -> tuple[float, float]:

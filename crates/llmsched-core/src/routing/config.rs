@@ -13,8 +13,10 @@
 //! ```
 //!
 //! A profile handler is one of the plugins; without one, a single profile runs. A profile with
-//! no picker gets a default `max-score-picker`. Every error names the offending key
-//! (`plugins[2].parameters.threshold`).
+//! no picker gets a default `max-score-picker`. Without `schedulingProfiles` (or with an empty
+//! list) the Inference Extension's default applies: one profile, `default`, running every
+//! filter, scorer (weight 1) and picker in the order the plugins are declared. Every error
+//! names the offending key (`plugins[2].parameters.threshold`).
 //!
 //! Sections of the file that configure other components are read for the caller, which wires
 //! them ([`RouterConfig::saturation`], [`RouterConfig::flow_control`]); sections llmsched has no
@@ -28,8 +30,9 @@ use hashbrown::HashMap;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+use super::data::{parse_data_layer, DataLayer, DataSpec, Feed, RefKind};
 use super::filters::decision_tree::{DecisionTreeFilter, TreeSpec};
-use super::handler::{DeciderRef, DeciderSpec, Handler, HandlerSpec};
+use super::handler::{DeciderRef, DeciderSpec, Handler, HandlerSpec, PREFILL_HEADER};
 use super::plugin::{Filter, IndexHints, Scorer};
 use super::profile::{NamedFilter, Profile, WeightedScorer};
 use super::registry::ParamError;
@@ -100,6 +103,17 @@ pub struct RouterConfig {
     pub saturation: Option<SaturationSpec>,
     /// `featureGates: [flowControl]`.
     pub flow_control: bool,
+    /// A `token-producer` (or `tokenizer`) plugin: its key and the model whose tokenizer it names.
+    pub tokenizer: Option<(String, String)>,
+    /// The `dataLayer` (or `data`) section.
+    pub data_layer: Option<DataLayer>,
+    /// The prefill header llm-d sets (`disagg-headers-handler`, or `disagg-profile-handler`
+    /// with a prefill decider), with the key of the plugin that asks for it.
+    pub prefill_header: Option<(String, &'static str)>,
+    /// Whether the profiles came from the Inference Extension's implicit default.
+    pub default_profile: bool,
+    /// A `metrics-data-source`: its key and the metrics path it polls.
+    pub metrics_source: Option<(String, String)>,
 }
 
 impl RouterConfig {
@@ -108,8 +122,16 @@ impl RouterConfig {
     }
 }
 
-const TOP_LEVEL: &[&str] =
-    &["apiVersion", "kind", "plugins", "schedulingProfiles", "featureGates", "saturationDetector"];
+const TOP_LEVEL: &[&str] = &[
+    "apiVersion",
+    "kind",
+    "plugins",
+    "schedulingProfiles",
+    "featureGates",
+    "saturationDetector",
+    "dataLayer",
+    "data",
+];
 
 /// Sections of the peers' file with no counterpart here, and what to use instead.
 const REFUSED: &[(&str, &str)] = &[
@@ -118,37 +140,20 @@ const REFUSED: &[(&str, &str)] = &[
         "is not read here: configure flow control in the gateway's `flow` section (or \
          FlowController); `featureGates: [flowControl]` turns it on with llm-d's defaults",
     ),
-    (
-        "data",
-        "is not supported: endpoint metrics come from the gateway's scraper (`scrape`) or \
-         EndpointPool.update, KV-cache state from KV events into the PrefixIndex",
-    ),
-    (
-        "dataLayer",
-        "is not supported: endpoint metrics come from the gateway's scraper (`scrape`) or \
-         EndpointPool.update, KV-cache state from KV events into the PrefixIndex",
-    ),
+    ("parser", "is not read here: the gateway parses OpenAI completions and chat completions"),
 ];
 
 /// Plugin types of llm-d or the Inference Extension with no counterpart here, and why.
 const REFUSED_TYPES: &[(&str, &str)] = &[
     (
-        "tokenizer",
-        "is not a plugin here: the caller tokenizes the prompt (the gateway's `tokenizer`) and \
-         passes the tokens to Router.pick",
+        "k8s-notification-source",
+        "is not supported: llmsched watches no Kubernetes objects; engines come from the \
+         gateway's `engines` or its discovery file",
     ),
     (
-        "endpoint-notification-source",
-        "is not a plugin here: endpoints are added and removed through EndpointPool (the \
-         gateway's `engines` or discovery file)",
-    ),
-    (
-        "disagg-profile-handler",
-        "is not supported under this name: use pd-profile-handler with deciderPluginName",
-    ),
-    (
-        "disagg-headers-handler",
-        "is not a plugin here: the gateway sets the prefill header (`pd.header`)",
+        "always-disagg-multimodal-decider",
+        "is not supported: encode disaggregation (multimodal encoder endpoints) is not; the \
+         decode and prefill stages are",
     ),
 ];
 
@@ -161,6 +166,9 @@ const NO_EFFECT_PARAMS: &[(&str, &str, &str)] = &[(
 
 struct Instance {
     key: String,
+    name: String,
+    /// The parameters as written, to name the key a user wrote in later errors.
+    params: Value,
     plugin: Plugin,
 }
 
@@ -188,10 +196,17 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
     }
     let (names, mut instances) = parse_plugins(top.get("plugins"), registry, &mut notes)?;
     resolve_trees(&mut instances, &names)?;
-    let profile_values = array(top.get("schedulingProfiles"), "schedulingProfiles")?;
-    if profile_values.is_empty() {
-        return Err(ConfigError::new("schedulingProfiles", "needs at least one profile"));
-    }
+    let data_layer = parse_data_section(top, &names, &instances, &mut notes)?;
+    let given = top.get("schedulingProfiles").filter(|v| !v.as_array().is_some_and(Vec::is_empty));
+    let default_profile = given.is_none();
+    let implicit;
+    let profile_values = match given {
+        Some(v) => array(Some(v), "schedulingProfiles")?,
+        None => {
+            implicit = self::default_profile(&instances, &mut notes)?;
+            std::slice::from_ref(&implicit)
+        }
+    };
     let mut profiles = Vec::new();
     for (i, pv) in profile_values.iter().enumerate() {
         let profile = parse_profile(pv, &format!("schedulingProfiles[{i}]"), &names, &instances)?;
@@ -203,7 +218,18 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
         }
         profiles.push(profile);
     }
-    let handler = resolve_handler(&instances, &names, &profiles)?;
+    let handler = resolve_handler(&instances, &names, &profiles, &mut notes)?;
+    let prefill_header = prefill_header(&instances, &profiles, &handler, &mut notes);
+    let tokenizer = instances.iter().find_map(|inst| match &inst.plugin {
+        Plugin::Data(DataSpec::Tokenizer { model, .. }) => Some((inst.key.clone(), model.clone())),
+        _ => None,
+    });
+    let metrics_source = instances.iter().find_map(|inst| match &inst.plugin {
+        Plugin::Data(DataSpec::MetricsSource { path, .. }) => {
+            Some((inst.key.clone(), path.clone()))
+        }
+        _ => None,
+    });
     let mut scorers: Vec<Arc<dyn Scorer>> = Vec::new();
     let mut index_hints = IndexHints::default();
     let mut block_size_key = None;
@@ -255,7 +281,124 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
         precise,
         saturation,
         flow_control,
+        tokenizer,
+        data_layer,
+        prefill_header,
+        default_profile,
+        metrics_source,
     })
+}
+
+/// The `dataLayer` section (or the Extension's `data`), checked against the plugins.
+fn parse_data_section(
+    top: &Map<String, Value>,
+    names: &HashMap<String, usize>,
+    instances: &[Instance],
+    notes: &mut Vec<ConfigNote>,
+) -> Result<Option<DataLayer>, ConfigError> {
+    let at = match (top.contains_key("dataLayer"), top.contains_key("data")) {
+        (false, false) => return Ok(None),
+        (true, true) => {
+            return Err(ConfigError::new("data", "give either dataLayer or data, not both"));
+        }
+        (true, false) => "dataLayer",
+        (false, true) => "data",
+    };
+    let kinds: Vec<RefKind<'static>> = instances
+        .iter()
+        .map(|inst| match (&inst.plugin, inst.plugin.data_feed()) {
+            (_, Some(feed)) => RefKind::Source(feed),
+            (Plugin::Data(DataSpec::MetricsExtractor { .. }), _) => {
+                RefKind::Extractor(Feed::Metrics)
+            }
+            (Plugin::Scorer(s), _) if s.precise().is_some() => RefKind::Extractor(Feed::Endpoints),
+            (other, _) => RefKind::Other(other.kind()),
+        })
+        .collect();
+    let lookup = |name: &str| names.get(name).map_or(RefKind::Missing, |&i| kinds[i]);
+    let layer = parse_data_layer(&top[at], at, &lookup).map_err(|(k, m)| ConfigError::new(k, m))?;
+    if !layer.inject_defaults {
+        notes.push(ConfigNote {
+            key: format!("{at}.injectDefaults"),
+            message: "has no effect: endpoint metrics come from the gateway's scraper \
+                      (`scrape.enabled`) or EndpointPool.update"
+                .to_string(),
+        });
+    }
+    Ok(Some(layer))
+}
+
+/// The Inference Extension's implicit profile: every filter, scorer and picker, in the order
+/// the plugins are declared (scorers at weight 1; a second picker is refused as in any profile).
+fn default_profile(
+    instances: &[Instance],
+    notes: &mut Vec<ConfigNote>,
+) -> Result<Value, ConfigError> {
+    let mut pickers = instances.iter().filter(|i| matches!(i.plugin, Plugin::Picker(_)));
+    if let (Some(first), Some(second)) = (pickers.next(), pickers.next()) {
+        return Err(ConfigError::new(
+            second.key.clone(),
+            format!(
+                "a second picker: without schedulingProfiles the default profile takes every \
+                 picker declared, and a profile takes one ({:?} is the first)",
+                first.name
+            ),
+        ));
+    }
+    let refs: Vec<Value> = instances
+        .iter()
+        .filter(|inst| {
+            matches!(inst.plugin, Plugin::Filter(_) | Plugin::Scorer(_) | Plugin::Picker(_))
+        })
+        .map(|inst| serde_json::json!({"pluginRef": inst.name}))
+        .collect();
+    let listed: Vec<&str> = refs.iter().filter_map(|r| r["pluginRef"].as_str()).collect();
+    notes.push(ConfigNote {
+        key: "schedulingProfiles".to_string(),
+        message: format!(
+            "not given: the Inference Extension's default profile \"default\" runs every \
+             filter, scorer (weight 1) and picker declared: {}",
+            if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+        ),
+    });
+    Ok(serde_json::json!({"name": "default", "plugins": refs}))
+}
+
+/// The prefill header llm-d would set, and notes for a headers plugin that never sets it.
+fn prefill_header(
+    instances: &[Instance],
+    profiles: &[Profile],
+    handler: &Handler,
+    notes: &mut Vec<ConfigNote>,
+) -> Option<(String, &'static str)> {
+    let prefill = match handler {
+        Handler::Pd { prefill, .. } => Some(*prefill),
+        Handler::Single { .. } => None,
+    };
+    let mut header = None;
+    for inst in instances {
+        match &inst.plugin {
+            Plugin::Headers(h) => {
+                if prefill.is_some_and(|p| profiles[p].name == h.prefill_profile) {
+                    header = header.or(Some((inst.key.clone(), PREFILL_HEADER)));
+                } else {
+                    notes.push(ConfigNote {
+                        key: inst.key.clone(),
+                        message: format!(
+                            "has no effect: the profile handler never runs a prefill profile \
+                             named {:?}, so there is no prefill endpoint for {PREFILL_HEADER}",
+                            h.prefill_profile
+                        ),
+                    });
+                }
+            }
+            Plugin::Handler(HandlerSpec::Disagg { .. }) if prefill.is_some() => {
+                header = header.or(Some((inst.key.clone(), PREFILL_HEADER)));
+            }
+            _ => {}
+        }
+    }
+    header
 }
 
 fn parse_gates(v: Option<&Value>, notes: &mut Vec<ConfigNote>) -> Result<bool, ConfigError> {
@@ -505,13 +648,25 @@ fn parse_plugins(
             };
             ConfigError::new(key, e.message)
         })?;
+        let spec_notes = match &plugin {
+            Plugin::Data(d) => d.notes(),
+            Plugin::Handler(HandlerSpec::Disagg { notes, .. })
+            | Plugin::Headers(super::handler::HeadersSpec { notes, .. }) => notes.as_slice(),
+            _ => &[],
+        };
+        for (path, message) in spec_notes {
+            notes.push(ConfigNote {
+                key: format!("{at}.parameters.{path}"),
+                message: message.clone(),
+            });
+        }
         if names.insert(name.clone(), instances.len()).is_some() {
             return Err(ConfigError::new(
                 format!("{at}.name"),
                 format!("duplicate plugin name {name:?}"),
             ));
         }
-        instances.push(Instance { key: at, plugin });
+        instances.push(Instance { key: at, name, params: params.clone(), plugin });
     }
     Ok((names, instances))
 }
@@ -580,7 +735,10 @@ fn parse_profile(
                 profile.picker_name = plugin_ref.to_string();
             }
             Plugin::Tree(_) => unreachable!("trees are built before profiles"),
-            Plugin::Handler(_) | Plugin::Decider(_) => {
+            // As in the Extension, a profile assigns only filters, scorers and a picker; a
+            // data producer listed there (llm-d's samples list the tokenizer) takes no slot.
+            Plugin::Data(_) => {}
+            Plugin::Handler(_) | Plugin::Decider(_) | Plugin::Headers(_) => {
                 return Err(ConfigError::new(
                     ref_key,
                     format!("a {} belongs in plugins, not in a profile", plugin.kind()),
@@ -594,10 +752,31 @@ fn parse_profile(
     Ok(profile)
 }
 
+fn resolve_decider(
+    instances: &[Instance],
+    names: &HashMap<String, usize>,
+    name: &str,
+    key: String,
+) -> Result<DeciderSpec, ConfigError> {
+    match names.get(name).map(|&i| &instances[i].plugin) {
+        Some(Plugin::Decider(spec)) => Ok(*spec),
+        Some(other) => {
+            Err(ConfigError::new(key, format!("{name:?} is a {}, not a decider", other.kind())))
+        }
+        None => Err(ConfigError::new(key, format!("no plugin named {name:?}"))),
+    }
+}
+
+/// The raw `parameters` of the plugin at `key`, to name the key a user wrote.
+fn params_object<'a>(instances: &'a [Instance], key: &str) -> Option<&'a Map<String, Value>> {
+    instances.iter().find(|i| i.key == key).and_then(|i| i.params.as_object())
+}
+
 fn resolve_handler(
     instances: &[Instance],
     names: &HashMap<String, usize>,
     profiles: &[Profile],
+    notes: &mut Vec<ConfigNote>,
 ) -> Result<Handler, ConfigError> {
     let handlers: Vec<&Instance> =
         instances.iter().filter(|i| matches!(i.plugin, Plugin::Handler(_))).collect();
@@ -625,29 +804,71 @@ fn resolve_handler(
         Some(Instance {
             key,
             plugin: Plugin::Handler(HandlerSpec::Pd { decode_profile, prefill_profile, decider }),
+            ..
         }) => {
             let decode = profile(decode_profile, format!("{key}.parameters.decodeProfile"))?;
             let prefill = profile(prefill_profile, format!("{key}.parameters.prefillProfile"))?;
             let decider = match decider {
                 DeciderRef::Inline(spec) => *spec,
-                DeciderRef::Plugin(name) => {
-                    let dkey = format!("{key}.parameters.deciderPluginName");
-                    match names.get(name).map(|&i| &instances[i].plugin) {
-                        Some(Plugin::Decider(spec)) => *spec,
-                        Some(other) => {
-                            return Err(ConfigError::new(
-                                dkey,
-                                format!("{name:?} is a {}, not a decider", other.kind()),
-                            ))
-                        }
-                        None => {
-                            return Err(ConfigError::new(dkey, format!("no plugin named {name:?}")))
-                        }
-                    }
-                }
+                DeciderRef::Plugin(name) => resolve_decider(
+                    instances,
+                    names,
+                    name,
+                    format!("{key}.parameters.deciderPluginName"),
+                )?,
             };
-            let _: DeciderSpec = decider;
             Ok(Handler::Pd { decode, prefill, decider })
+        }
+        Some(Instance {
+            key,
+            plugin:
+                Plugin::Handler(HandlerSpec::Disagg {
+                    decode_profile, prefill_profile, decider, ..
+                }),
+            ..
+        }) => {
+            let params = params_object(instances, key);
+            let at = |nested: &str, flat: &str| {
+                let flat_given = params.is_some_and(|p| p.contains_key(flat));
+                format!("{key}.parameters.{}", if flat_given { flat } else { nested })
+            };
+            let decode = profile(decode_profile, at("profiles.decode", "decodeProfile"))?;
+            let prefill_at = profiles.iter().position(|p| &p.name == prefill_profile);
+            let Some(name) = decider else {
+                if let Some(p) = prefill_at {
+                    notes.push(ConfigNote {
+                        key: format!("{key}.parameters"),
+                        message: format!(
+                            "has no prefill decider (deciders.prefill): the profile {:?} never \
+                             runs and every request is served by the decode profile alone",
+                            profiles[p].name
+                        ),
+                    });
+                }
+                return Ok(Handler::Single { profile: decode });
+            };
+            let dkey = if params.is_some_and(|p| p.contains_key("deciders")) {
+                format!("{key}.parameters.deciders.prefill")
+            } else if params.is_some_and(|p| p.contains_key("prefillDeciderPluginName")) {
+                format!("{key}.parameters.prefillDeciderPluginName")
+            } else {
+                format!("{key}.parameters.deciderPluginName")
+            };
+            let spec = resolve_decider(instances, names, name, dkey)?;
+            match prefill_at {
+                Some(prefill) => Ok(Handler::Pd { decode, prefill, decider: spec }),
+                None => {
+                    notes.push(ConfigNote {
+                        key: at("profiles.prefill", "prefillProfile"),
+                        message: format!(
+                            "names no scheduling profile ({prefill_profile:?}): the prefill \
+                             stage never runs and every request is served by the decode profile \
+                             alone"
+                        ),
+                    });
+                    Ok(Handler::Single { profile: decode })
+                }
+            }
         }
         Some(_) => unreachable!("filtered to handlers"),
     }
@@ -715,8 +936,8 @@ mod tests {
                 "plugins[1].name",
             ),
             (
-                json!({"plugins": [{"type": "queue-scorer"}], "schedulingProfiles": []}),
-                "schedulingProfiles",
+                json!({"plugins": [{"type": "random-picker"}, {"type": "max-score-picker"}]}),
+                "plugins[1]",
             ),
             (
                 json!({"plugins": [{"type": "queue-scorer"}], "schedulingProfiles": [{"name": "a", "plugins": [{"pluginRef": "missing"}]}]}),
@@ -904,13 +1125,20 @@ mod tests {
             ),
             (with("saturationDetector", json!({"queueDepth": 1})), "saturationDetector.queueDepth"),
             (with("flowControl", json!({})), "flowControl"),
-            (with("data", json!({})), "data"),
-            (with("dataLayer", json!({})), "dataLayer"),
+            (with("parser", json!({})), "parser"),
+            (with("dataLayer", json!({"discovery": {"pluginRef": "x"}})), "dataLayer.discovery"),
         ];
         for (v, key) in refused {
             assert_eq!(err(v).key, key);
         }
-        assert!(err(with("data", json!({}))).message.contains("scrape"));
+        let mut both = with("data", json!({}));
+        both.as_object_mut().unwrap().insert("dataLayer".into(), json!({}));
+        assert_eq!(err(both).key, "data");
+        assert!(err(with("flowControl", json!({}))).message.contains("`flow`"));
+        let c =
+            parse(&with("data", json!({"injectDefaults": false})), &Registry::builtin()).unwrap();
+        assert_eq!(c.data_layer, Some(DataLayer { sources: vec![], inject_defaults: false }));
+        assert_eq!(c.notes[0].key, "data.injectDefaults");
     }
 
     #[test]
@@ -946,5 +1174,145 @@ mod tests {
         assert_eq!((spec.block_size, spec.vllm_seed.as_str()), (64, "42"));
         assert_eq!(c.index_hints.block_size, Some(64));
         assert_eq!(c.notes[0].key, "plugins[0].parameters.indexerConfig.tokenizersPoolConfig");
+    }
+
+    #[test]
+    fn implicit_default_profile_takes_every_filter_scorer_and_picker() {
+        let v = json!({"plugins": [
+            {"type": "queue-scorer"}, {"type": "decode-filter"}, {"type": "single-profile-handler"},
+            {"type": "token-producer", "parameters": {"modelName": "m"}},
+            {"type": "kv-cache-utilization-scorer"}, {"type": "random-picker"}
+        ]});
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert!(c.default_profile);
+        let p = &c.profiles[0];
+        assert_eq!(p.name, "default");
+        assert_eq!(
+            p.filters.iter().map(|f| f.name.as_str()).collect::<Vec<_>>(),
+            ["decode-filter"]
+        );
+        let scorers: Vec<(&str, f64)> =
+            p.scorers.iter().map(|s| (s.name.as_str(), s.weight)).collect();
+        assert_eq!(scorers, [("queue-scorer", 1.0), ("kv-cache-utilization-scorer", 1.0)]);
+        assert_eq!(p.picker_name, "random-picker");
+        assert_eq!(c.tokenizer, Some(("plugins[3]".to_string(), "m".to_string())));
+        assert!(c.notes.iter().any(|n| n.key == "schedulingProfiles"));
+        // An empty list is the same as none; no picker gets max-score-picker.
+        let v = json!({"plugins": [{"type": "queue-scorer"}], "schedulingProfiles": []});
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!(c.profiles[0].picker_name, "max-score-picker");
+    }
+
+    fn disagg(params: Value, profiles: &[&str]) -> Result<RouterConfig, ConfigError> {
+        let profiles: Vec<Value> =
+            profiles.iter().map(|n| json!({"name": n, "plugins": []})).collect();
+        parse(
+            &json!({"plugins": [
+                {"type": "prefix-based-pd-decider", "name": "d", "parameters": {"nonCachedTokens": 16}},
+                {"type": "disagg-headers-handler"},
+                {"type": "disagg-profile-handler", "parameters": params}],
+                "schedulingProfiles": profiles}),
+            &Registry::builtin(),
+        )
+    }
+
+    #[test]
+    fn disagg_handler_resolves_like_llm_d() {
+        let pd = |decode, prefill| Handler::Pd {
+            decode,
+            prefill,
+            decider: DeciderSpec::PrefixBased { non_cached_tokens: 16 },
+        };
+        let c = disagg(json!({"deciders": {"prefill": "d"}}), &["prefill", "decode"]).unwrap();
+        assert_eq!(c.handler, pd(1, 0));
+        assert_eq!(c.prefill_header, Some(("plugins[1]".to_string(), "x-prefiller-host-port")));
+        // Without a prefill decider only the decode profile runs (noted); no header is set.
+        let c = disagg(Value::Null, &["prefill", "decode"]).unwrap();
+        assert_eq!(c.handler, Handler::Single { profile: 1 });
+        assert!(c.notes.iter().any(|n| n.key == "plugins[2].parameters"));
+        assert!(c.notes.iter().any(|n| n.key == "plugins[1]"));
+        assert_eq!(c.prefill_header, None);
+        // Earlier flat names, read with a note each; custom profile names.
+        let c = disagg(
+            json!({"decodeProfile": "d1", "prefillProfile": "p1", "deciderPluginName": "d"}),
+            &["p1", "d1"],
+        )
+        .unwrap();
+        assert_eq!(c.handler, pd(1, 0));
+        let keys: Vec<&str> = c.notes.iter().map(|n| n.key.as_str()).collect();
+        assert!(keys.contains(&"plugins[2].parameters.deciderPluginName"), "{keys:?}");
+        // Earlier names of the headers handler and llm-d's always-split decider.
+        let c = parse(
+            &json!({"plugins": [
+                {"type": "always-disagg-pd-decider", "name": "d"},
+                {"type": "prefill-header-handler"},
+                {"type": "disagg-profile-handler", "parameters": {"deciders": {"prefill": "d"}}}],
+                "schedulingProfiles": [{"name": "decode", "plugins": []}, {"name": "prefill", "plugins": []}]}),
+            &Registry::builtin(),
+        )
+        .unwrap();
+        assert_eq!(
+            c.handler,
+            Handler::Pd {
+                decode: 0,
+                prefill: 1,
+                decider: DeciderSpec::PrefixBased { non_cached_tokens: 0 }
+            }
+        );
+        assert_eq!(c.notes[0].key, "plugins[1].type");
+        // A data producer in a profile takes no slot and no weight.
+        let v = single(
+            json!([{"type": "token-producer", "parameters": {"modelName": "m"}}, {"type": "queue-scorer"}]),
+            json!([{"pluginRef": "token-producer"}, {"pluginRef": "queue-scorer"}]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!((c.profiles[0].filters.len(), c.profiles[0].scorers.len()), (0, 1));
+        let v = single(
+            json!([{"type": "token-producer", "parameters": {"modelName": "m"}}]),
+            json!([{"pluginRef": "token-producer", "weight": 2}]),
+        );
+        assert_eq!(err(v).key, "schedulingProfiles[0].plugins[0].weight");
+        // No prefill profile: decode alone, noted at the profile name.
+        let c = disagg(json!({"deciders": {"prefill": "d"}}), &["decode"]).unwrap();
+        assert_eq!(c.handler, Handler::Single { profile: 0 });
+        assert!(c.notes.iter().any(|n| n.key == "plugins[2].parameters.profiles.prefill"));
+        for (params, profiles, key) in [
+            (
+                json!({"deciders": {"prefill": "d"}, "decodeProfile": "x"}),
+                &["decode"][..],
+                "plugins[2].parameters.decodeProfile",
+            ),
+            (
+                json!({"deciders": {"encode": "d"}}),
+                &["decode"],
+                "plugins[2].parameters.deciders.encode",
+            ),
+            (
+                json!({"deciders": {"prefill": "nope"}}),
+                &["decode", "prefill"],
+                "plugins[2].parameters.deciders.prefill",
+            ),
+            (
+                json!({"prefillDeciderPluginName": "plugins"}),
+                &["decode", "prefill"],
+                "plugins[2].parameters.prefillDeciderPluginName",
+            ),
+            (
+                json!({"profiles": {"decode": "x"}}),
+                &["decode"],
+                "plugins[2].parameters.profiles.decode",
+            ),
+            (
+                json!({"profiles": {"decode": "a", "prefill": "a"}}),
+                &["a"],
+                "plugins[2].parameters.profiles.prefill",
+            ),
+        ] {
+            let e = match disagg(params.clone(), profiles) {
+                Err(e) => e,
+                Ok(_) => panic!("accepted {params}"),
+            };
+            assert_eq!(e.key, key, "{params} -> {e}");
+        }
     }
 }

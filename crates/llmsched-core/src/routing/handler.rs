@@ -10,6 +10,17 @@
 //!   endpoint's queue plus `queueMargin` (default 0). Otherwise the decode endpoint prefills.
 //!
 //! A prefill profile that finds no endpoint means no split, not an error.
+//!
+//! `disagg-profile-handler` is llm-d's current handler: the decode profile always runs; the
+//! prefill profile runs when a prefill decider is configured (`deciders.prefill`), the profile
+//! exists and the decider says so. Without a prefill decider it runs the decode profile alone.
+//! Its earlier flat parameters (`decodeProfile`, `prefillProfile`, `prefillDeciderPluginName`,
+//! `deciderPluginName`) are read with a note naming the current ones; mixing both is an error.
+//! Encode disaggregation (`deciders.encode`, multimodal encoders) is refused by name.
+//!
+//! `disagg-headers-handler` (earlier `prefill-header-handler`) sets llm-d's prefill header
+//! (`x-prefiller-host-port`) from the prefill profile's choice; the gateway sets it
+//! (`pd.header`). llm-d's current `disagg-profile-handler` sets it too.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -21,7 +32,30 @@ use super::registry::{check_range, decode, ParamError, Plugin};
 #[derive(Debug, Clone, PartialEq)]
 pub enum HandlerSpec {
     Single,
-    Pd { decode_profile: String, prefill_profile: String, decider: DeciderRef },
+    Pd {
+        decode_profile: String,
+        prefill_profile: String,
+        decider: DeciderRef,
+    },
+    /// llm-d's `disagg-profile-handler`: no decider means the decode profile alone; `notes`
+    /// are earlier parameter names read (path under `parameters`, message).
+    Disagg {
+        decode_profile: String,
+        prefill_profile: String,
+        decider: Option<String>,
+        notes: Vec<(String, String)>,
+    },
+}
+
+/// llm-d's prefill header.
+pub const PREFILL_HEADER: &str = "x-prefiller-host-port";
+
+/// `disagg-headers-handler`: the profile whose choice goes into [`PREFILL_HEADER`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadersSpec {
+    pub prefill_profile: String,
+    /// Parameters read without effect (path under `parameters`, why).
+    pub notes: Vec<(String, String)>,
 }
 
 /// How a P/D handler names its decider.
@@ -125,6 +159,139 @@ pub fn pd_factory(params: &Value) -> Result<Plugin, ParamError> {
         prefill_profile: p.prefill_profile,
         decider,
     }))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct DisaggProfiles {
+    decode: Option<String>,
+    prefill: Option<String>,
+    encode: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct DisaggDeciders {
+    prefill: Option<String>,
+    encode: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct DisaggParams {
+    profiles: Option<DisaggProfiles>,
+    deciders: Option<DisaggDeciders>,
+    // Earlier flat names.
+    decode_profile: Option<String>,
+    prefill_profile: Option<String>,
+    encode_profile: Option<String>,
+    prefill_decider_plugin_name: Option<String>,
+    encode_decider_plugin_name: Option<String>,
+    decider_plugin_name: Option<String>,
+}
+
+const ENCODE_REFUSED: &str = "encode disaggregation (multimodal encoder endpoints) is not \
+                              supported; the decode and prefill stages are";
+
+/// `disagg-profile-handler`: `profiles.decode` / `prefill` / `encode` (defaults "decode",
+/// "prefill", "encode"), `deciders.prefill`, and the earlier flat names.
+pub fn disagg_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let p: DisaggParams = decode(params)?;
+    let flat = [
+        ("decodeProfile", p.decode_profile.is_some()),
+        ("prefillProfile", p.prefill_profile.is_some()),
+        ("encodeProfile", p.encode_profile.is_some()),
+        ("prefillDeciderPluginName", p.prefill_decider_plugin_name.is_some()),
+        ("encodeDeciderPluginName", p.encode_decider_plugin_name.is_some()),
+        ("deciderPluginName", p.decider_plugin_name.is_some()),
+    ];
+    let nested = p.profiles.is_some() || p.deciders.is_some();
+    if let (true, Some((name, _))) = (nested, flat.iter().find(|(_, set)| *set)) {
+        return Err(ParamError::new(
+            name,
+            "is an earlier flat parameter; give either profiles / deciders or the flat \
+             parameters, not both",
+        ));
+    }
+    let profiles = p.profiles.unwrap_or_default();
+    let deciders = p.deciders.unwrap_or_default();
+    let mut notes = Vec::new();
+    let current = |flat: &str| match flat {
+        "decodeProfile" => "profiles.decode",
+        "prefillProfile" => "profiles.prefill",
+        "encodeProfile" => "profiles.encode",
+        "encodeDeciderPluginName" => "deciders.encode",
+        _ => "deciders.prefill",
+    };
+    for (name, set) in flat {
+        if set {
+            notes.push((
+                name.to_string(),
+                format!("is an earlier name: read as {}, its current name", current(name)),
+            ));
+        }
+    }
+    if deciders.encode.is_some() {
+        return Err(ParamError::new("deciders.encode", ENCODE_REFUSED));
+    }
+    if p.encode_decider_plugin_name.is_some() {
+        return Err(ParamError::new("encodeDeciderPluginName", ENCODE_REFUSED));
+    }
+    if profiles.encode.is_some() {
+        notes.push(("profiles.encode".into(), format!("has no effect: {ENCODE_REFUSED}")));
+    }
+    if p.encode_profile.is_some() {
+        notes.push(("encodeProfile".into(), format!("has no effect: {ENCODE_REFUSED}")));
+    }
+    let decode_profile =
+        profiles.decode.or(p.decode_profile).unwrap_or_else(|| "decode".to_string());
+    let prefill_profile =
+        profiles.prefill.or(p.prefill_profile).unwrap_or_else(|| "prefill".to_string());
+    // The prefill decider's earlier names: prefillDeciderPluginName wins over deciderPluginName.
+    let decider = deciders.prefill.or(p.prefill_decider_plugin_name).or(p.decider_plugin_name);
+    if decode_profile.is_empty() || prefill_profile.is_empty() {
+        return Err(ParamError::new("profiles", "profile names must not be empty"));
+    }
+    if decode_profile == prefill_profile {
+        return Err(ParamError::new("profiles.prefill", "must differ from profiles.decode"));
+    }
+    Ok(Plugin::Handler(HandlerSpec::Disagg { decode_profile, prefill_profile, decider, notes }))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct HeadersParams {
+    prefill_profile: String,
+    encode_profile: Option<String>,
+}
+
+impl Default for HeadersParams {
+    fn default() -> Self {
+        HeadersParams { prefill_profile: "prefill".into(), encode_profile: None }
+    }
+}
+
+/// `disagg-headers-handler` / `prefill-header-handler`: `prefillProfile` (default
+/// "prefill"), `encodeProfile` (accepted without effect).
+pub fn headers_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let p: HeadersParams = decode(params)?;
+    if p.prefill_profile.is_empty() {
+        return Err(ParamError::new("prefillProfile", "must not be empty"));
+    }
+    let mut notes = Vec::new();
+    if p.encode_profile.is_some() {
+        notes.push(("encodeProfile".to_string(), format!("has no effect: {ENCODE_REFUSED}")));
+    }
+    Ok(Plugin::Headers(HeadersSpec { prefill_profile: p.prefill_profile, notes }))
+}
+
+/// `always-disagg-pd-decider`: every request splits.
+pub fn always_decider_factory(params: &Value) -> Result<Plugin, ParamError> {
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct NoParams {}
+    let _: NoParams = decode(params)?;
+    Ok(Plugin::Decider(DeciderSpec::PrefixBased { non_cached_tokens: 0 }))
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -4,11 +4,13 @@
 //! endpoints, updated from any thread, with the staleness policy), [`inflight`] (router-side
 //! accounting), [`plugin`] (the Filter / Scorer / Picker interfaces and the per-request
 //! context), [`filters`], [`scorers`], [`pickers`] (one file per plugin), [`profile`] (running
-//! one profile), [`handler`] (which profiles run: single or prefill/decode), [`config`] (llm-d's
+//! one profile), [`handler`] (which profiles run: single or prefill/decode), [`data`] (data producers and
+//! the data layer), [`config`] (llm-d's
 //! `EndpointPickerConfig` shape), [`registry`] (type names to factories), [`presets`] (named
 //! peer policies), [`router`] (the decision), [`metrics_text`] (vLLM / SGLang metrics).
 
 pub mod config;
+pub mod data;
 pub mod endpoint;
 pub mod filters;
 pub mod handler;

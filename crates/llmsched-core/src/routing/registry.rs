@@ -14,7 +14,8 @@ use hashbrown::HashMap;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use super::handler::{DeciderSpec, HandlerSpec};
+use super::data::DataSpec;
+use super::handler::{DeciderSpec, HandlerSpec, HeadersSpec};
 use super::plugin::{Filter, Picker, Scorer};
 use super::{filters, pickers, scorers};
 
@@ -28,6 +29,10 @@ pub enum Plugin {
     Decider(DeciderSpec),
     /// A decision-tree filter whose references are resolved once every plugin is built.
     Tree(Arc<filters::decision_tree::TreeSpec>),
+    /// A data producer or data-layer source ([`super::data`]).
+    Data(DataSpec),
+    /// The prefill-header pre-request plugin.
+    Headers(HeadersSpec),
 }
 
 impl Plugin {
@@ -43,6 +48,14 @@ impl Plugin {
         Plugin::Picker(Arc::new(p))
     }
 
+    /// What the plugin delivers, when it is a data-layer source.
+    pub fn data_feed(&self) -> Option<super::data::Feed> {
+        match self {
+            Plugin::Data(d) => d.source_feed(),
+            _ => None,
+        }
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             Plugin::Filter(_) | Plugin::Tree(_) => "filter",
@@ -50,6 +63,9 @@ impl Plugin {
             Plugin::Picker(_) => "picker",
             Plugin::Handler(_) => "profile handler",
             Plugin::Decider(_) => "decider",
+            Plugin::Data(d) if d.is_source() => "data source",
+            Plugin::Data(_) => "data producer",
+            Plugin::Headers(_) => "pre-request plugin",
         }
     }
 }
@@ -142,6 +158,14 @@ impl Registry {
         r.add("pd-profile-handler", super::handler::pd_factory);
         r.add("prefix-based-pd-decider", super::handler::prefix_decider_factory);
         r.add("load-aware-pd-decider", super::handler::load_aware_decider_factory);
+        r.add("always-disagg-pd-decider", super::handler::always_decider_factory);
+        r.add("disagg-profile-handler", super::handler::disagg_factory);
+        r.add("disagg-headers-handler", super::handler::headers_factory);
+        // Data producers and data-layer sources.
+        r.add("token-producer", super::data::tokenizer_factory);
+        r.add("endpoint-notification-source", super::data::endpoint_notifications_factory);
+        r.add("metrics-data-source", super::data::metrics_source_factory);
+        r.add("core-metrics-extractor", super::data::metrics_extractor_factory);
         // Other and earlier names.
         r.alias("kv-cache-scorer", "kv-cache-utilization-scorer");
         r.alias("prefix-cache", "prefix-cache-scorer");
@@ -153,6 +177,8 @@ impl Registry {
         r.alias("least-kv-cache", "least-kv-cache-filter");
         r.alias("lora-affinity", "lora-affinity-filter");
         r.alias("decision-tree", "decision-tree-filter");
+        r.alias("tokenizer", "token-producer");
+        r.alias("prefill-header-handler", "disagg-headers-handler");
         r
     }
 
