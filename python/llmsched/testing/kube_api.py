@@ -235,9 +235,7 @@ class FakeKubeAPI:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        server = site._server
-        assert server is not None
-        bound = server.sockets[0].getsockname()  # type: ignore[attr-defined]
+        bound = self._runner.addresses[0]
         self.url = f"http://{host}:{bound[1]}"
         return self.url
 
