@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
 .PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines vllm-env lint fmt \
-	bench bench-rust demo fuzz clean
+	bench bench-peers bench-rust demo fuzz clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -103,6 +103,11 @@ bench: build ## A short pass of the benchmarks, each figure beside its pure-Pyth
 	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \
 		--benchmark-max-time=0.2 --benchmark-warmup=on --benchmark-columns=min,median,ops,rounds \
 		--benchmark-group-by=group --benchmark-sort=name
+
+# llmsched's prefix index beside NVIDIA Dynamo's radix tree (ai-dynamo-runtime, installed into
+# .bench-peers) and the Python twin, on one workload at two sizes (the large one needs ~6 GB).
+bench-peers: build ## The prefix index beside Dynamo's radix tree and the twin, both sizes
+	$(PY) benches/bench_peers_index.py --size both
 
 bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench -p llmsched-core

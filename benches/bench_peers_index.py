@@ -1,0 +1,442 @@
+"""The prefix index beside its PyPI peer, NVIDIA Dynamo's radix tree, and its pure-Python twin.
+
+One workload, three indexes, one process. Multi-turn sessions of 1,000 to 10,000 tokens start
+from one of 200 shared system prompts; a follow-up turn returns to the session's worker with
+probability 0.8, else lands on another worker. A simulated engine per worker reports each stored
+prompt's new blocks as one KV event, with its parent when the worker already holds the prefix:
+
+- llmsched gets the engine's own format, a vLLM ``EventBatch`` msgpack payload with the token
+  ids (``PrefixIndex.apply_vllm_events``: decoded, hashed and applied in Rust);
+- Dynamo (``ai-dynamo-runtime`` 1.6.1, ``dynamo._core.RadixTree``) gets its JSON ``KvCacheEvent``
+  with precomputed block hashes (``apply_event``), as its router receives them;
+- the twin (``llmsched.reference.prefix_index``) gets the same chains through ``store``.
+
+Queries are 10,000-token prompts extending stored sequences. Every query's per-worker depths are
+cross-checked between the three; the run fails (exit 1) on any difference. Figures: ingest
+blocks/s, RSS growth per (block, worker) pair and ``stats()["bytes"]`` against it, lookups/s and
+p50 for each input form, and two threads against one. Ratios are llmsched over Dynamo.
+
+Dynamo is installed with ``pip install --no-deps --target .bench-peers`` (an environment of its
+own, only appended to ``sys.path``); where it cannot be installed the run says so and reports
+llmsched beside the twin only. ``make bench-peers`` runs both sizes; ``make bench`` runs the small
+one through ``test_bench_peers.py``.
+
+    python benches/bench_peers_index.py --size small|large|both [--no-install]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from llmsched import PrefixIndex
+from llmsched.reference.prefix_index import ReferencePrefixIndex
+
+PEER = "ai-dynamo-runtime==1.6.1"
+PEER_DIR = Path(__file__).resolve().parent.parent / ".bench-peers"
+
+
+@dataclass(frozen=True)
+class Size:
+    """One workload size."""
+
+    name: str
+    block_size: int
+    workers: int
+    sequences: int
+    queries: int
+    twin_queries: int
+
+
+SIZES = {
+    "small": Size("small", 16, 64, 10_000, 300, 100),
+    "large": Size("large", 64, 256, 100_000, 1_000, 100),
+}
+
+
+# ---- the peer -------------------------------------------------------------------------------
+
+
+def load_dynamo(install: bool) -> tuple[ModuleType | None, str]:
+    """``dynamo._core``, installing it into ``.bench-peers`` when allowed; else (None, why)."""
+    if PEER_DIR.is_dir() and str(PEER_DIR) not in sys.path:
+        sys.path.append(str(PEER_DIR))
+    try:
+        import dynamo._core as core  # type: ignore[import-not-found]
+
+        return core, "ok"
+    except ImportError:
+        pass
+    if not install:
+        return None, f"{PEER} is not installed in {PEER_DIR} (run without --no-install)"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(PEER_DIR)]
+    try:
+        subprocess.run([*cmd, PEER], check=True, capture_output=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        return None, f"could not install {PEER}: {exc} {err.decode(errors='replace')[-300:]}"
+    if str(PEER_DIR) not in sys.path:
+        sys.path.append(str(PEER_DIR))
+    try:
+        import dynamo._core as core
+
+        return core, "ok"
+    except ImportError as exc:
+        return None, f"{PEER} installed but does not import here: {exc}"
+
+
+# ---- the workload ---------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """Stored sequences as engine events in three formats, and the queries."""
+
+    size: Size
+    vllm: list[tuple[int, bytes]] = field(default_factory=list)
+    dynamo: list[tuple[int, bytes]] = field(default_factory=list)
+    twin: list[tuple[int, list[int], int | None]] = field(default_factory=list)
+    blocks: int = 0  # blocks reported by the events (= (block, worker) pairs stored)
+    queries: list[npt.NDArray[np.uint32]] = field(default_factory=list)
+    dynamo_hashes: list[list[int]] = field(default_factory=list)
+
+
+def sessions(size: Size, seed: int = 0) -> tuple[list[tuple[int, npt.NDArray[np.uint32]]], list]:
+    """(worker, prompt) for every stored turn, and the prompts queries extend."""
+    rng = np.random.default_rng(seed)
+    systems = [
+        rng.integers(0, 128_000, size=int(rng.integers(500, 2_000)), dtype=np.uint32)
+        for _ in range(200)
+    ]
+    out: list[tuple[int, npt.NDArray[np.uint32]]] = []
+    while len(out) < size.sequences:
+        prompt = systems[int(rng.integers(0, len(systems)))]
+        worker = int(rng.integers(0, size.workers))
+        for turn in range(int(rng.integers(1, 8))):
+            extra = rng.integers(0, 128_000, size=int(rng.integers(300, 2_000)), dtype=np.uint32)
+            prompt = np.concatenate([prompt, extra])
+            if len(prompt) > 10_000:
+                break
+            if turn and rng.random() >= 0.8:
+                worker = int(rng.integers(0, size.workers))
+            out.append((worker, prompt))
+    return out[: size.sequences], systems
+
+
+def build(size: Size, dynamo: ModuleType | None, seed: int = 0) -> Workload:
+    """The events every index ingests, from a simulated engine per worker."""
+    seqs, _systems = sessions(size, seed)
+    bs = size.block_size
+    hasher = PrefixIndex(block_size=bs)
+    held: list[set[int]] = [set() for _ in range(size.workers)]
+    wl = Workload(size)
+    for event_id, (worker, tokens) in enumerate(seqs):
+        hashes = hasher.hash_tokens(tokens).tolist()
+        mine = held[worker]
+        k = 0
+        while k < len(hashes) and hashes[k] in mine:
+            k += 1
+        if k == len(hashes):
+            continue
+        new = hashes[k:]
+        mine.update(new)
+        parent = hashes[k - 1] if k else None
+        wl.blocks += len(new)
+        stored = {
+            "type": "BlockStored",
+            "block_hashes": new,
+            "parent_block_hash": parent,
+            "token_ids": tokens[k * bs : len(hashes) * bs].tolist(),
+            "block_size": bs,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        wl.vllm.append((worker, msgpack.packb([time.time(), [stored], 0])))
+        wl.twin.append((worker, new, parent))
+        if dynamo is not None:
+            local = dynamo.compute_block_hash_for_seq(tokens[: len(hashes) * bs].tolist(), bs)
+            blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(new, local[k:])]
+            event = {
+                "event_id": event_id,
+                "data": {"stored": {"parent_hash": parent, "blocks": blocks}},
+            }
+            wl.dynamo.append((worker, json.dumps(event).encode()))
+    rng = np.random.default_rng(seed + 1)
+    long_ones = [t for _, t in seqs if len(t) >= 4_000] or [t for _, t in seqs]
+    for _ in range(size.queries):
+        base = long_ones[int(rng.integers(0, len(long_ones)))][:10_000]
+        tail = rng.integers(0, 128_000, size=10_000 - len(base), dtype=np.uint32)
+        wl.queries.append(np.concatenate([base, tail]))
+    if dynamo is not None:
+        wl.dynamo_hashes = [dynamo.compute_block_hash_for_seq(q.tolist(), bs) for q in wl.queries]
+    return wl
+
+
+# ---- measuring ------------------------------------------------------------------------------
+
+
+def rss() -> int:
+    """Resident bytes of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(fn: Callable[[object], object], args: Sequence[object]) -> tuple[float, float]:
+    """(calls/s, p50 seconds) of ``fn`` over ``args``, best of 3 passes for the rate."""
+    rates, lat = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for a in args:
+            s = time.perf_counter()
+            fn(a)
+            lat.append(time.perf_counter() - s)
+        rates.append(len(args) / (time.perf_counter() - t0))
+    return max(rates), statistics.median(lat)
+
+
+def threaded(fn: Callable[[object], object], args: Sequence[object], threads: int) -> float:
+    """Calls/s of ``threads`` threads each running ``fn`` over all of ``args``."""
+
+    def spin() -> None:
+        for a in args:
+            fn(a)
+
+    best = 0.0
+    for _ in range(3):
+        pool = [threading.Thread(target=spin) for _ in range(threads)]
+        t0 = time.perf_counter()
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+        best = max(best, threads * len(args) / (time.perf_counter() - t0))
+    return best
+
+
+def dynamo_depths(scores: object) -> dict[int, int]:
+    """Dynamo's OverlapScores as {worker: depth} (its keys are (worker, dp_rank) or worker)."""
+    out: dict[int, int] = {}
+    for key, depth in scores.scores.items():  # type: ignore[attr-defined]
+        worker = key[0] if isinstance(key, tuple) else key
+        out[int(worker)] = int(depth)
+    return out
+
+
+def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
+    """Builds, ingests, cross-checks and times one size; prints and returns its figures."""
+    print(f"\n== {size.name}: bs{size.block_size}, {size.workers} workers, {size.sequences:,} seqs")
+    if dynamo is None:
+        print(f"   Dynamo skipped: {why}")
+    t = time.perf_counter()
+    wl = build(size, dynamo)
+    print(
+        f"   workload: {wl.blocks:,} (block, worker) pairs in {len(wl.vllm):,} events, "
+        f"{len(wl.queries)} queries of 10,000 tokens (built in {time.perf_counter() - t:.0f} s)"
+    )
+    fig: dict[str, float] = {"pairs": wl.blocks}
+    bs = size.block_size
+
+    # Ingest, timed here; memory per pair from a fresh process per index (`memory_of`), where
+    # the ingest cannot reuse memory freed while building the workload.
+    index = PrefixIndex(block_size=bs)
+    t = time.perf_counter()
+    for worker, payload in wl.vllm:
+        index.apply_vllm_events(worker, payload)
+    fig["ingest_llmsched"] = wl.blocks / (time.perf_counter() - t)
+    tree = None
+    if dynamo is not None:
+        tree = dynamo.RadixTree()
+        t = time.perf_counter()
+        for worker, event in wl.dynamo:
+            tree.apply_event(worker, event)
+        tree.find_matches(wl.dynamo_hashes[0])  # the tree applies events on its own thread
+        fig["ingest_dynamo"] = wl.blocks / (time.perf_counter() - t)
+    twin = ReferencePrefixIndex(block_size=bs)
+    t = time.perf_counter()
+    for worker, hashes, parent in wl.twin:
+        twin.store(worker, hashes, parent)
+    fig["ingest_twin"] = wl.blocks / (time.perf_counter() - t)
+    with tempfile.TemporaryDirectory() as tmp:
+        events = Path(tmp) / "events.pickle"
+        with events.open("wb") as f:
+            pickle.dump((bs, wl.blocks, wl.vllm, wl.dynamo, wl.twin), f)
+        for who in ("llmsched", "dynamo", "twin"):
+            if who == "dynamo" and dynamo is None:
+                continue
+            out = subprocess.run(
+                [sys.executable, __file__, "--memory-of", who, str(events)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            got = json.loads(out.strip().splitlines()[-1])
+            fig[f"mem_{who}"] = got["bytes_per_pair"]
+            if who == "llmsched":
+                fig["stats_bytes_ratio"] = got["stats_over_rss"]
+
+    # Cross-check every query's per-worker depths.
+    token_lists = [q.tolist() for q in wl.queries]
+    hashes_np = [index.hash_tokens(q) for q in wl.queries]
+    hashes_list = [h.tolist() for h in hashes_np]
+    differing = 0
+    matched = []
+    for i, q in enumerate(wl.queries):
+        got = index.match_tokens(q, now=0.0).as_dict()
+        matched.append(len(got))
+        if dict(index.match(hashes_list[i], now=0.0).as_dict()) != got:
+            differing += 1
+        elif dict(index.match_tokens(token_lists[i], now=0.0).as_dict()) != got:
+            differing += 1
+        elif tree is not None and dynamo_depths(tree.find_matches(wl.dynamo_hashes[i])) != got:
+            differing += 1
+        elif (
+            i < size.twin_queries
+            and {w: v[0] for w, v in twin.match(hashes_list[i]).items()} != got
+        ):
+            differing += 1
+    fig["differing"] = differing
+    fig["workers_matched"] = statistics.mean(matched)
+    print(
+        f"   cross-check: {differing} of {len(wl.queries)} queries differ "
+        f"({fig['workers_matched']:.0f} workers matched per query on average)"
+    )
+
+    forms: dict[str, tuple[Callable[[object], object], Sequence[object]]] = {
+        "hashes numpy": (lambda h: index.match(h, now=0.0), hashes_np),
+        "hashes list": (lambda h: index.match(h, now=0.0), hashes_list),
+        "tokens numpy": (lambda q: index.match_tokens(q, now=0.0), wl.queries),
+        "tokens list": (lambda q: index.match_tokens(q, now=0.0), token_lists),
+    }
+    if tree is not None:
+        forms["dynamo hashes"] = (tree.find_matches, wl.dynamo_hashes)
+        forms["dynamo tokens list"] = (
+            lambda q: tree.find_matches(dynamo.compute_block_hash_for_seq(q, bs)),
+            token_lists,
+        )
+    few = token_lists[: size.twin_queries]
+    forms["twin tokens list"] = (lambda q: twin.match(twin.hash_tokens(q)), few)
+    for name, (fn, args) in forms.items():
+        rate, p50 = timed(fn, args)
+        fig[f"qps {name}"] = rate
+        fig[f"p50 {name}"] = p50
+    for name in ("hashes numpy", "hashes list", "tokens numpy", "tokens list"):
+        fn, args = forms[name]
+        fig[f"threads {name}"] = threaded(fn, args, 2) / threaded(fn, args, 1)
+    report(fig, tree is not None)
+    return fig
+
+
+def report(fig: dict[str, float], peer: bool) -> None:
+    """Prints the figures and the ratios llmsched / Dynamo (and / twin)."""
+
+    def ratio(a: str, b: str) -> str:
+        return f"{fig[a] / fig[b]:.2f}x" if peer or "twin" in b else "n/a"
+
+    print(
+        f"   ingest, blocks/s: llmsched (vLLM msgpack) {fig['ingest_llmsched']:,.0f}"
+        + (f", Dynamo (JSON) {fig['ingest_dynamo']:,.0f}" if peer else "")
+        + f", twin {fig['ingest_twin']:,.0f}; llmsched/Dynamo "
+        + (ratio("ingest_llmsched", "ingest_dynamo") if peer else "n/a")
+        + f", /twin {ratio('ingest_llmsched', 'ingest_twin')}"
+    )
+    print(
+        f"   bytes per (block, worker) pair (RSS growth): llmsched {fig['mem_llmsched']:.1f}"
+        + (f", Dynamo {fig['mem_dynamo']:.1f}" if peer else "")
+        + f", twin {fig['mem_twin']:.1f}; llmsched/Dynamo "
+        + (f"{fig['mem_llmsched'] / fig['mem_dynamo']:.2f}x" if peer else "n/a")
+        + f"; stats()['bytes'] / RSS growth {fig['stats_bytes_ratio']:.2f}"
+    )
+    peer_of = {
+        "hashes numpy": "dynamo hashes",
+        "hashes list": "dynamo hashes",
+        "tokens numpy": "dynamo tokens list",
+        "tokens list": "dynamo tokens list",
+    }
+    for name, other in peer_of.items():
+        line = (
+            f"   lookup from {name:13s}: {fig['qps ' + name]:>9,.0f}/s p50 "
+            f"{fig['p50 ' + name] * 1e6:7.1f} us"
+        )
+        if peer:
+            line += (
+                f" | Dynamo ({other[7:]}) {fig['qps ' + other]:>8,.0f}/s p50 "
+                f"{fig['p50 ' + other] * 1e6:7.1f} us | {ratio('qps ' + name, 'qps ' + other)}"
+            )
+        line += f" | twin x{fig['qps ' + name] / fig['qps twin tokens list']:.0f}"
+        line += f" | 2 threads {fig['threads ' + name]:.2f}x"
+        print(line)
+    slowest = min(
+        fig["qps hashes list"] / fig["qps hashes numpy"],
+        fig["qps tokens list"] / fig["qps tokens numpy"],
+    )
+    print(f"   list paths at worst {1 / slowest:.2f}x slower than numpy")
+
+
+def memory_of(who: str, events: Path) -> None:
+    """Child process: ingest one index's events, print its RSS growth per pair as JSON."""
+    with events.open("rb") as f:
+        bs, pairs, vllm, dyn, twin_events = pickle.load(f)
+    gc.collect()
+    before = rss()
+    extra: dict[str, float] = {}
+    if who == "llmsched":
+        index = PrefixIndex(block_size=bs)
+        for worker, payload in vllm:
+            index.apply_vllm_events(worker, payload)
+        grown = rss() - before
+        extra["stats_over_rss"] = index.stats()["bytes"] / max(grown, 1)
+    elif who == "dynamo":
+        core, why = load_dynamo(install=False)
+        if core is None:
+            raise SystemExit(why)
+        tree = core.RadixTree()
+        for worker, event in dyn:
+            tree.apply_event(worker, event)
+        tree.find_matches([0])
+        grown = rss() - before
+    else:
+        twin = ReferencePrefixIndex(block_size=bs)
+        for worker, hashes, parent in twin_events:
+            twin.store(worker, hashes, parent)
+        grown = rss() - before
+    print(json.dumps({"bytes_per_pair": grown / pairs, **extra}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: runs the sizes asked for; exit 1 when any query differs."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=["small", "large", "both"], default="both")
+    parser.add_argument("--no-install", action="store_true", help="never pip-install the peer")
+    parser.add_argument("--memory-of", nargs=2, metavar=("INDEX", "EVENTS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_of:
+        memory_of(args.memory_of[0], Path(args.memory_of[1]))
+        return 0
+    dynamo, why = load_dynamo(not args.no_install)
+    names = ["small", "large"] if args.size == "both" else [args.size]
+    bad = 0
+    for name in names:
+        bad += int(run(SIZES[name], dynamo, why)["differing"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

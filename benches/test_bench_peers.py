@@ -1,0 +1,21 @@
+"""The short form of ``bench_peers_index.py``: the small size, llmsched beside Dynamo and the twin.
+
+Runs with ``make bench`` (timing enabled) and prints the figures; it fails only when the three
+indexes disagree on some query's per-worker depths, never on timing. Skipped, saying why, when
+``ai-dynamo-runtime`` cannot be installed: ``make bench-peers`` runs both sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from bench_peers_index import SIZES, load_dynamo, run
+
+
+def test_peers_small(request: pytest.FixtureRequest) -> None:
+    if request.config.getoption("benchmark_disable", default=True):
+        pytest.skip("timing disabled: the peer comparison runs under `make bench`")
+    dynamo, why = load_dynamo(install=True)
+    if dynamo is None:
+        pytest.skip(f"Dynamo's radix tree is not available: {why}")
+    fig = run(SIZES["small"], dynamo, why)
+    assert fig["differing"] == 0
