@@ -11,11 +11,14 @@ import pytest
 from bench_peers_index import SIZES, load_dynamo, run
 
 
-def test_peers_small(request: pytest.FixtureRequest) -> None:
-    if request.config.getoption("benchmark_disable", default=True):
+def test_peers_small(benchmark) -> None:
+    if benchmark.disabled:
         pytest.skip("timing disabled: the peer comparison runs under `make bench`")
     dynamo, why = load_dynamo(install=True)
     if dynamo is None:
         pytest.skip(f"Dynamo's radix tree is not available: {why}")
     fig = run(SIZES["small"], dynamo, why)
+    benchmark.group = "peers: prefix index beside Dynamo (figures printed)"
+    benchmark.extra_info.update({k: round(v, 3) for k, v in fig.items()})
+    benchmark.pedantic(lambda: None, rounds=1)
     assert fig["differing"] == 0
