@@ -1,6 +1,6 @@
 """Type stubs for the native module. Kept in sync with rust/py/ by `make lint` (stubtest)."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, final
 
 import numpy as np
@@ -22,25 +22,28 @@ from llmsched.types import (
     WorkerId,
 )
 
+_Tokens = npt.NDArray[np.integer] | list[int] | tuple[int, ...]
+_Hashes = npt.NDArray[np.integer] | Iterable[int]
+
 MAX_BLOCK_SIZE: int
 __version__: str
 VLLM_DEFAULT_NONE_HASH_SEED: str
 
 def xxh3_block_hashes(
-    tokens: npt.NDArray[np.integer], block_size: int, chain_seed: int
+    tokens: _Tokens, block_size: int, chain_seed: int
 ) -> npt.NDArray[np.uint64]: ...
 def namespace_seed(
     seed: int, model: str | None = None, lora: str | None = None, cache_salt: str | None = None
 ) -> int: ...
 def vllm_block_hashes(
-    tokens: npt.NDArray[np.integer],
+    tokens: _Tokens,
     block_size: int,
     seed: str,
     lora: str | None = None,
     cache_salt: str | None = None,
 ) -> npt.NDArray[np.uint64]: ...
 def vllm_block_digests(
-    tokens: npt.NDArray[np.integer],
+    tokens: _Tokens,
     block_size: int,
     seed: str,
     lora: str | None = None,
@@ -115,31 +118,25 @@ class PrefixIndex:
     @property
     def max_bytes(self) -> int | None: ...
     def store(
-        self, worker: int | str, hashes: npt.NDArray[np.uint64], parent: int | None, tier_name: str
+        self, worker: int | str, hashes: _Hashes, parent: int | None, tier_name: str
     ) -> int: ...
-    def record(
-        self, worker: int | str, hashes: npt.NDArray[np.uint64], ttl: float, now: float
-    ) -> int: ...
-    def remove(
-        self, worker: int | str, hashes: npt.NDArray[np.uint64], tier_name: str | None = None
-    ) -> int: ...
+    def record(self, worker: int | str, hashes: _Hashes, ttl: float, now: float) -> int: ...
+    def remove(self, worker: int | str, hashes: _Hashes, tier_name: str | None = None) -> int: ...
     def clear(self, worker: int | str) -> int: ...
     def remove_worker(self, worker: int | str) -> int: ...
     def set_capacity(self, worker: int | str, blocks: int | None) -> int: ...
-    def match_hashes(self, hashes: npt.NDArray[np.uint64], now: float) -> PrefixMatch: ...
+    def match_hashes(self, hashes: _Hashes, now: float) -> PrefixMatch: ...
     def match_tokens(
         self,
-        tokens: npt.NDArray[np.integer],
+        tokens: _Tokens,
         lora: str | None,
         cache_salt: str | None,
         now: float,
     ) -> PrefixMatch: ...
     def hash_tokens(
-        self, tokens: npt.NDArray[np.integer], lora: str | None, cache_salt: str | None
+        self, tokens: _Tokens, lora: str | None, cache_salt: str | None
     ) -> npt.NDArray[np.uint64]: ...
-    def match_many(
-        self, queries: list[npt.NDArray[np.uint64]], now: float
-    ) -> list[PrefixMatch]: ...
+    def match_many(self, queries: list[_Hashes], now: float) -> list[PrefixMatch]: ...
     def apply_vllm_events(self, worker: int | str, payload: bytes) -> ApplyReport: ...
     def expire(self, now: float) -> int: ...
     def holdings(self, worker: int | str) -> dict[int, tuple[list[str], bool]]: ...
@@ -365,7 +362,7 @@ class Router:
     def profiles(self) -> list[str]: ...
     def pick(
         self,
-        tokens: npt.NDArray[np.integer],
+        tokens: _Tokens,
         model: str | None,
         lora: str | None,
         priority: int,

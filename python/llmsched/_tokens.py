@@ -64,6 +64,21 @@ def as_token_array(tokens: TokensLike, what: str = "tokens") -> npt.NDArray[np.i
     return _checked(arr, what)
 
 
+def native_tokens(
+    tokens: TokensLike, what: str = "tokens"
+) -> npt.NDArray[np.integer] | list[int] | tuple[int, ...]:
+    """``tokens`` as the native module takes them: a list or tuple as it is (the native code
+    reads its ints in one pass and falls back to :func:`as_token_array` for anything it
+    refuses, so errors are the same), anything else through :func:`as_token_array`.
+
+    >>> native_tokens([1, 2])
+    [1, 2]
+    """
+    if type(tokens) is list or type(tokens) is tuple:
+        return tokens
+    return as_token_array(tokens, what)
+
+
 def _from_other(tokens: object, what: str) -> npt.NDArray[Any]:
     """A buffer (wrapped in place) or an iterable of ints (converted)."""
     try:

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llmsched import _llmsched
-from llmsched._tokens import TokensLike, as_token_array
+from llmsched._tokens import TokensLike, as_token_array, native_tokens
 from llmsched.errors import ConfigError
 from llmsched.validation import check_block_size, check_int, check_seed
 
@@ -123,7 +123,7 @@ def block_hashes(
     True
     """
     check_block_size(block_size)
-    arr = as_token_array(tokens)
+    arr = native_tokens(tokens)
     if _check_algo(algo) == "xxh3":
         chain_seed = _xxh3_chain_seed(seed, model, lora, cache_salt)
         return _llmsched.xxh3_block_hashes(arr, block_size, chain_seed)

@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
-from llmsched._tokens import TokensLike, as_token_array
+from llmsched._tokens import TokensLike, native_tokens
 from llmsched.hashing import DEFAULT_BLOCK_SIZE, text_block_hashes
 from llmsched.types import ApplyReport, IndexStats
 from llmsched.validation import check_block_size, check_now, check_seed
@@ -66,6 +66,28 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
     else:
         if isinstance(hashes, (bytes, bytearray, str)):
             raise TypeError(f"{what} must be a sequence of ints, got {type(hashes).__name__}")
+        if not isinstance(hashes, (list, tuple)):
+            try:
+                view = memoryview(hashes)  # type: ignore[arg-type]
+            except TypeError:
+                pass
+            else:  # a buffer of integers (array.array, ...): wrapped without copying
+                if view.format.lstrip("@=<>!") not in (
+                    "b",
+                    "B",
+                    "h",
+                    "H",
+                    "i",
+                    "I",
+                    "l",
+                    "L",
+                    "q",
+                    "Q",
+                    "n",
+                    "N",
+                ):
+                    raise TypeError(f"{what} must be integers, got buffer format {view.format!r}")
+                return as_hash_array(np.asarray(view), what)
         items = list(hashes)
         if any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) for h in items):
             raise TypeError(f"{what} must be ints")
@@ -164,7 +186,7 @@ class PrefixIndex:
         >>> len(PrefixIndex(block_size=4).hash_tokens(range(10)))
         2
         """
-        return self._native.hash_tokens(as_token_array(tokens), lora, cache_salt)
+        return self._native.hash_tokens(native_tokens(tokens), lora, cache_salt)
 
     def hash_text(
         self, text: str | bytes, *, lora: str | None = None, cache_salt: str | None = None
@@ -202,7 +224,7 @@ class PrefixIndex:
         >>> index.store(0, h[:2]), index.store(0, h[2:], parent=int(h[1]))
         (2, 1)
         """
-        return self._native.store(worker, as_hash_array(hashes), parent, tier)
+        return self._native.store(worker, hashes, parent, tier)
 
     def record(
         self,
@@ -224,14 +246,14 @@ class PrefixIndex:
         >>> index.match_tokens([1, 2, 3, 4], now=6.0).longest
         0
         """
-        return self._native.record(worker, as_hash_array(hashes), ttl_s, _now(now))
+        return self._native.record(worker, hashes, ttl_s, _now(now))
 
     def remove(self, worker: Worker, hashes: HashesLike, tier: Tier | None = None) -> int:
         """Drop ``worker``'s holding of each block (of ``tier`` only, if given); a block left in
         no tier is dropped with everything below it. Every block must be held, or
         UnknownBlockError is raised and nothing changes. Returns the blocks dropped.
         """
-        return self._native.remove(worker, as_hash_array(hashes), tier)
+        return self._native.remove(worker, hashes, tier)
 
     def clear(self, worker: Worker) -> int:
         """Drop everything ``worker`` holds (it stays registered). Returns the blocks dropped."""
@@ -256,7 +278,7 @@ class PrefixIndex:
         >>> index.match(h).as_dict()
         {'a': 2}
         """
-        return self._native.match_hashes(as_hash_array(hashes), _now(now))
+        return self._native.match_hashes(hashes, _now(now))
 
     def match_tokens(
         self,
@@ -267,14 +289,13 @@ class PrefixIndex:
         now: float | None = None,
     ) -> PrefixMatch:
         """Hash ``tokens`` in this index's namespace and match them, in one native call."""
-        return self._native.match_tokens(as_token_array(tokens), lora, cache_salt, _now(now))
+        return self._native.match_tokens(native_tokens(tokens), lora, cache_salt, _now(now))
 
     def match_many(
         self, queries: Iterable[HashesLike], *, now: float | None = None
     ) -> list[PrefixMatch]:
         """:meth:`match` for many queries in one call (one GIL release)."""
-        arrays = [as_hash_array(q) for q in queries]
-        return self._native.match_many(arrays, _now(now))
+        return self._native.match_many(list(queries), _now(now))
 
     def match_tokens_many(
         self,

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llmsched import _llmsched
-from llmsched._tokens import TokensLike, as_token_array
+from llmsched._tokens import TokensLike, native_tokens
 from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
 from llmsched.errors import ConfigError
 from llmsched.hashing import pack_text
@@ -944,7 +944,7 @@ def _prompt_array(
     if text is not None:
         return text_tokens(text)
     assert tokens is not None  # exactly one of the three is given
-    return as_token_array(tokens)
+    return native_tokens(tokens)
 
 
 def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:

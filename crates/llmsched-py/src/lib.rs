@@ -7,6 +7,7 @@ mod errors;
 mod flow;
 mod hashing;
 mod prefix_index;
+mod pyints;
 mod routing;
 mod sim;
 mod slices;

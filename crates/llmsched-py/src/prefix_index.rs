@@ -3,17 +3,53 @@
 use std::sync::Arc;
 
 use crate::errors::{detach, CoreResult};
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use parking_lot::RwLock;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use super::tokens::{TokenArray, TokenVisitor};
+use crate::pyints;
 use llmsched_core::hashing::TokenId;
 use llmsched_core::prefix_index::{
     ApplyReport, IndexConfig, IndexError, MatchResult, PrefixIndex, Tier, WorkerId, WorkerKey,
 };
+
+/// Block hashes from Python: a borrowed `uint64` array, or the ints of a list or tuple.
+pub enum Hashes<'py> {
+    Array(PyReadonlyArray1<'py, u64>),
+    Owned(Vec<u64>),
+}
+
+impl<'py> Hashes<'py> {
+    /// Reads `obj`: a 1-D contiguous `uint64` array in place, a list or tuple of ints in
+    /// `0..2**64-1` in one native pass; anything else (and a list the native reader refuses)
+    /// through `llmsched.prefix_index.as_hash_array`, which converts it or raises the precise
+    /// error.
+    pub fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+            let mut out = Vec::new();
+            if pyints::read_ints(obj, u64::MAX, &mut out) {
+                return Ok(Self::Owned(out));
+            }
+        } else if let Ok(arr) = obj.extract::<PyReadonlyArray1<'py, u64>>() {
+            if arr.is_c_contiguous() {
+                return Ok(Self::Array(arr));
+            }
+        }
+        let general = obj.py().import("llmsched.prefix_index")?.getattr("as_hash_array")?;
+        let arr = general.call1((obj,))?;
+        Ok(Self::Array(arr.extract()?))
+    }
+
+    pub fn as_slice(&self) -> PyResult<&[u64]> {
+        match self {
+            Self::Array(a) => Ok(a.as_slice()?),
+            Self::Owned(v) => Ok(v),
+        }
+    }
+}
 
 /// Queries shorter than this many blocks are matched without releasing the GIL.
 const DETACH_MIN_BLOCKS: usize = 4096;
@@ -177,12 +213,13 @@ impl PyPrefixIndex {
         &self,
         py: Python<'_>,
         worker: &Bound<'_, PyAny>,
-        hashes: PyReadonlyArray1<'_, u64>,
+        hashes: &Bound<'_, PyAny>,
         parent: Option<u64>,
         tier_name: &str,
     ) -> PyResult<u64> {
         let key = worker_key(worker)?;
         let t = tier(tier_name)?;
+        let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
         let added = detach(py, || self.inner.store(&key, hashes, parent, t))?.py()?;
         self.remember_name(worker, &key);
@@ -193,11 +230,12 @@ impl PyPrefixIndex {
         &self,
         py: Python<'_>,
         worker: &Bound<'_, PyAny>,
-        hashes: PyReadonlyArray1<'_, u64>,
+        hashes: &Bound<'_, PyAny>,
         ttl: f64,
         now: f64,
     ) -> PyResult<u64> {
         let key = worker_key(worker)?;
+        let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
         let added = detach(py, || self.inner.record(&key, hashes, ttl, now))?.py()?;
         self.remember_name(worker, &key);
@@ -209,11 +247,12 @@ impl PyPrefixIndex {
         &self,
         py: Python<'_>,
         worker: &Bound<'_, PyAny>,
-        hashes: PyReadonlyArray1<'_, u64>,
+        hashes: &Bound<'_, PyAny>,
         tier_name: Option<&str>,
     ) -> PyResult<u64> {
         let key = worker_key(worker)?;
         let t = tier_name.map(tier).transpose()?;
+        let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
         detach(py, || self.inner.remove(&key, hashes, t))?.py()
     }
@@ -243,9 +282,10 @@ impl PyPrefixIndex {
     fn match_hashes(
         &self,
         py: Python<'_>,
-        hashes: PyReadonlyArray1<'_, u64>,
+        hashes: &Bound<'_, PyAny>,
         now: f64,
     ) -> PyResult<PyMatch> {
+        let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
         // A match of a few thousand blocks takes a microsecond or two: handing the GIL over and
         // back costs more than that when threads contend, so only long queries release it.
@@ -288,10 +328,11 @@ impl PyPrefixIndex {
     fn match_many(
         &self,
         py: Python<'_>,
-        queries: Vec<PyReadonlyArray1<'_, u64>>,
+        queries: Vec<Bound<'_, PyAny>>,
         now: f64,
     ) -> PyResult<Vec<PyMatch>> {
-        let slices = queries.iter().map(|q| q.as_slice()).collect::<Result<Vec<_>, _>>()?;
+        let queries = queries.iter().map(Hashes::extract).collect::<PyResult<Vec<_>>>()?;
+        let slices = queries.iter().map(Hashes::as_slice).collect::<PyResult<Vec<_>>>()?;
         let results: Vec<MatchResult> =
             detach(py, || slices.iter().map(|h| self.inner.match_hashes(h, now)).collect())?;
         Ok(results.into_iter().map(|m| self.result(py, m)).collect())

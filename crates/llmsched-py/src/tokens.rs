@@ -1,14 +1,19 @@
-//! Token input: a 1-D contiguous numpy integer array of any width, read in place.
+//! Token input: a 1-D contiguous numpy integer array of any width, read in place, or a list or
+//! tuple of ints read in one native pass (`pyints`).
 
 use crate::errors::detach;
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::pyints;
 
 pub use llmsched_core::hashing::{TokenSlice, TokenVisitor};
 
-/// A borrowed numpy token array.
+/// A borrowed numpy token array, or the ids of a list or tuple.
 pub enum TokenArray<'py> {
+    Owned(Vec<u32>),
     U8(PyReadonlyArray1<'py, u8>),
     U16(PyReadonlyArray1<'py, u16>),
     U32(PyReadonlyArray1<'py, u32>),
@@ -20,8 +25,25 @@ pub enum TokenArray<'py> {
 }
 
 impl<'py> TokenArray<'py> {
-    /// Borrows `obj`, which must be a 1-D C-contiguous numpy array of integers.
+    /// Borrows `obj`, a 1-D C-contiguous numpy array of integers, or reads a list or tuple of
+    /// ints in `0..2**32-1`. A list or tuple the native reader refuses (an element that is not an
+    /// exact int in range) goes through `llmsched._tokens.as_token_array`, which raises the
+    /// precise error or converts what it accepts.
     pub fn extract(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
+        if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+            let mut ids = Vec::new();
+            if pyints::read_ints(obj, u64::from(u32::MAX), &mut ids) {
+                return Ok(Self::Owned(ids));
+            }
+            let py = obj.py();
+            let general = py.import("llmsched._tokens")?.getattr("as_token_array")?;
+            let arr = general.call1((obj, what))?;
+            return Self::extract_array(&arr, what);
+        }
+        Self::extract_array(obj, what)
+    }
+
+    fn extract_array(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
         let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
             PyTypeError::new_err(format!("{what} must be a numpy array of integers"))
         })?;
@@ -56,6 +78,7 @@ impl<'py> TokenArray<'py> {
     /// The tokens as a typed slice (fails if the array is not contiguous).
     pub fn as_token_slice(&self) -> PyResult<TokenSlice<'_>> {
         Ok(match self {
+            Self::Owned(v) => TokenSlice::U32(v),
             Self::U8(a) => TokenSlice::U8(a.as_slice()?),
             Self::U16(a) => TokenSlice::U16(a.as_slice()?),
             Self::U32(a) => TokenSlice::U32(a.as_slice()?),

@@ -1,0 +1,265 @@
+//! Python lists and tuples of ints read in one native pass, with no Python call per element.
+//!
+//! A tokenizer hands the router a `list[int]` of 1,000 to 100,000 ids; converting it through
+//! numpy or `int.__index__` element by element costs more than hashing and matching it. Here each
+//! element is checked to be an exact `int` (not `bool`, not a subclass) by its type pointer, and
+//! its value is read from the object:
+//!
+//! - directly from CPython's digit layout where this interpreter's layout was recognised when
+//!   the module loaded (a self-test reads known ints, of one to three 30-bit digits and of both
+//!   signs, and must get each right; 3.10-3.11 keep the sign and digit count in `ob_size`,
+//!   3.12 and later in `lv_tag`), and the list's item array directly;
+//! - else through `PyLong_AsUnsignedLongLong` and `PyList_GetItem` / `PyTuple_GetItem`.
+//!
+//! Any element that is not an exact int in range makes the reader give up (`None`, no Python
+//! error left set): the caller then takes the general path, which raises the precise error for
+//! that element (position, value, type) or converts what the general path accepts.
+
+use std::ffi::c_void;
+use std::sync::OnceLock;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+/// How this interpreter lays out an `int`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// `ob_size` holds the sign and the number of 30-bit digits (CPython 3.10, 3.11).
+    ObSize,
+    /// `lv_tag` holds the digit count (<< 3) and the sign (low 2 bits) (CPython 3.12 and later).
+    LvTag,
+    /// Not recognised: read through the C API.
+    Api,
+}
+
+/// The head of a `list` (`PyVarObject` then the item array), stable from 3.10 on in the
+/// GIL-enabled builds the stable ABI serves; checked by the self-test before use.
+#[repr(C)]
+struct RawList {
+    ob_refcnt: isize,
+    ob_type: *mut c_void,
+    ob_size: isize,
+    ob_item: *mut *mut ffi::PyObject,
+}
+
+/// Byte offsets in an `int`: after the refcount and the type, the size or tag word, then the
+/// 30-bit digits (at least one is always allocated).
+const SIZE_OR_TAG: usize = 16;
+const DIGITS: usize = 24;
+
+static LAYOUT: OnceLock<Layout> = OnceLock::new();
+
+fn layout(py: Python<'_>) -> Layout {
+    *LAYOUT.get_or_init(|| detect(py))
+}
+
+fn detect(py: Python<'_>) -> Layout {
+    let version = py.version_info();
+    let candidate =
+        if (version.major, version.minor) >= (3, 12) { Layout::LvTag } else { Layout::ObSize };
+    let probes: [i128; 12] = [
+        0,
+        1,
+        7,
+        (1 << 30) - 1,
+        1 << 30,
+        (1 << 30) + 5,
+        u32::MAX as i128,
+        (1 << 60) + 7,
+        u64::MAX as i128,
+        -1,
+        -(1 << 31),
+        1 << 64,
+    ];
+    for p in probes {
+        let Ok(obj) = p.into_pyobject(py);
+        let want = u64::try_from(p).ok();
+        // SAFETY: `obj` is a live exact int; a wrong guess of the layout reads inside the
+        // object's allocation (at least 28 bytes for any int) and only gives a wrong value.
+        let got = unsafe { read_long(candidate, obj.as_ptr()) };
+        if got != want {
+            return Layout::Api;
+        }
+    }
+    let list = PyList::new(py, [11u64, 12, 13]);
+    let Ok(list) = list else { return Layout::Api };
+    // SAFETY: `list` is a live list of three items.
+    let first = unsafe { (*(list.as_ptr() as *const RawList)).ob_item.read() };
+    // SAFETY: same list; PyList_GetItem returns a borrowed reference or null.
+    if first.is_null() || first != unsafe { ffi::PyList_GetItem(list.as_ptr(), 0) } {
+        return Layout::Api;
+    }
+    candidate
+}
+
+/// The value of the exact int at `obj` when it is in `0..=u64::MAX`.
+///
+/// # Safety
+/// `obj` must point to a live object of exact type `int`, with the GIL held.
+unsafe fn read_long(layout: Layout, obj: *mut ffi::PyObject) -> Option<u64> {
+    let base = obj as *const u8;
+    let word = (base.add(SIZE_OR_TAG) as *const isize).read();
+    let (negative, ndigits) = match layout {
+        Layout::ObSize => (word < 0, word.unsigned_abs()),
+        Layout::LvTag => {
+            let tag = word as usize;
+            (tag & 3 == 2, tag >> 3)
+        }
+        Layout::Api => return api_u64(obj),
+    };
+    if negative {
+        return None;
+    }
+    let digits = base.add(DIGITS) as *const u32;
+    // SAFETY: an int of `ndigits` digits has that many allocated (and at least one).
+    let d = |i: usize| u64::from(unsafe { digits.add(i).read() });
+    match ndigits {
+        0 => Some(0),
+        1 => Some(d(0)),
+        2 => Some(d(0) | d(1) << 30),
+        3 => {
+            let top = d(2);
+            (top < 16).then(|| d(0) | d(1) << 30 | top << 60)
+        }
+        _ => None,
+    }
+}
+
+/// `PyLong_AsUnsignedLongLong`, with its error (negative, too large) cleared.
+///
+/// # Safety
+/// `obj` must point to a live `int`, with the GIL held.
+unsafe fn api_u64(obj: *mut ffi::PyObject) -> Option<u64> {
+    let v = ffi::PyLong_AsUnsignedLongLong(obj);
+    if v == u64::MAX && !ffi::PyErr_Occurred().is_null() {
+        ffi::PyErr_Clear();
+        return None;
+    }
+    Some(v)
+}
+
+/// Whether `obj` is an exact `int` (`bool` and other subclasses are not).
+///
+/// # Safety
+/// `obj` must point to a live object, with the GIL held.
+unsafe fn is_exact_int(obj: *mut ffi::PyObject) -> bool {
+    ffi::Py_TYPE(obj) == std::ptr::addr_of_mut!(ffi::PyLong_Type)
+}
+
+/// Reads every element of a list or tuple `obj` as an int in `0..=max` into `out` (cleared
+/// first). Returns false, leaving `out` unspecified, when `obj` is neither or any element is not
+/// an exact int in range; no Python error is left set.
+pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Vec<T>) -> bool {
+    out.clear();
+    let py = obj.py();
+    let lay = layout(py);
+    let ptr = obj.as_ptr();
+    if let Ok(list) = obj.cast::<PyList>() {
+        let n = list.len();
+        out.reserve(n);
+        // SAFETY: the GIL is held and no Python code runs in the loop, so the list cannot
+        // change under it; every item pointer is a live object owned by the list.
+        unsafe {
+            if lay != Layout::Api {
+                return read_list_raw(lay, (*(ptr as *const RawList)).ob_item, n, max, out);
+            }
+            for i in 0..n {
+                let item = ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t);
+                if !push(lay, item, max, out) {
+                    return false;
+                }
+            }
+        }
+        return true;
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        let n = tuple.len();
+        out.reserve(n);
+        // SAFETY: as above; a tuple never changes.
+        unsafe {
+            for i in 0..n {
+                let item = ffi::PyTuple_GetItem(ptr, i as ffi::Py_ssize_t);
+                if !push(lay, item, max, out) {
+                    return false;
+                }
+            }
+        }
+        return true;
+    }
+    false
+}
+
+/// The list fast path: one-digit non-negative ints (below 2**30: every token id a vocabulary
+/// has, and small hashes) are read in a tight loop; any other element takes `push`.
+///
+/// # Safety
+/// `items` must be the item array of a live list of `n` items, with the GIL held.
+unsafe fn read_list_raw<T: TryFrom<u64>>(
+    lay: Layout,
+    items: *const *mut ffi::PyObject,
+    n: usize,
+    max: u64,
+    out: &mut Vec<T>,
+) -> bool {
+    let long_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
+    // The size or tag word of a one-digit non-negative int, and of zero.
+    let (one, zero) = match lay {
+        Layout::ObSize => (1isize, 0isize),
+        _ => (8isize, 1isize),
+    };
+    let dst = out.as_mut_ptr();
+    for i in 0..n {
+        let item = *items.add(i);
+        let base = item as *const u8;
+        if ffi::Py_TYPE(item) == long_type {
+            let word = (base.add(SIZE_OR_TAG) as *const isize).read();
+            let digit = u64::from((base.add(DIGITS) as *const u32).read());
+            let value = if word == one { digit } else { 0 };
+            if (word == one || word == zero) && value <= max {
+                if let Ok(t) = T::try_from(value) {
+                    // SAFETY: `out` has room for `n` elements (reserved by the caller).
+                    dst.add(i).write(t);
+                    continue;
+                }
+            }
+        }
+        // The rest goes element by element after what was written so far.
+        out.set_len(i);
+        for j in i..n {
+            if !push(lay, *items.add(j), max, out) {
+                return false;
+            }
+        }
+        return true;
+    }
+    out.set_len(n);
+    true
+}
+
+/// # Safety
+/// `item` must be null or point to a live object, with the GIL held.
+#[inline(always)]
+unsafe fn push<T: TryFrom<u64>>(
+    lay: Layout,
+    item: *mut ffi::PyObject,
+    max: u64,
+    out: &mut Vec<T>,
+) -> bool {
+    if item.is_null() || !is_exact_int(item) {
+        if item.is_null() {
+            ffi::PyErr_Clear();
+        }
+        return false;
+    }
+    match read_long(lay, item) {
+        Some(v) if v <= max => match T::try_from(v) {
+            Ok(t) => {
+                out.push(t);
+                true
+            }
+            Err(_) => false,
+        },
+        _ => false,
+    }
+}

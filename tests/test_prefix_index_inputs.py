@@ -1,0 +1,135 @@
+"""Input forms of PrefixIndex: lists, tuples, array.array and numpy arrays give one result, and a
+bad element raises the same error whichever form it comes in, changing nothing."""
+
+from __future__ import annotations
+
+import array
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llmsched import PrefixIndex, errors
+
+
+def loaded() -> tuple[PrefixIndex, np.ndarray, np.ndarray]:
+    index = PrefixIndex(block_size=4)
+    tokens = np.random.default_rng(0).integers(0, 128_000, size=400, dtype=np.uint32)
+    hashes = index.hash_tokens(tokens)
+    index.store("a", hashes)
+    index.store(7, hashes[:30])
+    return index, tokens, hashes
+
+
+def state(index: PrefixIndex) -> tuple[object, ...]:
+    return index.stats(), {w: index.holdings(w) for w in index.workers()}
+
+
+def forms(values: np.ndarray, code: str) -> list[Any]:
+    return [
+        values,
+        values.tolist(),
+        tuple(values.tolist()),
+        array.array(code, values.tolist()),
+        memoryview(array.array(code, values.tolist())),
+        iter(values.tolist()),
+        values.astype(np.int64) if code == "I" else values.astype(">u8"),
+        np.repeat(values, 2)[::2],
+    ]
+
+
+def test_every_token_form_hashes_and_matches_alike() -> None:
+    index, tokens, hashes = loaded()
+    want = index.match_tokens(tokens).as_dict()
+    assert want == {"a": 100, 7: 30}
+    for form in forms(tokens, "I"):
+        assert index.hash_tokens(form).tolist() == hashes.tolist()
+    for form in forms(tokens, "I"):
+        assert index.match_tokens(form).as_dict() == want
+
+
+def test_every_hash_form_matches_alike() -> None:
+    index, _tokens, hashes = loaded()
+    want = index.match(hashes).as_dict()
+    for form in forms(hashes, "Q"):
+        assert index.match(form).as_dict() == want
+    assert [m.as_dict() for m in index.match_many(forms(hashes, "Q")[:4])] == [want] * 4
+
+
+def test_large_token_ids_and_hashes_in_lists() -> None:
+    index = PrefixIndex(block_size=2)
+    tokens = [0, 1, 2**30 - 1, 2**30, 2**31 + 5, 2**32 - 1]
+    assert (
+        index.hash_tokens(tokens).tolist()
+        == index.hash_tokens(np.array(tokens, dtype=np.uint32)).tolist()
+    )
+    hashes = [0, 1, 2**30, 2**60 + 7, 2**64 - 1]
+    index.store("w", hashes)
+    assert index.match(hashes).as_dict() == {"w": 5}
+    assert index.match(tuple(hashes)).as_dict() == {"w": 5}
+
+
+class MyInt(int):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ([1, -1], errors.InvalidTokenError),
+        ([1, 2**32], errors.InvalidTokenError),
+        ([1, 2**70], errors.InvalidTokenError),
+        ([1, 2.0], TypeError),
+        ([1, None], TypeError),
+        (["a"], TypeError),
+        ([True, False], TypeError),
+        ((1, -5), errors.InvalidTokenError),
+        ((1, "x"), TypeError),
+    ],
+    ids=repr,
+)
+def test_bad_token_lists_raise_as_before(bad: list[Any], error: type[Exception]) -> None:
+    index, _tokens, _hashes = loaded()
+    before = state(index)
+    with pytest.raises(error):
+        index.match_tokens(bad)
+    with pytest.raises(error):
+        index.hash_tokens(bad)
+    assert state(index) == before
+
+
+def test_token_list_elements_the_general_path_accepts_still_work() -> None:
+    index, _tokens, _hashes = loaded()
+    plain = index.hash_tokens([1, 2, 3, 4, 5, 6, 7, 8]).tolist()
+    assert index.hash_tokens([MyInt(1), 2, 3, 4, 5, 6, 7, 8]).tolist() == plain
+    assert index.hash_tokens([np.uint32(1), 2, 3, 4, 5, 6, 7, 8]).tolist() == plain
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ([1, -1], ValueError),
+        ([1, 2**64], ValueError),
+        ([1, 2.0], TypeError),
+        ([1, None], TypeError),
+        ([True], TypeError),
+        ((1, "x"), TypeError),
+        (array.array("d", [1.0]), TypeError),
+        (b"\x01", TypeError),
+    ],
+    ids=repr,
+)
+def test_bad_hash_lists_raise_and_change_nothing(bad: Any, error: type[Exception]) -> None:
+    index, _tokens, hashes = loaded()
+    before = state(index)
+    for call in (
+        lambda: index.match(bad),
+        lambda: index.store("a", bad),
+        lambda: index.store("new", bad),
+        lambda: index.record("a", bad, now=0.0),
+        lambda: index.remove("a", bad),
+        lambda: index.match_many([hashes, bad]),
+    ):
+        with pytest.raises(error):
+            call()
+    assert state(index) == before
