@@ -46,6 +46,8 @@ HashesLike: TypeAlias = Union["npt.NDArray[np.integer[Any]]", Iterable["int | np
 """Block hashes: a numpy ``uint64`` array (read in place), another integer array (converted), or
 a sequence or iterable of ints in ``0..2**64-1``."""
 
+_INT_FORMATS = frozenset("bBhHiIlLqQnN")  # struct codes of integer buffers
+
 DEFAULT_RECORD_TTL_S = 60.0
 """How long a routing decision noted by :meth:`PrefixIndex.record` counts, unless confirmed."""
 
