@@ -171,7 +171,8 @@ fn load_nodes(
         if nodes[parent as usize].children.insert(first, id).is_some() {
             return Err(bad(format!("node {i} duplicates a sibling")));
         }
-        nodes.push(Node { hashes: sn.hashes, parent, children: HashMap::new(), holders });
+        let children = HashMap::new();
+        nodes.push(Node { hashes: sn.hashes, parent, children, holders, ..Default::default() });
     }
     Ok(nodes)
 }

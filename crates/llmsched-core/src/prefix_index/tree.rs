@@ -17,6 +17,7 @@
 //! entries in the block map, O(tail length).
 
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
 
 use hashbrown::HashMap;
 
@@ -70,11 +71,56 @@ pub(crate) struct Node {
     pub children: HashMap<u64, NodeId>,
     /// Sorted by worker id.
     pub holders: Vec<Holder>,
+    /// The holders as bitsets, built by the first match that crosses a node of at least
+    /// [`DENSE_MIN`] holders and dropped by every change of a holder's worker, tiers or expiry.
+    pub dense: OnceLock<Box<Dense>>,
+}
+
+/// Nodes with at least this many holders are matched through bitsets.
+#[cfg(not(test))]
+const DENSE_MIN: usize = 24;
+/// The model tests run with few workers: every node with two holders takes the bitset path.
+#[cfg(test)]
+const DENSE_MIN: usize = 2;
+
+/// A node's holders as bitsets over worker ids: `words` words each for the holders and for the
+/// holders in each tier, and the earliest expiry of an approximate holding (infinite if none).
+#[derive(Clone, Debug)]
+pub(crate) struct Dense {
+    bits: Box<[u64]>,
+    words: usize,
+    min_expires: f64,
+}
+
+impl Dense {
+    fn build(holders: &[Holder]) -> Dense {
+        let top = holders.last().map_or(0, |h| h.worker as usize + 1);
+        let words = top.div_ceil(64);
+        let mut bits = vec![0u64; 4 * words].into_boxed_slice();
+        let mut min_expires = f64::INFINITY;
+        for h in holders {
+            let (word, bit) = (h.worker as usize / 64, 1u64 << (h.worker % 64));
+            bits[word] |= bit;
+            for t in 0..3 {
+                if h.attrs.tiers & (1 << t) != 0 {
+                    bits[(t + 1) * words + word] |= bit;
+                }
+            }
+            if !h.attrs.confirmed {
+                min_expires = min_expires.min(h.attrs.expires);
+            }
+        }
+        Dense { bits, words, min_expires }
+    }
 }
 
 impl Node {
     pub fn holder(&self, w: WorkerId) -> Option<&Holder> {
         self.holders.binary_search_by_key(&w, |h| h.worker).ok().map(|i| &self.holders[i])
+    }
+    /// Drops the bitsets after a change of the holders' set, tiers or expiry.
+    fn changed(&mut self) {
+        self.dense.take();
     }
     fn holder_mut(&mut self, w: WorkerId) -> Option<&mut Holder> {
         match self.holders.binary_search_by_key(&w, |h| h.worker) {
@@ -177,8 +223,15 @@ impl Tree {
 
     /// Leading blocks of `hashes` each worker holds (overall and per tier), sorted by worker,
     /// workers with no leading block omitted. Returns the blocks present in the tree at all.
+    ///
+    /// The path is walked first (one child lookup per node, then a comparison along the edge).
+    /// The workers still matching, overall and per tier, are then carried down it as bitsets:
+    /// each node costs a few word operations (nodes of many holders keep their holders as
+    /// bitsets) plus one write per worker whose match ends there, so the cost does not grow
+    /// with the number of workers holding the whole path.
     pub fn match_hashes(&self, hashes: &[u64], now: f64, out: &mut Vec<MatchEntry>) -> usize {
         out.clear();
+        let mut path: Vec<(NodeId, u32)> = Vec::new();
         let mut cur = ROOT;
         let mut pos = 0usize;
         while pos < hashes.len() {
@@ -187,24 +240,110 @@ impl Tree {
             };
             let node = &self.nodes[child as usize];
             let run = node.hashes.iter().zip(&hashes[pos..]).take_while(|(a, b)| a == b).count();
-            let (start, end) = (pos as u32, (pos + run) as u32);
-            for h in &node.holders {
-                if h.attrs.expires <= now {
-                    continue;
-                }
-                if start == 0 {
-                    out.push(first_entry(h, end));
-                } else if let Ok(i) = out.binary_search_by_key(&h.worker, |e| e.worker) {
-                    extend_entry(&mut out[i], h, start, end);
-                }
-            }
             pos += run;
+            path.push((child, pos as u32));
             if run < node.hashes.len() {
                 break;
             }
             cur = child;
         }
+        if !path.is_empty() {
+            self.carry(&path, now, out);
+        }
         pos
+    }
+
+    /// Per-worker depths along `path` (nodes and the query depth at each node's end).
+    fn carry(&self, path: &[(NodeId, u32)], now: f64, out: &mut Vec<MatchEntry>) {
+        let words = self.workers.len().div_ceil(64).max(1);
+        // alive[k]: workers whose match (k = 0 overall, 1.. per tier) reaches the current node.
+        let mut alive = vec![0u64; 4 * words];
+        let mut node_bits = vec![0u64; 4 * words];
+        self.node_bits(path[0].0, now, words, &mut alive);
+        let first: Vec<u64> = alive[..words].to_vec();
+        // The rank of each word's first worker in `out`, which lists `first` in order.
+        let mut rank = Vec::with_capacity(words);
+        let mut count = 0u32;
+        for (i, &word) in first.iter().enumerate() {
+            rank.push(count);
+            count += word.count_ones();
+            let mut bits = word;
+            while bits != 0 {
+                let w = (i * 64) as u32 + bits.trailing_zeros();
+                bits &= bits - 1;
+                out.push(MatchEntry { worker: w, blocks: 0, tiers: [0; 3] });
+            }
+        }
+        if out.is_empty() {
+            return;
+        }
+        let slot = |w: usize| -> usize {
+            let (i, b) = (w / 64, w % 64);
+            (rank[i] + (first[i] & ((1u64 << b) - 1)).count_ones()) as usize
+        };
+        let mut end = path[0].1;
+        for &(node, node_end) in &path[1..] {
+            self.node_bits(node, now, words, &mut node_bits);
+            let mut any = 0u64;
+            for k in 0..4 {
+                for i in 0..words {
+                    let a = alive[k * words + i];
+                    let kept = a & node_bits[k * words + i];
+                    let mut gone = a & !kept;
+                    while gone != 0 {
+                        let w = i * 64 + gone.trailing_zeros() as usize;
+                        gone &= gone - 1;
+                        set_depth(&mut out[slot(w)], k, end);
+                    }
+                    alive[k * words + i] = kept;
+                    any |= kept;
+                }
+            }
+            end = node_end;
+            if any == 0 {
+                return;
+            }
+        }
+        for k in 0..4 {
+            for i in 0..words {
+                let mut left = alive[k * words + i];
+                while left != 0 {
+                    let w = i * 64 + left.trailing_zeros() as usize;
+                    left &= left - 1;
+                    set_depth(&mut out[slot(w)], k, end);
+                }
+            }
+        }
+    }
+
+    /// Writes into `bits` (4 x `words`) the unexpired holders of `node`, overall and per tier.
+    fn node_bits(&self, node: NodeId, now: f64, words: usize, bits: &mut [u64]) {
+        let n = &self.nodes[node as usize];
+        if n.holders.len() >= DENSE_MIN {
+            let d = n.dense.get_or_init(|| Box::new(Dense::build(&n.holders)));
+            if d.min_expires > now {
+                for k in 0..4 {
+                    let have = d.words.min(words);
+                    let dst = &mut bits[k * words..(k + 1) * words];
+                    dst[..have].copy_from_slice(&d.bits[k * d.words..k * d.words + have]);
+                    dst[have..].fill(0);
+                }
+                return;
+            }
+        }
+        bits.fill(0);
+        for h in &n.holders {
+            let (word, bit) = (h.worker as usize / 64, 1u64 << (h.worker % 64));
+            if h.attrs.expires <= now || word >= words {
+                continue;
+            }
+            bits[word] |= bit;
+            for t in 0..3 {
+                if h.attrs.tiers & (1 << t) != 0 {
+                    bits[(t + 1) * words + word] |= bit;
+                }
+            }
+        }
     }
 
     // ---- storing --------------------------------------------------------------------------
@@ -339,7 +478,9 @@ impl Tree {
         let len = (to - from) as u64;
         match current {
             Some(a) => {
-                let h = self.nodes[target as usize].holder_mut(w).expect("holder present");
+                let n = &mut self.nodes[target as usize];
+                n.changed();
+                let h = n.holder_mut(w).expect("holder present");
                 h.attrs = a.merged(attrs);
                 (target, 0)
             }
@@ -378,6 +519,7 @@ impl Tree {
             parent: at,
             children: HashMap::new(),
             holders: Vec::new(),
+            dense: OnceLock::new(),
         });
         for (j, &h) in new.iter().enumerate() {
             self.blocks.insert(h, Loc { node: child, offset: j as u32 });
@@ -417,11 +559,16 @@ impl Tree {
             let h = node.holder_mut(w).expect("prefix-closed holdings");
             let old = h.stamp;
             h.stamp = stamp;
-            if confirm && !h.attrs.confirmed {
+            let confirming = confirm && !h.attrs.confirmed;
+            if confirming {
                 h.attrs.confirmed = true;
                 h.attrs.expires = f64::INFINITY;
             }
-            if h.child_count == 0 {
+            let leaf = h.child_count == 0;
+            if confirming {
+                node.changed();
+            }
+            if leaf {
                 let leaves = &mut self.workers[w as usize].leaves;
                 leaves.remove(&(old, cur));
                 leaves.insert((stamp, cur));
@@ -437,6 +584,7 @@ impl Tree {
         // so a new holding is always a leaf.
         let at = n.holders.binary_search_by_key(&w, |h| h.worker).unwrap_err();
         n.holders.insert(at, Holder { worker: w, attrs, stamp, child_count: 0 });
+        n.changed();
         let parent = n.parent;
         self.holder_count += 1;
         self.workers[w as usize].leaves.insert((stamp, node));
@@ -480,7 +628,8 @@ impl Tree {
             h.child_count = 1;
         }
         let first = tail_hashes[0];
-        let tail = self.alloc(Node { hashes: tail_hashes, parent: node, children, holders });
+        let dense = OnceLock::new();
+        let tail = self.alloc(Node { hashes: tail_hashes, parent: node, children, holders, dense });
         self.nodes[node as usize].children.insert(first, tail);
         let grandchildren: Vec<NodeId> =
             self.nodes[tail as usize].children.values().copied().collect();
@@ -545,6 +694,7 @@ impl Tree {
             n.hashes.extend_from_slice(&c.hashes);
             n.children = c.children;
             n.holders = c.holders;
+            n.changed();
         }
     }
 
@@ -583,6 +733,7 @@ impl Tree {
             let n = &mut self.nodes[id as usize];
             let Ok(i) = n.holders.binary_search_by_key(&w, |h| h.worker) else { continue };
             let h = n.holders.remove(i);
+            n.changed();
             dropped += n.hashes.len() as u64;
             if h.child_count > 0 {
                 stack.extend(n.children.values().copied());
@@ -644,6 +795,7 @@ impl Tree {
         }
         let off = loc.offset as usize;
         let target = self.isolate(loc.node, off, off + 1);
+        self.nodes[target as usize].changed();
         let h = self.nodes[target as usize].holder_mut(w).expect("holder present");
         h.attrs.tiers &= !tiers;
         self.merge_around(&[target, loc.node]);
@@ -725,25 +877,12 @@ impl Tree {
     }
 }
 
-fn first_entry(h: &Holder, end: u32) -> MatchEntry {
-    let mut tiers = [0u32; 3];
-    for (t, slot) in tiers.iter_mut().enumerate() {
-        if h.attrs.tiers & (1 << t) != 0 {
-            *slot = end;
-        }
-    }
-    MatchEntry { worker: h.worker, blocks: end, tiers }
-}
-
-fn extend_entry(e: &mut MatchEntry, h: &Holder, start: u32, end: u32) {
-    if e.blocks != start {
-        return;
-    }
-    e.blocks = end;
-    for (t, slot) in e.tiers.iter_mut().enumerate() {
-        if *slot == start && h.attrs.tiers & (1 << t) != 0 {
-            *slot = end;
-        }
+/// Sets depth `k` (0: overall, 1..=3: a tier) of a match entry.
+fn set_depth(e: &mut MatchEntry, k: usize, depth: u32) {
+    if k == 0 {
+        e.blocks = depth;
+    } else {
+        e.tiers[k - 1] = depth;
     }
 }
 
