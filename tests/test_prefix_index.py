@@ -270,3 +270,95 @@ def test_non_finite_now_is_refused_everywhere_and_changes_nothing(bad: float) ->
             call()
         assert index.workers() == ["a"] and index.holdings("a") == before, name
     assert index.match_tokens(list(range(1, 9)), now=4.0).as_dict() == {"a": 2}
+
+
+def test_threads_matching_every_input_form_agree_with_the_twin() -> None:
+    """Many workers share a prefix (nodes matched through bitsets); threads match it in every
+    input form while writers add other workers; every answer equals the twin's for the workers
+    that were there from the start."""
+    index = PrefixIndex(block_size=4)
+    twin = ReferencePrefixIndex(block_size=4)
+    rng = np.random.default_rng(11)
+    system = rng.integers(0, 50_000, size=200).tolist()
+    for w in range(150):
+        tail = rng.integers(0, 50_000, size=int(rng.integers(0, 80))).tolist()
+        prompt = system[: int(rng.integers(20, 201))] + tail
+        hashes = index.hash_tokens(prompt)
+        index.store(w, hashes, tier="cpu" if w % 3 else "gpu")
+        twin.store(w, hashes.tolist(), tier="cpu" if w % 3 else "gpu")
+    queries = [system + rng.integers(0, 50_000, size=40).tolist() for _ in range(20)]
+    want = [{w: v[0] for w, v in twin.match(twin.hash_tokens(q)).items()} for q in queries]
+    want_tiers = [
+        {
+            w: {"gpu": v[1], "cpu": v[2], "storage": v[3]}
+            for w, v in twin.match(twin.hash_tokens(q)).items()
+        }
+        for q in queries
+    ]
+    assert max(len(x) for x in want) > 100
+    failures: list[object] = []
+
+    def only_original(m: llmsched.PrefixMatch) -> dict[object, int]:
+        return {w: b for w, b in m.as_dict().items() if isinstance(w, int) and w < 150}
+
+    def read(form: int) -> None:
+        try:
+            for _ in range(15):
+                for q, expect, tiers in zip(queries, want, want_tiers, strict=True):
+                    hashes = index.hash_tokens(q)
+                    m = [
+                        lambda: index.match(hashes),
+                        lambda: index.match(hashes.tolist()),
+                        lambda: index.match_tokens(q),
+                        lambda: index.match_tokens(np.asarray(q, dtype=np.uint32)),
+                    ][form]()
+                    if only_original(m) != expect:
+                        failures.append((form, "depths"))
+                    got_tiers = {w: t for w, t in m.tiers().items() if isinstance(w, int)}
+                    if {w: t for w, t in got_tiers.items() if w < 150} != tiers:
+                        failures.append((form, "tiers"))
+        except BaseException as exc:  # pragma: no cover - reported below
+            failures.append(exc)
+
+    def write(name: str) -> None:
+        try:
+            for i in range(100):
+                index.store(name, index.hash_tokens(system[: 40 + i]))
+                if i % 10 == 9:
+                    index.clear(name)
+        except BaseException as exc:  # pragma: no cover - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=read, args=(f,)) for f in range(4)]
+    threads += [threading.Thread(target=write, args=(f"writer-{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures[:5]
+
+
+def test_match_result_reads_like_a_mapping() -> None:
+    index = PrefixIndex(block_size=2)
+    h = chain(index, 0, 10)
+    index.store("a", h)
+    index.store(5, h[:3])
+    index.store("c", h[:10], tier="cpu")
+    m = index.match(h)
+    assert dict(m) == m.as_dict() == {"a": 10, 5: 3, "c": 10}
+    assert list(m) == m.keys() == m.workers == ["a", 5, "c"]
+    assert m.values() == [10, 3, 10] and m.items() == [("a", 10), (5, 3), ("c", 10)]
+    assert m["a"] == 10 and m.get(5) == 3 and m.get("zz") == 0 and m.get("zz", -1) == -1
+    assert "a" in m and "zz" not in m and 6 not in m
+    with pytest.raises(KeyError):
+        m["zz"]
+    assert m.best == ["a", "c"] and m.top(2) == [("a", 10), ("c", 10)]
+    assert m.top(0) == [] and m.top(10)[-1] == (5, 3)
+    assert m.worker_ids.dtype == np.uint32 and len(m.worker_ids) == len(m.blocks) == 3
+    assert m.cpu_blocks.tolist() == [0, 0, 10]
+    # The result keeps its names after the worker is gone from the index.
+    index.remove_worker("a")
+    assert m.workers == ["a", 5, "c"]
+    assert index.match(h).best == ["c"]
+    empty = index.match(chain(index, 500, 3))
+    assert empty.best == [] and empty.top(3) == [] and len(empty) == 0 and dict(empty) == {}

@@ -52,7 +52,7 @@ impl<'py> Hashes<'py> {
 }
 
 /// Queries shorter than this many blocks are matched without releasing the GIL.
-const DETACH_MIN_BLOCKS: usize = 4096;
+const DETACH_MIN_BLOCKS: usize = 32;
 
 /// A worker name from Python: an int or a str.
 pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
@@ -127,18 +127,19 @@ impl PyPrefixIndex {
         }
     }
 
-    fn result(&self, py: Python<'_>, m: MatchResult) -> PyMatch {
-        let names = self.names.read();
-        let workers = m
-            .entries
-            .iter()
-            .map(|e| match names.get(e.worker as usize) {
-                Some(Some(n)) => n.clone_ref(py),
-                _ => py.None(),
-            })
-            .collect();
-        PyMatch { m, workers }
+    /// The Python name of worker `id` (None for an id this index never named).
+    fn name(&self, py: Python<'_>, id: WorkerId) -> Py<PyAny> {
+        match self.names.read().get(id as usize) {
+            Some(Some(n)) => n.clone_ref(py),
+            _ => py.None(),
+        }
     }
+}
+
+/// A match result that keeps the index alive (one Python reference, no shared atomic counter)
+/// to name its workers when, and only when, they are read.
+fn result(slf: &Bound<'_, PyPrefixIndex>, m: MatchResult) -> PyMatch {
+    PyMatch { m, index: slf.clone().unbind() }
 }
 
 struct MatchTokens<'a> {
@@ -280,36 +281,35 @@ impl PyPrefixIndex {
     }
 
     fn match_hashes(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         hashes: &Bound<'_, PyAny>,
         now: f64,
     ) -> PyResult<PyMatch> {
+        let this = slf.get();
         let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
-        // A match of a few thousand blocks takes a microsecond or two: handing the GIL over and
-        // back costs more than that when threads contend, so only long queries release it.
+        // A query of a few blocks is matched in well under a microsecond, less than handing
+        // the GIL over and back costs; longer ones let other threads run meanwhile.
         let m = if hashes.len() < DETACH_MIN_BLOCKS {
-            self.inner.match_hashes(hashes, now)
+            this.inner.match_hashes(hashes, now)
         } else {
-            detach(py, || self.inner.match_hashes(hashes, now))?
+            detach(slf.py(), || this.inner.match_hashes(hashes, now))?
         };
-        Ok(self.result(py, m))
+        Ok(result(slf, m))
     }
 
     #[pyo3(signature = (tokens, lora, cache_salt, now))]
     fn match_tokens(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         tokens: &Bound<'_, PyAny>,
         lora: Option<&str>,
         cache_salt: Option<&str>,
         now: f64,
     ) -> PyResult<PyMatch> {
         let tokens = TokenArray::extract(tokens, "tokens")?;
-        let visitor = MatchTokens { index: &self.inner, lora, cache_salt, now };
-        let m = tokens.visit_detached(py, visitor)?.py()?;
-        Ok(self.result(py, m))
+        let visitor = MatchTokens { index: &slf.get().inner, lora, cache_salt, now };
+        let m = tokens.visit_detached(slf.py(), visitor)?.py()?;
+        Ok(result(slf, m))
     }
 
     #[pyo3(signature = (tokens, lora, cache_salt))]
@@ -326,16 +326,16 @@ impl PyPrefixIndex {
     }
 
     fn match_many(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         queries: Vec<Bound<'_, PyAny>>,
         now: f64,
     ) -> PyResult<Vec<PyMatch>> {
+        let this = slf.get();
         let queries = queries.iter().map(Hashes::extract).collect::<PyResult<Vec<_>>>()?;
         let slices = queries.iter().map(Hashes::as_slice).collect::<PyResult<Vec<_>>>()?;
         let results: Vec<MatchResult> =
-            detach(py, || slices.iter().map(|h| self.inner.match_hashes(h, now)).collect())?;
-        Ok(results.into_iter().map(|m| self.result(py, m)).collect())
+            detach(slf.py(), || slices.iter().map(|h| this.inner.match_hashes(h, now)).collect())?;
+        Ok(results.into_iter().map(|m| result(slf, m)).collect())
     }
 
     fn apply_vllm_events<'py>(
@@ -429,16 +429,35 @@ fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyD
     Ok(d)
 }
 
-/// The result of a prefix match (see `llmsched.PrefixMatch`).
-#[pyclass(frozen, module = "llmsched._llmsched", name = "PrefixMatch")]
+/// The result of a prefix match (see `llmsched.PrefixMatch`): per-worker depths held natively,
+/// Python objects made only for what is read.
+#[pyclass(frozen, module = "llmsched._llmsched", name = "PrefixMatch", mapping)]
 pub struct PyMatch {
     pub m: MatchResult,
-    workers: Vec<Py<PyAny>>,
+    index: Py<PyPrefixIndex>,
 }
 
 impl PyMatch {
     fn column<'py>(&self, py: Python<'py>, f: impl Fn(usize) -> u32) -> Bound<'py, PyArray1<u32>> {
         (0..self.m.entries.len()).map(f).collect::<Vec<u32>>().into_pyarray(py)
+    }
+
+    fn name(&self, py: Python<'_>, i: usize) -> Py<PyAny> {
+        self.index.get().name(py, self.m.entries[i].worker)
+    }
+
+    /// The entry of the worker named `worker`, if it matched.
+    fn entry(&self, worker: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let key = worker_key(worker)?;
+        let Some(id) = self.index.get().inner.worker_id(&key) else { return Ok(None) };
+        Ok(self.m.entries.binary_search_by_key(&id, |e| e.worker).ok())
+    }
+
+    /// Entry positions ordered by leading blocks, most first (ties in worker-id order).
+    fn ranked(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.m.entries.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(self.m.entries[i].blocks));
+        order
     }
 }
 
@@ -447,7 +466,13 @@ impl PyMatch {
     /// Workers holding at least one leading block, in worker-id order.
     #[getter]
     fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.workers.iter().map(|w| w.clone_ref(py)))
+        PyList::new(py, (0..self.m.entries.len()).map(|i| self.name(py, i)))
+    }
+
+    /// The index's worker ids of `workers` (numpy, in the same order as `blocks`).
+    #[getter]
+    fn worker_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.column(py, |i| self.m.entries[i].worker)
     }
 
     /// Leading blocks held by each worker in `workers`, in any tier.
@@ -476,6 +501,24 @@ impl PyMatch {
         self.m.longest()
     }
 
+    /// The workers holding the longest match, in worker-id order (empty when none matched).
+    #[getter]
+    fn best<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let longest = self.m.longest();
+        let best = (0..self.m.entries.len())
+            .filter(|&i| longest > 0 && self.m.entries[i].blocks == longest);
+        PyList::new(py, best.map(|i| self.name(py, i)))
+    }
+
+    /// The `k` workers with the most leading blocks as `(worker, blocks)`, most first.
+    fn top<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyList>> {
+        let mut order = self.ranked();
+        order.truncate(k);
+        let rows: Vec<(Py<PyAny>, u32)> =
+            order.into_iter().map(|i| (self.name(py, i), self.m.entries[i].blocks)).collect();
+        PyList::new(py, rows)
+    }
+
     #[getter]
     fn query_blocks(&self) -> usize {
         self.m.query_blocks
@@ -486,11 +529,59 @@ impl PyMatch {
         self.m.tree_blocks
     }
 
+    /// Leading blocks of `worker`, or `default` (0 unless given) when it matched none.
+    #[pyo3(signature = (worker, default=None))]
+    fn get<'py>(
+        &self,
+        worker: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = worker.py();
+        match (self.entry(worker)?, default) {
+            (Some(i), _) => Ok(self.m.entries[i].blocks.into_pyobject(py)?.into_any()),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Ok(0u32.into_pyobject(py)?.into_any()),
+        }
+    }
+
+    fn __getitem__(&self, worker: &Bound<'_, PyAny>) -> PyResult<u32> {
+        match self.entry(worker)? {
+            Some(i) => Ok(self.m.entries[i].blocks),
+            None => Err(pyo3::exceptions::PyKeyError::new_err(worker.clone().unbind())),
+        }
+    }
+
+    fn __contains__(&self, worker: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.entry(worker)?.is_some())
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.workers(py)?.as_any().try_iter().map(Bound::into_any)
+    }
+
+    /// The matched workers, in worker-id order.
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.workers(py)
+    }
+
+    /// Leading blocks per matched worker, in worker-id order.
+    fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.m.entries.iter().map(|e| e.blocks))
+    }
+
+    /// `(worker, leading blocks)` per matched worker, in worker-id order.
+    fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let rows: Vec<(Py<PyAny>, u32)> = (0..self.m.entries.len())
+            .map(|i| (self.name(py, i), self.m.entries[i].blocks))
+            .collect();
+        PyList::new(py, rows)
+    }
+
     /// `{worker: leading blocks}` for workers with at least one.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (w, e) in self.workers.iter().zip(&self.m.entries) {
-            d.set_item(w.bind(py), e.blocks)?;
+        for (i, e) in self.m.entries.iter().enumerate() {
+            d.set_item(self.name(py, i), e.blocks)?;
         }
         Ok(d)
     }
@@ -498,12 +589,12 @@ impl PyMatch {
     /// `{worker: {"gpu": n, "cpu": n, "storage": n}}` for workers with at least one block.
     fn tiers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (w, e) in self.workers.iter().zip(&self.m.entries) {
+        for (i, e) in self.m.entries.iter().enumerate() {
             let t = PyDict::new(py);
             for tier in Tier::ALL {
                 t.set_item(tier.name(), e.tiers[tier as usize])?;
             }
-            d.set_item(w.bind(py), t)?;
+            d.set_item(self.name(py, i), t)?;
         }
         Ok(d)
     }
