@@ -2,8 +2,8 @@
 //!
 //! The index never reproduces the engine's hash: each `BlockStored` is re-hashed from its
 //! `token_ids` with this index's chain (seeded by the parent's index hash, or by the namespace
-//! of its LoRA adapter at the root), and a per-worker map remembers which index blocks each engine
-//! block became. An engine block may span several index blocks when the engine's block size is a
+//! of its LoRA adapter at the root), and a map shared by the workers (`engine_map`) remembers which
+//! index blocks each engine block became. An engine block may span several index blocks when the engine's block size is a
 //! multiple of the index's.
 
 use super::tree::{Attrs, StoreRefusal, WorkerId};
@@ -57,7 +57,7 @@ pub(super) fn apply_batch(
             KvEvent::Removed(removed) => apply_removed(st, w, removed, &mut report),
             KvEvent::AllCleared => {
                 st.tree.clear_worker(w);
-                st.workers.engine[w as usize].clear();
+                st.workers.engine.clear_worker(w);
                 report.cleared += 1;
             }
         }
@@ -89,8 +89,8 @@ fn apply_stored(
     let per_engine_block = engine_bs / bs;
     let parent = match ev.parent_block_hash {
         None => None,
-        Some(p) => match st.workers.engine[w as usize].get(&p) {
-            Some(&(_, last, _)) if st.tree.holds(w, last) => Some(last),
+        Some(p) => match st.workers.engine.get(w, p) {
+            Some((_, last, _)) if st.tree.holds(w, last) => Some(last),
             _ => {
                 report.unknown_parent += 1;
                 return;
@@ -118,10 +118,10 @@ fn apply_stored(
             return;
         }
     }
-    let map = &mut st.workers.engine[w as usize];
+    let map = &mut st.workers.engine;
     for (i, &engine_hash) in ev.block_hashes.iter().enumerate() {
         let span = &ours[i * per_engine_block..(i + 1) * per_engine_block];
-        map.insert(engine_hash, (span[0], span[span.len() - 1], span.len() as u32));
+        map.insert(w, engine_hash, (span[0], span[span.len() - 1], span.len() as u32));
     }
     report.blocks_stored += ev.block_hashes.len() as u64;
 }
@@ -132,12 +132,12 @@ fn apply_removed(st: &mut State, w: WorkerId, ev: &BlockRemoved, report: &mut Ap
         return;
     }
     for &engine_hash in &ev.block_hashes {
-        let Some(&(first, last, span)) = st.workers.engine[w as usize].get(&engine_hash) else {
+        let Some((first, last, span)) = st.workers.engine.get(w, engine_hash) else {
             report.unknown_removed += 1;
             continue;
         };
         if !st.tree.holds(w, first) {
-            st.workers.engine[w as usize].remove(&engine_hash);
+            st.workers.engine.forget(w, engine_hash, &st.tree);
             report.unknown_removed += 1;
             continue;
         }
@@ -158,7 +158,7 @@ fn apply_removed(st: &mut State, w: WorkerId, ev: &BlockRemoved, report: &mut Ap
             report.unknown_removed += 1;
         }
         if !st.tree.holds(w, first) {
-            st.workers.engine[w as usize].remove(&engine_hash);
+            st.workers.engine.forget(w, engine_hash, &st.tree);
         }
     }
 }

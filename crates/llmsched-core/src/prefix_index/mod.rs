@@ -6,6 +6,7 @@
 //! (`record`: approximate, expiring). One `RwLock` guards the whole index: matches share it, and
 //! writers hold it only for the duration of one call, so a batch of events applies atomically.
 
+mod engine_map;
 mod events;
 mod snapshot;
 pub(crate) mod tree;
@@ -117,7 +118,7 @@ pub(crate) struct Workers {
     pub ids: HashMap<WorkerKey, WorkerId>,
     pub capacity: Vec<Option<u64>>,
     /// Engine block hash -> (first, last, count) of the index blocks covering that engine block.
-    pub engine: Vec<HashMap<u64, (u64, u64, u32)>>,
+    pub engine: engine_map::EngineMap,
 }
 
 impl Workers {
@@ -133,12 +134,12 @@ impl Workers {
         self.keys.push(Some(key.clone()));
         self.ids.insert(key.clone(), id);
         self.capacity.push(default_capacity);
-        self.engine.push(HashMap::new());
+        self.engine.ensure_worker(id);
         id
     }
 
     fn engine_entries(&self) -> usize {
-        self.engine.iter().map(|m| m.len()).sum()
+        self.engine.len()
     }
 }
 
@@ -153,12 +154,14 @@ pub struct PrefixIndex {
     state: RwLock<State>,
 }
 
-// Rough per-item costs for the running memory estimate that `max_bytes` is checked against
-// (hash-map entries include control bytes and load-factor slack).
-const BYTES_PER_BLOCK: u64 = 8 + 20;
-const BYTES_PER_NODE: u64 = std::mem::size_of::<tree::Node>() as u64 + 24;
-const BYTES_PER_HOLDING: u64 = std::mem::size_of::<tree::Holder>() as u64 + 40;
-const BYTES_PER_ENGINE_BLOCK: u64 = 8 + 24 + 4;
+// The running memory estimate that `max_bytes` is checked against and `stats()` reports: the
+// hash tables and the node array from their lengths at their average load, and per item what
+// allocation adds on top of the item (allocator headers, vectors' growth slack, the per-worker
+// leaf sets, a node's entry in its parent's child table), measured on engine-fed and store-fed
+// workloads (`benches/bench_peers_index.py` prints the estimate over the measured growth).
+const BYTES_PER_BLOCK_EDGE: u64 = 10;
+const BYTES_PER_NODE_HEAP: u64 = 72;
+const BYTES_PER_HOLDING: u64 = std::mem::size_of::<tree::Holder>() as u64 * 5 / 4 + 14;
 
 impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Result<Self, IndexError> {
@@ -266,7 +269,7 @@ impl PrefixIndex {
     pub fn clear(&self, worker: &WorkerKey) -> Result<u64, IndexError> {
         let mut st = self.state.write();
         let w = st.workers.id(worker).ok_or_else(|| IndexError::UnknownWorker(worker.clone()))?;
-        st.workers.engine[w as usize].clear();
+        st.workers.engine.clear_worker(w);
         Ok(st.tree.clear_worker(w))
     }
 
@@ -275,7 +278,7 @@ impl PrefixIndex {
         let mut st = self.state.write();
         let w = st.workers.id(worker).ok_or_else(|| IndexError::UnknownWorker(worker.clone()))?;
         let dropped = st.tree.clear_worker(w);
-        st.workers.engine[w as usize] = HashMap::new();
+        st.workers.engine.clear_worker(w);
         st.workers.keys[w as usize] = None;
         st.workers.ids.remove(worker);
         Ok(dropped)
@@ -331,6 +334,8 @@ impl PrefixIndex {
         st.tree.ensure_worker(w);
         let report = events::apply_batch(self, &mut st, w, &batch);
         self.enforce_bounds(&mut st, w);
+        let st = &mut *st;
+        st.workers.engine.sweep(&st.tree);
         Ok(report)
     }
 
@@ -426,10 +431,13 @@ fn oldest_worker(tree: &Tree) -> Option<WorkerId> {
 }
 
 fn estimated_bytes(st: &State) -> u64 {
-    st.tree.blocks.len() as u64 * BYTES_PER_BLOCK
-        + st.tree.live_nodes() as u64 * BYTES_PER_NODE
-        + st.tree.holder_count as u64 * BYTES_PER_HOLDING
-        + st.workers.engine_entries() as u64 * BYTES_PER_ENGINE_BLOCK
+    let t = &st.tree;
+    engine_map::table_bytes(t.blocks.len(), 8 + std::mem::size_of::<tree::Loc>() as u64)
+        + (t.live_nodes() * std::mem::size_of::<tree::Node>() * 5 / 4) as u64
+        + t.blocks.len() as u64 * BYTES_PER_BLOCK_EDGE
+        + t.live_nodes() as u64 * BYTES_PER_NODE_HEAP
+        + t.holder_count as u64 * BYTES_PER_HOLDING
+        + st.workers.engine.bytes()
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 use hashbrown::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
-use super::tree::{Attrs, Holder, Node, NodeId, Tree, ROOT};
+use super::tree::{Attrs, Holder, Node, NodeId, Tree, WorkerId, ROOT};
 use super::{IndexConfig, IndexError, State, WorkerKey, Workers};
 
 const FORMAT: u32 = 1;
@@ -77,7 +77,13 @@ pub(super) fn dump(config: &IndexConfig, st: &State, now: f64) -> Vec<u8> {
         .map(|i| SnapWorker {
             key: st.workers.keys[i].clone(),
             capacity: st.workers.capacity[i],
-            engine: st.workers.engine[i].iter().map(|(&e, &(f, l, n))| (e, f, l, n)).collect(),
+            engine: st
+                .workers
+                .engine
+                .entries_of(i as WorkerId, &st.tree)
+                .into_iter()
+                .map(|(e, (f, l, n))| (e, f, l, n))
+                .collect(),
         })
         .collect();
     let snap = Snapshot {
@@ -126,7 +132,10 @@ fn load_workers(snap: Vec<SnapWorker>) -> Result<Workers, IndexError> {
         }
         workers.keys.push(sw.key);
         workers.capacity.push(sw.capacity);
-        workers.engine.push(sw.engine.into_iter().map(|(e, f, l, n)| (e, (f, l, n))).collect());
+        workers.engine.ensure_worker(i as WorkerId);
+        for (e, f, l, n) in sw.engine {
+            workers.engine.insert(i as WorkerId, e, (f, l, n));
+        }
     }
     Ok(workers)
 }

@@ -1,0 +1,149 @@
+//! Which index blocks each engine block hash became, shared by every worker.
+//!
+//! An engine's block hash is a function of the engine's hashing configuration and the block's
+//! content, and so is the run of index blocks the index re-hashed it into: workers configured
+//! alike report the same engine hash for the same content, and one entry serves them all. An
+//! engine block of one index block (the engine's block size equals the index's) is one `u64`
+//! (`one`); a longer span keeps its first and last index block and its length (`span`).
+//!
+//! A worker whose engine maps a hash to other content than the shared entry says (another hash
+//! seed that happens to collide) keeps its own entry in `own`, looked up first. Entries are
+//! valid only while the index still holds their first block; those left behind by blocks the
+//! index dropped (evictions, cleared workers) are swept when they outnumber live blocks.
+
+use hashbrown::HashMap;
+
+use super::tree::{Tree, WorkerId};
+
+/// An engine block's index blocks: (first, last, count).
+pub(crate) type Span = (u64, u64, u32);
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct EngineMap {
+    one: HashMap<u64, u64>,
+    span: HashMap<u64, Span>,
+    /// Per worker, entries that differ from the shared one for the same engine hash.
+    own: Vec<HashMap<u64, Span>>,
+}
+
+impl EngineMap {
+    pub fn ensure_worker(&mut self, w: WorkerId) {
+        if self.own.len() <= w as usize {
+            self.own.resize_with(w as usize + 1, HashMap::new);
+        }
+    }
+
+    fn shared(&self, engine: u64) -> Option<Span> {
+        match self.one.get(&engine) {
+            Some(&b) => Some((b, b, 1)),
+            None => self.span.get(&engine).copied(),
+        }
+    }
+
+    /// The index blocks worker `w`'s engine block `engine` became.
+    pub fn get(&self, w: WorkerId, engine: u64) -> Option<Span> {
+        if let Some(own) = self.own.get(w as usize).filter(|m| !m.is_empty()) {
+            if let Some(&s) = own.get(&engine) {
+                return Some(s);
+            }
+        }
+        self.shared(engine)
+    }
+
+    /// Records that worker `w`'s engine block `engine` became `span`.
+    pub fn insert(&mut self, w: WorkerId, engine: u64, span: Span) {
+        self.ensure_worker(w);
+        match self.shared(engine) {
+            Some(s) if s == span => {
+                self.own[w as usize].remove(&engine);
+            }
+            Some(_) => {
+                self.own[w as usize].insert(engine, span);
+            }
+            None => {
+                if span.2 == 1 && span.0 == span.1 {
+                    self.one.insert(engine, span.0);
+                } else {
+                    self.span.insert(engine, span);
+                }
+            }
+        }
+    }
+
+    /// Forgets worker `w`'s entry for `engine` after `w` stopped holding its first block: its
+    /// own entry, or the shared one once no worker holds that block.
+    pub fn forget(&mut self, w: WorkerId, engine: u64, tree: &Tree) {
+        if let Some(own) = self.own.get_mut(w as usize) {
+            if own.remove(&engine).is_some() {
+                return;
+            }
+        }
+        if let Some((first, _, _)) = self.shared(engine) {
+            if !tree.blocks.contains_key(&first) {
+                self.one.remove(&engine);
+                self.span.remove(&engine);
+            }
+        }
+    }
+
+    /// Drops worker `w`'s own entries (it cleared its cache or left).
+    pub fn clear_worker(&mut self, w: WorkerId) {
+        if let Some(own) = self.own.get_mut(w as usize) {
+            *own = HashMap::new();
+        }
+    }
+
+    /// Drops shared entries whose first block the index no longer holds, once there are more of
+    /// them than live blocks.
+    pub fn sweep(&mut self, tree: &Tree) {
+        let shared = self.one.len() + self.span.len();
+        if shared <= 2 * tree.blocks.len() + 4096 {
+            return;
+        }
+        self.one.retain(|_, b| tree.blocks.contains_key(b));
+        self.span.retain(|_, s| tree.blocks.contains_key(&s.0));
+    }
+
+    pub fn len(&self) -> usize {
+        self.one.len() + self.span.len() + self.own.iter().map(HashMap::len).sum::<usize>()
+    }
+
+    /// Estimated heap bytes of the tables (see [`table_bytes`]).
+    pub fn bytes(&self) -> u64 {
+        let own: usize = self.own.iter().map(HashMap::len).sum();
+        table_bytes(self.one.len(), 16) + table_bytes(self.span.len() + own, 8 + 24)
+    }
+
+    /// Every entry worker `w` can use: its own, then the shared ones whose first block it holds.
+    pub fn entries_of(&self, w: WorkerId, tree: &Tree) -> Vec<(u64, Span)> {
+        let mut out: Vec<(u64, Span)> = self
+            .own
+            .get(w as usize)
+            .map(|m| m.iter().map(|(&e, &s)| (e, s)).collect())
+            .unwrap_or_default();
+        let own = self.own.get(w as usize);
+        let shared = self
+            .one
+            .iter()
+            .map(|(&e, &b)| (e, (b, b, 1)))
+            .chain(self.span.iter().map(|(&e, &s)| (e, s)));
+        for (e, s) in shared {
+            if own.is_some_and(|m| m.contains_key(&e)) {
+                continue;
+            }
+            if tree.holds(w, s.0) {
+                out.push((e, s));
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+}
+
+/// Estimated heap bytes of a hashbrown table of `len` entries of `entry` bytes: a bucket per
+/// entry and a control byte, over the table's average load (between 7/16 and 7/8 full as it
+/// doubles, two thirds on average). From the length rather than the capacity, so that the
+/// estimate falls as entries are evicted and a `max_bytes` cap can be met.
+pub(crate) fn table_bytes(len: usize, entry: u64) -> u64 {
+    len as u64 * (entry + 1) * 3 / 2
+}
