@@ -306,12 +306,14 @@ def test_threads_matching_every_input_form_agree_with_the_twin() -> None:
             for _ in range(15):
                 for q, expect, tiers in zip(queries, want, want_tiers, strict=True):
                     hashes = index.hash_tokens(q)
-                    m = [
-                        lambda: index.match(hashes),
-                        lambda: index.match(hashes.tolist()),
-                        lambda: index.match_tokens(q),
-                        lambda: index.match_tokens(np.asarray(q, dtype=np.uint32)),
-                    ][form]()
+                    if form == 0:
+                        m = index.match(hashes)
+                    elif form == 1:
+                        m = index.match(hashes.tolist())
+                    elif form == 2:
+                        m = index.match_tokens(q)
+                    else:
+                        m = index.match_tokens(np.asarray(q, dtype=np.uint32))
                     if only_original(m) != expect:
                         failures.append((form, "depths"))
                     got_tiers = {w: t for w, t in m.tiers().items() if isinstance(w, int)}

@@ -533,6 +533,7 @@ class Router:
         >>> d.endpoint in ("a", "b")
         True
         """
+        array: npt.NDArray[np.integer] | list[int] | tuple[int, ...]
         if (
             text is None
             and messages is None
@@ -935,8 +936,9 @@ def _prompt_array(
     tokens: TokensLike | None,
     text: str | bytes | None,
     messages: Sequence[Mapping[str, Any]] | None,
-) -> npt.NDArray[np.integer]:
-    """The prompt as a token array, from exactly one of the three forms."""
+) -> npt.NDArray[np.integer] | list[int] | tuple[int, ...]:
+    """The prompt as the native router takes it, from exactly one of the three forms: a token
+    array, or a list or tuple of ids (read natively)."""
     if sum(x is not None for x in (tokens, text, messages)) != 1:
         raise TypeError("give exactly one of tokens=, text= or messages=")
     if messages is not None:
