@@ -177,3 +177,31 @@ def test_other_cache_groups_and_extra_keys_are_skipped() -> None:
     assert report["blocks_stored"] == 2
     assert index.match_tokens(tokens).as_dict() == {"e": 1}
     assert index.match_tokens(tokens, lora="sql").as_dict() == {"e": 1}
+
+
+def test_engine_hashes_shared_and_conflicting_across_workers() -> None:
+    """Workers reporting the same content under the same engine hash share one entry; one whose
+    engine uses that hash for other content keeps its own, and each resolves its own parents and
+    removals, across dumps()/loads() too."""
+    index = PrefixIndex(block_size=16)
+    x, y, child = list(range(16)), list(range(100, 116)), list(range(200, 216))
+    for w in ("a", "b"):
+        index.apply_vllm_events(w, batch(stored([1], None, x)))
+    index.apply_vllm_events("c", batch(stored([1], None, y)))  # engine hash 1, other content
+    assert index.stats()["engine_blocks"] == 2  # one shared entry, one of c's own
+    for w in ("a", "c"):
+        report = index.apply_vllm_events(w, batch(stored([2], 1, child)))
+        assert report["blocks_stored"] == 1 and report["unknown_parent"] == 0
+    assert index.match_tokens(x + child).as_dict() == {"a": 2, "b": 1}
+    assert index.match_tokens(y + child).as_dict() == {"c": 2}
+    copy = PrefixIndex.loads(index.dumps())
+    for idx in (index, copy):
+        removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+        assert idx.apply_vllm_events("c", batch(removed))["blocks_removed"] == 1
+        assert idx.match_tokens(y + child).as_dict() == {}
+        assert idx.match_tokens(x + child).as_dict() == {"a": 2, "b": 1}
+        assert idx.apply_vllm_events("a", batch(removed))["blocks_removed"] == 1
+        assert idx.match_tokens(x + child).as_dict() == {"b": 1}
+        # b still resolves the shared entry: its child lands under x.
+        assert idx.apply_vllm_events("b", batch(stored([2], 1, child)))["blocks_stored"] == 1
+        assert idx.match_tokens(x + child).as_dict() == {"b": 2}

@@ -53,6 +53,22 @@ impl EngineMap {
     /// Records that worker `w`'s engine block `engine` became `span`.
     pub fn insert(&mut self, w: WorkerId, engine: u64, span: Span) {
         self.ensure_worker(w);
+        if span.2 == 1 && span.0 == span.1 && self.span.is_empty() {
+            // The common case (engine and index blocks alike): one probe of one table.
+            match self.one.entry(engine) {
+                hashbrown::hash_map::Entry::Vacant(v) => {
+                    v.insert(span.0);
+                    return;
+                }
+                hashbrown::hash_map::Entry::Occupied(o) if *o.get() == span.0 => {
+                    if !self.own[w as usize].is_empty() {
+                        self.own[w as usize].remove(&engine);
+                    }
+                    return;
+                }
+                hashbrown::hash_map::Entry::Occupied(_) => {}
+            }
+        }
         match self.shared(engine) {
             Some(s) if s == span => {
                 self.own[w as usize].remove(&engine);

@@ -254,33 +254,40 @@ impl Tree {
     }
 
     /// Per-worker depths along `path` (nodes and the query depth at each node's end).
+    ///
+    /// Every worker of the first node starts at the path's full depth (in each tier it holds
+    /// there); a worker leaving the match at a node is set back to the depth before that node.
     fn carry(&self, path: &[(NodeId, u32)], now: f64, out: &mut Vec<MatchEntry>) {
         let words = self.workers.len().div_ceil(64).max(1);
         // alive[k]: workers whose match (k = 0 overall, 1.. per tier) reaches the current node.
         let mut alive = vec![0u64; 4 * words];
-        let mut node_bits = vec![0u64; 4 * words];
         self.node_bits(path[0].0, now, words, &mut alive);
-        let first: Vec<u64> = alive[..words].to_vec();
-        // The rank of each word's first worker in `out`, which lists `first` in order.
+        let full = path[path.len() - 1].1;
+        // The rank of each word's first worker in `out`, which lists the first node's workers.
         let mut rank = Vec::with_capacity(words);
-        let mut count = 0u32;
-        for (i, &word) in first.iter().enumerate() {
-            rank.push(count);
-            count += word.count_ones();
-            let mut bits = word;
+        let total: u32 = alive[..words].iter().map(|w| w.count_ones()).sum();
+        out.reserve(total as usize);
+        for i in 0..words {
+            rank.push(out.len() as u32);
+            let mut bits = alive[i];
             while bits != 0 {
-                let w = (i * 64) as u32 + bits.trailing_zeros();
+                let b = bits.trailing_zeros();
                 bits &= bits - 1;
-                out.push(MatchEntry { worker: w, blocks: 0, tiers: [0; 3] });
+                let bit = 1u64 << b;
+                let tier = |t: usize| if alive[(t + 1) * words + i] & bit != 0 { full } else { 0 };
+                let tiers = [tier(0), tier(1), tier(2)];
+                out.push(MatchEntry { worker: (i * 64) as u32 + b, blocks: full, tiers });
             }
         }
-        if out.is_empty() {
+        if out.is_empty() || path.len() == 1 {
             return;
         }
+        let first: Vec<u64> = alive[..words].to_vec();
         let slot = |w: usize| -> usize {
             let (i, b) = (w / 64, w % 64);
             (rank[i] + (first[i] & ((1u64 << b) - 1)).count_ones()) as usize
         };
+        let mut node_bits = vec![0u64; 4 * words];
         let mut end = path[0].1;
         for &(node, node_end) in &path[1..] {
             self.node_bits(node, now, words, &mut node_bits);
@@ -302,16 +309,6 @@ impl Tree {
             end = node_end;
             if any == 0 {
                 return;
-            }
-        }
-        for k in 0..4 {
-            for i in 0..words {
-                let mut left = alive[k * words + i];
-                while left != 0 {
-                    let w = i * 64 + left.trailing_zeros() as usize;
-                    left &= left - 1;
-                    set_depth(&mut out[slot(w)], k, end);
-                }
             }
         }
     }
