@@ -19,6 +19,7 @@ expire), and queried with :meth:`PrefixIndex.match` on every request.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -401,4 +402,9 @@ class PrefixIndex:
 
 
 def _now(now: float | None) -> float:
+    # The common cases inline (every match passes through here), the rest through check_now.
+    if now is None:
+        return time.monotonic()
+    if type(now) is float and 0.0 <= now < math.inf:
+        return now
     return check_now(now)
