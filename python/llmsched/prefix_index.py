@@ -44,8 +44,9 @@ Tier = Literal["gpu", "cpu", "storage"]
 """Where a cached block lives (vLLM's ``medium``)."""
 
 HashesLike: TypeAlias = Union["npt.NDArray[np.integer[Any]]", Iterable["int | np.integer[Any]"]]
-"""Block hashes: a numpy ``uint64`` array (read in place), another integer array (converted), or
-a sequence or iterable of ints in ``0..2**64-1``."""
+"""Block hashes: a numpy ``uint64`` array (read in place), another integer array or an integer
+buffer such as ``array.array("Q")`` (converted or wrapped), a list or tuple of ints in
+``0..2**64-1`` (read natively in one pass), or any other iterable of ints."""
 
 _INT_FORMATS = frozenset("bBhHiIlLqQnN")  # struct codes of integer buffers
 
@@ -273,7 +274,9 @@ class PrefixIndex:
         return self._native.set_capacity(worker, blocks)
 
     def match(self, hashes: HashesLike, *, now: float | None = None) -> PrefixMatch:
-        """The leading blocks of ``hashes`` each worker holds, overall and per tier.
+        """The leading blocks of ``hashes`` each worker holds, overall and per tier, as a native
+        :class:`PrefixMatch` that makes Python objects only for what is read (``longest``,
+        ``best``, ``top(k)``, ``m[worker]``, numpy columns, ``as_dict()``).
 
         >>> index = PrefixIndex(block_size=2)
         >>> h = index.hash_tokens([1, 2, 3, 4])
