@@ -190,8 +190,8 @@ pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Ve
     false
 }
 
-/// The list fast path: one-digit non-negative ints (below 2**30: every token id a vocabulary
-/// has, and small hashes) are read in a tight loop; any other element takes `push`.
+/// The list fast path: every exact int of up to three 30-bit digits (all of `0..2**64` that
+/// fits) is decoded in a tight loop; any other element takes `push`.
 ///
 /// # Safety
 /// `items` must be the item array of a live list of `n` items, with the GIL held.
@@ -203,21 +203,35 @@ unsafe fn read_list_raw<T: TryFrom<u64>>(
     out: &mut Vec<T>,
 ) -> bool {
     let long_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
-    // The size or tag word of a one-digit non-negative int, and of zero.
-    let (one, zero) = match lay {
-        Layout::ObSize => (1isize, 0isize),
-        _ => (8isize, 1isize),
-    };
     let dst = out.as_mut_ptr();
     for i in 0..n {
         let item = *items.add(i);
-        let base = item as *const u8;
         if ffi::Py_TYPE(item) == long_type {
+            let base = item as *const u8;
             let word = (base.add(SIZE_OR_TAG) as *const isize).read();
-            let digit = u64::from((base.add(DIGITS) as *const u32).read());
-            let value = if word == one { digit } else { 0 };
-            if (word == one || word == zero) && value <= max {
-                if let Ok(t) = T::try_from(value) {
+            // Non-negative ints only: the digit count, or 4 (not handled here) for the rest.
+            let ndigits = match lay {
+                Layout::ObSize if word >= 0 => word as usize,
+                Layout::LvTag if word & 3 != 2 => (word as usize) >> 3,
+                _ => 4,
+            };
+            let digits = base.add(DIGITS) as *const u32;
+            let value = match ndigits {
+                0 => Some(0),
+                1 => Some(u64::from(digits.read())),
+                2 => Some(u64::from(digits.read()) | u64::from(digits.add(1).read()) << 30),
+                3 => {
+                    let top = u64::from(digits.add(2).read());
+                    (top < 16).then(|| {
+                        u64::from(digits.read())
+                            | u64::from(digits.add(1).read()) << 30
+                            | top << 60
+                    })
+                }
+                _ => None,
+            };
+            if let Some(v) = value.filter(|&v| v <= max) {
+                if let Ok(t) = T::try_from(v) {
                     // SAFETY: `out` has room for `n` elements (reserved by the caller).
                     dst.add(i).write(t);
                     continue;
