@@ -223,9 +223,7 @@ unsafe fn read_list_raw<T: TryFrom<u64>>(
                 3 => {
                     let top = u64::from(digits.add(2).read());
                     (top < 16).then(|| {
-                        u64::from(digits.read())
-                            | u64::from(digits.add(1).read()) << 30
-                            | top << 60
+                        u64::from(digits.read()) | u64::from(digits.add(1).read()) << 30 | top << 60
                     })
                 }
                 _ => None,
