@@ -46,7 +46,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from llmsched import PrefixIndex
+from llmsched import EndpointPool, PrefixIndex, Router
 from llmsched.reference.prefix_index import ReferencePrefixIndex
 
 PEER = "ai-dynamo-runtime==1.6.1"
@@ -345,8 +345,30 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
     for name in ("hashes numpy", "hashes list", "tokens numpy", "tokens list"):
         fn, args = forms[name]
         fig[f"threads {name}"] = threaded(fn, args, 2) / threaded(fn, args, 1)
+    pick_figures(fig, index, size, wl.queries)
     report(fig, tree is not None)
     return fig
+
+
+def pick_figures(
+    fig: dict[str, float], index: PrefixIndex, size: Size, queries: list[npt.NDArray[np.uint32]]
+) -> None:
+    """``Router.pick`` (llm-d's default config, one endpoint per worker) over the loaded index:
+    p50 and p99, and the share of the p50 a bare ``match_tokens`` of the same prompt takes."""
+    pool = EndpointPool(list(range(size.workers)))
+    router = Router(pool, index, "llm-d", seed=1)
+    picks, matches = [], []
+    for q in queries:
+        t = time.perf_counter()
+        router.pick(tokens=q, now=0.0)
+        picks.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        index.match_tokens(q, now=0.0)
+        matches.append(time.perf_counter() - t)
+    picks.sort()
+    fig["pick p50"] = picks[len(picks) // 2]
+    fig["pick p99"] = picks[min(len(picks) - 1, len(picks) * 99 // 100)]
+    fig["pick index share"] = statistics.median(matches) / fig["pick p50"]
 
 
 def report(fig: dict[str, float], peer: bool) -> None:
@@ -384,10 +406,16 @@ def report(fig: dict[str, float], peer: bool) -> None:
             line += (
                 f" | Dynamo ({other[7:]}) {fig['qps ' + other]:>8,.0f}/s p50 "
                 f"{fig['p50 ' + other] * 1e6:7.1f} us | {ratio('qps ' + name, 'qps ' + other)}"
+                f" (p50 {fig['p50 ' + other] / fig['p50 ' + name]:.2f}x)"
             )
         line += f" | twin x{fig['qps ' + name] / fig['qps twin tokens list']:.0f}"
         line += f" | 2 threads {fig['threads ' + name]:.2f}x"
         print(line)
+    print(
+        f"   Router.pick (llm-d config, one endpoint per worker): p50 "
+        f"{fig['pick p50'] * 1e6:.1f} us, p99 {fig['pick p99'] * 1e6:.1f} us; a bare "
+        f"match_tokens of the prompt is {fig['pick index share']:.0%} of the p50"
+    )
     slowest = min(
         fig["qps hashes list"] / fig["qps hashes numpy"],
         fig["qps tokens list"] / fig["qps tokens numpy"],
