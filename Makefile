@@ -9,7 +9,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines vllm-env lint docs fmt \
+.PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines vllm-env lint docs fmt servers \
 	bench bench-rust demo fuzz clean
 
 help: ## List the targets
@@ -62,7 +62,17 @@ test-rust: ## Run the Rust tests of every crate, doc-tests included (release, no
 
 # The core install test takes the wheel from dist/ when `make wheel` left a current one there,
 # rather than building its own.
-test-python: build ## Run the Python tests
+# The real servers the tests start for real roles: Debian's nats-server (tests/test_cluster.py,
+# the replica-sync bus). Installed when missing and root may; without it those tests skip,
+# except under CI, where they fail.
+NATS_SERVER := $(firstword $(wildcard /usr/sbin/nats-server /usr/bin/nats-server) $(shell command -v nats-server))
+servers: ## Install the servers the tests start (Debian's nats-server)
+	@if [ -z "$(NATS_SERVER)" ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server; \
+		else echo "nats-server missing (apt-get install nats-server): tests/test_cluster.py will skip"; fi; \
+	fi
+
+test-python: build servers ## Run the Python tests
 	LLMSCHED_WHEEL=$$($(MAKE) -s -q --no-print-directory $(DIST)/.stamp && ls $(DIST)/llmsched-*.whl) \
 		$(PY) -m pytest -q -p no:cacheprovider
 

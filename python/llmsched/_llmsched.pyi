@@ -23,6 +23,8 @@ from llmsched.types import (
     PdNote,
     PluginInfo,
     ProfileData,
+    SyncCounters,
+    SyncReport,
     WorkerId,
 )
 
@@ -598,6 +600,37 @@ class Decision:
         """Marks the first token; returns False when already marked."""
     def finished(self) -> bool:
         """Marks the request finished; returns False when already finished."""
+
+@final
+class ReplicaSync:
+    """One router replica's end of replica sync; `llmsched.cluster.ClusterSync` drives it."""
+
+    def __new__(
+        cls,
+        router: Router,
+        replica: str,
+        incarnation: int,
+        journal_limit: int,
+        load_ttl: float,
+        history_limit: int,
+    ) -> ReplicaSync: ...
+    @property
+    def replica(self) -> str:
+        """This replica's name."""
+    def outgoing(self, now: float, heartbeat: bool) -> bytes | None:
+        """The next batch to publish, or None when nothing changed and no heartbeat is due."""
+    def incoming(self, data: bytes, now: float) -> SyncReport:
+        """Applies another replica's batch."""
+    def apply_catch_up(self, data: bytes, now: float) -> SyncReport:
+        """Applies a catch-up batch (records and sessions only)."""
+    def catch_up(self, now: float, max_bytes: int) -> list[bytes]:
+        """Batches that bring a late replica up to date."""
+    def expire(self, now: float) -> int:
+        """Forgets silent replicas; returns how many."""
+    def peers(self) -> list[str]:
+        """Replicas heard from within the load TTL."""
+    def counters(self) -> SyncCounters:
+        """Counters since the sync started."""
 
 # ---- sim ------------------------------------------------------------------------------------
 

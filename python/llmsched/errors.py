@@ -26,6 +26,7 @@ __all__ = [
     "InvalidValueError",
     "LlmschedError",
     "MalformedEventError",
+    "MalformedSyncBatchError",
     "NoEndpointError",
     "SliceStateError",
     "SnapshotError",
@@ -50,6 +51,10 @@ class ConfigError(LlmschedError, ValueError):
 
 class MalformedEventError(LlmschedError, ValueError):
     """A vLLM KV-event payload could not be decoded; nothing was applied."""
+
+
+class MalformedSyncBatchError(LlmschedError, ValueError):
+    """A replica-sync batch from the message bus could not be decoded; nothing was applied."""
 
 
 class UnknownWorkerError(LlmschedError, KeyError):

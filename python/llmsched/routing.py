@@ -480,6 +480,22 @@ class Router:
         """
         return _llmsched.Router.plugin_catalogue()
 
+    def replica_sync(
+        self,
+        replica: str,
+        *,
+        incarnation: int,
+        journal_limit: int,
+        load_ttl_s: float,
+        history_limit: int,
+    ) -> _llmsched.ReplicaSync:
+        """Turns on replica sync for this router and returns its native end, which
+        :class:`llmsched.cluster.ClusterSync` drives (use that; one per router). From this call
+        on, every :meth:`Decision.started` journals its prefix record and session binding."""
+        return _llmsched.ReplicaSync(
+            self._native, replica, incarnation, journal_limit, load_ttl_s, history_limit
+        )
+
     @property
     def pool(self) -> EndpointPool:
         """The endpoint pool."""

@@ -53,6 +53,8 @@ __all__ = [
     "RequestInfo",
     "ResolvedBand",
     "SaturationThresholds",
+    "SyncCounters",
+    "SyncReport",
     "TokenizerWiring",
     "WaitHistogram",
     "WorkerId",
@@ -250,6 +252,9 @@ class EndpointInfo(EndpointLoad):
     waiting_loras: list[str]
     max_loras: int
     in_flight_tokens: int
+    remote_in_flight_requests: int
+    """Of ``in_flight_requests``, those other router replicas report (replica sync, see
+    :mod:`llmsched.cluster`); 0 without sync."""
 
 
 class RequestInfo(TypedDict):
@@ -538,3 +543,44 @@ class PluginInfo(TypedDict):
     alias_of: str | None
     summary: str
     params: list[PluginParamInfo]
+
+
+class SyncReport(TypedDict):
+    """What applying one replica-sync batch did (:class:`llmsched.cluster.ClusterSync`)."""
+
+    own: bool
+    """The batch was this replica's own (the bus delivers to every subscriber)."""
+    duplicate: bool
+    """Already applied: its sequence is not newer than the last one from that replica."""
+    missed: int
+    """Batches from that replica that never arrived before this one."""
+    records: int
+    """Approximate prefix records added to the index."""
+    sessions: int
+    """Session bindings made."""
+    unknown_endpoints: int
+    """Entries and counts for endpoints this replica's pool does not have (skipped)."""
+
+
+class SyncCounters(TypedDict):
+    """Counters of one replica's sync since it started
+    (:meth:`llmsched.cluster.ClusterSync.stats`)."""
+
+    batches_out: int
+    bytes_out: int
+    entries_out: int
+    skipped_out: int
+    """Entries left out of a batch because a name was over 65,535 bytes."""
+    journal_dropped: int
+    """Entries dropped because the journal filled between two flushes."""
+    batches_in: int
+    bytes_in: int
+    own_in: int
+    duplicates_in: int
+    missed_in: int
+    malformed_in: int
+    records_applied: int
+    sessions_applied: int
+    unknown_endpoints: int
+    replicas_expired: int
+    """Replicas forgotten because nothing came from them within ``load_ttl_s``."""

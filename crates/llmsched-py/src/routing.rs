@@ -186,6 +186,7 @@ impl PyEndpointPool {
                 d.set_item("in_flight_requests", f.requests)?;
                 d.set_item("in_flight_prefill_tokens", f.prefill_tokens)?;
                 d.set_item("in_flight_tokens", f.tokens)?;
+                d.set_item("remote_in_flight_requests", m.inflight.remote().requests)?;
                 Ok(d)
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -385,8 +386,8 @@ fn registry(py: Python<'_>, functions: &[Py<PyAny>]) -> Registry {
 /// The native router; `llmsched.Router` wraps it.
 #[pyclass(frozen, module = "llmsched._llmsched", name = "Router")]
 pub struct PyRouter {
-    inner: Router,
-    index: Py<PyPrefixIndex>,
+    pub(crate) inner: Router,
+    pub(crate) index: Py<PyPrefixIndex>,
 }
 
 struct Decide<'a> {
