@@ -57,13 +57,14 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import numpy.typing as npt
 
-from llmsched._tokens import TokensLike, as_token_array
+from llmsched._tokens import MAX_TOKEN_ID, TokensLike, as_token_array, raise_out_of_range
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
     ConfigError,
     FlowRejected,
     InvalidRequestError,
     InvalidValueError,
+    LlmschedError,
     NoEndpointError,
     PlacementError,
     UnknownBlockError,
@@ -112,6 +113,7 @@ PlacementOutcome = Literal["completed", "failed", "cancelled"]
 """How a :class:`Placement` ended."""
 
 _I32 = 2**31
+_NARROW = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 _FLOW_SATURATION_NOTE = (
     "scheduler: flow control measures saturation by utilization (engine metrics), but metrics "
     "scraping is off and no engine reports load: every request will be refused with "
@@ -176,8 +178,14 @@ class ScheduleRequest:
         if self.tokens is not None:
             try:
                 array = as_token_array(self.tokens)
-            except TypeError as exc:
+            except (TypeError, ValueError) as exc:
+                if isinstance(exc, LlmschedError):
+                    raise
                 raise InvalidRequestError(str(exc)) from None
+            if array.size and array.dtype not in _NARROW and (
+                int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID
+            ):
+                raise_out_of_range(array, "tokens")
             object.__setattr__(self, "tokens", array)
         elif self.text is not None:
             if not isinstance(self.text, str):
