@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
-from llmsched import Placement, ScheduleRequest, Scheduler
+from llmsched import Placement, Scheduler, ScheduleRequest
 from llmsched.errors import (
     ConfigError,
     FlowRejected,
@@ -437,9 +437,7 @@ def test_many_concurrent_requests_with_cancellations_return_to_zero() -> None:
 
 
 def test_threads_share_one_scheduler_with_the_sync_form() -> None:
-    s = Scheduler(
-        ["a", "b", "c"], flow={"saturation": {"type": "concurrency", "max_requests": 2}}
-    )
+    s = Scheduler(["a", "b", "c"], flow={"saturation": {"type": "concurrency", "max_requests": 2}})
     errors: list[BaseException] = []
     peak = [0]
 

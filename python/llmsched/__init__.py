@@ -67,6 +67,7 @@ def __getattr__(name: str) -> object:
     globals()[name] = value
     return value
 
+
 __all__ = [
     "Admission",
     "ConfigError",

@@ -112,6 +112,8 @@ log = logging.getLogger("llmsched")
 PlacementOutcome = Literal["completed", "failed", "cancelled"]
 """How a :class:`Placement` ended."""
 
+_WARNED: list[str] = []
+"""Notes already logged (each once per process)."""
 _I32 = 2**31
 _NARROW = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 _FLOW_SATURATION_NOTE = (
@@ -182,8 +184,10 @@ class ScheduleRequest:
                 if isinstance(exc, LlmschedError):
                     raise
                 raise InvalidRequestError(str(exc)) from None
-            if array.size and array.dtype not in _NARROW and (
-                int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID
+            if (
+                array.size
+                and array.dtype not in _NARROW
+                and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID)
             ):
                 raise_out_of_range(array, "tokens")
             object.__setattr__(self, "tokens", array)
@@ -215,11 +219,12 @@ class ScheduleRequest:
                 or value < 0
             ):
                 raise InvalidRequestError(f"{name} must be a finite number >= 0 or None")
-        if self.headers is not None:
-            if not isinstance(self.headers, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()
-            ):
-                raise InvalidRequestError("headers must map str to str")
+        headers = self.headers
+        if headers is not None and not (
+            isinstance(headers, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+        ):
+            raise InvalidRequestError("headers must map str to str")
 
     @property
     def prompt_size(self) -> int:
@@ -584,9 +589,9 @@ class Scheduler:
         allow_pseudo_tokens: bool = False,
         retry_after_s: float = 1.0,
     ) -> None:
-        for name, value in (("kv_events", kv_events), ("scrape", scrape)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be a bool, got {value!r}")
+        for name, flag in (("kv_events", kv_events), ("scrape", scrape)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be a bool, got {flag!r}")
         for name, value in (
             ("scrape_interval_s", scrape_interval_s),
             ("scrape_timeout_s", scrape_timeout_s),
@@ -666,7 +671,9 @@ class Scheduler:
             saturation = self.flow.config["saturation"]
             if saturation.get("type", "utilization") == "utilization":
                 self._warnings.append(_FLOW_SATURATION_NOTE)
-                log.warning(_FLOW_SATURATION_NOTE)
+                if not _WARNED:
+                    _WARNED.append(_FLOW_SATURATION_NOTE)
+                    log.warning(_FLOW_SATURATION_NOTE)
         self._subscriber: KVEventSubscriber | None = None
         self._scraper: MetricsScraper | None = None
         self._scrape_task: asyncio.Task[None] | None = None
@@ -733,9 +740,7 @@ class Scheduler:
 
     # -- engines -------------------------------------------------------------------------
 
-    def _checked_engines(
-        self, engines: Iterable[EngineLike]
-    ) -> list[_Engine]:
+    def _checked_engines(self, engines: Iterable[EngineLike]) -> list[_Engine]:
         if isinstance(engines, (str, bytes, Mapping)):
             raise ConfigError("engines must be an iterable of engines, not a single value")
         out: list[_Engine] = []
@@ -840,8 +845,7 @@ class Scheduler:
             k
             for k in new
             if k in self._engines
-            and (new[k].endpoint, new[k].spec)
-            != (self._engines[k].endpoint, self._engines[k].spec)
+            and (new[k].endpoint, new[k].spec) != (self._engines[k].endpoint, self._engines[k].spec)
         ]
         for key in removed:
             self._forget(key)
@@ -1074,9 +1078,7 @@ class Scheduler:
             raise RuntimeError("admit_sync() inside a running event loop: await admit()")
         return asyncio.run(self.admit(request))
 
-    def place(
-        self, request: ScheduleRequest, admission: Admission | None = None
-    ) -> Placement:
+    def place(self, request: ScheduleRequest, admission: Admission | None = None) -> Placement:
         """Picks an endpoint for an admitted ``request`` and puts it in flight there. The
         placement releases ``admission`` when it ends only if it was made by
         :meth:`schedule`; here the caller keeps it. NoEndpointError when no endpoint can serve
@@ -1099,9 +1101,7 @@ class Scheduler:
         order += [e for e in decision.cached_tokens() if e not in order]
         attempt = self._started(decision, decision.endpoint)
         self.count("in_flight")
-        return Placement(
-            self, request, admission, attempt, order, owns_admission=owns_admission
-        )
+        return Placement(self, request, admission, attempt, order, owns_admission=owns_admission)
 
     def _started(self, decision: Decision, endpoint: EndpointId) -> _Attempt:
         cached = decision.cached_tokens()
