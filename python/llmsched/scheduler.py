@@ -408,6 +408,11 @@ class Placement:
         return self.decision.prefill_address
 
     @property
+    def cached(self) -> int:
+        """Prompt tokens cached on the current endpoint when it was picked."""
+        return int(self.decision.cached_tokens().get(self.endpoint, 0))
+
+    @property
     def disaggregated(self) -> bool:
         """Whether prefill runs on a separate endpoint."""
         return self._attempt is not None and self._attempt.decision.disaggregated
