@@ -93,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="fake")
     args = parser.parse_args(argv)
     engines = [engine_spec(e) for e in args.engine]
-    requests = [tuple(r.split(":", 1)) if ":" in r else ("", r) for r in args.request]
-    asyncio.run(run(engines, requests, args.model))  # type: ignore[arg-type]
+    requests = [
+        (r.partition(":")[0], r.partition(":")[2]) if ":" in r else ("", r) for r in args.request
+    ]
+    asyncio.run(run(engines, requests, args.model))
     return 0
 
 

@@ -459,3 +459,59 @@ def test_threads_share_one_scheduler_with_the_sync_form() -> None:
     assert not errors and not any(t.is_alive() for t in threads)
     assert s.stats()["completed"] == 100 and peak[0] <= 2
     at_rest(s)
+
+
+def _kv_spec(publisher: object, port: int) -> object:
+    from llmsched.integrations import EngineSpec
+
+    return EngineSpec("127.0.0.1", port, **publisher.spec_kwargs())  # type: ignore[attr-defined]
+
+
+def test_feeds_follow_engine_changes_while_started() -> None:
+    pytest.importorskip("zmq")
+    from llmsched.testing import FakeKVPublisher, event_batch, stored_event
+
+    blocks = [stored_event([1, 2, 3, 4], None, list(range(64)))]
+    with FakeKVPublisher() as first, FakeKVPublisher() as second:
+        s = Scheduler([_kv_spec(first, 1)], router="prefix-only", block_size=16)  # type: ignore[list-item]
+        loop_waits = 20.0
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            async with s:
+                assert s.started and s.subscriber is not None
+                assert await loop.run_in_executor(None, first.wait_subscribed, loop_waits)
+                first.publish(event_batch(*blocks))
+                await until(lambda: s.index.match_tokens(PROMPT).longest == 4, "first's events")
+                added = s.add_engine(_kv_spec(second, 2))  # type: ignore[arg-type]
+                await s.feeds_settled()
+                assert s.subscriber is not None and added in s.subscriber.workers()
+                assert await loop.run_in_executor(None, second.wait_subscribed, loop_waits)
+                second.publish(event_batch(*blocks))
+                await until(lambda: len(s.index.match_tokens(PROMPT).as_dict()) == 2, "second's")
+                s.remove_engine(added)
+                await s.feeds_settled()
+                assert added not in s.subscriber.workers()
+                assert list(s.index.match_tokens(PROMPT).as_dict()) == ["127.0.0.1:1"]
+                with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+                    assert p.endpoint == "127.0.0.1:1" and p.cached == 64
+            assert not s.started and s.subscriber is None
+
+        asyncio.run(run())
+
+
+def test_feeds_on_threads_with_the_sync_pair() -> None:
+    pytest.importorskip("zmq")
+    from llmsched.testing import FakeKVPublisher, event_batch, stored_event
+
+    with FakeKVPublisher() as publisher:
+        s = Scheduler([_kv_spec(publisher, 1)], router="prefix-only", block_size=16)  # type: ignore[list-item]
+        s.start_sync()
+        try:
+            assert publisher.wait_subscribed(20.0)
+            publisher.publish(event_batch(stored_event([7, 8], None, list(range(32)))))
+            assert s.subscriber is not None
+            assert s.subscriber.wait_for(lambda c: c["blocks_stored"] >= 2, timeout=20.0)
+        finally:
+            s.stop_sync()
+        assert s.subscriber is None and s.index.match_tokens(PROMPT).longest == 2
