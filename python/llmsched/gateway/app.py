@@ -681,13 +681,9 @@ class Gateway:
                 return await sliced.run(request)
             finally:
                 slot.flow_id, slot.output_tokens = sliced.flow_id, sliced.uncharged_tokens()
-        started = time.perf_counter()
-        try:
-            placement = self.scheduler.place(incoming.scheduled)
-        except NoEndpointError:
+        placement = self.place(incoming.scheduled)
+        if placement is None:
             return self.refuse(route, self._no_engine_refusal())
-        finally:
-            self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
         response, slot.output_tokens = await self._proxy(
             request, route, incoming.body, placement, incoming.deadline
@@ -832,18 +828,17 @@ class Gateway:
 
     # -- package-internal seam (used by llmsched.gateway.slicing) ---------------------------
 
-    def pick(self, args: Mapping[str, Any]) -> Decision | None:
-        """A routing decision for ``args`` (Router.pick keywords), timed in the metrics; None
-        when no endpoint can serve it. Package-internal."""
-        now = time.monotonic()
+    def place(self, scheduled: ScheduleRequest) -> Placement | None:
+        """The scheduler's placement of an admitted request (picked and in flight), timed in
+        the metrics; None when no endpoint can serve it. The caller holds the admission.
+        Package-internal."""
         started = time.perf_counter()
         try:
-            decision = self.router.pick(**args, now=now)
+            return self.scheduler.place(scheduled)
         except NoEndpointError:
             return None
         finally:
             self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        return decision
 
     # -- upstream ------------------------------------------------------------------------
 

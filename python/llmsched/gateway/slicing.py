@@ -27,8 +27,9 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from llmsched.errors import ConfigError, FlowRejected
+from llmsched.errors import ConfigError, FlowRejected, InvalidRequestError, InvalidTokenError
 from llmsched.flow import FlowController, FlowRequest
+from llmsched.scheduler import Placement, ScheduleRequest
 from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
 
 if TYPE_CHECKING:
@@ -107,29 +108,28 @@ class SlicedRequest:
             first = True
             while True:
                 body = self.asm.next_request(max(slice_tokens, 1))
-                decision = self.gateway.pick(self._pick_args(body))
-                if decision is None:
+                placement = self.gateway.place(self._scheduled(body))
+                if placement is None:
                     raise SliceFailed("no engine can serve the continuation")
-                endpoint = str(decision.endpoint)
-                if first:
-                    start = self.tracker.admit(
-                        self.request_id,
-                        prompt_tokens=self.prompt_tokens,
-                        max_tokens=self.asm.remaining_tokens,
-                        endpoint=endpoint,
-                        priority=self.priority,
-                    )
-                    body = self.asm.next_request(start.slice_tokens)
-                    first = False
-                elif self._paused():
-                    start = self.tracker.resume(self.request_id, endpoint=endpoint)
-                    body = self.asm.next_request(start.slice_tokens)
-                self.endpoints.append(endpoint)
-                decision.started(endpoint)
-                try:
-                    chunks = await self._call(endpoint, body, decision)
-                finally:
-                    decision.finished()
+                # Picked and in flight; the exit completes it, or fails it (dropping its
+                # approximate prefix record) when the slice failed.
+                with placement:
+                    endpoint = str(placement.endpoint)
+                    if first:
+                        start = self.tracker.admit(
+                            self.request_id,
+                            prompt_tokens=self.prompt_tokens,
+                            max_tokens=self.asm.remaining_tokens,
+                            endpoint=endpoint,
+                            priority=self.priority,
+                        )
+                        body = self.asm.next_request(start.slice_tokens)
+                        first = False
+                    elif self._paused():
+                        start = self.tracker.resume(self.request_id, endpoint=endpoint)
+                        body = self.asm.next_request(start.slice_tokens)
+                    self.endpoints.append(endpoint)
+                    chunks = await self._call(endpoint, body, placement)
                 self.gateway.metrics.slices.inc()
                 if stream:
                     if response is None:
@@ -172,6 +172,13 @@ class SlicedRequest:
         state = self.tracker.state(self.request_id)
         return state is not None and state.phase != "running"
 
+    def _scheduled(self, body: Mapping[str, Any]) -> ScheduleRequest:
+        """A slice's call as the scheduler places it."""
+        try:
+            return ScheduleRequest(**self._pick_args(body), tenant=self.tenant)
+        except (InvalidRequestError, InvalidTokenError) as exc:
+            raise SliceFailed(f"the continuation cannot be routed: {exc}") from None
+
     def _pick_args(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Routing input of a slice's call: its whole prompt (the continuation included)."""
         args = {
@@ -197,7 +204,7 @@ class SlicedRequest:
         return args
 
     async def _call(
-        self, endpoint: str, body: dict[str, Any], decision: Any
+        self, endpoint: str, body: dict[str, Any], placement: Placement
     ) -> list[dict[str, Any]]:
         """One slice's engine call, streamed into the assembler; returns the user chunks."""
         session = self.gateway.upstream_session()
@@ -215,7 +222,7 @@ class SlicedRequest:
                 first = True
                 async for data in upstream.content.iter_any():
                     if first:
-                        decision.first_token()
+                        placement.first_token()
                         first = False
                     buffered += data
                     *events, buffered = buffered.split(b"\n\n")
