@@ -110,6 +110,29 @@ def test_retry_goes_to_another_engine_when_the_first_drops_the_connection() -> N
     run(body())
 
 
+def test_a_failed_attempt_drops_only_the_prefix_record_its_pick_added() -> None:
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            home = await _warm(r, SYSTEM + " first")
+            workers = [spec.worker_id for spec in r.gateway.config.engines]
+            prompt = SYSTEM + " first, and then a longer question"
+            hashes = r.gateway.index.hash_text(prompt)
+            held = r.gateway.index.match(hashes).as_dict().get(workers[home], 0)
+            assert 0 < held < len(hashes)
+            r.engines[home].mode = "drop"
+            response = await r.complete(prompt)
+            assert response.status == 200
+            matched = r.gateway.index.match(hashes).as_dict()
+            # The failed engine keeps what the warm-up recorded, not what this pick added;
+            # the engine that served it holds the whole prompt.
+            assert matched == {workers[home]: held, workers[1 - home]: len(hashes)}
+            stats = r.gateway.scheduler.stats()
+            assert stats["records_removed"] == len(hashes) - held
+            assert stats["retries"] == 1 and stats["in_flight"] == 0
+
+    run(body())
+
+
 def test_retry_after_a_500_before_the_first_byte_keeps_the_engine_in_rotation() -> None:
     async def body() -> None:
         async with rig(engines=2) as r:
