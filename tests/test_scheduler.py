@@ -515,3 +515,20 @@ def test_feeds_on_threads_with_the_sync_pair() -> None:
         finally:
             s.stop_sync()
         assert s.subscriber is None and s.index.match_tokens(PROMPT).longest == 2
+
+
+def test_the_sync_form_refuses_a_running_loop_and_a_context_enters_once() -> None:
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 2}})
+    request = ScheduleRequest(tokens=PROMPT)
+
+    async def run() -> None:
+        with pytest.raises(RuntimeError, match="running event loop"):
+            s.schedule_sync(request)
+        context = s.schedule(request)
+        async with context:
+            with pytest.raises(PlacementError):
+                await context.__aenter__()
+
+    asyncio.run(run())
+    assert s.stats()["completed"] == 1
+    at_rest(s)

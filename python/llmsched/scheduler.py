@@ -50,7 +50,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -1078,10 +1079,11 @@ class Scheduler:
                 )
             self.count("admitted")
             return Admission(None, self.next_request_id(), 0.0)
-        with contextlib.suppress(RuntimeError):
+        try:
             asyncio.get_running_loop()
-            raise RuntimeError("admit_sync() inside a running event loop: await admit()")
-        return asyncio.run(self.admit(request))
+        except RuntimeError:  # no loop in this thread: the usual case
+            return asyncio.run(self.admit(request))
+        raise RuntimeError("admit_sync() inside a running event loop: await admit() instead")
 
     def place(self, request: ScheduleRequest, admission: Admission | None = None) -> Placement:
         """Picks an endpoint for an admitted ``request`` and puts it in flight there. The
@@ -1102,14 +1104,17 @@ class Scheduler:
         except NoEndpointError:
             self.count("no_endpoint")
             raise
-        order = [decision.endpoint, *decision.fallbacks]
-        order += [e for e in decision.cached_tokens() if e not in order]
-        attempt = self._started(decision, decision.endpoint)
+        cached = decision.cached_tokens()
+        chosen = decision.endpoint
+        order = [chosen, *decision.fallbacks]
+        order += [e for e in cached if e not in order]
+        attempt = self._started(decision, chosen, cached)
         self.count("in_flight")
         return Placement(self, request, admission, attempt, order, owns_admission=owns_admission)
 
-    def _started(self, decision: Decision, endpoint: EndpointId) -> _Attempt:
-        cached = decision.cached_tokens()
+    def _started(
+        self, decision: Decision, endpoint: EndpointId, cached: Mapping[EndpointId, int]
+    ) -> _Attempt:
         size = self.index.block_size
         used = [endpoint]
         if decision.prefill_endpoint is not None:
@@ -1126,7 +1131,7 @@ class Scheduler:
         except NoEndpointError:
             return None
         try:
-            return self._started(decision, endpoint)
+            return self._started(decision, endpoint, decision.cached_tokens())
         except UnknownEndpointError:  # taken out of routing or removed since the first pick
             decision.finished()
             return None
@@ -1167,8 +1172,7 @@ class Scheduler:
             self._counts["in_flight"] -= 1
             self._counts[outcome] += 1
 
-    @contextlib.asynccontextmanager
-    async def schedule(self, request: ScheduleRequest) -> AsyncIterator[Placement]:
+    def schedule(self, request: ScheduleRequest) -> AbstractAsyncContextManager[Placement]:
         """Admits, picks and puts ``request`` in flight; yields its :class:`Placement` and
         settles the accounting on exit (see the module docstring). Raises FlowRejected or
         NoEndpointError before yielding (nothing is held then).
@@ -1182,31 +1186,21 @@ class Scheduler:
         >>> asyncio.run(run())
         (1, 0)
         """
-        admission = await self.admit(request)
-        with self._placed(request, admission) as placement:
-            yield placement
+        return _Scheduling(self, request)
 
-    @contextlib.contextmanager
-    def schedule_sync(self, request: ScheduleRequest) -> Iterator[Placement]:
-        """:meth:`schedule` for code without an event loop (admission blocks the thread)."""
-        admission = self.admit_sync(request)
-        with self._placed(request, admission) as placement:
-            yield placement
+    def schedule_sync(self, request: ScheduleRequest) -> Placement:
+        """:meth:`schedule` for code without an event loop (admission blocks the thread):
+        the :class:`Placement` returned is the context manager (``with
+        scheduler.schedule_sync(request) as placement:``)."""
+        return self._placed(request, self.admit_sync(request))
 
-    @contextlib.contextmanager
-    def _placed(self, request: ScheduleRequest, admission: Admission) -> Iterator[Placement]:
+    def _placed(self, request: ScheduleRequest, admission: Admission) -> Placement:
+        """A placement that releases ``admission`` when it ends (released now on failure)."""
         try:
-            placement = self._place(request, admission, owns_admission=True)
+            return self._place(request, admission, owns_admission=True)
         except BaseException:
             admission.release()
             raise
-        try:
-            yield placement
-        except BaseException as exc:
-            placement.end_for(type(exc))
-            raise
-        else:
-            placement.complete()
 
     # -- introspection -------------------------------------------------------------------
 
@@ -1242,6 +1236,31 @@ class Scheduler:
     def __repr__(self) -> str:
         flow = "on" if self.flow is not None else "off"
         return f"Scheduler({len(self._engines)} engines, flow {flow}, router {self.router!r})"
+
+
+class _Scheduling:
+    """What :meth:`Scheduler.schedule` returns: admits and places on entry, ends the placement
+    on exit."""
+
+    __slots__ = ("_placement", "_request", "_scheduler")
+
+    def __init__(self, scheduler: Scheduler, request: ScheduleRequest) -> None:
+        self._scheduler = scheduler
+        self._request = request
+        self._placement: Placement | None = None
+
+    async def __aenter__(self) -> Placement:
+        if self._placement is not None:
+            raise PlacementError("a schedule() context is entered once")
+        admission = await self._scheduler.admit(self._request)
+        self._placement = self._scheduler._placed(self._request, admission)
+        return self._placement
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if self._placement is not None:
+            self._placement.end_for(exc_type)
 
 
 def _flow_config(flow: ConfigSource, stale_after_s: float) -> dict[str, object]:
