@@ -45,7 +45,7 @@ from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, Waiti
 from llmsched.vllm_events import decode_vllm_events
 
 if TYPE_CHECKING:
-    from llmsched.scheduler import Admission, Placement, ScheduleRequest, Scheduler
+    from llmsched.scheduler import Admission, Placement, Scheduler, ScheduleRequest
 
 _LAZY = {
     "Admission": "llmsched.scheduler",
@@ -87,9 +87,9 @@ __all__ = [
     "MalformedEventError",
     "NoEndpointError",
     "Outcome",
-    "PrefixIndex",
     "Placement",
     "PlacementError",
+    "PrefixIndex",
     "PrefixMatch",
     "Router",
     "ScheduleRequest",
