@@ -911,7 +911,11 @@ class Scheduler:
             return
         self._mode = "async"
         self._loop = asyncio.get_running_loop()
-        self._start_feeds()
+        try:
+            self._start_feeds()
+        except BaseException:
+            self._mode = self._loop = None
+            raise
 
     async def stop(self) -> None:
         """Stops the feeds (a no-op when not started)."""
@@ -932,7 +936,11 @@ class Scheduler:
         if self._mode is not None:
             return
         self._mode = "threads"
-        self._start_feeds()
+        try:
+            self._start_feeds()
+        except BaseException:
+            self._mode = None
+            raise
 
     def stop_sync(self) -> None:
         """Stops feeds started by :meth:`start_sync`."""
@@ -954,6 +962,14 @@ class Scheduler:
         await self.stop()
 
     def _start_feeds(self) -> None:
+        """Starts the feeds for the current engines; on a failure, none is left running."""
+        try:
+            self._open_feeds()
+        except BaseException:
+            self._stop_feeds_threads()
+            raise
+
+    def _open_feeds(self) -> None:
         specs = self.specs
         if not specs:
             return
@@ -997,9 +1013,12 @@ class Scheduler:
             await asyncio.get_running_loop().run_in_executor(None, subscriber.stop)
 
     def _stop_feeds_threads(self) -> None:
-        if self._scraper is not None:
+        if self._scrape_task is not None:  # started on a loop that failed to start the rest
+            self._scrape_task.cancel()
+            self._scrape_task = None
+        elif self._scraper is not None:
             self._scraper.stop()
-            self._scraper = None
+        self._scraper = None
         if self._subscriber is not None:
             self._subscriber.stop()
             self._subscriber = None
