@@ -532,3 +532,24 @@ def test_the_sync_form_refuses_a_running_loop_and_a_context_enters_once() -> Non
     asyncio.run(run())
     assert s.stats()["completed"] == 1
     at_rest(s)
+
+
+def test_from_config_takes_engine_specs_and_names_a_bad_entry() -> None:
+    pytest.importorskip("zmq")
+    s = Scheduler.from_config(
+        {"engines": [{"host": "127.0.0.1", "port": 8000, "model": "m"}, "plain"]}
+    )
+    assert sorted(map(str, s.engines)) == ["127.0.0.1:8000", "plain"]
+    assert s.address_of("127.0.0.1:8000") == "127.0.0.1:8000" and len(s.specs) == 1
+    with pytest.raises(ConfigError, match=r"engines\[0\]"):
+        Scheduler.from_config({"engines": [{"host": "127.0.0.1", "port": -1}]})
+    with pytest.raises(ConfigError, match="scrape"):
+        Scheduler.from_config({"engines": ["a"], "scrape": {"every": 1}})
+
+
+def test_the_lazy_exports_are_listed_and_typos_raise() -> None:
+    import llmsched
+
+    assert {"Scheduler", "ScheduleRequest", "Placement", "Admission"} <= set(dir(llmsched))
+    with pytest.raises(AttributeError, match="Schedular"):
+        llmsched.Schedular  # type: ignore[attr-defined]  # noqa: B018
