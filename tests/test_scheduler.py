@@ -552,4 +552,4 @@ def test_the_lazy_exports_are_listed_and_typos_raise() -> None:
 
     assert {"Scheduler", "ScheduleRequest", "Placement", "Admission"} <= set(dir(llmsched))
     with pytest.raises(AttributeError, match="Schedular"):
-        llmsched.Schedular  # noqa: B018
+        llmsched.Schedular  # type: ignore[attr-defined]  # noqa: B018
