@@ -53,6 +53,23 @@ def test_streaming_chat_is_passed_through_byte_for_byte() -> None:
     run(body())
 
 
+def test_a_chat_with_a_tool_call_only_assistant_message_is_routed() -> None:
+    async def body() -> None:
+        async with rig() as r:
+            request = {
+                "model": MODEL,
+                "messages": [
+                    {"role": "user", "content": "What is the weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": []},
+                    {"role": "user", "content": "And in Rome?"},
+                ],
+            }
+            async with r.client.post(r.url("/v1/chat/completions"), json=request) as response:
+                assert response.status == 200, await response.text()
+
+    run(body())
+
+
 def test_multi_turn_conversations_return_to_the_engine_holding_their_prefix() -> None:
     async def body() -> None:
         async with rig(engines=2) as r:

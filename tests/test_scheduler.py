@@ -24,6 +24,7 @@ from llmsched.errors import (
     UnknownEndpointError,
 )
 from llmsched.flow import Outcome
+from llmsched.routing import render_messages
 
 CONCURRENCY_1 = {"saturation": {"type": "concurrency", "max_requests": 1}}
 PROMPT = np.arange(64, dtype=np.uint32)  # 4 blocks of 16
@@ -553,3 +554,15 @@ def test_the_lazy_exports_are_listed_and_typos_raise() -> None:
     assert {"Scheduler", "ScheduleRequest", "Placement", "Admission"} <= set(dir(llmsched))
     with pytest.raises(AttributeError, match="Schedular"):
         llmsched.Schedular  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_a_chat_with_a_tool_call_only_message_is_scheduled() -> None:
+    s = Scheduler(["a"], router="prefix-only", block_size=4, allow_pseudo_tokens=True)
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris? " * 3},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+    ]
+    request = ScheduleRequest(messages=messages)
+    with s.schedule_sync(request) as placement:
+        assert placement.endpoint == "a"
+    assert s.index.match(s.index.hash_text(render_messages(messages))).longest > 0
