@@ -48,6 +48,7 @@ from llmsched.types import (
     EndpointInfo,
     MetricsRead,
     PdNote,
+    PluginInfo,
     PreciseWiring,
     ProfileData,
     RequestInfo,
@@ -466,6 +467,18 @@ class Router:
     def plugin_types() -> list[str]:
         """Every plugin type name a configuration may use."""
         return _llmsched.Router.plugin_types()
+
+    @staticmethod
+    def plugin_catalogue() -> list[PluginInfo]:
+        """Every plugin type with its kind, a one-line summary and its parameters (type,
+        default, inclusive range, accepted values), sorted by type; older names say which type
+        they build (``alias_of``). The documentation's plugin catalogue is generated from it.
+
+        >>> low = next(p for p in Router.plugin_catalogue() if p["type"] == "low-queue-filter")
+        >>> low["kind"], [(q["name"], q["default"]) for q in low["params"]]
+        ('filter', [('threshold', 128)])
+        """
+        return _llmsched.Router.plugin_catalogue()
 
     @property
     def pool(self) -> EndpointPool:

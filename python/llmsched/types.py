@@ -41,6 +41,8 @@ __all__ = [
     "MetricsRead",
     "MetricsSourceInfo",
     "PdNote",
+    "PluginInfo",
+    "PluginParamInfo",
     "PolicySpec",
     "PreciseWiring",
     "PreemptionConfig",
@@ -508,6 +510,37 @@ class ConfigInfo(TypedDict):
     """True when the config gives no ``schedulingProfiles`` and the Inference Extension's
     default profile was built (every filter, scorer and picker declared)."""
     metrics_source: MetricsSourceInfo | None
+
+
+class PluginParamInfo(TypedDict):
+    """One parameter of a routing plugin (see :meth:`llmsched.Router.plugin_catalogue`).
+
+    ``name`` may be a dotted path into a nested mapping; ``type`` is ``integer``, ``number``,
+    ``string``, ``boolean``, ``mapping``, ``list`` or ``callable``; ``default`` is None where
+    absence means what ``doc`` says; ``min`` / ``max`` are inclusive bounds the plugin checks;
+    ``choices`` lists the accepted strings of a closed set (empty otherwise)."""
+
+    name: str
+    type: str
+    default: Any
+    min: float | None
+    max: float | None
+    choices: list[str]
+    required: bool
+    doc: str
+
+
+class PluginInfo(TypedDict):
+    """One routing plugin type: its ``kind`` (``filter``, ``scorer``, ``picker``, ``profile
+    handler``, ``decider``, ``pre-request plugin``, ``data source``, ``data producer``), the
+    current name when it is an older alias (``alias_of``), a
+    one-line ``summary`` and its parameters."""
+
+    type: str
+    kind: str
+    alias_of: str | None
+    summary: str
+    params: list[PluginParamInfo]
 
 
 class SchedulerStats(TypedDict):
