@@ -166,10 +166,11 @@ class _Incoming:
 
 @dataclass
 class _FlowSlot:
-    """A request's place in flow control: the id to complete (None when nothing is held, e.g.
-    a sliced continuation waiting to be admitted again) and the output tokens to charge."""
+    """A request's place in flow control: the scheduler's admission to release (None while
+    nothing is held, e.g. a sliced continuation waiting to be admitted again) and the output
+    tokens to charge."""
 
-    flow_id: int | None
+    admission: Admission | None
     output_tokens: int = 0
 
 
@@ -530,28 +531,25 @@ class Gateway:
             if over is not None:
                 reason, wait_s = over
                 return self.refuse(route, _limit_refusal(reason, wait_s))
-        admission: Admission | None = None
         slot = _FlowSlot(None)
         try:
             if self.flow is not None:
                 try:
-                    admission = await self._admit(incoming)
+                    slot.admission = await self._admit(incoming)
                 except FlowRejected as rejected:
                     dropped = _flow_refusal(rejected, self.config.limits.retry_after_s)
                     return self.refuse(route, dropped)
                 except Refusal as refusal:
                     return self.refuse(route, refusal)
-                slot.flow_id = admission.id
-            else:
-                slot.flow_id = self.scheduler.next_request_id()
+            else:  # admitted at once: an id, no slot
+                slot.admission = await self.scheduler.admit(incoming.scheduled)
+            request_id = slot.admission.id
             try:
-                return await self._serve(request, route, incoming, slot, arrived)
+                return await self._serve(request, route, incoming, slot, request_id, arrived)
             finally:
-                if admission is not None and slot.flow_id == admission.id:
-                    admission.release(slot.output_tokens)
-                elif self.flow is not None and slot.flow_id is not None:
-                    # A sliced request that yielded holds a continuation's admission.
-                    self.flow.complete(slot.flow_id, slot.output_tokens)
+                # The admission held at the end: the first, or a sliced continuation's.
+                if slot.admission is not None:
+                    slot.admission.release(slot.output_tokens)
         finally:
             if limiter is not None:
                 limiter.release(output_tokens=slot.output_tokens)
@@ -650,6 +648,7 @@ class Gateway:
         route: str,
         incoming: _Incoming,
         slot: _FlowSlot,
+        request_id: int,
         arrived: float,
     ) -> web.StreamResponse:
         """Routes and proxies an admitted request (sliced when slices are on and it can be);
@@ -660,27 +659,26 @@ class Gateway:
             else make_assembler(incoming.payload, route, self.config.slices.default_max_tokens)
         )
         if assembler is not None and self.slice_tracker is not None:
-            assert slot.flow_id is not None
+            assert slot.admission is not None
             sliced = SlicedRequest(
                 self,
                 self.slice_tracker,
                 assembler,
                 route=route,
-                request_id=slot.flow_id,
-                flow_id=slot.flow_id,
+                request_id=request_id,
+                admission=slot.admission,
                 tenant=incoming.tenant,
                 priority=incoming.priority,
                 prompt_tokens=incoming.prompt.size,
                 stream=bool(incoming.payload.get("stream")),
                 base_pick_args=incoming.pick_args,
-                next_flow_id=self.scheduler.next_request_id,
                 deadline=incoming.deadline,
             )
             self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
             try:
                 return await sliced.run(request)
             finally:
-                slot.flow_id, slot.output_tokens = sliced.flow_id, sliced.uncharged_tokens()
+                slot.admission, slot.output_tokens = sliced.admission, sliced.uncharged_tokens()
         placement = self.place(incoming.scheduled)
         if placement is None:
             return self.refuse(route, self._no_engine_refusal())

@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -28,8 +28,8 @@ import numpy as np
 from aiohttp import web
 
 from llmsched.errors import ConfigError, FlowRejected, InvalidRequestError, InvalidTokenError
-from llmsched.flow import FlowController, FlowRequest
-from llmsched.scheduler import Placement, ScheduleRequest
+from llmsched.flow import FlowController
+from llmsched.scheduler import Admission, Placement, ScheduleRequest
 from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
 
 if TYPE_CHECKING:
@@ -70,13 +70,12 @@ class SlicedRequest:
         *,
         route: str,
         request_id: int,
-        flow_id: int,
+        admission: Admission,
         tenant: str,
         priority: int,
         prompt_tokens: int,
         stream: bool,
         base_pick_args: Mapping[str, Any],
-        next_flow_id: Callable[[], int],
         deadline: float | None = None,
     ) -> None:
         self.gateway = gateway
@@ -84,16 +83,15 @@ class SlicedRequest:
         self.asm = assembler
         self.route = route
         self.request_id = request_id
-        self.flow_id: int | None = flow_id
-        """The flow-control id of the current admission (a new one after a yield; None while
-        a continuation waits to be admitted again)."""
+        self.admission: Admission | None = admission
+        """The current admission (a new one after a yield; None while a continuation waits to
+        be admitted again)."""
         self.stream = stream
         self._charged = 0
         self.tenant = tenant
         self.priority = priority
         self.prompt_tokens = prompt_tokens
         self.base_pick_args = dict(base_pick_args)
-        self.next_flow_id = next_flow_id
         self.deadline = deadline
         """The request's deadline (monotonic seconds; None: none), applied to every slice."""
         self.endpoints: list[str] = []
@@ -256,25 +254,23 @@ class SlicedRequest:
         )
         if decision.action == "finish":
             raise SliceFailed("the slice tracker finished the request before its end")
-        flow = self.gateway.flow
-        if decision.action == "yield" and flow is not None and self.flow_id is not None:
-            # Give the slot back; the continuation queues again like a new request would.
-            flow.complete(self.flow_id, self.uncharged_tokens())
+        admission = self.admission
+        if decision.action == "yield" and admission is not None and admission.holds_slot:
+            # Give the slot back; the continuation queues again like a new request would
+            # (its admission needs its size only: the slice's prompt is built afterwards).
+            admission.release(self.uncharged_tokens())
             self._charged = self.asm.generated_tokens
-            self.flow_id = None
-            continuation = self.next_flow_id()
+            self.admission = None
+            continuation = ScheduleRequest(
+                tokens=(),
+                prompt_tokens=decision.context_tokens,
+                priority=decision.priority,
+                tenant=self.tenant,
+            )
             try:
-                await flow.admit(
-                    FlowRequest(
-                        continuation,
-                        priority=decision.priority,
-                        tenant=self.tenant,
-                        prompt_tokens=decision.context_tokens,
-                    )
-                )
+                self.admission = await self.gateway.scheduler.admit(continuation)
             except FlowRejected as rejected:
                 raise SliceFailed(f"continuation not admitted: {rejected.reason}") from None
-            self.flow_id = continuation
         return decision.next_slice_tokens
 
     def _report_loads(self) -> None:
