@@ -459,12 +459,12 @@ class Placement:
                 raise PlacementError(f"the placement has ended ({self._outcome})")
             failed, self._attempt = self._attempt, None
         if failed is not None:
-            self._scheduler.end_attempt(failed, self._request, failed=True)
-        self._scheduler.count("retries")
+            self._scheduler._end_attempt(failed, self._request, failed=True)
+        self._scheduler._count("retries")
         while self._next < len(self._order):
             endpoint = self._order[self._next]
             self._next += 1
-            attempt = self._scheduler.start_attempt(self._request, endpoint)
+            attempt = self._scheduler._start_attempt(self._request, endpoint)
             if attempt is not None:
                 self._attempt = attempt
                 self._attempts += 1
@@ -505,11 +505,11 @@ class Placement:
             attempt, self._attempt = self._attempt, None
         try:
             if attempt is not None:
-                self._scheduler.end_attempt(attempt, self._request, failed=outcome == "failed")
+                self._scheduler._end_attempt(attempt, self._request, failed=outcome == "failed")
         finally:
             if self._owns and self._admission is not None:
                 self._admission.release(self.output_tokens)
-            self._scheduler.placement_ended(outcome)
+            self._scheduler._placement_ended(outcome)
         return True
 
     def __enter__(self) -> Placement:
@@ -1048,8 +1048,8 @@ class Scheduler:
         """A fresh request id (the ids flow control and placements use)."""
         return next(self._ids)
 
-    def count(self, key: str, n: int = 1) -> None:
-        """Adds ``n`` to one of :meth:`stats`'s counters. Package-internal."""
+    def _count(self, key: str, n: int = 1) -> None:
+        """Adds ``n`` to one of :meth:`stats`'s counters."""
         with self._lock:
             self._counts[key] += n
 
@@ -1075,17 +1075,17 @@ class Scheduler:
             )
         request_id = self.next_request_id()
         if self.flow is None:
-            self.count("admitted")
+            self._count("admitted")
             return Admission(None, request_id, 0.0)
         before = time.perf_counter()
         try:
             await self.flow.admit(self._flow_request(request, request_id))
         except FlowRejected as rejected:
-            self.count("rejected")
+            self._count("rejected")
             raise FlowRejected(
                 rejected.request_id, rejected.outcome, retry_after_s=self._retry_after_s
             ) from None
-        self.count("admitted")
+        self._count("admitted")
         return Admission(self.flow, request_id, time.perf_counter() - before)
 
     def admit_sync(self, request: ScheduleRequest) -> Admission:
@@ -1096,7 +1096,7 @@ class Scheduler:
                 raise InvalidRequestError(
                     f"request must be a ScheduleRequest, got {type(request).__name__}"
                 )
-            self.count("admitted")
+            self._count("admitted")
             return Admission(None, self.next_request_id(), 0.0)
         try:
             asyncio.get_running_loop()
@@ -1121,14 +1121,14 @@ class Scheduler:
         try:
             decision = self.router.pick(**request.pick_arguments())  # type: ignore[arg-type]
         except NoEndpointError:
-            self.count("no_endpoint")
+            self._count("no_endpoint")
             raise
         cached = decision.cached_tokens()
         chosen = decision.endpoint
         order = [chosen, *decision.fallbacks]
         order += [e for e in cached if e not in order]
         attempt = self._started(decision, chosen, cached)
-        self.count("in_flight")
+        self._count("in_flight")
         return Placement(self, request, admission, attempt, order, owns_admission=owns_admission)
 
     def _started(
@@ -1142,9 +1142,9 @@ class Scheduler:
         decision.started(endpoint)
         return _Attempt(decision, endpoint, held)
 
-    def start_attempt(self, request: ScheduleRequest, endpoint: EndpointId) -> _Attempt | None:
+    def _start_attempt(self, request: ScheduleRequest, endpoint: EndpointId) -> _Attempt | None:
         """A fresh decision for ``request`` started on ``endpoint`` (a retry); None when the
-        endpoint can no longer be picked. Package-internal (:meth:`Placement.retry`)."""
+        endpoint can no longer be picked. (for :meth:`Placement.retry`)"""
         try:
             decision = self.router.pick(**request.pick_arguments())  # type: ignore[arg-type]
         except NoEndpointError:
@@ -1155,9 +1155,9 @@ class Scheduler:
             decision.finished()
             return None
 
-    def end_attempt(self, attempt: _Attempt, request: ScheduleRequest, *, failed: bool) -> None:
+    def _end_attempt(self, attempt: _Attempt, request: ScheduleRequest, *, failed: bool) -> None:
         """Gives an attempt's in-flight counts back; when it ``failed``, drops the
-        approximate prefix blocks it recorded. Package-internal (:class:`Placement`)."""
+        approximate prefix blocks it recorded. (for :class:`Placement`)"""
         attempt.decision.finished()
         if failed:
             removed = 0
@@ -1167,7 +1167,7 @@ class Scheduler:
                     hashes = request.block_hashes(self.index)
                 removed += self._drop_record(worker, hashes[held:])
             if removed:
-                self.count("records_removed", removed)
+                self._count("records_removed", removed)
 
     def _drop_record(self, worker: EndpointId, hashes: npt.NDArray[np.uint64]) -> int:
         """Drops ``worker``'s unconfirmed holdings among ``hashes`` (deepest first)."""
@@ -1185,8 +1185,8 @@ class Scheduler:
         except (UnknownBlockError, UnknownWorkerError):  # changed since read: leave it
             return 0
 
-    def placement_ended(self, outcome: PlacementOutcome) -> None:
-        """Counts an ended placement. Package-internal (:class:`Placement`)."""
+    def _placement_ended(self, outcome: PlacementOutcome) -> None:
+        """Counts an ended placement. (for :class:`Placement`)"""
         with self._lock:
             self._counts["in_flight"] -= 1
             self._counts[outcome] += 1
