@@ -99,8 +99,8 @@ lint: build ## cargo fmt/clippy, ruff, mypy and stubtest
 	cargo fmt --all -- --check
 	$(PY) tools/check_msrv.py
 	cargo clippy --release --workspace --all-targets --all-features -- -D warnings
-	$(BIN)/ruff check python tests benches tools fuzz conftest.py
-	$(BIN)/ruff format --check python tests benches tools fuzz conftest.py
+	$(BIN)/ruff check python tests benches tools fuzz conftest.py examples
+	$(BIN)/ruff format --check python tests benches tools fuzz conftest.py examples
 	$(BIN)/mypy
 	$(PY) -m mypy.stubtest llmsched._llmsched --allowlist .stubtest-allowlist
 
@@ -113,8 +113,8 @@ docs: build ## Build the reference manual into site/ (mkdocs, warnings are error
 
 fmt: $(VENV)/.deps ## Format Rust and Python sources
 	cargo fmt --all
-	$(BIN)/ruff format python tests benches tools fuzz conftest.py
-	$(BIN)/ruff check --fix python tests benches tools fuzz conftest.py
+	$(BIN)/ruff format python tests benches tools fuzz conftest.py examples
+	$(BIN)/ruff check --fix python tests benches tools fuzz conftest.py examples
 
 bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
 	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \

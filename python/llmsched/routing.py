@@ -903,7 +903,8 @@ def text_tokens(text: str | bytes) -> npt.NDArray[np.uint32]:
 
 def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     """One string for chat messages, stable across requests so shared prefixes hash alike:
-    ``"<|role|>\\ncontent\\n"`` per message; list contents join their text parts.
+    ``"<|role|>\\ncontent\\n"`` per message; list contents join their text parts, a null
+    content (an assistant message with only tool calls) counts as empty.
 
     >>> render_messages([{"role": "system", "content": "Be brief."}])
     '<|system|>\\nBe brief.\\n'
@@ -914,8 +915,10 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise TypeError(f"messages[{i}] must be a mapping with a str 'role'")
-        content = m.get("content", "")
-        if isinstance(content, list):
+        content = m.get("content")
+        if content is None:  # an assistant message with only tool calls
+            content = ""
+        elif isinstance(content, list):
             content = "".join(
                 part.get("text", "")
                 for part in content

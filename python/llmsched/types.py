@@ -53,6 +53,9 @@ __all__ = [
     "RequestInfo",
     "ResolvedBand",
     "SaturationThresholds",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "ScrapeSettings",
     "SyncCounters",
     "SyncReport",
     "TokenizerWiring",
@@ -584,3 +587,58 @@ class SyncCounters(TypedDict):
     unknown_endpoints: int
     replicas_expired: int
     """Replicas forgotten because nothing came from them within ``load_ttl_s``."""
+
+
+class SchedulerStats(TypedDict):
+    """:meth:`llmsched.Scheduler.stats`: what the request pipeline did, counted since it was
+    built, and what it holds now."""
+
+    admitted: int
+    """Requests flow control dispatched (every request, without flow control)."""
+    rejected: int
+    """Requests flow control refused or evicted (:class:`~llmsched.errors.FlowRejected`)."""
+    no_endpoint: int
+    """Admitted requests no endpoint could serve (:class:`~llmsched.errors.NoEndpointError`)."""
+    completed: int
+    failed: int
+    cancelled: int
+    retries: int
+    """Attempts moved to a fallback (:meth:`llmsched.Placement.retry`)."""
+    records_removed: int
+    """Approximate prefix blocks dropped from the index because their request failed there."""
+    in_flight: int
+    """Placements open now (picked, not yet completed, failed or cancelled)."""
+    queued: int
+    """Requests waiting in flow control now."""
+    engines: int
+    draining: int
+    """Engines out of routing (:meth:`llmsched.Scheduler.drain`); they keep their state."""
+    config_warnings: int
+    """Notes about a configuration that will route badly (see ``Scheduler.warnings``)."""
+
+
+class ScrapeSettings(TypedDict, total=False):
+    """``scrape`` of a :class:`SchedulerConfig`: the metrics scraper's settings."""
+
+    enabled: bool
+    interval_s: float
+    timeout_s: float
+
+
+class SchedulerConfig(TypedDict, total=False):
+    """What :meth:`llmsched.Scheduler.from_config` reads (a dict, or YAML / JSON text or file):
+    ``engines`` (mappings in :meth:`EngineSpec.from_dict <llmsched.integrations.EngineSpec>`
+    form, or endpoint ids), ``router`` (a preset name, a path or an llm-d
+    ``EndpointPickerConfig`` mapping), ``flow`` (a flow-control config, or null for none), and
+    the :class:`llmsched.Scheduler` keywords of the same names."""
+
+    engines: list[dict[str, object] | str | int]
+    router: str | dict[str, object]
+    flow: dict[str, object] | None
+    block_size: int
+    seed: int
+    record_ttl_s: float
+    allow_pseudo_tokens: bool
+    kv_events: bool
+    scrape: ScrapeSettings
+    retry_after_s: float
