@@ -8,6 +8,7 @@ import asyncio
 import random
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -566,3 +567,34 @@ def test_a_chat_with_a_tool_call_only_message_is_scheduled() -> None:
     with s.schedule_sync(request) as placement:
         assert placement.endpoint == "a"
     assert s.index.match(s.index.hash_text(render_messages(messages))).longest > 0
+
+
+def test_an_llm_d_precise_config_wires_the_engines_kv_events() -> None:
+    """The pipeline builds what llm-d's precise prefix mode describes, as the gateway does:
+    engines without their own KV events publish to ``kvEventsConfig.zmqEndpoint`` with llm-d's
+    topic, and the index uses the configured block size."""
+    from llmsched.integrations import EngineSpec
+
+    config = Path(__file__).parent / "data" / "llm-d-configs" / "llmd-precise-kv-events.yaml"
+    own = EngineSpec.from_dict(
+        {
+            "name": "b",
+            "host": "10.0.0.2",
+            "port": 8000,
+            "kv_events": "tcp://10.0.0.2:5557",
+            "topic": "kv@10.0.0.2@m",
+        }
+    )
+    shared = EngineSpec(host="10.0.0.1", port=8000, name="a", model="m")
+    scheduler = Scheduler([shared, own], router=str(config), kv_events=True)
+    specs = {s.name: s for s in scheduler.specs}
+    info = scheduler.router.config_info
+    precise = info["precise"]
+    assert precise is not None
+    assert specs["a"].kv_events == precise["zmq_endpoint"] and specs["a"].kv_events_bind
+    assert specs["a"].topic == f"{precise['topic_filter']}10.0.0.1@m"
+    assert specs["b"] == own, "an engine's own KV events are kept"
+    assert scheduler.index.block_size == precise["block_size"]
+    # An engine added later is wired the same way.
+    scheduler.add_engine(EngineSpec(host="10.0.0.3", port=8000, name="c", model="m"))
+    assert {s.name: s for s in scheduler.specs}["c"].kv_events == precise["zmq_endpoint"]

@@ -609,8 +609,9 @@ class Scheduler:
                 or not (math.isfinite(value) and value > 0)
             ):
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
-        listed = self._checked_engines(engines)
         info = config_info(router)
+        self._info = info
+        listed = self._checked_engines(engines)
         if index is None:
             size = block_size if block_size is not None else info["block_size"]
             capacity = info["worker_capacity"]
@@ -759,8 +760,7 @@ class Scheduler:
             out.append(checked)
         return out
 
-    @staticmethod
-    def _as_engine(engine: object, where: str = "engine") -> _Engine:
+    def _as_engine(self, engine: object, where: str = "engine") -> _Engine:
         if isinstance(engine, Endpoint):
             return _Engine(engine, None)
         if isinstance(engine, (str, int)) and not isinstance(engine, bool):
@@ -769,7 +769,10 @@ class Scheduler:
             return _Engine(Endpoint(engine), None)
         spec_type = _engine_spec_type()
         if spec_type is not None and isinstance(engine, spec_type):
-            spec: EngineSpec = engine  # type: ignore[assignment]
+            from llmsched.integrations.identity import wire_for_router
+
+            # As the router config asks (llm-d's precise scorer: the shared KV-event socket).
+            spec: EngineSpec = wire_for_router((engine,), self._info)[0]  # type: ignore[arg-type]
             endpoint = Endpoint(
                 spec.worker_id,
                 address=f"{spec.host}:{spec.port}",

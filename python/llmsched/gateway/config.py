@@ -31,6 +31,7 @@ import yaml
 from llmsched.config_loader import load_mapping, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
+from llmsched.integrations.identity import wire_for_router
 from llmsched.types import ConfigInfo
 
 _log = logging.getLogger("llmsched")
@@ -481,69 +482,8 @@ def wire_engines(config: GatewayConfig, engines: Iterable[EngineSpec]) -> tuple[
 def _wire_specs(
     engines: tuple[EngineSpec, ...], models: tuple[str, ...], info: ConfigInfo
 ) -> tuple[EngineSpec, ...]:
-    """The engine specs as the router config asks: KV events to ``kvEventsConfig.zmqEndpoint``
-    for engines without their own, and a ``metrics-data-source``'s ``path`` as the metrics path
-    of engines that keep the default one."""
-    import dataclasses
-
-    metrics = info["metrics_source"]
-    if metrics is not None:
-        engines = tuple(
-            dataclasses.replace(spec, metrics_path=metrics["path"])
-            if spec.metrics_path == "/metrics"
-            else spec
-            for spec in engines
-        )
-    precise = info["precise"]
-    return engines if precise is None else _shared_kv_events(engines, models, precise)
-
-
-def _shared_kv_events(
-    engines: tuple[EngineSpec, ...], models: tuple[str, ...], precise: Mapping[str, Any]
-) -> tuple[EngineSpec, ...]:
-    """Engines without their own ``kv_events`` publish to ``kvEventsConfig.zmqEndpoint``, which
-    the gateway binds once for all of them (llm-d's layout: every vLLM pod connects there and
-    publishes as ``kv@<pod-ip>@<model>``); their topic, when not set, is that one, with the
-    engine's ``model`` or the gateway's only model. With ``discoverPods`` llm-d connects to
-    each pod instead, which here is an engine's own ``kv_events``."""
-    import dataclasses
-
-    if precise["discover_pods"]:
-        return engines
-    endpoint = precise["zmq_endpoint"]
-    out = []
-    for i, spec in enumerate(engines):
-        if spec.kv_events is not None:
-            out.append(spec)
-            continue
-        topic = spec.topic
-        model = spec.model or (models[0] if len(models) == 1 else None)
-        if not topic and model is None:
-            _log.warning(
-                "engines[%d] (%s): cannot publish to kvEventsConfig.zmqEndpoint %s: its topic "
-                "is llm-d's %s<pod-ip>@<model> but the engine names no model and the gateway "
-                "serves several; set the engine's topic (or model)",
-                i,
-                spec.worker_id,
-                endpoint,
-                precise["topic_filter"],
-            )
-            out.append(spec)
-            continue
-        if spec.dp_rank != 0:
-            _log.warning(
-                "engines[%d] (%s): data-parallel rank %d publishes on its own port; give it "
-                "its own kv_events",
-                i,
-                spec.worker_id,
-                spec.dp_rank,
-            )
-            out.append(spec)
-            continue
-        if not topic:
-            topic = f"{precise['topic_filter']}{spec.host}@{model}"
-        out.append(dataclasses.replace(spec, kv_events=endpoint, kv_events_bind=True, topic=topic))
-    return tuple(out)
+    """The engine specs as the router config asks (:func:`wire_for_router`)."""
+    return wire_for_router(engines, info, models)
 
 
 def _cached_tokenizer(model: str) -> Path | None:
