@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import socket
-import subprocess
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("nats", reason="the cluster extra brings nats-py")
+
+from _nats import NatsServer, free_port, nats_binary
 
 from llmsched import EndpointPool, PrefixIndex, Router
 from llmsched.cluster import ClusterSync
@@ -52,58 +50,9 @@ CONFIG = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class NatsServer:
-    """A real nats-server on loopback, stoppable and restartable on the same port."""
-
-    def __init__(self, binary: str) -> None:
-        self.binary = binary
-        self.port = _free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "-a", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"nats-server did not listen on {self.port}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
-def _nats_binary() -> str:
-    found = shutil.which("nats-server") or (
-        "/usr/sbin/nats-server" if Path("/usr/sbin/nats-server").exists() else None
-    )
-    if found is None:
-        message = "nats-server is not installed (make servers installs Debian's nats-server)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return found
-
-
 @pytest.fixture
 def bus() -> Iterator[NatsServer]:
-    server = NatsServer(_nats_binary())
+    server = NatsServer(nats_binary())
     server.start()
     try:
         yield server
@@ -302,7 +251,7 @@ def test_losing_the_bus_degrades_to_local_routing_and_recovers(bus: NatsServer) 
 def test_a_replica_started_without_a_bus_routes_alone() -> None:
     async def body() -> None:
         router = _router(0)
-        sync = ClusterSync(router, servers=f"nats://127.0.0.1:{_free_port()}", replica="x")
+        sync = ClusterSync(router, servers=f"nats://127.0.0.1:{free_port()}", replica="x")
         await sync.start()
         for i in range(10):
             d = router.pick(tokens=_prompt(i))

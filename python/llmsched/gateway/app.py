@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -68,6 +68,9 @@ from llmsched.routing import Decision
 from llmsched.scheduler import Admission, Placement, Scheduler, ScheduleRequest
 from llmsched.slices import SliceTracker
 from llmsched.tokenize import PromptError, PromptTokenizer
+
+if TYPE_CHECKING:
+    from llmsched.cluster import ClusterSync
 
 __all__ = ["Gateway", "Refusal"]
 
@@ -227,11 +230,26 @@ class Gateway:
             if cfg.slices.enabled
             else None
         )
+        self.cluster: ClusterSync | None = None
+        """Replica sync (``cluster`` section; None when off)."""
+        if cfg.cluster.enabled:
+            from llmsched.cluster import ClusterSync
+
+            self.cluster = ClusterSync(
+                self.scheduler.router,
+                servers=list(cfg.cluster.servers),
+                cluster=cfg.cluster.name,
+                replica=cfg.cluster.replica,
+                flush_s=cfg.cluster.flush_s,
+                heartbeat_s=cfg.cluster.heartbeat_s,
+                load_ttl_s=cfg.cluster.load_ttl_s,
+            )
         self.metrics = GatewayMetrics(
             flow=self.flow,
             index=self.index,
             kv_counters=self._kv_counters,
             endpoints=self.pool.endpoints,
+            cluster=None if self.cluster is None else self.cluster.stats,
         )
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
@@ -306,6 +324,8 @@ class Gateway:
             skip_auto_headers=("User-Agent",),
         )
         await self.scheduler.start()
+        if self.cluster is not None:
+            await self.cluster.start()
         if cfg.discovery.file is not None:
             self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
         self._nothing_routable = asyncio.Event()
@@ -352,6 +372,8 @@ class Gateway:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._discovery_task = self._health_task = self._watch_task = None
+        if self.cluster is not None:
+            await self.cluster.stop()
         await self.scheduler.stop()
         if self._session is not None:
             await self._session.close()

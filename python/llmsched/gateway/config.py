@@ -40,6 +40,7 @@ __all__ = [
     "AdminConfig",
     "ApiKey",
     "AuthConfig",
+    "ClusterConfig",
     "DiscoveryConfig",
     "GatewayConfig",
     "HealthConfig",
@@ -245,6 +246,25 @@ class AdminConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Replica sync (:mod:`llmsched.cluster`): gateways with the same ``name`` on the same NATS
+    ``servers`` share approximate prefix records, sessions and in-flight counts. Off while
+    ``servers`` is empty."""
+
+    servers: tuple[str, ...] = ()
+    name: str = "llmsched"
+    replica: str | None = None
+    flush_s: float = 0.02
+    heartbeat_s: float = 1.0
+    load_ttl_s: float = 3.0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the gateway joins a cluster."""
+        return bool(self.servers)
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The whole gateway configuration. Build it with :func:`load_config`."""
 
@@ -265,6 +285,7 @@ class GatewayConfig:
     slices: SlicesConfig = SlicesConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     admin: AdminConfig = AdminConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
 
 _TOP_KEYS = frozenset(
@@ -286,6 +307,7 @@ _TOP_KEYS = frozenset(
         "slices",
         "discovery",
         "admin",
+        "cluster",
     }
 )
 
@@ -345,6 +367,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         slices=_slices(_section(raw, "slices")),
         discovery=discovery,
         admin=_admin(_section(raw, "admin")),
+        cluster=_cluster(_section(raw, "cluster")),
     )
 
 
@@ -746,6 +769,36 @@ def _admin(raw: dict[str, Any]) -> AdminConfig:
     if token is not None and (not isinstance(token, str) or len(token) < 16):
         raise ConfigError("admin.token: must be a str of at least 16 characters")
     return AdminConfig(token=token)
+
+
+def _cluster(raw: dict[str, Any]) -> ClusterConfig:
+    d = ClusterConfig()
+    _reject_unknown(raw, "cluster", set(d.__dataclass_fields__))
+    servers = raw.get("servers", [])
+    if isinstance(servers, str):
+        servers = [servers]
+    if not isinstance(servers, list) or not all(
+        isinstance(u, str) and u.startswith(("nats://", "tls://")) for u in servers
+    ):
+        raise ConfigError("cluster.servers: must be a list of nats:// URLs")
+    name = raw.get("name", d.name)
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ConfigError(f"cluster.name: must be letters, digits, '-' or '_', got {name!r}")
+    replica = raw.get("replica")
+    if replica is not None and (not isinstance(replica, str) or not replica):
+        raise ConfigError("cluster.replica: must be a non-empty name (default host and pid)")
+    heartbeat = _required_seconds(raw, "heartbeat_s", d.heartbeat_s, "cluster")
+    load_ttl = _required_seconds(raw, "load_ttl_s", d.load_ttl_s, "cluster")
+    if load_ttl <= heartbeat:
+        raise ConfigError("cluster.load_ttl_s: must exceed cluster.heartbeat_s")
+    return ClusterConfig(
+        servers=tuple(servers),
+        name=name,
+        replica=replica,
+        flush_s=_required_seconds(raw, "flush_s", d.flush_s, "cluster"),
+        heartbeat_s=heartbeat,
+        load_ttl_s=load_ttl,
+    )
 
 
 def _limits(raw: dict[str, Any]) -> LimitsConfig:
