@@ -291,3 +291,60 @@ def test_settings_are_checked() -> None:
         ClusterSync(router, cluster="a.b")
     with pytest.raises(TypeError):
         ClusterSync("router")  # type: ignore[arg-type]
+
+
+def test_tenant_fairness_holds_across_replicas(bus: NatsServer) -> None:
+    """VTC on two replicas: replica 0 serves tenant "heavy" a lot; replica 1, with one queued
+    request of each tenant (heavy first), then serves "light" first, once the usage arrives.
+    Unsynced, it serves in arrival order."""
+    from llmsched import FlowController, FlowRequest
+    from llmsched.cluster import Usage
+
+    config = {
+        "saturation": {"type": "concurrency", "max_requests": 1000},
+        "default_band": {"fairness": {"type": "vtc"}},
+    }
+
+    def link(sync: ClusterSync, flow: FlowController) -> None:
+        def collect() -> Usage:
+            return {"keys": {}, "tenants": flow.drain_service()}
+
+        def apply(usage: Usage) -> None:
+            for tenant, priority, prompt, output in usage["tenants"]:
+                flow.charge_remote(tenant, priority, prompt_tokens=prompt, output_tokens=output)
+
+        sync.share_usage(collect, apply)
+
+    async def order(synced: bool) -> list[int]:
+        flows = [FlowController(config), FlowController(config)]
+        syncs = []
+        for i, flow in enumerate(flows):
+            sync = ClusterSync(_router(i), servers=bus.url, cluster="f", replica=f"r{i}")
+            if synced:
+                link(sync, flow)
+                await sync.start()
+            syncs.append(sync)
+        try:
+            if synced:
+                await _until(lambda: all(s.stats()["connected"] for s in syncs), "connections")
+            busy, fair = flows
+            fair.enqueue(FlowRequest(1, tenant="heavy", prompt_tokens=100))
+            fair.enqueue(FlowRequest(2, tenant="light", prompt_tokens=100))
+            for i in range(10):
+                busy.enqueue(FlowRequest(100 + i, tenant="heavy", prompt_tokens=5_000))
+                busy.dispatch()
+            if synced:
+                await _until(lambda: syncs[1].stats()["usage_in"] >= 1, "the usage")
+            got = []
+            while (decision := fair.dispatch()) is not None:
+                got.append(decision.id)
+            return got
+        finally:
+            for sync in syncs:
+                await sync.stop()
+
+    async def body() -> None:
+        assert await order(synced=False) == [1, 2]
+        assert await order(synced=True) == [2, 1]
+
+    run(body)

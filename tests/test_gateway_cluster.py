@@ -241,3 +241,55 @@ async def _metric_is(
     client: aiohttp.ClientSession, replica: Replica, name: str, value: float
 ) -> bool:
     return await replica.metric(client, name) == value
+
+
+def test_a_key_rate_limit_holds_across_serve_replicas(tmp_path: Path) -> None:
+    """A key allowed 3 requests (burst, refilled at 0.01/s): synced, the three replicas
+    together admit about 3 of 9 requests spread over them; alone, each admits its own 3."""
+
+    async def body() -> None:
+        bus = NatsServer(nats_binary())
+        bus.start()
+        engine = FakeOpenAIEngine(model=MODEL, answer_tokens=2)
+        key = "sk-shared-key-0000001"
+        auth = {"api_keys": {key: {"tenant": "t", "requests_per_s": 0.01, "burst_requests": 3}}}
+        headers = {"Authorization": f"Bearer {key}"}
+        try:
+            await engine.start()
+            async with aiohttp.ClientSession() as client:
+
+                async def admitted(replicas: list[Replica]) -> int:
+                    ok = 0
+                    for i in range(9):
+                        body = {"model": MODEL, "prompt": f"limited {i}", "max_tokens": 1}
+                        url = replicas[i % 3].url + "/v1/completions"
+                        async with client.post(url, json=body, headers=headers) as response:
+                            assert response.status in (200, 429), response.status
+                            ok += response.status == 200
+                        await asyncio.sleep(0.1)  # one sync interval and more
+                    return ok
+
+                synced_configs = [
+                    {**_config([engine], bus, f"gw-{i}"), "auth": auth} for i in range(3)
+                ]
+                async with _replicas(synced_configs, tmp_path) as replicas:
+                    for replica in replicas:
+                        await _until(lambda r=replica: _peers(client, r, 2), "peers")
+                    synced = await admitted(replicas)
+                    usage_in = await replicas[0].metric(
+                        client, 'llmsched_gateway_cluster_total{counter="usage_in"}'
+                    )
+                alone_configs = [
+                    {**_config([engine], None, f"gw-{i}"), "auth": auth} for i in range(3)
+                ]
+                async with _replicas(alone_configs, tmp_path) as replicas:
+                    alone = await admitted(replicas)
+            assert synced == 3, synced
+            assert alone == 9, alone
+            assert usage_in >= 1
+            print(f"admitted of 9 for a 3-request key: synced {synced}, alone {alone}")
+        finally:
+            await engine.stop()
+            bus.stop()
+
+    asyncio.run(asyncio.wait_for(body(), 180))

@@ -774,6 +774,12 @@ class FlowCore:
         """Whether any eviction waits to be drained."""
     def record_output(self, id: int, output_tokens: int, now: float) -> None:
         """Charges output tokens to a running request's tenant."""
+    def charge_remote(
+        self, tenant: str, priority: int, prompt_tokens: int, output_tokens: int, now: float
+    ) -> bool:
+        """Charges another replica's service of a tenant to its flow's fairness policy."""
+    def drain_service(self) -> list[tuple[str, int, int, int]]:
+        """Service given since the last call: (tenant, priority, prompt, output tokens)."""
     def complete(self, id: int, output_tokens: int, now: float) -> None:
         """Marks a running request finished."""
     def preemption_victims(self, now: float) -> list[int]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["ClusterStats", "ClusterSync"]
+__all__ = ["ClusterStats", "ClusterSync", "Usage"]
 
 log = logging.getLogger("llmsched")
 
@@ -84,6 +85,58 @@ class ClusterStats(SyncCounters):
     catch_ups: int
     """Catch-up batches applied (a late start or a reconnect)."""
     catch_ups_served: int
+    usage_out: int
+    """Usage messages published (rate-limit and fairness counters)."""
+    usage_in: int
+    usage_malformed: int
+
+
+class Usage(TypedDict):
+    """What a replica consumed since its last flush, for the others to charge (see
+    :meth:`ClusterSync.share_usage`)."""
+
+    keys: dict[str, tuple[float, float]]
+    """Per rate-limited key (an id all replicas share, never the key itself): requests and
+    tokens taken from its buckets."""
+    tenants: list[tuple[str, int, int, int]]
+    """Per flow: tenant, priority, prompt tokens and output tokens served."""
+
+
+_MAX_USAGE_ITEMS = 10_000
+"""Most keys and tenants one usage message carries (the rest wait for the next flush)."""
+
+
+def _usage_from_json(data: bytes) -> Usage:
+    """A peer's usage message, checked item by item; ValueError names what is wrong."""
+    raw = json.loads(data)
+    if not isinstance(raw, dict) or not isinstance(raw.get("replica"), str):
+        raise ValueError("not a usage message")
+    keys_raw = raw.get("keys", {})
+    tenants_raw = raw.get("tenants", [])
+    if not isinstance(keys_raw, dict) or not isinstance(tenants_raw, list):
+        raise ValueError("keys must be a mapping and tenants a list")
+    if len(keys_raw) > _MAX_USAGE_ITEMS or len(tenants_raw) > _MAX_USAGE_ITEMS:
+        raise ValueError("too many items")
+
+    def amount(v: object) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1e15):
+            raise ValueError(f"bad amount {v!r}")
+        return float(v)
+
+    keys: dict[str, tuple[float, float]] = {}
+    for key, pair in keys_raw.items():
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"key {key!r}: [requests, tokens] expected")
+        keys[key] = (amount(pair[0]), amount(pair[1]))
+    tenants: list[tuple[str, int, int, int]] = []
+    for item in tenants_raw:
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
+            raise ValueError("tenant entries are [tenant, priority, prompt, output]")
+        priority = item[1]
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31:
+            raise ValueError(f"bad priority {priority!r}")
+        tenants.append((item[0], priority, int(amount(item[2])), int(amount(item[3]))))
+    return Usage(keys=keys, tenants=tenants)
 
 
 class _ConnectionCounters(TypedDict):
@@ -92,6 +145,9 @@ class _ConnectionCounters(TypedDict):
     publish_failures: int
     catch_ups: int
     catch_ups_served: int
+    usage_out: int
+    usage_in: int
+    usage_malformed: int
 
 
 def _default_replica() -> str:
@@ -167,7 +223,13 @@ class ClusterSync:
             "publish_failures": 0,
             "catch_ups": 0,
             "catch_ups_served": 0,
+            "usage_out": 0,
+            "usage_in": 0,
+            "usage_malformed": 0,
         }
+        self.usage_subject = f"llmsched.{cluster}.usage"
+        self._collect_usage: Callable[[], Usage] | None = None
+        self._apply_usage: Callable[[Usage], None] | None = None
         self._warned_malformed = False
         self._stopping = False
 
@@ -186,6 +248,16 @@ class ClusterSync:
             connected=self._nc is not None and self._nc.is_connected,
             peers=self._native.peers(),
         )
+
+    def share_usage(self, collect: Callable[[], Usage], apply: Callable[[Usage], None]) -> None:
+        """Shares counters that must hold across replicas: every flush, ``collect()`` says what
+        this replica consumed since the last call (rate-limited keys, tenants' service) and
+        each peer's ``apply`` charges it (``KeyLimiter.charge_remote``,
+        :meth:`llmsched.FlowController.charge_remote`). These are deltas: a message lost with
+        the bus is not replayed, so limits fail open for that interval. Call before
+        :meth:`start`."""
+        self._collect_usage = collect
+        self._apply_usage = apply
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -259,6 +331,8 @@ class ClusterSync:
                 delay = min(delay * 2, 5.0)
         await nc.subscribe(self.subject, cb=self._on_batch)
         await nc.subscribe(self.catch_up_subject, cb=self._on_catch_up_request)
+        if self._apply_usage is not None:
+            await nc.subscribe(self.usage_subject, cb=self._on_usage)
         self._nc = nc
         await self._catch_up(nc)
 
@@ -269,6 +343,38 @@ class ClusterSync:
             if not self._warned_malformed:
                 self._warned_malformed = True
                 log.warning("llmsched cluster %s: dropped a malformed batch: %s", self.replica, exc)
+
+    async def _on_usage(self, msg: Msg) -> None:
+        if self._apply_usage is None:
+            return
+        try:
+            usage = _usage_from_json(msg.data)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            self._counters["usage_malformed"] += 1
+            log.debug("llmsched cluster %s: dropped a usage message: %s", self.replica, exc)
+            return
+        self._counters["usage_in"] += 1
+        self._apply_usage(usage)
+
+    async def _publish_usage(self, nc: Client) -> None:
+        if self._collect_usage is None:
+            return
+        usage = self._collect_usage()
+        if not usage["keys"] and not usage["tenants"]:
+            return
+        message = {
+            "replica": self.replica,
+            "keys": {k: list(v) for k, v in list(usage["keys"].items())[:_MAX_USAGE_ITEMS]},
+            "tenants": [list(t) for t in usage["tenants"][:_MAX_USAGE_ITEMS]],
+        }
+        if not nc.is_connected:
+            self._counters["publish_failures"] += 1
+            return
+        try:
+            await nc.publish(self.usage_subject, json.dumps(message).encode())
+            self._counters["usage_out"] += 1
+        except (NatsError, OSError):
+            self._counters["publish_failures"] += 1
 
     async def _on_catch_up_request(self, msg: Msg) -> None:
         if msg.data.decode(errors="replace") == self.replica or not msg.reply or self._nc is None:
@@ -334,7 +440,10 @@ class ClusterSync:
                 # Not connected yet: keep the journal bounded by draining it into nothing.
                 if self._native.outgoing(now, False) is not None:
                     self._counters["publish_failures"] += 1
+                if self._collect_usage is not None:
+                    self._collect_usage()  # dropped: limits hold per replica meanwhile
                 continue
             await self._publish(nc, heartbeat=beat)
+            await self._publish_usage(nc)
             if beat:
                 last_beat = now

@@ -70,7 +70,7 @@ from llmsched.slices import SliceTracker
 from llmsched.tokenize import PromptError, PromptTokenizer
 
 if TYPE_CHECKING:
-    from llmsched.cluster import ClusterSync
+    from llmsched.cluster import ClusterSync, Usage
 
 __all__ = ["Gateway", "Refusal"]
 
@@ -244,6 +244,8 @@ class Gateway:
                 heartbeat_s=cfg.cluster.heartbeat_s,
                 load_ttl_s=cfg.cluster.load_ttl_s,
             )
+        if self.cluster is not None:
+            self.cluster.share_usage(self._collect_usage, self._apply_usage)
         self.metrics = GatewayMetrics(
             flow=self.flow,
             index=self.index,
@@ -309,6 +311,33 @@ class Gateway:
     def url(self) -> str:
         """``http://host:port`` of the running gateway."""
         return f"http://{self.config.listen.host}:{self.port}"
+
+    def _collect_usage(self) -> Usage:
+        """What this replica took per rate-limited key (by its digest: the key never leaves)
+        and served per tenant since the last flush (replica sync)."""
+        keys: dict[str, tuple[float, float]] = {}
+        for digest, limiter in self._limiters.items():
+            if limiter.limits_rates:
+                used = limiter.drain_usage()
+                if used != (0.0, 0.0):
+                    keys[digest.hex()] = used
+        tenants = self.flow.drain_service() if self.flow is not None else []
+        return {"keys": keys, "tenants": tenants}
+
+    def _apply_usage(self, usage: Usage) -> None:
+        """Another replica's usage: charged to the same keys' buckets and tenants' flows."""
+        for digest_hex, (requests, tokens) in usage["keys"].items():
+            try:
+                limiter = self._limiters.get(bytes.fromhex(digest_hex))
+            except ValueError:
+                continue
+            if limiter is not None:
+                limiter.charge_remote(requests, tokens)
+        if self.flow is not None:
+            for tenant, priority, prompt, output in usage["tenants"]:
+                self.flow.charge_remote(
+                    tenant, priority, prompt_tokens=prompt, output_tokens=output
+                )
 
     async def start(self) -> None:
         """Opens the upstream client, starts the KV-event subscriber and the metrics scraper,
