@@ -20,7 +20,7 @@ applied twice changes nothing) and counts are absolute per replica, so at-most-o
 enough: a lost batch is healed by the next, and a replica that dies stops counting once its
 counts expire (``load_ttl_s``). Nothing needs persistence, so no JetStream.
 
-Batching: commits are journaled in the native core; every ``flush_s`` (20 ms) one batch carries
+Batching: commits are journaled in the native core; every ``flush_s`` (5 ms) one batch carries
 the journal and the replica's counts, and nothing is sent while nothing changed, except a
 heartbeat every ``heartbeat_s``. A replica that starts late asks its peers for a catch-up
 (records younger than the record TTL and live sessions) on ``<subject>.catchup``. While the bus
@@ -178,7 +178,7 @@ class ClusterSync:
         servers: str | Sequence[str] = "nats://127.0.0.1:4222",
         cluster: str = "llmsched",
         replica: str | None = None,
-        flush_s: float = 0.02,
+        flush_s: float = 0.005,
         heartbeat_s: float = 1.0,
         load_ttl_s: float = 3.0,
         journal_limit: int = 65_536,

@@ -296,12 +296,13 @@ fn simulate<'py>(
     let cfg: SimConfig = config_struct(config, "simulation config")?;
     let model: StepModel = config_struct(step, "step model")?;
     let value = config_mapping(Some(router), "router config")?;
-    let router = parse_config(&value).map_err(RoutingError::from).py()?;
+    parse_config(&value).map_err(RoutingError::from).py()?; // errors surface here, once
+    let make = || parse_config(&value).map_err(RoutingError::from);
     let plan = plan(workload)?;
     let budget = cfg.max_num_batched_tokens;
     let (out, ideal) = py
         .detach(|| {
-            let out = sim_engine(cfg, model, router, &plan)?;
+            let out = sim_engine(cfg, model, &make, &plan)?;
             let ideal: Vec<f64> =
                 out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
             Ok::<_, llmsched_sim::SimError>((out, ideal))
@@ -337,6 +338,8 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
         "rejected",
         done.iter().map(|r| r.rejected).collect::<Vec<bool>>().into_pyarray(py),
     )?;
+    d.set_item("sync_batches", out.sync_batches)?;
+    d.set_item("sync_bytes", out.sync_bytes)?;
     let replicas = PyList::empty(py);
     for rep in &out.replicas {
         let r = PyDict::new(py);

@@ -254,7 +254,7 @@ class ClusterConfig:
     servers: tuple[str, ...] = ()
     name: str = "llmsched"
     replica: str | None = None
-    flush_s: float = 0.02
+    flush_s: float = 0.005
     heartbeat_s: float = 1.0
     load_ttl_s: float = 3.0
 

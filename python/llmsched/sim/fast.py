@@ -250,6 +250,10 @@ def run(sim: Simulation, router_config: ConfigLike) -> SimResult:
         "kv_sample_s": float(config.kv_sample_s),
         "max_time_s": None if config.max_time_s is None else float(config.max_time_s),
         "seed": config.seed,
+        "router_replicas": config.router_replicas,
+        "router_sync_delay_s": (
+            None if config.router_sync_delay_s is None else float(config.router_sync_delay_s)
+        ),
     }
     router, functions = native_config(load_config(router_config))
     assert not functions, "unsupported() sends Python plugins to the Python engine"
@@ -265,6 +269,8 @@ def run(sim: Simulation, router_config: ConfigLike) -> SimResult:
     sim.kv_trace = out["kv_trace"]
     sim.decision_s = float(out["decision_s"])
     sim.feed_s = float(out["feed_s"])
+    sim.sync_batches = int(out["sync_batches"])
+    sim.sync_bytes = int(out["sync_bytes"])
     sim.attach_native_run(out)
     return collect(sim, out, wall_s)
 
@@ -312,7 +318,13 @@ def collect(sim: Simulation, out: dict[str, Any], wall_s: float) -> SimResult:
         wall_s=wall_s,
         decision_s=sim.decision_s,
         feed_s=sim.feed_s,
-        extra={"feed_skipped": sim.feed_skipped},
+        extra={
+            "feed_skipped": sim.feed_skipped,
+            "router_replicas": sim.config.router_replicas,
+            "sync_batches": sim.sync_batches,
+            "sync_bytes": sim.sync_bytes,
+            "prefill_by_replica": [rep.prefill_tokens for rep in sim.replicas],
+        },
         engine_name="rust",
     )
 
