@@ -518,6 +518,48 @@ class PlanContents:
     def __len__(self) -> int: ...
 
 def number_contents(hashes: npt.NDArray[np.uint64]) -> PlanContents: ...
+
+RngState = tuple[int, int, bool, int]
+
+def plan_trace(
+    path: str,
+    settings: Mapping[str, object],
+    rng: RngState,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]: ...
+def plan_independent(
+    arrival: npt.NDArray[np.float64],
+    mean_input: npt.NDArray[np.float64],
+    mean_output: npt.NDArray[np.float64],
+    tenant: npt.NDArray[np.int64],
+    priority: npt.NDArray[np.int64],
+    length_cv: float,
+    rng: RngState,
+    scalar_seed: int,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]: ...
+def plan_prompted(
+    prompt_hashes: npt.NDArray[np.uint64],
+    prompt_offsets: npt.NDArray[np.int64],
+    prompt_len: npt.NDArray[np.int64],
+    arrival: npt.NDArray[np.float64],
+    pick: npt.NDArray[np.int64],
+    tenant: npt.NDArray[np.int64],
+    output_len: int,
+    rng: RngState,
+    block_size: int,
+) -> dict[str, Any]: ...
+def plan_agentic(
+    settings: Mapping[str, object],
+    systems: Sequence[npt.NDArray[np.uint32]],
+    starts: npt.NDArray[np.float64],
+    closed: bool,
+    seed: int,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]: ...
 def simulate(
     config: Mapping[str, Any],
     step: Mapping[str, Any],

@@ -34,7 +34,7 @@ from llmsched.routing import PYTHON_PLUGIN_TYPES, ConfigLike, load_config, nativ
 from llmsched.sim.request import DONE, Request
 from llmsched.sim.results import SimResult
 from llmsched.sim.stepmodel import LinearStepModel, RooflineStepModel, StepModel
-from llmsched.sim.workloads import AgenticWorkload, make_workload
+from llmsched.sim.workloads import AgenticWorkload, make_workload, native_plan
 
 if TYPE_CHECKING:
     from llmsched.sim.config import ScenarioConfig
@@ -113,13 +113,19 @@ LINEAR = ("b0", "b1", "b2", "b3", "b4")
 # -- plans ------------------------------------------------------------------------------------
 
 
-def build_plan(spec: dict[str, Any], seed: int, block_size: int, chain_seed: int) -> dict[str, Any]:
-    """The workload ``spec`` as plain arrays (see the module docs).
+def build_plan(
+    spec: dict[str, Any], seed: int, block_size: int, chain_seed: int, native: bool = True
+) -> dict[str, Any]:
+    """The workload ``spec`` as plain arrays (see the module docs): built natively
+    (:func:`~llmsched.sim.workloads.native_plan`), or with ``native=False`` from the Python
+    workload classes' requests, the oracle the native plans are tested against.
 
     >>> plan = build_plan({"kind": "long_short", "num_requests": 3}, 0, 16, 0)
     >>> plan["kind"], len(plan["arrival"])
     ('open', 3)
     """
+    if native:
+        return native_plan(spec, seed=seed, block_size=block_size, chain_seed=chain_seed)
     workload = make_workload(spec, seed=seed, block_size=block_size, chain_seed=chain_seed)
     if isinstance(workload, AgenticWorkload):
         plan = _session_plan(workload)
