@@ -384,7 +384,10 @@ fn plan_dict<'py>(py: Python<'py>, plan: Plan) -> PyResult<Bound<'py, PyDict>> {
         out.extend(spans.map(|end| end as i64));
         out
     };
-    let contents = detach(py, || Arc::new(Contents::number(&plan.hashes)))?;
+    let contents = match &plan.contents {
+        Some(known) => known.clone(),
+        None => detach(py, || Arc::new(Contents::number(&plan.hashes)))?,
+    };
     if plan.sessions.is_empty() && plan.starts.is_empty() && !plan.closed {
         let open = &plan.open;
         let f = |g: fn(&OpenRequest) -> f64| open.iter().map(g).collect::<Vec<_>>();
@@ -455,12 +458,18 @@ fn plan_trace<'py>(
         hash_block: args.hash_block,
         limit: args.limit,
     };
+    let t = std::time::Instant::now();
     let plan = detach(py, || {
         let rows = load_trace(path, &spec)?;
-        trace_plan(&rows, &spec, generator(rng), block_size, chain_seed)
+        eprintln!("TIMING read {:?}", t.elapsed());
+        let p = trace_plan(&rows, &spec, generator(rng), block_size, chain_seed);
+        eprintln!("TIMING gen {:?}", t.elapsed());
+        p
     })?
     .py()?;
-    plan_dict(py, plan)
+    let d = plan_dict(py, plan);
+    eprintln!("TIMING dict {:?}", t.elapsed());
+    d
 }
 
 /// The plan of independent requests (`long_short`, `priority`): arrival times, each request's

@@ -14,12 +14,13 @@
 //! uses, and once per request otherwise.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use hashbrown::HashMap;
 use llmsched_core::hashing::{check_block_size, chain_hashes_into};
 use serde_json::Value;
 
-use crate::plan::{OpenRequest, Plan, Session, Turn};
+use crate::plan::{Contents, OpenRequest, Plan, Session, Turn};
 use crate::rng::{words, Pcg64, PyRandom};
 
 /// Token ids are drawn below this (`llmsched.sim.workloads.VOCAB`).
@@ -510,17 +511,53 @@ pub fn load_trace(path: &str, spec: &TraceSpec) -> Result<Vec<TraceRow>, Workloa
     read_trace(&text, path, spec)
 }
 
+/// The dense content ids of a plan's hashes as the builder appends them (see
+/// [`Contents::from_parts`], which checks the result): content the builder makes fresh gets
+/// new ids, content it repeats (a trace block shared by several lines) its first id.
+#[derive(Debug, Default)]
+struct Numbering {
+    ids: Vec<u32>,
+    unique: Vec<u64>,
+}
+
+impl Numbering {
+    fn new_id(&mut self, h: u64) -> u32 {
+        self.unique.push(h);
+        (self.unique.len() - 1) as u32
+    }
+
+    /// Numbers `hashes[self.ids.len()..]` as fresh content.
+    fn fresh(&mut self, hashes: &[u64]) {
+        for &h in &hashes[self.ids.len()..] {
+            let id = self.new_id(h);
+            self.ids.push(id);
+        }
+    }
+
+    fn finish(self, hashes: &[u64]) -> Contents {
+        // A 64-bit collision between different contents (about one in 10^4 for a 100,000-line
+        // trace) makes the shortcut wrong; the hash-map numbering is exact.
+        Contents::from_parts(hashes, self.ids, self.unique)
+            .unwrap_or_else(|| Contents::number(hashes))
+    }
+}
+
+const UNNUMBERED: u32 = u32::MAX;
+
 /// The blocks a trace's `hash_ids` name: each id's `hash_block` tokens come from
 /// `default_rng(id & U64_TOP)`, and their hashes continue the chain of the ids before it.
 struct IdBlocks {
     per_id: usize,
     hash_block: usize,
     block_size: usize,
-    /// Ids used by more than one line: their blocks are kept, by (parent hash, id).
+    /// Ids (masked as the content is seeded) on more than one line, or twice on one.
     reused: HashMap<u64, ()>,
+    /// Kept blocks of reused ids by (parent hash, id): their start in `store`.
     memo: HashMap<(u64, u64), usize>,
     store: Vec<u64>,
+    store_ids: Vec<u32>,
     tokens: Vec<u32>,
+    scratch: Vec<u64>,
 }
 
 impl IdBlocks {
@@ -528,7 +565,7 @@ impl IdBlocks {
         let mut seen: HashMap<u64, bool> = HashMap::new();
         for row in rows {
             for &id in &row.hash_ids {
-                seen.entry(id).and_modify(|again| *again = true).or_insert(false);
+                seen.entry(id & U64_TOP as u64).and_modify(|again| *again = true).or_insert(false);
             }
         }
         let reused = seen.into_iter().filter(|&(_, again)| again).map(|(id, _)| (id, ())).collect();
@@ -539,35 +576,61 @@ impl IdBlocks {
             reused,
             memo: HashMap::new(),
             store: Vec::new(),
+            store_ids: Vec::new(),
             tokens: Vec::with_capacity(hash_block),
+            scratch: Vec::with_capacity(hash_block / block_size),
         }
     }
 
-    /// Appends id's block hashes after the chain ending in `parent` to `out`; returns the new
-    /// last hash.
-    fn push(&mut self, parent: u64, id: u64, out: &mut Vec<u64>) -> Result<u64, WorkloadError> {
+    /// Appends the first `take` of id's block hashes after the chain ending in `parent` to
+    /// `out` (numbered in `num`); returns the id's last hash.
+    fn push(
+        &mut self,
+        parent: u64,
+        id: u64,
+        take: usize,
+        out: &mut Vec<u64>,
+        num: &mut Numbering,
+    ) -> Result<u64, WorkloadError> {
+        let id = id & U64_TOP as u64;
         let per_id = self.per_id;
-        if let Some(&at) = self.memo.get(&(parent, id)) {
-            out.extend_from_slice(&self.store[at..at + per_id]);
-            return Ok(out[out.len() - 1]);
+        let at = match self.memo.get(&(parent, id)) {
+            Some(&at) => at,
+            None => {
+                self.tokens.clear();
+                let mut rng = Pcg64::from_entropy(&words(u128::from(id)));
+                rng.fill_u32(0, VOCAB, self.hash_block, &mut self.tokens);
+                self.scratch.clear();
+                chain_hashes_into(&self.tokens, self.block_size, parent, &mut self.scratch)
+                    .map_err(|e| WorkloadError(e.to_string()))?;
+                if !self.reused.contains_key(&id) {
+                    out.extend_from_slice(&self.scratch[..take]);
+                    num.fresh(out);
+                    return Ok(self.scratch[per_id - 1]);
+                }
+                let at = self.store.len();
+                self.memo.insert((parent, id), at);
+                self.store.extend_from_slice(&self.scratch);
+                self.store_ids.resize(at + per_id, UNNUMBERED);
+                at
+            }
+        };
+        for j in at..at + take {
+            let h = self.store[j];
+            if self.store_ids[j] == UNNUMBERED {
+                self.store_ids[j] = num.new_id(h);
+            }
+            num.ids.push(self.store_ids[j]);
+            out.push(h);
         }
-        self.tokens.clear();
-        let mut rng = Pcg64::from_entropy(&words(u128::from(id & U64_TOP as u64)));
-        rng.fill_u32(0, VOCAB, self.hash_block, &mut self.tokens);
-        let before = out.len();
-        chain_hashes_into(&self.tokens, self.block_size, parent, out)
-            .map_err(|e| WorkloadError(e.to_string()))?;
-        if self.reused.contains_key(&id) {
-            self.memo.insert((parent, id), self.store.len());
-            self.store.extend_from_slice(&out[before..]);
-        }
-        Ok(out[out.len() - 1])
+        Ok(self.store[at + per_id - 1])
     }
 }
 
 /// The plan of a trace (`TraceWorkload.arrivals`): a line's blocks named by its `hash_ids`
 /// get the ids' content, the rest of its prompt fresh tokens from `rng` (the workload's
-/// generator, `default_rng(seed)`), and its output fresh ids.
+/// generator, `default_rng(seed)`), and its output fresh ids. The plan comes numbered
+/// ([`Plan::contents`]) from what the builder knows is shared, without a hash-map pass.
 pub fn trace_plan(
     rows: &[TraceRow],
     spec: &TraceSpec,
@@ -586,10 +649,15 @@ pub fn trace_plan(
         return err(format!("time_scale must be > 0, got {}", spec.time_scale));
     }
     let mut plan = Plan::default();
-    let Some(first) = rows.first() else { return Ok(plan) };
+    let mut num = Numbering::default();
+    let Some(first) = rows.first() else {
+        plan.contents = Some(Arc::new(num.finish(&plan.hashes)));
+        return Ok(plan);
+    };
     let scale = (if spec.millis { 1e-3 } else { 1.0 }) / spec.time_scale;
     let t0 = first.timestamp;
     let mut ids = IdBlocks::new(rows, spec.hash_block, block_size);
+    let per_id = ids.per_id;
     plan.open.reserve(rows.len());
     let mut conv = Conv::new(chain_seed);
     for row in rows {
@@ -600,14 +668,14 @@ pub fn trace_plan(
         let blocks = if shared_len >= prompt {
             // The prompt is a prefix of the named blocks: only its full blocks are hashed.
             let full = prompt / block_size;
-            for &id in &row.hash_ids[..full.div_ceil(ids.per_id)] {
-                last = ids.push(last, id, &mut plan.hashes)?;
+            for (k, &id) in row.hash_ids[..full.div_ceil(per_id)].iter().enumerate() {
+                let take = per_id.min(full - k * per_id);
+                last = ids.push(last, id, take, &mut plan.hashes, &mut num)?;
             }
-            plan.hashes.truncate(start + full);
             full
         } else {
             for &id in &row.hash_ids {
-                last = ids.push(last, id, &mut plan.hashes)?;
+                last = ids.push(last, id, per_id, &mut plan.hashes, &mut num)?;
             }
             conv.length = shared_len;
             conv.tail.clear();
@@ -624,6 +692,7 @@ pub fn trace_plan(
             block_size,
             &mut plan.hashes,
         );
+        num.fresh(&plan.hashes);
         plan.open.push(OpenRequest {
             arrival: row.timestamp.minus(t0) * scale,
             prompt_len: row.input_length,
@@ -634,6 +703,7 @@ pub fn trace_plan(
             hashes: start..plan.hashes.len(),
         });
     }
+    plan.contents = Some(Arc::new(num.finish(&plan.hashes)));
     Ok(plan)
 }
 
@@ -673,6 +743,7 @@ mod tests {
         assert_eq!(plan.hashes[a.start..a.start + 32], plan.hashes[b.start..b.start + 32]);
         assert_ne!(plan.hashes[a.start + 32], plan.hashes[b.start + 32]);
         assert_eq!(b.len(), 1000 / 16);
+        assert_eq!(plan.contents.as_deref(), Some(&Contents::number(&plan.hashes)));
     }
 
     #[test]
