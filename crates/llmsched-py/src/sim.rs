@@ -458,18 +458,12 @@ fn plan_trace<'py>(
         hash_block: args.hash_block,
         limit: args.limit,
     };
-    let t = std::time::Instant::now();
     let plan = detach(py, || {
         let rows = load_trace(path, &spec)?;
-        eprintln!("TIMING read {:?}", t.elapsed());
-        let p = trace_plan(&rows, &spec, generator(rng), block_size, chain_seed);
-        eprintln!("TIMING gen {:?}", t.elapsed());
-        p
+        trace_plan(&rows, &spec, generator(rng), block_size, chain_seed)
     })?
     .py()?;
-    let d = plan_dict(py, plan);
-    eprintln!("TIMING dict {:?}", t.elapsed());
-    d
+    plan_dict(py, plan)
 }
 
 /// The plan of independent requests (`long_short`, `priority`): arrival times, each request's

@@ -134,11 +134,60 @@ impl Pcg64 {
     }
 
     /// `integers(low, high, n, dtype=np.uint32)` appended to `out` (`low < high`).
+    ///
+    /// [`Self::bounded_u32`] unrolled over both halves of each 64-bit output: a draw is
+    /// rejected exactly when its low product word is below `(2**32 - excl) % excl`, the
+    /// threshold numpy computes after its `leftover < excl` shortcut, and a rejected draw is
+    /// redrawn from the next 32-bit half, as numpy's loop does.
     pub fn fill_u32(&mut self, low: u32, high: u32, n: usize, out: &mut Vec<u32>) {
         debug_assert!(low < high);
         let span = high - low - 1;
-        out.reserve(n);
-        out.extend((0..n).map(|_| low + self.bounded_u32(span)));
+        if span == 0 || span == u32::MAX {
+            out.reserve(n);
+            out.extend((0..n).map(|_| low + self.bounded_u32(span)));
+            return;
+        }
+        let excl = span + 1;
+        let threshold = (u32::MAX - span) % excl;
+        let accept = |u: u32| {
+            let m = u64::from(u) * u64::from(excl);
+            ((m as u32) >= threshold).then_some(low + (m >> 32) as u32)
+        };
+        let start = out.len();
+        out.resize(start + n, 0);
+        let buf = &mut out[start..];
+        let mut k = 0;
+        while k < n {
+            if let Some(high_half) = self.spare.take() {
+                if let Some(v) = accept(high_half) {
+                    buf[k] = v;
+                    k += 1;
+                }
+                continue;
+            }
+            if n - k == 1 {
+                if let Some(v) = accept(self.next_u32()) {
+                    buf[k] = v;
+                    k += 1;
+                }
+                continue;
+            }
+            let r = self.next_u64();
+            match accept(r as u32) {
+                Some(v) => {
+                    buf[k] = v;
+                    k += 1;
+                }
+                None => {
+                    self.spare = Some((r >> 32) as u32);
+                    continue;
+                }
+            }
+            if let Some(v) = accept((r >> 32) as u32) {
+                buf[k] = v;
+                k += 1;
+            }
+        }
     }
 
     /// `integers(low, high, n, dtype=np.int64)` appended to `out` (`low < high`), as `u64`
