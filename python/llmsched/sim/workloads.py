@@ -854,7 +854,7 @@ def native_plan(
 
     >>> plan = native_plan({"kind": "long_short", "num_requests": 3})
     >>> plan["kind"], plan["prompt"].tolist()
-    ('open', [494, 527, 449])
+    ('open', [23098, 517, 502])
     """
     kind, cfg = _parse(spec)
     if kind == "trace":
