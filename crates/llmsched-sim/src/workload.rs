@@ -696,7 +696,8 @@ pub fn trace_plan(
         plan.open.push(OpenRequest {
             arrival: row.timestamp.minus(t0) * scale,
             prompt_len: row.input_length,
-            output_len: row.output_length,
+            // `Request` generates at least one token (the fresh ids above counted none).
+            output_len: row.output_length.max(1),
             tenant: row.tenant,
             priority: row.priority,
             session: row.session.clone(),
