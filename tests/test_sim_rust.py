@@ -211,6 +211,36 @@ def test_trace_workload_with_sessions(tmp_path) -> None:
     assert_same(cfg, "llm-d")
 
 
+@pytest.mark.parametrize("hash_ids", [True, False])
+def test_mooncake_style_trace_on_both_engines(tmp_path, hash_ids: bool) -> None:
+    """Traces with and without hash_ids (long prompts included): the Rust engine replays the
+    native plan, the Python engine the Python workload, with the same result."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for i in range(80):
+        prompt = int(rng.integers(100, 4000))
+        row = {
+            "timestamp": i * 40,
+            "input_length": prompt,
+            "output_length": int(rng.integers(1, 60)),
+        }
+        if hash_ids:
+            need = -(-prompt // 512)
+            shared = list(range(int(rng.integers(0, need + 1))))
+            row["hash_ids"] = shared + [100 + 10 * i + k for k in range(need - len(shared))]
+        rows.append(json.dumps(row))
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(rows))
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 3,
+            "engine": {"kv_tokens": 20_000},
+            "workload": {"kind": "trace", "path": str(path)},
+        }
+    )
+    assert_same(cfg, "llm-d")
+
+
 def test_policy_given_as_config_dict() -> None:
     cfg = ScenarioConfig.from_dict(
         {"replicas": 3, "workload": {"kind": "long_short", "num_requests": 80}}

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from llmsched.sim.policies import PolicyLike
     from llmsched.sim.simulator import Simulation
 
-__all__ = ["build_plan", "run", "unsupported"]
+__all__ = ["build_plan", "cached_plan", "clear_plan_cache", "run", "unsupported"]
 
 ENGINES = ("auto", "rust", "python")
 PLAN_CACHE_SIZE = 4  # plans kept (one comparison needs one per variant)
@@ -182,6 +182,12 @@ def _concat(arrays: list[np.ndarray]) -> np.ndarray:
 
 _plans: OrderedDict[str, dict[str, Any]] = OrderedDict()
 _plans_lock = threading.Lock()
+
+
+def clear_plan_cache() -> None:
+    """Forget the cached plans (the next run of every workload builds its plan again)."""
+    with _plans_lock:
+        _plans.clear()
 
 
 def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
