@@ -1,7 +1,7 @@
 """Type stubs for the native module. Kept in sync with rust/py/ by `make lint` (stubtest)."""
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, final
+from typing import Any, ClassVar, Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -519,12 +519,12 @@ class PlanContents:
 
 def number_contents(hashes: npt.NDArray[np.uint64]) -> PlanContents: ...
 
-RngState = tuple[int, int, bool, int]
+_RngState: TypeAlias = tuple[int, int, bool, int]  # numpy PCG64 (state, inc, has_uint32, uinteger)
 
 def plan_trace(
     path: str,
     settings: Mapping[str, object],
-    rng: RngState,
+    rng: _RngState,
     block_size: int,
     chain_seed: int,
 ) -> dict[str, Any]: ...
@@ -535,7 +535,7 @@ def plan_independent(
     tenant: npt.NDArray[np.int64],
     priority: npt.NDArray[np.int64],
     length_cv: float,
-    rng: RngState,
+    rng: _RngState,
     scalar_seed: int,
     block_size: int,
     chain_seed: int,
@@ -548,7 +548,7 @@ def plan_prompted(
     pick: npt.NDArray[np.int64],
     tenant: npt.NDArray[np.int64],
     output_len: int,
-    rng: RngState,
+    rng: _RngState,
     block_size: int,
 ) -> dict[str, Any]: ...
 def plan_agentic(

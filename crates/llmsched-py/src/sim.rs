@@ -12,9 +12,9 @@ use llmsched_core::routing::{parse_config, RoutingError};
 use std::sync::Arc;
 
 use llmsched_sim::{
-    agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine,
-    trace_plan, Agentic, Contents, DoneRecord, Independent, KvCache, KvEvent, OpenRequest, Pcg64,
-    Plan, Prompted, PyRandom, Session, SimConfig, SimOutput, StepModel, TraceSpec, Turn,
+    agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine, trace_plan,
+    Agentic, Contents, DoneRecord, Independent, KvCache, KvEvent, OpenRequest, Pcg64, Plan,
+    Prompted, PyRandom, Session, SimConfig, SimOutput, StepModel, TraceSpec, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
@@ -578,10 +578,9 @@ fn plan_agentic<'py>(
     let systems: Vec<Vec<u32>> =
         systems.iter().map(|s| s.as_slice().map(<[u32]>::to_vec)).collect::<Result<_, _>>()?;
     let starts = starts.as_slice()?.to_vec();
-    let plan = detach(py, || {
-        agentic_plan(cfg, &systems, starts, closed, seed, block_size, chain_seed)
-    })?
-    .py()?;
+    let plan =
+        detach(py, || agentic_plan(cfg, &systems, starts, closed, seed, block_size, chain_seed))?
+            .py()?;
     plan_dict(py, plan)
 }
 

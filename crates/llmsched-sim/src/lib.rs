@@ -14,8 +14,8 @@ pub use engine::{simulate, Counters, DoneRecord, ReplicaEnd, SimConfig, SimError
 pub use kv_cache::{IdEvent, KvCache, KvCore, KvError, KvEvent, MAX_KV_BLOCKS};
 pub use plan::{Contents, OpenRequest, Plan, PlanError, Session, Turn};
 pub use rng::{Pcg64, PyRandom};
+pub use stepmodel::{DecodeRun, Linear, Roofline, StepModel, StepWork};
 pub use workload::{
     agentic_plan, independent_plan, load_trace, prompted_plan, trace_plan, Agentic, Independent,
     Prompted, TraceRow, TraceSpec, WorkloadError,
 };
-pub use stepmodel::{DecodeRun, Linear, Roofline, StepModel, StepWork};

@@ -288,9 +288,8 @@ impl PyRandom {
         let mut mt = Box::new([0u32; MT_N]);
         mt[0] = 19_650_218;
         for i in 1..MT_N {
-            mt[i] = 1_812_433_253u32
-                .wrapping_mul(mt[i - 1] ^ (mt[i - 1] >> 30))
-                .wrapping_add(i as u32);
+            mt[i] =
+                1_812_433_253u32.wrapping_mul(mt[i - 1] ^ (mt[i - 1] >> 30)).wrapping_add(i as u32);
         }
         let (mut i, mut j) = (1usize, 0usize);
         for _ in 0..MT_N.max(key.len()) {
@@ -483,7 +482,7 @@ mod tests {
         let mut b = a.clone();
         let full = b.next_u64();
         assert_eq!(a.next_u32(), full as u32);
-        assert_eq!(a.state().2, true);
+        assert!(a.state().2);
         assert_eq!(a.next_u32(), (full >> 32) as u32);
         let (s, inc, has, spare) = a.state();
         assert_eq!(Pcg64::from_state(s, inc, has, spare), a);

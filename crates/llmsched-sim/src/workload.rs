@@ -17,7 +17,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use hashbrown::HashMap;
-use llmsched_core::hashing::{check_block_size, chain_hashes_into};
+use llmsched_core::hashing::{chain_hashes_into, check_block_size};
 use serde_json::Value;
 
 use crate::plan::{Contents, OpenRequest, Plan, Session, Turn};
@@ -117,7 +117,7 @@ pub fn length(rng: &mut PyRandom, mean: f64, cv: f64) -> Result<u64, WorkloadErr
     let value = if cv <= 0.0 {
         mean.round_ties_even()
     } else {
-        if !(mean > 0.0 && mean.is_finite()) || !cv.is_finite() {
+        if !(mean > 0.0 && mean.is_finite() && cv.is_finite()) {
             return err(format!("a mean length must be > 0 with length_cv > 0, got {mean}"));
         }
         let shape = 1.0 / (cv * cv);
@@ -228,7 +228,14 @@ pub fn prompted_plan(
         let start = plan.hashes.len();
         plan.hashes.extend_from_slice(&spec.prompt_hashes[span.clone()]);
         let prompt_len = spec.prompt_len[spec.pick[i]];
-        fresh_blocks(&mut rng, prompt_len, spec.output_len, span.len(), block_size, &mut plan.hashes);
+        fresh_blocks(
+            &mut rng,
+            prompt_len,
+            spec.output_len,
+            span.len(),
+            block_size,
+            &mut plan.hashes,
+        );
         plan.open.push(OpenRequest {
             arrival: spec.arrival[i],
             prompt_len,
@@ -410,7 +417,11 @@ fn small_int(value: Option<&Value>) -> Option<Option<i64>> {
 
 /// The rows of a JSONL trace with the checks of `workloads._read_trace` (the same messages),
 /// sorted by timestamp (stable), keeping the first `limit` lines.
-pub fn read_trace(text: &str, name: &str, spec: &TraceSpec) -> Result<Vec<TraceRow>, WorkloadError> {
+pub fn read_trace(
+    text: &str,
+    name: &str,
+    spec: &TraceSpec,
+) -> Result<Vec<TraceRow>, WorkloadError> {
     let mut rows = Vec::new();
     for (n, line) in text.lines().enumerate() {
         let n = n + 1;
@@ -443,15 +454,13 @@ pub fn read_trace(text: &str, name: &str, spec: &TraceSpec) -> Result<Vec<TraceR
         }
         let hash_ids = match row.get("hash_ids") {
             None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(ids)) => ids
-                .iter()
-                .map(|id| id.as_u64())
-                .collect::<Option<Vec<u64>>>()
-                .ok_or_else(|| {
+            Some(Value::Array(ids)) => {
+                ids.iter().map(|id| id.as_u64()).collect::<Option<Vec<u64>>>().ok_or_else(|| {
                     WorkloadError(format!(
                         "trace {name}:{n}: hash_ids must be a list of ints in [0, 2**64)"
                     ))
-                })?,
+                })?
+            }
             Some(_) => {
                 return err(format!(
                     "trace {name}:{n}: hash_ids must be a list of ints in [0, 2**64)"
@@ -459,8 +468,7 @@ pub fn read_trace(text: &str, name: &str, spec: &TraceSpec) -> Result<Vec<TraceR
             }
         };
         let hb = spec.hash_block as u64;
-        if !hash_ids.is_empty() && (hash_ids.len() as u64).saturating_mul(hb) + hb < input_length
-        {
+        if !hash_ids.is_empty() && (hash_ids.len() as u64).saturating_mul(hb) + hb < input_length {
             return err(format!(
                 "trace {name}:{n}: {} hash_ids cannot cover {input_length} input tokens in \
                  blocks of {hb}",
@@ -469,13 +477,14 @@ pub fn read_trace(text: &str, name: &str, spec: &TraceSpec) -> Result<Vec<TraceR
         }
         let mut ints = [0i64; 2];
         for (slot, key) in ints.iter_mut().zip(["tenant", "priority"]) {
-            *slot = small_int(row.get(key)).ok_or_else(|| {
-                WorkloadError(format!(
-                    "trace {name}:{n}: {key} must be an integer, got {}",
-                    shown(row.get(key))
-                ))
-            })?
-            .unwrap_or(0);
+            *slot = small_int(row.get(key))
+                .ok_or_else(|| {
+                    WorkloadError(format!(
+                        "trace {name}:{n}: {key} must be an integer, got {}",
+                        shown(row.get(key))
+                    ))
+                })?
+                .unwrap_or(0);
         }
         let session = match row.get("session") {
             None | Some(Value::Null) => None,
@@ -645,7 +654,7 @@ pub fn trace_plan(
             spec.hash_block
         ));
     }
-    if !(spec.time_scale > 0.0) {
+    if spec.time_scale.is_nan() || spec.time_scale <= 0.0 {
         return err(format!("time_scale must be > 0, got {}", spec.time_scale));
     }
     let mut plan = Plan::default();
@@ -712,7 +721,8 @@ pub fn trace_plan(
 mod tests {
     use super::*;
 
-    const SPEC: TraceSpec = TraceSpec { millis: true, time_scale: 1.0, hash_block: 512, limit: None };
+    const SPEC: TraceSpec =
+        TraceSpec { millis: true, time_scale: 1.0, hash_block: 512, limit: None };
 
     #[test]
     fn rows_sort_and_rebase() {
