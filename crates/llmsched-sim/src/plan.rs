@@ -1,5 +1,6 @@
-//! A workload, materialised: every request's lengths and block hashes, generated once (by the
-//! Python workload classes, `Workload.plan()`) and replayed by the engine.
+//! A workload, materialised: every request's lengths and block hashes, generated once (by
+//! [`crate::workload`], or from the Python workload classes' requests, which build the same
+//! plan) and replayed by the engine.
 //!
 //! Only *when* a closed-loop session's next turn arrives depends on the simulation (its previous
 //! turn's finish plus a think time); what it contains depends only on the seed and the session's

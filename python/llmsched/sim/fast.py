@@ -5,11 +5,13 @@ and otherwise runs its Python engine, saying why in :attr:`Simulation.fallback_r
 the result's ``engine`` field. Both engines run the same model step for step and give the same
 results for the same seed and scenario (the equivalence tests compare them request by request).
 
-The workload is generated once, by the Python workload classes, into a *plan* (every request's
-lengths and block hashes; sessions as scripts whose turns start as earlier turns finish) that
-the engine replays; plans are cached, so the policies of one comparison share one plan, and
-each plan's block hashes are numbered once (``contents``: the KV caches address blocks by
-these dense ids instead of hashing 64-bit hashes in every run).
+The workload is generated once into a *plan* (every request's lengths and block hashes;
+sessions as scripts whose turns start as earlier turns finish) that the engine replays, built
+natively (:func:`~llmsched.sim.workloads.native_plan`: the same plan, bit for bit, as the
+Python workload classes make, which :func:`build_plan` also builds with ``native=False``);
+plans are cached, so the policies of one comparison share one plan, and each plan's block
+hashes are numbered once (``contents``: the KV caches address blocks by these dense ids
+instead of hashing 64-bit hashes in every run).
 
 >>> from llmsched.sim.config import ScenarioConfig
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
