@@ -553,93 +553,141 @@ impl Numbering {
 
 const UNNUMBERED: u32 = u32::MAX;
 
-/// The blocks a trace's `hash_ids` name: each id's `hash_block` tokens come from
+/// Ids (masked as the content is seeded) on more than one line, or twice on one: the blocks
+/// worth keeping.
+fn reused_ids(rows: &[TraceRow]) -> HashMap<u64, ()> {
+    let mut seen: HashMap<u64, bool> = HashMap::new();
+    for row in rows {
+        for &id in &row.hash_ids {
+            seen.entry(id & U64_TOP as u64).and_modify(|again| *again = true).or_insert(false);
+        }
+    }
+    seen.into_iter().filter(|&(_, again)| again).map(|(id, _)| (id, ())).collect()
+}
+
+/// The hashes of the blocks a trace's `hash_ids` name: each id's `hash_block` tokens come from
 /// `default_rng(id & U64_TOP)`, and their hashes continue the chain of the ids before it.
-struct IdBlocks {
+/// Blocks of reused ids are kept by (parent hash, id).
+struct IdHasher<'a> {
     per_id: usize,
     hash_block: usize,
     block_size: usize,
-    /// Ids (masked as the content is seeded) on more than one line, or twice on one.
-    reused: HashMap<u64, ()>,
-    /// Kept blocks of reused ids by (parent hash, id): their start in `store`.
+    reused: &'a HashMap<u64, ()>,
     memo: HashMap<(u64, u64), usize>,
     store: Vec<u64>,
-    store_ids: Vec<u32>,
     tokens: Vec<u32>,
-    scratch: Vec<u64>,
 }
 
-impl IdBlocks {
-    fn new(rows: &[TraceRow], hash_block: usize, block_size: usize) -> Self {
-        let mut seen: HashMap<u64, bool> = HashMap::new();
-        for row in rows {
-            for &id in &row.hash_ids {
-                seen.entry(id & U64_TOP as u64).and_modify(|again| *again = true).or_insert(false);
-            }
-        }
-        let reused = seen.into_iter().filter(|&(_, again)| again).map(|(id, _)| (id, ())).collect();
-        IdBlocks {
+impl<'a> IdHasher<'a> {
+    fn new(reused: &'a HashMap<u64, ()>, hash_block: usize, block_size: usize) -> Self {
+        IdHasher {
             per_id: hash_block / block_size,
             hash_block,
             block_size,
             reused,
             memo: HashMap::new(),
             store: Vec::new(),
-            store_ids: Vec::new(),
             tokens: Vec::with_capacity(hash_block),
-            scratch: Vec::with_capacity(hash_block / block_size),
         }
     }
 
-    /// Appends the first `take` of id's block hashes after the chain ending in `parent` to
-    /// `out` (numbered in `num`); returns the id's last hash.
-    fn push(
-        &mut self,
-        parent: u64,
-        id: u64,
-        take: usize,
-        out: &mut Vec<u64>,
-        num: &mut Numbering,
-    ) -> Result<u64, WorkloadError> {
+    /// Writes the first `out.len()` (at most `per_id`) hashes of `id`'s blocks after the chain
+    /// ending in `parent`; returns the id's last hash.
+    fn write(&mut self, parent: u64, id: u64, out: &mut [u64]) -> Result<u64, WorkloadError> {
         let id = id & U64_TOP as u64;
         let per_id = self.per_id;
-        let at = match self.memo.get(&(parent, id)) {
-            Some(&at) => at,
-            None => {
-                self.tokens.clear();
-                let mut rng = Pcg64::from_entropy(&words(u128::from(id)));
-                rng.fill_u32(0, VOCAB, self.hash_block, &mut self.tokens);
-                self.scratch.clear();
-                chain_hashes_into(&self.tokens, self.block_size, parent, &mut self.scratch)
-                    .map_err(|e| WorkloadError(e.to_string()))?;
-                if !self.reused.contains_key(&id) {
-                    out.extend_from_slice(&self.scratch[..take]);
-                    num.fresh(out);
-                    return Ok(self.scratch[per_id - 1]);
-                }
-                let at = self.store.len();
-                self.memo.insert((parent, id), at);
-                self.store.extend_from_slice(&self.scratch);
-                self.store_ids.resize(at + per_id, UNNUMBERED);
-                at
-            }
-        };
-        for j in at..at + take {
-            let h = self.store[j];
-            if self.store_ids[j] == UNNUMBERED {
-                self.store_ids[j] = num.new_id(h);
-            }
-            num.ids.push(self.store_ids[j]);
-            out.push(h);
+        if let Some(&at) = self.memo.get(&(parent, id)) {
+            out.copy_from_slice(&self.store[at..at + out.len()]);
+            return Ok(self.store[at + per_id - 1]);
         }
-        Ok(self.store[at + per_id - 1])
+        self.tokens.clear();
+        let mut rng = Pcg64::from_entropy(&words(u128::from(id)));
+        rng.fill_u32(0, VOCAB, self.hash_block, &mut self.tokens);
+        let at = self.store.len();
+        chain_hashes_into(&self.tokens, self.block_size, parent, &mut self.store)
+            .map_err(|e| WorkloadError(e.to_string()))?;
+        out.copy_from_slice(&self.store[at..at + out.len()]);
+        let last = self.store[at + per_id - 1];
+        if self.reused.contains_key(&id) {
+            self.memo.insert((parent, id), at);
+        } else {
+            self.store.truncate(at);
+        }
+        Ok(last)
     }
+}
+
+/// Where one trace line's hashes go and how they are made.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    /// Start of the line's hashes in the plan's array.
+    start: usize,
+    /// Leading hashes that come from `hash_ids` blocks.
+    named: usize,
+    /// Ids those come from.
+    ids: usize,
+    /// Full prompt blocks (named plus fresh-token blocks).
+    prompt_blocks: usize,
+    /// Fresh tokens drawn after the named blocks.
+    fresh_tokens: usize,
+    end: usize,
+}
+
+fn layout(rows: &[TraceRow], hash_block: usize, block_size: usize) -> Vec<Layout> {
+    let per_id = hash_block / block_size;
+    let mut start = 0;
+    rows.iter()
+        .map(|row| {
+            let prompt = row.input_length as usize;
+            let shared_len = row.hash_ids.len() * hash_block;
+            let prompt_blocks = prompt / block_size;
+            let (named, ids, fresh_tokens) = if shared_len >= prompt {
+                (prompt_blocks, prompt_blocks.div_ceil(per_id), 0)
+            } else {
+                (row.hash_ids.len() * per_id, row.hash_ids.len(), prompt - shared_len)
+            };
+            let total = ((row.input_length + row.output_length) / block_size as u64) as usize;
+            let l = Layout { start, named, ids, prompt_blocks, fresh_tokens, end: start + total };
+            start = l.end;
+            l
+        })
+        .collect()
+}
+
+/// The named blocks of `rows` into `out` (the rows' hash ranges, starting at `base`), and each
+/// row's last named hash (the chain seed when it has none).
+fn named_blocks(
+    rows: &[TraceRow],
+    lay: &[Layout],
+    base: usize,
+    out: &mut [u64],
+    hasher: &mut IdHasher<'_>,
+    chain_seed: u64,
+) -> Result<Vec<u64>, WorkloadError> {
+    let per_id = hasher.per_id;
+    let mut lasts = Vec::with_capacity(rows.len());
+    for (row, l) in rows.iter().zip(lay) {
+        let mut last = chain_seed;
+        let at = l.start - base;
+        for (k, &id) in row.hash_ids[..l.ids].iter().enumerate() {
+            let take = per_id.min(l.named - k * per_id);
+            let from = at + k * per_id;
+            last = hasher.write(last, id, &mut out[from..from + take])?;
+        }
+        lasts.push(last);
+    }
+    Ok(lasts)
 }
 
 /// The plan of a trace (`TraceWorkload.arrivals`): a line's blocks named by its `hash_ids`
 /// get the ids' content, the rest of its prompt fresh tokens from `rng` (the workload's
-/// generator, `default_rng(seed)`), and its output fresh ids. The plan comes numbered
-/// ([`Plan::contents`]) from what the builder knows is shared, without a hash-map pass.
+/// generator, `default_rng(seed)`), and its output fresh ids.
+///
+/// Every line's hash count is known from its lengths, so the named blocks (most of a
+/// Mooncake trace's work: 512 tokens drawn and hashed per id) are built on two threads, each
+/// over half of the lines; the fresh tokens and ids then come from the one generator in line
+/// order. The plan comes numbered ([`Plan::contents`]) from what the builder knows is shared
+/// (blocks of the same id after the same prefix), checked by [`Contents::from_parts`].
 pub fn trace_plan(
     rows: &[TraceRow],
     spec: &TraceSpec,
@@ -648,61 +696,114 @@ pub fn trace_plan(
     chain_seed: u64,
 ) -> Result<Plan, WorkloadError> {
     check(block_size)?;
-    if spec.hash_block == 0 || spec.hash_block % block_size != 0 {
+    let hash_block = spec.hash_block;
+    if hash_block == 0 || hash_block % block_size != 0 {
         return err(format!(
-            "hash_block {} must be a positive multiple of block size {block_size}",
-            spec.hash_block
+            "hash_block {hash_block} must be a positive multiple of block size {block_size}"
         ));
     }
     if spec.time_scale.is_nan() || spec.time_scale <= 0.0 {
         return err(format!("time_scale must be > 0, got {}", spec.time_scale));
     }
     let mut plan = Plan::default();
-    let mut num = Numbering::default();
     let Some(first) = rows.first() else {
-        plan.contents = Some(Arc::new(num.finish(&plan.hashes)));
+        plan.contents = Some(Arc::new(Contents::number(&plan.hashes)));
         return Ok(plan);
     };
-    let scale = (if spec.millis { 1e-3 } else { 1.0 }) / spec.time_scale;
-    let t0 = first.timestamp;
-    let mut ids = IdBlocks::new(rows, spec.hash_block, block_size);
-    let per_id = ids.per_id;
-    plan.open.reserve(rows.len());
+    let per_id = hash_block / block_size;
+    let lay = layout(rows, hash_block, block_size);
+    let total = lay.last().map_or(0, |l| l.end);
+    plan.hashes = vec![0; total];
+    let reused = reused_ids(rows);
+
+    // The named blocks, on two threads split where half of the ids are done.
+    let all_ids: usize = lay.iter().map(|l| l.ids).sum();
+    let mut seen = 0;
+    let split = lay
+        .iter()
+        .position(|l| {
+            seen += l.ids;
+            seen * 2 >= all_ids
+        })
+        .map_or(rows.len(), |i| i + 1);
+    let split_at = lay.get(split).map_or(total, |l| l.start);
+    let (low, high) = plan.hashes.split_at_mut(split_at);
+    let (lasts_low, lasts_high) = std::thread::scope(|scope| {
+        let reused = &reused;
+        let (rows_high, lay_high) = (&rows[split..], &lay[split..]);
+        let worker = scope.spawn(move || {
+            let mut hasher = IdHasher::new(reused, hash_block, block_size);
+            named_blocks(rows_high, lay_high, split_at, high, &mut hasher, chain_seed)
+        });
+        let mut hasher = IdHasher::new(reused, hash_block, block_size);
+        let low = named_blocks(&rows[..split], &lay[..split], 0, low, &mut hasher, chain_seed);
+        let high = worker.join().unwrap_or_else(|_| err("trace plan worker failed"));
+        (low, high)
+    });
+    let lasts: Vec<u64> = lasts_low?.into_iter().chain(lasts_high?).collect();
+
+    // The fresh tokens and ids, from the one generator in line order.
     let mut conv = Conv::new(chain_seed);
-    for row in rows {
-        let start = plan.hashes.len();
-        let prompt = row.input_length as usize;
-        let shared_len = row.hash_ids.len() * spec.hash_block;
-        let mut last = chain_seed;
-        let blocks = if shared_len >= prompt {
-            // The prompt is a prefix of the named blocks: only its full blocks are hashed.
-            let full = prompt / block_size;
-            for (k, &id) in row.hash_ids[..full.div_ceil(per_id)].iter().enumerate() {
-                let take = per_id.min(full - k * per_id);
-                last = ids.push(last, id, take, &mut plan.hashes, &mut num)?;
-            }
-            full
-        } else {
-            for &id in &row.hash_ids {
-                last = ids.push(last, id, per_id, &mut plan.hashes, &mut num)?;
-            }
-            conv.length = shared_len;
+    let mut scratch = Vec::new();
+    for (l, &last) in lay.iter().zip(&lasts) {
+        let named_end = l.start + l.named;
+        if l.fresh_tokens > 0 {
+            conv.length = 0;
             conv.tail.clear();
             conv.last = last;
-            conv.blocks = plan.hashes.len() - start;
-            conv.append_random(&mut rng, prompt - shared_len, block_size, &mut plan.hashes)?;
-            conv.blocks
-        };
-        fresh_blocks(
-            &mut rng,
-            row.input_length,
-            row.output_length,
-            blocks,
-            block_size,
-            &mut plan.hashes,
-        );
-        num.fresh(&plan.hashes);
-        plan.open.push(OpenRequest {
+            conv.blocks = 0;
+            scratch.clear();
+            conv.append_random(&mut rng, l.fresh_tokens, block_size, &mut scratch)?;
+            plan.hashes[named_end..named_end + scratch.len()].copy_from_slice(&scratch);
+        }
+        let have = l.prompt_blocks;
+        if l.end - l.start > have {
+            scratch.clear();
+            rng.fill_i64(1, U64_TOP, l.end - l.start - have, &mut scratch);
+            plan.hashes[l.start + have..l.end].copy_from_slice(&scratch);
+        }
+    }
+
+    // Content ids by first appearance: a named block repeats the first block of its id after
+    // the same prefix, everything else is new.
+    let mut num = Numbering::default();
+    num.ids.reserve(total);
+    let mut first_ids: HashMap<(u64, u64), usize> = HashMap::new();
+    let mut slots: Vec<u32> = Vec::new();
+    for (row, l) in rows.iter().zip(&lay) {
+        let mut parent = chain_seed;
+        for (k, &id) in row.hash_ids[..l.ids].iter().enumerate() {
+            let from = l.start + k * per_id;
+            let take = per_id.min(l.named - k * per_id);
+            let id = id & U64_TOP as u64;
+            if reused.contains_key(&id) {
+                let at = *first_ids.entry((parent, id)).or_insert_with(|| {
+                    slots.resize(slots.len() + per_id, UNNUMBERED);
+                    slots.len() - per_id
+                });
+                for j in 0..take {
+                    let h = plan.hashes[from + j];
+                    if slots[at + j] == UNNUMBERED {
+                        slots[at + j] = num.new_id(h);
+                    }
+                    num.ids.push(slots[at + j]);
+                }
+            } else {
+                num.fresh(&plan.hashes[..from + take]);
+            }
+            // The next id's parent is this id's last hash, which a truncated last id (the only
+            // one that can be truncated) does not need.
+            parent = if take == per_id { plan.hashes[from + per_id - 1] } else { parent };
+        }
+        num.fresh(&plan.hashes[..l.end]);
+    }
+
+    let scale = (if spec.millis { 1e-3 } else { 1.0 }) / spec.time_scale;
+    let t0 = first.timestamp;
+    plan.open = rows
+        .iter()
+        .zip(&lay)
+        .map(|(row, l)| OpenRequest {
             arrival: row.timestamp.minus(t0) * scale,
             prompt_len: row.input_length,
             // `Request` generates at least one token (the fresh ids above counted none).
@@ -710,9 +811,9 @@ pub fn trace_plan(
             tenant: row.tenant,
             priority: row.priority,
             session: row.session.clone(),
-            hashes: start..plan.hashes.len(),
-        });
-    }
+            hashes: l.start..l.end,
+        })
+        .collect();
     plan.contents = Some(Arc::new(num.finish(&plan.hashes)));
     Ok(plan)
 }
