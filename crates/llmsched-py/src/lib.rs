@@ -7,6 +7,7 @@ mod errors;
 mod flow;
 mod hashing;
 mod prefix_index;
+mod replica_sync;
 mod routing;
 mod sim;
 mod slices;
@@ -22,6 +23,7 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     slices::register(m)?;
     vllm_events::register(m)?;
     routing::register(m)?;
+    replica_sync::register(m)?;
     sim::register(m)?;
     flow::register(m)?;
     Ok(())
