@@ -831,6 +831,7 @@ def plan_trace(
     """A JSONL trace's workload plan, read and built natively (`llmsched.sim.workloads.
     native_plan`); `rng` is the state of the workload's `default_rng(seed)`.
     """
+
 def plan_independent(
     arrival: npt.NDArray[np.float64],
     mean_input: npt.NDArray[np.float64],
@@ -846,6 +847,7 @@ def plan_independent(
     """The plan of independent requests (`long_short`, `priority`), drawn on from the numpy
     generator state `rng` and `random.Random(scalar_seed)`.
     """
+
 def plan_prompted(
     prompt_hashes: npt.NDArray[np.uint64],
     prompt_offsets: npt.NDArray[np.int64],
@@ -860,6 +862,7 @@ def plan_prompted(
     """The plan of requests over prompts built beforehand (`shared_prefix`); the outputs'
     fresh block ids come from the numpy generator state `rng`.
     """
+
 def plan_agentic(
     settings: Mapping[str, object],
     systems: Sequence[npt.NDArray[np.uint32]],
@@ -872,6 +875,7 @@ def plan_agentic(
     """The session scripts of an agentic workload, built natively (`AgenticWorkload.script`
     for every session).
     """
+
 def simulate(
     config: Mapping[str, Any],
     step: Mapping[str, Any],
