@@ -411,3 +411,10 @@ def test_impossible_mean_lengths_raise(build: str) -> None:
     spec = {"kind": "long_short", "num_requests": 3, "long_fraction": 0.0, "short_input": 0}
     with pytest.raises(ConfigError, match="mean length"):
         build_plan(spec, 0, BS, 0, native=build == "native")
+
+
+def test_empty_trace_plans_are_equal(tmp_path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    plan = assert_same_plan({"kind": "trace", "path": str(path)})
+    assert len(plan["arrival"]) == 0 and len(plan["contents"]) == 0
