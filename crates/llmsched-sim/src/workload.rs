@@ -679,6 +679,84 @@ fn named_blocks(
     Ok(lasts)
 }
 
+/// Fresh tokens drawn per chunk of lines before they are handed over for hashing.
+const FRESH_CHUNK_TOKENS: usize = 1 << 16;
+
+/// One chunk of fresh draws: lines `lines`, their fresh tokens back to back, and their fresh
+/// block ids back to back.
+struct FreshChunk {
+    lines: Range<usize>,
+    tokens: Vec<u32>,
+    ids: Vec<u64>,
+}
+
+/// Every line's fresh tokens (hashed after its named blocks, from `lasts`) and fresh block ids
+/// into `out`. This thread draws them in line order from `rng`, the one generator; a second
+/// thread hashes the tokens and writes both, so drawing and hashing overlap.
+fn fresh_draws(
+    lay: &[Layout],
+    lasts: &[u64],
+    rng: &mut Pcg64,
+    block_size: usize,
+    out: &mut [u64],
+) -> Result<(), WorkloadError> {
+    let (to_writer, chunks) = std::sync::mpsc::sync_channel::<FreshChunk>(2);
+    let (to_drawer, spares) = std::sync::mpsc::channel::<FreshChunk>();
+    std::thread::scope(|scope| {
+        let writer = scope.spawn(move || -> Result<(), WorkloadError> {
+            for chunk in chunks {
+                let mut at = 0;
+                let mut ids_at = 0;
+                for i in chunk.lines.clone() {
+                    let l = &lay[i];
+                    let named_end = l.start + l.named;
+                    let tail_blocks = l.fresh_tokens / block_size;
+                    if l.fresh_tokens > 0 {
+                        let tokens = &chunk.tokens[at..at + tail_blocks * block_size];
+                        let mut hashes = Vec::with_capacity(tail_blocks);
+                        chain_hashes_into(tokens, block_size, lasts[i], &mut hashes)
+                            .map_err(|e| WorkloadError(e.to_string()))?;
+                        out[named_end..named_end + tail_blocks].copy_from_slice(&hashes);
+                        at += l.fresh_tokens;
+                    }
+                    let fresh = l.end - l.start - l.prompt_blocks;
+                    out[l.start + l.prompt_blocks..l.end]
+                        .copy_from_slice(&chunk.ids[ids_at..ids_at + fresh]);
+                    ids_at += fresh;
+                }
+                // The drawer may have finished and dropped its end: the spare is not needed.
+                let _ = to_drawer.send(chunk);
+            }
+            Ok(())
+        });
+        let mut chunk = FreshChunk { lines: 0..0, tokens: Vec::new(), ids: Vec::new() };
+        for (i, l) in lay.iter().enumerate() {
+            rng.fill_u32(0, VOCAB, l.fresh_tokens, &mut chunk.tokens);
+            let fresh = l.end - l.start - l.prompt_blocks;
+            if fresh > 0 {
+                rng.fill_i64(1, U64_TOP, fresh, &mut chunk.ids);
+            }
+            chunk.lines.end = i + 1;
+            if chunk.tokens.len() >= FRESH_CHUNK_TOKENS || i + 1 == lay.len() {
+                let mut next = spares.try_recv().unwrap_or_else(|_| FreshChunk {
+                    lines: 0..0,
+                    tokens: Vec::new(),
+                    ids: Vec::new(),
+                });
+                next.tokens.clear();
+                next.ids.clear();
+                next.lines = i + 1..i + 1;
+                let full = std::mem::replace(&mut chunk, next);
+                if to_writer.send(full).is_err() {
+                    break; // the writer stopped on an error, which join returns
+                }
+            }
+        }
+        drop(to_writer);
+        writer.join().unwrap_or_else(|_| err("trace plan writer failed"))
+    })
+}
+
 /// The plan of a trace (`TraceWorkload.arrivals`): a line's blocks named by its `hash_ids`
 /// get the ids' content, the rest of its prompt fresh tokens from `rng` (the workload's
 /// generator, `default_rng(seed)`), and its output fresh ids.
@@ -742,27 +820,9 @@ pub fn trace_plan(
     });
     let lasts: Vec<u64> = lasts_low?.into_iter().chain(lasts_high?).collect();
 
-    // The fresh tokens and ids, from the one generator in line order.
-    let mut conv = Conv::new(chain_seed);
-    let mut scratch = Vec::new();
-    for (l, &last) in lay.iter().zip(&lasts) {
-        let named_end = l.start + l.named;
-        if l.fresh_tokens > 0 {
-            conv.length = 0;
-            conv.tail.clear();
-            conv.last = last;
-            conv.blocks = 0;
-            scratch.clear();
-            conv.append_random(&mut rng, l.fresh_tokens, block_size, &mut scratch)?;
-            plan.hashes[named_end..named_end + scratch.len()].copy_from_slice(&scratch);
-        }
-        let have = l.prompt_blocks;
-        if l.end - l.start > have {
-            scratch.clear();
-            rng.fill_i64(1, U64_TOP, l.end - l.start - have, &mut scratch);
-            plan.hashes[l.start + have..l.end].copy_from_slice(&scratch);
-        }
-    }
+    // The fresh tokens and ids, from the one generator in line order; the tokens are hashed
+    // on a second thread, a chunk of lines behind.
+    fresh_draws(&lay, &lasts, &mut rng, block_size, &mut plan.hashes)?;
 
     // Content ids by first appearance: a named block repeats the first block of its id after
     // the same prefix, everything else is new.
