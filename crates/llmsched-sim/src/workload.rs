@@ -764,7 +764,7 @@ fn fresh_draws(
 /// Every line's hash count is known from its lengths, so the named blocks (most of a
 /// Mooncake trace's work: 512 tokens drawn and hashed per id) are built on two threads, each
 /// over half of the lines; the fresh tokens and ids then come from the one generator in line
-/// order. The plan comes numbered ([`Plan::contents`]) from what the builder knows is shared
+/// order, hashed on a second thread while the next lines are drawn. The plan comes numbered ([`Plan::contents`]) from what the builder knows is shared
 /// (blocks of the same id after the same prefix), checked by [`Contents::from_parts`].
 pub fn trace_plan(
     rows: &[TraceRow],
