@@ -4,7 +4,7 @@
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, final
+from typing import Any, ClassVar, Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -823,6 +823,63 @@ class PlanContents:
 def number_contents(hashes: npt.NDArray[np.uint64]) -> PlanContents:
     """Numbers a workload plan's distinct block hashes densely (the simulator's id-addressed KV
     caches).
+    """
+
+_RngState: TypeAlias = tuple[int, int, bool, int]  # numpy PCG64 (state, inc, has_uint32, uinteger)
+
+def plan_trace(
+    path: str,
+    settings: Mapping[str, object],
+    rng: _RngState,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]:
+    """A JSONL trace's workload plan, read and built natively (`llmsched.sim.workloads.
+    native_plan`); `rng` is the state of the workload's `default_rng(seed)`.
+    """
+
+def plan_independent(
+    arrival: npt.NDArray[np.float64],
+    mean_input: npt.NDArray[np.float64],
+    mean_output: npt.NDArray[np.float64],
+    tenant: npt.NDArray[np.int64],
+    priority: npt.NDArray[np.int64],
+    length_cv: float,
+    rng: _RngState,
+    scalar_seed: int,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]:
+    """The plan of independent requests (`long_short`, `priority`), drawn on from the numpy
+    generator state `rng` and `random.Random(scalar_seed)`.
+    """
+
+def plan_prompted(
+    prompt_hashes: npt.NDArray[np.uint64],
+    prompt_offsets: npt.NDArray[np.int64],
+    prompt_len: npt.NDArray[np.int64],
+    arrival: npt.NDArray[np.float64],
+    pick: npt.NDArray[np.int64],
+    tenant: npt.NDArray[np.int64],
+    output_len: int,
+    rng: _RngState,
+    block_size: int,
+) -> dict[str, Any]:
+    """The plan of requests over prompts built beforehand (`shared_prefix`); the outputs'
+    fresh block ids come from the numpy generator state `rng`.
+    """
+
+def plan_agentic(
+    settings: Mapping[str, object],
+    systems: Sequence[npt.NDArray[np.uint32]],
+    starts: npt.NDArray[np.float64],
+    closed: bool,
+    seed: int,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]:
+    """The session scripts of an agentic workload, built natively (`AgenticWorkload.script`
+    for every session).
     """
 
 def simulate(

@@ -204,3 +204,9 @@ impl ToPyErr for llmsched_sim::SimError {
         }
     }
 }
+
+impl ToPyErr for llmsched_sim::WorkloadError {
+    fn to_py_err(self) -> PyErr {
+        ConfigError::new_err(self.0)
+    }
+}
