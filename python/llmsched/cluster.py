@@ -66,18 +66,14 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
-__all__ = ["ClusterStats", "ClusterSync", "Usage"]
+__all__ = ["ClusterStats", "ClusterSync", "ConnectionCounters", "Usage"]
 
 log = logging.getLogger("llmsched")
 
 
-class ClusterStats(SyncCounters):
-    """:meth:`ClusterSync.stats`: the native counters plus the bus connection's."""
+class ConnectionCounters(TypedDict):
+    """The bus connection's counters of a :class:`ClusterSync`."""
 
-    replica: str
-    connected: bool
-    peers: list[str]
-    """Replicas heard from within ``load_ttl_s``."""
     disconnects: int
     reconnects: int
     publish_failures: int
@@ -89,6 +85,15 @@ class ClusterStats(SyncCounters):
     """Usage messages published (rate-limit and fairness counters)."""
     usage_in: int
     usage_malformed: int
+
+
+class ClusterStats(SyncCounters, ConnectionCounters):
+    """:meth:`ClusterSync.stats`: the native counters plus the bus connection's."""
+
+    replica: str
+    connected: bool
+    peers: list[str]
+    """Replicas heard from within ``load_ttl_s``."""
 
 
 class Usage(TypedDict):
@@ -137,17 +142,6 @@ def _usage_from_json(data: bytes) -> Usage:
             raise ValueError(f"bad priority {priority!r}")
         tenants.append((item[0], priority, int(amount(item[2])), int(amount(item[3]))))
     return Usage(keys=keys, tenants=tenants)
-
-
-class _ConnectionCounters(TypedDict):
-    disconnects: int
-    reconnects: int
-    publish_failures: int
-    catch_ups: int
-    catch_ups_served: int
-    usage_out: int
-    usage_in: int
-    usage_malformed: int
 
 
 def _default_replica() -> str:
@@ -217,7 +211,7 @@ class ClusterSync:
         )
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._counters: _ConnectionCounters = {
+        self._counters: ConnectionCounters = {
             "disconnects": 0,
             "reconnects": 0,
             "publish_failures": 0,
