@@ -7,6 +7,7 @@ second one. Deterministic for a seed.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,3 +62,36 @@ def long_prompt(seq: list[Sequence], tokens: int = 10_000, seed: int = 1) -> npt
     base = max(seq, key=lambda s: len(s.tokens)).tokens[:tokens]
     extra = rng.integers(0, 128_000, size=tokens - len(base), dtype=np.uint32)
     return np.concatenate([base, extra])
+
+
+def mooncake_trace(path: str, lines: int, seed: int = 0, hash_ids: bool = True) -> None:
+    """A Mooncake-style JSONL trace at ``path``: ``timestamp`` (ms, Poisson arrivals at about
+    6.7 requests/s), ``input_length`` (gamma, mean 7,590 tokens) and ``output_length`` (mean
+    182), the means of Mooncake's published conversation trace, and ``hash_ids`` (one id per
+    512-token block): each line continues one of 2,000 shared contexts (Zipf-like popularity)
+    for a random number of leading blocks, then has blocks of its own."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(150.0, lines)
+    stamps = np.cumsum(gaps).astype(np.int64)
+    inputs = np.maximum(1, rng.gamma(1.5, 7_590 / 1.5, lines)).astype(np.int64)
+    outputs = np.maximum(1, rng.gamma(1.5, 182 / 1.5, lines)).astype(np.int64)
+    contexts = np.minimum(rng.zipf(1.3, lines), 2_000) - 1
+    shared_share = rng.random(lines)
+    next_id = 2_000 * 64
+    with open(path, "w") as out:
+        for i in range(lines):
+            row: dict[str, object] = {
+                "timestamp": int(stamps[i]),
+                "input_length": int(inputs[i]),
+                "output_length": int(outputs[i]),
+            }
+            if hash_ids:
+                need = -(-int(inputs[i]) // 512)
+                shared = min(need, 64, int(need * shared_share[i]))
+                base = int(contexts[i]) * 64
+                ids = list(range(base, base + shared)) + list(
+                    range(next_id, next_id + need - shared)
+                )
+                next_id += need - shared
+                row["hash_ids"] = ids
+            out.write(json.dumps(row) + "\n")

@@ -1,6 +1,7 @@
 """Simulator benchmarks: the KV cache beside its pure-Python twin; whole simulations on the
 Python engine with the native cache and with the twin; and the Rust engine beside the Python
-engine (simulated requests per wall second in ``extra_info``).
+engine (simulated requests per wall second in ``extra_info``); and a Mooncake-style trace end
+to end, its plan built natively beside the plan built by the Python workload classes.
 
 The comparison tables of ``llmsched sim`` report the same rate for the default scenario; here a
 smaller agentic run keeps ``make bench`` short.
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _workload import mooncake_trace
 
 from llmsched import PrefixIndex
 from llmsched.reference.sim_kv import ReferenceKvCache
-from llmsched.sim import ScenarioConfig, Simulation
+from llmsched.sim import ScenarioConfig, Simulation, fast
 from llmsched.sim.kv import make_kv_cache
 
 BLOCKS = 750  # a 12,000-token agentic context in 16-token blocks
@@ -99,3 +101,70 @@ def test_engines_simulate_agentic(benchmark, policy: str, engine: str) -> None:
     benchmark.pedantic(run, rounds=5 if engine == "rust" else 2)
     benchmark.extra_info["sim_requests_per_wall_s"] = round(600 / benchmark.stats.stats.median)
     benchmark.extra_info["decision_share"] = round(summary["decision_share"], 3)
+
+
+# -- traces: the plan built natively against the plan built by the Python workload classes ----
+
+TRACE_LINES = 100_000
+TWIN_LINES = 2_000  # the Python workload classes keep every shared prefix's tokens: 100k lines
+# would need tens of GB
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("trace") / "mooncake.jsonl"
+    mooncake_trace(str(path), TRACE_LINES)
+    return str(path)
+
+
+def _trace(path: str, lines: int) -> ScenarioConfig:
+    return ScenarioConfig.from_dict(
+        {"replicas": 8, "workload": {"kind": "trace", "path": path, "limit": lines}}
+    )
+
+
+def _python_plan(cfg: ScenarioConfig) -> dict:
+    return fast.build_plan(cfg.workload, cfg.seed, cfg.engine.block_size, cfg.seed, native=False)
+
+
+def _end_to_end(cfg: ScenarioConfig):
+    fast.clear_plan_cache()  # every round reads the trace and builds the plan
+    return Simulation(cfg, "llm-d", engine="rust").run()
+
+
+@pytest.mark.parametrize("plan", ["native", "twin"])
+def test_trace_end_to_end(benchmark, monkeypatch, mooncake: str, plan: str) -> None:
+    """The first 2,000 lines of a Mooncake-style trace on the Rust engine, the whole run (trace
+    read, plan built, simulated): the plan built natively or by the Python workload classes.
+    Both plans give the same result."""
+    benchmark.group = f"trace end to end: {TWIN_LINES:,} requests, Rust engine"
+    cfg = _trace(mooncake, TWIN_LINES)
+    native = _end_to_end(cfg)
+    monkeypatch.setattr(fast, "cached_plan", _python_plan)
+    twin = _end_to_end(cfg)
+    for key in native.requests:
+        assert np.array_equal(native.requests[key], twin.requests[key]), key
+    if plan == "native":
+        monkeypatch.undo()
+    result = benchmark.pedantic(_end_to_end, args=(cfg,), rounds=3 if plan == "native" else 1)
+    assert result.summary()["completed"] == TWIN_LINES
+    benchmark.extra_info["sim_requests_per_wall_s"] = round(
+        TWIN_LINES / benchmark.stats.stats.median
+    )
+
+
+def test_trace_100k_end_to_end(benchmark, mooncake: str) -> None:
+    """The whole 100,000-line trace end to end on the native plan (no twin: see TWIN_LINES)."""
+    benchmark.group = f"trace end to end: {TRACE_LINES:,} requests, Rust engine"
+    cfg = _trace(mooncake, TRACE_LINES)
+    result = benchmark.pedantic(_end_to_end, args=(cfg,), rounds=2)
+    summary = result.summary()
+    assert summary["completed"] == TRACE_LINES and summary["engine"] == "rust"
+    assert summary["prefix_hit_rate"] > 0.2  # the shared contexts are found
+    benchmark.extra_info["items"] = TRACE_LINES
+    benchmark.extra_info["unit"] = "requests"
+    benchmark.extra_info["sim_requests_per_wall_s"] = round(
+        TRACE_LINES / benchmark.stats.stats.median
+    )
+    plan = fast.cached_plan(cfg)
+    benchmark.extra_info["blocks"] = len(plan["hashes"])

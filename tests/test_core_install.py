@@ -30,6 +30,7 @@ BIN = Path(sys.executable).parent
 OPTIONAL = {
     "llmsched.integrations": "integrations",
     "llmsched.gateway": "gateway",
+    "llmsched.cluster": "cluster",
     "llmsched.tokenize": "tokenize",
     "llmsched.testing": "test",
     "llmsched.reference.hashing": "test",

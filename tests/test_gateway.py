@@ -53,6 +53,23 @@ def test_streaming_chat_is_passed_through_byte_for_byte() -> None:
     run(body())
 
 
+def test_a_chat_with_a_tool_call_only_assistant_message_is_routed() -> None:
+    async def body() -> None:
+        async with rig() as r:
+            request = {
+                "model": MODEL,
+                "messages": [
+                    {"role": "user", "content": "What is the weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": []},
+                    {"role": "user", "content": "And in Rome?"},
+                ],
+            }
+            async with r.client.post(r.url("/v1/chat/completions"), json=request) as response:
+                assert response.status == 200, await response.text()
+
+    run(body())
+
+
 def test_multi_turn_conversations_return_to_the_engine_holding_their_prefix() -> None:
     async def body() -> None:
         async with rig(engines=2) as r:
@@ -106,6 +123,29 @@ def test_retry_goes_to_another_engine_when_the_first_drops_the_connection() -> N
             )
             # No in-flight count is left behind on either engine.
             assert all(e["in_flight_requests"] == 0 for e in r.gateway.pool.endpoints())
+
+    run(body())
+
+
+def test_a_failed_attempt_drops_only_the_prefix_record_its_pick_added() -> None:
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            home = await _warm(r, SYSTEM + " first")
+            workers = [spec.worker_id for spec in r.gateway.config.engines]
+            prompt = SYSTEM + " first, and then a longer question"
+            hashes = r.gateway.index.hash_text(prompt)
+            held = r.gateway.index.match(hashes).as_dict().get(workers[home], 0)
+            assert 0 < held < len(hashes)
+            r.engines[home].mode = "drop"
+            response = await r.complete(prompt)
+            assert response.status == 200
+            matched = r.gateway.index.match(hashes).as_dict()
+            # The failed engine keeps what the warm-up recorded, not what this pick added;
+            # the engine that served it holds the whole prompt.
+            assert matched == {workers[home]: held, workers[1 - home]: len(hashes)}
+            stats = r.gateway.scheduler.stats()
+            assert stats["records_removed"] == len(hashes) - held
+            assert stats["retries"] == 1 and stats["in_flight"] == 0
 
     run(body())
 

@@ -79,7 +79,9 @@ def test_engines_failing_their_scrapes_leave_readiness() -> None:
     async def body() -> None:
         scrape = {"enabled": True, "interval_s": 0.05, "timeout_s": 0.5}
         async with rig(engines=2, scrape=scrape) as r:
-            await _until(lambda: all(s["ok"] for s in r.gateway._scraper.snapshot().values()))
+            scraper = r.gateway.scheduler.scraper
+            assert scraper is not None
+            await _until(lambda: all(s["ok"] for s in scraper.snapshot().values()))
             r.engines[0].metrics_status = 503
             alive = r.gateway.config.engines[1].worker_id
             await _until(lambda: r.gateway.routable_endpoints() == [alive])

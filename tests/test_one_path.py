@@ -230,3 +230,42 @@ def test_named_endpoint_scraped_and_subscribed_stays_one_endpoint() -> None:
         decision = router.pick(tokens=np.arange(8), now=0.0)
         assert decision.endpoint == "engine-a" and decision.cached == 8
         assert len(pool) == 1
+
+
+HASH_64 = {
+    "plugins": [
+        {"type": "prefix-cache-scorer", "parameters": {"hashBlockSize": 64}},
+        {"type": "max-score-picker"},
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [{"pluginRef": "prefix-cache-scorer"}, {"pluginRef": "max-score-picker"}],
+        }
+    ],
+}
+
+
+def test_a_hash_block_size_the_engines_do_not_use_is_refused_where_it_is_known() -> None:
+    """llm-d's default ``hashBlockSize`` (64) against engines with 16-token blocks: every
+    stored event would be skipped. Where the engines' block size is given (the gateway's
+    ``block_size``, the pipeline's ``block_size``, an index of that size) it is refused,
+    naming both."""
+    from llmsched import Scheduler
+
+    with pytest.raises(ConfigError, match="64"):
+        Scheduler(["a"], router=HASH_64, block_size=16)
+    with pytest.raises(ConfigError, match="64"):
+        Router(EndpointPool(["a"]), PrefixIndex(16), config=HASH_64)
+    pytest.importorskip("aiohttp", reason="the gateway extra")
+    from llmsched.gateway.config import load_config
+
+    with pytest.raises(ConfigError, match="block_size: is 16 but the router config asks for"):
+        load_config(
+            {
+                "models": ["m"],
+                "engines": [{"host": "127.0.0.1", "port": 8000}],
+                "block_size": 16,
+                "router": HASH_64,
+            }
+        )

@@ -5,6 +5,8 @@ cover fall back to the Python engine, visibly."""
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -178,6 +180,44 @@ def test_rust_engine_equals_python_engine(scenario: dict[str, Any], policy: str)
     assert_same(ScenarioConfig.from_dict(scenario), policy)
 
 
+@st.composite
+def trace_lines(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Trace lines: some with Mooncake hash_ids over a few shared contexts (covering the whole
+    prompt, or all but its last block), some without."""
+    lines = []
+    for i in range(draw(st.integers(1, 40))):
+        prompt = draw(st.integers(1, 3000))
+        line: dict[str, Any] = {
+            "timestamp": draw(st.integers(0, 20_000)),
+            "input_length": prompt,
+            "output_length": draw(st.integers(0, 200)),
+        }
+        if draw(st.booleans()):
+            need = max(0, -(-prompt // 512) - draw(st.integers(0, 1)))
+            shared = min(need, draw(st.integers(0, 6)))
+            context = 100 * draw(st.integers(0, 2))
+            line["hash_ids"] = [context + k for k in range(shared)] + [
+                10_000 + 10 * i + k for k in range(need - shared)
+            ]
+        lines.append(line)
+    return lines
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lines=trace_lines(),
+    scenario=SCENARIOS,
+    policy=st.sampled_from(POLICIES),
+)
+def test_engines_agree_on_traces(lines: list[dict[str, Any]], scenario, policy: str) -> None:
+    """Traces too: the Rust engine's native plan and the Python engine's workload agree."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        spec = {**scenario, "workload": {"kind": "trace", "path": str(path)}}
+        assert_same(ScenarioConfig.from_dict(spec), policy)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_default_scenario_shape_equal(policy: str) -> None:
     """The default scenario, scaled down: every preset routes identically on both engines."""
@@ -206,6 +246,36 @@ def test_trace_workload_with_sessions(tmp_path) -> None:
         {
             "replicas": 2,
             "workload": {"kind": "trace", "path": str(path), "timestamp_unit": "ms"},
+        }
+    )
+    assert_same(cfg, "llm-d")
+
+
+@pytest.mark.parametrize("hash_ids", [True, False])
+def test_mooncake_style_trace_on_both_engines(tmp_path, hash_ids: bool) -> None:
+    """Traces with and without hash_ids (long prompts included): the Rust engine replays the
+    native plan, the Python engine the Python workload, with the same result."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for i in range(80):
+        prompt = int(rng.integers(100, 4000))
+        row = {
+            "timestamp": i * 40,
+            "input_length": prompt,
+            "output_length": int(rng.integers(1, 60)),
+        }
+        if hash_ids:
+            need = -(-prompt // 512)
+            shared = list(range(int(rng.integers(0, need + 1))))
+            row["hash_ids"] = shared + [100 + 10 * i + k for k in range(need - len(shared))]
+        rows.append(json.dumps(row))
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(rows))
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 3,
+            "engine": {"kv_tokens": 20_000},
+            "workload": {"kind": "trace", "path": str(path)},
         }
     )
     assert_same(cfg, "llm-d")

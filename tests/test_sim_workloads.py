@@ -7,9 +7,12 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmsched import PrefixIndex
 from llmsched.errors import ConfigError
+from llmsched.sim.fast import build_plan
 from llmsched.sim.request import Request
 from llmsched.sim.workloads import ArrivalConfig, Conversation, make_workload
 
@@ -182,3 +185,236 @@ def test_trace_errors_name_the_line(tmp_path, line: str, message: str) -> None:
 def test_workload_errors(spec, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make_workload(spec)
+
+
+# -- native plans: the same plan as the Python classes build, bit for bit ----------------------
+
+
+def assert_same_plan(spec, seed=0, block_size=BS) -> dict:
+    """The native plan equals the plan built from the Python workload classes' requests."""
+    python = build_plan(spec, seed, block_size, seed, native=False)
+    native = build_plan(spec, seed, block_size, seed, native=True)
+    assert python.keys() == native.keys()
+    for key, value in python.items():
+        other = native[key]
+        if key == "contents":
+            assert (len(other), other.distinct) == (len(value), value.distinct)
+        elif isinstance(value, np.ndarray):
+            assert other.dtype == value.dtype, key
+            np.testing.assert_array_equal(other, value, err_msg=key)
+        else:
+            assert other == value, key
+    return native
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"kind": "long_short", "num_requests": 200},
+        {"kind": "long_short", "num_requests": 50, "length_cv": 0.0},
+        {"kind": "priority", "num_requests": 200, "arrival": {"process": "gamma", "cv": 2.0}},
+        {"kind": "priority", "num_requests": 40, "arrival": {"process": "constant"}},
+        {"kind": "shared_prefix", "num_requests": 300, "num_groups": 6},
+        {"kind": "agentic", "sessions": 30},
+        {"kind": "agentic", "sessions": 8, "arrival": {"process": "poisson", "rate": 2.0}},
+        {"kind": "agentic", "sessions": 5, "think_time_s": 0.0, "length_cv": 1.0},
+    ],
+    ids=lambda spec: spec["kind"],
+)
+@pytest.mark.parametrize("seed", [0, 11, 2**40 + 3])
+def test_native_plan_equals_the_python_plan(spec, seed: int) -> None:
+    assert_same_plan(spec, seed)
+
+
+LENGTH_CVS = st.sampled_from([0.0, 0.3, 1.0, 1.7, 4.0])  # gamma shape > 1, == 1 and < 1
+ARRIVALS = st.one_of(
+    st.fixed_dictionaries({"process": st.just("poisson"), "rate": st.floats(0.5, 50.0)}),
+    st.fixed_dictionaries(
+        {"process": st.just("gamma"), "rate": st.floats(0.5, 50.0), "cv": st.floats(0.2, 4.0)}
+    ),
+    st.fixed_dictionaries({"process": st.just("constant"), "rate": st.floats(0.5, 50.0)}),
+)
+SPECS = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "kind": st.sampled_from(["long_short", "priority"]),
+            "num_requests": st.integers(1, 60),
+            "length_cv": LENGTH_CVS,
+            "arrival": ARRIVALS,
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "kind": st.just("shared_prefix"),
+            "num_requests": st.integers(1, 60),
+            "num_groups": st.integers(1, 4),
+            "num_prompts_per_group": st.integers(1, 3),
+            "system_prompt_len": st.integers(0, 300),
+            "question_len": st.integers(0, 80),
+            "output_len": st.integers(1, 90),
+            "arrival": ARRIVALS,
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "kind": st.just("agentic"),
+            "sessions": st.integers(1, 8),
+            "system_prompts": st.integers(1, 4),
+            "first_input": st.integers(400, 3000),
+            "system_prompt_len": st.integers(0, 399),
+            "followup_turns": st.integers(0, 3),
+            "length_cv": LENGTH_CVS,
+            "think_time_s": st.sampled_from([0.0, 0.7]),
+            "arrival": st.one_of(
+                ARRIVALS,
+                st.fixed_dictionaries(
+                    {"process": st.just("closed"), "concurrency": st.integers(1, 5)}
+                ),
+            ),
+        }
+    ),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(spec=SPECS, seed=st.integers(0, 2**64 - 1), block_size=st.sampled_from([1, 16, 32]))
+def test_native_plans_equal_python_plans(spec, seed: int, block_size: int) -> None:
+    """Every draw of numpy's PCG64 (tokens, fresh ids, 32-bit halves carried across calls) and
+    of CPython's MT19937 (lengths by gamma with shape above, at and below 1, think times,
+    tenants) is reproduced, for seeds of one to three 32-bit words."""
+    assert_same_plan(spec, seed, block_size)
+
+
+def trace_rows(rng: np.random.Generator, n: int, ids: bool) -> list[dict]:
+    rows = []
+    for i in range(n):
+        prompt = int(rng.integers(1, 3000))
+        row = {
+            "timestamp": int(rng.integers(0, 10_000)),
+            "input_length": prompt,
+            "output_length": int(rng.integers(0, 300)),
+        }
+        if ids:
+            # Every other line names one block fewer than its prompt: fresh tokens finish it.
+            need = -(-prompt // 512) - i % 2
+            shared = list(range(int(rng.integers(0, need + 1))))  # a common prefix
+            row["hash_ids"] = shared + [1000 + 10 * i + k for k in range(need - len(shared))]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("ids", ["all", "none", "mixed"])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_native_trace_plan_equals_the_python_plan(tmp_path, ids: str, block_size: int) -> None:
+    rng = np.random.default_rng(5)
+    rows = trace_rows(rng, 120, ids != "none")
+    if ids == "mixed":
+        for row in rows[::3]:
+            row.pop("hash_ids")
+    if ids != "none":
+        # Ids differing in the top bit have equal content (numpy is seeded with the low 63).
+        rows[0] |= {"input_length": 1024, "hash_ids": [2**63 + 5, 5]}
+        rows[1] |= {"input_length": 700, "hash_ids": [5, 2**64 - 1, 9, 9]}  # more than needed
+    rows[2] |= {"timestamp": 12.5, "tenant": 3, "priority": -1, "session": "s1"}
+    rows[3] |= {"session": 42, "tenant": None}
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    plan = assert_same_plan({"kind": "trace", "path": path}, seed=9, block_size=block_size)
+    assert {"s1", "42", None} == set(plan["session"])  # rows are sorted by timestamp
+    assert plan["contents"].distinct < len(plan["hashes"]) or ids == "none"
+    spec = {
+        "kind": "trace",
+        "path": path,
+        "timestamp_unit": "s",
+        "time_scale": 3.0,
+        "limit": 50,
+        "hash_block": 4 * block_size if ids == "none" else 512,
+    }
+    assert len(assert_same_plan(spec, seed=2, block_size=block_size)["arrival"]) == 50
+
+
+def test_trace_without_hash_ids_gets_unique_content(tmp_path) -> None:
+    """Prompts longer than one 512-token block need no hash_ids: each line's content is its
+    own, so no two requests share a block."""
+    rows = [{"timestamp": t, "input_length": 5000 + t, "output_length": 7} for t in range(6)]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    _, reqs = first({"kind": "trace", "path": path})
+    assert [r.prompt_len for r in reqs] == [5000 + t for t in range(6)]
+    for r in reqs:
+        assert len(r.hashes) == (r.prompt_len + 7) // BS
+        assert np.array_equal(
+            r.hashes[: r.prompt_len // BS], PrefixIndex(block_size=BS).hash_tokens(r.tokens)
+        )
+    everything = np.concatenate([r.hashes for r in reqs])
+    assert len(np.unique(everything)) == len(everything)
+    plan = assert_same_plan({"kind": "trace", "path": path})
+    assert plan["contents"].distinct == len(plan["hashes"])
+
+
+@pytest.mark.parametrize("build", ["python", "native"])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "must be an object"),
+        ('{"timestamp": 0, "input_length": 5}', "output_length"),
+        ('{"timestamp": -1, "input_length": 5, "output_length": 1}', "timestamp"),
+        ('{"timestamp": true, "input_length": 5, "output_length": 1}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 1}', "input_length"),
+        ('{"timestamp": 0, "input_length": 99999999, "output_length": 1}', "must be <="),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": "x"}', "hash_ids"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}', "hash_ids"),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1e3]}',
+            "hash_ids",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 5000, "output_length": 1, "hash_ids": [1]}',
+            "cannot cover",
+        ),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "tenant": "a"}', "tenant"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "priority": 1.5}', "priority"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "session": [1]}', "session"),
+    ],
+)
+def test_both_trace_readers_name_the_bad_line(
+    tmp_path, build: str, line: str, message: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n' + line + "\n")
+    spec = {"kind": "trace", "path": str(path)}
+    with pytest.raises(ConfigError, match=f"bad.jsonl:2: .*{message}"):
+        build_plan(spec, 0, BS, 0, native=build == "native")
+
+
+@pytest.mark.parametrize("build", ["python", "native"])
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"path": "/nonexistent.jsonl"}, "cannot read"),
+        ({"limit": 0}, "limit"),
+        ({"hash_block": 24}, "hash_block"),
+        ({"timestamp_unit": "us"}, "timestamp_unit"),
+        ({"time_scale": 0}, "time_scale"),
+    ],
+)
+def test_trace_settings_are_checked_on_both_builds(tmp_path, build: str, over, message) -> None:
+    path = write_trace(
+        tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 5, "output_length": 1}]
+    )
+    spec = {"kind": "trace", "path": path, **over}
+    with pytest.raises(ConfigError, match=message):
+        build_plan(spec, 0, BS, 0, native=build == "native")
+
+
+@pytest.mark.parametrize("build", ["python", "native"])
+def test_impossible_mean_lengths_raise(build: str) -> None:
+    spec = {"kind": "long_short", "num_requests": 3, "long_fraction": 0.0, "short_input": 0}
+    with pytest.raises(ConfigError, match="mean length"):
+        build_plan(spec, 0, BS, 0, native=build == "native")
+
+
+def test_empty_trace_plans_are_equal(tmp_path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    plan = assert_same_plan({"kind": "trace", "path": str(path)})
+    assert len(plan["arrival"]) == 0 and len(plan["contents"]) == 0

@@ -7,6 +7,8 @@ True
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llmsched._llmsched import __version__
 from llmsched.errors import (
     ConfigError,
@@ -19,6 +21,7 @@ from llmsched.errors import (
     LlmschedError,
     MalformedEventError,
     NoEndpointError,
+    PlacementError,
     SliceStateError,
     SnapshotError,
     UnknownBlockError,
@@ -41,7 +44,38 @@ from llmsched.routing import Decision, Endpoint, EndpointPool, Router
 from llmsched.slices import SliceAssembler, SliceTracker, SwitchCostModel, WaitingRequest
 from llmsched.vllm_events import decode_vllm_events
 
+if TYPE_CHECKING:
+    from llmsched.scheduler import Admission, Placement, Scheduler, ScheduleRequest
+
+_LAZY = {
+    "Admission": "llmsched.scheduler",
+    "Placement": "llmsched.scheduler",
+    "ScheduleRequest": "llmsched.scheduler",
+    "Scheduler": "llmsched.scheduler",
+}
+"""Names imported on first use: the request pipeline imports asyncio, which ``import
+llmsched`` does not."""
+
+
+if not TYPE_CHECKING:  # type checkers see the imports above; a typo stays an error there
+
+    def __getattr__(name: str) -> object:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'llmsched' has no attribute {name!r}")
+        import importlib
+
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
+    "Admission",
     "ConfigError",
     "Decision",
     "DuplicateRequestError",
@@ -59,9 +93,13 @@ __all__ = [
     "MalformedEventError",
     "NoEndpointError",
     "Outcome",
+    "Placement",
+    "PlacementError",
     "PrefixIndex",
     "PrefixMatch",
     "Router",
+    "ScheduleRequest",
+    "Scheduler",
     "SliceAssembler",
     "SliceStateError",
     "SliceTracker",

@@ -24,6 +24,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "tokenize": ("tokenizers", "jinja2"),
     "gateway": ("zmq", "aiohttp", "yarl", "prometheus_client", "tokenizers", "jinja2"),
     "sim": ("matplotlib", "tqdm"),
+    "cluster": ("nats",),
     "kubernetes": ("kubernetes_asyncio", "zmq", "aiohttp", "prometheus_client"),
     "executor": ("torch", "xxhash", "msgpack"),
     "test": ("xxhash", "cbor2", "msgpack", "zmq", "aiohttp"),

@@ -1,7 +1,10 @@
-"""Type stubs for the native module. Kept in sync with rust/py/ by `make lint` (stubtest)."""
+"""Type stubs for the native module (built from `crates/llmsched-py`).
+
+`make lint` checks them against the module with `mypy.stubtest`.
+"""
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Literal, TypeVar, final, overload
+from typing import Any, ClassVar, Literal, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -18,13 +21,16 @@ from llmsched.types import (
     KVCacheEvent,
     MetricsRead,
     PdNote,
+    PluginInfo,
     ProfileData,
+    SyncCounters,
+    SyncReport,
     WorkerId,
 )
 
 _T = TypeVar("_T")
-_Tokens = npt.NDArray[np.integer] | list[int] | tuple[int, ...]
-_Hashes = npt.NDArray[np.integer] | Iterable[int | np.integer]
+_Tokens: TypeAlias = npt.NDArray[np.integer] | list[int] | tuple[int, ...]
+_Hashes: TypeAlias = npt.NDArray[np.integer] | Iterable[int | np.integer]
 
 MAX_BLOCK_SIZE: int
 __version__: str
@@ -32,39 +38,61 @@ VLLM_DEFAULT_NONE_HASH_SEED: str
 
 def xxh3_block_hashes(
     tokens: _Tokens, block_size: int, chain_seed: int
-) -> npt.NDArray[np.uint64]: ...
+) -> npt.NDArray[np.uint64]:
+    """Chained xxh3 hashes of the full blocks of `tokens` from `chain_seed` (`llmsched.block_hashes`
+    checks the arguments).
+    """
+
 def namespace_seed(
     seed: int, model: str | None = None, lora: str | None = None, cache_salt: str | None = None
-) -> int: ...
+) -> int:
+    """The chain seed that folds model, LoRA name and cache salt into `seed`
+    (`llmsched.namespace_seed`).
+    """
+
 def vllm_block_hashes(
     tokens: _Tokens,
     block_size: int,
     seed: str,
     lora: str | None = None,
     cache_salt: str | None = None,
-) -> npt.NDArray[np.uint64]: ...
+) -> npt.NDArray[np.uint64]:
+    """vLLM `sha256_cbor` block hashes in their 64-bit KV-event form
+    (`llmsched.block_hashes(algo="vllm_sha256_cbor")`).
+    """
+
 def vllm_block_digests(
     tokens: _Tokens,
     block_size: int,
     seed: str,
     lora: str | None = None,
     cache_salt: str | None = None,
-) -> list[bytes]: ...
-def vllm_none_hash(seed: str) -> bytes: ...
+) -> list[bytes]:
+    """vLLM `sha256_cbor` block hashes as 32-byte digests (`llmsched.vllm_block_digests`)."""
+
+def vllm_none_hash(seed: str) -> bytes:
+    """vLLM's `NONE_HASH` for a seed string: `sha256(cbor(seed))`."""
+
 def text_block_hashes(
     text: str | bytes,
     block_size: int,
     chain_seed: int,
     include_partial: bool,
     max_tokens: int | None = None,
-) -> npt.NDArray[np.uint64]: ...
-def pack_text(text: str | bytes) -> npt.NDArray[np.uint32]: ...
+) -> npt.NDArray[np.uint64]:
+    """Block hashes of text packed 4 UTF-8 bytes per pseudo-token (`llmsched.text_block_hashes`)."""
+
+def pack_text(text: str | bytes) -> npt.NDArray[np.uint32]:
+    """Text as pseudo-tokens: 4 UTF-8 bytes each, little-endian, the last zero-padded."""
+
 def xxh3_block_hashes_batch(
     prompts: list[npt.NDArray[np.integer]],
     block_size: int,
     chain_seed: int,
     threads: int = 1,
-) -> list[npt.NDArray[np.uint64]]: ...
+) -> list[npt.NDArray[np.uint64]]:
+    """`xxh3_block_hashes` over many prompts with the GIL released, on up to `threads` threads."""
+
 def vllm_block_hashes_batch(
     prompts: list[npt.NDArray[np.integer]],
     block_size: int,
@@ -72,49 +100,78 @@ def vllm_block_hashes_batch(
     lora: str | None = None,
     cache_salt: str | None = None,
     threads: int = 1,
-) -> list[npt.NDArray[np.uint64]]: ...
+) -> list[npt.NDArray[np.uint64]]:
+    """`vllm_block_hashes` over many prompts with the GIL released, on up to `threads` threads."""
 
 # ---- prefix_index --------------------------------------------------------------------------
 
 @final
 class PrefixMatch:
+    """The result of matching a prompt against a `PrefixIndex`: how many leading blocks each worker
+    holds.
+    """
+
     @property
-    def workers(self) -> list[WorkerId]: ...
+    def workers(self) -> list[WorkerId]:
+        """Workers holding at least one leading block, in worker-id order."""
     @property
-    def worker_ids(self) -> npt.NDArray[np.uint32]: ...
+    def worker_ids(self) -> npt.NDArray[np.uint32]:
+        """The index's ids of `workers`, in the same order."""
     @property
-    def blocks(self) -> npt.NDArray[np.uint32]: ...
+    def blocks(self) -> npt.NDArray[np.uint32]:
+        """Leading blocks held by each worker in `workers`, in the same order."""
     @property
-    def gpu_blocks(self) -> npt.NDArray[np.uint32]: ...
+    def gpu_blocks(self) -> npt.NDArray[np.uint32]:
+        """Of `blocks`, those held on GPU."""
     @property
-    def cpu_blocks(self) -> npt.NDArray[np.uint32]: ...
+    def cpu_blocks(self) -> npt.NDArray[np.uint32]:
+        """Of `blocks`, those held on CPU."""
     @property
-    def storage_blocks(self) -> npt.NDArray[np.uint32]: ...
+    def storage_blocks(self) -> npt.NDArray[np.uint32]:
+        """Of `blocks`, those held in storage."""
     @property
-    def longest(self) -> int: ...
+    def longest(self) -> int:
+        """The most leading blocks any worker holds."""
     @property
-    def best(self) -> list[WorkerId]: ...
-    def top(self, k: int) -> list[tuple[WorkerId, int]]: ...
+    def best(self) -> list[WorkerId]:
+        """The workers holding the longest match, in worker-id order."""
+    def top(self, k: int) -> list[tuple[WorkerId, int]]:
+        """The `k` workers with the most leading blocks as `(worker, blocks)`, most first."""
     @property
-    def query_blocks(self) -> int: ...
+    def query_blocks(self) -> int:
+        """The number of blocks in the query."""
     @property
-    def tree_blocks(self) -> int: ...
+    def tree_blocks(self) -> int:
+        """Leading blocks present in the index at all, whoever holds them."""
     @overload
     def get(self, worker: WorkerId) -> int: ...
     @overload
     def get(self, worker: WorkerId, default: _T) -> int | _T: ...
-    def __getitem__(self, key: WorkerId, /) -> int: ...
-    def __contains__(self, key: object, /) -> bool: ...
-    def __iter__(self) -> Iterator[WorkerId]: ...
-    def keys(self) -> list[WorkerId]: ...
-    def values(self) -> list[int]: ...
-    def items(self) -> list[tuple[WorkerId, int]]: ...
-    def as_dict(self) -> dict[WorkerId, int]: ...
-    def tiers(self) -> dict[WorkerId, dict[str, int]]: ...
-    def __len__(self) -> int: ...
+    def __getitem__(self, key: WorkerId, /) -> int:
+        """Leading blocks of a matched worker (KeyError for any other)."""
+    def __contains__(self, key: object, /) -> bool:
+        """Whether the worker holds at least one leading block."""
+    def __iter__(self) -> Iterator[WorkerId]:
+        """The matched workers, in worker-id order."""
+    def keys(self) -> list[WorkerId]:
+        """The matched workers, in worker-id order."""
+    def values(self) -> list[int]:
+        """Leading blocks per matched worker, in worker-id order."""
+    def items(self) -> list[tuple[WorkerId, int]]:
+        """`(worker, leading blocks)` per matched worker, in worker-id order."""
+    def as_dict(self) -> dict[WorkerId, int]:
+        """`{worker: leading blocks held}`."""
+    def tiers(self) -> dict[WorkerId, dict[str, int]]:
+        """`{worker: {tier: blocks}}` for the workers that hold any."""
+    def __len__(self) -> int:
+        """The number of workers holding at least one leading block."""
 
 @final
 class PrefixIndex:
+    """The native prefix index (a compressed radix tree over chained block hashes);
+    `llmsched.PrefixIndex` wraps it and checks arguments.
+    """
+
     def __new__(
         cls,
         block_size: int,
@@ -124,158 +181,241 @@ class PrefixIndex:
         max_bytes: int | None,
     ) -> PrefixIndex: ...
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        """Tokens per block."""
     @property
-    def seed(self) -> int: ...
+    def seed(self) -> int:
+        """The hash chain's seed."""
     @property
-    def model(self) -> str | None: ...
+    def model(self) -> str | None:
+        """The model folded into the chain seed, if any."""
     @property
-    def worker_capacity(self) -> int | None: ...
+    def worker_capacity(self) -> int | None:
+        """Blocks each worker may hold (None: unbounded)."""
     @property
-    def max_bytes(self) -> int | None: ...
+    def max_bytes(self) -> int | None:
+        """The index's memory cap (None: unbounded)."""
     def store(
         self, worker: int | str, hashes: _Hashes, parent: int | None, tier_name: str
-    ) -> int: ...
-    def record(self, worker: int | str, hashes: _Hashes, ttl: float, now: float) -> int: ...
-    def remove(self, worker: int | str, hashes: _Hashes, tier_name: str | None = None) -> int: ...
-    def clear(self, worker: int | str) -> int: ...
-    def remove_worker(self, worker: int | str) -> int: ...
-    def set_capacity(self, worker: int | str, blocks: int | None) -> int: ...
-    def match_hashes(self, hashes: _Hashes, now: float) -> PrefixMatch: ...
+    ) -> int:
+        """Records that `worker` holds a chain of blocks in a tier; returns the blocks added."""
+    def record(
+        self, worker: int | str, hashes: _Hashes, ttl: float, now: float
+    ) -> int:
+        """Records an approximate holding (a routing decision) that expires after `ttl` unless
+        confirmed.
+        """
+    def remove(
+        self, worker: int | str, hashes: _Hashes, tier_name: str | None = None
+    ) -> int:
+        """Removes blocks (and their descendants) from a worker; returns the blocks removed."""
+    def clear(self, worker: int | str) -> int:
+        """Removes every block of a worker; returns the blocks removed."""
+    def remove_worker(self, worker: int | str) -> int:
+        """Forgets a worker entirely; returns the blocks removed."""
+    def set_capacity(self, worker: int | str, blocks: int | None) -> int:
+        """Sets a worker's block capacity, evicting from the tail; returns the blocks evicted."""
+    def match_hashes(self, hashes: _Hashes, now: float) -> PrefixMatch:
+        """Matches precomputed block hashes."""
     def match_tokens(
         self,
         tokens: _Tokens,
         lora: str | None,
         cache_salt: str | None,
         now: float,
-    ) -> PrefixMatch: ...
+    ) -> PrefixMatch:
+        """Hashes token ids with the index's settings and matches them."""
     def hash_tokens(
         self, tokens: _Tokens, lora: str | None, cache_salt: str | None
-    ) -> npt.NDArray[np.uint64]: ...
-    def match_many(self, queries: Sequence[_Hashes], now: float) -> list[PrefixMatch]: ...
-    def apply_vllm_events(self, worker: int | str, payload: bytes) -> ApplyReport: ...
-    def expire(self, now: float) -> int: ...
-    def holdings(self, worker: int | str) -> dict[int, tuple[list[str], bool]]: ...
-    def workers(self) -> list[WorkerId]: ...
-    def stats(self) -> IndexStats: ...
-    def dumps(self, now: float) -> bytes: ...
+    ) -> npt.NDArray[np.uint64]:
+        """The index's block hashes of token ids."""
+    def match_many(self, queries: Sequence[_Hashes], now: float) -> list[PrefixMatch]:
+        """Matches many hash queries under one lock."""
+    def apply_vllm_events(self, worker: int | str, payload: bytes) -> ApplyReport:
+        """Applies a vLLM KV-event payload for a worker atomically; returns what was applied and
+        skipped.
+        """
+    def expire(self, now: float) -> int:
+        """Drops approximate holdings older than their TTL; returns how many."""
+    def holdings(self, worker: int | str) -> dict[int, tuple[list[str], bool]]:
+        """A worker's blocks: `{hash: (tiers, approximate)}`."""
+    def workers(self) -> list[WorkerId]:
+        """Every worker holding anything."""
+    def stats(self) -> IndexStats:
+        """Counts: nodes, blocks, bytes, events applied and skipped."""
+    def dumps(self, now: float) -> bytes:
+        """A snapshot of the index as bytes."""
     @staticmethod
-    def loads(data: bytes, now: float) -> PrefixIndex: ...
+    def loads(data: bytes, now: float) -> PrefixIndex:
+        """An index from a snapshot; `SnapshotError` when it is corrupt."""
 
 # --- token slices (rust/py/slices.rs) ---
 
 @final
 class SwitchCostModel:
+    """The native switch-cost model of token slices; `llmsched.SwitchCostModel` wraps it."""
+
     def __new__(cls, params: Mapping[str, Any] | None = None) -> SwitchCostModel: ...
     @staticmethod
-    def from_dims(dims: Mapping[str, Any]) -> SwitchCostModel: ...
+    def from_dims(dims: Mapping[str, Any]) -> SwitchCostModel:
+        """A cost model derived from model dimensions and GPU peaks."""
     @property
-    def prefill_tokens_per_s(self) -> float: ...
+    def prefill_tokens_per_s(self) -> float:
+        """Prefill rate used for recompute time."""
     @property
-    def decode_step_s(self) -> float: ...
+    def decode_step_s(self) -> float:
+        """Time of one decode step."""
     @property
-    def kv_capacity_tokens(self) -> float: ...
+    def kv_capacity_tokens(self) -> float:
+        """KV capacity of an endpoint, in tokens."""
     @property
-    def requeue_delay_s(self) -> float: ...
+    def requeue_delay_s(self) -> float:
+        """Delay a yielded request pays to re-enter the queue."""
     @property
-    def priority_base(self) -> float: ...
-    def weight(self, priority: int) -> float: ...
-    def recompute_s(self, context: float, prefill_tokens_per_s: float) -> float: ...
+    def priority_base(self) -> float:
+        """Base of the priority weight `priority_base ** priority`."""
+    def weight(self, priority: int) -> float:
+        """The weight of a request of this priority."""
+    def recompute_s(self, context: float, prefill_tokens_per_s: float) -> float:
+        """Seconds to recompute `context` tokens at a prefill rate."""
     def switch_s(
         self, evict_probability: float, context: float, prefill_tokens_per_s: float
-    ) -> float: ...
-    def params(self) -> dict[str, Any]: ...
+    ) -> float:
+        """Expected cost of a switch: eviction probability times recompute time, plus the requeue
+        delay.
+        """
+    def params(self) -> dict[str, Any]:
+        """The model's parameters as a dict."""
 
 @final
 class SliceDecision:
     """A slice-boundary decision: ``action`` is continue, yield, migrate or finish."""
 
     @property
-    def action(self) -> Literal["continue", "yield", "migrate", "finish"]: ...
+    def action(self) -> Literal["continue", "yield", "migrate", "finish"]:
+        """What the request does next."""
     @property
-    def level(self) -> int: ...
+    def level(self) -> int:
+        """Its MLFQ level after the decision."""
     @property
-    def priority(self) -> int: ...
+    def priority(self) -> int:
+        """Its priority (for re-entering flow control on yield)."""
     @property
-    def endpoint(self) -> str | None: ...
+    def endpoint(self) -> str | None:
+        """Where it continues (None when it finishes)."""
     @property
-    def next_slice_tokens(self) -> int: ...
+    def next_slice_tokens(self) -> int:
+        """Tokens in its next slice (0 when it finishes)."""
     @property
-    def context_tokens(self) -> int: ...
+    def context_tokens(self) -> int:
+        """Prompt plus generated tokens so far."""
     @property
-    def generated_tokens(self) -> int: ...
+    def generated_tokens(self) -> int:
+        """Tokens generated so far."""
     @property
-    def slices(self) -> int: ...
+    def slices(self) -> int:
+        """Slices run so far."""
     @property
-    def benefit_s(self) -> float: ...
+    def benefit_s(self) -> float:
+        """Weighted seconds the waiting work gains if this request steps aside."""
     @property
-    def yield_cost_s(self) -> float: ...
+    def yield_cost_s(self) -> float:
+        """Expected cost of yielding, in seconds."""
     @property
-    def migrate_cost_s(self) -> float | None: ...
+    def migrate_cost_s(self) -> float | None:
+        """Expected cost of migrating (None: no idle endpoint)."""
     @property
-    def evict_probability(self) -> float: ...
+    def evict_probability(self) -> float:
+        """Expected share of its KV evicted while it waits."""
 
 @final
 class SliceState:
     """A snapshot of one tracked request."""
 
     @property
-    def priority(self) -> int: ...
+    def priority(self) -> int:
+        """Its priority."""
     @property
-    def level(self) -> int: ...
+    def level(self) -> int:
+        """Its MLFQ level."""
     @property
-    def prompt_tokens(self) -> int: ...
+    def prompt_tokens(self) -> int:
+        """Prompt tokens."""
     @property
-    def max_tokens(self) -> int: ...
+    def max_tokens(self) -> int:
+        """The most tokens it may generate."""
     @property
-    def generated_tokens(self) -> int: ...
+    def generated_tokens(self) -> int:
+        """Tokens generated so far."""
     @property
-    def slice_generated(self) -> int: ...
+    def slice_generated(self) -> int:
+        """Tokens generated in the current slice."""
     @property
-    def slice_tokens(self) -> int: ...
+    def slice_tokens(self) -> int:
+        """Length of the current slice."""
     @property
-    def slices(self) -> int: ...
+    def slices(self) -> int:
+        """Slices run so far."""
     @property
-    def context_tokens(self) -> int: ...
+    def context_tokens(self) -> int:
+        """Prompt plus generated tokens."""
     @property
-    def endpoint(self) -> str: ...
+    def endpoint(self) -> str:
+        """The endpoint holding its KV."""
     @property
-    def route_to(self) -> str: ...
+    def route_to(self) -> str:
+        """Where its next slice goes."""
     @property
-    def phase(self) -> Literal["running", "paused"]: ...
+    def phase(self) -> Literal["running", "paused"]:
+        """Running or paused (between slices)."""
     @property
-    def paused_since(self) -> float | None: ...
+    def paused_since(self) -> float | None:
+        """When it was paused (None while running)."""
 
 @final
 class EndpointLoad:
     """An endpoint's load as last reported."""
 
     @property
-    def kv_capacity_tokens(self) -> float: ...
+    def kv_capacity_tokens(self) -> float:
+        """KV capacity, in tokens."""
     @property
-    def kv_cache_usage(self) -> float: ...
+    def kv_cache_usage(self) -> float:
+        """KV-cache use, 0 to 1."""
     @property
-    def kv_free_tokens(self) -> float: ...
+    def kv_free_tokens(self) -> float:
+        """Free KV, in tokens."""
     @property
-    def waiting(self) -> int: ...
+    def waiting(self) -> int:
+        """Requests waiting."""
     @property
-    def prefill_tokens_per_s(self) -> float: ...
+    def prefill_tokens_per_s(self) -> float:
+        """Its prefill rate."""
     @property
-    def decode_step_s(self) -> float: ...
+    def decode_step_s(self) -> float:
+        """Its decode step time."""
 
 @final
 class SliceTracker:
+    """The native slice tracker; `llmsched.SliceTracker` wraps it."""
+
     def __new__(
         cls, policy: str, params: Mapping[str, Any] | None, cost_model: SwitchCostModel
     ) -> SliceTracker: ...
     @property
-    def policy_name(self) -> str: ...
+    def policy_name(self) -> str:
+        """The slice policy's name."""
     @property
-    def levels(self) -> int: ...
-    def policy_params(self) -> dict[str, Any]: ...
-    def cost_model(self) -> SwitchCostModel: ...
-    def quantum(self, level: int) -> int: ...
-    def entry_level(self, prompt_tokens: int) -> int: ...
+    def levels(self) -> int:
+        """The policy's number of levels."""
+    def policy_params(self) -> dict[str, Any]:
+        """The policy's parameters with their defaults."""
+    def cost_model(self) -> SwitchCostModel:
+        """The switch-cost model."""
+    def quantum(self, level: int) -> int:
+        """The slice length at a level."""
+    def entry_level(self, prompt_tokens: int) -> int:
+        """The level a request of this prompt length enters at."""
     def set_endpoint(
         self,
         name: str,
@@ -284,46 +424,73 @@ class SliceTracker:
         kv_capacity_tokens: float | None = None,
         prefill_tokens_per_s: float | None = None,
         decode_step_s: float | None = None,
-    ) -> None: ...
-    def endpoint_load(self, name: str) -> EndpointLoad | None: ...
-    def endpoint_names(self) -> list[str]: ...
+    ) -> None:
+        """Reports an endpoint's load."""
+    def endpoint_load(self, name: str) -> EndpointLoad | None:
+        """An endpoint's last reported load."""
+    def endpoint_names(self) -> list[str]:
+        """The endpoints known to the tracker."""
     def admit(
         self, key: int, prompt_tokens: int, max_tokens: int, priority: int, endpoint: str
-    ) -> tuple[int, int]: ...
-    def record_tokens(self, key: int, tokens: int) -> int: ...
+    ) -> tuple[int, int]:
+        """Starts tracking a request; returns its level and first slice length."""
+    def record_tokens(self, key: int, tokens: int) -> int:
+        """Counts tokens generated in the current slice; returns the slice's total."""
     def decide(
         self,
         key: int,
         finished: bool,
         waiting: Sequence[tuple[int, int, int, int]],
         now: float,
-    ) -> SliceDecision: ...
-    def resume(self, key: int, endpoint: str) -> tuple[int, int]: ...
-    def promote(self, now: float) -> list[tuple[int, int]]: ...
-    def remove(self, key: int) -> bool: ...
-    def state(self, key: int) -> SliceState | None: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, key: int, /) -> bool: ...
+    ) -> SliceDecision:
+        """The decision at a slice boundary, given the waiting work."""
+    def resume(self, key: int, endpoint: str) -> tuple[int, int]:
+        """Resumes a paused request on an endpoint; returns its level and slice length."""
+    def promote(self, now: float) -> list[tuple[int, int]]:
+        """Promotes requests paused too long; returns `(key, level)` pairs."""
+    def remove(self, key: int) -> bool:
+        """Stops tracking a request."""
+    def state(self, key: int) -> SliceState | None:
+        """A snapshot of a tracked request."""
+    def __len__(self) -> int:
+        """Requests tracked."""
+    def __contains__(self, key: int, /) -> bool:
+        """Whether a request is tracked."""
 
-def evict_probability(context: float, demand_tokens: float, free_tokens: float) -> float: ...
-def slice_policy_names() -> list[str]: ...
-def slice_policy_defaults(name: str) -> dict[str, Any]: ...
+def evict_probability(context: float, demand_tokens: float, free_tokens: float) -> float:
+    """The expected share of a paused request's `context` tokens evicted before it resumes, given
+    the KV the admitted work needs and the free KV.
+    """
+
+def slice_policy_names() -> list[str]:
+    """The registered slice policies."""
+
+def slice_policy_defaults(name: str) -> dict[str, Any]:
+    """A slice policy's parameters with their defaults."""
 
 # ---- vllm_events ---------------------------------------------------------------------------
 
-def decode_vllm_events(payload: bytes) -> EventBatchDict: ...
+def decode_vllm_events(payload: bytes) -> EventBatchDict:
+    """A vLLM KV-event payload (msgpack `EventBatch`) as plain data; `MalformedEventError` names the
+    byte offset of a problem.
+    """
 
 # ---- routing -------------------------------------------------------------------------------
 
 @final
 class EndpointPool:
+    """The native endpoint pool; `llmsched.EndpointPool` wraps it."""
+
     def __new__(cls, stale_after: float, stale_policy: str) -> EndpointPool: ...
     @staticmethod
-    def default_staleness() -> tuple[float, str]: ...
+    def default_staleness() -> tuple[float, str]:
+        """The default staleness limit and policy."""
     @property
-    def stale_after(self) -> float: ...
+    def stale_after(self) -> float:
+        """Seconds after which metrics are stale."""
     @property
-    def stale_policy(self) -> str: ...
+    def stale_policy(self) -> str:
+        """How stale metrics are read: `saturated` or `ignore`."""
     def upsert(
         self,
         id: int | str,
@@ -331,8 +498,10 @@ class EndpointPool:
         role: str | None,
         labels: dict[str, str],
         model: str | None,
-    ) -> bool: ...
-    def remove(self, id: int | str) -> None: ...
+    ) -> bool:
+        """Adds or updates an endpoint; returns whether it is new."""
+    def remove(self, id: int | str) -> None:
+        """Removes an endpoint."""
     def update(
         self,
         id: int | str,
@@ -341,16 +510,25 @@ class EndpointPool:
         kv_cache_usage: float | None,
         max_concurrency: int | None,
         now: float,
-    ) -> None: ...
+    ) -> None:
+        """Records an endpoint's metrics at `now`."""
     def set_loras(
         self, id: int | str, active: list[str], waiting: list[str], max_loras: int
-    ) -> None: ...
-    def update_from_metrics_text(self, id: int | str, text: str, now: float) -> MetricsRead: ...
-    def endpoints(self) -> list[EndpointInfo]: ...
-    def __len__(self) -> int: ...
+    ) -> None:
+        """Records an endpoint's LoRA adapters."""
+    def update_from_metrics_text(self, id: int | str, text: str, now: float) -> MetricsRead:
+        """Reads a vLLM or SGLang `/metrics` text into an endpoint's metrics."""
+    def endpoints(self) -> list[EndpointInfo]:
+        """Every endpoint with its last metrics and counts."""
+    def __len__(self) -> int:
+        """The number of endpoints."""
 
 @final
 class Router:
+    """The native router; `llmsched.Router` wraps it (configuration loading, prompt forms,
+    warnings).
+    """
+
     def __new__(
         cls,
         pool: EndpointPool,
@@ -363,19 +541,31 @@ class Router:
         max_sessions: int | None,
     ) -> Router: ...
     @staticmethod
-    def config_info(config: Mapping[str, Any], functions: list[Any]) -> ConfigInfo: ...
+    def config_info(config: Mapping[str, Any], functions: list[Any]) -> ConfigInfo:
+        """What a configuration asks of its caller (block size, precise-scorer wiring, saturation
+        thresholds, notes).
+        """
     @staticmethod
-    def preset(name: str) -> dict[str, Any] | None: ...
+    def preset(name: str) -> dict[str, Any] | None:
+        """A preset configuration by name."""
     @staticmethod
-    def preset_names() -> list[str]: ...
+    def preset_names() -> list[str]:
+        """The preset names."""
     @staticmethod
-    def plugin_types() -> list[str]: ...
+    def plugin_catalogue() -> list[PluginInfo]:
+        """Every plugin type with its kind, summary and parameters."""
+    @staticmethod
+    def plugin_types() -> list[str]:
+        """Every plugin type name, aliases included."""
     @property
-    def seed(self) -> int: ...
+    def seed(self) -> int:
+        """The seed of the decisions' random choices."""
     @property
-    def record_ttl(self) -> float: ...
+    def record_ttl(self) -> float:
+        """Seconds an approximate prefix record counts."""
     @property
-    def profiles(self) -> list[str]: ...
+    def profiles(self) -> list[str]:
+        """The configuration's scheduling profiles."""
     def pick(
         self,
         tokens: _Tokens,
@@ -386,68 +576,144 @@ class Router:
         headers: list[tuple[str, str]],
         cache_salt: str | None,
         now: float,
-    ) -> Decision: ...
+    ) -> Decision:
+        """Routes a prompt given as token ids."""
 
 @final
 class Decision:
+    """The native routing decision; `llmsched.Decision` wraps it."""
+
     @property
-    def endpoint(self) -> EndpointId: ...
+    def endpoint(self) -> EndpointId:
+        """The chosen endpoint."""
     @property
-    def address(self) -> str: ...
+    def address(self) -> str:
+        """Its address."""
     @property
-    def fallbacks(self) -> list[EndpointId]: ...
+    def fallbacks(self) -> list[EndpointId]:
+        """The next-best endpoints, in order."""
     @property
-    def fallback_addresses(self) -> list[str]: ...
+    def fallback_addresses(self) -> list[str]:
+        """Their addresses."""
     @property
-    def prefill_endpoint(self) -> EndpointId | None: ...
+    def prefill_endpoint(self) -> EndpointId | None:
+        """The prefill endpoint when the request is split."""
     @property
-    def prefill_address(self) -> str | None: ...
+    def prefill_address(self) -> str | None:
+        """Its address."""
     @property
-    def prompt_tokens(self) -> int: ...
+    def prompt_tokens(self) -> int:
+        """Prompt tokens."""
     @property
-    def cold(self) -> bool: ...
+    def cold(self) -> bool:
+        """Whether no endpoint held any of the prompt."""
     @property
-    def sequence(self) -> int: ...
+    def sequence(self) -> int:
+        """The decision's sequence number."""
     @property
-    def cached(self) -> int: ...
+    def cached(self) -> int:
+        """Prompt tokens cached on the chosen endpoint."""
     @property
-    def stage(self) -> str: ...
-    def cached_tokens(self) -> dict[EndpointId, int]: ...
-    def pd(self) -> PdNote | None: ...
-    def explain_data(self) -> list[ProfileData]: ...
-    def started(self, endpoint: int | str | None, now: float) -> None: ...
-    def first_token(self) -> bool: ...
-    def finished(self) -> bool: ...
+    def stage(self) -> str:
+        """`picked`, `sent`, `first-token` or `finished`."""
+    def cached_tokens(self) -> dict[EndpointId, int]:
+        """Cached prompt tokens per endpoint."""
+    def pd(self) -> PdNote | None:
+        """The prefill/decode decision, when a P/D handler ran."""
+    def explain_data(self) -> list[ProfileData]:
+        """Each profile's scores per endpoint and scorer."""
+    def started(self, endpoint: int | str | None, now: float) -> None:
+        """Marks the request sent (to `endpoint`, default the chosen one)."""
+    def first_token(self) -> bool:
+        """Marks the first token; returns False when already marked."""
+    def finished(self) -> bool:
+        """Marks the request finished; returns False when already finished."""
+
+@final
+class ReplicaSync:
+    """One router replica's end of replica sync; `llmsched.cluster.ClusterSync` drives it."""
+
+    def __new__(
+        cls,
+        router: Router,
+        replica: str,
+        incarnation: int,
+        journal_limit: int,
+        load_ttl: float,
+        history_limit: int,
+    ) -> ReplicaSync: ...
+    @property
+    def replica(self) -> str:
+        """This replica's name."""
+    def outgoing(self, now: float, heartbeat: bool) -> bytes | None:
+        """The next batch to publish, or None when nothing changed and no heartbeat is due."""
+    def incoming(self, data: bytes, now: float) -> SyncReport:
+        """Applies another replica's batch."""
+    def apply_catch_up(self, data: bytes, now: float) -> SyncReport:
+        """Applies a catch-up batch (records and sessions only)."""
+    def catch_up(self, now: float, max_bytes: int) -> list[bytes]:
+        """Batches that bring a late replica up to date."""
+    def expire(self, now: float) -> int:
+        """Forgets silent replicas; returns how many."""
+    def peers(self) -> list[str]:
+        """Replicas heard from within the load TTL."""
+    def counters(self) -> SyncCounters:
+        """Counters since the sync started."""
 
 # ---- sim ------------------------------------------------------------------------------------
 
 @final
 class KvCache:
+    """The simulator's paged KV cache with prefix caching (the Python twin is
+    `llmsched.reference.sim_kv`).
+    """
+
     def __new__(cls, num_blocks: int, block_size: int) -> KvCache: ...
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """Blocks in the cache."""
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        """Tokens per block."""
     @property
-    def free_blocks(self) -> int: ...
+    def free_blocks(self) -> int:
+        """Blocks neither used nor cached."""
     @property
-    def cached_blocks(self) -> int: ...
-    def usage(self) -> float: ...
-    def requests(self) -> int: ...
-    def lookup(self, hashes: npt.NDArray[np.uint64], max_blocks: int | None = None) -> int: ...
-    def tokens_of(self, req: int) -> int: ...
-    def blocks_of(self, req: int) -> int: ...
-    def start(self, req: int, hashes: npt.NDArray[np.uint64], max_blocks: int) -> int: ...
-    def allocate(self, req: int, tokens: int) -> bool: ...
-    def commit(self, req: int, hashes: npt.NDArray[np.uint64], upto: int) -> None: ...
-    def free(self, req: int) -> None: ...
-    def set_decoding(self, req: int, decoding: bool) -> None: ...
-    def decode_capacity(self, limit: int) -> int: ...
-    def advance_decoding(self, steps: int) -> bool: ...
-    def take_events(self) -> list[KVCacheEvent]: ...
+    def cached_blocks(self) -> int:
+        """Blocks cached and unused (evictable)."""
+    def usage(self) -> float:
+        """Share of blocks in use."""
+    def requests(self) -> int:
+        """Requests holding blocks."""
+    def lookup(self, hashes: npt.NDArray[np.uint64], max_blocks: int | None = None) -> int:
+        """Leading blocks of `hashes` cached."""
+    def tokens_of(self, req: int) -> int:
+        """Tokens a request holds."""
+    def blocks_of(self, req: int) -> int:
+        """Blocks a request holds."""
+    def start(self, req: int, hashes: npt.NDArray[np.uint64], max_blocks: int) -> int:
+        """Starts a request on its cached prefix; returns the cached blocks it reuses."""
+    def allocate(self, req: int, tokens: int) -> bool:
+        """Gives a request room for `tokens` more; False when blocks run out."""
+    def commit(self, req: int, hashes: npt.NDArray[np.uint64], upto: int) -> None:
+        """Marks a request's blocks up to `upto` as cached under their hashes."""
+    def free(self, req: int) -> None:
+        """Releases a request's blocks (cached ones stay, evictable)."""
+    def set_decoding(self, req: int, decoding: bool) -> None:
+        """Marks a request as decoding or not."""
+    def decode_capacity(self, limit: int) -> int:
+        """Decode steps all decoding requests can take before blocks run out."""
+    def advance_decoding(self, steps: int) -> bool:
+        """Advances every decoding request by `steps` tokens."""
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events since the last call."""
 
 @final
 class Outcome:
+    """How a flow-controlled request ended, with the HTTP status and
+    dropped-reason a gateway sends.
+    """
+
     DISPATCHED: ClassVar[Outcome]
     REJECTED_CAPACITY: ClassVar[Outcome]
     REJECTED_SHED: ClassVar[Outcome]
@@ -456,40 +722,61 @@ class Outcome:
     EVICTED_PREEMPTED: ClassVar[Outcome]
     EVICTED_CANCELLED: ClassVar[Outcome]
     @property
-    def http_status(self) -> int: ...
+    def http_status(self) -> int:
+        """The HTTP status for a gateway to answer."""
     @property
-    def reason(self) -> str: ...
+    def reason(self) -> str:
+        """The dropped-reason header value."""
     @property
-    def key(self) -> str: ...
-    def __int__(self) -> int: ...
+    def key(self) -> str:
+        """The outcome's name, e.g. `rejected_shed`."""
+    def __int__(self) -> int:
+        """The outcome's number."""
 
 @final
 class FlowDecision:
+    """A request leaving flow control: dispatched, rejected or evicted."""
+
     @property
-    def id(self) -> int: ...
+    def id(self) -> int:
+        """The request's id."""
     @property
-    def outcome(self) -> Outcome: ...
+    def outcome(self) -> Outcome:
+        """How it left."""
     @property
-    def priority(self) -> int: ...
+    def priority(self) -> int:
+        """Its priority."""
     @property
-    def tenant(self) -> str: ...
+    def tenant(self) -> str:
+        """Its tenant."""
     @property
-    def prompt_tokens(self) -> int: ...
+    def prompt_tokens(self) -> int:
+        """Its prompt tokens."""
     @property
-    def size_bytes(self) -> int: ...
+    def size_bytes(self) -> int:
+        """Its size in bytes."""
     @property
-    def wait_s(self) -> float: ...
+    def wait_s(self) -> float:
+        """Seconds it waited."""
     @property
-    def payload(self) -> Any: ...
+    def payload(self) -> Any:
+        """The payload given at enqueue."""
     @property
-    def http_status(self) -> int: ...
+    def http_status(self) -> int:
+        """The outcome's HTTP status."""
     @property
-    def reason(self) -> str: ...
+    def reason(self) -> str:
+        """The outcome's dropped-reason."""
 
 @final
 class FlowCore:
+    """The native flow controller; `llmsched.FlowController` wraps it (argument checks, asyncio
+    admission).
+    """
+
     def __new__(cls, config: Mapping[str, Any]) -> FlowCore: ...
-    def config(self) -> FlowConfig: ...
+    def config(self) -> FlowConfig:
+        """The resolved configuration."""
     def enqueue(
         self,
         id: int,
@@ -501,39 +788,134 @@ class FlowCore:
         ttft_target: float | None,
         payload: Any,
         now: float,
-    ) -> Outcome | None: ...
-    def dispatch(self, now: float) -> FlowDecision | None: ...
-    def cancel(self, id: int, now: float) -> FlowDecision | None: ...
-    def expire(self, now: float) -> list[FlowDecision]: ...
-    def drain_evicted(self) -> list[FlowDecision]: ...
-    def has_evicted(self) -> bool: ...
-    def record_output(self, id: int, output_tokens: int, now: float) -> None: ...
-    def complete(self, id: int, output_tokens: int, now: float) -> None: ...
-    def preemption_victims(self, now: float) -> list[int]: ...
+    ) -> Outcome | None:
+        """Queues a request; returns the rejection outcome, or None when queued."""
+    def dispatch(self, now: float) -> FlowDecision | None:
+        """The next request to dispatch, or None."""
+    def cancel(self, id: int, now: float) -> FlowDecision | None:
+        """Cancels a queued or running request."""
+    def expire(self, now: float) -> list[FlowDecision]:
+        """Evicts requests past their TTL."""
+    def drain_evicted(self) -> list[FlowDecision]:
+        """Requests evicted since the last call."""
+    def has_evicted(self) -> bool:
+        """Whether any eviction waits to be drained."""
+    def record_output(self, id: int, output_tokens: int, now: float) -> None:
+        """Charges output tokens to a running request's tenant."""
+    def charge_remote(
+        self, tenant: str, priority: int, prompt_tokens: int, output_tokens: int, now: float
+    ) -> bool:
+        """Charges another replica's service of a tenant to its flow's fairness policy."""
+    def drain_service(self) -> list[tuple[str, int, int, int]]:
+        """Service given since the last call: (tenant, priority, prompt, output tokens)."""
+    def complete(self, id: int, output_tokens: int, now: float) -> None:
+        """Marks a running request finished."""
+    def preemption_victims(self, now: float) -> list[int]:
+        """Running requests to revoke for blocked higher-priority work."""
     def update_endpoint(
         self, endpoint: str, waiting: int, running: int, kv_usage: float, timestamp: float
-    ) -> None: ...
-    def remove_endpoint(self, endpoint: str) -> bool: ...
-    def saturation(self, now: float) -> float: ...
-    def jain_index(self, priority: int | None = None) -> float: ...
-    def metrics(self, now: float) -> FlowMetrics: ...
-    def is_queued(self, id: int) -> bool: ...
-    def is_running(self, id: int) -> bool: ...
-    def running_count(self) -> int: ...
-    def __len__(self) -> int: ...
+    ) -> None:
+        """Records an endpoint's metrics for saturation."""
+    def remove_endpoint(self, endpoint: str) -> bool:
+        """Forgets an endpoint."""
+    def saturation(self, now: float) -> float:
+        """The pool's saturation."""
+    def jain_index(self, priority: int | None = None) -> float:
+        """Jain's fairness index across tenants."""
+    def metrics(self, now: float) -> FlowMetrics:
+        """Queue, band and tenant metrics."""
+    def is_queued(self, id: int) -> bool:
+        """Whether a request is queued."""
+    def is_running(self, id: int) -> bool:
+        """Whether a request is running."""
+    def running_count(self) -> int:
+        """Requests running."""
+    def __len__(self) -> int:
+        """Requests queued."""
 
-def flow_resolve_config(config: Mapping[str, Any]) -> FlowConfig: ...
+def flow_resolve_config(config: Mapping[str, Any]) -> FlowConfig:
+    """A flow-control configuration merged over every default and checked
+    (`llmsched.flow.resolve_config`).
+    """
 
 @final
 class PlanContents:
-    @property
-    def distinct(self) -> int: ...
-    def __len__(self) -> int: ...
+    """Dense content ids of a workload plan's block hashes."""
 
-def number_contents(hashes: npt.NDArray[np.uint64]) -> PlanContents: ...
+    @property
+    def distinct(self) -> int:
+        """Distinct contents."""
+    def __len__(self) -> int:
+        """Hashes numbered."""
+
+def number_contents(hashes: npt.NDArray[np.uint64]) -> PlanContents:
+    """Numbers a workload plan's distinct block hashes densely (the simulator's id-addressed KV
+    caches).
+    """
+
+_RngState: TypeAlias = tuple[int, int, bool, int]  # numpy PCG64 (state, inc, has_uint32, uinteger)
+
+def plan_trace(
+    path: str,
+    settings: Mapping[str, object],
+    rng: _RngState,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]:
+    """A JSONL trace's workload plan, read and built natively (`llmsched.sim.workloads.
+    native_plan`); `rng` is the state of the workload's `default_rng(seed)`.
+    """
+
+def plan_independent(
+    arrival: npt.NDArray[np.float64],
+    mean_input: npt.NDArray[np.float64],
+    mean_output: npt.NDArray[np.float64],
+    tenant: npt.NDArray[np.int64],
+    priority: npt.NDArray[np.int64],
+    length_cv: float,
+    rng: _RngState,
+    scalar_seed: int,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]:
+    """The plan of independent requests (`long_short`, `priority`), drawn on from the numpy
+    generator state `rng` and `random.Random(scalar_seed)`.
+    """
+
+def plan_prompted(
+    prompt_hashes: npt.NDArray[np.uint64],
+    prompt_offsets: npt.NDArray[np.int64],
+    prompt_len: npt.NDArray[np.int64],
+    arrival: npt.NDArray[np.float64],
+    pick: npt.NDArray[np.int64],
+    tenant: npt.NDArray[np.int64],
+    output_len: int,
+    rng: _RngState,
+    block_size: int,
+) -> dict[str, Any]:
+    """The plan of requests over prompts built beforehand (`shared_prefix`); the outputs'
+    fresh block ids come from the numpy generator state `rng`.
+    """
+
+def plan_agentic(
+    settings: Mapping[str, object],
+    systems: Sequence[npt.NDArray[np.uint32]],
+    starts: npt.NDArray[np.float64],
+    closed: bool,
+    seed: int,
+    block_size: int,
+    chain_seed: int,
+) -> dict[str, Any]:
+    """The session scripts of an agentic workload, built natively (`AgenticWorkload.script`
+    for every session).
+    """
+
 def simulate(
     config: Mapping[str, Any],
     step: Mapping[str, Any],
     router: Mapping[str, Any],
     workload: dict[str, Any],
-) -> dict[str, Any]: ...
+) -> dict[str, Any]:
+    """Runs the simulator's Rust engine on a plan (`llmsched.sim.Simulation` prepares the
+    arguments).
+    """

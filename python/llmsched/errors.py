@@ -26,7 +26,9 @@ __all__ = [
     "InvalidValueError",
     "LlmschedError",
     "MalformedEventError",
+    "MalformedSyncBatchError",
     "NoEndpointError",
+    "PlacementError",
     "SliceStateError",
     "SnapshotError",
     "UnknownBlockError",
@@ -50,6 +52,10 @@ class ConfigError(LlmschedError, ValueError):
 
 class MalformedEventError(LlmschedError, ValueError):
     """A vLLM KV-event payload could not be decoded; nothing was applied."""
+
+
+class MalformedSyncBatchError(LlmschedError, ValueError):
+    """A replica-sync batch from the message bus could not be decoded; nothing was applied."""
 
 
 class UnknownWorkerError(LlmschedError, KeyError):
@@ -80,6 +86,11 @@ class NoEndpointError(LlmschedError, LookupError):
     """No endpoint can serve a request: none serves its model, or the filters removed them all."""
 
 
+class PlacementError(LlmschedError, RuntimeError):
+    """A :class:`llmsched.Placement` was used in a way its state does not allow (a retry
+    after it ended, its endpoint after a retry found none); nothing was changed."""
+
+
 class UnknownEndpointError(LlmschedError, KeyError):
     """An endpoint id is not in the pool (or was not considered by the decision)."""
 
@@ -107,19 +118,24 @@ class FlowRejected(LlmschedError):
     """A request was not dispatched: refused at the door or evicted from the queue.
 
     Carries the terminal ``outcome`` (an :class:`llmsched.flow.Outcome`), the HTTP status and
-    the dropped-reason header value a gateway answers with.
+    the dropped-reason header value a gateway answers with, and ``retry_after_s``: the seconds
+    a client should wait before trying again (a ``Retry-After`` header), when the raiser knows
+    one (:class:`llmsched.Scheduler` sets it), else None.
 
     >>> from llmsched.flow import Outcome
-    >>> err = FlowRejected(7, Outcome.EVICTED_TTL)
-    >>> err.http_status, err.reason
-    (429, 'ttl-expired')
+    >>> err = FlowRejected(7, Outcome.EVICTED_TTL, retry_after_s=2)
+    >>> err.http_status, err.reason, err.retry_after_s
+    (429, 'ttl-expired', 2)
     """
 
-    def __init__(self, request_id: int, outcome: Outcome) -> None:
+    def __init__(
+        self, request_id: int, outcome: Outcome, *, retry_after_s: float | None = None
+    ) -> None:
         self.request_id = request_id
         self.outcome = outcome
         self.http_status: int = outcome.http_status
         self.reason: str = outcome.reason
+        self.retry_after_s = retry_after_s
         super().__init__(
             f"request {request_id} not dispatched: {outcome.key} "
             f"(HTTP {outcome.http_status}, {outcome.reason})"

@@ -272,6 +272,43 @@ class FlowController:
         """
         self._core.record_output(request_id, output_tokens, self._now(now))
 
+    def charge_remote(
+        self,
+        tenant: str,
+        priority: int = 0,
+        *,
+        prompt_tokens: int = 0,
+        output_tokens: int = 0,
+        now: float | None = None,
+    ) -> bool:
+        """Service another router replica gave ``tenant`` at ``priority`` (replica sync, see
+        :mod:`llmsched.cluster`): charged to the fairness policy of the tenant's flow in that
+        band, so a tenant heavy elsewhere is not served as new here. Returns False when this
+        controller has no such flow (none is created). Local service metrics do not change.
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
+        >>> ctrl.charge_remote("t", prompt_tokens=10)
+        False
+        """
+        if not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
+        priority = check_int("priority", priority, minimum=-(2**31), maximum=2**31 - 1)
+        return self._core.charge_remote(
+            tenant, priority, prompt_tokens, output_tokens, self._now(now)
+        )
+
+    def drain_service(self) -> list[tuple[str, int, int, int]]:
+        """Service this controller gave since the last call, per flow with any: ``(tenant,
+        priority, prompt tokens, output tokens)`` (what replica sync hands to the other
+        replicas' :meth:`charge_remote`).
+
+        >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
+        >>> _ = ctrl.enqueue(FlowRequest(1, tenant="t", prompt_tokens=5)); _ = ctrl.dispatch()
+        >>> ctrl.drain_service(), ctrl.drain_service()
+        ([('t', 0, 5, 0)], [])
+        """
+        return self._core.drain_service()
+
     def cancel(self, request_id: int, *, now: float | None = None) -> FlowDecision | None:
         """Removes a queued request (``EVICTED_CANCELLED``); ``None`` when it is not queued.
         A pending :meth:`admit` for it raises :class:`~llmsched.errors.FlowRejected`.

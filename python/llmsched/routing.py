@@ -48,6 +48,7 @@ from llmsched.types import (
     EndpointInfo,
     MetricsRead,
     PdNote,
+    PluginInfo,
     PreciseWiring,
     ProfileData,
     RequestInfo,
@@ -467,6 +468,34 @@ class Router:
         """Every plugin type name a configuration may use."""
         return _llmsched.Router.plugin_types()
 
+    @staticmethod
+    def plugin_catalogue() -> list[PluginInfo]:
+        """Every plugin type with its kind, a one-line summary and its parameters (type,
+        default, inclusive range, accepted values), sorted by type; older names say which type
+        they build (``alias_of``). The documentation's plugin catalogue is generated from it.
+
+        >>> low = next(p for p in Router.plugin_catalogue() if p["type"] == "low-queue-filter")
+        >>> low["kind"], [(q["name"], q["default"]) for q in low["params"]]
+        ('filter', [('threshold', 128)])
+        """
+        return _llmsched.Router.plugin_catalogue()
+
+    def replica_sync(
+        self,
+        replica: str,
+        *,
+        incarnation: int,
+        journal_limit: int,
+        load_ttl_s: float,
+        history_limit: int,
+    ) -> _llmsched.ReplicaSync:
+        """Turns on replica sync for this router and returns its native end, which
+        :class:`llmsched.cluster.ClusterSync` drives (use that; one per router). From this call
+        on, every :meth:`Decision.started` journals its prefix record and session binding."""
+        return _llmsched.ReplicaSync(
+            self._native, replica, incarnation, journal_limit, load_ttl_s, history_limit
+        )
+
     @property
     def pool(self) -> EndpointPool:
         """The endpoint pool."""
@@ -875,7 +904,8 @@ def text_tokens(text: str | bytes) -> npt.NDArray[np.uint32]:
 
 def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     """One string for chat messages, stable across requests so shared prefixes hash alike:
-    ``"<|role|>\\ncontent\\n"`` per message; list contents join their text parts.
+    ``"<|role|>\\ncontent\\n"`` per message; list contents join their text parts, a null
+    content (an assistant message with only tool calls) counts as empty.
 
     >>> render_messages([{"role": "system", "content": "Be brief."}])
     '<|system|>\\nBe brief.\\n'
@@ -886,8 +916,10 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise TypeError(f"messages[{i}] must be a mapping with a str 'role'")
-        content = m.get("content", "")
-        if isinstance(content, list):
+        content = m.get("content")
+        if content is None:  # an assistant message with only tool calls
+            content = ""
+        elif isinstance(content, list):
             content = "".join(
                 part.get("text", "")
                 for part in content

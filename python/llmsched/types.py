@@ -41,6 +41,8 @@ __all__ = [
     "MetricsRead",
     "MetricsSourceInfo",
     "PdNote",
+    "PluginInfo",
+    "PluginParamInfo",
     "PolicySpec",
     "PreciseWiring",
     "PreemptionConfig",
@@ -51,6 +53,11 @@ __all__ = [
     "RequestInfo",
     "ResolvedBand",
     "SaturationThresholds",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "ScrapeSettings",
+    "SyncCounters",
+    "SyncReport",
     "TokenizerWiring",
     "WaitHistogram",
     "WorkerId",
@@ -248,6 +255,9 @@ class EndpointInfo(EndpointLoad):
     waiting_loras: list[str]
     max_loras: int
     in_flight_tokens: int
+    remote_in_flight_requests: int
+    """Of ``in_flight_requests``, those other router replicas report (replica sync, see
+    :mod:`llmsched.cluster`); 0 without sync."""
 
 
 class RequestInfo(TypedDict):
@@ -505,3 +515,130 @@ class ConfigInfo(TypedDict):
     """True when the config gives no ``schedulingProfiles`` and the Inference Extension's
     default profile was built (every filter, scorer and picker declared)."""
     metrics_source: MetricsSourceInfo | None
+
+
+class PluginParamInfo(TypedDict):
+    """One parameter of a routing plugin (see :meth:`llmsched.Router.plugin_catalogue`).
+
+    ``name`` may be a dotted path into a nested mapping; ``type`` is ``integer``, ``number``,
+    ``string``, ``boolean``, ``mapping``, ``list`` or ``callable``; ``default`` is None where
+    absence means what ``doc`` says; ``min`` / ``max`` are inclusive bounds the plugin checks;
+    ``choices`` lists the accepted strings of a closed set (empty otherwise)."""
+
+    name: str
+    type: str
+    default: Any
+    min: float | None
+    max: float | None
+    choices: list[str]
+    required: bool
+    doc: str
+
+
+class PluginInfo(TypedDict):
+    """One routing plugin type: its ``kind`` (``filter``, ``scorer``, ``picker``, ``profile
+    handler``, ``decider``, ``pre-request plugin``, ``data source``, ``data producer``), the
+    current name when it is an older alias (``alias_of``), a
+    one-line ``summary`` and its parameters."""
+
+    type: str
+    kind: str
+    alias_of: str | None
+    summary: str
+    params: list[PluginParamInfo]
+
+
+class SyncReport(TypedDict):
+    """What applying one replica-sync batch did (:class:`llmsched.cluster.ClusterSync`)."""
+
+    own: bool
+    """The batch was this replica's own (the bus delivers to every subscriber)."""
+    duplicate: bool
+    """Already applied: its sequence is not newer than the last one from that replica."""
+    missed: int
+    """Batches from that replica that never arrived before this one."""
+    records: int
+    """Approximate prefix records added to the index."""
+    sessions: int
+    """Session bindings made."""
+    unknown_endpoints: int
+    """Entries and counts for endpoints this replica's pool does not have (skipped)."""
+
+
+class SyncCounters(TypedDict):
+    """Counters of one replica's sync since it started
+    (:meth:`llmsched.cluster.ClusterSync.stats`)."""
+
+    batches_out: int
+    bytes_out: int
+    entries_out: int
+    skipped_out: int
+    """Entries left out of a batch because a name was over 65,535 bytes."""
+    journal_dropped: int
+    """Entries dropped because the journal filled between two flushes."""
+    batches_in: int
+    bytes_in: int
+    own_in: int
+    duplicates_in: int
+    missed_in: int
+    malformed_in: int
+    records_applied: int
+    sessions_applied: int
+    unknown_endpoints: int
+    replicas_expired: int
+    """Replicas forgotten because nothing came from them within ``load_ttl_s``."""
+
+
+class SchedulerStats(TypedDict):
+    """:meth:`llmsched.Scheduler.stats`: what the request pipeline did, counted since it was
+    built, and what it holds now."""
+
+    admitted: int
+    """Requests flow control dispatched (every request, without flow control)."""
+    rejected: int
+    """Requests flow control refused or evicted (:class:`~llmsched.errors.FlowRejected`)."""
+    no_endpoint: int
+    """Admitted requests no endpoint could serve (:class:`~llmsched.errors.NoEndpointError`)."""
+    completed: int
+    failed: int
+    cancelled: int
+    retries: int
+    """Attempts moved to a fallback (:meth:`llmsched.Placement.retry`)."""
+    records_removed: int
+    """Approximate prefix blocks dropped from the index because their request failed there."""
+    in_flight: int
+    """Placements open now (picked, not yet completed, failed or cancelled)."""
+    queued: int
+    """Requests waiting in flow control now."""
+    engines: int
+    draining: int
+    """Engines out of routing (:meth:`llmsched.Scheduler.drain`); they keep their state."""
+    config_warnings: int
+    """Notes about a configuration that will route badly (see ``Scheduler.warnings``)."""
+
+
+class ScrapeSettings(TypedDict, total=False):
+    """``scrape`` of a :class:`SchedulerConfig`: the metrics scraper's settings."""
+
+    enabled: bool
+    interval_s: float
+    timeout_s: float
+
+
+class SchedulerConfig(TypedDict, total=False):
+    """What :meth:`llmsched.Scheduler.from_config` reads (a dict, or YAML / JSON text or file):
+    ``engines`` (mappings in :meth:`EngineSpec.from_dict <llmsched.integrations.EngineSpec>`
+    form, or endpoint ids), ``router`` (a preset name, a path or an llm-d
+    ``EndpointPickerConfig`` mapping), ``flow`` (a flow-control config, or null for none), and
+    the :class:`llmsched.Scheduler` keywords of the same names."""
+
+    engines: list[dict[str, object] | str | int]
+    router: str | dict[str, object]
+    flow: dict[str, object] | None
+    block_size: int
+    seed: int
+    record_ttl_s: float
+    allow_pseudo_tokens: bool
+    kv_events: bool
+    scrape: ScrapeSettings
+    retry_after_s: float

@@ -10,6 +10,7 @@ use pyo3::{PyErr, PyResult, Python};
 use llmsched_core::hashing::batch::BatchError;
 use llmsched_core::hashing::HashError;
 use llmsched_core::prefix_index::IndexError;
+use llmsched_core::routing::replica_sync::SyncError;
 use llmsched_core::routing::RoutingError;
 use llmsched_core::vllm_events::DecodeError;
 use llmsched_sim::KvError;
@@ -61,6 +62,13 @@ import_exception!(llmsched.errors, SnapshotError);
 import_exception!(llmsched.errors, NoEndpointError);
 import_exception!(llmsched.errors, UnknownEndpointError);
 import_exception!(llmsched.errors, DuplicateRequestError);
+import_exception!(llmsched.errors, MalformedSyncBatchError);
+
+impl ToPyErr for SyncError {
+    fn to_py_err(self) -> PyErr {
+        MalformedSyncBatchError::new_err(self.to_string())
+    }
+}
 
 impl ToPyErr for HashError {
     fn to_py_err(self) -> PyErr {
@@ -194,5 +202,11 @@ impl ToPyErr for llmsched_sim::SimError {
             SimError::Index(e) => e.to_py_err(),
             SimError::Routing(e) => e.to_py_err(),
         }
+    }
+}
+
+impl ToPyErr for llmsched_sim::WorkloadError {
+    fn to_py_err(self) -> PyErr {
+        ConfigError::new_err(self.0)
     }
 }

@@ -239,6 +239,24 @@ impl PyFlowCore {
         self.inner.lock().record_output(id, tokens, now).py()
     }
 
+    fn charge_remote(
+        &self,
+        tenant: &str,
+        priority: i32,
+        prompt_tokens: i64,
+        output_tokens: i64,
+        now: f64,
+    ) -> PyResult<bool> {
+        let prompt = non_negative("prompt_tokens", prompt_tokens)?;
+        let output = non_negative("output_tokens", output_tokens)?;
+        self.inner.lock().charge_remote(tenant, priority, prompt, output, now).py()
+    }
+
+    fn drain_service(&self) -> Vec<(String, i32, u64, u64)> {
+        let drained = self.inner.lock().drain_service();
+        drained.into_iter().map(|(t, p, a, b)| (t.to_string(), p, a, b)).collect()
+    }
+
     fn complete(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
         let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
         self.inner.lock().complete(id, tokens, now).py()

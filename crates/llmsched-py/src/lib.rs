@@ -8,6 +8,7 @@ mod flow;
 mod hashing;
 mod prefix_index;
 mod pyints;
+mod replica_sync;
 mod routing;
 mod sim;
 mod slices;
@@ -23,6 +24,7 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     slices::register(m)?;
     vllm_events::register(m)?;
     routing::register(m)?;
+    replica_sync::register(m)?;
     sim::register(m)?;
     flow::register(m)?;
     Ok(())

@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::prefix_index::{worker_key, PyPrefixIndex};
@@ -21,7 +21,9 @@ use llmsched_core::routing::plugin::{
     Candidate, Filter, OnEmpty, PluginResult, RequestContext, Scorer,
 };
 use llmsched_core::routing::profile::KEPT;
-use llmsched_core::routing::registry::{decode, ParamError, Plugin, Registry};
+use llmsched_core::routing::registry::{
+    decode, defaults_of, ParamDoc, ParamError, ParamKind, Plugin, PluginDoc, Registry,
+};
 use llmsched_core::routing::rng::DecisionRng;
 use llmsched_core::routing::{
     config, metrics_text, presets, Decision, Endpoint, EndpointPool, LoraState, MetricsUpdate,
@@ -184,6 +186,7 @@ impl PyEndpointPool {
                 d.set_item("in_flight_requests", f.requests)?;
                 d.set_item("in_flight_prefill_tokens", f.prefill_tokens)?;
                 d.set_item("in_flight_tokens", f.tokens)?;
+                d.set_item("remote_in_flight_requests", m.inflight.remote().requests)?;
                 Ok(d)
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -197,7 +200,7 @@ impl PyEndpointPool {
 
 // ---- Python plugins -------------------------------------------------------------------------
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct PyPluginParams {
     handle: usize,
@@ -317,9 +320,41 @@ impl Filter for PyCallable {
     }
 }
 
+// `handle` is what the Python layer puts in place of `function`, so it is not listed.
+const PY_PLUGIN_PARAMS: &[ParamDoc] = &[
+    ParamDoc::new(
+        "function",
+        ParamKind::Callable,
+        "`fn(request, endpoints)`, called once per decision with the GIL held",
+    )
+    .required(),
+    ParamDoc::boolean("failOpen", "a filter that would keep nothing keeps everything instead"),
+    ParamDoc::boolean("readsMetrics", "a scorer whose saturated or stale endpoints score 0"),
+];
+
+fn python_scorer_doc() -> PluginDoc {
+    PluginDoc::new(
+        "scorer",
+        "a Python callable returning one score in [0, 1] per endpoint (a slower path)",
+        PY_PLUGIN_PARAMS,
+        defaults_of::<PyPluginParams>(),
+    )
+}
+
+fn python_filter_doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "a Python callable returning one keep flag per endpoint (a slower path)",
+        PY_PLUGIN_PARAMS,
+        defaults_of::<PyPluginParams>(),
+    )
+}
+
 /// The built-in registry plus `python-scorer` and `python-filter` over `functions`.
 fn registry(py: Python<'_>, functions: &[Py<PyAny>]) -> Registry {
     let mut r = Registry::builtin();
+    r.document("python-scorer", python_scorer_doc);
+    r.document("python-filter", python_filter_doc);
     for (type_name, filter) in [("python-scorer", false), ("python-filter", true)] {
         let functions: Vec<Py<PyAny>> = functions.iter().map(|f| f.clone_ref(py)).collect();
         r.add(type_name, move |params: &Value| {
@@ -351,8 +386,8 @@ fn registry(py: Python<'_>, functions: &[Py<PyAny>]) -> Registry {
 /// The native router; `llmsched.Router` wraps it.
 #[pyclass(frozen, module = "llmsched._llmsched", name = "Router")]
 pub struct PyRouter {
-    inner: Router,
-    index: Py<PyPrefixIndex>,
+    pub(crate) inner: Router,
+    pub(crate) index: Py<PyPrefixIndex>,
 }
 
 struct Decide<'a> {
@@ -479,6 +514,13 @@ impl PyRouter {
     #[staticmethod]
     fn preset_names() -> Vec<&'static str> {
         presets::NAMES.to_vec()
+    }
+
+    /// Every plugin type with its kind, summary and parameters (defaults, ranges), as plain
+    /// data: the registry's catalogue, Python plugins included.
+    #[staticmethod]
+    fn plugin_catalogue(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(to_python(py, &registry(py, &[]).catalogue())?.unbind())
     }
 
     #[staticmethod]

@@ -12,8 +12,9 @@ use llmsched_core::routing::{parse_config, RoutingError};
 use std::sync::Arc;
 
 use llmsched_sim::{
-    simulate as sim_engine, Contents, DoneRecord, KvCache, KvEvent, OpenRequest, Plan, Session,
-    SimConfig, SimOutput, StepModel, Turn,
+    agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine, trace_plan,
+    Agentic, Contents, DoneRecord, Independent, KvCache, KvEvent, OpenRequest, Pcg64, Plan,
+    Prompted, PyRandom, Session, SimConfig, SimOutput, StepModel, TraceSpec, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
@@ -296,12 +297,13 @@ fn simulate<'py>(
     let cfg: SimConfig = config_struct(config, "simulation config")?;
     let model: StepModel = config_struct(step, "step model")?;
     let value = config_mapping(Some(router), "router config")?;
-    let router = parse_config(&value).map_err(RoutingError::from).py()?;
+    parse_config(&value).map_err(RoutingError::from).py()?; // errors surface here, once
+    let make = || parse_config(&value).map_err(RoutingError::from);
     let plan = plan(workload)?;
     let budget = cfg.max_num_batched_tokens;
     let (out, ideal) = py
         .detach(|| {
-            let out = sim_engine(cfg, model, router, &plan)?;
+            let out = sim_engine(cfg, model, &make, &plan)?;
             let ideal: Vec<f64> =
                 out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
             Ok::<_, llmsched_sim::SimError>((out, ideal))
@@ -337,6 +339,8 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
         "rejected",
         done.iter().map(|r| r.rejected).collect::<Vec<bool>>().into_pyarray(py),
     )?;
+    d.set_item("sync_batches", out.sync_batches)?;
+    d.set_item("sync_bytes", out.sync_bytes)?;
     let replicas = PyList::empty(py);
     for rep in &out.replicas {
         let r = PyDict::new(py);
@@ -364,9 +368,232 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
     Ok(d)
 }
 
+// ---- native workload plans ---------------------------------------------------------------
+
+/// numpy's `bit_generator.state` of a PCG64 generator: (`state`, `inc`, `has_uint32`,
+/// `uinteger`).
+type RngState = (u128, u128, bool, u32);
+
+fn generator(state: RngState) -> Pcg64 {
+    Pcg64::from_state(state.0, state.1, state.2, state.3)
+}
+
+/// A plan as the dict `llmsched.sim.fast` builds in Python (numpy arrays; `contents`
+/// numbered here), so both feed `simulate` the same way.
+fn plan_dict<'py>(py: Python<'py>, plan: Plan) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let offsets = |spans: &mut dyn Iterator<Item = usize>| {
+        let mut out = vec![0i64];
+        out.extend(spans.map(|end| end as i64));
+        out
+    };
+    let contents = match &plan.contents {
+        Some(known) => known.clone(),
+        None => detach(py, || Arc::new(Contents::number(&plan.hashes)))?,
+    };
+    if plan.sessions.is_empty() && plan.starts.is_empty() && !plan.closed {
+        let open = &plan.open;
+        let f = |g: fn(&OpenRequest) -> f64| open.iter().map(g).collect::<Vec<_>>();
+        let i = |g: fn(&OpenRequest) -> i64| open.iter().map(g).collect::<Vec<_>>();
+        d.set_item("kind", "open")?;
+        d.set_item("arrival", f(|r| r.arrival).into_pyarray(py))?;
+        d.set_item("prompt", i(|r| r.prompt_len as i64).into_pyarray(py))?;
+        d.set_item("output", i(|r| r.output_len as i64).into_pyarray(py))?;
+        d.set_item("tenant", i(|r| r.tenant).into_pyarray(py))?;
+        d.set_item("priority", i(|r| r.priority).into_pyarray(py))?;
+        let sessions: Vec<Option<&str>> = open.iter().map(|r| r.session.as_deref()).collect();
+        d.set_item("session", sessions)?;
+        let ends = offsets(&mut open.iter().map(|r| r.hashes.end));
+        d.set_item("hash_offsets", ends.into_pyarray(py))?;
+    } else {
+        let sessions = &plan.sessions;
+        let turns = || sessions.iter().flat_map(|s| s.turns.iter());
+        d.set_item("kind", "sessions")?;
+        d.set_item("starts", plan.starts.clone().into_pyarray(py))?;
+        d.set_item("closed", plan.closed)?;
+        let tenant: Vec<i64> = sessions.iter().map(|s| s.tenant).collect();
+        d.set_item("tenant", tenant.into_pyarray(py))?;
+        let ends = offsets(&mut sessions.iter().map(|s| s.hashes.end));
+        d.set_item("hash_offsets", ends.into_pyarray(py))?;
+        let mut count = 0;
+        let turn_ends = offsets(&mut sessions.iter().map(|s| {
+            count += s.turns.len();
+            count
+        }));
+        d.set_item("turn_offsets", turn_ends.into_pyarray(py))?;
+        let ints = |g: fn(&Turn) -> i64| turns().map(g).collect::<Vec<i64>>();
+        d.set_item("turn_prompt", ints(|t| t.prompt_len as i64).into_pyarray(py))?;
+        d.set_item("turn_output", ints(|t| t.output_len as i64).into_pyarray(py))?;
+        d.set_item("turn_blocks", ints(|t| t.blocks as i64).into_pyarray(py))?;
+        let think: Vec<f64> = turns().map(|t| t.think).collect();
+        d.set_item("turn_think", think.into_pyarray(py))?;
+    }
+    d.set_item("hashes", plan.hashes.into_pyarray(py))?;
+    d.set_item("contents", Bound::new(py, PyPlanContents { inner: contents })?)?;
+    Ok(d)
+}
+
+/// `TraceConfig`'s replay settings, as `plan_trace` takes them.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TraceArgs {
+    timestamp_unit: String,
+    time_scale: f64,
+    hash_block: usize,
+    limit: Option<usize>,
+}
+
+/// A trace's plan (`llmsched.sim.workloads.TraceWorkload`, built natively); `rng` is the state
+/// of the workload's `default_rng(seed)`.
+#[pyfunction]
+fn plan_trace<'py>(
+    py: Python<'py>,
+    path: &str,
+    settings: &Bound<'py, PyAny>,
+    rng: RngState,
+    block_size: usize,
+    chain_seed: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let args: TraceArgs = config_struct(settings, "trace settings")?;
+    let spec = TraceSpec {
+        millis: args.timestamp_unit == "ms",
+        time_scale: args.time_scale,
+        hash_block: args.hash_block,
+        limit: args.limit,
+    };
+    let plan = detach(py, || {
+        let rows = load_trace(path, &spec)?;
+        trace_plan(&rows, &spec, generator(rng), block_size, chain_seed)
+    })?
+    .py()?;
+    plan_dict(py, plan)
+}
+
+/// The plan of independent requests (`long_short`, `priority`): arrival times, each request's
+/// mean input and output lengths, tenant and priority, drawn on from the workload's generator
+/// state `rng` and `random.Random(scalar_seed)`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // the arrays of one request table, as Python holds them
+fn plan_independent<'py>(
+    py: Python<'py>,
+    arrival: PyReadonlyArray1<'py, f64>,
+    mean_input: PyReadonlyArray1<'py, f64>,
+    mean_output: PyReadonlyArray1<'py, f64>,
+    tenant: PyReadonlyArray1<'py, i64>,
+    priority: PyReadonlyArray1<'py, i64>,
+    length_cv: f64,
+    rng: RngState,
+    scalar_seed: u128,
+    block_size: usize,
+    chain_seed: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let spec = Independent {
+        arrival: arrival.as_slice()?,
+        mean_input: mean_input.as_slice()?,
+        mean_output: mean_output.as_slice()?,
+        tenant: tenant.as_slice()?,
+        priority: priority.as_slice()?,
+        length_cv,
+    };
+    let plan = detach(py, || {
+        independent_plan(spec, generator(rng), PyRandom::new(scalar_seed), block_size, chain_seed)
+    })?
+    .py()?;
+    plan_dict(py, plan)
+}
+
+/// The plan of requests over prompts built beforehand (`shared_prefix`): prompt `k`'s hashes
+/// are `prompt_hashes[prompt_offsets[k]:prompt_offsets[k + 1]]`; request `i` asks prompt
+/// `pick[i]`; the outputs' fresh ids come from the generator state `rng`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // the arrays of one request table, as Python holds them
+fn plan_prompted<'py>(
+    py: Python<'py>,
+    prompt_hashes: PyReadonlyArray1<'py, u64>,
+    prompt_offsets: PyReadonlyArray1<'py, i64>,
+    prompt_len: PyReadonlyArray1<'py, i64>,
+    arrival: PyReadonlyArray1<'py, f64>,
+    pick: PyReadonlyArray1<'py, i64>,
+    tenant: PyReadonlyArray1<'py, i64>,
+    output_len: u64,
+    rng: RngState,
+    block_size: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let spans = ranges(&usizes(prompt_offsets.as_slice()?, "prompt_offsets")?, "prompt_offsets")?;
+    let lens: Vec<u64> =
+        usizes(prompt_len.as_slice()?, "prompt_len")?.into_iter().map(|v| v as u64).collect();
+    let pick = usizes(pick.as_slice()?, "pick")?;
+    let spec = Prompted {
+        prompt_hashes: prompt_hashes.as_slice()?,
+        prompt_spans: &spans,
+        prompt_len: &lens,
+        arrival: arrival.as_slice()?,
+        pick: &pick,
+        tenant: tenant.as_slice()?,
+        output_len,
+    };
+    let plan = detach(py, || prompted_plan(spec, generator(rng), block_size))?.py()?;
+    plan_dict(py, plan)
+}
+
+/// `AgenticConfig`'s numbers, as `plan_agentic` takes them.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AgenticArgs {
+    sessions: usize,
+    first_input: f64,
+    first_output: f64,
+    followup_turns: usize,
+    followup_input: f64,
+    followup_output: f64,
+    length_cv: f64,
+    think_time_s: f64,
+    system_prompt_len: f64,
+}
+
+/// The session scripts of an agentic workload (`AgenticWorkload.script` for every session,
+/// built natively); `systems` are the system prompts' tokens, `starts` the arrival stream's
+/// session starts.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // the workload's parts, as Python holds them
+fn plan_agentic<'py>(
+    py: Python<'py>,
+    settings: &Bound<'py, PyAny>,
+    systems: Vec<PyReadonlyArray1<'py, u32>>,
+    starts: PyReadonlyArray1<'py, f64>,
+    closed: bool,
+    seed: u64,
+    block_size: usize,
+    chain_seed: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let a: AgenticArgs = config_struct(settings, "agentic settings")?;
+    let cfg = Agentic {
+        sessions: a.sessions,
+        first_input: a.first_input,
+        first_output: a.first_output,
+        followup_turns: a.followup_turns,
+        followup_input: a.followup_input,
+        followup_output: a.followup_output,
+        length_cv: a.length_cv,
+        think_time_s: a.think_time_s,
+        system_prompt_len: a.system_prompt_len,
+    };
+    let systems: Vec<Vec<u32>> =
+        systems.iter().map(|s| s.as_slice().map(<[u32]>::to_vec)).collect::<Result<_, _>>()?;
+    let starts = starts.as_slice()?.to_vec();
+    let plan =
+        detach(py, || agentic_plan(cfg, &systems, starts, closed, seed, block_size, chain_seed))?
+            .py()?;
+    plan_dict(py, plan)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKvCache>()?;
     m.add_class::<PyPlanContents>()?;
     m.add_function(wrap_pyfunction!(number_contents, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_trace, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_independent, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_prompted, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_agentic, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)
 }

@@ -23,6 +23,7 @@ use crate::kv_cache::{IdEvent, KvCore, KvError};
 use crate::plan::{Contents, Plan, PlanError};
 use crate::stepmodel::{DecodeRun, StepModel, StepWork};
 use llmsched_core::prefix_index::{IndexConfig, IndexError, PrefixIndex, Tier, WorkerKey};
+use llmsched_core::routing::replica_sync::{ReplicaSync, SyncOptions};
 use llmsched_core::routing::{
     Endpoint, EndpointPool, MetricsUpdate, RequestMeta, Router, RouterConfig, RouterOptions,
     RoutingError, StaleMode, StalePolicy, Ticket,
@@ -48,7 +49,23 @@ pub struct SimConfig {
     #[serde(rename = "max_time_s")]
     pub max_time: Option<f64>,
     pub seed: u64,
+    /// Router replicas in front of the engines (requests spread over them in turn), each with
+    /// its own pool and prefix index fed by every engine's metrics and KV events.
+    #[serde(default = "one")]
+    pub router_replicas: usize,
+    /// With several router replicas: None, each decides on its own state (shared scrapes and KV
+    /// events only); a delay, replica sync ([`llmsched_core::routing::replica_sync`]) delivers
+    /// each replica's records, sessions and in-flight counts to the others that much later.
+    #[serde(default, rename = "router_sync_delay_s")]
+    pub router_sync_delay: Option<f64>,
 }
+
+fn one() -> usize {
+    1
+}
+
+/// The most router replicas one simulation may have.
+pub const MAX_ROUTER_REPLICAS: usize = 1024;
 
 /// The most replicas one simulation may have.
 pub const MAX_REPLICAS: usize = 65_536;
@@ -106,6 +123,8 @@ struct Req {
     preemptions: u64,
     rejected: bool,
     ticket: Option<Ticket>,
+    /// The router replica that routed it.
+    router: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +133,7 @@ enum Kind {
     Arrival,
     Step,
     KvFeed,
+    Sync,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -235,6 +255,17 @@ pub struct SimOutput {
     pub feed: Duration,
     pub feed_skipped: u64,
     pub now: f64,
+    /// Replica-sync batches published by the router replicas, and their bytes.
+    pub sync_batches: u64,
+    pub sync_bytes: u64,
+}
+
+/// One router replica: its own pool, index and router, and its end of replica sync.
+struct RouterReplica {
+    pool: Arc<EndpointPool>,
+    index: Arc<PrefixIndex>,
+    router: Router,
+    sync: Option<ReplicaSync>,
 }
 
 /// The parts of the simulation a replica calls back into.
@@ -261,17 +292,21 @@ struct World<'p> {
     decision: Duration,
     feed: Duration,
     feed_skipped: u64,
-    pool: Arc<EndpointPool>,
-    index: Arc<PrefixIndex>,
-    router: Router,
+    routers: Vec<RouterReplica>,
+    next_router: usize,
+    /// Sync batches in flight: (from router, bytes), delivered by a `Sync` event.
+    syncs: Vec<Option<(usize, Vec<u8>)>>,
+    sync_batches: u64,
+    sync_bytes: u64,
     keys: Vec<WorkerKey>,
 }
 
-/// Runs one scenario under one routing configuration.
+/// Runs one scenario under one routing configuration: `router_config` builds each router
+/// replica's configuration (plugins keep state, so every replica gets its own).
 pub fn simulate(
     cfg: SimConfig,
     model: StepModel,
-    router_config: RouterConfig,
+    router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
     plan: &Plan,
 ) -> Result<SimOutput, SimError> {
     Simulation::new(cfg, model, router_config, plan)?.run()
@@ -286,7 +321,7 @@ impl<'p> Simulation<'p> {
     fn new(
         cfg: SimConfig,
         model: StepModel,
-        router_config: RouterConfig,
+        router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
         plan: &'p Plan,
     ) -> Result<Self, SimError> {
         plan.validate()?;
@@ -306,21 +341,41 @@ impl<'p> Simulation<'p> {
         if !(cfg.kv_sample > 0.0 && cfg.metrics_delay >= 0.0 && cfg.kv_events_delay >= 0.0) {
             return Err(SimError::Config("kv_sample must be > 0 and delays >= 0".into()));
         }
-        let index = Arc::new(PrefixIndex::new(IndexConfig {
-            block_size: cfg.block_size as usize,
-            seed: cfg.seed,
-            ..IndexConfig::default()
-        })?);
-        let pool = Arc::new(EndpointPool::new(StalePolicy {
-            mode: StaleMode::Ignore,
-            ..StalePolicy::default()
-        })?);
-        let keys: Vec<WorkerKey> = (0..cfg.replicas).map(|i| WorkerKey::Int(i as i64)).collect();
-        for key in &keys {
-            pool.upsert(Endpoint::new(key.clone()));
+        if !(1..=MAX_ROUTER_REPLICAS).contains(&cfg.router_replicas) {
+            return Err(SimError::Config(format!(
+                "router_replicas must be 1 to {MAX_ROUTER_REPLICAS}, got {}",
+                cfg.router_replicas
+            )));
         }
-        let options = RouterOptions { seed: cfg.seed, ..RouterOptions::default() };
-        let router = Router::new(pool.clone(), index.clone(), router_config, options)?;
+        if cfg.router_sync_delay.is_some_and(|d| !(d.is_finite() && d >= 0.0)) {
+            return Err(SimError::Config("router_sync_delay_s must be finite and >= 0".into()));
+        }
+        let keys: Vec<WorkerKey> = (0..cfg.replicas).map(|i| WorkerKey::Int(i as i64)).collect();
+        let mut routers = Vec::with_capacity(cfg.router_replicas);
+        for k in 0..cfg.router_replicas {
+            let index = Arc::new(PrefixIndex::new(IndexConfig {
+                block_size: cfg.block_size as usize,
+                seed: cfg.seed,
+                ..IndexConfig::default()
+            })?);
+            let pool = Arc::new(EndpointPool::new(StalePolicy {
+                mode: StaleMode::Ignore,
+                ..StalePolicy::default()
+            })?);
+            for key in &keys {
+                pool.upsert(Endpoint::new(key.clone()));
+            }
+            // Each replica its own seed, as separate processes would draw.
+            let seed = cfg.seed.wrapping_add(k as u64);
+            let options = RouterOptions { seed, ..RouterOptions::default() };
+            let router = Router::new(pool.clone(), index.clone(), router_config()?, options)?;
+            let sync = (cfg.router_replicas > 1 && cfg.router_sync_delay.is_some()).then(|| {
+                // Replicas never die here: counts never expire.
+                let options = SyncOptions { load_ttl: f64::INFINITY, ..SyncOptions::default() };
+                router.replica_sync(format!("router-{k}"), k as u64, options)
+            });
+            routers.push(RouterReplica { pool, index, router, sync });
+        }
         let contents =
             plan.contents.clone().unwrap_or_else(|| Arc::new(Contents::number(&plan.hashes)));
         let mut replicas = Vec::with_capacity(cfg.replicas);
@@ -368,9 +423,11 @@ impl<'p> Simulation<'p> {
             decision: Duration::ZERO,
             feed: Duration::ZERO,
             feed_skipped: 0,
-            pool,
-            index,
-            router,
+            routers,
+            next_router: 0,
+            syncs: Vec::new(),
+            sync_batches: 0,
+            sync_bytes: 0,
             keys,
         };
         Ok(Simulation { world, replicas })
@@ -399,6 +456,11 @@ impl<'p> Simulation<'p> {
                 Kind::KvFeed => {
                     if let Some((rid, events)) = self.world.feeds[ev.obj].take() {
                         self.world.apply_kv_events(rid, events)?;
+                    }
+                }
+                Kind::Sync => {
+                    if let Some((from, batch)) = self.world.syncs[ev.obj].take() {
+                        self.world.deliver_sync(from, &batch, ev.time)?;
                     }
                 }
             }
@@ -465,6 +527,8 @@ impl<'p> Simulation<'p> {
             feed: w.feed,
             feed_skipped: w.feed_skipped,
             now: w.now,
+            sync_batches: w.sync_batches,
+            sync_bytes: w.sync_bytes,
         }
     }
 }
@@ -521,6 +585,7 @@ impl World<'_> {
             preemptions: 0,
             rejected: false,
             ticket: None,
+            router: 0,
         });
         self.reqs.len() - 1
     }
@@ -612,29 +677,70 @@ impl World<'_> {
             cache_salt: None,
         };
         let prompt_len = q.prompt_len;
+        let k = self.next_router % self.routers.len();
+        self.next_router += 1;
         let start = Instant::now();
-        let decision = self.router.decide_hashes(hashes, prompt_len, &meta, now)?;
-        let ticket = self.router.commit(&decision, None, now)?;
+        let router = &self.routers[k].router;
+        let decision = router.decide_hashes(hashes, prompt_len, &meta, now)?;
+        let ticket = router.commit(&decision, None, now)?;
         self.decision += start.elapsed();
+        self.reqs[r].router = k;
         let key = &decision.endpoint(decision.chosen()).id;
         let target = match key {
             WorkerKey::Int(i) if (*i as usize) < self.keys.len() && *i >= 0 => *i as usize,
             other => return Err(SimError::Routing(RoutingError::UnknownEndpoint(other.clone()))),
         };
         self.reqs[r].ticket = Some(ticket);
+        self.publish_sync(k, now)?;
         Ok(target)
     }
 
-    fn first_token(&mut self, r: usize, now: f64) {
+    /// Router replica `k`'s news (records, sessions, counts) leaves for the others, arriving
+    /// `router_sync_delay_s` later; a no-op without sync.
+    fn publish_sync(&mut self, k: usize, now: f64) -> Result<(), SimError> {
+        let (Some(sync), Some(delay)) = (&self.routers[k].sync, self.cfg.router_sync_delay) else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let batch = sync.outgoing(now, false);
+        self.decision += start.elapsed();
+        let Some(batch) = batch else { return Ok(()) };
+        self.sync_batches += 1;
+        self.sync_bytes += batch.len() as u64;
+        if delay > 0.0 {
+            self.syncs.push(Some((k, batch)));
+            let slot = self.syncs.len() - 1;
+            self.push(now + delay, Kind::Sync, slot, 0);
+            Ok(())
+        } else {
+            self.deliver_sync(k, &batch, now)
+        }
+    }
+
+    fn deliver_sync(&mut self, from: usize, batch: &[u8], now: f64) -> Result<(), SimError> {
+        let start = Instant::now();
+        for (k, replica) in self.routers.iter().enumerate() {
+            if k != from {
+                if let Some(sync) = &replica.sync {
+                    sync.incoming(batch, now).map_err(|e| SimError::Config(e.to_string()))?;
+                }
+            }
+        }
+        self.decision += start.elapsed();
+        Ok(())
+    }
+
+    fn first_token(&mut self, r: usize, now: f64) -> Result<(), SimError> {
         self.reqs[r].first_token = now;
         let start = Instant::now();
         if let Some(t) = self.reqs[r].ticket.as_mut() {
             t.first_token();
         }
         self.decision += start.elapsed();
+        self.publish_sync(self.reqs[r].router, now)
     }
 
-    fn finished(&mut self, r: usize, now: f64) {
+    fn finished(&mut self, r: usize, now: f64) -> Result<(), SimError> {
         let q = &mut self.reqs[r];
         q.finish = now;
         q.phase = DONE;
@@ -651,6 +757,7 @@ impl World<'_> {
             self.decision += start.elapsed();
         }
         self.on_finish(r, now);
+        self.publish_sync(self.reqs[r].router, now)
     }
 
     /// The replica's metrics changed; the gateway sees them `metrics_delay` later.
@@ -689,7 +796,9 @@ impl World<'_> {
             kv_cache_usage: Some(usage.min(1.0)),
             max_concurrency: None,
         };
-        self.pool.update_metrics(&self.keys[rid], update, now)?;
+        for replica in &self.routers {
+            replica.pool.update_metrics(&self.keys[rid], update, now)?;
+        }
         self.feed += start.elapsed();
         Ok(())
     }
@@ -732,26 +841,29 @@ impl World<'_> {
         let mut hashes: Vec<u64> = Vec::new();
         for event in events {
             hashes.clear();
-            let applied = match event {
-                IdEvent::Stored { parent, ids } => {
-                    hashes.extend(ids.iter().map(|&id| unique[id as usize]));
-                    let parent = parent.map(|id| unique[id as usize]);
-                    self.index.store(key, &hashes, parent, Tier::Gpu).map(|_| ())
-                }
-                IdEvent::Removed { ids } => {
-                    hashes.extend(ids.iter().map(|&id| unique[id as usize]));
-                    self.index.remove(key, &hashes, None).map(|_| ())
-                }
+            let (ids, parent, store) = match &event {
+                IdEvent::Stored { parent, ids } => (ids, *parent, true),
+                IdEvent::Removed { ids } => (ids, None, false),
             };
-            match applied {
-                Ok(()) => {}
-                // Only when a delayed batch lands after its parent was dropped; counted.
-                Err(
-                    IndexError::UnknownParent(_)
-                    | IndexError::ParentNotHeld { .. }
-                    | IndexError::NotHeld { .. },
-                ) => self.feed_skipped += 1,
-                Err(e) => return Err(e.into()),
+            hashes.extend(ids.iter().map(|&id| unique[id as usize]));
+            let parent = parent.map(|id| unique[id as usize]);
+            // Every router replica subscribes to every engine's events.
+            for replica in &self.routers {
+                let applied = if store {
+                    replica.index.store(key, &hashes, parent, Tier::Gpu).map(|_| ())
+                } else {
+                    replica.index.remove(key, &hashes, None).map(|_| ())
+                };
+                match applied {
+                    Ok(()) => {}
+                    // Only when a delayed batch lands after its parent was dropped; counted.
+                    Err(
+                        IndexError::UnknownParent(_)
+                        | IndexError::ParentNotHeld { .. }
+                        | IndexError::NotHeld { .. },
+                    ) => self.feed_skipped += 1,
+                    Err(e) => return Err(e.into()),
+                }
             }
         }
         self.feed += start.elapsed();
@@ -864,7 +976,7 @@ impl Replica {
         remove_item(&mut self.prefilling, r);
         w.reqs[r].generated += 1;
         if w.reqs[r].first_token < 0.0 {
-            w.first_token(r, now);
+            w.first_token(r, now)?;
         }
         let q = &mut w.reqs[r];
         if q.generated >= q.output_len {
@@ -916,8 +1028,7 @@ impl Replica {
         q.phase = DONE;
         q.version += 1;
         remove_item(&mut self.running, r);
-        w.finished(r, now);
-        Ok(())
+        w.finished(r, now)
     }
 
     fn preempt(&mut self, victim: usize, w: &mut World<'_>) -> Result<(), SimError> {
@@ -1117,8 +1228,7 @@ impl Replica {
         }
         w.reqs[r].rejected = true;
         w.reqs[r].phase = DONE;
-        w.finished(r, now);
-        Ok(())
+        w.finished(r, now)
     }
 }
 

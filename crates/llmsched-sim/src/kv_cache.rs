@@ -143,7 +143,9 @@ pub struct KvCore {
     /// The free list's sentinel: `blocks[sentinel]` is not a real block.
     sentinel: u32,
     free_len: usize,
-    /// Content id -> the block caching it (NONE: not cached); grows on demand.
+    /// Content id -> 1 + the block caching it (0: not cached); grows on demand. Zero means
+    /// empty so that a large table starts as untouched zero pages: a replica writes only the
+    /// pages of the contents it caches, not a table as long as the whole plan.
     block_of: Vec<u32>,
     cached_len: usize,
     requests: HashMap<u64, Request>,
@@ -178,7 +180,7 @@ impl KvCore {
             blocks,
             sentinel,
             free_len: n,
-            block_of: vec![NONE; contents],
+            block_of: vec![0; contents],
             cached_len: 0,
             requests: HashMap::new(),
             events: Vec::new(),
@@ -220,7 +222,7 @@ impl KvCore {
     }
 
     fn cached(&self, id: u32) -> Option<u32> {
-        self.block_of.get(id as usize).copied().filter(|&b| b != NONE)
+        self.block_of.get(id as usize).copied().filter(|&b| b != 0).map(|b| b - 1)
     }
 
     /// Leading contents of `ids` that are cached, at most `max_blocks`.
@@ -282,7 +284,7 @@ impl KvCore {
         let stop = upto.min(state.blocks.len()).min(ids.len()).min(full);
         if let Some(&top) = ids[..stop].iter().max() {
             if top as usize >= self.block_of.len() {
-                self.block_of.resize(top as usize + 1, NONE);
+                self.block_of.resize(top as usize + 1, 0);
             }
         }
         let mut run: Vec<u32> = Vec::new();
@@ -291,9 +293,9 @@ impl KvCore {
             let id = ids[i];
             let parent = if i > 0 { ids[i - 1] } else { NONE };
             let mine = state.blocks[i];
-            let other = self.block_of[id as usize];
+            let other = self.block_of[id as usize].wrapping_sub(1); // NONE when not cached
             if other == NONE {
-                self.block_of[id as usize] = mine;
+                self.block_of[id as usize] = mine + 1;
                 self.cached_len += 1;
                 if run.is_empty() {
                     run_parent = (parent != NONE).then_some(parent);
@@ -405,7 +407,9 @@ impl KvCore {
     /// A fresh removal-batch stamp, `gone_stamp` sized to every content id.
     fn next_stamp(&mut self) -> u32 {
         if self.gone_stamp.len() < self.block_of.len() {
-            self.gone_stamp.resize(self.block_of.len(), 0);
+            // Only the current batch's stamp is ever compared: a fresh (lazily zeroed) table
+            // forgets nothing that matters.
+            self.gone_stamp = vec![0; self.block_of.len()];
         }
         if self.stamp == u32::MAX {
             self.gone_stamp.fill(0);
@@ -466,7 +470,7 @@ impl KvCore {
         if content != NONE {
             block.content = NONE;
             block.parent = NONE;
-            self.block_of[content as usize] = NONE;
+            self.block_of[content as usize] = 0;
             self.cached_len -= 1;
             self.push_removed(content, parent);
         }

@@ -1,5 +1,6 @@
-//! A workload, materialised: every request's lengths and block hashes, generated once (by the
-//! Python workload classes, `Workload.plan()`) and replayed by the engine.
+//! A workload, materialised: every request's lengths and block hashes, generated once (by
+//! [`crate::workload`], or from the Python workload classes' requests, which build the same
+//! plan) and replayed by the engine.
 //!
 //! Only *when* a closed-loop session's next turn arrives depends on the simulation (its previous
 //! turn's finish plus a think time); what it contains depends only on the seed and the session's
@@ -85,6 +86,28 @@ impl Contents {
         Contents { ids, unique }
     }
 
+    /// The numbering of `hashes` a plan builder already knows (`ids[i]` the id of
+    /// `hashes[i]`, `unique[id]` its hash), accepted only when it is exactly what
+    /// [`Contents::number`] would build: ids numbered by first appearance, each id's hash the
+    /// hash at its positions, and no hash under two ids (checked by sorting `unique` in
+    /// buckets of its top bits, without a hash map). None otherwise.
+    pub fn from_parts(hashes: &[u64], ids: Vec<u32>, unique: Vec<u64>) -> Option<Self> {
+        if ids.len() != hashes.len() || unique.len() > u32::MAX as usize {
+            return None;
+        }
+        let mut next = 0u32;
+        for (&id, &h) in ids.iter().zip(hashes) {
+            if id > next || unique.get(id as usize) != Some(&h) {
+                return None;
+            }
+            next += u32::from(id == next);
+        }
+        if next as usize != unique.len() || has_duplicates(&unique) {
+            return None;
+        }
+        Some(Contents { ids, unique })
+    }
+
     /// The id of each position of the numbered hash array.
     pub fn ids(&self) -> &[u32] {
         &self.ids
@@ -100,6 +123,37 @@ impl Contents {
         self.ids.len() == hashes.len()
             && self.ids.iter().zip(hashes).all(|(&id, &h)| self.unique.get(id as usize) == Some(&h))
     }
+}
+
+/// Whether any value occurs twice: one counting pass and one scatter by the top 16 bits, then
+/// a sort of each (small, cache-resident) bucket.
+fn has_duplicates(values: &[u64]) -> bool {
+    const BITS: u32 = 16;
+    if values.len() < 1 << 12 {
+        let mut sorted = values.to_vec();
+        sorted.sort_unstable();
+        return sorted.windows(2).any(|w| w[0] == w[1]);
+    }
+    let bucket = |v: u64| (v >> (64 - BITS)) as usize;
+    let mut starts = vec![0usize; (1 << BITS) + 1];
+    for &v in values {
+        starts[bucket(v) + 1] += 1;
+    }
+    for b in 0..1 << BITS {
+        starts[b + 1] += starts[b];
+    }
+    let mut fill = starts.clone();
+    let mut scattered = vec![0u64; values.len()];
+    for &v in values {
+        let b = bucket(v);
+        scattered[fill[b]] = v;
+        fill[b] += 1;
+    }
+    starts.windows(2).any(|w| {
+        let chunk = &mut scattered[w[0]..w[1]];
+        chunk.sort_unstable();
+        chunk.windows(2).any(|p| p[0] == p[1])
+    })
 }
 
 /// Why a plan is unusable.
@@ -155,5 +209,29 @@ impl Plan {
     /// Requests the plan makes in all.
     pub fn expected_requests(&self) -> usize {
         self.open.len() + self.sessions.iter().map(|s| s.turns.len()).sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_numberings_are_checked() {
+        let hashes = [5u64, 9, 5, 7];
+        let good = Contents::from_parts(&hashes, vec![0, 1, 0, 2], vec![5, 9, 7]).unwrap();
+        assert_eq!(good, Contents::number(&hashes));
+        assert!(Contents::from_parts(&hashes, vec![0, 1, 2, 3], vec![5, 9, 5, 7]).is_none());
+        assert!(Contents::from_parts(&hashes, vec![1, 0, 1, 2], vec![9, 5, 7]).is_none());
+        assert!(Contents::from_parts(&hashes, vec![0, 1, 0, 2], vec![5, 9, 8]).is_none());
+    }
+
+    #[test]
+    fn duplicates_are_found_in_large_arrays() {
+        let mut values: Vec<u64> =
+            (0..100_000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        assert!(!has_duplicates(&values));
+        values.push(values[77]);
+        assert!(has_duplicates(&values));
     }
 }

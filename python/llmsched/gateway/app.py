@@ -1,7 +1,8 @@
 """The reference gateway: an OpenAI-compatible HTTP front that admits, routes and proxies.
 
 Per request: authenticate, read the body (size- and time-limited), check it, tokenize (or hash
-the text), admit through :class:`~llmsched.FlowController`, pick with :class:`~llmsched.Router`,
+the text), then, through the public request pipeline (:class:`~llmsched.Scheduler`: flow
+control's admission, the router's pick, the in-flight ticket, the fallbacks, the accounting),
 send to the chosen engine and stream its answer back byte for byte. An attempt whose
 connection fails or is closed before the engine's status line (or that gets a 5xx) goes to the
 next endpoint (bounded by ``retries.max_attempts``); one that waits ``timeouts.read_s`` for its
@@ -25,7 +26,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import itertools
 import json
 import logging
 import os
@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -46,11 +46,11 @@ from yarl import URL
 from llmsched.errors import (
     ConfigError,
     FlowRejected,
+    InvalidRequestError,
+    InvalidTokenError,
     NoEndpointError,
     UnknownEndpointError,
-    UnknownWorkerError,
 )
-from llmsched.flow import FlowController, FlowRequest
 from llmsched.gateway.config import (
     ApiKey,
     GatewayConfig,
@@ -64,9 +64,13 @@ from llmsched.gateway.ratelimit import KeyLimiter, retry_after
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
-from llmsched.routing import Decision, Endpoint, EndpointPool, Router
+from llmsched.routing import Decision
+from llmsched.scheduler import Admission, Placement, Scheduler, ScheduleRequest
 from llmsched.slices import SliceTracker
 from llmsched.tokenize import PromptError, PromptTokenizer
+
+if TYPE_CHECKING:
+    from llmsched.cluster import ClusterSync, Usage
 
 __all__ = ["Gateway", "Refusal"]
 
@@ -157,6 +161,7 @@ class _Incoming:
     payload: dict[str, Any]
     prompt: _Prompt
     pick_args: dict[str, Any]
+    scheduled: ScheduleRequest
     deadline: float
     queued_s: float = 0.0
     limiter: KeyLimiter | None = None
@@ -164,10 +169,11 @@ class _Incoming:
 
 @dataclass
 class _FlowSlot:
-    """A request's place in flow control: the id to complete (None when nothing is held, e.g.
-    a sliced continuation waiting to be admitted again) and the output tokens to charge."""
+    """A request's place in flow control: the scheduler's admission to release (None while
+    nothing is held, e.g. a sliced continuation waiting to be admitted again) and the output
+    tokens to charge."""
 
-    flow_id: int | None
+    admission: Admission | None
     output_tokens: int = 0
 
 
@@ -187,11 +193,13 @@ class Gateway:
     Args:
         config: a :class:`~llmsched.gateway.config.GatewayConfig`, a mapping or a YAML path.
 
-    Components (public, for embedding and tests): :attr:`index` (one
-    :class:`~llmsched.PrefixIndex` with the configured block size), :attr:`pool` (an
+    Components (public, for embedding and tests): :attr:`scheduler` (the
+    :class:`~llmsched.Scheduler` every request goes through, which owns the rest), :attr:`index`
+    (one :class:`~llmsched.PrefixIndex` with the configured block size), :attr:`pool` (an
     :class:`~llmsched.Endpoint` per engine, id = ``spec.worker_id``), :attr:`router`,
-    :attr:`flow` (None when ``flow`` is null), :attr:`metrics`. :meth:`start` also starts a
-    KV-event subscriber (engines with ``kv_events``) and a metrics scraper.
+    :attr:`flow` (None when ``flow`` is null), :attr:`metrics`. :meth:`start` also starts the
+    scheduler's feeds: a KV-event subscriber (engines with ``kv_events``) and a metrics
+    scraper.
     """
 
     def __init__(self, config: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]) -> None:
@@ -199,30 +207,51 @@ class Gateway:
         cfg = self.config
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
         self._urls = _upstream_urls(self._specs)
-        self.index = PrefixIndex(cfg.block_size)
-        # Scraped metrics count as fresh for a few scrape intervals; without scraping there
-        # are no metrics, and the load scorers read in-flight counts only.
-        stale_after = 3 * cfg.scrape.interval_s + cfg.scrape.timeout_s
-        self.pool = EndpointPool(
-            [self._endpoint(spec) for spec in cfg.engines],
-            stale_after_s=stale_after,
-            stale_policy="saturated" if cfg.scrape.enabled else "ignore",
+        # The request pipeline: pool, index, router, flow control and the feeds. Scraped
+        # metrics count as fresh for a few scrape intervals; without scraping there are no
+        # metrics, and the load scorers read in-flight counts only.
+        self.scheduler = Scheduler(
+            cfg.engines,
+            router=cfg.router,
+            flow=cfg.flow,
+            index=PrefixIndex(cfg.block_size),
+            scrape=cfg.scrape.enabled,
+            scrape_interval_s=cfg.scrape.interval_s,
+            scrape_timeout_s=cfg.scrape.timeout_s,
+            retry_after_s=cfg.limits.retry_after_s,
         )
-        self.router = Router(self.pool, self.index, cfg.router)
-        self.flow = None if cfg.flow is None else FlowController(_flow_config(cfg, stale_after))
+        self.index = self.scheduler.index
+        self.pool = self.scheduler.pool
+        self.router = self.scheduler.router
+        self.flow = self.scheduler.flow
         self.tokenizer = None if cfg.tokenizer is None else PromptTokenizer(cfg.tokenizer)
         self.slice_tracker = (
             SliceTracker(cfg.slices.policy, cfg.slices.params, endpoints=list(self._specs))
             if cfg.slices.enabled
             else None
         )
-        self._subscriber: Any = None
-        self._scraper: Any = None
+        self.cluster: ClusterSync | None = None
+        """Replica sync (``cluster`` section; None when off)."""
+        if cfg.cluster.enabled:
+            from llmsched.cluster import ClusterSync
+
+            self.cluster = ClusterSync(
+                self.scheduler.router,
+                servers=list(cfg.cluster.servers),
+                cluster=cfg.cluster.name,
+                replica=cfg.cluster.replica,
+                flush_s=cfg.cluster.flush_s,
+                heartbeat_s=cfg.cluster.heartbeat_s,
+                load_ttl_s=cfg.cluster.load_ttl_s,
+            )
+        if self.cluster is not None:
+            self.cluster.share_usage(self._collect_usage, self._apply_usage)
         self.metrics = GatewayMetrics(
             flow=self.flow,
             index=self.index,
             kv_counters=self._kv_counters,
             endpoints=self.pool.endpoints,
+            cluster=None if self.cluster is None else self.cluster.stats,
         )
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
@@ -233,7 +262,6 @@ class Gateway:
             for digest, identity in self._keys.items()
             if identity.limited
         }
-        self._ids = itertools.count(1)
         # Tenant name -> when last seen (monotonic), least recently seen first.
         self._tenants: OrderedDict[str, float] = OrderedDict()
         self.metrics.tenants.set_function(lambda: len(self._tenants))
@@ -248,7 +276,6 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.AbstractServer | None = None
-        self._scrape_task: asyncio.Task[None] | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -271,16 +298,6 @@ class Gateway:
 
             add_admin_routes(self.app, self, cfg.admin.token)
 
-    @staticmethod
-    def _endpoint(spec: EngineSpec) -> Endpoint:
-        return Endpoint(
-            spec.worker_id,
-            address=f"{spec.host}:{spec.port}",
-            role=spec.role,  # type: ignore[arg-type]
-            labels=dict(spec.labels),
-            model=spec.model,
-        )
-
     # -- lifecycle -----------------------------------------------------------------------
 
     @property
@@ -295,6 +312,33 @@ class Gateway:
         """``http://host:port`` of the running gateway."""
         return f"http://{self.config.listen.host}:{self.port}"
 
+    def _collect_usage(self) -> Usage:
+        """What this replica took per rate-limited key (by its digest: the key never leaves)
+        and served per tenant since the last flush (replica sync)."""
+        keys: dict[str, tuple[float, float]] = {}
+        for digest, limiter in self._limiters.items():
+            if limiter.limits_rates:
+                used = limiter.drain_usage()
+                if used != (0.0, 0.0):
+                    keys[digest.hex()] = used
+        tenants = self.flow.drain_service() if self.flow is not None else []
+        return {"keys": keys, "tenants": tenants}
+
+    def _apply_usage(self, usage: Usage) -> None:
+        """Another replica's usage: charged to the same keys' buckets and tenants' flows."""
+        for digest_hex, (requests, tokens) in usage["keys"].items():
+            try:
+                limiter = self._limiters.get(bytes.fromhex(digest_hex))
+            except ValueError:
+                continue
+            if limiter is not None:
+                limiter.charge_remote(requests, tokens)
+        if self.flow is not None:
+            for tenant, priority, prompt, output in usage["tenants"]:
+                self.flow.charge_remote(
+                    tenant, priority, prompt_tokens=prompt, output_tokens=output
+                )
+
     async def start(self) -> None:
         """Opens the upstream client, starts the KV-event subscriber and the metrics scraper,
         then listens."""
@@ -308,7 +352,9 @@ class Gateway:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
-        await self._start_feeds()
+        await self.scheduler.start()
+        if self.cluster is not None:
+            await self.cluster.start()
         if cfg.discovery.file is not None:
             self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
         self._nothing_routable = asyncio.Event()
@@ -355,7 +401,9 @@ class Gateway:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._discovery_task = self._health_task = self._watch_task = None
-        await self._stop_feeds()
+        if self.cluster is not None:
+            await self.cluster.stop()
+        await self.scheduler.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -367,41 +415,6 @@ class Gateway:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
-
-    async def _start_feeds(self) -> None:
-        """The KV-event subscriber and the metrics scraper, for the current engines."""
-        cfg = self.config
-        engines = list(self._specs.values())
-        with_events = [spec for spec in engines if spec.kv_events]
-        if with_events:
-            from llmsched.integrations import KVEventSubscriber
-
-            # A (re)started gateway learns what the engines already cache from their replay
-            # sockets right away, not only when an engine next stores or evicts a block.
-            self._subscriber = KVEventSubscriber(self.index, with_events, catch_up=True)
-            self._subscriber.start()
-        if cfg.scrape.enabled:
-            from llmsched.integrations import MetricsScraper
-
-            self._scraper = MetricsScraper(
-                engines,
-                pool=self.pool,
-                flow=self.flow,
-                interval_s=cfg.scrape.interval_s,
-                timeout_s=cfg.scrape.timeout_s,
-            )
-            self._scrape_task = asyncio.create_task(self._scraper.run())
-
-    async def _stop_feeds(self) -> None:
-        if self._scrape_task is not None:
-            self._scrape_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scrape_task
-            self._scrape_task = None
-        self._scraper = None
-        if self._subscriber is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._subscriber.stop)
-            self._subscriber = None
 
     @property
     def engines(self) -> list[EngineSpec]:
@@ -424,30 +437,21 @@ class Gateway:
         if not specs:
             raise ConfigError("engines: must list at least one engine")
         specs = {s.worker_id: s for s in wire_engines(self.config, specs.values())}
-        added = [w for w in specs if w not in self._specs]
-        removed = [w for w in self._specs if w not in specs]
-        changed = [w for w in specs if w in self._specs and specs[w] != self._specs[w]]
+        # Pool, flow controller, index and feeds in one call; a changed engine starts over as
+        # up, with its new spec.
+        new, gone, updated = self.scheduler.set_engines(specs.values())
+        added, removed, changed = (list(map(str, ids)) for ids in (new, gone, updated))
         if not (added or removed or changed):
             return [], []
-        for worker in removed:
-            with contextlib.suppress(UnknownEndpointError):
-                self.pool.remove(worker)
-            if self.flow is not None:
-                self.flow.remove_endpoint(worker)
-            with contextlib.suppress(UnknownWorkerError):
-                self.index.remove_worker(worker)
-        for worker in added + changed:  # a changed engine starts over as up, with its new spec
-            self.pool.add(self._endpoint(specs[worker]))
-            if self.slice_tracker is not None:
+        if self.slice_tracker is not None:
+            for worker in added + changed:
                 self.slice_tracker.set_endpoint(worker)
         self._specs = specs
         self._urls = _upstream_urls(specs)
         self.health.set_engines(specs, reset=changed)
         self.metrics.engines_changed.inc(len(added) + len(removed) + len(changed))
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
-        if self._session is not None:  # started: the feeds follow the new set
-            await self._stop_feeds()
-            await self._start_feeds()
+        await self.scheduler.feeds_settled()  # started: the feeds follow the new set
         return added, removed
 
     async def _watch_discovery(self, path: Path) -> None:
@@ -472,10 +476,8 @@ class Gateway:
                 log.warning("discovery: keeping the current engines: %s", exc)
 
     def _kv_counters(self) -> dict[str, int]:
-        if self._subscriber is None:
-            return {}
-        counters: dict[str, int] = self._subscriber.counters()
-        return counters
+        subscriber = self.scheduler.subscriber
+        return {} if subscriber is None else subscriber.counters()
 
     # -- small endpoints -----------------------------------------------------------------
 
@@ -493,9 +495,8 @@ class Gateway:
         """Engines a request could go to now: in the pool, up by the health model (not down,
         breaker not open) and, once scraped, answering their last scrape."""
         present = {str(e["id"]) for e in self.pool.endpoints()}
-        snapshot: dict[str, dict[str, Any]] = (
-            self._scraper.snapshot() if self._scraper is not None else {}
-        )
+        scraper = self.scheduler.scraper
+        snapshot: dict[str, dict[str, Any]] = scraper.snapshot() if scraper is not None else {}
         return [
             worker
             for worker in self._specs
@@ -516,12 +517,11 @@ class Gateway:
 
     def _routing_changed(self, worker: str, routable: bool) -> None:
         """The health model took an engine out of routing or brought it back."""
-        spec = self._specs.get(worker)
-        if routable and spec is not None:
-            self.pool.add(self._endpoint(spec))
-        elif not routable:
-            with contextlib.suppress(UnknownEndpointError):
-                self.pool.remove(worker)
+        with contextlib.suppress(UnknownEndpointError):  # not (or no longer) configured
+            if routable:
+                self.scheduler.resume(worker)
+            else:
+                self.scheduler.drain(worker)
         if self._nothing_routable is not None:
             if self.routable_endpoints():
                 self._nothing_routable.clear()
@@ -582,22 +582,25 @@ class Gateway:
             if over is not None:
                 reason, wait_s = over
                 return self.refuse(route, _limit_refusal(reason, wait_s))
-        request_id = next(self._ids)
-        slot = _FlowSlot(request_id)
+        slot = _FlowSlot(None)
         try:
             if self.flow is not None:
                 try:
-                    incoming.queued_s = await self._admit(request_id, incoming)
+                    slot.admission = await self._admit(incoming)
                 except FlowRejected as rejected:
                     dropped = _flow_refusal(rejected, self.config.limits.retry_after_s)
                     return self.refuse(route, dropped)
                 except Refusal as refusal:
                     return self.refuse(route, refusal)
+            else:  # admitted at once: an id, no slot
+                slot.admission = await self.scheduler.admit(incoming.scheduled)
+            request_id = slot.admission.id
             try:
-                return await self._serve(request, route, incoming, slot, arrived)
+                return await self._serve(request, route, incoming, slot, request_id, arrived)
             finally:
-                if self.flow is not None and slot.flow_id is not None:
-                    self.flow.complete(slot.flow_id, slot.output_tokens)
+                # The admission held at the end: the first, or a sliced continuation's.
+                if slot.admission is not None:
+                    slot.admission.release(slot.output_tokens)
         finally:
             if limiter is not None:
                 limiter.release(output_tokens=slot.output_tokens)
@@ -632,31 +635,45 @@ class Gateway:
         _check_fields(payload)
         prompt = self._prompt(route, payload)
         pick_args = self._pick_args(prompt, model, priority, payload, request)
+        try:
+            scheduled = ScheduleRequest(
+                tokens=pick_args.get("tokens"),
+                text=pick_args.get("text"),
+                messages=pick_args.get("messages"),
+                model=model,
+                tenant=tenant,
+                priority=priority,
+                session_id=pick_args.get("session_id"),
+                cache_salt=pick_args.get("cache_salt"),
+                prompt_tokens=prompt.size,
+                size_bytes=len(body),
+            )
+        except (InvalidRequestError, InvalidTokenError) as exc:
+            raise Refusal(400, "invalid_request_error", str(exc)) from None
         return _Incoming(
-            tenant, priority, body, payload, prompt, pick_args, deadline, limiter=limiter
+            tenant,
+            priority,
+            body,
+            payload,
+            prompt,
+            pick_args,
+            scheduled,
+            deadline,
+            limiter=limiter,
         )
 
-    async def _admit(self, flow_id: int, incoming: _Incoming) -> float:
-        """Waits for flow control to dispatch the request; returns the seconds it waited."""
-        assert self.flow is not None
-        before = time.perf_counter()
-        flow_request = FlowRequest(
-            flow_id,
-            priority=incoming.priority,
-            tenant=incoming.tenant,
-            prompt_tokens=incoming.prompt.size,
-            size_bytes=len(incoming.body),
-        )
-        await self._wait_admitted(flow_request, incoming.deadline)
-        queued_s = time.perf_counter() - before
-        self.metrics.queue_seconds.observe(queued_s)
-        return queued_s
+    async def _admit(self, incoming: _Incoming) -> Admission:
+        """Waits for flow control to dispatch the request (its queued time in the metrics)."""
+        admission = await self._wait_admitted(incoming.scheduled, incoming.deadline)
+        incoming.queued_s = admission.queued_s
+        self.metrics.queue_seconds.observe(admission.queued_s)
+        return admission
 
-    async def _wait_admitted(self, flow_request: FlowRequest, deadline: float) -> None:
-        """``flow.admit``, left with a 503 as soon as no engine is routable, or a 504 at the
-        request's deadline (the queued request is cancelled either way)."""
-        assert self.flow is not None and self._nothing_routable is not None
-        admitted = asyncio.ensure_future(self.flow.admit(flow_request))
+    async def _wait_admitted(self, scheduled: ScheduleRequest, deadline: float) -> Admission:
+        """The scheduler's admission, left with a 503 as soon as no engine is routable, or a
+        504 at the request's deadline (the queued request is cancelled either way)."""
+        assert self._nothing_routable is not None
+        admitted = asyncio.ensure_future(self.scheduler.admit(scheduled))
         nothing = asyncio.ensure_future(self._nothing_routable.wait())
         try:
             await asyncio.wait(
@@ -674,7 +691,7 @@ class Gateway:
             if time.monotonic() >= deadline:
                 raise _deadline_refusal()
             raise self._no_engine_refusal()
-        admitted.result()  # raises FlowRejected
+        return admitted.result()  # raises FlowRejected
 
     async def _serve(
         self,
@@ -682,6 +699,7 @@ class Gateway:
         route: str,
         incoming: _Incoming,
         slot: _FlowSlot,
+        request_id: int,
         arrived: float,
     ) -> web.StreamResponse:
         """Routes and proxies an admitted request (sliced when slices are on and it can be);
@@ -692,33 +710,32 @@ class Gateway:
             else make_assembler(incoming.payload, route, self.config.slices.default_max_tokens)
         )
         if assembler is not None and self.slice_tracker is not None:
-            assert slot.flow_id is not None
+            assert slot.admission is not None
             sliced = SlicedRequest(
                 self,
                 self.slice_tracker,
                 assembler,
                 route=route,
-                request_id=slot.flow_id,
-                flow_id=slot.flow_id,
+                request_id=request_id,
+                admission=slot.admission,
                 tenant=incoming.tenant,
                 priority=incoming.priority,
                 prompt_tokens=incoming.prompt.size,
                 stream=bool(incoming.payload.get("stream")),
                 base_pick_args=incoming.pick_args,
-                next_flow_id=lambda: next(self._ids),
                 deadline=incoming.deadline,
             )
             self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
             try:
                 return await sliced.run(request)
             finally:
-                slot.flow_id, slot.output_tokens = sliced.flow_id, sliced.uncharged_tokens()
-        decision = self.pick(incoming.pick_args)
-        if decision is None:
+                slot.admission, slot.output_tokens = sliced.admission, sliced.uncharged_tokens()
+        placement = self.place(incoming.scheduled)
+        if placement is None:
             return self.refuse(route, self._no_engine_refusal())
         self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
         response, slot.output_tokens = await self._proxy(
-            request, route, incoming.body, decision, incoming.pick_args, incoming.deadline
+            request, route, incoming.body, placement, incoming.deadline
         )
         return response
 
@@ -860,18 +877,17 @@ class Gateway:
 
     # -- package-internal seam (used by llmsched.gateway.slicing) ---------------------------
 
-    def pick(self, args: Mapping[str, Any]) -> Decision | None:
-        """A routing decision for ``args`` (Router.pick keywords), timed in the metrics; None
-        when no endpoint can serve it. Package-internal."""
-        now = time.monotonic()
+    def place(self, scheduled: ScheduleRequest) -> Placement | None:
+        """The scheduler's placement of an admitted request (picked and in flight), timed in
+        the metrics; None when no endpoint can serve it. The caller holds the admission.
+        Package-internal."""
         started = time.perf_counter()
         try:
-            decision = self.router.pick(**args, now=now)
+            return self.scheduler.place(scheduled)
         except NoEndpointError:
             return None
         finally:
             self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        return decision
 
     # -- upstream ------------------------------------------------------------------------
 
@@ -880,69 +896,65 @@ class Gateway:
         request: web.Request,
         route: str,
         body: bytes,
-        decision: Decision,
-        pick_args: Mapping[str, Any],
+        placement: Placement,
         deadline: float,
     ) -> tuple[web.StreamResponse, int]:
-        """Sends to the chosen endpoint, then to fallbacks while attempts fail before the
-        engine's status line (or get a 5xx). Returns the response sent and the output tokens
-        counted."""
-        considered = [str(e) for e in decision.cached_tokens()]
-        order = [str(decision.endpoint), *map(str, decision.fallbacks)]
-        order += [e for e in considered if e not in order]
-        attempts = 0
-        current: Decision | None = decision
-        for endpoint in order:
-            if attempts >= self.config.retries.max_attempts:
-                break
-            if time.monotonic() >= deadline:
-                if current is not None:
-                    current.finished()
-                return self.refuse(route, _deadline_refusal()), 0
-            if current is None:  # a retry: a fresh decision carries the in-flight accounting
-                current = self.pick(pick_args)
-                if current is None:
+        """Sends to the placed endpoint, then (:meth:`Placement.retry`) to the fallbacks while
+        attempts fail before the engine's status line (or get a 5xx). Returns the response
+        sent and the output tokens counted. The placement's exit settles the accounting: a
+        failed request drops its approximate prefix record, a client gone cancels it."""
+        with placement:
+            while True:
+                endpoint = str(placement.endpoint)
+                if placement.attempts > 1:
+                    self.metrics.retries.inc()
+                try:
+                    return await self._attempt(
+                        request, route, body, placement.decision, endpoint, deadline
+                    )
+                except _UpstreamFailed as failed:
+                    self.metrics.upstream_errors.labels(endpoint, failed.kind).inc()
+                    # The request's own deadline ending an attempt says nothing about the
+                    # engine.
+                    if failed.kind != "removed" and time.monotonic() < deadline:
+                        self.health.record(endpoint, failed.kind)
+                except _NoAnswer:
+                    placement.fail()
+                    self.metrics.upstream_errors.labels(endpoint, "timeout").inc()
+                    if time.monotonic() < deadline:
+                        self.health.record(endpoint, "timeout")
+                        return self.refuse(
+                            route,
+                            Refusal(
+                                504, "timeout", "the engine did not answer within timeouts.read_s"
+                            ),
+                        ), 0
+                    return self.refuse(route, _deadline_refusal()), 0
+                except _Truncated as truncated:
+                    # The status line came: the request ran (or runs) there; it is not re-sent.
+                    placement.fail()
+                    self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
+                    self.metrics.truncated.labels(endpoint, "error").inc()
+                    return self.refuse(route, Refusal(502, "upstream_error", str(truncated))), 0
+                # The attempt failed before the engine took the request: the next endpoint.
+                if placement.attempts >= self.config.retries.max_attempts:
                     break
-            try:
-                current.started(endpoint)
-            except UnknownEndpointError:  # taken out of routing or removed since the pick
-                current.finished()
-                current = None
-                continue
-            attempts += 1
-            if attempts > 1:
-                self.metrics.retries.inc()
-            try:
-                return await self._attempt(request, route, body, current, endpoint, deadline)
-            except _UpstreamFailed as failed:
-                self.metrics.upstream_errors.labels(endpoint, failed.kind).inc()
-                # The request's own deadline ending an attempt says nothing about the engine.
-                if failed.kind != "removed" and time.monotonic() < deadline:
-                    self.health.record(endpoint, failed.kind)
-                current.finished()
-                current = None
-            except _NoAnswer:
-                self.metrics.upstream_errors.labels(endpoint, "timeout").inc()
-                if time.monotonic() < deadline:
-                    self.health.record(endpoint, "timeout")
-                    return self.refuse(
-                        route,
-                        Refusal(504, "timeout", "the engine did not answer within timeouts.read_s"),
-                    ), 0
-                return self.refuse(route, _deadline_refusal()), 0
-            except _Truncated as truncated:
-                # The status line came: the request ran (or runs) there; it is not re-sent.
-                self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
-                self.metrics.truncated.labels(endpoint, "error").inc()
-                return self.refuse(route, Refusal(502, "upstream_error", str(truncated))), 0
-            finally:
-                if current is not None:
-                    current.finished()
+                if time.monotonic() >= deadline:
+                    placement.fail()
+                    return self.refuse(route, _deadline_refusal()), 0
+                started = time.perf_counter()
+                try:
+                    placement.retry()
+                except NoEndpointError:
+                    break
+                finally:
+                    self.metrics.decision_seconds.observe(time.perf_counter() - started)
+            placement.fail()
         if time.monotonic() >= deadline:
             return self.refuse(route, _deadline_refusal()), 0
         return self.refuse(
             route,
-            Refusal(502, "upstream_error", f"no engine answered ({attempts} attempts)"),
+            Refusal(502, "upstream_error", f"no engine answered ({placement.attempts} attempts)"),
         ), 0
 
     def upstream_timeout(self, deadline: float) -> aiohttp.ClientTimeout:
@@ -1228,16 +1240,6 @@ def _flow_refusal(rejected: FlowRejected, retry_after_s: int) -> Refusal:
         f"request not admitted: {rejected.reason}",
         {DROPPED_REASON_HEADER: rejected.reason, "Retry-After": str(retry_after_s)},
     )
-
-
-def _flow_config(cfg: GatewayConfig, stale_after_s: float) -> dict[str, Any]:
-    """The flow config with the saturation staleness matched to the scrape interval unless
-    the config sets it (llm-d's 200 ms default would read every scrape as stale)."""
-    flow = json.loads(json.dumps(cfg.flow))
-    saturation = flow.setdefault("saturation", {"type": "utilization"})
-    if isinstance(saturation, dict) and saturation.get("type", "utilization") == "utilization":
-        saturation.setdefault("staleness_s", stale_after_s)
-    return dict(flow)
 
 
 def _upstream_urls(specs: Mapping[str, EngineSpec]) -> dict[tuple[str, str], URL]:

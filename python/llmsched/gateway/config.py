@@ -31,6 +31,7 @@ import yaml
 from llmsched.config_loader import load_mapping, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
+from llmsched.integrations.identity import wire_for_router
 from llmsched.types import ConfigInfo
 
 _log = logging.getLogger("llmsched")
@@ -39,6 +40,7 @@ __all__ = [
     "AdminConfig",
     "ApiKey",
     "AuthConfig",
+    "ClusterConfig",
     "DiscoveryConfig",
     "GatewayConfig",
     "HealthConfig",
@@ -244,6 +246,25 @@ class AdminConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Replica sync (:mod:`llmsched.cluster`): gateways with the same ``name`` on the same NATS
+    ``servers`` share approximate prefix records, sessions and in-flight counts. Off while
+    ``servers`` is empty."""
+
+    servers: tuple[str, ...] = ()
+    name: str = "llmsched"
+    replica: str | None = None
+    flush_s: float = 0.005
+    heartbeat_s: float = 1.0
+    load_ttl_s: float = 3.0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the gateway joins a cluster."""
+        return bool(self.servers)
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """The whole gateway configuration. Build it with :func:`load_config`."""
 
@@ -264,6 +285,7 @@ class GatewayConfig:
     slices: SlicesConfig = SlicesConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     admin: AdminConfig = AdminConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
 
 _TOP_KEYS = frozenset(
@@ -285,6 +307,7 @@ _TOP_KEYS = frozenset(
         "slices",
         "discovery",
         "admin",
+        "cluster",
     }
 )
 
@@ -344,6 +367,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         slices=_slices(_section(raw, "slices")),
         discovery=discovery,
         admin=_admin(_section(raw, "admin")),
+        cluster=_cluster(_section(raw, "cluster")),
     )
 
 
@@ -481,69 +505,8 @@ def wire_engines(config: GatewayConfig, engines: Iterable[EngineSpec]) -> tuple[
 def _wire_specs(
     engines: tuple[EngineSpec, ...], models: tuple[str, ...], info: ConfigInfo
 ) -> tuple[EngineSpec, ...]:
-    """The engine specs as the router config asks: KV events to ``kvEventsConfig.zmqEndpoint``
-    for engines without their own, and a ``metrics-data-source``'s ``path`` as the metrics path
-    of engines that keep the default one."""
-    import dataclasses
-
-    metrics = info["metrics_source"]
-    if metrics is not None:
-        engines = tuple(
-            dataclasses.replace(spec, metrics_path=metrics["path"])
-            if spec.metrics_path == "/metrics"
-            else spec
-            for spec in engines
-        )
-    precise = info["precise"]
-    return engines if precise is None else _shared_kv_events(engines, models, precise)
-
-
-def _shared_kv_events(
-    engines: tuple[EngineSpec, ...], models: tuple[str, ...], precise: Mapping[str, Any]
-) -> tuple[EngineSpec, ...]:
-    """Engines without their own ``kv_events`` publish to ``kvEventsConfig.zmqEndpoint``, which
-    the gateway binds once for all of them (llm-d's layout: every vLLM pod connects there and
-    publishes as ``kv@<pod-ip>@<model>``); their topic, when not set, is that one, with the
-    engine's ``model`` or the gateway's only model. With ``discoverPods`` llm-d connects to
-    each pod instead, which here is an engine's own ``kv_events``."""
-    import dataclasses
-
-    if precise["discover_pods"]:
-        return engines
-    endpoint = precise["zmq_endpoint"]
-    out = []
-    for i, spec in enumerate(engines):
-        if spec.kv_events is not None:
-            out.append(spec)
-            continue
-        topic = spec.topic
-        model = spec.model or (models[0] if len(models) == 1 else None)
-        if not topic and model is None:
-            _log.warning(
-                "engines[%d] (%s): cannot publish to kvEventsConfig.zmqEndpoint %s: its topic "
-                "is llm-d's %s<pod-ip>@<model> but the engine names no model and the gateway "
-                "serves several; set the engine's topic (or model)",
-                i,
-                spec.worker_id,
-                endpoint,
-                precise["topic_filter"],
-            )
-            out.append(spec)
-            continue
-        if spec.dp_rank != 0:
-            _log.warning(
-                "engines[%d] (%s): data-parallel rank %d publishes on its own port; give it "
-                "its own kv_events",
-                i,
-                spec.worker_id,
-                spec.dp_rank,
-            )
-            out.append(spec)
-            continue
-        if not topic:
-            topic = f"{precise['topic_filter']}{spec.host}@{model}"
-        out.append(dataclasses.replace(spec, kv_events=endpoint, kv_events_bind=True, topic=topic))
-    return tuple(out)
+    """The engine specs as the router config asks (:func:`wire_for_router`)."""
+    return wire_for_router(engines, info, models)
 
 
 def _cached_tokenizer(model: str) -> Path | None:
@@ -806,6 +769,36 @@ def _admin(raw: dict[str, Any]) -> AdminConfig:
     if token is not None and (not isinstance(token, str) or len(token) < 16):
         raise ConfigError("admin.token: must be a str of at least 16 characters")
     return AdminConfig(token=token)
+
+
+def _cluster(raw: dict[str, Any]) -> ClusterConfig:
+    d = ClusterConfig()
+    _reject_unknown(raw, "cluster", set(d.__dataclass_fields__))
+    servers = raw.get("servers", [])
+    if isinstance(servers, str):
+        servers = [servers]
+    if not isinstance(servers, list) or not all(
+        isinstance(u, str) and u.startswith(("nats://", "tls://")) for u in servers
+    ):
+        raise ConfigError("cluster.servers: must be a list of nats:// URLs")
+    name = raw.get("name", d.name)
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ConfigError(f"cluster.name: must be letters, digits, '-' or '_', got {name!r}")
+    replica = raw.get("replica")
+    if replica is not None and (not isinstance(replica, str) or not replica):
+        raise ConfigError("cluster.replica: must be a non-empty name (default host and pid)")
+    heartbeat = _required_seconds(raw, "heartbeat_s", d.heartbeat_s, "cluster")
+    load_ttl = _required_seconds(raw, "load_ttl_s", d.load_ttl_s, "cluster")
+    if load_ttl <= heartbeat:
+        raise ConfigError("cluster.load_ttl_s: must exceed cluster.heartbeat_s")
+    return ClusterConfig(
+        servers=tuple(servers),
+        name=name,
+        replica=replica,
+        flush_s=_required_seconds(raw, "flush_s", d.flush_s, "cluster"),
+        heartbeat_s=heartbeat,
+        load_ttl_s=load_ttl,
+    )
 
 
 def _limits(raw: dict[str, Any]) -> LimitsConfig:

@@ -42,6 +42,7 @@ class GatewayMetrics:
         index: PrefixIndex,
         kv_counters: Callable[[], dict[str, int]] | None = None,
         endpoints: Callable[[], list[EndpointInfo]] | None = None,
+        cluster: Callable[[], Mapping[str, object] | None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -158,7 +159,7 @@ class GatewayMetrics:
             "Discovery file reads that failed (the current engines were kept)",
             registry=r,
         )
-        r.register(_StateCollector(flow, index, kv_counters, endpoints))
+        r.register(_StateCollector(flow, index, kv_counters, endpoints, cluster))
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
@@ -174,11 +175,13 @@ class _StateCollector(Collector):
         index: PrefixIndex,
         kv_counters: Callable[[], dict[str, int]] | None,
         endpoints: Callable[[], list[EndpointInfo]] | None = None,
+        cluster: Callable[[], Mapping[str, object] | None] | None = None,
     ) -> None:
         self._flow = flow
         self._index = index
         self._kv_counters = kv_counters
         self._endpoints = endpoints
+        self._cluster = cluster
 
     def describe(self) -> list[Metric]:
         return []  # unchecked: the families depend on the live state
@@ -202,6 +205,9 @@ class _StateCollector(Collector):
             yield in_flight
         if self._flow is not None:
             yield from self._flow_metrics(self._flow.metrics())
+        cluster = self._cluster() if self._cluster is not None else None
+        if cluster is not None:
+            yield from self._cluster_metrics(cluster)
         if self._kv_counters is not None:
             family = CounterMetricFamily(
                 f"{PREFIX}_kv_events", "KV-event subscriber counters", labels=["counter"]
@@ -209,6 +215,27 @@ class _StateCollector(Collector):
             for name, value in sorted(self._kv_counters().items()):
                 family.add_metric([name], value)
             yield family
+
+    @staticmethod
+    def _cluster_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_cluster_connected",
+            "1 while the replica-sync bus is connected (0: routing on local state only)",
+            value=1 if stats["connected"] else 0,
+        )
+        peers = stats["peers"]
+        yield GaugeMetricFamily(
+            f"{PREFIX}_cluster_peers",
+            "Other gateway replicas heard from within cluster.load_ttl_s",
+            value=len(peers) if isinstance(peers, list) else 0,
+        )
+        family = CounterMetricFamily(
+            f"{PREFIX}_cluster", "Replica-sync counters (llmsched.cluster)", labels=["counter"]
+        )
+        for name, value in sorted(stats.items()):
+            if isinstance(value, int) and not isinstance(value, bool):
+                family.add_metric([name], value)
+        yield family
 
     @staticmethod
     def _flow_metrics(metrics: FlowMetrics) -> Iterator[Metric]:

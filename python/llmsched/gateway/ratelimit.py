@@ -11,7 +11,9 @@ Each API key may carry limits in its entry (``auth.api_keys``):
 
 A request over a limit gets 429 with ``Retry-After`` (the seconds until the bucket holds what
 it needs, rounded up) and ``x-llmsched-dropped-reason`` ``rate-limited`` or
-``concurrency-limited``. Limits apply per key, before flow control.
+``concurrency-limited``. Limits apply per key, before flow control. Gateways in one cluster
+(``cluster`` section) share what each key took, so the rates hold across replicas (within one
+sync interval); ``max_concurrent`` stays per replica.
 
 >>> limiter = KeyLimiter(requests_per_s=1.0, burst_requests=2, clock=lambda: 0.0)
 >>> [limiter.acquire(prompt_tokens=0) for _ in range(3)]
@@ -74,6 +76,9 @@ class KeyLimiter:
         )
         self.max_concurrent = max_concurrent
         self.in_progress = 0
+        # What this gateway took since the last drain_usage(), for the other replicas.
+        self._used_requests = 0.0
+        self._used_tokens = 0.0
 
     def acquire(self, *, prompt_tokens: int) -> tuple[str, float] | None:
         """Admits one request (returns None and counts it in progress), or returns the reason
@@ -94,8 +99,10 @@ class KeyLimiter:
             if wait > 0:
                 return "rate-limited", wait
             self._tokens.level -= prompt_tokens
+            self._used_tokens += prompt_tokens
         if self._requests is not None:
             self._requests.level -= 1.0
+            self._used_requests += 1.0
         self.in_progress += 1
         return None
 
@@ -105,6 +112,30 @@ class KeyLimiter:
         if self._tokens is not None and output_tokens > 0:
             self._tokens.refill(self._clock())
             self._tokens.level -= output_tokens
+            self._used_tokens += output_tokens
+
+    @property
+    def limits_rates(self) -> bool:
+        """Whether the key has a request or token rate (what replicas share)."""
+        return self._requests is not None or self._tokens is not None
+
+    def drain_usage(self) -> tuple[float, float]:
+        """Requests and tokens this gateway took from the buckets since the last call."""
+        used = (self._used_requests, self._used_tokens)
+        self._used_requests = self._used_tokens = 0.0
+        return used
+
+    def charge_remote(self, requests: float, tokens: float) -> None:
+        """What other gateway replicas admitted for this key (replica sync): taken from the
+        buckets as if admitted here, so the key's rate holds across replicas. The buckets may
+        go below zero (the key then waits until they refill). Concurrency stays per replica."""
+        now = self._clock()
+        if self._requests is not None and requests > 0:
+            self._requests.refill(now)
+            self._requests.level -= requests
+        if self._tokens is not None and tokens > 0:
+            self._tokens.refill(now)
+            self._tokens.level -= tokens
 
 
 def retry_after(wait_s: float) -> str:

@@ -20,15 +20,16 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
 from aiohttp import web
 
-from llmsched.errors import ConfigError, FlowRejected
-from llmsched.flow import FlowController, FlowRequest
+from llmsched.errors import ConfigError, FlowRejected, InvalidRequestError, InvalidTokenError
+from llmsched.flow import FlowController
+from llmsched.scheduler import Admission, Placement, ScheduleRequest
 from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
 
 if TYPE_CHECKING:
@@ -69,13 +70,12 @@ class SlicedRequest:
         *,
         route: str,
         request_id: int,
-        flow_id: int,
+        admission: Admission,
         tenant: str,
         priority: int,
         prompt_tokens: int,
         stream: bool,
         base_pick_args: Mapping[str, Any],
-        next_flow_id: Callable[[], int],
         deadline: float | None = None,
     ) -> None:
         self.gateway = gateway
@@ -83,16 +83,15 @@ class SlicedRequest:
         self.asm = assembler
         self.route = route
         self.request_id = request_id
-        self.flow_id: int | None = flow_id
-        """The flow-control id of the current admission (a new one after a yield; None while
-        a continuation waits to be admitted again)."""
+        self.admission: Admission | None = admission
+        """The current admission (a new one after a yield; None while a continuation waits to
+        be admitted again)."""
         self.stream = stream
         self._charged = 0
         self.tenant = tenant
         self.priority = priority
         self.prompt_tokens = prompt_tokens
         self.base_pick_args = dict(base_pick_args)
-        self.next_flow_id = next_flow_id
         self.deadline = deadline
         """The request's deadline (monotonic seconds; None: none), applied to every slice."""
         self.endpoints: list[str] = []
@@ -107,29 +106,28 @@ class SlicedRequest:
             first = True
             while True:
                 body = self.asm.next_request(max(slice_tokens, 1))
-                decision = self.gateway.pick(self._pick_args(body))
-                if decision is None:
+                placement = self.gateway.place(self._scheduled(body))
+                if placement is None:
                     raise SliceFailed("no engine can serve the continuation")
-                endpoint = str(decision.endpoint)
-                if first:
-                    start = self.tracker.admit(
-                        self.request_id,
-                        prompt_tokens=self.prompt_tokens,
-                        max_tokens=self.asm.remaining_tokens,
-                        endpoint=endpoint,
-                        priority=self.priority,
-                    )
-                    body = self.asm.next_request(start.slice_tokens)
-                    first = False
-                elif self._paused():
-                    start = self.tracker.resume(self.request_id, endpoint=endpoint)
-                    body = self.asm.next_request(start.slice_tokens)
-                self.endpoints.append(endpoint)
-                decision.started(endpoint)
-                try:
-                    chunks = await self._call(endpoint, body, decision)
-                finally:
-                    decision.finished()
+                # Picked and in flight; the exit completes it, or fails it (dropping its
+                # approximate prefix record) when the slice failed.
+                with placement:
+                    endpoint = str(placement.endpoint)
+                    if first:
+                        start = self.tracker.admit(
+                            self.request_id,
+                            prompt_tokens=self.prompt_tokens,
+                            max_tokens=self.asm.remaining_tokens,
+                            endpoint=endpoint,
+                            priority=self.priority,
+                        )
+                        body = self.asm.next_request(start.slice_tokens)
+                        first = False
+                    elif self._paused():
+                        start = self.tracker.resume(self.request_id, endpoint=endpoint)
+                        body = self.asm.next_request(start.slice_tokens)
+                    self.endpoints.append(endpoint)
+                    chunks = await self._call(endpoint, body, placement)
                 self.gateway.metrics.slices.inc()
                 if stream:
                     if response is None:
@@ -172,6 +170,13 @@ class SlicedRequest:
         state = self.tracker.state(self.request_id)
         return state is not None and state.phase != "running"
 
+    def _scheduled(self, body: Mapping[str, Any]) -> ScheduleRequest:
+        """A slice's call as the scheduler places it."""
+        try:
+            return ScheduleRequest(**self._pick_args(body), tenant=self.tenant)
+        except (InvalidRequestError, InvalidTokenError) as exc:
+            raise SliceFailed(f"the continuation cannot be routed: {exc}") from None
+
     def _pick_args(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Routing input of a slice's call: its whole prompt (the continuation included)."""
         args = {
@@ -197,7 +202,7 @@ class SlicedRequest:
         return args
 
     async def _call(
-        self, endpoint: str, body: dict[str, Any], decision: Any
+        self, endpoint: str, body: dict[str, Any], placement: Placement
     ) -> list[dict[str, Any]]:
         """One slice's engine call, streamed into the assembler; returns the user chunks."""
         session = self.gateway.upstream_session()
@@ -215,7 +220,7 @@ class SlicedRequest:
                 first = True
                 async for data in upstream.content.iter_any():
                     if first:
-                        decision.first_token()
+                        placement.first_token()
                         first = False
                     buffered += data
                     *events, buffered = buffered.split(b"\n\n")
@@ -249,25 +254,23 @@ class SlicedRequest:
         )
         if decision.action == "finish":
             raise SliceFailed("the slice tracker finished the request before its end")
-        flow = self.gateway.flow
-        if decision.action == "yield" and flow is not None and self.flow_id is not None:
-            # Give the slot back; the continuation queues again like a new request would.
-            flow.complete(self.flow_id, self.uncharged_tokens())
+        admission = self.admission
+        if decision.action == "yield" and admission is not None and admission.holds_slot:
+            # Give the slot back; the continuation queues again like a new request would
+            # (its admission needs its size only: the slice's prompt is built afterwards).
+            admission.release(self.uncharged_tokens())
             self._charged = self.asm.generated_tokens
-            self.flow_id = None
-            continuation = self.next_flow_id()
+            self.admission = None
+            continuation = ScheduleRequest(
+                tokens=(),
+                prompt_tokens=decision.context_tokens,
+                priority=decision.priority,
+                tenant=self.tenant,
+            )
             try:
-                await flow.admit(
-                    FlowRequest(
-                        continuation,
-                        priority=decision.priority,
-                        tenant=self.tenant,
-                        prompt_tokens=decision.context_tokens,
-                    )
-                )
+                self.admission = await self.gateway.scheduler.admit(continuation)
             except FlowRejected as rejected:
                 raise SliceFailed(f"continuation not admitted: {rejected.reason}") from None
-            self.flow_id = continuation
         return decision.next_slice_tokens
 
     def _report_loads(self) -> None:

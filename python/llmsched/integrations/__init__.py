@@ -20,7 +20,12 @@ from llmsched._extras import require
 
 require("integrations", "zmq", "aiohttp", "prometheus_client", feature="llmsched.integrations")
 
-from llmsched.integrations.identity import EngineSpec, resolve_engines, worker_id
+from llmsched.integrations.identity import (
+    EngineSpec,
+    resolve_engines,
+    wire_for_router,
+    worker_id,
+)
 from llmsched.integrations.kv_events import KVEventSubscriber
 from llmsched.integrations.metrics import MetricsScraper, ScrapeResult
 
@@ -30,5 +35,6 @@ __all__ = [
     "MetricsScraper",
     "ScrapeResult",
     "resolve_engines",
+    "wire_for_router",
     "worker_id",
 ]

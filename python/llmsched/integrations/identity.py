@@ -19,6 +19,7 @@ the one every component feeds, never a second copy keyed by its address; a genui
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,8 +28,18 @@ from llmsched.errors import ConfigError
 
 if TYPE_CHECKING:
     from llmsched.routing import EndpointId, EndpointPool
+    from llmsched.types import ConfigInfo
 
-__all__ = ["ENDPOINT_SCHEMES", "ROLES", "EngineSpec", "resolve_engines", "worker_id"]
+log = logging.getLogger("llmsched")
+
+__all__ = [
+    "ENDPOINT_SCHEMES",
+    "ROLES",
+    "EngineSpec",
+    "resolve_engines",
+    "wire_for_router",
+    "worker_id",
+]
 
 ROLES = ("prefill", "decode", "both")
 """Values of :attr:`EngineSpec.role` besides None (unlabelled: serves both)."""
@@ -283,3 +294,72 @@ def resolve_engines(engines: Iterable[EngineSpec], pool: EndpointPool) -> list[E
             )
         seen[spec.worker_id] = spec
     return out
+
+
+def wire_for_router(
+    engines: tuple[EngineSpec, ...], info: ConfigInfo, models: tuple[str, ...] = ()
+) -> tuple[EngineSpec, ...]:
+    """The engine specs as a router config (its :func:`llmsched.routing.config_info`) asks: with
+    llm-d's precise prefix scorer, KV events to ``kvEventsConfig.zmqEndpoint`` for engines
+    without their own; with a ``metrics-data-source``, its ``path`` as the metrics path of
+    engines that keep the default one. ``models`` are the models served, for the topic of an
+    engine that names none. The gateway and :class:`llmsched.Scheduler` both wire engines
+    this way, so an llm-d config means the same to either."""
+
+    metrics = info["metrics_source"]
+    if metrics is not None:
+        engines = tuple(
+            dataclasses.replace(spec, metrics_path=metrics["path"])
+            if spec.metrics_path == "/metrics"
+            else spec
+            for spec in engines
+        )
+    precise = info["precise"]
+    return engines if precise is None else _shared_kv_events(engines, models, precise)
+
+
+def _shared_kv_events(
+    engines: tuple[EngineSpec, ...], models: tuple[str, ...], precise: Mapping[str, Any]
+) -> tuple[EngineSpec, ...]:
+    """Engines without their own ``kv_events`` publish to ``kvEventsConfig.zmqEndpoint``, which
+    the subscriber binds once for all of them (llm-d's layout: every vLLM pod connects there and
+    publishes as ``kv@<pod-ip>@<model>``); their topic, when not set, is that one, with the
+    engine's ``model`` or the gateway's only model. With ``discoverPods`` llm-d connects to
+    each pod instead, which here is an engine's own ``kv_events``."""
+
+    if precise["discover_pods"]:
+        return engines
+    endpoint = precise["zmq_endpoint"]
+    out = []
+    for i, spec in enumerate(engines):
+        if spec.kv_events is not None:
+            out.append(spec)
+            continue
+        topic = spec.topic
+        model = spec.model or (models[0] if len(models) == 1 else None)
+        if not topic and model is None:
+            log.warning(
+                "engines[%d] (%s): cannot publish to kvEventsConfig.zmqEndpoint %s: its topic "
+                "is llm-d's %s<pod-ip>@<model> but the engine names no model and the gateway "
+                "serves several; set the engine's topic (or model)",
+                i,
+                spec.worker_id,
+                endpoint,
+                precise["topic_filter"],
+            )
+            out.append(spec)
+            continue
+        if spec.dp_rank != 0:
+            log.warning(
+                "engines[%d] (%s): data-parallel rank %d publishes on its own port; give it "
+                "its own kv_events",
+                i,
+                spec.worker_id,
+                spec.dp_rank,
+            )
+            out.append(spec)
+            continue
+        if not topic:
+            topic = f"{precise['topic_filter']}{spec.host}@{model}"
+        out.append(dataclasses.replace(spec, kv_events=endpoint, kv_events_bind=True, topic=topic))
+    return tuple(out)

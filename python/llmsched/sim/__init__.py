@@ -21,7 +21,7 @@ from llmsched.sim.stepmodel import (
     RooflineStepModel,
     load_step_model,
 )
-from llmsched.sim.workloads import make_workload
+from llmsched.sim.workloads import make_workload, native_plan
 
 __all__ = [
     "GPUS",
@@ -37,4 +37,5 @@ __all__ = [
     "load_scenario",
     "load_step_model",
     "make_workload",
+    "native_plan",
 ]

@@ -100,6 +100,14 @@ class ScenarioConfig:
     kv_events_delay_s: float = 0.0
     kv_sample_s: float = 1.0
     max_time_s: float | None = None
+    router_replicas: int = 1
+    """Router replicas in front of the engines; requests are spread over them in turn (a load
+    balancer without stickiness). Each has its own pool and prefix index, fed by every
+    engine's metrics and KV events. The Rust engine only."""
+    router_sync_delay_s: float | None = None
+    """With several router replicas: None, each decides on its own state; a number, replica
+    sync (:mod:`llmsched.cluster`'s protocol) brings each one's prefix records, sessions and
+    in-flight counts to the others that many seconds later (0: at once)."""
     pd: PDConfig = field(default_factory=PDConfig)
     slices: SliceConfig = field(default_factory=SliceConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
@@ -126,6 +134,17 @@ class ScenarioConfig:
                 raise ConfigError(f"{name} must be >= 0")
         if self.kv_sample_s <= 0:
             raise ConfigError("kv_sample_s must be > 0")
+        if (
+            isinstance(self.router_replicas, bool)
+            or not isinstance(self.router_replicas, int)
+            or not 1 <= self.router_replicas <= 1024
+        ):
+            raise ConfigError(f"router_replicas must be 1 to 1024, got {self.router_replicas!r}")
+        delay = self.router_sync_delay_s
+        if delay is not None and (
+            isinstance(delay, bool) or not isinstance(delay, (int, float)) or not delay >= 0
+        ):
+            raise ConfigError(f"router_sync_delay_s must be null or >= 0, got {delay!r}")
         if not self.policies:
             raise ConfigError("policies must name at least one policy")
         for i, variant in enumerate(self.variants):
@@ -258,6 +277,25 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             {"name": "no slices"},
             {"name": "fixed 256", "slices": {"policy": "fixed", "params": {"slice_tokens": 256}}},
             {"name": "mlfq 128", "slices": {"policy": "mlfq", "params": {"base_quantum": 128}}},
+        ],
+    },
+    "router-replicas": {
+        "name": "router-replicas",
+        "description": "agentic sessions through 1 to 8 router replicas (turns spread over "
+        "them), each on its own state (shared scrapes and KV events, 50 ms late) or synced",
+        "kv_events_delay_s": 0.05,
+        "policies": ["llm-d", "dynamo-kv"],
+        "variants": [
+            {"name": "1 router"},
+            *(
+                {
+                    "name": f"{n} routers, {label}",
+                    "router_replicas": n,
+                    "router_sync_delay_s": delay,
+                }
+                for n in (2, 4, 8)
+                for label, delay in (("alone", None), ("synced 5 ms", 0.005), ("synced 0", 0.0))
+            ),
         ],
     },
     "pd": {

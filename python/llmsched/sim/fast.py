@@ -5,11 +5,13 @@ and otherwise runs its Python engine, saying why in :attr:`Simulation.fallback_r
 the result's ``engine`` field. Both engines run the same model step for step and give the same
 results for the same seed and scenario (the equivalence tests compare them request by request).
 
-The workload is generated once, by the Python workload classes, into a *plan* (every request's
-lengths and block hashes; sessions as scripts whose turns start as earlier turns finish) that
-the engine replays; plans are cached, so the policies of one comparison share one plan, and
-each plan's block hashes are numbered once (``contents``: the KV caches address blocks by
-these dense ids instead of hashing 64-bit hashes in every run).
+The workload is generated once into a *plan* (every request's lengths and block hashes;
+sessions as scripts whose turns start as earlier turns finish) that the engine replays, built
+natively (:func:`~llmsched.sim.workloads.native_plan`: the same plan, bit for bit, as the
+Python workload classes make, which :func:`build_plan` also builds with ``native=False``);
+plans are cached, so the policies of one comparison share one plan, and each plan's block
+hashes are numbered once (``contents``: the KV caches address blocks by these dense ids
+instead of hashing 64-bit hashes in every run).
 
 >>> from llmsched.sim.config import ScenarioConfig
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
@@ -34,14 +36,14 @@ from llmsched.routing import PYTHON_PLUGIN_TYPES, ConfigLike, load_config, nativ
 from llmsched.sim.request import DONE, Request
 from llmsched.sim.results import SimResult
 from llmsched.sim.stepmodel import LinearStepModel, RooflineStepModel, StepModel
-from llmsched.sim.workloads import AgenticWorkload, make_workload
+from llmsched.sim.workloads import AgenticWorkload, make_workload, native_plan
 
 if TYPE_CHECKING:
     from llmsched.sim.config import ScenarioConfig
     from llmsched.sim.policies import PolicyLike
     from llmsched.sim.simulator import Simulation
 
-__all__ = ["build_plan", "run", "unsupported"]
+__all__ = ["build_plan", "cached_plan", "clear_plan_cache", "run", "unsupported"]
 
 ENGINES = ("auto", "rust", "python")
 PLAN_CACHE_SIZE = 4  # plans kept (one comparison needs one per variant)
@@ -113,13 +115,19 @@ LINEAR = ("b0", "b1", "b2", "b3", "b4")
 # -- plans ------------------------------------------------------------------------------------
 
 
-def build_plan(spec: dict[str, Any], seed: int, block_size: int, chain_seed: int) -> dict[str, Any]:
-    """The workload ``spec`` as plain arrays (see the module docs).
+def build_plan(
+    spec: dict[str, Any], seed: int, block_size: int, chain_seed: int, native: bool = True
+) -> dict[str, Any]:
+    """The workload ``spec`` as plain arrays (see the module docs): built natively
+    (:func:`~llmsched.sim.workloads.native_plan`), or with ``native=False`` from the Python
+    workload classes' requests, the oracle the native plans are tested against.
 
     >>> plan = build_plan({"kind": "long_short", "num_requests": 3}, 0, 16, 0)
     >>> plan["kind"], len(plan["arrival"])
     ('open', 3)
     """
+    if native:
+        return native_plan(spec, seed=seed, block_size=block_size, chain_seed=chain_seed)
     workload = make_workload(spec, seed=seed, block_size=block_size, chain_seed=chain_seed)
     if isinstance(workload, AgenticWorkload):
         plan = _session_plan(workload)
@@ -176,6 +184,12 @@ def _concat(arrays: list[np.ndarray]) -> np.ndarray:
 
 _plans: OrderedDict[str, dict[str, Any]] = OrderedDict()
 _plans_lock = threading.Lock()
+
+
+def clear_plan_cache() -> None:
+    """Forget the cached plans (the next run of every workload builds its plan again)."""
+    with _plans_lock:
+        _plans.clear()
 
 
 def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
@@ -250,6 +264,10 @@ def run(sim: Simulation, router_config: ConfigLike) -> SimResult:
         "kv_sample_s": float(config.kv_sample_s),
         "max_time_s": None if config.max_time_s is None else float(config.max_time_s),
         "seed": config.seed,
+        "router_replicas": config.router_replicas,
+        "router_sync_delay_s": (
+            None if config.router_sync_delay_s is None else float(config.router_sync_delay_s)
+        ),
     }
     router, functions = native_config(load_config(router_config))
     assert not functions, "unsupported() sends Python plugins to the Python engine"
@@ -265,6 +283,8 @@ def run(sim: Simulation, router_config: ConfigLike) -> SimResult:
     sim.kv_trace = out["kv_trace"]
     sim.decision_s = float(out["decision_s"])
     sim.feed_s = float(out["feed_s"])
+    sim.sync_batches = int(out["sync_batches"])
+    sim.sync_bytes = int(out["sync_bytes"])
     sim.attach_native_run(out)
     return collect(sim, out, wall_s)
 
@@ -312,7 +332,13 @@ def collect(sim: Simulation, out: dict[str, Any], wall_s: float) -> SimResult:
         wall_s=wall_s,
         decision_s=sim.decision_s,
         feed_s=sim.feed_s,
-        extra={"feed_skipped": sim.feed_skipped},
+        extra={
+            "feed_skipped": sim.feed_skipped,
+            "router_replicas": sim.config.router_replicas,
+            "sync_batches": sim.sync_batches,
+            "sync_bytes": sim.sync_bytes,
+            "prefill_by_replica": [rep.prefill_tokens for rep in sim.replicas],
+        },
         engine_name="rust",
     )
 

@@ -214,6 +214,13 @@ class SimResult:
                 }
                 for t in tenants
             }
+        prefill = self.extra.get("prefill_by_replica")
+        if prefill:
+            mean = float(np.mean(prefill))
+            out["prefill_imbalance"] = float(max(prefill)) / mean if mean > 0 else 1.0
+        if self.extra.get("router_replicas", 1) > 1:
+            out["router_replicas"] = self.extra["router_replicas"]
+            out["sync_bytes_per_request"] = self.extra["sync_bytes"] / n
         out["wall_s"] = self.wall_s
         out["sim_requests_per_wall_s"] = n / self.wall_s if self.wall_s > 0 else 0.0
         out["decision_share"] = self.decision_s / self.wall_s if self.wall_s > 0 else 0.0

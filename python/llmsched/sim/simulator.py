@@ -80,6 +80,11 @@ class Simulation:
         if engine == "rust" and reason is not None:
             raise ConfigError(f"the Rust engine does not cover {reason}; use engine='auto'")
         self.engine = "rust" if engine != "python" and reason is None else "python"
+        if config.router_replicas > 1 and self.engine == "python":
+            why = reason or "engine='python'"
+            raise ConfigError(
+                f"router_replicas is simulated by the Rust engine only, which does not cover {why}"
+            )
         self.fallback_reason = reason
         """Why ``engine="auto"`` fell back to the Python engine (None: it did not)."""
         self._done: list[Request] | None = []
@@ -90,6 +95,9 @@ class Simulation:
         self.decision_s = 0.0
         self.feed_s = 0.0
         self.feed_skipped = 0
+        self.sync_batches = 0
+        """Replica-sync batches the router replicas published (Rust engine)."""
+        self.sync_bytes = 0
         self.slice_switches = 0
         self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
         if self.engine == "rust":

@@ -19,6 +19,7 @@ of variation ``cv``: burstier above 1), ``constant``; agentic sessions may inste
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -42,10 +43,12 @@ __all__ = [
     "TraceConfig",
     "Workload",
     "make_workload",
+    "native_plan",
 ]
 
 VOCAB = 128_000
 U64_TOP = np.iinfo(np.int64).max
+MAX_TOKENS = 1 << 24  # the longest prompt or output a workload may draw or a trace ask for
 
 
 class Workload(Protocol):
@@ -106,7 +109,9 @@ class Conversation:
         if self._buf is not None:
             end = self.length + n
             if not self._owned or end > len(self._buf):
-                grown = np.empty(max(end, 2 * len(self._buf), 1024), dtype=np.uint32)
+                # Twice what is used, not twice the buffer: a copy of a copy of ... must not
+                # double a shared buffer at every level.
+                grown = np.empty(max(end, 2 * self.length, 1024), dtype=np.uint32)
                 grown[: self.length] = self._buf[: self.length]
                 self._buf, self._owned = grown, True
             self._buf[self.length : end] = new_tokens
@@ -170,13 +175,38 @@ def _lengths(rng: np.random.Generator, mean: float, cv: float, n: int) -> npt.ND
 def _length(rng: random.Random, mean: float, cv: float) -> int:
     """One gamma-distributed positive integer length (``cv == 0``: ``mean``)."""
     if cv <= 0:
-        return max(1, round(mean))
-    shape = 1.0 / (cv * cv)
-    return max(1, round(rng.gammavariate(shape, mean / shape)))
+        if not math.isfinite(mean):
+            raise ConfigError(f"mean length must be a number, got {mean}")
+        value = max(1, round(mean))
+    else:
+        if not (mean > 0 and math.isfinite(mean) and math.isfinite(cv)):
+            raise ConfigError(f"a mean length must be > 0 with length_cv > 0, got {mean}")
+        shape = 1.0 / (cv * cv)
+        value = max(1, round(rng.gammavariate(shape, mean / shape)))
+    if value > MAX_TOKENS:
+        raise ConfigError(f"a drawn length {float(value)} is above {MAX_TOKENS} tokens")
+    return value
 
 
 def _tokens(rng: np.random.Generator, n: int) -> npt.NDArray[np.uint32]:
     return rng.integers(0, VOCAB, n, dtype=np.uint32)
+
+
+def _state(rng: np.random.Generator) -> tuple[int, int, bool, int]:
+    """The PCG64 state the native plan builders continue from (numpy's own report of it)."""
+    st = rng.bit_generator.state
+    return (
+        int(st["state"]["state"]),
+        int(st["state"]["inc"]),
+        bool(st["has_uint32"]),
+        int(st["uinteger"]),
+    )
+
+
+def _offsets(lengths: list[int]) -> npt.NDArray[np.int64]:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
 
 
 class _Base:
@@ -217,6 +247,29 @@ class _Base:
     def on_finish(self, request: Request, now: float) -> Request | None:
         """Single-turn workloads cause no follow-ups."""
         return None
+
+    def _independent_plan(
+        self,
+        times: npt.NDArray[np.float64],
+        mean_input: npt.NDArray[np.float64],
+        mean_output: npt.NDArray[np.float64],
+        tenant: npt.NDArray[np.int64],
+        priority: npt.NDArray[np.int64],
+        length_cv: float,
+    ) -> dict[str, Any]:
+        """The native plan of independent requests drawn as :meth:`arrivals` draws them."""
+        return _llmsched.plan_independent(
+            times,
+            mean_input,
+            mean_output,
+            tenant,
+            priority,
+            float(length_cv),
+            _state(self.rng),
+            self.seed,
+            self.block_size,
+            self.chain_seed,
+        )
 
 
 # -- agentic multi-turn ----------------------------------------------------------------------
@@ -335,6 +388,36 @@ class AgenticWorkload(_Base):
             return np.sort(self.rng.uniform(0.0, 10.0, n))
         return np.cumsum(cfg.arrival.gaps(self.rng, cfg.sessions))
 
+    def native_plan(self) -> dict[str, Any]:
+        """Every session's script as a plan, built natively (the plan
+        ``fast.build_plan(..., native=False)`` builds from :meth:`script`, bit for bit).
+        Draws :meth:`starts`: call on a fresh workload, instead of :meth:`arrivals`."""
+        cfg = self.cfg
+        starts = np.ascontiguousarray(self.starts(), dtype=np.float64)
+        systems = [conv.tokens for conv in self._systems]
+        settings = {
+            name: float(getattr(cfg, name))
+            for name in (
+                "first_input",
+                "first_output",
+                "followup_input",
+                "followup_output",
+                "length_cv",
+                "think_time_s",
+                "system_prompt_len",
+            )
+        }
+        settings |= {"sessions": int(cfg.sessions), "followup_turns": int(cfg.followup_turns)}
+        return _llmsched.plan_agentic(
+            settings,
+            [t for t in systems if t is not None],
+            starts,
+            cfg.arrival.process == "closed",
+            self.seed,
+            self.block_size,
+            self.chain_seed,
+        )
+
     def arrivals(self) -> Iterator[Request]:
         """First turns at :meth:`starts` (fewer if finished sessions of a closed loop already
         started all ``sessions``)."""
@@ -402,14 +485,37 @@ class SharedPrefixWorkload(_Base):
                 group.append(conv)
             self._prompts.append(group)
 
-    def arrivals(self) -> Iterator[Request]:
-        """Requests at the arrival process's rate; prompt chosen uniformly."""
+    def _draws(
+        self,
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         cfg = self.cfg
         times = np.cumsum(cfg.arrival.gaps(self.rng, cfg.num_requests))
         groups = self.rng.integers(0, cfg.num_groups, cfg.num_requests)
         picks = self.rng.integers(0, cfg.num_prompts_per_group, cfg.num_requests)
+        return times, groups, picks
+
+    def arrivals(self) -> Iterator[Request]:
+        """Requests at the arrival process's rate; prompt chosen uniformly."""
+        times, groups, picks = self._draws()
         for t, g, p in zip(times.tolist(), groups.tolist(), picks.tolist(), strict=True):
-            yield self._single(t, self._prompts[g][p], cfg.output_len, tenant=g)
+            yield self._single(t, self._prompts[g][p], self.cfg.output_len, tenant=g)
+
+    def native_plan(self) -> dict[str, Any]:
+        """:meth:`arrivals` as a plan, built natively (call on a fresh workload)."""
+        times, groups, picks = self._draws()
+        prompts = [conv for group in self._prompts for conv in group]
+        hashes = [conv.hashes for conv in prompts]
+        return _llmsched.plan_prompted(
+            np.ascontiguousarray(np.concatenate(hashes), dtype=np.uint64),
+            _offsets([len(h) for h in hashes]),
+            np.array([conv.length for conv in prompts], dtype=np.int64),
+            np.ascontiguousarray(times, dtype=np.float64),
+            (groups * self.cfg.num_prompts_per_group + picks).astype(np.int64),
+            groups.astype(np.int64),
+            int(self.cfg.output_len),
+            _state(self.rng),
+            self.block_size,
+        )
 
 
 # -- long/short mix --------------------------------------------------------------------------
@@ -440,6 +546,20 @@ class LongShortWorkload(_Base):
             raise ConfigError(f"long_fraction must be in [0, 1], got {cfg.long_fraction}")
         self.cfg = cfg
         self.expected_requests = cfg.num_requests
+
+    def native_plan(self) -> dict[str, Any]:
+        """:meth:`arrivals` as a plan, built natively (call on a fresh workload)."""
+        cfg = self.cfg
+        times = np.cumsum(cfg.arrival.gaps(self.rng, cfg.num_requests))
+        is_long = self.rng.random(cfg.num_requests) < cfg.long_fraction
+        return self._independent_plan(
+            np.ascontiguousarray(times, dtype=np.float64),
+            np.where(is_long, float(cfg.long_input), float(cfg.short_input)),
+            np.where(is_long, float(cfg.long_output), float(cfg.short_output)),
+            is_long.astype(np.int64),
+            np.zeros(len(is_long), dtype=np.int64),
+            cfg.length_cv,
+        )
 
     def arrivals(self) -> Iterator[Request]:
         """Poisson (or as configured) arrivals, each long with probability ``long_fraction``."""
@@ -485,6 +605,20 @@ class PriorityWorkload(_Base):
         self.cfg = cfg
         self.expected_requests = cfg.num_requests
 
+    def native_plan(self) -> dict[str, Any]:
+        """:meth:`arrivals` as a plan, built natively (call on a fresh workload)."""
+        cfg = self.cfg
+        times = np.cumsum(cfg.arrival.gaps(self.rng, cfg.num_requests))
+        is_batch = self.rng.random(cfg.num_requests) < cfg.batch_fraction
+        return self._independent_plan(
+            np.ascontiguousarray(times, dtype=np.float64),
+            np.where(is_batch, float(cfg.batch_input), float(cfg.interactive_input)),
+            np.where(is_batch, float(cfg.batch_output), float(cfg.interactive_output)),
+            is_batch.astype(np.int64),
+            np.where(is_batch, -1, 1).astype(np.int64),
+            cfg.length_cv,
+        )
+
     def arrivals(self) -> Iterator[Request]:
         """Arrivals in order; each is batch with probability ``batch_fraction``."""
         cfg = self.cfg
@@ -525,15 +659,7 @@ class TraceWorkload(_Base):
 
     def __init__(self, cfg: TraceConfig, seed: int, block_size: int, chain_seed: int) -> None:
         super().__init__(seed, block_size, chain_seed)
-        if cfg.timestamp_unit not in ("ms", "s"):
-            raise ConfigError(f"timestamp_unit must be 'ms' or 's', got {cfg.timestamp_unit!r}")
-        if not cfg.time_scale > 0:
-            raise ConfigError(f"time_scale must be > 0, got {cfg.time_scale}")
-        if cfg.hash_block < 1 or cfg.hash_block % block_size:
-            raise ConfigError(
-                f"hash_block {cfg.hash_block} must be a positive multiple of "
-                f"block size {block_size}"
-            )
+        _check_trace_config(cfg, block_size)
         self.cfg = cfg
         self._rows = _read_trace(cfg)
         self.expected_requests = len(self._rows)
@@ -574,10 +700,33 @@ class TraceWorkload(_Base):
                 (row["timestamp"] - t0) * scale,
                 conv,
                 row["output_length"],
-                tenant=int(row.get("tenant", 0)),
-                priority=int(row.get("priority", 0)),
+                tenant=int(row.get("tenant") or 0),
+                priority=int(row.get("priority") or 0),
                 session=row.get("session"),
             )
+
+
+def _check_trace_config(cfg: TraceConfig, block_size: int) -> None:
+    if cfg.timestamp_unit not in ("ms", "s"):
+        raise ConfigError(f"timestamp_unit must be 'ms' or 's', got {cfg.timestamp_unit!r}")
+    if not cfg.time_scale > 0:
+        raise ConfigError(f"time_scale must be > 0, got {cfg.time_scale}")
+    if isinstance(cfg.hash_block, bool) or not isinstance(cfg.hash_block, int):
+        raise ConfigError(f"hash_block must be an integer, got {cfg.hash_block!r}")
+    if cfg.hash_block < 1 or cfg.hash_block % block_size:
+        raise ConfigError(
+            f"hash_block {cfg.hash_block} must be a positive multiple of block size {block_size}"
+        )
+    if cfg.limit is not None and (
+        isinstance(cfg.limit, bool) or not isinstance(cfg.limit, int) or cfg.limit < 1
+    ):
+        raise ConfigError(f"limit must be an integer >= 1 or null, got {cfg.limit!r}")
+    if not isinstance(cfg.path, str):
+        raise ConfigError(f"trace path must be a string, got {cfg.path!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _read_trace(cfg: TraceConfig) -> list[dict[str, Any]]:
@@ -598,21 +747,45 @@ def _read_trace(cfg: TraceConfig) -> list[dict[str, Any]]:
             raise ConfigError(f"trace {path}:{n}: each line must be an object")
         for key in ("timestamp", "input_length", "output_length"):
             value = row.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not value >= 0
+                or not math.isfinite(value)
+                or (_is_int(value) and value > U64_TOP)
+            ):
                 raise ConfigError(f"trace {path}:{n}: {key} must be a number >= 0, got {value!r}")
         row["input_length"] = int(row["input_length"])
         row["output_length"] = int(row["output_length"])
         if row["input_length"] < 1:
             raise ConfigError(f"trace {path}:{n}: input_length must be >= 1")
-        ids = row.get("hash_ids", [])
-        if not isinstance(ids, list) or any(
-            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids
-        ):
-            raise ConfigError(f"trace {path}:{n}: hash_ids must be a list of ints >= 0")
-        if len(ids) * cfg.hash_block < row["input_length"] - cfg.hash_block:
+        if row["input_length"] > MAX_TOKENS or row["output_length"] > MAX_TOKENS:
+            raise ConfigError(
+                f"trace {path}:{n}: input_length and output_length must be <= {MAX_TOKENS}"
+            )
+        ids = row.get("hash_ids")
+        if ids is None:
+            ids = row["hash_ids"] = []
+        if not isinstance(ids, list) or any(not _is_int(i) or not 0 <= i < 2**64 for i in ids):
+            raise ConfigError(f"trace {path}:{n}: hash_ids must be a list of ints in [0, 2**64)")
+        # Without hash_ids a line's content is its own (fresh tokens): nothing to cover.
+        if ids and len(ids) * cfg.hash_block < row["input_length"] - cfg.hash_block:
             raise ConfigError(
                 f"trace {path}:{n}: {len(ids)} hash_ids cannot cover "
                 f"{row['input_length']} input tokens in blocks of {cfg.hash_block}"
+            )
+        for key in ("tenant", "priority"):
+            value = row.get(key)
+            if value is not None and not (_is_int(value) and -(2**63) <= value < 2**63):
+                raise ConfigError(f"trace {path}:{n}: {key} must be an integer, got {value!r}")
+        session = row.get("session")
+        if (
+            session is not None
+            and not isinstance(session, str)
+            and not (_is_int(session) and -(2**63) <= session < 2**64)
+        ):
+            raise ConfigError(
+                f"trace {path}:{n}: session must be a string or an integer, got {session!r}"
             )
         rows.append(row)
         if cfg.limit is not None and len(rows) >= cfg.limit:
@@ -653,17 +826,47 @@ def from_dict(cls: type[Any], data: dict[str, Any], where: str) -> Any:
     return cls(**values)
 
 
-def make_workload(
-    spec: dict[str, Any], seed: int = 0, block_size: int = 16, chain_seed: int = 0
-) -> Workload:
-    """The workload ``spec`` describes: ``{"kind": ..., <that kind's parameters>}``."""
+def _parse(spec: dict[str, Any]) -> tuple[str, Any]:
     if not isinstance(spec, dict) or "kind" not in spec:
         raise ConfigError("workload: needs a 'kind'")
     params = dict(spec)
     kind = params.pop("kind")
     if kind not in KINDS:
         raise ConfigError(f"unknown workload kind {kind!r}; known: {sorted(KINDS)}")
-    config_cls, workload_cls = KINDS[kind]
-    cfg = from_dict(config_cls, params, f"workload ({kind})")
-    workload: Workload = workload_cls(cfg, seed, block_size, chain_seed)
+    return kind, from_dict(KINDS[kind][0], params, f"workload ({kind})")
+
+
+def make_workload(
+    spec: dict[str, Any], seed: int = 0, block_size: int = 16, chain_seed: int = 0
+) -> Workload:
+    """The workload ``spec`` describes: ``{"kind": ..., <that kind's parameters>}``."""
+    kind, cfg = _parse(spec)
+    workload: Workload = KINDS[kind][1](cfg, seed, block_size, chain_seed)
     return workload
+
+
+def native_plan(
+    spec: dict[str, Any], seed: int = 0, block_size: int = 16, chain_seed: int = 0
+) -> dict[str, Any]:
+    """The plan of the workload ``spec`` describes, built natively: the same plan, bit for bit,
+    as ``llmsched.sim.fast.build_plan(..., native=False)`` builds from the workload classes
+    (which stay the oracle and the Python engine's source). A trace is read natively too.
+
+    >>> plan = native_plan({"kind": "long_short", "num_requests": 3})
+    >>> plan["kind"], plan["prompt"].tolist()
+    ('open', [23098, 517, 502])
+    """
+    kind, cfg = _parse(spec)
+    if kind == "trace":
+        _check_trace_config(cfg, block_size)
+        settings = {
+            "timestamp_unit": cfg.timestamp_unit,
+            "time_scale": float(cfg.time_scale),
+            "hash_block": cfg.hash_block,
+            "limit": cfg.limit,
+        }
+        rng = np.random.default_rng(seed)  # the trace's generator, as TraceWorkload's
+        return _llmsched.plan_trace(cfg.path, settings, _state(rng), block_size, chain_seed)
+    workload = KINDS[kind][1](cfg, seed, block_size, chain_seed)
+    plan: dict[str, Any] = workload.native_plan()
+    return plan

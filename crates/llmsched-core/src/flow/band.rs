@@ -40,6 +40,9 @@ pub struct FlowQueue {
     pub bytes: u64,
     pub dispatched: u64,
     pub service_tokens: u64,
+    /// Prompt and output tokens served since [`super::FlowController::drain_service`] last
+    /// took them (what replica sync tells the other replicas).
+    pub unsynced: (u64, u64),
     /// Dispatched requests of this flow not yet completed.
     pub running: u64,
     /// False once reclaimed, until the number is reused.
@@ -123,6 +126,7 @@ impl Band {
             bytes: 0,
             dispatched: 0,
             service_tokens: 0,
+            unsynced: (0, 0),
             running: 0,
             live: true,
             idle_generation: 0,
@@ -221,6 +225,7 @@ impl Band {
         if let Some((tokens, now)) = served {
             queue.dispatched += 1;
             queue.service_tokens += tokens;
+            queue.unsynced.0 += tokens;
             self.dispatched += 1;
             self.fairness.charge(flow, tokens, 0, now);
         }

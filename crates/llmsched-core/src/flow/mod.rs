@@ -362,6 +362,54 @@ impl<P> FlowController<P> {
         }
     }
 
+    /// Service another router replica gave `tenant` at `priority` (replica sync): charged to
+    /// the fairness policy of the tenant's flow in that band, so a tenant heavy on other
+    /// replicas is not served as new here. A flow this controller does not have is not
+    /// created (its first request starts it with the policy's catch-up rule); returns whether
+    /// one was charged. Local service metrics are not changed.
+    pub fn charge_remote(
+        &mut self,
+        tenant: &str,
+        priority: i32,
+        prompt_tokens: u64,
+        output_tokens: u64,
+        now: f64,
+    ) -> Result<bool, FlowError> {
+        let now = check_time("now", now)?;
+        let now = self.advance(now);
+        let (Some(&t), Some(&b)) =
+            (self.tenants.ids.get(tenant), self.band_of_priority.get(&priority))
+        else {
+            return Ok(false);
+        };
+        let flow = self.tenants.flows[t as usize].get(b as usize).copied().unwrap_or(NIL);
+        if flow == NIL {
+            return Ok(false);
+        }
+        self.bands[b as usize].fairness.charge(flow, prompt_tokens, output_tokens, now);
+        Ok(true)
+    }
+
+    /// Service given since the last call, per flow with any: `(tenant, priority, prompt
+    /// tokens, output tokens)`, for replica sync to hand to the other replicas'
+    /// [`FlowController::charge_remote`]. Service of a flow reclaimed in between is dropped.
+    pub fn drain_service(&mut self) -> Vec<(Arc<str>, i32, u64, u64)> {
+        let mut out = Vec::new();
+        for band in &mut self.bands {
+            let priority = band.priority;
+            for flow in band.flows.iter_mut().filter(|f| f.live && f.unsynced != (0, 0)) {
+                let (prompt, output) = std::mem::take(&mut flow.unsynced);
+                out.push((
+                    self.tenants.names[flow.tenant as usize].clone(),
+                    priority,
+                    prompt,
+                    output,
+                ));
+            }
+        }
+        out
+    }
+
     /// Charges output tokens of a running request to its flow as they stream.
     pub fn record_output(
         &mut self,
@@ -797,7 +845,9 @@ impl<P> FlowController<P> {
     fn charge_output(&mut self, slot: u32, output_tokens: u64, now: f64) {
         let entry = self.slab.get(slot);
         let band = &mut self.bands[entry.band as usize];
-        band.flows[entry.flow as usize].service_tokens += output_tokens;
+        let flow = &mut band.flows[entry.flow as usize];
+        flow.service_tokens += output_tokens;
+        flow.unsynced.1 += output_tokens;
         band.fairness.charge(entry.flow, 0, output_tokens, now);
     }
 

@@ -212,6 +212,52 @@ fn vtc_serves_the_light_tenant() {
 }
 
 #[test]
+fn remote_service_counts_for_fairness() {
+    // Two tenants with equal requests queued; without remote service the first queued
+    // (heavy) goes first. Another replica reports it served "heavy" a lot: "light" goes first.
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 1000},
+        "default_band": {"fairness": {"type": "vtc"}}}"#;
+    let order = |charge: bool| {
+        let mut c = controller(json);
+        c.enqueue(request(1, 0, "heavy"), 0.0).unwrap();
+        c.enqueue(request(2, 0, "light"), 0.0).unwrap();
+        if charge {
+            assert!(c.charge_remote("heavy", 0, 5_000, 5_000, 0.0).unwrap());
+        }
+        drain_ids(&mut c, 0.0)
+    };
+    assert_eq!(order(false), vec![1, 2]);
+    assert_eq!(order(true), vec![2, 1]);
+    // A tenant or band this controller does not have is not created.
+    let mut c = controller(json);
+    assert!(!c.charge_remote("nobody", 0, 1, 1, 0.0).unwrap());
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    assert!(!c.charge_remote("a", 7, 1, 1, 0.0).unwrap());
+    assert!(c.charge_remote("a", 0, 0, 0, 0.0).unwrap());
+    assert!(c.charge_remote("a", 0, 1, 1, f64::NAN).is_err());
+    assert_eq!(c.metrics(0.0).unwrap().bands.len(), 1);
+}
+
+#[test]
+fn service_is_drained_once_per_flow() {
+    let mut c = controller(ROOMY);
+    c.enqueue(request(1, 0, "a"), 0.0).unwrap();
+    c.enqueue(request(2, 3, "b"), 0.0).unwrap();
+    assert!(c.drain_service().is_empty(), "nothing served yet");
+    drain_ids(&mut c, 0.0);
+    c.complete(1, 7, 0.0).unwrap();
+    let mut got: Vec<_> =
+        c.drain_service().into_iter().map(|(t, p, a, b)| (t.to_string(), p, a, b)).collect();
+    got.sort();
+    assert_eq!(got, vec![("a".into(), 0, 10, 7), ("b".into(), 3, 10, 0)]);
+    assert!(c.drain_service().is_empty(), "taken once");
+    c.record_output(2, 4, 0.0).unwrap();
+    let got: Vec<_> =
+        c.drain_service().into_iter().map(|(t, p, a, b)| (t.to_string(), p, a, b)).collect();
+    assert_eq!(got, vec![("b".into(), 3, 0, 4)]);
+}
+
+#[test]
 fn holdback_ceilings_follow_rank() {
     let json = r#"{"saturation": {"type": "concurrency", "max_requests": 10},
         "ceilings": {"type": "holdback", "top": 1.0, "step": 0.5, "floor": 0.1}}"#;

@@ -20,10 +20,10 @@
 //! A data plugin listed in a scheduling profile takes no slot there (as in the Extension,
 //! where a profile only assigns filters, scorers and pickers) and takes no weight.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::registry::{decode, ParamError, Plugin};
+use super::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
 /// A data plugin as configured.
 #[derive(Debug, Clone, PartialEq)]
@@ -81,7 +81,7 @@ impl DataSpec {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct TokenizerParams {
     model_name: String,
@@ -89,7 +89,7 @@ struct TokenizerParams {
     uds_tokenizer_config: Option<Map<String, Value>>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct VllmRender {
     http: Option<String>,
@@ -133,7 +133,7 @@ pub fn tokenizer_factory(params: &Value) -> Result<Plugin, ParamError> {
     Ok(Plugin::Data(DataSpec::Tokenizer { model: p.model_name, notes }))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct NoParams {}
 
@@ -143,7 +143,7 @@ pub fn endpoint_notifications_factory(params: &Value) -> Result<Plugin, ParamErr
     Ok(Plugin::Data(DataSpec::EndpointNotifications))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct MetricsSourceParams {
     scheme: String,
@@ -187,7 +187,7 @@ pub fn metrics_source_factory(params: &Value) -> Result<Plugin, ParamError> {
     Ok(Plugin::Data(DataSpec::MetricsSource { path: p.path, notes }))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct MetricsExtractorParams {
     engine_label_key: Option<String>,
@@ -229,6 +229,67 @@ pub fn metrics_extractor_factory(params: &Value) -> Result<Plugin, ParamError> {
         }
     }
     Ok(Plugin::Data(DataSpec::MetricsExtractor { notes }))
+}
+
+const TOKENIZER_PARAMS: &[ParamDoc] = &[
+    ParamDoc::string("modelName", "the model whose tokenizer tokenizes the prompt").required(),
+    ParamDoc::string("vllm.http", "vLLM's render endpoint: accepted without effect"),
+    ParamDoc::string("vllm.timeout", "accepted without effect"),
+    ParamDoc::string("vllm.mmTimeout", "accepted without effect"),
+    ParamDoc::mapping("udsTokenizerConfig", "a tokenizer sidecar: accepted without effect"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn tokenizer_doc() -> PluginDoc {
+    PluginDoc::new(
+        "data producer",
+        "the prompt is tokenized with `modelName`'s tokenizer (by the caller; the gateway's)",
+        TOKENIZER_PARAMS,
+        defaults_of::<TokenizerParams>(),
+    )
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn endpoint_notifications_doc() -> PluginDoc {
+    PluginDoc::new(
+        "data source",
+        "endpoint add / remove events (the pool's engine changes)",
+        &[],
+        defaults_of::<NoParams>(),
+    )
+}
+
+const METRICS_SOURCE_PARAMS: &[ParamDoc] = &[
+    ParamDoc::string("scheme", "how metrics are read").choices(&["http"]),
+    ParamDoc::string("path", "the engines' metrics path (starts with '/')"),
+    ParamDoc::boolean("insecureSkipVerify", "TLS only: accepted without effect"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn metrics_source_doc() -> PluginDoc {
+    PluginDoc::new(
+        "data source",
+        "each engine's Prometheus metrics, read by the gateway's scraper",
+        METRICS_SOURCE_PARAMS,
+        defaults_of::<MetricsSourceParams>(),
+    )
+}
+
+const METRICS_EXTRACTOR_PARAMS: &[ParamDoc] = &[
+    ParamDoc::string("engineLabelKey", "accepted without effect"),
+    ParamDoc::string("defaultEngine", "accepted without effect (recognised from the names)")
+        .choices(&["vllm", "sglang"]),
+    ParamDoc::list("engineConfigs", "custom metric names: refused"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn metrics_extractor_doc() -> PluginDoc {
+    PluginDoc::new(
+        "data producer",
+        "queue, running requests, KV-cache use and adapters from vLLM's or SGLang's metrics",
+        METRICS_EXTRACTOR_PARAMS,
+        defaults_of::<MetricsExtractorParams>(),
+    )
 }
 
 /// One data-layer source and the plugins extracting from it, by name.

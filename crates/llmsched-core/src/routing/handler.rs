@@ -22,11 +22,11 @@
 //! (`x-prefiller-host-port`) from the prefill profile's choice; the gateway sets it
 //! (`pd.header`). llm-d's current `disagg-profile-handler` sets it too.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::plugin::Candidate;
-use super::registry::{check_range, decode, ParamError, Plugin};
+use super::registry::{check_range, decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
 /// A profile handler as configured (profile names resolved later).
 #[derive(Debug, Clone, PartialEq)]
@@ -108,7 +108,7 @@ pub enum Handler {
     Pd { decode: usize, prefill: usize, decider: DeciderSpec },
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct SingleParams {}
 
@@ -117,7 +117,7 @@ pub fn single_factory(params: &Value) -> Result<Plugin, ParamError> {
     Ok(Plugin::Handler(HandlerSpec::Single))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct PdParams {
     decode_profile: String,
@@ -161,7 +161,7 @@ pub fn pd_factory(params: &Value) -> Result<Plugin, ParamError> {
     }))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 struct DisaggProfiles {
     decode: Option<String>,
@@ -169,14 +169,14 @@ struct DisaggProfiles {
     encode: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 struct DisaggDeciders {
     prefill: Option<String>,
     encode: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct DisaggParams {
     profiles: Option<DisaggProfiles>,
@@ -258,7 +258,7 @@ pub fn disagg_factory(params: &Value) -> Result<Plugin, ParamError> {
     Ok(Plugin::Handler(HandlerSpec::Disagg { decode_profile, prefill_profile, decider, notes }))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct HeadersParams {
     prefill_profile: String,
@@ -294,7 +294,7 @@ pub fn always_decider_factory(params: &Value) -> Result<Plugin, ParamError> {
     Ok(Plugin::Decider(DeciderSpec::PrefixBased { non_cached_tokens: 0 }))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct PrefixDeciderParams {
     non_cached_tokens: u64,
@@ -305,7 +305,7 @@ pub fn prefix_decider_factory(params: &Value) -> Result<Plugin, ParamError> {
     Ok(Plugin::Decider(DeciderSpec::PrefixBased { non_cached_tokens: p.non_cached_tokens }))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct LoadAwareDeciderParams {
     non_cached_tokens: u64,
@@ -319,6 +319,94 @@ pub fn load_aware_decider_factory(params: &Value) -> Result<Plugin, ParamError> 
         non_cached_tokens: p.non_cached_tokens,
         queue_margin: p.queue_margin,
     }))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn single_doc() -> PluginDoc {
+    PluginDoc::new("profile handler", "runs the only profile", &[], defaults_of::<SingleParams>())
+}
+
+const PD_PARAMS: &[ParamDoc] = &[
+    ParamDoc::string("decodeProfile", "the decode profile's name"),
+    ParamDoc::string("prefillProfile", "the prefill profile's name (must differ)"),
+    ParamDoc::string(
+        "deciderPluginName",
+        "the decider plugin (absent: an inline `prefix-based-pd-decider`)",
+    ),
+    ParamDoc::int("threshold", "the inline decider's `nonCachedTokens` (absent: 0)"),
+    ParamDoc::int("hashBlockSize", "accepted for older configs; no effect"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn pd_doc() -> PluginDoc {
+    PluginDoc::new(
+        "profile handler",
+        "runs the decode profile, then the prefill profile when its decider splits the request",
+        PD_PARAMS,
+        defaults_of::<PdParams>(),
+    )
+}
+
+const PREFIX_DECIDER_PARAMS: &[ParamDoc] =
+    &[ParamDoc::int("nonCachedTokens", "uncached prompt tokens that make a split (0: always)")];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn prefix_decider_doc() -> PluginDoc {
+    PluginDoc::new("decider", "splits when at least `nonCachedTokens` prompt tokens are not cached on the decode endpoint", PREFIX_DECIDER_PARAMS, defaults_of::<PrefixDeciderParams>())
+}
+
+const LOAD_AWARE_DECIDER_PARAMS: &[ParamDoc] = &[
+    ParamDoc::int("nonCachedTokens", "uncached prompt tokens that make a split (0: always)"),
+    ParamDoc::number("queueMargin", "how much longer the prefill queue may be").min(0.0),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn load_aware_decider_doc() -> PluginDoc {
+    PluginDoc::new("decider", "the prefix rule, then keeps the prefill choice only if its queue is no longer than decode's plus `queueMargin`", LOAD_AWARE_DECIDER_PARAMS, defaults_of::<LoadAwareDeciderParams>())
+}
+
+const DISAGG_PARAMS: &[ParamDoc] = &[
+    ParamDoc::string("profiles.decode", "the decode profile's name (absent: \"decode\")"),
+    ParamDoc::string("profiles.prefill", "the prefill profile's name (absent: \"prefill\")"),
+    ParamDoc::string("profiles.encode", "the encode profile: accepted without effect"),
+    ParamDoc::string("deciders.prefill", "the prefill decider plugin (absent: decode alone)"),
+    ParamDoc::string("deciders.encode", "an encode decider: refused (no encode stage)"),
+    ParamDoc::string("decodeProfile", "earlier name of `profiles.decode`"),
+    ParamDoc::string("prefillProfile", "earlier name of `profiles.prefill`"),
+    ParamDoc::string("encodeProfile", "earlier name of `profiles.encode`"),
+    ParamDoc::string("prefillDeciderPluginName", "earlier name of `deciders.prefill`"),
+    ParamDoc::string("encodeDeciderPluginName", "earlier name of `deciders.encode`"),
+    ParamDoc::string("deciderPluginName", "earlier name of `deciders.prefill`"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn disagg_doc() -> PluginDoc {
+    PluginDoc::new(
+        "profile handler",
+        "runs the decode profile, then the prefill profile when the prefill decider splits",
+        DISAGG_PARAMS,
+        defaults_of::<DisaggParams>(),
+    )
+}
+
+const HEADERS_PARAMS: &[ParamDoc] = &[
+    ParamDoc::string("prefillProfile", "the profile whose pick goes in the prefill header"),
+    ParamDoc::string("encodeProfile", "accepted without effect (no encode stage)"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn headers_doc() -> PluginDoc {
+    PluginDoc::new(
+        "pre-request plugin",
+        "names the prefill endpoint in the `x-prefiller-host-port` header",
+        HEADERS_PARAMS,
+        defaults_of::<HeadersParams>(),
+    )
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn always_decider_doc() -> PluginDoc {
+    PluginDoc::new("decider", "splits every request", &[], Value::Object(Default::default()))
 }
 
 #[cfg(test)]

@@ -9,13 +9,20 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
+use crossbeam_utils::atomic::AtomicCell;
+
 /// Counters of one endpoint. Shared by the pool and by tickets through an `Arc`.
+///
+/// Beside this router's own counts it holds what other router replicas report they sent to
+/// the same endpoint (see [`crate::routing::replica_sync`]); decisions read the sum, so
+/// replicas that share their counts do not herd onto one endpoint between scrapes.
 #[derive(Debug, Default)]
 pub struct InFlight {
     requests: AtomicI64,
     prefill_requests: AtomicI64,
     prefill_tokens: AtomicI64,
     tokens: AtomicI64,
+    remote: AtomicCell<InFlightSnapshot>,
 }
 
 /// A copy of an endpoint's counters.
@@ -31,8 +38,30 @@ pub struct InFlightSnapshot {
     pub tokens: u64,
 }
 
+impl InFlightSnapshot {
+    fn plus(self, other: InFlightSnapshot) -> InFlightSnapshot {
+        InFlightSnapshot {
+            requests: self.requests.saturating_add(other.requests),
+            prefill_requests: self.prefill_requests.saturating_add(other.prefill_requests),
+            prefill_tokens: self.prefill_tokens.saturating_add(other.prefill_tokens),
+            tokens: self.tokens.saturating_add(other.tokens),
+        }
+    }
+
+    /// The field-wise sum of `loads`, saturating.
+    pub fn sum<'a>(loads: impl IntoIterator<Item = &'a InFlightSnapshot>) -> InFlightSnapshot {
+        loads.into_iter().fold(InFlightSnapshot::default(), |acc, l| acc.plus(*l))
+    }
+}
+
 impl InFlight {
+    /// What decisions see: this router's counts plus the other replicas' reported counts.
     pub fn snapshot(&self) -> InFlightSnapshot {
+        self.local().plus(self.remote.load())
+    }
+
+    /// This router's own counts only (what it reports to other replicas).
+    pub fn local(&self) -> InFlightSnapshot {
         let read = |a: &AtomicI64| a.load(Ordering::Relaxed).max(0) as u64;
         InFlightSnapshot {
             requests: read(&self.requests),
@@ -40,6 +69,16 @@ impl InFlight {
             prefill_tokens: read(&self.prefill_tokens),
             tokens: read(&self.tokens),
         }
+    }
+
+    /// The other replicas' counts on this endpoint, replacing what was set before.
+    pub fn set_remote(&self, load: InFlightSnapshot) {
+        self.remote.store(load);
+    }
+
+    /// The other replicas' counts last set.
+    pub fn remote(&self) -> InFlightSnapshot {
+        self.remote.load()
     }
 
     fn add(&self, share: &Share, sign: i64) {
@@ -184,5 +223,23 @@ mod tests {
         assert!(!local.finish());
         drop(split);
         assert_eq!(d.snapshot(), InFlightSnapshot::default());
+    }
+
+    #[test]
+    fn remote_counts_add_to_what_decisions_see_but_not_to_the_local_share() {
+        let d = Arc::new(InFlight::default());
+        let _t = Ticket::start(vec![(d.clone(), Part::Whole { uncached_tokens: 10 })], 40);
+        let remote =
+            InFlightSnapshot { requests: 3, prefill_requests: 1, prefill_tokens: 7, tokens: 90 };
+        d.set_remote(remote);
+        let s = d.snapshot();
+        assert_eq!((s.requests, s.prefill_requests, s.prefill_tokens, s.tokens), (4, 2, 17, 130));
+        assert_eq!(d.local().requests, 1);
+        assert_eq!(d.remote(), remote);
+        d.set_remote(InFlightSnapshot::default());
+        assert_eq!(d.snapshot(), d.local());
+        let big = InFlightSnapshot { requests: u64::MAX, ..InFlightSnapshot::default() };
+        d.set_remote(big);
+        assert_eq!(d.snapshot().requests, u64::MAX, "saturates, never wraps");
     }
 }

@@ -7,7 +7,9 @@
 //! one profile), [`handler`] (which profiles run: single or prefill/decode), [`data`] (data producers and
 //! the data layer), [`config`] (llm-d's
 //! `EndpointPickerConfig` shape), [`registry`] (type names to factories), [`presets`] (named
-//! peer policies), [`router`] (the decision), [`metrics_text`] (vLLM / SGLang metrics).
+//! peer policies), [`router`] (the decision), [`sessions`] (session bindings),
+//! [`replica_sync`] (what router replicas share over a bus), [`metrics_text`] (vLLM / SGLang
+//! metrics).
 
 pub mod config;
 pub mod data;
@@ -22,9 +24,11 @@ pub mod pool;
 pub mod presets;
 pub mod profile;
 pub mod registry;
+pub mod replica_sync;
 pub mod rng;
 pub mod router;
 pub mod scorers;
+pub mod sessions;
 
 #[cfg(test)]
 mod testing;

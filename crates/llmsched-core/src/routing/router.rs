@@ -10,8 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use hashbrown::HashMap;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 
 use super::config::RouterConfig;
 use super::endpoint::Endpoint;
@@ -20,7 +19,9 @@ use super::inflight::{Part, Ticket};
 use super::plugin::{Candidate, Commit, RequestContext, RequestMeta};
 use super::pool::{EndpointPool, Members};
 use super::profile::ProfileOutcome;
+use super::replica_sync::{ReplicaSync, SyncEntry, SyncJournal, SyncOptions};
 use super::rng::DecisionRng;
+use super::sessions::Sessions;
 use super::RoutingError;
 use crate::hashing::TokenId;
 use crate::prefix_index::{MatchResult, PrefixIndex, WorkerId, WorkerKey};
@@ -115,12 +116,6 @@ impl Decision {
     }
 }
 
-/// Sessions bound to endpoints, with expiry.
-#[derive(Default)]
-struct Sessions {
-    bound: HashMap<String, (WorkerKey, f64)>,
-}
-
 /// Routes requests over a pool with a configuration. Share it between threads.
 pub struct Router {
     pool: Arc<EndpointPool>,
@@ -128,7 +123,8 @@ pub struct Router {
     config: RouterConfig,
     options: RouterOptions,
     ids: RwLock<IdMap>,
-    sessions: Mutex<Sessions>,
+    sessions: Arc<Sessions>,
+    journal: Arc<SyncJournal>,
     sequence: AtomicU64,
 }
 
@@ -167,7 +163,8 @@ impl Router {
             config,
             options,
             ids: RwLock::new(IdMap::default()),
-            sessions: Mutex::new(Sessions::default()),
+            sessions: Arc::new(Sessions::new(options.session_ttl, options.max_sessions)),
+            journal: Arc::new(SyncJournal::default()),
             sequence: AtomicU64::new(0),
         })
     }
@@ -360,12 +357,33 @@ impl Router {
 
     fn session_slot(&self, meta: &RequestMeta, members: &Members, now: f64) -> Option<usize> {
         let id = meta.session_id.as_ref()?;
-        let sessions = self.sessions.lock();
-        let (key, expires) = sessions.bound.get(id)?;
-        if now > *expires {
-            return None;
-        }
-        members.by_id.get(key).copied()
+        self.sessions.with_bound(id, now, |key| members.by_id.get(key).copied())
+    }
+
+    /// Turns on replica sync for this router: from now on commits are journaled, and the
+    /// returned [`ReplicaSync`] publishes them and applies other replicas' batches. Calling it
+    /// again gives another handle over the same journal (one handle per router is meant).
+    pub fn replica_sync(
+        &self,
+        replica: String,
+        incarnation: u64,
+        options: SyncOptions,
+    ) -> ReplicaSync {
+        ReplicaSync::new(
+            replica,
+            incarnation,
+            self.pool.clone(),
+            self.index.clone(),
+            self.sessions.clone(),
+            self.journal.clone(),
+            self.options.record_ttl,
+            options,
+        )
+    }
+
+    /// Sessions bound to endpoints.
+    pub fn sessions(&self) -> &Sessions {
+        &self.sessions
     }
 
     /// The request of `decision` is being sent to its chosen endpoint (or to `endpoint`, one of
@@ -394,6 +412,15 @@ impl Router {
             if let Some(key) = prefill_key {
                 self.index.record(key, &decision.hashes, self.options.record_ttl, now)?;
             }
+            if self.journal.enabled() {
+                for key in std::iter::once(decode_key).chain(prefill_key) {
+                    self.journal.push(SyncEntry::Record {
+                        endpoint: key.clone(),
+                        hashes: decision.hashes.clone(),
+                        age_s: 0.0,
+                    });
+                }
+            }
         }
         let member = |c: &Candidate| decision.members.list[c.slot].inflight.clone();
         let uncached = |c: &Candidate| decision.prompt_tokens - decision.cached_tokens(c);
@@ -409,29 +436,14 @@ impl Router {
             scorer.on_commit(&commit);
         }
         if let Some(id) = &decision.session_id {
-            self.bind_session(id, decode_key, now);
+            self.sessions.bind(id, decode_key, now, 0.0);
+            self.journal.push(SyncEntry::Session {
+                endpoint: decode_key.clone(),
+                id: id.clone(),
+                age_s: 0.0,
+            });
         }
         Ok(Ticket::start(parts, decision.prompt_tokens))
-    }
-
-    fn bind_session(&self, id: &str, key: &WorkerKey, now: f64) {
-        let mut sessions = self.sessions.lock();
-        let expires = now + self.options.session_ttl;
-        if sessions.bound.len() >= self.options.max_sessions && !sessions.bound.contains_key(id) {
-            sessions.bound.retain(|_, (_, e)| *e >= now);
-            if sessions.bound.len() >= self.options.max_sessions {
-                // Still full: drop the session closest to expiry.
-                let oldest = sessions
-                    .bound
-                    .iter()
-                    .min_by(|a, b| a.1 .1.total_cmp(&b.1 .1))
-                    .map(|(k, _)| k.clone());
-                if let Some(k) = oldest {
-                    sessions.bound.remove(&k);
-                }
-            }
-        }
-        sessions.bound.insert(id.to_string(), (key.clone(), expires));
     }
 }
 

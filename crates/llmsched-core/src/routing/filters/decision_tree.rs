@@ -20,7 +20,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{ParamError, Plugin};
+use crate::routing::registry::{ParamDoc, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
 /// One node: a filter by name, or a nested tree.
@@ -191,6 +191,19 @@ impl Filter for DecisionTreeFilter {
     fn on_empty(&self) -> OnEmpty {
         OnEmpty::FailClosed
     }
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::mapping("current", "`{pluginRef}` or `{decisionTree}`: the filter run first")
+        .required(),
+    ParamDoc::mapping("nextOnSuccess", "node run on what `current` kept"),
+    ParamDoc::mapping("nextOnFailure", "node run on what `current` was given when it kept nothing"),
+    ParamDoc::mapping("nextOnSuccessOrFailure", "node run when the matching branch is absent"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("filter", "runs `current`, then a branch on success or failure (the Inference Extension's tree); fails closed", PARAMS, Value::Null)
 }
 
 #[cfg(test)]

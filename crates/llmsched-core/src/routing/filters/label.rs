@@ -8,14 +8,14 @@
 
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct ByLabelParams {
     label: String,
@@ -23,7 +23,7 @@ struct ByLabelParams {
     allows_no_label: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 enum Operator {
     In,
     NotIn,
@@ -31,7 +31,7 @@ enum Operator {
     DoesNotExist,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Expression {
     key: String,
@@ -40,7 +40,7 @@ struct Expression {
     values: Vec<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct SelectorParams {
     match_labels: BTreeMap<String, String>,
@@ -116,6 +116,40 @@ pub fn selector_factory(params: &Value) -> Result<Plugin, ParamError> {
         }
     }
     Ok(Plugin::filter(LabelFilter { rule: Rule::Selector(p) }))
+}
+
+const BY_LABEL_PARAMS: &[ParamDoc] = &[
+    ParamDoc::string("label", "the label key").required(),
+    ParamDoc::list("validValues", "accepted values of the label"),
+    ParamDoc::boolean("allowsNoLabel", "keep endpoints without the label"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn by_label_doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "keeps endpoints whose label `label` has one of `validValues`; fails closed",
+        BY_LABEL_PARAMS,
+        defaults_of::<ByLabelParams>(),
+    )
+}
+
+const SELECTOR_PARAMS: &[ParamDoc] = &[
+    ParamDoc::mapping("matchLabels", "label pairs that must all match"),
+    ParamDoc::list(
+        "matchExpressions",
+        "`{key, operator: In | NotIn | Exists | DoesNotExist, values}` entries that must all hold",
+    ),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn selector_doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "keeps endpoints matching a Kubernetes-style label selector; fails closed",
+        SELECTOR_PARAMS,
+        defaults_of::<SelectorParams>(),
+    )
 }
 
 #[cfg(test)]

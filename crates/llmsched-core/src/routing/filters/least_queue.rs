@@ -3,14 +3,14 @@
 //! `n` candidates and integer division, as there: several nearly-idle endpoints stay, so the
 //! filters after it still have a choice. Never empties a non-empty set. No parameters.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Params {}
 
@@ -41,6 +41,16 @@ impl Filter for LeastQueueFilter {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let _: Params = decode(params)?;
     Ok(Plugin::filter(LeastQueueFilter))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "keeps endpoints whose queue lies in the lowest band `[min, min + (max - min) / n]`",
+        &[],
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

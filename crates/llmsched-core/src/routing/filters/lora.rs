@@ -2,14 +2,14 @@
 //! have it (active or waiting); if none has it, those with room to load it; if none has room,
 //! all (fails open: the adapter will queue somewhere). No parameters.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Params {}
 
@@ -45,6 +45,11 @@ impl Filter for LoraFilter {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let _: Params = decode(params)?;
     Ok(Plugin::filter(LoraFilter))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("filter", "keeps endpoints that have the request's LoRA adapter, else those with room for it; fails open", &[], defaults_of::<Params>())
 }
 
 #[cfg(test)]

@@ -6,14 +6,16 @@
 //! request's LoRA name, else its model name (the Extension matches the target model against the
 //! loaded adapters). Endpoints in neither group are dropped; an empty result fails closed.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{check_range, decode, ParamError, Plugin};
+use crate::routing::registry::{
+    check_range, decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc,
+};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 struct Params {
     threshold: f64,
@@ -73,6 +75,14 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: Params = decode(params)?;
     check_range("threshold", p.threshold, 0.0, 1.0)?;
     Ok(Plugin::filter(LoraAffinityFilter { threshold: p.threshold }))
+}
+
+const PARAMS: &[ParamDoc] =
+    &[ParamDoc::number("threshold", "probability of keeping the affinity group").min(0.0).max(1.0)];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("filter", "keeps endpoints holding the adapter with probability `threshold`, else those with room for it; fails closed", PARAMS, defaults_of::<Params>())
 }
 
 #[cfg(test)]

@@ -3,14 +3,14 @@
 //! Fails closed, as there: when no endpoint qualifies the set is empty, which a
 //! `decision-tree-filter` reads as failure and a profile as no endpoint.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 struct Params {
     threshold: u32,
@@ -48,6 +48,18 @@ impl Filter for LowQueueFilter {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: Params = decode(params)?;
     Ok(Plugin::filter(LowQueueFilter { threshold: p.threshold }))
+}
+
+const PARAMS: &[ParamDoc] = &[ParamDoc::int("threshold", "waiting requests an endpoint may have")];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "keeps endpoints with at most `threshold` waiting requests; fails closed",
+        PARAMS,
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

@@ -9,14 +9,16 @@
 //! 0 disables the escape). With `explorationProbability` (default 0) the filter is skipped at
 //! random. With no sticky endpoint it keeps all, so it never empties the set.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{check_range, decode, ParamError, Plugin};
+use crate::routing::registry::{
+    check_range, decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc,
+};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     affinity_threshold: f64,
@@ -98,6 +100,32 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
         return Err(ParamError::new("peakPrefillThroughput", "must be a positive number"));
     }
     Ok(Plugin::filter(PrefixAffinityFilter { p }))
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::number(
+        "affinityThreshold",
+        "share of the prompt's blocks that makes an endpoint sticky",
+    )
+    .min(0.0)
+    .max(1.0),
+    ParamDoc::number(
+        "maxTTFTPenaltyMs",
+        "TTFT penalty (ms) beyond which non-sticky endpoints are kept (0: never)",
+    )
+    .min(0.0),
+    ParamDoc::number(
+        "peakPrefillThroughput",
+        "prefill tokens/s used to estimate TTFT (greater than 0)",
+    ),
+    ParamDoc::number("explorationProbability", "probability of skipping the filter")
+        .min(0.0)
+        .max(1.0),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("filter", "sticks to endpoints holding most of the prompt until their estimated TTFT trails too far; never empties the set", PARAMS, defaults_of::<Params>())
 }
 
 #[cfg(test)]

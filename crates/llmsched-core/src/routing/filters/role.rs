@@ -2,15 +2,15 @@
 //! role prefill or both. Both fail closed: with no endpoint of the role the profile finds none
 //! (for a prefill profile that means no disaggregation). No parameters.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::endpoint::Role;
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Params {}
 
@@ -54,6 +54,26 @@ pub fn decode_factory(params: &Value) -> Result<Plugin, ParamError> {
 pub fn prefill_factory(params: &Value) -> Result<Plugin, ParamError> {
     let _: Params = decode(params)?;
     Ok(Plugin::filter(RoleFilter { prefill: true }))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn decode_doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "keeps endpoints whose role is decode, both or unset; fails closed",
+        &[],
+        defaults_of::<Params>(),
+    )
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn prefill_doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "keeps endpoints whose role is prefill or both; fails closed",
+        &[],
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

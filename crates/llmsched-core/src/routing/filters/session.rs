@@ -1,14 +1,14 @@
 //! `session-affinity-filter`: keeps only the endpoint the request's session is bound to, when
 //! that endpoint is a candidate; otherwise keeps all (fails open). No parameters.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Params {}
 
@@ -40,6 +40,11 @@ impl Filter for SessionFilter {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let _: Params = decode(params)?;
     Ok(Plugin::filter(SessionFilter))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("filter", "keeps only the endpoint the request's session is bound to, when it is a candidate; fails open", &[], defaults_of::<Params>())
 }
 
 #[cfg(test)]

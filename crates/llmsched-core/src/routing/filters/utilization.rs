@@ -4,14 +4,16 @@
 //! `maxRunningRequests`. Stale endpoints under the "saturated" policy are dropped. Fails open:
 //! when every endpoint is saturated, all stay (better a busy endpoint than none).
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, Filter, OnEmpty, PluginResult, RequestContext};
-use crate::routing::registry::{check_range, decode, ParamError, Plugin};
+use crate::routing::registry::{
+    check_range, decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc,
+};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     queue_depth_threshold: u32,
@@ -66,6 +68,27 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
         kv: p.kv_cache_util_threshold,
         running: p.max_running_requests.unwrap_or(u32::MAX),
     }))
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::int("queueDepthThreshold", "waiting requests an endpoint must stay below"),
+    ParamDoc::number("kvCacheUtilThreshold", "KV-cache use an endpoint must stay below")
+        .min(0.0)
+        .max(1.0),
+    ParamDoc::int(
+        "maxRunningRequests",
+        "running requests an endpoint must stay below (absent: no limit)",
+    ),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "keeps endpoints below the saturation thresholds; fails open",
+        PARAMS,
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

@@ -7,15 +7,17 @@
 //! exceeds `cacheThreshold`, else the least loaded. Ties at random; fallbacks by ascending load.
 //! Defaults are SGLang's CLI defaults: 0.3, 64, 1.5. Parameter `maxNumOfEndpoints` too.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{top_k, MaxEndpoints};
 use crate::routing::plugin::{Candidate, Picker, PluginResult, RequestContext};
-use crate::routing::registry::{check_range, decode, ParamError, Plugin};
+use crate::routing::registry::{
+    check_range, decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc,
+};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     cache_threshold: f64,
@@ -90,6 +92,26 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     check_range("balanceRelThreshold", p.balance_rel_threshold, 0.0, f64::MAX)?;
     let limit = p.max_num_of_endpoints.check()?;
     Ok(Plugin::picker(CacheAwarePicker { p, limit }))
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::number("cacheThreshold", "match ratio above which the longest prefix wins")
+        .min(0.0)
+        .max(1.0),
+    ParamDoc::int("balanceAbsThreshold", "load difference that makes the pool imbalanced"),
+    ParamDoc::number("balanceRelThreshold", "load ratio that makes the pool imbalanced").min(0.0),
+    ParamDoc::int("maxNumOfEndpoints", "endpoints returned: the chosen one and its fallbacks")
+        .min(1.0),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "picker",
+        "SGLang's cache-aware policy: longest cached prefix unless the load is imbalanced",
+        PARAMS,
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use std::cmp::Ordering;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::registry::ParamError;
 
@@ -20,7 +20,7 @@ pub mod weighted_random;
 pub const DEFAULT_MAX_ENDPOINTS: usize = 4;
 
 /// The parameter every picker has.
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
 #[serde(transparent)]
 pub struct MaxEndpoints(pub usize);
 

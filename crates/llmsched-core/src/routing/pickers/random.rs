@@ -1,14 +1,14 @@
 //! `random-picker`: a uniformly random order (seeded). Parameter `maxNumOfEndpoints`.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::MaxEndpoints;
 use crate::routing::plugin::{Candidate, Picker, PluginResult, RequestContext};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     max_num_of_endpoints: MaxEndpoints,
@@ -46,6 +46,15 @@ impl Picker for RandomPicker {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: Params = decode(params)?;
     Ok(Plugin::picker(RandomPicker { limit: p.max_num_of_endpoints.check()? }))
+}
+
+const PARAMS: &[ParamDoc] =
+    &[ParamDoc::int("maxNumOfEndpoints", "endpoints returned: the chosen one and its fallbacks")
+        .min(1.0)];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("picker", "a uniformly random order", PARAMS, defaults_of::<Params>())
 }
 
 #[cfg(test)]

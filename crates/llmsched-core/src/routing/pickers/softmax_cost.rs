@@ -9,15 +9,17 @@
 //! temperature (Gumbel-max, which also orders the fallbacks). Parameters: `temperature`,
 //! `prefillLoadScale` (default 1), `maxNumOfEndpoints`.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{top_k, MaxEndpoints};
 use crate::routing::plugin::{Candidate, Picker, PluginResult, RequestContext};
-use crate::routing::registry::{check_range, decode, ParamError, Plugin};
+use crate::routing::registry::{
+    check_range, decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc,
+};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     temperature: f64,
@@ -114,6 +116,18 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
         prefill_load_scale: p.prefill_load_scale,
         limit: p.max_num_of_endpoints.check()?,
     }))
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::number("temperature", "0: lowest cost; above 0: softmax sampling").min(0.0),
+    ParamDoc::number("prefillLoadScale", "weight of the prefill blocks in the cost").min(0.0),
+    ParamDoc::int("maxNumOfEndpoints", "endpoints returned: the chosen one and its fallbacks")
+        .min(1.0),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("picker", "Dynamo's KV router: lowest prefill-plus-decode block cost, or softmax sampling at `temperature`", PARAMS, defaults_of::<Params>())
 }
 
 #[cfg(test)]

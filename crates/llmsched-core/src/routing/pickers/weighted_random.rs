@@ -3,15 +3,15 @@
 //! fallbacks as weighted sampling without replacement. Zero scores come last in random order;
 //! all zero is uniform. Parameter `maxNumOfEndpoints`.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{top_k, MaxEndpoints};
 use crate::routing::plugin::{Candidate, Picker, PluginResult, RequestContext};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 use crate::routing::rng::DecisionRng;
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     max_num_of_endpoints: MaxEndpoints,
@@ -59,6 +59,20 @@ impl Picker for WeightedRandomPicker {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: Params = decode(params)?;
     Ok(Plugin::picker(WeightedRandomPicker { limit: p.max_num_of_endpoints.check()? }))
+}
+
+const PARAMS: &[ParamDoc] =
+    &[ParamDoc::int("maxNumOfEndpoints", "endpoints returned: the chosen one and its fallbacks")
+        .min(1.0)];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "picker",
+        "random with probability proportional to the total score",
+        PARAMS,
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

@@ -4,13 +4,13 @@
 //! Parameters: `idleThreshold` (default 0); `requestTimeout` is accepted for llm-d configs but
 //! unused: in-flight requests end with their ticket, never by timeout.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     idle_threshold: u64,
@@ -40,6 +40,19 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: Params = decode(params)?;
     let _ = p.request_timeout;
     Ok(Plugin::scorer(ActiveRequestScorer { idle_threshold: p.idle_threshold }))
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::int("idleThreshold", "in-flight requests that still score 1"),
+    ParamDoc::string(
+        "requestTimeout",
+        "accepted for llm-d configs; no effect (requests end with their ticket)",
+    ),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("scorer", "the router's own in-flight requests: 1 at or below `idleThreshold`, else `(max - n) / max`", PARAMS, defaults_of::<Params>())
 }
 
 #[cfg(test)]

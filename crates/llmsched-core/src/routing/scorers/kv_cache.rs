@@ -1,12 +1,12 @@
 //! `kv-cache-utilization-scorer`: `1 - kv_cache_usage`. No parameters.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Params {}
 
@@ -28,6 +28,11 @@ impl Scorer for KvCacheScorer {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let _: Params = decode(params)?;
     Ok(Plugin::scorer(KvCacheScorer))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("scorer", "`1 - kv_cache_usage`", &[], defaults_of::<Params>())
 }
 
 #[cfg(test)]

@@ -1,13 +1,13 @@
 //! `load-aware-scorer`: an empty queue scores 0.5; a queue of `q` scores `0.5 * (1 - q/T)`,
 //! reaching 0 at `q >= T`. Parameter `threshold` (T, default 128, must be positive).
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 struct Params {
     threshold: u64,
@@ -43,6 +43,19 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
         return Err(ParamError::new("threshold", "must be positive"));
     }
     Ok(Plugin::scorer(LoadAwareScorer { threshold: p.threshold as f64 }))
+}
+
+const PARAMS: &[ParamDoc] =
+    &[ParamDoc::int("threshold", "waiting requests at which the score reaches 0").min(1.0)];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "scorer",
+        "`0.5 * (1 - waiting / threshold)`, 0 from `threshold` waiting requests on",
+        PARAMS,
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

@@ -3,13 +3,13 @@
 //! where the adapter is waiting, else 0 (the order of the Gateway API Inference Extension).
 //! A request without an adapter scores 1.0 everywhere. No parameters.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Params {}
 
@@ -45,6 +45,16 @@ impl Scorer for LoraAffinityScorer {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let _: Params = decode(params)?;
     Ok(Plugin::scorer(LoraAffinityScorer))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "scorer",
+        "1 where the adapter is active, 0.8 where one fits, 0.6 where it waits, else 0",
+        &[],
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

@@ -11,14 +11,14 @@
 use std::collections::VecDeque;
 
 use parking_lot::Mutex;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::prefix_index::WorkerKey;
 use crate::routing::plugin::{Candidate, Commit, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     lru_size: usize,
@@ -103,6 +103,22 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     }
     let _ = (p.prefix_plugin_name, p.prefill_profile);
     Ok(Plugin::scorer(NoHitLruScorer { capacity: p.lru_size, lru: Mutex::new(VecDeque::new()) }))
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::int("lruSize", "endpoints remembered").min(1.0),
+    ParamDoc::string("prefixPluginName", "accepted for llm-d configs; no effect"),
+    ParamDoc::string("prefillProfile", "accepted for llm-d configs; no effect"),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "scorer",
+        "spreads cold requests (no cached prefix anywhere) over the least recently used endpoints",
+        PARAMS,
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

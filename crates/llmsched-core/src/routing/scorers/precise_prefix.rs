@@ -20,11 +20,11 @@
 //! `speculativeTTL`. Settings that llmsched does elsewhere are accepted with a note saying
 //! where; a Redis or Valkey index backend is refused.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, IndexHints, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
 /// vLLM's seed string when `PYTHONHASHSEED` is unset (recent releases).
 pub const VLLM_DEFAULT_SEED: &str = "vllm-none-hash";
@@ -55,7 +55,7 @@ pub struct PreciseSpec {
     pub notes: Vec<(String, String)>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct TokenProcessor {
     block_size: usize,
@@ -68,7 +68,7 @@ impl Default for TokenProcessor {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct BlockIndex {
     enable_metrics: Option<bool>,
@@ -79,7 +79,7 @@ struct BlockIndex {
     valkey_config: Option<Value>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Indexer {
     token_processor_config: Option<TokenProcessor>,
@@ -90,7 +90,7 @@ struct Indexer {
     kv_cache_backend_configs: Option<Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct KvEvents {
     zmq_endpoint: String,
@@ -112,7 +112,7 @@ impl Default for KvEvents {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     token_processor_config: Option<TokenProcessor>,
@@ -247,6 +247,34 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
             notes,
         },
     }))
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::int("tokenProcessorConfig.blockSize", "tokens per block the engines hash").min(1.0).max(65_536.0),
+    ParamDoc::string("tokenProcessorConfig.hashSeed", "the engines' `PYTHONHASHSEED`"),
+    ParamDoc::mapping("indexerConfig", "llm-d's indexer settings (older home of `tokenProcessorConfig`; Redis and Valkey backends refused)"),
+    ParamDoc::string("kvEventsConfig.zmqEndpoint", "where the KV-event subscriber listens or connects"),
+    ParamDoc::string("kvEventsConfig.topicFilter", "topic prefix of the engines' KV events"),
+    ParamDoc::int("kvEventsConfig.concurrency", "accepted; no effect"),
+    ParamDoc::boolean("kvEventsConfig.discoverPods", "accepted; engines come from the caller"),
+    ParamDoc::mapping("kvEventsConfig.podDiscoveryConfig", "accepted; no effect"),
+    ParamDoc::boolean("speculativeIndexing", "accepted; the router records its own decisions"),
+    ParamDoc::string("speculativeTTL", "accepted; see `Router(record_ttl_s=...)`"),
+];
+
+/// The nested defaults the factory decodes over.
+fn precise_defaults() -> Value {
+    let mut d = defaults_of::<Params>();
+    if let Value::Object(map) = &mut d {
+        map.insert("tokenProcessorConfig".into(), defaults_of::<TokenProcessor>());
+        map.insert("kvEventsConfig".into(), defaults_of::<KvEvents>());
+    }
+    d
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("scorer", "blocks the engines report holding (KV events), min-max normalised among endpoints with a hit", PARAMS, precise_defaults())
 }
 
 #[cfg(test)]

@@ -11,13 +11,13 @@
 //! precise scorer (see `precise_prefix`) configured by `indexerConfig` and `kvEventsConfig`;
 //! the estimate-mode parameters are refused in that mode.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, IndexHints, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     block_size: Option<usize>,
@@ -120,6 +120,45 @@ fn cache_tracking(p: &Params) -> Result<Plugin, ParamError> {
         inner.insert("kvEventsConfig".into(), v.clone());
     }
     super::precise_prefix::factory(&Value::Object(inner))
+}
+
+const PARAMS: &[ParamDoc] = &[
+    ParamDoc::int(
+        "blockSize",
+        "tokens per block of the index the router builds (absent: the index's)",
+    )
+    .min(1.0),
+    ParamDoc::int("hashBlockSize", "older name of `blockSize`").min(1.0),
+    ParamDoc::int("maxPrefixBlocksToMatch", "cap on matched and prompt blocks (absent: no cap)")
+        .min(1.0),
+    ParamDoc::int(
+        "lruCapacityPerServer",
+        "blocks per worker in the index the router builds (absent: unbounded)",
+    )
+    .min(1.0),
+    ParamDoc::string(
+        "mode",
+        "`estimate` (absent: the same), or `cache_tracking` for the precise scorer",
+    )
+    .choices(&["estimate", "cache_tracking"]),
+    ParamDoc::mapping(
+        "indexerConfig",
+        "with `mode: cache_tracking`: as in `precise-prefix-cache-scorer`",
+    ),
+    ParamDoc::mapping(
+        "kvEventsConfig",
+        "with `mode: cache_tracking`: as in `precise-prefix-cache-scorer`",
+    ),
+];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "scorer",
+        "share of the prompt's blocks the endpoint holds in the prefix index",
+        PARAMS,
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

@@ -2,13 +2,13 @@
 //! requests score higher, min-max normalised like the queue scorer:
 //! `(maxR - r) / (maxR - minR)`, 1 for all when equal. No parameters.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Params {}
 
@@ -28,6 +28,16 @@ impl Scorer for RunningRequestsScorer {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let _: Params = decode(params)?;
     Ok(Plugin::scorer(RunningRequestsScorer))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "scorer",
+        "fewer running requests score higher, min-max normalised over the candidates",
+        &[],
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

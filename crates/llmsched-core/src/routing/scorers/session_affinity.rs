@@ -2,13 +2,13 @@
 //! others (and 0 everywhere for a request without a bound session). The router binds a session
 //! to the decode endpoint of each committed decision. No parameters.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Params {}
 
@@ -31,6 +31,16 @@ impl Scorer for SessionAffinityScorer {
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let _: Params = decode(params)?;
     Ok(Plugin::scorer(SessionAffinityScorer))
+}
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new(
+        "scorer",
+        "1 for the endpoint the request's session is bound to, 0 elsewhere",
+        &[],
+        defaults_of::<Params>(),
+    )
 }
 
 #[cfg(test)]

@@ -2,13 +2,13 @@
 //! tokens the router has sent to the endpoint that are not yet prefilled (no first token).
 //! Parameter `queueThresholdTokens` (default 4,194,304 = 128 requests of 32K, as llm-d).
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::routing::plugin::{Candidate, PluginResult, RequestContext, Scorer};
-use crate::routing::registry::{decode, ParamError, Plugin};
+use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct Params {
     queue_threshold_tokens: u64,
@@ -39,6 +39,15 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
         return Err(ParamError::new("queueThresholdTokens", "must be positive"));
     }
     Ok(Plugin::scorer(TokenLoadScorer { threshold: p.queue_threshold_tokens as f64 }))
+}
+
+const PARAMS: &[ParamDoc] =
+    &[ParamDoc::int("queueThresholdTokens", "pending prefill tokens at which the score reaches 0")
+        .min(1.0)];
+
+/// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).
+pub fn doc() -> PluginDoc {
+    PluginDoc::new("scorer", "`1 - min(1, t / queueThresholdTokens)` over the uncached prompt tokens sent and not yet prefilled", PARAMS, defaults_of::<Params>())
 }
 
 #[cfg(test)]

@@ -1,0 +1,1021 @@
+//! Replica sync: what one router replica learns that the other replicas of its cluster need,
+//! as compact batches for a message bus to carry.
+//!
+//! Several router replicas in front of the same engines each see only their own requests. Left
+//! alone they herd: between two scrapes each one sends its next requests to the engine that
+//! looks idle to it, and a prompt routed by one replica is news to the others' prefix index
+//! until the engine's KV events arrive. With sync on ([`SyncJournal::enable`]), a router
+//! journals what it learns at commit time: the approximate prefix record of the request and
+//! its session binding. [`ReplicaSync::outgoing`] drains the journal into a [`SyncBatch`] with
+//! the replica's own in-flight counts per endpoint; [`ReplicaSync::incoming`] applies another
+//! replica's batch: records go into the index with the router's record TTL (less the entry's
+//! age), sessions are bound, and the replica's counts replace the ones it sent before. An
+//! endpoint's remote count, which decisions add to their own, is the sum over the replicas
+//! heard from within `load_ttl` seconds.
+//!
+//! Counts travel as absolute values per replica, not as deltas: a lost batch is healed by the
+//! next one, and a replica that dies stops counting once its counts expire, instead of leaving
+//! a drift behind. Records and sessions are idempotent (recording a prefix twice, or binding a
+//! session to the endpoint it is bound to, changes nothing), so duplicates are harmless.
+//!
+//! Wire format (version 1, little-endian): `b"LSYN"`, version `u8`, replica name (`u16` length
+//! then UTF-8), incarnation `u64` (random per process start), sequence `u64`, then `u32` count
+//! of loads (endpoint key, four `u64`: requests, prefill requests, prefill tokens, tokens), then
+//! `u32` count of entries, each a tag `u8` (1: record, 2: session), the endpoint key, the age in
+//! seconds `f32`, then for a record a `u32` count of block hashes and the `u64` hashes, for a
+//! session its id (`u16` length then UTF-8). An endpoint key is a tag `u8` (0: integer, `i64`;
+//! 1: string, `u16` length then UTF-8). Every length is checked against the bytes left before
+//! anything is allocated, so a hostile batch costs at most its own size.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+use thiserror::Error;
+
+use super::inflight::InFlightSnapshot;
+use super::pool::{EndpointPool, Members};
+use super::sessions::Sessions;
+use crate::prefix_index::{PrefixIndex, WorkerKey};
+use crate::protocols::BlockHash;
+
+const MAGIC: &[u8; 4] = b"LSYN";
+const VERSION: u8 = 1;
+const TAG_RECORD: u8 = 1;
+const TAG_SESSION: u8 = 2;
+const KEY_INT: u8 = 0;
+const KEY_STR: u8 = 1;
+/// The largest batch [`decode`] reads.
+pub const MAX_BATCH_BYTES: usize = 16 << 20;
+
+/// One thing a replica learned at commit time.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SyncEntry {
+    /// The request's prompt blocks were sent to `endpoint`: an approximate prefix record.
+    Record { endpoint: WorkerKey, hashes: Vec<BlockHash>, age_s: f32 },
+    /// The session `id` is bound to `endpoint`.
+    Session { endpoint: WorkerKey, id: String, age_s: f32 },
+}
+
+/// One replica's message: who sent it, its counts per endpoint, and what it learned.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SyncBatch {
+    pub replica: String,
+    pub incarnation: u64,
+    pub seq: u64,
+    /// Endpoints where the replica has requests in flight; absent endpoints count 0.
+    pub loads: Vec<(WorkerKey, InFlightSnapshot)>,
+    pub entries: Vec<SyncEntry>,
+}
+
+/// A batch that cannot be read: where and why.
+#[derive(Debug, Error, PartialEq)]
+#[error("sync batch: {message} at byte {offset}")]
+pub struct SyncError {
+    pub offset: usize,
+    pub message: String,
+}
+
+// ---- the journal ---------------------------------------------------------------------------
+
+/// What a router learned since the last drain. Off until enabled; bounded: entries past the
+/// limit are dropped and counted (the next batches still carry counts, and records come back
+/// with the engines' KV events).
+#[derive(Debug, Default)]
+pub struct SyncJournal {
+    enabled: AtomicBool,
+    limit: AtomicUsize,
+    entries: Mutex<Vec<SyncEntry>>,
+    dropped: AtomicU64,
+}
+
+impl SyncJournal {
+    /// Starts journaling, keeping at most `limit` entries between drains.
+    pub fn enable(&self, limit: usize) {
+        self.limit.store(limit.max(1), Ordering::Relaxed);
+        self.enabled.store(true, Ordering::Release);
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Acquire)
+    }
+
+    /// Adds an entry (a no-op while sync is off).
+    pub fn push(&self, entry: SyncEntry) {
+        if !self.enabled() {
+            return;
+        }
+        let mut entries = self.entries.lock();
+        if entries.len() >= self.limit.load(Ordering::Relaxed) {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        entries.push(entry);
+    }
+
+    /// Everything journaled since the last drain.
+    pub fn drain(&self) -> Vec<SyncEntry> {
+        std::mem::take(&mut *self.entries.lock())
+    }
+
+    /// Entries dropped because the journal was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}
+
+// ---- the codec -----------------------------------------------------------------------------
+
+fn put_str(out: &mut Vec<u8>, s: &str) -> bool {
+    let Ok(len) = u16::try_from(s.len()) else { return false };
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+    true
+}
+
+fn put_key(out: &mut Vec<u8>, key: &WorkerKey) -> bool {
+    match key {
+        WorkerKey::Int(i) => {
+            out.push(KEY_INT);
+            out.extend_from_slice(&i.to_le_bytes());
+            true
+        }
+        WorkerKey::Str(s) => {
+            out.push(KEY_STR);
+            put_str(out, s)
+        }
+    }
+}
+
+fn key_fits(key: &WorkerKey) -> bool {
+    match key {
+        WorkerKey::Int(_) => true,
+        WorkerKey::Str(s) => s.len() <= u16::MAX as usize,
+    }
+}
+
+/// Encodes a batch. Entries or loads whose strings are longer than 65,535 bytes are left out;
+/// the second value counts them.
+pub fn encode(batch: &SyncBatch) -> (Vec<u8>, usize) {
+    let mut out = Vec::with_capacity(64 + batch.loads.len() * 48);
+    out.extend_from_slice(MAGIC);
+    out.push(VERSION);
+    let replica = if batch.replica.len() <= u16::MAX as usize { &batch.replica[..] } else { "" };
+    put_str(&mut out, replica);
+    out.extend_from_slice(&batch.incarnation.to_le_bytes());
+    out.extend_from_slice(&batch.seq.to_le_bytes());
+    let mut skipped = 0;
+    let loads: Vec<_> = batch.loads.iter().filter(|(k, _)| key_fits(k)).collect();
+    skipped += batch.loads.len() - loads.len();
+    out.extend_from_slice(&(loads.len() as u32).to_le_bytes());
+    for (key, l) in loads {
+        put_key(&mut out, key);
+        for v in [l.requests, l.prefill_requests, l.prefill_tokens, l.tokens] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    let count_at = out.len();
+    out.extend_from_slice(&0u32.to_le_bytes());
+    let mut count = 0u32;
+    for entry in &batch.entries {
+        let (key, age) = match entry {
+            SyncEntry::Record { endpoint, age_s, .. }
+            | SyncEntry::Session { endpoint, age_s, .. } => (endpoint, *age_s),
+        };
+        let fits = key_fits(key)
+            && match entry {
+                SyncEntry::Session { id, .. } => id.len() <= u16::MAX as usize,
+                SyncEntry::Record { hashes, .. } => u32::try_from(hashes.len()).is_ok(),
+            };
+        if !fits {
+            skipped += 1;
+            continue;
+        }
+        match entry {
+            SyncEntry::Record { hashes, .. } => {
+                out.push(TAG_RECORD);
+                put_key(&mut out, key);
+                out.extend_from_slice(&age.to_le_bytes());
+                out.extend_from_slice(&(hashes.len() as u32).to_le_bytes());
+                for h in hashes {
+                    out.extend_from_slice(&h.to_le_bytes());
+                }
+            }
+            SyncEntry::Session { id, .. } => {
+                out.push(TAG_SESSION);
+                put_key(&mut out, key);
+                out.extend_from_slice(&age.to_le_bytes());
+                put_str(&mut out, id);
+            }
+        }
+        count += 1;
+    }
+    out[count_at..count_at + 4].copy_from_slice(&count.to_le_bytes());
+    (out, skipped)
+}
+
+struct Reader<'a> {
+    data: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn fail<T>(&self, message: impl Into<String>) -> Result<T, SyncError> {
+        Err(SyncError { offset: self.at, message: message.into() })
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], SyncError> {
+        if self.data.len() - self.at < n {
+            return self.fail(format!("{n} bytes needed, {} left", self.data.len() - self.at));
+        }
+        let out = &self.data[self.at..self.at + n];
+        self.at += n;
+        Ok(out)
+    }
+
+    fn left(&self) -> usize {
+        self.data.len() - self.at
+    }
+
+    fn u8(&mut self) -> Result<u8, SyncError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, SyncError> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+    }
+
+    fn u32(&mut self) -> Result<u32, SyncError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+
+    fn u64(&mut self) -> Result<u64, SyncError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+
+    fn f32(&mut self) -> Result<f32, SyncError> {
+        let v = f32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes"));
+        if !(v.is_finite() && v >= 0.0) {
+            self.at -= 4;
+            return self.fail(format!("age must be finite and >= 0, got {v}"));
+        }
+        Ok(v)
+    }
+
+    fn str(&mut self) -> Result<String, SyncError> {
+        let len = self.u16()? as usize;
+        let bytes = self.take(len)?;
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(_) => {
+                self.at -= len;
+                self.fail("string is not UTF-8")
+            }
+        }
+    }
+
+    fn key(&mut self) -> Result<WorkerKey, SyncError> {
+        match self.u8()? {
+            KEY_INT => Ok(WorkerKey::Int(self.u64()? as i64)),
+            KEY_STR => Ok(WorkerKey::Str(self.str()?)),
+            other => {
+                self.at -= 1;
+                self.fail(format!("unknown endpoint key tag {other}"))
+            }
+        }
+    }
+
+    /// A count of items of at least `min_size` bytes each, checked against the bytes left.
+    fn count(&mut self, min_size: usize, what: &str) -> Result<usize, SyncError> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_size) > self.left() {
+            self.at -= 4;
+            return self.fail(format!("{n} {what} cannot fit in {} bytes", self.left()));
+        }
+        Ok(n)
+    }
+}
+
+/// Decodes a batch; anything malformed is an error naming the byte offset.
+pub fn decode(data: &[u8]) -> Result<SyncBatch, SyncError> {
+    let mut r = Reader { data, at: 0 };
+    if data.len() > MAX_BATCH_BYTES {
+        return r.fail(format!("{} bytes is over the {MAX_BATCH_BYTES}-byte limit", data.len()));
+    }
+    if r.take(4)? != MAGIC {
+        r.at = 0;
+        return r.fail("not a sync batch (bad magic)");
+    }
+    let version = r.u8()?;
+    if version != VERSION {
+        r.at -= 1;
+        return r.fail(format!("unknown version {version}"));
+    }
+    let replica = r.str()?;
+    let incarnation = r.u64()?;
+    let seq = r.u64()?;
+    let n = r.count(3 + 32, "loads")?;
+    let mut loads = Vec::with_capacity(n);
+    for _ in 0..n {
+        let key = r.key()?;
+        let (a, b, c, d) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+        loads.push((
+            key,
+            InFlightSnapshot { requests: a, prefill_requests: b, prefill_tokens: c, tokens: d },
+        ));
+    }
+    let n = r.count(1 + 3 + 4 + 2, "entries")?;
+    let mut entries = Vec::with_capacity(n);
+    for _ in 0..n {
+        let tag = r.u8()?;
+        if tag != TAG_RECORD && tag != TAG_SESSION {
+            r.at -= 1;
+            return r.fail(format!("unknown entry tag {tag}"));
+        }
+        let endpoint = r.key()?;
+        let age_s = r.f32()?;
+        if tag == TAG_RECORD {
+            let len = r.count(8, "block hashes")?;
+            let bytes = r.take(len * 8)?;
+            let hashes = bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect();
+            entries.push(SyncEntry::Record { endpoint, hashes, age_s });
+        } else {
+            let id = r.str()?;
+            entries.push(SyncEntry::Session { endpoint, id, age_s });
+        }
+    }
+    if r.left() != 0 {
+        return r.fail(format!("{} bytes after the batch", r.left()));
+    }
+    Ok(SyncBatch { replica, incarnation, seq, loads, entries })
+}
+
+// ---- one replica's side --------------------------------------------------------------------
+
+/// Settings of one replica's sync. Defaults live here.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SyncOptions {
+    /// Most journal entries between two drains.
+    pub journal_limit: usize,
+    /// Seconds another replica's counts are trusted without news from it.
+    pub load_ttl: f64,
+    /// Most entries kept for a late replica's catch-up.
+    pub history_limit: usize,
+}
+
+impl Default for SyncOptions {
+    fn default() -> Self {
+        SyncOptions { journal_limit: 65_536, load_ttl: 3.0, history_limit: 200_000 }
+    }
+}
+
+/// What [`ReplicaSync::incoming`] did with a batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IncomingReport {
+    /// The batch was this replica's own (a bus echoes to every subscriber).
+    pub own: bool,
+    /// Already seen (its sequence is not newer than the last one from that replica).
+    pub duplicate: bool,
+    /// Batches from that replica that never arrived before this one.
+    pub missed: u64,
+    pub records: u64,
+    pub sessions: u64,
+    /// Entries or loads for endpoints this replica's pool does not have.
+    pub unknown_endpoints: u64,
+}
+
+/// Counters of one replica's sync.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SyncCounters {
+    pub batches_out: u64,
+    pub bytes_out: u64,
+    pub entries_out: u64,
+    pub batches_in: u64,
+    pub bytes_in: u64,
+    pub own_in: u64,
+    pub duplicates_in: u64,
+    pub missed_in: u64,
+    pub malformed_in: u64,
+    pub records_applied: u64,
+    pub sessions_applied: u64,
+    pub unknown_endpoints: u64,
+    pub journal_dropped: u64,
+    pub skipped_out: u64,
+    pub replicas_expired: u64,
+}
+
+#[derive(Debug)]
+struct Peer {
+    incarnation: u64,
+    seq: u64,
+    last_seen: f64,
+    loads: Vec<(WorkerKey, InFlightSnapshot)>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    seq: u64,
+    last_loads: Vec<(WorkerKey, InFlightSnapshot)>,
+    peers: HashMap<String, Peer>,
+    history: VecDeque<(f64, SyncEntry)>,
+    counters: SyncCounters,
+}
+
+/// One replica's end of the sync: builds its outgoing batches and applies the others'.
+pub struct ReplicaSync {
+    replica: String,
+    incarnation: u64,
+    pool: Arc<EndpointPool>,
+    index: Arc<PrefixIndex>,
+    sessions: Arc<Sessions>,
+    journal: Arc<SyncJournal>,
+    record_ttl: f64,
+    options: SyncOptions,
+    state: Mutex<State>,
+}
+
+impl ReplicaSync {
+    /// The sync of replica `replica` over a router's parts (see `Router::replica_sync`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        replica: String,
+        incarnation: u64,
+        pool: Arc<EndpointPool>,
+        index: Arc<PrefixIndex>,
+        sessions: Arc<Sessions>,
+        journal: Arc<SyncJournal>,
+        record_ttl: f64,
+        options: SyncOptions,
+    ) -> ReplicaSync {
+        journal.enable(options.journal_limit);
+        ReplicaSync {
+            replica,
+            incarnation,
+            pool,
+            index,
+            sessions,
+            journal,
+            record_ttl,
+            options,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    pub fn replica(&self) -> &str {
+        &self.replica
+    }
+
+    fn local_loads(&self) -> Vec<(WorkerKey, InFlightSnapshot)> {
+        let members = self.pool.snapshot();
+        members
+            .list
+            .iter()
+            .filter_map(|m| {
+                let l = m.inflight.local();
+                (l != InFlightSnapshot::default()).then(|| (m.endpoint.id.clone(), l))
+            })
+            .collect()
+    }
+
+    /// The next batch to publish: the journal since the last call and this replica's counts.
+    /// None when there is nothing new and `heartbeat` is false (counts unchanged, nothing
+    /// journaled); a heartbeat batch tells the others this replica is alive.
+    pub fn outgoing(&self, now: f64, heartbeat: bool) -> Option<Vec<u8>> {
+        let entries = self.journal.drain();
+        let loads = self.local_loads();
+        let mut state = self.state.lock();
+        state.counters.journal_dropped = self.journal.dropped();
+        if entries.is_empty() && loads == state.last_loads && !heartbeat {
+            return None;
+        }
+        for e in &entries {
+            if state.history.len() >= self.options.history_limit {
+                state.history.pop_front();
+            }
+            state.history.push_back((now, e.clone()));
+        }
+        state.seq += 1;
+        let batch = SyncBatch {
+            replica: self.replica.clone(),
+            incarnation: self.incarnation,
+            seq: state.seq,
+            loads: loads.clone(),
+            entries,
+        };
+        let (bytes, skipped) = encode(&batch);
+        state.last_loads = loads;
+        let c = &mut state.counters;
+        c.batches_out += 1;
+        c.bytes_out += bytes.len() as u64;
+        c.entries_out += batch.entries.len() as u64;
+        c.skipped_out += skipped as u64;
+        Some(bytes)
+    }
+
+    /// Applies another replica's batch at `now`. A malformed batch changes nothing and is
+    /// counted.
+    pub fn incoming(&self, data: &[u8], now: f64) -> Result<IncomingReport, SyncError> {
+        let batch = match decode(data) {
+            Ok(b) => b,
+            Err(e) => {
+                self.state.lock().counters.malformed_in += 1;
+                return Err(e);
+            }
+        };
+        let mut report = IncomingReport::default();
+        let mut state = self.state.lock();
+        state.counters.batches_in += 1;
+        state.counters.bytes_in += data.len() as u64;
+        if batch.replica == self.replica && batch.incarnation == self.incarnation {
+            state.counters.own_in += 1;
+            report.own = true;
+            return Ok(report);
+        }
+        let members = self.pool.snapshot();
+        let mut unknown =
+            batch.loads.iter().filter(|(k, _)| members.get(k).is_none()).count() as u64;
+        match state.peers.get_mut(&batch.replica) {
+            Some(peer) if peer.incarnation == batch.incarnation && batch.seq <= peer.seq => {
+                state.counters.duplicates_in += 1;
+                report.duplicate = true;
+                return Ok(report);
+            }
+            Some(peer) if peer.incarnation == batch.incarnation => {
+                report.missed = batch.seq - peer.seq - 1;
+                peer.seq = batch.seq;
+                peer.last_seen = now;
+                peer.loads = batch.loads;
+            }
+            _ => {
+                state.peers.insert(
+                    batch.replica.clone(),
+                    Peer {
+                        incarnation: batch.incarnation,
+                        seq: batch.seq,
+                        last_seen: now,
+                        loads: batch.loads,
+                    },
+                );
+            }
+        }
+        let applied = self.apply_entries(&batch.entries, &members, now);
+        report.records = applied.records;
+        report.sessions = applied.sessions;
+        unknown += applied.unknown_endpoints;
+        report.unknown_endpoints = unknown;
+        let c = &mut state.counters;
+        c.missed_in += report.missed;
+        c.records_applied += report.records;
+        c.sessions_applied += report.sessions;
+        c.unknown_endpoints += unknown;
+        self.refresh(&mut state, now);
+        Ok(report)
+    }
+
+    /// Records and sessions of `entries` for endpoints in `members`; the rest are counted.
+    fn apply_entries(&self, entries: &[SyncEntry], members: &Members, now: f64) -> IncomingReport {
+        let mut report = IncomingReport::default();
+        for entry in entries {
+            let (endpoint, age_s) = match entry {
+                SyncEntry::Record { endpoint, age_s, .. }
+                | SyncEntry::Session { endpoint, age_s, .. } => (endpoint, f64::from(*age_s)),
+            };
+            if members.get(endpoint).is_none() {
+                report.unknown_endpoints += 1;
+                continue;
+            }
+            match entry {
+                SyncEntry::Record { hashes, .. } => {
+                    let ttl = self.record_ttl - age_s;
+                    if ttl > 0.0
+                        && !hashes.is_empty()
+                        && self.index.record(endpoint, hashes, ttl, now).is_ok()
+                    {
+                        report.records += 1;
+                    }
+                }
+                SyncEntry::Session { id, .. } => {
+                    self.sessions.bind(id, endpoint, now, age_s);
+                    report.sessions += 1;
+                }
+            }
+        }
+        report
+    }
+
+    /// Forgets replicas not heard from within `load_ttl` and sets every endpoint's remote
+    /// count to the sum over the replicas left. Returns how many replicas were forgotten.
+    pub fn expire(&self, now: f64) -> usize {
+        let mut state = self.state.lock();
+        self.refresh(&mut state, now)
+    }
+
+    fn refresh(&self, state: &mut State, now: f64) -> usize {
+        let ttl = self.options.load_ttl;
+        let before = state.peers.len();
+        state.peers.retain(|_, p| now - p.last_seen <= ttl);
+        let expired = before - state.peers.len();
+        state.counters.replicas_expired += expired as u64;
+        let mut sums: HashMap<&WorkerKey, InFlightSnapshot> = HashMap::new();
+        for peer in state.peers.values() {
+            for (key, load) in &peer.loads {
+                let slot = sums.entry(key).or_default();
+                *slot = InFlightSnapshot::sum([&*slot, load]);
+            }
+        }
+        for m in &self.pool.snapshot().list {
+            m.inflight.set_remote(sums.get(&m.endpoint.id).copied().unwrap_or_default());
+        }
+        expired
+    }
+
+    /// Batches that bring a late replica up to date: the prefix records of the last
+    /// `record_ttl` seconds (with their ages) and every live session, each batch at most about
+    /// `max_bytes`. They carry sequence 0: a receiver applies them with
+    /// [`ReplicaSync::apply_catch_up`], not as live batches.
+    pub fn catch_up(&self, now: f64, max_bytes: usize) -> Vec<Vec<u8>> {
+        let state = self.state.lock();
+        let mut entries: Vec<SyncEntry> = state
+            .history
+            .iter()
+            .filter(|(t, e)| matches!(e, SyncEntry::Record { .. }) && now - t < self.record_ttl)
+            .map(|(t, e)| match e {
+                SyncEntry::Record { endpoint, hashes, .. } => SyncEntry::Record {
+                    endpoint: endpoint.clone(),
+                    hashes: hashes.clone(),
+                    age_s: (now - t).max(0.0) as f32,
+                },
+                other => other.clone(),
+            })
+            .collect();
+        entries.extend(self.sessions.live(now).into_iter().map(|s| SyncEntry::Session {
+            endpoint: s.endpoint,
+            id: s.id,
+            age_s: s.idle_s as f32,
+        }));
+        drop(state);
+        let mut out = Vec::new();
+        let mut chunk = Vec::new();
+        let mut size = 0usize;
+        let entry_size = |e: &SyncEntry| match e {
+            SyncEntry::Record { hashes, .. } => 16 + 8 * hashes.len(),
+            SyncEntry::Session { id, .. } => 16 + id.len(),
+        };
+        let flush = |chunk: &mut Vec<SyncEntry>, out: &mut Vec<Vec<u8>>| {
+            let batch = SyncBatch {
+                replica: self.replica.clone(),
+                incarnation: self.incarnation,
+                seq: 0,
+                loads: Vec::new(),
+                entries: std::mem::take(chunk),
+            };
+            out.push(encode(&batch).0);
+        };
+        for e in entries {
+            size += entry_size(&e);
+            chunk.push(e);
+            if size >= max_bytes {
+                flush(&mut chunk, &mut out);
+                size = 0;
+            }
+        }
+        if !chunk.is_empty() {
+            flush(&mut chunk, &mut out);
+        }
+        out
+    }
+
+    /// Applies a catch-up batch from [`ReplicaSync::catch_up`]: its records and sessions, not
+    /// its (empty) counts, whatever its sequence.
+    pub fn apply_catch_up(&self, data: &[u8], now: f64) -> Result<IncomingReport, SyncError> {
+        let batch = match decode(data) {
+            Ok(b) => b,
+            Err(e) => {
+                self.state.lock().counters.malformed_in += 1;
+                return Err(e);
+            }
+        };
+        let report = self.apply_entries(&batch.entries, &self.pool.snapshot(), now);
+        let mut state = self.state.lock();
+        let c = &mut state.counters;
+        c.bytes_in += data.len() as u64;
+        c.records_applied += report.records;
+        c.sessions_applied += report.sessions;
+        c.unknown_endpoints += report.unknown_endpoints;
+        Ok(report)
+    }
+
+    /// Counters since the sync started.
+    pub fn counters(&self) -> SyncCounters {
+        let mut state = self.state.lock();
+        state.counters.journal_dropped = self.journal.dropped();
+        state.counters
+    }
+
+    /// Replicas heard from within `load_ttl` (as of the last batch or expiry).
+    pub fn peers(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.state.lock().peers.keys().cloned().collect();
+        names.sort();
+        names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prefix_index::IndexConfig;
+    use crate::routing::endpoint::Endpoint;
+    use crate::routing::plugin::RequestMeta;
+    use crate::routing::pool::StalePolicy;
+    use crate::routing::router::{Router, RouterOptions};
+    use crate::routing::{parse_config, presets};
+    use proptest::prelude::*;
+
+    fn key(s: &str) -> WorkerKey {
+        WorkerKey::Str(s.into())
+    }
+
+    /// One replica: its own pool and index over the same three endpoints, and its sync.
+    struct Replica {
+        router: Router,
+        sync: ReplicaSync,
+    }
+
+    fn replica(name: &str) -> Replica {
+        let pool = Arc::new(EndpointPool::new(StalePolicy::default()).unwrap());
+        for n in ["a", "b", "c"] {
+            pool.upsert(Endpoint { address: format!("{n}:8000"), ..Endpoint::new(key(n)) });
+        }
+        let index = Arc::new(
+            PrefixIndex::new(IndexConfig { block_size: 16, ..IndexConfig::default() }).unwrap(),
+        );
+        let config = parse_config(&presets::preset("llm-d").unwrap()).unwrap();
+        let router = Router::new(pool, index, config, RouterOptions::default()).unwrap();
+        let sync = router.replica_sync(name.into(), name.len() as u64, SyncOptions::default());
+        Replica { router, sync }
+    }
+
+    fn prompt(first: u32) -> Vec<u32> {
+        (first..first + 256).collect()
+    }
+
+    fn meta(session: Option<&str>) -> RequestMeta {
+        RequestMeta { session_id: session.map(str::to_string), ..RequestMeta::default() }
+    }
+
+    fn cached_on(r: &Replica, tokens: &[u32], endpoint: &str) -> u64 {
+        let d = r.router.decide(tokens, &meta(None), 1.0).unwrap();
+        let c = d.base.iter().find(|c| d.endpoint(c).id == key(endpoint)).unwrap();
+        d.cached_tokens(c)
+    }
+
+    #[test]
+    fn a_record_made_by_one_replica_reaches_the_others_index() {
+        let (one, two) = (replica("one"), replica("two"));
+        let tokens = prompt(0);
+        let d = one.router.decide(&tokens, &meta(Some("s1")), 1.0).unwrap();
+        let chosen = d.endpoint(d.chosen()).id.clone();
+        let _ticket = one.router.commit(&d, None, 1.0).unwrap();
+        let WorkerKey::Str(name) = &chosen else { panic!() };
+        assert_eq!(cached_on(&two, &tokens, name), 0);
+        let batch = one.sync.outgoing(1.0, false).expect("something to send");
+        let report = two.sync.incoming(&batch, 1.0).unwrap();
+        assert_eq!((report.records, report.sessions), (1, 1));
+        assert_eq!(cached_on(&two, &tokens, name), 256);
+        // The session follows too, and the in-flight count of the chosen endpoint.
+        let got = two.router.sessions().with_bound("s1", 1.0, |k| Some(k.clone()));
+        assert_eq!(got, Some(chosen.clone()));
+        let member = two.router.pool().snapshot();
+        let m = member.get(&chosen).unwrap();
+        assert_eq!((m.inflight.local().requests, m.inflight.snapshot().requests), (0, 1));
+        // Its own echo is ignored; the same batch twice is a duplicate.
+        assert!(one.sync.incoming(&batch, 1.0).unwrap().own);
+        assert!(two.sync.incoming(&batch, 1.0).unwrap().duplicate);
+    }
+
+    #[test]
+    fn counts_are_absolute_and_expire_with_their_replica() {
+        let (one, two) = (replica("one"), replica("two"));
+        let tokens = prompt(0);
+        let d = one.router.decide(&tokens, &meta(None), 1.0).unwrap();
+        let chosen = d.endpoint(d.chosen()).id.clone();
+        let ticket = one.router.commit(&d, None, 1.0).unwrap();
+        let first = one.sync.outgoing(1.0, false).unwrap();
+        assert!(one.sync.outgoing(1.1, false).is_none(), "nothing new");
+        drop(ticket);
+        let second = one.sync.outgoing(1.2, false).expect("the count changed");
+        let remote = |t| {
+            let _ = two.sync.expire(t);
+            two.router.pool().snapshot().get(&chosen).unwrap().inflight.remote().requests
+        };
+        two.sync.incoming(&second, 1.3).unwrap();
+        assert_eq!(remote(1.3), 0);
+        // A batch lost in between is healed by the next one; an old one is dropped.
+        assert!(two.sync.incoming(&first, 1.3).unwrap().duplicate);
+        let d = one.router.decide(&tokens, &meta(None), 2.0).unwrap();
+        let _t = one.router.commit(&d, Some(&chosen), 2.0).unwrap();
+        let _lost = one.sync.outgoing(2.0, false).unwrap();
+        let heartbeat = one.sync.outgoing(2.1, true).unwrap();
+        assert_eq!(two.sync.incoming(&heartbeat, 2.1).unwrap().missed, 1);
+        assert_eq!(remote(2.1), 1);
+        assert_eq!(two.sync.peers(), vec!["one".to_string()]);
+        // Silent for longer than load_ttl: forgotten.
+        assert_eq!(remote(2.1 + 3.5), 0);
+        assert!(two.sync.peers().is_empty());
+        assert_eq!(two.sync.counters().replicas_expired, 1);
+    }
+
+    #[test]
+    fn remote_counts_steer_the_next_decision_away() {
+        // Replica one has requests in flight on `a` and `b`; once its counts arrive, replica
+        // two, scoring by in-flight requests, sends a cold prompt to `c` whatever its seed.
+        let config = serde_json::json!({
+            "plugins": [{"type": "active-request-scorer"}, {"type": "max-score-picker"}],
+            "schedulingProfiles": [{"name": "default", "plugins": [
+                {"pluginRef": "active-request-scorer", "weight": 1},
+                {"pluginRef": "max-score-picker"}]}],
+        });
+        let one = replica("one");
+        let _t: Vec<_> = ["a", "b"]
+            .iter()
+            .map(|e| {
+                let d = one.router.decide(&prompt(0), &meta(None), 1.0).unwrap();
+                one.router.commit(&d, Some(&key(e)), 1.0).unwrap()
+            })
+            .collect();
+        let batch = one.sync.outgoing(1.0, false).unwrap();
+        let mut elsewhere = 0;
+        for seed in 0..16 {
+            let two = replica("two");
+            let options = RouterOptions { seed, ..RouterOptions::default() };
+            let router = Router::new(
+                two.router.pool().clone(),
+                two.router.index().clone(),
+                parse_config(&config).unwrap(),
+                options,
+            )
+            .unwrap();
+            let blind = router.decide(&prompt(5000), &meta(None), 1.0).unwrap();
+            elsewhere += usize::from(blind.endpoint(blind.chosen()).id != key("c"));
+            let sync = router.replica_sync("two".into(), 2, SyncOptions::default());
+            sync.incoming(&batch, 1.0).unwrap();
+            let d = router.decide(&prompt(5000), &meta(None), 1.0).unwrap();
+            assert_eq!(d.endpoint(d.chosen()).id, key("c"), "seed {seed}");
+        }
+        assert!(elsewhere > 0, "without the counts some seeds pick a busy endpoint");
+    }
+
+    #[test]
+    fn a_late_replica_catches_up_on_records_and_sessions() {
+        let one = replica("one");
+        let tokens = prompt(0);
+        let d = one.router.decide(&tokens, &meta(Some("s9")), 1.0).unwrap();
+        let chosen = d.endpoint(d.chosen()).id.clone();
+        drop(one.router.commit(&d, None, 1.0).unwrap());
+        one.sync.outgoing(1.0, false).unwrap();
+        let late = replica("late");
+        let batches = one.sync.catch_up(30.0, 1 << 20);
+        assert_eq!(batches.len(), 1);
+        let report = late.sync.apply_catch_up(&batches[0], 30.0).unwrap();
+        assert_eq!((report.records, report.sessions), (1, 1));
+        let WorkerKey::Str(name) = &chosen else { panic!() };
+        assert_eq!(cached_on(&late, &tokens, name), 256);
+        // Small chunks: one entry per batch.
+        assert_eq!(one.sync.catch_up(30.0, 1).len(), 2);
+        // Records older than record_ttl are not handed on.
+        let stale = one.sync.catch_up(1.0 + 61.0, 1 << 20);
+        let entries = decode(&stale[0]).unwrap().entries;
+        assert!(entries.iter().all(|e| matches!(e, SyncEntry::Session { .. })));
+    }
+
+    #[test]
+    fn entries_for_unknown_endpoints_are_counted_not_applied() {
+        let two = replica("two");
+        let batch = SyncBatch {
+            replica: "one".into(),
+            incarnation: 7,
+            seq: 1,
+            loads: vec![(key("zz"), InFlightSnapshot { requests: 4, ..Default::default() })],
+            entries: vec![SyncEntry::Record {
+                endpoint: key("zz"),
+                hashes: vec![1, 2],
+                age_s: 0.0,
+            }],
+        };
+        let report = two.sync.incoming(&encode(&batch).0, 1.0).unwrap();
+        assert_eq!((report.records, report.unknown_endpoints), (0, 2));
+    }
+
+    #[test]
+    fn the_codec_round_trips() {
+        let batch = SyncBatch {
+            replica: "gw-0".into(),
+            incarnation: u64::MAX,
+            seq: 42,
+            loads: vec![
+                (
+                    key("a"),
+                    InFlightSnapshot {
+                        requests: 1,
+                        prefill_requests: 2,
+                        prefill_tokens: 3,
+                        tokens: 4,
+                    },
+                ),
+                (WorkerKey::Int(-5), InFlightSnapshot::default()),
+            ],
+            entries: vec![
+                SyncEntry::Record {
+                    endpoint: WorkerKey::Int(3),
+                    hashes: vec![u64::MAX, 0],
+                    age_s: 1.5,
+                },
+                SyncEntry::Session { endpoint: key("é"), id: "s".into(), age_s: 0.0 },
+            ],
+        };
+        let (bytes, skipped) = encode(&batch);
+        assert_eq!(skipped, 0);
+        assert_eq!(decode(&bytes).unwrap(), batch);
+        // Too long a string is left out and counted, never truncated.
+        let long = SyncBatch {
+            entries: vec![SyncEntry::Session {
+                endpoint: key("a"),
+                id: "x".repeat(70_000),
+                age_s: 0.0,
+            }],
+            ..batch.clone()
+        };
+        let (bytes, skipped) = encode(&long);
+        assert_eq!(skipped, 1);
+        assert!(decode(&bytes).unwrap().entries.is_empty());
+    }
+
+    #[test]
+    fn malformed_batches_name_the_problem_and_change_nothing() {
+        let two = replica("two");
+        let good = encode(&SyncBatch {
+            replica: "one".into(),
+            incarnation: 1,
+            seq: 1,
+            loads: vec![],
+            entries: vec![SyncEntry::Record { endpoint: key("a"), hashes: vec![9; 4], age_s: 0.0 }],
+        })
+        .0;
+        let mut huge_count = good.clone();
+        // magic, version, replica "one", incarnation, seq, no loads, one entry: tag, key "a", age.
+        let at = 4 + 1 + (2 + 3) + 8 + 8 + 4 + 4 + 1 + (1 + 2 + 1) + 4; // the hash count
+        huge_count[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        let mut nan_age = good.clone();
+        nan_age[at - 4..at].copy_from_slice(&f32::NAN.to_le_bytes());
+        for (bytes, needle) in [
+            (b"nope".to_vec(), "bad magic"),
+            (good[..good.len() - 3].to_vec(), "cannot fit"),
+            (good[..20].to_vec(), "bytes needed"),
+            ([good.clone(), vec![0]].concat(), "after the batch"),
+            (huge_count, "cannot fit"),
+            (nan_age, "age must be finite"),
+        ] {
+            let err = two.sync.incoming(&bytes, 1.0).unwrap_err();
+            assert!(err.to_string().contains(needle), "{err}");
+        }
+        assert_eq!(two.sync.counters().malformed_in, 6);
+        assert!(two.sync.peers().is_empty());
+        assert_eq!(two.sync.counters().records_applied, 0);
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_decode_or_fail_cleanly(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(&data);
+            let mut framed = b"LSYN\x01".to_vec();
+            framed.extend_from_slice(&data);
+            let _ = decode(&framed);
+        }
+
+        #[test]
+        fn any_truncation_or_flip_of_a_good_batch_fails_cleanly(cut in 0usize..200, flip in 0usize..200, bit in 0u8..8) {
+            let batch = SyncBatch {
+                replica: "r".into(),
+                incarnation: 3,
+                seq: 9,
+                loads: vec![(key("a"), InFlightSnapshot { requests: 2, ..Default::default() })],
+                entries: vec![
+                    SyncEntry::Record { endpoint: key("b"), hashes: vec![1, 2, 3], age_s: 0.5 },
+                    SyncEntry::Session { endpoint: WorkerKey::Int(1), id: "sess".into(), age_s: 2.0 },
+                ],
+            };
+            let bytes = encode(&batch).0;
+            let cut = cut.min(bytes.len());
+            let _ = decode(&bytes[..cut]);
+            let mut flipped = bytes.clone();
+            let i = flip % flipped.len();
+            flipped[i] ^= 1 << bit;
+            let _ = decode(&flipped);
+        }
+    }
+}

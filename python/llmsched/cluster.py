@@ -1,0 +1,443 @@
+"""Router replicas that act as one, over NATS.
+
+Several router replicas in front of the same engines each see only their own requests. Left
+alone they herd (between two scrapes each sends its next requests to the engine that looks idle
+to it) and a prompt one replica routed is unknown to the others until the engine's KV events
+arrive. :class:`ClusterSync` shares, over a NATS subject, what a replica learns that the others
+need:
+
+* the approximate prefix record of every request it sends (the others record it too, with the
+  same TTL, so a follow-up turn that reaches another replica finds the engine that has it);
+* session bindings (``session_id`` affinity holds whichever replica a turn reaches);
+* its in-flight requests and tokens per engine, which the others add to their own counts.
+
+Precise prefix state is not shared: every replica subscribes to every engine's KV events.
+
+Why NATS: fan-out publish/subscribe with no broker-side state to manage, sub-millisecond
+delivery on a LAN, a request/reply primitive for catch-up, and it is the bus NVIDIA Dynamo's KV
+router uses to keep its replicas in step. What travels is idempotent (a record or a session
+applied twice changes nothing) and counts are absolute per replica, so at-most-once delivery is
+enough: a lost batch is healed by the next, and a replica that dies stops counting once its
+counts expire (``load_ttl_s``). Nothing needs persistence, so no JetStream.
+
+Batching: commits are journaled in the native core; every ``flush_s`` (5 ms) one batch carries
+the journal and the replica's counts, and nothing is sent while nothing changed, except a
+heartbeat every ``heartbeat_s``. A replica that starts late asks its peers for a catch-up
+(records younger than the record TTL and live sessions) on ``<subject>.catchup``. While the bus
+is unreachable the replica routes on its own, exactly as without sync: journal entries are
+dropped and counted, peers' counts expire, and nothing raises; it catches up again when the bus
+returns.
+
+>>> from llmsched import EndpointPool, PrefixIndex, Router
+>>> router = Router(EndpointPool(["a", "b"]), PrefixIndex(block_size=16), config="llm-d")
+>>> sync = ClusterSync(router, servers="nats://127.0.0.1:4222", replica="gw-0")
+>>> sync.stats()["connected"]
+False
+
+Run it with ``await sync.start()`` beside the router (it connects in the background and keeps
+reconnecting), and ``await sync.stop()`` at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypedDict
+
+from llmsched._extras import require
+from llmsched.errors import ConfigError, MalformedSyncBatchError
+from llmsched.routing import Router
+from llmsched.types import SyncCounters
+from llmsched.validation import check_int, check_positive_seconds
+
+require("cluster", "nats", feature="llmsched.cluster")
+
+import nats  # noqa: E402
+from nats.errors import Error as NatsError  # noqa: E402
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+
+__all__ = ["ClusterStats", "ClusterSync", "ConnectionCounters", "Usage"]
+
+log = logging.getLogger("llmsched")
+
+
+class ConnectionCounters(TypedDict):
+    """The bus connection's counters of a :class:`ClusterSync`."""
+
+    disconnects: int
+    reconnects: int
+    publish_failures: int
+    """Batches that could not be published (bus down): their entries are lost, counts heal."""
+    catch_ups: int
+    """Catch-up batches applied (a late start or a reconnect)."""
+    catch_ups_served: int
+    usage_out: int
+    """Usage messages published (rate-limit and fairness counters)."""
+    usage_in: int
+    usage_malformed: int
+
+
+class ClusterStats(SyncCounters, ConnectionCounters):
+    """:meth:`ClusterSync.stats`: the native counters plus the bus connection's."""
+
+    replica: str
+    connected: bool
+    peers: list[str]
+    """Replicas heard from within ``load_ttl_s``."""
+
+
+class Usage(TypedDict):
+    """What a replica consumed since its last flush, for the others to charge (see
+    :meth:`ClusterSync.share_usage`)."""
+
+    keys: dict[str, tuple[float, float]]
+    """Per rate-limited key (an id all replicas share, never the key itself): requests and
+    tokens taken from its buckets."""
+    tenants: list[tuple[str, int, int, int]]
+    """Per flow: tenant, priority, prompt tokens and output tokens served."""
+
+
+_MAX_USAGE_ITEMS = 10_000
+"""Most keys and tenants one usage message carries (the rest wait for the next flush)."""
+
+
+def _usage_from_json(data: bytes) -> Usage:
+    """A peer's usage message, checked item by item; ValueError names what is wrong."""
+    raw = json.loads(data)
+    if not isinstance(raw, dict) or not isinstance(raw.get("replica"), str):
+        raise ValueError("not a usage message")
+    keys_raw = raw.get("keys", {})
+    tenants_raw = raw.get("tenants", [])
+    if not isinstance(keys_raw, dict) or not isinstance(tenants_raw, list):
+        raise ValueError("keys must be a mapping and tenants a list")
+    if len(keys_raw) > _MAX_USAGE_ITEMS or len(tenants_raw) > _MAX_USAGE_ITEMS:
+        raise ValueError("too many items")
+
+    def amount(v: object) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1e15):
+            raise ValueError(f"bad amount {v!r}")
+        return float(v)
+
+    keys: dict[str, tuple[float, float]] = {}
+    for key, pair in keys_raw.items():
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"key {key!r}: [requests, tokens] expected")
+        keys[key] = (amount(pair[0]), amount(pair[1]))
+    tenants: list[tuple[str, int, int, int]] = []
+    for item in tenants_raw:
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
+            raise ValueError("tenant entries are [tenant, priority, prompt, output]")
+        priority = item[1]
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31:
+            raise ValueError(f"bad priority {priority!r}")
+        tenants.append((item[0], priority, int(amount(item[2])), int(amount(item[3]))))
+    return Usage(keys=keys, tenants=tenants)
+
+
+def _default_replica() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class ClusterSync:
+    """One router replica's membership of a cluster of replicas synced over NATS.
+
+    :param router: the replica's router; sync is turned on for it (see module docs).
+    :param servers: NATS server URL(s).
+    :param cluster: the cluster's name: replicas with the same name share state (subject
+        ``llmsched.<cluster>.sync``).
+    :param replica: this replica's name, unique in the cluster (default host name and pid).
+    :param flush_s: how often the journal and counts are published.
+    :param heartbeat_s: the longest silence; peers forget a replica after ``load_ttl_s``.
+    :param load_ttl_s: how long a peer's counts count without news from it (> ``heartbeat_s``).
+    :param journal_limit: most entries journaled between two flushes (the rest are counted).
+    :param history_limit: most entries kept to serve late replicas.
+    :param catch_up_timeout_s: how long a starting replica waits for a peer's catch-up.
+    :param clock: the router's clock (``time.monotonic`` unless the router is driven by another).
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        servers: str | Sequence[str] = "nats://127.0.0.1:4222",
+        cluster: str = "llmsched",
+        replica: str | None = None,
+        flush_s: float = 0.005,
+        heartbeat_s: float = 1.0,
+        load_ttl_s: float = 3.0,
+        journal_limit: int = 65_536,
+        history_limit: int = 200_000,
+        catch_up_timeout_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(router, Router):
+            raise TypeError(f"router must be a Router, got {type(router).__name__}")
+        if not cluster or not all(c.isalnum() or c in "-_" for c in cluster):
+            raise ConfigError(f"cluster must be letters, digits, '-' or '_', got {cluster!r}")
+        name = replica if replica is not None else _default_replica()
+        if not isinstance(name, str) or not name or len(name.encode()) > 65_535:
+            raise ConfigError(f"replica must be a non-empty name, got {replica!r}")
+        self.flush_s = check_positive_seconds("flush_s", flush_s)
+        self.heartbeat_s = check_positive_seconds("heartbeat_s", heartbeat_s)
+        self.load_ttl_s = check_positive_seconds("load_ttl_s", load_ttl_s)
+        if self.load_ttl_s <= self.heartbeat_s:
+            raise ConfigError(
+                f"load_ttl_s ({load_ttl_s}) must exceed heartbeat_s ({heartbeat_s}), or peers "
+                "would forget a live replica between two heartbeats"
+            )
+        self.catch_up_timeout_s = check_positive_seconds("catch_up_timeout_s", catch_up_timeout_s)
+        journal_limit = check_int("journal_limit", journal_limit, minimum=1)
+        history_limit = check_int("history_limit", history_limit, minimum=0)
+        self.servers = [servers] if isinstance(servers, str) else list(servers)
+        self.subject = f"llmsched.{cluster}.sync"
+        self.catch_up_subject = f"llmsched.{cluster}.catchup"
+        self._clock = clock
+        self._native = router.replica_sync(
+            name,
+            incarnation=secrets.randbits(64),
+            journal_limit=journal_limit,
+            load_ttl_s=self.load_ttl_s,
+            history_limit=history_limit,
+        )
+        self._nc: Client | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._counters: ConnectionCounters = {
+            "disconnects": 0,
+            "reconnects": 0,
+            "publish_failures": 0,
+            "catch_ups": 0,
+            "catch_ups_served": 0,
+            "usage_out": 0,
+            "usage_in": 0,
+            "usage_malformed": 0,
+        }
+        self.usage_subject = f"llmsched.{cluster}.usage"
+        self._collect_usage: Callable[[], Usage] | None = None
+        self._apply_usage: Callable[[Usage], None] | None = None
+        self._warned_malformed = False
+        self._stopping = False
+
+    @property
+    def replica(self) -> str:
+        """This replica's name."""
+        return self._native.replica
+
+    def stats(self) -> ClusterStats:
+        """Counters of the sync and of the bus connection."""
+        native = self._native.counters()
+        return ClusterStats(
+            **native,
+            **self._counters,
+            replica=self.replica,
+            connected=self._nc is not None and self._nc.is_connected,
+            peers=self._native.peers(),
+        )
+
+    def share_usage(self, collect: Callable[[], Usage], apply: Callable[[Usage], None]) -> None:
+        """Shares counters that must hold across replicas: every flush, ``collect()`` says what
+        this replica consumed since the last call (rate-limited keys, tenants' service) and
+        each peer's ``apply`` charges it (``KeyLimiter.charge_remote``,
+        :meth:`llmsched.FlowController.charge_remote`). These are deltas: a message lost with
+        the bus is not replayed, so limits fail open for that interval. Call before
+        :meth:`start`."""
+        self._collect_usage = collect
+        self._apply_usage = apply
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connects (in the background if the bus is down) and starts publishing."""
+        self._tasks.append(asyncio.create_task(self._connect(), name="llmsched-cluster-connect"))
+        self._tasks.append(asyncio.create_task(self._flush_loop(), name="llmsched-cluster-flush"))
+
+    async def stop(self) -> None:
+        """Publishes what is left, then closes the connection."""
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            # A failed loop must not stop stop().
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        nc, self._nc = self._nc, None
+        if nc is not None and nc.is_connected:
+            await self._publish(nc, heartbeat=True)
+            with contextlib.suppress(NatsError, OSError, asyncio.TimeoutError):
+                await nc.drain()
+
+    async def __aenter__(self) -> ClusterSync:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- the bus -----------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        async def disconnected() -> None:
+            if self._stopping:
+                return
+            self._counters["disconnects"] += 1
+            log.warning("llmsched cluster %s: lost the bus; routing on local state", self.replica)
+
+        async def reconnected() -> None:
+            self._counters["reconnects"] += 1
+            log.info("llmsched cluster %s: bus back", self.replica)
+            if self._nc is not None:
+                await self._catch_up(self._nc)
+
+        async def error(exc: Exception) -> None:
+            log.debug("llmsched cluster %s: bus error %s", self.replica, exc)
+
+        delay = 0.1
+        while True:
+            try:
+                nc = await nats.connect(
+                    servers=self.servers,
+                    name=f"llmsched-{self.replica}",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    no_echo=True,  # this replica's own batches are not sent back to it
+                    # Nothing is buffered while the bus is down: stale batches are worthless.
+                    pending_size=0,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected,
+                    error_cb=error,
+                )
+                break
+            except (NatsError, OSError, asyncio.TimeoutError) as exc:
+                log.debug("llmsched cluster %s: cannot reach the bus (%s)", self.replica, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        await nc.subscribe(self.subject, cb=self._on_batch)
+        await nc.subscribe(self.catch_up_subject, cb=self._on_catch_up_request)
+        if self._apply_usage is not None:
+            await nc.subscribe(self.usage_subject, cb=self._on_usage)
+        self._nc = nc
+        await self._catch_up(nc)
+
+    async def _on_batch(self, msg: Msg) -> None:
+        try:
+            self._native.incoming(msg.data, self._clock())
+        except MalformedSyncBatchError as exc:
+            if not self._warned_malformed:
+                self._warned_malformed = True
+                log.warning("llmsched cluster %s: dropped a malformed batch: %s", self.replica, exc)
+
+    async def _on_usage(self, msg: Msg) -> None:
+        if self._apply_usage is None:
+            return
+        try:
+            usage = _usage_from_json(msg.data)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            self._counters["usage_malformed"] += 1
+            log.debug("llmsched cluster %s: dropped a usage message: %s", self.replica, exc)
+            return
+        self._counters["usage_in"] += 1
+        self._apply_usage(usage)
+
+    async def _publish_usage(self, nc: Client) -> None:
+        if self._collect_usage is None:
+            return
+        usage = self._collect_usage()
+        if not usage["keys"] and not usage["tenants"]:
+            return
+        message = {
+            "replica": self.replica,
+            "keys": {k: list(v) for k, v in list(usage["keys"].items())[:_MAX_USAGE_ITEMS]},
+            "tenants": [list(t) for t in usage["tenants"][:_MAX_USAGE_ITEMS]],
+        }
+        if not nc.is_connected:
+            self._counters["publish_failures"] += 1
+            return
+        try:
+            await nc.publish(self.usage_subject, json.dumps(message).encode())
+            self._counters["usage_out"] += 1
+        except (NatsError, OSError):
+            self._counters["publish_failures"] += 1
+
+    async def _on_catch_up_request(self, msg: Msg) -> None:
+        if msg.data.decode(errors="replace") == self.replica or not msg.reply or self._nc is None:
+            return
+        batches = self._native.catch_up(self._clock(), 256 * 1024)
+        self._counters["catch_ups_served"] += 1
+        # One reply per batch; an empty marker ends the series.
+        try:
+            for batch in batches:
+                await self._nc.publish(msg.reply, batch)
+            await self._nc.publish(msg.reply, b"")
+        except (NatsError, OSError):
+            self._counters["publish_failures"] += 1
+
+    async def _catch_up(self, nc: Client) -> None:
+        """Asks one peer for its records and sessions; applies what comes within the timeout."""
+        inbox = nc.new_inbox()
+        done = asyncio.Event()
+
+        async def on_reply(msg: Msg) -> None:
+            if not msg.data:
+                done.set()
+                return
+            try:
+                self._native.apply_catch_up(msg.data, self._clock())
+                self._counters["catch_ups"] += 1
+            except MalformedSyncBatchError as exc:
+                log.warning(
+                    "llmsched cluster %s: dropped a malformed catch-up: %s", self.replica, exc
+                )
+
+        try:
+            sub = await nc.subscribe(inbox, cb=on_reply)
+            await nc.publish(self.catch_up_subject, self.replica.encode(), reply=inbox)
+            # No answer in time: no peer yet, the first replica of a cluster starts empty.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), self.catch_up_timeout_s)
+            await sub.unsubscribe()
+        except (NatsError, OSError):
+            self._counters["publish_failures"] += 1
+
+    async def _publish(self, nc: Client, *, heartbeat: bool) -> None:
+        batch = self._native.outgoing(self._clock(), heartbeat)
+        if batch is None:
+            return
+        if not nc.is_connected:
+            self._counters["publish_failures"] += 1
+            return
+        try:
+            await nc.publish(self.subject, batch)
+        except (NatsError, OSError):
+            self._counters["publish_failures"] += 1
+
+    async def _flush_loop(self) -> None:
+        last_beat = 0.0
+        while True:
+            await asyncio.sleep(self.flush_s)
+            now = self._clock()
+            self._native.expire(now)
+            nc = self._nc
+            beat = now - last_beat >= self.heartbeat_s
+            if nc is None:
+                # Not connected yet: keep the journal bounded by draining it into nothing.
+                if self._native.outgoing(now, False) is not None:
+                    self._counters["publish_failures"] += 1
+                if self._collect_usage is not None:
+                    self._collect_usage()  # dropped: limits hold per replica meanwhile
+                continue
+            await self._publish(nc, heartbeat=beat)
+            await self._publish_usage(nc)
+            if beat:
+                last_beat = now

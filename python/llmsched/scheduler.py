@@ -1,0 +1,1296 @@
+"""The request pipeline: admission, the pick, the in-flight ticket, retries and accounting.
+
+A :class:`Scheduler` owns one :class:`~llmsched.EndpointPool`, one
+:class:`~llmsched.PrefixIndex`, one :class:`~llmsched.Router`, an optional
+:class:`~llmsched.FlowController` and the optional feeds (a
+:class:`~llmsched.integrations.KVEventSubscriber` keeping the index current from the engines'
+KV events, a :class:`~llmsched.integrations.MetricsScraper` feeding the pool and the flow
+controller), and keeps them in step: adding, draining or removing an engine is one call.
+
+Per request (a :class:`ScheduleRequest`): flow control admits it (priority, tenant; a refusal
+or eviction raises :class:`~llmsched.errors.FlowRejected` carrying the outcome, the HTTP
+status, the reason and a retry-after), the router picks an endpoint and the request's ticket
+goes in flight there (a :class:`Placement`: endpoint, address, fallbacks). The caller sends the
+request, marks the first token, and on an attempt that failed moves to the next fallback with
+:meth:`Placement.retry`. Leaving ``async with scheduler.schedule(request) as placement:``
+(or ``with scheduler.schedule_sync(request)``) settles the accounting: a normal exit
+completes the request; an exception fails it, which also drops the approximate prefix record
+the pick left for the failed endpoint (blocks no engine confirmed); a cancellation
+(:class:`asyncio.CancelledError`) cancels it. Either way the in-flight counts and the flow
+controller's slot are given back exactly once.
+
+>>> import asyncio
+>>> from llmsched import ScheduleRequest, Scheduler
+>>> scheduler = Scheduler(["a", "b"], router="least-load")
+>>> async def one() -> str:
+...     async with scheduler.schedule(ScheduleRequest(tokens=range(64))) as placement:
+...         placement.first_token()
+...         return str(placement.endpoint)
+>>> asyncio.run(one()) in ("a", "b")
+True
+>>> scheduler.stats()["completed"], scheduler.stats()["in_flight"]
+(1, 0)
+
+Decisions beyond what llm-d specifies: a retry picks afresh (the new decision carries the
+in-flight accounting) but goes to the next endpoint of the first pick's order (chosen,
+fallbacks, then the other endpoints considered), skipping any that left the pool; a failure's
+record removal drops only blocks the worker holds unconfirmed and did not hold before the
+pick, so what an engine reported, or another request recorded earlier, stays. Cost: admission
+is the flow controller's, the pick the router's; a failure reads the worker's holdings once
+(O(blocks the worker holds)).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from llmsched._tokens import MAX_TOKEN_ID, TokensLike, as_token_array, raise_out_of_range
+from llmsched.config_loader import ConfigSource, load_mapping
+from llmsched.errors import (
+    ConfigError,
+    FlowRejected,
+    InvalidRequestError,
+    InvalidValueError,
+    LlmschedError,
+    NoEndpointError,
+    PlacementError,
+    UnknownBlockError,
+    UnknownEndpointError,
+    UnknownRequestError,
+    UnknownWorkerError,
+)
+from llmsched.flow import FlowController, FlowRequest
+from llmsched.prefix_index import PrefixIndex
+from llmsched.routing import (
+    ConfigLike,
+    Decision,
+    Endpoint,
+    EndpointId,
+    EndpointPool,
+    Explanation,
+    Router,
+    StalePolicy,
+    config_info,
+    render_messages,
+)
+from llmsched.types import SchedulerStats
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from llmsched.integrations import EngineSpec, KVEventSubscriber, MetricsScraper
+
+    EngineLike: TypeAlias = "Endpoint | EngineSpec | EndpointId"
+    """What :class:`Scheduler` takes as an engine: an
+    :class:`~llmsched.integrations.EngineSpec` (its ``kv_events`` and metrics feed the index
+    and the pool), an :class:`~llmsched.Endpoint`, or a bare endpoint id."""
+
+__all__ = [
+    "Admission",
+    "Placement",
+    "PlacementOutcome",
+    "ScheduleRequest",
+    "Scheduler",
+]
+
+log = logging.getLogger("llmsched")
+
+
+PlacementOutcome = Literal["completed", "failed", "cancelled"]
+"""How a :class:`Placement` ended."""
+
+_WARNED: list[str] = []
+"""Notes already logged (each once per process)."""
+_I32 = 2**31
+_NARROW = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
+_FLOW_SATURATION_NOTE = (
+    "scheduler: flow control measures saturation by utilization (engine metrics), but metrics "
+    "scraping is off and no engine reports load: every request will be refused with "
+    "no-endpoints; turn scrape on, feed FlowController.update_endpoint yourself, or configure "
+    "saturation {type: concurrency}"
+)
+
+
+def _engine_spec_type() -> type | None:
+    """:class:`~llmsched.integrations.EngineSpec` when the integrations extra is installed."""
+    try:
+        from llmsched.integrations.identity import EngineSpec
+    except ImportError:
+        return None
+    return EngineSpec
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduleRequest:
+    """One request to schedule. Give exactly one prompt form: ``tokens`` (token ids: a numpy
+    array or a sequence), ``text`` (a raw prompt, hashed as pseudo-tokens) or ``messages``
+    (chat messages, rendered by :func:`~llmsched.routing.render_messages`).
+
+    ``tenant`` and ``priority`` place it in flow control (higher first; negative is
+    sheddable); ``model``, ``lora``, ``session_id``, ``cache_salt`` and ``headers`` reach the
+    router as :meth:`Router.pick <llmsched.Router.pick>` takes them. ``prompt_tokens`` is its
+    size for flow control (default: the token count, or a quarter of the text's characters);
+    ``size_bytes`` counts against byte limits; ``deadline`` (absolute, on the flow
+    controller's clock) and ``ttft_target_s`` feed the ``edf`` and ``slo-deadline`` orderings.
+
+    Every field is checked when the request is built: a bad one raises
+    :class:`~llmsched.errors.InvalidRequestError` (or InvalidTokenError) naming it.
+
+    >>> ScheduleRequest(text="Hello there", tenant="acme", priority=2).prompt_size
+    2
+    >>> ScheduleRequest(tokens=[1, 2], text="x")
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.InvalidRequestError: give exactly one of tokens=, text= or messages=
+    """
+
+    tokens: TokensLike | None = None
+    text: str | None = None
+    messages: Sequence[Mapping[str, object]] | None = None
+    model: str | None = None
+    tenant: str = "default"
+    priority: int = 0
+    session_id: str | None = None
+    lora: str | None = None
+    cache_salt: str | None = None
+    headers: Mapping[str, str] | None = None
+    prompt_tokens: int | None = None
+    size_bytes: int = 0
+    deadline: float | None = None
+    ttft_target_s: float | None = None
+
+    def __post_init__(self) -> None:
+        forms = sum(x is not None for x in (self.tokens, self.text, self.messages))
+        if forms != 1:
+            raise InvalidRequestError("give exactly one of tokens=, text= or messages=")
+        rendered: str | None = None
+        if self.tokens is not None:
+            try:
+                array = as_token_array(self.tokens)
+            except (TypeError, ValueError) as exc:
+                if isinstance(exc, LlmschedError):
+                    raise
+                raise InvalidRequestError(str(exc)) from None
+            if (
+                array.size
+                and array.dtype not in _NARROW
+                and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID)
+            ):
+                raise_out_of_range(array, "tokens")
+            object.__setattr__(self, "tokens", array)
+        elif self.text is not None:
+            if not isinstance(self.text, str):
+                raise InvalidRequestError(f"text must be a str, got {type(self.text).__name__}")
+        else:
+            try:
+                rendered = render_messages(self.messages)  # type: ignore[arg-type]
+            except TypeError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        object.__setattr__(self, "_rendered", rendered)
+        for name in ("model", "session_id", "lora", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequestError(f"{name} must be a str or None, got {value!r}")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise InvalidRequestError(f"tenant must be a non-empty str, got {self.tenant!r}")
+        _check_int("priority", self.priority, -_I32, _I32 - 1)
+        if self.prompt_tokens is not None:
+            _check_int("prompt_tokens", self.prompt_tokens, 0, 2**63 - 1)
+        _check_int("size_bytes", self.size_bytes, 0, 2**63 - 1)
+        for name in ("deadline", "ttft_target_s"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise InvalidRequestError(f"{name} must be a finite number >= 0 or None")
+        headers = self.headers
+        if headers is not None and not (
+            isinstance(headers, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+        ):
+            raise InvalidRequestError("headers must map str to str")
+
+    @property
+    def prompt_size(self) -> int:
+        """The prompt's size for flow control: ``prompt_tokens`` when given, else the token
+        count, or a quarter of the (rendered) text's characters."""
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens
+        if self.tokens is not None:
+            return len(self.tokens)  # type: ignore[arg-type]
+        text = self.text if self.text is not None else self._rendered_text()
+        return len(text) // 4
+
+    def _rendered_text(self) -> str:
+        rendered: str = object.__getattribute__(self, "_rendered")
+        return rendered
+
+    def pick_arguments(self) -> dict[str, object]:
+        """The :meth:`Router.pick <llmsched.Router.pick>` keywords of this request (chat
+        messages as their rendered text: the same hashes, rendered once).
+
+        >>> sorted(ScheduleRequest(tokens=[1, 2, 3], model="m").pick_arguments())
+        ['model', 'priority', 'tokens']
+        """
+        args: dict[str, object] = {"priority": self.priority}
+        if self.tokens is not None:
+            args["tokens"] = self.tokens
+        else:
+            args["text"] = self.text if self.text is not None else self._rendered_text()
+        for name in ("model", "lora", "session_id", "cache_salt", "headers"):
+            value = getattr(self, name)
+            if value is not None:
+                args[name] = value
+        return args
+
+    def block_hashes(self, index: PrefixIndex) -> npt.NDArray[np.uint64]:
+        """The prompt's block hashes in ``index``'s namespace: what a pick matches and what
+        :meth:`Decision.started <llmsched.Decision.started>` records."""
+        if self.tokens is not None:
+            return index.hash_tokens(self.tokens, lora=self.lora, cache_salt=self.cache_salt)
+        text = self.text if self.text is not None else self._rendered_text()
+        return index.hash_text(text, lora=self.lora, cache_salt=self.cache_salt)
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequestError(f"{name} must be an int in {low}..{high}, got {value!r}")
+
+
+class Admission:
+    """A request's place in flow control, once dispatched: its ``id``, the seconds it queued,
+    and the slot to give back (:meth:`release`, once). Without flow control it holds nothing.
+
+    >>> Scheduler(["a"]).admit_sync(ScheduleRequest(tokens=[1])).holds_slot
+    False
+    """
+
+    __slots__ = ("_flow", "_lock", "_open", "id", "queued_s")
+
+    def __init__(self, flow: FlowController | None, request_id: int, queued_s: float) -> None:
+        self._flow = flow
+        self._lock = threading.Lock()
+        self._open = flow is not None
+        self.id = request_id
+        """The request id (unique within its scheduler)."""
+        self.queued_s = queued_s
+        """Seconds the request waited in flow control."""
+
+    @property
+    def holds_slot(self) -> bool:
+        """Whether a flow-control slot is held (and not yet released)."""
+        return self._open
+
+    def record_output(self, output_tokens: int) -> None:
+        """Charges streamed output tokens to the tenant now (VTC's per-token rule)."""
+        if self._flow is not None and self._open:
+            self._flow.record_output(self.id, output_tokens)
+
+    def release(self, output_tokens: int = 0) -> bool:
+        """Gives the flow-control slot back, charging ``output_tokens``; False when nothing
+        was held (or it was already released)."""
+        with self._lock:
+            if not self._open:
+                return False
+            self._open = False
+        assert self._flow is not None
+        with contextlib.suppress(UnknownRequestError):  # revoked meanwhile
+            self._flow.complete(self.id, output_tokens)
+        return True
+
+    def __repr__(self) -> str:
+        return f"Admission(id={self.id}, queued_s={self.queued_s:.3g}, holds={self._open})"
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One attempt's endpoints and what each held of the prompt before the pick (blocks)."""
+
+    decision: Decision
+    endpoint: EndpointId
+    held_before: tuple[tuple[EndpointId, int], ...]
+
+
+class Placement:
+    """Where a scheduled request runs now: :attr:`endpoint` and :attr:`address`, the
+    :attr:`fallbacks` left for a retry, the prefill endpoint when the request is split, and the
+    in-flight ticket (:attr:`decision`) behind them.
+
+    Call :meth:`first_token` when the first token arrives, :meth:`add_output_tokens` as output
+    streams, :meth:`retry` when an attempt failed before the engine ran it, and end it with
+    :meth:`complete`, :meth:`fail` or :meth:`cancel` (the ``schedule`` context managers do it
+    on exit). Ending it twice is a no-op returning False.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        request: ScheduleRequest,
+        admission: Admission | None,
+        attempt: _Attempt,
+        order: list[EndpointId],
+        *,
+        owns_admission: bool,
+    ) -> None:
+        self._scheduler = scheduler
+        self._request = request
+        self._admission = admission
+        self._owns = owns_admission
+        self._attempt: _Attempt | None = attempt
+        self._order = order
+        self._next = 1
+        self._attempts = 1
+        self._lock = threading.Lock()
+        self._outcome: PlacementOutcome | None = None
+        self.output_tokens = 0
+        """Output tokens counted so far (charged to the tenant at the end)."""
+
+    # -- where ---------------------------------------------------------------------------
+
+    @property
+    def request(self) -> ScheduleRequest:
+        """The request placed."""
+        return self._request
+
+    @property
+    def admission(self) -> Admission | None:
+        """Its flow-control admission (None when placed without one)."""
+        return self._admission
+
+    @property
+    def decision(self) -> Decision:
+        """The current attempt's routing decision (PlacementError after a failed retry)."""
+        if self._attempt is None:
+            raise PlacementError("no attempt is in flight: the last retry found no endpoint")
+        return self._attempt.decision
+
+    @property
+    def endpoint(self) -> EndpointId:
+        """The endpoint of the current attempt."""
+        if self._attempt is None:
+            raise PlacementError("no attempt is in flight: the last retry found no endpoint")
+        return self._attempt.endpoint
+
+    @property
+    def address(self) -> str:
+        """The current endpoint's address (``host:port``; empty when the engine has none)."""
+        return self._scheduler.address_of(self.endpoint)
+
+    @property
+    def fallbacks(self) -> list[EndpointId]:
+        """Endpoints a :meth:`retry` may go to, in order."""
+        return list(self._order[self._next :])
+
+    @property
+    def prefill_endpoint(self) -> EndpointId | None:
+        """The endpoint that prefills the prompt when the request is split, else None."""
+        return self.decision.prefill_endpoint
+
+    @property
+    def prefill_address(self) -> str | None:
+        """The prefill endpoint's address, else None."""
+        return self.decision.prefill_address
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens cached on the current endpoint when it was picked."""
+        return int(self.decision.cached_tokens().get(self.endpoint, 0))
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prefill runs on a separate endpoint."""
+        return self._attempt is not None and self._attempt.decision.disaggregated
+
+    @property
+    def attempts(self) -> int:
+        """Attempts started (1 + the retries that found an endpoint)."""
+        return self._attempts
+
+    @property
+    def outcome(self) -> PlacementOutcome | None:
+        """How it ended, or None while it is open."""
+        return self._outcome
+
+    def explain(self) -> Explanation:
+        """The current decision's per-endpoint, per-scorer breakdown."""
+        return self.decision.explain()
+
+    # -- progress ------------------------------------------------------------------------
+
+    def first_token(self) -> bool:
+        """The first token arrived (the prefill work is done); False if already noted or the
+        placement has ended."""
+        attempt = self._attempt
+        if attempt is None or self._outcome is not None:
+            return False
+        return attempt.decision.first_token()
+
+    def add_output_tokens(self, tokens: int) -> None:
+        """Counts ``tokens`` more output tokens (charged to the tenant at the end)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        self.output_tokens += tokens
+
+    def retry(self) -> EndpointId:
+        """The current attempt failed before the engine ran the request: fails it (its
+        in-flight counts go back, its approximate prefix record is dropped) and starts the
+        next attempt on the next fallback still in the pool. Returns that endpoint; raises
+        NoEndpointError when none is left (the placement stays open with no attempt: end it).
+        """
+        with self._lock:
+            if self._outcome is not None:
+                raise PlacementError(f"the placement has ended ({self._outcome})")
+            failed, self._attempt = self._attempt, None
+        if failed is not None:
+            self._scheduler._end_attempt(failed, self._request, failed=True)
+        self._scheduler._count("retries")
+        while self._next < len(self._order):
+            endpoint = self._order[self._next]
+            self._next += 1
+            attempt = self._scheduler._start_attempt(self._request, endpoint)
+            if attempt is not None:
+                self._attempt = attempt
+                self._attempts += 1
+                return endpoint
+        raise NoEndpointError(
+            f"no fallback is left after {self._attempts} attempt(s) "
+            f"(tried {', '.join(map(str, self._order))})"
+        )
+
+    # -- the end -------------------------------------------------------------------------
+
+    def complete(self, output_tokens: int | None = None) -> bool:
+        """The request succeeded. ``output_tokens`` (default: those counted) is charged to
+        the tenant. False if it had already ended."""
+        if output_tokens is not None:
+            if isinstance(output_tokens, bool) or not isinstance(output_tokens, int):
+                raise InvalidValueError(f"output_tokens must be an int, got {output_tokens!r}")
+            if output_tokens < 0:
+                raise InvalidValueError(f"output_tokens must be >= 0, got {output_tokens}")
+            self.output_tokens = output_tokens
+        return self._end("completed")
+
+    def fail(self) -> bool:
+        """The request failed: like :meth:`complete`, and the approximate prefix record of the
+        current endpoint is dropped. False if it had already ended."""
+        return self._end("failed")
+
+    def cancel(self) -> bool:
+        """The request was cancelled (the client went away): its counts go back, its prefix
+        record stays (the engine may have run the prefill). False if it had already ended."""
+        return self._end("cancelled")
+
+    def _end(self, outcome: PlacementOutcome) -> bool:
+        with self._lock:
+            if self._outcome is not None:
+                return False
+            self._outcome = outcome
+            attempt, self._attempt = self._attempt, None
+        try:
+            if attempt is not None:
+                self._scheduler._end_attempt(attempt, self._request, failed=outcome == "failed")
+        finally:
+            if self._owns and self._admission is not None:
+                self._admission.release(self.output_tokens)
+            self._scheduler._placement_ended(outcome)
+        return True
+
+    def __enter__(self) -> Placement:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self.end_for(exc_type)
+
+    def end_for(self, exc_type: type[BaseException] | None) -> bool:
+        """Ends the placement as a context manager's exit does: no exception completes it, a
+        cancellation (:class:`asyncio.CancelledError`, KeyboardInterrupt) cancels it, any
+        other exception fails it."""
+        if exc_type is None:
+            return self.complete()
+        if issubclass(exc_type, (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)):
+            return self.cancel()
+        return self.fail()
+
+    def __repr__(self) -> str:
+        where = "none" if self._attempt is None else repr(self._attempt.endpoint)
+        return (
+            f"Placement(endpoint={where}, fallbacks={self.fallbacks!r}, "
+            f"attempts={self._attempts}, outcome={self._outcome!r})"
+        )
+
+
+@dataclass
+class _Engine:
+    endpoint: Endpoint
+    spec: EngineSpec | None
+
+
+class Scheduler:
+    """The public request pipeline (see the module docstring).
+
+    Args:
+        engines: the engines: :class:`~llmsched.integrations.EngineSpec` (its ``kv_events``
+            and metrics feed the index and the pool), :class:`~llmsched.Endpoint` or ids
+            (int or str); ids must be unique.
+        router: the router config: a preset name, a YAML / JSON path or text, or a mapping in
+            llm-d's ``EndpointPickerConfig`` shape.
+        flow: a flow-control config (mapping, YAML / JSON text or path; ``{}`` for the
+            defaults), or None for no flow control (every request is admitted at once).
+        index: a prefix index to share; None builds one with ``block_size`` (default: the
+            prefix scorer's ``blockSize``, else the index default) and the config's
+            per-worker capacity.
+        kv_events: subscribe to the KV events of engines with ``kv_events`` while started.
+        scrape: scrape the engines' ``/metrics`` while started (every ``scrape_interval_s``,
+            each within ``scrape_timeout_s``): feeds the pool and the flow controller.
+        stale_after_s, stale_policy: the pool's staleness (defaults: three scrape intervals
+            plus the timeout, ``"saturated"`` when scraping, else ``"ignore"``).
+        seed, record_ttl_s, allow_pseudo_tokens: passed to the :class:`~llmsched.Router`.
+        retry_after_s: the retry-after a :class:`~llmsched.errors.FlowRejected` carries.
+
+    Feeds need the ``integrations`` extra and :class:`~llmsched.integrations.EngineSpec`
+    engines; they run between :meth:`start` and :meth:`stop` (``async with scheduler:``), or
+    on threads between :meth:`start_sync` and :meth:`stop_sync`. A configuration that will
+    route badly (flow control by utilization with nothing reporting load) logs one warning on
+    logger ``llmsched``, is listed in :attr:`warnings` and counted in :meth:`stats`.
+
+    >>> s = Scheduler(["a"], router="round-robin")
+    >>> with s.schedule_sync(ScheduleRequest(tokens=[1, 2, 3])) as placement:
+    ...     placement.endpoint
+    'a'
+    """
+
+    def __init__(
+        self,
+        engines: Iterable[EngineLike] = (),
+        *,
+        router: ConfigLike = "llm-d",
+        flow: ConfigSource | None = None,
+        index: PrefixIndex | None = None,
+        block_size: int | None = None,
+        kv_events: bool = True,
+        scrape: bool = False,
+        scrape_interval_s: float = 0.2,
+        scrape_timeout_s: float = 1.0,
+        stale_after_s: float | None = None,
+        stale_policy: StalePolicy | None = None,
+        seed: int | None = None,
+        record_ttl_s: float | None = None,
+        allow_pseudo_tokens: bool = False,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        for name, flag in (("kv_events", kv_events), ("scrape", scrape)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be a bool, got {flag!r}")
+        for name, value in (
+            ("scrape_interval_s", scrape_interval_s),
+            ("scrape_timeout_s", scrape_timeout_s),
+            ("retry_after_s", retry_after_s),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        info = config_info(router)
+        self._info = info
+        listed = self._checked_engines(engines)
+        if index is None:
+            size = block_size if block_size is not None else info["block_size"]
+            capacity = info["worker_capacity"]
+            index = (
+                PrefixIndex(worker_capacity=capacity)
+                if size is None
+                else PrefixIndex(size, worker_capacity=capacity)
+            )
+        elif not isinstance(index, PrefixIndex):
+            raise ConfigError(f"index must be a PrefixIndex or None, got {type(index).__name__}")
+        elif block_size is not None and block_size != index.block_size:
+            raise ConfigError(
+                f"block_size {block_size} differs from the given index's {index.block_size}"
+            )
+        stale_after = (
+            stale_after_s if stale_after_s is not None else 3 * scrape_interval_s + scrape_timeout_s
+        )
+        policy: StalePolicy = stale_policy or ("saturated" if scrape else "ignore")
+        self.index = index
+        """The prefix index every pick matches."""
+        self.pool = EndpointPool(stale_after_s=stale_after, stale_policy=policy)
+        """The endpoints requests may go to (drained engines are out of it)."""
+        self.router = Router(
+            self.pool,
+            index,
+            router,
+            seed=seed,
+            record_ttl_s=record_ttl_s,
+            allow_pseudo_tokens=allow_pseudo_tokens,
+        )
+        """The router."""
+        self.flow: FlowController | None = (
+            None if flow is None else FlowController(_flow_config(flow, stale_after))
+        )
+        """The flow controller (None without flow control)."""
+        self._kv_events = kv_events
+        self._scrape = scrape
+        self._scrape_interval_s = float(scrape_interval_s)
+        self._scrape_timeout_s = float(scrape_timeout_s)
+        self._retry_after_s = retry_after_s
+        self._engines: dict[EndpointId, _Engine] = {}
+        self._drained: set[EndpointId] = set()
+        for engine in listed:
+            self._engines[engine.endpoint.id] = engine
+            self.pool.add(engine.endpoint)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "admitted",
+                "rejected",
+                "no_endpoint",
+                "completed",
+                "failed",
+                "cancelled",
+                "retries",
+                "records_removed",
+                "in_flight",
+            ),
+            0,
+        )
+        self._warnings = list(self.router.warnings)
+        if self.flow is not None and not scrape:
+            saturation = self.flow.config["saturation"]
+            if saturation.get("type", "utilization") == "utilization":
+                self._warnings.append(_FLOW_SATURATION_NOTE)
+                if not _WARNED:
+                    _WARNED.append(_FLOW_SATURATION_NOTE)
+                    log.warning(_FLOW_SATURATION_NOTE)
+        self._subscriber: KVEventSubscriber | None = None
+        self._scraper: MetricsScraper | None = None
+        self._scrape_task: asyncio.Task[None] | None = None
+        self._mode: Literal["async", "threads"] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._restart: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_config(cls, config: ConfigSource) -> Scheduler:
+        """A scheduler from a :class:`~llmsched.types.SchedulerConfig` (a mapping, YAML /
+        JSON text or a file path). Unknown keys raise ConfigError naming them.
+
+        >>> s = Scheduler.from_config({"engines": ["a", "b"], "router": "least-load"})
+        >>> sorted(s.engines)
+        ['a', 'b']
+        """
+        raw = dict(config) if isinstance(config, Mapping) else load_mapping(config, what="config")
+        known = {
+            "engines",
+            "router",
+            "flow",
+            "block_size",
+            "seed",
+            "record_ttl_s",
+            "allow_pseudo_tokens",
+            "kv_events",
+            "scrape",
+            "retry_after_s",
+        }
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"scheduler config: unknown key(s) {', '.join(map(str, unknown))}")
+        engines: list[EngineLike] = []
+        listed = raw.get("engines", [])
+        if not isinstance(listed, list):
+            raise ConfigError("engines: must be a list")
+        for i, entry in enumerate(listed):
+            if isinstance(entry, Mapping):
+                from llmsched.integrations import EngineSpec
+
+                try:
+                    engines.append(EngineSpec.from_dict(entry))
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"engines[{i}]: {exc}") from None
+            else:
+                engines.append(entry)
+        scrape = raw.get("scrape", {})
+        if not isinstance(scrape, Mapping) or set(scrape) - {"enabled", "interval_s", "timeout_s"}:
+            raise ConfigError("scrape: must be a mapping of enabled, interval_s, timeout_s")
+        return cls(
+            engines,
+            router=raw.get("router", "llm-d"),
+            flow=raw.get("flow"),
+            block_size=raw.get("block_size"),
+            seed=raw.get("seed"),
+            record_ttl_s=raw.get("record_ttl_s"),
+            allow_pseudo_tokens=raw.get("allow_pseudo_tokens", False),
+            kv_events=raw.get("kv_events", True),
+            scrape=scrape.get("enabled", False),
+            scrape_interval_s=scrape.get("interval_s", 0.2),
+            scrape_timeout_s=scrape.get("timeout_s", 1.0),
+            retry_after_s=raw.get("retry_after_s", 1.0),
+        )
+
+    # -- engines -------------------------------------------------------------------------
+
+    def _checked_engines(self, engines: Iterable[EngineLike]) -> list[_Engine]:
+        if isinstance(engines, (str, bytes, Mapping)):
+            raise ConfigError("engines must be an iterable of engines, not a single value")
+        out: list[_Engine] = []
+        seen: set[EndpointId] = set()
+        for i, engine in enumerate(engines):
+            checked = self._as_engine(engine, f"engines[{i}]")
+            if checked.endpoint.id in seen:
+                raise ConfigError(f"engines[{i}]: {checked.endpoint.id!r} is listed twice")
+            seen.add(checked.endpoint.id)
+            out.append(checked)
+        return out
+
+    def _as_engine(self, engine: object, where: str = "engine") -> _Engine:
+        if isinstance(engine, Endpoint):
+            return _Engine(engine, None)
+        if isinstance(engine, (str, int)) and not isinstance(engine, bool):
+            if isinstance(engine, int) and not -(2**63) <= engine < 2**63:
+                raise ConfigError(f"{where}: an int id must fit in 64 bits, got {engine}")
+            return _Engine(Endpoint(engine), None)
+        spec_type = _engine_spec_type()
+        if spec_type is not None and isinstance(engine, spec_type):
+            from llmsched.integrations.identity import wire_for_router
+
+            # As the router config asks (llm-d's precise scorer: the shared KV-event socket).
+            spec: EngineSpec = wire_for_router((engine,), self._info)[0]  # type: ignore[arg-type]
+            endpoint = Endpoint(
+                spec.worker_id,
+                address=f"{spec.host}:{spec.port}",
+                role=spec.role,  # type: ignore[arg-type]
+                labels=dict(spec.labels),
+                model=spec.model,
+            )
+            return _Engine(endpoint, spec)
+        raise ConfigError(
+            f"{where}: must be an EngineSpec, an Endpoint or an id (int or str), "
+            f"got {type(engine).__name__}"
+        )
+
+    @property
+    def engines(self) -> dict[EndpointId, Endpoint]:
+        """Every engine (drained ones too), by id."""
+        return {key: e.endpoint for key, e in self._engines.items()}
+
+    @property
+    def specs(self) -> list[EngineSpec]:
+        """The engines given as :class:`~llmsched.integrations.EngineSpec`."""
+        return [e.spec for e in self._engines.values() if e.spec is not None]
+
+    @property
+    def draining(self) -> list[EndpointId]:
+        """Engines out of routing (:meth:`drain`)."""
+        return [key for key in self._engines if key in self._drained]
+
+    def address_of(self, endpoint: EndpointId) -> str:
+        """An engine's address (UnknownEndpointError for an unknown id)."""
+        engine = self._engines.get(endpoint)
+        if engine is None:
+            raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
+        return engine.endpoint.address
+
+    def add_engine(self, engine: EngineLike) -> EndpointId:
+        """Adds an engine to the pool (and to the feeds, when started); returns its id.
+        ConfigError when one with its id is already there (nothing changes)."""
+        checked = self._as_engine(engine)
+        key = checked.endpoint.id
+        if key in self._engines:
+            raise ConfigError(f"engine {key!r} is already scheduled")
+        self._engines[key] = checked
+        self.pool.add(checked.endpoint)
+        self._feeds_changed()
+        return key
+
+    def remove_engine(self, endpoint: EndpointId) -> None:
+        """Removes an engine from the pool, the flow controller's load reports, the index and
+        the feeds. Requests in flight there keep their accounting until they end.
+        UnknownEndpointError when it is not scheduled (nothing changes)."""
+        if endpoint not in self._engines:
+            raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
+        self._forget(endpoint)
+        self._feeds_changed()
+
+    def _forget(self, endpoint: EndpointId) -> None:
+        del self._engines[endpoint]
+        self._drained.discard(endpoint)
+        with contextlib.suppress(UnknownEndpointError):
+            self.pool.remove(endpoint)
+        if self.flow is not None:
+            self.flow.remove_endpoint(str(endpoint))
+        with contextlib.suppress(UnknownWorkerError):
+            self.index.remove_worker(endpoint)
+
+    def set_engines(
+        self, engines: Iterable[EngineLike]
+    ) -> tuple[list[EndpointId], list[EndpointId], list[EndpointId]]:
+        """Replaces the whole set of engines; returns the ids added, removed and changed.
+        Engines kept keep their metrics, in-flight counts and index entries; a changed one
+        takes its new description and comes back into routing; removed ones leave every
+        registry. A repeated id raises ConfigError and changes nothing."""
+        listed = self._checked_engines(engines)
+        new = {e.endpoint.id: e for e in listed}
+        added = [k for k in new if k not in self._engines]
+        removed = [k for k in self._engines if k not in new]
+        changed = [
+            k
+            for k in new
+            if k in self._engines
+            and (new[k].endpoint, new[k].spec) != (self._engines[k].endpoint, self._engines[k].spec)
+        ]
+        for key in removed:
+            self._forget(key)
+        for key in added + changed:
+            self._engines[key] = new[key]
+            self._drained.discard(key)
+            self.pool.add(new[key].endpoint)
+        if added or removed or changed:
+            self._feeds_changed()
+        return added, removed, changed
+
+    def drain(self, endpoint: EndpointId) -> bool:
+        """Takes an engine out of routing: no new request goes there, requests in flight
+        finish, its index entries and spec stay. False when it was already drained.
+        UnknownEndpointError when it is not scheduled."""
+        if endpoint not in self._engines:
+            raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
+        if endpoint in self._drained:
+            return False
+        self._drained.add(endpoint)
+        with contextlib.suppress(UnknownEndpointError):
+            self.pool.remove(endpoint)
+        return True
+
+    def resume(self, endpoint: EndpointId) -> bool:
+        """Brings a drained engine back into routing; False when it was not drained.
+        UnknownEndpointError when it is not scheduled."""
+        engine = self._engines.get(endpoint)
+        if engine is None:
+            raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
+        was = endpoint in self._drained
+        self._drained.discard(endpoint)
+        self.pool.add(engine.endpoint)
+        return was
+
+    # -- feeds ---------------------------------------------------------------------------
+
+    @property
+    def subscriber(self) -> KVEventSubscriber | None:
+        """The running KV-event subscriber, if any."""
+        return self._subscriber
+
+    @property
+    def scraper(self) -> MetricsScraper | None:
+        """The running metrics scraper, if any."""
+        return self._scraper
+
+    @property
+    def started(self) -> bool:
+        """Whether the feeds run (between :meth:`start` and :meth:`stop`, or the sync pair)."""
+        return self._mode is not None
+
+    async def start(self) -> None:
+        """Starts the feeds on the running event loop (the scraper as a task, the subscriber
+        on its thread). A no-op when started."""
+        if self._mode is not None:
+            return
+        self._mode = "async"
+        self._loop = asyncio.get_running_loop()
+        try:
+            self._start_feeds()
+        except BaseException:
+            self._mode = self._loop = None
+            raise
+
+    async def stop(self) -> None:
+        """Stops the feeds (a no-op when not started)."""
+        if self._mode != "async":
+            if self._mode == "threads":
+                self.stop_sync()
+            return
+        if self._restart is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._restart
+            self._restart = None
+        await self._stop_feeds_async()
+        self._mode = None
+        self._loop = None
+
+    def start_sync(self) -> None:
+        """Starts the feeds on threads of their own (for code without an event loop)."""
+        if self._mode is not None:
+            return
+        self._mode = "threads"
+        try:
+            self._start_feeds()
+        except BaseException:
+            self._mode = None
+            raise
+
+    def stop_sync(self) -> None:
+        """Stops feeds started by :meth:`start_sync`."""
+        if self._mode != "threads":
+            return
+        self._stop_feeds_threads()
+        self._mode = None
+
+    async def feeds_settled(self) -> None:
+        """Waits until the feeds follow the current engines (after an engine change)."""
+        while self._restart is not None and not self._restart.done():
+            await asyncio.shield(self._restart)
+
+    async def __aenter__(self) -> Scheduler:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def _start_feeds(self) -> None:
+        """Starts the feeds for the current engines; on a failure, none is left running."""
+        try:
+            self._open_feeds()
+        except BaseException:
+            self._stop_feeds_threads()
+            raise
+
+    def _open_feeds(self) -> None:
+        specs = self.specs
+        if not specs:
+            return
+        with_events = [s for s in specs if s.kv_events] if self._kv_events else []
+        if with_events:
+            from llmsched.integrations import KVEventSubscriber
+
+            # A (re)started scheduler learns what the engines already cache from their replay
+            # sockets right away, not only when an engine next stores or evicts a block.
+            self._subscriber = KVEventSubscriber(self.index, with_events, catch_up=True)
+            self._subscriber.start()
+        if self._scrape:
+            from llmsched.integrations import MetricsScraper
+
+            self._scraper = MetricsScraper(
+                specs,
+                pool=self.pool,
+                flow=self.flow,
+                interval_s=self._scrape_interval_s,
+                timeout_s=self._scrape_timeout_s,
+            )
+            # The scraper adds the pool endpoints it lacks: drained engines stay out.
+            for key in self._drained:
+                with contextlib.suppress(UnknownEndpointError):
+                    self.pool.remove(key)
+            if self._mode == "threads":
+                self._scraper.start()
+            else:
+                assert self._loop is not None
+                self._scrape_task = self._loop.create_task(self._scraper.run())
+
+    async def _stop_feeds_async(self) -> None:
+        if self._scrape_task is not None:
+            self._scrape_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scrape_task
+            self._scrape_task = None
+        self._scraper = None
+        if self._subscriber is not None:
+            subscriber, self._subscriber = self._subscriber, None
+            await asyncio.get_running_loop().run_in_executor(None, subscriber.stop)
+
+    def _stop_feeds_threads(self) -> None:
+        if self._scrape_task is not None:  # started on a loop that failed to start the rest
+            self._scrape_task.cancel()
+            self._scrape_task = None
+        elif self._scraper is not None:
+            self._scraper.stop()
+        self._scraper = None
+        if self._subscriber is not None:
+            self._subscriber.stop()
+            self._subscriber = None
+
+    def _feeds_changed(self) -> None:
+        """The engines changed: running feeds restart on the new set."""
+        if self._mode == "threads":
+            self._stop_feeds_threads()
+            self._start_feeds()
+        elif self._mode == "async":
+            assert self._loop is not None
+            previous = self._restart
+
+            async def restart() -> None:
+                if previous is not None:
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await previous
+                await self._stop_feeds_async()
+                if self._mode == "async":
+                    self._start_feeds()
+
+            self._restart = self._loop.create_task(restart())
+
+    # -- the pipeline --------------------------------------------------------------------
+
+    def next_request_id(self) -> int:
+        """A fresh request id (the ids flow control and placements use)."""
+        return next(self._ids)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        """Adds ``n`` to one of :meth:`stats`'s counters."""
+        with self._lock:
+            self._counts[key] += n
+
+    def _flow_request(self, request: ScheduleRequest, request_id: int) -> FlowRequest:
+        return FlowRequest(
+            request_id,
+            priority=request.priority,
+            tenant=request.tenant,
+            prompt_tokens=request.prompt_size,
+            size_bytes=request.size_bytes,
+            deadline=None if request.deadline is None else float(request.deadline),
+            ttft_target=None if request.ttft_target_s is None else float(request.ttft_target_s),
+        )
+
+    async def admit(self, request: ScheduleRequest) -> Admission:
+        """Waits for flow control to dispatch ``request`` (at once without flow control).
+        Raises :class:`~llmsched.errors.FlowRejected` (outcome, status, reason,
+        ``retry_after_s``) when it is refused or evicted; cancelling the awaiting task takes
+        it out of the queue."""
+        if not isinstance(request, ScheduleRequest):
+            raise InvalidRequestError(
+                f"request must be a ScheduleRequest, got {type(request).__name__}"
+            )
+        request_id = self.next_request_id()
+        if self.flow is None:
+            self._count("admitted")
+            return Admission(None, request_id, 0.0)
+        before = time.perf_counter()
+        try:
+            await self.flow.admit(self._flow_request(request, request_id))
+        except FlowRejected as rejected:
+            self._count("rejected")
+            raise FlowRejected(
+                rejected.request_id, rejected.outcome, retry_after_s=self._retry_after_s
+            ) from None
+        self._count("admitted")
+        return Admission(self.flow, request_id, time.perf_counter() - before)
+
+    def admit_sync(self, request: ScheduleRequest) -> Admission:
+        """:meth:`admit` for code without a running event loop (it blocks the calling thread
+        until the request is dispatched; RuntimeError inside a running loop)."""
+        if self.flow is None:
+            if not isinstance(request, ScheduleRequest):
+                raise InvalidRequestError(
+                    f"request must be a ScheduleRequest, got {type(request).__name__}"
+                )
+            self._count("admitted")
+            return Admission(None, self.next_request_id(), 0.0)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: the usual case
+            return asyncio.run(self.admit(request))
+        raise RuntimeError("admit_sync() inside a running event loop: await admit() instead")
+
+    def place(self, request: ScheduleRequest, admission: Admission | None = None) -> Placement:
+        """Picks an endpoint for an admitted ``request`` and puts it in flight there. The
+        placement releases ``admission`` when it ends only if it was made by
+        :meth:`schedule`; here the caller keeps it. NoEndpointError when no endpoint can serve
+        the request (nothing is held then)."""
+        if not isinstance(request, ScheduleRequest):
+            raise InvalidRequestError(
+                f"request must be a ScheduleRequest, got {type(request).__name__}"
+            )
+        return self._place(request, admission, owns_admission=False)
+
+    def _place(
+        self, request: ScheduleRequest, admission: Admission | None, *, owns_admission: bool
+    ) -> Placement:
+        try:
+            decision = self.router.pick(**request.pick_arguments())  # type: ignore[arg-type]
+        except NoEndpointError:
+            self._count("no_endpoint")
+            raise
+        cached = decision.cached_tokens()
+        chosen = decision.endpoint
+        order = [chosen, *decision.fallbacks]
+        order += [e for e in cached if e not in order]
+        attempt = self._started(decision, chosen, cached)
+        self._count("in_flight")
+        return Placement(self, request, admission, attempt, order, owns_admission=owns_admission)
+
+    def _started(
+        self, decision: Decision, endpoint: EndpointId, cached: Mapping[EndpointId, int]
+    ) -> _Attempt:
+        size = self.index.block_size
+        used = [endpoint]
+        if decision.prefill_endpoint is not None:
+            used.append(decision.prefill_endpoint)
+        held = tuple((e, cached.get(e, 0) // size) for e in used)
+        decision.started(endpoint)
+        return _Attempt(decision, endpoint, held)
+
+    def _start_attempt(self, request: ScheduleRequest, endpoint: EndpointId) -> _Attempt | None:
+        """A fresh decision for ``request`` started on ``endpoint`` (a retry); None when the
+        endpoint can no longer be picked. (for :meth:`Placement.retry`)"""
+        try:
+            decision = self.router.pick(**request.pick_arguments())  # type: ignore[arg-type]
+        except NoEndpointError:
+            return None
+        try:
+            return self._started(decision, endpoint, decision.cached_tokens())
+        except UnknownEndpointError:  # taken out of routing or removed since the first pick
+            decision.finished()
+            return None
+
+    def _end_attempt(self, attempt: _Attempt, request: ScheduleRequest, *, failed: bool) -> None:
+        """Gives an attempt's in-flight counts back; when it ``failed``, drops the
+        approximate prefix blocks it recorded. (for :class:`Placement`)"""
+        attempt.decision.finished()
+        if failed:
+            removed = 0
+            hashes: npt.NDArray[np.uint64] | None = None
+            for worker, held in attempt.held_before:
+                if hashes is None:
+                    hashes = request.block_hashes(self.index)
+                removed += self._drop_record(worker, hashes[held:])
+            if removed:
+                self._count("records_removed", removed)
+
+    def _drop_record(self, worker: EndpointId, hashes: npt.NDArray[np.uint64]) -> int:
+        """Drops ``worker``'s unconfirmed holdings among ``hashes`` (deepest first)."""
+        if not len(hashes):
+            return 0
+        try:
+            holdings = self.index.holdings(worker)
+        except UnknownWorkerError:
+            return 0
+        ours = [int(h) for h in hashes if (held := holdings.get(int(h))) and not held[1]]
+        if not ours:
+            return 0
+        try:
+            return self.index.remove(worker, ours[::-1])
+        except (UnknownBlockError, UnknownWorkerError):  # changed since read: leave it
+            return 0
+
+    def _placement_ended(self, outcome: PlacementOutcome) -> None:
+        """Counts an ended placement. (for :class:`Placement`)"""
+        with self._lock:
+            self._counts["in_flight"] -= 1
+            self._counts[outcome] += 1
+
+    def schedule(self, request: ScheduleRequest) -> AbstractAsyncContextManager[Placement]:
+        """Admits, picks and puts ``request`` in flight; yields its :class:`Placement` and
+        settles the accounting on exit (see the module docstring). Raises FlowRejected or
+        NoEndpointError before yielding (nothing is held then).
+
+        >>> import asyncio
+        >>> s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 1}})
+        >>> async def run():
+        ...     async with s.schedule(ScheduleRequest(tokens=[1, 2], tenant="t")) as p:
+        ...         inside = s.flow.running_count()
+        ...     return inside, s.flow.running_count()
+        >>> asyncio.run(run())
+        (1, 0)
+        """
+        return _Scheduling(self, request)
+
+    def schedule_sync(self, request: ScheduleRequest) -> Placement:
+        """:meth:`schedule` for code without an event loop (admission blocks the thread):
+        the :class:`Placement` returned is the context manager (``with
+        scheduler.schedule_sync(request) as placement:``)."""
+        return self._placed(request, self.admit_sync(request))
+
+    def _placed(self, request: ScheduleRequest, admission: Admission) -> Placement:
+        """A placement that releases ``admission`` when it ends (released now on failure)."""
+        try:
+            return self._place(request, admission, owns_admission=True)
+        except BaseException:
+            admission.release()
+            raise
+
+    # -- introspection -------------------------------------------------------------------
+
+    @property
+    def warnings(self) -> list[str]:
+        """The configuration's notes (the router's, and the scheduler's own)."""
+        return list(self._warnings)
+
+    def stats(self) -> SchedulerStats:
+        """Counters since the scheduler was built and what it holds now.
+
+        >>> Scheduler(["a"]).stats()["engines"]
+        1
+        """
+        with self._lock:
+            counts = dict(self._counts)
+        return SchedulerStats(
+            admitted=counts["admitted"],
+            rejected=counts["rejected"],
+            no_endpoint=counts["no_endpoint"],
+            completed=counts["completed"],
+            failed=counts["failed"],
+            cancelled=counts["cancelled"],
+            retries=counts["retries"],
+            records_removed=counts["records_removed"],
+            in_flight=counts["in_flight"],
+            queued=0 if self.flow is None else len(self.flow),
+            engines=len(self._engines),
+            draining=len(self._drained),
+            config_warnings=len(self._warnings),
+        )
+
+    def __repr__(self) -> str:
+        flow = "on" if self.flow is not None else "off"
+        return f"Scheduler({len(self._engines)} engines, flow {flow}, router {self.router!r})"
+
+
+class _Scheduling:
+    """What :meth:`Scheduler.schedule` returns: admits and places on entry, ends the placement
+    on exit."""
+
+    __slots__ = ("_placement", "_request", "_scheduler")
+
+    def __init__(self, scheduler: Scheduler, request: ScheduleRequest) -> None:
+        self._scheduler = scheduler
+        self._request = request
+        self._placement: Placement | None = None
+
+    async def __aenter__(self) -> Placement:
+        if self._placement is not None:
+            raise PlacementError("a schedule() context is entered once")
+        admission = await self._scheduler.admit(self._request)
+        self._placement = self._scheduler._placed(self._request, admission)
+        return self._placement
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if self._placement is not None:
+            self._placement.end_for(exc_type)
+
+
+def _flow_config(flow: ConfigSource, stale_after_s: float) -> dict[str, object]:
+    """The flow config with the saturation staleness matched to the scrape interval unless
+    it sets it (llm-d's 200 ms default would read every scrape as stale)."""
+    raw = flow if isinstance(flow, Mapping) else load_mapping(flow, what="flow config")
+    config = copy.deepcopy(dict(raw))
+    saturation = config.setdefault("saturation", {"type": "utilization"})
+    if isinstance(saturation, dict) and saturation.get("type", "utilization") == "utilization":
+        saturation.setdefault("staleness_s", stale_after_s)
+    return config

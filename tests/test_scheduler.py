@@ -1,0 +1,600 @@
+"""The public request pipeline (llmsched.Scheduler): admission, the pick and its ticket,
+retries through the fallbacks, failure / cancel accounting, engines kept in step across the
+pool, the flow controller and the index, bad input, and many concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmsched import Placement, Scheduler, ScheduleRequest
+from llmsched.errors import (
+    ConfigError,
+    FlowRejected,
+    InvalidRequestError,
+    InvalidTokenError,
+    InvalidValueError,
+    NoEndpointError,
+    PlacementError,
+    UnknownEndpointError,
+)
+from llmsched.flow import Outcome
+from llmsched.routing import render_messages
+
+CONCURRENCY_1 = {"saturation": {"type": "concurrency", "max_requests": 1}}
+PROMPT = np.arange(64, dtype=np.uint32)  # 4 blocks of 16
+
+
+def in_flight(s: Scheduler) -> dict[object, int]:
+    return {e["id"]: e["in_flight_requests"] for e in s.pool.endpoints()}
+
+
+def at_rest(s: Scheduler) -> None:
+    """Nothing is held anywhere: placements, pool tickets, flow slots and queue."""
+    assert s.stats()["in_flight"] == 0
+    assert all(n == 0 for n in in_flight(s).values()), in_flight(s)
+    assert all(e["in_flight_prefill_tokens"] == 0 for e in s.pool.endpoints())
+    if s.flow is not None:
+        assert s.flow.running_count() == 0
+        assert len(s.flow) == 0
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    for _ in range(2000):
+        if check():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_admission_follows_priority_and_carries_the_tenant() -> None:
+    s = Scheduler(["a"], router="least-load", flow=CONCURRENCY_1)
+    order: list[str] = []
+
+    async def client(
+        name: str, priority: int, tenant: str, gate: Callable[[], Awaitable[object]]
+    ) -> None:
+        request = ScheduleRequest(tokens=PROMPT, priority=priority, tenant=tenant)
+        async with s.schedule(request) as placement:
+            assert placement.admission is not None and placement.admission.holds_slot
+            order.append(name)
+            await gate()
+
+    async def run() -> None:
+        release = asyncio.Event()
+        first = asyncio.create_task(client("first", 0, "t0", release.wait))
+        await until(lambda: order == ["first"], "the first request to run")
+        low = asyncio.create_task(client("low", 1, "batch", lambda: asyncio.sleep(0)))
+        await until(lambda: s.stats()["queued"] == 1, "the low-priority request to queue")
+        high = asyncio.create_task(client("high", 5, "chat", lambda: asyncio.sleep(0)))
+        await until(lambda: s.stats()["queued"] == 2, "both requests to queue")
+        tenants = {(f["tenant"], f["priority"]) for f in s.flow.metrics()["flows"]}  # type: ignore[union-attr]
+        assert {("batch", 1), ("chat", 5), ("t0", 0)} <= tenants
+        release.set()
+        await asyncio.gather(first, low, high)
+
+    asyncio.run(run())
+    assert order == ["first", "high", "low"]
+    assert s.stats()["admitted"] == 3 and s.stats()["completed"] == 3
+    at_rest(s)
+
+
+def test_pick_puts_the_ticket_in_flight_and_the_exit_gives_it_back() -> None:
+    s = Scheduler(["a", "b"], router="least-load")
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as placement:
+        chosen = placement.endpoint
+        assert in_flight(s)[chosen] == 1 and sum(in_flight(s).values()) == 1
+        assert placement.address == ""  # bare ids have no address
+        assert placement.first_token() and not placement.first_token()
+        placement.add_output_tokens(7)
+        assert s.stats()["in_flight"] == 1
+    assert placement.outcome == "completed" and placement.output_tokens == 7
+    assert not placement.complete()  # ending twice is a no-op
+    assert s.stats()["completed"] == 1
+    at_rest(s)
+
+
+def test_flow_slot_is_released_with_the_output_tokens_charged() -> None:
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 4}})
+
+    async def run() -> None:
+        async with s.schedule(ScheduleRequest(tokens=PROMPT, tenant="acme")) as placement:
+            assert s.flow is not None and s.flow.running_count() == 1
+            placement.add_output_tokens(30)
+
+    asyncio.run(run())
+    assert s.flow is not None
+    flows = {f["tenant"]: f for f in s.flow.metrics()["flows"]}
+    assert flows["acme"]["service_tokens"] >= 30 + len(PROMPT)
+    at_rest(s)
+
+
+def test_retry_walks_the_fallbacks_and_each_attempt_accounts_for_itself() -> None:
+    s = Scheduler(["a", "b", "c"], router="least-load")
+    tried = []
+    with pytest.raises(NoEndpointError), s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        tried.append(p.endpoint)
+        assert len(p.fallbacks) == 2
+        while True:
+            before = p.endpoint
+            now = p.retry()
+            tried.append(now)
+            assert in_flight(s)[before] == 0 and in_flight(s)[now] == 1
+            assert p.attempts == len(tried)
+    assert sorted(tried) == ["a", "b", "c"]
+    assert p.outcome == "failed"
+    assert s.stats()["retries"] == 3 and s.stats()["failed"] == 1
+    with pytest.raises(PlacementError):
+        p.retry()
+    at_rest(s)
+
+
+def test_retry_skips_a_fallback_that_left_the_pool() -> None:
+    s = Scheduler(["a", "b", "c"], router="least-load")
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        first, skipped, last = p.endpoint, *p.fallbacks
+        s.drain(skipped)
+        assert p.retry() == last
+        assert in_flight(s)[last] == 1
+    assert first != last
+    at_rest(s)
+
+
+def test_failure_removes_the_approximate_record_and_success_keeps_it() -> None:
+    s = Scheduler(["a"], router="prefix-only", block_size=16)
+    with pytest.raises(RuntimeError), s.schedule_sync(ScheduleRequest(tokens=PROMPT)):
+        assert s.index.match_tokens(PROMPT).as_dict() == {"a": 4}
+        raise RuntimeError("the engine broke")
+    assert s.index.match_tokens(PROMPT).as_dict() == {}
+    assert s.stats()["records_removed"] == 4 and s.stats()["failed"] == 1
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)):
+        pass
+    assert s.index.match_tokens(PROMPT).as_dict() == {"a": 4}
+    at_rest(s)
+
+
+def test_failure_keeps_what_the_engine_confirmed_and_what_was_held_before() -> None:
+    s = Scheduler(["a"], router="prefix-only", block_size=16)
+    hashes = s.index.hash_tokens(PROMPT)
+    s.index.store("a", hashes[:1])  # confirmed by an engine
+    s.index.record("a", hashes[:2])  # recorded by an earlier request
+    with pytest.raises(ValueError), s.schedule_sync(ScheduleRequest(tokens=PROMPT)):
+        raise ValueError("failed")
+    assert s.index.match_tokens(PROMPT).as_dict() == {"a": 2}
+    assert s.stats()["records_removed"] == 2
+
+
+def test_text_and_chat_failures_remove_their_records_too() -> None:
+    s = Scheduler(["a"], router="prefix-only", block_size=4, allow_pseudo_tokens=True)
+    text = "You are a helpful assistant. " * 4
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]
+    for request in (ScheduleRequest(text=text), ScheduleRequest(messages=messages)):
+        with pytest.raises(OSError), s.schedule_sync(request):
+            assert s.index.stats()["blocks"] > 0
+            raise OSError("gone")
+        assert s.index.stats()["blocks"] == 0
+    at_rest(s)
+
+
+def test_a_retry_drops_the_failed_endpoints_record() -> None:
+    s = Scheduler(["a", "b"], router="least-load", block_size=16)
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        first = p.endpoint
+        second = p.retry()
+    matched = s.index.match_tokens(PROMPT).as_dict()
+    assert matched == {second: 4} and first not in matched
+
+
+def test_cancellation_gives_everything_back_and_keeps_the_record() -> None:
+    s = Scheduler(["a"], router="prefix-only", flow=CONCURRENCY_1, block_size=16)
+    entered = asyncio.Event()
+    seen: list[Placement] = []
+
+    async def client() -> None:
+        async with s.schedule(ScheduleRequest(tokens=PROMPT)) as p:
+            seen.append(p)
+            entered.set()
+            await asyncio.sleep(3600)
+
+    async def queued_client() -> None:
+        async with s.schedule(ScheduleRequest(tokens=PROMPT)):
+            raise AssertionError("never admitted")
+
+    async def run() -> None:
+        running = asyncio.create_task(client())
+        await entered.wait()
+        waiting = asyncio.create_task(queued_client())
+        await until(lambda: s.stats()["queued"] == 1, "the second request to queue")
+        waiting.cancel()
+        running.cancel()
+        for task in (running, waiting):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(run())
+    assert seen[0].outcome == "cancelled"
+    assert s.stats()["cancelled"] == 1 and s.stats()["admitted"] == 1
+    assert s.index.match_tokens(PROMPT).as_dict() == {"a": 4}
+    at_rest(s)
+
+
+def test_flow_rejection_is_typed_with_status_reason_and_retry_after() -> None:
+    flow = {
+        "saturation": {"type": "concurrency", "max_requests": 1},
+        "default_band": {"max_requests": 1},
+    }
+    s = Scheduler(["a"], flow=flow, retry_after_s=3)
+
+    async def run() -> FlowRejected:
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with s.schedule(ScheduleRequest(tokens=PROMPT)):
+                await release.wait()
+
+        async def queued() -> None:
+            async with s.schedule(ScheduleRequest(tokens=PROMPT)):
+                pass
+
+        holder = asyncio.create_task(hold())
+        await until(lambda: s.flow is not None and s.flow.running_count() == 1, "admission")
+        waiter = asyncio.create_task(queued())
+        await until(lambda: s.stats()["queued"] == 1, "the queue")
+        try:
+            async with s.schedule(ScheduleRequest(tokens=PROMPT)):
+                raise AssertionError("admitted past capacity")
+        except FlowRejected as exc:
+            rejected = exc
+        release.set()
+        await asyncio.gather(holder, waiter)
+        return rejected
+
+    rejected = asyncio.run(run())
+    assert rejected.outcome == Outcome.REJECTED_CAPACITY
+    assert (rejected.http_status, rejected.retry_after_s) == (429, 3)
+    assert rejected.reason == Outcome.REJECTED_CAPACITY.reason
+    assert s.stats()["rejected"] == 1 and s.stats()["completed"] == 2
+    at_rest(s)
+
+
+def test_no_endpoint_releases_the_admission() -> None:
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 4}})
+    s.drain("a")
+
+    async def run() -> None:
+        async with s.schedule(ScheduleRequest(tokens=PROMPT)):
+            raise AssertionError("placed with no endpoint")
+
+    with pytest.raises(NoEndpointError):
+        asyncio.run(run())
+    assert s.stats()["no_endpoint"] == 1 and s.stats()["admitted"] == 1
+    at_rest(s)
+
+
+def test_engines_stay_in_step_across_pool_flow_and_index() -> None:
+    s = Scheduler(["a"], router="prefix-only", flow=CONCURRENCY_1, block_size=16)
+    assert s.add_engine("b") == "b"
+    assert sorted(str(e["id"]) for e in s.pool.endpoints()) == ["a", "b"]
+    s.drain("a")
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        assert p.endpoint == "b"
+    assert s.index.match_tokens(PROMPT).as_dict() == {"b": 4}
+    assert s.flow is not None
+    s.flow.update_endpoint("b", waiting=1)
+    s.remove_engine("b")
+    assert [e["id"] for e in s.pool.endpoints()] == []  # a is drained, b gone
+    assert "b" not in s.index.workers() and s.index.match_tokens(PROMPT).as_dict() == {}
+    assert not s.flow.remove_endpoint("b")  # already forgotten by the flow controller
+    assert s.resume("a") and list(s.engines) == ["a"]
+    added, removed, changed = s.set_engines(["a", "c", "d"])
+    assert (added, removed, changed) == (["c", "d"], [], [])
+    assert s.set_engines(["d"]) == ([], ["a", "c"], [])
+    assert [e["id"] for e in s.pool.endpoints()] == ["d"] and s.stats()["engines"] == 1
+
+
+def test_bad_engine_changes_raise_and_change_nothing() -> None:
+    s = Scheduler(["a", "b"])
+    before = (s.pool.endpoints(), s.engines, s.draining)
+    with pytest.raises(ConfigError, match="already scheduled"):
+        s.add_engine("a")
+    with pytest.raises(ConfigError, match="listed twice"):
+        s.set_engines(["a", "c", "c"])
+    with pytest.raises(ConfigError, match="EngineSpec, an Endpoint or an id"):
+        s.add_engine(3.5)  # type: ignore[arg-type]
+    for call in (s.remove_engine, s.drain, s.resume, s.address_of):
+        with pytest.raises(UnknownEndpointError):
+            call("zz")
+    assert (s.pool.endpoints(), s.engines, s.draining) == before
+    with pytest.raises(ConfigError, match="listed twice"):
+        Scheduler(["a", "a"])
+    with pytest.raises(ConfigError, match="unknown key"):
+        Scheduler.from_config({"engines": ["a"], "routr": "llm-d"})
+    with pytest.raises(ConfigError, match="block_size"):
+        Scheduler(["a"], block_size=8, index=s.index)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({}, InvalidRequestError, "exactly one"),
+        ({"tokens": [1], "text": "x"}, InvalidRequestError, "exactly one"),
+        ({"tokens": [-1]}, InvalidTokenError, "out of range"),
+        ({"tokens": "abc"}, InvalidRequestError, "str"),
+        ({"text": b"x"}, InvalidRequestError, "text"),
+        ({"messages": [{"content": "x"}]}, InvalidRequestError, "role"),
+        ({"tokens": [1], "priority": 2**31}, InvalidRequestError, "priority"),
+        ({"tokens": [1], "priority": True}, InvalidRequestError, "priority"),
+        ({"tokens": [1], "tenant": ""}, InvalidRequestError, "tenant"),
+        ({"tokens": [1], "prompt_tokens": -1}, InvalidRequestError, "prompt_tokens"),
+        ({"tokens": [1], "model": 3}, InvalidRequestError, "model"),
+        ({"tokens": [1], "headers": {"a": 1}}, InvalidRequestError, "headers"),
+        ({"tokens": [1], "deadline": float("nan")}, InvalidRequestError, "deadline"),
+    ],
+)
+def test_bad_requests_raise_llmsched_errors(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        ScheduleRequest(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_use_raises_and_leaves_state_unchanged() -> None:
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 2}})
+    with pytest.raises(InvalidRequestError), s.schedule_sync({"tokens": [1]}):  # type: ignore[arg-type]
+        pass
+    with pytest.raises(InvalidRequestError):
+        s.place("not a request")  # type: ignore[arg-type]
+    assert s.stats()["admitted"] == 0
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        with pytest.raises(InvalidValueError):
+            p.complete(output_tokens=-1)
+        with pytest.raises(InvalidValueError):
+            p.add_output_tokens(-2)
+        assert p.outcome is None and s.stats()["in_flight"] == 1
+    assert p.outcome == "completed"
+    at_rest(s)
+
+
+def test_place_leaves_the_admission_to_its_caller() -> None:
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 2}})
+    request = ScheduleRequest(tokens=PROMPT)
+    admission = s.admit_sync(request)
+    with s.place(request, admission) as p:
+        assert p.admission is admission
+    assert admission.holds_slot and s.flow is not None and s.flow.running_count() == 1
+    assert admission.release(5) and not admission.release()
+    at_rest(s)
+
+
+def test_the_utilization_detector_without_metrics_warns() -> None:
+    s = Scheduler(["a"], flow={})
+    assert any("saturation by utilization" in w for w in s.warnings)
+    assert s.stats()["config_warnings"] >= 1
+
+
+def test_from_config_builds_the_same_pipeline() -> None:
+    s = Scheduler.from_config(
+        "engines: [a, b]\nrouter: least-load\nblock_size: 8\n"
+        "flow: {saturation: {type: concurrency, max_requests: 3}}\nretry_after_s: 2\n"
+    )
+    assert sorted(s.engines) == ["a", "b"] and s.index.block_size == 8
+    assert s.flow is not None and s.flow.config["saturation"]["type"] == "concurrency"
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        assert p.endpoint in ("a", "b")
+    at_rest(s)
+
+
+def test_many_concurrent_requests_with_cancellations_return_to_zero() -> None:
+    engines = [f"e{i}" for i in range(4)]
+    s = Scheduler(
+        engines,
+        router="llm-d",
+        flow={"saturation": {"type": "concurrency", "max_requests": 8}},
+        block_size=16,
+    )
+    rng = random.Random(7)
+    outcomes: dict[str, int] = {"ok": 0, "failed": 0, "retried": 0, "cancelled": 0}
+
+    async def client(i: int) -> None:
+        tokens = np.arange(64, dtype=np.uint32) + 1000 * (i % 5)
+        request = ScheduleRequest(tokens=tokens, tenant=f"t{i % 3}", priority=i % 2)
+        try:
+            async with s.schedule(request) as p:
+                await asyncio.sleep(rng.random() * 0.003)
+                if i % 7 == 0:
+                    p.retry()
+                    outcomes["retried"] += 1
+                if i % 11 == 0:
+                    raise RuntimeError("engine failed")
+                p.first_token()
+            outcomes["ok"] += 1
+        except RuntimeError:
+            outcomes["failed"] += 1
+
+    async def run() -> None:
+        tasks = [asyncio.create_task(client(i)) for i in range(400)]
+        for _ in range(60):
+            await asyncio.sleep(0.001)
+            victim = tasks[rng.randrange(len(tasks))]
+            victim.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        outcomes["cancelled"] = sum(isinstance(r, asyncio.CancelledError) for r in results)
+        assert all(r is None or isinstance(r, asyncio.CancelledError) for r in results)
+
+    asyncio.run(run())
+    stats = s.stats()
+    assert outcomes["ok"] + outcomes["failed"] + outcomes["cancelled"] == 400
+    assert min(outcomes.values()) > 0, outcomes  # every path was taken
+    assert stats["completed"] == outcomes["ok"] and stats["failed"] == outcomes["failed"]
+    assert stats["cancelled"] <= outcomes["cancelled"]  # some were cancelled while queued
+    assert stats["admitted"] == stats["completed"] + stats["failed"] + stats["cancelled"]
+    assert stats["retries"] == outcomes["retried"]
+    at_rest(s)
+
+
+def test_threads_share_one_scheduler_with_the_sync_form() -> None:
+    s = Scheduler(["a", "b", "c"], flow={"saturation": {"type": "concurrency", "max_requests": 2}})
+    errors: list[BaseException] = []
+    peak = [0]
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(25):
+                request = ScheduleRequest(tokens=PROMPT + t * 100 + i, tenant=f"t{t}")
+                with s.schedule_sync(request):
+                    assert s.flow is not None
+                    peak[0] = max(peak[0], s.flow.running_count())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert s.stats()["completed"] == 100 and peak[0] <= 2
+    at_rest(s)
+
+
+def _kv_spec(publisher: object, port: int) -> object:
+    from llmsched.integrations import EngineSpec
+
+    return EngineSpec("127.0.0.1", port, **publisher.spec_kwargs())  # type: ignore[attr-defined]
+
+
+def test_feeds_follow_engine_changes_while_started() -> None:
+    pytest.importorskip("zmq")
+    from llmsched.testing import FakeKVPublisher, event_batch, stored_event
+
+    blocks = [stored_event([1, 2, 3, 4], None, list(range(64)))]
+    with FakeKVPublisher() as first, FakeKVPublisher() as second:
+        s = Scheduler([_kv_spec(first, 1)], router="prefix-only", block_size=16)  # type: ignore[list-item]
+        loop_waits = 20.0
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            async with s:
+                assert s.started and s.subscriber is not None
+                assert await loop.run_in_executor(None, first.wait_subscribed, loop_waits)
+                first.publish(event_batch(*blocks))
+                await until(lambda: s.index.match_tokens(PROMPT).longest == 4, "first's events")
+                added = s.add_engine(_kv_spec(second, 2))  # type: ignore[arg-type]
+                await s.feeds_settled()
+                assert s.subscriber is not None and added in s.subscriber.workers()
+                assert await loop.run_in_executor(None, second.wait_subscribed, loop_waits)
+                second.publish(event_batch(*blocks))
+                await until(lambda: len(s.index.match_tokens(PROMPT).as_dict()) == 2, "second's")
+                s.remove_engine(added)
+                await s.feeds_settled()
+                assert added not in s.subscriber.workers()
+                assert list(s.index.match_tokens(PROMPT).as_dict()) == ["127.0.0.1:1"]
+                with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+                    assert p.endpoint == "127.0.0.1:1" and p.cached == 64
+            assert not s.started and s.subscriber is None
+
+        asyncio.run(run())
+
+
+def test_feeds_on_threads_with_the_sync_pair() -> None:
+    pytest.importorskip("zmq")
+    from llmsched.testing import FakeKVPublisher, event_batch, stored_event
+
+    with FakeKVPublisher() as publisher:
+        s = Scheduler([_kv_spec(publisher, 1)], router="prefix-only", block_size=16)  # type: ignore[list-item]
+        s.start_sync()
+        try:
+            assert publisher.wait_subscribed(20.0)
+            publisher.publish(event_batch(stored_event([7, 8], None, list(range(32)))))
+            assert s.subscriber is not None
+            assert s.subscriber.wait_for(lambda c: c["blocks_stored"] >= 2, timeout=20.0)
+        finally:
+            s.stop_sync()
+        assert s.subscriber is None and s.index.match_tokens(PROMPT).longest == 2
+
+
+def test_the_sync_form_refuses_a_running_loop_and_a_context_enters_once() -> None:
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 2}})
+    request = ScheduleRequest(tokens=PROMPT)
+
+    async def run() -> None:
+        with pytest.raises(RuntimeError, match="running event loop"):
+            s.schedule_sync(request)
+        context = s.schedule(request)
+        async with context:
+            with pytest.raises(PlacementError):
+                await context.__aenter__()
+
+    asyncio.run(run())
+    assert s.stats()["completed"] == 1
+    at_rest(s)
+
+
+def test_from_config_takes_engine_specs_and_names_a_bad_entry() -> None:
+    pytest.importorskip("zmq")
+    s = Scheduler.from_config(
+        {"engines": [{"host": "127.0.0.1", "port": 8000, "model": "m"}, "plain"]}
+    )
+    assert sorted(map(str, s.engines)) == ["127.0.0.1:8000", "plain"]
+    assert s.address_of("127.0.0.1:8000") == "127.0.0.1:8000" and len(s.specs) == 1
+    with pytest.raises(ConfigError, match=r"engines\[0\]"):
+        Scheduler.from_config({"engines": [{"host": "127.0.0.1", "port": -1}]})
+    with pytest.raises(ConfigError, match="scrape"):
+        Scheduler.from_config({"engines": ["a"], "scrape": {"every": 1}})
+
+
+def test_the_lazy_exports_are_listed_and_typos_raise() -> None:
+    import llmsched
+
+    assert {"Scheduler", "ScheduleRequest", "Placement", "Admission"} <= set(dir(llmsched))
+    with pytest.raises(AttributeError, match="Schedular"):
+        llmsched.Schedular  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_a_chat_with_a_tool_call_only_message_is_scheduled() -> None:
+    s = Scheduler(["a"], router="prefix-only", block_size=4, allow_pseudo_tokens=True)
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris? " * 3},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+    ]
+    request = ScheduleRequest(messages=messages)
+    with s.schedule_sync(request) as placement:
+        assert placement.endpoint == "a"
+    assert s.index.match(s.index.hash_text(render_messages(messages))).longest > 0
+
+
+def test_an_llm_d_precise_config_wires_the_engines_kv_events() -> None:
+    """The pipeline builds what llm-d's precise prefix mode describes, as the gateway does:
+    engines without their own KV events publish to ``kvEventsConfig.zmqEndpoint`` with llm-d's
+    topic, and the index uses the configured block size."""
+    from llmsched.integrations import EngineSpec
+
+    config = Path(__file__).parent / "data" / "llm-d-configs" / "llmd-precise-kv-events.yaml"
+    own = EngineSpec.from_dict(
+        {
+            "name": "b",
+            "host": "10.0.0.2",
+            "port": 8000,
+            "kv_events": "tcp://10.0.0.2:5557",
+            "topic": "kv@10.0.0.2@m",
+        }
+    )
+    shared = EngineSpec(host="10.0.0.1", port=8000, name="a", model="m")
+    scheduler = Scheduler([shared, own], router=str(config), kv_events=True)
+    specs = {s.name: s for s in scheduler.specs}
+    info = scheduler.router.config_info
+    precise = info["precise"]
+    assert precise is not None
+    assert specs["a"].kv_events == precise["zmq_endpoint"] and specs["a"].kv_events_bind
+    assert specs["a"].topic == f"{precise['topic_filter']}10.0.0.1@m"
+    assert specs["b"] == own, "an engine's own KV events are kept"
+    assert scheduler.index.block_size == precise["block_size"]
+    # An engine added later is wired the same way.
+    scheduler.add_engine(EngineSpec(host="10.0.0.3", port=8000, name="c", model="m"))
+    assert {s.name: s for s in scheduler.specs}["c"].kv_events == precise["zmq_endpoint"]
