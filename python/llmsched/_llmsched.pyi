@@ -36,9 +36,7 @@ MAX_BLOCK_SIZE: int
 __version__: str
 VLLM_DEFAULT_NONE_HASH_SEED: str
 
-def xxh3_block_hashes(
-    tokens: _Tokens, block_size: int, chain_seed: int
-) -> npt.NDArray[np.uint64]:
+def xxh3_block_hashes(tokens: _Tokens, block_size: int, chain_seed: int) -> npt.NDArray[np.uint64]:
     """Chained xxh3 hashes of the full blocks of `tokens` from `chain_seed` (`llmsched.block_hashes`
     checks the arguments).
     """
@@ -195,19 +193,13 @@ class PrefixIndex:
     @property
     def max_bytes(self) -> int | None:
         """The index's memory cap (None: unbounded)."""
-    def store(
-        self, worker: int | str, hashes: _Hashes, parent: int | None, tier_name: str
-    ) -> int:
+    def store(self, worker: int | str, hashes: _Hashes, parent: int | None, tier_name: str) -> int:
         """Records that `worker` holds a chain of blocks in a tier; returns the blocks added."""
-    def record(
-        self, worker: int | str, hashes: _Hashes, ttl: float, now: float
-    ) -> int:
+    def record(self, worker: int | str, hashes: _Hashes, ttl: float, now: float) -> int:
         """Records an approximate holding (a routing decision) that expires after `ttl` unless
         confirmed.
         """
-    def remove(
-        self, worker: int | str, hashes: _Hashes, tier_name: str | None = None
-    ) -> int:
+    def remove(self, worker: int | str, hashes: _Hashes, tier_name: str | None = None) -> int:
         """Removes blocks (and their descendants) from a worker; returns the blocks removed."""
     def clear(self, worker: int | str) -> int:
         """Removes every block of a worker; returns the blocks removed."""
