@@ -345,7 +345,11 @@ impl Engine {
             let answer = AnswerBody::new(Vec::new(), Some(Break::Hang), None, guard);
             return Ok(respond(StatusCode::OK, content_type, answer));
         }
-        let limit = body.get("max_tokens").and_then(Value::as_u64).unwrap_or(u64::MAX);
+        // vLLM reads either name (OpenAI's newer one first).
+        let limit = ["max_completion_tokens", "max_tokens"]
+            .iter()
+            .find_map(|name| body.get(*name).and_then(Value::as_u64))
+            .unwrap_or(u64::MAX);
         let n = self.config.answer_tokens.min(usize::try_from(limit).unwrap_or(usize::MAX));
         let before = generated_before(&body, chat);
         let pieces: Vec<String> = (before..before + n).map(|k| format!(" t{k}")).collect();
@@ -454,10 +458,12 @@ fn check_body(body: &Value, chat: bool) -> Result<(), &'static str> {
     let Some(fields) = body.as_object() else {
         return Err("the body must be a JSON object");
     };
-    match fields.get("max_tokens") {
-        None | Some(Value::Null) => {}
-        Some(v) if v.as_u64().is_some_and(|n| n >= 1) => {}
-        Some(_) => return Err("max_tokens must be an integer >= 1"),
+    for name in ["max_tokens", "max_completion_tokens"] {
+        match fields.get(name) {
+            None | Some(Value::Null) => {}
+            Some(v) if v.as_u64().is_some_and(|n| n >= 1) => {}
+            Some(_) => return Err("max_tokens and max_completion_tokens must be integers >= 1"),
+        }
     }
     if !matches!(fields.get("stream"), None | Some(Value::Null | Value::Bool(_))) {
         return Err("stream must be a boolean");

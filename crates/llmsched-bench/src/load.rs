@@ -179,7 +179,7 @@ pub struct Report {
     pub itl_ms: Summary,
     /// How late each measured start was against its schedule.
     pub lag_ms: Summary,
-    /// CPU milliseconds per measured request of each process in `cpu_pids`, by label.
+    /// CPU milliseconds per measured request of the processes in `cpu_pids`, summed by label.
     pub cpu_ms_per_request: BTreeMap<String, f64>,
 }
 
@@ -366,8 +366,12 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     let sent = (scheduled - overload).max(1) as f64;
     for (((label, _), before), after) in config.cpu_pids.iter().zip(cpu_before).zip(cpu_after) {
         if let (Some(before), Some(after)) = (before, after) {
-            report.cpu_ms_per_request.insert(label.clone(), round3((after - before) / sent * 1e3));
+            // Several processes under one label add up (a gateway and its workers).
+            *report.cpu_ms_per_request.entry(label.clone()).or_default() += (after - before) / sent * 1e3;
         }
+    }
+    for ms in report.cpu_ms_per_request.values_mut() {
+        *ms = round3(*ms);
     }
     Ok(report)
 }
