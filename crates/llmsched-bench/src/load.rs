@@ -367,7 +367,8 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     for (((label, _), before), after) in config.cpu_pids.iter().zip(cpu_before).zip(cpu_after) {
         if let (Some(before), Some(after)) = (before, after) {
             // Several processes under one label add up (a gateway and its workers).
-            *report.cpu_ms_per_request.entry(label.clone()).or_default() += (after - before) / sent * 1e3;
+            *report.cpu_ms_per_request.entry(label.clone()).or_default() +=
+                (after - before) / sent * 1e3;
         }
     }
     for ms in report.cpu_ms_per_request.values_mut() {
