@@ -3,14 +3,17 @@
 Four native fake engines (``llmsched-fake-engine``) serve; each gateway in turn is started in
 front of them pinned to one core (``taskset``), and the native open-loop generator
 (``llmsched-loadgen``, on another core with the engines) sends JSON and streamed completions at
-each rate, straight to the engines (``direct``) and through the gateway. The gateways are
-interleaved (their order rotates each repeat) and every figure is the median over the repeats:
+each rate, straight to the engines (``direct``) and through the gateway, a freshly started
+gateway for each load. The gateways are interleaved (their order rotates each repeat) and every
+figure is the median over the repeats:
 
 * CPU per request: the gateway process's (and its children's) user + system CPU time over the
   measured window, per request sent;
 * added latency p50 / p99: the gateway's latency quantile minus the direct one of the same
   repeat; TTFT overhead p50 the same for the time to first token; ITL p99 of streams;
-* errors: requests without a 200 and a complete answer (any kind, summed over the repeats);
+* errors: requests without a 200 and a complete answer (summed over the repeats, by kind);
+  a peer with errors is not taken as the best peer;
+* idle CPU: percent of a core the gateway used over ``--idle-seconds`` before its first load;
 * the ratio of each llmsched figure to the best peer's in the same mode (round-robin beside the
   peers' round-robin; the llm-d preset beside their cache-aware modes).
 
@@ -50,6 +53,7 @@ class Figures(TypedDict, total=False):
 
     ok: int
     errors: int
+    error_kinds: dict[str, int]
     cpu_ms: float | None
     latency_p50: float
     latency_p99: float
@@ -63,7 +67,7 @@ class Gateway:
     """A gateway to start in front of the engines (``direct``: none)."""
 
     name: str
-    kind: str  # "direct", "llmsched" or "peer"
+    kind: str  # "direct", "llmsched" (llmsched serve), "native" (llmsched-gateway) or "peer"
     mode: str  # "round-robin" or "cache-aware" (llmsched's llm-d preset counts as cache-aware)
     command: tuple[str, ...] = ()
 
@@ -73,6 +77,8 @@ class Results:
     """Figures by (gateway, answer, rate), one entry per repeat."""
 
     runs: dict[tuple[str, str, float], list[Figures]] = field(default_factory=dict)
+    idle: dict[str, list[float]] = field(default_factory=dict)
+    """Percent of a core each gateway used while idle, one entry per repeat."""
 
     def add(self, key: tuple[str, str, float], figures: Figures) -> None:
         """Records one repeat's figures."""
@@ -115,6 +121,18 @@ def descendants(pid: int) -> list[int]:
         found.append(p)
         stack.extend(children.get(p, []))
     return found
+
+
+def cpu_ns(pids: Sequence[int]) -> int:
+    """Nanoseconds on CPU of every thread of ``pids`` (``/proc/PID/task/*/schedstat``)."""
+    total = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                total += int(task.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total
 
 
 def wait_ready(url: str, seconds: float) -> bool:
@@ -181,7 +199,7 @@ def start_engines(
 
 
 def gateways(
-    names: Sequence[str], python: str, peers_python: str | None, engines: list[str], work: Path
+    names: Sequence[str], python: str, peers_python: str | None, native_bin: str
 ) -> list[Gateway]:
     """The gateways asked for; a peer is skipped (with a message) when it is not installed."""
     found: list[Gateway] = []
@@ -196,6 +214,20 @@ def gateways(
                     "llmsched",
                     "round-robin" if router == "round-robin" else "cache-aware",
                     (python, "-m", "llmsched", "serve", "--log-level", "ERROR", "--config"),
+                )
+            )
+        elif name in ("llmsched-native-llm-d", "llmsched-native-round-robin"):
+            binary = Path(native_bin)
+            if not binary.exists():
+                print(f"skipping {name}: {binary} is not built (cargo build --release)")
+                continue
+            router = name.removeprefix("llmsched-native-")
+            found.append(
+                Gateway(
+                    name,
+                    "native",
+                    "round-robin" if router == "round-robin" else "cache-aware",
+                    (str(binary), "--router", router),
                 )
             )
         elif name.startswith(("sglang-", "vllm-")):
@@ -244,6 +276,9 @@ def gateway_command(gateway: Gateway, port: int, engines: list[str], work: Path)
         path = work / f"{gateway.name}.yaml"
         path.write_text(yaml.safe_dump(config))
         return [*gateway.command, str(path)]
+    if gateway.kind == "native":
+        flags = [a for u in engines for a in ("--engine", u)]
+        return [*gateway.command, "--listen", f"127.0.0.1:{port}", *flags]
     return [
         *gateway.command,
         "--host",
@@ -298,6 +333,7 @@ def load(
     return Figures(
         ok=report["ok"],
         errors=sum(report["errors"].values()),
+        error_kinds=dict(report["errors"]),
         cpu_ms=report["cpu_ms_per_request"].get("gateway"),
         latency_p50=report["latency_ms"]["p50"],
         latency_p99=report["latency_ms"]["p99"],
@@ -324,9 +360,8 @@ def run(args: argparse.Namespace) -> Results:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            chosen = gateways(
-                args.gateways.split(","), args.python, args.peers_python, engines, work
-            )
+            native = str(bin_dir / "llmsched-gateway")
+            chosen = gateways(args.gateways.split(","), args.python, args.peers_python, native)
             for repeat in range(args.repeats):
                 order = chosen[repeat % len(chosen) :] + chosen[: repeat % len(chosen)]
                 for gateway in order:
@@ -357,22 +392,27 @@ def run_gateway(
                 results.add((gateway.name, answer, rate), figures)
                 report_line(gateway.name, answer, rate, figures)
         return
-    port = free_port()
-    command = pinned(args.gateway_core, gateway_command(gateway, port, engines, work))
-    with process(command, work / f"{gateway.name}.log") as child:
-        url = f"http://127.0.0.1:{port}"
-        if not wait_ready(url, 60):
-            log = (work / f"{gateway.name}.log").read_text(errors="replace")[-2000:]
-            raise SystemExit(f"{gateway.name} did not start:\n{log}")
-        time.sleep(0.5)  # health checks and the first scrape settle
-        for answer in answers:
-            for rate in rates:
+    # A fresh gateway for every load: one that a load overran does not carry its backlog
+    # into the next.
+    for i, (answer, rate) in enumerate((a, r) for a in answers for r in rates):
+        port = free_port()
+        command = pinned(args.gateway_core, gateway_command(gateway, port, engines, work))
+        with process(command, work / f"{gateway.name}.log") as child:
+            url = f"http://127.0.0.1:{port}"
+            if not wait_ready(url, 60):
+                log = (work / f"{gateway.name}.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"{gateway.name} did not start:\n{log}")
+            time.sleep(0.5)  # health checks and the first scrape settle
+            if i == 0 and args.idle_seconds > 0:
                 pids = descendants(child.pid)
-                figures = load(
-                    load_bin, args.client_core, [url], rate, args, answer == "stream", pids
-                )
-                results.add((gateway.name, answer, rate), figures)
-                report_line(gateway.name, answer, rate, figures)
+                before = cpu_ns(pids)
+                time.sleep(args.idle_seconds)
+                idle = (cpu_ns(pids) - before) / (args.idle_seconds * 1e9) * 100
+                results.idle.setdefault(gateway.name, []).append(idle)
+            pids = descendants(child.pid)
+            figures = load(load_bin, args.client_core, [url], rate, args, answer == "stream", pids)
+            results.add((gateway.name, answer, rate), figures)
+            report_line(gateway.name, answer, rate, figures)
 
 
 def report_line(name: str, answer: str, rate: float, figures: Figures) -> None:
@@ -404,6 +444,7 @@ class Row:
     ttft_overhead_p50: float | None
     itl_p99: float | None
     errors: int
+    error_kinds: dict[str, int]
     repeats: int
 
     @property
@@ -442,6 +483,10 @@ def rows_of(results: Results) -> list[Row]:
                 ttft_overhead_p50=median([a[2] for a in added]),
                 itl_p99=median([f["itl_p99"] for f in runs]) if answer == "stream" else None,
                 errors=sum(f["errors"] for f in runs),
+                error_kinds={
+                    kind: sum(f.get("error_kinds", {}).get(kind, 0) for f in runs)
+                    for kind in sorted({k for f in runs for k in f.get("error_kinds", {})})
+                },
                 repeats=len(runs),
             )
         )
@@ -450,10 +495,11 @@ def rows_of(results: Results) -> list[Row]:
 
 
 def best_peers(rows: Sequence[Row]) -> dict[tuple[str, float, str], Row]:
-    """The peer with the lowest CPU per request at each answer kind, rate and mode."""
+    """The peer with the lowest CPU per request at each answer kind, rate and mode, among
+    those that answered every request."""
     best: dict[tuple[str, float, str], Row] = {}
     for row in rows:
-        if row.gateway.startswith("llmsched") or row.cpu_ms is None:
+        if row.gateway.startswith("llmsched") or row.cpu_ms is None or row.errors:
             continue
         key = (row.answer, row.rate, row.mode)
         held = best.get(key)
@@ -472,6 +518,13 @@ def _ratio(mine: float | None, theirs: float | None) -> str:
     return f"{mine / theirs:.2f}x"
 
 
+def _errors(row: Row) -> str:
+    if not row.errors:
+        return "0"
+    kinds = ", ".join(f"{k} {n}" for k, n in row.error_kinds.items())
+    return f"{row.errors} ({kinds})"
+
+
 def table(rows: Sequence[Row]) -> str:
     """The summary as a markdown table, each llmsched row with its ratios to the best peer."""
     best = best_peers(rows)
@@ -486,7 +539,7 @@ def table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {row.answer} | {row.rate:g} | {row.gateway} | {_fmt(row.cpu_ms)} | "
             f"{_fmt(row.added_p50)} / {_fmt(row.added_p99)} | {_fmt(row.ttft_overhead_p50)} | "
-            f"{_fmt(row.itl_p99)} | {row.errors} | {versus.gateway if versus else '-'} | "
+            f"{_fmt(row.itl_p99)} | {_errors(row)} | {versus.gateway if versus else '-'} | "
             f"{_ratio(row.cpu_ms, versus.cpu_ms) if versus else '-'} | "
             f"{_ratio(row.added_p50, versus.added_p50) if versus else '-'} |"
         )
@@ -501,8 +554,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peers-python", default=None, help="the peers' environment's python")
     parser.add_argument(
         "--gateways",
-        default="direct,llmsched-llm-d,llmsched-round-robin,sglang-cache_aware,"
-        "sglang-round_robin,vllm-cache_aware,vllm-round_robin",
+        default="direct,llmsched-llm-d,llmsched-round-robin,llmsched-native-llm-d,"
+        "llmsched-native-round-robin,sglang-cache_aware,sglang-round_robin,vllm-cache_aware,"
+        "vllm-round_robin",
     )
     parser.add_argument("--answers", default="json,stream")
     parser.add_argument("--rates", default="300,1000")
@@ -513,6 +567,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token-delay-ms", type=float, default=1.0, help="between streamed tokens")
     parser.add_argument("--prompt-words", type=int, default=200)
     parser.add_argument("--chat", action="store_true", help="chat completions")
+    parser.add_argument(
+        "--idle-seconds", type=float, default=2.0, help="idle CPU measured this long (0: not)"
+    )
     parser.add_argument("--gateway-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--short", action="store_true", help="one repeat of 2 s at 300 req/s")
@@ -520,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.short:
         args.repeats, args.seconds, args.warmup, args.rates = 1, 2.0, 0.5, "300"
+        args.idle_seconds = min(args.idle_seconds, 1.0)
     if args.repeats < 1 or args.seconds <= 0:
         parser.error("--repeats and --seconds must be positive")
     print(
@@ -532,6 +590,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run(args)
     rows = rows_of(results)
     print("\n" + table(rows))
+    if results.idle:
+        print("\n| gateway | idle CPU, % of a core (median) |\n|---|---|")
+        for name, values in results.idle.items():
+            print(f"| {name} | {statistics.median(values):.3f} |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0
