@@ -119,7 +119,10 @@ pub struct Counters {
 
 struct Upstream {
     key: WorkerKey,
-    base: String,
+    completions: Uri,
+    chat: Uri,
+    metrics: Uri,
+    models: Uri,
 }
 
 struct Gateway {
@@ -166,15 +169,23 @@ fn build(config: GatewayConfig) -> Result<Gateway, ConfigProblem> {
     let mut upstreams = Vec::new();
     for base in &config.engines {
         let base = base.trim_end_matches('/').to_string();
+        let not_http = || ConfigProblem(format!("engines: {base:?} is not an http:// URL"));
         base.parse::<Uri>()
             .ok()
             .filter(|u| u.scheme_str() == Some("http") && u.authority().is_some())
-            .ok_or_else(|| ConfigProblem(format!("engines: {base:?} is not an http:// URL")))?;
+            .ok_or_else(not_http)?;
+        let at = |path: &str| format!("{base}{path}").parse::<Uri>().map_err(|_| not_http());
         let key = WorkerKey::Str(base.clone());
         if !pool.upsert(Endpoint { address: base.clone(), ..Endpoint::new(key.clone()) }) {
             return Err(ConfigProblem(format!("engines: {base:?} is listed twice")));
         }
-        upstreams.push(Upstream { key, base });
+        upstreams.push(Upstream {
+            key,
+            completions: at("/v1/completions")?,
+            chat: at("/v1/chat/completions")?,
+            metrics: at("/metrics")?,
+            models: at("/v1/models")?,
+        });
     }
     let options = RouterOptions { seed: config.seed, ..RouterOptions::default() };
     let router = Router::new(Arc::new(pool), Arc::new(index), parsed, options)
@@ -236,8 +247,7 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
         interval = if requests == seen { (interval * 2).min(base * 25) } else { base };
         seen = requests;
         for upstream in &gateway.upstreams {
-            let Ok(uri) = format!("{}/metrics", upstream.base).parse::<Uri>() else { continue };
-            let Ok(answer) = gateway.client.get(uri).await else { continue };
+            let Ok(answer) = gateway.client.get(upstream.metrics.clone()).await else { continue };
             if !answer.status().is_success() {
                 continue;
             }
@@ -290,10 +300,7 @@ impl Gateway {
     }
 
     async fn models(&self) -> Answer {
-        let Ok(uri) = format!("{}/v1/models", self.upstreams[0].base).parse::<Uri>() else {
-            return refusal(StatusCode::BAD_GATEWAY, "no engine to ask");
-        };
-        match self.client.get(uri).await {
+        match self.client.get(self.upstreams[0].models.clone()).await {
             Ok(answer) => relay(answer, None, self.counters.clone(), false),
             Err(_) => refusal(StatusCode::BAD_GATEWAY, "the engine did not answer"),
         }
@@ -335,7 +342,6 @@ impl Gateway {
             }
             Err(err) => return self.refuse(StatusCode::BAD_REQUEST, &err.to_string()),
         };
-        let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
         let ranked: Vec<WorkerKey> =
             decision.ranked().map(|c| decision.endpoint(c).id.clone()).collect();
         let mut last_failure: Option<Answer> = None;
@@ -344,8 +350,9 @@ impl Gateway {
                 self.counters.retries.fetch_add(1, Ordering::Relaxed);
             }
             let Some(upstream) = self.upstreams.iter().find(|u| &u.key == key) else { continue };
-            let Ok(uri) = format!("{}{path}", upstream.base).parse::<Uri>() else { continue };
-            let mut forward = Request::post(uri).body(Full::new(raw.clone())).expect("a request");
+            let uri = if chat { &upstream.chat } else { &upstream.completions };
+            let mut forward =
+                Request::post(uri.clone()).body(Full::new(raw.clone())).expect("a request");
             copy_end_to_end(&parts.headers, forward.headers_mut());
             let Ok(ticket) = self.router.commit(&decision, Some(key), self.now()) else { continue };
             match self.client.request(forward).await {

@@ -63,11 +63,7 @@ fn run() -> Result<(), String> {
         max_body: args.get("max-body", 16usize << 20)?,
         ..EngineConfig::default()
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let runtime = llmsched_bench::runtime(threads).map_err(|e| e.to_string())?;
     runtime.block_on(async move {
         let mut ports = Vec::with_capacity(engines);
         for i in 0..engines {

@@ -75,11 +75,7 @@ fn run() -> Result<(), String> {
         seed: args.get("seed", defaults.seed)?,
     };
     let threads: usize = args.get("threads", 1)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads.max(1))
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let runtime = llmsched_bench::runtime(threads.max(1)).map_err(|e| e.to_string())?;
     let report = runtime.block_on(load::run(config))?;
     if args.switch("json") {
         println!("{}", serde_json::to_string(&report).expect("a report serialises"));
