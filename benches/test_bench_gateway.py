@@ -353,8 +353,9 @@ def test_gateway_beside_peers(
     benchmark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The short form of ``make bench-gateway-peers``: one repeat of one second at 300 req/s,
-    JSON and streaming, through llmsched (llm-d and round-robin) and both peers in both modes,
-    in front of the native fake engines; the table goes to ``extra_info`` and is printed."""
+    JSON and streaming, through ``llmsched serve`` and ``llmsched-gateway`` (llm-d and
+    round-robin each) and both peers in both modes, in front of the native fake engines; the
+    table goes to ``extra_info`` and is printed."""
     if not (_HARNESS / "llmsched-fake-engine").exists():
         pytest.skip("the native harness is not built (cargo build --release -p llmsched-bench)")
     if not _PEERS_PYTHON.exists():
@@ -376,6 +377,8 @@ def test_gateway_beside_peers(
         "0.3",
         "--rates",
         "300",
+        "--idle-seconds",
+        "0.5",
         "--json-out",
         str(out),
     ]
@@ -388,7 +391,9 @@ def test_gateway_beside_peers(
     rows = json.loads(out.read_text())
     gateways = {row["gateway"] for row in rows}
     assert {"llmsched-llm-d", "llmsched-round-robin"} <= gateways
+    if (_HARNESS / "llmsched-gateway").exists():
+        assert {"llmsched-native-llm-d", "llmsched-native-round-robin"} <= gateways
     assert all(row["errors"] == 0 for row in rows), rows
     benchmark.extra_info["rows"] = rows
     with capsys.disabled():
-        print("\n" + printed[0].rsplit("\n\n", 1)[-1])
+        print("\n" + printed[0].split("\n\n", 1)[-1])
