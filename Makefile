@@ -107,7 +107,7 @@ fmt: $(VENV)/.deps ## Format Rust and Python sources
 	$(BIN)/ruff check --fix python tests benches tools fuzz conftest.py
 
 bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
-	cargo build --release -p llmsched-bench
+	cargo build --release -p llmsched-bench -p llmsched-gateway
 	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \
 		--benchmark-max-time=0.2 --benchmark-warmup=on --benchmark-columns=min,median,ops,rounds \
 		--benchmark-group-by=group --benchmark-sort=name
@@ -128,7 +128,7 @@ $(PEERS_VENV)/.deps:
 	touch $@
 
 bench-gateway-peers: build $(PEERS_VENV)/.deps ## llmsched serve beside sglang-router and vllm-router: CPU per request, added latency, TTFT
-	cargo build --release -p llmsched-bench
+	cargo build --release -p llmsched-bench -p llmsched-gateway
 	$(PY) tools/bench_gateway_peers.py --peers-python $(abspath $(PEERS_VENV))/bin/python $(BENCH_PEERS_ARGS)
 
 bench-rust: ## The criterion benchmarks (pure Rust figures)
