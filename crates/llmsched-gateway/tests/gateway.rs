@@ -274,3 +274,19 @@ fn configuration_problems_name_the_key() {
     let bad = GatewayConfig { router: json!({"plugins": 3}), ..config(fleet.urls(), "x") };
     assert!(problem(bad).starts_with("router:"));
 }
+
+#[test]
+fn an_answer_cut_upstream_is_never_passed_off_as_complete() {
+    let fleet = Fleet::new(vec![EngineConfig { mode: Mode::Cut, ..ok_engine() }]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200, "the status line had been passed on");
+    let events = raw.data_events();
+    assert_eq!(events.len(), 1, "the first event, then the break");
+    assert!(!events.contains(&"[DONE]".to_string()));
+    // The chunked answer ends without its last chunk, so the client sees the break too.
+    assert!(!raw.body().ends_with(b"0\r\n\r\n"));
+    assert_eq!(reaches(1, || counters.upstream_errors.load(Ordering::Relaxed)), 1);
+    assert_eq!(counters.completed.load(Ordering::Relaxed), 0);
+    assert_eq!(counters.retries.load(Ordering::Relaxed), 0, "never re-sent once passed on");
+}
