@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
 .PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines vllm-env lint docs fmt servers \
-	bench bench-peers bench-rust demo fuzz clean
+	bench bench-peers bench-index-peers bench-gateway-peers bench-rust demo fuzz clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -117,14 +117,36 @@ fmt: $(VENV)/.deps ## Format Rust and Python sources
 	$(BIN)/ruff check --fix python tests benches tools fuzz conftest.py examples
 
 bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
+	cargo build --release -p llmsched-bench -p llmsched-gateway
 	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \
 		--benchmark-max-time=0.2 --benchmark-warmup=on --benchmark-columns=min,median,ops,rounds \
 		--benchmark-group-by=group --benchmark-sort=name
 
 # llmsched's prefix index beside NVIDIA Dynamo's radix tree (ai-dynamo-runtime, installed into
 # .bench-peers) and the Python twin, on one workload at two sizes (the large one needs ~6 GB).
-bench-peers: build ## The prefix index beside Dynamo's radix tree and the twin, both sizes
+bench-index-peers: build ## The prefix index beside Dynamo's radix tree and the twin, both sizes
 	$(PY) benches/bench_peers_index.py --size both
+
+bench-peers: bench-index-peers bench-gateway-peers ## Every comparison with a peer from PyPI, full size
+
+# The gateway beside sglang-router and vllm-router (each from PyPI, in their own environment) in
+# front of four native fake engines: direct, llmsched (llm-d preset, round-robin), each peer in
+# its cache-aware and round-robin modes; JSON and streaming; gateways pinned to one core,
+# interleaved, repeated. BENCH_PEERS_ARGS passes options (--rates, --repeats, --seconds, --short).
+PEERS_VENV ?= .venv-peers
+BENCH_PEERS_ARGS ?=
+
+$(PEERS_VENV)/.deps:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	@for peer in "sglang-router>=0.3,<0.4" "vllm-router>=0.1,<0.2"; do \
+		$(BIN)/uv pip install -q -p $(PEERS_VENV)/bin/python "$$peer" \
+			|| echo "$$peer did not install: the benchmark runs without it"; \
+	done
+	touch $@
+
+bench-gateway-peers: build $(PEERS_VENV)/.deps ## llmsched serve beside sglang-router and vllm-router: CPU per request, added latency, TTFT
+	cargo build --release -p llmsched-bench -p llmsched-gateway
+	$(PY) tools/bench_gateway_peers.py --peers-python $(abspath $(PEERS_VENV))/bin/python $(BENCH_PEERS_ARGS)
 
 bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench -p llmsched-core

@@ -338,3 +338,62 @@ def test_admit_pick_twin(benchmark: Any, decision: dict[str, Any]) -> None:
 
     assert path().best == ["10.0.0.5:8000"]
     benchmark(path)
+
+
+# -- beside the Rust routers, on the native harness ------------------------------------------
+
+_ROOT = Path(__file__).resolve().parent.parent
+_HARNESS = _ROOT / "target" / "release"
+_PEERS_PYTHON = Path(
+    os.environ.get("LLMSCHED_PEERS_PYTHON", str(_ROOT / ".venv-peers" / "bin" / "python"))
+)
+
+
+def test_gateway_beside_peers(
+    benchmark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The short form of ``make bench-gateway-peers``: one repeat of one second at 300 req/s,
+    JSON and streaming, through ``llmsched serve`` and ``llmsched-gateway`` (llm-d and
+    round-robin each) and both peers in both modes, in front of the native fake engines; the
+    table goes to ``extra_info`` and is printed."""
+    if not (_HARNESS / "llmsched-fake-engine").exists():
+        pytest.skip("the native harness is not built (cargo build --release -p llmsched-bench)")
+    if not _PEERS_PYTHON.exists():
+        pytest.skip("sglang-router and vllm-router are not installed (make bench-gateway-peers)")
+    benchmark.group = "gateway beside sglang-router and vllm-router (extra_info)"
+    out = tmp_path / "rows.json"
+    command = [
+        sys.executable,
+        str(_ROOT / "tools" / "bench_gateway_peers.py"),
+        "--bin",
+        str(_HARNESS),
+        "--peers-python",
+        str(_PEERS_PYTHON),
+        "--repeats",
+        "1",
+        "--seconds",
+        "1",
+        "--warmup",
+        "0.3",
+        "--rates",
+        "300",
+        "--idle-seconds",
+        "0.5",
+        "--json-out",
+        str(out),
+    ]
+    printed: list[str] = []
+
+    def measure() -> None:
+        printed.append(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    rows = json.loads(out.read_text())
+    gateways = {row["gateway"] for row in rows}
+    assert {"llmsched-llm-d", "llmsched-round-robin"} <= gateways
+    if (_HARNESS / "llmsched-gateway").exists():
+        assert {"llmsched-native-llm-d", "llmsched-native-round-robin"} <= gateways
+    assert all(row["errors"] == 0 for row in rows), rows
+    benchmark.extra_info["rows"] = rows
+    with capsys.disabled():
+        print("\n" + printed[0].split("\n\n", 1)[-1])

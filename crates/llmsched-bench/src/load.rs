@@ -1,0 +1,439 @@
+//! An open-loop load generator for OpenAI-compatible servers.
+//!
+//! Requests start on a schedule fixed in advance (uniform `1/rate` apart, or Poisson: independent
+//! exponential gaps of mean `1/rate`), whatever the server's answers do: a slow server gets more
+//! requests in flight, not fewer requests, so queueing shows in the latencies (no coordinated
+//! omission). The dispatcher sleeps on tokio's timer, which releases arrivals with about 1 ms of
+//! granularity; how late each start was against its schedule is reported (`lag_ms`).
+//!
+//! Per request it measures the latency (sending the request to the end of the answer), the
+//! time to first token (TTFT: to the first complete SSE `data:` event of a stream, to the first
+//! body byte of a JSON answer), and for streams the gaps between successive token events (ITL).
+//! An error is any answer that is not a 200 with a complete body: the connection failing
+//! (`connect`), a status (`status_NNN`), the body breaking off (`body`), a stream without
+//! `data: [DONE]` or a JSON answer that does not parse (`incomplete`), or the per-request timeout
+//! (`timeout`); requests that would pass `max_in_flight` are not sent and count as `overload`.
+//!
+//! The first `warmup` seconds of the schedule are sent but not measured. The CPU time of the
+//! processes named in `cpu_pids` (utime + stime from `/proc/PID/stat`, all threads) is read when
+//! the measured window opens and again when its last request has finished, and reported per
+//! measured request.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::header::CONTENT_TYPE;
+use hyper::Request;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+/// How arrivals are spaced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrivals {
+    /// Exactly `1/rate` apart.
+    Uniform,
+    /// Exponential gaps of mean `1/rate` (a Poisson process).
+    Poisson,
+}
+
+impl std::str::FromStr for Arrivals {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        match name {
+            "uniform" => Ok(Arrivals::Uniform),
+            "poisson" => Ok(Arrivals::Poisson),
+            _ => Err(format!("unknown arrivals {name:?} (uniform or poisson)")),
+        }
+    }
+}
+
+/// Distinct request bodies made ahead (request `k` sends body `k % BODIES`).
+const BODIES: usize = 20_000;
+
+/// A load to send.
+#[derive(Clone, Debug)]
+pub struct LoadConfig {
+    /// Base URLs (`http://127.0.0.1:8000`); request `k` goes to `urls[k % len]`.
+    pub urls: Vec<String>,
+    /// Requests per second.
+    pub rate: f64,
+    /// Seconds measured (after the warm-up).
+    pub duration: f64,
+    /// Seconds sent before the measured window.
+    pub warmup: f64,
+    /// How arrivals are spaced.
+    pub arrivals: Arrivals,
+    /// Chat completions (`/v1/chat/completions`) rather than completions.
+    pub chat: bool,
+    /// Ask for a streamed answer.
+    pub stream: bool,
+    /// The model named in each request.
+    pub model: String,
+    /// `max_tokens` of each request.
+    pub max_tokens: u32,
+    /// Words in each session's shared prompt opening (about one token each).
+    pub prompt_words: usize,
+    /// Distinct sessions (shared openings); request `k` belongs to session `k % sessions`.
+    pub sessions: usize,
+    /// Per-request timeout.
+    pub timeout: Duration,
+    /// Requests in flight beyond which a scheduled request is not sent (counted as overload).
+    pub max_in_flight: usize,
+    /// Processes whose CPU time per measured request is reported, by label.
+    pub cpu_pids: Vec<(String, u32)>,
+    /// Seed of the Poisson arrivals.
+    pub seed: u64,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        LoadConfig {
+            urls: Vec::new(),
+            rate: 100.0,
+            duration: 5.0,
+            warmup: 1.0,
+            arrivals: Arrivals::Poisson,
+            chat: false,
+            stream: false,
+            model: "fake".into(),
+            max_tokens: 4,
+            prompt_words: 200,
+            sessions: 64,
+            timeout: Duration::from_secs(30),
+            max_in_flight: 20_000,
+            cpu_pids: Vec::new(),
+            seed: 1,
+        }
+    }
+}
+
+/// Quantiles of one measure, in milliseconds.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Summary {
+    /// Samples.
+    pub n: usize,
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+impl Summary {
+    /// Summarises samples in seconds (nearest-rank quantiles).
+    pub fn of(mut seconds: Vec<f64>) -> Self {
+        if seconds.is_empty() {
+            return Summary::default();
+        }
+        seconds.sort_by(f64::total_cmp);
+        let n = seconds.len();
+        let at = |q: f64| {
+            let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
+            round3(seconds[rank - 1] * 1e3)
+        };
+        Summary {
+            n,
+            mean: round3(seconds.iter().sum::<f64>() / n as f64 * 1e3),
+            p50: at(0.50),
+            p90: at(0.90),
+            p99: at(0.99),
+            max: round3(seconds[n - 1] * 1e3),
+        }
+    }
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1e3).round() / 1e3
+}
+
+/// What a load measured.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Report {
+    /// Requests scheduled in the measured window.
+    pub scheduled: usize,
+    /// Of those, answered with a 200 and a complete body.
+    pub ok: usize,
+    /// Of those, failed, by kind.
+    pub errors: BTreeMap<String, usize>,
+    /// Measured requests per second actually started.
+    pub achieved_rate: f64,
+    /// Latency of successful requests.
+    pub latency_ms: Summary,
+    /// Time to first token of successful requests.
+    pub ttft_ms: Summary,
+    /// Gaps between successive token events of successful streams.
+    pub itl_ms: Summary,
+    /// How late each measured start was against its schedule.
+    pub lag_ms: Summary,
+    /// CPU milliseconds per measured request of the processes in `cpu_pids`, summed by label.
+    pub cpu_ms_per_request: BTreeMap<String, f64>,
+}
+
+/// One finished request.
+struct Record {
+    measured: bool,
+    outcome: Result<Timing, String>,
+}
+
+struct Timing {
+    latency: f64,
+    ttft: f64,
+    gaps: Vec<f64>,
+}
+
+/// CPU seconds (user + system, every thread) of process `pid`, from `/proc/PID/stat`.
+pub fn cpu_seconds(pid: u32) -> io::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) in parentheses.
+    let rest = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| -> io::Result<f64> {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed /proc stat"))
+    };
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    Ok((field(11)? + field(12)?) / clock_ticks())
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions; it returns -1 for an unknown name.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks > 0 {
+        ticks as f64
+    } else {
+        100.0
+    }
+}
+
+/// A splitmix64 stream: the Poisson gaps (no dependency for one exponential draw per request).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn unit(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        // In (0, 1]: never 0, so ln is finite.
+        ((z >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    }
+}
+
+/// The body of request `k`: session `k % sessions`'s shared opening, then a turn of its own.
+pub fn request_body(config: &LoadConfig, k: usize) -> Value {
+    let session = k % config.sessions.max(1);
+    let opening = format!("Session {session}: {}", "context ".repeat(config.prompt_words));
+    let turn = format!("turn {}", k / config.sessions.max(1));
+    let mut body = if config.chat {
+        json!({"model": config.model, "messages": [
+            {"role": "system", "content": opening},
+            {"role": "user", "content": turn},
+        ]})
+    } else {
+        json!({"model": config.model, "prompt": format!("{opening}{turn}")})
+    };
+    body["max_tokens"] = json!(config.max_tokens);
+    if config.stream {
+        body["stream"] = json!(true);
+    }
+    body
+}
+
+/// Sends the load and measures it. Fails only when the configuration is unusable (no URL, a
+/// rate or duration that is not positive, a URL that does not parse).
+pub async fn run(config: LoadConfig) -> Result<Report, String> {
+    if config.urls.is_empty() {
+        return Err("no URL to load".into());
+    }
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    if !positive(config.rate) || !positive(config.duration) {
+        return Err("rate and duration must be positive".into());
+    }
+    if !config.warmup.is_finite() || config.warmup < 0.0 {
+        return Err("warmup must be >= 0".into());
+    }
+    let path = if config.chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let uris: Vec<hyper::Uri> = config
+        .urls
+        .iter()
+        .map(|u| format!("{}{path}", u.trim_end_matches('/')).parse())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("bad URL: {e}"))?;
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build(connector);
+    // Bodies are made before the clock starts, so building them costs no schedule time.
+    let horizon = config.warmup + config.duration;
+    let expected = (config.rate * horizon * 1.2) as usize + 16;
+    let bodies: Vec<Bytes> = (0..expected.min(BODIES))
+        .map(|s| Bytes::from(serde_json::to_vec(&request_body(&config, s)).unwrap()))
+        .collect();
+    let records: Arc<Mutex<Vec<Record>>> = Arc::new(Mutex::new(Vec::with_capacity(expected)));
+    let mut rng = SplitMix(config.seed);
+    let mut tasks = JoinSet::new();
+    let mut lags = Vec::with_capacity(expected);
+    let mut scheduled = 0usize;
+    let mut overload = 0usize;
+    let mut cpu_before: Vec<Option<f64>> = Vec::new();
+    let mut window_open = false;
+    let t0 = Instant::now();
+    let mut at = 0.0f64;
+    let mut k = 0usize;
+    while at < horizon {
+        let due = t0 + Duration::from_secs_f64(at);
+        tokio::time::sleep_until(due).await;
+        let measured = at >= config.warmup;
+        if measured && !window_open {
+            window_open = true;
+            cpu_before = config.cpu_pids.iter().map(|(_, pid)| cpu_seconds(*pid).ok()).collect();
+        }
+        while tasks.try_join_next().is_some() {}
+        if measured {
+            scheduled += 1;
+            lags.push(Instant::now().saturating_duration_since(due).as_secs_f64());
+        }
+        if tasks.len() >= config.max_in_flight {
+            overload += usize::from(measured);
+        } else {
+            let request = Request::post(uris[k % uris.len()].clone())
+                .header(CONTENT_TYPE, "application/json")
+                .body(Full::new(bodies[k % bodies.len()].clone()))
+                .expect("a valid request");
+            let client = client.clone();
+            let records = records.clone();
+            let (stream, timeout) = (config.stream, config.timeout);
+            tasks.spawn(async move {
+                let outcome =
+                    match tokio::time::timeout(timeout, send(&client, request, stream)).await {
+                        Ok(outcome) => outcome,
+                        Err(_) => Err("timeout".to_string()),
+                    };
+                records.lock().unwrap().push(Record { measured, outcome });
+            });
+        }
+        k += 1;
+        at = match config.arrivals {
+            Arrivals::Uniform => k as f64 / config.rate,
+            Arrivals::Poisson => at - rng.unit().ln() / config.rate,
+        };
+    }
+    let window_start = t0 + Duration::from_secs_f64(config.warmup);
+    let window = Instant::now().saturating_duration_since(window_start).as_secs_f64();
+    while tasks.join_next().await.is_some() {}
+    let cpu_after: Vec<Option<f64>> =
+        config.cpu_pids.iter().map(|(_, pid)| cpu_seconds(*pid).ok()).collect();
+    let records = std::mem::take(&mut *records.lock().unwrap());
+    let mut report = Report { scheduled, ..Report::default() };
+    if overload > 0 {
+        report.errors.insert("overload".into(), overload);
+    }
+    let (mut latencies, mut ttfts, mut gaps) = (Vec::new(), Vec::new(), Vec::new());
+    for record in records.into_iter().filter(|r| r.measured) {
+        match record.outcome {
+            Ok(timing) => {
+                report.ok += 1;
+                latencies.push(timing.latency);
+                ttfts.push(timing.ttft);
+                gaps.extend(timing.gaps);
+            }
+            Err(kind) => *report.errors.entry(kind).or_default() += 1,
+        }
+    }
+    report.achieved_rate = if window > 0.0 { round3(scheduled as f64 / window) } else { 0.0 };
+    report.latency_ms = Summary::of(latencies);
+    report.ttft_ms = Summary::of(ttfts);
+    report.itl_ms = Summary::of(gaps);
+    report.lag_ms = Summary::of(lags);
+    let sent = (scheduled - overload).max(1) as f64;
+    for (((label, _), before), after) in config.cpu_pids.iter().zip(cpu_before).zip(cpu_after) {
+        if let (Some(before), Some(after)) = (before, after) {
+            // Several processes under one label add up (a gateway and its workers).
+            *report.cpu_ms_per_request.entry(label.clone()).or_default() +=
+                (after - before) / sent * 1e3;
+        }
+    }
+    for ms in report.cpu_ms_per_request.values_mut() {
+        *ms = round3(*ms);
+    }
+    Ok(report)
+}
+
+/// Sends one request and reads its answer to the end.
+async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    request: Request<Full<Bytes>>,
+    stream: bool,
+) -> Result<Timing, String> {
+    let started = Instant::now();
+    let response = client.request(request).await.map_err(|_| "connect".to_string())?;
+    let status = response.status();
+    let mut body = response.into_body();
+    let mut first: Option<Instant> = None;
+    let mut events: Vec<Instant> = Vec::new();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut done = false;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| "body".to_string())?;
+        let Some(data) = frame.data_ref() else { continue };
+        let now = Instant::now();
+        if !stream {
+            first.get_or_insert(now);
+            pending.extend_from_slice(data);
+            continue;
+        }
+        pending.extend_from_slice(data);
+        // Complete events end with a blank line.
+        let mut start = 0;
+        while let Some(end) = find(&pending[start..], b"\n\n") {
+            let event = &pending[start..start + end];
+            if event.starts_with(b"data: [DONE]") {
+                done = true;
+            } else if event.starts_with(b"data:") {
+                events.push(now);
+            }
+            start += end + 2;
+        }
+        pending.drain(..start);
+    }
+    let finished = Instant::now();
+    if !status.is_success() {
+        return Err(format!("status_{}", status.as_u16()));
+    }
+    if stream {
+        if !done {
+            return Err("incomplete".into());
+        }
+        first = events.first().copied();
+    } else if serde_json::from_slice::<serde::de::IgnoredAny>(&pending).is_err() {
+        return Err("incomplete".into());
+    }
+    let since = |t: Instant| t.saturating_duration_since(started).as_secs_f64();
+    Ok(Timing {
+        latency: since(finished),
+        ttft: since(first.unwrap_or(finished)),
+        gaps: events.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect(),
+    })
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}

@@ -1,0 +1,424 @@
+//! The fake engine and the load generator over loopback, driven through their binaries: what
+//! the engine answers (streams end with `[DONE]`, faults happen as scripted, bounds hold) and
+//! what the generator counts (successes, each kind of error). No timing is asserted.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Fake engines in a child process, killed on drop.
+struct Engines {
+    child: Child,
+    ports: Vec<u16>,
+}
+
+impl Engines {
+    fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_llmsched-fake-engine"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("the fake engine starts");
+        let mut line = Vec::new();
+        let stdout = child.stdout.as_mut().unwrap();
+        let mut byte = [0u8; 1];
+        while stdout.read(&mut byte).expect("reads the ports line") == 1 && byte[0] != b'\n' {
+            line.push(byte[0]);
+        }
+        let ports: Value = serde_json::from_slice(&line).expect("a JSON ports line");
+        let ports = ports["ports"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap() as u16);
+        Engines { ports: ports.collect(), child }
+    }
+}
+
+impl Drop for Engines {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request on a fresh connection (`Connection: close`); the raw answer up to the close, or
+/// up to a read that waits longer than `patience` (then `timed_out`).
+struct Raw {
+    bytes: Vec<u8>,
+    timed_out: bool,
+}
+
+impl Raw {
+    fn status(&self) -> u16 {
+        let text = String::from_utf8_lossy(&self.bytes);
+        text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+    }
+
+    fn body(&self) -> &[u8] {
+        match self.bytes.windows(4).position(|w| w == b"\r\n\r\n") {
+            Some(at) => &self.bytes[at + 4..],
+            None => &[],
+        }
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.bytes).into_owned()
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(self.body()).expect("a JSON body")
+    }
+}
+
+fn connect(port: u16) -> TcpStream {
+    TcpStream::connect(("127.0.0.1", port)).expect("connects")
+}
+
+fn request(port: u16, method: &str, path: &str, body: &str) -> Raw {
+    request_on(&mut connect(port), method, path, body, Duration::from_secs(10))
+}
+
+fn request_on(
+    stream: &mut TcpStream,
+    method: &str,
+    path: &str,
+    body: &str,
+    patience: Duration,
+) -> Raw {
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(body.as_bytes()).unwrap();
+    stream.set_read_timeout(Some(patience)).unwrap();
+    let mut bytes = Vec::new();
+    let mut buffer = [0u8; 8192];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => return Raw { bytes, timed_out: false },
+            Ok(n) => bytes.extend_from_slice(&buffer[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Raw { bytes, timed_out: true };
+            }
+            Err(_) => return Raw { bytes, timed_out: false },
+        }
+    }
+}
+
+/// The data payloads of a chunked SSE answer, in order.
+fn events(raw: &Raw) -> Vec<String> {
+    let text = String::from_utf8_lossy(raw.body()).into_owned();
+    text.lines()
+        .filter(|line| line.starts_with("data: "))
+        .map(|line| line["data: ".len()..].to_string())
+        .collect()
+}
+
+fn stats(port: u16) -> Value {
+    request(port, "GET", "/stats", "").json()
+}
+
+/// Polls `/stats` until `field` reaches `want` (a bounded wait for the engine to notice a
+/// client leaving; the value, not the time it took, is what is checked).
+fn stat_reaches(port: u16, field: &str, want: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let seen = stats(port)[field].as_u64().unwrap();
+        if seen >= want || Instant::now() > deadline {
+            return seen;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn streams_end_with_done_and_carry_the_asked_tokens() {
+    let engines = Engines::start(&["--model", "tiny", "--answer-tokens", "6"]);
+    let port = engines.ports[0];
+    let body = r#"{"model":"tiny","prompt":"hi","stream":true,"max_tokens":3}"#;
+    let raw = request(port, "POST", "/v1/completions", body);
+    assert_eq!(raw.status(), 200);
+    assert!(raw.text().to_ascii_lowercase().contains("content-type: text/event-stream"));
+    let streamed = events(&raw);
+    assert_eq!(streamed.last().map(String::as_str), Some("[DONE]"));
+    let texts: Vec<String> = streamed[..streamed.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].to_string())
+        .collect();
+    assert_eq!(texts, [r#"" t0""#, r#"" t1""#, r#"" t2""#]);
+
+    let chat = r#"{"model":"tiny","messages":[{"role":"user","content":"x"}],"stream":true,
+                   "stream_options":{"include_usage":true}}"#;
+    let events = events(&request(port, "POST", "/v1/chat/completions", chat));
+    assert_eq!(events.len(), 6 + 2, "six tokens, the usage event and [DONE]");
+    assert_eq!(events[7], "[DONE]");
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["content"], " t0");
+    let usage: Value = serde_json::from_str(&events[6]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 6);
+    assert_eq!(stats(port)["completed"], 2);
+}
+
+#[test]
+fn json_answers_continue_the_count_and_report_usage() {
+    let engines = Engines::start(&["--model", "tiny"]);
+    let port = engines.ports[0];
+    let answer = request(port, "POST", "/v1/completions", r#"{"model":"tiny","prompt":"a t0 t1"}"#);
+    assert_eq!(answer.status(), 200);
+    let answer = answer.json();
+    assert_eq!(answer["choices"][0]["text"], " t2 t3 t4 t5");
+    assert_eq!(answer["usage"]["completion_tokens"], 4);
+    let ids = r#"{"model":"tiny","prompt":[1,2,1000],"max_tokens":2,"return_token_ids":true}"#;
+    let answer = request(port, "POST", "/v1/completions", ids).json();
+    assert_eq!(answer["choices"][0]["token_ids"], serde_json::json!([1001, 1002]));
+    let chat = r#"{"model":"tiny","messages":[{"role":"user","content":"x"}],"max_tokens":1}"#;
+    let answer = request(port, "POST", "/v1/chat/completions", chat).json();
+    assert_eq!(answer["choices"][0]["message"]["content"], " t0");
+    assert_eq!(answer["object"], "chat.completion");
+}
+
+#[test]
+fn serves_models_health_and_vllm_metrics() {
+    let engines = Engines::start(&["--engines", "2", "--model", "tiny"]);
+    assert_eq!(engines.ports.len(), 2);
+    assert_ne!(engines.ports[0], engines.ports[1]);
+    let port = engines.ports[1];
+    assert_eq!(request(port, "GET", "/health", "").status(), 200);
+    assert_eq!(request(port, "GET", "/v1/models", "").json()["data"][0]["id"], "tiny");
+    request(port, "POST", "/v1/completions", r#"{"model":"tiny","prompt":"x"}"#);
+    let metrics = request(port, "GET", "/metrics", "").text();
+    assert!(metrics.contains("vllm:num_requests_running{model_name=\"tiny\"} 0.0"), "{metrics}");
+    assert!(metrics.contains("vllm:kv_cache_usage_perc{model_name=\"tiny\"}"), "{metrics}");
+    assert!(metrics.contains("vllm:generation_tokens_total{model_name=\"tiny\"} 4.0"), "{metrics}");
+    assert_eq!(request(port, "GET", "/nowhere", "").status(), 404);
+}
+
+#[test]
+fn refuses_what_vllm_refuses_and_bounds_the_body() {
+    let engines = Engines::start(&["--max-body", "200"]);
+    let port = engines.ports[0];
+    for (path, body) in [
+        ("/v1/completions", r#"{"prompt":"x","max_tokens":0}"#),
+        ("/v1/completions", r#"{"prompt":"x","stream":"yes"}"#),
+        ("/v1/completions", r#"{"max_tokens":2}"#),
+        ("/v1/chat/completions", r#"{"messages":"hello"}"#),
+        ("/v1/completions", "not json"),
+        ("/v1/completions", r#"{"prompt":"x","x_fake_mode":"explode"}"#),
+    ] {
+        let raw = request(port, "POST", path, body);
+        assert_eq!(raw.status(), 400, "{body}: {}", raw.text());
+        assert!(raw.json()["error"]["message"].is_string());
+    }
+    let big = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(500));
+    assert_eq!(request(port, "POST", "/v1/completions", &big).status(), 413);
+    let counted = stats(port);
+    assert_eq!((counted["received"].as_u64(), counted["rejected"].as_u64()), (Some(0), Some(7)));
+}
+
+#[test]
+fn faults_happen_as_scripted() {
+    let engines = Engines::start(&[]);
+    let port = engines.ports[0];
+    let with = |mode: &str, stream: bool| {
+        format!(r#"{{"prompt":"x","stream":{stream},"x_fake_mode":"{mode}"}}"#)
+    };
+    let raw = request(port, "POST", "/v1/completions", &with("error500", false));
+    assert_eq!(raw.status(), 500);
+    assert_eq!(request(port, "POST", "/v1/completions", &with("error503", true)).status(), 503);
+
+    // drop: the connection closes with no answer at all.
+    let raw = request(port, "POST", "/v1/completions", &with("drop", false));
+    assert!(raw.bytes.is_empty() && !raw.timed_out, "{}", raw.text());
+
+    // cut, streamed: the status and the first event, then a close without [DONE].
+    let raw = request(port, "POST", "/v1/completions", &with("cut", true));
+    assert!(!raw.timed_out);
+    assert_eq!(raw.status(), 200);
+    let cut = events(&raw);
+    assert_eq!(cut.len(), 1, "{}", raw.text());
+    assert!(cut[0].contains(" t0"));
+
+    // cut, JSON: less than the declared length arrives before the close.
+    let raw = request(port, "POST", "/v1/completions", &with("cut", false));
+    let text = raw.text().to_ascii_lowercase();
+    let declared: usize = text
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("a declared length");
+    assert!(!raw.timed_out && !raw.body().is_empty() && raw.body().len() < declared);
+
+    // hang: the first event, then silence (the connection stays open).
+    let patience = Duration::from_millis(300);
+    let raw =
+        request_on(&mut connect(port), "POST", "/v1/completions", &with("hang", true), patience);
+    assert!(raw.timed_out);
+    assert_eq!(events(&raw).len(), 1);
+
+    // headers: the status line and headers, then silence.
+    let raw =
+        request_on(&mut connect(port), "POST", "/v1/completions", &with("headers", true), patience);
+    assert!(raw.timed_out && raw.status() == 200 && raw.body().is_empty(), "{}", raw.text());
+
+    // stall: nothing at all until the client leaves, which the engine counts.
+    let before = stats(port)["disconnects"].as_u64().unwrap();
+    let mut stream = connect(port);
+    let raw = request_on(&mut stream, "POST", "/v1/completions", &with("stall", false), patience);
+    assert!(raw.timed_out && raw.bytes.is_empty());
+    stream.shutdown(Shutdown::Both).unwrap();
+    drop(stream);
+    assert!(stat_reaches(port, "disconnects", before + 1) > before);
+    assert_eq!(stats(port)["faults"], 8);
+}
+
+#[test]
+fn every_nth_request_faults_when_scripted() {
+    let engines = Engines::start(&["--fault", "error503:3", "--fault", "drop:5"]);
+    let port = engines.ports[0];
+    let statuses: Vec<u16> = (0..10)
+        .map(|_| request(port, "POST", "/v1/completions", r#"{"prompt":"x"}"#).status())
+        .collect();
+    // 3, 6 and 9 answer 503; 5 and 10 drop (status 0: no answer).
+    assert_eq!(statuses, [200, 200, 503, 200, 0, 503, 200, 200, 503, 0]);
+}
+
+#[test]
+fn unknown_fault_flags_are_refused() {
+    for args in
+        [&["--fault", "error500"][..], &["--fault", "boom:2"], &["--mode", "x"], &["--nope", "1"]]
+    {
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_llmsched-fake-engine")).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(!out.stderr.is_empty());
+    }
+}
+
+fn load(args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_llmsched-loadgen"))
+        .args(["--json", "--warmup", "0"])
+        .args(args)
+        .output()
+        .expect("the load generator runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("a JSON report")
+}
+
+fn url(port: u16) -> String {
+    format!("http://127.0.0.1:{port}")
+}
+
+#[test]
+fn the_generator_counts_successes_and_measures_streams() {
+    let engines = Engines::start(&["--engines", "2", "--answer-tokens", "5"]);
+    let (a, b) = (url(engines.ports[0]), url(engines.ports[1]));
+    let report = load(&[
+        "--url",
+        &a,
+        "--url",
+        &b,
+        "--rate",
+        "200",
+        "--duration",
+        "0.5",
+        "--arrivals",
+        "uniform",
+        "--stream",
+        "--max-tokens",
+        "5",
+        "--chat",
+    ]);
+    let scheduled = report["scheduled"].as_u64().unwrap();
+    assert_eq!(scheduled, 100);
+    assert_eq!(report["ok"].as_u64(), Some(scheduled));
+    assert_eq!(report["errors"], serde_json::json!({}));
+    assert_eq!(report["latency_ms"]["n"].as_u64(), Some(scheduled));
+    // Five tokens: four gaps per stream.
+    assert_eq!(report["itl_ms"]["n"].as_u64(), Some(4 * scheduled));
+    let served: u64 = engines.ports.iter().map(|&p| stats(p)["completed"].as_u64().unwrap()).sum();
+    assert_eq!(served, scheduled);
+    assert_eq!(stats(engines.ports[0])["completed"].as_u64(), Some(scheduled / 2));
+}
+
+#[test]
+fn the_generator_counts_each_kind_of_error() {
+    let engines = Engines::start(&["--fault", "error500:4"]);
+    let report = load(&[
+        "--url",
+        &url(engines.ports[0]),
+        "--rate",
+        "100",
+        "--duration",
+        "0.4",
+        "--arrivals",
+        "uniform",
+    ]);
+    assert_eq!(report["scheduled"], 40);
+    assert_eq!(report["errors"], serde_json::json!({"status_500": 10}));
+    assert_eq!(report["ok"], 30);
+
+    let engines = Engines::start(&["--fault", "cut:2"]);
+    let report = load(&[
+        "--url",
+        &url(engines.ports[0]),
+        "--rate",
+        "100",
+        "--duration",
+        "0.4",
+        "--arrivals",
+        "uniform",
+        "--stream",
+    ]);
+    assert_eq!(report["ok"], 20);
+    let errors = report["errors"].as_object().unwrap();
+    let broken: u64 = errors.values().map(|n| n.as_u64().unwrap()).sum();
+    assert_eq!(broken, 20, "{errors:?}");
+    assert!(errors.keys().all(|k| k == "body" || k == "incomplete"), "{errors:?}");
+
+    let engines = Engines::start(&["--mode", "stall"]);
+    let report = load(&[
+        "--url",
+        &url(engines.ports[0]),
+        "--rate",
+        "50",
+        "--duration",
+        "0.2",
+        "--arrivals",
+        "uniform",
+        "--timeout-s",
+        "0.2",
+    ]);
+    assert_eq!(report["errors"], serde_json::json!({"timeout": 10}));
+
+    // Nothing listens on a port the engines held: every request fails to connect.
+    let closed = engines.ports[0];
+    drop(engines);
+    let report = load(&["--url", &url(closed), "--rate", "50", "--duration", "0.2"]);
+    assert_eq!(report["ok"], 0);
+    assert_eq!(report["errors"]["connect"], report["scheduled"]);
+}
+
+#[test]
+fn the_generator_reports_cpu_per_request_of_a_process() {
+    let engines = Engines::start(&[]);
+    let pid = engines.child.id().to_string();
+    let report = load(&[
+        "--url",
+        &url(engines.ports[0]),
+        "--rate",
+        "100",
+        "--duration",
+        "0.3",
+        "--cpu",
+        &format!("engine={pid}"),
+    ]);
+    assert!(report["cpu_ms_per_request"]["engine"].as_f64().is_some_and(|ms| ms >= 0.0));
+    let out = Command::new(env!("CARGO_BIN_EXE_llmsched-loadgen"))
+        .args(["--url", "http://127.0.0.1:1", "--cpu", "nolabel"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -1,0 +1,292 @@
+//! The native gateway in front of the native fake engines, over loopback: routing, streaming
+//! pass-through, retries before the first byte, upstream cancel on client disconnect, bounds
+//! and configuration errors. No timing is asserted.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use llmsched_bench::engine::{self, Counters as EngineCounters, EngineConfig, Mode};
+use llmsched_gateway::{start, Counters, GatewayConfig};
+use serde_json::{json, Value};
+
+struct Fleet {
+    runtime: tokio::runtime::Runtime,
+    engines: Vec<(SocketAddr, Arc<EngineCounters>)>,
+}
+
+impl Fleet {
+    fn new(configs: Vec<EngineConfig>) -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let engines = configs
+            .into_iter()
+            .map(|config| {
+                let handle = runtime.block_on(engine::start(local(), config)).unwrap();
+                (handle.addr, handle.counters)
+            })
+            .collect();
+        Fleet { runtime, engines }
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.engines.iter().map(|(addr, _)| format!("http://{addr}")).collect()
+    }
+
+    fn gateway(&self, config: GatewayConfig) -> (SocketAddr, Arc<Counters>) {
+        let handle = self.runtime.block_on(start(local(), config)).expect("the gateway starts");
+        (handle.addr, handle.counters)
+    }
+
+    fn completed(&self, i: usize) -> u64 {
+        self.engines[i].1.completed.load(Ordering::Relaxed)
+    }
+}
+
+fn local() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+fn ok_engine() -> EngineConfig {
+    EngineConfig { model: "tiny".into(), ..EngineConfig::default() }
+}
+
+fn config(urls: Vec<String>, router: &str) -> GatewayConfig {
+    GatewayConfig {
+        engines: urls,
+        router: json!(router),
+        scrape_interval: None,
+        ..GatewayConfig::default()
+    }
+}
+
+struct Raw {
+    bytes: Vec<u8>,
+}
+
+impl Raw {
+    fn status(&self) -> u16 {
+        let text = String::from_utf8_lossy(&self.bytes);
+        text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+    }
+
+    fn body(&self) -> &[u8] {
+        match self.bytes.windows(4).position(|w| w == b"\r\n\r\n") {
+            Some(at) => &self.bytes[at + 4..],
+            None => &[],
+        }
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(self.body()).expect("a JSON body")
+    }
+
+    fn data_events(&self) -> Vec<String> {
+        String::from_utf8_lossy(self.body())
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
+            .collect()
+    }
+}
+
+fn send(stream: &mut TcpStream, path: &str, body: &str) {
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(body.as_bytes()).unwrap();
+}
+
+fn post(addr: SocketAddr, path: &str, body: &str) -> Raw {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    send(&mut stream, path, body);
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut bytes = Vec::new();
+    let _ = stream.read_to_end(&mut bytes);
+    Raw { bytes }
+}
+
+fn get(addr: SocketAddr, path: &str) -> Raw {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    let head = format!("GET {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n");
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut bytes = Vec::new();
+    let _ = stream.read_to_end(&mut bytes);
+    Raw { bytes }
+}
+
+/// Polls `read` until it reaches `want` (bounded); returns the last value seen.
+fn reaches(want: u64, read: impl Fn() -> u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let seen = read();
+        if seen >= want || Instant::now() > deadline {
+            return seen;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn round_robin_spreads_json_answers_and_passes_them_through() {
+    let fleet = Fleet::new(vec![ok_engine(), ok_engine()]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
+    for i in 0..6 {
+        let raw = post(addr, "/v1/completions", &format!(r#"{{"model":"tiny","prompt":"p{i}"}}"#));
+        assert_eq!(raw.status(), 200);
+        assert_eq!(raw.json()["choices"][0]["text"], " t0 t1 t2 t3");
+    }
+    assert_eq!((fleet.completed(0), fleet.completed(1)), (3, 3));
+    assert_eq!(reaches(6, || counters.completed.load(Ordering::Relaxed)), 6);
+    assert_eq!(get(addr, "/health").status(), 200);
+    assert_eq!(get(addr, "/v1/models").json()["data"][0]["id"], "tiny");
+    let metrics = String::from_utf8(get(addr, "/metrics").bytes).unwrap();
+    assert!(metrics.contains("llmsched_gateway_requests_total 6"), "{metrics}");
+    assert_eq!(get(addr, "/elsewhere").status(), 404);
+}
+
+#[test]
+fn streams_pass_through_to_done() {
+    let fleet = Fleet::new(vec![EngineConfig { answer_tokens: 5, ..ok_engine() }]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "llm-d"));
+    let chat = r#"{"model":"tiny","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+    let raw = post(addr, "/v1/chat/completions", chat);
+    assert_eq!(raw.status(), 200);
+    let events = raw.data_events();
+    assert_eq!(events.len(), 6);
+    assert_eq!(events[5], "[DONE]");
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["content"], " t0");
+    assert_eq!(reaches(1, || counters.completed.load(Ordering::Relaxed)), 1);
+}
+
+#[test]
+fn llm_d_keeps_a_shared_prefix_on_one_engine() {
+    let fleet = Fleet::new(vec![ok_engine(), ok_engine(), ok_engine()]);
+    let (addr, _) = fleet.gateway(config(fleet.urls(), "llm-d"));
+    let opening = "You are a helpful assistant. ".repeat(40);
+    for turn in 0..8 {
+        let body = json!({"model": "tiny", "prompt": format!("{opening} turn {turn}")});
+        assert_eq!(post(addr, "/v1/completions", &body.to_string()).status(), 200);
+    }
+    let served: Vec<u64> = (0..3).map(|i| fleet.completed(i)).collect();
+    assert!(served.contains(&8), "every turn on the engine holding the opening: {served:?}");
+}
+
+#[test]
+fn retries_before_the_first_byte() {
+    let failing = EngineConfig { mode: Mode::Error503, ..ok_engine() };
+    let fleet = Fleet::new(vec![failing, ok_engine()]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
+    for _ in 0..4 {
+        assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 200);
+    }
+    assert_eq!(fleet.completed(1), 4);
+    assert_eq!(counters.retries.load(Ordering::Relaxed), 2, "half the picks land on the 503");
+
+    // A refused connection moves on too.
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    let urls = vec![format!("http://{closed}"), fleet.urls()[1].clone()];
+    let (addr, counters) = fleet.gateway(config(urls, "round-robin"));
+    for _ in 0..4 {
+        assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 200);
+    }
+    assert_eq!(counters.retries.load(Ordering::Relaxed), 2);
+
+    // When every endpoint fails, the last answer is passed on and counted.
+    let fleet = Fleet::new(vec![
+        EngineConfig { mode: Mode::Error500, ..ok_engine() },
+        EngineConfig { mode: Mode::Error500, ..ok_engine() },
+    ]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
+    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 500);
+    assert_eq!(counters.upstream_errors.load(Ordering::Relaxed), 1);
+    let (addr, _) =
+        fleet.gateway(GatewayConfig { retries: 0, ..config(fleet.urls(), "round-robin") });
+    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 500);
+    let received: u64 = fleet.engines.iter().map(|e| e.1.received.load(Ordering::Relaxed)).sum();
+    assert_eq!(received, 3, "two tries, then one without retries");
+}
+
+#[test]
+fn a_client_that_leaves_cancels_the_upstream_request() {
+    let slow =
+        EngineConfig { answer_tokens: 50, token_delay: Duration::from_millis(50), ..ok_engine() };
+    let fleet = Fleet::new(vec![slow]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
+    let mut stream = TcpStream::connect(addr).unwrap();
+    send(&mut stream, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains(" t0") {
+        match stream.read(&mut buffer) {
+            Ok(0) => panic!("closed before the first token"),
+            Ok(n) => seen.extend_from_slice(&buffer[..n]),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    drop(stream);
+    let engine = &fleet.engines[0].1;
+    assert_eq!(reaches(1, || engine.disconnects.load(Ordering::Relaxed)), 1);
+    assert_eq!(reaches(1, || counters.disconnects.load(Ordering::Relaxed)), 1);
+    assert_eq!(engine.completed.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn refuses_bad_requests_without_sending_them() {
+    let fleet = Fleet::new(vec![ok_engine()]);
+    let (addr, counters) =
+        fleet.gateway(GatewayConfig { max_body: 100, ..config(fleet.urls(), "llm-d") });
+    assert_eq!(post(addr, "/v1/completions", "not json").status(), 400);
+    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":7}"#).status(), 400);
+    assert_eq!(post(addr, "/v1/chat/completions", r#"{"messages":[]}"#).status(), 400);
+    let big = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(200));
+    let raw = post(addr, "/v1/completions", &big);
+    assert_eq!(raw.status(), 413);
+    assert!(raw.json()["error"]["message"].as_str().unwrap().contains("too large"));
+    assert_eq!(counters.refused.load(Ordering::Relaxed), 4);
+    assert_eq!(fleet.engines[0].1.received.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn configuration_problems_name_the_key() {
+    let fleet = Fleet::new(vec![ok_engine()]);
+    let problem = |config: GatewayConfig| {
+        fleet.runtime.block_on(start(local(), config)).err().expect("refused").to_string()
+    };
+    assert!(problem(config(vec![], "llm-d")).starts_with("engines:"));
+    assert!(problem(config(fleet.urls(), "no-such-preset")).contains("not a preset"));
+    assert!(problem(config(vec!["ftp://x".into()], "llm-d")).contains("not an http:// URL"));
+    let twice = vec![fleet.urls()[0].clone(), fleet.urls()[0].clone()];
+    assert!(problem(config(twice, "llm-d")).contains("listed twice"));
+    let bad = GatewayConfig { router: json!({"plugins": 3}), ..config(fleet.urls(), "x") };
+    assert!(problem(bad).starts_with("router:"));
+}
+
+#[test]
+fn an_answer_cut_upstream_is_never_passed_off_as_complete() {
+    let fleet = Fleet::new(vec![EngineConfig { mode: Mode::Cut, ..ok_engine() }]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200, "the status line had been passed on");
+    let events = raw.data_events();
+    assert_eq!(events.len(), 1, "the first event, then the break");
+    assert!(!events.contains(&"[DONE]".to_string()));
+    // The chunked answer ends without its last chunk, so the client sees the break too.
+    assert!(!raw.body().ends_with(b"0\r\n\r\n"));
+    assert_eq!(reaches(1, || counters.upstream_errors.load(Ordering::Relaxed)), 1);
+    assert_eq!(counters.completed.load(Ordering::Relaxed), 0);
+    assert_eq!(counters.retries.load(Ordering::Relaxed), 0, "never re-sent once passed on");
+}

@@ -1,0 +1,603 @@
+"""``llmsched serve`` beside the Rust routers it is compared with, in front of the same engines.
+
+Four native fake engines (``llmsched-fake-engine``) serve; each gateway in turn is started in
+front of them pinned to one core (``taskset``), and the native open-loop generator
+(``llmsched-loadgen``, on another core with the engines) sends JSON and streamed completions at
+each rate, straight to the engines (``direct``) and through the gateway, a freshly started
+gateway for each load. The gateways are interleaved (their order rotates each repeat) and every
+figure is the median over the repeats:
+
+* CPU per request: the gateway process's (and its children's) user + system CPU time over the
+  measured window, per request sent;
+* added latency p50 / p99: the gateway's latency quantile minus the direct one of the same
+  repeat; TTFT overhead p50 the same for the time to first token; ITL p99 of streams;
+* errors: requests without a 200 and a complete answer (summed over the repeats, by kind);
+  a peer with errors is not taken as the best peer;
+* idle CPU: percent of a core the gateway used over ``--idle-seconds`` before its first load;
+* the ratio of each llmsched figure to the best peer's in the same mode (round-robin beside the
+  peers' round-robin; the llm-d preset beside their cache-aware modes).
+
+Usage: python tools/bench_gateway_peers.py [--short] [--rates 300,1000] [--repeats 3] ...
+(``make bench-gateway-peers`` runs it with the peers installed in their own environment.)
+Exit status 0 unless a gateway could not be started; timing never fails it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypedDict
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+# A generous flow-control bound: the gateways are compared on relaying, not on queueing.
+FLOW = {"saturation": {"type": "concurrency", "max_requests": 4096}}
+
+
+class Figures(TypedDict, total=False):
+    """One load's figures as the generator reports them (milliseconds)."""
+
+    ok: int
+    errors: int
+    error_kinds: dict[str, int]
+    cpu_ms: float | None
+    latency_p50: float
+    latency_p99: float
+    ttft_p50: float
+    itl_p99: float
+    achieved_rate: float
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """A gateway to start in front of the engines (``direct``: none)."""
+
+    name: str
+    kind: str  # "direct", "llmsched" (llmsched serve), "native" (llmsched-gateway) or "peer"
+    mode: str  # "round-robin" or "cache-aware" (llmsched's llm-d preset counts as cache-aware)
+    command: tuple[str, ...] = ()
+
+
+@dataclass
+class Results:
+    """Figures by (gateway, answer, rate), one entry per repeat."""
+
+    runs: dict[tuple[str, str, float], list[Figures]] = field(default_factory=dict)
+    idle: dict[str, list[float]] = field(default_factory=dict)
+    """Percent of a core each gateway used while idle, one entry per repeat."""
+
+    def add(self, key: tuple[str, str, float], figures: Figures) -> None:
+        """Records one repeat's figures."""
+        self.runs.setdefault(key, []).append(figures)
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pinned(core: int | None, command: Sequence[str]) -> list[str]:
+    """``command`` under ``taskset -c core`` (unpinned where taskset or the core is missing)."""
+    if core is None or not _has_taskset() or core >= (os.cpu_count() or 1):
+        return list(command)
+    return ["taskset", "-c", str(core), *command]
+
+
+def _has_taskset() -> bool:
+    return subprocess.run(["sh", "-c", "command -v taskset"], capture_output=True).returncode == 0
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        found.append(p)
+        stack.extend(children.get(p, []))
+    return found
+
+
+def cpu_ns(pids: Sequence[int]) -> int:
+    """Nanoseconds on CPU of every thread of ``pids`` (``/proc/PID/task/*/schedstat``)."""
+    total = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                total += int(task.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total
+
+
+def wait_ready(url: str, seconds: float) -> bool:
+    """Polls a small completion through ``url`` until it answers 200 (bounded)."""
+    body = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 1}).encode()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        request = urllib.request.Request(
+            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=2) as answer:
+                if answer.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
+@contextmanager
+def process(command: Sequence[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Runs ``command`` with its output in ``log``; SIGTERM (then SIGKILL) on exit."""
+    with log.open("wb") as out:
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield child
+        finally:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def start_engines(
+    binary: Path, core: int | None, tokens: int, token_delay_ms: float
+) -> tuple[subprocess.Popen[str], list[int]]:
+    """Four fake engines in one process; returns it and their ports."""
+    command = pinned(
+        core,
+        [
+            str(binary),
+            "--engines",
+            "4",
+            "--model",
+            MODEL,
+            "--answer-tokens",
+            str(tokens),
+            "--token-delay-ms",
+            str(token_delay_ms),
+        ],
+    )
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    try:
+        ports = [int(p) for p in json.loads(line)["ports"]]
+    except (ValueError, KeyError) as exc:
+        child.kill()
+        raise SystemExit(f"the fake engines did not start: {line!r}") from exc
+    return child, ports
+
+
+def gateways(
+    names: Sequence[str], python: str, peers_python: str | None, native_bin: str
+) -> list[Gateway]:
+    """The gateways asked for; a peer is skipped (with a message) when it is not installed."""
+    found: list[Gateway] = []
+    for name in names:
+        if name == "direct":
+            found.append(Gateway(name, "direct", "none"))
+        elif name in ("llmsched-llm-d", "llmsched-round-robin"):
+            router = name.removeprefix("llmsched-")
+            found.append(
+                Gateway(
+                    name,
+                    "llmsched",
+                    "round-robin" if router == "round-robin" else "cache-aware",
+                    (python, "-m", "llmsched", "serve", "--log-level", "ERROR", "--config"),
+                )
+            )
+        elif name in ("llmsched-native-llm-d", "llmsched-native-round-robin"):
+            binary = Path(native_bin)
+            if not binary.exists():
+                print(f"skipping {name}: {binary} is not built (cargo build --release)")
+                continue
+            router = name.removeprefix("llmsched-native-")
+            found.append(
+                Gateway(
+                    name,
+                    "native",
+                    "round-robin" if router == "round-robin" else "cache-aware",
+                    (str(binary), "--router", router),
+                )
+            )
+        elif name.startswith(("sglang-", "vllm-")):
+            peer, policy = name.split("-", 1)
+            if peers_python is None:
+                print(f"skipping {name}: no peers environment (make bench-gateway-peers makes one)")
+                continue
+            module = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}
+            check = subprocess.run(
+                [peers_python, "-c", f"import {module[peer].split('.')[0]}"], capture_output=True
+            )
+            if check.returncode != 0:
+                print(f"skipping {name}: {peer}-router is not installed in {peers_python}")
+                continue
+            found.append(
+                Gateway(
+                    name,
+                    "peer",
+                    policy.replace("_", "-"),
+                    (peers_python, "-m", module[peer], "--policy", policy),
+                )
+            )
+        else:
+            raise SystemExit(f"unknown gateway {name!r}")
+    return found
+
+
+def gateway_command(gateway: Gateway, port: int, engines: list[str], work: Path) -> list[str]:
+    """The command line starting ``gateway`` on ``port`` in front of ``engines``."""
+    if gateway.kind == "llmsched":
+        import yaml
+
+        router = gateway.name.removeprefix("llmsched-")
+        config = {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "engines": [
+                {"host": u.split(":")[1].strip("/"), "port": int(u.rsplit(":", 1)[1])}
+                for u in engines
+            ],
+            "models": [MODEL],
+            "block_size": 16,
+            "router": router,
+            "flow": FLOW,
+            "scrape": {"enabled": True, "interval_s": 0.2},
+        }
+        path = work / f"{gateway.name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return [*gateway.command, str(path)]
+    if gateway.kind == "native":
+        flags = [a for u in engines for a in ("--engine", u)]
+        return [*gateway.command, "--listen", f"127.0.0.1:{port}", *flags]
+    return [
+        *gateway.command,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "error",
+        "--worker-urls",
+        *engines,
+    ]
+
+
+def load(
+    binary: Path,
+    core: int | None,
+    urls: Sequence[str],
+    rate: float,
+    args: argparse.Namespace,
+    stream: bool,
+    pids: Sequence[int],
+) -> Figures:
+    """One open-loop load through ``urls``; the generator's figures."""
+    command = [
+        str(binary),
+        "--json",
+        "--rate",
+        str(rate),
+        "--duration",
+        str(args.seconds),
+        "--warmup",
+        str(args.warmup),
+        "--model",
+        MODEL,
+        "--max-tokens",
+        str(args.tokens),
+        "--prompt-words",
+        str(args.prompt_words),
+        "--timeout-s",
+        "20",
+        *(a for u in urls for a in ("--url", u)),
+        *(a for p in pids for a in ("--cpu", f"gateway={p}")),
+    ]
+    if stream:
+        command.append("--stream")
+    if args.chat:
+        command.append("--chat")
+    out = subprocess.run(pinned(core, command), capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    return Figures(
+        ok=report["ok"],
+        errors=sum(report["errors"].values()),
+        error_kinds=dict(report["errors"]),
+        cpu_ms=report["cpu_ms_per_request"].get("gateway"),
+        latency_p50=report["latency_ms"]["p50"],
+        latency_p99=report["latency_ms"]["p99"],
+        ttft_p50=report["ttft_ms"]["p50"],
+        itl_p99=report["itl_ms"]["p99"],
+        achieved_rate=report["achieved_rate"],
+    )
+
+
+def run(args: argparse.Namespace) -> Results:
+    """Every gateway, answer kind and rate, ``args.repeats`` times, interleaved."""
+    bin_dir = Path(args.bin)
+    engine_bin, load_bin = bin_dir / "llmsched-fake-engine", bin_dir / "llmsched-loadgen"
+    for binary in (engine_bin, load_bin):
+        if not binary.exists():
+            raise SystemExit(f"{binary} is missing: cargo build --release -p llmsched-bench")
+    results = Results()
+    engines_process, ports = start_engines(
+        engine_bin, args.client_core, args.tokens, args.token_delay_ms
+    )
+    engines = [f"http://127.0.0.1:{p}" for p in ports]
+    answers = [a for a in args.answers.split(",") if a]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            native = str(bin_dir / "llmsched-gateway")
+            chosen = gateways(args.gateways.split(","), args.python, args.peers_python, native)
+            for repeat in range(args.repeats):
+                order = chosen[repeat % len(chosen) :] + chosen[: repeat % len(chosen)]
+                for gateway in order:
+                    run_gateway(gateway, engines, work, rates, answers, args, results, load_bin)
+    finally:
+        engines_process.terminate()
+        engines_process.wait(timeout=10)
+    return results
+
+
+def run_gateway(
+    gateway: Gateway,
+    engines: list[str],
+    work: Path,
+    rates: list[float],
+    answers: list[str],
+    args: argparse.Namespace,
+    results: Results,
+    load_bin: Path,
+) -> None:
+    """Starts ``gateway`` (unless direct), loads it at every rate and answer kind, stops it."""
+    if gateway.kind == "direct":
+        for answer in answers:
+            for rate in rates:
+                figures = load(
+                    load_bin, args.client_core, engines, rate, args, answer == "stream", []
+                )
+                results.add((gateway.name, answer, rate), figures)
+                report_line(gateway.name, answer, rate, figures)
+        return
+    # A fresh gateway for every load: one that a load overran does not carry its backlog
+    # into the next.
+    for i, (answer, rate) in enumerate((a, r) for a in answers for r in rates):
+        port = free_port()
+        command = pinned(args.gateway_core, gateway_command(gateway, port, engines, work))
+        with process(command, work / f"{gateway.name}.log") as child:
+            url = f"http://127.0.0.1:{port}"
+            if not wait_ready(url, 60):
+                log = (work / f"{gateway.name}.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"{gateway.name} did not start:\n{log}")
+            time.sleep(0.5)  # health checks and the first scrape settle
+            if i == 0 and args.idle_seconds > 0:
+                pids = descendants(child.pid)
+                before = cpu_ns(pids)
+                time.sleep(args.idle_seconds)
+                idle = (cpu_ns(pids) - before) / (args.idle_seconds * 1e9) * 100
+                results.idle.setdefault(gateway.name, []).append(idle)
+            pids = descendants(child.pid)
+            figures = load(load_bin, args.client_core, [url], rate, args, answer == "stream", pids)
+            results.add((gateway.name, answer, rate), figures)
+            report_line(gateway.name, answer, rate, figures)
+
+
+def report_line(name: str, answer: str, rate: float, figures: Figures) -> None:
+    """One load's figures as they come (the table follows at the end)."""
+    print(
+        f"  {name:24} {answer:6} {rate:6g}/s  cpu {figures.get('cpu_ms')} ms/req  "
+        f"p50 {figures['latency_p50']} p99 {figures['latency_p99']} ttft {figures['ttft_p50']} ms"
+        f"  errors {figures['errors']}",
+        flush=True,
+    )
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    """The median of the values present (None when none are)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+@dataclass
+class Row:
+    """One gateway's figures at one answer kind and rate (medians over the repeats)."""
+
+    gateway: str
+    answer: str
+    rate: float
+    cpu_ms: float | None
+    added_p50: float | None
+    added_p99: float | None
+    ttft_overhead_p50: float | None
+    itl_p99: float | None
+    errors: int
+    error_kinds: dict[str, int]
+    repeats: int
+
+    @property
+    def mode(self) -> str:
+        """round-robin or cache-aware (llmsched's llm-d preset counts as cache-aware)."""
+        return (
+            "round-robin"
+            if self.gateway.endswith(("round_robin", "round-robin"))
+            else ("cache-aware")
+        )
+
+
+def rows_of(results: Results) -> list[Row]:
+    """Each gateway's medians beside the direct path of the same repeats."""
+    rows: list[Row] = []
+    for (name, answer, rate), runs in results.runs.items():
+        if name == "direct":
+            continue
+        direct = results.runs.get(("direct", answer, rate), [])
+        added = [
+            (
+                f["latency_p50"] - d["latency_p50"],
+                f["latency_p99"] - d["latency_p99"],
+                f["ttft_p50"] - d["ttft_p50"],
+            )
+            for f, d in zip(runs, direct, strict=False)
+        ]
+        rows.append(
+            Row(
+                gateway=name,
+                answer=answer,
+                rate=rate,
+                cpu_ms=median([f.get("cpu_ms") for f in runs]),
+                added_p50=median([a[0] for a in added]),
+                added_p99=median([a[1] for a in added]),
+                ttft_overhead_p50=median([a[2] for a in added]),
+                itl_p99=median([f["itl_p99"] for f in runs]) if answer == "stream" else None,
+                errors=sum(f["errors"] for f in runs),
+                error_kinds={
+                    kind: sum(f.get("error_kinds", {}).get(kind, 0) for f in runs)
+                    for kind in sorted({k for f in runs for k in f.get("error_kinds", {})})
+                },
+                repeats=len(runs),
+            )
+        )
+    rows.sort(key=lambda r: (r.answer, r.rate))
+    return rows
+
+
+def best_peers(rows: Sequence[Row]) -> dict[tuple[str, float, str], Row]:
+    """The peer with the lowest CPU per request at each answer kind, rate and mode, among
+    those that answered every request."""
+    best: dict[tuple[str, float, str], Row] = {}
+    for row in rows:
+        if row.gateway.startswith("llmsched") or row.cpu_ms is None or row.errors:
+            continue
+        key = (row.answer, row.rate, row.mode)
+        held = best.get(key)
+        if held is None or (held.cpu_ms is not None and row.cpu_ms < held.cpu_ms):
+            best[key] = row
+    return best
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _ratio(mine: float | None, theirs: float | None) -> str:
+    if mine is None or theirs is None or theirs <= 0:
+        return "-"
+    return f"{mine / theirs:.2f}x"
+
+
+def _errors(row: Row) -> str:
+    if not row.errors:
+        return "0"
+    kinds = ", ".join(f"{k} {n}" for k, n in row.error_kinds.items())
+    return f"{row.errors} ({kinds})"
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The summary as a markdown table, each llmsched row with its ratios to the best peer."""
+    best = best_peers(rows)
+    lines = [
+        "| answer | rate/s | gateway | CPU ms/req | added p50 / p99 ms | TTFT overhead p50 ms "
+        "| ITL p99 ms | errors | best peer | CPU ratio | added p50 ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        peer = best.get((row.answer, row.rate, row.mode))
+        versus = peer if peer is not None and peer is not row else None
+        lines.append(
+            f"| {row.answer} | {row.rate:g} | {row.gateway} | {_fmt(row.cpu_ms)} | "
+            f"{_fmt(row.added_p50)} / {_fmt(row.added_p99)} | {_fmt(row.ttft_overhead_p50)} | "
+            f"{_fmt(row.itl_p99)} | {_errors(row)} | {versus.gateway if versus else '-'} | "
+            f"{_ratio(row.cpu_ms, versus.cpu_ms) if versus else '-'} | "
+            f"{_ratio(row.added_p50, versus.added_p50) if versus else '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the matrix and prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bin", default=str(ROOT / "target" / "release"))
+    parser.add_argument("--python", default=sys.executable, help="runs llmsched serve")
+    parser.add_argument("--peers-python", default=None, help="the peers' environment's python")
+    parser.add_argument(
+        "--gateways",
+        default="direct,llmsched-llm-d,llmsched-round-robin,llmsched-native-llm-d,"
+        "llmsched-native-round-robin,sglang-cache_aware,sglang-round_robin,vllm-cache_aware,"
+        "vllm-round_robin",
+    )
+    parser.add_argument("--answers", default="json,stream")
+    parser.add_argument("--rates", default="300,1000")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=8, help="tokens per answer")
+    parser.add_argument("--token-delay-ms", type=float, default=1.0, help="between streamed tokens")
+    parser.add_argument("--prompt-words", type=int, default=200)
+    parser.add_argument("--chat", action="store_true", help="chat completions")
+    parser.add_argument(
+        "--idle-seconds", type=float, default=2.0, help="idle CPU measured this long (0: not)"
+    )
+    parser.add_argument("--gateway-core", type=int, default=0)
+    parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument("--short", action="store_true", help="one repeat of 2 s at 300 req/s")
+    parser.add_argument("--json-out", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.short:
+        args.repeats, args.seconds, args.warmup, args.rates = 1, 2.0, 0.5, "300"
+        args.idle_seconds = min(args.idle_seconds, 1.0)
+    if args.repeats < 1 or args.seconds <= 0:
+        parser.error("--repeats and --seconds must be positive")
+    print(
+        f"gateways pinned to core {args.gateway_core}, engines and load on core "
+        f"{args.client_core}; {args.repeats} repeat(s) of {args.seconds:g} s (+{args.warmup:g} s "
+        f"warm-up); {args.tokens} tokens per answer, streamed {args.token_delay_ms:g} ms apart; "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
+        flush=True,
+    )
+    results = run(args)
+    rows = rows_of(results)
+    print("\n" + table(rows))
+    if results.idle:
+        print("\n| gateway | idle CPU, % of a core (median) |\n|---|---|")
+        for name, values in results.idle.items():
+            print(f"| {name} | {statistics.median(values):.3f} |")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
