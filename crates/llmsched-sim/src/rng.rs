@@ -135,7 +135,7 @@ impl Pcg64 {
 
     /// `integers(low, high, n, dtype=np.uint32)` appended to `out` (`low < high`).
     ///
-    /// [`Self::bounded_u32`] unrolled over both halves of each 64-bit output: a draw is
+    /// `bounded_u32` unrolled over both halves of each 64-bit output: a draw is
     /// rejected exactly when its low product word is below `(2**32 - excl) % excl`, the
     /// threshold numpy computes after its `leftover < excl` shortcut, and a rejected draw is
     /// redrawn from the next 32-bit half, as numpy's loop does.
