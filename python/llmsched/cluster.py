@@ -271,10 +271,14 @@ class ClusterSync:
                 await task
         self._tasks.clear()
         nc, self._nc = self._nc, None
-        if nc is not None and nc.is_connected:
-            await self._publish(nc, heartbeat=True)
-            with contextlib.suppress(NatsError, OSError, asyncio.TimeoutError):
+        if nc is None:
+            return
+        with contextlib.suppress(NatsError, OSError, asyncio.TimeoutError):
+            if nc.is_connected:
+                await self._publish(nc, heartbeat=True)
                 await nc.drain()
+            else:  # reconnecting: stop the client's own reconnect loop too
+                await nc.close()
 
     async def __aenter__(self) -> ClusterSync:
         await self.start()

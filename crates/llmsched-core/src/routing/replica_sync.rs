@@ -520,13 +520,7 @@ impl ReplicaSync {
     /// Applies another replica's batch at `now`. A malformed batch changes nothing and is
     /// counted.
     pub fn incoming(&self, data: &[u8], now: f64) -> Result<IncomingReport, SyncError> {
-        let batch = match decode(data) {
-            Ok(b) => b,
-            Err(e) => {
-                self.state.lock().counters.malformed_in += 1;
-                return Err(e);
-            }
-        };
+        let batch = self.decode_counted(data)?;
         let mut report = IncomingReport::default();
         let mut state = self.state.lock();
         state.counters.batches_in += 1;
@@ -575,6 +569,11 @@ impl ReplicaSync {
         c.unknown_endpoints += unknown;
         self.refresh(&mut state, now);
         Ok(report)
+    }
+
+    /// A batch decoded; a malformed one is counted.
+    fn decode_counted(&self, data: &[u8]) -> Result<SyncBatch, SyncError> {
+        decode(data).inspect_err(|_| self.state.lock().counters.malformed_in += 1)
     }
 
     /// Records and sessions of `entries` for endpoints in `members`; the rest are counted.
@@ -693,13 +692,7 @@ impl ReplicaSync {
     /// Applies a catch-up batch from [`ReplicaSync::catch_up`]: its records and sessions, not
     /// its (empty) counts, whatever its sequence.
     pub fn apply_catch_up(&self, data: &[u8], now: f64) -> Result<IncomingReport, SyncError> {
-        let batch = match decode(data) {
-            Ok(b) => b,
-            Err(e) => {
-                self.state.lock().counters.malformed_in += 1;
-                return Err(e);
-            }
-        };
+        let batch = self.decode_counted(data)?;
         let report = self.apply_entries(&batch.entries, &self.pool.snapshot(), now);
         let mut state = self.state.lock();
         let c = &mut state.counters;

@@ -437,11 +437,13 @@ impl Router {
         }
         if let Some(id) = &decision.session_id {
             self.sessions.bind(id, decode_key, now, 0.0);
-            self.journal.push(SyncEntry::Session {
-                endpoint: decode_key.clone(),
-                id: id.clone(),
-                age_s: 0.0,
-            });
+            if self.journal.enabled() {
+                self.journal.push(SyncEntry::Session {
+                    endpoint: decode_key.clone(),
+                    id: id.clone(),
+                    age_s: 0.0,
+                });
+            }
         }
         Ok(Ticket::start(parts, decision.prompt_tokens))
     }
