@@ -9,7 +9,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines vllm-env lint docs fmt servers \
+.PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines bench-engines vllm-env lint docs fmt servers \
 	bench bench-peers bench-index-peers bench-gateway-peers bench-rust demo fuzz clean
 
 help: ## List the targets
@@ -147,6 +147,25 @@ $(PEERS_VENV)/.deps:
 bench-gateway-peers: build $(PEERS_VENV)/.deps ## llmsched serve beside sglang-router and vllm-router: CPU per request, added latency, TTFT
 	cargo build --release -p llmsched-bench -p llmsched-gateway
 	$(PY) tools/bench_gateway_peers.py --peers-python $(abspath $(PEERS_VENV))/bin/python $(BENCH_PEERS_ARGS)
+
+# Routing policies on real engines: llmsched serve in front of two vLLM CPU engines, driven by
+# inference-perf (from PyPI, in its own environment), beside the simulator's prediction of the
+# same run (tools/bench_engines.py). BENCH_ENGINES_ARGS passes options (--rate, --repeats, --short).
+# inference-perf needs CPython 3.12+: a pyenv one, or CLIENT_PYTHON=...
+CLIENT_VENV ?= .venv-bench-client
+CLIENT_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.1[23]*/bin/python3) \
+	$(shell command -v python3.13 python3.12))
+BENCH_ENGINES_ARGS ?=
+
+$(CLIENT_VENV)/.deps:
+	@test -n "$(CLIENT_PYTHON)" || { echo "inference-perf needs CPython 3.12+: set CLIENT_PYTHON"; exit 1; }
+	$(CLIENT_PYTHON) -m venv $(CLIENT_VENV)
+	$(BIN)/uv pip install -q -p $(CLIENT_VENV)/bin/python "inference-perf==0.7.0"
+	touch $@
+
+bench-engines: build vllm-env $(CLIENT_VENV)/.deps ## Policies on two real vLLM engines (inference-perf) beside the simulator's prediction
+	LLMSCHED_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m tools.bench_engines \
+		--client-python $(abspath $(CLIENT_VENV))/bin/python $(BENCH_ENGINES_ARGS)
 
 bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench -p llmsched-core

@@ -4,8 +4,8 @@ Run with the vLLM environment's Python (it has ``transformers`` and ``tokenizers
 
     .venv-vllm/bin/python tests/engines/make_tiny_model.py OUT_DIR
 
-The model is about 0.85 M parameters (hidden size 128, 2 layers, 2 heads of 64), random weights
-from a fixed seed; the tokenizer is a byte-level BPE trained on generated text, saved as a
+The model is about 0.85 M parameters by default (hidden size 128, 2 layers, 2 heads of 64;
+``--hidden``/``--layers`` make larger ones for benchmarks), random weights from a fixed seed; the tokenizer is a byte-level BPE trained on generated text, saved as a
 ``PreTrainedTokenizerFast`` with a small chat template. Output is deterministic for a given
 seed, so two engines started from the same directory agree on every token.
 """
@@ -79,20 +79,31 @@ def make_tokenizer(out: Path, seed: int) -> None:
     config_path.write_text(json.dumps(config, indent=2))
 
 
-def make_model(out: Path, seed: int) -> None:
+def make_model(
+    out: Path,
+    seed: int,
+    hidden: int = 128,
+    layers: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 2048,
+) -> None:
+    """Random Llama weights: heads of 64, as many as ``hidden`` holds."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if hidden % 64:
+        raise SystemExit(f"--hidden must be a multiple of 64, got {hidden}")
+    heads = hidden // 64
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=3,
@@ -107,10 +118,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    # Larger shapes for benchmarks where prefill should dominate a CPU engine's time.
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size (heads of 64)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP size (2x hidden)")
+    parser.add_argument("--max-positions", type=int, default=2048, help="context length")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     make_tokenizer(args.out, args.seed)
-    make_model(args.out, args.seed)
+    make_model(args.out, args.seed, args.hidden, args.layers, args.intermediate, args.max_positions)
     print(args.out)
 
 

@@ -70,10 +70,11 @@ def free_port() -> int:
         return port
 
 
-def make_tiny_model(out: Path, seed: int = 0) -> Path:
-    """Write the tiny random model and its tokenizer to ``out`` with the vLLM environment."""
+def make_tiny_model(out: Path, seed: int = 0, shape: tuple[str, ...] = ()) -> Path:
+    """Write the tiny random model and its tokenizer to ``out`` with the vLLM environment;
+    ``shape`` holds extra flags of ``make_tiny_model.py`` (``--hidden 512`` ...)."""
     script = Path(__file__).with_name("make_tiny_model.py")
-    command = [str(vllm_python()), str(script), str(out), "--seed", str(seed)]
+    command = [str(vllm_python()), str(script), str(out), "--seed", str(seed), *shape]
     try:
         # Importing torch and transformers can take minutes on a loaded machine.
         done = subprocess.run(command, capture_output=True, timeout=STARTUP_CAP_S)
@@ -99,6 +100,9 @@ class VllmEngine:
     num_blocks: int = 64
     max_num_seqs: int = 4
     cpu: int = 0  # the core its OpenMP thread is bound to
+    max_model_len: int = 2000
+    dev_mode: bool = False  # vLLM's development endpoints (/reset_prefix_cache) for benchmarks
+    extra_args: tuple[str, ...] = ()  # more vLLM flags
     port: int = field(default_factory=free_port)
     kv_events_port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -145,7 +149,7 @@ class VllmEngine:
             "--block-size",
             str(BLOCK_SIZE),
             "--max-model-len",
-            "2000",
+            str(self.max_model_len),
             "--enable-prefix-caching",
             "--enforce-eager",
             # On CPU this is the share of host memory reserved; the block override keeps it small.
@@ -159,6 +163,7 @@ class VllmEngine:
             "--enable-log-requests",
             "--kv-events-config",
             json.dumps(kv_events),
+            *self.extra_args,
         ]
 
     def start(self) -> None:
@@ -177,6 +182,8 @@ class VllmEngine:
             # Our test runner may set these for its own interpreter; the engine must not inherit.
             PYTHONDONTWRITEBYTECODE="",
         )
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         env.pop("VIRTUAL_ENV", None)
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
