@@ -73,15 +73,17 @@ class Setup:
 
     hidden: int = 512
     layers: int = 4
-    num_blocks: int = 320  # per engine: 10,240 tokens of KV, under the working set
+    num_blocks: int = 1024  # per engine: 32,768 tokens of KV, two thirds of the working set
     max_num_seqs: int = 8
-    groups: int = 8
-    users_per_group: int = 4
+    # 35 users: an odd count, so round-robin over two engines does not send each user back to
+    # the same engine by accident (inference-perf cycles through its users in a fixed order).
+    groups: int = 7
+    users_per_group: int = 5
     system_prompt_len: int = 400
     question_len: int = 100
     output_len: int = 8
     rounds: int = 3
-    rate: float = 2.0
+    rate: float = 3.0
     seed: int = 0
 
     @property
@@ -447,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = Setup(rate=args.rate)
     repeats = args.repeats
     if args.short:
-        setup = Setup(rate=args.rate, groups=4, users_per_group=2, rounds=2)
+        setup = Setup(rate=args.rate, groups=3, users_per_group=3, rounds=2)
         repeats = 1
     policies = [p for p in args.policies.split(",") if p]
     out = args.out or Path(tempfile.mkdtemp(prefix="llmsched-bench-engines-"))
