@@ -159,12 +159,22 @@ def serve(config: dict[str, object], workdir: Path) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
+        stop_group(process)
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> None:
+    """End ``process`` and its process group (TERM, then KILL after 30 s); gone is fine."""
+    if process.poll() is not None:
+        return
+    try:
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
+    except ProcessLookupError:
+        pass
 
 
 def _answers(url: str) -> bool:
