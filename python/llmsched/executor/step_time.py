@@ -8,9 +8,9 @@ Model (BLIS's linear terms plus Vidur's attention terms)::
 fitted by least squares on relative error (each sample's row divided by its measured time, so a
 1 ms decode step counts as much as a 100 ms prefill), with no coefficient below zero (the
 simulator refuses negative step costs): a term whose least-squares coefficient is negative is
-fixed at 0 and the rest refitted, the most negative first, until none is. Fit error is the relative error of the
-fitted model on the samples (median, mean, max), reported beside the error of the three-term
-linear model fitted the same way.
+fixed at 0 and the rest refitted, the most negative first, until none is. Fit error is the
+relative error of the fitted model on the samples (median, mean, max), reported beside the
+error of the three-term linear model fitted the same way.
 
 >>> samples = [StepSample(p, d, p * p, d * (p + 9), 1e-3 + 2e-6 * p + 5e-6 * d)
 ...            for p, d in [(0, 1), (0, 8), (16, 0), (64, 0), (256, 0), (0, 32), (32, 4)]]
