@@ -88,9 +88,9 @@ def test_grid_skips_points_the_cache_cannot_hold() -> None:
     grid = EngineGrid(prompt_lens=(32, 1024), batch_sizes=(1, 4), context_lens=(32, 512))
     points = grid.points(kv_tokens=2048, max_model_len=2000)
     assert GridPoint("prefill", 1, 1024, 1) in points
-    assert GridPoint("decode", 4, 32, 24) in points
-    # 4 x (512 + 24) tokens would not fit 2048: preemption would distort the step.
-    assert GridPoint("decode", 4, 512, 24) not in points
+    assert GridPoint("decode", 4, 32, 32) in points
+    # 4 x (512 + 32) tokens would not fit 2048: preemption would distort the step.
+    assert GridPoint("decode", 4, 512, 32) not in points
     assert len(grid.points(kv_tokens=None, max_model_len=None)) == 6
     with pytest.raises(ConfigError, match="decode_tokens"):
         EngineGrid(decode_tokens=2)
@@ -101,7 +101,7 @@ def test_grid_skips_points_the_cache_cannot_hold() -> None:
 def test_stream_timing_figures() -> None:
     t = StreamTiming(10.0, (10.5, 10.6, 10.8), 7)
     assert t.ttft == pytest.approx(0.5)
-    assert t.gaps() == pytest.approx([0.1, 0.2])
+    assert t.tpot() == pytest.approx(0.15)
     assert t.finish == 10.8
 
 

@@ -15,9 +15,11 @@ and ``continuous_usage_stats`` makes every streamed chunk say how many tokens it
   (``P = n``, ``sum(chunk^2) = n^2``) plus the engine's per-request overhead (HTTP, tokenizing
   the answer), which the step model folds into ``b0``.
 - **Decode** (one sample per batch size ``b`` and context ``n``): ``b`` requests at once, each
-  with ``n`` prompt tokens and ``decode_tokens`` output tokens. The median gap between streamed
-  tokens while all of them decode is one decode step (``D = b``, ``sum(context) = b * (n + m/2)``
-  at the middle token ``m/2``).
+  with ``n`` prompt tokens and ``m = decode_tokens`` output tokens. A request's time from its
+  first token to its last over ``m - 1`` is its mean decode step (``D = b``,
+  ``sum(context) = b * (n + m/2)`` at the middle token); the sample is the median over the
+  ``b`` requests. (Single gaps between streamed chunks would not do: a front end that falls
+  behind the engine sends several tokens in one chunk.)
 
 Each point is measured ``repeats`` times and the median kept (the machine's noise is part of
 what the simulator should predict; the median is its typical step). Points whose KV would not
@@ -53,6 +55,7 @@ from llmsched.executor.step_time import StepSample, StepTimeProfile
 __all__ = [
     "EngineGrid",
     "GridPoint",
+    "Measurement",
     "StreamTiming",
     "calibrate_engine",
     "engine_info",
@@ -76,13 +79,13 @@ class EngineGrid:
     """The prompt lengths (prefill), batch sizes and contexts (decode) to time.
 
     ``batch_sizes`` should not pass the engine's ``--max-num-seqs`` (a request beyond it waits
-    in the queue and its gaps are not one step).
+    in the queue and its decode is not one batch).
     """
 
     prompt_lens: tuple[int, ...] = (32, 128, 512, 1024)
     batch_sizes: tuple[int, ...] = (1, 2, 4)
     context_lens: tuple[int, ...] = (32, 256, 512)
-    decode_tokens: int = 24
+    decode_tokens: int = 32
     repeats: int = 3
 
     def __post_init__(self) -> None:
@@ -134,10 +137,10 @@ class StreamTiming:
         """When the last token arrived."""
         return self.token_times[-1]
 
-    def gaps(self) -> list[float]:
-        """Seconds between consecutive tokens."""
+    def tpot(self) -> float:
+        """Mean seconds per output token after the first (0 for one token)."""
         t = self.token_times
-        return [t[i + 1] - t[i] for i in range(len(t) - 1)]
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
 
 
 def _split(url: str) -> tuple[str, int, str]:
@@ -324,12 +327,33 @@ def _concurrently(jobs: Sequence[Callable[[], StreamTiming]]) -> list[StreamTimi
     return [r for r in results if r is not None]
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """One grid point measured once: the step time as the engine's own metrics give it
+    (``None`` where the engine does not export them) and as the client saw it."""
+
+    point: GridPoint
+    engine_s: float | None
+    client_s: float
+
+    def sample(self, seconds: float) -> StepSample:
+        """The point's step shape with ``seconds``."""
+        n, b, m = self.point.prompt_len, self.point.batch, self.point.output_len
+        if self.point.kind == "prefill":
+            return StepSample(n, 0, n * n, 0, seconds)
+        return StepSample(0, b, 0, b * (n + m // 2), seconds)
+
+
+def _delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
+    return _metric_sum(after, name) - _metric_sum(before, name)
+
+
 def measure(
     url: str,
     info: EngineInfo,
     point: GridPoint,
     rng: random.Random,
-) -> StepSample:
+) -> Measurement:
     """Time one grid point once (see the module docs)."""
 
     def prompt() -> list[int]:
@@ -337,22 +361,27 @@ def measure(
 
     prompts = [prompt() for _ in range(point.batch)]
     jobs = [(lambda p=p: timed_completion(url, info.model, p, point.output_len)) for p in prompts]
+    before = read_metrics(url)
     timings = _concurrently(jobs)
-    n, b, m = point.prompt_len, point.batch, point.output_len
+    after = read_metrics(url)
+    requests = _delta(after, before, "vllm:request_prefill_time_seconds_count")
+    engine: float | None = None
     if point.kind == "prefill":
-        return StepSample(n, 0, n * n, 0, timings[0].ttft)
-    # Gaps while every request decodes: after the last first token, before the first finish.
-    start = max(t.token_times[0] for t in timings)
-    stop = min(t.finish for t in timings)
-    gaps = [
-        g
-        for t in timings
-        for i, g in enumerate(t.gaps())
-        if t.token_times[i] >= start and t.token_times[i + 1] <= stop
-    ]
-    if not gaps:
-        gaps = [g for t in timings for g in t.gaps()]
-    return StepSample(0, b, 0, b * (n + m // 2), statistics.median(gaps))
+        client = timings[0].ttft
+        if requests > 0:
+            engine = _delta(after, before, "vllm:request_prefill_time_seconds_sum") / requests
+    else:
+        # A request's mean step from its first token to its last: an engine that streams
+        # several tokens in one chunk when its front end falls behind blurs single gaps.
+        client = statistics.median(t.tpot() for t in timings)
+        gaps = _delta(after, before, "vllm:request_generation_tokens_sum") - _delta(
+            after, before, "vllm:request_generation_tokens_count"
+        )
+        if gaps > 0:
+            engine = _delta(after, before, "vllm:request_decode_time_seconds_sum") / gaps
+    if engine is not None and engine <= 0:
+        engine = None
+    return Measurement(point, engine, client)
 
 
 @dataclass
@@ -402,28 +431,34 @@ def calibrate_engine(
     timed_completion(url, info.model, [rng.choice(info.vocabulary) for _ in range(8)], 4)
     before = read_metrics(url)
     progress = _Progress(of=len(points) * grid.repeats, report=report)
-    samples: list[StepSample] = []
-    client_ttft: list[float] = []
+    measured: list[list[Measurement]] = []
     for point in points:
         runs = []
         for _ in range(grid.repeats):
             runs.append(measure(url, info, point, rng))
+            seen = runs[-1].engine_s if runs[-1].engine_s is not None else runs[-1].client_s
             progress.step(
                 f"{point.kind} batch {point.batch} x {point.prompt_len} tokens: "
-                f"{runs[-1].seconds * 1e3:.2f} ms"
+                f"{seen * 1e3:.2f} ms (client {runs[-1].client_s * 1e3:.2f} ms)"
             )
-        seconds = statistics.median(r.seconds for r in runs)
-        samples.append(
-            StepSample(
-                runs[0].prefill_tokens,
-                runs[0].decode_tokens,
-                runs[0].prefill_tokens_sq,
-                runs[0].decode_context_tokens,
-                seconds,
-            )
-        )
-        if point.kind == "prefill":
-            client_ttft.extend(r.seconds for r in runs)
+        measured.append(runs)
+    # The engine's own clock where it has one for every point: a front end that falls behind
+    # (a loaded machine) delays what the client sees, not the engine's steps.
+    use_engine = all(r.engine_s is not None for runs in measured for r in runs)
+    samples: list[StepSample] = []
+    client_samples: list[StepSample] = []
+    for runs in measured:
+        client_samples.append(runs[0].sample(statistics.median(r.client_s for r in runs)))
+        if use_engine:
+            samples.append(runs[0].sample(statistics.median(r.engine_s or 0.0 for r in runs)))
+    if not use_engine:
+        samples = client_samples
+    overhead = [
+        r.client_s - r.engine_s
+        for runs in measured
+        for r in runs
+        if r.point.kind == "prefill" and r.engine_s is not None
+    ]
     after = read_metrics(url)
     engine: dict[str, float] = {}
     for short, name in _ENGINE_HISTOGRAMS:
@@ -440,8 +475,9 @@ def calibrate_engine(
     )
     engine["prefix_cache_hit_tokens"] = hits
     engine["prefix_cache_query_tokens"] = queries
-    if client_ttft:
-        engine["client_prefill_ttft_mean_s"] = statistics.fmean(client_ttft)
+    if overhead:
+        # What a client waits beyond the engine's prefill: HTTP, tokenizing, the front end.
+        engine["first_token_overhead_median_s"] = statistics.median(overhead)
     meta: dict[str, object] = {
         "source": "engine",
         "engine": url,
@@ -450,8 +486,13 @@ def calibrate_engine(
         "block_size": info.block_size,
         "grid": asdict(grid),
         "seed": seed,
+        "timing": "engine metrics" if use_engine else "client",
         "engine_metrics": engine,
     }
+    if use_engine:
+        client_fit = StepTimeProfile.fit(client_samples)
+        meta["client_coefficients"] = client_fit.coefficients
+        meta["client_fit_error"] = asdict(client_fit.error)
     profile = StepTimeProfile.fit(samples, meta)
     profile.kv_tokens = info.kv_tokens
     return profile
