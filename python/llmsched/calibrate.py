@@ -405,8 +405,29 @@ _ENGINE_HISTOGRAMS = (
 )
 
 
+def _parallel(jobs: Sequence[Callable[[], Measurement]]) -> list[Measurement]:
+    """Run ``jobs`` at once on threads; re-raise the first failure."""
+    results: list[Measurement | None] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:  # re-raised on the calling thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
 def calibrate_engine(
-    url: str,
+    url: str | Sequence[str],
     grid: EngineGrid | None = None,
     model: str | None = None,
     seed: int = 0,
@@ -414,32 +435,52 @@ def calibrate_engine(
 ) -> StepTimeProfile:
     """Time ``grid`` against the engine at ``url`` and fit the linear step model.
 
-    The profile's ``meta`` holds the engine, the model, the KV capacity, the grid and the
-    engine's own view of the same requests (``engine_metrics``). ConfigError when the engine
-    is unreachable, refuses a request, or no grid point fits its cache.
+    Several URLs (identical engines, e.g. a fleet on one machine) are measured at the same
+    time, each point on every engine at once, and their samples pooled: the fit then sees the
+    engines slow each other down as they do when they all serve.
+
+    The profile's ``meta`` holds the engines, the model, the KV capacity, the grid and the
+    engines' own view of the same requests (``engine_metrics``). ConfigError when an engine
+    is unreachable, refuses a request, serves another model, or no grid point fits its cache.
     """
     grid = grid or EngineGrid()
-    info = engine_info(url, model)
-    points = grid.points(info.kv_tokens, info.max_model_len)
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls:
+        raise ConfigError("calibrate: no engine given")
+    infos = [engine_info(u, model) for u in urls]
+    info = infos[0]
+    for u, other in zip(urls[1:], infos[1:], strict=True):
+        if other.model != info.model:
+            raise ConfigError(f"engine {u} serves {other.model!r}, {urls[0]} {info.model!r}")
+    known = [i.kv_tokens for i in infos if i.kv_tokens is not None]
+    kv_tokens = min(known) if known else None
+    points = grid.points(kv_tokens, info.max_model_len)
     if len({p.kind for p in points}) < 2:
         raise ConfigError(
-            f"engine {url}: too few grid points fit its cache ({info.kv_tokens} KV tokens, "
+            f"engine {urls[0]}: too few grid points fit its cache ({kv_tokens} KV tokens, "
             f"max_model_len {info.max_model_len}); give shorter lengths or smaller batches"
         )
-    rng = random.Random(seed)
-    # One warm-up request: the first one after startup pays for lazy initialisation.
-    timed_completion(url, info.model, [rng.choice(info.vocabulary) for _ in range(8)], 4)
-    before = read_metrics(url)
+    rngs = [random.Random(seed * 1000 + i) for i in range(len(urls))]
+    # One warm-up request each: the first one after startup pays for lazy initialisation.
+    for u, i, r in zip(urls, infos, rngs, strict=True):
+        timed_completion(u, i.model, [r.choice(i.vocabulary) for _ in range(8)], 4)
+    before = [read_metrics(u) for u in urls]
     progress = _Progress(of=len(points) * grid.repeats, report=report)
     measured: list[list[Measurement]] = []
     for point in points:
-        runs = []
+        runs: list[Measurement] = []
         for _ in range(grid.repeats):
-            runs.append(measure(url, info, point, rng))
-            seen = runs[-1].engine_s if runs[-1].engine_s is not None else runs[-1].client_s
+            jobs = [
+                (lambda u=u, i=i, r=r, p=point: measure(u, i, p, r))
+                for u, i, r in zip(urls, infos, rngs, strict=True)
+            ]
+            now = _parallel(jobs)
+            runs.extend(now)
+            seen = [m.engine_s if m.engine_s is not None else m.client_s for m in now]
             progress.step(
                 f"{point.kind} batch {point.batch} x {point.prompt_len} tokens: "
-                f"{seen * 1e3:.2f} ms (client {runs[-1].client_s * 1e3:.2f} ms)"
+                + ", ".join(f"{x * 1e3:.2f} ms" for x in seen)
+                + f" (client {now[0].client_s * 1e3:.2f} ms)"
             )
         measured.append(runs)
     # The engine's own clock where it has one for every point: a front end that falls behind
@@ -459,19 +500,19 @@ def calibrate_engine(
         for r in runs
         if r.point.kind == "prefill" and r.engine_s is not None
     ]
-    after = read_metrics(url)
+    after = [read_metrics(u) for u in urls]
     engine: dict[str, float] = {}
     for short, name in _ENGINE_HISTOGRAMS:
-        count = _metric_sum(after, name + "_count") - _metric_sum(before, name + "_count")
-        total = _metric_sum(after, name + "_sum") - _metric_sum(before, name + "_sum")
+        count = sum(_delta(a, b, name + "_count") for a, b in zip(after, before, strict=True))
+        total = sum(_delta(a, b, name + "_sum") for a, b in zip(after, before, strict=True))
         if count > 0:
             engine[f"{short}_mean_s"] = total / count
             engine[f"{short}_count"] = count
-    hits = _metric_sum(after, "vllm:prefix_cache_hits_total") - _metric_sum(
-        before, "vllm:prefix_cache_hits_total"
+    hits = sum(
+        _delta(a, b, "vllm:prefix_cache_hits_total") for a, b in zip(after, before, strict=True)
     )
-    queries = _metric_sum(after, "vllm:prefix_cache_queries_total") - _metric_sum(
-        before, "vllm:prefix_cache_queries_total"
+    queries = sum(
+        _delta(a, b, "vllm:prefix_cache_queries_total") for a, b in zip(after, before, strict=True)
     )
     engine["prefix_cache_hit_tokens"] = hits
     engine["prefix_cache_query_tokens"] = queries
@@ -480,7 +521,7 @@ def calibrate_engine(
         engine["first_token_overhead_median_s"] = statistics.median(overhead)
     meta: dict[str, object] = {
         "source": "engine",
-        "engine": url,
+        "engine": urls[0] if len(urls) == 1 else urls,
         "model": info.model,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,
@@ -494,5 +535,5 @@ def calibrate_engine(
         meta["client_coefficients"] = client_fit.coefficients
         meta["client_fit_error"] = asdict(client_fit.error)
     profile = StepTimeProfile.fit(samples, meta)
-    profile.kv_tokens = info.kv_tokens
+    profile.kv_tokens = kv_tokens
     return profile

@@ -111,7 +111,10 @@ def add_calibrate_command(subparsers: Subparsers) -> None:
     )
     parser.add_argument("--out", default="step_time_profile.yaml", help="profile path to write")
     parser.add_argument(
-        "--engine", default=None, metavar="URL", help="a running engine, e.g. http://host:8000"
+        "--engine",
+        default=None,
+        metavar="URL[,URL...]",
+        help="a running engine, e.g. http://host:8000; several identical ones are timed at once",
     )
     parser.add_argument("--model", default=None, help="with --engine: served model name")
     parser.add_argument(
@@ -199,10 +202,14 @@ def _calibrate_engine(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
     }
     grid = dataclasses.replace(grid, **{k: v for k, v in overrides.items() if v is not None})
-    profile = calibrate_engine(args.engine, grid, model=args.model, seed=args.seed, report=print)
+    urls = [u.strip() for u in args.engine.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError("--engine names no engine")
+    profile = calibrate_engine(urls, grid, model=args.model, seed=args.seed, report=print)
     profile.save(args.out)
     kv = f", {profile.kv_tokens} KV tokens" if profile.kv_tokens is not None else ""
-    print(f"wrote {args.out}: {len(profile.samples)} grid points timed on {args.engine}{kv}")
+    where = ", ".join(urls)
+    print(f"wrote {args.out}: {len(profile.samples)} grid points timed on {where}{kv}")
     _print_fit(profile)
     return 0
 
