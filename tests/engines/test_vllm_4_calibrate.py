@@ -47,14 +47,14 @@ RATES = (1.5, 4.0)  # requests per second over both engines
 # - throughput (relative error) and prefix hit rate (absolute difference): the simulator's
 #   schedule and cache model; measured within 0-7% and 0.00;
 # - TPOT, the engines' own mean (their clock, immune to a front end that streams several tokens
-#   in one chunk): within a factor. The fitted steps are what the engines did while being
-#   calibrated; during the replay (two engines, the gateway and the client on two cores) their
-#   steps ran 2.0-2.8x longer;
+#   in one chunk): within a factor; real / sim was 1.0-1.02 with both engines calibrated at
+#   once, 2.2-2.8 when one was calibrated alone (the replay runs both, the gateway and the
+#   client on two cores);
 # - TTFT: the simulator predicts the engine's queue and prefill, which both the engines' own
-#   mean and the client's p50 / p90 include, so sim <= real. The engines' mean was 3-7x the
-#   simulator's (vLLM's first step of a request costs more than a decode step, beyond what a
-#   linear model in tokens separates), the client's p50 15-30x (the HTTP front end, the gateway
-#   and CPU contention, outside any step model): reported, not bounded.
+#   mean and the client's p50 / p90 include, so sim <= real. The engines' mean was 1.4-7x the
+#   simulator's (vLLM's first step of a request costs more than a linear model in tokens gives
+#   it), the client's p50 5-30x (the HTTP front end, the gateway and CPU contention, outside
+#   any step model): reported, not bounded.
 THROUGHPUT_ERROR = 0.25
 HIT_RATE_ERROR = 0.06
 TPOT_FACTOR = (0.5, 4.0)  # real / sim, engines' own mean
