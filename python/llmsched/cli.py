@@ -103,10 +103,10 @@ def add_calibrate_command(subparsers: Subparsers) -> None:
             "With --engine URL: time prefill requests over prompt lengths and decode steps over "
             "batch sizes and contexts on a running OpenAI-compatible engine (vLLM), read its "
             "/metrics, and fit the simulator's linear step model. Without it: time prefill, "
-            "decode and mixed steps of the reference executor (torch). Either way: fit "
-            "b0 + b1*prefill_tokens + b2*decode_tokens plus attention terms by least squares "
-            "(no coefficient below zero), write the profile `llmsched sim --step-model` reads "
-            "and print the fit error."
+            "decode and mixed steps of the reference executor (torch). Then fit, by least "
+            "squares with no coefficient below zero, b0 + b1*prefill_tokens + "
+            "b2*decode_tokens plus attention terms, write the profile that "
+            "`llmsched sim --step-model` reads and print the fit error."
         ),
     )
     parser.add_argument("--out", default="step_time_profile.yaml", help="profile path to write")
