@@ -1,11 +1,13 @@
-"""``llmsched calibrate`` against a real vLLM engine, then the simulator with the fitted model
+"""``llmsched calibrate`` against real vLLM engines, then the simulator with the fitted model
 held against a real run: a mixed trace (tenants sharing system prompts, fresh questions, mixed
-output lengths) replayed through the gateway to both engines at a few rates.
+output lengths) replayed through the gateway to both engines at a few rates. Runs before the
+failover test, which stops an engine.
 
-The figures compared, per rate: TTFT p50 and p90, TPOT p50, output throughput and the prefix
-hit rate (the engines' own counters against the simulator's). What is bounded, and why, is
-stated beside the bounds below; every error is printed (``-s``) and, when
-``LLMSCHED_CALIBRATION_REPORT`` names a file, written there as JSON.
+The figures compared, per rate: TTFT p50 and p90, TPOT p50 and output throughput at the
+client, the engines' own TTFT and TPOT means, and the prefix hit rate (the engines' counters
+against the simulator's). What is bounded, and why, is stated beside the bounds below; every
+figure is printed (``-s``) and, when ``LLMSCHED_CALIBRATION_REPORT`` names a file, written
+there as JSON.
 """
 
 from __future__ import annotations
