@@ -413,8 +413,9 @@ class RooflineStepModel:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {value}")
-        if not 0 <= self.overlap <= 1:  # type: ignore[operator]
-            raise ConfigError(f"overlap must be in [0, 1], got {self.overlap}")
+        overlap = self.overlap
+        if not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
+            raise ConfigError(f"overlap must be in [0, 1], got {overlap!r}")
         for name in ("elementwise_bytes", "request_overhead_s", "step_overhead_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
