@@ -105,13 +105,27 @@ def test_stream_timing_figures() -> None:
     assert t.finish == 10.8
 
 
-def fake_openai_engine():
-    """A streaming engine on loopback with vLLM's /v1/models, /tokenize and metrics."""
+def fake_openai_engine(law: dict[str, float] | None = None):
+    """A streaming engine on loopback with vLLM's /v1/models, /tokenize and metrics. With
+    ``law`` (linear-model coefficients) it also exports vLLM's per-request prefill and decode
+    time counters as if each step took what the law says (one request at a time)."""
     from aiohttp import web
 
     from llmsched.testing import FakeHTTPEngine
 
-    served = {"prompts": []}
+    served: dict[str, list] = {"prompts": []}
+    cache_info = 'vllm:cache_config_info{block_size="32",num_gpu_blocks="64"} 1.0\n'
+    totals = {"prefill_s": 0.0, "decode_s": 0.0, "requests": 0, "tokens": 0}
+    holder: list[FakeHTTPEngine] = []
+
+    def publish() -> None:
+        holder[0].metrics_text = cache_info + (
+            f"vllm:request_prefill_time_seconds_sum {totals['prefill_s']!r}\n"
+            f"vllm:request_prefill_time_seconds_count {totals['requests']}\n"
+            f"vllm:request_decode_time_seconds_sum {totals['decode_s']!r}\n"
+            f"vllm:request_generation_tokens_sum {totals['tokens']}\n"
+            f"vllm:request_generation_tokens_count {totals['requests']}\n"
+        )
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "tiny", "max_model_len": 2000}]})
@@ -125,13 +139,21 @@ def fake_openai_engine():
         served["prompts"].append(body["prompt"])
         reply = web.StreamResponse()
         await reply.prepare(request)
-        n = len(body["prompt"])
-        for i in range(body["max_tokens"]):
+        n, m = len(body["prompt"]), body["max_tokens"]
+        for i in range(m):
             await asyncio.sleep(1e-3)
             usage = {"prompt_tokens": n, "completion_tokens": i + 1}
             chunk = {"choices": [{"text": "x"}], "usage": usage}
             await reply.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await reply.write(b"data: [DONE]\n\n")
+        if law is not None:
+            totals["prefill_s"] += law["b0"] + law["b1"] * n + law["b3"] * n * n
+            # Decode step j (1..m-1) reads n + j tokens of KV: the mean is n + m/2.
+            step = law["b0"] + law["b2"] + law["b4"] * (n + m / 2)
+            totals["decode_s"] += (m - 1) * step
+            totals["requests"] += 1
+            totals["tokens"] += m
+            publish()
         return reply
 
     def setup(app: web.Application) -> None:
@@ -139,8 +161,11 @@ def fake_openai_engine():
         app.router.add_post("/tokenize", tokenize)
         app.router.add_post("/v1/completions", completions)
 
-    metrics = 'vllm:cache_config_info{block_size="32",num_gpu_blocks="64"} 1.0\n'
-    return FakeHTTPEngine(metrics_text=metrics, setup=setup), served
+    engine = FakeHTTPEngine(metrics_text=cache_info, setup=setup)
+    holder.append(engine)
+    if law is not None:
+        publish()
+    return engine, served
 
 
 def test_engine_info_reads_kv_capacity_and_vocabulary() -> None:
@@ -199,3 +224,23 @@ def test_calibrate_refuses_an_unreachable_engine(tmp_path) -> None:
         calibrate_engine("http://127.0.0.1:9", EngineGrid())
     with pytest.raises(ConfigError, match="expected http://host:port"):
         calibrate_engine("ftp://x", EngineGrid())
+
+
+def test_calibrate_recovers_an_engine_whose_metrics_follow_a_known_law(tmp_path) -> None:
+    """The engine's own clock is what is fitted: an engine whose metrics say each step took
+    what a known linear model gives yields that model back (batch 1: the fake does not slow
+    down with concurrency)."""
+    law = {"b0": 2e-3, "b1": 3e-5, "b2": 4e-4, "b3": 2e-9, "b4": 5e-7}
+    engine, _ = fake_openai_engine(law)
+    with engine:
+        grid = EngineGrid(
+            prompt_lens=(16, 64, 256), batch_sizes=(1,), context_lens=(16, 128), decode_tokens=8
+        )
+        profile = calibrate_engine(engine.url, grid)
+    assert profile.meta["timing"] == "engine metrics"
+    names = dict(zip(("b0", "b1", "b2", "b3", "b4"), TERMS, strict=True))
+    for short, want in law.items():
+        assert profile.coefficients[names[short]] == pytest.approx(want, rel=1e-6), short
+    assert profile.error.max < 1e-9
+    # The client's view (a fake that streams in milliseconds) is kept beside, and differs.
+    assert profile.meta["client_coefficients"] != profile.coefficients
