@@ -244,3 +244,11 @@ def test_calibrate_recovers_an_engine_whose_metrics_follow_a_known_law(tmp_path)
     assert profile.error.max < 1e-9
     # The client's view (a fake that streams in milliseconds) is kept beside, and differs.
     assert profile.meta["client_coefficients"] != profile.coefficients
+
+
+def test_sim_refuses_a_bad_step_model_file_before_simulating(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("coefficients: {b0: 0.001, b1: -1.0, b2: 0.001}\n")
+    assert cli.main(["sim", "--step-model", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "b1" in err and "llmsched sim" in err
