@@ -277,6 +277,30 @@ mod tests {
     }
 
     #[test]
+    fn three_piece_run_is_the_sum_of_its_steps() {
+        let runs = [
+            // A steeper piece overtakes first, a steeper one still later (the case where the
+            // earliest crossover, not the steepest piece, decides).
+            DecodeRun { a1: 1.5, g1: 6.0, a2: 2.0, g2: 0.0, c: 0.0, a3: 0.0, g3: 7.0 },
+            DecodeRun { a1: 10.0, g1: 0.1, a2: 3.0, g2: 0.5, c: 0.25, a3: 9.75, g3: 0.45 },
+            DecodeRun { a1: 0.0, g1: 0.0, a2: 0.0, g2: 0.0, c: 1.0, a3: 0.0, g3: 0.0 },
+            DecodeRun { a1: 2.0, g1: 1.0, a2: 2.0, g2: 1.0, c: 0.0, a3: 2.0, g3: 1.0 },
+        ];
+        for run in runs {
+            for k in 0..60u64 {
+                let brute: f64 = (0..k)
+                    .map(|j| {
+                        let j = j as f64;
+                        (run.a1 + run.g1 * j).max(run.a2 + run.g2 * j).max(run.a3 + run.g3 * j)
+                            + run.c
+                    })
+                    .sum();
+                assert!((run.time(k) - brute).abs() <= 1e-9 * brute.max(1.0), "{run:?} k={k}");
+            }
+        }
+    }
+
+    #[test]
     fn linear_model_is_affine() {
         let m = StepModel::Linear(Linear { b0: 1e-3, b1: 2e-5, b2: 1e-4, b3: 0.0, b4: 0.0 });
         let w = StepWork { prefill_tokens: 100, decode_tokens: 10, ..StepWork::default() };
