@@ -359,30 +359,16 @@ def predict(
     }
 
 
-def calibrate(engine: VllmEngine, out: Path) -> Path | None:
-    """Fit the step model from ``engine`` with ``llmsched calibrate --engine``; None (and a
-    note) where this llmsched has no engine calibration."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmsched",
-            "calibrate",
-            "--engine",
-            engine.base_url,
-            "--model",
-            MODEL_NAME,
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+def calibrate(engines: Sequence[VllmEngine], out: Path) -> Path:
+    """Fit the step model with ``llmsched calibrate --engine``, both engines timed at once
+    (engines sharing a machine slow each other down, as they do in the runs)."""
+    urls = ",".join(e.base_url for e in engines)
+    command = [sys.executable, "-m", "llmsched", "calibrate", "--engine", urls]
+    command += ["--model", MODEL_NAME, "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
-        print(f"calibration failed ({done.returncode}); no prediction:\n{done.stderr[-2000:]}")
-        return None
-    print(done.stdout.strip())
+        raise RuntimeError(f"llmsched calibrate failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("[")))
     return out
 
 
@@ -494,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     print(f"engines healthy after {start_engines(engines):.0f} s")
     try:
-        step_model = calibrate(engines[0], out / "step_model.yaml")
+        step_model = calibrate(engines, out / "step_model.yaml")
         reset_caches(engines)
         runs: dict[str, list[Figures]] = {p: [] for p in policies}
         predictions: dict[str, list[Figures]] = {p: [] for p in policies}
@@ -507,13 +493,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 runs[policy].append(figures)
                 print(f"{policy} repeat {repeat}: {figures}", flush=True)
-                if step_model is not None:
-                    predictions[policy].append(predict(setup, rows, step_model, policy, workdir))
+                predictions[policy].append(predict(setup, rows, step_model, policy, workdir))
     finally:
         for engine in engines:
             engine.stop()
     real = {p: median_figures(runs[p]) for p in policies}
-    predicted = {p: median_figures(predictions[p]) for p in policies if predictions[p]}
+    predicted = {p: median_figures(predictions[p]) for p in policies}
     print_table(real, predicted)
     (out / "results.json").write_text(
         json.dumps({"setup": asdict(setup), "real": runs, "predicted": predictions}, indent=2)

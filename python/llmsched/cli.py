@@ -18,9 +18,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from llmsched.errors import ConfigError, one_line
+
+if TYPE_CHECKING:
+    from llmsched.executor.step_time import StepTimeProfile
 
 __all__ = [
     "add_calibrate_command",
@@ -94,14 +97,33 @@ def add_calibrate_command(subparsers: Subparsers) -> None:
     """``llmsched calibrate``: fit the simulator's step-time model on this machine."""
     parser = subparsers.add_parser(
         "calibrate",
-        help="time the reference executor's steps and write a step-time profile (YAML)",
+        help="fit the simulator's step-time model on a running engine or the reference "
+        "executor and write the profile (YAML)",
         description=(
-            "Time prefill, decode and mixed steps of the reference executor over a grid of "
-            "batch sizes and context lengths, fit b0 + b1*prefill_tokens + b2*decode_tokens "
-            "plus attention terms by least squares, and write the profile."
+            "With --engine URL: time prefill requests over prompt lengths and decode steps over "
+            "batch sizes and contexts on a running OpenAI-compatible engine (vLLM), read its "
+            "/metrics, and fit the simulator's linear step model. Without it: time prefill, "
+            "decode and mixed steps of the reference executor (torch). Then fit, by least "
+            "squares with no coefficient below zero, b0 + b1*prefill_tokens + "
+            "b2*decode_tokens plus attention terms, write the profile that "
+            "`llmsched sim --step-model` reads and print the fit error."
         ),
     )
     parser.add_argument("--out", default="step_time_profile.yaml", help="profile path to write")
+    parser.add_argument(
+        "--engine",
+        default=None,
+        metavar="URL[,URL...]",
+        help="a running engine, e.g. http://host:8000; several identical ones are timed at once",
+    )
+    parser.add_argument("--model", default=None, help="with --engine: served model name")
+    parser.add_argument(
+        "--prompt-lens", type=_int_list, default=None, help="with --engine: prefill prompt lengths"
+    )
+    parser.add_argument(
+        "--decode-tokens", type=int, default=None, help="with --engine: output tokens per decode"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="with --engine: prompt seed")
     parser.add_argument(
         "--device", default=None, help="torch device (default: cuda when available, else cpu)"
     )
@@ -139,6 +161,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.engine is not None:
+        return _calibrate_engine(args)
     require("executor", "torch", feature="llmsched calibrate")
     import torch
 
@@ -160,6 +184,37 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     profile = calibrate(config, grid, device)
     profile.save(args.out)
     print(f"wrote {args.out}: {len(profile.samples)} steps timed on {device}")
+    _print_fit(profile)
+    return 0
+
+
+def _calibrate_engine(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from llmsched.calibrate import EngineGrid, calibrate_engine
+
+    grid = EngineGrid()
+    overrides = {
+        "prompt_lens": args.prompt_lens,
+        "batch_sizes": args.batch_sizes,
+        "context_lens": args.context_lens,
+        "decode_tokens": args.decode_tokens,
+        "repeats": args.repeats,
+    }
+    grid = dataclasses.replace(grid, **{k: v for k, v in overrides.items() if v is not None})
+    urls = [u.strip() for u in args.engine.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError("--engine names no engine")
+    profile = calibrate_engine(urls, grid, model=args.model, seed=args.seed, report=print)
+    profile.save(args.out)
+    kv = f", {profile.kv_tokens} KV tokens" if profile.kv_tokens is not None else ""
+    where = ", ".join(urls)
+    print(f"wrote {args.out}: {len(profile.samples)} grid points timed on {where}{kv}")
+    _print_fit(profile)
+    return 0
+
+
+def _print_fit(profile: StepTimeProfile) -> None:
     for term, value in profile.coefficients.items():
         print(f"  {term:<22} {value:.4g}")
     err, lin = profile.error, profile.linear_error
@@ -167,7 +222,6 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         f"fit error (relative): median {err.median:.1%}, mean {err.mean:.1%}, max {err.max:.1%}"
         f"; linear-only model: median {lin.median:.1%}, mean {lin.mean:.1%}, max {lin.max:.1%}"
     )
-    return 0
 
 
 def add_sim_command(subparsers: Subparsers) -> None:
@@ -195,6 +249,12 @@ def add_sim_command(subparsers: Subparsers) -> None:
         choices=["auto", "rust", "python"],
         default="auto",
         help="simulation engine (auto: Rust where it covers the scenario)",
+    )
+    parser.add_argument(
+        "--step-model",
+        default=None,
+        metavar="FILE.yaml",
+        help="linear step-model file (what `llmsched calibrate` writes) for every replica",
     )
     parser.add_argument(
         "--list", action="store_true", help="list the named scenarios and policies, then exit"
@@ -226,6 +286,11 @@ def _run_sim(args: argparse.Namespace) -> int:
     config = load_scenario(args.scenario, args.config)
     if args.seed is not None:
         config.seed = args.seed
+    if args.step_model is not None:
+        from llmsched.sim.stepmodel import StepModelConfig, load_step_model
+
+        load_step_model(args.step_model)  # refused here, before the simulation starts
+        config.step_model = StepModelConfig(profile=args.step_model)
     if args.policies is not None:
         config.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if not config.policies:

@@ -3,7 +3,8 @@
 //! so the Rust engine's clock agrees with the Python engine's to the last bit.
 //!
 //! The Python side derives every constant (`_flop_rate`, `_attn`, ...) and hands them over as
-//! [`Roofline`]; the formulas are documented there.
+//! [`Roofline`]; the formulas, and where each preset's efficiencies were measured, are
+//! documented there.
 
 use serde::Deserialize;
 
@@ -15,10 +16,22 @@ pub struct Roofline {
     pub byte_rate: f64,
     pub attn: f64,
     pub kvb: f64,
-    pub active2: f64,
+    /// Two FLOPs per active parameter but the embedding table and the LM head.
+    pub body2: f64,
+    /// LM-head FLOPs per row that needs logits.
+    pub lm2: f64,
     /// Weight bytes a dense model reads per step; 0 for a MoE model (see `weights`).
     pub dense_bytes: f64,
+    /// Weight of `t_c + t_m` in the transition between the compute and memory bounds.
+    pub overlap: f64,
+    /// Seconds of element-wise layers per token.
+    pub token_s: f64,
+    /// Seconds per request in the batch.
+    pub request_s: f64,
+    /// Every weight (what the Python side hands over; the step reads `read_params`).
     pub params: f64,
+    /// Parameters a step reads in full (all but an untied embedding table).
+    pub read_params: f64,
     pub expert_params: f64,
     pub experts: f64,
     pub experts_per_token: f64,
@@ -76,9 +89,9 @@ impl Roofline {
             return self.dense_bytes;
         }
         if self.experts == 0.0 || tokens == 0 {
-            return self.params * self.bytes_per_param;
+            return self.read_params * self.bytes_per_param;
         }
-        let shared = self.params - self.expert_params;
+        let shared = self.read_params - self.expert_params;
         let touched = 1.0 - (1.0 - self.experts_per_token / self.experts).powf(tokens as f64);
         (shared + self.expert_params * touched) * self.bytes_per_param
     }
@@ -102,12 +115,17 @@ impl StepModel {
         }
         match self {
             StepModel::Roofline(r) => {
+                let rows = w.decode_tokens + u64::from(w.prefill_tokens > 0);
                 let attn_terms =
                     w.prefill_ctx as f64 + w.prefill_sq as f64 / 2.0 + w.decode_ctx as f64;
-                let flops = r.active2 * tokens as f64 + r.attn * attn_terms;
+                let flops = r.body2 * tokens as f64 + r.lm2 * rows as f64 + r.attn * attn_terms;
                 let moved =
                     r.weights(tokens) + r.kvb * (tokens + w.prefill_read + w.decode_ctx) as f64;
-                py_max(flops / r.flop_rate, moved / r.byte_rate) + r.fixed(tokens)
+                let t_c = flops / r.flop_rate;
+                let t_m = moved / r.byte_rate;
+                let bound = py_max(py_max(t_c, t_m), r.overlap * (t_c + t_m));
+                let per_item = r.token_s * tokens as f64 + r.request_s * rows as f64;
+                bound + per_item + r.fixed(tokens)
             }
             StepModel::Linear(l) => {
                 l.b0 + l.b1 * w.prefill_tokens as f64
@@ -121,17 +139,27 @@ impl StepModel {
     /// The decode-only steps of `batch` requests whose KV lengths sum to `ctx`.
     pub fn decode_run(&self, batch: u64, ctx: u64) -> DecodeRun {
         match self {
-            StepModel::Roofline(r) => DecodeRun {
-                a1: (r.active2 * batch as f64 + r.attn * ctx as f64) / r.flop_rate,
-                g1: r.attn * batch as f64 / r.flop_rate,
-                a2: (r.weights(batch) + r.kvb * (batch + ctx) as f64) / r.byte_rate,
-                g2: r.kvb * batch as f64 / r.byte_rate,
-                c: r.fixed(batch),
-            },
+            StepModel::Roofline(r) => {
+                let a1 = (r.body2 * batch as f64 + r.lm2 * batch as f64 + r.attn * ctx as f64)
+                    / r.flop_rate;
+                let g1 = r.attn * batch as f64 / r.flop_rate;
+                let a2 = (r.weights(batch) + r.kvb * (batch + ctx) as f64) / r.byte_rate;
+                let g2 = r.kvb * batch as f64 / r.byte_rate;
+                let per_item = r.token_s * batch as f64 + r.request_s * batch as f64;
+                DecodeRun {
+                    a1,
+                    g1,
+                    a2,
+                    g2,
+                    c: per_item + r.fixed(batch),
+                    a3: r.overlap * (a1 + a2),
+                    g3: r.overlap * (g1 + g2),
+                }
+            }
             StepModel::Linear(l) => {
                 let a = l.b0 + l.b2 * batch as f64 + l.b4 * ctx as f64;
                 let g = l.b4 * batch as f64;
-                DecodeRun { a1: a, g1: g, a2: a, g2: g, c: 0.0 }
+                DecodeRun { a1: a, g1: g, a2: a, g2: g, c: 0.0, a3: 0.0, g3: 0.0 }
             }
         }
     }
@@ -155,10 +183,12 @@ impl StepModel {
     }
 }
 
-/// Step `j` of a decode-only run takes `max(a1 + g1*j, a2 + g2*j) + c` seconds.
+/// Step `j` of a decode-only run takes `max(a1 + g1*j, a2 + g2*j, a3 + g3*j) + c` seconds.
 ///
-/// Algorithm: each piece is affine in `j`, so `k` steps split at the crossover into two
-/// arithmetic series: O(1); `steps_within` bisects over `k`: O(log k).
+/// Algorithm: each piece is affine in `j`, so their maximum is convex and piecewise affine and
+/// `k` steps split at the crossovers into at most three arithmetic series: O(1). From the piece
+/// largest at `j = 0` (the steeper on a tie) the run moves, at each crossover, to the piece
+/// that overtakes it first. `steps_within` bisects over `k`: O(log k).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DecodeRun {
     pub a1: f64,
@@ -166,6 +196,8 @@ pub struct DecodeRun {
     pub a2: f64,
     pub g2: f64,
     pub c: f64,
+    pub a3: f64,
+    pub g3: f64,
 }
 
 /// Sum of `a + g*j` for `start <= j < stop`.
@@ -183,18 +215,37 @@ impl DecodeRun {
         if k == 0 {
             return 0.0;
         }
-        let (mut fa, mut fg, mut sa, mut sg) = (self.a1, self.g1, self.a2, self.g2);
-        if fa < sa || (fa == sa && fg < sg) {
-            (fa, fg, sa, sg) = (sa, sg, fa, fg);
-        }
-        let mut split = k;
-        if sg > fg {
-            let crossover = (fa - sa) / (sg - fg);
-            if crossover < k as f64 {
-                split = crossover.ceil().max(0.0) as u64;
+        let pieces = [(self.a1, self.g1), (self.a2, self.g2), (self.a3, self.g3)];
+        let mut cur = 0;
+        for i in [1, 2] {
+            let (a, g) = pieces[i];
+            if a > pieces[cur].0 || (a == pieces[cur].0 && g > pieces[cur].1) {
+                cur = i;
             }
         }
-        let total = series(fa, fg, 0, split) + series(sa, sg, split, k);
+        let (mut total, mut start) = (0.0, 0u64);
+        while start < k {
+            let (a, g) = pieces[cur];
+            // The piece that overtakes this one first (the steeper of two at the same point).
+            let (mut first, mut next) = (k as f64, cur);
+            for (i, &(other_a, other_g)) in pieces.iter().enumerate() {
+                if other_g > g {
+                    let crossover = (a - other_a) / (other_g - g);
+                    if crossover < first
+                        || (crossover == first && next != cur && other_g > pieces[next].1)
+                    {
+                        (first, next) = (crossover, i);
+                    }
+                }
+            }
+            if next == cur {
+                total += series(a, g, start, k);
+                break;
+            }
+            let split = start.max(first.ceil().max(0.0) as u64);
+            total += series(a, g, start, split);
+            (start, cur) = (split, next);
+        }
         total + self.c * k as f64
     }
 
@@ -219,10 +270,34 @@ mod tests {
 
     #[test]
     fn decode_run_matches_the_python_doctest() {
-        let run = DecodeRun { a1: 1.0, g1: 0.0, a2: 0.0, g2: 1.0, c: 0.0 };
+        let run = DecodeRun { a1: 1.0, g1: 0.0, a2: 0.0, g2: 1.0, c: 0.0, a3: 0.0, g3: 0.0 };
         let times: Vec<f64> = (0..5).map(|k| run.time(k)).collect();
         assert_eq!(times, vec![0.0, 1.0, 2.0, 4.0, 7.0]);
         assert_eq!(run.steps_within(4.5, 10), 3);
+    }
+
+    #[test]
+    fn three_piece_run_is_the_sum_of_its_steps() {
+        let runs = [
+            // A steeper piece overtakes first, a steeper one still later (the case where the
+            // earliest crossover, not the steepest piece, decides).
+            DecodeRun { a1: 1.5, g1: 6.0, a2: 2.0, g2: 0.0, c: 0.0, a3: 0.0, g3: 7.0 },
+            DecodeRun { a1: 10.0, g1: 0.1, a2: 3.0, g2: 0.5, c: 0.25, a3: 9.75, g3: 0.45 },
+            DecodeRun { a1: 0.0, g1: 0.0, a2: 0.0, g2: 0.0, c: 1.0, a3: 0.0, g3: 0.0 },
+            DecodeRun { a1: 2.0, g1: 1.0, a2: 2.0, g2: 1.0, c: 0.0, a3: 2.0, g3: 1.0 },
+        ];
+        for run in runs {
+            for k in 0..60u64 {
+                let brute: f64 = (0..k)
+                    .map(|j| {
+                        let j = j as f64;
+                        (run.a1 + run.g1 * j).max(run.a2 + run.g2 * j).max(run.a3 + run.g3 * j)
+                            + run.c
+                    })
+                    .sum();
+                assert!((run.time(k) - brute).abs() <= 1e-9 * brute.max(1.0), "{run:?} k={k}");
+            }
+        }
     }
 
     #[test]

@@ -6,9 +6,11 @@ Model (BLIS's linear terms plus Vidur's attention terms)::
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
 
 fitted by least squares on relative error (each sample's row divided by its measured time, so a
-1 ms decode step counts as much as a 100 ms prefill). Fit error is the relative error of the
-fitted model on the samples (median, mean, max), reported beside the error of the three-term
-linear model fitted the same way.
+1 ms decode step counts as much as a 100 ms prefill), with no coefficient below zero (the
+simulator refuses negative step costs): a term whose least-squares coefficient is negative is
+fixed at 0 and the rest refitted, the most negative first, until none is. Fit error is the
+relative error of the fitted model on the samples (median, mean, max), reported beside the
+error of the three-term linear model fitted the same way.
 
 >>> samples = [StepSample(p, d, p * p, d * (p + 9), 1e-3 + 2e-6 * p + 5e-6 * d)
 ...            for p, d in [(0, 1), (0, 8), (16, 0), (64, 0), (256, 0), (0, 32), (32, 4)]]
@@ -73,6 +75,22 @@ class FitError:
         return cls(float(np.median(rel)), float(rel.mean()), float(rel.max()))
 
 
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares on relative error, ``min sum(((x @ c) - y) / y)^2`` with ``c >= 0``: a
+    negative coefficient is fixed at 0 (the most negative first) and the rest refitted."""
+    scaled = x / y[:, None]
+    ones = np.ones_like(y)
+    free = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while free:
+        sub, *_ = np.linalg.lstsq(scaled[:, free], ones, rcond=None)
+        if (sub >= 0).all():
+            coef[free] = sub
+            break
+        free.pop(int(np.argmin(sub)))
+    return coef
+
+
 @dataclass
 class StepTimeProfile:
     """Fitted coefficients (seconds per term), fit errors and the context they came from."""
@@ -82,6 +100,8 @@ class StepTimeProfile:
     linear_error: FitError
     samples: list[StepSample] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    kv_tokens: int | None = None
+    """KV capacity of the engine measured (tokens), when known; the simulator uses it."""
 
     @classmethod
     def fit(
@@ -94,10 +114,8 @@ class StepTimeProfile:
         y = np.array([s.seconds for s in samples])
         if (y <= 0).any():
             raise ConfigError("every sample needs a positive time")
-        scaled = x / y[:, None]
-        ones = np.ones_like(y)
-        coef, *_ = np.linalg.lstsq(scaled, ones, rcond=None)
-        linear, *_ = np.linalg.lstsq(scaled[:, :3], ones, rcond=None)
+        coef = _nonnegative_fit(x, y)
+        linear = _nonnegative_fit(x[:, :3], y)
         return cls(
             coefficients={t: float(c) for t, c in zip(TERMS, coef, strict=True)},
             error=FitError.of(x @ coef, y),
@@ -126,6 +144,7 @@ class StepTimeProfile:
         return {
             "kind": PROFILE_KIND,
             "version": PROFILE_VERSION,
+            **({"kv_tokens": self.kv_tokens} if self.kv_tokens is not None else {}),
             "meta": self.meta,
             "terms": list(TERMS),
             "coefficients": self.coefficients,
@@ -156,6 +175,7 @@ class StepTimeProfile:
                 linear_error=FitError(**data["linear_fit_error"]),
                 samples=[StepSample(**s) for s in data.get("samples", [])],
                 meta=dict(data.get("meta") or {}),
+                kv_tokens=None if data.get("kv_tokens") is None else int(data["kv_tokens"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed profile: {exc}") from None

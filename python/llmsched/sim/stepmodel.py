@@ -5,16 +5,30 @@ squared chunk lengths, ``prefill_ctx`` the sum over chunks of chunk length times
 already cached before it, ``prefill_read`` the sum of those contexts: the KV each chunk reads)
 and ``decode_tokens`` decoding requests whose KV lengths sum to ``decode_ctx``.
 
-Roofline (peaks from the vendors' datasheets, :data:`GPUS`)::
+Roofline (peaks from the vendors' datasheets, achieved fractions from measurements: :data:`GPUS`)::
 
-    flops = 2 * active_params * (P + D)
+    T = P + D;  R = D + (1 if P else 0)          # tokens; rows that need logits
+    flops = 2 * body_params * T + 2 * vocab * hidden * R
             + 4 * layers * q_dim * (prefill_ctx + prefill_sq / 2 + decode_ctx)
-    bytes = weights_read(P + D) + kv_bytes_per_token * (P + D + prefill_read + decode_ctx)
-    t = max(flops / (tp * peak_flops * compute_eff), bytes / (tp * hbm_bw * memory_eff))
-        + step_overhead + tensor-parallel all-reduce time
+    bytes = weights_read(T) + kv_bytes_per_token * (T + prefill_read + decode_ctx)
+    t_c = flops / (tp * peak_flops * mfu);  t_m = bytes / (tp * hbm_bw * mbu)
+    t = max(t_c, t_m, overlap * (t_c + t_m))
+        + elementwise_bytes * layers * hidden * T / (tp * hbm_bw)
+        + request_overhead_s * R + step_overhead + tensor-parallel all-reduce time
 
-where ``weights_read`` is every weight for a dense model and, for a MoE model, the shared weights
-plus the experts that ``T`` tokens touch in expectation (``E * (1 - (1 - k/E)^T)`` of ``E``).
+``body_params`` are the parameters a token multiplies through except the embedding table (a
+lookup, no FLOPs) and the LM head, which runs only for the rows that need logits: every decode
+token and the last token of a prefill chunk (one per step with prefill: the step's work does not
+say how many chunks it holds; a missed row costs ``2 * vocab * hidden`` FLOPs, about 1 GFLOP for
+Llama-3.1-8B against 16 GFLOPs per prefill token). ``weights_read`` is every weight but an untied
+embedding table (only its looked-up rows are read) for a dense model and, for a MoE model, the
+shared weights plus the experts that ``T`` tokens touch in expectation (``E * (1 - (1 - k/E)^T)``
+of ``E``). ``mfu`` is the large-batch matmul efficiency and ``mbu`` the small-batch bandwidth
+efficiency; between the two regimes (decode at batch 32-256, short prefill chunks) neither bound
+is reached, which the third term, ``overlap * (t_c + t_m)``, models. The element-wise layers
+(norms, rotary embedding, activation, residual adds) move ``elementwise_bytes`` per hidden unit,
+token and layer at full bandwidth, after the matmuls. The constants of each GPU and where they
+were measured are in :data:`GPUS` and the simulator docs.
 
 Linear (BLIS plus Vidur attention terms, the file ``llmsched calibrate`` writes)::
 
@@ -25,9 +39,9 @@ the simulator pays per event, not per token.
 
 >>> model = RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"])
 >>> round(model.step_time(prefill_tokens=10_000, prefill_sq=10_000**2), 2)
-0.32
+0.26
 >>> round(model.step_time(decode_tokens=1, decode_ctx=1000) * 1e3, 1)
-6.5
+7.2
 """
 
 from __future__ import annotations
@@ -58,20 +72,50 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """Peak dense bf16 FLOP/s, HBM bandwidth (bytes/s) and memory (bytes) of one GPU."""
+    """Peak dense bf16 FLOP/s, HBM bandwidth (bytes/s) and memory (bytes) of one GPU, and the
+    fractions of them a transformer's layers reach (see the module docs for the formula).
+
+    ``mfu``: matmul FLOP/s over the peak for large token counts; ``mbu``: weight-read bandwidth
+    over the peak for small ones; ``overlap``: the transition between them; ``elementwise_bytes``:
+    bytes the element-wise layers move per hidden unit, token and layer.
+    """
 
     name: str
     flops: float
     hbm_bw: float
     memory: float
     link_bw: float = 450e9  # NVLink bytes/s per direction, for tensor-parallel all-reduce
+    mfu: float = 0.6
+    mbu: float = 0.8
+    overlap: float = 0.0
+    elementwise_bytes: float = 0.0
 
 
-# Vendor datasheets: dense bf16 peaks, HBM bandwidth, memory.
+# Peaks: the vendors' datasheets (dense bf16, HBM bandwidth, memory). Efficiencies: fitted to
+# Vidur's published per-operator profiles of vLLM's layers (github.com/microsoft/vidur,
+# data/profiling/compute/<gpu>/meta-llama/<model>/mlp.csv: the median time of each linear and
+# element-wise layer of one transformer layer at 1 to 32k tokens): A100 from Meta-Llama-3-8B,
+# H100 from Llama-2-7b-hf. The H200 is the H100's GH100 die with faster HBM3e; it takes the
+# H100's fractions (no published profile). The figures they reproduce, and the tolerance, are
+# in tests/test_sim_stepmodel.py.
 GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec("H100", 989e12, 3.35e12, 80e9),
-    "H200": GpuSpec("H200", 989e12, 4.8e12, 141e9),
-    "A100": GpuSpec("A100", 312e12, 2.0e12, 80e9, link_bw=300e9),
+    "H100": GpuSpec(
+        "H100", 989e12, 3.35e12, 80e9, mfu=0.74, mbu=0.67, overlap=0.75, elementwise_bytes=77.0
+    ),
+    "H200": GpuSpec(
+        "H200", 989e12, 4.8e12, 141e9, mfu=0.74, mbu=0.67, overlap=0.75, elementwise_bytes=77.0
+    ),
+    "A100": GpuSpec(
+        "A100",
+        312e12,
+        2.0e12,
+        80e9,
+        link_bw=300e9,
+        mfu=0.74,
+        mbu=0.71,
+        overlap=0.75,
+        elementwise_bytes=86.0,
+    ),
 }
 
 
@@ -81,6 +125,8 @@ class ModelSpec:
 
     ``params`` counts every weight; ``active_params`` those one token uses (equal for dense
     models). For MoE models ``expert_params`` is the part of ``params`` held in routed experts.
+    ``vocab`` sizes the embedding table and the LM head (``vocab * hidden`` each, one matrix when
+    ``tied_embeddings``); 0 counts them as ordinary weights.
     """
 
     name: str
@@ -97,6 +143,8 @@ class ModelSpec:
     bytes_per_param: int = 2
     kv_bytes_per_elem: int = 2
     default_tp: int = 1
+    vocab: int = 0
+    tied_embeddings: bool = False
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -108,11 +156,28 @@ class ModelSpec:
         """Parameters one token multiplies through."""
         return self.active_params or self.params
 
+    @property
+    def lm_head_params(self) -> float:
+        """Parameters of the LM head (``vocab * hidden``)."""
+        return float(self.vocab * self.hidden)
+
+    @property
+    def body_params(self) -> float:
+        """Active parameters a token multiplies through, without the embedding table (a lookup)
+        and the LM head (run only for the rows that need logits)."""
+        tables = 1 if self.tied_embeddings else 2
+        return self.active - tables * self.lm_head_params
+
+    @property
+    def read_params(self) -> float:
+        """Parameters a step reads in full: all but an untied embedding table."""
+        return self.params - (0.0 if self.tied_embeddings else self.lm_head_params)
+
     def weight_bytes_read(self, tokens: int) -> float:
         """Weight bytes one step reads when it processes ``tokens`` tokens."""
         if not self.experts or tokens <= 0:
-            return self.params * self.bytes_per_param
-        shared = self.params - self.expert_params
+            return self.read_params * self.bytes_per_param
+        shared = self.read_params - self.expert_params
         touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** tokens
         return (shared + self.expert_params * touched) * self.bytes_per_param
 
@@ -120,7 +185,14 @@ class ModelSpec:
 # Public model cards (Hugging Face config.json of each model).
 MODELS: dict[str, ModelSpec] = {
     "llama-3.1-8b": ModelSpec(
-        "llama-3.1-8b", params=8.03e9, layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128
+        "llama-3.1-8b",
+        params=8.03e9,
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=128256,
     ),
     "qwen2.5-32b": ModelSpec(
         "qwen2.5-32b",
@@ -131,6 +203,7 @@ MODELS: dict[str, ModelSpec] = {
         kv_heads=8,
         head_dim=128,
         default_tp=2,
+        vocab=152064,
     ),
     "qwen3-30b-a3b": ModelSpec(
         "qwen3-30b-a3b",
@@ -144,6 +217,7 @@ MODELS: dict[str, ModelSpec] = {
         experts=128,
         experts_per_token=8,
         expert_params=29.0e9,
+        vocab=151936,
     ),
 }
 
@@ -174,11 +248,15 @@ class StepModel(Protocol):
 
 @dataclass(frozen=True)
 class DecodeRun:
-    """Step ``j`` (from 0) of a decode-only run takes ``max(a1 + g1*j, a2 + g2*j) + c`` seconds.
+    """Step ``j`` (from 0) of a decode-only run takes
+    ``max(a1 + g1*j, a2 + g2*j, a3 + g3*j) + c`` seconds.
 
     Algorithm: each piece is affine in ``j`` (the KV read grows by one token per request per
-    step), so the sum of ``k`` steps splits at the crossover into two arithmetic series: O(1).
-    :meth:`steps_within` inverts it by bisection over ``k``: O(log k).
+    step), so their maximum is convex and piecewise affine: the sum of ``k`` steps splits at the
+    crossovers into at most three arithmetic series, O(1). From the piece that is largest at
+    ``j = 0`` (the steeper on a tie) the run moves, at each crossover, to the piece that
+    overtakes it first; slopes only grow, so it moves at most twice. :meth:`steps_within`
+    inverts it by bisection over ``k``: O(log k).
 
     >>> run = DecodeRun(1.0, 0.0, 0.0, 1.0, 0.0)   # max(1, j)
     >>> [run.time(k) for k in range(5)]
@@ -192,21 +270,38 @@ class DecodeRun:
     a2: float
     g2: float
     c: float
+    a3: float = 0.0
+    g3: float = 0.0
 
     def time(self, k: int) -> float:
         """Seconds for the first ``k`` steps."""
         if k <= 0:
             return 0.0
-        # Steps j < split take the piece that is larger at j = 0, the rest the other one.
-        first_a, first_g, second_a, second_g = self.a1, self.g1, self.a2, self.g2
-        if first_a < second_a or (first_a == second_a and first_g < second_g):
-            first_a, first_g, second_a, second_g = second_a, second_g, first_a, first_g
-        split = k
-        if second_g > first_g:
-            crossover = (first_a - second_a) / (second_g - first_g)
-            if crossover < k:
-                split = max(0, math.ceil(crossover))
-        total = _series(first_a, first_g, 0, split) + _series(second_a, second_g, split, k)
+        pieces = ((self.a1, self.g1), (self.a2, self.g2), (self.a3, self.g3))
+        cur = 0
+        for i in (1, 2):
+            a, g = pieces[i]
+            if a > pieces[cur][0] or (a == pieces[cur][0] and g > pieces[cur][1]):
+                cur = i
+        total, start = 0.0, 0
+        while start < k:
+            a, g = pieces[cur]
+            # The piece that overtakes this one first (the steeper of two at the same point).
+            first, nxt = float(k), cur
+            for i in (0, 1, 2):
+                other_a, other_g = pieces[i]
+                if other_g > g:
+                    crossover = (a - other_a) / (other_g - g)
+                    if crossover < first or (
+                        crossover == first and nxt != cur and other_g > pieces[nxt][1]
+                    ):
+                        first, nxt = crossover, i
+            if nxt == cur:
+                total += _series(a, g, start, k)
+                break
+            split = max(start, math.ceil(first))
+            total += _series(a, g, start, split)
+            start, cur = split, nxt
         return total + self.c * k
 
     def steps_within(self, seconds: float, limit: int) -> int:
@@ -234,28 +329,43 @@ class RooflineConstants(TypedDict):
     them, the model's dimensions and the batch (see :meth:`RooflineStepModel.constants`)."""
 
     flop_rate: float
-    """Achieved FLOP/s over the tensor-parallel group."""
+    """Achieved matmul FLOP/s over the tensor-parallel group (large batches)."""
     byte_rate: float
-    """Achieved HBM bytes/s over the tensor-parallel group."""
+    """Achieved HBM bytes/s over the tensor-parallel group (small batches)."""
     attn: float
     """Attention FLOPs per (query token, key token) pair over all layers."""
     kvb: float
     """KV-cache bytes per token."""
-    active2: float
-    """Two FLOPs per active parameter (dense matmul cost per token)."""
+    body2: float
+    """Two FLOPs per active parameter but the embedding table and the LM head, per token."""
+    lm2: float
+    """LM-head FLOPs per row that needs logits."""
     dense_bytes: float
     """Weight bytes read per step for a dense model (0 for a mixture of experts)."""
+    read_params: float
+    """Parameters a step reads in full (all but an untied embedding table)."""
+    overlap: float
+    """Weight of ``t_c + t_m`` in the transition between the two bounds."""
+    token_s: float
+    """Seconds of element-wise layers per token."""
+    request_s: float
+    """Seconds per request in the batch (attention setup)."""
 
 
 @dataclass(frozen=True)
 class RooflineStepModel:
-    """Step time from peak FLOP/s and HBM bandwidth with efficiencies (see the module docs).
+    """Step time from peak FLOP/s and HBM bandwidth with measured efficiencies (module docs).
 
     Args:
         model, gpu: the presets in :data:`MODELS` and :data:`GPUS` (or your own specs).
         tp: tensor-parallel degree (GPUs per replica); ``None`` takes the model's default.
-        compute_eff: achieved fraction of peak FLOP/s (prefill MFU).
-        memory_eff: achieved fraction of HBM bandwidth.
+        compute_eff: matmul efficiency for large batches (MFU); ``None``: the GPU's ``mfu``.
+        memory_eff: bandwidth efficiency for small batches (MBU); ``None``: the GPU's ``mbu``.
+        overlap: the transition term's weight; ``None``: the GPU's.
+        elementwise_bytes: element-wise bytes per hidden unit, token and layer; ``None``: the
+            GPU's.
+        request_overhead_s: fixed cost per request in a step (attention metadata and kernel
+            setup); 0 by default: no published measurement separates it.
         step_overhead_s: fixed CPU/launch cost per step.
         allreduce_latency_s: per all-reduce (two per layer) when ``tp > 1``.
         gpu_memory_utilization: vLLM's fraction of GPU memory it may use.
@@ -268,8 +378,11 @@ class RooflineStepModel:
     model: ModelSpec
     gpu: GpuSpec
     tp: int | None = None
-    compute_eff: float = 0.6
-    memory_eff: float = 0.8
+    compute_eff: float | None = None
+    memory_eff: float | None = None
+    overlap: float | None = None
+    elementwise_bytes: float | None = None
+    request_overhead_s: float = 0.0
     step_overhead_s: float = 0.5e-3
     allreduce_latency_s: float = 8e-6
     gpu_memory_utilization: float = 0.9
@@ -279,18 +392,41 @@ class RooflineStepModel:
     _byte_rate: float = field(init=False, repr=False, compare=False, default=0.0)
     _attn: float = field(init=False, repr=False, compare=False, default=0.0)
     _kvb: float = field(init=False, repr=False, compare=False, default=0.0)
-    _active2: float = field(init=False, repr=False, compare=False, default=0.0)
+    _body2: float = field(init=False, repr=False, compare=False, default=0.0)
+    _lm2: float = field(init=False, repr=False, compare=False, default=0.0)
     _dense_bytes: float = field(init=False, repr=False, compare=False, default=0.0)
+    _token_s: float = field(init=False, repr=False, compare=False, default=0.0)
 
     def __post_init__(self) -> None:
         if self.tp is None:
             object.__setattr__(self, "tp", self.model.default_tp)
+        defaults = {
+            "compute_eff": self.gpu.mfu,
+            "memory_eff": self.gpu.mbu,
+            "overlap": self.gpu.overlap,
+            "elementwise_bytes": self.gpu.elementwise_bytes,
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         for name in ("compute_eff", "memory_eff", "gpu_memory_utilization"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {value}")
+        overlap = self.overlap
+        if not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
+            raise ConfigError(f"overlap must be in [0, 1], got {overlap!r}")
+        for name in ("elementwise_bytes", "request_overhead_s", "step_overhead_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"tp must be a positive int, got {self.tp!r}")
+        if self.model.body_params <= 0:
+            raise ConfigError(
+                f"{self.model.name}: the embedding and LM head ({self.model.vocab} x "
+                f"{self.model.hidden}) leave no active parameters"
+            )
         self._derive()
         if self.kv_capacity_tokens() < 1:
             raise ConfigError(
@@ -300,7 +436,8 @@ class RooflineStepModel:
     def _derive(self) -> None:
         """Constants every step uses, computed once (the model is immutable)."""
         tp = self.tp
-        assert tp is not None
+        assert tp is not None and self.compute_eff is not None and self.memory_eff is not None
+        assert self.elementwise_bytes is not None
         m = self.model
         derived = {
             "_flop_rate": tp * self.gpu.flops * self.compute_eff,
@@ -308,8 +445,10 @@ class RooflineStepModel:
             # QK^T and AV, 2 FLOPs per multiply-add, per (query token, key token) pair.
             "_attn": 4.0 * m.layers * m.heads * m.head_dim,
             "_kvb": m.kv_bytes_per_token,
-            "_active2": 2.0 * m.active,
-            "_dense_bytes": m.params * m.bytes_per_param if not m.experts else 0.0,
+            "_body2": 2.0 * m.body_params,
+            "_lm2": 2.0 * m.lm_head_params,
+            "_dense_bytes": m.read_params * m.bytes_per_param if not m.experts else 0.0,
+            "_token_s": self.elementwise_bytes * m.layers * m.hidden / (tp * self.gpu.hbm_bw),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -321,13 +460,19 @@ class RooflineStepModel:
         >>> RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"]).constants()["attn"]
         524288.0
         """
+        assert self.overlap is not None
         return {
             "flop_rate": self._flop_rate,
             "byte_rate": self._byte_rate,
             "attn": self._attn,
             "kvb": float(self._kvb),
-            "active2": self._active2,
+            "body2": self._body2,
+            "lm2": self._lm2,
             "dense_bytes": float(self._dense_bytes),
+            "read_params": float(self.model.read_params),
+            "overlap": float(self.overlap),
+            "token_s": self._token_s,
+            "request_s": float(self.request_overhead_s),
         }
 
     def _fixed(self, tokens: int) -> float:
@@ -355,18 +500,32 @@ class RooflineStepModel:
         tokens = prefill_tokens + decode_tokens
         if tokens <= 0:
             return 0.0
-        flops = self._active2 * tokens + self._attn * (prefill_ctx + prefill_sq / 2 + decode_ctx)
+        rows = decode_tokens + (1 if prefill_tokens > 0 else 0)
+        flops = (
+            self._body2 * tokens
+            + self._lm2 * rows
+            + self._attn * (prefill_ctx + prefill_sq / 2 + decode_ctx)
+        )
         moved = self._weights(tokens) + self._kvb * (tokens + prefill_read + decode_ctx)
-        return max(flops / self._flop_rate, moved / self._byte_rate) + self._fixed(tokens)
+        t_c = flops / self._flop_rate
+        t_m = moved / self._byte_rate
+        assert self.overlap is not None
+        bound = max(t_c, t_m, self.overlap * (t_c + t_m))
+        per_item = self._token_s * tokens + self.request_overhead_s * rows
+        return bound + per_item + self._fixed(tokens)
 
     def decode_run(self, batch: int, ctx: float) -> DecodeRun:
         """Closed-form decode run (``ctx`` grows by ``batch`` per step)."""
         kvb, attn, flop_rate, byte_rate = self._kvb, self._attn, self._flop_rate, self._byte_rate
-        a1 = (self._active2 * batch + attn * ctx) / flop_rate
+        assert self.overlap is not None
+        a1 = (self._body2 * batch + self._lm2 * batch + attn * ctx) / flop_rate
         g1 = attn * batch / flop_rate
         a2 = (self._weights(batch) + kvb * (batch + ctx)) / byte_rate
         g2 = kvb * batch / byte_rate
-        return DecodeRun(a1, g1, a2, g2, self._fixed(batch))
+        a3 = self.overlap * (a1 + a2)
+        g3 = self.overlap * (g1 + g2)
+        per_item = self._token_s * batch + self.request_overhead_s * batch
+        return DecodeRun(a1, g1, a2, g2, per_item + self._fixed(batch), a3, g3)
 
     def kv_capacity_tokens(self) -> int:
         """KV tokens that fit beside the weights (vLLM's sizing, simplified)."""

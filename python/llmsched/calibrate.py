@@ -1,0 +1,539 @@
+"""``llmsched calibrate --engine URL``: fit the simulator's linear step model from a running engine.
+
+The model is the simulator's :class:`~llmsched.sim.LinearStepModel`::
+
+    t = b0 + b1 * prefill_tokens + b2 * decode_tokens
+           + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
+
+Measurement, against any OpenAI-compatible engine that streams (vLLM, SGLang): every prompt is a
+list of token ids drawn fresh from the engine's own vocabulary (its ``/tokenize`` answer), so
+its length is exact and it never hits the prefix cache; ``ignore_eos`` fixes the output length,
+and ``continuous_usage_stats`` makes every streamed chunk say how many tokens it carries.
+
+- **Prefill** (one sample per prompt length ``n`` of the grid): one request alone, ``n`` prompt
+  tokens and one output token. Its time to first token, as a client sees it, is one prefill step
+  (``P = n``, ``sum(chunk^2) = n^2``) plus the engine's per-request overhead (HTTP, tokenizing
+  the answer), which the step model folds into ``b0``.
+- **Decode** (one sample per batch size ``b`` and context ``n``): ``b`` requests at once, each
+  with ``n`` prompt tokens and ``m = decode_tokens`` output tokens. A request's time from its
+  first token to its last over ``m - 1`` is its mean decode step (``D = b``,
+  ``sum(context) = b * (n + m/2)`` at the middle token); the sample is the median over the
+  ``b`` requests. (Single gaps between streamed chunks would not do: a front end that falls
+  behind the engine sends several tokens in one chunk.)
+
+Each point is measured ``repeats`` times and the median kept (the machine's noise is part of
+what the simulator should predict; the median is its typical step). Points whose KV would not
+fit in the engine's cache (preemption would distort them) are skipped. The samples are fitted by
+:meth:`~llmsched.executor.step_time.StepTimeProfile.fit` (least squares on relative error, no
+coefficient below zero), and the profile it writes is the file ``llmsched sim --step-model``
+reads, with the engine's KV capacity (``kv_tokens``, from vLLM's ``vllm:cache_config_info``).
+
+The engine's own ``/metrics`` are read before and after: the prefix-cache counters (the grid
+must not hit the cache) and, where vLLM exports them, its time-to-first-token and inter-token
+histograms, recorded beside the client's view in the profile's ``meta.engine_metrics``.
+
+>>> grid = EngineGrid(prompt_lens=(16, 64), batch_sizes=(1, 2), context_lens=(16,))
+>>> [p.kind for p in grid.points(kv_tokens=4096, max_model_len=2048)]
+['prefill', 'prefill', 'decode', 'decode']
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import statistics
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from llmsched.errors import ConfigError
+from llmsched.executor.step_time import StepSample, StepTimeProfile
+
+__all__ = [
+    "EngineGrid",
+    "GridPoint",
+    "Measurement",
+    "StreamTiming",
+    "calibrate_engine",
+    "engine_info",
+    "read_metrics",
+    "timed_completion",
+]
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One measurement: ``kind`` ``prefill`` (``batch`` is 1) or ``decode``."""
+
+    kind: str
+    batch: int
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class EngineGrid:
+    """The prompt lengths (prefill), batch sizes and contexts (decode) to time.
+
+    ``batch_sizes`` should not pass the engine's ``--max-num-seqs`` (a request beyond it waits
+    in the queue and its decode is not one batch).
+    """
+
+    prompt_lens: tuple[int, ...] = (32, 128, 512, 1024)
+    batch_sizes: tuple[int, ...] = (1, 2, 4)
+    context_lens: tuple[int, ...] = (32, 256, 512)
+    decode_tokens: int = 32
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.prompt_lens or not self.batch_sizes or not self.context_lens:
+            raise ConfigError("calibration grid: prompt lengths, batch sizes and contexts needed")
+        values = (*self.prompt_lens, *self.batch_sizes, *self.context_lens, self.repeats)
+        if min(values) < 1:
+            raise ConfigError("calibration grid: every length, batch size and repeat must be >= 1")
+        if self.decode_tokens < 4:
+            raise ConfigError(
+                f"calibration grid: decode_tokens must be >= 4, got {self.decode_tokens}"
+            )
+
+    def points(self, kv_tokens: int | None, max_model_len: int | None) -> list[GridPoint]:
+        """The grid's measurements whose KV fits the cache and whose prompt the engine takes."""
+        out = []
+        limit = kv_tokens if kv_tokens is not None else float("inf")
+        longest = max_model_len if max_model_len is not None else float("inf")
+        for n in self.prompt_lens:
+            if n + 1 <= longest and n + 1 <= limit:
+                out.append(GridPoint("prefill", 1, n, 1))
+        m = self.decode_tokens
+        for b in self.batch_sizes:
+            for n in self.context_lens:
+                if n + m <= longest and b * (n + m) <= limit:
+                    out.append(GridPoint("decode", b, n, m))
+        return out
+
+
+@dataclass(frozen=True)
+class StreamTiming:
+    """What a client saw of one streamed completion (seconds since it was sent).
+
+    ``token_times[i]`` is when output token ``i`` arrived (tokens that came in one chunk share
+    its time).
+    """
+
+    sent: float
+    token_times: tuple[float, ...]
+    prompt_tokens: int
+
+    @property
+    def ttft(self) -> float:
+        """Time to the first token."""
+        return self.token_times[0] - self.sent
+
+    @property
+    def finish(self) -> float:
+        """When the last token arrived."""
+        return self.token_times[-1]
+
+    def tpot(self) -> float:
+        """Mean seconds per output token after the first (0 for one token)."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+
+
+def _split(url: str) -> tuple[str, int, str]:
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise ConfigError(f"--engine {url!r}: expected http://host:port")
+    return parsed.hostname, parsed.port or 80, parsed.path.rstrip("/")
+
+
+def _request(
+    url: str, method: str, path: str, body: object | None = None, timeout_s: float = 60.0
+) -> tuple[int, bytes]:
+    host, port, base = _split(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        payload = None if body is None else json.dumps(body)
+        headers = {"content-type": "application/json"} if body is not None else {}
+        conn.request(method, base + path, payload, headers)
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    except OSError as exc:
+        raise ConfigError(f"engine {url} did not answer {method} {path}: {exc}") from None
+    finally:
+        conn.close()
+
+
+def timed_completion(
+    url: str,
+    model: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    timeout_s: float = 300.0,
+    extra: Mapping[str, object] | None = None,
+) -> StreamTiming:
+    """Send one streamed ``/v1/completions`` request of token ids and time its tokens.
+
+    ``ignore_eos`` makes it produce exactly ``max_tokens`` tokens; ConfigError when the engine
+    refuses it or the stream ends short.
+    """
+    host, port, base = _split(url)
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    body.update(extra or {})
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    times: list[float] = []
+    seen, prompt_tokens = 0, len(prompt)
+    try:
+        sent = time.perf_counter()
+        conn.request(
+            "POST", base + "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        reply = conn.getresponse()
+        if reply.status != 200:
+            raise ConfigError(
+                f"engine {url} refused a completion ({reply.status}): {reply.read()[:300]!r}"
+            )
+        for raw in reply:
+            now = time.perf_counter()
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            usage = json.loads(line[5:]).get("usage") or {}
+            done = int(usage.get("completion_tokens") or 0)
+            prompt_tokens = int(usage.get("prompt_tokens") or prompt_tokens)
+            times.extend([now] * (done - seen))
+            seen = max(seen, done)
+    except OSError as exc:
+        raise ConfigError(f"engine {url}: completion failed: {exc}") from None
+    finally:
+        conn.close()
+    if len(times) < max_tokens:
+        raise ConfigError(
+            f"engine {url}: stream ended after {len(times)} of {max_tokens} tokens "
+            "(does it report continuous_usage_stats?)"
+        )
+    return StreamTiming(sent, tuple(times[:max_tokens]), prompt_tokens)
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """The engine's Prometheus samples, ``name{labels}`` -> value (labels as written)."""
+    status, text = _request(url, "GET", "/metrics", timeout_s=30.0)
+    if status != 200:
+        raise ConfigError(f"engine {url}: /metrics answered {status}")
+    out: dict[str, float] = {}
+    for line in text.decode(errors="replace").splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _metric_sum(metrics: Mapping[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def _label(key: str, label: str) -> str | None:
+    marker = f'{label}="'
+    start = key.find(marker)
+    if start < 0:
+        return None
+    start += len(marker)
+    return key[start : key.find('"', start)]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine says about itself: served model, longest prompt, KV cache."""
+
+    model: str
+    max_model_len: int | None
+    block_size: int | None
+    kv_tokens: int | None
+    vocabulary: tuple[int, ...]
+
+
+def engine_info(url: str, model: str | None = None) -> EngineInfo:
+    """The served model (``/v1/models``), its KV cache (``vllm:cache_config_info``) and token
+    ids to draw prompts from (``/tokenize`` of a few hundred words)."""
+    status, body = _request(url, "GET", "/v1/models")
+    if status != 200:
+        raise ConfigError(f"engine {url}: /v1/models answered {status}")
+    listed = json.loads(body).get("data") or []
+    names = [str(m.get("id")) for m in listed]
+    if model is None:
+        if not names:
+            raise ConfigError(f"engine {url} serves no model")
+        model = names[0]
+    elif model not in names:
+        raise ConfigError(f"engine {url} does not serve {model!r}; it serves {names}")
+    entry = next(m for m in listed if str(m.get("id")) == model)
+    max_len = entry.get("max_model_len")
+    block_size = kv_tokens = None
+    for key in read_metrics(url):
+        if key.startswith("vllm:cache_config_info{"):
+            blocks = _label(key, "num_gpu_blocks_override") or _label(key, "num_gpu_blocks")
+            size = _label(key, "block_size")
+            if size and size.isdigit():
+                block_size = int(size)
+                if blocks and blocks.isdigit():
+                    kv_tokens = int(blocks) * block_size
+    rng = random.Random(0)
+    words = ("cache", "token", "route", "engine", "batch", "memory", "block", "queue", "time")
+    text = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(400))
+    status, body = _request(url, "POST", "/tokenize", {"model": model, "prompt": text})
+    if status != 200:
+        raise ConfigError(f"engine {url}: /tokenize answered {status}; calibrate needs it")
+    vocabulary = tuple(sorted(set(json.loads(body).get("tokens") or [])))
+    if len(vocabulary) < 16:
+        raise ConfigError(f"engine {url}: /tokenize gave {len(vocabulary)} distinct tokens")
+    return EngineInfo(model, int(max_len) if max_len else None, block_size, kv_tokens, vocabulary)
+
+
+def _concurrently(jobs: Sequence[Callable[[], StreamTiming]]) -> list[StreamTiming]:
+    """Run ``jobs`` at once on threads (released together); re-raise the first failure."""
+    results: list[StreamTiming | None] = [None] * len(jobs)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(jobs))
+
+    def work(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:  # re-raised on the calling thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One grid point measured once: the step time as the engine's own metrics give it
+    (``None`` where the engine does not export them) and as the client saw it."""
+
+    point: GridPoint
+    engine_s: float | None
+    client_s: float
+
+    def sample(self, seconds: float) -> StepSample:
+        """The point's step shape with ``seconds``."""
+        n, b, m = self.point.prompt_len, self.point.batch, self.point.output_len
+        if self.point.kind == "prefill":
+            return StepSample(n, 0, n * n, 0, seconds)
+        return StepSample(0, b, 0, b * (n + m // 2), seconds)
+
+
+def _delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
+    return _metric_sum(after, name) - _metric_sum(before, name)
+
+
+def measure(
+    url: str,
+    info: EngineInfo,
+    point: GridPoint,
+    rng: random.Random,
+) -> Measurement:
+    """Time one grid point once (see the module docs)."""
+
+    def prompt() -> list[int]:
+        return [rng.choice(info.vocabulary) for _ in range(point.prompt_len)]
+
+    prompts = [prompt() for _ in range(point.batch)]
+    jobs = [(lambda p=p: timed_completion(url, info.model, p, point.output_len)) for p in prompts]
+    before = read_metrics(url)
+    timings = _concurrently(jobs)
+    after = read_metrics(url)
+    requests = _delta(after, before, "vllm:request_prefill_time_seconds_count")
+    engine: float | None = None
+    if point.kind == "prefill":
+        client = timings[0].ttft
+        if requests > 0:
+            engine = _delta(after, before, "vllm:request_prefill_time_seconds_sum") / requests
+    else:
+        # A request's mean step from its first token to its last: an engine that streams
+        # several tokens in one chunk when its front end falls behind blurs single gaps.
+        client = statistics.median(t.tpot() for t in timings)
+        gaps = _delta(after, before, "vllm:request_generation_tokens_sum") - _delta(
+            after, before, "vllm:request_generation_tokens_count"
+        )
+        if gaps > 0:
+            engine = _delta(after, before, "vllm:request_decode_time_seconds_sum") / gaps
+    if engine is not None and engine <= 0:
+        engine = None
+    return Measurement(point, engine, client)
+
+
+@dataclass
+class _Progress:
+    done: int = 0
+    of: int = 0
+    report: Callable[[str], None] | None = None
+    lines: list[str] = field(default_factory=list)
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        if self.report is not None:
+            self.report(f"[{self.done}/{self.of}] {text}")
+
+
+_ENGINE_HISTOGRAMS = (
+    ("ttft", "vllm:time_to_first_token_seconds"),
+    ("inter_token", "vllm:inter_token_latency_seconds"),
+    ("prefill", "vllm:request_prefill_time_seconds"),
+    ("queue", "vllm:request_queue_time_seconds"),
+)
+
+
+def _parallel(jobs: Sequence[Callable[[], Measurement]]) -> list[Measurement]:
+    """Run ``jobs`` at once on threads; re-raise the first failure."""
+    results: list[Measurement | None] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:  # re-raised on the calling thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
+def calibrate_engine(
+    url: str | Sequence[str],
+    grid: EngineGrid | None = None,
+    model: str | None = None,
+    seed: int = 0,
+    report: Callable[[str], None] | None = None,
+) -> StepTimeProfile:
+    """Time ``grid`` against the engine at ``url`` and fit the linear step model.
+
+    Several URLs (identical engines, e.g. a fleet on one machine) are measured at the same
+    time, each point on every engine at once, and their samples pooled: the fit then sees the
+    engines slow each other down as they do when they all serve.
+
+    The profile's ``meta`` holds the engines, the model, the KV capacity, the grid and the
+    engines' own view of the same requests (``engine_metrics``). ConfigError when an engine
+    is unreachable, refuses a request, serves another model, or no grid point fits its cache.
+    """
+    grid = grid or EngineGrid()
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls:
+        raise ConfigError("calibrate: no engine given")
+    infos = [engine_info(u, model) for u in urls]
+    info = infos[0]
+    for u, other in zip(urls[1:], infos[1:], strict=True):
+        if other.model != info.model:
+            raise ConfigError(f"engine {u} serves {other.model!r}, {urls[0]} {info.model!r}")
+    known = [i.kv_tokens for i in infos if i.kv_tokens is not None]
+    kv_tokens = min(known) if known else None
+    points = grid.points(kv_tokens, info.max_model_len)
+    if len({p.kind for p in points}) < 2:
+        raise ConfigError(
+            f"engine {urls[0]}: too few grid points fit its cache ({kv_tokens} KV tokens, "
+            f"max_model_len {info.max_model_len}); give shorter lengths or smaller batches"
+        )
+    rngs = [random.Random(seed * 1000 + i) for i in range(len(urls))]
+    # One warm-up request each: the first one after startup pays for lazy initialisation.
+    for u, i, r in zip(urls, infos, rngs, strict=True):
+        timed_completion(u, i.model, [r.choice(i.vocabulary) for _ in range(8)], 4)
+    before = [read_metrics(u) for u in urls]
+    progress = _Progress(of=len(points) * grid.repeats, report=report)
+    measured: list[list[Measurement]] = []
+    for point in points:
+        runs: list[Measurement] = []
+        for _ in range(grid.repeats):
+            jobs = [
+                (lambda u=u, i=i, r=r, p=point: measure(u, i, p, r))
+                for u, i, r in zip(urls, infos, rngs, strict=True)
+            ]
+            now = _parallel(jobs)
+            runs.extend(now)
+            seen = [m.engine_s if m.engine_s is not None else m.client_s for m in now]
+            progress.step(
+                f"{point.kind} batch {point.batch} x {point.prompt_len} tokens: "
+                + ", ".join(f"{x * 1e3:.2f} ms" for x in seen)
+                + f" (client {now[0].client_s * 1e3:.2f} ms)"
+            )
+        measured.append(runs)
+    # The engine's own clock where it has one for every point: a front end that falls behind
+    # (a loaded machine) delays what the client sees, not the engine's steps.
+    use_engine = all(r.engine_s is not None for runs in measured for r in runs)
+    samples: list[StepSample] = []
+    client_samples: list[StepSample] = []
+    for runs in measured:
+        client_samples.append(runs[0].sample(statistics.median(r.client_s for r in runs)))
+        if use_engine:
+            samples.append(runs[0].sample(statistics.median(r.engine_s or 0.0 for r in runs)))
+    if not use_engine:
+        samples = client_samples
+    overhead = [
+        r.client_s - r.engine_s
+        for runs in measured
+        for r in runs
+        if r.point.kind == "prefill" and r.engine_s is not None
+    ]
+    after = [read_metrics(u) for u in urls]
+    engine: dict[str, float] = {}
+    for short, name in _ENGINE_HISTOGRAMS:
+        count = sum(_delta(a, b, name + "_count") for a, b in zip(after, before, strict=True))
+        total = sum(_delta(a, b, name + "_sum") for a, b in zip(after, before, strict=True))
+        if count > 0:
+            engine[f"{short}_mean_s"] = total / count
+            engine[f"{short}_count"] = count
+    hits = sum(
+        _delta(a, b, "vllm:prefix_cache_hits_total") for a, b in zip(after, before, strict=True)
+    )
+    queries = sum(
+        _delta(a, b, "vllm:prefix_cache_queries_total") for a, b in zip(after, before, strict=True)
+    )
+    engine["prefix_cache_hit_tokens"] = hits
+    engine["prefix_cache_query_tokens"] = queries
+    if overhead:
+        # What a client waits beyond the engine's prefill: HTTP, tokenizing, the front end.
+        engine["first_token_overhead_median_s"] = statistics.median(overhead)
+    meta: dict[str, object] = {
+        "source": "engine",
+        "engine": urls[0] if len(urls) == 1 else urls,
+        "model": info.model,
+        "max_model_len": info.max_model_len,
+        "block_size": info.block_size,
+        "grid": asdict(grid),
+        "seed": seed,
+        "timing": "engine metrics" if use_engine else "client",
+        "engine_metrics": engine,
+    }
+    if use_engine:
+        client_fit = StepTimeProfile.fit(client_samples)
+        meta["client_coefficients"] = client_fit.coefficients
+        meta["client_fit_error"] = asdict(client_fit.error)
+    profile = StepTimeProfile.fit(samples, meta)
+    profile.kv_tokens = kv_tokens
+    return profile
