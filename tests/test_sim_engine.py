@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from llmsched.reference.sim import ReferenceSimulation
 from llmsched.sim import ScenarioConfig, Simulation
 from llmsched.sim.request import DONE
 
@@ -204,7 +205,7 @@ def test_pd_transfer_and_decode_split() -> None:
             "length_cv": 0.0,
         },
     )
-    sim = Simulation(cfg, "llm-d-pd")
+    sim = ReferenceSimulation(cfg, "llm-d-pd")
     sim.run()
     (req,) = sim.done
     prefill, decode = sim.replicas
@@ -224,7 +225,7 @@ def test_token_slices_yield_and_finish(policy: str) -> None:
         engine={"max_num_seqs": 4},
         workload={"kind": "long_short", "num_requests": 80, "arrival": {"rate": 20.0}},
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = ReferenceSimulation(cfg, "round-robin")
     s = sim.run().summary()
     assert s["completed"] == 80
     assert sim.slice_switches > 0  # with a queue, slices yield
@@ -234,7 +235,7 @@ def test_token_slices_yield_and_finish(policy: str) -> None:
 
 def test_token_slices_continue_when_nobody_waits() -> None:
     cfg = one_request(500, 300, slices={"policy": "fixed", "params": {"slice_tokens": 32}})
-    sim = Simulation(cfg, "round-robin")
+    sim = ReferenceSimulation(cfg, "round-robin")
     sim.run()
     (req,) = sim.done
     assert sim.slice_switches == 0
@@ -328,7 +329,7 @@ def test_flow_gate_plumbing(monkeypatch) -> None:
         flow={"enabled": True, "config": {"max_running": 8, "max_queued": 50}},
         workload={"kind": "priority", "num_requests": 400, "arrival": {"rate": 40.0}},
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = ReferenceSimulation(cfg, "round-robin")
     s = sim.run().summary()
     assert len(sim.done) == 400 and s["completed"] + s["rejected"] == 400
     assert s["rejected"] > 0  # the queue bound refused some
@@ -363,7 +364,7 @@ def test_index_mirrors_the_engines_caches(delay: float) -> None:
             "arrival": {"rate": 30.0},
         },
     )
-    sim = Simulation(cfg, "prefix-only", engine="python")  # the Python engine exposes its index
+    sim = ReferenceSimulation(cfg, "prefix-only")  # the reference engine exposes its index
     sim.run()
     assert sim.feed_skipped == 0
     probes = {tuple(r.hashes[: r.prompt_len // 16].tolist()): r for r in sim.done}

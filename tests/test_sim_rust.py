@@ -1,10 +1,11 @@
 """The Rust engine against its oracle, the Python engine: the same scenario and seed give the
 same requests, timings and counters, bit for bit; and scenarios the Rust engine does not
-cover fall back to the Python engine, visibly."""
+cover run on the reference engine visibly (a warning, a count, the reason in the result)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmsched.errors import ConfigError
-from llmsched.sim import ScenarioConfig, Simulation
+from llmsched.sim import ScenarioConfig, Simulation, fallback_counts
 from llmsched.sim.fast import build_plan, unsupported
 from llmsched.sim.results import SimResult
 
@@ -330,7 +331,9 @@ FALLBACKS = [
 
 
 @pytest.mark.parametrize(("over", "policy", "reason"), FALLBACKS)
-def test_uncovered_scenarios_fall_back_visibly(over: dict, policy: Any, reason: str | None) -> None:
+def test_uncovered_scenarios_fall_back_visibly(
+    over: dict, policy: Any, reason: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
     data = {"replicas": 2, "workload": {"kind": "long_short", "num_requests": 30}}
     data.update(over)
     cfg = ScenarioConfig.from_dict(data)
@@ -338,9 +341,17 @@ def test_uncovered_scenarios_fall_back_visibly(over: dict, policy: Any, reason: 
     sim = Simulation(cfg, policy)
     expected = "rust" if reason is None else "python"
     assert (sim.engine, sim.fallback_reason) == (expected, reason)
-    summary = sim.run().summary()
+    before = fallback_counts().get(reason or "", 0)
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        summary = sim.run().summary()
     assert summary["engine"] == expected
-    if reason is not None:
+    assert summary.get("engine_fallback") == reason
+    if reason is None:
+        assert "reference engine" not in caplog.text
+    else:
+        # Counted every time; the warning names the reason (once per process).
+        assert fallback_counts()[reason] == before + 1
+        assert reason in caplog.text or before > 0
         with pytest.raises(ConfigError, match=reason):
             Simulation(cfg, policy, engine="rust")
 

@@ -18,13 +18,14 @@ from typing import Any
 
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
-from llmsched.sim.replica import EngineConfig
 from llmsched.sim.stepmodel import StepModelConfig
 from llmsched.sim.workloads import from_dict
 
 __all__ = [
     "DEFAULT_POLICIES",
+    "ROLES",
     "SCENARIOS",
+    "EngineConfig",
     "FlowConfig",
     "PDConfig",
     "ScenarioConfig",
@@ -41,6 +42,35 @@ DEFAULT_POLICIES = [
     "sglang-cache-aware",
     "dynamo-kv",
 ]
+
+
+ROLES = ("both", "prefill", "decode")
+"""The roles a replica may have (:meth:`ScenarioConfig.roles`)."""
+
+
+@dataclass
+class EngineConfig:
+    """vLLM engine settings that shape scheduling (defaults: vLLM V1 on an 80 GB GPU)."""
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    kv_tokens: int | None = None  # KV capacity; None: from the step model
+    scheduling: str = "fcfs"  # or "priority" (higher Request.priority first)
+
+    def validate(self) -> None:
+        """ConfigError for impossible settings."""
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            raise ConfigError(
+                f"engine.kv_tokens must hold at least one block, got {self.kv_tokens}"
+            )
+        if self.scheduling not in ("fcfs", "priority"):
+            raise ConfigError(
+                f"engine.scheduling must be 'fcfs' or 'priority', not {self.scheduling!r}"
+            )
 
 
 @dataclass
