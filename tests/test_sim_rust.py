@@ -181,6 +181,81 @@ def test_rust_engine_equals_python_engine(scenario: dict[str, Any], policy: str)
     assert_same(ScenarioConfig.from_dict(scenario), policy)
 
 
+POLICY_SPECS = st.one_of(
+    st.just({"type": "strict"}),
+    st.just({"type": "round-robin"}),
+    st.just({"type": "vtc"}),
+    st.just({"type": "las"}),
+)
+ORDERINGS = st.sampled_from([{"type": "fcfs"}, {"type": "edf"}, {"type": "slo-deadline"}])
+BAND = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_requests": st.integers(1, 60),
+        "ttl_s": st.sampled_from([0.2, 2.0, 60.0]),
+        "fairness": POLICY_SPECS,
+        "ordering": ORDERINGS,
+    },
+)
+FLOW_CONFIGS = st.fixed_dictionaries(
+    {},
+    optional={
+        "saturation": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.just("concurrency"), "max_requests": st.integers(1, 40)}
+            ),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("utilization"),
+                    "stale_policy": st.just("last"),
+                    "queue_threshold": st.sampled_from([1.0, 5.0]),
+                    "kv_threshold": st.sampled_from([0.3, 0.8]),
+                }
+            ),
+        ),
+        "default_band": BAND,
+        "bands": st.lists(
+            st.builds(lambda p, b: {"priority": p, **b}, st.sampled_from([-1, 1]), BAND),
+            max_size=2,
+            unique_by=lambda b: b["priority"],
+        ),
+        "global": st.fixed_dictionaries({"max_requests": st.integers(1, 80)}),
+        "shedding": st.one_of(
+            st.just({"type": "none"}),
+            st.fixed_dictionaries(
+                {"type": st.just("probabilistic"), "seed": st.integers(0, 9), "scale": st.just(3.0)}
+            ),
+        ),
+        "preemption": st.fixed_dictionaries({"evict_queued": st.booleans()}),
+    },
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=SCENARIOS, flow=FLOW_CONFIGS, policy=st.sampled_from(POLICIES))
+def test_engines_agree_under_flow_control(
+    scenario: dict[str, Any], flow: dict[str, Any], policy: str
+) -> None:
+    """Flow control (the flow core in both engines): bands, fairness, ordering, capacity,
+    saturation, shedding, TTLs and evictions give the same dispatches and refusals."""
+    cfg = ScenarioConfig.from_dict({**scenario, "flow": {"enabled": True, "config": flow}})
+    assert unsupported(cfg, policy) is None
+    assert_same(cfg, policy)
+
+
+def test_priority_scenario_with_flow_control_on_both_engines() -> None:
+    """The README's priority scenario (scaled down): flow control on both engines, equal."""
+    cfg = ScenarioConfig.from_dict(
+        {
+            "base": "priority",
+            "workload": {"kind": "priority", "num_requests": 1500, "arrival": {"rate": 24.0}},
+        }
+    )
+    label, flow = cfg.expand()[1]
+    assert label == "flow control" and flow.flow.enabled
+    assert_same(flow, "llm-d")
+
+
 @st.composite
 def trace_lines(draw: st.DrawFn) -> list[dict[str, Any]]:
     """Trace lines: some with Mooncake hash_ids over a few shared contexts (covering the whole
@@ -309,7 +384,7 @@ def _scorer(request: dict[str, Any], endpoints: list[dict[str, Any]]) -> list[fl
 FALLBACKS = [
     ({"pd": {"prefill_replicas": 1}}, "llm-d-pd", "prefill/decode disaggregation"),
     ({"engine": {"scheduling": "priority"}}, "llm-d", None),
-    ({"flow": {"enabled": True}}, "llm-d", "flow control"),
+    ({"flow": {"enabled": True}}, "llm-d", None),
     ({"slices": {"policy": "fixed", "params": {"slice_tokens": 64}}}, "llm-d", "token slices"),
     (
         {},

@@ -907,7 +907,10 @@ def simulate(
     step: Mapping[str, Any],
     router: Mapping[str, Any],
     workload: dict[str, Any],
+    flow: Mapping[str, Any] | None = None,
+    ttft_targets: list[tuple[int, float]] | None = None,
 ) -> dict[str, Any]:
     """Runs the simulator's Rust engine on a plan (`llmsched.sim.Simulation` prepares the
-    arguments).
+    arguments). `flow`: the flow controller's configuration (None: no flow control);
+    `ttft_targets`: (priority, TTFT target in seconds) pairs for its requests.
     """

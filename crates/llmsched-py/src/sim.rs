@@ -8,13 +8,14 @@ use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
+use llmsched_core::flow::FlowConfig;
 use llmsched_core::routing::{parse_config, RoutingError};
 use std::sync::Arc;
 
 use llmsched_sim::{
     agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine, trace_plan,
-    Agentic, Contents, DoneRecord, Independent, KvCache, KvEvent, OpenRequest, Pcg64, Plan,
-    Prompted, PyRandom, Session, SimConfig, SimOutput, StepModel, TraceSpec, Turn,
+    Agentic, Contents, DoneRecord, FlowSetup, Independent, KvCache, KvEvent, OpenRequest, Pcg64,
+    Plan, Prompted, PyRandom, Session, SimConfig, SimOutput, StepModel, TraceSpec, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
@@ -287,14 +288,24 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
 /// GIL released; returns the finished requests as arrays, per-replica end states, the KV-use
 /// trace and the time spent in routing decisions and feeds.
 #[pyfunction]
+#[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None))]
 fn simulate<'py>(
     py: Python<'py>,
     config: &Bound<'py, PyAny>,
     step: &Bound<'py, PyAny>,
     router: &Bound<'py, PyAny>,
     workload: &Bound<'py, PyDict>,
+    flow: Option<&Bound<'py, PyAny>>,
+    ttft_targets: Option<Vec<(i64, f64)>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let cfg: SimConfig = config_struct(config, "simulation config")?;
+    let flow = match flow {
+        Some(f) if !f.is_none() => Some(FlowSetup {
+            config: FlowConfig::from_value(config_mapping(Some(f), "flow config")?).py()?,
+            ttft_targets: ttft_targets.unwrap_or_default(),
+        }),
+        _ => None,
+    };
     let model: StepModel = config_struct(step, "step model")?;
     let value = config_mapping(Some(router), "router config")?;
     parse_config(&value).map_err(RoutingError::from).py()?; // errors surface here, once
@@ -303,7 +314,7 @@ fn simulate<'py>(
     let budget = cfg.max_num_batched_tokens;
     let (out, ideal) = py
         .detach(|| {
-            let out = sim_engine(cfg, model, &make, &plan)?;
+            let out = sim_engine(cfg, model, &make, &plan, flow.as_ref())?;
             let ideal: Vec<f64> =
                 out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
             Ok::<_, llmsched_sim::SimError>((out, ideal))

@@ -11,7 +11,14 @@
 //! that both engines produce identical results for the same plan (the Python engine is the
 //! oracle of the equivalence tests). Cost per event: O(log events + blocks touched).
 //!
-//! Not covered (the Python engine runs these): flow control, token slices, prefill/decode
+//! Flow control: with a [`FlowSetup`], arrivals are offered to the flow core
+//! ([`FlowController`], the one `llmsched.flow` wraps) in simulated time; what it dispatches is
+//! routed, what it refuses or lets expire is rejected, and every replica's metrics feed its
+//! saturation detector. Dispatching can happen inside a replica's step (a finish frees a slot):
+//! a request routed to the replica being stepped waits in its inbox and joins its queue before
+//! the next schedule, as in the reference engine.
+//!
+//! Not covered yet (the reference engine runs these): token slices, prefill/decode
 //! disaggregation and Python routing plugins.
 
 use std::cmp::Ordering;
@@ -22,6 +29,10 @@ use std::time::{Duration, Instant};
 use crate::kv_cache::{IdEvent, KvCore, KvError};
 use crate::plan::{Contents, Plan, PlanError};
 use crate::stepmodel::{DecodeRun, StepModel, StepWork};
+use hashbrown::HashMap;
+use llmsched_core::flow::{
+    EndpointMetrics, FlowConfig, FlowController, FlowError, FlowRequest, PolicyRegistry,
+};
 use llmsched_core::prefix_index::{IndexConfig, IndexError, PrefixIndex, Tier, WorkerKey};
 use llmsched_core::routing::replica_sync::{ReplicaSync, SyncOptions};
 use llmsched_core::routing::{
@@ -85,6 +96,27 @@ pub enum SimError {
     Index(#[from] IndexError),
     #[error(transparent)]
     Routing(#[from] RoutingError),
+    #[error(transparent)]
+    Flow(#[from] FlowError),
+}
+
+/// Flow control in front of the router: the flow core's configuration and each priority's
+/// time-to-first-token target (the scenario's SLO, for the `slo-deadline` ordering).
+#[derive(Debug, Clone)]
+pub struct FlowSetup {
+    pub config: FlowConfig,
+    pub ttft_targets: Vec<(i64, f64)>,
+}
+
+/// The flow core driven in simulated time (the reference engine's `FlowGate`).
+struct Gate {
+    core: FlowController<usize>,
+    /// Requests offered and not yet dispatched, refused, expired or evicted (as counted by
+    /// the reference engine: evictions leave the count when they are drained).
+    queued: i64,
+    ttft: HashMap<i64, f64>,
+    /// The endpoint names the core knows the replicas by.
+    names: Vec<String>,
 }
 
 const WAITING: u8 = 0;
@@ -299,6 +331,11 @@ struct World<'p> {
     sync_batches: u64,
     sync_bytes: u64,
     keys: Vec<WorkerKey>,
+    /// The replicas; one being stepped (or scheduled) is out of its slot meanwhile.
+    replicas: Vec<Option<Box<Replica>>>,
+    /// Requests routed to a replica while it was out of its slot, in order.
+    inbox: Vec<Vec<usize>>,
+    gate: Option<Gate>,
 }
 
 /// Runs one scenario under one routing configuration: `router_config` builds each router
@@ -308,13 +345,13 @@ pub fn simulate(
     model: StepModel,
     router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
     plan: &Plan,
+    flow: Option<&FlowSetup>,
 ) -> Result<SimOutput, SimError> {
-    Simulation::new(cfg, model, router_config, plan)?.run()
+    Simulation::new(cfg, model, router_config, plan, flow)?.run()
 }
 
 struct Simulation<'p> {
     world: World<'p>,
-    replicas: Vec<Replica>,
 }
 
 impl<'p> Simulation<'p> {
@@ -323,6 +360,7 @@ impl<'p> Simulation<'p> {
         model: StepModel,
         router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
         plan: &'p Plan,
+        flow: Option<&FlowSetup>,
     ) -> Result<Self, SimError> {
         plan.validate()?;
         if cfg.replicas == 0 || cfg.block_size == 0 || cfg.max_num_seqs == 0 {
@@ -380,7 +418,7 @@ impl<'p> Simulation<'p> {
             plan.contents.clone().unwrap_or_else(|| Arc::new(Contents::number(&plan.hashes)));
         let mut replicas = Vec::with_capacity(cfg.replicas);
         for id in 0..cfg.replicas {
-            replicas.push(Replica {
+            replicas.push(Some(Box::new(Replica {
                 id,
                 kv: KvCore::new(cfg.kv_blocks, cfg.block_size, contents.unique().len())?,
                 waiting: VecDeque::new(),
@@ -398,9 +436,25 @@ impl<'p> Simulation<'p> {
                 run: None,
                 run_steps: 0,
                 counters: Counters::default(),
-            });
+            })));
         }
         let n = cfg.replicas;
+        let gate = match flow {
+            None => None,
+            Some(setup) => {
+                let mut core =
+                    FlowController::with_registry(&setup.config, PolicyRegistry::builtin())?;
+                let names: Vec<String> = (0..n).map(|i| i.to_string()).collect();
+                // Every replica starts idle (the reference engine reports them so at time 0).
+                for name in &names {
+                    let idle =
+                        EndpointMetrics { waiting: 0, running: 0, kv_usage: 0.0, timestamp: 0.0 };
+                    core.update_endpoint(name, idle)?;
+                }
+                let ttft = setup.ttft_targets.iter().copied().collect();
+                Some(Gate { core, queued: 0, ttft, names })
+            }
+        };
         let world = World {
             bs: u64::from(cfg.block_size),
             cfg,
@@ -429,8 +483,11 @@ impl<'p> Simulation<'p> {
             sync_batches: 0,
             sync_bytes: 0,
             keys,
+            replicas,
+            inbox: vec![Vec::new(); n],
+            gate,
         };
-        Ok(Simulation { world, replicas })
+        Ok(Simulation { world })
     }
 
     fn run(mut self) -> Result<SimOutput, SimError> {
@@ -442,17 +499,12 @@ impl<'p> Simulation<'p> {
             }
             self.world.now = ev.time;
             match ev.kind {
-                Kind::Step => {
-                    let replica = &mut self.replicas[ev.obj];
-                    if ev.version == replica.version {
-                        replica.on_step_end(ev.time, &mut self.world)?;
-                    }
-                }
+                Kind::Step => self.world.step_end(ev.obj, ev.version, ev.time)?,
                 Kind::StreamArrival => {
                     self.world.next_arrival();
-                    self.dispatch(ev.obj, ev.time)?;
+                    self.world.arrive(ev.obj, ev.time)?;
                 }
-                Kind::Arrival => self.dispatch(ev.obj, ev.time)?,
+                Kind::Arrival => self.world.arrive(ev.obj, ev.time)?,
                 Kind::KvFeed => {
                     if let Some((rid, events)) = self.world.feeds[ev.obj].take() {
                         self.world.apply_kv_events(rid, events)?;
@@ -466,16 +518,6 @@ impl<'p> Simulation<'p> {
             }
         }
         Ok(self.output())
-    }
-
-    fn dispatch(&mut self, r: usize, now: f64) -> Result<(), SimError> {
-        let w = &mut self.world;
-        if w.cfg.metrics_delay > 0.0 {
-            w.deliver_metrics(now)?;
-        }
-        let target = w.pick(r, now)?;
-        w.reqs[r].dispatched = now;
-        self.replicas[target].enqueue(r, now, &mut self.world)
     }
 
     fn output(self) -> SimOutput {
@@ -506,9 +548,10 @@ impl<'p> Simulation<'p> {
                 }
             })
             .collect();
-        let replicas = self
+        let replicas = w
             .replicas
             .iter()
+            .flatten()
             .map(|rep| ReplicaEnd {
                 counters: rep.counters,
                 kv_requests: rep.kv.requests(),
@@ -536,6 +579,128 @@ impl<'p> Simulation<'p> {
 // ---- the world: arrivals, routing, metrics, KV events, finishes ------------------------------
 
 impl World<'_> {
+    /// Request `r` arrives: straight to the router, or offered to flow control.
+    fn arrive(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        if self.gate.is_none() {
+            return self.dispatch(r, now);
+        }
+        if self.cfg.metrics_delay > 0.0 {
+            self.deliver_metrics(now)?;
+        }
+        let q = &self.reqs[r];
+        let tenant = q.tenant.to_string();
+        let Some(gate) = self.gate.as_mut() else { return Ok(()) };
+        let request = FlowRequest {
+            id: q.id,
+            priority: i32::try_from(q.priority).map_err(|_| {
+                SimError::Config(format!("priority {} is out of range", q.priority))
+            })?,
+            tenant: &tenant,
+            tokens: q.prompt_len,
+            bytes: 0,
+            deadline: None,
+            ttft_target: gate.ttft.get(&q.priority).copied(),
+            payload: r,
+        };
+        if gate.core.enqueue(request, now)?.is_some() {
+            self.reject_at_gate(r, now);
+        } else {
+            gate.queued += 1;
+        }
+        self.pump(now)
+    }
+
+    /// Dispatches what flow control lets through now; rejects what it dropped.
+    fn pump(&mut self, now: f64) -> Result<(), SimError> {
+        let Some(gate) = self.gate.as_mut() else { return Ok(()) };
+        let mut gone = gate.core.expire(now)?;
+        gone.append(&mut gate.core.drain_evicted());
+        gate.queued -= gone.len() as i64;
+        for decision in gone {
+            self.reject_at_gate(decision.payload, now);
+        }
+        loop {
+            let Some(gate) = self.gate.as_mut() else { return Ok(()) };
+            if gate.queued <= 0 {
+                return Ok(());
+            }
+            let Some(decision) = gate.core.dispatch(now)? else { return Ok(()) };
+            gate.queued -= 1;
+            self.dispatch(decision.payload, now)?;
+        }
+    }
+
+    /// Flow control refused request `r` (or let it expire): it leaves without service.
+    fn reject_at_gate(&mut self, r: usize, now: f64) {
+        let q = &mut self.reqs[r];
+        q.rejected = true;
+        q.phase = DONE;
+        q.finish = now;
+        self.done.push(r);
+        self.on_finish(r, now);
+    }
+
+    /// Routes request `r` and hands it to its replica.
+    fn dispatch(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        if self.cfg.metrics_delay > 0.0 {
+            self.deliver_metrics(now)?;
+        }
+        let target = self.pick(r, now)?;
+        self.reqs[r].dispatched = now;
+        self.enqueue(target, r, now)
+    }
+
+    /// Request `r` joins replica `target`'s queue; a replica out of its slot (being stepped)
+    /// finds it in its inbox before its next schedule.
+    fn enqueue(&mut self, target: usize, r: usize, now: f64) -> Result<(), SimError> {
+        let Some(mut rep) = self.replicas[target].take() else {
+            self.reqs[r].phase = WAITING;
+            self.inbox[target].push(r);
+            return Ok(());
+        };
+        let done = rep.enqueue(r, now, self);
+        self.put_back(rep, now)?;
+        done?;
+        self.publish_replica(target, now)
+    }
+
+    /// The end of replica `rid`'s step (or decode run), unless a later one replaced it.
+    fn step_end(&mut self, rid: usize, version: u64, now: f64) -> Result<(), SimError> {
+        let Some(mut rep) = self.replicas[rid].take() else {
+            return Err(SimError::Config(format!("replica {rid} is missing")));
+        };
+        if rep.version != version {
+            self.replicas[rid] = Some(rep);
+            return Ok(());
+        }
+        let done = rep.on_step_end(now, self);
+        let events = rep.kv.take_events();
+        self.put_back(rep, now)?;
+        done?;
+        self.kv_events(rid, events, now)?;
+        self.publish_replica(rid, now)
+    }
+
+    /// Returns a replica to its slot (anything still in its inbox is enqueued now).
+    fn put_back(&mut self, rep: Box<Replica>, now: f64) -> Result<(), SimError> {
+        let rid = rep.id;
+        self.replicas[rid] = Some(rep);
+        let late = std::mem::take(&mut self.inbox[rid]);
+        for r in late {
+            self.enqueue(rid, r, now)?;
+        }
+        Ok(())
+    }
+
+    fn publish_replica(&mut self, rid: usize, now: f64) -> Result<(), SimError> {
+        let Some(rep) = self.replicas[rid].as_ref() else {
+            return Err(SimError::Config(format!("replica {rid} is missing")));
+        };
+        let (waiting, running, usage) =
+            (rep.waiting.len() as u32, rep.running.len() as u32, rep.kv.usage());
+        self.publish(rid, waiting, running, usage, now)
+    }
+
     fn push(&mut self, time: f64, kind: Kind, obj: usize, version: u64) {
         self.seq += 1;
         self.heap.push(Event { time, seq: self.seq, kind, obj, version });
@@ -756,6 +921,11 @@ impl World<'_> {
             }
             self.decision += start.elapsed();
         }
+        if let Some(gate) = self.gate.as_mut() {
+            let q = &self.reqs[r];
+            gate.core.complete(q.id, q.output_len, now)?;
+            self.pump(now)?;
+        }
         self.on_finish(r, now);
         self.publish_sync(self.reqs[r].router, now)
     }
@@ -799,7 +969,21 @@ impl World<'_> {
         for replica in &self.routers {
             replica.pool.update_metrics(&self.keys[rid], update, now)?;
         }
+        let mut pump = false;
+        if let Some(gate) = self.gate.as_mut() {
+            let metrics = EndpointMetrics {
+                waiting: u64::from(waiting),
+                running: u64::from(running),
+                kv_usage: usage.min(1.0),
+                timestamp: now,
+            };
+            gate.core.update_endpoint(&gate.names[rid], metrics)?;
+            pump = gate.queued > 0;
+        }
         self.feed += start.elapsed();
+        if pump {
+            self.pump(self.now)?;
+        }
         Ok(())
     }
 
@@ -880,16 +1064,7 @@ impl Replica {
         &w.contents.ids()[a..b]
     }
 
-    fn publish(&self, w: &mut World<'_>, now: f64) -> Result<(), SimError> {
-        w.publish(
-            self.id,
-            self.waiting.len() as u32,
-            self.running.len() as u32,
-            self.kv.usage(),
-            now,
-        )
-    }
-
+    /// Request `r` arrives (the caller publishes the metrics after).
     fn enqueue(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
         w.reqs[r].phase = WAITING;
         self.wait(r, false, w);
@@ -901,7 +1076,16 @@ impl Replica {
         } else if self.run_steps > 1 {
             self.cut_run(now, w);
         }
-        self.publish(w, now)
+        Ok(())
+    }
+
+    /// Requests routed here while this replica was out of its slot join its queue.
+    fn take_inbox(&mut self, w: &mut World<'_>) {
+        let late = std::mem::take(&mut w.inbox[self.id]);
+        for r in late {
+            w.reqs[r].phase = WAITING;
+            self.wait(r, false, w);
+        }
     }
 
     fn wait(&mut self, r: usize, front: bool, w: &World<'_>) {
@@ -952,10 +1136,8 @@ impl Replica {
         self.chunks.clear();
         self.finish_due(now, w)?;
         self.stepping = false;
-        self.schedule(now, w)?;
-        let events = self.kv.take_events();
-        w.kv_events(self.id, events, now)?;
-        self.publish(w, now)
+        self.take_inbox(w);
+        self.schedule(now, w)
     }
 
     fn prefilled(
@@ -1118,9 +1300,15 @@ impl Replica {
             self.start_run(now, w)?;
         } else if !self.waiting.is_empty() && self.running.is_empty() {
             if !preempted {
-                // Nothing runs and the head still does not fit: it never will.
-                let head = self.waiting.pop_front().expect("not empty");
-                self.reject(head, now, w)?;
+                // Nothing runs and the head still does not fit: it never will. Refusing it may
+                // let flow control dispatch here at once: that joins the queue first.
+                if let Some(head) = self.waiting.pop_front() {
+                    let was = std::mem::replace(&mut self.stepping, true);
+                    let refused = self.reject(head, now, w);
+                    self.stepping = was;
+                    refused?;
+                    self.take_inbox(w);
+                }
             }
             self.schedule(now, w)?;
         }

@@ -105,6 +105,24 @@ class FlowConfig:
     enabled: bool = False
     config: dict[str, Any] = field(default_factory=dict)
 
+    def controller_config(self) -> dict[str, Any]:
+        """The controller's configuration as both engines build it: simulated replicas report
+        only when something changes, so a quiet replica's last report stays true (saturation
+        ``utilization`` with ``stale_policy: last`` unless ``config`` gives a ``saturation``).
+
+        >>> FlowConfig(True).controller_config()["saturation"]["stale_policy"]
+        'last'
+        """
+        return {"saturation": {"type": "utilization", "stale_policy": "last"}, **self.config}
+
+    def ttft_targets(self, slo: dict[int, dict[str, float]]) -> list[tuple[int, float]]:
+        """(priority, TTFT target) for each priority whose SLO has one.
+
+        >>> FlowConfig(True).ttft_targets({1: {"ttft_s": 1.0}, 0: {"tpot_s": 0.1}})
+        [(1, 1.0)]
+        """
+        return [(p, float(t["ttft_s"])) for p, t in slo.items() if "ttft_s" in t]
+
 
 def _default_slo() -> dict[int, dict[str, float]]:
     return {

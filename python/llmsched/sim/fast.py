@@ -73,8 +73,6 @@ def unsupported(
     """
     if not native_kv:
         return "the pure-Python KV cache twin"
-    if config.flow.enabled:
-        return "flow control"
     if config.slices.policy:
         return "token slices"
     if config.pd.prefill_replicas:
@@ -260,7 +258,11 @@ def run(
     if functions:
         raise ConfigError("the Rust engine does not take Python routing plugins")
     plan = cached_plan(config)
-    out = _llmsched.simulate(engine_settings(config, kv_blocks), step_args(model), router, plan)
+    flow, ttft = None, None
+    if config.flow.enabled:
+        flow, ttft = config.flow.controller_config(), config.flow.ttft_targets(config.slo)
+    settings = engine_settings(config, kv_blocks)
+    out = _llmsched.simulate(settings, step_args(model), router, plan, flow, ttft)
     return RunRecord.from_native(out)
 
 

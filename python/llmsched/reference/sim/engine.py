@@ -123,7 +123,7 @@ class ReferenceSimulation:
         self.slices = self._slice_tracker()
         self.gate = (
             FlowGate(
-                config.flow.config,
+                config.flow.controller_config(),
                 clock=lambda: self.now,
                 replicas=len(self.replicas),
                 slo=config.slo,

@@ -35,9 +35,7 @@ class FlowGate:
         except ImportError:
             raise ConfigError("flow.enabled needs llmsched.flow, which is not installed") from None
         self._flow_request = flow.FlowRequest
-        # Simulated replicas report only when something changes, so a quiet replica's last
-        # report stays true: keep it rather than counting it stale, and start every replica idle.
-        config = {"saturation": {"type": "utilization", "stale_policy": "last"}, **config}
+        # Every replica starts idle.
         self.controller = flow.FlowController(config, clock=clock)
         for replica in range(replicas):
             self.endpoint(replica, 0, 0, 0.0, 0.0)

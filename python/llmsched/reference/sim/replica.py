@@ -331,13 +331,17 @@ class Replica:
             self._start_run(now)
         elif self.waiting and not self.running:
             if not preempted:
-                # Nothing runs and the head still does not fit: it never will.
+                # Nothing runs and the head still does not fit: it never will. Refusing it may
+                # let flow control dispatch here at once: that only joins the queue (as during
+                # a step), and the schedule below takes it.
                 head = (
                     self.waiting.popleft()
                     if isinstance(self.waiting, deque)
                     else self.waiting.pop(0)
                 )
+                was, self.stepping = self.stepping, True
                 self._reject(head, now)
+                self.stepping = was
             self._schedule(now)
 
     def _admit(self, budget: int, now: float) -> int:
