@@ -49,6 +49,7 @@ def assert_same(cfg: ScenarioConfig, policy: Any) -> None:
     assert [list(t) for t in a.kv_trace] == [list(t) for t in b.kv_trace]
     assert py.feed_skipped == rs.feed_skipped
     assert py.now == rs.now
+    assert py.slice_switches == rs.slice_switches
     # Sessions by number (agentic); a trace's session names stay in the plan.
     rows = [
         (r.id, _sid(r.session), r.turn, r.dispatched, r.generated, r.preemptions, r.rejected)
@@ -243,6 +244,116 @@ def test_engines_agree_under_flow_control(
     assert_same(cfg, policy)
 
 
+PD_POLICIES = ["llm-d-pd", "round-robin", "llm-d"]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scenario=SCENARIOS,
+    pd=st.fixed_dictionaries(
+        {
+            "prefill_replicas": st.integers(1, 3),
+            "transfer_bw": st.sampled_from([1e9, 25e9]),
+            "transfer_latency_s": st.sampled_from([0.0, 1e-3, 0.05]),
+            "kv_bytes_per_token": st.sampled_from([None, 4096]),
+        }
+    ),
+    flow=st.one_of(st.none(), FLOW_CONFIGS),
+    policy=st.sampled_from(PD_POLICIES),
+)
+def test_engines_agree_on_prefill_decode_pools(
+    scenario: dict[str, Any], pd: dict[str, Any], flow: dict[str, Any] | None, policy: str
+) -> None:
+    """P/D pools: split requests prefill on one replica, move their KV and decode on another,
+    with the same timings on both engines (flow control in front or not)."""
+    spec = {**scenario, "replicas": max(scenario["replicas"], pd["prefill_replicas"] + 1)}
+    spec["pd"] = pd
+    if flow is not None:
+        spec["flow"] = {"enabled": True, "config": flow}
+    cfg = ScenarioConfig.from_dict(spec)
+    assert unsupported(cfg, policy) is None
+    assert_same(cfg, policy)
+
+
+SLICES = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "policy": st.just("fixed"),
+            "params": st.fixed_dictionaries({"slice_tokens": st.integers(1, 300)}),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "policy": st.just("mlfq"),
+            "params": st.fixed_dictionaries(
+                {"base_quantum": st.integers(1, 200)},
+                optional={
+                    "levels": st.integers(1, 4),
+                    "promote_after_s": st.sampled_from([0.5, 30.0]),
+                },
+            ),
+        }
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scenario=SCENARIOS,
+    slices=SLICES,
+    flow=st.one_of(st.none(), FLOW_CONFIGS),
+    prefill=st.sampled_from([0, 0, 1]),
+    policy=st.sampled_from(POLICIES),
+)
+def test_engines_agree_on_token_slices(
+    scenario: dict[str, Any],
+    slices: dict[str, Any],
+    flow: dict[str, Any] | None,
+    prefill: int,
+    policy: str,
+) -> None:
+    """Token slices (the slice core in both engines): continues, yields and migrations at the
+    same boundaries, with flow control and P/D pools or without."""
+    spec = {**scenario, "slices": slices}
+    if flow is not None:
+        spec["flow"] = {"enabled": True, "config": flow}
+    if prefill:
+        spec["replicas"] = max(2, scenario["replicas"])
+        spec["pd"] = {"prefill_replicas": prefill}
+        policy = "llm-d-pd"
+    cfg = ScenarioConfig.from_dict(spec)
+    assert unsupported(cfg, policy) is None
+    assert_same(cfg, policy)
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_slices_scenario_on_both_engines(variant: int) -> None:
+    """The README's slices scenario (scaled down): fixed and mlfq slices, equal."""
+    cfg = ScenarioConfig.from_dict(
+        {"base": "slices", "workload": {"kind": "long_short", "num_requests": 500}}
+    )
+    label, sliced = cfg.expand()[variant]
+    assert sliced.slices.policy
+    assert_same(sliced, "round-robin")
+    sim = Simulation(sliced, "round-robin")
+    sim.run()
+    assert sim.engine == "rust" and sim.slice_switches > 0, label
+
+
+def test_pd_scenario_on_both_engines() -> None:
+    """The README's P/D scenario (scaled down): 2P+6D on both engines, equal, and split."""
+    cfg = ScenarioConfig.from_dict(
+        {"base": "pd", "workload": {"kind": "long_short", "num_requests": 600}}
+    )
+    label, split = cfg.expand()[1]
+    assert label == "2P+6D"
+    assert_same(split, "llm-d-pd")
+    sim = Simulation(split, "llm-d-pd")
+    sim.run()
+    assert sim.engine == "rust"
+    assert sum(rep.prefill_tokens for rep in sim.replicas[:2]) > 0
+
+
 def test_priority_scenario_with_flow_control_on_both_engines() -> None:
     """The README's priority scenario (scaled down): flow control on both engines, equal."""
     cfg = ScenarioConfig.from_dict(
@@ -382,10 +493,10 @@ def _scorer(request: dict[str, Any], endpoints: list[dict[str, Any]]) -> list[fl
 
 
 FALLBACKS = [
-    ({"pd": {"prefill_replicas": 1}}, "llm-d-pd", "prefill/decode disaggregation"),
+    ({"pd": {"prefill_replicas": 1}}, "llm-d-pd", None),
     ({"engine": {"scheduling": "priority"}}, "llm-d", None),
     ({"flow": {"enabled": True}}, "llm-d", None),
-    ({"slices": {"policy": "fixed", "params": {"slice_tokens": 64}}}, "llm-d", "token slices"),
+    ({"slices": {"policy": "fixed", "params": {"slice_tokens": 64}}}, "llm-d", None),
     (
         {},
         {

@@ -909,8 +909,10 @@ def simulate(
     workload: dict[str, Any],
     flow: Mapping[str, Any] | None = None,
     ttft_targets: list[tuple[int, float]] | None = None,
+    slices: tuple[str, Mapping[str, Any], SwitchCostModel] | None = None,
 ) -> dict[str, Any]:
     """Runs the simulator's Rust engine on a plan (`llmsched.sim.Simulation` prepares the
     arguments). `flow`: the flow controller's configuration (None: no flow control);
-    `ttft_targets`: (priority, TTFT target in seconds) pairs for its requests.
+    `ttft_targets`: (priority, TTFT target in seconds) pairs for its requests; `slices`:
+    (policy, params, switch-cost model) of the token-slice tracker (None: no slices).
     """

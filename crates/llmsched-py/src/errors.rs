@@ -202,6 +202,7 @@ impl ToPyErr for llmsched_sim::SimError {
             SimError::Index(e) => e.to_py_err(),
             SimError::Routing(e) => e.to_py_err(),
             SimError::Flow(e) => e.to_py_err(),
+            SimError::Slices(e) => e.to_py_err(),
         }
     }
 }

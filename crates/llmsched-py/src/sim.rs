@@ -8,8 +8,10 @@ use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
+use crate::slices::PySwitchCostModel;
 use llmsched_core::flow::FlowConfig;
 use llmsched_core::routing::{parse_config, RoutingError};
+use llmsched_core::slices::SliceTracker;
 use std::sync::Arc;
 
 use llmsched_sim::{
@@ -288,7 +290,8 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
 /// GIL released; returns the finished requests as arrays, per-replica end states, the KV-use
 /// trace and the time spent in routing decisions and feeds.
 #[pyfunction]
-#[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None))]
+#[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None, slices = None))]
+#[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
     config: &Bound<'py, PyAny>,
@@ -297,7 +300,15 @@ fn simulate<'py>(
     workload: &Bound<'py, PyDict>,
     flow: Option<&Bound<'py, PyAny>>,
     ttft_targets: Option<Vec<(i64, f64)>>,
+    slices: Option<(String, Bound<'py, PyAny>, PyRef<'py, PySwitchCostModel>)>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let slices = match slices {
+        None => None,
+        Some((policy, params, cost)) => {
+            let params = config_mapping(Some(&params), &format!("policy {policy}"))?;
+            Some(SliceTracker::from_config(&policy, &params, cost.model).py()?)
+        }
+    };
     let cfg: SimConfig = config_struct(config, "simulation config")?;
     let flow = match flow {
         Some(f) if !f.is_none() => Some(FlowSetup {
@@ -314,7 +325,7 @@ fn simulate<'py>(
     let budget = cfg.max_num_batched_tokens;
     let (out, ideal) = py
         .detach(|| {
-            let out = sim_engine(cfg, model, &make, &plan, flow.as_ref())?;
+            let out = sim_engine(cfg, model, &make, &plan, flow.as_ref(), slices)?;
             let ideal: Vec<f64> =
                 out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
             Ok::<_, llmsched_sim::SimError>((out, ideal))
@@ -352,6 +363,7 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
     )?;
     d.set_item("sync_batches", out.sync_batches)?;
     d.set_item("sync_bytes", out.sync_bytes)?;
+    d.set_item("slice_switches", out.slice_switches)?;
     let replicas = PyList::empty(py);
     for rep in &out.replicas {
         let r = PyDict::new(py);

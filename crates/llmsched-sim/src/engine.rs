@@ -18,8 +18,18 @@
 //! a request routed to the replica being stepped waits in its inbox and joins its queue before
 //! the next schedule, as in the reference engine.
 //!
-//! Not covered yet (the reference engine runs these): token slices, prefill/decode
-//! disaggregation and Python routing plugins.
+//! Prefill/decode disaggregation: the first `prefill_replicas` replicas only prefill (their pool
+//! endpoints have role `prefill`, the others `decode`); a request the router splits is
+//! prefilled there, its KV (the blocks the decode replica does not hold) moves at
+//! `transfer_bw` after `transfer_latency_s`, and the decode replica admits it with all but its
+//! last prompt token computed.
+//!
+//! Token slices: with a [`SliceTracker`], a request decodes in slices; at each slice boundary
+//! the tracker weighs the replica's queue against the switch cost and the request continues in
+//! the batch, or yields (back to the end of its replica's queue, its KV left cached) or
+//! migrates (to another replica, which recomputes it).
+//!
+//! Not covered yet (the reference engine runs it): Python routing plugins.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
@@ -36,8 +46,11 @@ use llmsched_core::flow::{
 use llmsched_core::prefix_index::{IndexConfig, IndexError, PrefixIndex, Tier, WorkerKey};
 use llmsched_core::routing::replica_sync::{ReplicaSync, SyncOptions};
 use llmsched_core::routing::{
-    Endpoint, EndpointPool, MetricsUpdate, RequestMeta, Router, RouterConfig, RouterOptions,
+    Endpoint, EndpointPool, MetricsUpdate, RequestMeta, Role, Router, RouterConfig, RouterOptions,
     RoutingError, StaleMode, StalePolicy, Ticket,
+};
+use llmsched_core::slices::{
+    Action, EndpointReport, SliceError, SliceTracker, WaitingRequest as SliceWaiting,
 };
 
 /// Engine and scenario settings (the fields of `EngineConfig` and `ScenarioConfig`).
@@ -69,6 +82,21 @@ pub struct SimConfig {
     /// each replica's records, sessions and in-flight counts to the others that much later.
     #[serde(default, rename = "router_sync_delay_s")]
     pub router_sync_delay: Option<f64>,
+    /// Replicas `0..prefill_replicas` only prefill (0: every replica serves both phases).
+    #[serde(default)]
+    pub prefill_replicas: usize,
+    /// KV transfer from a prefill to a decode replica: bytes per second, fixed latency, and the
+    /// KV bytes of one token.
+    #[serde(default = "transfer_bw")]
+    pub transfer_bw: f64,
+    #[serde(default, rename = "transfer_latency_s")]
+    pub transfer_latency: f64,
+    #[serde(default)]
+    pub kv_bytes_per_token: u64,
+}
+
+fn transfer_bw() -> f64 {
+    25e9
 }
 
 fn one() -> usize {
@@ -98,6 +126,8 @@ pub enum SimError {
     Routing(#[from] RoutingError),
     #[error(transparent)]
     Flow(#[from] FlowError),
+    #[error(transparent)]
+    Slices(#[from] SliceError),
 }
 
 /// Flow control in front of the router: the flow core's configuration and each priority's
@@ -157,6 +187,16 @@ struct Req {
     ticket: Option<Ticket>,
     /// The router replica that routed it.
     router: usize,
+    /// Split by the router: the replica that decodes it after its prefill elsewhere.
+    decode_replica: Option<usize>,
+    /// Its KV arrived from a prefill replica (all but the last prompt token are computed).
+    kv_ready: bool,
+    /// Token slices: this call stops when `generated` reaches it (0: no slices).
+    call_end: u64,
+    /// Tokens generated when the current slice began.
+    slice_start: u64,
+    /// Where a yielded or migrated slice continues.
+    slice_endpoint: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,6 +206,9 @@ enum Kind {
     Step,
     KvFeed,
     Sync,
+    Transfer,
+    /// A yielded or migrated slice joins the queue of `slice_endpoint`.
+    Requeue,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -222,6 +265,8 @@ pub struct Counters {
 
 struct Replica {
     id: usize,
+    /// A prefill-only replica of a P/D split.
+    prefill_only: bool,
     kv: KvCore,
     waiting: VecDeque<usize>,
     running: Vec<usize>,
@@ -290,6 +335,8 @@ pub struct SimOutput {
     /// Replica-sync batches published by the router replicas, and their bytes.
     pub sync_batches: u64,
     pub sync_bytes: u64,
+    /// Token slices that yielded or migrated.
+    pub slice_switches: u64,
 }
 
 /// One router replica: its own pool, index and router, and its end of replica sync.
@@ -336,6 +383,8 @@ struct World<'p> {
     /// Requests routed to a replica while it was out of its slot, in order.
     inbox: Vec<Vec<usize>>,
     gate: Option<Gate>,
+    slices: Option<SliceTracker>,
+    slice_switches: u64,
 }
 
 /// Runs one scenario under one routing configuration: `router_config` builds each router
@@ -346,8 +395,9 @@ pub fn simulate(
     router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
     plan: &Plan,
     flow: Option<&FlowSetup>,
+    slices: Option<SliceTracker>,
 ) -> Result<SimOutput, SimError> {
-    Simulation::new(cfg, model, router_config, plan, flow)?.run()
+    Simulation::new(cfg, model, router_config, plan, flow, slices)?.run()
 }
 
 struct Simulation<'p> {
@@ -361,6 +411,7 @@ impl<'p> Simulation<'p> {
         router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
         plan: &'p Plan,
         flow: Option<&FlowSetup>,
+        mut slices: Option<SliceTracker>,
     ) -> Result<Self, SimError> {
         plan.validate()?;
         if cfg.replicas == 0 || cfg.block_size == 0 || cfg.max_num_seqs == 0 {
@@ -385,6 +436,16 @@ impl<'p> Simulation<'p> {
                 cfg.router_replicas
             )));
         }
+        if cfg.prefill_replicas >= cfg.replicas {
+            return Err(SimError::Config(
+                "prefill_replicas must leave at least one decode replica".into(),
+            ));
+        }
+        if !(cfg.transfer_bw > 0.0 && cfg.transfer_latency >= 0.0) {
+            return Err(SimError::Config(
+                "transfer_bw must be > 0 and transfer_latency_s >= 0".into(),
+            ));
+        }
         if cfg.router_sync_delay.is_some_and(|d| !(d.is_finite() && d >= 0.0)) {
             return Err(SimError::Config("router_sync_delay_s must be finite and >= 0".into()));
         }
@@ -400,8 +461,13 @@ impl<'p> Simulation<'p> {
                 mode: StaleMode::Ignore,
                 ..StalePolicy::default()
             })?);
-            for key in &keys {
-                pool.upsert(Endpoint::new(key.clone()));
+            for (i, key) in keys.iter().enumerate() {
+                let mut endpoint = Endpoint::new(key.clone());
+                if cfg.prefill_replicas > 0 {
+                    endpoint.role =
+                        Some(if i < cfg.prefill_replicas { Role::Prefill } else { Role::Decode });
+                }
+                pool.upsert(endpoint);
             }
             // Each replica its own seed, as separate processes would draw.
             let seed = cfg.seed.wrapping_add(k as u64);
@@ -420,6 +486,7 @@ impl<'p> Simulation<'p> {
         for id in 0..cfg.replicas {
             replicas.push(Some(Box::new(Replica {
                 id,
+                prefill_only: id < cfg.prefill_replicas,
                 kv: KvCore::new(cfg.kv_blocks, cfg.block_size, contents.unique().len())?,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
@@ -455,6 +522,18 @@ impl<'p> Simulation<'p> {
                 Some(Gate { core, queued: 0, ttft, names })
             }
         };
+        if let Some(tracker) = slices.as_mut() {
+            for i in 0..n {
+                let idle = EndpointReport {
+                    kv_usage: 0.0,
+                    waiting: 0,
+                    kv_capacity_tokens: None,
+                    prefill_tokens_per_s: None,
+                    decode_step_s: None,
+                };
+                tracker.set_endpoint(&i.to_string(), idle)?;
+            }
+        }
         let world = World {
             bs: u64::from(cfg.block_size),
             cfg,
@@ -486,6 +565,8 @@ impl<'p> Simulation<'p> {
             replicas,
             inbox: vec![Vec::new(); n],
             gate,
+            slices,
+            slice_switches: 0,
         };
         Ok(Simulation { world })
     }
@@ -514,6 +595,20 @@ impl<'p> Simulation<'p> {
                     if let Some((from, batch)) = self.world.syncs[ev.obj].take() {
                         self.world.deliver_sync(from, &batch, ev.time)?;
                     }
+                }
+                Kind::Requeue => {
+                    let r = ev.obj;
+                    let target = self.world.reqs[r].slice_endpoint;
+                    self.world.enqueue(target, r, ev.time)?;
+                }
+                Kind::Transfer => {
+                    let r = ev.obj;
+                    let Some(decode) = self.world.reqs[r].decode_replica else {
+                        return Err(SimError::Config(
+                            "a KV transfer without its decode replica".into(),
+                        ));
+                    };
+                    self.world.enqueue(decode, r, ev.time)?;
                 }
             }
         }
@@ -572,6 +667,7 @@ impl<'p> Simulation<'p> {
             now: w.now,
             sync_batches: w.sync_batches,
             sync_bytes: w.sync_bytes,
+            slice_switches: w.slice_switches,
         }
     }
 }
@@ -645,9 +741,49 @@ impl World<'_> {
         if self.cfg.metrics_delay > 0.0 {
             self.deliver_metrics(now)?;
         }
-        let target = self.pick(r, now)?;
+        let (target, prefill) = self.pick(r, now)?;
         self.reqs[r].dispatched = now;
-        self.enqueue(target, r, now)
+        if let Some(tracker) = self.slices.as_mut() {
+            let q = &mut self.reqs[r];
+            let start = tracker.admit(
+                q.id,
+                to_u32(q.prompt_len, "prompt_len")?,
+                to_u32(q.output_len, "output_len")?,
+                to_i32(q.priority)?,
+                &target.to_string(),
+            )?;
+            q.call_end = q.output_len.min(u64::from(start.slice_tokens));
+        }
+        match prefill {
+            Some(p) if p != target => {
+                self.reqs[r].decode_replica = Some(target);
+                self.enqueue(p, r, now)
+            }
+            _ => self.enqueue(target, r, now),
+        }
+    }
+
+    /// A prefill replica finished request `r`'s prompt: its KV moves to the decode replica
+    /// (the blocks that replica does not hold already).
+    fn prefill_done(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        let Some(decode) = self.reqs[r].decode_replica else {
+            return Err(SimError::Config("a split request without its decode replica".into()));
+        };
+        let Some(rep) = self.replicas[decode].as_ref() else {
+            return Err(SimError::Config(format!("replica {decode} is missing")));
+        };
+        let q = &self.reqs[r];
+        let whole = (q.prompt_len / self.bs) as usize;
+        let ids = &self.contents.ids()[q.hashes.0..q.hashes.1];
+        let uncached = (whole - rep.kv.lookup(ids, whole)) as u64;
+        let nbytes = uncached * self.bs * self.cfg.kv_bytes_per_token;
+        let q = &mut self.reqs[r];
+        q.kv_ready = true;
+        q.computed = 0;
+        q.phase = WAITING;
+        let when = now + self.cfg.transfer_latency + nbytes as f64 / self.cfg.transfer_bw;
+        self.push(when, Kind::Transfer, r, 0);
+        Ok(())
     }
 
     /// Request `r` joins replica `target`'s queue; a replica out of its slot (being stepped)
@@ -751,6 +887,11 @@ impl World<'_> {
             rejected: false,
             ticket: None,
             router: 0,
+            decode_replica: None,
+            kv_ready: false,
+            call_end: 0,
+            slice_start: 0,
+            slice_endpoint: 0,
         });
         self.reqs.len() - 1
     }
@@ -827,8 +968,9 @@ impl World<'_> {
         self.push(arrival, Kind::Arrival, follow, 0);
     }
 
-    /// Routes request `r` and starts the decision's in-flight accounting; returns the replica.
-    fn pick(&mut self, r: usize, now: f64) -> Result<usize, SimError> {
+    /// Routes request `r` and starts the decision's in-flight accounting; returns the replica
+    /// that decodes it and, when the router split it, the one that prefills it.
+    fn pick(&mut self, r: usize, now: f64) -> Result<(usize, Option<usize>), SimError> {
         let q = &self.reqs[r];
         let whole = (q.prompt_len / self.bs) as usize;
         let hashes =
@@ -850,14 +992,18 @@ impl World<'_> {
         let ticket = router.commit(&decision, None, now)?;
         self.decision += start.elapsed();
         self.reqs[r].router = k;
-        let key = &decision.endpoint(decision.chosen()).id;
-        let target = match key {
-            WorkerKey::Int(i) if (*i as usize) < self.keys.len() && *i >= 0 => *i as usize,
-            other => return Err(SimError::Routing(RoutingError::UnknownEndpoint(other.clone()))),
+        let replica = |key: &WorkerKey| match key {
+            WorkerKey::Int(i) if *i >= 0 && (*i as usize) < self.keys.len() => Ok(*i as usize),
+            other => Err(SimError::Routing(RoutingError::UnknownEndpoint(other.clone()))),
+        };
+        let target = replica(&decision.endpoint(decision.chosen()).id)?;
+        let prefill = match decision.prefill() {
+            Some(p) => Some(replica(&decision.endpoint(p).id)?),
+            None => None,
         };
         self.reqs[r].ticket = Some(ticket);
         self.publish_sync(k, now)?;
-        Ok(target)
+        Ok((target, prefill))
     }
 
     /// Router replica `k`'s news (records, sessions, counts) leaves for the others, arriving
@@ -906,6 +1052,23 @@ impl World<'_> {
     }
 
     fn finished(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        if let Some(tracker) = self.slices.as_mut() {
+            let q = &mut self.reqs[r];
+            if !q.rejected && q.generated < q.output_len {
+                // A slice yielded or migrated: its continuation is a new call for the rest
+                // (prompt plus output so far), queued where the tracker sent it.
+                let start = tracker.resume(q.id, &q.slice_endpoint.to_string())?;
+                q.high_water = q.high_water.max(q.computed);
+                q.computed = 0;
+                q.target = q.prompt_len + q.generated;
+                q.call_end = q.output_len.min(q.generated + u64::from(start.slice_tokens));
+                q.phase = WAITING;
+                self.slice_switches += 1;
+                self.push(now, Kind::Requeue, r, 0); // after the replica's step is applied
+                return Ok(());
+            }
+            tracker.remove(q.id);
+        }
         let q = &mut self.reqs[r];
         q.finish = now;
         q.phase = DONE;
@@ -1156,23 +1319,79 @@ impl Replica {
             return Ok(());
         }
         remove_item(&mut self.prefilling, r);
+        if self.prefill_only && w.reqs[r].decode_replica.is_some() {
+            // Split by the router: the KV moves to the decode replica. (A request routed whole
+            // to a prefill replica, by a policy that ignores roles, is served there.)
+            remove_item(&mut self.running, r);
+            self.kv.free(id)?;
+            w.reqs[r].kv_started = false;
+            return w.prefill_done(r, now);
+        }
         w.reqs[r].generated += 1;
         if w.reqs[r].first_token < 0.0 {
             w.first_token(r, now)?;
         }
-        let q = &mut w.reqs[r];
-        if q.generated >= q.output_len {
+        let (generated, output_len, call_end) =
+            (w.reqs[r].generated, w.reqs[r].output_len, w.reqs[r].call_end);
+        if generated >= output_len || (call_end == generated && !self.slice_continues(r, now, w)?) {
             return self.finish(r, now, w);
         }
+        let q = &mut w.reqs[r];
         q.phase = DECODE;
         q.join_step = self.decode_step;
         q.join_gen = q.generated;
         self.kv.set_decoding(q.id, true)?;
         self.decode_n += 1;
         self.decode_ctx += q.computed;
-        let stop = q.output_len;
+        let mut stop = q.output_len;
+        if q.call_end > 0 {
+            stop = stop.min(q.call_end);
+        }
         self.finishes.push(Finish(self.decode_step + stop - q.generated, q.id, q.version, r));
         Ok(())
+    }
+
+    /// A slice of request `r` ended (`generated == call_end`): the tracker decides. True: the
+    /// next slice runs on in the batch (`call_end` moved). False: the request leaves the batch
+    /// and `finished` requeues it where `slice_endpoint` says.
+    fn slice_continues(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<bool, SimError> {
+        let start = Instant::now();
+        let mut waiting = Vec::with_capacity(8);
+        for &x in self.waiting.iter().take(8) {
+            let q = &w.reqs[x];
+            waiting.push(SliceWaiting {
+                priority: to_i32(q.priority)?,
+                level: 0,
+                context_tokens: to_u32(q.prompt_len + q.generated, "context")?,
+                expected_tokens: to_u32(q.output_len - q.generated, "output")?,
+            });
+        }
+        let report = EndpointReport {
+            kv_usage: self.kv.usage().min(1.0),
+            waiting: to_u32(self.waiting.len() as u64, "waiting")?,
+            kv_capacity_tokens: None,
+            prefill_tokens_per_s: None,
+            decode_step_s: None,
+        };
+        let Some(tracker) = w.slices.as_mut() else {
+            return Err(SimError::Config("a slice boundary without token slices".into()));
+        };
+        let q = &mut w.reqs[r];
+        tracker.record_tokens(q.id, to_u32(q.generated - q.slice_start, "slice")?)?;
+        tracker.set_endpoint(&self.id.to_string(), report)?;
+        let decision = tracker.decide(q.id, false, &waiting, now)?;
+        w.decision += start.elapsed();
+        q.slice_start = q.generated;
+        if decision.action == Action::Continue {
+            q.call_end = q.output_len.min(q.generated + u64::from(decision.next_slice_tokens));
+            return Ok(true);
+        }
+        q.slice_endpoint = match decision.endpoint.as_deref().map(str::parse::<usize>) {
+            None => self.id,
+            Some(Ok(i)) if i < w.replicas.len() => i,
+            Some(_) => return Err(SimError::Config("a slice decision names no replica".into())),
+        };
+        Ok(false)
     }
 
     fn finish_due(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
@@ -1183,6 +1402,18 @@ impl Replica {
             self.finishes.pop();
             if version != w.reqs[r].version || w.reqs[r].phase != DECODE {
                 continue;
+            }
+            let q = &mut w.reqs[r];
+            let generated = q.join_gen + self.decode_step - q.join_step;
+            if generated < q.output_len {
+                q.generated = generated;
+                if self.slice_continues(r, now, w)? {
+                    // The next slice goes on in the batch: only the stopping point moves.
+                    let q = &w.reqs[r];
+                    let stop = q.output_len.min(q.call_end);
+                    self.finishes.push(Finish(q.join_step + stop - q.join_gen, q.id, version, r));
+                    continue;
+                }
             }
             self.leave_decode(r, w)?;
             self.finish(r, now, w)?;
@@ -1326,6 +1557,9 @@ impl Replica {
                 let q = &mut w.reqs[r];
                 q.kv_started = true;
                 q.computed = hit * bs;
+                if q.kv_ready {
+                    q.computed = q.computed.max(q.target - 1);
+                }
                 self.counters.hit_tokens += hit * bs;
                 self.counters.query_tokens += q.target;
                 if q.cached_tokens < 0 {
@@ -1418,6 +1652,14 @@ impl Replica {
         w.reqs[r].phase = DONE;
         w.finished(r, now)
     }
+}
+
+fn to_u32(value: u64, what: &str) -> Result<u32, SimError> {
+    u32::try_from(value).map_err(|_| SimError::Config(format!("{what} {value} exceeds 2^32 - 1")))
+}
+
+fn to_i32(value: i64) -> Result<i32, SimError> {
+    i32::try_from(value).map_err(|_| SimError::Config(format!("priority {value} is out of range")))
 }
 
 /// Python's `(-priority, arrival, id)`: the waiting order under priority scheduling.

@@ -14,12 +14,15 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
 from llmsched.sim.stepmodel import StepModelConfig
 from llmsched.sim.workloads import from_dict
+
+if TYPE_CHECKING:
+    from llmsched.slices import SwitchCostModel
 
 __all__ = [
     "DEFAULT_POLICIES",
@@ -83,6 +86,21 @@ class PDConfig:
     transfer_latency_s: float = 1e-3
     kv_bytes_per_token: int | None = None  # None: from the step model
 
+    def kv_bytes(self, model: object) -> int:
+        """KV bytes per token moved in a transfer: ``kv_bytes_per_token``, else the step
+        model's (its ``model.kv_bytes_per_token``), else Llama-3-8B's in bf16 (2 * 32 layers *
+        8 KV heads * 128 * 2 bytes).
+
+        >>> PDConfig(kv_bytes_per_token=10).kv_bytes(None), PDConfig().kv_bytes(None)
+        (10, 131072)
+        """
+        if self.kv_bytes_per_token:
+            return int(self.kv_bytes_per_token)
+        spec = getattr(model, "model", None)
+        if spec is not None and hasattr(spec, "kv_bytes_per_token"):
+            return int(spec.kv_bytes_per_token)
+        return 131_072
+
 
 @dataclass
 class SliceConfig:
@@ -94,6 +112,29 @@ class SliceConfig:
 
     policy: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+
+    def cost_model(self, model: object) -> SwitchCostModel:
+        """The tracker's switch-cost model, as both engines build it: from the model and GPU
+        of a roofline step model, the defaults otherwise."""
+        from llmsched.sim.stepmodel import RooflineStepModel
+        from llmsched.slices import SwitchCostModel
+
+        if not isinstance(model, RooflineStepModel):
+            return SwitchCostModel()
+        spec, gpu = model.model, model.gpu
+        tp = model.tp or 1
+        return SwitchCostModel.from_model(
+            params=spec.params,
+            layers=spec.layers,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            gpu_flops=gpu.flops * tp,
+            gpu_hbm_bytes_per_s=gpu.hbm_bw * tp,
+            gpu_memory_bytes=gpu.memory * tp,
+            compute_efficiency=model.compute_eff,
+            bandwidth_efficiency=model.memory_eff,
+            memory_fraction=model.gpu_memory_utilization,
+        )
 
 
 @dataclass

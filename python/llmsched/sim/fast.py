@@ -68,15 +68,11 @@ def unsupported(
     """Why the Rust engine cannot run ``policy`` on ``config`` (None: it can).
 
     >>> from llmsched.sim.config import ScenarioConfig
-    >>> unsupported(ScenarioConfig.from_dict({"pd": {"prefill_replicas": 2}}), "llm-d-pd")
-    'prefill/decode disaggregation'
+    >>> unsupported(ScenarioConfig.from_dict({}), "llm-d", native_kv=False)
+    'the pure-Python KV cache twin'
     """
     if not native_kv:
         return "the pure-Python KV cache twin"
-    if config.slices.policy:
-        return "token slices"
-    if config.pd.prefill_replicas:
-        return "prefill/decode disaggregation"
     if not isinstance(policy, (str, Mapping)):
         return "a Python Policy object"
     if isinstance(policy, Mapping) and isinstance(policy.get("config"), Mapping):
@@ -227,7 +223,7 @@ def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
 # -- running ---------------------------------------------------------------------------------
 
 
-def engine_settings(config: ScenarioConfig, kv_blocks: int) -> dict[str, Any]:
+def engine_settings(config: ScenarioConfig, kv_blocks: int, model: StepModel) -> dict[str, Any]:
     """The scenario's engine settings as the native engine takes them."""
     engine = config.engine
     return {
@@ -246,6 +242,10 @@ def engine_settings(config: ScenarioConfig, kv_blocks: int) -> dict[str, Any]:
         "router_sync_delay_s": (
             None if config.router_sync_delay_s is None else float(config.router_sync_delay_s)
         ),
+        "prefill_replicas": config.pd.prefill_replicas,
+        "transfer_bw": float(config.pd.transfer_bw),
+        "transfer_latency_s": float(config.pd.transfer_latency_s),
+        "kv_bytes_per_token": config.pd.kv_bytes(model),
     }
 
 
@@ -261,8 +261,12 @@ def run(
     flow, ttft = None, None
     if config.flow.enabled:
         flow, ttft = config.flow.controller_config(), config.flow.ttft_targets(config.slo)
-    settings = engine_settings(config, kv_blocks)
-    out = _llmsched.simulate(settings, step_args(model), router, plan, flow, ttft)
+    slices = None
+    if config.slices.policy:
+        cost = config.slices.cost_model(model).native
+        slices = (config.slices.policy, config.slices.params, cost)
+    settings = engine_settings(config, kv_blocks, model)
+    out = _llmsched.simulate(settings, step_args(model), router, plan, flow, ttft, slices)
     return RunRecord.from_native(out)
 
 

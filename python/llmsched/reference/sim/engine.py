@@ -38,9 +38,9 @@ from llmsched.sim.kv import KVCacheEvent, make_kv_cache
 from llmsched.sim.policies import PolicyLike
 from llmsched.sim.request import DONE, WAITING, Request
 from llmsched.sim.results import RECORD_FIELDS, KvEnd, ReplicaEnd, RunRecord, SimResult, collect
-from llmsched.sim.stepmodel import RooflineStepModel, StepModel, build_step_model
+from llmsched.sim.stepmodel import StepModel, build_step_model
 from llmsched.sim.workloads import make_workload
-from llmsched.slices import SliceTracker, SwitchCostModel, WaitingRequest
+from llmsched.slices import SliceTracker, WaitingRequest
 
 __all__ = ["ReferenceSimulation", "ideal_time"]
 
@@ -88,7 +88,7 @@ class ReferenceSimulation:
         self.feed_s = 0.0
         self.feed_skipped = 0
         self.slice_switches = 0
-        self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
+        self.kv_bytes_per_token = config.pd.kv_bytes(self.model)
         index = PrefixIndex(block_size=engine_cfg.block_size, seed=config.seed)
         self.index = index
         self.workload = make_workload(
@@ -136,23 +136,7 @@ class ReferenceSimulation:
         cfg = self.config.slices
         if not cfg.policy:
             return None
-        cost = None
-        model = self.model
-        if isinstance(model, RooflineStepModel):
-            spec, gpu = model.model, model.gpu
-            tp = model.tp or 1
-            cost = SwitchCostModel.from_model(
-                params=spec.params,
-                layers=spec.layers,
-                kv_heads=spec.kv_heads,
-                head_dim=spec.head_dim,
-                gpu_flops=gpu.flops * tp,
-                gpu_hbm_bytes_per_s=gpu.hbm_bw * tp,
-                gpu_memory_bytes=gpu.memory * tp,
-                compute_efficiency=model.compute_eff,
-                bandwidth_efficiency=model.memory_eff,
-                memory_fraction=model.gpu_memory_utilization,
-            )
+        cost = cfg.cost_model(self.model)
         endpoints = [str(r.id) for r in self.replicas]
         return SliceTracker(cfg.policy, cfg.params, cost_model=cost, endpoints=endpoints)
 
@@ -481,10 +465,3 @@ def ideal_time(model: StepModel, budget: int, prompt: int, output: int) -> float
         left -= chunk
         ctx += chunk
     return t + model.decode_run(1, prompt).time(output - 1)
-
-
-def _kv_bytes(model: Any) -> int:
-    spec = getattr(model, "model", None)
-    if spec is not None and hasattr(spec, "kv_bytes_per_token"):
-        return int(spec.kv_bytes_per_token)
-    return 131_072  # Llama-3-8B bf16: 2 * 32 layers * 8 KV heads * 128 * 2 bytes

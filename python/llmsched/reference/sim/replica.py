@@ -199,7 +199,9 @@ class Replica:
         if req.computed < req.target:
             return
         self.prefilling.remove(req)
-        if self.role == "prefill":
+        if self.role == "prefill" and req.decode_replica is not None:
+            # Split by the router: the KV moves to the decode replica. (A request routed whole
+            # to a prefill replica, by a policy that ignores roles, is served there.)
             self.running.remove(req)
             kv.free(req.id)
             req.kv_started = False
