@@ -492,6 +492,63 @@ def _scorer(request: dict[str, Any], endpoints: list[dict[str, Any]]) -> list[fl
     return [1.0 for _ in endpoints]
 
 
+class _PolicyObject:
+    """A Policy object: round robin over the replicas, in Python."""
+
+    name = "python-round-robin"
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def update_metrics(self, replica, waiting, running, kv_cache_usage, now) -> None:
+        pass
+
+    def pick(self, req, now):
+        self.next += 1
+        return (self.next - 1) % 2, None
+
+    def on_first_token(self, req, now) -> None:
+        pass
+
+    def on_finished(self, req, now) -> None:
+        pass
+
+
+def test_python_plugins_run_on_the_rust_engine_through_a_callback() -> None:
+    """A python-scorer plugin is called back from the Rust engine, once per decision, with
+    the same decisions as on the reference engine."""
+    calls = {"n": 0}
+
+    def prefer_short_queues(
+        request: dict[str, Any], endpoints: list[dict[str, Any]]
+    ) -> list[float]:
+        calls["n"] += 1
+        return [1.0 / (1.0 + e["waiting"] + e["in_flight_requests"]) for e in endpoints]
+
+    policy = {
+        "name": "python-queue",
+        "config": {
+            "plugins": [
+                {
+                    "type": "python-scorer",
+                    "name": "q",
+                    "parameters": {"function": prefer_short_queues},
+                },
+                {"type": "max-score-picker"},
+            ],
+            "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "q"}]}],
+        },
+    }
+    cfg = ScenarioConfig.from_dict(
+        {"replicas": 3, "workload": {"kind": "long_short", "num_requests": 120}}
+    )
+    assert unsupported(cfg, policy) is None
+    assert_same(cfg, policy)
+    calls["n"] = 0
+    result = Simulation(cfg, policy).run()
+    assert result.engine_name == "rust" and calls["n"] == 120
+
+
 FALLBACKS = [
     ({"pd": {"prefill_replicas": 1}}, "llm-d-pd", None),
     ({"engine": {"scheduling": "priority"}}, "llm-d", None),
@@ -511,7 +568,12 @@ FALLBACKS = [
                 ],
             },
         },
-        "Python routing plugins",
+        None,
+    ),
+    (
+        {},
+        _PolicyObject(),
+        "a Python Policy object",
     ),
 ]
 

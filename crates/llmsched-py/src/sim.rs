@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::slices::PySwitchCostModel;
 use llmsched_core::flow::FlowConfig;
-use llmsched_core::routing::{parse_config, RoutingError};
+use llmsched_core::routing::{config, RoutingError};
 use llmsched_core::slices::SliceTracker;
 use std::sync::Arc;
 
@@ -290,7 +290,7 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
 /// GIL released; returns the finished requests as arrays, per-replica end states, the KV-use
 /// trace and the time spent in routing decisions and feeds.
 #[pyfunction]
-#[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None, slices = None))]
+#[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None, slices = None, functions = Vec::new()))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
@@ -301,6 +301,7 @@ fn simulate<'py>(
     flow: Option<&Bound<'py, PyAny>>,
     ttft_targets: Option<Vec<(i64, f64)>>,
     slices: Option<(String, Bound<'py, PyAny>, PyRef<'py, PySwitchCostModel>)>,
+    functions: Vec<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let slices = match slices {
         None => None,
@@ -319,8 +320,10 @@ fn simulate<'py>(
     };
     let model: StepModel = config_struct(step, "step model")?;
     let value = config_mapping(Some(router), "router config")?;
-    parse_config(&value).map_err(RoutingError::from).py()?; // errors surface here, once
-    let make = || parse_config(&value).map_err(RoutingError::from);
+    // Python plugins (`functions`) are called back with the GIL taken for each call only.
+    let registry = crate::routing::registry(py, &functions);
+    config::parse(&value, &registry).map_err(RoutingError::from).py()?; // errors surface here
+    let make = || config::parse(&value, &registry).map_err(RoutingError::from);
     let plan = plan(workload)?;
     let budget = cfg.max_num_batched_tokens;
     let (out, ideal) = py

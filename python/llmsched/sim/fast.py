@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 
 from llmsched import _llmsched
-from llmsched.errors import ConfigError
-from llmsched.routing import PYTHON_PLUGIN_TYPES, ConfigLike, load_config, native_config
+from llmsched.routing import ConfigLike, load_config, native_config
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.policies import PolicyLike
 from llmsched.sim.request import DONE, Request
@@ -75,12 +74,6 @@ def unsupported(
         return "the pure-Python KV cache twin"
     if not isinstance(policy, (str, Mapping)):
         return "a Python Policy object"
-    if isinstance(policy, Mapping) and isinstance(policy.get("config"), Mapping):
-        plugins = policy["config"].get("plugins")
-        if isinstance(plugins, list) and any(
-            isinstance(p, dict) and p.get("type") in PYTHON_PLUGIN_TYPES for p in plugins
-        ):
-            return "Python routing plugins"
     if model is None:
         model = build_step_model(config.step_model)
     if not isinstance(
@@ -255,8 +248,6 @@ def run(
     """Run ``config`` on the Rust engine under the router ``router_config``: its record (the
     plan is built, or taken from the cache, first)."""
     router, functions = native_config(load_config(router_config))
-    if functions:
-        raise ConfigError("the Rust engine does not take Python routing plugins")
     plan = cached_plan(config)
     flow, ttft = None, None
     if config.flow.enabled:
@@ -266,7 +257,9 @@ def run(
         cost = config.slices.cost_model(model).native
         slices = (config.slices.policy, config.slices.params, cost)
     settings = engine_settings(config, kv_blocks, model)
-    out = _llmsched.simulate(settings, step_args(model), router, plan, flow, ttft, slices)
+    out = _llmsched.simulate(
+        settings, step_args(model), router, plan, flow, ttft, slices, functions
+    )
     return RunRecord.from_native(out)
 
 
