@@ -1,4 +1,4 @@
-//! Bindings for `llmsched_sim`: the simulator's KV cache (the Python engine's) and the whole
+//! Bindings for `llmsched_sim`: the simulator's KV cache (the reference engine's) and the whole
 //! Rust engine (`simulate`).
 
 use crate::convert::{config_mapping, config_struct};

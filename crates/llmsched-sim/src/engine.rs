@@ -1,5 +1,5 @@
-//! The discrete-event serving simulation in Rust: the same model as the Python engine
-//! (`llmsched.sim.simulator` and `replica`), step for step, calling the real routing core
+//! The discrete-event serving simulation in Rust: the same model as the reference engine
+//! (`llmsched.reference.sim`, in pure Python), step for step, calling the real routing core
 //! ([`Router`] over an [`EndpointPool`] and a [`PrefixIndex`] fed by the replicas' KV events)
 //! directly instead of through Python.
 //!
@@ -7,9 +7,10 @@
 //! arrivals, the end of a replica's step (or closed-form decode run) and delayed KV-event
 //! batches. Each replica is vLLM V1's scheduler over a paged, prefix-cached [`KvCore`]
 //! (chunked prefill under a token budget, recompute preemption, decode runs summed in closed
-//! form); see `replica.py` for the per-step rules, which this file follows line for line so
-//! that both engines produce identical results for the same plan (the Python engine is the
-//! oracle of the equivalence tests). Cost per event: O(log events + blocks touched).
+//! form); see `llmsched/reference/sim/replica.py` for the per-step rules, which this file
+//! follows line for line so that both engines produce identical results for the same plan (the
+//! reference engine is the oracle of the equivalence tests). Cost per event: O(log events +
+//! blocks touched).
 //!
 //! Flow control: with a [`FlowSetup`], arrivals are offered to the flow core
 //! ([`FlowController`], the one `llmsched.flow` wraps) in simulated time; what it dispatches is

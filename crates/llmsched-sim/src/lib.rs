@@ -1,4 +1,4 @@
-//! The serving simulator's Rust side: the replicas' KV cache (used by the Python engine too),
+//! The serving simulator's Rust side: the replicas' KV cache (used by the reference engine too),
 //! the step-time models, workload plans (and their native generators, `workload` over `rng`) and the whole discrete-event engine (`engine`), which
 //! runs a scenario without a Python round-trip per request. The pure-Python reference engine
 //! (`llmsched.reference.sim`) is its oracle and covers what this one does not yet.

@@ -1,6 +1,6 @@
 """The Rust engine: the whole simulation in native code, calling the routing core directly.
 
-:class:`~llmsched.sim.simulator.Simulation` runs it. A scenario it does not cover yet
+:class:`llmsched.sim.Simulation` runs it. A scenario it does not cover yet
 (:func:`unsupported` names why) runs on the reference engine (:mod:`llmsched.reference.sim`),
 with a warning, a count and the reason in the result. Both engines run the same model step
 for step and give the same results for the same seed and scenario (the equivalence tests
