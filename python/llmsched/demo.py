@@ -48,4 +48,12 @@ def demo_config(
         workload["followup_turns"] = turns - 1
     if workload:
         data["workload"] = {"kind": "agentic", **workload}
-    return ScenarioConfig.from_dict(data)
+    given = [
+        f"{name} {value}"
+        for name, value in (("replicas", replicas), ("sessions", sessions), ("turns", turns))
+        if value is not None
+    ]
+    config = ScenarioConfig.from_dict(data)
+    if given:
+        config.description += f" (demo: {', '.join(given)})"
+    return config

@@ -1673,3 +1673,152 @@ fn remove_item(list: &mut Vec<usize>, item: usize) {
         list.remove(i);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::OpenRequest;
+    use llmsched_core::routing::parse_config;
+    use serde_json::json;
+
+    /// `n` requests of `prompt` + `output` tokens, all arriving at `t = 0`, each with content
+    /// of its own.
+    fn burst(n: usize, prompt: u64, output: u64, priority: impl Fn(usize) -> i64) -> Plan {
+        let blocks = (prompt / 16) as usize;
+        let mut hashes = Vec::new();
+        let mut open = Vec::new();
+        for i in 0..n {
+            let start = hashes.len();
+            hashes.extend((0..blocks).map(|b| (i * 1000 + b + 1) as u64));
+            open.push(OpenRequest {
+                arrival: 0.0,
+                prompt_len: prompt,
+                output_len: output,
+                tenant: (i % 3) as i64,
+                priority: priority(i),
+                session: None,
+                hashes: start..hashes.len(),
+            });
+        }
+        Plan {
+            hashes,
+            open,
+            sessions: Vec::new(),
+            starts: Vec::new(),
+            closed: false,
+            contents: None,
+        }
+    }
+
+    fn config(replicas: usize) -> SimConfig {
+        serde_json::from_value(json!({
+            "replicas": replicas, "block_size": 16, "kv_blocks": 4096,
+            "max_num_batched_tokens": 2048, "max_num_seqs": 64, "priority_scheduling": false,
+            "metrics_delay_s": 0.0, "kv_events_delay_s": 0.0, "kv_sample_s": 1.0,
+            "max_time_s": null, "seed": 0,
+        }))
+        .unwrap()
+    }
+
+    fn model() -> StepModel {
+        serde_json::from_value(json!({"kind": "linear", "b0": 0.01, "b1": 1e-5, "b2": 1e-4,
+                                      "b3": 0.0, "b4": 0.0}))
+        .unwrap()
+    }
+
+    fn run(cfg: SimConfig, router: &str, plan: &Plan, flow: Option<&FlowSetup>) -> SimOutput {
+        let value = match router {
+            "round-robin" => json!({"plugins": [{"type": "round-robin-picker"}],
+                "schedulingProfiles": [{"name": "default",
+                                        "plugins": [{"pluginRef": "round-robin-picker"}]}]}),
+            _ => json!({"plugins": [{"type": "prefill-filter"}, {"type": "decode-filter"},
+                    {"type": "max-score-picker"}, {"type": "queue-scorer"},
+                    {"type": "always-disagg-pd-decider"},
+                    {"type": "pd-profile-handler",
+                     "parameters": {"deciderPluginName": "always-disagg-pd-decider"}}],
+                "schedulingProfiles": [
+                    {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"},
+                        {"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}]},
+                    {"name": "decode", "plugins": [{"pluginRef": "decode-filter"},
+                        {"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}]}]}),
+        };
+        let make = || parse_config(&value).map_err(RoutingError::from);
+        simulate(cfg, model(), &make, plan, flow, None).unwrap()
+    }
+
+    fn flow(config: serde_json::Value) -> FlowSetup {
+        FlowSetup { config: FlowConfig::from_value(config).unwrap(), ttft_targets: Vec::new() }
+    }
+
+    #[test]
+    fn flow_control_lets_one_request_run_at_a_time() {
+        let plan = burst(12, 256, 8, |_| 0);
+        let gate = flow(json!({"saturation": {"type": "concurrency", "max_requests": 1}}));
+        let out = run(config(2), "round-robin", &plan, Some(&gate));
+        assert_eq!(out.done.len(), 12);
+        assert!(out.done.iter().all(|r| !r.rejected && r.generated == 8));
+        let mut spans: Vec<(f64, f64)> =
+            out.done.iter().map(|r| (r.dispatched, r.finish)).collect();
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for pair in spans.windows(2) {
+            assert!(pair[1].0 >= pair[0].1, "dispatched before the previous one finished");
+        }
+        // Without flow control every request starts at once.
+        let free = run(config(2), "round-robin", &plan, None);
+        assert!(free.done.iter().all(|r| r.dispatched == 0.0));
+    }
+
+    #[test]
+    fn flow_control_refuses_beyond_its_band_and_serves_priority_first() {
+        let plan = burst(10, 256, 8, |i| if i < 5 { -1 } else { 1 });
+        let gate = flow(json!({
+            "saturation": {"type": "concurrency", "max_requests": 1},
+            "default_band": {"max_requests": 3},
+            "shedding": {"type": "none"},
+        }));
+        let out = run(config(1), "round-robin", &plan, Some(&gate));
+        let rejected: Vec<&DoneRecord> = out.done.iter().filter(|r| r.rejected).collect();
+        assert!(!rejected.is_empty());
+        assert!(rejected.iter().all(|r| r.dispatched < 0.0 && r.first_token < 0.0));
+        // The first batch request got in before the interactive ones arrived; after it, the
+        // interactive band goes first.
+        let served: Vec<&DoneRecord> = out.done.iter().filter(|r| !r.rejected).collect();
+        let first_high = served.iter().filter(|r| r.priority == 1).map(|r| r.dispatched);
+        let later_low: Vec<f64> = served
+            .iter()
+            .filter(|r| r.priority == -1 && r.dispatched > 0.0)
+            .map(|r| r.dispatched)
+            .collect();
+        let first_high = first_high.fold(f64::INFINITY, f64::min);
+        assert!(first_high > 0.0 && !later_low.is_empty());
+        assert!(later_low.iter().all(|&t| t > first_high));
+    }
+
+    #[test]
+    fn pd_split_prefills_on_one_replica_and_decodes_on_the_other() {
+        let plan = burst(6, 1024, 16, |_| 0);
+        let mut cfg = config(2);
+        cfg.prefill_replicas = 1;
+        cfg.kv_bytes_per_token = 1000;
+        cfg.transfer_bw = 1e6;
+        let out = run(cfg, "pd", &plan, None);
+        assert!(out.done.iter().all(|r| !r.rejected && r.generated == 16));
+        let (prefill, decode) = (out.replicas[0].counters, out.replicas[1].counters);
+        assert_eq!(prefill.prefill_tokens, 6 * 1024);
+        assert_eq!(decode.prefill_tokens, 6); // one token each: the KV came by transfer
+                                              // Each transfer of 1024 tokens at 1 MB/s takes about a second before the first token.
+        assert!(out.done.iter().all(|r| r.first_token - r.arrival > 1.0));
+    }
+
+    #[test]
+    fn bad_pd_settings_are_refused() {
+        let plan = burst(1, 64, 2, |_| 0);
+        let mut cfg = config(2);
+        cfg.prefill_replicas = 2;
+        let make = || parse_config(&json!("round-robin")).map_err(RoutingError::from);
+        assert!(matches!(
+            simulate(cfg, model(), &make, &plan, None, None),
+            Err(SimError::Config(_))
+        ));
+    }
+}
