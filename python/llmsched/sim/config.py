@@ -368,6 +368,33 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             {"name": "mlfq 128", "slices": {"policy": "mlfq", "params": {"base_quantum": 128}}},
         ],
     },
+    "slices-small": {
+        "name": "slices-small",
+        "description": "the token-slice experiment: one engine with 4 sequence slots and 14k KV "
+        "tokens, a few 2000+1500-token requests among 1000+40-token ones, with and without "
+        "slices",
+        "replicas": 1,
+        "engine": {"max_num_seqs": 4, "kv_tokens": 14_000},
+        # 20 ms a decode step, 20k prompt tokens a second.
+        "step_model": {"linear": {"b0": 0.02, "b1": 5e-5, "b2": 0.0}, "profile": None},
+        "workload": {
+            "kind": "long_short",
+            "num_requests": 64,
+            "long_fraction": 0.0625,
+            "long_input": 2000,
+            "long_output": 1500,
+            "short_input": 1000,
+            "short_output": 40,
+            "length_cv": 0.0,
+            "arrival": {"rate": 2.0},
+        },
+        "policies": ["round-robin"],
+        "variants": [
+            {"name": "no slices"},
+            {"name": "fixed 128", "slices": {"policy": "fixed", "params": {"slice_tokens": 128}}},
+            {"name": "mlfq 128", "slices": {"policy": "mlfq", "params": {"base_quantum": 128}}},
+        ],
+    },
     "router-replicas": {
         "name": "router-replicas",
         "description": "agentic sessions through 1 to 8 router replicas (turns spread over "
