@@ -171,8 +171,8 @@ bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench -p llmsched-core
 	cargo bench -p llmsched-sim
 
-demo: build ## Run the main job: the simulator comparing routing policies (llmsched sim)
-	$(PY) -m llmsched sim
+demo: build ## Run the main job: the simulator comparing routing policies (llmsched demo = llmsched sim)
+	$(PY) -m llmsched demo
 
 clean: ## Remove build outputs and the virtual environment
 	rm -rf target $(DIST) $(VENV) python/llmsched/_llmsched*.so .pytest_cache .mypy_cache .ruff_cache .benchmarks

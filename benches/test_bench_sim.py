@@ -1,5 +1,5 @@
 """Simulator benchmarks: the KV cache beside its pure-Python twin; whole simulations on the
-Python engine with the native cache and with the twin; and the Rust engine beside the Python
+reference engine with the native cache and with the twin; and the Rust engine beside the reference
 engine (simulated requests per wall second in ``extra_info``); and a Mooncake-style trace end
 to end, its plan built natively beside the plan built by the Python workload classes.
 
@@ -101,6 +101,45 @@ def test_engines_simulate_agentic(benchmark, policy: str, engine: str) -> None:
     benchmark.pedantic(run, rounds=5 if engine == "rust" else 2)
     benchmark.extra_info["sim_requests_per_wall_s"] = round(600 / benchmark.stats.stats.median)
     benchmark.extra_info["decision_share"] = round(summary["decision_share"], 3)
+
+
+def _variant(base: str, label: str, requests: int) -> ScenarioConfig:
+    cfg = ScenarioConfig.from_dict({"base": base})
+    workload = {**cfg.workload, "num_requests": requests}
+    (variant,) = [
+        c
+        for name, c in ScenarioConfig.from_dict({"base": base, "workload": workload}).expand()
+        if name == label
+    ]
+    return variant
+
+
+FEATURES = {
+    "flow control": (_variant("priority", "flow control", 1500), "llm-d"),
+    "slices mlfq": (_variant("slices", "mlfq 128", 1000), "round-robin"),
+    "P/D 2P+6D": (_variant("pd", "2P+6D", 1000), "llm-d-pd"),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("engine", ["rust", "python"])
+def test_engines_simulate_features(benchmark, feature: str, engine: str) -> None:
+    """Flow control, token slices and P/D pools on the Rust engine beside the reference
+    engine: the same result, so the ratio of the medians is the speed-up."""
+    cfg, policy = FEATURES[feature]
+    n = cfg.workload["num_requests"]
+    benchmark.group = f"engines: {feature}, {n} requests, {policy}"
+
+    def run():
+        return Simulation(cfg, policy, engine=engine).run()
+
+    result = run()
+    other = Simulation(cfg, policy, engine="python" if engine == "rust" else "rust").run()
+    for key in result.requests:
+        assert np.array_equal(result.requests[key], other.requests[key]), key
+    assert result.summary()["engine"] == engine
+    benchmark.pedantic(run, rounds=3 if engine == "rust" else 1)
+    benchmark.extra_info["sim_requests_per_wall_s"] = round(n / benchmark.stats.stats.median)
 
 
 # -- traces: the plan built natively against the plan built by the Python workload classes ----

@@ -108,6 +108,8 @@ def test_check_output_path_accepts_a_writable_file(tmp_path: Path) -> None:
 def test_demo_and_config_file_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--replicas", "0"]) == 2
     assert one_line_error(capsys) == "llmsched demo: --replicas must be at least 1"
+    assert main(["demo", "--turns", "0"]) == 2
+    assert one_line_error(capsys) == "llmsched demo: --turns must be at least 1"
     bad = tmp_path / "bad.yaml"
     bad.write_text("replicas: [1\n")
     assert main(["sim", "--config", str(bad), "--quiet"]) == 2

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from llmsched.reference.sim import ReferenceSimulation
 from llmsched.sim import ScenarioConfig, Simulation
 from llmsched.sim.request import DONE
 
@@ -191,7 +192,8 @@ def test_single_replica_matches_mm1(engine: str) -> None:
     assert math.isclose(mean, expected, rel_tol=0.08), (mean, expected)
 
 
-def test_pd_transfer_and_decode_split() -> None:
+@ENGINES
+def test_pd_transfer_and_decode_split(engine: str) -> None:
     cfg = scenario(
         replicas=2,
         pd={"prefill_replicas": 1, "transfer_bw": 1e9, "transfer_latency_s": 0.01},
@@ -204,12 +206,13 @@ def test_pd_transfer_and_decode_split() -> None:
             "length_cv": 0.0,
         },
     )
-    sim = Simulation(cfg, "llm-d-pd")
+    sim = Simulation(cfg, "llm-d-pd", engine=engine)
     sim.run()
+    assert sim.engine == engine
     (req,) = sim.done
     prefill, decode = sim.replicas
     assert prefill.prefill_tokens == 4096 and decode.prefill_tokens == 1
-    transfer = 0.01 + 4096 * sim.kv_bytes_per_token / 1e9
+    transfer = 0.01 + 4096 * cfg.pd.kv_bytes(sim.model) / 1e9
     first_step = sim.model.step_time(1, 1, 4095, 0, 0, 4095)
     expected = prefill_time(sim.model, 4096, 8192) + transfer + first_step
     assert req.first_token_time - req.arrival == pytest.approx(expected, rel=1e-9)
@@ -217,24 +220,28 @@ def test_pd_transfer_and_decode_split() -> None:
 
 
 @pytest.mark.parametrize("policy", ["fixed", "mlfq"])
-def test_token_slices_yield_and_finish(policy: str) -> None:
+@ENGINES
+def test_token_slices_yield_and_finish(policy: str, engine: str) -> None:
     params = {"slice_tokens": 64} if policy == "fixed" else {"base_quantum": 64}
     cfg = scenario(
         slices={"policy": policy, "params": params},
         engine={"max_num_seqs": 4},
         workload={"kind": "long_short", "num_requests": 80, "arrival": {"rate": 20.0}},
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = Simulation(cfg, "round-robin", engine=engine)
     s = sim.run().summary()
-    assert s["completed"] == 80
+    assert s["completed"] == 80 and sim.engine == engine
     assert sim.slice_switches > 0  # with a queue, slices yield
-    assert len(sim.slices) == 0  # every request left the tracker
     conserved(sim)
+    if sim.reference is not None:
+        assert sim.reference.slices is not None
+        assert len(sim.reference.slices) == 0  # every request left the tracker
 
 
-def test_token_slices_continue_when_nobody_waits() -> None:
+@ENGINES
+def test_token_slices_continue_when_nobody_waits(engine: str) -> None:
     cfg = one_request(500, 300, slices={"policy": "fixed", "params": {"slice_tokens": 32}})
-    sim = Simulation(cfg, "round-robin")
+    sim = Simulation(cfg, "round-robin", engine=engine)
     sim.run()
     (req,) = sim.done
     assert sim.slice_switches == 0
@@ -328,7 +335,7 @@ def test_flow_gate_plumbing(monkeypatch) -> None:
         flow={"enabled": True, "config": {"max_running": 8, "max_queued": 50}},
         workload={"kind": "priority", "num_requests": 400, "arrival": {"rate": 40.0}},
     )
-    sim = Simulation(cfg, "round-robin")
+    sim = ReferenceSimulation(cfg, "round-robin")
     s = sim.run().summary()
     assert len(sim.done) == 400 and s["completed"] + s["rejected"] == 400
     assert s["rejected"] > 0  # the queue bound refused some
@@ -363,7 +370,7 @@ def test_index_mirrors_the_engines_caches(delay: float) -> None:
             "arrival": {"rate": 30.0},
         },
     )
-    sim = Simulation(cfg, "prefix-only", engine="python")  # the Python engine exposes its index
+    sim = ReferenceSimulation(cfg, "prefix-only")  # the reference engine exposes its index
     sim.run()
     assert sim.feed_skipped == 0
     probes = {tuple(r.hashes[: r.prompt_len // 16].tolist()): r for r in sim.done}

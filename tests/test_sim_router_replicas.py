@@ -68,6 +68,7 @@ def test_router_replicas_are_checked_and_need_the_rust_engine() -> None:
         ScenarioConfig.from_dict({"router_replicas": 0}).validate()
     with pytest.raises(ConfigError, match="router_sync_delay_s"):
         ScenarioConfig.from_dict({"router_replicas": 2, "router_sync_delay_s": -1}).validate()
-    config = ScenarioConfig.from_dict({"router_replicas": 2, "flow": {"enabled": True}})
     with pytest.raises(ConfigError, match="Rust engine only"):
-        Simulation(config, "llm-d")
+        Simulation(ScenarioConfig.from_dict({"router_replicas": 2}), "llm-d", native_kv=False)
+    with pytest.raises(ConfigError, match="Rust engine only"):
+        Simulation(ScenarioConfig.from_dict({"router_replicas": 2}), "llm-d", engine="python")

@@ -1,10 +1,11 @@
 """The Rust engine against its oracle, the Python engine: the same scenario and seed give the
 same requests, timings and counters, bit for bit; and scenarios the Rust engine does not
-cover fall back to the Python engine, visibly."""
+cover run on the reference engine visibly (a warning, a count, the reason in the result)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmsched.errors import ConfigError
-from llmsched.sim import ScenarioConfig, Simulation
+from llmsched.sim import ScenarioConfig, Simulation, fallback_counts
 from llmsched.sim.fast import build_plan, unsupported
 from llmsched.sim.results import SimResult
 
@@ -48,6 +49,7 @@ def assert_same(cfg: ScenarioConfig, policy: Any) -> None:
     assert [list(t) for t in a.kv_trace] == [list(t) for t in b.kv_trace]
     assert py.feed_skipped == rs.feed_skipped
     assert py.now == rs.now
+    assert py.slice_switches == rs.slice_switches
     # Sessions by number (agentic); a trace's session names stay in the plan.
     rows = [
         (r.id, _sid(r.session), r.turn, r.dispatched, r.generated, r.preemptions, r.rejected)
@@ -180,6 +182,191 @@ def test_rust_engine_equals_python_engine(scenario: dict[str, Any], policy: str)
     assert_same(ScenarioConfig.from_dict(scenario), policy)
 
 
+POLICY_SPECS = st.one_of(
+    st.just({"type": "strict"}),
+    st.just({"type": "round-robin"}),
+    st.just({"type": "vtc"}),
+    st.just({"type": "las"}),
+)
+ORDERINGS = st.sampled_from([{"type": "fcfs"}, {"type": "edf"}, {"type": "slo-deadline"}])
+BAND = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_requests": st.integers(1, 60),
+        "ttl_s": st.sampled_from([0.2, 2.0, 60.0]),
+        "fairness": POLICY_SPECS,
+        "ordering": ORDERINGS,
+    },
+)
+FLOW_CONFIGS = st.fixed_dictionaries(
+    {},
+    optional={
+        "saturation": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.just("concurrency"), "max_requests": st.integers(1, 40)}
+            ),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("utilization"),
+                    "stale_policy": st.just("last"),
+                    "queue_threshold": st.sampled_from([1.0, 5.0]),
+                    "kv_threshold": st.sampled_from([0.3, 0.8]),
+                }
+            ),
+        ),
+        "default_band": BAND,
+        "bands": st.lists(
+            st.builds(lambda p, b: {"priority": p, **b}, st.sampled_from([-1, 1]), BAND),
+            max_size=2,
+            unique_by=lambda b: b["priority"],
+        ),
+        "global": st.fixed_dictionaries({"max_requests": st.integers(1, 80)}),
+        "shedding": st.one_of(
+            st.just({"type": "none"}),
+            st.fixed_dictionaries(
+                {"type": st.just("probabilistic"), "seed": st.integers(0, 9), "scale": st.just(3.0)}
+            ),
+        ),
+        "preemption": st.fixed_dictionaries({"evict_queued": st.booleans()}),
+    },
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=SCENARIOS, flow=FLOW_CONFIGS, policy=st.sampled_from(POLICIES))
+def test_engines_agree_under_flow_control(
+    scenario: dict[str, Any], flow: dict[str, Any], policy: str
+) -> None:
+    """Flow control (the flow core in both engines): bands, fairness, ordering, capacity,
+    saturation, shedding, TTLs and evictions give the same dispatches and refusals."""
+    cfg = ScenarioConfig.from_dict({**scenario, "flow": {"enabled": True, "config": flow}})
+    assert unsupported(cfg, policy) is None
+    assert_same(cfg, policy)
+
+
+PD_POLICIES = ["llm-d-pd", "round-robin", "llm-d"]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scenario=SCENARIOS,
+    pd=st.fixed_dictionaries(
+        {
+            "prefill_replicas": st.integers(1, 3),
+            "transfer_bw": st.sampled_from([1e9, 25e9]),
+            "transfer_latency_s": st.sampled_from([0.0, 1e-3, 0.05]),
+            "kv_bytes_per_token": st.sampled_from([None, 4096]),
+        }
+    ),
+    flow=st.one_of(st.none(), FLOW_CONFIGS),
+    policy=st.sampled_from(PD_POLICIES),
+)
+def test_engines_agree_on_prefill_decode_pools(
+    scenario: dict[str, Any], pd: dict[str, Any], flow: dict[str, Any] | None, policy: str
+) -> None:
+    """P/D pools: split requests prefill on one replica, move their KV and decode on another,
+    with the same timings on both engines (flow control in front or not)."""
+    spec = {**scenario, "replicas": max(scenario["replicas"], pd["prefill_replicas"] + 1)}
+    spec["pd"] = pd
+    if flow is not None:
+        spec["flow"] = {"enabled": True, "config": flow}
+    cfg = ScenarioConfig.from_dict(spec)
+    assert unsupported(cfg, policy) is None
+    assert_same(cfg, policy)
+
+
+SLICES = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "policy": st.just("fixed"),
+            "params": st.fixed_dictionaries({"slice_tokens": st.integers(1, 300)}),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "policy": st.just("mlfq"),
+            "params": st.fixed_dictionaries(
+                {"base_quantum": st.integers(1, 200)},
+                optional={
+                    "levels": st.integers(1, 4),
+                    "promote_after_s": st.sampled_from([0.5, 30.0]),
+                },
+            ),
+        }
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scenario=SCENARIOS,
+    slices=SLICES,
+    flow=st.one_of(st.none(), FLOW_CONFIGS),
+    prefill=st.sampled_from([0, 0, 1]),
+    policy=st.sampled_from(POLICIES),
+)
+def test_engines_agree_on_token_slices(
+    scenario: dict[str, Any],
+    slices: dict[str, Any],
+    flow: dict[str, Any] | None,
+    prefill: int,
+    policy: str,
+) -> None:
+    """Token slices (the slice core in both engines): continues, yields and migrations at the
+    same boundaries, with flow control and P/D pools or without."""
+    spec = {**scenario, "slices": slices}
+    if flow is not None:
+        spec["flow"] = {"enabled": True, "config": flow}
+    if prefill:
+        spec["replicas"] = max(2, scenario["replicas"])
+        spec["pd"] = {"prefill_replicas": prefill}
+        policy = "llm-d-pd"
+    cfg = ScenarioConfig.from_dict(spec)
+    assert unsupported(cfg, policy) is None
+    assert_same(cfg, policy)
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_slices_scenario_on_both_engines(variant: int) -> None:
+    """The README's slices scenario (scaled down): fixed and mlfq slices, equal."""
+    cfg = ScenarioConfig.from_dict(
+        {"base": "slices", "workload": {"kind": "long_short", "num_requests": 500}}
+    )
+    label, sliced = cfg.expand()[variant]
+    assert sliced.slices.policy
+    assert_same(sliced, "round-robin")
+    sim = Simulation(sliced, "round-robin")
+    sim.run()
+    assert sim.engine == "rust" and sim.slice_switches > 0, label
+
+
+def test_pd_scenario_on_both_engines() -> None:
+    """The README's P/D scenario (scaled down): 2P+6D on both engines, equal, and split."""
+    cfg = ScenarioConfig.from_dict(
+        {"base": "pd", "workload": {"kind": "long_short", "num_requests": 600}}
+    )
+    label, split = cfg.expand()[1]
+    assert label == "2P+6D"
+    assert_same(split, "llm-d-pd")
+    sim = Simulation(split, "llm-d-pd")
+    sim.run()
+    assert sim.engine == "rust"
+    assert sum(rep.prefill_tokens for rep in sim.replicas[:2]) > 0
+
+
+def test_priority_scenario_with_flow_control_on_both_engines() -> None:
+    """The README's priority scenario (scaled down): flow control on both engines, equal."""
+    cfg = ScenarioConfig.from_dict(
+        {
+            "base": "priority",
+            "workload": {"kind": "priority", "num_requests": 1500, "arrival": {"rate": 24.0}},
+        }
+    )
+    label, flow = cfg.expand()[1]
+    assert label == "flow control" and flow.flow.enabled
+    assert_same(flow, "llm-d")
+
+
 @st.composite
 def trace_lines(draw: st.DrawFn) -> list[dict[str, Any]]:
     """Trace lines: some with Mooncake hash_ids over a few shared contexts (covering the whole
@@ -305,11 +492,68 @@ def _scorer(request: dict[str, Any], endpoints: list[dict[str, Any]]) -> list[fl
     return [1.0 for _ in endpoints]
 
 
+class _PolicyObject:
+    """A Policy object: round robin over the replicas, in Python."""
+
+    name = "python-round-robin"
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def update_metrics(self, replica, waiting, running, kv_cache_usage, now) -> None:
+        pass
+
+    def pick(self, req, now):
+        self.next += 1
+        return (self.next - 1) % 2, None
+
+    def on_first_token(self, req, now) -> None:
+        pass
+
+    def on_finished(self, req, now) -> None:
+        pass
+
+
+def test_python_plugins_run_on_the_rust_engine_through_a_callback() -> None:
+    """A python-scorer plugin is called back from the Rust engine, once per decision, with
+    the same decisions as on the reference engine."""
+    calls = {"n": 0}
+
+    def prefer_short_queues(
+        request: dict[str, Any], endpoints: list[dict[str, Any]]
+    ) -> list[float]:
+        calls["n"] += 1
+        return [1.0 / (1.0 + e["waiting"] + e["in_flight_requests"]) for e in endpoints]
+
+    policy = {
+        "name": "python-queue",
+        "config": {
+            "plugins": [
+                {
+                    "type": "python-scorer",
+                    "name": "q",
+                    "parameters": {"function": prefer_short_queues},
+                },
+                {"type": "max-score-picker"},
+            ],
+            "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "q"}]}],
+        },
+    }
+    cfg = ScenarioConfig.from_dict(
+        {"replicas": 3, "workload": {"kind": "long_short", "num_requests": 120}}
+    )
+    assert unsupported(cfg, policy) is None
+    assert_same(cfg, policy)
+    calls["n"] = 0
+    result = Simulation(cfg, policy).run()
+    assert result.engine_name == "rust" and calls["n"] == 120
+
+
 FALLBACKS = [
-    ({"pd": {"prefill_replicas": 1}}, "llm-d-pd", "prefill/decode disaggregation"),
+    ({"pd": {"prefill_replicas": 1}}, "llm-d-pd", None),
     ({"engine": {"scheduling": "priority"}}, "llm-d", None),
-    ({"flow": {"enabled": True}}, "llm-d", "flow control"),
-    ({"slices": {"policy": "fixed", "params": {"slice_tokens": 64}}}, "llm-d", "token slices"),
+    ({"flow": {"enabled": True}}, "llm-d", None),
+    ({"slices": {"policy": "fixed", "params": {"slice_tokens": 64}}}, "llm-d", None),
     (
         {},
         {
@@ -324,13 +568,20 @@ FALLBACKS = [
                 ],
             },
         },
-        "Python routing plugins",
+        None,
+    ),
+    (
+        {},
+        _PolicyObject(),
+        "a Python Policy object",
     ),
 ]
 
 
 @pytest.mark.parametrize(("over", "policy", "reason"), FALLBACKS)
-def test_uncovered_scenarios_fall_back_visibly(over: dict, policy: Any, reason: str | None) -> None:
+def test_uncovered_scenarios_fall_back_visibly(
+    over: dict, policy: Any, reason: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
     data = {"replicas": 2, "workload": {"kind": "long_short", "num_requests": 30}}
     data.update(over)
     cfg = ScenarioConfig.from_dict(data)
@@ -338,9 +589,17 @@ def test_uncovered_scenarios_fall_back_visibly(over: dict, policy: Any, reason: 
     sim = Simulation(cfg, policy)
     expected = "rust" if reason is None else "python"
     assert (sim.engine, sim.fallback_reason) == (expected, reason)
-    summary = sim.run().summary()
+    before = fallback_counts().get(reason or "", 0)
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        summary = sim.run().summary()
     assert summary["engine"] == expected
-    if reason is not None:
+    assert summary.get("engine_fallback") == reason
+    if reason is None:
+        assert "reference engine" not in caplog.text
+    else:
+        # Counted every time; the warning names the reason (once per process).
+        assert fallback_counts()[reason] == before + 1
+        assert reason in caplog.text or before > 0
         with pytest.raises(ConfigError, match=reason):
             Simulation(cfg, policy, engine="rust")
 

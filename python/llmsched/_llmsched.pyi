@@ -3,7 +3,7 @@
 `make lint` checks them against the module with `mypy.stubtest`.
 """
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeAlias, TypeVar, final, overload
 
 import numpy as np
@@ -907,7 +907,16 @@ def simulate(
     step: Mapping[str, Any],
     router: Mapping[str, Any],
     workload: dict[str, Any],
+    flow: Mapping[str, Any] | None = None,
+    ttft_targets: list[tuple[int, float]] | None = None,
+    slices: tuple[str, Mapping[str, Any], SwitchCostModel] | None = None,
+    functions: list[Callable[..., Any]] = ...,
 ) -> dict[str, Any]:
     """Runs the simulator's Rust engine on a plan (`llmsched.sim.Simulation` prepares the
-    arguments).
+    arguments). `flow`: the flow controller's configuration (None: no flow control);
+    `ttft_targets`: (priority, TTFT target in seconds) pairs for its requests; `slices`:
+    (policy, params, switch-cost model) of the token-slice tracker (None: no slices);
+    `functions`: the Python callables of the router config's `python-scorer` /
+    `python-filter` plugins (`llmsched.routing.native_config`), called with the GIL taken for
+    each call only.
     """

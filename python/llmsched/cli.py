@@ -24,6 +24,7 @@ from llmsched.errors import ConfigError, one_line
 
 if TYPE_CHECKING:
     from llmsched.executor.step_time import StepTimeProfile
+    from llmsched.sim.config import ScenarioConfig
 
 __all__ = [
     "add_calibrate_command",
@@ -70,27 +71,28 @@ def check_output_path(option: str, path: str, suffixes: Sequence[str] = ()) -> P
 
 
 def add_demo_command(subparsers: Subparsers) -> None:
-    """``llmsched demo``: route a synthetic workload with the prefix index."""
+    """``llmsched demo``: ``llmsched sim`` on its default scenario, with the demo's knobs."""
     parser = subparsers.add_parser(
         "demo",
-        help="route a synthetic multi-replica workload with the prefix index",
-        description="Index a synthetic multi-turn workload and show where each prompt goes.",
+        help="simulate the default scenario under every routing policy (what make demo runs)",
+        description=(
+            "llmsched sim on its default scenario (agentic multi-turn sessions on 8 simulated "
+            "replicas, every named policy); the options override the scenario's values."
+        ),
     )
-    parser.add_argument("--replicas", type=int, default=8, help="number of replicas")
-    parser.add_argument("--sessions", type=int, default=64, help="concurrent sessions")
-    parser.add_argument("--turns", type=int, default=5, help="turns per session")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--replicas", type=int, default=None, help="number of replicas")
+    parser.add_argument("--sessions", type=int, default=None, help="sessions in all")
+    parser.add_argument("--turns", type=int, default=None, help="turns per session")
+    parser.add_argument("--seed", type=int, default=None, help="workload and router seed")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(handler=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from llmsched.demo import run_demo
+    from llmsched.demo import demo_config
 
-    for name in ("replicas", "sessions", "turns"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1")
-    run_demo(replicas=args.replicas, sessions=args.sessions, turns=args.turns, seed=args.seed)
-    return 0
+    config = demo_config(args.replicas, args.sessions, args.turns, args.seed)
+    return _simulate(config, quiet=args.quiet)
 
 
 def add_calibrate_command(subparsers: Subparsers) -> None:
@@ -263,19 +265,10 @@ def add_sim_command(subparsers: Subparsers) -> None:
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    import importlib.util
-
     from llmsched._extras import require
     from llmsched.sim.config import SCENARIOS, load_scenario
     from llmsched.sim.policies import policy_names, resolve_policy
-    from llmsched.sim.runner import (
-        PLOT_SUFFIXES,
-        TABLE_LEGEND,
-        format_table,
-        timed_compare,
-        write_json,
-        write_plot,
-    )
+    from llmsched.sim.runner import PLOT_SUFFIXES
 
     if args.list:
         for name, spec in SCENARIOS.items():
@@ -305,22 +298,52 @@ def _run_sim(args: argparse.Namespace) -> int:
     if args.plot:
         check_output_path("--plot", args.plot, PLOT_SUFFIXES)
         require("sim", "matplotlib", feature="llmsched sim --plot")
-    progress = not args.quiet
+    return _simulate(
+        config,
+        quiet=args.quiet,
+        jobs=args.jobs,
+        engine=args.engine,
+        json_out=args.json,
+        plot_out=args.plot,
+    )
+
+
+def _simulate(
+    config: ScenarioConfig,
+    *,
+    quiet: bool,
+    jobs: int | None = None,
+    engine: str = "auto",
+    json_out: str | None = None,
+    plot_out: str | None = None,
+) -> int:
+    """Run a checked scenario under its policies and print the table (``sim`` and ``demo``)."""
+    import importlib.util
+
+    from llmsched.sim.runner import (
+        TABLE_LEGEND,
+        format_table,
+        timed_compare,
+        write_json,
+        write_plot,
+    )
+
+    progress = not quiet
     if progress and importlib.util.find_spec("tqdm") is None:
         progress = False
         print("llmsched sim: no progress bar without tqdm (pip install 'llmsched[sim]')")
     print(f"llmsched sim: {config.name}: {config.description}".rstrip(": "))
-    results, wall = timed_compare(config, jobs=args.jobs, progress=progress, engine=args.engine)
+    results, wall = timed_compare(config, jobs=jobs, progress=progress, engine=engine)
     print(format_table(results, wall))
     print(TABLE_LEGEND)
-    if args.json:
-        write_json(args.json, config, results, wall)
-        print(f"wrote {args.json}")
-    if args.plot:
+    if json_out:
+        write_json(json_out, config, results, wall)
+        print(f"wrote {json_out}")
+    if plot_out:
         engines = " and ".join(sorted({r.engine_name for r in results}))
         title = f"{config.name}: seed {config.seed}, {engines} engine"
-        write_plot(args.plot, results, title=title)
-        print(f"wrote {args.plot}")
+        write_plot(plot_out, results, title=title)
+        print(f"wrote {plot_out}")
     return 0
 
 

@@ -99,6 +99,11 @@ class SwitchCostModel:
     def __init__(self, **params: float) -> None:
         self._native = _llmsched.SwitchCostModel(_params(params, "cost model"))
 
+    @property
+    def native(self) -> _llmsched.SwitchCostModel:
+        """The native model (what the simulator's Rust engine takes)."""
+        return self._native
+
     @classmethod
     def from_model(
         cls,

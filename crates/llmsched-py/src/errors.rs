@@ -201,6 +201,8 @@ impl ToPyErr for llmsched_sim::SimError {
             SimError::Kv(e) => e.to_py_err(),
             SimError::Index(e) => e.to_py_err(),
             SimError::Routing(e) => e.to_py_err(),
+            SimError::Flow(e) => e.to_py_err(),
+            SimError::Slices(e) => e.to_py_err(),
         }
     }
 }

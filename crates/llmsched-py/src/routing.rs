@@ -351,7 +351,7 @@ fn python_filter_doc() -> PluginDoc {
 }
 
 /// The built-in registry plus `python-scorer` and `python-filter` over `functions`.
-fn registry(py: Python<'_>, functions: &[Py<PyAny>]) -> Registry {
+pub(crate) fn registry(py: Python<'_>, functions: &[Py<PyAny>]) -> Registry {
     let mut r = Registry::builtin();
     r.document("python-scorer", python_scorer_doc);
     r.document("python-filter", python_filter_doc);

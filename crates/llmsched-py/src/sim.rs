@@ -1,4 +1,4 @@
-//! Bindings for `llmsched_sim`: the simulator's KV cache (the Python engine's) and the whole
+//! Bindings for `llmsched_sim`: the simulator's KV cache (the reference engine's) and the whole
 //! Rust engine (`simulate`).
 
 use crate::convert::{config_mapping, config_struct};
@@ -8,13 +8,16 @@ use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use llmsched_core::routing::{parse_config, RoutingError};
+use crate::slices::PySwitchCostModel;
+use llmsched_core::flow::FlowConfig;
+use llmsched_core::routing::{config, RoutingError};
+use llmsched_core::slices::SliceTracker;
 use std::sync::Arc;
 
 use llmsched_sim::{
     agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine, trace_plan,
-    Agentic, Contents, DoneRecord, Independent, KvCache, KvEvent, OpenRequest, Pcg64, Plan,
-    Prompted, PyRandom, Session, SimConfig, SimOutput, StepModel, TraceSpec, Turn,
+    Agentic, Contents, DoneRecord, FlowSetup, Independent, KvCache, KvEvent, OpenRequest, Pcg64,
+    Plan, Prompted, PyRandom, Session, SimConfig, SimOutput, StepModel, TraceSpec, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
@@ -287,23 +290,45 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
 /// GIL released; returns the finished requests as arrays, per-replica end states, the KV-use
 /// trace and the time spent in routing decisions and feeds.
 #[pyfunction]
+#[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None, slices = None, functions = Vec::new()))]
+#[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
     config: &Bound<'py, PyAny>,
     step: &Bound<'py, PyAny>,
     router: &Bound<'py, PyAny>,
     workload: &Bound<'py, PyDict>,
+    flow: Option<&Bound<'py, PyAny>>,
+    ttft_targets: Option<Vec<(i64, f64)>>,
+    slices: Option<(String, Bound<'py, PyAny>, PyRef<'py, PySwitchCostModel>)>,
+    functions: Vec<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let slices = match slices {
+        None => None,
+        Some((policy, params, cost)) => {
+            let params = config_mapping(Some(&params), &format!("policy {policy}"))?;
+            Some(SliceTracker::from_config(&policy, &params, cost.model).py()?)
+        }
+    };
     let cfg: SimConfig = config_struct(config, "simulation config")?;
+    let flow = match flow {
+        Some(f) if !f.is_none() => Some(FlowSetup {
+            config: FlowConfig::from_value(config_mapping(Some(f), "flow config")?).py()?,
+            ttft_targets: ttft_targets.unwrap_or_default(),
+        }),
+        _ => None,
+    };
     let model: StepModel = config_struct(step, "step model")?;
     let value = config_mapping(Some(router), "router config")?;
-    parse_config(&value).map_err(RoutingError::from).py()?; // errors surface here, once
-    let make = || parse_config(&value).map_err(RoutingError::from);
+    // Python plugins (`functions`) are called back with the GIL taken for each call only.
+    let registry = crate::routing::registry(py, &functions);
+    config::parse(&value, &registry).map_err(RoutingError::from).py()?; // errors surface here
+    let make = || config::parse(&value, &registry).map_err(RoutingError::from);
     let plan = plan(workload)?;
     let budget = cfg.max_num_batched_tokens;
     let (out, ideal) = py
         .detach(|| {
-            let out = sim_engine(cfg, model, &make, &plan)?;
+            let out = sim_engine(cfg, model, &make, &plan, flow.as_ref(), slices)?;
             let ideal: Vec<f64> =
                 out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
             Ok::<_, llmsched_sim::SimError>((out, ideal))
@@ -341,6 +366,7 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
     )?;
     d.set_item("sync_batches", out.sync_batches)?;
     d.set_item("sync_bytes", out.sync_bytes)?;
+    d.set_item("slice_switches", out.slice_switches)?;
     let replicas = PyList::empty(py);
     for rep in &out.replicas {
         let r = PyDict::new(py);

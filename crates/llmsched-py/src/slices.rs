@@ -15,7 +15,7 @@ use llmsched_core::slices::{
 /// The switch-cost model (see `llmsched.slices.SwitchCostModel`).
 #[pyclass(frozen, name = "SwitchCostModel", module = "llmsched._llmsched")]
 pub struct PySwitchCostModel {
-    model: core::SwitchCostModel,
+    pub(crate) model: core::SwitchCostModel,
 }
 
 #[pymethods]

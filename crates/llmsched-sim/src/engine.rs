@@ -1,5 +1,5 @@
-//! The discrete-event serving simulation in Rust: the same model as the Python engine
-//! (`llmsched.sim.simulator` and `replica`), step for step, calling the real routing core
+//! The discrete-event serving simulation in Rust: the same model as the reference engine
+//! (`llmsched.reference.sim`, in pure Python), step for step, calling the real routing core
 //! ([`Router`] over an [`EndpointPool`] and a [`PrefixIndex`] fed by the replicas' KV events)
 //! directly instead of through Python.
 //!
@@ -7,12 +7,30 @@
 //! arrivals, the end of a replica's step (or closed-form decode run) and delayed KV-event
 //! batches. Each replica is vLLM V1's scheduler over a paged, prefix-cached [`KvCore`]
 //! (chunked prefill under a token budget, recompute preemption, decode runs summed in closed
-//! form); see `replica.py` for the per-step rules, which this file follows line for line so
-//! that both engines produce identical results for the same plan (the Python engine is the
-//! oracle of the equivalence tests). Cost per event: O(log events + blocks touched).
+//! form); see `llmsched/reference/sim/replica.py` for the per-step rules, which this file
+//! follows line for line so that both engines produce identical results for the same plan (the
+//! reference engine is the oracle of the equivalence tests). Cost per event: O(log events +
+//! blocks touched).
 //!
-//! Not covered (the Python engine runs these): flow control, token slices, prefill/decode
-//! disaggregation and Python routing plugins.
+//! Flow control: with a [`FlowSetup`], arrivals are offered to the flow core
+//! ([`FlowController`], the one `llmsched.flow` wraps) in simulated time; what it dispatches is
+//! routed, what it refuses or lets expire is rejected, and every replica's metrics feed its
+//! saturation detector. Dispatching can happen inside a replica's step (a finish frees a slot):
+//! a request routed to the replica being stepped waits in its inbox and joins its queue before
+//! the next schedule, as in the reference engine.
+//!
+//! Prefill/decode disaggregation: the first `prefill_replicas` replicas only prefill (their pool
+//! endpoints have role `prefill`, the others `decode`); a request the router splits is
+//! prefilled there, its KV (the blocks the decode replica does not hold) moves at
+//! `transfer_bw` after `transfer_latency_s`, and the decode replica admits it with all but its
+//! last prompt token computed.
+//!
+//! Token slices: with a [`SliceTracker`], a request decodes in slices; at each slice boundary
+//! the tracker weighs the replica's queue against the switch cost and the request continues in
+//! the batch, or yields (back to the end of its replica's queue, its KV left cached) or
+//! migrates (to another replica, which recomputes it).
+//!
+//! Not covered yet (the reference engine runs it): Python routing plugins.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
@@ -22,11 +40,18 @@ use std::time::{Duration, Instant};
 use crate::kv_cache::{IdEvent, KvCore, KvError};
 use crate::plan::{Contents, Plan, PlanError};
 use crate::stepmodel::{DecodeRun, StepModel, StepWork};
+use hashbrown::HashMap;
+use llmsched_core::flow::{
+    EndpointMetrics, FlowConfig, FlowController, FlowError, FlowRequest, PolicyRegistry,
+};
 use llmsched_core::prefix_index::{IndexConfig, IndexError, PrefixIndex, Tier, WorkerKey};
 use llmsched_core::routing::replica_sync::{ReplicaSync, SyncOptions};
 use llmsched_core::routing::{
-    Endpoint, EndpointPool, MetricsUpdate, RequestMeta, Router, RouterConfig, RouterOptions,
+    Endpoint, EndpointPool, MetricsUpdate, RequestMeta, Role, Router, RouterConfig, RouterOptions,
     RoutingError, StaleMode, StalePolicy, Ticket,
+};
+use llmsched_core::slices::{
+    Action, EndpointReport, SliceError, SliceTracker, WaitingRequest as SliceWaiting,
 };
 
 /// Engine and scenario settings (the fields of `EngineConfig` and `ScenarioConfig`).
@@ -58,6 +83,21 @@ pub struct SimConfig {
     /// each replica's records, sessions and in-flight counts to the others that much later.
     #[serde(default, rename = "router_sync_delay_s")]
     pub router_sync_delay: Option<f64>,
+    /// Replicas `0..prefill_replicas` only prefill (0: every replica serves both phases).
+    #[serde(default)]
+    pub prefill_replicas: usize,
+    /// KV transfer from a prefill to a decode replica: bytes per second, fixed latency, and the
+    /// KV bytes of one token.
+    #[serde(default = "transfer_bw")]
+    pub transfer_bw: f64,
+    #[serde(default, rename = "transfer_latency_s")]
+    pub transfer_latency: f64,
+    #[serde(default)]
+    pub kv_bytes_per_token: u64,
+}
+
+fn transfer_bw() -> f64 {
+    25e9
 }
 
 fn one() -> usize {
@@ -85,6 +125,29 @@ pub enum SimError {
     Index(#[from] IndexError),
     #[error(transparent)]
     Routing(#[from] RoutingError),
+    #[error(transparent)]
+    Flow(#[from] FlowError),
+    #[error(transparent)]
+    Slices(#[from] SliceError),
+}
+
+/// Flow control in front of the router: the flow core's configuration and each priority's
+/// time-to-first-token target (the scenario's SLO, for the `slo-deadline` ordering).
+#[derive(Debug, Clone)]
+pub struct FlowSetup {
+    pub config: FlowConfig,
+    pub ttft_targets: Vec<(i64, f64)>,
+}
+
+/// The flow core driven in simulated time (the reference engine's `FlowGate`).
+struct Gate {
+    core: FlowController<usize>,
+    /// Requests offered and not yet dispatched, refused, expired or evicted (as counted by
+    /// the reference engine: evictions leave the count when they are drained).
+    queued: i64,
+    ttft: HashMap<i64, f64>,
+    /// The endpoint names the core knows the replicas by.
+    names: Vec<String>,
 }
 
 const WAITING: u8 = 0;
@@ -125,6 +188,16 @@ struct Req {
     ticket: Option<Ticket>,
     /// The router replica that routed it.
     router: usize,
+    /// Split by the router: the replica that decodes it after its prefill elsewhere.
+    decode_replica: Option<usize>,
+    /// Its KV arrived from a prefill replica (all but the last prompt token are computed).
+    kv_ready: bool,
+    /// Token slices: this call stops when `generated` reaches it (0: no slices).
+    call_end: u64,
+    /// Tokens generated when the current slice began.
+    slice_start: u64,
+    /// Where a yielded or migrated slice continues.
+    slice_endpoint: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,6 +207,9 @@ enum Kind {
     Step,
     KvFeed,
     Sync,
+    Transfer,
+    /// A yielded or migrated slice joins the queue of `slice_endpoint`.
+    Requeue,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -190,6 +266,8 @@ pub struct Counters {
 
 struct Replica {
     id: usize,
+    /// A prefill-only replica of a P/D split.
+    prefill_only: bool,
     kv: KvCore,
     waiting: VecDeque<usize>,
     running: Vec<usize>,
@@ -258,6 +336,8 @@ pub struct SimOutput {
     /// Replica-sync batches published by the router replicas, and their bytes.
     pub sync_batches: u64,
     pub sync_bytes: u64,
+    /// Token slices that yielded or migrated.
+    pub slice_switches: u64,
 }
 
 /// One router replica: its own pool, index and router, and its end of replica sync.
@@ -299,6 +379,13 @@ struct World<'p> {
     sync_batches: u64,
     sync_bytes: u64,
     keys: Vec<WorkerKey>,
+    /// The replicas; one being stepped (or scheduled) is out of its slot meanwhile.
+    replicas: Vec<Option<Box<Replica>>>,
+    /// Requests routed to a replica while it was out of its slot, in order.
+    inbox: Vec<Vec<usize>>,
+    gate: Option<Gate>,
+    slices: Option<SliceTracker>,
+    slice_switches: u64,
 }
 
 /// Runs one scenario under one routing configuration: `router_config` builds each router
@@ -308,13 +395,14 @@ pub fn simulate(
     model: StepModel,
     router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
     plan: &Plan,
+    flow: Option<&FlowSetup>,
+    slices: Option<SliceTracker>,
 ) -> Result<SimOutput, SimError> {
-    Simulation::new(cfg, model, router_config, plan)?.run()
+    Simulation::new(cfg, model, router_config, plan, flow, slices)?.run()
 }
 
 struct Simulation<'p> {
     world: World<'p>,
-    replicas: Vec<Replica>,
 }
 
 impl<'p> Simulation<'p> {
@@ -323,6 +411,8 @@ impl<'p> Simulation<'p> {
         model: StepModel,
         router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
         plan: &'p Plan,
+        flow: Option<&FlowSetup>,
+        mut slices: Option<SliceTracker>,
     ) -> Result<Self, SimError> {
         plan.validate()?;
         if cfg.replicas == 0 || cfg.block_size == 0 || cfg.max_num_seqs == 0 {
@@ -347,6 +437,16 @@ impl<'p> Simulation<'p> {
                 cfg.router_replicas
             )));
         }
+        if cfg.prefill_replicas >= cfg.replicas {
+            return Err(SimError::Config(
+                "prefill_replicas must leave at least one decode replica".into(),
+            ));
+        }
+        if !(cfg.transfer_bw > 0.0 && cfg.transfer_latency >= 0.0) {
+            return Err(SimError::Config(
+                "transfer_bw must be > 0 and transfer_latency_s >= 0".into(),
+            ));
+        }
         if cfg.router_sync_delay.is_some_and(|d| !(d.is_finite() && d >= 0.0)) {
             return Err(SimError::Config("router_sync_delay_s must be finite and >= 0".into()));
         }
@@ -362,8 +462,13 @@ impl<'p> Simulation<'p> {
                 mode: StaleMode::Ignore,
                 ..StalePolicy::default()
             })?);
-            for key in &keys {
-                pool.upsert(Endpoint::new(key.clone()));
+            for (i, key) in keys.iter().enumerate() {
+                let mut endpoint = Endpoint::new(key.clone());
+                if cfg.prefill_replicas > 0 {
+                    endpoint.role =
+                        Some(if i < cfg.prefill_replicas { Role::Prefill } else { Role::Decode });
+                }
+                pool.upsert(endpoint);
             }
             // Each replica its own seed, as separate processes would draw.
             let seed = cfg.seed.wrapping_add(k as u64);
@@ -380,8 +485,9 @@ impl<'p> Simulation<'p> {
             plan.contents.clone().unwrap_or_else(|| Arc::new(Contents::number(&plan.hashes)));
         let mut replicas = Vec::with_capacity(cfg.replicas);
         for id in 0..cfg.replicas {
-            replicas.push(Replica {
+            replicas.push(Some(Box::new(Replica {
                 id,
+                prefill_only: id < cfg.prefill_replicas,
                 kv: KvCore::new(cfg.kv_blocks, cfg.block_size, contents.unique().len())?,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
@@ -398,9 +504,37 @@ impl<'p> Simulation<'p> {
                 run: None,
                 run_steps: 0,
                 counters: Counters::default(),
-            });
+            })));
         }
         let n = cfg.replicas;
+        let gate = match flow {
+            None => None,
+            Some(setup) => {
+                let mut core =
+                    FlowController::with_registry(&setup.config, PolicyRegistry::builtin())?;
+                let names: Vec<String> = (0..n).map(|i| i.to_string()).collect();
+                // Every replica starts idle (the reference engine reports them so at time 0).
+                for name in &names {
+                    let idle =
+                        EndpointMetrics { waiting: 0, running: 0, kv_usage: 0.0, timestamp: 0.0 };
+                    core.update_endpoint(name, idle)?;
+                }
+                let ttft = setup.ttft_targets.iter().copied().collect();
+                Some(Gate { core, queued: 0, ttft, names })
+            }
+        };
+        if let Some(tracker) = slices.as_mut() {
+            for i in 0..n {
+                let idle = EndpointReport {
+                    kv_usage: 0.0,
+                    waiting: 0,
+                    kv_capacity_tokens: None,
+                    prefill_tokens_per_s: None,
+                    decode_step_s: None,
+                };
+                tracker.set_endpoint(&i.to_string(), idle)?;
+            }
+        }
         let world = World {
             bs: u64::from(cfg.block_size),
             cfg,
@@ -429,8 +563,13 @@ impl<'p> Simulation<'p> {
             sync_batches: 0,
             sync_bytes: 0,
             keys,
+            replicas,
+            inbox: vec![Vec::new(); n],
+            gate,
+            slices,
+            slice_switches: 0,
         };
-        Ok(Simulation { world, replicas })
+        Ok(Simulation { world })
     }
 
     fn run(mut self) -> Result<SimOutput, SimError> {
@@ -442,17 +581,12 @@ impl<'p> Simulation<'p> {
             }
             self.world.now = ev.time;
             match ev.kind {
-                Kind::Step => {
-                    let replica = &mut self.replicas[ev.obj];
-                    if ev.version == replica.version {
-                        replica.on_step_end(ev.time, &mut self.world)?;
-                    }
-                }
+                Kind::Step => self.world.step_end(ev.obj, ev.version, ev.time)?,
                 Kind::StreamArrival => {
                     self.world.next_arrival();
-                    self.dispatch(ev.obj, ev.time)?;
+                    self.world.arrive(ev.obj, ev.time)?;
                 }
-                Kind::Arrival => self.dispatch(ev.obj, ev.time)?,
+                Kind::Arrival => self.world.arrive(ev.obj, ev.time)?,
                 Kind::KvFeed => {
                     if let Some((rid, events)) = self.world.feeds[ev.obj].take() {
                         self.world.apply_kv_events(rid, events)?;
@@ -463,19 +597,23 @@ impl<'p> Simulation<'p> {
                         self.world.deliver_sync(from, &batch, ev.time)?;
                     }
                 }
+                Kind::Requeue => {
+                    let r = ev.obj;
+                    let target = self.world.reqs[r].slice_endpoint;
+                    self.world.enqueue(target, r, ev.time)?;
+                }
+                Kind::Transfer => {
+                    let r = ev.obj;
+                    let Some(decode) = self.world.reqs[r].decode_replica else {
+                        return Err(SimError::Config(
+                            "a KV transfer without its decode replica".into(),
+                        ));
+                    };
+                    self.world.enqueue(decode, r, ev.time)?;
+                }
             }
         }
         Ok(self.output())
-    }
-
-    fn dispatch(&mut self, r: usize, now: f64) -> Result<(), SimError> {
-        let w = &mut self.world;
-        if w.cfg.metrics_delay > 0.0 {
-            w.deliver_metrics(now)?;
-        }
-        let target = w.pick(r, now)?;
-        w.reqs[r].dispatched = now;
-        self.replicas[target].enqueue(r, now, &mut self.world)
     }
 
     fn output(self) -> SimOutput {
@@ -506,9 +644,10 @@ impl<'p> Simulation<'p> {
                 }
             })
             .collect();
-        let replicas = self
+        let replicas = w
             .replicas
             .iter()
+            .flatten()
             .map(|rep| ReplicaEnd {
                 counters: rep.counters,
                 kv_requests: rep.kv.requests(),
@@ -529,6 +668,7 @@ impl<'p> Simulation<'p> {
             now: w.now,
             sync_batches: w.sync_batches,
             sync_bytes: w.sync_bytes,
+            slice_switches: w.slice_switches,
         }
     }
 }
@@ -536,6 +676,168 @@ impl<'p> Simulation<'p> {
 // ---- the world: arrivals, routing, metrics, KV events, finishes ------------------------------
 
 impl World<'_> {
+    /// Request `r` arrives: straight to the router, or offered to flow control.
+    fn arrive(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        if self.gate.is_none() {
+            return self.dispatch(r, now);
+        }
+        if self.cfg.metrics_delay > 0.0 {
+            self.deliver_metrics(now)?;
+        }
+        let q = &self.reqs[r];
+        let tenant = q.tenant.to_string();
+        let Some(gate) = self.gate.as_mut() else { return Ok(()) };
+        let request = FlowRequest {
+            id: q.id,
+            priority: i32::try_from(q.priority).map_err(|_| {
+                SimError::Config(format!("priority {} is out of range", q.priority))
+            })?,
+            tenant: &tenant,
+            tokens: q.prompt_len,
+            bytes: 0,
+            deadline: None,
+            ttft_target: gate.ttft.get(&q.priority).copied(),
+            payload: r,
+        };
+        if gate.core.enqueue(request, now)?.is_some() {
+            self.reject_at_gate(r, now);
+        } else {
+            gate.queued += 1;
+        }
+        self.pump(now)
+    }
+
+    /// Dispatches what flow control lets through now; rejects what it dropped.
+    fn pump(&mut self, now: f64) -> Result<(), SimError> {
+        let Some(gate) = self.gate.as_mut() else { return Ok(()) };
+        let mut gone = gate.core.expire(now)?;
+        gone.append(&mut gate.core.drain_evicted());
+        gate.queued -= gone.len() as i64;
+        for decision in gone {
+            self.reject_at_gate(decision.payload, now);
+        }
+        loop {
+            let Some(gate) = self.gate.as_mut() else { return Ok(()) };
+            if gate.queued <= 0 {
+                return Ok(());
+            }
+            let Some(decision) = gate.core.dispatch(now)? else { return Ok(()) };
+            gate.queued -= 1;
+            self.dispatch(decision.payload, now)?;
+        }
+    }
+
+    /// Flow control refused request `r` (or let it expire): it leaves without service.
+    fn reject_at_gate(&mut self, r: usize, now: f64) {
+        let q = &mut self.reqs[r];
+        q.rejected = true;
+        q.phase = DONE;
+        q.finish = now;
+        self.done.push(r);
+        self.on_finish(r, now);
+    }
+
+    /// Routes request `r` and hands it to its replica.
+    fn dispatch(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        if self.cfg.metrics_delay > 0.0 {
+            self.deliver_metrics(now)?;
+        }
+        let (target, prefill) = self.pick(r, now)?;
+        self.reqs[r].dispatched = now;
+        if let Some(tracker) = self.slices.as_mut() {
+            let q = &mut self.reqs[r];
+            let start = tracker.admit(
+                q.id,
+                to_u32(q.prompt_len, "prompt_len")?,
+                to_u32(q.output_len, "output_len")?,
+                to_i32(q.priority)?,
+                &target.to_string(),
+            )?;
+            q.call_end = q.output_len.min(u64::from(start.slice_tokens));
+        }
+        match prefill {
+            Some(p) if p != target => {
+                self.reqs[r].decode_replica = Some(target);
+                self.enqueue(p, r, now)
+            }
+            _ => self.enqueue(target, r, now),
+        }
+    }
+
+    /// A prefill replica finished request `r`'s prompt: its KV moves to the decode replica
+    /// (the blocks that replica does not hold already).
+    fn prefill_done(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        let Some(decode) = self.reqs[r].decode_replica else {
+            return Err(SimError::Config("a split request without its decode replica".into()));
+        };
+        let Some(rep) = self.replicas[decode].as_ref() else {
+            return Err(SimError::Config(format!("replica {decode} is missing")));
+        };
+        let q = &self.reqs[r];
+        let whole = (q.prompt_len / self.bs) as usize;
+        let ids = &self.contents.ids()[q.hashes.0..q.hashes.1];
+        let uncached = (whole - rep.kv.lookup(ids, whole)) as u64;
+        let nbytes = uncached * self.bs * self.cfg.kv_bytes_per_token;
+        let q = &mut self.reqs[r];
+        q.kv_ready = true;
+        q.computed = 0;
+        q.phase = WAITING;
+        let when = now + self.cfg.transfer_latency + nbytes as f64 / self.cfg.transfer_bw;
+        self.push(when, Kind::Transfer, r, 0);
+        Ok(())
+    }
+
+    /// Request `r` joins replica `target`'s queue; a replica out of its slot (being stepped)
+    /// finds it in its inbox before its next schedule.
+    fn enqueue(&mut self, target: usize, r: usize, now: f64) -> Result<(), SimError> {
+        let Some(mut rep) = self.replicas[target].take() else {
+            self.reqs[r].phase = WAITING;
+            self.inbox[target].push(r);
+            return Ok(());
+        };
+        let done = rep.enqueue(r, now, self);
+        self.put_back(rep, now)?;
+        done?;
+        self.publish_replica(target, now)
+    }
+
+    /// The end of replica `rid`'s step (or decode run), unless a later one replaced it.
+    fn step_end(&mut self, rid: usize, version: u64, now: f64) -> Result<(), SimError> {
+        let Some(mut rep) = self.replicas[rid].take() else {
+            return Err(SimError::Config(format!("replica {rid} is missing")));
+        };
+        if rep.version != version {
+            self.replicas[rid] = Some(rep);
+            return Ok(());
+        }
+        let done = rep.on_step_end(now, self);
+        let events = rep.kv.take_events();
+        self.put_back(rep, now)?;
+        done?;
+        self.kv_events(rid, events, now)?;
+        self.publish_replica(rid, now)
+    }
+
+    /// Returns a replica to its slot (anything still in its inbox is enqueued now).
+    fn put_back(&mut self, rep: Box<Replica>, now: f64) -> Result<(), SimError> {
+        let rid = rep.id;
+        self.replicas[rid] = Some(rep);
+        let late = std::mem::take(&mut self.inbox[rid]);
+        for r in late {
+            self.enqueue(rid, r, now)?;
+        }
+        Ok(())
+    }
+
+    fn publish_replica(&mut self, rid: usize, now: f64) -> Result<(), SimError> {
+        let Some(rep) = self.replicas[rid].as_ref() else {
+            return Err(SimError::Config(format!("replica {rid} is missing")));
+        };
+        let (waiting, running, usage) =
+            (rep.waiting.len() as u32, rep.running.len() as u32, rep.kv.usage());
+        self.publish(rid, waiting, running, usage, now)
+    }
+
     fn push(&mut self, time: f64, kind: Kind, obj: usize, version: u64) {
         self.seq += 1;
         self.heap.push(Event { time, seq: self.seq, kind, obj, version });
@@ -586,6 +888,11 @@ impl World<'_> {
             rejected: false,
             ticket: None,
             router: 0,
+            decode_replica: None,
+            kv_ready: false,
+            call_end: 0,
+            slice_start: 0,
+            slice_endpoint: 0,
         });
         self.reqs.len() - 1
     }
@@ -662,8 +969,9 @@ impl World<'_> {
         self.push(arrival, Kind::Arrival, follow, 0);
     }
 
-    /// Routes request `r` and starts the decision's in-flight accounting; returns the replica.
-    fn pick(&mut self, r: usize, now: f64) -> Result<usize, SimError> {
+    /// Routes request `r` and starts the decision's in-flight accounting; returns the replica
+    /// that decodes it and, when the router split it, the one that prefills it.
+    fn pick(&mut self, r: usize, now: f64) -> Result<(usize, Option<usize>), SimError> {
         let q = &self.reqs[r];
         let whole = (q.prompt_len / self.bs) as usize;
         let hashes =
@@ -685,14 +993,18 @@ impl World<'_> {
         let ticket = router.commit(&decision, None, now)?;
         self.decision += start.elapsed();
         self.reqs[r].router = k;
-        let key = &decision.endpoint(decision.chosen()).id;
-        let target = match key {
-            WorkerKey::Int(i) if (*i as usize) < self.keys.len() && *i >= 0 => *i as usize,
-            other => return Err(SimError::Routing(RoutingError::UnknownEndpoint(other.clone()))),
+        let replica = |key: &WorkerKey| match key {
+            WorkerKey::Int(i) if *i >= 0 && (*i as usize) < self.keys.len() => Ok(*i as usize),
+            other => Err(SimError::Routing(RoutingError::UnknownEndpoint(other.clone()))),
+        };
+        let target = replica(&decision.endpoint(decision.chosen()).id)?;
+        let prefill = match decision.prefill() {
+            Some(p) => Some(replica(&decision.endpoint(p).id)?),
+            None => None,
         };
         self.reqs[r].ticket = Some(ticket);
         self.publish_sync(k, now)?;
-        Ok(target)
+        Ok((target, prefill))
     }
 
     /// Router replica `k`'s news (records, sessions, counts) leaves for the others, arriving
@@ -741,6 +1053,23 @@ impl World<'_> {
     }
 
     fn finished(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        if let Some(tracker) = self.slices.as_mut() {
+            let q = &mut self.reqs[r];
+            if !q.rejected && q.generated < q.output_len {
+                // A slice yielded or migrated: its continuation is a new call for the rest
+                // (prompt plus output so far), queued where the tracker sent it.
+                let start = tracker.resume(q.id, &q.slice_endpoint.to_string())?;
+                q.high_water = q.high_water.max(q.computed);
+                q.computed = 0;
+                q.target = q.prompt_len + q.generated;
+                q.call_end = q.output_len.min(q.generated + u64::from(start.slice_tokens));
+                q.phase = WAITING;
+                self.slice_switches += 1;
+                self.push(now, Kind::Requeue, r, 0); // after the replica's step is applied
+                return Ok(());
+            }
+            tracker.remove(q.id);
+        }
         let q = &mut self.reqs[r];
         q.finish = now;
         q.phase = DONE;
@@ -755,6 +1084,11 @@ impl World<'_> {
                 t.finish();
             }
             self.decision += start.elapsed();
+        }
+        if let Some(gate) = self.gate.as_mut() {
+            let q = &self.reqs[r];
+            gate.core.complete(q.id, q.output_len, now)?;
+            self.pump(now)?;
         }
         self.on_finish(r, now);
         self.publish_sync(self.reqs[r].router, now)
@@ -799,7 +1133,21 @@ impl World<'_> {
         for replica in &self.routers {
             replica.pool.update_metrics(&self.keys[rid], update, now)?;
         }
+        let mut pump = false;
+        if let Some(gate) = self.gate.as_mut() {
+            let metrics = EndpointMetrics {
+                waiting: u64::from(waiting),
+                running: u64::from(running),
+                kv_usage: usage.min(1.0),
+                timestamp: now,
+            };
+            gate.core.update_endpoint(&gate.names[rid], metrics)?;
+            pump = gate.queued > 0;
+        }
         self.feed += start.elapsed();
+        if pump {
+            self.pump(self.now)?;
+        }
         Ok(())
     }
 
@@ -880,16 +1228,7 @@ impl Replica {
         &w.contents.ids()[a..b]
     }
 
-    fn publish(&self, w: &mut World<'_>, now: f64) -> Result<(), SimError> {
-        w.publish(
-            self.id,
-            self.waiting.len() as u32,
-            self.running.len() as u32,
-            self.kv.usage(),
-            now,
-        )
-    }
-
+    /// Request `r` arrives (the caller publishes the metrics after).
     fn enqueue(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
         w.reqs[r].phase = WAITING;
         self.wait(r, false, w);
@@ -901,7 +1240,16 @@ impl Replica {
         } else if self.run_steps > 1 {
             self.cut_run(now, w);
         }
-        self.publish(w, now)
+        Ok(())
+    }
+
+    /// Requests routed here while this replica was out of its slot join its queue.
+    fn take_inbox(&mut self, w: &mut World<'_>) {
+        let late = std::mem::take(&mut w.inbox[self.id]);
+        for r in late {
+            w.reqs[r].phase = WAITING;
+            self.wait(r, false, w);
+        }
     }
 
     fn wait(&mut self, r: usize, front: bool, w: &World<'_>) {
@@ -952,10 +1300,8 @@ impl Replica {
         self.chunks.clear();
         self.finish_due(now, w)?;
         self.stepping = false;
-        self.schedule(now, w)?;
-        let events = self.kv.take_events();
-        w.kv_events(self.id, events, now)?;
-        self.publish(w, now)
+        self.take_inbox(w);
+        self.schedule(now, w)
     }
 
     fn prefilled(
@@ -974,23 +1320,79 @@ impl Replica {
             return Ok(());
         }
         remove_item(&mut self.prefilling, r);
+        if self.prefill_only && w.reqs[r].decode_replica.is_some() {
+            // Split by the router: the KV moves to the decode replica. (A request routed whole
+            // to a prefill replica, by a policy that ignores roles, is served there.)
+            remove_item(&mut self.running, r);
+            self.kv.free(id)?;
+            w.reqs[r].kv_started = false;
+            return w.prefill_done(r, now);
+        }
         w.reqs[r].generated += 1;
         if w.reqs[r].first_token < 0.0 {
             w.first_token(r, now)?;
         }
-        let q = &mut w.reqs[r];
-        if q.generated >= q.output_len {
+        let (generated, output_len, call_end) =
+            (w.reqs[r].generated, w.reqs[r].output_len, w.reqs[r].call_end);
+        if generated >= output_len || (call_end == generated && !self.slice_continues(r, now, w)?) {
             return self.finish(r, now, w);
         }
+        let q = &mut w.reqs[r];
         q.phase = DECODE;
         q.join_step = self.decode_step;
         q.join_gen = q.generated;
         self.kv.set_decoding(q.id, true)?;
         self.decode_n += 1;
         self.decode_ctx += q.computed;
-        let stop = q.output_len;
+        let mut stop = q.output_len;
+        if q.call_end > 0 {
+            stop = stop.min(q.call_end);
+        }
         self.finishes.push(Finish(self.decode_step + stop - q.generated, q.id, q.version, r));
         Ok(())
+    }
+
+    /// A slice of request `r` ended (`generated == call_end`): the tracker decides. True: the
+    /// next slice runs on in the batch (`call_end` moved). False: the request leaves the batch
+    /// and `finished` requeues it where `slice_endpoint` says.
+    fn slice_continues(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<bool, SimError> {
+        let start = Instant::now();
+        let mut waiting = Vec::with_capacity(8);
+        for &x in self.waiting.iter().take(8) {
+            let q = &w.reqs[x];
+            waiting.push(SliceWaiting {
+                priority: to_i32(q.priority)?,
+                level: 0,
+                context_tokens: to_u32(q.prompt_len + q.generated, "context")?,
+                expected_tokens: to_u32(q.output_len - q.generated, "output")?,
+            });
+        }
+        let report = EndpointReport {
+            kv_usage: self.kv.usage().min(1.0),
+            waiting: to_u32(self.waiting.len() as u64, "waiting")?,
+            kv_capacity_tokens: None,
+            prefill_tokens_per_s: None,
+            decode_step_s: None,
+        };
+        let Some(tracker) = w.slices.as_mut() else {
+            return Err(SimError::Config("a slice boundary without token slices".into()));
+        };
+        let q = &mut w.reqs[r];
+        tracker.record_tokens(q.id, to_u32(q.generated - q.slice_start, "slice")?)?;
+        tracker.set_endpoint(&self.id.to_string(), report)?;
+        let decision = tracker.decide(q.id, false, &waiting, now)?;
+        w.decision += start.elapsed();
+        q.slice_start = q.generated;
+        if decision.action == Action::Continue {
+            q.call_end = q.output_len.min(q.generated + u64::from(decision.next_slice_tokens));
+            return Ok(true);
+        }
+        q.slice_endpoint = match decision.endpoint.as_deref().map(str::parse::<usize>) {
+            None => self.id,
+            Some(Ok(i)) if i < w.replicas.len() => i,
+            Some(_) => return Err(SimError::Config("a slice decision names no replica".into())),
+        };
+        Ok(false)
     }
 
     fn finish_due(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
@@ -1001,6 +1403,18 @@ impl Replica {
             self.finishes.pop();
             if version != w.reqs[r].version || w.reqs[r].phase != DECODE {
                 continue;
+            }
+            let q = &mut w.reqs[r];
+            let generated = q.join_gen + self.decode_step - q.join_step;
+            if generated < q.output_len {
+                q.generated = generated;
+                if self.slice_continues(r, now, w)? {
+                    // The next slice goes on in the batch: only the stopping point moves.
+                    let q = &w.reqs[r];
+                    let stop = q.output_len.min(q.call_end);
+                    self.finishes.push(Finish(q.join_step + stop - q.join_gen, q.id, version, r));
+                    continue;
+                }
             }
             self.leave_decode(r, w)?;
             self.finish(r, now, w)?;
@@ -1118,9 +1532,15 @@ impl Replica {
             self.start_run(now, w)?;
         } else if !self.waiting.is_empty() && self.running.is_empty() {
             if !preempted {
-                // Nothing runs and the head still does not fit: it never will.
-                let head = self.waiting.pop_front().expect("not empty");
-                self.reject(head, now, w)?;
+                // Nothing runs and the head still does not fit: it never will. Refusing it may
+                // let flow control dispatch here at once: that joins the queue first.
+                if let Some(head) = self.waiting.pop_front() {
+                    let was = std::mem::replace(&mut self.stepping, true);
+                    let refused = self.reject(head, now, w);
+                    self.stepping = was;
+                    refused?;
+                    self.take_inbox(w);
+                }
             }
             self.schedule(now, w)?;
         }
@@ -1138,6 +1558,9 @@ impl Replica {
                 let q = &mut w.reqs[r];
                 q.kv_started = true;
                 q.computed = hit * bs;
+                if q.kv_ready {
+                    q.computed = q.computed.max(q.target - 1);
+                }
                 self.counters.hit_tokens += hit * bs;
                 self.counters.query_tokens += q.target;
                 if q.cached_tokens < 0 {
@@ -1232,6 +1655,14 @@ impl Replica {
     }
 }
 
+fn to_u32(value: u64, what: &str) -> Result<u32, SimError> {
+    u32::try_from(value).map_err(|_| SimError::Config(format!("{what} {value} exceeds 2^32 - 1")))
+}
+
+fn to_i32(value: i64) -> Result<i32, SimError> {
+    i32::try_from(value).map_err(|_| SimError::Config(format!("priority {value} is out of range")))
+}
+
 /// Python's `(-priority, arrival, id)`: the waiting order under priority scheduling.
 fn priority_key(q: &Req) -> (i64, f64, u64) {
     (-q.priority, q.arrival, q.id)
@@ -1240,5 +1671,154 @@ fn priority_key(q: &Req) -> (i64, f64, u64) {
 fn remove_item(list: &mut Vec<usize>, item: usize) {
     if let Some(i) = list.iter().position(|&x| x == item) {
         list.remove(i);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::OpenRequest;
+    use llmsched_core::routing::parse_config;
+    use serde_json::json;
+
+    /// `n` requests of `prompt` + `output` tokens, all arriving at `t = 0`, each with content
+    /// of its own.
+    fn burst(n: usize, prompt: u64, output: u64, priority: impl Fn(usize) -> i64) -> Plan {
+        let blocks = (prompt / 16) as usize;
+        let mut hashes = Vec::new();
+        let mut open = Vec::new();
+        for i in 0..n {
+            let start = hashes.len();
+            hashes.extend((0..blocks).map(|b| (i * 1000 + b + 1) as u64));
+            open.push(OpenRequest {
+                arrival: 0.0,
+                prompt_len: prompt,
+                output_len: output,
+                tenant: (i % 3) as i64,
+                priority: priority(i),
+                session: None,
+                hashes: start..hashes.len(),
+            });
+        }
+        Plan {
+            hashes,
+            open,
+            sessions: Vec::new(),
+            starts: Vec::new(),
+            closed: false,
+            contents: None,
+        }
+    }
+
+    fn config(replicas: usize) -> SimConfig {
+        serde_json::from_value(json!({
+            "replicas": replicas, "block_size": 16, "kv_blocks": 4096,
+            "max_num_batched_tokens": 2048, "max_num_seqs": 64, "priority_scheduling": false,
+            "metrics_delay_s": 0.0, "kv_events_delay_s": 0.0, "kv_sample_s": 1.0,
+            "max_time_s": null, "seed": 0,
+        }))
+        .unwrap()
+    }
+
+    fn model() -> StepModel {
+        serde_json::from_value(json!({"kind": "linear", "b0": 0.01, "b1": 1e-5, "b2": 1e-4,
+                                      "b3": 0.0, "b4": 0.0}))
+        .unwrap()
+    }
+
+    fn run(cfg: SimConfig, router: &str, plan: &Plan, flow: Option<&FlowSetup>) -> SimOutput {
+        let value = match router {
+            "round-robin" => json!({"plugins": [{"type": "round-robin-picker"}],
+                "schedulingProfiles": [{"name": "default",
+                                        "plugins": [{"pluginRef": "round-robin-picker"}]}]}),
+            _ => json!({"plugins": [{"type": "prefill-filter"}, {"type": "decode-filter"},
+                    {"type": "max-score-picker"}, {"type": "queue-scorer"},
+                    {"type": "always-disagg-pd-decider"},
+                    {"type": "pd-profile-handler",
+                     "parameters": {"deciderPluginName": "always-disagg-pd-decider"}}],
+                "schedulingProfiles": [
+                    {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"},
+                        {"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}]},
+                    {"name": "decode", "plugins": [{"pluginRef": "decode-filter"},
+                        {"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}]}]}),
+        };
+        let make = || parse_config(&value).map_err(RoutingError::from);
+        simulate(cfg, model(), &make, plan, flow, None).unwrap()
+    }
+
+    fn flow(config: serde_json::Value) -> FlowSetup {
+        FlowSetup { config: FlowConfig::from_value(config).unwrap(), ttft_targets: Vec::new() }
+    }
+
+    #[test]
+    fn flow_control_lets_one_request_run_at_a_time() {
+        let plan = burst(12, 256, 8, |_| 0);
+        let gate = flow(json!({"saturation": {"type": "concurrency", "max_requests": 1}}));
+        let out = run(config(2), "round-robin", &plan, Some(&gate));
+        assert_eq!(out.done.len(), 12);
+        assert!(out.done.iter().all(|r| !r.rejected && r.generated == 8));
+        let mut spans: Vec<(f64, f64)> =
+            out.done.iter().map(|r| (r.dispatched, r.finish)).collect();
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for pair in spans.windows(2) {
+            assert!(pair[1].0 >= pair[0].1, "dispatched before the previous one finished");
+        }
+        // Without flow control every request starts at once.
+        let free = run(config(2), "round-robin", &plan, None);
+        assert!(free.done.iter().all(|r| r.dispatched == 0.0));
+    }
+
+    #[test]
+    fn flow_control_refuses_beyond_its_band_and_serves_priority_first() {
+        let plan = burst(10, 256, 8, |i| if i < 5 { -1 } else { 1 });
+        let gate = flow(json!({
+            "saturation": {"type": "concurrency", "max_requests": 1},
+            "default_band": {"max_requests": 3},
+            "shedding": {"type": "none"},
+        }));
+        let out = run(config(1), "round-robin", &plan, Some(&gate));
+        let rejected: Vec<&DoneRecord> = out.done.iter().filter(|r| r.rejected).collect();
+        assert!(!rejected.is_empty());
+        assert!(rejected.iter().all(|r| r.dispatched < 0.0 && r.first_token < 0.0));
+        // The first batch request got in before the interactive ones arrived; after it, the
+        // interactive band goes first.
+        let served: Vec<&DoneRecord> = out.done.iter().filter(|r| !r.rejected).collect();
+        let first_high = served.iter().filter(|r| r.priority == 1).map(|r| r.dispatched);
+        let later_low: Vec<f64> = served
+            .iter()
+            .filter(|r| r.priority == -1 && r.dispatched > 0.0)
+            .map(|r| r.dispatched)
+            .collect();
+        let first_high = first_high.fold(f64::INFINITY, f64::min);
+        assert!(first_high > 0.0 && !later_low.is_empty());
+        assert!(later_low.iter().all(|&t| t > first_high));
+    }
+
+    #[test]
+    fn pd_split_prefills_on_one_replica_and_decodes_on_the_other() {
+        let plan = burst(6, 1024, 16, |_| 0);
+        let mut cfg = config(2);
+        cfg.prefill_replicas = 1;
+        cfg.kv_bytes_per_token = 1000;
+        cfg.transfer_bw = 1e6;
+        let out = run(cfg, "pd", &plan, None);
+        assert!(out.done.iter().all(|r| !r.rejected && r.generated == 16));
+        let (prefill, decode) = (out.replicas[0].counters, out.replicas[1].counters);
+        assert_eq!(prefill.prefill_tokens, 6 * 1024);
+        assert_eq!(decode.prefill_tokens, 6); // one token each: the KV came by transfer
+                                              // Each transfer of 1024 tokens at 1 MB/s takes about a second before the first token.
+        assert!(out.done.iter().all(|r| r.first_token - r.arrival > 1.0));
+    }
+
+    #[test]
+    fn bad_pd_settings_are_refused() {
+        let plan = burst(1, 64, 2, |_| 0);
+        let mut cfg = config(2);
+        cfg.prefill_replicas = 2;
+        let make = || parse_config(&json!("round-robin")).map_err(RoutingError::from);
+        assert!(matches!(
+            simulate(cfg, model(), &make, &plan, None, None),
+            Err(SimError::Config(_))
+        ));
     }
 }

@@ -1,7 +1,7 @@
-//! The serving simulator's Rust side: the replicas' KV cache (used by the Python engine too),
+//! The serving simulator's Rust side: the replicas' KV cache (used by the reference engine too),
 //! the step-time models, workload plans (and their native generators, `workload` over `rng`) and the whole discrete-event engine (`engine`), which
-//! runs a scenario without a Python round-trip per request. The Python engine
-//! (`llmsched.sim.simulator`) stays as the reference twin and covers what this one does not.
+//! runs a scenario without a Python round-trip per request. The pure-Python reference engine
+//! (`llmsched.reference.sim`) is its oracle and covers what this one does not yet.
 
 pub mod engine;
 pub mod kv_cache;
@@ -10,7 +10,9 @@ pub mod rng;
 pub mod stepmodel;
 pub mod workload;
 
-pub use engine::{simulate, Counters, DoneRecord, ReplicaEnd, SimConfig, SimError, SimOutput};
+pub use engine::{
+    simulate, Counters, DoneRecord, FlowSetup, ReplicaEnd, SimConfig, SimError, SimOutput,
+};
 pub use kv_cache::{IdEvent, KvCache, KvCore, KvError, KvEvent, MAX_KV_BLOCKS};
 pub use plan::{Contents, OpenRequest, Plan, PlanError, Session, Turn};
 pub use rng::{Pcg64, PyRandom};

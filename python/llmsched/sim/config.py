@@ -14,17 +14,21 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
-from llmsched.sim.replica import EngineConfig
 from llmsched.sim.stepmodel import StepModelConfig
 from llmsched.sim.workloads import from_dict
 
+if TYPE_CHECKING:
+    from llmsched.slices import SwitchCostModel
+
 __all__ = [
     "DEFAULT_POLICIES",
+    "ROLES",
     "SCENARIOS",
+    "EngineConfig",
     "FlowConfig",
     "PDConfig",
     "ScenarioConfig",
@@ -43,6 +47,35 @@ DEFAULT_POLICIES = [
 ]
 
 
+ROLES = ("both", "prefill", "decode")
+"""The roles a replica may have (:meth:`ScenarioConfig.roles`)."""
+
+
+@dataclass
+class EngineConfig:
+    """vLLM engine settings that shape scheduling (defaults: vLLM V1 on an 80 GB GPU)."""
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    kv_tokens: int | None = None  # KV capacity; None: from the step model
+    scheduling: str = "fcfs"  # or "priority" (higher Request.priority first)
+
+    def validate(self) -> None:
+        """ConfigError for impossible settings."""
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            raise ConfigError(
+                f"engine.kv_tokens must hold at least one block, got {self.kv_tokens}"
+            )
+        if self.scheduling not in ("fcfs", "priority"):
+            raise ConfigError(
+                f"engine.scheduling must be 'fcfs' or 'priority', not {self.scheduling!r}"
+            )
+
+
 @dataclass
 class PDConfig:
     """Prefill/decode disaggregation: the first ``prefill_replicas`` replicas only prefill;
@@ -52,6 +85,21 @@ class PDConfig:
     transfer_bw: float = 25e9  # a 200 Gb/s RDMA NIC
     transfer_latency_s: float = 1e-3
     kv_bytes_per_token: int | None = None  # None: from the step model
+
+    def kv_bytes(self, model: object) -> int:
+        """KV bytes per token moved in a transfer: ``kv_bytes_per_token``, else the step
+        model's (its ``model.kv_bytes_per_token``), else Llama-3-8B's in bf16 (2 * 32 layers *
+        8 KV heads * 128 * 2 bytes).
+
+        >>> PDConfig(kv_bytes_per_token=10).kv_bytes(None), PDConfig().kv_bytes(None)
+        (10, 131072)
+        """
+        if self.kv_bytes_per_token:
+            return int(self.kv_bytes_per_token)
+        spec = getattr(model, "model", None)
+        if spec is not None and hasattr(spec, "kv_bytes_per_token"):
+            return int(spec.kv_bytes_per_token)
+        return 131_072
 
 
 @dataclass
@@ -65,6 +113,29 @@ class SliceConfig:
     policy: str = ""
     params: dict[str, Any] = field(default_factory=dict)
 
+    def cost_model(self, model: object) -> SwitchCostModel:
+        """The tracker's switch-cost model, as both engines build it: from the model and GPU
+        of a roofline step model, the defaults otherwise."""
+        from llmsched.sim.stepmodel import RooflineStepModel
+        from llmsched.slices import SwitchCostModel
+
+        if not isinstance(model, RooflineStepModel):
+            return SwitchCostModel()
+        spec, gpu = model.model, model.gpu
+        tp = model.tp or 1
+        return SwitchCostModel.from_model(
+            params=spec.params,
+            layers=spec.layers,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            gpu_flops=gpu.flops * tp,
+            gpu_hbm_bytes_per_s=gpu.hbm_bw * tp,
+            gpu_memory_bytes=gpu.memory * tp,
+            compute_efficiency=model.compute_eff,
+            bandwidth_efficiency=model.memory_eff,
+            memory_fraction=model.gpu_memory_utilization,
+        )
+
 
 @dataclass
 class FlowConfig:
@@ -74,6 +145,24 @@ class FlowConfig:
 
     enabled: bool = False
     config: dict[str, Any] = field(default_factory=dict)
+
+    def controller_config(self) -> dict[str, Any]:
+        """The controller's configuration as both engines build it: simulated replicas report
+        only when something changes, so a quiet replica's last report stays true (saturation
+        ``utilization`` with ``stale_policy: last`` unless ``config`` gives a ``saturation``).
+
+        >>> FlowConfig(True).controller_config()["saturation"]["stale_policy"]
+        'last'
+        """
+        return {"saturation": {"type": "utilization", "stale_policy": "last"}, **self.config}
+
+    def ttft_targets(self, slo: dict[int, dict[str, float]]) -> list[tuple[int, float]]:
+        """(priority, TTFT target) for each priority whose SLO has one.
+
+        >>> FlowConfig(True).ttft_targets({1: {"ttft_s": 1.0}, 0: {"tpot_s": 0.1}})
+        [(1, 1.0)]
+        """
+        return [(p, float(t["ttft_s"])) for p, t in slo.items() if "ttft_s" in t]
 
 
 def _default_slo() -> dict[int, dict[str, float]]:
@@ -276,6 +365,33 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "variants": [
             {"name": "no slices"},
             {"name": "fixed 256", "slices": {"policy": "fixed", "params": {"slice_tokens": 256}}},
+            {"name": "mlfq 128", "slices": {"policy": "mlfq", "params": {"base_quantum": 128}}},
+        ],
+    },
+    "slices-small": {
+        "name": "slices-small",
+        "description": "the token-slice experiment: one engine with 4 sequence slots and 14k KV "
+        "tokens, a few 2000+1500-token requests among 1000+40-token ones, with and without "
+        "slices",
+        "replicas": 1,
+        "engine": {"max_num_seqs": 4, "kv_tokens": 14_000},
+        # 20 ms a decode step, 20k prompt tokens a second.
+        "step_model": {"linear": {"b0": 0.02, "b1": 5e-5, "b2": 0.0}, "profile": None},
+        "workload": {
+            "kind": "long_short",
+            "num_requests": 64,
+            "long_fraction": 0.0625,
+            "long_input": 2000,
+            "long_output": 1500,
+            "short_input": 1000,
+            "short_output": 40,
+            "length_cv": 0.0,
+            "arrival": {"rate": 2.0},
+        },
+        "policies": ["round-robin"],
+        "variants": [
+            {"name": "no slices"},
+            {"name": "fixed 128", "slices": {"policy": "fixed", "params": {"slice_tokens": 128}}},
             {"name": "mlfq 128", "slices": {"policy": "mlfq", "params": {"base_quantum": 128}}},
         ],
     },

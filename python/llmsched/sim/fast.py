@@ -1,9 +1,10 @@
 """The Rust engine: the whole simulation in native code, calling the routing core directly.
 
-:class:`~llmsched.sim.simulator.Simulation` uses it when the scenario allows (``engine="auto"``)
-and otherwise runs its Python engine, saying why in :attr:`Simulation.fallback_reason` and in
-the result's ``engine`` field. Both engines run the same model step for step and give the same
-results for the same seed and scenario (the equivalence tests compare them request by request).
+:class:`llmsched.sim.Simulation` runs it. A scenario it does not cover yet
+(:func:`unsupported` names why) runs on the reference engine (:mod:`llmsched.reference.sim`),
+with a warning, a count and the reason in the result. Both engines run the same model step
+for step and give the same results for the same seed and scenario (the equivalence tests
+compare them request by request).
 
 The workload is generated once into a *plan* (every request's lengths and block hashes;
 sessions as scripts whose turns start as earlier turns finish) that the engine replays, built
@@ -27,62 +28,59 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from llmsched import _llmsched
-from llmsched.routing import PYTHON_PLUGIN_TYPES, ConfigLike, load_config, native_config
+from llmsched.routing import ConfigLike, load_config, native_config
+from llmsched.sim.config import ScenarioConfig
+from llmsched.sim.policies import PolicyLike
 from llmsched.sim.request import DONE, Request
-from llmsched.sim.results import SimResult
-from llmsched.sim.stepmodel import LinearStepModel, RooflineStepModel, StepModel
+from llmsched.sim.results import RunRecord
+from llmsched.sim.stepmodel import (
+    LinearStepModel,
+    RooflineStepModel,
+    StepModel,
+    build_step_model,
+)
 from llmsched.sim.workloads import AgenticWorkload, make_workload, native_plan
 
-if TYPE_CHECKING:
-    from llmsched.sim.config import ScenarioConfig
-    from llmsched.sim.policies import PolicyLike
-    from llmsched.sim.simulator import Simulation
-
-__all__ = ["build_plan", "cached_plan", "clear_plan_cache", "run", "unsupported"]
+__all__ = [
+    "build_plan",
+    "cached_plan",
+    "clear_plan_cache",
+    "done_requests",
+    "engine_settings",
+    "run",
+    "step_args",
+    "unsupported",
+]
 
 ENGINES = ("auto", "rust", "python")
 PLAN_CACHE_SIZE = 4  # plans kept (one comparison needs one per variant)
 
 
-def unsupported(config: ScenarioConfig, policy: PolicyLike, native_kv: bool = True) -> str | None:
+def unsupported(
+    config: ScenarioConfig, policy: PolicyLike, native_kv: bool = True, model: Any = None
+) -> str | None:
     """Why the Rust engine cannot run ``policy`` on ``config`` (None: it can).
 
     >>> from llmsched.sim.config import ScenarioConfig
-    >>> unsupported(ScenarioConfig.from_dict({"pd": {"prefill_replicas": 2}}), "llm-d-pd")
-    'prefill/decode disaggregation'
+    >>> unsupported(ScenarioConfig.from_dict({}), "llm-d", native_kv=False)
+    'the pure-Python KV cache twin'
     """
     if not native_kv:
         return "the pure-Python KV cache twin"
-    if config.flow.enabled:
-        return "flow control"
-    if config.slices.policy:
-        return "token slices"
-    if config.pd.prefill_replicas:
-        return "prefill/decode disaggregation"
     if not isinstance(policy, (str, Mapping)):
         return "a Python Policy object"
-    if isinstance(policy, Mapping) and isinstance(policy.get("config"), Mapping):
-        plugins = policy["config"].get("plugins")
-        if isinstance(plugins, list) and any(
-            isinstance(p, dict) and p.get("type") in PYTHON_PLUGIN_TYPES for p in plugins
-        ):
-            return "Python routing plugins"
+    if model is None:
+        model = build_step_model(config.step_model)
     if not isinstance(
-        _step_model_or_none(config), (RooflineStepModel, LinearStepModel)
+        model, (RooflineStepModel, LinearStepModel)
     ):  # pragma: no cover - build_step_model only makes these
         return "a custom step model"
     return None
-
-
-def _step_model_or_none(config: ScenarioConfig) -> Any:
-    from llmsched.sim.stepmodel import build_step_model
-
-    return build_step_model(config.step_model)
 
 
 def step_args(model: StepModel) -> dict[str, Any]:
@@ -215,47 +213,16 @@ def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
         return plan
 
 
-# -- running ----------------------------------------------------------------------------------
+# -- running ---------------------------------------------------------------------------------
 
 
-class ReplicaEnd:
-    """A replica's counters and state when a Rust-engine run ended (the attributes of
-    :class:`~llmsched.sim.replica.Replica` that results and tests read)."""
-
-    def __init__(self, rid: int, data: dict[str, Any]) -> None:
-        self.id = rid
-        self.prefill_tokens = int(data["prefill_tokens"])
-        self.recomputed_tokens = int(data["recomputed_tokens"])
-        self.hit_tokens = int(data["hit_tokens"])
-        self.query_tokens = int(data["query_tokens"])
-        self.preemptions = int(data["preemptions"])
-        self.steps = int(data["steps"])
-        self.running = int(data["running"])
-        self.waiting = int(data["waiting"])
-        self.decode_n = int(data["decode_n"])
-        self.decode_ctx = int(data["decode_ctx"])
-        self.kv = _KvEnd(int(data["kv_requests"]), float(data["kv_usage"]))
-
-
-class _KvEnd:
-    def __init__(self, requests: int, usage: float) -> None:
-        self._requests, self._usage = requests, usage
-
-    def requests(self) -> int:
-        return self._requests
-
-    def usage(self) -> float:
-        return self._usage
-
-
-def run(sim: Simulation, router_config: ConfigLike) -> SimResult:
-    """Run ``sim``'s scenario on the Rust engine and collect its result."""
-    config = sim.config
+def engine_settings(config: ScenarioConfig, kv_blocks: int, model: StepModel) -> dict[str, Any]:
+    """The scenario's engine settings as the native engine takes them."""
     engine = config.engine
-    settings = {
+    return {
         "replicas": config.replicas,
         "block_size": engine.block_size,
-        "kv_blocks": sim.kv_blocks,
+        "kv_blocks": kv_blocks,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "max_num_seqs": engine.max_num_seqs,
         "priority_scheduling": engine.scheduling == "priority",
@@ -268,84 +235,38 @@ def run(sim: Simulation, router_config: ConfigLike) -> SimResult:
         "router_sync_delay_s": (
             None if config.router_sync_delay_s is None else float(config.router_sync_delay_s)
         ),
+        "prefill_replicas": config.pd.prefill_replicas,
+        "transfer_bw": float(config.pd.transfer_bw),
+        "transfer_latency_s": float(config.pd.transfer_latency_s),
+        "kv_bytes_per_token": config.pd.kv_bytes(model),
     }
+
+
+def run(
+    config: ScenarioConfig, model: StepModel, kv_blocks: int, router_config: ConfigLike
+) -> RunRecord:
+    """Run ``config`` on the Rust engine under the router ``router_config``: its record (the
+    plan is built, or taken from the cache, first)."""
     router, functions = native_config(load_config(router_config))
-    assert not functions, "unsupported() sends Python plugins to the Python engine"
-    import time
-
-    wall = time.perf_counter()
     plan = cached_plan(config)
-    out = _llmsched.simulate(settings, step_args(sim.model), router, plan)
-    wall_s = time.perf_counter() - wall
-    sim.now = float(out["now"])
-    sim.feed_skipped = int(out["feed_skipped"])
-    sim.replicas = [ReplicaEnd(i, d) for i, d in enumerate(out["replicas"])]
-    sim.kv_trace = out["kv_trace"]
-    sim.decision_s = float(out["decision_s"])
-    sim.feed_s = float(out["feed_s"])
-    sim.sync_batches = int(out["sync_batches"])
-    sim.sync_bytes = int(out["sync_bytes"])
-    sim.attach_native_run(out)
-    return collect(sim, out, wall_s)
-
-
-def collect(sim: Simulation, out: dict[str, Any], wall_s: float) -> SimResult:
-    """A :class:`SimResult` from the native engine's arrays."""
-    ok = ~out["rejected"]
-    requests = {
-        "arrival": out["arrival"][ok],
-        "first_token": out["first_token"][ok],
-        "finish": out["finish"][ok],
-        "prompt": out["prompt"][ok],
-        "output": out["output"][ok],
-        "cached": np.maximum(out["cached"][ok], 0),
-        "prefilled": out["prefilled"][ok],
-        "recomputed": out["recomputed"][ok],
-        "tenant": out["tenant"][ok],
-        "priority": out["priority"][ok],
-        "ideal": out["ideal"][ok],
-    }
-    engine = {
-        name: int(sum(getattr(rep, name) for rep in sim.replicas))
-        for name in (
-            "prefill_tokens",
-            "recomputed_tokens",
-            "hit_tokens",
-            "query_tokens",
-            "preemptions",
-            "steps",
-        )
-    }
-    rejected_priorities = out["priority"][out["rejected"]].tolist()
-    by_priority: dict[int, int] = {}
-    for p in rejected_priorities:
-        by_priority[p] = by_priority.get(p, 0) + 1
-    return SimResult(
-        policy=sim.name,
-        scenario=sim.config.name,
-        requests=requests,
-        rejected=len(rejected_priorities),
-        rejected_by_priority=by_priority,
-        engine=engine,
-        kv_trace=sim.kv_trace,
-        slo=sim.config.slo,
-        wall_s=wall_s,
-        decision_s=sim.decision_s,
-        feed_s=sim.feed_s,
-        extra={
-            "feed_skipped": sim.feed_skipped,
-            "router_replicas": sim.config.router_replicas,
-            "sync_batches": sim.sync_batches,
-            "sync_bytes": sim.sync_bytes,
-            "prefill_by_replica": [rep.prefill_tokens for rep in sim.replicas],
-        },
-        engine_name="rust",
+    flow, ttft = None, None
+    if config.flow.enabled:
+        flow, ttft = config.flow.controller_config(), config.flow.ttft_targets(config.slo)
+    slices = None
+    if config.slices.policy:
+        cost = config.slices.cost_model(model).native
+        slices = (config.slices.policy, config.slices.params, cost)
+    settings = engine_settings(config, kv_blocks, model)
+    out = _llmsched.simulate(
+        settings, step_args(model), router, plan, flow, ttft, slices, functions
     )
+    return RunRecord.from_native(out)
 
 
-def done_requests(out: dict[str, Any]) -> list[Request]:
-    """The finished requests of a native run as :class:`Request` objects (without hashes or
-    tokens; ``session`` is the session number of agentic turns, None otherwise)."""
+def done_requests(record: RunRecord) -> list[Request]:
+    """The requests of a run that left the simulation as :class:`Request` objects (without
+    hashes or tokens; ``session`` is the session number of agentic turns, None otherwise)."""
+    out = record.requests
     empty = np.zeros(0, dtype=np.uint64)
     done = []
     for i in range(len(out["id"])):

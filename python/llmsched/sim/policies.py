@@ -1,9 +1,11 @@
-"""Routing policies as the simulator calls them: a thin adapter over :class:`llmsched.Router`.
+"""Routing policies as the simulator names them: router presets, router configurations, or
+:class:`Policy` objects.
 
 The simulator asks a :class:`Policy` for each request's replica (and prefill replica when
 prefill/decode pools exist), tells it about first tokens and finishes (in-flight accounting),
-and feeds it engine metrics. The prefix index the policies read is the simulation's
-:class:`llmsched.PrefixIndex`, fed by the replicas' KV events.
+and feeds it engine metrics. Presets and router configurations run inside the Rust engine on
+the routing core; a :class:`Policy` object is Python code that the reference engine
+(:mod:`llmsched.reference.sim`) drives.
 
 >>> {"random", "round-robin", "least-load", "prefix-only"} <= set(policy_names())
 True
@@ -12,20 +14,16 @@ True
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol
 
 from llmsched.errors import ConfigError
-from llmsched.routing import ConfigLike, Endpoint, EndpointPool, Role, Router
+from llmsched.routing import ConfigLike, Router
 from llmsched.sim.request import Request
-
-if TYPE_CHECKING:
-    from llmsched.sim.simulator import Simulation
 
 __all__ = [
     "Policy",
     "PolicyLike",
-    "RouterPolicy",
-    "make_policy",
+    "is_policy_object",
     "policy_names",
     "resolve_policy",
 ]
@@ -60,71 +58,22 @@ PolicyLike = str | Mapping[str, Any] | Policy
 or a :class:`Policy` object."""
 
 
-class RouterPolicy:
-    """A :class:`llmsched.routing.Router` driving the simulation: every replica is an endpoint
-    (role ``prefill``/``decode`` when pools are split) whose metrics the replicas publish;
-    the router matches prompts against the simulation's prefix index and keeps its in-flight
-    counts through the decision's ``started`` / ``first_token`` / ``finished``.
-
-    Metrics are never stale in simulated time (each replica republishes whenever they
-    change), so the pool reads them as they are (``stale_policy="ignore"``).
-    """
-
-    def __init__(self, name: str, config: ConfigLike, sim: Simulation) -> None:
-        roles: list[Role | None] = [
-            None if r == "both" else cast(Role, r) for r in sim.config.roles()
-        ]
-        endpoints = [Endpoint(i, role=role) for i, role in enumerate(roles)]
-        self.name = name
-        self.pool = EndpointPool(endpoints, stale_policy="ignore")
-        self.router = Router(self.pool, sim.index, config=config, seed=sim.config.seed)
-
-    def update_metrics(
-        self, replica: int, waiting: int, running: int, kv_cache_usage: float, now: float
-    ) -> None:
-        """Forward a metrics snapshot to the pool."""
-        self.pool.update(
-            replica,
-            waiting=waiting,
-            running=running,
-            kv_cache_usage=min(kv_cache_usage, 1.0),
-            now=now,
-        )
-
-    def pick(self, req: Request, now: float) -> tuple[int, int | None]:
-        """Route with the router and start the decision's in-flight accounting."""
-        session = None if req.session is None else str(req.session)
-        decision = self.router.pick(
-            tokens=req.tokens, priority=req.priority, session_id=session, now=now
-        )
-        decision.started(now=now)
-        req.handle = decision
-        prefill = decision.prefill_endpoint
-        return int(decision.endpoint), None if prefill is None else int(prefill)
-
-    def on_first_token(self, req: Request, now: float) -> None:
-        """Prefill work is over."""
-        req.handle.first_token()
-
-    def on_finished(self, req: Request, now: float) -> None:
-        """The request's in-flight counts go back."""
-        req.handle.finished()
-
-
 def policy_names() -> list[str]:
     """Names :func:`make_policy` accepts: the router's presets."""
     return list(Router.presets())
 
 
-def make_policy(spec: PolicyLike, sim: Simulation) -> Policy:
-    """The policy ``spec`` names: a router preset name, ``{"name": ..., "config": <llm-d style
-    router config or preset>}``, or a :class:`Policy` object used as it is."""
-    if not isinstance(spec, (str, Mapping)):
-        if all(hasattr(spec, m) for m in ("pick", "on_finished", "update_metrics")):
-            return spec
-        raise ConfigError(f"policy must be a name, a router config or a Policy, got {spec!r}")
-    name, config = resolve_policy(spec)
-    return RouterPolicy(name, config, sim)
+def is_policy_object(spec: object) -> bool:
+    """Whether ``spec`` is a :class:`Policy` object (not a name or a router config).
+
+    >>> is_policy_object("llm-d"), is_policy_object({"name": "x"})
+    (False, False)
+    """
+    if isinstance(spec, (str, Mapping)):
+        return False
+    if all(hasattr(spec, m) for m in ("pick", "on_finished", "update_metrics")):
+        return True
+    raise ConfigError(f"policy must be a name, a router config or a Policy, got {spec!r}")
 
 
 def resolve_policy(spec: str | Mapping[str, Any]) -> tuple[str, ConfigLike]:

@@ -16,15 +16,45 @@ with the share spent in the routing decision code, and which engine ran (``engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from llmsched.sim.simulator import Simulation
+__all__ = ["COUNTERS", "KvEnd", "ReplicaEnd", "RunRecord", "SimResult", "collect", "jain"]
 
-__all__ = ["SimResult", "jain"]
+COUNTERS = (
+    "prefill_tokens",
+    "recomputed_tokens",
+    "hit_tokens",
+    "query_tokens",
+    "preemptions",
+    "steps",
+)
+"""The engine counters every replica keeps (summed into :attr:`SimResult.engine`)."""
+
+RECORD_FIELDS = (
+    "id",
+    "arrival",
+    "dispatched",
+    "first_token",
+    "finish",
+    "prompt",
+    "output",
+    "generated",
+    "cached",
+    "prefilled",
+    "recomputed",
+    "preemptions",
+    "tenant",
+    "priority",
+    "session",
+    "turn",
+    "rejected",
+    "ideal",
+)
+"""The per-request arrays of a :class:`RunRecord`, one entry per request that left the
+simulation (finished or refused), in the order they left."""
 
 FIELDS = (
     "arrival",
@@ -86,67 +116,10 @@ class SimResult:
     decision_s: float
     feed_s: float
     extra: dict[str, Any] = field(default_factory=dict)
-    engine_name: str = "python"  # which engine ran it: "rust" or "python"
-
-    @classmethod
-    def collect(cls, sim: Simulation, wall_s: float) -> SimResult:
-        """Gather the records of a finished simulation."""
-        done = [r for r in sim.done if not r.rejected]
-        model = sim.model
-        budget = sim.config.engine.max_num_batched_tokens
-        ideal_cache: dict[tuple[int, int], float] = {}
-
-        def ideal(prompt: int, output: int) -> float:
-            key = (prompt, output)
-            if key not in ideal_cache:
-                t, left, ctx = 0.0, prompt, 0
-                while left > 0:
-                    chunk = min(left, budget)
-                    t += model.step_time(chunk, chunk * chunk, chunk * ctx, 0, 0, ctx)
-                    left -= chunk
-                    ctx += chunk
-                ideal_cache[key] = t + model.decode_run(1, prompt).time(output - 1)
-            return ideal_cache[key]
-
-        rows = {
-            "arrival": [r.arrival for r in done],
-            "first_token": [r.first_token_time for r in done],
-            "finish": [r.finish_time for r in done],
-            "prompt": [r.prompt_len for r in done],
-            "output": [r.output_len for r in done],
-            "cached": [max(r.cached_tokens, 0) for r in done],
-            "prefilled": [r.prefilled_tokens for r in done],
-            "recomputed": [r.recomputed_tokens for r in done],
-            "tenant": [r.tenant for r in done],
-            "priority": [r.priority for r in done],
-            "ideal": [ideal(r.prompt_len, r.output_len) for r in done],
-        }
-        requests = {k: np.asarray(v) for k, v in rows.items()}
-        engine = {
-            name: int(sum(getattr(rep, attr) for rep in sim.replicas))
-            for name, attr in (
-                ("prefill_tokens", "prefill_tokens"),
-                ("recomputed_tokens", "recomputed_tokens"),
-                ("hit_tokens", "hit_tokens"),
-                ("query_tokens", "query_tokens"),
-                ("preemptions", "preemptions"),
-                ("steps", "steps"),
-            )
-        }
-        return cls(
-            policy=sim.name,
-            scenario=sim.config.name,
-            requests=requests,
-            rejected=sum(1 for r in sim.done if r.rejected),
-            rejected_by_priority=_count(r.priority for r in sim.done if r.rejected),
-            engine=engine,
-            kv_trace=sim.kv_trace,
-            slo=sim.config.slo,
-            wall_s=wall_s,
-            decision_s=sim.decision_s,
-            feed_s=sim.feed_s,
-            extra={"feed_skipped": sim.feed_skipped},
-        )
+    engine_name: str = "rust"  # which engine ran it: "rust" or "python" (the reference)
+    fallback_reason: str | None = None
+    """Why the Rust engine did not run this scenario (None: it did, or the reference engine
+    was asked for)."""
 
     def summary(self) -> dict[str, Any]:
         """The figures described in the module docs, as plain data."""
@@ -154,6 +127,8 @@ class SimResult:
         n = len(r["arrival"])
         out: dict[str, Any] = {"policy": self.policy, "scenario": self.scenario, "completed": n}
         out["engine"] = self.engine_name
+        if self.fallback_reason is not None:
+            out["engine_fallback"] = self.fallback_reason
         out["rejected"] = self.rejected
         if n == 0:
             return out
@@ -241,3 +216,131 @@ class SimResult:
             rows.append(u[idx])
         mean = np.mean(rows, axis=0) if rows else np.zeros(points)
         return {"t": grid.tolist(), "kv_use": mean.tolist()}
+
+
+class KvEnd:
+    """A replica's KV cache when a run ended: its live requests and its use (0..1)."""
+
+    def __init__(self, requests: int, usage: float) -> None:
+        self.live = requests
+        self.use = usage
+
+    def requests(self) -> int:
+        """Requests holding blocks."""
+        return self.live
+
+    def usage(self) -> float:
+        """Share of blocks in use."""
+        return self.use
+
+
+@dataclass
+class ReplicaEnd:
+    """A replica's counters and state when a run ended (what results and tests read)."""
+
+    id: int
+    prefill_tokens: int
+    recomputed_tokens: int
+    hit_tokens: int
+    query_tokens: int
+    preemptions: int
+    steps: int
+    running: int
+    waiting: int
+    decode_n: int
+    decode_ctx: int
+    kv: KvEnd
+
+
+@dataclass
+class RunRecord:
+    """What one engine run produced, the same for either engine: the per-request arrays
+    (:data:`RECORD_FIELDS`), every replica's end state and the run's counters."""
+
+    requests: dict[str, npt.NDArray[Any]]
+    replicas: list[ReplicaEnd]
+    kv_trace: list[list[tuple[float, float]]]
+    now: float
+    feed_skipped: int = 0
+    decision_s: float = 0.0
+    feed_s: float = 0.0
+    sync_batches: int = 0
+    sync_bytes: int = 0
+    slice_switches: int = 0
+
+    @classmethod
+    def from_native(cls, out: dict[str, Any]) -> RunRecord:
+        """The record of a native (``_llmsched.simulate``) run."""
+        replicas = [
+            ReplicaEnd(
+                i,
+                int(d["prefill_tokens"]),
+                int(d["recomputed_tokens"]),
+                int(d["hit_tokens"]),
+                int(d["query_tokens"]),
+                int(d["preemptions"]),
+                int(d["steps"]),
+                running=int(d["running"]),
+                waiting=int(d["waiting"]),
+                decode_n=int(d["decode_n"]),
+                decode_ctx=int(d["decode_ctx"]),
+                kv=KvEnd(int(d["kv_requests"]), float(d["kv_usage"])),
+            )
+            for i, d in enumerate(out["replicas"])
+        ]
+        return cls(
+            requests={name: out[name] for name in RECORD_FIELDS},
+            replicas=replicas,
+            kv_trace=out["kv_trace"],
+            now=float(out["now"]),
+            feed_skipped=int(out["feed_skipped"]),
+            decision_s=float(out["decision_s"]),
+            feed_s=float(out["feed_s"]),
+            sync_batches=int(out["sync_batches"]),
+            sync_bytes=int(out["sync_bytes"]),
+            slice_switches=int(out.get("slice_switches", 0)),
+        )
+
+
+def collect(
+    record: RunRecord,
+    *,
+    policy: str,
+    scenario: str,
+    slo: dict[int, dict[str, float]],
+    router_replicas: int,
+    wall_s: float,
+    engine_name: str,
+    fallback_reason: str | None = None,
+) -> SimResult:
+    """The :class:`SimResult` of a run: the one collector both engines' records go through."""
+    out = record.requests
+    rejected = out["rejected"].astype(bool)
+    ok = ~rejected
+    requests = {name: out[name][ok] for name in FIELDS}
+    requests["cached"] = np.maximum(requests["cached"], 0)
+    engine = {name: int(sum(getattr(rep, name) for rep in record.replicas)) for name in COUNTERS}
+    by_priority = _count(int(p) for p in out["priority"][rejected].tolist())
+    return SimResult(
+        policy=policy,
+        scenario=scenario,
+        requests=requests,
+        rejected=int(rejected.sum()),
+        rejected_by_priority=by_priority,
+        engine=engine,
+        kv_trace=record.kv_trace,
+        slo=slo,
+        wall_s=wall_s,
+        decision_s=record.decision_s,
+        feed_s=record.feed_s,
+        extra={
+            "feed_skipped": record.feed_skipped,
+            "router_replicas": router_replicas,
+            "sync_batches": record.sync_batches,
+            "sync_bytes": record.sync_bytes,
+            "slice_switches": record.slice_switches,
+            "prefill_by_replica": [rep.prefill_tokens for rep in record.replicas],
+        },
+        engine_name=engine_name,
+        fallback_reason=fallback_reason,
+    )

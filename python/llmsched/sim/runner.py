@@ -236,6 +236,12 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         f"routing decisions took {share:.1%} of simulation time "
         f"(engine: {' and '.join(engines)})"
     )
+    reasons = sorted({r.fallback_reason for r in results if r.fallback_reason is not None})
+    if reasons:
+        lines.append(
+            f"reference (Python) engine for what the Rust engine does not cover: "
+            f"{', '.join(reasons)}"
+        )
     return "\n".join(lines)
 
 

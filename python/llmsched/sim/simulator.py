@@ -1,44 +1,76 @@
-"""The discrete-event simulation: arrivals, routing decisions, replicas, KV events, metrics.
+"""The simulation of one scenario under one routing policy, on the Rust engine.
 
-Events live in one heap ordered by (time, sequence): request arrivals (open-loop ones are
-pulled from the workload one at a time), the end of each replica's step or decode run, KV
-transfers between prefill and decode replicas, and delayed KV-event batches. Each routing
-decision is made by the policy on what a gateway would see at that moment: engine metrics as
-published ``metrics_delay_s`` ago and the prefix index as fed by the engines' KV events.
+:class:`Simulation` runs the Rust engine (:mod:`llmsched.sim.fast`): events in one heap ordered
+by (time, sequence), vLLM-like replicas, routing decisions made by the routing core on what a
+gateway would see (engine metrics ``metrics_delay_s`` late, the prefix index fed by the
+engines' KV events). A scenario the Rust engine does not cover yet runs on the reference engine
+(:class:`llmsched.reference.sim.ReferenceSimulation`), never silently: the first time each
+reason occurs it is logged as a warning (logger ``llmsched``), every occurrence is counted
+(:func:`fallback_counts`), and the reason is in :attr:`Simulation.fallback_reason` and in the
+result (``summary()["engine_fallback"]``).
 
 >>> from llmsched.sim.config import ScenarioConfig
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
 ...     "num_requests": 50, "arrival": {"rate": 5.0}}})
 >>> result = Simulation(cfg, "round-robin").run()
->>> result.summary()["completed"]
-50
+>>> result.summary()["completed"], result.engine_name
+(50, 'rust')
 """
 
 from __future__ import annotations
 
-import heapq
+import logging
+import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from llmsched.errors import ConfigError, UnknownBlockError
-from llmsched.prefix_index import PrefixIndex
+from llmsched.errors import ConfigError
+from llmsched.routing import ConfigLike
 from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
-from llmsched.sim.gate import FlowGate
-from llmsched.sim.kv import KVCacheEvent, make_kv_cache
-from llmsched.sim.policies import PolicyLike, make_policy, resolve_policy
-from llmsched.sim.replica import Replica
-from llmsched.sim.request import DONE, WAITING, Request
-from llmsched.sim.results import SimResult
-from llmsched.sim.stepmodel import RooflineStepModel, build_step_model
-from llmsched.sim.workloads import make_workload
-from llmsched.slices import SliceTracker, SwitchCostModel, WaitingRequest
+from llmsched.sim.policies import PolicyLike, is_policy_object, resolve_policy
+from llmsched.sim.request import Request
+from llmsched.sim.results import ReplicaEnd, RunRecord, SimResult, collect
+from llmsched.sim.stepmodel import build_step_model
 
-__all__ = ["Simulation"]
+if TYPE_CHECKING:
+    from llmsched.reference.sim import ReferenceSimulation
 
-STREAM_ARRIVAL, ARRIVAL, STEP, TRANSFER, KV_FEED = 0, 1, 2, 3, 4
+__all__ = ["ENGINES", "Simulation", "fallback_counts"]
+
+ENGINES = ("auto", "rust", "python")
+"""``engine`` values: ``auto`` (Rust, or the reference engine with a warning for what Rust
+does not cover), ``rust`` (ConfigError for what it does not cover), ``python`` (the reference
+engine, the oracle)."""
+
+logger = logging.getLogger("llmsched")
+
+_fallbacks: dict[str, int] = {}
+_fallbacks_lock = threading.Lock()
+
+
+def fallback_counts() -> dict[str, int]:
+    """How many simulations ran on the reference engine because the Rust engine does not
+    cover their scenario, by reason (since the process started).
+
+    >>> isinstance(fallback_counts(), dict)
+    True
+    """
+    with _fallbacks_lock:
+        return dict(_fallbacks)
+
+
+def _note_fallback(reason: str) -> None:
+    with _fallbacks_lock:
+        first = reason not in _fallbacks
+        _fallbacks[reason] = _fallbacks.get(reason, 0) + 1
+    if first:
+        logger.warning(
+            "the Rust simulator engine does not cover %s: running the (10-50x slower) "
+            "reference engine; counted in llmsched.sim.fallback_counts()",
+            reason,
+        )
 
 
 class Simulation:
@@ -48,12 +80,11 @@ class Simulation:
         config: the scenario.
         policy: a policy name (see :func:`llmsched.sim.policies.policy_names`), a routing
             config dict, or a :class:`~llmsched.sim.policies.Policy` object.
-        progress: called with the number of finished requests every ``progress_every``.
-        native_kv: use the Rust KV cache (False: its pure-Python twin, for benchmarks).
-        engine: ``"auto"`` (the default) runs the Rust engine (:mod:`llmsched.sim.fast`)
-            when it covers the scenario and the Python engine otherwise, naming the reason in
-            :attr:`fallback_reason`; ``"rust"`` insists (ConfigError if it cannot);
-            ``"python"`` always runs the Python engine, the reference twin.
+        progress: called with the number of finished requests (every ``progress_every`` on
+            the reference engine, once at the end on the Rust engine).
+        native_kv: False runs the reference engine on the pure-Python KV cache twin (for
+            benchmarks).
+        engine: see :data:`ENGINES`.
     """
 
     def __init__(
@@ -66,368 +97,124 @@ class Simulation:
         native_kv: bool = True,
         engine: str = "auto",
     ) -> None:
+        if engine not in ENGINES:
+            raise ConfigError(f"unknown engine {engine!r}; known: {list(ENGINES)}")
+        config.engine.validate()
         self.config = config
         self.model = build_step_model(config.step_model)
-        engine_cfg = config.engine
-        engine_cfg.validate()
-        kv_tokens = engine_cfg.kv_tokens or self.model.kv_capacity_tokens()
+        kv_tokens = config.engine.kv_tokens or self.model.kv_capacity_tokens()
         if kv_tokens is None:
             raise ConfigError("engine.kv_tokens is needed: the step model gives no KV capacity")
-        self.kv_blocks = kv_tokens // engine_cfg.block_size
-        if engine not in fast.ENGINES:
-            raise ConfigError(f"unknown engine {engine!r}; known: {list(fast.ENGINES)}")
-        reason = fast.unsupported(config, policy, native_kv) if engine != "python" else None
+        self.kv_blocks = kv_tokens // config.engine.block_size
+        self.router_config: ConfigLike | None = None
+        """The router configuration the Rust engine runs (None for a Policy object)."""
+        name = ""
+        if isinstance(policy, (str, Mapping)):
+            name, self.router_config = resolve_policy(policy)
+        elif is_policy_object(policy):
+            name = policy.name
+        reason = None
+        if engine != "python":
+            reason = fast.unsupported(config, policy, native_kv, self.model)
         if engine == "rust" and reason is not None:
             raise ConfigError(f"the Rust engine does not cover {reason}; use engine='auto'")
-        self.engine = "rust" if engine != "python" and reason is None else "python"
-        if config.router_replicas > 1 and self.engine == "python":
-            why = reason or "engine='python'"
+        if reason is not None and config.router_replicas > 1:
             raise ConfigError(
-                f"router_replicas is simulated by the Rust engine only, which does not cover {why}"
+                f"router_replicas is simulated by the Rust engine only, which does not cover "
+                f"{reason}"
             )
+        if engine == "python" and config.router_replicas > 1:
+            raise ConfigError(
+                "router_replicas is simulated by the Rust engine only, not engine='python'"
+            )
+        self.engine = "rust" if engine != "python" and reason is None else "python"
         self.fallback_reason = reason
-        """Why ``engine="auto"`` fell back to the Python engine (None: it did not)."""
-        self._done: list[Request] | None = []
-        self._native_done: dict[str, Any] | None = None
+        """Why the Rust engine did not run this scenario (None: it did, or the reference
+        engine was asked for)."""
+        self.policy = policy
         self.progress = progress
         self.progress_every = progress_every
-        self.now = 0.0
-        self.decision_s = 0.0
-        self.feed_s = 0.0
-        self.feed_skipped = 0
-        self.sync_batches = 0
-        """Replica-sync batches the router replicas published (Rust engine)."""
-        self.sync_bytes = 0
-        self.slice_switches = 0
-        self.kv_bytes_per_token = config.pd.kv_bytes_per_token or _kv_bytes(self.model)
-        if self.engine == "rust":
-            assert isinstance(policy, (str, Mapping)), "fast.unsupported() sends objects to Python"
-            self.name, self._router_config = resolve_policy(policy)
-            self.replicas: list[Any] = []
-            self.kv_trace: list[list[tuple[float, float]]] = []
-            self.index: PrefixIndex | None = None
-            self.slices: SliceTracker | None = None
-            self.gate: FlowGate | None = None
-            return
-        index = PrefixIndex(block_size=engine_cfg.block_size, seed=config.seed)
-        self.index = index
-        self.workload = make_workload(
-            config.workload,
-            seed=config.seed,
-            block_size=engine_cfg.block_size,
-            chain_seed=index.seed,
-        )
-        roles = config.roles()
-        self.replicas = [
-            Replica(
-                i,
-                role,
-                engine_cfg,
-                self.model,
-                make_kv_cache(self.kv_blocks, engine_cfg.block_size, native=native_kv),
-                self,
+        self.native_kv = native_kv
+        self.record: RunRecord | None = None
+        """The finished run's record (None before :meth:`run`)."""
+        self.reference: ReferenceSimulation | None = None
+        if self.engine == "python":
+            from llmsched.reference.sim import ReferenceSimulation
+
+            self.reference = ReferenceSimulation(
+                config,
+                policy,
+                progress=progress,
+                progress_every=progress_every,
+                native_kv=native_kv,
+                model=self.model,
             )
-            for i, role in enumerate(roles)
-        ]
-        self.policy = make_policy(policy, self)
-        self.name = self.policy.name
-        self.heap: list[tuple[float, int, int, Any, int]] = []
-        self._seq = 0
-        self.now = 0.0
-        self._arrivals = iter(self.workload.arrivals())
-        self._pending_metrics: list[deque[tuple[float, int, int, float]]] = [
-            deque() for _ in self.replicas
-        ]
-        self.kv_trace = [[] for _ in self.replicas]
-        self._next_kv_sample = [0.0] * len(self.replicas)
-        self.slices = self._slice_tracker()
-        self.gate = FlowGate(self, config.flow.config) if config.flow.enabled else None
-
-    @property
-    def done(self) -> list[Request]:
-        """Finished (and refused) requests, in the order they left."""
-        if self._done is None:
-            assert self._native_done is not None
-            self._done = fast.done_requests(self._native_done)
-        return self._done
-
-    def attach_native_run(self, out: dict[str, Any]) -> None:
-        """Keep the native engine's raw result: :attr:`done` decodes its requests on first use
-        (the native engine hands back arrays, not :class:`Request` objects)."""
-        self._native_done = out
-        self._done = None
-
-    def _slice_tracker(self) -> SliceTracker | None:
-        cfg = self.config.slices
-        if not cfg.policy:
-            return None
-        cost = None
-        model = self.model
-        if isinstance(model, RooflineStepModel):
-            spec, gpu = model.model, model.gpu
-            tp = model.tp or 1
-            cost = SwitchCostModel.from_model(
-                params=spec.params,
-                layers=spec.layers,
-                kv_heads=spec.kv_heads,
-                head_dim=spec.head_dim,
-                gpu_flops=gpu.flops * tp,
-                gpu_hbm_bytes_per_s=gpu.hbm_bw * tp,
-                gpu_memory_bytes=gpu.memory * tp,
-                compute_efficiency=model.compute_eff,
-                bandwidth_efficiency=model.memory_eff,
-                memory_fraction=model.gpu_memory_utilization,
-            )
-        endpoints = [str(r.id) for r in self.replicas]
-        return SliceTracker(cfg.policy, cfg.params, cost_model=cost, endpoints=endpoints)
-
-    # -- scheduling helpers used by the replicas ---------------------------------------------
-
-    def at(self, when: float, replica: Replica) -> None:
-        """Wake ``replica`` at ``when`` (its current step's end)."""
-        self._seq += 1
-        heapq.heappush(self.heap, (when, self._seq, STEP, replica, replica.version))
-
-    def _push(self, when: float, kind: int, obj: Any) -> None:
-        self._seq += 1
-        heapq.heappush(self.heap, (when, self._seq, kind, obj, 0))
-
-    def publish(self, replica: Replica, now: float) -> None:
-        """The replica's metrics changed; the gateway sees them ``metrics_delay_s`` later."""
-        waiting, running, usage = len(replica.waiting), len(replica.running), replica.kv.usage()
-        rid = replica.id
-        if now >= self._next_kv_sample[rid]:
-            self.kv_trace[rid].append((now, usage))
-            self._next_kv_sample[rid] = now + self.config.kv_sample_s
-        if self.config.metrics_delay_s > 0:
-            self._pending_metrics[rid].append((now, waiting, running, usage))
-        else:
-            self._metrics_seen(rid, waiting, running, usage, now)
-
-    def _metrics_seen(self, rid: int, waiting: int, running: int, usage: float, now: float) -> None:
-        t = time.perf_counter()
-        self.policy.update_metrics(rid, waiting, running, usage, now)
-        if self.gate is not None:
-            self.gate.endpoint(rid, waiting, running, usage, now)
-        self.feed_s += time.perf_counter() - t
-        if self.gate is not None and self.gate.queued:
-            self._pump(self.now)
-
-    def _deliver_metrics(self, now: float) -> None:
-        horizon = now - self.config.metrics_delay_s
-        for rid, pending in enumerate(self._pending_metrics):
-            last = None
-            while pending and pending[0][0] <= horizon:
-                last = pending.popleft()
-            if last is not None:
-                self._metrics_seen(rid, last[1], last[2], last[3], last[0])
-
-    def kv_events(self, replica: Replica, now: float) -> None:
-        """Forward the replica's KV events to the prefix index (after ``kv_events_delay_s``)."""
-        events = replica.kv.take_events()
-        if not events:
-            return
-        if self.config.kv_events_delay_s > 0:
-            self._push(now + self.config.kv_events_delay_s, KV_FEED, (replica.id, events))
-        else:
-            self._apply_kv_events(replica.id, events)
-
-    def _apply_kv_events(self, rid: int, events: list[KVCacheEvent]) -> None:
-        t = time.perf_counter()
-        index = self.index
-        assert index is not None, "the Python engine always has its index"
-        for event in events:
-            try:
-                if event[0] == "stored":
-                    index.store(rid, event[2], parent=event[1])
-                else:
-                    index.remove(rid, event[1])
-            except UnknownBlockError:
-                # Only when a delayed batch lands after its parent was dropped; counted.
-                self.feed_skipped += 1
-        self.feed_s += time.perf_counter() - t
-
-    # -- request life cycle ------------------------------------------------------------------
-
-    def _arrive(self, req: Request, now: float) -> None:
-        if self.gate is None:
-            self._dispatch(req, now)
-            return
-        if self.config.metrics_delay_s > 0:
-            self._deliver_metrics(now)
-        if not self.gate.offer(req, now):
-            self._reject(req, now)
-        self._pump(now)
-
-    def _pump(self, now: float) -> None:
-        """Dispatch what flow control lets through; reject what it dropped."""
-        assert self.gate is not None
-        for req in self.gate.expired(now):
-            self._reject(req, now)
-        for req in self.gate.ready(now):
-            self._dispatch(req, now)
-
-    def _reject(self, req: Request, now: float) -> None:
-        req.rejected = True
-        req.phase = DONE
-        req.finish_time = now
-        self.done.append(req)
-        follow = self.workload.on_finish(req, now)
-        if follow is not None:
-            self._push(follow.arrival, ARRIVAL, follow)
-
-    def _dispatch(self, req: Request, now: float) -> None:
-        if self.config.metrics_delay_s > 0:
-            self._deliver_metrics(now)
-        t = time.perf_counter()
-        target, prefill = self.policy.pick(req, now)
-        self.decision_s += time.perf_counter() - t
-        req.dispatched = now
-        req.tokens = None  # only the router reads them; let the memory go
-        if self.slices is not None:
-            start = self.slices.admit(
-                req.id,
-                prompt_tokens=req.prompt_len,
-                max_tokens=req.output_len,
-                endpoint=str(target),
-                priority=req.priority,
-            )
-            req.call_end = min(req.output_len, start.slice_tokens)
-        if prefill is not None and prefill != target:
-            req.prefill_replica = self.replicas[prefill]
-            req.decode_replica = self.replicas[target]
-            self.replicas[prefill].enqueue(req, now)
-        else:
-            self.replicas[target].enqueue(req, now)
-
-    def prefill_done(self, req: Request, now: float) -> None:
-        """A prefill replica finished ``req``'s prompt: transfer the KV to its decode replica."""
-        decode: Replica = req.decode_replica
-        whole = req.prompt_len // decode.bs
-        uncached = whole - decode.kv.lookup(req.hashes, whole)
-        nbytes = uncached * decode.bs * self.kv_bytes_per_token
-        pd = self.config.pd
-        req.kv_ready = True
-        req.computed = 0
-        req.phase = WAITING
-        self._push(now + pd.transfer_latency_s + nbytes / pd.transfer_bw, TRANSFER, (decode, req))
-
-    def slice_continues(self, req: Request, now: float) -> bool:
-        """A slice of ``req`` ended (``generated == call_end``): ask the slice tracker. True:
-        the next slice runs on in the batch (``call_end`` moved). False: the request leaves the
-        batch and :meth:`finished` requeues it where ``req.slice_endpoint`` says."""
-        tracker = self.slices
-        assert tracker is not None
-        replica = req.replica
-        t = time.perf_counter()
-        tracker.record_tokens(req.id, req.generated - req.slice_start)
-        waiting = [
-            WaitingRequest(w.priority, 0, w.prompt_len + w.generated, w.output_len - w.generated)
-            for w in list(replica.waiting)[:8]
-        ]
-        tracker.set_endpoint(
-            str(replica.id),
-            kv_cache_usage=min(replica.kv.usage(), 1.0),
-            waiting=len(replica.waiting),
-        )
-        decision = tracker.decide(req.id, finished=False, waiting=waiting, now=now)
-        self.decision_s += time.perf_counter() - t
-        req.slice_start = req.generated
-        if decision.action == "continue":
-            req.call_end = min(req.output_len, req.generated + decision.next_slice_tokens)
-            return True
-        req.slice_endpoint = int(decision.endpoint) if decision.endpoint is not None else replica.id
-        return False
-
-    def first_token(self, req: Request, now: float) -> None:
-        """``req`` produced its first token."""
-        req.first_token_time = now
-        t = time.perf_counter()
-        self.policy.on_first_token(req, now)
-        self.decision_s += time.perf_counter() - t
-
-    def finished(self, req: Request, now: float) -> None:
-        """``req`` finished (or ended a token slice, or was refused)."""
-        if not req.rejected and req.generated < req.output_len:
-            # A token slice yielded or migrated: its continuation is a new call for the rest
-            # (prompt plus output so far), queued where the tracker sent it.
-            assert self.slices is not None
-            replica = self.replicas[req.slice_endpoint]
-            start = self.slices.resume(req.id, endpoint=str(replica.id))
-            req.high_water = max(req.high_water, req.computed)
-            req.computed = 0
-            req.target = req.prompt_len + req.generated
-            req.call_end = min(req.output_len, req.generated + start.slice_tokens)
-            req.phase = WAITING
-            self.slice_switches += 1
-            self._push(now, TRANSFER, (replica, req))  # after the replica's step is applied
-            return
-        if self.slices is not None:
-            self.slices.remove(req.id)
-        req.finish_time = now
-        req.phase = DONE
-        self.done.append(req)
-        if req.rejected:
-            # Refused by its engine (larger than the KV cache): it never got a first token.
-            self.policy.on_finished(req, now)
-        else:
-            t = time.perf_counter()
-            self.policy.on_finished(req, now)
-            self.decision_s += time.perf_counter() - t
-        if self.gate is not None:
-            self.gate.complete(req, now)
-            self._pump(now)
-        follow = self.workload.on_finish(req, now)
-        if follow is not None:
-            self._push(follow.arrival, ARRIVAL, follow)
-        if self.progress is not None and len(self.done) % self.progress_every == 0:
-            self.progress(len(self.done))
-
-    # -- main loop ---------------------------------------------------------------------------
-
-    def _next_arrival(self) -> None:
-        req = next(self._arrivals, None)
-        if req is not None:
-            self._push(req.arrival, STREAM_ARRIVAL, req)
+        self.name = name
+        self._done: list[Request] | None = None
 
     def run(self) -> SimResult:
         """Run to completion (or ``max_time_s``) and return the result."""
-        if self.engine == "rust":
-            self._done = None
-            result = fast.run(self, self._router_config)
-            if self.progress is not None:
-                self.progress(len(result.requests["arrival"]) + result.rejected)
+        if self.fallback_reason is not None:
+            _note_fallback(self.fallback_reason)
+        if self.reference is not None:
+            result = self.reference.run()
+            self.record = self.reference.record()
+            result.fallback_reason = self.fallback_reason
             return result
         wall = time.perf_counter()
-        heap = self.heap
-        self._next_arrival()
-        limit = self.config.max_time_s
-        pop = heapq.heappop
-        while heap:
-            when, _, kind, obj, version = pop(heap)
-            if limit is not None and when > limit:
-                break
-            self.now = when
-            if kind == STEP:
-                if version == obj.version:
-                    obj.on_step_end(when)
-            elif kind == STREAM_ARRIVAL:
-                self._next_arrival()
-                self._arrive(obj, when)
-            elif kind == ARRIVAL:
-                self._arrive(obj, when)
-            elif kind == TRANSFER:
-                decode, req = obj
-                decode.enqueue(req, when)
-            else:
-                self._apply_kv_events(*obj)
+        assert self.router_config is not None, "Policy objects run on the reference engine"
+        record = fast.run(self.config, self.model, self.kv_blocks, self.router_config)
+        wall_s = time.perf_counter() - wall
+        self.record = record
+        self._done = None
         if self.progress is not None:
-            self.progress(len(self.done))
-        return SimResult.collect(self, time.perf_counter() - wall)
+            self.progress(len(record.requests["id"]))
+        return collect(
+            record,
+            policy=self.name,
+            scenario=self.config.name,
+            slo=self.config.slo,
+            router_replicas=self.config.router_replicas,
+            wall_s=wall_s,
+            engine_name="rust",
+        )
 
+    def _finished_record(self) -> RunRecord:
+        if self.record is None:
+            raise ConfigError("the simulation has not run yet: call run() first")
+        return self.record
 
-def _kv_bytes(model: Any) -> int:
-    spec = getattr(model, "model", None)
-    if spec is not None and hasattr(spec, "kv_bytes_per_token"):
-        return int(spec.kv_bytes_per_token)
-    return 131_072  # Llama-3-8B bf16: 2 * 32 layers * 8 KV heads * 128 * 2 bytes
+    @property
+    def done(self) -> list[Request]:
+        """Finished (and refused) requests, in the order they left (the reference engine's
+        own objects; decoded from the record after a Rust run, without hashes)."""
+        if self.reference is not None:
+            return self.reference.done
+        if self._done is None:
+            self._done = fast.done_requests(self._finished_record())
+        return self._done
+
+    @property
+    def replicas(self) -> Sequence[ReplicaEnd]:
+        """Each replica's counters and state at the end of the run."""
+        return self._finished_record().replicas
+
+    @property
+    def now(self) -> float:
+        """The simulated time the run ended at."""
+        return self._finished_record().now
+
+    @property
+    def feed_skipped(self) -> int:
+        """KV-event batches the prefix index could not apply (their parent had gone)."""
+        return self._finished_record().feed_skipped
+
+    @property
+    def slice_switches(self) -> int:
+        """Token slices that yielded or migrated."""
+        return self._finished_record().slice_switches
+
+    @property
+    def kv_trace(self) -> list[list[tuple[float, float]]]:
+        """Per replica: (time, KV use) samples."""
+        return self._finished_record().kv_trace

@@ -9,14 +9,11 @@ rejected. Without ``flow.enabled`` arrivals go straight to the router.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from llmsched.errors import ConfigError
 from llmsched.sim.request import Request
-
-if TYPE_CHECKING:
-    from llmsched.sim.simulator import Simulation
 
 __all__ = ["FlowGate"]
 
@@ -24,20 +21,25 @@ __all__ = ["FlowGate"]
 class FlowGate:
     """A flow controller driven in simulated time."""
 
-    def __init__(self, sim: Simulation, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        clock: Callable[[], float],
+        replicas: int,
+        slo: Mapping[int, Mapping[str, float]],
+    ) -> None:
         try:
             # Imported by name: flow control is its own component and optional here.
             flow: Any = importlib.import_module("llmsched.flow")
         except ImportError:
             raise ConfigError("flow.enabled needs llmsched.flow, which is not installed") from None
         self._flow_request = flow.FlowRequest
-        # Simulated replicas report only when something changes, so a quiet replica's last
-        # report stays true: keep it rather than counting it stale, and start every replica idle.
-        config = {"saturation": {"type": "utilization", "stale_policy": "last"}, **config}
-        self.controller = flow.FlowController(config, clock=lambda: sim.now)
-        for replica in sim.replicas:
-            self.endpoint(replica.id, 0, 0, 0.0, 0.0)
-        self._slo = sim.config.slo
+        # Every replica starts idle.
+        self.controller = flow.FlowController(config, clock=clock)
+        for replica in range(replicas):
+            self.endpoint(replica, 0, 0, 0.0, 0.0)
+        self._slo = slo
         self.queued = 0
 
     def offer(self, req: Request, now: float) -> bool:

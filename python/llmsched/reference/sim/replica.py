@@ -27,45 +27,49 @@ from __future__ import annotations
 import heapq
 from bisect import insort
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from llmsched.errors import ConfigError
+from llmsched.sim.config import ROLES, EngineConfig
+from llmsched.sim.kv import KVCache
 from llmsched.sim.request import DECODE, DONE, PREFILL, WAITING, Request
 from llmsched.sim.stepmodel import DecodeRun, StepModel
 
-if TYPE_CHECKING:
-    from llmsched.sim.kv import KVCache
-    from llmsched.sim.simulator import Simulation
-
-__all__ = ["EngineConfig", "Replica"]
-
-ROLES = ("both", "prefill", "decode")
+__all__ = ["Replica", "ReplicaHost"]
 
 
-@dataclass
-class EngineConfig:
-    """vLLM engine settings that shape scheduling (defaults: vLLM V1 on an 80 GB GPU)."""
+class ReplicaHost(Protocol):
+    """What a replica calls back: the event queue, the gateway's view (metrics and KV events)
+    and the request life cycle. The reference engine implements it; a replica knows nothing
+    else of the simulation."""
 
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    kv_tokens: int | None = None  # KV capacity; None: from the step model
-    scheduling: str = "fcfs"  # or "priority" (higher Request.priority first)
+    def at(self, when: float, replica: Replica) -> None:
+        """Wake ``replica`` at ``when`` (its current step's end)."""
+        ...
 
-    def validate(self) -> None:
-        """ConfigError for impossible settings."""
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
-            raise ConfigError(
-                f"engine.kv_tokens must hold at least one block, got {self.kv_tokens}"
-            )
-        if self.scheduling not in ("fcfs", "priority"):
-            raise ConfigError(
-                f"engine.scheduling must be 'fcfs' or 'priority', not {self.scheduling!r}"
-            )
+    def publish(self, replica: Replica, now: float) -> None:
+        """The replica's metrics changed."""
+        ...
+
+    def kv_events(self, replica: Replica, now: float) -> None:
+        """The replica's KV cache has events to forward."""
+        ...
+
+    def prefill_done(self, req: Request, now: float) -> None:
+        """A prefill-only replica finished ``req``'s prompt."""
+        ...
+
+    def first_token(self, req: Request, now: float) -> None:
+        """``req`` produced its first token."""
+        ...
+
+    def slice_continues(self, req: Request, now: float) -> bool:
+        """A token slice of ``req`` ended: True when the next one runs on in the batch."""
+        ...
+
+    def finished(self, req: Request, now: float) -> None:
+        """``req`` finished, ended a token slice, or was refused."""
+        ...
 
 
 def _priority_key(r: Request) -> tuple[int, float, int]:
@@ -74,7 +78,8 @@ def _priority_key(r: Request) -> tuple[int, float, int]:
 
 class Replica:
     """One engine. The simulation calls :meth:`enqueue` and :meth:`on_step_end`; the replica
-    calls back the simulation for first tokens, finishes and completed P/D prefills."""
+    calls back its :class:`ReplicaHost` for first tokens, finishes and completed P/D
+    prefills."""
 
     def __init__(
         self,
@@ -83,7 +88,7 @@ class Replica:
         cfg: EngineConfig,
         model: StepModel,
         kv: KVCache,
-        sim: Simulation,
+        host: ReplicaHost,
     ) -> None:
         if role not in ROLES:
             raise ConfigError(f"unknown replica role {role!r}; known: {list(ROLES)}")
@@ -93,7 +98,7 @@ class Replica:
         self.bs = cfg.block_size
         self.model = model
         self.kv = kv
-        self.sim = sim
+        self.host = host
         self.waiting: Any = [] if cfg.scheduling == "priority" else deque()
         self.running: list[Request] = []
         self.prefilling: list[Request] = []
@@ -138,7 +143,7 @@ class Replica:
             self._schedule(now)
         elif self.run_steps > 1:
             self._cut_run(now)
-        self.sim.publish(self, now)
+        self.host.publish(self, now)
 
     def _wait(self, req: Request, front: bool = False) -> None:
         if self.cfg.scheduling == "priority":
@@ -157,7 +162,7 @@ class Replica:
             self.run_steps = keep
             self.step_end = self.step_start + self.run.time(keep)
             self.version += 1
-            self.sim.at(self.step_end, self)
+            self.host.at(self.step_end, self)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -184,8 +189,8 @@ class Replica:
         self._finish_due(now)
         self.stepping = False
         self._schedule(now)
-        self.sim.kv_events(self, now)
-        self.sim.publish(self, now)
+        self.host.kv_events(self, now)
+        self.host.publish(self, now)
 
     def _prefilled(self, req: Request, chunk: int, now: float) -> None:
         req.computed += chunk
@@ -194,17 +199,19 @@ class Replica:
         if req.computed < req.target:
             return
         self.prefilling.remove(req)
-        if self.role == "prefill":
+        if self.role == "prefill" and req.decode_replica is not None:
+            # Split by the router: the KV moves to the decode replica. (A request routed whole
+            # to a prefill replica, by a policy that ignores roles, is served there.)
             self.running.remove(req)
             kv.free(req.id)
             req.kv_started = False
-            self.sim.prefill_done(req, now)
+            self.host.prefill_done(req, now)
             return
         req.generated += 1
         if req.first_token_time < 0:
-            self.sim.first_token(req, now)
+            self.host.first_token(req, now)
         if req.generated >= req.output_len or (
-            req.call_end == req.generated and not self.sim.slice_continues(req, now)
+            req.call_end == req.generated and not self.host.slice_continues(req, now)
         ):
             self._finish(req, now)
             return
@@ -230,7 +237,7 @@ class Replica:
             generated = req.join_gen + self.decode_step - req.join_step
             if generated < req.output_len:
                 req.generated = generated
-                if self.sim.slice_continues(req, now):
+                if self.host.slice_continues(req, now):
                     # The next slice goes on in the batch: only the stopping point moves.
                     stop = min(req.output_len, req.call_end)
                     heapq.heappush(
@@ -256,7 +263,7 @@ class Replica:
         req.phase = DONE
         req.version += 1
         self.running.remove(req)
-        self.sim.finished(req, now)
+        self.host.finished(req, now)
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: free the victim's blocks, requeue it at the front."""
@@ -326,13 +333,17 @@ class Replica:
             self._start_run(now)
         elif self.waiting and not self.running:
             if not preempted:
-                # Nothing runs and the head still does not fit: it never will.
+                # Nothing runs and the head still does not fit: it never will. Refusing it may
+                # let flow control dispatch here at once: that only joins the queue (as during
+                # a step), and the schedule below takes it.
                 head = (
                     self.waiting.popleft()
                     if isinstance(self.waiting, deque)
                     else self.waiting.pop(0)
                 )
+                was, self.stepping = self.stepping, True
                 self._reject(head, now)
+                self.stepping = was
             self._schedule(now)
 
     def _admit(self, budget: int, now: float) -> int:
@@ -410,7 +421,7 @@ class Replica:
         self.step_start = now
         self.step_end = now + dt
         self.version += 1
-        self.sim.at(self.step_end, self)
+        self.host.at(self.step_end, self)
 
     def _reject(self, req: Request, now: float) -> None:
         """A request that cannot fit in an empty cache: vLLM refuses it."""
@@ -419,4 +430,4 @@ class Replica:
             req.kv_started = False
         req.rejected = True
         req.phase = DONE
-        self.sim.finished(req, now)
+        self.host.finished(req, now)
