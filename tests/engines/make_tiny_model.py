@@ -5,7 +5,8 @@ Run with the vLLM environment's Python (it has ``transformers`` and ``tokenizers
     .venv-vllm/bin/python tests/engines/make_tiny_model.py OUT_DIR
 
 The model is about 0.85 M parameters by default (hidden size 128, 2 layers, 2 heads of 64;
-``--hidden``/``--layers`` make larger ones for benchmarks), random weights from a fixed seed; the tokenizer is a byte-level BPE trained on generated text, saved as a
+``--hidden``/``--layers`` make larger ones for benchmarks), random weights from a fixed seed;
+the tokenizer is a byte-level BPE trained on generated text, saved as a
 ``PreTrainedTokenizerFast`` with a small chat template. Output is deterministic for a given
 seed, so two engines started from the same directory agree on every token.
 """
