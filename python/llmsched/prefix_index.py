@@ -116,8 +116,9 @@ class PrefixIndex:
         model: model name folded into the chain seed.
         worker_capacity: blocks each worker may hold; beyond it the worker's least recently used
             blocks are evicted (always from the tail, so holdings stay prefix-closed).
-        max_bytes: estimated bytes the whole index may use; beyond it the globally least recently
-            used leaves are evicted.
+        max_bytes: bytes the whole index may use, as ``stats()["bytes"]`` counts them (its hash
+            tables as allocated: they grow by doubling and never shrink, so a doubling makes
+            room by evicting); beyond it the globally least recently used leaves are evicted.
 
     One index may be shared by many threads: matches run in parallel, writes are serialised,
     and every call that grows with its input releases the GIL.

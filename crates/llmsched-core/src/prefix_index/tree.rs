@@ -305,12 +305,19 @@ impl Tree {
         out.reserve(total as usize);
         for i in 0..words {
             let mut bits = alive[i];
+            let in_tier = [alive[words + i], alive[2 * words + i], alive[3 * words + i]];
+            // The usual word: every worker in it holds the path in the same tiers.
+            let uniform = in_tier.iter().all(|&t| t == 0 || t == bits);
+            let word_tiers = in_tier.map(|t| if t != 0 { full } else { 0 });
             while bits != 0 {
                 let b = bits.trailing_zeros();
                 bits &= bits - 1;
                 let bit = 1u64 << b;
-                let tier = |t: usize| if alive[(t + 1) * words + i] & bit != 0 { full } else { 0 };
-                let tiers = [tier(0), tier(1), tier(2)];
+                let tiers = if uniform {
+                    word_tiers
+                } else {
+                    in_tier.map(|t| if t & bit != 0 { full } else { 0 })
+                };
                 let worker = (i * 64) as u32 + b;
                 slot[worker as usize] = out.len() as u32;
                 out.push(MatchEntry { worker, blocks: full, tiers });
@@ -538,6 +545,9 @@ impl Tree {
         if self.can_append(at, w, attrs) {
             let node = &mut self.nodes[at as usize];
             let base = node.hashes.len();
+            // Exactly: a leaf grows by one engine event at a time, and doubling would leave a
+            // quarter of every edge's hashes unused on average.
+            node.hashes.reserve_exact(new.len());
             node.hashes.extend_from_slice(new);
             for (j, &h) in new.iter().enumerate() {
                 self.blocks.insert(h, Loc { node: at, offset: (base + j) as u32 });
@@ -652,6 +662,7 @@ impl Tree {
         let n = &mut self.nodes[node as usize];
         debug_assert!(at > 0 && at < n.hashes.len());
         let tail_hashes = n.hashes.split_off(at);
+        n.hashes.shrink_to_fit();
         let children = std::mem::take(&mut n.children);
         let holders = n.holders.clone();
         for h in &mut n.holders {
@@ -721,6 +732,7 @@ impl Tree {
             }
             self.holder_count -= c.holders.len();
             let n = &mut self.nodes[node as usize];
+            n.hashes.reserve_exact(c.hashes.len());
             n.hashes.extend_from_slice(&c.hashes);
             n.children = c.children;
             n.holders = c.holders;
