@@ -350,6 +350,8 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
     if size.pick_workers:
         # The same sequences over more workers, for Router.pick over a larger pool.
         wide = build(replace(size, workers=size.pick_workers), None)
+        gc.collect()
+        gc.freeze()  # as above: the new workload's objects stay out of the collector's passes
         wide_index = PrefixIndex(block_size=bs)
         for worker, payload in wide.vllm:
             wide_index.apply_vllm_events(worker, payload)

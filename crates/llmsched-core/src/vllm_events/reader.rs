@@ -566,6 +566,38 @@ pub enum Container {
     Map(usize),
 }
 
+/// The big-endian u64 of the first 8 bytes of `bytes` (at least 8).
+#[inline(always)]
+fn be_u64(bytes: &[u8]) -> u64 {
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&bytes[..8]);
+    u64::from_be_bytes(word)
+}
+
+/// The encoded width, marker included, of a token id in one of the forms an engine writes
+/// (positive fixint: 1, u8: 2, u16: 3, u32: 5), or 0 for any other marker.
+#[inline(always)]
+fn fast_width(marker: u8) -> usize {
+    if marker < 0x80 {
+        1
+    } else if (0xcc..=0xce).contains(&marker) {
+        usize::from(marker - 0xca) + usize::from(marker == 0xce)
+    } else {
+        0
+    }
+}
+
+/// The id encoded at the top of `word` (marker first, big-endian) in a fast form of `width`.
+#[inline(always)]
+fn fast_value(word: u64, width: usize) -> u32 {
+    if width == 1 {
+        (word >> 56) as u32
+    } else {
+        // The 4 bytes after the marker, keeping the top `width - 1` of them.
+        ((word >> 24) as u32) >> (8 * (5 - width))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -674,37 +706,5 @@ mod tests {
         assert!(Reader::new(&[0xc1]).skip_value_unbounded("v").is_err());
         let err = Reader::new(&[0xa2, 0xff, 0xfe]).str("s").unwrap_err();
         assert!(err.reason.contains("UTF-8"), "{err}");
-    }
-}
-
-/// The big-endian u64 of the first 8 bytes of `bytes` (at least 8).
-#[inline(always)]
-fn be_u64(bytes: &[u8]) -> u64 {
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&bytes[..8]);
-    u64::from_be_bytes(word)
-}
-
-/// The encoded width, marker included, of a token id in one of the forms an engine writes
-/// (positive fixint: 1, u8: 2, u16: 3, u32: 5), or 0 for any other marker.
-#[inline(always)]
-fn fast_width(marker: u8) -> usize {
-    if marker < 0x80 {
-        1
-    } else if (0xcc..=0xce).contains(&marker) {
-        usize::from(marker - 0xca) + usize::from(marker == 0xce)
-    } else {
-        0
-    }
-}
-
-/// The id encoded at the top of `word` (marker first, big-endian) in a fast form of `width`.
-#[inline(always)]
-fn fast_value(word: u64, width: usize) -> u32 {
-    if width == 1 {
-        (word >> 56) as u32
-    } else {
-        // The 4 bytes after the marker, keeping the top `width - 1` of them.
-        ((word >> 24) as u32) >> (8 * (5 - width))
     }
 }
