@@ -34,7 +34,7 @@ impl<'py> Hashes<'py> {
                 return Ok(Self::Owned(out));
             }
         } else if let Ok(arr) = obj.extract::<PyReadonlyArray1<'py, u64>>() {
-            if arr.is_c_contiguous() {
+            if arr.is_c_contiguous() && aligned(arr.data()) {
                 return Ok(Self::Array(arr));
             }
         }
@@ -49,6 +49,12 @@ impl<'py> Hashes<'py> {
             Self::Owned(v) => Ok(v),
         }
     }
+}
+
+/// Whether a numpy array's data can be read as a `&[u64]` (an array over a buffer at an odd
+/// offset cannot; `as_hash_array` copies it).
+fn aligned(data: *const u64) -> bool {
+    data as usize % std::mem::align_of::<u64>() == 0
 }
 
 /// Queries shorter than this many blocks are matched without releasing the GIL.
@@ -287,7 +293,7 @@ impl PyPrefixIndex {
     ) -> PyResult<PyMatch> {
         let this = slf.get();
         if let Ok(arr) = hashes.cast::<PyArray1<u64>>() {
-            if arr.is_c_contiguous() && arr.len() < DETACH_MIN_BLOCKS {
+            if arr.is_c_contiguous() && aligned(arr.data()) && arr.len() < DETACH_MIN_BLOCKS {
                 // SAFETY: the GIL is held from here to the end of the match and no Python code
                 // runs meanwhile, so no Python thread can write the array while it is read; the
                 // short match keeps the GIL anyway (see below), and skipping numpy's borrow

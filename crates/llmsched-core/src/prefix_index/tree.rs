@@ -245,11 +245,16 @@ impl Tree {
     /// bitsets) plus one write per worker whose match ends there, so the cost does not grow
     /// with the number of workers holding the whole path.
     pub fn match_hashes(&self, hashes: &[u64], now: f64, out: &mut Vec<MatchEntry>) -> usize {
-        SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => self.match_with(hashes, now, out, &mut scratch),
-            // Only reachable if a match ran inside a match on this thread; never in practice.
-            Err(_) => self.match_with(hashes, now, out, &mut Scratch::default()),
-        })
+        let reused = SCRATCH.try_with(|cell| {
+            cell.try_borrow_mut()
+                .ok()
+                .map(|mut scratch| self.match_with(hashes, now, out, &mut scratch))
+        });
+        match reused {
+            Ok(Some(blocks)) => blocks,
+            // A thread tearing down its locals, or a match inside a match: fresh buffers.
+            _ => self.match_with(hashes, now, out, &mut Scratch::default()),
+        }
     }
 
     fn match_with(
