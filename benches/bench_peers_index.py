@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -63,11 +63,12 @@ class Size:
     sequences: int
     queries: int
     twin_queries: int
+    pick_workers: int = 0  # also Router.pick over this many workers (the same sequences)
 
 
 SIZES = {
     "small": Size("small", 16, 64, 10_000, 300, 100),
-    "large": Size("large", 64, 256, 100_000, 1_000, 100),
+    "large": Size("large", 64, 256, 100_000, 1_000, 100, pick_workers=1_024),
 }
 
 
@@ -345,17 +346,31 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
     for name in ("hashes numpy", "hashes list", "tokens numpy", "tokens list"):
         fn, args = forms[name]
         fig[f"threads {name}"] = threaded(fn, args, 2) / threaded(fn, args, 1)
-    pick_figures(fig, index, size, wl.queries)
+    pick_figures(fig, index, size.workers, wl.queries)
+    if size.pick_workers:
+        # The same sequences over more workers, for Router.pick over a larger pool.
+        wide = build(replace(size, workers=size.pick_workers), None)
+        gc.collect()
+        gc.freeze()  # as above: the new workload's objects stay out of the collector's passes
+        wide_index = PrefixIndex(block_size=bs)
+        for worker, payload in wide.vllm:
+            wide_index.apply_vllm_events(worker, payload)
+        pick_figures(fig, wide_index, size.pick_workers, wide.queries, suffix=" wide")
+        del wide, wide_index
     report(fig, tree is not None)
     return fig
 
 
 def pick_figures(
-    fig: dict[str, float], index: PrefixIndex, size: Size, queries: list[npt.NDArray[np.uint32]]
+    fig: dict[str, float],
+    index: PrefixIndex,
+    workers: int,
+    queries: list[npt.NDArray[np.uint32]],
+    suffix: str = "",
 ) -> None:
     """``Router.pick`` (llm-d's default config, one endpoint per worker) over the loaded index:
     p50 and p99, and the share of the p50 a bare ``match_tokens`` of the same prompt takes."""
-    pool = EndpointPool(list(range(size.workers)))
+    pool = EndpointPool(list(range(workers)))
     router = Router(pool, index, "llm-d", seed=1)
     picks, matches = [], []
     for q in queries:
@@ -366,9 +381,10 @@ def pick_figures(
         index.match_tokens(q, now=0.0)
         matches.append(time.perf_counter() - t)
     picks.sort()
-    fig["pick p50"] = picks[len(picks) // 2]
-    fig["pick p99"] = picks[min(len(picks) - 1, len(picks) * 99 // 100)]
-    fig["pick index share"] = statistics.median(matches) / fig["pick p50"]
+    fig["pick endpoints" + suffix] = workers
+    fig["pick p50" + suffix] = picks[len(picks) // 2]
+    fig["pick p99" + suffix] = picks[min(len(picks) - 1, len(picks) * 99 // 100)]
+    fig["pick index share" + suffix] = statistics.median(matches) / fig["pick p50" + suffix]
 
 
 def report(fig: dict[str, float], peer: bool) -> None:
@@ -411,11 +427,15 @@ def report(fig: dict[str, float], peer: bool) -> None:
         line += f" | twin x{fig['qps ' + name] / fig['qps twin tokens list']:.0f}"
         line += f" | 2 threads {fig['threads ' + name]:.2f}x"
         print(line)
-    print(
-        f"   Router.pick (llm-d config, one endpoint per worker): p50 "
-        f"{fig['pick p50'] * 1e6:.1f} us, p99 {fig['pick p99'] * 1e6:.1f} us; a bare "
-        f"match_tokens of the prompt is {fig['pick index share']:.0%} of the p50"
-    )
+    for suffix in ("", " wide"):
+        if "pick p50" + suffix not in fig:
+            continue
+        print(
+            f"   Router.pick (llm-d config, {fig['pick endpoints' + suffix]:.0f} endpoints, one "
+            f"per worker): p50 {fig['pick p50' + suffix] * 1e6:.1f} us, p99 "
+            f"{fig['pick p99' + suffix] * 1e6:.1f} us; a bare match_tokens of the prompt is "
+            f"{fig['pick index share' + suffix]:.0%} of the p50"
+        )
     slowest = min(
         fig["qps hashes list"] / fig["qps hashes numpy"],
         fig["qps tokens list"] / fig["qps tokens numpy"],

@@ -25,8 +25,18 @@ def state(index: PrefixIndex) -> tuple[object, ...]:
     return index.stats(), {w: index.holdings(w) for w in index.workers()}
 
 
+def unaligned(values: np.ndarray) -> np.ndarray:
+    """``values`` in an array whose data starts one byte into its buffer (not aligned)."""
+    buf = bytearray(values.nbytes + 1)
+    out = np.frombuffer(buf, dtype=values.dtype, offset=1, count=len(values))
+    out[:] = values
+    assert not out.flags.aligned
+    return out
+
+
 def forms(values: np.ndarray, code: str) -> list[Any]:
     return [
+        unaligned(values),
         values,
         values.tolist(),
         tuple(values.tolist()),

@@ -132,8 +132,8 @@ def _checked(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.integer]:
         raise ValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
+    if not (arr.flags.c_contiguous and arr.flags.aligned):
+        arr = np.require(arr, requirements=["C", "A"])
     return arr
 
 

@@ -55,7 +55,7 @@ DEFAULT_RECORD_TTL_S = 60.0
 
 
 def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.uint64]:
-    """Return ``hashes`` as a 1-D contiguous ``uint64`` array, copying only when needed.
+    """Return ``hashes`` as a 1-D contiguous, aligned ``uint64`` array, copying only when needed.
 
     >>> as_hash_array([1, 2]).dtype
     dtype('uint64')
@@ -101,8 +101,8 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
             raise ValueError(f"{what} must be ints in 0..2**64-1") from None
     if arr.ndim != 1:
         raise ValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
+    if not (arr.flags.c_contiguous and arr.flags.aligned):
+        arr = np.require(arr, requirements=["C", "A"])
     return arr
 
 
@@ -116,8 +116,9 @@ class PrefixIndex:
         model: model name folded into the chain seed.
         worker_capacity: blocks each worker may hold; beyond it the worker's least recently used
             blocks are evicted (always from the tail, so holdings stay prefix-closed).
-        max_bytes: estimated bytes the whole index may use; beyond it the globally least recently
-            used leaves are evicted.
+        max_bytes: bytes the whole index may use, as ``stats()["bytes"]`` counts them (its hash
+            tables as allocated: they grow by doubling and never shrink, so a doubling makes
+            room by evicting); beyond it the globally least recently used leaves are evicted.
 
     One index may be shared by many threads: matches run in parallel, writes are serialised,
     and every call that grows with its input releases the GIL.

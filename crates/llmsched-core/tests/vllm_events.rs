@@ -787,3 +787,100 @@ proptest! {
         }
     }
 }
+
+// ---- token ids in every integer form, mixed at random ----
+
+/// Appends `v` to a msgpack buffer in form `form`: 0 minimal (fixint, u8, u16 or u32, the forms
+/// the decoder takes two at a time), 1 always u32, 2 u64, 3 int64 (the general path).
+fn raw_token(out: &mut Vec<u8>, v: u32, form: u8) {
+    match form {
+        0 if v < 128 => out.push(v as u8),
+        0 if v < 256 => out.extend([0xcc, v as u8]),
+        0 if v < 65_536 => {
+            out.push(0xcd);
+            out.extend((v as u16).to_be_bytes());
+        }
+        0 | 1 => {
+            out.push(0xce);
+            out.extend(v.to_be_bytes());
+        }
+        2 => {
+            out.push(0xcf);
+            out.extend(u64::from(v).to_be_bytes());
+        }
+        _ => {
+            out.push(0xd3);
+            out.extend(i64::from(v).to_be_bytes());
+        }
+    }
+}
+
+fn raw_str(out: &mut Vec<u8>, text: &str) {
+    out.push(0xa0 | text.len() as u8);
+    out.extend(text.as_bytes());
+}
+
+/// A one-event batch whose `BlockStored` carries `tokens` (block size 1) written in `forms`,
+/// with the token ids the event's last field or followed by `block_size`.
+fn stored_raw(tokens: &[(u32, u8)], token_ids_last: bool) -> Vec<u8> {
+    let mut out = vec![0x93, 0xcb];
+    out.extend(12.5f64.to_be_bytes());
+    out.extend([0x91, 0x85]);
+    raw_str(&mut out, "type");
+    raw_str(&mut out, "BlockStored");
+    raw_str(&mut out, "block_hashes");
+    out.extend([0xdc, 0, tokens.len() as u8]);
+    out.extend((1..=tokens.len()).map(|h| h as u8));
+    raw_str(&mut out, "parent_block_hash");
+    out.push(0xc0);
+    let block_size = |out: &mut Vec<u8>| {
+        raw_str(out, "block_size");
+        out.push(1);
+    };
+    if token_ids_last {
+        block_size(&mut out);
+    }
+    raw_str(&mut out, "token_ids");
+    out.extend([0xdc, 0, tokens.len() as u8]);
+    for &(v, form) in tokens {
+        raw_token(&mut out, v, form);
+    }
+    if !token_ids_last {
+        block_size(&mut out);
+    }
+    out.push(3);
+    out
+}
+
+fn token_value() -> impl Strategy<Value = u32> {
+    prop_oneof![0u32..128, 128u32..256, 256u32..65_536, 65_536u32..=u32::MAX]
+}
+
+proptest! {
+    #[test]
+    fn token_ids_decode_in_every_form_and_mix(
+        tokens in proptest::collection::vec(
+            (token_value(), prop_oneof![6 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)]),
+            1..100,
+        ),
+        token_ids_last in any::<bool>(),
+    ) {
+        let batch = decode_event_batch(&stored_raw(&tokens, token_ids_last)).unwrap();
+        let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored: {batch:?}") };
+        let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
+        prop_assert_eq!(&stored.token_ids, &want);
+    }
+}
+
+#[test]
+fn token_ids_out_of_range_in_the_middle_of_a_fast_run_are_rejected() {
+    let mut tokens: Vec<(u32, u8)> = (0..20).map(|i| (70_000 + i, 0)).collect();
+    // The 11th id becomes 2**32 in u64 form, the same width as the u64 it replaces.
+    tokens[10].1 = 2;
+    let good = stored_raw(&tokens, false);
+    let at = good.windows(9).position(|w| w == [0xcf, 0, 0, 0, 0, 0, 1, 0x11, 0x7a]).unwrap();
+    let mut payload = good.clone();
+    payload[at + 4] = 1;
+    assert!(decode_event_batch(&good).is_ok());
+    assert!(decode_err(&payload).contains("outside 0..=4294967295"), "{}", decode_err(&payload));
+}

@@ -124,10 +124,10 @@ impl EngineMap {
         self.one.len() + self.span.len() + self.own.iter().map(HashMap::len).sum::<usize>()
     }
 
-    /// Estimated heap bytes of the tables (see [`table_bytes`]).
+    /// Heap bytes of the tables as allocated (see [`table_bytes`]).
     pub fn bytes(&self) -> u64 {
-        let own: usize = self.own.iter().map(HashMap::len).sum();
-        table_bytes(self.one.len(), 16) + table_bytes(self.span.len() + own, 8 + 24)
+        let own: u64 = self.own.iter().map(table_bytes).sum();
+        table_bytes(&self.one) + table_bytes(&self.span) + own
     }
 
     /// Every entry worker `w` can use: its own, then the shared ones whose first block it holds.
@@ -156,10 +156,15 @@ impl EngineMap {
     }
 }
 
-/// Estimated heap bytes of a hashbrown table of `len` entries of `entry` bytes: a bucket per
-/// entry and a control byte, over the table's average load (between 7/16 and 7/8 full as it
-/// doubles, two thirds on average). From the length rather than the capacity, so that the
-/// estimate falls as entries are evicted and a `max_bytes` cap can be met.
-pub(crate) fn table_bytes(len: usize, entry: u64) -> u64 {
-    len as u64 * (entry + 1) * 3 / 2
+/// Heap bytes of a hashbrown table as allocated: a bucket and a control byte per slot of its
+/// capacity (a power of two of buckets, at most 7/8 of them usable), and a group of trailing
+/// control bytes. From the capacity rather than the length: a table never shrinks by itself, so
+/// what it holds is what the process holds.
+pub(crate) fn table_bytes<K, V>(map: &HashMap<K, V>) -> u64 {
+    let capacity = map.capacity();
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 { capacity + 1 } else { capacity / 7 * 8 };
+    (buckets * (std::mem::size_of::<(K, V)>() + 1) + 16) as u64
 }

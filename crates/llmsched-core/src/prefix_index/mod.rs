@@ -155,7 +155,7 @@ pub struct PrefixIndex {
 }
 
 // The running memory estimate that `max_bytes` is checked against and `stats()` reports: the
-// hash tables and the node array from their lengths at their average load, and per item what
+// hash tables as allocated, the node array from its length, and per item what
 // allocation adds on top of the item (allocator headers, vectors' growth slack, the per-worker
 // leaf sets, a node's entry in its parent's child table), measured on engine-fed and store-fed
 // workloads (`benches/bench_peers_index.py` prints the estimate over the measured growth).
@@ -432,7 +432,7 @@ fn oldest_worker(tree: &Tree) -> Option<WorkerId> {
 
 fn estimated_bytes(st: &State) -> u64 {
     let t = &st.tree;
-    engine_map::table_bytes(t.blocks.len(), 8 + std::mem::size_of::<tree::Loc>() as u64)
+    engine_map::table_bytes(&t.blocks)
         + (t.live_nodes() * std::mem::size_of::<tree::Node>() * 5 / 4) as u64
         + t.blocks.len() as u64 * BYTES_PER_BLOCK_EDGE
         + t.live_nodes() as u64 * BYTES_PER_NODE_HEAP

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 
-use super::{IndexConfig, PrefixIndex, Tier, WorkerKey};
+use super::{IndexConfig, IndexStats, PrefixIndex, Tier, WorkerKey};
 use crate::hashing::chain_hashes;
 
 #[derive(Clone, Debug)]
@@ -344,7 +344,11 @@ proptest! {
         for c in &chains {
             prop_assert_eq!(index.match_hashes(c, 0.0), copy.match_hashes(c, 0.0));
         }
-        prop_assert_eq!(index.stats(), copy.stats());
+        // The tables are counted as allocated: the copy's are sized for what it holds, the
+        // original's for the most it ever held.
+        let (stats, copied) = (index.stats(), copy.stats());
+        prop_assert!(copied.bytes <= stats.bytes, "{} > {}", copied.bytes, stats.bytes);
+        prop_assert_eq!(IndexStats { bytes: 0, ..stats }, IndexStats { bytes: 0, ..copied });
     }
 
     #[test]

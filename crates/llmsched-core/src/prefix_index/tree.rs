@@ -16,6 +16,7 @@
 //! O(blocks + nodes on path); eviction O(log leaves) per trimmed node; a split moves the tail's
 //! entries in the block map, O(tail length).
 
+use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
 
@@ -151,6 +152,20 @@ pub(crate) struct WorkerTree {
     pub leaves: BTreeSet<(u64, NodeId)>,
 }
 
+/// Buffers a match reuses on its thread: the path walked, the workers still matching, a node's
+/// holders, and each first-node worker's position in the result.
+#[derive(Default)]
+struct Scratch {
+    path: Vec<(NodeId, u32)>,
+    alive: Vec<u64>,
+    node_bits: Vec<u64>,
+    slot: Vec<u32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
 /// Per-tier and overall leading-block counts of one worker in a match.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MatchEntry {
@@ -230,8 +245,28 @@ impl Tree {
     /// bitsets) plus one write per worker whose match ends there, so the cost does not grow
     /// with the number of workers holding the whole path.
     pub fn match_hashes(&self, hashes: &[u64], now: f64, out: &mut Vec<MatchEntry>) -> usize {
+        let reused = SCRATCH.try_with(|cell| {
+            cell.try_borrow_mut()
+                .ok()
+                .map(|mut scratch| self.match_with(hashes, now, out, &mut scratch))
+        });
+        match reused {
+            Ok(Some(blocks)) => blocks,
+            // A thread tearing down its locals, or a match inside a match: fresh buffers.
+            _ => self.match_with(hashes, now, out, &mut Scratch::default()),
+        }
+    }
+
+    fn match_with(
+        &self,
+        hashes: &[u64],
+        now: f64,
+        out: &mut Vec<MatchEntry>,
+        scratch: &mut Scratch,
+    ) -> usize {
         out.clear();
-        let mut path: Vec<(NodeId, u32)> = Vec::new();
+        let path = &mut scratch.path;
+        path.clear();
         let mut cur = ROOT;
         let mut pos = 0usize;
         while pos < hashes.len() {
@@ -247,50 +282,60 @@ impl Tree {
             }
             cur = child;
         }
-        if !path.is_empty() {
-            self.carry(&path, now, out);
+        if !scratch.path.is_empty() {
+            self.carry(now, out, scratch);
         }
         pos
     }
 
-    /// Per-worker depths along `path` (nodes and the query depth at each node's end).
+    /// Per-worker depths along `scratch.path` (nodes and the query depth at each node's end).
     ///
     /// Every worker of the first node starts at the path's full depth (in each tier it holds
     /// there); a worker leaving the match at a node is set back to the depth before that node.
-    fn carry(&self, path: &[(NodeId, u32)], now: f64, out: &mut Vec<MatchEntry>) {
+    /// The buffers live in the thread's scratch, so a match allocates only its result.
+    fn carry(&self, now: f64, out: &mut Vec<MatchEntry>, scratch: &mut Scratch) {
+        let Scratch { path, alive, node_bits, slot } = scratch;
         let words = self.workers.len().div_ceil(64).max(1);
         // alive[k]: workers whose match (k = 0 overall, 1.. per tier) reaches the current node.
-        let mut alive = vec![0u64; 4 * words];
-        self.node_bits(path[0].0, now, words, &mut alive);
+        alive.clear();
+        alive.resize(4 * words, 0);
+        self.node_bits(path[0].0, now, words, alive);
         let full = path[path.len() - 1].1;
-        // The rank of each word's first worker in `out`, which lists the first node's workers.
-        let mut rank = Vec::with_capacity(words);
+        // slot[w]: the position in `out` of worker w, one of the first node's workers; other
+        // positions keep stale values that are never read.
+        if slot.len() < 64 * words {
+            slot.resize(64 * words, 0);
+        }
         let total: u32 = alive[..words].iter().map(|w| w.count_ones()).sum();
         out.reserve(total as usize);
         for i in 0..words {
-            rank.push(out.len() as u32);
             let mut bits = alive[i];
+            let in_tier = [alive[words + i], alive[2 * words + i], alive[3 * words + i]];
+            // The usual word: every worker in it holds the path in the same tiers.
+            let uniform = in_tier.iter().all(|&t| t == 0 || t == bits);
+            let word_tiers = in_tier.map(|t| if t != 0 { full } else { 0 });
             while bits != 0 {
                 let b = bits.trailing_zeros();
                 bits &= bits - 1;
                 let bit = 1u64 << b;
-                let tier = |t: usize| if alive[(t + 1) * words + i] & bit != 0 { full } else { 0 };
-                let tiers = [tier(0), tier(1), tier(2)];
-                out.push(MatchEntry { worker: (i * 64) as u32 + b, blocks: full, tiers });
+                let tiers = if uniform {
+                    word_tiers
+                } else {
+                    in_tier.map(|t| if t & bit != 0 { full } else { 0 })
+                };
+                let worker = (i * 64) as u32 + b;
+                slot[worker as usize] = out.len() as u32;
+                out.push(MatchEntry { worker, blocks: full, tiers });
             }
         }
         if out.is_empty() || path.len() == 1 {
             return;
         }
-        let first: Vec<u64> = alive[..words].to_vec();
-        let slot = |w: usize| -> usize {
-            let (i, b) = (w / 64, w % 64);
-            (rank[i] + (first[i] & ((1u64 << b) - 1)).count_ones()) as usize
-        };
-        let mut node_bits = vec![0u64; 4 * words];
+        node_bits.clear();
+        node_bits.resize(4 * words, 0);
         let mut end = path[0].1;
         for &(node, node_end) in &path[1..] {
-            self.node_bits(node, now, words, &mut node_bits);
+            self.node_bits(node, now, words, node_bits);
             let mut any = 0u64;
             for k in 0..4 {
                 for i in 0..words {
@@ -300,7 +345,7 @@ impl Tree {
                     while gone != 0 {
                         let w = i * 64 + gone.trailing_zeros() as usize;
                         gone &= gone - 1;
-                        set_depth(&mut out[slot(w)], k, end);
+                        set_depth(&mut out[slot[w] as usize], k, end);
                     }
                     alive[k * words + i] = kept;
                     any |= kept;
@@ -505,6 +550,9 @@ impl Tree {
         if self.can_append(at, w, attrs) {
             let node = &mut self.nodes[at as usize];
             let base = node.hashes.len();
+            // Exactly: a leaf grows by one engine event at a time, and doubling would leave a
+            // quarter of every edge's hashes unused on average.
+            node.hashes.reserve_exact(new.len());
             node.hashes.extend_from_slice(new);
             for (j, &h) in new.iter().enumerate() {
                 self.blocks.insert(h, Loc { node: at, offset: (base + j) as u32 });
@@ -619,6 +667,7 @@ impl Tree {
         let n = &mut self.nodes[node as usize];
         debug_assert!(at > 0 && at < n.hashes.len());
         let tail_hashes = n.hashes.split_off(at);
+        n.hashes.shrink_to_fit();
         let children = std::mem::take(&mut n.children);
         let holders = n.holders.clone();
         for h in &mut n.holders {
@@ -688,6 +737,7 @@ impl Tree {
             }
             self.holder_count -= c.holders.len();
             let n = &mut self.nodes[node as usize];
+            n.hashes.reserve_exact(c.hashes.len());
             n.hashes.extend_from_slice(&c.hashes);
             n.children = c.children;
             n.holders = c.holders;

@@ -306,37 +306,52 @@ impl<'a> Reader<'a> {
     /// Decoding msgpack integers is a serial chain (each marker gives the next one's position),
     /// so the loop keeps that chain short: the position lives in a local, the output is written
     /// through a pre-sized slice, and the encodings an engine writes for token ids (fixint, u8,
-    /// u16, u32) are decoded without data-dependent branches while at least 5 bytes remain. The
-    /// value is the top bytes of the big-endian word after the marker (ids from a large
-    /// vocabulary mix the u16 and u32 forms at random, which a branch would mispredict). Other
-    /// encodings, and the last few bytes of the payload, go through the general path.
+    /// u16, u32) are decoded two at a time without data-dependent branches: one 8-byte load holds
+    /// the first marker and, at the first width, the second, and each value is the top bytes of
+    /// the big-endian word after its marker (ids from a large vocabulary mix the u16 and u32
+    /// forms at random, which a branch would mispredict). Other encodings, and the last few
+    /// bytes of the payload, go through the general path.
     pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
         let count = self.array_len(what)?;
         let mut tokens = vec![0u32; count];
         let buf = self.buf;
         let mut pos = self.pos;
-        for slot in tokens.iter_mut() {
-            if let Some(&[marker, b1, b2, b3, b4]) = buf.get(pos..pos + 5) {
-                let is_fixint = marker < 0x80;
-                if is_fixint || (0xcc..=0xce).contains(&marker) {
-                    // Encoded width, marker included: 1 (fixint), 2 (0xcc), 3 (0xcd), 5 (0xce).
-                    let width = if is_fixint {
-                        1
-                    } else {
-                        u32::from(marker - 0xca) + u32::from(marker == 0xce)
-                    };
-                    let after_marker = u64::from(u32::from_be_bytes([b1, b2, b3, b4]));
-                    // A fixint shifts the word out entirely and keeps the marker itself.
-                    let multi_byte = after_marker >> (8 * (5 - width));
-                    let fixint = u64::from(marker) * u64::from(is_fixint);
-                    *slot = (multi_byte | fixint) as u32;
-                    pos += width as usize;
+        let mut i = 0;
+        while i < count {
+            // Two ids per step: one 8-byte load gives the first marker and, shifted by the first
+            // width, the second, so the chain is one load and two width computations per pair.
+            while i + 2 <= count {
+                let Some(window) = buf.get(pos..pos + 13) else { break };
+                let first = be_u64(&window[..8]);
+                let w0 = fast_width((first >> 56) as u8);
+                let w1 = fast_width((first >> (56 - 8 * w0)) as u8);
+                if w0 == 0 || w1 == 0 {
+                    break;
+                }
+                let second = be_u64(&window[w0..w0 + 8]);
+                tokens[i] = fast_value(first, w0);
+                tokens[i + 1] = fast_value(second, w1);
+                pos += w0 + w1;
+                i += 2;
+            }
+            if i == count {
+                break;
+            }
+            // One id: a fast form while 5 bytes remain, else the general path.
+            if let Some(window) = buf.get(pos..pos + 8) {
+                let word = be_u64(window);
+                let w = fast_width((word >> 56) as u8);
+                if w != 0 {
+                    tokens[i] = fast_value(word, w);
+                    pos += w;
+                    i += 1;
                     continue;
                 }
             }
             self.pos = pos;
-            *slot = self.token_id_general()?;
+            tokens[i] = self.token_id_general()?;
             pos = self.pos;
+            i += 1;
         }
         self.pos = pos;
         Ok(tokens)
@@ -549,6 +564,38 @@ impl<'a> Reader<'a> {
 pub enum Container {
     Array(usize),
     Map(usize),
+}
+
+/// The big-endian u64 of the first 8 bytes of `bytes` (at least 8).
+#[inline(always)]
+fn be_u64(bytes: &[u8]) -> u64 {
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&bytes[..8]);
+    u64::from_be_bytes(word)
+}
+
+/// The encoded width, marker included, of a token id in one of the forms an engine writes
+/// (positive fixint: 1, u8: 2, u16: 3, u32: 5), or 0 for any other marker.
+#[inline(always)]
+fn fast_width(marker: u8) -> usize {
+    if marker < 0x80 {
+        1
+    } else if (0xcc..=0xce).contains(&marker) {
+        usize::from(marker - 0xca) + usize::from(marker == 0xce)
+    } else {
+        0
+    }
+}
+
+/// The id encoded at the top of `word` (marker first, big-endian) in a fast form of `width`.
+#[inline(always)]
+fn fast_value(word: u64, width: usize) -> u32 {
+    if width == 1 {
+        (word >> 56) as u32
+    } else {
+        // The 4 bytes after the marker, keeping the top `width - 1` of them.
+        ((word >> 24) as u32) >> (8 * (5 - width))
+    }
 }
 
 #[cfg(test)]
