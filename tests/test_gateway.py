@@ -8,7 +8,11 @@ import contextlib
 import json
 from collections.abc import Callable
 
-from _gateway_harness import MODEL, Rig, rig, run
+import pytest
+from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.usefixtures("plane")
+
 
 SYSTEM = "You are a helpful assistant that answers in full sentences. " * 4
 

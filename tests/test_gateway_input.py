@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
-from _gateway_harness import MODEL, Rig, raw_request, rig, run
+from _gateway_harness import MODEL, Rig, plane, raw_request, rig, run  # noqa: F401 (the fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.usefixtures("plane")
 
 SLICES = {"enabled": True, "policy": "fixed", "params": {"slice_tokens": 2}}
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from _gateway_harness import rig, run
+import pytest
+from _gateway_harness import plane, rig, run  # noqa: F401 (the fixture)
 
 from llmsched.testing import FakeKVPublisher, event_batch, stored_event
+
+pytestmark = pytest.mark.usefixtures("plane")
 
 BLOCK = 4
 

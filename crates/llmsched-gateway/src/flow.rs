@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use llmsched_core::flow::metrics::ControllerMetrics;
 use llmsched_core::flow::{
     EndpointMetrics, FlowConfig, FlowController, FlowDecision, FlowRequest, Outcome, PolicyRegistry,
 };
@@ -153,6 +154,11 @@ impl Flow {
     /// Forgets an endpoint's load.
     pub fn remove_endpoint(&self, endpoint: &str) {
         self.lock().remove_endpoint(endpoint);
+    }
+
+    /// Every gauge and counter of the controller.
+    pub fn metrics(&self, now: f64) -> Option<ControllerMetrics> {
+        self.lock().metrics(now).ok()
     }
 
     /// Queued requests, running requests, the saturation gauge, live tenants and the count of

@@ -129,6 +129,12 @@ pub struct GatewayConfig {
     pub total_timeout_s: Option<f64>,
     /// Client connections open at once (one more gets a 503 and is closed).
     pub max_connections: usize,
+    /// Request headers at most (more: 431).
+    pub max_headers: usize,
+    /// Bytes of one header (name and value) at most (more: 431).
+    pub max_field_size: usize,
+    /// Bytes of the request target at most (more: 414).
+    pub max_line_size: usize,
     /// Distinct tenant names taken from headers (later ones share `~overflow`).
     pub max_tenants: usize,
     /// How long a header tenant name holds its place unseen.
@@ -163,6 +169,9 @@ impl Default for GatewayConfig {
             read_timeout_s: Some(600.0),
             total_timeout_s: Some(1800.0),
             max_connections: 4096,
+            max_headers: 64,
+            max_field_size: 8190,
+            max_line_size: 8190,
             max_tenants: 10_000,
             tenant_idle_s: 300.0,
             health: HealthConfig { interval_s: None, ..HealthConfig::default() },
@@ -551,6 +560,11 @@ impl Running {
         self.gateway.flow.as_ref().map(|f| f.stats(monotonic()))
     }
 
+    /// Flow control's gauges and counters (None when off).
+    pub fn flow_metrics(&self) -> Option<llmsched_core::flow::metrics::ControllerMetrics> {
+        self.gateway.flow.as_ref().and_then(|f| f.metrics(monotonic()))
+    }
+
     /// Engines a request could go to now.
     pub fn routable(&self) -> Vec<String> {
         self.gateway.routable()
@@ -592,6 +606,7 @@ async fn serve(gateway: Arc<Gateway>, listener: TcpListener, mut stop: watch::Re
         let counters = gateway.counters.clone();
         let open = counters.connections.fetch_add(1, Ordering::Relaxed);
         let gateway = gateway.clone();
+        let max_headers = gateway.config.max_headers;
         tokio::spawn(async move {
             let _open = OpenConnection(counters.clone());
             if open as usize >= gateway.config.max_connections {
@@ -603,6 +618,7 @@ async fn serve(gateway: Arc<Gateway>, listener: TcpListener, mut stop: watch::Re
             let _ = http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(idle)
+                .max_headers(max_headers)
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
         });
@@ -752,6 +768,55 @@ impl Refusal {
 const TENANT_HEADER: &str = "x-llmsched-tenant";
 const PRIORITY_HEADER: &str = "x-llmsched-priority";
 const DROPPED_REASON_HEADER: &str = "x-llmsched-dropped-reason";
+const SESSION_HEADER: &str = "x-session-id";
+/// Deepest nesting of a request body (chat content parts and tool schemas need a few levels).
+const MAX_DEPTH: usize = 64;
+const NESTED: &str = "the body is nested too deeply";
+const MAX_TOKEN_LIMIT: u64 = (1 << 31) - 1;
+
+fn depth(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+        Value::Object(fields) => 1 + fields.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// The sampling fields the gateway reads have the types the OpenAI API gives them; 400
+/// naming the field otherwise.
+fn check_fields(payload: &Value) -> Result<(), Refusal> {
+    let bad = |field: &'static str, what: &str| {
+        Refusal::new(400, "invalid_request_error", format!("'{field}' must be {what}")).param(field)
+    };
+    for field in ["max_tokens", "max_completion_tokens"] {
+        match payload.get(field) {
+            None | Some(Value::Null) => {}
+            Some(Value::Number(n))
+                if n.as_u64().is_some_and(|n| (1..=MAX_TOKEN_LIMIT).contains(&n)) => {}
+            Some(_) => {
+                return Err(bad(field, &format!("an integer in 1..{MAX_TOKEN_LIMIT} or null")))
+            }
+        }
+    }
+    match payload.get("stop") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(Value::Array(items)) if items.iter().all(Value::is_string) => {}
+        Some(_) => return Err(bad("stop", "a string, a list of strings or null")),
+    }
+    match payload.get("stream") {
+        None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+        Some(_) => return Err(bad("stream", "true, false or null")),
+    }
+    match payload.get("stream_options") {
+        None | Some(Value::Null) | Some(Value::Object(_)) => {}
+        Some(_) => return Err(bad("stream_options", "an object or null")),
+    }
+    match payload.get("cache_salt") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(_) => return Err(bad("cache_salt", "a string or null")),
+    }
+    Ok(())
+}
 
 struct Identity {
     tenant: Arc<str>,
@@ -892,6 +957,13 @@ impl Gateway {
     }
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Result<Answer, io::Error> {
+        if let Some(refused) = self.oversized(&request) {
+            let mut answer = self.refuse("other", refused);
+            answer
+                .headers_mut()
+                .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+            return Ok(answer);
+        }
         match (request.method(), request.uri().path()) {
             (&Method::GET, "/health") => Ok(json_answer(StatusCode::OK, &json!({"status": "ok"}))),
             (&Method::GET, "/ready") => {
@@ -908,6 +980,27 @@ impl Gateway {
             (&Method::POST, "/v1/chat/completions") => Ok(self.complete(request, "chat").await),
             _ => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
         }
+    }
+
+    /// A request head over the configured sizes (hyper bounds the number of headers).
+    fn oversized(&self, request: &Request<Incoming>) -> Option<Refusal> {
+        let target = request.uri().path_and_query().map_or(0, |p| p.as_str().len());
+        if target > self.config.max_line_size {
+            return Some(Refusal::new(
+                414,
+                "invalid_request_error",
+                "the request line is too long",
+            ));
+        }
+        let field = self.config.max_field_size;
+        if request.headers().iter().any(|(n, v)| n.as_str().len() + v.len() + 2 > field) {
+            return Some(Refusal::new(
+                431,
+                "invalid_request_error",
+                "a request header is too large",
+            ));
+        }
+        None
     }
 
     fn metrics_text(&self) -> String {
@@ -944,38 +1037,50 @@ impl Gateway {
             &[],
             self.tenants.len() as f64,
         );
-        if let Some(flow) = &self.flow {
-            let stats = flow.stats(monotonic());
-            metrics::gauge(&mut out, "saturation", "Pool saturation", &[], stats.saturation);
+        if let Some(metrics) = self.flow.as_ref().and_then(|f| f.metrics(monotonic())) {
             metrics::gauge(
                 &mut out,
-                "queue_length",
-                "Requests queued in flow control",
+                "saturation",
+                "Pool saturation seen by flow control",
                 &[],
-                stats.queued as f64,
+                metrics.saturation,
             );
+            for band in &metrics.bands {
+                metrics::gauge(
+                    &mut out,
+                    "queue_length",
+                    "Requests waiting in flow control, by priority",
+                    &[("priority", &band.priority.to_string())],
+                    band.queued as f64,
+                );
+            }
             metrics::gauge(
                 &mut out,
                 "running",
                 "Dispatched requests not yet complete",
                 &[],
-                stats.running as f64,
+                metrics.running as f64,
             );
             metrics::gauge(
                 &mut out,
                 "flow_tenants",
-                "Tenants with a flow",
+                "Tenants with a flow in flow control",
                 &[],
-                stats.tenants as f64,
+                metrics.tenants as f64,
             );
+            out.push_str(&format!(
+                "# HELP llmsched_gateway_flows_reclaimed_total Flows reclaimed after flow_idle_s\n\
+                 # TYPE llmsched_gateway_flows_reclaimed_total counter\n\
+                 llmsched_gateway_flows_reclaimed_total {}.0\n",
+                metrics.flows_reclaimed
+            ));
             out.push_str(
                 "# HELP llmsched_gateway_flow_outcomes_total Flow-control outcomes, by outcome\n\
                  # TYPE llmsched_gateway_flow_outcomes_total counter\n",
             );
-            for (outcome, count) in stats.outcomes {
+            for (outcome, count) in &metrics.outcomes {
                 out.push_str(&format!(
-                    "llmsched_gateway_flow_outcomes_total{{outcome=\"{}\"}} {count}.0\n",
-                    outcome.name()
+                    "llmsched_gateway_flow_outcomes_total{{outcome=\"{outcome}\"}} {count}.0\n"
                 ));
             }
         }
@@ -1071,7 +1176,7 @@ impl Gateway {
         self.counters.received.fetch_add(1, Ordering::Relaxed);
         let arrived = monotonic();
         let deadline = arrived + self.config.total_timeout_s.unwrap_or(1e9);
-        match self.serve_completion(request, route, deadline).await {
+        match self.serve_completion(request, route, arrived, deadline).await {
             Ok(answer) => answer,
             Err(refused) => {
                 let close = refused.close;
@@ -1090,6 +1195,7 @@ impl Gateway {
         self: &Arc<Self>,
         request: Request<Incoming>,
         route: &'static str,
+        arrived: f64,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
         let identity = self.identify(request.headers())?;
@@ -1101,7 +1207,7 @@ impl Gateway {
             .and_then(|v| v.parse::<u64>().ok());
         let too_large = || Refusal {
             close: true,
-            ..Refusal::new(413, "invalid_request_error", "the request body is too large")
+            ..Refusal::new(413, "request_too_large", "the request body is too large")
         };
         if declared.is_some_and(|n| n > self.config.max_body as u64) {
             return Err(too_large());
@@ -1114,7 +1220,11 @@ impl Gateway {
                 Err(_) => {
                     return Err(Refusal {
                         close: true,
-                        ..Refusal::new(408, "timeout", "the request body did not arrive in time")
+                        ..Refusal::new(
+                            408,
+                            "request_timeout",
+                            "the request body did not arrive in time",
+                        )
                     })
                 }
                 Ok(Ok(collected)) => collected.to_bytes(),
@@ -1140,6 +1250,9 @@ impl Gateway {
                     "the body must be a JSON object",
                 ))
             }
+            Err(err) if err.to_string().contains("recursion limit") => {
+                return Err(Refusal::new(400, "invalid_request_error", NESTED))
+            }
             Err(_) => {
                 return Err(Refusal::new(
                     400,
@@ -1148,6 +1261,10 @@ impl Gateway {
                 ))
             }
         };
+        if depth(&payload) > MAX_DEPTH {
+            return Err(Refusal::new(400, "invalid_request_error", NESTED));
+        }
+        check_fields(&payload)?;
         let model = match payload.get("model") {
             Some(Value::String(model)) => Some(model.as_str()),
             // Without configured models (the standalone binary) the field is optional.
@@ -1159,10 +1276,12 @@ impl Gateway {
         };
         if let Some(model) = model.filter(|m| !self.models.is_empty() && !self.models.contains(*m))
         {
+            // A configured key is never echoed back.
+            let named = if self.keys.identify(model).is_some() { "<redacted>" } else { model };
             return Err(Refusal::new(
                 404,
                 "model_not_found",
-                format!("model {model:?} is not served here"),
+                format!("model {named:?} is not served here"),
             )
             .param("model"));
         }
@@ -1193,9 +1312,11 @@ impl Gateway {
             return Err(Refusal::new(503, "service_unavailable", "no engine is available")
                 .dropped("no-endpoints", retry_after));
         }
+        let mut queued_s = 0.0;
         let slot = match &self.flow {
             None => None,
             Some(flow) => {
+                let queued_at = monotonic();
                 let admitted = flow
                     .admit(
                         &identity.tenant,
@@ -1206,6 +1327,9 @@ impl Gateway {
                         monotonic,
                     )
                     .await;
+                let waited = monotonic() - queued_at;
+                queued_s = waited;
+                self.counters.histograms.admission_wait.observe(waited);
                 match admitted {
                     Ok(slot) => Some(slot),
                     Err(flow::NotAdmitted::Deadline) => {
@@ -1232,14 +1356,27 @@ impl Gateway {
                 }
             }
         };
-        let session = parts.headers.get("x-session-id").and_then(|v| v.to_str().ok());
+        let session = match parts.headers.get(SESSION_HEADER) {
+            None => None,
+            Some(value) => Some(std::str::from_utf8(value.as_bytes()).map_err(|_| {
+                Refusal::new(
+                    400,
+                    "invalid_request_error",
+                    format!("header {SESSION_HEADER} is not valid UTF-8"),
+                )
+                .param(SESSION_HEADER)
+            })?),
+        };
         let meta = RequestMeta {
             model: model.map(str::to_owned),
             session_id: session.map(str::to_owned),
             ..RequestMeta::default()
         };
         let router = self.router();
-        let decision = match router.decide(&tokens, &meta, monotonic()) {
+        let before = monotonic();
+        let decided = router.decide(&tokens, &meta, before);
+        self.counters.histograms.decision.observe(monotonic() - before);
+        let decision = match decided {
             Ok(decision) => decision,
             Err(RoutingError::NoEndpoint { .. }) => {
                 return Err(Refusal::new(503, "service_unavailable", "no engine is available")
@@ -1253,7 +1390,6 @@ impl Gateway {
         let upstreams = self.upstreams();
         let guards = Guards { slot, limiter };
         let attempts = self.config.retries + 1;
-        let mut last_failure: Option<Answer> = None;
         let mut tried = 0;
         for key in &ranked {
             if tried == attempts {
@@ -1268,13 +1404,16 @@ impl Gateway {
             let mut forward = Request::post(uri.clone())
                 .body(Full::new(raw.clone()))
                 .map_err(|_| Refusal::new(500, "internal_error", "cannot build the request"))?;
-            copy_end_to_end(&parts.headers, forward.headers_mut());
+            forward_headers(&parts.headers, forward.headers_mut());
             if let (Some(header), Some(address)) = (&self.pd_header, &prefill) {
                 if let Ok(value) = HeaderValue::from_str(address) {
                     forward.headers_mut().insert(header.clone(), value);
                 }
             }
             let Ok(ticket) = router.commit(&decision, Some(key), monotonic()) else { continue };
+            if tried == 1 {
+                self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
+            }
             let sent = self.client.request(forward);
             let answered = match self.config.read_timeout_s {
                 None => Ok(sent.await),
@@ -1283,7 +1422,7 @@ impl Gateway {
                     tokio::time::timeout(Duration::from_secs_f64(wait), sent).await
                 }
             };
-            match answered {
+            let answer = match answered {
                 Err(_) => {
                     // The engine has the request and may be running it: not sent again.
                     self.counters.upstream_errors.inc(&[&upstream.id, "timeout"]);
@@ -1291,50 +1430,87 @@ impl Gateway {
                     drop(ticket);
                     return Err(Refusal::new(504, "timeout", "the engine did not answer in time"));
                 }
-                Ok(Err(_)) => {
-                    self.counters.upstream_errors.inc(&[&upstream.id, "connect"]);
+                Ok(Err(err)) => {
+                    // Refused (or timed out) connecting, or closed before a status line.
+                    let kind = if err.is_connect() { "connect" } else { "broken" };
+                    self.counters.upstream_errors.inc(&[&upstream.id, kind]);
                     self.attempt_ended(upstream, true);
                     drop(ticket);
+                    continue;
                 }
-                Ok(Ok(answer)) if answer.status().is_server_error() => {
-                    self.counters.upstream_errors.inc(&[&upstream.id, "status_5xx"]);
-                    self.attempt_ended(upstream, true);
-                    let status = answer.status().as_u16().to_string();
-                    let last = !self.config.retry_on_5xx || tried == attempts;
-                    if last {
-                        self.counters.requests.inc(&[route, &status]);
-                        let relaying = Relaying {
-                            ticket: Some(ticket),
-                            guards: Some(guards),
-                            ..Relaying::completion(self, upstream, sse, deadline)
-                        };
-                        return Ok(relay(answer, relaying));
-                    }
-                    // Not passed on yet: the next endpoint may do better.
-                    last_failure = Some(relay(answer, Relaying::plain(self.counters.clone())));
+                Ok(Ok(answer)) => answer,
+            };
+            let failed = answer.status().is_server_error();
+            if failed {
+                self.counters.upstream_errors.inc(&[&upstream.id, "status_5xx"]);
+                self.attempt_ended(upstream, true);
+                if self.config.retry_on_5xx {
+                    // Not passed on: the next endpoint may do better.
                     drop(ticket);
+                    continue;
                 }
-                Ok(Ok(answer)) => {
-                    self.attempt_ended(upstream, false);
-                    self.counters.routed.inc(&[&upstream.id]);
-                    self.counters.requests.inc(&[route, &answer.status().as_u16().to_string()]);
-                    let relaying = Relaying {
-                        ticket: Some(ticket),
-                        guards: Some(guards),
-                        ..Relaying::completion(self, upstream, sse, deadline)
-                    };
-                    return Ok(relay(answer, relaying));
-                }
+            } else {
+                self.attempt_ended(upstream, false);
+                self.counters.routed.inc(&[&upstream.id]);
             }
+            let relaying = Relaying {
+                ticket: Some(ticket),
+                guards: Some(guards),
+                route: Some(route),
+                ..Relaying::completion(self, upstream, sse, deadline)
+            };
+            if sse || failed {
+                return Ok(relay(answer, relaying));
+            }
+            return self.answer_whole(answer, relaying).await;
         }
         drop(guards);
-        match last_failure {
-            Some(answer) => {
-                self.counters.requests.inc(&[route, &answer.status().as_u16().to_string()]);
-                Ok(answer)
-            }
-            None => Err(Refusal::new(502, "upstream_error", "no engine answered the request")),
+        Err(Refusal::new(502, "upstream_error", "no engine answered the request"))
+    }
+
+    /// A JSON answer read whole before anything is sent (up to 8 MiB; a larger one streams):
+    /// cut off or silent for `read_timeout_s`, it is a 502 (counted as truncated), never a
+    /// partial body.
+    async fn answer_whole(
+        &self,
+        answer: Response<Incoming>,
+        mut relaying: Relaying,
+    ) -> Result<Answer, Refusal> {
+        const WHOLE_LIMIT: u64 = 8 << 20;
+        if answer.body().size_hint().upper().is_none_or(|n| n > WHOLE_LIMIT) {
+            return Ok(relay(answer, relaying));
         }
+        let (parts, body) = answer.into_parts();
+        let wake = wake_at(relaying.read_timeout, relaying.deadline);
+        let read = tokio::time::timeout_at(wake, body.collect()).await;
+        let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
+        let route = relaying.route.unwrap_or("completions");
+        let bytes = match read {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            _ => {
+                self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
+                self.counters.truncated.inc(&[&endpoint, "error"]);
+                return Err(Refusal::new(502, "upstream_error", "the engine's answer was cut off"));
+            }
+        };
+        let mut tokens = TokenCount::default();
+        tokens.feed(&bytes, false);
+        if let Some(mut ticket) = relaying.ticket.take() {
+            ticket.first_token();
+            ticket.finish();
+        }
+        if let Some(mut guards) = relaying.guards.take() {
+            guards.output_tokens(tokens.tokens());
+        }
+        self.counters.completed.fetch_add(1, Ordering::Relaxed);
+        self.counters.requests.inc(&[route, &parts.status.as_u16().to_string()]);
+        let mut out = own(parts.status, "application/json", bytes);
+        for (name, value) in &parts.headers {
+            if !HOP_BY_HOP.contains(&name.as_str()) && name != CONTENT_LENGTH {
+                out.headers_mut().insert(HeaderName::clone(name), value.clone());
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -1420,17 +1596,19 @@ const HOP_BY_HOP: [&str; 8] = [
     "host",
 ];
 
-fn copy_end_to_end(from: &HeaderMap, to: &mut HeaderMap) {
-    for (name, value) in from {
-        let private = name == "authorization" || name == "x-api-key";
-        if !HOP_BY_HOP.contains(&name.as_str()) && name != CONTENT_LENGTH && !private {
-            to.append(name.clone(), value.clone());
-        }
+/// What an engine gets of the client's headers: the content type (always JSON) and
+/// `Accept`. Nothing else (hosts, forwarding headers, keys, a client-sent prefill header)
+/// reaches it.
+fn forward_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    to.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(accept) = from.get(hyper::header::ACCEPT) {
+        to.insert(hyper::header::ACCEPT, accept.clone());
     }
 }
 
 /// How an upstream answer is relayed.
 struct Relaying {
+    route: Option<&'static str>,
     ticket: Option<Ticket>,
     guards: Option<Guards>,
     counters: Arc<Counters>,
@@ -1444,6 +1622,7 @@ struct Relaying {
 impl Relaying {
     fn plain(counters: Arc<Counters>) -> Relaying {
         Relaying {
+            route: None,
             ticket: None,
             guards: None,
             counters,
@@ -1458,6 +1637,7 @@ impl Relaying {
     fn completion(gateway: &Gateway, upstream: &Upstream, sse: bool, deadline: f64) -> Relaying {
         let left = Duration::from_secs_f64((deadline - monotonic()).clamp(0.0, 1e9));
         Relaying {
+            route: None,
             ticket: None,
             guards: None,
             counters: gateway.counters.clone(),
@@ -1486,6 +1666,8 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         )))),
     };
     let mut out = Response::new(Relay {
+        route: relaying.route,
+        status: parts.status.as_u16(),
         inner: Some(body),
         ticket: relaying.ticket,
         guards: relaying.guards,
@@ -1518,6 +1700,8 @@ fn wake_at(read: Option<Duration>, deadline: Option<tokio::time::Instant>) -> to
 
 fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
     let mut out = Response::new(Relay {
+        route: None,
+        status: status.as_u16(),
         inner: None,
         ticket: None,
         guards: None,
@@ -1606,6 +1790,8 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 /// first token, the end finishes it; dropped before the end (the client left), it counts a
 /// disconnect and drops the upstream body, which closes that connection.
 pub struct Relay {
+    route: Option<&'static str>,
+    status: u16,
     inner: Option<Incoming>,
     ticket: Option<Ticket>,
     guards: Option<Guards>,
@@ -1648,6 +1834,9 @@ impl Relay {
             if self.completion && completed {
                 counters.completed.fetch_add(1, Ordering::Relaxed);
             }
+            if let Some(route) = self.route.filter(|_| completed) {
+                counters.requests.inc(&[route, &self.status.to_string()]);
+            }
         }
     }
 
@@ -1658,6 +1847,9 @@ impl Relay {
         let endpoint = self.endpoint.clone().unwrap_or_else(|| Arc::from(""));
         let sse = self.sse;
         if let Some(counters) = &self.counters {
+            if let Some(route) = self.route {
+                counters.requests.inc(&[route, "aborted"]);
+            }
             if self.completion {
                 counters.upstream_errors.inc(&[&endpoint, "truncated"]);
                 counters.truncated.inc(&[&endpoint, if sse { "sse_error" } else { "reset" }]);

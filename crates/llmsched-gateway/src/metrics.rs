@@ -97,6 +97,8 @@ pub struct Counters {
     pub completed: AtomicU64,
     /// Answers the client left before their end.
     pub disconnects: AtomicU64,
+    /// Latency histograms.
+    pub histograms: Histograms,
 }
 
 impl Counters {
@@ -189,6 +191,7 @@ impl Counters {
             "Engines added, removed or changed by discovery",
             &self.engine_changes,
         );
+        self.histograms.render(out);
     }
 }
 
@@ -201,4 +204,102 @@ pub fn gauge(out: &mut String, name: &str, help: &str, labels: &[(&str, &str)], 
     let names: Vec<&str> = labels.iter().map(|(n, _)| *n).collect();
     let values: Vec<String> = labels.iter().map(|(_, v)| v.to_string()).collect();
     let _ = writeln!(out, "{name}{} {value:?}", label_text(&names, &values));
+}
+
+/// A Prometheus histogram with fixed upper bounds.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+/// Decisions take tens of microseconds; requests through the gateway take milliseconds.
+pub const DECISION_BUCKETS: &[f64] =
+    &[1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1];
+/// Waits in flow control.
+pub const WAIT_BUCKETS: &[f64] =
+    &[5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5, 10.0, 60.0];
+
+impl Histogram {
+    /// An empty histogram with `bounds` (ascending).
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_ns: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation in seconds.
+    pub fn observe(&self, seconds: f64) {
+        let seconds = seconds.max(0.0);
+        if let Some(i) = self.bounds.iter().position(|b| seconds <= *b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_ns.fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Appends the histogram's exposition text.
+    pub fn render(&self, out: &mut String, name: &str, help: &str) {
+        let name = format!("llmsched_gateway_{name}");
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, count) in self.bounds.iter().zip(&self.counts) {
+            cumulative += count.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound:?}\"}} {cumulative}.0");
+        }
+        let count = self.count();
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 * 1e-9;
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {count}.0\n{name}_count {count}.0\n{name}_sum {sum:?}"
+        );
+    }
+}
+
+/// The gateway's histograms.
+#[derive(Debug)]
+pub struct Histograms {
+    /// One routing decision.
+    pub decision: Histogram,
+    /// Arrival to upstream send, without flow-control queueing.
+    pub overhead: Histogram,
+    /// Waits in flow control.
+    pub admission_wait: Histogram,
+}
+
+impl Default for Histograms {
+    fn default() -> Self {
+        Histograms {
+            decision: Histogram::new(DECISION_BUCKETS),
+            overhead: Histogram::new(DECISION_BUCKETS),
+            admission_wait: Histogram::new(WAIT_BUCKETS),
+        }
+    }
+}
+
+impl Histograms {
+    /// Appends their exposition text.
+    pub fn render(&self, out: &mut String) {
+        self.decision.render(out, "decision_seconds", "Time of one routing decision");
+        self.overhead.render(
+            out,
+            "overhead_seconds",
+            "Time from a request's arrival to its upstream send, without flow-control queueing",
+        );
+        self.admission_wait.render(
+            out,
+            "admission_wait_seconds",
+            "Time a request waited in flow control before dispatch",
+        );
+    }
 }

@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::convert::to_python;
 use crate::errors::{detach, ConfigError, GatewayStoppedError};
 use crate::routing::PyRouter;
 
@@ -40,8 +41,9 @@ fn stopped() -> PyErr {
 #[pymethods]
 impl PyNativeGateway {
     /// Starts serving on `host:port` (0: any free port) with `config` (the JSON of
-    /// `llmsched_gateway::GatewayConfig`), routing with `router` (None: a router built from
-    /// `config`). Raises ConfigError naming the problem.
+    /// `llmsched_gateway::GatewayConfig`), routing with `router` (an `llmsched.Router` or the
+    /// native router inside one; None: a router built from `config`). Raises ConfigError
+    /// naming the problem.
     #[new]
     #[pyo3(signature = (config, host, port, router=None))]
     fn new(
@@ -49,8 +51,21 @@ impl PyNativeGateway {
         config: &str,
         host: &str,
         port: u16,
-        router: Option<Py<PyRouter>>,
+        router: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let router: Option<Py<PyRouter>> = match router {
+            None => None,
+            Some(r) => Some(match r.cast::<PyRouter>() {
+                Ok(native) => native.clone().unbind(),
+                Err(_) => r
+                    .getattr("_native")
+                    .ok()
+                    .and_then(|n| n.cast::<PyRouter>().ok().map(|n| n.clone().unbind()))
+                    .ok_or_else(|| {
+                        pyo3::exceptions::PyTypeError::new_err("router must be an llmsched.Router")
+                    })?,
+            }),
+        };
         let config: GatewayConfig = serde_json::from_str(config)
             .map_err(|e| ConfigError::new_err(format!("native gateway config: {e}")))?;
         let host = host.to_string();
@@ -146,6 +161,17 @@ impl PyNativeGateway {
         }
         out.set_item("outcomes", outcomes)?;
         Ok(Some(out))
+    }
+
+    /// Flow control's gauges and counters (the shape of `llmsched.FlowController.metrics()`),
+    /// or None when flow control is off.
+    fn flow_metrics<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        match detach(py, || running.flow_metrics())? {
+            None => Ok(None),
+            Some(metrics) => to_python(py, &metrics).map(Some),
+        }
     }
 
     /// Connection and request counters: `received`, `completed`, `disconnects`,
