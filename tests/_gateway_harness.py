@@ -110,8 +110,9 @@ async def rig(
         "listen": {"port": 0},
         "scrape": {"enabled": False},
     }
+    plane = overrides.pop("data_plane", None) or current_plane()
     config.update(overrides)
-    gateway = make_gateway(config, data_plane=current_plane())
+    gateway = make_gateway(config, data_plane=plane)
     await gateway.start()
     client = aiohttp.ClientSession()
     try:

@@ -3,7 +3,7 @@
 `make lint` checks them against the module with `mypy.stubtest`.
 """
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeAlias, TypeVar, final, overload
 
 import numpy as np

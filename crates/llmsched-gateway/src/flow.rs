@@ -49,6 +49,30 @@ impl Drop for Slot {
     }
 }
 
+/// A request waiting in the controller; dropped while armed, it leaves the queue (or, when it
+/// was dispatched meanwhile, frees its slot).
+struct Queued<'a> {
+    flow: &'a Arc<Flow>,
+    id: u64,
+    clock: fn() -> f64,
+    armed: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let now = (self.clock)();
+        let mut core = self.flow.lock();
+        if core.cancel(self.id, now).ok().flatten().is_none() && core.is_running(self.id) {
+            let _ = core.complete(self.id, 0, now);
+        }
+        drop(core);
+        self.flow.pump(now);
+    }
+}
+
 impl Flow {
     /// The controller of a flow config (the input format of `llmsched.FlowController`).
     pub fn new(config: &Value) -> Result<Flow, String> {
@@ -93,18 +117,20 @@ impl Flow {
         }
         self.pump(now);
         self.queued.notify_one();
-        let slot = |flow: &Arc<Flow>| Slot { flow: flow.clone(), id, clock, output_tokens: 0 };
+        // Dropped while queued (the client left, or no engine is left): cancelled.
+        let mut queued = Queued { flow: self, id, clock, armed: true };
         let wait = Duration::from_secs_f64((deadline - now).max(0.0));
-        match tokio::time::timeout(wait, rx).await {
-            Ok(Ok(Outcome::Dispatched)) => Ok(slot(self)),
+        let outcome = tokio::time::timeout(wait, rx).await;
+        queued.armed = false;
+        match outcome {
+            Ok(Ok(Outcome::Dispatched)) => {
+                Ok(Slot { flow: self.clone(), id, clock, output_tokens: 0 })
+            }
             Ok(Ok(outcome)) => Err(NotAdmitted::Outcome(outcome)),
             Ok(Err(_)) => Err(NotAdmitted::Outcome(Outcome::EvictedCancelled)),
             Err(_) => {
-                let cancelled = self.lock().cancel(id, clock()).ok().flatten();
-                if cancelled.is_none() && self.lock().is_running(id) {
-                    // Dispatched meanwhile: completing the slot frees it.
-                    drop(slot(self));
-                }
+                queued.armed = true;
+                drop(queued);
                 Err(NotAdmitted::Deadline)
             }
         }

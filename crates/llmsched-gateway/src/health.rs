@@ -120,11 +120,17 @@ impl Default for Health {
 }
 
 impl Health {
-    /// An attempt ended (`failed`: no usable answer from the engine).
-    pub fn attempt(&mut self, config: &HealthConfig, failed: bool, now: f64) -> Change {
-        if failed {
+    /// An attempt ended: `failure` is None for a success, else its kind (`connect` and
+    /// `timeout` start confirming probes at once, others after `failures_to_probe` in a row).
+    pub fn attempt(&mut self, config: &HealthConfig, failure: Option<&str>, now: f64) -> Change {
+        if self.state != State::Up {
+            return Change::None;
+        }
+        let failed = failure.is_some();
+        if let Some(kind) = failure {
             self.attempt_failures += 1;
-            if self.attempt_failures >= config.failures_to_probe && self.state == State::Up {
+            let at_once = matches!(kind, "connect" | "timeout");
+            if at_once || self.attempt_failures >= config.failures_to_probe {
                 self.suspect = true;
             }
         } else {

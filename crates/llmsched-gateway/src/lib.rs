@@ -247,6 +247,8 @@ struct Upstream {
     health: Mutex<health::Health>,
     /// The pool entry while the engine is out of routing.
     parked: Mutex<Option<Endpoint>>,
+    /// Whether its last metrics scrape failed (such an engine is not routable).
+    scrape_failed: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -267,7 +269,15 @@ struct Gateway {
     flow: Option<Arc<flow::Flow>>,
     models: HashSet<String>,
     pd_header: Option<HeaderName>,
+    extra_metrics: Option<ExtraMetrics>,
+    /// Woken when an engine leaves routing or its scrape fails (queued requests then check
+    /// whether any engine is left).
+    routing_changed: tokio::sync::Notify,
 }
+
+/// More exposition text for `/metrics`, from the embedding program (the Python side's
+/// KV-event counters); called on each scrape of `/metrics` only.
+pub type ExtraMetrics = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// A listening gateway on the caller's runtime.
 pub struct GatewayHandle {
@@ -328,6 +338,7 @@ fn upstream(entry: &EngineEntry) -> Result<Upstream, ConfigProblem> {
         probe: Uri::default(),
         health: Mutex::new(health::Health::default()),
         parked: Mutex::new(None),
+        scrape_failed: std::sync::atomic::AtomicBool::new(false),
     })
 }
 
@@ -385,6 +396,7 @@ fn check(config: &GatewayConfig) -> Result<(), ConfigProblem> {
 fn build(
     config: GatewayConfig,
     source: Option<Arc<dyn RouterSource>>,
+    extra_metrics: Option<ExtraMetrics>,
 ) -> Result<Gateway, ConfigProblem> {
     check(&config)?;
     if config.engines.is_empty() {
@@ -426,6 +438,8 @@ fn build(
         flow,
         models: config.models.iter().cloned().collect(),
         pd_header,
+        extra_metrics,
+        routing_changed: tokio::sync::Notify::new(),
         config,
     };
     let engines = gateway.config.engines.clone();
@@ -439,7 +453,7 @@ pub async fn start(
     addr: SocketAddr,
     config: GatewayConfig,
 ) -> Result<GatewayHandle, ConfigProblem> {
-    let gateway = Arc::new(build(config, None)?);
+    let gateway = Arc::new(build(config, None, None)?);
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
@@ -462,15 +476,16 @@ pub struct Running {
 }
 
 /// Starts a gateway on its own runtime (`config.threads` worker threads) listening on
-/// `addr`, routing with `source` (None: a router built from `config`). Returns once it
-/// listens.
+/// `addr`, routing with `source` (None: a router built from `config`); `extra_metrics` adds
+/// to `/metrics`. Returns once it listens.
 pub fn spawn(
     addr: SocketAddr,
     config: GatewayConfig,
     source: Option<Arc<dyn RouterSource>>,
+    extra_metrics: Option<ExtraMetrics>,
 ) -> Result<Running, ConfigProblem> {
     let threads = config.threads;
-    let gateway = Arc::new(build(config, source)?);
+    let gateway = Arc::new(build(config, source, extra_metrics)?);
     let std_listener = std::net::TcpListener::bind(addr)
         .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
     std_listener.set_nonblocking(true).map_err(|e| ConfigProblem(e.to_string()))?;
@@ -666,8 +681,16 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
                 let body = answer.into_body().collect().await.ok()?.to_bytes();
                 String::from_utf8(body.to_vec()).ok()
             };
-            let Ok(Some(text)) = tokio::time::timeout(timeout, fetch).await else { continue };
-            let Ok(scraped) = metrics_text::parse(&text) else { continue };
+            let scraped = match tokio::time::timeout(timeout, fetch).await {
+                Ok(Some(text)) => metrics_text::parse(&text).ok(),
+                _ => None,
+            };
+            if !upstream.scrape_failed.swap(scraped.is_none(), Ordering::Relaxed)
+                && scraped.is_none()
+            {
+                gateway.routing_changed.notify_waiters();
+            }
+            let Some(scraped) = scraped else { continue };
             let now = monotonic();
             let update = scraped.update;
             let _ = gateway.router().pool().update_metrics(&upstream.key, update, now);
@@ -913,6 +936,7 @@ impl Gateway {
                         Some(member.endpoint.clone());
                     let _ = pool.remove(&upstream.key);
                 }
+                self.routing_changed.notify_waiters();
             }
             health::Change::Back => {
                 let parked = upstream.parked.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -923,10 +947,10 @@ impl Gateway {
         }
     }
 
-    fn attempt_ended(&self, upstream: &Upstream, failed: bool) {
+    fn attempt_ended(&self, upstream: &Upstream, failure: Option<&str>) {
         let change = upstream.health.lock().unwrap_or_else(|e| e.into_inner()).attempt(
             &self.config.health,
-            failed,
+            failure,
             monotonic(),
         );
         self.apply(upstream, change);
@@ -982,6 +1006,19 @@ impl Gateway {
         }
     }
 
+    /// Returns once no engine is routable.
+    async fn no_engine_left(&self) {
+        loop {
+            let changed = self.routing_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.routable().is_empty() {
+                return;
+            }
+            changed.await;
+        }
+    }
+
     /// A request head over the configured sizes (hyper bounds the number of headers).
     fn oversized(&self, request: &Request<Incoming>) -> Option<Refusal> {
         let target = request.uri().path_and_query().map_or(0, |p| p.as_str().len());
@@ -1029,6 +1066,17 @@ impl Gateway {
                     load.requests as f64,
                 );
             }
+        }
+        let stats = self.router().index().stats();
+        for (key, help, value) in [
+            ("index_blocks", "Blocks held in the prefix index", stats.blocks as f64),
+            ("index_workers", "Workers known to the prefix index", stats.workers as f64),
+            ("index_bytes", "Estimated bytes used by the prefix index", stats.bytes as f64),
+        ] {
+            metrics::gauge(&mut out, key, help, &[], value);
+        }
+        if let Some(extra) = &self.extra_metrics {
+            out.push_str(&extra());
         }
         metrics::gauge(
             &mut out,
@@ -1317,16 +1365,22 @@ impl Gateway {
             None => None,
             Some(flow) => {
                 let queued_at = monotonic();
-                let admitted = flow
-                    .admit(
-                        &identity.tenant,
-                        identity.priority,
-                        tokens.len() as u64,
-                        raw.len() as u64,
-                        deadline,
-                        monotonic,
-                    )
-                    .await;
+                let admit = flow.admit(
+                    &identity.tenant,
+                    identity.priority,
+                    tokens.len() as u64,
+                    raw.len() as u64,
+                    deadline,
+                    monotonic,
+                );
+                let admitted = tokio::select! {
+                    admitted = admit => admitted,
+                    // Every engine left routing while the request waited: 503 at once (the
+                    // queued request is cancelled).
+                    _ = self.no_engine_left() => Err(flow::NotAdmitted::Outcome(
+                        llmsched_core::flow::Outcome::RejectedNoEndpoints,
+                    )),
+                };
                 let waited = monotonic() - queued_at;
                 queued_s = waited;
                 self.counters.histograms.admission_wait.observe(waited);
@@ -1426,7 +1480,7 @@ impl Gateway {
                 Err(_) => {
                     // The engine has the request and may be running it: not sent again.
                     self.counters.upstream_errors.inc(&[&upstream.id, "timeout"]);
-                    self.attempt_ended(upstream, true);
+                    self.attempt_ended(upstream, Some("timeout"));
                     drop(ticket);
                     return Err(Refusal::new(504, "timeout", "the engine did not answer in time"));
                 }
@@ -1434,7 +1488,7 @@ impl Gateway {
                     // Refused (or timed out) connecting, or closed before a status line.
                     let kind = if err.is_connect() { "connect" } else { "broken" };
                     self.counters.upstream_errors.inc(&[&upstream.id, kind]);
-                    self.attempt_ended(upstream, true);
+                    self.attempt_ended(upstream, Some(kind));
                     drop(ticket);
                     continue;
                 }
@@ -1443,14 +1497,14 @@ impl Gateway {
             let failed = answer.status().is_server_error();
             if failed {
                 self.counters.upstream_errors.inc(&[&upstream.id, "status_5xx"]);
-                self.attempt_ended(upstream, true);
+                self.attempt_ended(upstream, Some("status_5xx"));
                 if self.config.retry_on_5xx {
                     // Not passed on: the next endpoint may do better.
                     drop(ticket);
                     continue;
                 }
             } else {
-                self.attempt_ended(upstream, false);
+                self.attempt_ended(upstream, None);
                 self.counters.routed.inc(&[&upstream.id]);
             }
             let relaying = Relaying {

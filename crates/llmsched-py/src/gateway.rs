@@ -7,7 +7,7 @@ use std::net::ToSocketAddrs;
 use std::sync::Arc;
 
 use llmsched_core::routing::Router;
-use llmsched_gateway::{EngineEntry, GatewayConfig, RouterSource, Running};
+use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, RouterSource, Running};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -42,17 +42,27 @@ fn stopped() -> PyErr {
 impl PyNativeGateway {
     /// Starts serving on `host:port` (0: any free port) with `config` (the JSON of
     /// `llmsched_gateway::GatewayConfig`), routing with `router` (an `llmsched.Router` or the
-    /// native router inside one; None: a router built from `config`). Raises ConfigError
-    /// naming the problem.
+    /// native router inside one; None: a router built from `config`); `extra_metrics()`
+    /// returns more `/metrics` text (called, with the GIL, on each scrape of `/metrics`).
+    /// Raises ConfigError naming the problem.
     #[new]
-    #[pyo3(signature = (config, host, port, router=None))]
+    #[pyo3(signature = (config, host, port, router=None, extra_metrics=None))]
     fn new(
         py: Python<'_>,
         config: &str,
         host: &str,
         port: u16,
         router: Option<&Bound<'_, PyAny>>,
+        extra_metrics: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        // Called on a scrape of `/metrics` only: the GIL for that call, nothing else.
+        let extra: Option<ExtraMetrics> = extra_metrics.map(|callable| {
+            Arc::new(move || {
+                Python::attach(|py| {
+                    callable.call0(py).and_then(|v| v.extract::<String>(py)).unwrap_or_default()
+                })
+            }) as ExtraMetrics
+        });
         let router: Option<Py<PyRouter>> = match router {
             None => None,
             Some(r) => Some(match r.cast::<PyRouter>() {
@@ -76,7 +86,7 @@ impl PyNativeGateway {
                 .map_err(|e| format!("listen.host: cannot resolve {host:?}: {e}"))?
                 .next()
                 .ok_or_else(|| format!("listen.host: {host:?} has no address"))?;
-            llmsched_gateway::spawn(addr, config, source).map_err(|e| e.to_string())
+            llmsched_gateway::spawn(addr, config, source, extra).map_err(|e| e.to_string())
         })?;
         let running = started.map_err(ConfigError::new_err)?;
         let (host, port) = (running.addr.ip().to_string(), running.addr.port());

@@ -102,6 +102,10 @@ class NativeFlowView:
         """Requests waiting to be dispatched."""
         return int(self._stats()["queued"])
 
+    def saturation(self) -> float:
+        """The saturation gauge."""
+        return float(self._stats()["saturation"])
+
     def metrics(self) -> FlowMetrics:
         """Queue lengths per band and flow, outcome counts, saturation and fairness, as
         :meth:`llmsched.FlowController.metrics` gives them."""
@@ -267,7 +271,7 @@ class NativeGateway:
         text = json.dumps(native_config(cfg, self._specs.values()))
         try:
             self._native = _llmsched.NativeGateway(
-                text, cfg.listen.host, cfg.listen.port, self.router
+                text, cfg.listen.host, cfg.listen.port, self.router, self._extra_metrics
             )
         except BaseException:
             await self.scheduler.stop()
@@ -293,6 +297,20 @@ class NativeGateway:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+    def _extra_metrics(self) -> str:
+        """The KV-event subscriber's counters (it runs in Python), for the native
+        ``/metrics``."""
+        subscriber = self.scheduler.subscriber
+        if subscriber is None:
+            return ""
+        lines = [
+            "# HELP llmsched_gateway_kv_events_total KV-event subscriber counters",
+            "# TYPE llmsched_gateway_kv_events_total counter",
+        ]
+        for name, value in sorted(subscriber.counters().items()):
+            lines.append(f'llmsched_gateway_kv_events_total{{counter="{name}"}} {float(value)}')
+        return "\n".join(lines) + "\n"
 
     def routable_endpoints(self) -> list[str]:
         """Engines a request could go to now (in the pool and up)."""
