@@ -451,3 +451,38 @@ def test_the_first_streamed_chunk_arrives_before_the_stream_ends_on_a_reused_con
             assert len(r.engines[0].received) == 2
 
     run(body())
+
+
+def test_a_python_scorer_in_the_router_config_steers_every_request() -> None:
+    """A router config's Python scorer runs on either plane (natively the router takes the GIL
+    for that call only)."""
+    calls: list[int] = []
+
+    def prefer_second(
+        request: dict[str, object], endpoints: list[dict[str, object]]
+    ) -> list[float]:
+        calls.append(len(endpoints))
+        return [1.0 if str(e["id"]).endswith(str(second_port)) else 0.0 for e in endpoints]
+
+    second_port = 0
+
+    async def body() -> None:
+        nonlocal second_port
+        router = {
+            "plugins": [
+                {
+                    "type": "python-scorer",
+                    "name": "mine",
+                    "parameters": {"function": prefer_second},
+                },
+            ],
+            "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "mine"}]}],
+        }
+        async with rig(engines=2, router=router) as r:
+            second_port = r.engines[1].port
+            for i in range(6):
+                assert (await r.complete(f"prompt {i}")).status == 200
+            assert len(r.engines[1].received) == 6 and not r.engines[0].received
+            assert calls == [2] * 6
+
+    run(body())

@@ -919,10 +919,18 @@ class NativeGateway:
     """The native data plane (`llmsched-gateway`) serving in-process on its own runtime thread;
     `llmsched.gateway.NativeGateway` wraps it. Every method releases the GIL."""
 
-    def __init__(self, config: str, host: str, port: int, router: object | None = None) -> None:
+    def __init__(
+        self,
+        config: str,
+        host: str,
+        port: int,
+        router: object | None = None,
+        extra_metrics: Callable[[], str] | None = None,
+    ) -> None:
         """Starts serving on `host:port` (0: any free port) with `config` (the JSON of the
         native gateway config), routing with `router` (an `llmsched.Router` or its native
-        router; None: one built from `config`). Raises ConfigError naming the problem."""
+        router; None: one built from `config`); `extra_metrics()` adds to `/metrics` (called
+        with the GIL on each scrape of it). Raises ConfigError naming the problem."""
     @property
     def host(self) -> str:
         """The address listened on."""

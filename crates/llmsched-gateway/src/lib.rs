@@ -974,6 +974,7 @@ impl Gateway {
             .iter()
             .filter(|u| {
                 snapshot.get(&u.key).is_some()
+                    && !u.scrape_failed.load(Ordering::Relaxed)
                     && u.health.lock().unwrap_or_else(|e| e.into_inner()).state == health::State::Up
             })
             .map(|u| u.id.clone())

@@ -267,7 +267,11 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The whole gateway configuration. Build it with :func:`load_config`."""
+    """The whole gateway configuration. Build it with :func:`load_config`.
+
+    ``data_plane``: who serves requests, ``python`` (aiohttp, every feature) or ``native``
+    (the Rust data plane in the same process, :mod:`llmsched.gateway.native`);
+    ``native_threads``: the native plane's worker threads (1: all on one thread)."""
 
     engines: tuple[EngineSpec, ...]
     models: tuple[str, ...]
