@@ -273,6 +273,8 @@ struct Gateway {
     /// Woken when an engine leaves routing or its scrape fails (queued requests then check
     /// whether any engine is left).
     routing_changed: tokio::sync::Notify,
+    /// Woken when failed attempts ask for confirming probes or take an engine out.
+    suspect: tokio::sync::Notify,
 }
 
 /// More exposition text for `/metrics`, from the embedding program (the Python side's
@@ -440,6 +442,7 @@ fn build(
         pd_header,
         extra_metrics,
         routing_changed: tokio::sync::Notify::new(),
+        suspect: tokio::sync::Notify::new(),
         config,
     };
     let engines = gateway.config.engines.clone();
@@ -716,14 +719,30 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
 /// (down, breaker open) when their next probe is due, suspects (failed attempts) at once.
 async fn probes(gateway: Arc<Gateway>) {
     let config = gateway.config.health.clone();
-    let tick = Duration::from_millis(100);
-    let mut next_active = monotonic() + config.interval_s.unwrap_or(f64::INFINITY);
+    // Confirming probes run 100 ms apart; otherwise the loop sleeps until the next probe is
+    // due (an idle gateway wakes once per `interval_s`), or until an attempt fails.
+    let tick = 0.1;
+    let mut next_active = monotonic() + config.interval_s.unwrap_or(1e9);
     loop {
-        tokio::time::sleep(tick).await;
+        let now = monotonic();
+        let mut wake = next_active;
+        for upstream in &gateway.upstreams().list {
+            let health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
+            wake = match health.state {
+                health::State::Up if health.suspect => wake.min(now + tick),
+                health::State::Up => wake,
+                _ => wake.min(health.next_probe_at.max(now + tick)),
+            };
+        }
+        let sleep = Duration::from_secs_f64((wake - now).clamp(0.0, 1e6));
+        tokio::select! {
+            _ = tokio::time::sleep(sleep) => {}
+            _ = gateway.suspect.notified() => continue,
+        }
         let now = monotonic();
         let active = now >= next_active;
         if active {
-            next_active = now + config.interval_s.unwrap_or(f64::INFINITY);
+            next_active = now + config.interval_s.unwrap_or(1e9);
         }
         let upstreams = gateway.upstreams();
         for upstream in &upstreams.list {
@@ -948,11 +967,15 @@ impl Gateway {
     }
 
     fn attempt_ended(&self, upstream: &Upstream, failure: Option<&str>) {
-        let change = upstream.health.lock().unwrap_or_else(|e| e.into_inner()).attempt(
-            &self.config.health,
-            failure,
-            monotonic(),
-        );
+        let (change, suspect) = {
+            let mut health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
+            let change = health.attempt(&self.config.health, failure, monotonic());
+            (change, health.suspect)
+        };
+        // The probe loop recomputes when its next probe is due.
+        if suspect || change != health::Change::None {
+            self.suspect.notify_one();
+        }
         self.apply(upstream, change);
     }
 

@@ -242,6 +242,7 @@ class NativeGateway:
         self.flow: NativeFlowView | None = None if cfg.flow is None else NativeFlowView(self)
         self._native: _llmsched.NativeGateway | None = None
         self._discovery_task: asyncio.Task[None] | None = None
+        self._discovery_errors = 0
 
     def native(self) -> _llmsched.NativeGateway:
         """The running native gateway (GatewayStoppedError when not started)."""
@@ -299,12 +300,18 @@ class NativeGateway:
         await self.stop()
 
     def _extra_metrics(self) -> str:
-        """The KV-event subscriber's counters (it runs in Python), for the native
-        ``/metrics``."""
+        """What runs in Python, for the native ``/metrics``: discovery errors and the
+        KV-event subscriber's counters."""
+        lines = [
+            "# HELP llmsched_gateway_discovery_errors_total Discovery file reads that failed "
+            "(the current engines were kept)",
+            "# TYPE llmsched_gateway_discovery_errors_total counter",
+            f"llmsched_gateway_discovery_errors_total {float(self._discovery_errors)}",
+        ]
         subscriber = self.scheduler.subscriber
         if subscriber is None:
-            return ""
-        lines = [
+            return "\n".join(lines) + "\n"
+        lines += [
             "# HELP llmsched_gateway_kv_events_total KV-event subscriber counters",
             "# TYPE llmsched_gateway_kv_events_total counter",
         ]
@@ -366,4 +373,5 @@ class NativeGateway:
                 )
                 await self.set_engines(engines)
             except ConfigError as exc:
+                self._discovery_errors += 1
                 log.warning("discovery: keeping the current engines: %s", exc)
