@@ -919,14 +919,14 @@ class NativeGateway:
     """The native data plane (`llmsched-gateway`) serving in-process on its own runtime thread;
     `llmsched.gateway.NativeGateway` wraps it. Every method releases the GIL."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         config: str,
         host: str,
         port: int,
         router: object | None = None,
         extra_metrics: Callable[[], str] | None = None,
-    ) -> None:
+    ) -> NativeGateway:
         """Starts serving on `host:port` (0: any free port) with `config` (the JSON of the
         native gateway config), routing with `router` (an `llmsched.Router` or its native
         router; None: one built from `config`); `extra_metrics()` adds to `/metrics` (called

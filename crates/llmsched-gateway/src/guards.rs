@@ -269,3 +269,65 @@ impl Tenants {
         self.len() == 0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(requests_per_s: Option<f64>, max_concurrent: Option<u64>) -> ApiKeyConfig {
+        ApiKeyConfig {
+            key: "sk-test-0001".into(),
+            tenant: "acme".into(),
+            priority: 3,
+            requests_per_s,
+            burst_requests: Some(2.0),
+            tokens_per_s: None,
+            burst_tokens: None,
+            max_concurrent,
+        }
+    }
+
+    #[test]
+    fn keys_are_found_by_digest_and_checked() {
+        let keys = Keys::new(&[key(None, None)], 0.0).unwrap();
+        let found = keys.identify("sk-test-0001").unwrap();
+        assert_eq!((&*found.tenant, found.priority), ("acme", 3));
+        assert!(found.limiter.is_none());
+        assert!(keys.identify("sk-test-0002").is_none());
+        let short = ApiKeyConfig { key: "short".into(), ..key(None, None) };
+        let problem = Keys::new(&[short], 0.0).err().unwrap();
+        assert!(problem.contains("8 characters") && !problem.contains("short"));
+    }
+
+    #[test]
+    fn a_request_bucket_refills_at_its_rate() {
+        let limiter = KeyLimiter::new(&key(Some(1.0), None), 0.0).unwrap();
+        assert!(limiter.acquire(0, 0.0).is_ok());
+        assert!(limiter.acquire(0, 0.0).is_ok());
+        let over = limiter.acquire(0, 0.0).unwrap_err();
+        assert_eq!(over.reason, "rate-limited");
+        assert!((over.wait_s - 1.0).abs() < 1e-9);
+        assert!(limiter.acquire(0, 1.0).is_ok());
+    }
+
+    #[test]
+    fn concurrency_is_given_back_on_release() {
+        let limiter = KeyLimiter::new(&key(None, Some(1)), 0.0).unwrap();
+        assert!(limiter.acquire(0, 0.0).is_ok());
+        assert_eq!(limiter.acquire(0, 0.0).unwrap_err().reason, "concurrency-limited");
+        limiter.release(0, 0.0);
+        assert!(limiter.acquire(0, 0.0).is_ok());
+    }
+
+    #[test]
+    fn tenant_names_past_the_bound_fold_until_one_goes_idle() {
+        let tenants = Tenants::new(2, 10.0);
+        assert_eq!(tenants.admit("a", 0.0), (Arc::from("a"), false));
+        assert_eq!(tenants.admit("b", 0.0), (Arc::from("b"), false));
+        assert_eq!(tenants.admit("c", 1.0), (Arc::from(OVERFLOW_TENANT), true));
+        assert_eq!(tenants.admit("a", 5.0), (Arc::from("a"), false));
+        // "b" was last seen at 0: idle past 10 s at 11, it gives its place to "c".
+        assert_eq!(tenants.admit("c", 11.0), (Arc::from("c"), false));
+        assert_eq!(tenants.len(), 2);
+    }
+}

@@ -198,3 +198,35 @@ impl Health {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_connection_asks_for_probes_which_take_the_engine_down_and_back() {
+        let config = HealthConfig::default();
+        let mut health = Health::default();
+        assert_eq!(health.attempt(&config, Some("connect"), 0.0), Change::None);
+        assert!(health.suspect);
+        assert_eq!(health.probe(&config, false, 0.1), Change::None);
+        assert_eq!(health.probe(&config, false, 0.2), Change::None);
+        assert_eq!(health.probe(&config, false, 0.3), Change::Out(State::Down));
+        assert_eq!(health.probe(&config, true, 5.3), Change::None);
+        assert_eq!(health.probe(&config, true, 6.3), Change::Back);
+        assert_eq!(health.state, State::Up);
+    }
+
+    #[test]
+    fn the_breaker_opens_on_the_failure_rate_and_one_good_probe_closes_it() {
+        let config = HealthConfig { breaker_min_requests: 4, ..HealthConfig::default() };
+        let mut health = Health::default();
+        for (i, failed) in [false, true, false].into_iter().enumerate() {
+            let failure = failed.then_some("status_5xx");
+            assert_eq!(health.attempt(&config, failure, i as f64 * 0.1), Change::None);
+        }
+        assert_eq!(health.attempt(&config, Some("status_5xx"), 0.3), Change::Out(State::Open));
+        assert_eq!(health.attempt(&config, None, 0.4), Change::None, "open: not counted");
+        assert_eq!(health.probe(&config, true, 10.4), Change::Back);
+    }
+}

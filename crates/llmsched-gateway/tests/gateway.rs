@@ -204,20 +204,24 @@ fn retries_before_the_first_byte() {
     }
     assert_eq!(counters.retries.load(Ordering::Relaxed), 2);
 
-    // When every endpoint fails, the last answer is passed on and counted.
+    // When every endpoint fails, the client gets a 502 (no engine's error is passed on).
     let fleet = Fleet::new(vec![
         EngineConfig { mode: Mode::Error500, ..ok_engine() },
         EngineConfig { mode: Mode::Error500, ..ok_engine() },
     ]);
     let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
-    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 500);
+    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 502);
     assert_eq!(counters.upstream_errors.total(), 2, "one failed attempt per engine");
-    assert_eq!(counters.answered("completions", 500), 1);
+    assert_eq!(counters.answered("completions", 502), 1);
     let (addr, _) =
         fleet.gateway(GatewayConfig { retries: 0, ..config(fleet.urls(), "round-robin") });
+    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 502);
+    // Without retrying 5xx answers, the engine's own answer is relayed.
+    let relay = GatewayConfig { retry_on_5xx: false, ..config(fleet.urls(), "round-robin") };
+    let (addr, _) = fleet.gateway(relay);
     assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 500);
     let received: u64 = fleet.engines.iter().map(|e| e.1.received.load(Ordering::Relaxed)).sum();
-    assert_eq!(received, 3, "two tries, then one without retries");
+    assert_eq!(received, 4, "two tries, one without retries, one relayed");
 }
 
 #[test]
