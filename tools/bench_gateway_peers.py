@@ -67,7 +67,9 @@ class Gateway:
     """A gateway to start in front of the engines (``direct``: none)."""
 
     name: str
-    kind: str  # "direct", "llmsched" (llmsched serve), "native" (llmsched-gateway) or "peer"
+    # "direct", "llmsched" (llmsched serve: llmsched-* on the python data plane,
+    # llmsched-serve-native-* on the native one), "native" (the llmsched-gateway binary), "peer"
+    kind: str
     mode: str  # "round-robin" or "cache-aware" (llmsched's llm-d preset counts as cache-aware)
     command: tuple[str, ...] = ()
 
