@@ -5,17 +5,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
+import pytest
 
-from llmsched.gateway import Gateway
+from llmsched.gateway import Gateway, NativeGateway, make_gateway
 from llmsched.testing.openai_engine import FakeOpenAIEngine
 
 T = TypeVar("T")
 MODEL = "tiny"
+PLANES = ("python", "native")
+
+# The data plane the rigs of the running test use (set by the ``plane`` fixture).
+_plane = ["python"]
+
+
+@pytest.fixture(params=PLANES)
+def plane(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a test once per data plane; a test marked ``python_plane_only("why")`` is skipped
+    on the native plane with that reason."""
+    marker = request.node.get_closest_marker("python_plane_only")
+    if request.param == "native" and marker is not None:
+        pytest.skip(f"native plane: {marker.args[0]}")
+    _plane[0] = request.param
+    try:
+        yield request.param
+    finally:
+        _plane[0] = "python"
+
+
+def current_plane() -> str:
+    """The data plane of the running test."""
+    return _plane[0]
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -25,7 +49,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 @dataclass
 class Rig:
-    gateway: Gateway
+    gateway: Gateway | NativeGateway
     engines: list[FakeOpenAIEngine]
     client: aiohttp.ClientSession
 
@@ -86,8 +110,9 @@ async def rig(
         "listen": {"port": 0},
         "scrape": {"enabled": False},
     }
+    plane = overrides.pop("data_plane", None) or current_plane()
     config.update(overrides)
-    gateway = Gateway(config)
+    gateway = make_gateway(config, data_plane=plane)
     await gateway.start()
     client = aiohttp.ClientSession()
     try:

@@ -8,7 +8,11 @@ import contextlib
 import json
 from collections.abc import Callable
 
-from _gateway_harness import MODEL, Rig, rig, run
+import pytest
+from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.usefixtures("plane")
+
 
 SYSTEM = "You are a helpful assistant that answers in full sentences. " * 4
 
@@ -127,6 +131,7 @@ def test_retry_goes_to_another_engine_when_the_first_drops_the_connection() -> N
     run(body())
 
 
+@pytest.mark.python_plane_only("a failed attempt's approximate prefix record is kept")
 def test_a_failed_attempt_drops_only_the_prefix_record_its_pick_added() -> None:
     async def body() -> None:
         async with rig(engines=2) as r:
@@ -415,3 +420,69 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.01)
+
+
+def test_the_first_streamed_chunk_arrives_before_the_stream_ends_on_a_reused_connection() -> None:
+    """TCP_NODELAY on both sides: the engine sends one event and then holds the stream open, so
+    the client can only see that event while the stream is still running; the connections to
+    the client and to the engine are both reused from a request before."""
+
+    async def body() -> None:
+        import aiohttp
+
+        async with rig(engines=1, answer_tokens=4) as r:
+            connector = aiohttp.TCPConnector(limit=1)
+            async with aiohttp.ClientSession(connector=connector) as client:
+                url = r.url("/v1/completions")
+                warm = {"model": MODEL, "prompt": "warm", "stream": True}
+                async with client.post(url, json=warm) as response:
+                    assert b"[DONE]" in await response.read()
+                r.engines[0].mode = "hang"
+                held = {"model": MODEL, "prompt": "held", "stream": True}
+                async with client.post(url, json=held) as response:
+                    assert response.status == 200
+                    # A deadlock guard, not a timing threshold: the engine never ends this
+                    # stream, so a chunk held back until the end would never come.
+                    first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 10)
+                    assert b'"text": " t0"' in first
+                    assert not response.content.at_eof()
+                    assert r.engines[0].running == 1
+                    assert r.metric("llmsched_gateway_connections") == 1
+            assert len(r.engines[0].received) == 2
+
+    run(body())
+
+
+def test_a_python_scorer_in_the_router_config_steers_every_request() -> None:
+    """A router config's Python scorer runs on either plane (natively the router takes the GIL
+    for that call only)."""
+    calls: list[int] = []
+
+    def prefer_second(
+        request: dict[str, object], endpoints: list[dict[str, object]]
+    ) -> list[float]:
+        calls.append(len(endpoints))
+        return [1.0 if str(e["id"]).endswith(str(second_port)) else 0.0 for e in endpoints]
+
+    second_port = 0
+
+    async def body() -> None:
+        nonlocal second_port
+        router = {
+            "plugins": [
+                {
+                    "type": "python-scorer",
+                    "name": "mine",
+                    "parameters": {"function": prefer_second},
+                },
+            ],
+            "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "mine"}]}],
+        }
+        async with rig(engines=2, router=router) as r:
+            second_port = r.engines[1].port
+            for i in range(6):
+                assert (await r.complete(f"prompt {i}")).status == 200
+            assert len(r.engines[1].received) == 6 and not r.engines[0].received
+            assert calls == [2] * 6
+
+    run(body())

@@ -189,11 +189,40 @@ def test_serve_command_serves_until_signalled(tmp_path: Path) -> None:
         _check_serving(process, port)
 
 
-def _check_serving(process: subprocess.Popen[str], port: int) -> None:
+@pytest.mark.parametrize("plane", ["python", "native"])
+def test_serve_command_runs_either_data_plane(tmp_path: Path, plane: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(base(scrape={"enabled": False})))
+    command = [sys.executable, "-m", "llmsched", "serve", "--config", str(path)]
+    with subprocess.Popen(
+        [*command, "--port", str(port), "--data-plane", plane],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+    ) as process:
+        _check_serving(process, port, plane=plane)
+
+
+def test_the_native_plane_refuses_what_it_does_not_serve() -> None:
+    from llmsched.gateway import make_gateway
+
+    for key, section in (("slices", {"enabled": True}), ("admin", {"token": "t" * 16})):
+        with pytest.raises(ConfigError, match=key):
+            make_gateway(base(**{key: section}), data_plane="native")
+    with pytest.raises(ConfigError, match="data_plane"):
+        load_config(base(data_plane="rust"))
+
+
+def _check_serving(process: subprocess.Popen[str], port: int, *, plane: str = "python") -> None:
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
         assert f"listening on http://127.0.0.1:{port}" in line, line
+        assert f"({plane} data plane)" in line, line
         deadline = time.monotonic() + 10
         while True:
             try:

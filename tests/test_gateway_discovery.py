@@ -12,13 +12,15 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from _gateway_harness import MODEL, run
+from _gateway_harness import MODEL, current_plane, plane, run  # noqa: F401 (the fixture)
 
 from llmsched.errors import ConfigError
-from llmsched.gateway import Gateway
+from llmsched.gateway import Gateway, NativeGateway, make_gateway
 from llmsched.gateway.config import load_config
 from llmsched.integrations import EngineSpec
 from llmsched.testing.openai_engine import FakeOpenAIEngine
+
+pytestmark = pytest.mark.usefixtures("plane")
 
 INTERVAL_S = 0.05
 
@@ -30,7 +32,7 @@ def write_engines(path: Path, engines: list[FakeOpenAIEngine]) -> None:
     staged.replace(path)
 
 
-async def wait_engines(gateway: Gateway, engines: list[FakeOpenAIEngine]) -> None:
+async def wait_engines(gateway: Gateway | NativeGateway, engines: list[FakeOpenAIEngine]) -> None:
     wanted = sorted(EngineSpec.from_dict(e.spec()).worker_id for e in engines)
     for _ in range(200):
         if sorted(s.worker_id for s in gateway.engines) == wanted:
@@ -60,12 +62,14 @@ def config(path: Path) -> dict[str, Any]:
     }
 
 
-def discovery_errors(gateway: Gateway) -> float:
+def discovery_errors(gateway: Gateway | NativeGateway) -> float:
     found = re.search(rb"(?m)^\w+_discovery_errors_total (\S+)$", gateway.metrics.render())
     return float(found.group(1)) if found else 0.0
 
 
-async def complete(client: aiohttp.ClientSession, gateway: Gateway, prompt: str) -> int:
+async def complete(
+    client: aiohttp.ClientSession, gateway: Gateway | NativeGateway, prompt: str
+) -> int:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
     async with client.post(gateway.url + "/v1/completions", json=body) as response:
         await response.read()
@@ -78,7 +82,7 @@ def test_engines_follow_the_discovery_file(tmp_path: Path) -> None:
     async def body() -> None:
         async with fakes(3) as (a, b, c), aiohttp.ClientSession() as client:
             write_engines(path, [a])
-            async with Gateway(config(path)) as gateway:
+            async with make_gateway(config(path), data_plane=current_plane()) as gateway:
                 assert await complete(client, gateway, "first") == 200
                 assert len(a.received) == 1
 
@@ -108,7 +112,7 @@ def test_a_bad_discovery_file_keeps_the_current_engines(tmp_path: Path) -> None:
     async def body() -> None:
         async with fakes(1) as (a,), aiohttp.ClientSession() as client:
             write_engines(path, [a])
-            async with Gateway(config(path)) as gateway:
+            async with make_gateway(config(path), data_plane=current_plane()) as gateway:
                 for bad in ("[]", "not: [a list", "- {host: 127.0.0.1, port: 0}"):
                     errors = discovery_errors(gateway)
                     path.write_text(bad)
@@ -145,7 +149,7 @@ def test_discovery_config_errors(tmp_path: Path) -> None:
 def test_set_engines_refuses_an_empty_or_repeated_set(tmp_path: Path) -> None:
     path = tmp_path / "engines.yaml"
     path.write_text(yaml.safe_dump([{"host": "127.0.0.1", "port": 8001}]))
-    gateway = Gateway(config(path))
+    gateway = make_gateway(config(path), data_plane=current_plane())
     spec = EngineSpec("127.0.0.1", 8002)
     with pytest.raises(ConfigError, match="at least one"):
         run(gateway.set_engines([]))

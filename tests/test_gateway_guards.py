@@ -16,11 +16,13 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from _gateway_harness import MODEL, rig, run
+from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
 
 from llmsched.errors import ConfigError
 from llmsched.gateway.config import read_engines_file
 from llmsched.testing.openai_engine import FakeOpenAIEngine
+
+pytestmark = pytest.mark.usefixtures("plane")
 
 
 async def _connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -12,7 +12,10 @@ from collections.abc import Callable
 
 import aiohttp
 import pytest
-from _gateway_harness import MODEL, Rig, rig, run
+from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.usefixtures("plane")
+
 
 SYSTEM = "You are a helpful assistant that answers in full sentences. " * 4
 # Probes fast enough for a test, thresholds as in production.

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
-from _gateway_harness import MODEL, rig, run
+import pytest
+from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
 
 from llmsched.testing.openai_engine import FakeOpenAIEngine
+
+pytestmark = pytest.mark.usefixtures("plane")
 
 KEYS = {
     "sk-interactive-0001": {"tenant": "acme", "priority": 5},

@@ -67,7 +67,9 @@ class Gateway:
     """A gateway to start in front of the engines (``direct``: none)."""
 
     name: str
-    kind: str  # "direct", "llmsched" (llmsched serve), "native" (llmsched-gateway) or "peer"
+    # "direct", "llmsched" (llmsched serve: llmsched-* on the python data plane,
+    # llmsched-serve-native-* on the native one), "native" (the llmsched-gateway binary), "peer"
+    kind: str
     mode: str  # "round-robin" or "cache-aware" (llmsched's llm-d preset counts as cache-aware)
     command: tuple[str, ...] = ()
 
@@ -206,14 +208,30 @@ def gateways(
     for name in names:
         if name == "direct":
             found.append(Gateway(name, "direct", "none"))
-        elif name in ("llmsched-llm-d", "llmsched-round-robin"):
-            router = name.removeprefix("llmsched-")
+        elif name in (
+            "llmsched-llm-d",
+            "llmsched-round-robin",
+            "llmsched-serve-native-llm-d",
+            "llmsched-serve-native-round-robin",
+        ):
+            plane = "native" if name.startswith("llmsched-serve-native-") else "python"
+            router = name.removeprefix("llmsched-serve-native-").removeprefix("llmsched-")
             found.append(
                 Gateway(
                     name,
                     "llmsched",
                     "round-robin" if router == "round-robin" else "cache-aware",
-                    (python, "-m", "llmsched", "serve", "--log-level", "ERROR", "--config"),
+                    (
+                        python,
+                        "-m",
+                        "llmsched",
+                        "serve",
+                        "--log-level",
+                        "ERROR",
+                        "--data-plane",
+                        plane,
+                        "--config",
+                    ),
                 )
             )
         elif name in ("llmsched-native-llm-d", "llmsched-native-round-robin"):
@@ -260,7 +278,7 @@ def gateway_command(gateway: Gateway, port: int, engines: list[str], work: Path)
     if gateway.kind == "llmsched":
         import yaml
 
-        router = gateway.name.removeprefix("llmsched-")
+        router = gateway.name.removeprefix("llmsched-serve-native-").removeprefix("llmsched-")
         config = {
             "listen": {"host": "127.0.0.1", "port": port},
             "engines": [
@@ -554,7 +572,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peers-python", default=None, help="the peers' environment's python")
     parser.add_argument(
         "--gateways",
-        default="direct,llmsched-llm-d,llmsched-round-robin,llmsched-native-llm-d,"
+        default="direct,llmsched-llm-d,llmsched-round-robin,llmsched-serve-native-llm-d,"
+        "llmsched-serve-native-round-robin,llmsched-native-llm-d,"
         "llmsched-native-round-robin,sglang-cache_aware,sglang-round_robin,vllm-cache_aware,"
         "vllm-round_robin",
     )

@@ -20,6 +20,8 @@ from llmsched.types import (
     IndexStats,
     KVCacheEvent,
     MetricsRead,
+    NativeFlowStats,
+    NativeGatewayCounters,
     PdNote,
     PluginInfo,
     ProfileData,
@@ -920,3 +922,46 @@ def simulate(
     `python-filter` plugins (`llmsched.routing.native_config`), called with the GIL taken for
     each call only.
     """
+
+@final
+class NativeGateway:
+    """The native data plane (`llmsched-gateway`) serving in-process on its own runtime thread;
+    `llmsched.gateway.NativeGateway` wraps it. Every method releases the GIL."""
+
+    def __new__(
+        cls,
+        config: str,
+        host: str,
+        port: int,
+        router: object | None = None,
+        extra_metrics: Callable[[], str] | None = None,
+    ) -> NativeGateway:
+        """Starts serving on `host:port` (0: any free port) with `config` (the JSON of the
+        native gateway config), routing with `router` (an `llmsched.Router` or its native
+        router; None: one built from `config`); `extra_metrics()` adds to `/metrics` (called
+        with the GIL on each scrape of it). Raises ConfigError naming the problem."""
+    @property
+    def host(self) -> str:
+        """The address listened on."""
+    @property
+    def port(self) -> int:
+        """The port listened on."""
+    @property
+    def running(self) -> bool:
+        """Whether it serves."""
+    def stop(self) -> None:
+        """Stops listening, closes every connection and joins the runtime thread."""
+    def set_engines(self, engines: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+        """Replaces the engines (`(id, base URL)` pairs); returns the ids added and removed."""
+    def metrics_text(self) -> str:
+        """The `/metrics` text."""
+    def health_states(self) -> list[tuple[str, str]]:
+        """Each engine's health state: `up`, `down` or `open`."""
+    def routable(self) -> list[str]:
+        """Engines a request could go to now."""
+    def flow_stats(self) -> NativeFlowStats | None:
+        """Flow control's snapshot, or None when it is off."""
+    def flow_metrics(self) -> FlowMetrics | None:
+        """Flow control's gauges and counters, or None when it is off."""
+    def counters(self) -> NativeGatewayCounters:
+        """Connection and request counters."""

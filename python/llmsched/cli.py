@@ -364,6 +364,13 @@ def add_serve_command(subparsers: Subparsers) -> None:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     parser.add_argument(
+        "--data-plane",
+        default=None,
+        choices=["python", "native"],
+        help="who serves requests (overrides data_plane): python (aiohttp, every feature) or "
+        "native (the Rust data plane in this process)",
+    )
+    parser.add_argument(
         "--loop",
         default="auto",
         choices=["auto", "asyncio", "uvloop"],
@@ -378,7 +385,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from llmsched.gateway import Gateway, load_config
+    from llmsched.gateway import load_config, make_gateway
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     config = load_config(args.config)
@@ -389,7 +396,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         if not 0 <= args.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, got {args.port}")
         listen = dataclasses.replace(listen, port=args.port)
-    gateway = Gateway(dataclasses.replace(config, listen=listen))
+    gateway = make_gateway(dataclasses.replace(config, listen=listen), data_plane=args.data_plane)
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -398,7 +405,12 @@ def _run_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await gateway.start()
         engines = ", ".join(spec.worker_id for spec in gateway.config.engines)
-        print(f"llmsched serve: listening on {gateway.url} in front of {engines}", flush=True)
+        plane = gateway.config.data_plane
+        print(
+            f"llmsched serve: listening on {gateway.url} in front of {engines} "
+            f"({plane} data plane)",
+            flush=True,
+        )
         try:
             await stop.wait()
         finally:

@@ -19,6 +19,7 @@ __all__ = [
     "ConfigError",
     "DuplicateRequestError",
     "FlowRejected",
+    "GatewayStoppedError",
     "HashChainError",
     "InternalError",
     "InvalidRequestError",
@@ -107,6 +108,10 @@ class InvalidRequestError(LlmschedError, ValueError):
 class InternalError(LlmschedError, RuntimeError):
     """A bug in llmsched's native core, caught at the Python boundary (no input should cause
     one: please report it with the message)."""
+
+
+class GatewayStoppedError(LlmschedError, RuntimeError):
+    """A call on a native gateway that is not serving (stopped, or never started)."""
 
 
 class InvalidValueError(LlmschedError, ValueError):

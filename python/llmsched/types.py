@@ -40,6 +40,8 @@ __all__ = [
     "KVEventDict",
     "MetricsRead",
     "MetricsSourceInfo",
+    "NativeFlowStats",
+    "NativeGatewayCounters",
     "PdNote",
     "PluginInfo",
     "PluginParamInfo",
@@ -642,3 +644,23 @@ class SchedulerConfig(TypedDict, total=False):
     kv_events: bool
     scrape: ScrapeSettings
     retry_after_s: float
+
+
+class NativeFlowStats(TypedDict):
+    """Flow control of the native data plane (``NativeGateway.flow_stats()``)."""
+
+    queued: int
+    running: int
+    saturation: float
+    tenants: int
+    outcomes: dict[str, int]
+
+
+class NativeGatewayCounters(TypedDict):
+    """Request and connection counters of the native data plane."""
+
+    received: int
+    completed: int
+    disconnects: int
+    connections: int
+    retries: int

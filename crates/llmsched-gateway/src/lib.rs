@@ -1,90 +1,205 @@
 //! A native data plane for OpenAI-compatible engines: HTTP/1.1 on tokio and hyper, routing with
-//! `llmsched-core`'s [`Router`] and no Python on the request path.
+//! `llmsched-core`'s [`Router`] and no Python on the request path. `llmsched serve` runs it
+//! in-process (`data_plane: native`) through the `llmsched._llmsched.NativeGateway` binding,
+//! sharing the router, pool and prefix index Python built from the YAML config; the
+//! `llmsched-gateway` binary runs it alone.
 //!
-//! Per request (`POST /v1/completions`, `POST /v1/chat/completions`): read the body up to
-//! [`GatewayConfig::max_body`] (413 beyond it), parse it as JSON (400 otherwise), hash the prompt
-//! as pseudo-tokens of 4 UTF-8 bytes (llm-d's approximate prefix mode; a chat's messages are
-//! rendered as `role\ncontent\n` each first; a token-id prompt is hashed as given), decide with
-//! the core router (`model` restricts the endpoints; `x-session-id` binds a session), then send
-//! the body unchanged to the chosen endpoint. Before the first byte of an answer has been
-//! passed on, a refused connection or a 5xx answer moves the request to the next endpoint in the
-//! decision's ranking, at most [`GatewayConfig::retries`] times. The answer streams through
-//! frame by frame (SSE or JSON, status and headers as the engine sent them, hop-by-hop headers
-//! dropped). The router's in-flight ticket is committed when the request is sent, marks the first
-//! token with the first body frame and finishes at the end of the answer; a client that leaves
-//! drops the answer, which closes the upstream connection (the engine sees the disconnect) and
-//! finishes the ticket. Both sides set `TCP_NODELAY`.
+//! Per request (`POST /v1/completions`, `POST /v1/chat/completions`): authenticate (API keys
+//! give the tenant and priority; without keys the `x-llmsched-tenant` / `x-llmsched-priority`
+//! headers do, tenant names bounded by [`GatewayConfig::max_tenants`]), read the body up to
+//! [`GatewayConfig::max_body`] within [`GatewayConfig::body_timeout_s`] (413 / 408), parse it
+//! as JSON (400), check the model (404), hash the prompt as pseudo-tokens of 4 UTF-8 bytes
+//! (llm-d's approximate prefix mode; a chat's messages rendered as `role\ncontent\n` each; a
+//! token-id prompt as given), take the key's rate and concurrency limits (429), wait in flow
+//! control when it is on (429 / 503 with `x-llmsched-dropped-reason`, 504 at the deadline),
+//! decide with the router (`model` restricts the endpoints; `x-session-id` binds a session;
+//! a prefill/decode split names the prefill endpoint in [`GatewayConfig::pd_header`]), then
+//! send the body unchanged to the chosen endpoint. Before the first byte of an answer has been
+//! passed on, a refused connection or (with [`GatewayConfig::retry_on_5xx`]) a 5xx answer
+//! moves the request to the next endpoint in the decision's ranking, at most
+//! [`GatewayConfig::retries`] times; no status line within `read_timeout_s` is a 504 (not
+//! retried: the engine may be running it). The answer streams through frame by frame (status
+//! and headers as the engine sent them, hop-by-hop headers dropped); a silence of
+//! `read_timeout_s` between frames or the deadline `total_timeout_s` cuts it. An answer cut
+//! upstream is never passed off as complete: an SSE stream gets an error event and is closed
+//! without its last chunk, any other body is closed mid-chunk; both are counted in
+//! `llmsched_gateway_truncated_answers_total`. The router's in-flight ticket is committed
+//! when the request is sent, marks the first token with the first body frame and finishes at
+//! the end of the answer; a client that leaves drops the answer, which closes the upstream
+//! connection (the engine sees the disconnect) and finishes the ticket. Both sides set
+//! `TCP_NODELAY`.
 //!
-//! The engines' `/metrics` are scraped every [`GatewayConfig::scrape_interval`] into the pool
-//! (vLLM or SGLang names, through `routing::metrics_text`); while no request arrives the
-//! interval doubles up to 25 times its base, so an idle gateway costs next to nothing.
-//! `GET /health` answers 200, `GET /metrics` the gateway's own counters, `GET /v1/models` the
-//! first endpoint's answer.
+//! Background work: the engines' `/metrics` are scraped every `scrape_interval_s` into the
+//! pool and flow control's saturation detector (vLLM or SGLang names, through
+//! `routing::metrics_text`); while no request arrives the interval doubles up to 25 times its
+//! base. Health probes and the circuit breaker follow [`health`]. `GET /health`, `GET /ready`
+//! (503 while no engine is routable), `GET /metrics` (the Python plane's metric names) and
+//! `GET /v1/models` (the configured models) are served natively.
 //!
-//! Not done here (the Python gateway, `llmsched serve`, does them): API keys, tenants and
-//! priorities, flow control and its queue, rate limits, a tokenizer and chat template, P/D
-//! headers, token slices, discovery, KV events, health checks and the circuit breaker, timeouts
-//! other than the engines' own, and YAML configuration.
+//! Not done here (the Python plane, `data_plane: python`, does them): a Hugging Face
+//! tokenizer and chat template, token slices, replica sync, the admin API, and Python
+//! scorers of the router run through the GIL (the router calls them as configured).
 
+pub mod flow;
+pub mod guards;
+pub mod health;
+pub mod metrics;
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::header::{HeaderName, CONTENT_TYPE};
+use hyper::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use llmsched_core::flow::EndpointMetrics;
 use llmsched_core::hashing::text::pack_text;
 use llmsched_core::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
 use llmsched_core::routing::{
     metrics_text, parse_config, presets, Endpoint, EndpointPool, RequestMeta, Router,
     RouterOptions, RoutingError, StalePolicy, Ticket,
 };
+use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
-/// What a gateway serves and how.
-#[derive(Clone, Debug)]
+pub use guards::ApiKeyConfig;
+pub use health::HealthConfig;
+pub use metrics::Counters;
+
+/// What a gateway serves and how. Deserializes from JSON with these field names (what
+/// `llmsched serve` passes); fields left out keep their defaults.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct GatewayConfig {
-    /// Base URLs of the engines (`http://127.0.0.1:8000`).
-    pub engines: Vec<String>,
+    /// The engines: base URLs (`http://127.0.0.1:8000`, id `127.0.0.1:8000`) or
+    /// `{"id": ..., "url": ...}`.
+    pub engines: Vec<EngineEntry>,
+    /// Models served (`model` of a request must be one; empty: any, and `/v1/models` is the
+    /// first engine's answer).
+    pub models: Vec<String>,
     /// The router configuration: a preset name (`llm-d`, `round-robin`, ...) or llm-d's
-    /// `EndpointPickerConfig` shape as JSON.
+    /// `EndpointPickerConfig` shape as JSON. Unused when a router is given.
     pub router: Value,
-    /// Tokens per block of the prefix index.
+    /// Tokens per block of the prefix index. Unused when a router is given.
     pub block_size: usize,
     /// The largest request body accepted (413 beyond it).
     pub max_body: usize,
-    /// Further endpoints tried when one refuses the connection or answers 5xx before the first
-    /// byte.
+    /// Further endpoints tried when one refuses the connection (or answers 5xx) before the
+    /// first byte.
     pub retries: usize,
+    /// Whether a 5xx answer is retried (false: relayed at once).
+    pub retry_on_5xx: bool,
     /// Base interval of the metrics scrape; `None` disables it.
-    pub scrape_interval: Option<Duration>,
-    /// Seed of the router's random choices.
+    pub scrape_interval_s: Option<f64>,
+    /// A scrape's timeout.
+    pub scrape_timeout_s: f64,
+    /// Seed of the router's random choices. Unused when a router is given.
     pub seed: u64,
+    /// Flow control (the input format of `llmsched.FlowController`); `None`: off.
+    pub flow: Option<Value>,
+    /// API keys (empty: no authentication; tenant and priority from the headers).
+    pub api_keys: Vec<ApiKeyConfig>,
+    /// `Retry-After` of flow-control refusals and 503s.
+    pub retry_after_s: u64,
+    /// Bound on reading a request body (408 after it).
+    pub body_timeout_s: f64,
+    /// A client connection idle this long between requests (or whose headers do not all
+    /// arrive) is closed.
+    pub idle_timeout_s: f64,
+    /// Upstream connect timeout (None: none).
+    pub connect_timeout_s: Option<f64>,
+    /// Longest upstream silence: before the status line (504) and between frames (cut).
+    pub read_timeout_s: Option<f64>,
+    /// A request's deadline from arrival, queueing and streaming included.
+    pub total_timeout_s: Option<f64>,
+    /// Client connections open at once (one more gets a 503 and is closed).
+    pub max_connections: usize,
+    /// Request headers at most (more: 431).
+    pub max_headers: usize,
+    /// Bytes of one header (name and value) at most (more: 431).
+    pub max_field_size: usize,
+    /// Bytes of the request target at most (more: 414).
+    pub max_line_size: usize,
+    /// Distinct tenant names taken from headers (later ones share `~overflow`).
+    pub max_tenants: usize,
+    /// How long a header tenant name holds its place unseen.
+    pub tenant_idle_s: f64,
+    /// Engine health (probes, circuit breaker).
+    pub health: HealthConfig,
+    /// The header naming the prefill endpoint of a disaggregated request (None: off).
+    pub pd_header: Option<String>,
+    /// Tokio worker threads of an in-process gateway (1: everything on one thread).
+    pub threads: usize,
 }
 
 impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
             engines: Vec::new(),
+            models: Vec::new(),
             router: json!("llm-d"),
             block_size: 16,
             max_body: 16 << 20,
             retries: 2,
-            scrape_interval: Some(Duration::from_millis(200)),
+            retry_on_5xx: true,
+            scrape_interval_s: Some(0.2),
+            scrape_timeout_s: 1.0,
             seed: 0,
+            flow: None,
+            api_keys: Vec::new(),
+            retry_after_s: 1,
+            body_timeout_s: 30.0,
+            idle_timeout_s: 60.0,
+            connect_timeout_s: Some(2.0),
+            read_timeout_s: Some(600.0),
+            total_timeout_s: Some(1800.0),
+            max_connections: 4096,
+            max_headers: 64,
+            max_field_size: 8190,
+            max_line_size: 8190,
+            max_tenants: 10_000,
+            tenant_idle_s: 300.0,
+            health: HealthConfig { interval_s: None, ..HealthConfig::default() },
+            pd_header: None,
+            threads: 1,
         }
+    }
+}
+
+/// One engine: its base URL, with the id it has in the router's pool (default: the URL's
+/// `host:port`).
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum EngineEntry {
+    /// A base URL.
+    Url(String),
+    /// An id and a base URL.
+    Named {
+        /// The id in the pool.
+        id: String,
+        /// The base URL.
+        url: String,
+    },
+}
+
+impl From<String> for EngineEntry {
+    fn from(url: String) -> Self {
+        EngineEntry::Url(url)
     }
 }
 
@@ -100,46 +215,89 @@ impl std::fmt::Display for ConfigProblem {
 
 impl std::error::Error for ConfigProblem {}
 
-/// The gateway's counters (`GET /metrics`).
-#[derive(Default, Debug)]
-pub struct Counters {
-    /// Completion requests received.
-    pub requests: AtomicU64,
-    /// Answers passed on to the end.
-    pub completed: AtomicU64,
-    /// Requests refused by the gateway (4xx of its own, no endpoint).
-    pub refused: AtomicU64,
-    /// Requests moved to another endpoint before the first byte.
-    pub retries: AtomicU64,
-    /// Requests that no endpoint answered (502) or that broke off upstream mid-answer.
-    pub upstream_errors: AtomicU64,
-    /// Answers the client left before their end.
-    pub disconnects: AtomicU64,
+/// Seconds on `CLOCK_MONOTONIC`: the clock of Python's `time.monotonic()`, so that a router
+/// shared with Python sees one time line.
+pub fn monotonic() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Where the gateway's router lives: owned (the binary, the tests) or shared with Python.
+pub trait RouterSource: Send + Sync + 'static {
+    /// The router.
+    fn router(&self) -> &Router;
+}
+
+impl RouterSource for Router {
+    fn router(&self) -> &Router {
+        self
+    }
 }
 
 struct Upstream {
     key: WorkerKey,
+    id: String,
     completions: Uri,
     chat: Uri,
     metrics: Uri,
     models: Uri,
+    probe: Uri,
+    health: Mutex<health::Health>,
+    /// The pool entry while the engine is out of routing.
+    parked: Mutex<Option<Endpoint>>,
+    /// Whether its last metrics scrape failed (such an engine is not routable).
+    scrape_failed: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Default)]
+struct Upstreams {
+    list: Vec<Arc<Upstream>>,
+    by_key: HashMap<WorkerKey, Arc<Upstream>>,
 }
 
 struct Gateway {
-    router: Router,
-    upstreams: Vec<Upstream>,
+    source: Arc<dyn RouterSource>,
+    owns_pool: bool,
+    upstreams: RwLock<Arc<Upstreams>>,
     client: Client<HttpConnector, Full<Bytes>>,
     config: GatewayConfig,
     counters: Arc<Counters>,
-    epoch: Instant,
+    keys: guards::Keys,
+    tenants: guards::Tenants,
+    flow: Option<Arc<flow::Flow>>,
+    models: HashSet<String>,
+    pd_header: Option<HeaderName>,
+    extra_metrics: Option<ExtraMetrics>,
+    /// Woken when an engine leaves routing or its scrape fails (queued requests then check
+    /// whether any engine is left).
+    routing_changed: tokio::sync::Notify,
+    /// Woken when failed attempts ask for confirming probes or take an engine out.
+    suspect: tokio::sync::Notify,
 }
 
-/// A listening gateway.
+/// More exposition text for `/metrics`, from the embedding program (the Python side's
+/// KV-event counters); called on each scrape of `/metrics` only.
+pub type ExtraMetrics = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// A listening gateway on the caller's runtime.
 pub struct GatewayHandle {
     /// Where it listens.
     pub addr: SocketAddr,
     /// Its counters.
     pub counters: Arc<Counters>,
+    gateway: Arc<Gateway>,
+}
+
+impl GatewayHandle {
+    /// See [`Running::set_engines`].
+    pub fn set_engines(
+        &self,
+        engines: &[EngineEntry],
+    ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
+        self.gateway.set_engines(engines)
+    }
 }
 
 fn router_config(value: &Value) -> Result<Value, ConfigProblem> {
@@ -155,10 +313,38 @@ fn router_config(value: &Value) -> Result<Value, ConfigProblem> {
     }
 }
 
-fn build(config: GatewayConfig) -> Result<Gateway, ConfigProblem> {
-    if config.engines.is_empty() {
-        return Err(ConfigProblem("engines: at least one engine is needed".into()));
-    }
+fn upstream(entry: &EngineEntry) -> Result<Upstream, ConfigProblem> {
+    let (named, base) = match entry {
+        EngineEntry::Url(url) => (None, url.as_str()),
+        EngineEntry::Named { id, url } => (Some(id.clone()), url.as_str()),
+    };
+    let base = base.trim_end_matches('/');
+    let not_http = || ConfigProblem(format!("engines: {base:?} is not an http:// URL"));
+    let uri = base
+        .parse::<Uri>()
+        .ok()
+        .filter(|u| u.scheme_str() == Some("http") && u.authority().is_some())
+        .ok_or_else(not_http)?;
+    let id = match named {
+        Some(id) => id,
+        None => uri.authority().map(|a| a.to_string()).ok_or_else(not_http)?,
+    };
+    let at = |path: &str| format!("{base}{path}").parse::<Uri>().map_err(|_| not_http());
+    Ok(Upstream {
+        key: WorkerKey::Str(id.clone()),
+        id,
+        completions: at("/v1/completions")?,
+        chat: at("/v1/chat/completions")?,
+        metrics: at("/metrics")?,
+        models: at("/v1/models")?,
+        probe: Uri::default(),
+        health: Mutex::new(health::Health::default()),
+        parked: Mutex::new(None),
+        scrape_failed: std::sync::atomic::AtomicBool::new(false),
+    })
+}
+
+fn owned_router(config: &GatewayConfig) -> Result<Router, ConfigProblem> {
     let parsed = parse_config(&router_config(&config.router)?)
         .map_err(|e| ConfigProblem(format!("router: {e}")))?;
     let index =
@@ -166,208 +352,1268 @@ fn build(config: GatewayConfig) -> Result<Gateway, ConfigProblem> {
             .map_err(|e| ConfigProblem(format!("block_size: {e}")))?;
     let pool = EndpointPool::new(StalePolicy::default())
         .map_err(|e| ConfigProblem(format!("pool: {e}")))?;
-    let mut upstreams = Vec::new();
-    for base in &config.engines {
-        let base = base.trim_end_matches('/').to_string();
-        let not_http = || ConfigProblem(format!("engines: {base:?} is not an http:// URL"));
-        base.parse::<Uri>()
-            .ok()
-            .filter(|u| u.scheme_str() == Some("http") && u.authority().is_some())
-            .ok_or_else(not_http)?;
-        let at = |path: &str| format!("{base}{path}").parse::<Uri>().map_err(|_| not_http());
-        let key = WorkerKey::Str(base.clone());
-        if !pool.upsert(Endpoint { address: base.clone(), ..Endpoint::new(key.clone()) }) {
-            return Err(ConfigProblem(format!("engines: {base:?} is listed twice")));
-        }
-        upstreams.push(Upstream {
-            key,
-            completions: at("/v1/completions")?,
-            chat: at("/v1/chat/completions")?,
-            metrics: at("/metrics")?,
-            models: at("/v1/models")?,
-        });
-    }
     let options = RouterOptions { seed: config.seed, ..RouterOptions::default() };
-    let router = Router::new(Arc::new(pool), Arc::new(index), parsed, options)
-        .map_err(|e| ConfigProblem(format!("router: {e}")))?;
+    Router::new(Arc::new(pool), Arc::new(index), parsed, options)
+        .map_err(|e| ConfigProblem(format!("router: {e}")))
+}
+
+fn check(config: &GatewayConfig) -> Result<(), ConfigProblem> {
+    let positive = |name: &str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            Err(ConfigProblem(format!("{name}: must be a number of seconds > 0, got {v}")))
+        }
+    };
+    positive("body_timeout_s", config.body_timeout_s)?;
+    positive("idle_timeout_s", config.idle_timeout_s)?;
+    positive("scrape_timeout_s", config.scrape_timeout_s)?;
+    positive("tenant_idle_s", config.tenant_idle_s)?;
+    positive("health.timeout_s", config.health.timeout_s)?;
+    positive("health.eject_s", config.health.eject_s)?;
+    positive("health.breaker_window_s", config.health.breaker_window_s)?;
+    positive("health.breaker_open_s", config.health.breaker_open_s)?;
+    for (name, value) in [
+        ("connect_timeout_s", config.connect_timeout_s),
+        ("read_timeout_s", config.read_timeout_s),
+        ("total_timeout_s", config.total_timeout_s),
+        ("scrape_interval_s", config.scrape_interval_s),
+        ("health.interval_s", config.health.interval_s),
+    ] {
+        if let Some(v) = value {
+            positive(name, v)?;
+        }
+    }
+    if config.max_connections == 0 || config.max_tenants == 0 || config.threads == 0 {
+        return Err(ConfigProblem(
+            "max_connections, max_tenants and threads: must be at least 1".into(),
+        ));
+    }
+    if !config.health.path.starts_with('/') {
+        return Err(ConfigProblem("health.path: must be a URL path starting with /".into()));
+    }
+    Ok(())
+}
+
+fn build(
+    config: GatewayConfig,
+    source: Option<Arc<dyn RouterSource>>,
+    extra_metrics: Option<ExtraMetrics>,
+) -> Result<Gateway, ConfigProblem> {
+    check(&config)?;
+    if config.engines.is_empty() {
+        return Err(ConfigProblem("engines: at least one engine is needed".into()));
+    }
+    let owns_pool = source.is_none();
+    let source: Arc<dyn RouterSource> = match source {
+        Some(source) => source,
+        None => Arc::new(owned_router(&config)?),
+    };
+    let now = monotonic();
+    let keys = guards::Keys::new(&config.api_keys, now).map_err(ConfigProblem)?;
+    let flow = match &config.flow {
+        None => None,
+        Some(value) => {
+            Some(Arc::new(flow::Flow::new(value).map_err(|e| ConfigProblem(format!("flow: {e}")))?))
+        }
+    };
+    let pd_header = match &config.pd_header {
+        None => None,
+        Some(name) => Some(HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+            ConfigProblem(format!("pd.header: {name:?} is not an HTTP header name"))
+        })?),
+    };
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
+    connector.set_connect_timeout(config.connect_timeout_s.map(Duration::from_secs_f64));
     let client = Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
         .build(connector);
-    Ok(Gateway {
-        router,
-        upstreams,
+    let gateway = Gateway {
+        source,
+        owns_pool,
+        upstreams: RwLock::new(Arc::new(Upstreams::default())),
         client,
-        config,
         counters: Arc::new(Counters::default()),
-        epoch: Instant::now(),
-    })
+        keys,
+        tenants: guards::Tenants::new(config.max_tenants, config.tenant_idle_s),
+        flow,
+        models: config.models.iter().cloned().collect(),
+        pd_header,
+        extra_metrics,
+        routing_changed: tokio::sync::Notify::new(),
+        suspect: tokio::sync::Notify::new(),
+        config,
+    };
+    let engines = gateway.config.engines.clone();
+    gateway.set_engines(&engines)?;
+    Ok(gateway)
 }
 
 /// Checks `config`, binds `addr` and serves from tasks on the current tokio runtime (the
-/// metrics scrape included) until the runtime stops.
+/// metrics scrape, health probes and flow control's timer included) until the runtime stops.
 pub async fn start(
     addr: SocketAddr,
     config: GatewayConfig,
 ) -> Result<GatewayHandle, ConfigProblem> {
-    let gateway = Arc::new(build(config)?);
+    let gateway = Arc::new(build(config, None, None)?);
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
     let addr = listener.local_addr().map_err(|e| ConfigProblem(e.to_string()))?;
     let counters = gateway.counters.clone();
-    if let Some(interval) = gateway.config.scrape_interval {
-        tokio::spawn(scrape(gateway.clone(), interval));
-    }
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let gateway = gateway.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |request| gateway.clone().handle(request));
-                let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
-            });
-        }
-    });
-    Ok(GatewayHandle { addr, counters })
+    // No stop signal: it serves until the runtime stops.
+    let (_, stop) = watch::channel(false);
+    tokio::spawn(serve(gateway.clone(), listener, stop));
+    Ok(GatewayHandle { addr, counters, gateway })
 }
 
-/// Scrapes every engine's `/metrics` into the pool; backs off while no request arrives.
+/// A gateway serving on its own runtime thread(s); [`Running::stop`] (or dropping it) closes
+/// the listener and every connection, then joins the thread.
+pub struct Running {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    gateway: Arc<Gateway>,
+    stop: Option<watch::Sender<bool>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Starts a gateway on its own runtime (`config.threads` worker threads) listening on
+/// `addr`, routing with `source` (None: a router built from `config`); `extra_metrics` adds
+/// to `/metrics`. Returns once it listens.
+pub fn spawn(
+    addr: SocketAddr,
+    config: GatewayConfig,
+    source: Option<Arc<dyn RouterSource>>,
+    extra_metrics: Option<ExtraMetrics>,
+) -> Result<Running, ConfigProblem> {
+    let threads = config.threads;
+    let gateway = Arc::new(build(config, source, extra_metrics)?);
+    let std_listener = std::net::TcpListener::bind(addr)
+        .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
+    std_listener.set_nonblocking(true).map_err(|e| ConfigProblem(e.to_string()))?;
+    let addr = std_listener.local_addr().map_err(|e| ConfigProblem(e.to_string()))?;
+    let mut builder = if threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        builder.worker_threads(threads);
+        builder
+    };
+    let runtime = builder
+        .enable_all()
+        .thread_name("llmsched-gateway")
+        .build()
+        .map_err(|e| ConfigProblem(format!("cannot start the runtime: {e}")))?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let served = gateway.clone();
+    let thread = std::thread::Builder::new()
+        .name("llmsched-gateway".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                match TcpListener::from_std(std_listener) {
+                    Ok(listener) => serve(served, listener, stop_rx).await,
+                    Err(err) => eprintln!("llmsched-gateway: cannot listen: {err}"),
+                }
+            });
+            // Dropping the runtime cancels every connection task.
+            runtime.shutdown_timeout(Duration::from_secs(1));
+        })
+        .map_err(|e| ConfigProblem(format!("cannot start the gateway thread: {e}")))?;
+    Ok(Running { addr, gateway, stop: Some(stop_tx), thread: Some(thread) })
+}
+
+impl Running {
+    /// Stops listening, closes every connection (in-flight requests are cut) and joins the
+    /// runtime thread. Idempotent.
+    pub fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+
+    /// Whether it still serves.
+    pub fn running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.gateway.counters
+    }
+
+    /// Replaces the engines (base URLs); returns the ids added and removed. Kept engines keep
+    /// their health; with a router of its own the gateway updates the pool too (a shared
+    /// router's pool is its owner's to update). An empty, repeated or malformed list changes
+    /// nothing.
+    pub fn set_engines(
+        &self,
+        engines: &[EngineEntry],
+    ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
+        self.gateway.set_engines(engines)
+    }
+
+    /// The `/metrics` text.
+    pub fn metrics_text(&self) -> String {
+        self.gateway.metrics_text()
+    }
+
+    /// Each engine's id and health state (`up`, `down`, `open`).
+    pub fn health_states(&self) -> Vec<(String, &'static str)> {
+        let upstreams = self.gateway.upstreams();
+        upstreams
+            .list
+            .iter()
+            .map(|u| {
+                (u.id.clone(), u.health.lock().unwrap_or_else(|e| e.into_inner()).state.name())
+            })
+            .collect()
+    }
+
+    /// Flow control's snapshot (None when off).
+    pub fn flow_stats(&self) -> Option<flow::FlowStats> {
+        self.gateway.flow.as_ref().map(|f| f.stats(monotonic()))
+    }
+
+    /// Flow control's gauges and counters (None when off).
+    pub fn flow_metrics(&self) -> Option<llmsched_core::flow::metrics::ControllerMetrics> {
+        self.gateway.flow.as_ref().and_then(|f| f.metrics(monotonic()))
+    }
+
+    /// Engines a request could go to now.
+    pub fn routable(&self) -> Vec<String> {
+        self.gateway.routable()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn serve(gateway: Arc<Gateway>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    if let Some(interval) = gateway.config.scrape_interval_s {
+        tokio::spawn(scrape(gateway.clone(), Duration::from_secs_f64(interval)));
+    }
+    tokio::spawn(probes(gateway.clone()));
+    if let Some(flow) = &gateway.flow {
+        tokio::spawn(flow.clone().run(monotonic));
+    }
+    let idle = Duration::from_secs_f64(gateway.config.idle_timeout_s);
+    // A dropped sender is no stop signal.
+    let stopped = async move {
+        if stop.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::pin!(stopped);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = &mut stopped => return,
+        };
+        let Ok((stream, _)) = accepted else {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let counters = gateway.counters.clone();
+        let open = counters.connections.fetch_add(1, Ordering::Relaxed);
+        let gateway = gateway.clone();
+        let max_headers = gateway.config.max_headers;
+        tokio::spawn(async move {
+            let _open = OpenConnection(counters.clone());
+            if open as usize >= gateway.config.max_connections {
+                counters.connections_refused.fetch_add(1, Ordering::Relaxed);
+                refuse_connection(stream).await;
+                return;
+            }
+            let service = service_fn(move |request| gateway.clone().handle(request));
+            let _ = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(idle)
+                .max_headers(max_headers)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+struct OpenConnection(Arc<Counters>);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn refuse_connection(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = br#"{"error":{"message":"too many connections","type":"service_unavailable","param":null,"code":503}}"#;
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = stream.write_all(head.as_bytes()).await;
+    let _ = stream.write_all(body).await;
+    let _ = stream.shutdown().await;
+}
+
+/// Scrapes every engine's `/metrics` into the pool and flow control; backs off while no
+/// request arrives.
 async fn scrape(gateway: Arc<Gateway>, base: Duration) {
     let mut interval = base;
     let mut seen = u64::MAX;
+    let timeout = Duration::from_secs_f64(gateway.config.scrape_timeout_s);
     loop {
         tokio::time::sleep(interval).await;
-        let requests = gateway.counters.requests.load(Ordering::Relaxed);
+        let requests = gateway.counters.received.load(Ordering::Relaxed);
         interval = if requests == seen { (interval * 2).min(base * 25) } else { base };
         seen = requests;
-        for upstream in &gateway.upstreams {
-            let Ok(answer) = gateway.client.get(upstream.metrics.clone()).await else { continue };
-            if !answer.status().is_success() {
-                continue;
-            }
-            let Ok(body) = answer.into_body().collect().await else { continue };
-            let Ok(text) = std::str::from_utf8(&body.to_bytes()).map(str::to_owned) else {
-                continue;
+        let upstreams = gateway.upstreams();
+        for upstream in &upstreams.list {
+            let fetch = async {
+                let answer = gateway.client.get(upstream.metrics.clone()).await.ok()?;
+                if !answer.status().is_success() {
+                    return None;
+                }
+                let body = answer.into_body().collect().await.ok()?.to_bytes();
+                String::from_utf8(body.to_vec()).ok()
             };
-            if let Ok(scraped) = metrics_text::parse(&text) {
-                let now = gateway.now();
-                let _ = gateway.router.pool().update_metrics(&upstream.key, scraped.update, now);
+            let scraped = match tokio::time::timeout(timeout, fetch).await {
+                Ok(Some(text)) => metrics_text::parse(&text).ok(),
+                _ => None,
+            };
+            if !upstream.scrape_failed.swap(scraped.is_none(), Ordering::Relaxed)
+                && scraped.is_none()
+            {
+                gateway.routing_changed.notify_waiters();
             }
+            let Some(scraped) = scraped else { continue };
+            let now = monotonic();
+            let update = scraped.update;
+            let _ = gateway.router().pool().update_metrics(&upstream.key, update, now);
+            if let Some(flow) = &gateway.flow {
+                flow.update_endpoint(
+                    &upstream.id,
+                    EndpointMetrics {
+                        waiting: u64::from(update.waiting.unwrap_or(0)),
+                        running: u64::from(update.running.unwrap_or(0)),
+                        kv_usage: update.kv_cache_usage.unwrap_or(0.0).clamp(0.0, 1.0),
+                        timestamp: now,
+                    },
+                );
+            }
+        }
+        if let Some(flow) = &gateway.flow {
+            flow.pump(monotonic());
+        }
+    }
+}
+
+/// Active health checks: engines in routing every `health.interval_s`, engines out of it
+/// (down, breaker open) when their next probe is due, suspects (failed attempts) at once.
+async fn probes(gateway: Arc<Gateway>) {
+    let config = gateway.config.health.clone();
+    // Confirming probes run 100 ms apart; otherwise the loop sleeps until the next probe is
+    // due (an idle gateway wakes once per `interval_s`), or until an attempt fails.
+    let tick = 0.1;
+    let mut next_active = monotonic() + config.interval_s.unwrap_or(1e9);
+    loop {
+        let now = monotonic();
+        let mut wake = next_active;
+        for upstream in &gateway.upstreams().list {
+            let health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
+            wake = match health.state {
+                health::State::Up if health.suspect => wake.min(now + tick),
+                health::State::Up => wake,
+                _ => wake.min(health.next_probe_at.max(now + tick)),
+            };
+        }
+        let sleep = Duration::from_secs_f64((wake - now).clamp(0.0, 1e6));
+        tokio::select! {
+            _ = tokio::time::sleep(sleep) => {}
+            _ = gateway.suspect.notified() => continue,
+        }
+        let now = monotonic();
+        let active = now >= next_active;
+        if active {
+            next_active = now + config.interval_s.unwrap_or(1e9);
+        }
+        let upstreams = gateway.upstreams();
+        for upstream in &upstreams.list {
+            let due = {
+                let health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
+                match health.state {
+                    health::State::Up => active || health.suspect,
+                    _ => now >= health.next_probe_at,
+                }
+            };
+            if !due {
+                continue;
+            }
+            let ok = gateway.probe(upstream).await;
+            let result = if ok { "ok" } else { "failed" };
+            gateway.counters.probes.inc(&[&upstream.id, result]);
+            let change = upstream.health.lock().unwrap_or_else(|e| e.into_inner()).probe(
+                &config,
+                ok,
+                monotonic(),
+            );
+            gateway.apply(upstream, change);
         }
     }
 }
 
 type Answer = Response<Relay>;
 
+/// An OpenAI-shaped refusal of the gateway's own.
+struct Refusal {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+    param: Option<&'static str>,
+    reason: Option<&'static str>,
+    retry_after: Option<String>,
+    close: bool,
+}
+
+impl Refusal {
+    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Refusal {
+        Refusal {
+            status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+            kind,
+            message: message.into(),
+            param: None,
+            reason: None,
+            retry_after: None,
+            close: false,
+        }
+    }
+
+    fn param(mut self, param: &'static str) -> Refusal {
+        self.param = Some(param);
+        self
+    }
+
+    fn dropped(mut self, reason: &'static str, retry_after: String) -> Refusal {
+        self.reason = Some(reason);
+        self.retry_after = Some(retry_after);
+        self
+    }
+}
+
+const TENANT_HEADER: &str = "x-llmsched-tenant";
+const PRIORITY_HEADER: &str = "x-llmsched-priority";
+const DROPPED_REASON_HEADER: &str = "x-llmsched-dropped-reason";
+const SESSION_HEADER: &str = "x-session-id";
+/// Deepest nesting of a request body (chat content parts and tool schemas need a few levels).
+const MAX_DEPTH: usize = 64;
+const NESTED: &str = "the body is nested too deeply";
+const MAX_TOKEN_LIMIT: u64 = (1 << 31) - 1;
+
+fn depth(value: &Value) -> usize {
+    match value {
+        Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+        Value::Object(fields) => 1 + fields.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// The sampling fields the gateway reads have the types the OpenAI API gives them; 400
+/// naming the field otherwise.
+fn check_fields(payload: &Value) -> Result<(), Refusal> {
+    let bad = |field: &'static str, what: &str| {
+        Refusal::new(400, "invalid_request_error", format!("'{field}' must be {what}")).param(field)
+    };
+    for field in ["max_tokens", "max_completion_tokens"] {
+        match payload.get(field) {
+            None | Some(Value::Null) => {}
+            Some(Value::Number(n))
+                if n.as_u64().is_some_and(|n| (1..=MAX_TOKEN_LIMIT).contains(&n)) => {}
+            Some(_) => {
+                return Err(bad(field, &format!("an integer in 1..{MAX_TOKEN_LIMIT} or null")))
+            }
+        }
+    }
+    match payload.get("stop") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(Value::Array(items)) if items.iter().all(Value::is_string) => {}
+        Some(_) => return Err(bad("stop", "a string, a list of strings or null")),
+    }
+    match payload.get("stream") {
+        None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+        Some(_) => return Err(bad("stream", "true, false or null")),
+    }
+    match payload.get("stream_options") {
+        None | Some(Value::Null) | Some(Value::Object(_)) => {}
+        Some(_) => return Err(bad("stream_options", "an object or null")),
+    }
+    match payload.get("cache_salt") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(_) => return Err(bad("cache_salt", "a string or null")),
+    }
+    Ok(())
+}
+
+struct Identity {
+    tenant: Arc<str>,
+    priority: i32,
+    limiter: Option<Arc<guards::KeyLimiter>>,
+}
+
 impl Gateway {
-    fn now(&self) -> f64 {
-        self.epoch.elapsed().as_secs_f64()
+    fn router(&self) -> &Router {
+        self.source.router()
+    }
+
+    fn upstreams(&self) -> Arc<Upstreams> {
+        self.upstreams.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set_engines(
+        &self,
+        engines: &[EngineEntry],
+    ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
+        if engines.is_empty() {
+            return Err(ConfigProblem("engines: at least one engine is needed".into()));
+        }
+        let current = self.upstreams();
+        let mut next = Upstreams::default();
+        let mut added = Vec::new();
+        for entry in engines {
+            let mut fresh = upstream(entry)?;
+            let base = fresh.completions.to_string();
+            let base = base.trim_end_matches("/v1/completions");
+            if next.by_key.contains_key(&fresh.key) {
+                return Err(ConfigProblem(format!("engines: {} is listed twice", fresh.id)));
+            }
+            let probe = format!("{}{}", base.trim_end_matches('/'), self.config.health.path);
+            fresh.probe = probe
+                .parse()
+                .map_err(|_| ConfigProblem(format!("health.path: {probe:?} is not a URL")))?;
+            let kept =
+                current.by_key.get(&fresh.key).filter(|u| u.completions == fresh.completions);
+            let entry = match kept {
+                Some(kept) => kept.clone(),
+                None => {
+                    added.push(fresh.id.clone());
+                    Arc::new(fresh)
+                }
+            };
+            next.by_key.insert(entry.key.clone(), entry.clone());
+            next.list.push(entry);
+        }
+        let removed: Vec<String> = current
+            .list
+            .iter()
+            .filter(|u| !next.by_key.get(&u.key).is_some_and(|n| Arc::ptr_eq(n, u)))
+            .map(|u| u.id.clone())
+            .collect();
+        if self.owns_pool {
+            let pool = self.router().pool();
+            for gone in current.list.iter().filter(|u| removed.contains(&u.id)) {
+                let _ = pool.remove(&gone.key);
+            }
+            for new in next.list.iter().filter(|u| added.contains(&u.id)) {
+                let address = new.models.authority().map(|a| a.to_string()).unwrap_or_default();
+                pool.upsert(Endpoint { address, ..Endpoint::new(new.key.clone()) });
+            }
+        }
+        if let Some(flow) = &self.flow {
+            for gone in &removed {
+                flow.remove_endpoint(gone);
+            }
+        }
+        let changes = added.len() + removed.len();
+        *self.upstreams.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
+        if !current.list.is_empty() {
+            self.counters.engine_changes.fetch_add(changes as u64, Ordering::Relaxed);
+        }
+        // An engine both removed and re-added (a changed URL) is reported once each way.
+        Ok((added, removed))
+    }
+
+    /// Takes an engine out of routing or puts it back.
+    fn apply(&self, upstream: &Upstream, change: health::Change) {
+        let pool = self.router().pool();
+        match change {
+            health::Change::None => {}
+            health::Change::Out(state) => {
+                let family = match state {
+                    health::State::Open => &self.counters.breaker_opens,
+                    _ => &self.counters.ejections,
+                };
+                family.inc(&[&upstream.id]);
+                let snapshot = pool.snapshot();
+                if let Some(member) = snapshot.get(&upstream.key) {
+                    *upstream.parked.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(member.endpoint.clone());
+                    let _ = pool.remove(&upstream.key);
+                }
+                self.routing_changed.notify_waiters();
+            }
+            health::Change::Back => {
+                let parked = upstream.parked.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some(endpoint) = parked {
+                    pool.upsert(endpoint);
+                }
+            }
+        }
+    }
+
+    fn attempt_ended(&self, upstream: &Upstream, failure: Option<&str>) {
+        let (change, suspect) = {
+            let mut health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
+            let change = health.attempt(&self.config.health, failure, monotonic());
+            (change, health.suspect)
+        };
+        // The probe loop recomputes when its next probe is due.
+        if suspect || change != health::Change::None {
+            self.suspect.notify_one();
+        }
+        self.apply(upstream, change);
+    }
+
+    async fn probe(&self, upstream: &Upstream) -> bool {
+        let timeout = Duration::from_secs_f64(self.config.health.timeout_s);
+        let fetch = async {
+            let answer = self.client.get(upstream.probe.clone()).await.ok()?;
+            let ok = answer.status() == StatusCode::OK;
+            answer.into_body().collect().await.ok()?;
+            Some(ok)
+        };
+        matches!(tokio::time::timeout(timeout, fetch).await, Ok(Some(true)))
+    }
+
+    fn routable(&self) -> Vec<String> {
+        let snapshot = self.router().pool().snapshot();
+        self.upstreams()
+            .list
+            .iter()
+            .filter(|u| {
+                snapshot.get(&u.key).is_some()
+                    && !u.scrape_failed.load(Ordering::Relaxed)
+                    && u.health.lock().unwrap_or_else(|e| e.into_inner()).state == health::State::Up
+            })
+            .map(|u| u.id.clone())
+            .collect()
     }
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Result<Answer, io::Error> {
+        if let Some(refused) = self.oversized(&request) {
+            let mut answer = self.refuse("other", refused);
+            answer
+                .headers_mut()
+                .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+            return Ok(answer);
+        }
         match (request.method(), request.uri().path()) {
-            (&Method::GET, "/health") => Ok(own(StatusCode::OK, "text/plain", Bytes::new())),
-            (&Method::GET, "/metrics") => Ok(self.metrics()),
-            (&Method::GET, "/v1/models") => Ok(self.models().await),
-            (&Method::POST, path @ ("/v1/completions" | "/v1/chat/completions")) => {
-                let chat = path == "/v1/chat/completions";
-                Ok(self.complete(request, chat).await)
+            (&Method::GET, "/health") => Ok(json_answer(StatusCode::OK, &json!({"status": "ok"}))),
+            (&Method::GET, "/ready") => {
+                let routable = self.routable().len();
+                let status =
+                    if routable > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+                Ok(json_answer(status, &json!({"ready": routable > 0, "endpoints": routable})))
             }
-            _ => Ok(refusal(StatusCode::NOT_FOUND, "not found")),
+            (&Method::GET, "/metrics") => {
+                Ok(own(StatusCode::OK, "text/plain; version=0.0.4", self.metrics_text().into()))
+            }
+            (&Method::GET, "/v1/models") => Ok(self.models(&request).await),
+            (&Method::POST, "/v1/completions") => Ok(self.complete(request, "completions").await),
+            (&Method::POST, "/v1/chat/completions") => Ok(self.complete(request, "chat").await),
+            _ => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
         }
     }
 
-    fn metrics(&self) -> Answer {
-        let c = &self.counters;
-        let text = format!(
-            "llmsched_gateway_requests_total {}\nllmsched_gateway_completed_total {}\n\
-             llmsched_gateway_refused_total {}\nllmsched_gateway_retries_total {}\n\
-             llmsched_gateway_upstream_errors_total {}\nllmsched_gateway_disconnects_total {}\n",
-            c.requests.load(Ordering::Relaxed),
-            c.completed.load(Ordering::Relaxed),
-            c.refused.load(Ordering::Relaxed),
-            c.retries.load(Ordering::Relaxed),
-            c.upstream_errors.load(Ordering::Relaxed),
-            c.disconnects.load(Ordering::Relaxed),
+    /// Returns once no engine is routable.
+    async fn no_engine_left(&self) {
+        loop {
+            let changed = self.routing_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.routable().is_empty() {
+                return;
+            }
+            changed.await;
+        }
+    }
+
+    /// A request head over the configured sizes (hyper bounds the number of headers).
+    fn oversized(&self, request: &Request<Incoming>) -> Option<Refusal> {
+        let target = request.uri().path_and_query().map_or(0, |p| p.as_str().len());
+        if target > self.config.max_line_size {
+            return Some(Refusal::new(
+                414,
+                "invalid_request_error",
+                "the request line is too long",
+            ));
+        }
+        let field = self.config.max_field_size;
+        if request.headers().iter().any(|(n, v)| n.as_str().len() + v.len() + 2 > field) {
+            return Some(Refusal::new(
+                431,
+                "invalid_request_error",
+                "a request header is too large",
+            ));
+        }
+        None
+    }
+
+    fn metrics_text(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        self.counters.render(&mut out);
+        let snapshot = self.router().pool().snapshot();
+        for upstream in &self.upstreams().list {
+            let state = upstream.health.lock().unwrap_or_else(|e| e.into_inner()).state;
+            let up = state == health::State::Up && snapshot.get(&upstream.key).is_some();
+            metrics::gauge(
+                &mut out,
+                "endpoint_up",
+                "1 when an endpoint is in routing, 0 when down or its breaker is open",
+                &[("endpoint", &upstream.id)],
+                if up { 1.0 } else { 0.0 },
+            );
+        }
+        for upstream in &self.upstreams().list {
+            if let Some(member) = snapshot.get(&upstream.key) {
+                let load = member.inflight.local();
+                metrics::gauge(
+                    &mut out,
+                    "endpoint_in_flight",
+                    "Requests in flight per endpoint (this gateway's own)",
+                    &[("endpoint", &upstream.id)],
+                    load.requests as f64,
+                );
+            }
+        }
+        let stats = self.router().index().stats();
+        for (key, help, value) in [
+            ("index_blocks", "Blocks held in the prefix index", stats.blocks as f64),
+            ("index_workers", "Workers known to the prefix index", stats.workers as f64),
+            ("index_bytes", "Estimated bytes used by the prefix index", stats.bytes as f64),
+        ] {
+            metrics::gauge(&mut out, key, help, &[], value);
+        }
+        if let Some(extra) = &self.extra_metrics {
+            out.push_str(&extra());
+        }
+        metrics::gauge(
+            &mut out,
+            "tenants",
+            "Distinct tenant names taken from request headers",
+            &[],
+            self.tenants.len() as f64,
         );
-        own(StatusCode::OK, "text/plain; version=0.0.4", text.into())
+        if let Some(metrics) = self.flow.as_ref().and_then(|f| f.metrics(monotonic())) {
+            metrics::gauge(
+                &mut out,
+                "saturation",
+                "Pool saturation seen by flow control",
+                &[],
+                metrics.saturation,
+            );
+            for band in &metrics.bands {
+                metrics::gauge(
+                    &mut out,
+                    "queue_length",
+                    "Requests waiting in flow control, by priority",
+                    &[("priority", &band.priority.to_string())],
+                    band.queued as f64,
+                );
+            }
+            metrics::gauge(
+                &mut out,
+                "running",
+                "Dispatched requests not yet complete",
+                &[],
+                metrics.running as f64,
+            );
+            metrics::gauge(
+                &mut out,
+                "flow_tenants",
+                "Tenants with a flow in flow control",
+                &[],
+                metrics.tenants as f64,
+            );
+            out.push_str(&format!(
+                "# HELP llmsched_gateway_flows_reclaimed_total Flows reclaimed after flow_idle_s\n\
+                 # TYPE llmsched_gateway_flows_reclaimed_total counter\n\
+                 llmsched_gateway_flows_reclaimed_total {}.0\n",
+                metrics.flows_reclaimed
+            ));
+            out.push_str(
+                "# HELP llmsched_gateway_flow_outcomes_total Flow-control outcomes, by outcome\n\
+                 # TYPE llmsched_gateway_flow_outcomes_total counter\n",
+            );
+            for (outcome, count) in &metrics.outcomes {
+                out.push_str(&format!(
+                    "llmsched_gateway_flow_outcomes_total{{outcome=\"{outcome}\"}} {count}.0\n"
+                ));
+            }
+        }
+        out
     }
 
-    async fn models(&self) -> Answer {
-        match self.client.get(self.upstreams[0].models.clone()).await {
-            Ok(answer) => relay(answer, None, self.counters.clone(), false),
-            Err(_) => refusal(StatusCode::BAD_GATEWAY, "the engine did not answer"),
+    fn refuse(&self, route: &str, refused: Refusal) -> Answer {
+        let reason = refused.reason.unwrap_or(refused.kind);
+        self.counters.rejections.inc(&[reason]);
+        self.counters.requests.inc(&[route, &refused.status.as_u16().to_string()]);
+        refusal(&refused)
+    }
+
+    fn identify(&self, headers: &HeaderMap) -> Result<Identity, Refusal> {
+        if self.keys.enabled() {
+            let presented = match headers.get(hyper::header::AUTHORIZATION) {
+                Some(value) => value.to_str().ok().and_then(|v| {
+                    let (scheme, token) = v.split_once(' ')?;
+                    let token = token.trim();
+                    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+                }),
+                None => headers.get("x-api-key").and_then(|v| v.to_str().ok()),
+            };
+            let found = presented.and_then(|key| self.keys.identify(key));
+            let Some(found) = found else {
+                return Err(Refusal::new(401, "invalid_api_key", "missing or invalid API key"));
+            };
+            return Ok(Identity {
+                tenant: found.tenant.clone(),
+                priority: found.priority,
+                limiter: found.limiter.clone(),
+            });
+        }
+        let header = |name: &'static str| match headers.get(name) {
+            None => Ok(None),
+            Some(value) => match std::str::from_utf8(value.as_bytes()) {
+                Ok(text) => Ok(Some(text)),
+                Err(_) => Err(Refusal::new(
+                    400,
+                    "invalid_request_error",
+                    format!("header {name} is not valid UTF-8"),
+                )
+                .param(name)),
+            },
+        };
+        let name = header(TENANT_HEADER)?.filter(|t| !t.is_empty()).unwrap_or("default");
+        let (tenant, folded) = self.tenants.admit(name, monotonic());
+        if folded {
+            self.counters.tenants_folded.fetch_add(1, Ordering::Relaxed);
+        }
+        let priority = match header(PRIORITY_HEADER)? {
+            None => 0,
+            Some(text) => text.trim().parse::<i32>().map_err(|_| {
+                Refusal::new(
+                    400,
+                    "invalid_request_error",
+                    format!("{PRIORITY_HEADER} must be an int in -2**31..2**31-1"),
+                )
+                .param(PRIORITY_HEADER)
+            })?,
+        };
+        Ok(Identity { tenant, priority, limiter: None })
+    }
+
+    async fn models(&self, request: &Request<Incoming>) -> Answer {
+        if let Err(refused) = self.identify(request.headers()) {
+            return self.refuse("models", refused);
+        }
+        if self.config.models.is_empty() {
+            let first = self.upstreams().list.first().map(|u| u.models.clone());
+            let Some(uri) = first else {
+                return self
+                    .refuse("models", Refusal::new(503, "service_unavailable", "no engine"));
+            };
+            return match self.client.get(uri).await {
+                Ok(answer) => relay(answer, Relaying::plain(self.counters.clone())),
+                Err(_) => {
+                    refusal(&Refusal::new(502, "upstream_error", "the engine did not answer"))
+                }
+            };
+        }
+        let data: Vec<Value> = self
+            .config
+            .models
+            .iter()
+            .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "llmsched"}))
+            .collect();
+        self.counters.requests.inc(&["models", "200"]);
+        json_answer(StatusCode::OK, &json!({"object": "list", "data": data}))
+    }
+
+    async fn complete(self: &Arc<Self>, request: Request<Incoming>, route: &'static str) -> Answer {
+        self.counters.received.fetch_add(1, Ordering::Relaxed);
+        let arrived = monotonic();
+        let deadline = arrived + self.config.total_timeout_s.unwrap_or(1e9);
+        match self.serve_completion(request, route, arrived, deadline).await {
+            Ok(answer) => answer,
+            Err(refused) => {
+                let close = refused.close;
+                let mut answer = self.refuse(route, refused);
+                if close {
+                    answer
+                        .headers_mut()
+                        .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                answer
+            }
         }
     }
 
-    fn refuse(&self, status: StatusCode, message: &str) -> Answer {
-        self.counters.refused.fetch_add(1, Ordering::Relaxed);
-        refusal(status, message)
-    }
-
-    async fn complete(&self, request: Request<Incoming>, chat: bool) -> Answer {
-        self.counters.requests.fetch_add(1, Ordering::Relaxed);
+    async fn serve_completion(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+        route: &'static str,
+        arrived: f64,
+        deadline: f64,
+    ) -> Result<Answer, Refusal> {
+        let identity = self.identify(request.headers())?;
         let (parts, body) = request.into_parts();
-        let raw = match Limited::new(body, self.config.max_body).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(err) if err.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                return self.refuse(StatusCode::PAYLOAD_TOO_LARGE, "the body is too large");
+        let declared = parts
+            .headers
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let too_large = || Refusal {
+            close: true,
+            ..Refusal::new(413, "request_too_large", "the request body is too large")
+        };
+        if declared.is_some_and(|n| n > self.config.max_body as u64) {
+            return Err(too_large());
+        }
+        let read = Limited::new(body, self.config.max_body).collect();
+        let raw =
+            match tokio::time::timeout(Duration::from_secs_f64(self.config.body_timeout_s), read)
+                .await
+            {
+                Err(_) => {
+                    return Err(Refusal {
+                        close: true,
+                        ..Refusal::new(
+                            408,
+                            "request_timeout",
+                            "the request body did not arrive in time",
+                        )
+                    })
+                }
+                Ok(Ok(collected)) => collected.to_bytes(),
+                Ok(Err(err))
+                    if err.downcast_ref::<http_body_util::LengthLimitError>().is_some() =>
+                {
+                    return Err(too_large());
+                }
+                Ok(Err(_)) => {
+                    return Err(Refusal::new(
+                        400,
+                        "invalid_request_error",
+                        "the body did not arrive",
+                    ))
+                }
+            };
+        let payload = match serde_json::from_slice::<Value>(&raw) {
+            Ok(Value::Object(map)) => Value::Object(map),
+            Ok(_) => {
+                return Err(Refusal::new(
+                    400,
+                    "invalid_request_error",
+                    "the body must be a JSON object",
+                ))
             }
-            Err(_) => return self.refuse(StatusCode::BAD_REQUEST, "the body did not arrive"),
+            Err(err) if err.to_string().contains("recursion limit") => {
+                return Err(Refusal::new(400, "invalid_request_error", NESTED))
+            }
+            Err(_) => {
+                return Err(Refusal::new(
+                    400,
+                    "invalid_request_error",
+                    "the body is not valid JSON",
+                ))
+            }
         };
-        let Ok(payload) = serde_json::from_slice::<Value>(&raw) else {
-            return self.refuse(StatusCode::BAD_REQUEST, "the body is not valid JSON");
+        if depth(&payload) > MAX_DEPTH {
+            return Err(Refusal::new(400, "invalid_request_error", NESTED));
+        }
+        check_fields(&payload)?;
+        let model = match payload.get("model") {
+            Some(Value::String(model)) => Some(model.as_str()),
+            // Without configured models (the standalone binary) the field is optional.
+            None if self.models.is_empty() => None,
+            _ => {
+                return Err(Refusal::new(400, "invalid_request_error", "'model' must be a string")
+                    .param("model"))
+            }
         };
-        let tokens = match prompt_tokens(&payload, chat) {
-            Ok(tokens) => tokens,
-            Err(problem) => return self.refuse(StatusCode::BAD_REQUEST, problem),
+        if let Some(model) = model.filter(|m| !self.models.is_empty() && !self.models.contains(*m))
+        {
+            // A configured key is never echoed back.
+            let named = if self.keys.identify(model).is_some() { "<redacted>" } else { model };
+            return Err(Refusal::new(
+                404,
+                "model_not_found",
+                format!("model {named:?} is not served here"),
+            )
+            .param("model"));
+        }
+        let tokens = prompt_tokens(&payload, route == "chat")
+            .map_err(|problem| Refusal::new(400, "invalid_request_error", problem))?;
+        let sse = payload.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let limiter = match &identity.limiter {
+            Some(limiter) => {
+                limiter.acquire(tokens.len() as u64, monotonic()).map_err(|over| {
+                    let what = if over.reason == "concurrency-limited" {
+                        "requests in progress"
+                    } else {
+                        "rate"
+                    };
+                    Refusal::new(
+                        429,
+                        "rate_limit_exceeded",
+                        format!("this key's {what} limit is reached"),
+                    )
+                    .dropped(over.reason, (over.wait_s.ceil() as u64).max(1).to_string())
+                })?;
+                Some(LimiterGuard(limiter.clone(), 0))
+            }
+            None => None,
         };
-        let session = parts.headers.get("x-session-id").and_then(|v| v.to_str().ok());
+        let retry_after = self.config.retry_after_s.to_string();
+        if self.routable().is_empty() {
+            return Err(Refusal::new(503, "service_unavailable", "no engine is available")
+                .dropped("no-endpoints", retry_after));
+        }
+        let mut queued_s = 0.0;
+        let slot = match &self.flow {
+            None => None,
+            Some(flow) => {
+                let queued_at = monotonic();
+                let admit = flow.admit(
+                    &identity.tenant,
+                    identity.priority,
+                    tokens.len() as u64,
+                    raw.len() as u64,
+                    deadline,
+                    monotonic,
+                );
+                let admitted = tokio::select! {
+                    admitted = admit => admitted,
+                    // Every engine left routing while the request waited: 503 at once (the
+                    // queued request is cancelled).
+                    _ = self.no_engine_left() => Err(flow::NotAdmitted::Outcome(
+                        llmsched_core::flow::Outcome::RejectedNoEndpoints,
+                    )),
+                };
+                let waited = monotonic() - queued_at;
+                queued_s = waited;
+                self.counters.histograms.admission_wait.observe(waited);
+                match admitted {
+                    Ok(slot) => Some(slot),
+                    Err(flow::NotAdmitted::Deadline) => {
+                        return Err(Refusal::new(
+                            504,
+                            "timeout",
+                            "the request's deadline (timeouts.total_s) passed",
+                        ))
+                    }
+                    Err(flow::NotAdmitted::Outcome(outcome)) => {
+                        let status = outcome.http_status();
+                        let kind = if status == 429 {
+                            "rate_limit_exceeded"
+                        } else {
+                            "service_unavailable"
+                        };
+                        return Err(Refusal::new(
+                            status,
+                            kind,
+                            format!("request not admitted: {}", outcome.reason()),
+                        )
+                        .dropped(outcome.reason(), retry_after));
+                    }
+                }
+            }
+        };
+        let session = match parts.headers.get(SESSION_HEADER) {
+            None => None,
+            Some(value) => Some(std::str::from_utf8(value.as_bytes()).map_err(|_| {
+                Refusal::new(
+                    400,
+                    "invalid_request_error",
+                    format!("header {SESSION_HEADER} is not valid UTF-8"),
+                )
+                .param(SESSION_HEADER)
+            })?),
+        };
         let meta = RequestMeta {
-            model: payload.get("model").and_then(Value::as_str).map(str::to_owned),
+            model: model.map(str::to_owned),
             session_id: session.map(str::to_owned),
             ..RequestMeta::default()
         };
-        let now = self.now();
-        let decision = match self.router.decide(&tokens, &meta, now) {
+        let router = self.router();
+        let before = monotonic();
+        let decided = router.decide(&tokens, &meta, before);
+        self.counters.histograms.decision.observe(monotonic() - before);
+        let decision = match decided {
             Ok(decision) => decision,
-            Err(RoutingError::NoEndpoint { detail, .. }) => {
-                return self.refuse(StatusCode::SERVICE_UNAVAILABLE, &detail);
+            Err(RoutingError::NoEndpoint { .. }) => {
+                return Err(Refusal::new(503, "service_unavailable", "no engine is available")
+                    .dropped("no-endpoints", retry_after));
             }
-            Err(err) => return self.refuse(StatusCode::BAD_REQUEST, &err.to_string()),
+            Err(err) => return Err(Refusal::new(400, "invalid_request_error", err.to_string())),
         };
+        let prefill = decision.prefill().map(|p| decision.endpoint(p).address.clone());
         let ranked: Vec<WorkerKey> =
             decision.ranked().map(|c| decision.endpoint(c).id.clone()).collect();
-        let mut last_failure: Option<Answer> = None;
-        for (attempt, key) in ranked.iter().take(self.config.retries + 1).enumerate() {
-            if attempt > 0 {
+        let upstreams = self.upstreams();
+        let guards = Guards { slot, limiter };
+        let attempts = self.config.retries + 1;
+        let mut tried = 0;
+        for key in &ranked {
+            if tried == attempts {
+                break;
+            }
+            let Some(upstream) = upstreams.by_key.get(key) else { continue };
+            tried += 1;
+            if tried > 1 {
                 self.counters.retries.fetch_add(1, Ordering::Relaxed);
             }
-            let Some(upstream) = self.upstreams.iter().find(|u| &u.key == key) else { continue };
-            let uri = if chat { &upstream.chat } else { &upstream.completions };
-            let mut forward =
-                Request::post(uri.clone()).body(Full::new(raw.clone())).expect("a request");
-            copy_end_to_end(&parts.headers, forward.headers_mut());
-            let Ok(ticket) = self.router.commit(&decision, Some(key), self.now()) else { continue };
-            match self.client.request(forward).await {
-                Ok(answer) if answer.status().is_server_error() => {
-                    // Not passed on yet: the next endpoint may do better.
-                    last_failure = Some(relay(answer, None, self.counters.clone(), false));
-                    drop(ticket);
+            let uri = if route == "chat" { &upstream.chat } else { &upstream.completions };
+            let mut forward = Request::post(uri.clone())
+                .body(Full::new(raw.clone()))
+                .map_err(|_| Refusal::new(500, "internal_error", "cannot build the request"))?;
+            forward_headers(&parts.headers, forward.headers_mut());
+            if let (Some(header), Some(address)) = (&self.pd_header, &prefill) {
+                if let Ok(value) = HeaderValue::from_str(address) {
+                    forward.headers_mut().insert(header.clone(), value);
                 }
-                Ok(answer) => return relay(answer, Some(ticket), self.counters.clone(), true),
-                Err(_) => drop(ticket),
+            }
+            let Ok(ticket) = router.commit(&decision, Some(key), monotonic()) else { continue };
+            if tried == 1 {
+                self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
+            }
+            let sent = self.client.request(forward);
+            let answered = match self.config.read_timeout_s {
+                None => Ok(sent.await),
+                Some(read) => {
+                    let wait = read.min((deadline - monotonic()).max(0.0));
+                    tokio::time::timeout(Duration::from_secs_f64(wait), sent).await
+                }
+            };
+            let answer = match answered {
+                Err(_) => {
+                    // The engine has the request and may be running it: not sent again.
+                    self.counters.upstream_errors.inc(&[&upstream.id, "timeout"]);
+                    self.attempt_ended(upstream, Some("timeout"));
+                    drop(ticket);
+                    return Err(Refusal::new(504, "timeout", "the engine did not answer in time"));
+                }
+                Ok(Err(err)) => {
+                    // Refused (or timed out) connecting, or closed before a status line.
+                    let kind = if err.is_connect() { "connect" } else { "broken" };
+                    self.counters.upstream_errors.inc(&[&upstream.id, kind]);
+                    self.attempt_ended(upstream, Some(kind));
+                    drop(ticket);
+                    continue;
+                }
+                Ok(Ok(answer)) => answer,
+            };
+            let failed = answer.status().is_server_error();
+            if failed {
+                self.counters.upstream_errors.inc(&[&upstream.id, "status_5xx"]);
+                self.attempt_ended(upstream, Some("status_5xx"));
+                if self.config.retry_on_5xx {
+                    // Not passed on: the next endpoint may do better.
+                    drop(ticket);
+                    continue;
+                }
+            } else {
+                self.attempt_ended(upstream, None);
+                self.counters.routed.inc(&[&upstream.id]);
+            }
+            let relaying = Relaying {
+                ticket: Some(ticket),
+                guards: Some(guards),
+                route: Some(route),
+                ..Relaying::completion(self, upstream, sse, deadline)
+            };
+            if sse || failed {
+                return Ok(relay(answer, relaying));
+            }
+            return self.answer_whole(answer, relaying).await;
+        }
+        drop(guards);
+        Err(Refusal::new(502, "upstream_error", "no engine answered the request"))
+    }
+
+    /// A JSON answer read whole before anything is sent (up to 8 MiB; a larger one streams):
+    /// cut off or silent for `read_timeout_s`, it is a 502 (counted as truncated), never a
+    /// partial body.
+    async fn answer_whole(
+        &self,
+        answer: Response<Incoming>,
+        mut relaying: Relaying,
+    ) -> Result<Answer, Refusal> {
+        const WHOLE_LIMIT: u64 = 8 << 20;
+        if answer.body().size_hint().upper().is_none_or(|n| n > WHOLE_LIMIT) {
+            return Ok(relay(answer, relaying));
+        }
+        let (parts, body) = answer.into_parts();
+        let wake = wake_at(relaying.read_timeout, relaying.deadline);
+        let read = tokio::time::timeout_at(wake, body.collect()).await;
+        let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
+        let route = relaying.route.unwrap_or("completions");
+        let bytes = match read {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            _ => {
+                self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
+                self.counters.truncated.inc(&[&endpoint, "error"]);
+                return Err(Refusal::new(502, "upstream_error", "the engine's answer was cut off"));
+            }
+        };
+        let mut tokens = TokenCount::default();
+        tokens.feed(&bytes, false);
+        if let Some(mut ticket) = relaying.ticket.take() {
+            ticket.first_token();
+            ticket.finish();
+        }
+        if let Some(mut guards) = relaying.guards.take() {
+            guards.output_tokens(tokens.tokens());
+        }
+        self.counters.completed.fetch_add(1, Ordering::Relaxed);
+        self.counters.requests.inc(&[route, &parts.status.as_u16().to_string()]);
+        let mut out = own(parts.status, "application/json", bytes);
+        for (name, value) in &parts.headers {
+            if !HOP_BY_HOP.contains(&name.as_str()) && name != CONTENT_LENGTH {
+                out.headers_mut().insert(HeaderName::clone(name), value.clone());
             }
         }
-        self.counters.upstream_errors.fetch_add(1, Ordering::Relaxed);
-        last_failure
-            .unwrap_or_else(|| refusal(StatusCode::BAD_GATEWAY, "no engine answered the request"))
+        Ok(out)
+    }
+}
+
+/// What an answer holds until its end: the flow-control slot and the key's concurrency.
+struct Guards {
+    slot: Option<flow::Slot>,
+    limiter: Option<LimiterGuard>,
+}
+
+impl Guards {
+    fn output_tokens(&mut self, tokens: u64) {
+        if let Some(slot) = self.slot.as_mut() {
+            slot.output_tokens = tokens;
+        }
+        if let Some(limiter) = self.limiter.as_mut() {
+            limiter.1 = tokens;
+        }
+    }
+}
+
+struct LimiterGuard(Arc<guards::KeyLimiter>, u64);
+
+impl Drop for LimiterGuard {
+    fn drop(&mut self) {
+        self.0.release(self.1, monotonic());
     }
 }
 
@@ -389,8 +1635,8 @@ fn prompt_tokens(payload: &Value, chat: bool) -> Result<Vec<u32>, &'static str> 
             text.push('\n');
             match fields.get("content") {
                 Some(Value::String(content)) => text.push_str(content),
+                Some(Value::Null) | None => {}
                 Some(other) => text.push_str(&other.to_string()),
-                None => {}
             }
             text.push('\n');
         }
@@ -428,116 +1674,334 @@ const HOP_BY_HOP: [&str; 8] = [
     "host",
 ];
 
-fn copy_end_to_end(from: &HeaderMap, to: &mut HeaderMap) {
-    for (name, value) in from {
-        if !HOP_BY_HOP.contains(&name.as_str()) && name != hyper::header::CONTENT_LENGTH {
-            to.append(name.clone(), value.clone());
+/// What an engine gets of the client's headers: the content type (always JSON) and
+/// `Accept`. Nothing else (hosts, forwarding headers, keys, a client-sent prefill header)
+/// reaches it.
+fn forward_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    to.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(accept) = from.get(hyper::header::ACCEPT) {
+        to.insert(hyper::header::ACCEPT, accept.clone());
+    }
+}
+
+/// How an upstream answer is relayed.
+struct Relaying {
+    route: Option<&'static str>,
+    ticket: Option<Ticket>,
+    guards: Option<Guards>,
+    counters: Arc<Counters>,
+    endpoint: Option<Arc<str>>,
+    completion: bool,
+    sse: bool,
+    read_timeout: Option<Duration>,
+    deadline: Option<tokio::time::Instant>,
+}
+
+impl Relaying {
+    fn plain(counters: Arc<Counters>) -> Relaying {
+        Relaying {
+            route: None,
+            ticket: None,
+            guards: None,
+            counters,
+            endpoint: None,
+            completion: false,
+            sse: false,
+            read_timeout: None,
+            deadline: None,
+        }
+    }
+
+    fn completion(gateway: &Gateway, upstream: &Upstream, sse: bool, deadline: f64) -> Relaying {
+        let left = Duration::from_secs_f64((deadline - monotonic()).clamp(0.0, 1e9));
+        Relaying {
+            route: None,
+            ticket: None,
+            guards: None,
+            counters: gateway.counters.clone(),
+            endpoint: Some(Arc::from(upstream.id.as_str())),
+            completion: true,
+            sse,
+            read_timeout: gateway.config.read_timeout_s.map(Duration::from_secs_f64),
+            deadline: gateway.config.total_timeout_s.map(|_| tokio::time::Instant::now() + left),
         }
     }
 }
 
-fn relay(
-    answer: Response<Incoming>,
-    ticket: Option<Ticket>,
-    counters: Arc<Counters>,
-    completion: bool,
-) -> Answer {
+fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
     let (parts, body) = answer.into_parts();
+    let sse = relaying.sse
+        || parts
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+    let timer = match (relaying.read_timeout, relaying.deadline) {
+        (None, None) => None,
+        _ => Some(Box::pin(tokio::time::sleep_until(wake_at(
+            relaying.read_timeout,
+            relaying.deadline,
+        )))),
+    };
     let mut out = Response::new(Relay {
+        route: relaying.route,
+        status: parts.status.as_u16(),
         inner: Some(body),
-        ticket,
-        counters: Some(counters),
+        ticket: relaying.ticket,
+        guards: relaying.guards,
+        counters: Some(relaying.counters),
+        endpoint: relaying.endpoint,
         first: true,
-        completion,
+        completion: relaying.completion,
+        sse,
         own: None,
+        timer,
+        read_timeout: relaying.read_timeout,
+        deadline: relaying.deadline,
+        broken: false,
+        tokens: TokenCount::default(),
     });
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
-        let hop = HOP_BY_HOP.contains(&name.as_str());
-        if !hop {
+        if !HOP_BY_HOP.contains(&name.as_str()) {
             out.headers_mut().append(HeaderName::clone(name), value.clone());
         }
     }
     out
 }
 
+fn wake_at(read: Option<Duration>, deadline: Option<tokio::time::Instant>) -> tokio::time::Instant {
+    let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
+    let by_read = read.map(|r| tokio::time::Instant::now() + r).unwrap_or(far);
+    deadline.map(|d| d.min(by_read)).unwrap_or(by_read)
+}
+
 fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
     let mut out = Response::new(Relay {
+        route: None,
+        status: status.as_u16(),
         inner: None,
         ticket: None,
+        guards: None,
         counters: None,
+        endpoint: None,
         first: false,
         completion: false,
+        sse: false,
         own: Some(body),
+        timer: None,
+        read_timeout: None,
+        deadline: None,
+        broken: false,
+        tokens: TokenCount::default(),
     });
     *out.status_mut() = status;
-    out.headers_mut().insert(CONTENT_TYPE, content_type.parse().expect("a header value"));
+    out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     out
 }
 
-fn refusal(status: StatusCode, message: &str) -> Answer {
-    let kind = if status.is_server_error() { "InternalServerError" } else { "BadRequestError" };
-    let body = json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
-    own(status, "application/json", serde_json::to_vec(&body).expect("JSON").into())
+fn json_answer(status: StatusCode, body: &Value) -> Answer {
+    own(status, "application/json", serde_json::to_vec(body).unwrap_or_default().into())
+}
+
+fn refusal(refused: &Refusal) -> Answer {
+    let body = json!({"error": {
+        "message": refused.message,
+        "type": refused.kind,
+        "param": refused.param,
+        "code": refused.status.as_u16(),
+    }});
+    let mut answer = json_answer(refused.status, &body);
+    if let Some(reason) = refused.reason {
+        answer.headers_mut().insert(DROPPED_REASON_HEADER, HeaderValue::from_static(reason));
+    }
+    if let Some(after) = refused.retry_after.as_deref().and_then(|v| HeaderValue::from_str(v).ok())
+    {
+        answer.headers_mut().insert(hyper::header::RETRY_AFTER, after);
+    }
+    answer
+}
+
+/// Output tokens of an answer, for flow control's fairness and the key's token bucket: SSE
+/// data events (one token each, `[DONE]` not counted) or a JSON answer's
+/// `"completion_tokens"`.
+#[derive(Default)]
+struct TokenCount {
+    events: u64,
+    usage: Option<u64>,
+}
+
+impl TokenCount {
+    fn feed(&mut self, data: &[u8], sse: bool) {
+        if sse {
+            let mut rest = data;
+            while let Some(at) = find(rest, b"data: ") {
+                rest = &rest[at + 6..];
+                if !rest.starts_with(b"[DONE]") {
+                    self.events += 1;
+                }
+            }
+        }
+        if let Some(at) = find(data, b"\"completion_tokens\":") {
+            let digits: Vec<u8> = data[at + 20..]
+                .iter()
+                .skip_while(|b| **b == b' ')
+                .take_while(|b| b.is_ascii_digit())
+                .copied()
+                .collect();
+            if let Ok(n) = std::str::from_utf8(&digits).unwrap_or("").parse() {
+                self.usage = Some(n);
+            }
+        }
+    }
+
+    fn tokens(&self) -> u64 {
+        self.usage.unwrap_or(self.events)
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 /// An answer passed on frame by frame, with the router's ticket: the first frame marks the
 /// first token, the end finishes it; dropped before the end (the client left), it counts a
 /// disconnect and drops the upstream body, which closes that connection.
 pub struct Relay {
+    route: Option<&'static str>,
+    status: u16,
     inner: Option<Incoming>,
     ticket: Option<Ticket>,
+    guards: Option<Guards>,
     counters: Option<Arc<Counters>>,
+    endpoint: Option<Arc<str>>,
     first: bool,
     completion: bool,
+    sse: bool,
     own: Option<Bytes>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    read_timeout: Option<Duration>,
+    deadline: Option<tokio::time::Instant>,
+    broken: bool,
+    tokens: TokenCount,
 }
+
+/// The error that cuts a client's answer (hyper then closes the connection mid-body).
+#[derive(Debug)]
+pub struct Cut(&'static str);
+
+impl std::fmt::Display for Cut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for Cut {}
 
 impl Relay {
     fn ended(&mut self, completed: bool) {
         self.inner = None;
+        self.timer = None;
         if let Some(mut ticket) = self.ticket.take() {
             ticket.finish();
         }
-        if let Some(counters) = self.counters.take() {
-            if !self.completion {
-                return;
-            }
-            let counter = if completed { &counters.completed } else { &counters.upstream_errors };
-            counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(mut guards) = self.guards.take() {
+            guards.output_tokens(self.tokens.tokens());
         }
+        if let Some(counters) = self.counters.take() {
+            if self.completion && completed {
+                counters.completed.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(route) = self.route.filter(|_| completed) {
+                counters.requests.inc(&[route, &self.status.to_string()]);
+            }
+        }
+    }
+
+    /// The answer broke off upstream (an error or a timeout): counted, and the client sees a
+    /// break, never a complete answer.
+    fn cut(&mut self) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
+        self.broken = true;
+        let endpoint = self.endpoint.clone().unwrap_or_else(|| Arc::from(""));
+        let sse = self.sse;
+        if let Some(counters) = &self.counters {
+            if let Some(route) = self.route {
+                counters.requests.inc(&[route, "aborted"]);
+            }
+            if self.completion {
+                counters.upstream_errors.inc(&[&endpoint, "truncated"]);
+                counters.truncated.inc(&[&endpoint, if sse { "sse_error" } else { "reset" }]);
+            }
+        }
+        self.ended(false);
+        // `first` now marks whether the error event went out (see `poll_frame`).
+        self.first = false;
+        if sse {
+            let event = json!({"error": {
+                "message": "the engine's answer was cut off",
+                "type": "upstream_error",
+                "param": null,
+                "code": 502,
+            }});
+            let text = format!("data: {event}\n\n");
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(text)))));
+        }
+        Poll::Ready(Some(Err(Cut("the engine's answer was cut off"))))
     }
 }
 
 impl Body for Relay {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = Cut;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
         let this = self.get_mut();
         if let Some(bytes) = this.own.take() {
             return Poll::Ready(Some(Ok(Frame::data(bytes))));
         }
+        if this.broken {
+            // After an SSE error event: once it has been flushed (one Pending lets hyper
+            // write it out), close without the last chunk.
+            if !this.first {
+                this.first = true;
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            this.broken = false;
+            return Poll::Ready(Some(Err(Cut("the engine's answer was cut off"))));
+        }
         let Some(inner) = this.inner.as_mut() else { return Poll::Ready(None) };
         match Pin::new(inner).poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                if let Some(timer) = this.timer.as_mut() {
+                    if timer.as_mut().poll(cx).is_ready() {
+                        return this.cut();
+                    }
+                }
+                Poll::Pending
+            }
             Poll::Ready(None) => {
                 this.ended(true);
                 Poll::Ready(None)
             }
-            Poll::Ready(Some(Err(err))) => {
-                this.ended(false);
-                Poll::Ready(Some(Err(err)))
-            }
+            Poll::Ready(Some(Err(_))) => this.cut(),
             Poll::Ready(Some(Ok(frame))) => {
-                if this.first && frame.is_data() {
-                    this.first = false;
-                    if let Some(ticket) = this.ticket.as_mut() {
-                        ticket.first_token();
+                if let Some(data) = frame.data_ref() {
+                    if this.first {
+                        this.first = false;
+                        if let Some(ticket) = this.ticket.as_mut() {
+                            ticket.first_token();
+                        }
                     }
+                    if this.completion {
+                        this.tokens.feed(data, this.sse);
+                    }
+                }
+                if let Some(timer) = this.timer.as_mut() {
+                    timer.as_mut().reset(wake_at(this.read_timeout, this.deadline));
                 }
                 if this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
@@ -550,7 +2014,7 @@ impl Body for Relay {
     fn is_end_stream(&self) -> bool {
         match &self.inner {
             Some(inner) => inner.is_end_stream(),
-            None => self.own.is_none(),
+            None => self.own.is_none() && !self.broken,
         }
     }
 
@@ -571,7 +2035,6 @@ impl Drop for Relay {
                     counters.disconnects.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            self.counters = None;
             self.ended(false);
         }
     }

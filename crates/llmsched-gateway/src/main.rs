@@ -3,14 +3,14 @@
 //! listens, and serves until killed. See the crate docs for what it does and does not do.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use llmsched_gateway::GatewayConfig;
 use serde_json::Value;
 
 const USAGE: &str = "llmsched-gateway --engine URL [--engine URL ...] [--listen 127.0.0.1:0] \
 [--router PRESET | --router-file FILE.json] [--block-size 16] [--max-body BYTES] [--retries 2] \
-[--scrape-interval-ms 200 (0: off)] [--seed 0] [--threads 1]";
+[--scrape-interval-ms 200 (0: off)] [--seed 0] [--threads 1] [--config GATEWAY.json (every \
+field of GatewayConfig; flags after it override)]";
 
 fn main() {
     if let Err(problem) = run() {
@@ -37,7 +37,7 @@ fn run() -> Result<(), String> {
             flag.strip_prefix("--").ok_or_else(|| format!("unexpected argument {flag:?}"))?;
         let value = argv.next().ok_or_else(|| format!("--{name} needs a value"))?;
         match name {
-            "engine" => config.engines.push(value),
+            "engine" => config.engines.push(value.into()),
             "listen" => listen = parse(name, &value)?,
             "router" => config.router = Value::String(value),
             "router-file" => {
@@ -51,10 +51,16 @@ fn run() -> Result<(), String> {
             "retries" => config.retries = parse(name, &value)?,
             "scrape-interval-ms" => {
                 let ms: u64 = parse(name, &value)?;
-                config.scrape_interval = (ms > 0).then(|| Duration::from_millis(ms));
+                config.scrape_interval_s = (ms > 0).then(|| ms as f64 / 1000.0);
             }
             "seed" => config.seed = parse(name, &value)?,
             "threads" => threads = parse::<usize>(name, &value)?.max(1),
+            "config" => {
+                let text = std::fs::read_to_string(&value)
+                    .map_err(|e| format!("--config {value:?}: {e}"))?;
+                config =
+                    serde_json::from_str(&text).map_err(|e| format!("--config {value:?}: {e}"))?;
+            }
             _ => return Err(format!("unknown flag --{name}")),
         }
     }

@@ -58,9 +58,9 @@ fn ok_engine() -> EngineConfig {
 
 fn config(urls: Vec<String>, router: &str) -> GatewayConfig {
     GatewayConfig {
-        engines: urls,
+        engines: urls.into_iter().map(Into::into).collect(),
         router: json!(router),
-        scrape_interval: None,
+        scrape_interval_s: None,
         ..GatewayConfig::default()
     }
 }
@@ -148,7 +148,8 @@ fn round_robin_spreads_json_answers_and_passes_them_through() {
     assert_eq!(get(addr, "/health").status(), 200);
     assert_eq!(get(addr, "/v1/models").json()["data"][0]["id"], "tiny");
     let metrics = String::from_utf8(get(addr, "/metrics").bytes).unwrap();
-    assert!(metrics.contains("llmsched_gateway_requests_total 6"), "{metrics}");
+    let six = r#"llmsched_gateway_requests_total{route="completions",status="200"} 6.0"#;
+    assert!(metrics.contains(six), "{metrics}");
     assert_eq!(get(addr, "/elsewhere").status(), 404);
 }
 
@@ -203,19 +204,24 @@ fn retries_before_the_first_byte() {
     }
     assert_eq!(counters.retries.load(Ordering::Relaxed), 2);
 
-    // When every endpoint fails, the last answer is passed on and counted.
+    // When every endpoint fails, the client gets a 502 (no engine's error is passed on).
     let fleet = Fleet::new(vec![
         EngineConfig { mode: Mode::Error500, ..ok_engine() },
         EngineConfig { mode: Mode::Error500, ..ok_engine() },
     ]);
     let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
-    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 500);
-    assert_eq!(counters.upstream_errors.load(Ordering::Relaxed), 1);
+    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 502);
+    assert_eq!(counters.upstream_errors.total(), 2, "one failed attempt per engine");
+    assert_eq!(counters.answered("completions", 502), 1);
     let (addr, _) =
         fleet.gateway(GatewayConfig { retries: 0, ..config(fleet.urls(), "round-robin") });
+    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 502);
+    // Without retrying 5xx answers, the engine's own answer is relayed.
+    let relay = GatewayConfig { retry_on_5xx: false, ..config(fleet.urls(), "round-robin") };
+    let (addr, _) = fleet.gateway(relay);
     assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"x"}"#).status(), 500);
     let received: u64 = fleet.engines.iter().map(|e| e.1.received.load(Ordering::Relaxed)).sum();
-    assert_eq!(received, 3, "two tries, then one without retries");
+    assert_eq!(received, 4, "two tries, one without retries, one relayed");
 }
 
 #[test]
@@ -256,7 +262,8 @@ fn refuses_bad_requests_without_sending_them() {
     let raw = post(addr, "/v1/completions", &big);
     assert_eq!(raw.status(), 413);
     assert!(raw.json()["error"]["message"].as_str().unwrap().contains("too large"));
-    assert_eq!(counters.refused.load(Ordering::Relaxed), 4);
+    assert_eq!(counters.rejections.total(), 4);
+    assert_eq!(counters.answered("completions", 400), 2);
     assert_eq!(fleet.engines[0].1.received.load(Ordering::Relaxed), 0);
 }
 
@@ -282,11 +289,13 @@ fn an_answer_cut_upstream_is_never_passed_off_as_complete() {
     let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
     assert_eq!(raw.status(), 200, "the status line had been passed on");
     let events = raw.data_events();
-    assert_eq!(events.len(), 1, "the first event, then the break");
+    assert_eq!(events.len(), 2, "the first event, then an error event: {events:?}");
+    assert!(events[1].contains("cut off"), "{events:?}");
     assert!(!events.contains(&"[DONE]".to_string()));
     // The chunked answer ends without its last chunk, so the client sees the break too.
     assert!(!raw.body().ends_with(b"0\r\n\r\n"));
-    assert_eq!(reaches(1, || counters.upstream_errors.load(Ordering::Relaxed)), 1);
+    assert_eq!(reaches(1, || counters.truncated.total()), 1);
+    assert_eq!(counters.upstream_errors.total(), 1);
     assert_eq!(counters.completed.load(Ordering::Relaxed), 0);
     assert_eq!(counters.retries.load(Ordering::Relaxed), 0, "never re-sent once passed on");
 }

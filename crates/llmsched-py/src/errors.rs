@@ -54,6 +54,7 @@ where
 
 import_exception!(llmsched.errors, InvalidTokenError);
 import_exception!(llmsched.errors, ConfigError);
+import_exception!(llmsched.errors, GatewayStoppedError);
 import_exception!(llmsched.errors, MalformedEventError);
 import_exception!(llmsched.errors, UnknownWorkerError);
 import_exception!(llmsched.errors, UnknownBlockError);

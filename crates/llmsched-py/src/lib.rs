@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod convert;
 mod errors;
 mod flow;
+mod gateway;
 mod hashing;
 mod prefix_index;
 mod pyints;
@@ -27,5 +28,6 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     replica_sync::register(m)?;
     sim::register(m)?;
     flow::register(m)?;
+    gateway::register(m)?;
     Ok(())
 }

@@ -18,7 +18,34 @@ require(
     feature="llmsched.gateway",
 )
 
+import os
+from collections.abc import Mapping
+from typing import Any
+
 from llmsched.gateway.app import Gateway
 from llmsched.gateway.config import GatewayConfig, load_config
+from llmsched.gateway.native import NativeGateway
 
-__all__ = ["Gateway", "GatewayConfig", "load_config"]
+__all__ = ["Gateway", "GatewayConfig", "NativeGateway", "load_config", "make_gateway"]
+
+
+def make_gateway(
+    config: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    data_plane: str | None = None,
+) -> Gateway | NativeGateway:
+    """The gateway of a config on its ``data_plane`` (or ``data_plane`` given here, which
+    wins): :class:`Gateway` (``python``) or :class:`NativeGateway` (``native``)."""
+    import dataclasses
+
+    from llmsched.errors import ConfigError
+    from llmsched.gateway.config import DATA_PLANES
+
+    cfg = config if isinstance(config, GatewayConfig) else load_config(config)
+    if data_plane is not None:
+        if data_plane not in DATA_PLANES:
+            raise ConfigError(f"data_plane: must be one of {', '.join(DATA_PLANES)}")
+        cfg = dataclasses.replace(cfg, data_plane=data_plane)
+    if cfg.data_plane == "native":
+        return NativeGateway(cfg)
+    return Gateway(cfg)

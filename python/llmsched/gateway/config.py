@@ -37,6 +37,7 @@ from llmsched.types import ConfigInfo
 _log = logging.getLogger("llmsched")
 
 __all__ = [
+    "DATA_PLANES",
     "AdminConfig",
     "ApiKey",
     "AuthConfig",
@@ -266,7 +267,11 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The whole gateway configuration. Build it with :func:`load_config`."""
+    """The whole gateway configuration. Build it with :func:`load_config`.
+
+    ``data_plane``: who serves requests, ``python`` (aiohttp, every feature) or ``native``
+    (the Rust data plane in the same process, :mod:`llmsched.gateway.native`);
+    ``native_threads``: the native plane's worker threads (1: all on one thread)."""
 
     engines: tuple[EngineSpec, ...]
     models: tuple[str, ...]
@@ -286,10 +291,18 @@ class GatewayConfig:
     discovery: DiscoveryConfig = DiscoveryConfig()
     admin: AdminConfig = AdminConfig()
     cluster: ClusterConfig = ClusterConfig()
+    data_plane: str = "python"
+    native_threads: int = 1
 
+
+DATA_PLANES = ("python", "native")
+"""``data_plane``: ``python`` (aiohttp, every feature) or ``native`` (the Rust data plane in
+the same process; see :mod:`llmsched.gateway.native` for what it serves)."""
 
 _TOP_KEYS = frozenset(
     {
+        "data_plane",
+        "native_threads",
         "listen",
         "engines",
         "models",
@@ -368,7 +381,17 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         discovery=discovery,
         admin=_admin(_section(raw, "admin")),
         cluster=_cluster(_section(raw, "cluster")),
+        data_plane=_data_plane(raw.get("data_plane", GatewayConfig.data_plane)),
+        native_threads=_int(
+            raw, "native_threads", GatewayConfig.native_threads, "", low=1, high=64
+        ),
     )
+
+
+def _data_plane(value: Any) -> str:
+    if value not in DATA_PLANES:
+        raise ConfigError(f"data_plane: must be one of {', '.join(DATA_PLANES)}, got {value!r}")
+    return str(value)
 
 
 def _router(value: Any, base: Path) -> str | Mapping[str, Any]:

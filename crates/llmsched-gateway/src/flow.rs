@@ -1,0 +1,218 @@
+//! Admission through the core flow controller (`llmsched_core::flow`): a request joins its
+//! `(tenant, priority)` flow and waits, without a thread, until the controller dispatches it;
+//! it holds its slot until its answer ends. One lock guards the controller; every operation
+//! under it is O(log n).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use llmsched_core::flow::metrics::ControllerMetrics;
+use llmsched_core::flow::{
+    EndpointMetrics, FlowConfig, FlowController, FlowDecision, FlowRequest, Outcome, PolicyRegistry,
+};
+use serde_json::Value;
+use tokio::sync::{oneshot, Notify};
+
+type Waiter = oneshot::Sender<Outcome>;
+
+/// The gateway's flow control.
+pub struct Flow {
+    core: Mutex<FlowController<Waiter>>,
+    ids: AtomicU64,
+    queued: Notify,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, Copy)]
+pub enum NotAdmitted {
+    /// The controller's outcome (rejected or evicted).
+    Outcome(Outcome),
+    /// The request's deadline passed while it waited.
+    Deadline,
+}
+
+/// A dispatched request's place: completing it (dropping it) frees the slot.
+pub struct Slot {
+    flow: Arc<Flow>,
+    id: u64,
+    clock: fn() -> f64,
+    /// Output tokens to charge at the end.
+    pub output_tokens: u64,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let now = (self.clock)();
+        let _ = self.flow.lock().complete(self.id, self.output_tokens, now);
+        self.flow.pump(now);
+    }
+}
+
+/// A request waiting in the controller; dropped while armed, it leaves the queue (or, when it
+/// was dispatched meanwhile, frees its slot).
+struct Queued<'a> {
+    flow: &'a Arc<Flow>,
+    id: u64,
+    clock: fn() -> f64,
+    armed: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let now = (self.clock)();
+        let mut core = self.flow.lock();
+        if core.cancel(self.id, now).ok().flatten().is_none() && core.is_running(self.id) {
+            let _ = core.complete(self.id, 0, now);
+        }
+        drop(core);
+        self.flow.pump(now);
+    }
+}
+
+impl Flow {
+    /// The controller of a flow config (the input format of `llmsched.FlowController`).
+    pub fn new(config: &Value) -> Result<Flow, String> {
+        let config = FlowConfig::from_value(config.clone()).map_err(|e| e.to_string())?;
+        let core = FlowController::with_registry(&config, PolicyRegistry::builtin())
+            .map_err(|e| e.to_string())?;
+        Ok(Flow { core: Mutex::new(core), ids: AtomicU64::new(1), queued: Notify::new() })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FlowController<Waiter>> {
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until the request is dispatched (or refused, evicted, or past `deadline`).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn admit(
+        self: &Arc<Self>,
+        tenant: &str,
+        priority: i32,
+        tokens: u64,
+        bytes: u64,
+        deadline: f64,
+        clock: fn() -> f64,
+    ) -> Result<Slot, NotAdmitted> {
+        let id = self.ids.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        let request = FlowRequest {
+            id,
+            priority,
+            tenant,
+            tokens,
+            bytes,
+            deadline: None,
+            ttft_target: None,
+            payload: tx,
+        };
+        let now = clock();
+        match self.lock().enqueue(request, now) {
+            Ok(None) => {}
+            Ok(Some(refused)) => return Err(NotAdmitted::Outcome(refused.outcome)),
+            Err(_) => return Err(NotAdmitted::Outcome(Outcome::RejectedCapacity)),
+        }
+        self.pump(now);
+        self.queued.notify_one();
+        // Dropped while queued (the client left, or no engine is left): cancelled.
+        let mut queued = Queued { flow: self, id, clock, armed: true };
+        let wait = Duration::from_secs_f64((deadline - now).max(0.0));
+        let outcome = tokio::time::timeout(wait, rx).await;
+        queued.armed = false;
+        match outcome {
+            Ok(Ok(Outcome::Dispatched)) => {
+                Ok(Slot { flow: self.clone(), id, clock, output_tokens: 0 })
+            }
+            Ok(Ok(outcome)) => Err(NotAdmitted::Outcome(outcome)),
+            Ok(Err(_)) => Err(NotAdmitted::Outcome(Outcome::EvictedCancelled)),
+            Err(_) => {
+                queued.armed = true;
+                drop(queued);
+                Err(NotAdmitted::Deadline)
+            }
+        }
+    }
+
+    /// Dispatches what the controller allows now and tells evicted requests their outcome.
+    pub fn pump(&self, now: f64) {
+        let mut core = self.lock();
+        let mut unclaimed = Vec::new();
+        for evicted in core.drain_evicted() {
+            let _ = evicted.payload.send(evicted.outcome);
+        }
+        while let Ok(Some(decision)) = core.dispatch(now) {
+            let FlowDecision { id, payload, .. } = decision;
+            if payload.send(Outcome::Dispatched).is_err() {
+                // Its request left while queued (e.g. a client disconnect).
+                unclaimed.push(id);
+            }
+        }
+        for id in unclaimed {
+            let _ = core.complete(id, 0, now);
+        }
+    }
+
+    /// Evicts expired queued requests and dispatches; waits while nothing is queued.
+    pub async fn run(self: Arc<Self>, clock: fn() -> f64) {
+        loop {
+            if self.lock().is_empty() {
+                self.queued.notified().await;
+                continue;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let now = clock();
+            let expired = self.lock().expire(now).unwrap_or_default();
+            for decision in expired {
+                let _ = decision.payload.send(decision.outcome);
+            }
+            self.pump(now);
+        }
+    }
+
+    /// An endpoint's scraped load (for the `utilization` saturation detector).
+    pub fn update_endpoint(&self, endpoint: &str, metrics: EndpointMetrics) {
+        let _ = self.lock().update_endpoint(endpoint, metrics);
+    }
+
+    /// Forgets an endpoint's load.
+    pub fn remove_endpoint(&self, endpoint: &str) {
+        self.lock().remove_endpoint(endpoint);
+    }
+
+    /// Every gauge and counter of the controller.
+    pub fn metrics(&self, now: f64) -> Option<ControllerMetrics> {
+        self.lock().metrics(now).ok()
+    }
+
+    /// Queued requests, running requests, the saturation gauge, live tenants and the count of
+    /// each outcome (in `Outcome::ALL` order).
+    pub fn stats(&self, now: f64) -> FlowStats {
+        let mut core = self.lock();
+        let saturation = core.saturation(now).map(|s| s.value).unwrap_or(0.0);
+        FlowStats {
+            queued: core.len(),
+            running: core.running_len(),
+            saturation,
+            tenants: core.tenant_count(),
+            outcomes: Outcome::ALL.iter().copied().zip(core.outcome_counts()).collect(),
+        }
+    }
+}
+
+/// A snapshot of flow control.
+#[derive(Debug, Clone)]
+pub struct FlowStats {
+    /// Requests waiting.
+    pub queued: usize,
+    /// Requests dispatched and not complete.
+    pub running: usize,
+    /// The saturation gauge.
+    pub saturation: f64,
+    /// Tenants with a flow.
+    pub tenants: usize,
+    /// Requests per outcome.
+    pub outcomes: Vec<(Outcome, u64)>,
+}

@@ -1,0 +1,232 @@
+//! Engine health, the model of the Python plane's `health` module: active probes
+//! (`GET <engine><path>`) every `interval_s` for engines in routing; `unhealthy_threshold`
+//! failed probes in a row take an engine down, `healthy_threshold` good ones bring it back
+//! (a down engine is probed every `eject_s`); `failures_to_probe` failed attempts in a row
+//! start confirming probes at once. The circuit breaker opens when, over `breaker_window_s`,
+//! at least `breaker_min_requests` attempts ended and `breaker_failure_rate` of them failed;
+//! it stays open `breaker_open_s`, then a probe decides (half-open). An engine down or with
+//! its breaker open is out of the router's pool; back up, it is put back as it was.
+
+use std::collections::VecDeque;
+
+use serde::Deserialize;
+
+/// How engine health is judged (the `health` section and `retries.eject_s`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthConfig {
+    /// The probe path.
+    pub path: String,
+    /// Active-check period of engines in routing (None: off).
+    pub interval_s: Option<f64>,
+    /// A probe's timeout.
+    pub timeout_s: f64,
+    /// Failed probes in a row that take an engine down.
+    pub unhealthy_threshold: u32,
+    /// Good probes in a row that bring it back.
+    pub healthy_threshold: u32,
+    /// Failed attempts in a row that start confirming probes.
+    pub failures_to_probe: u32,
+    /// The breaker's window.
+    pub breaker_window_s: f64,
+    /// Attempts in the window before the breaker may open.
+    pub breaker_min_requests: u32,
+    /// Failure rate that opens it (None: no breaker).
+    pub breaker_failure_rate: Option<f64>,
+    /// How long it stays open.
+    pub breaker_open_s: f64,
+    /// How often a down engine is probed again.
+    pub eject_s: f64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            path: "/health".into(),
+            interval_s: Some(5.0),
+            timeout_s: 2.0,
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+            failures_to_probe: 5,
+            breaker_window_s: 10.0,
+            breaker_min_requests: 20,
+            breaker_failure_rate: Some(0.5),
+            breaker_open_s: 10.0,
+            eject_s: 5.0,
+        }
+    }
+}
+
+/// Where an engine stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    /// In routing.
+    Up,
+    /// Taken down by its probes.
+    Down,
+    /// Its breaker is open.
+    Open,
+}
+
+impl State {
+    /// `up`, `down` or `open`.
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Up => "up",
+            State::Down => "down",
+            State::Open => "open",
+        }
+    }
+}
+
+/// One engine's health record.
+#[derive(Debug)]
+pub struct Health {
+    /// Where it stands.
+    pub state: State,
+    probe_failures: u32,
+    probe_successes: u32,
+    attempt_failures: u32,
+    /// Set when failed attempts asked for confirming probes.
+    pub suspect: bool,
+    /// When the next probe is due (down or open).
+    pub next_probe_at: f64,
+    window: VecDeque<(f64, bool)>,
+}
+
+/// What a change of health asks of the gateway.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Change {
+    /// Nothing.
+    None,
+    /// Take it out of routing (`Down` or `Open`).
+    Out(State),
+    /// Put it back.
+    Back,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health {
+            state: State::Up,
+            probe_failures: 0,
+            probe_successes: 0,
+            attempt_failures: 0,
+            suspect: false,
+            next_probe_at: 0.0,
+            window: VecDeque::new(),
+        }
+    }
+}
+
+impl Health {
+    /// An attempt ended: `failure` is None for a success, else its kind (`connect` and
+    /// `timeout` start confirming probes at once, others after `failures_to_probe` in a row).
+    pub fn attempt(&mut self, config: &HealthConfig, failure: Option<&str>, now: f64) -> Change {
+        if self.state != State::Up {
+            return Change::None;
+        }
+        let failed = failure.is_some();
+        if let Some(kind) = failure {
+            self.attempt_failures += 1;
+            let at_once = matches!(kind, "connect" | "timeout");
+            if at_once || self.attempt_failures >= config.failures_to_probe {
+                self.suspect = true;
+            }
+        } else {
+            self.attempt_failures = 0;
+        }
+        let Some(rate) = config.breaker_failure_rate else { return Change::None };
+        self.window.push_back((now, failed));
+        while self.window.front().is_some_and(|(t, _)| now - t > config.breaker_window_s) {
+            self.window.pop_front();
+        }
+        let total = self.window.len() as u32;
+        let failures = self.window.iter().filter(|(_, f)| *f).count() as f64;
+        if self.state == State::Up
+            && total >= config.breaker_min_requests
+            && failures / f64::from(total) >= rate
+        {
+            self.state = State::Open;
+            self.window.clear();
+            self.next_probe_at = now + config.breaker_open_s;
+            return Change::Out(State::Open);
+        }
+        Change::None
+    }
+
+    /// A probe's result.
+    pub fn probe(&mut self, config: &HealthConfig, ok: bool, now: f64) -> Change {
+        if ok {
+            self.probe_failures = 0;
+            self.probe_successes += 1;
+            self.suspect = false;
+            let back = match self.state {
+                State::Up => false,
+                // Half-open: one good probe closes the breaker.
+                State::Open => true,
+                State::Down => self.probe_successes >= config.healthy_threshold,
+            };
+            if back {
+                self.state = State::Up;
+                self.attempt_failures = 0;
+                return Change::Back;
+            }
+            if self.state == State::Down {
+                self.next_probe_at = now + config.eject_s.min(1.0);
+            }
+            return Change::None;
+        }
+        self.probe_successes = 0;
+        self.probe_failures += 1;
+        match self.state {
+            State::Up if self.probe_failures >= config.unhealthy_threshold => {
+                self.state = State::Down;
+                self.suspect = false;
+                self.next_probe_at = now + config.eject_s;
+                Change::Out(State::Down)
+            }
+            State::Up => Change::None,
+            State::Open => {
+                self.next_probe_at = now + config.breaker_open_s;
+                Change::None
+            }
+            State::Down => {
+                self.next_probe_at = now + config.eject_s;
+                Change::None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_connection_asks_for_probes_which_take_the_engine_down_and_back() {
+        let config = HealthConfig::default();
+        let mut health = Health::default();
+        assert_eq!(health.attempt(&config, Some("connect"), 0.0), Change::None);
+        assert!(health.suspect);
+        assert_eq!(health.probe(&config, false, 0.1), Change::None);
+        assert_eq!(health.probe(&config, false, 0.2), Change::None);
+        assert_eq!(health.probe(&config, false, 0.3), Change::Out(State::Down));
+        assert_eq!(health.probe(&config, true, 5.3), Change::None);
+        assert_eq!(health.probe(&config, true, 6.3), Change::Back);
+        assert_eq!(health.state, State::Up);
+    }
+
+    #[test]
+    fn the_breaker_opens_on_the_failure_rate_and_one_good_probe_closes_it() {
+        let config = HealthConfig { breaker_min_requests: 4, ..HealthConfig::default() };
+        let mut health = Health::default();
+        for (i, failed) in [false, true, false].into_iter().enumerate() {
+            let failure = failed.then_some("status_5xx");
+            assert_eq!(health.attempt(&config, failure, i as f64 * 0.1), Change::None);
+        }
+        assert_eq!(health.attempt(&config, Some("status_5xx"), 0.3), Change::Out(State::Open));
+        assert_eq!(health.attempt(&config, None, 0.4), Change::None, "open: not counted");
+        assert_eq!(health.probe(&config, true, 10.4), Change::Back);
+    }
+}

@@ -1,0 +1,305 @@
+//! The gateway's own counters, exported on `GET /metrics` under the names of the Python plane
+//! (`llmsched_gateway_*`, Prometheus text format), so dashboards read either plane alike.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Counters keyed by their label values, rendered in key order.
+#[derive(Default, Debug)]
+pub struct Family {
+    samples: Mutex<BTreeMap<Vec<String>, u64>>,
+}
+
+impl Family {
+    /// Adds `n` to the sample with these label values.
+    pub fn add(&self, labels: &[&str], n: u64) {
+        let mut samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(value) =
+            samples.get_mut(labels.iter().map(|l| l.to_string()).collect::<Vec<_>>().as_slice())
+        {
+            *value += n;
+            return;
+        }
+        samples.insert(labels.iter().map(|l| l.to_string()).collect(), n);
+    }
+
+    /// Adds one.
+    pub fn inc(&self, labels: &[&str]) {
+        self.add(labels, 1);
+    }
+
+    /// The sample with these label values (0 when absent).
+    pub fn get(&self, labels: &[&str]) -> u64 {
+        let key: Vec<String> = labels.iter().map(|l| l.to_string()).collect();
+        self.samples.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied().unwrap_or(0)
+    }
+
+    /// The sum over every label value.
+    pub fn total(&self) -> u64 {
+        self.samples.lock().unwrap_or_else(|e| e.into_inner()).values().sum()
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, labels: &[&str]) {
+        let _ = writeln!(out, "# HELP {name}_total {help}\n# TYPE {name}_total counter");
+        let samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+        for (values, count) in samples.iter() {
+            let _ = writeln!(out, "{name}_total{} {count}.0", label_text(labels, values));
+        }
+    }
+}
+
+fn label_text(names: &[&str], values: &[String]) -> String {
+    if names.is_empty() {
+        return String::new();
+    }
+    let pairs: Vec<String> = names
+        .iter()
+        .zip(values)
+        .map(|(n, v)| format!("{n}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
+        .collect();
+    format!("{{{}}}", pairs.join(","))
+}
+
+/// Every counter of the gateway.
+#[derive(Default, Debug)]
+pub struct Counters {
+    /// Requests answered, by route and HTTP status.
+    pub requests: Family,
+    /// Requests refused by the gateway, by reason.
+    pub rejections: Family,
+    /// Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, truncated).
+    pub upstream_errors: Family,
+    /// Requests re-sent to another endpoint.
+    pub retries: AtomicU64,
+    /// Requests sent to each endpoint (the successful attempt).
+    pub routed: Family,
+    /// Endpoints taken down after failing their health probes.
+    pub ejections: Family,
+    /// Circuit breakers opened.
+    pub breaker_opens: Family,
+    /// Health probes, by endpoint and result.
+    pub probes: Family,
+    /// Answers cut off after their status line, by endpoint and what the client got.
+    pub truncated: Family,
+    /// Requests whose header tenant came past `max_tenants`.
+    pub tenants_folded: AtomicU64,
+    /// Client connections open now.
+    pub connections: AtomicU64,
+    /// Client connections refused at `max_connections`.
+    pub connections_refused: AtomicU64,
+    /// Engines added, removed or changed by discovery.
+    pub engine_changes: AtomicU64,
+    /// Completion requests received (before any check).
+    pub received: AtomicU64,
+    /// Answers passed on to their end.
+    pub completed: AtomicU64,
+    /// Answers the client left before their end.
+    pub disconnects: AtomicU64,
+    /// Latency histograms.
+    pub histograms: Histograms,
+}
+
+impl Counters {
+    /// Requests answered with `status` on `route`.
+    pub fn answered(&self, route: &str, status: u16) -> u64 {
+        self.requests.get(&[route, &status.to_string()])
+    }
+
+    /// The counters' exposition text (gauges of other components are appended by the caller).
+    pub fn render(&self, out: &mut String) {
+        const P: &str = "llmsched_gateway";
+        self.requests.render(
+            out,
+            &format!("{P}_requests"),
+            "Requests answered, by route and HTTP status",
+            &["route", "status"],
+        );
+        self.rejections.render(
+            out,
+            &format!("{P}_rejections"),
+            "Requests refused by the gateway, by reason",
+            &["reason"],
+        );
+        self.upstream_errors.render(
+            out,
+            &format!("{P}_upstream_errors"),
+            "Failed upstream attempts, by endpoint and kind",
+            &["endpoint", "kind"],
+        );
+        let plain = |out: &mut String, name: &str, help: &str, value: &AtomicU64| {
+            let value = value.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "# HELP {P}_{name}_total {help}\n# TYPE {P}_{name}_total counter\n\
+                 {P}_{name}_total {value}.0"
+            );
+        };
+        plain(out, "retries", "Requests re-sent to another endpoint", &self.retries);
+        self.routed.render(
+            out,
+            &format!("{P}_routed"),
+            "Requests sent to each endpoint (the successful attempt)",
+            &["endpoint"],
+        );
+        self.ejections.render(
+            out,
+            &format!("{P}_ejections"),
+            "Times an endpoint was taken down after failing its health probes",
+            &["endpoint"],
+        );
+        self.breaker_opens.render(
+            out,
+            &format!("{P}_breaker_opens"),
+            "Times an endpoint's circuit breaker opened",
+            &["endpoint"],
+        );
+        self.probes.render(
+            out,
+            &format!("{P}_health_probes"),
+            "Health probes of endpoints, by result (ok, failed)",
+            &["endpoint", "result"],
+        );
+        self.truncated.render(
+            out,
+            &format!("{P}_truncated_answers"),
+            "Engine answers cut off after their status line, by what the client got",
+            &["endpoint", "outcome"],
+        );
+        plain(
+            out,
+            "tenants_folded",
+            "Requests whose header tenant came past limits.max_tenants",
+            &self.tenants_folded,
+        );
+        let connections = self.connections.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "# HELP {P}_connections Client connections open now\n# TYPE {P}_connections gauge\n\
+             {P}_connections {connections}.0"
+        );
+        plain(
+            out,
+            "connections_refused",
+            "Client connections refused at limits.max_connections",
+            &self.connections_refused,
+        );
+        plain(
+            out,
+            "engine_changes",
+            "Engines added, removed or changed by discovery",
+            &self.engine_changes,
+        );
+        self.histograms.render(out);
+    }
+}
+
+/// Appends one gauge sample (with its HELP and TYPE lines when `first`).
+pub fn gauge(out: &mut String, name: &str, help: &str, labels: &[(&str, &str)], value: f64) {
+    let name = format!("llmsched_gateway_{name}");
+    if !out.contains(&format!("# TYPE {name} gauge")) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    }
+    let names: Vec<&str> = labels.iter().map(|(n, _)| *n).collect();
+    let values: Vec<String> = labels.iter().map(|(_, v)| v.to_string()).collect();
+    let _ = writeln!(out, "{name}{} {value:?}", label_text(&names, &values));
+}
+
+/// A Prometheus histogram with fixed upper bounds.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<AtomicU64>,
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+/// Decisions take tens of microseconds; requests through the gateway take milliseconds.
+pub const DECISION_BUCKETS: &[f64] =
+    &[1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1];
+/// Waits in flow control.
+pub const WAIT_BUCKETS: &[f64] =
+    &[5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5, 10.0, 60.0];
+
+impl Histogram {
+    /// An empty histogram with `bounds` (ascending).
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_ns: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation in seconds.
+    pub fn observe(&self, seconds: f64) {
+        let seconds = seconds.max(0.0);
+        if let Some(i) = self.bounds.iter().position(|b| seconds <= *b) {
+            self.counts[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_ns.fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Appends the histogram's exposition text.
+    pub fn render(&self, out: &mut String, name: &str, help: &str) {
+        let name = format!("llmsched_gateway_{name}");
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, count) in self.bounds.iter().zip(&self.counts) {
+            cumulative += count.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound:?}\"}} {cumulative}.0");
+        }
+        let count = self.count();
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 * 1e-9;
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{le=\"+Inf\"}} {count}.0\n{name}_count {count}.0\n{name}_sum {sum:?}"
+        );
+    }
+}
+
+/// The gateway's histograms.
+#[derive(Debug)]
+pub struct Histograms {
+    /// One routing decision.
+    pub decision: Histogram,
+    /// Arrival to upstream send, without flow-control queueing.
+    pub overhead: Histogram,
+    /// Waits in flow control.
+    pub admission_wait: Histogram,
+}
+
+impl Default for Histograms {
+    fn default() -> Self {
+        Histograms {
+            decision: Histogram::new(DECISION_BUCKETS),
+            overhead: Histogram::new(DECISION_BUCKETS),
+            admission_wait: Histogram::new(WAIT_BUCKETS),
+        }
+    }
+}
+
+impl Histograms {
+    /// Appends their exposition text.
+    pub fn render(&self, out: &mut String) {
+        self.decision.render(out, "decision_seconds", "Time of one routing decision");
+        self.overhead.render(
+            out,
+            "overhead_seconds",
+            "Time from a request's arrival to its upstream send, without flow-control queueing",
+        );
+        self.admission_wait.render(
+            out,
+            "admission_wait_seconds",
+            "Time a request waited in flow control before dispatch",
+        );
+    }
+}

@@ -1,0 +1,206 @@
+//! `NativeGateway`: the native data plane (`llmsched-gateway`) started in-process on its own
+//! runtime thread, routing with a `Router` built in Python (one pool, index and router shared
+//! by both sides). Every method releases the GIL; the request path never takes it (a Python
+//! scorer or filter configured in the router takes it for its own call only).
+
+use std::net::ToSocketAddrs;
+use std::sync::Arc;
+
+use llmsched_core::routing::Router;
+use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, RouterSource, Running};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert::to_python;
+use crate::errors::{detach, ConfigError, GatewayStoppedError};
+use crate::routing::PyRouter;
+
+/// A Python router seen from the gateway's threads (the class is frozen: no GIL needed to
+/// read it).
+struct SharedRouter(Py<PyRouter>);
+
+impl RouterSource for SharedRouter {
+    fn router(&self) -> &Router {
+        &self.0.get().inner
+    }
+}
+
+/// The native data plane, serving on its own thread until `stop()`.
+#[pyclass(frozen, module = "llmsched._llmsched", name = "NativeGateway")]
+pub struct PyNativeGateway {
+    running: Mutex<Option<Running>>,
+    host: String,
+    port: u16,
+}
+
+fn stopped() -> PyErr {
+    GatewayStoppedError::new_err("the native gateway is stopped")
+}
+
+#[pymethods]
+impl PyNativeGateway {
+    /// Starts serving on `host:port` (0: any free port) with `config` (the JSON of
+    /// `llmsched_gateway::GatewayConfig`), routing with `router` (an `llmsched.Router` or the
+    /// native router inside one; None: a router built from `config`); `extra_metrics()`
+    /// returns more `/metrics` text (called, with the GIL, on each scrape of `/metrics`).
+    /// Raises ConfigError naming the problem.
+    #[new]
+    #[pyo3(signature = (config, host, port, router=None, extra_metrics=None))]
+    fn new(
+        py: Python<'_>,
+        config: &str,
+        host: &str,
+        port: u16,
+        router: Option<&Bound<'_, PyAny>>,
+        extra_metrics: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        // Called on a scrape of `/metrics` only: the GIL for that call, nothing else.
+        let extra: Option<ExtraMetrics> = extra_metrics.map(|callable| {
+            Arc::new(move || {
+                Python::attach(|py| {
+                    callable.call0(py).and_then(|v| v.extract::<String>(py)).unwrap_or_default()
+                })
+            }) as ExtraMetrics
+        });
+        let router: Option<Py<PyRouter>> = match router {
+            None => None,
+            Some(r) => Some(match r.cast::<PyRouter>() {
+                Ok(native) => native.clone().unbind(),
+                Err(_) => r
+                    .getattr("_native")
+                    .ok()
+                    .and_then(|n| n.cast::<PyRouter>().ok().map(|n| n.clone().unbind()))
+                    .ok_or_else(|| {
+                        pyo3::exceptions::PyTypeError::new_err("router must be an llmsched.Router")
+                    })?,
+            }),
+        };
+        let config: GatewayConfig = serde_json::from_str(config)
+            .map_err(|e| ConfigError::new_err(format!("native gateway config: {e}")))?;
+        let host = host.to_string();
+        let source = router.map(|r| Arc::new(SharedRouter(r)) as Arc<dyn RouterSource>);
+        let started = detach(py, move || {
+            let addr = (host.as_str(), port)
+                .to_socket_addrs()
+                .map_err(|e| format!("listen.host: cannot resolve {host:?}: {e}"))?
+                .next()
+                .ok_or_else(|| format!("listen.host: {host:?} has no address"))?;
+            llmsched_gateway::spawn(addr, config, source, extra).map_err(|e| e.to_string())
+        })?;
+        let running = started.map_err(ConfigError::new_err)?;
+        let (host, port) = (running.addr.ip().to_string(), running.addr.port());
+        Ok(PyNativeGateway { running: Mutex::new(Some(running)), host, port })
+    }
+
+    /// The address listened on.
+    #[getter]
+    fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The port listened on.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Whether it serves.
+    #[getter]
+    fn running(&self) -> bool {
+        self.running.lock().as_ref().is_some_and(Running::running)
+    }
+
+    /// Stops listening, closes every connection and joins the runtime thread. Idempotent.
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        let running = self.running.lock().take();
+        detach(py, move || drop(running))
+    }
+
+    /// Replaces the engines (`(id, base URL)` pairs); returns the ids added and removed. The shared
+    /// router's pool is the caller's to update. ConfigError (nothing changed) on an empty,
+    /// repeated or malformed list.
+    fn set_engines(
+        &self,
+        py: Python<'_>,
+        engines: Vec<(String, String)>,
+    ) -> PyResult<(Vec<String>, Vec<String>)> {
+        let engines: Vec<EngineEntry> =
+            engines.into_iter().map(|(id, url)| EngineEntry::Named { id, url }).collect();
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        let result = detach(py, || running.set_engines(&engines))?;
+        result.map_err(|e| ConfigError::new_err(e.to_string()))
+    }
+
+    /// The `/metrics` text.
+    fn metrics_text(&self, py: Python<'_>) -> PyResult<String> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        detach(py, || running.metrics_text())
+    }
+
+    /// Each engine's health state: `up`, `down` (its probes failed) or `open` (its breaker).
+    fn health_states(&self, py: Python<'_>) -> PyResult<Vec<(String, &'static str)>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        detach(py, || running.health_states())
+    }
+
+    /// Engines a request could go to now (in the pool and up).
+    fn routable(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        detach(py, || running.routable())
+    }
+
+    /// Flow control's snapshot (`queued`, `running`, `saturation`, `tenants`, `outcomes`), or
+    /// None when flow control is off.
+    fn flow_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        let Some(stats) = detach(py, || running.flow_stats())? else { return Ok(None) };
+        let out = PyDict::new(py);
+        out.set_item("queued", stats.queued)?;
+        out.set_item("running", stats.running)?;
+        out.set_item("saturation", stats.saturation)?;
+        out.set_item("tenants", stats.tenants)?;
+        let outcomes = PyDict::new(py);
+        for (outcome, count) in stats.outcomes {
+            outcomes.set_item(outcome.name(), count)?;
+        }
+        out.set_item("outcomes", outcomes)?;
+        Ok(Some(out))
+    }
+
+    /// Flow control's gauges and counters (the shape of `llmsched.FlowController.metrics()`),
+    /// or None when flow control is off.
+    fn flow_metrics<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        match detach(py, || running.flow_metrics())? {
+            None => Ok(None),
+            Some(metrics) => to_python(py, &metrics).map(Some),
+        }
+    }
+
+    /// Connection and request counters: `received`, `completed`, `disconnects`,
+    /// `connections`, `retries`.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        let c = running.counters();
+        let out = PyDict::new(py);
+        out.set_item("received", c.received.load(Relaxed))?;
+        out.set_item("completed", c.completed.load(Relaxed))?;
+        out.set_item("disconnects", c.disconnects.load(Relaxed))?;
+        out.set_item("connections", c.connections.load(Relaxed))?;
+        out.set_item("retries", c.retries.load(Relaxed))?;
+        Ok(out)
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyNativeGateway>()
+}

@@ -1,0 +1,377 @@
+"""The native data plane of ``llmsched serve`` (``data_plane: native``).
+
+Python reads and checks the YAML config (:func:`~llmsched.gateway.config.load_config`, the one
+loader), builds the pool, prefix index and router (a :class:`~llmsched.Scheduler`, whose
+KV-event subscriber keeps feeding the index), watches the discovery file, and then starts the
+Rust gateway (``llmsched-gateway``) in-process on its own runtime thread, handing it the router
+itself: both sides share one pool, one index and one set of in-flight counts. Every request
+is served in Rust (auth, limits, flow control, routing, proxying, metrics); Python runs only
+for configuration, discovery, the KV-event feed and, when the router config names a Python
+scorer or filter, that one call (the GIL is taken for it alone).
+
+What the native plane does not do yet raises :class:`~llmsched.errors.ConfigError` naming the
+key (``tokenizer``, ``slices``, ``cluster``, ``admin``): serve those with
+``data_plane: python``.
+
+>>> import asyncio
+>>> async def main() -> int:
+...     gateway = NativeGateway({"engines": [{"host": "127.0.0.1", "port": 9}],
+...                              "models": ["m"], "listen": {"port": 0},
+...                              "scrape": {"enabled": False}, "data_plane": "native"})
+...     await gateway.start()
+...     try:
+...         return gateway.port
+...     finally:
+...         await gateway.stop()
+>>> asyncio.run(main()) > 0
+True
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmsched import _llmsched
+from llmsched.errors import ConfigError, GatewayStoppedError
+from llmsched.flow import FlowController
+from llmsched.gateway.config import GatewayConfig, load_config, read_engines_file, wire_engines
+from llmsched.integrations import EngineSpec
+from llmsched.prefix_index import PrefixIndex
+from llmsched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from llmsched.types import EndpointInfo, FlowMetrics, NativeFlowStats
+
+__all__ = ["NativeFlowView", "NativeGateway", "NativeHealthView", "NativeMetrics"]
+
+log = logging.getLogger("llmsched.gateway")
+
+
+class NativeMetrics:
+    """The native plane's ``/metrics`` (the Python plane's metric names)."""
+
+    def __init__(self, owner: NativeGateway) -> None:
+        self._owner = owner
+
+    def render(self) -> bytes:
+        """The exposition text of every metric."""
+        return self._owner.native().metrics_text().encode()
+
+
+class NativeHealthView:
+    """Engine health as the native plane judges it (probes and circuit breaker)."""
+
+    def __init__(self, owner: NativeGateway) -> None:
+        self._owner = owner
+
+    def state(self, worker: str) -> str:
+        """``up``, ``down`` (its probes failed) or ``open`` (its breaker); KeyError when the
+        engine is not configured."""
+        states = dict(self._owner.native().health_states())
+        return states[worker]
+
+    def routable(self, worker: str) -> bool:
+        """Whether the engine is up."""
+        return self.state(worker) == "up"
+
+
+class NativeFlowView:
+    """Flow control as the native plane runs it (the core flow controller in Rust)."""
+
+    def __init__(self, owner: NativeGateway) -> None:
+        self._owner = owner
+
+    def _stats(self) -> NativeFlowStats:
+        stats = self._owner.native().flow_stats()
+        if stats is None:
+            raise ConfigError("flow: flow control is off")
+        return stats
+
+    def running_count(self) -> int:
+        """Dispatched requests not yet complete."""
+        return int(self._stats()["running"])
+
+    def queued_count(self) -> int:
+        """Requests waiting to be dispatched."""
+        return int(self._stats()["queued"])
+
+    def saturation(self) -> float:
+        """The saturation gauge."""
+        return float(self._stats()["saturation"])
+
+    def metrics(self) -> FlowMetrics:
+        """Queue lengths per band and flow, outcome counts, saturation and fairness, as
+        :meth:`llmsched.FlowController.metrics` gives them."""
+        metrics = self._owner.native().flow_metrics()
+        if metrics is None:
+            raise ConfigError("flow: flow control is off")
+        return metrics
+
+    def __len__(self) -> int:
+        return self.queued_count()
+
+    def outcome_counts(self) -> dict[str, int]:
+        """Requests per outcome (``dispatched``, ``rejected_capacity``, ...)."""
+        return dict(self._stats()["outcomes"])
+
+
+_UNSUPPORTED = (
+    ("tokenizer", lambda c: c.tokenizer is not None),
+    ("slices.enabled", lambda c: c.slices.enabled),
+    ("cluster.servers", lambda c: c.cluster.enabled),
+    ("admin", lambda c: c.admin.enabled),
+)
+
+
+def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[str, Any]:
+    """The native gateway's configuration (``llmsched_gateway::GatewayConfig`` as JSON) for a
+    checked gateway config; ConfigError naming a key the native plane does not serve."""
+    for key, used in _UNSUPPORTED:
+        if used(config):
+            raise ConfigError(
+                f"{key}: not served by the native data plane yet; set data_plane: python"
+            )
+    flow: dict[str, Any] | None = None
+    if config.flow is not None:
+        flow = _flow_config(config)
+    health = config.health
+    timeouts = config.timeouts
+    limits = config.limits
+    return {
+        "engines": [{"id": spec.worker_id, "url": spec.base_url} for spec in engines],
+        "models": list(config.models),
+        "max_body": limits.max_body_bytes,
+        "retries": config.retries.max_attempts - 1,
+        "retry_on_5xx": config.retries.on_5xx,
+        "scrape_interval_s": config.scrape.interval_s if config.scrape.enabled else None,
+        "scrape_timeout_s": config.scrape.timeout_s,
+        "flow": flow,
+        "api_keys": [
+            {"key": key, "tenant": ident.tenant, "priority": ident.priority, **ident.limits()}
+            for key, ident in config.auth.api_keys.items()
+        ],
+        "retry_after_s": limits.retry_after_s,
+        "body_timeout_s": limits.body_timeout_s,
+        "idle_timeout_s": limits.idle_timeout_s,
+        "connect_timeout_s": timeouts.connect_s,
+        "read_timeout_s": timeouts.read_s,
+        "total_timeout_s": timeouts.total_s,
+        "max_connections": limits.max_connections,
+        "max_headers": limits.max_headers,
+        "max_field_size": limits.max_field_size,
+        "max_line_size": limits.max_line_size,
+        "max_tenants": limits.max_tenants,
+        "tenant_idle_s": limits.tenant_idle_s,
+        "health": {
+            "path": health.path,
+            "interval_s": health.interval_s,
+            "timeout_s": health.timeout_s,
+            "unhealthy_threshold": health.unhealthy_threshold,
+            "healthy_threshold": health.healthy_threshold,
+            "failures_to_probe": health.failures_to_probe,
+            "breaker_window_s": health.breaker_window_s,
+            "breaker_min_requests": health.breaker_min_requests,
+            "breaker_failure_rate": health.breaker_failure_rate,
+            "breaker_open_s": health.breaker_open_s,
+            "eject_s": config.retries.eject_s,
+        },
+        "pd_header": config.pd.header if config.pd.enabled else None,
+        "threads": config.native_threads,
+    }
+
+
+def _flow_config(config: GatewayConfig) -> dict[str, Any]:
+    """The flow config resolved by the flow controller (checked), with the saturation
+    staleness matched to the scrape interval unless it sets it."""
+    assert config.flow is not None
+    raw: dict[str, Any] = json.loads(json.dumps(dict(config.flow)))
+    saturation = raw.setdefault("saturation", {"type": "utilization"})
+    if isinstance(saturation, dict) and saturation.get("type", "utilization") == "utilization":
+        saturation.setdefault("staleness_s", _stale_after(config))
+    try:
+        resolved = FlowController(raw).config
+    except ConfigError as exc:
+        raise ConfigError(f"flow: {exc}") from None
+    out: dict[str, Any] = json.loads(json.dumps(resolved))
+    return out
+
+
+def _stale_after(config: GatewayConfig) -> float:
+    return 3 * config.scrape.interval_s + config.scrape.timeout_s
+
+
+class NativeGateway:
+    """``llmsched serve`` on the native data plane, with the surface of
+    :class:`~llmsched.gateway.Gateway`: :meth:`start`, :meth:`stop`, :attr:`port`,
+    :attr:`url`, :meth:`set_engines`, :attr:`metrics`, :attr:`pool`, :attr:`index`,
+    :attr:`router`, :attr:`scheduler`, :attr:`health` and :attr:`flow` (None when flow
+    control is off).
+
+    Args:
+        config: a :class:`~llmsched.gateway.config.GatewayConfig`, a mapping or a YAML path.
+    """
+
+    def __init__(self, config: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]) -> None:
+        self.config = config if isinstance(config, GatewayConfig) else load_config(config)
+        cfg = self.config
+        native_config(cfg, cfg.engines)  # unsupported keys fail here, before anything starts
+        self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
+        # The pool, index and router (and the KV-event feed) live in Python and are shared;
+        # scraping, flow control and health run natively.
+        self.scheduler = Scheduler(
+            cfg.engines,
+            router=cfg.router,
+            index=PrefixIndex(cfg.block_size),
+            scrape=False,
+            stale_after_s=_stale_after(cfg),
+            stale_policy="saturated" if cfg.scrape.enabled else "ignore",
+            retry_after_s=cfg.limits.retry_after_s,
+        )
+        self.index = self.scheduler.index
+        self.pool = self.scheduler.pool
+        self.router = self.scheduler.router
+        self.metrics = NativeMetrics(self)
+        self.health = NativeHealthView(self)
+        self.flow: NativeFlowView | None = None if cfg.flow is None else NativeFlowView(self)
+        self._native: _llmsched.NativeGateway | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
+        self._discovery_errors = 0
+
+    def native(self) -> _llmsched.NativeGateway:
+        """The running native gateway (GatewayStoppedError when not started)."""
+        if self._native is None:
+            raise GatewayStoppedError("the gateway is not started")
+        return self._native
+
+    @property
+    def port(self) -> int:
+        """The port listened on (known after :meth:`start`)."""
+        return int(self.native().port)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running gateway."""
+        return f"http://{self.config.listen.host}:{self.port}"
+
+    @property
+    def engines(self) -> list[EngineSpec]:
+        """The engines requests may go to now."""
+        return list(self._specs.values())
+
+    async def start(self) -> None:
+        """Starts the KV-event feed, the discovery watcher and the native gateway."""
+        cfg = self.config
+        await self.scheduler.start()
+        text = json.dumps(native_config(cfg, self._specs.values()))
+        try:
+            self._native = _llmsched.NativeGateway(
+                text, cfg.listen.host, cfg.listen.port, self.router, self._extra_metrics
+            )
+        except BaseException:
+            await self.scheduler.stop()
+            raise
+        if cfg.discovery.file is not None:
+            self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
+
+    async def stop(self) -> None:
+        """Stops the native gateway (connections are closed), then the feeds."""
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._discovery_task
+            self._discovery_task = None
+        if self._native is not None:
+            native, self._native = self._native, None
+            await asyncio.get_running_loop().run_in_executor(None, native.stop)
+        await self.scheduler.stop()
+
+    async def __aenter__(self) -> NativeGateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def _extra_metrics(self) -> str:
+        """What runs in Python, for the native ``/metrics``: discovery errors and the
+        KV-event subscriber's counters."""
+        lines = [
+            "# HELP llmsched_gateway_discovery_errors_total Discovery file reads that failed "
+            "(the current engines were kept)",
+            "# TYPE llmsched_gateway_discovery_errors_total counter",
+            f"llmsched_gateway_discovery_errors_total {float(self._discovery_errors)}",
+        ]
+        subscriber = self.scheduler.subscriber
+        if subscriber is None:
+            return "\n".join(lines) + "\n"
+        lines += [
+            "# HELP llmsched_gateway_kv_events_total KV-event subscriber counters",
+            "# TYPE llmsched_gateway_kv_events_total counter",
+        ]
+        for name, value in sorted(subscriber.counters().items()):
+            lines.append(f'llmsched_gateway_kv_events_total{{counter="{name}"}} {float(value)}')
+        return "\n".join(lines) + "\n"
+
+    def routable_endpoints(self) -> list[str]:
+        """Engines a request could go to now (in the pool and up)."""
+        return [str(w) for w in self.native().routable()]
+
+    def endpoints(self) -> list[EndpointInfo]:
+        """The pool's endpoints (:meth:`llmsched.EndpointPool.endpoints`)."""
+        return self.pool.endpoints()
+
+    async def set_engines(self, engines: Iterable[EngineSpec]) -> tuple[list[str], list[str]]:
+        """Replaces the set of engines (what discovery calls): the shared pool and index as
+        :meth:`llmsched.gateway.Gateway.set_engines` does, then the native gateway's upstream
+        set; returns the worker ids added and removed. An empty or repeated set raises
+        ConfigError and changes nothing."""
+        specs: dict[str, EngineSpec] = {}
+        for spec in engines:
+            if not isinstance(spec, EngineSpec):
+                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+            if spec.worker_id in specs:
+                raise ConfigError(f"engines: {spec.worker_id} is listed twice")
+            specs[spec.worker_id] = spec
+        if not specs:
+            raise ConfigError("engines: must list at least one engine")
+        specs = {s.worker_id: s for s in wire_engines(self.config, specs.values())}
+        new, gone, updated = self.scheduler.set_engines(specs.values())
+        added, removed, changed = (list(map(str, ids)) for ids in (new, gone, updated))
+        if not (added or removed or changed):
+            return [], []
+        self._specs = specs
+        if self._native is not None:
+            self._native.set_engines([(s.worker_id, s.base_url) for s in specs.values()])
+        log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
+        await self.scheduler.feeds_settled()
+        return added, removed
+
+    async def _watch_discovery(self, path: Path) -> None:
+        """Re-reads the discovery file when it changes; a file that cannot be read or checked
+        keeps the current engines (logged)."""
+        seen: tuple[int, int] | None = (-1, -1)
+        while True:
+            await asyncio.sleep(self.config.discovery.interval_s)
+            try:
+                stat = path.stat()
+                version: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
+            except OSError:
+                version = None
+            if version == seen:
+                continue
+            seen = version
+            try:
+                engines = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: read_engines_file(path, max_bytes=self.config.discovery.max_bytes)
+                )
+                await self.set_engines(engines)
+            except ConfigError as exc:
+                self._discovery_errors += 1
+                log.warning("discovery: keeping the current engines: %s", exc)
