@@ -38,10 +38,15 @@ __all__ = [
     "IndexStats",
     "KVCacheEvent",
     "KVEventDict",
+    "KeyLimits",
     "MetricsRead",
     "MetricsSourceInfo",
+    "NativeApiKey",
+    "NativeEngineEntry",
     "NativeFlowStats",
+    "NativeGatewayConfig",
     "NativeGatewayCounters",
+    "NativeHealthConfig",
     "PdNote",
     "PluginInfo",
     "PluginParamInfo",
@@ -644,6 +649,77 @@ class SchedulerConfig(TypedDict, total=False):
     kv_events: bool
     scrape: ScrapeSettings
     retry_after_s: float
+
+
+class KeyLimits(TypedDict):
+    """An API key's rate and concurrency limits (None: unlimited)."""
+
+    requests_per_s: float | None
+    burst_requests: float | None
+    tokens_per_s: float | None
+    burst_tokens: float | None
+    max_concurrent: int | None
+
+
+class NativeEngineEntry(TypedDict):
+    """One engine of the native data plane's configuration."""
+
+    id: str
+    url: str
+
+
+class NativeApiKey(KeyLimits):
+    """One API key of the native data plane's configuration, with its limits."""
+
+    key: str
+    tenant: str
+    priority: int
+
+
+class NativeHealthConfig(TypedDict):
+    """Health probes and the circuit breaker of the native data plane."""
+
+    path: str
+    interval_s: float | None
+    timeout_s: float
+    unhealthy_threshold: int
+    healthy_threshold: int
+    failures_to_probe: int
+    breaker_window_s: float
+    breaker_min_requests: int
+    breaker_failure_rate: float | None
+    breaker_open_s: float
+    eject_s: float
+
+
+class NativeGatewayConfig(TypedDict):
+    """The native data plane's configuration (``llmsched_gateway::GatewayConfig``, sent as
+    JSON), built from a checked gateway config by ``llmsched.gateway.native.native_config``."""
+
+    engines: list[NativeEngineEntry]
+    models: list[str]
+    max_body: int
+    retries: int
+    retry_on_5xx: bool
+    scrape_interval_s: float | None
+    scrape_timeout_s: float
+    flow: FlowConfig | None
+    api_keys: list[NativeApiKey]
+    retry_after_s: float
+    body_timeout_s: float
+    idle_timeout_s: float
+    connect_timeout_s: float | None
+    read_timeout_s: float | None
+    total_timeout_s: float | None
+    max_connections: int
+    max_headers: int
+    max_field_size: int
+    max_line_size: int
+    max_tenants: int
+    tenant_idle_s: float
+    health: NativeHealthConfig
+    pd_header: str | None
+    threads: int
 
 
 class NativeFlowStats(TypedDict):

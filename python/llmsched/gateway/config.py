@@ -32,7 +32,7 @@ from llmsched.config_loader import load_mapping, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 from llmsched.integrations.identity import wire_for_router
-from llmsched.types import ConfigInfo
+from llmsched.types import ConfigInfo, KeyLimits
 
 _log = logging.getLogger("llmsched")
 
@@ -86,7 +86,7 @@ class ApiKey:
         """Whether the key has any rate or concurrency limit."""
         return any(v is not None for v in self.limits().values())
 
-    def limits(self) -> dict[str, Any]:
+    def limits(self) -> KeyLimits:
         """The key's limits, as :class:`~llmsched.gateway.ratelimit.KeyLimiter` keywords."""
         return {
             "requests_per_s": self.requests_per_s,

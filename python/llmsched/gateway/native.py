@@ -47,7 +47,13 @@ from llmsched.prefix_index import PrefixIndex
 from llmsched.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from llmsched.types import EndpointInfo, FlowMetrics, NativeFlowStats
+    from llmsched.types import (
+        EndpointInfo,
+        FlowConfig,
+        FlowMetrics,
+        NativeFlowStats,
+        NativeGatewayConfig,
+    )
 
 __all__ = ["NativeFlowView", "NativeGateway", "NativeHealthView", "NativeMetrics"]
 
@@ -130,7 +136,7 @@ _UNSUPPORTED = (
 )
 
 
-def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[str, Any]:
+def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> NativeGatewayConfig:
     """The native gateway's configuration (``llmsched_gateway::GatewayConfig`` as JSON) for a
     checked gateway config; ConfigError naming a key the native plane does not serve."""
     for key, used in _UNSUPPORTED:
@@ -138,7 +144,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[
             raise ConfigError(
                 f"{key}: not served by the native data plane yet; set data_plane: python"
             )
-    flow: dict[str, Any] | None = None
+    flow: FlowConfig | None = None
     if config.flow is not None:
         flow = _flow_config(config)
     health = config.health
@@ -187,7 +193,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[
     }
 
 
-def _flow_config(config: GatewayConfig) -> dict[str, Any]:
+def _flow_config(config: GatewayConfig) -> FlowConfig:
     """The flow config resolved by the flow controller (checked), with the saturation
     staleness matched to the scrape interval unless it sets it."""
     assert config.flow is not None
@@ -199,8 +205,7 @@ def _flow_config(config: GatewayConfig) -> dict[str, Any]:
         resolved = FlowController(raw).config
     except ConfigError as exc:
         raise ConfigError(f"flow: {exc}") from None
-    out: dict[str, Any] = json.loads(json.dumps(resolved))
-    return out
+    return resolved
 
 
 def _stale_after(config: GatewayConfig) -> float:
