@@ -4,6 +4,7 @@ scraped ``/metrics`` steer routing, flow control and readiness."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import pytest
@@ -74,6 +75,26 @@ def test_scraped_load_steers_routing_and_admission() -> None:
                 assert (await r.complete(f"request {i}")).status == 200
             assert len(idle.received) == 4 and not busy.received
             assert r.gateway.flow is not None and r.gateway.flow.saturation() < 1.0
+
+    run(body())
+
+
+def test_metrics_stay_fresh_through_an_idle_spell() -> None:
+    """The idle scrape backs off, but never past the pool's staleness limit (1 s): a request
+    arriving after an idle spell is routed on the metrics already there, and stale ones would
+    count every engine saturated."""
+
+    async def body() -> None:
+        scrape = {"enabled": True, "interval_s": 0.05, "timeout_s": 0.5}
+        async with rig(engines=2, scrape=scrape, flow={}) as r:
+            await _until(lambda: all(e["timestamp"] for e in r.gateway.pool.endpoints()))
+            oldest = 0.0
+            for _ in range(80):  # 4 s without a request: long enough to back off fully
+                await asyncio.sleep(0.05)
+                now = time.monotonic()
+                ages = [now - e["timestamp"] for e in r.gateway.pool.endpoints()]
+                oldest = max(oldest, *ages)
+            assert oldest < 1.0, f"metrics {oldest:.2f} s old after an idle spell"
 
     run(body())
 

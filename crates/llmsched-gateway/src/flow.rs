@@ -21,6 +21,9 @@ pub struct Flow {
     core: Mutex<FlowController<Waiter>>,
     ids: AtomicU64,
     queued: Notify,
+    /// How old engine metrics may be before the saturation detector counts them as stale
+    /// (None: its detector reads no engine metrics).
+    metrics_staleness_s: Option<f64>,
 }
 
 /// Why a request was not admitted.
@@ -76,10 +79,23 @@ impl Drop for Queued<'_> {
 impl Flow {
     /// The controller of a flow config (the input format of `llmsched.FlowController`).
     pub fn new(config: &Value) -> Result<Flow, String> {
+        let metrics_staleness_s =
+            config.get("saturation").and_then(|s| s.get("staleness_s")).and_then(Value::as_f64);
         let config = FlowConfig::from_value(config.clone()).map_err(|e| e.to_string())?;
         let core = FlowController::with_registry(&config, PolicyRegistry::builtin())
             .map_err(|e| e.to_string())?;
-        Ok(Flow { core: Mutex::new(core), ids: AtomicU64::new(1), queued: Notify::new() })
+        Ok(Flow {
+            core: Mutex::new(core),
+            ids: AtomicU64::new(1),
+            queued: Notify::new(),
+            metrics_staleness_s,
+        })
+    }
+
+    /// How old engine metrics may be before saturation counts them as stale, when its
+    /// detector reads engine metrics.
+    pub fn metrics_staleness_s(&self) -> Option<f64> {
+        self.metrics_staleness_s
     }
 
     fn lock(&self) -> MutexGuard<'_, FlowController<Waiter>> {

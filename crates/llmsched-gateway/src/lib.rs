@@ -32,7 +32,7 @@
 //! Background work: the engines' `/metrics` are scraped every `scrape_interval_s` into the
 //! pool and flow control's saturation detector (vLLM or SGLang names, through
 //! `routing::metrics_text`); while no request arrives the interval doubles up to 25 times its
-//! base. Health probes and the circuit breaker follow [`health`]. `GET /health`, `GET /ready`
+//! base, or half the metrics' staleness limit if that is shorter. Health probes and the circuit breaker follow [`health`]. `GET /health`, `GET /ready`
 //! (503 while no engine is routable), `GET /metrics` (the Python plane's metric names) and
 //! `GET /v1/models` (the configured models) are served natively.
 //!
@@ -664,30 +664,20 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream) {
 }
 
 /// Scrapes every engine's `/metrics` into the pool and flow control; backs off while no
-/// request arrives.
+/// request arrives, but never so far that the metrics go stale (see [`idle_scrape_limit`]).
 async fn scrape(gateway: Arc<Gateway>, base: Duration) {
     let mut interval = base;
     let mut seen = u64::MAX;
     let timeout = Duration::from_secs_f64(gateway.config.scrape_timeout_s);
+    let limit = idle_scrape_limit(&gateway, base);
     loop {
         tokio::time::sleep(interval).await;
         let requests = gateway.counters.received.load(Ordering::Relaxed);
-        interval = if requests == seen { (interval * 2).min(base * 25) } else { base };
+        interval = if requests == seen { (interval * 2).min(limit) } else { base };
         seen = requests;
         let upstreams = gateway.upstreams();
         for upstream in &upstreams.list {
-            let fetch = async {
-                let answer = gateway.client.get(upstream.metrics.clone()).await.ok()?;
-                if !answer.status().is_success() {
-                    return None;
-                }
-                let body = answer.into_body().collect().await.ok()?.to_bytes();
-                String::from_utf8(body.to_vec()).ok()
-            };
-            let scraped = match tokio::time::timeout(timeout, fetch).await {
-                Ok(Some(text)) => metrics_text::parse(&text).ok(),
-                _ => None,
-            };
+            let scraped = scrape_once(&gateway, upstream, timeout).await;
             if !upstream.scrape_failed.swap(scraped.is_none(), Ordering::Relaxed)
                 && scraped.is_none()
             {
@@ -713,6 +703,44 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
             flow.pump(monotonic());
         }
     }
+}
+
+/// One engine's metrics, or None when its scrape failed. A request that fails before any
+/// answer (typically a pooled connection the engine closed meanwhile) is tried once more on
+/// a fresh one: one lost race must not take a healthy engine out of routing.
+async fn scrape_once(
+    gateway: &Gateway,
+    upstream: &Upstream,
+    timeout: Duration,
+) -> Option<metrics_text::Scrape> {
+    let fetch = async {
+        let answer = match gateway.client.get(upstream.metrics.clone()).await {
+            Ok(answer) => answer,
+            Err(_) => gateway.client.get(upstream.metrics.clone()).await.ok()?,
+        };
+        if !answer.status().is_success() {
+            return None;
+        }
+        let body = answer.into_body().collect().await.ok()?.to_bytes();
+        String::from_utf8(body.to_vec()).ok()
+    };
+    match tokio::time::timeout(timeout, fetch).await {
+        Ok(Some(text)) => metrics_text::parse(&text).ok(),
+        _ => None,
+    }
+}
+
+/// The longest interval the idle scrape backs off to: 25 base intervals, but at most half
+/// the shorter of the pool's and flow control's staleness limits (the other half is left
+/// for the scrape itself), since a request arriving after an idle spell is routed and
+/// admitted on the metrics already there, and stale ones count every engine saturated.
+fn idle_scrape_limit(gateway: &Gateway, base: Duration) -> Duration {
+    let mut stale = gateway.router().pool().policy().stale_after;
+    if let Some(flow_stale) = gateway.flow.as_ref().and_then(|f| f.metrics_staleness_s()) {
+        stale = stale.min(flow_stale);
+    }
+    let fresh = Duration::try_from_secs_f64(stale / 2.0).unwrap_or(Duration::MAX);
+    (base * 25).min(fresh).max(base)
 }
 
 /// Active health checks: engines in routing every `health.interval_s`, engines out of it
