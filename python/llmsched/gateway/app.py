@@ -54,9 +54,9 @@ from llmsched.errors import (
 from llmsched.gateway.config import (
     ApiKey,
     GatewayConfig,
+    engine_set,
     load_config,
     read_engines_file,
-    wire_engines,
 )
 from llmsched.gateway.health import EngineHealth
 from llmsched.gateway.metrics import GatewayMetrics
@@ -427,16 +427,7 @@ class Gateway:
         ones leave the pool, the flow controller and the index; a running gateway restarts its
         KV-event subscriber (which catches up from the replay sockets) and its scraper on the
         new set. An empty or repeated set raises ConfigError and changes nothing."""
-        specs: dict[str, EngineSpec] = {}
-        for spec in engines:
-            if not isinstance(spec, EngineSpec):
-                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
-            if spec.worker_id in specs:
-                raise ConfigError(f"engines: {spec.worker_id} is listed twice")
-            specs[spec.worker_id] = spec
-        if not specs:
-            raise ConfigError("engines: must list at least one engine")
-        specs = {s.worker_id: s for s in wire_engines(self.config, specs.values())}
+        specs = engine_set(self.config, engines)
         # Pool, flow controller, index and feeds in one call; a changed engine starts over as
         # up, with its new spec.
         new, gone, updated = self.scheduler.set_engines(specs.values())

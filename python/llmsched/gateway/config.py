@@ -52,6 +52,7 @@ __all__ = [
     "ScrapeConfig",
     "SlicesConfig",
     "TimeoutsConfig",
+    "engine_set",
     "load_config",
     "read_engines_file",
 ]
@@ -523,6 +524,22 @@ def wire_engines(config: GatewayConfig, engines: Iterable[EngineSpec]) -> tuple[
     from llmsched.routing import config_info
 
     return _wire_specs(tuple(engines), config.models, config_info(config.router))
+
+
+def engine_set(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[str, EngineSpec]:
+    """A new set of engines (discovery, the admin API) checked and wired as
+    :func:`wire_engines` does, by worker id. TypeError for an element that is not an
+    :class:`~llmsched.integrations.EngineSpec`; ConfigError for an empty or repeated set."""
+    specs: dict[str, EngineSpec] = {}
+    for spec in engines:
+        if not isinstance(spec, EngineSpec):
+            raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+        if spec.worker_id in specs:
+            raise ConfigError(f"engines: {spec.worker_id} is listed twice")
+        specs[spec.worker_id] = spec
+    if not specs:
+        raise ConfigError("engines: must list at least one engine")
+    return {s.worker_id: s for s in wire_engines(config, specs.values())}
 
 
 def _wire_specs(

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from llmsched import _llmsched
 from llmsched.errors import ConfigError, GatewayStoppedError
 from llmsched.flow import FlowController
-from llmsched.gateway.config import GatewayConfig, load_config, read_engines_file, wire_engines
+from llmsched.gateway.config import GatewayConfig, engine_set, load_config, read_engines_file
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
 from llmsched.scheduler import Scheduler
@@ -337,16 +337,7 @@ class NativeGateway:
         :meth:`llmsched.gateway.Gateway.set_engines` does, then the native gateway's upstream
         set; returns the worker ids added and removed. An empty or repeated set raises
         ConfigError and changes nothing."""
-        specs: dict[str, EngineSpec] = {}
-        for spec in engines:
-            if not isinstance(spec, EngineSpec):
-                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
-            if spec.worker_id in specs:
-                raise ConfigError(f"engines: {spec.worker_id} is listed twice")
-            specs[spec.worker_id] = spec
-        if not specs:
-            raise ConfigError("engines: must list at least one engine")
-        specs = {s.worker_id: s for s in wire_engines(self.config, specs.values())}
+        specs = engine_set(self.config, engines)
         new, gone, updated = self.scheduler.set_engines(specs.values())
         added, removed, changed = (list(map(str, ids)) for ids in (new, gone, updated))
         if not (added or removed or changed):
