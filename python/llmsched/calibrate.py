@@ -48,9 +48,12 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 from llmsched.errors import ConfigError
 from llmsched.executor.step_time import StepSample, StepTimeProfile
+
+T = TypeVar("T")
 
 __all__ = [
     "EngineGrid",
@@ -304,9 +307,9 @@ def engine_info(url: str, model: str | None = None) -> EngineInfo:
     return EngineInfo(model, int(max_len) if max_len else None, block_size, kv_tokens, vocabulary)
 
 
-def _concurrently(jobs: Sequence[Callable[[], StreamTiming]]) -> list[StreamTiming]:
+def _concurrently(jobs: Sequence[Callable[[], T]]) -> list[T]:
     """Run ``jobs`` at once on threads (released together); re-raise the first failure."""
-    results: list[StreamTiming | None] = [None] * len(jobs)
+    results: list[T | None] = [None] * len(jobs)
     errors: list[BaseException] = []
     barrier = threading.Barrier(len(jobs))
 
@@ -405,27 +408,6 @@ _ENGINE_HISTOGRAMS = (
 )
 
 
-def _parallel(jobs: Sequence[Callable[[], Measurement]]) -> list[Measurement]:
-    """Run ``jobs`` at once on threads; re-raise the first failure."""
-    results: list[Measurement | None] = [None] * len(jobs)
-    errors: list[BaseException] = []
-
-    def work(i: int) -> None:
-        try:
-            results[i] = jobs[i]()
-        except BaseException as exc:  # re-raised on the calling thread below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [r for r in results if r is not None]
-
-
 def calibrate_engine(
     url: str | Sequence[str],
     grid: EngineGrid | None = None,
@@ -474,7 +456,7 @@ def calibrate_engine(
                 (lambda u=u, i=i, r=r, p=point: measure(u, i, p, r))
                 for u, i, r in zip(urls, infos, rngs, strict=True)
             ]
-            now = _parallel(jobs)
+            now = _concurrently(jobs)
             runs.extend(now)
             seen = [m.engine_s if m.engine_s is not None else m.client_s for m in now]
             progress.step(
