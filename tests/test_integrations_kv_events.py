@@ -505,6 +505,29 @@ def test_catch_up_on_connect_fetches_what_was_sent_before(fake: FakeKVPublisher)
     )
 
 
+def test_live_copy_of_a_batch_the_catch_up_applied_first_is_a_duplicate(
+    fake: FakeKVPublisher,
+) -> None:
+    """Batch 0 published as the subscriber connects can reach it twice: through the catch-up
+    replay and then live. The live copy is a duplicate, not an engine restarting at 0: the
+    worker keeps its blocks and the batch counts once."""
+    payloads = script(3, seed=23, clears=False)
+    fake.publish(payloads[0], deliver=False)  # sent before the subscription: replayable only
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    with KVEventSubscriber(index, [spec], catch_up=True, **FAST) as sub:
+        wait(sub, lambda c: sub.last_seq(spec.worker_id) == 0)
+        assert fake.wait_subscribed()
+        fake.resend(0)  # its live copy, late
+        for p in payloads[1:]:
+            fake.publish(p)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 2)
+    assert c["duplicates"] == 1 and c["restarts"] == 0 and c["batches"] == 3, c
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
 def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> None:
     """A subscriber stopped and started again asks for the batches after the last it applied."""
     payloads = script(10, seed=22)

@@ -65,7 +65,15 @@ def wait_connected(subscriber: KVEventSubscriber, engines: list[VllmEngine]) -> 
     """Wait for every engine to connect to the subscriber's bound sockets, then a little for
     the subscription to reach the engine (a PUB socket drops what it sends before that)."""
     connected = subscriber.wait_for(lambda c: c["connects"] >= len(engines), timeout=scaled(30.0))
-    assert connected, subscriber.counters()
+    assert connected, (
+        "engines never connected: "
+        + "; ".join(
+            f"{e.name} (kv events {e.kv_events_endpoint}): "
+            f"{subscriber.worker_counters(spec(e).worker_id)}"
+            for e in engines
+        )
+        + f"; totals {subscriber.counters()}"
+    )
     time.sleep(0.5)
 
 

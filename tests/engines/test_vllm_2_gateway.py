@@ -62,7 +62,10 @@ def test_started_gateway_learns_the_engines_caches(
     deadline = time.monotonic() + scaled(20)
     while time.monotonic() < deadline and not known():
         time.sleep(0.1)
-    assert known(), f"the gateway's index knows {index.workers()}"
+    subscriber = gateway.gateway.scheduler.subscriber
+    assert known(), f"the gateway's index knows {index.workers()}; its subscriber: " + (
+        "none" if subscriber is None else str(subscriber.counters())
+    )
     conn = gateway.connection()
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()

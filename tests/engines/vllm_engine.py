@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -62,12 +63,41 @@ def vllm_python() -> Path:
     return path
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports handed out in this process: no two engines (or roles) ever get the same one.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A loopback TCP port that was free a moment ago, below the kernel's ephemeral range.
+
+    Why below it: an engine's KV-event socket connects to a port the subscriber binds only later,
+    and until then any process's outgoing connection (or a ``bind(0)``, as vLLM does for its own
+    sockets) may take a port from the ephemeral range, even the very one the engine retries
+    against (a TCP self-connect), which leaves the subscriber unable to bind it. Ports below the
+    range are taken only by an explicit bind.
+    """
+    floor = _ephemeral_floor()
+    low = max(1024, floor - 12000)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, floor)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    raise RuntimeError(f"no free loopback port in [{low}, {floor})")
 
 
 def make_tiny_model(out: Path, seed: int = 0, shape: tuple[str, ...] = ()) -> Path:

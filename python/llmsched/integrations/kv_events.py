@@ -35,8 +35,9 @@ highest live sequence number seen since the last restart):
   live stream back behind a socket that does not answer. Without a replay socket a gap always
   resyncs.
 - **Restart** (the worker is cleared and the sequence starts over), on any of three signals:
-  batch 0 arrives again after the stream had moved past it (a fresh publisher always begins at
-  0); the sequence goes back by more than ``reorder_window`` below ``highest``; or the first
+  batch 0 arrives again after the live stream had moved past it (a fresh publisher always
+  begins at 0; a batch 0 that only the catch-up replay delivered before may still arrive live,
+  and is then a duplicate); the sequence goes back by more than ``reorder_window`` below ``highest``; or the first
   batch after a new connection (a new publisher identity, as ZMQ's socket monitor reports it)
   does not move past ``highest``. Nothing else clears a worker that has a replay socket.
 
@@ -216,6 +217,9 @@ class _Publisher:
         self.highest: int | None = None
         self.new_peer = False
         self.peer_highest: int | None = None
+        # Whether the live stream delivered a batch since the last restart: until it has, a live
+        # batch 0 may be the live copy of one the catch-up replay applied first, not a restart.
+        self.live_seen = False
         # Batches after a hole, by seq, waiting for it to be filled (bounded).
         self.held: dict[int, bytes] = {}
         self.held_bytes = 0
@@ -350,6 +354,7 @@ class _Publisher:
         if self.is_restart(seq):
             self.restart()
         self.new_peer = False
+        self.live_seen = True
         expected = self.expected()
         if seq < expected or seq in self.held:
             self.owner._bump(self, "duplicates")
@@ -373,7 +378,7 @@ class _Publisher:
             return False
         if self.new_peer and self.peer_highest is not None and seq <= self.peer_highest:
             return True
-        if seq == 0 and self.next_seq is not None and self.next_seq > 0:
+        if seq == 0 and self.live_seen and self.next_seq is not None and self.next_seq > 0:
             return True
         return seq < self.highest - self.owner.reorder_window
 
@@ -388,6 +393,7 @@ class _Publisher:
         with self.owner._lock:
             self.next_seq = None
         self.highest = None
+        self.live_seen = False
 
     # -- holding ------------------------------------------------------------------------------
 
