@@ -1,13 +1,17 @@
 """Simulator benchmarks: the KV cache beside its pure-Python twin; whole simulations on the
-reference engine with the native cache and with the twin; and the Rust engine beside the reference
-engine (simulated requests per wall second in ``extra_info``); and a Mooncake-style trace end
-to end, its plan built natively beside the plan built by the Python workload classes.
+reference engine with the native cache and with the twin; the Rust engine beside the reference
+engine (simulated requests per wall second in ``extra_info``); a Python ``Policy`` object on
+both engines (the Rust engine calls it back; the cost of a call in ``extra_info``); and a
+Mooncake-style trace end to end, its plan built natively beside the plan built by the Python
+workload classes.
 
 The comparison tables of ``llmsched sim`` report the same rate for the default scenario; here a
 smaller agentic run keeps ``make bench`` short.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -140,6 +144,81 @@ def test_engines_simulate_features(benchmark, feature: str, engine: str) -> None
     assert result.summary()["engine"] == engine
     benchmark.pedantic(run, rounds=3 if engine == "rust" else 1)
     benchmark.extra_info["sim_requests_per_wall_s"] = round(n / benchmark.stats.stats.median)
+
+
+# -- a Python Policy object: called back from the Rust engine, or driven by the reference engine
+
+
+class LeastLoaded:
+    """A Python ``Policy`` object: the replica with the fewest waiting and running requests by
+    the metrics it is fed, plus its own in-flight count (kept through ``req.handle``)."""
+
+    name = "py-least-load"
+
+    def __init__(self, replicas: int) -> None:
+        self.load = [0] * replicas
+        self.in_flight = [0] * replicas
+        self.calls = 0
+
+    def update_metrics(self, replica, waiting, running, kv_cache_usage, now) -> None:
+        self.calls += 1
+        self.load[replica] = waiting + running
+
+    def pick(self, req, now):
+        self.calls += 1
+        best = min(range(len(self.load)), key=lambda r: (self.load[r] + self.in_flight[r], r))
+        self.in_flight[best] += 1
+        req.handle = best
+        return best, None
+
+    def on_first_token(self, req, now) -> None:
+        self.calls += 1
+
+    def on_finished(self, req, now) -> None:
+        self.calls += 1
+        self.in_flight[req.handle] -= 1
+
+
+POLICY_SCENARIO = ScenarioConfig.from_dict(
+    {"replicas": 8, "workload": {"kind": "long_short", "num_requests": 6000}}
+)
+
+
+@pytest.mark.parametrize("engine", ["rust", "python"], ids=["native", "twin"])
+def test_engines_simulate_policy_object(benchmark, engine: str) -> None:
+    """The same Python Policy object on the Rust engine (called back, the GIL taken for each
+    call) and on the reference engine: the same result and the same calls, so the ratio of the
+    medians is the speed-up. On the Rust engine, ``us_per_call`` is the run's time beyond the
+    same run under the native ``least-load`` router, per policy call."""
+    cfg = POLICY_SCENARIO
+    n = cfg.workload["num_requests"]
+    benchmark.group = f"engines: a Python Policy object, {n} requests over 8 replicas"
+    policies: list[LeastLoaded] = []
+
+    def run():
+        policies.append(LeastLoaded(cfg.replicas))
+        return Simulation(cfg, policies[-1], engine=engine).run()
+
+    result = run()
+    other_policy = LeastLoaded(cfg.replicas)
+    other = Simulation(cfg, other_policy, engine="python" if engine == "rust" else "rust").run()
+    for key in result.requests:
+        assert np.array_equal(result.requests[key], other.requests[key]), key
+    assert policies[0].calls == other_policy.calls and result.summary()["engine"] == engine
+    benchmark.pedantic(run, rounds=3 if engine == "rust" else 1)
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["sim_requests_per_wall_s"] = round(n / median)
+    benchmark.extra_info["policy_calls"] = policies[0].calls
+    if engine == "rust":
+        native = []
+        for _ in range(3):
+            start = time.perf_counter()
+            Simulation(cfg, "least-load", engine="rust").run()
+            native.append(time.perf_counter() - start)
+        benchmark.extra_info["native_router_s"] = round(min(native), 4)
+        benchmark.extra_info["us_per_call"] = round(
+            (median - min(native)) / policies[0].calls * 1e6, 2
+        )
 
 
 # -- traces: the plan built natively against the plan built by the Python workload classes ----

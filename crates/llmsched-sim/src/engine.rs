@@ -30,7 +30,10 @@
 //! the batch, or yields (back to the end of its replica's queue, its KV left cached) or
 //! migrates (to another replica, which recomputes it).
 //!
-//! Not covered yet (the reference engine runs it): Python routing plugins.
+//! Policies outside the engine: with a [`PolicyHook`] (a Python `Policy` object, through the
+//! bindings) the hook routes instead of the router, called where the reference engine calls its
+//! policy (see [`crate::policy`]); the router replica's prefix index is still fed (its skipped
+//! batches are counted as with a router).
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
@@ -39,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use crate::kv_cache::{IdEvent, KvCore, KvError};
 use crate::plan::{Contents, Plan, PlanError};
+use crate::policy::{check_pick, PolicyFailure, PolicyHook, RequestView};
 use crate::stepmodel::{DecodeRun, StepModel, StepWork};
 use hashbrown::HashMap;
 use llmsched_core::flow::{
@@ -129,6 +133,9 @@ pub enum SimError {
     Flow(#[from] FlowError),
     #[error(transparent)]
     Slices(#[from] SliceError),
+    /// A [`PolicyHook`] call failed (raised, or answered something unusable).
+    #[error(transparent)]
+    Policy(#[from] PolicyFailure),
 }
 
 /// Flow control in front of the router: the flow core's configuration and each priority's
@@ -198,6 +205,10 @@ struct Req {
     slice_start: u64,
     /// Where a yielded or migrated slice continues.
     slice_endpoint: usize,
+    /// The replica whose queue it joined last, and (split) where it was prefilled: what a
+    /// [`PolicyHook`] sees.
+    replica: Option<usize>,
+    prefill_replica: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -386,6 +397,8 @@ struct World<'p> {
     gate: Option<Gate>,
     slices: Option<SliceTracker>,
     slice_switches: u64,
+    /// Routes instead of the router when set.
+    policy: Option<Box<dyn PolicyHook>>,
 }
 
 /// Runs one scenario under one routing configuration: `router_config` builds each router
@@ -398,7 +411,21 @@ pub fn simulate(
     flow: Option<&FlowSetup>,
     slices: Option<SliceTracker>,
 ) -> Result<SimOutput, SimError> {
-    Simulation::new(cfg, model, router_config, plan, flow, slices)?.run()
+    Simulation::new(cfg, model, router_config, plan, flow, slices, None)?.run()
+}
+
+/// [`simulate`] with `policy` routing every request instead of the router (one router
+/// replica; its prefix index is still fed, `router_config` builds it).
+pub fn simulate_with_policy(
+    cfg: SimConfig,
+    model: StepModel,
+    router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
+    plan: &Plan,
+    flow: Option<&FlowSetup>,
+    slices: Option<SliceTracker>,
+    policy: Box<dyn PolicyHook>,
+) -> Result<SimOutput, SimError> {
+    Simulation::new(cfg, model, router_config, plan, flow, slices, Some(policy))?.run()
 }
 
 struct Simulation<'p> {
@@ -413,8 +440,14 @@ impl<'p> Simulation<'p> {
         plan: &'p Plan,
         flow: Option<&FlowSetup>,
         mut slices: Option<SliceTracker>,
+        policy: Option<Box<dyn PolicyHook>>,
     ) -> Result<Self, SimError> {
         plan.validate()?;
+        if policy.is_some() && cfg.router_replicas != 1 {
+            return Err(SimError::Config(
+                "router_replicas needs a router configuration, not a Policy object".into(),
+            ));
+        }
         if cfg.replicas == 0 || cfg.block_size == 0 || cfg.max_num_seqs == 0 {
             return Err(SimError::Config(
                 "replicas, block_size and max_num_seqs must be >= 1".into(),
@@ -568,6 +601,7 @@ impl<'p> Simulation<'p> {
             gate,
             slices,
             slice_switches: 0,
+            policy,
         };
         Ok(Simulation { world })
     }
@@ -758,6 +792,7 @@ impl World<'_> {
         match prefill {
             Some(p) if p != target => {
                 self.reqs[r].decode_replica = Some(target);
+                self.reqs[r].prefill_replica = Some(p);
                 self.enqueue(p, r, now)
             }
             _ => self.enqueue(target, r, now),
@@ -790,6 +825,7 @@ impl World<'_> {
     /// Request `r` joins replica `target`'s queue; a replica out of its slot (being stepped)
     /// finds it in its inbox before its next schedule.
     fn enqueue(&mut self, target: usize, r: usize, now: f64) -> Result<(), SimError> {
+        self.reqs[r].replica = Some(target);
         let Some(mut rep) = self.replicas[target].take() else {
             self.reqs[r].phase = WAITING;
             self.inbox[target].push(r);
@@ -893,6 +929,8 @@ impl World<'_> {
             call_end: 0,
             slice_start: 0,
             slice_endpoint: 0,
+            replica: None,
+            prefill_replica: None,
         });
         self.reqs.len() - 1
     }
@@ -972,6 +1010,9 @@ impl World<'_> {
     /// Routes request `r` and starts the decision's in-flight accounting; returns the replica
     /// that decodes it and, when the router split it, the one that prefills it.
     fn pick(&mut self, r: usize, now: f64) -> Result<(usize, Option<usize>), SimError> {
+        if self.policy.is_some() {
+            return self.policy_pick(r, now);
+        }
         let q = &self.reqs[r];
         let whole = (q.prompt_len / self.bs) as usize;
         let hashes =
@@ -1042,8 +1083,34 @@ impl World<'_> {
         Ok(())
     }
 
+    /// [`pick`](Self::pick) by the policy hook, its answer checked.
+    fn policy_pick(&mut self, r: usize, now: f64) -> Result<(usize, Option<usize>), SimError> {
+        let Some(policy) = self.policy.as_mut() else {
+            return Err(SimError::Config("no policy to pick with".into()));
+        };
+        let view = request_view(&self.reqs[r], r, self.plan);
+        let start = Instant::now();
+        let (target, prefill) = policy.pick(&view, now)?;
+        self.decision += start.elapsed();
+        let (n, pools) = (self.replicas.len(), self.cfg.prefill_replicas);
+        check_pick(target, prefill, n, pools).map_err(|e| {
+            let prefill = prefill.map_or("None".to_string(), |p| p.to_string());
+            PolicyFailure::new(format!(
+                "pick() for request {} returned ({target}, {prefill}): {e}",
+                self.reqs[r].id
+            ))
+        })?;
+        Ok((target, prefill))
+    }
+
     fn first_token(&mut self, r: usize, now: f64) -> Result<(), SimError> {
         self.reqs[r].first_token = now;
+        if let Some(policy) = self.policy.as_mut() {
+            let view = request_view(&self.reqs[r], r, self.plan);
+            let start = Instant::now();
+            policy.on_first_token(&view, now)?;
+            self.decision += start.elapsed();
+        }
         let start = Instant::now();
         if let Some(t) = self.reqs[r].ticket.as_mut() {
             t.first_token();
@@ -1074,6 +1141,15 @@ impl World<'_> {
         q.finish = now;
         q.phase = DONE;
         self.done.push(r);
+        if let Some(policy) = self.policy.as_mut() {
+            let view = request_view(&self.reqs[r], r, self.plan);
+            let start = Instant::now();
+            policy.on_finished(&view, now)?;
+            if !view.rejected {
+                self.decision += start.elapsed();
+            }
+        }
+        let q = &mut self.reqs[r];
         if q.rejected {
             if let Some(t) = q.ticket.as_mut() {
                 t.finish();
@@ -1124,6 +1200,9 @@ impl World<'_> {
         now: f64,
     ) -> Result<(), SimError> {
         let start = Instant::now();
+        if let Some(policy) = self.policy.as_mut() {
+            policy.update_metrics(rid, waiting, running, usage, now)?;
+        }
         let update = MetricsUpdate {
             waiting: Some(waiting),
             running: Some(running),
@@ -1216,6 +1295,42 @@ impl World<'_> {
         }
         self.feed += start.elapsed();
         Ok(())
+    }
+}
+
+/// What a [`PolicyHook`] sees of request `r` now.
+fn request_view<'a>(q: &'a Req, r: usize, plan: &'a Plan) -> RequestView<'a> {
+    RequestView {
+        slot: r,
+        id: q.id,
+        arrival: q.arrival,
+        prompt_len: q.prompt_len,
+        output_len: q.output_len,
+        hashes: &plan.hashes[q.hashes.0..q.hashes.1],
+        tenant: q.tenant,
+        priority: q.priority,
+        session: q.session,
+        session_name: q.session_name.as_deref(),
+        turn: q.turn,
+        phase: q.phase,
+        target: q.target,
+        computed: q.computed,
+        generated: q.generated,
+        high_water: q.high_water,
+        kv_ready: q.kv_ready,
+        dispatched: q.dispatched,
+        first_token: q.first_token,
+        finish: q.finish,
+        cached_tokens: q.cached_tokens,
+        prefilled: q.prefilled,
+        recomputed: q.recomputed,
+        preemptions: q.preemptions,
+        rejected: q.rejected,
+        call_end: q.call_end,
+        slice_start: q.slice_start,
+        replica: q.replica,
+        prefill_replica: q.prefill_replica,
+        decode_replica: q.decode_replica,
     }
 }
 
