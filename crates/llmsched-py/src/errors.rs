@@ -205,7 +205,9 @@ impl ToPyErr for llmsched_sim::SimError {
             SimError::Routing(e) => e.to_py_err(),
             SimError::Flow(e) => e.to_py_err(),
             SimError::Slices(e) => e.to_py_err(),
-            SimError::Policy(e) => Python::attach(|py| crate::sim_policy::policy_error(py, None, e)),
+            SimError::Policy(e) => {
+                Python::attach(|py| crate::sim_policy::policy_error(py, None, e))
+            }
         }
     }
 }

@@ -17,11 +17,11 @@ use llmsched_core::slices::SliceTracker;
 use std::sync::Arc;
 
 use llmsched_sim::{
-    agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine, trace_plan,
-    Agentic, Contents, DoneRecord, FlowSetup, Independent, KvCache, KvEvent, OpenRequest, Pcg64,
-    Plan, Prompted, PyRandom, Session, SimConfig, SimError, SimOutput, StepModel, TraceSpec, Turn,
+    agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine,
+    simulate_with_policy, trace_plan, Agentic, Contents, DoneRecord, FlowSetup, Independent,
+    KvCache, KvEvent, OpenRequest, Pcg64, Plan, Prompted, PyRandom, Session, SimConfig, SimError,
+    SimOutput, StepModel, TraceSpec, Turn,
 };
-use llmsched_sim::simulate_with_policy;
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
 /// each simulation owns its replicas' caches.

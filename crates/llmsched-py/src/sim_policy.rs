@@ -28,7 +28,11 @@ impl PyPolicyHook {
     }
 
     /// The `Request` of `req`, made on first use, its engine state set from `req`.
-    fn request<'py>(&mut self, py: Python<'py>, req: &RequestView<'_>) -> PyResult<Bound<'py, PyAny>> {
+    fn request<'py>(
+        &mut self,
+        py: Python<'py>,
+        req: &RequestView<'_>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let obj = match self.requests.get(&req.slot) {
             Some(obj) => obj.bind(py).clone(),
             None => {
@@ -123,9 +127,7 @@ fn pick_answer(out: &Bound<'_, PyAny>) -> Result<(usize, Option<usize>), String>
     };
     let [target, prefill] = items.as_slice() else {
         let shown = out.repr().map_or_else(|_| "?".into(), |r| r.to_string());
-        return Err(format!(
-            "must return (decode replica, prefill replica or None), got {shown}"
-        ));
+        return Err(format!("must return (decode replica, prefill replica or None), got {shown}"));
     };
     let target = replica_number(target, "the decode replica")?;
     let prefill = if prefill.is_none() {
@@ -153,7 +155,9 @@ impl PolicyHook for PyPolicyHook {
                     (replica, waiting, running, kv_cache_usage, now),
                 )
                 .map(drop)
-                .map_err(|e| raised(py, &format!("update_metrics() of replica {replica}"), None, now, e))
+                .map_err(|e| {
+                    raised(py, &format!("update_metrics() of replica {replica}"), None, now, e)
+                })
         })
     }
 
@@ -164,9 +168,8 @@ impl PolicyHook for PyPolicyHook {
     ) -> Result<(usize, Option<usize>), PolicyFailure> {
         Python::attach(|py| {
             let out = self.call_with_request(py, intern!(py, "pick"), req, now)?;
-            pick_answer(&out).map_err(|e| {
-                PolicyFailure::new(format!("pick() for request {} {e}", req.id))
-            })
+            pick_answer(&out)
+                .map_err(|e| PolicyFailure::new(format!("pick() for request {} {e}", req.id)))
         })
     }
 

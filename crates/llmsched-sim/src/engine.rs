@@ -1861,6 +1861,111 @@ mod tests {
         simulate(cfg, model(), &make, plan, flow, None).unwrap()
     }
 
+    /// The calls a [`PolicyHook`] got (shared with the test: the engine owns the hook).
+    #[derive(Default)]
+    struct Calls {
+        picks: Vec<(u64, f64)>,
+        firsts: Vec<u64>,
+        finishes: Vec<(u64, bool, u64)>,
+        metrics: usize,
+    }
+
+    /// Round robin over `replicas`, or `answer` once `after` picks were made.
+    struct Hook {
+        calls: std::sync::Arc<std::sync::Mutex<Calls>>,
+        replicas: usize,
+        answer: Option<(usize, Option<usize>)>,
+        after: usize,
+    }
+
+    impl PolicyHook for Hook {
+        fn update_metrics(
+            &mut self,
+            replica: usize,
+            _: u32,
+            _: u32,
+            _: f64,
+            _: f64,
+        ) -> Result<(), PolicyFailure> {
+            assert!(replica < self.replicas);
+            self.calls.lock().unwrap().metrics += 1;
+            Ok(())
+        }
+
+        fn pick(
+            &mut self,
+            req: &RequestView<'_>,
+            _: f64,
+        ) -> Result<(usize, Option<usize>), PolicyFailure> {
+            assert_eq!(req.dispatched, -1.0);
+            let mut calls = self.calls.lock().unwrap();
+            calls.picks.push((req.id, req.arrival));
+            let n = calls.picks.len();
+            match self.answer {
+                Some(answer) if n > self.after => Ok(answer),
+                _ => Ok(((n - 1) % self.replicas, None)),
+            }
+        }
+
+        fn on_first_token(&mut self, req: &RequestView<'_>, now: f64) -> Result<(), PolicyFailure> {
+            assert_eq!(req.first_token, now);
+            self.calls.lock().unwrap().firsts.push(req.id);
+            Ok(())
+        }
+
+        fn on_finished(&mut self, req: &RequestView<'_>, now: f64) -> Result<(), PolicyFailure> {
+            assert_eq!(req.finish, now);
+            self.calls.lock().unwrap().finishes.push((req.id, req.rejected, req.generated));
+            Ok(())
+        }
+    }
+
+    fn run_hook(
+        cfg: SimConfig,
+        plan: &Plan,
+        answer: Option<(usize, Option<usize>)>,
+    ) -> (Result<SimOutput, SimError>, Calls) {
+        let calls = std::sync::Arc::new(std::sync::Mutex::new(Calls::default()));
+        let hook = Hook { calls: calls.clone(), replicas: cfg.replicas, answer, after: 3 };
+        let value = json!({"plugins": [{"type": "round-robin-picker"}],
+            "schedulingProfiles": [{"name": "default",
+                                    "plugins": [{"pluginRef": "round-robin-picker"}]}]});
+        let make = || parse_config(&value).map_err(RoutingError::from);
+        let out = simulate_with_policy(cfg, model(), &make, plan, None, None, Box::new(hook));
+        let calls = std::mem::take(&mut *calls.lock().unwrap());
+        (out, calls)
+    }
+
+    #[test]
+    fn a_policy_hook_routes_every_request_once() {
+        let plan = burst(10, 256, 8, |_| 0);
+        let (out, calls) = run_hook(config(2), &plan, None);
+        let out = out.unwrap();
+        assert_eq!(out.done.len(), 10);
+        let ids: Vec<u64> = calls.picks.iter().map(|p| p.0).collect();
+        assert_eq!(ids, (0..10).collect::<Vec<u64>>());
+        assert_eq!(calls.firsts.len(), 10);
+        assert_eq!(calls.finishes.len(), 10);
+        assert!(calls.finishes.iter().all(|&(_, rejected, generated)| !rejected && generated == 8));
+        assert!(calls.metrics > 0);
+        // Round robin: each replica ran half the requests.
+        assert!(out.replicas.iter().all(|r| r.counters.prefill_tokens == 5 * 256));
+    }
+
+    #[test]
+    fn a_bad_pick_stops_the_run() {
+        let plan = burst(10, 256, 8, |_| 0);
+        let (out, calls) = run_hook(config(2), &plan, Some((2, None)));
+        let err = out.unwrap_err().to_string();
+        assert!(err.contains("pick() for request 3 returned (2, None)"), "{err}");
+        assert!(err.contains("decode replica 2 is out of range (2 replicas)"), "{err}");
+        assert_eq!(calls.picks.len(), 4);
+        let mut two_routers = config(2);
+        two_routers.router_replicas = 2;
+        let (out, _) = run_hook(two_routers, &plan, None);
+        assert!(out.unwrap_err().to_string().contains("router_replicas needs a router"));
+    }
+
     fn flow(config: serde_json::Value) -> FlowSetup {
         FlowSetup { config: FlowConfig::from_value(config).unwrap(), ttft_targets: Vec::new() }
     }

@@ -12,7 +12,8 @@ pub mod stepmodel;
 pub mod workload;
 
 pub use engine::{
-    simulate, simulate_with_policy, Counters, DoneRecord, FlowSetup, ReplicaEnd, SimConfig, SimError, SimOutput,
+    simulate, simulate_with_policy, Counters, DoneRecord, FlowSetup, ReplicaEnd, SimConfig,
+    SimError, SimOutput,
 };
 pub use kv_cache::{IdEvent, KvCache, KvCore, KvError, KvEvent, MAX_KV_BLOCKS};
 pub use plan::{Contents, OpenRequest, Plan, PlanError, Session, Turn};

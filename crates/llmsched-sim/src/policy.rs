@@ -90,8 +90,11 @@ pub trait PolicyHook: Send {
 
     /// (replica that decodes, replica that prefills or None) for `req`. The engine checks the
     /// answer ([`check_pick`]).
-    fn pick(&mut self, req: &RequestView<'_>, now: f64)
-        -> Result<(usize, Option<usize>), PolicyFailure>;
+    fn pick(
+        &mut self,
+        req: &RequestView<'_>,
+        now: f64,
+    ) -> Result<(usize, Option<usize>), PolicyFailure>;
 
     /// `req` produced its first token.
     fn on_first_token(&mut self, req: &RequestView<'_>, now: f64) -> Result<(), PolicyFailure>;
