@@ -43,6 +43,7 @@ class LoggingPolicy:
         self.split = split
         self.metrics = [(0, 0, 0.0)] * replicas
         self.in_flight = [0] * replicas
+        self.splits = 0
         self.log: list[tuple[Any, ...]] = []
 
     def update_metrics(
@@ -101,6 +102,7 @@ class LoggingPolicy:
         if self.prefill and self.split is not None:
             if req.prompt_len >= self.split:
                 prefill = self._least(range(self.prefill), key)
+                self.splits += 1
             elif req.id % 7 == 0:
                 decode = req.id % self.prefill
         elif self.prefill and req.id % 5 == 0:
@@ -158,6 +160,7 @@ def assert_same(cfg: ScenarioConfig, policy: Any) -> None:
         # The same calls, in the same order, with the same arguments and request fields.
         assert isinstance(py.policy, LoggingPolicy) and isinstance(rs.policy, LoggingPolicy)
         assert py.policy.log == rs.policy.log
+        assert any(entry[0] == "pick" for entry in rs.policy.log)
         assert py.policy.in_flight == rs.policy.in_flight
     for key in a.requests:
         np.testing.assert_array_equal(a.requests[key], b.requests[key], err_msg=key)
@@ -442,6 +445,49 @@ def test_engines_agree_on_token_slices(
     cfg = ScenarioConfig.from_dict(spec)
     assert unsupported(cfg, policy) is None
     assert_same(cfg, policy)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scenario=SCENARIOS,
+    prefill=st.sampled_from([0, 1, 2]),
+    extra=st.one_of(
+        st.none(),
+        FLOW_CONFIGS.map(lambda f: {"flow": {"enabled": True, "config": f}}),
+        SLICES.map(lambda s: {"slices": s}),
+    ),
+    policy=st.sampled_from([Logging(None), Logging(200), Logging(1)]),
+)
+def test_engines_agree_on_policy_objects(
+    scenario: dict[str, Any], prefill: int, extra: dict[str, Any] | None, policy: Logging
+) -> None:
+    """Python Policy objects: the Rust engine calls them where the reference engine does (the
+    call logs are equal) and both give the same result, over P/D pools (split requests, whole
+    ones on prefill replicas), flow control and token slices."""
+    spec = {**scenario, **(extra or {})}
+    if prefill:
+        spec["replicas"] = max(scenario["replicas"], prefill + 1)
+        spec["pd"] = {"prefill_replicas": prefill}
+    cfg = ScenarioConfig.from_dict(spec)
+    assert unsupported(cfg, policy(cfg)) is None
+    assert_same(cfg, policy)
+
+
+def test_a_policy_object_splits_requests_over_pools() -> None:
+    """A Policy object that returns prefill replicas: the requests it splits prefill on one
+    replica and decode on another, the same on both engines."""
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 4,
+            "pd": {"prefill_replicas": 2},
+            "workload": {"kind": "long_short", "num_requests": 80, "long_fraction": 0.5},
+        }
+    )
+    assert_same(cfg, Logging(1000))
+    policy = Logging(1000)(cfg)
+    result = Simulation(cfg, policy).run()
+    assert result.engine_name == "rust" and 0 < policy.splits < 80
+    assert sum(1 for entry in policy.log if entry[0] == "pick") == 80
 
 
 @pytest.mark.parametrize("variant", [1, 2])
