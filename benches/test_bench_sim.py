@@ -198,7 +198,8 @@ def test_engines_simulate_policy_object(benchmark, engine: str) -> None:
     """The same Python Policy object on the Rust engine (called back, the GIL taken for each
     call) and on the reference engine: the same result and the same calls, so the ratio of the
     medians is the speed-up. On the Rust engine, ``us_per_call`` is the run's time beyond the
-    same run under the native ``round-robin`` router (the same decisions), per policy call."""
+    same run under the native ``round-robin`` router (the same decisions), per policy call
+    (the best run of each)."""
     cfg = POLICY_SCENARIO
     n = cfg.workload["num_requests"]
     benchmark.group = f"engines: a Python Policy object, {n} requests over 8 replicas"
@@ -219,16 +220,17 @@ def test_engines_simulate_policy_object(benchmark, engine: str) -> None:
     benchmark.extra_info["sim_requests_per_wall_s"] = round(n / median)
     benchmark.extra_info["policy_calls"] = policies[0].calls
     if engine == "rust":
+        # Best of each (the least disturbed run on a shared machine), the native runs after.
         native = []
         for _ in range(5):
             start = time.perf_counter()
             Simulation(cfg, "round-robin", engine="rust").run()
             native.append(time.perf_counter() - start)
-        native_s = sorted(native)[len(native) // 2]
-        benchmark.extra_info["native_router_s"] = round(native_s, 4)
-        benchmark.extra_info["us_per_call"] = round(
-            (median - native_s) / policies[0].calls * 1e6, 2
-        )
+        fastest = benchmark.stats.stats.min
+        benchmark.extra_info["native_router_s"] = round(min(native), 4)
+        benchmark.extra_info["policy_s"] = round(fastest, 4)
+        calls = policies[0].calls
+        benchmark.extra_info["us_per_call"] = round((fastest - min(native)) / calls * 1e6, 2)
 
 
 # -- traces: the plan built natively against the plan built by the Python workload classes ----
