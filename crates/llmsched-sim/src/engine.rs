@@ -1471,6 +1471,10 @@ impl Replica {
     /// next slice runs on in the batch (`call_end` moved). False: the request leaves the batch
     /// and `finished` requeues it where `slice_endpoint` says.
     fn slice_continues(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<bool, SimError> {
+        // Requests dispatched to this replica during its step (flow control let them go when
+        // another finished) are in its queue already in the reference engine: the tracker
+        // weighs them too.
+        self.take_inbox(w);
         let start = Instant::now();
         let mut waiting = Vec::with_capacity(8);
         for &x in self.waiting.iter().take(8) {
