@@ -491,6 +491,45 @@ def test_a_policy_object_splits_requests_over_pools() -> None:
     assert sum(1 for entry in policy.log if entry[0] == "pick") == 80
 
 
+def test_slice_boundaries_weigh_requests_dispatched_during_the_step() -> None:
+    """Flow control lets a request go when another finishes inside a replica's step; the slice
+    boundaries later in that step see it in the replica's queue on both engines (one-token
+    slices: every boundary asks)."""
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 1,
+            "seed": 0,
+            "metrics_delay_s": 0.0,
+            "kv_events_delay_s": 0.0,
+            "kv_sample_s": 0.1,
+            "step_model": {"model": "llama-3.1-8b"},
+            "workload": {
+                "kind": "priority",
+                "arrival": {"rate": 17.742235570175474},
+                "num_requests": 46,
+            },
+            "engine": {
+                "block_size": 16,
+                "scheduling": "fcfs",
+                "kv_tokens": 200_000,
+                "max_num_seqs": 256,
+                "max_num_batched_tokens": 256,
+            },
+            "slices": {"policy": "fixed", "params": {"slice_tokens": 1}},
+            "flow": {
+                "enabled": True,
+                "config": {
+                    "preemption": {"evict_queued": False},
+                    "shedding": {"type": "none"},
+                    "saturation": {"type": "concurrency", "max_requests": 35},
+                },
+            },
+        }
+    )
+    assert_same(cfg, "random")
+    assert Simulation(cfg, "random").run().engine_name == "rust"
+
+
 @pytest.mark.parametrize("variant", [1, 2])
 def test_slices_scenario_on_both_engines(variant: int) -> None:
     """The README's slices scenario (scaled down): fixed and mlfq slices, equal."""
