@@ -217,3 +217,11 @@ def test_a_policy_without_a_method_raises_policy_error() -> None:
 def test_policy_objects_need_one_router_replica() -> None:
     with pytest.raises(ConfigError, match="router_replicas needs a router configuration"):
         Simulation(scenario(router_replicas=2), RoundRobin())
+
+
+def test_compare_runs_a_policy_object_on_the_rust_engine_outside_the_thread_pool() -> None:
+    from llmsched.sim.runner import compare
+
+    policy = RoundRobin()
+    (result,) = compare(scenario(), [policy], jobs=2, progress=False)
+    assert result.engine_name == "rust" and policy.calls["pick"] == 40
