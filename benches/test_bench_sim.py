@@ -1,13 +1,17 @@
 """Simulator benchmarks: the KV cache beside its pure-Python twin; whole simulations on the
-reference engine with the native cache and with the twin; and the Rust engine beside the reference
-engine (simulated requests per wall second in ``extra_info``); and a Mooncake-style trace end
-to end, its plan built natively beside the plan built by the Python workload classes.
+reference engine with the native cache and with the twin; the Rust engine beside the reference
+engine (simulated requests per wall second in ``extra_info``); a Python ``Policy`` object on
+both engines (the Rust engine calls it back; the cost of a call in ``extra_info``); and a
+Mooncake-style trace end to end, its plan built natively beside the plan built by the Python
+workload classes.
 
 The comparison tables of ``llmsched sim`` report the same rate for the default scenario; here a
 smaller agentic run keeps ``make bench`` short.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -140,6 +144,93 @@ def test_engines_simulate_features(benchmark, feature: str, engine: str) -> None
     assert result.summary()["engine"] == engine
     benchmark.pedantic(run, rounds=3 if engine == "rust" else 1)
     benchmark.extra_info["sim_requests_per_wall_s"] = round(n / benchmark.stats.stats.median)
+
+
+# -- a Python Policy object: called back from the Rust engine, or driven by the reference engine
+
+
+class KeepingRoundRobin:
+    """A Python ``Policy`` object that keeps what a policy keeps (each replica's last metrics,
+    its own in-flight counts through ``req.handle``) and picks in turn, as the native
+    ``round-robin`` router does: both runs give the same result, so the Rust engine's extra
+    time over the native router is what the calls cost."""
+
+    name = "py-round-robin"
+
+    def __init__(self, replicas: int) -> None:
+        self.metrics = [(0, 0, 0.0)] * replicas
+        self.in_flight = [0] * replicas
+        self.next = 0
+        self.calls = 0
+
+    def update_metrics(self, replica, waiting, running, kv_cache_usage, now) -> None:
+        self.calls += 1
+        self.metrics[replica] = (waiting, running, kv_cache_usage)
+
+    def pick(self, req, now):
+        self.calls += 1
+        replica = self.next % len(self.metrics)
+        self.next += 1
+        self.in_flight[replica] += 1
+        req.handle = replica
+        return replica, None
+
+    def on_first_token(self, req, now) -> None:
+        self.calls += 1
+
+    def on_finished(self, req, now) -> None:
+        self.calls += 1
+        self.in_flight[req.handle] -= 1
+
+
+POLICY_SCENARIO = ScenarioConfig.from_dict(
+    {"replicas": 8, "workload": {"kind": "long_short", "num_requests": 6000}}
+)
+
+
+def _same(a, b) -> None:
+    for key in a.requests:
+        assert np.array_equal(a.requests[key], b.requests[key]), key
+
+
+@pytest.mark.parametrize("engine", ["rust", "python"], ids=["native", "twin"])
+def test_engines_simulate_policy_object(benchmark, engine: str) -> None:
+    """The same Python Policy object on the Rust engine (called back, the GIL taken for each
+    call) and on the reference engine: the same result and the same calls, so the ratio of the
+    medians is the speed-up. On the Rust engine, ``us_per_call`` is the run's time beyond the
+    same run under the native ``round-robin`` router (the same decisions), per policy call
+    (the best run of each)."""
+    cfg = POLICY_SCENARIO
+    n = cfg.workload["num_requests"]
+    benchmark.group = f"engines: a Python Policy object, {n} requests over 8 replicas"
+    policies: list[KeepingRoundRobin] = []
+
+    def run():
+        policies.append(KeepingRoundRobin(cfg.replicas))
+        return Simulation(cfg, policies[-1], engine=engine).run()
+
+    result = run()
+    other_policy = KeepingRoundRobin(cfg.replicas)
+    other = Simulation(cfg, other_policy, engine="python" if engine == "rust" else "rust").run()
+    _same(result, other)
+    _same(result, Simulation(cfg, "round-robin", engine="rust").run())
+    assert policies[0].calls == other_policy.calls and result.summary()["engine"] == engine
+    benchmark.pedantic(run, rounds=5 if engine == "rust" else 1)
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["sim_requests_per_wall_s"] = round(n / median)
+    benchmark.extra_info["policy_calls"] = policies[0].calls
+    if engine == "rust":
+        # Best of each (the least disturbed run on a shared machine), the native runs after.
+        native = []
+        for _ in range(5):
+            start = time.perf_counter()
+            Simulation(cfg, "round-robin", engine="rust").run()
+            native.append(time.perf_counter() - start)
+        fastest = benchmark.stats.stats.min
+        benchmark.extra_info["native_router_s"] = round(min(native), 4)
+        benchmark.extra_info["policy_s"] = round(fastest, 4)
+        calls = policies[0].calls
+        benchmark.extra_info["us_per_call"] = round((fastest - min(native)) / calls * 1e6, 2)
 
 
 # -- traces: the plan built natively against the plan built by the Python workload classes ----

@@ -20,7 +20,119 @@ from llmsched.sim import ScenarioConfig, Simulation, fallback_counts
 from llmsched.sim.fast import build_plan, unsupported
 from llmsched.sim.results import SimResult
 
-POLICIES = [
+
+def _rid(replica: Any) -> int | None:
+    """A replica as a number: the reference engine's Request holds its Replica objects."""
+    return getattr(replica, "id", replica)
+
+
+class LoggingPolicy:
+    """A stateful Python Policy object that logs every call with what it read.
+
+    It keeps the last metrics of each replica and its own in-flight counts (through
+    ``req.handle``, which must survive from ``pick`` to ``on_finished``) and sends each request
+    to the decode replica with the least ``waiting + running + in flight + kv`` (ties broken by
+    the request's id, tenant and prompt hashes). With ``split`` and prefill replicas, prompts of
+    at least ``split`` tokens prefill on the least loaded prefill replica (a prefill replica
+    returned from ``pick``); others run whole, and every seventh on a prefill replica.
+    """
+
+    def __init__(self, replicas: int, prefill_replicas: int, split: int | None) -> None:
+        self.name = f"logging-{split}"
+        self.prefill = prefill_replicas
+        self.split = split
+        self.metrics = [(0, 0, 0.0)] * replicas
+        self.in_flight = [0] * replicas
+        self.splits = 0
+        self.log: list[tuple[Any, ...]] = []
+
+    def update_metrics(
+        self, replica: int, waiting: int, running: int, kv_cache_usage: float, now: float
+    ) -> None:
+        self.metrics[replica] = (waiting, running, kv_cache_usage)
+        self.log.append(("metrics", replica, waiting, running, kv_cache_usage, now))
+
+    def _read(self, req: Any) -> tuple[Any, ...]:
+        hashes = req.hashes
+        return (
+            req.id,
+            req.arrival,
+            req.prompt_len,
+            req.output_len,
+            len(hashes),
+            hash(hashes.tobytes()),
+            req.tenant,
+            req.priority,
+            _sid(req.session),
+            req.turn,
+            req.phase,
+            req.finished,
+            req.target,
+            req.computed,
+            req.generated,
+            req.kv_ready,
+            req.dispatched,
+            req.first_token_time,
+            req.finish_time,
+            req.cached_tokens,
+            req.prefilled_tokens,
+            req.recomputed_tokens,
+            req.preemptions,
+            req.rejected,
+            req.call_end,
+            req.slice_start,
+            _rid(req.replica),
+            _rid(req.prefill_replica),
+            _rid(req.decode_replica),
+        )
+
+    def _least(self, replicas: range, key: int) -> int:
+        def load(r: int) -> tuple[float, int]:
+            waiting, running, kv = self.metrics[r]
+            return (waiting + running + self.in_flight[r] + kv, (r + key) % len(replicas))
+
+        return min(replicas, key=load)
+
+    def pick(self, req: Any, now: float) -> tuple[int, int | None]:
+        self.log.append(("pick", now, self._read(req)))
+        n = len(self.metrics)
+        key = req.id + 3 * req.tenant + int(req.hashes[:1].sum() % 5)
+        decode = self._least(range(self.prefill, n), key)
+        prefill = None
+        if self.prefill and self.split is not None:
+            if req.prompt_len >= self.split:
+                prefill = self._least(range(self.prefill), key)
+                self.splits += 1
+            elif req.id % 7 == 0:
+                decode = req.id % self.prefill
+        elif self.prefill and req.id % 5 == 0:
+            prefill = decode  # the same replica twice: served whole there
+        self.in_flight[decode] += 1
+        req.handle = decode
+        return decode, prefill
+
+    def on_first_token(self, req: Any, now: float) -> None:
+        self.log.append(("first", now, self._read(req), req.handle))
+
+    def on_finished(self, req: Any, now: float) -> None:
+        self.log.append(("finished", now, self._read(req), req.handle))
+        self.in_flight[req.handle] -= 1
+
+
+class Logging:
+    """Makes a fresh :class:`LoggingPolicy` for each engine (a policy keeps state)."""
+
+    def __init__(self, split: int | None) -> None:
+        self.split = split
+
+    def __call__(self, cfg: ScenarioConfig) -> LoggingPolicy:
+        return LoggingPolicy(cfg.replicas, cfg.pd.prefill_replicas, self.split)
+
+    def __repr__(self) -> str:
+        return f"Logging({self.split})"
+
+
+POLICIES: list[Any] = [
     "random",
     "round-robin",
     "least-load",
@@ -28,13 +140,15 @@ POLICIES = [
     "llm-d",
     "sglang-cache-aware",
     "dynamo-kv",
+    Logging(None),
+    Logging(200),
 ]
 
 
 def both(cfg: ScenarioConfig, policy: Any) -> tuple[Simulation, SimResult, Simulation, SimResult]:
-    py = Simulation(cfg, policy, engine="python")
+    py = Simulation(cfg, policy(cfg) if isinstance(policy, Logging) else policy, engine="python")
     py_result = py.run()
-    rs = Simulation(cfg, policy, engine="rust")
+    rs = Simulation(cfg, policy(cfg) if isinstance(policy, Logging) else policy, engine="rust")
     rs_result = rs.run()
     return py, py_result, rs, rs_result
 
@@ -42,6 +156,13 @@ def both(cfg: ScenarioConfig, policy: Any) -> tuple[Simulation, SimResult, Simul
 def assert_same(cfg: ScenarioConfig, policy: Any) -> None:
     py, a, rs, b = both(cfg, policy)
     assert (a.engine_name, b.engine_name) == ("python", "rust")
+    if isinstance(policy, Logging):
+        # The same calls, in the same order, with the same arguments and request fields.
+        assert isinstance(py.policy, LoggingPolicy) and isinstance(rs.policy, LoggingPolicy)
+        assert py.policy.log == rs.policy.log
+        picks = sum(1 for entry in rs.policy.log if entry[0] == "pick")
+        assert picks >= sum(1 for r in rs.done if r.dispatched >= 0)  # in flight at the end too
+        assert py.policy.in_flight == rs.policy.in_flight
     for key in a.requests:
         np.testing.assert_array_equal(a.requests[key], b.requests[key], err_msg=key)
     assert a.engine == b.engine
@@ -178,7 +299,7 @@ SCENARIOS = st.fixed_dictionaries(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=SCENARIOS, policy=st.sampled_from(POLICIES))
-def test_rust_engine_equals_python_engine(scenario: dict[str, Any], policy: str) -> None:
+def test_rust_engine_equals_python_engine(scenario: dict[str, Any], policy: Any) -> None:
     assert_same(ScenarioConfig.from_dict(scenario), policy)
 
 
@@ -235,7 +356,7 @@ FLOW_CONFIGS = st.fixed_dictionaries(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=SCENARIOS, flow=FLOW_CONFIGS, policy=st.sampled_from(POLICIES))
 def test_engines_agree_under_flow_control(
-    scenario: dict[str, Any], flow: dict[str, Any], policy: str
+    scenario: dict[str, Any], flow: dict[str, Any], policy: Any
 ) -> None:
     """Flow control (the flow core in both engines): bands, fairness, ordering, capacity,
     saturation, shedding, TTLs and evictions give the same dispatches and refusals."""
@@ -244,7 +365,7 @@ def test_engines_agree_under_flow_control(
     assert_same(cfg, policy)
 
 
-PD_POLICIES = ["llm-d-pd", "round-robin", "llm-d"]
+PD_POLICIES: list[Any] = ["llm-d-pd", "round-robin", "llm-d", Logging(None), Logging(200)]
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -262,7 +383,7 @@ PD_POLICIES = ["llm-d-pd", "round-robin", "llm-d"]
     policy=st.sampled_from(PD_POLICIES),
 )
 def test_engines_agree_on_prefill_decode_pools(
-    scenario: dict[str, Any], pd: dict[str, Any], flow: dict[str, Any] | None, policy: str
+    scenario: dict[str, Any], pd: dict[str, Any], flow: dict[str, Any] | None, policy: Any
 ) -> None:
     """P/D pools: split requests prefill on one replica, move their KV and decode on another,
     with the same timings on both engines (flow control in front or not)."""
@@ -310,7 +431,7 @@ def test_engines_agree_on_token_slices(
     slices: dict[str, Any],
     flow: dict[str, Any] | None,
     prefill: int,
-    policy: str,
+    policy: Any,
 ) -> None:
     """Token slices (the slice core in both engines): continues, yields and migrations at the
     same boundaries, with flow control and P/D pools or without."""
@@ -320,10 +441,93 @@ def test_engines_agree_on_token_slices(
     if prefill:
         spec["replicas"] = max(2, scenario["replicas"])
         spec["pd"] = {"prefill_replicas": prefill}
-        policy = "llm-d-pd"
+        if not isinstance(policy, Logging):
+            policy = "llm-d-pd"
     cfg = ScenarioConfig.from_dict(spec)
     assert unsupported(cfg, policy) is None
     assert_same(cfg, policy)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scenario=SCENARIOS,
+    prefill=st.sampled_from([0, 1, 2]),
+    extra=st.one_of(
+        st.none(),
+        FLOW_CONFIGS.map(lambda f: {"flow": {"enabled": True, "config": f}}),
+        SLICES.map(lambda s: {"slices": s}),
+    ),
+    policy=st.sampled_from([Logging(None), Logging(200), Logging(1)]),
+)
+def test_engines_agree_on_policy_objects(
+    scenario: dict[str, Any], prefill: int, extra: dict[str, Any] | None, policy: Logging
+) -> None:
+    """Python Policy objects: the Rust engine calls them where the reference engine does (the
+    call logs are equal) and both give the same result, over P/D pools (split requests, whole
+    ones on prefill replicas), flow control and token slices."""
+    spec = {**scenario, **(extra or {})}
+    if prefill:
+        spec["replicas"] = max(scenario["replicas"], prefill + 1)
+        spec["pd"] = {"prefill_replicas": prefill}
+    cfg = ScenarioConfig.from_dict(spec)
+    assert unsupported(cfg, policy(cfg)) is None
+    assert_same(cfg, policy)
+
+
+def test_a_policy_object_splits_requests_over_pools() -> None:
+    """A Policy object that returns prefill replicas: the requests it splits prefill on one
+    replica and decode on another, the same on both engines."""
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 4,
+            "pd": {"prefill_replicas": 2},
+            "workload": {"kind": "long_short", "num_requests": 80, "long_fraction": 0.5},
+        }
+    )
+    assert_same(cfg, Logging(1000))
+    policy = Logging(1000)(cfg)
+    result = Simulation(cfg, policy).run()
+    assert result.engine_name == "rust" and 0 < policy.splits < 80
+    assert sum(1 for entry in policy.log if entry[0] == "pick") == 80
+
+
+def test_slice_boundaries_weigh_requests_dispatched_during_the_step() -> None:
+    """Flow control lets a request go when another finishes inside a replica's step; the slice
+    boundaries later in that step see it in the replica's queue on both engines (one-token
+    slices: every boundary asks)."""
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 1,
+            "seed": 0,
+            "metrics_delay_s": 0.0,
+            "kv_events_delay_s": 0.0,
+            "kv_sample_s": 0.1,
+            "step_model": {"model": "llama-3.1-8b"},
+            "workload": {
+                "kind": "priority",
+                "arrival": {"rate": 17.742235570175474},
+                "num_requests": 46,
+            },
+            "engine": {
+                "block_size": 16,
+                "scheduling": "fcfs",
+                "kv_tokens": 200_000,
+                "max_num_seqs": 256,
+                "max_num_batched_tokens": 256,
+            },
+            "slices": {"policy": "fixed", "params": {"slice_tokens": 1}},
+            "flow": {
+                "enabled": True,
+                "config": {
+                    "preemption": {"evict_queued": False},
+                    "shedding": {"type": "none"},
+                    "saturation": {"type": "concurrency", "max_requests": 35},
+                },
+            },
+        }
+    )
+    assert_same(cfg, "random")
+    assert Simulation(cfg, "random").run().engine_name == "rust"
 
 
 @pytest.mark.parametrize("variant", [1, 2])
@@ -570,11 +774,8 @@ FALLBACKS = [
         },
         None,
     ),
-    (
-        {},
-        _PolicyObject(),
-        "a Python Policy object",
-    ),
+    ({}, _PolicyObject(), None),
+    ({"native_kv": False}, _PolicyObject(), "the pure-Python KV cache twin"),
 ]
 
 
@@ -583,10 +784,12 @@ def test_uncovered_scenarios_fall_back_visibly(
     over: dict, policy: Any, reason: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
     data = {"replicas": 2, "workload": {"kind": "long_short", "num_requests": 30}}
+    over = dict(over)
+    native_kv = over.pop("native_kv", True)
     data.update(over)
     cfg = ScenarioConfig.from_dict(data)
-    assert unsupported(cfg, policy) == reason
-    sim = Simulation(cfg, policy)
+    assert unsupported(cfg, policy, native_kv) == reason
+    sim = Simulation(cfg, policy, native_kv=native_kv)
     expected = "rust" if reason is None else "python"
     assert (sim.engine, sim.fallback_reason) == (expected, reason)
     before = fallback_counts().get(reason or "", 0)
@@ -601,7 +804,7 @@ def test_uncovered_scenarios_fall_back_visibly(
         assert fallback_counts()[reason] == before + 1
         assert reason in caplog.text or before > 0
         with pytest.raises(ConfigError, match=reason):
-            Simulation(cfg, policy, engine="rust")
+            Simulation(cfg, policy, engine="rust", native_kv=native_kv)
 
 
 def test_policy_objects_and_the_kv_twin_run_on_python() -> None:

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal, TypeAlias, TypeVar, final, overload
 import numpy as np
 import numpy.typing as npt
 
+from llmsched.sim.policies import Policy
 from llmsched.types import (
     ApplyReport,
     ConfigInfo,
@@ -913,6 +914,7 @@ def simulate(
     ttft_targets: list[tuple[int, float]] | None = None,
     slices: tuple[str, Mapping[str, Any], SwitchCostModel] | None = None,
     functions: list[Callable[..., Any]] = ...,
+    policy: tuple[str, Policy] | None = None,
 ) -> dict[str, Any]:
     """Runs the simulator's Rust engine on a plan (`llmsched.sim.Simulation` prepares the
     arguments). `flow`: the flow controller's configuration (None: no flow control);
@@ -920,7 +922,8 @@ def simulate(
     (policy, params, switch-cost model) of the token-slice tracker (None: no slices);
     `functions`: the Python callables of the router config's `python-scorer` /
     `python-filter` plugins (`llmsched.routing.native_config`), called with the GIL taken for
-    each call only.
+    each call only; `policy`: (name, `llmsched.sim.policies.Policy` object) routing instead of
+    the router, called back the same way (a failed call raises `llmsched.errors.PolicyError`).
     """
 
 @final

@@ -30,6 +30,7 @@ __all__ = [
     "MalformedSyncBatchError",
     "NoEndpointError",
     "PlacementError",
+    "PolicyError",
     "SliceStateError",
     "SnapshotError",
     "UnknownBlockError",
@@ -108,6 +109,13 @@ class InvalidRequestError(LlmschedError, ValueError):
 class InternalError(LlmschedError, RuntimeError):
     """A bug in llmsched's native core, caught at the Python boundary (no input should cause
     one: please report it with the message)."""
+
+
+class PolicyError(LlmschedError, RuntimeError):
+    """A simulator :class:`~llmsched.sim.policies.Policy` object raised, or answered ``pick``
+    with something that is not a replica, while the Rust engine ran it: the message names the
+    policy, the call and the request; the policy's own exception is the ``__cause__``. The run
+    stopped and left no result."""
 
 
 class GatewayStoppedError(LlmschedError, RuntimeError):

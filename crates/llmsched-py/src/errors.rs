@@ -178,6 +178,7 @@ impl ToPyErr for KvError {
 }
 
 import_exception!(llmsched.errors, InvalidRequestError);
+import_exception!(llmsched.errors, PolicyError);
 
 impl ToPyErr for llmsched_core::flow::FlowError {
     fn to_py_err(self) -> PyErr {
@@ -204,6 +205,9 @@ impl ToPyErr for llmsched_sim::SimError {
             SimError::Routing(e) => e.to_py_err(),
             SimError::Flow(e) => e.to_py_err(),
             SimError::Slices(e) => e.to_py_err(),
+            SimError::Policy(e) => {
+                Python::attach(|py| crate::sim_policy::policy_error(py, None, e))
+            }
         }
     }
 }

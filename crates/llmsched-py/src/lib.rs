@@ -12,6 +12,7 @@ mod pyints;
 mod replica_sync;
 mod routing;
 mod sim;
+mod sim_policy;
 mod slices;
 mod tokens;
 mod vllm_events;

@@ -8,6 +8,8 @@ use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
+use crate::errors::ToPyErr;
+use crate::sim_policy::{policy_error, PyPolicyHook};
 use crate::slices::PySwitchCostModel;
 use llmsched_core::flow::FlowConfig;
 use llmsched_core::routing::{config, RoutingError};
@@ -15,9 +17,10 @@ use llmsched_core::slices::SliceTracker;
 use std::sync::Arc;
 
 use llmsched_sim::{
-    agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine, trace_plan,
-    Agentic, Contents, DoneRecord, FlowSetup, Independent, KvCache, KvEvent, OpenRequest, Pcg64,
-    Plan, Prompted, PyRandom, Session, SimConfig, SimOutput, StepModel, TraceSpec, Turn,
+    agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine,
+    simulate_with_policy, trace_plan, Agentic, Contents, DoneRecord, FlowSetup, Independent,
+    KvCache, KvEvent, OpenRequest, Pcg64, Plan, Prompted, PyRandom, Session, SimConfig, SimError,
+    SimOutput, StepModel, TraceSpec, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
@@ -290,7 +293,7 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
 /// GIL released; returns the finished requests as arrays, per-replica end states, the KV-use
 /// trace and the time spent in routing decisions and feeds.
 #[pyfunction]
-#[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None, slices = None, functions = Vec::new()))]
+#[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None, slices = None, functions = Vec::new(), policy = None))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
@@ -302,6 +305,7 @@ fn simulate<'py>(
     ttft_targets: Option<Vec<(i64, f64)>>,
     slices: Option<(String, Bound<'py, PyAny>, PyRef<'py, PySwitchCostModel>)>,
     functions: Vec<Py<PyAny>>,
+    policy: Option<(String, Py<PyAny>)>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let slices = match slices {
         None => None,
@@ -326,14 +330,33 @@ fn simulate<'py>(
     let make = || config::parse(&value, &registry).map_err(RoutingError::from);
     let plan = plan(workload)?;
     let budget = cfg.max_num_batched_tokens;
+    // A Python `Policy` object routes instead (called back with the GIL taken for each call).
+    let (name, hook) = match policy {
+        Some((name, object)) => (Some(name), Some(PyPolicyHook::new(py, object)?)),
+        None => (None, None),
+    };
     let (out, ideal) = py
         .detach(|| {
-            let out = sim_engine(cfg, model, &make, &plan, flow.as_ref(), slices)?;
+            let out = match hook {
+                Some(hook) => simulate_with_policy(
+                    cfg,
+                    model,
+                    &make,
+                    &plan,
+                    flow.as_ref(),
+                    slices,
+                    Box::new(hook),
+                )?,
+                None => sim_engine(cfg, model, &make, &plan, flow.as_ref(), slices)?,
+            };
             let ideal: Vec<f64> =
                 out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
             Ok::<_, llmsched_sim::SimError>((out, ideal))
         })
-        .py()?;
+        .map_err(|e| match e {
+            SimError::Policy(failure) => policy_error(py, name.as_deref(), failure),
+            other => other.to_py_err(),
+        })?;
     let d = output(py, out)?;
     d.set_item("ideal", ideal.into_pyarray(py))?;
     Ok(d)

@@ -30,7 +30,10 @@
 //! the batch, or yields (back to the end of its replica's queue, its KV left cached) or
 //! migrates (to another replica, which recomputes it).
 //!
-//! Not covered yet (the reference engine runs it): Python routing plugins.
+//! Policies outside the engine: with a [`PolicyHook`] (a Python `Policy` object, through the
+//! bindings) the hook routes instead of the router, called where the reference engine calls its
+//! policy (see [`crate::policy`]); the router replica's prefix index is still fed (its skipped
+//! batches are counted as with a router).
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, VecDeque};
@@ -39,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use crate::kv_cache::{IdEvent, KvCore, KvError};
 use crate::plan::{Contents, Plan, PlanError};
+use crate::policy::{check_pick, PolicyFailure, PolicyHook, RequestView};
 use crate::stepmodel::{DecodeRun, StepModel, StepWork};
 use hashbrown::HashMap;
 use llmsched_core::flow::{
@@ -129,6 +133,9 @@ pub enum SimError {
     Flow(#[from] FlowError),
     #[error(transparent)]
     Slices(#[from] SliceError),
+    /// A [`PolicyHook`] call failed (raised, or answered something unusable).
+    #[error(transparent)]
+    Policy(#[from] PolicyFailure),
 }
 
 /// Flow control in front of the router: the flow core's configuration and each priority's
@@ -198,6 +205,10 @@ struct Req {
     slice_start: u64,
     /// Where a yielded or migrated slice continues.
     slice_endpoint: usize,
+    /// The replica whose queue it joined last, and (split) where it was prefilled: what a
+    /// [`PolicyHook`] sees.
+    replica: Option<usize>,
+    prefill_replica: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -386,6 +397,8 @@ struct World<'p> {
     gate: Option<Gate>,
     slices: Option<SliceTracker>,
     slice_switches: u64,
+    /// Routes instead of the router when set.
+    policy: Option<Box<dyn PolicyHook>>,
 }
 
 /// Runs one scenario under one routing configuration: `router_config` builds each router
@@ -398,7 +411,21 @@ pub fn simulate(
     flow: Option<&FlowSetup>,
     slices: Option<SliceTracker>,
 ) -> Result<SimOutput, SimError> {
-    Simulation::new(cfg, model, router_config, plan, flow, slices)?.run()
+    Simulation::new(cfg, model, router_config, plan, flow, slices, None)?.run()
+}
+
+/// [`simulate`] with `policy` routing every request instead of the router (one router
+/// replica; its prefix index is still fed, `router_config` builds it).
+pub fn simulate_with_policy(
+    cfg: SimConfig,
+    model: StepModel,
+    router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
+    plan: &Plan,
+    flow: Option<&FlowSetup>,
+    slices: Option<SliceTracker>,
+    policy: Box<dyn PolicyHook>,
+) -> Result<SimOutput, SimError> {
+    Simulation::new(cfg, model, router_config, plan, flow, slices, Some(policy))?.run()
 }
 
 struct Simulation<'p> {
@@ -413,8 +440,14 @@ impl<'p> Simulation<'p> {
         plan: &'p Plan,
         flow: Option<&FlowSetup>,
         mut slices: Option<SliceTracker>,
+        policy: Option<Box<dyn PolicyHook>>,
     ) -> Result<Self, SimError> {
         plan.validate()?;
+        if policy.is_some() && cfg.router_replicas != 1 {
+            return Err(SimError::Config(
+                "router_replicas needs a router configuration, not a Policy object".into(),
+            ));
+        }
         if cfg.replicas == 0 || cfg.block_size == 0 || cfg.max_num_seqs == 0 {
             return Err(SimError::Config(
                 "replicas, block_size and max_num_seqs must be >= 1".into(),
@@ -568,6 +601,7 @@ impl<'p> Simulation<'p> {
             gate,
             slices,
             slice_switches: 0,
+            policy,
         };
         Ok(Simulation { world })
     }
@@ -758,6 +792,7 @@ impl World<'_> {
         match prefill {
             Some(p) if p != target => {
                 self.reqs[r].decode_replica = Some(target);
+                self.reqs[r].prefill_replica = Some(p);
                 self.enqueue(p, r, now)
             }
             _ => self.enqueue(target, r, now),
@@ -790,6 +825,7 @@ impl World<'_> {
     /// Request `r` joins replica `target`'s queue; a replica out of its slot (being stepped)
     /// finds it in its inbox before its next schedule.
     fn enqueue(&mut self, target: usize, r: usize, now: f64) -> Result<(), SimError> {
+        self.reqs[r].replica = Some(target);
         let Some(mut rep) = self.replicas[target].take() else {
             self.reqs[r].phase = WAITING;
             self.inbox[target].push(r);
@@ -893,6 +929,8 @@ impl World<'_> {
             call_end: 0,
             slice_start: 0,
             slice_endpoint: 0,
+            replica: None,
+            prefill_replica: None,
         });
         self.reqs.len() - 1
     }
@@ -972,6 +1010,9 @@ impl World<'_> {
     /// Routes request `r` and starts the decision's in-flight accounting; returns the replica
     /// that decodes it and, when the router split it, the one that prefills it.
     fn pick(&mut self, r: usize, now: f64) -> Result<(usize, Option<usize>), SimError> {
+        if self.policy.is_some() {
+            return self.policy_pick(r, now);
+        }
         let q = &self.reqs[r];
         let whole = (q.prompt_len / self.bs) as usize;
         let hashes =
@@ -1042,8 +1083,34 @@ impl World<'_> {
         Ok(())
     }
 
+    /// [`pick`](Self::pick) by the policy hook, its answer checked.
+    fn policy_pick(&mut self, r: usize, now: f64) -> Result<(usize, Option<usize>), SimError> {
+        let Some(policy) = self.policy.as_mut() else {
+            return Err(SimError::Config("no policy to pick with".into()));
+        };
+        let view = request_view(&self.reqs[r], r, self.plan);
+        let start = Instant::now();
+        let (target, prefill) = policy.pick(&view, now)?;
+        self.decision += start.elapsed();
+        let (n, pools) = (self.replicas.len(), self.cfg.prefill_replicas);
+        check_pick(target, prefill, n, pools).map_err(|e| {
+            let prefill = prefill.map_or("None".to_string(), |p| p.to_string());
+            PolicyFailure::new(format!(
+                "pick() for request {} returned ({target}, {prefill}): {e}",
+                self.reqs[r].id
+            ))
+        })?;
+        Ok((target, prefill))
+    }
+
     fn first_token(&mut self, r: usize, now: f64) -> Result<(), SimError> {
         self.reqs[r].first_token = now;
+        if let Some(policy) = self.policy.as_mut() {
+            let view = request_view(&self.reqs[r], r, self.plan);
+            let start = Instant::now();
+            policy.on_first_token(&view, now)?;
+            self.decision += start.elapsed();
+        }
         let start = Instant::now();
         if let Some(t) = self.reqs[r].ticket.as_mut() {
             t.first_token();
@@ -1074,6 +1141,15 @@ impl World<'_> {
         q.finish = now;
         q.phase = DONE;
         self.done.push(r);
+        if let Some(policy) = self.policy.as_mut() {
+            let view = request_view(&self.reqs[r], r, self.plan);
+            let start = Instant::now();
+            policy.on_finished(&view, now)?;
+            if !view.rejected {
+                self.decision += start.elapsed();
+            }
+        }
+        let q = &mut self.reqs[r];
         if q.rejected {
             if let Some(t) = q.ticket.as_mut() {
                 t.finish();
@@ -1124,6 +1200,9 @@ impl World<'_> {
         now: f64,
     ) -> Result<(), SimError> {
         let start = Instant::now();
+        if let Some(policy) = self.policy.as_mut() {
+            policy.update_metrics(rid, waiting, running, usage, now)?;
+        }
         let update = MetricsUpdate {
             waiting: Some(waiting),
             running: Some(running),
@@ -1216,6 +1295,42 @@ impl World<'_> {
         }
         self.feed += start.elapsed();
         Ok(())
+    }
+}
+
+/// What a [`PolicyHook`] sees of request `r` now.
+fn request_view<'a>(q: &'a Req, r: usize, plan: &'a Plan) -> RequestView<'a> {
+    RequestView {
+        slot: r,
+        id: q.id,
+        arrival: q.arrival,
+        prompt_len: q.prompt_len,
+        output_len: q.output_len,
+        hashes: &plan.hashes[q.hashes.0..q.hashes.1],
+        tenant: q.tenant,
+        priority: q.priority,
+        session: q.session,
+        session_name: q.session_name.as_deref(),
+        turn: q.turn,
+        phase: q.phase,
+        target: q.target,
+        computed: q.computed,
+        generated: q.generated,
+        high_water: q.high_water,
+        kv_ready: q.kv_ready,
+        dispatched: q.dispatched,
+        first_token: q.first_token,
+        finish: q.finish,
+        cached_tokens: q.cached_tokens,
+        prefilled: q.prefilled,
+        recomputed: q.recomputed,
+        preemptions: q.preemptions,
+        rejected: q.rejected,
+        call_end: q.call_end,
+        slice_start: q.slice_start,
+        replica: q.replica,
+        prefill_replica: q.prefill_replica,
+        decode_replica: q.decode_replica,
     }
 }
 
@@ -1356,6 +1471,10 @@ impl Replica {
     /// next slice runs on in the batch (`call_end` moved). False: the request leaves the batch
     /// and `finished` requeues it where `slice_endpoint` says.
     fn slice_continues(&mut self, r: usize, now: f64, w: &mut World<'_>) -> Result<bool, SimError> {
+        // Requests dispatched to this replica during its step (flow control let them go when
+        // another finished) are in its queue already in the reference engine: the tracker
+        // weighs them too.
+        self.take_inbox(w);
         let start = Instant::now();
         let mut waiting = Vec::with_capacity(8);
         for &x in self.waiting.iter().take(8) {
@@ -1744,6 +1863,111 @@ mod tests {
         };
         let make = || parse_config(&value).map_err(RoutingError::from);
         simulate(cfg, model(), &make, plan, flow, None).unwrap()
+    }
+
+    /// The calls a [`PolicyHook`] got (shared with the test: the engine owns the hook).
+    #[derive(Default)]
+    struct Calls {
+        picks: Vec<(u64, f64)>,
+        firsts: Vec<u64>,
+        finishes: Vec<(u64, bool, u64)>,
+        metrics: usize,
+    }
+
+    /// Round robin over `replicas`, or `answer` once `after` picks were made.
+    struct Hook {
+        calls: std::sync::Arc<std::sync::Mutex<Calls>>,
+        replicas: usize,
+        answer: Option<(usize, Option<usize>)>,
+        after: usize,
+    }
+
+    impl PolicyHook for Hook {
+        fn update_metrics(
+            &mut self,
+            replica: usize,
+            _: u32,
+            _: u32,
+            _: f64,
+            _: f64,
+        ) -> Result<(), PolicyFailure> {
+            assert!(replica < self.replicas);
+            self.calls.lock().unwrap().metrics += 1;
+            Ok(())
+        }
+
+        fn pick(
+            &mut self,
+            req: &RequestView<'_>,
+            _: f64,
+        ) -> Result<(usize, Option<usize>), PolicyFailure> {
+            assert_eq!(req.dispatched, -1.0);
+            let mut calls = self.calls.lock().unwrap();
+            calls.picks.push((req.id, req.arrival));
+            let n = calls.picks.len();
+            match self.answer {
+                Some(answer) if n > self.after => Ok(answer),
+                _ => Ok(((n - 1) % self.replicas, None)),
+            }
+        }
+
+        fn on_first_token(&mut self, req: &RequestView<'_>, now: f64) -> Result<(), PolicyFailure> {
+            assert_eq!(req.first_token, now);
+            self.calls.lock().unwrap().firsts.push(req.id);
+            Ok(())
+        }
+
+        fn on_finished(&mut self, req: &RequestView<'_>, now: f64) -> Result<(), PolicyFailure> {
+            assert_eq!(req.finish, now);
+            self.calls.lock().unwrap().finishes.push((req.id, req.rejected, req.generated));
+            Ok(())
+        }
+    }
+
+    fn run_hook(
+        cfg: SimConfig,
+        plan: &Plan,
+        answer: Option<(usize, Option<usize>)>,
+    ) -> (Result<SimOutput, SimError>, Calls) {
+        let calls = std::sync::Arc::new(std::sync::Mutex::new(Calls::default()));
+        let hook = Hook { calls: calls.clone(), replicas: cfg.replicas, answer, after: 3 };
+        let value = json!({"plugins": [{"type": "round-robin-picker"}],
+            "schedulingProfiles": [{"name": "default",
+                                    "plugins": [{"pluginRef": "round-robin-picker"}]}]});
+        let make = || parse_config(&value).map_err(RoutingError::from);
+        let out = simulate_with_policy(cfg, model(), &make, plan, None, None, Box::new(hook));
+        let calls = std::mem::take(&mut *calls.lock().unwrap());
+        (out, calls)
+    }
+
+    #[test]
+    fn a_policy_hook_routes_every_request_once() {
+        let plan = burst(10, 256, 8, |_| 0);
+        let (out, calls) = run_hook(config(2), &plan, None);
+        let out = out.unwrap();
+        assert_eq!(out.done.len(), 10);
+        let ids: Vec<u64> = calls.picks.iter().map(|p| p.0).collect();
+        assert_eq!(ids, (0..10).collect::<Vec<u64>>());
+        assert_eq!(calls.firsts.len(), 10);
+        assert_eq!(calls.finishes.len(), 10);
+        assert!(calls.finishes.iter().all(|&(_, rejected, generated)| !rejected && generated == 8));
+        assert!(calls.metrics > 0);
+        // Round robin: each replica ran half the requests.
+        assert!(out.replicas.iter().all(|r| r.counters.prefill_tokens == 5 * 256));
+    }
+
+    #[test]
+    fn a_bad_pick_stops_the_run() {
+        let plan = burst(10, 256, 8, |_| 0);
+        let (out, calls) = run_hook(config(2), &plan, Some((2, None)));
+        let err = out.unwrap_err().to_string();
+        assert!(err.contains("pick() for request 3 returned (2, None)"), "{err}");
+        assert!(err.contains("decode replica 2 is out of range (2 replicas)"), "{err}");
+        assert_eq!(calls.picks.len(), 4);
+        let mut two_routers = config(2);
+        two_routers.router_replicas = 2;
+        let (out, _) = run_hook(two_routers, &plan, None);
+        assert!(out.unwrap_err().to_string().contains("router_replicas needs a router"));
     }
 
     fn flow(config: serde_json::Value) -> FlowSetup {

@@ -6,15 +6,18 @@
 pub mod engine;
 pub mod kv_cache;
 pub mod plan;
+pub mod policy;
 pub mod rng;
 pub mod stepmodel;
 pub mod workload;
 
 pub use engine::{
-    simulate, Counters, DoneRecord, FlowSetup, ReplicaEnd, SimConfig, SimError, SimOutput,
+    simulate, simulate_with_policy, Counters, DoneRecord, FlowSetup, ReplicaEnd, SimConfig,
+    SimError, SimOutput,
 };
 pub use kv_cache::{IdEvent, KvCache, KvCore, KvError, KvEvent, MAX_KV_BLOCKS};
 pub use plan::{Contents, OpenRequest, Plan, PlanError, Session, Turn};
+pub use policy::{check_pick, PolicyFailure, PolicyHook, RequestView};
 pub use rng::{Pcg64, PyRandom};
 pub use stepmodel::{DecodeRun, Linear, Roofline, StepModel, StepWork};
 pub use workload::{

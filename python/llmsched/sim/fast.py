@@ -19,6 +19,10 @@ instead of hashing 64-bit hashes in every run).
 ...     "num_requests": 50, "arrival": {"rate": 5.0}}})
 >>> unsupported(cfg, "round-robin") is None
 True
+
+A :class:`~llmsched.sim.policies.Policy` object runs here too: the engine calls it where the
+reference engine does (see :mod:`llmsched.sim.policies`), handing it
+:class:`~llmsched.sim.request.Request` objects that carry the request's state at each call.
 """
 
 from __future__ import annotations
@@ -27,15 +31,15 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from llmsched import _llmsched
+from llmsched.errors import ConfigError
 from llmsched.routing import ConfigLike, load_config, native_config
 from llmsched.sim.config import ScenarioConfig
-from llmsched.sim.policies import PolicyLike
+from llmsched.sim.policies import Policy, PolicyLike
 from llmsched.sim.request import DONE, Request
 from llmsched.sim.results import RunRecord
 from llmsched.sim.stepmodel import (
@@ -72,8 +76,6 @@ def unsupported(
     """
     if not native_kv:
         return "the pure-Python KV cache twin"
-    if not isinstance(policy, (str, Mapping)):
-        return "a Python Policy object"
     if model is None:
         model = build_step_model(config.step_model)
     if not isinstance(
@@ -242,12 +244,28 @@ def engine_settings(config: ScenarioConfig, kv_blocks: int, model: StepModel) ->
     }
 
 
+POLICY_INDEX_ROUTER = "round-robin"
+"""The router configuration a run under a :class:`~llmsched.sim.policies.Policy` object builds
+its prefix index with (fed by the engines' KV events as under a router; never asked to route)."""
+
+
 def run(
-    config: ScenarioConfig, model: StepModel, kv_blocks: int, router_config: ConfigLike
+    config: ScenarioConfig,
+    model: StepModel,
+    kv_blocks: int,
+    router_config: ConfigLike | None,
+    policy: Policy | None = None,
 ) -> RunRecord:
-    """Run ``config`` on the Rust engine under the router ``router_config``: its record (the
-    plan is built, or taken from the cache, first)."""
-    router, functions = native_config(load_config(router_config))
+    """Run ``config`` on the Rust engine under the router ``router_config``, or under the
+    :class:`~llmsched.sim.policies.Policy` object ``policy`` (called back from the engine, the
+    GIL taken for each call): its record (the plan is built, or taken from the cache, first).
+    A policy that raises, or answers ``pick`` with something that is not a replica, stops the
+    run with :class:`~llmsched.errors.PolicyError` (its own exception chained)."""
+    if (router_config is None) == (policy is None):
+        raise ConfigError("give a router configuration or a Policy object, not both or neither")
+    if policy is not None and config.router_replicas > 1:
+        raise ConfigError("router_replicas needs a router configuration, not a Policy object")
+    router, functions = native_config(load_config(router_config or POLICY_INDEX_ROUTER))
     plan = cached_plan(config)
     flow, ttft = None, None
     if config.flow.enabled:
@@ -257,8 +275,11 @@ def run(
         cost = config.slices.cost_model(model).native
         slices = (config.slices.policy, config.slices.params, cost)
     settings = engine_settings(config, kv_blocks, model)
+    named = None
+    if policy is not None:
+        named = (str(getattr(policy, "name", type(policy).__name__)), policy)
     out = _llmsched.simulate(
-        settings, step_args(model), router, plan, flow, ttft, slices, functions
+        settings, step_args(model), router, plan, flow, ttft, slices, functions, named
     )
     return RunRecord.from_native(out)
 

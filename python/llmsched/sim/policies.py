@@ -4,8 +4,11 @@
 The simulator asks a :class:`Policy` for each request's replica (and prefill replica when
 prefill/decode pools exist), tells it about first tokens and finishes (in-flight accounting),
 and feeds it engine metrics. Presets and router configurations run inside the Rust engine on
-the routing core; a :class:`Policy` object is Python code that the reference engine
-(:mod:`llmsched.reference.sim`) drives.
+the routing core; a :class:`Policy` object is Python code that the Rust engine calls back (the
+GIL taken for each call only) where the reference engine (:mod:`llmsched.reference.sim`) calls
+it, handing it :class:`~llmsched.sim.request.Request` objects that hold the request's state at
+each call (``docs/simulator.md`` lists what they carry); a failed call raises
+:class:`~llmsched.errors.PolicyError`.
 
 >>> {"random", "round-robin", "least-load", "prefix-only"} <= set(policy_names())
 True

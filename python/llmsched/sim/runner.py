@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Mapping
 from concurrent.futures import (
     FIRST_COMPLETED,
     Future,
@@ -79,7 +80,12 @@ def _simulate(
 
 
 def _native(run: tuple[ScenarioConfig, PolicyLike, str, str]) -> bool:
-    """Whether the Rust engine runs this (scenario, policy, label, engine) run."""
+    """Whether this (scenario, policy, label, engine) run goes to a thread: the Rust engine runs
+    it and its policy is a name or a router config. A Python ``Policy`` object runs in a process
+    (or inline) as before, on whichever engine: one object in several threads at once would mix
+    the runs' states."""
+    if not isinstance(run[1], (str, Mapping)):
+        return False
     return run[3] != "python" and fast.unsupported(run[0], run[1]) is None
 
 

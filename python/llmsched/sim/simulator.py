@@ -29,7 +29,7 @@ from llmsched.errors import ConfigError
 from llmsched.routing import ConfigLike
 from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
-from llmsched.sim.policies import PolicyLike, is_policy_object, resolve_policy
+from llmsched.sim.policies import Policy, PolicyLike, is_policy_object, resolve_policy
 from llmsched.sim.request import Request
 from llmsched.sim.results import ReplicaEnd, RunRecord, SimResult, collect
 from llmsched.sim.stepmodel import build_step_model
@@ -118,6 +118,11 @@ class Simulation:
             reason = fast.unsupported(config, policy, native_kv, self.model)
         if engine == "rust" and reason is not None:
             raise ConfigError(f"the Rust engine does not cover {reason}; use engine='auto'")
+        if not isinstance(policy, (str, Mapping)) and config.router_replicas > 1:
+            raise ConfigError(
+                "router_replicas needs a router configuration (each router replica its own), "
+                "not a Policy object"
+            )
         if reason is not None and config.router_replicas > 1:
             raise ConfigError(
                 f"router_replicas is simulated by the Rust engine only, which does not cover "
@@ -162,8 +167,11 @@ class Simulation:
             result.fallback_reason = self.fallback_reason
             return result
         wall = time.perf_counter()
-        assert self.router_config is not None, "Policy objects run on the reference engine"
-        record = fast.run(self.config, self.model, self.kv_blocks, self.router_config)
+        policy: Policy | None = None
+        if self.router_config is None:
+            assert not isinstance(self.policy, (str, Mapping))
+            policy = self.policy
+        record = fast.run(self.config, self.model, self.kv_blocks, self.router_config, policy)
         wall_s = time.perf_counter() - wall
         self.record = record
         self._done = None
