@@ -1660,9 +1660,7 @@ impl Gateway {
         match tokenized {
             Ok(Ok(tokens)) => Ok(tokens),
             Ok(Err(problem)) => Err(bad(problem.0)),
-            Err(_) => {
-                Err(Refusal::new(500, "internal_error", "tokenizing the prompt failed"))
-            }
+            Err(_) => Err(Refusal::new(500, "internal_error", "tokenizing the prompt failed")),
         }
     }
 

@@ -229,7 +229,9 @@ impl PromptTokenizer {
         };
         self.render_values(env, messages, tools, extra).map_err(|err| match err {
             RenderError::Prompt(problem) => problem,
-            RenderError::Template(err) => PromptProblem(format!("chat template: {}", describe(&err))),
+            RenderError::Template(err) => {
+                PromptProblem(format!("chat template: {}", describe(&err)))
+            }
         })
     }
 
@@ -393,7 +395,8 @@ fn strftime_now(format: String) -> Result<Value, Error> {
 /// Messages as the template sees them: each a map with a string role; a list content is
 /// reduced to its text parts joined by newlines (vLLM's "string" content format).
 fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
-    let shape = || PromptProblem("messages must be a non-empty list of {role, content} objects".into());
+    let shape =
+        || PromptProblem("messages must be a non-empty list of {role, content} objects".into());
     if messages.kind() != ValueKind::Seq || messages.len() == Some(0) {
         return Err(shape());
     }
@@ -401,7 +404,9 @@ fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
     for (i, message) in messages.try_iter().map_err(|_| shape())?.enumerate() {
         let role = message.get_attr("role").ok();
         if message.kind() != ValueKind::Map || role.as_ref().and_then(Value::as_str).is_none() {
-            return Err(PromptProblem(format!("messages[{i}] must be an object with a string role")));
+            return Err(PromptProblem(format!(
+                "messages[{i}] must be an object with a string role"
+            )));
         }
         let content = message.get_attr("content").unwrap_or_default();
         let reduced = match content.kind() {
@@ -417,11 +422,7 @@ fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
                         )));
                     }
                     let text = part.get_attr("text").unwrap_or_default();
-                    texts.push(if text.is_undefined() {
-                        String::new()
-                    } else {
-                        python_str(&text)
-                    });
+                    texts.push(if text.is_undefined() { String::new() } else { python_str(&text) });
                 }
                 Some(Value::from(texts.join("\n")))
             }
@@ -795,8 +796,8 @@ mod tests {
                 .into(),
         )
         .unwrap();
-        let v: Value = serde_json::from_str(r#"{"b": [1, 2.5, null, true], "a": "é<\"\n"}"#)
-            .unwrap();
+        let v: Value =
+            serde_json::from_str(r#"{"b": [1, 2.5, null, true], "a": "é<\"\n"}"#).unwrap();
         let out = env.get_template(TEMPLATE).unwrap().render(minijinja::context! { v }).unwrap();
         assert_eq!(
             out,

@@ -37,7 +37,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,7 +131,7 @@ class NativeFlowView:
         return dict(self._stats()["outcomes"])
 
 
-_UNSUPPORTED = (
+_UNSUPPORTED: tuple[tuple[str, Callable[[GatewayConfig], bool]], ...] = (
     ("slices.enabled", lambda c: c.slices.enabled),
     ("cluster.servers", lambda c: c.cluster.enabled),
     ("admin", lambda c: c.admin.enabled),
