@@ -1646,7 +1646,7 @@ impl Gateway {
         };
         if chat {
             // The same first check as without a tokenizer.
-            if !payload.get("messages").and_then(Value::as_array).is_some_and(|m| !m.is_empty()) {
+            if payload.get("messages").and_then(Value::as_array).is_none_or(|m| m.is_empty()) {
                 return Err(bad("'messages' must be a non-empty list".into()));
             }
         }
