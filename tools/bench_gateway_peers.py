@@ -18,6 +18,7 @@ figure is the median over the repeats:
   peers' round-robin; the llm-d preset beside their cache-aware modes).
 
 Usage: python tools/bench_gateway_peers.py [--short] [--rates 300,1000] [--repeats 3] ...
+(``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids.)
 (``make bench-gateway-peers`` runs it with the peers installed in their own environment.)
 Exit status 0 unless a gateway could not be started; timing never fails it.
 """
