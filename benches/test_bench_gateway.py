@@ -397,3 +397,58 @@ def test_gateway_beside_peers(
     benchmark.extra_info["rows"] = rows
     with capsys.disabled():
         print("\n" + printed[0].split("\n\n", 1)[-1])
+
+
+# -- prompt tokenization ---------------------------------------------------------------------
+
+TOKENIZE_GROUP = "chat tokenization: a 1,000-token chat, template + encode (native plane vs Python)"
+
+
+def _chat_of_about(tokenizer: PromptTokenizer, tokens: int) -> list[dict[str, str]]:
+    """A system / user / assistant / user chat of about ``tokens`` template token ids."""
+    words = "you are a helpful assistant that answers briefly hello there how are you today "
+    for repeat in range(1, 400):
+        messages = [
+            {"role": "system", "content": words * repeat},
+            {"role": "user", "content": "tell me a story about a dragon " * repeat},
+            {"role": "assistant", "content": "the quick brown fox jumps over the lazy dog"},
+            {"role": "user", "content": "and then? 🐉"},
+        ]
+        if len(tokenizer.chat_tokens(messages)) >= tokens:
+            return messages
+    raise AssertionError("the words never reach the token count")
+
+
+@pytest.fixture(scope="module")
+def chat_1k(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from llmsched import _llmsched
+
+    directory = write_tokenizer(tmp_path_factory.mktemp("tokenizer-1k"))
+    tokenizer = PromptTokenizer(directory)
+    messages = _chat_of_about(tokenizer, 1000)
+    body = json.dumps({"model": MODEL, "messages": messages})
+    native = _llmsched.NativePromptTokenizer(str(directory))
+    expected = tokenizer.chat_tokens(messages)
+    return {"python": tokenizer, "native": native, "body": body, "ids": expected}
+
+
+def test_chat_tokenize(benchmark: Any, chat_1k: dict[str, Any]) -> None:
+    """The native plane's per-request tokenization (from the request body's bytes)."""
+    benchmark.group = TOKENIZE_GROUP
+    native, body = chat_1k["native"], chat_1k["body"]
+    assert native.chat_tokens(body) == chat_1k["ids"]
+    benchmark.extra_info["prompt_tokens"] = len(chat_1k["ids"])
+    benchmark(native.chat_tokens, body)
+
+
+def test_chat_tokenize_twin(benchmark: Any, chat_1k: dict[str, Any]) -> None:
+    """The Python plane's (``tokenizers`` and jinja2, the body parsed with ``json``)."""
+    benchmark.group = TOKENIZE_GROUP
+    tokenizer, body = chat_1k["python"], chat_1k["body"]
+
+    def path() -> list[int]:
+        return tokenizer.chat_tokens(json.loads(body)["messages"], {})
+
+    assert path() == chat_1k["ids"]
+    benchmark.extra_info["prompt_tokens"] = len(chat_1k["ids"])
+    benchmark(path)

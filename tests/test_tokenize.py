@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _gateway_harness import MODEL, rig, run
+from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
 from tokenizers import Tokenizer
 
 from llmsched.errors import ConfigError
@@ -121,6 +121,7 @@ def test_matches_transformers_apply_chat_template_when_available(tmp_path: Path)
     assert tok.completion_tokens("hello there") == reference("hello there")["input_ids"]
 
 
+@pytest.mark.usefixtures("plane")
 def test_the_gateway_routes_chat_on_template_token_ids(tmp_path: Path) -> None:
     directory = make_tokenizer(tmp_path)
     tok = PromptTokenizer(directory)

@@ -18,6 +18,7 @@ figure is the median over the repeats:
   peers' round-robin; the llm-d preset beside their cache-aware modes).
 
 Usage: python tools/bench_gateway_peers.py [--short] [--rates 300,1000] [--repeats 3] ...
+(``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids.)
 (``make bench-gateway-peers`` runs it with the peers installed in their own environment.)
 Exit status 0 unless a gateway could not be started; timing never fails it.
 """
@@ -273,8 +274,11 @@ def gateways(
     return found
 
 
-def gateway_command(gateway: Gateway, port: int, engines: list[str], work: Path) -> list[str]:
-    """The command line starting ``gateway`` on ``port`` in front of ``engines``."""
+def gateway_command(
+    gateway: Gateway, port: int, engines: list[str], work: Path, tokenizer: str | None = None
+) -> list[str]:
+    """The command line starting ``gateway`` on ``port`` in front of ``engines``
+    (``tokenizer``: the tokenizer directory of ``llmsched serve``'s config)."""
     if gateway.kind == "llmsched":
         import yaml
 
@@ -291,6 +295,8 @@ def gateway_command(gateway: Gateway, port: int, engines: list[str], work: Path)
             "flow": FLOW,
             "scrape": {"enabled": True, "interval_s": 0.2},
         }
+        if tokenizer is not None:
+            config["tokenizer"] = tokenizer
         path = work / f"{gateway.name}.yaml"
         path.write_text(yaml.safe_dump(config))
         return [*gateway.command, str(path)]
@@ -414,7 +420,9 @@ def run_gateway(
     # into the next.
     for i, (answer, rate) in enumerate((a, r) for a in answers for r in rates):
         port = free_port()
-        command = pinned(args.gateway_core, gateway_command(gateway, port, engines, work))
+        command = pinned(
+            args.gateway_core, gateway_command(gateway, port, engines, work, args.tokenizer)
+        )
         with process(command, work / f"{gateway.name}.log") as child:
             url = f"http://127.0.0.1:{port}"
             if not wait_ready(url, 60):
@@ -586,6 +594,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token-delay-ms", type=float, default=1.0, help="between streamed tokens")
     parser.add_argument("--prompt-words", type=int, default=200)
     parser.add_argument("--chat", action="store_true", help="chat completions")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer directory for llmsched serve (prompts routed on its token ids)",
+    )
     parser.add_argument(
         "--idle-seconds", type=float, default=2.0, help="idle CPU measured this long (0: not)"
     )

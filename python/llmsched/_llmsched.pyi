@@ -968,3 +968,26 @@ class NativeGateway:
         """Flow control's gauges and counters, or None when it is off."""
     def counters(self) -> NativeGatewayCounters:
         """Connection and request counters."""
+
+@final
+class NativePromptTokenizer:
+    """The native plane's prompt tokenizer on its own: the token ids `llmsched serve
+    --data-plane native` routes on (the Rust `tokenizers` crate and a Jinja engine), to compare
+    with `llmsched.tokenize.PromptTokenizer`. Every method releases the GIL."""
+
+    def __new__(cls, directory: str) -> NativePromptTokenizer:
+        """Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded
+        or its chat template cannot be rendered (probe conversations are rendered)."""
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat requests can be tokenized."""
+    @property
+    def special_tokens(self) -> list[tuple[str, str]]:
+        """The special tokens the chat template sees (`bos_token`, `eos_token`, ...)."""
+    def render_chat(self, request: str) -> str:
+        """The chat template's text for a chat request body (JSON text with `messages`, maybe
+        `tools` and `chat_template_kwargs`); InvalidRequestError naming the problem."""
+    def chat_tokens(self, request: str) -> list[int]:
+        """The token ids of a chat request body, as the native plane routes on them."""
+    def completion_tokens(self, request: str) -> list[int]:
+        """The token ids of a completions request body's `prompt` (JSON text)."""

@@ -720,6 +720,7 @@ class NativeGatewayConfig(TypedDict):
     health: NativeHealthConfig
     pd_header: str | None
     threads: int
+    tokenizer: str | None
 
 
 class NativeFlowStats(TypedDict):
@@ -740,3 +741,4 @@ class NativeGatewayCounters(TypedDict):
     disconnects: int
     connections: int
     retries: int
+    records_removed: int

@@ -44,6 +44,7 @@ pub mod flow;
 pub mod guards;
 pub mod health;
 pub mod metrics;
+pub mod tokenize;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -69,7 +70,7 @@ use llmsched_core::flow::EndpointMetrics;
 use llmsched_core::hashing::text::pack_text;
 use llmsched_core::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
 use llmsched_core::routing::{
-    metrics_text, parse_config, presets, Endpoint, EndpointPool, RequestMeta, Router,
+    metrics_text, parse_config, presets, Decision, Endpoint, EndpointPool, RequestMeta, Router,
     RouterOptions, RoutingError, StalePolicy, Ticket,
 };
 use serde::Deserialize;
@@ -145,6 +146,10 @@ pub struct GatewayConfig {
     pub pd_header: Option<String>,
     /// Tokio worker threads of an in-process gateway (1: everything on one thread).
     pub threads: usize,
+    /// A `save_pretrained` tokenizer directory: prompts are routed on the token ids an
+    /// engine loading it computes ([`tokenize::PromptTokenizer`]); `None`: token ids as
+    /// given, text hashed as pseudo-tokens.
+    pub tokenizer: Option<String>,
 }
 
 impl Default for GatewayConfig {
@@ -177,6 +182,7 @@ impl Default for GatewayConfig {
             health: HealthConfig { interval_s: None, ..HealthConfig::default() },
             pd_header: None,
             threads: 1,
+            tokenizer: None,
         }
     }
 }
@@ -269,6 +275,7 @@ struct Gateway {
     flow: Option<Arc<flow::Flow>>,
     models: HashSet<String>,
     pd_header: Option<HeaderName>,
+    tokenizer: Option<tokenize::PromptTokenizer>,
     extra_metrics: Option<ExtraMetrics>,
     /// Woken when an engine leaves routing or its scrape fails (queued requests then check
     /// whether any engine is left).
@@ -423,6 +430,13 @@ fn build(
             ConfigProblem(format!("pd.header: {name:?} is not an HTTP header name"))
         })?),
     };
+    let tokenizer = match &config.tokenizer {
+        None => None,
+        Some(directory) => Some(
+            tokenize::PromptTokenizer::load(std::path::Path::new(directory))
+                .map_err(|e| ConfigProblem(format!("tokenizer: {e}")))?,
+        ),
+    };
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(config.connect_timeout_s.map(Duration::from_secs_f64));
@@ -440,6 +454,7 @@ fn build(
         flow,
         models: config.models.iter().cloned().collect(),
         pd_header,
+        tokenizer,
         extra_metrics,
         routing_changed: tokio::sync::Notify::new(),
         suspect: tokio::sync::Notify::new(),
@@ -1385,8 +1400,7 @@ impl Gateway {
             )
             .param("model"));
         }
-        let tokens = prompt_tokens(&payload, route == "chat")
-            .map_err(|problem| Refusal::new(400, "invalid_request_error", problem))?;
+        let tokens = self.prompt_tokens(&payload, &raw, route == "chat")?;
         let sse = payload.get("stream").and_then(Value::as_bool).unwrap_or(false);
         let limiter = match &identity.limiter {
             Some(limiter) => {
@@ -1534,6 +1548,7 @@ impl Gateway {
                     self.counters.upstream_errors.inc(&[&upstream.id, "timeout"]);
                     self.attempt_ended(upstream, Some("timeout"));
                     drop(ticket);
+                    self.drop_record(router, &decision, key);
                     return Err(Refusal::new(504, "timeout", "the engine did not answer in time"));
                 }
                 Ok(Err(err)) => {
@@ -1542,6 +1557,7 @@ impl Gateway {
                     self.counters.upstream_errors.inc(&[&upstream.id, kind]);
                     self.attempt_ended(upstream, Some(kind));
                     drop(ticket);
+                    self.drop_record(router, &decision, key);
                     continue;
                 }
                 Ok(Ok(answer)) => answer,
@@ -1553,6 +1569,7 @@ impl Gateway {
                 if self.config.retry_on_5xx {
                     // Not passed on: the next endpoint may do better.
                     drop(ticket);
+                    self.drop_record(router, &decision, key);
                     continue;
                 }
             } else {
@@ -1577,6 +1594,76 @@ impl Gateway {
     /// A JSON answer read whole before anything is sent (up to 8 MiB; a larger one streams):
     /// cut off or silent for `read_timeout_s`, it is a 502 (counted as truncated), never a
     /// partial body.
+    /// An attempt on `key` failed (the engine did not run the request): drops the
+    /// approximate prefix blocks committing it recorded there (and on its prefill engine),
+    /// the ones beyond what the endpoint held when the decision was made, unless an engine's
+    /// KV events confirmed them since. As the Python plane's `Placement` does.
+    fn drop_record(&self, router: &Router, decision: &Decision, key: &WorkerKey) {
+        if decision.hashes.is_empty() {
+            return;
+        }
+        let held = |id: &WorkerKey| {
+            decision.base.iter().find(|c| &decision.endpoint(c).id == id).map(|c| c.cached_blocks)
+        };
+        let mut used = vec![(key.clone(), held(key))];
+        if let Some(prefill) = decision.prefill() {
+            let id = decision.endpoint(prefill).id.clone();
+            used.push((id, Some(prefill.cached_blocks)));
+        }
+        let index = router.index();
+        let mut removed = 0;
+        for (worker, held) in used {
+            let start = (held.unwrap_or(0) as usize).min(decision.hashes.len());
+            let Ok(holdings) = index.holdings(&worker) else { continue };
+            let ours: Vec<u64> = decision.hashes[start..]
+                .iter()
+                .rev()
+                .copied()
+                .filter(|h| {
+                    holdings
+                        .binary_search_by_key(h, |(hash, _, _)| *hash)
+                        .is_ok_and(|i| !holdings[i].2)
+                })
+                .collect();
+            if !ours.is_empty() {
+                // Changed since read (an event, an expiry): left as it is.
+                removed += index.remove(&worker, &ours, None).unwrap_or(0);
+            }
+        }
+        if removed > 0 {
+            self.counters.records_removed.fetch_add(removed, Ordering::Relaxed);
+        }
+    }
+
+    /// The ids the router hashes: with a tokenizer, the engine's; without, token ids as
+    /// given and text as pseudo-tokens. A tokenizer's failure (a malformed conversation, a
+    /// template that refuses it) is a 400 naming the problem; nothing it does can panic
+    /// through here (a panic would be a 500, the gateway going on).
+    fn prompt_tokens(&self, payload: &Value, raw: &[u8], chat: bool) -> Result<Vec<u32>, Refusal> {
+        let bad = |problem: String| Refusal::new(400, "invalid_request_error", problem);
+        let Some(tokenizer) = &self.tokenizer else {
+            return prompt_tokens(payload, chat).map_err(|p| bad(p.to_owned()));
+        };
+        if chat {
+            // The same first check as without a tokenizer.
+            if payload.get("messages").and_then(Value::as_array).is_none_or(|m| m.is_empty()) {
+                return Err(bad("'messages' must be a non-empty list".into()));
+            }
+        }
+        let tokenized = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if chat {
+                tokenizer.chat_tokens_of_body(raw)
+            } else {
+                tokenizer.completion_tokens(payload.get("prompt"))
+            }
+        }));
+        match tokenized {
+            Ok(Ok(tokens)) => Ok(tokens),
+            Ok(Err(problem)) => Err(bad(problem.0)),
+            Err(_) => Err(Refusal::new(500, "internal_error", "tokenizing the prompt failed")),
+        }
+    }
+
     async fn answer_whole(
         &self,
         answer: Response<Incoming>,

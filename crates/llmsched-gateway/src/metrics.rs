@@ -73,6 +73,10 @@ pub struct Counters {
     pub upstream_errors: Family,
     /// Requests re-sent to another endpoint.
     pub retries: AtomicU64,
+    /// Approximate prefix blocks dropped because the attempt that recorded them failed (in
+    /// `NativeGateway.counters()`, not in `/metrics`: the Python plane counts them in its
+    /// scheduler's stats).
+    pub records_removed: AtomicU64,
     /// Requests sent to each endpoint (the successful attempt).
     pub routed: Family,
     /// Endpoints taken down after failing their health probes.

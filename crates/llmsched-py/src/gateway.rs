@@ -7,13 +7,14 @@ use std::net::ToSocketAddrs;
 use std::sync::Arc;
 
 use llmsched_core::routing::Router;
+use llmsched_gateway::tokenize::{PromptProblem, PromptTokenizer};
 use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, RouterSource, Running};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::convert::to_python;
-use crate::errors::{detach, ConfigError, GatewayStoppedError};
+use crate::errors::{detach, ConfigError, GatewayStoppedError, InvalidRequestError};
 use crate::routing::PyRouter;
 
 /// A Python router seen from the gateway's threads (the class is frozen: no GIL needed to
@@ -185,7 +186,7 @@ impl PyNativeGateway {
     }
 
     /// Connection and request counters: `received`, `completed`, `disconnects`,
-    /// `connections`, `retries`.
+    /// `connections`, `retries`, `records_removed`.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use std::sync::atomic::Ordering::Relaxed;
         let guard = self.running.lock();
@@ -197,10 +198,67 @@ impl PyNativeGateway {
         out.set_item("disconnects", c.disconnects.load(Relaxed))?;
         out.set_item("connections", c.connections.load(Relaxed))?;
         out.set_item("retries", c.retries.load(Relaxed))?;
+        out.set_item("records_removed", c.records_removed.load(Relaxed))?;
         Ok(out)
     }
 }
 
+/// The native plane's prompt tokenizer on its own (`llmsched_gateway::tokenize`): what
+/// `llmsched serve --data-plane native` computes per request, callable from Python to compare
+/// with `llmsched.tokenize.PromptTokenizer`.
+#[pyclass(frozen, module = "llmsched._llmsched", name = "NativePromptTokenizer")]
+pub struct PyNativePromptTokenizer {
+    inner: PromptTokenizer,
+}
+
+fn prompt_error(problem: PromptProblem) -> PyErr {
+    InvalidRequestError::new_err(problem.0)
+}
+
+#[pymethods]
+impl PyNativePromptTokenizer {
+    /// Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded or
+    /// its chat template cannot be rendered (probe conversations are rendered).
+    #[new]
+    fn new(py: Python<'_>, directory: &str) -> PyResult<Self> {
+        let path = std::path::PathBuf::from(directory);
+        let inner = detach(py, || PromptTokenizer::load(&path))?
+            .map_err(|e| ConfigError::new_err(format!("tokenizer: {e}")))?;
+        Ok(PyNativePromptTokenizer { inner })
+    }
+
+    /// Whether chat requests can be tokenized.
+    #[getter]
+    fn has_chat_template(&self) -> bool {
+        self.inner.has_chat_template()
+    }
+
+    /// The special tokens the chat template sees (`bos_token`, `eos_token`, ...).
+    #[getter]
+    fn special_tokens(&self) -> Vec<(String, String)> {
+        self.inner.special_tokens().to_vec()
+    }
+
+    /// The chat template's text for a chat request body (JSON text with `messages`, maybe
+    /// `tools` and `chat_template_kwargs`); InvalidRequestError naming the problem.
+    fn render_chat(&self, py: Python<'_>, request: &str) -> PyResult<String> {
+        detach(py, || self.inner.render_body(request.as_bytes()))?.map_err(prompt_error)
+    }
+
+    /// The token ids of a chat request body, as the native plane routes on them.
+    fn chat_tokens(&self, py: Python<'_>, request: &str) -> PyResult<Vec<u32>> {
+        detach(py, || self.inner.chat_tokens_of_body(request.as_bytes()))?.map_err(prompt_error)
+    }
+
+    /// The token ids of a completions request body's `prompt` (JSON text).
+    fn completion_tokens(&self, py: Python<'_>, request: &str) -> PyResult<Vec<u32>> {
+        let body: serde_json::Value = serde_json::from_str(request)
+            .map_err(|e| InvalidRequestError::new_err(format!("request: {e}")))?;
+        detach(py, || self.inner.completion_tokens(body.get("prompt")))?.map_err(prompt_error)
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyNativeGateway>()
+    m.add_class::<PyNativeGateway>()?;
+    m.add_class::<PyNativePromptTokenizer>()
 }

@@ -133,11 +133,24 @@ impl PyPrefixIndex {
         }
     }
 
-    /// The Python name of worker `id` (None for an id this index never named).
+    /// The Python name of worker `id`: the one remembered, else its key in the core (a worker
+    /// another component registered without naming it here: the native gateway's records),
+    /// remembered from then on; None for an id the core does not know.
     fn name(&self, py: Python<'_>, id: WorkerId) -> Py<PyAny> {
-        match self.names.read().get(id as usize) {
-            Some(Some(n)) => n.clone_ref(py),
-            _ => py.None(),
+        if let Some(Some(n)) = self.names.read().get(id as usize) {
+            return n.clone_ref(py);
+        }
+        let Some(key) = self.inner.worker_key(id) else { return py.None() };
+        let obj = match &key {
+            WorkerKey::Int(i) => i.into_pyobject(py).map(|o| o.into_any().unbind()),
+            WorkerKey::Str(s) => s.into_pyobject(py).map(|o| o.into_any().unbind()),
+        };
+        match obj {
+            Ok(obj) => {
+                self.remember(id, obj.clone_ref(py));
+                obj
+            }
+            Err(_) => py.None(),
         }
     }
 }
@@ -388,13 +401,8 @@ impl PyPrefixIndex {
     }
 
     fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let names = self.names.read();
         let live = self.inner.workers();
-        let objs: Vec<Py<PyAny>> = live
-            .iter()
-            .filter_map(|(id, _)| names.get(*id as usize).and_then(|n| n.as_ref()))
-            .map(|n| n.clone_ref(py))
-            .collect();
+        let objs: Vec<Py<PyAny>> = live.iter().map(|(id, _)| self.name(py, *id)).collect();
         PyList::new(py, objs)
     }
 
@@ -408,10 +416,10 @@ impl PyPrefixIndex {
         out.set_item("engine_blocks", s.engine_blocks)?;
         out.set_item("bytes", s.bytes)?;
         let per_worker = PyDict::new(py);
-        let names = self.names.read();
         for (id, blocks) in s.worker_blocks {
-            if let Some(Some(n)) = names.get(id as usize) {
-                per_worker.set_item(n.bind(py), blocks)?;
+            let name = self.name(py, id);
+            if !name.is_none(py) {
+                per_worker.set_item(name.bind(py), blocks)?;
             }
         }
         out.set_item("worker_blocks", per_worker)?;

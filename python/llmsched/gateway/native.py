@@ -9,9 +9,12 @@ is served in Rust (auth, limits, flow control, routing, proxying, metrics); Pyth
 for configuration, discovery, the KV-event feed and, when the router config names a Python
 scorer or filter, that one call (the GIL is taken for it alone).
 
-What the native plane does not do yet raises :class:`~llmsched.errors.ConfigError` naming the
-key (``tokenizer``, ``slices``, ``cluster``, ``admin``): serve those with
-``data_plane: python``.
+With a ``tokenizer`` the native plane computes the engine's token ids itself (the Rust
+``tokenizers`` crate and a Jinja engine for the chat template, the ids
+:class:`~llmsched.tokenize.PromptTokenizer` computes); a chat template that engine cannot
+render raises ConfigError at start. What the native plane does not do yet raises
+:class:`~llmsched.errors.ConfigError` naming the key (``slices``, ``cluster``, ``admin``):
+serve those with ``data_plane: python``.
 
 >>> import asyncio
 >>> async def main() -> int:
@@ -34,7 +37,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,8 +131,7 @@ class NativeFlowView:
         return dict(self._stats()["outcomes"])
 
 
-_UNSUPPORTED = (
-    ("tokenizer", lambda c: c.tokenizer is not None),
+_UNSUPPORTED: tuple[tuple[str, Callable[[GatewayConfig], bool]], ...] = (
     ("slices.enabled", lambda c: c.slices.enabled),
     ("cluster.servers", lambda c: c.cluster.enabled),
     ("admin", lambda c: c.admin.enabled),
@@ -190,6 +192,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         },
         "pd_header": config.pd.header if config.pd.enabled else None,
         "threads": config.native_threads,
+        "tokenizer": None if config.tokenizer is None else str(config.tokenizer),
     }
 
 
