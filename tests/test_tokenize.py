@@ -71,6 +71,16 @@ def test_template_errors_become_prompt_errors(tmp_path: Path) -> None:
         tok.render_chat([])
 
 
+def test_a_python_error_inside_the_template_is_a_prompt_error(tmp_path: Path) -> None:
+    """jinja2 lets ``None + "x"`` through as a TypeError; the client's message shape caused it,
+    so it must reach the gateway as a PromptError (a 400), not a 500."""
+    template = "{% for m in messages %}{{ m.name + ': ' + m.content }}{% endfor %}"
+    tok = PromptTokenizer(make_tokenizer(tmp_path, chat_template=template))
+    assert tok.render_chat([{"role": "user", "content": "hi", "name": "ann"}]) == "ann: hi"
+    with pytest.raises(PromptError, match="TypeError"):
+        tok.render_chat([{"role": "user", "content": "hi", "name": None}])
+
+
 def test_template_features_hugging_face_provides(tmp_path: Path) -> None:
     template = (
         "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}"

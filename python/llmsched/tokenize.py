@@ -188,6 +188,10 @@ class PromptTokenizer:
             return self._template.render(**variables)
         except jinja2.TemplateError as exc:
             raise PromptError(f"chat template: {exc}") from None
+        except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as exc:
+            # jinja2 lets a Python error inside the template through (``None + "x"`` on a
+            # message without a field): the request's shape caused it, so it is the client's.
+            raise PromptError(f"chat template: {type(exc).__name__}: {exc}") from None
 
     def chat_tokens(
         self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None
