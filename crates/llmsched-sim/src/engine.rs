@@ -1587,6 +1587,7 @@ impl Replica {
 
     fn start_single(&mut self, now: f64, w: &mut World<'_>) {
         let mut work = StepWork {
+            prefill_requests: self.chunks.len() as u64,
             decode_tokens: self.decode_n,
             decode_ctx: self.decode_ctx,
             ..StepWork::default()

@@ -461,7 +461,7 @@ def ideal_time(model: StepModel, budget: int, prompt: int, output: int) -> float
     t, left, ctx = 0.0, prompt, 0
     while left > 0:
         chunk = min(left, budget)
-        t += model.step_time(chunk, chunk * chunk, chunk * ctx, 0, 0, ctx)
+        t += model.step_time(chunk, chunk * chunk, chunk * ctx, 0, 0, ctx, 1)
         left -= chunk
         ctx += chunk
     return t + model.decode_run(1, prompt).time(output - 1)

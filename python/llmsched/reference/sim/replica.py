@@ -394,7 +394,9 @@ class Replica:
                 req.recomputed_tokens += recomputed
             req.prefilled_tokens += chunk
         self.prefill_tokens += p
-        dt = self.model.step_time(p, sq, ctx, self.decode_n, self.decode_ctx, read)
+        dt = self.model.step_time(
+            p, sq, ctx, self.decode_n, self.decode_ctx, read, len(self.chunks)
+        )
         self.run = None
         self.run_steps = 0
         self._start(now, dt)
