@@ -22,19 +22,26 @@ TRUE = {
     "decode_tokens": 3e-4,
     "prefill_tokens_sq": 4e-9,
     "decode_context_tokens": 2e-7,
+    "prefill_requests": 1.5e-3,
 }
 
 
-def synthetic(noise: float = 0.0, truth: dict[str, float] = TRUE, seed: int = 0) -> list:
-    """The calibrate grid's shapes (prefill alone, decode batches), timed by ``truth``."""
+def synthetic(
+    noise: float = 0.0, truth: dict[str, float] = TRUE, seed: int = 0, batched: bool = True
+) -> list:
+    """The calibrate grid's shapes (prefill alone, ``batched``: also k prompts of n // k
+    tokens at once, decode batches), timed by ``truth``."""
     rng = random.Random(seed)
     samples = []
-    shapes = [(n, 0, n * n, 0) for n in (32, 128, 512, 1024, 2048)]
-    shapes += [(0, b, 0, b * (n + 12)) for b in (1, 2, 4, 8) for n in (32, 256, 1024)]
-    for p, d, sq, ctx in shapes:
-        features = [1.0, p, d, sq, ctx]
+    ks = (1, 2, 4) if batched else (1,)
+    shapes = [(k * (n // k), 0, k * (n // k) ** 2, 0, k) for k in ks for n in (32, 128, 512, 1024)]
+    shapes += [(0, b, 0, b * (n + 12), 0) for b in (1, 2, 4, 8) for n in (32, 256, 1024)]
+    for p, d, sq, ctx, k in shapes:
+        features = [1.0, p, d, sq, ctx, k]
         t = sum(truth[name] * f for name, f in zip(TERMS, features, strict=True))
-        samples.append(StepSample(p, d, sq, ctx, t * (1 + rng.uniform(-noise, noise))))
+        samples.append(
+            StepSample(p, d, sq, ctx, t * (1 + rng.uniform(-noise, noise)), prefill_requests=k)
+        )
     return samples
 
 
@@ -47,76 +54,41 @@ def test_fit_recovers_known_coefficients_exactly() -> None:
     assert profile.linear_error.max > 0.05
 
 
-def test_fit_with_noise_stays_close_and_reports_the_noise() -> None:
-    profile = StepTimeProfile.fit(synthetic(noise=0.03, seed=7))
-    # The big terms come back within 10%; the error reported is the noise put in.
-    for name in ("b0", "prefill_tokens", "decode_tokens"):
-        assert profile.coefficients[name] == pytest.approx(TRUE[name], rel=0.1), name
-    assert 0.003 < profile.error.median < 0.03
-    assert profile.error.max < 0.05
+def test_fit_recovers_the_cost_per_prefilled_sequence() -> None:
+    """Several prompts prefilled in one step beside one prompt of the same total length: the
+    fit takes the per-sequence cost apart from the per-token and per-step ones."""
+    profile = StepTimeProfile.fit(synthetic())
+    assert profile.coefficients["prefill_requests"] == pytest.approx(1.5e-3, rel=1e-6)
+    # Four 256-token prompts in one step cost three sequences more than one 1024-token prompt
+    # would, less the attention they do not share.
+    four = profile.predict(1024, 0, 4 * 256**2, prefill_requests=4)
+    one = profile.predict(1024, 0)
+    assert four - one == pytest.approx(3 * 1.5e-3 - 4e-9 * (1024**2 - 4 * 256**2), rel=1e-6)
+    # Without the term the same grid fits worse (the five-term model, fitted the same way).
+    x = np.array([s.features()[:5] for s in synthetic()])
+    y = np.array([s.seconds for s in synthetic()])
+    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
+    assert np.max(np.abs(x @ coef - y) / y) > 0.05
 
 
-def test_fit_never_returns_a_negative_coefficient() -> None:
-    # Decode steps that get *cheaper* with context: least squares alone says b4 < 0.
-    truth = dict(TRUE, decode_context_tokens=-1e-7)
-    samples = synthetic(truth=truth)
-    x = np.array([s.features() for s in samples])
-    y = np.array([s.seconds for s in samples])
-    unconstrained, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
-    assert unconstrained[4] < 0  # the case the constraint is for
-    profile = StepTimeProfile.fit(samples)
-    assert min(profile.coefficients.values()) >= 0
-    assert profile.coefficients["decode_context_tokens"] == 0
-    # ... so the simulator takes it (it refuses negative costs).
-    doc = profile.to_dict()
-    assert load_step_model(doc).b4 == 0
-
-
-def test_profile_round_trips_with_kv_tokens(tmp_path) -> None:
-    profile = StepTimeProfile.fit(synthetic(), {"model": "tiny"})
-    profile.kv_tokens = 2048
-    path = tmp_path / "p.yaml"
-    profile.save(path)
-    again = StepTimeProfile.load(path)
-    assert again.kv_tokens == 2048 and again.coefficients == profile.coefficients
-    model = load_step_model(path)
-    assert model.kv_capacity_tokens() == 2048
-    assert model.b1 == pytest.approx(TRUE["prefill_tokens"], rel=1e-6)
-
-
-def test_grid_skips_points_the_cache_cannot_hold() -> None:
-    grid = EngineGrid(prompt_lens=(32, 1024), batch_sizes=(1, 4), context_lens=(32, 512))
-    points = grid.points(kv_tokens=2048, max_model_len=2000)
-    assert GridPoint("prefill", 1, 1024, 1) in points
-    assert GridPoint("decode", 4, 32, 32) in points
-    # 4 x (512 + 32) tokens would not fit 2048: preemption would distort the step.
-    assert GridPoint("decode", 4, 512, 32) not in points
-    assert len(grid.points(kv_tokens=None, max_model_len=None)) == 6
-    with pytest.raises(ConfigError, match="decode_tokens"):
-        EngineGrid(decode_tokens=2)
-    with pytest.raises(ConfigError, match=">= 1"):
-        EngineGrid(batch_sizes=(0,))
-
-
-def test_stream_timing_figures() -> None:
-    t = StreamTiming(10.0, (10.5, 10.6, 10.8), 7)
-    assert t.ttft == pytest.approx(0.5)
-    assert t.tpot() == pytest.approx(0.15)
-    assert t.finish == 10.8
-
-
-def fake_openai_engine(law: dict[str, float] | None = None):
+def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
     """A streaming engine on loopback with vLLM's /v1/models, /tokenize and metrics. With
     ``law`` (linear-model coefficients) it also exports vLLM's per-request prefill and decode
-    time counters as if each step took what the law says (one request at a time)."""
+    time counters and its step count as if each step took what the law says: requests that
+    arrive within 50 ms of each other are prefilled in one step (each one's prefill time is
+    that step's), decodes run one request at a time. ``split``: that many batched prefills
+    are instead prefilled one request per step (their requests reached the engine apart)."""
     from aiohttp import web
 
     from llmsched.testing import FakeHTTPEngine
 
     served: dict[str, list] = {"prompts": []}
     cache_info = 'vllm:cache_config_info{block_size="32",num_gpu_blocks="64"} 1.0\n'
-    totals = {"prefill_s": 0.0, "decode_s": 0.0, "requests": 0, "tokens": 0}
+    totals = {"prefill_s": 0.0, "decode_s": 0.0, "requests": 0, "tokens": 0, "steps": 0}
     holder: list[FakeHTTPEngine] = []
+    pending: list[int] = []  # prompt lengths of the prefill step being gathered
+    gathered = [0]  # prefill steps closed so far
+    splits = [split]
 
     def publish() -> None:
         holder[0].metrics_text = cache_info + (
@@ -125,7 +97,35 @@ def fake_openai_engine(law: dict[str, float] | None = None):
             f"vllm:request_decode_time_seconds_sum {totals['decode_s']!r}\n"
             f"vllm:request_generation_tokens_sum {totals['tokens']}\n"
             f"vllm:request_generation_tokens_count {totals['requests']}\n"
+            f'vllm:iteration_tokens_total_count{{engine="0"}} {totals["steps"]}\n'
         )
+
+    def prefill_steps(lengths: list[int]) -> list[list[int]]:
+        if len(lengths) > 1 and splits[0] > 0:
+            splits[0] -= 1
+            return [[n] for n in lengths]
+        return [lengths]
+
+    def step_time(lengths: list[int]) -> float:
+        assert law is not None
+        p, sq = sum(lengths), sum(n * n for n in lengths)
+        return law["b0"] + law["b1"] * p + law["b3"] * sq + law.get("b5", 0.0) * len(lengths)
+
+    async def prefill(n: int) -> None:
+        """Join the step being gathered; the first request closes it after 50 ms."""
+        pending.append(n)
+        if len(pending) > 1:
+            mine = gathered[0]
+            while gathered[0] == mine:
+                await asyncio.sleep(1e-3)
+            return
+        await asyncio.sleep(0.05)
+        lengths = list(pending)
+        pending.clear()
+        gathered[0] += 1
+        for step in prefill_steps(lengths):
+            totals["prefill_s"] += step_time(step) * len(step)
+            totals["steps"] += 1
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "tiny", "max_model_len": 2000}]})
@@ -140,6 +140,8 @@ def fake_openai_engine(law: dict[str, float] | None = None):
         reply = web.StreamResponse()
         await reply.prepare(request)
         n, m = len(body["prompt"]), body["max_tokens"]
+        if law is not None:
+            await prefill(n)
         for i in range(m):
             await asyncio.sleep(1e-3)
             usage = {"prompt_tokens": n, "completion_tokens": i + 1}
@@ -147,10 +149,10 @@ def fake_openai_engine(law: dict[str, float] | None = None):
             await reply.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await reply.write(b"data: [DONE]\n\n")
         if law is not None:
-            totals["prefill_s"] += law["b0"] + law["b1"] * n + law["b3"] * n * n
             # Decode step j (1..m-1) reads n + j tokens of KV: the mean is n + m/2.
             step = law["b0"] + law["b2"] + law["b4"] * (n + m / 2)
             totals["decode_s"] += (m - 1) * step
+            totals["steps"] += m - 1
             totals["requests"] += 1
             totals["tokens"] += m
             publish()
@@ -194,20 +196,31 @@ def test_calibrate_command_against_a_streaming_engine(tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "fit error (relative)" in printed and "2048 KV tokens" in printed
     profile = StepTimeProfile.load(out)
-    shapes = [(s.prefill_tokens, s.decode_tokens, s.decode_context_tokens) for s in profile.samples]
+    shapes = [
+        (s.prefill_tokens, s.prefill_requests, s.decode_tokens, s.decode_context_tokens)
+        for s in profile.samples
+    ]
     assert shapes == [
-        (16, 0, 0),
-        (64, 0, 0),
-        (256, 0, 0),
-        (0, 1, 16 + 3),
-        (0, 1, 128 + 3),
-        (0, 2, 2 * (16 + 3)),
-        (0, 2, 2 * (128 + 3)),
+        (16, 1, 0, 0),
+        (64, 1, 0, 0),
+        (256, 1, 0, 0),
+        # The same totals as 2 and 4 prompts prefilled together.
+        (16, 2, 0, 0),
+        (64, 2, 0, 0),
+        (256, 2, 0, 0),
+        (16, 4, 0, 0),
+        (64, 4, 0, 0),
+        (256, 4, 0, 0),
+        (0, 0, 1, 16 + 3),
+        (0, 0, 1, 128 + 3),
+        (0, 0, 2, 2 * (16 + 3)),
+        (0, 0, 2, 2 * (128 + 3)),
     ]
     assert profile.kv_tokens == 2048 and profile.meta["engine"] == engine.url
     # Fresh prompts of the asked lengths (plus the warm-up's 8 tokens): no prefix reuse.
     lengths = sorted(len(p) for p in served["prompts"])
-    assert lengths == sorted([8, 16, 64, 256, 16, 128, 16, 16, 128, 128])
+    batched = [8] * 2 + [32] * 2 + [128] * 2 + [4] * 4 + [16] * 4 + [64] * 4
+    assert lengths == sorted([8, 16, 64, 256, 16, 128, 16, 16, 128, 128, *batched])
     assert len({tuple(p) for p in served["prompts"]}) == len(served["prompts"])
     # The simulator takes the file.
     scenario = tmp_path / "small.yaml"
@@ -228,22 +241,58 @@ def test_calibrate_refuses_an_unreachable_engine(tmp_path) -> None:
 
 def test_calibrate_recovers_an_engine_whose_metrics_follow_a_known_law(tmp_path) -> None:
     """The engine's own clock is what is fitted: an engine whose metrics say each step took
-    what a known linear model gives yields that model back (batch 1: the fake does not slow
-    down with concurrency)."""
-    law = {"b0": 2e-3, "b1": 3e-5, "b2": 4e-4, "b3": 2e-9, "b4": 5e-7}
-    engine, _ = fake_openai_engine(law)
+    what a known linear model gives, with a fixed cost per prefilled sequence, yields that
+    model back (decode batch 1: the fake does not slow down with concurrency). The first
+    batched prefill reaches the engine split over steps: it is taken again."""
+    law = {"b0": 2e-3, "b1": 3e-5, "b2": 4e-4, "b3": 2e-9, "b4": 5e-7, "b5": 1.2e-3}
+    engine, _ = fake_openai_engine(law, split=1)
     with engine:
         grid = EngineGrid(
             prompt_lens=(16, 64, 256), batch_sizes=(1,), context_lens=(16, 128), decode_tokens=8
         )
         profile = calibrate_engine(engine.url, grid)
     assert profile.meta["timing"] == "engine metrics"
-    names = dict(zip(("b0", "b1", "b2", "b3", "b4"), TERMS, strict=True))
+    assert profile.meta["split_retries"] == 1 and profile.meta["split_points"] == []
+    names = dict(zip(("b0", "b1", "b2", "b3", "b4", "b5"), TERMS, strict=True))
     for short, want in law.items():
         assert profile.coefficients[names[short]] == pytest.approx(want, rel=1e-6), short
     assert profile.error.max < 1e-9
     # The client's view (a fake that streams in milliseconds) is kept beside, and differs.
     assert profile.meta["client_coefficients"] != profile.coefficients
+
+
+def test_calibrate_leaves_out_a_batched_prefill_that_never_lands_in_one_step() -> None:
+    law = {"b0": 2e-3, "b1": 3e-5, "b2": 4e-4, "b3": 2e-9, "b4": 5e-7, "b5": 1.2e-3}
+    engine, _ = fake_openai_engine(law, split=10**6)
+    with engine:
+        grid = EngineGrid(
+            prompt_lens=(16, 64, 256),
+            batch_sizes=(1,),
+            context_lens=(16, 128, 512),
+            decode_tokens=8,
+            prefill_batches=(2,),
+            repeats=1,
+        )
+        profile = calibrate_engine(engine.url, grid)
+    # Each of the three batched points tried twice, split each time: left out, not fitted.
+    assert profile.meta["split_retries"] == 6
+    assert profile.meta["split_points"] == [{"batch": 2, "prompt_len": n} for n in (8, 32, 128)]
+    assert [s.prefill_requests for s in profile.samples if s.prefill_tokens] == [1, 1, 1]
+
+
+def test_profile_from_before_the_per_sequence_term_loads(tmp_path) -> None:
+    doc = StepTimeProfile.fit(synthetic()).to_dict()
+    del doc["coefficients"]["prefill_requests"]
+    for sample in doc["samples"]:
+        del sample["prefill_requests"]
+    path = tmp_path / "old.yaml"
+    path.write_text(json.dumps(doc))
+    old = StepTimeProfile.load(path)
+    assert old.coefficients["prefill_requests"] == 0.0
+    assert {s.prefill_requests for s in old.samples} == {0, 1}
+    assert load_step_model(path).b5 == 0.0
+    with pytest.raises(ConfigError, match="cannot prefill"):
+        StepSample(16, 0, 256, 0, 1e-3, prefill_requests=0)
 
 
 def test_sim_refuses_a_bad_step_model_file_before_simulating(tmp_path, capsys) -> None:

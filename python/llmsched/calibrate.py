@@ -4,6 +4,7 @@ The model is the simulator's :class:`~llmsched.sim.LinearStepModel`::
 
     t = b0 + b1 * prefill_tokens + b2 * decode_tokens
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
+           + b5 * prefill_requests
 
 Measurement, against any OpenAI-compatible engine that streams (vLLM, SGLang): every prompt is a
 list of token ids drawn fresh from the engine's own vocabulary (its ``/tokenize`` answer), so
@@ -12,8 +13,16 @@ and ``continuous_usage_stats`` makes every streamed chunk say how many tokens it
 
 - **Prefill** (one sample per prompt length ``n`` of the grid): one request alone, ``n`` prompt
   tokens and one output token. Its time to first token, as a client sees it, is one prefill step
-  (``P = n``, ``sum(chunk^2) = n^2``) plus the engine's per-request overhead (HTTP, tokenizing
-  the answer), which the step model folds into ``b0``.
+  (``P = n``, ``sum(chunk^2) = n^2``, one sequence) plus the engine's per-request overhead
+  (HTTP, tokenizing the answer), which the step model folds into ``b0``.
+- **Batched prefill** (per total ``n`` and count ``k`` of ``prefill_batches``): ``k`` requests
+  of ``n // k`` tokens at once, one output token each, which the engine prefills in one step
+  (``P = k * (n // k)``, ``sum(chunk^2) = k * (n // k)^2``, ``k`` sequences). Beside the single
+  prompt of ``n`` tokens this separates the cost per prefilled sequence (``b5``) from the cost
+  per token and per step. Where vLLM exports ``vllm:iteration_tokens_total`` the engine's step
+  count is checked: a measurement whose requests were split over several steps (they reached
+  the engine too far apart) is taken again, up to ``repeats`` more times, and a point that
+  never lands in one step is left out (``meta.split_points``).
 - **Decode** (one sample per batch size ``b`` and context ``n``): ``b`` requests at once, each
   with ``n`` prompt tokens and ``m = decode_tokens`` output tokens. A request's time from its
   first token to its last over ``m - 1`` is its mean decode step (``D = b``,
@@ -32,9 +41,13 @@ The engine's own ``/metrics`` are read before and after: the prefix-cache counte
 must not hit the cache) and, where vLLM exports them, its time-to-first-token and inter-token
 histograms, recorded beside the client's view in the profile's ``meta.engine_metrics``.
 
->>> grid = EngineGrid(prompt_lens=(16, 64), batch_sizes=(1, 2), context_lens=(16,))
->>> [p.kind for p in grid.points(kv_tokens=4096, max_model_len=2048)]
-['prefill', 'prefill', 'decode', 'decode']
+>>> grid = EngineGrid(prompt_lens=(16, 64), batch_sizes=(1, 2), context_lens=(16,),
+...                   prefill_batches=(4,))
+>>> points = grid.points(kv_tokens=4096, max_model_len=2048)
+>>> [(p.kind, p.batch, p.prompt_len) for p in points][:4]
+[('prefill', 1, 16), ('prefill', 1, 64), ('prefill', 4, 4), ('prefill', 4, 16)]
+>>> [p.kind for p in points][4:]
+['decode', 'decode']
 """
 
 from __future__ import annotations
@@ -69,7 +82,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GridPoint:
-    """One measurement: ``kind`` ``prefill`` (``batch`` is 1) or ``decode``."""
+    """One measurement: ``kind`` ``prefill`` (``batch`` prompts of ``prompt_len`` tokens
+    prefilled in one step) or ``decode``."""
 
     kind: str
     batch: int
@@ -81,8 +95,11 @@ class GridPoint:
 class EngineGrid:
     """The prompt lengths (prefill), batch sizes and contexts (decode) to time.
 
-    ``batch_sizes`` should not pass the engine's ``--max-num-seqs`` (a request beyond it waits
-    in the queue and its decode is not one batch).
+    ``prefill_batches``: each prompt length ``n`` is also timed as ``k`` prompts of ``n // k``
+    tokens prefilled together, for each ``k`` here (``()``: none; then the cost per prefilled
+    sequence cannot be told from the cost per step with prefill). ``batch_sizes`` and
+    ``prefill_batches`` should not pass the engine's ``--max-num-seqs``, nor a prompt length its
+    ``--max-num-batched-tokens`` (a request beyond them waits, and the step is not one batch).
     """
 
     prompt_lens: tuple[int, ...] = (32, 128, 512, 1024)
@@ -90,6 +107,7 @@ class EngineGrid:
     context_lens: tuple[int, ...] = (32, 256, 512)
     decode_tokens: int = 32
     repeats: int = 3
+    prefill_batches: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
         if not self.prompt_lens or not self.batch_sizes or not self.context_lens:
@@ -97,6 +115,10 @@ class EngineGrid:
         values = (*self.prompt_lens, *self.batch_sizes, *self.context_lens, self.repeats)
         if min(values) < 1:
             raise ConfigError("calibration grid: every length, batch size and repeat must be >= 1")
+        if any(k < 2 for k in self.prefill_batches):
+            raise ConfigError(
+                f"calibration grid: prefill batches must be >= 2, got {list(self.prefill_batches)}"
+            )
         if self.decode_tokens < 4:
             raise ConfigError(
                 f"calibration grid: decode_tokens must be >= 4, got {self.decode_tokens}"
@@ -110,6 +132,11 @@ class EngineGrid:
         for n in self.prompt_lens:
             if n + 1 <= longest and n + 1 <= limit:
                 out.append(GridPoint("prefill", 1, n, 1))
+        for k in self.prefill_batches:
+            for n in self.prompt_lens:
+                part = n // k
+                if part >= 1 and k * (part + 1) <= limit:
+                    out.append(GridPoint("prefill", k, part, 1))
         m = self.decode_tokens
         for b in self.batch_sizes:
             for n in self.context_lens:
@@ -333,17 +360,26 @@ def _concurrently(jobs: Sequence[Callable[[], T]]) -> list[T]:
 @dataclass(frozen=True)
 class Measurement:
     """One grid point measured once: the step time as the engine's own metrics give it
-    (``None`` where the engine does not export them) and as the client saw it."""
+    (``None`` where the engine does not export them), as the client saw it, and the engine
+    steps it took (``None`` where the engine does not count them)."""
 
     point: GridPoint
     engine_s: float | None
     client_s: float
+    engine_steps: float | None = None
+
+    @property
+    def split(self) -> bool:
+        """A prefill the engine spread over more than one step (not the shape it stands for)."""
+        return (
+            self.point.kind == "prefill" and self.engine_steps is not None and self.engine_steps > 1
+        )
 
     def sample(self, seconds: float) -> StepSample:
         """The point's step shape with ``seconds``."""
         n, b, m = self.point.prompt_len, self.point.batch, self.point.output_len
         if self.point.kind == "prefill":
-            return StepSample(n, 0, n * n, 0, seconds)
+            return StepSample(b * n, 0, b * n * n, 0, seconds, prefill_requests=b)
         return StepSample(0, b, 0, b * (n + m // 2), seconds)
 
 
@@ -368,9 +404,12 @@ def measure(
     timings = _concurrently(jobs)
     after = read_metrics(url)
     requests = _delta(after, before, "vllm:request_prefill_time_seconds_count")
+    steps: float | None = None
+    if any(k.startswith("vllm:iteration_tokens_total_count") for k in after):
+        steps = _delta(after, before, "vllm:iteration_tokens_total_count")
     engine: float | None = None
     if point.kind == "prefill":
-        client = timings[0].ttft
+        client = statistics.median(t.ttft for t in timings)
         if requests > 0:
             engine = _delta(after, before, "vllm:request_prefill_time_seconds_sum") / requests
     else:
@@ -384,7 +423,7 @@ def measure(
             engine = _delta(after, before, "vllm:request_decode_time_seconds_sum") / gaps
     if engine is not None and engine <= 0:
         engine = None
-    return Measurement(point, engine, client)
+    return Measurement(point, engine, client, steps)
 
 
 @dataclass
@@ -449,22 +488,36 @@ def calibrate_engine(
     before = [read_metrics(u) for u in urls]
     progress = _Progress(of=len(points) * grid.repeats, report=report)
     measured: list[list[Measurement]] = []
+    split_points: list[dict[str, int]] = []
+    retries = 0
     for point in points:
         runs: list[Measurement] = []
-        for _ in range(grid.repeats):
+        kept, tries = 0, 0
+        # A batched prefill that the engine split over steps is taken again (bounded).
+        while kept < grid.repeats and tries < 2 * grid.repeats:
+            tries += 1
             jobs = [
                 (lambda u=u, i=i, r=r, p=point: measure(u, i, p, r))
                 for u, i, r in zip(urls, infos, rngs, strict=True)
             ]
             now = _concurrently(jobs)
-            runs.extend(now)
+            whole = [m for m in now if not m.split]
+            runs.extend(whole)
+            retries += len(now) - len(whole)
+            if len(whole) < len(now) and tries < 2 * grid.repeats:
+                progress.of += 1
+            kept += 1 if whole else 0
             seen = [m.engine_s if m.engine_s is not None else m.client_s for m in now]
             progress.step(
                 f"{point.kind} batch {point.batch} x {point.prompt_len} tokens: "
                 + ", ".join(f"{x * 1e3:.2f} ms" for x in seen)
                 + f" (client {now[0].client_s * 1e3:.2f} ms)"
+                + ("" if len(whole) == len(now) else " (split over steps: taken again)")
             )
-        measured.append(runs)
+        if runs:
+            measured.append(runs)
+        else:
+            split_points.append({"batch": point.batch, "prompt_len": point.prompt_len})
     # The engine's own clock where it has one for every point: a front end that falls behind
     # (a loaded machine) delays what the client sees, not the engine's steps.
     use_engine = all(r.engine_s is not None for runs in measured for r in runs)
@@ -511,6 +564,8 @@ def calibrate_engine(
         "seed": seed,
         "timing": "engine metrics" if use_engine else "client",
         "engine_metrics": engine,
+        "split_retries": retries,
+        "split_points": split_points,
     }
     if use_engine:
         client_fit = StepTimeProfile.fit(client_samples)

@@ -1,9 +1,15 @@
 """The step-time model the simulator uses, its least-squares fit and its YAML profile.
 
-Model (BLIS's linear terms plus Vidur's attention terms)::
+Model (BLIS's linear terms plus Vidur's attention terms, and a fixed cost per prefill chunk)::
 
     t = b0 + b1 * prefill_tokens + b2 * decode_tokens
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
+           + b5 * prefill_requests
+
+``prefill_requests`` counts the sequences the step prefills (a chunk each); ``b2`` already is a
+cost per decoding sequence. ``b5`` is identifiable only from steps that prefill several
+sequences at once beside steps that prefill one of the same total length; without them it is
+the extra fixed cost of a step with prefill over a decode step.
 
 fitted by least squares on relative error (each sample's row divided by its measured time, so a
 1 ms decode step counts as much as a 100 ms prefill), with no coefficient below zero (the
@@ -36,18 +42,46 @@ __all__ = ["FitError", "StepSample", "StepTimeProfile"]
 
 PROFILE_KIND = "llmsched.step_time_profile"
 PROFILE_VERSION = 1
-TERMS = ("b0", "prefill_tokens", "decode_tokens", "prefill_tokens_sq", "decode_context_tokens")
+TERMS = (
+    "b0",
+    "prefill_tokens",
+    "decode_tokens",
+    "prefill_tokens_sq",
+    "decode_context_tokens",
+    "prefill_requests",
+)
+# A profile written before the per-chunk term names the first five.
+_TERMS_V1 = TERMS[:5]
 
 
 @dataclass(frozen=True)
 class StepSample:
-    """One measured step: its batch composition and wall time in seconds."""
+    """One measured step: its batch composition and wall time in seconds.
+
+    ``prefill_requests`` is how many sequences it prefills; ``None`` (the default) reads as one
+    when it has prefill tokens and none otherwise.
+
+    >>> StepSample(64, 0, 2 * 32**2, 0, 0.01, prefill_requests=2).features()
+    [1.0, 64.0, 0.0, 2048.0, 0.0, 2.0]
+    """
 
     prefill_tokens: int
     decode_tokens: int
     prefill_tokens_sq: int
     decode_context_tokens: int
     seconds: float
+    prefill_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_requests is None:
+            object.__setattr__(self, "prefill_requests", 1 if self.prefill_tokens > 0 else 0)
+        elif self.prefill_requests < 0 or (self.prefill_requests == 0) != (
+            self.prefill_tokens == 0
+        ):
+            raise ConfigError(
+                f"a sample with {self.prefill_tokens} prefill tokens cannot prefill "
+                f"{self.prefill_requests} sequences"
+            )
 
     def features(self) -> list[float]:
         """The regressors in :data:`TERMS` order."""
@@ -57,6 +91,7 @@ class StepSample:
             float(self.decode_tokens),
             float(self.prefill_tokens_sq),
             float(self.decode_context_tokens),
+            float(self.prefill_requests or 0),
         ]
 
 
@@ -107,7 +142,7 @@ class StepTimeProfile:
     def fit(
         cls, samples: Sequence[StepSample], meta: Mapping[str, Any] | None = None
     ) -> StepTimeProfile:
-        """Relative-error least-squares fit of the five-term model (and the three-term one)."""
+        """Relative-error least-squares fit of the six-term model (and the three-term one)."""
         if len(samples) < len(TERMS):
             raise ConfigError(f"need at least {len(TERMS)} samples to fit, got {len(samples)}")
         x = np.array([s.features() for s in samples])
@@ -130,12 +165,19 @@ class StepTimeProfile:
         decode_tokens: int,
         prefill_tokens_sq: int | None = None,
         decode_context_tokens: int = 0,
+        prefill_requests: int | None = None,
     ) -> float:
-        """Predicted step seconds; ``prefill_tokens_sq`` defaults to one chunk's square."""
+        """Predicted step seconds; ``prefill_tokens_sq`` defaults to one chunk's square and
+        ``prefill_requests`` to one chunk."""
         if prefill_tokens_sq is None:
             prefill_tokens_sq = prefill_tokens * prefill_tokens
         features = StepSample(
-            prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens, 1.0
+            prefill_tokens,
+            decode_tokens,
+            prefill_tokens_sq,
+            decode_context_tokens,
+            1.0,
+            prefill_requests,
         ).features()
         return float(sum(self.coefficients[t] * f for t, f in zip(TERMS, features, strict=True)))
 
@@ -166,11 +208,14 @@ class StepTimeProfile:
         if data.get("version") != PROFILE_VERSION:
             raise ConfigError(f"{path}: unsupported profile version {data.get('version')!r}")
         coefficients = data.get("coefficients")
-        if not isinstance(coefficients, dict) or set(coefficients) != set(TERMS):
+        if not isinstance(coefficients, dict) or set(coefficients) not in (
+            set(TERMS),
+            set(_TERMS_V1),
+        ):
             raise ConfigError(f"{path}: coefficients must name exactly {list(TERMS)}")
         try:
             return cls(
-                coefficients={t: float(coefficients[t]) for t in TERMS},
+                coefficients={t: float(coefficients.get(t, 0.0)) for t in TERMS},
                 error=FitError(**data["fit_error"]),
                 linear_error=FitError(**data["linear_fit_error"]),
                 samples=[StepSample(**s) for s in data.get("samples", [])],
