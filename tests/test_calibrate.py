@@ -71,13 +71,76 @@ def test_fit_recovers_the_cost_per_prefilled_sequence() -> None:
     assert np.max(np.abs(x @ coef - y) / y) > 0.05
 
 
+def test_fit_with_noise_stays_close_and_reports_the_noise() -> None:
+    profile = StepTimeProfile.fit(synthetic(noise=0.03, seed=7))
+    # The big terms come back within 10%; the error reported is the noise put in.
+    for name in ("b0", "prefill_tokens", "decode_tokens"):
+        assert profile.coefficients[name] == pytest.approx(TRUE[name], rel=0.1), name
+    assert 0.003 < profile.error.median < 0.03
+    assert profile.error.max < 0.05
+
+
+def test_fit_never_returns_a_negative_coefficient() -> None:
+    # Decode steps that get *cheaper* with context: least squares alone says b4 < 0.
+    truth = dict(TRUE, decode_context_tokens=-1e-7)
+    samples = synthetic(truth=truth)
+    x = np.array([s.features() for s in samples])
+    y = np.array([s.seconds for s in samples])
+    unconstrained, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
+    assert unconstrained[4] < 0  # the case the constraint is for
+    profile = StepTimeProfile.fit(samples)
+    assert min(profile.coefficients.values()) >= 0
+    assert profile.coefficients["decode_context_tokens"] == 0
+    # ... so the simulator takes it (it refuses negative costs).
+    doc = profile.to_dict()
+    assert load_step_model(doc).b4 == 0
+
+
+def test_profile_round_trips_with_kv_tokens(tmp_path) -> None:
+    profile = StepTimeProfile.fit(synthetic(), {"model": "tiny"})
+    profile.kv_tokens = 2048
+    path = tmp_path / "p.yaml"
+    profile.save(path)
+    again = StepTimeProfile.load(path)
+    assert again.kv_tokens == 2048 and again.coefficients == profile.coefficients
+    model = load_step_model(path)
+    assert model.kv_capacity_tokens() == 2048
+    assert model.b1 == pytest.approx(TRUE["prefill_tokens"], rel=1e-6)
+
+
+def test_grid_skips_points_the_cache_cannot_hold() -> None:
+    grid = EngineGrid(prompt_lens=(32, 1024), batch_sizes=(1, 4), context_lens=(32, 512))
+    points = grid.points(kv_tokens=2048, max_model_len=2000)
+    assert GridPoint("prefill", 1, 1024, 1) in points
+    assert GridPoint("decode", 4, 32, 32) in points
+    # 4 x (512 + 32) tokens would not fit 2048: preemption would distort the step.
+    assert GridPoint("decode", 4, 512, 32) not in points
+    # Each prompt length also as 2 and 4 prompts of a half and a quarter of it.
+    assert GridPoint("prefill", 4, 256, 1) in points
+    assert len(grid.points(kv_tokens=None, max_model_len=None)) == 10
+    assert len(EngineGrid(prefill_batches=()).points(None, None)) == 4 + 9
+    with pytest.raises(ConfigError, match="decode_tokens"):
+        EngineGrid(decode_tokens=2)
+    with pytest.raises(ConfigError, match="prefill batches must be >= 2"):
+        EngineGrid(prefill_batches=(1,))
+    with pytest.raises(ConfigError, match=">= 1"):
+        EngineGrid(batch_sizes=(0,))
+
+
+def test_stream_timing_figures() -> None:
+    t = StreamTiming(10.0, (10.5, 10.6, 10.8), 7)
+    assert t.ttft == pytest.approx(0.5)
+    assert t.tpot() == pytest.approx(0.15)
+    assert t.finish == 10.8
+
+
 def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
     """A streaming engine on loopback with vLLM's /v1/models, /tokenize and metrics. With
     ``law`` (linear-model coefficients) it also exports vLLM's per-request prefill and decode
-    time counters and its step count as if each step took what the law says: requests that
-    arrive within 50 ms of each other are prefilled in one step (each one's prefill time is
-    that step's), decodes run one request at a time. ``split``: that many batched prefills
-    are instead prefilled one request per step (their requests reached the engine apart)."""
+    time counters and its step count as if each step took what the law says: a request's
+    prompts (one, or a list) are prefilled in one step, each one's prefill time that step's;
+    decodes run one request at a time. ``split``: that many requests of several prompts are
+    instead prefilled one prompt per step."""
     from aiohttp import web
 
     from llmsched.testing import FakeHTTPEngine
@@ -86,8 +149,6 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
     cache_info = 'vllm:cache_config_info{block_size="32",num_gpu_blocks="64"} 1.0\n'
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "requests": 0, "tokens": 0, "steps": 0}
     holder: list[FakeHTTPEngine] = []
-    pending: list[int] = []  # prompt lengths of the prefill step being gathered
-    gathered = [0]  # prefill steps closed so far
     splits = [split]
 
     def publish() -> None:
@@ -100,32 +161,26 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
             f'vllm:iteration_tokens_total_count{{engine="0"}} {totals["steps"]}\n'
         )
 
-    def prefill_steps(lengths: list[int]) -> list[list[int]]:
+    def run(lengths: list[int], m: int) -> None:
+        """Prefill ``lengths`` (in one step unless split), then decode ``m - 1`` tokens each."""
+        assert law is not None
+        steps = [lengths]
         if len(lengths) > 1 and splits[0] > 0:
             splits[0] -= 1
-            return [[n] for n in lengths]
-        return [lengths]
-
-    def step_time(lengths: list[int]) -> float:
-        assert law is not None
-        p, sq = sum(lengths), sum(n * n for n in lengths)
-        return law["b0"] + law["b1"] * p + law["b3"] * sq + law.get("b5", 0.0) * len(lengths)
-
-    async def prefill(n: int) -> None:
-        """Join the step being gathered; the first request closes it after 50 ms."""
-        pending.append(n)
-        if len(pending) > 1:
-            mine = gathered[0]
-            while gathered[0] == mine:
-                await asyncio.sleep(1e-3)
-            return
-        await asyncio.sleep(0.05)
-        lengths = list(pending)
-        pending.clear()
-        gathered[0] += 1
-        for step in prefill_steps(lengths):
-            totals["prefill_s"] += step_time(step) * len(step)
+            steps = [[n] for n in lengths]
+        for step in steps:
+            p, sq = sum(step), sum(n * n for n in step)
+            t = law["b0"] + law["b1"] * p + law["b3"] * sq + law.get("b5", 0.0) * len(step)
+            totals["prefill_s"] += t * len(step)
             totals["steps"] += 1
+        for n in lengths:
+            # Decode step j (1..m-1) reads n + j tokens of KV: the mean is n + m/2.
+            step_s = law["b0"] + law["b2"] + law["b4"] * (n + m / 2)
+            totals["decode_s"] += (m - 1) * step_s
+            totals["steps"] += m - 1
+            totals["requests"] += 1
+            totals["tokens"] += m
+        publish()
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "tiny", "max_model_len": 2000}]})
@@ -136,12 +191,19 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        m = body["max_tokens"]
+        if not body.get("stream"):
+            prompts = body["prompt"]
+            served["prompts"].extend(prompts)
+            await asyncio.sleep(1e-3)
+            if law is not None:
+                run([len(p) for p in prompts], m)
+            choices = [{"index": i, "text": "x" * m} for i in range(len(prompts))]
+            return web.json_response({"choices": choices})
         served["prompts"].append(body["prompt"])
         reply = web.StreamResponse()
         await reply.prepare(request)
-        n, m = len(body["prompt"]), body["max_tokens"]
-        if law is not None:
-            await prefill(n)
+        n = len(body["prompt"])
         for i in range(m):
             await asyncio.sleep(1e-3)
             usage = {"prompt_tokens": n, "completion_tokens": i + 1}
@@ -149,13 +211,7 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
             await reply.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await reply.write(b"data: [DONE]\n\n")
         if law is not None:
-            # Decode step j (1..m-1) reads n + j tokens of KV: the mean is n + m/2.
-            step = law["b0"] + law["b2"] + law["b4"] * (n + m / 2)
-            totals["decode_s"] += (m - 1) * step
-            totals["steps"] += m - 1
-            totals["requests"] += 1
-            totals["tokens"] += m
-            publish()
+            run([n], m)
         return reply
 
     def setup(app: web.Application) -> None:

@@ -15,14 +15,16 @@ and ``continuous_usage_stats`` makes every streamed chunk say how many tokens it
   tokens and one output token. Its time to first token, as a client sees it, is one prefill step
   (``P = n``, ``sum(chunk^2) = n^2``, one sequence) plus the engine's per-request overhead
   (HTTP, tokenizing the answer), which the step model folds into ``b0``.
-- **Batched prefill** (per total ``n`` and count ``k`` of ``prefill_batches``): ``k`` requests
-  of ``n // k`` tokens at once, one output token each, which the engine prefills in one step
+- **Batched prefill** (per total ``n`` and count ``k`` of ``prefill_batches``): ``k`` prompts
+  of ``n // k`` tokens in one completion request (the API's list of prompts: the engine gets
+  them at once, where ``k`` clients would reach it milliseconds apart and an idle engine would
+  start the first alone), one output token each, which the engine prefills in one step
   (``P = k * (n // k)``, ``sum(chunk^2) = k * (n // k)^2``, ``k`` sequences). Beside the single
   prompt of ``n`` tokens this separates the cost per prefilled sequence (``b5``) from the cost
   per token and per step. Where vLLM exports ``vllm:iteration_tokens_total`` the engine's step
-  count is checked: a measurement whose requests were split over several steps (they reached
-  the engine too far apart) is taken again, up to ``repeats`` more times, and a point that
-  never lands in one step is left out (``meta.split_points``).
+  count is checked: a measurement the engine split over several steps is taken again, up to
+  ``repeats`` more times, and a point that never lands in one step is left out
+  (``meta.split_points``).
 - **Decode** (one sample per batch size ``b`` and context ``n``): ``b`` requests at once, each
   with ``n`` prompt tokens and ``m = decode_tokens`` output tokens. A request's time from its
   first token to its last over ``m - 1`` is its mean decode step (``D = b``,
@@ -76,6 +78,7 @@ __all__ = [
     "calibrate_engine",
     "engine_info",
     "read_metrics",
+    "timed_batch",
     "timed_completion",
 ]
 
@@ -256,6 +259,36 @@ def timed_completion(
     return StreamTiming(sent, tuple(times[:max_tokens]), prompt_tokens)
 
 
+def timed_batch(
+    url: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    timeout_s: float = 300.0,
+) -> float:
+    """Send one unstreamed ``/v1/completions`` request holding every prompt of ``prompts``
+    (token ids) and return its seconds; ConfigError when the engine refuses it or answers fewer
+    choices."""
+    body = {
+        "model": model,
+        "prompt": [list(p) for p in prompts],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    sent = time.perf_counter()
+    status, reply = _request(url, "POST", "/v1/completions", body, timeout_s)
+    seconds = time.perf_counter() - sent
+    if status != 200:
+        raise ConfigError(f"engine {url} refused a batched completion ({status}): {reply[:300]!r}")
+    choices = json.loads(reply).get("choices") or []
+    if len(choices) != len(prompts):
+        raise ConfigError(
+            f"engine {url}: {len(choices)} choices for a request of {len(prompts)} prompts"
+        )
+    return seconds
+
+
 def read_metrics(url: str) -> dict[str, float]:
     """The engine's Prometheus samples, ``name{labels}`` -> value (labels as written)."""
     status, text = _request(url, "GET", "/metrics", timeout_s=30.0)
@@ -399,9 +432,15 @@ def measure(
         return [rng.choice(info.vocabulary) for _ in range(point.prompt_len)]
 
     prompts = [prompt() for _ in range(point.batch)]
-    jobs = [(lambda p=p: timed_completion(url, info.model, p, point.output_len)) for p in prompts]
+    batched = point.kind == "prefill" and point.batch > 1
     before = read_metrics(url)
-    timings = _concurrently(jobs)
+    if batched:
+        batch_s = timed_batch(url, info.model, prompts, point.output_len)
+    else:
+        jobs = [
+            (lambda p=p: timed_completion(url, info.model, p, point.output_len)) for p in prompts
+        ]
+        timings = _concurrently(jobs)
     after = read_metrics(url)
     requests = _delta(after, before, "vllm:request_prefill_time_seconds_count")
     steps: float | None = None
@@ -409,7 +448,8 @@ def measure(
         steps = _delta(after, before, "vllm:iteration_tokens_total_count")
     engine: float | None = None
     if point.kind == "prefill":
-        client = statistics.median(t.ttft for t in timings)
+        # Alone: the time to the first token; batched: the whole reply (one token each).
+        client = batch_s if batched else timings[0].ttft
         if requests > 0:
             engine = _delta(after, before, "vllm:request_prefill_time_seconds_sum") / requests
     else:
