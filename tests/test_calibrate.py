@@ -137,10 +137,11 @@ def test_stream_timing_figures() -> None:
 def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
     """A streaming engine on loopback with vLLM's /v1/models, /tokenize and metrics. With
     ``law`` (linear-model coefficients) it also exports vLLM's per-request prefill and decode
-    time counters and its step count as if each step took what the law says: a request's
-    prompts (one, or a list) are prefilled in one step, each one's prefill time that step's;
-    decodes run one request at a time. ``split``: that many requests of several prompts are
-    instead prefilled one prompt per step."""
+    time counters and its step counts as if each step took what the law says: a request's
+    prompts (one, or a list) are prefilled in one step, each one's prefill time that step's,
+    beside the decodes of the streams then running; decodes run one request at a time.
+    ``split``: that many requests of several prompts are instead prefilled one prompt per
+    step."""
     from aiohttp import web
 
     from llmsched.testing import FakeHTTPEngine
@@ -148,8 +149,10 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
     served: dict[str, list] = {"prompts": []}
     cache_info = 'vllm:cache_config_info{block_size="32",num_gpu_blocks="64"} 1.0\n'
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "requests": 0, "tokens": 0, "steps": 0}
+    totals["one_token_steps"] = 0
     holder: list[FakeHTTPEngine] = []
     splits = [split]
+    streaming: dict[int, list[int]] = {}  # running streams: [prompt length, tokens sent]
 
     def publish() -> None:
         holder[0].metrics_text = cache_info + (
@@ -159,25 +162,30 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
             f"vllm:request_generation_tokens_sum {totals['tokens']}\n"
             f"vllm:request_generation_tokens_count {totals['requests']}\n"
             f'vllm:iteration_tokens_total_count{{engine="0"}} {totals["steps"]}\n'
+            f'vllm:iteration_tokens_total_bucket{{engine="0",le="1.0"}} '
+            f"{totals['one_token_steps']}\n"
         )
 
-    def run(lengths: list[int], m: int) -> None:
-        """Prefill ``lengths`` (in one step unless split), then decode ``m - 1`` tokens each."""
+    def run(lengths: list[int], m: int, beside: list[list[int]]) -> None:
+        """Prefill ``lengths`` (in one step unless split) beside the decodes of ``beside``
+        (running streams), then decode ``m - 1`` tokens each."""
         assert law is not None
         steps = [lengths]
         if len(lengths) > 1 and splits[0] > 0:
             splits[0] -= 1
             steps = [[n] for n in lengths]
+        decode = law["b2"] * len(beside) + law["b4"] * sum(n + done for n, done in beside)
         for step in steps:
             p, sq = sum(step), sum(n * n for n in step)
             t = law["b0"] + law["b1"] * p + law["b3"] * sq + law.get("b5", 0.0) * len(step)
-            totals["prefill_s"] += t * len(step)
+            totals["prefill_s"] += (t + decode) * len(step)
             totals["steps"] += 1
         for n in lengths:
             # Decode step j (1..m-1) reads n + j tokens of KV: the mean is n + m/2.
             step_s = law["b0"] + law["b2"] + law["b4"] * (n + m / 2)
             totals["decode_s"] += (m - 1) * step_s
             totals["steps"] += m - 1
+            totals["one_token_steps"] += m - 1
             totals["requests"] += 1
             totals["tokens"] += m
         publish()
@@ -197,21 +205,24 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
             served["prompts"].extend(prompts)
             await asyncio.sleep(1e-3)
             if law is not None:
-                run([len(p) for p in prompts], m)
+                run([len(p) for p in prompts], m, list(streaming.values()))
             choices = [{"index": i, "text": "x" * m} for i in range(len(prompts))]
             return web.json_response({"choices": choices})
         served["prompts"].append(body["prompt"])
         reply = web.StreamResponse()
         await reply.prepare(request)
         n = len(body["prompt"])
+        state = streaming[id(reply)] = [n, 0]
         for i in range(m):
             await asyncio.sleep(1e-3)
             usage = {"prompt_tokens": n, "completion_tokens": i + 1}
             chunk = {"choices": [{"text": "x"}], "usage": usage}
             await reply.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            state[1] = i + 1
         await reply.write(b"data: [DONE]\n\n")
+        del streaming[id(reply)]
         if law is not None:
-            run([n], m)
+            run([n], m, [])
         return reply
 
     def setup(app: web.Application) -> None:
@@ -256,17 +267,20 @@ def test_calibrate_command_against_a_streaming_engine(tmp_path, capsys) -> None:
         (s.prefill_tokens, s.prefill_requests, s.decode_tokens, s.decode_context_tokens)
         for s in profile.samples
     ]
+    # The same totals as 2 and 4 prompts prefilled together, beside the pacer's decode (its
+    # 16-token prompt and the tokens it had when they were sent).
+    pacer = [ctx for p, k, d, ctx in shapes if k > 1]
+    assert all(16 < ctx < 16 + 64 for ctx in pacer)
     assert shapes == [
         (16, 1, 0, 0),
         (64, 1, 0, 0),
         (256, 1, 0, 0),
-        # The same totals as 2 and 4 prompts prefilled together.
-        (16, 2, 0, 0),
-        (64, 2, 0, 0),
-        (256, 2, 0, 0),
-        (16, 4, 0, 0),
-        (64, 4, 0, 0),
-        (256, 4, 0, 0),
+        *[
+            (p, k, 1, ctx)
+            for (p, k), ctx in zip(
+                [(16, 2), (64, 2), (256, 2)] * 1 + [(16, 4), (64, 4), (256, 4)], pacer, strict=True
+            )
+        ],
         (0, 0, 1, 16 + 3),
         (0, 0, 1, 128 + 3),
         (0, 0, 2, 2 * (16 + 3)),
@@ -275,7 +289,7 @@ def test_calibrate_command_against_a_streaming_engine(tmp_path, capsys) -> None:
     assert profile.kv_tokens == 2048 and profile.meta["engine"] == engine.url
     # Fresh prompts of the asked lengths (plus the warm-up's 8 tokens): no prefix reuse.
     lengths = sorted(len(p) for p in served["prompts"])
-    batched = [8] * 2 + [32] * 2 + [128] * 2 + [4] * 4 + [16] * 4 + [64] * 4
+    batched = [8] * 2 + [32] * 2 + [128] * 2 + [4] * 4 + [16] * 4 + [64] * 4 + [16] * 6
     assert lengths == sorted([8, 16, 64, 256, 16, 128, 16, 16, 128, 128, *batched])
     assert len({tuple(p) for p in served["prompts"]}) == len(served["prompts"])
     # The simulator takes the file.
@@ -310,9 +324,11 @@ def test_calibrate_recovers_an_engine_whose_metrics_follow_a_known_law(tmp_path)
     assert profile.meta["timing"] == "engine metrics"
     assert profile.meta["split_retries"] == 1 and profile.meta["split_points"] == []
     names = dict(zip(("b0", "b1", "b2", "b3", "b4", "b5"), TERMS, strict=True))
+    # Close, not exact: the pacer's KV length is the client's count of its tokens when the
+    # prompts were sent, which may trail the engine's by a token.
     for short, want in law.items():
-        assert profile.coefficients[names[short]] == pytest.approx(want, rel=1e-6), short
-    assert profile.error.max < 1e-9
+        assert profile.coefficients[names[short]] == pytest.approx(want, rel=2e-3), short
+    assert profile.error.max < 1e-3
     # The client's view (a fake that streams in milliseconds) is kept beside, and differs.
     assert profile.meta["client_coefficients"] != profile.coefficients
 

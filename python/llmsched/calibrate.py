@@ -207,11 +207,14 @@ def timed_completion(
     max_tokens: int,
     timeout_s: float = 300.0,
     extra: Mapping[str, object] | None = None,
+    progress: list[int] | None = None,
+    started: threading.Event | None = None,
 ) -> StreamTiming:
     """Send one streamed ``/v1/completions`` request of token ids and time its tokens.
 
     ``ignore_eos`` makes it produce exactly ``max_tokens`` tokens; ConfigError when the engine
-    refuses it or the stream ends short.
+    refuses it or the stream ends short. ``progress`` (a one-element list) follows the tokens
+    received so far and ``started`` is set at the first (both for a caller on another thread).
     """
     host, port, base = _split(url)
     body: dict[str, object] = {
@@ -247,6 +250,10 @@ def timed_completion(
             prompt_tokens = int(usage.get("prompt_tokens") or prompt_tokens)
             times.extend([now] * (done - seen))
             seen = max(seen, done)
+            if progress is not None:
+                progress[0] = seen
+            if started is not None and seen > 0:
+                started.set()
     except OSError as exc:
         raise ConfigError(f"engine {url}: completion failed: {exc}") from None
     finally:
@@ -394,12 +401,14 @@ def _concurrently(jobs: Sequence[Callable[[], T]]) -> list[T]:
 class Measurement:
     """One grid point measured once: the step time as the engine's own metrics give it
     (``None`` where the engine does not export them), as the client saw it, and the engine
-    steps it took (``None`` where the engine does not count them)."""
+    steps with prefill it took (``None`` where the engine does not count them) and, for a
+    batched prefill, the KV length of the decoding request beside it (``pacer_ctx``)."""
 
     point: GridPoint
     engine_s: float | None
     client_s: float
     engine_steps: float | None = None
+    pacer_ctx: int = 0
 
     @property
     def split(self) -> bool:
@@ -412,12 +421,38 @@ class Measurement:
         """The point's step shape with ``seconds``."""
         n, b, m = self.point.prompt_len, self.point.batch, self.point.output_len
         if self.point.kind == "prefill":
-            return StepSample(b * n, 0, b * n * n, 0, seconds, prefill_requests=b)
+            d = 1 if self.pacer_ctx else 0
+            return StepSample(b * n, d, b * n * n, self.pacer_ctx, seconds, prefill_requests=b)
         return StepSample(0, b, 0, b * (n + m // 2), seconds)
 
 
 def _delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
     return _metric_sum(after, name) - _metric_sum(before, name)
+
+
+# A batched prefill runs beside one decoding request (the pacer) so the engine is busy when the
+# prompts arrive and takes them all in its next step: an idle engine starts on the first prompt
+# alone. The step is then a mixed one: the prompts plus the pacer's decode token.
+PACER_PROMPT = 16
+PACER_TOKENS = 64
+
+
+def _steps_with_prefill(after: Mapping[str, float], before: Mapping[str, float]) -> float | None:
+    """Engine steps of more than one token between the two scrapes (vLLM's
+    ``vllm:iteration_tokens_total`` histogram: its count less its ``le="1.0"`` bucket); None
+    where the engine does not export it."""
+    name = "vllm:iteration_tokens_total"
+    if not any(k.startswith(name + "_count") for k in after):
+        return None
+
+    def single(metrics: Mapping[str, float]) -> float:
+        return sum(
+            v
+            for k, v in metrics.items()
+            if k.startswith(name + "_bucket{") and _label(k, "le") in ("1", "1.0")
+        )
+
+    return _delta(after, before, name + "_count") - (single(after) - single(before))
 
 
 def measure(
@@ -428,24 +463,48 @@ def measure(
 ) -> Measurement:
     """Time one grid point once (see the module docs)."""
 
-    def prompt() -> list[int]:
-        return [rng.choice(info.vocabulary) for _ in range(point.prompt_len)]
+    def prompt(n: int = point.prompt_len) -> list[int]:
+        return [rng.choice(info.vocabulary) for _ in range(n)]
 
     prompts = [prompt() for _ in range(point.batch)]
     batched = point.kind == "prefill" and point.batch > 1
-    before = read_metrics(url)
+    pacer_ctx = 0
     if batched:
+        progress, started, failed = [0], threading.Event(), []
+        pacer_prompt = prompt(PACER_PROMPT)
+
+        def pace() -> None:
+            try:
+                timed_completion(
+                    url, info.model, pacer_prompt, PACER_TOKENS, progress=progress, started=started
+                )
+            except BaseException as exc:  # re-raised on the calling thread below
+                failed.append(exc)
+                started.set()
+
+        pacer = threading.Thread(target=pace, daemon=True)
+        pacer.start()
+        started.wait(300.0)
+        if failed:
+            raise failed[0]
+        before = read_metrics(url)
+        pacer_ctx = PACER_PROMPT + progress[0]
         batch_s = timed_batch(url, info.model, prompts, point.output_len)
+        after = read_metrics(url)
+        pacer.join(300.0)
+        if failed:
+            raise failed[0]
     else:
+        before = read_metrics(url)
         jobs = [
             (lambda p=p: timed_completion(url, info.model, p, point.output_len)) for p in prompts
         ]
         timings = _concurrently(jobs)
-    after = read_metrics(url)
+        after = read_metrics(url)
     requests = _delta(after, before, "vllm:request_prefill_time_seconds_count")
-    steps: float | None = None
-    if any(k.startswith("vllm:iteration_tokens_total_count") for k in after):
-        steps = _delta(after, before, "vllm:iteration_tokens_total_count")
+    steps = _steps_with_prefill(after, before) if point.kind == "prefill" else None
+    if batched and steps is not None and requests != point.batch:
+        steps = float("inf")  # the pacer ended within the measurement: not the step meant
     engine: float | None = None
     if point.kind == "prefill":
         # Alone: the time to the first token; batched: the whole reply (one token each).
@@ -463,7 +522,7 @@ def measure(
             engine = _delta(after, before, "vllm:request_decode_time_seconds_sum") / gaps
     if engine is not None and engine <= 0:
         engine = None
-    return Measurement(point, engine, client, steps)
+    return Measurement(point, engine, client, steps, pacer_ctx)
 
 
 @dataclass
