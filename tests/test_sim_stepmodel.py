@@ -226,6 +226,12 @@ def test_linear_model_charges_each_prefill_chunk() -> None:
     assert load_step_model(doc).b5 == 7e-4
     with pytest.raises(ConfigError, match="b5 must be"):
         LinearStepModel(b0=1e-3, b1=1e-5, b2=1e-4, b5=-1.0)
+    # A step on an idle replica pays b6 once; the calibrate file calls it after_idle.
+    idle = LinearStepModel(b0=1e-3, b1=2e-5, b2=1e-4, b6=9e-3)
+    woken = idle.step_time(prefill_tokens=64, prefill_sq=64**2, after_idle=True)
+    assert woken - idle.step_time(prefill_tokens=64, prefill_sq=64**2) == pytest.approx(9e-3)
+    doc["coefficients"]["after_idle"] = 6e-3
+    assert load_step_model(doc).b6 == 6e-3
 
 
 def test_roofline_charges_each_prefill_chunk_when_asked() -> None:
@@ -239,6 +245,9 @@ def test_roofline_charges_each_prefill_chunk_when_asked() -> None:
     assert extra == pytest.approx(4 * 2e-4)
     assert charged.decode_run(8, 800).time(3) == base.decode_run(8, 800).time(3)
     assert charged.constants()["prefill_request_s"] == 2e-4
+    woken = RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], idle_start_s=5e-3)
+    assert woken.step_time(**work, after_idle=True) - base.step_time(**work) == pytest.approx(5e-3)
+    assert base.step_time(**work, after_idle=True) == base.step_time(**work)
     with pytest.raises(ConfigError, match="prefill_request_s"):
         RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], prefill_request_s=-1.0)
 

@@ -4,27 +4,31 @@ The model is the simulator's :class:`~llmsched.sim.LinearStepModel`::
 
     t = b0 + b1 * prefill_tokens + b2 * decode_tokens
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
-           + b5 * prefill_requests
+           + b5 * prefill_requests + b6 * after_idle
 
 Measurement, against any OpenAI-compatible engine that streams (vLLM, SGLang): every prompt is a
 list of token ids drawn fresh from the engine's own vocabulary (its ``/tokenize`` answer), so
 its length is exact and it never hits the prefix cache; ``ignore_eos`` fixes the output length,
 and ``continuous_usage_stats`` makes every streamed chunk say how many tokens it carries.
 
-- **Prefill** (one sample per prompt length ``n`` of the grid): one request alone, ``n`` prompt
-  tokens and one output token. Its time to first token, as a client sees it, is one prefill step
-  (``P = n``, ``sum(chunk^2) = n^2``, one sequence) plus the engine's per-request overhead
-  (HTTP, tokenizing the answer), which the step model folds into ``b0``.
-- **Batched prefill** (per total ``n`` and count ``k`` of ``prefill_batches``): ``k`` prompts
-  of ``n // k`` tokens in one completion request (the API's list of prompts: the engine gets
-  them at once, where ``k`` clients would reach it milliseconds apart and an idle engine would
-  start the first alone), one output token each, which the engine prefills in one step
-  (``P = k * (n // k)``, ``sum(chunk^2) = k * (n // k)^2``, ``k`` sequences). Beside the single
-  prompt of ``n`` tokens this separates the cost per prefilled sequence (``b5``) from the cost
-  per token and per step. Where vLLM exports ``vllm:iteration_tokens_total`` the engine's step
-  count is checked: a measurement the engine split over several steps is taken again, up to
-  ``repeats`` more times, and a point that never lands in one step is left out
-  (``meta.split_points``).
+- **Prefill on an idle engine** (one sample per prompt length ``n`` of the grid): one request
+  alone, ``n`` prompt tokens and one output token, after the engine was left idle for
+  :data:`IDLE_S` seconds. Its time to first token, as a client sees it, is one prefill step
+  (``P = n``, ``sum(chunk^2) = n^2``, one sequence, ``after_idle``) plus the engine's
+  per-request overhead (HTTP, tokenizing the answer), which the step model folds into ``b0``.
+- **Paced prefill** (per total ``n``, as one prompt and as ``k`` prompts of ``n // k`` tokens
+  for each ``k`` of ``prefill_batches``): the prompts in one completion request (the API's
+  list of prompts), one output token each, sent while a pacer request (:data:`PACER_PROMPT`
+  prompt tokens, :data:`PACER_TOKENS` output tokens) decodes: the busy engine queues the
+  prompts and prefills them together in its next step, where an idle one would start on the
+  first alone. The sample is that mixed step (``P = k * (n // k)``, ``sum(chunk^2) = k *
+  (n // k)^2``, ``k`` sequences, and the pacer's decode token at its KV length when the
+  prompts were sent). Beside each other and the idle prefill of the same length these tell
+  the cost per prefilled sequence (``b5``) and that of waking an idle engine (``b6``) from
+  the cost per token and per step. Where vLLM exports ``vllm:iteration_tokens_total`` the
+  engine's steps of more than one token are counted: a measurement the engine split over
+  several steps (or whose pacer ended within it) is taken again, up to ``repeats`` more
+  times, and a point that never lands in one step is left out (``meta.split_points``).
 - **Decode** (one sample per batch size ``b`` and context ``n``): ``b`` requests at once, each
   with ``n`` prompt tokens and ``m = decode_tokens`` output tokens. A request's time from its
   first token to its last over ``m - 1`` is its mean decode step (``D = b``,
@@ -46,9 +50,9 @@ histograms, recorded beside the client's view in the profile's ``meta.engine_met
 >>> grid = EngineGrid(prompt_lens=(16, 64), batch_sizes=(1, 2), context_lens=(16,),
 ...                   prefill_batches=(4,))
 >>> points = grid.points(kv_tokens=4096, max_model_len=2048)
->>> [(p.kind, p.batch, p.prompt_len) for p in points][:4]
-[('prefill', 1, 16), ('prefill', 1, 64), ('prefill', 4, 4), ('prefill', 4, 16)]
->>> [p.kind for p in points][4:]
+>>> [(p.batch, p.prompt_len, p.paced) for p in points if p.kind == "prefill"]
+[(1, 16, False), (1, 64, False), (1, 16, True), (1, 64, True), (4, 4, True), (4, 16, True)]
+>>> [p.kind for p in points][6:]
 ['decode', 'decode']
 """
 
@@ -83,24 +87,37 @@ __all__ = [
 ]
 
 
+# A paced prefill runs beside one decoding request (the pacer) so the engine is busy when the
+# prompts arrive and takes them all in its next step: an idle engine starts on the first prompt
+# alone, and pays for waking up. The step is then a mixed one: the prompts plus the pacer's
+# decode token.
+PACER_PROMPT = 16
+PACER_TOKENS = 64
+# Seconds the engine is left idle before a prompt is timed alone.
+IDLE_S = 0.2
+
+
 @dataclass(frozen=True)
 class GridPoint:
     """One measurement: ``kind`` ``prefill`` (``batch`` prompts of ``prompt_len`` tokens
-    prefilled in one step) or ``decode``."""
+    prefilled in one step; ``paced``: beside a decoding request, else on an idle engine) or
+    ``decode``."""
 
     kind: str
     batch: int
     prompt_len: int
     output_len: int
+    paced: bool = False
 
 
 @dataclass(frozen=True)
 class EngineGrid:
     """The prompt lengths (prefill), batch sizes and contexts (decode) to time.
 
-    ``prefill_batches``: each prompt length ``n`` is also timed as ``k`` prompts of ``n // k``
-    tokens prefilled together, for each ``k`` here (``()``: none; then the cost per prefilled
-    sequence cannot be told from the cost per step with prefill). ``batch_sizes`` and
+    ``prefill_batches``: each prompt length ``n`` is also timed beside a decoding request, as
+    one prompt and as ``k`` prompts of ``n // k`` tokens prefilled together for each ``k`` here
+    (``()``: none of these; then neither the cost per prefilled sequence nor that of a step
+    on an idle engine can be told from the cost per step with prefill). ``batch_sizes`` and
     ``prefill_batches`` should not pass the engine's ``--max-num-seqs``, nor a prompt length its
     ``--max-num-batched-tokens`` (a request beyond them waits, and the step is not one batch).
     """
@@ -135,11 +152,12 @@ class EngineGrid:
         for n in self.prompt_lens:
             if n + 1 <= longest and n + 1 <= limit:
                 out.append(GridPoint("prefill", 1, n, 1))
-        for k in self.prefill_batches:
+        for k in (1, *self.prefill_batches) if self.prefill_batches else ():
             for n in self.prompt_lens:
                 part = n // k
-                if part >= 1 and k * (part + 1) <= limit:
-                    out.append(GridPoint("prefill", k, part, 1))
+                room = k * (part + 1) + PACER_PROMPT + PACER_TOKENS
+                if part >= 1 and part + 1 <= longest and room <= limit:
+                    out.append(GridPoint("prefill", k, part, 1, paced=True))
         m = self.decode_tokens
         for b in self.batch_sizes:
             for n in self.context_lens:
@@ -402,7 +420,7 @@ class Measurement:
     """One grid point measured once: the step time as the engine's own metrics give it
     (``None`` where the engine does not export them), as the client saw it, and the engine
     steps with prefill it took (``None`` where the engine does not count them) and, for a
-    batched prefill, the KV length of the decoding request beside it (``pacer_ctx``)."""
+    paced prefill, the KV length of the decoding request beside it (``pacer_ctx``)."""
 
     point: GridPoint
     engine_s: float | None
@@ -421,20 +439,21 @@ class Measurement:
         """The point's step shape with ``seconds``."""
         n, b, m = self.point.prompt_len, self.point.batch, self.point.output_len
         if self.point.kind == "prefill":
-            d = 1 if self.pacer_ctx else 0
-            return StepSample(b * n, d, b * n * n, self.pacer_ctx, seconds, prefill_requests=b)
+            d = 1 if self.point.paced else 0
+            return StepSample(
+                b * n,
+                d,
+                b * n * n,
+                self.pacer_ctx,
+                seconds,
+                prefill_requests=b,
+                after_idle=not self.point.paced,
+            )
         return StepSample(0, b, 0, b * (n + m // 2), seconds)
 
 
 def _delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
     return _metric_sum(after, name) - _metric_sum(before, name)
-
-
-# A batched prefill runs beside one decoding request (the pacer) so the engine is busy when the
-# prompts arrive and takes them all in its next step: an idle engine starts on the first prompt
-# alone. The step is then a mixed one: the prompts plus the pacer's decode token.
-PACER_PROMPT = 16
-PACER_TOKENS = 64
 
 
 def _steps_with_prefill(after: Mapping[str, float], before: Mapping[str, float]) -> float | None:
@@ -467,7 +486,7 @@ def measure(
         return [rng.choice(info.vocabulary) for _ in range(n)]
 
     prompts = [prompt() for _ in range(point.batch)]
-    batched = point.kind == "prefill" and point.batch > 1
+    batched = point.paced
     pacer_ctx = 0
     if batched:
         progress, started, failed = [0], threading.Event(), []
@@ -495,6 +514,8 @@ def measure(
         if failed:
             raise failed[0]
     else:
+        if point.kind == "prefill":
+            time.sleep(IDLE_S)  # an idle engine, as a request after a quiet spell finds it
         before = read_metrics(url)
         jobs = [
             (lambda p=p: timed_completion(url, info.model, p, point.output_len)) for p in prompts

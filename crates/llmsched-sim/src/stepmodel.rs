@@ -31,6 +31,9 @@ pub struct Roofline {
     /// Seconds per prefill chunk in the step (0 when not given).
     #[serde(default)]
     pub prefill_request_s: f64,
+    /// Seconds a step that starts on an idle replica adds (0 when not given).
+    #[serde(default)]
+    pub idle_start_s: f64,
     /// Every weight (what the Python side hands over; the step reads `read_params`).
     pub params: f64,
     /// Parameters a step reads in full (all but an untied embedding table).
@@ -47,7 +50,8 @@ pub struct Roofline {
     pub link_bw: f64,
 }
 
-/// `t = b0 + b1*P + b2*D + b3*prefill_sq + b4*decode_ctx + b5*prefill_requests`.
+/// `t = b0 + b1*P + b2*D + b3*prefill_sq + b4*decode_ctx + b5*prefill_requests
+/// + b6*after_idle`.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Linear {
@@ -59,6 +63,9 @@ pub struct Linear {
     /// Seconds per prefill chunk in the step (0 when not given).
     #[serde(default)]
     pub b5: f64,
+    /// Seconds a step that starts on an idle replica adds (0 when not given).
+    #[serde(default)]
+    pub b6: f64,
 }
 
 /// A step-time model; decoded from `{"kind": "roofline" | "linear", <constants>}`.
@@ -80,6 +87,8 @@ pub struct StepWork {
     pub decode_tokens: u64,
     pub decode_ctx: u64,
     pub prefill_read: u64,
+    /// The step starts on a replica that had no step in flight.
+    pub after_idle: bool,
 }
 
 impl Roofline {
@@ -134,7 +143,8 @@ impl StepModel {
                 let bound = py_max(py_max(t_c, t_m), r.overlap * (t_c + t_m));
                 let per_item = r.token_s * tokens as f64
                     + r.request_s * rows as f64
-                    + r.prefill_request_s * w.prefill_requests as f64;
+                    + r.prefill_request_s * w.prefill_requests as f64
+                    + r.idle_start_s * f64::from(u8::from(w.after_idle));
                 bound + per_item + r.fixed(tokens)
             }
             StepModel::Linear(l) => {
@@ -143,6 +153,7 @@ impl StepModel {
                     + l.b3 * w.prefill_sq as f64
                     + l.b4 * w.decode_ctx as f64
                     + l.b5 * w.prefill_requests as f64
+                    + l.b6 * f64::from(u8::from(w.after_idle))
             }
         }
     }
@@ -175,7 +186,8 @@ impl StepModel {
         }
     }
 
-    /// A request's time alone on an idle replica: its chunked prefill, then its decode steps.
+    /// A request's time alone on an idle replica: its chunked prefill (the first chunk starts on
+    /// the idle replica), then its decode steps.
     pub fn ideal(&self, prompt: u64, output: u64, budget: u64) -> f64 {
         let (mut t, mut left, mut ctx) = (0.0, prompt, 0u64);
         while left > 0 {
@@ -186,6 +198,7 @@ impl StepModel {
                 prefill_sq: chunk * chunk,
                 prefill_ctx: chunk * ctx,
                 prefill_read: ctx,
+                after_idle: ctx == 0,
                 ..StepWork::default()
             });
             left -= chunk;
@@ -314,8 +327,15 @@ mod tests {
 
     #[test]
     fn linear_model_is_affine() {
-        let m =
-            StepModel::Linear(Linear { b0: 1e-3, b1: 2e-5, b2: 1e-4, b3: 0.0, b4: 0.0, b5: 5e-4 });
+        let m = StepModel::Linear(Linear {
+            b0: 1e-3,
+            b1: 2e-5,
+            b2: 1e-4,
+            b3: 0.0,
+            b4: 0.0,
+            b5: 5e-4,
+            b6: 0.0,
+        });
         let w = StepWork {
             prefill_requests: 2,
             prefill_tokens: 100,

@@ -1,15 +1,18 @@
 """The step-time model the simulator uses, its least-squares fit and its YAML profile.
 
-Model (BLIS's linear terms plus Vidur's attention terms, and a fixed cost per prefill chunk)::
+Model (BLIS's linear terms plus Vidur's attention terms, a fixed cost per prefill chunk and
+one for a step that starts on an idle engine)::
 
     t = b0 + b1 * prefill_tokens + b2 * decode_tokens
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
-           + b5 * prefill_requests
+           + b5 * prefill_requests + b6 * after_idle
 
 ``prefill_requests`` counts the sequences the step prefills (a chunk each); ``b2`` already is a
 cost per decoding sequence. ``b5`` is identifiable only from steps that prefill several
 sequences at once beside steps that prefill one of the same total length; without them it is
-the extra fixed cost of a step with prefill over a decode step.
+the extra fixed cost of a step with prefill over a decode step. ``after_idle`` is 1 for a
+step the engine started after waiting for work (it wakes its loop and workers first); ``b6``
+is identifiable from the same prompt timed on an idle engine and beside a running request.
 
 fitted by least squares on relative error (each sample's row divided by its measured time, so a
 1 ms decode step counts as much as a 100 ms prefill), with no coefficient below zero (the
@@ -49,8 +52,9 @@ TERMS = (
     "prefill_tokens_sq",
     "decode_context_tokens",
     "prefill_requests",
+    "after_idle",
 )
-# A profile written before the per-chunk term names the first five.
+# A profile written before the per-chunk and idle terms names the first five.
 _TERMS_V1 = TERMS[:5]
 
 
@@ -59,10 +63,11 @@ class StepSample:
     """One measured step: its batch composition and wall time in seconds.
 
     ``prefill_requests`` is how many sequences it prefills; ``None`` (the default) reads as one
-    when it has prefill tokens and none otherwise.
+    when it has prefill tokens and none otherwise. ``after_idle``: the engine had no step in
+    flight when this one started.
 
     >>> StepSample(64, 0, 2 * 32**2, 0, 0.01, prefill_requests=2).features()
-    [1.0, 64.0, 0.0, 2048.0, 0.0, 2.0]
+    [1.0, 64.0, 0.0, 2048.0, 0.0, 2.0, 0.0]
     """
 
     prefill_tokens: int
@@ -71,6 +76,7 @@ class StepSample:
     decode_context_tokens: int
     seconds: float
     prefill_requests: int | None = None
+    after_idle: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_requests is None:
@@ -92,6 +98,7 @@ class StepSample:
             float(self.prefill_tokens_sq),
             float(self.decode_context_tokens),
             float(self.prefill_requests or 0),
+            float(self.after_idle),
         ]
 
 
@@ -142,7 +149,7 @@ class StepTimeProfile:
     def fit(
         cls, samples: Sequence[StepSample], meta: Mapping[str, Any] | None = None
     ) -> StepTimeProfile:
-        """Relative-error least-squares fit of the six-term model (and the three-term one)."""
+        """Relative-error least-squares fit of the seven-term model (and the three-term one)."""
         if len(samples) < len(TERMS):
             raise ConfigError(f"need at least {len(TERMS)} samples to fit, got {len(samples)}")
         x = np.array([s.features() for s in samples])
@@ -166,6 +173,7 @@ class StepTimeProfile:
         prefill_tokens_sq: int | None = None,
         decode_context_tokens: int = 0,
         prefill_requests: int | None = None,
+        after_idle: bool = False,
     ) -> float:
         """Predicted step seconds; ``prefill_tokens_sq`` defaults to one chunk's square and
         ``prefill_requests`` to one chunk."""
@@ -178,6 +186,7 @@ class StepTimeProfile:
             decode_context_tokens,
             1.0,
             prefill_requests,
+            after_idle,
         ).features()
         return float(sum(self.coefficients[t] * f for t, f in zip(TERMS, features, strict=True)))
 

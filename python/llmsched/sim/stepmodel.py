@@ -5,7 +5,8 @@ A step processes a batch: ``prefill_requests`` prefill chunks (``prefill_tokens`
 length times the context already cached before it, ``prefill_read`` the sum of those contexts:
 the KV each chunk reads) and ``decode_tokens`` decoding requests whose KV lengths sum to
 ``decode_ctx``. ``prefill_requests`` left out (``None``) counts one chunk when the step has
-prefill tokens.
+prefill tokens. ``after_idle``: the step starts on a replica that had no step in flight (an
+engine waking from idle pays for it: the linear model's ``b6``).
 
 Roofline (peaks from the vendors' datasheets, achieved fractions from measurements: :data:`GPUS`)::
 
@@ -16,8 +17,8 @@ Roofline (peaks from the vendors' datasheets, achieved fractions from measuremen
     t_c = flops / (tp * peak_flops * mfu);  t_m = bytes / (tp * hbm_bw * mbu)
     t = max(t_c, t_m, overlap * (t_c + t_m))
         + elementwise_bytes * layers * hidden * T / (tp * hbm_bw)
-        + request_overhead_s * R + prefill_request_s * N + step_overhead
-        + tensor-parallel all-reduce time                # N = prefill_requests
+        + request_overhead_s * R + prefill_request_s * N + idle_start_s * I
+        + step_overhead + tensor-parallel all-reduce time   # N = prefill_requests, I = after_idle
 
 ``body_params`` are the parameters a token multiplies through except the embedding table (a
 lookup, no FLOPs) and the LM head, which runs only for the rows that need logits: every decode
@@ -35,10 +36,12 @@ were measured are in :data:`GPUS` and the simulator docs.
 
 Linear (BLIS plus Vidur attention terms, the file ``llmsched calibrate`` writes)::
 
-    t = b0 + b1 * P + b2 * D + b3 * prefill_sq + b4 * decode_ctx + b5 * N
+    t = b0 + b1 * P + b2 * D + b3 * prefill_sq + b4 * decode_ctx + b5 * N + b6 * I
 
 ``b5`` is a fixed cost per prefill chunk in the step (the sampler, attention metadata and
-scheduling of one more sequence); ``b2`` is already one per decoding request.
+scheduling of one more sequence); ``b2`` is already one per decoding request. ``b6`` is paid
+by a step that starts on an idle replica (``I`` is 1): an engine that waited for work wakes
+its busy loop and workers first.
 
 A run of decode-only steps with a constant batch is summed in closed form (:class:`DecodeRun`), so
 the simulator pays per event, not per token.
@@ -240,6 +243,7 @@ class StepModel(Protocol):
         decode_ctx: float = 0.0,
         prefill_read: float = 0.0,
         prefill_requests: int | None = None,
+        after_idle: bool = False,
     ) -> float:
         """Seconds for one step of this batch."""
         ...
@@ -359,6 +363,8 @@ class RooflineConstants(TypedDict):
     """Seconds per row that needs logits (attention setup)."""
     prefill_request_s: float
     """Seconds per prefill chunk in the step."""
+    idle_start_s: float
+    """Seconds a step that starts on an idle replica adds."""
 
 
 @dataclass(frozen=True)
@@ -380,6 +386,8 @@ class RooflineStepModel:
             and scheduling of one more sequence: the linear model's ``b5``); 0 by default: no
             published GPU measurement separates it (``llmsched calibrate`` fits it on a real
             engine).
+        idle_start_s: extra cost of a step that starts on an idle replica (the linear model's
+            ``b6``); 0 by default, like ``prefill_request_s``.
         step_overhead_s: fixed CPU/launch cost per step.
         allreduce_latency_s: per all-reduce (two per layer) when ``tp > 1``.
         gpu_memory_utilization: vLLM's fraction of GPU memory it may use.
@@ -398,6 +406,7 @@ class RooflineStepModel:
     elementwise_bytes: float | None = None
     request_overhead_s: float = 0.0
     prefill_request_s: float = 0.0
+    idle_start_s: float = 0.0
     step_overhead_s: float = 0.5e-3
     allreduce_latency_s: float = 8e-6
     gpu_memory_utilization: float = 0.9
@@ -435,6 +444,7 @@ class RooflineStepModel:
             "elementwise_bytes",
             "request_overhead_s",
             "prefill_request_s",
+            "idle_start_s",
             "step_overhead_s",
         ):
             value = getattr(self, name)
@@ -494,6 +504,7 @@ class RooflineStepModel:
             "token_s": self._token_s,
             "request_s": float(self.request_overhead_s),
             "prefill_request_s": float(self.prefill_request_s),
+            "idle_start_s": float(self.idle_start_s),
         }
 
     def _fixed(self, tokens: int) -> float:
@@ -517,6 +528,7 @@ class RooflineStepModel:
         decode_ctx: float = 0.0,
         prefill_read: float = 0.0,
         prefill_requests: int | None = None,
+        after_idle: bool = False,
     ) -> float:
         """Seconds for one step (see the module docs)."""
         tokens = prefill_tokens + decode_tokens
@@ -538,6 +550,7 @@ class RooflineStepModel:
             self._token_s * tokens
             + self.request_overhead_s * rows
             + self.prefill_request_s * chunks
+            + self.idle_start_s * after_idle
         )
         return bound + per_item + self._fixed(tokens)
 
@@ -569,7 +582,7 @@ def _chunks(prefill_tokens: int, prefill_requests: int | None) -> int:
     return prefill_requests
 
 
-LINEAR_TERMS = ("b0", "b1", "b2", "b3", "b4", "b5")
+LINEAR_TERMS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
 # The names ``llmsched calibrate`` writes, in the same order.
 CALIBRATE_TERMS = (
     "b0",
@@ -578,13 +591,15 @@ CALIBRATE_TERMS = (
     "prefill_tokens_sq",
     "decode_context_tokens",
     "prefill_requests",
+    "after_idle",
 )
 
 
 @dataclass(frozen=True)
 class LinearStepModel:
-    """``t = b0 + b1*P + b2*D + b3*sum(chunk^2) + b4*sum(decode KV lengths) + b5*chunks`` in
-    seconds (``chunks``: the prefill chunks in the step).
+    """``t = b0 + b1*P + b2*D + b3*sum(chunk^2) + b4*sum(decode KV lengths) + b5*chunks
+    + b6*after_idle`` in seconds (``chunks``: the prefill chunks in the step; ``after_idle``: 1
+    for a step that starts on an idle replica).
 
     ``kv_tokens`` optionally fixes the KV capacity of a replica (tokens).
 
@@ -598,6 +613,7 @@ class LinearStepModel:
     b3: float = 0.0
     b4: float = 0.0
     b5: float = 0.0
+    b6: float = 0.0
     kv_tokens: int | None = None
     model: str = "fitted"
 
@@ -622,6 +638,7 @@ class LinearStepModel:
         decode_ctx: float = 0.0,
         prefill_read: float = 0.0,
         prefill_requests: int | None = None,
+        after_idle: bool = False,
     ) -> float:
         """Seconds for one step; ``prefill_ctx`` and ``prefill_read`` are not terms of it."""
         if prefill_tokens + decode_tokens <= 0:
@@ -633,6 +650,7 @@ class LinearStepModel:
             + self.b3 * prefill_sq
             + self.b4 * decode_ctx
             + self.b5 * _chunks(prefill_tokens, prefill_requests)
+            + self.b6 * after_idle
         )
 
     def decode_run(self, batch: int, ctx: float) -> DecodeRun:
@@ -685,8 +703,8 @@ def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
     """A :class:`LinearStepModel` from a YAML / JSON file, text or mapping
     (read by :mod:`llmsched.config_loader`).
 
-    Schema (both spellings of the coefficients are accepted; absent attention and per-chunk
-    terms are 0)::
+    Schema (both spellings of the coefficients are accepted; absent attention, per-chunk and
+    idle terms are 0)::
 
         model: llama-3.1-8b-h100        # free text, optional
         kv_tokens: 400000               # KV capacity per replica, optional
@@ -694,7 +712,7 @@ def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
 
     or the file ``llmsched calibrate`` writes (``kind: llmsched.step_time_profile``, coefficients
     named ``b0, prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens,
-    prefill_requests``; a profile from before the per-chunk term has no ``prefill_requests``).
+    prefill_requests, after_idle``; a profile from before these two terms has neither).
 
     >>> load_step_model({"coefficients": {"b0": 0.001, "b1": 1e-5, "b2": 5e-5}}).b1
     1e-05
