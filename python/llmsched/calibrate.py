@@ -92,7 +92,7 @@ __all__ = [
 # alone, and pays for waking up. The step is then a mixed one: the prompts plus the pacer's
 # decode token.
 PACER_PROMPT = 16
-PACER_TOKENS = 64
+PACER_TOKENS = 128
 # Seconds the engine is left idle before a prompt is timed alone.
 IDLE_S = 0.2
 
@@ -487,7 +487,7 @@ def measure(
 
     prompts = [prompt() for _ in range(point.batch)]
     batched = point.paced
-    pacer_ctx = 0
+    pacer_ctx, paced = 0, True
     if batched:
         progress, started, failed = [0], threading.Event(), []
         pacer_prompt = prompt(PACER_PROMPT)
@@ -510,6 +510,9 @@ def measure(
         pacer_ctx = PACER_PROMPT + progress[0]
         batch_s = timed_batch(url, info.model, prompts, point.output_len)
         after = read_metrics(url)
+        # The pacer must still have been decoding when the prompts' step ended (else they may
+        # have found the engine idle): not done as the client saw it after the reply.
+        paced = progress[0] < PACER_TOKENS
         pacer.join(300.0)
         if failed:
             raise failed[0]
@@ -524,8 +527,8 @@ def measure(
         after = read_metrics(url)
     requests = _delta(after, before, "vllm:request_prefill_time_seconds_count")
     steps = _steps_with_prefill(after, before) if point.kind == "prefill" else None
-    if batched and steps is not None and requests != point.batch:
-        steps = float("inf")  # the pacer ended within the measurement: not the step meant
+    if batched and (not paced or (steps is not None and requests != point.batch)):
+        steps = float("inf")  # the pacer ended before or within the measurement: not the step
     engine: float | None = None
     if point.kind == "prefill":
         # Alone: the time to the first token; batched: the whole reply (one token each).
