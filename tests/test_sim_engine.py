@@ -3,6 +3,7 @@ formulas, preemption, prefix caching, P/D transfers and token slices."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -380,3 +381,33 @@ def test_index_mirrors_the_engines_caches(delay: float) -> None:
         held = sim.index.match(hashes, now=sim.now + 1e6).as_dict()
         for rep in sim.replicas:
             assert held.get(rep.id, 0) == rep.kv.lookup(hashes)
+
+
+@ENGINES
+def test_a_step_on_an_idle_replica_pays_the_wake_up(engine: str, tmp_path) -> None:
+    """``b6`` is paid by a step that starts on an idle replica (an arrival after a quiet
+    spell), not by one that follows another step; ``b5`` by every prefill chunk."""
+    rows = [(0.0, 100), (0.0, 100), (5.0, 100)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": n, "output_length": 2}) + "\n"
+            for t, n in rows
+        )
+    )
+    cfg = scenario(
+        replicas=1,
+        step_model={"linear": {"b0": 1e-3, "b1": 1e-4, "b2": 1e-3, "b5": 2e-3, "b6": 0.05}},
+        engine={"kv_tokens": 100_000},
+        workload={"kind": "trace", "path": str(trace), "timestamp_unit": "s"},
+    )
+    sim = Simulation(cfg, "round-robin", engine=engine)
+    sim.run()
+    ttft = sorted(
+        ((r.arrival, r.first_token_time - r.arrival) for r in sim.done), key=lambda x: x[0]
+    )
+    alone = 1e-3 + 100 * 1e-4 + 2e-3 + 0.05  # the first step, on the idle replica
+    beside = 1e-3 + 100 * 1e-4 + 1e-3 + 2e-3  # the next: the first request's decode, no wake-up
+    firsts = sorted(t for a, t in ttft if a == 0.0)
+    assert firsts == pytest.approx([alone, alone + beside], rel=1e-12)
+    assert [t for a, t in ttft if a > 0] == pytest.approx([alone], rel=1e-12)

@@ -259,6 +259,17 @@ STEP_MODELS = st.one_of(
     ),
     st.fixed_dictionaries(
         {
+            "model": st.sampled_from(["llama-3.1-8b", "qwen3-30b-a3b"]),
+            "roofline": st.fixed_dictionaries(
+                {
+                    "prefill_request_s": st.sampled_from([1e-4, 2e-3]),
+                    "idle_start_s": st.sampled_from([0.0, 3e-3]),
+                }
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
             "linear": st.fixed_dictionaries(
                 {
                     "b0": st.floats(0.0, 0.01),
@@ -266,6 +277,8 @@ STEP_MODELS = st.one_of(
                     "b2": st.floats(0.0, 1e-3),
                     "b3": st.sampled_from([0.0, 1e-9]),
                     "b4": st.sampled_from([0.0, 1e-7]),
+                    "b5": st.sampled_from([0.0, 5e-4]),
+                    "b6": st.sampled_from([0.0, 4e-3]),
                 }
             ),
             "profile": st.none(),

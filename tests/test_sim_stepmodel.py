@@ -209,6 +209,49 @@ def test_reads_the_profile_llmsched_calibrate_writes(tmp_path) -> None:
         assert got == pytest.approx(want, rel=1e-6, abs=1e-15)
 
 
+def test_linear_model_charges_each_prefill_chunk() -> None:
+    m = LinearStepModel(b0=1e-3, b1=2e-5, b2=1e-4, b3=1e-9, b5=5e-4)
+    # Two 64-token chunks beside one decode: b5 twice.
+    two = m.step_time(128, 2 * 64**2, 0, 1, 100, 0, prefill_requests=2)
+    assert two == pytest.approx(1e-3 + 2e-5 * 128 + 1e-4 + 1e-9 * 2 * 64**2 + 2 * 5e-4)
+    # Left out, a step with prefill tokens is one chunk; a decode-only step none.
+    assert m.step_time(prefill_tokens=64, prefill_sq=64**2) == m.step_time(
+        prefill_tokens=64, prefill_sq=64**2, prefill_requests=1
+    )
+    assert m.step_time(decode_tokens=4) == pytest.approx(1e-3 + 4e-4)
+    assert m.decode_run(4, 0).time(1) == pytest.approx(1e-3 + 4e-4)
+    # The calibrate file's name for it.
+    doc = {"coefficients": {"b0": 1e-3, "prefill_tokens": 1e-5, "decode_tokens": 1e-4}}
+    doc["coefficients"]["prefill_requests"] = 7e-4
+    assert load_step_model(doc).b5 == 7e-4
+    with pytest.raises(ConfigError, match="b5 must be"):
+        LinearStepModel(b0=1e-3, b1=1e-5, b2=1e-4, b5=-1.0)
+    # A step on an idle replica pays b6 once; the calibrate file calls it after_idle.
+    idle = LinearStepModel(b0=1e-3, b1=2e-5, b2=1e-4, b6=9e-3)
+    woken = idle.step_time(prefill_tokens=64, prefill_sq=64**2, after_idle=True)
+    assert woken - idle.step_time(prefill_tokens=64, prefill_sq=64**2) == pytest.approx(9e-3)
+    doc["coefficients"]["after_idle"] = 6e-3
+    assert load_step_model(doc).b6 == 6e-3
+
+
+def test_roofline_charges_each_prefill_chunk_when_asked() -> None:
+    base = RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"])
+    charged = RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], prefill_request_s=2e-4)
+    work = {"prefill_tokens": 1024, "prefill_sq": 4 * 256**2, "decode_tokens": 8}
+    # The presets charge nothing per chunk: the count changes nothing...
+    assert base.step_time(**work, prefill_requests=4) == base.step_time(**work)
+    # ... and a set cost is paid once per chunk, on top of the same step.
+    extra = charged.step_time(**work, prefill_requests=4) - base.step_time(**work)
+    assert extra == pytest.approx(4 * 2e-4)
+    assert charged.decode_run(8, 800).time(3) == base.decode_run(8, 800).time(3)
+    assert charged.constants()["prefill_request_s"] == 2e-4
+    woken = RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], idle_start_s=5e-3)
+    assert woken.step_time(**work, after_idle=True) - base.step_time(**work) == pytest.approx(5e-3)
+    assert base.step_time(**work, after_idle=True) == base.step_time(**work)
+    with pytest.raises(ConfigError, match="prefill_request_s"):
+        RooflineStepModel(MODELS["llama-3.1-8b"], GPUS["H100"], prefill_request_s=-1.0)
+
+
 @given(finite, finite, finite, finite, finite, finite, finite, st.integers(0, 300))
 def test_three_piece_decode_run_is_the_sum_of_its_steps(a1, g1, a2, g2, a3, g3, c, k) -> None:
     run = DecodeRun(a1, g1, a2, g2, c, a3, g3)

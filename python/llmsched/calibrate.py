@@ -4,16 +4,31 @@ The model is the simulator's :class:`~llmsched.sim.LinearStepModel`::
 
     t = b0 + b1 * prefill_tokens + b2 * decode_tokens
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
+           + b5 * prefill_requests + b6 * after_idle
 
 Measurement, against any OpenAI-compatible engine that streams (vLLM, SGLang): every prompt is a
 list of token ids drawn fresh from the engine's own vocabulary (its ``/tokenize`` answer), so
 its length is exact and it never hits the prefix cache; ``ignore_eos`` fixes the output length,
 and ``continuous_usage_stats`` makes every streamed chunk say how many tokens it carries.
 
-- **Prefill** (one sample per prompt length ``n`` of the grid): one request alone, ``n`` prompt
-  tokens and one output token. Its time to first token, as a client sees it, is one prefill step
-  (``P = n``, ``sum(chunk^2) = n^2``) plus the engine's per-request overhead (HTTP, tokenizing
-  the answer), which the step model folds into ``b0``.
+- **Prefill on an idle engine** (one sample per prompt length ``n`` of the grid): one request
+  alone, ``n`` prompt tokens and one output token, after the engine was left idle for
+  :data:`IDLE_S` seconds. Its time to first token, as a client sees it, is one prefill step
+  (``P = n``, ``sum(chunk^2) = n^2``, one sequence, ``after_idle``) plus the engine's
+  per-request overhead (HTTP, tokenizing the answer), which the step model folds into ``b0``.
+- **Paced prefill** (per total ``n``, as one prompt and as ``k`` prompts of ``n // k`` tokens
+  for each ``k`` of ``prefill_batches``): the prompts in one completion request (the API's
+  list of prompts), one output token each, sent while a pacer request (:data:`PACER_PROMPT`
+  prompt tokens, :data:`PACER_TOKENS` output tokens) decodes: the busy engine queues the
+  prompts and prefills them together in its next step, where an idle one would start on the
+  first alone. The sample is that mixed step (``P = k * (n // k)``, ``sum(chunk^2) = k *
+  (n // k)^2``, ``k`` sequences, and the pacer's decode token at its KV length when the
+  prompts were sent). Beside each other and the idle prefill of the same length these tell
+  the cost per prefilled sequence (``b5``) and that of waking an idle engine (``b6``) from
+  the cost per token and per step. Where vLLM exports ``vllm:iteration_tokens_total`` the
+  engine's steps of more than one token are counted: a measurement the engine split over
+  several steps (or whose pacer ended within it) is taken again, up to ``repeats`` more
+  times, and a point that never lands in one step is left out (``meta.split_points``).
 - **Decode** (one sample per batch size ``b`` and context ``n``): ``b`` requests at once, each
   with ``n`` prompt tokens and ``m = decode_tokens`` output tokens. A request's time from its
   first token to its last over ``m - 1`` is its mean decode step (``D = b``,
@@ -32,9 +47,13 @@ The engine's own ``/metrics`` are read before and after: the prefix-cache counte
 must not hit the cache) and, where vLLM exports them, its time-to-first-token and inter-token
 histograms, recorded beside the client's view in the profile's ``meta.engine_metrics``.
 
->>> grid = EngineGrid(prompt_lens=(16, 64), batch_sizes=(1, 2), context_lens=(16,))
->>> [p.kind for p in grid.points(kv_tokens=4096, max_model_len=2048)]
-['prefill', 'prefill', 'decode', 'decode']
+>>> grid = EngineGrid(prompt_lens=(16, 64), batch_sizes=(1, 2), context_lens=(16,),
+...                   prefill_batches=(4,))
+>>> points = grid.points(kv_tokens=4096, max_model_len=2048)
+>>> [(p.batch, p.prompt_len, p.paced) for p in points if p.kind == "prefill"]
+[(1, 16, False), (1, 64, False), (1, 16, True), (1, 64, True), (4, 4, True), (4, 16, True)]
+>>> [p.kind for p in points][6:]
+['decode', 'decode']
 """
 
 from __future__ import annotations
@@ -63,26 +82,44 @@ __all__ = [
     "calibrate_engine",
     "engine_info",
     "read_metrics",
+    "timed_batch",
     "timed_completion",
 ]
 
 
+# A paced prefill runs beside one decoding request (the pacer) so the engine is busy when the
+# prompts arrive and takes them all in its next step: an idle engine starts on the first prompt
+# alone, and pays for waking up. The step is then a mixed one: the prompts plus the pacer's
+# decode token.
+PACER_PROMPT = 16
+PACER_TOKENS = 128
+# Seconds the engine is left idle before a prompt is timed alone.
+IDLE_S = 0.2
+
+
 @dataclass(frozen=True)
 class GridPoint:
-    """One measurement: ``kind`` ``prefill`` (``batch`` is 1) or ``decode``."""
+    """One measurement: ``kind`` ``prefill`` (``batch`` prompts of ``prompt_len`` tokens
+    prefilled in one step; ``paced``: beside a decoding request, else on an idle engine) or
+    ``decode``."""
 
     kind: str
     batch: int
     prompt_len: int
     output_len: int
+    paced: bool = False
 
 
 @dataclass(frozen=True)
 class EngineGrid:
     """The prompt lengths (prefill), batch sizes and contexts (decode) to time.
 
-    ``batch_sizes`` should not pass the engine's ``--max-num-seqs`` (a request beyond it waits
-    in the queue and its decode is not one batch).
+    ``prefill_batches``: each prompt length ``n`` is also timed beside a decoding request, as
+    one prompt and as ``k`` prompts of ``n // k`` tokens prefilled together for each ``k`` here
+    (``()``: none of these; then neither the cost per prefilled sequence nor that of a step
+    on an idle engine can be told from the cost per step with prefill). ``batch_sizes`` and
+    ``prefill_batches`` should not pass the engine's ``--max-num-seqs``, nor a prompt length its
+    ``--max-num-batched-tokens`` (a request beyond them waits, and the step is not one batch).
     """
 
     prompt_lens: tuple[int, ...] = (32, 128, 512, 1024)
@@ -90,6 +127,7 @@ class EngineGrid:
     context_lens: tuple[int, ...] = (32, 256, 512)
     decode_tokens: int = 32
     repeats: int = 3
+    prefill_batches: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
         if not self.prompt_lens or not self.batch_sizes or not self.context_lens:
@@ -97,6 +135,10 @@ class EngineGrid:
         values = (*self.prompt_lens, *self.batch_sizes, *self.context_lens, self.repeats)
         if min(values) < 1:
             raise ConfigError("calibration grid: every length, batch size and repeat must be >= 1")
+        if any(k < 2 for k in self.prefill_batches):
+            raise ConfigError(
+                f"calibration grid: prefill batches must be >= 2, got {list(self.prefill_batches)}"
+            )
         if self.decode_tokens < 4:
             raise ConfigError(
                 f"calibration grid: decode_tokens must be >= 4, got {self.decode_tokens}"
@@ -110,6 +152,12 @@ class EngineGrid:
         for n in self.prompt_lens:
             if n + 1 <= longest and n + 1 <= limit:
                 out.append(GridPoint("prefill", 1, n, 1))
+        for k in (1, *self.prefill_batches) if self.prefill_batches else ():
+            for n in self.prompt_lens:
+                part = n // k
+                room = k * (part + 1) + PACER_PROMPT + PACER_TOKENS
+                if part >= 1 and part + 1 <= longest and room <= limit:
+                    out.append(GridPoint("prefill", k, part, 1, paced=True))
         m = self.decode_tokens
         for b in self.batch_sizes:
             for n in self.context_lens:
@@ -177,11 +225,14 @@ def timed_completion(
     max_tokens: int,
     timeout_s: float = 300.0,
     extra: Mapping[str, object] | None = None,
+    progress: list[int] | None = None,
+    started: threading.Event | None = None,
 ) -> StreamTiming:
     """Send one streamed ``/v1/completions`` request of token ids and time its tokens.
 
     ``ignore_eos`` makes it produce exactly ``max_tokens`` tokens; ConfigError when the engine
-    refuses it or the stream ends short.
+    refuses it or the stream ends short. ``progress`` (a one-element list) follows the tokens
+    received so far and ``started`` is set at the first (both for a caller on another thread).
     """
     host, port, base = _split(url)
     body: dict[str, object] = {
@@ -217,6 +268,10 @@ def timed_completion(
             prompt_tokens = int(usage.get("prompt_tokens") or prompt_tokens)
             times.extend([now] * (done - seen))
             seen = max(seen, done)
+            if progress is not None:
+                progress[0] = seen
+            if started is not None and seen > 0:
+                started.set()
     except OSError as exc:
         raise ConfigError(f"engine {url}: completion failed: {exc}") from None
     finally:
@@ -227,6 +282,36 @@ def timed_completion(
             "(does it report continuous_usage_stats?)"
         )
     return StreamTiming(sent, tuple(times[:max_tokens]), prompt_tokens)
+
+
+def timed_batch(
+    url: str,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    timeout_s: float = 300.0,
+) -> float:
+    """Send one unstreamed ``/v1/completions`` request holding every prompt of ``prompts``
+    (token ids) and return its seconds; ConfigError when the engine refuses it or answers fewer
+    choices."""
+    body = {
+        "model": model,
+        "prompt": [list(p) for p in prompts],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    sent = time.perf_counter()
+    status, reply = _request(url, "POST", "/v1/completions", body, timeout_s)
+    seconds = time.perf_counter() - sent
+    if status != 200:
+        raise ConfigError(f"engine {url} refused a batched completion ({status}): {reply[:300]!r}")
+    choices = json.loads(reply).get("choices") or []
+    if len(choices) != len(prompts):
+        raise ConfigError(
+            f"engine {url}: {len(choices)} choices for a request of {len(prompts)} prompts"
+        )
+    return seconds
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -333,22 +418,60 @@ def _concurrently(jobs: Sequence[Callable[[], T]]) -> list[T]:
 @dataclass(frozen=True)
 class Measurement:
     """One grid point measured once: the step time as the engine's own metrics give it
-    (``None`` where the engine does not export them) and as the client saw it."""
+    (``None`` where the engine does not export them), as the client saw it, and the engine
+    steps with prefill it took (``None`` where the engine does not count them) and, for a
+    paced prefill, the KV length of the decoding request beside it (``pacer_ctx``)."""
 
     point: GridPoint
     engine_s: float | None
     client_s: float
+    engine_steps: float | None = None
+    pacer_ctx: int = 0
+
+    @property
+    def split(self) -> bool:
+        """A prefill the engine spread over more than one step (not the shape it stands for)."""
+        return (
+            self.point.kind == "prefill" and self.engine_steps is not None and self.engine_steps > 1
+        )
 
     def sample(self, seconds: float) -> StepSample:
         """The point's step shape with ``seconds``."""
         n, b, m = self.point.prompt_len, self.point.batch, self.point.output_len
         if self.point.kind == "prefill":
-            return StepSample(n, 0, n * n, 0, seconds)
+            d = 1 if self.point.paced else 0
+            return StepSample(
+                b * n,
+                d,
+                b * n * n,
+                self.pacer_ctx,
+                seconds,
+                prefill_requests=b,
+                after_idle=not self.point.paced,
+            )
         return StepSample(0, b, 0, b * (n + m // 2), seconds)
 
 
 def _delta(after: Mapping[str, float], before: Mapping[str, float], name: str) -> float:
     return _metric_sum(after, name) - _metric_sum(before, name)
+
+
+def _steps_with_prefill(after: Mapping[str, float], before: Mapping[str, float]) -> float | None:
+    """Engine steps of more than one token between the two scrapes (vLLM's
+    ``vllm:iteration_tokens_total`` histogram: its count less its ``le="1.0"`` bucket); None
+    where the engine does not export it."""
+    name = "vllm:iteration_tokens_total"
+    if not any(k.startswith(name + "_count") for k in after):
+        return None
+
+    def single(metrics: Mapping[str, float]) -> float:
+        return sum(
+            v
+            for k, v in metrics.items()
+            if k.startswith(name + "_bucket{") and _label(k, "le") in ("1", "1.0")
+        )
+
+    return _delta(after, before, name + "_count") - (single(after) - single(before))
 
 
 def measure(
@@ -359,18 +482,57 @@ def measure(
 ) -> Measurement:
     """Time one grid point once (see the module docs)."""
 
-    def prompt() -> list[int]:
-        return [rng.choice(info.vocabulary) for _ in range(point.prompt_len)]
+    def prompt(n: int = point.prompt_len) -> list[int]:
+        return [rng.choice(info.vocabulary) for _ in range(n)]
 
     prompts = [prompt() for _ in range(point.batch)]
-    jobs = [(lambda p=p: timed_completion(url, info.model, p, point.output_len)) for p in prompts]
-    before = read_metrics(url)
-    timings = _concurrently(jobs)
-    after = read_metrics(url)
+    batched = point.paced
+    pacer_ctx, paced = 0, True
+    if batched:
+        progress, started, failed = [0], threading.Event(), []
+        pacer_prompt = prompt(PACER_PROMPT)
+
+        def pace() -> None:
+            try:
+                timed_completion(
+                    url, info.model, pacer_prompt, PACER_TOKENS, progress=progress, started=started
+                )
+            except BaseException as exc:  # re-raised on the calling thread below
+                failed.append(exc)
+                started.set()
+
+        pacer = threading.Thread(target=pace, daemon=True)
+        pacer.start()
+        started.wait(300.0)
+        if failed:
+            raise failed[0]
+        before = read_metrics(url)
+        pacer_ctx = PACER_PROMPT + progress[0]
+        batch_s = timed_batch(url, info.model, prompts, point.output_len)
+        after = read_metrics(url)
+        # The pacer must still have been decoding when the prompts' step ended (else they may
+        # have found the engine idle): not done as the client saw it after the reply.
+        paced = progress[0] < PACER_TOKENS
+        pacer.join(300.0)
+        if failed:
+            raise failed[0]
+    else:
+        if point.kind == "prefill":
+            time.sleep(IDLE_S)  # an idle engine, as a request after a quiet spell finds it
+        before = read_metrics(url)
+        jobs = [
+            (lambda p=p: timed_completion(url, info.model, p, point.output_len)) for p in prompts
+        ]
+        timings = _concurrently(jobs)
+        after = read_metrics(url)
     requests = _delta(after, before, "vllm:request_prefill_time_seconds_count")
+    steps = _steps_with_prefill(after, before) if point.kind == "prefill" else None
+    if batched and (not paced or (steps is not None and requests != point.batch)):
+        steps = float("inf")  # the pacer ended before or within the measurement: not the step
     engine: float | None = None
     if point.kind == "prefill":
-        client = timings[0].ttft
+        # Alone: the time to the first token; batched: the whole reply (one token each).
+        client = batch_s if batched else timings[0].ttft
         if requests > 0:
             engine = _delta(after, before, "vllm:request_prefill_time_seconds_sum") / requests
     else:
@@ -384,7 +546,7 @@ def measure(
             engine = _delta(after, before, "vllm:request_decode_time_seconds_sum") / gaps
     if engine is not None and engine <= 0:
         engine = None
-    return Measurement(point, engine, client)
+    return Measurement(point, engine, client, steps, pacer_ctx)
 
 
 @dataclass
@@ -449,22 +611,36 @@ def calibrate_engine(
     before = [read_metrics(u) for u in urls]
     progress = _Progress(of=len(points) * grid.repeats, report=report)
     measured: list[list[Measurement]] = []
+    split_points: list[dict[str, int]] = []
+    retries = 0
     for point in points:
         runs: list[Measurement] = []
-        for _ in range(grid.repeats):
+        kept, tries = 0, 0
+        # A batched prefill that the engine split over steps is taken again (bounded).
+        while kept < grid.repeats and tries < 2 * grid.repeats:
+            tries += 1
             jobs = [
                 (lambda u=u, i=i, r=r, p=point: measure(u, i, p, r))
                 for u, i, r in zip(urls, infos, rngs, strict=True)
             ]
             now = _concurrently(jobs)
-            runs.extend(now)
+            whole = [m for m in now if not m.split]
+            runs.extend(whole)
+            retries += len(now) - len(whole)
+            if len(whole) < len(now) and tries < 2 * grid.repeats:
+                progress.of += 1
+            kept += 1 if whole else 0
             seen = [m.engine_s if m.engine_s is not None else m.client_s for m in now]
             progress.step(
                 f"{point.kind} batch {point.batch} x {point.prompt_len} tokens: "
                 + ", ".join(f"{x * 1e3:.2f} ms" for x in seen)
                 + f" (client {now[0].client_s * 1e3:.2f} ms)"
+                + ("" if len(whole) == len(now) else " (split over steps: taken again)")
             )
-        measured.append(runs)
+        if runs:
+            measured.append(runs)
+        else:
+            split_points.append({"batch": point.batch, "prompt_len": point.prompt_len})
     # The engine's own clock where it has one for every point: a front end that falls behind
     # (a loaded machine) delays what the client sees, not the engine's steps.
     use_engine = all(r.engine_s is not None for runs in measured for r in runs)
@@ -511,6 +687,8 @@ def calibrate_engine(
         "seed": seed,
         "timing": "engine metrics" if use_engine else "client",
         "engine_metrics": engine,
+        "split_retries": retries,
+        "split_points": split_points,
     }
     if use_engine:
         client_fit = StepTimeProfile.fit(client_samples)

@@ -102,13 +102,14 @@ def add_calibrate_command(subparsers: Subparsers) -> None:
         help="fit the simulator's step-time model on a running engine or the reference "
         "executor and write the profile (YAML)",
         description=(
-            "With --engine URL: time prefill requests over prompt lengths and decode steps over "
-            "batch sizes and contexts on a running OpenAI-compatible engine (vLLM), read its "
-            "/metrics, and fit the simulator's linear step model. Without it: time prefill, "
-            "decode and mixed steps of the reference executor (torch). Then fit, by least "
-            "squares with no coefficient below zero, b0 + b1*prefill_tokens + "
-            "b2*decode_tokens plus attention terms, write the profile that "
-            "`llmsched sim --step-model` reads and print the fit error."
+            "With --engine URL: time prefill requests over prompt lengths (alone and several "
+            "at once), and decode steps over batch sizes and contexts on a running "
+            "OpenAI-compatible engine (vLLM), read its /metrics, and fit the simulator's "
+            "linear step model. Without it: time prefill, decode and mixed steps of the "
+            "reference executor (torch). Then fit, by least squares with no coefficient below "
+            "zero, b0 + b1*prefill_tokens + b2*decode_tokens plus attention terms and a cost "
+            "per prefilled sequence, write the profile that `llmsched sim --step-model` reads "
+            "and print the fit error."
         ),
     )
     parser.add_argument("--out", default="step_time_profile.yaml", help="profile path to write")
@@ -121,6 +122,12 @@ def add_calibrate_command(subparsers: Subparsers) -> None:
     parser.add_argument("--model", default=None, help="with --engine: served model name")
     parser.add_argument(
         "--prompt-lens", type=_int_list, default=None, help="with --engine: prefill prompt lengths"
+    )
+    parser.add_argument(
+        "--prefill-batches",
+        type=_int_list,
+        default=None,
+        help="with --engine: prompts prefilled together per prompt length (default 2,4)",
     )
     parser.add_argument(
         "--decode-tokens", type=int, default=None, help="with --engine: output tokens per decode"
@@ -202,6 +209,7 @@ def _calibrate_engine(args: argparse.Namespace) -> int:
         "context_lens": args.context_lens,
         "decode_tokens": args.decode_tokens,
         "repeats": args.repeats,
+        "prefill_batches": args.prefill_batches,
     }
     grid = dataclasses.replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     urls = [u.strip() for u in args.engine.split(",") if u.strip()]

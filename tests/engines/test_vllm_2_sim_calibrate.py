@@ -47,20 +47,26 @@ RATES = (1.5, 4.0)  # requests per second over both engines
 # What is asserted, from runs on the shared two-core machine (other builds and engines on it;
 # the simulator docs give the measured figures):
 # - throughput (relative error) and prefix hit rate (absolute difference): the simulator's
-#   schedule and cache model; measured within 0-7% and 0.00;
+#   schedule and cache model; measured within 0-12% and 0.00-0.04;
 # - TPOT, the engines' own mean (their clock, immune to a front end that streams several tokens
 #   in one chunk): within a factor; real / sim was 1.0-2.1 with both engines calibrated at
 #   once, 2.2-2.8 when one was calibrated alone (the replay runs both, the gateway and the
-#   client on two cores);
-# - TTFT: the simulator predicts the engine's queue and prefill, which both the engines' own
-#   mean and the client's p50 / p90 include, so sim <= real. The engines' mean was 1.4-7x the
-#   simulator's (vLLM's first step of a request costs more than a linear model in tokens gives
-#   it), the client's p50 5-30x (the HTTP front end, the gateway and CPU contention, outside
-#   any step model): reported, not bounded.
+#   client on two cores), and up to 4.0 at 4 requests/s with the machine at a load of 15;
+# - TTFT, the engines' own mean (queue + prefill, their clock): within a factor. With the
+#   step model's cost of a step on an idle engine (an arrival after a quiet spell wakes the
+#   engine: about 10 ms on these engines) real / sim was 1.0-1.6 at 1.5 requests/s and 1.2-7.9
+#   at 4 (the higher with the machine at a load of 15); without it 3.1-4.1;
+# - TTFT at the client (p50, p90): the simulator predicts the engine's queue and prefill,
+#   which the client's figure includes, so sim <= real; the rest (the HTTP front end, the
+#   gateway and CPU contention, outside any step model) is 4-20x the simulator's figure.
 THROUGHPUT_ERROR = 0.25
 HIT_RATE_ERROR = 0.06
 TPOT_FACTOR = (0.5, 4.0)  # real / sim, engines' own mean
-FIT_MEDIAN_ERROR = 0.4  # the grid's median relative fit error (3-26% measured)
+ENGINE_TTFT_FACTOR = (0.5, 12.0)  # real / sim, engines' own mean
+# The grid's median relative fit error: 3-26% over the prompt-alone and decode grid; 17-39%
+# with the prompts also timed beside a decoding request and several at once, on this
+# machine at a load of 8-15 (the same session's prompt-alone grid: 13.5%).
+FIT_MEDIAN_ERROR = 0.5
 METRICS = (
     "ttft_p50",
     "ttft_p90",
@@ -249,7 +255,10 @@ def violations(rate: float, sim: dict[str, float], real: dict[str, float]) -> li
     ratio = real["engine_tpot_mean"] / sim["engine_tpot_mean"]
     if not TPOT_FACTOR[0] <= ratio <= TPOT_FACTOR[1]:
         out.append("engine_tpot_mean")
-    out += [m for m in ("ttft_p50", "ttft_p90", "engine_ttft_mean") if sim[m] > real[m]]
+    ratio = real["engine_ttft_mean"] / sim["engine_ttft_mean"]
+    if not ENGINE_TTFT_FACTOR[0] <= ratio <= ENGINE_TTFT_FACTOR[1]:
+        out.append("engine_ttft_mean")
+    out += [m for m in ("ttft_p50", "ttft_p90") if sim[m] > real[m]]
     return [f"rate {rate}: {m} sim {sim[m]:.4g} real {real[m]:.4g}" for m in out]
 
 

@@ -291,6 +291,8 @@ struct Replica {
     busy: bool,
     stepping: bool,
     step_start: f64,
+    /// When the last step ended: a step that starts later starts on an idle replica.
+    last_end: f64,
     chunks: Vec<(usize, u64)>,
     run: Option<DecodeRun>,
     run_steps: u64,
@@ -533,6 +535,7 @@ impl<'p> Simulation<'p> {
                 busy: false,
                 stepping: false,
                 step_start: 0.0,
+                last_end: f64::NEG_INFINITY,
                 chunks: Vec::new(),
                 run: None,
                 run_steps: 0,
@@ -1394,6 +1397,7 @@ impl Replica {
     fn on_step_end(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
         self.busy = false;
         self.stepping = true;
+        self.last_end = now;
         if self.run_steps > 0 {
             let k = self.run_steps;
             let grown = self.kv.advance_decoding(k);
@@ -1706,6 +1710,8 @@ impl Replica {
 
     fn start_single(&mut self, now: f64, w: &mut World<'_>) {
         let mut work = StepWork {
+            prefill_requests: self.chunks.len() as u64,
+            after_idle: now > self.last_end,
             decode_tokens: self.decode_n,
             decode_ctx: self.decode_ctx,
             ..StepWork::default()

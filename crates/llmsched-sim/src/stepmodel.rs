@@ -26,8 +26,14 @@ pub struct Roofline {
     pub overlap: f64,
     /// Seconds of element-wise layers per token.
     pub token_s: f64,
-    /// Seconds per request in the batch.
+    /// Seconds per row that needs logits.
     pub request_s: f64,
+    /// Seconds per prefill chunk in the step (0 when not given).
+    #[serde(default)]
+    pub prefill_request_s: f64,
+    /// Seconds a step that starts on an idle replica adds (0 when not given).
+    #[serde(default)]
+    pub idle_start_s: f64,
     /// Every weight (what the Python side hands over; the step reads `read_params`).
     pub params: f64,
     /// Parameters a step reads in full (all but an untied embedding table).
@@ -44,7 +50,8 @@ pub struct Roofline {
     pub link_bw: f64,
 }
 
-/// `t = b0 + b1*P + b2*D + b3*prefill_sq + b4*decode_ctx`.
+/// `t = b0 + b1*P + b2*D + b3*prefill_sq + b4*decode_ctx + b5*prefill_requests
+/// + b6*after_idle`.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Linear {
@@ -53,6 +60,12 @@ pub struct Linear {
     pub b2: f64,
     pub b3: f64,
     pub b4: f64,
+    /// Seconds per prefill chunk in the step (0 when not given).
+    #[serde(default)]
+    pub b5: f64,
+    /// Seconds a step that starts on an idle replica adds (0 when not given).
+    #[serde(default)]
+    pub b6: f64,
 }
 
 /// A step-time model; decoded from `{"kind": "roofline" | "linear", <constants>}`.
@@ -66,12 +79,16 @@ pub enum StepModel {
 /// The work of one step (the arguments of Python's `step_time`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepWork {
+    /// Prefill chunks in the step (one per request that prefills).
+    pub prefill_requests: u64,
     pub prefill_tokens: u64,
     pub prefill_sq: u64,
     pub prefill_ctx: u64,
     pub decode_tokens: u64,
     pub decode_ctx: u64,
     pub prefill_read: u64,
+    /// The step starts on a replica that had no step in flight.
+    pub after_idle: bool,
 }
 
 impl Roofline {
@@ -124,7 +141,10 @@ impl StepModel {
                 let t_c = flops / r.flop_rate;
                 let t_m = moved / r.byte_rate;
                 let bound = py_max(py_max(t_c, t_m), r.overlap * (t_c + t_m));
-                let per_item = r.token_s * tokens as f64 + r.request_s * rows as f64;
+                let per_item = r.token_s * tokens as f64
+                    + r.request_s * rows as f64
+                    + r.prefill_request_s * w.prefill_requests as f64
+                    + r.idle_start_s * f64::from(u8::from(w.after_idle));
                 bound + per_item + r.fixed(tokens)
             }
             StepModel::Linear(l) => {
@@ -132,6 +152,8 @@ impl StepModel {
                     + l.b2 * w.decode_tokens as f64
                     + l.b3 * w.prefill_sq as f64
                     + l.b4 * w.decode_ctx as f64
+                    + l.b5 * w.prefill_requests as f64
+                    + l.b6 * f64::from(u8::from(w.after_idle))
             }
         }
     }
@@ -164,16 +186,19 @@ impl StepModel {
         }
     }
 
-    /// A request's time alone on an idle replica: its chunked prefill, then its decode steps.
+    /// A request's time alone on an idle replica: its chunked prefill (the first chunk starts on
+    /// the idle replica), then its decode steps.
     pub fn ideal(&self, prompt: u64, output: u64, budget: u64) -> f64 {
         let (mut t, mut left, mut ctx) = (0.0, prompt, 0u64);
         while left > 0 {
             let chunk = left.min(budget);
             t += self.step_time(&StepWork {
+                prefill_requests: 1,
                 prefill_tokens: chunk,
                 prefill_sq: chunk * chunk,
                 prefill_ctx: chunk * ctx,
                 prefill_read: ctx,
+                after_idle: ctx == 0,
                 ..StepWork::default()
             });
             left -= chunk;
@@ -302,9 +327,22 @@ mod tests {
 
     #[test]
     fn linear_model_is_affine() {
-        let m = StepModel::Linear(Linear { b0: 1e-3, b1: 2e-5, b2: 1e-4, b3: 0.0, b4: 0.0 });
-        let w = StepWork { prefill_tokens: 100, decode_tokens: 10, ..StepWork::default() };
-        assert!((m.step_time(&w) - 0.004).abs() < 1e-15);
+        let m = StepModel::Linear(Linear {
+            b0: 1e-3,
+            b1: 2e-5,
+            b2: 1e-4,
+            b3: 0.0,
+            b4: 0.0,
+            b5: 5e-4,
+            b6: 0.0,
+        });
+        let w = StepWork {
+            prefill_requests: 2,
+            prefill_tokens: 100,
+            decode_tokens: 10,
+            ..StepWork::default()
+        };
+        assert!((m.step_time(&w) - 0.005).abs() < 1e-15);
         assert_eq!(m.step_time(&StepWork::default()), 0.0);
         let run = m.decode_run(2, 10);
         assert!((run.time(3) - 3.0 * (1e-3 + 2e-4)).abs() < 1e-15);

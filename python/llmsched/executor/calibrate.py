@@ -112,7 +112,12 @@ def calibrate(
             decode_ctx = batch * (context + 1)
             samples.append(
                 StepSample(
-                    batch * context, 0, batch * context**2, 0, time_it(step(prefill), grid.repeats)
+                    batch * context,
+                    0,
+                    batch * context**2,
+                    0,
+                    time_it(step(prefill), grid.repeats),
+                    prefill_requests=batch,
                 )
             )
             samples.append(StepSample(0, batch, 0, decode_ctx, time_it(step(decode), grid.repeats)))

@@ -1,9 +1,18 @@
 """The step-time model the simulator uses, its least-squares fit and its YAML profile.
 
-Model (BLIS's linear terms plus Vidur's attention terms)::
+Model (BLIS's linear terms plus Vidur's attention terms, a fixed cost per prefill chunk and
+one for a step that starts on an idle engine)::
 
     t = b0 + b1 * prefill_tokens + b2 * decode_tokens
            + b3 * sum(prefill_chunk ** 2) + b4 * sum(decode_context_lengths)
+           + b5 * prefill_requests + b6 * after_idle
+
+``prefill_requests`` counts the sequences the step prefills (a chunk each); ``b2`` already is a
+cost per decoding sequence. ``b5`` is identifiable only from steps that prefill several
+sequences at once beside steps that prefill one of the same total length; without them it is
+the extra fixed cost of a step with prefill over a decode step. ``after_idle`` is 1 for a
+step the engine started after waiting for work (it wakes its loop and workers first); ``b6``
+is identifiable from the same prompt timed on an idle engine and beside a running request.
 
 fitted by least squares on relative error (each sample's row divided by its measured time, so a
 1 ms decode step counts as much as a 100 ms prefill), with no coefficient below zero (the
@@ -36,18 +45,49 @@ __all__ = ["FitError", "StepSample", "StepTimeProfile"]
 
 PROFILE_KIND = "llmsched.step_time_profile"
 PROFILE_VERSION = 1
-TERMS = ("b0", "prefill_tokens", "decode_tokens", "prefill_tokens_sq", "decode_context_tokens")
+TERMS = (
+    "b0",
+    "prefill_tokens",
+    "decode_tokens",
+    "prefill_tokens_sq",
+    "decode_context_tokens",
+    "prefill_requests",
+    "after_idle",
+)
+# A profile written before the per-chunk and idle terms names the first five.
+_TERMS_V1 = TERMS[:5]
 
 
 @dataclass(frozen=True)
 class StepSample:
-    """One measured step: its batch composition and wall time in seconds."""
+    """One measured step: its batch composition and wall time in seconds.
+
+    ``prefill_requests`` is how many sequences it prefills; ``None`` (the default) reads as one
+    when it has prefill tokens and none otherwise. ``after_idle``: the engine had no step in
+    flight when this one started.
+
+    >>> StepSample(64, 0, 2 * 32**2, 0, 0.01, prefill_requests=2).features()
+    [1.0, 64.0, 0.0, 2048.0, 0.0, 2.0, 0.0]
+    """
 
     prefill_tokens: int
     decode_tokens: int
     prefill_tokens_sq: int
     decode_context_tokens: int
     seconds: float
+    prefill_requests: int | None = None
+    after_idle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefill_requests is None:
+            object.__setattr__(self, "prefill_requests", 1 if self.prefill_tokens > 0 else 0)
+        elif self.prefill_requests < 0 or (self.prefill_requests == 0) != (
+            self.prefill_tokens == 0
+        ):
+            raise ConfigError(
+                f"a sample with {self.prefill_tokens} prefill tokens cannot prefill "
+                f"{self.prefill_requests} sequences"
+            )
 
     def features(self) -> list[float]:
         """The regressors in :data:`TERMS` order."""
@@ -57,6 +97,8 @@ class StepSample:
             float(self.decode_tokens),
             float(self.prefill_tokens_sq),
             float(self.decode_context_tokens),
+            float(self.prefill_requests or 0),
+            float(self.after_idle),
         ]
 
 
@@ -107,7 +149,7 @@ class StepTimeProfile:
     def fit(
         cls, samples: Sequence[StepSample], meta: Mapping[str, Any] | None = None
     ) -> StepTimeProfile:
-        """Relative-error least-squares fit of the five-term model (and the three-term one)."""
+        """Relative-error least-squares fit of the seven-term model (and the three-term one)."""
         if len(samples) < len(TERMS):
             raise ConfigError(f"need at least {len(TERMS)} samples to fit, got {len(samples)}")
         x = np.array([s.features() for s in samples])
@@ -130,12 +172,21 @@ class StepTimeProfile:
         decode_tokens: int,
         prefill_tokens_sq: int | None = None,
         decode_context_tokens: int = 0,
+        prefill_requests: int | None = None,
+        after_idle: bool = False,
     ) -> float:
-        """Predicted step seconds; ``prefill_tokens_sq`` defaults to one chunk's square."""
+        """Predicted step seconds; ``prefill_tokens_sq`` defaults to one chunk's square and
+        ``prefill_requests`` to one chunk."""
         if prefill_tokens_sq is None:
             prefill_tokens_sq = prefill_tokens * prefill_tokens
         features = StepSample(
-            prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens, 1.0
+            prefill_tokens,
+            decode_tokens,
+            prefill_tokens_sq,
+            decode_context_tokens,
+            1.0,
+            prefill_requests,
+            after_idle,
         ).features()
         return float(sum(self.coefficients[t] * f for t, f in zip(TERMS, features, strict=True)))
 
@@ -166,11 +217,14 @@ class StepTimeProfile:
         if data.get("version") != PROFILE_VERSION:
             raise ConfigError(f"{path}: unsupported profile version {data.get('version')!r}")
         coefficients = data.get("coefficients")
-        if not isinstance(coefficients, dict) or set(coefficients) != set(TERMS):
+        if not isinstance(coefficients, dict) or set(coefficients) not in (
+            set(TERMS),
+            set(_TERMS_V1),
+        ):
             raise ConfigError(f"{path}: coefficients must name exactly {list(TERMS)}")
         try:
             return cls(
-                coefficients={t: float(coefficients[t]) for t in TERMS},
+                coefficients={t: float(coefficients.get(t, 0.0)) for t in TERMS},
                 error=FitError(**data["fit_error"]),
                 linear_error=FitError(**data["linear_fit_error"]),
                 samples=[StepSample(**s) for s in data.get("samples", [])],

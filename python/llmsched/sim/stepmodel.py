@@ -1,9 +1,12 @@
 """How long one engine step takes: a roofline model of model plus GPU, or a fitted linear model.
 
-A step processes a batch: prefill chunks (``prefill_tokens`` in all, ``prefill_sq`` the sum of
-squared chunk lengths, ``prefill_ctx`` the sum over chunks of chunk length times the context
-already cached before it, ``prefill_read`` the sum of those contexts: the KV each chunk reads)
-and ``decode_tokens`` decoding requests whose KV lengths sum to ``decode_ctx``.
+A step processes a batch: ``prefill_requests`` prefill chunks (``prefill_tokens`` in all,
+``prefill_sq`` the sum of squared chunk lengths, ``prefill_ctx`` the sum over chunks of chunk
+length times the context already cached before it, ``prefill_read`` the sum of those contexts:
+the KV each chunk reads) and ``decode_tokens`` decoding requests whose KV lengths sum to
+``decode_ctx``. ``prefill_requests`` left out (``None``) counts one chunk when the step has
+prefill tokens. ``after_idle``: the step starts on a replica that had no step in flight (an
+engine waking from idle pays for it: the linear model's ``b6``).
 
 Roofline (peaks from the vendors' datasheets, achieved fractions from measurements: :data:`GPUS`)::
 
@@ -14,7 +17,8 @@ Roofline (peaks from the vendors' datasheets, achieved fractions from measuremen
     t_c = flops / (tp * peak_flops * mfu);  t_m = bytes / (tp * hbm_bw * mbu)
     t = max(t_c, t_m, overlap * (t_c + t_m))
         + elementwise_bytes * layers * hidden * T / (tp * hbm_bw)
-        + request_overhead_s * R + step_overhead + tensor-parallel all-reduce time
+        + request_overhead_s * R + prefill_request_s * N + idle_start_s * I
+        + step_overhead + tensor-parallel all-reduce time   # N = prefill_requests, I = after_idle
 
 ``body_params`` are the parameters a token multiplies through except the embedding table (a
 lookup, no FLOPs) and the LM head, which runs only for the rows that need logits: every decode
@@ -32,7 +36,12 @@ were measured are in :data:`GPUS` and the simulator docs.
 
 Linear (BLIS plus Vidur attention terms, the file ``llmsched calibrate`` writes)::
 
-    t = b0 + b1 * P + b2 * D + b3 * prefill_sq + b4 * decode_ctx
+    t = b0 + b1 * P + b2 * D + b3 * prefill_sq + b4 * decode_ctx + b5 * N + b6 * I
+
+``b5`` is a fixed cost per prefill chunk in the step (the sampler, attention metadata and
+scheduling of one more sequence); ``b2`` is already one per decoding request. ``b6`` is paid
+by a step that starts on an idle replica (``I`` is 1): an engine that waited for work wakes
+its busy loop and workers first.
 
 A run of decode-only steps with a constant batch is summed in closed form (:class:`DecodeRun`), so
 the simulator pays per event, not per token.
@@ -233,6 +242,8 @@ class StepModel(Protocol):
         decode_tokens: int = 0,
         decode_ctx: float = 0.0,
         prefill_read: float = 0.0,
+        prefill_requests: int | None = None,
+        after_idle: bool = False,
     ) -> float:
         """Seconds for one step of this batch."""
         ...
@@ -349,7 +360,11 @@ class RooflineConstants(TypedDict):
     token_s: float
     """Seconds of element-wise layers per token."""
     request_s: float
-    """Seconds per request in the batch (attention setup)."""
+    """Seconds per row that needs logits (attention setup)."""
+    prefill_request_s: float
+    """Seconds per prefill chunk in the step."""
+    idle_start_s: float
+    """Seconds a step that starts on an idle replica adds."""
 
 
 @dataclass(frozen=True)
@@ -364,8 +379,15 @@ class RooflineStepModel:
         overlap: the transition term's weight; ``None``: the GPU's.
         elementwise_bytes: element-wise bytes per hidden unit, token and layer; ``None``: the
             GPU's.
-        request_overhead_s: fixed cost per request in a step (attention metadata and kernel
-            setup); 0 by default: no published measurement separates it.
+        request_overhead_s: fixed cost per row that needs logits in a step (every decode
+            request and one per step with prefill); 0 by default: no published measurement
+            separates it.
+        prefill_request_s: fixed cost per prefill chunk in a step (attention metadata, sampler
+            and scheduling of one more sequence: the linear model's ``b5``); 0 by default: no
+            published GPU measurement separates it (``llmsched calibrate`` fits it on a real
+            engine).
+        idle_start_s: extra cost of a step that starts on an idle replica (the linear model's
+            ``b6``); 0 by default, like ``prefill_request_s``.
         step_overhead_s: fixed CPU/launch cost per step.
         allreduce_latency_s: per all-reduce (two per layer) when ``tp > 1``.
         gpu_memory_utilization: vLLM's fraction of GPU memory it may use.
@@ -383,6 +405,8 @@ class RooflineStepModel:
     overlap: float | None = None
     elementwise_bytes: float | None = None
     request_overhead_s: float = 0.0
+    prefill_request_s: float = 0.0
+    idle_start_s: float = 0.0
     step_overhead_s: float = 0.5e-3
     allreduce_latency_s: float = 8e-6
     gpu_memory_utilization: float = 0.9
@@ -416,7 +440,13 @@ class RooflineStepModel:
         overlap = self.overlap
         if not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
             raise ConfigError(f"overlap must be in [0, 1], got {overlap!r}")
-        for name in ("elementwise_bytes", "request_overhead_s", "step_overhead_s"):
+        for name in (
+            "elementwise_bytes",
+            "request_overhead_s",
+            "prefill_request_s",
+            "idle_start_s",
+            "step_overhead_s",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -473,6 +503,8 @@ class RooflineStepModel:
             "overlap": float(self.overlap),
             "token_s": self._token_s,
             "request_s": float(self.request_overhead_s),
+            "prefill_request_s": float(self.prefill_request_s),
+            "idle_start_s": float(self.idle_start_s),
         }
 
     def _fixed(self, tokens: int) -> float:
@@ -495,11 +527,14 @@ class RooflineStepModel:
         decode_tokens: int = 0,
         decode_ctx: float = 0.0,
         prefill_read: float = 0.0,
+        prefill_requests: int | None = None,
+        after_idle: bool = False,
     ) -> float:
         """Seconds for one step (see the module docs)."""
         tokens = prefill_tokens + decode_tokens
         if tokens <= 0:
             return 0.0
+        chunks = _chunks(prefill_tokens, prefill_requests)
         rows = decode_tokens + (1 if prefill_tokens > 0 else 0)
         flops = (
             self._body2 * tokens
@@ -511,7 +546,12 @@ class RooflineStepModel:
         t_m = moved / self._byte_rate
         assert self.overlap is not None
         bound = max(t_c, t_m, self.overlap * (t_c + t_m))
-        per_item = self._token_s * tokens + self.request_overhead_s * rows
+        per_item = (
+            self._token_s * tokens
+            + self.request_overhead_s * rows
+            + self.prefill_request_s * chunks
+            + self.idle_start_s * after_idle
+        )
         return bound + per_item + self._fixed(tokens)
 
     def decode_run(self, batch: int, ctx: float) -> DecodeRun:
@@ -535,7 +575,14 @@ class RooflineStepModel:
         return max(0, int(free // self.model.kv_bytes_per_token))
 
 
-LINEAR_TERMS = ("b0", "b1", "b2", "b3", "b4")
+def _chunks(prefill_tokens: int, prefill_requests: int | None) -> int:
+    """Prefill chunks in a step: as given, or one when the step has prefill tokens."""
+    if prefill_requests is None:
+        return 1 if prefill_tokens > 0 else 0
+    return prefill_requests
+
+
+LINEAR_TERMS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
 # The names ``llmsched calibrate`` writes, in the same order.
 CALIBRATE_TERMS = (
     "b0",
@@ -543,12 +590,16 @@ CALIBRATE_TERMS = (
     "decode_tokens",
     "prefill_tokens_sq",
     "decode_context_tokens",
+    "prefill_requests",
+    "after_idle",
 )
 
 
 @dataclass(frozen=True)
 class LinearStepModel:
-    """``t = b0 + b1*P + b2*D + b3*sum(chunk^2) + b4*sum(decode KV lengths)`` in seconds.
+    """``t = b0 + b1*P + b2*D + b3*sum(chunk^2) + b4*sum(decode KV lengths) + b5*chunks
+    + b6*after_idle`` in seconds (``chunks``: the prefill chunks in the step; ``after_idle``: 1
+    for a step that starts on an idle replica).
 
     ``kv_tokens`` optionally fixes the KV capacity of a replica (tokens).
 
@@ -561,6 +612,8 @@ class LinearStepModel:
     b2: float
     b3: float = 0.0
     b4: float = 0.0
+    b5: float = 0.0
+    b6: float = 0.0
     kv_tokens: int | None = None
     model: str = "fitted"
 
@@ -584,6 +637,8 @@ class LinearStepModel:
         decode_tokens: int = 0,
         decode_ctx: float = 0.0,
         prefill_read: float = 0.0,
+        prefill_requests: int | None = None,
+        after_idle: bool = False,
     ) -> float:
         """Seconds for one step; ``prefill_ctx`` and ``prefill_read`` are not terms of it."""
         if prefill_tokens + decode_tokens <= 0:
@@ -594,6 +649,8 @@ class LinearStepModel:
             + self.b2 * decode_tokens
             + self.b3 * prefill_sq
             + self.b4 * decode_ctx
+            + self.b5 * _chunks(prefill_tokens, prefill_requests)
+            + self.b6 * after_idle
         )
 
     def decode_run(self, batch: int, ctx: float) -> DecodeRun:
@@ -646,14 +703,16 @@ def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
     """A :class:`LinearStepModel` from a YAML / JSON file, text or mapping
     (read by :mod:`llmsched.config_loader`).
 
-    Schema (both spellings of the coefficients are accepted; absent attention terms are 0)::
+    Schema (both spellings of the coefficients are accepted; absent attention, per-chunk and
+    idle terms are 0)::
 
         model: llama-3.1-8b-h100        # free text, optional
         kv_tokens: 400000               # KV capacity per replica, optional
         coefficients: {b0: 0.004, b1: 3.1e-5, b2: 1.2e-4, b3: 0.0, b4: 0.0}
 
     or the file ``llmsched calibrate`` writes (``kind: llmsched.step_time_profile``, coefficients
-    named ``b0, prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens``).
+    named ``b0, prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens,
+    prefill_requests, after_idle``; a profile from before these two terms has neither).
 
     >>> load_step_model({"coefficients": {"b0": 0.001, "b1": 1e-5, "b2": 5e-5}}).b1
     1e-05

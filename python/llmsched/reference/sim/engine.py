@@ -457,11 +457,12 @@ class ReferenceSimulation:
 
 def ideal_time(model: StepModel, budget: int, prompt: int, output: int) -> float:
     """A request's time alone on an idle replica: its prefill in chunks of ``budget`` tokens,
-    then ``output - 1`` decode steps (the fairness figures' reference)."""
+    then ``output - 1`` decode steps (the fairness figures' reference; the first chunk starts on
+    the idle replica)."""
     t, left, ctx = 0.0, prompt, 0
     while left > 0:
         chunk = min(left, budget)
-        t += model.step_time(chunk, chunk * chunk, chunk * ctx, 0, 0, ctx)
+        t += model.step_time(chunk, chunk * chunk, chunk * ctx, 0, 0, ctx, 1, ctx == 0)
         left -= chunk
         ctx += chunk
     return t + model.decode_run(1, prompt).time(output - 1)

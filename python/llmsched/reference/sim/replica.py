@@ -25,6 +25,7 @@ event plus O(requests touched), never O(tokens).
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import insort
 from collections import deque
 from typing import Any, Protocol
@@ -112,6 +113,7 @@ class Replica:
         # The step (or decode run) in flight.
         self.step_start = 0.0
         self.step_end = 0.0
+        self.last_end = -math.inf  # when the last step ended: a later start is after idle
         self.chunks: list[tuple[Request, int]] = []
         self.run: DecodeRun | None = None
         self.run_steps = 0  # 0: a single step (decode slots already allocated)
@@ -170,6 +172,7 @@ class Replica:
         """Apply the step (or decode run) that just ended, then start the next one."""
         self.busy = False
         self.stepping = True
+        self.last_end = now
         self.busy_time += now - self.step_start
         if self.run_steps:
             k = self.run_steps
@@ -394,7 +397,9 @@ class Replica:
                 req.recomputed_tokens += recomputed
             req.prefilled_tokens += chunk
         self.prefill_tokens += p
-        dt = self.model.step_time(p, sq, ctx, self.decode_n, self.decode_ctx, read)
+        dt = self.model.step_time(
+            p, sq, ctx, self.decode_n, self.decode_ctx, read, len(self.chunks), now > self.last_end
+        )
         self.run = None
         self.run_steps = 0
         self._start(now, dt)
