@@ -3,8 +3,9 @@
 //! Algorithm: nodes hold a run of chained block hashes (an edge) and the set of workers holding
 //! every block of that run, with identical attributes (tiers, confirmed/approximate, expiry, LRU
 //! stamp). A run of blocks held by the same workers is therefore one node, and matching a prompt is
-//! one child lookup per node followed by a tight comparison of u64s along the edge. A global map
-//! from block hash to (node, offset) finds a parent block for `store(.., parent=..)` and removals.
+//! one child lookup per node followed by a tight comparison of u64s along the edge. A global
+//! table from block hash to (node, offset) finds a parent block for `store(.., parent=..)` and
+//! removals; it stores only the location and reads the hash from the edge (`block_table`).
 //!
 //! Invariants: each worker's holdings are prefix-closed (a worker holding a block holds its
 //! parent), so a node's holders are a subset of its parent's. Recency is "whole path": touching a
