@@ -123,3 +123,116 @@ impl BlockTable {
         self.table.allocation_size() as u64
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(hashes: &[u64]) -> Node {
+        Node { hashes: hashes.to_vec(), ..Default::default() }
+    }
+
+    fn loc(node: u32, offset: u32) -> Loc {
+        Loc { node, offset }
+    }
+
+    #[test]
+    fn finds_each_block_by_the_hash_in_its_edge() {
+        let nodes = vec![Node::default(), node(&[10, 11, 12]), node(&[20])];
+        let table = BlockTable::from_nodes(&nodes);
+        assert_eq!(table.len(), 4);
+        assert_eq!(table.get(&nodes, 11), Some(loc(1, 1)));
+        assert_eq!(table.get(&nodes, 20), Some(loc(2, 0)));
+        assert_eq!(table.get(&nodes, 13), None);
+        assert!(table.bytes() > 0);
+    }
+
+    #[test]
+    fn follows_blocks_moved_by_a_split_and_forgets_removed_ones() {
+        let mut nodes = vec![Node::default(), node(&[1, 2, 3, 4])];
+        let mut table = BlockTable::from_nodes(&nodes);
+        // Split before offset 2: the tail [3, 4] becomes node 2.
+        let tail = nodes[1].hashes.split_off(2);
+        nodes.push(node(&tail));
+        table.relocate(3, loc(1, 2), loc(2, 0));
+        table.relocate(4, loc(1, 3), loc(2, 1));
+        assert_eq!(table.get(&nodes, 4), Some(loc(2, 1)));
+        assert_eq!(table.get(&nodes, 2), Some(loc(1, 1)));
+        // Delete node 2 (its edge is emptied first, as the tree does).
+        let gone = std::mem::take(&mut nodes[2]);
+        for (j, &h) in gone.hashes.iter().enumerate() {
+            table.remove(h, loc(2, j as u32));
+        }
+        assert_eq!(table.len(), 2);
+        assert_eq!(table.get(&nodes, 3), None);
+        assert_eq!(table.get(&nodes, 1), Some(loc(1, 0)));
+    }
+
+    #[test]
+    fn grows_by_rebuilding_from_the_edges_and_keeps_every_block() {
+        let mut nodes = vec![Node::default(), Node::default()];
+        let mut table = BlockTable::default();
+        let mut next = 1000u64;
+        for round in 0..50u64 {
+            let new: Vec<u64> = (0..37).map(|i| next + i * 7 + round).collect();
+            next += 1000;
+            table.reserve(&nodes, new.len());
+            let room = table.table.capacity() - table.len();
+            let base = nodes[1].hashes.len();
+            nodes[1].hashes.extend_from_slice(&new);
+            for (j, &h) in new.iter().enumerate() {
+                table.insert_new(&nodes, h, loc(1, (base + j) as u32));
+            }
+            assert!(room >= new.len(), "reserve made room for the store");
+        }
+        assert_eq!(table.len(), nodes[1].hashes.len());
+        for (j, &h) in nodes[1].hashes.iter().enumerate() {
+            assert_eq!(table.get(&nodes, h), Some(loc(1, j as u32)));
+        }
+        // Without a reserve, an insert still grows the table correctly.
+        let mut table = BlockTable::default();
+        let hashes: Vec<u64> = (0..500).map(|i| i * 31 + 5).collect();
+        let nodes = vec![Node::default(), node(&hashes)];
+        for (j, &h) in hashes.iter().enumerate() {
+            table.insert_new(&nodes, h, loc(1, j as u32));
+        }
+        assert!(hashes
+            .iter()
+            .enumerate()
+            .all(|(j, &h)| table.get(&nodes, h) == Some(loc(1, j as u32))));
+    }
+
+    #[test]
+    fn a_table_full_of_tombstones_is_rebuilt_not_grown_without_bound() {
+        let hashes: Vec<u64> = (0..4096).collect();
+        let mut nodes = vec![Node::default(), node(&hashes)];
+        let mut table = BlockTable::from_nodes(&nodes);
+        let full = table.bytes();
+        // Remove all but the first 16 blocks, then store as many new ones, many times over.
+        let kept = nodes[1].hashes[..16].to_vec();
+        for (j, &h) in nodes[1].hashes.iter().enumerate().skip(16) {
+            table.remove(h, loc(1, j as u32));
+        }
+        nodes[1].hashes = kept;
+        for round in 0..20u64 {
+            let new: Vec<u64> = (0..1000).map(|i| 1_000_000 * (round + 1) + i).collect();
+            table.reserve(&nodes, new.len());
+            nodes.push(node(&new));
+            let id = (nodes.len() - 1) as u32;
+            for (j, &h) in new.iter().enumerate() {
+                table.insert_new(&nodes, h, loc(id, j as u32));
+            }
+            let gone = std::mem::take(&mut nodes[id as usize]);
+            for (j, &h) in gone.hashes.iter().enumerate() {
+                table.remove(h, loc(id, j as u32));
+            }
+        }
+        assert_eq!(table.len(), 16);
+        assert!(table.bytes() <= full, "{} > {full}", table.bytes());
+        assert!(nodes[1]
+            .hashes
+            .iter()
+            .enumerate()
+            .all(|(j, &h)| table.get(&nodes, h) == Some(loc(1, j as u32))));
+    }
+}
