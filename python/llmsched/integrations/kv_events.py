@@ -37,9 +37,10 @@ highest live sequence number seen since the last restart):
 - **Restart** (the worker is cleared and the sequence starts over), on any of three signals:
   batch 0 arrives again after the live stream had moved past it (a fresh publisher always
   begins at 0; a batch 0 that only the catch-up replay delivered before may still arrive live,
-  and is then a duplicate); the sequence goes back by more than ``reorder_window`` below ``highest``; or the first
-  batch after a new connection (a new publisher identity, as ZMQ's socket monitor reports it)
-  does not move past ``highest``. Nothing else clears a worker that has a replay socket.
+  and is then a duplicate); the sequence goes back by more than ``reorder_window`` below
+  ``highest``; or the first batch after a new connection (a new publisher identity, as ZMQ's
+  socket monitor reports it) does not move past ``highest``. Nothing else clears a worker that
+  has a replay socket.
 
 Sockets are polled together by one thread (:meth:`KVEventSubscriber.start`) or one asyncio task
 (:meth:`KVEventSubscriber.run`), reading at most :data:`DRAIN_BATCH` messages from a socket
