@@ -95,7 +95,7 @@ impl EngineMap {
             }
         }
         if let Some((first, _, _)) = self.shared(engine) {
-            if !tree.blocks.contains_key(&first) {
+            if !tree.blocks.contains(&tree.nodes, first) {
                 self.one.remove(&engine);
                 self.span.remove(&engine);
             }
@@ -116,8 +116,8 @@ impl EngineMap {
         if shared <= 2 * tree.blocks.len() + 4096 {
             return;
         }
-        self.one.retain(|_, b| tree.blocks.contains_key(b));
-        self.span.retain(|_, s| tree.blocks.contains_key(&s.0));
+        self.one.retain(|_, b| tree.blocks.contains(&tree.nodes, *b));
+        self.span.retain(|_, s| tree.blocks.contains(&tree.nodes, s.0));
     }
 
     pub fn len(&self) -> usize {

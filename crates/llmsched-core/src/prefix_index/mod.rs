@@ -6,6 +6,7 @@
 //! (`record`: approximate, expiring). One `RwLock` guards the whole index: matches share it, and
 //! writers hold it only for the duration of one call, so a batch of events applies atomically.
 
+mod block_table;
 mod engine_map;
 mod events;
 mod snapshot;
@@ -432,7 +433,7 @@ fn oldest_worker(tree: &Tree) -> Option<WorkerId> {
 
 fn estimated_bytes(st: &State) -> u64 {
     let t = &st.tree;
-    engine_map::table_bytes(&t.blocks)
+    t.blocks.bytes()
         + (t.live_nodes() * std::mem::size_of::<tree::Node>() * 5 / 4) as u64
         + t.blocks.len() as u64 * BYTES_PER_BLOCK_EDGE
         + t.live_nodes() as u64 * BYTES_PER_NODE_HEAP

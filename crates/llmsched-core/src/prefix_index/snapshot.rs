@@ -7,6 +7,7 @@
 use hashbrown::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
+use super::block_table::BlockTable;
 use super::tree::{Attrs, Holder, Node, NodeId, Tree, WorkerId, ROOT};
 use super::{IndexConfig, IndexError, State, WorkerKey, Workers};
 
@@ -214,10 +215,8 @@ impl Tree {
                 tree.workers[w as usize].held += tree.nodes[id].hashes.len() as u64;
             }
             tree.holder_count += tree.nodes[id].holders.len();
-            for (j, &h) in tree.nodes[id].hashes.iter().enumerate() {
-                tree.blocks.insert(h, super::tree::Loc { node: id as NodeId, offset: j as u32 });
-            }
         }
+        tree.blocks = BlockTable::from_nodes(&tree.nodes);
         for id in 1..tree.nodes.len() {
             for h in &tree.nodes[id].holders {
                 if h.child_count == 0 {

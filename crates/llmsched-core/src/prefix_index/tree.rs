@@ -3,8 +3,9 @@
 //! Algorithm: nodes hold a run of chained block hashes (an edge) and the set of workers holding
 //! every block of that run, with identical attributes (tiers, confirmed/approximate, expiry, LRU
 //! stamp). A run of blocks held by the same workers is therefore one node, and matching a prompt is
-//! one child lookup per node followed by a tight comparison of u64s along the edge. A global map
-//! from block hash to (node, offset) finds a parent block for `store(.., parent=..)` and removals.
+//! one child lookup per node followed by a tight comparison of u64s along the edge. A global
+//! table from block hash to (node, offset) finds a parent block for `store(.., parent=..)` and
+//! removals; it stores only the location and reads the hash from the edge (`block_table`).
 //!
 //! Invariants: each worker's holdings are prefix-closed (a worker holding a block holds its
 //! parent), so a node's holders are a subset of its parent's. Recency is "whole path": touching a
@@ -21,6 +22,8 @@ use std::collections::BTreeSet;
 use std::sync::OnceLock;
 
 use hashbrown::HashMap;
+
+use super::block_table::BlockTable;
 
 pub type WorkerId = u32;
 pub(crate) type NodeId = u32;
@@ -185,7 +188,7 @@ pub(crate) enum StoreRefusal {
 pub(crate) struct Tree {
     pub nodes: Vec<Node>,
     free: Vec<NodeId>,
-    pub blocks: HashMap<u64, Loc>,
+    pub blocks: BlockTable,
     pub workers: Vec<WorkerTree>,
     pub holder_count: usize,
     pub stamp: u64,
@@ -202,7 +205,7 @@ impl Tree {
         Tree {
             nodes: vec![Node::default()],
             free: Vec::new(),
-            blocks: HashMap::new(),
+            blocks: BlockTable::default(),
             workers: Vec::new(),
             holder_count: 0,
             stamp: 0,
@@ -231,7 +234,8 @@ impl Tree {
 
     /// Whether `w` holds the block `hash` (expired approximate holdings included).
     pub fn holds(&self, w: WorkerId, hash: u64) -> bool {
-        self.blocks.get(&hash).is_some_and(|loc| self.nodes[loc.node as usize].holder(w).is_some())
+        let loc = self.blocks.get(&self.nodes, hash);
+        loc.is_some_and(|loc| self.nodes[loc.node as usize].holder(w).is_some())
     }
 
     // ---- matching -------------------------------------------------------------------------
@@ -405,6 +409,7 @@ impl Tree {
         if hashes.is_empty() {
             return Ok(0);
         }
+        self.blocks.reserve(&self.nodes, hashes.len() - existing);
         self.ensure_worker(w);
         let stamp = self.next_stamp();
         let mut touched = Vec::new();
@@ -426,7 +431,7 @@ impl Tree {
         let Some(p) = parent else {
             return Ok(Pos { node: ROOT, offset: 0 });
         };
-        let loc = self.blocks.get(&p).ok_or(StoreRefusal::UnknownParent(p))?;
+        let loc = self.blocks.get(&self.nodes, p).ok_or(StoreRefusal::UnknownParent(p))?;
         if self.nodes[loc.node as usize].holder(w).is_none() {
             return Err(StoreRefusal::ParentNotHeld(p));
         }
@@ -457,7 +462,7 @@ impl Tree {
 
     /// New blocks must not exist elsewhere in the tree, nor repeat: the input is not a chain.
     fn check_new_hashes(&self, new: &[u64]) -> Result<(), StoreRefusal> {
-        if let Some(&h) = new.iter().find(|h| self.blocks.contains_key(*h)) {
+        if let Some(&h) = new.iter().find(|&&h| self.blocks.contains(&self.nodes, h)) {
             return Err(StoreRefusal::Conflict(h));
         }
         // Short runs (one engine event) compare pairwise; long ones pay for a set.
@@ -555,7 +560,8 @@ impl Tree {
             node.hashes.reserve_exact(new.len());
             node.hashes.extend_from_slice(new);
             for (j, &h) in new.iter().enumerate() {
-                self.blocks.insert(h, Loc { node: at, offset: (base + j) as u32 });
+                let loc = Loc { node: at, offset: (base + j) as u32 };
+                self.blocks.insert_new(&self.nodes, h, loc);
             }
             return Pos { node: at, offset: base + new.len() };
         }
@@ -567,7 +573,7 @@ impl Tree {
             dense: OnceLock::new(),
         });
         for (j, &h) in new.iter().enumerate() {
-            self.blocks.insert(h, Loc { node: child, offset: j as u32 });
+            self.blocks.insert_new(&self.nodes, h, Loc { node: child, offset: j as u32 });
         }
         self.nodes[at as usize].children.insert(new[0], child);
         self.add_holder(w, child, attrs);
@@ -682,8 +688,9 @@ impl Tree {
         for g in grandchildren {
             self.nodes[g as usize].parent = tail;
         }
-        for (j, h) in self.nodes[tail as usize].hashes.iter().enumerate() {
-            self.blocks.insert(*h, Loc { node: tail, offset: j as u32 });
+        for (j, &h) in self.nodes[tail as usize].hashes.iter().enumerate() {
+            let from = Loc { node, offset: (at + j) as u32 };
+            self.blocks.relocate(h, from, Loc { node: tail, offset: j as u32 });
         }
         for h in &self.nodes[tail as usize].holders {
             if h.child_count == 0 {
@@ -722,8 +729,9 @@ impl Tree {
             self.nodes[child as usize].parent = DEAD;
             self.free.push(child);
             let base = self.nodes[node as usize].hashes.len();
-            for (j, h) in c.hashes.iter().enumerate() {
-                self.blocks.insert(*h, Loc { node, offset: (base + j) as u32 });
+            for (j, &h) in c.hashes.iter().enumerate() {
+                let from = Loc { node: child, offset: j as u32 };
+                self.blocks.relocate(h, from, Loc { node, offset: (base + j) as u32 });
             }
             for &g in c.children.values() {
                 self.nodes[g as usize].parent = node;
@@ -760,7 +768,7 @@ impl Tree {
 
     /// Drops `w`'s holding of block `hash` and of every block below it. Returns blocks dropped.
     pub fn drop_from(&mut self, w: WorkerId, hash: u64) -> u64 {
-        let Some(loc) = self.blocks.get(&hash).copied() else { return 0 };
+        let Some(loc) = self.blocks.get(&self.nodes, hash) else { return 0 };
         if self.nodes[loc.node as usize].holder(w).is_none() {
             return 0;
         }
@@ -820,8 +828,8 @@ impl Tree {
         while let Some(id) = stack.pop() {
             let n = std::mem::take(&mut self.nodes[id as usize]);
             debug_assert!(n.holders.is_empty());
-            for h in &n.hashes {
-                self.blocks.remove(h);
+            for (j, &h) in n.hashes.iter().enumerate() {
+                self.blocks.remove(h, Loc { node: id, offset: j as u32 });
             }
             stack.extend(n.children.values().copied());
             self.nodes[id as usize].parent = DEAD;
@@ -832,7 +840,7 @@ impl Tree {
     /// Clears tier bits `tiers` of `w`'s holding of block `hash`; a holding left with no tier is
     /// dropped with everything below it. Returns (whether anything changed, blocks dropped).
     pub fn remove_tiers(&mut self, w: WorkerId, hash: u64, tiers: u8) -> (bool, u64) {
-        let Some(loc) = self.blocks.get(&hash).copied() else { return (false, 0) };
+        let Some(loc) = self.blocks.get(&self.nodes, hash) else { return (false, 0) };
         let Some(h) = self.nodes[loc.node as usize].holder(w) else { return (false, 0) };
         if h.attrs.tiers & tiers == 0 {
             return (false, 0);
@@ -886,7 +894,7 @@ impl Tree {
     /// The chain of block hashes from the root to `hash` inclusive, last `count` of them.
     pub fn chain_tail(&self, hash: u64, count: usize) -> Vec<u64> {
         let mut out = Vec::with_capacity(count);
-        let Some(mut loc) = self.blocks.get(&hash).copied() else { return out };
+        let Some(mut loc) = self.blocks.get(&self.nodes, hash) else { return out };
         while out.len() < count {
             let n = &self.nodes[loc.node as usize];
             out.push(n.hashes[loc.offset as usize]);

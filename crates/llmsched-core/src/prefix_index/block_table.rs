@@ -1,0 +1,238 @@
+//! Where each block of the tree sits: block hash -> (node, offset), without storing the hash.
+//!
+//! Every block hash is already stored once, in its node's edge (`Node::hashes`). The table keeps
+//! only the 8-byte location and finds an entry by comparing the hash at that location, so an
+//! entry costs a location and a control byte instead of a hash, a location and a control byte.
+//! A lookup that finds its block reads the node's edge (one more memory access); a lookup of an
+//! absent hash reads an edge only when a 7-bit tag matches by chance.
+//!
+//! Invariant: the table holds exactly one entry per block of the live nodes, and each entry's
+//! location names the block's current position. The tree keeps it across edits that move
+//! blocks (`relocate`, by the old location, while the edges are being rewritten) and checks
+//! nothing else mid-edit. Growth (`reserve`, at the start of a store, where the invariant
+//! holds) rebuilds the table from the nodes' edges in order rather than rehashing the entries
+//! one random edge read at a time.
+
+use std::hash::BuildHasher;
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+
+use super::tree::{Loc, Node};
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BlockTable {
+    table: HashTable<Loc>,
+    hasher: DefaultHashBuilder,
+}
+
+/// The block hash at `loc`, if `loc` is a position of `nodes`.
+#[inline]
+fn hash_at(nodes: &[Node], loc: Loc) -> Option<u64> {
+    nodes.get(loc.node as usize)?.hashes.get(loc.offset as usize).copied()
+}
+
+impl BlockTable {
+    /// A table of every block of `nodes` (dead nodes and the root have no blocks).
+    pub fn from_nodes(nodes: &[Node]) -> Self {
+        let count = nodes.iter().map(|n| n.hashes.len()).sum();
+        let mut out = BlockTable::default();
+        out.fill_from(nodes, count);
+        out
+    }
+
+    /// Replaces the table by one with room for `capacity` blocks, filled from `nodes`.
+    fn fill_from(&mut self, nodes: &[Node], capacity: usize) {
+        let mut table = HashTable::with_capacity(capacity);
+        for (id, node) in nodes.iter().enumerate() {
+            for (j, &h) in node.hashes.iter().enumerate() {
+                let loc = Loc { node: id as u32, offset: j as u32 };
+                // Room was made above: the hasher is never called.
+                table.insert_unique(self.hasher.hash_one(h), loc, |_| 0);
+            }
+        }
+        self.table = table;
+    }
+
+    #[inline]
+    fn hash(&self, h: u64) -> u64 {
+        self.hasher.hash_one(h)
+    }
+
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Where block `hash` is.
+    #[inline]
+    pub fn get(&self, nodes: &[Node], hash: u64) -> Option<Loc> {
+        self.table.find(self.hash(hash), |&l| hash_at(nodes, l) == Some(hash)).copied()
+    }
+
+    #[inline]
+    pub fn contains(&self, nodes: &[Node], hash: u64) -> bool {
+        self.get(nodes, hash).is_some()
+    }
+
+    /// Makes room for `additional` new blocks. Call only where every entry is in place; when the
+    /// table must grow, it is rebuilt from `nodes` at least twice as large (as a hash table
+    /// grows), or at its size when removals left its free slots as tombstones.
+    pub fn reserve(&mut self, nodes: &[Node], additional: usize) {
+        let room = self.table.capacity() - self.table.len();
+        if room >= additional {
+            return;
+        }
+        let len = self.table.len();
+        self.fill_from(nodes, (len + additional).max(self.table.capacity() + 1));
+        debug_assert_eq!(self.table.len(), len, "the table matches the nodes");
+    }
+
+    /// Records block `hash`, not in the table, at `loc` (already written into its node).
+    #[inline]
+    pub fn insert_new(&mut self, nodes: &[Node], hash: u64, loc: Loc) {
+        debug_assert_eq!(hash_at(nodes, loc), Some(hash));
+        let hasher = &self.hasher;
+        // Without a `reserve` first this may grow the table by rehashing its entries, each
+        // read from its node (every entry already inserted is in place).
+        self.table.insert_unique(self.hasher.hash_one(hash), loc, |&l| {
+            hasher.hash_one(hash_at(nodes, l).unwrap_or_default())
+        });
+    }
+
+    /// Moves block `hash`'s entry from `from` to `to` (the edges may be mid-edit).
+    #[inline]
+    pub fn relocate(&mut self, hash: u64, from: Loc, to: Loc) {
+        let found = self.table.find_mut(self.hash(hash), |&l| l == from);
+        debug_assert!(found.is_some(), "block {hash:#x} is at {from:?}");
+        if let Some(l) = found {
+            *l = to;
+        }
+    }
+
+    /// Forgets block `hash`, whose entry is at `loc` (its node may be emptied already).
+    #[inline]
+    pub fn remove(&mut self, hash: u64, loc: Loc) {
+        let found = self.table.find_entry(self.hash(hash), |&l| l == loc);
+        debug_assert!(found.is_ok(), "block {hash:#x} is at {loc:?}");
+        if let Ok(entry) = found {
+            entry.remove();
+        }
+    }
+
+    /// Heap bytes as allocated.
+    pub fn bytes(&self) -> u64 {
+        self.table.allocation_size() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(hashes: &[u64]) -> Node {
+        Node { hashes: hashes.to_vec(), ..Default::default() }
+    }
+
+    fn loc(node: u32, offset: u32) -> Loc {
+        Loc { node, offset }
+    }
+
+    #[test]
+    fn finds_each_block_by_the_hash_in_its_edge() {
+        let nodes = vec![Node::default(), node(&[10, 11, 12]), node(&[20])];
+        let table = BlockTable::from_nodes(&nodes);
+        assert_eq!(table.len(), 4);
+        assert_eq!(table.get(&nodes, 11), Some(loc(1, 1)));
+        assert_eq!(table.get(&nodes, 20), Some(loc(2, 0)));
+        assert_eq!(table.get(&nodes, 13), None);
+        assert!(table.bytes() > 0);
+    }
+
+    #[test]
+    fn follows_blocks_moved_by_a_split_and_forgets_removed_ones() {
+        let mut nodes = vec![Node::default(), node(&[1, 2, 3, 4])];
+        let mut table = BlockTable::from_nodes(&nodes);
+        // Split before offset 2: the tail [3, 4] becomes node 2.
+        let tail = nodes[1].hashes.split_off(2);
+        nodes.push(node(&tail));
+        table.relocate(3, loc(1, 2), loc(2, 0));
+        table.relocate(4, loc(1, 3), loc(2, 1));
+        assert_eq!(table.get(&nodes, 4), Some(loc(2, 1)));
+        assert_eq!(table.get(&nodes, 2), Some(loc(1, 1)));
+        // Delete node 2 (its edge is emptied first, as the tree does).
+        let gone = std::mem::take(&mut nodes[2]);
+        for (j, &h) in gone.hashes.iter().enumerate() {
+            table.remove(h, loc(2, j as u32));
+        }
+        assert_eq!(table.len(), 2);
+        assert_eq!(table.get(&nodes, 3), None);
+        assert_eq!(table.get(&nodes, 1), Some(loc(1, 0)));
+    }
+
+    #[test]
+    fn grows_by_rebuilding_from_the_edges_and_keeps_every_block() {
+        let mut nodes = vec![Node::default(), Node::default()];
+        let mut table = BlockTable::default();
+        let mut next = 1000u64;
+        for round in 0..50u64 {
+            let new: Vec<u64> = (0..37).map(|i| next + i * 7 + round).collect();
+            next += 1000;
+            table.reserve(&nodes, new.len());
+            let room = table.table.capacity() - table.len();
+            let base = nodes[1].hashes.len();
+            nodes[1].hashes.extend_from_slice(&new);
+            for (j, &h) in new.iter().enumerate() {
+                table.insert_new(&nodes, h, loc(1, (base + j) as u32));
+            }
+            assert!(room >= new.len(), "reserve made room for the store");
+        }
+        assert_eq!(table.len(), nodes[1].hashes.len());
+        for (j, &h) in nodes[1].hashes.iter().enumerate() {
+            assert_eq!(table.get(&nodes, h), Some(loc(1, j as u32)));
+        }
+        // Without a reserve, an insert still grows the table correctly.
+        let mut table = BlockTable::default();
+        let hashes: Vec<u64> = (0..500).map(|i| i * 31 + 5).collect();
+        let nodes = vec![Node::default(), node(&hashes)];
+        for (j, &h) in hashes.iter().enumerate() {
+            table.insert_new(&nodes, h, loc(1, j as u32));
+        }
+        assert!(hashes
+            .iter()
+            .enumerate()
+            .all(|(j, &h)| table.get(&nodes, h) == Some(loc(1, j as u32))));
+    }
+
+    #[test]
+    fn a_table_full_of_tombstones_is_rebuilt_not_grown_without_bound() {
+        let hashes: Vec<u64> = (0..4096).collect();
+        let mut nodes = vec![Node::default(), node(&hashes)];
+        let mut table = BlockTable::from_nodes(&nodes);
+        let full = table.bytes();
+        // Remove all but the first 16 blocks, then store as many new ones, many times over.
+        let kept = nodes[1].hashes[..16].to_vec();
+        for (j, &h) in nodes[1].hashes.iter().enumerate().skip(16) {
+            table.remove(h, loc(1, j as u32));
+        }
+        nodes[1].hashes = kept;
+        for round in 0..20u64 {
+            let new: Vec<u64> = (0..1000).map(|i| 1_000_000 * (round + 1) + i).collect();
+            table.reserve(&nodes, new.len());
+            nodes.push(node(&new));
+            let id = (nodes.len() - 1) as u32;
+            for (j, &h) in new.iter().enumerate() {
+                table.insert_new(&nodes, h, loc(id, j as u32));
+            }
+            let gone = std::mem::take(&mut nodes[id as usize]);
+            for (j, &h) in gone.hashes.iter().enumerate() {
+                table.remove(h, loc(id, j as u32));
+            }
+        }
+        assert_eq!(table.len(), 16);
+        assert!(table.bytes() <= full, "{} > {full}", table.bytes());
+        assert!(nodes[1]
+            .hashes
+            .iter()
+            .enumerate()
+            .all(|(j, &h)| table.get(&nodes, h) == Some(loc(1, j as u32))));
+    }
+}
