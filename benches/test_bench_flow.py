@@ -124,7 +124,7 @@ def test_cycle_twin(benchmark: Any, fairness: str) -> None:
     assert workload.lifecycles(twin, 10) == 10 and len(twin) == 10_000
     benchmark.group = f"flow-cycle-{fairness}"
     benchmark.extra_info.update(items=3 * LIFECYCLES, unit="calls")
-    result = benchmark.pedantic(workload.lifecycles, args=(twin, LIFECYCLES), rounds=3)
+    result = benchmark.pedantic(workload.lifecycles, args=(twin, LIFECYCLES), rounds=1)
     assert result == LIFECYCLES
 
 
@@ -195,5 +195,5 @@ def test_pairs_at_10k_queued_twin(benchmark: Any) -> None:
     twin = backlog(FlowControllerTwin(resolve_config(config("vtc"))), workload, 10_000)
     assert _pairs_then_complete(twin, workload, 10) == 10
     benchmark.extra_info.update(items=3_000, unit="calls")
-    result = benchmark.pedantic(_pairs_then_complete, args=(twin, workload, 1_000), rounds=3)
+    result = benchmark.pedantic(_pairs_then_complete, args=(twin, workload, 1_000), rounds=1)
     assert result == 1_000
