@@ -52,17 +52,22 @@ RATES = (1.5, 4.0)  # requests per second over both engines
 #   in one chunk): within a factor; real / sim was 1.0-2.1 with both engines calibrated at
 #   once, 2.2-2.8 when one was calibrated alone (the replay runs both, the gateway and the
 #   client on two cores), and up to 4.0 at 4 requests/s with the machine at a load of 15;
-# - TTFT, the engines' own mean (queue + prefill, their clock): within a factor. With the
-#   step model's cost of a step on an idle engine (an arrival after a quiet spell wakes the
-#   engine: about 10 ms on these engines) real / sim was 1.0-1.6 at 1.5 requests/s and 1.2-7.9
-#   at 4 (the higher with the machine at a load of 15); without it 3.1-4.1;
+# - TTFT, the engines' own mean (queue + prefill, their clock): within a factor, against a
+#   simulation of the same run without the step model's cost of waking an idle engine. The
+#   calibration times that cost as a client sees it (about 10 ms here), and most of it is
+#   spent before the engine's clock starts (the HTTP front end handing the request to the
+#   engine core), so the engines' own figure leaves it out. Compared with the wake-up cost
+#   included, real / sim was 1.0-1.6 at 1.5 requests/s and 1.2-7.9 at 4 on this machine, and
+#   0.61 and 0.42 on a quiet CI machine, where the front end's part is the larger. Without
+#   it the simulated mean is about 10 ms lower, which a busy machine's ratio (7.9 above, with
+#   it) would take to about 14;
 # - TTFT at the client (p50, p90): the simulator predicts the engine's queue and prefill,
 #   which the client's figure includes, so sim <= real; the rest (the HTTP front end, the
 #   gateway and CPU contention, outside any step model) is 4-20x the simulator's figure.
 THROUGHPUT_ERROR = 0.25
 HIT_RATE_ERROR = 0.06
 TPOT_FACTOR = (0.5, 4.0)  # real / sim, engines' own mean
-ENGINE_TTFT_FACTOR = (0.5, 12.0)  # real / sim, engines' own mean
+ENGINE_TTFT_FACTOR = (0.5, 16.0)  # real / sim, engines' own mean, sim without the wake-up
 # The grid's median relative fit error: 3-26% over the prompt-alone and decode grid; 17-39%
 # with the prompts also timed beside a decoding request and several at once, on this
 # machine at a load of 8-15 (the same session's prompt-alone grid: 13.5%).
@@ -284,7 +289,12 @@ def test_simulator_with_the_fitted_model_predicts_a_real_run(
 ) -> None:
     vocabulary = engine_info(engines[0].base_url).vocabulary
     url = f"http://127.0.0.1:{gateway.gateway.port}"
-    report: dict[str, Any] = {"fit_error": StepTimeProfile.load(fitted).error.__dict__}
+    profile = StepTimeProfile.load(fitted)
+    report: dict[str, Any] = {"fit_error": profile.error.__dict__}
+    # The engines' clock starts once the engine core has the request: after the wake-up.
+    profile.coefficients["after_idle"] = 0.0
+    engine_clock = tmp_path / "engine-clock.yaml"
+    profile.save(engine_clock)
     failures = []
     for k, rate in enumerate(RATES):
         rows = trace_rows(rate, salt=(int(time.time()) % 10_000 + k) * 10_000_000)
@@ -294,6 +304,8 @@ def test_simulator_with_the_fitted_model_predicts_a_real_run(
         after = counters(engines)
         real = real_figures(timings, rows, {k: after[k] - before[k] for k in after})
         sim = simulated_figures(fitted, rows, tmp_path / f"trace-{rate}.jsonl")
+        on_engine_clock = simulated_figures(engine_clock, rows, tmp_path / f"trace-{rate}.jsonl")
+        sim["engine_ttft_mean"] = on_engine_clock["engine_ttft_mean"]
         errors = {m: error(m, sim[m], real[m]) for m in METRICS}
         report[f"rate {rate}"] = {"real": real, "sim": sim, "error": errors}
         failures += violations(rate, sim, real)
