@@ -41,9 +41,13 @@ WHEEL_SOURCES := Cargo.toml Cargo.lock pyproject.toml README.md LICENSE \
 	$(shell find crates python -type f \( -name '*.rs' -o -name '*.toml' -o -name '*.md' \
 		-o -name '*.py' -o -name '*.pyi' -o -name py.typed \) 2>/dev/null)
 
+# Its own target directory: zig's linker flags differ from `make build`'s, so the two would
+# rebuild each other's artifacts, and neither waits on the other's lock.
+WHEEL_TARGET_DIR ?= target/wheel
+
 $(DIST)/.stamp: $(WHEEL_SOURCES) | $(VENV)/.deps
 	rm -f $(DIST)/llmsched-*.whl $(DIST)/llmsched-*.tar.gz
-	$(BIN)/maturin build --release --zig --compatibility manylinux2014 --out $(DIST)
+	CARGO_TARGET_DIR=$(WHEEL_TARGET_DIR) $(BIN)/maturin build --release --zig --compatibility manylinux2014 --out $(DIST)
 	$(BIN)/maturin sdist --out $(DIST)
 	$(PY) tools/wheel_check.py tags $(DIST)/llmsched-*.whl
 	touch $@
@@ -56,8 +60,9 @@ PYTHONS ?=
 test-wheel: $(DIST)/.stamp ## Install the built wheel alone on the oldest and newest CPython and smoke-test it
 	$(PY) tools/wheel_check.py smoke $(DIST)/llmsched-*.whl $(addprefix --python ,$(PYTHONS))
 
-test-rust: ## Run the Rust tests of every crate, doc-tests included (release, no Python needed)
-	cargo test --release --workspace
+TEST_RUST_PREFIX ?=
+test-rust: ## Run the Rust tests of every crate, doc-tests included (no Python needed)
+	$(TEST_RUST_PREFIX) cargo test --workspace
 	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 
 # The core install test takes the wheel from dist/ when `make wheel` left a current one there,
@@ -76,7 +81,12 @@ test-python: build servers ## Run the Python tests
 	LLMSCHED_WHEEL=$$($(MAKE) -s -q --no-print-directory $(DIST)/.stamp && ls $(DIST)/llmsched-*.whl) \
 		$(PY) -m pytest -q -p no:cacheprovider
 
-test: test-rust test-python ## Install everything, then run cargo test and pytest
+# The two halves side by side: cargo test builds into target/debug (the test profile) while pytest,
+# single-threaded, runs on the release extension, so neither waits on the other's build lock.
+# `--output-sync` keeps each half's output together.
+test: ## Install everything, then run cargo test and pytest (side by side)
+# The Rust half is niced: pytest's servers and timeouts get the cores first.
+	$(MAKE) --no-print-directory -j2 --output-sync=target TEST_RUST_PREFIX="nice -n 10" test-rust test-python
 
 # The real-engine tests run vLLM's CPU build from its own environment (about 6 GB; torch pinned by
 # tests/engines/vllm-overrides.txt; the engine recipe is in tests/engines/vllm_engine.py).
@@ -116,9 +126,11 @@ fmt: $(VENV)/.deps ## Format Rust and Python sources
 	$(BIN)/ruff format python tests benches tools fuzz conftest.py examples
 	$(BIN)/ruff check --fix python tests benches tools fuzz conftest.py examples
 
+# The standalone gateway binary is only run beside the peers, so it is built only where they are
+# installed (its link-time optimisation takes minutes). --durations shows where the pass goes.
 bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
-	cargo build --release -p llmsched-bench -p llmsched-gateway
-	$(PY) -m pytest benches -q -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 \
+	cargo build --release -p llmsched-bench $(if $(wildcard $(PEERS_VENV)/.deps),-p llmsched-gateway)
+	$(PY) -m pytest benches -q -p no:cacheprovider --durations=15 --benchmark-enable --benchmark-min-rounds=5 \
 		--benchmark-max-time=0.2 --benchmark-warmup=on --benchmark-columns=min,median,ops,rounds \
 		--benchmark-group-by=group --benchmark-sort=name
 
