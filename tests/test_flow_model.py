@@ -302,7 +302,9 @@ class FlowMachine(RuleBasedStateMachine):
         assert len(native) == len(twin)
         for n, t in zip(native, twin, strict=True):
             same(n, t)
-            assert t.wait_s >= (self.ttl(t.priority) or math.inf), "expired early"
+            # Expiry is `arrival + ttl <= now`; `wait_s` is `now - arrival`, which can round
+            # a few ulps below the TTL for the same instants (2.05 - 0.05 = 1.9999999999999998).
+            assert t.wait_s >= (self.ttl(t.priority) or math.inf) - 1e-9, "expired early"
             self.finish(t)
         assert all(
             (ttl := self.ttl(item.priority)) is None or item.arrival + ttl > self.now
