@@ -76,7 +76,8 @@ pub struct CacheStats {
 const NIL: usize = usize::MAX;
 
 struct Node {
-    text: Box<str>,
+    /// Shared with the map's key.
+    text: Arc<str>,
     first: bool,
     ids: Arc<[u32]>,
     prev: usize,
@@ -86,7 +87,7 @@ struct Node {
 /// A least-recently-used map from (piece, starts the text) to ids, bounded in bytes.
 struct Lru {
     /// Slot of each piece, by whether it starts the text.
-    maps: [HashMap<Box<str>, usize>; 2],
+    maps: [HashMap<Arc<str>, usize>; 2],
     nodes: Vec<Node>,
     free: Vec<usize>,
     /// Most recently used.
@@ -160,13 +161,14 @@ impl Lru {
             self.unlink(slot);
             let node = &mut self.nodes[slot];
             self.bytes -= cost(&node.text, node.ids.len());
-            let text = std::mem::take(&mut node.text);
+            let text = std::mem::replace(&mut node.text, Arc::from(""));
             node.ids = Arc::from(Vec::new());
             self.maps[usize::from(node.first)].remove(&text);
             self.free.push(slot);
             evicted += 1;
         }
-        let node = Node { text: text.into(), first, ids, prev: NIL, next: NIL };
+        let text: Arc<str> = Arc::from(text);
+        let node = Node { text: text.clone(), first, ids, prev: NIL, next: NIL };
         let slot = match self.free.pop() {
             Some(slot) => {
                 self.nodes[slot] = node;
@@ -177,7 +179,7 @@ impl Lru {
                 self.nodes.len() - 1
             }
         };
-        self.maps[usize::from(first)].insert(text.into(), slot);
+        self.maps[usize::from(first)].insert(text, slot);
         self.push_front(slot);
         self.bytes += size;
         evicted
@@ -262,8 +264,10 @@ impl PieceEncoder {
                 Err(_) => continue,
             };
             for pass in ["cold", "warm"] {
-                let pieces = encoder.encode_pieces(tokenizer, text);
-                if pieces.as_deref() != Some(whole.as_slice()) {
+                // `None`: a piece that cannot be encoded alone, whose prompt is encoded whole
+                // (exact, if not faster).
+                let Some(pieces) = encoder.encode_pieces(tokenizer, text) else { continue };
+                if pieces != whole {
                     encoder.cache = None;
                     encoder.disabled_reason = Some(format!(
                         "encoding the probe text {:?} piece by piece ({pass}) does not give its \
