@@ -507,7 +507,9 @@ CACHE_SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system
 def _trained(directory: Path, kind: str) -> Path:
     """A tokenizer of another family than ``write_tokenizer``'s byte-level BPE, with its
     chat template: ``metaspace-first`` (SentencePiece-style, Metaspace with ``prepend_scheme:
-    first``, whose ids depend on whether a piece starts the text), ``llama-normalizer``
+    first``, whose ids depend on whether a piece starts the text), ``strip-rules`` (the same
+    with added tokens that strip spaces around them or match single words only, which the
+    cache splits with the tokenizer's own added vocabulary), ``llama-normalizer``
     (the older Llama layout: Prepend and Replace normalizers, no pre-tokenizer),
     ``truncating`` and ``normalized-added`` (two the cache must refuse)."""
     from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -529,6 +531,9 @@ def _trained(directory: Path, kind: str) -> Path:
         tokenizer.enable_truncation(max_length=4096)
     if kind == "normalized-added":
         tokenizer.add_tokens([AddedToken("<Tool>", normalized=True)])
+    if kind == "strip-rules":
+        tokenizer.add_special_tokens([AddedToken("<|tool|>", lstrip=True, rstrip=True)])
+        tokenizer.add_tokens([AddedToken("knight", single_word=True, normalized=False)])
     directory.mkdir(parents=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": FEATURES_TEMPLATE}
@@ -542,12 +547,13 @@ def cached_directories(
 ) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cached-tokenizers")
     out = dict(directories)
-    for kind in ("metaspace-first", "llama-normalizer", "truncating", "normalized-added"):
+    kinds = ("metaspace-first", "strip-rules", "llama-normalizer", "truncating", "normalized-added")
+    for kind in kinds:
         out[kind] = _trained(root / kind, kind)
     return out
 
 
-CACHED = [*TEMPLATES, "tiny-model", "metaspace-first", "llama-normalizer"]
+CACHED = [*TEMPLATES, "tiny-model", "metaspace-first", "strip-rules", "llama-normalizer"]
 
 
 @functools.cache
@@ -615,7 +621,8 @@ def test_random_texts_with_added_tokens_encode_as_the_whole_text(
     through a small cache (evictions), cold then warm, equal the uncached encoding and
     Python ``tokenizers``'."""
     directory = cached_directories[template]
-    specials = [c for c in CACHE_SPECIALS + ["<|end|>", "<pad>"] if c != "<unk>"]
+    specials = [c for c in CACHE_SPECIALS + ["<|end|>", "<pad>", "<|tool|>"] if c != "<unk>"]
+    specials += [" <|tool|> ", "knight", " knight ", "knights", "aknight"]
     native = NativePromptTokenizer(str(directory), cache_bytes=16384)
     rng = random.Random(template)
     texts = [_texts_with_added_tokens(rng, specials) for _ in range(400)]
@@ -636,10 +643,11 @@ def test_hypothesis_texts_encode_as_the_whole_text(cached_directories: dict[str,
 
     natives = {
         name: (NativePromptTokenizer(str(cached_directories[name]), cache_bytes=8192), name)
-        for name in ("default", "metaspace-first", "llama-normalizer")
+        for name in ("default", "metaspace-first", "strip-rules", "llama-normalizer")
     }
     segment = st.one_of(
-        st.sampled_from(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]),
+        st.sampled_from(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>"]),
+        st.sampled_from(["knight", " knight", "knight!", "  "]),
         st.text(alphabet="ab dé▁\n\t日🐉<|>s/", max_size=60),
         st.sampled_from(WORDS).map(lambda w: f" {w} " * 12),
     )

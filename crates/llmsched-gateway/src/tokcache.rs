@@ -22,9 +22,19 @@
 //! whose piecewise ids differ from its whole ids (encoded cold, then warm) turns the cache
 //! off, with the reason kept for stats and `/metrics`.
 //!
-//! Complexity: per chat request one scan of the text for added tokens (the tokenizer's own
-//! Aho-Corasick automaton), one hash and comparison per piece of at least
-//! [`MIN_PIECE_BYTES`], the ids copied out; the tokenizer's normalizer, pre-tokenizer
+//! Every piece is cached, short ones too: encoding even a one-character piece through the
+//! tokenizer costs microseconds of fixed pipeline work (building the pre-tokenized string,
+//! its alignments and an `Encoding`), a lookup a small fraction of one.
+//!
+//! The split at added tokens: when every added token is matched on the raw text without
+//! strip or single-word rules (chat models' role markers are), it is a leftmost-longest
+//! Aho-Corasick search over their contents, the matching the tokenizer's own trie does,
+//! checked against the tokenizer's split on every probe text; otherwise the tokenizer's
+//! added vocabulary splits (`extract_and_normalize` without the normalizer, slower: it builds
+//! alignments for each byte).
+//!
+//! Complexity: per chat request one scan of the text for added tokens, one hash and
+//! comparison per piece, the ids copied out; the tokenizer's normalizer, pre-tokenizer
 //! (regular expressions) and model run on misses only. Memory: at most `capacity` bytes of
 //! piece text and ids (plus [`ENTRY_OVERHEAD`] per entry), least recently used pieces evicted
 //! first. One mutex guards the map (held for a lookup or an insertion, never while
@@ -39,10 +49,6 @@ use tokenizers::{
     NormalizerWrapper, OffsetReferential, OffsetType, PostProcessorWrapper, PreTokenizerWrapper,
     Tokenizer,
 };
-
-/// Pieces shorter than this many bytes are encoded directly: hashing and copying them costs
-/// about what encoding does.
-pub const MIN_PIECE_BYTES: usize = 32;
 
 /// Bytes counted per entry beyond its text and ids (map slot, list links, allocations).
 pub const ENTRY_OVERHEAD: usize = 96;
@@ -204,9 +210,58 @@ enum Piece<'t> {
     Text { text: &'t str, first: bool },
 }
 
+/// Finds the added tokens in a text.
+enum Splitter {
+    /// Leftmost-longest matches of the added tokens' contents (their ids by pattern).
+    Plain(aho_corasick::AhoCorasick, Vec<u32>),
+    /// The tokenizer's added vocabulary.
+    Tokenizer,
+}
+
+impl Splitter {
+    /// The plain splitter when every added token is matched on the raw text without strip
+    /// or single-word rules (and special tokens are not encoded as text), else the
+    /// tokenizer's.
+    fn for_tokenizer(tokenizer: &Tokenizer) -> Splitter {
+        let tokens = tokenizer.get_added_tokens_decoder();
+        let plain = !tokenizer.get_encode_special_tokens()
+            && tokens.values().all(|t| !(t.normalized || t.lstrip || t.rstrip || t.single_word));
+        if !plain || tokens.is_empty() {
+            return Splitter::Tokenizer;
+        }
+        let (ids, patterns): (Vec<u32>, Vec<String>) =
+            tokens.into_iter().map(|(id, t)| (id, t.content)).unzip();
+        match aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(&patterns)
+        {
+            Ok(automaton) => Splitter::Plain(automaton, ids),
+            Err(_) => Splitter::Tokenizer,
+        }
+    }
+
+    fn split<'t>(&self, tokenizer: &Tokenizer, text: &'t str) -> Vec<Piece<'t>> {
+        let Splitter::Plain(automaton, ids) = self else { return split(tokenizer, text) };
+        let mut out = Vec::with_capacity(16);
+        let mut at = 0;
+        for found in automaton.find_iter(text) {
+            if found.start() > at {
+                out.push(Piece::Text { text: &text[at..found.start()], first: at == 0 });
+            }
+            out.push(Piece::Token(ids[found.pattern().as_usize()]));
+            at = found.end();
+        }
+        if at < text.len() {
+            out.push(Piece::Text { text: &text[at..], first: at == 0 });
+        }
+        out
+    }
+}
+
 /// Encodes texts (without special tokens added) through the piece cache when the tokenizer
 /// was proved piecewise at load, else whole (see the module documentation).
 pub struct PieceEncoder {
+    splitter: Splitter,
     /// `None`: off (the reason in `disabled_reason`).
     cache: Option<Mutex<Lru>>,
     /// The added token a non-first piece is encoded after: (its text, its id).
@@ -232,6 +287,7 @@ impl PieceEncoder {
     /// renders) and texts built around its added tokens.
     pub fn new(tokenizer: &Tokenizer, capacity: usize, probes: &[String]) -> PieceEncoder {
         let mut encoder = PieceEncoder {
+            splitter: Splitter::Tokenizer,
             cache: None,
             anchor: None,
             disabled_reason: None,
@@ -258,6 +314,13 @@ impl PieceEncoder {
         encoder.cache = Some(Mutex::new(Lru::new(capacity)));
         let mut texts: Vec<String> = probes.to_vec();
         texts.extend(synthetic_probes(tokenizer));
+        encoder.splitter = Splitter::for_tokenizer(tokenizer);
+        if texts
+            .iter()
+            .any(|t| !same_split(&encoder.splitter.split(tokenizer, t), &split(tokenizer, t)))
+        {
+            encoder.splitter = Splitter::Tokenizer;
+        }
         for text in &texts {
             let whole = match tokenizer.encode_fast(text.as_str(), false) {
                 Ok(encoding) => encoding.get_ids().to_vec(),
@@ -287,6 +350,7 @@ impl PieceEncoder {
     /// An encoder that encodes every text whole, for `reason`.
     pub fn off(reason: &str) -> PieceEncoder {
         PieceEncoder {
+            splitter: Splitter::Tokenizer,
             cache: None,
             anchor: None,
             disabled_reason: Some(reason.to_owned()),
@@ -339,16 +403,12 @@ impl PieceEncoder {
     /// the tokenizer fails: the whole encoding reports it).
     fn encode_pieces(&self, tokenizer: &Tokenizer, text: &str) -> Option<Vec<u32>> {
         let cache = self.cache.as_ref()?;
-        let pieces = split(tokenizer, text);
+        let pieces = self.splitter.split(tokenizer, text);
         let mut ids = Vec::with_capacity(text.len() / 3 + 8);
         for piece in pieces {
             match piece {
                 Piece::Token(id) => ids.push(id),
                 Piece::Text { text: piece, first } => {
-                    if piece.len() < MIN_PIECE_BYTES {
-                        ids.extend(self.encode_piece(tokenizer, piece, first)?);
-                        continue;
-                    }
                     let found = cache.lock().unwrap_or_else(|e| e.into_inner()).get(piece, first);
                     if let Some(found) = found {
                         self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -388,8 +448,8 @@ impl PieceEncoder {
         text.push_str(anchor);
         text.push_str(piece);
         match split(tokenizer, &text).as_slice() {
-            [Piece::Token(id), Piece::Text { text: rest, .. }] if id == anchor_id && *rest == piece => {
-            }
+            [Piece::Token(id), Piece::Text { text: rest, .. }]
+                if id == anchor_id && *rest == piece => {}
             _ => return None,
         }
         let encoding = tokenizer.encode_fast(text.as_str(), false).ok()?;
@@ -551,6 +611,17 @@ fn synthetic_probes(tokenizer: &Tokenizer) -> Vec<String> {
         }
     }
     out
+}
+
+fn same_split(a: &[Piece<'_>], b: &[Piece<'_>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|pair| match pair {
+            (Piece::Token(x), Piece::Token(y)) => x == y,
+            (Piece::Text { text: x, first: f }, Piece::Text { text: y, first: g }) => {
+                x == y && f == g
+            }
+            _ => false,
+        })
 }
 
 fn shorten(text: &str) -> String {
