@@ -621,7 +621,7 @@ def test_random_texts_with_added_tokens_encode_as_the_whole_text(
     through a small cache (evictions), cold then warm, equal the uncached encoding and
     Python ``tokenizers``'."""
     directory = cached_directories[template]
-    specials = [c for c in CACHE_SPECIALS + ["<|end|>", "<pad>", "<|tool|>"] if c != "<unk>"]
+    specials = [c for c in [*CACHE_SPECIALS, "<|end|>", "<pad>", "<|tool|>"] if c != "<unk>"]
     specials += [" <|tool|> ", "knight", " knight ", "knights", "aknight"]
     native = NativePromptTokenizer(str(directory), cache_bytes=16384)
     rng = random.Random(template)

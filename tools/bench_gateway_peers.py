@@ -281,7 +281,9 @@ def _router_of(name: str) -> str:
     """The router preset of an ``llmsched-*`` gateway name (``-nocache``: the native plane
     with ``tokenizer_cache_bytes: 0``)."""
     return (
-        name.removeprefix("llmsched-serve-native-").removeprefix("llmsched-").removesuffix("-nocache")
+        name.removeprefix("llmsched-serve-native-")
+        .removeprefix("llmsched-")
+        .removesuffix("-nocache")
     )
 
 

@@ -214,6 +214,9 @@ impl PyNativeGateway {
     }
 }
 
+// `NativePromptTokenizer`'s default `cache_bytes`, written out for its signature.
+const _: () = assert!(DEFAULT_CAPACITY == 33_554_432);
+
 /// `TokenizerCacheStats` as a dict.
 fn cache_stats_dict<'py>(py: Python<'py>, stats: &CacheStats) -> PyResult<Bound<'py, PyDict>> {
     let out = PyDict::new(py);
@@ -248,7 +251,7 @@ impl PyNativePromptTokenizer {
     /// go through a piece cache of `cache_bytes` (0: none) where the tokenizer's piecewise
     /// encoding is proved exact at load.
     #[new]
-    #[pyo3(signature = (directory, cache_bytes=DEFAULT_CAPACITY as i64))]
+    #[pyo3(signature = (directory, cache_bytes=33554432))]
     fn new(py: Python<'_>, directory: &str, cache_bytes: i64) -> PyResult<Self> {
         let cache_bytes = usize::try_from(cache_bytes).map_err(|_| {
             ConfigError::new_err(format!("cache_bytes: must be an int >= 0, got {cache_bytes}"))

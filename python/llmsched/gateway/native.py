@@ -16,9 +16,9 @@ render raises ConfigError at start. Chat prompts' pieces (the text between the t
 added tokens: a system message repeated on every turn) are cached with their ids
 (``tokenizer_cache_bytes``) where the tokenizer's piecewise encoding is proved exact at start;
 where it is not, the cache is off with one warning and the reason in
-:meth:`NativeGateway.tokenizer_cache_stats` and ``/metrics``. What the native plane does not do yet raises
-:class:`~llmsched.errors.ConfigError` naming the key (``slices``, ``cluster``, ``admin``):
-serve those with ``data_plane: python``.
+:meth:`NativeGateway.tokenizer_cache_stats` and ``/metrics``. What the native plane does not
+do yet raises :class:`~llmsched.errors.ConfigError` naming the key (``slices``, ``cluster``,
+``admin``): serve those with ``data_plane: python``.
 
 >>> import asyncio
 >>> async def main() -> int:
