@@ -50,8 +50,9 @@ use tokenizers::{
     Tokenizer,
 };
 
-/// Bytes counted per entry beyond its text and ids (map slot, list links, allocations).
-pub const ENTRY_OVERHEAD: usize = 96;
+/// Bytes counted per entry beyond its text and ids: the list node (56), the map slot (24),
+/// the two `Arc` headers (32) and allocator rounding.
+pub const ENTRY_OVERHEAD: usize = 128;
 
 /// The default capacity in bytes (`tokenizer_cache_bytes`).
 pub const DEFAULT_CAPACITY: usize = 32 << 20;
