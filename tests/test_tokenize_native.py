@@ -7,6 +7,7 @@ refused with the problem named, never a crash."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import random
@@ -495,3 +496,282 @@ def test_the_gateway_answers_malformed_chats_with_400(tmp_path: Path) -> None:
                 assert response.status == 200
 
     run(body())
+
+
+# The tokenizer cache: chat prompts' pieces (the text between added tokens) cached with their
+# ids. Every test compares against the tokenizer encoding the whole text without the cache.
+
+CACHE_SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def _trained(directory: Path, kind: str) -> Path:
+    """A tokenizer of another family than ``write_tokenizer``'s byte-level BPE, with its
+    chat template: ``metaspace-first`` (SentencePiece-style, Metaspace with ``prepend_scheme:
+    first``, whose ids depend on whether a piece starts the text), ``strip-rules`` (the same
+    with added tokens that strip spaces around them or match single words only, which the
+    cache splits with the tokenizer's own added vocabulary), ``llama-normalizer``
+    (the older Llama layout: Prepend and Replace normalizers, no pre-tokenizer),
+    ``truncating`` and ``normalized-added`` (two the cache must refuse)."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    if kind == "llama-normalizer":
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+    elif kind == "normalized-added":
+        tokenizer.normalizer = normalizers.Lowercase()
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=CACHE_SPECIALS)
+    corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] + UNICODE
+    tokenizer.train_from_iterator(corpus * 4, trainer)
+    if kind == "truncating":
+        tokenizer.enable_truncation(max_length=4096)
+    if kind == "normalized-added":
+        tokenizer.add_tokens([AddedToken("<Tool>", normalized=True)])
+    if kind == "strip-rules":
+        tokenizer.add_special_tokens([AddedToken("<|tool|>", lstrip=True, rstrip=True)])
+        tokenizer.add_tokens([AddedToken("knight", single_word=True, normalized=False)])
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": FEATURES_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def cached_directories(
+    directories: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cached-tokenizers")
+    out = dict(directories)
+    kinds = ("metaspace-first", "strip-rules", "llama-normalizer", "truncating", "normalized-added")
+    for kind in kinds:
+        out[kind] = _trained(root / kind, kind)
+    return out
+
+
+CACHED = [*TEMPLATES, "tiny-model", "metaspace-first", "strip-rules", "llama-normalizer"]
+
+
+@functools.cache
+def _python_tokenizer(directory: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
+def _whole(directory: Path, text: str) -> list[int]:
+    """The Python ``tokenizers`` ids of ``text`` without special tokens added."""
+    return list(_python_tokenizer(directory).encode(text, add_special_tokens=False).ids)
+
+
+@pytest.mark.parametrize("template", CACHED)
+def test_the_cache_is_on_and_each_conversation_encodes_alike_cold_and_warm(
+    cached_directories: dict[str, Path], template: str
+) -> None:
+    directory = cached_directories[template]
+    native = NativePromptTokenizer(str(directory))
+    stats = native.cache_stats()
+    assert stats["enabled"] and stats["disabled_reason"] is None, stats
+    assert (stats["hits"], stats["misses"], stats["entries"]) == (0, 0, 0)
+    uncached = NativePromptTokenizer(str(directory), cache_bytes=0)
+    python = PromptTokenizer(directory) if template not in TEMPLATES else None
+    # A shared system message on every turn, as chat traffic has it.
+    system = {"role": "system", "content": _sentence(random.Random(5), 200)}
+    conversations = [m for _, m in CHATS] + [[system, *m] for _, m in CHATS[:8]]
+    for messages in conversations:
+        body = json.dumps({"model": MODEL, "messages": messages})
+        expected = uncached.chat_tokens(body)
+        assert expected == uncached.encode_whole(native.render_chat(body))
+        if python is not None:
+            assert expected == python.chat_tokens(messages)
+        cold = native.chat_tokens(body)
+        warm = native.chat_tokens(body)
+        assert cold == expected and warm == expected, messages
+    stats = native.cache_stats()
+    assert stats["hits"] > 0 and stats["misses"] > 0 and stats["fallbacks"] == 0, stats
+    assert 0 < stats["bytes"] <= stats["capacity_bytes"]
+    assert uncached.cache_stats()["enabled"] is False
+    assert uncached.cache_stats()["disabled_reason"] == "tokenizer_cache_bytes is 0"
+
+
+def _texts_with_added_tokens(rng: random.Random, specials: list[str]) -> str:
+    segments = []
+    for _ in range(rng.randint(1, 8)):
+        roll = rng.random()
+        if roll < 0.35:
+            segments.append(rng.choice(specials))
+        elif roll < 0.5:
+            segments.append(rng.choice(["", " ", "\n", "  ", "▁", "\t", " \n "]))
+        else:
+            segments.append(_sentence(rng, rng.randint(1, 60)))
+        if rng.random() < 0.2:
+            segments.append(rng.choice([" ", "\n", ""]))
+    return "".join(segments)
+
+
+@pytest.mark.parametrize("template", CACHED)
+def test_random_texts_with_added_tokens_encode_as_the_whole_text(
+    cached_directories: dict[str, Path], template: str
+) -> None:
+    """Property-style: seeded random texts of added tokens, words, unicode and whitespace,
+    through a small cache (evictions), cold then warm, equal the uncached encoding and
+    Python ``tokenizers``'."""
+    directory = cached_directories[template]
+    specials = [c for c in [*CACHE_SPECIALS, "<|end|>", "<pad>", "<|tool|>"] if c != "<unk>"]
+    specials += [" <|tool|> ", "knight", " knight ", "knights", "aknight"]
+    native = NativePromptTokenizer(str(directory), cache_bytes=16384)
+    rng = random.Random(template)
+    texts = [_texts_with_added_tokens(rng, specials) for _ in range(400)]
+    for text in texts + texts[::-1]:
+        expected = _whole(directory, text)
+        assert native.encode_whole(text) == expected, text
+        assert native.encode_chat(text) == expected, text
+        assert native.encode_chat(text) == expected, text
+    stats = native.cache_stats()
+    assert stats["enabled"], stats
+    assert stats["evictions"] > 0 and stats["hits"] > 0, stats
+    assert stats["bytes"] <= 16384
+
+
+def test_hypothesis_texts_encode_as_the_whole_text(cached_directories: dict[str, Path]) -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    natives = {
+        name: (NativePromptTokenizer(str(cached_directories[name]), cache_bytes=8192), name)
+        for name in ("default", "metaspace-first", "strip-rules", "llama-normalizer")
+    }
+    segment = st.one_of(
+        st.sampled_from(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>"]),
+        st.sampled_from(["knight", " knight", "knight!", "  "]),
+        st.text(alphabet="ab dé▁\n\t日🐉<|>s/", max_size=60),
+        st.sampled_from(WORDS).map(lambda w: f" {w} " * 12),
+    )
+
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(st.lists(segment, max_size=10), st.sampled_from(sorted(natives)))
+    def check(segments: list[str], name: str) -> None:
+        native, _ = natives[name]
+        text = "".join(segments)
+        expected = _whole(cached_directories[name], text)
+        assert native.encode_chat(text) == expected
+        assert native.encode_chat(text) == expected
+
+    check()
+
+
+def test_threads_share_the_cache_and_agree_with_the_uncached_encoder(
+    cached_directories: dict[str, Path],
+) -> None:
+    import concurrent.futures
+
+    directory = cached_directories["metaspace-first"]
+    # Small enough to evict while the threads read.
+    native = NativePromptTokenizer(str(directory), cache_bytes=32768)
+    rng = random.Random(11)
+    texts = [_texts_with_added_tokens(rng, ["<s>", "<|user|>", "<|assistant|>"]) for _ in range(60)]
+    oracle = {text: native.encode_whole(text) for text in texts}
+
+    def worker(seed: int) -> int:
+        local = random.Random(seed)
+        wrong = 0
+        for _ in range(400):
+            text = local.choice(texts)
+            wrong += native.encode_chat(text) != oracle[text]
+        return wrong
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        futures = [pool.submit(worker, seed) for seed in range(6)]
+        assert [f.result(timeout=120) for f in futures] == [0] * 6
+    stats = native.cache_stats()
+    assert stats["hits"] > 0 and stats["evictions"] > 0, stats
+    assert stats["bytes"] <= 32768
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("truncating", "truncates"),
+        ("normalized-added", "matched after normalization"),
+    ],
+)
+def test_a_tokenizer_the_cache_cannot_vouch_for_turns_it_off(
+    cached_directories: dict[str, Path], kind: str, reason: str
+) -> None:
+    directory = cached_directories[kind]
+    native = NativePromptTokenizer(str(directory))
+    stats = native.cache_stats()
+    assert stats["enabled"] is False and reason in str(stats["disabled_reason"]), stats
+    body = json.dumps({"messages": [{"role": "user", "content": " ".join(WORDS * 3)}]})
+    assert native.chat_tokens(body) == native.encode_whole(native.render_chat(body))
+    assert native.cache_stats()["misses"] == 0
+
+
+def test_bad_cache_sizes_are_config_errors(directories: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match="cache_bytes"):
+        NativePromptTokenizer(str(directories["default"]), cache_bytes=-1)
+    from llmsched.gateway.config import load_config
+
+    base = {"engines": [{"host": "127.0.0.1", "port": 9}], "models": [MODEL]}
+    for bad in [-1, "32MB", 1.5, True, None, 2**41]:
+        with pytest.raises(ConfigError, match="tokenizer_cache_bytes"):
+            load_config({**base, "tokenizer_cache_bytes": bad})
+    assert load_config(base).tokenizer_cache_bytes == 32 * 1024 * 1024
+    assert load_config({**base, "tokenizer_cache_bytes": 0}).tokenizer_cache_bytes == 0
+
+
+def test_the_gateway_counts_cache_hits_and_warns_once_when_it_is_off(
+    cached_directories: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    import aiohttp
+
+    from llmsched.testing.openai_engine import FakeOpenAIEngine
+
+    async def serve(directory: Path) -> tuple[Any, str]:
+        engine = FakeOpenAIEngine(model=MODEL)
+        await engine.start()
+        gateway = NativeGateway(
+            {
+                "engines": [{"host": "127.0.0.1", "port": engine.port}],
+                "models": [MODEL],
+                "listen": {"port": 0},
+                "scrape": {"enabled": False},
+                "data_plane": "native",
+                "tokenizer": str(directory),
+            }
+        )
+        await gateway.start()
+        try:
+            system = {"role": "system", "content": " ".join(WORDS * 4)}
+            async with aiohttp.ClientSession() as client:
+                for turn in range(4):
+                    messages = [system, {"role": "user", "content": f"turn {turn}"}]
+                    request = {"model": MODEL, "messages": messages, "max_tokens": 2}
+                    url = f"{gateway.url}/v1/chat/completions"
+                    async with client.post(url, json=request) as response:
+                        assert response.status == 200
+                async with client.get(f"{gateway.url}/metrics") as response:
+                    text = await response.text()
+            return gateway.tokenizer_cache_stats(), text
+        finally:
+            await gateway.stop()
+            await engine.stop()
+
+    with caplog.at_level("WARNING", logger="llmsched"):
+        stats, metrics = run(serve(cached_directories["default"]))
+    assert not [r for r in caplog.records if "tokenizer cache is off" in r.getMessage()]
+    assert stats is not None and stats["enabled"] and stats["hits"] >= 3, stats
+    assert f"llmsched_gateway_tokenizer_cache_hits_total {stats['hits']}.0" in metrics
+    assert 'llmsched_gateway_tokenizer_cache_enabled{reason=""} 1.0' in metrics
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llmsched"):
+        stats, metrics = run(serve(cached_directories["truncating"]))
+    warnings = [r for r in caplog.records if "tokenizer cache is off" in r.getMessage()]
+    assert len(warnings) == 1 and "truncates" in warnings[0].getMessage()
+    assert stats is not None and not stats["enabled"] and stats["hits"] == 0
+    assert "llmsched_gateway_tokenizer_cache_enabled{reason=" in metrics
+    assert "truncates" in metrics and "tokenizer_cache_enabled{" in metrics

@@ -18,7 +18,9 @@ figure is the median over the repeats:
   peers' round-robin; the llm-d preset beside their cache-aware modes).
 
 Usage: python tools/bench_gateway_peers.py [--short] [--rates 300,1000] [--repeats 3] ...
-(``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids.)
+(``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids;
+``llmsched-serve-native-llm-d-nocache`` in ``--gateways`` adds the native plane without its
+tokenizer cache.)
 (``make bench-gateway-peers`` runs it with the peers installed in their own environment.)
 Exit status 0 unless a gateway could not be started; timing never fails it.
 """
@@ -214,9 +216,10 @@ def gateways(
             "llmsched-round-robin",
             "llmsched-serve-native-llm-d",
             "llmsched-serve-native-round-robin",
+            "llmsched-serve-native-llm-d-nocache",
         ):
             plane = "native" if name.startswith("llmsched-serve-native-") else "python"
-            router = name.removeprefix("llmsched-serve-native-").removeprefix("llmsched-")
+            router = _router_of(name)
             found.append(
                 Gateway(
                     name,
@@ -274,6 +277,16 @@ def gateways(
     return found
 
 
+def _router_of(name: str) -> str:
+    """The router preset of an ``llmsched-*`` gateway name (``-nocache``: the native plane
+    with ``tokenizer_cache_bytes: 0``)."""
+    return (
+        name.removeprefix("llmsched-serve-native-")
+        .removeprefix("llmsched-")
+        .removesuffix("-nocache")
+    )
+
+
 def gateway_command(
     gateway: Gateway, port: int, engines: list[str], work: Path, tokenizer: str | None = None
 ) -> list[str]:
@@ -282,7 +295,7 @@ def gateway_command(
     if gateway.kind == "llmsched":
         import yaml
 
-        router = gateway.name.removeprefix("llmsched-serve-native-").removeprefix("llmsched-")
+        router = _router_of(gateway.name)
         config = {
             "listen": {"host": "127.0.0.1", "port": port},
             "engines": [
@@ -297,6 +310,8 @@ def gateway_command(
         }
         if tokenizer is not None:
             config["tokenizer"] = tokenizer
+        if gateway.name.endswith("-nocache"):
+            config["tokenizer_cache_bytes"] = 0
         path = work / f"{gateway.name}.yaml"
         path.write_text(yaml.safe_dump(config))
         return [*gateway.command, str(path)]

@@ -28,6 +28,7 @@ from llmsched.types import (
     ProfileData,
     SyncCounters,
     SyncReport,
+    TokenizerCacheStats,
     WorkerId,
 )
 
@@ -968,6 +969,8 @@ class NativeGateway:
         """Flow control's gauges and counters, or None when it is off."""
     def counters(self) -> NativeGatewayCounters:
         """Connection and request counters."""
+    def tokenizer_cache_stats(self) -> TokenizerCacheStats | None:
+        """The tokenizer's piece cache (None without a tokenizer)."""
 
 @final
 class NativePromptTokenizer:
@@ -975,9 +978,11 @@ class NativePromptTokenizer:
     --data-plane native` routes on (the Rust `tokenizers` crate and a Jinja engine), to compare
     with `llmsched.tokenize.PromptTokenizer`. Every method releases the GIL."""
 
-    def __new__(cls, directory: str) -> NativePromptTokenizer:
+    def __new__(cls, directory: str, cache_bytes: int = 33554432) -> NativePromptTokenizer:
         """Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded
-        or its chat template cannot be rendered (probe conversations are rendered)."""
+        or its chat template cannot be rendered (probe conversations are rendered). Chat
+        prompts go through a piece cache of `cache_bytes` (0: none) where the tokenizer's
+        piecewise encoding is proved exact at load."""
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be tokenized."""
@@ -991,3 +996,11 @@ class NativePromptTokenizer:
         """The token ids of a chat request body, as the native plane routes on them."""
     def completion_tokens(self, request: str) -> list[int]:
         """The token ids of a completions request body's `prompt` (JSON text)."""
+    def encode_chat(self, text: str) -> list[int]:
+        """The ids of a rendered chat prompt (no special tokens added), through the piece
+        cache when it is on."""
+    def encode_whole(self, text: str) -> list[int]:
+        """The ids of `text` (no special tokens added), encoded whole without the cache:
+        the oracle of `encode_chat`."""
+    def cache_stats(self) -> TokenizerCacheStats:
+        """The piece cache's counters and state (why it is off, when it is)."""

@@ -721,6 +721,7 @@ class NativeGatewayConfig(TypedDict):
     pd_header: str | None
     threads: int
     tokenizer: str | None
+    tokenizer_cache_bytes: int
 
 
 class NativeFlowStats(TypedDict):
@@ -731,6 +732,28 @@ class NativeFlowStats(TypedDict):
     saturation: float
     tenants: int
     outcomes: dict[str, int]
+
+
+class TokenizerCacheStats(TypedDict):
+    """The native plane's tokenizer piece cache (``NativeGateway.tokenizer_cache_stats()``,
+    ``NativePromptTokenizer.cache_stats()``): chat prompts' text between the tokenizer's added
+    tokens, with its ids.
+
+    ``enabled``: whether chat prompts are encoded through it; ``disabled_reason``: why not
+    (None when enabled: a tokenizer whose piecewise encoding could not be proved exact at
+    load, or ``tokenizer_cache_bytes: 0``); ``capacity_bytes``, ``bytes``, ``entries``: its
+    size; ``hits``, ``misses``, ``evictions``: pieces found, encoded and inserted, evicted;
+    ``fallbacks``: prompts encoded whole because a piece could not be encoded alone."""
+
+    enabled: bool
+    disabled_reason: str | None
+    capacity_bytes: int
+    bytes: int
+    entries: int
+    hits: int
+    misses: int
+    evictions: int
+    fallbacks: int
 
 
 class NativeGatewayCounters(TypedDict):

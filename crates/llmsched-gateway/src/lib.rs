@@ -44,6 +44,7 @@ pub mod flow;
 pub mod guards;
 pub mod health;
 pub mod metrics;
+pub mod tokcache;
 pub mod tokenize;
 
 use std::collections::{HashMap, HashSet};
@@ -150,6 +151,9 @@ pub struct GatewayConfig {
     /// engine loading it computes ([`tokenize::PromptTokenizer`]); `None`: token ids as
     /// given, text hashed as pseudo-tokens.
     pub tokenizer: Option<String>,
+    /// Bytes of the tokenizer's piece cache ([`tokcache`]: chat prompts' text between added
+    /// tokens and its ids, least recently used evicted); 0: no cache.
+    pub tokenizer_cache_bytes: usize,
 }
 
 impl Default for GatewayConfig {
@@ -183,6 +187,7 @@ impl Default for GatewayConfig {
             pd_header: None,
             threads: 1,
             tokenizer: None,
+            tokenizer_cache_bytes: tokcache::DEFAULT_CAPACITY,
         }
     }
 }
@@ -433,8 +438,11 @@ fn build(
     let tokenizer = match &config.tokenizer {
         None => None,
         Some(directory) => Some(
-            tokenize::PromptTokenizer::load(std::path::Path::new(directory))
-                .map_err(|e| ConfigProblem(format!("tokenizer: {e}")))?,
+            tokenize::PromptTokenizer::load_with_cache(
+                std::path::Path::new(directory),
+                config.tokenizer_cache_bytes,
+            )
+            .map_err(|e| ConfigProblem(format!("tokenizer: {e}")))?,
         ),
     };
     let mut connector = HttpConnector::new();
@@ -463,6 +471,49 @@ fn build(
     let engines = gateway.config.engines.clone();
     gateway.set_engines(&engines)?;
     Ok(gateway)
+}
+
+/// The tokenizer's piece cache in `/metrics`: hits, misses, evictions and whole-prompt
+/// fallbacks as counters; entries, bytes and capacity as gauges; `tokenizer_cache_enabled`
+/// 1 or 0, with the reason it is off as a label.
+fn tokenizer_cache_metrics(out: &mut String, stats: &tokcache::CacheStats) {
+    use std::fmt::Write as _;
+    const P: &str = "llmsched_gateway_tokenizer_cache";
+    for (name, help, value) in [
+        ("hits", "Prompt pieces whose ids came from the tokenizer cache", stats.hits),
+        ("misses", "Prompt pieces encoded and put in the tokenizer cache", stats.misses),
+        ("evictions", "Prompt pieces evicted from the tokenizer cache", stats.evictions),
+        (
+            "fallbacks",
+            "Chat prompts encoded whole because a piece could not be encoded alone",
+            stats.fallbacks,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP {P}_{name}_total {help}\n# TYPE {P}_{name}_total counter\n\
+             {P}_{name}_total {value}.0"
+        );
+    }
+    for (name, help, value) in [
+        ("tokenizer_cache_entries", "Prompt pieces held in the tokenizer cache", stats.entries),
+        ("tokenizer_cache_bytes", "Bytes held in the tokenizer cache", stats.bytes),
+        (
+            "tokenizer_cache_capacity_bytes",
+            "Bytes the tokenizer cache may hold (tokenizer_cache_bytes)",
+            stats.capacity_bytes,
+        ),
+    ] {
+        metrics::gauge(out, name, help, &[], value as f64);
+    }
+    let reason = stats.disabled_reason.as_deref().unwrap_or("");
+    metrics::gauge(
+        out,
+        "tokenizer_cache_enabled",
+        "1 when chat prompts are encoded through the tokenizer cache; 0 with the reason",
+        &[("reason", reason)],
+        if stats.enabled { 1.0 } else { 0.0 },
+    );
 }
 
 /// Checks `config`, binds `addr` and serves from tasks on the current tokio runtime (the
@@ -586,6 +637,11 @@ impl Running {
                 (u.id.clone(), u.health.lock().unwrap_or_else(|e| e.into_inner()).state.name())
             })
             .collect()
+    }
+
+    /// The tokenizer's piece cache (None without a tokenizer).
+    pub fn tokenizer_cache_stats(&self) -> Option<tokcache::CacheStats> {
+        self.gateway.tokenizer.as_ref().map(tokenize::PromptTokenizer::cache_stats)
     }
 
     /// Flow control's snapshot (None when off).
@@ -1141,6 +1197,9 @@ impl Gateway {
             ("index_bytes", "Estimated bytes used by the prefix index", stats.bytes as f64),
         ] {
             metrics::gauge(&mut out, key, help, &[], value);
+        }
+        if let Some(tokenizer) = &self.tokenizer {
+            tokenizer_cache_metrics(&mut out, &tokenizer.cache_stats());
         }
         if let Some(extra) = &self.extra_metrics {
             out.push_str(&extra());

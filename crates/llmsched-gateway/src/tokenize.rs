@@ -32,8 +32,15 @@ use serde::Deserialize;
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
+use crate::tokcache::{CacheStats, PieceEncoder};
+
 const SPECIAL_TOKEN_KEYS: [&str; 7] =
     ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
+
+/// A probe conversation's system message: long enough to be cached, with spaces, newlines,
+/// digits and unicode.
+const PROBE_SYSTEM: &str = "You are a helpful assistant. Answer briefly; use  two spaces here,\n\
+    a newline there, digits 1234567 and unicode: héllo, 日本語, 🐉.\n\n  Indented line.";
 
 /// The template's name in its environment.
 const TEMPLATE: &str = "chat";
@@ -68,6 +75,8 @@ pub struct PromptTokenizer {
     tokenizer: Tokenizer,
     special: Vec<(String, String)>,
     env: Option<Environment<'static>>,
+    /// Chat prompts' ids through the piece cache ([`crate::tokcache`]).
+    pieces: PieceEncoder,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -75,6 +84,7 @@ impl std::fmt::Debug for PromptTokenizer {
         f.debug_struct("PromptTokenizer")
             .field("special", &self.special)
             .field("has_chat_template", &self.env.is_some())
+            .field("pieces", &self.pieces)
             .finish()
     }
 }
@@ -92,10 +102,22 @@ struct ChatFields {
 }
 
 impl PromptTokenizer {
+    /// Loads a `save_pretrained` directory with a piece cache of the default size
+    /// ([`PromptTokenizer::load_with_cache`]).
+    pub fn load(directory: &Path) -> Result<PromptTokenizer, String> {
+        PromptTokenizer::load_with_cache(directory, crate::tokcache::DEFAULT_CAPACITY)
+    }
+
     /// Loads a `save_pretrained` directory; the error names the file or the template
     /// problem. A template that compiles but that the engine cannot render (an unknown
-    /// filter, method or test) fails here: probe conversations are rendered.
-    pub fn load(directory: &Path) -> Result<PromptTokenizer, String> {
+    /// filter, method or test) fails here: probe conversations are rendered. Chat prompts
+    /// are encoded through a piece cache of `cache_bytes` (0: none) when the tokenizer
+    /// proves piecewise on probe texts ([`PieceEncoder::new`]); else the cache is off and
+    /// [`PromptTokenizer::cache_stats`] says why.
+    pub fn load_with_cache(
+        directory: &Path,
+        cache_bytes: usize,
+    ) -> Result<PromptTokenizer, String> {
         let file = directory.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&file)
             .map_err(|e| format!("cannot load {:?}: {e}", directory.display().to_string()))?;
@@ -126,8 +148,14 @@ impl PromptTokenizer {
             None => None,
             Some(source) => Some(environment(source)?),
         };
-        let loaded = PromptTokenizer { tokenizer, special, env };
-        loaded.probe()?;
+        let mut loaded = PromptTokenizer {
+            tokenizer,
+            special,
+            env,
+            pieces: PieceEncoder::off("not probed yet"),
+        };
+        let probes = loaded.probe()?;
+        loaded.pieces = PieceEncoder::new(&loaded.tokenizer, cache_bytes, &probes);
         Ok(loaded)
     }
 
@@ -143,8 +171,9 @@ impl PromptTokenizer {
 
     /// Renders probe conversations: at least one must render, unless every failure is the
     /// template's own `raise_exception` (a template with rules of its own about roles).
-    fn probe(&self) -> Result<(), String> {
-        let Some(env) = &self.env else { return Ok(()) };
+    /// Returns the texts rendered (the piece cache's probes).
+    fn probe(&self) -> Result<Vec<String>, String> {
+        let Some(env) = &self.env else { return Ok(Vec::new()) };
         let probes = [
             serde_json::json!([{"role": "user", "content": "hello"}]),
             serde_json::json!([
@@ -156,23 +185,30 @@ impl PromptTokenizer {
                 {"role": "assistant", "content": "hi"},
                 {"role": "user", "content": "bye"},
             ]),
+            serde_json::json!([
+                {"role": "system", "content": PROBE_SYSTEM},
+                {"role": "user", "content": " what's the weather in Zürich?  "},
+                {"role": "assistant", "content": "Sunny, 21 °C.\n"},
+                {"role": "user", "content": "and tomorrow"},
+            ]),
         ];
         let mut engine_error = None;
+        let mut rendered = Vec::new();
         for probe in probes {
             let messages = Value::from_serialize(&probe);
             match self.render_values(env, &messages, None, None) {
-                Ok(_) => return Ok(()),
+                Ok(text) => rendered.push(text),
                 Err(RenderError::Template(err)) if raised(&err) => {}
                 Err(RenderError::Template(err)) => engine_error = Some(describe(&err)),
                 Err(RenderError::Prompt(problem)) => engine_error = Some(problem.0),
             }
         }
         match engine_error {
-            None => Ok(()),
-            Some(problem) => Err(format!(
+            Some(problem) if rendered.is_empty() => Err(format!(
                 "the chat template cannot be rendered by the native plane's template engine \
                  ({problem}); serve it with data_plane: python"
             )),
+            _ => Ok(rendered),
         }
     }
 
@@ -204,7 +240,20 @@ impl PromptTokenizer {
     /// rendered template, encoded without adding special tokens.
     pub fn chat_tokens_of_body(&self, body: &[u8]) -> Result<Vec<u32>, PromptProblem> {
         let text = self.render_body(body)?;
-        self.encode(&text, false)
+        self.encode_chat(&text)
+    }
+
+    /// The ids of a rendered chat prompt (no special tokens added): through the piece cache
+    /// when it is on, the same ids as [`PromptTokenizer::encode`] either way.
+    pub fn encode_chat(&self, text: &str) -> Result<Vec<u32>, PromptProblem> {
+        self.pieces
+            .encode(&self.tokenizer, text)
+            .map_err(|e| PromptProblem(format!("cannot tokenize the prompt: {e}")))
+    }
+
+    /// The piece cache's counters and state (why it is off, when it is).
+    pub fn cache_stats(&self) -> CacheStats {
+        self.pieces.stats()
     }
 
     /// The chat template's text for a chat request's body.

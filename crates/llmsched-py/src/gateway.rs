@@ -7,6 +7,7 @@ use std::net::ToSocketAddrs;
 use std::sync::Arc;
 
 use llmsched_core::routing::Router;
+use llmsched_gateway::tokcache::{CacheStats, DEFAULT_CAPACITY};
 use llmsched_gateway::tokenize::{PromptProblem, PromptTokenizer};
 use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, RouterSource, Running};
 use parking_lot::Mutex;
@@ -201,6 +202,34 @@ impl PyNativeGateway {
         out.set_item("records_removed", c.records_removed.load(Relaxed))?;
         Ok(out)
     }
+
+    /// The tokenizer's piece cache (`TokenizerCacheStats`), or None without a tokenizer.
+    fn tokenizer_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        match detach(py, || running.tokenizer_cache_stats())? {
+            None => Ok(None),
+            Some(stats) => cache_stats_dict(py, &stats).map(Some),
+        }
+    }
+}
+
+// `NativePromptTokenizer`'s default `cache_bytes`, written out for its signature.
+const _: () = assert!(DEFAULT_CAPACITY == 33_554_432);
+
+/// `TokenizerCacheStats` as a dict.
+fn cache_stats_dict<'py>(py: Python<'py>, stats: &CacheStats) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    out.set_item("enabled", stats.enabled)?;
+    out.set_item("disabled_reason", stats.disabled_reason.as_deref())?;
+    out.set_item("capacity_bytes", stats.capacity_bytes)?;
+    out.set_item("bytes", stats.bytes)?;
+    out.set_item("entries", stats.entries)?;
+    out.set_item("hits", stats.hits)?;
+    out.set_item("misses", stats.misses)?;
+    out.set_item("evictions", stats.evictions)?;
+    out.set_item("fallbacks", stats.fallbacks)?;
+    Ok(out)
 }
 
 /// The native plane's prompt tokenizer on its own (`llmsched_gateway::tokenize`): what
@@ -218,11 +247,17 @@ fn prompt_error(problem: PromptProblem) -> PyErr {
 #[pymethods]
 impl PyNativePromptTokenizer {
     /// Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded or
-    /// its chat template cannot be rendered (probe conversations are rendered).
+    /// its chat template cannot be rendered (probe conversations are rendered). Chat prompts
+    /// go through a piece cache of `cache_bytes` (0: none) where the tokenizer's piecewise
+    /// encoding is proved exact at load.
     #[new]
-    fn new(py: Python<'_>, directory: &str) -> PyResult<Self> {
+    #[pyo3(signature = (directory, cache_bytes=33554432))]
+    fn new(py: Python<'_>, directory: &str, cache_bytes: i64) -> PyResult<Self> {
+        let cache_bytes = usize::try_from(cache_bytes).map_err(|_| {
+            ConfigError::new_err(format!("cache_bytes: must be an int >= 0, got {cache_bytes}"))
+        })?;
         let path = std::path::PathBuf::from(directory);
-        let inner = detach(py, || PromptTokenizer::load(&path))?
+        let inner = detach(py, || PromptTokenizer::load_with_cache(&path, cache_bytes))?
             .map_err(|e| ConfigError::new_err(format!("tokenizer: {e}")))?;
         Ok(PyNativePromptTokenizer { inner })
     }
@@ -255,6 +290,24 @@ impl PyNativePromptTokenizer {
         let body: serde_json::Value = serde_json::from_str(request)
             .map_err(|e| InvalidRequestError::new_err(format!("request: {e}")))?;
         detach(py, || self.inner.completion_tokens(body.get("prompt")))?.map_err(prompt_error)
+    }
+
+    /// The ids of a rendered chat prompt (no special tokens added), through the piece cache
+    /// when it is on.
+    fn encode_chat(&self, py: Python<'_>, text: &str) -> PyResult<Vec<u32>> {
+        detach(py, || self.inner.encode_chat(text))?.map_err(prompt_error)
+    }
+
+    /// The ids of `text` (no special tokens added), encoded whole without the cache: the
+    /// oracle of `encode_chat`.
+    fn encode_whole(&self, py: Python<'_>, text: &str) -> PyResult<Vec<u32>> {
+        detach(py, || self.inner.encode(text, false))?.map_err(prompt_error)
+    }
+
+    /// The piece cache's counters and state (`TokenizerCacheStats`).
+    fn cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let stats = detach(py, || self.inner.cache_stats())?;
+        cache_stats_dict(py, &stats)
     }
 }
 

@@ -272,7 +272,11 @@ class GatewayConfig:
 
     ``data_plane``: who serves requests, ``python`` (aiohttp, every feature) or ``native``
     (the Rust data plane in the same process, :mod:`llmsched.gateway.native`);
-    ``native_threads``: the native plane's worker threads (1: all on one thread)."""
+    ``native_threads``: the native plane's worker threads (1: all on one thread);
+    ``tokenizer_cache_bytes``: the native plane's cache of chat prompts' pieces (the text
+    between the tokenizer's added tokens, with its ids; least recently used evicted first), in
+    bytes; 0: none. It is used only where the tokenizer's piecewise encoding is proved exact
+    at start-up (else a warning and ``tokenizer_cache_stats()`` say why)."""
 
     engines: tuple[EngineSpec, ...]
     models: tuple[str, ...]
@@ -294,6 +298,7 @@ class GatewayConfig:
     cluster: ClusterConfig = ClusterConfig()
     data_plane: str = "python"
     native_threads: int = 1
+    tokenizer_cache_bytes: int = 32 * 1024 * 1024
 
 
 DATA_PLANES = ("python", "native")
@@ -309,6 +314,7 @@ _TOP_KEYS = frozenset(
         "models",
         "block_size",
         "tokenizer",
+        "tokenizer_cache_bytes",
         "router",
         "flow",
         "auth",
@@ -385,6 +391,9 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         data_plane=_data_plane(raw.get("data_plane", GatewayConfig.data_plane)),
         native_threads=_int(
             raw, "native_threads", GatewayConfig.native_threads, "", low=1, high=64
+        ),
+        tokenizer_cache_bytes=_int(
+            raw, "tokenizer_cache_bytes", GatewayConfig.tokenizer_cache_bytes, "", low=0, high=2**40
         ),
     )
 

@@ -12,9 +12,13 @@ scorer or filter, that one call (the GIL is taken for it alone).
 With a ``tokenizer`` the native plane computes the engine's token ids itself (the Rust
 ``tokenizers`` crate and a Jinja engine for the chat template, the ids
 :class:`~llmsched.tokenize.PromptTokenizer` computes); a chat template that engine cannot
-render raises ConfigError at start. What the native plane does not do yet raises
-:class:`~llmsched.errors.ConfigError` naming the key (``slices``, ``cluster``, ``admin``):
-serve those with ``data_plane: python``.
+render raises ConfigError at start. Chat prompts' pieces (the text between the tokenizer's
+added tokens: a system message repeated on every turn) are cached with their ids
+(``tokenizer_cache_bytes``) where the tokenizer's piecewise encoding is proved exact at start;
+where it is not, the cache is off with one warning and the reason in
+:meth:`NativeGateway.tokenizer_cache_stats` and ``/metrics``. What the native plane does not
+do yet raises :class:`~llmsched.errors.ConfigError` naming the key (``slices``, ``cluster``,
+``admin``): serve those with ``data_plane: python``.
 
 >>> import asyncio
 >>> async def main() -> int:
@@ -56,6 +60,7 @@ if TYPE_CHECKING:
         FlowMetrics,
         NativeFlowStats,
         NativeGatewayConfig,
+        TokenizerCacheStats,
     )
 
 __all__ = ["NativeFlowView", "NativeGateway", "NativeHealthView", "NativeMetrics"]
@@ -193,6 +198,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "pd_header": config.pd.header if config.pd.enabled else None,
         "threads": config.native_threads,
         "tokenizer": None if config.tokenizer is None else str(config.tokenizer),
+        "tokenizer_cache_bytes": config.tokenizer_cache_bytes,
     }
 
 
@@ -285,6 +291,13 @@ class NativeGateway:
         except BaseException:
             await self.scheduler.stop()
             raise
+        cache = self._native.tokenizer_cache_stats()
+        if cache is not None and not cache["enabled"] and cfg.tokenizer_cache_bytes > 0:
+            log.warning(
+                "tokenizer %s: the tokenizer cache is off, every chat prompt is encoded whole: %s",
+                cfg.tokenizer,
+                cache["disabled_reason"],
+            )
         if cfg.discovery.file is not None:
             self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
 
@@ -326,6 +339,29 @@ class NativeGateway:
         for name, value in sorted(subscriber.counters().items()):
             lines.append(f'llmsched_gateway_kv_events_total{{counter="{name}"}} {float(value)}')
         return "\n".join(lines) + "\n"
+
+    def tokenizer_cache_stats(self) -> TokenizerCacheStats | None:
+        """The native tokenizer's piece cache: hits, misses, evictions, size, and why it is
+        off when it is (None without a ``tokenizer``; GatewayStoppedError when not started).
+
+        >>> import asyncio, tempfile
+        >>> from llmsched.testing.openai_engine import write_tokenizer
+        >>> async def main() -> TokenizerCacheStats | None:
+        ...     directory = write_tokenizer(tempfile.mkdtemp())
+        ...     gateway = NativeGateway({"engines": [{"host": "127.0.0.1", "port": 9}],
+        ...                              "models": ["m"], "listen": {"port": 0},
+        ...                              "tokenizer": str(directory),
+        ...                              "scrape": {"enabled": False}, "data_plane": "native"})
+        ...     await gateway.start()
+        ...     try:
+        ...         return gateway.tokenizer_cache_stats()
+        ...     finally:
+        ...         await gateway.stop()
+        >>> stats = asyncio.run(main())
+        >>> stats is not None and (stats["enabled"], stats["hits"], stats["disabled_reason"])
+        (True, 0, None)
+        """
+        return self.native().tokenizer_cache_stats()
 
     def routable_endpoints(self) -> list[str]:
         """Engines a request could go to now (in the pool and up)."""
