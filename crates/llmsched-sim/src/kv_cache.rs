@@ -296,7 +296,8 @@ impl KvCore {
                 self.block_of.resize(top as usize + 1, 0);
             }
         }
-        let mut run: Vec<u32> = Vec::new();
+        // Most commits cache every block they cover as one run: sized once, not grown.
+        let mut run: Vec<u32> = Vec::with_capacity(stop.saturating_sub(state.committed));
         let mut run_parent = None;
         for i in state.committed..stop {
             let id = ids[i];
