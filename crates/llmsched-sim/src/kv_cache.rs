@@ -31,7 +31,7 @@
 use std::collections::VecDeque;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use thiserror::Error;
 
 /// Content hashes are already uniformly distributed (xxh3 chains), so the interner uses them
@@ -168,9 +168,10 @@ pub struct KvCore {
     cached_len: usize,
     requests: HashMap<u64, Request>,
     events: Vec<Pending>,
-    /// Scratch for reducing removals: the removal batch number that evicted each content.
-    gone_stamp: Vec<u32>,
-    stamp: u32,
+    /// Scratch for reducing removals: the contents of the batch being reduced (a set the size
+    /// of one batch, not a table as long as the plan: that table's pages, one per replica,
+    /// were written all over a long trace).
+    gone: HashSet<u32>,
 }
 
 impl KvCore {
@@ -197,8 +198,7 @@ impl KvCore {
             cached_len: 0,
             requests: HashMap::new(),
             events: Vec::new(),
-            gone_stamp: Vec::new(),
-            stamp: 0,
+            gone: HashSet::new(),
         })
     }
 
@@ -398,11 +398,9 @@ impl KvCore {
             match event {
                 Pending::Stored { parent, ids } => out.push(IdEvent::Stored { parent, ids }),
                 Pending::Removed(removed) => {
-                    let stamp = self.next_stamp();
-                    for &(id, _) in &removed {
-                        self.gone_stamp[id as usize] = stamp;
-                    }
-                    let gone = |p: u32| p != NONE && self.gone_stamp[p as usize] == stamp;
+                    self.gone.clear();
+                    self.gone.extend(removed.iter().map(|&(id, _)| id));
+                    let gone = |p: u32| p != NONE && self.gone.contains(&p);
                     let ids =
                         removed.iter().filter(|&&(_, parent)| !gone(parent)).map(|&(id, _)| id);
                     out.push(IdEvent::Removed { ids: ids.collect() });
@@ -413,21 +411,6 @@ impl KvCore {
     }
 
     // ---- internals -----------------------------------------------------------------------
-
-    /// A fresh removal-batch stamp, `gone_stamp` sized to every content id.
-    fn next_stamp(&mut self) -> u32 {
-        if self.gone_stamp.len() < self.block_of.len() {
-            // Only the current batch's stamp is ever compared: a fresh (lazily zeroed) table
-            // forgets nothing that matters.
-            self.gone_stamp = vec![0; self.block_of.len()];
-        }
-        if self.stamp == u32::MAX {
-            self.gone_stamp.fill(0);
-            self.stamp = 0;
-        }
-        self.stamp += 1;
-        self.stamp
-    }
 
     fn get(&self, req: u64) -> Result<&Request, KvError> {
         self.requests.get(&req).ok_or(KvError::UnknownRequest(req))
