@@ -267,7 +267,7 @@ mod tests {
         for top in [0x12CD_u64, 0xABCD] {
             let mut close: Vec<u64> = (0..50_000u64).map(|i| (top << 48) | (i * 977)).collect();
             assert!(!has_duplicates(&close));
-            close.push(top << 48 | 977 * 49_999);
+            close.push((top << 48) | (977 * 49_999));
             assert!(has_duplicates(&close));
         }
     }
