@@ -12,9 +12,14 @@
 //!
 //! Algorithm / complexity: [`KvCore`] names contents by dense ids (0, 1, 2, ... assigned once
 //! per workload plan, see `Plan::content_ids`), so "which block holds this content" is an array
-//! slot, not a hash-map probe: an intrusive doubly linked free list over block ids (O(1) push,
-//! pop and unlink), a content-id -> block array, per-request block vectors. Every operation
-//! costs O(blocks it touches) with no hashing; `decode_capacity` bisects over steps, O(R log k)
+//! slot, not a hash-map probe: the free queue is a ring of (block, push number) entries, a
+//! block taken back out of it (a prefix hit on a cached free block) leaving its entry behind
+//! as stale (its push number no longer the block's, or the block in use) for the pop or a
+//! compaction to skip (O(1) amortised push, pop and removal); a content-id -> block array,
+//! per-request block vectors. Unlike a linked list, popping does not chase pointers from block
+//! to block: the next blocks to pop are known from the ring and fetched ahead, so a long
+//! allocation's cache misses overlap. Every operation costs O(blocks it touches) with no
+//! hashing; `decode_capacity` bisects over steps, O(R log k)
 //! for R decoding requests. [`KvCache`] is the same cache addressed by 64-bit content hashes
 //! (the Python engine's), interning each hash to an id on first sight.
 //!
@@ -23,9 +28,10 @@
 //! drops a block drops everything below it, and every descendant of an evicted block has
 //! already been evicted).
 
+use std::collections::VecDeque;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use thiserror::Error;
 
 /// Content hashes are already uniformly distributed (xxh3 chains), so the interner uses them
@@ -114,8 +120,8 @@ enum Pending {
     Removed(Vec<(u32, u32)>),
 }
 
-/// 20 bytes: the free list is walked in an order unrelated to memory, so every block touched
-/// is a cache miss and a smaller block is a faster cache.
+/// 16 bytes: the free queue pops blocks in an order unrelated to memory, so every block
+/// touched is a cache miss and a smaller block is a faster cache.
 #[derive(Debug, Clone)]
 struct Block {
     /// Content id, NONE when the block holds no cached content.
@@ -123,8 +129,16 @@ struct Block {
     /// Parent's content id, NONE for a chain's first block.
     parent: u32,
     refs: u32,
-    prev: u32,
-    next: u32,
+    /// The push number of the block's current free-queue entry (meaningful while refs is 0).
+    queued: u32,
+}
+
+/// A free-queue entry: block `block`, pushed as push number `push`. It is live while the block
+/// is free and `push` is still the block's `queued`.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    block: u32,
+    push: u32,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -140,8 +154,12 @@ struct Request {
 pub struct KvCore {
     block_size: u64,
     blocks: Vec<Block>,
-    /// The free list's sentinel: `blocks[sentinel]` is not a real block.
-    sentinel: u32,
+    /// Free blocks, least recently freed first, with stale entries in between (see the
+    /// module docs); `free_len` counts the live ones.
+    queue: VecDeque<Entry>,
+    /// Pushes so far (wrapping; the queue is compacted when it wraps, so a stale entry can
+    /// never match its block's push number again).
+    pushes: u32,
     free_len: usize,
     /// Content id -> 1 + the block caching it (0: not cached); grows on demand. Zero means
     /// empty so that a large table starts as untouched zero pages: a replica writes only the
@@ -150,9 +168,10 @@ pub struct KvCore {
     cached_len: usize,
     requests: HashMap<u64, Request>,
     events: Vec<Pending>,
-    /// Scratch for reducing removals: the removal batch number that evicted each content.
-    gone_stamp: Vec<u32>,
-    stamp: u32,
+    /// Scratch for reducing removals: the contents of the batch being reduced (a set the size
+    /// of one batch, not a table as long as the plan: that table's pages, one per replica,
+    /// were written all over a long trace).
+    gone: HashSet<u32>,
 }
 
 impl KvCore {
@@ -165,36 +184,26 @@ impl KvCore {
             return Err(KvError::InvalidConfig);
         }
         let n = num_blocks as usize;
-        let sentinel = num_blocks;
-        let blocks = (0..=n)
-            .map(|i| Block {
-                content: NONE,
-                parent: NONE,
-                refs: 0,
-                prev: if i == 0 { sentinel } else { i as u32 - 1 },
-                next: if i == n { 0 } else { i as u32 + 1 },
-            })
+        let blocks = (0..n)
+            .map(|i| Block { content: NONE, parent: NONE, refs: 0, queued: i as u32 })
             .collect::<Vec<_>>();
-        let mut cache = KvCore {
+        let queue = (0..num_blocks).map(|b| Entry { block: b, push: b }).collect();
+        Ok(KvCore {
             block_size: u64::from(block_size),
             blocks,
-            sentinel,
+            queue,
+            pushes: num_blocks,
             free_len: n,
             block_of: vec![0; contents],
             cached_len: 0,
             requests: HashMap::new(),
             events: Vec::new(),
-            gone_stamp: Vec::new(),
-            stamp: 0,
-        };
-        // The sentinel closes the ring: its next is block 0, its prev the last block.
-        cache.blocks[n].prev = sentinel - 1;
-        cache.blocks[n - 1].next = sentinel;
-        Ok(cache)
+            gone: HashSet::new(),
+        })
     }
 
     pub fn num_blocks(&self) -> usize {
-        self.sentinel as usize
+        self.blocks.len()
     }
 
     pub fn block_size(&self) -> u64 {
@@ -287,7 +296,8 @@ impl KvCore {
                 self.block_of.resize(top as usize + 1, 0);
             }
         }
-        let mut run: Vec<u32> = Vec::new();
+        // Most commits cache every block they cover as one run: sized once, not grown.
+        let mut run: Vec<u32> = Vec::with_capacity(stop.saturating_sub(state.committed));
         let mut run_parent = None;
         for i in state.committed..stop {
             let id = ids[i];
@@ -388,11 +398,9 @@ impl KvCore {
             match event {
                 Pending::Stored { parent, ids } => out.push(IdEvent::Stored { parent, ids }),
                 Pending::Removed(removed) => {
-                    let stamp = self.next_stamp();
-                    for &(id, _) in &removed {
-                        self.gone_stamp[id as usize] = stamp;
-                    }
-                    let gone = |p: u32| p != NONE && self.gone_stamp[p as usize] == stamp;
+                    self.gone.clear();
+                    self.gone.extend(removed.iter().map(|&(id, _)| id));
+                    let gone = |p: u32| p != NONE && self.gone.contains(&p);
                     let ids =
                         removed.iter().filter(|&&(_, parent)| !gone(parent)).map(|&(id, _)| id);
                     out.push(IdEvent::Removed { ids: ids.collect() });
@@ -404,66 +412,82 @@ impl KvCore {
 
     // ---- internals -----------------------------------------------------------------------
 
-    /// A fresh removal-batch stamp, `gone_stamp` sized to every content id.
-    fn next_stamp(&mut self) -> u32 {
-        if self.gone_stamp.len() < self.block_of.len() {
-            // Only the current batch's stamp is ever compared: a fresh (lazily zeroed) table
-            // forgets nothing that matters.
-            self.gone_stamp = vec![0; self.block_of.len()];
-        }
-        if self.stamp == u32::MAX {
-            self.gone_stamp.fill(0);
-            self.stamp = 0;
-        }
-        self.stamp += 1;
-        self.stamp
-    }
-
     fn get(&self, req: u64) -> Result<&Request, KvError> {
         self.requests.get(&req).ok_or(KvError::UnknownRequest(req))
     }
 
-    fn unlink(&mut self, b: u32) {
-        let (prev, next) = (self.blocks[b as usize].prev, self.blocks[b as usize].next);
-        self.blocks[prev as usize].next = next;
-        self.blocks[next as usize].prev = prev;
-        self.free_len -= 1;
+    fn is_live(&self, e: Entry) -> bool {
+        let block = &self.blocks[e.block as usize];
+        block.refs == 0 && block.queued == e.push
     }
 
-    fn link_after(&mut self, at: u32, b: u32) {
-        let next = self.blocks[at as usize].next;
-        self.blocks[b as usize].prev = at;
-        self.blocks[b as usize].next = next;
-        self.blocks[at as usize].next = b;
-        self.blocks[next as usize].prev = b;
+    /// Queues free block `b` at the back (cached content, evicted last) or the front (none).
+    fn push_free(&mut self, b: u32, back: bool) {
+        if self.pushes == u32::MAX {
+            // Before the push numbers wrap: only live entries stay, so none can match again.
+            self.compact();
+            self.pushes = 0;
+        }
+        self.pushes += 1;
+        self.blocks[b as usize].queued = self.pushes;
+        let entry = Entry { block: b, push: self.pushes };
+        if back {
+            self.queue.push_back(entry);
+        } else {
+            self.queue.push_front(entry);
+        }
         self.free_len += 1;
+        // Blocks taken back out of the queue leave stale entries: bound them by the live ones.
+        if self.queue.len() > 2 * self.free_len + 1024 {
+            self.compact();
+        }
+    }
+
+    /// Drops the stale entries, keeping the live ones in order.
+    fn compact(&mut self) {
+        let mut queue = std::mem::take(&mut self.queue);
+        queue.retain(|&e| self.is_live(e));
+        self.queue = queue;
     }
 
     fn take_ref(&mut self, b: u32) {
-        if self.blocks[b as usize].refs == 0 {
-            self.unlink(b);
+        let block = &mut self.blocks[b as usize];
+        if block.refs == 0 {
+            // Its queue entry goes stale (the block is in use).
+            self.free_len -= 1;
         }
-        self.blocks[b as usize].refs += 1;
+        block.refs += 1;
     }
 
     fn drop_ref(&mut self, b: u32) {
         let block = &mut self.blocks[b as usize];
         block.refs -= 1;
         if block.refs == 0 {
-            if block.content != NONE {
-                let tail = self.blocks[self.sentinel as usize].prev;
-                self.link_after(tail, b);
-            } else {
-                self.link_after(self.sentinel, b);
-            }
+            let back = block.content != NONE;
+            self.push_free(b, back);
         }
     }
 
     /// Pops the least recently freed block (the caller checked one is free), evicting its content.
     fn pop_free(&mut self) -> u32 {
-        let b = self.blocks[self.sentinel as usize].next;
-        debug_assert_ne!(b, self.sentinel, "pop from an empty free list");
-        self.unlink(b);
+        let b = loop {
+            let e = self.queue.pop_front().expect("the caller checked a block is free");
+            // The blocks a few pops ahead, and the content slots of nearer ones (their blocks
+            // already fetched), so that a long allocation's misses overlap.
+            if let Some(ahead) = self.queue.get(PREFETCH_AHEAD) {
+                prefetch(&self.blocks[ahead.block as usize]);
+            }
+            if let Some(near) = self.queue.get(PREFETCH_AHEAD / 2) {
+                let content = self.blocks[near.block as usize].content;
+                if let Some(slot) = self.block_of.get(content as usize) {
+                    prefetch(slot);
+                }
+            }
+            if self.is_live(e) {
+                break e.block;
+            }
+        };
+        self.free_len -= 1;
         let block = &mut self.blocks[b as usize];
         block.refs = 1;
         let (content, parent) = (block.content, block.parent);
@@ -678,6 +702,32 @@ mod tests {
         assert_eq!(kv.lookup(&[7, 8], 2), 1);
         assert!(!kv.allocate(3, 20).unwrap(), "all or nothing");
         assert_eq!(kv.blocks_of(3).unwrap(), 3);
+    }
+
+    #[test]
+    fn blocks_hit_while_free_leave_the_queue_and_rejoin_at_the_back() {
+        let mut kv = KvCache::new(6, 4).unwrap();
+        cache_chain(&mut kv, 1, &[1, 2]);
+        cache_chain(&mut kv, 2, &[3, 4]);
+        cache_chain(&mut kv, 3, &[5, 6]);
+        // Thousands of hits on the middle chain: each takes its blocks out of the queue and
+        // frees them to the back, leaving stale entries that compactions drop.
+        for req in 10..3_000 {
+            assert_eq!(kv.start(req, &[3, 4], 2).unwrap(), 2);
+            kv.free(req).unwrap();
+        }
+        assert_eq!(kv.free_blocks(), 6);
+        kv.take_events();
+        // Least recently freed first: chain 1, then chain 3, then the hit chain.
+        kv.start(4, &[], 0).unwrap();
+        assert!(kv.allocate(4, 8).unwrap());
+        assert_eq!(removed(&kv.take_events()), vec![1]);
+        assert!(kv.allocate(4, 16).unwrap());
+        assert_eq!(removed(&kv.take_events()), vec![5]);
+        assert_eq!(kv.lookup(&[3, 4], 2), 2);
+        assert!(kv.allocate(4, 20).unwrap());
+        assert_eq!(removed(&kv.take_events()), vec![4], "the chain's tail first");
+        assert_eq!((kv.free_blocks(), kv.lookup(&[3, 4], 2)), (1, 1));
     }
 
     #[test]
