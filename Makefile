@@ -63,7 +63,7 @@ test-wheel: $(DIST)/.stamp ## Install the built wheel alone on the oldest and ne
 TEST_RUST_PREFIX ?=
 test-rust: ## Run the Rust tests of every crate, doc-tests included (no Python needed)
 	$(TEST_RUST_PREFIX) cargo test --workspace
-	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
+	RUSTDOCFLAGS="-D warnings" $(TEST_RUST_PREFIX) cargo doc --workspace --no-deps -q
 
 # The core install test takes the wheel from dist/ when `make wheel` left a current one there,
 # rather than building its own.
@@ -86,7 +86,10 @@ test-python: build servers ## Run the Python tests
 # `--output-sync` keeps each half's output together.
 test: ## Install everything, then run cargo test and pytest (side by side)
 # The Rust half is niced: pytest's servers and timeouts get the cores first.
-	$(MAKE) --no-print-directory -j2 --output-sync=target TEST_RUST_PREFIX="nice -n 10" test-rust test-python
+# MAKEFLAGS is cleared for cargo: it would look for make's job server, which a recipe line that
+# is not a sub-make does not get, and it uses every core itself.
+	$(MAKE) --no-print-directory -j2 --output-sync=target TEST_RUST_PREFIX="env -u MAKEFLAGS -u MFLAGS nice -n 10" \
+		test-rust test-python
 
 # The real-engine tests run vLLM's CPU build from its own environment (about 6 GB; torch pinned by
 # tests/engines/vllm-overrides.txt; the engine recipe is in tests/engines/vllm_engine.py).

@@ -366,7 +366,7 @@ impl PieceEncoder {
     }
 
     /// The ids of `text` without special tokens added: through the cache when enabled (the
-    /// same ids as [`Tokenizer::encode_fast`], proved at load), else whole.
+    /// same ids as `Tokenizer::encode_fast`, proved at load), else whole.
     pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
         if self.cache.is_some() {
             if let Some(ids) = self.encode_pieces(tokenizer, text) {
