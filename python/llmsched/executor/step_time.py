@@ -40,20 +40,14 @@ import yaml
 
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
+from llmsched.sim.stepmodel import CALIBRATE_TERMS
 
 __all__ = ["FitError", "StepSample", "StepTimeProfile"]
 
 PROFILE_KIND = "llmsched.step_time_profile"
 PROFILE_VERSION = 1
-TERMS = (
-    "b0",
-    "prefill_tokens",
-    "decode_tokens",
-    "prefill_tokens_sq",
-    "decode_context_tokens",
-    "prefill_requests",
-    "after_idle",
-)
+# The coefficient names, in regressor order: the simulator's step model reads the same file.
+TERMS = CALIBRATE_TERMS
 # A profile written before the per-chunk and idle terms names the first five.
 _TERMS_V1 = TERMS[:5]
 

@@ -583,7 +583,7 @@ def _chunks(prefill_tokens: int, prefill_requests: int | None) -> int:
 
 
 LINEAR_TERMS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
-# The names ``llmsched calibrate`` writes, in the same order.
+# The names ``llmsched calibrate`` writes (llmsched.executor.step_time), in the same order.
 CALIBRATE_TERMS = (
     "b0",
     "prefill_tokens",
