@@ -65,9 +65,6 @@ BAD_BODIES: list[tuple[str, str, bytes]] = [
 
 @pytest.mark.parametrize("slices", [False, True], ids=["plain", "sliced"])
 def test_malformed_fields_are_400_naming_the_field(slices: bool) -> None:
-    if slices and current_plane() == "native":
-        pytest.skip("native plane: token slices are not served natively")
-
     async def body() -> None:
         overrides = {"slices": SLICES} if slices else {}
         async with rig(engines=1, **overrides) as r:
@@ -233,9 +230,8 @@ class _Fuzz:
         self._process: asyncio.subprocess.Process | None = None
         overrides: dict[str, Any] = {
             "flow": {"saturation": {"type": "concurrency", "max_requests": 16}},
+            "slices": SLICES,
         }
-        if data_plane == "python":  # token slices are not served natively
-            overrides["slices"] = SLICES
         self._cm = rig(engines=2, data_plane=data_plane, **overrides)
         self.rig: Rig = self.loop.run_until_complete(self._cm.__aenter__())
         self.port = self.rig.gateway.port

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from _gateway_harness import MODEL, rig, run
+import aiohttp
+import pytest
+from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
 
 from llmsched.testing.openai_engine import OUTPUT_ID_BASE
+
+pytestmark = pytest.mark.usefixtures("plane")
 
 SLICES = {"enabled": True, "policy": "fixed", "params": {"slice_tokens": 4}}
 
@@ -108,3 +112,54 @@ def test_a_slice_boundary_yields_to_a_waiting_higher_priority_request() -> None:
             assert order[0] == 1 and 7 in order and order.index(7) < len(order) - 1, order
 
     run(body())
+
+
+def test_a_slice_failing_after_the_stream_started_ends_it_without_done() -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            engine = r.engines[0]
+            engine.mode = "slow"
+            engine.token_delay_s = 0.01
+            request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "stream": True}
+            data = b""
+            async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                assert response.status == 200
+                while not engine.received:
+                    await asyncio.sleep(0.005)
+                engine.mode = "error500"  # the first slice runs on; the second fails
+                try:
+                    async for piece in response.content.iter_any():
+                        data += piece
+                except aiohttp.ClientPayloadError:
+                    pass  # the stream is closed without its last chunk
+            text = data.decode()
+            assert '"text": " t0"' in text.replace('":"', '": "')
+            assert "upstream_error" in text and "[DONE]" not in text
+            assert len(engine.received) == 2
+            assert r.gateway.slice_tracker is not None and len(r.gateway.slice_tracker) == 0
+            assert r.metric("llmsched_gateway_truncated_answers_total", **_sse_error(r)) == 1
+
+    run(body())
+
+
+def test_a_client_leaving_mid_slice_cancels_the_engine_call() -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            engine = r.engines[0]
+            engine.mode = "slow"
+            engine.token_delay_s = 0.1
+            request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "stream": True}
+            async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                assert await response.content.readany()
+            # Left with the answer unread: the connection is closed.
+            await asyncio.wait_for(engine.disconnected.wait(), 5)
+            assert r.gateway.slice_tracker is not None
+            while len(r.gateway.slice_tracker):
+                await asyncio.sleep(0.01)
+            assert len(engine.received) < 3
+
+    run(body())
+
+
+def _sse_error(r: Rig) -> dict[str, str]:
+    return {"endpoint": r.gateway.config.engines[0].worker_id, "outcome": "sse_error"}

@@ -453,6 +453,56 @@ class SliceTracker:
     def __contains__(self, key: int, /) -> bool:
         """Whether a request is tracked."""
 
+class SliceAssembler:
+    """One sliced request's continuation calls and stitched response
+    (`llmsched.SliceAssembler` wraps it; the native data plane runs the same code)."""
+
+    def __new__(
+        cls,
+        request: Mapping[str, Any],
+        api: str,
+        response_id: str | None = None,
+        created: int | None = None,
+        default_max_tokens: int | None = None,
+        forward_stop: bool = True,
+    ) -> SliceAssembler:
+        """ConfigError when the request cannot be sliced."""
+    def next_request(self, slice_tokens: int) -> dict[str, Any]:
+        """The next slice's engine request."""
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """One engine chunk of the current slice; the user-facing chunks."""
+    def end_slice(self) -> list[dict[str, Any]]:
+        """Ends the current slice; the final user chunks when the response is complete."""
+    def response(self) -> dict[str, Any]:
+        """The complete non-streaming response."""
+    @property
+    def done(self) -> bool:
+        """Whether the response is complete."""
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish reason once done."""
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the response."""
+    @property
+    def generated_tokens(self) -> int:
+        """Output tokens over every slice."""
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Output token ids over every slice."""
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens the budget still allows."""
+    @property
+    def text(self) -> str:
+        """The text released to the user so far."""
+    @property
+    def last_slice_tokens(self) -> int:
+        """Tokens generated in the slice just ended."""
+    @property
+    def usage(self) -> tuple[int, int, int, int, int, int]:
+        """`(prompt, completion, total, slices, resent, recomputed)` tokens."""
+
 def evict_probability(context: float, demand_tokens: float, free_tokens: float) -> float:
     """The expected share of a paused request's `context` tokens evicted before it resumes, given
     the KV the admitted work needs and the free KV.
@@ -963,6 +1013,8 @@ class NativeGateway:
         """Each engine's health state: `up`, `down` or `open`."""
     def routable(self) -> list[str]:
         """Engines a request could go to now."""
+    def sliced_requests(self) -> int | None:
+        """Requests being decoded in token slices now; None when slices are off."""
     def flow_stats(self) -> NativeFlowStats | None:
         """Flow control's snapshot, or None when it is off."""
     def flow_metrics(self) -> FlowMetrics | None:

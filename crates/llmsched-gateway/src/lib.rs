@@ -44,6 +44,7 @@ pub mod flow;
 pub mod guards;
 pub mod health;
 pub mod metrics;
+pub mod slicing;
 pub mod tokcache;
 pub mod tokenize;
 
@@ -154,6 +155,8 @@ pub struct GatewayConfig {
     /// Bytes of the tokenizer's piece cache ([`tokcache`]: chat prompts' text between added
     /// tokens and its ids, least recently used evicted); 0: no cache.
     pub tokenizer_cache_bytes: usize,
+    /// Token slices ([`slicing`]); `None`: off.
+    pub slices: Option<slicing::SlicesConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -188,6 +191,7 @@ impl Default for GatewayConfig {
             threads: 1,
             tokenizer: None,
             tokenizer_cache_bytes: tokcache::DEFAULT_CAPACITY,
+            slices: None,
         }
     }
 }
@@ -281,6 +285,7 @@ struct Gateway {
     models: HashSet<String>,
     pd_header: Option<HeaderName>,
     tokenizer: Option<tokenize::PromptTokenizer>,
+    slicing: Option<slicing::Slicing>,
     extra_metrics: Option<ExtraMetrics>,
     /// Woken when an engine leaves routing or its scrape fails (queued requests then check
     /// whether any engine is left).
@@ -445,6 +450,13 @@ fn build(
             .map_err(|e| ConfigProblem(format!("tokenizer: {e}")))?,
         ),
     };
+    let slicing = match &config.slices {
+        None => None,
+        Some(slices) => Some(
+            slicing::Slicing::new(slices, &[])
+                .map_err(|e| ConfigProblem(format!("slices: {e}")))?,
+        ),
+    };
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(config.connect_timeout_s.map(Duration::from_secs_f64));
@@ -463,6 +475,7 @@ fn build(
         models: config.models.iter().cloned().collect(),
         pd_header,
         tokenizer,
+        slicing,
         extra_metrics,
         routing_changed: tokio::sync::Notify::new(),
         suspect: tokio::sync::Notify::new(),
@@ -657,6 +670,11 @@ impl Running {
     /// Engines a request could go to now.
     pub fn routable(&self) -> Vec<String> {
         self.gateway.routable()
+    }
+
+    /// Requests being decoded in slices now (None when token slices are off).
+    pub fn sliced_requests(&self) -> Option<usize> {
+        self.gateway.slicing.as_ref().map(slicing::Slicing::tracked)
     }
 }
 
@@ -1027,6 +1045,9 @@ impl Gateway {
             for gone in &removed {
                 flow.remove_endpoint(gone);
             }
+        }
+        if let Some(slicing) = &self.slicing {
+            slicing.add_endpoints(&added);
         }
         let changes = added.len() + removed.len();
         *self.upstreams.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
@@ -1551,6 +1572,22 @@ impl Gateway {
             session_id: session.map(str::to_owned),
             ..RequestMeta::default()
         };
+        let sliced = self.slicing.as_ref().and_then(|s| s.assembler(&payload, route == "chat"));
+        if let Some(assembler) = sliced {
+            self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
+            let run = slicing::SlicedRequest::new(
+                assembler,
+                route,
+                identity.tenant.clone(),
+                identity.priority,
+                tokens.len(),
+                meta,
+                sse,
+                deadline,
+                Guards { slot, limiter },
+            );
+            return Ok(self.serve_sliced(run).await);
+        }
         let router = self.router();
         let before = monotonic();
         let decided = router.decide(&tokens, &meta, before);
@@ -1934,6 +1971,7 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         deadline: relaying.deadline,
         broken: false,
         tokens: TokenCount::default(),
+        sliced: None,
     });
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
@@ -1968,9 +2006,19 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         deadline: None,
         broken: false,
         tokens: TokenCount::default(),
+        sliced: None,
     });
     *out.status_mut() = status;
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    out
+}
+
+/// The SSE answer of a sliced request.
+fn sliced_answer(stream: slicing::SliceStream) -> Answer {
+    let mut out = own(StatusCode::OK, "text/event-stream; charset=utf-8", Bytes::new());
+    let body = out.body_mut();
+    body.own = None;
+    body.sliced = Some(Box::new(stream));
     out
 }
 
@@ -2058,6 +2106,8 @@ pub struct Relay {
     deadline: Option<tokio::time::Instant>,
     broken: bool,
     tokens: TokenCount,
+    /// A sliced request's stream ([`slicing`]), which makes the whole body.
+    sliced: Option<Box<slicing::SliceStream>>,
 }
 
 /// The error that cuts a client's answer (hyper then closes the connection mid-body).
@@ -2133,6 +2183,9 @@ impl Body for Relay {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
         let this = self.get_mut();
+        if let Some(stream) = this.sliced.as_mut() {
+            return stream.poll_frame(cx);
+        }
         if let Some(bytes) = this.own.take() {
             return Poll::Ready(Some(Ok(Frame::data(bytes))));
         }
@@ -2186,6 +2239,9 @@ impl Body for Relay {
     }
 
     fn is_end_stream(&self) -> bool {
+        if let Some(stream) = &self.sliced {
+            return stream.is_end_stream();
+        }
         match &self.inner {
             Some(inner) => inner.is_end_stream(),
             None => self.own.is_none() && !self.broken,
@@ -2193,6 +2249,9 @@ impl Body for Relay {
     }
 
     fn size_hint(&self) -> SizeHint {
+        if self.sliced.is_some() {
+            return SizeHint::default();
+        }
         match (&self.inner, &self.own) {
             (Some(inner), _) => inner.size_hint(),
             (None, Some(bytes)) => SizeHint::with_exact(bytes.len() as u64),

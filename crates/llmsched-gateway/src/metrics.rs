@@ -73,6 +73,8 @@ pub struct Counters {
     pub upstream_errors: Family,
     /// Requests re-sent to another endpoint.
     pub retries: AtomicU64,
+    /// Engine calls made for sliced requests (one per slice).
+    pub slices: AtomicU64,
     /// Approximate prefix blocks dropped because the attempt that recorded them failed (in
     /// `NativeGateway.counters()`, not in `/metrics`: the Python plane counts them in its
     /// scheduler's stats).
@@ -141,6 +143,7 @@ impl Counters {
             );
         };
         plain(out, "retries", "Requests re-sent to another endpoint", &self.retries);
+        plain(out, "slices", "Engine calls made for sliced requests (one per slice)", &self.slices);
         self.routed.render(
             out,
             &format!("{P}_routed"),

@@ -156,6 +156,13 @@ impl PyNativeGateway {
         detach(py, || running.routable())
     }
 
+    /// Requests being decoded in token slices now, or None when slices are off.
+    fn sliced_requests(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        detach(py, || running.sliced_requests())
+    }
+
     /// Flow control's snapshot (`queued`, `running`, `saturation`, `tenants`, `outcomes`), or
     /// None when flow control is off.
     fn flow_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {

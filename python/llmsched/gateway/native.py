@@ -16,9 +16,11 @@ render raises ConfigError at start. Chat prompts' pieces (the text between the t
 added tokens: a system message repeated on every turn) are cached with their ids
 (``tokenizer_cache_bytes``) where the tokenizer's piecewise encoding is proved exact at start;
 where it is not, the cache is off with one warning and the reason in
-:meth:`NativeGateway.tokenizer_cache_stats` and ``/metrics``. What the native plane does not
-do yet raises :class:`~llmsched.errors.ConfigError` naming the key (``slices``, ``cluster``,
-``admin``): serve those with ``data_plane: python``.
+:meth:`NativeGateway.tokenizer_cache_stats` and ``/metrics``. Token slices (``slices``) run
+natively too: each slice is routed, admitted again after a yield and stitched by the Rust cores
+the Python plane uses (the slice tracker and :class:`~llmsched.SliceAssembler`'s assembler).
+What the native plane does not do yet raises :class:`~llmsched.errors.ConfigError` naming the
+key (``cluster``, ``admin``): serve those with ``data_plane: python``.
 
 >>> import asyncio
 >>> async def main() -> int:
@@ -60,10 +62,17 @@ if TYPE_CHECKING:
         FlowMetrics,
         NativeFlowStats,
         NativeGatewayConfig,
+        NativeSlicesConfig,
         TokenizerCacheStats,
     )
 
-__all__ = ["NativeFlowView", "NativeGateway", "NativeHealthView", "NativeMetrics"]
+__all__ = [
+    "NativeFlowView",
+    "NativeGateway",
+    "NativeHealthView",
+    "NativeMetrics",
+    "NativeSliceView",
+]
 
 log = logging.getLogger("llmsched.gateway")
 
@@ -136,8 +145,18 @@ class NativeFlowView:
         return dict(self._stats()["outcomes"])
 
 
+class NativeSliceView:
+    """Token slices as the native plane runs them (the core slice tracker in Rust)."""
+
+    def __init__(self, owner: NativeGateway) -> None:
+        self._owner = owner
+
+    def __len__(self) -> int:
+        """Requests being decoded in slices now."""
+        return int(self._owner.native().sliced_requests() or 0)
+
+
 _UNSUPPORTED: tuple[tuple[str, Callable[[GatewayConfig], bool]], ...] = (
-    ("slices.enabled", lambda c: c.slices.enabled),
     ("cluster.servers", lambda c: c.cluster.enabled),
     ("admin", lambda c: c.admin.enabled),
 )
@@ -199,6 +218,18 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "threads": config.native_threads,
         "tokenizer": None if config.tokenizer is None else str(config.tokenizer),
         "tokenizer_cache_bytes": config.tokenizer_cache_bytes,
+        "slices": _slices_config(config),
+    }
+
+
+def _slices_config(config: GatewayConfig) -> NativeSlicesConfig | None:
+    slices = config.slices
+    if not slices.enabled:
+        return None
+    return {
+        "policy": slices.policy,
+        "params": dict(slices.params),
+        "default_max_tokens": slices.default_max_tokens,
     }
 
 
@@ -225,8 +256,8 @@ class NativeGateway:
     """``llmsched serve`` on the native data plane, with the surface of
     :class:`~llmsched.gateway.Gateway`: :meth:`start`, :meth:`stop`, :attr:`port`,
     :attr:`url`, :meth:`set_engines`, :attr:`metrics`, :attr:`pool`, :attr:`index`,
-    :attr:`router`, :attr:`scheduler`, :attr:`health` and :attr:`flow` (None when flow
-    control is off).
+    :attr:`router`, :attr:`scheduler`, :attr:`health`, :attr:`flow` (None when flow
+    control is off) and :attr:`slice_tracker` (None when token slices are off).
 
     Args:
         config: a :class:`~llmsched.gateway.config.GatewayConfig`, a mapping or a YAML path.
@@ -254,6 +285,9 @@ class NativeGateway:
         self.metrics = NativeMetrics(self)
         self.health = NativeHealthView(self)
         self.flow: NativeFlowView | None = None if cfg.flow is None else NativeFlowView(self)
+        self.slice_tracker: NativeSliceView | None = (
+            NativeSliceView(self) if cfg.slices.enabled else None
+        )
         self._native: _llmsched.NativeGateway | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._discovery_errors = 0
