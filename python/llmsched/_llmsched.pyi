@@ -989,11 +989,15 @@ class NativeGateway:
         port: int,
         router: object | None = None,
         extra_metrics: Callable[[], str] | None = None,
+        engines: Callable[[str, str], tuple[int, str]] | None = None,
     ) -> NativeGateway:
         """Starts serving on `host:port` (0: any free port) with `config` (the JSON of the
         native gateway config), routing with `router` (an `llmsched.Router` or its native
         router; None: one built from `config`); `extra_metrics()` adds to `/metrics` (called
-        with the GIL on each scrape of it). Raises ConfigError naming the problem."""
+        with the GIL on each scrape of it); `engines(action, argument)` adds or removes an
+        engine for the admin API (`"add"` with the request body, `"remove"` with the worker id)
+        and returns the status and JSON body to answer. Raises ConfigError naming the
+        problem."""
     @property
     def host(self) -> str:
         """The address listened on."""
@@ -1010,7 +1014,7 @@ class NativeGateway:
     def metrics_text(self) -> str:
         """The `/metrics` text."""
     def health_states(self) -> list[tuple[str, str]]:
-        """Each engine's health state: `up`, `down` or `open`."""
+        """Each engine's health state: `up`, `down`, `open` or `draining`."""
     def routable(self) -> list[str]:
         """Engines a request could go to now."""
     def sliced_requests(self) -> int | None:

@@ -41,6 +41,7 @@ __all__ = [
     "KeyLimits",
     "MetricsRead",
     "MetricsSourceInfo",
+    "NativeAdminConfig",
     "NativeApiKey",
     "NativeEngineEntry",
     "NativeFlowStats",
@@ -693,6 +694,12 @@ class NativeHealthConfig(TypedDict):
     eject_s: float
 
 
+class NativeAdminConfig(TypedDict):
+    """The native data plane's admin API (``llmsched_gateway::admin::AdminConfig``)."""
+
+    token: str
+
+
 class NativeSlicesConfig(TypedDict):
     """Token slices on the native data plane (``llmsched_gateway::slicing::SlicesConfig``):
     the ``slices`` section of a gateway config, when enabled."""
@@ -733,6 +740,7 @@ class NativeGatewayConfig(TypedDict):
     tokenizer: str | None
     tokenizer_cache_bytes: int
     slices: NativeSlicesConfig | None
+    admin: NativeAdminConfig | None
 
 
 class NativeFlowStats(TypedDict):

@@ -40,6 +40,7 @@
 //! tokenizer and chat template, token slices, replica sync, the admin API, and Python
 //! scorers of the router run through the GIL (the router calls them as configured).
 
+pub mod admin;
 pub mod flow;
 pub mod guards;
 pub mod health;
@@ -157,6 +158,8 @@ pub struct GatewayConfig {
     pub tokenizer_cache_bytes: usize,
     /// Token slices ([`slicing`]); `None`: off.
     pub slices: Option<slicing::SlicesConfig>,
+    /// The admin API ([`admin`]); `None`: its routes do not exist.
+    pub admin: Option<admin::AdminConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -192,6 +195,7 @@ impl Default for GatewayConfig {
             tokenizer: None,
             tokenizer_cache_bytes: tokcache::DEFAULT_CAPACITY,
             slices: None,
+            admin: None,
         }
     }
 }
@@ -286,7 +290,10 @@ struct Gateway {
     pd_header: Option<HeaderName>,
     tokenizer: Option<tokenize::PromptTokenizer>,
     slicing: Option<slicing::Slicing>,
+    /// The admin token's SHA-256 (None: no admin API).
+    admin: Option<[u8; 32]>,
     extra_metrics: Option<ExtraMetrics>,
+    engines_hook: Option<admin::EnginesHook>,
     /// Woken when an engine leaves routing or its scrape fails (queued requests then check
     /// whether any engine is left).
     routing_changed: tokio::sync::Notify,
@@ -297,6 +304,16 @@ struct Gateway {
 /// More exposition text for `/metrics`, from the embedding program (the Python side's
 /// KV-event counters); called on each scrape of `/metrics` only.
 pub type ExtraMetrics = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// What an embedding program (`llmsched serve`) lends the gateway: none is on the request
+/// path.
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// More `/metrics` text.
+    pub extra_metrics: Option<ExtraMetrics>,
+    /// Adds and removes engines for the admin API (the embedder owns the engine set).
+    pub engines: Option<admin::EnginesHook>,
+}
 
 /// A listening gateway on the caller's runtime.
 pub struct GatewayHandle {
@@ -415,7 +432,7 @@ fn check(config: &GatewayConfig) -> Result<(), ConfigProblem> {
 fn build(
     config: GatewayConfig,
     source: Option<Arc<dyn RouterSource>>,
-    extra_metrics: Option<ExtraMetrics>,
+    hooks: Hooks,
 ) -> Result<Gateway, ConfigProblem> {
     check(&config)?;
     if config.engines.is_empty() {
@@ -476,7 +493,9 @@ fn build(
         pd_header,
         tokenizer,
         slicing,
-        extra_metrics,
+        admin: config.admin.as_ref().map(|a| admin::digest(&a.token)),
+        extra_metrics: hooks.extra_metrics,
+        engines_hook: hooks.engines,
         routing_changed: tokio::sync::Notify::new(),
         suspect: tokio::sync::Notify::new(),
         config,
@@ -535,7 +554,7 @@ pub async fn start(
     addr: SocketAddr,
     config: GatewayConfig,
 ) -> Result<GatewayHandle, ConfigProblem> {
-    let gateway = Arc::new(build(config, None, None)?);
+    let gateway = Arc::new(build(config, None, Hooks::default())?);
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
@@ -558,16 +577,16 @@ pub struct Running {
 }
 
 /// Starts a gateway on its own runtime (`config.threads` worker threads) listening on
-/// `addr`, routing with `source` (None: a router built from `config`); `extra_metrics` adds
-/// to `/metrics`. Returns once it listens.
+/// `addr`, routing with `source` (None: a router built from `config`), with the embedder's
+/// `hooks`. Returns once it listens.
 pub fn spawn(
     addr: SocketAddr,
     config: GatewayConfig,
     source: Option<Arc<dyn RouterSource>>,
-    extra_metrics: Option<ExtraMetrics>,
+    hooks: Hooks,
 ) -> Result<Running, ConfigProblem> {
     let threads = config.threads;
-    let gateway = Arc::new(build(config, source, extra_metrics)?);
+    let gateway = Arc::new(build(config, source, hooks)?);
     let std_listener = std::net::TcpListener::bind(addr)
         .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
     std_listener.set_nonblocking(true).map_err(|e| ConfigProblem(e.to_string()))?;
@@ -847,7 +866,7 @@ async fn probes(gateway: Arc<Gateway>) {
             let health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
             wake = match health.state {
                 health::State::Up if health.suspect => wake.min(now + tick),
-                health::State::Up => wake,
+                health::State::Up | health::State::Draining => wake,
                 _ => wake.min(health.next_probe_at.max(now + tick)),
             };
         }
@@ -867,6 +886,7 @@ async fn probes(gateway: Arc<Gateway>) {
                 let health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
                 match health.state {
                     health::State::Up => active || health.suspect,
+                    health::State::Draining => false,
                     _ => now >= health.next_probe_at,
                 }
             };
@@ -1065,10 +1085,14 @@ impl Gateway {
             health::Change::None => {}
             health::Change::Out(state) => {
                 let family = match state {
-                    health::State::Open => &self.counters.breaker_opens,
-                    _ => &self.counters.ejections,
+                    health::State::Open => Some(&self.counters.breaker_opens),
+                    health::State::Down => Some(&self.counters.ejections),
+                    // An operator's drain is no failure.
+                    health::State::Up | health::State::Draining => None,
                 };
-                family.inc(&[&upstream.id]);
+                if let Some(family) = family {
+                    family.inc(&[&upstream.id]);
+                }
                 let snapshot = pool.snapshot();
                 if let Some(member) = snapshot.get(&upstream.key) {
                     *upstream.parked.lock().unwrap_or_else(|e| e.into_inner()) =
@@ -1146,6 +1170,10 @@ impl Gateway {
             (&Method::GET, "/v1/models") => Ok(self.models(&request).await),
             (&Method::POST, "/v1/completions") => Ok(self.complete(request, "completions").await),
             (&Method::POST, "/v1/chat/completions") => Ok(self.complete(request, "chat").await),
+            (_, path) if path.starts_with("/admin/") => match self.admin(request).await {
+                Some(answer) => Ok(answer),
+                None => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
+            },
             _ => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
         }
     }

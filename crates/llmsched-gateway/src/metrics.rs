@@ -75,6 +75,8 @@ pub struct Counters {
     pub retries: AtomicU64,
     /// Engine calls made for sliced requests (one per slice).
     pub slices: AtomicU64,
+    /// Admin API calls, by action and HTTP status.
+    pub admin_requests: Family,
     /// Approximate prefix blocks dropped because the attempt that recorded them failed (in
     /// `NativeGateway.counters()`, not in `/metrics`: the Python plane counts them in its
     /// scheduler's stats).
@@ -197,6 +199,12 @@ impl Counters {
             "engine_changes",
             "Engines added, removed or changed by discovery",
             &self.engine_changes,
+        );
+        self.admin_requests.render(
+            out,
+            &format!("{P}_admin_requests"),
+            "Admin API calls, by action and HTTP status",
+            &["action", "status"],
         );
         self.histograms.render(out);
     }

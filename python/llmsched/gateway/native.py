@@ -19,8 +19,10 @@ where it is not, the cache is off with one warning and the reason in
 :meth:`NativeGateway.tokenizer_cache_stats` and ``/metrics``. Token slices (``slices``) run
 natively too: each slice is routed, admitted again after a yield and stitched by the Rust cores
 the Python plane uses (the slice tracker and :class:`~llmsched.SliceAssembler`'s assembler).
-What the native plane does not do yet raises :class:`~llmsched.errors.ConfigError` naming the
-key (``cluster``, ``admin``): serve those with ``data_plane: python``.
+The admin API (``admin``) is served natively; adding and removing engines run the Python
+plane's code on the event loop (admin calls are rare; no request waits for them). What the
+native plane does not do yet raises :class:`~llmsched.errors.ConfigError` naming the key
+(``cluster``): serve it with ``data_plane: python``.
 
 >>> import asyncio
 >>> async def main() -> int:
@@ -95,8 +97,8 @@ class NativeHealthView:
         self._owner = owner
 
     def state(self, worker: str) -> str:
-        """``up``, ``down`` (its probes failed) or ``open`` (its breaker); KeyError when the
-        engine is not configured."""
+        """``up``, ``down`` (its probes failed), ``open`` (its breaker) or ``draining`` (the
+        admin API); KeyError when the engine is not configured."""
         states = dict(self._owner.native().health_states())
         return states[worker]
 
@@ -158,7 +160,6 @@ class NativeSliceView:
 
 _UNSUPPORTED: tuple[tuple[str, Callable[[GatewayConfig], bool]], ...] = (
     ("cluster.servers", lambda c: c.cluster.enabled),
-    ("admin", lambda c: c.admin.enabled),
 )
 
 
@@ -219,6 +220,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "tokenizer": None if config.tokenizer is None else str(config.tokenizer),
         "tokenizer_cache_bytes": config.tokenizer_cache_bytes,
         "slices": _slices_config(config),
+        "admin": None if config.admin.token is None else {"token": config.admin.token},
     }
 
 
@@ -246,6 +248,10 @@ def _flow_config(config: GatewayConfig) -> FlowConfig:
     except ConfigError as exc:
         raise ConfigError(f"flow: {exc}") from None
     return resolved
+
+
+# An admin call's engine change waits this long for the event loop at most.
+_ADMIN_WAIT_S = 60.0
 
 
 def _stale_after(config: GatewayConfig) -> float:
@@ -291,6 +297,7 @@ class NativeGateway:
         self._native: _llmsched.NativeGateway | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._discovery_errors = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def native(self) -> _llmsched.NativeGateway:
         """The running native gateway (GatewayStoppedError when not started)."""
@@ -317,10 +324,16 @@ class NativeGateway:
         """Starts the KV-event feed, the discovery watcher and the native gateway."""
         cfg = self.config
         await self.scheduler.start()
+        self._loop = asyncio.get_running_loop()
         text = json.dumps(native_config(cfg, self._specs.values()))
         try:
             self._native = _llmsched.NativeGateway(
-                text, cfg.listen.host, cfg.listen.port, self.router, self._extra_metrics
+                text,
+                cfg.listen.host,
+                cfg.listen.port,
+                self.router,
+                self._extra_metrics,
+                self._admin_engines if cfg.admin.enabled else None,
             )
         except BaseException:
             await self.scheduler.stop()
@@ -353,6 +366,20 @@ class NativeGateway:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+    def _admin_engines(self, action: str, argument: str) -> tuple[int, str]:
+        """An admin call adding (``add``, the request body) or removing (``remove``, the worker
+        id) an engine, from the native gateway's blocking thread: run on the event loop by
+        :func:`~llmsched.gateway.admin.add_engine` / :func:`~llmsched.gateway.admin.remove_engine`
+        (the Python plane's code); returns the status and the JSON body."""
+        from llmsched.gateway.admin import add_engine, remove_engine
+
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return 503, json.dumps({"error": {"message": "the gateway is stopping"}})
+        change = add_engine(self, argument) if action == "add" else remove_engine(self, argument)
+        status, body = asyncio.run_coroutine_threadsafe(change, loop).result(_ADMIN_WAIT_S)
+        return status, json.dumps(body)
 
     def _extra_metrics(self) -> str:
         """What runs in Python, for the native ``/metrics``: discovery errors and the
