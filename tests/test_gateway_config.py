@@ -207,12 +207,7 @@ def test_serve_command_runs_either_data_plane(tmp_path: Path, plane: str) -> Non
         _check_serving(process, port, plane=plane)
 
 
-def test_the_native_plane_refuses_what_it_does_not_serve() -> None:
-    from llmsched.gateway import make_gateway
-
-    cluster = {"servers": ["nats://127.0.0.1:4222"], "name": "c", "replica": "r"}
-    with pytest.raises(ConfigError, match="cluster"):
-        make_gateway(base(cluster=cluster), data_plane="native")
+def test_an_unknown_data_plane_is_refused() -> None:
     with pytest.raises(ConfigError, match="data_plane"):
         load_config(base(data_plane="rust"))
 

@@ -1017,6 +1017,13 @@ class NativeGateway:
         """Each engine's health state: `up`, `down`, `open` or `draining`."""
     def routable(self) -> list[str]:
         """Engines a request could go to now."""
+    def drain_usage(self) -> dict[str, Any]:
+        """Usage since the last call: `keys` (digest -> (requests, tokens)) and `tenants`
+        ((tenant, priority, prompt, output) tuples)."""
+    def apply_usage(
+        self, keys: Mapping[str, tuple[float, float]], tenants: Sequence[tuple[str, int, int, int]]
+    ) -> None:
+        """Charges other replicas' usage to the same keys and tenants here."""
     def sliced_requests(self) -> int | None:
         """Requests being decoded in token slices now; None when slices are off."""
     def flow_stats(self) -> NativeFlowStats | None:

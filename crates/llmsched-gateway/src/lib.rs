@@ -48,6 +48,7 @@ pub mod metrics;
 pub mod slicing;
 pub mod tokcache;
 pub mod tokenize;
+pub mod usage;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -689,6 +690,16 @@ impl Running {
     /// Engines a request could go to now.
     pub fn routable(&self) -> Vec<String> {
         self.gateway.routable()
+    }
+
+    /// This gateway's usage since the last call, for the other replicas ([`usage`]).
+    pub fn drain_usage(&self) -> usage::Usage {
+        self.gateway.drain_usage()
+    }
+
+    /// Charges other replicas' usage here ([`usage`]).
+    pub fn apply_usage(&self, usage: &usage::Usage) {
+        self.gateway.apply_usage(usage);
     }
 
     /// Requests being decoded in slices now (None when token slices are off).

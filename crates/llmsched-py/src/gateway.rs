@@ -173,6 +173,39 @@ impl PyNativeGateway {
         detach(py, || running.routable())
     }
 
+    /// This gateway's usage since the last call (`llmsched.cluster.Usage`: `keys` by digest
+    /// with requests and tokens taken, `tenants` with prompt and output tokens served).
+    fn drain_usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        let usage = detach(py, || running.drain_usage())?;
+        let keys = PyDict::new(py);
+        for (digest, requests, tokens) in usage.keys {
+            keys.set_item(digest, (requests, tokens))?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("keys", keys)?;
+        out.set_item("tenants", usage.tenants)?;
+        Ok(out)
+    }
+
+    /// Charges other replicas' usage (the shape `drain_usage` returns) to the same keys'
+    /// buckets and tenants' flows here.
+    fn apply_usage(
+        &self,
+        py: Python<'_>,
+        keys: std::collections::HashMap<String, (f64, f64)>,
+        tenants: Vec<(String, i32, u64, u64)>,
+    ) -> PyResult<()> {
+        let usage = llmsched_gateway::usage::Usage {
+            keys: keys.into_iter().map(|(d, (r, t))| (d, r, t)).collect(),
+            tenants,
+        };
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        detach(py, || running.apply_usage(&usage))
+    }
+
     /// Requests being decoded in token slices now, or None when slices are off.
     fn sliced_requests(&self, py: Python<'_>) -> PyResult<Option<usize>> {
         let guard = self.running.lock();

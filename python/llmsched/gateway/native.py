@@ -20,9 +20,10 @@ where it is not, the cache is off with one warning and the reason in
 natively too: each slice is routed, admitted again after a yield and stitched by the Rust cores
 the Python plane uses (the slice tracker and :class:`~llmsched.SliceAssembler`'s assembler).
 The admin API (``admin``) is served natively; adding and removing engines run the Python
-plane's code on the event loop (admin calls are rare; no request waits for them). What the
-native plane does not do yet raises :class:`~llmsched.errors.ConfigError` naming the key
-(``cluster``): serve it with ``data_plane: python``.
+plane's code on the event loop (admin calls are rare; no request waits for them). Replica sync
+(``cluster``) journals the router's commits natively and carries them over NATS from Python
+(:class:`~llmsched.cluster.ClusterSync`, once per ``flush_s``, never per request), with the
+rate-limit and fairness usage counted natively.
 
 >>> import asyncio
 >>> async def main() -> int:
@@ -45,7 +46,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,11 +54,13 @@ from llmsched import _llmsched
 from llmsched.errors import ConfigError, GatewayStoppedError
 from llmsched.flow import FlowController
 from llmsched.gateway.config import GatewayConfig, engine_set, load_config, read_engines_file
+from llmsched.gateway.metrics import cluster_metrics_text
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
 from llmsched.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from llmsched.cluster import ClusterSync, Usage
     from llmsched.types import (
         EndpointInfo,
         FlowConfig,
@@ -158,19 +161,9 @@ class NativeSliceView:
         return int(self._owner.native().sliced_requests() or 0)
 
 
-_UNSUPPORTED: tuple[tuple[str, Callable[[GatewayConfig], bool]], ...] = (
-    ("cluster.servers", lambda c: c.cluster.enabled),
-)
-
-
 def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> NativeGatewayConfig:
     """The native gateway's configuration (``llmsched_gateway::GatewayConfig`` as JSON) for a
-    checked gateway config; ConfigError naming a key the native plane does not serve."""
-    for key, used in _UNSUPPORTED:
-        if used(config):
-            raise ConfigError(
-                f"{key}: not served by the native data plane yet; set data_plane: python"
-            )
+    checked gateway config."""
     flow: FlowConfig | None = None
     if config.flow is not None:
         flow = _flow_config(config)
@@ -272,7 +265,7 @@ class NativeGateway:
     def __init__(self, config: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]) -> None:
         self.config = config if isinstance(config, GatewayConfig) else load_config(config)
         cfg = self.config
-        native_config(cfg, cfg.engines)  # unsupported keys fail here, before anything starts
+        native_config(cfg, cfg.engines)  # a bad flow config fails here, before anything starts
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
         # The pool, index and router (and the KV-event feed) live in Python and are shared;
         # scraping, flow control and health run natively.
@@ -298,6 +291,22 @@ class NativeGateway:
         self._discovery_task: asyncio.Task[None] | None = None
         self._discovery_errors = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.cluster: ClusterSync | None = None
+        """Replica sync (``cluster`` section; None when off): the NATS transport runs here,
+        on the event loop, once per flush; the router's commits are journaled natively."""
+        if cfg.cluster.enabled:
+            from llmsched.cluster import ClusterSync
+
+            self.cluster = ClusterSync(
+                self.router,
+                servers=list(cfg.cluster.servers),
+                cluster=cfg.cluster.name,
+                replica=cfg.cluster.replica,
+                flush_s=cfg.cluster.flush_s,
+                heartbeat_s=cfg.cluster.heartbeat_s,
+                load_ttl_s=cfg.cluster.load_ttl_s,
+            )
+            self.cluster.share_usage(self._collect_usage, self._apply_usage)
 
     def native(self) -> _llmsched.NativeGateway:
         """The running native gateway (GatewayStoppedError when not started)."""
@@ -338,6 +347,8 @@ class NativeGateway:
         except BaseException:
             await self.scheduler.stop()
             raise
+        if self.cluster is not None:
+            await self.cluster.start()
         cache = self._native.tokenizer_cache_stats()
         if cache is not None and not cache["enabled"] and cfg.tokenizer_cache_bytes > 0:
             log.warning(
@@ -355,6 +366,8 @@ class NativeGateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._discovery_task
             self._discovery_task = None
+        if self.cluster is not None:
+            await self.cluster.stop()
         if self._native is not None:
             native, self._native = self._native, None
             await asyncio.get_running_loop().run_in_executor(None, native.stop)
@@ -381,25 +394,40 @@ class NativeGateway:
         status, body = asyncio.run_coroutine_threadsafe(change, loop).result(_ADMIN_WAIT_S)
         return status, json.dumps(body)
 
+    def _collect_usage(self) -> Usage:
+        """What this replica took per rate-limited key and served per tenant since the last
+        flush (replica sync; counted natively)."""
+        native = self._native
+        if native is None:
+            return {"keys": {}, "tenants": []}
+        usage = native.drain_usage()
+        return {"keys": dict(usage["keys"]), "tenants": list(usage["tenants"])}
+
+    def _apply_usage(self, usage: Usage) -> None:
+        """Another replica's usage: charged natively to the same keys and tenants' flows."""
+        if self._native is not None:
+            self._native.apply_usage(usage["keys"], usage["tenants"])
+
     def _extra_metrics(self) -> str:
-        """What runs in Python, for the native ``/metrics``: discovery errors and the
-        KV-event subscriber's counters."""
+        """What runs in Python, for the native ``/metrics``: discovery errors, the KV-event
+        subscriber's counters and replica sync's state."""
         lines = [
             "# HELP llmsched_gateway_discovery_errors_total Discovery file reads that failed "
             "(the current engines were kept)",
             "# TYPE llmsched_gateway_discovery_errors_total counter",
             f"llmsched_gateway_discovery_errors_total {float(self._discovery_errors)}",
         ]
+        cluster = "" if self.cluster is None else cluster_metrics_text(self.cluster.stats())
         subscriber = self.scheduler.subscriber
         if subscriber is None:
-            return "\n".join(lines) + "\n"
+            return "\n".join(lines) + "\n" + cluster
         lines += [
             "# HELP llmsched_gateway_kv_events_total KV-event subscriber counters",
             "# TYPE llmsched_gateway_kv_events_total counter",
         ]
         for name, value in sorted(subscriber.counters().items()):
             lines.append(f'llmsched_gateway_kv_events_total{{counter="{name}"}} {float(value)}')
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + cluster
 
     def tokenizer_cache_stats(self) -> TokenizerCacheStats | None:
         """The native tokenizer's piece cache: hits, misses, evictions, size, and why it is
