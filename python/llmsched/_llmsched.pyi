@@ -978,6 +978,41 @@ def simulate(
     """
 
 @final
+class NativeKVEventSubscriber:
+    """The native KV-event feed (`llmsched_gateway::kv_events`) on its own thread;
+    `llmsched.integrations.NativeKVEventSubscriber` wraps it. Every method releases the GIL."""
+
+    def __new__(
+        cls,
+        index: PrefixIndex,
+        engines: list[tuple[str, str, bool, str | None, str]],
+        options: str,
+        on_mismatch: Callable[[str, int], None] | None = None,
+    ) -> NativeKVEventSubscriber:
+        """A feed of `(worker, endpoint, bind, replay, topic)` engines into `index` with
+        `options` (JSON); ConfigError naming the problem."""
+    def start(self) -> None:
+        """Starts the feed's thread."""
+    def stop(self) -> None:
+        """Stops the thread and closes every socket."""
+    @property
+    def running(self) -> bool:
+        """Whether the thread runs."""
+    def counters(self) -> dict[str, int]:
+        """Totals over every engine."""
+    def worker_counters(self, worker: str) -> dict[str, int]:
+        """One engine's counters."""
+    def last_seq(self, worker: str) -> int | None:
+        """The last sequence number taken from `worker`."""
+    def worker_state(self, worker: str) -> dict[str, Any]:
+        """Where `worker`'s stream stands."""
+    def bound_endpoint(self, worker: str) -> str | None:
+        """The endpoint bound for `worker`, once bound."""
+    def workers(self) -> list[str]:
+        """The subscribed workers."""
+    def wait_changed(self, seen: int, timeout_s: float) -> int:
+        """Waits until the counters change after generation `seen`; the generation now."""
+
 class NativeGateway:
     """The native data plane (`llmsched-gateway`) serving in-process on its own runtime thread;
     `llmsched.gateway.NativeGateway` wraps it. Every method releases the GIL."""

@@ -44,6 +44,7 @@ pub mod admin;
 pub mod flow;
 pub mod guards;
 pub mod health;
+pub mod kv_events;
 pub mod metrics;
 pub mod slicing;
 pub mod tokcache;

@@ -5,9 +5,11 @@ loader), builds the pool, prefix index and router (a :class:`~llmsched.Scheduler
 KV-event subscriber keeps feeding the index), watches the discovery file, and then starts the
 Rust gateway (``llmsched-gateway``) in-process on its own runtime thread, handing it the router
 itself: both sides share one pool, one index and one set of in-flight counts. Every request
-is served in Rust (auth, limits, flow control, routing, proxying, metrics); Python runs only
-for configuration, discovery, the KV-event feed and, when the router config names a Python
-scorer or filter, that one call (the GIL is taken for it alone).
+is served in Rust (auth, limits, flow control, routing, proxying, metrics), and the engines'
+KV events are read and applied in Rust
+(:class:`~llmsched.integrations.NativeKVEventSubscriber`, no Python per batch); Python runs
+only for configuration, discovery and, when the router config names a Python scorer or
+filter, that one call (the GIL is taken for it alone).
 
 With a ``tokenizer`` the native plane computes the engine's token ids itself (the Rust
 ``tokenizers`` crate and a Jinja engine for the chat template, the ids
@@ -267,13 +269,15 @@ class NativeGateway:
         cfg = self.config
         native_config(cfg, cfg.engines)  # a bad flow config fails here, before anything starts
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
-        # The pool, index and router (and the KV-event feed) live in Python and are shared;
-        # scraping, flow control and health run natively.
+        # The pool, index and router are built in Python and shared; scraping, flow control,
+        # health and the KV-event feed run natively.
         self.scheduler = Scheduler(
             cfg.engines,
             router=cfg.router,
             index=PrefixIndex(cfg.block_size),
             scrape=False,
+            # The engines' KV events are read and applied in Rust too.
+            kv_feed="native",
             stale_after_s=_stale_after(cfg),
             stale_policy="saturated" if cfg.scrape.enabled else "ignore",
             retry_after_s=cfg.limits.retry_after_s,
