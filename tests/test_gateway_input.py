@@ -314,7 +314,7 @@ def test_fuzzed_bodies_and_headers_never_get_a_5xx(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(route=st.sampled_from(["completions", "chat"]), body=_RAW, headers=_HEADERS)
-@pytest.mark.python_plane_only("the serve process runs the config's default plane")
+@pytest.mark.python_plane_only("the serve process runs the config's default plane (native)")
 def test_fuzzed_input_to_the_serve_process_never_gets_a_5xx(
     fuzz_serve: _Fuzz, route: str, body: bytes, headers: dict[bytes, bytes]
 ) -> None:

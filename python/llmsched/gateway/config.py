@@ -270,8 +270,9 @@ class ClusterConfig:
 class GatewayConfig:
     """The whole gateway configuration. Build it with :func:`load_config`.
 
-    ``data_plane``: who serves requests, ``python`` (aiohttp, every feature) or ``native``
-    (the Rust data plane in the same process, :mod:`llmsched.gateway.native`);
+    ``data_plane``: who serves requests, ``native`` (the default: the Rust data plane in the
+    same process, :mod:`llmsched.gateway.native`) or ``python`` (the aiohttp gateway,
+    :mod:`llmsched.gateway.app`); both serve every section of the config;
     ``native_threads``: the native plane's worker threads (1: all on one thread);
     ``tokenizer_cache_bytes``: the native plane's cache of chat prompts' pieces (the text
     between the tokenizer's added tokens, with its ids; least recently used evicted first), in
@@ -296,14 +297,14 @@ class GatewayConfig:
     discovery: DiscoveryConfig = DiscoveryConfig()
     admin: AdminConfig = AdminConfig()
     cluster: ClusterConfig = ClusterConfig()
-    data_plane: str = "python"
+    data_plane: str = "native"
     native_threads: int = 1
     tokenizer_cache_bytes: int = 32 * 1024 * 1024
 
 
 DATA_PLANES = ("python", "native")
-"""``data_plane``: ``python`` (aiohttp, every feature) or ``native`` (the Rust data plane in
-the same process; see :mod:`llmsched.gateway.native` for what it serves)."""
+"""``data_plane``: ``native`` (the default: the Rust data plane in the same process, see
+:mod:`llmsched.gateway.native`) or ``python`` (the aiohttp gateway)."""
 
 _TOP_KEYS = frozenset(
     {
