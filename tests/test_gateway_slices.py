@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import aiohttp
 import pytest
 from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
 
-from llmsched.testing.openai_engine import OUTPUT_ID_BASE
+from llmsched.testing.openai_engine import OUTPUT_ID_BASE, FakeOpenAIEngine
 
 pytestmark = pytest.mark.usefixtures("plane")
 
@@ -117,10 +118,7 @@ def test_a_slice_boundary_yields_to_a_waiting_higher_priority_request() -> None:
 def test_a_slice_failing_after_the_stream_started_ends_it_without_done() -> None:
     async def body() -> None:
         async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
-            engine = r.engines[0]
-            engine.mode = "slow"
-            engine.token_delay_s = 0.01
-            request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "stream": True}
+            engine, request = _slow(r, token_delay_s=0.01)
             data = b""
             async with r.client.post(r.url("/v1/completions"), json=request) as response:
                 assert response.status == 200
@@ -145,10 +143,7 @@ def test_a_slice_failing_after_the_stream_started_ends_it_without_done() -> None
 def test_a_client_leaving_mid_slice_cancels_the_engine_call() -> None:
     async def body() -> None:
         async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
-            engine = r.engines[0]
-            engine.mode = "slow"
-            engine.token_delay_s = 0.1
-            request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "stream": True}
+            engine, request = _slow(r, token_delay_s=0.1)
             async with r.client.post(r.url("/v1/completions"), json=request) as response:
                 assert await response.content.readany()
             # Left with the answer unread: the connection is closed.
@@ -159,6 +154,15 @@ def test_a_client_leaving_mid_slice_cancels_the_engine_call() -> None:
             assert len(engine.received) < 3
 
     run(body())
+
+
+def _slow(r: Rig, *, token_delay_s: float) -> tuple[FakeOpenAIEngine, dict[str, Any]]:
+    """The rig's engine streaming a token every ``token_delay_s``, and a streamed request of
+    three slices."""
+    engine = r.engines[0]
+    engine.mode = "slow"
+    engine.token_delay_s = token_delay_s
+    return engine, {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "stream": True}
 
 
 def _sse_error(r: Rig) -> dict[str, str]:

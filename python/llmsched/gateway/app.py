@@ -54,6 +54,7 @@ from llmsched.errors import (
 from llmsched.gateway.config import (
     ApiKey,
     GatewayConfig,
+    cluster_sync,
     engine_set,
     load_config,
     read_engines_file,
@@ -230,20 +231,8 @@ class Gateway:
             if cfg.slices.enabled
             else None
         )
-        self.cluster: ClusterSync | None = None
+        self.cluster: ClusterSync | None = cluster_sync(cfg, self.scheduler.router)
         """Replica sync (``cluster`` section; None when off)."""
-        if cfg.cluster.enabled:
-            from llmsched.cluster import ClusterSync
-
-            self.cluster = ClusterSync(
-                self.scheduler.router,
-                servers=list(cfg.cluster.servers),
-                cluster=cfg.cluster.name,
-                replica=cfg.cluster.replica,
-                flush_s=cfg.cluster.flush_s,
-                heartbeat_s=cfg.cluster.heartbeat_s,
-                load_ttl_s=cfg.cluster.load_ttl_s,
-            )
         if self.cluster is not None:
             self.cluster.share_usage(self._collect_usage, self._apply_usage)
         self.metrics = GatewayMetrics(

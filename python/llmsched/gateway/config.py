@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -33,6 +33,10 @@ from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 from llmsched.integrations.identity import wire_for_router
 from llmsched.types import ConfigInfo, KeyLimits
+
+if TYPE_CHECKING:
+    from llmsched.cluster import ClusterSync
+    from llmsched.routing import Router
 
 _log = logging.getLogger("llmsched")
 
@@ -607,6 +611,25 @@ def _merge_saturation(flow: dict[str, Any], saturation: Mapping[str, Any]) -> No
                 f"saturationDetector sets {value!r}; give it once"
             )
         section[ours] = value
+
+
+def cluster_sync(config: GatewayConfig, router: Router) -> ClusterSync | None:
+    """The replica sync of ``config``'s ``cluster`` section for ``router`` (None when off);
+    either data plane starts and stops it. Needs the ``cluster`` extra when on."""
+    cluster = config.cluster
+    if not cluster.enabled:
+        return None
+    from llmsched.cluster import ClusterSync
+
+    return ClusterSync(
+        router,
+        servers=list(cluster.servers),
+        cluster=cluster.name,
+        replica=cluster.replica,
+        flush_s=cluster.flush_s,
+        heartbeat_s=cluster.heartbeat_s,
+        load_ttl_s=cluster.load_ttl_s,
+    )
 
 
 def read_engines_file(

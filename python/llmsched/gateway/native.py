@@ -55,7 +55,13 @@ from typing import TYPE_CHECKING, Any
 from llmsched import _llmsched
 from llmsched.errors import ConfigError, GatewayStoppedError
 from llmsched.flow import FlowController
-from llmsched.gateway.config import GatewayConfig, engine_set, load_config, read_engines_file
+from llmsched.gateway.config import (
+    GatewayConfig,
+    cluster_sync,
+    engine_set,
+    load_config,
+    read_engines_file,
+)
 from llmsched.gateway.metrics import cluster_metrics_text
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
@@ -295,21 +301,10 @@ class NativeGateway:
         self._discovery_task: asyncio.Task[None] | None = None
         self._discovery_errors = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.cluster: ClusterSync | None = None
+        self.cluster: ClusterSync | None = cluster_sync(cfg, self.router)
         """Replica sync (``cluster`` section; None when off): the NATS transport runs here,
         on the event loop, once per flush; the router's commits are journaled natively."""
-        if cfg.cluster.enabled:
-            from llmsched.cluster import ClusterSync
-
-            self.cluster = ClusterSync(
-                self.router,
-                servers=list(cfg.cluster.servers),
-                cluster=cfg.cluster.name,
-                replica=cfg.cluster.replica,
-                flush_s=cfg.cluster.flush_s,
-                heartbeat_s=cfg.cluster.heartbeat_s,
-                load_ttl_s=cfg.cluster.load_ttl_s,
-            )
+        if self.cluster is not None:
             self.cluster.share_usage(self._collect_usage, self._apply_usage)
 
     def native(self) -> _llmsched.NativeGateway:

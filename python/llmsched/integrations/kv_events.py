@@ -739,24 +739,25 @@ class KVEventSubscriber:
             engines = resolve_engines(engines, pool)
         if not isinstance(index, PrefixIndex):
             raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
-        first, largest = _check_backoff("backoff_s", backoff_s)
-        replay_first, replay_largest = _check_backoff("replay_backoff_s", replay_backoff_s)
-        self.replay_timeout_s = _positive_float("replay_timeout_s", replay_timeout_s)
-        self.reorder_wait_s = _positive_float("reorder_wait_s", reorder_wait_s)
-        self.reorder_window = _int_at_least("reorder_window", reorder_window, 0)
-        self.buffer_cap = _int_at_least("buffer_cap", buffer_cap, 1)
-        self.buffer_cap_bytes = _int_at_least("buffer_cap_bytes", buffer_cap_bytes, 1)
-        if self.buffer_cap <= self.reorder_window:
-            raise ConfigError(
-                f"buffer_cap ({self.buffer_cap}) must be larger than reorder_window "
-                f"({self.reorder_window}): the reorder wait holds that many batches"
-            )
-        if not isinstance(catch_up, bool):
-            raise ConfigError(f"catch_up must be a bool, got {catch_up!r}")
+        options = _checked_options(
+            backoff_s,
+            replay_timeout_s,
+            replay_backoff_s,
+            reorder_window,
+            reorder_wait_s,
+            buffer_cap,
+            buffer_cap_bytes,
+            catch_up,
+        )
+        self.replay_timeout_s: float = options["replay_timeout_s"]
+        self.reorder_wait_s: float = options["reorder_wait_s"]
+        self.reorder_window: int = options["reorder_window"]
+        self.buffer_cap: int = options["buffer_cap"]
+        self.buffer_cap_bytes: int = options["buffer_cap_bytes"]
         self.index = index
-        self.backoff_s = (first, largest)
-        self.replay_backoff_s = (replay_first, replay_largest)
-        self.catch_up = catch_up
+        self.backoff_s: tuple[float, float] = options["backoff_s"]
+        self.replay_backoff_s: tuple[float, float] = options["replay_backoff_s"]
+        self.catch_up: bool = options["catch_up"]
         self._publishers: dict[str, _Publisher] = {}
         self._shared: dict[str, _SharedSocket] = {}
         seen_endpoints: dict[str, str] = {}
@@ -1137,18 +1138,16 @@ class NativeKVEventSubscriber:
             engines = resolve_engines(engines, pool)
         if not isinstance(index, PrefixIndex):
             raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
-        options = {
-            "backoff_s": _check_backoff("backoff_s", backoff_s),
-            "replay_timeout_s": _positive_float("replay_timeout_s", replay_timeout_s),
-            "replay_backoff_s": _check_backoff("replay_backoff_s", replay_backoff_s),
-            "reorder_window": _int_at_least("reorder_window", reorder_window, 0),
-            "reorder_wait_s": _positive_float("reorder_wait_s", reorder_wait_s),
-            "buffer_cap": _int_at_least("buffer_cap", buffer_cap, 1),
-            "buffer_cap_bytes": _int_at_least("buffer_cap_bytes", buffer_cap_bytes, 1),
-            "catch_up": catch_up,
-        }
-        if not isinstance(catch_up, bool):
-            raise ConfigError(f"catch_up must be a bool, got {catch_up!r}")
+        options = _checked_options(
+            backoff_s,
+            replay_timeout_s,
+            replay_backoff_s,
+            reorder_window,
+            reorder_wait_s,
+            buffer_cap,
+            buffer_cap_bytes,
+            catch_up,
+        )
         listed = list(engines)
         for spec in listed:
             if not isinstance(spec, EngineSpec):
@@ -1236,6 +1235,37 @@ class NativeKVEventSubscriber:
             f"NativeKVEventSubscriber({len(self.workers())} engines, batches={c['batches']}, "
             f"gaps={c['gaps']}, resyncs={c['resyncs']})"
         )
+
+
+def _checked_options(
+    backoff_s: object,
+    replay_timeout_s: object,
+    replay_backoff_s: object,
+    reorder_window: object,
+    reorder_wait_s: object,
+    buffer_cap: object,
+    buffer_cap_bytes: object,
+    catch_up: object,
+) -> dict[str, Any]:
+    """Both subscribers' options, checked (ConfigError naming the option), by name."""
+    options: dict[str, Any] = {
+        "backoff_s": _check_backoff("backoff_s", backoff_s),
+        "replay_timeout_s": _positive_float("replay_timeout_s", replay_timeout_s),
+        "replay_backoff_s": _check_backoff("replay_backoff_s", replay_backoff_s),
+        "reorder_window": _int_at_least("reorder_window", reorder_window, 0),
+        "reorder_wait_s": _positive_float("reorder_wait_s", reorder_wait_s),
+        "buffer_cap": _int_at_least("buffer_cap", buffer_cap, 1),
+        "buffer_cap_bytes": _int_at_least("buffer_cap_bytes", buffer_cap_bytes, 1),
+        "catch_up": catch_up,
+    }
+    if options["buffer_cap"] <= options["reorder_window"]:
+        raise ConfigError(
+            f"buffer_cap ({options['buffer_cap']}) must be larger than reorder_window "
+            f"({options['reorder_window']}): the reorder wait holds that many batches"
+        )
+    if not isinstance(catch_up, bool):
+        raise ConfigError(f"catch_up must be a bool, got {catch_up!r}")
+    return options
 
 
 def _fixed_port(endpoint: str) -> bool:
