@@ -453,6 +453,7 @@ class SliceTracker:
     def __contains__(self, key: int, /) -> bool:
         """Whether a request is tracked."""
 
+@final
 class SliceAssembler:
     """One sliced request's continuation calls and stitched response
     (`llmsched.SliceAssembler` wraps it; the native data plane runs the same code)."""
@@ -1013,6 +1014,7 @@ class NativeKVEventSubscriber:
     def wait_changed(self, seen: int, timeout_s: float) -> int:
         """Waits until the counters change after generation `seen`; the generation now."""
 
+@final
 class NativeGateway:
     """The native data plane (`llmsched-gateway`) serving in-process on its own runtime thread;
     `llmsched.gateway.NativeGateway` wraps it. Every method releases the GIL."""
