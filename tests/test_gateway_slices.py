@@ -115,6 +115,39 @@ def test_a_slice_boundary_yields_to_a_waiting_higher_priority_request() -> None:
     run(body())
 
 
+def test_a_key_is_charged_every_output_token_of_a_sliced_request_that_yielded() -> None:
+    """Flow control is charged at each yield; the key's token bucket once, with every output
+    token: 3 prompt + 12 output of a 17-token bucket leave 2, short of the next 3-token
+    prompt (charging only the tokens after the yield would leave enough)."""
+
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 1}}
+        long_key, urgent_key = "sk-long-000000001", "sk-urgent-0000001"
+        keys = {
+            long_key: {"tenant": "a", "tokens_per_s": 0.001, "burst_tokens": 17},
+            urgent_key: {"tenant": "b", "priority": 5},
+        }
+        auth = {"api_keys": keys}
+        async with rig(engines=1, answer_tokens=100, slices=SLICES, flow=flow, auth=auth) as r:
+            engine, _ = _slow(r, token_delay_s=0.05)
+            as_long = {"Authorization": f"Bearer {long_key}"}
+            long = asyncio.ensure_future(
+                r.complete([1, 2, 3], max_tokens=12, stream=True, headers=as_long)
+            )
+            while not engine.received:
+                await asyncio.sleep(0.005)
+            as_urgent = {"Authorization": f"Bearer {urgent_key}"}
+            assert (await r.complete([7, 8, 9], max_tokens=2, headers=as_urgent)).status == 200
+            assert (await long).status == 200
+            order = [q.body["prompt"][0] for q in engine.received]
+            assert order.index(7) < len(order) - 1, order  # it yielded
+            again = await r.complete([4, 5, 6], max_tokens=1, headers=as_long)
+            assert again.status == 429
+            assert again.headers["x-llmsched-dropped-reason"] == "rate-limited"
+
+    run(body())
+
+
 def test_a_slice_failing_after_the_stream_started_ends_it_without_done() -> None:
     async def body() -> None:
         async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:

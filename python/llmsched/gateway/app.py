@@ -176,6 +176,9 @@ class _FlowSlot:
 
     admission: Admission | None
     output_tokens: int = 0
+    key_tokens: int | None = None
+    """Output tokens to charge the API key's token bucket, when not ``output_tokens`` (a
+    sliced request charged flow control at each yield, the key only at the end)."""
 
 
 @dataclass
@@ -583,7 +586,10 @@ class Gateway:
                     slot.admission.release(slot.output_tokens)
         finally:
             if limiter is not None:
-                limiter.release(output_tokens=slot.output_tokens)
+                key_tokens = slot.key_tokens
+                limiter.release(
+                    output_tokens=slot.output_tokens if key_tokens is None else key_tokens
+                )
 
     def _no_engine_refusal(self) -> Refusal:
         return Refusal(
@@ -710,6 +716,7 @@ class Gateway:
                 return await sliced.run(request)
             finally:
                 slot.admission, slot.output_tokens = sliced.admission, sliced.uncharged_tokens()
+                slot.key_tokens = sliced.asm.generated_tokens
         placement = self.place(incoming.scheduled)
         if placement is None:
             return self.refuse(route, self._no_engine_refusal())
