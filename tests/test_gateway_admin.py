@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from _gateway_harness import MODEL, rig, run
+from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
 
 from llmsched.errors import ConfigError
 from llmsched.gateway.config import load_config
 from llmsched.testing.openai_engine import FakeOpenAIEngine
+
+pytestmark = pytest.mark.usefixtures("plane")
 
 TOKEN = "admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

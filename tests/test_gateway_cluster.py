@@ -103,13 +103,16 @@ async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout: float
         await asyncio.sleep(0.05)
 
 
-def _config(engines: list[FakeOpenAIEngine], bus: NatsServer | None, name: str) -> dict[str, Any]:
+def _config(
+    engines: list[FakeOpenAIEngine], bus: NatsServer | None, name: str, plane: str
+) -> dict[str, Any]:
     config: dict[str, Any] = {
         "engines": [e.spec() for e in engines],
         "models": [MODEL],
         "router": ROUTER,
         "scrape": {"enabled": False},
         "slices": {"enabled": False},
+        "data_plane": plane,
     }
     if bus is not None:
         config["cluster"] = {
@@ -154,8 +157,9 @@ async def _chats(
     return same, later
 
 
+@pytest.mark.parametrize("plane", ["python", "native"])
 def test_three_serve_replicas_keep_chat_affinity_and_survive_bus_and_replica_loss(
-    tmp_path: Path,
+    tmp_path: Path, plane: str
 ) -> None:
     async def body() -> None:
         bus = NatsServer(nats_binary())
@@ -165,7 +169,7 @@ def test_three_serve_replicas_keep_chat_affinity_and_survive_bus_and_replica_los
             for engine in engines:
                 await engine.start()
             async with aiohttp.ClientSession() as client:
-                configs = [_config(engines, bus, f"gw-{i}") for i in range(3)]
+                configs = [_config(engines, bus, f"gw-{i}", plane) for i in range(3)]
                 async with _replicas(configs, tmp_path) as replicas:
                     for replica in replicas:
                         await _until(
@@ -218,7 +222,7 @@ def test_three_serve_replicas_keep_chat_affinity_and_survive_bus_and_replica_los
                     )
                     assert failures == 0
                 # The same chats without sync: later turns on other replicas pick blind.
-                alone = [_config(engines, None, f"gw-{i}") for i in range(3)]
+                alone = [_config(engines, None, f"gw-{i}", plane) for i in range(3)]
                 for engine in engines:
                     engine.received.clear()
                 async with _replicas(alone, tmp_path) as replicas:
@@ -243,7 +247,8 @@ async def _metric_is(
     return await replica.metric(client, name) == value
 
 
-def test_a_key_rate_limit_holds_across_serve_replicas(tmp_path: Path) -> None:
+@pytest.mark.parametrize("plane", ["python", "native"])
+def test_a_key_rate_limit_holds_across_serve_replicas(tmp_path: Path, plane: str) -> None:
     """A key allowed 3 requests (burst, refilled at 0.01/s): synced, the three replicas
     together admit about 3 of 9 requests spread over them; alone, each admits its own 3."""
 
@@ -270,7 +275,7 @@ def test_a_key_rate_limit_holds_across_serve_replicas(tmp_path: Path) -> None:
                     return ok
 
                 synced_configs = [
-                    {**_config([engine], bus, f"gw-{i}"), "auth": auth} for i in range(3)
+                    {**_config([engine], bus, f"gw-{i}", plane), "auth": auth} for i in range(3)
                 ]
                 async with _replicas(synced_configs, tmp_path) as replicas:
                     for replica in replicas:
@@ -280,7 +285,7 @@ def test_a_key_rate_limit_holds_across_serve_replicas(tmp_path: Path) -> None:
                         client, 'llmsched_gateway_cluster_total{counter="usage_in"}'
                     )
                 alone_configs = [
-                    {**_config([engine], None, f"gw-{i}"), "auth": auth} for i in range(3)
+                    {**_config([engine], None, f"gw-{i}", plane), "auth": auth} for i in range(3)
                 ]
                 async with _replicas(alone_configs, tmp_path) as replicas:
                     alone = await admitted(replicas)

@@ -207,17 +207,20 @@ def test_serve_command_runs_either_data_plane(tmp_path: Path, plane: str) -> Non
         _check_serving(process, port, plane=plane)
 
 
-def test_the_native_plane_refuses_what_it_does_not_serve() -> None:
-    from llmsched.gateway import make_gateway
+def test_the_native_plane_is_the_default() -> None:
+    from llmsched.gateway import Gateway, NativeGateway, make_gateway
 
-    for key, section in (("slices", {"enabled": True}), ("admin", {"token": "t" * 16})):
-        with pytest.raises(ConfigError, match=key):
-            make_gateway(base(**{key: section}), data_plane="native")
+    assert load_config(base()).data_plane == "native"
+    assert isinstance(make_gateway(base()), NativeGateway)
+    assert isinstance(make_gateway(base(data_plane="python")), Gateway)
+
+
+def test_an_unknown_data_plane_is_refused() -> None:
     with pytest.raises(ConfigError, match="data_plane"):
         load_config(base(data_plane="rust"))
 
 
-def _check_serving(process: subprocess.Popen[str], port: int, *, plane: str = "python") -> None:
+def _check_serving(process: subprocess.Popen[str], port: int, *, plane: str = "native") -> None:
     try:
         assert process.stdout is not None
         line = process.stdout.readline()

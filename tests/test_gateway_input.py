@@ -65,9 +65,6 @@ BAD_BODIES: list[tuple[str, str, bytes]] = [
 
 @pytest.mark.parametrize("slices", [False, True], ids=["plain", "sliced"])
 def test_malformed_fields_are_400_naming_the_field(slices: bool) -> None:
-    if slices and current_plane() == "native":
-        pytest.skip("native plane: token slices are not served natively")
-
     async def body() -> None:
         overrides = {"slices": SLICES} if slices else {}
         async with rig(engines=1, **overrides) as r:
@@ -233,9 +230,8 @@ class _Fuzz:
         self._process: asyncio.subprocess.Process | None = None
         overrides: dict[str, Any] = {
             "flow": {"saturation": {"type": "concurrency", "max_requests": 16}},
+            "slices": SLICES,
         }
-        if data_plane == "python":  # token slices are not served natively
-            overrides["slices"] = SLICES
         self._cm = rig(engines=2, data_plane=data_plane, **overrides)
         self.rig: Rig = self.loop.run_until_complete(self._cm.__aenter__())
         self.port = self.rig.gateway.port
@@ -318,7 +314,7 @@ def test_fuzzed_bodies_and_headers_never_get_a_5xx(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(route=st.sampled_from(["completions", "chat"]), body=_RAW, headers=_HEADERS)
-@pytest.mark.python_plane_only("the serve process runs the config's default plane")
+@pytest.mark.python_plane_only("the serve process runs the config's default plane (native)")
 def test_fuzzed_input_to_the_serve_process_never_gets_a_5xx(
     fuzz_serve: _Fuzz, route: str, body: bytes, headers: dict[bytes, bytes]
 ) -> None:

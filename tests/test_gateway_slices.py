@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
-from _gateway_harness import MODEL, rig, run
+import aiohttp
+import pytest
+from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
 
-from llmsched.testing.openai_engine import OUTPUT_ID_BASE
+from llmsched.testing.openai_engine import OUTPUT_ID_BASE, FakeOpenAIEngine
+
+pytestmark = pytest.mark.usefixtures("plane")
 
 SLICES = {"enabled": True, "policy": "fixed", "params": {"slice_tokens": 4}}
 
@@ -108,3 +113,90 @@ def test_a_slice_boundary_yields_to_a_waiting_higher_priority_request() -> None:
             assert order[0] == 1 and 7 in order and order.index(7) < len(order) - 1, order
 
     run(body())
+
+
+def test_a_key_is_charged_every_output_token_of_a_sliced_request_that_yielded() -> None:
+    """Flow control is charged at each yield; the key's token bucket once, with every output
+    token: 3 prompt + 12 output of a 17-token bucket leave 2, short of the next 3-token
+    prompt (charging only the tokens after the yield would leave enough)."""
+
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 1}}
+        long_key, urgent_key = "sk-long-000000001", "sk-urgent-0000001"
+        keys = {
+            long_key: {"tenant": "a", "tokens_per_s": 0.001, "burst_tokens": 17},
+            urgent_key: {"tenant": "b", "priority": 5},
+        }
+        auth = {"api_keys": keys}
+        async with rig(engines=1, answer_tokens=100, slices=SLICES, flow=flow, auth=auth) as r:
+            engine, _ = _slow(r, token_delay_s=0.05)
+            as_long = {"Authorization": f"Bearer {long_key}"}
+            long = asyncio.ensure_future(
+                r.complete([1, 2, 3], max_tokens=12, stream=True, headers=as_long)
+            )
+            while not engine.received:
+                await asyncio.sleep(0.005)
+            as_urgent = {"Authorization": f"Bearer {urgent_key}"}
+            assert (await r.complete([7, 8, 9], max_tokens=2, headers=as_urgent)).status == 200
+            assert (await long).status == 200
+            order = [q.body["prompt"][0] for q in engine.received]
+            assert order.index(7) < len(order) - 1, order  # it yielded
+            again = await r.complete([4, 5, 6], max_tokens=1, headers=as_long)
+            assert again.status == 429
+            assert again.headers["x-llmsched-dropped-reason"] == "rate-limited"
+
+    run(body())
+
+
+def test_a_slice_failing_after_the_stream_started_ends_it_without_done() -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            engine, request = _slow(r, token_delay_s=0.01)
+            data = b""
+            async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                assert response.status == 200
+                while not engine.received:
+                    await asyncio.sleep(0.005)
+                engine.mode = "error500"  # the first slice runs on; the second fails
+                try:
+                    async for piece in response.content.iter_any():
+                        data += piece
+                except aiohttp.ClientPayloadError:
+                    pass  # the stream is closed without its last chunk
+            text = data.decode()
+            assert '"text": " t0"' in text.replace('":"', '": "')
+            assert "upstream_error" in text and "[DONE]" not in text
+            assert len(engine.received) == 2
+            assert r.gateway.slice_tracker is not None and len(r.gateway.slice_tracker) == 0
+            assert r.metric("llmsched_gateway_truncated_answers_total", **_sse_error(r)) == 1
+
+    run(body())
+
+
+def test_a_client_leaving_mid_slice_cancels_the_engine_call() -> None:
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            engine, request = _slow(r, token_delay_s=0.1)
+            async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                assert await response.content.readany()
+            # Left with the answer unread: the connection is closed.
+            await asyncio.wait_for(engine.disconnected.wait(), 5)
+            assert r.gateway.slice_tracker is not None
+            while len(r.gateway.slice_tracker):
+                await asyncio.sleep(0.01)
+            assert len(engine.received) < 3
+
+    run(body())
+
+
+def _slow(r: Rig, *, token_delay_s: float) -> tuple[FakeOpenAIEngine, dict[str, Any]]:
+    """The rig's engine streaming a token every ``token_delay_s``, and a streamed request of
+    three slices."""
+    engine = r.engines[0]
+    engine.mode = "slow"
+    engine.token_delay_s = token_delay_s
+    return engine, {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "stream": True}
+
+
+def _sse_error(r: Rig) -> dict[str, str]:
+    return {"endpoint": r.gateway.config.engines[0].worker_id, "outcome": "sse_error"}

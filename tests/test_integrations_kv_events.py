@@ -1,4 +1,6 @@
-"""KVEventSubscriber against fake engines: real ZMQ on loopback, scripted batches."""
+"""KVEventSubscriber and NativeKVEventSubscriber against fake engines: real ZMQ on loopback,
+scripted batches. Every test runs over both subscribers (the ``feed`` fixture) unless it is
+marked ``python_feed_only`` (it reads the Python subscriber's own internals)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from _data import load_vector
 
 from llmsched import PrefixIndex
 from llmsched.errors import ConfigError
-from llmsched.integrations import EngineSpec, KVEventSubscriber
+from llmsched.integrations import EngineSpec, KVEventSubscriber, NativeKVEventSubscriber
 from llmsched.testing import (
     FakeKVPublisher,
     cleared_event,
@@ -25,6 +27,29 @@ from llmsched.testing import (
 )
 
 BLOCK = 16
+FEEDS = {"python": KVEventSubscriber, "native": NativeKVEventSubscriber}
+# The subscriber class of the running test (set by the ``feed`` fixture).
+_feed: list[Any] = [KVEventSubscriber]
+
+
+@pytest.fixture(autouse=True, params=list(FEEDS))
+def feed(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs each test over both subscribers."""
+    marker = request.node.get_closest_marker("python_feed_only")
+    if request.param == "native" and marker is not None:
+        pytest.skip(f"native feed: {marker.args[0]}")
+    _feed[0] = FEEDS[request.param]
+    try:
+        yield request.param
+    finally:
+        _feed[0] = KVEventSubscriber
+
+
+def Subscriber(*args: Any, **kwargs: Any) -> Any:
+    """The subscriber of the running test."""
+    return _feed[0](*args, **kwargs)
+
+
 FAST = {"backoff_s": (0.01, 0.05), "replay_timeout_s": 2.0}
 WAIT_S = 10.0
 
@@ -81,7 +106,7 @@ def holdings(index: PrefixIndex, worker: str) -> dict[int, Any]:
     return index.holdings(worker) if worker in index.workers() else {}
 
 
-def wait(sub: KVEventSubscriber, cond: Callable[[dict[str, int]], bool]) -> dict[str, int]:
+def wait(sub: Any, cond: Callable[[dict[str, int]], bool]) -> dict[str, int]:
     assert sub.wait_for(cond, WAIT_S), sub.counters()
     return sub.counters()
 
@@ -100,7 +125,7 @@ def test_normal_flow_matches_direct_apply(fake: FakeKVPublisher) -> None:
     payloads = script(60)
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         assert fake.wait_subscribed()
         for p in payloads:
             fake.publish(p)
@@ -121,7 +146,7 @@ def test_bind_mode_engine_connects() -> None:
     spec = EngineSpec(
         "127.0.0.1", 8000, kv_events="tcp://127.0.0.1:*", kv_events_bind=True, topic="kv@b"
     )
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         endpoint = sub.bound_endpoint(spec.worker_id)
         assert endpoint is not None and endpoint.startswith("tcp://127.0.0.1:")
         with FakeKVPublisher(topic="kv@b", endpoint=endpoint, connect=True, replay=False) as eng:
@@ -140,7 +165,7 @@ def test_late_joiner_recovered_via_replay(fake: FakeKVPublisher) -> None:
         fake.publish(p, deliver=False)  # published before the subscriber existed
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         assert fake.wait_subscribed()
         for p in payloads[8:]:
             fake.publish(p)
@@ -159,7 +184,7 @@ def test_gap_in_the_middle_recovered_via_replay(with_topic: bool) -> None:
     index = PrefixIndex(block_size=BLOCK)
     with FakeKVPublisher(topic="kv@a", replay_with_topic=with_topic) as fake:
         spec = spec_of(fake)
-        with KVEventSubscriber(index, [spec], **FAST) as sub:
+        with Subscriber(index, [spec], **FAST) as sub:
             assert fake.wait_subscribed()
             for i, p in enumerate(payloads):
                 fake.publish(p, deliver=not 10 <= i < 15)
@@ -189,7 +214,7 @@ def test_uncoverable_gap_clears_worker_and_resyncs(how: str) -> None:
     with FakeKVPublisher(topic="kv@a", replay=how != "no-replay-socket") as fake:
         spec = spec_of(fake)
         opts = {**FAST, "replay_timeout_s": 0.3}
-        with KVEventSubscriber(index, [spec], **opts) as sub:
+        with Subscriber(index, [spec], **opts) as sub:
             assert fake.wait_subscribed()
             for p in payloads[:6]:
                 fake.publish(p)
@@ -216,7 +241,7 @@ def test_seq_going_backwards_is_a_restart(fake: FakeKVPublisher) -> None:
     before, after = [_marker(), *script(5, seed=5, clears=False)], script(7, seed=6)
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         assert fake.wait_subscribed()
         for p in before:
             fake.publish(p)
@@ -237,7 +262,7 @@ def test_foreign_topic_is_refused_even_when_zmq_prefix_matches(fake: FakeKVPubli
     spec = spec_of(fake)
     evil = event_batch(stored_event([1], None, list(range(BLOCK)), BLOCK))
     good = event_batch(stored_event([2], None, list(range(100, 100 + BLOCK)), BLOCK))
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         assert fake.wait_subscribed()
         # "kv@a-evil" passes the SUB socket's prefix filter for "kv@a"; it must still be refused.
         fake.send_frames([b"kv@a-evil", (0).to_bytes(8, "big"), evil])
@@ -254,7 +279,7 @@ def test_malformed_messages_are_counted_and_change_nothing(fake: FakeKVPublisher
     spec = spec_of(fake)
     first, last = script(2, seed=7)
     topic = b"kv@a"
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         assert fake.wait_subscribed()
         fake.publish(first)
         wait(sub, lambda c: c["batches"] >= 1)
@@ -281,7 +306,7 @@ def test_reconnects_when_the_publisher_comes_back() -> None:
     first, second = script(4, seed=8), script(3, seed=9)
     engine = FakeKVPublisher(topic="kv@a", replay=False)
     spec = spec_of(engine)
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         assert engine.wait_subscribed()
         for p in first:
             engine.publish(p)
@@ -300,9 +325,10 @@ def test_reconnects_when_the_publisher_comes_back() -> None:
     )
 
 
+@pytest.mark.python_feed_only("reads the Python subscriber's ZMQ context")
 def test_thread_stops_promptly_and_closes_everything(fake: FakeKVPublisher) -> None:
     threads_before = threading.active_count()
-    sub = KVEventSubscriber(PrefixIndex(block_size=BLOCK), [spec_of(fake)], **FAST)
+    sub = Subscriber(PrefixIndex(block_size=BLOCK), [spec_of(fake)], **FAST)
     sub.start()
     assert fake.wait_subscribed()
     with pytest.raises(RuntimeError, match="already running"):
@@ -317,11 +343,12 @@ def test_thread_stops_promptly_and_closes_everything(fake: FakeKVPublisher) -> N
     sub.stop()
 
 
+@pytest.mark.python_feed_only("the native feed has no asyncio run(): it always has its thread")
 def test_asyncio_run_and_cancel(fake: FakeKVPublisher) -> None:
     payloads = script(25, seed=10)
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    sub = KVEventSubscriber(index, [spec], **FAST)
+    sub = Subscriber(index, [spec], **FAST)
 
     async def main() -> dict[str, int]:
         task = asyncio.create_task(sub.run())
@@ -365,7 +392,7 @@ def test_many_engines_and_data_parallel_ranks() -> None:
                     spec = EngineSpec(f"10.0.0.{e}", 8000, dp_rank=rank, **fake.spec_kwargs())
                 specs.append(spec)
                 scripts[spec.worker_id] = script(15, seed=20 + 2 * e + rank)
-        with KVEventSubscriber(index, specs, **FAST) as sub:
+        with Subscriber(index, specs, **FAST) as sub:
             for spec in specs[4:]:
                 fakes.append(
                     FakeKVPublisher(
@@ -395,7 +422,7 @@ def test_shared_vector_batch(fake: FakeKVPublisher) -> None:
     payload = bytes.fromhex(vec["payload_hex"])
     index = PrefixIndex(block_size=16)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         assert fake.wait_subscribed()
         fake.publish(payload)
         c = wait(sub, lambda c: c["batches"] >= 1)
@@ -412,7 +439,7 @@ def test_real_engine_capture_joined_late() -> None:
         spec = spec_of(fake)
         first_seq = int(cap["frames"][0][1], 16)
         fake.skip_to(first_seq)
-        with KVEventSubscriber(index, [spec], **FAST) as sub:
+        with Subscriber(index, [spec], **FAST) as sub:
             assert fake.wait_subscribed()
             for _topic, seq, payload in cap["frames"]:
                 assert fake.publish(bytes.fromhex(payload)) == int(seq, 16)
@@ -429,17 +456,17 @@ def test_configuration_errors() -> None:
     index = PrefixIndex(block_size=BLOCK)
     a = EngineSpec("h", 1, kv_events="tcp://127.0.0.1:5557")
     with pytest.raises(ConfigError, match="listed twice"):
-        KVEventSubscriber(index, [a, a])
+        Subscriber(index, [a, a])
     b = EngineSpec("h", 2, kv_events="tcp://127.0.0.1:5557")
     with pytest.raises(ConfigError, match="share the KV-event endpoint"):
-        KVEventSubscriber(index, [a, b])
+        Subscriber(index, [a, b])
     with pytest.raises(ConfigError, match="backoff_s"):
-        KVEventSubscriber(index, [a], backoff_s=(2.0, 1.0))
+        Subscriber(index, [a], backoff_s=(2.0, 1.0))
     with pytest.raises(ConfigError, match="replay_timeout_s"):
-        KVEventSubscriber(index, [a], replay_timeout_s=0)
+        Subscriber(index, [a], replay_timeout_s=0)
     with pytest.raises(TypeError, match="PrefixIndex"):
-        KVEventSubscriber(object(), [a])  # type: ignore[arg-type]
-    sub = KVEventSubscriber(index, [a, EngineSpec("h", 3)])  # no kv_events: not subscribed
+        Subscriber(object(), [a])  # type: ignore[arg-type]
+    sub = Subscriber(index, [a, EngineSpec("h", 3)])  # no kv_events: not subscribed
     assert sub.workers() == ["h:1"]
     with pytest.raises(KeyError, match="h:3"):
         sub.counters() and sub.worker_counters("h:3")
@@ -457,7 +484,7 @@ def test_bind_failure_is_retried_with_backoff() -> None:
     index = PrefixIndex(block_size=BLOCK)
     spec = EngineSpec("127.0.0.1", 8000, kv_events=endpoint, kv_events_bind=True, topic="kv@a")
     try:
-        with KVEventSubscriber(index, [spec], **FAST) as sub:
+        with Subscriber(index, [spec], **FAST) as sub:
             wait(sub, lambda c: c["socket_errors"] >= 3)
             assert sub.bound_endpoint(spec.worker_id) is None
             squatter.close(linger=0)
@@ -488,7 +515,7 @@ def test_catch_up_on_connect_fetches_what_was_sent_before(fake: FakeKVPublisher)
         fake.publish(p, deliver=False)
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], catch_up=True, **FAST) as sub:
+    with Subscriber(index, [spec], catch_up=True, **FAST) as sub:
         c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 7)
         assert c["catch_ups"] == 1 and c["replayed_batches"] == 8, (c, fake.replay_requests)
         assert holdings(index, spec.worker_id) == holdings(
@@ -515,7 +542,7 @@ def test_live_copy_of_a_batch_the_catch_up_applied_first_is_a_duplicate(
     fake.publish(payloads[0], deliver=False)  # sent before the subscription: replayable only
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], catch_up=True, **FAST) as sub:
+    with Subscriber(index, [spec], catch_up=True, **FAST) as sub:
         wait(sub, lambda c: sub.last_seq(spec.worker_id) == 0)
         assert fake.wait_subscribed()
         fake.resend(0)  # its live copy, late
@@ -533,7 +560,7 @@ def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> Non
     payloads = script(10, seed=22)
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    sub = KVEventSubscriber(index, [spec], catch_up=True, **FAST)
+    sub = Subscriber(index, [spec], catch_up=True, **FAST)
     sub.start()
     try:
         assert fake.wait_subscribed()
@@ -556,7 +583,7 @@ def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> Non
 
 def test_catch_up_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match="catch_up"):
-        KVEventSubscriber(PrefixIndex(block_size=BLOCK), [], catch_up="yes")  # type: ignore[arg-type]
+        Subscriber(PrefixIndex(block_size=BLOCK), [], catch_up="yes")  # type: ignore[arg-type]
 
 
 # -- duplicates, reordering, restarts ---------------------------------------------------------
@@ -570,7 +597,7 @@ def test_duplicates_are_dropped_and_counted(fake: FakeKVPublisher) -> None:
     payloads = [_marker(), *script(14, seed=40)]
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], **PATIENT) as sub:
+    with Subscriber(index, [spec], **PATIENT) as sub:
         assert fake.wait_subscribed()
         for p in payloads[:10]:
             fake.publish(p)
@@ -598,7 +625,7 @@ def test_duplicates_only_keep_every_block(fake: FakeKVPublisher) -> None:
     payloads = [_marker(), *script(11, seed=41, clears=False)]
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], **PATIENT) as sub:
+    with Subscriber(index, [spec], **PATIENT) as sub:
         assert fake.wait_subscribed()
         for i, p in enumerate(payloads):
             fake.publish(p)
@@ -620,7 +647,7 @@ def test_reordering_within_the_window_is_tolerated(replay: bool) -> None:
     index = PrefixIndex(block_size=BLOCK)
     with FakeKVPublisher(topic="kv@a", replay=replay) as fake:
         spec = spec_of(fake)
-        with KVEventSubscriber(index, [spec], reorder_window=8, **PATIENT) as sub:
+        with Subscriber(index, [spec], reorder_window=8, **PATIENT) as sub:
             assert fake.wait_subscribed()
             late = {5, 11}
             for i, p in enumerate(payloads):
@@ -645,7 +672,7 @@ def test_hole_past_the_reorder_window_is_a_gap(fake: FakeKVPublisher) -> None:
     payloads = script(14, seed=43)
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], reorder_window=4, **PATIENT) as sub:
+    with Subscriber(index, [spec], reorder_window=4, **PATIENT) as sub:
         assert fake.wait_subscribed()
         for i, p in enumerate(payloads):
             fake.publish(p, deliver=i != 5)  # 6..10 held: the fifth is one too many
@@ -665,7 +692,7 @@ def test_sequence_far_below_the_window_is_a_restart(fake: FakeKVPublisher) -> No
     after = script(10, seed=45)
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    with KVEventSubscriber(index, [spec], reorder_window=16, **FAST) as sub:
+    with Subscriber(index, [spec], reorder_window=16, **FAST) as sub:
         assert fake.wait_subscribed()
         for p in before:
             fake.publish(p)
@@ -691,7 +718,7 @@ def test_new_publisher_identity_is_a_restart() -> None:
     index = PrefixIndex(block_size=BLOCK)
     first = FakeKVPublisher(topic="kv@a", replay=False)
     spec = spec_of(first)
-    with KVEventSubscriber(index, [spec], **FAST) as sub:
+    with Subscriber(index, [spec], **FAST) as sub:
         assert first.wait_subscribed()
         for p in before:
             first.publish(p)
@@ -718,7 +745,7 @@ def test_reconnect_to_the_same_publisher_keeps_the_worker(fake: FakeKVPublisher)
     payloads = [_marker(), *script(9, seed=48, clears=False)]
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    sub = KVEventSubscriber(index, [spec], **FAST)
+    sub = Subscriber(index, [spec], **FAST)
     sub.start()
     try:
         assert fake.wait_subscribed()
@@ -749,7 +776,7 @@ def test_late_replay_falls_back_to_a_resync_and_the_socket_backs_off(
     spec = spec_of(fake)
     fake.replay_delay_s = 1.0  # answers, but long after the subscriber gave up
     opts = {**FAST, "replay_timeout_s": 0.2, "replay_backoff_s": (600.0, 600.0)}
-    with KVEventSubscriber(index, [spec], reorder_window=2, **opts) as sub:
+    with Subscriber(index, [spec], reorder_window=2, **opts) as sub:
         assert fake.wait_subscribed()
         for i, p in enumerate(payloads[:15]):
             fake.publish(p, deliver=i != 5)
@@ -778,7 +805,7 @@ def test_buffer_cap_ends_a_replay_that_does_not_answer(fake: FakeKVPublisher) ->
     spec = spec_of(fake)
     fake.replay_answers = False
     opts = {**FAST, "replay_timeout_s": 600.0}
-    with KVEventSubscriber(index, [spec], reorder_window=4, buffer_cap=50, **opts) as sub:
+    with Subscriber(index, [spec], reorder_window=4, buffer_cap=50, **opts) as sub:
         assert fake.wait_subscribed()
         for i, p in enumerate(payloads):
             fake.publish(p, deliver=i != 10)
@@ -805,7 +832,7 @@ def test_silent_replay_socket_under_heavy_loss_keeps_the_stream_flowing() -> Non
         fake.replay_answers = False
         spec = spec_of(fake)
         opts = {**FAST, "replay_timeout_s": 600.0, "replay_backoff_s": (600.0, 600.0)}
-        with KVEventSubscriber(index, [spec], reorder_window=8, buffer_cap=200, **opts) as sub:
+        with Subscriber(index, [spec], reorder_window=8, buffer_cap=200, **opts) as sub:
             assert fake.wait_subscribed()
             for i, p in enumerate(payloads):
                 fake.publish(p, deliver=i not in lost)
@@ -832,7 +859,7 @@ def test_replay_runs_beside_a_live_stream(fake: FakeKVPublisher) -> None:
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
     fake.replay_delay_s = 0.5
-    with KVEventSubscriber(index, [spec], reorder_window=2, **FAST) as sub:
+    with Subscriber(index, [spec], reorder_window=2, **FAST) as sub:
         assert fake.wait_subscribed()
         for i, p in enumerate(payloads[:10]):
             fake.publish(p, deliver=i != 4)
@@ -852,7 +879,7 @@ def test_replay_runs_beside_a_live_stream(fake: FakeKVPublisher) -> None:
 def test_counters_are_complete_and_documented(fake: FakeKVPublisher) -> None:
     from llmsched.integrations.kv_events import COUNTER_HELP, COUNTERS
 
-    sub = KVEventSubscriber(PrefixIndex(block_size=BLOCK), [spec_of(fake)])
+    sub = Subscriber(PrefixIndex(block_size=BLOCK), [spec_of(fake)])
     assert tuple(sub.counters()) == COUNTERS == tuple(COUNTER_HELP)
     assert tuple(sub.worker_counters(sub.workers()[0])) == COUNTERS
     assert all(COUNTER_HELP.values())
@@ -879,4 +906,4 @@ def test_counters_are_complete_and_documented(fake: FakeKVPublisher) -> None:
 def test_sequencing_options_are_validated(kwargs: dict[str, Any], field: str) -> None:
     a = EngineSpec("h", 1, kv_events="tcp://127.0.0.1:5557")
     with pytest.raises(ConfigError, match=field):
-        KVEventSubscriber(PrefixIndex(block_size=BLOCK), [a], **kwargs)
+        Subscriber(PrefixIndex(block_size=BLOCK), [a], **kwargs)

@@ -1,4 +1,5 @@
-"""Thread stress: the subscriber applies batches while other threads match and read counters.
+"""Thread stress: the subscriber (the Python one and the native one) applies batches while other
+threads match and read counters.
 
 Every batch removes the chain's tail block and stores three blocks from there (cycles start with
 a full clear), so after batch k of a cycle the prompt matches 3 + 2k blocks. Batches apply
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
+import pytest
 
 from llmsched import PrefixIndex
-from llmsched.integrations import EngineSpec, KVEventSubscriber
+from llmsched.integrations import EngineSpec, KVEventSubscriber, NativeKVEventSubscriber
 from llmsched.testing import (
     FakeKVPublisher,
     cleared_event,
@@ -61,7 +64,10 @@ def cycle() -> list[bytes]:
     return out
 
 
-def test_subscriber_applies_atomically_while_threads_match() -> None:
+@pytest.mark.parametrize(
+    "feed", [KVEventSubscriber, NativeKVEventSubscriber], ids=["python", "native"]
+)
+def test_subscriber_applies_atomically_while_threads_match(feed: Any) -> None:
     payloads = cycle() * CYCLES
     allowed = {0} | {3 + 2 * k for k in range(STEPS)}
     oracle = PrefixIndex(block_size=BLOCK)
@@ -83,13 +89,13 @@ def test_subscriber_applies_atomically_while_threads_match() -> None:
             while not done.is_set():
                 observed[slot].add(index.match_tokens(PROMPT).as_dict().get(spec.worker_id, 0))
 
-        def counter_reader(sub: KVEventSubscriber) -> None:
+        def counter_reader(sub: KVEventSubscriber | NativeKVEventSubscriber) -> None:
             while not done.is_set():
                 c = sub.counters()
                 if c["events"] != 2 * c["batches"] or c["blocks_stored"] != 3 * c["batches"]:
                     torn_counters.append(c)
 
-        with KVEventSubscriber(index, [spec], backoff_s=(0.01, 0.05)) as sub:
+        with feed(index, [spec], backoff_s=(0.01, 0.05)) as sub:
             threads = [threading.Thread(target=matcher, args=(i,)) for i in range(2)]
             threads.append(threading.Thread(target=counter_reader, args=(sub,)))
             for t in threads:

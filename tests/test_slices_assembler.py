@@ -342,7 +342,7 @@ def test_stop_strings_across_boundaries(
 
 def _feed_slice(asm: SliceAssembler, text: str, ids: list[int] | None, finish: str) -> None:
     choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish}
-    if asm._api == "chat":
+    if asm.api == "chat":
         choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
     if ids is not None:
         choice["token_ids"] = ids

@@ -453,6 +453,57 @@ class SliceTracker:
     def __contains__(self, key: int, /) -> bool:
         """Whether a request is tracked."""
 
+@final
+class SliceAssembler:
+    """One sliced request's continuation calls and stitched response
+    (`llmsched.SliceAssembler` wraps it; the native data plane runs the same code)."""
+
+    def __new__(
+        cls,
+        request: Mapping[str, Any],
+        api: str,
+        response_id: str | None = None,
+        created: int | None = None,
+        default_max_tokens: int | None = None,
+        forward_stop: bool = True,
+    ) -> SliceAssembler:
+        """ConfigError when the request cannot be sliced."""
+    def next_request(self, slice_tokens: int) -> dict[str, Any]:
+        """The next slice's engine request."""
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """One engine chunk of the current slice; the user-facing chunks."""
+    def end_slice(self) -> list[dict[str, Any]]:
+        """Ends the current slice; the final user chunks when the response is complete."""
+    def response(self) -> dict[str, Any]:
+        """The complete non-streaming response."""
+    @property
+    def done(self) -> bool:
+        """Whether the response is complete."""
+    @property
+    def finish_reason(self) -> str | None:
+        """The finish reason once done."""
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the response."""
+    @property
+    def generated_tokens(self) -> int:
+        """Output tokens over every slice."""
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Output token ids over every slice."""
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens the budget still allows."""
+    @property
+    def text(self) -> str:
+        """The text released to the user so far."""
+    @property
+    def last_slice_tokens(self) -> int:
+        """Tokens generated in the slice just ended."""
+    @property
+    def usage(self) -> tuple[int, int, int, int, int, int]:
+        """`(prompt, completion, total, slices, resent, recomputed)` tokens."""
+
 def evict_probability(context: float, demand_tokens: float, free_tokens: float) -> float:
     """The expected share of a paused request's `context` tokens evicted before it resumes, given
     the KV the admitted work needs and the free KV.
@@ -928,6 +979,42 @@ def simulate(
     """
 
 @final
+class NativeKVEventSubscriber:
+    """The native KV-event feed (`llmsched_gateway::kv_events`) on its own thread;
+    `llmsched.integrations.NativeKVEventSubscriber` wraps it. Every method releases the GIL."""
+
+    def __new__(
+        cls,
+        index: PrefixIndex,
+        engines: list[tuple[str, str, bool, str | None, str]],
+        options: str,
+        on_mismatch: Callable[[str, int], None] | None = None,
+    ) -> NativeKVEventSubscriber:
+        """A feed of `(worker, endpoint, bind, replay, topic)` engines into `index` with
+        `options` (JSON); ConfigError naming the problem."""
+    def start(self) -> None:
+        """Starts the feed's thread."""
+    def stop(self) -> None:
+        """Stops the thread and closes every socket."""
+    @property
+    def running(self) -> bool:
+        """Whether the thread runs."""
+    def counters(self) -> dict[str, int]:
+        """Totals over every engine."""
+    def worker_counters(self, worker: str) -> dict[str, int]:
+        """One engine's counters."""
+    def last_seq(self, worker: str) -> int | None:
+        """The last sequence number taken from `worker`."""
+    def worker_state(self, worker: str) -> dict[str, Any]:
+        """Where `worker`'s stream stands."""
+    def bound_endpoint(self, worker: str) -> str | None:
+        """The endpoint bound for `worker`, once bound."""
+    def workers(self) -> list[str]:
+        """The subscribed workers."""
+    def wait_changed(self, seen: int, timeout_s: float) -> int:
+        """Waits until the counters change after generation `seen`; the generation now."""
+
+@final
 class NativeGateway:
     """The native data plane (`llmsched-gateway`) serving in-process on its own runtime thread;
     `llmsched.gateway.NativeGateway` wraps it. Every method releases the GIL."""
@@ -939,11 +1026,15 @@ class NativeGateway:
         port: int,
         router: object | None = None,
         extra_metrics: Callable[[], str] | None = None,
+        engines: Callable[[str, str], tuple[int, str]] | None = None,
     ) -> NativeGateway:
         """Starts serving on `host:port` (0: any free port) with `config` (the JSON of the
         native gateway config), routing with `router` (an `llmsched.Router` or its native
         router; None: one built from `config`); `extra_metrics()` adds to `/metrics` (called
-        with the GIL on each scrape of it). Raises ConfigError naming the problem."""
+        with the GIL on each scrape of it); `engines(action, argument)` adds or removes an
+        engine for the admin API (`"add"` with the request body, `"remove"` with the worker id)
+        and returns the status and JSON body to answer. Raises ConfigError naming the
+        problem."""
     @property
     def host(self) -> str:
         """The address listened on."""
@@ -960,9 +1051,18 @@ class NativeGateway:
     def metrics_text(self) -> str:
         """The `/metrics` text."""
     def health_states(self) -> list[tuple[str, str]]:
-        """Each engine's health state: `up`, `down` or `open`."""
+        """Each engine's health state: `up`, `down`, `open` or `draining`."""
     def routable(self) -> list[str]:
         """Engines a request could go to now."""
+    def drain_usage(self) -> dict[str, Any]:
+        """Usage since the last call: `keys` (digest -> (requests, tokens)) and `tenants`
+        ((tenant, priority, prompt, output) tuples)."""
+    def apply_usage(
+        self, keys: Mapping[str, tuple[float, float]], tenants: Sequence[tuple[str, int, int, int]]
+    ) -> None:
+        """Charges other replicas' usage to the same keys and tenants here."""
+    def sliced_requests(self) -> int | None:
+        """Requests being decoded in token slices now; None when slices are off."""
     def flow_stats(self) -> NativeFlowStats | None:
         """Flow control's snapshot, or None when it is off."""
     def flow_metrics(self) -> FlowMetrics | None:

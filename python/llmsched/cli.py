@@ -375,8 +375,8 @@ def add_serve_command(subparsers: Subparsers) -> None:
         "--data-plane",
         default=None,
         choices=["python", "native"],
-        help="who serves requests (overrides data_plane): python (aiohttp, every feature) or "
-        "native (the Rust data plane in this process)",
+        help="who serves requests (overrides data_plane): native (the default: the Rust data "
+        "plane in this process) or python (the aiohttp gateway)",
     )
     parser.add_argument(
         "--loop",

@@ -169,6 +169,11 @@ class PrefixIndex:
         return self._events > 0
 
     @property
+    def native(self) -> _llmsched.PrefixIndex:
+        """The native index (what the router and the native KV-event feed work on)."""
+        return self._native
+
+    @property
     def block_size(self) -> int:
         """Tokens per block."""
         return self._native.block_size
@@ -336,13 +341,27 @@ class PrefixIndex:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
         report = self._native.apply_vllm_events(worker, bytes(payload))
-        skipped = report.get("block_size_mismatch", 0)
         with self._lock:
             self._events += 1
-            first = False
-            if skipped:
-                first = worker not in self._mismatch
-                self._mismatch[worker] = self._mismatch.get(worker, 0) + skipped
+        skipped = report.get("block_size_mismatch", 0)
+        if skipped:
+            self.note_block_size_mismatch(worker, skipped)
+        return report
+
+    def note_block_size_mismatch(self, worker: Worker, skipped: int) -> None:
+        """Counts stored events of ``worker`` skipped because the engine's block size is not a
+        multiple of :attr:`block_size` (``stats()['block_size_mismatch']``), warning the first
+        time for each worker. :meth:`apply_vllm_events` calls it; so does a feed that applies
+        events natively (:class:`~llmsched.integrations.NativeKVEventSubscriber`).
+
+        >>> index = PrefixIndex(block_size=16)
+        >>> index.note_block_size_mismatch("w", 2)
+        >>> index.stats()["block_size_mismatch"]
+        {'w': 2}
+        """
+        with self._lock:
+            first = worker not in self._mismatch
+            self._mismatch[worker] = self._mismatch.get(worker, 0) + skipped
         if first:
             # Every later event of this worker is skipped too: its prefix hits are lost.
             import logging  # only on this rare path: `import llmsched` stays light
@@ -356,7 +375,6 @@ class PrefixIndex:
                 self.block_size,
                 skipped,
             )
-        return report
 
     def expire(self, *, now: float | None = None) -> int:
         """Drop approximate holdings that have expired; returns the blocks dropped."""

@@ -92,7 +92,12 @@ from llmsched.types import SchedulerStats
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from llmsched.integrations import EngineSpec, KVEventSubscriber, MetricsScraper
+    from llmsched.integrations import (
+        EngineSpec,
+        KVEventSubscriber,
+        MetricsScraper,
+        NativeKVEventSubscriber,
+    )
 
     EngineLike: TypeAlias = "Endpoint | EngineSpec | EndpointId"
     """What :class:`Scheduler` takes as an engine: an
@@ -557,6 +562,10 @@ class Scheduler:
             prefix scorer's ``blockSize``, else the index default) and the config's
             per-worker capacity.
         kv_events: subscribe to the KV events of engines with ``kv_events`` while started.
+        kv_feed: who reads them: ``"python"`` (:class:`~llmsched.integrations.KVEventSubscriber`,
+            pyzmq on a thread) or ``"native"``
+            (:class:`~llmsched.integrations.NativeKVEventSubscriber`: the same rules in Rust,
+            with no Python per batch).
         scrape: scrape the engines' ``/metrics`` while started (every ``scrape_interval_s``,
             each within ``scrape_timeout_s``): feeds the pool and the flow controller.
         stale_after_s, stale_policy: the pool's staleness (defaults: three scrape intervals
@@ -585,6 +594,7 @@ class Scheduler:
         index: PrefixIndex | None = None,
         block_size: int | None = None,
         kv_events: bool = True,
+        kv_feed: Literal["python", "native"] = "python",
         scrape: bool = False,
         scrape_interval_s: float = 0.2,
         scrape_timeout_s: float = 1.0,
@@ -598,6 +608,8 @@ class Scheduler:
         for name, flag in (("kv_events", kv_events), ("scrape", scrape)):
             if not isinstance(flag, bool):
                 raise ConfigError(f"{name} must be a bool, got {flag!r}")
+        if kv_feed not in ("python", "native"):
+            raise ConfigError(f"kv_feed must be 'python' or 'native', got {kv_feed!r}")
         for name, value in (
             ("scrape_interval_s", scrape_interval_s),
             ("scrape_timeout_s", scrape_timeout_s),
@@ -648,6 +660,7 @@ class Scheduler:
         )
         """The flow controller (None without flow control)."""
         self._kv_events = kv_events
+        self._kv_feed = kv_feed
         self._scrape = scrape
         self._scrape_interval_s = float(scrape_interval_s)
         self._scrape_timeout_s = float(scrape_timeout_s)
@@ -681,7 +694,7 @@ class Scheduler:
                 if not _WARNED:
                     _WARNED.append(_FLOW_SATURATION_NOTE)
                     log.warning(_FLOW_SATURATION_NOTE)
-        self._subscriber: KVEventSubscriber | None = None
+        self._subscriber: KVEventSubscriber | NativeKVEventSubscriber | None = None
         self._scraper: MetricsScraper | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._mode: Literal["async", "threads"] | None = None
@@ -893,7 +906,7 @@ class Scheduler:
     # -- feeds ---------------------------------------------------------------------------
 
     @property
-    def subscriber(self) -> KVEventSubscriber | None:
+    def subscriber(self) -> KVEventSubscriber | NativeKVEventSubscriber | None:
         """The running KV-event subscriber, if any."""
         return self._subscriber
 
@@ -978,11 +991,12 @@ class Scheduler:
             return
         with_events = [s for s in specs if s.kv_events] if self._kv_events else []
         if with_events:
-            from llmsched.integrations import KVEventSubscriber
+            from llmsched.integrations import KVEventSubscriber, NativeKVEventSubscriber
 
             # A (re)started scheduler learns what the engines already cache from their replay
             # sockets right away, not only when an engine next stores or evicts a block.
-            self._subscriber = KVEventSubscriber(self.index, with_events, catch_up=True)
+            feed = NativeKVEventSubscriber if self._kv_feed == "native" else KVEventSubscriber
+            self._subscriber = feed(self.index, with_events, catch_up=True)
             self._subscriber.start()
         if self._scrape:
             from llmsched.integrations import MetricsScraper

@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 
 from llmsched import _llmsched
 from llmsched._llmsched import EndpointLoad, SliceDecision, SliceState
-from llmsched.errors import ConfigError, SliceStateError
+from llmsched.errors import ConfigError
 from llmsched.validation import check_now
 
 __all__ = [
@@ -579,9 +579,6 @@ class SliceUsage(NamedTuple):
         }
 
 
-_UNSUPPORTED = ("echo", "logprobs", "top_logprobs", "suffix")
-
-
 class SliceAssembler:
     """Cut one OpenAI-style request into slices and stitch their streams back into one.
 
@@ -609,7 +606,9 @@ class SliceAssembler:
     index 0). :attr:`done` says whether the response is complete; :attr:`last_slice_tokens`
     is what to pass to :meth:`SliceTracker.record_tokens`. Sampled (non-greedy) slicing is
     equivalent in distribution, not token for token; ``n``, ``best_of``, ``echo`` and
-    ``logprobs`` are not supported across slices.
+    ``logprobs`` are not supported across slices. Text positions count characters. The
+    assembly runs in Rust (``llmsched_core::slices::assembler``), the one implementation the
+    native data plane runs too; dicts cross as plain JSON data.
 
     >>> asm = SliceAssembler({"model": "m", "prompt": [1, 2], "max_tokens": 3}, response_id="r")
     >>> asm.next_request(2)["max_tokens"], asm.next_request(2)["prompt"]
@@ -621,6 +620,8 @@ class SliceAssembler:
     >>> _ = asm.end_slice(); asm.done, asm.next_request(2)["prompt"]
     (False, [1, 2, 5, 6])
     """
+
+    __slots__ = ("_api", "_native")
 
     def __init__(
         self,
@@ -636,383 +637,95 @@ class SliceAssembler:
             raise ConfigError(f"request must be a mapping, got {type(request).__name__}")
         if api not in ("completions", "chat"):
             raise ConfigError(f"api must be 'completions' or 'chat', got {api!r}")
-        self._api = api
-        self._request = dict(request)
-        self._check_supported()
-        self._prompt_ids: list[int] | None = None
-        self._prompt_text: str | None = None
-        self._messages: list[dict[str, Any]] = []
-        if api == "completions":
-            self._read_prompt()
-        else:
-            self._read_messages()
-        self._max_tokens = self._read_budget(default_max_tokens)
-        self._stops = self._read_stops()
-        self._holdback = max((len(s) for s in self._stops), default=1) - 1
-        self._include_stop = bool(self._request.get("include_stop_str_in_output", False))
-        self._forward_stop = forward_stop
-        self._include_usage = bool((self._request.get("stream_options") or {}).get("include_usage"))
-        self._id = response_id
-        self._created = created
-        self._model = self._request.get("model")
-        # Progress.
-        self._generated_ids: list[int] = []
-        self._text = ""  # everything generated, as the engine produced it
-        self._emitted = 0  # characters of _text sent to the user
-        self._scanned = 0  # no stop string ends before this index of _text
-        self._generated_tokens = 0
-        self._slices = 0
-        self._user_prompt_tokens: int | None = None
-        self._resent = 0
-        self._recomputed = 0
-        self._finish_reason: str | None = None
-        self._stop_reason: str | None = None
-        self._sent_role = False
-        self._in_slice = False
-        self._slice_max = 0
-        self._slice_resent = 0
-        self._slice_ids: list[int] = []
-        self._slice_usage: Mapping[str, Any] | None = None
-        self._slice_finish: str | None = None
-        self._slice_stop_reason: Any = None
-        self.last_slice_tokens = 0
-        """Tokens the engine generated in the slice just ended (for ``record_tokens``)."""
+        if response_id is not None and not isinstance(response_id, str):
+            raise TypeError(f"response_id must be a str, got {type(response_id).__name__}")
+        if created is not None:
+            _check_int("created", created, -(2**63), 2**63 - 1)
+        if default_max_tokens is not None:
+            _check_int("default_max_tokens", default_max_tokens, 0, _U64)
+        self._api: Literal["completions", "chat"] = api
+        self._native = _llmsched.SliceAssembler(
+            dict(request), api, response_id, created, default_max_tokens, bool(forward_stop)
+        )
 
-    # -- reading the request ---------------------------------------------------------------
-
-    def _check_supported(self) -> None:
-        r = self._request
-        for name in ("n", "best_of"):
-            if r.get(name, 1) not in (None, 1):
-                raise ConfigError(f"{name}={r[name]!r} is not supported across slices (use 1)")
-        for name in _UNSUPPORTED:
-            if r.get(name) not in (None, False):
-                raise ConfigError(f"{name} is not supported across slices")
-
-    def _read_prompt(self) -> None:
-        prompt = self._request.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            self._prompt_text = prompt
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _U32 for t in prompt
-        ):
-            self._prompt_ids = list(prompt)
-            self._user_prompt_tokens = len(prompt)
-        else:
-            raise ConfigError(
-                "prompt must be one string or one list of token ids (0..2**32-1); "
-                "batched prompts are not sliced"
-            )
-
-    def _read_messages(self) -> None:
-        messages = self._request.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ConfigError("messages must be a non-empty list")
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or "role" not in m:
-                raise ConfigError(f"messages[{i}] must be a mapping with a role")
-        last = messages[-1]
-        if self._request.get("continue_final_message") and not isinstance(last.get("content"), str):
-            raise ConfigError("continue_final_message needs a final message with text content")
-        self._messages = [dict(m) for m in messages]
-
-    def _read_budget(self, default: int | None) -> int:
-        keys = ("max_completion_tokens", "max_tokens") if self._api == "chat" else ("max_tokens",)
-        budget = next((self._request[k] for k in keys if self._request.get(k) is not None), None)
-        if budget is None:
-            budget = default
-        if budget is None:
-            raise ConfigError(
-                f"the request has no {' or '.join(keys)} and no default_max_tokens was given"
-            )
-        _check_int("max_tokens", budget, 1, _U32)
-        return int(budget)
-
-    def _read_stops(self) -> tuple[str, ...]:
-        stop = self._request.get("stop")
-        if stop is None:
-            return ()
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        if not all(isinstance(s, str) and s for s in stops):
-            raise ConfigError("stop must be a non-empty string or a list of them")
-        return stops
-
-    # -- progress ------------------------------------------------------------------------------
+    @property
+    def api(self) -> Literal["completions", "chat"]:
+        """Which API the request belongs to."""
+        return self._api
 
     @property
     def done(self) -> bool:
         """Whether the response is complete (no further slice is needed)."""
-        return self._finish_reason is not None
+        return self._native.done
 
     @property
     def finish_reason(self) -> str | None:
         """``"stop"`` or ``"length"`` (or the engine's other reason) once done."""
-        return self._finish_reason
+        return self._native.finish_reason
 
     @property
     def stop_reason(self) -> str | None:
         """The stop string that ended the response, if one did."""
-        return self._stop_reason
+        return self._native.stop_reason
 
     @property
     def generated_tokens(self) -> int:
         """Output tokens generated over all slices."""
-        return self._generated_tokens
+        return self._native.generated_tokens
 
     @property
     def generated_token_ids(self) -> list[int]:
         """Output token ids over all slices, when the engine returned them."""
-        return list(self._generated_ids)
+        return self._native.generated_token_ids
 
     @property
     def remaining_tokens(self) -> int:
         """Output tokens the user's budget still allows."""
-        return self._max_tokens - self._generated_tokens
+        return self._native.remaining_tokens
 
     @property
     def text(self) -> str:
         """The response text released to the user so far."""
-        return self._text[: self._emitted]
+        return self._native.text
+
+    @property
+    def last_slice_tokens(self) -> int:
+        """Tokens the engine generated in the slice just ended (for ``record_tokens``)."""
+        return self._native.last_slice_tokens
 
     @property
     def usage(self) -> SliceUsage:
         """Usage so far: the user's prompt once, re-sent and recomputed prompts apart."""
-        prompt = self._user_prompt_tokens or 0
-        return SliceUsage(
-            prompt_tokens=prompt,
-            completion_tokens=self._generated_tokens,
-            total_tokens=prompt + self._generated_tokens,
-            slices=self._slices,
-            resent_prompt_tokens=self._resent,
-            recomputed_prompt_tokens=self._recomputed,
-        )
-
-    # -- building slice requests ------------------------------------------------------------
+        return SliceUsage(*self._native.usage)
 
     def next_request(self, slice_tokens: int) -> dict[str, Any]:
         """The engine request for the next slice of at most ``slice_tokens`` tokens.
 
         Building it twice before feeding gives the same request.
         """
-        if self.done:
-            raise SliceStateError("the response is complete; no further slice")
-        _check_int("slice_tokens", slice_tokens, 1, _U32)
-        body = {k: v for k, v in self._request.items() if k not in ("max_completion_tokens",)}
-        body["max_tokens"] = min(slice_tokens, self.remaining_tokens)
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-        if not self._forward_stop:
-            body.pop("stop", None)
-        min_tokens = self._request.get("min_tokens")
-        if min_tokens:
-            body["min_tokens"] = min(
-                max(0, min_tokens - self._generated_tokens), body["max_tokens"]
-            )
-        if self._api == "completions":
-            if self._prompt_ids is not None:
-                body["prompt"] = self._prompt_ids + self._generated_ids
-                body["return_token_ids"] = True
-            else:
-                body["prompt"] = (self._prompt_text or "") + self._text
-        elif self._generated_tokens > 0:
-            body["messages"] = self._continued_messages()
-            body["continue_final_message"] = True
-            body["add_generation_prompt"] = False
-        self._slice_max = body["max_tokens"]
-        self._slice_resent = len(self._generated_ids)
-        self._in_slice = True
-        self._slice_ids = []
-        self._slice_usage = None
-        self._slice_finish = None
-        self._slice_stop_reason = None
-        return body
-
-    def _continued_messages(self) -> list[dict[str, Any]]:
-        messages = [dict(m) for m in self._messages]
-        if self._request.get("continue_final_message"):
-            messages[-1]["content"] = messages[-1]["content"] + self._text
-        else:
-            messages.append({"role": "assistant", "content": self._text})
-        return messages
-
-    # -- stitching ---------------------------------------------------------------------------
+        if not self._native.done:
+            _check_int("slice_tokens", slice_tokens, 1, _U32)
+        return self._native.next_request(slice_tokens)
 
     def feed(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Take one streamed engine chunk of the current slice; returns user-facing chunks."""
-        if not self._in_slice:
-            raise SliceStateError("feed() before next_request() or after end_slice()")
+        """Take one streamed engine chunk of the current slice; returns user-facing chunks.
+
+        A chunk that is not a mapping raises TypeError; one with a choice index other than 0
+        or token ids that are not ids raises ValueError (nothing is taken from it).
+        """
         if not isinstance(chunk, Mapping):
             raise TypeError(f"chunk must be a mapping, got {type(chunk).__name__}")
-        if self._id is None and isinstance(chunk.get("id"), str):
-            self._id = chunk["id"]
-        if self._created is None and isinstance(chunk.get("created"), int):
-            self._created = chunk["created"]
-        if self._model is None and isinstance(chunk.get("model"), str):
-            self._model = chunk["model"]
-        if chunk.get("usage"):
-            self._slice_usage = chunk["usage"]
-        out: list[dict[str, Any]] = []
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                raise ValueError("engine chunk has a choice index other than 0")
-            ids = choice.get("token_ids")
-            if ids:
-                self._slice_ids.extend(ids)
-            if choice.get("finish_reason") is not None:
-                self._slice_finish = choice["finish_reason"]
-                self._slice_stop_reason = choice.get("stop_reason")
-            if self.done:
-                continue  # a stop string already ended the response: drop the rest
-            piece = self._choice_text(choice)
-            if piece:
-                self._text += piece
-                out.extend(self._release(final=False))
-        return out
-
-    def _choice_text(self, choice: Mapping[str, Any]) -> str:
-        if self._api == "completions":
-            text = choice.get("text")
-        else:
-            text = (choice.get("delta") or {}).get("content")
-        return text if isinstance(text, str) else ""
-
-    def _release(self, *, final: bool) -> list[dict[str, Any]]:
-        """Emit what is safe: up to a found stop string, or all but the held-back tail."""
-        start = max(0, self._scanned - self._holdback)
-        best: tuple[int, int, str] | None = None
-        for stop in self._stops:
-            at = self._text.find(stop, start)
-            if at >= 0 and (best is None or at + len(stop) < best[1]):
-                best = (at, at + len(stop), stop)
-        if best is not None:
-            cut = best[1] if self._include_stop else best[0]
-            chunks = self._emit_upto(cut)
-            self._finish_reason, self._stop_reason = "stop", best[2]
-            return chunks
-        self._scanned = len(self._text)
-        safe = len(self._text) if final else len(self._text) - self._holdback
-        return self._emit_upto(safe)
-
-    def _emit_upto(self, end: int) -> list[dict[str, Any]]:
-        if end <= self._emitted:
-            return []
-        piece = self._text[self._emitted : end]
-        self._emitted = end
-        return [self._chunk(piece, None)]
+        return self._native.feed(dict(chunk))
 
     def end_slice(self) -> list[dict[str, Any]]:
         """Close the current slice when the engine stream ends; returns the final user chunks if
         the response is complete (finish chunk, then a usage chunk if the user asked for
         ``stream_options.include_usage``), else nothing (text near the boundary stays held)."""
-        if not self._in_slice:
-            raise SliceStateError("end_slice() without a slice in progress")
-        tokens = self._slice_token_count()
-        self._in_slice = False
-        self.last_slice_tokens = tokens
-        self._generated_tokens += tokens
-        self._account_prompt()
-        self._slices += 1
-        out: list[dict[str, Any]] = []
-        if not self.done:
-            reason = self._slice_finish
-            at_boundary = (
-                reason == "length" and tokens == self._slice_max and self.remaining_tokens > 0
-            )
-            if at_boundary:
-                return []
-            if reason is None:
-                raise SliceStateError("the engine stream ended without a finish_reason")
-            out.extend(self._release(final=True))
-            if not self.done:
-                self._finish_reason = reason
-                stop = self._slice_stop_reason
-                self._stop_reason = stop if isinstance(stop, str) else None
-        out.append(self._chunk("", self._finish_reason))
-        if self._include_usage:
-            out.append(self._usage_chunk())
-        return out
-
-    def _slice_token_count(self) -> int:
-        usage = self._slice_usage
-        if usage and isinstance(usage.get("completion_tokens"), int):
-            count = int(usage["completion_tokens"])
-        elif self._slice_ids or self.done:
-            # After a stop string the caller may have cut the stream: count what came.
-            count = len(self._slice_ids)
-        else:
-            raise SliceStateError(
-                "the engine reported neither usage nor token ids for the slice; "
-                "it must honour stream_options.include_usage"
-            )
-        if not 0 <= count <= self._slice_max:
-            raise SliceStateError(
-                f"the engine generated {count} tokens in a slice of {self._slice_max}"
-            )
-        ids_complete = len(self._slice_ids) == count
-        if self._prompt_ids is not None and not self.done and not ids_complete:
-            raise SliceStateError(
-                f"the engine returned {len(self._slice_ids)} token ids for {count} tokens; "
-                "token-id continuation needs return_token_ids"
-            )
-        if ids_complete or self.done:
-            self._generated_ids.extend(self._slice_ids)
-        return count
-
-    def _account_prompt(self) -> None:
-        usage = self._slice_usage or {}
-        prompt = usage.get("prompt_tokens")
-        if not isinstance(prompt, int):
-            if self._prompt_ids is None:
-                return
-            prompt = len(self._prompt_ids) + self._slice_resent
-        if self._user_prompt_tokens is None:
-            self._user_prompt_tokens = prompt  # first slice: the user's prompt as tokenised
-        resent = max(0, prompt - self._user_prompt_tokens)
-        if self._slices == 0 or resent == 0:
-            return
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
-        self._resent += resent
-        if isinstance(cached, int):
-            self._recomputed += max(0, prompt - max(cached, self._user_prompt_tokens))
-        else:
-            self._recomputed += resent
-
-    def _chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        if self._api == "completions":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None}
-            obj = "text_completion"
-        else:
-            delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
-            if not self._sent_role:
-                delta = {"role": "assistant", **delta}
-                self._sent_role = True
-            choice = {"index": 0, "delta": delta, "logprobs": None}
-            obj = "chat.completion.chunk"
-        choice["finish_reason"] = finish_reason
-        if finish_reason is not None and self._stop_reason is not None:
-            choice["stop_reason"] = self._stop_reason
-        return {**self._envelope(obj), "choices": [choice]}
-
-    def _usage_chunk(self) -> dict[str, Any]:
-        obj = "text_completion" if self._api == "completions" else "chat.completion.chunk"
-        return {**self._envelope(obj), "choices": [], "usage": self.usage.as_openai()}
-
-    def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self._id, "object": obj, "created": self._created, "model": self._model}
+        return self._native.end_slice()
 
     def response(self) -> dict[str, Any]:
         """The complete non-streaming response (OpenAI shape) once :attr:`done`."""
-        if not self.done:
-            raise SliceStateError("the response is not complete yet")
-        if self._api == "completions":
-            choice: dict[str, Any] = {"index": 0, "text": self.text, "logprobs": None}
-            obj = "text_completion"
-        else:
-            message = {"role": "assistant", "content": self.text}
-            choice, obj = {"index": 0, "message": message, "logprobs": None}, "chat.completion"
-        choice["finish_reason"] = self._finish_reason
-        choice["stop_reason"] = self._stop_reason
-        return {**self._envelope(obj), "choices": [choice], "usage": self.usage.as_openai()}
+        return self._native.response()
+
+    def __repr__(self) -> str:
+        return f"SliceAssembler(generated_tokens={self.generated_tokens}, done={self.done})"

@@ -41,12 +41,14 @@ __all__ = [
     "KeyLimits",
     "MetricsRead",
     "MetricsSourceInfo",
+    "NativeAdminConfig",
     "NativeApiKey",
     "NativeEngineEntry",
     "NativeFlowStats",
     "NativeGatewayConfig",
     "NativeGatewayCounters",
     "NativeHealthConfig",
+    "NativeSlicesConfig",
     "PdNote",
     "PluginInfo",
     "PluginParamInfo",
@@ -692,6 +694,21 @@ class NativeHealthConfig(TypedDict):
     eject_s: float
 
 
+class NativeAdminConfig(TypedDict):
+    """The native data plane's admin API (``llmsched_gateway::admin::AdminConfig``)."""
+
+    token: str
+
+
+class NativeSlicesConfig(TypedDict):
+    """Token slices on the native data plane (``llmsched_gateway::slicing::SlicesConfig``):
+    the ``slices`` section of a gateway config, when enabled."""
+
+    policy: str
+    params: dict[str, Any]
+    default_max_tokens: int
+
+
 class NativeGatewayConfig(TypedDict):
     """The native data plane's configuration (``llmsched_gateway::GatewayConfig``, sent as
     JSON), built from a checked gateway config by ``llmsched.gateway.native.native_config``."""
@@ -722,6 +739,8 @@ class NativeGatewayConfig(TypedDict):
     threads: int
     tokenizer: str | None
     tokenizer_cache_bytes: int
+    slices: NativeSlicesConfig | None
+    admin: NativeAdminConfig | None
 
 
 class NativeFlowStats(TypedDict):

@@ -1,4 +1,5 @@
-"""Run a :class:`~llmsched.gateway.Gateway` on its own event loop thread, for synchronous tests."""
+"""Run ``llmsched serve``'s gateway (the config's data plane: native by default) on its own event
+loop thread, for synchronous tests."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any, TypeVar
 # Imported here, on the main thread: the gateway would otherwise import the integrations from
 # its loop thread while pytest compiles test modules, which trips a CPython 3.11 AST race.
 import llmsched.integrations  # noqa: F401
-from llmsched.gateway import Gateway
+from llmsched import _llmsched
+from llmsched.gateway import Gateway, NativeGateway, make_gateway
 
 from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, scaled
 
@@ -52,12 +54,33 @@ class GatewayThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.gateway: Gateway = self.call(self._make(config))
+        self.gateway: Gateway | NativeGateway = self.call(self._make(config))
         self.call(self.gateway.start())
+        tokenizer = self.gateway.config.tokenizer
+        # The ids the native plane routes on come from its own tokenizer.
+        self._native_tokenizer = (
+            _llmsched.NativePromptTokenizer(str(tokenizer))
+            if isinstance(self.gateway, NativeGateway) and tokenizer is not None
+            else None
+        )
 
     @staticmethod
-    async def _make(config: dict[str, Any]) -> Gateway:
-        return Gateway(config)  # built inside the loop: aiohttp objects bind to it
+    async def _make(config: dict[str, Any]) -> Gateway | NativeGateway:
+        return make_gateway(config)  # built inside the loop: aiohttp objects bind to it
+
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The token ids the gateway routes a chat on."""
+        if self._native_tokenizer is not None:
+            return self._native_tokenizer.chat_tokens(json.dumps({"messages": messages}))
+        assert isinstance(self.gateway, Gateway) and self.gateway.tokenizer is not None
+        return self.gateway.tokenizer.chat_tokens(messages)
+
+    def completion_tokens(self, prompt: str) -> list[int]:
+        """The token ids the gateway routes a completion prompt on."""
+        if self._native_tokenizer is not None:
+            return self._native_tokenizer.completion_tokens(json.dumps({"prompt": prompt}))
+        assert isinstance(self.gateway, Gateway) and self.gateway.tokenizer is not None
+        return self.gateway.tokenizer.completion_tokens(prompt)
 
     def call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(scaled(timeout_s))

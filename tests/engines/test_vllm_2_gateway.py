@@ -82,8 +82,6 @@ def test_gateway_tokens_equal_the_engine_tokens(
     engines: list[VllmEngine], gateway: GatewayThread
 ) -> None:
     """Routing is only as good as the tokens it hashes: the gateway's must be the engine's."""
-    tokenizer = gateway.gateway.tokenizer
-    assert tokenizer is not None
     rng = random.Random(3)
     for _ in range(5):
         messages = [
@@ -91,10 +89,10 @@ def test_gateway_tokens_equal_the_engine_tokens(
             {"role": "user", "content": sentence(rng, 30)},
         ]
         engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "messages": messages})
-        assert tokenizer.chat_tokens(messages) == engine_side["tokens"]
+        assert gateway.chat_tokens(messages) == engine_side["tokens"]
         prompt = sentence(rng, 40)
         engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "prompt": prompt})
-        assert tokenizer.completion_tokens(prompt) == engine_side["tokens"]
+        assert gateway.completion_tokens(prompt) == engine_side["tokens"]
 
 
 def test_conversations_return_to_the_engine_holding_their_prefix(
@@ -103,8 +101,6 @@ def test_conversations_return_to_the_engine_holding_their_prefix(
     """Multi-turn chats through the gateway: every later turn lands on the engine that served
     the first, and before each turn the gateway's index predicts exactly the prompt tokens that
     engine then reports as prefix-cache hits."""
-    tokenizer = gateway.gateway.tokenizer
-    assert tokenizer is not None
     index = gateway.gateway.index
     rng = random.Random(5)
     homes: dict[int, int] = {}
@@ -115,7 +111,7 @@ def test_conversations_return_to_the_engine_holding_their_prefix(
     for turn in range(3):
         for c, messages in enumerate(conversations):
             messages.append({"role": "user", "content": sentence(rng, 25)})
-            tokens = tokenizer.chat_tokens(messages)
+            tokens = gateway.chat_tokens(messages)
             cached = index.match_tokens(np.asarray(tokens, dtype=np.uint32)).as_dict()
             before_q, before_h = queries(engines), hits(engines)
             status, _, body = gateway.post(

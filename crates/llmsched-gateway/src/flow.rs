@@ -198,6 +198,24 @@ impl Flow {
         self.lock().remove_endpoint(endpoint);
     }
 
+    /// Prompt and output tokens served per flow since the last call (for other replicas).
+    pub fn drain_service(&self) -> Vec<(Arc<str>, i32, u64, u64)> {
+        self.lock().drain_service()
+    }
+
+    /// Service another replica gave a tenant, charged to its flow here (fairness across
+    /// replicas); false when the tenant has no flow at that priority here.
+    pub fn charge_remote(
+        &self,
+        tenant: &str,
+        priority: i32,
+        prompt: u64,
+        output: u64,
+        now: f64,
+    ) -> bool {
+        self.lock().charge_remote(tenant, priority, prompt, output, now).unwrap_or(false)
+    }
+
     /// Every gauge and counter of the controller.
     pub fn metrics(&self, now: f64) -> Option<ControllerMetrics> {
         self.lock().metrics(now).ok()

@@ -71,6 +71,8 @@ impl Bucket {
 struct Buckets {
     requests: Option<Bucket>,
     tokens: Option<Bucket>,
+    /// Requests and tokens taken since the last [`KeyLimiter::drain_usage`] (replica sync).
+    used: (f64, f64),
 }
 
 /// The limits of one key.
@@ -98,6 +100,7 @@ impl KeyLimiter {
             buckets: Mutex::new(Buckets {
                 requests: config.requests_per_s.map(|r| Bucket::new(r, config.burst_requests, now)),
                 tokens: config.tokens_per_s.map(|r| Bucket::new(r, config.burst_tokens, now)),
+                used: (0.0, 0.0),
             }),
             max_concurrent: config.max_concurrent,
             in_progress: AtomicU64::new(0),
@@ -128,9 +131,11 @@ impl KeyLimiter {
                 return Err(OverLimit { reason: "rate-limited", wait_s });
             }
             bucket.level -= prompt_tokens as f64;
+            buckets.used.1 += prompt_tokens as f64;
         }
         if let Some(bucket) = buckets.requests.as_mut() {
             bucket.level -= 1.0;
+            buckets.used.0 += 1.0;
         }
         self.in_progress.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -146,7 +151,35 @@ impl KeyLimiter {
             if let Some(bucket) = buckets.tokens.as_mut() {
                 bucket.refill(now);
                 bucket.level -= output_tokens as f64;
+                buckets.used.1 += output_tokens as f64;
             }
+        }
+    }
+
+    /// Whether the key has a request or token rate (what replicas share; concurrency stays
+    /// per replica).
+    pub fn limits_rates(&self) -> bool {
+        let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        buckets.requests.is_some() || buckets.tokens.is_some()
+    }
+
+    /// Requests and tokens this gateway took from the buckets since the last call.
+    pub fn drain_usage(&self) -> (f64, f64) {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut buckets.used)
+    }
+
+    /// What other replicas admitted for this key: taken from the buckets as if admitted here,
+    /// so the key's rate holds across replicas (the buckets may go below zero).
+    pub fn charge_remote(&self, requests: f64, tokens: f64, now: f64) {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(bucket) = buckets.requests.as_mut().filter(|_| requests > 0.0) {
+            bucket.refill(now);
+            bucket.level -= requests;
+        }
+        if let Some(bucket) = buckets.tokens.as_mut().filter(|_| tokens > 0.0) {
+            bucket.refill(now);
+            bucket.level -= tokens;
         }
     }
 }
@@ -217,6 +250,16 @@ impl Keys {
     /// The identity of a presented key.
     pub fn identify(&self, key: &str) -> Option<&Identity> {
         self.by_digest.get(&digest(key))
+    }
+
+    /// Every key with limits, by its SHA-256 (the id replicas share, never the key).
+    pub fn limiters(&self) -> impl Iterator<Item = (&[u8; 32], &Arc<KeyLimiter>)> {
+        self.by_digest.iter().filter_map(|(d, i)| i.limiter.as_ref().map(|l| (d, l)))
+    }
+
+    /// The limits of the key with this SHA-256.
+    pub fn limiter_of(&self, digest: &[u8; 32]) -> Option<&Arc<KeyLimiter>> {
+        self.by_digest.get(digest).and_then(|i| i.limiter.as_ref())
     }
 }
 
@@ -308,6 +351,18 @@ mod tests {
         assert_eq!(over.reason, "rate-limited");
         assert!((over.wait_s - 1.0).abs() < 1e-9);
         assert!(limiter.acquire(0, 1.0).is_ok());
+    }
+
+    #[test]
+    fn usage_is_drained_once_and_remote_usage_is_charged() {
+        let limiter = KeyLimiter::new(&key(Some(1.0), None), 0.0).unwrap();
+        assert!(limiter.limits_rates());
+        assert!(limiter.acquire(0, 0.0).is_ok());
+        assert_eq!(limiter.drain_usage(), (1.0, 0.0));
+        assert_eq!(limiter.drain_usage(), (0.0, 0.0));
+        limiter.charge_remote(1.0, 0.0, 0.0);
+        assert_eq!(limiter.acquire(0, 0.0).unwrap_err().reason, "rate-limited");
+        assert_eq!(limiter.drain_usage(), (0.0, 0.0), "remote usage is not ours to share");
     }
 
     #[test]

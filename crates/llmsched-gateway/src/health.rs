@@ -4,8 +4,9 @@
 //! (a down engine is probed every `eject_s`); `failures_to_probe` failed attempts in a row
 //! start confirming probes at once. The circuit breaker opens when, over `breaker_window_s`,
 //! at least `breaker_min_requests` attempts ended and `breaker_failure_rate` of them failed;
-//! it stays open `breaker_open_s`, then a probe decides (half-open). An engine down or with
-//! its breaker open is out of the router's pool; back up, it is put back as it was.
+//! it stays open `breaker_open_s`, then a probe decides (half-open). An operator may drain an
+//! engine (the admin API): no probes, no passive signals, until resumed. An engine down, with
+//! its breaker open or drained is out of the router's pool; back up, it is put back as it was.
 
 use std::collections::VecDeque;
 
@@ -66,6 +67,8 @@ pub enum State {
     Down,
     /// Its breaker is open.
     Open,
+    /// Drained by an operator until resumed.
+    Draining,
 }
 
 impl State {
@@ -75,6 +78,7 @@ impl State {
             State::Up => "up",
             State::Down => "down",
             State::Open => "open",
+            State::Draining => "draining",
         }
     }
 }
@@ -162,7 +166,7 @@ impl Health {
             self.probe_successes += 1;
             self.suspect = false;
             let back = match self.state {
-                State::Up => false,
+                State::Up | State::Draining => false,
                 // Half-open: one good probe closes the breaker.
                 State::Open => true,
                 State::Down => self.probe_successes >= config.healthy_threshold,
@@ -186,7 +190,7 @@ impl Health {
                 self.next_probe_at = now + config.eject_s;
                 Change::Out(State::Down)
             }
-            State::Up => Change::None,
+            State::Up | State::Draining => Change::None,
             State::Open => {
                 self.next_probe_at = now + config.breaker_open_s;
                 Change::None
@@ -196,6 +200,31 @@ impl Health {
                 Change::None
             }
         }
+    }
+}
+
+impl Health {
+    /// Drains the engine: out of routing (when it was in it) until [`Health::resume`].
+    pub fn drain(&mut self) -> Change {
+        let was = std::mem::replace(&mut self.state, State::Draining);
+        self.suspect = false;
+        match was {
+            State::Up => Change::Out(State::Draining),
+            _ => Change::None,
+        }
+    }
+
+    /// Brings a drained engine back as up; None when it was not drained.
+    pub fn resume(&mut self) -> Option<Change> {
+        if self.state != State::Draining {
+            return None;
+        }
+        self.state = State::Up;
+        self.probe_failures = 0;
+        self.probe_successes = 0;
+        self.attempt_failures = 0;
+        self.window.clear();
+        Some(Change::Back)
     }
 }
 
@@ -228,5 +257,22 @@ mod tests {
         assert_eq!(health.attempt(&config, Some("status_5xx"), 0.3), Change::Out(State::Open));
         assert_eq!(health.attempt(&config, None, 0.4), Change::None, "open: not counted");
         assert_eq!(health.probe(&config, true, 10.4), Change::Back);
+    }
+
+    #[test]
+    fn a_drained_engine_ignores_probes_and_attempts_until_resumed() {
+        let config = HealthConfig { unhealthy_threshold: 1, ..HealthConfig::default() };
+        let mut health = Health::default();
+        assert_eq!(health.resume(), None, "not drained");
+        assert_eq!(health.drain(), Change::Out(State::Draining));
+        assert_eq!(health.drain(), Change::None);
+        assert_eq!(health.probe(&config, false, 1.0), Change::None);
+        assert_eq!(health.probe(&config, true, 2.0), Change::None);
+        assert_eq!(health.attempt(&config, Some("connect"), 3.0), Change::None);
+        assert_eq!(health.state, State::Draining);
+        assert_eq!(health.resume(), Some(Change::Back));
+        assert_eq!(health.state, State::Up);
+        health.state = State::Down;
+        assert_eq!(health.drain(), Change::None, "already out of routing");
     }
 }

@@ -40,12 +40,16 @@
 //! tokenizer and chat template, token slices, replica sync, the admin API, and Python
 //! scorers of the router run through the GIL (the router calls them as configured).
 
+pub mod admin;
 pub mod flow;
 pub mod guards;
 pub mod health;
+pub mod kv_events;
 pub mod metrics;
+pub mod slicing;
 pub mod tokcache;
 pub mod tokenize;
+pub mod usage;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -154,6 +158,10 @@ pub struct GatewayConfig {
     /// Bytes of the tokenizer's piece cache ([`tokcache`]: chat prompts' text between added
     /// tokens and its ids, least recently used evicted); 0: no cache.
     pub tokenizer_cache_bytes: usize,
+    /// Token slices ([`slicing`]); `None`: off.
+    pub slices: Option<slicing::SlicesConfig>,
+    /// The admin API ([`admin`]); `None`: its routes do not exist.
+    pub admin: Option<admin::AdminConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -188,6 +196,8 @@ impl Default for GatewayConfig {
             threads: 1,
             tokenizer: None,
             tokenizer_cache_bytes: tokcache::DEFAULT_CAPACITY,
+            slices: None,
+            admin: None,
         }
     }
 }
@@ -281,7 +291,11 @@ struct Gateway {
     models: HashSet<String>,
     pd_header: Option<HeaderName>,
     tokenizer: Option<tokenize::PromptTokenizer>,
+    slicing: Option<slicing::Slicing>,
+    /// The admin token's SHA-256 (None: no admin API).
+    admin: Option<[u8; 32]>,
     extra_metrics: Option<ExtraMetrics>,
+    engines_hook: Option<admin::EnginesHook>,
     /// Woken when an engine leaves routing or its scrape fails (queued requests then check
     /// whether any engine is left).
     routing_changed: tokio::sync::Notify,
@@ -292,6 +306,16 @@ struct Gateway {
 /// More exposition text for `/metrics`, from the embedding program (the Python side's
 /// KV-event counters); called on each scrape of `/metrics` only.
 pub type ExtraMetrics = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// What an embedding program (`llmsched serve`) lends the gateway: none is on the request
+/// path.
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// More `/metrics` text.
+    pub extra_metrics: Option<ExtraMetrics>,
+    /// Adds and removes engines for the admin API (the embedder owns the engine set).
+    pub engines: Option<admin::EnginesHook>,
+}
 
 /// A listening gateway on the caller's runtime.
 pub struct GatewayHandle {
@@ -410,7 +434,7 @@ fn check(config: &GatewayConfig) -> Result<(), ConfigProblem> {
 fn build(
     config: GatewayConfig,
     source: Option<Arc<dyn RouterSource>>,
-    extra_metrics: Option<ExtraMetrics>,
+    hooks: Hooks,
 ) -> Result<Gateway, ConfigProblem> {
     check(&config)?;
     if config.engines.is_empty() {
@@ -445,6 +469,13 @@ fn build(
             .map_err(|e| ConfigProblem(format!("tokenizer: {e}")))?,
         ),
     };
+    let slicing = match &config.slices {
+        None => None,
+        Some(slices) => Some(
+            slicing::Slicing::new(slices, &[])
+                .map_err(|e| ConfigProblem(format!("slices: {e}")))?,
+        ),
+    };
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(config.connect_timeout_s.map(Duration::from_secs_f64));
@@ -463,7 +494,10 @@ fn build(
         models: config.models.iter().cloned().collect(),
         pd_header,
         tokenizer,
-        extra_metrics,
+        slicing,
+        admin: config.admin.as_ref().map(|a| admin::digest(&a.token)),
+        extra_metrics: hooks.extra_metrics,
+        engines_hook: hooks.engines,
         routing_changed: tokio::sync::Notify::new(),
         suspect: tokio::sync::Notify::new(),
         config,
@@ -522,7 +556,7 @@ pub async fn start(
     addr: SocketAddr,
     config: GatewayConfig,
 ) -> Result<GatewayHandle, ConfigProblem> {
-    let gateway = Arc::new(build(config, None, None)?);
+    let gateway = Arc::new(build(config, None, Hooks::default())?);
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
@@ -545,16 +579,16 @@ pub struct Running {
 }
 
 /// Starts a gateway on its own runtime (`config.threads` worker threads) listening on
-/// `addr`, routing with `source` (None: a router built from `config`); `extra_metrics` adds
-/// to `/metrics`. Returns once it listens.
+/// `addr`, routing with `source` (None: a router built from `config`), with the embedder's
+/// `hooks`. Returns once it listens.
 pub fn spawn(
     addr: SocketAddr,
     config: GatewayConfig,
     source: Option<Arc<dyn RouterSource>>,
-    extra_metrics: Option<ExtraMetrics>,
+    hooks: Hooks,
 ) -> Result<Running, ConfigProblem> {
     let threads = config.threads;
-    let gateway = Arc::new(build(config, source, extra_metrics)?);
+    let gateway = Arc::new(build(config, source, hooks)?);
     let std_listener = std::net::TcpListener::bind(addr)
         .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
     std_listener.set_nonblocking(true).map_err(|e| ConfigProblem(e.to_string()))?;
@@ -657,6 +691,21 @@ impl Running {
     /// Engines a request could go to now.
     pub fn routable(&self) -> Vec<String> {
         self.gateway.routable()
+    }
+
+    /// This gateway's usage since the last call, for the other replicas ([`usage`]).
+    pub fn drain_usage(&self) -> usage::Usage {
+        self.gateway.drain_usage()
+    }
+
+    /// Charges other replicas' usage here ([`usage`]).
+    pub fn apply_usage(&self, usage: &usage::Usage) {
+        self.gateway.apply_usage(usage);
+    }
+
+    /// Requests being decoded in slices now (None when token slices are off).
+    pub fn sliced_requests(&self) -> Option<usize> {
+        self.gateway.slicing.as_ref().map(slicing::Slicing::tracked)
     }
 }
 
@@ -829,7 +878,7 @@ async fn probes(gateway: Arc<Gateway>) {
             let health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
             wake = match health.state {
                 health::State::Up if health.suspect => wake.min(now + tick),
-                health::State::Up => wake,
+                health::State::Up | health::State::Draining => wake,
                 _ => wake.min(health.next_probe_at.max(now + tick)),
             };
         }
@@ -849,6 +898,7 @@ async fn probes(gateway: Arc<Gateway>) {
                 let health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
                 match health.state {
                     health::State::Up => active || health.suspect,
+                    health::State::Draining => false,
                     _ => now >= health.next_probe_at,
                 }
             };
@@ -1028,6 +1078,9 @@ impl Gateway {
                 flow.remove_endpoint(gone);
             }
         }
+        if let Some(slicing) = &self.slicing {
+            slicing.add_endpoints(&added);
+        }
         let changes = added.len() + removed.len();
         *self.upstreams.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
         if !current.list.is_empty() {
@@ -1044,10 +1097,14 @@ impl Gateway {
             health::Change::None => {}
             health::Change::Out(state) => {
                 let family = match state {
-                    health::State::Open => &self.counters.breaker_opens,
-                    _ => &self.counters.ejections,
+                    health::State::Open => Some(&self.counters.breaker_opens),
+                    health::State::Down => Some(&self.counters.ejections),
+                    // An operator's drain is no failure.
+                    health::State::Up | health::State::Draining => None,
                 };
-                family.inc(&[&upstream.id]);
+                if let Some(family) = family {
+                    family.inc(&[&upstream.id]);
+                }
                 let snapshot = pool.snapshot();
                 if let Some(member) = snapshot.get(&upstream.key) {
                     *upstream.parked.lock().unwrap_or_else(|e| e.into_inner()) =
@@ -1125,6 +1182,10 @@ impl Gateway {
             (&Method::GET, "/v1/models") => Ok(self.models(&request).await),
             (&Method::POST, "/v1/completions") => Ok(self.complete(request, "completions").await),
             (&Method::POST, "/v1/chat/completions") => Ok(self.complete(request, "chat").await),
+            (_, path) if path.starts_with("/admin/") => match self.admin(request).await {
+                Some(answer) => Ok(answer),
+                None => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
+            },
             _ => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
         }
     }
@@ -1551,6 +1612,22 @@ impl Gateway {
             session_id: session.map(str::to_owned),
             ..RequestMeta::default()
         };
+        let sliced = self.slicing.as_ref().and_then(|s| s.assembler(&payload, route == "chat"));
+        if let Some(assembler) = sliced {
+            self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
+            let run = slicing::SlicedRequest::new(
+                assembler,
+                route,
+                identity.tenant.clone(),
+                identity.priority,
+                tokens.len(),
+                meta,
+                sse,
+                deadline,
+                Guards { slot, limiter },
+            );
+            return Ok(self.serve_sliced(run).await);
+        }
         let router = self.router();
         let before = monotonic();
         let decided = router.decide(&tokens, &meta, before);
@@ -1934,6 +2011,7 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         deadline: relaying.deadline,
         broken: false,
         tokens: TokenCount::default(),
+        sliced: None,
     });
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
@@ -1968,9 +2046,19 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         deadline: None,
         broken: false,
         tokens: TokenCount::default(),
+        sliced: None,
     });
     *out.status_mut() = status;
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    out
+}
+
+/// The SSE answer of a sliced request.
+fn sliced_answer(stream: slicing::SliceStream) -> Answer {
+    let mut out = own(StatusCode::OK, "text/event-stream; charset=utf-8", Bytes::new());
+    let body = out.body_mut();
+    body.own = None;
+    body.sliced = Some(Box::new(stream));
     out
 }
 
@@ -2058,6 +2146,8 @@ pub struct Relay {
     deadline: Option<tokio::time::Instant>,
     broken: bool,
     tokens: TokenCount,
+    /// A sliced request's stream ([`slicing`]), which makes the whole body.
+    sliced: Option<Box<slicing::SliceStream>>,
 }
 
 /// The error that cuts a client's answer (hyper then closes the connection mid-body).
@@ -2133,6 +2223,9 @@ impl Body for Relay {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
         let this = self.get_mut();
+        if let Some(stream) = this.sliced.as_mut() {
+            return stream.poll_frame(cx);
+        }
         if let Some(bytes) = this.own.take() {
             return Poll::Ready(Some(Ok(Frame::data(bytes))));
         }
@@ -2186,6 +2279,9 @@ impl Body for Relay {
     }
 
     fn is_end_stream(&self) -> bool {
+        if let Some(stream) = &self.sliced {
+            return stream.is_end_stream();
+        }
         match &self.inner {
             Some(inner) => inner.is_end_stream(),
             None => self.own.is_none() && !self.broken,
@@ -2193,6 +2289,9 @@ impl Body for Relay {
     }
 
     fn size_hint(&self) -> SizeHint {
+        if self.sliced.is_some() {
+            return SizeHint::default();
+        }
         match (&self.inner, &self.own) {
             (Some(inner), _) => inner.size_hint(),
             (None, Some(bytes)) => SizeHint::with_exact(bytes.len() as u64),

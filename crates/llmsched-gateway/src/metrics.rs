@@ -73,6 +73,10 @@ pub struct Counters {
     pub upstream_errors: Family,
     /// Requests re-sent to another endpoint.
     pub retries: AtomicU64,
+    /// Engine calls made for sliced requests (one per slice).
+    pub slices: AtomicU64,
+    /// Admin API calls, by action and HTTP status.
+    pub admin_requests: Family,
     /// Approximate prefix blocks dropped because the attempt that recorded them failed (in
     /// `NativeGateway.counters()`, not in `/metrics`: the Python plane counts them in its
     /// scheduler's stats).
@@ -141,6 +145,7 @@ impl Counters {
             );
         };
         plain(out, "retries", "Requests re-sent to another endpoint", &self.retries);
+        plain(out, "slices", "Engine calls made for sliced requests (one per slice)", &self.slices);
         self.routed.render(
             out,
             &format!("{P}_routed"),
@@ -194,6 +199,12 @@ impl Counters {
             "engine_changes",
             "Engines added, removed or changed by discovery",
             &self.engine_changes,
+        );
+        self.admin_requests.render(
+            out,
+            &format!("{P}_admin_requests"),
+            "Admin API calls, by action and HTTP status",
+            &["action", "status"],
         );
         self.histograms.render(out);
     }

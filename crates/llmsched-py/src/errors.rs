@@ -123,6 +123,18 @@ impl ToPyErr for llmsched_core::slices::SliceError {
     }
 }
 
+impl ToPyErr for llmsched_core::slices::AssemblyError {
+    fn to_py_err(self) -> PyErr {
+        use llmsched_core::slices::AssemblyError as E;
+        match self {
+            E::Unsupported(message) => ConfigError::new_err(message),
+            E::State(message) => SliceStateError::new_err(message),
+            E::Type(message) => pyo3::exceptions::PyTypeError::new_err(message),
+            E::Value(message) => PyValueError::new_err(message),
+        }
+    }
+}
+
 impl ToPyErr for BatchError {
     fn to_py_err(self) -> PyErr {
         let err = self;

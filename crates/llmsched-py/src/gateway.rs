@@ -7,9 +7,10 @@ use std::net::ToSocketAddrs;
 use std::sync::Arc;
 
 use llmsched_core::routing::Router;
+use llmsched_gateway::admin::EnginesHook;
 use llmsched_gateway::tokcache::{CacheStats, DEFAULT_CAPACITY};
 use llmsched_gateway::tokenize::{PromptProblem, PromptTokenizer};
-use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, RouterSource, Running};
+use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, Hooks, RouterSource, Running};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -45,10 +46,13 @@ impl PyNativeGateway {
     /// Starts serving on `host:port` (0: any free port) with `config` (the JSON of
     /// `llmsched_gateway::GatewayConfig`), routing with `router` (an `llmsched.Router` or the
     /// native router inside one; None: a router built from `config`); `extra_metrics()`
-    /// returns more `/metrics` text (called, with the GIL, on each scrape of `/metrics`).
+    /// returns more `/metrics` text (called, with the GIL, on each scrape of `/metrics`);
+    /// `engines(action, argument)` adds (`"add"`, the request body) or removes (`"remove"`,
+    /// the worker id) an engine for the admin API and returns the status and JSON body to
+    /// answer (called, with the GIL, on a blocking thread, per such admin call only).
     /// Raises ConfigError naming the problem.
     #[new]
-    #[pyo3(signature = (config, host, port, router=None, extra_metrics=None))]
+    #[pyo3(signature = (config, host, port, router=None, extra_metrics=None, engines=None))]
     fn new(
         py: Python<'_>,
         config: &str,
@@ -56,7 +60,18 @@ impl PyNativeGateway {
         port: u16,
         router: Option<&Bound<'_, PyAny>>,
         extra_metrics: Option<Py<PyAny>>,
+        engines: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        let engines: Option<EnginesHook> = engines.map(|callable| {
+            Arc::new(move |action: &str, argument: &str| {
+                Python::attach(|py| {
+                    callable
+                        .call1(py, (action, argument))
+                        .and_then(|v| v.extract::<(u16, String)>(py))
+                        .map_err(|e| e.to_string())
+                })
+            }) as EnginesHook
+        });
         // Called on a scrape of `/metrics` only: the GIL for that call, nothing else.
         let extra: Option<ExtraMetrics> = extra_metrics.map(|callable| {
             Arc::new(move || {
@@ -88,7 +103,8 @@ impl PyNativeGateway {
                 .map_err(|e| format!("listen.host: cannot resolve {host:?}: {e}"))?
                 .next()
                 .ok_or_else(|| format!("listen.host: {host:?} has no address"))?;
-            llmsched_gateway::spawn(addr, config, source, extra).map_err(|e| e.to_string())
+            let hooks = Hooks { extra_metrics: extra, engines };
+            llmsched_gateway::spawn(addr, config, source, hooks).map_err(|e| e.to_string())
         })?;
         let running = started.map_err(ConfigError::new_err)?;
         let (host, port) = (running.addr.ip().to_string(), running.addr.port());
@@ -142,7 +158,8 @@ impl PyNativeGateway {
         detach(py, || running.metrics_text())
     }
 
-    /// Each engine's health state: `up`, `down` (its probes failed) or `open` (its breaker).
+    /// Each engine's health state: `up`, `down` (its probes failed), `open` (its breaker) or
+    /// `draining` (the admin API).
     fn health_states(&self, py: Python<'_>) -> PyResult<Vec<(String, &'static str)>> {
         let guard = self.running.lock();
         let running = guard.as_ref().ok_or_else(stopped)?;
@@ -154,6 +171,46 @@ impl PyNativeGateway {
         let guard = self.running.lock();
         let running = guard.as_ref().ok_or_else(stopped)?;
         detach(py, || running.routable())
+    }
+
+    /// This gateway's usage since the last call (`llmsched.cluster.Usage`: `keys` by digest
+    /// with requests and tokens taken, `tenants` with prompt and output tokens served).
+    fn drain_usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        let usage = detach(py, || running.drain_usage())?;
+        let keys = PyDict::new(py);
+        for (digest, requests, tokens) in usage.keys {
+            keys.set_item(digest, (requests, tokens))?;
+        }
+        let out = PyDict::new(py);
+        out.set_item("keys", keys)?;
+        out.set_item("tenants", usage.tenants)?;
+        Ok(out)
+    }
+
+    /// Charges other replicas' usage (the shape `drain_usage` returns) to the same keys'
+    /// buckets and tenants' flows here.
+    fn apply_usage(
+        &self,
+        py: Python<'_>,
+        keys: std::collections::HashMap<String, (f64, f64)>,
+        tenants: Vec<(String, i32, u64, u64)>,
+    ) -> PyResult<()> {
+        let usage = llmsched_gateway::usage::Usage {
+            keys: keys.into_iter().map(|(d, (r, t))| (d, r, t)).collect(),
+            tenants,
+        };
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        detach(py, || running.apply_usage(&usage))
+    }
+
+    /// Requests being decoded in token slices now, or None when slices are off.
+    fn sliced_requests(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        detach(py, || running.sliced_requests())
     }
 
     /// Flow control's snapshot (`queued`, `running`, `saturation`, `tenants`, `outcomes`), or

@@ -7,6 +7,7 @@ mod errors;
 mod flow;
 mod gateway;
 mod hashing;
+mod kv_feed;
 mod prefix_index;
 mod pyints;
 mod replica_sync;
@@ -30,5 +31,6 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sim::register(m)?;
     flow::register(m)?;
     gateway::register(m)?;
+    kv_feed::register(m)?;
     Ok(())
 }

@@ -347,7 +347,132 @@ impl PySliceTracker {
     }
 }
 
+/// One sliced request's continuation calls and stitched response (see
+/// `llmsched.slices.SliceAssembler`, which wraps it; `llmsched_core::slices::assembler`).
+#[pyclass(frozen, name = "SliceAssembler", module = "llmsched._llmsched")]
+pub struct PySliceAssembler {
+    inner: Mutex<core::SliceAssembler>,
+}
+
+/// A Python value (a request, an engine chunk: plain JSON data) as a serde value.
+fn json_value(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<serde_json::Value> {
+    pythonize::depythonize::<serde_json::Value>(obj).map_err(|err| {
+        let err: PyErr = err.into();
+        pyo3::exceptions::PyTypeError::new_err(format!("{what} must be plain JSON data: {err}"))
+    })
+}
+
+fn values<'py>(py: Python<'py>, chunks: &[serde_json::Value]) -> PyResult<Bound<'py, PyAny>> {
+    to_python(py, &chunks)
+}
+
+#[pymethods]
+impl PySliceAssembler {
+    #[new]
+    #[pyo3(signature = (request, api, response_id=None, created=None, default_max_tokens=None, forward_stop=true))]
+    fn new(
+        request: &Bound<'_, PyAny>,
+        api: &str,
+        response_id: Option<String>,
+        created: Option<i64>,
+        default_max_tokens: Option<u64>,
+        forward_stop: bool,
+    ) -> PyResult<Self> {
+        let api = match api {
+            "completions" => core::Api::Completions,
+            "chat" => core::Api::Chat,
+            other => {
+                return Err(crate::errors::ConfigError::new_err(format!(
+                    "api must be 'completions' or 'chat', got {other:?}"
+                )))
+            }
+        };
+        let request = json_value(request, "request")?;
+        let options =
+            core::AssemblerOptions { response_id, created, default_max_tokens, forward_stop };
+        let inner = core::SliceAssembler::new(&request, api, options).py()?;
+        Ok(Self { inner: Mutex::new(inner) })
+    }
+
+    fn next_request<'py>(&self, py: Python<'py>, slice_tokens: u64) -> PyResult<Bound<'py, PyAny>> {
+        let body = self.inner.lock().next_request(slice_tokens).py()?;
+        to_python(py, &body)
+    }
+
+    fn feed<'py>(&self, py: Python<'py>, chunk: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let chunk = json_value(chunk, "chunk")?;
+        let out = self.inner.lock().feed(&chunk).py()?;
+        values(py, &out)
+    }
+
+    fn end_slice<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let out = self.inner.lock().end_slice().py()?;
+        values(py, &out)
+    }
+
+    fn response<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let whole = self.inner.lock().response().py()?;
+        to_python(py, &whole)
+    }
+
+    #[getter]
+    fn done(&self) -> bool {
+        self.inner.lock().done()
+    }
+
+    #[getter]
+    fn finish_reason<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let reason = self.inner.lock().finish_reason().cloned();
+        to_python(py, &reason)
+    }
+
+    #[getter]
+    fn stop_reason(&self) -> Option<String> {
+        self.inner.lock().stop_reason().map(str::to_owned)
+    }
+
+    #[getter]
+    fn generated_tokens(&self) -> u64 {
+        self.inner.lock().generated_tokens()
+    }
+
+    #[getter]
+    fn generated_token_ids(&self) -> Vec<u32> {
+        self.inner.lock().generated_token_ids().to_vec()
+    }
+
+    #[getter]
+    fn remaining_tokens(&self) -> u64 {
+        self.inner.lock().remaining_tokens()
+    }
+
+    #[getter]
+    fn text(&self) -> String {
+        self.inner.lock().text().to_owned()
+    }
+
+    #[getter]
+    fn last_slice_tokens(&self) -> u64 {
+        self.inner.lock().last_slice_tokens()
+    }
+
+    /// `(prompt, completion, total, slices, resent, recomputed)` tokens.
+    #[getter]
+    fn usage(&self) -> (i64, i64, i64, i64, i64, i64) {
+        let u = self.inner.lock().usage();
+        (
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.total_tokens,
+            u.slices,
+            u.resent_prompt_tokens,
+            u.recomputed_prompt_tokens,
+        )
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySliceAssembler>()?;
     m.add_class::<PySwitchCostModel>()?;
     m.add_class::<PySliceDecision>()?;
     m.add_class::<PySliceState>()?;

@@ -14,7 +14,9 @@ Without a token the routes do not exist (404).
   index; 409 for the last engine).
 
 Changes apply to the current set of engines; with ``discovery.file``, the file replaces that
-set whenever it changes.
+set whenever it changes. On the native data plane (``data_plane: native``) the same routes are
+served in Rust (``crates/llmsched-gateway/src/admin.rs``); adding and removing an engine call
+:func:`add_engine` and :func:`remove_engine` here, the one implementation of both.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -32,7 +35,51 @@ from llmsched.integrations import EngineSpec
 if TYPE_CHECKING:
     from llmsched.gateway.app import Gateway
 
-__all__ = ["add_admin_routes"]
+__all__ = ["EngineSet", "add_admin_routes", "add_engine", "remove_engine"]
+
+
+class EngineSet(Protocol):
+    """A gateway whose engines the admin API changes (either data plane)."""
+
+    @property
+    def engines(self) -> list[EngineSpec]:
+        """The engines now."""
+        ...
+
+    async def set_engines(self, engines: Iterable[EngineSpec]) -> tuple[list[str], list[str]]:
+        """Replaces the engines."""
+        ...
+
+
+async def add_engine(gateway: EngineSet, body: bytes | str) -> tuple[int, dict[str, Any]]:
+    """``POST /admin/engines``: adds the engine entry in ``body`` (JSON, the form of a config
+    ``engines`` item); returns the status (201, 400, 409) and the JSON body to answer."""
+    try:
+        entry: Any = json.loads(body)
+        spec = EngineSpec.from_dict(entry)
+    except (ValueError, TypeError, ConfigError) as exc:
+        return _error_body(400, f"not an engine entry: {exc}")
+    current = gateway.engines
+    if any(e.worker_id == spec.worker_id for e in current):
+        return _error_body(409, f"engine {spec.worker_id} is already there")
+    try:
+        await gateway.set_engines([*current, spec])
+    except ConfigError as exc:
+        return _error_body(400, f"not an engine entry: {exc}")
+    return 201, {"added": spec.worker_id}
+
+
+async def remove_engine(gateway: EngineSet, worker: str) -> tuple[int, dict[str, Any]]:
+    """``DELETE /admin/engines/{worker}``: removes the engine; returns the status (200, 404,
+    409 for the last engine) and the JSON body to answer."""
+    current = gateway.engines
+    kept = [e for e in current if e.worker_id != worker]
+    if len(kept) == len(current):
+        return _error_body(404, f"no engine {worker}")
+    if not kept:
+        return _error_body(409, "the last engine cannot be removed")
+    await gateway.set_engines(kept)
+    return 200, {"removed": worker}
 
 
 def add_admin_routes(app: web.Application, gateway: Gateway, token: str) -> None:
@@ -49,11 +96,15 @@ def add_admin_routes(app: web.Application, gateway: Gateway, token: str) -> None
     )
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error_body(status: int, message: str) -> tuple[int, dict[str, Any]]:
     kind = {401: "invalid_api_key", 404: "not_found", 409: "conflict"}.get(
         status, "invalid_request_error"
     )
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def _error(status: int, message: str) -> web.Response:
+    status, body = _error_body(status, message)
     return web.json_response(body, status=status)
 
 
@@ -93,16 +144,8 @@ class _Admin:
     async def add_engine(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._done("add", _error(401, "missing or invalid admin token"))
-        try:
-            entry: Any = json.loads(await request.read())
-            spec = EngineSpec.from_dict(entry)
-        except (ValueError, TypeError, ConfigError) as exc:
-            return self._done("add", _error(400, f"not an engine entry: {exc}"))
-        current = self.gateway.engines
-        if any(e.worker_id == spec.worker_id for e in current):
-            return self._done("add", _error(409, f"engine {spec.worker_id} is already there"))
-        await self.gateway.set_engines([*current, spec])
-        return self._done("add", web.json_response({"added": spec.worker_id}, status=201))
+        status, body = await add_engine(self.gateway, await request.read())
+        return self._done("add", web.json_response(body, status=status))
 
     async def drain(self, request: web.Request) -> web.Response:
         return await self._set_drained(request, "drain", drained=True)
@@ -128,12 +171,5 @@ class _Admin:
     async def remove(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._done("remove", _error(401, "missing or invalid admin token"))
-        worker = request.match_info["worker"]
-        current = self.gateway.engines
-        kept = [e for e in current if e.worker_id != worker]
-        if len(kept) == len(current):
-            return self._done("remove", _error(404, f"no engine {worker}"))
-        if not kept:
-            return self._done("remove", _error(409, "the last engine cannot be removed"))
-        await self.gateway.set_engines(kept)
-        return self._done("remove", web.json_response({"removed": worker}))
+        status, body = await remove_engine(self.gateway, request.match_info["worker"])
+        return self._done("remove", web.json_response(body, status=status))

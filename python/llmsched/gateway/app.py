@@ -54,6 +54,7 @@ from llmsched.errors import (
 from llmsched.gateway.config import (
     ApiKey,
     GatewayConfig,
+    cluster_sync,
     engine_set,
     load_config,
     read_engines_file,
@@ -175,6 +176,9 @@ class _FlowSlot:
 
     admission: Admission | None
     output_tokens: int = 0
+    key_tokens: int | None = None
+    """Output tokens to charge the API key's token bucket, when not ``output_tokens`` (a
+    sliced request charged flow control at each yield, the key only at the end)."""
 
 
 @dataclass
@@ -230,20 +234,8 @@ class Gateway:
             if cfg.slices.enabled
             else None
         )
-        self.cluster: ClusterSync | None = None
+        self.cluster: ClusterSync | None = cluster_sync(cfg, self.scheduler.router)
         """Replica sync (``cluster`` section; None when off)."""
-        if cfg.cluster.enabled:
-            from llmsched.cluster import ClusterSync
-
-            self.cluster = ClusterSync(
-                self.scheduler.router,
-                servers=list(cfg.cluster.servers),
-                cluster=cfg.cluster.name,
-                replica=cfg.cluster.replica,
-                flush_s=cfg.cluster.flush_s,
-                heartbeat_s=cfg.cluster.heartbeat_s,
-                load_ttl_s=cfg.cluster.load_ttl_s,
-            )
         if self.cluster is not None:
             self.cluster.share_usage(self._collect_usage, self._apply_usage)
         self.metrics = GatewayMetrics(
@@ -594,7 +586,10 @@ class Gateway:
                     slot.admission.release(slot.output_tokens)
         finally:
             if limiter is not None:
-                limiter.release(output_tokens=slot.output_tokens)
+                key_tokens = slot.key_tokens
+                limiter.release(
+                    output_tokens=slot.output_tokens if key_tokens is None else key_tokens
+                )
 
     def _no_engine_refusal(self) -> Refusal:
         return Refusal(
@@ -721,6 +716,7 @@ class Gateway:
                 return await sliced.run(request)
             finally:
                 slot.admission, slot.output_tokens = sliced.admission, sliced.uncharged_tokens()
+                slot.key_tokens = sliced.asm.generated_tokens
         placement = self.place(incoming.scheduled)
         if placement is None:
             return self.refuse(route, self._no_engine_refusal())

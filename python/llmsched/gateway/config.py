@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -33,6 +33,10 @@ from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 from llmsched.integrations.identity import wire_for_router
 from llmsched.types import ConfigInfo, KeyLimits
+
+if TYPE_CHECKING:
+    from llmsched.cluster import ClusterSync
+    from llmsched.routing import Router
 
 _log = logging.getLogger("llmsched")
 
@@ -270,8 +274,9 @@ class ClusterConfig:
 class GatewayConfig:
     """The whole gateway configuration. Build it with :func:`load_config`.
 
-    ``data_plane``: who serves requests, ``python`` (aiohttp, every feature) or ``native``
-    (the Rust data plane in the same process, :mod:`llmsched.gateway.native`);
+    ``data_plane``: who serves requests, ``native`` (the default: the Rust data plane in the
+    same process, :mod:`llmsched.gateway.native`) or ``python`` (the aiohttp gateway,
+    :mod:`llmsched.gateway.app`); both serve every section of the config;
     ``native_threads``: the native plane's worker threads (1: all on one thread);
     ``tokenizer_cache_bytes``: the native plane's cache of chat prompts' pieces (the text
     between the tokenizer's added tokens, with its ids; least recently used evicted first), in
@@ -296,14 +301,14 @@ class GatewayConfig:
     discovery: DiscoveryConfig = DiscoveryConfig()
     admin: AdminConfig = AdminConfig()
     cluster: ClusterConfig = ClusterConfig()
-    data_plane: str = "python"
+    data_plane: str = "native"
     native_threads: int = 1
     tokenizer_cache_bytes: int = 32 * 1024 * 1024
 
 
 DATA_PLANES = ("python", "native")
-"""``data_plane``: ``python`` (aiohttp, every feature) or ``native`` (the Rust data plane in
-the same process; see :mod:`llmsched.gateway.native` for what it serves)."""
+"""``data_plane``: ``native`` (the default: the Rust data plane in the same process, see
+:mod:`llmsched.gateway.native`) or ``python`` (the aiohttp gateway)."""
 
 _TOP_KEYS = frozenset(
     {
@@ -606,6 +611,25 @@ def _merge_saturation(flow: dict[str, Any], saturation: Mapping[str, Any]) -> No
                 f"saturationDetector sets {value!r}; give it once"
             )
         section[ours] = value
+
+
+def cluster_sync(config: GatewayConfig, router: Router) -> ClusterSync | None:
+    """The replica sync of ``config``'s ``cluster`` section for ``router`` (None when off);
+    either data plane starts and stops it. Needs the ``cluster`` extra when on."""
+    cluster = config.cluster
+    if not cluster.enabled:
+        return None
+    from llmsched.cluster import ClusterSync
+
+    return ClusterSync(
+        router,
+        servers=list(cluster.servers),
+        cluster=cluster.name,
+        replica=cluster.replica,
+        flush_s=cluster.flush_s,
+        heartbeat_s=cluster.heartbeat_s,
+        load_ttl_s=cluster.load_ttl_s,
+    )
 
 
 def read_engines_file(

@@ -19,7 +19,7 @@ from llmsched.flow import FlowController
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import EndpointInfo, FlowMetrics
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "cluster_metrics_text"]
 
 PREFIX = "llmsched_gateway"
 
@@ -207,7 +207,7 @@ class _StateCollector(Collector):
             yield from self._flow_metrics(self._flow.metrics())
         cluster = self._cluster() if self._cluster is not None else None
         if cluster is not None:
-            yield from self._cluster_metrics(cluster)
+            yield from _cluster_metrics(cluster)
         if self._kv_counters is not None:
             family = CounterMetricFamily(
                 f"{PREFIX}_kv_events", "KV-event subscriber counters", labels=["counter"]
@@ -215,27 +215,6 @@ class _StateCollector(Collector):
             for name, value in sorted(self._kv_counters().items()):
                 family.add_metric([name], value)
             yield family
-
-    @staticmethod
-    def _cluster_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
-        yield GaugeMetricFamily(
-            f"{PREFIX}_cluster_connected",
-            "1 while the replica-sync bus is connected (0: routing on local state only)",
-            value=1 if stats["connected"] else 0,
-        )
-        peers = stats["peers"]
-        yield GaugeMetricFamily(
-            f"{PREFIX}_cluster_peers",
-            "Other gateway replicas heard from within cluster.load_ttl_s",
-            value=len(peers) if isinstance(peers, list) else 0,
-        )
-        family = CounterMetricFamily(
-            f"{PREFIX}_cluster", "Replica-sync counters (llmsched.cluster)", labels=["counter"]
-        )
-        for name, value in sorted(stats.items()):
-            if isinstance(value, int) and not isinstance(value, bool):
-                family.add_metric([name], value)
-        yield family
 
     @staticmethod
     def _flow_metrics(metrics: FlowMetrics) -> Iterator[Metric]:
@@ -271,3 +250,44 @@ class _StateCollector(Collector):
         for key, count in sorted(metrics["outcomes"].items()):
             outcomes.add_metric([key], count)
         yield outcomes
+
+
+def _cluster_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        f"{PREFIX}_cluster_connected",
+        "1 while the replica-sync bus is connected (0: routing on local state only)",
+        value=1 if stats["connected"] else 0,
+    )
+    peers = stats["peers"]
+    yield GaugeMetricFamily(
+        f"{PREFIX}_cluster_peers",
+        "Other gateway replicas heard from within cluster.load_ttl_s",
+        value=len(peers) if isinstance(peers, list) else 0,
+    )
+    family = CounterMetricFamily(
+        f"{PREFIX}_cluster", "Replica-sync counters (llmsched.cluster)", labels=["counter"]
+    )
+    for name, value in sorted(stats.items()):
+        if isinstance(value, int) and not isinstance(value, bool):
+            family.add_metric([name], value)
+    yield family
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+
+
+def cluster_metrics_text(stats: Mapping[str, object]) -> str:
+    """The replica-sync families of ``/metrics`` (``llmsched_gateway_cluster_*``) for
+    :meth:`llmsched.cluster.ClusterSync.stats`, as exposition text (the native plane appends
+    it to its own)."""
+    registry = CollectorRegistry()
+    registry.register(_Families(list(_cluster_metrics(stats))))
+    return generate_latest(registry).decode()

@@ -5,9 +5,11 @@ loader), builds the pool, prefix index and router (a :class:`~llmsched.Scheduler
 KV-event subscriber keeps feeding the index), watches the discovery file, and then starts the
 Rust gateway (``llmsched-gateway``) in-process on its own runtime thread, handing it the router
 itself: both sides share one pool, one index and one set of in-flight counts. Every request
-is served in Rust (auth, limits, flow control, routing, proxying, metrics); Python runs only
-for configuration, discovery, the KV-event feed and, when the router config names a Python
-scorer or filter, that one call (the GIL is taken for it alone).
+is served in Rust (auth, limits, flow control, routing, proxying, metrics), and the engines'
+KV events are read and applied in Rust
+(:class:`~llmsched.integrations.NativeKVEventSubscriber`, no Python per batch); Python runs
+only for configuration, discovery and, when the router config names a Python scorer or
+filter, that one call (the GIL is taken for it alone).
 
 With a ``tokenizer`` the native plane computes the engine's token ids itself (the Rust
 ``tokenizers`` crate and a Jinja engine for the chat template, the ids
@@ -16,9 +18,14 @@ render raises ConfigError at start. Chat prompts' pieces (the text between the t
 added tokens: a system message repeated on every turn) are cached with their ids
 (``tokenizer_cache_bytes``) where the tokenizer's piecewise encoding is proved exact at start;
 where it is not, the cache is off with one warning and the reason in
-:meth:`NativeGateway.tokenizer_cache_stats` and ``/metrics``. What the native plane does not
-do yet raises :class:`~llmsched.errors.ConfigError` naming the key (``slices``, ``cluster``,
-``admin``): serve those with ``data_plane: python``.
+:meth:`NativeGateway.tokenizer_cache_stats` and ``/metrics``. Token slices (``slices``) run
+natively too: each slice is routed, admitted again after a yield and stitched by the Rust cores
+the Python plane uses (the slice tracker and :class:`~llmsched.SliceAssembler`'s assembler).
+The admin API (``admin``) is served natively; adding and removing engines run the Python
+plane's code on the event loop (admin calls are rare; no request waits for them). Replica sync
+(``cluster``) journals the router's commits natively and carries them over NATS from Python
+(:class:`~llmsched.cluster.ClusterSync`, once per ``flush_s``, never per request), with the
+rate-limit and fairness usage counted natively.
 
 >>> import asyncio
 >>> async def main() -> int:
@@ -41,29 +48,44 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmsched import _llmsched
 from llmsched.errors import ConfigError, GatewayStoppedError
 from llmsched.flow import FlowController
-from llmsched.gateway.config import GatewayConfig, engine_set, load_config, read_engines_file
+from llmsched.gateway.config import (
+    GatewayConfig,
+    cluster_sync,
+    engine_set,
+    load_config,
+    read_engines_file,
+)
+from llmsched.gateway.metrics import cluster_metrics_text
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
 from llmsched.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from llmsched.cluster import ClusterSync, Usage
     from llmsched.types import (
         EndpointInfo,
         FlowConfig,
         FlowMetrics,
         NativeFlowStats,
         NativeGatewayConfig,
+        NativeSlicesConfig,
         TokenizerCacheStats,
     )
 
-__all__ = ["NativeFlowView", "NativeGateway", "NativeHealthView", "NativeMetrics"]
+__all__ = [
+    "NativeFlowView",
+    "NativeGateway",
+    "NativeHealthView",
+    "NativeMetrics",
+    "NativeSliceView",
+]
 
 log = logging.getLogger("llmsched.gateway")
 
@@ -86,8 +108,8 @@ class NativeHealthView:
         self._owner = owner
 
     def state(self, worker: str) -> str:
-        """``up``, ``down`` (its probes failed) or ``open`` (its breaker); KeyError when the
-        engine is not configured."""
+        """``up``, ``down`` (its probes failed), ``open`` (its breaker) or ``draining`` (the
+        admin API); KeyError when the engine is not configured."""
         states = dict(self._owner.native().health_states())
         return states[worker]
 
@@ -136,21 +158,20 @@ class NativeFlowView:
         return dict(self._stats()["outcomes"])
 
 
-_UNSUPPORTED: tuple[tuple[str, Callable[[GatewayConfig], bool]], ...] = (
-    ("slices.enabled", lambda c: c.slices.enabled),
-    ("cluster.servers", lambda c: c.cluster.enabled),
-    ("admin", lambda c: c.admin.enabled),
-)
+class NativeSliceView:
+    """Token slices as the native plane runs them (the core slice tracker in Rust)."""
+
+    def __init__(self, owner: NativeGateway) -> None:
+        self._owner = owner
+
+    def __len__(self) -> int:
+        """Requests being decoded in slices now."""
+        return int(self._owner.native().sliced_requests() or 0)
 
 
 def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> NativeGatewayConfig:
     """The native gateway's configuration (``llmsched_gateway::GatewayConfig`` as JSON) for a
-    checked gateway config; ConfigError naming a key the native plane does not serve."""
-    for key, used in _UNSUPPORTED:
-        if used(config):
-            raise ConfigError(
-                f"{key}: not served by the native data plane yet; set data_plane: python"
-            )
+    checked gateway config."""
     flow: FlowConfig | None = None
     if config.flow is not None:
         flow = _flow_config(config)
@@ -199,6 +220,19 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "threads": config.native_threads,
         "tokenizer": None if config.tokenizer is None else str(config.tokenizer),
         "tokenizer_cache_bytes": config.tokenizer_cache_bytes,
+        "slices": _slices_config(config),
+        "admin": None if config.admin.token is None else {"token": config.admin.token},
+    }
+
+
+def _slices_config(config: GatewayConfig) -> NativeSlicesConfig | None:
+    slices = config.slices
+    if not slices.enabled:
+        return None
+    return {
+        "policy": slices.policy,
+        "params": dict(slices.params),
+        "default_max_tokens": slices.default_max_tokens,
     }
 
 
@@ -217,6 +251,10 @@ def _flow_config(config: GatewayConfig) -> FlowConfig:
     return resolved
 
 
+# An admin call's engine change waits this long for the event loop at most.
+_ADMIN_WAIT_S = 60.0
+
+
 def _stale_after(config: GatewayConfig) -> float:
     return 3 * config.scrape.interval_s + config.scrape.timeout_s
 
@@ -225,8 +263,8 @@ class NativeGateway:
     """``llmsched serve`` on the native data plane, with the surface of
     :class:`~llmsched.gateway.Gateway`: :meth:`start`, :meth:`stop`, :attr:`port`,
     :attr:`url`, :meth:`set_engines`, :attr:`metrics`, :attr:`pool`, :attr:`index`,
-    :attr:`router`, :attr:`scheduler`, :attr:`health` and :attr:`flow` (None when flow
-    control is off).
+    :attr:`router`, :attr:`scheduler`, :attr:`health`, :attr:`flow` (None when flow
+    control is off) and :attr:`slice_tracker` (None when token slices are off).
 
     Args:
         config: a :class:`~llmsched.gateway.config.GatewayConfig`, a mapping or a YAML path.
@@ -235,15 +273,17 @@ class NativeGateway:
     def __init__(self, config: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]) -> None:
         self.config = config if isinstance(config, GatewayConfig) else load_config(config)
         cfg = self.config
-        native_config(cfg, cfg.engines)  # unsupported keys fail here, before anything starts
+        native_config(cfg, cfg.engines)  # a bad flow config fails here, before anything starts
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
-        # The pool, index and router (and the KV-event feed) live in Python and are shared;
-        # scraping, flow control and health run natively.
+        # The pool, index and router are built in Python and shared; scraping, flow control,
+        # health and the KV-event feed run natively.
         self.scheduler = Scheduler(
             cfg.engines,
             router=cfg.router,
             index=PrefixIndex(cfg.block_size),
             scrape=False,
+            # The engines' KV events are read and applied in Rust too.
+            kv_feed="native",
             stale_after_s=_stale_after(cfg),
             stale_policy="saturated" if cfg.scrape.enabled else "ignore",
             retry_after_s=cfg.limits.retry_after_s,
@@ -254,9 +294,18 @@ class NativeGateway:
         self.metrics = NativeMetrics(self)
         self.health = NativeHealthView(self)
         self.flow: NativeFlowView | None = None if cfg.flow is None else NativeFlowView(self)
+        self.slice_tracker: NativeSliceView | None = (
+            NativeSliceView(self) if cfg.slices.enabled else None
+        )
         self._native: _llmsched.NativeGateway | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._discovery_errors = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.cluster: ClusterSync | None = cluster_sync(cfg, self.router)
+        """Replica sync (``cluster`` section; None when off): the NATS transport runs here,
+        on the event loop, once per flush; the router's commits are journaled natively."""
+        if self.cluster is not None:
+            self.cluster.share_usage(self._collect_usage, self._apply_usage)
 
     def native(self) -> _llmsched.NativeGateway:
         """The running native gateway (GatewayStoppedError when not started)."""
@@ -283,14 +332,22 @@ class NativeGateway:
         """Starts the KV-event feed, the discovery watcher and the native gateway."""
         cfg = self.config
         await self.scheduler.start()
+        self._loop = asyncio.get_running_loop()
         text = json.dumps(native_config(cfg, self._specs.values()))
         try:
             self._native = _llmsched.NativeGateway(
-                text, cfg.listen.host, cfg.listen.port, self.router, self._extra_metrics
+                text,
+                cfg.listen.host,
+                cfg.listen.port,
+                self.router,
+                self._extra_metrics,
+                self._admin_engines if cfg.admin.enabled else None,
             )
         except BaseException:
             await self.scheduler.stop()
             raise
+        if self.cluster is not None:
+            await self.cluster.start()
         cache = self._native.tokenizer_cache_stats()
         if cache is not None and not cache["enabled"] and cfg.tokenizer_cache_bytes > 0:
             log.warning(
@@ -308,6 +365,8 @@ class NativeGateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._discovery_task
             self._discovery_task = None
+        if self.cluster is not None:
+            await self.cluster.stop()
         if self._native is not None:
             native, self._native = self._native, None
             await asyncio.get_running_loop().run_in_executor(None, native.stop)
@@ -320,25 +379,54 @@ class NativeGateway:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
+    def _admin_engines(self, action: str, argument: str) -> tuple[int, str]:
+        """An admin call adding (``add``, the request body) or removing (``remove``, the worker
+        id) an engine, from the native gateway's blocking thread: run on the event loop by
+        :func:`~llmsched.gateway.admin.add_engine` / :func:`~llmsched.gateway.admin.remove_engine`
+        (the Python plane's code); returns the status and the JSON body."""
+        from llmsched.gateway.admin import add_engine, remove_engine
+
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return 503, json.dumps({"error": {"message": "the gateway is stopping"}})
+        change = add_engine(self, argument) if action == "add" else remove_engine(self, argument)
+        status, body = asyncio.run_coroutine_threadsafe(change, loop).result(_ADMIN_WAIT_S)
+        return status, json.dumps(body)
+
+    def _collect_usage(self) -> Usage:
+        """What this replica took per rate-limited key and served per tenant since the last
+        flush (replica sync; counted natively)."""
+        native = self._native
+        if native is None:
+            return {"keys": {}, "tenants": []}
+        usage = native.drain_usage()
+        return {"keys": dict(usage["keys"]), "tenants": list(usage["tenants"])}
+
+    def _apply_usage(self, usage: Usage) -> None:
+        """Another replica's usage: charged natively to the same keys and tenants' flows."""
+        if self._native is not None:
+            self._native.apply_usage(usage["keys"], usage["tenants"])
+
     def _extra_metrics(self) -> str:
-        """What runs in Python, for the native ``/metrics``: discovery errors and the
-        KV-event subscriber's counters."""
+        """What runs in Python, for the native ``/metrics``: discovery errors, the KV-event
+        subscriber's counters and replica sync's state."""
         lines = [
             "# HELP llmsched_gateway_discovery_errors_total Discovery file reads that failed "
             "(the current engines were kept)",
             "# TYPE llmsched_gateway_discovery_errors_total counter",
             f"llmsched_gateway_discovery_errors_total {float(self._discovery_errors)}",
         ]
+        cluster = "" if self.cluster is None else cluster_metrics_text(self.cluster.stats())
         subscriber = self.scheduler.subscriber
         if subscriber is None:
-            return "\n".join(lines) + "\n"
+            return "\n".join(lines) + "\n" + cluster
         lines += [
             "# HELP llmsched_gateway_kv_events_total KV-event subscriber counters",
             "# TYPE llmsched_gateway_kv_events_total counter",
         ]
         for name, value in sorted(subscriber.counters().items()):
             lines.append(f'llmsched_gateway_kv_events_total{{counter="{name}"}} {float(value)}')
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + cluster
 
     def tokenizer_cache_stats(self) -> TokenizerCacheStats | None:
         """The native tokenizer's piece cache: hits, misses, evictions, size, and why it is

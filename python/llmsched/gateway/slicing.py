@@ -27,7 +27,13 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from llmsched.errors import ConfigError, FlowRejected, InvalidRequestError, InvalidTokenError
+from llmsched.errors import (
+    ConfigError,
+    FlowRejected,
+    InvalidRequestError,
+    InvalidTokenError,
+    SliceStateError,
+)
 from llmsched.flow import FlowController
 from llmsched.scheduler import Admission, Placement, ScheduleRequest
 from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
@@ -230,7 +236,10 @@ class SlicedRequest:
                     chunks.extend(self._feed(buffered))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise SliceFailed(type(exc).__name__) from None
-        chunks.extend(self.asm.end_slice())
+        try:
+            chunks.extend(self.asm.end_slice())
+        except SliceStateError as exc:  # a stream the assembler cannot continue from
+            raise SliceFailed(str(exc)) from None
         return chunks
 
     def _feed(self, event: bytes) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@
 - :func:`worker_id` / :class:`EngineSpec`: one engine (one data-parallel rank) and the worker id
   that the prefix index, the endpoint pool, the flow controller and the scraper all use.
 - :class:`KVEventSubscriber`: keeps a :class:`~llmsched.PrefixIndex` current from the engines'
-  ZMQ KV events, with gap detection, replay and resynchronisation.
+  ZMQ KV events, with gap detection, replay and resynchronisation;
+  :class:`NativeKVEventSubscriber` does the same in Rust, with no Python per batch.
 Needs the ``integrations`` extra (``pip install 'llmsched[integrations]'``).
 
 - :class:`MetricsScraper`: polls the engines' Prometheus ``/metrics`` and feeds the
@@ -26,13 +27,14 @@ from llmsched.integrations.identity import (
     wire_for_router,
     worker_id,
 )
-from llmsched.integrations.kv_events import KVEventSubscriber
+from llmsched.integrations.kv_events import KVEventSubscriber, NativeKVEventSubscriber
 from llmsched.integrations.metrics import MetricsScraper, ScrapeResult
 
 __all__ = [
     "EngineSpec",
     "KVEventSubscriber",
     "MetricsScraper",
+    "NativeKVEventSubscriber",
     "ScrapeResult",
     "resolve_engines",
     "wire_for_router",

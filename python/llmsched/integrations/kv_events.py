@@ -74,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import math
 import threading
 import time
@@ -85,6 +86,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from llmsched import _llmsched
 from llmsched.errors import ConfigError, MalformedEventError, UnknownWorkerError
 from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.prefix_index import PrefixIndex
@@ -102,6 +104,7 @@ __all__ = [
     "DEFAULT_REPLAY_BACKOFF_S",
     "DEFAULT_REPLAY_TIMEOUT_S",
     "KVEventSubscriber",
+    "NativeKVEventSubscriber",
 ]
 
 DEFAULT_BACKOFF_S = (0.05, 2.0)
@@ -736,24 +739,25 @@ class KVEventSubscriber:
             engines = resolve_engines(engines, pool)
         if not isinstance(index, PrefixIndex):
             raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
-        first, largest = _check_backoff("backoff_s", backoff_s)
-        replay_first, replay_largest = _check_backoff("replay_backoff_s", replay_backoff_s)
-        self.replay_timeout_s = _positive_float("replay_timeout_s", replay_timeout_s)
-        self.reorder_wait_s = _positive_float("reorder_wait_s", reorder_wait_s)
-        self.reorder_window = _int_at_least("reorder_window", reorder_window, 0)
-        self.buffer_cap = _int_at_least("buffer_cap", buffer_cap, 1)
-        self.buffer_cap_bytes = _int_at_least("buffer_cap_bytes", buffer_cap_bytes, 1)
-        if self.buffer_cap <= self.reorder_window:
-            raise ConfigError(
-                f"buffer_cap ({self.buffer_cap}) must be larger than reorder_window "
-                f"({self.reorder_window}): the reorder wait holds that many batches"
-            )
-        if not isinstance(catch_up, bool):
-            raise ConfigError(f"catch_up must be a bool, got {catch_up!r}")
+        options = _checked_options(
+            backoff_s,
+            replay_timeout_s,
+            replay_backoff_s,
+            reorder_window,
+            reorder_wait_s,
+            buffer_cap,
+            buffer_cap_bytes,
+            catch_up,
+        )
+        self.replay_timeout_s: float = options["replay_timeout_s"]
+        self.reorder_wait_s: float = options["reorder_wait_s"]
+        self.reorder_window: int = options["reorder_window"]
+        self.buffer_cap: int = options["buffer_cap"]
+        self.buffer_cap_bytes: int = options["buffer_cap_bytes"]
         self.index = index
-        self.backoff_s = (first, largest)
-        self.replay_backoff_s = (replay_first, replay_largest)
-        self.catch_up = catch_up
+        self.backoff_s: tuple[float, float] = options["backoff_s"]
+        self.replay_backoff_s: tuple[float, float] = options["replay_backoff_s"]
+        self.catch_up: bool = options["catch_up"]
         self._publishers: dict[str, _Publisher] = {}
         self._shared: dict[str, _SharedSocket] = {}
         seen_endpoints: dict[str, str] = {}
@@ -1074,6 +1078,194 @@ class KVEventSubscriber:
             f"KVEventSubscriber({len(self._publishers)} engines, batches={c['batches']}, "
             f"gaps={c['gaps']}, resyncs={c['resyncs']})"
         )
+
+
+class NativeKVEventSubscriber:
+    """:class:`KVEventSubscriber` in Rust: the same engines, options, counters and rules (the
+    module docstring's algorithm), with no Python per batch. The sockets are the pure-Rust
+    ``zeromq`` crate's, polled by a tokio runtime on a thread of the feed's own; each batch is
+    decoded and applied to ``index`` in Rust (``llmsched_gateway::kv_events``). ``llmsched
+    serve`` runs it on the native data plane.
+
+    What differs: there is no :meth:`KVEventSubscriber.run` (the feed always has its thread);
+    a connecting socket probes its endpoint over TCP with the ``backoff_s`` backoff before it
+    connects (libzmq connects lazily), and a lost connection is re-made by the ``zeromq``
+    crate's own backoff (0.1 s doubling, up to 30 s) rather than ``backoff_s``. A batch whose
+    stored events were skipped for their block size reaches
+    :meth:`~llmsched.PrefixIndex.note_block_size_mismatch` (counted and warned once, as with
+    :meth:`~llmsched.PrefixIndex.apply_vllm_events`); that is the only call into Python, and
+    only under that misconfiguration.
+
+    >>> import msgpack
+    >>> import zmq
+    >>> from llmsched import PrefixIndex
+    >>> from llmsched.integrations import EngineSpec
+    >>> index = PrefixIndex(block_size=4)
+    >>> spec = EngineSpec("127.0.0.1", 8000, kv_events="tcp://127.0.0.1:*", kv_events_bind=True)
+    >>> with NativeKVEventSubscriber(index, [spec]) as sub:
+    ...     while sub.bound_endpoint(spec.worker_id) is None:
+    ...         time.sleep(0.01)
+    ...     pub = zmq.Context.instance().socket(zmq.PUB)
+    ...     _ = pub.connect(sub.bound_endpoint(spec.worker_id))
+    ...     event = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+    ...              "token_ids": [1, 2, 3, 4], "block_size": 4}
+    ...     payload = msgpack.packb([0.0, [event], None])
+    ...     for _ in range(200):  # until the subscription has reached the publisher
+    ...         pub.send_multipart([b"", (0).to_bytes(8, "big"), payload])
+    ...         if sub.wait_for(lambda c: c["batches"] >= 1, timeout=0.05):
+    ...             break
+    ...     pub.close(linger=0)
+    >>> index.match_tokens([1, 2, 3, 4]).as_dict()
+    {'127.0.0.1:8000': 1}
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        engines: Iterable[EngineSpec],
+        *,
+        backoff_s: tuple[float, float] = DEFAULT_BACKOFF_S,
+        replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        replay_backoff_s: tuple[float, float] = DEFAULT_REPLAY_BACKOFF_S,
+        reorder_window: int = DEFAULT_REORDER_WINDOW,
+        reorder_wait_s: float = DEFAULT_REORDER_WAIT_S,
+        buffer_cap: int = DEFAULT_BUFFER_CAP,
+        buffer_cap_bytes: int = DEFAULT_BUFFER_CAP_BYTES,
+        catch_up: bool = False,
+        pool: EndpointPool | None = None,
+    ) -> None:
+        if pool is not None:
+            engines = resolve_engines(engines, pool)
+        if not isinstance(index, PrefixIndex):
+            raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
+        options = _checked_options(
+            backoff_s,
+            replay_timeout_s,
+            replay_backoff_s,
+            reorder_window,
+            reorder_wait_s,
+            buffer_cap,
+            buffer_cap_bytes,
+            catch_up,
+        )
+        listed = list(engines)
+        for spec in listed:
+            if not isinstance(spec, EngineSpec):
+                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+        subscribed = [
+            (spec.worker_id, spec.kv_events, spec.kv_events_bind, spec.replay, spec.topic)
+            for spec in listed
+            if spec.kv_events is not None
+        ]
+        self.index = index
+        # Checked (the engine set, the caps against the window) by the native side too.
+        self._native = _llmsched.NativeKVEventSubscriber(
+            index.native, subscribed, json.dumps(options), index.note_block_size_mismatch
+        )
+
+    def start(self) -> None:
+        """Starts the feed's thread (RuntimeError when it runs already)."""
+        self._native.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stops the thread and closes every socket (``timeout`` is accepted for
+        :meth:`KVEventSubscriber.stop`'s signature; the native thread stops within a few
+        milliseconds)."""
+        self._native.stop()
+
+    @property
+    def running(self) -> bool:
+        """Whether the feed's thread runs."""
+        return self._native.running
+
+    def __enter__(self) -> NativeKVEventSubscriber:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def counters(self) -> dict[str, int]:
+        """Totals over every engine (:meth:`KVEventSubscriber.counters`' keys)."""
+        return self._native.counters()
+
+    def worker_counters(self, worker: str) -> dict[str, int]:
+        """:meth:`counters` for one engine; KeyError for an unknown worker."""
+        return self._native.worker_counters(worker)
+
+    def last_seq(self, worker: str) -> int | None:
+        """The sequence number of the last batch taken from ``worker`` (None before any)."""
+        return self._native.last_seq(worker)
+
+    def worker_state(self, worker: str) -> dict[str, Any]:
+        """Where ``worker``'s stream stands (:meth:`KVEventSubscriber.worker_state`'s keys)."""
+        return self._native.worker_state(worker)
+
+    def bound_endpoint(self, worker: str) -> str | None:
+        """The endpoint bound for ``worker`` once bound (a ``*`` port resolved); None for an
+        engine the feed connects to, or before its socket is bound."""
+        return self._native.bound_endpoint(worker)
+
+    def workers(self) -> list[str]:
+        """The worker ids subscribed to."""
+        return self._native.workers()
+
+    def wait_for(
+        self, condition: Callable[[dict[str, int]], bool], timeout: float | None = None
+    ) -> bool:
+        """Blocks until ``condition(counters())`` holds (True) or ``timeout`` passes (False);
+        the GIL is released while waiting."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = 0
+        while not condition(self.counters()):
+            left = POLL_INTERVAL_S * 50 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            seen = self._native.wait_changed(seen, left)
+        return True
+
+    def __repr__(self) -> str:
+        c = self.counters()
+        return (
+            f"NativeKVEventSubscriber({len(self.workers())} engines, batches={c['batches']}, "
+            f"gaps={c['gaps']}, resyncs={c['resyncs']})"
+        )
+
+
+def _checked_options(
+    backoff_s: object,
+    replay_timeout_s: object,
+    replay_backoff_s: object,
+    reorder_window: object,
+    reorder_wait_s: object,
+    buffer_cap: object,
+    buffer_cap_bytes: object,
+    catch_up: object,
+) -> dict[str, Any]:
+    """Both subscribers' options, checked (ConfigError naming the option), by name."""
+    options: dict[str, Any] = {
+        "backoff_s": _check_backoff("backoff_s", backoff_s),
+        "replay_timeout_s": _positive_float("replay_timeout_s", replay_timeout_s),
+        "replay_backoff_s": _check_backoff("replay_backoff_s", replay_backoff_s),
+        "reorder_window": _int_at_least("reorder_window", reorder_window, 0),
+        "reorder_wait_s": _positive_float("reorder_wait_s", reorder_wait_s),
+        "buffer_cap": _int_at_least("buffer_cap", buffer_cap, 1),
+        "buffer_cap_bytes": _int_at_least("buffer_cap_bytes", buffer_cap_bytes, 1),
+        "catch_up": catch_up,
+    }
+    if options["buffer_cap"] <= options["reorder_window"]:
+        raise ConfigError(
+            f"buffer_cap ({options['buffer_cap']}) must be larger than reorder_window "
+            f"({options['reorder_window']}): the reorder wait holds that many batches"
+        )
+    if not isinstance(catch_up, bool):
+        raise ConfigError(f"catch_up must be a bool, got {catch_up!r}")
+    return options
 
 
 def _fixed_port(endpoint: str) -> bool:

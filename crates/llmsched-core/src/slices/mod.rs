@@ -37,6 +37,7 @@
 //! Comparison: llm-d's experimental chunked decode continues every chunk on the same decoder
 //! and never weighs a cost; vLLM preempts by recompute with no cost model.
 
+pub mod assembler;
 pub mod cost;
 pub mod policy;
 
@@ -45,6 +46,7 @@ use std::sync::Arc;
 use hashbrown::HashMap;
 use thiserror::Error;
 
+pub use assembler::{Api, AssemblerOptions, AssemblyError, SliceAssembler, SliceUsage};
 pub use cost::{evict_probability, CostModelDims, GpuSpec, ModelDims, SwitchCostModel};
 pub use policy::{build_policy, policy_defaults, FixedSlice, Mlfq, SlicePolicy, REGISTRY};
 

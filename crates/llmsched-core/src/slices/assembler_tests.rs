@@ -1,0 +1,131 @@
+//! The assembler's own cases; `tests/test_slices_assembler.py` runs the full suite (stop
+//! strings across boundaries, recompute equivalence) through the Python class that wraps it.
+
+use serde_json::json;
+
+use super::*;
+
+fn completion(text: &str, ids: &[u32], finish: Option<&str>) -> Value {
+    json!({"id": "e", "created": 7, "choices": [
+        {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+    ]})
+}
+
+fn texts(chunks: &[Value]) -> Vec<String> {
+    chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .map(|c| c["text"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
+#[test]
+fn token_ids_continue_the_prompt_and_the_slices_are_stitched() {
+    let request = json!({"model": "m", "prompt": [1, 2], "max_tokens": 3});
+    let options = AssemblerOptions { response_id: Some("r".into()), ..Default::default() };
+    let mut asm = SliceAssembler::new(&request, Api::Completions, options).unwrap();
+    let first = asm.next_request(2).unwrap();
+    assert_eq!(first["max_tokens"], 2);
+    assert_eq!(first["prompt"], json!([1, 2]));
+    assert_eq!(first["return_token_ids"], true);
+    let out = asm.feed(&completion("ab", &[5, 6], Some("length"))).unwrap();
+    assert_eq!(texts(&out), ["ab"]);
+    assert!(asm.end_slice().unwrap().is_empty());
+    assert!(!asm.done());
+    let second = asm.next_request(2).unwrap();
+    assert_eq!(second["prompt"], json!([1, 2, 5, 6]));
+    assert_eq!(second["max_tokens"], 1);
+    asm.feed(&completion("c", &[7], Some("length"))).unwrap();
+    let end = asm.end_slice().unwrap();
+    assert_eq!(end.last().unwrap()["choices"][0]["finish_reason"], "length");
+    let whole = asm.response().unwrap();
+    assert_eq!(whole["id"], "r");
+    assert_eq!(whole["created"], 7);
+    assert_eq!(whole["choices"][0]["text"], "abc");
+    assert_eq!(whole["usage"]["slice_details"]["slices"], 2);
+    assert_eq!(whole["usage"]["prompt_tokens"], 2);
+}
+
+#[test]
+fn a_stop_string_across_a_boundary_is_found_in_characters() {
+    // "é" and "€" are several bytes: positions are counted in characters, as Python does.
+    let request = json!({"prompt": "x", "max_tokens": 10, "stop": ["é€z"]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(4).unwrap();
+    let out = asm.feed(&completion("abé€", &[], None)).unwrap();
+    assert_eq!(texts(&out), ["ab"], "the last two characters are held back");
+    asm.feed(&json!({"choices": [], "usage": {"completion_tokens": 4}})).unwrap();
+    let mut usage_only = asm.end_slice();
+    // No finish reason, but the slice's budget was used: not at a boundary without "length".
+    assert!(usage_only.is_err());
+    let request = json!({"prompt": "x", "max_tokens": 10, "stop": ["é€z"]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(4).unwrap();
+    asm.feed(&completion("abé€", &[], Some("length"))).unwrap();
+    asm.feed(&json!({"usage": {"completion_tokens": 4}})).unwrap();
+    usage_only = asm.end_slice();
+    assert_eq!(usage_only.unwrap(), Vec::<Value>::new());
+    let next = asm.next_request(4).unwrap();
+    assert_eq!(next["prompt"], "xabé€", "the continuation carries the held-back text");
+    let out = asm.feed(&completion("zq", &[], Some("length"))).unwrap();
+    assert!(texts(&out).iter().all(String::is_empty) || out.is_empty());
+    assert!(asm.done());
+    assert_eq!(asm.stop_reason(), Some("é€z"));
+    assert_eq!(asm.text(), "ab");
+}
+
+#[test]
+fn a_chat_continues_its_final_assistant_message() {
+    let request = json!({"model": "m", "max_completion_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}});
+    let mut asm = SliceAssembler::new(&request, Api::Chat, Default::default()).unwrap();
+    let first = asm.next_request(2).unwrap();
+    assert!(first.get("max_completion_tokens").is_none());
+    let chunk = json!({"choices": [{"index": 0, "delta": {"content": "ab"}, "finish_reason": "length"}],
+        "usage": {"completion_tokens": 2, "prompt_tokens": 5}});
+    let out = asm.feed(&chunk).unwrap();
+    assert_eq!(out[0]["choices"][0]["delta"], json!({"role": "assistant", "content": "ab"}));
+    asm.end_slice().unwrap();
+    let second = asm.next_request(2).unwrap();
+    assert_eq!(second["messages"][1], json!({"role": "assistant", "content": "ab"}));
+    assert_eq!(second["continue_final_message"], true);
+    assert_eq!(second["add_generation_prompt"], false);
+    let chunk = json!({"choices": [{"index": 0, "delta": {"content": "c"}, "finish_reason": "stop"}],
+        "usage": {"completion_tokens": 1, "prompt_tokens": 7,
+                  "prompt_tokens_details": {"cached_tokens": 4}}});
+    asm.feed(&chunk).unwrap();
+    let end = asm.end_slice().unwrap();
+    assert_eq!(end.len(), 2, "the finish chunk, then the usage chunk");
+    let usage = asm.usage();
+    assert_eq!((usage.prompt_tokens, usage.resent_prompt_tokens), (5, 2));
+    assert_eq!(usage.recomputed_prompt_tokens, 2);
+    assert_eq!(asm.response().unwrap()["object"], "chat.completion");
+}
+
+#[test]
+fn requests_and_calls_that_cannot_be_served_are_refused() {
+    let unsupported = |request: Value, api| {
+        matches!(
+            SliceAssembler::new(&request, api, Default::default()),
+            Err(AssemblyError::Unsupported(_))
+        )
+    };
+    assert!(unsupported(json!({"prompt": "x", "max_tokens": 2, "n": 2}), Api::Completions));
+    assert!(unsupported(json!({"prompt": "x", "max_tokens": 2, "logprobs": 1}), Api::Completions));
+    assert!(unsupported(json!({"prompt": ["a", "b"], "max_tokens": 2}), Api::Completions));
+    assert!(unsupported(json!({"prompt": "x"}), Api::Completions));
+    assert!(unsupported(json!({"messages": [], "max_tokens": 2}), Api::Chat));
+    assert!(unsupported(json!({"prompt": "x", "max_tokens": 2, "stop": [""]}), Api::Completions));
+    // logprobs: 0 is Python's False: allowed.
+    assert!(!unsupported(json!({"prompt": "x", "max_tokens": 2, "logprobs": 0}), Api::Completions));
+    let request = json!({"prompt": [1], "max_tokens": 2});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    assert!(matches!(asm.feed(&json!({})), Err(AssemblyError::State(_))));
+    assert!(matches!(asm.next_request(0), Err(AssemblyError::Value(_))));
+    asm.next_request(2).unwrap();
+    let bad = json!({"choices": [{"index": 1, "text": "x"}]});
+    assert!(matches!(asm.feed(&bad), Err(AssemblyError::Value(_))));
+    asm.feed(&json!({"usage": {"completion_tokens": 3}})).unwrap();
+    let over = asm.end_slice().unwrap_err();
+    assert_eq!(over.to_string(), "the engine generated 3 tokens in a slice of 2");
+}

@@ -1,0 +1,421 @@
+//! The feed's sockets, on its tokio runtime: a task per SUB socket (its members' sequence
+//! state, replay replies and deadlines) and a task per replay socket (DEALER), which connects
+//! in the background and forwards replies to its SUB task tagged with its generation (a
+//! replaced socket's late replies are dropped).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::channel::mpsc as fmpsc;
+use futures::StreamExt;
+use tokio::sync::{mpsc, watch};
+use zeromq::{
+    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+};
+
+use super::stream::{Counter, Wire};
+use super::{lock, Group, Shared};
+use crate::monotonic;
+
+/// How long a ZMQ connection (TCP and handshake) may take once the endpoint answers.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Runs every SUB socket's task until `stop` (or its sender's drop).
+pub(super) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for group in 0..shared.groups.len() {
+        tasks.spawn(group_task(shared.clone(), group));
+    }
+    let _ = stop.changed().await;
+    tasks.abort_all();
+    while tasks.join_next().await.is_some() {}
+}
+
+/// A reply of a replay socket.
+struct Reply {
+    member: usize,
+    generation: u64,
+    frames: Vec<Bytes>,
+}
+
+/// An endpoint as the `zeromq` crate reads it: `*` (any port, any address) as `0`
+/// and `0.0.0.0`.
+fn zmq_endpoint(endpoint: &str) -> String {
+    let endpoint = endpoint.strip_suffix(":*").map_or(endpoint.to_owned(), |e| format!("{e}:0"));
+    endpoint.replacen("tcp://*:", "tcp://0.0.0.0:", 1)
+}
+
+fn delay(backoff: (f64, f64), failures: u32) -> Duration {
+    let (first, largest) = backoff;
+    Duration::from_secs_f64(largest.min(first * 2f64.powi(failures.min(32) as i32)))
+}
+
+/// Waits until a TCP endpoint accepts connections (with the feed's backoff), so that the ZMQ
+/// connection made after it is made at once (libzmq connects lazily; the `zeromq` crate
+/// waits seconds between its own first attempts).
+async fn reachable(endpoint: &str, backoff: (f64, f64)) {
+    let Some(address) = endpoint.strip_prefix("tcp://") else { return };
+    let mut failures = 0;
+    while tokio::net::TcpStream::connect(address).await.is_err() {
+        tokio::time::sleep(delay(backoff, failures)).await;
+        failures += 1;
+    }
+}
+
+fn options() -> SocketOptions {
+    let mut options = SocketOptions::default();
+    options.connect_timeout(CONNECT_TIMEOUT);
+    options
+}
+
+/// A replay socket seen from its SUB task.
+struct Dealer {
+    endpoint: String,
+    backoff: (f64, f64),
+    member: usize,
+    generation: u64,
+    requests: mpsc::UnboundedSender<u64>,
+    replies: mpsc::UnboundedSender<Reply>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Dealer {
+    fn new(
+        endpoint: String,
+        backoff: (f64, f64),
+        member: usize,
+        replies: mpsc::UnboundedSender<Reply>,
+    ) -> Dealer {
+        let (requests, task) = Dealer::spawn(&endpoint, backoff, member, 0, replies.clone());
+        Dealer { endpoint, backoff, member, generation: 0, requests, replies, task }
+    }
+
+    fn spawn(
+        endpoint: &str,
+        backoff: (f64, f64),
+        member: usize,
+        generation: u64,
+        replies: mpsc::UnboundedSender<Reply>,
+    ) -> (mpsc::UnboundedSender<u64>, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(dealer_task(
+            zmq_endpoint(endpoint),
+            backoff,
+            member,
+            generation,
+            rx,
+            replies,
+        ));
+        (tx, task)
+    }
+
+    /// A fresh socket: replies to an abandoned request never reach it.
+    fn reset(&mut self) {
+        self.task.abort();
+        self.generation += 1;
+        let (requests, task) = Dealer::spawn(
+            &self.endpoint,
+            self.backoff,
+            self.member,
+            self.generation,
+            self.replies.clone(),
+        );
+        self.requests = requests;
+        self.task = task;
+    }
+}
+
+impl Drop for Dealer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One replay socket: connects (again, after a failure), sends the replay requests it is
+/// given and forwards the replies.
+async fn dealer_task(
+    endpoint: String,
+    backoff: (f64, f64),
+    member: usize,
+    generation: u64,
+    mut requests: mpsc::UnboundedReceiver<u64>,
+    replies: mpsc::UnboundedSender<Reply>,
+) {
+    let mut failures = 0;
+    loop {
+        reachable(&endpoint, backoff).await;
+        let mut dealer = DealerSocket::with_options(options());
+        if dealer.connect(&endpoint).await.is_err() {
+            tokio::time::sleep(delay(backoff, failures)).await;
+            failures += 1;
+            continue;
+        }
+        failures = 0;
+        loop {
+            tokio::select! {
+                start = requests.recv() => {
+                    let Some(start) = start else { return };
+                    // The ROUTER sees [identity, empty delimiter, start].
+                    let frames = vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())];
+                    let Ok(message) = ZmqMessage::try_from(frames) else { continue };
+                    if dealer.send(message).await.is_err() {
+                        break; // reconnect; the replay times out and is asked again later
+                    }
+                }
+                reply = dealer.recv() => match reply {
+                    Ok(message) => {
+                        let frames = message.into_vec();
+                        if replies.send(Reply { member, generation, frames }).is_err() {
+                            return;
+                        }
+                    }
+                    Err(_) => break,
+                },
+            }
+        }
+    }
+}
+
+/// What a member's stream asks of the index and its replay socket.
+struct MemberWire<'a> {
+    shared: &'a Shared,
+    member: usize,
+    dealer: Option<&'a mut Dealer>,
+}
+
+impl Wire for MemberWire<'_> {
+    fn apply(&mut self, payload: &[u8]) -> Option<llmsched_core::prefix_index::ApplyReport> {
+        let member = &self.shared.members[self.member];
+        let report = self.shared.index.apply_vllm_events(&member.key, payload).ok()?;
+        if let Some(hook) =
+            self.shared.on_mismatch.as_ref().filter(|_| report.block_size_mismatch > 0)
+        {
+            hook(&member.spec.worker, report.block_size_mismatch);
+        }
+        Some(report)
+    }
+
+    fn clear(&mut self) {
+        let _ = self.shared.index.clear(&self.shared.members[self.member].key);
+    }
+
+    fn has_replay(&self) -> bool {
+        self.dealer.is_some()
+    }
+
+    fn ask_replay(&mut self, start: u64) {
+        if let Some(dealer) = self.dealer.as_mut() {
+            let _ = dealer.requests.send(start);
+        }
+    }
+
+    fn reset_replay(&mut self) {
+        if let Some(dealer) = self.dealer.as_mut() {
+            dealer.reset();
+        }
+    }
+}
+
+/// One SUB socket's task.
+struct GroupTask {
+    shared: Arc<Shared>,
+    group: usize,
+    /// Replay sockets by member (None: no replay socket).
+    dealers: Vec<Option<Dealer>>,
+}
+
+impl GroupTask {
+    fn group(&self) -> &Group {
+        &self.shared.groups[self.group]
+    }
+
+    /// Runs `f` on member `m`'s stream with its wire, then wakes the readers.
+    fn with_stream(&mut self, m: usize, f: impl FnOnce(&mut super::Stream, &mut MemberWire<'_>)) {
+        let shared = self.shared.clone();
+        let slot = self.group().members.iter().position(|&x| x == m);
+        let dealer = slot.and_then(|s| self.dealers[s].as_mut());
+        let mut wire = MemberWire { shared: &shared, member: m, dealer };
+        {
+            let mut stream = lock(&shared.members[m].stream);
+            f(&mut stream, &mut wire);
+        }
+        shared.touched();
+    }
+
+    fn bump_extra(&self, counter: Counter) {
+        lock(&self.shared.extra).bump(counter, 1);
+        self.shared.touched();
+    }
+
+    fn shared_socket(&self) -> bool {
+        self.group().members.len() > 1
+    }
+
+    fn on_event(&mut self, event: SocketEvent) {
+        let now = monotonic();
+        let members = self.group().members.clone();
+        match event {
+            SocketEvent::Connected(..) | SocketEvent::Accepted(..) => {
+                let own = !self.shared_socket();
+                if !own {
+                    self.bump_extra(Counter::Connects);
+                }
+                for m in members {
+                    self.with_stream(m, |s, w| s.connected(own, now, w));
+                }
+            }
+            SocketEvent::Disconnected(..) if self.shared_socket() => {
+                self.bump_extra(Counter::Disconnects);
+            }
+            SocketEvent::Disconnected(..) => {
+                self.with_stream(members[0], |s, _| s.disconnected());
+            }
+            _ => {}
+        }
+    }
+
+    fn on_live(&mut self, frames: Vec<Bytes>) {
+        let now = monotonic();
+        let well_formed = frames.len() == 3 && frames[1].len() == 8;
+        let members = self.group().members.clone();
+        let own = members.iter().copied().find(|&m| {
+            frames
+                .first()
+                .is_some_and(|t| t.as_ref() == self.shared.members[m].spec.topic.as_bytes())
+        });
+        let Some(m) = own else {
+            if self.shared_socket() {
+                self.bump_extra(if well_formed {
+                    Counter::TopicRejected
+                } else {
+                    Counter::DecodeErrors
+                });
+            } else if !well_formed {
+                self.with_stream(members[0], |s, _| s.malformed());
+            } else {
+                self.with_stream(members[0], |s, _| s.foreign_topic());
+            }
+            return;
+        };
+        if !well_formed {
+            self.with_stream(m, |s, _| s.malformed());
+            return;
+        }
+        let seq = u64::from_be_bytes(frames[1].as_ref().try_into().unwrap_or([0; 8]));
+        let payload = frames[2].clone();
+        self.with_stream(m, |s, w| s.on_live(seq, payload, now, w));
+    }
+
+    fn on_reply(&mut self, reply: Reply) {
+        let slot = self.group().members.iter().position(|&x| x == reply.member);
+        let current = slot.and_then(|s| self.dealers[s].as_ref()).map(|d| d.generation);
+        if current != Some(reply.generation) {
+            return; // from a socket replaced since
+        }
+        let topic = self.shared.members[reply.member].spec.topic.clone();
+        let now = monotonic();
+        self.with_stream(reply.member, |s, w| {
+            s.on_replay_reply(&reply.frames, topic.as_bytes(), now, w)
+        });
+    }
+
+    fn check_timers(&mut self) {
+        let now = monotonic();
+        for m in self.group().members.clone() {
+            self.with_stream(m, |s, w| s.check_timers(now, w));
+        }
+    }
+
+    fn next_deadline(&self) -> Option<f64> {
+        let group = self.group();
+        group
+            .members
+            .iter()
+            .filter_map(|&m| lock(&self.shared.members[m].stream).next_deadline())
+            .min_by(f64::total_cmp)
+    }
+
+    /// Opens the SUB socket (binding, or connecting once the endpoint answers), retrying with
+    /// the backoff after a failure (counted in `socket_errors`).
+    async fn open(&mut self) -> (SubSocket, fmpsc::Receiver<SocketEvent>) {
+        let backoff = self.shared.options.backoff_s;
+        let endpoint = zmq_endpoint(&self.group().endpoint);
+        let mut failures = 0;
+        loop {
+            let mut sub = SubSocket::with_options(options());
+            let monitor = sub.monitor();
+            let mut subscribed = true;
+            for &m in &self.group().members {
+                let topic = self.shared.members[m].spec.topic.clone();
+                subscribed &= sub.subscribe(&topic).await.is_ok();
+            }
+            let opened = if !subscribed {
+                Err(())
+            } else if self.group().bind {
+                sub.bind(&endpoint).await.map(|e| Some(e.to_string())).map_err(|_| ())
+            } else {
+                reachable(&endpoint, backoff).await;
+                sub.connect(&endpoint).await.map(|_| None).map_err(|_| ())
+            };
+            let first = !self.group().tried.swap(true, std::sync::atomic::Ordering::AcqRel);
+            match opened {
+                Ok(bound) => {
+                    *lock(&self.group().bound) = bound;
+                    self.shared.touched();
+                    return (sub, monitor);
+                }
+                Err(()) if self.group().bind => {
+                    if self.shared_socket() {
+                        self.bump_extra(Counter::SocketErrors);
+                    } else {
+                        let m = self.group().members[0];
+                        self.with_stream(m, |s, _| s.socket_failed());
+                    }
+                }
+                Err(()) => {} // not up yet, or went away meanwhile: tried again
+            }
+            if first {
+                self.shared.touched();
+            }
+            tokio::time::sleep(delay(backoff, failures)).await;
+            failures += 1;
+        }
+    }
+}
+
+async fn group_task(shared: Arc<Shared>, group: usize) {
+    let (replies_tx, mut replies) = mpsc::unbounded_channel();
+    let backoff = shared.options.backoff_s;
+    let dealers = shared.groups[group]
+        .members
+        .iter()
+        .map(|&m| {
+            let replay = shared.members[m].spec.replay.clone();
+            replay.map(|endpoint| Dealer::new(endpoint, backoff, m, replies_tx.clone()))
+        })
+        .collect();
+    let mut task = GroupTask { shared, group, dealers };
+    let (mut sub, mut monitor) = task.open().await;
+    let mut monitoring = true;
+    loop {
+        let wake = task.next_deadline().map_or(Duration::from_secs(3600), |at| {
+            Duration::from_secs_f64((at - monotonic()).clamp(0.0, 3600.0))
+        });
+        tokio::select! {
+            biased;
+            event = monitor.next(), if monitoring => match event {
+                Some(event) => task.on_event(event),
+                None => monitoring = false,
+            },
+            // Replies first: a replay in progress decides how the live batches are taken.
+            Some(reply) = replies.recv() => task.on_reply(reply),
+            message = sub.recv() => {
+                if let Ok(message) = message {
+                    task.on_live(message.into_vec());
+                }
+            }
+            () = tokio::time::sleep(wake) => task.check_timers(),
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! The state machine alone, against a recording wire; `tests/test_integrations_kv_events.py`
+//! runs the same cases over real sockets for both subscribers.
+
+use super::*;
+
+#[derive(Default)]
+struct Recorder {
+    applied: Vec<u8>,
+    clears: usize,
+    asked: Vec<u64>,
+    resets: usize,
+    replay: bool,
+}
+
+impl Wire for Recorder {
+    fn apply(&mut self, payload: &[u8]) -> Option<ApplyReport> {
+        let first = *payload.first()?;
+        self.applied.push(first);
+        Some(ApplyReport { events: 1, ..ApplyReport::default() })
+    }
+    fn clear(&mut self) {
+        self.clears += 1;
+    }
+    fn has_replay(&self) -> bool {
+        self.replay
+    }
+    fn ask_replay(&mut self, start: u64) {
+        self.asked.push(start);
+    }
+    fn reset_replay(&mut self) {
+        self.resets += 1;
+    }
+}
+
+fn config() -> StreamConfig {
+    StreamConfig {
+        reorder_window: 2,
+        reorder_wait_s: 0.05,
+        buffer_cap: 8,
+        buffer_cap_bytes: 1 << 20,
+        replay_timeout_s: 1.0,
+        replay_backoff_s: (10.0, 300.0),
+        catch_up: false,
+    }
+}
+
+/// A batch whose one payload byte names its sequence number.
+fn batch(seq: u64) -> Bytes {
+    Bytes::from(vec![seq as u8])
+}
+
+fn reply(seq: i64) -> Vec<Bytes> {
+    vec![Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(vec![seq as u8])]
+}
+
+#[test]
+fn in_order_batches_apply_and_duplicates_are_dropped() {
+    let (mut s, mut w) = (Stream::new(config()), Recorder::default());
+    for seq in [0, 1, 1, 2, 0] {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    assert_eq!(w.applied, [0, 1, 2, 0], "0 again after the stream moved on: a restart");
+    assert_eq!(s.counts.get(Counter::Duplicates), 1, "the second 1");
+    assert_eq!((s.counts.get(Counter::Restarts), w.clears), (1, 1));
+    assert_eq!(s.last_seq(), Some(0));
+}
+
+#[test]
+fn a_late_batch_within_the_window_fills_its_hole() {
+    let (mut s, mut w) = (Stream::new(config()), Recorder::default());
+    for seq in [0, 2, 1, 3] {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    assert_eq!(w.applied, [0, 1, 2, 3]);
+    assert_eq!(s.counts.get(Counter::Reordered), 1);
+    assert_eq!(s.counts.get(Counter::Gaps), 0);
+}
+
+#[test]
+fn a_hole_that_waits_too_long_is_replayed_and_the_replay_fills_it() {
+    let (mut s, mut w) = (Stream::new(config()), Recorder { replay: true, ..Default::default() });
+    s.on_live(0, batch(0), 0.0, &mut w);
+    s.on_live(3, batch(3), 0.0, &mut w);
+    assert_eq!(s.next_deadline(), Some(0.05));
+    s.check_timers(0.06, &mut w);
+    assert_eq!((w.asked.clone(), s.counts.get(Counter::MissedBatches)), (vec![1], 2));
+    s.on_live(4, batch(4), 0.07, &mut w); // held while the replay runs
+    for seq in [1, 2, 3, -1] {
+        s.on_replay_reply(&reply(seq), b"t", 0.08, &mut w);
+    }
+    assert_eq!(w.applied, [0, 1, 2, 3, 4]);
+    // 3 was held from the live stream and applied once 2 came: its replayed copy is dropped.
+    assert_eq!(s.counts.get(Counter::ReplayedBatches), 2);
+    assert!(!s.state(0.1).replaying);
+}
+
+#[test]
+fn a_silent_replay_is_given_up_the_worker_resynced_and_the_socket_backs_off() {
+    let (mut s, mut w) = (Stream::new(config()), Recorder { replay: true, ..Default::default() });
+    s.on_live(0, batch(0), 0.0, &mut w);
+    for seq in 2..6 {
+        s.on_live(seq, batch(seq), 0.0, &mut w); // past the window: a gap at once
+    }
+    assert_eq!(w.asked, [1]);
+    s.check_timers(1.5, &mut w);
+    assert_eq!(s.counts.get(Counter::ReplayTimeouts), 1);
+    assert_eq!((w.clears, w.resets), (1, 1));
+    assert_eq!(w.applied, [0, 2, 3, 4, 5]);
+    assert!(s.state(1.5).replay_backoff_s > 9.0);
+    // Another gap while the socket backs off resyncs at once.
+    for seq in 7..10 {
+        s.on_live(seq, batch(seq), 2.0, &mut w);
+    }
+    assert_eq!(s.counts.get(Counter::ReplaysSkipped), 1);
+    assert_eq!(w.asked.len(), 1);
+}
+
+#[test]
+fn a_new_publisher_starting_over_is_a_restart() {
+    let (mut s, mut w) = (Stream::new(config()), Recorder::default());
+    for seq in 0..5 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    s.connected(true, 0.0, &mut w);
+    s.connected(true, 0.0, &mut w); // a reconnection: the next batch decides
+    s.on_live(3, batch(3), 0.0, &mut w);
+    assert_eq!(s.counts.get(Counter::Restarts), 1);
+    assert_eq!(w.clears, 1);
+    assert_eq!(s.counts.get(Counter::Reconnects), 1);
+}
+
+#[test]
+fn the_buffer_cap_ends_a_replay_that_does_not_answer() {
+    let (mut s, mut w) = (Stream::new(config()), Recorder { replay: true, ..Default::default() });
+    s.on_live(0, batch(0), 0.0, &mut w);
+    for seq in 2..12 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    assert_eq!(w.asked, [1], "held past the window: a gap, replayed");
+    assert_eq!(s.counts.get(Counter::BufferOverflows), 1);
+    assert_eq!((w.resets, w.clears), (1, 1));
+    assert_eq!(w.applied, [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
+    assert_eq!(s.state(0.0).held_peak, 8);
+}
