@@ -1950,11 +1950,13 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
+    let now = tokio::time::Instant::now();
     let timer = match (relaying.read_timeout, relaying.deadline) {
         (None, None) => None,
-        _ => Some(Box::pin(tokio::time::sleep_until(wake_at(
+        _ => Some(Box::pin(tokio::time::sleep_until(due(
             relaying.read_timeout,
             relaying.deadline,
+            now,
         )))),
     };
     let mut out = Response::new(Relay {
@@ -1971,6 +1973,7 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         sse,
         own: None,
         timer,
+        last_frame: now,
         read_timeout: relaying.read_timeout,
         deadline: relaying.deadline,
         broken: false,
@@ -1986,8 +1989,16 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
 }
 
 fn wake_at(read: Option<Duration>, deadline: Option<tokio::time::Instant>) -> tokio::time::Instant {
-    let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
-    let by_read = read.map(|r| tokio::time::Instant::now() + r).unwrap_or(far);
+    due(read, deadline, tokio::time::Instant::now())
+}
+
+/// When an answer silent since `since` is cut: a read timeout after it, or the deadline.
+fn due(
+    read: Option<Duration>,
+    deadline: Option<tokio::time::Instant>,
+    since: tokio::time::Instant,
+) -> tokio::time::Instant {
+    let by_read = since + read.unwrap_or(Duration::from_secs(86_400 * 365));
     deadline.map(|d| d.min(by_read)).unwrap_or(by_read)
 }
 
@@ -2006,6 +2017,7 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         sse: false,
         own: Some(body),
         timer: None,
+        last_frame: tokio::time::Instant::now(),
         read_timeout: None,
         deadline: None,
         broken: false,
@@ -2098,7 +2110,10 @@ pub struct Relay {
     completion: bool,
     sse: bool,
     own: Option<Bytes>,
+    /// Fires no earlier than the read timeout after `last_frame` (or at the deadline): set
+    /// once, and moved on only when it fires, rather than reset at every frame.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    last_frame: tokio::time::Instant,
     read_timeout: Option<Duration>,
     deadline: Option<tokio::time::Instant>,
     broken: bool,
@@ -2200,8 +2215,13 @@ impl Body for Relay {
         match Pin::new(inner).poll_frame(cx) {
             Poll::Pending => {
                 if let Some(timer) = this.timer.as_mut() {
-                    if timer.as_mut().poll(cx).is_ready() {
-                        return this.cut();
+                    while timer.as_mut().poll(cx).is_ready() {
+                        let due = due(this.read_timeout, this.deadline, this.last_frame);
+                        if due <= tokio::time::Instant::now() {
+                            return this.cut();
+                        }
+                        // A frame came since it was set: silent for less than the timeout.
+                        timer.as_mut().reset(due);
                     }
                 }
                 Poll::Pending
@@ -2223,8 +2243,8 @@ impl Body for Relay {
                         this.tokens.feed(data, this.sse);
                     }
                 }
-                if let Some(timer) = this.timer.as_mut() {
-                    timer.as_mut().reset(wake_at(this.read_timeout, this.deadline));
+                if this.timer.is_some() {
+                    this.last_frame = tokio::time::Instant::now();
                 }
                 if this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
