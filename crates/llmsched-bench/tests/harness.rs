@@ -22,16 +22,21 @@ impl Engines {
             .stdout(Stdio::piped())
             .spawn()
             .expect("the fake engine starts");
-        let mut line = Vec::new();
-        let stdout = child.stdout.as_mut().unwrap();
-        let mut byte = [0u8; 1];
-        while stdout.read(&mut byte).expect("reads the ports line") == 1 && byte[0] != b'\n' {
-            line.push(byte[0]);
-        }
-        let ports: Value = serde_json::from_slice(&line).expect("a JSON ports line");
+        let ports = first_line(&mut child);
         let ports = ports["ports"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap() as u16);
         Engines { ports: ports.collect(), child }
     }
+}
+
+/// The JSON line a child prints once it listens.
+fn first_line(child: &mut Child) -> Value {
+    let mut line = Vec::new();
+    let stdout = child.stdout.as_mut().unwrap();
+    let mut byte = [0u8; 1];
+    while stdout.read(&mut byte).expect("reads the first line") == 1 && byte[0] != b'\n' {
+        line.push(byte[0]);
+    }
+    serde_json::from_slice(&line).expect("a JSON line")
 }
 
 impl Drop for Engines {
@@ -436,13 +441,7 @@ fn the_bare_proxy_relays_json_and_streams_to_each_engine_in_turn() {
         .stdout(Stdio::piped())
         .spawn()
         .expect("the proxy starts");
-    let mut line = Vec::new();
-    let stdout = child.stdout.as_mut().unwrap();
-    let mut byte = [0u8; 1];
-    while stdout.read(&mut byte).expect("reads the listening line") == 1 && byte[0] != b'\n' {
-        line.push(byte[0]);
-    }
-    let listening: Value = serde_json::from_slice(&line).expect("a JSON line");
+    let listening = first_line(&mut child);
     let port: u16 =
         listening["listening"].as_str().unwrap().rsplit(':').next().unwrap().parse().unwrap();
     // Through the proxy, with the load generator's keep-alive connections: the two engines
