@@ -29,6 +29,9 @@
 //! connection (the engine sees the disconnect) and finishes the ticket. Both sides set
 //! `TCP_NODELAY`.
 //!
+//! Transport: the body's fields are read once, borrowed from its bytes ([`payload`]), and
+//! completion requests go out on keep-alive connections of the gateway's own ([`pool`]).
+//!
 //! Background work: the engines' `/metrics` are scraped every `scrape_interval_s` into the
 //! pool and flow control's saturation detector (vLLM or SGLang names, through
 //! `routing::metrics_text`); while no request arrives the interval doubles up to 25 times its
