@@ -17,6 +17,11 @@ figure is the median over the repeats:
 * the ratio of each llmsched figure to the best peer's in the same mode (round-robin beside the
   peers' round-robin; the llm-d preset beside their cache-aware modes).
 
+``bare-proxy`` (``llmsched-bare-proxy``, in the default list) is the least a proxy on tokio and
+hyper does: requests to each engine in turn, bodies unchanged, nothing read or counted. It is
+never taken as the best peer; its row (beside the round-robin peers) is the floor of any
+gateway on that stack on this machine, and so tells how low a ratio can go here.
+
 Usage: python tools/bench_gateway_peers.py [--short] [--rates 300,1000] [--repeats 3] ...
 (``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids;
 ``llmsched-serve-native-llm-d-nocache`` in ``--gateways`` adds the native plane without its
@@ -238,6 +243,12 @@ def gateways(
                     ),
                 )
             )
+        elif name == "bare-proxy":
+            binary = Path(native_bin).with_name("llmsched-bare-proxy")
+            if not binary.exists():
+                print(f"skipping {name}: {binary} is not built (cargo build --release)")
+                continue
+            found.append(Gateway(name, "native", "round-robin", (str(binary),)))
         elif name in ("llmsched-native-llm-d", "llmsched-native-round-robin"):
             binary = Path(native_bin)
             if not binary.exists():
@@ -493,7 +504,7 @@ class Row:
         """round-robin or cache-aware (llmsched's llm-d preset counts as cache-aware)."""
         return (
             "round-robin"
-            if self.gateway.endswith(("round_robin", "round-robin"))
+            if self.gateway.endswith(("round_robin", "round-robin")) or self.gateway == "bare-proxy"
             else ("cache-aware")
         )
 
@@ -535,12 +546,18 @@ def rows_of(results: Results) -> list[Row]:
     return rows
 
 
+def is_peer(name: str) -> bool:
+    """Whether a gateway is one of the Rust routers compared with (not llmsched, not the
+    reference proxy)."""
+    return name.startswith(("sglang-", "vllm-"))
+
+
 def best_peers(rows: Sequence[Row]) -> dict[tuple[str, float, str], Row]:
     """The peer with the lowest CPU per request at each answer kind, rate and mode, among
     those that answered every request."""
     best: dict[tuple[str, float, str], Row] = {}
     for row in rows:
-        if row.gateway.startswith("llmsched") or row.cpu_ms is None or row.errors:
+        if not is_peer(row.gateway) or row.cpu_ms is None or row.errors:
             continue
         key = (row.answer, row.rate, row.mode)
         held = best.get(key)
@@ -598,7 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="direct,llmsched-llm-d,llmsched-round-robin,llmsched-serve-native-llm-d,"
         "llmsched-serve-native-round-robin,llmsched-native-llm-d,"
         "llmsched-native-round-robin,sglang-cache_aware,sglang-round_robin,vllm-cache_aware,"
-        "vllm-round_robin",
+        "vllm-round_robin,bare-proxy",
     )
     parser.add_argument("--answers", default="json,stream")
     parser.add_argument("--rates", default="300,1000")

@@ -22,16 +22,21 @@ impl Engines {
             .stdout(Stdio::piped())
             .spawn()
             .expect("the fake engine starts");
-        let mut line = Vec::new();
-        let stdout = child.stdout.as_mut().unwrap();
-        let mut byte = [0u8; 1];
-        while stdout.read(&mut byte).expect("reads the ports line") == 1 && byte[0] != b'\n' {
-            line.push(byte[0]);
-        }
-        let ports: Value = serde_json::from_slice(&line).expect("a JSON ports line");
+        let ports = first_line(&mut child);
         let ports = ports["ports"].as_array().unwrap().iter().map(|p| p.as_u64().unwrap() as u16);
         Engines { ports: ports.collect(), child }
     }
+}
+
+/// The JSON line a child prints once it listens.
+fn first_line(child: &mut Child) -> Value {
+    let mut line = Vec::new();
+    let stdout = child.stdout.as_mut().unwrap();
+    let mut byte = [0u8; 1];
+    while stdout.read(&mut byte).expect("reads the first line") == 1 && byte[0] != b'\n' {
+        line.push(byte[0]);
+    }
+    serde_json::from_slice(&line).expect("a JSON line")
 }
 
 impl Drop for Engines {
@@ -421,4 +426,32 @@ fn the_generator_reports_cpu_per_request_of_a_process() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn the_bare_proxy_relays_json_and_streams_to_each_engine_in_turn() {
+    let engines = Engines::start(&["--engines", "2", "--answer-tokens", "3"]);
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_llmsched-bare-proxy"))
+        .args(["--engine", &url(engines.ports[0]), "--engine", &url(engines.ports[1])])
+        .args(["--engine", &url(closed)])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the proxy starts");
+    let listening = first_line(&mut child);
+    let port: u16 =
+        listening["listening"].as_str().unwrap().rsplit(':').next().unwrap().parse().unwrap();
+    // Through the proxy, with the load generator's keep-alive connections: the two engines
+    // answer, the unreachable third is a 502.
+    let report = load(&["--url", &url(port), "--rate", "60", "--duration", "0.5", "--stream"]);
+    let statuses = report["errors"].as_object().unwrap();
+    assert!(report["ok"].as_u64().unwrap() > 0, "{report}");
+    assert!(statuses.keys().all(|k| k == "status_502"), "{report}");
+    let json = request(port, "POST", "/v1/completions", r#"{"prompt":"x","max_tokens":3}"#);
+    assert!(matches!(json.status(), 200 | 502), "{}", json.text());
+    let _ = child.kill();
+    let _ = child.wait();
 }

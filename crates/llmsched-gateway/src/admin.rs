@@ -230,7 +230,7 @@ impl Gateway {
             .collect();
         let id = |e: &EngineEntry| match e {
             EngineEntry::Url(url) => {
-                crate::upstream(e).map(|u| u.id).unwrap_or_else(|_| url.clone())
+                crate::upstream(e, &self.config).map(|u| u.id).unwrap_or_else(|_| url.clone())
             }
             EngineEntry::Named { id, .. } => id.clone(),
         };
@@ -239,7 +239,7 @@ impl Gateway {
                 Ok(entry) => entry,
                 Err(e) => return error(400, format!("not an engine entry: {e}")),
             };
-            if let Err(problem) = crate::upstream(&entry) {
+            if let Err(problem) = crate::upstream(&entry, &self.config) {
                 return error(400, format!("not an engine entry: {problem}"));
             }
             if current.iter().any(|e| id(e) == id(&entry)) {

@@ -132,7 +132,11 @@ impl Flow {
             Err(_) => return Err(NotAdmitted::Outcome(Outcome::RejectedCapacity)),
         }
         self.pump(now);
-        self.queued.notify_one();
+        // The expiry loop runs only while requests wait: one dispatched at once needs no
+        // wake-up of it.
+        if !self.lock().is_empty() {
+            self.queued.notify_one();
+        }
         // Dropped while queued (the client left, or no engine is left): cancelled.
         let mut queued = Queued { flow: self, id, clock, armed: true };
         let wait = Duration::from_secs_f64((deadline - now).max(0.0));

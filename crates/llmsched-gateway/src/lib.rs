@@ -29,6 +29,9 @@
 //! connection (the engine sees the disconnect) and finishes the ticket. Both sides set
 //! `TCP_NODELAY`.
 //!
+//! Transport: the body's fields are read once, borrowed from its bytes ([`payload`]), and
+//! completion requests go out on keep-alive connections of the gateway's own ([`pool`]).
+//!
 //! Background work: the engines' `/metrics` are scraped every `scrape_interval_s` into the
 //! pool and flow control's saturation detector (vLLM or SGLang names, through
 //! `routing::metrics_text`); while no request arrives the interval doubles up to 25 times its
@@ -36,9 +39,11 @@
 //! (503 while no engine is routable), `GET /metrics` (the Python plane's metric names) and
 //! `GET /v1/models` (the configured models) are served natively.
 //!
-//! Not done here (the Python plane, `data_plane: python`, does them): a Hugging Face
-//! tokenizer and chat template, token slices, replica sync, the admin API, and Python
-//! scorers of the router run through the GIL (the router calls them as configured).
+//! With a tokenizer the prompt is the engine's token ids ([`tokenize`], with the piece cache
+//! of [`tokcache`]). Token slices ([`slicing`]), the admin API ([`admin`]), the usage that
+//! replica sync shares ([`usage`]) and the engines' KV-event feed ([`kv_events`]) are modules
+//! of their own. A Python scorer or filter of the router runs through the GIL (the router
+//! calls it as configured); nothing else on the request path is Python.
 
 pub mod admin;
 pub mod flow;
@@ -46,6 +51,8 @@ pub mod guards;
 pub mod health;
 pub mod kv_events;
 pub mod metrics;
+pub mod payload;
+pub mod pool;
 pub mod slicing;
 pub mod tokcache;
 pub mod tokenize;
@@ -86,6 +93,7 @@ use tokio::sync::watch;
 pub use guards::ApiKeyConfig;
 pub use health::HealthConfig;
 pub use metrics::Counters;
+use payload::Payload;
 
 /// What a gateway serves and how. Deserializes from JSON with these field names (what
 /// `llmsched serve` passes); fields left out keep their defaults.
@@ -260,8 +268,14 @@ impl RouterSource for Router {
 struct Upstream {
     key: WorkerKey,
     id: String,
+    /// `id` shared with the answers relayed from this engine (their metric labels).
+    label: Arc<str>,
     completions: Uri,
-    chat: Uri,
+    /// The origin-form targets of completion requests (what the request line carries).
+    completions_path: Uri,
+    chat_path: Uri,
+    /// Keep-alive connections for completion requests.
+    connections: pool::Connections,
     metrics: Uri,
     models: Uri,
     probe: Uri,
@@ -336,6 +350,9 @@ impl GatewayHandle {
     }
 }
 
+/// Seconds an idle upstream connection is kept open.
+const POOL_IDLE_S: u64 = 60;
+
 fn router_config(value: &Value) -> Result<Value, ConfigProblem> {
     match value {
         Value::String(name) => presets::preset(name).ok_or_else(|| {
@@ -349,7 +366,7 @@ fn router_config(value: &Value) -> Result<Value, ConfigProblem> {
     }
 }
 
-fn upstream(entry: &EngineEntry) -> Result<Upstream, ConfigProblem> {
+fn upstream(entry: &EngineEntry, config: &GatewayConfig) -> Result<Upstream, ConfigProblem> {
     let (named, base) = match entry {
         EngineEntry::Url(url) => (None, url.as_str()),
         EngineEntry::Named { id, url } => (Some(id.clone()), url.as_str()),
@@ -366,11 +383,22 @@ fn upstream(entry: &EngineEntry) -> Result<Upstream, ConfigProblem> {
         None => uri.authority().map(|a| a.to_string()).ok_or_else(not_http)?,
     };
     let at = |path: &str| format!("{base}{path}").parse::<Uri>().map_err(|_| not_http());
+    let prefix = uri.path().trim_end_matches('/');
+    let path = |path: &str| format!("{prefix}{path}").parse::<Uri>().map_err(|_| not_http());
+    let connections = pool::Connections::new(
+        &uri,
+        config.connect_timeout_s.map(Duration::from_secs_f64),
+        Duration::from_secs(POOL_IDLE_S),
+    )
+    .map_err(|e| ConfigProblem(format!("engines: {e}")))?;
     Ok(Upstream {
         key: WorkerKey::Str(id.clone()),
+        label: Arc::from(id.as_str()),
         id,
         completions: at("/v1/completions")?,
-        chat: at("/v1/chat/completions")?,
+        completions_path: path("/v1/completions")?,
+        chat_path: path("/v1/chat/completions")?,
+        connections,
         metrics: at("/metrics")?,
         models: at("/v1/models")?,
         probe: Uri::default(),
@@ -480,7 +508,7 @@ fn build(
     connector.set_nodelay(true);
     connector.set_connect_timeout(config.connect_timeout_s.map(Duration::from_secs_f64));
     let client = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_idle_timeout(Duration::from_secs(POOL_IDLE_S))
         .build(connector);
     let gateway = Gateway {
         source,
@@ -920,6 +948,13 @@ async fn probes(gateway: Arc<Gateway>) {
 
 type Answer = Response<Relay>;
 
+/// Whether `upstream` takes requests: in the pool, its last scrape answered, healthy.
+fn in_routing(upstream: &Upstream, pool: &llmsched_core::routing::pool::Members) -> bool {
+    pool.get(&upstream.key).is_some()
+        && !upstream.scrape_failed.load(Ordering::Relaxed)
+        && upstream.health.lock().unwrap_or_else(|e| e.into_inner()).state == health::State::Up
+}
+
 /// An OpenAI-shaped refusal of the gateway's own.
 struct Refusal {
     status: StatusCode,
@@ -960,50 +995,42 @@ const TENANT_HEADER: &str = "x-llmsched-tenant";
 const PRIORITY_HEADER: &str = "x-llmsched-priority";
 const DROPPED_REASON_HEADER: &str = "x-llmsched-dropped-reason";
 const SESSION_HEADER: &str = "x-session-id";
-/// Deepest nesting of a request body (chat content parts and tool schemas need a few levels).
-const MAX_DEPTH: usize = 64;
 const NESTED: &str = "the body is nested too deeply";
 const MAX_TOKEN_LIMIT: u64 = (1 << 31) - 1;
 
-fn depth(value: &Value) -> usize {
-    match value {
-        Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
-        Value::Object(fields) => 1 + fields.values().map(depth).max().unwrap_or(0),
-        _ => 0,
-    }
-}
-
 /// The sampling fields the gateway reads have the types the OpenAI API gives them; 400
 /// naming the field otherwise.
-fn check_fields(payload: &Value) -> Result<(), Refusal> {
+fn check_fields(payload: &Payload<'_>) -> Result<(), Refusal> {
     let bad = |field: &'static str, what: &str| {
         Refusal::new(400, "invalid_request_error", format!("'{field}' must be {what}")).param(field)
     };
+    // None: absent; Some(None): a number out of f64's range, of no type the field takes.
+    let read = |field: &str| payload.value(field).map(Result::ok);
     for field in ["max_tokens", "max_completion_tokens"] {
-        match payload.get(field) {
-            None | Some(Value::Null) => {}
-            Some(Value::Number(n))
+        match read(field) {
+            None | Some(Some(Value::Null)) => {}
+            Some(Some(Value::Number(n)))
                 if n.as_u64().is_some_and(|n| (1..=MAX_TOKEN_LIMIT).contains(&n)) => {}
             Some(_) => {
                 return Err(bad(field, &format!("an integer in 1..{MAX_TOKEN_LIMIT} or null")))
             }
         }
     }
-    match payload.get("stop") {
-        None | Some(Value::Null) | Some(Value::String(_)) => {}
-        Some(Value::Array(items)) if items.iter().all(Value::is_string) => {}
+    match read("stop") {
+        None | Some(Some(Value::Null | Value::String(_))) => {}
+        Some(Some(Value::Array(items))) if items.iter().all(Value::is_string) => {}
         Some(_) => return Err(bad("stop", "a string, a list of strings or null")),
     }
-    match payload.get("stream") {
-        None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+    match read("stream") {
+        None | Some(Some(Value::Null | Value::Bool(_))) => {}
         Some(_) => return Err(bad("stream", "true, false or null")),
     }
-    match payload.get("stream_options") {
-        None | Some(Value::Null) | Some(Value::Object(_)) => {}
+    match read("stream_options") {
+        None | Some(Some(Value::Null | Value::Object(_))) => {}
         Some(_) => return Err(bad("stream_options", "an object or null")),
     }
-    match payload.get("cache_salt") {
-        None | Some(Value::Null) | Some(Value::String(_)) => {}
+    match read("cache_salt") {
+        None | Some(Some(Value::Null | Value::String(_))) => {}
         Some(_) => return Err(bad("cache_salt", "a string or null")),
     }
     Ok(())
@@ -1035,7 +1062,7 @@ impl Gateway {
         let mut next = Upstreams::default();
         let mut added = Vec::new();
         for entry in engines {
-            let mut fresh = upstream(entry)?;
+            let mut fresh = upstream(entry, &self.config)?;
             let base = fresh.completions.to_string();
             let base = base.trim_end_matches("/v1/completions");
             if next.by_key.contains_key(&fresh.key) {
@@ -1151,13 +1178,15 @@ impl Gateway {
         self.upstreams()
             .list
             .iter()
-            .filter(|u| {
-                snapshot.get(&u.key).is_some()
-                    && !u.scrape_failed.load(Ordering::Relaxed)
-                    && u.health.lock().unwrap_or_else(|e| e.into_inner()).state == health::State::Up
-            })
+            .filter(|u| in_routing(u, &snapshot))
             .map(|u| u.id.clone())
             .collect()
+    }
+
+    /// Whether any engine is routable (what each request asks: no list is built).
+    fn any_routable(&self) -> bool {
+        let snapshot = self.router().pool().snapshot();
+        self.upstreams().list.iter().any(|u| in_routing(u, &snapshot))
     }
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Result<Answer, io::Error> {
@@ -1196,7 +1225,7 @@ impl Gateway {
             let changed = self.routing_changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if self.routable().is_empty() {
+            if !self.any_routable() {
                 return;
             }
             changed.await;
@@ -1476,39 +1505,25 @@ impl Gateway {
                     ))
                 }
             };
-        let payload = match serde_json::from_slice::<Value>(&raw) {
-            Ok(Value::Object(map)) => Value::Object(map),
-            Ok(_) => {
-                return Err(Refusal::new(
-                    400,
-                    "invalid_request_error",
-                    "the body must be a JSON object",
-                ))
-            }
-            Err(err) if err.to_string().contains("recursion limit") => {
-                return Err(Refusal::new(400, "invalid_request_error", NESTED))
-            }
-            Err(_) => {
-                return Err(Refusal::new(
-                    400,
-                    "invalid_request_error",
-                    "the body is not valid JSON",
-                ))
-            }
-        };
-        if depth(&payload) > MAX_DEPTH {
-            return Err(Refusal::new(400, "invalid_request_error", NESTED));
-        }
+        let payload = Payload::parse(&raw).map_err(|problem| {
+            let message = match problem {
+                payload::Problem::NotJson => "the body is not valid JSON",
+                payload::Problem::NotObject => "the body must be a JSON object",
+                payload::Problem::Nested => NESTED,
+            };
+            Refusal::new(400, "invalid_request_error", message)
+        })?;
         check_fields(&payload)?;
-        let model = match payload.get("model") {
-            Some(Value::String(model)) => Some(model.as_str()),
+        let model = match (payload.raw("model"), payload.str("model")) {
+            (Some(_), Some(model)) => Some(model),
             // Without configured models (the standalone binary) the field is optional.
-            None if self.models.is_empty() => None,
+            (None, _) if self.models.is_empty() => None,
             _ => {
                 return Err(Refusal::new(400, "invalid_request_error", "'model' must be a string")
                     .param("model"))
             }
         };
+        let model = model.as_deref();
         if let Some(model) = model.filter(|m| !self.models.is_empty() && !self.models.contains(*m))
         {
             // A configured key is never echoed back.
@@ -1521,7 +1536,7 @@ impl Gateway {
             .param("model"));
         }
         let tokens = self.prompt_tokens(&payload, &raw, route == "chat")?;
-        let sse = payload.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let sse = payload.stream();
         let limiter = match &identity.limiter {
             Some(limiter) => {
                 limiter.acquire(tokens.len() as u64, monotonic()).map_err(|over| {
@@ -1542,7 +1557,7 @@ impl Gateway {
             None => None,
         };
         let retry_after = self.config.retry_after_s.to_string();
-        if self.routable().is_empty() {
+        if !self.any_routable() {
             return Err(Refusal::new(503, "service_unavailable", "no engine is available")
                 .dropped("no-endpoints", retry_after));
         }
@@ -1656,10 +1671,11 @@ impl Gateway {
             if tried > 1 {
                 self.counters.retries.fetch_add(1, Ordering::Relaxed);
             }
-            let uri = if route == "chat" { &upstream.chat } else { &upstream.completions };
-            let mut forward = Request::post(uri.clone())
-                .body(Full::new(raw.clone()))
-                .map_err(|_| Refusal::new(500, "internal_error", "cannot build the request"))?;
+            let path =
+                if route == "chat" { &upstream.chat_path } else { &upstream.completions_path };
+            let mut forward = Request::new(Full::new(raw.clone()));
+            *forward.method_mut() = Method::POST;
+            *forward.uri_mut() = path.clone();
             forward_headers(&parts.headers, forward.headers_mut());
             if let (Some(header), Some(address)) = (&self.pd_header, &prefill) {
                 if let Ok(value) = HeaderValue::from_str(address) {
@@ -1670,7 +1686,7 @@ impl Gateway {
             if tried == 1 {
                 self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
             }
-            let sent = self.client.request(forward);
+            let sent = upstream.connections.send(forward);
             let answered = match self.config.read_timeout_s {
                 None => Ok(sent.await),
                 Some(read) => {
@@ -1689,15 +1705,19 @@ impl Gateway {
                 }
                 Ok(Err(err)) => {
                     // Refused (or timed out) connecting, or closed before a status line.
-                    let kind = if err.is_connect() { "connect" } else { "broken" };
+                    let kind = match err {
+                        pool::SendError::Connect(_) => "connect",
+                        pool::SendError::Broken(_) => "broken",
+                    };
                     self.counters.upstream_errors.inc(&[&upstream.id, kind]);
                     self.attempt_ended(upstream, Some(kind));
                     drop(ticket);
                     self.drop_record(router, &decision, key);
                     continue;
                 }
-                Ok(Ok(answer)) => answer,
+                Ok(Ok(answered)) => answered,
             };
+            let (answer, lease) = answer;
             let failed = answer.status().is_server_error();
             if failed {
                 self.counters.upstream_errors.inc(&[&upstream.id, "status_5xx"]);
@@ -1716,6 +1736,7 @@ impl Gateway {
                 ticket: Some(ticket),
                 guards: Some(guards),
                 route: Some(route),
+                lease: Some(lease),
                 ..Relaying::completion(self, upstream, sse, deadline)
             };
             if sse || failed {
@@ -1775,14 +1796,19 @@ impl Gateway {
     /// given and text as pseudo-tokens. A tokenizer's failure (a malformed conversation, a
     /// template that refuses it) is a 400 naming the problem; nothing it does can panic
     /// through here (a panic would be a 500, the gateway going on).
-    fn prompt_tokens(&self, payload: &Value, raw: &[u8], chat: bool) -> Result<Vec<u32>, Refusal> {
+    fn prompt_tokens(
+        &self,
+        payload: &Payload<'_>,
+        raw: &[u8],
+        chat: bool,
+    ) -> Result<Vec<u32>, Refusal> {
         let bad = |problem: String| Refusal::new(400, "invalid_request_error", problem);
         let Some(tokenizer) = &self.tokenizer else {
             return prompt_tokens(payload, chat).map_err(|p| bad(p.to_owned()));
         };
         if chat {
             // The same first check as without a tokenizer.
-            if payload.get("messages").and_then(Value::as_array).is_none_or(|m| m.is_empty()) {
+            if payload.raw("messages").and_then(payload::array_items).is_none_or(|m| m.is_empty()) {
                 return Err(bad("'messages' must be a non-empty list".into()));
             }
         }
@@ -1790,7 +1816,7 @@ impl Gateway {
             if chat {
                 tokenizer.chat_tokens_of_body(raw)
             } else {
-                tokenizer.completion_tokens(payload.get("prompt"))
+                tokenizer.completion_tokens(payload.value("prompt").and_then(Result::ok).as_ref())
             }
         }));
         match tokenized {
@@ -1822,6 +1848,9 @@ impl Gateway {
                 return Err(Refusal::new(502, "upstream_error", "the engine's answer was cut off"));
             }
         };
+        if let Some(lease) = relaying.lease.take() {
+            lease.release();
+        }
         let mut tokens = TokenCount::default();
         tokens.feed(&bytes, false);
         if let Some(mut ticket) = relaying.ticket.take() {
@@ -1832,7 +1861,7 @@ impl Gateway {
             guards.output_tokens(tokens.tokens());
         }
         self.counters.completed.fetch_add(1, Ordering::Relaxed);
-        self.counters.requests.inc(&[route, &parts.status.as_u16().to_string()]);
+        self.counters.requests.inc(&[route, parts.status.as_str()]);
         let mut out = own(parts.status, "application/json", bytes);
         for (name, value) in &parts.headers {
             if !HOP_BY_HOP.contains(&name.as_str()) && name != CONTENT_LENGTH {
@@ -1869,39 +1898,51 @@ impl Drop for LimiterGuard {
 }
 
 /// The prompt as the router hashes it: token ids as given, text as 4-byte pseudo-tokens.
-fn prompt_tokens(payload: &Value, chat: bool) -> Result<Vec<u32>, &'static str> {
+fn prompt_tokens(payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, &'static str> {
+    const BAD_PROMPT: &str = "'prompt' must be a string or a list of token ids";
     if chat {
-        let Some(messages) = payload.get("messages").and_then(Value::as_array) else {
-            return Err("'messages' must be a non-empty list");
-        };
+        const NOT_A_LIST: &str = "'messages' must be a non-empty list";
+        let messages = payload.raw("messages").and_then(payload::array_items).ok_or(NOT_A_LIST)?;
         if messages.is_empty() {
-            return Err("'messages' must be a non-empty list");
+            return Err(NOT_A_LIST);
         }
         let mut text = String::new();
         for message in messages {
-            let Some(fields) = message.as_object() else {
+            let Ok(Some([role, content])) = payload::object_fields(message, &["role", "content"])
+            else {
                 return Err("each message must be an object");
             };
-            text.push_str(fields.get("role").and_then(Value::as_str).unwrap_or(""));
+            text.push_str(role.and_then(payload::as_str).as_deref().unwrap_or(""));
             text.push('\n');
-            match fields.get("content") {
-                Some(Value::String(content)) => text.push_str(content),
-                Some(Value::Null) | None => {}
-                Some(other) => text.push_str(&other.to_string()),
+            match content {
+                None => {}
+                Some(raw) if raw.get() == "null" => {}
+                Some(raw) => match payload::as_str(raw) {
+                    Some(content) => text.push_str(&content),
+                    // Other content (a list of parts) as compact JSON, as `Value` prints it.
+                    None => text.push_str(
+                        &serde_json::from_str::<Value>(raw.get())
+                            .map(|v| v.to_string())
+                            .unwrap_or_default(),
+                    ),
+                },
             }
             text.push('\n');
         }
         return Ok(pack_text(text.as_bytes()));
     }
-    let prompt = match payload.get("prompt") {
+    let raw = payload.raw("prompt").ok_or(BAD_PROMPT)?;
+    if let Some(text) = payload::as_str(raw) {
+        return Ok(pack_text(text.as_bytes()));
+    }
+    // Token ids, or a batch (small next to a text prompt): read whole.
+    let prompt: Value = serde_json::from_str(raw.get()).map_err(|_| BAD_PROMPT)?;
+    let prompt = match &prompt {
         // A batch routes by its first prompt.
-        Some(Value::Array(items))
-            if items.first().is_some_and(|p| p.is_string() || p.is_array()) =>
-        {
+        Value::Array(items) if items.first().is_some_and(|p| p.is_string() || p.is_array()) => {
             &items[0]
         }
-        Some(prompt) => prompt,
-        None => return Err("'prompt' must be a string or a list of token ids"),
+        prompt => prompt,
     };
     match prompt {
         Value::String(text) => Ok(pack_text(text.as_bytes())),
@@ -1909,8 +1950,8 @@ fn prompt_tokens(payload: &Value, chat: bool) -> Result<Vec<u32>, &'static str> 
             .iter()
             .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
             .collect::<Option<Vec<u32>>>()
-            .ok_or("'prompt' must be a string or a list of token ids"),
-        _ => Err("'prompt' must be a string or a list of token ids"),
+            .ok_or(BAD_PROMPT),
+        _ => Err(BAD_PROMPT),
     }
 }
 
@@ -1939,6 +1980,8 @@ fn forward_headers(from: &HeaderMap, to: &mut HeaderMap) {
 struct Relaying {
     route: Option<&'static str>,
     ticket: Option<Ticket>,
+    /// The upstream connection, released when the answer has been read to its end.
+    lease: Option<pool::Lease>,
     guards: Option<Guards>,
     counters: Arc<Counters>,
     endpoint: Option<Arc<str>>,
@@ -1953,6 +1996,7 @@ impl Relaying {
         Relaying {
             route: None,
             ticket: None,
+            lease: None,
             guards: None,
             counters,
             endpoint: None,
@@ -1968,9 +2012,10 @@ impl Relaying {
         Relaying {
             route: None,
             ticket: None,
+            lease: None,
             guards: None,
             counters: gateway.counters.clone(),
-            endpoint: Some(Arc::from(upstream.id.as_str())),
+            endpoint: Some(upstream.label.clone()),
             completion: true,
             sse,
             read_timeout: gateway.config.read_timeout_s.map(Duration::from_secs_f64),
@@ -1987,17 +2032,20 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
+    let now = tokio::time::Instant::now();
     let timer = match (relaying.read_timeout, relaying.deadline) {
         (None, None) => None,
-        _ => Some(Box::pin(tokio::time::sleep_until(wake_at(
+        _ => Some(Box::pin(tokio::time::sleep_until(due(
             relaying.read_timeout,
             relaying.deadline,
+            now,
         )))),
     };
     let mut out = Response::new(Relay {
         route: relaying.route,
-        status: parts.status.as_u16(),
+        status: parts.status,
         inner: Some(body),
+        lease: relaying.lease,
         ticket: relaying.ticket,
         guards: relaying.guards,
         counters: Some(relaying.counters),
@@ -2007,6 +2055,7 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         sse,
         own: None,
         timer,
+        last_frame: now,
         read_timeout: relaying.read_timeout,
         deadline: relaying.deadline,
         broken: false,
@@ -2023,16 +2072,25 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
 }
 
 fn wake_at(read: Option<Duration>, deadline: Option<tokio::time::Instant>) -> tokio::time::Instant {
-    let far = tokio::time::Instant::now() + Duration::from_secs(86_400 * 365);
-    let by_read = read.map(|r| tokio::time::Instant::now() + r).unwrap_or(far);
+    due(read, deadline, tokio::time::Instant::now())
+}
+
+/// When an answer silent since `since` is cut: a read timeout after it, or the deadline.
+fn due(
+    read: Option<Duration>,
+    deadline: Option<tokio::time::Instant>,
+    since: tokio::time::Instant,
+) -> tokio::time::Instant {
+    let by_read = since + read.unwrap_or(Duration::from_secs(86_400 * 365));
     deadline.map(|d| d.min(by_read)).unwrap_or(by_read)
 }
 
 fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
     let mut out = Response::new(Relay {
         route: None,
-        status: status.as_u16(),
+        status,
         inner: None,
+        lease: None,
         ticket: None,
         guards: None,
         counters: None,
@@ -2042,6 +2100,7 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         sse: false,
         own: Some(body),
         timer: None,
+        last_frame: tokio::time::Instant::now(),
         read_timeout: None,
         deadline: None,
         broken: false,
@@ -2097,21 +2156,18 @@ impl TokenCount {
     fn feed(&mut self, data: &[u8], sse: bool) {
         if sse {
             let mut rest = data;
-            while let Some(at) = find(rest, b"data: ") {
+            while let Some(at) = SSE_DATA.find(rest) {
                 rest = &rest[at + 6..];
                 if !rest.starts_with(b"[DONE]") {
                     self.events += 1;
                 }
             }
         }
-        if let Some(at) = find(data, b"\"completion_tokens\":") {
-            let digits: Vec<u8> = data[at + 20..]
-                .iter()
-                .skip_while(|b| **b == b' ')
-                .take_while(|b| b.is_ascii_digit())
-                .copied()
-                .collect();
-            if let Ok(n) = std::str::from_utf8(&digits).unwrap_or("").parse() {
+        if let Some(at) = COMPLETION_TOKENS.find(data) {
+            let rest = &data[at + 20..];
+            let start = rest.iter().take_while(|b| **b == b' ').count();
+            let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
+            if let Ok(n) = std::str::from_utf8(&rest[start..start + digits]).unwrap_or("").parse() {
                 self.usage = Some(n);
             }
         }
@@ -2122,17 +2178,23 @@ impl TokenCount {
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
-}
+/// The searchers [`TokenCount::feed`] uses, built once (building one costs more than a search
+/// of a short answer).
+static SSE_DATA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"data: "));
+static COMPLETION_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"completion_tokens\":"));
 
 /// An answer passed on frame by frame, with the router's ticket: the first frame marks the
 /// first token, the end finishes it; dropped before the end (the client left), it counts a
 /// disconnect and drops the upstream body, which closes that connection.
 pub struct Relay {
     route: Option<&'static str>,
-    status: u16,
+    status: StatusCode,
     inner: Option<Incoming>,
+    /// The upstream connection of `inner`: back to its pool after a complete answer, closed
+    /// otherwise.
+    lease: Option<pool::Lease>,
     ticket: Option<Ticket>,
     guards: Option<Guards>,
     counters: Option<Arc<Counters>>,
@@ -2141,7 +2203,10 @@ pub struct Relay {
     completion: bool,
     sse: bool,
     own: Option<Bytes>,
+    /// Fires no earlier than the read timeout after `last_frame` (or at the deadline): set
+    /// once, and moved on only when it fires, rather than reset at every frame.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    last_frame: tokio::time::Instant,
     read_timeout: Option<Duration>,
     deadline: Option<tokio::time::Instant>,
     broken: bool,
@@ -2166,6 +2231,10 @@ impl Relay {
     fn ended(&mut self, completed: bool) {
         self.inner = None;
         self.timer = None;
+        match self.lease.take() {
+            Some(lease) if completed => lease.release(),
+            _ => {}
+        }
         if let Some(mut ticket) = self.ticket.take() {
             ticket.finish();
         }
@@ -2177,7 +2246,7 @@ impl Relay {
                 counters.completed.fetch_add(1, Ordering::Relaxed);
             }
             if let Some(route) = self.route.filter(|_| completed) {
-                counters.requests.inc(&[route, &self.status.to_string()]);
+                counters.requests.inc(&[route, self.status.as_str()]);
             }
         }
     }
@@ -2244,8 +2313,13 @@ impl Body for Relay {
         match Pin::new(inner).poll_frame(cx) {
             Poll::Pending => {
                 if let Some(timer) = this.timer.as_mut() {
-                    if timer.as_mut().poll(cx).is_ready() {
-                        return this.cut();
+                    while timer.as_mut().poll(cx).is_ready() {
+                        let due = due(this.read_timeout, this.deadline, this.last_frame);
+                        if due <= tokio::time::Instant::now() {
+                            return this.cut();
+                        }
+                        // A frame came since it was set: silent for less than the timeout.
+                        timer.as_mut().reset(due);
                     }
                 }
                 Poll::Pending
@@ -2267,8 +2341,8 @@ impl Body for Relay {
                         this.tokens.feed(data, this.sse);
                     }
                 }
-                if let Some(timer) = this.timer.as_mut() {
-                    timer.as_mut().reset(wake_at(this.read_timeout, this.deadline));
+                if this.timer.is_some() {
+                    this.last_frame = tokio::time::Instant::now();
                 }
                 if this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);

@@ -1,7 +1,6 @@
 //! The gateway's own counters, exported on `GET /metrics` under the names of the Python plane
 //! (`llmsched_gateway_*`, Prometheus text format), so dashboards read either plane alike.
 
-use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -9,20 +8,23 @@ use std::sync::Mutex;
 /// Counters keyed by their label values, rendered in key order.
 #[derive(Default, Debug)]
 pub struct Family {
-    samples: Mutex<BTreeMap<Vec<String>, u64>>,
+    /// Sorted by label values: found by binary search against borrowed labels, so counting a
+    /// request allocates nothing once its label values have been seen.
+    samples: Mutex<Vec<(Vec<String>, u64)>>,
+}
+
+fn position(samples: &[(Vec<String>, u64)], labels: &[&str]) -> Result<usize, usize> {
+    samples.binary_search_by(|(key, _)| key.iter().map(String::as_str).cmp(labels.iter().copied()))
 }
 
 impl Family {
     /// Adds `n` to the sample with these label values.
     pub fn add(&self, labels: &[&str], n: u64) {
         let mut samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(value) =
-            samples.get_mut(labels.iter().map(|l| l.to_string()).collect::<Vec<_>>().as_slice())
-        {
-            *value += n;
-            return;
+        match position(&samples, labels) {
+            Ok(at) => samples[at].1 += n,
+            Err(at) => samples.insert(at, (labels.iter().map(|l| l.to_string()).collect(), n)),
         }
-        samples.insert(labels.iter().map(|l| l.to_string()).collect(), n);
     }
 
     /// Adds one.
@@ -32,13 +34,13 @@ impl Family {
 
     /// The sample with these label values (0 when absent).
     pub fn get(&self, labels: &[&str]) -> u64 {
-        let key: Vec<String> = labels.iter().map(|l| l.to_string()).collect();
-        self.samples.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied().unwrap_or(0)
+        let samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+        position(&samples, labels).map_or(0, |at| samples[at].1)
     }
 
     /// The sum over every label value.
     pub fn total(&self) -> u64 {
-        self.samples.lock().unwrap_or_else(|e| e.into_inner()).values().sum()
+        self.samples.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(_, n)| n).sum()
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str, labels: &[&str]) {
@@ -315,6 +317,35 @@ impl Histograms {
             out,
             "admission_wait_seconds",
             "Time a request waited in flow control before dispatch",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn family_counts_by_label_values_and_renders_them_in_order() {
+        let family = Family::default();
+        for labels in [["chat", "200"], ["completions", "200"], ["chat", "429"], ["chat", "200"]] {
+            family.inc(&labels);
+        }
+        family.add(&["a", "500"], 3);
+        assert_eq!(family.get(&["chat", "200"]), 2);
+        assert_eq!(family.get(&["chat", "201"]), 0);
+        assert_eq!(family.total(), 7);
+        let mut out = String::new();
+        family.render(&mut out, "x", "help", &["route", "status"]);
+        let samples: Vec<&str> = out.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            samples,
+            [
+                "x_total{route=\"a\",status=\"500\"} 3.0",
+                "x_total{route=\"chat\",status=\"200\"} 2.0",
+                "x_total{route=\"chat\",status=\"429\"} 1.0",
+                "x_total{route=\"completions\",status=\"200\"} 1.0",
+            ]
         );
     }
 }

@@ -36,6 +36,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::payload::Payload;
 use crate::{
     json_answer, monotonic, prompt_tokens, wake_at, Answer, Cut, Gateway, Guards, Refusal, Upstream,
 };
@@ -99,13 +100,14 @@ impl Slicing {
     }
 
     /// The assembler of a request, or None when it cannot be sliced (it is proxied whole).
-    pub(crate) fn assembler(&self, payload: &Value, chat: bool) -> Option<SliceAssembler> {
+    pub(crate) fn assembler(&self, payload: &Payload<'_>, chat: bool) -> Option<SliceAssembler> {
         let api = if chat { Api::Chat } else { Api::Completions };
         let options = AssemblerOptions {
             default_max_tokens: Some(self.default_max_tokens),
             ..AssemblerOptions::default()
         };
-        SliceAssembler::new(payload, api, options).ok()
+        // The assembler rewrites the whole body slice by slice: it needs every field.
+        SliceAssembler::new(&payload.to_value(), api, options).ok()
     }
 }
 
@@ -454,7 +456,10 @@ impl Gateway {
     /// The ids the router hashes for a slice's call: its whole prompt, continuation included.
     fn continuation_tokens(&self, body: &Value, chat: bool) -> Result<Vec<u32>, String> {
         let Some(tokenizer) = &self.tokenizer else {
-            return prompt_tokens(body, chat).map_err(str::to_owned);
+            let text = serde_json::to_vec(body).map_err(|e| e.to_string())?;
+            let payload =
+                Payload::parse(&text).map_err(|_| "the continuation is not a JSON object")?;
+            return prompt_tokens(&payload, chat).map_err(str::to_owned);
         };
         if !chat {
             return tokenizer.completion_tokens(body.get("prompt")).map_err(|p| p.0);
@@ -483,15 +488,17 @@ impl Gateway {
         ticket: &mut llmsched_core::routing::Ticket,
         out: Option<&mpsc::Sender<Out>>,
     ) -> Result<(), SliceFailed> {
-        let uri = if run.route == "chat" { &upstream.chat } else { &upstream.completions };
+        let path =
+            if run.route == "chat" { &upstream.chat_path } else { &upstream.completions_path };
         let payload = serde_json::to_vec(body)?;
-        let request = Request::post(uri.clone())
+        let request = Request::post(path.clone())
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(payload)))?;
         let read = self.config.read_timeout_s.map(Duration::from_secs_f64);
         let left = Duration::from_secs_f64((run.deadline - monotonic()).clamp(0.0, 1e9));
         let deadline = Some(tokio::time::Instant::now() + left);
-        let answer = tokio::time::timeout_at(wake_at(read, deadline), self.client.request(request))
+        let sent = upstream.connections.send(request);
+        let (answer, lease) = tokio::time::timeout_at(wake_at(read, deadline), sent)
             .await
             .map_err(|_| SliceFailed("the engine did not answer in time".into()))?
             .map_err(|e| SliceFailed(format!("the engine could not be reached ({e})")))?;
@@ -520,6 +527,8 @@ impl Gateway {
             }
             self.pass_on(run, &chunks, out).await?;
         }
+        // Read to its end: the connection can carry the next slice.
+        lease.release();
         let mut chunks = Vec::new();
         if !buffered.trim_ascii().is_empty() {
             chunks.extend(feed_event(&mut run.assembler, &buffered)?);

@@ -251,6 +251,30 @@ fn a_client_that_leaves_cancels_the_upstream_request() {
 }
 
 #[test]
+fn the_read_timeout_counts_silence_between_frames_not_the_whole_stream() {
+    // Twelve tokens 40 ms apart take longer than the 0.3 s read timeout, but no gap does.
+    let steady =
+        EngineConfig { answer_tokens: 12, token_delay: Duration::from_millis(40), ..ok_engine() };
+    let silent = EngineConfig { mode: Mode::Hang, ..ok_engine() };
+    let fleet = Fleet::new(vec![steady, silent]);
+    let timeouts = |urls: Vec<String>| GatewayConfig {
+        read_timeout_s: Some(0.3),
+        ..config(urls, "round-robin")
+    };
+    let (addr, counters) = fleet.gateway(timeouts(vec![fleet.urls()[0].clone()]));
+    let answer = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    let body = String::from_utf8_lossy(answer.body()).to_string();
+    assert!(body.contains(" t11") && body.contains("[DONE]"), "{body}");
+    assert_eq!(counters.truncated.total(), 0);
+    // Silent after its first event: cut, and counted.
+    let (addr, counters) = fleet.gateway(timeouts(vec![fleet.urls()[1].clone()]));
+    let answer = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    let body = String::from_utf8_lossy(answer.body()).to_string();
+    assert!(body.contains("upstream_error") && !body.contains("[DONE]"), "{body}");
+    assert_eq!(counters.truncated.total(), 1);
+}
+
+#[test]
 fn refuses_bad_requests_without_sending_them() {
     let fleet = Fleet::new(vec![ok_engine()]);
     let (addr, counters) =

@@ -1,0 +1,433 @@
+//! A completion request's body as the gateway reads it: parsed once, borrowing from the bytes.
+//!
+//! The gateway forwards the body unchanged and reads a few fields of it (`model`, `stream`,
+//! the prompt or the messages, and the sampling fields it checks). Building a
+//! `serde_json::Value` of the whole body copied every string (a 1,000-token prompt is a few
+//! kilobytes) into its own allocation and every key into a map; here one pass keeps each field
+//! the gateway reads as the raw JSON text it was sent as (`&RawValue`, no copy) and skips the
+//! others, and a field is decoded only when it is read.
+//!
+//! What is refused is what a full parse into `serde_json::Value` refused, except numbers
+//! outside `f64`'s range, which are now forwarded as sent (the engine parses them; Python's
+//! `json` reads them as infinities): a body that is not JSON, or not UTF-8, or with a lone
+//! surrogate escape anywhere (checked by a full parse only when the body has a surrogate
+//! escape at all); a body that is not a JSON object ([`Problem::NotObject`]); nesting deeper
+//! than serde_json's recursion limit or than [`MAX_DEPTH`] ([`Problem::Nested`]). As with
+//! `Value`, a repeated key keeps its last value.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::marker::PhantomData;
+
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+/// Deepest nesting of arrays and objects accepted (chat content parts and tool schemas need a
+/// few levels).
+pub const MAX_DEPTH: usize = 64;
+
+/// Why a body cannot be read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Problem {
+    /// Not JSON (or not UTF-8, or with a lone surrogate escape).
+    NotJson,
+    /// JSON, but not an object.
+    NotObject,
+    /// Nested past [`MAX_DEPTH`] (or serde_json's own recursion limit).
+    Nested,
+}
+
+/// The fields of a request body the gateway reads.
+const FIELDS: [&str; 9] = [
+    "model",
+    "prompt",
+    "messages",
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "stream_options",
+    "cache_salt",
+];
+
+/// A request body's fields, each as the JSON text it was sent as.
+pub struct Payload<'a> {
+    raw: &'a [u8],
+    fields: [Option<&'a RawValue>; FIELDS.len()],
+}
+
+impl fmt::Debug for Payload<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut out = f.debug_map();
+        for (name, value) in FIELDS.iter().zip(&self.fields) {
+            if let Some(value) = value {
+                out.entry(name, &value.get());
+            }
+        }
+        out.finish()
+    }
+}
+
+impl<'a> Payload<'a> {
+    /// Reads `raw` (see the module docs for what is refused).
+    pub fn parse(raw: &'a [u8]) -> Result<Payload<'a>, Problem> {
+        // Checked once here: parsed as text, serde_json checks no raw value again.
+        let Ok(text) = std::str::from_utf8(raw) else { return Err(Problem::NotJson) };
+        // serde_json skips the members it does not keep without a recursion limit: the
+        // nesting is measured here instead, and past serde_json's own limit it is refused
+        // before anything else, as a parse into `Value` refuses it.
+        let deep = depth_past_limit(raw);
+        if deep.is_some_and(|depth| depth > SERDE_DEPTH) {
+            return Err(Problem::Nested);
+        }
+        let mut deserializer = serde_json::Deserializer::from_str(text);
+        let picked = match Pick::<FIELDS_LEN>(&FIELDS, PhantomData).deserialize(&mut deserializer) {
+            Ok(picked) => deserializer.end().map(|()| picked).map_err(|e| problem(&e))?,
+            Err(err) => return Err(problem(&err)),
+        };
+        if has_surrogate_escape(raw) && serde_json::from_slice::<Value>(raw).is_err() {
+            return Err(Problem::NotJson);
+        }
+        let Some(fields) = picked else { return Err(Problem::NotObject) };
+        if deep.is_some() {
+            return Err(Problem::Nested);
+        }
+        Ok(Payload { raw, fields })
+    }
+
+    /// The field's JSON text, when the body has it (`null` included).
+    pub fn raw(&self, name: &str) -> Option<&'a RawValue> {
+        FIELDS.iter().position(|f| *f == name).and_then(|i| self.fields[i])
+    }
+
+    /// The field decoded (None when absent; an error for a number out of `f64`'s range, in
+    /// it). Only for small fields: this allocates.
+    pub fn value(&self, name: &str) -> Option<Result<Value, serde_json::Error>> {
+        self.raw(name).map(|raw| serde_json::from_str(raw.get()))
+    }
+
+    /// The field when it is a JSON string (borrowed unless it has escapes).
+    pub fn str(&self, name: &str) -> Option<Cow<'a, str>> {
+        self.raw(name).and_then(as_str)
+    }
+
+    /// Whether the body asks for a streamed answer (`"stream": true`).
+    pub fn stream(&self) -> bool {
+        self.raw("stream").is_some_and(|v| v.get() == "true")
+    }
+
+    /// The whole body as a `Value` (for code that needs all of it; this copies everything).
+    pub fn to_value(&self) -> Value {
+        serde_json::from_slice(self.raw).unwrap_or(Value::Null)
+    }
+}
+
+const FIELDS_LEN: usize = FIELDS.len();
+
+/// `raw` as a string when it is a JSON string.
+pub fn as_str(raw: &RawValue) -> Option<Cow<'_, str>> {
+    let text = raw.get();
+    let inner = text.strip_prefix('"')?.strip_suffix('"')?;
+    // Without a backslash the text between the quotes is the string (a valid JSON string has
+    // no raw control characters); only escapes need decoding.
+    if memchr::memchr(b'\\', inner.as_bytes()).is_none() {
+        return Some(Cow::Borrowed(inner));
+    }
+    let mut deserializer = serde_json::Deserializer::from_str(raw.get());
+    deserializer.deserialize_str(StrVisitor).ok()
+}
+
+/// The members of a JSON object named in `names`, each as its raw text; a member not an
+/// object gives `Ok(None)` (for a message of a chat's `messages`, say).
+pub fn object_fields<'a, const N: usize>(
+    raw: &'a RawValue,
+    names: &[&'static str; N],
+) -> Result<Option<[Option<&'a RawValue>; N]>, serde_json::Error> {
+    let mut deserializer = serde_json::Deserializer::from_str(raw.get());
+    Pick::<N>(names, PhantomData).deserialize(&mut deserializer)
+}
+
+/// The elements of a JSON array as raw texts (None when `raw` is not an array).
+pub fn array_items(raw: &RawValue) -> Option<Vec<&RawValue>> {
+    if !raw.get().starts_with('[') {
+        return None;
+    }
+    serde_json::from_str(raw.get()).ok()
+}
+
+fn problem(err: &serde_json::Error) -> Problem {
+    if err.to_string().contains("recursion limit") {
+        Problem::Nested
+    } else {
+        Problem::NotJson
+    }
+}
+
+/// Whether the body has a `\uD800`-`\uDFFF` escape (paired or not), case-insensitive. An
+/// escaped backslash before `uD800` text counts too (a full parse then settles it).
+fn has_surrogate_escape(raw: &[u8]) -> bool {
+    memchr::memchr_iter(b'\\', raw).any(|at| match raw.get(at + 1..at + 4) {
+        Some([b'u', d, hex]) => {
+            d.eq_ignore_ascii_case(&b'd')
+                && matches!(hex.to_ascii_lowercase(), b'8'..=b'9' | b'a'..=b'f')
+        }
+        _ => false,
+    })
+}
+
+/// serde_json's recursion limit (a parse into `Value` refuses deeper nesting).
+const SERDE_DEPTH: usize = 128;
+
+/// How deep arrays and objects nest, when deeper than [`MAX_DEPTH`] (counted up to one past
+/// [`SERDE_DEPTH`]); None when not. Most bodies have fewer brackets in all than the limit,
+/// which settles it with one fast count; the others are scanned, skipping strings. Any bytes
+/// are scanned safely; the result means something for JSON only.
+fn depth_past_limit(raw: &[u8]) -> Option<usize> {
+    if memchr::memchr2_iter(b'[', b'{', raw).count() <= MAX_DEPTH {
+        return None;
+    }
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    let mut at = 0;
+    while let Some(&byte) = raw.get(at) {
+        match byte {
+            b'"' => {
+                // To the closing quote, past escaped characters.
+                at += 1;
+                while let Some(next) = raw.get(at..).and_then(|r| memchr::memchr2(b'"', b'\\', r)) {
+                    at += next;
+                    if raw[at] == b'"' {
+                        break;
+                    }
+                    at += 2;
+                }
+            }
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+                if deepest > SERDE_DEPTH {
+                    break;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        at += 1;
+    }
+    (deepest > MAX_DEPTH).then_some(deepest)
+}
+
+/// A string, borrowed from the input when it has no escapes.
+struct StrVisitor;
+
+impl<'de> Visitor<'de> for StrVisitor {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(v))
+    }
+}
+
+/// An object key (borrowed unless escaped).
+struct Key<'de>(Cow<'de, str>);
+
+impl<'de> de::Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_str(StrVisitor).map(Key)
+    }
+}
+
+/// Picks the members named in `.0` out of any JSON value: `Some` of them for an object, `None`
+/// for anything else (read to its end all the same, so that the input is checked whole).
+struct Pick<'n, const N: usize>(&'n [&'static str; N], PhantomData<()>);
+
+impl<'de, const N: usize> DeserializeSeed<'de> for Pick<'_, N> {
+    type Value = Option<[Option<&'de RawValue>; N]>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de, const N: usize> Visitor<'de> for Pick<'_, N> {
+    type Value = Option<[Option<&'de RawValue>; N]>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut found = [None; N];
+        while let Some(Key(key)) = map.next_key::<Key<'de>>()? {
+            match self.0.iter().position(|name| *name == key) {
+                // A repeated key keeps its last value, as a parse into `Value` does.
+                Some(i) => found[i] = Some(map.next_value::<&'de RawValue>()?),
+                None => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(Some(found))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Payload<'_>, Problem> {
+        Payload::parse(text.as_bytes())
+    }
+
+    #[test]
+    fn reads_the_fields_it_names_and_skips_the_rest() {
+        let body = r#"{"model": "m", "temperature": 0.5, "prompt": "a \"b\"", "tools": [{"x": 1}],
+            "stream": true, "stop": ["\n"], "max_tokens": 7}"#;
+        let payload = parse(body).unwrap();
+        assert_eq!(payload.str("model").as_deref(), Some("m"));
+        assert!(matches!(payload.str("model"), Some(Cow::Borrowed(_))));
+        assert_eq!(payload.str("prompt").as_deref(), Some("a \"b\""));
+        assert!(payload.stream());
+        assert_eq!(payload.value("max_tokens").unwrap().unwrap(), serde_json::json!(7));
+        assert_eq!(payload.value("stop").unwrap().unwrap(), serde_json::json!(["\n"]));
+        assert!(payload.raw("messages").is_none());
+        assert!(payload.raw("temperature").is_none());
+        assert_eq!(payload.to_value()["temperature"], serde_json::json!(0.5));
+        // A number out of f64's range is forwarded as sent; read alone, it is an error.
+        let payload = parse(r#"{"max_tokens": 1e400, "temperature": -1e999}"#).unwrap();
+        assert!(payload.value("max_tokens").unwrap().is_err());
+    }
+
+    #[test]
+    fn null_is_kept_and_a_repeated_key_keeps_its_last_value() {
+        let payload = parse(r#"{"model": null, "stream": true, "stream": false}"#).unwrap();
+        assert_eq!(payload.raw("model").map(RawValue::get), Some("null"));
+        assert_eq!(payload.str("model"), None);
+        assert!(!payload.stream());
+        // An escaped key is the same key.
+        let payload = parse(r#"{"mod\u0065l": "x"}"#).unwrap();
+        assert_eq!(payload.str("model").as_deref(), Some("x"));
+    }
+
+    #[test]
+    fn refuses_what_a_value_parse_refuses() {
+        for text in [
+            "",
+            "{",
+            "{\"a\": }",
+            "{} x",
+            "nul",
+            "{\"a\": \"\\ud800\"}",
+            "[\"\\udfff\"]",
+            "{\"x\": [\"\\uDFFF\"]}",
+        ] {
+            assert_eq!(parse(text).unwrap_err(), Problem::NotJson, "{text:?}");
+        }
+        assert!(Payload::parse(b"{\"a\": \"\xff\"}").is_err());
+        for text in ["[]", "[1, {\"a\": 2}]", "3", "\"s\"", "true", "null"] {
+            assert_eq!(parse(text).unwrap_err(), Problem::NotObject, "{text:?}");
+        }
+        // Paired surrogates are text.
+        let payload = parse(r#"{"prompt": "\ud83d\ude00", "x": "\uD83D\uDE00"}"#).unwrap();
+        assert_eq!(payload.str("prompt").as_deref(), Some("\u{1F600}"));
+    }
+
+    #[test]
+    fn nesting_past_the_limit_is_refused() {
+        let nested = |n: usize| format!("{{\"tools\": {}{}}}", "[".repeat(n), "]".repeat(n));
+        assert!(parse(&nested(MAX_DEPTH - 1)).is_ok());
+        assert_eq!(parse(&nested(MAX_DEPTH)).unwrap_err(), Problem::Nested);
+        let deeper = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(parse(&deeper).unwrap_err(), Problem::Nested);
+        // A deep array that is not an object: too deep for serde_json is nested, less is not
+        // an object (as a parse into `Value` says).
+        let array = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        assert_eq!(parse(&array(100)).unwrap_err(), Problem::NotObject);
+        assert_eq!(parse(&array(200)).unwrap_err(), Problem::Nested);
+        // Unterminated strings and stray escapes are scanned without panicking.
+        for tail in ["\"", "\"\\", "\"\\\""] {
+            let junk = "[".repeat(70) + tail;
+            assert_eq!(parse(&junk).unwrap_err(), Problem::NotJson);
+        }
+        // Many brackets, shallow, and brackets inside strings do not count.
+        let wide =
+            format!("{{\"a\": [{}[]], \"b\": \"{}\\\"[[\"}}", "[], ".repeat(200), "[".repeat(99));
+        assert!(parse(&wide).is_ok());
+    }
+
+    #[test]
+    fn depth_matches_a_value_walk() {
+        fn depth(value: &Value) -> usize {
+            match value {
+                Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+                Value::Object(fields) => 1 + fields.values().map(depth).max().unwrap_or(0),
+                _ => 0,
+            }
+        }
+        for n in [60, 63, 64, 65, 70] {
+            let text = format!(
+                "{{\"s\": \"]]]}}\\\\\", \"t\": {}1{}, \"u\": [{}]}}",
+                "[{\"k\": ".repeat(n / 2),
+                "}]".repeat(n / 2),
+                ["[]"; 70].join(", ")
+            );
+            let value: Value = serde_json::from_str(&text).unwrap();
+            let expected = depth(&value);
+            let found = depth_past_limit(text.as_bytes());
+            assert_eq!(found, (expected > MAX_DEPTH).then_some(expected), "{n}");
+        }
+    }
+
+    #[test]
+    fn object_members_and_array_items() {
+        let raw: &RawValue =
+            serde_json::from_str(r#"[{"role": "user", "content": "x", "role": "a"}, 3]"#).unwrap();
+        let items = array_items(raw).unwrap();
+        let fields = object_fields(items[0], &["role", "content"]).unwrap().unwrap();
+        assert_eq!(fields[0].map(RawValue::get), Some("\"a\""));
+        assert_eq!(fields[1].and_then(as_str).as_deref(), Some("x"));
+        assert!(object_fields(items[1], &["role"]).unwrap().is_none());
+        assert!(array_items(items[1]).is_none());
+    }
+}
