@@ -11,7 +11,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use super::tokens::{TokenArray, TokenVisitor};
 use crate::pyints;
-use llmsched_core::hashing::TokenId;
+use llmsched_core::hashing::{self, TokenId};
 use llmsched_core::prefix_index::{
     ApplyReport, IndexConfig, IndexError, MatchResult, PrefixIndex, Tier, WorkerId, WorkerKey,
 };
@@ -59,6 +59,23 @@ fn aligned(data: *const u64) -> bool {
 
 /// Queries shorter than this many blocks are matched without releasing the GIL.
 const DETACH_MIN_BLOCKS: usize = 4096;
+
+/// Matches `hashes`, releasing the GIL only for long queries: a match of a few thousand blocks
+/// takes a microsecond or two, whatever the number of workers, and handing the GIL over and back
+/// costs more than that when threads contend (two threads releasing it per call measured 0.3x
+/// one).
+fn match_short(
+    py: Python<'_>,
+    index: &PrefixIndex,
+    hashes: &[u64],
+    now: f64,
+) -> PyResult<MatchResult> {
+    if hashes.len() < DETACH_MIN_BLOCKS {
+        Ok(index.match_hashes(hashes, now))
+    } else {
+        detach(py, || index.match_hashes(hashes, now))
+    }
+}
 
 /// A worker name from Python: an int or a str.
 pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
@@ -173,6 +190,27 @@ impl TokenVisitor for MatchTokens<'_> {
     fn visit<T: TokenId + Sync>(self, tokens: &[T]) -> Self::Output {
         self.index.match_tokens(tokens, self.lora, self.cache_salt, self.now)
     }
+}
+
+/// The block hashes of `tokens` when it is a list the native reader takes, hashed block by block
+/// while the list is read; None when it needs the general path (a tuple, an array, any element
+/// the reader refuses).
+fn hash_token_list(
+    index: &PrefixIndex,
+    tokens: &Bound<'_, PyAny>,
+    lora: Option<&str>,
+    cache_salt: Option<&str>,
+) -> Option<Vec<u64>> {
+    let list = tokens.cast::<PyList>().ok()?;
+    let block_size = index.config().block_size;
+    let mut hashes = Vec::with_capacity(list.len() / block_size);
+    let mut prev = index.chain_seed(lora, cache_salt);
+    let mut buf = Vec::new();
+    let read = pyints::read_token_blocks(tokens, block_size, &mut buf, |block| {
+        prev = hashing::hash_block(block, prev);
+        hashes.push(prev);
+    });
+    read.then_some(hashes)
 }
 
 struct HashTokens<'a> {
@@ -317,15 +355,7 @@ impl PyPrefixIndex {
         }
         let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
-        // A match of a few thousand blocks takes a microsecond or two, whatever the number of
-        // workers: handing the GIL over and back costs more than that when threads contend
-        // (two threads releasing it per call measured 0.3x one), so only long queries do.
-        let m = if hashes.len() < DETACH_MIN_BLOCKS {
-            this.inner.match_hashes(hashes, now)
-        } else {
-            detach(slf.py(), || this.inner.match_hashes(hashes, now))?
-        };
-        Ok(result(slf, m))
+        Ok(result(slf, match_short(slf.py(), &this.inner, hashes, now)?))
     }
 
     #[pyo3(signature = (tokens, lora, cache_salt, now))]
@@ -336,6 +366,10 @@ impl PyPrefixIndex {
         cache_salt: Option<&str>,
         now: f64,
     ) -> PyResult<PyMatch> {
+        let index = &slf.get().inner;
+        if let Some(hashes) = hash_token_list(index, tokens, lora, cache_salt) {
+            return Ok(result(slf, match_short(slf.py(), index, &hashes, now)?));
+        }
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let visitor = MatchTokens { index: &slf.get().inner, lora, cache_salt, now };
         let m = tokens.visit_detached(slf.py(), visitor)?.py()?;
@@ -350,6 +384,9 @@ impl PyPrefixIndex {
         lora: Option<&str>,
         cache_salt: Option<&str>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        if let Some(hashes) = hash_token_list(&self.inner, tokens, lora, cache_salt) {
+            return Ok(hashes.into_pyarray(py));
+        }
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let visitor = HashTokens { index: &self.inner, lora, cache_salt };
         Ok(tokens.visit_detached(py, visitor)?.py()?.into_pyarray(py))

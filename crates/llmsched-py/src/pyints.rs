@@ -190,6 +190,78 @@ pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Ve
     false
 }
 
+/// Reads a list of token ids (exact ints in `0..2**32`) a block at a time: `on_block` gets each
+/// full block of `block_size` ids as soon as they are read, so a caller can hash a block while
+/// the next block's objects are still being loaded (a block's hash is a chain of dependent
+/// multiplications that leaves the load units idle); the trailing partial block is checked but
+/// not passed on. `buf` is the block buffer (resized here).
+///
+/// Returns false when `obj` is not a list, this interpreter's layout was not recognised, or an
+/// element is not an exact int in range; `on_block` may have seen some blocks by then, and no
+/// Python error is left set. The caller then takes the general path, which raises the precise
+/// error (or converts what it accepts).
+pub fn read_token_blocks(
+    obj: &Bound<'_, PyAny>,
+    block_size: usize,
+    buf: &mut Vec<u32>,
+    mut on_block: impl FnMut(&[u32]),
+) -> bool {
+    let py = obj.py();
+    let lay = layout(py);
+    let Ok(list) = obj.cast::<PyList>() else { return false };
+    if lay == Layout::Api || block_size == 0 {
+        return false;
+    }
+    let n = list.len();
+    buf.clear();
+    buf.resize(block_size, 0);
+    // SAFETY: the GIL is held for the whole call and neither this loop nor `on_block` (Rust code
+    // that only sees the buffer) runs Python code, so the list and its items cannot change or
+    // be freed meanwhile; `items` is the item array of this live list of `n` items.
+    unsafe {
+        let items = (*(list.as_ptr() as *const RawList)).ob_item;
+        let full = n - n % block_size;
+        for start in (0..full).step_by(block_size) {
+            for (j, slot) in buf.iter_mut().enumerate() {
+                match token_at(lay, *items.add(start + j)) {
+                    Some(t) => *slot = t,
+                    None => return false,
+                }
+            }
+            on_block(buf);
+        }
+        (full..n).all(|i| token_at(lay, *items.add(i)).is_some())
+    }
+}
+
+/// The value of `item` when it is an exact int in `0..2**32` (one or two 30-bit digits).
+///
+/// # Safety
+/// `item` must point to a live object, with the GIL held, and `lay` must not be `Api`.
+#[inline(always)]
+unsafe fn token_at(lay: Layout, item: *mut ffi::PyObject) -> Option<u32> {
+    if ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyLong_Type) {
+        return None;
+    }
+    let base = item as *const u8;
+    let word = (base.add(SIZE_OR_TAG) as *const isize).read();
+    let ndigits = match lay {
+        Layout::ObSize if word >= 0 => word as usize,
+        Layout::LvTag if word & 3 != 2 => (word as usize) >> 3,
+        _ => return None,
+    };
+    let digits = base.add(DIGITS) as *const u32;
+    match ndigits {
+        0 => Some(0),
+        1 => Some(digits.read()),
+        2 => {
+            let high = digits.add(1).read();
+            (high < 4).then(|| digits.read() | high << 30)
+        }
+        _ => None,
+    }
+}
+
 /// The list fast path: every exact int of up to three 30-bit digits (all of `0..2**64` that
 /// fits) is decoded in a tight loop; any other element takes `push`.
 ///
