@@ -1,5 +1,6 @@
 //! Bindings for `llmsched_core::prefix_index`.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::errors::{detach, CoreResult};
@@ -7,7 +8,8 @@ use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedAr
 use parking_lot::RwLock;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use super::tokens::{TokenArray, TokenVisitor};
 use crate::pyints;
@@ -82,8 +84,8 @@ pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(PyTypeError::new_err("worker must be an int or a str, got bool"));
     }
-    if let Ok(s) = obj.extract::<String>() {
-        return Ok(WorkerKey::Str(s));
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(WorkerKey::Str(s.to_str()?.to_owned()));
     }
     match obj.extract::<i64>() {
         Ok(i) => Ok(WorkerKey::Int(i)),
@@ -108,11 +110,17 @@ pub struct PyPrefixIndex {
     pub inner: Arc<PrefixIndex>,
     /// Python names of interned workers, by id, so results do not rebuild strings.
     names: RwLock<Vec<Option<Py<PyAny>>>>,
+    /// Engine event batches applied (`event_batches` in the stats).
+    event_batches: AtomicU64,
 }
 
 impl PyPrefixIndex {
     fn wrap(py: Python<'_>, inner: PrefixIndex) -> PyResult<Self> {
-        let this = PyPrefixIndex { inner: Arc::new(inner), names: RwLock::new(Vec::new()) };
+        let this = PyPrefixIndex {
+            inner: Arc::new(inner),
+            names: RwLock::new(Vec::new()),
+            event_batches: AtomicU64::new(0),
+        };
         for (id, key) in this.inner.workers() {
             let obj = match key {
                 WorkerKey::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
@@ -413,8 +421,15 @@ impl PyPrefixIndex {
     ) -> PyResult<Bound<'py, PyDict>> {
         let key = worker_key(worker)?;
         let report = detach(py, || self.inner.apply_vllm_events(&key, payload))?.py()?;
+        self.event_batches.fetch_add(1, Ordering::Relaxed);
         self.remember_name(worker, &key);
         report_dict(py, &report)
+    }
+
+    /// Engine event batches applied so far.
+    #[getter]
+    fn event_batches(&self) -> u64 {
+        self.event_batches.load(Ordering::Relaxed)
     }
 
     fn expire(&self, py: Python<'_>, now: f64) -> PyResult<u64> {
@@ -475,19 +490,52 @@ impl PyPrefixIndex {
     }
 }
 
+/// The report as a dict: a copy of a template holding every key at zero (built once per
+/// interpreter, with its keys), with the counts that are not zero set. A report is built per
+/// engine event batch, and most of its counts are zero.
 fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("events", r.events)?;
-    d.set_item("blocks_stored", r.blocks_stored)?;
-    d.set_item("blocks_removed", r.blocks_removed)?;
-    d.set_item("cleared", r.cleared)?;
-    d.set_item("unknown_parent", r.unknown_parent)?;
-    d.set_item("unknown_removed", r.unknown_removed)?;
-    d.set_item("block_size_mismatch", r.block_size_mismatch)?;
-    d.set_item("conflicts", r.conflicts)?;
-    d.set_item("unknown_events", r.unknown_events)?;
-    d.set_item("other_groups", r.other_groups)?;
-    d.set_item("extra_keys", r.extra_keys)?;
+    const KEYS: [&str; 11] = [
+        "events",
+        "blocks_stored",
+        "blocks_removed",
+        "cleared",
+        "unknown_parent",
+        "unknown_removed",
+        "block_size_mismatch",
+        "conflicts",
+        "unknown_events",
+        "other_groups",
+        "extra_keys",
+    ];
+    static TEMPLATE: PyOnceLock<(Py<PyDict>, Vec<Py<PyString>>)> = PyOnceLock::new();
+    let values = [
+        r.events,
+        r.blocks_stored,
+        r.blocks_removed,
+        r.cleared,
+        r.unknown_parent,
+        r.unknown_removed,
+        r.block_size_mismatch,
+        r.conflicts,
+        r.unknown_events,
+        r.other_groups,
+        r.extra_keys,
+    ];
+    let (template, keys) = TEMPLATE.get_or_try_init(py, || -> PyResult<_> {
+        let d = PyDict::new(py);
+        let keys: Vec<Py<PyString>> =
+            KEYS.iter().map(|k| PyString::intern(py, k).unbind()).collect();
+        for key in &keys {
+            d.set_item(key.bind(py), 0)?;
+        }
+        Ok((d.unbind(), keys))
+    })?;
+    let d = template.bind(py).copy()?;
+    for (key, value) in keys.iter().zip(values) {
+        if value != 0 {
+            d.set_item(key.bind(py), value)?;
+        }
+    }
     Ok(d)
 }
 

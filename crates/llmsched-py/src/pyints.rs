@@ -204,7 +204,7 @@ pub fn read_token_blocks(
     obj: &Bound<'_, PyAny>,
     block_size: usize,
     buf: &mut Vec<u32>,
-    mut on_block: impl FnMut(&[u32]),
+    on_block: impl FnMut(&[u32]),
 ) -> bool {
     let py = obj.py();
     let lay = layout(py);
@@ -212,61 +212,90 @@ pub fn read_token_blocks(
     if lay == Layout::Api || block_size == 0 {
         return false;
     }
-    let n = list.len();
     buf.clear();
     buf.resize(block_size, 0);
-    // SAFETY: the GIL is held for the whole call and neither this loop nor `on_block` (Rust code
+    // SAFETY: the GIL is held for the whole call and neither the loop nor `on_block` (Rust code
     // that only sees the buffer) runs Python code, so the list and its items cannot change or
-    // be freed meanwhile; `items` is the item array of this live list of `n` items.
+    // be freed meanwhile; the items are those of this live list.
     unsafe {
         let items = (*(list.as_ptr() as *const RawList)).ob_item;
-        let full = n - n % block_size;
-        for start in (0..full).step_by(block_size) {
-            for (j, slot) in buf.iter_mut().enumerate() {
-                match token_at(lay, *items.add(start + j)) {
-                    Some(t) => *slot = t,
-                    None => return false,
-                }
-            }
-            on_block(buf);
+        match lay {
+            Layout::LvTag => token_blocks::<true>(items, list.len(), buf, on_block),
+            _ => token_blocks::<false>(items, list.len(), buf, on_block),
         }
-        (full..n).all(|i| token_at(lay, *items.add(i)).is_some())
     }
 }
 
-/// The value of `item` when it is an exact int in `0..2**32` (one or two 30-bit digits).
+/// [`read_token_blocks`] for one layout (`LV_TAG`: 3.12 and later).
 ///
 /// # Safety
-/// `item` must point to a live object, with the GIL held, and `lay` must not be `Api`.
+/// `items` must be the item array of a live list of `n` items, with the GIL held, in a layout
+/// the self-test recognised.
 #[inline(always)]
-unsafe fn token_at(lay: Layout, item: *mut ffi::PyObject) -> Option<u32> {
+unsafe fn token_blocks<const LV_TAG: bool>(
+    items: *const *mut ffi::PyObject,
+    n: usize,
+    buf: &mut [u32],
+    mut on_block: impl FnMut(&[u32]),
+) -> bool {
+    let token = |i: usize| int_at::<LV_TAG>(*items.add(i)).and_then(|v| u32::try_from(v).ok());
+    let block_size = buf.len();
+    let full = n - n % block_size;
+    for start in (0..full).step_by(block_size) {
+        for (j, slot) in buf.iter_mut().enumerate() {
+            match token(start + j) {
+                Some(t) => *slot = t,
+                None => return false,
+            }
+        }
+        on_block(buf);
+    }
+    (full..n).all(|i| token(i).is_some())
+}
+
+/// The value of `item` when it is an exact int in `0..2**64` (up to three 30-bit digits), read
+/// in the layout the self-test recognised (`LV_TAG`: 3.12 and later, else 3.10-3.11's).
+///
+/// # Safety
+/// `item` must point to a live object, with the GIL held, and the layout must be the
+/// interpreter's.
+#[inline(always)]
+unsafe fn int_at<const LV_TAG: bool>(item: *mut ffi::PyObject) -> Option<u64> {
     if ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyLong_Type) {
         return None;
     }
     let base = item as *const u8;
     let word = (base.add(SIZE_OR_TAG) as *const isize).read();
-    let ndigits = match lay {
-        Layout::ObSize if word >= 0 => word as usize,
-        Layout::LvTag if word & 3 != 2 => (word as usize) >> 3,
-        _ => return None,
+    let ndigits = if LV_TAG {
+        if word & 3 == 2 {
+            return None; // negative
+        }
+        (word as usize) >> 3
+    } else {
+        usize::try_from(word).ok()? // a negative size is a negative int
     };
     let digits = base.add(DIGITS) as *const u32;
+    // SAFETY (each read): an int of `ndigits` digits has that many allocated.
+    let d = |i: usize| u64::from(digits.add(i).read());
     match ndigits {
-        0 => Some(0),
-        1 => Some(digits.read()),
-        2 => {
-            let high = digits.add(1).read();
-            (high < 4).then(|| digits.read() | high << 30)
+        1 => Some(d(0)),
+        3 => {
+            let top = d(2);
+            (top < 16).then(|| d(0) | d(1) << 30 | top << 60)
         }
+        2 => Some(d(0) | d(1) << 30),
+        0 => Some(0),
         _ => None,
     }
 }
 
 /// The list fast path: every exact int of up to three 30-bit digits (all of `0..2**64` that
-/// fits) is decoded in a tight loop; any other element takes `push`.
+/// fits) is decoded in a tight loop, for the interpreter's layout; from the first other element
+/// on, elements go through `push`.
 ///
 /// # Safety
-/// `items` must be the item array of a live list of `n` items, with the GIL held.
+/// `items` must be the item array of a live list of `n` items, with the GIL held, and `lay`
+/// not `Api`.
 unsafe fn read_list_raw<T: TryFrom<u64>>(
     lay: Layout,
     items: *const *mut ffi::PyObject,
@@ -274,48 +303,35 @@ unsafe fn read_list_raw<T: TryFrom<u64>>(
     max: u64,
     out: &mut Vec<T>,
 ) -> bool {
-    let long_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
+    match lay {
+        Layout::LvTag => read_items::<T, true>(lay, items, n, max, out),
+        _ => read_items::<T, false>(lay, items, n, max, out),
+    }
+}
+
+/// [`read_list_raw`] for one layout.
+///
+/// # Safety
+/// As [`read_list_raw`], with `LV_TAG` the layout `lay` names.
+unsafe fn read_items<T: TryFrom<u64>, const LV_TAG: bool>(
+    lay: Layout,
+    items: *const *mut ffi::PyObject,
+    n: usize,
+    max: u64,
+    out: &mut Vec<T>,
+) -> bool {
     let dst = out.as_mut_ptr();
     for i in 0..n {
-        let item = *items.add(i);
-        if ffi::Py_TYPE(item) == long_type {
-            let base = item as *const u8;
-            let word = (base.add(SIZE_OR_TAG) as *const isize).read();
-            // Non-negative ints only: the digit count, or 4 (not handled here) for the rest.
-            let ndigits = match lay {
-                Layout::ObSize if word >= 0 => word as usize,
-                Layout::LvTag if word & 3 != 2 => (word as usize) >> 3,
-                _ => 4,
-            };
-            let digits = base.add(DIGITS) as *const u32;
-            let value = match ndigits {
-                0 => Some(0),
-                1 => Some(u64::from(digits.read())),
-                2 => Some(u64::from(digits.read()) | u64::from(digits.add(1).read()) << 30),
-                3 => {
-                    let top = u64::from(digits.add(2).read());
-                    (top < 16).then(|| {
-                        u64::from(digits.read()) | u64::from(digits.add(1).read()) << 30 | top << 60
-                    })
-                }
-                _ => None,
-            };
-            if let Some(v) = value.filter(|&v| v <= max) {
-                if let Ok(t) = T::try_from(v) {
-                    // SAFETY: `out` has room for `n` elements (reserved by the caller).
-                    dst.add(i).write(t);
-                    continue;
-                }
+        let value = int_at::<LV_TAG>(*items.add(i)).filter(|&v| v <= max);
+        match value.and_then(|v| T::try_from(v).ok()) {
+            // SAFETY: `out` has room for `n` elements (reserved by the caller).
+            Some(t) => dst.add(i).write(t),
+            None => {
+                // The rest goes element by element after what was written so far.
+                out.set_len(i);
+                return (i..n).all(|j| push(lay, *items.add(j), max, out));
             }
         }
-        // The rest goes element by element after what was written so far.
-        out.set_len(i);
-        for j in i..n {
-            if !push(lay, *items.add(j), max, out) {
-                return false;
-            }
-        }
-        return true;
     }
     out.set_len(n);
     true
