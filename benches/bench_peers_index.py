@@ -16,12 +16,14 @@ cross-checked between the three; the run fails (exit 1) on any difference. Figur
 blocks/s, RSS growth per (block, worker) pair and ``stats()["bytes"]`` against it, lookups/s and
 p50 for each input form, and two threads against one. Ratios are llmsched over Dynamo.
 
-Both peers get each input in the same form and state. Token ids as a Python list are timed two
-ways: as a router has them, the list its tokenizer has just produced (each query's list is built
-just before the timed call, outside it, so it is in the cache for either peer: "tokens list"),
-and read cold from memory (1,000 lists of 400 kB built in advance and cycled through: "tokens
-list, cold"). Dynamo's ``apply_event`` hands each event to the tree's own thread and returns once
-that thread has applied it, so its ingest time covers every event.
+Both peers get each input in the same form and state. Python lists (of token ids, or of block
+hashes) are timed two ways: as a caller has them, the list its tokenizer or hasher has just
+produced (each query's list is built just before the timed call, outside it, so its objects are
+in the cache for either peer: "tokens list", "hashes list"), and cold (lists built in advance
+and cycled through, 400 kB of token ids each, read from memory: "... cold"). Dynamo takes block
+hashes only as a list: its hash lookups are timed on fresh lists, and on cold ones beside ours.
+Dynamo's ``apply_event`` hands each event to the tree's own thread and returns once that thread
+has applied it, so its ingest time covers every event.
 
 Dynamo is installed with ``pip install --no-deps --target .bench-peers`` (an environment of its
 own, only appended to ``sys.path``); where it cannot be installed the run says so and reports
@@ -354,7 +356,8 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
 
     forms: dict[str, Form] = {
         "hashes numpy": (lambda h: index.match(h, now=0.0), hashes_np, None),
-        "hashes list": (lambda h: index.match(h, now=0.0), hashes_list, None),
+        "hashes list": (lambda h: index.match(h, now=0.0), hashes_np, to_list),
+        "hashes list cold": (lambda h: index.match(h, now=0.0), hashes_list, None),
         "tokens numpy": (lambda q: index.match_tokens(q, now=0.0), wl.queries, None),
         "tokens list": (lambda q: index.match_tokens(q, now=0.0), wl.queries, to_list),
         "tokens list cold": (lambda q: index.match_tokens(q, now=0.0), token_lists, None),
@@ -364,7 +367,9 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
         def dynamo_tokens(q: object) -> object:
             return tree.find_matches(dynamo.compute_block_hash_for_seq(q, bs))
 
-        forms["dynamo hashes"] = (tree.find_matches, wl.dynamo_hashes, None)
+        dynamo_np = [np.array(h, dtype=np.uint64) for h in wl.dynamo_hashes]
+        forms["dynamo hashes"] = (tree.find_matches, dynamo_np, to_list)
+        forms["dynamo hashes cold"] = (tree.find_matches, wl.dynamo_hashes, None)
         forms["dynamo tokens list"] = (dynamo_tokens, wl.queries, to_list)
         forms["dynamo tokens list cold"] = (dynamo_tokens, token_lists, None)
     few = token_lists[: size.twin_queries]
@@ -373,12 +378,12 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
         rate, p50 = timed(fn, args) if make is None else timed_fresh(fn, make, args)
         fig[f"qps {name}"] = rate
         fig[f"p50 {name}"] = p50
-    # Two threads against one, each thread over every input: the token list form cycles through
-    # two lists (in the cache, as a tokenizer's fresh output is), its cold form through all.
-    hot_lists = token_lists[:2] * (len(token_lists) // 2)
+    # Two threads against one, each thread over every input; a form whose input is made just
+    # before its call cycles through two inputs made in advance (in the cache, as fresh ones are).
     for name in THREAD_FORMS:
         fn, args, make = forms[name]
-        args = hot_lists if make is not None else args
+        if make is not None:
+            args = [make(a) for a in args[:2]] * (len(args) // 2)
         fig[f"threads {name}"] = threaded(fn, args, 2) / threaded(fn, args, 1)
     pick_figures(fig, index, size.workers, wl.queries)
     if size.pick_workers:
@@ -404,7 +409,14 @@ def to_list(tokens: object) -> object:
     return tokens.tolist()  # type: ignore[attr-defined]
 
 
-THREAD_FORMS = ("hashes numpy", "hashes list", "tokens numpy", "tokens list", "tokens list cold")
+THREAD_FORMS = (
+    "hashes numpy",
+    "hashes list",
+    "hashes list cold",
+    "tokens numpy",
+    "tokens list",
+    "tokens list cold",
+)
 
 
 def pick_figures(
@@ -456,6 +468,7 @@ def report(fig: dict[str, float], peer: bool) -> None:
     peer_of = {
         "hashes numpy": "dynamo hashes",
         "hashes list": "dynamo hashes",
+        "hashes list cold": "dynamo hashes cold",
         "tokens numpy": "dynamo tokens list",
         "tokens list": "dynamo tokens list",
         "tokens list cold": "dynamo tokens list cold",
@@ -485,7 +498,9 @@ def report(fig: dict[str, float], peer: bool) -> None:
         )
     slowest = min(
         fig["qps hashes list"] / fig["qps hashes numpy"],
+        fig["qps hashes list cold"] / fig["qps hashes numpy"],
         fig["qps tokens list"] / fig["qps tokens numpy"],
+        fig["qps tokens list cold"] / fig["qps tokens numpy"],
     )
     print(f"   list paths at worst {1 / slowest:.2f}x slower than numpy")
 

@@ -277,15 +277,19 @@ unsafe fn int_at<const LV_TAG: bool>(item: *mut ffi::PyObject) -> Option<u64> {
     let digits = base.add(DIGITS) as *const u32;
     // SAFETY (each read): an int of `ndigits` digits has that many allocated.
     let d = |i: usize| u64::from(digits.add(i).read());
-    match ndigits {
-        1 => Some(d(0)),
-        3 => {
-            let top = d(2);
-            (top < 16).then(|| d(0) | d(1) << 30 | top << 60)
-        }
-        2 => Some(d(0) | d(1) << 30),
-        0 => Some(0),
-        _ => None,
+    // Tests in order of frequency (token ids have one digit, 64-bit hashes three), as plain
+    // branches: a `match` compiles to an indirect jump through a table, slower per element.
+    if ndigits == 1 {
+        Some(d(0))
+    } else if ndigits == 3 {
+        let top = d(2);
+        (top < 16).then(|| d(0) | d(1) << 30 | top << 60)
+    } else if ndigits == 2 {
+        Some(d(0) | d(1) << 30)
+    } else if ndigits == 0 {
+        Some(0)
+    } else {
+        None
     }
 }
 
