@@ -157,12 +157,18 @@ def test_token_lists_hashed_while_read_agree_with_arrays(block_size: int) -> Non
     index = PrefixIndex(block_size=block_size, model="m")
     rng = np.random.default_rng(block_size)
     for n in (0, 1, block_size - 1, block_size, 5 * block_size, 5 * block_size + 2, 1000):
-        ids = rng.integers(0, 2**32, size=max(n, 0), dtype=np.uint64).astype(np.uint32)
-        ids[::7] = rng.integers(0, 2**30, size=len(ids[::7]), dtype=np.uint32)
-        for ns in ({}, {"lora": "l"}, {"cache_salt": "s"}):
-            want = index.hash_tokens(ids, **ns).tolist()
-            assert index.hash_tokens(ids.tolist(), **ns).tolist() == want
-            assert index.hash_tokens(MyList(ids.tolist()), **ns).tolist() == want
+        # Mostly two-digit ids (2**30 and above), and mostly one-digit ids (read four at a
+        # time) with zeros and two-digit ids among them.
+        wide = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+        wide[::7] = rng.integers(0, 2**30, size=len(wide[::7]), dtype=np.uint32)
+        narrow = rng.integers(1, 128_000, size=n, dtype=np.uint32)
+        narrow[::5] = 0
+        narrow[3::11] = 2**32 - 1
+        for ids in (wide, narrow):
+            for ns in ({}, {"lora": "l"}, {"cache_salt": "s"}):
+                want = index.hash_tokens(ids, **ns).tolist()
+                assert index.hash_tokens(ids.tolist(), **ns).tolist() == want
+                assert index.hash_tokens(MyList(ids.tolist()), **ns).tolist() == want
     tokens = rng.integers(0, 128_000, size=10 * block_size + block_size // 2, dtype=np.uint32)
     index.store("a", index.hash_tokens(tokens))
     assert index.match_tokens(tokens.tolist()).as_dict() == {"a": 10}
@@ -172,7 +178,13 @@ def test_token_lists_hashed_while_read_agree_with_arrays(block_size: int) -> Non
 @pytest.mark.parametrize("where", ["first", "middle block", "last block", "tail"])
 @pytest.mark.parametrize(
     ("bad", "error"),
-    [(-1, errors.InvalidTokenError), (2**32, errors.InvalidTokenError), (None, TypeError)],
+    [
+        (-1, errors.InvalidTokenError),
+        (2**32, errors.InvalidTokenError),
+        (None, TypeError),
+        (True, TypeError),
+        (1.0, TypeError),
+    ],
 )
 def test_a_bad_id_anywhere_in_a_token_list_raises_and_changes_nothing(
     where: str, bad: Any, error: type[Exception]

@@ -242,8 +242,26 @@ unsafe fn token_blocks<const LV_TAG: bool>(
     let block_size = buf.len();
     let full = n - n % block_size;
     for start in (0..full).step_by(block_size) {
-        for (j, slot) in buf.iter_mut().enumerate() {
-            match token(start + j) {
+        let mut j = 0;
+        // Four ids at a time while all four are one-digit ints (any id from 1 to 2**30 - 1):
+        // one test of the four types and sizes instead of a branch per test per id.
+        while j + 4 <= block_size {
+            let group = [0, 1, 2, 3].map(|k| *items.add(start + j + k));
+            match one_digit_values::<LV_TAG>(group) {
+                Some(values) => buf[j..j + 4].copy_from_slice(&values),
+                None => {
+                    for (k, slot) in buf[j..j + 4].iter_mut().enumerate() {
+                        match token(start + j + k) {
+                            Some(t) => *slot = t,
+                            None => return false,
+                        }
+                    }
+                }
+            }
+            j += 4;
+        }
+        for (k, slot) in buf[j..].iter_mut().enumerate() {
+            match token(start + j + k) {
                 Some(t) => *slot = t,
                 None => return false,
             }
@@ -251,6 +269,28 @@ unsafe fn token_blocks<const LV_TAG: bool>(
         on_block(buf);
     }
     (full..n).all(|i| token(i).is_some())
+}
+
+/// The values of four items when all four are exact positive one-digit ints; None otherwise
+/// (the caller then reads them one by one).
+///
+/// # Safety
+/// As [`int_at`], for each item.
+#[inline(always)]
+unsafe fn one_digit_values<const LV_TAG: bool>(items: [*mut ffi::PyObject; 4]) -> Option<[u32; 4]> {
+    // The size word of a positive one-digit int: the digit count, or the count << 3 with the
+    // sign bits at zero.
+    const ONE: [isize; 2] = [1, 1 << 3];
+    let long_type = std::ptr::addr_of_mut!(ffi::PyLong_Type) as usize;
+    // Types first: only an int is known to have a size word to read.
+    if items.iter().any(|&item| ffi::Py_TYPE(item) as usize != long_type) {
+        return None;
+    }
+    let size =
+        |item: *mut ffi::PyObject| (item as *const u8).add(SIZE_OR_TAG).cast::<isize>().read();
+    let odd = items.iter().fold(0, |acc, &item| acc | (size(item) ^ ONE[usize::from(LV_TAG)]));
+    // SAFETY: each item is a one-digit int when `odd` is zero, so its first digit is allocated.
+    (odd == 0).then(|| items.map(|item| (item as *const u8).add(DIGITS).cast::<u32>().read()))
 }
 
 /// The value of `item` when it is an exact int in `0..2**64` (up to three 30-bit digits), read
