@@ -21,9 +21,8 @@ use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
 
-use hashbrown::HashMap;
-
 use super::block_table::BlockTable;
+use super::children::Children;
 
 pub type WorkerId = u32;
 pub(crate) type NodeId = u32;
@@ -72,7 +71,7 @@ impl Holder {
 pub(crate) struct Node {
     pub hashes: Vec<u64>,
     pub parent: NodeId,
-    pub children: HashMap<u64, NodeId>,
+    pub children: Children,
     /// Sorted by worker id.
     pub holders: Vec<Holder>,
     /// The holders as bitsets, built by the first match that crosses a node of at least
@@ -628,7 +627,7 @@ impl Tree {
         let child = self.alloc(Node {
             hashes: new.to_vec(),
             parent: at,
-            children: HashMap::new(),
+            children: Children::default(),
             holders: Vec::new(),
             dense: OnceLock::new(),
         });
