@@ -163,7 +163,7 @@ pub struct PrefixIndex {
 // measured on engine-fed and store-fed workloads (`benches/bench_peers_index.py` prints the
 // estimate over the measured growth).
 const BYTES_PER_BLOCK_EDGE: u64 = 10;
-const BYTES_PER_NODE_HEAP: u64 = 16;
+const BYTES_PER_NODE_HEAP: u64 = 32;
 const BYTES_PER_HOLDING: u64 = std::mem::size_of::<tree::Holder>() as u64 * 5 / 4 + 14;
 
 impl PrefixIndex {
