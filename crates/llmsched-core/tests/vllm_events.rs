@@ -829,8 +829,12 @@ fn stored_raw(tokens: &[(u32, u8)], token_ids_last: bool) -> Vec<u8> {
     raw_str(&mut out, "type");
     raw_str(&mut out, "BlockStored");
     raw_str(&mut out, "block_hashes");
-    out.extend([0xdc, 0, tokens.len() as u8]);
-    out.extend((1..=tokens.len()).map(|h| h as u8));
+    out.push(0xdc);
+    out.extend((tokens.len() as u16).to_be_bytes());
+    for h in 1..=tokens.len() as u16 {
+        out.push(0xcd);
+        out.extend(h.to_be_bytes());
+    }
     raw_str(&mut out, "parent_block_hash");
     out.push(0xc0);
     let block_size = |out: &mut Vec<u8>| {
@@ -841,7 +845,8 @@ fn stored_raw(tokens: &[(u32, u8)], token_ids_last: bool) -> Vec<u8> {
         block_size(&mut out);
     }
     raw_str(&mut out, "token_ids");
-    out.extend([0xdc, 0, tokens.len() as u8]);
+    out.push(0xdc);
+    out.extend((tokens.len() as u16).to_be_bytes());
     for &(v, form) in tokens {
         raw_token(&mut out, v, form);
     }
@@ -865,6 +870,36 @@ proptest! {
         ),
         token_ids_last in any::<bool>(),
     ) {
+        let batch = decode_event_batch(&stored_raw(&tokens, token_ids_last)).unwrap();
+        let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored: {batch:?}") };
+        let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
+        prop_assert_eq!(&stored.token_ids, &want);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Arrays long enough to be decoded by two chains at once: mostly the fast forms of one
+    /// vocabulary, the general forms now and then.
+    #[test]
+    fn long_token_id_arrays_decode_in_every_form_and_mix(
+        vocab in prop_oneof![Just(200u32), Just(60_000u32), Just(128_000u32), Just(u32::MAX)],
+        seed in any::<u64>(),
+        len in 256usize..3_000,
+        slow_every in prop_oneof![Just(0usize), 1usize..40, Just(997usize)],
+        token_ids_last in any::<bool>(),
+    ) {
+        let mut x = seed | 1;
+        let tokens: Vec<(u32, u8)> = (0..len)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let form = if slow_every > 0 && i % slow_every == 5 { 1 + (x % 3) as u8 } else { 0 };
+                ((x % u64::from(vocab)) as u32, form)
+            })
+            .collect();
         let batch = decode_event_batch(&stored_raw(&tokens, token_ids_last)).unwrap();
         let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored: {batch:?}") };
         let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
