@@ -907,6 +907,56 @@ proptest! {
     }
 }
 
+/// `n` token ids of a vocabulary of `vocab`, from a xorshift generator seeded with `seed`, each
+/// in the minimal form except every `slow_every`-th (from the 8th), in u64 or int64 form.
+fn token_run(n: usize, vocab: u64, seed: u64, slow_every: usize) -> Vec<(u32, u8)> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let form = if slow_every > 0 && i % slow_every == 7 { 2 + (i % 2) as u8 } else { 0 };
+            ((x % vocab) as u32, form)
+        })
+        .collect()
+}
+
+#[test]
+fn long_token_arrays_decode_alike_wherever_the_second_chain_starts() {
+    // Vocabularies whose ids take 1-2, 1-3 and 3-5 bytes, lengths around the split threshold
+    // and well above it, ids in the general forms here and there (the second chain restarts,
+    // or the first takes the slow path), the array followed by other fields or not.
+    for (n, vocab, seed) in [(256, 200, 1), (257, 128_000, 2), (300, 256, 3), (1_000, 60_000, 4)]
+        .into_iter()
+        .chain((5..30).map(|s| (256 + 97 * s as usize, 1 << (8 + s % 24), s)))
+    {
+        for slow_every in [0usize, 3, 50, 999] {
+            let tokens = token_run(n, vocab, seed, slow_every);
+            let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
+            for last in [false, true] {
+                let batch = decode_event_batch(&stored_raw(&tokens, last)).unwrap();
+                let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored") };
+                assert_eq!(stored.token_ids, want, "n {n} vocab {vocab} slow {slow_every}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_bad_id_late_in_a_long_token_array_is_reported_where_it_is() {
+    let mut tokens = token_run(2_000, 128_000, 9, 0);
+    tokens[1_700] = (5, 3);
+    let mut payload = stored_raw(&tokens, false);
+    // Id 1,700 (int64 5, the only int64 with that value) becomes -1: out of range.
+    let int64_five = [0xd3, 0, 0, 0, 0, 0, 0, 0, 5];
+    let at = payload.windows(9).position(|w| w == int64_five).unwrap();
+    payload[at + 1..at + 9].copy_from_slice(&(-1i64).to_be_bytes());
+    let err = decode_err(&payload);
+    assert!(err.contains("token id -1"), "{err}");
+    assert!(err.contains(&format!("byte {at}")), "{err}");
+}
+
 #[test]
 fn token_ids_out_of_range_in_the_middle_of_a_fast_run_are_rejected() {
     let mut tokens: Vec<(u32, u8)> = (0..20).map(|i| (70_000 + i, 0)).collect();

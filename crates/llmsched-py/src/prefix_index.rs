@@ -494,44 +494,31 @@ impl PyPrefixIndex {
 /// interpreter, with its keys), with the counts that are not zero set. A report is built per
 /// engine event batch, and most of its counts are zero.
 fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyDict>> {
-    const KEYS: [&str; 11] = [
-        "events",
-        "blocks_stored",
-        "blocks_removed",
-        "cleared",
-        "unknown_parent",
-        "unknown_removed",
-        "block_size_mismatch",
-        "conflicts",
-        "unknown_events",
-        "other_groups",
-        "extra_keys",
-    ];
     static TEMPLATE: PyOnceLock<(Py<PyDict>, Vec<Py<PyString>>)> = PyOnceLock::new();
-    let values = [
-        r.events,
-        r.blocks_stored,
-        r.blocks_removed,
-        r.cleared,
-        r.unknown_parent,
-        r.unknown_removed,
-        r.block_size_mismatch,
-        r.conflicts,
-        r.unknown_events,
-        r.other_groups,
-        r.extra_keys,
+    let fields = [
+        ("events", r.events),
+        ("blocks_stored", r.blocks_stored),
+        ("blocks_removed", r.blocks_removed),
+        ("cleared", r.cleared),
+        ("unknown_parent", r.unknown_parent),
+        ("unknown_removed", r.unknown_removed),
+        ("block_size_mismatch", r.block_size_mismatch),
+        ("conflicts", r.conflicts),
+        ("unknown_events", r.unknown_events),
+        ("other_groups", r.other_groups),
+        ("extra_keys", r.extra_keys),
     ];
     let (template, keys) = TEMPLATE.get_or_try_init(py, || -> PyResult<_> {
         let d = PyDict::new(py);
         let keys: Vec<Py<PyString>> =
-            KEYS.iter().map(|k| PyString::intern(py, k).unbind()).collect();
+            fields.iter().map(|(k, _)| PyString::intern(py, k).unbind()).collect();
         for key in &keys {
             d.set_item(key.bind(py), 0)?;
         }
         Ok((d.unbind(), keys))
     })?;
     let d = template.bind(py).copy()?;
-    for (key, value) in keys.iter().zip(values) {
+    for (key, (_, value)) in keys.iter().zip(fields) {
         if value != 0 {
             d.set_item(key.bind(py), value)?;
         }

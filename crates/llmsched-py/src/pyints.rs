@@ -162,7 +162,11 @@ pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Ve
         // change under it; every item pointer is a live object owned by the list.
         unsafe {
             if lay != Layout::Api {
-                return read_list_raw(lay, (*(ptr as *const RawList)).ob_item, n, max, out);
+                let items = (*(ptr as *const RawList)).ob_item;
+                return match lay {
+                    Layout::LvTag => read_items::<T, true>(lay, items, n, max, out),
+                    _ => read_items::<T, false>(lay, items, n, max, out),
+                };
             }
             for i in 0..n {
                 let item = ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t);
@@ -333,30 +337,13 @@ unsafe fn int_at<const LV_TAG: bool>(item: *mut ffi::PyObject) -> Option<u64> {
     }
 }
 
-/// The list fast path: every exact int of up to three 30-bit digits (all of `0..2**64` that
-/// fits) is decoded in a tight loop, for the interpreter's layout; from the first other element
-/// on, elements go through `push`.
+/// The list fast path, for one layout: every exact int of up to three 30-bit digits (all of
+/// `0..2**64` that fits) is decoded in a tight loop; from the first other element on, elements
+/// go through `push`.
 ///
 /// # Safety
-/// `items` must be the item array of a live list of `n` items, with the GIL held, and `lay`
-/// not `Api`.
-unsafe fn read_list_raw<T: TryFrom<u64>>(
-    lay: Layout,
-    items: *const *mut ffi::PyObject,
-    n: usize,
-    max: u64,
-    out: &mut Vec<T>,
-) -> bool {
-    match lay {
-        Layout::LvTag => read_items::<T, true>(lay, items, n, max, out),
-        _ => read_items::<T, false>(lay, items, n, max, out),
-    }
-}
-
-/// [`read_list_raw`] for one layout.
-///
-/// # Safety
-/// As [`read_list_raw`], with `LV_TAG` the layout `lay` names.
+/// `items` must be the item array of a live list of `n` items, with the GIL held, and `LV_TAG`
+/// the layout `lay` names (not `Api`).
 unsafe fn read_items<T: TryFrom<u64>, const LV_TAG: bool>(
     lay: Layout,
     items: *const *mut ffi::PyObject,

@@ -666,11 +666,8 @@ fn fast_width(marker: u8) -> usize {
 
 /// Token arrays of at least this many ids are decoded by two chains at once
 /// ([`Reader::token_ids_split`]); shorter ones would not repay the second chain's restarts.
-#[cfg(not(test))]
+/// (`tests/vllm_events.rs` decodes arrays on both sides of it.)
 const SPLIT_MIN: usize = 256;
-/// The unit tests split arrays from this length, so that short test arrays take the split.
-#[cfg(test)]
-const SPLIT_MIN: usize = 40;
 /// Ids decoded before the split, to estimate the mean width (even: they are read in pairs).
 const SPLIT_PROBE: usize = 32;
 /// A second chain that has decoded this many ids in the fast forms is taken to be on the true
@@ -721,97 +718,6 @@ fn fast_value(word: u64, width: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A msgpack array of `ids`, id `i` written in form `forms(i)` (0: minimal, 1: u32, 2: u64,
-    /// 3: int64), then `tail` (bytes that follow the array in a payload).
-    fn token_array(ids: &[u32], forms: impl Fn(usize) -> u8, tail: &[u8]) -> Vec<u8> {
-        let mut out = vec![0xdd];
-        out.extend((ids.len() as u32).to_be_bytes());
-        for (i, &v) in ids.iter().enumerate() {
-            match forms(i) {
-                0 if v < 128 => out.push(v as u8),
-                0 if v < 256 => out.extend([0xcc, v as u8]),
-                0 if v < 65_536 => {
-                    out.push(0xcd);
-                    out.extend((v as u16).to_be_bytes());
-                }
-                0 | 1 => {
-                    out.push(0xce);
-                    out.extend(v.to_be_bytes());
-                }
-                2 => {
-                    out.push(0xcf);
-                    out.extend(u64::from(v).to_be_bytes());
-                }
-                _ => {
-                    out.push(0xd3);
-                    out.extend(i64::from(v).to_be_bytes());
-                }
-            }
-        }
-        out.extend(tail);
-        out
-    }
-
-    /// Token ids of a vocabulary of `vocab`, from a xorshift generator seeded with `seed`.
-    fn ids(n: usize, vocab: u64, seed: u64) -> Vec<u32> {
-        let mut x = seed | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x % vocab) as u32
-            })
-            .collect()
-    }
-
-    #[test]
-    fn long_token_arrays_decode_alike_whatever_the_split_meets() {
-        // Arrays long enough for two chains, in vocabularies whose ids take 1-2, 1-3 and 3-5
-        // bytes, with ids in the general forms here and there (where the second chain restarts
-        // or the first takes the slow path), followed by bytes that look like more ids.
-        let tail = [0xce, 0, 1, 2, 3, 0x05, 0xcd, 0x01, 0x00, 0x7f, 0xcc];
-        for (n, vocab, seed) in [(40, 200, 1), (41, 128_000, 2), (300, 256, 3), (1_000, 60_000, 4)]
-            .into_iter()
-            .chain((5..40).map(|s| (40 + 97 * s as usize, 1 << (8 + s % 24), s)))
-        {
-            let want = ids(n, vocab, seed);
-            for slow_every in [0usize, 3, 50, 999] {
-                let forms = |i: usize| {
-                    if slow_every > 0 && i % slow_every == 7 {
-                        2 + (i % 2) as u8
-                    } else {
-                        0
-                    }
-                };
-                let bytes = token_array(&want, forms, &tail);
-                let mut reader = Reader::new(&bytes);
-                assert_eq!(
-                    reader.token_ids("t").unwrap(),
-                    want,
-                    "n {n} vocab {vocab} slow {slow_every}"
-                );
-                assert_eq!(reader.remaining(), tail.len(), "n {n} vocab {vocab} slow {slow_every}");
-            }
-        }
-    }
-
-    #[test]
-    fn a_bad_id_late_in_a_long_array_is_reported_where_it_is() {
-        let mut want = ids(2_000, 128_000, 9);
-        want[1_700] = 5;
-        let forms = |i: usize| if i == 1_700 { 3 } else { 0 };
-        let mut bytes = token_array(&want, forms, &[]);
-        // Id 1,700 becomes -1 (int64): out of range. Its marker follows the ids before it (the
-        // array header has the same length whatever the count).
-        let marker = token_array(&want[..1_700], forms, &[]).len();
-        assert_eq!(bytes[marker], 0xd3);
-        bytes[marker + 1..marker + 9].copy_from_slice(&(-1i64).to_be_bytes());
-        let err = Reader::new(&bytes).token_ids("t").unwrap_err().to_string();
-        assert!(err.contains("token id -1"), "{err}");
-        assert!(err.contains(&format!("{marker}")), "{err}");
-    }
 
     #[test]
     fn integers_of_every_width() {
