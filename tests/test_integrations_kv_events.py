@@ -138,6 +138,9 @@ def test_normal_flow_matches_direct_apply(fake: FakeKVPublisher) -> None:
     assert c["blocks_stored"] > 0 and c["blocks_removed"] > 0
     assert c["connects"] == 1
     assert sub.worker_counters(spec.worker_id)["batches"] == 60
+    # The index knows it is fed by engines (the router's routing note reads this), whichever
+    # feed applied the batches.
+    assert index.fed_by_engine_events and index.stats()["event_batches"] == 60
 
 
 def test_bind_mode_engine_connects() -> None:

@@ -143,3 +143,62 @@ def test_bad_hash_lists_raise_and_change_nothing(bad: Any, error: type[Exception
         with pytest.raises(error):
             call()
     assert state(index) == before
+
+
+class MyList(list):  # type: ignore[type-arg]
+    pass
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+def test_token_lists_hashed_while_read_agree_with_arrays(block_size: int) -> None:
+    # A list is hashed block by block as it is read: every length (empty, shorter than a block,
+    # whole blocks, a trailing partial block), ids of one and two 30-bit digits, and each
+    # namespace give the hashes of the same ids as an array.
+    index = PrefixIndex(block_size=block_size, model="m")
+    rng = np.random.default_rng(block_size)
+    for n in (0, 1, block_size - 1, block_size, 5 * block_size, 5 * block_size + 2, 1000):
+        # Mostly two-digit ids (2**30 and above), and mostly one-digit ids (read four at a
+        # time) with zeros and two-digit ids among them.
+        wide = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+        wide[::7] = rng.integers(0, 2**30, size=len(wide[::7]), dtype=np.uint32)
+        narrow = rng.integers(1, 128_000, size=n, dtype=np.uint32)
+        narrow[::5] = 0
+        narrow[3::11] = 2**32 - 1
+        for ids in (wide, narrow):
+            for ns in ({}, {"lora": "l"}, {"cache_salt": "s"}):
+                want = index.hash_tokens(ids, **ns).tolist()
+                assert index.hash_tokens(ids.tolist(), **ns).tolist() == want
+                assert index.hash_tokens(MyList(ids.tolist()), **ns).tolist() == want
+    tokens = rng.integers(0, 128_000, size=10 * block_size + block_size // 2, dtype=np.uint32)
+    index.store("a", index.hash_tokens(tokens))
+    assert index.match_tokens(tokens.tolist()).as_dict() == {"a": 10}
+    assert index.match_tokens(tokens.tolist(), lora="l").as_dict() == {}
+
+
+@pytest.mark.parametrize("where", ["first", "middle block", "last block", "tail"])
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (-1, errors.InvalidTokenError),
+        (2**32, errors.InvalidTokenError),
+        (None, TypeError),
+        (True, TypeError),
+        (1.0, TypeError),
+    ],
+)
+def test_a_bad_id_anywhere_in_a_token_list_raises_and_changes_nothing(
+    where: str, bad: Any, error: type[Exception]
+) -> None:
+    # Blocks before the bad id have been hashed by then: the call still raises the general
+    # path's error naming it, and the index is as it was.
+    index, tokens, _hashes = loaded()
+    ids: list[Any] = tokens[:43].tolist()  # 10 blocks of 4 and a tail of 3
+    at = {"first": 0, "middle block": 17, "last block": 39, "tail": 41}[where]
+    ids[at] = bad
+    before = state(index)
+    named = f"position {at}" if error is errors.InvalidTokenError else None
+    with pytest.raises(error, match=named):
+        index.match_tokens(ids)
+    with pytest.raises(error):
+        index.hash_tokens(ids)
+    assert state(index) == before

@@ -231,6 +231,9 @@ class PrefixIndex:
         """Applies a vLLM KV-event payload for a worker atomically; returns what was applied and
         skipped.
         """
+    @property
+    def event_batches(self) -> int:
+        """Engine KV-event batches applied so far."""
     def expire(self, now: float) -> int:
         """Drops approximate holdings older than their TTL; returns how many."""
     def holdings(self, worker: int | str) -> dict[int, tuple[list[str], bool]]:

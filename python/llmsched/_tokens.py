@@ -105,6 +105,9 @@ def _from_ints(values: Sequence[Any], what: str) -> npt.NDArray[Any]:
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"{what} must be a flat sequence of ints: {exc}") from None
     if arr.dtype.kind in "iu":
+        # numpy reads a bool among ints as 0 or 1: refuse it as a bool alone is refused.
+        if any(isinstance(v, (bool, np.bool_)) for v in values):
+            _raise_for_elements(values, what)
         return arr
     if arr.dtype.kind in "fO":
         # numpy falls back to float or object for ints beyond int64/uint64 too: tell apart

@@ -132,7 +132,7 @@ class PrefixIndex:
     16
     """
 
-    __slots__ = ("_events", "_lock", "_mismatch", "_native")
+    __slots__ = ("_lock", "_mismatch", "_native")
 
     def __init__(
         self,
@@ -153,7 +153,6 @@ class PrefixIndex:
 
     def _init_state(self) -> None:
         self._lock = threading.Lock()
-        self._events = 0  # engine event batches applied
         self._mismatch: dict[Worker, int] = {}  # stored events skipped for their size, by worker
 
     @classmethod
@@ -166,7 +165,7 @@ class PrefixIndex:
     @property
     def fed_by_engine_events(self) -> bool:
         """Whether engine KV events (real token ids) have been applied to this index."""
-        return self._events > 0
+        return self._native.event_batches > 0
 
     @property
     def native(self) -> _llmsched.PrefixIndex:
@@ -338,12 +337,12 @@ class PrefixIndex:
         stored blocks whose extra keys (multimodal inputs, a cache salt) make them more than their
         tokens. A malformed payload raises MalformedEventError and changes nothing.
         """
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
-        report = self._native.apply_vllm_events(worker, bytes(payload))
-        with self._lock:
-            self._events += 1
-        skipped = report.get("block_size_mismatch", 0)
+        if type(payload) is not bytes:
+            if not isinstance(payload, (bytes, bytearray, memoryview)):
+                raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+            payload = bytes(payload)
+        report = self._native.apply_vllm_events(worker, payload)
+        skipped = report["block_size_mismatch"]
         if skipped:
             self.note_block_size_mismatch(worker, skipped)
         return report
@@ -396,7 +395,7 @@ class PrefixIndex:
         """
         stats = self._native.stats()
         with self._lock:
-            stats["event_batches"] = self._events
+            stats["event_batches"] = self._native.event_batches
             stats["block_size_mismatch"] = dict(self._mismatch)
         return stats
 

@@ -212,6 +212,20 @@ pub fn chain_hashes_into<T: TokenId>(
     Ok(())
 }
 
+/// One step of the chain: the hash of one full block of ids after the block hashed to `parent`
+/// (or after `chain_seed`, for the first block). [`chain_hashes`] is this, block after block;
+/// a reader that produces the ids a block at a time hashes each block as soon as it is read.
+#[inline]
+pub fn hash_block(block: &[u32], parent: u64) -> u64 {
+    match u32::as_le_u32_bytes(block) {
+        Some(bytes) => xxh3_64_with_seed(bytes, parent),
+        None => {
+            let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+            xxh3_64_with_seed(&bytes, parent)
+        }
+    }
+}
+
 /// One chained hash per full block of `tokens`, starting from `chain_seed`.
 pub fn chain_hashes<T: TokenId>(
     tokens: &[T],
@@ -270,6 +284,22 @@ impl BlockWords {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hashing_block_by_block_is_the_chain() {
+        let tokens: Vec<u32> = (0..100).map(|i| i * 104_729 % 128_000).collect();
+        for bs in [1, 3, 16] {
+            let mut prev = 99u64;
+            let steps: Vec<u64> = tokens
+                .chunks_exact(bs)
+                .map(|b| {
+                    prev = hash_block(b, prev);
+                    prev
+                })
+                .collect();
+            assert_eq!(steps, chain_hashes(&tokens, bs, 99).unwrap());
+        }
+    }
 
     #[test]
     fn equal_prefixes_hash_equal() {

@@ -829,8 +829,12 @@ fn stored_raw(tokens: &[(u32, u8)], token_ids_last: bool) -> Vec<u8> {
     raw_str(&mut out, "type");
     raw_str(&mut out, "BlockStored");
     raw_str(&mut out, "block_hashes");
-    out.extend([0xdc, 0, tokens.len() as u8]);
-    out.extend((1..=tokens.len()).map(|h| h as u8));
+    out.push(0xdc);
+    out.extend((tokens.len() as u16).to_be_bytes());
+    for h in 1..=tokens.len() as u16 {
+        out.push(0xcd);
+        out.extend(h.to_be_bytes());
+    }
     raw_str(&mut out, "parent_block_hash");
     out.push(0xc0);
     let block_size = |out: &mut Vec<u8>| {
@@ -841,7 +845,8 @@ fn stored_raw(tokens: &[(u32, u8)], token_ids_last: bool) -> Vec<u8> {
         block_size(&mut out);
     }
     raw_str(&mut out, "token_ids");
-    out.extend([0xdc, 0, tokens.len() as u8]);
+    out.push(0xdc);
+    out.extend((tokens.len() as u16).to_be_bytes());
     for &(v, form) in tokens {
         raw_token(&mut out, v, form);
     }
@@ -870,6 +875,86 @@ proptest! {
         let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
         prop_assert_eq!(&stored.token_ids, &want);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Arrays long enough to be decoded by two chains at once: mostly the fast forms of one
+    /// vocabulary, the general forms now and then.
+    #[test]
+    fn long_token_id_arrays_decode_in_every_form_and_mix(
+        vocab in prop_oneof![Just(200u32), Just(60_000u32), Just(128_000u32), Just(u32::MAX)],
+        seed in any::<u64>(),
+        len in 256usize..3_000,
+        slow_every in prop_oneof![Just(0usize), 1usize..40, Just(997usize)],
+        token_ids_last in any::<bool>(),
+    ) {
+        let mut x = seed | 1;
+        let tokens: Vec<(u32, u8)> = (0..len)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let form = if slow_every > 0 && i % slow_every == 5 { 1 + (x % 3) as u8 } else { 0 };
+                ((x % u64::from(vocab)) as u32, form)
+            })
+            .collect();
+        let batch = decode_event_batch(&stored_raw(&tokens, token_ids_last)).unwrap();
+        let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored: {batch:?}") };
+        let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
+        prop_assert_eq!(&stored.token_ids, &want);
+    }
+}
+
+/// `n` token ids of a vocabulary of `vocab`, from a xorshift generator seeded with `seed`, each
+/// in the minimal form except every `slow_every`-th (from the 8th), in u64 or int64 form.
+fn token_run(n: usize, vocab: u64, seed: u64, slow_every: usize) -> Vec<(u32, u8)> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let form = if slow_every > 0 && i % slow_every == 7 { 2 + (i % 2) as u8 } else { 0 };
+            ((x % vocab) as u32, form)
+        })
+        .collect()
+}
+
+#[test]
+fn long_token_arrays_decode_alike_wherever_the_second_chain_starts() {
+    // Vocabularies whose ids take 1-2, 1-3 and 3-5 bytes, lengths around the split threshold
+    // and well above it, ids in the general forms here and there (the second chain restarts,
+    // or the first takes the slow path), the array followed by other fields or not.
+    for (n, vocab, seed) in [(256, 200, 1), (257, 128_000, 2), (300, 256, 3), (1_000, 60_000, 4)]
+        .into_iter()
+        .chain((5..30).map(|s| (256 + 97 * s as usize, 1 << (8 + s % 24), s)))
+    {
+        for slow_every in [0usize, 3, 50, 999] {
+            let tokens = token_run(n, vocab, seed, slow_every);
+            let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
+            for last in [false, true] {
+                let batch = decode_event_batch(&stored_raw(&tokens, last)).unwrap();
+                let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored") };
+                assert_eq!(stored.token_ids, want, "n {n} vocab {vocab} slow {slow_every}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_bad_id_late_in_a_long_token_array_is_reported_where_it_is() {
+    let mut tokens = token_run(2_000, 128_000, 9, 0);
+    tokens[1_700] = (5, 3);
+    let mut payload = stored_raw(&tokens, false);
+    // Id 1,700 (int64 5, the only int64 with that value) becomes -1: out of range.
+    let int64_five = [0xd3, 0, 0, 0, 0, 0, 0, 0, 5];
+    let at = payload.windows(9).position(|w| w == int64_five).unwrap();
+    payload[at + 1..at + 9].copy_from_slice(&(-1i64).to_be_bytes());
+    let err = decode_err(&payload);
+    assert!(err.contains("token id -1"), "{err}");
+    assert!(err.contains(&format!("byte {at}")), "{err}");
 }
 
 #[test]

@@ -7,11 +7,12 @@ use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedAr
 use parking_lot::RwLock;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use super::tokens::{TokenArray, TokenVisitor};
 use crate::pyints;
-use llmsched_core::hashing::TokenId;
+use llmsched_core::hashing::{self, TokenId};
 use llmsched_core::prefix_index::{
     ApplyReport, IndexConfig, IndexError, MatchResult, PrefixIndex, Tier, WorkerId, WorkerKey,
 };
@@ -60,13 +61,30 @@ fn aligned(data: *const u64) -> bool {
 /// Queries shorter than this many blocks are matched without releasing the GIL.
 const DETACH_MIN_BLOCKS: usize = 4096;
 
+/// Matches `hashes`, releasing the GIL only for long queries: a match of a few thousand blocks
+/// takes a microsecond or two, whatever the number of workers, and handing the GIL over and back
+/// costs more than that when threads contend (two threads releasing it per call measured 0.3x
+/// one).
+fn match_short(
+    py: Python<'_>,
+    index: &PrefixIndex,
+    hashes: &[u64],
+    now: f64,
+) -> PyResult<MatchResult> {
+    if hashes.len() < DETACH_MIN_BLOCKS {
+        Ok(index.match_hashes(hashes, now))
+    } else {
+        detach(py, || index.match_hashes(hashes, now))
+    }
+}
+
 /// A worker name from Python: an int or a str.
 pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(PyTypeError::new_err("worker must be an int or a str, got bool"));
     }
-    if let Ok(s) = obj.extract::<String>() {
-        return Ok(WorkerKey::Str(s));
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(WorkerKey::Str(s.to_str()?.to_owned()));
     }
     match obj.extract::<i64>() {
         Ok(i) => Ok(WorkerKey::Int(i)),
@@ -173,6 +191,27 @@ impl TokenVisitor for MatchTokens<'_> {
     fn visit<T: TokenId + Sync>(self, tokens: &[T]) -> Self::Output {
         self.index.match_tokens(tokens, self.lora, self.cache_salt, self.now)
     }
+}
+
+/// The block hashes of `tokens` when it is a list the native reader takes, hashed block by block
+/// while the list is read; None when it needs the general path (a tuple, an array, any element
+/// the reader refuses).
+fn hash_token_list(
+    index: &PrefixIndex,
+    tokens: &Bound<'_, PyAny>,
+    lora: Option<&str>,
+    cache_salt: Option<&str>,
+) -> Option<Vec<u64>> {
+    let list = tokens.cast::<PyList>().ok()?;
+    let block_size = index.config().block_size;
+    let mut hashes = Vec::with_capacity(list.len() / block_size);
+    let mut prev = index.chain_seed(lora, cache_salt);
+    let mut buf = Vec::new();
+    let read = pyints::read_token_blocks(tokens, block_size, &mut buf, |block| {
+        prev = hashing::hash_block(block, prev);
+        hashes.push(prev);
+    });
+    read.then_some(hashes)
 }
 
 struct HashTokens<'a> {
@@ -317,15 +356,7 @@ impl PyPrefixIndex {
         }
         let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
-        // A match of a few thousand blocks takes a microsecond or two, whatever the number of
-        // workers: handing the GIL over and back costs more than that when threads contend
-        // (two threads releasing it per call measured 0.3x one), so only long queries do.
-        let m = if hashes.len() < DETACH_MIN_BLOCKS {
-            this.inner.match_hashes(hashes, now)
-        } else {
-            detach(slf.py(), || this.inner.match_hashes(hashes, now))?
-        };
-        Ok(result(slf, m))
+        Ok(result(slf, match_short(slf.py(), &this.inner, hashes, now)?))
     }
 
     #[pyo3(signature = (tokens, lora, cache_salt, now))]
@@ -336,6 +367,10 @@ impl PyPrefixIndex {
         cache_salt: Option<&str>,
         now: f64,
     ) -> PyResult<PyMatch> {
+        let index = &slf.get().inner;
+        if let Some(hashes) = hash_token_list(index, tokens, lora, cache_salt) {
+            return Ok(result(slf, match_short(slf.py(), index, &hashes, now)?));
+        }
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let visitor = MatchTokens { index: &slf.get().inner, lora, cache_salt, now };
         let m = tokens.visit_detached(slf.py(), visitor)?.py()?;
@@ -350,6 +385,9 @@ impl PyPrefixIndex {
         lora: Option<&str>,
         cache_salt: Option<&str>,
     ) -> PyResult<Bound<'py, PyArray1<u64>>> {
+        if let Some(hashes) = hash_token_list(&self.inner, tokens, lora, cache_salt) {
+            return Ok(hashes.into_pyarray(py));
+        }
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let visitor = HashTokens { index: &self.inner, lora, cache_salt };
         Ok(tokens.visit_detached(py, visitor)?.py()?.into_pyarray(py))
@@ -378,6 +416,12 @@ impl PyPrefixIndex {
         let report = detach(py, || self.inner.apply_vllm_events(&key, payload))?.py()?;
         self.remember_name(worker, &key);
         report_dict(py, &report)
+    }
+
+    /// Engine event batches applied so far.
+    #[getter]
+    fn event_batches(&self) -> u64 {
+        self.inner.event_batches()
     }
 
     fn expire(&self, py: Python<'_>, now: f64) -> PyResult<u64> {
@@ -438,19 +482,39 @@ impl PyPrefixIndex {
     }
 }
 
+/// The report as a dict: a copy of a template holding every key at zero (built once per
+/// interpreter, with its keys), with the counts that are not zero set. A report is built per
+/// engine event batch, and most of its counts are zero.
 fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("events", r.events)?;
-    d.set_item("blocks_stored", r.blocks_stored)?;
-    d.set_item("blocks_removed", r.blocks_removed)?;
-    d.set_item("cleared", r.cleared)?;
-    d.set_item("unknown_parent", r.unknown_parent)?;
-    d.set_item("unknown_removed", r.unknown_removed)?;
-    d.set_item("block_size_mismatch", r.block_size_mismatch)?;
-    d.set_item("conflicts", r.conflicts)?;
-    d.set_item("unknown_events", r.unknown_events)?;
-    d.set_item("other_groups", r.other_groups)?;
-    d.set_item("extra_keys", r.extra_keys)?;
+    static TEMPLATE: PyOnceLock<(Py<PyDict>, Vec<Py<PyString>>)> = PyOnceLock::new();
+    let fields = [
+        ("events", r.events),
+        ("blocks_stored", r.blocks_stored),
+        ("blocks_removed", r.blocks_removed),
+        ("cleared", r.cleared),
+        ("unknown_parent", r.unknown_parent),
+        ("unknown_removed", r.unknown_removed),
+        ("block_size_mismatch", r.block_size_mismatch),
+        ("conflicts", r.conflicts),
+        ("unknown_events", r.unknown_events),
+        ("other_groups", r.other_groups),
+        ("extra_keys", r.extra_keys),
+    ];
+    let (template, keys) = TEMPLATE.get_or_try_init(py, || -> PyResult<_> {
+        let d = PyDict::new(py);
+        let keys: Vec<Py<PyString>> =
+            fields.iter().map(|(k, _)| PyString::intern(py, k).unbind()).collect();
+        for key in &keys {
+            d.set_item(key.bind(py), 0)?;
+        }
+        Ok((d.unbind(), keys))
+    })?;
+    let d = template.bind(py).copy()?;
+    for (key, (_, value)) in keys.iter().zip(fields) {
+        if value != 0 {
+            d.set_item(key.bind(py), value)?;
+        }
+    }
     Ok(d)
 }
 

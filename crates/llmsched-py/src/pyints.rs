@@ -162,7 +162,11 @@ pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Ve
         // change under it; every item pointer is a live object owned by the list.
         unsafe {
             if lay != Layout::Api {
-                return read_list_raw(lay, (*(ptr as *const RawList)).ob_item, n, max, out);
+                let items = (*(ptr as *const RawList)).ob_item;
+                return match lay {
+                    Layout::LvTag => read_items::<T, true>(lay, items, n, max, out),
+                    _ => read_items::<T, false>(lay, items, n, max, out),
+                };
             }
             for i in 0..n {
                 let item = ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t);
@@ -190,60 +194,175 @@ pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Ve
     false
 }
 
-/// The list fast path: every exact int of up to three 30-bit digits (all of `0..2**64` that
-/// fits) is decoded in a tight loop; any other element takes `push`.
+/// Reads a list of token ids (exact ints in `0..2**32`) a block at a time: `on_block` gets each
+/// full block of `block_size` ids as soon as they are read, so a caller can hash a block while
+/// the next block's objects are still being loaded (a block's hash is a chain of dependent
+/// multiplications that leaves the load units idle); the trailing partial block is checked but
+/// not passed on. `buf` is the block buffer (resized here).
+///
+/// Returns false when `obj` is not a list, this interpreter's layout was not recognised, or an
+/// element is not an exact int in range; `on_block` may have seen some blocks by then, and no
+/// Python error is left set. The caller then takes the general path, which raises the precise
+/// error (or converts what it accepts).
+pub fn read_token_blocks(
+    obj: &Bound<'_, PyAny>,
+    block_size: usize,
+    buf: &mut Vec<u32>,
+    on_block: impl FnMut(&[u32]),
+) -> bool {
+    let py = obj.py();
+    let lay = layout(py);
+    let Ok(list) = obj.cast::<PyList>() else { return false };
+    if lay == Layout::Api || block_size == 0 {
+        return false;
+    }
+    buf.clear();
+    buf.resize(block_size, 0);
+    // SAFETY: the GIL is held for the whole call and neither the loop nor `on_block` (Rust code
+    // that only sees the buffer) runs Python code, so the list and its items cannot change or
+    // be freed meanwhile; the items are those of this live list.
+    unsafe {
+        let items = (*(list.as_ptr() as *const RawList)).ob_item;
+        match lay {
+            Layout::LvTag => token_blocks::<true>(items, list.len(), buf, on_block),
+            _ => token_blocks::<false>(items, list.len(), buf, on_block),
+        }
+    }
+}
+
+/// [`read_token_blocks`] for one layout (`LV_TAG`: 3.12 and later).
 ///
 /// # Safety
-/// `items` must be the item array of a live list of `n` items, with the GIL held.
-unsafe fn read_list_raw<T: TryFrom<u64>>(
+/// `items` must be the item array of a live list of `n` items, with the GIL held, in a layout
+/// the self-test recognised.
+#[inline(always)]
+unsafe fn token_blocks<const LV_TAG: bool>(
+    items: *const *mut ffi::PyObject,
+    n: usize,
+    buf: &mut [u32],
+    mut on_block: impl FnMut(&[u32]),
+) -> bool {
+    let token = |i: usize| int_at::<LV_TAG>(*items.add(i)).and_then(|v| u32::try_from(v).ok());
+    let block_size = buf.len();
+    let full = n - n % block_size;
+    for start in (0..full).step_by(block_size) {
+        let mut j = 0;
+        // Four ids at a time while all four are one-digit ints (any id from 1 to 2**30 - 1):
+        // one test of the four types and sizes instead of a branch per test per id.
+        while j + 4 <= block_size {
+            let group = [0, 1, 2, 3].map(|k| *items.add(start + j + k));
+            match one_digit_values::<LV_TAG>(group) {
+                Some(values) => buf[j..j + 4].copy_from_slice(&values),
+                None => {
+                    for (k, slot) in buf[j..j + 4].iter_mut().enumerate() {
+                        match token(start + j + k) {
+                            Some(t) => *slot = t,
+                            None => return false,
+                        }
+                    }
+                }
+            }
+            j += 4;
+        }
+        for (k, slot) in buf[j..].iter_mut().enumerate() {
+            match token(start + j + k) {
+                Some(t) => *slot = t,
+                None => return false,
+            }
+        }
+        on_block(buf);
+    }
+    (full..n).all(|i| token(i).is_some())
+}
+
+/// The values of four items when all four are exact positive one-digit ints; None otherwise
+/// (the caller then reads them one by one).
+///
+/// # Safety
+/// As [`int_at`], for each item.
+#[inline(always)]
+unsafe fn one_digit_values<const LV_TAG: bool>(items: [*mut ffi::PyObject; 4]) -> Option<[u32; 4]> {
+    // The size word of a positive one-digit int: the digit count, or the count << 3 with the
+    // sign bits at zero.
+    const ONE: [isize; 2] = [1, 1 << 3];
+    let long_type = std::ptr::addr_of_mut!(ffi::PyLong_Type) as usize;
+    // Types first: only an int is known to have a size word to read.
+    if items.iter().any(|&item| ffi::Py_TYPE(item) as usize != long_type) {
+        return None;
+    }
+    let size =
+        |item: *mut ffi::PyObject| (item as *const u8).add(SIZE_OR_TAG).cast::<isize>().read();
+    let odd = items.iter().fold(0, |acc, &item| acc | (size(item) ^ ONE[usize::from(LV_TAG)]));
+    // SAFETY: each item is a one-digit int when `odd` is zero, so its first digit is allocated.
+    (odd == 0).then(|| items.map(|item| (item as *const u8).add(DIGITS).cast::<u32>().read()))
+}
+
+/// The value of `item` when it is an exact int in `0..2**64` (up to three 30-bit digits), read
+/// in the layout the self-test recognised (`LV_TAG`: 3.12 and later, else 3.10-3.11's).
+///
+/// # Safety
+/// `item` must point to a live object, with the GIL held, and the layout must be the
+/// interpreter's.
+#[inline(always)]
+unsafe fn int_at<const LV_TAG: bool>(item: *mut ffi::PyObject) -> Option<u64> {
+    if ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyLong_Type) {
+        return None;
+    }
+    let base = item as *const u8;
+    let word = (base.add(SIZE_OR_TAG) as *const isize).read();
+    let ndigits = if LV_TAG {
+        if word & 3 == 2 {
+            return None; // negative
+        }
+        (word as usize) >> 3
+    } else {
+        usize::try_from(word).ok()? // a negative size is a negative int
+    };
+    let digits = base.add(DIGITS) as *const u32;
+    // SAFETY (each read): an int of `ndigits` digits has that many allocated.
+    let d = |i: usize| u64::from(digits.add(i).read());
+    // Tests in order of frequency (token ids have one digit, 64-bit hashes three), as plain
+    // branches: a `match` compiles to an indirect jump through a table, slower per element.
+    if ndigits == 1 {
+        Some(d(0))
+    } else if ndigits == 3 {
+        let top = d(2);
+        (top < 16).then(|| d(0) | d(1) << 30 | top << 60)
+    } else if ndigits == 2 {
+        Some(d(0) | d(1) << 30)
+    } else if ndigits == 0 {
+        Some(0)
+    } else {
+        None
+    }
+}
+
+/// The list fast path, for one layout: every exact int of up to three 30-bit digits (all of
+/// `0..2**64` that fits) is decoded in a tight loop; from the first other element on, elements
+/// go through `push`.
+///
+/// # Safety
+/// `items` must be the item array of a live list of `n` items, with the GIL held, and `LV_TAG`
+/// the layout `lay` names (not `Api`).
+unsafe fn read_items<T: TryFrom<u64>, const LV_TAG: bool>(
     lay: Layout,
     items: *const *mut ffi::PyObject,
     n: usize,
     max: u64,
     out: &mut Vec<T>,
 ) -> bool {
-    let long_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
     let dst = out.as_mut_ptr();
     for i in 0..n {
-        let item = *items.add(i);
-        if ffi::Py_TYPE(item) == long_type {
-            let base = item as *const u8;
-            let word = (base.add(SIZE_OR_TAG) as *const isize).read();
-            // Non-negative ints only: the digit count, or 4 (not handled here) for the rest.
-            let ndigits = match lay {
-                Layout::ObSize if word >= 0 => word as usize,
-                Layout::LvTag if word & 3 != 2 => (word as usize) >> 3,
-                _ => 4,
-            };
-            let digits = base.add(DIGITS) as *const u32;
-            let value = match ndigits {
-                0 => Some(0),
-                1 => Some(u64::from(digits.read())),
-                2 => Some(u64::from(digits.read()) | u64::from(digits.add(1).read()) << 30),
-                3 => {
-                    let top = u64::from(digits.add(2).read());
-                    (top < 16).then(|| {
-                        u64::from(digits.read()) | u64::from(digits.add(1).read()) << 30 | top << 60
-                    })
-                }
-                _ => None,
-            };
-            if let Some(v) = value.filter(|&v| v <= max) {
-                if let Ok(t) = T::try_from(v) {
-                    // SAFETY: `out` has room for `n` elements (reserved by the caller).
-                    dst.add(i).write(t);
-                    continue;
-                }
+        let value = int_at::<LV_TAG>(*items.add(i)).filter(|&v| v <= max);
+        match value.and_then(|v| T::try_from(v).ok()) {
+            // SAFETY: `out` has room for `n` elements (reserved by the caller).
+            Some(t) => dst.add(i).write(t),
+            None => {
+                // The rest goes element by element after what was written so far.
+                out.set_len(i);
+                return (i..n).all(|j| push(lay, *items.add(j), max, out));
             }
         }
-        // The rest goes element by element after what was written so far.
-        out.set_len(i);
-        for j in i..n {
-            if !push(lay, *items.add(j), max, out) {
-                return false;
-            }
-        }
-        return true;
     }
     out.set_len(n);
     true

@@ -7,6 +7,7 @@
 //! writers hold it only for the duration of one call, so a batch of events applies atomically.
 
 mod block_table;
+mod children;
 mod engine_map;
 mod events;
 mod snapshot;
@@ -153,15 +154,18 @@ pub(crate) struct State {
 pub struct PrefixIndex {
     config: IndexConfig,
     state: RwLock<State>,
+    /// Engine event batches applied, by any caller (the bindings, a native KV-event feed).
+    event_batches: std::sync::atomic::AtomicU64,
 }
 
 // The running memory estimate that `max_bytes` is checked against and `stats()` reports: the
 // hash tables as allocated, the node array from its length, and per item what
 // allocation adds on top of the item (allocator headers, vectors' growth slack, the per-worker
-// leaf sets, a node's entry in its parent's child table), measured on engine-fed and store-fed
-// workloads (`benches/bench_peers_index.py` prints the estimate over the measured growth).
+// leaf sets, the child tables of the few nodes with more children than a node holds in place),
+// measured on engine-fed and store-fed workloads (`benches/bench_peers_index.py` prints the
+// estimate over the measured growth).
 const BYTES_PER_BLOCK_EDGE: u64 = 10;
-const BYTES_PER_NODE_HEAP: u64 = 72;
+const BYTES_PER_NODE_HEAP: u64 = 32;
 const BYTES_PER_HOLDING: u64 = std::mem::size_of::<tree::Holder>() as u64 * 5 / 4 + 14;
 
 impl PrefixIndex {
@@ -170,6 +174,7 @@ impl PrefixIndex {
         Ok(PrefixIndex {
             config,
             state: RwLock::new(State { tree: Tree::new(), workers: Workers::default() }),
+            event_batches: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -337,7 +342,14 @@ impl PrefixIndex {
         self.enforce_bounds(&mut st, w);
         let st = &mut *st;
         st.workers.engine.sweep(&st.tree);
+        self.event_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(report)
+    }
+
+    /// Engine event batches applied so far ([`PrefixIndex::apply_vllm_events`] calls that
+    /// decoded).
+    pub fn event_batches(&self) -> u64 {
+        self.event_batches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Every block `worker` holds: (hash, tier bits, confirmed), sorted by hash.
@@ -377,7 +389,11 @@ impl PrefixIndex {
     /// Rebuilds an index from [`Self::dumps`] output, on a clock that reads `now`.
     pub fn loads(data: &[u8], now: f64) -> Result<Self, IndexError> {
         let (config, state) = snapshot::load(data, now)?;
-        Ok(PrefixIndex { config, state: RwLock::new(state) })
+        Ok(PrefixIndex {
+            config,
+            state: RwLock::new(state),
+            event_batches: std::sync::atomic::AtomicU64::new(0),
+        })
     }
 
     /// Stores under the write lock; a new worker is registered only when the store succeeds.

@@ -181,8 +181,7 @@ fn load_nodes(
         if nodes[parent as usize].children.insert(first, id).is_some() {
             return Err(bad(format!("node {i} duplicates a sibling")));
         }
-        let children = HashMap::new();
-        nodes.push(Node { hashes: sn.hashes, parent, children, holders, ..Default::default() });
+        nodes.push(Node { hashes: sn.hashes, parent, holders, ..Default::default() });
     }
     Ok(nodes)
 }

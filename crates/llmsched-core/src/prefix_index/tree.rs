@@ -21,9 +21,8 @@ use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
 
-use hashbrown::HashMap;
-
 use super::block_table::BlockTable;
+use super::children::Children;
 
 pub type WorkerId = u32;
 pub(crate) type NodeId = u32;
@@ -72,12 +71,13 @@ impl Holder {
 pub(crate) struct Node {
     pub hashes: Vec<u64>,
     pub parent: NodeId,
-    pub children: HashMap<u64, NodeId>,
+    pub children: Children,
     /// Sorted by worker id.
     pub holders: Vec<Holder>,
     /// The holders as bitsets, built by the first match that crosses a node of at least
     /// [`DENSE_MIN`] holders and dropped by every change of a holder's worker, tiers or expiry.
-    pub dense: OnceLock<Box<Dense>>,
+    /// Kept in the node (not boxed) so that a match reaches the bits in one step from the node.
+    pub dense: OnceLock<Dense>,
 }
 
 /// Nodes with at least this many holders are matched through bitsets.
@@ -87,16 +87,19 @@ const DENSE_MIN: usize = 24;
 #[cfg(test)]
 const DENSE_MIN: usize = 2;
 
-/// A node's holders as bitsets over worker ids: `words` words each for the holders and for the
-/// holders in each tier, and the earliest expiry of an approximate holding (infinite if none).
+/// A node's holders as bitsets over worker ids: 4 runs of `words` words, for the holders and for
+/// the holders in each tier, and the earliest expiry of an approximate holding (infinite if none).
 #[derive(Clone, Debug)]
 pub(crate) struct Dense {
     bits: Box<[u64]>,
-    words: usize,
     min_expires: f64,
 }
 
 impl Dense {
+    fn words(&self) -> usize {
+        self.bits.len() / 4
+    }
+
     fn build(holders: &[Holder]) -> Dense {
         let top = holders.last().map_or(0, |h| h.worker as usize + 1);
         let words = top.div_ceil(64);
@@ -114,11 +117,21 @@ impl Dense {
                 min_expires = min_expires.min(h.attrs.expires);
             }
         }
-        Dense { bits, words, min_expires }
+        Dense { bits, min_expires }
     }
 }
 
 impl Node {
+    /// Asks for the first cache line of what a match reads of this node's holders: its bitsets
+    /// when built, else its holder list.
+    #[inline]
+    fn prefetch_holders(&self) {
+        match self.dense.get() {
+            Some(d) => prefetch_slice(&d.bits),
+            None => prefetch_slice(&self.holders),
+        }
+    }
+
     pub fn holder(&self, w: WorkerId) -> Option<&Holder> {
         self.holders.binary_search_by_key(&w, |h| h.worker).ok().map(|i| &self.holders[i])
     }
@@ -132,6 +145,33 @@ impl Node {
             Err(_) => None,
         }
     }
+}
+
+/// Asks the CPU to load `value`'s cache line (a hint: it never changes a result).
+#[inline(always)]
+pub(crate) fn prefetch<T>(value: &T) {
+    prefetch_ptr((value as *const T).cast());
+}
+
+/// Asks the CPU to load the first cache line of `items`, if any.
+#[inline(always)]
+fn prefetch_slice<T>(items: &[T]) {
+    if !items.is_empty() {
+        prefetch_ptr(items.as_ptr().cast());
+    }
+}
+
+#[inline(always)]
+fn prefetch_ptr(ptr: *const i8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults or writes; the pointer comes from a live
+    // reference.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(ptr);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = ptr;
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -269,25 +309,39 @@ impl Tree {
         scratch: &mut Scratch,
     ) -> usize {
         out.clear();
-        let path = &mut scratch.path;
+        let pos = self.walk(hashes, &mut scratch.path);
+        if !scratch.path.is_empty() {
+            self.carry(now, out, scratch);
+        }
+        pos
+    }
+
+    /// Walks the path of `hashes` into `path` (each node and the query depth at its end) and
+    /// returns the blocks matched.
+    ///
+    /// Each node costs a few dependent cache misses when the tree is larger than the caches (its
+    /// entry in the parent's child table, the node, its edge, its holders). The next child is
+    /// looked up as soon as the node is read, before its edge is compared (the edge is usually
+    /// matched whole), and the next node and each node's holders are fetched ahead, so that the
+    /// misses of consecutive nodes overlap instead of following each other.
+    fn walk(&self, hashes: &[u64], path: &mut Vec<(NodeId, u32)>) -> usize {
         path.clear();
-        let mut cur = ROOT;
         let mut pos = 0usize;
-        while pos < hashes.len() {
-            let Some(&child) = self.nodes[cur as usize].children.get(&hashes[pos]) else {
-                break;
-            };
+        let mut next = hashes.first().and_then(|h| self.nodes[ROOT as usize].children.get(h));
+        while let Some(&child) = next {
             let node = &self.nodes[child as usize];
+            let len = node.hashes.len();
+            next = hashes.get(pos + len).and_then(|h| node.children.get(h));
+            if let Some(&n) = next {
+                prefetch(&self.nodes[n as usize]);
+            }
+            node.prefetch_holders();
             let run = node.hashes.iter().zip(&hashes[pos..]).take_while(|(a, b)| a == b).count();
             pos += run;
             path.push((child, pos as u32));
-            if run < node.hashes.len() {
+            if run < len {
                 break;
             }
-            cur = child;
-        }
-        if !scratch.path.is_empty() {
-            self.carry(now, out, scratch);
         }
         pos
     }
@@ -311,7 +365,10 @@ impl Tree {
             slot.resize(64 * words, 0);
         }
         let total: u32 = alive[..words].iter().map(|w| w.count_ones()).sum();
-        out.reserve(total as usize);
+        out.resize(total as usize, MatchEntry::default());
+        // Local slices: the entries are written by index with the lengths in registers.
+        let (entries, slot) = (&mut out[..], &mut slot[..]);
+        let mut n = 0usize;
         for i in 0..words {
             let mut bits = alive[i];
             let in_tier = [alive[words + i], alive[2 * words + i], alive[3 * words + i]];
@@ -328,11 +385,12 @@ impl Tree {
                     in_tier.map(|t| if t & bit != 0 { full } else { 0 })
                 };
                 let worker = (i * 64) as u32 + b;
-                slot[worker as usize] = out.len() as u32;
-                out.push(MatchEntry { worker, blocks: full, tiers });
+                slot[worker as usize] = n as u32;
+                entries[n] = MatchEntry { worker, blocks: full, tiers };
+                n += 1;
             }
         }
-        if out.is_empty() || path.len() == 1 {
+        if entries.is_empty() || path.len() == 1 {
             return;
         }
         node_bits.clear();
@@ -349,7 +407,7 @@ impl Tree {
                     while gone != 0 {
                         let w = i * 64 + gone.trailing_zeros() as usize;
                         gone &= gone - 1;
-                        set_depth(&mut out[slot[w] as usize], k, end);
+                        set_depth(&mut entries[slot[w] as usize], k, end);
                     }
                     alive[k * words + i] = kept;
                     any |= kept;
@@ -366,12 +424,13 @@ impl Tree {
     fn node_bits(&self, node: NodeId, now: f64, words: usize, bits: &mut [u64]) {
         let n = &self.nodes[node as usize];
         if n.holders.len() >= DENSE_MIN {
-            let d = n.dense.get_or_init(|| Box::new(Dense::build(&n.holders)));
+            let d = n.dense.get_or_init(|| Dense::build(&n.holders));
             if d.min_expires > now {
+                let dw = d.words();
+                let have = dw.min(words);
                 for k in 0..4 {
-                    let have = d.words.min(words);
                     let dst = &mut bits[k * words..(k + 1) * words];
-                    dst[..have].copy_from_slice(&d.bits[k * d.words..k * d.words + have]);
+                    dst[..have].copy_from_slice(&d.bits[k * dw..k * dw + have]);
                     dst[have..].fill(0);
                 }
                 return;
@@ -568,7 +627,7 @@ impl Tree {
         let child = self.alloc(Node {
             hashes: new.to_vec(),
             parent: at,
-            children: HashMap::new(),
+            children: Children::default(),
             holders: Vec::new(),
             dense: OnceLock::new(),
         });

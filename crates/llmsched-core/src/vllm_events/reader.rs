@@ -314,39 +314,28 @@ impl<'a> Reader<'a> {
     pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
         let count = self.array_len(what)?;
         let mut tokens = vec![0u32; count];
+        let mut i = if count >= SPLIT_MIN { self.token_ids_split(&mut tokens) } else { 0 };
         let buf = self.buf;
         let mut pos = self.pos;
-        let mut i = 0;
         while i < count {
             // Two ids per step: one 8-byte load gives the first marker and, shifted by the first
             // width, the second, so the chain is one load and two width computations per pair.
             while i + 2 <= count {
-                let Some(window) = buf.get(pos..pos + 13) else { break };
-                let first = be_u64(&window[..8]);
-                let w0 = fast_width((first >> 56) as u8);
-                let w1 = fast_width((first >> (56 - 8 * w0)) as u8);
-                if w0 == 0 || w1 == 0 {
-                    break;
-                }
-                let second = be_u64(&window[w0..w0 + 8]);
-                tokens[i] = fast_value(first, w0);
-                tokens[i + 1] = fast_value(second, w1);
-                pos += w0 + w1;
+                let Some((first, second, width)) = fast_pair(buf, pos) else { break };
+                tokens[i] = first;
+                tokens[i + 1] = second;
+                pos += width;
                 i += 2;
             }
             if i == count {
                 break;
             }
-            // One id: a fast form while 5 bytes remain, else the general path.
-            if let Some(window) = buf.get(pos..pos + 8) {
-                let word = be_u64(window);
-                let w = fast_width((word >> 56) as u8);
-                if w != 0 {
-                    tokens[i] = fast_value(word, w);
-                    pos += w;
-                    i += 1;
-                    continue;
-                }
+            // One id: a fast form while 8 bytes remain, else the general path.
+            if let Some((value, width)) = fast_one(buf, pos) {
+                tokens[i] = value;
+                pos += width;
+                i += 1;
+                continue;
             }
             self.pos = pos;
             tokens[i] = self.token_id_general()?;
@@ -355,6 +344,94 @@ impl<'a> Reader<'a> {
         }
         self.pos = pos;
         Ok(tokens)
+    }
+
+    /// Decodes a leading part of a long token array (`tokens.len()` ids from the current
+    /// position) in the fast forms, with two chains at once, and returns how many ids it
+    /// decoded; the position is left after them.
+    ///
+    /// Each id's position is the previous id's position plus its width, so one chain cannot go
+    /// faster than a load and a width computation per id. A second chain starts where the middle
+    /// of the array is predicted to be (from the mean width of the first ids) and runs
+    /// interleaved with the first, so the processor works on both at once. The second chain may
+    /// start inside an id: it then reads data bytes as markers until it dies on one that is not
+    /// a fast marker (it restarts a byte further on) or lands on a true id. Decoding is a
+    /// function of the position, so where the first chain reaches a position the second one
+    /// decoded, the second chain's ids are the first's from there on; the first chain is walked
+    /// through the second's positions to find that meeting point, and the second chain's work is
+    /// used only from there (all of it is dropped when they never meet).
+    fn token_ids_split(&mut self, tokens: &mut [u32]) -> usize {
+        let buf = self.buf;
+        let count = tokens.len();
+        let start = self.pos;
+        let mut a = start;
+        let mut i = 0;
+        while i < SPLIT_PROBE {
+            let Some((first, second, width)) = fast_pair(buf, a) else {
+                self.pos = a;
+                return i;
+            };
+            tokens[i] = first;
+            tokens[i + 1] = second;
+            a += width;
+            i += 2;
+        }
+        let rest = count - i;
+        let mut b = a + (a - start) * (rest / 2) / i;
+        // The second chain: its `nb` ids and their positions (then the position after the last),
+        // written by index into buffers sized for every id it can decode.
+        let mut b_values = vec![0u32; rest / 2 + 2];
+        let mut b_positions = vec![0usize; rest / 2 + 3];
+        let mut nb = 0;
+        let mut b_running = true;
+        for _ in 0..rest / 4 {
+            let Some((first, second, width)) = fast_pair(buf, a) else { break };
+            tokens[i] = first;
+            tokens[i + 1] = second;
+            a += width;
+            i += 2;
+            if !b_running {
+                continue;
+            }
+            match fast_pair_at(buf, b) {
+                Some((first, second, first_width, width)) => {
+                    b_values[nb] = first;
+                    b_values[nb + 1] = second;
+                    b_positions[nb] = b;
+                    b_positions[nb + 1] = b + first_width;
+                    nb += 2;
+                    b += width;
+                }
+                // A long run is on the true ids (a misaligned chain dies within a few ids): it
+                // has reached the end of the array, or an id in another form. Keep it.
+                None if nb >= SPLIT_TRUSTED_RUN => b_running = false,
+                None => {
+                    nb = 0;
+                    b += 1;
+                }
+            }
+        }
+        b_positions[nb] = b;
+        let mut k = 0;
+        while k < nb {
+            if a == b_positions[k] {
+                let take = (count - i).min(nb - k);
+                tokens[i..i + take].copy_from_slice(&b_values[k..k + take]);
+                i += take;
+                a = b_positions[k + take];
+                break;
+            }
+            if a > b_positions[k] {
+                k += 1;
+                continue;
+            }
+            let Some((value, width)) = fast_one(buf, a).filter(|_| i < count) else { break };
+            tokens[i] = value;
+            a += width;
+            i += 1;
+        }
+        self.pos = a;
+        i
     }
 
     #[cold]
@@ -585,6 +662,46 @@ fn fast_width(marker: u8) -> usize {
     } else {
         0
     }
+}
+
+/// Token arrays of at least this many ids are decoded by two chains at once
+/// ([`Reader::token_ids_split`]); shorter ones would not repay the second chain's restarts.
+/// (`tests/vllm_events.rs` decodes arrays on both sides of it.)
+const SPLIT_MIN: usize = 256;
+/// Ids decoded before the split, to estimate the mean width (even: they are read in pairs).
+const SPLIT_PROBE: usize = 32;
+/// A second chain that has decoded this many ids in the fast forms is taken to be on the true
+/// ids: when it stops, it is kept rather than restarted.
+const SPLIT_TRUSTED_RUN: usize = 16;
+
+/// Two ids in the fast forms at `pos` and the width of both, or None (another form, or fewer
+/// than 13 bytes left).
+#[inline(always)]
+fn fast_pair(buf: &[u8], pos: usize) -> Option<(u32, u32, usize)> {
+    fast_pair_at(buf, pos).map(|(first, second, _, width)| (first, second, width))
+}
+
+/// [`fast_pair`], with the first id's width too.
+#[inline(always)]
+fn fast_pair_at(buf: &[u8], pos: usize) -> Option<(u32, u32, usize, usize)> {
+    let window = buf.get(pos..pos + 13)?;
+    let first = be_u64(&window[..8]);
+    let w0 = fast_width((first >> 56) as u8);
+    let w1 = fast_width((first >> (56 - 8 * w0)) as u8);
+    if w0 == 0 || w1 == 0 {
+        return None;
+    }
+    let second = be_u64(&window[w0..w0 + 8]);
+    Some((fast_value(first, w0), fast_value(second, w1), w0, w0 + w1))
+}
+
+/// One id in a fast form at `pos` and its width, or None (another form, or fewer than 8 bytes
+/// left).
+#[inline(always)]
+fn fast_one(buf: &[u8], pos: usize) -> Option<(u32, usize)> {
+    let word = be_u64(buf.get(pos..pos + 8)?);
+    let width = fast_width((word >> 56) as u8);
+    (width != 0).then(|| (fast_value(word, width), width))
 }
 
 /// The id encoded at the top of `word` (marker first, big-endian) in a fast form of `width`.
