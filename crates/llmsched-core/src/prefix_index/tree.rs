@@ -185,6 +185,7 @@ pub(crate) enum StoreRefusal {
     Conflict(u64),
 }
 
+#[cfg_attr(test, derive(Clone))]
 pub(crate) struct Tree {
     pub nodes: Vec<Node>,
     free: Vec<NodeId>,
@@ -769,12 +770,59 @@ impl Tree {
     /// Drops `w`'s holding of block `hash` and of every block below it. Returns blocks dropped.
     pub fn drop_from(&mut self, w: WorkerId, hash: u64) -> u64 {
         let Some(loc) = self.blocks.get(&self.nodes, hash) else { return 0 };
-        if self.nodes[loc.node as usize].holder(w).is_none() {
+        let node = &self.nodes[loc.node as usize];
+        if node.holder(w).is_none() {
             return 0;
+        }
+        if loc.offset > 0 && node.holders.len() == 1 {
+            return self.cut_tail(w, loc.node, loc.offset as usize);
         }
         let top = if loc.offset > 0 { self.split(loc.node, loc.offset as usize) } else { loc.node };
         let dropped = self.drop_subtree(w, top);
         self.merge_around(&[loc.node]);
+        dropped
+    }
+
+    /// [`Self::drop_from`] inside `node`, which `w` holds alone: blocks `at..` of it and every
+    /// node below it (held by `w` alone too, by prefix closure) go, and the node is cut short
+    /// in place. The tree ends as splitting off the tail and dropping it leaves it, without
+    /// first moving the tail's block-table entries only to delete them (an engine evicting
+    /// a chain tail first does this for nearly every removal).
+    fn cut_tail(&mut self, w: WorkerId, node: NodeId, at: usize) -> u64 {
+        let n = &mut self.nodes[node as usize];
+        let tail = n.hashes.split_off(at);
+        n.hashes.shrink_to_fit();
+        let children = std::mem::take(&mut n.children);
+        let holder = &mut n.holders[0];
+        let was_leaf = holder.child_count == 0;
+        holder.child_count = 0;
+        let stamp = holder.stamp;
+        for (j, &h) in tail.iter().enumerate() {
+            self.blocks.remove(h, Loc { node, offset: (at + j) as u32 });
+        }
+        let mut dropped = tail.len() as u64;
+        let mut stack: Vec<NodeId> = children.into_values().collect();
+        while let Some(id) = stack.pop() {
+            let c = std::mem::take(&mut self.nodes[id as usize]);
+            debug_assert!(c.holders.len() == 1 && c.holders[0].worker == w);
+            for h in c.holders.iter().filter(|h| h.child_count == 0) {
+                self.workers[h.worker as usize].leaves.remove(&(h.stamp, id));
+            }
+            self.holder_count -= c.holders.len();
+            dropped += c.hashes.len() as u64;
+            for (j, &h) in c.hashes.iter().enumerate() {
+                self.blocks.remove(h, Loc { node: id, offset: j as u32 });
+            }
+            stack.extend(c.children.values().copied());
+            self.nodes[id as usize].parent = DEAD;
+            self.free.push(id);
+        }
+        let worker = &mut self.workers[w as usize];
+        if !was_leaf {
+            worker.leaves.insert((stamp, node));
+        }
+        worker.held -= dropped;
+        self.merge_around(&[node]);
         dropped
     }
 
@@ -958,3 +1006,6 @@ impl Tree {
         out
     }
 }
+
+#[cfg(test)]
+mod tests;
