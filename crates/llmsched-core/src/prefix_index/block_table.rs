@@ -107,6 +107,26 @@ impl BlockTable {
         });
     }
 
+    /// Records block `hash` at `loc` (already written into its node) unless a block with that
+    /// hash is in the table; returns whether it was recorded. One probe does both.
+    #[inline]
+    pub fn insert_absent(&mut self, nodes: &[Node], hash: u64, loc: Loc) -> bool {
+        debug_assert_eq!(hash_at(nodes, loc), Some(hash));
+        let hasher = &self.hasher;
+        let entry = self.table.entry(
+            hasher.hash_one(hash),
+            |&l| hash_at(nodes, l) == Some(hash),
+            |&l| hasher.hash_one(hash_at(nodes, l).unwrap_or_default()),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(_) => false,
+            hashbrown::hash_table::Entry::Vacant(slot) => {
+                slot.insert(loc);
+                true
+            }
+        }
+    }
+
     /// Moves block `hash`'s entry from `from` to `to` (the edges may be mid-edit).
     #[inline]
     pub fn relocate(&mut self, hash: u64, from: Loc, to: Loc) {

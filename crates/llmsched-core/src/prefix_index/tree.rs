@@ -80,6 +80,14 @@ pub(crate) struct Node {
     pub dense: OnceLock<Box<Dense>>,
 }
 
+/// New runs longer than this are staged ([`Tree::stage`]); shorter ones (an engine event's)
+/// compare pairwise and cost a probe to check and one to record each.
+#[cfg(not(test))]
+const STAGE_MIN: usize = 32;
+/// The model tests store short chains: runs of five blocks or more take the staged path.
+#[cfg(test)]
+const STAGE_MIN: usize = 4;
+
 /// Nodes with at least this many holders are matched through bitsets.
 #[cfg(not(test))]
 const DENSE_MIN: usize = 24;
@@ -406,20 +414,25 @@ impl Tree {
     ) -> Result<u64, StoreRefusal> {
         let start = self.start_pos(w, parent)?;
         let existing = self.existing_run(start, hashes);
-        self.check_new_hashes(&hashes[existing..])?;
+        let new = &hashes[existing..];
+        let staged = if new.len() > STAGE_MIN {
+            Some(self.stage(new)?)
+        } else {
+            self.check_new_hashes(new)?;
+            self.blocks.reserve(&self.nodes, new.len());
+            None
+        };
         if hashes.is_empty() {
             return Ok(0);
         }
-        self.blocks.reserve(&self.nodes, hashes.len() - existing);
         self.ensure_worker(w);
         let stamp = self.next_stamp();
         let mut touched = Vec::new();
         let (mut pos, mut added) =
             self.hold_existing(w, start, &hashes[..existing], attrs, &mut touched);
-        if existing < hashes.len() {
-            let new = self.add_new_run(w, pos, &hashes[existing..], attrs, &mut touched);
-            added += (hashes.len() - existing) as u64;
-            pos = new;
+        if !new.is_empty() {
+            pos = self.add_new_run(w, pos, new, staged, attrs, &mut touched);
+            added += new.len() as u64;
         }
         let end = self.end_node(pos, &mut touched);
         self.touch_path(w, end, stamp, attrs.confirmed);
@@ -461,22 +474,46 @@ impl Tree {
         hashes.len()
     }
 
-    /// New blocks must not exist elsewhere in the tree, nor repeat: the input is not a chain.
+    /// A short run of new blocks (at most [`STAGE_MIN`]) must not exist elsewhere in the tree,
+    /// nor repeat: the input is not a chain.
     fn check_new_hashes(&self, new: &[u64]) -> Result<(), StoreRefusal> {
+        debug_assert!(new.len() <= STAGE_MIN);
         if let Some(&h) = new.iter().find(|&&h| self.blocks.contains(&self.nodes, h)) {
             return Err(StoreRefusal::Conflict(h));
         }
-        // Short runs (one engine event) compare pairwise; long ones pay for a set.
-        let repeated = if new.len() <= 32 {
-            new.iter().enumerate().find(|(i, h)| new[..*i].contains(h)).map(|(_, h)| *h)
-        } else {
-            let mut seen = hashbrown::HashSet::with_capacity(new.len());
-            new.iter().find(|h| !seen.insert(**h)).copied()
-        };
+        let repeated = new.iter().enumerate().find(|(i, h)| new[..*i].contains(h)).map(|(_, h)| *h);
         match repeated {
             Some(h) => Err(StoreRefusal::Conflict(h)),
             None => Ok(()),
         }
+    }
+
+    /// Enters a long run of new blocks into the block table as the edge of a node of its own,
+    /// not yet in the tree ([`Self::add_new_run`] links it in, or moves its blocks onto the end
+    /// of a leaf). One probe per block both finds a block already in the tree or repeated in
+    /// the run and records it, where checking first (a probe and a set insertion per block)
+    /// then recording cost three. On a conflict the entries made are taken out and the node
+    /// freed: the tree is as it was.
+    fn stage(&mut self, new: &[u64]) -> Result<NodeId, StoreRefusal> {
+        self.blocks.reserve(&self.nodes, new.len());
+        let from_free = !self.free.is_empty();
+        let node = self.alloc(Node { hashes: new.to_vec(), parent: DEAD, ..Node::default() });
+        for (j, &h) in new.iter().enumerate() {
+            if self.blocks.insert_absent(&self.nodes, h, Loc { node, offset: j as u32 }) {
+                continue;
+            }
+            for (k, &made) in new[..j].iter().enumerate() {
+                self.blocks.remove(made, Loc { node, offset: k as u32 });
+            }
+            self.nodes[node as usize] = Node { parent: DEAD, ..Node::default() };
+            if from_free {
+                self.free.push(node);
+            } else {
+                self.nodes.pop();
+            }
+            return Err(StoreRefusal::Conflict(h));
+        }
+        Ok(node)
     }
 
     /// Gives `w` (with `attrs`) every block of the already-present run after `start`.
@@ -539,16 +576,18 @@ impl Tree {
         }
     }
 
-    /// Appends a run of new blocks after `pos`, held by `w` alone. Returns the position after it.
+    /// Appends a run of new blocks after `pos`, held by `w` alone (`staged`: already in the block
+    /// table as that node's edge, see [`Self::stage`]). Returns the position after it.
     fn add_new_run(
         &mut self,
         w: WorkerId,
         pos: Pos,
         new: &[u64],
+        staged: Option<NodeId>,
         attrs: Attrs,
         touched: &mut Vec<NodeId>,
     ) -> Pos {
-        let mut at = pos.node;
+        let at = pos.node;
         if pos.offset < self.nodes[at as usize].hashes.len() {
             self.split(at, pos.offset);
             touched.push(at);
@@ -562,24 +601,34 @@ impl Tree {
             node.hashes.extend_from_slice(new);
             for (j, &h) in new.iter().enumerate() {
                 let loc = Loc { node: at, offset: (base + j) as u32 };
-                self.blocks.insert_new(&self.nodes, h, loc);
+                match staged {
+                    Some(s) => self.blocks.relocate(h, Loc { node: s, offset: j as u32 }, loc),
+                    None => self.blocks.insert_new(&self.nodes, h, loc),
+                }
+            }
+            if let Some(s) = staged {
+                self.nodes[s as usize] = Node { parent: DEAD, ..Node::default() };
+                self.free.push(s);
             }
             return Pos { node: at, offset: base + new.len() };
         }
-        let child = self.alloc(Node {
-            hashes: new.to_vec(),
-            parent: at,
-            children: HashMap::new(),
-            holders: Vec::new(),
-            dense: OnceLock::new(),
-        });
-        for (j, &h) in new.iter().enumerate() {
-            self.blocks.insert_new(&self.nodes, h, Loc { node: child, offset: j as u32 });
-        }
+        let child = match staged {
+            Some(s) => {
+                self.nodes[s as usize].parent = at;
+                s
+            }
+            None => {
+                let child =
+                    self.alloc(Node { hashes: new.to_vec(), parent: at, ..Node::default() });
+                for (j, &h) in new.iter().enumerate() {
+                    self.blocks.insert_new(&self.nodes, h, Loc { node: child, offset: j as u32 });
+                }
+                child
+            }
+        };
         self.nodes[at as usize].children.insert(new[0], child);
         self.add_holder(w, child, attrs);
-        at = child;
-        Pos { node: at, offset: new.len() }
+        Pos { node: child, offset: new.len() }
     }
 
     /// A leaf held by `w` alone with the same attributes grows in place: no new node.

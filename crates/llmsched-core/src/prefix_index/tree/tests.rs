@@ -80,6 +80,44 @@ fn cutting_a_tail_with_children_leaves_what_a_split_leaves() {
     assert_eq!(t.nodes[t.blocks.get(&t.nodes, c[0][1]).unwrap().node as usize].hashes, c[0][..2]);
 }
 
+#[test]
+fn a_staged_run_that_conflicts_leaves_the_tree_as_it_was() {
+    let c = chains();
+    let mut t = Tree::new();
+    t.store(0, &c[0], None, HELD).unwrap();
+    t.store(1, &c[2], None, HELD).unwrap();
+    let before = shape(&t);
+    let nodes = t.nodes.len();
+    // Long enough to be staged: a block of another chain, then a block repeated.
+    let elsewhere: Vec<u64> = c[1][5..].iter().copied().chain([c[2][3]]).collect();
+    let repeated: Vec<u64> = c[1][5..].iter().copied().chain([c[1][6]]).collect();
+    for run in [&elsewhere, &repeated] {
+        assert!(run.len() - 1 > STAGE_MIN);
+        let err = t.store(0, run, Some(c[1][4]), HELD).unwrap_err();
+        assert_eq!(err, StoreRefusal::Conflict(run[run.len() - 1]));
+        assert_eq!((shape(&t), t.nodes.len()), (before.clone(), nodes));
+    }
+    // With a free node to take: it goes back to the free list.
+    t.drop_from(1, c[2][0]);
+    let (before, free) = (shape(&t), t.free.clone());
+    assert!(!free.is_empty());
+    let run: Vec<u64> = c[1][5..].iter().copied().chain([c[0][0]]).collect();
+    assert!(t.store(0, &run, Some(c[1][4]), HELD).is_err());
+    assert_eq!((shape(&t), &t.free), (before, &free));
+}
+
+#[test]
+fn a_staged_run_onto_a_leaf_held_alone_extends_it() {
+    let c = chains();
+    let mut t = Tree::new();
+    t.store(0, &c[0][..3], None, HELD).unwrap();
+    t.store(0, &c[0][3..], Some(c[0][2]), HELD).unwrap();
+    let node = t.blocks.get(&t.nodes, c[0][0]).unwrap().node;
+    assert_eq!(t.nodes[node as usize].hashes, c[0], "one edge, grown in place");
+    assert_eq!(t.live_nodes(), 1);
+    shape(&t);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
 
