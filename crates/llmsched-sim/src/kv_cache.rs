@@ -168,9 +168,9 @@ pub struct KvCore {
     cached_len: usize,
     requests: HashMap<u64, Request>,
     events: Vec<Pending>,
-    /// Scratch for reducing removals: the contents of the batch being reduced (a set the size
-    /// of one batch, not a table as long as the plan: that table's pages, one per replica,
-    /// were written all over a long trace).
+    /// Scratch for reducing removals (see [`removal_roots`]): the contents of the batch being
+    /// reduced (a set the size of one batch, not a table as long as the plan: that table's
+    /// pages, one per replica, were written all over a long trace).
     gone: HashSet<u32>,
 }
 
@@ -398,12 +398,8 @@ impl KvCore {
             match event {
                 Pending::Stored { parent, ids } => out.push(IdEvent::Stored { parent, ids }),
                 Pending::Removed(removed) => {
-                    self.gone.clear();
-                    self.gone.extend(removed.iter().map(|&(id, _)| id));
-                    let gone = |p: u32| p != NONE && self.gone.contains(&p);
-                    let ids =
-                        removed.iter().filter(|&&(_, parent)| !gone(parent)).map(|&(id, _)| id);
-                    out.push(IdEvent::Removed { ids: ids.collect() });
+                    let ids = removal_roots(&removed, &mut self.gone);
+                    out.push(IdEvent::Removed { ids });
                 }
             }
         }
@@ -513,6 +509,39 @@ impl KvCore {
             self.events.push(Pending::Stored { parent, ids: std::mem::take(run) });
         }
     }
+}
+
+/// The ids of `removed` (evicted contents and their parents, in eviction order) whose parent is
+/// not evicted with them: the roots of the evicted subtrees.
+///
+/// A chain is evicted tail first, so an evicted block's parent, when it goes too, is nearly
+/// always the next entry. Only the others (each chain's first evicted block, usually) are
+/// looked for among the rest: by a scan while there are few, else in `set` (filled with the
+/// batch's ids once). Hashing every id of every batch into a set cost more than the
+/// evictions themselves.
+fn removal_roots(removed: &[(u32, u32)], set: &mut HashSet<u32>) -> Vec<u32> {
+    const SCAN_MAX: usize = 1 << 14;
+    let parent_next = |i: usize| removed.get(i + 1).is_some_and(|&(next, _)| next == removed[i].1);
+    let unsure = (0..removed.len()).filter(|&i| removed[i].1 != NONE && !parent_next(i)).count();
+    let by_set = unsure * removed.len() > SCAN_MAX;
+    if by_set {
+        set.clear();
+        set.extend(removed.iter().map(|&(id, _)| id));
+    }
+    let evicted = |p: u32| {
+        if by_set {
+            set.contains(&p)
+        } else {
+            removed.iter().any(|&(id, _)| id == p)
+        }
+    };
+    let mut roots = Vec::with_capacity(unsure + 1);
+    for (i, &(id, parent)) in removed.iter().enumerate() {
+        if parent == NONE || !(parent_next(i) || evicted(parent)) {
+            roots.push(id);
+        }
+    }
+    roots
 }
 
 /// One replica's KV cache addressed by 64-bit content hashes: a [`KvCore`] plus an interner
@@ -757,6 +786,40 @@ mod tests {
         assert_eq!(kv.free_blocks(), 0);
         assert!(!kv.advance_decoding(1));
         assert_eq!(kv.tokens_of(1).unwrap(), 16);
+    }
+
+    #[test]
+    fn removal_roots_are_the_ids_whose_parent_is_not_evicted_with_them() {
+        // Batches of chain pieces evicted tail first, shuffled by chain, with lone blocks and
+        // parents evicted out of order; small batches are scanned, large ones use the set.
+        let mut seed = 7u64;
+        let mut next = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        let mut set = HashSet::new();
+        for round in 0..300 {
+            let mut removed: Vec<(u32, u32)> = Vec::new();
+            for _ in 0..=next(if round % 10 == 0 { 200 } else { 6 }) {
+                let base = next(1 << 20) as u32 * 64;
+                let len = 1 + next(40) as u32;
+                for k in (0..len).rev() {
+                    let parent = if k == 0 && next(3) == 0 { NONE } else { base + k - 1 };
+                    removed.push((base + k, parent));
+                }
+                if next(4) == 0 {
+                    let (at, last) = (next(removed.len() as u64) as usize, removed.len() - 1);
+                    removed.swap(at, last);
+                }
+            }
+            let ids: HashSet<u32> = removed.iter().map(|&(id, _)| id).collect();
+            let want: Vec<u32> = removed
+                .iter()
+                .filter(|&&(_, p)| p == NONE || !ids.contains(&p))
+                .map(|&(id, _)| id)
+                .collect();
+            assert_eq!(removal_roots(&removed, &mut set), want, "round {round}");
+        }
     }
 
     #[test]
