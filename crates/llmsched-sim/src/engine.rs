@@ -365,7 +365,7 @@ struct RouterReplica {
 struct World<'p> {
     cfg: SimConfig,
     model: StepModel,
-    plan: &'p Plan,
+    plan: &'p Plan<'p>,
     /// `plan.hashes` numbered: the KV caches' content ids.
     contents: Arc<Contents>,
     bs: u64,
@@ -409,7 +409,7 @@ pub fn simulate(
     cfg: SimConfig,
     model: StepModel,
     router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
-    plan: &Plan,
+    plan: &Plan<'_>,
     flow: Option<&FlowSetup>,
     slices: Option<SliceTracker>,
 ) -> Result<SimOutput, SimError> {
@@ -422,7 +422,7 @@ pub fn simulate_with_policy(
     cfg: SimConfig,
     model: StepModel,
     router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
-    plan: &Plan,
+    plan: &Plan<'_>,
     flow: Option<&FlowSetup>,
     slices: Option<SliceTracker>,
     policy: Box<dyn PolicyHook>,
@@ -439,7 +439,7 @@ impl<'p> Simulation<'p> {
         cfg: SimConfig,
         model: StepModel,
         router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
-        plan: &'p Plan,
+        plan: &'p Plan<'p>,
         flow: Option<&FlowSetup>,
         mut slices: Option<SliceTracker>,
         policy: Option<Box<dyn PolicyHook>>,
@@ -1302,7 +1302,7 @@ impl World<'_> {
 }
 
 /// What a [`PolicyHook`] sees of request `r` now.
-fn request_view<'a>(q: &'a Req, r: usize, plan: &'a Plan) -> RequestView<'a> {
+fn request_view<'a>(q: &'a Req, r: usize, plan: &'a Plan<'_>) -> RequestView<'a> {
     RequestView {
         slot: r,
         id: q.id,
@@ -1808,7 +1808,7 @@ mod tests {
 
     /// `n` requests of `prompt` + `output` tokens, all arriving at `t = 0`, each with content
     /// of its own.
-    fn burst(n: usize, prompt: u64, output: u64, priority: impl Fn(usize) -> i64) -> Plan {
+    fn burst(n: usize, prompt: u64, output: u64, priority: impl Fn(usize) -> i64) -> Plan<'static> {
         let blocks = (prompt / 16) as usize;
         let mut hashes = Vec::new();
         let mut open = Vec::new();
@@ -1826,7 +1826,7 @@ mod tests {
             });
         }
         Plan {
-            hashes,
+            hashes: hashes.into(),
             open,
             sessions: Vec::new(),
             starts: Vec::new(),
@@ -1851,7 +1851,7 @@ mod tests {
         .unwrap()
     }
 
-    fn run(cfg: SimConfig, router: &str, plan: &Plan, flow: Option<&FlowSetup>) -> SimOutput {
+    fn run(cfg: SimConfig, router: &str, plan: &Plan<'_>, flow: Option<&FlowSetup>) -> SimOutput {
         let value = match router {
             "round-robin" => json!({"plugins": [{"type": "round-robin-picker"}],
                 "schedulingProfiles": [{"name": "default",
@@ -1932,7 +1932,7 @@ mod tests {
 
     fn run_hook(
         cfg: SimConfig,
-        plan: &Plan,
+        plan: &Plan<'_>,
         answer: Option<(usize, Option<usize>)>,
     ) -> (Result<SimOutput, SimError>, Calls) {
         let calls = std::sync::Arc::new(std::sync::Mutex::new(Calls::default()));
