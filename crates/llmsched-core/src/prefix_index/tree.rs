@@ -14,8 +14,9 @@
 //! child held by it). Each worker keeps its leaves ordered by stamp; eviction trims the oldest.
 //!
 //! Complexity: match O(nodes on path + blocks compared + holders on path * log(workers)); store
-//! O(blocks + nodes on path); eviction O(log leaves) per trimmed node; a split moves the tail's
-//! entries in the block map, O(tail length).
+//! O(blocks + nodes on path), one block-map probe per new block; eviction O(log leaves) per
+//! trimmed node; a split moves the tail's entries in the block map, O(tail length), except where
+//! a removal cuts a node held by one worker alone short in place.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
@@ -838,18 +839,18 @@ impl Tree {
     /// first moving the tail's block-table entries only to delete them (an engine evicting
     /// a chain tail first does this for nearly every removal).
     fn cut_tail(&mut self, w: WorkerId, node: NodeId, at: usize) -> u64 {
+        for (j, &h) in self.nodes[node as usize].hashes[at..].iter().enumerate() {
+            self.blocks.remove(h, Loc { node, offset: (at + j) as u32 });
+        }
         let n = &mut self.nodes[node as usize];
-        let tail = n.hashes.split_off(at);
+        let mut dropped = (n.hashes.len() - at) as u64;
+        n.hashes.truncate(at);
         n.hashes.shrink_to_fit();
         let children = std::mem::take(&mut n.children);
         let holder = &mut n.holders[0];
         let was_leaf = holder.child_count == 0;
         holder.child_count = 0;
         let stamp = holder.stamp;
-        for (j, &h) in tail.iter().enumerate() {
-            self.blocks.remove(h, Loc { node, offset: (at + j) as u32 });
-        }
-        let mut dropped = tail.len() as u64;
         let mut stack: Vec<NodeId> = children.into_values().collect();
         while let Some(id) = stack.pop() {
             let c = std::mem::take(&mut self.nodes[id as usize]);
