@@ -231,6 +231,22 @@ mod tests {
             .all(|(j, &h)| table.get(&nodes, h) == Some(loc(1, j as u32))));
     }
 
+    /// Stores a node of `count` new blocks (room made first, as a store does) and deletes it
+    /// again (its edge emptied first, as the tree does).
+    fn store_and_delete(table: &mut BlockTable, nodes: &mut Vec<Node>, count: u64, round: u64) {
+        let new: Vec<u64> = (0..count).map(|i| 1_000_000 * (round + 1) + i).collect();
+        table.reserve(nodes, new.len());
+        nodes.push(node(&new));
+        let id = (nodes.len() - 1) as u32;
+        for (j, &h) in new.iter().enumerate() {
+            table.insert_new(nodes, h, loc(id, j as u32));
+        }
+        let gone = std::mem::take(&mut nodes[id as usize]);
+        for (j, &h) in gone.hashes.iter().enumerate() {
+            table.remove(h, loc(id, j as u32));
+        }
+    }
+
     #[test]
     fn a_nearly_full_table_under_churn_is_rebuilt_rarely() {
         // 3,500 blocks in a table of 4,096 slots, then 64 stored and 64 removed per round, as
@@ -239,19 +255,9 @@ mod tests {
         let mut table = BlockTable::from_nodes(&nodes);
         let mut rebuilds = 0;
         for round in 0..2_000u64 {
-            let new: Vec<u64> = (0..64).map(|i| 1_000_000 * (round + 1) + i).collect();
             let before = table.table.capacity();
-            table.reserve(&nodes, new.len());
+            store_and_delete(&mut table, &mut nodes, 64, round);
             rebuilds += usize::from(table.table.capacity() > before);
-            nodes.push(node(&new));
-            let id = (nodes.len() - 1) as u32;
-            for (j, &h) in new.iter().enumerate() {
-                table.insert_new(&nodes, h, loc(id, j as u32));
-            }
-            let gone = std::mem::take(&mut nodes[id as usize]);
-            for (j, &h) in gone.hashes.iter().enumerate() {
-                table.remove(h, loc(id, j as u32));
-            }
         }
         assert_eq!(table.len(), 3_500);
         // Rebuilt at its size, the table stayed 85% full and was rebuilt every few rounds.
@@ -271,17 +277,7 @@ mod tests {
         }
         nodes[1].hashes = kept;
         for round in 0..20u64 {
-            let new: Vec<u64> = (0..1000).map(|i| 1_000_000 * (round + 1) + i).collect();
-            table.reserve(&nodes, new.len());
-            nodes.push(node(&new));
-            let id = (nodes.len() - 1) as u32;
-            for (j, &h) in new.iter().enumerate() {
-                table.insert_new(&nodes, h, loc(id, j as u32));
-            }
-            let gone = std::mem::take(&mut nodes[id as usize]);
-            for (j, &h) in gone.hashes.iter().enumerate() {
-                table.remove(h, loc(id, j as u32));
-            }
+            store_and_delete(&mut table, &mut nodes, 1000, round);
         }
         assert_eq!(table.len(), 16);
         assert!(table.bytes() <= full, "{} > {full}", table.bytes());
