@@ -382,6 +382,8 @@ struct World<'p> {
     kv_trace: Vec<Vec<(f64, f64)>>,
     next_kv_sample: Vec<f64>,
     feeds: Vec<Option<(usize, Vec<IdEvent>)>>,
+    /// A KV event's blocks as hashes (reused from event to event).
+    event_hashes: Vec<u64>,
     decision: Duration,
     feed: Duration,
     feed_skipped: u64,
@@ -590,6 +592,7 @@ impl<'p> Simulation<'p> {
             kv_trace: vec![Vec::new(); n],
             next_kv_sample: vec![0.0; n],
             feeds: Vec::new(),
+            event_hashes: Vec::new(),
             decision: Duration::ZERO,
             feed: Duration::ZERO,
             feed_skipped: 0,
@@ -1268,7 +1271,7 @@ impl World<'_> {
         let start = Instant::now();
         let key = &self.keys[rid];
         let unique = self.contents.unique();
-        let mut hashes: Vec<u64> = Vec::new();
+        let mut hashes = std::mem::take(&mut self.event_hashes);
         for event in events {
             hashes.clear();
             let (ids, parent, store) = match &event {
@@ -1296,6 +1299,7 @@ impl World<'_> {
                 }
             }
         }
+        self.event_hashes = hashes;
         self.feed += start.elapsed();
         Ok(())
     }

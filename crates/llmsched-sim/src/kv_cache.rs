@@ -172,7 +172,15 @@ pub struct KvCore {
     /// reduced (a set the size of one batch, not a table as long as the plan: that table's
     /// pages, one per replica, were written all over a long trace).
     gone: HashSet<u32>,
+    /// Vectors of finished requests and reduced removal batches, reused: each request's block
+    /// list and each batch's list grew from empty, and the reallocations cost more than the
+    /// cache's own work on long prompts.
+    spare_blocks: Vec<Vec<u32>>,
+    spare_removed: Vec<(u32, u32)>,
 }
+
+/// The most block lists a cache keeps for reuse (a few KiB each).
+const SPARE_BLOCK_LISTS: usize = 64;
 
 impl KvCore {
     /// An empty cache of `num_blocks` blocks of `block_size` tokens, all free; `contents` is
@@ -199,6 +207,8 @@ impl KvCore {
             requests: HashMap::new(),
             events: Vec::new(),
             gone: HashSet::new(),
+            spare_blocks: Vec::new(),
+            spare_removed: Vec::new(),
         })
     }
 
@@ -252,7 +262,8 @@ impl KvCore {
         if self.requests.contains_key(&req) {
             return Err(KvError::DuplicateRequest(req));
         }
-        let mut state = Request::default();
+        let mut state =
+            Request { blocks: self.spare_blocks.pop().unwrap_or_default(), ..Request::default() };
         state.blocks.reserve(ids.len());
         for (i, &id) in ids.iter().take(max_blocks).enumerate() {
             if let Some(ahead) = ids.get(i + PREFETCH_AHEAD).and_then(|&a| self.cached(a)) {
@@ -337,6 +348,11 @@ impl KvCore {
             }
             self.drop_ref(blocks[i]);
         }
+        if self.spare_blocks.len() < SPARE_BLOCK_LISTS {
+            let mut blocks = state.blocks;
+            blocks.clear();
+            self.spare_blocks.push(blocks);
+        }
         Ok(())
     }
 
@@ -397,9 +413,13 @@ impl KvCore {
         for event in events {
             match event {
                 Pending::Stored { parent, ids } => out.push(IdEvent::Stored { parent, ids }),
-                Pending::Removed(removed) => {
+                Pending::Removed(mut removed) => {
                     let ids = removal_roots(&removed, &mut self.gone);
                     out.push(IdEvent::Removed { ids });
+                    if removed.capacity() > self.spare_removed.capacity() {
+                        removed.clear();
+                        self.spare_removed = removed;
+                    }
                 }
             }
         }
@@ -500,7 +520,11 @@ impl KvCore {
     fn push_removed(&mut self, id: u32, parent: u32) {
         match self.events.last_mut() {
             Some(Pending::Removed(removed)) => removed.push((id, parent)),
-            _ => self.events.push(Pending::Removed(vec![(id, parent)])),
+            _ => {
+                let mut removed = std::mem::take(&mut self.spare_removed);
+                removed.push((id, parent));
+                self.events.push(Pending::Removed(removed));
+            }
         }
     }
 
