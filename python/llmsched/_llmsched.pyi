@@ -979,6 +979,8 @@ def simulate(
     `python-filter` plugins (`llmsched.routing.native_config`), called with the GIL taken for
     each call only; `policy`: (name, `llmsched.sim.policies.Policy` object) routing instead of
     the router, called back the same way (a failed call raises `llmsched.errors.PolicyError`).
+    The plan's `hashes` array is read in place, not copied, while the engine runs with the GIL
+    released: nothing may write to it meanwhile (`llmsched.sim.fast`'s plans are never written).
     """
 
 @final

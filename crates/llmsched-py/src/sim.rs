@@ -200,9 +200,9 @@ fn ranges(offsets: &[usize], name: &str) -> PyResult<Vec<std::ops::Range<usize>>
     Ok(offsets.windows(2).map(|w| w[0]..w[1]).collect())
 }
 
-fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
-    let hashes: PyReadonlyArray1<'_, u64> = item(d, "hashes")?;
-    let hashes = hashes.as_slice()?.to_vec();
+/// The plan in `d`, its block hashes lent by the caller (the numpy array `d["hashes"]`, read
+/// without copying while the engine runs).
+fn plan<'h>(d: &Bound<'_, PyDict>, hashes: &'h [u64]) -> PyResult<Plan<'h>> {
     let kind: String = item(d, "kind")?;
     let contents = match d.get_item("contents")? {
         Some(c) if !c.is_none() => Some(
@@ -214,7 +214,7 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
         ),
         _ => None,
     };
-    let mut plan = Plan { hashes, contents, ..Plan::default() };
+    let mut plan = Plan { hashes: hashes.into(), contents, ..Plan::default() };
     let offsets: PyReadonlyArray1<'_, i64> = item(d, "hash_offsets")?;
     let spans = ranges(&usizes(offsets.as_slice()?, "hash_offsets")?, "hash_offsets")?;
     let tenant: PyReadonlyArray1<'_, i64> = item(d, "tenant")?;
@@ -291,7 +291,10 @@ fn plan(d: &Bound<'_, PyDict>) -> PyResult<Plan> {
 
 /// Runs one scenario on the Rust engine (`llmsched.sim.fast` prepares the arguments) with the
 /// GIL released; returns the finished requests as arrays, per-replica end states, the KV-use
-/// trace and the time spent in routing decisions and feeds.
+/// trace and the time spent in routing decisions and feeds. The plan's hashes are read in place
+/// from its numpy array (a 100,000-line trace's are 390 MB: a copy takes 0.2 s, and up to 1-2 s
+/// when its fresh pages fault in on a busy machine), so nothing may write to that array
+/// meanwhile; the plans `llmsched.sim.fast` builds and caches are never written.
 #[pyfunction]
 #[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None, slices = None, functions = Vec::new(), policy = None))]
 #[allow(clippy::too_many_arguments)]
@@ -328,7 +331,8 @@ fn simulate<'py>(
     let registry = crate::routing::registry(py, &functions);
     config::parse(&value, &registry).map_err(RoutingError::from).py()?; // errors surface here
     let make = || config::parse(&value, &registry).map_err(RoutingError::from);
-    let plan = plan(workload)?;
+    let hashes: PyReadonlyArray1<'py, u64> = item(workload, "hashes")?;
+    let plan = plan(workload, hashes.as_slice()?)?;
     let budget = cfg.max_num_batched_tokens;
     // A Python `Policy` object routes instead (called back with the GIL taken for each call).
     let (name, hook) = match policy {
@@ -429,7 +433,7 @@ fn generator(state: RngState) -> Pcg64 {
 
 /// A plan as the dict `llmsched.sim.fast` builds in Python (numpy arrays; `contents`
 /// numbered here), so both feed `simulate` the same way.
-fn plan_dict<'py>(py: Python<'py>, plan: Plan) -> PyResult<Bound<'py, PyDict>> {
+fn plan_dict<'py>(py: Python<'py>, plan: Plan<'static>) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let offsets = |spans: &mut dyn Iterator<Item = usize>| {
         let mut out = vec![0i64];
@@ -477,7 +481,7 @@ fn plan_dict<'py>(py: Python<'py>, plan: Plan) -> PyResult<Bound<'py, PyDict>> {
         let think: Vec<f64> = turns().map(|t| t.think).collect();
         d.set_item("turn_think", think.into_pyarray(py))?;
     }
-    d.set_item("hashes", plan.hashes.into_pyarray(py))?;
+    d.set_item("hashes", plan.hashes.into_owned().into_pyarray(py))?;
     d.set_item("contents", Bound::new(py, PyPlanContents { inner: contents })?)?;
     Ok(d)
 }

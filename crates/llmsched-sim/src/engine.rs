@@ -365,7 +365,7 @@ struct RouterReplica {
 struct World<'p> {
     cfg: SimConfig,
     model: StepModel,
-    plan: &'p Plan,
+    plan: &'p Plan<'p>,
     /// `plan.hashes` numbered: the KV caches' content ids.
     contents: Arc<Contents>,
     bs: u64,
@@ -382,6 +382,8 @@ struct World<'p> {
     kv_trace: Vec<Vec<(f64, f64)>>,
     next_kv_sample: Vec<f64>,
     feeds: Vec<Option<(usize, Vec<IdEvent>)>>,
+    /// A KV event's blocks as hashes (reused from event to event).
+    event_hashes: Vec<u64>,
     decision: Duration,
     feed: Duration,
     feed_skipped: u64,
@@ -409,7 +411,7 @@ pub fn simulate(
     cfg: SimConfig,
     model: StepModel,
     router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
-    plan: &Plan,
+    plan: &Plan<'_>,
     flow: Option<&FlowSetup>,
     slices: Option<SliceTracker>,
 ) -> Result<SimOutput, SimError> {
@@ -422,7 +424,7 @@ pub fn simulate_with_policy(
     cfg: SimConfig,
     model: StepModel,
     router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
-    plan: &Plan,
+    plan: &Plan<'_>,
     flow: Option<&FlowSetup>,
     slices: Option<SliceTracker>,
     policy: Box<dyn PolicyHook>,
@@ -439,7 +441,7 @@ impl<'p> Simulation<'p> {
         cfg: SimConfig,
         model: StepModel,
         router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
-        plan: &'p Plan,
+        plan: &'p Plan<'p>,
         flow: Option<&FlowSetup>,
         mut slices: Option<SliceTracker>,
         policy: Option<Box<dyn PolicyHook>>,
@@ -590,6 +592,7 @@ impl<'p> Simulation<'p> {
             kv_trace: vec![Vec::new(); n],
             next_kv_sample: vec![0.0; n],
             feeds: Vec::new(),
+            event_hashes: Vec::new(),
             decision: Duration::ZERO,
             feed: Duration::ZERO,
             feed_skipped: 0,
@@ -1268,7 +1271,7 @@ impl World<'_> {
         let start = Instant::now();
         let key = &self.keys[rid];
         let unique = self.contents.unique();
-        let mut hashes: Vec<u64> = Vec::new();
+        let mut hashes = std::mem::take(&mut self.event_hashes);
         for event in events {
             hashes.clear();
             let (ids, parent, store) = match &event {
@@ -1296,13 +1299,14 @@ impl World<'_> {
                 }
             }
         }
+        self.event_hashes = hashes;
         self.feed += start.elapsed();
         Ok(())
     }
 }
 
 /// What a [`PolicyHook`] sees of request `r` now.
-fn request_view<'a>(q: &'a Req, r: usize, plan: &'a Plan) -> RequestView<'a> {
+fn request_view<'a>(q: &'a Req, r: usize, plan: &'a Plan<'_>) -> RequestView<'a> {
     RequestView {
         slot: r,
         id: q.id,
@@ -1808,7 +1812,7 @@ mod tests {
 
     /// `n` requests of `prompt` + `output` tokens, all arriving at `t = 0`, each with content
     /// of its own.
-    fn burst(n: usize, prompt: u64, output: u64, priority: impl Fn(usize) -> i64) -> Plan {
+    fn burst(n: usize, prompt: u64, output: u64, priority: impl Fn(usize) -> i64) -> Plan<'static> {
         let blocks = (prompt / 16) as usize;
         let mut hashes = Vec::new();
         let mut open = Vec::new();
@@ -1826,7 +1830,7 @@ mod tests {
             });
         }
         Plan {
-            hashes,
+            hashes: hashes.into(),
             open,
             sessions: Vec::new(),
             starts: Vec::new(),
@@ -1851,7 +1855,7 @@ mod tests {
         .unwrap()
     }
 
-    fn run(cfg: SimConfig, router: &str, plan: &Plan, flow: Option<&FlowSetup>) -> SimOutput {
+    fn run(cfg: SimConfig, router: &str, plan: &Plan<'_>, flow: Option<&FlowSetup>) -> SimOutput {
         let value = match router {
             "round-robin" => json!({"plugins": [{"type": "round-robin-picker"}],
                 "schedulingProfiles": [{"name": "default",
@@ -1932,7 +1936,7 @@ mod tests {
 
     fn run_hook(
         cfg: SimConfig,
-        plan: &Plan,
+        plan: &Plan<'_>,
         answer: Option<(usize, Option<usize>)>,
     ) -> (Result<SimOutput, SimError>, Calls) {
         let calls = std::sync::Arc::new(std::sync::Mutex::new(Calls::default()));

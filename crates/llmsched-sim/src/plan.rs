@@ -6,6 +6,7 @@
 //! turn's finish plus a think time); what it contains depends only on the seed and the session's
 //! number, so a plan holds sessions as scripts and the engine starts turns as turns finish.
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -43,10 +44,11 @@ pub struct Session {
     pub turns: Vec<Turn>,
 }
 
-/// A whole workload.
+/// A whole workload. The builders own its hashes; a caller that has them already (the Python
+/// bindings, in a numpy array) lends them instead of copying hundreds of megabytes.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Plan {
-    pub hashes: Vec<u64>,
+pub struct Plan<'h> {
+    pub hashes: Cow<'h, [u64]>,
     /// Open-loop requests in arrival order (empty for a session workload).
     pub open: Vec<OpenRequest>,
     /// Session scripts by session number.
@@ -190,7 +192,7 @@ fn sorted_has_duplicates(values: &mut [u64]) -> bool {
 #[error("invalid workload plan: {0}")]
 pub struct PlanError(pub String);
 
-impl Plan {
+impl Plan<'_> {
     /// Checks every range and count, so the engine may index without further checks.
     pub fn validate(&self) -> Result<(), PlanError> {
         let n = self.hashes.len();

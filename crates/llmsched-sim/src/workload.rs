@@ -158,7 +158,7 @@ pub fn independent_plan(
     mut scalar: PyRandom,
     block_size: usize,
     chain_seed: u64,
-) -> Result<Plan, WorkloadError> {
+) -> Result<Plan<'static>, WorkloadError> {
     check(block_size)?;
     let n = spec.arrival.len();
     if [spec.mean_input.len(), spec.mean_output.len(), spec.tenant.len(), spec.priority.len()]
@@ -173,9 +173,9 @@ pub fn independent_plan(
         let start = plan.hashes.len();
         let mut conv = Conv::new(chain_seed);
         let input = length(&mut scalar, spec.mean_input[i], spec.length_cv)?;
-        conv.append_random(&mut rng, input as usize, block_size, &mut plan.hashes)?;
+        conv.append_random(&mut rng, input as usize, block_size, plan.hashes.to_mut())?;
         let output = length(&mut scalar, spec.mean_output[i], spec.length_cv)?;
-        fresh_blocks(&mut rng, input, output, conv.blocks, block_size, &mut plan.hashes);
+        fresh_blocks(&mut rng, input, output, conv.blocks, block_size, plan.hashes.to_mut());
         plan.open.push(OpenRequest {
             arrival: spec.arrival[i],
             prompt_len: input,
@@ -207,7 +207,7 @@ pub fn prompted_plan(
     spec: Prompted<'_>,
     mut rng: Pcg64,
     block_size: usize,
-) -> Result<Plan, WorkloadError> {
+) -> Result<Plan<'static>, WorkloadError> {
     check(block_size)?;
     let n = spec.arrival.len();
     if spec.pick.len() != n
@@ -226,7 +226,7 @@ pub fn prompted_plan(
             return err(format!("request {i} picks prompt {} of {}", spec.pick[i], n));
         };
         let start = plan.hashes.len();
-        plan.hashes.extend_from_slice(&spec.prompt_hashes[span.clone()]);
+        plan.hashes.to_mut().extend_from_slice(&spec.prompt_hashes[span.clone()]);
         let prompt_len = spec.prompt_len[spec.pick[i]];
         fresh_blocks(
             &mut rng,
@@ -234,7 +234,7 @@ pub fn prompted_plan(
             spec.output_len,
             span.len(),
             block_size,
-            &mut plan.hashes,
+            plan.hashes.to_mut(),
         );
         plan.open.push(OpenRequest {
             arrival: spec.arrival[i],
@@ -275,7 +275,7 @@ pub fn agentic_plan(
     seed: u64,
     block_size: usize,
     chain_seed: u64,
-) -> Result<Plan, WorkloadError> {
+) -> Result<Plan<'static>, WorkloadError> {
     check(block_size)?;
     if systems.is_empty() || u32::try_from(systems.len()).is_err() {
         return err("agentic: system_prompts must be >= 1");
@@ -300,20 +300,20 @@ pub fn agentic_plan(
         let mut scalar = PyRandom::new(u128::from(seed) * 1_000_003 + sid as u128);
         let tenant = scalar.randbelow(systems.len() as u32) as usize;
         let start = plan.hashes.len();
-        plan.hashes.extend_from_slice(&system_hashes[tenant]);
+        plan.hashes.to_mut().extend_from_slice(&system_hashes[tenant]);
         let mut conv = system_convs[tenant].clone();
         let user = length(&mut scalar, user_mean, cfg.length_cv)?;
-        conv.append_random(&mut rng, user as usize, block_size, &mut plan.hashes)?;
+        conv.append_random(&mut rng, user as usize, block_size, plan.hashes.to_mut())?;
         let mut output = length(&mut scalar, cfg.first_output, cfg.length_cv)?;
         let mut turns = Vec::with_capacity(cfg.followup_turns + 1);
         for turn in 0..=cfg.followup_turns {
             if turn > 0 {
                 let message = length(&mut scalar, cfg.followup_input, cfg.length_cv)?;
-                conv.append_random(&mut rng, message as usize, block_size, &mut plan.hashes)?;
+                conv.append_random(&mut rng, message as usize, block_size, plan.hashes.to_mut())?;
                 output = length(&mut scalar, cfg.followup_output, cfg.length_cv)?;
             }
             let prompt_len = conv.length as u64;
-            conv.append_random(&mut rng, output as usize, block_size, &mut plan.hashes)?;
+            conv.append_random(&mut rng, output as usize, block_size, plan.hashes.to_mut())?;
             let think = if cfg.think_time_s > 0.0 {
                 scalar.expovariate(1.0 / cfg.think_time_s)
             } else {
@@ -772,7 +772,7 @@ pub fn trace_plan(
     mut rng: Pcg64,
     block_size: usize,
     chain_seed: u64,
-) -> Result<Plan, WorkloadError> {
+) -> Result<Plan<'static>, WorkloadError> {
     check(block_size)?;
     let hash_block = spec.hash_block;
     if hash_block == 0 || hash_block % block_size != 0 {
@@ -791,7 +791,7 @@ pub fn trace_plan(
     let per_id = hash_block / block_size;
     let lay = layout(rows, hash_block, block_size);
     let total = lay.last().map_or(0, |l| l.end);
-    plan.hashes = vec![0; total];
+    plan.hashes = vec![0; total].into();
     let reused = reused_ids(rows);
 
     // The named blocks, on two threads split where half of the ids are done.
@@ -805,7 +805,7 @@ pub fn trace_plan(
         })
         .map_or(rows.len(), |i| i + 1);
     let split_at = lay.get(split).map_or(total, |l| l.start);
-    let (low, high) = plan.hashes.split_at_mut(split_at);
+    let (low, high) = plan.hashes.to_mut().split_at_mut(split_at);
     let (lasts_low, lasts_high) = std::thread::scope(|scope| {
         let reused = &reused;
         let (rows_high, lay_high) = (&rows[split..], &lay[split..]);
@@ -822,7 +822,7 @@ pub fn trace_plan(
 
     // The fresh tokens and ids, from the one generator in line order; the tokens are hashed
     // on a second thread, a chunk of lines behind.
-    fresh_draws(&lay, &lasts, &mut rng, block_size, &mut plan.hashes)?;
+    fresh_draws(&lay, &lasts, &mut rng, block_size, plan.hashes.to_mut())?;
 
     // Content ids by first appearance: a named block repeats the first block of its id after
     // the same prefix, everything else is new.

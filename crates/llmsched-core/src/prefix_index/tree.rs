@@ -14,8 +14,9 @@
 //! child held by it). Each worker keeps its leaves ordered by stamp; eviction trims the oldest.
 //!
 //! Complexity: match O(nodes on path + blocks compared + holders on path * log(workers)); store
-//! O(blocks + nodes on path); eviction O(log leaves) per trimmed node; a split moves the tail's
-//! entries in the block map, O(tail length).
+//! O(blocks + nodes on path), one block-map probe per new block; eviction O(log leaves) per
+//! trimmed node; a split moves the tail's entries in the block map, O(tail length), except where
+//! a removal cuts a node held by one worker alone short in place.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
@@ -79,6 +80,14 @@ pub(crate) struct Node {
     /// Kept in the node (not boxed) so that a match reaches the bits in one step from the node.
     pub dense: OnceLock<Dense>,
 }
+
+/// New runs longer than this are staged ([`Tree::stage`]); shorter ones (an engine event's)
+/// compare pairwise and cost a probe to check and one to record each.
+#[cfg(not(test))]
+const STAGE_MIN: usize = 32;
+/// The model tests store short chains: runs of five blocks or more take the staged path.
+#[cfg(test)]
+const STAGE_MIN: usize = 4;
 
 /// Nodes with at least this many holders are matched through bitsets.
 #[cfg(not(test))]
@@ -225,6 +234,7 @@ pub(crate) enum StoreRefusal {
     Conflict(u64),
 }
 
+#[cfg_attr(test, derive(Clone))]
 pub(crate) struct Tree {
     pub nodes: Vec<Node>,
     free: Vec<NodeId>,
@@ -464,20 +474,25 @@ impl Tree {
     ) -> Result<u64, StoreRefusal> {
         let start = self.start_pos(w, parent)?;
         let existing = self.existing_run(start, hashes);
-        self.check_new_hashes(&hashes[existing..])?;
+        let new = &hashes[existing..];
+        let staged = if new.len() > STAGE_MIN {
+            Some(self.stage(new)?)
+        } else {
+            self.check_new_hashes(new)?;
+            self.blocks.reserve(&self.nodes, new.len());
+            None
+        };
         if hashes.is_empty() {
             return Ok(0);
         }
-        self.blocks.reserve(&self.nodes, hashes.len() - existing);
         self.ensure_worker(w);
         let stamp = self.next_stamp();
         let mut touched = Vec::new();
         let (mut pos, mut added) =
             self.hold_existing(w, start, &hashes[..existing], attrs, &mut touched);
-        if existing < hashes.len() {
-            let new = self.add_new_run(w, pos, &hashes[existing..], attrs, &mut touched);
-            added += (hashes.len() - existing) as u64;
-            pos = new;
+        if !new.is_empty() {
+            pos = self.add_new_run(w, pos, new, staged, attrs, &mut touched);
+            added += new.len() as u64;
         }
         let end = self.end_node(pos, &mut touched);
         self.touch_path(w, end, stamp, attrs.confirmed);
@@ -519,22 +534,46 @@ impl Tree {
         hashes.len()
     }
 
-    /// New blocks must not exist elsewhere in the tree, nor repeat: the input is not a chain.
+    /// A short run of new blocks (at most [`STAGE_MIN`]) must not exist elsewhere in the tree,
+    /// nor repeat: the input is not a chain.
     fn check_new_hashes(&self, new: &[u64]) -> Result<(), StoreRefusal> {
+        debug_assert!(new.len() <= STAGE_MIN);
         if let Some(&h) = new.iter().find(|&&h| self.blocks.contains(&self.nodes, h)) {
             return Err(StoreRefusal::Conflict(h));
         }
-        // Short runs (one engine event) compare pairwise; long ones pay for a set.
-        let repeated = if new.len() <= 32 {
-            new.iter().enumerate().find(|(i, h)| new[..*i].contains(h)).map(|(_, h)| *h)
-        } else {
-            let mut seen = hashbrown::HashSet::with_capacity(new.len());
-            new.iter().find(|h| !seen.insert(**h)).copied()
-        };
+        let repeated = new.iter().enumerate().find(|(i, h)| new[..*i].contains(h)).map(|(_, h)| *h);
         match repeated {
             Some(h) => Err(StoreRefusal::Conflict(h)),
             None => Ok(()),
         }
+    }
+
+    /// Enters a long run of new blocks into the block table as the edge of a node of its own,
+    /// not yet in the tree ([`Self::add_new_run`] links it in, or moves its blocks onto the end
+    /// of a leaf). One probe per block both finds a block already in the tree or repeated in
+    /// the run and records it, where checking first (a probe and a set insertion per block)
+    /// then recording cost three. On a conflict the entries made are taken out and the node
+    /// freed: the tree is as it was.
+    fn stage(&mut self, new: &[u64]) -> Result<NodeId, StoreRefusal> {
+        self.blocks.reserve(&self.nodes, new.len());
+        let from_free = !self.free.is_empty();
+        let node = self.alloc(Node { hashes: new.to_vec(), parent: DEAD, ..Node::default() });
+        for (j, &h) in new.iter().enumerate() {
+            if self.blocks.insert_absent(&self.nodes, h, Loc { node, offset: j as u32 }) {
+                continue;
+            }
+            for (k, &made) in new[..j].iter().enumerate() {
+                self.blocks.remove(made, Loc { node, offset: k as u32 });
+            }
+            self.nodes[node as usize] = Node { parent: DEAD, ..Node::default() };
+            if from_free {
+                self.free.push(node);
+            } else {
+                self.nodes.pop();
+            }
+            return Err(StoreRefusal::Conflict(h));
+        }
+        Ok(node)
     }
 
     /// Gives `w` (with `attrs`) every block of the already-present run after `start`.
@@ -597,16 +636,18 @@ impl Tree {
         }
     }
 
-    /// Appends a run of new blocks after `pos`, held by `w` alone. Returns the position after it.
+    /// Appends a run of new blocks after `pos`, held by `w` alone (`staged`: already in the block
+    /// table as that node's edge, see [`Self::stage`]). Returns the position after it.
     fn add_new_run(
         &mut self,
         w: WorkerId,
         pos: Pos,
         new: &[u64],
+        staged: Option<NodeId>,
         attrs: Attrs,
         touched: &mut Vec<NodeId>,
     ) -> Pos {
-        let mut at = pos.node;
+        let at = pos.node;
         if pos.offset < self.nodes[at as usize].hashes.len() {
             self.split(at, pos.offset);
             touched.push(at);
@@ -620,24 +661,34 @@ impl Tree {
             node.hashes.extend_from_slice(new);
             for (j, &h) in new.iter().enumerate() {
                 let loc = Loc { node: at, offset: (base + j) as u32 };
-                self.blocks.insert_new(&self.nodes, h, loc);
+                match staged {
+                    Some(s) => self.blocks.relocate(h, Loc { node: s, offset: j as u32 }, loc),
+                    None => self.blocks.insert_new(&self.nodes, h, loc),
+                }
+            }
+            if let Some(s) = staged {
+                self.nodes[s as usize] = Node { parent: DEAD, ..Node::default() };
+                self.free.push(s);
             }
             return Pos { node: at, offset: base + new.len() };
         }
-        let child = self.alloc(Node {
-            hashes: new.to_vec(),
-            parent: at,
-            children: Children::default(),
-            holders: Vec::new(),
-            dense: OnceLock::new(),
-        });
-        for (j, &h) in new.iter().enumerate() {
-            self.blocks.insert_new(&self.nodes, h, Loc { node: child, offset: j as u32 });
-        }
+        let child = match staged {
+            Some(s) => {
+                self.nodes[s as usize].parent = at;
+                s
+            }
+            None => {
+                let child =
+                    self.alloc(Node { hashes: new.to_vec(), parent: at, ..Node::default() });
+                for (j, &h) in new.iter().enumerate() {
+                    self.blocks.insert_new(&self.nodes, h, Loc { node: child, offset: j as u32 });
+                }
+                child
+            }
+        };
         self.nodes[at as usize].children.insert(new[0], child);
         self.add_holder(w, child, attrs);
-        at = child;
-        Pos { node: at, offset: new.len() }
+        Pos { node: child, offset: new.len() }
     }
 
     /// A leaf held by `w` alone with the same attributes grows in place: no new node.
@@ -828,12 +879,59 @@ impl Tree {
     /// Drops `w`'s holding of block `hash` and of every block below it. Returns blocks dropped.
     pub fn drop_from(&mut self, w: WorkerId, hash: u64) -> u64 {
         let Some(loc) = self.blocks.get(&self.nodes, hash) else { return 0 };
-        if self.nodes[loc.node as usize].holder(w).is_none() {
+        let node = &self.nodes[loc.node as usize];
+        if node.holder(w).is_none() {
             return 0;
+        }
+        if loc.offset > 0 && node.holders.len() == 1 {
+            return self.cut_tail(w, loc.node, loc.offset as usize);
         }
         let top = if loc.offset > 0 { self.split(loc.node, loc.offset as usize) } else { loc.node };
         let dropped = self.drop_subtree(w, top);
         self.merge_around(&[loc.node]);
+        dropped
+    }
+
+    /// [`Self::drop_from`] inside `node`, which `w` holds alone: blocks `at..` of it and every
+    /// node below it (held by `w` alone too, by prefix closure) go, and the node is cut short
+    /// in place. The tree ends as splitting off the tail and dropping it leaves it, without
+    /// first moving the tail's block-table entries only to delete them (an engine evicting
+    /// a chain tail first does this for nearly every removal).
+    fn cut_tail(&mut self, w: WorkerId, node: NodeId, at: usize) -> u64 {
+        for (j, &h) in self.nodes[node as usize].hashes[at..].iter().enumerate() {
+            self.blocks.remove(h, Loc { node, offset: (at + j) as u32 });
+        }
+        let n = &mut self.nodes[node as usize];
+        let mut dropped = (n.hashes.len() - at) as u64;
+        n.hashes.truncate(at);
+        n.hashes.shrink_to_fit();
+        let children = std::mem::take(&mut n.children);
+        let holder = &mut n.holders[0];
+        let was_leaf = holder.child_count == 0;
+        holder.child_count = 0;
+        let stamp = holder.stamp;
+        let mut stack: Vec<NodeId> = children.values().copied().collect();
+        while let Some(id) = stack.pop() {
+            let c = std::mem::take(&mut self.nodes[id as usize]);
+            debug_assert!(c.holders.len() == 1 && c.holders[0].worker == w);
+            for h in c.holders.iter().filter(|h| h.child_count == 0) {
+                self.workers[h.worker as usize].leaves.remove(&(h.stamp, id));
+            }
+            self.holder_count -= c.holders.len();
+            dropped += c.hashes.len() as u64;
+            for (j, &h) in c.hashes.iter().enumerate() {
+                self.blocks.remove(h, Loc { node: id, offset: j as u32 });
+            }
+            stack.extend(c.children.values().copied());
+            self.nodes[id as usize].parent = DEAD;
+            self.free.push(id);
+        }
+        let worker = &mut self.workers[w as usize];
+        if !was_leaf {
+            worker.leaves.insert((stamp, node));
+        }
+        worker.held -= dropped;
+        self.merge_around(&[node]);
         dropped
     }
 
@@ -1017,3 +1115,6 @@ impl Tree {
         out
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,151 @@
+//! The tree's shortcuts against the general operations they stand for: both must leave the same
+//! tree (node ids aside).
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::hashing::chain_hashes;
+
+const HELD: Attrs = Attrs { tiers: 1, confirmed: true, expires: f64::INFINITY };
+const RECORDED: Attrs = Attrs { tiers: 1, confirmed: false, expires: 10.0 };
+
+/// Everything about `t` but its node ids: each node's edge, holders and children (in order of
+/// their first block), each worker's leaves by first block, the counts. Checks on the way that
+/// children name their parent and every block is found where its edge has it.
+fn shape(t: &Tree) -> String {
+    fn node(t: &Tree, id: NodeId, out: &mut String) {
+        let n = &t.nodes[id as usize];
+        let holders: Vec<_> = n
+            .holders
+            .iter()
+            .map(|h| (h.worker, h.attrs.tiers, h.attrs.confirmed, h.stamp, h.child_count))
+            .collect();
+        out.push_str(&format!("{:?} {holders:?} [", n.hashes));
+        let mut kids: Vec<(u64, NodeId)> =
+            n.children.values().map(|&c| (t.nodes[c as usize].hashes[0], c)).collect();
+        kids.sort_unstable();
+        for (first, c) in kids {
+            assert_eq!(t.nodes[c as usize].parent, id);
+            // Each child is found under its first hash.
+            assert_eq!(n.children.get(&first), Some(&c));
+            node(t, c, out);
+        }
+        out.push(']');
+    }
+    let mut out = String::new();
+    node(t, ROOT, &mut out);
+    for (w, wt) in t.workers.iter().enumerate() {
+        let leaves: Vec<(u64, u64)> =
+            wt.leaves.iter().map(|&(s, id)| (s, t.nodes[id as usize].hashes[0])).collect();
+        out.push_str(&format!(" w{w}: held {} leaves {leaves:?}", wt.held));
+    }
+    out.push_str(&format!(" holders {} blocks {}", t.holder_count, t.blocks.len()));
+    for (id, n) in t.nodes.iter().enumerate().filter(|&(id, _)| t.is_live(id as NodeId)) {
+        for (j, &h) in n.hashes.iter().enumerate() {
+            let at = Loc { node: id as NodeId, offset: j as u32 };
+            assert_eq!(t.blocks.get(&t.nodes, h), Some(at), "block {h:#x}");
+        }
+    }
+    out
+}
+
+/// `drop_from` without its shortcut: split off the tail, drop it, merge around.
+fn drop_by_split(t: &mut Tree, w: WorkerId, hash: u64) -> u64 {
+    let loc = t.blocks.get(&t.nodes, hash).expect("a held block");
+    let top = if loc.offset > 0 { t.split(loc.node, loc.offset as usize) } else { loc.node };
+    let dropped = t.drop_subtree(w, top);
+    t.merge_around(&[loc.node]);
+    dropped
+}
+
+/// Four chains of 12 blocks: two pairs, each pair sharing its first 5 blocks.
+fn chains() -> Vec<Vec<u64>> {
+    (0..4u32)
+        .map(|c| {
+            let shared = (0..10).map(|i| 1000 * (c / 2) + i);
+            let own = (0..14).map(|i| 100_000 + 1000 * c + i);
+            chain_hashes(&shared.chain(own).collect::<Vec<u32>>(), 2, 0).expect("valid tokens")
+        })
+        .collect()
+}
+
+#[test]
+fn cutting_a_tail_with_children_leaves_what_a_split_leaves() {
+    let c = chains();
+    let mut t = Tree::new();
+    t.store(0, &c[0], None, HELD).unwrap();
+    t.store(0, &c[1], None, HELD).unwrap(); // blocks 0..5 now have two children
+    let mut by_split = t.clone();
+    assert_eq!(t.drop_from(0, c[0][2]), 3 + 7 + 7);
+    assert_eq!(drop_by_split(&mut by_split, 0, c[0][2]), 3 + 7 + 7);
+    assert_eq!(shape(&t), shape(&by_split));
+    assert_eq!(t.nodes[t.blocks.get(&t.nodes, c[0][1]).unwrap().node as usize].hashes, c[0][..2]);
+}
+
+#[test]
+fn a_staged_run_that_conflicts_leaves_the_tree_as_it_was() {
+    let c = chains();
+    let mut t = Tree::new();
+    t.store(0, &c[0], None, HELD).unwrap();
+    t.store(1, &c[2], None, HELD).unwrap();
+    let before = shape(&t);
+    let nodes = t.nodes.len();
+    // Long enough to be staged: a block of another chain, then a block repeated.
+    let elsewhere: Vec<u64> = c[1][5..].iter().copied().chain([c[2][3]]).collect();
+    let repeated: Vec<u64> = c[1][5..].iter().copied().chain([c[1][6]]).collect();
+    for run in [&elsewhere, &repeated] {
+        assert!(run.len() - 1 > STAGE_MIN);
+        let err = t.store(0, run, Some(c[1][4]), HELD).unwrap_err();
+        assert_eq!(err, StoreRefusal::Conflict(run[run.len() - 1]));
+        assert_eq!((shape(&t), t.nodes.len()), (before.clone(), nodes));
+    }
+    // With a free node to take: it goes back to the free list.
+    t.drop_from(1, c[2][0]);
+    let (before, free) = (shape(&t), t.free.clone());
+    assert!(!free.is_empty());
+    let run: Vec<u64> = c[1][5..].iter().copied().chain([c[0][0]]).collect();
+    assert!(t.store(0, &run, Some(c[1][4]), HELD).is_err());
+    assert_eq!((shape(&t), &t.free), (before, &free));
+}
+
+#[test]
+fn a_staged_run_onto_a_leaf_held_alone_extends_it() {
+    let c = chains();
+    let mut t = Tree::new();
+    t.store(0, &c[0][..3], None, HELD).unwrap();
+    t.store(0, &c[0][3..], Some(c[0][2]), HELD).unwrap();
+    let node = t.blocks.get(&t.nodes, c[0][0]).unwrap().node;
+    assert_eq!(t.nodes[node as usize].hashes, c[0], "one edge, grown in place");
+    assert_eq!(t.live_nodes(), 1);
+    shape(&t);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// Any tree of a few workers' stores and records, any held block dropped: the same tree
+    /// either way.
+    #[test]
+    fn drop_from_leaves_what_a_split_leaves(
+        stores in prop::collection::vec((0u32..3, 0usize..4, 0usize..12, 0usize..12, any::<bool>()), 1..12),
+        drop in any::<prop::sample::Index>(),
+    ) {
+        let c = chains();
+        let mut t = Tree::new();
+        for (w, chain, a, b, confirmed) in stores {
+            let (a, b) = (a.min(b), a.max(b) + 1);
+            let attrs = if confirmed { HELD } else { RECORDED };
+            // From the root, or after a block this worker holds already.
+            let a = if a > 0 && t.holds(w, c[chain][a - 1]) { a } else { 0 };
+            let parent = (a > 0).then(|| c[chain][a - 1]);
+            t.store(w, &c[chain][a..b], parent, attrs).expect("a chain");
+        }
+        let held: Vec<(WorkerId, u64)> = (0..3)
+            .flat_map(|w| t.holdings(w).into_iter().map(move |(h, _, _)| (w, h)))
+            .collect();
+        let (w, hash) = *drop.get(&held);
+        let mut by_split = t.clone();
+        prop_assert_eq!(t.drop_from(w, hash), drop_by_split(&mut by_split, w, hash));
+        prop_assert_eq!(shape(&t), shape(&by_split));
+    }
+}
