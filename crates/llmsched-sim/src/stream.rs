@@ -372,8 +372,9 @@ mod tests {
                 simulate_trace(config(delay), model(), &make, &lines, rng(), None, None).unwrap();
             assert_eq!(plan, first); // hashes, requests and the numbering
             let expected = simulate(config(delay), model(), &make, &first, None, None).unwrap();
-            let out = out.unwrap();
+            let mut out = out.unwrap();
             assert!(out.replicas.iter().any(|r| r.counters.hit_tokens > 0));
+            (out.decision, out.feed) = (expected.decision, expected.feed); // wall times
             assert_eq!(out, expected);
         }
     }
