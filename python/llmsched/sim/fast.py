@@ -226,17 +226,19 @@ def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
 
 
 def _plan_or_build(config: ScenarioConfig) -> tuple[str, dict[str, Any]]:
-    """The cached plan of ``config``; else, for a trace, what builds its plan during the run
-    (the engine returns the plan, cached by :func:`run`)."""
+    """:func:`cached_plan`, except for a trace no cached plan holds: what builds its plan
+    during the run (the engine returns the plan, which :func:`run` caches under the key)."""
+    bs = config.engine.block_size
+    build = trace_build(config.workload, config.seed, bs, config.seed)
+    if build is None:
+        return "", cached_plan(config)
     key = _plan_key(config)
     with _plans_lock:
         plan = _plans.get(key)
         if plan is not None:
             _plans.move_to_end(key)
             return key, plan
-    bs = config.engine.block_size
-    build = trace_build(config.workload, config.seed, bs, config.seed)
-    return key, build if build is not None else cached_plan(config)
+    return key, build
 
 
 # -- running ---------------------------------------------------------------------------------
