@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmsched.errors import ConfigError
-from llmsched.sim import ScenarioConfig, Simulation, fallback_counts
+from llmsched.sim import ScenarioConfig, Simulation, fallback_counts, fast
 from llmsched.sim.fast import build_plan, unsupported
 from llmsched.sim.results import SimResult
 
@@ -887,4 +887,58 @@ def test_plan_contents_number_equal_hashes_equally(monkeypatch: pytest.MonkeyPat
         Simulation(cfg, "llm-d", engine="rust").run()
     monkeypatch.setattr(fast, "cached_plan", lambda _cfg: {**plan, "contents": 5})
     with pytest.raises(TypeError, match="PlanContents"):
+        Simulation(cfg, "llm-d", engine="rust").run()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_trace_built_while_running_equals_built_first(tmp_path, delay: float) -> None:
+    """A trace no cached plan holds is built on a second thread while the engine runs on the
+    lines built so far (`llmsched_sim::stream`, chunks of 512 lines): the same result as the
+    run on the plan built first, and the plan the run leaves in the cache is that plan."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for i in range(1_500):
+        prompt = int(rng.integers(20, 3000))
+        need = -(-prompt // 512)
+        shared = [100 * (i % 4) + k for k in range(int(rng.integers(0, need + 1)))]
+        ids = shared + [10_000 + 10 * i + k for k in range(need - len(shared))]
+        row = {"timestamp": i * 30, "input_length": prompt, "output_length": i % 40}
+        rows.append(json.dumps(row | ({"hash_ids": ids} if i % 7 else {})))
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(rows))
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 3,
+            "kv_events_delay_s": delay,
+            "engine": {"kv_tokens": 30_000},
+            "workload": {"kind": "trace", "path": str(path)},
+        }
+    )
+    fast.clear_plan_cache()
+    streamed = Simulation(cfg, "llm-d", engine="rust").run()
+    kept = fast.cached_plan(cfg)  # left by the run, not built again
+    first = build_plan(cfg.workload, cfg.seed, cfg.engine.block_size, cfg.seed)
+    assert kept.keys() == first.keys()
+    for key in first:
+        if key == "contents":
+            assert (len(kept[key]), kept[key].distinct) == (len(first[key]), first[key].distinct)
+        elif isinstance(first[key], np.ndarray):
+            np.testing.assert_array_equal(kept[key], first[key], err_msg=key)
+        else:
+            assert kept[key] == first[key], key
+    fast.clear_plan_cache()
+    fast.cached_plan(cfg)  # built first: the run replays it
+    again = Simulation(cfg, "llm-d", engine="rust").run()
+    assert streamed.summary()["prefix_hit_rate"] > 0
+    for key in again.requests:
+        np.testing.assert_array_equal(streamed.requests[key], again.requests[key], err_msg=key)
+    assert streamed.kv_trace == again.kv_trace
+
+
+def test_trace_built_while_running_reports_bad_lines(tmp_path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1}\n{"timestamp": 1}\n')
+    cfg = ScenarioConfig.from_dict({"workload": {"kind": "trace", "path": str(path)}})
+    fast.clear_plan_cache()
+    with pytest.raises(ConfigError, match=r"trace\.jsonl:2: input_length"):
         Simulation(cfg, "llm-d", engine="rust").run()

@@ -981,6 +981,10 @@ def simulate(
     the router, called back the same way (a failed call raises `llmsched.errors.PolicyError`).
     The plan's `hashes` array is read in place, not copied, while the engine runs with the GIL
     released: nothing may write to it meanwhile (`llmsched.sim.fast`'s plans are never written).
+    A `workload` of kind `"trace"` (`path`, `settings` and `rng` as `plan_trace` takes them,
+    and `chain_seed`: `llmsched.sim.workloads.trace_build`) is read and its plan built on a
+    second thread while the engine runs on the lines built so far; the result then holds the
+    plan too (`"plan"`, as `plan_trace` returns it). Not with a `policy`.
     """
 
 @final

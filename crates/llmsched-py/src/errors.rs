@@ -211,7 +211,9 @@ impl ToPyErr for llmsched_sim::SimError {
         let err = self;
         use llmsched_sim::SimError;
         match err {
-            SimError::Config(_) | SimError::Plan(_) => ConfigError::new_err(err.to_string()),
+            SimError::Config(_) | SimError::Plan(_) | SimError::Workload(_) => {
+                ConfigError::new_err(err.to_string())
+            }
             SimError::Kv(e) => e.to_py_err(),
             SimError::Index(e) => e.to_py_err(),
             SimError::Routing(e) => e.to_py_err(),

@@ -18,9 +18,9 @@ use std::sync::Arc;
 
 use llmsched_sim::{
     agentic_plan, independent_plan, load_trace, prompted_plan, simulate as sim_engine,
-    simulate_with_policy, trace_plan, Agentic, Contents, DoneRecord, FlowSetup, Independent,
-    KvCache, KvEvent, OpenRequest, Pcg64, Plan, Prompted, PyRandom, Session, SimConfig, SimError,
-    SimOutput, StepModel, TraceSpec, Turn,
+    simulate_trace, simulate_with_policy, trace_plan, Agentic, Contents, DoneRecord, FlowSetup,
+    Independent, KvCache, KvEvent, OpenRequest, Pcg64, Plan, Prompted, PyRandom, Session,
+    SimConfig, SimError, SimOutput, StepModel, TraceLines, TraceSpec, Turn,
 };
 
 /// One simulated replica's KV cache; `llmsched.sim.kv` uses it. Not shared between threads:
@@ -295,6 +295,11 @@ fn plan<'h>(d: &Bound<'_, PyDict>, hashes: &'h [u64]) -> PyResult<Plan<'h>> {
 /// from its numpy array (a 100,000-line trace's are 390 MB: a copy takes 0.2 s, and up to 1-2 s
 /// when its fresh pages fault in on a busy machine), so nothing may write to that array
 /// meanwhile; the plans `llmsched.sim.fast` builds and caches are never written.
+///
+/// A workload of kind `"trace"` (`path`, `settings` and `rng` as `plan_trace` takes them, and
+/// `chain_seed`) is a trace whose plan a second thread builds while the engine runs on the
+/// lines built so far (`llmsched_sim::stream`); the result then holds the plan too (`"plan"`,
+/// as `plan_trace` returns it). Not with a `policy`.
 #[pyfunction]
 #[pyo3(signature = (config, step, router, workload, flow = None, ttft_targets = None, slices = None, functions = Vec::new(), policy = None))]
 #[allow(clippy::too_many_arguments)]
@@ -314,8 +319,16 @@ fn simulate<'py>(
         None => None,
         Some((policy, params, cost)) => {
             let params = config_mapping(Some(&params), &format!("policy {policy}"))?;
-            Some(SliceTracker::from_config(&policy, &params, cost.model).py()?)
+            SliceTracker::from_config(&policy, &params, cost.model).py()?; // errors surface here
+            Some((policy, params, cost.model))
         }
+    };
+    // A tracker keeps state: every run gets its own.
+    let make_slices = || {
+        slices
+            .as_ref()
+            .map(|(policy, params, cost)| SliceTracker::from_config(policy, params, *cost))
+            .transpose()
     };
     let cfg: SimConfig = config_struct(config, "simulation config")?;
     let flow = match flow {
@@ -331,9 +344,44 @@ fn simulate<'py>(
     let registry = crate::routing::registry(py, &functions);
     config::parse(&value, &registry).map_err(RoutingError::from).py()?; // errors surface here
     let make = || config::parse(&value, &registry).map_err(RoutingError::from);
+    let budget = cfg.max_num_batched_tokens;
+    let kind: String = item(workload, "kind")?;
+    if kind == "trace" {
+        if policy.is_some() {
+            return Err(PyValueError::new_err("a trace built while it runs needs a router"));
+        }
+        let build = TraceBuild::from_dict(workload)?;
+        let (out, ideal, plan) = detach(py, || {
+            let rows = load_trace(&build.path, &build.spec)?;
+            let bs = cfg.block_size as usize;
+            let lines = TraceLines::new(&rows, &build.spec, bs, build.chain_seed)?;
+            let rng = generator(build.rng);
+            let (out, plan) = simulate_trace(
+                cfg.clone(),
+                model,
+                &make,
+                &lines,
+                rng,
+                flow.as_ref(),
+                make_slices()?,
+            )?;
+            let out = match out {
+                Some(out) => out,
+                // The builder's numbering was not exact: run again on the plan numbered exactly.
+                None => sim_engine(cfg, model, &make, &plan, flow.as_ref(), make_slices()?)?,
+            };
+            let ideal: Vec<f64> =
+                out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
+            Ok::<_, SimError>((out, ideal, plan))
+        })?
+        .map_err(ToPyErr::to_py_err)?;
+        let d = output(py, out)?;
+        d.set_item("ideal", ideal.into_pyarray(py))?;
+        d.set_item("plan", plan_dict(py, plan)?)?;
+        return Ok(d);
+    }
     let hashes: PyReadonlyArray1<'py, u64> = item(workload, "hashes")?;
     let plan = plan(workload, hashes.as_slice()?)?;
-    let budget = cfg.max_num_batched_tokens;
     // A Python `Policy` object routes instead (called back with the GIL taken for each call).
     let (name, hook) = match policy {
         Some((name, object)) => (Some(name), Some(PyPolicyHook::new(py, object)?)),
@@ -348,10 +396,10 @@ fn simulate<'py>(
                     &make,
                     &plan,
                     flow.as_ref(),
-                    slices,
+                    make_slices()?,
                     Box::new(hook),
                 )?,
-                None => sim_engine(cfg, model, &make, &plan, flow.as_ref(), slices)?,
+                None => sim_engine(cfg, model, &make, &plan, flow.as_ref(), make_slices()?)?,
             };
             let ideal: Vec<f64> =
                 out.done.iter().map(|r| model.ideal(r.prompt_len, r.output_len, budget)).collect();
@@ -496,6 +544,36 @@ struct TraceArgs {
     limit: Option<usize>,
 }
 
+/// A trace to read and build a plan of, as `simulate` takes it.
+struct TraceBuild {
+    path: String,
+    spec: TraceSpec,
+    rng: RngState,
+    chain_seed: u64,
+}
+
+impl TraceBuild {
+    fn from_dict(d: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let settings: Bound<'_, PyAny> = item(d, "settings")?;
+        Ok(TraceBuild {
+            path: item(d, "path")?,
+            spec: trace_spec(&settings)?,
+            rng: item(d, "rng")?,
+            chain_seed: item(d, "chain_seed")?,
+        })
+    }
+}
+
+fn trace_spec(settings: &Bound<'_, PyAny>) -> PyResult<TraceSpec> {
+    let args: TraceArgs = config_struct(settings, "trace settings")?;
+    Ok(TraceSpec {
+        millis: args.timestamp_unit == "ms",
+        time_scale: args.time_scale,
+        hash_block: args.hash_block,
+        limit: args.limit,
+    })
+}
+
 /// A trace's plan (`llmsched.sim.workloads.TraceWorkload`, built natively); `rng` is the state
 /// of the workload's `default_rng(seed)`.
 #[pyfunction]
@@ -507,13 +585,7 @@ fn plan_trace<'py>(
     block_size: usize,
     chain_seed: u64,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let args: TraceArgs = config_struct(settings, "trace settings")?;
-    let spec = TraceSpec {
-        millis: args.timestamp_unit == "ms",
-        time_scale: args.time_scale,
-        hash_block: args.hash_block,
-        limit: args.limit,
-    };
+    let spec = trace_spec(settings)?;
     let plan = detach(py, || {
         let rows = load_trace(path, &spec)?;
         trace_plan(&rows, &spec, generator(rng), block_size, chain_seed)

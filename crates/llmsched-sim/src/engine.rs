@@ -41,9 +41,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::kv_cache::{IdEvent, KvCore, KvError};
-use crate::plan::{Contents, Plan, PlanError};
+use crate::plan::{Contents, OpenRequest, Plan, PlanError};
 use crate::policy::{check_pick, PolicyFailure, PolicyHook, RequestView};
 use crate::stepmodel::{DecodeRun, StepModel, StepWork};
+use crate::stream::{Feed, Published};
+use crate::workload::WorkloadError;
 use hashbrown::HashMap;
 use llmsched_core::flow::{
     EndpointMetrics, FlowConfig, FlowController, FlowError, FlowRequest, PolicyRegistry,
@@ -136,6 +138,9 @@ pub enum SimError {
     /// A [`PolicyHook`] call failed (raised, or answered something unusable).
     #[error(transparent)]
     Policy(#[from] PolicyFailure),
+    /// A plan built while it is simulated could not be built.
+    #[error(transparent)]
+    Workload(#[from] WorkloadError),
 }
 
 /// Flow control in front of the router: the flow core's configuration and each priority's
@@ -365,9 +370,15 @@ struct RouterReplica {
 struct World<'p> {
     cfg: SimConfig,
     model: StepModel,
+    /// Sessions (a plan built while it runs has none).
     plan: &'p Plan<'p>,
-    /// `plan.hashes` numbered: the KV caches' content ids.
-    contents: Arc<Contents>,
+    /// The open requests, block hashes, their content ids (the KV caches') and each id's
+    /// hash: the whole plan's, or what its builder has published so far.
+    open: &'p [OpenRequest],
+    hashes: &'p [u64],
+    ids: &'p [u32],
+    unique: &'p [u64],
+    builder: Option<&'p Feed<'p>>,
     bs: u64,
     now: f64,
     heap: BinaryHeap<Event>,
@@ -415,7 +426,62 @@ pub fn simulate(
     flow: Option<&FlowSetup>,
     slices: Option<SliceTracker>,
 ) -> Result<SimOutput, SimError> {
-    Simulation::new(cfg, model, router_config, plan, flow, slices, None)?.run()
+    with_source(plan, |src| {
+        Simulation::new(cfg, model, router_config, src, flow, slices, None)?.run()
+    })
+}
+
+/// Runs `f` on `plan` as the engine reads it (its contents numbered here when it has none).
+fn with_source<T>(
+    plan: &Plan<'_>,
+    f: impl FnOnce(Source<'_>) -> Result<T, SimError>,
+) -> Result<T, SimError> {
+    plan.validate()?;
+    let numbered;
+    let contents = match plan.contents.as_deref() {
+        Some(c) => c,
+        None => {
+            numbered = Contents::number(&plan.hashes);
+            &numbered
+        }
+    };
+    f(Source {
+        plan,
+        published: Published {
+            open: &plan.open,
+            hashes: &plan.hashes,
+            ids: contents.ids(),
+            unique: contents.unique(),
+        },
+        feed: None,
+        requests: plan.expected_requests(),
+    })
+}
+
+/// [`simulate`] on an open-loop plan being built: `feed` publishes its requests as they are
+/// built (`lines` in all; see [`crate::stream`]).
+pub(crate) fn simulate_fed(
+    cfg: SimConfig,
+    model: StepModel,
+    router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
+    feed: &Feed<'_>,
+    lines: usize,
+    flow: Option<&FlowSetup>,
+    slices: Option<SliceTracker>,
+) -> Result<SimOutput, SimError> {
+    let plan = Plan::default();
+    let src =
+        Source { plan: &plan, published: Published::default(), feed: Some(feed), requests: lines };
+    Simulation::new(cfg, model, router_config, src, flow, slices, None)?.run()
+}
+
+/// The plan as the engine reads it.
+struct Source<'p> {
+    plan: &'p Plan<'p>,
+    published: Published<'p>,
+    feed: Option<&'p Feed<'p>>,
+    /// Requests the plan makes.
+    requests: usize,
 }
 
 /// [`simulate`] with `policy` routing every request instead of the router (one router
@@ -429,7 +495,9 @@ pub fn simulate_with_policy(
     slices: Option<SliceTracker>,
     policy: Box<dyn PolicyHook>,
 ) -> Result<SimOutput, SimError> {
-    Simulation::new(cfg, model, router_config, plan, flow, slices, Some(policy))?.run()
+    with_source(plan, |src| {
+        Simulation::new(cfg, model, router_config, src, flow, slices, Some(policy))?.run()
+    })
 }
 
 struct Simulation<'p> {
@@ -441,12 +509,12 @@ impl<'p> Simulation<'p> {
         cfg: SimConfig,
         model: StepModel,
         router_config: &dyn Fn() -> Result<RouterConfig, RoutingError>,
-        plan: &'p Plan<'p>,
+        src: Source<'p>,
         flow: Option<&FlowSetup>,
         mut slices: Option<SliceTracker>,
         policy: Option<Box<dyn PolicyHook>>,
     ) -> Result<Self, SimError> {
-        plan.validate()?;
+        let plan = src.plan;
         if policy.is_some() && cfg.router_replicas != 1 {
             return Err(SimError::Config(
                 "router_replicas needs a router configuration, not a Policy object".into(),
@@ -518,14 +586,17 @@ impl<'p> Simulation<'p> {
             });
             routers.push(RouterReplica { pool, index, router, sync });
         }
-        let contents =
-            plan.contents.clone().unwrap_or_else(|| Arc::new(Contents::number(&plan.hashes)));
+        // A bound on the distinct contents (the caches' id tables grow to it on demand).
+        let contents = match src.feed {
+            Some(feed) => feed.blocks(),
+            None => src.published.unique.len(),
+        };
         let mut replicas = Vec::with_capacity(cfg.replicas);
         for id in 0..cfg.replicas {
             replicas.push(Some(Box::new(Replica {
                 id,
                 prefill_only: id < cfg.prefill_replicas,
-                kv: KvCore::new(cfg.kv_blocks, cfg.block_size, contents.unique().len())?,
+                kv: KvCore::new(cfg.kv_blocks, cfg.block_size, contents)?,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 prefilling: Vec::new(),
@@ -578,16 +649,20 @@ impl<'p> Simulation<'p> {
             cfg,
             model,
             plan,
-            contents,
+            open: src.published.open,
+            hashes: src.published.hashes,
+            ids: src.published.ids,
+            unique: src.published.unique,
+            builder: src.feed,
             now: 0.0,
             heap: BinaryHeap::new(),
             seq: 0,
-            reqs: Vec::with_capacity(plan.expected_requests()),
+            reqs: Vec::with_capacity(src.requests),
             next_id: 0,
             stream_next: 0,
             sessions_started: 0,
             session_turn: vec![0; plan.sessions.len()],
-            done: Vec::with_capacity(plan.expected_requests()),
+            done: Vec::with_capacity(src.requests),
             pending_metrics: vec![VecDeque::new(); n],
             kv_trace: vec![Vec::new(); n],
             next_kv_sample: vec![0.0; n],
@@ -613,7 +688,7 @@ impl<'p> Simulation<'p> {
     }
 
     fn run(mut self) -> Result<SimOutput, SimError> {
-        self.world.next_arrival();
+        self.world.next_arrival()?;
         let limit = self.world.cfg.max_time;
         while let Some(ev) = self.world.heap.pop() {
             if limit.is_some_and(|l| ev.time > l) {
@@ -623,7 +698,7 @@ impl<'p> Simulation<'p> {
             match ev.kind {
                 Kind::Step => self.world.step_end(ev.obj, ev.version, ev.time)?,
                 Kind::StreamArrival => {
-                    self.world.next_arrival();
+                    self.world.next_arrival()?;
                     self.world.arrive(ev.obj, ev.time)?;
                 }
                 Kind::Arrival => self.world.arrive(ev.obj, ev.time)?,
@@ -715,7 +790,7 @@ impl<'p> Simulation<'p> {
 
 // ---- the world: arrivals, routing, metrics, KV events, finishes ------------------------------
 
-impl World<'_> {
+impl<'p> World<'p> {
     /// Request `r` arrives: straight to the router, or offered to flow control.
     fn arrive(&mut self, r: usize, now: f64) -> Result<(), SimError> {
         if self.gate.is_none() {
@@ -816,7 +891,7 @@ impl World<'_> {
         };
         let q = &self.reqs[r];
         let whole = (q.prompt_len / self.bs) as usize;
-        let ids = &self.contents.ids()[q.hashes.0..q.hashes.1];
+        let ids = &self.ids[q.hashes.0..q.hashes.1];
         let uncached = (whole - rep.kv.lookup(ids, whole)) as u64;
         let nbytes = uncached * self.bs * self.cfg.kv_bytes_per_token;
         let q = &mut self.reqs[r];
@@ -962,10 +1037,25 @@ impl World<'_> {
         )
     }
 
+    /// Open request `i`, waited for when the plan is still being built and its builder has
+    /// not published it yet (None: the plan has no request `i`).
+    fn open_request(&mut self, i: usize) -> Result<Option<&'p OpenRequest>, SimError> {
+        if i >= self.open.len() {
+            if let Some(feed) = self.builder {
+                let published = feed.wait_past(i)?;
+                self.open = published.open;
+                self.hashes = published.hashes;
+                self.ids = published.ids;
+                self.unique = published.unique;
+            }
+        }
+        Ok(self.open.get(i))
+    }
+
     /// Pulls the next request of the arrival stream (Python's `_next_arrival`).
-    fn next_arrival(&mut self) {
+    fn next_arrival(&mut self) -> Result<(), SimError> {
         let plan = self.plan;
-        let r = if let Some(o) = plan.open.get(self.stream_next) {
+        let r = if let Some(o) = self.open_request(self.stream_next)? {
             let hashes = (o.hashes.start, o.hashes.end);
             self.new_request(
                 o.arrival,
@@ -978,7 +1068,7 @@ impl World<'_> {
                 o.session.clone(),
                 0,
             )
-        } else if plan.open.is_empty()
+        } else if self.open.is_empty()
             && self.stream_next < plan.starts.len()
             && self.sessions_started < plan.sessions.len()
         {
@@ -986,11 +1076,12 @@ impl World<'_> {
             self.sessions_started += 1;
             self.session_turn_request(sid, 0, plan.starts[self.stream_next])
         } else {
-            return;
+            return Ok(());
         };
         self.stream_next += 1;
         let arrival = self.reqs[r].arrival;
         self.push(arrival, Kind::StreamArrival, r, 0);
+        Ok(())
     }
 
     /// The follow-up a finished request causes (the next turn, or a new session).
@@ -1022,7 +1113,7 @@ impl World<'_> {
         let q = &self.reqs[r];
         let whole = (q.prompt_len / self.bs) as usize;
         let hashes =
-            self.plan.hashes[q.hashes.0..q.hashes.0 + whole.min(q.hashes.1 - q.hashes.0)].to_vec();
+            self.hashes[q.hashes.0..q.hashes.0 + whole.min(q.hashes.1 - q.hashes.0)].to_vec();
         let meta = RequestMeta {
             model: None,
             lora: None,
@@ -1094,7 +1185,7 @@ impl World<'_> {
         let Some(policy) = self.policy.as_mut() else {
             return Err(SimError::Config("no policy to pick with".into()));
         };
-        let view = request_view(&self.reqs[r], r, self.plan);
+        let view = request_view(&self.reqs[r], r, self.hashes);
         let start = Instant::now();
         let (target, prefill) = policy.pick(&view, now)?;
         self.decision += start.elapsed();
@@ -1112,7 +1203,7 @@ impl World<'_> {
     fn first_token(&mut self, r: usize, now: f64) -> Result<(), SimError> {
         self.reqs[r].first_token = now;
         if let Some(policy) = self.policy.as_mut() {
-            let view = request_view(&self.reqs[r], r, self.plan);
+            let view = request_view(&self.reqs[r], r, self.hashes);
             let start = Instant::now();
             policy.on_first_token(&view, now)?;
             self.decision += start.elapsed();
@@ -1148,7 +1239,7 @@ impl World<'_> {
         q.phase = DONE;
         self.done.push(r);
         if let Some(policy) = self.policy.as_mut() {
-            let view = request_view(&self.reqs[r], r, self.plan);
+            let view = request_view(&self.reqs[r], r, self.hashes);
             let start = Instant::now();
             policy.on_finished(&view, now)?;
             if !view.rejected {
@@ -1270,7 +1361,7 @@ impl World<'_> {
     fn apply_kv_events(&mut self, rid: usize, events: Vec<IdEvent>) -> Result<(), SimError> {
         let start = Instant::now();
         let key = &self.keys[rid];
-        let unique = self.contents.unique();
+        let unique = self.unique;
         let mut hashes = std::mem::take(&mut self.event_hashes);
         for event in events {
             hashes.clear();
@@ -1306,14 +1397,14 @@ impl World<'_> {
 }
 
 /// What a [`PolicyHook`] sees of request `r` now.
-fn request_view<'a>(q: &'a Req, r: usize, plan: &'a Plan<'_>) -> RequestView<'a> {
+fn request_view<'a>(q: &'a Req, r: usize, hashes: &'a [u64]) -> RequestView<'a> {
     RequestView {
         slot: r,
         id: q.id,
         arrival: q.arrival,
         prompt_len: q.prompt_len,
         output_len: q.output_len,
-        hashes: &plan.hashes[q.hashes.0..q.hashes.1],
+        hashes: &hashes[q.hashes.0..q.hashes.1],
         tenant: q.tenant,
         priority: q.priority,
         session: q.session,
@@ -1347,7 +1438,7 @@ impl Replica {
     /// Request `r`'s content ids (its block hashes, numbered).
     fn hashes<'a>(&self, w: &'a World<'_>, r: usize) -> &'a [u32] {
         let (a, b) = w.reqs[r].hashes;
-        &w.contents.ids()[a..b]
+        &w.ids[a..b]
     }
 
     /// Request `r` arrives (the caller publishes the metrics after).

@@ -94,20 +94,28 @@ impl Contents {
     /// hash at its positions, and no hash under two ids (checked by sorting `unique` in
     /// buckets of its top bits, without a hash map). None otherwise.
     pub fn from_parts(hashes: &[u64], ids: Vec<u32>, unique: Vec<u64>) -> Option<Self> {
+        Self::exact(hashes, &ids, &unique).then_some(Contents { ids, unique })
+    }
+
+    /// Whether `ids` and `unique` are exactly the numbering [`Contents::number`] would build
+    /// for `hashes` (the check [`Contents::from_parts`] makes).
+    pub fn exact(hashes: &[u64], ids: &[u32], unique: &[u64]) -> bool {
         if ids.len() != hashes.len() || unique.len() > u32::MAX as usize {
-            return None;
+            return false;
         }
         let mut next = 0u32;
         for (&id, &h) in ids.iter().zip(hashes) {
             if id > next || unique.get(id as usize) != Some(&h) {
-                return None;
+                return false;
             }
             next += u32::from(id == next);
         }
-        if next as usize != unique.len() || has_duplicates(&unique) {
-            return None;
-        }
-        Some(Contents { ids, unique })
+        next as usize == unique.len() && !has_duplicates(unique)
+    }
+
+    /// A numbering [`Contents::exact`] accepted.
+    pub(crate) fn checked(ids: Vec<u32>, unique: Vec<u64>) -> Self {
+        Contents { ids, unique }
     }
 
     /// The id of each position of the numbered hash array.

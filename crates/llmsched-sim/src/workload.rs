@@ -773,16 +773,8 @@ pub fn trace_plan(
     block_size: usize,
     chain_seed: u64,
 ) -> Result<Plan<'static>, WorkloadError> {
-    check(block_size)?;
+    check_trace(spec, block_size)?;
     let hash_block = spec.hash_block;
-    if hash_block == 0 || hash_block % block_size != 0 {
-        return err(format!(
-            "hash_block {hash_block} must be a positive multiple of block size {block_size}"
-        ));
-    }
-    if spec.time_scale.is_nan() || spec.time_scale <= 0.0 {
-        return err(format!("time_scale must be > 0, got {}", spec.time_scale));
-    }
     let mut plan = Plan::default();
     let Some(first) = rows.first() else {
         plan.contents = Some(Arc::new(Contents::number(&plan.hashes)));
@@ -876,6 +868,170 @@ pub fn trace_plan(
         .collect();
     plan.contents = Some(Arc::new(num.finish(&plan.hashes)));
     Ok(plan)
+}
+
+fn check_trace(spec: &TraceSpec, block_size: usize) -> Result<(), WorkloadError> {
+    check(block_size)?;
+    let hash_block = spec.hash_block;
+    if hash_block == 0 || hash_block % block_size != 0 {
+        return err(format!(
+            "hash_block {hash_block} must be a positive multiple of block size {block_size}"
+        ));
+    }
+    if spec.time_scale.is_nan() || spec.time_scale <= 0.0 {
+        return err(format!("time_scale must be > 0, got {}", spec.time_scale));
+    }
+    Ok(())
+}
+
+/// Where [`TraceLines::build`] puts each line, in line order: its block hashes, their content
+/// ids, the contents it numbers first (ids counted on from those of earlier lines) and its
+/// request.
+pub trait LineSink {
+    fn line(
+        &mut self,
+        hashes: &[u64],
+        ids: &[u32],
+        new_contents: &[u64],
+        request: OpenRequest,
+    ) -> Result<(), WorkloadError>;
+}
+
+/// A trace checked and laid out (every line's block count is known from its lengths), to be
+/// built line by line in order on one thread: the plan [`trace_plan`] builds, bit for bit,
+/// handed over a line at a time so that a simulation can start on the first lines while the
+/// rest are built (`crate::stream`). The same draws in the same order: named blocks from their
+/// ids' own generators, then the line's fresh tokens and fresh ids from the one generator.
+pub struct TraceLines<'r> {
+    rows: &'r [TraceRow],
+    lay: Vec<Layout>,
+    reused: HashMap<u64, ()>,
+    spec: TraceSpec,
+    block_size: usize,
+    chain_seed: u64,
+}
+
+impl<'r> TraceLines<'r> {
+    /// Checks the settings and lays the lines out (one pass, and one over the ids).
+    pub fn new(
+        rows: &'r [TraceRow],
+        spec: &TraceSpec,
+        block_size: usize,
+        chain_seed: u64,
+    ) -> Result<Self, WorkloadError> {
+        check_trace(spec, block_size)?;
+        Ok(TraceLines {
+            rows,
+            lay: layout(rows, spec.hash_block, block_size),
+            reused: reused_ids(rows),
+            spec: *spec,
+            block_size,
+            chain_seed,
+        })
+    }
+
+    /// Lines (requests) in all.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Whether the trace has no lines.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Block hashes in all.
+    pub fn blocks(&self) -> usize {
+        self.lay.last().map_or(0, |l| l.end)
+    }
+
+    /// Builds every line in order into `sink`; `rng` is the workload's generator.
+    pub fn build(&self, mut rng: Pcg64, sink: &mut dyn LineSink) -> Result<(), WorkloadError> {
+        let Some(first) = self.rows.first() else { return Ok(()) };
+        let (bs, chain_seed) = (self.block_size, self.chain_seed);
+        let mut hasher = IdHasher::new(&self.reused, self.spec.hash_block, bs);
+        let per_id = hasher.per_id;
+        let scale = (if self.spec.millis { 1e-3 } else { 1.0 }) / self.spec.time_scale;
+        let hash_err = |e: llmsched_core::hashing::HashError| WorkloadError(e.to_string());
+        let (mut hashes, mut ids, mut new, mut tokens, mut draws) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut first_ids: HashMap<(u64, u64), usize> = HashMap::new();
+        let mut slots: Vec<u32> = Vec::new();
+        let mut contents = 0usize;
+        for (row, l) in self.rows.iter().zip(&self.lay) {
+            hashes.clear();
+            hashes.resize(l.end - l.start, 0);
+            let mut last = chain_seed;
+            for (k, &id) in row.hash_ids[..l.ids].iter().enumerate() {
+                let take = per_id.min(l.named - k * per_id);
+                last = hasher.write(last, id, &mut hashes[k * per_id..k * per_id + take])?;
+            }
+            // Drawn as `trace_plan`'s drawer draws: all fresh tokens (a partial last block
+            // included), then the output's fresh ids.
+            tokens.clear();
+            rng.fill_u32(0, VOCAB, l.fresh_tokens, &mut tokens);
+            if l.fresh_tokens > 0 {
+                let tail = l.fresh_tokens / bs;
+                draws.clear();
+                chain_hashes_into(&tokens[..tail * bs], bs, last, &mut draws).map_err(hash_err)?;
+                hashes[l.named..l.named + tail].copy_from_slice(&draws);
+            }
+            if l.end - l.start > l.prompt_blocks {
+                draws.clear();
+                rng.fill_i64(1, U64_TOP, l.end - l.start - l.prompt_blocks, &mut draws);
+                hashes[l.prompt_blocks..].copy_from_slice(&draws);
+            }
+
+            // Numbered as `trace_plan` numbers: a reused id's blocks after the same prefix
+            // take their first ids, everything else is new.
+            ids.clear();
+            new.clear();
+            let fresh_to = |end: usize, ids: &mut Vec<u32>, new: &mut Vec<u64>| {
+                for &h in &hashes[ids.len()..end] {
+                    ids.push((contents + new.len()) as u32);
+                    new.push(h);
+                }
+            };
+            let mut parent = chain_seed;
+            for (k, &id) in row.hash_ids[..l.ids].iter().enumerate() {
+                let from = k * per_id;
+                let take = per_id.min(l.named - from);
+                let id = id & U64_TOP as u64;
+                if self.reused.contains_key(&id) {
+                    let at = *first_ids.entry((parent, id)).or_insert_with(|| {
+                        slots.resize(slots.len() + per_id, UNNUMBERED);
+                        slots.len() - per_id
+                    });
+                    for j in 0..take {
+                        if slots[at + j] == UNNUMBERED {
+                            slots[at + j] = (contents + new.len()) as u32;
+                            new.push(hashes[from + j]);
+                        }
+                        ids.push(slots[at + j]);
+                    }
+                } else {
+                    fresh_to(from + take, &mut ids, &mut new);
+                }
+                parent = if take == per_id { hashes[from + per_id - 1] } else { parent };
+            }
+            fresh_to(hashes.len(), &mut ids, &mut new);
+            contents += new.len();
+            if contents >= UNNUMBERED as usize {
+                return err("a trace plan with more than 2**32 - 1 distinct blocks");
+            }
+            let request = OpenRequest {
+                arrival: row.timestamp.minus(first.timestamp) * scale,
+                prompt_len: row.input_length,
+                output_len: row.output_length.max(1),
+                tenant: row.tenant,
+                priority: row.priority,
+                session: row.session.clone(),
+                hashes: l.start..l.end,
+            };
+            sink.line(&hashes, &ids, &new, request)?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

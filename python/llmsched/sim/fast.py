@@ -12,7 +12,9 @@ natively (:func:`~llmsched.sim.workloads.native_plan`: the same plan, bit for bi
 Python workload classes make, which :func:`build_plan` also builds with ``native=False``);
 plans are cached, so the policies of one comparison share one plan, and each plan's block
 hashes are numbered once (``contents``: the KV caches address blocks by these dense ids
-instead of hashing 64-bit hashes in every run).
+instead of hashing 64-bit hashes in every run). A trace's plan, when no cached plan has it,
+is built on a second thread while the engine runs on its first lines, and cached after the
+run (the same plan and results as building it first).
 
 >>> from llmsched.sim.config import ScenarioConfig
 >>> cfg = ScenarioConfig.from_dict({"replicas": 2, "workload": {"kind": "long_short",
@@ -48,7 +50,7 @@ from llmsched.sim.stepmodel import (
     StepModel,
     build_step_model,
 )
-from llmsched.sim.workloads import AgenticWorkload, make_workload, native_plan
+from llmsched.sim.workloads import AgenticWorkload, make_workload, native_plan, trace_build
 
 __all__ = [
     "build_plan",
@@ -192,8 +194,7 @@ def clear_plan_cache() -> None:
         _plans.clear()
 
 
-def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
-    """:func:`build_plan` for ``config``, shared by runs of the same workload and seed."""
+def _plan_key(config: ScenarioConfig) -> str:
     spec = config.workload
     key_parts: list[Any] = [spec, config.seed, config.engine.block_size]
     if spec.get("kind") == "trace" and isinstance(spec.get("path"), str):
@@ -202,17 +203,42 @@ def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
             key_parts.append((st.st_mtime_ns, st.st_size))
         except OSError:
             pass  # make_workload reports the unreadable file
-    key = json.dumps(key_parts, sort_keys=True, default=str)
+    return json.dumps(key_parts, sort_keys=True, default=str)
+
+
+def _keep(key: str, plan: dict[str, Any]) -> None:
+    _plans[key] = plan
+    while len(_plans) > PLAN_CACHE_SIZE:
+        _plans.popitem(last=False)
+
+
+def cached_plan(config: ScenarioConfig) -> dict[str, Any]:
+    """:func:`build_plan` for ``config``, shared by runs of the same workload and seed."""
+    key = _plan_key(config)
     with _plans_lock:
         plan = _plans.get(key)
         if plan is None:
-            plan = build_plan(spec, config.seed, config.engine.block_size, config.seed)
-            _plans[key] = plan
-            while len(_plans) > PLAN_CACHE_SIZE:
-                _plans.popitem(last=False)
+            plan = build_plan(config.workload, config.seed, config.engine.block_size, config.seed)
+            _keep(key, plan)
         else:
             _plans.move_to_end(key)
         return plan
+
+
+def _plan_or_build(config: ScenarioConfig) -> tuple[str, dict[str, Any]]:
+    """:func:`cached_plan`, except for a trace no cached plan holds: what builds its plan
+    during the run (the engine returns the plan, which :func:`run` caches under the key)."""
+    bs = config.engine.block_size
+    build = trace_build(config.workload, config.seed, bs, config.seed)
+    if build is None:
+        return "", cached_plan(config)
+    key = _plan_key(config)
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            return key, plan
+    return key, build
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -266,7 +292,7 @@ def run(
     if policy is not None and config.router_replicas > 1:
         raise ConfigError("router_replicas needs a router configuration, not a Policy object")
     router, functions = native_config(load_config(router_config or POLICY_INDEX_ROUTER))
-    plan = cached_plan(config)
+    key, plan = _plan_or_build(config) if policy is None else ("", cached_plan(config))
     flow, ttft = None, None
     if config.flow.enabled:
         flow, ttft = config.flow.controller_config(), config.flow.ttft_targets(config.slo)
@@ -281,6 +307,9 @@ def run(
     out = _llmsched.simulate(
         settings, step_args(model), router, plan, flow, ttft, slices, functions, named
     )
+    if plan["kind"] == "trace":
+        with _plans_lock:
+            _keep(key, out.pop("plan"))
     return RunRecord.from_native(out)
 
 

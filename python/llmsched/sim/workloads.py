@@ -44,6 +44,7 @@ __all__ = [
     "Workload",
     "make_workload",
     "native_plan",
+    "trace_build",
 ]
 
 VOCAB = 128_000
@@ -845,6 +846,35 @@ def make_workload(
     return workload
 
 
+def trace_build(
+    spec: dict[str, Any], seed: int = 0, block_size: int = 16, chain_seed: int = 0
+) -> dict[str, Any] | None:
+    """What the native engine needs to read the trace ``spec`` describes and build its plan
+    (the plan :func:`native_plan` builds) while it simulates it; None for other workloads.
+
+    >>> trace_build({"kind": "long_short"}) is None
+    True
+    """
+    kind, cfg = _parse(spec)
+    if kind != "trace":
+        return None
+    _check_trace_config(cfg, block_size)
+    settings = {
+        "timestamp_unit": cfg.timestamp_unit,
+        "time_scale": float(cfg.time_scale),
+        "hash_block": cfg.hash_block,
+        "limit": cfg.limit,
+    }
+    rng = np.random.default_rng(seed)  # the trace's generator, as TraceWorkload's
+    return {
+        "kind": "trace",
+        "path": cfg.path,
+        "settings": settings,
+        "rng": _state(rng),
+        "chain_seed": chain_seed,
+    }
+
+
 def native_plan(
     spec: dict[str, Any], seed: int = 0, block_size: int = 16, chain_seed: int = 0
 ) -> dict[str, Any]:
@@ -856,17 +886,12 @@ def native_plan(
     >>> plan["kind"], plan["prompt"].tolist()
     ('open', [23098, 517, 502])
     """
+    build = trace_build(spec, seed, block_size, chain_seed)
+    if build is not None:
+        return _llmsched.plan_trace(
+            build["path"], build["settings"], build["rng"], block_size, chain_seed
+        )
     kind, cfg = _parse(spec)
-    if kind == "trace":
-        _check_trace_config(cfg, block_size)
-        settings = {
-            "timestamp_unit": cfg.timestamp_unit,
-            "time_scale": float(cfg.time_scale),
-            "hash_block": cfg.hash_block,
-            "limit": cfg.limit,
-        }
-        rng = np.random.default_rng(seed)  # the trace's generator, as TraceWorkload's
-        return _llmsched.plan_trace(cfg.path, settings, _state(rng), block_size, chain_seed)
     workload = KINDS[kind][1](cfg, seed, block_size, chain_seed)
     plan: dict[str, Any] = workload.native_plan()
     return plan
