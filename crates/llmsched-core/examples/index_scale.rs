@@ -140,13 +140,14 @@ fn build(bs: usize, workers: usize, sequences: usize) -> Workload {
     wl
 }
 
-/// Nanoseconds this thread has run on a CPU (Linux; 0 elsewhere): on a loaded machine a rate per
-/// CPU second says more about the code than one per wall second.
+/// Nanoseconds of CPU time this thread has used: on a loaded machine a rate per CPU second says
+/// more about the code than one per wall second.
 fn cpu_ns() -> u64 {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid timespec for the call to write.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID) failed");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// `what`'s rate in M blocks per wall second and per CPU second since (`wall`, `cpu`).
