@@ -378,7 +378,7 @@ impl<'a> Reader<'a> {
         }
         let rest = count - i;
         let b = a + (a - start) * (rest / 2) / i;
-        SPLIT_BUFFERS.with(|buffers| {
+        let kept = SPLIT_BUFFERS.try_with(|buffers| {
             let mut buffers = buffers.borrow_mut();
             let (b_values, b_positions) = &mut *buffers;
             // Written by index before they are read: grown, never cleared.
@@ -387,6 +387,11 @@ impl<'a> Reader<'a> {
                 b_positions.resize(rest / 2 + 3, 0);
             }
             self.token_ids_second_chain(tokens, i, a, b, b_values, b_positions)
+        });
+        // Without the thread's buffers (a decode from a thread-local destructor), fresh ones.
+        kept.unwrap_or_else(|_| {
+            let (mut b_values, mut b_positions) = (vec![0; rest / 2 + 2], vec![0; rest / 2 + 3]);
+            self.token_ids_second_chain(tokens, i, a, b, &mut b_values, &mut b_positions)
         })
     }
 
@@ -708,7 +713,8 @@ const POOL_MAX_IDS: usize = 1 << 16;
 /// A token array of a few thousand ids is beyond the allocator's small-size caches: allocating
 /// one per event cost about a tenth of an ingest at 64-token blocks.
 fn pooled_tokens(count: usize) -> Vec<u32> {
-    let Some(mut tokens) = TOKEN_POOL.with(|pool| pool.borrow_mut().pop()) else {
+    let Some(mut tokens) = TOKEN_POOL.try_with(|pool| pool.borrow_mut().pop()).ok().flatten()
+    else {
         return vec![0u32; count];
     };
     tokens.clear();
@@ -722,7 +728,8 @@ pub fn recycle_tokens(tokens: Vec<u32>) {
     if tokens.capacity() == 0 || tokens.capacity() > POOL_MAX_IDS {
         return;
     }
-    TOKEN_POOL.with(|pool| {
+    // Dropped instead when the thread's pool is gone (thread-local destructors).
+    let _ = TOKEN_POOL.try_with(|pool| {
         let mut pool = pool.borrow_mut();
         if pool.len() < POOL_BUFFERS {
             pool.push(tokens);
