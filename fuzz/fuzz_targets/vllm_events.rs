@@ -3,11 +3,12 @@
 //! Checks, for any input: no panic; an error names an offset inside the payload; a successful
 //! decode satisfies the decoder's documented invariants, allocates no more elements than the
 //! payload has bytes, and survives a round trip (re-encoded canonically as map events, it
-//! decodes to the same batch).
+//! decodes to the same batch). Decoded batches are handed back (`recycle`), so later inputs also
+//! decode into reused token buffers.
 
 #![no_main]
 
-use llmsched_core::vllm_events::{decode_event_batch, medium_name, EventBatch, KvEvent};
+use llmsched_core::vllm_events::{decode_event_batch, medium_name, recycle, EventBatch, KvEvent};
 use libfuzzer_sys::fuzz_target;
 use rmpv::Value;
 
@@ -21,6 +22,10 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(again.dp_rank, batch.dp_rank);
             assert_eq!(again.events, batch.events);
             assert_eq!(again.unknown_events, 0);
+            // Hand the token buffers back, as the prefix index does, so later inputs decode
+            // into reused buffers too.
+            recycle(again);
+            recycle(batch);
         }
     }
 });

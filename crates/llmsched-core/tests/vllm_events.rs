@@ -3,7 +3,8 @@
 
 use llmsched_core::prefix_index::Tier;
 use llmsched_core::vllm_events::{
-    decode_event_batch, medium_name, BlockRemoved, BlockStored, EventBatch, KvEvent, MAX_SKIP_DEPTH,
+    decode_event_batch, medium_name, recycle, BlockRemoved, BlockStored, EventBatch, KvEvent,
+    MAX_SKIP_DEPTH,
 };
 use proptest::prelude::*;
 use rmpv::Value;
@@ -968,4 +969,27 @@ fn token_ids_out_of_range_in_the_middle_of_a_fast_run_are_rejected() {
     payload[at + 4] = 1;
     assert!(decode_event_batch(&good).is_ok());
     assert!(decode_err(&payload).contains("outside 0..=4294967295"), "{}", decode_err(&payload));
+}
+
+#[test]
+fn recycled_token_buffers_and_reused_chain_buffers_leave_nothing_behind() {
+    // Long, short, longer and failing arrays on one thread, each batch handed back after use
+    // (as the prefix index does): every decode gives exactly its own ids, none left over from
+    // an earlier, longer array in the same buffer.
+    let lengths = [3_000usize, 40, 300, 5_000, 256, 1, 2_999, 65_000, 600];
+    for round in 0..3u64 {
+        for (i, &n) in lengths.iter().enumerate() {
+            let vocab = [200u64, 60_000, 128_000, 1 << 32][(i + round as usize) % 4];
+            let tokens =
+                token_run(n, vocab, 100 * round + i as u64, if i % 3 == 0 { 0 } else { 50 });
+            let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
+            let batch = decode_event_batch(&stored_raw(&tokens, i % 2 == 0)).unwrap();
+            let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored") };
+            assert_eq!(stored.token_ids, want, "round {round}, n {n}");
+            recycle(batch);
+            // A payload cut inside its token array fails cleanly between the good ones.
+            let whole = stored_raw(&tokens, false);
+            assert!(decode_event_batch(&whole[..whole.len() / 2]).is_err());
+        }
+    }
 }

@@ -50,6 +50,16 @@ impl EngineMap {
         self.shared(engine)
     }
 
+    /// Looks up every one of `engines` in the shared table before they are inserted: the
+    /// lookups do not depend on each other, so the processor overlaps their cache misses (one
+    /// per block in a table of millions), which the inserts, each writing the table, would
+    /// take one after another.
+    pub fn warm(&self, engines: &[u64]) {
+        for engine in engines {
+            std::hint::black_box(self.one.get(engine));
+        }
+    }
+
     /// Records that worker `w`'s engine block `engine` became `span`.
     pub fn insert(&mut self, w: WorkerId, engine: u64, span: Span) {
         self.ensure_worker(w);

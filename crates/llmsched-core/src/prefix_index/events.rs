@@ -119,6 +119,7 @@ fn apply_stored(
         }
     }
     let map = &mut st.workers.engine;
+    map.warm(&ev.block_hashes);
     for (i, &engine_hash) in ev.block_hashes.iter().enumerate() {
         let span = &ours[i * per_engine_block..(i + 1) * per_engine_block];
         map.insert(w, engine_hash, (span[0], span[span.len() - 1], span.len() as u32));

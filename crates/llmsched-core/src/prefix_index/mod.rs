@@ -335,13 +335,17 @@ impl PrefixIndex {
         payload: &[u8],
     ) -> Result<ApplyReport, IndexError> {
         let batch = crate::vllm_events::decode_event_batch(payload)?;
-        let mut st = self.state.write();
-        let w = st.workers.intern(worker, self.config.worker_capacity);
-        st.tree.ensure_worker(w);
-        let report = events::apply_batch(self, &mut st, w, &batch);
-        self.enforce_bounds(&mut st, w);
-        let st = &mut *st;
-        st.workers.engine.sweep(&st.tree);
+        let report = {
+            let mut guard = self.state.write();
+            let w = guard.workers.intern(worker, self.config.worker_capacity);
+            guard.tree.ensure_worker(w);
+            let report = events::apply_batch(self, &mut guard, w, &batch);
+            self.enforce_bounds(&mut guard, w);
+            let st = &mut *guard;
+            st.workers.engine.sweep(&st.tree);
+            report
+        };
+        crate::vllm_events::recycle(batch);
         self.event_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(report)
     }

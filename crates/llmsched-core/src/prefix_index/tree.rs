@@ -556,6 +556,7 @@ impl Tree {
     /// freed: the tree is as it was.
     fn stage(&mut self, new: &[u64]) -> Result<NodeId, StoreRefusal> {
         self.blocks.reserve(&self.nodes, new.len());
+        self.blocks.warm(&self.nodes, new);
         let from_free = !self.free.is_empty();
         let node = self.alloc(Node { hashes: new.to_vec(), parent: DEAD, ..Node::default() });
         for (j, &h) in new.iter().enumerate() {

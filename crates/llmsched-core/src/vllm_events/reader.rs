@@ -313,7 +313,7 @@ impl<'a> Reader<'a> {
     /// bytes of the payload, go through the general path.
     pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
         let count = self.array_len(what)?;
-        let mut tokens = vec![0u32; count];
+        let mut tokens = pooled_tokens(count);
         let mut i = if count >= SPLIT_MIN { self.token_ids_split(&mut tokens) } else { 0 };
         let buf = self.buf;
         let mut pos = self.pos;
@@ -377,11 +377,40 @@ impl<'a> Reader<'a> {
             i += 2;
         }
         let rest = count - i;
-        let mut b = a + (a - start) * (rest / 2) / i;
-        // The second chain: its `nb` ids and their positions (then the position after the last),
-        // written by index into buffers sized for every id it can decode.
-        let mut b_values = vec![0u32; rest / 2 + 2];
-        let mut b_positions = vec![0usize; rest / 2 + 3];
+        let b = a + (a - start) * (rest / 2) / i;
+        let kept = SPLIT_BUFFERS.try_with(|buffers| {
+            let mut buffers = buffers.borrow_mut();
+            let (b_values, b_positions) = &mut *buffers;
+            // Written by index before they are read: grown, never cleared.
+            if b_values.len() < rest / 2 + 2 {
+                b_values.resize(rest / 2 + 2, 0);
+                b_positions.resize(rest / 2 + 3, 0);
+            }
+            self.token_ids_second_chain(tokens, i, a, b, b_values, b_positions)
+        });
+        // Without the thread's buffers (a decode from a thread-local destructor), fresh ones.
+        kept.unwrap_or_else(|_| {
+            let (mut b_values, mut b_positions) = (vec![0; rest / 2 + 2], vec![0; rest / 2 + 3]);
+            self.token_ids_second_chain(tokens, i, a, b, &mut b_values, &mut b_positions)
+        })
+    }
+
+    /// The rest of [`Self::token_ids_split`] from the first chain's `i` ids (ending at `a`) and the
+    /// second chain's predicted start `b`, its `nb` ids and their positions (then the position
+    /// after the last) written by index into `b_values` and `b_positions`, sized for every id
+    /// it can decode.
+    fn token_ids_second_chain(
+        &mut self,
+        tokens: &mut [u32],
+        mut i: usize,
+        mut a: usize,
+        mut b: usize,
+        b_values: &mut [u32],
+        b_positions: &mut [usize],
+    ) -> usize {
+        let buf = self.buf;
+        let count = tokens.len();
+        let rest = count - i;
         let mut nb = 0;
         let mut b_running = true;
         for _ in 0..rest / 4 {
@@ -662,6 +691,50 @@ fn fast_width(marker: u8) -> usize {
     } else {
         0
     }
+}
+
+thread_local! {
+    /// The second chain's ids and positions in [`Reader::token_ids_split`], kept between calls:
+    /// allocating them per token array (kilobytes each, beyond the allocator's small-size
+    /// caches) cost a tenth of an ingest.
+    static SPLIT_BUFFERS: std::cell::RefCell<(Vec<u32>, Vec<usize>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+thread_local! {
+    /// Token buffers handed back by [`recycle_tokens`] (most recent last), at most
+    /// [`POOL_BUFFERS`] of at most [`POOL_MAX_IDS`] ids each per thread.
+    static TOKEN_POOL: std::cell::RefCell<Vec<Vec<u32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+const POOL_BUFFERS: usize = 8;
+const POOL_MAX_IDS: usize = 1 << 16;
+
+/// A zeroed buffer of `count` ids, reusing one handed back on this thread when there is one.
+/// A token array of a few thousand ids is beyond the allocator's small-size caches: allocating
+/// one per event cost about a tenth of an ingest at 64-token blocks.
+fn pooled_tokens(count: usize) -> Vec<u32> {
+    let Some(mut tokens) = TOKEN_POOL.try_with(|pool| pool.borrow_mut().pop()).ok().flatten()
+    else {
+        return vec![0u32; count];
+    };
+    tokens.clear();
+    tokens.resize(count, 0);
+    tokens
+}
+
+/// Keeps `tokens`' allocation for a later token array decoded on this thread (see
+/// [`crate::vllm_events::recycle`]).
+pub fn recycle_tokens(tokens: Vec<u32>) {
+    if tokens.capacity() == 0 || tokens.capacity() > POOL_MAX_IDS {
+        return;
+    }
+    // Dropped instead when the thread's pool is gone (thread-local destructors).
+    let _ = TOKEN_POOL.try_with(|pool| {
+        let mut pool = pool.borrow_mut();
+        if pool.len() < POOL_BUFFERS {
+            pool.push(tokens);
+        }
+    });
 }
 
 /// Token arrays of at least this many ids are decoded by two chains at once
