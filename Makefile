@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
 .PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines bench-engines vllm-env lint docs fmt servers \
-	bench bench-peers bench-index-peers bench-gateway-peers bench-rust demo fuzz clean
+	bench bench-peers bench-index-peers bench-gateway-peers bench-gateway-ladder bench-rust demo fuzz clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -147,7 +147,8 @@ bench-peers: bench-index-peers bench-gateway-peers ## Every comparison with a pe
 # The gateway beside sglang-router and vllm-router (each from PyPI, in their own environment) in
 # front of four native fake engines: direct, llmsched (llm-d preset, round-robin), each peer in
 # its cache-aware and round-robin modes; JSON and streaming; gateways pinned to one core,
-# interleaved, repeated. BENCH_PEERS_ARGS passes options (--rates, --repeats, --seconds, --short).
+# interleaved, repeated. BENCH_PEERS_ARGS passes options (--rates, --repeats, --seconds, --short;
+# --ladder 1000,2000,4000,...: each gateway's highest rate with p99 under 50 ms and no errors).
 PEERS_VENV ?= .venv-peers
 BENCH_PEERS_ARGS ?=
 
@@ -162,6 +163,13 @@ $(PEERS_VENV)/.deps:
 bench-gateway-peers: build $(PEERS_VENV)/.deps ## llmsched serve beside sglang-router and vllm-router: CPU per request, added latency, TTFT
 	cargo build --release -p llmsched-bench -p llmsched-gateway
 	$(PY) tools/bench_gateway_peers.py --peers-python $(abspath $(PEERS_VENV))/bin/python $(BENCH_PEERS_ARGS)
+
+# The same gateways climbing a ladder of rates (BENCH_LADDER), the direct row showing what the
+# engines and the generator hold without a gateway.
+BENCH_LADDER ?= 1000,2000,3000,4000,5000,6000
+
+bench-gateway-ladder: ## Each gateway's highest rate on one core with p99 < 50 ms and no errors
+	$(MAKE) bench-gateway-peers BENCH_PEERS_ARGS="--ladder $(BENCH_LADDER) $(BENCH_PEERS_ARGS)"
 
 # Routing policies on real engines: llmsched serve in front of two vLLM CPU engines, driven by
 # inference-perf (from PyPI, in its own environment), beside the simulator's prediction of the

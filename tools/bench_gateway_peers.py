@@ -22,6 +22,14 @@ hyper does: requests to each engine in turn, bodies unchanged, nothing read or c
 never taken as the best peer; its row (beside the round-robin peers) is the floor of any
 gateway on that stack on this machine, and so tells how low a ratio can go here.
 
+``--ladder 1000,2000,...`` climbs instead: each gateway and answer kind is loaded at each rate in
+turn (a fresh gateway for each), stopping at the first rate whose p99 latency reaches
+``--ladder-p99-ms`` (50) or that has errors; per rate it reports the rate achieved, answers per
+second, errors, p50 / p99 latency, CPU per request and the share of the gateway's core, and per
+gateway the highest rate held (p99 under the bound, no errors, in every repeat). The ``direct``
+row is the same ladder straight to the engines: the engines and the generator (one core
+between them) hold at least that rate, so a gateway's ceiling below it is the gateway's.
+
 Usage: python tools/bench_gateway_peers.py [--short] [--rates 300,1000] [--repeats 3] ...
 (``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids;
 ``llmsched-serve-native-llm-d-nocache`` in ``--gateways`` adds the native plane without its
@@ -68,6 +76,7 @@ class Figures(TypedDict, total=False):
     ttft_p50: float
     itl_p99: float
     achieved_rate: float
+    lag_p99: float
 
 
 @dataclass(frozen=True)
@@ -390,6 +399,7 @@ def load(
         ttft_p50=report["ttft_ms"]["p50"],
         itl_p99=report["itl_ms"]["p99"],
         achieved_rate=report["achieved_rate"],
+        lag_p99=report["lag_ms"]["p99"],
     )
 
 
@@ -432,19 +442,31 @@ def run_gateway(
     results: Results,
     load_bin: Path,
 ) -> None:
-    """Starts ``gateway`` (unless direct), loads it at every rate and answer kind, stops it."""
+    """Starts ``gateway`` (unless direct), loads it at every rate and answer kind, stops it.
+    On a ladder (``args.ladder``) the rates of an answer kind stop at the first one not held."""
+    given_up: set[str] = set()
+
+    def held(answer: str, figures: Figures) -> None:
+        if args.ladder and not holds(figures, args.ladder_p99_ms):
+            given_up.add(answer)
+
     if gateway.kind == "direct":
         for answer in answers:
             for rate in rates:
+                if answer in given_up:
+                    continue
                 figures = load(
                     load_bin, args.client_core, engines, rate, args, answer == "stream", []
                 )
                 results.add((gateway.name, answer, rate), figures)
                 report_line(gateway.name, answer, rate, figures)
+                held(answer, figures)
         return
     # A fresh gateway for every load: one that a load overran does not carry its backlog
     # into the next.
     for i, (answer, rate) in enumerate((a, r) for a in answers for r in rates):
+        if answer in given_up:
+            continue
         port = free_port()
         command = pinned(
             args.gateway_core, gateway_command(gateway, port, engines, work, args.tokenizer)
@@ -465,6 +487,12 @@ def run_gateway(
             figures = load(load_bin, args.client_core, [url], rate, args, answer == "stream", pids)
             results.add((gateway.name, answer, rate), figures)
             report_line(gateway.name, answer, rate, figures)
+            held(answer, figures)
+
+
+def holds(figures: Figures, p99_ms: float) -> bool:
+    """Whether a load was held: every request answered, p99 latency under ``p99_ms``."""
+    return figures["errors"] == 0 and figures["latency_p99"] < p99_ms
 
 
 def report_line(name: str, answer: str, rate: float, figures: Figures) -> None:
@@ -472,7 +500,7 @@ def report_line(name: str, answer: str, rate: float, figures: Figures) -> None:
     print(
         f"  {name:24} {answer:6} {rate:6g}/s  cpu {figures.get('cpu_ms')} ms/req  "
         f"p50 {figures['latency_p50']} p99 {figures['latency_p99']} ttft {figures['ttft_p50']} ms"
-        f"  errors {figures['errors']}",
+        f"  errors {figures['errors']} {figures.get('error_kinds') or ''}",
         flush=True,
     )
 
@@ -604,6 +632,92 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class Step:
+    """One gateway's figures at one rate of a ladder (medians over the repeats)."""
+
+    gateway: str
+    answer: str
+    rate: float
+    achieved_rate: float | None
+    answered_per_s: float | None
+    errors: int
+    latency_p50: float | None
+    latency_p99: float | None
+    cpu_ms: float | None
+    lag_p99: float | None
+    repeats: int
+    held: bool
+
+    @property
+    def core_percent(self) -> float | None:
+        """The gateway's CPU at this rate, in percent of a core."""
+        if self.cpu_ms is None or self.achieved_rate is None:
+            return None
+        return self.cpu_ms * self.achieved_rate / 10
+
+
+def ladder_steps(results: Results, args: argparse.Namespace) -> list[Step]:
+    """Each gateway's figures at each rate it was loaded at; ``held`` when every repeat held
+    it (a repeat that stopped below it did not)."""
+    steps: list[Step] = []
+    for (name, answer, rate), runs in results.runs.items():
+        steps.append(
+            Step(
+                gateway=name,
+                answer=answer,
+                rate=rate,
+                achieved_rate=median([f["achieved_rate"] for f in runs]),
+                answered_per_s=median([f["ok"] / args.seconds for f in runs]),
+                errors=sum(f["errors"] for f in runs),
+                latency_p50=median([f["latency_p50"] for f in runs]),
+                latency_p99=median([f["latency_p99"] for f in runs]),
+                cpu_ms=median([f.get("cpu_ms") for f in runs]),
+                lag_p99=median([f.get("lag_p99") for f in runs]),
+                repeats=len(runs),
+                held=len(runs) == args.repeats and all(holds(f, args.ladder_p99_ms) for f in runs),
+            )
+        )
+    steps.sort(key=lambda s: (s.answer, s.gateway, s.rate))
+    return steps
+
+
+def ladder_table(steps: Sequence[Step], p99_ms: float) -> str:
+    """Every step, then each gateway's highest rate held (all the rates below it held too)."""
+    lines = [
+        "| answer | gateway | rate/s | achieved/s | answered/s | errors | p50 / p99 ms "
+        "| CPU ms/req | gateway core % | generator lag p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in steps:
+        lines.append(
+            f"| {s.answer} | {s.gateway} | {s.rate:g} | {_fmt(s.achieved_rate)} | "
+            f"{_fmt(s.answered_per_s)} | {s.errors} | {_fmt(s.latency_p50)} / "
+            f"{_fmt(s.latency_p99)} | {_fmt(s.cpu_ms)} | "
+            f"{'-' if s.core_percent is None else f'{s.core_percent:.0f}'} | {_fmt(s.lag_p99)} |"
+        )
+    lines += [
+        "",
+        f"| answer | gateway | highest rate held (p99 < {p99_ms:g} ms, no errors) "
+        "| CPU ms/req there |",
+        "|---|---|---|---|",
+    ]
+    by_gateway: dict[tuple[str, str], list[Step]] = {}
+    for s in steps:
+        by_gateway.setdefault((s.answer, s.gateway), []).append(s)
+    for (answer, gateway), climbed in by_gateway.items():
+        top: Step | None = None
+        for s in sorted(climbed, key=lambda s: s.rate):
+            if not s.held:
+                break
+            top = s
+        lines.append(
+            f"| {answer} | {gateway} | {'none' if top is None else f'{top.rate:g}'} | "
+            f"{'-' if top is None else _fmt(top.cpu_ms)} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the matrix and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -638,12 +752,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--short", action="store_true", help="one repeat of 2 s at 300 req/s")
     parser.add_argument("--json-out", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--ladder",
+        default=None,
+        help="rising rates (1000,2000,...): each gateway's highest rate held, see above",
+    )
+    parser.add_argument(
+        "--ladder-p99-ms", type=float, default=50.0, help="the p99 latency a held rate stays under"
+    )
     args = parser.parse_args(argv)
     if args.short:
         args.repeats, args.seconds, args.warmup, args.rates = 1, 2.0, 0.5, "300"
         args.idle_seconds = min(args.idle_seconds, 1.0)
     if args.repeats < 1 or args.seconds <= 0:
         parser.error("--repeats and --seconds must be positive")
+    if args.ladder:  # after --short: its rates give way
+        try:
+            rates = [float(r) for r in args.ladder.split(",") if r]
+        except ValueError:
+            parser.error(f"--ladder {args.ladder!r}: not a list of rates")
+        if not rates or any(r <= 0 for r in rates):
+            parser.error("--ladder: rates must be positive")
+        args.rates = ",".join(f"{r:g}" for r in sorted(rates))
     print(
         f"gateways pinned to core {args.gateway_core}, engines and load on core "
         f"{args.client_core}; {args.repeats} repeat(s) of {args.seconds:g} s (+{args.warmup:g} s "
@@ -652,14 +782,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     results = run(args)
-    rows = rows_of(results)
-    print("\n" + table(rows))
+    if args.ladder:
+        steps = ladder_steps(results, args)
+        print("\n" + ladder_table(steps, args.ladder_p99_ms))
+        out: list[dict[str, object]] = [asdict(s) for s in steps]
+    else:
+        rows = rows_of(results)
+        print("\n" + table(rows))
+        out = [asdict(r) for r in rows]
     if results.idle:
-        print("\n| gateway | idle CPU, % of a core (median) |\n|---|---|")
+        print("\n| gateway | idle CPU, % of a core (median, range) |\n|---|---|")
         for name, values in results.idle.items():
-            print(f"| {name} | {statistics.median(values):.3f} |")
+            print(
+                f"| {name} | {statistics.median(values):.3f} "
+                f"({min(values):.3f}-{max(values):.3f}) |"
+            )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        Path(args.json_out).write_text(json.dumps(out, indent=1))
     return 0
 
 

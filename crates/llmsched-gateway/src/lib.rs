@@ -19,7 +19,8 @@
 //! moves the request to the next endpoint in the decision's ranking, at most
 //! [`GatewayConfig::retries`] times; no status line within `read_timeout_s` is a 504 (not
 //! retried: the engine may be running it). The answer streams through frame by frame (status
-//! and headers as the engine sent them, hop-by-hop headers dropped); a silence of
+//! and headers as the engine sent them, hop-by-hop headers dropped; an SSE stream's last
+//! events go out in one write with the body's end, see [`Relay`]); a silence of
 //! `read_timeout_s` between frames or the deadline `total_timeout_s` cuts it. An answer cut
 //! upstream is never passed off as complete: an SSE stream gets an error event and is closed
 //! without its last chunk, any other body is closed mid-chunk; both are counted in
@@ -32,10 +33,11 @@
 //! Transport: the body's fields are read once, borrowed from its bytes ([`payload`]), and
 //! completion requests go out on keep-alive connections of the gateway's own ([`pool`]).
 //!
-//! Background work: the engines' `/metrics` are scraped every `scrape_interval_s` into the
-//! pool and flow control's saturation detector (vLLM or SGLang names, through
-//! `routing::metrics_text`); while no request arrives the interval doubles up to 25 times its
-//! base, or half the metrics' staleness limit if that is shorter. Health probes and the circuit breaker follow [`health`]. `GET /health`, `GET /ready`
+//! Background work: the engines' `/metrics` are scraped (all at once) every
+//! `scrape_interval_s` into the pool and flow control's saturation detector (vLLM or SGLang
+//! names, through `routing::metrics_text`); while no request arrives the interval doubles up
+//! to 25 times its base, or half the metrics' staleness limit if that is shorter. Health
+//! probes and the circuit breaker follow [`health`]. `GET /health`, `GET /ready`
 //! (503 while no engine is routable), `GET /metrics` (the Python plane's metric names) and
 //! `GET /v1/models` (the configured models) are served natively.
 //!
@@ -811,8 +813,8 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream) {
     let _ = stream.shutdown().await;
 }
 
-/// Scrapes every engine's `/metrics` into the pool and flow control; backs off while no
-/// request arrives, but never so far that the metrics go stale (see [`idle_scrape_limit`]).
+/// Scrapes every engine's `/metrics` (concurrently) into the pool and flow control; backs off
+/// while no request arrives, but never so far that the metrics go stale (see [`idle_scrape_limit`]).
 async fn scrape(gateway: Arc<Gateway>, base: Duration) {
     let mut interval = base;
     let mut seen = u64::MAX;
@@ -824,8 +826,11 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
         interval = if requests == seen { (interval * 2).min(limit) } else { base };
         seen = requests;
         let upstreams = gateway.upstreams();
-        for upstream in &upstreams.list {
-            let scraped = scrape_once(&gateway, upstream, timeout).await;
+        // All engines at once: their answers come back together, one wake-up of the thread
+        // for the lot rather than one per engine (what an idle gateway spends its time on).
+        let scrapes = upstreams.list.iter().map(|u| scrape_once(&gateway, u, timeout));
+        let scrapes = futures::future::join_all(scrapes).await;
+        for (upstream, scraped) in upstreams.list.iter().zip(scrapes) {
             if !upstream.scrape_failed.swap(scraped.is_none(), Ordering::Relaxed)
                 && scraped.is_none()
             {
@@ -2061,6 +2066,8 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         broken: false,
         tokens: TokenCount::default(),
         sliced: None,
+        held: None,
+        after_held: None,
     });
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
@@ -2106,6 +2113,8 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         broken: false,
         tokens: TokenCount::default(),
         sliced: None,
+        held: None,
+        after_held: None,
     });
     *out.status_mut() = status;
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -2185,8 +2194,38 @@ static SSE_DATA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 static COMPLETION_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"completion_tokens\":"));
 
-/// An answer passed on frame by frame, with the router's ticket: the first frame marks the
-/// first token, the end finishes it; dropped before the end (the client left), it counts a
+/// Turns of the runtime a held stream tail waits at most ([`Relay::hold`]): hyper's client
+/// hands a frame over in two (measured), for the last token, a usage event, `[DONE]` and the
+/// body's end.
+const HOLD_YIELDS: u8 = 8;
+/// Bytes of a held stream tail at most.
+const HOLD_BYTES: usize = 64 << 10;
+
+/// Whether an SSE frame ends its stream or nearly: it holds `data: [DONE]`, or an event
+/// with a `finish_reason` (the last token's; a usage event and `[DONE]` follow at once).
+fn ends_soon(data: &[u8]) -> bool {
+    if DONE.find(data).is_some() {
+        return true;
+    }
+    let mut rest = data;
+    while let Some(at) = FINISH_REASON.find(rest) {
+        rest = &rest[at + FINISH_REASON.needle().len()..];
+        let value = rest.iter().position(|b| *b != b' ').map(|i| &rest[i..]).unwrap_or(&[]);
+        if value.first() == Some(&b'"') {
+            return true;
+        }
+    }
+    false
+}
+
+static DONE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"data: [DONE]"));
+static FINISH_REASON: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"finish_reason\":"));
+
+/// An answer passed on frame by frame (an SSE stream's tail, from its last token on, in one
+/// write with the body's end: [`Relay::hold`]), with the router's ticket: the first frame
+/// marks the first token, the end finishes it; dropped before the end (the client left), it counts a
 /// disconnect and drops the upstream body, which closes that connection.
 pub struct Relay {
     route: Option<&'static str>,
@@ -2213,6 +2252,11 @@ pub struct Relay {
     tokens: TokenCount,
     /// A sliced request's stream ([`slicing`]), which makes the whole body.
     sliced: Option<Box<slicing::SliceStream>>,
+    /// The tail of an SSE stream held back for what the engine sent with it (see
+    /// [`Relay::hold`]), and the yields it has waited so far.
+    held: Option<(bytes::BytesMut, u8)>,
+    /// A frame that came after a held tail and goes out after it.
+    after_held: Option<Frame<Bytes>>,
 }
 
 /// The error that cuts a client's answer (hyper then closes the connection mid-body).
@@ -2251,6 +2295,84 @@ impl Relay {
         }
     }
 
+    /// A frame from the engine: the first token, the output tokens, the read timeout's clock.
+    fn received(&mut self, frame: &Frame<Bytes>) {
+        if let Some(data) = frame.data_ref() {
+            if self.first {
+                self.first = false;
+                if let Some(ticket) = self.ticket.as_mut() {
+                    ticket.first_token();
+                }
+            }
+            if self.completion {
+                self.tokens.feed(data, self.sse);
+            }
+        }
+        if self.timer.is_some() {
+            self.last_frame = tokio::time::Instant::now();
+        }
+    }
+
+    /// Holds `data`, the end of an SSE stream ([`ends_soon`]), for a few turns of the runtime
+    /// ([`HOLD_YIELDS`]): the engine sends its last events and the end of the body together,
+    /// but hyper's client hands them over a frame at a time, so relayed at once they cost a
+    /// write to the client (and a wake-up of it) each: the last token, `[DONE]`, the chunked
+    /// body's end (3 of the 11 writes of an 8-token stream). What arrives meanwhile joins
+    /// `data`, and the end of the body goes out with it. Never waits for the network: the
+    /// turns are the thread's own, and then what is held goes out.
+    fn hold(
+        &mut self,
+        data: bytes::BytesMut,
+        yields: u8,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
+        if yields >= HOLD_YIELDS || data.len() >= HOLD_BYTES {
+            return Poll::Ready(Some(Ok(Frame::data(data.freeze()))));
+        }
+        self.held = Some((data, yields + 1));
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    /// The next poll of the engine's body while a tail is held ([`Relay::hold`]).
+    fn held_frame(
+        &mut self,
+        polled: Poll<Option<Result<Frame<Bytes>, hyper::Error>>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
+        let Some((mut held, yields)) = self.held.take() else { return Poll::Pending };
+        match polled {
+            // Nothing yet: hyper's connection task may not have handed over what it has
+            // read; a few more turns, then it goes out (the engine's body has registered
+            // this task's waker for what comes later).
+            Poll::Pending => self.hold(held, yields, cx),
+            Poll::Ready(None) => {
+                // `is_end_stream` is now true: hyper writes the held data and the end of
+                // the chunked body in one write.
+                self.ended(true);
+                Poll::Ready(Some(Ok(Frame::data(held.freeze()))))
+            }
+            Poll::Ready(Some(Err(_))) => {
+                self.held = Some((held, yields));
+                self.cut()
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                self.received(&frame);
+                let Some(data) = frame.data_ref() else {
+                    // Trailers: they follow what is held.
+                    self.after_held = Some(frame);
+                    return Poll::Ready(Some(Ok(Frame::data(held.freeze()))));
+                };
+                held.extend_from_slice(data);
+                if self.inner.as_ref().is_some_and(Body::is_end_stream) {
+                    self.ended(true);
+                    return Poll::Ready(Some(Ok(Frame::data(held.freeze()))));
+                }
+                self.hold(held, yields, cx)
+            }
+        }
+    }
+
     /// The answer broke off upstream (an error or a timeout): counted, and the client sees a
     /// break, never a complete answer.
     fn cut(&mut self) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
@@ -2277,7 +2399,10 @@ impl Relay {
                 "code": 502,
             }});
             let text = format!("data: {event}\n\n");
-            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(text)))));
+            // Complete events held back go out first, with the error event.
+            let mut out = self.held.take().map(|(held, _)| held).unwrap_or_default();
+            out.extend_from_slice(text.as_bytes());
+            return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
         }
         Poll::Ready(Some(Err(Cut("the engine's answer was cut off"))))
     }
@@ -2298,6 +2423,9 @@ impl Body for Relay {
         if let Some(bytes) = this.own.take() {
             return Poll::Ready(Some(Ok(Frame::data(bytes))));
         }
+        if let Some(frame) = this.after_held.take() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
         if this.broken {
             // After an SSE error event: once it has been flushed (one Pending lets hyper
             // write it out), close without the last chunk.
@@ -2310,7 +2438,11 @@ impl Body for Relay {
             return Poll::Ready(Some(Err(Cut("the engine's answer was cut off"))));
         }
         let Some(inner) = this.inner.as_mut() else { return Poll::Ready(None) };
-        match Pin::new(inner).poll_frame(cx) {
+        let polled = Pin::new(inner).poll_frame(cx);
+        if this.held.is_some() {
+            return this.held_frame(polled, cx);
+        }
+        match polled {
             Poll::Pending => {
                 if let Some(timer) = this.timer.as_mut() {
                     while timer.as_mut().poll(cx).is_ready() {
@@ -2330,22 +2462,11 @@ impl Body for Relay {
             }
             Poll::Ready(Some(Err(_))) => this.cut(),
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    if this.first {
-                        this.first = false;
-                        if let Some(ticket) = this.ticket.as_mut() {
-                            ticket.first_token();
-                        }
-                    }
-                    if this.completion {
-                        this.tokens.feed(data, this.sse);
-                    }
-                }
-                if this.timer.is_some() {
-                    this.last_frame = tokio::time::Instant::now();
-                }
+                this.received(&frame);
                 if this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
+                } else if let Some(data) = frame.data_ref().filter(|d| this.sse && ends_soon(d)) {
+                    return this.hold(bytes::BytesMut::from(&data[..]), 0, cx);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }

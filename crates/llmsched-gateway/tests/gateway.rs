@@ -169,6 +169,42 @@ fn streams_pass_through_to_done() {
 }
 
 #[test]
+fn a_stream_tail_passes_whole_usage_included() {
+    // The last token, the usage event and `[DONE]` come together and leave together (the
+    // relay holds the tail for what follows it): none is lost or repeated.
+    let fleet = Fleet::new(vec![EngineConfig { answer_tokens: 3, ..ok_engine() }]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
+    let body = r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#;
+    let raw = post(addr, "/v1/completions", body);
+    assert_eq!(raw.status(), 200);
+    let events = raw.data_events();
+    assert_eq!(events.len(), 5, "{events:?}");
+    assert!(events[2].contains(r#""finish_reason":"length""#), "{events:?}");
+    assert!(events[3].contains(r#""completion_tokens":3"#), "{events:?}");
+    assert_eq!(events[4], "[DONE]");
+    assert!(raw.body().ends_with(b"0\r\n\r\n"), "a complete chunked answer");
+    assert_eq!(reaches(1, || counters.completed.load(Ordering::Relaxed)), 1);
+}
+
+#[test]
+fn a_stream_cut_after_its_last_token_passes_that_token_then_the_error() {
+    // The single event is the last token's, held back for what follows it; the cut that
+    // follows still sends it, then the error event, and never a complete answer.
+    let cut = EngineConfig { mode: Mode::Cut, answer_tokens: 1, ..ok_engine() };
+    let fleet = Fleet::new(vec![cut]);
+    let (addr, counters) = fleet.gateway(config(fleet.urls(), "round-robin"));
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200);
+    let events = raw.data_events();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert!(events[0].contains(r#""finish_reason":"length""#), "{events:?}");
+    assert!(events[1].contains("cut off"), "{events:?}");
+    assert!(!raw.body().ends_with(b"0\r\n\r\n"));
+    assert_eq!(reaches(1, || counters.truncated.total()), 1);
+    assert_eq!(counters.completed.load(Ordering::Relaxed), 0);
+}
+
+#[test]
 fn llm_d_keeps_a_shared_prefix_on_one_engine() {
     let fleet = Fleet::new(vec![ok_engine(), ok_engine(), ok_engine()]);
     let (addr, _) = fleet.gateway(config(fleet.urls(), "llm-d"));
