@@ -633,6 +633,21 @@ struct Layout {
     end: usize,
 }
 
+/// The request of trace line `row` laid out at `l`, arriving `scale` seconds per time unit after
+/// the first line's `t0`.
+fn open_request(row: &TraceRow, l: &Layout, t0: Stamp, scale: f64) -> OpenRequest {
+    OpenRequest {
+        arrival: row.timestamp.minus(t0) * scale,
+        prompt_len: row.input_length,
+        // `Request` generates at least one token (the fresh ids counted none).
+        output_len: row.output_length.max(1),
+        tenant: row.tenant,
+        priority: row.priority,
+        session: row.session.clone(),
+        hashes: l.start..l.end,
+    }
+}
+
 fn layout(rows: &[TraceRow], hash_block: usize, block_size: usize) -> Vec<Layout> {
     let per_id = hash_block / block_size;
     let mut start = 0;
@@ -852,20 +867,7 @@ pub fn trace_plan(
 
     let scale = (if spec.millis { 1e-3 } else { 1.0 }) / spec.time_scale;
     let t0 = first.timestamp;
-    plan.open = rows
-        .iter()
-        .zip(&lay)
-        .map(|(row, l)| OpenRequest {
-            arrival: row.timestamp.minus(t0) * scale,
-            prompt_len: row.input_length,
-            // `Request` generates at least one token (the fresh ids above counted none).
-            output_len: row.output_length.max(1),
-            tenant: row.tenant,
-            priority: row.priority,
-            session: row.session.clone(),
-            hashes: l.start..l.end,
-        })
-        .collect();
+    plan.open = rows.iter().zip(&lay).map(|(row, l)| open_request(row, l, t0, scale)).collect();
     plan.contents = Some(Arc::new(num.finish(&plan.hashes)));
     Ok(plan)
 }
@@ -1019,15 +1021,7 @@ impl<'r> TraceLines<'r> {
             if contents >= UNNUMBERED as usize {
                 return err("a trace plan with more than 2**32 - 1 distinct blocks");
             }
-            let request = OpenRequest {
-                arrival: row.timestamp.minus(first.timestamp) * scale,
-                prompt_len: row.input_length,
-                output_len: row.output_length.max(1),
-                tenant: row.tenant,
-                priority: row.priority,
-                session: row.session.clone(),
-                hashes: l.start..l.end,
-            };
+            let request = open_request(row, l, first.timestamp, scale);
             sink.line(&hashes, &ids, &new, request)?;
         }
         Ok(())
