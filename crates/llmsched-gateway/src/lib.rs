@@ -2224,7 +2224,7 @@ static FINISH_REASON: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"finish_reason\":"));
 
 /// An answer passed on frame by frame (an SSE stream's tail, from its last token on, in one
-/// write with the body's end: [`Relay::hold`]), with the router's ticket: the first frame
+/// write with the body's end: `Relay::hold`), with the router's ticket: the first frame
 /// marks the first token, the end finishes it; dropped before the end (the client left), it counts a
 /// disconnect and drops the upstream body, which closes that connection.
 pub struct Relay {

@@ -1,7 +1,7 @@
 //! A trace simulated while its plan is built: a second thread builds the plan line by line
 //! ([`TraceLines::build`]) into the plan's arrays, allocated at their final lengths up front
 //! (every line's block count is known from its lengths), and publishes what it has built every
-//! [`CHUNK`] lines; the engine, on the calling thread, starts on the first lines and waits only
+//! `CHUNK` lines; the engine, on the calling thread, starts on the first lines and waits only
 //! when it reaches a line not yet published. On two cores the plan's build (a fifth of a
 //! Mooncake-style trace's CPU) then costs the run almost no wall time.
 //!
