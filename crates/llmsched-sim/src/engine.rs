@@ -110,6 +110,21 @@ fn one() -> usize {
     1
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: the prefix indexes get every block (no [`World::lean`]), to compare against.
+    pub(crate) static FULL_INDEX: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the prefix indexes fed every block.
+#[cfg(test)]
+pub(crate) fn with_full_index<T>(f: impl FnOnce() -> T) -> T {
+    FULL_INDEX.with(|full| full.set(true));
+    let out = f();
+    FULL_INDEX.with(|full| full.set(false));
+    out
+}
+
 /// The most router replicas one simulation may have.
 pub const MAX_ROUTER_REPLICAS: usize = 1024;
 
@@ -175,6 +190,9 @@ struct Req {
     prompt_len: u64,
     output_len: u64,
     hashes: (usize, usize),
+    /// Its leading blocks other requests may hold too; the rest are private (see
+    /// [`World::lean`]).
+    shared: usize,
     tenant: i64,
     priority: i64,
     session: Option<usize>,
@@ -379,6 +397,17 @@ struct World<'p> {
     ids: &'p [u32],
     unique: &'p [u64],
     builder: Option<&'p Feed<'p>>,
+    /// Where each open request's private blocks begin, and each session turn's.
+    private_from: &'p [u32],
+    turn_private: &'p [Vec<u32>],
+    /// The prefix indexes leave out every request's private blocks (no other request holds
+    /// them, so no match reaches them): its routing record stops before them and their KV
+    /// events are dropped. Every match, and so every decision, is unchanged; only tree sizes
+    /// are not, so not with a picker that reads them, nor with KV events delayed (a delayed
+    /// batch may fail to apply and be counted) or replica sync (its batches carry the records).
+    lean: bool,
+    /// The private contents seen so far (a bit per content id), with `lean`.
+    private: Vec<u64>,
     bs: u64,
     now: f64,
     heap: BinaryHeap<Event>,
@@ -445,6 +474,7 @@ fn with_source<T>(
             &numbered
         }
     };
+    let private = plan.private_from(contents.ids(), contents.unique().len());
     f(Source {
         plan,
         published: Published {
@@ -452,7 +482,9 @@ fn with_source<T>(
             hashes: &plan.hashes,
             ids: contents.ids(),
             unique: contents.unique(),
+            private_from: &private.open,
         },
+        turn_private: &private.turns,
         feed: None,
         requests: plan.expected_requests(),
     })
@@ -470,8 +502,13 @@ pub(crate) fn simulate_fed(
     slices: Option<SliceTracker>,
 ) -> Result<SimOutput, SimError> {
     let plan = Plan::default();
-    let src =
-        Source { plan: &plan, published: Published::default(), feed: Some(feed), requests: lines };
+    let src = Source {
+        plan: &plan,
+        published: Published::default(),
+        turn_private: &[],
+        feed: Some(feed),
+        requests: lines,
+    };
     Simulation::new(cfg, model, router_config, src, flow, slices, None)?.run()
 }
 
@@ -479,6 +516,8 @@ pub(crate) fn simulate_fed(
 struct Source<'p> {
     plan: &'p Plan<'p>,
     published: Published<'p>,
+    /// Per session, per turn: where its private blocks begin.
+    turn_private: &'p [Vec<u32>],
     feed: Option<&'p Feed<'p>>,
     /// Requests the plan makes.
     requests: usize,
@@ -557,6 +596,12 @@ impl<'p> Simulation<'p> {
         }
         let keys: Vec<WorkerKey> = (0..cfg.replicas).map(|i| WorkerKey::Int(i as i64)).collect();
         let mut routers = Vec::with_capacity(cfg.router_replicas);
+        let mut lean = cfg.kv_events_delay == 0.0
+            && (cfg.router_replicas == 1 || cfg.router_sync_delay.is_none());
+        #[cfg(test)]
+        {
+            lean &= !FULL_INDEX.with(std::cell::Cell::get);
+        }
         for k in 0..cfg.router_replicas {
             let index = Arc::new(PrefixIndex::new(IndexConfig {
                 block_size: cfg.block_size as usize,
@@ -578,7 +623,9 @@ impl<'p> Simulation<'p> {
             // Each replica its own seed, as separate processes would draw.
             let seed = cfg.seed.wrapping_add(k as u64);
             let options = RouterOptions { seed, ..RouterOptions::default() };
-            let router = Router::new(pool.clone(), index.clone(), router_config()?, options)?;
+            let config = router_config()?;
+            lean &= !config.reads_tree_size();
+            let router = Router::new(pool.clone(), index.clone(), config, options)?;
             let sync = (cfg.router_replicas > 1 && cfg.router_sync_delay.is_some()).then(|| {
                 // Replicas never die here: counts never expire.
                 let options = SyncOptions { load_ttl: f64::INFINITY, ..SyncOptions::default() };
@@ -654,6 +701,10 @@ impl<'p> Simulation<'p> {
             ids: src.published.ids,
             unique: src.published.unique,
             builder: src.feed,
+            private_from: src.published.private_from,
+            turn_private: src.turn_private,
+            lean,
+            private: Vec::new(),
             now: 0.0,
             heap: BinaryHeap::new(),
             seq: 0,
@@ -967,6 +1018,7 @@ impl<'p> World<'p> {
         prompt_len: u64,
         output_len: u64,
         hashes: (usize, usize),
+        shared: u32,
         tenant: i64,
         priority: i64,
         session: Option<usize>,
@@ -975,12 +1027,24 @@ impl<'p> World<'p> {
     ) -> usize {
         let id = self.next_id;
         self.next_id += 1;
+        let shared = (shared as usize).min(hashes.1 - hashes.0);
+        if self.lean {
+            // Its private contents occur nowhere else: marked once, here, before any event.
+            for &c in &self.ids[hashes.0 + shared..hashes.1] {
+                let (word, bit) = (c as usize / 64, c % 64);
+                if word >= self.private.len() {
+                    self.private.resize((word + 1).max(self.unique.len().div_ceil(64)), 0);
+                }
+                self.private[word] |= 1 << bit;
+            }
+        }
         self.reqs.push(Req {
             id,
             arrival,
             prompt_len,
             output_len: output_len.max(1),
             hashes,
+            shared,
             tenant,
             priority,
             session,
@@ -1024,11 +1088,13 @@ impl<'p> World<'p> {
         self.session_turn[sid] = turn;
         let hashes = (s.hashes.start, s.hashes.start + t.blocks);
         let name = Some(sid.to_string());
+        let shared = self.turn_private.get(sid).and_then(|p| p.get(turn)).copied();
         self.new_request(
             arrival,
             t.prompt_len,
             t.output_len,
             hashes,
+            shared.unwrap_or(u32::MAX),
             s.tenant,
             0,
             Some(sid),
@@ -1047,6 +1113,7 @@ impl<'p> World<'p> {
                 self.hashes = published.hashes;
                 self.ids = published.ids;
                 self.unique = published.unique;
+                self.private_from = published.private_from;
             }
         }
         Ok(self.open.get(i))
@@ -1057,11 +1124,13 @@ impl<'p> World<'p> {
         let plan = self.plan;
         let r = if let Some(o) = self.open_request(self.stream_next)? {
             let hashes = (o.hashes.start, o.hashes.end);
+            let shared = self.private_from.get(self.stream_next).copied();
             self.new_request(
                 o.arrival,
                 o.prompt_len,
                 o.output_len,
                 hashes,
+                shared.unwrap_or(u32::MAX),
                 o.tenant,
                 o.priority,
                 None,
@@ -1127,7 +1196,11 @@ impl<'p> World<'p> {
         self.next_router += 1;
         let start = Instant::now();
         let router = &self.routers[k].router;
-        let decision = router.decide_hashes(hashes, prompt_len, &meta, now)?;
+        let mut decision = router.decide_hashes(hashes, prompt_len, &meta, now)?;
+        if self.lean {
+            // The record stops before the private blocks (see `lean`).
+            decision.hashes.truncate(self.reqs[r].shared);
+        }
         let ticket = router.commit(&decision, None, now)?;
         self.decision += start.elapsed();
         self.reqs[r].router = k;
@@ -1363,13 +1436,31 @@ impl<'p> World<'p> {
         let key = &self.keys[rid];
         let unique = self.unique;
         let mut hashes = std::mem::take(&mut self.event_hashes);
+        let private = &self.private;
+        let is_private =
+            |id: u32| private.get(id as usize / 64).is_some_and(|w| w >> (id % 64) & 1 != 0);
         for event in events {
             hashes.clear();
             let (ids, parent, store) = match &event {
                 IdEvent::Stored { parent, ids } => (ids, *parent, true),
                 IdEvent::Removed { ids } => (ids, None, false),
             };
-            hashes.extend(ids.iter().map(|&id| unique[id as usize]));
+            if !self.lean {
+                hashes.extend(ids.iter().map(|&id| unique[id as usize]));
+            } else if store {
+                // A private block's descendants are private too: a stored run keeps the
+                // blocks before its first private one (none after a private parent).
+                if !parent.is_some_and(is_private) {
+                    let keep = ids.iter().take_while(|&&id| !is_private(id));
+                    hashes.extend(keep.map(|&id| unique[id as usize]));
+                }
+            } else {
+                let keep = ids.iter().filter(|&&id| !is_private(id));
+                hashes.extend(keep.map(|&id| unique[id as usize]));
+            }
+            if hashes.is_empty() && self.lean {
+                continue;
+            }
             let parent = parent.map(|id| unique[id as usize]);
             // Every router replica subscribes to every engine's events.
             for replica in &self.routers {

@@ -249,11 +249,97 @@ impl Plan<'_> {
     pub fn expected_requests(&self) -> usize {
         self.open.len() + self.sessions.iter().map(|s| s.turns.len()).sum::<usize>()
     }
+
+    /// Where each request's private blocks begin: the blocks after its last block whose
+    /// content (`ids`, numbering `contents` distinct contents) some other request, or another
+    /// of its own positions, holds too. Call on a validated plan.
+    pub(crate) fn private_from(&self, ids: &[u32], contents: usize) -> PrivateFrom {
+        // Occurrences per content, counted to 2.
+        let mut seen = vec![0u8; contents];
+        let mut count = |range: Range<usize>| {
+            for &id in &ids[range] {
+                let c = &mut seen[id as usize];
+                *c = (*c + 1).min(2);
+            }
+        };
+        for r in &self.open {
+            count(r.hashes.clone());
+        }
+        for s in &self.sessions {
+            for t in &s.turns {
+                count(s.hashes.start..s.hashes.start + t.blocks);
+            }
+        }
+        let from = |range: Range<usize>| {
+            let private = ids[range.clone()].iter().rev().take_while(|&&id| seen[id as usize] == 1);
+            u32::try_from(range.len() - private.count()).unwrap_or(u32::MAX)
+        };
+        PrivateFrom {
+            open: self.open.iter().map(|r| from(r.hashes.clone())).collect(),
+            turns: self
+                .sessions
+                .iter()
+                .map(|s| {
+                    s.turns
+                        .iter()
+                        .map(|t| from(s.hashes.start..s.hashes.start + t.blocks))
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Per request, the offset into its blocks where its private blocks begin: no other request
+/// holds any of them, so no other request's prefix match can reach them (see
+/// [`Plan::private_from`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct PrivateFrom {
+    /// Per open request.
+    pub open: Vec<u32>,
+    /// Per session, per turn.
+    pub turns: Vec<Vec<u32>>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn private_blocks_are_the_tail_no_other_request_holds() {
+        let open = |hashes: Range<usize>| OpenRequest {
+            arrival: 0.0,
+            prompt_len: 64,
+            output_len: 1,
+            tenant: 0,
+            priority: 0,
+            session: None,
+            hashes,
+        };
+        // Two requests share their first two blocks; the third holds nothing of its own.
+        let plan = Plan {
+            hashes: vec![1, 2, 3, 4, 1, 2, 5, 1, 2].into(),
+            open: vec![open(0..4), open(4..7), open(7..9)],
+            ..Plan::default()
+        };
+        let c = Contents::number(&plan.hashes);
+        let private = plan.private_from(c.ids(), c.unique().len());
+        assert_eq!(private.open, vec![2, 2, 2]);
+        // A session's turns hold their predecessors' blocks: only the last turn's new ones
+        // are private.
+        let turn = |blocks| Turn { prompt_len: 64, output_len: 1, blocks, think: 0.0 };
+        let plan = Plan {
+            hashes: vec![10, 11, 12, 13, 14].into(),
+            sessions: vec![Session {
+                tenant: 0,
+                hashes: 0..5,
+                turns: vec![turn(2), turn(3), turn(5)],
+            }],
+            ..Plan::default()
+        };
+        let c = Contents::number(&plan.hashes);
+        assert_eq!(plan.private_from(c.ids(), c.unique().len()).turns, vec![vec![2, 3, 3]]);
+    }
 
     #[test]
     fn known_numberings_are_checked() {

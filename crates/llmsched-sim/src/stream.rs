@@ -56,6 +56,8 @@ pub(crate) struct Published<'a> {
     pub hashes: &'a [u64],
     pub ids: &'a [u32],
     pub unique: &'a [u64],
+    /// Per request: where its private blocks begin (see [`LineSink`]).
+    pub private_from: &'a [u32],
 }
 
 /// The plan's arrays shared by the builder, which writes past what it has published, and the
@@ -65,6 +67,7 @@ pub(crate) struct Feed<'a> {
     ids: *mut u32,
     unique: *mut u64,
     open: *mut OpenRequest,
+    private_from: *mut u32,
     blocks: usize,
     lines: usize,
     progress: Mutex<Progress>,
@@ -91,13 +94,16 @@ impl<'a> Feed<'a> {
         ids: &'a mut [u32],
         unique: &'a mut [u64],
         open: &'a mut [MaybeUninit<OpenRequest>],
+        private_from: &'a mut [u32],
     ) -> Self {
         debug_assert!(ids.len() == hashes.len() && unique.len() == hashes.len());
+        debug_assert!(private_from.len() == open.len());
         Feed {
             hashes: hashes.as_mut_ptr(),
             ids: ids.as_mut_ptr(),
             unique: unique.as_mut_ptr(),
             open: open.as_mut_ptr().cast(),
+            private_from: private_from.as_mut_ptr(),
             blocks: hashes.len(),
             lines: open.len(),
             progress: Mutex::new(Progress::default()),
@@ -133,6 +139,7 @@ impl<'a> Feed<'a> {
                 hashes: std::slice::from_raw_parts(self.hashes, p.blocks),
                 ids: std::slice::from_raw_parts(self.ids, p.blocks),
                 unique: std::slice::from_raw_parts(self.unique, p.contents),
+                private_from: std::slice::from_raw_parts(self.private_from, p.lines),
             }
         }
     }
@@ -211,6 +218,7 @@ impl LineSink for Writer<'_, '_> {
         ids: &[u32],
         new_contents: &[u64],
         request: OpenRequest,
+        private_from: usize,
     ) -> Result<(), WorkloadError> {
         let f = self.feed;
         if f.stop.load(Ordering::Relaxed) {
@@ -222,6 +230,8 @@ impl LineSink for Writer<'_, '_> {
             && request.hashes == (self.blocks..self.blocks + n)
             && self.blocks + n <= f.blocks
             && self.contents + new_contents.len() <= f.blocks
+            && private_from <= n
+            && u32::try_from(n).is_ok()
             && request.prompt_len > 0
             && request.arrival.is_finite();
         if !fits {
@@ -241,6 +251,7 @@ impl LineSink for Writer<'_, '_> {
                 new_contents.len(),
             );
             f.open.add(self.lines).write(request);
+            f.private_from.add(self.lines).write(private_from as u32);
         }
         self.lines += 1;
         self.blocks += n;
@@ -272,7 +283,14 @@ pub fn simulate_trace(
     let mut ids = vec![0u32; blocks];
     let mut unique = vec![0u64; blocks];
     let mut open: Vec<OpenRequest> = Vec::with_capacity(n);
-    let feed = Feed::new(&mut hashes, &mut ids, &mut unique, &mut open.spare_capacity_mut()[..n]);
+    let mut private_from = vec![0u32; n];
+    let feed = Feed::new(
+        &mut hashes,
+        &mut ids,
+        &mut unique,
+        &mut open.spare_capacity_mut()[..n],
+        &mut private_from,
+    );
     let out = std::thread::scope(|scope| {
         let builder = scope.spawn(|| {
             let mut writer = Writer::new(&feed);
@@ -376,7 +394,53 @@ mod tests {
             assert!(out.replicas.iter().any(|r| r.counters.hit_tokens > 0));
             (out.decision, out.feed) = (expected.decision, expected.feed); // wall times
             assert_eq!(out, expected);
+            // Leaving the private blocks out of the index changes nothing.
+            let mut full = crate::engine::with_full_index(|| {
+                simulate(config(delay), model(), &make, &first, None, None).unwrap()
+            });
+            (full.decision, full.feed) = (expected.decision, expected.feed);
+            assert_eq!(full, expected);
         }
+    }
+
+    /// Records what the builder says of each line.
+    #[derive(Default)]
+    struct Lines {
+        private_from: Vec<usize>,
+    }
+
+    impl LineSink for Lines {
+        fn line(
+            &mut self,
+            _: &[u64],
+            _: &[u32],
+            _: &[u64],
+            _: OpenRequest,
+            private_from: usize,
+        ) -> Result<(), WorkloadError> {
+            self.private_from.push(private_from);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_builder_marks_private_only_blocks_no_other_line_holds() {
+        let rows = read_trace(&trace(2 * CHUNK), "t", &SPEC).unwrap();
+        let rng = || Pcg64::from_entropy(&[3]);
+        let lines = TraceLines::new(&rows, &SPEC, 16, 0).unwrap();
+        let mut said = Lines::default();
+        lines.build(rng(), &mut said).unwrap();
+        let plan = trace_plan(&rows, &SPEC, rng(), 16, 0).unwrap();
+        let contents = plan.contents.as_deref().unwrap();
+        // Counted over the whole plan: the fewest private blocks each line can have.
+        let counted = plan.private_from(contents.ids(), contents.unique().len());
+        let mut private = 0;
+        for (i, r) in plan.open.iter().enumerate() {
+            assert!(said.private_from[i] >= counted.open[i] as usize, "line {i}");
+            assert!(said.private_from[i] <= r.hashes.len());
+            private += r.hashes.len() - said.private_from[i];
+        }
+        assert!(private > plan.hashes.len() / 4, "most fresh blocks are private: {private}");
     }
 
     #[test]

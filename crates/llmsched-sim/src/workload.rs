@@ -887,8 +887,13 @@ fn check_trace(spec: &TraceSpec, block_size: usize) -> Result<(), WorkloadError>
 }
 
 /// Where [`TraceLines::build`] puts each line, in line order: its block hashes, their content
-/// ids, the contents it numbers first (ids counted on from those of earlier lines) and its
-/// request.
+/// ids, the contents it numbers first (ids counted on from those of earlier lines), its
+/// request, and where its private blocks begin.
+///
+/// Private blocks: from the line's first block numbered fresh (a trace id no other line names,
+/// fresh tokens, the output) to its end. When the numbering is exact ([`Contents::exact`]),
+/// no other line holds any of them: a fresh block's id is used once, and a block after it
+/// chains on it (a reused id's blocks after a private block take ids no other line takes).
 pub trait LineSink {
     fn line(
         &mut self,
@@ -896,6 +901,7 @@ pub trait LineSink {
         ids: &[u32],
         new_contents: &[u64],
         request: OpenRequest,
+        private_from: usize,
     ) -> Result<(), WorkloadError>;
 }
 
@@ -995,10 +1001,14 @@ impl<'r> TraceLines<'r> {
                 }
             };
             let mut parent = chain_seed;
+            let mut private_from = None;
             for (k, &id) in row.hash_ids[..l.ids].iter().enumerate() {
                 let from = k * per_id;
                 let take = per_id.min(l.named - from);
                 let id = id & U64_TOP as u64;
+                if private_from.is_none() && !self.reused.contains_key(&id) && take > 0 {
+                    private_from = Some(from);
+                }
                 if self.reused.contains_key(&id) {
                     let at = *first_ids.entry((parent, id)).or_insert_with(|| {
                         slots.resize(slots.len() + per_id, UNNUMBERED);
@@ -1016,13 +1026,14 @@ impl<'r> TraceLines<'r> {
                 }
                 parent = if take == per_id { hashes[from + per_id - 1] } else { parent };
             }
+            let private_from = private_from.unwrap_or(ids.len());
             fresh_to(hashes.len(), &mut ids, &mut new);
             contents += new.len();
             if contents >= UNNUMBERED as usize {
                 return err("a trace plan with more than 2**32 - 1 distinct blocks");
             }
             let request = open_request(row, l, first.timestamp, scale);
-            sink.line(&hashes, &ids, &new, request)?;
+            sink.line(&hashes, &ids, &new, request, private_from)?;
         }
         Ok(())
     }

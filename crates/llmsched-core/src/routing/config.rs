@@ -120,6 +120,12 @@ impl RouterConfig {
     pub fn profile_index(&self, name: &str) -> Option<usize> {
         self.profiles.iter().position(|p| p.name == name)
     }
+
+    /// Whether a decision reads the endpoints' tree sizes in the prefix index (some picker's
+    /// [`Picker::reads_tree_size`](super::plugin::Picker::reads_tree_size)), not only matches.
+    pub fn reads_tree_size(&self) -> bool {
+        self.profiles.iter().any(|p| p.picker.reads_tree_size())
+    }
 }
 
 const TOP_LEVEL: &[&str] = &[

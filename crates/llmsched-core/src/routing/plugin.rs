@@ -182,6 +182,13 @@ pub trait Picker: Send + Sync {
 
     /// Most endpoints returned (the chosen one and its fallbacks).
     fn limit(&self) -> usize;
+
+    /// Whether it reads [`RequestContext::held_blocks`] (the size of an endpoint's tree in the
+    /// prefix index): a caller that leaves out of the index blocks no match can reach (the
+    /// simulator) keeps every match the same but not the tree sizes.
+    fn reads_tree_size(&self) -> bool {
+        false
+    }
 }
 
 /// A committed decision, as the stateful plugins see it.

@@ -324,3 +324,11 @@ fn model_mismatch_is_not_a_candidate() {
     let meta = RequestMeta { model: Some("m3".into()), ..RequestMeta::default() };
     assert!(matches!(router.decide(&prompt(8), &meta, 0.0), Err(RoutingError::NoEndpoint { .. })));
 }
+
+#[test]
+fn only_a_picker_breaking_ties_by_tree_size_reads_tree_sizes() {
+    for (preset, reads) in [("llm-d", false), ("llm-d-pd", false), ("dynamo-kv", true)] {
+        let config = parse_config(&presets::preset(preset).unwrap()).unwrap();
+        assert_eq!(config.reads_tree_size(), reads, "{preset}");
+    }
+}

@@ -105,6 +105,11 @@ impl Picker for SoftmaxCostPicker {
     fn limit(&self) -> usize {
         self.limit
     }
+
+    /// Ties are broken by the endpoints' tree sizes.
+    fn reads_tree_size(&self) -> bool {
+        true
+    }
 }
 
 pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
