@@ -526,6 +526,14 @@ pub struct PyMatch {
     index: Py<PyPrefixIndex>,
 }
 
+impl Drop for PyMatch {
+    /// Hands the entries' allocation back for the next match on this thread (a result over
+    /// hundreds of workers is kilobytes, which the allocator is slow to hand out and take back).
+    fn drop(&mut self) {
+        std::mem::take(&mut self.m).recycle();
+    }
+}
+
 impl PyMatch {
     fn column<'py>(&self, py: Python<'py>, f: impl Fn(usize) -> u32) -> Bound<'py, PyArray1<u32>> {
         (0..self.m.entries.len()).map(f).collect::<Vec<u32>>().into_pyarray(py)
