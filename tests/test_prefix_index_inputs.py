@@ -73,10 +73,13 @@ def test_large_token_ids_and_hashes_in_lists() -> None:
         index.hash_tokens(tokens).tolist()
         == index.hash_tokens(np.array(tokens, dtype=np.uint32)).tolist()
     )
-    hashes = [0, 1, 2**30, 2**60 + 7, 2**64 - 1]
+    # Ints of zero, one, two and three 30-bit digits, each read at its value.
+    hashes = [0, 1, 2**30, 2**60 + 7, 2**64 - 1, 2**59 + 3]
     index.store("w", hashes)
-    assert index.match(hashes).as_dict() == {"w": 5}
-    assert index.match(tuple(hashes)).as_dict() == {"w": 5}
+    assert sorted(index.holdings("w")) == sorted(hashes)
+    assert index.match(np.array(hashes, dtype=np.uint64)).as_dict() == {"w": 6}
+    assert index.match(hashes).as_dict() == {"w": 6}
+    assert index.match(tuple(hashes)).as_dict() == {"w": 6}
 
 
 class MyInt(int):

@@ -1,6 +1,6 @@
 //! The prefix index at the large size of `benches/bench_peers_index.py`, without Python: ingest
-//! of vLLM msgpack payloads (decode alone, then decode and apply) and `match_hashes` from one
-//! and from two threads, for profiling (`perf record -g target/release/examples/index_scale`)
+//! of vLLM msgpack payloads (decode alone, then decode and apply), `match_hashes` with its result
+//! dropped or recycled, and from one and from two threads, for profiling (`perf record -g target/release/examples/index_scale`)
 //! and for telling the structure's scaling apart from the bindings'.
 //!
 //! The workload follows the Python bench: multi-turn sessions over 200 shared system prompts,
@@ -197,6 +197,31 @@ fn match_rate(index: &PrefixIndex, queries: &[Vec<u64>], threads: usize) -> (f64
     (best, cpu_per_call)
 }
 
+/// CPU ns per call of `match_hashes` with each result dropped and with each handed back
+/// (`recycle`, as the Python bindings do), interleaved, best of 5: what allocating and freeing
+/// the result costs a match.
+fn recycle_cpu(index: &PrefixIndex, queries: &[Vec<u64>]) -> (f64, f64) {
+    let (mut dropped, mut recycled) = (f64::INFINITY, f64::INFINITY);
+    let calls = (3 * queries.len()) as f64;
+    for _ in 0..5 {
+        let c = cpu_ns();
+        for _ in 0..3 {
+            for q in queries {
+                black_box(index.match_hashes(q, 0.0));
+            }
+        }
+        dropped = dropped.min((cpu_ns() - c) as f64 / calls);
+        let c = cpu_ns();
+        for _ in 0..3 {
+            for q in queries {
+                black_box(index.match_hashes(q, 0.0)).recycle();
+            }
+        }
+        recycled = recycled.min((cpu_ns() - c) as f64 / calls);
+    }
+    (dropped, recycled)
+}
+
 fn main() {
     let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().unwrap()).collect();
     let (bs, workers, sequences) = match args[..] {
@@ -264,6 +289,15 @@ fn main() {
     let matched: usize =
         wl.queries.iter().map(|q| index.match_hashes(q, 0.0).entries.len()).sum::<usize>();
     println!("workers matched per query: {:.0}", matched as f64 / wl.queries.len() as f64);
+    for _ in 0..3 {
+        let (dropped, recycled) = recycle_cpu(&index, &wl.queries);
+        println!(
+            "match_hashes CPU per call: {:.3} us, result dropped; {:.3} us, recycled ({:.2}x)",
+            dropped / 1e3,
+            recycled / 1e3,
+            recycled / dropped
+        );
+    }
     for _ in 0..3 {
         let (one, one_cpu) = match_rate(&index, &wl.queries, 1);
         let (two, two_cpu) = match_rate(&index, &wl.queries, 2);

@@ -30,10 +30,11 @@ impl<'py> Hashes<'py> {
     /// error.
     pub fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-            let mut out = Vec::new();
+            let mut out = pooled_hashes();
             if pyints::read_ints(obj, u64::MAX, &mut out) {
                 return Ok(Self::Owned(out));
             }
+            recycle_hashes(out);
         } else if let Ok(arr) = obj.extract::<PyReadonlyArray1<'py, u64>>() {
             if arr.is_c_contiguous() && aligned(arr.data()) {
                 return Ok(Self::Array(arr));
@@ -50,6 +51,45 @@ impl<'py> Hashes<'py> {
             Self::Owned(v) => Ok(v),
         }
     }
+}
+
+impl Drop for Hashes<'_> {
+    fn drop(&mut self) {
+        if let Self::Owned(hashes) = self {
+            recycle_hashes(std::mem::take(hashes));
+        }
+    }
+}
+
+thread_local! {
+    /// Buffers of lists of hashes read by [`Hashes::extract`], kept between calls: a query's
+    /// hundreds of hashes are kilobytes, beyond the allocator's small-size caches.
+    static HASH_BUFFERS: std::cell::RefCell<Vec<Vec<u64>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+const HASH_BUFFERS_KEPT: usize = 4;
+const HASH_BUFFER_MAX: usize = 1 << 16;
+
+/// An empty buffer, reusing one handed back on this thread when there is one.
+fn pooled_hashes() -> Vec<u64> {
+    let reused = HASH_BUFFERS.try_with(|pool| pool.try_borrow_mut().ok().and_then(|mut p| p.pop()));
+    reused.ok().flatten().unwrap_or_default()
+}
+
+/// Keeps `hashes`' allocation for a later list read on this thread (dropped when the thread's
+/// pool is gone, full, or the buffer is large).
+fn recycle_hashes(mut hashes: Vec<u64>) {
+    if hashes.capacity() == 0 || hashes.capacity() > HASH_BUFFER_MAX {
+        return;
+    }
+    hashes.clear();
+    let _ = HASH_BUFFERS.try_with(|pool| {
+        if let Ok(mut pool) = pool.try_borrow_mut() {
+            if pool.len() < HASH_BUFFERS_KEPT {
+                pool.push(hashes);
+            }
+        }
+    });
 }
 
 /// Whether a numpy array's data can be read as a `&[u64]` (an array over a buffer at an odd
@@ -524,6 +564,14 @@ fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyD
 pub struct PyMatch {
     pub m: MatchResult,
     index: Py<PyPrefixIndex>,
+}
+
+impl Drop for PyMatch {
+    /// Hands the entries' allocation back for the next match on this thread (a result over
+    /// hundreds of workers is kilobytes, which the allocator is slow to hand out and take back).
+    fn drop(&mut self) {
+        std::mem::take(&mut self.m).recycle();
+    }
 }
 
 impl PyMatch {

@@ -236,8 +236,8 @@ fn chains() -> Vec<Vec<u64>> {
 
 fn check(index: &PrefixIndex, model: &Model, chains: &[Vec<u64>], now: f64) {
     for chain in chains {
-        let got = index.match_hashes(chain, now);
-        let got: Vec<(i64, u32, [u32; 3])> = got
+        let result = index.match_hashes(chain, now);
+        let got: Vec<(i64, u32, [u32; 3])> = result
             .entries
             .iter()
             .map(|e| match index.worker_key(e.worker) {
@@ -245,6 +245,9 @@ fn check(index: &PrefixIndex, model: &Model, chains: &[Vec<u64>], now: f64) {
                 other => panic!("unexpected worker {other:?}"),
             })
             .collect();
+        // The next match fills this result's buffer again: what a recycled buffer held before
+        // must not show.
+        result.recycle();
         let mut got = got;
         got.sort_unstable_by_key(|e| e.0);
         assert_eq!(got, model.matches(chain, now));
@@ -259,9 +262,14 @@ fn check(index: &PrefixIndex, model: &Model, chains: &[Vec<u64>], now: f64) {
     assert_eq!(index.stats().blocks, model.parent_of.len());
 }
 
-fn run(ops: Vec<Op>, capacity: Option<u64>) {
+/// Applies `ops` to the index and the model, checking after each. `fillers` workers holding
+/// nothing are registered first, so that the model's workers get the ids after theirs.
+fn run(ops: Vec<Op>, capacity: Option<u64>, fillers: i64) {
     let config = IndexConfig { block_size: 2, worker_capacity: capacity, ..Default::default() };
     let index = PrefixIndex::new(config).expect("valid config");
+    for f in 0..fillers {
+        index.set_capacity(&WorkerKey::Int(-1 - f), None).expect("valid capacity");
+    }
     let mut model = Model { default_capacity: capacity, ..Default::default() };
     let chains = chains();
     let mut now = 0.0;
@@ -319,12 +327,18 @@ proptest! {
 
     #[test]
     fn index_agrees_with_model(ops in prop::collection::vec(op(), 1..40)) {
-        run(ops, None);
+        run(ops, None, 0);
+    }
+
+    /// The model's three workers get ids 63 to 65, across two 64-bit words of a match's masks.
+    #[test]
+    fn index_agrees_with_model_across_words(ops in prop::collection::vec(op(), 1..40)) {
+        run(ops, None, 63);
     }
 
     #[test]
     fn capped_index_agrees_with_model(ops in prop::collection::vec(op(), 1..40)) {
-        run(ops, Some(4));
+        run(ops, Some(4), 0);
     }
 
     #[test]

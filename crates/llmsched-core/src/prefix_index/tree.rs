@@ -204,14 +204,14 @@ pub(crate) struct WorkerTree {
     pub leaves: BTreeSet<(u64, NodeId)>,
 }
 
-/// Buffers a match reuses on its thread: the path walked, the workers still matching, a node's
-/// holders, and each first-node worker's position in the result.
+/// Buffers a match reuses on its thread: the path walked, the workers reaching each of its
+/// nodes, each worker's depth, and which words of workers hold the path in uniform tiers.
 #[derive(Default)]
 struct Scratch {
     path: Vec<(NodeId, u32)>,
-    alive: Vec<u64>,
-    node_bits: Vec<u64>,
-    slot: Vec<u32>,
+    masks: Vec<u64>,
+    depth: Vec<u32>,
+    uniform: Vec<bool>,
 }
 
 thread_local! {
@@ -358,74 +358,92 @@ impl Tree {
 
     /// Per-worker depths along `scratch.path` (nodes and the query depth at each node's end).
     ///
-    /// Every worker of the first node starts at the path's full depth (in each tier it holds
-    /// there); a worker leaving the match at a node is set back to the depth before that node.
-    /// The buffers live in the thread's scratch, so a match allocates only its result.
+    /// First the masks: for each node, the workers whose match (overall and per tier) reaches
+    /// it, a few word operations per node. A worker's depth is the end of the last node whose
+    /// mask holds it, written once, where it leaves, into a table indexed by worker; the entries
+    /// are then written once each, in worker order. In a word where every tier's mask is at
+    /// each node either the overall one or empty (the usual case: workers hold a path in one
+    /// tier), only the overall depth is tracked. The buffers live in the thread's scratch, so a
+    /// match allocates only its result.
     fn carry(&self, now: f64, out: &mut Vec<MatchEntry>, scratch: &mut Scratch) {
-        let Scratch { path, alive, node_bits, slot } = scratch;
+        let Scratch { path, masks, depth, uniform } = scratch;
         let words = self.workers.len().div_ceil(64).max(1);
-        // alive[k]: workers whose match (k = 0 overall, 1.. per tier) reaches the current node.
-        alive.clear();
-        alive.resize(4 * words, 0);
-        self.node_bits(path[0].0, now, words, alive);
-        let full = path[path.len() - 1].1;
-        // slot[w]: the position in `out` of worker w, one of the first node's workers; other
-        // positions keep stale values that are never read.
-        if slot.len() < 64 * words {
-            slot.resize(64 * words, 0);
-        }
-        let total: u32 = alive[..words].iter().map(|w| w.count_ones()).sum();
-        out.resize(total as usize, MatchEntry::default());
-        // Local slices: the entries are written by index with the lengths in registers.
-        let (entries, slot) = (&mut out[..], &mut slot[..]);
-        let mut n = 0usize;
-        for i in 0..words {
-            let mut bits = alive[i];
-            let in_tier = [alive[words + i], alive[2 * words + i], alive[3 * words + i]];
-            // The usual word: every worker in it holds the path in the same tiers.
-            let uniform = in_tier.iter().all(|&t| t == 0 || t == bits);
-            let word_tiers = in_tier.map(|t| if t != 0 { full } else { 0 });
-            while bits != 0 {
-                let b = bits.trailing_zeros();
-                bits &= bits - 1;
-                let bit = 1u64 << b;
-                let tiers = if uniform {
-                    word_tiers
-                } else {
-                    in_tier.map(|t| if t & bit != 0 { full } else { 0 })
-                };
-                let worker = (i * 64) as u32 + b;
-                slot[worker as usize] = n as u32;
-                entries[n] = MatchEntry { worker, blocks: full, tiers };
-                n += 1;
-            }
-        }
-        if entries.is_empty() || path.len() == 1 {
-            return;
-        }
-        node_bits.clear();
-        node_bits.resize(4 * words, 0);
-        let mut end = path[0].1;
-        for &(node, node_end) in &path[1..] {
-            self.node_bits(node, now, words, node_bits);
+        let stride = 4 * words;
+        // masks[j * stride + k * words + i]: word i of the workers whose match (k = 0 overall,
+        // 1.. per tier) reaches node j; the row after the last node reached is all zero.
+        masks.clear();
+        masks.resize((path.len() + 1) * stride, 0);
+        self.node_bits(path[0].0, now, words, &mut masks[..stride]);
+        let mut reached = 1;
+        while reached < path.len() {
+            let (done, rest) = masks.split_at_mut(reached * stride);
+            let (prev, row) = (&done[(reached - 1) * stride..], &mut rest[..stride]);
+            self.node_bits(path[reached].0, now, words, row);
             let mut any = 0u64;
-            for k in 0..4 {
-                for i in 0..words {
-                    let a = alive[k * words + i];
-                    let kept = a & node_bits[k * words + i];
-                    let mut gone = a & !kept;
+            for (m, p) in row.iter_mut().zip(prev) {
+                *m &= p;
+                any |= *m;
+            }
+            if any == 0 {
+                break;
+            }
+            reached += 1;
+        }
+        // A word is uniform when each tier's mask is, at every node reached, the overall mask
+        // (a tier held at the first node) or empty (one not held there).
+        uniform.clear();
+        uniform.extend((0..words).map(|i| {
+            (0..reached).all(|j| {
+                let row = &masks[j * stride..(j + 1) * stride];
+                (1..4).all(|k| {
+                    let held = masks[k * words + i] != 0;
+                    row[k * words + i] == if held { row[i] } else { 0 }
+                })
+            })
+        }));
+        // depth[k * 64 * words + w]: the depth of worker w (in tier k - 1 for k > 0); written
+        // before it is read for every worker of the first node, stale elsewhere.
+        if depth.len() < 4 * 64 * words {
+            depth.resize(4 * 64 * words, 0);
+        }
+        for (j, &(_, end)) in path[..reached].iter().enumerate() {
+            let (row, next) = (j * stride, (j + 1) * stride);
+            for i in 0..words {
+                let kinds = if uniform[i] { 1 } else { 4 };
+                for k in 0..kinds {
+                    let mut gone = masks[row + k * words + i] & !masks[next + k * words + i];
+                    let table = &mut depth[k * 64 * words + i * 64..k * 64 * words + i * 64 + 64];
                     while gone != 0 {
-                        let w = i * 64 + gone.trailing_zeros() as usize;
+                        table[gone.trailing_zeros() as usize] = end;
                         gone &= gone - 1;
-                        set_depth(&mut entries[slot[w] as usize], k, end);
                     }
-                    alive[k * words + i] = kept;
-                    any |= kept;
                 }
             }
-            end = node_end;
-            if any == 0 {
-                return;
+        }
+        let total: u32 = masks[..words].iter().map(|w| w.count_ones()).sum();
+        out.clear();
+        out.reserve(total as usize);
+        for i in 0..words {
+            let mut bits = masks[i];
+            let in_tier = [masks[words + i], masks[2 * words + i], masks[3 * words + i]];
+            let overall = &depth[i * 64..i * 64 + 64];
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let blocks = overall[b];
+                let tiers = if uniform[i] {
+                    in_tier.map(|t| if t != 0 { blocks } else { 0 })
+                } else {
+                    let bit = 1u64 << b;
+                    let mut tiers = [0; 3];
+                    for (t, slot) in tiers.iter_mut().enumerate() {
+                        if in_tier[t] & bit != 0 {
+                            *slot = depth[(t + 1) * 64 * words + i * 64 + b];
+                        }
+                    }
+                    tiers
+                };
+                out.push(MatchEntry { worker: (i * 64 + b) as u32, blocks, tiers });
             }
         }
     }
@@ -1091,14 +1109,6 @@ impl Tree {
 }
 
 /// Sets depth `k` (0: overall, 1..=3: a tier) of a match entry.
-fn set_depth(e: &mut MatchEntry, k: usize, depth: u32) {
-    if k == 0 {
-        e.blocks = depth;
-    } else {
-        e.tiers[k - 1] = depth;
-    }
-}
-
 impl Tree {
     /// Every block `w` holds with its tier bits and whether it is confirmed, sorted by hash.
     pub fn holdings(&self, w: WorkerId) -> Vec<(u64, u8, bool)> {

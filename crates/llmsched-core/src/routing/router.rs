@@ -213,6 +213,7 @@ impl Router {
         let members = self.pool.snapshot();
         let matched = self.index.match_hashes(&hashes, now);
         let cached = self.cached_by_slot(&members, &matched);
+        matched.recycle();
         let policy = self.pool.policy();
         let base: Vec<Candidate> = members
             .list
