@@ -50,7 +50,6 @@
 pub mod admin;
 pub mod flow;
 pub mod guards;
-pub mod h1;
 pub mod health;
 pub mod kv_events;
 pub mod metrics;
@@ -274,9 +273,9 @@ struct Upstream {
     /// `id` shared with the answers relayed from this engine (their metric labels).
     label: Arc<str>,
     completions: Uri,
-    /// The request lines (and `Host` field) of completion requests.
-    completions_target: pool::Target,
-    chat_target: pool::Target,
+    /// The origin-form targets of completion requests (what the request line carries).
+    completions_path: Uri,
+    chat_path: Uri,
     /// Keep-alive connections for completion requests.
     connections: pool::Connections,
     metrics: Uri,
@@ -399,8 +398,8 @@ fn upstream(entry: &EngineEntry, config: &GatewayConfig) -> Result<Upstream, Con
         label: Arc::from(id.as_str()),
         id,
         completions: at("/v1/completions")?,
-        completions_target: connections.post(&path("/v1/completions")?),
-        chat_target: connections.post(&path("/v1/chat/completions")?),
+        completions_path: path("/v1/completions")?,
+        chat_path: path("/v1/chat/completions")?,
         connections,
         metrics: at("/metrics")?,
         models: at("/v1/models")?,
@@ -1666,10 +1665,6 @@ impl Gateway {
             decision.ranked().map(|c| decision.endpoint(c).id.clone()).collect();
         let upstreams = self.upstreams();
         let guards = Guards { slot, limiter };
-        let json = HeaderValue::from_static("application/json");
-        let prefill_value = prefill.as_deref().and_then(|a| HeaderValue::from_str(a).ok());
-        let fields =
-            forward_fields(&parts.headers, &json, self.pd_header.as_ref(), prefill_value.as_ref());
         let attempts = self.config.retries + 1;
         let mut tried = 0;
         for key in &ranked {
@@ -1681,13 +1676,22 @@ impl Gateway {
             if tried > 1 {
                 self.counters.retries.fetch_add(1, Ordering::Relaxed);
             }
-            let target =
-                if route == "chat" { &upstream.chat_target } else { &upstream.completions_target };
+            let path =
+                if route == "chat" { &upstream.chat_path } else { &upstream.completions_path };
+            let mut forward = Request::new(Full::new(raw.clone()));
+            *forward.method_mut() = Method::POST;
+            *forward.uri_mut() = path.clone();
+            forward_headers(&parts.headers, forward.headers_mut());
+            if let (Some(header), Some(address)) = (&self.pd_header, &prefill) {
+                if let Ok(value) = HeaderValue::from_str(address) {
+                    forward.headers_mut().insert(header.clone(), value);
+                }
+            }
             let Ok(ticket) = router.commit(&decision, Some(key), monotonic()) else { continue };
             if tried == 1 {
                 self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
             }
-            let sent = upstream.connections.send(target, &fields, &raw);
+            let sent = upstream.connections.send(forward);
             let answered = match self.config.read_timeout_s {
                 None => Ok(sent.await),
                 Some(read) => {
@@ -1718,6 +1722,7 @@ impl Gateway {
                 }
                 Ok(Ok(answered)) => answered,
             };
+            let (answer, lease) = answer;
             let failed = answer.status().is_server_error();
             if failed {
                 self.counters.upstream_errors.inc(&[&upstream.id, "status_5xx"]);
@@ -1736,6 +1741,7 @@ impl Gateway {
                 ticket: Some(ticket),
                 guards: Some(guards),
                 route: Some(route),
+                lease: Some(lease),
                 ..Relaying::completion(self, upstream, sse, deadline)
             };
             if sse || failed {
@@ -1827,7 +1833,7 @@ impl Gateway {
 
     async fn answer_whole(
         &self,
-        answer: Response<pool::Reading>,
+        answer: Response<Incoming>,
         mut relaying: Relaying,
     ) -> Result<Answer, Refusal> {
         const WHOLE_LIMIT: u64 = 8 << 20;
@@ -1847,6 +1853,9 @@ impl Gateway {
                 return Err(Refusal::new(502, "upstream_error", "the engine's answer was cut off"));
             }
         };
+        if let Some(lease) = relaying.lease.take() {
+            lease.release();
+        }
         let mut tokens = TokenCount::default();
         tokens.feed(&bytes, false);
         if let Some(mut ticket) = relaying.ticket.take() {
@@ -1962,29 +1971,22 @@ const HOP_BY_HOP: [&str; 8] = [
     "host",
 ];
 
-/// What an engine gets of the client's headers: the content type (always `json`) and
-/// `Accept`, then the prefill endpoint's field when the decision named one. Nothing else
-/// (hosts, forwarding headers, keys, a client-sent prefill header) reaches it.
-fn forward_fields<'a>(
-    from: &'a HeaderMap,
-    json: &'a HeaderValue,
-    pd_header: Option<&'a HeaderName>,
-    prefill: Option<&'a HeaderValue>,
-) -> Vec<(&'a HeaderName, &'a HeaderValue)> {
-    let mut fields = vec![(&CONTENT_TYPE, json)];
+/// What an engine gets of the client's headers: the content type (always JSON) and
+/// `Accept`. Nothing else (hosts, forwarding headers, keys, a client-sent prefill header)
+/// reaches it.
+fn forward_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    to.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     if let Some(accept) = from.get(hyper::header::ACCEPT) {
-        fields.push((&hyper::header::ACCEPT, accept));
+        to.insert(hyper::header::ACCEPT, accept.clone());
     }
-    if let (Some(name), Some(value)) = (pd_header, prefill) {
-        fields.push((name, value));
-    }
-    fields
 }
 
 /// How an upstream answer is relayed.
 struct Relaying {
     route: Option<&'static str>,
     ticket: Option<Ticket>,
+    /// The upstream connection, released when the answer has been read to its end.
+    lease: Option<pool::Lease>,
     guards: Option<Guards>,
     counters: Arc<Counters>,
     endpoint: Option<Arc<str>>,
@@ -1999,6 +2001,7 @@ impl Relaying {
         Relaying {
             route: None,
             ticket: None,
+            lease: None,
             guards: None,
             counters,
             endpoint: None,
@@ -2014,6 +2017,7 @@ impl Relaying {
         Relaying {
             route: None,
             ticket: None,
+            lease: None,
             guards: None,
             counters: gateway.counters.clone(),
             endpoint: Some(upstream.label.clone()),
@@ -2025,7 +2029,7 @@ impl Relaying {
     }
 }
 
-fn relay(answer: Response<impl Into<EngineBody>>, relaying: Relaying) -> Answer {
+fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
     let (parts, body) = answer.into_parts();
     let sse = relaying.sse
         || parts
@@ -2045,7 +2049,8 @@ fn relay(answer: Response<impl Into<EngineBody>>, relaying: Relaying) -> Answer 
     let mut out = Response::new(Relay {
         route: relaying.route,
         status: parts.status,
-        inner: Some(body.into()),
+        inner: Some(body),
+        lease: relaying.lease,
         ticket: relaying.ticket,
         guards: relaying.guards,
         counters: Some(relaying.counters),
@@ -2092,6 +2097,7 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         route: None,
         status,
         inner: None,
+        lease: None,
         ticket: None,
         guards: None,
         counters: None,
@@ -2224,9 +2230,10 @@ static FINISH_REASON: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 pub struct Relay {
     route: Option<&'static str>,
     status: StatusCode,
-    /// The engine's body; its connection goes back to its pool at the body's end, and is
-    /// closed when it is dropped before.
-    inner: Option<EngineBody>,
+    inner: Option<Incoming>,
+    /// The upstream connection of `inner`: back to its pool after a complete answer, closed
+    /// otherwise.
+    lease: Option<pool::Lease>,
     ticket: Option<Ticket>,
     guards: Option<Guards>,
     counters: Option<Arc<Counters>>,
@@ -2252,61 +2259,6 @@ pub struct Relay {
     after_held: Option<Frame<Bytes>>,
 }
 
-/// An engine's answer body: a completion's, read by the gateway's own client ([`pool`]), or
-/// `/v1/models`'s, from hyper-util's.
-pub enum EngineBody {
-    /// A completion's.
-    Own(pool::Reading),
-    /// `/v1/models`'s.
-    Hyper(Incoming),
-}
-
-impl From<pool::Reading> for EngineBody {
-    fn from(body: pool::Reading) -> EngineBody {
-        EngineBody::Own(body)
-    }
-}
-
-impl From<Incoming> for EngineBody {
-    fn from(body: Incoming) -> EngineBody {
-        EngineBody::Hyper(body)
-    }
-}
-
-/// Why an engine's body broke off (the relay only tells that it did).
-#[derive(Debug)]
-pub struct UpstreamError;
-
-impl Body for EngineBody {
-    type Data = Bytes;
-    type Error = UpstreamError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
-        let polled = match self.get_mut() {
-            EngineBody::Own(body) => Pin::new(body).poll_frame(cx).map_err(|_| UpstreamError),
-            EngineBody::Hyper(body) => Pin::new(body).poll_frame(cx).map_err(|_| UpstreamError),
-        };
-        polled.map(|frame| frame.map(|f| f.map_err(|_| UpstreamError)))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            EngineBody::Own(body) => body.is_end_stream(),
-            EngineBody::Hyper(body) => body.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            EngineBody::Own(body) => body.size_hint(),
-            EngineBody::Hyper(body) => body.size_hint(),
-        }
-    }
-}
-
 /// The error that cuts a client's answer (hyper then closes the connection mid-body).
 #[derive(Debug)]
 pub struct Cut(&'static str);
@@ -2323,6 +2275,10 @@ impl Relay {
     fn ended(&mut self, completed: bool) {
         self.inner = None;
         self.timer = None;
+        match self.lease.take() {
+            Some(lease) if completed => lease.release(),
+            _ => {}
+        }
         if let Some(mut ticket) = self.ticket.take() {
             ticket.finish();
         }
@@ -2381,7 +2337,7 @@ impl Relay {
     /// The next poll of the engine's body while a tail is held ([`Relay::hold`]).
     fn held_frame(
         &mut self,
-        polled: Poll<Option<Result<Frame<Bytes>, UpstreamError>>>,
+        polled: Poll<Option<Result<Frame<Bytes>, hyper::Error>>>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
         let Some((mut held, yields)) = self.held.take() else { return Poll::Pending };

@@ -23,10 +23,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Frame;
-use hyper::header::{HeaderValue, CONTENT_TYPE};
-use hyper::StatusCode;
+use hyper::header::CONTENT_TYPE;
+use hyper::{Request, StatusCode};
 use llmsched_core::routing::{RequestMeta, RoutingError};
 use llmsched_core::slices::{
     Action, Api, AssemblerOptions, EndpointReport, Phase, SliceAssembler, SliceTracker,
@@ -488,16 +488,17 @@ impl Gateway {
         ticket: &mut llmsched_core::routing::Ticket,
         out: Option<&mpsc::Sender<Out>>,
     ) -> Result<(), SliceFailed> {
-        let target =
-            if run.route == "chat" { &upstream.chat_target } else { &upstream.completions_target };
+        let path =
+            if run.route == "chat" { &upstream.chat_path } else { &upstream.completions_path };
         let payload = serde_json::to_vec(body)?;
-        let json = HeaderValue::from_static("application/json");
+        let request = Request::post(path.clone())
+            .header(CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(payload)))?;
         let read = self.config.read_timeout_s.map(Duration::from_secs_f64);
         let left = Duration::from_secs_f64((run.deadline - monotonic()).clamp(0.0, 1e9));
         let deadline = Some(tokio::time::Instant::now() + left);
-        let fields = [(&CONTENT_TYPE, &json)];
-        let sent = upstream.connections.send(target, &fields, &payload);
-        let answer = tokio::time::timeout_at(wake_at(read, deadline), sent)
+        let sent = upstream.connections.send(request);
+        let (answer, lease) = tokio::time::timeout_at(wake_at(read, deadline), sent)
             .await
             .map_err(|_| SliceFailed("the engine did not answer in time".into()))?
             .map_err(|e| SliceFailed(format!("the engine could not be reached ({e})")))?;
@@ -526,7 +527,8 @@ impl Gateway {
             }
             self.pass_on(run, &chunks, out).await?;
         }
-        // Read to its end: the connection is back in its pool for the next slice.
+        // Read to its end: the connection can carry the next slice.
+        lease.release();
         let mut chunks = Vec::new();
         if !buffered.trim_ascii().is_empty() {
             chunks.extend(feed_event(&mut run.assembler, &buffered)?);
