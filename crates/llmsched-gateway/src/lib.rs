@@ -802,7 +802,7 @@ impl Drop for OpenConnection {
 }
 
 async fn refuse_connection(mut stream: tokio::net::TcpStream) {
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let body = br#"{"error":{"message":"too many connections","type":"service_unavailable","param":null,"code":503}}"#;
     let head = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
@@ -811,7 +811,26 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream) {
     let _ = stream.write_all(head.as_bytes()).await;
     let _ = stream.write_all(body).await;
     let _ = stream.shutdown().await;
+    // Reads (and drops) what the client sends until it closes, bounded: closing over a request
+    // left unread would reset the connection, and the client would lose the 503 it had not
+    // read yet (an open-loop client past the cap saw most of them as connection errors).
+    let mut sink = [0u8; 16 << 10];
+    let mut left = REFUSED_DRAIN_BYTES;
+    let drain = async {
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
 }
+
+/// How long a refused connection's request is read and dropped at most before it is closed.
+const REFUSED_DRAIN_TIME: Duration = Duration::from_millis(500);
+/// How much of a refused connection's request is read and dropped at most.
+const REFUSED_DRAIN_BYTES: usize = 1 << 20;
 
 /// Scrapes every engine's `/metrics` (concurrently) into the pool and flow control; backs off
 /// while no request arrives, but never so far that the metrics go stale (see [`idle_scrape_limit`]).
