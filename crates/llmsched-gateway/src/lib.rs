@@ -776,10 +776,10 @@ async fn serve(gateway: Arc<Gateway>, listener: TcpListener, mut stop: watch::Re
         let gateway = gateway.clone();
         let max_headers = gateway.config.max_headers;
         tokio::spawn(async move {
-            let _open = OpenConnection(counters.clone());
+            let counted = OpenConnection(counters.clone());
             if open as usize >= gateway.config.max_connections {
                 counters.connections_refused.fetch_add(1, Ordering::Relaxed);
-                refuse_connection(stream).await;
+                refuse_connection(stream, counted).await;
                 return;
             }
             let service = service_fn(move |request| gateway.clone().handle(request));
@@ -801,7 +801,10 @@ impl Drop for OpenConnection {
     }
 }
 
-async fn refuse_connection(mut stream: tokio::net::TcpStream) {
+/// Answers a connection over the cap with a 503 and closes it; `open` (its count among the
+/// open connections) is given back once the 503 is written, so that a refused client that is
+/// slow to close does not keep others out.
+async fn refuse_connection(mut stream: tokio::net::TcpStream, open: OpenConnection) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let body = br#"{"error":{"message":"too many connections","type":"service_unavailable","param":null,"code":503}}"#;
     let head = format!(
@@ -811,9 +814,10 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream) {
     let _ = stream.write_all(head.as_bytes()).await;
     let _ = stream.write_all(body).await;
     let _ = stream.shutdown().await;
+    drop(open);
     // Reads (and drops) what the client sends until it closes, bounded: closing over a request
-    // left unread would reset the connection, and the client would lose the 503 it had not
-    // read yet (an open-loop client past the cap saw most of them as connection errors).
+    // left unread would reset the connection, and a client still writing it would lose the
+    // 503 it had not read yet.
     let mut sink = [0u8; 16 << 10];
     let mut left = REFUSED_DRAIN_BYTES;
     let drain = async {
