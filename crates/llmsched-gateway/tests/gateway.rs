@@ -366,7 +366,7 @@ fn a_connection_over_the_cap_reads_its_503_after_sending_a_request() {
     let (addr, counters) =
         fleet.gateway(GatewayConfig { max_connections: 1, ..config(fleet.urls(), "round-robin") });
     let held = TcpStream::connect(addr).unwrap();
-    assert_eq!(reaches(1, || counters.connections.load(Ordering::Relaxed) as u64), 1);
+    assert_eq!(reaches(1, || counters.connections.load(Ordering::Relaxed)), 1);
     // A request the gateway never reads: closing over it unread would reset the connection,
     // and the client would lose the 503 it had not read yet.
     for _ in 0..5 {
