@@ -776,10 +776,10 @@ async fn serve(gateway: Arc<Gateway>, listener: TcpListener, mut stop: watch::Re
         let gateway = gateway.clone();
         let max_headers = gateway.config.max_headers;
         tokio::spawn(async move {
-            let _open = OpenConnection(counters.clone());
+            let counted = OpenConnection(counters.clone());
             if open as usize >= gateway.config.max_connections {
                 counters.connections_refused.fetch_add(1, Ordering::Relaxed);
-                refuse_connection(stream).await;
+                refuse_connection(stream, counted).await;
                 return;
             }
             let service = service_fn(move |request| gateway.clone().handle(request));
@@ -801,8 +801,11 @@ impl Drop for OpenConnection {
     }
 }
 
-async fn refuse_connection(mut stream: tokio::net::TcpStream) {
-    use tokio::io::AsyncWriteExt;
+/// Answers a connection over the cap with a 503 and closes it; `open` (its count among the
+/// open connections) is given back once the 503 is written, so that a refused client that is
+/// slow to close does not keep others out.
+async fn refuse_connection(mut stream: tokio::net::TcpStream, open: OpenConnection) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let body = br#"{"error":{"message":"too many connections","type":"service_unavailable","param":null,"code":503}}"#;
     let head = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
@@ -811,7 +814,27 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream) {
     let _ = stream.write_all(head.as_bytes()).await;
     let _ = stream.write_all(body).await;
     let _ = stream.shutdown().await;
+    drop(open);
+    // Reads (and drops) what the client sends until it closes, bounded: closing over a request
+    // left unread would reset the connection, and a client still writing it would lose the
+    // 503 it had not read yet.
+    let mut sink = [0u8; 16 << 10];
+    let mut left = REFUSED_DRAIN_BYTES;
+    let drain = async {
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
 }
+
+/// How long a refused connection's request is read and dropped at most before it is closed.
+const REFUSED_DRAIN_TIME: Duration = Duration::from_millis(500);
+/// How much of a refused connection's request is read and dropped at most.
+const REFUSED_DRAIN_BYTES: usize = 1 << 20;
 
 /// Scrapes every engine's `/metrics` (concurrently) into the pool and flow control; backs off
 /// while no request arrives, but never so far that the metrics go stale (see [`idle_scrape_limit`]).

@@ -359,3 +359,21 @@ fn an_answer_cut_upstream_is_never_passed_off_as_complete() {
     assert_eq!(counters.completed.load(Ordering::Relaxed), 0);
     assert_eq!(counters.retries.load(Ordering::Relaxed), 0, "never re-sent once passed on");
 }
+
+#[test]
+fn a_connection_over_the_cap_reads_its_503_after_sending_a_request() {
+    let fleet = Fleet::new(vec![ok_engine()]);
+    let (addr, counters) =
+        fleet.gateway(GatewayConfig { max_connections: 1, ..config(fleet.urls(), "round-robin") });
+    let held = TcpStream::connect(addr).unwrap();
+    assert_eq!(reaches(1, || counters.connections.load(Ordering::Relaxed)), 1);
+    // A request the gateway never reads: closing over it unread would reset the connection,
+    // and the client would lose the 503 it had not read yet.
+    for _ in 0..5 {
+        let prompt = "x".repeat(200_000);
+        let raw = post(addr, "/v1/completions", &format!(r#"{{"prompt":"{prompt}"}}"#));
+        assert_eq!(raw.status(), 503, "{:?}", String::from_utf8_lossy(&raw.bytes));
+    }
+    assert_eq!(counters.connections_refused.load(Ordering::Relaxed), 5);
+    drop(held);
+}
