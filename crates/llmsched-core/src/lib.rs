@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod buffer_pool;
 pub mod flow;
 pub mod hashing;
 pub mod prefix_index;

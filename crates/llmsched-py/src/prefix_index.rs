@@ -12,6 +12,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use super::tokens::{TokenArray, TokenVisitor};
 use crate::pyints;
+use llmsched_core::buffer_pool::{self, BufferPool};
 use llmsched_core::hashing::{self, TokenId};
 use llmsched_core::prefix_index::{
     ApplyReport, IndexConfig, IndexError, MatchResult, PrefixIndex, Tier, WorkerId, WorkerKey,
@@ -30,11 +31,11 @@ impl<'py> Hashes<'py> {
     /// error.
     pub fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-            let mut out = pooled_hashes();
+            let mut out = buffer_pool::take(&HASH_BUFFERS);
             if pyints::read_ints(obj, u64::MAX, &mut out) {
                 return Ok(Self::Owned(out));
             }
-            recycle_hashes(out);
+            buffer_pool::give(&HASH_BUFFERS, out);
         } else if let Ok(arr) = obj.extract::<PyReadonlyArray1<'py, u64>>() {
             if arr.is_c_contiguous() && aligned(arr.data()) {
                 return Ok(Self::Array(arr));
@@ -56,7 +57,7 @@ impl<'py> Hashes<'py> {
 impl Drop for Hashes<'_> {
     fn drop(&mut self) {
         if let Self::Owned(hashes) = self {
-            recycle_hashes(std::mem::take(hashes));
+            buffer_pool::give(&HASH_BUFFERS, std::mem::take(hashes));
         }
     }
 }
@@ -64,32 +65,7 @@ impl Drop for Hashes<'_> {
 thread_local! {
     /// Buffers of lists of hashes read by [`Hashes::extract`], kept between calls: a query's
     /// hundreds of hashes are kilobytes, beyond the allocator's small-size caches.
-    static HASH_BUFFERS: std::cell::RefCell<Vec<Vec<u64>>> =
-        const { std::cell::RefCell::new(Vec::new()) };
-}
-const HASH_BUFFERS_KEPT: usize = 4;
-const HASH_BUFFER_MAX: usize = 1 << 16;
-
-/// An empty buffer, reusing one handed back on this thread when there is one.
-fn pooled_hashes() -> Vec<u64> {
-    let reused = HASH_BUFFERS.try_with(|pool| pool.try_borrow_mut().ok().and_then(|mut p| p.pop()));
-    reused.ok().flatten().unwrap_or_default()
-}
-
-/// Keeps `hashes`' allocation for a later list read on this thread (dropped when the thread's
-/// pool is gone, full, or the buffer is large).
-fn recycle_hashes(mut hashes: Vec<u64>) {
-    if hashes.capacity() == 0 || hashes.capacity() > HASH_BUFFER_MAX {
-        return;
-    }
-    hashes.clear();
-    let _ = HASH_BUFFERS.try_with(|pool| {
-        if let Ok(mut pool) = pool.try_borrow_mut() {
-            if pool.len() < HASH_BUFFERS_KEPT {
-                pool.push(hashes);
-            }
-        }
-    });
+    static HASH_BUFFERS: BufferPool<u64> = const { BufferPool::new(4, 1 << 16) };
 }
 
 /// Whether a numpy array's data can be read as a `&[u64]` (an array over a buffer at an odd

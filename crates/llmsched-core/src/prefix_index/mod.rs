@@ -21,6 +21,7 @@ pub use events::ApplyReport;
 use tree::{Attrs, StoreRefusal, Tree};
 pub use tree::{MatchEntry, WorkerId};
 
+use crate::buffer_pool::{self, BufferPool};
 use crate::hashing::{self, HashError, TokenId};
 use crate::protocols::DecodeError;
 pub use crate::protocols::{Tier, WorkerKey};
@@ -105,41 +106,20 @@ impl MatchResult {
     /// allocator's small-size caches: allocating and freeing them cost a tenth of a match at
     /// 256 workers. Optional: a result simply dropped is freed.
     pub fn recycle(self) {
-        let mut entries = self.entries;
-        if entries.capacity() == 0 || entries.capacity() > POOL_MAX_ENTRIES {
-            return;
-        }
-        entries.clear();
-        // Dropped instead when the thread's pool is gone (thread-local destructors) or busy.
-        let _ = RESULT_POOL.try_with(|pool| {
-            if let Ok(mut pool) = pool.try_borrow_mut() {
-                if pool.len() < POOL_RESULTS {
-                    pool.push(entries);
-                }
-            }
-        });
+        buffer_pool::give(&RESULT_POOL, self.entries);
     }
 
     /// An empty result for `query_blocks` blocks, its entries' allocation taken from this
     /// thread's pool when there is one.
     fn pooled(query_blocks: usize) -> MatchResult {
-        let entries = RESULT_POOL
-            .try_with(|pool| pool.try_borrow_mut().ok().and_then(|mut pool| pool.pop()))
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        MatchResult { entries, query_blocks, tree_blocks: 0 }
+        MatchResult { entries: buffer_pool::take(&RESULT_POOL), query_blocks, tree_blocks: 0 }
     }
 }
 
 thread_local! {
-    /// Entry buffers handed back by [`MatchResult::recycle`], at most [`POOL_RESULTS`] per
-    /// thread, of at most [`POOL_MAX_ENTRIES`] entries each.
-    static RESULT_POOL: std::cell::RefCell<Vec<Vec<MatchEntry>>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+    /// Entry buffers handed back by [`MatchResult::recycle`].
+    static RESULT_POOL: BufferPool<MatchEntry> = const { BufferPool::new(8, 1 << 14) };
 }
-const POOL_RESULTS: usize = 8;
-const POOL_MAX_ENTRIES: usize = 1 << 14;
 
 /// Counts describing the index.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -9,6 +9,7 @@
 use rmp::Marker;
 
 use super::DecodeError;
+use crate::buffer_pool::{self, BufferPool};
 
 /// The deepest nesting of containers accepted inside one skipped (unknown or ignored) value.
 /// vLLM's deepest legitimate value, an `extra_keys` entry, nests about three levels.
@@ -702,22 +703,15 @@ thread_local! {
 }
 
 thread_local! {
-    /// Token buffers handed back by [`recycle_tokens`] (most recent last), at most
-    /// [`POOL_BUFFERS`] of at most [`POOL_MAX_IDS`] ids each per thread.
-    static TOKEN_POOL: std::cell::RefCell<Vec<Vec<u32>>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Token buffers handed back by [`recycle_tokens`]. A token array of a few thousand ids is
+    /// beyond the allocator's small-size caches: allocating one per event cost about a tenth of
+    /// an ingest at 64-token blocks.
+    static TOKEN_POOL: BufferPool<u32> = const { BufferPool::new(8, 1 << 16) };
 }
-const POOL_BUFFERS: usize = 8;
-const POOL_MAX_IDS: usize = 1 << 16;
 
 /// A zeroed buffer of `count` ids, reusing one handed back on this thread when there is one.
-/// A token array of a few thousand ids is beyond the allocator's small-size caches: allocating
-/// one per event cost about a tenth of an ingest at 64-token blocks.
 fn pooled_tokens(count: usize) -> Vec<u32> {
-    let Some(mut tokens) = TOKEN_POOL.try_with(|pool| pool.borrow_mut().pop()).ok().flatten()
-    else {
-        return vec![0u32; count];
-    };
-    tokens.clear();
+    let mut tokens = buffer_pool::take(&TOKEN_POOL);
     tokens.resize(count, 0);
     tokens
 }
@@ -725,16 +719,7 @@ fn pooled_tokens(count: usize) -> Vec<u32> {
 /// Keeps `tokens`' allocation for a later token array decoded on this thread (see
 /// [`crate::vllm_events::recycle`]).
 pub fn recycle_tokens(tokens: Vec<u32>) {
-    if tokens.capacity() == 0 || tokens.capacity() > POOL_MAX_IDS {
-        return;
-    }
-    // Dropped instead when the thread's pool is gone (thread-local destructors).
-    let _ = TOKEN_POOL.try_with(|pool| {
-        let mut pool = pool.borrow_mut();
-        if pool.len() < POOL_BUFFERS {
-            pool.push(tokens);
-        }
-    });
+    buffer_pool::give(&TOKEN_POOL, tokens);
 }
 
 /// Token arrays of at least this many ids are decoded by two chains at once
