@@ -31,6 +31,11 @@ llmsched beside the twin only. ``make bench-peers`` runs both sizes; ``make benc
 one through ``test_bench_peers.py``.
 
     python benches/bench_peers_index.py --size small|large|both [--no-install]
+
+To iterate on some lookup forms, ``--forms "tokens list cold,tokens numpy"`` times only those
+(and their Dynamo peers and two-thread figures) after the cross-check, without the memory and
+``Router.pick`` figures, and ``--sequences N`` stores fewer sequences at the size's block size
+and worker count (the large size needs about 6 GB with its 100,000).
 """
 
 from __future__ import annotations
@@ -272,8 +277,11 @@ def dynamo_depths(scores: object) -> dict[int, int]:
     return out
 
 
-def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
-    """Builds, ingests, cross-checks and times one size; prints and returns its figures."""
+def run(
+    size: Size, dynamo: ModuleType | None, why: str, only: Sequence[str] = ()
+) -> dict[str, float]:
+    """Builds, ingests, cross-checks and times one size; prints and returns its figures. With
+    ``only`` (lookup form names), times those forms alone and skips the memory and pick figures."""
     print(f"\n== {size.name}: bs{size.block_size}, {size.workers} workers, {size.sequences:,} seqs")
     if dynamo is None:
         print(f"   Dynamo skipped: {why}")
@@ -311,23 +319,24 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
     for worker, hashes, parent in wl.twin:
         twin.store(worker, hashes, parent)
     fig["ingest_twin"] = wl.blocks / (time.perf_counter() - t)
-    with tempfile.TemporaryDirectory() as tmp:
-        events = Path(tmp) / "events.pickle"
-        with events.open("wb") as f:
-            pickle.dump((bs, wl.blocks, wl.vllm, wl.dynamo, wl.twin), f)
-        for who in ("llmsched", "dynamo", "twin"):
-            if who == "dynamo" and dynamo is None:
-                continue
-            out = subprocess.run(
-                [sys.executable, __file__, "--memory-of", who, str(events)],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-            got = json.loads(out.strip().splitlines()[-1])
-            fig[f"mem_{who}"] = got["bytes_per_pair"]
-            if who == "llmsched":
-                fig["stats_bytes_ratio"] = got["stats_over_rss"]
+    if not only:
+        with tempfile.TemporaryDirectory() as tmp:
+            events = Path(tmp) / "events.pickle"
+            with events.open("wb") as f:
+                pickle.dump((bs, wl.blocks, wl.vllm, wl.dynamo, wl.twin), f)
+            for who in ("llmsched", "dynamo", "twin"):
+                if who == "dynamo" and dynamo is None:
+                    continue
+                out = subprocess.run(
+                    [sys.executable, __file__, "--memory-of", who, str(events)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                got = json.loads(out.strip().splitlines()[-1])
+                fig[f"mem_{who}"] = got["bytes_per_pair"]
+                if who == "llmsched":
+                    fig["stats_bytes_ratio"] = got["stats_over_rss"]
 
     # Cross-check every query's per-worker depths.
     token_lists = [q.tolist() for q in wl.queries]
@@ -374,19 +383,25 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
         forms["dynamo tokens list cold"] = (dynamo_tokens, token_lists, None)
     few = token_lists[: size.twin_queries]
     forms["twin tokens list"] = (lambda q: twin.match(twin.hash_tokens(q)), few, None)
+    peers = {PEER_OF[name] for name in only}
     for name, (fn, args, make) in forms.items():
+        if only and name not in only and name not in peers and name != "twin tokens list":
+            continue
         rate, p50 = timed(fn, args) if make is None else timed_fresh(fn, make, args)
         fig[f"qps {name}"] = rate
         fig[f"p50 {name}"] = p50
     # Two threads against one, each thread over every input; a form whose input is made just
     # before its call cycles through two inputs made in advance (in the cache, as fresh ones are).
     for name in THREAD_FORMS:
+        if only and name not in only:
+            continue
         fn, args, make = forms[name]
         if make is not None:
             args = [make(a) for a in args[:2]] * (len(args) // 2)
         fig[f"threads {name}"] = threaded(fn, args, 2) / threaded(fn, args, 1)
-    pick_figures(fig, index, size.workers, wl.queries)
-    if size.pick_workers:
+    if not only:
+        pick_figures(fig, index, size.workers, wl.queries)
+    if size.pick_workers and not only:
         # The same sequences over more workers, for Router.pick over a larger pool.
         wide = build(replace(size, workers=size.pick_workers), None)
         gc.collect()
@@ -396,7 +411,7 @@ def run(size: Size, dynamo: ModuleType | None, why: str) -> dict[str, float]:
             wide_index.apply_vllm_events(worker, payload)
         pick_figures(fig, wide_index, size.pick_workers, wide.queries, suffix=" wide")
         del wide, wide_index
-    report(fig, tree is not None)
+    report(fig, tree is not None, only)
     return fig
 
 
@@ -408,6 +423,16 @@ def to_list(tokens: object) -> object:
     """A token array as the Python list a tokenizer returns."""
     return tokens.tolist()  # type: ignore[attr-defined]
 
+
+# Each llmsched lookup form and the Dynamo form it is compared with.
+PEER_OF = {
+    "hashes numpy": "dynamo hashes",
+    "hashes list": "dynamo hashes",
+    "hashes list cold": "dynamo hashes cold",
+    "tokens numpy": "dynamo tokens list",
+    "tokens list": "dynamo tokens list",
+    "tokens list cold": "dynamo tokens list cold",
+}
 
 THREAD_FORMS = (
     "hashes numpy",
@@ -445,8 +470,9 @@ def pick_figures(
     fig["pick index share" + suffix] = statistics.median(matches) / fig["pick p50" + suffix]
 
 
-def report(fig: dict[str, float], peer: bool) -> None:
-    """Prints the figures and the ratios llmsched / Dynamo (and / twin)."""
+def report(fig: dict[str, float], peer: bool, only: Sequence[str] = ()) -> None:
+    """Prints the figures and the ratios llmsched / Dynamo (and / twin); with ``only``, the
+    lookups of those forms alone."""
 
     def ratio(a: str, b: str) -> str:
         return f"{fig[a] / fig[b]:.2f}x" if peer or "twin" in b else "n/a"
@@ -458,22 +484,17 @@ def report(fig: dict[str, float], peer: bool) -> None:
         + (ratio("ingest_llmsched", "ingest_dynamo") if peer else "n/a")
         + f", /twin {ratio('ingest_llmsched', 'ingest_twin')}"
     )
-    print(
-        f"   bytes per (block, worker) pair (RSS growth): llmsched {fig['mem_llmsched']:.1f}"
-        + (f", Dynamo {fig['mem_dynamo']:.1f}" if peer else "")
-        + f", twin {fig['mem_twin']:.1f}; llmsched/Dynamo "
-        + (f"{fig['mem_llmsched'] / fig['mem_dynamo']:.2f}x" if peer else "n/a")
-        + f"; stats()['bytes'] / RSS growth {fig['stats_bytes_ratio']:.2f}"
-    )
-    peer_of = {
-        "hashes numpy": "dynamo hashes",
-        "hashes list": "dynamo hashes",
-        "hashes list cold": "dynamo hashes cold",
-        "tokens numpy": "dynamo tokens list",
-        "tokens list": "dynamo tokens list",
-        "tokens list cold": "dynamo tokens list cold",
-    }
-    for name, other in peer_of.items():
+    if "mem_llmsched" in fig:
+        print(
+            f"   bytes per (block, worker) pair (RSS growth): llmsched {fig['mem_llmsched']:.1f}"
+            + (f", Dynamo {fig['mem_dynamo']:.1f}" if peer else "")
+            + f", twin {fig['mem_twin']:.1f}; llmsched/Dynamo "
+            + (f"{fig['mem_llmsched'] / fig['mem_dynamo']:.2f}x" if peer else "n/a")
+            + f"; stats()['bytes'] / RSS growth {fig['stats_bytes_ratio']:.2f}"
+        )
+    for name, other in PEER_OF.items():
+        if only and name not in only:
+            continue
         line = (
             f"   lookup from {name:16s}: {fig['qps ' + name]:>9,.0f}/s p50 "
             f"{fig['p50 ' + name] * 1e6:7.1f} us"
@@ -497,12 +518,17 @@ def report(fig: dict[str, float], peer: bool) -> None:
             f"{fig['pick index share' + suffix]:.0%} of the p50"
         )
 
-    def worst(*pairs: tuple[str, str]) -> float:
-        return max(fig["qps " + numpy] / fig["qps " + lst] for lst, numpy in pairs)
+    def worst(*pairs: tuple[str, str]) -> str:
+        got = [
+            fig["qps " + n] / fig["qps " + lst]
+            for lst, n in pairs
+            if "qps " + lst in fig and "qps " + n in fig
+        ]
+        return f"{max(got):.2f}x" if got else "n/a"
 
     fresh = worst(("hashes list", "hashes numpy"), ("tokens list", "tokens numpy"))
     cold = worst(("hashes list cold", "hashes numpy"), ("tokens list cold", "tokens numpy"))
-    print(f"   list paths at worst {fresh:.2f}x slower than numpy ({cold:.2f}x for cold lists)")
+    print(f"   list paths at worst {fresh} slower than numpy ({cold} for cold lists)")
 
 
 def memory_of(who: str, events: Path) -> None:
@@ -540,6 +566,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["small", "large", "both"], default="both")
     parser.add_argument("--no-install", action="store_true", help="never pip-install the peer")
+    parser.add_argument(
+        "--forms",
+        default="",
+        help="comma-separated lookup forms to time alone (e.g. 'tokens list cold,tokens numpy')",
+    )
+    parser.add_argument(
+        "--sequences", type=int, help="store this many sequences (default: the size's)"
+    )
     parser.add_argument("--memory-of", nargs=2, metavar=("INDEX", "EVENTS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_of:
@@ -547,9 +581,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dynamo, why = load_dynamo(not args.no_install)
     names = ["small", "large"] if args.size == "both" else [args.size]
+    only = [f.strip() for f in args.forms.split(",") if f.strip()]
+    unknown = [f for f in only if f not in PEER_OF]
+    if unknown:
+        parser.error(f"unknown lookup forms {unknown}: expected some of {list(PEER_OF)}")
     bad = 0
     for name in names:
-        bad += int(run(SIZES[name], dynamo, why)["differing"])
+        size = SIZES[name]
+        if args.sequences:
+            size = replace(size, sequences=args.sequences)
+        bad += int(run(size, dynamo, why, only)["differing"])
     return 1 if bad else 0
 
 

@@ -286,7 +286,8 @@ def test_threads_matching_every_input_form_agree_with_the_twin() -> None:
         hashes = index.hash_tokens(prompt)
         index.store(w, hashes, tier="cpu" if w % 3 else "gpu")
         twin.store(w, hashes.tolist(), tier="cpu" if w % 3 else "gpu")
-    queries = [system + rng.integers(0, 50_000, size=40).tolist() for _ in range(20)]
+    # 300 ids: longer than the stretch a token list's reader fetches ahead (256 items).
+    queries = [system + rng.integers(0, 50_000, size=100).tolist() for _ in range(20)]
     want = [{w: v[0] for w, v in twin.match(twin.hash_tokens(q)).items()} for q in queries]
     want_tiers = [
         {

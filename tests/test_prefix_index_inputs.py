@@ -159,7 +159,10 @@ def test_token_lists_hashed_while_read_agree_with_arrays(block_size: int) -> Non
     # namespace give the hashes of the same ids as an array.
     index = PrefixIndex(block_size=block_size, model="m")
     rng = np.random.default_rng(block_size)
-    for n in (0, 1, block_size - 1, block_size, 5 * block_size, 5 * block_size + 2, 1000):
+    # The reader asks for the int objects 256 items ahead of the one it reads: lengths about
+    # that window and well beyond it too.
+    windows = (255, 256, 257, 259, 260, 261, 263, 4 * 256 + block_size + 1)
+    for n in (0, 1, block_size - 1, block_size, 5 * block_size, 5 * block_size + 2, *windows):
         # Mostly two-digit ids (2**30 and above), and mostly one-digit ids (read four at a
         # time) with zeros and two-digit ids among them.
         wide = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
@@ -176,6 +179,22 @@ def test_token_lists_hashed_while_read_agree_with_arrays(block_size: int) -> Non
     index.store("a", index.hash_tokens(tokens))
     assert index.match_tokens(tokens.tolist()).as_dict() == {"a": 10}
     assert index.match_tokens(tokens.tolist(), lora="l").as_dict() == {}
+
+
+@pytest.mark.parametrize("at", [0, 255, 256, 1_000, 1_999, 2_043, 2_046])
+def test_a_bad_id_in_a_long_token_list_raises_and_changes_nothing(at: int) -> None:
+    # Read with its objects fetched ahead (a hint): a bad id before, inside or past the last
+    # stretch fetched ahead still raises and leaves the index unchanged.
+    index, _tokens, _hashes = loaded()
+    ids: list[Any] = np.random.default_rng(at).integers(1, 128_000, size=2_047).tolist()
+    ids[at] = -5
+    before = state(index)
+    with pytest.raises(errors.InvalidTokenError, match=f"position {at}"):
+        index.match_tokens(ids)
+    ids[at] = "7"
+    with pytest.raises(TypeError):
+        index.hash_tokens(ids)
+    assert state(index) == before
 
 
 @pytest.mark.parametrize("where", ["first", "middle block", "last block", "tail"])

@@ -3,6 +3,7 @@
 pub mod buffer_pool;
 pub mod flow;
 pub mod hashing;
+pub mod prefetch;
 pub mod prefix_index;
 pub mod protocols;
 pub mod routing;

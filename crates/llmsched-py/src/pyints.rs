@@ -18,6 +18,7 @@
 use std::ffi::c_void;
 use std::sync::OnceLock;
 
+use llmsched_core::prefetch::prefetch_ptr;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
@@ -47,6 +48,21 @@ struct RawList {
 /// 30-bit digits (at least one is always allocated).
 const SIZE_OR_TAG: usize = 16;
 const DIGITS: usize = 24;
+
+/// How far ahead of the id being read a list of token ids asks for its int objects. A list the
+/// caller built long ago (or a large one) is read from memory: its 10,000 ints are 320 kB of
+/// objects that the hardware prefetcher does not follow through the item pointers, and each
+/// miss would stall the read. 256 items is about 0.4 us of reading ahead, several memory
+/// latencies; 128 measured slower on cold lists, 384 the same as 256.
+const PREFETCH_AHEAD: usize = 256;
+
+/// Asks for the cache line of `obj`'s size word and first digit (an int is 28 bytes and may
+/// straddle two lines; its type word, in the line before, is that of the previous object in a
+/// list whose ints were allocated one after the other).
+#[inline(always)]
+fn prefetch_int(obj: *mut ffi::PyObject) {
+    prefetch_ptr(obj.cast::<u8>().wrapping_add(DIGITS));
+}
 
 static LAYOUT: OnceLock<Layout> = OnceLock::new();
 
@@ -245,11 +261,23 @@ unsafe fn token_blocks<const LV_TAG: bool>(
     let token = |i: usize| int_at::<LV_TAG>(*items.add(i)).and_then(|v| u32::try_from(v).ok());
     let block_size = buf.len();
     let full = n - n % block_size;
+    // The objects of every other item (two 32-byte ints to a cache line when they were
+    // allocated in order): the first stretch at once, then, with each group of four ids read,
+    // those of the group `PREFETCH_AHEAD` items on. A hint that costs about 0.1 ns an id when
+    // the list is in the cache and saves 2-3 us of a 10,000-id list read from memory.
+    for i in (0..PREFETCH_AHEAD.min(n)).step_by(2) {
+        prefetch_int(*items.add(i));
+    }
     for start in (0..full).step_by(block_size) {
         let mut j = 0;
         // Four ids at a time while all four are one-digit ints (any id from 1 to 2**30 - 1):
         // one test of the four types and sizes instead of a branch per test per id.
         while j + 4 <= block_size {
+            if start + j + PREFETCH_AHEAD + 4 <= n {
+                let ahead = items.add(start + j + PREFETCH_AHEAD);
+                prefetch_int(*ahead);
+                prefetch_int(*ahead.add(2));
+            }
             let group = [0, 1, 2, 3].map(|k| *items.add(start + j + k));
             match one_digit_values::<LV_TAG>(group) {
                 Some(values) => buf[j..j + 4].copy_from_slice(&values),

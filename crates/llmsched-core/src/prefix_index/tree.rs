@@ -156,31 +156,14 @@ impl Node {
     }
 }
 
-/// Asks the CPU to load `value`'s cache line (a hint: it never changes a result).
-#[inline(always)]
-pub(crate) fn prefetch<T>(value: &T) {
-    prefetch_ptr((value as *const T).cast());
-}
+use crate::prefetch::prefetch;
 
 /// Asks the CPU to load the first cache line of `items`, if any.
 #[inline(always)]
 fn prefetch_slice<T>(items: &[T]) {
     if !items.is_empty() {
-        prefetch_ptr(items.as_ptr().cast());
+        crate::prefetch::prefetch_ptr(items.as_ptr());
     }
-}
-
-#[inline(always)]
-fn prefetch_ptr(ptr: *const i8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint that never faults or writes; the pointer comes from a live
-    // reference.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(ptr);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = ptr;
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
