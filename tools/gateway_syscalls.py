@@ -22,14 +22,48 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_gateway_peers as bench  # noqa: E402
+import bench_gateway_peers as bench
 
-SYSCALLS = (
-    "read recvfrom recvmsg readv write sendto sendmsg writev epoll_wait epoll_pwait epoll_pwait2 "
-    "epoll_ctl futex accept4 connect socket close shutdown setsockopt getsockopt getsockname "
-    "getpeername ioctl fcntl sched_yield mmap munmap madvise mprotect brk nanosleep "
-    "clock_nanosleep timerfd_settime poll ppoll getrandom openat statx"
-).split()
+SYSCALLS = [
+    "read",
+    "recvfrom",
+    "recvmsg",
+    "readv",
+    "write",
+    "sendto",
+    "sendmsg",
+    "writev",
+    "epoll_wait",
+    "epoll_pwait",
+    "epoll_pwait2",
+    "epoll_ctl",
+    "futex",
+    "accept4",
+    "connect",
+    "socket",
+    "close",
+    "shutdown",
+    "setsockopt",
+    "getsockopt",
+    "getsockname",
+    "getpeername",
+    "ioctl",
+    "fcntl",
+    "sched_yield",
+    "mmap",
+    "munmap",
+    "madvise",
+    "mprotect",
+    "brk",
+    "nanosleep",
+    "clock_nanosleep",
+    "timerfd_settime",
+    "poll",
+    "ppoll",
+    "getrandom",
+    "openat",
+    "statx",
+]
 EVENTS = [
     "raw_syscalls:sys_enter",
     *(f"syscalls:sys_enter_{name}" for name in SYSCALLS),
@@ -53,6 +87,24 @@ def switches(pids: list[int]) -> tuple[int, int]:
                 elif line.startswith("nonvoluntary_ctxt_switches:"):
                     involuntary += int(line.split()[1])
     return voluntary, involuntary
+
+
+def per_request(perf_csv: str, requests: int) -> dict[str, float]:
+    r"""Each event's count in ``perf stat -x ,`` output divided by ``requests`` (syscall
+    tracepoints by the syscall's name; events perf could not count are left out).
+
+    >>> per_request("5500,,raw_syscalls:sys_enter,1,100.00,,\n"
+    ...             "2000,,syscalls:sys_enter_writev,1,100.00,,\n"
+    ...             "<not counted>,,syscalls:sys_enter_futex,0,0.00,,", 1000)
+    {'raw_syscalls:sys_enter': 5.5, 'writev': 2.0}
+    """
+    counts: dict[str, float] = {}
+    for line in perf_csv.splitlines():
+        fields = line.split(",")
+        if len(fields) > 3 and fields[0].replace(".", "").isdigit():
+            name = fields[2].removeprefix("syscalls:sys_enter_")
+            counts[name] = int(float(fields[0])) / max(requests, 1)
+    return counts
 
 
 def count(
@@ -99,15 +151,20 @@ def count(
         _, err = perf.communicate(timeout=30)
         after = switches(pids)
     requests = figures["ok"] + figures["errors"]
-    counts: dict[str, float] = {"requests": requests, "errors": figures["errors"]}
-    for line in err.splitlines():
-        fields = line.split(",")
-        if len(fields) > 3 and fields[0].replace(".", "").isdigit():
-            name = fields[2].removeprefix("syscalls:sys_enter_")
-            counts[name] = int(float(fields[0])) / requests
+    counts = per_request(err, requests)
+    counts["requests"], counts["errors"] = requests, figures["errors"]
     counts["voluntary_cs"] = (after[0] - before[0]) / requests
     counts["involuntary_cs"] = (after[1] - before[1]) / requests
     return counts
+
+
+def label(event: str) -> str:
+    """A short column name: ``syscalls`` for every syscall, else the event without its group.
+
+    >>> label("raw_syscalls:sys_enter"), label("net:net_dev_xmit"), label("writev")
+    ('syscalls', 'net_dev_xmit', 'writev')
+    """
+    return "syscalls" if event == "raw_syscalls:sys_enter" else event.split(":")[-1]
 
 
 def main() -> None:
@@ -141,7 +198,9 @@ def main() -> None:
     shown += ["voluntary_cs", "involuntary_cs", "net:net_dev_xmit", "errors"]
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            chosen = bench.gateways(args.gateways.split(","), args.python, args.peers_python, native)
+            chosen = bench.gateways(
+                args.gateways.split(","), args.python, args.peers_python, native
+            )
             for answer in args.answers.split(","):
                 for gateway in chosen:
                     counts = count(
@@ -153,10 +212,7 @@ def main() -> None:
                         answer == "stream",
                     )
                     figures = "  ".join(
-                        f"{k.removeprefix('raw_syscalls:sys_enter').replace('net:', '') or 'syscalls'}"
-                        f" {counts[k]:.2f}"
-                        for k in shown
-                        if counts.get(k)
+                        f"{label(k)} {counts[k]:.2f}" for k in shown if counts.get(k)
                     )
                     print(f"{gateway.name:36} {answer:6} {figures}", flush=True)
     finally:
