@@ -143,7 +143,8 @@ pub struct GatewayConfig {
     pub read_timeout_s: Option<f64>,
     /// A request's deadline from arrival, queueing and streaming included.
     pub total_timeout_s: Option<f64>,
-    /// Client connections open at once (one more gets a 503 and is closed).
+    /// Client connections open at once (one more gets a 503 and is closed); also the listen
+    /// backlog ([`listen_backlog`]).
     pub max_connections: usize,
     /// Request headers at most (more: 431).
     pub max_headers: usize,
