@@ -143,7 +143,8 @@ pub struct GatewayConfig {
     pub read_timeout_s: Option<f64>,
     /// A request's deadline from arrival, queueing and streaming included.
     pub total_timeout_s: Option<f64>,
-    /// Client connections open at once (one more gets a 503 and is closed).
+    /// Client connections open at once (one more gets a 503 and is closed); also the listen
+    /// backlog ([`listen_backlog`]).
     pub max_connections: usize,
     /// Request headers at most (more: 431).
     pub max_headers: usize,
@@ -586,9 +587,9 @@ pub async fn start(
     addr: SocketAddr,
     config: GatewayConfig,
 ) -> Result<GatewayHandle, ConfigProblem> {
+    let backlog = listen_backlog(config.max_connections);
     let gateway = Arc::new(build(config, None, Hooks::default())?);
-    let listener = TcpListener::bind(addr)
-        .await
+    let listener = TcpListener::from_std(bind(addr, backlog)?)
         .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
     let addr = listener.local_addr().map_err(|e| ConfigProblem(e.to_string()))?;
     let counters = gateway.counters.clone();
@@ -596,6 +597,29 @@ pub async fn start(
     let (_, stop) = watch::channel(false);
     tokio::spawn(serve(gateway.clone(), listener, stop));
     Ok(GatewayHandle { addr, counters, gateway })
+}
+
+/// The listen backlog of a gateway taking `max_connections` client connections: room for
+/// all of them to arrive at once, never less than tokio's default of 1,024 (the kernel caps it
+/// at `net.core.somaxconn`). Under a burst of new connections a short queue overflows and
+/// the kernel drops the clients' SYNs (they retry after a second) before the gateway could
+/// answer them, or refuse the ones over the cap with a 503.
+pub fn listen_backlog(max_connections: usize) -> i32 {
+    i32::try_from(max_connections.max(1024)).unwrap_or(i32::MAX)
+}
+
+/// A non-blocking listening socket on `addr` with `backlog` (`SO_REUSEADDR` set, as std's
+/// `TcpListener::bind` does).
+fn bind(addr: SocketAddr, backlog: i32) -> Result<std::net::TcpListener, ConfigProblem> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let failed = |e: io::Error| ConfigProblem(format!("cannot listen on {addr}: {e}"));
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+        .map_err(failed)?;
+    socket.set_reuse_address(true).map_err(failed)?;
+    socket.set_nonblocking(true).map_err(failed)?;
+    socket.bind(&addr.into()).map_err(failed)?;
+    socket.listen(backlog).map_err(failed)?;
+    Ok(socket.into())
 }
 
 /// A gateway serving on its own runtime thread(s); [`Running::stop`] (or dropping it) closes
@@ -618,10 +642,9 @@ pub fn spawn(
     hooks: Hooks,
 ) -> Result<Running, ConfigProblem> {
     let threads = config.threads;
+    let backlog = listen_backlog(config.max_connections);
     let gateway = Arc::new(build(config, source, hooks)?);
-    let std_listener = std::net::TcpListener::bind(addr)
-        .map_err(|e| ConfigProblem(format!("cannot listen on {addr}: {e}")))?;
-    std_listener.set_nonblocking(true).map_err(|e| ConfigProblem(e.to_string()))?;
+    let std_listener = bind(addr, backlog)?;
     let addr = std_listener.local_addr().map_err(|e| ConfigProblem(e.to_string()))?;
     let mut builder = if threads == 1 {
         tokio::runtime::Builder::new_current_thread()
@@ -2527,6 +2550,47 @@ impl Drop for Relay {
                 }
             }
             self.ended(false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backlog_holds_every_connection_and_never_shrinks() {
+        assert_eq!(listen_backlog(1), 1024);
+        assert_eq!(listen_backlog(4096), 4096);
+        assert_eq!(listen_backlog(usize::MAX), i32::MAX);
+    }
+
+    /// The backlog the kernel applied: a listening socket's `TCP_INFO` reports it as
+    /// `tcpi_sacked` (Linux).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_listener_gets_the_backlog_asked_for() {
+        use std::os::fd::AsRawFd;
+        let somaxconn: i32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(4096);
+        for asked in [1024, 2000] {
+            let listener = bind("127.0.0.1:0".parse().unwrap(), asked).unwrap();
+            // SAFETY: `info` is a plain C struct and `len` its size, as getsockopt expects.
+            let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+            let got = unsafe {
+                libc::getsockopt(
+                    listener.as_raw_fd(),
+                    libc::IPPROTO_TCP,
+                    libc::TCP_INFO,
+                    std::ptr::addr_of_mut!(info).cast(),
+                    &mut len,
+                )
+            };
+            assert_eq!(got, 0);
+            assert_eq!(info.tcpi_sacked as i32, asked.min(somaxconn));
         }
     }
 }
