@@ -774,8 +774,9 @@ fn fast_pair(buf: &[u8], pos: usize) -> Option<(u32, u32, usize)> {
 /// [`fast_pair`], with the first id's width too.
 ///
 /// One bounds check for both ids (a 16-byte window: the second id starts at most 5 bytes in
-/// and is read as 8 bytes), the widths from a table and the values by shift and mask, without
-/// branches: the loop is bound by the instructions it issues per id.
+/// and is read as 8 bytes), the widths from a table and the values by shift and mask with no
+/// branch on the width: the loop is bound by the instructions it issues per id as much as by
+/// its chain of loads.
 #[inline(always)]
 fn fast_pair_at(buf: &[u8], pos: usize) -> Option<(u32, u32, usize, usize)> {
     let window: &[u8; 16] = buf.get(pos..pos.wrapping_add(16))?.try_into().ok()?;
