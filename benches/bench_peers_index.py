@@ -36,6 +36,10 @@ To iterate on some lookup forms, ``--forms "tokens list cold,tokens numpy"`` tim
 (and their Dynamo peers and two-thread figures) after the cross-check, without the memory and
 ``Router.pick`` figures, and ``--sequences N`` stores fewer sequences at the size's block size
 and worker count (the large size needs about 6 GB with its 100,000).
+
+``--only ingest`` times the ingest alone (``--repeat`` fresh indexes of each, interleaved) and
+cross-checks the queries against Dynamo, for iterating on the ingest path; ``--workload DIR``
+keeps each size's built workload in DIR and reuses it.
 """
 
 from __future__ import annotations
@@ -277,16 +281,94 @@ def dynamo_depths(scores: object) -> dict[int, int]:
     return out
 
 
+def cached_build(size: Size, dynamo: ModuleType | None, cache: Path | None) -> Workload:
+    """:func:`build`, kept in (and reused from) ``cache`` when one is given."""
+    if cache is None:
+        return build(size, dynamo)
+    peer = "dynamo" if dynamo is not None else "alone"
+    path = cache / f"workload-{size.name}-{size.sequences}-{peer}.pickle"
+    if path.exists():
+        with path.open("rb") as f:
+            return pickle.load(f)  # type: ignore[no-any-return]
+    wl = build(size, dynamo)
+    cache.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        pickle.dump(wl, f)
+    return wl
+
+
+def run_ingest(
+    size: Size, dynamo: ModuleType | None, why: str, repeat: int, cache: Path | None
+) -> dict[str, float]:
+    """The ingest alone: ``repeat`` fresh indexes of llmsched and of Dynamo, interleaved, best
+    rate of each; then every query's per-worker depths cross-checked between the two."""
+    print(f"\n== {size.name}: bs{size.block_size}, {size.workers} workers, {size.sequences:,} seqs")
+    if dynamo is None:
+        print(f"   Dynamo skipped: {why}")
+    wl = cached_build(size, dynamo, cache)
+    print(f"   workload: {wl.blocks:,} (block, worker) pairs in {len(wl.vllm):,} events")
+    gc.collect()
+    gc.freeze()
+    bs = size.block_size
+    ours: list[float] = []
+    ours_cpu: list[float] = []  # per CPU second of this thread, which does all of the work
+    theirs: list[float] = []
+    index = tree = None
+    for _ in range(repeat):
+        del index, tree
+        gc.collect()
+        index = PrefixIndex(block_size=bs)
+        t, cpu = time.perf_counter(), time.thread_time()
+        for worker, payload in wl.vllm:
+            index.apply_vllm_events(worker, payload)
+        ours.append(wl.blocks / (time.perf_counter() - t))
+        ours_cpu.append(wl.blocks / (time.thread_time() - cpu))
+        tree = None
+        if dynamo is not None:
+            tree = dynamo.RadixTree()
+            t = time.perf_counter()
+            for worker, event in wl.dynamo:
+                tree.apply_event(worker, event)
+            tree.find_matches(wl.dynamo_hashes[0])
+            theirs.append(wl.blocks / (time.perf_counter() - t))
+    fig: dict[str, float] = {"pairs": wl.blocks, "ingest_llmsched": max(ours)}
+    differing = 0
+    if tree is not None:
+        fig["ingest_dynamo"] = max(theirs)
+        for i, q in enumerate(wl.queries):
+            got = index.match_tokens(q, now=0.0).as_dict()  # type: ignore[union-attr]
+            differing += dynamo_depths(tree.find_matches(wl.dynamo_hashes[i])) != got
+    fig["differing"] = differing
+    load = os.getloadavg()[0]
+    each = ", ".join(f"{r / 1e6:.2f}" for r in ours)
+    line = f"   ingest, M blocks/s: llmsched (vLLM msgpack) {max(ours) / 1e6:.2f} (runs: {each})"
+    if theirs:
+        peer = ", ".join(f"{r / 1e6:.2f}" for r in theirs)
+        line += f", Dynamo (JSON) {max(theirs) / 1e6:.2f} (runs: {peer}); "
+        line += f"llmsched/Dynamo {max(ours) / max(theirs):.2f}x"
+    each_cpu = ", ".join(f"{r / 1e6:.2f}" for r in ours_cpu)
+    print(line + f"; load {load:.2f}")
+    print(f"   llmsched per CPU second, M blocks: {max(ours_cpu) / 1e6:.2f} (runs: {each_cpu})")
+    if tree is not None:
+        print(f"   cross-check with Dynamo: {differing} of {len(wl.queries)} queries differ")
+    return fig
+
+
 def run(
-    size: Size, dynamo: ModuleType | None, why: str, only: Sequence[str] = ()
+    size: Size,
+    dynamo: ModuleType | None,
+    why: str,
+    only: Sequence[str] = (),
+    cache: Path | None = None,
 ) -> dict[str, float]:
     """Builds, ingests, cross-checks and times one size; prints and returns its figures. With
-    ``only`` (lookup form names), times those forms alone and skips the memory and pick figures."""
+    ``only`` (lookup form names), times those forms alone and skips the memory and pick figures;
+    with ``cache``, keeps the built workload there and reuses it."""
     print(f"\n== {size.name}: bs{size.block_size}, {size.workers} workers, {size.sequences:,} seqs")
     if dynamo is None:
         print(f"   Dynamo skipped: {why}")
     t = time.perf_counter()
-    wl = build(size, dynamo)
+    wl = cached_build(size, dynamo, cache)
     print(
         f"   workload: {wl.blocks:,} (block, worker) pairs in {len(wl.vllm):,} events, "
         f"{len(wl.queries)} queries of 10,000 tokens (built in {time.perf_counter() - t:.0f} s)"
@@ -574,6 +656,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sequences", type=int, help="store this many sequences (default: the size's)"
     )
+    parser.add_argument(
+        "--only", choices=["ingest"], help="time the ingest alone (and cross-check with Dynamo)"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="with --only ingest: fresh indexes of each, interleaved",
+    )
+    parser.add_argument(
+        "--workload", type=Path, metavar="DIR", help="keep built workloads in DIR and reuse them"
+    )
     parser.add_argument("--memory-of", nargs=2, metavar=("INDEX", "EVENTS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_of:
@@ -590,7 +684,11 @@ def main(argv: list[str] | None = None) -> int:
         size = SIZES[name]
         if args.sequences:
             size = replace(size, sequences=args.sequences)
-        bad += int(run(size, dynamo, why, only)["differing"])
+        if args.only == "ingest":
+            fig = run_ingest(size, dynamo, why, args.repeat, args.workload)
+        else:
+            fig = run(size, dynamo, why, only, args.workload)
+        bad += int(fig["differing"])
     return 1 if bad else 0
 
 

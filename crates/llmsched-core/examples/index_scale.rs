@@ -157,6 +157,7 @@ fn rate(what: &str, blocks: usize, wall: Instant, cpu: u64) {
     println!("{what}: {per_wall:.2} M blocks/s, {per_cpu:.2} M blocks per CPU second");
 }
 
+#[inline(never)]
 fn ingest(bs: usize, wl: &Workload) -> PrefixIndex {
     let index = PrefixIndex::new(IndexConfig { block_size: bs, ..Default::default() }).unwrap();
     for (worker, bytes) in &wl.events {

@@ -41,6 +41,7 @@
 
 mod reader;
 
+use crate::buffer_pool::{self, BufferPool};
 use crate::protocols::Tier;
 pub use crate::protocols::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent};
 pub use reader::MAX_SKIP_DEPTH;
@@ -56,11 +57,23 @@ const MIN_EVENT_BYTES: usize = 18;
 /// allocations for the next batches it decodes (a few per thread, of up to 65,536 ids each):
 /// for a caller that applies a batch and drops it, as the prefix index does.
 pub fn recycle(batch: EventBatch) {
-    for event in batch.events {
-        if let KvEvent::Stored(stored) = event {
-            reader::recycle_tokens(stored.token_ids);
+    let mut events = batch.events;
+    for event in events.drain(..) {
+        match event {
+            KvEvent::Stored(stored) => {
+                reader::recycle_tokens(stored.token_ids);
+                reader::recycle_hashes(stored.block_hashes);
+            }
+            KvEvent::Removed(removed) => reader::recycle_hashes(removed.block_hashes),
+            KvEvent::AllCleared => {}
         }
     }
+    buffer_pool::give(&EVENT_POOL, events);
+}
+
+thread_local! {
+    /// Event lists handed back by [`recycle`] (a batch's list is a malloc and a free otherwise).
+    static EVENT_POOL: BufferPool<KvEvent> = const { BufferPool::new(4, 1 << 10) };
 }
 
 /// Decodes one msgpack `EventBatch` payload. Never panics; a malformed payload gives a
@@ -128,7 +141,8 @@ fn decode_batch_map(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<Ev
 
 fn decode_events(reader: &mut Reader<'_>) -> Result<(Vec<KvEvent>, u32)> {
     let count = reader.array_len("EventBatch events")?;
-    let mut events = Vec::with_capacity(count.min(reader.remaining() / MIN_EVENT_BYTES));
+    let mut events = buffer_pool::take(&EVENT_POOL);
+    events.reserve(count.min(reader.remaining() / MIN_EVENT_BYTES));
     let mut unknown = 0u32;
     for index in 0..count {
         match decode_event(reader).map_err(|err| err.within_event(index))? {
@@ -269,7 +283,7 @@ fn parse_tier(reader: &Reader<'_>, at: usize, medium: Option<&str>) -> Result<Ti
 
 fn read_block_hashes(reader: &mut Reader<'_>) -> Result<Vec<u64>> {
     let count = reader.array_len("block_hashes")?;
-    let mut hashes = Vec::with_capacity(count);
+    let mut hashes = reader::pooled_hashes(count);
     for _ in 0..count {
         hashes.push(reader.block_hash("block hash")?);
     }

@@ -974,8 +974,8 @@ fn token_ids_out_of_range_in_the_middle_of_a_fast_run_are_rejected() {
 #[test]
 fn recycled_token_buffers_and_reused_chain_buffers_leave_nothing_behind() {
     // Long, short, longer and failing arrays on one thread, each batch handed back after use
-    // (as the prefix index does): every decode gives exactly its own ids, none left over from
-    // an earlier, longer array in the same buffer.
+    // (as the prefix index does): every decode gives exactly its own ids and block hashes, none
+    // left over from an earlier, longer array in the same buffer.
     let lengths = [3_000usize, 40, 300, 5_000, 256, 1, 2_999, 65_000, 600];
     for round in 0..3u64 {
         for (i, &n) in lengths.iter().enumerate() {
@@ -986,6 +986,9 @@ fn recycled_token_buffers_and_reused_chain_buffers_leave_nothing_behind() {
             let batch = decode_event_batch(&stored_raw(&tokens, i % 2 == 0)).unwrap();
             let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored") };
             assert_eq!(stored.token_ids, want, "round {round}, n {n}");
+            // The block hashes and the event list come from per-thread pools too.
+            assert_eq!(stored.block_hashes, (1..=n as u64).collect::<Vec<_>>(), "n {n}");
+            assert_eq!(batch.events.len(), 1);
             recycle(batch);
             // A payload cut inside its token array fails cleanly between the good ones.
             let whole = stored_raw(&tokens, false);

@@ -8,6 +8,7 @@
 
 use super::tree::{Attrs, StoreRefusal, WorkerId};
 use super::{PrefixIndex, State, Tier};
+use crate::buffer_pool::{self, BufferPool};
 use crate::hashing;
 use crate::vllm_events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
@@ -98,16 +99,37 @@ fn apply_stored(
         },
     };
     let seed = parent.unwrap_or_else(|| index.chain_seed(ev.lora_name.as_deref(), None));
-    let Ok(ours) = hashing::chain_hashes(&ev.token_ids, bs, seed) else {
+    let mut ours = buffer_pool::take(&CHAIN_POOL);
+    if hashing::chain_hashes_into(&ev.token_ids, bs, seed, &mut ours).is_ok() {
+        store_chain(st, w, ev, parent, &ours, per_engine_block, report);
+    } else {
         report.conflicts += 1;
-        return;
-    };
+    }
+    buffer_pool::give(&CHAIN_POOL, ours);
+}
+
+thread_local! {
+    /// The index hashes of one stored event, reused from event to event.
+    static CHAIN_POOL: BufferPool<u64> = const { BufferPool::new(2, 1 << 16) };
+}
+
+/// Stores the index blocks `ours` of event `ev` after `parent` and records which of them each
+/// engine block became.
+fn store_chain(
+    st: &mut State,
+    w: WorkerId,
+    ev: &BlockStored,
+    parent: Option<u64>,
+    ours: &[u64],
+    per_engine_block: usize,
+    report: &mut ApplyReport,
+) {
     if ours.len() != ev.block_hashes.len() * per_engine_block {
         report.block_size_mismatch += 1;
         return;
     }
     let attrs = Attrs { tiers: ev.medium.bit(), confirmed: true, expires: f64::INFINITY };
-    match st.tree.store(w, &ours, parent, attrs) {
+    match st.tree.store(w, ours, parent, attrs) {
         Ok(_) => {}
         Err(StoreRefusal::Conflict(_)) => {
             report.conflicts += 1;
