@@ -129,11 +129,11 @@ class LimitsConfig:
     connection idle between requests or whose request headers have not all arrived.
     ``max_connections`` caps open client connections; one over the cap gets a 503 and is
     closed (the native plane also listens with a backlog of that many, at least 1,024, so a
-    burst of connects waits for its answer). ``max_tenants`` bounds the distinct tenant names taken from ``x-llmsched-tenant``
-    (auth off) and seen within the last ``tenant_idle_s`` seconds: later names share one
-    overflow tenant, so flow control's per-tenant flows stay bounded; a name unseen for
-    ``tenant_idle_s`` gives its place back (flow control reclaims its flow after the flow
-    config's ``flow_idle_s``). ``retry_after_s`` is the
+    burst of connects waits for its answer). ``max_tenants`` bounds the distinct tenant names
+    taken from ``x-llmsched-tenant`` (auth off) and seen within the last ``tenant_idle_s``
+    seconds: later names share one overflow tenant, so flow control's per-tenant flows stay
+    bounded; a name unseen for ``tenant_idle_s`` gives its place back (flow control reclaims
+    its flow after the flow config's ``flow_idle_s``). ``retry_after_s`` is the
     ``Retry-After`` a flow-control rejection or a 503 carries.
     """
 
