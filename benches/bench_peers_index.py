@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 import msgpack
 import numpy as np
@@ -297,6 +298,34 @@ def cached_build(size: Size, dynamo: ModuleType | None, cache: Path | None) -> W
     return wl
 
 
+def ingest_llmsched(wl: Workload, block_size: int) -> tuple[PrefixIndex, float, float]:
+    """A fresh index fed every vLLM payload of ``wl``; with the wall and this thread's CPU
+    seconds it took."""
+    index = PrefixIndex(block_size=block_size)
+    t, cpu = time.perf_counter(), time.thread_time()
+    for worker, payload in wl.vllm:
+        index.apply_vllm_events(worker, payload)
+    return index, time.perf_counter() - t, time.thread_time() - cpu
+
+
+class DynamoTree(Protocol):
+    """The two methods of Dynamo's ``RadixTree`` this benchmark calls."""
+
+    def apply_event(self, worker: int, event: bytes) -> None: ...
+
+    def find_matches(self, hashes: object) -> object: ...
+
+
+def ingest_dynamo(dynamo: ModuleType, wl: Workload) -> tuple[DynamoTree, float]:
+    """A fresh Dynamo tree fed every JSON event of ``wl``, with the wall seconds it took."""
+    tree = dynamo.RadixTree()
+    t = time.perf_counter()
+    for worker, event in wl.dynamo:
+        tree.apply_event(worker, event)
+    tree.find_matches(wl.dynamo_hashes[0])  # the tree applies events on its own thread
+    return tree, time.perf_counter() - t
+
+
 def run_ingest(
     size: Size, dynamo: ModuleType | None, why: str, repeat: int, cache: Path | None
 ) -> dict[str, float]:
@@ -317,20 +346,13 @@ def run_ingest(
     for _ in range(repeat):
         del index, tree
         gc.collect()
-        index = PrefixIndex(block_size=bs)
-        t, cpu = time.perf_counter(), time.thread_time()
-        for worker, payload in wl.vllm:
-            index.apply_vllm_events(worker, payload)
-        ours.append(wl.blocks / (time.perf_counter() - t))
-        ours_cpu.append(wl.blocks / (time.thread_time() - cpu))
+        index, seconds, cpu = ingest_llmsched(wl, bs)
+        ours.append(wl.blocks / seconds)
+        ours_cpu.append(wl.blocks / cpu)
         tree = None
         if dynamo is not None:
-            tree = dynamo.RadixTree()
-            t = time.perf_counter()
-            for worker, event in wl.dynamo:
-                tree.apply_event(worker, event)
-            tree.find_matches(wl.dynamo_hashes[0])
-            theirs.append(wl.blocks / (time.perf_counter() - t))
+            tree, seconds = ingest_dynamo(dynamo, wl)
+            theirs.append(wl.blocks / seconds)
     fig: dict[str, float] = {"pairs": wl.blocks, "ingest_llmsched": max(ours)}
     differing = 0
     if tree is not None:
@@ -383,19 +405,12 @@ def run(
 
     # Ingest, timed here; memory per pair from a fresh process per index (`memory_of`), where
     # the ingest cannot reuse memory freed while building the workload.
-    index = PrefixIndex(block_size=bs)
-    t = time.perf_counter()
-    for worker, payload in wl.vllm:
-        index.apply_vllm_events(worker, payload)
-    fig["ingest_llmsched"] = wl.blocks / (time.perf_counter() - t)
+    index, seconds, _ = ingest_llmsched(wl, bs)
+    fig["ingest_llmsched"] = wl.blocks / seconds
     tree = None
     if dynamo is not None:
-        tree = dynamo.RadixTree()
-        t = time.perf_counter()
-        for worker, event in wl.dynamo:
-            tree.apply_event(worker, event)
-        tree.find_matches(wl.dynamo_hashes[0])  # the tree applies events on its own thread
-        fig["ingest_dynamo"] = wl.blocks / (time.perf_counter() - t)
+        tree, seconds = ingest_dynamo(dynamo, wl)
+        fig["ingest_dynamo"] = wl.blocks / seconds
     twin = ReferencePrefixIndex(block_size=bs)
     t = time.perf_counter()
     for worker, hashes, parent in wl.twin:

@@ -718,24 +718,14 @@ def ladder_table(steps: Sequence[Step], p99_ms: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the matrix and prints the table."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that set up the engines, the gateways and the requests, shared with
+    ``tools/gateway_syscalls.py``: binaries, Python environments, answers, tokens, prompts,
+    cores."""
     parser.add_argument("--bin", default=str(ROOT / "target" / "release"))
     parser.add_argument("--python", default=sys.executable, help="runs llmsched serve")
     parser.add_argument("--peers-python", default=None, help="the peers' environment's python")
-    parser.add_argument(
-        "--gateways",
-        default="direct,llmsched-llm-d,llmsched-round-robin,llmsched-serve-native-llm-d,"
-        "llmsched-serve-native-round-robin,llmsched-native-llm-d,"
-        "llmsched-native-round-robin,sglang-cache_aware,sglang-round_robin,vllm-cache_aware,"
-        "vllm-round_robin,bare-proxy",
-    )
     parser.add_argument("--answers", default="json,stream")
-    parser.add_argument("--rates", default="300,1000")
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--warmup", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer")
     parser.add_argument("--token-delay-ms", type=float, default=1.0, help="between streamed tokens")
     parser.add_argument("--prompt-words", type=int, default=200)
@@ -745,11 +735,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="a tokenizer directory for llmsched serve (prompts routed on its token ids)",
     )
+    parser.add_argument("--gateway-core", type=int, default=0)
+    parser.add_argument("--client-core", type=int, default=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the matrix and prints the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_setup_arguments(parser)
+    parser.add_argument(
+        "--gateways",
+        default="direct,llmsched-llm-d,llmsched-round-robin,llmsched-serve-native-llm-d,"
+        "llmsched-serve-native-round-robin,llmsched-native-llm-d,"
+        "llmsched-native-round-robin,sglang-cache_aware,sglang-round_robin,vllm-cache_aware,"
+        "vllm-round_robin,bare-proxy",
+    )
+    parser.add_argument("--rates", default="300,1000")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--idle-seconds", type=float, default=2.0, help="idle CPU measured this long (0: not)"
     )
-    parser.add_argument("--gateway-core", type=int, default=0)
-    parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--short", action="store_true", help="one repeat of 2 s at 300 req/s")
     parser.add_argument("--json-out", default=None, help="also write the rows here")
     parser.add_argument(

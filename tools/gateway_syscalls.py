@@ -169,25 +169,16 @@ def label(event: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bin", default=str(bench.ROOT / "target" / "release"))
-    parser.add_argument("--python", default=sys.executable)
-    parser.add_argument("--peers-python", default=None)
+    bench.add_setup_arguments(parser)
     parser.add_argument(
         "--gateways",
         default="llmsched-serve-native-llm-d,llmsched-serve-native-round-robin,"
         "llmsched-native-llm-d,llmsched-native-round-robin,bare-proxy,"
         "sglang-cache_aware,sglang-round_robin,vllm-round_robin",
     )
-    parser.add_argument("--answers", default="json,stream")
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--token-delay-ms", type=float, default=1.0)
-    parser.add_argument("--prompt-words", type=int, default=200)
-    parser.add_argument("--gateway-core", type=int, default=0)
-    parser.add_argument("--client-core", type=int, default=1)
     args = parser.parse_args()
-    args.chat, args.tokenizer = False, None
     bin_dir = Path(args.bin)
     engines_process, ports = bench.start_engines(
         bin_dir / "llmsched-fake-engine", args.client_core, args.tokens, args.token_delay_ms
