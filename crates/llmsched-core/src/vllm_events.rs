@@ -40,12 +40,14 @@
 //!   (hypothesis tests compare the two on generated, re-encoded and mutated payloads).
 
 mod reader;
+mod simd;
 
 use crate::buffer_pool::{self, BufferPool};
 use crate::protocols::Tier;
 pub use crate::protocols::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent};
 pub use reader::MAX_SKIP_DEPTH;
 use reader::{Container, Reader};
+pub use simd::with_scalar_decoding;
 
 type Result<T> = std::result::Result<T, DecodeError>;
 

@@ -8,6 +8,7 @@
 
 use rmp::Marker;
 
+use super::simd::Avx2;
 use super::DecodeError;
 use crate::buffer_pool::{self, BufferPool};
 
@@ -315,18 +316,29 @@ impl<'a> Reader<'a> {
     pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
         let count = self.array_len(what)?;
         let mut tokens = pooled_tokens(count);
-        let mut i = if count >= SPLIT_MIN { self.token_ids_split(&mut tokens) } else { 0 };
+        let simd = Avx2::detect();
+        let mut i = match simd {
+            _ if count < SPLIT_MIN => 0,
+            Some(avx2) => avx2.enabled(|| self.token_ids_split_simd(avx2, &mut tokens)),
+            None => self.token_ids_split(&mut tokens),
+        };
         let buf = self.buf;
         let mut pos = self.pos;
         while i < count {
-            // Two ids per step: one 8-byte load gives the first marker and, shifted by the first
-            // width, the second, so the chain is one load and two width computations per pair.
-            while i + 2 <= count {
-                let Some((first, second, width)) = fast_pair(buf, pos) else { break };
-                tokens[i] = first;
-                tokens[i + 1] = second;
-                pos += width;
-                i += 2;
+            if let Some(avx2) = simd {
+                // Two to four ids per step (see `simd`); stops at any other form.
+                (i, pos) = avx2.enabled(|| simd_run(avx2, buf, pos, &mut tokens, i));
+            } else {
+                // Two ids per step: one 8-byte load gives the first marker and, shifted by the
+                // first width, the second, so the chain is one load and two width computations
+                // per pair.
+                while i + 2 <= count {
+                    let Some((first, second, width)) = fast_pair(buf, pos) else { break };
+                    tokens[i] = first;
+                    tokens[i + 1] = second;
+                    pos += width;
+                    i += 2;
+                }
             }
             if i == count {
                 break;
@@ -396,6 +408,106 @@ impl<'a> Reader<'a> {
         })
     }
 
+    /// [`Self::token_ids_split`] in AVX2 steps (see [`super::simd`]): the same two chains and
+    /// the same meeting rule, each chain advancing two to four ids per step. A chain whose step
+    /// fails (an id in another form) takes one id on the scalar fast path and goes on, so an
+    /// occasional fixint or u8 id does not end the split.
+    #[inline(always)]
+    fn token_ids_split_simd(&mut self, avx2: Avx2, tokens: &mut [u32]) -> usize {
+        let buf = self.buf;
+        let count = tokens.len();
+        let start = self.pos;
+        let mut a = start;
+        let mut i = 0;
+        while i < SPLIT_PROBE {
+            if let Some(step) = avx2.step(buf, a, &mut tokens[i..]) {
+                i += usize::from(step.count);
+                a += usize::from(step.consumed);
+                continue;
+            }
+            let Some((value, width)) = fast_one(buf, a) else {
+                self.pos = a;
+                return i;
+            };
+            tokens[i] = value;
+            a += width;
+            i += 1;
+        }
+        let rest = count - i;
+        let b = a + (a - start) * (rest / 2) / i;
+        // The second chain decodes at most about rest/2 + 4 ids (the first chain stops at the
+        // middle), and a step writes four lanes.
+        let slots = rest / 2 + 16;
+        // Taken out of the thread's slot for the call (a closure would not be compiled with
+        // AVX2), put back after; fresh ones from a thread-local destructor.
+        let (mut b_values, mut b_positions) =
+            SPLIT_BUFFERS.try_with(|buffers| buffers.take()).unwrap_or_default();
+        // Written by index before they are read: grown, never cleared.
+        if b_values.len() < slots {
+            b_values.resize(slots, 0);
+            b_positions.resize(slots + 1, 0);
+        }
+        let decoded =
+            self.second_chain_simd(avx2, tokens, i, a, b, &mut b_values, &mut b_positions);
+        let _ = SPLIT_BUFFERS.try_with(|buffers| buffers.replace((b_values, b_positions)));
+        decoded
+    }
+
+    /// [`Self::token_ids_second_chain`] in AVX2 steps.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn second_chain_simd(
+        &mut self,
+        avx2: Avx2,
+        tokens: &mut [u32],
+        mut i: usize,
+        mut a: usize,
+        mut b: usize,
+        b_values: &mut [u32],
+        b_positions: &mut [usize],
+    ) -> usize {
+        let buf = self.buf;
+        let half = i + (tokens.len() - i) / 2;
+        // Room for a whole step of the second chain (4 values and positions) and the end mark.
+        let b_limit = b_values.len().min(b_positions.len() - 1) - 4;
+        let mut nb = 0;
+        let mut b_running = true;
+        while i < half {
+            if let Some(step) = avx2.step(buf, a, &mut tokens[i..]) {
+                i += usize::from(step.count);
+                a += usize::from(step.consumed);
+            } else if let Some((value, width)) = fast_one(buf, a) {
+                tokens[i] = value;
+                a += width;
+                i += 1;
+            } else {
+                break;
+            }
+            if !b_running || nb >= b_limit {
+                continue;
+            }
+            if let Some(step) = avx2.step(buf, b, &mut b_values[nb..]) {
+                for (k, &offset) in step.starts.iter().enumerate() {
+                    b_positions[nb + k] = b + usize::from(offset);
+                }
+                nb += usize::from(step.count);
+                b += usize::from(step.consumed);
+            } else if let Some((value, width)) = fast_one(buf, b) {
+                b_values[nb] = value;
+                b_positions[nb] = b;
+                nb += 1;
+                b += width;
+            } else if nb >= SPLIT_TRUSTED_RUN {
+                // A long run is on the true ids (a misaligned chain dies within a few ids).
+                b_running = false;
+            } else {
+                nb = 0;
+                b += 1;
+            }
+        }
+        self.merge_second_chain(tokens, i, a, b, &b_values[..nb], b_positions)
+    }
+
     /// The rest of [`Self::token_ids_split`] from the first chain's `i` ids (ending at `a`) and the
     /// second chain's predicted start `b`, its `nb` ids and their positions (then the position
     /// after the last) written by index into `b_values` and `b_positions`, sized for every id
@@ -441,6 +553,25 @@ impl<'a> Reader<'a> {
                 }
             }
         }
+        self.merge_second_chain(tokens, i, a, b, &b_values[..nb], b_positions)
+    }
+
+    /// The end of a split decode: walks the first chain (its `i` ids, ending at `a`) on until it
+    /// reaches a position where the second chain decoded an id (`b_values`, at `b_positions`,
+    /// the second chain ending at `b`), then copies the second chain's ids from there; leaves
+    /// the position after the last id decoded and returns how many there are.
+    fn merge_second_chain(
+        &mut self,
+        tokens: &mut [u32],
+        mut i: usize,
+        mut a: usize,
+        b: usize,
+        b_values: &[u32],
+        b_positions: &mut [usize],
+    ) -> usize {
+        let buf = self.buf;
+        let count = tokens.len();
+        let nb = b_values.len();
         b_positions[nb] = b;
         let mut k = 0;
         while k < nb {
@@ -664,6 +795,23 @@ impl<'a> Reader<'a> {
         let count = self.checked_count(at, count, values_each, what)?;
         Ok((at, Some(count * values_each)))
     }
+}
+
+/// Decodes AVX2 steps from `pos` into `tokens[i..]` until one fails (an id in another form,
+/// the end of the array or of the payload near); returns the new `(i, pos)`.
+#[inline(always)]
+fn simd_run(
+    avx2: Avx2,
+    buf: &[u8],
+    mut pos: usize,
+    tokens: &mut [u32],
+    mut i: usize,
+) -> (usize, usize) {
+    while let Some(step) = avx2.step(buf, pos, &mut tokens[i..]) {
+        i += usize::from(step.count);
+        pos += usize::from(step.consumed);
+    }
+    (i, pos)
 }
 
 /// A container header: how many elements (array) or entries (map) follow.
