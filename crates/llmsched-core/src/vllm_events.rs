@@ -43,6 +43,7 @@ mod reader;
 mod simd;
 
 use crate::buffer_pool::{self, BufferPool};
+use crate::prefetch::prefetch_ptr;
 use crate::protocols::Tier;
 pub use crate::protocols::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent};
 pub use reader::MAX_SKIP_DEPTH;
@@ -54,6 +55,10 @@ type Result<T> = std::result::Result<T, DecodeError>;
 /// The shortest encoding of an event that yields an entry: `["AllBlocksCleared"]` (1 + 1 + 16
 /// bytes). Bounds the up-front allocation for a declared event count.
 const MIN_EVENT_BYTES: usize = 18;
+
+/// The leading bytes of a payload prefetched before decoding (longer ones are prefetched as the
+/// token arrays are read).
+const PREFETCH_BYTES: usize = 64 << 10;
 
 /// Hands a decoded batch's token arrays back to this thread's decoder, which reuses their
 /// allocations for the next batches it decodes (a few per thread, of up to 65,536 ids each):
@@ -81,6 +86,12 @@ thread_local! {
 /// Decodes one msgpack `EventBatch` payload. Never panics; a malformed payload gives a
 /// [`DecodeError`] naming the byte offset and the problem.
 pub fn decode_event_batch(payload: &[u8]) -> Result<EventBatch> {
+    // A payload is read once, usually from memory (a socket's buffer, a queue of them): asking
+    // for all of its lines now overlaps their misses, where the decoder's chains would otherwise
+    // wait on each line in turn.
+    for line in (0..payload.len().min(PREFETCH_BYTES)).step_by(64) {
+        prefetch_ptr(payload.as_ptr().wrapping_add(line));
+    }
     let mut reader = Reader::new(payload);
     let (at, container) = reader.container("EventBatch")?;
     let batch = match container {

@@ -11,6 +11,7 @@ use rmp::Marker;
 use super::simd::Avx2;
 use super::DecodeError;
 use crate::buffer_pool::{self, BufferPool};
+use crate::prefetch::prefetch_ptr;
 
 /// The deepest nesting of containers accepted inside one skipped (unknown or ignored) value.
 /// vLLM's deepest legitimate value, an `extra_keys` entry, nests about three levels.
@@ -473,6 +474,9 @@ impl<'a> Reader<'a> {
         let mut nb = 0;
         let mut b_running = true;
         while i < half {
+            // The payload is read once, from memory: both chains ask for their next lines early.
+            prefetch_ptr(buf.as_ptr().wrapping_add(a + PREFETCH_AHEAD));
+            prefetch_ptr(buf.as_ptr().wrapping_add(b + PREFETCH_AHEAD));
             if let Some(step) = avx2.step(buf, a, &mut tokens[i..]) {
                 i += usize::from(step.count);
                 a += usize::from(step.consumed);
@@ -906,6 +910,8 @@ pub fn recycle_hashes(hashes: Vec<u64>) {
 /// ([`Reader::token_ids_split`]); shorter ones would not repay the second chain's restarts.
 /// (`tests/vllm_events.rs` decodes arrays on both sides of it.)
 const SPLIT_MIN: usize = 256;
+/// How far ahead of each chain (bytes) the AVX2 split decode prefetches the payload.
+const PREFETCH_AHEAD: usize = 512;
 /// Ids decoded before the split, to estimate the mean width (even: they are read in pairs).
 const SPLIT_PROBE: usize = 32;
 /// A second chain that has decoded this many ids in the fast forms is taken to be on the true
