@@ -409,10 +409,13 @@ impl<'a> Reader<'a> {
         })
     }
 
-    /// [`Self::token_ids_split`] in AVX2 steps (see [`super::simd`]): the same two chains and
-    /// the same meeting rule, each chain advancing two to four ids per step. A chain whose step
-    /// fails (an id in another form) takes one id on the scalar fast path and goes on, so an
-    /// occasional fixint or u8 id does not end the split.
+    /// [`Self::token_ids_split`] in AVX2 steps (see [`super::simd`]), with
+    /// [`SIMD_CHAINS`] chains: the first from the start, each other one from where its share of
+    /// the array is predicted to begin, all advancing two to four ids per step in turn; then the
+    /// first chain meets each other one in order, by the same rule as with two chains. A chain
+    /// whose step fails (an id in another form) takes one id on the scalar fast path and goes
+    /// on, so an occasional fixint or u8 id does not end the split. (A step's chain is as long
+    /// as the scalar path's but does more per step, so more chains pay here than there.)
     #[inline(always)]
     fn token_ids_split_simd(&mut self, avx2: Avx2, tokens: &mut [u32]) -> usize {
         let buf = self.buf;
@@ -434,49 +437,53 @@ impl<'a> Reader<'a> {
             a += width;
             i += 1;
         }
-        let rest = count - i;
-        let b = a + (a - start) * (rest / 2) / i;
-        // The second chain decodes at most about rest/2 + 4 ids (the first chain stops at the
-        // middle), and a step writes four lanes.
-        let slots = rest / 2 + 16;
+        let share = (count - i) / SIMD_CHAINS;
+        let mut b = [0; SIMD_CHAINS - 1];
+        for (j, b) in b.iter_mut().enumerate() {
+            *b = a + (a - start) * (share * (j + 1)) / i;
+        }
+        // Each other chain decodes about `share` ids (as many steps as the first chain takes);
+        // one that runs ahead stops when its slots are full.
+        let slots = share + 16;
         // Taken out of the thread's slot for the call (a closure would not be compiled with
         // AVX2), put back after; fresh ones from a thread-local destructor.
         let (mut b_values, mut b_positions) =
             SPLIT_BUFFERS.try_with(|buffers| buffers.take()).unwrap_or_default();
         // Written by index before they are read: grown, never cleared.
-        if b_values.len() < slots {
-            b_values.resize(slots, 0);
-            b_positions.resize(slots + 1, 0);
+        if b_values.len() < (SIMD_CHAINS - 1) * slots {
+            b_values.resize((SIMD_CHAINS - 1) * slots, 0);
+            b_positions.resize((SIMD_CHAINS - 1) * (slots + 1), 0);
         }
         let decoded =
-            self.second_chain_simd(avx2, tokens, i, a, b, &mut b_values, &mut b_positions);
+            self.other_chains_simd(avx2, tokens, i, a, b, slots, &mut b_values, &mut b_positions);
         let _ = SPLIT_BUFFERS.try_with(|buffers| buffers.replace((b_values, b_positions)));
         decoded
     }
 
-    /// [`Self::token_ids_second_chain`] in AVX2 steps.
+    /// The chains of [`Self::token_ids_split_simd`]: the first from its `i` ids ending at `a`,
+    /// the others from `b`, chain `j`'s ids and their positions in the `j`-th `slots` of
+    /// `b_values` and `slots + 1` of `b_positions`.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn second_chain_simd(
+    fn other_chains_simd(
         &mut self,
         avx2: Avx2,
         tokens: &mut [u32],
         mut i: usize,
         mut a: usize,
-        mut b: usize,
+        mut b: [usize; SIMD_CHAINS - 1],
+        slots: usize,
         b_values: &mut [u32],
         b_positions: &mut [usize],
     ) -> usize {
         let buf = self.buf;
-        let half = i + (tokens.len() - i) / 2;
-        // Room for a whole step of the second chain (4 values and positions) and the end mark.
-        let b_limit = b_values.len().min(b_positions.len() - 1) - 4;
-        let mut nb = 0;
-        let mut b_running = true;
-        while i < half {
-            // The payload is read once, from memory: both chains ask for their next lines early.
+        let count = tokens.len();
+        let stop = i + (count - i) / SIMD_CHAINS;
+        let mut nb = [0usize; SIMD_CHAINS - 1];
+        let mut running = [true; SIMD_CHAINS - 1];
+        while i < stop {
+            // The payload is read once, from memory: each chain asks for its next lines early.
             prefetch_ptr(buf.as_ptr().wrapping_add(a + PREFETCH_AHEAD));
-            prefetch_ptr(buf.as_ptr().wrapping_add(b + PREFETCH_AHEAD));
             if let Some(step) = avx2.step(buf, a, &mut tokens[i..]) {
                 i += usize::from(step.count);
                 a += usize::from(step.consumed);
@@ -487,29 +494,45 @@ impl<'a> Reader<'a> {
             } else {
                 break;
             }
-            if !b_running || nb >= b_limit {
-                continue;
-            }
-            if let Some(step) = avx2.step(buf, b, &mut b_values[nb..]) {
-                for (k, &offset) in step.starts.iter().enumerate() {
-                    b_positions[nb + k] = b + usize::from(offset);
+            for j in 0..SIMD_CHAINS - 1 {
+                // Room for a whole step (4 lanes) and the end mark.
+                if !running[j] || nb[j] + 4 > slots {
+                    continue;
                 }
-                nb += usize::from(step.count);
-                b += usize::from(step.consumed);
-            } else if let Some((value, width)) = fast_one(buf, b) {
-                b_values[nb] = value;
-                b_positions[nb] = b;
-                nb += 1;
-                b += width;
-            } else if nb >= SPLIT_TRUSTED_RUN {
-                // A long run is on the true ids (a misaligned chain dies within a few ids).
-                b_running = false;
-            } else {
-                nb = 0;
-                b += 1;
+                let values = &mut b_values[j * slots..(j + 1) * slots];
+                let positions = &mut b_positions[j * (slots + 1)..(j + 1) * (slots + 1)];
+                let (bj, n) = (b[j], nb[j]);
+                prefetch_ptr(buf.as_ptr().wrapping_add(bj + PREFETCH_AHEAD));
+                if let Some(step) = avx2.step(buf, bj, &mut values[n..]) {
+                    for (k, &offset) in step.starts.iter().enumerate() {
+                        positions[n + k] = bj + usize::from(offset);
+                    }
+                    nb[j] += usize::from(step.count);
+                    b[j] += usize::from(step.consumed);
+                } else if let Some((value, width)) = fast_one(buf, bj) {
+                    values[n] = value;
+                    positions[n] = bj;
+                    nb[j] += 1;
+                    b[j] += width;
+                } else if n >= SPLIT_TRUSTED_RUN {
+                    // A long run is on the true ids (a misaligned chain dies within a few ids).
+                    running[j] = false;
+                } else {
+                    nb[j] = 0;
+                    b[j] += 1;
+                }
             }
         }
-        self.merge_second_chain(tokens, i, a, b, &b_values[..nb], b_positions)
+        self.pos = a;
+        for j in 0..SIMD_CHAINS - 1 {
+            if i == count {
+                break;
+            }
+            let values = &b_values[j * slots..j * slots + nb[j]];
+            let positions = &mut b_positions[j * (slots + 1)..(j + 1) * (slots + 1)];
+            i = self.merge_second_chain(tokens, i, self.pos, b[j], values, positions);
+        }
+        i
     }
 
     /// The rest of [`Self::token_ids_split`] from the first chain's `i` ids (ending at `a`) and the
@@ -912,6 +935,8 @@ pub fn recycle_hashes(hashes: Vec<u64>) {
 const SPLIT_MIN: usize = 256;
 /// How far ahead of each chain (bytes) the AVX2 split decode prefetches the payload.
 const PREFETCH_AHEAD: usize = 512;
+/// The chains of an AVX2 split decode ([`Reader::token_ids_split_simd`]).
+const SIMD_CHAINS: usize = 3;
 /// Ids decoded before the split, to estimate the mean width (even: they are read in pairs).
 const SPLIT_PROBE: usize = 32;
 /// A second chain that has decoded this many ids in the fast forms is taken to be on the true

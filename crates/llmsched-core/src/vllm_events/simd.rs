@@ -86,10 +86,21 @@ pub(super) static STEPS: [Step; 512] = {
     table
 };
 
+/// `pshufb` control gathering the bytes at [`STARTS`] into the low bytes (zeros above).
+static GATHER_STARTS: [u8; 16] = {
+    let mut control = [0x80; 16];
+    let mut k = 0;
+    while k < STARTS.len() {
+        control[k] = STARTS[k] as u8;
+        k += 1;
+    }
+    control
+};
+
 /// The table index of a window from its `0xce` mask (bit `p` set when byte `p` is `0xce`):
 /// the mask's bits at [`STARTS`], packed (shifts rather than `pext`, which some processors
 /// that have AVX2 run slowly).
-#[inline(always)]
+#[cfg(test)]
 fn step_index(ce: u32) -> usize {
     ((ce & 1) | ((ce >> 2) & 0x2) | ((ce >> 3) & 0xc) | ((ce >> 4) & 0xf0) | ((ce >> 5) & 0x100))
         as usize
@@ -177,9 +188,11 @@ unsafe fn step_avx2(window: &[u8; 16], out: &mut [u32; 4]) -> Option<&'static St
         let v = _mm_loadu_si128(window.as_ptr().cast());
         let ce = _mm_cmpeq_epi8(v, _mm_set1_epi8(0xce_u8 as i8));
         let cd = _mm_cmpeq_epi8(v, _mm_set1_epi8(0xcd_u8 as i8));
-        let ce_mask = _mm_movemask_epi8(ce) as u32;
         let marker_mask = _mm_movemask_epi8(_mm_or_si128(ce, cd)) as u32;
-        let step = &STEPS[step_index(ce_mask)];
+        // The 0xce bytes at STARTS gathered into the low 9 bytes: their mask is the index.
+        let gather = _mm_loadu_si128(GATHER_STARTS.as_ptr().cast());
+        let index = _mm_movemask_epi8(_mm_shuffle_epi8(ce, gather)) as usize;
+        let step = &STEPS[index & (STEPS.len() - 1)];
         let markers = u32::from(step.markers);
         if marker_mask & markers != markers {
             return None;
@@ -215,6 +228,50 @@ mod tests {
             let step = &STEPS[step_index(ce)];
             assert_eq!(usize::from(step.count), fit, "{widths:?}");
             assert_eq!(usize::from(step.consumed), pos, "{widths:?}");
+        }
+    }
+
+    #[test]
+    fn a_step_decodes_the_ids_of_every_width_pattern_and_refuses_other_forms() {
+        let Some(avx2) = Avx2::detect() else { return };
+        for pattern in 0u32..32 {
+            // Ids of 3 and 5 bytes as `pattern` says, values that show every byte's place.
+            let mut window = Vec::new();
+            let mut want = Vec::new();
+            for k in 0..5 {
+                let value = 0x0102_0304_u32.wrapping_mul(k + 7);
+                if pattern >> k & 1 != 0 {
+                    window.push(0xce);
+                    window.extend(value.to_be_bytes());
+                    want.push((window.len(), value));
+                } else {
+                    window.push(0xcd);
+                    window.extend((value as u16).to_be_bytes());
+                    want.push((window.len(), u32::from(value as u16)));
+                }
+            }
+            window.resize(32, 0xc1);
+            let mut out = [0u32; 4];
+            let step = avx2.step(&window, 0, &mut out).expect("a run of u16/u32 ids");
+            let fit: Vec<u32> =
+                want.iter().take(4).filter(|&&(end, _)| end <= 16).map(|&(_, v)| v).collect();
+            assert_eq!(&out[..usize::from(step.count)], &fit[..], "pattern {pattern:05b}");
+            assert_eq!(usize::from(step.consumed), want[fit.len() - 1].0);
+            // Any id's marker replaced by a byte of another form: no step.
+            let mut starts = vec![0usize];
+            for &(end, _) in &want[..fit.len() - 1] {
+                starts.push(end);
+            }
+            for &at in &starts {
+                for bad in [0x05, 0xcc, 0xcf, 0xd1, 0xc1] {
+                    let mut broken = window.clone();
+                    broken[at] = bad;
+                    assert!(
+                        avx2.step(&broken, 0, &mut out).is_none(),
+                        "{pattern:05b} {at} {bad:#x}"
+                    );
+                }
+            }
         }
     }
 }
