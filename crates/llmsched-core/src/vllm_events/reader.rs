@@ -314,6 +314,10 @@ impl<'a> Reader<'a> {
     /// the big-endian word after its marker (ids from a large vocabulary mix the u16 and u32
     /// forms at random, which a branch would mispredict). Other encodings, and the last few
     /// bytes of the payload, go through the general path.
+    ///
+    /// Where the processor has AVX2, the u16 and u32 forms are decoded two to four at a time
+    /// instead (`super::simd`), by three chains over a long array; the ids and errors are the
+    /// scalar path's (tests compare the two).
     pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
         let count = self.array_len(what)?;
         let mut tokens = pooled_tokens(count);
@@ -883,9 +887,9 @@ static FAST_WIDTH: [u8; 256] = {
 const FAST_MASK: [u64; 8] = [0, 0xff, 0xff, 0xffff, 0, 0xffff_ffff, 0, 0];
 
 thread_local! {
-    /// The second chain's ids and positions in [`Reader::token_ids_split`], kept between calls:
-    /// allocating them per token array (kilobytes each, beyond the allocator's small-size
-    /// caches) cost a tenth of an ingest.
+    /// The other chains' ids and positions in [`Reader::token_ids_split`] and its AVX2 form,
+    /// kept between calls: allocating them per token array (kilobytes each, beyond the
+    /// allocator's small-size caches) cost a tenth of an ingest.
     static SPLIT_BUFFERS: std::cell::RefCell<(Vec<u32>, Vec<usize>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }

@@ -12,11 +12,12 @@
 //! the scalar path, which handles every other form and every error. The ids decoded are
 //! therefore exactly the scalar path's.
 //!
-//! Complexity: a load, two compares, a mask, a table entry and a shuffle per 2-4 ids, where the
-//! scalar path pays a table load and a shift per id. Each step still depends on the previous
-//! one's width, so [`super::reader`] runs two chains of steps at once, as on the scalar path.
+//! Complexity: a load, two compares, two shuffles, two masks and a table entry per 2-4 ids,
+//! where the scalar path pays a table load and a shift per id. Each step still depends on the
+//! previous one's width, so [`super::reader`] runs three chains of steps at once (the scalar
+//! path keeps two: more cost it more instructions than they saved).
 //!
-//! Used on x86_64 when the processor has AVX2 (checked once, at run time); elsewhere, or with
+//! Used on x86_64 when the processor has AVX2 (checked at run time); elsewhere, or with
 //! [`with_scalar_decoding`], only the scalar path runs.
 
 use std::cell::Cell;
