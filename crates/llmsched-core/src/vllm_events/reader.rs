@@ -444,7 +444,9 @@ impl<'a> Reader<'a> {
         let share = (count - i) / SIMD_CHAINS;
         let mut b = [0; SIMD_CHAINS - 1];
         for (j, b) in b.iter_mut().enumerate() {
-            *b = a + (a - start) * (share * (j + 1)) / i;
+            // Within the payload whatever its size (a start past it only wastes that chain).
+            let ahead = (a - start).saturating_mul(share * (j + 1)) / i;
+            *b = (a + ahead.min(buf.len())).min(buf.len());
         }
         // Each other chain decodes about `share` ids (as many steps as the first chain takes);
         // one that runs ahead stops when its slots are full.
@@ -487,7 +489,7 @@ impl<'a> Reader<'a> {
         let mut running = [true; SIMD_CHAINS - 1];
         while i < stop {
             // The payload is read once, from memory: each chain asks for its next lines early.
-            prefetch_ptr(buf.as_ptr().wrapping_add(a + PREFETCH_AHEAD));
+            prefetch_ptr(buf.as_ptr().wrapping_add(a.wrapping_add(PREFETCH_AHEAD)));
             if let Some(step) = avx2.step(buf, a, &mut tokens[i..]) {
                 i += usize::from(step.count);
                 a += usize::from(step.consumed);
@@ -506,7 +508,7 @@ impl<'a> Reader<'a> {
                 let values = &mut b_values[j * slots..(j + 1) * slots];
                 let positions = &mut b_positions[j * (slots + 1)..(j + 1) * (slots + 1)];
                 let (bj, n) = (b[j], nb[j]);
-                prefetch_ptr(buf.as_ptr().wrapping_add(bj + PREFETCH_AHEAD));
+                prefetch_ptr(buf.as_ptr().wrapping_add(bj.wrapping_add(PREFETCH_AHEAD)));
                 if let Some(step) = avx2.step(buf, bj, &mut values[n..]) {
                     for (k, &offset) in step.starts.iter().enumerate() {
                         positions[n + k] = bj + usize::from(offset);
