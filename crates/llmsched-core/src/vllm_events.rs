@@ -13,7 +13,7 @@
 //! iteratively with at most [`MAX_SKIP_DEPTH`] nested containers. A map event whose `type` is not
 //! its first key is scanned twice (once to find the tag); msgspec always writes the tag first.
 //! Token ids, most of a payload's bytes, are decoded by several chains at once, in AVX2 steps of
-//! two to four ids where the processor has AVX2 ([`with_scalar_decoding`] turns that off, for
+//! three or four ids where the processor has AVX2 ([`with_scalar_decoding`] turns that off, for
 //! comparisons), and the payload's lines are prefetched before it is read.
 //!
 //! Decisions, beyond what vLLM specifies:

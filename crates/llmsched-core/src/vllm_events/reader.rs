@@ -315,7 +315,7 @@ impl<'a> Reader<'a> {
     /// forms at random, which a branch would mispredict). Other encodings, and the last few
     /// bytes of the payload, go through the general path.
     ///
-    /// Where the processor has AVX2, the u16 and u32 forms are decoded two to four at a time
+    /// Where the processor has AVX2, the u16 and u32 forms are decoded three or four at a time
     /// instead (`super::simd`), by three chains over a long array; the ids and errors are the
     /// scalar path's (tests compare the two).
     pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
@@ -415,7 +415,7 @@ impl<'a> Reader<'a> {
 
     /// [`Self::token_ids_split`] in AVX2 steps (see [`super::simd`]), with
     /// [`SIMD_CHAINS`] chains: the first from the start, each other one from where its share of
-    /// the array is predicted to begin, all advancing two to four ids per step in turn; then the
+    /// the array is predicted to begin, all advancing three or four ids per step in turn; then the
     /// first chain meets each other one in order, by the same rule as with two chains. A chain
     /// whose step fails (an id in another form) takes one id on the scalar fast path and goes
     /// on, so an occasional fixint or u8 id does not end the split. (A step's chain is as long

@@ -5,14 +5,14 @@
 //! once. Where ids only take 3 or 5 bytes, where each of the first four starts in a window is
 //! fixed by whether the ones before it are `0xce`: by the `0xce` bits at the 9 offsets an id
 //! can start at (0, 3, 5, 6, 8, 9, 10, 11, 13). Those 9 bits index a table ([`STEPS`], built at
-//! compile time) that says how many ids fit in the window (2 to 4), the bytes they take, where
+//! compile time) that says how many ids fit in the window (3 or 4), the bytes they take, where
 //! they start, and the byte shuffle that turns them into little-endian u32 lanes. The step is
 //! taken only when every start the table assumed holds one of the two markers (a start not
 //! `0xce` must be `0xcd`); otherwise nothing is consumed and the caller decodes the next id on
 //! the scalar path, which handles every other form and every error. The ids decoded are
 //! therefore exactly the scalar path's.
 //!
-//! Complexity: a load, two compares, two shuffles, two masks and a table entry per 2-4 ids,
+//! Complexity: a load, two compares, two shuffles, two masks and a table entry per 3 or 4 ids,
 //! where the scalar path pays a table load and a shift per id. Each step still depends on the
 //! previous one's width, so [`super::reader`] runs three chains of steps at once (the scalar
 //! path keeps two: more cost it more instructions than they saved).
@@ -34,7 +34,7 @@ pub(super) struct Step {
     shuffle: [u8; 16],
     /// Offsets of the ids' markers (a bit per byte of the window).
     markers: u16,
-    /// Ids in the window (2 to 4).
+    /// Ids in the window (3 or 4: three of 5 bytes fit).
     pub count: u8,
     /// Bytes they take.
     pub consumed: u8,
@@ -99,8 +99,7 @@ static GATHER_STARTS: [u8; 16] = {
 };
 
 /// The table index of a window from its `0xce` mask (bit `p` set when byte `p` is `0xce`):
-/// the mask's bits at [`STARTS`], packed (shifts rather than `pext`, which some processors
-/// that have AVX2 run slowly).
+/// the mask's bits at [`STARTS`], packed; what the step's gather computes, for the tests.
 #[cfg(test)]
 fn step_index(ce: u32) -> usize {
     ((ce & 1) | ((ce >> 2) & 0x2) | ((ce >> 3) & 0xc) | ((ce >> 4) & 0xf0) | ((ce >> 5) & 0x100))
@@ -228,6 +227,7 @@ mod tests {
             }
             let step = &STEPS[step_index(ce)];
             assert_eq!(usize::from(step.count), fit, "{widths:?}");
+            assert!(fit >= 3, "{widths:?}");
             assert_eq!(usize::from(step.consumed), pos, "{widths:?}");
         }
     }
