@@ -205,3 +205,27 @@ def test_engine_hashes_shared_and_conflicting_across_workers() -> None:
         # b still resolves the shared entry: its child lands under x.
         assert idx.apply_vllm_events("b", batch(stored([2], 1, child)))["blocks_stored"] == 1
         assert idx.match_tokens(x + child).as_dict() == {"b": 2}
+
+
+def test_a_bad_marker_anywhere_in_a_long_token_run_raises_where_it_is_and_changes_nothing() -> None:
+    """A run long enough for the decoder's two chains and its vector steps (ids of 2 and 4
+    bytes, mixed at random): a byte that is no integer marker in place of any id's marker is
+    reported at that id's offset, and the batch applies nothing."""
+    rng = np.random.default_rng(7)
+    tokens = [int(t) for t in rng.integers(256, 128_000, size=40 * 16)]
+    payload = batch(stored(list(range(100, 140)), None, tokens))
+    start = payload.index(b"\xa9token_ids") + 10 + 3  # the str, then the array16 header
+    offsets = np.cumsum([0] + [3 if t < 65_536 else 5 for t in tokens])[:-1] + start
+    assert payload[start] in (0xCD, 0xCE) and payload[offsets[-1]] in (0xCD, 0xCE)
+    index = PrefixIndex(block_size=16)
+    index.apply_vllm_events("e", batch(stored([1], None, list(range(16)))))
+    before = (index.stats(), index.holdings("e"))
+    for k in [*range(0, len(tokens), 5), len(tokens) - 1]:
+        for byte in (0xC1, 0xA1, 0xCB):
+            bad = bytearray(payload)
+            bad[offsets[k]] = byte
+            with pytest.raises(llmsched.MalformedEventError, match=f"at byte {offsets[k]}:"):
+                index.apply_vllm_events("e", bytes(bad))
+    assert (index.stats(), index.holdings("e")) == before
+    index.apply_vllm_events("e", payload)
+    assert index.match_tokens(tokens).as_dict() == {"e": 40}

@@ -3,10 +3,12 @@
 //! Scenario: one engine step's batch of 64 `BlockStored` events, each storing 16 blocks of 16
 //! tokens (1,024 blocks, 16,384 tokens) with token ids drawn from a 150k vocabulary, written the
 //! way vLLM 0.32 writes them (map events with extra_keys, group_idx, kv_cache_spec_kind), and the
-//! same batch in the older array encoding.
+//! same batch in the older array encoding. Then one `BlockStored` of 30 blocks of 64 tokens (the
+//! mean event of `bench_peers_index.py --size large`) from a 128k vocabulary, whose ids mix the
+//! u16 and u32 forms, decoded with the AVX2 steps (where the processor has AVX2) and without.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use llmsched_core::vllm_events::decode_event_batch;
+use llmsched_core::vllm_events::{decode_event_batch, recycle, with_scalar_decoding};
 use rmpv::Value;
 use std::hint::black_box;
 
@@ -73,5 +75,49 @@ fn bench_decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_decode);
+/// One array-encoded `BlockStored` of `blocks` blocks of `block_size` tokens, ids below `vocab`.
+fn long_event(blocks: usize, block_size: usize, vocab: u64) -> Vec<u8> {
+    let mut rng = 7u64;
+    let hashes = (0..blocks).map(|_| Value::from(splitmix(&mut rng))).collect();
+    let tokens =
+        (0..blocks * block_size).map(|_| Value::from(splitmix(&mut rng) % vocab)).collect();
+    let event = Value::Array(vec![
+        Value::from("BlockStored"),
+        Value::Array(hashes),
+        Value::Nil,
+        Value::Array(tokens),
+        Value::from(block_size as u64),
+        Value::Nil,
+        Value::from("GPU"),
+    ]);
+    let batch = Value::Array(vec![Value::F64(1.8e9), Value::Array(vec![event]), Value::from(0)]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).expect("encoding to a Vec cannot fail");
+    out
+}
+
+fn bench_token_ids(c: &mut Criterion) {
+    const BLOCKS: usize = 30;
+    let mut group = c.benchmark_group("vllm_events_token_ids");
+    group.throughput(Throughput::Elements(BLOCKS as u64));
+    let bytes = long_event(BLOCKS, 64, 128_000);
+    assert_eq!(
+        decode_event_batch(&bytes),
+        with_scalar_decoding(|| decode_event_batch(&bytes)),
+        "the two paths agree"
+    );
+    for (name, scalar) in [("default", false), ("scalar", true)] {
+        group.bench_with_input(BenchmarkId::new(name, "bs64x30"), &bytes, |b, bytes| {
+            let decode = || recycle(decode_event_batch(black_box(bytes)).expect("decodes"));
+            if scalar {
+                with_scalar_decoding(|| b.iter(decode));
+            } else {
+                b.iter(decode);
+            }
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_decode, bench_token_ids);
 criterion_main!(benches);

@@ -3,8 +3,8 @@
 
 use llmsched_core::prefix_index::Tier;
 use llmsched_core::vllm_events::{
-    decode_event_batch, medium_name, recycle, BlockRemoved, BlockStored, EventBatch, KvEvent,
-    MAX_SKIP_DEPTH,
+    decode_event_batch, medium_name, recycle, with_scalar_decoding, BlockRemoved, BlockStored,
+    DecodeError, EventBatch, KvEvent, MAX_SKIP_DEPTH,
 };
 use proptest::prelude::*;
 use rmpv::Value;
@@ -993,6 +993,94 @@ fn recycled_token_buffers_and_reused_chain_buffers_leave_nothing_behind() {
             // A payload cut inside its token array fails cleanly between the good ones.
             let whole = stored_raw(&tokens, false);
             assert!(decode_event_batch(&whole[..whole.len() / 2]).is_err());
+        }
+    }
+}
+
+// ---- the AVX2 path against the scalar path ----
+
+/// `payload` decoded on the default path (AVX2 steps where this processor has AVX2) and on the
+/// scalar path alone; the test fails unless they agree, results and errors alike.
+fn assert_paths_agree(payload: &[u8], context: &str) -> Result<EventBatch, DecodeError> {
+    let default = decode_event_batch(payload);
+    let scalar = with_scalar_decoding(|| decode_event_batch(payload));
+    assert_eq!(default, scalar, "{context}");
+    default
+}
+
+/// `n` ids of which every one is u16 or u32 (a 128k vocabulary, the AVX2 steps' forms) except
+/// where `other` says: `Some(form)` for id `i` writes it as `raw_token` form `form` with a
+/// value for that form (0 with a value below 256: a fixint or a u8 id).
+fn mixed_run(n: usize, seed: u64, other: impl Fn(usize) -> Option<u8>) -> Vec<(u32, u8)> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            match other(i) {
+                Some(0) => ((x % 256) as u32, 0),
+                Some(form) => ((x % 128_000) as u32, form),
+                None => ((256 + x % 127_744) as u32, 0),
+            }
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Random mixes of every form, every length from none to several thousand ids (one chain
+    /// and two), cut anywhere or not at all.
+    #[test]
+    fn simd_and_scalar_paths_agree_on_mixed_widths_and_truncations(
+        n in prop_oneof![0usize..40, 200usize..400, 1_000usize..3_000],
+        seed in any::<u64>(),
+        other_every in prop_oneof![Just(0usize), 1usize..8, 9usize..200],
+        other_form in 0u8..4,
+        token_ids_last in any::<bool>(),
+        cut in proptest::option::of(any::<proptest::sample::Index>()),
+    ) {
+        let tokens = mixed_run(n, seed, |i| {
+            (other_every > 0 && i % other_every == other_every / 2).then_some(other_form)
+        });
+        let mut payload = stored_raw(&tokens, token_ids_last);
+        if let Some(cut) = cut {
+            payload.truncate(cut.index(payload.len()));
+        }
+        let decoded = assert_paths_agree(&payload, "mixed run");
+        if cut.is_none() {
+            let batch = decoded.unwrap();
+            let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored") };
+            let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
+            prop_assert_eq!(&stored.token_ids, &want);
+        }
+    }
+}
+
+#[test]
+fn simd_and_scalar_paths_agree_on_a_bad_byte_anywhere_in_a_run() {
+    // Every byte of runs short (one chain) and long (two chains) in turn replaced by bytes that
+    // are no token id (reserved, str, float, negative fixint, nested array), by an int64 and a
+    // u64 marker (the general path), and by the markers the steps take, which shift every id
+    // after them: the error, or the ids, must be the scalar path's.
+    let replacements = [0xc1, 0xa1, 0xcb, 0xff, 0x91, 0xd3, 0xcf, 0xcc, 0xcd, 0xce, 0x05];
+    for (n, seed) in [(21, 3), (300, 5)] {
+        let tokens = mixed_run(n, seed, |i| (i % 37 == 11).then_some(0));
+        for last in [false, true] {
+            let payload = stored_raw(&tokens, last);
+            let ids_start = payload.windows(10).position(|w| w == b"\xa9token_ids").unwrap() + 13;
+            let mut bad_ones = 0;
+            for at in ids_start..payload.len() {
+                for &byte in &replacements {
+                    let mut bad = payload.clone();
+                    bad[at] = byte;
+                    let context = format!("n {n}, byte {at} = {byte:#04x}");
+                    bad_ones += usize::from(assert_paths_agree(&bad, &context).is_err());
+                }
+            }
+            // Most replacements break the payload: the comparisons above include errors.
+            assert!(bad_ones > payload.len() - ids_start, "{bad_ones}");
         }
     }
 }

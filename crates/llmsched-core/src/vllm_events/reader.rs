@@ -8,8 +8,10 @@
 
 use rmp::Marker;
 
+use super::simd::Avx2;
 use super::DecodeError;
 use crate::buffer_pool::{self, BufferPool};
+use crate::prefetch::prefetch_ptr;
 
 /// The deepest nesting of containers accepted inside one skipped (unknown or ignored) value.
 /// vLLM's deepest legitimate value, an `extra_keys` entry, nests about three levels.
@@ -312,21 +314,36 @@ impl<'a> Reader<'a> {
     /// the big-endian word after its marker (ids from a large vocabulary mix the u16 and u32
     /// forms at random, which a branch would mispredict). Other encodings, and the last few
     /// bytes of the payload, go through the general path.
+    ///
+    /// Where the processor has AVX2, the u16 and u32 forms are decoded three or four at a time
+    /// instead (`super::simd`), by three chains over a long array; the ids and errors are the
+    /// scalar path's (tests compare the two).
     pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
         let count = self.array_len(what)?;
         let mut tokens = pooled_tokens(count);
-        let mut i = if count >= SPLIT_MIN { self.token_ids_split(&mut tokens) } else { 0 };
+        let simd = Avx2::detect();
+        let mut i = match simd {
+            _ if count < SPLIT_MIN => 0,
+            Some(avx2) => avx2.enabled(|| self.token_ids_split_simd(avx2, &mut tokens)),
+            None => self.token_ids_split(&mut tokens),
+        };
         let buf = self.buf;
         let mut pos = self.pos;
         while i < count {
-            // Two ids per step: one 8-byte load gives the first marker and, shifted by the first
-            // width, the second, so the chain is one load and two width computations per pair.
-            while i + 2 <= count {
-                let Some((first, second, width)) = fast_pair(buf, pos) else { break };
-                tokens[i] = first;
-                tokens[i + 1] = second;
-                pos += width;
-                i += 2;
+            if let Some(avx2) = simd {
+                // Two to four ids per step (see `simd`); stops at any other form.
+                (i, pos) = avx2.enabled(|| simd_run(avx2, buf, pos, &mut tokens, i));
+            } else {
+                // Two ids per step: one 8-byte load gives the first marker and, shifted by the
+                // first width, the second, so the chain is one load and two width computations
+                // per pair.
+                while i + 2 <= count {
+                    let Some((first, second, width)) = fast_pair(buf, pos) else { break };
+                    tokens[i] = first;
+                    tokens[i + 1] = second;
+                    pos += width;
+                    i += 2;
+                }
             }
             if i == count {
                 break;
@@ -396,6 +413,134 @@ impl<'a> Reader<'a> {
         })
     }
 
+    /// [`Self::token_ids_split`] in AVX2 steps (see [`super::simd`]), with
+    /// [`SIMD_CHAINS`] chains: the first from the start, each other one from where its share of
+    /// the array is predicted to begin, all advancing three or four ids per step in turn; then the
+    /// first chain meets each other one in order, by the same rule as with two chains. A chain
+    /// whose step fails (an id in another form) takes one id on the scalar fast path and goes
+    /// on, so an occasional fixint or u8 id does not end the split. (A step's chain is as long
+    /// as the scalar path's but does more per step, so more chains pay here than there.)
+    #[inline(always)]
+    fn token_ids_split_simd(&mut self, avx2: Avx2, tokens: &mut [u32]) -> usize {
+        let buf = self.buf;
+        let count = tokens.len();
+        let start = self.pos;
+        let mut a = start;
+        let mut i = 0;
+        while i < SPLIT_PROBE {
+            if let Some(step) = avx2.step(buf, a, &mut tokens[i..]) {
+                i += usize::from(step.count);
+                a += usize::from(step.consumed);
+                continue;
+            }
+            let Some((value, width)) = fast_one(buf, a) else {
+                self.pos = a;
+                return i;
+            };
+            tokens[i] = value;
+            a += width;
+            i += 1;
+        }
+        let share = (count - i) / SIMD_CHAINS;
+        let mut b = [0; SIMD_CHAINS - 1];
+        for (j, b) in b.iter_mut().enumerate() {
+            // Within the payload whatever its size (a start past it only wastes that chain).
+            let ahead = (a - start).saturating_mul(share * (j + 1)) / i;
+            *b = (a + ahead.min(buf.len())).min(buf.len());
+        }
+        // Each other chain decodes about `share` ids (as many steps as the first chain takes);
+        // one that runs ahead stops when its slots are full.
+        let slots = share + 16;
+        // Taken out of the thread's slot for the call (a closure would not be compiled with
+        // AVX2), put back after; fresh ones from a thread-local destructor.
+        let (mut b_values, mut b_positions) =
+            SPLIT_BUFFERS.try_with(|buffers| buffers.take()).unwrap_or_default();
+        // Written by index before they are read: grown, never cleared.
+        if b_values.len() < (SIMD_CHAINS - 1) * slots {
+            b_values.resize((SIMD_CHAINS - 1) * slots, 0);
+            b_positions.resize((SIMD_CHAINS - 1) * (slots + 1), 0);
+        }
+        let decoded =
+            self.other_chains_simd(avx2, tokens, i, a, b, slots, &mut b_values, &mut b_positions);
+        let _ = SPLIT_BUFFERS.try_with(|buffers| buffers.replace((b_values, b_positions)));
+        decoded
+    }
+
+    /// The chains of [`Self::token_ids_split_simd`]: the first from its `i` ids ending at `a`,
+    /// the others from `b`, chain `j`'s ids and their positions in the `j`-th `slots` of
+    /// `b_values` and `slots + 1` of `b_positions`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn other_chains_simd(
+        &mut self,
+        avx2: Avx2,
+        tokens: &mut [u32],
+        mut i: usize,
+        mut a: usize,
+        mut b: [usize; SIMD_CHAINS - 1],
+        slots: usize,
+        b_values: &mut [u32],
+        b_positions: &mut [usize],
+    ) -> usize {
+        let buf = self.buf;
+        let count = tokens.len();
+        let stop = i + (count - i) / SIMD_CHAINS;
+        let mut nb = [0usize; SIMD_CHAINS - 1];
+        let mut running = [true; SIMD_CHAINS - 1];
+        while i < stop {
+            // The payload is read once, from memory: each chain asks for its next lines early.
+            prefetch_ptr(buf.as_ptr().wrapping_add(a.wrapping_add(PREFETCH_AHEAD)));
+            if let Some(step) = avx2.step(buf, a, &mut tokens[i..]) {
+                i += usize::from(step.count);
+                a += usize::from(step.consumed);
+            } else if let Some((value, width)) = fast_one(buf, a) {
+                tokens[i] = value;
+                a += width;
+                i += 1;
+            } else {
+                break;
+            }
+            for j in 0..SIMD_CHAINS - 1 {
+                // Room for a whole step (4 lanes) and the end mark.
+                if !running[j] || nb[j] + 4 > slots {
+                    continue;
+                }
+                let values = &mut b_values[j * slots..(j + 1) * slots];
+                let positions = &mut b_positions[j * (slots + 1)..(j + 1) * (slots + 1)];
+                let (bj, n) = (b[j], nb[j]);
+                prefetch_ptr(buf.as_ptr().wrapping_add(bj.wrapping_add(PREFETCH_AHEAD)));
+                if let Some(step) = avx2.step(buf, bj, &mut values[n..]) {
+                    for (k, &offset) in step.starts.iter().enumerate() {
+                        positions[n + k] = bj + usize::from(offset);
+                    }
+                    nb[j] += usize::from(step.count);
+                    b[j] += usize::from(step.consumed);
+                } else if let Some((value, width)) = fast_one(buf, bj) {
+                    values[n] = value;
+                    positions[n] = bj;
+                    nb[j] += 1;
+                    b[j] += width;
+                } else if n >= SPLIT_TRUSTED_RUN {
+                    // A long run is on the true ids (a misaligned chain dies within a few ids).
+                    running[j] = false;
+                } else {
+                    nb[j] = 0;
+                    b[j] += 1;
+                }
+            }
+        }
+        self.pos = a;
+        for j in 0..SIMD_CHAINS - 1 {
+            if i == count {
+                break;
+            }
+            let values = &b_values[j * slots..j * slots + nb[j]];
+            let positions = &mut b_positions[j * (slots + 1)..(j + 1) * (slots + 1)];
+            i = self.merge_second_chain(tokens, i, self.pos, b[j], values, positions);
+        }
+        i
+    }
+
     /// The rest of [`Self::token_ids_split`] from the first chain's `i` ids (ending at `a`) and the
     /// second chain's predicted start `b`, its `nb` ids and their positions (then the position
     /// after the last) written by index into `b_values` and `b_positions`, sized for every id
@@ -441,6 +586,25 @@ impl<'a> Reader<'a> {
                 }
             }
         }
+        self.merge_second_chain(tokens, i, a, b, &b_values[..nb], b_positions)
+    }
+
+    /// The end of a split decode: walks the first chain (its `i` ids, ending at `a`) on until it
+    /// reaches a position where the second chain decoded an id (`b_values`, at `b_positions`,
+    /// the second chain ending at `b`), then copies the second chain's ids from there; leaves
+    /// the position after the last id decoded and returns how many there are.
+    fn merge_second_chain(
+        &mut self,
+        tokens: &mut [u32],
+        mut i: usize,
+        mut a: usize,
+        b: usize,
+        b_values: &[u32],
+        b_positions: &mut [usize],
+    ) -> usize {
+        let buf = self.buf;
+        let count = tokens.len();
+        let nb = b_values.len();
         b_positions[nb] = b;
         let mut k = 0;
         while k < nb {
@@ -666,6 +830,23 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Decodes AVX2 steps from `pos` into `tokens[i..]` until one fails (an id in another form,
+/// the end of the array or of the payload near); returns the new `(i, pos)`.
+#[inline(always)]
+fn simd_run(
+    avx2: Avx2,
+    buf: &[u8],
+    mut pos: usize,
+    tokens: &mut [u32],
+    mut i: usize,
+) -> (usize, usize) {
+    while let Some(step) = avx2.step(buf, pos, &mut tokens[i..]) {
+        i += usize::from(step.count);
+        pos += usize::from(step.consumed);
+    }
+    (i, pos)
+}
+
 /// A container header: how many elements (array) or entries (map) follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Container {
@@ -708,9 +889,9 @@ static FAST_WIDTH: [u8; 256] = {
 const FAST_MASK: [u64; 8] = [0, 0xff, 0xff, 0xffff, 0, 0xffff_ffff, 0, 0];
 
 thread_local! {
-    /// The second chain's ids and positions in [`Reader::token_ids_split`], kept between calls:
-    /// allocating them per token array (kilobytes each, beyond the allocator's small-size
-    /// caches) cost a tenth of an ingest.
+    /// The other chains' ids and positions in [`Reader::token_ids_split`] and its AVX2 form,
+    /// kept between calls: allocating them per token array (kilobytes each, beyond the
+    /// allocator's small-size caches) cost a tenth of an ingest.
     static SPLIT_BUFFERS: std::cell::RefCell<(Vec<u32>, Vec<usize>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
@@ -758,6 +939,10 @@ pub fn recycle_hashes(hashes: Vec<u64>) {
 /// ([`Reader::token_ids_split`]); shorter ones would not repay the second chain's restarts.
 /// (`tests/vllm_events.rs` decodes arrays on both sides of it.)
 const SPLIT_MIN: usize = 256;
+/// How far ahead of each chain (bytes) the AVX2 split decode prefetches the payload.
+const PREFETCH_AHEAD: usize = 512;
+/// The chains of an AVX2 split decode ([`Reader::token_ids_split_simd`]).
+const SIMD_CHAINS: usize = 3;
 /// Ids decoded before the split, to estimate the mean width (even: they are read in pairs).
 const SPLIT_PROBE: usize = 32;
 /// A second chain that has decoded this many ids in the fast forms is taken to be on the true
