@@ -150,3 +150,27 @@ def test_a_base_row_runs_the_other_build() -> None:
         bench.gateways(["llmsched-serve-native-llm-d@base"], "py", None, "/nowhere")
     with pytest.raises(SystemExit, match="only llmsched serve"):
         bench.gateways(["direct@base"], "py", None, "/nowhere", "/main/python")
+
+
+def test_a_paired_gateway_is_measured_against_the_direct_load_beside_it() -> None:
+    results = bench.Results()
+    results.add(("direct", "stream", 1000.0), bench.figures_of(report((5.0, 9.0), (1.0, 2.0))))
+    results.add(
+        (bench.paired_name("gw"), "stream", 1000.0),
+        bench.figures_of(report((0.2, 0.4), (0.03, 0.05))),
+    )
+    results.add(("gw", "stream", 1000.0), bench.figures_of(report((0.3, 0.9), (0.05, 0.25))))
+    results.add(("other", "stream", 1000.0), bench.figures_of(report((5.5, 9.5), (1.0, 2.5))))
+    rows = {row.gateway: row for row in bench.rows_of(results)}
+    assert set(rows) == {"gw", "other"}, "no row for the direct loads themselves"
+    assert (rows["gw"].net_added_p50, rows["gw"].net_added_p99) == (
+        pytest.approx(0.1),
+        pytest.approx(0.5),
+    )
+    # A gateway without a pair falls back on the direct row.
+    assert rows["other"].net_added_p50 == pytest.approx(0.5)
+
+
+def test_paired_and_ladder_do_not_mix() -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--paired", "--ladder", "1000,2000"])

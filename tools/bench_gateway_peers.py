@@ -25,6 +25,13 @@ figure is the median over the repeats:
   quantile through the gateway minus the direct one is the streamed added latency judged
   against the same targets as JSON. ``relay added p50 / p99`` is the same for every token
   event's way from the engine to the client (what a gateway adds to each chunk);
+* ``--paired``: each gateway's load runs at the same time as a direct load of the same rate
+  (a second generator, its own Poisson seed, on the same core), and the gateway's added
+  figures are taken against that direct load rather than against the direct row's own turn.
+  Whatever else runs on the machine then (another process on either core, the engines'
+  bursts) falls on both paths at once, so the difference no longer carries it; both paths'
+  requests share the engines and the client core, so neither is measured on an idle machine.
+  The direct loads of a pair are kept apart (``direct@<gateway>``) from the direct row;
 * a name ending in ``@base`` (``llmsched-serve-native-llm-d@base``) runs that gateway with
   ``--base-python`` instead of ``--python``: another build (e.g. main's) interleaved with this
   one in the same run;
@@ -70,6 +77,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -402,6 +410,7 @@ def load(
     args: argparse.Namespace,
     stream: bool,
     pids: Sequence[int],
+    seed: int = 1,
 ) -> Figures:
     """One open-loop load through ``urls``; the generator's figures."""
     command = [
@@ -421,6 +430,8 @@ def load(
         str(args.prompt_words),
         "--timeout-s",
         "20",
+        "--seed",
+        str(seed),
         *(a for u in urls for a in ("--url", u)),
         *(a for p in pids for a in ("--cpu", f"gateway={p}")),
     ]
@@ -540,10 +551,28 @@ def run_gateway(
                 idle = (cpu_ns(pids) - before) / (args.idle_seconds * 1e9) * 100
                 results.idle.setdefault(gateway.name, []).append(idle)
             pids = descendants(child.pid)
-            figures = load(load_bin, args.client_core, [url], rate, args, answer == "stream", pids)
+            stream = answer == "stream"
+            if args.paired:
+                # The direct half of the pair, at once: another seed, so that the two
+                # schedules do not send at the same instants.
+                with ThreadPoolExecutor(2) as pool:
+                    direct = pool.submit(
+                        load, load_bin, args.client_core, engines, rate, args, stream, [], 2
+                    )
+                    figures = load(load_bin, args.client_core, [url], rate, args, stream, pids)
+                    paired = direct.result()
+                results.add((paired_name(gateway.name), answer, rate), paired)
+                report_line(paired_name(gateway.name), answer, rate, paired)
+            else:
+                figures = load(load_bin, args.client_core, [url], rate, args, stream, pids)
             results.add((gateway.name, answer, rate), figures)
             report_line(gateway.name, answer, rate, figures)
             held(answer, figures)
+
+
+def paired_name(gateway: str) -> str:
+    """The key of the direct loads run beside ``gateway``'s (``--paired``)."""
+    return f"direct@{gateway}"
 
 
 def holds(figures: Figures, p99_ms: float) -> bool:
@@ -604,9 +633,12 @@ def rows_of(results: Results) -> list[Row]:
     """Each gateway's medians beside the direct path of the same repeats."""
     rows: list[Row] = []
     for (name, answer, rate), runs in results.runs.items():
-        if name == "direct":
+        if name.startswith("direct"):
             continue
-        direct = results.runs.get(("direct", answer, rate), [])
+        # Against the direct loads run beside this gateway's where there are (--paired).
+        direct = results.runs.get(
+            (paired_name(name), answer, rate), results.runs.get(("direct", answer, rate), [])
+        )
         added = [
             (
                 f["latency_p50"] - d["latency_p50"],
@@ -844,6 +876,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--idle-seconds", type=float, default=2.0, help="idle CPU measured this long (0: not)"
     )
     parser.add_argument("--short", action="store_true", help="one repeat of 2 s at 300 req/s")
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="a direct load beside each gateway's, the added figures against it (see above)",
+    )
     parser.add_argument("--json-out", default=None, help="also write the rows here")
     parser.add_argument(
         "--ladder",
@@ -859,6 +896,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.idle_seconds = min(args.idle_seconds, 1.0)
     if args.repeats < 1 or args.seconds <= 0:
         parser.error("--repeats and --seconds must be positive")
+    if args.ladder and args.paired:
+        parser.error("--paired measures added latency; a --ladder runs without it")
     if args.ladder:  # after --short: its rates give way
         try:
             rates = [float(r) for r in args.ladder.split(",") if r]
