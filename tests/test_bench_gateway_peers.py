@@ -1,6 +1,7 @@
-"""The gateway peer benchmark's rate ladder (tools/bench_gateway_peers.py ``--ladder``): which
-rates count as held and the highest one each gateway holds. The loads themselves run in
-``make bench-gateway-peers``."""
+"""The gateway peer benchmark (tools/bench_gateway_peers.py): which rates of a ladder
+(``--ladder``) count as held and the highest one each gateway holds; the generator's report
+read into figures, the streamed added latency net of the engine (stamped streams) and the
+``@base`` rows of another build. The loads themselves run in ``make bench-gateway-peers``."""
 
 from __future__ import annotations
 
@@ -66,3 +67,110 @@ def test_a_ladder_of_rates_is_checked() -> None:
         bench.main(["--ladder", "1000,fast", "--gateways", "direct"])
     with pytest.raises(SystemExit):
         bench.main(["--ladder", "0,1000", "--gateways", "direct"])
+
+
+def report(net: tuple[float, float] | None, relay: tuple[float, float] | None) -> dict[str, object]:
+    """A generator report as `llmsched-loadgen --json` prints it (stamped summaries empty when
+    the engine did not stamp)."""
+
+    def summary(q: tuple[float, float] | None) -> dict[str, object]:
+        if q is None:
+            return {"n": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
+        return {"n": 10, "mean": q[0], "p50": q[0], "p90": q[1], "p99": q[1], "max": q[1]}
+
+    return {
+        "scheduled": 10,
+        "ok": 10,
+        "errors": {},
+        "achieved_rate": 1000.0,
+        "latency_ms": summary((9.0, 11.0)),
+        "ttft_ms": summary((0.3, 0.9)),
+        "itl_ms": summary((1.0, 2.0)),
+        "lag_ms": summary((0.1, 1.0)),
+        "forward_ms": summary(None if net is None else (0.1, 0.2)),
+        "relay_ms": summary(relay),
+        "net_latency_ms": summary(net),
+        "cpu_ms_per_request": {"gateway": 0.1},
+    }
+
+
+def test_a_report_gives_its_stamped_figures_only_when_stamped() -> None:
+    stamped = bench.figures_of(report((0.2, 0.5), (0.05, 0.1)))
+    assert (stamped["net_p50"], stamped["net_p99"]) == (0.2, 0.5)
+    assert (stamped["relay_p50"], stamped["relay_p99"]) == (0.05, 0.1)
+    assert (stamped["latency_p50"], stamped["cpu_ms"], stamped["errors"]) == (9.0, 0.1, 0)
+    plain = bench.figures_of(report(None, None))
+    assert plain["net_p50"] is None and plain["relay_p99"] is None
+    # An older generator without the summaries at all.
+    older = report(None, None)
+    for key in ("forward_ms", "relay_ms", "net_latency_ms"):
+        del older[key]
+    assert bench.figures_of(older)["net_p99"] is None
+
+
+def test_streamed_added_latency_is_the_net_difference_of_each_repeat() -> None:
+    results = bench.Results()
+    for direct, through in [((0.10, 0.30), (0.20, 0.60)), ((0.12, 0.40), (0.25, 0.50))]:
+        results.add(("direct", "stream", 1000.0), bench.figures_of(report(direct, (0.02, 0.05))))
+        results.add(("gw", "stream", 1000.0), bench.figures_of(report(through, (0.05, 0.15))))
+    (row,) = bench.rows_of(results)
+    # Repeats: +0.10 and +0.13 at p50, +0.30 and +0.10 at p99; medians of two.
+    assert row.net_added_p50 == pytest.approx(0.115)
+    assert row.net_added_p99 == pytest.approx(0.20)
+    assert (row.relay_added_p50, row.relay_added_p99) == (pytest.approx(0.03), pytest.approx(0.1))
+    assert row.added_p50 == pytest.approx(0.0), "the raw latencies were the same"
+    assert "0.115 / 0.200" in bench.table([row])
+
+
+def test_unstamped_rows_have_no_net_figures() -> None:
+    results = bench.Results()
+    results.add(("direct", "json", 1000.0), bench.figures_of(report(None, None)))
+    results.add(("gw", "json", 1000.0), bench.figures_of(report(None, None)))
+    (row,) = bench.rows_of(results)
+    assert row.net_added_p50 is None and row.relay_added_p99 is None
+    assert "| - / - | - / - |" in bench.table([row])
+
+
+def test_a_base_row_runs_the_other_build() -> None:
+    rows = bench.gateways(
+        ["llmsched-serve-native-llm-d", "llmsched-serve-native-round-robin@base"],
+        "/new/python",
+        None,
+        "/nowhere/llmsched-gateway",
+        "/main/python",
+    )
+    assert [r.name for r in rows] == [
+        "llmsched-serve-native-llm-d",
+        "llmsched-serve-native-round-robin@base",
+    ]
+    assert rows[0].command[0] == "/new/python" and rows[1].command[0] == "/main/python"
+    assert "--data-plane" in rows[1].command and rows[1].mode == "round-robin"
+    assert bench._router_of(rows[1].name) == "round-robin"
+    with pytest.raises(SystemExit, match="--base-python"):
+        bench.gateways(["llmsched-serve-native-llm-d@base"], "py", None, "/nowhere")
+    with pytest.raises(SystemExit, match="only llmsched serve"):
+        bench.gateways(["direct@base"], "py", None, "/nowhere", "/main/python")
+
+
+def test_a_paired_gateway_is_measured_against_the_direct_load_beside_it() -> None:
+    results = bench.Results()
+    results.add(("direct", "stream", 1000.0), bench.figures_of(report((5.0, 9.0), (1.0, 2.0))))
+    results.add(
+        (bench.paired_name("gw"), "stream", 1000.0),
+        bench.figures_of(report((0.2, 0.4), (0.03, 0.05))),
+    )
+    results.add(("gw", "stream", 1000.0), bench.figures_of(report((0.3, 0.9), (0.05, 0.25))))
+    results.add(("other", "stream", 1000.0), bench.figures_of(report((5.5, 9.5), (1.0, 2.5))))
+    rows = {row.gateway: row for row in bench.rows_of(results)}
+    assert set(rows) == {"gw", "other"}, "no row for the direct loads themselves"
+    assert (rows["gw"].net_added_p50, rows["gw"].net_added_p99) == (
+        pytest.approx(0.1),
+        pytest.approx(0.5),
+    )
+    # A gateway without a pair falls back on the direct row.
+    assert rows["other"].net_added_p50 == pytest.approx(0.5)
+
+
+def test_paired_and_ladder_do_not_mix() -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--paired", "--ladder", "1000,2000"])

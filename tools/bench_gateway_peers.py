@@ -11,6 +11,30 @@ figure is the median over the repeats:
   measured window, per request sent;
 * added latency p50 / p99: the gateway's latency quantile minus the direct one of the same
   repeat; TTFT overhead p50 the same for the time to first token; ITL p99 of streams;
+* streamed, net of the engine (``stream net added p50 / p99``): a stream's latency is mostly
+  the fake engine's schedule (its tokens a timer's sleep apart, and tokio's timer wakes with
+  about a millisecond of jitter, more than a gateway adds), so the raw difference above reads
+  the engine's jitter, not the gateway. The engines therefore stamp every streamed event with
+  their clock (``llmsched-fake-engine --stamp``: ``CLOCK_MONOTONIC`` nanoseconds when the
+  request was read and when the event was handed to the connection; about 60 bytes more per
+  event, the same for every row) and the generator, on the same machine and clock, takes the
+  engine's time (its reading of the request to its last token event) out of each stream's
+  latency. What is left is the client's start to the engine's reading of the request (the
+  forward path: through a gateway its reading, parsing, routing and second connection) plus
+  the last token event's way from the engine to the client and the ``[DONE]`` after it; its
+  quantile through the gateway minus the direct one is the streamed added latency judged
+  against the same targets as JSON. ``relay added p50 / p99`` is the same for every token
+  event's way from the engine to the client (what a gateway adds to each chunk);
+* ``--paired``: each gateway's load runs at the same time as a direct load of the same rate
+  (a second generator, its own Poisson seed, on the same core), and the gateway's added
+  figures are taken against that direct load rather than against the direct row's own turn.
+  Whatever else runs on the machine then (another process on either core, the engines'
+  bursts) falls on both paths at once, so the difference no longer carries it; both paths'
+  requests share the engines and the client core, so neither is measured on an idle machine.
+  The direct loads of a pair are kept apart (``direct@<gateway>``) from the direct row;
+* a name ending in ``@base`` (``llmsched-serve-native-llm-d@base``) runs that gateway with
+  ``--base-python`` instead of ``--python``: another build (e.g. main's) interleaved with this
+  one in the same run;
 * errors: requests without a 200 and a complete answer (summed over the repeats, by kind);
   a peer with errors is not taken as the best peer;
 * idle CPU: percent of a core the gateway used over ``--idle-seconds`` before its first load;
@@ -53,10 +77,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, Literal, TypedDict
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -77,6 +102,14 @@ class Figures(TypedDict, total=False):
     itl_p99: float
     achieved_rate: float
     lag_p99: float
+    net_p50: float | None
+    net_p99: float | None
+    relay_p50: float | None
+    relay_p99: float | None
+
+
+StampedKey = Literal["net_p50", "net_p99", "relay_p50", "relay_p99"]
+"""The figures of stamped streams (see the module docs)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +237,8 @@ def start_engines(
             str(tokens),
             "--token-delay-ms",
             str(token_delay_ms),
+            # Streamed events carry the engine's clock (see the module docs).
+            "--stamp",
         ],
     )
     child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -218,12 +253,25 @@ def start_engines(
 
 
 def gateways(
-    names: Sequence[str], python: str, peers_python: str | None, native_bin: str
+    names: Sequence[str],
+    python: str,
+    peers_python: str | None,
+    native_bin: str,
+    base_python: str | None = None,
 ) -> list[Gateway]:
-    """The gateways asked for; a peer is skipped (with a message) when it is not installed."""
+    """The gateways asked for; a peer is skipped (with a message) when it is not installed.
+    ``llmsched-*@base`` runs ``llmsched serve`` with ``base_python`` (another build)."""
     found: list[Gateway] = []
     for name in names:
-        if name == "direct":
+        if name.endswith("@base"):
+            plain = name.removesuffix("@base")
+            if not plain.startswith("llmsched-") or plain.startswith("llmsched-native-"):
+                raise SystemExit(f"{name!r}: only llmsched serve rows take @base")
+            if base_python is None:
+                raise SystemExit(f"{name!r} needs --base-python")
+            (row,) = gateways([plain], base_python, None, native_bin)
+            found.append(Gateway(name, row.kind, row.mode, row.command))
+        elif name == "direct":
             found.append(Gateway(name, "direct", "none"))
         elif name in (
             "llmsched-llm-d",
@@ -301,7 +349,8 @@ def _router_of(name: str) -> str:
     """The router preset of an ``llmsched-*`` gateway name (``-nocache``: the native plane
     with ``tokenizer_cache_bytes: 0``)."""
     return (
-        name.removeprefix("llmsched-serve-native-")
+        name.removesuffix("@base")
+        .removeprefix("llmsched-serve-native-")
         .removeprefix("llmsched-")
         .removesuffix("-nocache")
     )
@@ -330,7 +379,7 @@ def gateway_command(
         }
         if tokenizer is not None:
             config["tokenizer"] = tokenizer
-        if gateway.name.endswith("-nocache"):
+        if gateway.name.removesuffix("@base").endswith("-nocache"):
             config["tokenizer_cache_bytes"] = 0
         path = work / f"{gateway.name}.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -361,6 +410,7 @@ def load(
     args: argparse.Namespace,
     stream: bool,
     pids: Sequence[int],
+    seed: int = 1,
 ) -> Figures:
     """One open-loop load through ``urls``; the generator's figures."""
     command = [
@@ -380,6 +430,8 @@ def load(
         str(args.prompt_words),
         "--timeout-s",
         "20",
+        "--seed",
+        str(seed),
         *(a for u in urls for a in ("--url", u)),
         *(a for p in pids for a in ("--cpu", f"gateway={p}")),
     ]
@@ -388,7 +440,16 @@ def load(
     if args.chat:
         command.append("--chat")
     out = subprocess.run(pinned(core, command), capture_output=True, text=True, check=True)
-    report = json.loads(out.stdout)
+    return figures_of(json.loads(out.stdout))
+
+
+def figures_of(report: dict[str, Any]) -> Figures:
+    """A generator report's figures (the stamped-stream ones None where it has none)."""
+
+    def stamped(summary: str, quantile: str) -> float | None:
+        found = report.get(summary) or {}
+        return float(found[quantile]) if found.get("n") else None
+
     return Figures(
         ok=report["ok"],
         errors=sum(report["errors"].values()),
@@ -400,6 +461,10 @@ def load(
         itl_p99=report["itl_ms"]["p99"],
         achieved_rate=report["achieved_rate"],
         lag_p99=report["lag_ms"]["p99"],
+        net_p50=stamped("net_latency_ms", "p50"),
+        net_p99=stamped("net_latency_ms", "p99"),
+        relay_p50=stamped("relay_ms", "p50"),
+        relay_p99=stamped("relay_ms", "p99"),
     )
 
 
@@ -421,7 +486,9 @@ def run(args: argparse.Namespace) -> Results:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             native = str(bin_dir / "llmsched-gateway")
-            chosen = gateways(args.gateways.split(","), args.python, args.peers_python, native)
+            chosen = gateways(
+                args.gateways.split(","), args.python, args.peers_python, native, args.base_python
+            )
             for repeat in range(args.repeats):
                 order = chosen[repeat % len(chosen) :] + chosen[: repeat % len(chosen)]
                 for gateway in order:
@@ -484,10 +551,28 @@ def run_gateway(
                 idle = (cpu_ns(pids) - before) / (args.idle_seconds * 1e9) * 100
                 results.idle.setdefault(gateway.name, []).append(idle)
             pids = descendants(child.pid)
-            figures = load(load_bin, args.client_core, [url], rate, args, answer == "stream", pids)
+            stream = answer == "stream"
+            if args.paired:
+                # The direct half of the pair, at once: another seed, so that the two
+                # schedules do not send at the same instants.
+                with ThreadPoolExecutor(2) as pool:
+                    direct = pool.submit(
+                        load, load_bin, args.client_core, engines, rate, args, stream, [], 2
+                    )
+                    figures = load(load_bin, args.client_core, [url], rate, args, stream, pids)
+                    paired = direct.result()
+                results.add((paired_name(gateway.name), answer, rate), paired)
+                report_line(paired_name(gateway.name), answer, rate, paired)
+            else:
+                figures = load(load_bin, args.client_core, [url], rate, args, stream, pids)
             results.add((gateway.name, answer, rate), figures)
             report_line(gateway.name, answer, rate, figures)
             held(answer, figures)
+
+
+def paired_name(gateway: str) -> str:
+    """The key of the direct loads run beside ``gateway``'s (``--paired``)."""
+    return f"direct@{gateway}"
 
 
 def holds(figures: Figures, p99_ms: float) -> bool:
@@ -497,10 +582,12 @@ def holds(figures: Figures, p99_ms: float) -> bool:
 
 def report_line(name: str, answer: str, rate: float, figures: Figures) -> None:
     """One load's figures as they come (the table follows at the end)."""
+    net = figures.get("net_p50")
+    stamped = "" if net is None else f" net p50 {net} p99 {figures.get('net_p99')} ms"
     print(
         f"  {name:24} {answer:6} {rate:6g}/s  cpu {figures.get('cpu_ms')} ms/req  "
         f"p50 {figures['latency_p50']} p99 {figures['latency_p99']} ttft {figures['ttft_p50']} ms"
-        f"  errors {figures['errors']} {figures.get('error_kinds') or ''}",
+        f"{stamped}  errors {figures['errors']} {figures.get('error_kinds') or ''}",
         flush=True,
     )
 
@@ -526,13 +613,18 @@ class Row:
     errors: int
     error_kinds: dict[str, int]
     repeats: int
+    net_added_p50: float | None = None
+    net_added_p99: float | None = None
+    relay_added_p50: float | None = None
+    relay_added_p99: float | None = None
 
     @property
     def mode(self) -> str:
         """round-robin or cache-aware (llmsched's llm-d preset counts as cache-aware)."""
         return (
             "round-robin"
-            if self.gateway.endswith(("round_robin", "round-robin")) or self.gateway == "bare-proxy"
+            if self.gateway.removesuffix("@base").endswith(("round_robin", "round-robin"))
+            or self.gateway == "bare-proxy"
             else ("cache-aware")
         )
 
@@ -541,9 +633,12 @@ def rows_of(results: Results) -> list[Row]:
     """Each gateway's medians beside the direct path of the same repeats."""
     rows: list[Row] = []
     for (name, answer, rate), runs in results.runs.items():
-        if name == "direct":
+        if name.startswith("direct"):
             continue
-        direct = results.runs.get(("direct", answer, rate), [])
+        # Against the direct loads run beside this gateway's where there are (--paired).
+        direct = results.runs.get(
+            (paired_name(name), answer, rate), results.runs.get(("direct", answer, rate), [])
+        )
         added = [
             (
                 f["latency_p50"] - d["latency_p50"],
@@ -552,6 +647,7 @@ def rows_of(results: Results) -> list[Row]:
             )
             for f, d in zip(runs, direct, strict=False)
         ]
+
         rows.append(
             Row(
                 gateway=name,
@@ -568,10 +664,26 @@ def rows_of(results: Results) -> list[Row]:
                     for kind in sorted({k for f in runs for k in f.get("error_kinds", {})})
                 },
                 repeats=len(runs),
+                net_added_p50=stamped_added(runs, direct, "net_p50"),
+                net_added_p99=stamped_added(runs, direct, "net_p99"),
+                relay_added_p50=stamped_added(runs, direct, "relay_p50"),
+                relay_added_p99=stamped_added(runs, direct, "relay_p99"),
             )
         )
     rows.sort(key=lambda r: (r.answer, r.rate))
     return rows
+
+
+def stamped_added(
+    runs: Sequence[Figures], direct: Sequence[Figures], key: StampedKey
+) -> float | None:
+    """The median over the repeats of a gateway's stamped-stream figure less the direct one of
+    the same repeat (None where either lacks it)."""
+    differences: list[float | None] = []
+    for mine, theirs in zip(runs, direct, strict=False):
+        a, b = mine.get(key), theirs.get(key)
+        differences.append(None if a is None or b is None else a - b)
+    return median(differences)
 
 
 def is_peer(name: str) -> bool:
@@ -616,8 +728,9 @@ def table(rows: Sequence[Row]) -> str:
     best = best_peers(rows)
     lines = [
         "| answer | rate/s | gateway | CPU ms/req | added p50 / p99 ms | TTFT overhead p50 ms "
+        "| stream net added p50 / p99 ms | relay added p50 / p99 ms "
         "| ITL p99 ms | errors | best peer | CPU ratio | added p50 ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         peer = best.get((row.answer, row.rate, row.mode))
@@ -625,6 +738,8 @@ def table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {row.answer} | {row.rate:g} | {row.gateway} | {_fmt(row.cpu_ms)} | "
             f"{_fmt(row.added_p50)} / {_fmt(row.added_p99)} | {_fmt(row.ttft_overhead_p50)} | "
+            f"{_fmt(row.net_added_p50)} / {_fmt(row.net_added_p99)} | "
+            f"{_fmt(row.relay_added_p50)} / {_fmt(row.relay_added_p99)} | "
             f"{_fmt(row.itl_p99)} | {_errors(row)} | {versus.gateway if versus else '-'} | "
             f"{_ratio(row.cpu_ms, versus.cpu_ms) if versus else '-'} | "
             f"{_ratio(row.added_p50, versus.added_p50) if versus else '-'} |"
@@ -725,6 +840,9 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bin", default=str(ROOT / "target" / "release"))
     parser.add_argument("--python", default=sys.executable, help="runs llmsched serve")
     parser.add_argument("--peers-python", default=None, help="the peers' environment's python")
+    parser.add_argument(
+        "--base-python", default=None, help="runs the llmsched-*@base rows (another build)"
+    )
     parser.add_argument("--answers", default="json,stream")
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer")
     parser.add_argument("--token-delay-ms", type=float, default=1.0, help="between streamed tokens")
@@ -758,6 +876,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--idle-seconds", type=float, default=2.0, help="idle CPU measured this long (0: not)"
     )
     parser.add_argument("--short", action="store_true", help="one repeat of 2 s at 300 req/s")
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="a direct load beside each gateway's, the added figures against it (see above)",
+    )
     parser.add_argument("--json-out", default=None, help="also write the rows here")
     parser.add_argument(
         "--ladder",
@@ -773,6 +896,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.idle_seconds = min(args.idle_seconds, 1.0)
     if args.repeats < 1 or args.seconds <= 0:
         parser.error("--repeats and --seconds must be positive")
+    if args.ladder and args.paired:
+        parser.error("--paired measures added latency; a --ladder runs without it")
     if args.ladder:  # after --short: its rates give way
         try:
             rates = [float(r) for r in args.ladder.split(",") if r]

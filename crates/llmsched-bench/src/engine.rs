@@ -9,6 +9,9 @@
 //! vLLM-style `GET /metrics` (live running count, KV usage, success and token counters) and
 //! `GET /stats` (this fake's own counters as JSON, for tests) complete it.
 //!
+//! With [`EngineConfig::stamp`] each streamed event also carries the engine's clock
+//! ([`crate::stamp`]), so that a client can tell the engine's schedule from the path's delay.
+//!
 //! Faults are scripted per engine ([`EngineConfig::mode`]), every n-th request
 //! ([`EngineConfig::faults`]), or per request with a body field `x_fake_mode` (it wins):
 //! see [`Mode`]. Accepted sockets get `TCP_NODELAY`, so a small event is never held back by
@@ -135,6 +138,8 @@ pub struct EngineConfig {
     pub max_body: usize,
     /// The denominator of the KV usage reported in `/metrics`.
     pub max_num_seqs: usize,
+    /// Stamp each streamed event with the engine's clock ([`crate::stamp`]).
+    pub stamp: bool,
 }
 
 impl Default for EngineConfig {
@@ -149,6 +154,7 @@ impl Default for EngineConfig {
             faults: Vec::new(),
             max_body: 16 << 20,
             max_num_seqs: 256,
+            stamp: false,
         }
     }
 }
@@ -294,6 +300,7 @@ impl Engine {
             }
             Err(err) => return Err(io::Error::other(err)),
         };
+        let received_ns = crate::stamp::monotonic_ns();
         let Ok(body) = serde_json::from_slice::<Value>(&raw) else {
             return Ok(self.reject(StatusCode::BAD_REQUEST, "the body is not valid JSON"));
         };
@@ -429,7 +436,9 @@ impl Engine {
         if breaks.is_some() {
             events.truncate(1);
         }
-        Ok(respond(StatusCode::OK, content_type, AnswerBody::new(events, breaks, None, guard)))
+        let mut answer = AnswerBody::new(events, breaks, None, guard);
+        answer.stamp = self.config.stamp.then_some(received_ns);
+        Ok(respond(StatusCode::OK, content_type, answer))
     }
 
     fn reject(&self, status: StatusCode, message: &str) -> Answer {
@@ -591,6 +600,8 @@ struct AnswerBody {
     length: Option<u64>,
     flushed: bool,
     guard: InFlight,
+    /// The engine's reading of the request, when events are stamped.
+    stamp: Option<u64>,
 }
 
 impl AnswerBody {
@@ -602,7 +613,7 @@ impl AnswerBody {
     ) -> Self {
         let mut events = events.into_iter();
         let next = events.next();
-        AnswerBody { events, next, sleep: None, breaks, length, flushed: false, guard }
+        AnswerBody { events, next, sleep: None, breaks, length, flushed: false, guard, stamp: None }
     }
 }
 
@@ -645,7 +656,10 @@ impl Body for AnswerBody {
             }
             this.sleep = None;
         }
-        let (data, _) = this.next.take().expect("checked above");
+        let (mut data, _) = this.next.take().expect("checked above");
+        if let Some(received) = this.stamp {
+            data = crate::stamp::stamp(&data, received, crate::stamp::monotonic_ns()).into();
+        }
         this.next = this.events.next();
         if this.next.is_none() && this.breaks.is_none() {
             // The last frame: hyper may not poll again once the body says it has ended.

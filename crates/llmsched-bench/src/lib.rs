@@ -7,6 +7,7 @@ pub mod args;
 pub mod bare;
 pub mod engine;
 pub mod load;
+pub mod stamp;
 
 /// A tokio runtime of `threads` threads: one thread is a current-thread runtime (everything on
 /// the thread that runs it, no cross-thread wake-ups), more a multi-thread one.

@@ -14,6 +14,9 @@
 //! `data: [DONE]` or a JSON answer that does not parse (`incomplete`), or the per-request timeout
 //! (`timeout`); requests that would pass `max_in_flight` are not sent and count as `overload`.
 //!
+//! Streams from an engine that stamps its events (`llmsched-fake-engine --stamp`) are also
+//! measured against the engine's clock: forward, relay and net latency ([`crate::stamp`]).
+//!
 //! The first `warmup` seconds of the schedule are sent but not measured. The CPU time of the
 //! processes named in `cpu_pids` (every thread's run time, [`cpu_seconds`]) is read when
 //! the measured window opens and again when its last request has finished, and reported per
@@ -179,6 +182,13 @@ pub struct Report {
     pub itl_ms: Summary,
     /// How late each measured start was against its schedule.
     pub lag_ms: Summary,
+    /// Streams whose engine stamped its events ([`crate::stamp`]; empty otherwise): the
+    /// client's start to the engine's reading of the request.
+    pub forward_ms: Summary,
+    /// Stamped streams: each event's hand-over at the engine to its arrival here.
+    pub relay_ms: Summary,
+    /// Stamped streams: the latency less the engine's own time (see [`crate::stamp`]).
+    pub net_latency_ms: Summary,
     /// CPU milliseconds per measured request of the processes in `cpu_pids`, summed by label.
     pub cpu_ms_per_request: BTreeMap<String, f64>,
 }
@@ -193,6 +203,7 @@ struct Timing {
     latency: f64,
     ttft: f64,
     gaps: Vec<f64>,
+    stamped: Option<crate::stamp::StreamTimes>,
 }
 
 /// CPU seconds (user + system, every thread) of process `pid`: the nanosecond run times of
@@ -370,6 +381,7 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
         report.errors.insert("overload".into(), overload);
     }
     let (mut latencies, mut ttfts, mut gaps) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut forwards, mut relays, mut nets) = (Vec::new(), Vec::new(), Vec::new());
     for record in records.into_iter().filter(|r| r.measured) {
         match record.outcome {
             Ok(timing) => {
@@ -377,6 +389,11 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
                 latencies.push(timing.latency);
                 ttfts.push(timing.ttft);
                 gaps.extend(timing.gaps);
+                if let Some(stamped) = timing.stamped {
+                    forwards.push(stamped.forward);
+                    relays.extend(stamped.relay);
+                    nets.push(stamped.net_latency);
+                }
             }
             Err(kind) => *report.errors.entry(kind).or_default() += 1,
         }
@@ -386,6 +403,9 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     report.ttft_ms = Summary::of(ttfts);
     report.itl_ms = Summary::of(gaps);
     report.lag_ms = Summary::of(lags);
+    report.forward_ms = Summary::of(forwards);
+    report.relay_ms = Summary::of(relays);
+    report.net_latency_ms = Summary::of(nets);
     let sent = (scheduled - overload).max(1) as f64;
     for (((label, _), before), after) in config.cpu_pids.iter().zip(cpu_before).zip(cpu_after) {
         if let (Some(before), Some(after)) = (before, after) {
@@ -407,6 +427,9 @@ async fn send(
     stream: bool,
 ) -> Result<Timing, String> {
     let started = Instant::now();
+    let started_ns = crate::stamp::monotonic_ns();
+    // Stamped events (received, sent) with their arrival here, nanoseconds.
+    let mut stamps: Vec<((u64, u64), u64)> = Vec::new();
     let response = client.request(request).await.map_err(|_| "connect".to_string())?;
     let status = response.status();
     let mut body = response.into_body();
@@ -418,6 +441,7 @@ async fn send(
         let frame = frame.map_err(|_| "body".to_string())?;
         let Some(data) = frame.data_ref() else { continue };
         let now = Instant::now();
+        let now_ns = if stream { crate::stamp::monotonic_ns() } else { 0 };
         if !stream {
             first.get_or_insert(now);
             pending.extend_from_slice(data);
@@ -432,12 +456,16 @@ async fn send(
                 done = true;
             } else if event.starts_with(b"data:") {
                 events.push(now);
+                if let Some(stamp) = crate::stamp::read(event) {
+                    stamps.push((stamp, now_ns));
+                }
             }
             start += end + 2;
         }
         pending.drain(..start);
     }
     let finished = Instant::now();
+    let finished_ns = crate::stamp::monotonic_ns();
     if !status.is_success() {
         return Err(format!("status_{}", status.as_u16()));
     }
@@ -454,6 +482,7 @@ async fn send(
         latency: since(finished),
         ttft: since(first.unwrap_or(finished)),
         gaps: events.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect(),
+        stamped: crate::stamp::stream_times(started_ns, finished_ns, &stamps),
     })
 }
 

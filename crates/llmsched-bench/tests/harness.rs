@@ -455,3 +455,55 @@ fn the_bare_proxy_relays_json_and_streams_to_each_engine_in_turn() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+#[test]
+fn stamped_streams_carry_the_engine_clock_and_the_generator_reads_it() {
+    let engines = Engines::start(&["--model", "tiny", "--answer-tokens", "3", "--stamp"]);
+    let port = engines.ports[0];
+    let body = r#"{"model":"tiny","prompt":"hi","stream":true,"max_tokens":3}"#;
+    let streamed = events(&request(port, "POST", "/v1/completions", body));
+    assert_eq!(streamed.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> =
+        streamed[..streamed.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks.len(), 3);
+    let received = chunks[0]["x_received_ns"].as_u64().unwrap();
+    let mut last = received;
+    for chunk in &chunks {
+        assert_eq!(chunk["x_received_ns"].as_u64(), Some(received), "one reading per request");
+        let sent = chunk["x_sent_ns"].as_u64().unwrap();
+        assert!(sent >= last, "sent after the request was read, in order");
+        last = sent;
+    }
+    // A JSON answer is left as it was (its declared length holds).
+    let json = request(port, "POST", "/v1/completions", r#"{"model":"tiny","prompt":"hi"}"#);
+    assert_eq!(json.status(), 200);
+    assert!(!json.text().contains("x_sent_ns"));
+
+    let report = load(&[
+        "--url",
+        &url(port),
+        "--rate",
+        "100",
+        "--duration",
+        "0.3",
+        "--arrivals",
+        "uniform",
+        "--stream",
+        "--max-tokens",
+        "3",
+    ]);
+    let ok = report["ok"].as_u64().unwrap();
+    assert_eq!(ok, 30);
+    assert_eq!(report["net_latency_ms"]["n"].as_u64(), Some(ok));
+    assert_eq!(report["forward_ms"]["n"].as_u64(), Some(ok));
+    assert_eq!(report["relay_ms"]["n"].as_u64(), Some(3 * ok), "every token event");
+    // The net latency leaves the engine's schedule out: never more than the latency.
+    assert!(report["net_latency_ms"]["p50"].as_f64() <= report["latency_ms"]["p50"].as_f64());
+
+    // Unstamped streams report no stamped figures.
+    let plain = Engines::start(&["--model", "tiny"]);
+    let report =
+        load(&["--url", &url(plain.ports[0]), "--rate", "100", "--duration", "0.2", "--stream"]);
+    assert_eq!(report["net_latency_ms"]["n"], 0);
+    assert_eq!(report["relay_ms"]["n"], 0);
+}

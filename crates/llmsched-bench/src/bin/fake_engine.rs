@@ -11,7 +11,7 @@ use llmsched_bench::engine::{self, EngineConfig, Fault, Mode};
 const USAGE: &str = "llmsched-fake-engine [--engines N] [--host 127.0.0.1] [--port P (first \
 port, 0 = free ones)] [--model NAME] [--answer-tokens N] [--first-token-delay-ms MS] \
 [--token-delay-ms MS] [--slow-delay-ms MS] [--mode MODE] [--fault MODE:EVERY ...] \
-[--max-body BYTES] [--threads N]\nmodes: ok drop error500 error503 stall headers slow cut hang";
+[--max-body BYTES] [--threads N] [--stamp (engine timestamps in streamed events)]\nmodes: ok drop error500 error503 stall headers slow cut hang";
 
 fn main() {
     if let Err(problem) = run() {
@@ -25,7 +25,7 @@ fn ms(value: f64, name: &str) -> Result<Duration, String> {
 }
 
 fn run() -> Result<(), String> {
-    let args = Args::parse(std::env::args().skip(1), &["help"])?;
+    let args = Args::parse(std::env::args().skip(1), &["help", "stamp"])?;
     if args.switch("help") {
         println!("{USAGE}");
         return Ok(());
@@ -44,6 +44,7 @@ fn run() -> Result<(), String> {
         "max-body",
         "threads",
         "help",
+        "stamp",
     ])?;
     let engines: usize = args.get("engines", 1)?;
     let host: IpAddr = args.get("host", IpAddr::from([127, 0, 0, 1]))?;
@@ -61,6 +62,7 @@ fn run() -> Result<(), String> {
         mode: args.get("mode", Mode::Ok)?,
         faults: args.all::<Fault>("fault")?,
         max_body: args.get("max-body", 16usize << 20)?,
+        stamp: args.switch("stamp"),
         ..EngineConfig::default()
     };
     let runtime = llmsched_bench::runtime(threads).map_err(|e| e.to_string())?;

@@ -1,0 +1,168 @@
+//! Engine timestamps in streamed events, so that what a gateway adds to a stream can be told
+//! apart from the fake engine's own schedule.
+//!
+//! A streamed answer's latency is mostly the engine's: its tokens come a timer's sleep apart,
+//! and tokio's timer wakes with about a millisecond of jitter, more than a gateway adds. With
+//! stamping on (`llmsched-fake-engine --stamp`) every `data: {...}` event of a stream carries
+//! two more JSON fields, [`RECEIVED`] (when the engine had read the request) and [`SENT`]
+//! (when it handed the event to its connection), both nanoseconds of `CLOCK_MONOTONIC`
+//! ([`monotonic_ns`]), the clock the generator reads too (one machine). From them the
+//! generator measures, per request:
+//!
+//! * forward: the request's start at the client to its arrival at the engine (through the
+//!   gateway: reading, parsing, routing, the second connection);
+//! * relay: for each event, its hand-over at the engine to its arrival at the client (through
+//!   the gateway: one more read and write per event);
+//! * net latency: the latency less the engine's time (its first reading of the request to its
+//!   last stamped event): forward + the last event's relay + the `[DONE]` after it.
+//!
+//! The gateway's added streamed latency is then the net latency's quantile through it minus
+//! the direct one: the engine's timer jitter is no longer in either. The stamps are fields a
+//! client ignores (the gateways relay events unchanged), about 60 bytes per event.
+
+/// The field with the engine's reading of the request, nanoseconds of `CLOCK_MONOTONIC`.
+pub const RECEIVED: &str = "x_received_ns";
+/// The field with the event's hand-over at the engine, nanoseconds of `CLOCK_MONOTONIC`.
+pub const SENT: &str = "x_sent_ns";
+
+/// Nanoseconds of `CLOCK_MONOTONIC` (what `std::time::Instant` reads on Linux, as a number
+/// that two processes on one machine can compare).
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `now` is a valid timespec for clock_gettime to fill; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// `event` (`data: {...}\n\n`) with the two stamps added as the object's last fields; any
+/// other event (`data: [DONE]`, a comment) unchanged.
+pub fn stamp(event: &[u8], received_ns: u64, sent_ns: u64) -> Vec<u8> {
+    let Some(body) = event.strip_suffix(b"}\n\n").filter(|_| event.starts_with(b"data: {")) else {
+        return event.to_vec();
+    };
+    let mut out = Vec::with_capacity(event.len() + 64);
+    out.extend_from_slice(body);
+    // An empty object takes no comma.
+    if !body.ends_with(b"{") {
+        out.push(b',');
+    }
+    out.extend_from_slice(
+        format!("\"{RECEIVED}\":{received_ns},\"{SENT}\":{sent_ns}}}\n\n").as_bytes(),
+    );
+    out
+}
+
+/// The stamps of one event (its bytes without the blank line that ends it): (received, sent),
+/// or None when it carries none.
+pub fn read(event: &[u8]) -> Option<(u64, u64)> {
+    Some((field(event, RECEIVED)?, field(event, SENT)?))
+}
+
+/// The unsigned integer after `"name":` in `event` (the last occurrence: the stamps are the
+/// object's last fields, after anything a prompt could have put in it).
+fn field(event: &[u8], name: &str) -> Option<u64> {
+    let key = format!("\"{name}\":");
+    let at = event.windows(key.len()).rposition(|w| w == key.as_bytes())? + key.len();
+    let digits = event[at..].iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 || digits > 20 {
+        return None;
+    }
+    std::str::from_utf8(&event[at..at + digits]).ok()?.parse().ok()
+}
+
+/// What the stamps of one stream give, in seconds (see the module docs).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StreamTimes {
+    /// Client start to the engine's reading of the request.
+    pub forward: f64,
+    /// Per stamped event: engine hand-over to client arrival.
+    pub relay: Vec<f64>,
+    /// Latency less the engine's time (first reading to last stamped event).
+    pub net_latency: f64,
+}
+
+/// The times of a stream that started at `started_ns`, ended at `finished_ns` and whose
+/// stamped events (received, sent) arrived at the client at the given times (all
+/// nanoseconds of `CLOCK_MONOTONIC`); None without a stamped event.
+pub fn stream_times(
+    started_ns: u64,
+    finished_ns: u64,
+    events: &[((u64, u64), u64)],
+) -> Option<StreamTimes> {
+    let &((received, _), _) = events.first()?;
+    let &((_, last_sent), _) = events.last()?;
+    let seconds = |from: u64, to: u64| (to as f64 - from as f64) / 1e9;
+    Some(StreamTimes {
+        forward: seconds(started_ns, received),
+        relay: events.iter().map(|&((_, sent), arrived)| seconds(sent, arrived)).collect(),
+        // latency - (last_sent - received)
+        net_latency: seconds(started_ns, finished_ns) - seconds(received, last_sent),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stamped_event_reads_back_and_stays_json() {
+        let event = b"data: {\"id\":\"cmpl-1\",\"choices\":[{\"text\":\" t0\"}]}\n\n";
+        let stamped = stamp(event, 12, 3_456_789_012_345);
+        let text = std::str::from_utf8(&stamped).unwrap();
+        assert!(text.starts_with("data: {") && text.ends_with("}\n\n"), "{text}");
+        let json: serde_json::Value =
+            serde_json::from_str(text.trim_start_matches("data: ").trim_end()).unwrap();
+        assert_eq!(json["x_received_ns"], 12);
+        assert_eq!(json["x_sent_ns"], 3_456_789_012_345u64);
+        assert_eq!(json["choices"][0]["text"], " t0");
+        assert_eq!(read(stamped.strip_suffix(b"\n\n").unwrap()), Some((12, 3_456_789_012_345)));
+    }
+
+    #[test]
+    fn other_events_pass_unchanged_and_read_none() {
+        for event in [&b"data: [DONE]\n\n"[..], b": comment\n\n", b"data: {\"a\":1}"] {
+            assert_eq!(stamp(event, 1, 2), event.to_vec());
+        }
+        assert_eq!(
+            stamp(b"data: {}\n\n", 1, 2),
+            b"data: {\"x_received_ns\":1,\"x_sent_ns\":2}\n\n"
+        );
+        assert_eq!(read(b"data: [DONE]"), None);
+        assert_eq!(read(b"data: {\"x_sent_ns\":5}"), None, "both stamps or none");
+        assert_eq!(read(b"data: {\"x_received_ns\":,\"x_sent_ns\":5}"), None);
+        assert_eq!(read(b"data: {\"x_received_ns\":-1,\"x_sent_ns\":5}"), None);
+        assert_eq!(
+            read(b"data: {\"x_received_ns\":99999999999999999999999,\"x_sent_ns\":5}"),
+            None
+        );
+    }
+
+    #[test]
+    fn the_last_stamp_wins_over_text_that_looks_like_one() {
+        // A prompt echoed into the text cannot forge the engine's stamps.
+        let event = b"data: {\"text\":\"\\\"x_sent_ns\\\":1\"}\n\n";
+        let stamped = stamp(event, 7, 9);
+        assert_eq!(read(&stamped), Some((7, 9)));
+    }
+
+    #[test]
+    fn stream_times_take_the_engine_out() {
+        // Started at 1000; the engine read it at 1300, sent at 1400 and 9400; the client got
+        // them at 1500 and 9450 and the end at 9500.
+        let times = stream_times(1_000, 9_500, &[((1_300, 1_400), 1_500), ((1_300, 9_400), 9_450)])
+            .unwrap();
+        assert!((times.forward - 300e-9).abs() < 1e-15);
+        assert_eq!(times.relay.len(), 2);
+        assert!((times.relay[0] - 100e-9).abs() < 1e-15 && (times.relay[1] - 50e-9).abs() < 1e-15);
+        // 8500 ns of latency less 8100 ns at the engine.
+        assert!((times.net_latency - 400e-9).abs() < 1e-15);
+        assert_eq!(stream_times(0, 1, &[]), None);
+    }
+
+    #[test]
+    fn the_clock_moves_forward() {
+        let a = monotonic_ns();
+        let b = monotonic_ns();
+        assert!(a > 0 && b >= a);
+    }
+}
