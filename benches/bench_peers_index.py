@@ -37,6 +37,10 @@ To iterate on some lookup forms, ``--forms "tokens list cold,tokens numpy"`` tim
 ``Router.pick`` figures, and ``--sequences N`` stores fewer sequences at the size's block size
 and worker count (the large size needs about 6 GB with its 100,000).
 
+``--only threads`` times two threads against one for every lookup form, ``--repeat`` times,
+llmsched alone (Dynamo's wheel does not load on free-threaded CPython): ``make bench-threads``
+runs it on the interpreter of ``make build`` and on 3.13t (``make build-freethreaded``).
+
 ``--only ingest`` times the ingest alone (``--repeat`` fresh indexes of each, interleaved) and
 cross-checks the queries against Dynamo, for iterating on the ingest path; ``--workload DIR``
 keeps each size's built workload in DIR and reuses it.
@@ -254,16 +258,29 @@ def timed_fresh(
     return max(rates), statistics.median(lat)
 
 
-def threaded(fn: Callable[[object], object], args: Sequence[object], threads: int) -> float:
-    """Calls/s of ``threads`` threads each running ``fn`` over all of ``args``."""
+def own_copies(args: Sequence[object]) -> list[object]:
+    """``args`` with each distinct input copied once (an input repeated stays one object, in
+    the cache)."""
+    copies: dict[int, object] = {}
+    for a in args:
+        if id(a) not in copies:
+            copies[id(a)] = a.copy()  # type: ignore[attr-defined]
+    return [copies[id(a)] for a in args]
 
-    def spin() -> None:
-        for a in args:
+
+def threaded(fn: Callable[[object], object], args: Sequence[object], threads: int) -> float:
+    """Calls/s of ``threads`` threads each running ``fn`` over all of ``args``, each thread over
+    its own copies (a caller's list is its own: on free-threaded CPython, two threads reading
+    one list take turns on its lock)."""
+    own = [own_copies(args) for _ in range(threads)]
+
+    def spin(mine: list[object]) -> None:
+        for a in mine:
             fn(a)
 
     best = 0.0
     for _ in range(3):
-        pool = [threading.Thread(target=spin) for _ in range(threads)]
+        pool = [threading.Thread(target=spin, args=(own[t],)) for t in range(threads)]
         t0 = time.perf_counter()
         for th in pool:
             th.start()
@@ -373,6 +390,58 @@ def run_ingest(
     print(f"   llmsched per CPU second, M blocks: {max(ours_cpu) / 1e6:.2f} (runs: {each_cpu})")
     if tree is not None:
         print(f"   cross-check with Dynamo: {differing} of {len(wl.queries)} queries differ")
+    return fig
+
+
+def run_threads(size: Size, repeat: int, cache: Path | None) -> dict[str, float]:
+    """Two threads against one for every lookup form, ``repeat`` times (llmsched alone: for
+    interpreters Dynamo's wheel does not load on, such as free-threaded CPython). The forms'
+    answers are cross-checked against each other first."""
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    print(
+        f"\n== {size.name}: bs{size.block_size}, {size.workers} workers, {size.sequences:,} seqs; "
+        f"Python {sys.version.split()[0]}, GIL {'on' if gil else 'off'}"
+    )
+    wl = cached_build(size, None, cache)
+    gc.collect()
+    gc.freeze()
+    index, _, _ = ingest_llmsched(wl, size.block_size)
+    token_lists = [q.tolist() for q in wl.queries]
+    hashes_np = [index.hash_tokens(q) for q in wl.queries]
+    differing = 0
+    for i, q in enumerate(wl.queries):
+        got = index.match_tokens(q, now=0.0).as_dict()
+        views = [
+            index.match(hashes_np[i], now=0.0).as_dict(),
+            index.match(hashes_np[i].tolist(), now=0.0).as_dict(),
+            index.match_tokens(token_lists[i], now=0.0).as_dict(),
+        ]
+        differing += any(v != got for v in views)
+    print(f"   cross-check between the forms: {differing} of {len(wl.queries)} queries differ")
+    forms: dict[str, tuple[Callable[[object], object], Sequence[object]]] = {
+        "hashes numpy": (lambda h: index.match(h, now=0.0), hashes_np),
+        "hashes list": (lambda h: index.match(h, now=0.0), [h.tolist() for h in hashes_np[:2]]),
+        "hashes list cold": (lambda h: index.match(h, now=0.0), [h.tolist() for h in hashes_np]),
+        "tokens numpy": (lambda q: index.match_tokens(q, now=0.0), wl.queries),
+        "tokens list": (lambda q: index.match_tokens(q, now=0.0), token_lists[:2]),
+        "tokens list cold": (lambda q: index.match_tokens(q, now=0.0), token_lists),
+    }
+    fig: dict[str, float] = {"differing": differing}
+    for name in THREAD_FORMS:
+        fn, args = forms[name]
+        if len(args) == 2:  # in the cache, as a list just made is: cycle through two
+            args = list(args) * (len(wl.queries) // 2)
+        ratios = []
+        for _ in range(repeat):
+            one = threaded(fn, args, 1)
+            ratios.append(threaded(fn, args, 2) / one)
+        fig[f"threads {name}"] = statistics.median(ratios)
+        print(
+            f"   {name:16s}: one thread {one:>9,.0f}/s, two threads / one "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x (runs: "
+            + ", ".join(f"{r:.2f}" for r in ratios)
+            + f"); load {os.getloadavg()[0]:.2f}"
+        )
     return fig
 
 
@@ -672,13 +741,17 @@ def main(argv: list[str] | None = None) -> int:
         "--sequences", type=int, help="store this many sequences (default: the size's)"
     )
     parser.add_argument(
-        "--only", choices=["ingest"], help="time the ingest alone (and cross-check with Dynamo)"
+        "--only",
+        choices=["ingest", "threads"],
+        help="time the ingest alone (and cross-check with Dynamo), or two threads against one "
+        "for every lookup form (llmsched alone)",
     )
     parser.add_argument(
         "--repeat",
         type=int,
         default=3,
-        help="with --only ingest: fresh indexes of each, interleaved",
+        help="with --only ingest: fresh indexes of each, interleaved; with --only threads: "
+        "ratios per form",
     )
     parser.add_argument(
         "--workload", type=Path, metavar="DIR", help="keep built workloads in DIR and reuse them"
@@ -688,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_of:
         memory_of(args.memory_of[0], Path(args.memory_of[1]))
         return 0
-    dynamo, why = load_dynamo(not args.no_install)
+    dynamo, why = (None, "") if args.only == "threads" else load_dynamo(not args.no_install)
     names = ["small", "large"] if args.size == "both" else [args.size]
     only = [f.strip() for f in args.forms.split(",") if f.strip()]
     unknown = [f for f in only if f not in PEER_OF]
@@ -701,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
             size = replace(size, sequences=args.sequences)
         if args.only == "ingest":
             fig = run_ingest(size, dynamo, why, args.repeat, args.workload)
+        elif args.only == "threads":
+            fig = run_threads(size, args.repeat, args.workload)
         else:
             fig = run(size, dynamo, why, only, args.workload)
         bad += int(fig["differing"])
