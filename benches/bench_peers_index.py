@@ -39,7 +39,7 @@ and worker count (the large size needs about 6 GB with its 100,000).
 
 ``--only threads`` times two threads against one for every lookup form, ``--repeat`` times,
 llmsched alone (Dynamo's wheel does not load on free-threaded CPython): ``make bench-threads``
-runs it on the interpreter of ``make build`` and on 3.13t (``make build-freethreaded``).
+runs it on the interpreter of ``make build`` and on 3.14t (``make build-freethreaded``).
 
 ``--only ingest`` times the ingest alone (``--repeat`` fresh indexes of each, interleaved) and
 cross-checks the queries against Dynamo, for iterating on the ingest path; ``--workload DIR``

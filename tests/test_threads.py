@@ -1,6 +1,6 @@
 """Threads sharing one index and one router, checked against the pure-Python twins.
 
-Runs on every interpreter; on free-threaded CPython (3.13t, `make test-freethreaded`) the threads
+Runs on every interpreter; on free-threaded CPython (3.14t, `make test-freethreaded`) the threads
 really run at once, and the extension must leave the GIL disabled when imported.
 """
 
@@ -98,7 +98,9 @@ def test_store_remove_match_and_pick_at_once_agree_with_the_twins() -> None:
 
     queries = _chains(rng, system, 24)
     depths = [{w: v[0] for w, v in twin.match(twin.hash_tokens(q)).items()} for q in queries]
-    best = [decide(CONFIG, refs, d, len(q), BLOCK).best for q, d in zip(queries, depths)]
+    best = [
+        decide(CONFIG, refs, d, len(q), BLOCK).best for q, d in zip(queries, depths, strict=True)
+    ]
     # The queries match alike neither in depths nor in where they go.
     assert len({tuple(sorted(d.items())) for d in depths}) > 1
     assert len({tuple(b) for b in best}) > 1
@@ -135,7 +137,7 @@ def test_store_remove_match_and_pick_at_once_agree_with_the_twins() -> None:
     def read(form: int) -> None:
         rounds = 0
         while not done.is_set() or rounds < 3:
-            for q, want in zip(queries, depths):
+            for q, want in zip(queries, depths, strict=True):
                 if form == 0:
                     m = index.match_tokens(q)
                 elif form == 1:
@@ -151,7 +153,7 @@ def test_store_remove_match_and_pick_at_once_agree_with_the_twins() -> None:
     def pick(form: int) -> None:
         rounds = 0
         while not done.is_set() or rounds < 3:
-            for q, want, ok in zip(queries, depths, best):
+            for q, want, ok in zip(queries, depths, best, strict=True):
                 tokens: Any = q if form == 0 else np.asarray(q, dtype=np.uint32)
                 d = router.pick(tokens=tokens, now=0.0)
                 if d.endpoint not in ok:

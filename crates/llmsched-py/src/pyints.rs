@@ -12,7 +12,7 @@
 //! - else through `PyLong_AsUnsignedLongLong` and `PyList_GetItem` / `PyTuple_GetItem`.
 //!
 //! The object header is that of the interpreter the extension was built for: 16 bytes in the
-//! GIL-enabled builds (the stable ABI's), 32 in the free-threaded ones (3.13t: thread id, mutex,
+//! GIL-enabled builds (the stable ABI's), 32 in the free-threaded ones (3.14t: thread id, mutex,
 //! local and shared refcounts); the offsets below follow `ffi::PyObject`. A list is read inside a
 //! critical section on it: without the GIL, another thread could otherwise resize it, or drop
 //! its items, while they are read (a no-op with the GIL, which already excludes that).
@@ -41,7 +41,7 @@ enum Layout {
 }
 
 /// The head of a `list` (`PyVarObject` then the item array), stable from 3.10 on (and in
-/// 3.13t, after its longer object header); checked by the self-test before use.
+/// 3.14t, after its longer object header); checked by the self-test before use.
 #[repr(C)]
 struct RawList {
     head: [u8; HEAD],
