@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import pickle
 import statistics
@@ -268,26 +269,41 @@ def own_copies(args: Sequence[object]) -> list[object]:
     return [copies[id(a)] for a in args]
 
 
-def threaded(fn: Callable[[object], object], args: Sequence[object], threads: int) -> float:
+def threaded(
+    fn: Callable[[object], object], args: Sequence[object], threads: int
+) -> tuple[float, float]:
     """Calls/s of ``threads`` threads each running ``fn`` over all of ``args``, each thread over
     its own copies (a caller's list is its own: on free-threaded CPython, two threads reading
-    one list take turns on its lock)."""
+    one list take turns on its lock), best of 3; and the process CPU seconds per call in that
+    pass (on a machine other work keeps busy, the rate cannot double, but a per-call CPU that
+    stays flat shows that the threads do not slow each other down)."""
     own = [own_copies(args) for _ in range(threads)]
 
     def spin(mine: list[object]) -> None:
-        for a in mine:
-            fn(a)
+        for _ in range(rounds):
+            for a in mine:
+                fn(a)
 
-    best = 0.0
+    # Enough passes over the inputs that a thread runs for a quarter of a second or more: one
+    # pass of 300 hash lookups is under a millisecond, shorter than starting the threads.
+    t0 = time.perf_counter()
+    for a in own[0]:
+        fn(a)
+    rounds = max(1, math.ceil(0.25 / max(time.perf_counter() - t0, 1e-6)))
+
+    best, cpu = 0.0, 0.0
+    calls = threads * rounds * len(args)
     for _ in range(3):
         pool = [threading.Thread(target=spin, args=(own[t],)) for t in range(threads)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for th in pool:
             th.start()
         for th in pool:
             th.join()
-        best = max(best, threads * len(args) / (time.perf_counter() - t0))
-    return best
+        rate = calls / (time.perf_counter() - t0)
+        if rate > best:
+            best, cpu = rate, (time.process_time() - c0) / calls
+    return best, cpu
 
 
 def dynamo_depths(scores: object) -> dict[int, int]:
@@ -431,16 +447,18 @@ def run_threads(size: Size, repeat: int, cache: Path | None) -> dict[str, float]
         fn, args = forms[name]
         if len(args) == 2:  # in the cache, as a list just made is: cycle through two
             args = list(args) * (len(wl.queries) // 2)
-        ratios = []
+        ratios, cpus = [], []
         for _ in range(repeat):
-            one = threaded(fn, args, 1)
-            ratios.append(threaded(fn, args, 2) / one)
+            one, cpu_one = threaded(fn, args, 1)
+            two, cpu_two = threaded(fn, args, 2)
+            ratios.append(two / one)
+            cpus.append(cpu_two / cpu_one)
         fig[f"threads {name}"] = statistics.median(ratios)
         print(
             f"   {name:16s}: one thread {one:>9,.0f}/s, two threads / one "
             f"{min(ratios):.2f}-{max(ratios):.2f}x (runs: "
             + ", ".join(f"{r:.2f}" for r in ratios)
-            + f"); load {os.getloadavg()[0]:.2f}"
+            + f"), CPU per call {min(cpus):.2f}-{max(cpus):.2f}x; load {os.getloadavg()[0]:.2f}"
         )
     return fig
 
@@ -564,7 +582,7 @@ def run(
         fn, args, make = forms[name]
         if make is not None:
             args = [make(a) for a in args[:2]] * (len(args) // 2)
-        fig[f"threads {name}"] = threaded(fn, args, 2) / threaded(fn, args, 1)
+        fig[f"threads {name}"] = threaded(fn, args, 2)[0] / threaded(fn, args, 1)[0]
     if not only:
         pick_figures(fig, index, size.workers, wl.queries)
     if size.pick_workers and not only:
