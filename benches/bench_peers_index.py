@@ -447,18 +447,20 @@ def run_threads(size: Size, repeat: int, cache: Path | None) -> dict[str, float]
         fn, args = forms[name]
         if len(args) == 2:  # in the cache, as a list just made is: cycle through two
             args = list(args) * (len(wl.queries) // 2)
-        ratios, cpus = [], []
+        ratios, cpus, busy = [], [], []
         for _ in range(repeat):
             one, cpu_one = threaded(fn, args, 1)
             two, cpu_two = threaded(fn, args, 2)
             ratios.append(two / one)
             cpus.append(cpu_two / cpu_one)
+            busy.append(two * cpu_two)  # CPU seconds per second: at most 1 while a GIL is held
         fig[f"threads {name}"] = statistics.median(ratios)
         print(
             f"   {name:16s}: one thread {one:>9,.0f}/s, two threads / one "
             f"{min(ratios):.2f}-{max(ratios):.2f}x (runs: "
             + ", ".join(f"{r:.2f}" for r in ratios)
-            + f"), CPU per call {min(cpus):.2f}-{max(cpus):.2f}x; load {os.getloadavg()[0]:.2f}"
+            + f"), CPU per call {min(cpus):.2f}-{max(cpus):.2f}x, two threads keep "
+            + f"{min(busy):.2f}-{max(busy):.2f} cores busy; load {os.getloadavg()[0]:.2f}"
         )
     return fig
 
