@@ -9,8 +9,8 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build build-dev wheel test-wheel test test-rust test-python test-engines bench-engines vllm-env lint docs fmt servers \
-	bench bench-peers bench-index-peers bench-gateway-peers bench-gateway-ladder bench-rust demo fuzz clean
+.PHONY: help venv build build-dev build-freethreaded test-freethreaded wheel test-wheel test test-rust test-python test-engines bench-engines vllm-env lint docs fmt servers \
+	bench bench-peers bench-index-peers bench-threads bench-gateway-peers bench-gateway-ladder bench-rust demo fuzz clean
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -81,6 +81,42 @@ test-python: build servers ## Run the Python tests
 	LLMSCHED_WHEEL=$$($(MAKE) -s -q --no-print-directory $(DIST)/.stamp && ls $(DIST)/llmsched-*.whl) \
 		$(PY) -m pytest -q -p no:cacheprovider
 
+# Free-threaded CPython (PEP 703): tools/build_freethreaded_python.sh builds 3.14t into
+# .python-ft (about 5 minutes on two cores; PyO3 0.30 builds for no older free-threaded CPython),
+# .venv-ft holds what the chosen tests import, and the extension is built for it into
+# target/freethreaded (a version-specific cp314t build: the free-threaded ABI has no stable-ABI
+# form, so PyO3 leaves abi3 aside for it; the abi3 extension and wheel of `make build` and
+# `make wheel` are unchanged). The import check runs without PYTHON_GIL: an extension that does
+# not declare free-threading support would turn the GIL back on. The tests run with
+# PYTHON_GIL=0, so that a test dependency that does not declare it cannot.
+PY_FT_PREFIX ?= .python-ft
+VENV_FT ?= .venv-ft
+PY_FT := $(VENV_FT)/bin/python
+FT_TESTS ?= tests/test_threads.py tests/test_prefix_index.py tests/test_prefix_index_inputs.py \
+	tests/test_prefix_index_events.py tests/test_prefix_index_model.py tests/test_routing.py \
+	tests/test_routing_model.py tests/test_hashing.py tests/test_vllm_events.py
+
+$(PY_FT_PREFIX)/bin/python3.14t:
+	tools/build_freethreaded_python.sh $(PY_FT_PREFIX)
+
+# Binary numpy only: a free-threaded build from source takes longer than everything else here.
+$(VENV_FT)/.deps: $(PY_FT_PREFIX)/bin/python3.14t
+	$(PY_FT_PREFIX)/bin/python3.14t -m venv $(VENV_FT)
+	$(VENV_FT)/bin/pip install -q --upgrade pip
+	$(VENV_FT)/bin/pip install -q --only-binary numpy "maturin>=1.9,<2" "numpy>=1.26" "pyyaml>=6" "pytest>=8" \
+		pytest-timeout pytest-benchmark "hypothesis>=6.100" msgpack xxhash cbor2
+	touch $@
+
+build-freethreaded: $(VENV_FT)/.deps ## Build free-threaded CPython 3.14t, a venv and the extension for it
+	rm -f python/llmsched/_llmsched.cpython-314t*.so
+	VIRTUAL_ENV=$(abspath $(VENV_FT)) CARGO_TARGET_DIR=target/freethreaded \
+		$(VENV_FT)/bin/maturin develop --release -q
+	$(PY_FT) -W error -c 'import sys, llmsched; assert not sys._is_gil_enabled(), "GIL re-enabled"'
+
+test-freethreaded: build-freethreaded ## Run the index, router and thread tests on free-threaded CPython (GIL off)
+	PYTHON_GIL=0 $(PY_FT) -m pytest -q -p no:cacheprovider -o addopts="-ra --benchmark-disable" \
+		$(FT_TESTS)
+
 # The two halves side by side: cargo test builds into target/debug (the test profile) while pytest,
 # single-threaded, runs on the release extension, so neither waits on the other's build lock.
 # `--output-sync` keeps each half's output together.
@@ -141,6 +177,12 @@ bench: build ## A short pass of the benchmarks, each figure beside its pure-Pyth
 # .bench-peers) and the Python twin, on one workload at two sizes (the large one needs ~6 GB).
 bench-index-peers: build ## The prefix index beside Dynamo's radix tree and the twin, both sizes
 	$(PY) benches/bench_peers_index.py --size both
+
+# Two threads against one for every lookup form, on the interpreter of `make build` and on
+# free-threaded 3.14t (GIL off), both sizes; the workloads are built once into .bench-threads.
+bench-threads: build build-freethreaded ## Two threads / one for every index lookup form, with the GIL and on 3.14t
+	$(PY) benches/bench_peers_index.py --only threads --size both --workload .bench-threads
+	PYTHON_GIL=0 $(PY_FT) benches/bench_peers_index.py --only threads --size both --workload .bench-threads
 
 bench-peers: bench-index-peers bench-gateway-peers ## Every comparison with a peer from PyPI, full size
 

@@ -37,6 +37,10 @@ To iterate on some lookup forms, ``--forms "tokens list cold,tokens numpy"`` tim
 ``Router.pick`` figures, and ``--sequences N`` stores fewer sequences at the size's block size
 and worker count (the large size needs about 6 GB with its 100,000).
 
+``--only threads`` times two threads against one for every lookup form, ``--repeat`` times,
+llmsched alone (Dynamo's wheel does not load on free-threaded CPython): ``make bench-threads``
+runs it on the interpreter of ``make build`` and on 3.14t (``make build-freethreaded``).
+
 ``--only ingest`` times the ingest alone (``--repeat`` fresh indexes of each, interleaved) and
 cross-checks the queries against Dynamo, for iterating on the ingest path; ``--workload DIR``
 keeps each size's built workload in DIR and reuses it.
@@ -47,6 +51,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import pickle
 import statistics
@@ -254,23 +259,51 @@ def timed_fresh(
     return max(rates), statistics.median(lat)
 
 
-def threaded(fn: Callable[[object], object], args: Sequence[object], threads: int) -> float:
-    """Calls/s of ``threads`` threads each running ``fn`` over all of ``args``."""
+def own_copies(args: Sequence[object]) -> list[object]:
+    """``args`` with each distinct input copied once (an input repeated stays one object, in
+    the cache)."""
+    copies: dict[int, object] = {}
+    for a in args:
+        if id(a) not in copies:
+            copies[id(a)] = a.copy()  # type: ignore[attr-defined]
+    return [copies[id(a)] for a in args]
 
-    def spin() -> None:
-        for a in args:
-            fn(a)
 
-    best = 0.0
+def threaded(
+    fn: Callable[[object], object], args: Sequence[object], threads: int
+) -> tuple[float, float]:
+    """Calls/s of ``threads`` threads each running ``fn`` over all of ``args``, each thread over
+    its own copies (a caller's list is its own: on free-threaded CPython, two threads reading
+    one list take turns on its lock), best of 3; and the process CPU seconds per call in that
+    pass (on a machine other work keeps busy, the rate cannot double, but a per-call CPU that
+    stays flat shows that the threads do not slow each other down)."""
+    own = [own_copies(args) for _ in range(threads)]
+
+    def spin(mine: list[object]) -> None:
+        for _ in range(rounds):
+            for a in mine:
+                fn(a)
+
+    # Enough passes over the inputs that a thread runs for a quarter of a second or more: one
+    # pass of 300 hash lookups is under a millisecond, shorter than starting the threads.
+    t0 = time.perf_counter()
+    for a in own[0]:
+        fn(a)
+    rounds = max(1, math.ceil(0.25 / max(time.perf_counter() - t0, 1e-6)))
+
+    best, cpu = 0.0, 0.0
+    calls = threads * rounds * len(args)
     for _ in range(3):
-        pool = [threading.Thread(target=spin) for _ in range(threads)]
-        t0 = time.perf_counter()
+        pool = [threading.Thread(target=spin, args=(own[t],)) for t in range(threads)]
+        t0, c0 = time.perf_counter(), time.process_time()
         for th in pool:
             th.start()
         for th in pool:
             th.join()
-        best = max(best, threads * len(args) / (time.perf_counter() - t0))
-    return best
+        rate = calls / (time.perf_counter() - t0)
+        if rate > best:
+            best, cpu = rate, (time.process_time() - c0) / calls
+    return best, cpu
 
 
 def dynamo_depths(scores: object) -> dict[int, int]:
@@ -373,6 +406,62 @@ def run_ingest(
     print(f"   llmsched per CPU second, M blocks: {max(ours_cpu) / 1e6:.2f} (runs: {each_cpu})")
     if tree is not None:
         print(f"   cross-check with Dynamo: {differing} of {len(wl.queries)} queries differ")
+    return fig
+
+
+def run_threads(size: Size, repeat: int, cache: Path | None) -> dict[str, float]:
+    """Two threads against one for every lookup form, ``repeat`` times (llmsched alone: for
+    interpreters Dynamo's wheel does not load on, such as free-threaded CPython). The forms'
+    answers are cross-checked against each other first."""
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    print(
+        f"\n== {size.name}: bs{size.block_size}, {size.workers} workers, {size.sequences:,} seqs; "
+        f"Python {sys.version.split()[0]}, GIL {'on' if gil else 'off'}"
+    )
+    wl = cached_build(size, None, cache)
+    gc.collect()
+    gc.freeze()
+    index, _, _ = ingest_llmsched(wl, size.block_size)
+    token_lists = [q.tolist() for q in wl.queries]
+    hashes_np = [index.hash_tokens(q) for q in wl.queries]
+    differing = 0
+    for i, q in enumerate(wl.queries):
+        got = index.match_tokens(q, now=0.0).as_dict()
+        views = [
+            index.match(hashes_np[i], now=0.0).as_dict(),
+            index.match(hashes_np[i].tolist(), now=0.0).as_dict(),
+            index.match_tokens(token_lists[i], now=0.0).as_dict(),
+        ]
+        differing += any(v != got for v in views)
+    print(f"   cross-check between the forms: {differing} of {len(wl.queries)} queries differ")
+    forms: dict[str, tuple[Callable[[object], object], Sequence[object]]] = {
+        "hashes numpy": (lambda h: index.match(h, now=0.0), hashes_np),
+        "hashes list": (lambda h: index.match(h, now=0.0), [h.tolist() for h in hashes_np[:2]]),
+        "hashes list cold": (lambda h: index.match(h, now=0.0), [h.tolist() for h in hashes_np]),
+        "tokens numpy": (lambda q: index.match_tokens(q, now=0.0), wl.queries),
+        "tokens list": (lambda q: index.match_tokens(q, now=0.0), token_lists[:2]),
+        "tokens list cold": (lambda q: index.match_tokens(q, now=0.0), token_lists),
+    }
+    fig: dict[str, float] = {"differing": differing}
+    for name in THREAD_FORMS:
+        fn, args = forms[name]
+        if len(args) == 2:  # in the cache, as a list just made is: cycle through two
+            args = list(args) * (len(wl.queries) // 2)
+        ratios, cpus, busy = [], [], []
+        for _ in range(repeat):
+            one, cpu_one = threaded(fn, args, 1)
+            two, cpu_two = threaded(fn, args, 2)
+            ratios.append(two / one)
+            cpus.append(cpu_two / cpu_one)
+            busy.append(two * cpu_two)  # CPU seconds per second: at most 1 while a GIL is held
+        fig[f"threads {name}"] = statistics.median(ratios)
+        print(
+            f"   {name:16s}: one thread {one:>9,.0f}/s, two threads / one "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x (runs: "
+            + ", ".join(f"{r:.2f}" for r in ratios)
+            + f"), CPU per call {min(cpus):.2f}-{max(cpus):.2f}x, two threads keep "
+            + f"{min(busy):.2f}-{max(busy):.2f} cores busy; load {os.getloadavg()[0]:.2f}"
+        )
     return fig
 
 
@@ -495,7 +584,7 @@ def run(
         fn, args, make = forms[name]
         if make is not None:
             args = [make(a) for a in args[:2]] * (len(args) // 2)
-        fig[f"threads {name}"] = threaded(fn, args, 2) / threaded(fn, args, 1)
+        fig[f"threads {name}"] = threaded(fn, args, 2)[0] / threaded(fn, args, 1)[0]
     if not only:
         pick_figures(fig, index, size.workers, wl.queries)
     if size.pick_workers and not only:
@@ -672,13 +761,17 @@ def main(argv: list[str] | None = None) -> int:
         "--sequences", type=int, help="store this many sequences (default: the size's)"
     )
     parser.add_argument(
-        "--only", choices=["ingest"], help="time the ingest alone (and cross-check with Dynamo)"
+        "--only",
+        choices=["ingest", "threads"],
+        help="time the ingest alone (and cross-check with Dynamo), or two threads against one "
+        "for every lookup form (llmsched alone)",
     )
     parser.add_argument(
         "--repeat",
         type=int,
         default=3,
-        help="with --only ingest: fresh indexes of each, interleaved",
+        help="with --only ingest: fresh indexes of each, interleaved; with --only threads: "
+        "ratios per form",
     )
     parser.add_argument(
         "--workload", type=Path, metavar="DIR", help="keep built workloads in DIR and reuse them"
@@ -688,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_of:
         memory_of(args.memory_of[0], Path(args.memory_of[1]))
         return 0
-    dynamo, why = load_dynamo(not args.no_install)
+    dynamo, why = (None, "") if args.only == "threads" else load_dynamo(not args.no_install)
     names = ["small", "large"] if args.size == "both" else [args.size]
     only = [f.strip() for f in args.forms.split(",") if f.strip()]
     unknown = [f for f in only if f not in PEER_OF]
@@ -701,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
             size = replace(size, sequences=args.sequences)
         if args.only == "ingest":
             fig = run_ingest(size, dynamo, why, args.repeat, args.workload)
+        elif args.only == "threads":
+            fig = run_threads(size, args.repeat, args.workload)
         else:
             fig = run(size, dynamo, why, only, args.workload)
         bad += int(fig["differing"])

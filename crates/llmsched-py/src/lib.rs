@@ -18,7 +18,7 @@ mod slices;
 mod tokens;
 mod vllm_events;
 
-#[pymodule]
+#[pymodule(gil_used = false)]
 fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_BLOCK_SIZE", llmsched_core::hashing::MAX_BLOCK_SIZE)?;

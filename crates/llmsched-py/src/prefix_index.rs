@@ -365,7 +365,11 @@ impl PyPrefixIndex {
                 // SAFETY: the GIL is held from here to the end of the match and no Python code
                 // runs meanwhile, so no Python thread can write the array while it is read; the
                 // short match keeps the GIL anyway (see below), and skipping numpy's borrow
-                // registry saves a fifth of a short match.
+                // registry saves a fifth of a short match. Free-threaded, another thread may
+                // write the array meanwhile (numpy's registry would not stop it either: it sees
+                // only Rust borrows): this query then reads some old and some new hashes, as
+                // any numpy reader racing a writer does; the array, referenced here, keeps its
+                // buffer for the whole read.
                 let slice = unsafe { arr.as_slice() }?;
                 return Ok(result(slf, this.inner.match_hashes(slice, now)));
             }

@@ -11,16 +11,22 @@
 //!   3.12 and later in `lv_tag`), and the list's item array directly;
 //! - else through `PyLong_AsUnsignedLongLong` and `PyList_GetItem` / `PyTuple_GetItem`.
 //!
+//! The object header is that of the interpreter the extension was built for: 16 bytes in the
+//! GIL-enabled builds (the stable ABI's), 32 in the free-threaded ones (3.14t: thread id, mutex,
+//! local and shared refcounts); the offsets below follow `ffi::PyObject`. A list is read inside a
+//! critical section on it: without the GIL, another thread could otherwise resize it, or drop
+//! its items, while they are read (a no-op with the GIL, which already excludes that).
+//!
 //! Any element that is not an exact int in range makes the reader give up (`None`, no Python
 //! error left set): the caller then takes the general path, which raises the precise error for
 //! that element (position, value, type) or converts what the general path accepts.
 
-use std::ffi::c_void;
 use std::sync::OnceLock;
 
 use llmsched_core::prefetch::prefetch_ptr;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::critical_section::with_critical_section;
 use pyo3::types::{PyList, PyTuple};
 
 /// How this interpreter lays out an `int`.
@@ -34,20 +40,22 @@ enum Layout {
     Api,
 }
 
-/// The head of a `list` (`PyVarObject` then the item array), stable from 3.10 on in the
-/// GIL-enabled builds the stable ABI serves; checked by the self-test before use.
+/// The head of a `list` (`PyVarObject` then the item array), stable from 3.10 on (and in
+/// 3.14t, after its longer object header); checked by the self-test before use.
 #[repr(C)]
 struct RawList {
-    ob_refcnt: isize,
-    ob_type: *mut c_void,
+    head: [u8; HEAD],
     ob_size: isize,
     ob_item: *mut *mut ffi::PyObject,
 }
 
-/// Byte offsets in an `int`: after the refcount and the type, the size or tag word, then the
-/// 30-bit digits (at least one is always allocated).
-const SIZE_OR_TAG: usize = 16;
-const DIGITS: usize = 24;
+/// The object header's size: 16 bytes (refcount, type), 32 in a free-threaded build.
+const HEAD: usize = std::mem::size_of::<ffi::PyObject>();
+
+/// Byte offsets in an `int`: after the object header, the size or tag word, then the 30-bit
+/// digits (at least one is always allocated).
+const SIZE_OR_TAG: usize = HEAD;
+const DIGITS: usize = HEAD + 8;
 
 /// How far ahead of the id being read a list of token ids asks for its int objects. A list the
 /// caller built long ago (or a large one) is read from memory: its 10,000 ints are 320 kB of
@@ -100,7 +108,7 @@ fn detect(py: Python<'_>) -> Layout {
     }
     let list = PyList::new(py, [11u64, 12, 13]);
     let Ok(list) = list else { return Layout::Api };
-    // SAFETY: `list` is a live list of three items.
+    // SAFETY: `list` is a live list of three items that no other thread has seen.
     let first = unsafe { (*(list.as_ptr() as *const RawList)).ob_item.read() };
     // SAFETY: same list; PyList_GetItem returns a borrowed reference or null.
     if first.is_null() || first != unsafe { ffi::PyList_GetItem(list.as_ptr(), 0) } {
@@ -112,7 +120,7 @@ fn detect(py: Python<'_>) -> Layout {
 /// The value of the exact int at `obj` when it is in `0..=u64::MAX`.
 ///
 /// # Safety
-/// `obj` must point to a live object of exact type `int`, with the GIL held.
+/// `obj` must point to a live object of exact type `int`, attached to the interpreter.
 unsafe fn read_long(layout: Layout, obj: *mut ffi::PyObject) -> Option<u64> {
     let base = obj as *const u8;
     let word = (base.add(SIZE_OR_TAG) as *const isize).read();
@@ -145,7 +153,7 @@ unsafe fn read_long(layout: Layout, obj: *mut ffi::PyObject) -> Option<u64> {
 /// `PyLong_AsUnsignedLongLong`, with its error (negative, too large) cleared.
 ///
 /// # Safety
-/// `obj` must point to a live `int`, with the GIL held.
+/// `obj` must point to a live `int`, attached to the interpreter.
 unsafe fn api_u64(obj: *mut ffi::PyObject) -> Option<u64> {
     let v = ffi::PyLong_AsUnsignedLongLong(obj);
     if v == u64::MAX && !ffi::PyErr_Occurred().is_null() {
@@ -158,7 +166,7 @@ unsafe fn api_u64(obj: *mut ffi::PyObject) -> Option<u64> {
 /// Whether `obj` is an exact `int` (`bool` and other subclasses are not).
 ///
 /// # Safety
-/// `obj` must point to a live object, with the GIL held.
+/// `obj` must point to a live object, attached to the interpreter.
 unsafe fn is_exact_int(obj: *mut ffi::PyObject) -> bool {
     ffi::Py_TYPE(obj) == std::ptr::addr_of_mut!(ffi::PyLong_Type)
 }
@@ -172,26 +180,29 @@ pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Ve
     let lay = layout(py);
     let ptr = obj.as_ptr();
     if let Ok(list) = obj.cast::<PyList>() {
-        let n = list.len();
-        out.reserve(n);
-        // SAFETY: the GIL is held and no Python code runs in the loop, so the list cannot
-        // change under it; every item pointer is a live object owned by the list.
-        unsafe {
-            if lay != Layout::Api {
-                let items = (*(ptr as *const RawList)).ob_item;
-                return match lay {
-                    Layout::LvTag => read_items::<T, true>(lay, items, n, max, out),
-                    _ => read_items::<T, false>(lay, items, n, max, out),
-                };
-            }
-            for i in 0..n {
-                let item = ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t);
-                if !push(lay, item, max, out) {
-                    return false;
+        return with_critical_section(list, || {
+            let n = list.len();
+            out.reserve(n);
+            // SAFETY: the GIL (or, free-threaded, the list's critical section) is held and no
+            // Python code runs in the loop, so the list cannot change under it; every item
+            // pointer is a live object owned by the list.
+            unsafe {
+                if lay != Layout::Api {
+                    let items = (*(ptr as *const RawList)).ob_item;
+                    return match lay {
+                        Layout::LvTag => read_items::<T, true>(lay, items, n, max, out),
+                        _ => read_items::<T, false>(lay, items, n, max, out),
+                    };
+                }
+                for i in 0..n {
+                    let item = ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t);
+                    if !push(lay, item, max, out) {
+                        return false;
+                    }
                 }
             }
-        }
-        return true;
+            true
+        });
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
         let n = tuple.len();
@@ -234,23 +245,26 @@ pub fn read_token_blocks(
     }
     buf.clear();
     buf.resize(block_size, 0);
-    // SAFETY: the GIL is held for the whole call and neither the loop nor `on_block` (Rust code
-    // that only sees the buffer) runs Python code, so the list and its items cannot change or
-    // be freed meanwhile; the items are those of this live list.
-    unsafe {
-        let items = (*(list.as_ptr() as *const RawList)).ob_item;
-        match lay {
-            Layout::LvTag => token_blocks::<true>(items, list.len(), buf, on_block),
-            _ => token_blocks::<false>(items, list.len(), buf, on_block),
+    with_critical_section(list, || {
+        // SAFETY: the GIL (or, free-threaded, the list's critical section) is held for the
+        // whole call and neither the loop nor `on_block` (Rust code that only sees the buffer)
+        // runs Python code, so the list and its items cannot change or be freed meanwhile; the
+        // items are those of this live list.
+        unsafe {
+            let items = (*(list.as_ptr() as *const RawList)).ob_item;
+            match lay {
+                Layout::LvTag => token_blocks::<true>(items, list.len(), buf, on_block),
+                _ => token_blocks::<false>(items, list.len(), buf, on_block),
+            }
         }
-    }
+    })
 }
 
 /// [`read_token_blocks`] for one layout (`LV_TAG`: 3.12 and later).
 ///
 /// # Safety
-/// `items` must be the item array of a live list of `n` items, with the GIL held, in a layout
-/// the self-test recognised.
+/// `items` must be the item array of a live list of `n` items, with the list locked (by the
+/// GIL or its critical section), in a layout the self-test recognised.
 #[inline(always)]
 unsafe fn token_blocks<const LV_TAG: bool>(
     items: *const *mut ffi::PyObject,
@@ -329,7 +343,7 @@ unsafe fn one_digit_values<const LV_TAG: bool>(items: [*mut ffi::PyObject; 4]) -
 /// in the layout the self-test recognised (`LV_TAG`: 3.12 and later, else 3.10-3.11's).
 ///
 /// # Safety
-/// `item` must point to a live object, with the GIL held, and the layout must be the
+/// `item` must point to a live object, attached to the interpreter, and the layout must be the
 /// interpreter's.
 #[inline(always)]
 unsafe fn int_at<const LV_TAG: bool>(item: *mut ffi::PyObject) -> Option<u64> {
@@ -365,7 +379,7 @@ unsafe fn int_at<const LV_TAG: bool>(item: *mut ffi::PyObject) -> Option<u64> {
 /// [`int_at`] for the sizes other than one and three digits.
 ///
 /// # Safety
-/// `digits` must point to the digits of a live int of `ndigits` digits, with the GIL held.
+/// `digits` must point to the digits of a live int of `ndigits` digits, attached to the interpreter.
 #[cold]
 #[inline(never)]
 unsafe fn other_size(ndigits: usize, digits: *const u32) -> Option<u64> {
@@ -382,8 +396,8 @@ unsafe fn other_size(ndigits: usize, digits: *const u32) -> Option<u64> {
 /// go through `push`.
 ///
 /// # Safety
-/// `items` must be the item array of a live list of `n` items, with the GIL held, and `LV_TAG`
-/// the layout `lay` names (not `Api`).
+/// `items` must be the item array of a live list of `n` items, with the list locked (by the
+/// GIL or its critical section), and `LV_TAG` the layout `lay` names (not `Api`).
 unsafe fn read_items<T: TryFrom<u64>, const LV_TAG: bool>(
     lay: Layout,
     items: *const *mut ffi::PyObject,
@@ -409,7 +423,7 @@ unsafe fn read_items<T: TryFrom<u64>, const LV_TAG: bool>(
 }
 
 /// # Safety
-/// `item` must be null or point to a live object, with the GIL held.
+/// `item` must be null or point to a live object, attached to the interpreter.
 #[inline(always)]
 unsafe fn push<T: TryFrom<u64>>(
     lay: Layout,

@@ -1,0 +1,186 @@
+"""Threads sharing one index and one router, checked against the pure-Python twins.
+
+Runs on every interpreter; on free-threaded CPython (3.14t, `make test-freethreaded`) the threads
+really run at once, and the extension must leave the GIL disabled when imported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llmsched import EndpointPool, PrefixIndex, Router
+from llmsched.reference.prefix_index import ReferencePrefixIndex
+from llmsched.reference.routing import ReferenceEndpoint, decide
+
+FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+
+BLOCK = 4
+ENDPOINTS = 12
+CONFIG: dict[str, Any] = {
+    "plugins": [
+        {"type": "prefix-cache-scorer", "name": "prefix"},
+        {"type": "queue-scorer", "name": "queue"},
+        {"type": "max-score-picker", "name": "picker"},
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "p",
+            "plugins": [
+                {"pluginRef": "prefix", "weight": 2.0},
+                {"pluginRef": "queue", "weight": 1.0},
+                {"pluginRef": "picker"},
+            ],
+        }
+    ],
+}
+
+
+@pytest.mark.skipif(not FREE_THREADED, reason="free-threaded CPython only")
+def test_importing_llmsched_leaves_the_gil_disabled() -> None:
+    """Without PYTHON_GIL=0, an extension that does not declare itself free-threading safe
+    turns the GIL back on at import (with a RuntimeWarning, an error here)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON_GIL"}
+    code = (
+        "import sys, llmsched, llmsched._llmsched, llmsched.prefix_index, llmsched.routing\n"
+        "idx = llmsched.PrefixIndex(block_size=4)\n"
+        "idx.store('a', idx.hash_tokens(list(range(8))))\n"
+        "assert idx.match_tokens(list(range(8))).as_dict() == {'a': 2}\n"
+        "print(sys._is_gil_enabled())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def _chains(rng: np.random.Generator, system: list[int], n: int) -> list[list[int]]:
+    """Prompts that share `system`'s first 20-80 tokens, then differ."""
+    return [
+        system[: int(rng.integers(20, 81))] + rng.integers(0, 50_000, size=40).tolist()
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_store_remove_match_and_pick_at_once_agree_with_the_twins() -> None:
+    """Writers store and clear their own workers (on the same tree nodes as everyone else),
+    readers match in every input form and pickers route, all at once. Every match and every
+    pick equals the twins' answer for the workers that never change, and each writer's end
+    state equals the twin's replay of its operations."""
+    rng = np.random.default_rng(15)
+    system = rng.integers(0, 50_000, size=80).tolist()
+    index = PrefixIndex(block_size=BLOCK)
+    twin = ReferencePrefixIndex(block_size=BLOCK)
+    names = [f"e{i}" for i in range(ENDPOINTS)]
+    pool = EndpointPool(names, stale_policy="ignore")
+    refs = []
+    for i, name in enumerate(names):
+        prompt = system[: 8 + 6 * i] + rng.integers(0, 50_000, size=i * 3).tolist()
+        hashes = index.hash_tokens(prompt)
+        index.store(name, hashes)
+        twin.store(name, hashes.tolist())
+        pool.update(name, waiting=(i * 5) % 7, now=0.0)
+        refs.append(ReferenceEndpoint(name, waiting=(i * 5) % 7))
+    router = Router(pool, index, config=CONFIG, seed=3)
+
+    queries = _chains(rng, system, 24)
+    depths = [{w: v[0] for w, v in twin.match(twin.hash_tokens(q)).items()} for q in queries]
+    best = [
+        decide(CONFIG, refs, d, len(q), BLOCK).best for q, d in zip(queries, depths, strict=True)
+    ]
+    # The queries match alike neither in depths nor in where they go.
+    assert len({tuple(sorted(d.items())) for d in depths}) > 1
+    assert len({tuple(b) for b in best}) > 1
+
+    writer_plans: list[list[tuple[str, list[int]]]] = []
+    for _ in range(3):
+        ops: list[tuple[str, list[int]]] = []
+        for i, prompt in enumerate(_chains(rng, system, 150)):
+            ops.append(("store", index.hash_tokens(prompt).tolist()))
+            if i % 9 == 8:
+                ops.append(("clear", []))
+        writer_plans.append(ops)
+
+    failures: list[object] = []
+    done = threading.Event()
+
+    def guarded(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # pragma: no cover - reported below
+            failures.append(exc)
+
+    def write(w: int) -> None:
+        worker = f"writer-{w}"
+        for op, hashes in writer_plans[w]:
+            if op == "store":
+                index.store(worker, hashes if w % 2 else np.asarray(hashes, dtype=np.uint64))
+            else:
+                index.clear(worker)
+
+    def stable(m: Any) -> dict[object, int]:
+        return {w: b for w, b in m.as_dict().items() if str(w).startswith("e")}
+
+    def read(form: int) -> None:
+        rounds = 0
+        while not done.is_set() or rounds < 3:
+            for q, want in zip(queries, depths, strict=True):
+                if form == 0:
+                    m = index.match_tokens(q)
+                elif form == 1:
+                    m = index.match_tokens(np.asarray(q, dtype=np.uint32))
+                elif form == 2:
+                    m = index.match(index.hash_tokens(q).tolist())
+                else:
+                    m = index.match(index.hash_tokens(q))
+                if stable(m) != want:
+                    failures.append(("match", form, stable(m), want))
+            rounds += 1
+
+    def pick(form: int) -> None:
+        rounds = 0
+        while not done.is_set() or rounds < 3:
+            for q, want, ok in zip(queries, depths, best, strict=True):
+                tokens: Any = q if form == 0 else np.asarray(q, dtype=np.uint32)
+                d = router.pick(tokens=tokens, now=0.0)
+                if d.endpoint not in ok:
+                    failures.append(("pick", form, d.endpoint, ok))
+                cached = {e: t for e, t in d.cached_tokens().items() if t}
+                if cached != {e: b * BLOCK for e, b in want.items()}:
+                    failures.append(("cached", form, cached, want))
+            rounds += 1
+
+    writers = [threading.Thread(target=guarded, args=(write, w)) for w in range(3)]
+    others = [threading.Thread(target=guarded, args=(read, f)) for f in range(4)]
+    others += [threading.Thread(target=guarded, args=(pick, f)) for f in range(2)]
+    for t in writers + others:
+        t.start()
+    for t in writers:
+        t.join(timeout=150)
+    done.set()
+    for t in others:
+        t.join(timeout=150)
+    assert not any(t.is_alive() for t in writers + others), "a thread hung"
+    assert not failures, failures[:5]
+    for w, plan in enumerate(writer_plans):
+        for op, hashes in plan:
+            if op == "store":
+                twin.store(f"writer-{w}", hashes)
+            else:
+                twin.clear(f"writer-{w}")
+        assert index.holdings(f"writer-{w}") == twin.holdings(f"writer-{w}")
+    for name in names:
+        assert index.holdings(name) == twin.holdings(name)
