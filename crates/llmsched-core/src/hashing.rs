@@ -189,7 +189,7 @@ pub fn chain_hashes_into<T: TokenId>(
     check_block_size(block_size)?;
     let start = out.len();
     out.reserve(tokens.len() / block_size);
-    let mut words = BlockWords::new(block_size.min(tokens.len()));
+    let mut words = BlockWords::new();
     let mut prev = parent;
     for (b, block) in tokens.chunks_exact(block_size).enumerate() {
         let bytes = match words.le_bytes(block) {
@@ -254,8 +254,10 @@ struct BlockWords {
 }
 
 impl BlockWords {
-    fn new(block_size: usize) -> Self {
-        Self { words: vec![0; block_size] }
+    /// Sized by the first block that needs converting: u32 ids are borrowed in place and
+    /// never need it (one allocation per engine event otherwise).
+    fn new() -> Self {
+        Self { words: Vec::new() }
     }
 
     /// The block's bytes, borrowed in place when possible; `Err(offset)` names the first id
@@ -267,6 +269,9 @@ impl BlockWords {
         }
         // Convert and check the whole block without branches first (it vectorises); look for
         // the offending position only on the error path.
+        if self.words.len() < block.len() {
+            self.words.resize(block.len(), 0);
+        }
         let mut all_in_range = true;
         for (word, &t) in self.words.iter_mut().zip(block) {
             let v = t.to_u32();

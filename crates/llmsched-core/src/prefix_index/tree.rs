@@ -225,6 +225,9 @@ pub(crate) struct Tree {
     pub workers: Vec<WorkerTree>,
     pub holder_count: usize,
     pub stamp: u64,
+    /// The nodes one store touched, kept between stores for its allocation (a store per
+    /// engine event would otherwise allocate and free it).
+    touched: Vec<NodeId>,
 }
 
 impl Default for Tree {
@@ -242,6 +245,7 @@ impl Tree {
             workers: Vec::new(),
             holder_count: 0,
             stamp: 0,
+            touched: Vec::new(),
         }
     }
 
@@ -488,7 +492,8 @@ impl Tree {
         }
         self.ensure_worker(w);
         let stamp = self.next_stamp();
-        let mut touched = Vec::new();
+        let mut touched = std::mem::take(&mut self.touched);
+        touched.clear();
         let (mut pos, mut added) =
             self.hold_existing(w, start, &hashes[..existing], attrs, &mut touched);
         if !new.is_empty() {
@@ -499,6 +504,7 @@ impl Tree {
         self.touch_path(w, end, stamp, attrs.confirmed);
         self.workers[w as usize].held += added;
         self.merge_around(&touched);
+        self.touched = touched;
         Ok(added)
     }
 
