@@ -151,6 +151,17 @@ def pinned(core: int | None, command: Sequence[str]) -> list[str]:
     return ["taskset", "-c", str(core), *command]
 
 
+def scheduled(policy: str, command: Sequence[str]) -> list[str]:
+    """``command`` (the engines, a generator or a gateway) under the scheduling ``policy``:
+    ``normal`` as it is, ``fifo`` under ``chrt -f 1`` (real-time: once woken it takes its core
+    from any normal process, see the module docs)."""
+    if policy == "normal":
+        return list(command)
+    if policy == "fifo":
+        return ["chrt", "-f", "1", *command]
+    raise ValueError(f"unknown scheduling policy {policy!r}")
+
+
 def _has_taskset() -> bool:
     return subprocess.run(["sh", "-c", "command -v taskset"], capture_output=True).returncode == 0
 
@@ -222,24 +233,27 @@ def process(command: Sequence[str], log: Path) -> Iterator[subprocess.Popen[byte
 
 
 def start_engines(
-    binary: Path, core: int | None, tokens: int, token_delay_ms: float
+    binary: Path, core: int | None, tokens: int, token_delay_ms: float, policy: str = "none"
 ) -> tuple[subprocess.Popen[str], list[int]]:
     """Four fake engines in one process; returns it and their ports."""
-    command = pinned(
-        core,
-        [
-            str(binary),
-            "--engines",
-            "4",
-            "--model",
-            MODEL,
-            "--answer-tokens",
-            str(tokens),
-            "--token-delay-ms",
-            str(token_delay_ms),
-            # Streamed events carry the engine's clock (see the module docs).
-            "--stamp",
-        ],
+    command = scheduled(
+        policy,
+        pinned(
+            core,
+            [
+                str(binary),
+                "--engines",
+                "4",
+                "--model",
+                MODEL,
+                "--answer-tokens",
+                str(tokens),
+                "--token-delay-ms",
+                str(token_delay_ms),
+                # Streamed events carry the engine's clock (see the module docs).
+                "--stamp",
+            ],
+        ),
     )
     child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
@@ -413,6 +427,22 @@ def load(
     seed: int = 1,
 ) -> Figures:
     """One open-loop load through ``urls``; the generator's figures."""
+    command = load_command(binary, core, urls, rate, args, stream, pids, seed)
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return figures_of(json.loads(out.stdout))
+
+
+def load_command(
+    binary: Path,
+    core: int | None,
+    urls: Sequence[str],
+    rate: float,
+    args: argparse.Namespace,
+    stream: bool,
+    pids: Sequence[int],
+    seed: int = 1,
+) -> list[str]:
+    """The generator's command line for :func:`load` (pinned to ``core``)."""
     command = [
         str(binary),
         "--json",
@@ -439,8 +469,7 @@ def load(
         command.append("--stream")
     if args.chat:
         command.append("--chat")
-    out = subprocess.run(pinned(core, command), capture_output=True, text=True, check=True)
-    return figures_of(json.loads(out.stdout))
+    return scheduled(args.sched, pinned(core, command))
 
 
 def figures_of(report: dict[str, Any]) -> Figures:
@@ -477,7 +506,7 @@ def run(args: argparse.Namespace) -> Results:
             raise SystemExit(f"{binary} is missing: cargo build --release -p llmsched-bench")
     results = Results()
     engines_process, ports = start_engines(
-        engine_bin, args.client_core, args.tokens, args.token_delay_ms
+        engine_bin, args.client_core, args.tokens, args.token_delay_ms, args.sched
     )
     engines = [f"http://127.0.0.1:{p}" for p in ports]
     answers = [a for a in args.answers.split(",") if a]
@@ -535,8 +564,11 @@ def run_gateway(
         if answer in given_up:
             continue
         port = free_port()
-        command = pinned(
-            args.gateway_core, gateway_command(gateway, port, engines, work, args.tokenizer)
+        command = scheduled(
+            args.sched,
+            pinned(
+                args.gateway_core, gateway_command(gateway, port, engines, work, args.tokenizer)
+            ),
         )
         with process(command, work / f"{gateway.name}.log") as child:
             url = f"http://127.0.0.1:{port}"
@@ -855,6 +887,12 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gateway-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument(
+        "--sched",
+        choices=("normal", "fifo"),
+        default="normal",
+        help="every process of the benchmark under this scheduling policy (see above)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
