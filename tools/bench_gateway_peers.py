@@ -32,6 +32,13 @@ figure is the median over the repeats:
   bursts) falls on both paths at once, so the difference no longer carries it; both paths'
   requests share the engines and the client core, so neither is measured on an idle machine.
   The direct loads of a pair are kept apart (``direct@<gateway>``) from the direct row;
+* ``--sched fifo``: every process of the benchmark (the engines, the generators, each gateway
+  with all its threads) runs under ``SCHED_FIFO`` priority 1 (``chrt -f 1``), so that once
+  woken it takes its core from whatever else runs on the machine (other builds, tests); among
+  themselves they stay equals (a thread runs until it blocks). The default ``normal`` leaves
+  them to the fair scheduler, which lets another process hold the gateway's core for a slice
+  of several milliseconds while the gateway waits: on a shared machine that, and not the
+  gateways, is the streamed p99 (``tools/stream_tail.py`` traces it per slow stream);
 * a name ending in ``@base`` (``llmsched-serve-native-llm-d@base``) runs that gateway with
   ``--base-python`` instead of ``--python``: another build (e.g. main's) interleaved with this
   one in the same run;
@@ -948,7 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"gateways pinned to core {args.gateway_core}, engines and load on core "
         f"{args.client_core}; {args.repeats} repeat(s) of {args.seconds:g} s (+{args.warmup:g} s "
         f"warm-up); {args.tokens} tokens per answer, streamed {args.token_delay_ms:g} ms apart; "
-        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
+        f"scheduling {args.sched}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
         flush=True,
     )
     results = run(args)

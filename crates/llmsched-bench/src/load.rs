@@ -368,9 +368,9 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
             tasks.spawn(async move {
                 let sent = send(&client, request, stream, trace);
                 let outcome = match tokio::time::timeout(timeout, sent).await {
-                        Ok(outcome) => outcome,
-                        Err(_) => Err("timeout".to_string()),
-                    };
+                    Ok(outcome) => outcome,
+                    Err(_) => Err("timeout".to_string()),
+                };
                 records.lock().unwrap().push(Record { measured, outcome });
             });
         }
