@@ -28,11 +28,11 @@ def test_a_trace_gives_each_thread_its_waits_and_each_core_its_runs() -> None:
     assert trace.threads[10].waits == [(1_000_100_000, 1_000_400_000)]
     assert trace.threads[10].runs == [(1_000_400_000, 1_000_450_000)]
     assert trace.cpu_runs[1] == [
-        (1_000_000_000, 1_000_400_000, "engine"),
-        (1_000_400_000, 1_000_450_000, "gen"),
+        (1_000_000_000, 1_000_400_000, "engine", 20),
+        (1_000_400_000, 1_000_450_000, "gen", 10),
     ]
     assert tail.within(trace.cpu_runs[1], 1_000_420_000, 1_000_430_000) == [
-        (1_000_400_000, 1_000_450_000, "gen")
+        (1_000_400_000, 1_000_450_000, "gen", 10)
     ]
     assert tail.within(trace.cpu_runs[1], 1_000_500_000, 1_000_600_000) == []
 
@@ -56,4 +56,9 @@ def test_a_slow_streams_worst_hop_is_charged_to_who_waited_and_who_held_the_core
     assert result["worst_hop"] == {"last relay": 1}
     assert result["waiting_in_them_ms"]["generator"] == pytest.approx(0.3)
     assert result["waiting_in_them_ms"]["gateway"] == 0
+    # The engine is the load's own, so it is named by its part.
+    assert result["core_held_while_waiting_ms"] == {"generator": {"engines's engine": 0.3}}
+    # Another process holding the core keeps its own name.
+    who = {"generator": ([10], 1), "gateway": ([30], 0)}
+    result = tail.attribute([stream], trace, who)
     assert result["core_held_while_waiting_ms"] == {"generator": {"engine": 0.3}}

@@ -64,7 +64,7 @@ class Trace:
     """Per thread id: its waits (woken to running) and runs; per CPU: who ran when."""
 
     threads: dict[int, Thread] = field(default_factory=lambda: defaultdict(Thread))
-    cpu_runs: dict[int, list[tuple[int, int, str]]] = field(
+    cpu_runs: dict[int, list[tuple[int, int, str, int]]] = field(
         default_factory=lambda: defaultdict(list)
     )
 
@@ -72,7 +72,7 @@ class Trace:
 def parse(script: str) -> Trace:
     """``perf script -F tid,cpu,time,event,trace --ns`` output into intervals."""
     trace = Trace()
-    on_cpu: dict[int, tuple[int, str]] = {}
+    on_cpu: dict[int, tuple[int, str]] = {}  # by thread id: since when, its name
     for line in script.splitlines():
         m = LINE.match(line)
         if not m:
@@ -95,7 +95,7 @@ def parse(script: str) -> Trace:
                 old.woken = ts
             if prev in on_cpu:
                 start, comm = on_cpu.pop(prev)
-                trace.cpu_runs[cpu].append((start, ts, comm))
+                trace.cpu_runs[cpu].append((start, ts, comm, prev))
             new = trace.threads[nxt]
             if new.woken is not None:
                 new.waits.append((new.woken, ts))
@@ -141,6 +141,9 @@ def attribute(
     window_ms = 0.0
     waits: Counter[str] = Counter({name: 0 for name in who})
     holders: dict[str, Counter[str]] = {name: Counter() for name in who}
+    # A holder of the load's own is named by its part ("gateway's python"), so that the
+    # gateway's other threads are told from other processes of the same name.
+    part = {tid: name for name, (tids, _) in who.items() for tid in tids}
     for stream in streams:
         hop, start, end = worst_hop(stream)
         hops[hop] += 1
@@ -150,9 +153,12 @@ def attribute(
                 for a, b in within(trace.threads[tid].waits, start, end):
                     a, b = max(a, start), min(b, end)
                     waits[name] += b - a
-                    for r0, r1, comm in within(trace.cpu_runs[core], a, b):
+                    for r0, r1, comm, holder in within(trace.cpu_runs[core], a, b):
                         held = min(r1, b) - max(r0, a)
-                        holders[name][re.sub(r"[-:/]?\d+$", "", comm)] += held
+                        label = re.sub(r"[-:/]?\d+$", "", comm)
+                        if holder in part:
+                            label = f"{part[holder]}'s {label}"
+                        holders[name][label] += held
 
     def med(key: str) -> float:
         return round(statistics.median(s[key] for s in streams), 3)
@@ -182,7 +188,8 @@ def timeline(stream: dict[str, Any], trace: Trace, args: argparse.Namespace) -> 
     for core in (args.gateway_core, args.client_core):
         runs = within(trace.cpu_runs[core], start - 500_000, end)
         text = " ".join(
-            f"{comm}[{(a - start) / 1e3:+.0f},{(b - a) / 1e3:.0f}us]" for a, b, comm in runs
+            f"{comm}:{tid}[{(a - start) / 1e3:+.0f},{(b - a) / 1e3:.0f}us]"
+            for a, b, comm, tid in runs
         )
         lines.append(f"  core {core}: {text}")
     return "\n".join(lines)
