@@ -72,7 +72,8 @@ class Trace:
 def parse(script: str) -> Trace:
     """``perf script -F tid,cpu,time,event,trace --ns`` output into intervals."""
     trace = Trace()
-    on_cpu: dict[int, tuple[int, str]] = {}  # by thread id: since when, its name
+    # By CPU (the idle task is pid 0 on every CPU): who runs there, since when.
+    on_cpu: dict[int, tuple[int, str, int]] = {}
     for line in script.splitlines():
         m = LINE.match(line)
         if not m:
@@ -93,15 +94,15 @@ def parse(script: str) -> Trace:
             # Preempted (state R): runnable from now on.
             if fields.get("prev_state", "").startswith("R"):
                 old.woken = ts
-            if prev in on_cpu:
-                start, comm = on_cpu.pop(prev)
-                trace.cpu_runs[cpu].append((start, ts, comm, prev))
+            if cpu in on_cpu:
+                start, comm, tid = on_cpu.pop(cpu)
+                trace.cpu_runs[cpu].append((start, ts, comm, tid))
             new = trace.threads[nxt]
             if new.woken is not None:
                 new.waits.append((new.woken, ts))
                 new.woken = None
             new.since = ts
-            on_cpu[nxt] = (ts, fields["next_comm"])
+            on_cpu[cpu] = (ts, fields["next_comm"], nxt)
     return trace
 
 
