@@ -184,8 +184,9 @@ def test_the_scheduling_policy_wraps_every_command_of_the_load() -> None:
     load_args = argparse.Namespace(
         seconds=4.0, warmup=1.0, tokens=8, prompt_words=200, chat=False, sched="fifo"
     )
-    command = bench.load_command(bench.Path("gen"), None, ["http://x"], 1000.0, load_args, True, [])
+    gen = bench.Path("gen")
+    command = bench.load_command(gen, None, ["http://x"], 1000.0, load_args, True, [])
     assert command[:4] == ["chrt", "-f", "1", "gen"] and "--stream" in command
     load_args.sched = "normal"
-    command = bench.load_command(bench.Path("gen"), None, ["http://x"], 1000.0, load_args, False, [])
+    command = bench.load_command(gen, None, ["http://x"], 1000.0, load_args, False, [])
     assert command[0] == "gen" and "--stream" not in command
