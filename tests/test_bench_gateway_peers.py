@@ -174,3 +174,19 @@ def test_a_paired_gateway_is_measured_against_the_direct_load_beside_it() -> Non
 def test_paired_and_ladder_do_not_mix() -> None:
     with pytest.raises(SystemExit):
         bench.main(["--paired", "--ladder", "1000,2000"])
+
+
+def test_the_scheduling_policy_wraps_every_command_of_the_load() -> None:
+    assert bench.scheduled("normal", ["a", "b"]) == ["a", "b"]
+    assert bench.scheduled("fifo", ["a"]) == ["chrt", "-f", "1", "a"]
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        bench.scheduled("idle", ["a"])
+    load_args = argparse.Namespace(
+        seconds=4.0, warmup=1.0, tokens=8, prompt_words=200, chat=False, sched="fifo"
+    )
+    gen = bench.Path("gen")
+    command = bench.load_command(gen, None, ["http://x"], 1000.0, load_args, True, [])
+    assert command[:4] == ["chrt", "-f", "1", "gen"] and "--stream" in command
+    load_args.sched = "normal"
+    command = bench.load_command(gen, None, ["http://x"], 1000.0, load_args, False, [])
+    assert command[0] == "gen" and "--stream" not in command

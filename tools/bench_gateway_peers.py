@@ -32,6 +32,13 @@ figure is the median over the repeats:
   bursts) falls on both paths at once, so the difference no longer carries it; both paths'
   requests share the engines and the client core, so neither is measured on an idle machine.
   The direct loads of a pair are kept apart (``direct@<gateway>``) from the direct row;
+* ``--sched fifo``: every process of the benchmark (the engines, the generators, each gateway
+  with all its threads) runs under ``SCHED_FIFO`` priority 1 (``chrt -f 1``), so that once
+  woken it takes its core from whatever else runs on the machine (other builds, tests); among
+  themselves they stay equals (a thread runs until it blocks). The default ``normal`` leaves
+  them to the fair scheduler, which lets another process hold the gateway's core for a slice
+  of several milliseconds while the gateway waits: on a shared machine that, and not the
+  gateways, is the streamed p99 (``tools/stream_tail.py`` traces it per slow stream);
 * a name ending in ``@base`` (``llmsched-serve-native-llm-d@base``) runs that gateway with
   ``--base-python`` instead of ``--python``: another build (e.g. main's) interleaved with this
   one in the same run;
@@ -151,6 +158,17 @@ def pinned(core: int | None, command: Sequence[str]) -> list[str]:
     return ["taskset", "-c", str(core), *command]
 
 
+def scheduled(policy: str, command: Sequence[str]) -> list[str]:
+    """``command`` (the engines, a generator or a gateway) under the scheduling ``policy``:
+    ``normal`` as it is, ``fifo`` under ``chrt -f 1`` (real-time: once woken it takes its core
+    from any normal process, see the module docs)."""
+    if policy == "normal":
+        return list(command)
+    if policy == "fifo":
+        return ["chrt", "-f", "1", *command]
+    raise ValueError(f"unknown scheduling policy {policy!r}")
+
+
 def _has_taskset() -> bool:
     return subprocess.run(["sh", "-c", "command -v taskset"], capture_output=True).returncode == 0
 
@@ -222,24 +240,27 @@ def process(command: Sequence[str], log: Path) -> Iterator[subprocess.Popen[byte
 
 
 def start_engines(
-    binary: Path, core: int | None, tokens: int, token_delay_ms: float
+    binary: Path, core: int | None, tokens: int, token_delay_ms: float, policy: str = "none"
 ) -> tuple[subprocess.Popen[str], list[int]]:
     """Four fake engines in one process; returns it and their ports."""
-    command = pinned(
-        core,
-        [
-            str(binary),
-            "--engines",
-            "4",
-            "--model",
-            MODEL,
-            "--answer-tokens",
-            str(tokens),
-            "--token-delay-ms",
-            str(token_delay_ms),
-            # Streamed events carry the engine's clock (see the module docs).
-            "--stamp",
-        ],
+    command = scheduled(
+        policy,
+        pinned(
+            core,
+            [
+                str(binary),
+                "--engines",
+                "4",
+                "--model",
+                MODEL,
+                "--answer-tokens",
+                str(tokens),
+                "--token-delay-ms",
+                str(token_delay_ms),
+                # Streamed events carry the engine's clock (see the module docs).
+                "--stamp",
+            ],
+        ),
     )
     child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
@@ -413,6 +434,22 @@ def load(
     seed: int = 1,
 ) -> Figures:
     """One open-loop load through ``urls``; the generator's figures."""
+    command = load_command(binary, core, urls, rate, args, stream, pids, seed)
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return figures_of(json.loads(out.stdout))
+
+
+def load_command(
+    binary: Path,
+    core: int | None,
+    urls: Sequence[str],
+    rate: float,
+    args: argparse.Namespace,
+    stream: bool,
+    pids: Sequence[int],
+    seed: int = 1,
+) -> list[str]:
+    """The generator's command line for :func:`load` (pinned to ``core``)."""
     command = [
         str(binary),
         "--json",
@@ -439,8 +476,7 @@ def load(
         command.append("--stream")
     if args.chat:
         command.append("--chat")
-    out = subprocess.run(pinned(core, command), capture_output=True, text=True, check=True)
-    return figures_of(json.loads(out.stdout))
+    return scheduled(args.sched, pinned(core, command))
 
 
 def figures_of(report: dict[str, Any]) -> Figures:
@@ -477,7 +513,7 @@ def run(args: argparse.Namespace) -> Results:
             raise SystemExit(f"{binary} is missing: cargo build --release -p llmsched-bench")
     results = Results()
     engines_process, ports = start_engines(
-        engine_bin, args.client_core, args.tokens, args.token_delay_ms
+        engine_bin, args.client_core, args.tokens, args.token_delay_ms, args.sched
     )
     engines = [f"http://127.0.0.1:{p}" for p in ports]
     answers = [a for a in args.answers.split(",") if a]
@@ -535,8 +571,11 @@ def run_gateway(
         if answer in given_up:
             continue
         port = free_port()
-        command = pinned(
-            args.gateway_core, gateway_command(gateway, port, engines, work, args.tokenizer)
+        command = scheduled(
+            args.sched,
+            pinned(
+                args.gateway_core, gateway_command(gateway, port, engines, work, args.tokenizer)
+            ),
         )
         with process(command, work / f"{gateway.name}.log") as child:
             url = f"http://127.0.0.1:{port}"
@@ -855,6 +894,12 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gateway-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument(
+        "--sched",
+        choices=("normal", "fifo"),
+        default="normal",
+        help="every process of the benchmark under this scheduling policy (see above)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -910,7 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"gateways pinned to core {args.gateway_core}, engines and load on core "
         f"{args.client_core}; {args.repeats} repeat(s) of {args.seconds:g} s (+{args.warmup:g} s "
         f"warm-up); {args.tokens} tokens per answer, streamed {args.token_delay_ms:g} ms apart; "
-        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
+        f"scheduling {args.sched}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
         flush=True,
     )
     results = run(args)

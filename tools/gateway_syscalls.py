@@ -117,8 +117,9 @@ def count(
 ) -> dict[str, float]:
     """Per-request counts of one gateway under one load."""
     port = bench.free_port()
-    command = bench.pinned(
-        args.gateway_core, bench.gateway_command(gateway, port, engines, work, None)
+    command = bench.scheduled(
+        args.sched,
+        bench.pinned(args.gateway_core, bench.gateway_command(gateway, port, engines, work, None)),
     )
     with bench.process(command, work / f"{gateway.name}.log") as child:
         url = f"http://127.0.0.1:{port}"
@@ -181,7 +182,11 @@ def main() -> None:
     args = parser.parse_args()
     bin_dir = Path(args.bin)
     engines_process, ports = bench.start_engines(
-        bin_dir / "llmsched-fake-engine", args.client_core, args.tokens, args.token_delay_ms
+        bin_dir / "llmsched-fake-engine",
+        args.client_core,
+        args.tokens,
+        args.token_delay_ms,
+        args.sched,
     )
     engines = [f"http://127.0.0.1:{p}" for p in ports]
     native = str(bin_dir / "llmsched-gateway")

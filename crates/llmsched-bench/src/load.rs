@@ -95,6 +95,9 @@ pub struct LoadConfig {
     pub cpu_pids: Vec<(String, u32)>,
     /// Seed of the Poisson arrivals.
     pub seed: u64,
+    /// The slowest stamped streams (by net latency) reported event by event
+    /// ([`Report::slow_streams`]); 0: none.
+    pub slow_streams: usize,
 }
 
 impl Default for LoadConfig {
@@ -115,6 +118,7 @@ impl Default for LoadConfig {
             max_in_flight: 20_000,
             cpu_pids: Vec::new(),
             seed: 1,
+            slow_streams: 0,
         }
     }
 }
@@ -191,6 +195,10 @@ pub struct Report {
     pub net_latency_ms: Summary,
     /// CPU milliseconds per measured request of the processes in `cpu_pids`, summed by label.
     pub cpu_ms_per_request: BTreeMap<String, f64>,
+    /// The `slow_streams` measured stamped streams of the highest net latency, slowest first,
+    /// event by event.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub slow_streams: Vec<crate::stamp::StreamTrace>,
 }
 
 /// One finished request.
@@ -204,6 +212,7 @@ struct Timing {
     ttft: f64,
     gaps: Vec<f64>,
     stamped: Option<crate::stamp::StreamTimes>,
+    trace: Option<crate::stamp::StreamTrace>,
 }
 
 /// CPU seconds (user + system, every thread) of process `pid`: the nanosecond run times of
@@ -355,12 +364,13 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
             let client = client.clone();
             let records = records.clone();
             let (stream, timeout) = (config.stream, config.timeout);
+            let trace = config.slow_streams > 0;
             tasks.spawn(async move {
-                let outcome =
-                    match tokio::time::timeout(timeout, send(&client, request, stream)).await {
-                        Ok(outcome) => outcome,
-                        Err(_) => Err("timeout".to_string()),
-                    };
+                let sent = send(&client, request, stream, trace);
+                let outcome = match tokio::time::timeout(timeout, sent).await {
+                    Ok(outcome) => outcome,
+                    Err(_) => Err("timeout".to_string()),
+                };
                 records.lock().unwrap().push(Record { measured, outcome });
             });
         }
@@ -382,6 +392,7 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     }
     let (mut latencies, mut ttfts, mut gaps) = (Vec::new(), Vec::new(), Vec::new());
     let (mut forwards, mut relays, mut nets) = (Vec::new(), Vec::new(), Vec::new());
+    let mut traces = Vec::new();
     for record in records.into_iter().filter(|r| r.measured) {
         match record.outcome {
             Ok(timing) => {
@@ -394,6 +405,7 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
                     relays.extend(stamped.relay);
                     nets.push(stamped.net_latency);
                 }
+                traces.extend(timing.trace);
             }
             Err(kind) => *report.errors.entry(kind).or_default() += 1,
         }
@@ -406,6 +418,9 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     report.forward_ms = Summary::of(forwards);
     report.relay_ms = Summary::of(relays);
     report.net_latency_ms = Summary::of(nets);
+    traces.sort_by(|a: &crate::stamp::StreamTrace, b| b.net_ms.total_cmp(&a.net_ms));
+    traces.truncate(config.slow_streams);
+    report.slow_streams = traces;
     let sent = (scheduled - overload).max(1) as f64;
     for (((label, _), before), after) in config.cpu_pids.iter().zip(cpu_before).zip(cpu_after) {
         if let (Some(before), Some(after)) = (before, after) {
@@ -425,6 +440,7 @@ async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     request: Request<Full<Bytes>>,
     stream: bool,
+    trace: bool,
 ) -> Result<Timing, String> {
     let started = Instant::now();
     let started_ns = crate::stamp::monotonic_ns();
@@ -483,6 +499,11 @@ async fn send(
         ttft: since(first.unwrap_or(finished)),
         gaps: events.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect(),
         stamped: crate::stamp::stream_times(started_ns, finished_ns, &stamps),
+        trace: if trace {
+            crate::stamp::stream_trace(started_ns, finished_ns, &stamps)
+        } else {
+            None
+        },
     })
 }
 

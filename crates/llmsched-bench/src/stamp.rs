@@ -100,6 +100,52 @@ pub fn stream_times(
     })
 }
 
+/// One stream's way through, event by event, for the slowest streams of a load
+/// (`llmsched-loadgen --slow-streams N`): where its time beyond the engine's went. Times are
+/// milliseconds; `started_ns` is `CLOCK_MONOTONIC` (what `perf record -k CLOCK_MONOTONIC`
+/// stamps its samples with), so a slow stream can be found in a trace of the machine.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct StreamTrace {
+    /// The client's start, nanoseconds of `CLOCK_MONOTONIC`.
+    pub started_ns: u64,
+    /// The latency less the engine's own time ([`StreamTimes::net_latency`]).
+    pub net_ms: f64,
+    /// The client's start to the engine's reading of the request.
+    pub forward_ms: f64,
+    /// The engine's reading of the request to its first event's hand-over (its own time).
+    pub engine_first_ms: f64,
+    /// Per stamped event: its hand-over at the engine to its arrival at the client.
+    pub relay_ms: Vec<f64>,
+    /// Per stamped event after the first: the engine's time since the one before (its own
+    /// schedule, taken out of `net_ms`).
+    pub engine_gap_ms: Vec<f64>,
+    /// The last stamped event's arrival to the stream's end (`[DONE]` and the close of the
+    /// body).
+    pub tail_ms: f64,
+}
+
+/// The event-by-event account of a stream (arguments as [`stream_times`]); None without a
+/// stamped event.
+pub fn stream_trace(
+    started_ns: u64,
+    finished_ns: u64,
+    events: &[((u64, u64), u64)],
+) -> Option<StreamTrace> {
+    let times = stream_times(started_ns, finished_ns, events)?;
+    let ms = |from: u64, to: u64| (to as f64 - from as f64) / 1e6;
+    let &((received, first_sent), _) = events.first()?;
+    let &(_, last_arrived) = events.last()?;
+    Some(StreamTrace {
+        started_ns,
+        net_ms: times.net_latency * 1e3,
+        forward_ms: times.forward * 1e3,
+        engine_first_ms: ms(received, first_sent),
+        relay_ms: times.relay.iter().map(|s| s * 1e3).collect(),
+        engine_gap_ms: events.windows(2).map(|w| ms(w[0].0 .1, w[1].0 .1)).collect(),
+        tail_ms: ms(last_arrived, finished_ns),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,6 +203,22 @@ mod tests {
         // 8500 ns of latency less 8100 ns at the engine.
         assert!((times.net_latency - 400e-9).abs() < 1e-15);
         assert_eq!(stream_times(0, 1, &[]), None);
+    }
+
+    #[test]
+    fn a_trace_accounts_for_every_nanosecond_beyond_the_engine() {
+        let events = [((1_300, 1_400), 1_500), ((1_300, 9_400), 9_450)];
+        let trace = stream_trace(1_000, 9_500, &events).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert_eq!(trace.started_ns, 1_000);
+        assert!(close(trace.forward_ms, 300e-6) && close(trace.engine_first_ms, 100e-6));
+        assert!(close(trace.relay_ms[0], 100e-6) && close(trace.relay_ms[1], 50e-6));
+        assert_eq!(trace.engine_gap_ms.len(), 1);
+        assert!(close(trace.engine_gap_ms[0], 8_000e-6) && close(trace.tail_ms, 50e-6));
+        // net = forward + last relay + tail: the parts add up to the whole.
+        assert!(close(trace.net_ms, trace.forward_ms + trace.relay_ms[1] + trace.tail_ms));
+        assert!(close(trace.net_ms, 400e-6));
+        assert_eq!(stream_trace(0, 1, &[]), None);
     }
 
     #[test]

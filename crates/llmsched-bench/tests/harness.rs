@@ -500,6 +500,39 @@ fn stamped_streams_carry_the_engine_clock_and_the_generator_reads_it() {
     // The net latency leaves the engine's schedule out: never more than the latency.
     assert!(report["net_latency_ms"]["p50"].as_f64() <= report["latency_ms"]["p50"].as_f64());
 
+    assert!(report.get("slow_streams").is_none(), "only when asked");
+
+    // --slow-streams: the slowest streams, slowest first, event by event.
+    let report = load(&[
+        "--url",
+        &url(port),
+        "--rate",
+        "100",
+        "--duration",
+        "0.3",
+        "--arrivals",
+        "uniform",
+        "--stream",
+        "--max-tokens",
+        "3",
+        "--slow-streams",
+        "4",
+    ]);
+    let slow = report["slow_streams"].as_array().unwrap();
+    assert_eq!(slow.len(), 4);
+    let nets: Vec<f64> = slow.iter().map(|s| s["net_ms"].as_f64().unwrap()).collect();
+    assert!(nets.windows(2).all(|w| w[0] >= w[1]), "slowest first: {nets:?}");
+    assert!((nets[0] - report["net_latency_ms"]["max"].as_f64().unwrap()).abs() < 1e-3);
+    for stream in slow {
+        assert_eq!(stream["relay_ms"].as_array().unwrap().len(), 3);
+        assert_eq!(stream["engine_gap_ms"].as_array().unwrap().len(), 2);
+        assert!(stream["started_ns"].as_u64().unwrap() > 0);
+        let parts = stream["forward_ms"].as_f64().unwrap()
+            + stream["relay_ms"][2].as_f64().unwrap()
+            + stream["tail_ms"].as_f64().unwrap();
+        assert!((parts - stream["net_ms"].as_f64().unwrap()).abs() < 1e-6);
+    }
+
     // Unstamped streams report no stamped figures.
     let plain = Engines::start(&["--model", "tiny"]);
     let report =

@@ -10,7 +10,8 @@ use llmsched_bench::load::{self, Arrivals, LoadConfig};
 const USAGE: &str = "llmsched-loadgen --url URL [--url URL ...] [--rate R] [--duration S] \
 [--warmup S] [--arrivals poisson|uniform] [--chat] [--stream] [--model NAME] [--max-tokens N] \
 [--prompt-words N] [--sessions N] [--timeout-s S] [--max-in-flight N] [--cpu LABEL=PID ...] \
-[--seed N] [--threads N] [--json]";
+[--seed N] [--threads N] [--slow-streams N (the N slowest stamped streams, event by event, \
+in the JSON)] [--json]";
 
 fn main() {
     match run() {
@@ -45,6 +46,7 @@ fn run() -> Result<(), String> {
         "cpu",
         "seed",
         "threads",
+        "slow-streams",
         "json",
         "help",
     ])?;
@@ -73,6 +75,7 @@ fn run() -> Result<(), String> {
         max_in_flight: args.get("max-in-flight", defaults.max_in_flight)?,
         cpu_pids,
         seed: args.get("seed", defaults.seed)?,
+        slow_streams: args.get("slow-streams", defaults.slow_streams)?,
     };
     let threads: usize = args.get("threads", 1)?;
     let runtime = llmsched_bench::runtime(threads.max(1)).map_err(|e| e.to_string())?;
