@@ -25,8 +25,8 @@ pub use tree::{MatchEntry, WorkerId};
 use crate::buffer_pool::{self, BufferPool};
 use crate::hashing::{self, HashError, TokenId};
 use crate::protocols::DecodeError;
-use crate::read_mostly::ReadMostlyLock;
 pub use crate::protocols::{Tier, WorkerKey};
+use crate::read_mostly::ReadMostlyLock;
 
 /// Construction parameters. Defaults live here and nowhere else.
 #[derive(Debug, Clone, PartialEq)]
