@@ -200,13 +200,13 @@ def test_results_made_on_many_threads_outlive_their_index_on_other_threads() -> 
     results: list[Any] = []
     lock = threading.Lock()
 
-    def make() -> None:
-        mine = [index.match_tokens(prompt) for _ in range(25)]
-        mine += index.match_many([index.hash_tokens(prompt)] * 5)
+    def make(idx: PrefixIndex) -> None:
+        mine = [idx.match_tokens(prompt) for _ in range(25)]
+        mine += idx.match_many([idx.hash_tokens(prompt)] * 5)
         with lock:
             results.extend(mine)
 
-    makers = [threading.Thread(target=make) for _ in range(40)]
+    makers = [threading.Thread(target=make, args=(index,)) for _ in range(40)]
     for t in makers:
         t.start()
     for t in makers:
