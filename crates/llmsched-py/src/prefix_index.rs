@@ -207,12 +207,14 @@ impl PyPrefixIndex {
     }
 
     /// This thread's handle (see [`IndexHandle`]), made on its first call.
-    fn handle(&self, py: Python<'_>) -> PyResult<Py<IndexHandle>> {
-        let slot = &self.handles[HANDLE_SLOT.with(|s| *s)];
+    fn handle(slf: &Bound<'_, Self>) -> PyResult<Py<IndexHandle>> {
+        let (this, py) = (slf.get(), slf.py());
+        let slot = &this.handles[HANDLE_SLOT.with(|s| *s)];
         if let Some(h) = slot.get(py) {
             return Ok(h.clone_ref(py));
         }
-        let handle = IndexHandle { inner: Arc::clone(&self.inner), names: Arc::clone(&self.names) };
+        share(slf);
+        let handle = IndexHandle { inner: Arc::clone(&this.inner), names: Arc::clone(&this.names) };
         let made = Py::new(py, handle)?;
         Ok(slot.get_or_init(py, || made).clone_ref(py))
     }
@@ -245,7 +247,25 @@ impl PyPrefixIndex {
 /// A match result that keeps what it needs of the index alive (this thread's handle) to name
 /// its workers when, and only when, they are read.
 fn result(slf: &Bound<'_, PyPrefixIndex>, m: MatchResult) -> PyResult<PyMatch> {
-    Ok(PyMatch { m, index: slf.get().handle(slf.py())? })
+    Ok(PyMatch { m, index: PyPrefixIndex::handle(slf)? })
+}
+
+/// Lets threads other than the one that made the index take references to it without a lock,
+/// on free-threaded CPython (a no-op elsewhere).
+///
+/// Why: a thread that does not own an object takes a reference (as the Python wrapper's
+/// `self._native` does on every call) by incrementing its shared count, which CPython refuses
+/// while that count is zero, as it is whenever the owner holds every reference; the load then
+/// falls back to locking the object holding the attribute, and two threads matching at once
+/// queued on that lock (`sched_yield` and context switches in the profile).
+fn share(slf: &Bound<'_, PyPrefixIndex>) {
+    #[cfg(all(Py_GIL_DISABLED, Py_3_14, not(Py_LIMITED_API)))]
+    // SAFETY: `slf` is a live object; CPython makes the change with an atomic update.
+    unsafe {
+        pyo3::ffi::PyUnstable_EnableTryIncRef(slf.as_ptr());
+    }
+    #[cfg(not(all(Py_GIL_DISABLED, Py_3_14, not(Py_LIMITED_API))))]
+    let _ = slf;
 }
 
 struct MatchTokens<'a> {
