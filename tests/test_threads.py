@@ -184,3 +184,45 @@ def test_store_remove_match_and_pick_at_once_agree_with_the_twins() -> None:
         assert index.holdings(f"writer-{w}") == twin.holdings(f"writer-{w}")
     for name in names:
         assert index.holdings(name) == twin.holdings(name)
+
+
+@pytest.mark.timeout(120)
+def test_results_made_on_many_threads_outlive_their_index_on_other_threads() -> None:
+    """A match result holds a handle that its own thread made (one per thread and index, in
+    16 slots that threads take in turn), not the index: results made on more threads than
+    there are slots, read on other threads after the index is gone, still name their workers
+    and look them up."""
+    index = PrefixIndex(block_size=BLOCK)
+    prompt = list(range(40))
+    index.store("a", index.hash_tokens(prompt))
+    index.store(7, index.hash_tokens(prompt[:20]))
+    want = {"a": 10, 7: 5}
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def make(idx: PrefixIndex) -> None:
+        mine = [idx.match_tokens(prompt) for _ in range(25)]
+        mine += idx.match_many([idx.hash_tokens(prompt)] * 5)
+        with lock:
+            results.extend(mine)
+
+    makers = [threading.Thread(target=make, args=(index,)) for _ in range(40)]
+    for t in makers:
+        t.start()
+    for t in makers:
+        t.join(timeout=60)
+    del index
+    failures: list[object] = []
+
+    def read(part: list[Any]) -> None:
+        for m in part:
+            if m.as_dict() != want or m.best != ["a"] or m.get(7) != 5 or "b" in m:
+                failures.append((m.as_dict(), m.best))
+
+    readers = [threading.Thread(target=read, args=(results[i::4],)) for i in range(4)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(timeout=60)
+    assert len(results) == 40 * 30
+    assert not failures, failures[:5]

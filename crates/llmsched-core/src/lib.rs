@@ -6,6 +6,7 @@ pub mod hashing;
 pub mod prefetch;
 pub mod prefix_index;
 pub mod protocols;
+pub mod read_mostly;
 pub mod routing;
 pub mod slices;
 pub mod vllm_events;

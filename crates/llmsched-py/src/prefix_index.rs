@@ -1,5 +1,6 @@
 //! Bindings for `llmsched_core::prefix_index`.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::errors::{detach, CoreResult};
@@ -119,33 +120,103 @@ fn tier(name: &str) -> PyResult<Tier> {
     })
 }
 
+/// Python names of interned workers, by id, so results do not rebuild strings.
+#[derive(Default)]
+struct Names(RwLock<Vec<Option<Py<PyAny>>>>);
+
+impl Names {
+    fn remember(&self, id: WorkerId, name: Py<PyAny>) {
+        let mut names = self.0.write();
+        if names.len() <= id as usize {
+            names.resize_with(id as usize + 1, || None);
+        }
+        names[id as usize] = Some(name);
+    }
+
+    /// The Python name of worker `id`: the one remembered, else its key in `index` (a worker
+    /// another component registered without naming it here: the native gateway's records),
+    /// remembered from then on; None for an id the core does not know.
+    fn name(&self, py: Python<'_>, index: &PrefixIndex, id: WorkerId) -> Py<PyAny> {
+        if let Some(Some(n)) = self.0.read().get(id as usize) {
+            return n.clone_ref(py);
+        }
+        let Some(key) = index.worker_key(id) else { return py.None() };
+        let obj = match &key {
+            WorkerKey::Int(i) => i.into_pyobject(py).map(|o| o.into_any().unbind()),
+            WorkerKey::Str(s) => s.into_pyobject(py).map(|o| o.into_any().unbind()),
+        };
+        match obj {
+            Ok(obj) => {
+                self.remember(id, obj.clone_ref(py));
+                obj
+            }
+            Err(_) => py.None(),
+        }
+    }
+}
+
+/// What a match result needs of its index (the core, to look workers up, and the names), held
+/// by one small object per thread.
+///
+/// Why not the index itself: on free-threaded CPython, taking a reference to an object another
+/// thread made is an atomic update of its reference count, so two threads whose results each
+/// referenced the one index passed its count's cache line between their cores on every match
+/// (after the lock, the largest cost two threads shared). A handle made by the calling thread
+/// is counted by that thread alone, without atomics; a result dropped on another thread still
+/// counts correctly, atomically.
+#[pyclass(frozen, module = "llmsched._llmsched", name = "_IndexHandle")]
+struct IndexHandle {
+    inner: Arc<PrefixIndex>,
+    names: Arc<Names>,
+}
+
+/// Handles per index: threads take slots in turn, so beyond this many threads two share one
+/// (still correct, one of them counting atomically).
+const HANDLE_SLOTS: usize = 16;
+
+static NEXT_HANDLE_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    static HANDLE_SLOT: usize = NEXT_HANDLE_SLOT.fetch_add(1, Ordering::Relaxed) % HANDLE_SLOTS;
+}
+
 /// The native prefix index; `llmsched.PrefixIndex` wraps it.
 #[pyclass(frozen, module = "llmsched._llmsched", name = "PrefixIndex")]
 pub struct PyPrefixIndex {
     pub inner: Arc<PrefixIndex>,
-    /// Python names of interned workers, by id, so results do not rebuild strings.
-    names: RwLock<Vec<Option<Py<PyAny>>>>,
+    names: Arc<Names>,
+    /// Each thread's handle for its results (see [`IndexHandle`]), made at its first match.
+    handles: [PyOnceLock<Py<IndexHandle>>; HANDLE_SLOTS],
 }
 
 impl PyPrefixIndex {
     fn wrap(py: Python<'_>, inner: PrefixIndex) -> PyResult<Self> {
-        let this = PyPrefixIndex { inner: Arc::new(inner), names: RwLock::new(Vec::new()) };
+        let this = PyPrefixIndex {
+            inner: Arc::new(inner),
+            names: Arc::default(),
+            handles: std::array::from_fn(|_| PyOnceLock::new()),
+        };
         for (id, key) in this.inner.workers() {
             let obj = match key {
                 WorkerKey::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
                 WorkerKey::Str(s) => s.into_pyobject(py)?.into_any().unbind(),
             };
-            this.remember(id, obj);
+            this.names.remember(id, obj);
         }
         Ok(this)
     }
 
-    fn remember(&self, id: WorkerId, name: Py<PyAny>) {
-        let mut names = self.names.write();
-        if names.len() <= id as usize {
-            names.resize_with(id as usize + 1, || None);
+    /// This thread's handle (see [`IndexHandle`]), made on its first call.
+    fn handle(slf: &Bound<'_, Self>) -> PyResult<Py<IndexHandle>> {
+        let (this, py) = (slf.get(), slf.py());
+        let slot = &this.handles[HANDLE_SLOT.with(|s| *s)];
+        if let Some(h) = slot.get(py) {
+            return Ok(h.clone_ref(py));
         }
-        names[id as usize] = Some(name);
+        share(slf);
+        let handle = IndexHandle { inner: Arc::clone(&this.inner), names: Arc::clone(&this.names) };
+        let made = Py::new(py, handle)?;
+        Ok(slot.get_or_init(py, || made).clone_ref(py))
     }
 
     /// Remembers the Python name (an int or a str) of a worker another component registered.
@@ -161,38 +232,40 @@ impl PyPrefixIndex {
     /// Remembers the Python name of `worker` once the core has registered it.
     fn remember_name(&self, worker: &Bound<'_, PyAny>, key: &WorkerKey) {
         let Some(id) = self.inner.worker_id(key) else { return };
-        let known = self.names.read().get(id as usize).is_some_and(|n| n.is_some());
+        let known = self.names.0.read().get(id as usize).is_some_and(|n| n.is_some());
         if !known {
-            self.remember(id, worker.clone().unbind());
+            self.names.remember(id, worker.clone().unbind());
         }
     }
 
-    /// The Python name of worker `id`: the one remembered, else its key in the core (a worker
-    /// another component registered without naming it here: the native gateway's records),
-    /// remembered from then on; None for an id the core does not know.
+    /// The Python name of worker `id` (see [`Names::name`]).
     fn name(&self, py: Python<'_>, id: WorkerId) -> Py<PyAny> {
-        if let Some(Some(n)) = self.names.read().get(id as usize) {
-            return n.clone_ref(py);
-        }
-        let Some(key) = self.inner.worker_key(id) else { return py.None() };
-        let obj = match &key {
-            WorkerKey::Int(i) => i.into_pyobject(py).map(|o| o.into_any().unbind()),
-            WorkerKey::Str(s) => s.into_pyobject(py).map(|o| o.into_any().unbind()),
-        };
-        match obj {
-            Ok(obj) => {
-                self.remember(id, obj.clone_ref(py));
-                obj
-            }
-            Err(_) => py.None(),
-        }
+        self.names.name(py, &self.inner, id)
     }
 }
 
-/// A match result that keeps the index alive (one Python reference, no shared atomic counter)
-/// to name its workers when, and only when, they are read.
-fn result(slf: &Bound<'_, PyPrefixIndex>, m: MatchResult) -> PyMatch {
-    PyMatch { m, index: slf.clone().unbind() }
+/// A match result that keeps what it needs of the index alive (this thread's handle) to name
+/// its workers when, and only when, they are read.
+fn result(slf: &Bound<'_, PyPrefixIndex>, m: MatchResult) -> PyResult<PyMatch> {
+    Ok(PyMatch { m, index: PyPrefixIndex::handle(slf)? })
+}
+
+/// Lets threads other than the one that made the index take references to it without a lock,
+/// on free-threaded CPython (a no-op elsewhere).
+///
+/// Why: a thread that does not own an object takes a reference (as the Python wrapper's
+/// `self._native` does on every call) by incrementing its shared count, which CPython refuses
+/// while that count is zero, as it is whenever the owner holds every reference; the load then
+/// falls back to locking the object holding the attribute, and two threads matching at once
+/// queued on that lock (`sched_yield` and context switches in the profile).
+fn share(slf: &Bound<'_, PyPrefixIndex>) {
+    #[cfg(all(Py_GIL_DISABLED, Py_3_14, not(Py_LIMITED_API)))]
+    // SAFETY: `slf` is a live object; CPython makes the change with an atomic update.
+    unsafe {
+        pyo3::ffi::PyUnstable_EnableTryIncRef(slf.as_ptr());
+    }
+    #[cfg(not(all(Py_GIL_DISABLED, Py_3_14, not(Py_LIMITED_API))))]
+    let _ = slf;
 }
 
 struct MatchTokens<'a> {
@@ -371,12 +444,12 @@ impl PyPrefixIndex {
                 // any numpy reader racing a writer does; the array, referenced here, keeps its
                 // buffer for the whole read.
                 let slice = unsafe { arr.as_slice() }?;
-                return Ok(result(slf, this.inner.match_hashes(slice, now)));
+                return result(slf, this.inner.match_hashes(slice, now));
             }
         }
         let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
-        Ok(result(slf, match_short(slf.py(), &this.inner, hashes, now)?))
+        result(slf, match_short(slf.py(), &this.inner, hashes, now)?)
     }
 
     #[pyo3(signature = (tokens, lora, cache_salt, now))]
@@ -389,12 +462,12 @@ impl PyPrefixIndex {
     ) -> PyResult<PyMatch> {
         let index = &slf.get().inner;
         if let Some(hashes) = hash_token_list(index, tokens, lora, cache_salt) {
-            return Ok(result(slf, match_short(slf.py(), index, &hashes, now)?));
+            return result(slf, match_short(slf.py(), index, &hashes, now)?);
         }
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let visitor = MatchTokens { index: &slf.get().inner, lora, cache_salt, now };
         let m = tokens.visit_detached(slf.py(), visitor)?.py()?;
-        Ok(result(slf, m))
+        result(slf, m)
     }
 
     #[pyo3(signature = (tokens, lora, cache_salt))]
@@ -423,7 +496,7 @@ impl PyPrefixIndex {
         let slices = queries.iter().map(Hashes::as_slice).collect::<PyResult<Vec<_>>>()?;
         let results: Vec<MatchResult> =
             detach(slf.py(), || slices.iter().map(|h| this.inner.match_hashes(h, now)).collect())?;
-        Ok(results.into_iter().map(|m| result(slf, m)).collect())
+        results.into_iter().map(|m| result(slf, m)).collect()
     }
 
     fn apply_vllm_events<'py>(
@@ -543,7 +616,7 @@ fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyD
 #[pyclass(frozen, module = "llmsched._llmsched", name = "PrefixMatch", mapping)]
 pub struct PyMatch {
     pub m: MatchResult,
-    index: Py<PyPrefixIndex>,
+    index: Py<IndexHandle>,
 }
 
 impl Drop for PyMatch {
@@ -560,7 +633,8 @@ impl PyMatch {
     }
 
     fn name(&self, py: Python<'_>, i: usize) -> Py<PyAny> {
-        self.index.get().name(py, self.m.entries[i].worker)
+        let index = self.index.get();
+        index.names.name(py, &index.inner, self.m.entries[i].worker)
     }
 
     /// The entry of the worker named `worker`, if it matched.

@@ -3,8 +3,10 @@
 //!
 //! Workers are named by the caller (an integer or a string) and interned to dense ids. Holdings
 //! come from the engines (`store`, vLLM KV events: confirmed) or from the router's own decisions
-//! (`record`: approximate, expiring). One `RwLock` guards the whole index: matches share it, and
-//! writers hold it only for the duration of one call, so a batch of events applies atomically.
+//! (`record`: approximate, expiring). One readers-writer lock guards the whole index: matches share
+//! it, and writers hold it only for the duration of one call, so a batch of events applies
+//! atomically. It is a [`ReadMostlyLock`], whose readers write only a slot of their own thread:
+//! threads matching at once do not pass a lock word between their cores.
 
 mod block_table;
 mod children;
@@ -14,7 +16,6 @@ mod snapshot;
 pub(crate) mod tree;
 
 use hashbrown::HashMap;
-use parking_lot::RwLock;
 use thiserror::Error;
 
 pub use events::ApplyReport;
@@ -25,6 +26,7 @@ use crate::buffer_pool::{self, BufferPool};
 use crate::hashing::{self, HashError, TokenId};
 use crate::protocols::DecodeError;
 pub use crate::protocols::{Tier, WorkerKey};
+use crate::read_mostly::ReadMostlyLock;
 
 /// Construction parameters. Defaults live here and nowhere else.
 #[derive(Debug, Clone, PartialEq)]
@@ -173,7 +175,7 @@ pub(crate) struct State {
 /// A concurrent prefix index. Share it between threads by reference or `Arc`.
 pub struct PrefixIndex {
     config: IndexConfig,
-    state: RwLock<State>,
+    state: ReadMostlyLock<State>,
     /// Engine event batches applied, by any caller (the bindings, a native KV-event feed).
     event_batches: std::sync::atomic::AtomicU64,
 }
@@ -193,7 +195,7 @@ impl PrefixIndex {
         config.validate()?;
         Ok(PrefixIndex {
             config,
-            state: RwLock::new(State { tree: Tree::new(), workers: Workers::default() }),
+            state: ReadMostlyLock::new(State { tree: Tree::new(), workers: Workers::default() }),
             event_batches: std::sync::atomic::AtomicU64::new(0),
         })
     }
@@ -415,7 +417,7 @@ impl PrefixIndex {
         let (config, state) = snapshot::load(data, now)?;
         Ok(PrefixIndex {
             config,
-            state: RwLock::new(state),
+            state: ReadMostlyLock::new(state),
             event_batches: std::sync::atomic::AtomicU64::new(0),
         })
     }
