@@ -25,7 +25,7 @@ hashes only as a list: its hash lookups are timed on fresh lists, and on cold on
 Dynamo's ``apply_event`` hands each event to the tree's own thread and returns once that thread
 has applied it, so its ingest time covers every event; ``find_matches`` is a round trip to that
 thread too. Where the tree's thread sleeps on an idle core, waking it can cost more than the
-work (on this project's 2-core VM, Dynamo's ingest and lookups ran 2.5-3.5x slower so), so
+work (on this project's 2-core VM, Dynamo's ingest and lookups ran 2.5-5x slower so), so
 Dynamo is timed in two placements, its threads free and bound to one core, and every ratio is
 taken against its faster one.
 
@@ -361,7 +361,7 @@ def ingest_dynamo(
 
     The tree applies events on a thread of its own, and ``apply_event`` waits for it, so each
     event wakes that thread. Where it sleeps on an idle core, waking it costs far more on some
-    machines than applying the event (on this project's VM the apply then ran 3-10x slower), so
+    machines than applying the event (on this project's VM the apply then ran 2.5-5x slower), so
     ``one_core`` times it with both threads bound to one CPU, where the hand-over is a switch on
     the same core: the caller's thread is bound before the tree (and its thread, which inherits
     the binding) is made, and unbound after."""
