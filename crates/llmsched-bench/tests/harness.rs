@@ -479,9 +479,10 @@ fn stamped_streams_carry_the_engine_clock_and_the_generator_reads_it() {
     assert_eq!(json.status(), 200);
     assert!(!json.text().contains("x_sent_ns"));
 
-    let report = load(&[
+    let engine_url = url(port);
+    let stream_args = [
         "--url",
-        &url(port),
+        &engine_url,
         "--rate",
         "100",
         "--duration",
@@ -491,7 +492,8 @@ fn stamped_streams_carry_the_engine_clock_and_the_generator_reads_it() {
         "--stream",
         "--max-tokens",
         "3",
-    ]);
+    ];
+    let report = load(&stream_args);
     let ok = report["ok"].as_u64().unwrap();
     assert_eq!(ok, 30);
     assert_eq!(report["net_latency_ms"]["n"].as_u64(), Some(ok));
@@ -503,21 +505,7 @@ fn stamped_streams_carry_the_engine_clock_and_the_generator_reads_it() {
     assert!(report.get("slow_streams").is_none(), "only when asked");
 
     // --slow-streams: the slowest streams, slowest first, event by event.
-    let report = load(&[
-        "--url",
-        &url(port),
-        "--rate",
-        "100",
-        "--duration",
-        "0.3",
-        "--arrivals",
-        "uniform",
-        "--stream",
-        "--max-tokens",
-        "3",
-        "--slow-streams",
-        "4",
-    ]);
+    let report = load(&[&stream_args[..], &["--slow-streams", "4"]].concat());
     let slow = report["slow_streams"].as_array().unwrap();
     assert_eq!(slow.len(), 4);
     let nets: Vec<f64> = slow.iter().map(|s| s["net_ms"].as_f64().unwrap()).collect();
