@@ -159,6 +159,18 @@ impl Health {
         Change::None
     }
 
+    /// A scrape of its metrics got no answer in time: a stalled or slow engine looks the same
+    /// as a dead one for that long, so only probes decide (it stays in routing meanwhile).
+    /// Returns whether confirming probes were asked for (only an engine in routing is probed
+    /// at once; the others keep their schedule).
+    pub fn scrape_timed_out(&mut self) -> bool {
+        if self.state != State::Up {
+            return false;
+        }
+        self.suspect = true;
+        true
+    }
+
     /// A probe's result.
     pub fn probe(&mut self, config: &HealthConfig, ok: bool, now: f64) -> Change {
         if ok {
@@ -257,6 +269,24 @@ mod tests {
         assert_eq!(health.attempt(&config, Some("status_5xx"), 0.3), Change::Out(State::Open));
         assert_eq!(health.attempt(&config, None, 0.4), Change::None, "open: not counted");
         assert_eq!(health.probe(&config, true, 10.4), Change::Back);
+    }
+
+    #[test]
+    fn a_timed_out_scrape_asks_for_probes_and_only_they_take_the_engine_down() {
+        let config = HealthConfig::default();
+        let mut health = Health::default();
+        assert!(health.scrape_timed_out());
+        assert!(health.suspect);
+        assert_eq!(health.state, State::Up, "still in routing");
+        assert_eq!(health.probe(&config, true, 0.1), Change::None, "the stall ended");
+        assert!(!health.suspect);
+        assert!(health.scrape_timed_out());
+        for t in [0.1, 0.2] {
+            assert_eq!(health.probe(&config, false, t), Change::None);
+        }
+        assert_eq!(health.probe(&config, false, 0.3), Change::Out(State::Down));
+        assert!(!health.scrape_timed_out(), "down: probed on its own schedule");
+        assert!(!health.suspect);
     }
 
     #[test]
