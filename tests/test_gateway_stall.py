@@ -154,10 +154,10 @@ def test_a_stall_of_every_engine_is_waited_out_and_a_dead_engine_still_gets_503(
                     text = await response.text()
                 # The stall was seen (scrapes timed out), and waited out: before, every
                 # engine left routing at its first timed-out scrape and the requests of the
-                # rest of the stall got 503 (about 80 of these 200).
-                assert _sample(text, "llmsched_gateway_scrape_failures_total", kind="timeout") > 0
+                # rest of the stall got 503 (68 of these 200 in a run on the Python plane).
                 assert statuses[503] == 0, statuses
                 assert statuses == Counter({200: 200}), statuses
+                assert _sample(text, "llmsched_gateway_scrape_failures_total", kind="timeout") > 0
                 assert _sample(text, "llmsched_gateway_rejections_total") == 0
                 assert _sample(text, "llmsched_gateway_ejections_total") == 0
 
