@@ -154,6 +154,7 @@ def test_failures_are_counted_and_leave_the_endpoint_to_go_stale(
     )
     assert snap["values"]["waiting"] == 7  # the last good values stay visible
     assert error in snap["last_error"]
+    assert snap["failing"] and not result.timed_out
 
 
 def test_timeout_is_a_failure() -> None:
@@ -161,8 +162,10 @@ def test_timeout_is_a_failure() -> None:
         scraper = MetricsScraper([slow.spec()], pool=EndpointPool(), timeout_s=0.2)
         result = asyncio.run(scraper.scrape_once())[slow.spec().worker_id]
         slow.delay_s = 0.0
-    assert not result.ok and "timeout" in (result.error or "")
-    assert scraper.snapshot()[slow.spec().worker_id]["failures"] == 1
+    assert not result.ok and "timeout" in (result.error or "") and result.timed_out
+    snap = scraper.snapshot()[slow.spec().worker_id]
+    # Counted, but a stalled engine is not known to fail: it keeps its place in routing.
+    assert (snap["failures"], snap["timeouts"], snap["failing"]) == (1, 1, False)
 
 
 def test_unreachable_engine_is_a_failure() -> None:

@@ -96,6 +96,10 @@ pub struct Health {
     /// When the next probe is due (down or open).
     pub next_probe_at: f64,
     window: VecDeque<(f64, bool)>,
+    /// Failed attempts in `window`, kept as it changes: the window holds every attempt of
+    /// `breaker_window_s` (thousands at a few hundred requests a second), too many to count
+    /// on each attempt.
+    window_failures: usize,
 }
 
 /// What a change of health asks of the gateway.
@@ -119,6 +123,7 @@ impl Default for Health {
             suspect: false,
             next_probe_at: 0.0,
             window: VecDeque::new(),
+            window_failures: 0,
         }
     }
 }
@@ -142,21 +147,37 @@ impl Health {
         }
         let Some(rate) = config.breaker_failure_rate else { return Change::None };
         self.window.push_back((now, failed));
+        self.window_failures += usize::from(failed);
         while self.window.front().is_some_and(|(t, _)| now - t > config.breaker_window_s) {
-            self.window.pop_front();
+            if let Some((_, true)) = self.window.pop_front() {
+                self.window_failures -= 1;
+            }
         }
         let total = self.window.len() as u32;
-        let failures = self.window.iter().filter(|(_, f)| *f).count() as f64;
+        let failures = self.window_failures as f64;
         if self.state == State::Up
             && total >= config.breaker_min_requests
             && failures / f64::from(total) >= rate
         {
             self.state = State::Open;
             self.window.clear();
+            self.window_failures = 0;
             self.next_probe_at = now + config.breaker_open_s;
             return Change::Out(State::Open);
         }
         Change::None
+    }
+
+    /// A scrape of its metrics got no answer in time: a stalled or slow engine looks the same
+    /// as a dead one for that long, so only probes decide (it stays in routing meanwhile).
+    /// Returns whether confirming probes were asked for (only an engine in routing is probed
+    /// at once; the others keep their schedule).
+    pub fn scrape_timed_out(&mut self) -> bool {
+        if self.state != State::Up {
+            return false;
+        }
+        self.suspect = true;
+        true
     }
 
     /// A probe's result.
@@ -224,6 +245,7 @@ impl Health {
         self.probe_successes = 0;
         self.attempt_failures = 0;
         self.window.clear();
+        self.window_failures = 0;
         Some(Change::Back)
     }
 }
@@ -257,6 +279,48 @@ mod tests {
         assert_eq!(health.attempt(&config, Some("status_5xx"), 0.3), Change::Out(State::Open));
         assert_eq!(health.attempt(&config, None, 0.4), Change::None, "open: not counted");
         assert_eq!(health.probe(&config, true, 10.4), Change::Back);
+    }
+
+    #[test]
+    fn the_breaker_counts_only_the_failures_still_in_its_window() {
+        let config = HealthConfig { breaker_min_requests: 4, ..HealthConfig::default() };
+        let mut health = Health::default();
+        // Failures early, then successes 11 s later: the early ones have left the window.
+        for i in 0..3 {
+            assert_eq!(health.attempt(&config, Some("status_5xx"), f64::from(i)), Change::None);
+        }
+        for i in 0..6 {
+            let now = 14.0 + f64::from(i) * 0.1;
+            assert_eq!(health.attempt(&config, None, now), Change::None);
+            let recount = health.window.iter().filter(|(_, f)| *f).count();
+            assert_eq!(health.window_failures, recount);
+        }
+        assert_eq!(health.window_failures, 0);
+        // 6 ok + 6 failed in the window: 50%, open.
+        for i in 0..5 {
+            let now = 15.0 + f64::from(i) * 0.1;
+            assert_eq!(health.attempt(&config, Some("status_5xx"), now), Change::None);
+        }
+        assert_eq!(health.attempt(&config, Some("status_5xx"), 16.0), Change::Out(State::Open));
+        assert_eq!(health.window_failures, 0, "cleared with the window");
+    }
+
+    #[test]
+    fn a_timed_out_scrape_asks_for_probes_and_only_they_take_the_engine_down() {
+        let config = HealthConfig::default();
+        let mut health = Health::default();
+        assert!(health.scrape_timed_out());
+        assert!(health.suspect);
+        assert_eq!(health.state, State::Up, "still in routing");
+        assert_eq!(health.probe(&config, true, 0.1), Change::None, "the stall ended");
+        assert!(!health.suspect);
+        assert!(health.scrape_timed_out());
+        for t in [0.1, 0.2] {
+            assert_eq!(health.probe(&config, false, t), Change::None);
+        }
+        assert_eq!(health.probe(&config, false, 0.3), Change::Out(State::Down));
+        assert!(!health.scrape_timed_out(), "down: probed on its own schedule");
+        assert!(!health.suspect);
     }
 
     #[test]

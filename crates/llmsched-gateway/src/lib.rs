@@ -877,12 +877,37 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
         let scrapes = upstreams.list.iter().map(|u| scrape_once(&gateway, u, timeout));
         let scrapes = futures::future::join_all(scrapes).await;
         for (upstream, scraped) in upstreams.list.iter().zip(scrapes) {
-            if !upstream.scrape_failed.swap(scraped.is_none(), Ordering::Relaxed)
-                && scraped.is_none()
-            {
-                gateway.routing_changed.notify_waiters();
-            }
-            let Some(scraped) = scraped else { continue };
+            let scraped = match scraped {
+                Scraped::Answered(scraped) => {
+                    upstream.scrape_failed.store(false, Ordering::Relaxed);
+                    scraped
+                }
+                Scraped::Failed => {
+                    gateway.counters.scrape_failures.inc(&[&upstream.id, "failed"]);
+                    if !upstream.scrape_failed.swap(true, Ordering::Relaxed) {
+                        gateway.routing_changed.notify_waiters();
+                    }
+                    continue;
+                }
+                // No answer in time is what a stall looks like (the engine's core or the
+                // gateway's taken by something else for a second): the engine keeps its
+                // place in routing and its metrics age, and confirming probes decide, so a
+                // stall of every engine's core does not turn into a 503 for every request
+                // until the next scrape gets through. A dead engine refuses the connection
+                // (`Failed` above) and fails its probes within `health.timeout_s`.
+                Scraped::TimedOut => {
+                    gateway.counters.scrape_failures.inc(&[&upstream.id, "timeout"]);
+                    let asked = upstream
+                        .health
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .scrape_timed_out();
+                    if asked {
+                        gateway.suspect.notify_one();
+                    }
+                    continue;
+                }
+            };
             let now = monotonic();
             let update = scraped.update;
             let _ = gateway.router().pool().update_metrics(&upstream.key, update, now);
@@ -904,14 +929,21 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
     }
 }
 
-/// One engine's metrics, or None when its scrape failed. A request that fails before any
-/// answer (typically a pooled connection the engine closed meanwhile) is tried once more on
-/// a fresh one: one lost race must not take a healthy engine out of routing.
-async fn scrape_once(
-    gateway: &Gateway,
-    upstream: &Upstream,
-    timeout: Duration,
-) -> Option<metrics_text::Scrape> {
+/// How one engine's scrape ended.
+enum Scraped {
+    /// Its metrics.
+    Answered(metrics_text::Scrape),
+    /// Refused, an error status, or text that does not parse: the engine answered (or its
+    /// port did) that it cannot serve.
+    Failed,
+    /// No answer within `scrape_timeout_s`: the engine, or the gateway, may only be stalled.
+    TimedOut,
+}
+
+/// One engine's scrape. A request that fails before any answer (typically a pooled
+/// connection the engine closed meanwhile) is tried once more on a fresh one: one lost race
+/// must not take a healthy engine out of routing.
+async fn scrape_once(gateway: &Gateway, upstream: &Upstream, timeout: Duration) -> Scraped {
     let fetch = async {
         let answer = match gateway.client.get(upstream.metrics.clone()).await {
             Ok(answer) => answer,
@@ -924,8 +956,9 @@ async fn scrape_once(
         String::from_utf8(body.to_vec()).ok()
     };
     match tokio::time::timeout(timeout, fetch).await {
-        Ok(Some(text)) => metrics_text::parse(&text).ok(),
-        _ => None,
+        Ok(Some(text)) => metrics_text::parse(&text).map_or(Scraped::Failed, Scraped::Answered),
+        Ok(None) => Scraped::Failed,
+        Err(_) => Scraped::TimedOut,
     }
 }
 

@@ -91,6 +91,10 @@ pub struct Counters {
     pub breaker_opens: Family,
     /// Health probes, by endpoint and result.
     pub probes: Family,
+    /// Failed metrics scrapes, by endpoint and kind (`timeout`: no answer in time, which
+    /// only starts confirming probes; `failed`: refused, an error status or unreadable,
+    /// which takes the engine out of routing until a scrape answers).
+    pub scrape_failures: Family,
     /// Answers cut off after their status line, by endpoint and what the client got.
     pub truncated: Family,
     /// Requests whose header tenant came past `max_tenants`.
@@ -171,6 +175,12 @@ impl Counters {
             &format!("{P}_health_probes"),
             "Health probes of endpoints, by result (ok, failed)",
             &["endpoint", "result"],
+        );
+        self.scrape_failures.render(
+            out,
+            &format!("{P}_scrape_failures"),
+            "Failed metrics scrapes of endpoints, by kind (timeout, failed)",
+            &["endpoint", "kind"],
         );
         self.truncated.render(
             out,

@@ -244,6 +244,7 @@ class Gateway:
             kv_counters=self._kv_counters,
             endpoints=self.pool.endpoints,
             cluster=None if self.cluster is None else self.cluster.stats,
+            scrapes=self._scrape_snapshot,
         )
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
@@ -476,10 +477,9 @@ class Gateway:
 
     def routable_endpoints(self) -> list[str]:
         """Engines a request could go to now: in the pool, up by the health model (not down,
-        breaker not open) and, once scraped, answering their last scrape."""
+        breaker not open) and not failing their scrapes (a timed-out scrape is no failure)."""
         present = {str(e["id"]) for e in self.pool.endpoints()}
-        scraper = self.scheduler.scraper
-        snapshot: dict[str, dict[str, Any]] = scraper.snapshot() if scraper is not None else {}
+        snapshot = self._scrape_snapshot()
         return [
             worker
             for worker in self._specs
@@ -487,6 +487,11 @@ class Gateway:
             and self.health.routable(worker)
             and _answering(snapshot.get(worker))
         ]
+
+    def _scrape_snapshot(self) -> dict[str, dict[str, Any]]:
+        """The metrics scraper's snapshot (empty while none runs)."""
+        scraper = self.scheduler.scraper
+        return scraper.snapshot() if scraper is not None else {}
 
     async def _watch_routable(self) -> None:
         """Keeps ``_nothing_routable`` current (scrapes and probes change it)."""
@@ -1187,8 +1192,11 @@ class _OutputCounter:
 
 
 def _answering(scrape: Mapping[str, Any] | None) -> bool:
-    """Not known to fail: never scraped yet, or its last scrape succeeded."""
-    return scrape is None or not scrape.get("scrapes") or bool(scrape.get("ok"))
+    """Not known to fail: never scraped yet, or its last scrape that got an answer (or a
+    refusal) succeeded. A timed-out scrape is what a stall looks like (the engine's core or
+    ours taken for a while) and changes nothing: the requests wait, as through a plain proxy,
+    and the engine's own failed attempts and probes take it down if it is gone."""
+    return scrape is None or not scrape.get("failing")
 
 
 def _presented_key(request: web.Request) -> str | None:

@@ -43,6 +43,7 @@ class GatewayMetrics:
         kv_counters: Callable[[], dict[str, int]] | None = None,
         endpoints: Callable[[], list[EndpointInfo]] | None = None,
         cluster: Callable[[], Mapping[str, object] | None] | None = None,
+        scrapes: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -159,7 +160,7 @@ class GatewayMetrics:
             "Discovery file reads that failed (the current engines were kept)",
             registry=r,
         )
-        r.register(_StateCollector(flow, index, kv_counters, endpoints, cluster))
+        r.register(_StateCollector(flow, index, kv_counters, endpoints, cluster, scrapes))
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
@@ -176,8 +177,10 @@ class _StateCollector(Collector):
         kv_counters: Callable[[], dict[str, int]] | None,
         endpoints: Callable[[], list[EndpointInfo]] | None = None,
         cluster: Callable[[], Mapping[str, object] | None] | None = None,
+        scrapes: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
     ) -> None:
         self._flow = flow
+        self._scrapes = scrapes
         self._index = index
         self._kv_counters = kv_counters
         self._endpoints = endpoints
@@ -203,6 +206,17 @@ class _StateCollector(Collector):
             for endpoint in self._endpoints():
                 in_flight.add_metric([str(endpoint["id"])], endpoint["in_flight_requests"])
             yield in_flight
+        if self._scrapes is not None:
+            failures = CounterMetricFamily(
+                f"{PREFIX}_scrape_failures",
+                "Failed metrics scrapes of endpoints, by kind (timeout, failed)",
+                labels=["endpoint", "kind"],
+            )
+            for worker, scrape in sorted(self._scrapes().items()):
+                timeouts = scrape["timeouts"]
+                failures.add_metric([worker, "timeout"], timeouts)
+                failures.add_metric([worker, "failed"], scrape["failures"] - timeouts)
+            yield failures
         if self._flow is not None:
             yield from self._flow_metrics(self._flow.metrics())
         cluster = self._cluster() if self._cluster is not None else None

@@ -110,7 +110,8 @@ _RELEVANT_LINE = re.compile(
 @dataclass(frozen=True)
 class ScrapeResult:
     """One engine's scrape: ``ok``, the ``values`` read (see the module table), the ``error``
-    of a failed scrape, when it finished (``at``, ``time.monotonic()``) and how long it took."""
+    of a failed scrape, when it finished (``at``, ``time.monotonic()``), how long it took and
+    whether it failed by getting no answer within the timeout (``timed_out``)."""
 
     worker: str
     ok: bool
@@ -118,6 +119,7 @@ class ScrapeResult:
     error: str | None = None
     at: float = 0.0
     duration_s: float = 0.0
+    timed_out: bool = False
 
 
 def parse_engine_metrics(text: str, *, prefilter: bool = True) -> EngineMetricValues:
@@ -202,6 +204,9 @@ class _EngineState:
         self.scrapes = 0
         self.failures = 0
         self.consecutive_failures = 0
+        # Whether the last scrape that was not a timeout failed.
+        self.failing = False
+        self.timeouts = 0
         self.values = EngineMetricValues()
 
 
@@ -295,7 +300,7 @@ class MetricsScraper:
             text = body.decode("utf-8", errors="replace")
             values = parse_engine_metrics(text)
         except asyncio.TimeoutError:
-            return self._failure(worker, started, f"timeout after {self.timeout_s} s")
+            return self._failure(worker, started, f"timeout after {self.timeout_s} s", True)
         except aiohttp.ClientError as err:
             return self._failure(worker, started, f"{type(err).__name__}: {err}")
         except (_ScrapeFailed, ValueError) as err:
@@ -304,9 +309,9 @@ class MetricsScraper:
         return ScrapeResult(worker, True, values, None, done, done - started)
 
     @staticmethod
-    def _failure(worker: str, started: float, error: str) -> ScrapeResult:
+    def _failure(worker: str, started: float, error: str, timed_out: bool = False) -> ScrapeResult:
         done = time.monotonic()
-        return ScrapeResult(worker, False, {}, error, done, done - started)
+        return ScrapeResult(worker, False, {}, error, done, done - started, timed_out)
 
     def _apply(self, result: ScrapeResult) -> None:
         state = self._engines[result.worker]
@@ -315,12 +320,15 @@ class MetricsScraper:
         with self._lock:
             state.last = result
             state.scrapes += 1
+            if not result.timed_out:
+                state.failing = not result.ok
             if result.ok:
                 state.last_ok = result.at
                 state.consecutive_failures = 0
                 state.values = result.values.copy()
             else:
                 state.failures += 1
+                state.timeouts += result.timed_out
                 state.consecutive_failures += 1
 
     def _feed(self, result: ScrapeResult) -> None:
@@ -417,7 +425,10 @@ class MetricsScraper:
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per worker: ``ok`` (last scrape), ``values`` (of the last good scrape), ``scrapes``,
         ``failures``, ``consecutive_failures``, ``last_ok`` (monotonic time or None),
-        ``last_error`` and ``last_duration_s``. A consistent copy.
+        ``last_error``, ``last_duration_s``, ``timeouts`` (failures that were timeouts) and
+        ``failing``: whether the last scrape that got
+        an answer or a refusal failed (a scrape that timed out leaves it as it was: a stalled
+        engine is not known to fail). A consistent copy.
 
         >>> MetricsScraper([EngineSpec("h", 1)]).snapshot()["h:1"]["ok"]
         False
@@ -433,6 +444,8 @@ class MetricsScraper:
                     "last_ok": s.last_ok,
                     "last_error": None if s.last is None else s.last.error,
                     "last_duration_s": None if s.last is None else s.last.duration_s,
+                    "timeouts": s.timeouts,
+                    "failing": s.failing,
                 }
                 for worker, s in self._engines.items()
             }
