@@ -22,6 +22,10 @@ produced (each query's list is built just before the timed call, outside it, so 
 in the cache for either peer: "tokens list", "hashes list"), and cold (lists built in advance
 and cycled through, 400 kB of token ids each, read from memory: "... cold"). Dynamo takes block
 hashes only as a list: its hash lookups are timed on fresh lists, and on cold ones beside ours.
+Each cold form is also timed against its floor, over the same lists in the same order: a native
+pass that only checks every item's type and reads its value (``_llmsched._read_list_floor``),
+the reads any converter must make; "floor/Dynamo" is then the most any reader of those lists can
+reach against Dynamo on the machine at hand.
 Dynamo's ``apply_event`` hands each event to the tree's own thread and returns once that thread
 has applied it, so its ingest time covers every event; ``find_matches`` is a round trip to that
 thread too. Where the tree's thread sleeps on an idle core, waking it can cost more than the
@@ -75,7 +79,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from llmsched import EndpointPool, PrefixIndex, Router
+from llmsched import EndpointPool, PrefixIndex, Router, _llmsched
 from llmsched.reference.prefix_index import ReferencePrefixIndex
 
 PEER = "ai-dynamo-runtime==1.6.1"
@@ -630,13 +634,21 @@ def run(
         forms["dynamo hashes cold"] = (tree.find_matches, wl.dynamo_hashes, None)
         forms["dynamo tokens list"] = (dynamo_tokens, wl.queries, to_list)
         forms["dynamo tokens list cold"] = (dynamo_tokens, token_lists, None)
+    # The floor of a cold list: a native pass that only checks each item's type and reads its
+    # value, over the same lists in the same order, the faster of without and with the
+    # prefetch our readers use (see `floor_of`).
+    for name, lists in (("hashes list cold", hashes_list), ("tokens list cold", token_lists)):
+        if hasattr(_llmsched, "_read_list_floor"):  # builds before it have no floor
+            forms["floor " + name] = (partial(floor_of, lists), [None], None)
     few = token_lists[: size.twin_queries]
     forms["twin tokens list"] = (lambda q: twin.match(twin.hash_tokens(q)), few, None)
-    peers = {PEER_OF[name] for name in only}
+    peers = {PEER_OF[name] for name in only} | {"floor " + name for name in only}
     for name, (fn, args, make) in forms.items():
         if only and name not in only and name not in peers and name != "twin tokens list":
             continue
-        if name.startswith("dynamo"):
+        if name.startswith("floor"):
+            rate, p50 = fn(None)  # type: ignore[misc]
+        elif name.startswith("dynamo"):
             rate, p50 = on_faster_placement(partial(timed_form, fn, args, make))
         else:
             rate, p50 = timed_form(fn, args, make)
@@ -674,6 +686,17 @@ def timed_form(
 ) -> tuple[float, float]:
     """Calls per second and p50 seconds of a lookup form."""
     return timed(fn, args) if make is None else timed_fresh(fn, make, args)
+
+
+def floor_of(lists: Sequence[list[int]], _: object = None) -> tuple[float, float]:
+    """Calls per second and p50 seconds of the floor of reading ``lists``, timed as
+    :func:`timed` times the lookups over them: ``_read_list_floor`` (every item's type checked
+    and value read, as a converter must, nothing else done), the faster of without and with
+    prefetching the items ahead."""
+    read = _llmsched._read_list_floor
+    plain = timed(lambda items: read(items, False), lists)  # as the lookups: through a lambda
+    ahead = timed(lambda items: read(items, True), lists)
+    return max(plain, ahead)
 
 
 def on_faster_placement(timing: Callable[[], tuple[float, float]]) -> tuple[float, float]:
@@ -785,6 +808,12 @@ def report(fig: dict[str, float], peer: bool, only: Sequence[str] = ()) -> None:
                 f"{fig['p50 ' + other] * 1e6:7.1f} us | {ratio('qps ' + name, 'qps ' + other)}"
                 f" (p50 {fig['p50 ' + other] / fig['p50 ' + name]:.2f}x)"
             )
+        if "qps floor " + name in fig:
+            floor = fig["qps floor " + name]
+            above = floor / fig["qps " + name] - 1
+            line += f" | floor p50 {fig['p50 floor ' + name] * 1e6:.1f} us, ours {above:+.0%}"
+            if peer:
+                line += f", floor/Dynamo {floor / fig['qps ' + other]:.1f}x"
         line += f" | twin x{fig['qps ' + name] / fig['qps twin tokens list']:.0f}"
         line += f" | 2 threads {fig['threads ' + name]:.2f}x"
         print(line)

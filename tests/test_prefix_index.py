@@ -272,6 +272,30 @@ def test_non_finite_now_is_refused_everywhere_and_changes_nothing(bad: float) ->
     assert index.match_tokens(list(range(1, 9)), now=4.0).as_dict() == {"a": 2}
 
 
+@pytest.mark.parametrize("now", [4, np.float64(4.0), 4.0])
+def test_match_takes_now_as_any_real_number_of_seconds(now: object) -> None:
+    """``match`` and ``match_tokens`` check ``now`` inline (their per-call path): an int or a
+    numpy number is taken as seconds as a float is, a negative one refused, changing nothing."""
+    from llmsched.errors import InvalidValueError
+
+    index = PrefixIndex(block_size=2)
+    hashes = index.hash_tokens([1, 2, 3, 4])
+    index.record("a", hashes, ttl_s=5.0, now=0.0)
+    for tokens in ([1, 2, 3, 4], (1, 2, 3, 4), np.array([1, 2, 3, 4], dtype=np.uint32)):
+        assert index.match_tokens(tokens, now=now).as_dict() == {"a": 2}
+        assert index.match_tokens(tokens, now=6.0).as_dict() == {}
+    assert index.match(hashes, now=now).as_dict() == {"a": 2}
+    assert index.match(hashes.tolist(), now=6).as_dict() == {}
+    assert index.match(hashes).longest == 0  # `now` from the clock: long after 0.0 + 5 s
+    before = index.holdings("a")
+    for call in (index.match, index.match_tokens):
+        with pytest.raises(InvalidValueError, match="now must be a finite"):
+            call([1, 2, 3, 4], now=-now)  # type: ignore[operator]
+        with pytest.raises(TypeError):
+            call([1, 2, 3, 4], now="4")
+    assert index.holdings("a") == before
+
+
 def test_threads_matching_every_input_form_agree_with_the_twin() -> None:
     """Many workers share a prefix (nodes matched through bitsets); threads match it in every
     input form while writers add other workers; every answer equals the twin's for the workers

@@ -224,3 +224,45 @@ def test_a_bad_id_anywhere_in_a_token_list_raises_and_changes_nothing(
     with pytest.raises(error):
         index.hash_tokens(ids)
     assert state(index) == before
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_list_read_floor_reads_every_value_and_refuses_what_the_readers_refuse(
+    prefetch: bool,
+) -> None:
+    """``_read_list_floor`` (the benchmark's floor of a cold list) reads every item's value,
+    of every size the list readers take, in lists longer and shorter than its prefetch
+    distance, and refuses anything but a list of exact ints in ``0..2**64``."""
+    from llmsched import _llmsched
+
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 7, 300, 5_000):
+        ids = rng.integers(0, 2**64 - 1, size=n, dtype=np.uint64, endpoint=True).tolist()
+        ids[: n // 3] = [i % 2**30 for i in ids[: n // 3]]  # one-digit ints too
+        ids[n // 3 : n // 2] = [i % 2**60 for i in ids[n // 3 : n // 2]]  # and two-digit
+        assert _llmsched._read_list_floor(ids, prefetch) == sum(ids) % 2**64
+    for bad in ([1, -1], [1, 2**64], [1, True], [1, 2.0], (1, 2), np.arange(3), None):
+        with pytest.raises(TypeError, match="list of ints"):
+            _llmsched._read_list_floor(bad, prefetch)  # type: ignore[arg-type]
+
+
+def test_an_object_shared_between_threads_is_still_freed() -> None:
+    """``_share_between_threads`` (deferred reference counting on free-threaded 3.14, a no-op
+    elsewhere) leaves an object to the collector, which frees it."""
+    import gc
+    import weakref
+
+    from llmsched import _llmsched
+
+    class Held:
+        pass
+
+    obj = Held()
+    _llmsched._share_between_threads(obj)
+    ref = weakref.ref(obj)
+    del obj
+    gc.collect()
+    assert ref() is None
+    index = PrefixIndex(block_size=4)  # the wrapper and the native index are shared so
+    index.store("a", index.hash_tokens(list(range(8))))
+    assert index.match_tokens(list(range(8))).as_dict() == {"a": 2}

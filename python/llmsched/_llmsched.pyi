@@ -105,7 +105,17 @@ def vllm_block_hashes_batch(
 ) -> list[npt.NDArray[np.uint64]]:
     """`vllm_block_hashes` over many prompts with the GIL released, on up to `threads` threads."""
 
+def _read_list_floor(items: list[int], prefetch: bool) -> int:
+    """Benchmarks only: the wrapping sum of a list of ints in `0..2**64`, each item's type
+    checked and value read as a list converter must and nothing else done (the floor of reading
+    a list from memory); TypeError for anything else."""
+
 # ---- prefix_index --------------------------------------------------------------------------
+
+def _share_between_threads(obj: object) -> None:
+    """On free-threaded CPython 3.14, deferred reference counting for an object every thread
+    uses for as long as it lives (freed by the cyclic collector, not at its last reference), so
+    threads loading it do not update one shared count; a no-op elsewhere."""
 
 @final
 class PrefixMatch:

@@ -152,6 +152,8 @@ class PrefixIndex:
         self._init_state()
 
     def _init_state(self) -> None:
+        # Free-threaded 3.14: every match loads this object; see `_share_between_threads`.
+        _llmsched._share_between_threads(self)
         self._lock = threading.Lock()
         self._mismatch: dict[Worker, int] = {}  # stored events skipped for their size, by worker
 
@@ -289,7 +291,13 @@ class PrefixIndex:
         >>> index.match(h).as_dict()
         {'a': 2}
         """
-        return self._native.match_hashes(hashes, _now(now))
+        # `_now` inlined: this is the per-request call, and a frame is a third of its cost
+        # when the query is short.
+        if now is None:
+            now = time.monotonic()
+        elif type(now) is not float or not 0.0 <= now < _INF:
+            now = check_now(now)
+        return self._native.match_hashes(hashes, now)
 
     def match_tokens(
         self,
@@ -300,7 +308,13 @@ class PrefixIndex:
         now: float | None = None,
     ) -> PrefixMatch:
         """Hash ``tokens`` in this index's namespace and match them, in one native call."""
-        return self._native.match_tokens(native_tokens(tokens), lora, cache_salt, _now(now))
+        if now is None:  # `_now` inlined, as in `match`
+            now = time.monotonic()
+        elif type(now) is not float or not 0.0 <= now < _INF:
+            now = check_now(now)
+        if type(tokens) is not list and type(tokens) is not tuple:
+            tokens = native_tokens(tokens)  # a list or tuple goes as it is (see native_tokens)
+        return self._native.match_tokens(tokens, lora, cache_salt, now)
 
     def match_many(
         self, queries: Iterable[HashesLike], *, now: float | None = None
@@ -422,10 +436,13 @@ class PrefixIndex:
         )
 
 
+_INF = math.inf
+
+
 def _now(now: float | None) -> float:
     # The common cases inline (every match passes through here), the rest through check_now.
     if now is None:
         return time.monotonic()
-    if type(now) is float and 0.0 <= now < math.inf:
+    if type(now) is float and 0.0 <= now < _INF:
         return now
     return check_now(now)

@@ -32,5 +32,6 @@ fn _llmsched(m: &Bound<'_, PyModule>) -> PyResult<()> {
     flow::register(m)?;
     gateway::register(m)?;
     kv_feed::register(m)?;
+    pyints::register(m)?;
     Ok(())
 }

@@ -264,8 +264,41 @@ fn share(slf: &Bound<'_, PyPrefixIndex>) {
     unsafe {
         pyo3::ffi::PyUnstable_EnableTryIncRef(slf.as_ptr());
     }
+    defer_refcount(slf.as_any());
+}
+
+#[cfg(all(Py_GIL_DISABLED, Py_3_14, not(Py_LIMITED_API)))]
+extern "C" {
+    // CPython 3.14's unstable API; PyO3 0.30's ffi does not declare it.
+    fn PyUnstable_Object_EnableDeferredRefcount(op: *mut pyo3::ffi::PyObject) -> std::ffi::c_int;
+}
+
+/// Deferred reference counting for an object that threads share for as long as it lives (the
+/// index, its Python wrapper), on free-threaded CPython 3.14 (a no-op elsewhere).
+///
+/// Why: every call that loads the object (`self._native`, an `index` attribute or closure
+/// variable) otherwise adds and drops a reference, an atomic update of its shared count from
+/// any thread but the one that made it, and two threads matching at once passed that count's
+/// cache line between their cores twice per match. The interpreter does not count references
+/// from its own stack to a deferred object. The cost: such an object is freed by the cyclic
+/// collector (its next pass), not when its last reference goes.
+fn defer_refcount(obj: &Bound<'_, PyAny>) {
+    #[cfg(all(Py_GIL_DISABLED, Py_3_14, not(Py_LIMITED_API)))]
+    // SAFETY: `obj` is a live object; CPython checks that its type is tracked by the collector
+    // (else it does nothing) and makes the change with atomic updates.
+    unsafe {
+        PyUnstable_Object_EnableDeferredRefcount(obj.as_ptr());
+    }
     #[cfg(not(all(Py_GIL_DISABLED, Py_3_14, not(Py_LIMITED_API))))]
-    let _ = slf;
+    let _ = obj;
+}
+
+/// `_share_between_threads(obj)`: [`defer_refcount`] from Python, for the wrapper of the index
+/// (`llmsched.PrefixIndex`), which every match loads too.
+#[pyfunction]
+#[pyo3(name = "_share_between_threads")]
+fn share_between_threads(obj: &Bound<'_, PyAny>) {
+    defer_refcount(obj);
 }
 
 struct MatchTokens<'a> {
@@ -807,5 +840,6 @@ impl PyMatch {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefixIndex>()?;
     m.add_class::<PyMatch>()?;
+    m.add_function(wrap_pyfunction!(share_between_threads, m)?)?;
     Ok(())
 }

@@ -64,6 +64,10 @@ const DIGITS: usize = HEAD + 8;
 /// latencies; 128 measured slower on cold lists, 384 the same as 256.
 const PREFETCH_AHEAD: usize = 256;
 
+/// [`PREFETCH_AHEAD`] for lists of hashes (one int object a 48-byte allocation, every item's
+/// asked for).
+const HASH_PREFETCH_AHEAD: usize = 64;
+
 /// Asks for the cache line of `obj`'s size word and first digit (an int is 28 bytes and may
 /// straddle two lines; its type word, in the line before, is that of the previous object in a
 /// list whose ints were allocated one after the other).
@@ -391,6 +395,73 @@ unsafe fn other_size(ndigits: usize, digits: *const u32) -> Option<u64> {
     }
 }
 
+/// The floor of reading a list of ints: every item's type checked and its value read (up to
+/// three 30-bit digits), as every converter above must, and nothing else done with them (the
+/// values are only summed, so that the reads cannot be left out). With `prefetch`, each item's
+/// object is asked for [`PREFETCH_AHEAD`] items ahead, as the token reader does. None when
+/// `obj` is not a list, this interpreter's layout was not recognised, or an item is not an
+/// exact int in `0..2**64`.
+///
+/// Benchmarks only (`_read_list_floor`): a cold list's conversion cannot cost less than this
+/// pass over the same memory, so it bounds what any reader of that list can reach.
+pub fn read_floor(obj: &Bound<'_, PyAny>, prefetch: bool) -> Option<u64> {
+    let lay = layout(obj.py());
+    let list = obj.cast::<PyList>().ok()?;
+    if lay == Layout::Api {
+        return None;
+    }
+    with_critical_section(list, || {
+        // SAFETY: as in `read_ints`: the list is locked and no Python code runs in the loop.
+        unsafe {
+            let items = (*(list.as_ptr() as *const RawList)).ob_item;
+            match (lay, prefetch) {
+                (Layout::LvTag, true) => floor::<true, true>(items, list.len()),
+                (Layout::LvTag, false) => floor::<true, false>(items, list.len()),
+                (_, true) => floor::<false, true>(items, list.len()),
+                (_, false) => floor::<false, false>(items, list.len()),
+            }
+        }
+    })
+}
+
+/// [`read_floor`] for one layout and prefetch choice.
+///
+/// # Safety
+/// As [`read_items`].
+unsafe fn floor<const LV_TAG: bool, const PREFETCH: bool>(
+    items: *const *mut ffi::PyObject,
+    n: usize,
+) -> Option<u64> {
+    if PREFETCH {
+        for i in 0..PREFETCH_AHEAD.min(n) {
+            prefetch_int(*items.add(i));
+        }
+    }
+    let mut sum = 0u64;
+    for i in 0..n {
+        if PREFETCH && i + PREFETCH_AHEAD < n {
+            prefetch_int(*items.add(i + PREFETCH_AHEAD));
+        }
+        sum = sum.wrapping_add(int_at::<LV_TAG>(*items.add(i))?);
+    }
+    Some(sum)
+}
+
+/// Benchmarks only: [`read_floor`] from Python (`_read_list_floor(items, prefetch)`): the
+/// wrapping sum of the ints of the list `items`, read as cheaply as any converter could read
+/// them; a `TypeError` for anything else.
+#[pyfunction]
+#[pyo3(name = "_read_list_floor")]
+fn read_list_floor(items: &Bound<'_, PyAny>, prefetch: bool) -> PyResult<u64> {
+    read_floor(items, prefetch).ok_or_else(|| {
+        pyo3::exceptions::PyTypeError::new_err("items must be a list of ints in 0..2**64")
+    })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(read_list_floor, m)?)
+}
+
 /// The list fast path, for one layout: every exact int of up to three 30-bit digits (all of
 /// `0..2**64` that fits) is decoded in a tight loop; from the first other element on, elements
 /// go through `push`.
@@ -406,7 +477,15 @@ unsafe fn read_items<T: TryFrom<u64>, const LV_TAG: bool>(
     out: &mut Vec<T>,
 ) -> bool {
     let dst = out.as_mut_ptr();
+    // Each item's object asked for `HASH_PREFETCH_AHEAD` items ahead (see `PREFETCH_AHEAD`):
+    // a list of hashes read from memory otherwise waits on each 3-digit int in turn.
+    for i in 0..HASH_PREFETCH_AHEAD.min(n) {
+        prefetch_int(*items.add(i));
+    }
     for i in 0..n {
+        if i + HASH_PREFETCH_AHEAD < n {
+            prefetch_int(*items.add(i + HASH_PREFETCH_AHEAD));
+        }
         let value = int_at::<LV_TAG>(*items.add(i)).filter(|&v| v <= max);
         match value.and_then(|v| T::try_from(v).ok()) {
             // SAFETY: `out` has room for `n` elements (reserved by the caller).
