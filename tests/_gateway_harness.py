@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import sys
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+import yaml
 
 from llmsched.gateway import Gateway, NativeGateway, make_gateway
 from llmsched.testing.openai_engine import FakeOpenAIEngine
@@ -45,6 +49,35 @@ def current_plane() -> str:
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Runs one test coroutine on a fresh event loop."""
     return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+@contextlib.asynccontextmanager
+async def serve_process(config: dict[str, Any], tmp_path: Path) -> AsyncIterator[str]:
+    """The real ``llmsched serve`` process with ``config`` on the running test's data plane;
+    its URL. It must exit cleanly (status 0) when terminated."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump({**config, "data_plane": current_plane()}))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "llmsched",
+        "serve",
+        "--config",
+        str(path),
+        "--port",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+    )
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
+        assert "listening on http://" in line, line
+        yield line.split("listening on ")[1].split()[0]
+    finally:
+        process.terminate()
+        assert await asyncio.wait_for(process.wait(), timeout=20) == 0
 
 
 @dataclass

@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from _gateway_harness import MODEL, current_plane, plane, rig, run  # noqa: F401 (the fixture)
+from _gateway_harness import MODEL, current_plane, plane, rig, run, serve_process  # noqa: F401 (the fixture)
 
 from llmsched.errors import ConfigError
 from llmsched.gateway.config import read_engines_file
@@ -145,35 +142,6 @@ def test_guard_settings_are_checked() -> None:
 # -- against the real `llmsched serve` process ----------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def _serve(config: dict[str, Any], tmp_path: Path) -> Any:
-    """The real ``llmsched serve`` process on the running test's data plane."""
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump({**config, "data_plane": current_plane()}))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "llmsched",
-        "serve",
-        "--config",
-        str(path),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONWARNINGS": "error"},
-    )
-    try:
-        assert process.stdout is not None
-        line = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
-        assert "listening on http://" in line, line
-        url = line.split("listening on ")[1].split()[0]
-        yield url
-    finally:
-        process.terminate()
-        assert await asyncio.wait_for(process.wait(), timeout=20) == 0
-
-
 def test_the_serve_process_aborts_cut_answers_refuses_bad_input_and_fails_fast(
     tmp_path: Path,
 ) -> None:
@@ -192,7 +160,7 @@ def test_the_serve_process_aborts_cut_answers_refuses_bad_input_and_fails_fast(
                 "retries": {"eject_s": 60},
                 "slices": {"enabled": False},
             }
-            async with _serve(config, tmp_path) as url, aiohttp.ClientSession() as client:
+            async with serve_process(config, tmp_path) as url, aiohttp.ClientSession() as client:
                 completions = url + "/v1/completions"
                 ok = {"model": MODEL, "prompt": "hello"}
                 async with client.post(completions, json=ok) as response:

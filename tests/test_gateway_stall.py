@@ -14,16 +14,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from _gateway_harness import MODEL, current_plane, plane, run  # noqa: F401 (the fixture)
+from _gateway_harness import MODEL, plane, run, serve_process  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("plane")
@@ -64,34 +61,6 @@ def _engines(binary: Path, count: int) -> Iterator[tuple[subprocess.Popen[str], 
         child.wait(timeout=10)
         if child.stdout is not None:
             child.stdout.close()
-
-
-@contextlib.asynccontextmanager
-async def _serve(config: dict[str, Any], tmp_path: Path) -> AsyncIterator[str]:
-    """The real ``llmsched serve`` process on the running test's data plane; its URL."""
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump({**config, "data_plane": current_plane()}))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "llmsched",
-        "serve",
-        "--config",
-        str(path),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONWARNINGS": "error"},
-    )
-    try:
-        assert process.stdout is not None
-        line = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
-        assert "listening on http://" in line, line
-        yield line.split("listening on ")[1].split()[0]
-    finally:
-        process.terminate()
-        assert await asyncio.wait_for(process.wait(), timeout=20) == 0
 
 
 def _sample(text: str, name: str, **labels: str) -> float:
@@ -137,7 +106,7 @@ def test_a_stall_of_every_engine_is_waited_out_and_a_dead_engine_still_gets_503(
             }
             connector = aiohttp.TCPConnector(limit=0)
             async with (
-                _serve(config, tmp_path) as url,
+                serve_process(config, tmp_path) as url,
                 aiohttp.ClientSession(connector=connector) as client,
             ):
                 async with client.get(url + "/ready") as response:
