@@ -40,3 +40,21 @@ pub fn prefetch_once_ptr<T>(ptr: *const T) {
 pub fn prefetch<T>(value: &T) {
     prefetch_ptr(value as *const T);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_hints_take_any_address_and_change_nothing() {
+        let data = vec![7u8; 4096];
+        for hint in [prefetch_ptr::<u8>, prefetch_once_ptr::<u8>] {
+            hint(data.as_ptr());
+            hint(data.as_ptr().wrapping_add(1 << 20)); // past the allocation
+            hint(std::ptr::null());
+            hint(usize::MAX as *const u8);
+        }
+        prefetch(&data);
+        assert!(data.iter().all(|&b| b == 7));
+    }
+}
