@@ -14,8 +14,7 @@
 //! its first key is scanned twice (once to find the tag); msgspec always writes the tag first.
 //! Token ids, most of a payload's bytes, are decoded by several chains at once, in AVX2 steps of
 //! three or four ids where the processor has AVX2 ([`with_scalar_decoding`] turns that off, for
-//! comparisons), and the payload's lines are prefetched before it is read, as data read once
-//! (`prefetchnta`: a stream of payloads does not evict the index's tables).
+//! comparisons), and the payload's lines are prefetched before it is read.
 //!
 //! Decisions, beyond what vLLM specifies:
 //! - Unknown event types are skipped and counted in [`EventBatch::unknown_events`], not errors,
@@ -47,7 +46,7 @@ mod reader;
 mod simd;
 
 use crate::buffer_pool::{self, BufferPool};
-use crate::prefetch::prefetch_once_ptr;
+use crate::prefetch::prefetch_ptr;
 use crate::protocols::Tier;
 pub use crate::protocols::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent};
 pub use reader::MAX_SKIP_DEPTH;
@@ -94,7 +93,7 @@ pub fn decode_event_batch(payload: &[u8]) -> Result<EventBatch> {
     // for all of its lines now overlaps their misses, where the decoder's chains would otherwise
     // wait on each line in turn.
     for line in (0..payload.len().min(PREFETCH_BYTES)).step_by(64) {
-        prefetch_once_ptr(payload.as_ptr().wrapping_add(line));
+        prefetch_ptr(payload.as_ptr().wrapping_add(line));
     }
     let mut reader = Reader::new(payload);
     let (at, container) = reader.container("EventBatch")?;

@@ -11,7 +11,7 @@ use rmp::Marker;
 use super::simd::Avx2;
 use super::DecodeError;
 use crate::buffer_pool::{self, BufferPool};
-use crate::prefetch::prefetch_once_ptr;
+use crate::prefetch::prefetch_ptr;
 
 /// The deepest nesting of containers accepted inside one skipped (unknown or ignored) value.
 /// vLLM's deepest legitimate value, an `extra_keys` entry, nests about three levels.
@@ -489,7 +489,7 @@ impl<'a> Reader<'a> {
         let mut running = [true; SIMD_CHAINS - 1];
         while i < stop {
             // The payload is read once, from memory: each chain asks for its next lines early.
-            prefetch_once_ptr(buf.as_ptr().wrapping_add(a.wrapping_add(PREFETCH_AHEAD)));
+            prefetch_ptr(buf.as_ptr().wrapping_add(a.wrapping_add(PREFETCH_AHEAD)));
             if let Some(step) = avx2.step(buf, a, &mut tokens[i..]) {
                 i += usize::from(step.count);
                 a += usize::from(step.consumed);
@@ -508,7 +508,7 @@ impl<'a> Reader<'a> {
                 let values = &mut b_values[j * slots..(j + 1) * slots];
                 let positions = &mut b_positions[j * (slots + 1)..(j + 1) * (slots + 1)];
                 let (bj, n) = (b[j], nb[j]);
-                prefetch_once_ptr(buf.as_ptr().wrapping_add(bj.wrapping_add(PREFETCH_AHEAD)));
+                prefetch_ptr(buf.as_ptr().wrapping_add(bj.wrapping_add(PREFETCH_AHEAD)));
                 if let Some(step) = avx2.step(buf, bj, &mut values[n..]) {
                     for (k, &offset) in step.starts.iter().enumerate() {
                         positions[n + k] = bj + usize::from(offset);
