@@ -95,21 +95,6 @@ fn match_short(
     }
 }
 
-/// Matches the list of hashes `list` while reading it ([`PrefixIndex::match_reading`]): the
-/// tree is walked along the items read so far every few items, so that the walk's cache misses
-/// and those of the list's int objects (a list built long ago is read from memory) overlap
-/// instead of following each other. Keeps the GIL (see [`match_short`]): for lists shorter than
-/// [`DETACH_MIN_BLOCKS`]. None when the native reader refuses an item: the general path then
-/// raises the precise error (position, value, type); nothing has changed.
-fn match_list(index: &PrefixIndex, list: &Bound<'_, PyList>, now: f64) -> Option<MatchResult> {
-    let mut hashes = buffer_pool::take(&HASH_BUFFERS);
-    let m = index.match_reading(list.len(), &mut hashes, now, |hashes, feed| {
-        pyints::read_hash_list(list, hashes, |read| feed.advance(read))
-    });
-    buffer_pool::give(&HASH_BUFFERS, hashes);
-    m
-}
-
 /// A worker name from Python: an int or a str.
 pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
@@ -493,13 +478,6 @@ impl PyPrefixIndex {
                 // buffer for the whole read.
                 let slice = unsafe { arr.as_slice() }?;
                 return result(slf, this.inner.match_hashes(slice, now));
-            }
-        }
-        if let Ok(list) = hashes.cast::<PyList>() {
-            if list.len() < DETACH_MIN_BLOCKS {
-                if let Some(m) = match_list(&this.inner, list, now) {
-                    return result(slf, m);
-                }
             }
         }
         let hashes = Hashes::extract(hashes)?;

@@ -194,8 +194,8 @@ pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Ve
                 if lay != Layout::Api {
                     let items = (*(ptr as *const RawList)).ob_item;
                     return match lay {
-                        Layout::LvTag => read_items::<T, true>(lay, items, n, max, out, |_| {}),
-                        _ => read_items::<T, false>(lay, items, n, max, out, |_| {}),
+                        Layout::LvTag => read_items::<T, true>(lay, items, n, max, out),
+                        _ => read_items::<T, false>(lay, items, n, max, out),
                     };
                 }
                 for i in 0..n {
@@ -224,40 +224,6 @@ pub fn read_ints<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, max: u64, out: &mut Ve
     }
     false
 }
-
-/// Reads the list `list` of ints in `0..2**64` (block hashes) into `out` (cleared first),
-/// handing the items read so far to `on_read` every [`HASH_FEED_EVERY`] items, so that the
-/// caller can walk a tree along them while the rest of the list is still being loaded. Returns
-/// false, leaving `out` unspecified, when an element is not an exact int in range; `on_read`
-/// may have seen part of the list by then, and no Python error is left set.
-pub fn read_hash_list(
-    list: &Bound<'_, PyList>,
-    out: &mut Vec<u64>,
-    on_read: impl FnMut(&[u64]),
-) -> bool {
-    let lay = layout(list.py());
-    if lay == Layout::Api {
-        return read_ints(list.as_any(), u64::MAX, out);
-    }
-    out.clear();
-    with_critical_section(list, || {
-        let n = list.len();
-        out.reserve(n);
-        // SAFETY: as in `read_ints`: the list is locked for the whole call and neither the loop
-        // nor `on_read` (Rust code that sees only the values read) runs Python code.
-        unsafe {
-            let items = (*(list.as_ptr() as *const RawList)).ob_item;
-            match lay {
-                Layout::LvTag => read_items::<u64, true>(lay, items, n, u64::MAX, out, on_read),
-                _ => read_items::<u64, false>(lay, items, n, u64::MAX, out, on_read),
-            }
-        }
-    })
-}
-
-/// How many items of a list of hashes [`read_hash_list`] reads between two calls of its
-/// `on_read` (a power of two).
-const HASH_FEED_EVERY: usize = 8;
 
 /// Reads a list of token ids (exact ints in `0..2**32`) a block at a time: `on_block` gets each
 /// full block of `block_size` ids as soon as they are read, so a caller can hash a block while
@@ -498,20 +464,17 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// The list fast path, for one layout: every exact int of up to three 30-bit digits (all of
 /// `0..2**64` that fits) is decoded in a tight loop; from the first other element on, elements
-/// go through `push`. `on_read` gets the values read so far every [`HASH_FEED_EVERY`] items of
-/// the fast path.
+/// go through `push`.
 ///
 /// # Safety
 /// `items` must be the item array of a live list of `n` items, with the list locked (by the
-/// GIL or its critical section), `LV_TAG` the layout `lay` names (not `Api`), and `out` must
-/// have room for `n` elements.
+/// GIL or its critical section), and `LV_TAG` the layout `lay` names (not `Api`).
 unsafe fn read_items<T: TryFrom<u64>, const LV_TAG: bool>(
     lay: Layout,
     items: *const *mut ffi::PyObject,
     n: usize,
     max: u64,
     out: &mut Vec<T>,
-    mut on_read: impl FnMut(&[T]),
 ) -> bool {
     let dst = out.as_mut_ptr();
     // Each item's object asked for `HASH_PREFETCH_AHEAD` items ahead (see `PREFETCH_AHEAD`):
@@ -526,13 +489,7 @@ unsafe fn read_items<T: TryFrom<u64>, const LV_TAG: bool>(
         let value = int_at::<LV_TAG>(*items.add(i)).filter(|&v| v <= max);
         match value.and_then(|v| T::try_from(v).ok()) {
             // SAFETY: `out` has room for `n` elements (reserved by the caller).
-            Some(t) => {
-                dst.add(i).write(t);
-                if i % HASH_FEED_EVERY == HASH_FEED_EVERY - 1 {
-                    // SAFETY: the first `i + 1` elements were written above.
-                    on_read(std::slice::from_raw_parts(dst, i + 1));
-                }
-            }
+            Some(t) => dst.add(i).write(t),
             None => {
                 // The rest goes element by element after what was written so far.
                 out.set_len(i);

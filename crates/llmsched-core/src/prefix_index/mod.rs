@@ -20,7 +20,7 @@ use thiserror::Error;
 
 pub use events::ApplyReport;
 use tree::{Attrs, StoreRefusal, Tree};
-pub use tree::{HashFeed, MatchEntry, WorkerId};
+pub use tree::{MatchEntry, WorkerId};
 
 use crate::buffer_pool::{self, BufferPool};
 use crate::hashing::{self, HashError, TokenId};
@@ -336,37 +336,6 @@ impl PrefixIndex {
         let st = self.state.read();
         out.query_blocks = hashes.len();
         out.tree_blocks = st.tree.match_hashes(hashes, now, &mut out.entries);
-    }
-
-    /// [`Self::match_hashes`] of a query of `query_blocks` hashes that `read` reads into
-    /// `hashes` (cleared first) while the tree is walked: `read` hands each prefix it has read so
-    /// far to [`HashFeed::advance`] (every few hashes), which walks the path as far as that
-    /// prefix allows, so that the walk's cache misses overlap those of the reading (a list of
-    /// Python ints read from memory). `read` returns whether the query was read whole; when it
-    /// refuses the query, so does this (None), and nothing is changed either way.
-    ///
-    /// `read` runs under the index's read lock: it must not call into this index.
-    pub fn match_reading(
-        &self,
-        query_blocks: usize,
-        hashes: &mut Vec<u64>,
-        now: f64,
-        read: impl FnOnce(&mut Vec<u64>, &mut HashFeed<'_>) -> bool,
-    ) -> Option<MatchResult> {
-        let mut out = MatchResult::pooled(query_blocks);
-        let st = self.state.read();
-        match st.tree.match_reading(hashes, now, &mut out.entries, read) {
-            Some(blocks) => {
-                out.query_blocks = hashes.len();
-                out.tree_blocks = blocks;
-                Some(out)
-            }
-            None => {
-                drop(st);
-                out.recycle();
-                None
-            }
-        }
     }
 
     /// Hashes `tokens` and matches them.

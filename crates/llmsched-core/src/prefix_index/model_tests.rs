@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 
-use super::{IndexConfig, IndexStats, MatchResult, PrefixIndex, Tier, WorkerKey};
+use super::{IndexConfig, IndexStats, PrefixIndex, Tier, WorkerKey};
 use crate::hashing::chain_hashes;
 
 #[derive(Clone, Debug)]
@@ -234,47 +234,9 @@ fn chains() -> Vec<Vec<u64>> {
     out
 }
 
-/// `match_reading` of `chain`, of its first half and of it with a block changed in the middle
-/// (the walk leaving the tree there), its hashes handed over one, two or three at a time, gives
-/// what `match_hashes` gives; a read that refuses its query matches nothing.
-fn check_read_while_walking(index: &PrefixIndex, chain: &[u64], now: f64, whole: &MatchResult) {
-    let mut changed = chain.to_vec();
-    if let Some(h) = changed.get_mut(chain.len() / 2) {
-        *h ^= 1;
-    }
-    let queries = [chain.to_vec(), chain[..chain.len() / 2].to_vec(), changed];
-    for (q, query) in queries.iter().enumerate() {
-        let want = index.match_hashes(query, now);
-        if q == 0 {
-            assert_eq!(&want, whole);
-        }
-        for every in 1..=3 {
-            let mut buf = vec![7; 3]; // cleared by the call
-            let got = index.match_reading(query.len(), &mut buf, now, |buf, feed| {
-                for (i, &h) in query.iter().enumerate() {
-                    buf.push(h);
-                    if (i + 1) % every == 0 {
-                        feed.advance(buf);
-                    }
-                }
-                true
-            });
-            assert_eq!(got.as_ref(), Some(&want), "read {every} at a time: {query:?}");
-            assert_eq!(buf, *query);
-        }
-        let refused = index.match_reading(query.len(), &mut Vec::new(), now, |buf, feed| {
-            buf.extend_from_slice(query);
-            feed.advance(buf);
-            false
-        });
-        assert!(refused.is_none());
-    }
-}
-
 fn check(index: &PrefixIndex, model: &Model, chains: &[Vec<u64>], now: f64) {
     for chain in chains {
         let result = index.match_hashes(chain, now);
-        check_read_while_walking(index, chain, now, &result);
         let got: Vec<(i64, u32, [u32; 3])> = result
             .entries
             .iter()

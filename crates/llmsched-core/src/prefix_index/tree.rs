@@ -197,39 +197,6 @@ struct Scratch {
     uniform: Vec<bool>,
 }
 
-/// Where a walk along a query stands: whether the root's child was looked up, the node to step
-/// into next (found in its parent's children), and the query depth reached.
-#[derive(Clone, Copy, Debug, Default)]
-struct Walk {
-    started: bool,
-    next: Option<NodeId>,
-    pos: usize,
-}
-
-/// Takes a query's hashes as they are read and walks the tree along them
-/// ([`Tree::match_reading`]).
-pub struct HashFeed<'a> {
-    tree: &'a Tree,
-    walk: Walk,
-    path: &'a mut Vec<(NodeId, u32)>,
-}
-
-impl HashFeed<'_> {
-    /// Walks one more node of the path if `read`, the query's hashes read so far (each call's a
-    /// prefix of the next one's and of the whole query), reaches past its end; else asks for
-    /// the node, so that it is in the cache by the next call.
-    #[inline]
-    pub fn advance(&mut self, read: &[u64]) {
-        self.tree.walk(read, false, 1, &mut self.walk, self.path);
-    }
-
-    /// Walks the rest of the path of the whole query `hashes`; returns the blocks matched.
-    fn finish(&mut self, hashes: &[u64]) -> usize {
-        self.tree.walk(hashes, true, usize::MAX, &mut self.walk, self.path);
-        self.walk.pos
-    }
-}
-
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -319,49 +286,15 @@ impl Tree {
     /// bitsets) plus one write per worker whose match ends there, so the cost does not grow
     /// with the number of workers holding the whole path.
     pub fn match_hashes(&self, hashes: &[u64], now: f64, out: &mut Vec<MatchEntry>) -> usize {
-        self.with_scratch(|scratch| self.match_with(hashes, now, out, scratch))
-    }
-
-    /// [`Self::match_hashes`] of a query whose hashes are read into `hashes` by `read` while the
-    /// tree is walked: `read` fills `hashes` (cleared first) and hands each prefix it has read
-    /// so far to [`HashFeed::advance`], which walks as far as that prefix allows, so that the
-    /// walk's cache misses overlap the reading's. None, with `out` unspecified, when `read`
-    /// returns false (its input refused); nothing is changed either way.
-    pub fn match_reading(
-        &self,
-        hashes: &mut Vec<u64>,
-        now: f64,
-        out: &mut Vec<MatchEntry>,
-        read: impl FnOnce(&mut Vec<u64>, &mut HashFeed<'_>) -> bool,
-    ) -> Option<usize> {
-        self.with_scratch(|scratch| {
-            out.clear();
-            hashes.clear();
-            scratch.path.clear();
-            let mut feed = HashFeed { tree: self, walk: Walk::default(), path: &mut scratch.path };
-            if !read(hashes, &mut feed) {
-                return None;
-            }
-            let pos = feed.finish(hashes);
-            if !scratch.path.is_empty() {
-                self.carry(now, out, scratch);
-            }
-            Some(pos)
-        })
-    }
-
-    /// Runs `f` on this thread's scratch buffers, or on fresh ones where they are taken (a
-    /// thread tearing down its locals, or a match inside a match).
-    fn with_scratch<R>(&self, f: impl FnOnce(&mut Scratch) -> R) -> R {
-        let mut f = Some(f);
         let reused = SCRATCH.try_with(|cell| {
-            let mut scratch = cell.try_borrow_mut().ok()?;
-            f.take().map(|f| f(&mut scratch))
+            cell.try_borrow_mut()
+                .ok()
+                .map(|mut scratch| self.match_with(hashes, now, out, &mut scratch))
         });
-        match (reused, f) {
-            (Ok(Some(r)), _) => r,
-            (_, Some(f)) => f(&mut Scratch::default()),
-            (_, None) => unreachable!("the scratch closure ran but returned nothing"),
+        match reused {
+            Ok(Some(blocks)) => blocks,
+            // A thread tearing down its locals, or a match inside a match: fresh buffers.
+            _ => self.match_with(hashes, now, out, &mut Scratch::default()),
         }
     }
 
@@ -373,61 +306,41 @@ impl Tree {
         scratch: &mut Scratch,
     ) -> usize {
         out.clear();
-        scratch.path.clear();
-        let mut walk = Walk::default();
-        self.walk(hashes, true, usize::MAX, &mut walk, &mut scratch.path);
+        let pos = self.walk(hashes, &mut scratch.path);
         if !scratch.path.is_empty() {
             self.carry(now, out, scratch);
         }
-        walk.pos
+        pos
     }
 
-    /// Walks the path of `hashes` into `path` (each node and the query depth at its end) from
-    /// where `walk` stands, at most `max_steps` nodes. With `complete` false, `hashes` is only
-    /// the part of the query read so far: the walk stops before a node whose end, or the hash
-    /// after it, is not read yet.
+    /// Walks the path of `hashes` into `path` (each node and the query depth at its end) and
+    /// returns the blocks matched.
     ///
     /// Each node costs a few dependent cache misses when the tree is larger than the caches (its
     /// entry in the parent's child table, the node, its edge, its holders). The next child is
     /// looked up as soon as the node is read, before its edge is compared (the edge is usually
     /// matched whole), and the next node and each node's holders are fetched ahead, so that the
     /// misses of consecutive nodes overlap instead of following each other.
-    #[inline(always)]
-    fn walk(
-        &self,
-        hashes: &[u64],
-        complete: bool,
-        max_steps: usize,
-        walk: &mut Walk,
-        path: &mut Vec<(NodeId, u32)>,
-    ) {
-        if !walk.started {
-            let Some(first) = hashes.first() else { return };
-            walk.started = true;
-            walk.next = self.nodes[ROOT as usize].children.get(first).copied();
-        }
-        let mut steps = 0;
-        while let Some(child) = walk.next {
+    fn walk(&self, hashes: &[u64], path: &mut Vec<(NodeId, u32)>) -> usize {
+        path.clear();
+        let mut pos = 0usize;
+        let mut next = hashes.first().and_then(|h| self.nodes[ROOT as usize].children.get(h));
+        while let Some(&child) = next {
             let node = &self.nodes[child as usize];
             let len = node.hashes.len();
-            let end = walk.pos + len;
-            if steps == max_steps || (!complete && hashes.len() <= end) {
-                // The node is asked for now and stepped into by a later call.
-                prefetch(node);
-                return;
-            }
-            steps += 1;
-            let next = hashes.get(end).and_then(|h| node.children.get(h)).copied();
-            if let Some(n) = next {
+            next = hashes.get(pos + len).and_then(|h| node.children.get(h));
+            if let Some(&n) = next {
                 prefetch(&self.nodes[n as usize]);
             }
             node.prefetch_holders();
-            let run =
-                node.hashes.iter().zip(&hashes[walk.pos..]).take_while(|(a, b)| a == b).count();
-            walk.pos += run;
-            path.push((child, walk.pos as u32));
-            walk.next = if run < len { None } else { next };
+            let run = node.hashes.iter().zip(&hashes[pos..]).take_while(|(a, b)| a == b).count();
+            pos += run;
+            path.push((child, pos as u32));
+            if run < len {
+                break;
+            }
         }
+        pos
     }
 
     /// Per-worker depths along `scratch.path` (nodes and the query depth at each node's end).
@@ -499,7 +412,7 @@ impl Tree {
         out.reserve(total as usize);
         // Written through the spare capacity and committed once: `push` would reload the
         // vector's length and capacity from memory for every worker (the stores to the entries
-        // may alias them), a third of this loop's cost at 256 workers.
+        // may alias them).
         let spare = &mut out.spare_capacity_mut()[..total as usize];
         let mut written = 0;
         for i in 0..words {
