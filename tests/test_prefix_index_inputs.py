@@ -269,7 +269,9 @@ def test_an_object_shared_between_threads_is_still_freed() -> None:
 
 
 @pytest.mark.parametrize("at", [0, 7, 29, 30, 63, 64, 99])
-@pytest.mark.parametrize(("bad", "error"), [(-1, ValueError), (2**64, ValueError), ("x", TypeError)])
+@pytest.mark.parametrize(
+    ("bad", "error"), [(-1, ValueError), (2**64, ValueError), ("x", TypeError)]
+)
 def test_a_bad_hash_anywhere_in_a_list_raises_and_changes_nothing(
     at: int, bad: Any, error: type[Exception]
 ) -> None:
