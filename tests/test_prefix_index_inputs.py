@@ -266,3 +266,36 @@ def test_an_object_shared_between_threads_is_still_freed() -> None:
     index = PrefixIndex(block_size=4)  # the wrapper and the native index are shared so
     index.store("a", index.hash_tokens(list(range(8))))
     assert index.match_tokens(list(range(8))).as_dict() == {"a": 2}
+
+
+@pytest.mark.parametrize("at", [0, 7, 29, 30, 63, 64, 99])
+@pytest.mark.parametrize(
+    ("bad", "error"), [(-1, ValueError), (2**64, ValueError), ("x", TypeError)]
+)
+def test_a_bad_hash_anywhere_in_a_list_raises_and_changes_nothing(
+    at: int, bad: Any, error: type[Exception]
+) -> None:
+    # Before, inside and past the native reader's first stretch of items fetched ahead (64),
+    # within and past worker 7's 30 blocks of worker "a"'s 100.
+    index, _tokens, hashes = loaded()
+    items: list[Any] = hashes.tolist()
+    items[at] = bad
+    before = state(index)
+    with pytest.raises(error):
+        index.match(items)
+    assert state(index) == before
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 30, 31, 100])
+@pytest.mark.parametrize("changed", [None, 0, 5, 8, 29, 30, 64])
+def test_hash_lists_match_as_their_arrays_do(length: int, changed: int | None) -> None:
+    # Queries that end, or leave the tree, before, at and after the end of worker 7's holding
+    # (30 blocks) and the native reader's first stretch of items fetched ahead (64).
+    index, _tokens, hashes = loaded()
+    query = hashes[:length].copy()
+    if changed is not None and changed < length:
+        query[changed] ^= np.uint64(1)
+    want = index.match(query, now=0.0)
+    got = index.match(query.tolist(), now=0.0)
+    assert got.as_dict() == want.as_dict()
+    assert (got.query_blocks, got.tree_blocks) == (want.query_blocks, want.tree_blocks)

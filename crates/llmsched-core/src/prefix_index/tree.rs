@@ -410,29 +410,47 @@ impl Tree {
         let total: u32 = masks[..words].iter().map(|w| w.count_ones()).sum();
         out.clear();
         out.reserve(total as usize);
+        // Written through the spare capacity and committed once: `push` would reload the
+        // vector's length and capacity from memory for every worker (the stores to the entries
+        // may alias them).
+        let spare = &mut out.spare_capacity_mut()[..total as usize];
+        let mut written = 0;
         for i in 0..words {
             let mut bits = masks[i];
             let in_tier = [masks[words + i], masks[2 * words + i], masks[3 * words + i]];
             let overall = &depth[i * 64..i * 64 + 64];
+            let base = (i * 64) as u32;
+            if uniform[i] {
+                let held = in_tier.map(|t| t != 0);
+                while bits != 0 {
+                    let b = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let blocks = overall[b];
+                    let tiers = held.map(|h| if h { blocks } else { 0 });
+                    spare[written].write(MatchEntry { worker: base + b as u32, blocks, tiers });
+                    written += 1;
+                }
+                continue;
+            }
             while bits != 0 {
                 let b = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                let blocks = overall[b];
-                let tiers = if uniform[i] {
-                    in_tier.map(|t| if t != 0 { blocks } else { 0 })
-                } else {
-                    let bit = 1u64 << b;
-                    let mut tiers = [0; 3];
-                    for (t, slot) in tiers.iter_mut().enumerate() {
-                        if in_tier[t] & bit != 0 {
-                            *slot = depth[(t + 1) * 64 * words + i * 64 + b];
-                        }
+                let bit = 1u64 << b;
+                let mut tiers = [0; 3];
+                for (t, slot) in tiers.iter_mut().enumerate() {
+                    if in_tier[t] & bit != 0 {
+                        *slot = depth[(t + 1) * 64 * words + i * 64 + b];
                     }
-                    tiers
-                };
-                out.push(MatchEntry { worker: (i * 64 + b) as u32, blocks, tiers });
+                }
+                let blocks = overall[b];
+                spare[written].write(MatchEntry { worker: base + b as u32, blocks, tiers });
+                written += 1;
             }
         }
+        debug_assert_eq!(written, total as usize);
+        // SAFETY: the first `written` entries (one per bit of the overall masks, `total` in
+        // all, within the reserved capacity) were written above.
+        unsafe { out.set_len(written) };
     }
 
     /// Writes into `bits` (4 x `words`) the unexpired holders of `node`, overall and per tier.
