@@ -52,57 +52,16 @@ impl Drop for Slot {
     }
 }
 
-/// What [`Flow::enqueue`] did with a request.
-pub enum Admission {
-    /// Dispatched at once (the common case below saturation): nothing to wait for.
-    Dispatched(Slot),
-    /// Refused at once.
-    Refused(NotAdmitted),
-    /// Queued: [`Waiting::wait`] waits for the controller.
-    Queued(Waiting),
-}
-
-/// A queued request's wait for the controller.
-pub struct Waiting {
-    queued: Queued,
-    outcome: oneshot::Receiver<Outcome>,
-    now: f64,
-}
-
-impl Waiting {
-    /// Waits until the request is dispatched (or refused, evicted, or past `deadline`);
-    /// dropped before, the request leaves the queue.
-    pub async fn wait(mut self, deadline: f64) -> Result<Slot, NotAdmitted> {
-        let wait = Duration::from_secs_f64((deadline - self.now).max(0.0));
-        let outcome = tokio::time::timeout(wait, &mut self.outcome).await;
-        let Ok(outcome) = outcome else {
-            // Dropping `self` (armed) cancels it.
-            return Err(NotAdmitted::Deadline);
-        };
-        self.queued.armed = false;
-        match outcome {
-            Ok(Outcome::Dispatched) => Ok(Slot {
-                flow: self.queued.flow.clone(),
-                id: self.queued.id,
-                clock: self.queued.clock,
-                output_tokens: 0,
-            }),
-            Ok(outcome) => Err(NotAdmitted::Outcome(outcome)),
-            Err(_) => Err(NotAdmitted::Outcome(Outcome::EvictedCancelled)),
-        }
-    }
-}
-
 /// A request waiting in the controller; dropped while armed, it leaves the queue (or, when it
 /// was dispatched meanwhile, frees its slot).
-struct Queued {
-    flow: Arc<Flow>,
+struct Queued<'a> {
+    flow: &'a Arc<Flow>,
     id: u64,
     clock: fn() -> f64,
     armed: bool,
 }
 
-impl Drop for Queued {
+impl Drop for Queued<'_> {
     fn drop(&mut self) {
         if !self.armed {
             return;
@@ -154,26 +113,8 @@ impl Flow {
         deadline: f64,
         clock: fn() -> f64,
     ) -> Result<Slot, NotAdmitted> {
-        match self.enqueue(tenant, priority, tokens, bytes, clock) {
-            Admission::Dispatched(slot) => Ok(slot),
-            Admission::Refused(refused) => Err(refused),
-            Admission::Queued(waiting) => waiting.wait(deadline).await,
-        }
-    }
-
-    /// Enqueues a request and dispatches what the controller allows, under one lock: a
-    /// request dispatched at once is [`Admission::Dispatched`] without a wait (no timer, no
-    /// task wake-up).
-    pub fn enqueue(
-        self: &Arc<Self>,
-        tenant: &str,
-        priority: i32,
-        tokens: u64,
-        bytes: u64,
-        clock: fn() -> f64,
-    ) -> Admission {
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        let (tx, mut rx) = oneshot::channel();
+        let (tx, rx) = oneshot::channel();
         let request = FlowRequest {
             id,
             priority,
@@ -185,48 +126,39 @@ impl Flow {
             payload: tx,
         };
         let now = clock();
-        let queue_left = {
-            let mut core = self.lock();
-            match core.enqueue(request, now) {
-                Ok(None) => {}
-                Ok(Some(refused)) => {
-                    return Admission::Refused(NotAdmitted::Outcome(refused.outcome))
-                }
-                Err(_) => {
-                    return Admission::Refused(NotAdmitted::Outcome(Outcome::RejectedCapacity))
-                }
-            }
-            Self::pump_locked(&mut core, now);
-            !core.is_empty()
-        };
+        match self.lock().enqueue(request, now) {
+            Ok(None) => {}
+            Ok(Some(refused)) => return Err(NotAdmitted::Outcome(refused.outcome)),
+            Err(_) => return Err(NotAdmitted::Outcome(Outcome::RejectedCapacity)),
+        }
+        self.pump(now);
         // The expiry loop runs only while requests wait: one dispatched at once needs no
         // wake-up of it.
-        if queue_left {
+        if !self.lock().is_empty() {
             self.queued.notify_one();
         }
-        match rx.try_recv() {
-            Ok(Outcome::Dispatched) => {
-                Admission::Dispatched(Slot { flow: self.clone(), id, clock, output_tokens: 0 })
+        // Dropped while queued (the client left, or no engine is left): cancelled.
+        let mut queued = Queued { flow: self, id, clock, armed: true };
+        let wait = Duration::from_secs_f64((deadline - now).max(0.0));
+        let outcome = tokio::time::timeout(wait, rx).await;
+        queued.armed = false;
+        match outcome {
+            Ok(Ok(Outcome::Dispatched)) => {
+                Ok(Slot { flow: self.clone(), id, clock, output_tokens: 0 })
             }
-            Ok(outcome) => Admission::Refused(NotAdmitted::Outcome(outcome)),
-            Err(oneshot::error::TryRecvError::Closed) => {
-                Admission::Refused(NotAdmitted::Outcome(Outcome::EvictedCancelled))
+            Ok(Ok(outcome)) => Err(NotAdmitted::Outcome(outcome)),
+            Ok(Err(_)) => Err(NotAdmitted::Outcome(Outcome::EvictedCancelled)),
+            Err(_) => {
+                queued.armed = true;
+                drop(queued);
+                Err(NotAdmitted::Deadline)
             }
-            // Dropped while queued (the client left, or no engine is left): cancelled.
-            Err(oneshot::error::TryRecvError::Empty) => Admission::Queued(Waiting {
-                queued: Queued { flow: self.clone(), id, clock, armed: true },
-                outcome: rx,
-                now,
-            }),
         }
     }
 
     /// Dispatches what the controller allows now and tells evicted requests their outcome.
     pub fn pump(&self, now: f64) {
-        Self::pump_locked(&mut self.lock(), now);
-    }
-
-    fn pump_locked(core: &mut FlowController<Waiter>, now: f64) {
+        let mut core = self.lock();
         let mut unclaimed = Vec::new();
         for evicted in core.drain_evicted() {
             let _ = evicted.payload.send(evicted.outcome);

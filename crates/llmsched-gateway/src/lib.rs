@@ -1590,7 +1590,7 @@ impl Gateway {
         if declared.is_some_and(|n| n > self.config.max_body as u64) {
             return Err(too_large());
         }
-        let read = read_whole(Limited::new(body, self.config.max_body));
+        let read = Limited::new(body, self.config.max_body).collect();
         let raw =
             match tokio::time::timeout(Duration::from_secs_f64(self.config.body_timeout_s), read)
                 .await
@@ -1605,7 +1605,7 @@ impl Gateway {
                         )
                     })
                 }
-                Ok(Ok(raw)) => raw,
+                Ok(Ok(collected)) => collected.to_bytes(),
                 Ok(Err(err))
                     if err.downcast_ref::<http_body_util::LengthLimitError>().is_some() =>
                 {
@@ -1680,24 +1680,21 @@ impl Gateway {
             None => None,
             Some(flow) => {
                 let queued_at = monotonic();
-                let admission = flow.enqueue(
+                let admit = flow.admit(
                     &identity.tenant,
                     identity.priority,
                     tokens.len() as u64,
                     raw.len() as u64,
+                    deadline,
                     monotonic,
                 );
-                let admitted = match admission {
-                    flow::Admission::Dispatched(slot) => Ok(slot),
-                    flow::Admission::Refused(refused) => Err(refused),
-                    flow::Admission::Queued(waiting) => tokio::select! {
-                        admitted = waiting.wait(deadline) => admitted,
-                        // Every engine left routing while the request waited: 503 at once
-                        // (the queued request is cancelled).
-                        _ = self.no_engine_left() => Err(flow::NotAdmitted::Outcome(
-                            llmsched_core::flow::Outcome::RejectedNoEndpoints,
-                        )),
-                    },
+                let admitted = tokio::select! {
+                    admitted = admit => admitted,
+                    // Every engine left routing while the request waited: 503 at once (the
+                    // queued request is cancelled).
+                    _ = self.no_engine_left() => Err(flow::NotAdmitted::Outcome(
+                        llmsched_core::flow::Outcome::RejectedNoEndpoints,
+                    )),
                 };
                 let waited = monotonic() - queued_at;
                 queued_s = waited;
@@ -1954,11 +1951,11 @@ impl Gateway {
         }
         let (parts, body) = answer.into_parts();
         let wake = wake_at(relaying.read_timeout, relaying.deadline);
-        let read = tokio::time::timeout_at(wake, read_whole(body)).await;
+        let read = tokio::time::timeout_at(wake, body.collect()).await;
         let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
         let route = relaying.route.unwrap_or("completions");
         let bytes = match read {
-            Ok(Ok(bytes)) => bytes,
+            Ok(Ok(collected)) => collected.to_bytes(),
             _ => {
                 self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
                 self.counters.truncated.inc(&[&endpoint, "error"]);
@@ -2012,39 +2009,6 @@ impl Drop for LimiterGuard {
     fn drop(&mut self) {
         self.0.release(self.1, monotonic());
     }
-}
-
-/// Reads a body whole (trailers dropped). A body of one data frame (what a client or an
-/// engine sends whole with its head) is that frame as it is, without the list of frames and
-/// the copy `BodyExt::collect` makes; more frames are appended into one buffer.
-async fn read_whole<B>(body: B) -> Result<Bytes, B::Error>
-where
-    B: Body<Data = Bytes>,
-{
-    let mut body = std::pin::pin!(body);
-    let mut first: Option<Bytes> = None;
-    let mut joined: Option<bytes::BytesMut> = None;
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame?.into_data() else { continue };
-        if data.is_empty() {
-            continue;
-        }
-        if let Some(joined) = joined.as_mut() {
-            joined.extend_from_slice(&data);
-        } else if let Some(first) = first.take() {
-            let mut buffer = bytes::BytesMut::with_capacity(first.len() + data.len());
-            buffer.extend_from_slice(&first);
-            buffer.extend_from_slice(&data);
-            joined = Some(buffer);
-        } else {
-            first = Some(data);
-        }
-    }
-    Ok(match (joined, first) {
-        (Some(joined), _) => joined.freeze(),
-        (None, Some(first)) => first,
-        (None, None) => Bytes::new(),
-    })
 }
 
 /// The prompt as the router hashes it: token ids as given, text as 4-byte pseudo-tokens.
@@ -2656,51 +2620,6 @@ impl Drop for Relay {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn body_of(frames: Vec<Frame<Bytes>>) -> impl Body<Data = Bytes, Error = io::Error> {
-        http_body_util::StreamBody::new(futures::stream::iter(
-            frames.into_iter().map(Ok::<_, io::Error>),
-        ))
-    }
-
-    fn read(frames: Vec<Frame<Bytes>>) -> Bytes {
-        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        runtime.block_on(read_whole(body_of(frames))).unwrap()
-    }
-
-    #[test]
-    fn a_body_of_one_frame_is_that_frame_uncopied() {
-        let whole = Bytes::from_static(b"{\"prompt\": \"hi\"}");
-        let read = read(vec![Frame::data(whole.clone())]);
-        assert_eq!(read, whole);
-        assert_eq!(read.as_ptr(), whole.as_ptr());
-    }
-
-    #[test]
-    fn frames_are_joined_in_order_and_trailers_dropped() {
-        let mut trailers = HeaderMap::new();
-        trailers.insert("x-t", HeaderValue::from_static("1"));
-        let frames = vec![
-            Frame::data(Bytes::from_static(b"ab")),
-            Frame::data(Bytes::new()),
-            Frame::data(Bytes::from_static(b"c")),
-            Frame::data(Bytes::from_static(b"def")),
-            Frame::trailers(trailers),
-        ];
-        assert_eq!(read(frames), Bytes::from_static(b"abcdef"));
-        assert_eq!(read(Vec::new()), Bytes::new());
-        assert_eq!(read(vec![Frame::data(Bytes::new())]), Bytes::new());
-    }
-
-    #[test]
-    fn a_body_error_is_returned() {
-        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        let failing = http_body_util::StreamBody::new(futures::stream::iter(vec![
-            Ok(Frame::data(Bytes::from_static(b"ab"))),
-            Err(io::Error::other("cut")),
-        ]));
-        assert!(runtime.block_on(read_whole(failing)).is_err());
-    }
 
     #[test]
     fn the_backlog_holds_every_connection_and_never_shrinks() {
