@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 
 import pytest
-from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
+from _gateway_harness import MODEL, Rig, current_plane, plane, rig, run  # noqa: F401 (the fixture)
 
 from llmsched.gateway import NativeGateway
 
@@ -379,6 +379,29 @@ def test_models_health_ready_and_metrics() -> None:
                 assert name in text, name
             # The approximate prefix entries recorded at dispatch are in the index.
             assert r.metric("llmsched_gateway_index_blocks") > 0
+
+    run(body())
+
+
+@pytest.mark.parametrize("record", [None, True])
+def test_a_router_that_reads_no_prefix_records_none_unless_asked(record: bool | None) -> None:
+    """Round-robin reads nothing of the prefix index: the native plane then neither hashes
+    the prompt nor records its blocks (the index holds what KV events report), unless
+    ``record_unread_prefixes``; the Python plane always records."""
+
+    async def body() -> None:
+        extra = {} if record is None else {"record_unread_prefixes": record}
+        async with rig(engines=2, router="round-robin", **extra) as r:
+            for _ in range(4):
+                assert (await r.complete(SYSTEM)).status == 200
+            # Round-robin still alternates.
+            assert [len(e.received) for e in r.engines] == [2, 2]
+            blocks = r.metric("llmsched_gateway_index_blocks")
+            if current_plane() == "native" and record is None:
+                assert blocks == 0
+                assert r.gateway.index.stats()["blocks"] == 0
+            else:
+                assert blocks > 0
 
     run(body())
 

@@ -110,6 +110,7 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"slices": {"policy": "lottery"}}, "slices: "),
         ({"slices": {"params": {"slice_tokens": 0}}}, "slices: "),
         ({"slices": {"chunk": 5}}, "slices.chunk: unknown key"),
+        ({"record_unread_prefixes": "yes"}, "^record_unread_prefixes: must be true or false"),
         ({"auth": {"api_keys": {"short": {"tenant": "t"}}}}, "auth.api_keys: every key must be"),
         (
             {"auth": {"api_keys": {"sk-long-enough-1": {"priority": 1}}}},

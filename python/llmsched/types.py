@@ -741,6 +741,7 @@ class NativeGatewayConfig(TypedDict):
     tokenizer_cache_bytes: int
     slices: NativeSlicesConfig | None
     admin: NativeAdminConfig | None
+    record_unread_prefixes: bool
 
 
 class NativeFlowStats(TypedDict):

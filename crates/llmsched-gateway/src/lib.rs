@@ -173,6 +173,13 @@ pub struct GatewayConfig {
     pub slices: Option<slicing::SlicesConfig>,
     /// The admin API ([`admin`]); `None`: its routes do not exist.
     pub admin: Option<admin::AdminConfig>,
+    /// Whether a router that reads nothing of the prefix index (round-robin, random,
+    /// least-load: [`RouterConfig::reads_prefix_match`]) still hashes each prompt, matches it
+    /// and records its blocks there for the engine it is sent to. Off (the default), such a
+    /// router decides on no hashes and the index holds only what engines' KV events report.
+    ///
+    /// [`RouterConfig::reads_prefix_match`]: llmsched_core::routing::RouterConfig::reads_prefix_match
+    pub record_unread_prefixes: bool,
 }
 
 impl Default for GatewayConfig {
@@ -209,6 +216,7 @@ impl Default for GatewayConfig {
             tokenizer_cache_bytes: tokcache::DEFAULT_CAPACITY,
             slices: None,
             admin: None,
+            record_unread_prefixes: false,
         }
     }
 }
@@ -318,6 +326,9 @@ struct Gateway {
     routing_changed: tokio::sync::Notify,
     /// Woken when failed attempts ask for confirming probes or take an engine out.
     suspect: tokio::sync::Notify,
+    /// Whether decisions hash the prompt (the router reads the prefix match, or
+    /// `record_unread_prefixes` asks for its records anyway).
+    hashes_prompts: bool,
 }
 
 /// More exposition text for `/metrics`, from the embedding program (the Python side's
@@ -514,7 +525,6 @@ fn build(
         .pool_idle_timeout(Duration::from_secs(POOL_IDLE_S))
         .build(connector);
     let gateway = Gateway {
-        source,
         owns_pool,
         upstreams: RwLock::new(Arc::new(Upstreams::default())),
         client,
@@ -531,6 +541,9 @@ fn build(
         engines_hook: hooks.engines,
         routing_changed: tokio::sync::Notify::new(),
         suspect: tokio::sync::Notify::new(),
+        hashes_prompts: config.record_unread_prefixes
+            || source.router().config().reads_prefix_match(),
+        source,
         config,
     };
     let engines = gateway.config.engines.clone();
@@ -1135,6 +1148,23 @@ impl Gateway {
         self.upstreams.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Decides for a prompt of `tokens`. A router that reads nothing of the prefix index
+    /// decides on no block hashes (unless `record_unread_prefixes`): hashing, matching and
+    /// recording them would change no decision of its, only the index's approximate records.
+    fn decide(
+        &self,
+        tokens: &[u32],
+        meta: &RequestMeta,
+        now: f64,
+    ) -> Result<Decision, RoutingError> {
+        let router = self.router();
+        if self.hashes_prompts {
+            router.decide(tokens, meta, now)
+        } else {
+            router.decide_hashes(Vec::new(), tokens.len() as u64, meta, now)
+        }
+    }
+
     fn set_engines(
         &self,
         engines: &[EngineEntry],
@@ -1729,7 +1759,7 @@ impl Gateway {
         }
         let router = self.router();
         let before = monotonic();
-        let decided = router.decide(&tokens, &meta, before);
+        let decided = self.decide(&tokens, &meta, before);
         self.counters.histograms.decision.observe(monotonic() - before);
         let decision = match decided {
             Ok(decision) => decision,

@@ -282,7 +282,15 @@ class GatewayConfig:
     ``tokenizer_cache_bytes``: the native plane's cache of chat prompts' pieces (the text
     between the tokenizer's added tokens, with its ids; least recently used evicted first), in
     bytes; 0: none. It is used only where the tokenizer's piecewise encoding is proved exact
-    at start-up (else a warning and ``tokenizer_cache_stats()`` say why)."""
+    at start-up (else a warning and ``tokenizer_cache_stats()`` say why);
+    ``record_unread_prefixes``: whether the native plane hashes each prompt and records its
+    blocks in the prefix index for the engine it is sent to when the router reads nothing of
+    the index (``round-robin``, ``random``, ``least-load``, ...: no filter, scorer or picker
+    reads a prefix match and no P/D decider weighs uncached tokens). Off (the default), such a
+    router decides without hashing the prompt, and the index (its gauges, ``/metrics``) holds
+    only what engines' KV events report; on, every sent request records its blocks as with a
+    prefix-aware router. A router that reads the index always records. The Python plane always
+    records."""
 
     engines: tuple[EngineSpec, ...]
     models: tuple[str, ...]
@@ -305,6 +313,7 @@ class GatewayConfig:
     data_plane: str = "native"
     native_threads: int = 1
     tokenizer_cache_bytes: int = 32 * 1024 * 1024
+    record_unread_prefixes: bool = False
 
 
 DATA_PLANES = ("python", "native")
@@ -321,6 +330,7 @@ _TOP_KEYS = frozenset(
         "block_size",
         "tokenizer",
         "tokenizer_cache_bytes",
+        "record_unread_prefixes",
         "router",
         "flow",
         "auth",
@@ -400,6 +410,9 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         ),
         tokenizer_cache_bytes=_int(
             raw, "tokenizer_cache_bytes", GatewayConfig.tokenizer_cache_bytes, "", low=0, high=2**40
+        ),
+        record_unread_prefixes=_bool(
+            raw, "record_unread_prefixes", GatewayConfig.record_unread_prefixes, ""
         ),
     )
 
@@ -705,7 +718,8 @@ def _seconds(
 def _bool(raw: Mapping[str, Any], key: str, default: bool, prefix: str) -> bool:
     value = raw.get(key, default)
     if not isinstance(value, bool):
-        raise ConfigError(f"{prefix}.{key}: must be true or false, got {value!r}")
+        name = f"{prefix}.{key}" if prefix else key
+        raise ConfigError(f"{name}: must be true or false, got {value!r}")
     return value
 
 

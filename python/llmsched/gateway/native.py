@@ -222,6 +222,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "tokenizer_cache_bytes": config.tokenizer_cache_bytes,
         "slices": _slices_config(config),
         "admin": None if config.admin.token is None else {"token": config.admin.token},
+        "record_unread_prefixes": config.record_unread_prefixes,
     }
 
 

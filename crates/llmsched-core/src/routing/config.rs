@@ -126,6 +126,20 @@ impl RouterConfig {
     pub fn reads_tree_size(&self) -> bool {
         self.profiles.iter().any(|p| p.picker.reads_tree_size())
     }
+
+    /// Whether a decision reads what the prefix index says of the prompt: a P/D handler (its
+    /// decider weighs the uncached tokens) or any filter, scorer or picker of a profile
+    /// ([`Scorer::reads_prefix_match`]). When none does (round-robin, random, least-load), the
+    /// prompt's block hashes change no decision.
+    pub fn reads_prefix_match(&self) -> bool {
+        matches!(self.handler, Handler::Pd { .. })
+            || self.scorers.iter().any(|s| s.reads_prefix_match())
+            || self.profiles.iter().any(|p| {
+                p.picker.reads_prefix_match()
+                    || p.filters.iter().any(|f| f.filter.reads_prefix_match())
+                    || p.scorers.iter().any(|s| s.scorer.reads_prefix_match())
+            })
+    }
 }
 
 const TOP_LEVEL: &[&str] = &[

@@ -130,6 +130,15 @@ pub trait Filter: Send + Sync {
     ) -> PluginResult;
 
     fn on_empty(&self) -> OnEmpty;
+
+    /// Whether it reads what the prefix index says of the prompt: a candidate's cached blocks,
+    /// whether any endpoint holds part of it, the index itself, or what depends on those (the
+    /// in-flight uncached prompt tokens). Unknown plugins (a Python callable) do. A router whose
+    /// plugins read none of it may decide without hashing the prompt
+    /// ([`RouterConfig::reads_prefix_match`](super::config::RouterConfig::reads_prefix_match)).
+    fn reads_prefix_match(&self) -> bool {
+        true
+    }
 }
 
 /// Scores candidates; each score should be in [0, 1] (the framework clamps).
@@ -145,6 +154,15 @@ pub trait Scorer: Send + Sync {
     /// scorer sees only the others (so min-max scorers normalise over fresh endpoints).
     fn reads_metrics(&self) -> bool {
         false
+    }
+
+    /// Whether it reads what the prefix index says of the prompt: a candidate's cached blocks,
+    /// whether any endpoint holds part of it, the index itself, or what depends on those (the
+    /// in-flight uncached prompt tokens). Unknown plugins (a Python callable) do. A router whose
+    /// plugins read none of it may decide without hashing the prompt
+    /// ([`RouterConfig::reads_prefix_match`](super::config::RouterConfig::reads_prefix_match)).
+    fn reads_prefix_match(&self) -> bool {
+        true
     }
 
     /// Called when a decision is committed (the request is sent).
@@ -182,6 +200,15 @@ pub trait Picker: Send + Sync {
 
     /// Most endpoints returned (the chosen one and its fallbacks).
     fn limit(&self) -> usize;
+
+    /// Whether it reads what the prefix index says of the prompt: a candidate's cached blocks,
+    /// whether any endpoint holds part of it, the index itself, or what depends on those (the
+    /// in-flight uncached prompt tokens). Unknown plugins (a Python callable) do. A router whose
+    /// plugins read none of it may decide without hashing the prompt
+    /// ([`RouterConfig::reads_prefix_match`](super::config::RouterConfig::reads_prefix_match)).
+    fn reads_prefix_match(&self) -> bool {
+        true
+    }
 
     /// Whether it reads [`RequestContext::held_blocks`] (the size of an endpoint's tree in the
     /// prefix index): a caller that leaves out of the index blocks no match can reach (the

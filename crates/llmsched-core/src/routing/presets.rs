@@ -100,4 +100,41 @@ mod tests {
         }
         assert!(preset("nope").is_none());
     }
+
+    #[test]
+    fn only_prefix_aware_presets_read_the_prefix_match() {
+        let reads = |name: &str| {
+            parse(&preset(name).unwrap(), &Registry::builtin()).unwrap().reads_prefix_match()
+        };
+        for name in ["llm-d", "llm-d-pd", "sglang-cache-aware", "dynamo-kv", "prefix-only"] {
+            assert!(reads(name), "{name}");
+        }
+        for name in ["round-robin", "random", "least-load"] {
+            assert!(!reads(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_token_load_scorer_or_a_prefix_filter_in_a_tree_reads_the_match() {
+        let reads = |config: serde_json::Value| {
+            parse(&config, &Registry::builtin()).unwrap().reads_prefix_match()
+        };
+        // In-flight uncached tokens depend on the match at commit.
+        assert!(reads(single(
+            serde_json::json!([{"type": "token-load-scorer"}, {"type": "max-score-picker"}]),
+            serde_json::json!([{"pluginRef": "token-load-scorer"}, {"pluginRef": "max-score-picker"}]),
+        )));
+        let tree = |inner: &str| {
+            single(
+                serde_json::json!([
+                    {"type": inner, "name": "inner"},
+                    {"type": "decision-tree-filter", "name": "tree",
+                     "parameters": {"current": {"pluginRef": "inner"}}},
+                    {"type": "random-picker"}]),
+                serde_json::json!([{"pluginRef": "tree"}, {"pluginRef": "random-picker"}]),
+            )
+        };
+        assert!(reads(tree("prefix-cache-affinity-filter")));
+        assert!(!reads(tree("least-queue-filter")));
+    }
 }

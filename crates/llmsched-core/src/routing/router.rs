@@ -211,9 +211,15 @@ impl Router {
         let sequence = self.sequence.fetch_add(1, Ordering::Relaxed);
         let mut rng = DecisionRng::new(self.options.seed, sequence);
         let members = self.pool.snapshot();
-        let matched = self.index.match_hashes(&hashes, now);
-        let cached = self.cached_by_slot(&members, &matched);
-        matched.recycle();
+        let cached = if hashes.is_empty() {
+            // Nothing to match (no full block, or a caller whose router reads no match).
+            vec![0; members.list.len()]
+        } else {
+            let matched = self.index.match_hashes(&hashes, now);
+            let cached = self.cached_by_slot(&members, &matched);
+            matched.recycle();
+            cached
+        };
         let policy = self.pool.policy();
         let base: Vec<Candidate> = members
             .list

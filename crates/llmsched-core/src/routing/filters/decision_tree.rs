@@ -191,6 +191,14 @@ impl Filter for DecisionTreeFilter {
     fn on_empty(&self) -> OnEmpty {
         OnEmpty::FailClosed
     }
+
+    fn reads_prefix_match(&self) -> bool {
+        std::iter::once(&self.current)
+            .chain(&self.on_success)
+            .chain(&self.on_failure)
+            .chain(&self.either)
+            .any(|f| f.reads_prefix_match())
+    }
 }
 
 const PARAMS: &[ParamDoc] = &[

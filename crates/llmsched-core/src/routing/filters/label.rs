@@ -80,6 +80,10 @@ impl LabelFilter {
 }
 
 impl Filter for LabelFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         ctx: &RequestContext<'_>,

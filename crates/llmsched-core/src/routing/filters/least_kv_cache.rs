@@ -16,6 +16,10 @@ struct Params {}
 pub struct LeastKvCacheFilter;
 
 impl Filter for LeastKvCacheFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         _: &RequestContext<'_>,

@@ -17,6 +17,10 @@ struct Params {}
 pub struct LeastQueueFilter;
 
 impl Filter for LeastQueueFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         _: &RequestContext<'_>,

@@ -16,6 +16,10 @@ struct Params {}
 pub struct LoraFilter;
 
 impl Filter for LoraFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         ctx: &RequestContext<'_>,

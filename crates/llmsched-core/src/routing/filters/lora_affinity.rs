@@ -32,6 +32,10 @@ pub struct LoraAffinityFilter {
 }
 
 impl Filter for LoraAffinityFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         ctx: &RequestContext<'_>,

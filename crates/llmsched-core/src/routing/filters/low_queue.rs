@@ -27,6 +27,10 @@ pub struct LowQueueFilter {
 }
 
 impl Filter for LowQueueFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         _: &RequestContext<'_>,

@@ -28,6 +28,10 @@ impl RoleFilter {
 }
 
 impl Filter for RoleFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         ctx: &RequestContext<'_>,

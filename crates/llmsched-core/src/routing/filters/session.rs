@@ -15,6 +15,10 @@ struct Params {}
 pub struct SessionFilter;
 
 impl Filter for SessionFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         ctx: &RequestContext<'_>,

@@ -38,6 +38,10 @@ pub struct UtilizationFilter {
 }
 
 impl Filter for UtilizationFilter {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn filter(
         &self,
         _: &RequestContext<'_>,

@@ -20,6 +20,10 @@ pub struct MaxScorePicker {
 }
 
 impl Picker for MaxScorePicker {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn pick(
         &self,
         _: &RequestContext<'_>,

@@ -22,6 +22,10 @@ pub struct PowerOfTwoPicker {
 }
 
 impl Picker for PowerOfTwoPicker {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn pick(
         &self,
         _: &RequestContext<'_>,

@@ -22,6 +22,10 @@ pub struct WeightedRandomPicker {
 }
 
 impl Picker for WeightedRandomPicker {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn pick(
         &self,
         _: &RequestContext<'_>,

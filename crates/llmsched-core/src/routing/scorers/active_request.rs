@@ -22,6 +22,10 @@ pub struct ActiveRequestScorer {
 }
 
 impl Scorer for ActiveRequestScorer {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn score(&self, _: &RequestContext<'_>, cands: &[Candidate], out: &mut [f64]) -> PluginResult {
         let max = cands.iter().map(|c| c.inflight.requests).max().unwrap_or(0);
         for (o, c) in out.iter_mut().zip(cands) {

@@ -13,6 +13,10 @@ struct Params {}
 pub struct KvCacheScorer;
 
 impl Scorer for KvCacheScorer {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn score(&self, _: &RequestContext<'_>, cands: &[Candidate], out: &mut [f64]) -> PluginResult {
         for (o, c) in out.iter_mut().zip(cands) {
             *o = 1.0 - c.metrics.kv_cache_usage;

@@ -24,6 +24,10 @@ pub struct LoadAwareScorer {
 }
 
 impl Scorer for LoadAwareScorer {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn score(&self, _: &RequestContext<'_>, cands: &[Candidate], out: &mut [f64]) -> PluginResult {
         for (o, c) in out.iter_mut().zip(cands) {
             let q = f64::from(c.metrics.waiting).min(self.threshold);

@@ -16,6 +16,10 @@ struct Params {}
 pub struct LoraAffinityScorer;
 
 impl Scorer for LoraAffinityScorer {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn score(
         &self,
         ctx: &RequestContext<'_>,

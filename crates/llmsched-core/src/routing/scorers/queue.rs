@@ -15,6 +15,10 @@ struct Params {}
 pub struct QueueScorer;
 
 impl Scorer for QueueScorer {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn score(&self, _: &RequestContext<'_>, cands: &[Candidate], out: &mut [f64]) -> PluginResult {
         super::lower_is_better(cands.iter().map(|c| f64::from(c.metrics.waiting)), out);
         Ok(())

@@ -15,6 +15,10 @@ struct Params {}
 pub struct RunningRequestsScorer;
 
 impl Scorer for RunningRequestsScorer {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn score(&self, _: &RequestContext<'_>, cands: &[Candidate], out: &mut [f64]) -> PluginResult {
         super::lower_is_better(cands.iter().map(|c| f64::from(c.metrics.running)), out);
         Ok(())

@@ -15,6 +15,10 @@ struct Params {}
 pub struct SessionAffinityScorer;
 
 impl Scorer for SessionAffinityScorer {
+    fn reads_prefix_match(&self) -> bool {
+        false
+    }
+
     fn score(
         &self,
         ctx: &RequestContext<'_>,
