@@ -23,8 +23,8 @@ pub mod text;
 pub mod vllm;
 pub mod xxh3;
 
-use thiserror::Error;
 use self::xxh3::xxh3_64_with_seed;
+use thiserror::Error;
 
 /// Errors from hashing token input.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
