@@ -2,7 +2,9 @@
 
 Groups pair each native benchmark with its ``_twin``; the conftest prints medians, tokens/s
 and twin/native ratios. Workload: token ids below a 150k vocabulary, block size 16 (64 for
-text), as numpy ``uint32`` (hashed in place) and ``int64`` (converted per block) arrays.
+text), as numpy ``uint32`` (hashed in place) and ``int64`` (converted per block) arrays, and
+``uint32`` at block sizes 64 and 128, whose 256- and 512-byte blocks take xxh3's long path (run
+with AVX2 where the processor has it).
 """
 
 from __future__ import annotations
@@ -56,6 +58,26 @@ def test_xxh3_twin(benchmark: Any, size: str, dtype: str) -> None:
     _setup(benchmark, f"xxh3 {size} tokens {dtype}", n)
     assert ref.block_hashes(as_list, BLOCK_SIZE) == twin_hashes(n)
     benchmark(ref.block_hashes, as_list, BLOCK_SIZE)
+
+
+LONG_BLOCK_SIZES = [64, 128]
+LONG_N = 10_240
+
+
+@pytest.mark.parametrize("block_size", LONG_BLOCK_SIZES)
+def test_xxh3_long_blocks(benchmark: Any, block_size: int) -> None:
+    arr = tokens(LONG_N, "uint32")
+    _setup(benchmark, f"xxh3 10k tokens uint32 bs{block_size}", LONG_N)
+    expect = ref.block_hashes(arr.tolist(), block_size)
+    assert llmsched.block_hashes(arr, block_size).tolist() == expect
+    benchmark(llmsched.block_hashes, arr, block_size)
+
+
+@pytest.mark.parametrize("block_size", LONG_BLOCK_SIZES)
+def test_xxh3_long_blocks_twin(benchmark: Any, block_size: int) -> None:
+    as_list = tokens(LONG_N, "uint32").tolist()
+    _setup(benchmark, f"xxh3 10k tokens uint32 bs{block_size}", LONG_N)
+    benchmark(ref.block_hashes, as_list, block_size)
 
 
 VLLM_N = 10_000

@@ -98,6 +98,22 @@ def test_matches_reference_twin() -> None:
     assert got.tolist() == ref.block_hashes(tokens, 16, 5)
 
 
+@pytest.mark.parametrize("block_size", [60, 61, 64, 65, 128, 255, 256, 257, 1024])
+@pytest.mark.parametrize("seed", [0, 1, 2**64 - 1, 0x8000_0000_0000_0000, 0x0123_4567_89AB_CDEF])
+def test_long_blocks_match_the_twin(block_size: int, seed: int) -> None:
+    # Blocks over 240 bytes (61 ids and more) take xxh3's long path, run with AVX2 where the
+    # processor has it; the twin's `xxhash` is the C library's own code, an independent check.
+    rng = np.random.default_rng(block_size)
+    tokens = rng.integers(0, 2**32, size=3 * block_size + 5, dtype=np.uint64).astype(np.uint32)
+    expect = ref.block_hashes(tokens.tolist(), block_size, seed)
+    assert llmsched.block_hashes(tokens, block_size, seed=seed).tolist() == expect
+    # The same ids one byte off alignment, and as a list: other read paths, the same hashes.
+    unaligned = np.frombuffer(bytearray(b"\0" + tokens.tobytes()), np.uint32, offset=1)
+    assert not unaligned.flags.aligned
+    assert llmsched.block_hashes(unaligned, block_size, seed=seed).tolist() == expect
+    assert llmsched.block_hashes(tokens.tolist(), block_size, seed=seed).tolist() == expect
+
+
 def test_xxh3_definition_from_the_docstring() -> None:
     import struct
 

@@ -1,8 +1,9 @@
 //! Pure-Rust block hashing throughput, in tokens per second (`cargo bench --bench hashing`).
 //!
 //! Scenarios: the xxh3 chain from u32 (hashed in place) and i64 (converted per block) tokens at
-//! 10,000 and 1,000,000 tokens; vLLM's sha256_cbor chain; raw text packed 4 bytes per
-//! pseudo-token; a batch of 64 prompts on 1 and 2 threads.
+//! 10,000 and 1,000,000 tokens; the chain over long blocks (64 and 128 ids, 256 and 512 bytes)
+//! with the run-time AVX2 long path and with `xxhash_rust`'s; vLLM's sha256_cbor chain; raw text
+//! packed 4 bytes per pseudo-token; a batch of 64 prompts on 1 and 2 threads.
 
 use std::hint::black_box;
 
@@ -11,6 +12,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use llmsched_core::hashing::batch::hash_batch;
 use llmsched_core::hashing::text::text_chain_hashes;
 use llmsched_core::hashing::vllm::{VllmBlockHasher, DEFAULT_NONE_HASH_SEED};
+use llmsched_core::hashing::xxh3::with_reference_xxh3;
 use llmsched_core::hashing::{chain_hashes, ChainHashes, TokenSlice};
 
 const BLOCK_SIZE: usize = 16;
@@ -31,6 +33,24 @@ fn xxh3_chain(c: &mut Criterion) {
         });
         group.bench_with_input(BenchmarkId::new("i64", n), &as_i64, |b, t| {
             b.iter(|| chain_hashes(black_box(t), BLOCK_SIZE, 0))
+        });
+    }
+    group.finish();
+}
+
+/// Each block's hash seeds the next, so this is the latency of one long-block hash; time per
+/// element is time per block.
+fn xxh3_long_blocks(c: &mut Criterion) {
+    let mut group = c.benchmark_group("xxh3_long_block_chain");
+    let blocks = 1_000;
+    for block_size in [64, 128] {
+        let toks = tokens(blocks * block_size);
+        group.throughput(Throughput::Elements(blocks as u64));
+        group.bench_with_input(BenchmarkId::new("run_time_avx2", block_size), &toks, |b, t| {
+            b.iter(|| chain_hashes(black_box(t), block_size, 1))
+        });
+        group.bench_with_input(BenchmarkId::new("xxhash_rust", block_size), &toks, |b, t| {
+            b.iter(|| with_reference_xxh3(|| chain_hashes(black_box(t), block_size, 1)))
         });
     }
     group.finish();
@@ -79,5 +99,5 @@ fn batch(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, xxh3_chain, vllm_sha256_cbor, text, batch);
+criterion_group!(benches, xxh3_chain, xxh3_long_blocks, vllm_sha256_cbor, text, batch);
 criterion_main!(benches);

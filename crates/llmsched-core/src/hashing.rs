@@ -15,14 +15,16 @@
 //! block-sized conversion buffer when the tokens are not already u32 little-endian in memory).
 //!
 //! Submodules: [`text`] (raw text packed 4 bytes per pseudo-token), [`vllm`] (vLLM's
-//! `sha256_cbor` prefix-cache hash) and [`batch`] (many prompts in one call).
+//! `sha256_cbor` prefix-cache hash), [`batch`] (many prompts in one call) and [`xxh3`] (the
+//! hash itself, with an AVX2 path for blocks over 240 bytes chosen at run time).
 
 pub mod batch;
 pub mod text;
 pub mod vllm;
+pub mod xxh3;
 
+use self::xxh3::xxh3_64_with_seed;
 use thiserror::Error;
-use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Errors from hashing token input.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

@@ -10,6 +10,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 use llmsched_core::hashing::batch::hash_batch;
 use llmsched_core::hashing::text::{pack_text, text_chain_hashes};
 use llmsched_core::hashing::vllm::{encode_block_input, none_hash, VllmBlockHasher};
+use llmsched_core::hashing::xxh3::{self, with_reference_xxh3};
 use llmsched_core::hashing::{chain_hashes, ChainHashes, HashError, TokenSlice};
 
 /// A test vector of the repository's `tests/data/` (the README there says where each came from).
@@ -115,6 +116,18 @@ proptest! {
         prop_assert_eq!(chain_hashes(&tokens, block_size, 0), Err(expect.clone()));
         let vllm = VllmBlockHasher::new(block_size, "s", None, None).unwrap();
         prop_assert_eq!(vllm.digests(&tokens), Err(expect));
+    }
+
+    #[test]
+    fn xxh3_equals_xxhash_rust_at_any_length_seed_and_offset(
+        bytes in proptest::collection::vec(any::<u8>(), 0..2_600),
+        seed in prop_oneof![Just(0u64), Just(u64::MAX), any::<u64>()],
+        start in 0usize..8,
+    ) {
+        let input = &bytes[start.min(bytes.len())..];
+        let expect = xxh3_64_with_seed(input, seed);
+        prop_assert_eq!(xxh3::xxh3_64_with_seed(input, seed), expect);
+        prop_assert_eq!(with_reference_xxh3(|| xxh3::xxh3_64_with_seed(input, seed)), expect);
     }
 
     #[test]

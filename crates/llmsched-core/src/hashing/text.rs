@@ -13,7 +13,7 @@
 //! consequence of zero padding: a text and the same text followed by 1 to 3 NUL bytes that end on
 //! the same pseudo-token hash alike.
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use super::xxh3::xxh3_64_with_seed;
 
 use super::HashError;
 
