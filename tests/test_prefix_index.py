@@ -389,3 +389,75 @@ def test_match_result_reads_like_a_mapping() -> None:
     assert index.match(h).best == ["c"]
     empty = index.match(chain(index, 500, 3))
     assert empty.best == [] and empty.top(3) == [] and len(empty) == 0 and dict(empty) == {}
+
+
+def test_a_result_still_held_is_never_refilled_by_the_next_match() -> None:
+    """An index reuses a thread's last result only once nothing else references it: every
+    result a caller still holds keeps its own answer, in every lookup form."""
+    index = PrefixIndex(block_size=4)
+    hashes = [chain(index, 0, 10), chain(index, 1000, 6), chain(index, 5000, 3)]
+    index.store("a", hashes[0])
+    index.store(7, hashes[0][:4])
+    index.store("b", hashes[1])
+    want = [{"a": 10, 7: 4}, {"b": 6}, {}]
+    lookups = [
+        lambda i: index.match(hashes[i]),
+        lambda i: index.match(hashes[i].tolist()),
+        lambda i: index.match_tokens(np.arange(i * 1000 if i < 2 else 5000, 40_000)),
+        lambda i: index.match_tokens(list(range(i * 1000 if i < 2 else 5000, 40_000))),
+    ]
+    for lookup in lookups:
+        held = [lookup(i % 3) for i in range(9)]
+        assert len({id(m) for m in held}) == 9
+        for i, m in enumerate(held):
+            assert m.as_dict() == want[i % 3]
+        kept = lookup(0)
+        for i in range(30):
+            assert lookup(i % 3).as_dict() == want[i % 3]  # each dropped at once: reused
+        assert kept.as_dict() == want[0] and kept.longest == 10
+        assert [m.as_dict() for m in held] == [want[i % 3] for i in range(9)]
+
+
+def test_a_result_let_go_is_refilled_for_the_next_match() -> None:
+    """The result a thread let go is the object its next match returns (no allocation); while
+    another index's result is made in between, it stays the first index's spare."""
+    index, other = PrefixIndex(block_size=4), PrefixIndex(block_size=4)
+    h = chain(index, 0, 8)
+    index.store("a", h)
+    other.store("z", h[:2])
+    first = index.match(h[:5])
+    made_at = id(first)
+    assert first.as_dict() == {"a": 5}
+    del first
+    # Had the result been freed, the other index's results would likely take its memory.
+    others = [other.match(h) for _ in range(4)]
+    again = index.match(h)
+    assert id(again) == made_at
+    assert again.as_dict() == {"a": 8} and again.query_blocks == 8 and again.longest == 8
+    assert [m.as_dict() for m in others] == [{"z": 2}] * 4
+    # A batch's results are the caller's, never kept for reuse.
+    batch = index.match_many([h, h[:3]])
+    assert made_at not in {id(m) for m in batch} and again.as_dict() == {"a": 8}
+
+
+def test_an_index_gives_back_its_spare_results_when_freed() -> None:
+    """The result an index keeps for reuse is freed with the index: its worker names (held by
+    the result through the index's handle) are released."""
+    import gc
+    import sys
+
+    name = "".join(["worker-", "held"])  # a str of its own, not interned
+    base = sys.getrefcount(name)
+    index = PrefixIndex(block_size=4)
+    h = chain(index, 0, 4)
+    index.store(name, h)
+    assert index.match(h).as_dict() == {name: 4}
+    held = index.match(h)  # the result let go above, refilled
+    assert index.match(h).as_dict() == {name: 4}  # a new one, the index's spare once let go
+    assert held.as_dict() == {name: 4}
+    del index
+    gc.collect()  # on free-threaded 3.14 the index is left to the collector
+    assert held.workers == [name]  # a result still held keeps what it names
+    del held
+    gc.collect()
+    assert sys.getrefcount(name) == base

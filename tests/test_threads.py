@@ -226,3 +226,54 @@ def test_results_made_on_many_threads_outlive_their_index_on_other_threads() -> 
         t.join(timeout=60)
     assert len(results) == 40 * 30
     assert not failures, failures[:5]
+
+
+@pytest.mark.timeout(120)
+def test_results_handed_between_threads_keep_their_answers_while_their_maker_matches() -> None:
+    """A thread reuses its last result only when nothing else references it. Makers hand some
+    of their results to readers on other threads (which read them several times, then let them
+    go there) and drop the others at once, while they keep matching; more threads than an
+    index has slots share slots and their spare results. Every read sees its own query's
+    answer."""
+    import queue
+
+    index = PrefixIndex(block_size=BLOCK)
+    prompts = [list(range(k * 1000, k * 1000 + 40)) for k in range(4)]
+    hashes = [index.hash_tokens(p) for p in prompts]
+    for k, h in enumerate(hashes):
+        index.store(f"w{k}", h[: 3 + k])
+        index.store(100 + k, h)
+    want = [{f"w{k}": 3 + k, 100 + k: 10} for k in range(4)]
+    handed: queue.Queue[tuple[int, Any] | None] = queue.Queue(maxsize=64)
+    failures: list[object] = []
+
+    def make(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for n in range(400):
+            k = int(rng.integers(0, 4))
+            m = index.match(hashes[k]) if n % 2 else index.match_tokens(prompts[k])
+            if m.as_dict() != want[k]:
+                failures.append(("maker", k, m.as_dict()))
+            if n % 5 == 0:
+                handed.put((k, m))
+            del m
+
+    def read() -> None:
+        while (item := handed.get()) is not None:
+            k, m = item
+            for _ in range(3):
+                if m.as_dict() != want[k] or m.longest != 10:
+                    failures.append(("reader", k, m.as_dict()))
+            del item, m
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    makers = [threading.Thread(target=make, args=(s,)) for s in range(20)]
+    for t in readers + makers:
+        t.start()
+    for t in makers:
+        t.join(timeout=60)
+    for _ in readers:
+        handed.put(None)
+    for t in readers:
+        t.join(timeout=60)
+    assert not failures, failures[:5]
