@@ -68,7 +68,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -279,40 +278,20 @@ def own_copies(args: Sequence[object]) -> list[object]:
     return [copies[id(a)] for a in args]
 
 
-def own_function(fn: Callable[[object], object]) -> Callable[[object], object]:
-    """A copy of the function ``fn`` (the same code, globals, defaults and closure).
-
-    Why: on free-threaded CPython every call of a function adds and drops a reference to it, an
-    atomic update of its shared count from any thread but the one that made it (functions
-    defined at a module's top level are exempt: their references are deferred; a nested one,
-    as the benchmark's lambdas are, is not). Two threads calling one lambda pass its count
-    between their cores on every call, a cost of the benchmark, not of the lookup; a caller's
-    function, like its list, is its own."""
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    copy = types.FunctionType(
-        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
-
-
 def threaded(
     fn: Callable[[object], object], args: Sequence[object], threads: int
 ) -> tuple[float, float]:
     """Calls/s of ``threads`` threads each running ``fn`` over all of ``args``, each thread over
-    its own copies of the inputs and of ``fn`` (a caller's list is its own: on free-threaded
-    CPython, two threads reading one list take turns on its lock; see :func:`own_function`),
-    best of 3; and the process CPU seconds per call in that pass (on a machine other work keeps
-    busy, the rate cannot double, but a per-call CPU that stays flat shows that the threads do
-    not slow each other down)."""
+    its own copies (a caller's list is its own: on free-threaded CPython, two threads reading
+    one list take turns on its lock), best of 3; and the process CPU seconds per call in that
+    pass (on a machine other work keeps busy, the rate cannot double, but a per-call CPU that
+    stays flat shows that the threads do not slow each other down)."""
     own = [own_copies(args) for _ in range(threads)]
 
     def spin(mine: list[object]) -> None:
-        call = own_function(fn)  # made here: its count is then this thread's, without atomics
         for _ in range(rounds):
             for a in mine:
-                call(a)
+                fn(a)
 
     # Enough passes over the inputs that a thread runs for a quarter of a second or more: one
     # pass of 300 hash lookups is under a millisecond, shorter than starting the threads.

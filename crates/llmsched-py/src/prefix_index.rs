@@ -1,16 +1,12 @@
 //! Bindings for `llmsched_core::prefix_index`.
 
-use std::cell::UnsafeCell;
-use std::ptr;
-use std::sync::atomic::{fence, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::errors::{detach, CoreResult};
-use crossbeam_utils::CachePadded;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use parking_lot::RwLock;
 use pyo3::exceptions::PyTypeError;
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
@@ -174,9 +170,8 @@ struct IndexHandle {
     names: Arc<Names>,
 }
 
-/// Thread slots per index (see [`ThreadSlot`]): threads take them in turn, so beyond this many
-/// threads two share one (still correct: one of them counts the handle atomically, and they
-/// take the spare result in turn).
+/// Handles per index: threads take slots in turn, so beyond this many threads two share one
+/// (still correct, one of them counting atomically).
 const HANDLE_SLOTS: usize = 16;
 
 static NEXT_HANDLE_SLOT: AtomicUsize = AtomicUsize::new(0);
@@ -185,62 +180,13 @@ thread_local! {
     static HANDLE_SLOT: usize = NEXT_HANDLE_SLOT.fetch_add(1, Ordering::Relaxed) % HANDLE_SLOTS;
 }
 
-/// What one thread keeps in an index: its handle for results (see [`IndexHandle`]), made at its
-/// first match, and its last result, for reuse (see [`result`]). On cache lines of its own: the
-/// spare is written on every match, and two threads' slots on one line would pass it between
-/// their cores.
-struct ThreadSlot {
-    handle: PyOnceLock<Py<IndexHandle>>,
-    spare: SpareResult,
-}
-
-impl Default for ThreadSlot {
-    fn default() -> Self {
-        ThreadSlot { handle: PyOnceLock::new(), spare: SpareResult::default() }
-    }
-}
-
-/// The last result a thread slot made or refilled: an owned reference, or null. Taken and put
-/// back with atomic swaps, because threads beyond [`HANDLE_SLOTS`] share slots.
-#[derive(Default)]
-struct SpareResult(AtomicPtr<ffi::PyObject>);
-
-impl SpareResult {
-    /// The spare result, now the caller's reference (the slot is left empty).
-    fn take<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyMatch>> {
-        // Acquire: pairs with `put`'s release, for a result refilled by a thread sharing the slot.
-        let spare = self.0.swap(ptr::null_mut(), Ordering::Acquire);
-        // SAFETY: the slot holds null or an owned reference to a `PyMatch` (see `put`), which the
-        // swap handed to this caller alone.
-        unsafe { Bound::from_owned_ptr_or_opt(py, spare).map(|b| b.cast_into_unchecked()) }
-    }
-
-    /// Keeps `spare` in the slot, dropping one that a thread sharing the slot put meanwhile.
-    fn put(&self, py: Python<'_>, spare: Bound<'_, PyMatch>) {
-        let other = self.0.swap(spare.into_ptr(), Ordering::AcqRel);
-        // SAFETY: as in `take`: null or an owned reference, now ours.
-        drop(unsafe { Bound::from_owned_ptr_or_opt(py, other) });
-    }
-}
-
-impl Drop for SpareResult {
-    fn drop(&mut self) {
-        let spare = *self.0.get_mut();
-        if !spare.is_null() {
-            // SAFETY: an owned reference (see `put`), given back once; the index is dropped by
-            // its deallocation, with the thread attached, so `attach` does not block.
-            Python::attach(|py| drop(unsafe { Bound::from_owned_ptr(py, spare) }));
-        }
-    }
-}
-
 /// The native prefix index; `llmsched.PrefixIndex` wraps it.
 #[pyclass(frozen, module = "llmsched._llmsched", name = "PrefixIndex")]
 pub struct PyPrefixIndex {
     pub inner: Arc<PrefixIndex>,
     names: Arc<Names>,
-    /// Each thread's slot, by [`HANDLE_SLOT`].
-    slots: [CachePadded<ThreadSlot>; HANDLE_SLOTS],
+    /// Each thread's handle for its results (see [`IndexHandle`]), made at its first match.
+    handles: [PyOnceLock<Py<IndexHandle>>; HANDLE_SLOTS],
 }
 
 impl PyPrefixIndex {
@@ -248,7 +194,7 @@ impl PyPrefixIndex {
         let this = PyPrefixIndex {
             inner: Arc::new(inner),
             names: Arc::default(),
-            slots: std::array::from_fn(|_| CachePadded::default()),
+            handles: std::array::from_fn(|_| PyOnceLock::new()),
         };
         for (id, key) in this.inner.workers() {
             let obj = match key {
@@ -260,15 +206,10 @@ impl PyPrefixIndex {
         Ok(this)
     }
 
-    /// This thread's slot.
-    fn slot(&self) -> &ThreadSlot {
-        &self.slots[HANDLE_SLOT.with(|s| *s)]
-    }
-
     /// This thread's handle (see [`IndexHandle`]), made on its first call.
     fn handle(slf: &Bound<'_, Self>) -> PyResult<Py<IndexHandle>> {
         let (this, py) = (slf.get(), slf.py());
-        let slot = &this.slot().handle;
+        let slot = &this.handles[HANDLE_SLOT.with(|s| *s)];
         if let Some(h) = slot.get(py) {
             return Ok(h.clone_ref(py));
         }
@@ -305,77 +246,8 @@ impl PyPrefixIndex {
 
 /// A match result that keeps what it needs of the index alive (this thread's handle) to name
 /// its workers when, and only when, they are read.
-///
-/// The thread's last result is reused when nothing else references it (the caller let it go):
-/// refilled in place and returned again, it costs no allocation and no deallocation. Why: on
-/// free-threaded CPython, PyO3's deallocation gives back the reference each object holds to its
-/// type with an atomic update of the type's one shared count, from every thread, per match;
-/// a reused result is neither made nor freed. A result the caller still holds is never
-/// touched: a new one is made, and kept in its place.
-fn result(slf: &Bound<'_, PyPrefixIndex>, m: MatchResult) -> PyResult<Py<PyMatch>> {
-    let py = slf.py();
-    let spare = &slf.get().slot().spare;
-    if let Some(last) = spare.take(py) {
-        if sole_reference(last.as_any()) {
-            // SAFETY: `last` is the only reference to the result (just checked, with the
-            // ordering that makes every earlier holder's reads happen before this write), and
-            // it is this function's: no Python code or other thread can reach the result, so
-            // nothing borrows its match. Not GC-tracked and without weak references, it cannot
-            // be found either.
-            unsafe { last.get().refill(m) };
-            let out = last.clone().unbind();
-            spare.put(py, last);
-            return Ok(out);
-        }
-    }
-    let made = Bound::new(py, PyMatch::new(m, PyPrefixIndex::handle(slf)?))?;
-    #[cfg(Py_GIL_DISABLED)]
-    OWN_THREAD_ID.with(|id| id.set(owner_thread(made.as_any())));
-    let out = made.clone().unbind();
-    spare.put(py, made);
-    Ok(out)
-}
-
-/// A result of its own for each query of a batch, none kept for reuse (the caller holds them
-/// all).
-fn fresh_result(slf: &Bound<'_, PyPrefixIndex>, m: MatchResult) -> PyResult<PyMatch> {
-    Ok(PyMatch::new(m, PyPrefixIndex::handle(slf)?))
-}
-
-/// Whether the caller's reference to `obj` is the only one, such that the caller may write to
-/// it: everything other holders did through their references happened before.
-///
-/// With the GIL (which the caller holds) that is a reference count of one. Free-threaded, an
-/// object's count is two: its owning thread's, updated without atomics, and other threads',
-/// updated with atomic read-modify-writes. Only an object this thread owns qualifies, so that
-/// every update of the first count came before, on this thread; the fence after reading the
-/// second orders other threads' reads, done before they gave their references back, before
-/// whatever the caller does next.
-fn sole_reference(obj: &Bound<'_, PyAny>) -> bool {
-    #[cfg(Py_GIL_DISABLED)]
-    if owner_thread(obj) != OWN_THREAD_ID.with(std::cell::Cell::get) {
-        return false;
-    }
-    // SAFETY: `obj` is a live object.
-    let count = unsafe { ffi::Py_REFCNT(obj.as_ptr()) };
-    fence(Ordering::Acquire);
-    count == 1
-}
-
-#[cfg(Py_GIL_DISABLED)]
-thread_local! {
-    /// This thread's id as free-threaded CPython marks the objects it owns (`ob_tid`), taken
-    /// from a result this thread made; 1 (no thread's id: ids are addresses) until then.
-    static OWN_THREAD_ID: std::cell::Cell<usize> = const { std::cell::Cell::new(1) };
-}
-
-/// The id of the thread that owns `obj` on free-threaded CPython (0 once its counts are merged:
-/// then every thread updates it atomically).
-#[cfg(Py_GIL_DISABLED)]
-fn owner_thread(obj: &Bound<'_, PyAny>) -> usize {
-    // SAFETY: `obj` is live; CPython writes `ob_tid` atomically after the object is made.
-    unsafe { AtomicUsize::from_ptr(ptr::addr_of_mut!((*obj.as_ptr()).ob_tid)) }
-        .load(Ordering::Relaxed)
+fn result(slf: &Bound<'_, PyPrefixIndex>, m: MatchResult) -> PyResult<PyMatch> {
+    Ok(PyMatch { m, index: PyPrefixIndex::handle(slf)? })
 }
 
 /// Lets threads other than the one that made the index take references to it without a lock,
@@ -592,7 +464,7 @@ impl PyPrefixIndex {
         slf: &Bound<'_, Self>,
         hashes: &Bound<'_, PyAny>,
         now: f64,
-    ) -> PyResult<Py<PyMatch>> {
+    ) -> PyResult<PyMatch> {
         let this = slf.get();
         if let Ok(arr) = hashes.cast::<PyArray1<u64>>() {
             if arr.is_c_contiguous() && aligned(arr.data()) && arr.len() < DETACH_MIN_BLOCKS {
@@ -620,7 +492,7 @@ impl PyPrefixIndex {
         lora: Option<&str>,
         cache_salt: Option<&str>,
         now: f64,
-    ) -> PyResult<Py<PyMatch>> {
+    ) -> PyResult<PyMatch> {
         let index = &slf.get().inner;
         if let Some(hashes) = hash_token_list(index, tokens, lora, cache_salt) {
             return result(slf, match_short(slf.py(), index, &hashes, now)?);
@@ -657,7 +529,7 @@ impl PyPrefixIndex {
         let slices = queries.iter().map(Hashes::as_slice).collect::<PyResult<Vec<_>>>()?;
         let results: Vec<MatchResult> =
             detach(slf.py(), || slices.iter().map(|h| this.inner.match_hashes(h, now)).collect())?;
-        results.into_iter().map(|m| fresh_result(slf, m)).collect()
+        results.into_iter().map(|m| result(slf, m)).collect()
     }
 
     fn apply_vllm_events<'py>(
@@ -776,64 +648,39 @@ fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyD
 /// Python objects made only for what is read.
 #[pyclass(frozen, module = "llmsched._llmsched", name = "PrefixMatch", mapping)]
 pub struct PyMatch {
-    /// Read through [`PyMatch::m`]; replaced only by [`PyMatch::refill`].
-    cell: UnsafeCell<MatchResult>,
+    pub m: MatchResult,
     index: Py<IndexHandle>,
 }
-
-// SAFETY: the match is written only by `refill`, whose caller holds the only reference to the
-// result (see `result`): no other thread, and no borrow on this one, can read it meanwhile.
-// Every other access is a read.
-unsafe impl Sync for PyMatch {}
 
 impl Drop for PyMatch {
     /// Hands the entries' allocation back for the next match on this thread (a result over
     /// hundreds of workers is kilobytes, which the allocator is slow to hand out and take back).
     fn drop(&mut self) {
-        std::mem::take(self.cell.get_mut()).recycle();
+        std::mem::take(&mut self.m).recycle();
     }
 }
 
 impl PyMatch {
-    fn new(m: MatchResult, index: Py<IndexHandle>) -> Self {
-        PyMatch { cell: UnsafeCell::new(m), index }
-    }
-
-    /// The match.
-    fn m(&self) -> &MatchResult {
-        // SAFETY: see `refill`, the only writer.
-        unsafe { &*self.cell.get() }
-    }
-
-    /// Replaces the match with `m`, handing the old one's allocation back.
-    ///
-    /// # Safety
-    /// The caller holds the only reference to this result, so that nothing reads the match
-    /// meanwhile or keeps a borrow of it.
-    unsafe fn refill(&self, m: MatchResult) {
-        std::mem::replace(&mut *self.cell.get(), m).recycle();
-    }
-
     fn column<'py>(&self, py: Python<'py>, f: impl Fn(usize) -> u32) -> Bound<'py, PyArray1<u32>> {
-        (0..self.m().entries.len()).map(f).collect::<Vec<u32>>().into_pyarray(py)
+        (0..self.m.entries.len()).map(f).collect::<Vec<u32>>().into_pyarray(py)
     }
 
     fn name(&self, py: Python<'_>, i: usize) -> Py<PyAny> {
         let index = self.index.get();
-        index.names.name(py, &index.inner, self.m().entries[i].worker)
+        index.names.name(py, &index.inner, self.m.entries[i].worker)
     }
 
     /// The entry of the worker named `worker`, if it matched.
     fn entry(&self, worker: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let key = worker_key(worker)?;
         let Some(id) = self.index.get().inner.worker_id(&key) else { return Ok(None) };
-        Ok(self.m().entries.binary_search_by_key(&id, |e| e.worker).ok())
+        Ok(self.m.entries.binary_search_by_key(&id, |e| e.worker).ok())
     }
 
     /// Entry positions ordered by leading blocks, most first (ties in worker-id order).
     fn ranked(&self) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.m().entries.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(self.m().entries[i].blocks));
+        let mut order: Vec<usize> = (0..self.m.entries.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(self.m.entries[i].blocks));
         order
     }
 }
@@ -843,47 +690,47 @@ impl PyMatch {
     /// Workers holding at least one leading block, in worker-id order.
     #[getter]
     fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, (0..self.m().entries.len()).map(|i| self.name(py, i)))
+        PyList::new(py, (0..self.m.entries.len()).map(|i| self.name(py, i)))
     }
 
     /// The index's worker ids of `workers` (numpy, in the same order as `blocks`).
     #[getter]
     fn worker_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        self.column(py, |i| self.m().entries[i].worker)
+        self.column(py, |i| self.m.entries[i].worker)
     }
 
     /// Leading blocks held by each worker in `workers`, in any tier.
     #[getter]
     fn blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        self.column(py, |i| self.m().entries[i].blocks)
+        self.column(py, |i| self.m.entries[i].blocks)
     }
 
     #[getter]
     fn gpu_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        self.column(py, |i| self.m().entries[i].tiers[Tier::Gpu as usize])
+        self.column(py, |i| self.m.entries[i].tiers[Tier::Gpu as usize])
     }
 
     #[getter]
     fn cpu_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        self.column(py, |i| self.m().entries[i].tiers[Tier::Cpu as usize])
+        self.column(py, |i| self.m.entries[i].tiers[Tier::Cpu as usize])
     }
 
     #[getter]
     fn storage_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        self.column(py, |i| self.m().entries[i].tiers[Tier::Storage as usize])
+        self.column(py, |i| self.m.entries[i].tiers[Tier::Storage as usize])
     }
 
     #[getter]
     fn longest(&self) -> u32 {
-        self.m().longest()
+        self.m.longest()
     }
 
     /// The workers holding the longest match, in worker-id order (empty when none matched).
     #[getter]
     fn best<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let longest = self.m().longest();
-        let best = (0..self.m().entries.len())
-            .filter(|&i| longest > 0 && self.m().entries[i].blocks == longest);
+        let longest = self.m.longest();
+        let best = (0..self.m.entries.len())
+            .filter(|&i| longest > 0 && self.m.entries[i].blocks == longest);
         PyList::new(py, best.map(|i| self.name(py, i)))
     }
 
@@ -892,18 +739,18 @@ impl PyMatch {
         let mut order = self.ranked();
         order.truncate(k);
         let rows: Vec<(Py<PyAny>, u32)> =
-            order.into_iter().map(|i| (self.name(py, i), self.m().entries[i].blocks)).collect();
+            order.into_iter().map(|i| (self.name(py, i), self.m.entries[i].blocks)).collect();
         PyList::new(py, rows)
     }
 
     #[getter]
     fn query_blocks(&self) -> usize {
-        self.m().query_blocks
+        self.m.query_blocks
     }
 
     #[getter]
     fn tree_blocks(&self) -> usize {
-        self.m().tree_blocks
+        self.m.tree_blocks
     }
 
     /// Leading blocks of `worker`, or `default` (0 unless given) when it matched none.
@@ -915,7 +762,7 @@ impl PyMatch {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = worker.py();
         match (self.entry(worker)?, default) {
-            (Some(i), _) => Ok(self.m().entries[i].blocks.into_pyobject(py)?.into_any()),
+            (Some(i), _) => Ok(self.m.entries[i].blocks.into_pyobject(py)?.into_any()),
             (None, Some(d)) => Ok(d),
             (None, None) => Ok(0u32.into_pyobject(py)?.into_any()),
         }
@@ -923,7 +770,7 @@ impl PyMatch {
 
     fn __getitem__(&self, worker: &Bound<'_, PyAny>) -> PyResult<u32> {
         match self.entry(worker)? {
-            Some(i) => Ok(self.m().entries[i].blocks),
+            Some(i) => Ok(self.m.entries[i].blocks),
             None => Err(pyo3::exceptions::PyKeyError::new_err(worker.clone().unbind())),
         }
     }
@@ -943,13 +790,13 @@ impl PyMatch {
 
     /// Leading blocks per matched worker, in worker-id order.
     fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.m().entries.iter().map(|e| e.blocks))
+        PyList::new(py, self.m.entries.iter().map(|e| e.blocks))
     }
 
     /// `(worker, leading blocks)` per matched worker, in worker-id order.
     fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let rows: Vec<(Py<PyAny>, u32)> = (0..self.m().entries.len())
-            .map(|i| (self.name(py, i), self.m().entries[i].blocks))
+        let rows: Vec<(Py<PyAny>, u32)> = (0..self.m.entries.len())
+            .map(|i| (self.name(py, i), self.m.entries[i].blocks))
             .collect();
         PyList::new(py, rows)
     }
@@ -957,7 +804,7 @@ impl PyMatch {
     /// `{worker: leading blocks}` for workers with at least one.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (i, e) in self.m().entries.iter().enumerate() {
+        for (i, e) in self.m.entries.iter().enumerate() {
             d.set_item(self.name(py, i), e.blocks)?;
         }
         Ok(d)
@@ -966,7 +813,7 @@ impl PyMatch {
     /// `{worker: {"gpu": n, "cpu": n, "storage": n}}` for workers with at least one block.
     fn tiers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (i, e) in self.m().entries.iter().enumerate() {
+        for (i, e) in self.m.entries.iter().enumerate() {
             let t = PyDict::new(py);
             for tier in Tier::ALL {
                 t.set_item(tier.name(), e.tiers[tier as usize])?;
@@ -977,14 +824,14 @@ impl PyMatch {
     }
 
     fn __len__(&self) -> usize {
-        self.m().entries.len()
+        self.m.entries.len()
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
             "PrefixMatch(longest={}, query_blocks={}, workers={})",
-            self.m().longest(),
-            self.m().query_blocks,
+            self.m.longest(),
+            self.m.query_blocks,
             self.as_dict(py)?.repr()?
         ))
     }
