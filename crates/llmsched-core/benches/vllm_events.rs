@@ -8,7 +8,9 @@
 //! u16 and u32 forms, decoded with the AVX2 steps (where the processor has AVX2) and without.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use llmsched_core::vllm_events::{decode_event_batch, recycle, with_scalar_decoding};
+use llmsched_core::vllm_events::{
+    decode_event_batch, recycle, with_avx2_decoding, with_scalar_decoding,
+};
 use rmpv::Value;
 use std::hint::black_box;
 
@@ -104,15 +106,20 @@ fn bench_token_ids(c: &mut Criterion) {
     assert_eq!(
         decode_event_batch(&bytes),
         with_scalar_decoding(|| decode_event_batch(&bytes)),
-        "the two paths agree"
+        "the default and scalar paths agree"
     );
-    for (name, scalar) in [("default", false), ("scalar", true)] {
+    assert_eq!(
+        decode_event_batch(&bytes),
+        with_avx2_decoding(|| decode_event_batch(&bytes)),
+        "the default and AVX2 paths agree"
+    );
+    for name in ["default", "avx2", "scalar"] {
         group.bench_with_input(BenchmarkId::new(name, "bs64x30"), &bytes, |b, bytes| {
             let decode = || recycle(decode_event_batch(black_box(bytes)).expect("decodes"));
-            if scalar {
-                with_scalar_decoding(|| b.iter(decode));
-            } else {
-                b.iter(decode);
+            match name {
+                "scalar" => with_scalar_decoding(|| b.iter(decode)),
+                "avx2" => with_avx2_decoding(|| b.iter(decode)),
+                _ => b.iter(decode),
             }
         });
     }

@@ -9,14 +9,19 @@
 //!
 //! `cargo run --release -p llmsched-core --example index_scale -- [block_size workers sequences]`
 //! (default 64 256 100000); `INGEST_REPEAT=n` applies the events into n fresh indexes; `ONLY=ingest`
-//! stops before the matches.
+//! stops before the matches; `DECODING=avx2` or `scalar` narrows the token-id decoder's vector
+//! path, and `DECODING=alternate` alternates the default and AVX2 from ingest to ingest (an A/B
+//! in one process); `RECEIVED=1` then times each apply alone, its payload read through just
+//! before (as a subscriber applies one it has just received). `DECODE_AB=n` times the decode
+//! alone, the default path against AVX2 in alternating rounds, over the first `n` payloads
+//! cycled (`all`: every payload), each read from memory or read through first.
 
 use std::collections::HashSet;
 use std::hint::black_box;
 use std::time::Instant;
 
 use llmsched_core::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
-use llmsched_core::vllm_events::decode_event_batch;
+use llmsched_core::vllm_events::{decode_event_batch, with_avx2_decoding, with_scalar_decoding};
 
 /// SplitMix64: a deterministic generator, so every run builds the same workload.
 struct Rng(u64);
@@ -166,6 +171,22 @@ fn ingest(bs: usize, wl: &Workload) -> PrefixIndex {
     index
 }
 
+/// [`ingest`] as a subscriber sees its payloads, just received (in the cache): each payload is
+/// read through once before its apply, which alone is timed; returns the index and the
+/// seconds spent applying.
+#[inline(never)]
+fn ingest_received(bs: usize, wl: &Workload) -> (PrefixIndex, f64) {
+    let index = PrefixIndex::new(IndexConfig { block_size: bs, ..Default::default() }).unwrap();
+    let mut applying = std::time::Duration::ZERO;
+    for (worker, bytes) in &wl.events {
+        black_box(bytes.chunks(64).map(|line| line[0]).fold(0u8, |a, b| a ^ b));
+        let t = Instant::now();
+        index.apply_vllm_events(&WorkerKey::Int(*worker), bytes).unwrap();
+        applying += t.elapsed();
+    }
+    (index, applying.as_secs_f64())
+}
+
 /// match_hashes calls per second of `threads` threads, each over every query, best of 3, and
 /// the CPU time per call, mean over the threads: on a loaded machine two threads may not get two
 /// cores, but what sharing the index costs them (contended cache lines, the lock) still shows
@@ -224,6 +245,14 @@ fn recycle_cpu(index: &PrefixIndex, queries: &[Vec<u64>]) -> (f64, f64) {
 }
 
 fn main() {
+    match std::env::var("DECODING").as_deref() {
+        Ok("avx2") => with_avx2_decoding(run),
+        Ok("scalar") => with_scalar_decoding(run),
+        _ => run(),
+    }
+}
+
+fn run() {
     let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().unwrap()).collect();
     let (bs, workers, sequences) = match args[..] {
         [bs, w, s] => (bs, w, s),
@@ -269,6 +298,46 @@ fn main() {
         bytes as f64 / wl.blocks as f64,
         t.elapsed().as_secs_f64()
     );
+    if std::env::var("DECODE_AB").is_ok() {
+        for round in 0..6 {
+            for touch in [false, true] {
+                let mut spent = std::time::Duration::ZERO;
+                let mut ids = 0usize;
+                let limit: usize =
+                    std::env::var("DECODE_AB").unwrap().parse().unwrap_or(wl.events.len());
+                let mut decode_all = || {
+                    for (_, b) in
+                        wl.events[..limit.min(wl.events.len())].iter().cycle().take(wl.events.len())
+                    {
+                        if touch {
+                            black_box(b.chunks(64).map(|line| line[0]).fold(0u8, |a, x| a ^ x));
+                        }
+                        let t = Instant::now();
+                        let batch = decode_event_batch(b).unwrap();
+                        spent += t.elapsed();
+                        for e in &batch.events {
+                            if let llmsched_core::vllm_events::KvEvent::Stored(s) = e {
+                                ids += s.token_ids.len();
+                            }
+                        }
+                        llmsched_core::vllm_events::recycle(batch);
+                    }
+                };
+                if round % 2 == 1 {
+                    with_avx2_decoding(decode_all);
+                } else {
+                    decode_all();
+                }
+                println!(
+                    "decode {} payloads {}: {:.1} ns/block",
+                    if round % 2 == 1 { "AVX2" } else { "default" },
+                    if touch { "touched" } else { "cold" },
+                    spent.as_secs_f64() * 1e9 / (ids as f64 / bs as f64)
+                );
+            }
+        }
+        return;
+    }
     if only.is_empty() || only == "ingest" {
         let (t, c) = (Instant::now(), cpu_ns());
         for (_, b) in &wl.events {
@@ -276,12 +345,34 @@ fn main() {
         }
         rate("decode", wl.blocks, t, c);
     }
+    let alternate = std::env::var("DECODING").as_deref() == Ok("alternate");
     let mut index = None;
-    for _ in 0..repeat {
+    for r in 0..repeat {
         drop(index.take());
         let (t, c) = (Instant::now(), cpu_ns());
-        index = Some(ingest(bs, &wl));
-        rate("decode+apply", wl.blocks, t, c);
+        if alternate && r % 2 == 1 {
+            index = Some(with_avx2_decoding(|| ingest(bs, &wl)));
+            rate("decode+apply (AVX2 decoding)", wl.blocks, t, c);
+        } else {
+            index = Some(ingest(bs, &wl));
+            rate("decode+apply", wl.blocks, t, c);
+        }
+    }
+    if std::env::var("RECEIVED").is_ok() {
+        for r in 0..repeat {
+            drop(index.take());
+            let (built, seconds) = if alternate && r % 2 == 1 {
+                with_avx2_decoding(|| ingest_received(bs, &wl))
+            } else {
+                ingest_received(bs, &wl)
+            };
+            index = Some(built);
+            let label = if alternate && r % 2 == 1 { " (AVX2 decoding)" } else { "" };
+            println!(
+                "decode+apply of payloads in cache{label}: {:.2} M blocks/s",
+                wl.blocks as f64 / seconds / 1e6
+            );
+        }
     }
     if !only.is_empty() && only != "match" {
         return;

@@ -44,6 +44,7 @@
 
 mod reader;
 mod simd;
+mod vbmi;
 
 use crate::buffer_pool::{self, BufferPool};
 use crate::prefetch::prefetch_ptr;
@@ -51,7 +52,7 @@ use crate::protocols::Tier;
 pub use crate::protocols::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent};
 pub use reader::MAX_SKIP_DEPTH;
 use reader::{Container, Reader};
-pub use simd::with_scalar_decoding;
+pub use simd::{with_avx2_decoding, with_scalar_decoding};
 
 type Result<T> = std::result::Result<T, DecodeError>;
 

@@ -3,8 +3,8 @@
 
 use llmsched_core::prefix_index::Tier;
 use llmsched_core::vllm_events::{
-    decode_event_batch, medium_name, recycle, with_scalar_decoding, BlockRemoved, BlockStored,
-    DecodeError, EventBatch, KvEvent, MAX_SKIP_DEPTH,
+    decode_event_batch, medium_name, recycle, with_avx2_decoding, with_scalar_decoding,
+    BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent, MAX_SKIP_DEPTH,
 };
 use proptest::prelude::*;
 use rmpv::Value;
@@ -999,12 +999,15 @@ fn recycled_token_buffers_and_reused_chain_buffers_leave_nothing_behind() {
 
 // ---- the AVX2 path against the scalar path ----
 
-/// `payload` decoded on the default path (AVX2 steps where this processor has AVX2) and on the
-/// scalar path alone; the test fails unless they agree, results and errors alike.
+/// `payload` decoded on the default path (AVX-512 VBMI chunks or AVX2 steps, whichever this
+/// processor has), on the AVX2 path at most and on the scalar path alone; the test fails
+/// unless they agree, results and errors alike.
 fn assert_paths_agree(payload: &[u8], context: &str) -> Result<EventBatch, DecodeError> {
     let default = decode_event_batch(payload);
+    let avx2 = with_avx2_decoding(|| decode_event_batch(payload));
     let scalar = with_scalar_decoding(|| decode_event_batch(payload));
-    assert_eq!(default, scalar, "{context}");
+    assert_eq!(default, scalar, "{context}: default and scalar");
+    assert_eq!(avx2, scalar, "{context}: AVX2 and scalar");
     default
 }
 
@@ -1081,6 +1084,38 @@ fn simd_and_scalar_paths_agree_on_a_bad_byte_anywhere_in_a_run() {
             }
             // Most replacements break the payload: the comparisons above include errors.
             assert!(bad_ones > payload.len() - ids_start, "{bad_ones}");
+        }
+    }
+}
+
+#[test]
+fn vector_paths_agree_wherever_a_run_starts_stops_and_ends() {
+    // Runs of every length up to 300 ids (the VBMI chunks' 64-byte windows cut ids at every
+    // offset, and up to 22 ids per chunk), vocabularies of u16 ids only, u32 only and mixed,
+    // one id in another form at a sliding position, the array last in the payload (its end
+    // near the buffer's) or not.
+    for (vocab_low, vocab_span) in [(256u32, 65_280u32), (65_536, 1 << 24), (256, 127_744)] {
+        for n in (0..=300).step_by(7).chain([64, 65, 128, 129, 255, 256, 257]) {
+            let mut x = u64::from(vocab_span) ^ n as u64 | 1;
+            let tokens: Vec<(u32, u8)> = (0..n)
+                .map(|i| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if n > 0 && i == (x as usize >> 40) % n && i % 3 == 0 {
+                        ((x % 200) as u32, 0)
+                    } else {
+                        (vocab_low + (x % u64::from(vocab_span)) as u32, 0)
+                    }
+                })
+                .collect();
+            for last in [false, true] {
+                let decoded = assert_paths_agree(&stored_raw(&tokens, last), &format!("n {n}"));
+                let batch = decoded.unwrap();
+                let KvEvent::Stored(stored) = &batch.events[0] else { panic!("not stored") };
+                let want: Vec<u32> = tokens.iter().map(|&(v, _)| v).collect();
+                assert_eq!(stored.token_ids, want, "n {n}, vocab from {vocab_low}");
+            }
         }
     }
 }

@@ -9,6 +9,7 @@
 use rmp::Marker;
 
 use super::simd::Avx2;
+use super::vbmi::Vbmi;
 use super::DecodeError;
 use crate::buffer_pool::{self, BufferPool};
 use crate::prefetch::prefetch_ptr;
@@ -316,21 +317,44 @@ impl<'a> Reader<'a> {
     /// bytes of the payload, go through the general path.
     ///
     /// Where the processor has AVX2, the u16 and u32 forms are decoded three or four at a time
-    /// instead (`super::simd`), by three chains over a long array; the ids and errors are the
-    /// scalar path's (tests compare the two).
+    /// instead (`super::simd`), by three chains over a long array; where it has AVX-512 VBMI, a
+    /// 64-byte chunk at a time (`super::vbmi`). The ids and errors are the scalar path's (tests
+    /// compare the three).
     pub fn token_ids(&mut self, what: &str) -> Result<Vec<u32>> {
         let count = self.array_len(what)?;
         let mut tokens = pooled_tokens(count);
+        let vbmi = Vbmi::detect();
         let simd = Avx2::detect();
-        let mut i = match simd {
+        let mut i = match (vbmi, simd) {
+            (Some(_), _) => 0,
             _ if count < SPLIT_MIN => 0,
-            Some(avx2) => avx2.enabled(|| self.token_ids_split_simd(avx2, &mut tokens)),
-            None => self.token_ids_split(&mut tokens),
+            (None, Some(avx2)) => avx2.enabled(|| self.token_ids_split_simd(avx2, &mut tokens)),
+            (None, None) => self.token_ids_split(&mut tokens),
         };
         let buf = self.buf;
         let mut pos = self.pos;
+        // Where the VBMI chunks are tried again after a run of few ids (ids mostly in other
+        // forms, where a chunk costs more than the ids it takes).
+        let mut vbmi_resume = 0;
         while i < count {
-            if let Some(avx2) = simd {
+            if let Some(vbmi) = vbmi {
+                if i >= vbmi_resume {
+                    let before = i;
+                    (i, pos) = vbmi.run(buf, pos, &mut tokens, i);
+                    if i - before < VBMI_MIN_RUN {
+                        vbmi_resume = i + VBMI_BACKOFF;
+                    }
+                } else {
+                    let stop = count.min(vbmi_resume);
+                    while i + 2 <= stop {
+                        let Some((first, second, width)) = fast_pair(buf, pos) else { break };
+                        tokens[i] = first;
+                        tokens[i + 1] = second;
+                        pos += width;
+                        i += 2;
+                    }
+                }
+            } else if let Some(avx2) = simd {
                 // Two to four ids per step (see `simd`); stops at any other form.
                 (i, pos) = avx2.enabled(|| simd_run(avx2, buf, pos, &mut tokens, i));
             } else {
@@ -939,6 +963,11 @@ pub fn recycle_hashes(hashes: Vec<u64>) {
 /// ([`Reader::token_ids_split`]); shorter ones would not repay the second chain's restarts.
 /// (`tests/vllm_events.rs` decodes arrays on both sides of it.)
 const SPLIT_MIN: usize = 256;
+/// A VBMI run that takes fewer ids than this (ids in other forms nearby) is not tried again
+/// for the next [`VBMI_BACKOFF`] ids, which take the scalar pairs.
+const VBMI_MIN_RUN: usize = 16;
+/// See [`VBMI_MIN_RUN`].
+const VBMI_BACKOFF: usize = 64;
 /// How far ahead of each chain (bytes) the AVX2 split decode prefetches the payload.
 const PREFETCH_AHEAD: usize = 512;
 /// The chains of an AVX2 split decode ([`Reader::token_ids_split_simd`]).

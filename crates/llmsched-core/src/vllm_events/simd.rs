@@ -106,22 +106,51 @@ fn step_index(ce: u32) -> usize {
         as usize
 }
 
-thread_local! {
-    /// Set by [`with_scalar_decoding`] for the duration of its closure, on this thread.
-    static SCALAR_ONLY: Cell<bool> = const { Cell::new(false) };
+/// The widest vector path the decoder may take on this thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum VectorLevel {
+    /// The scalar path alone.
+    Scalar,
+    /// AVX2 steps at most.
+    Avx2,
+    /// Whatever the processor runs (AVX-512 VBMI chunks where it has them).
+    Best,
 }
 
-/// Runs `f` with the AVX2 path turned off on this thread, so that tests and benchmarks can
-/// compare it with the scalar path on the same payloads.
-pub fn with_scalar_decoding<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
+thread_local! {
+    /// Lowered by [`with_scalar_decoding`] and [`with_avx2_decoding`] for their closures.
+    static LEVEL: Cell<VectorLevel> = const { Cell::new(VectorLevel::Best) };
+}
+
+/// The widest vector path the decoder may take on this thread now.
+#[inline]
+pub(super) fn vector_level() -> VectorLevel {
+    LEVEL.with(Cell::get)
+}
+
+/// Runs `f` with the decoder's vector path at most `level` on this thread.
+fn with_level<R>(level: VectorLevel, f: impl FnOnce() -> R) -> R {
+    struct Restore(VectorLevel);
     impl Drop for Restore {
         fn drop(&mut self) {
-            SCALAR_ONLY.with(|s| s.set(self.0));
+            LEVEL.with(|l| l.set(self.0));
         }
     }
-    let _restore = Restore(SCALAR_ONLY.with(|s| s.replace(true)));
+    let _restore = Restore(LEVEL.with(|l| l.replace(level.min(l.get()))));
     f()
+}
+
+/// Runs `f` with the vector paths turned off on this thread, so that tests and benchmarks can
+/// compare them with the scalar path on the same payloads.
+pub fn with_scalar_decoding<R>(f: impl FnOnce() -> R) -> R {
+    with_level(VectorLevel::Scalar, f)
+}
+
+/// Runs `f` with the AVX-512 VBMI path turned off on this thread (AVX2 steps where the
+/// processor has AVX2, else the scalar path), so that tests and benchmarks can compare the
+/// two vector paths.
+pub fn with_avx2_decoding<R>(f: impl FnOnce() -> R) -> R {
+    with_level(VectorLevel::Avx2, f)
 }
 
 /// Proof that this processor runs AVX2 (only [`Avx2::detect`] makes one).
@@ -133,7 +162,7 @@ impl Avx2 {
     #[inline]
     pub fn detect() -> Option<Avx2> {
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && !SCALAR_ONLY.with(Cell::get) {
+        if vector_level() >= VectorLevel::Avx2 && std::is_x86_feature_detected!("avx2") {
             return Some(Avx2(()));
         }
         None
