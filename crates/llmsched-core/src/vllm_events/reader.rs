@@ -326,7 +326,17 @@ impl<'a> Reader<'a> {
         let vbmi = Vbmi::detect();
         let simd = Avx2::detect();
         let mut i = match (vbmi, simd) {
-            (Some(_), _) => 0,
+            (Some(vbmi), _) => {
+                let (i, pos) = vbmi.run(self.buf, self.pos, &mut tokens, 0);
+                self.pos = pos;
+                if i < VBMI_MIN_RUN && count - i >= SPLIT_MIN {
+                    // Ids mostly in other forms (a small vocabulary: fixint and u8): the
+                    // scalar split takes them faster than single ids between chunks.
+                    i + self.token_ids_split(&mut tokens[i..])
+                } else {
+                    i
+                }
+            }
             _ if count < SPLIT_MIN => 0,
             (None, Some(avx2)) => avx2.enabled(|| self.token_ids_split_simd(avx2, &mut tokens)),
             (None, None) => self.token_ids_split(&mut tokens),
