@@ -326,17 +326,7 @@ impl<'a> Reader<'a> {
         let vbmi = Vbmi::detect();
         let simd = Avx2::detect();
         let mut i = match (vbmi, simd) {
-            (Some(vbmi), _) => {
-                let (i, pos) = vbmi.run(self.buf, self.pos, &mut tokens, 0);
-                self.pos = pos;
-                if i < VBMI_MIN_RUN && count - i >= SPLIT_MIN {
-                    // Ids mostly in other forms (a small vocabulary: fixint and u8): the
-                    // scalar split takes them faster than single ids between chunks.
-                    i + self.token_ids_split(&mut tokens[i..])
-                } else {
-                    i
-                }
-            }
+            (Some(vbmi), _) => self.token_ids_start_vbmi(vbmi, &mut tokens),
             _ if count < SPLIT_MIN => 0,
             (None, Some(avx2)) => avx2.enabled(|| self.token_ids_split_simd(avx2, &mut tokens)),
             (None, None) => self.token_ids_split(&mut tokens),
@@ -396,6 +386,27 @@ impl<'a> Reader<'a> {
         }
         self.pos = pos;
         Ok(tokens)
+    }
+
+    /// The start of [`Self::token_ids`] where the processor has VBMI: chunks from the first id,
+    /// and if two runs of them (one id in another form taken between) take few ids, the ids are
+    /// mostly in other forms (a small vocabulary: fixint and u8) and the scalar split takes the
+    /// array on, faster than single ids between chunks. Returns the ids decoded; the position is
+    /// left after them.
+    fn token_ids_start_vbmi(&mut self, vbmi: Vbmi, tokens: &mut [u32]) -> usize {
+        let count = tokens.len();
+        let (mut i, mut pos) = vbmi.run(self.buf, self.pos, tokens, 0);
+        if i < VBMI_MIN_RUN && i < count {
+            if let Some((value, width)) = fast_one(self.buf, pos) {
+                tokens[i] = value;
+                (i, pos) = vbmi.run(self.buf, pos + width, tokens, i + 1);
+            }
+        }
+        self.pos = pos;
+        if i < 2 * VBMI_MIN_RUN && count - i >= SPLIT_MIN {
+            i += self.token_ids_split(&mut tokens[i..]);
+        }
+        i
     }
 
     /// Decodes a leading part of a long token array (`tokens.len()` ids from the current
