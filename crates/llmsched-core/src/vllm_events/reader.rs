@@ -389,10 +389,11 @@ impl<'a> Reader<'a> {
     }
 
     /// The start of [`Self::token_ids`] where the processor has VBMI: chunks from the first id,
-    /// and if two runs of them (one id in another form taken between) take few ids, the ids are
+    /// and if two runs of them (one id in another form taken between) stop at once, the ids are
     /// mostly in other forms (a small vocabulary: fixint and u8) and the scalar split takes the
-    /// array on, faster than single ids between chunks. Returns the ids decoded; the position is
-    /// left after them.
+    /// array on, faster than single ids between chunks. (A large vocabulary's occasional id below
+    /// 256 stops a run too, but two of them within a few ids are rare, even in a prompt that
+    /// recurs.) Returns the ids decoded; the position is left after them.
     fn token_ids_start_vbmi(&mut self, vbmi: Vbmi, tokens: &mut [u32]) -> usize {
         let count = tokens.len();
         let (mut i, mut pos) = vbmi.run(self.buf, self.pos, tokens, 0);
@@ -403,7 +404,7 @@ impl<'a> Reader<'a> {
             }
         }
         self.pos = pos;
-        if i < 2 * VBMI_MIN_RUN && count - i >= SPLIT_MIN {
+        if i < VBMI_SMALL_START && count - i >= SPLIT_MIN {
             i += self.token_ids_split(&mut tokens[i..]);
         }
         i
@@ -989,6 +990,9 @@ const SPLIT_MIN: usize = 256;
 const VBMI_MIN_RUN: usize = 16;
 /// See [`VBMI_MIN_RUN`].
 const VBMI_BACKOFF: usize = 64;
+/// A long token array whose first two VBMI runs (and the id between them) take fewer ids than
+/// this goes to the scalar split.
+const VBMI_SMALL_START: usize = 4;
 /// How far ahead of each chain (bytes) the AVX2 split decode prefetches the payload.
 const PREFETCH_AHEAD: usize = 512;
 /// The chains of an AVX2 split decode ([`Reader::token_ids_split_simd`]).
