@@ -12,9 +12,11 @@
 //! Values that are skipped (unknown fields, unknown event types, `extra_keys` entries) are walked
 //! iteratively with at most [`MAX_SKIP_DEPTH`] nested containers. A map event whose `type` is not
 //! its first key is scanned twice (once to find the tag); msgspec always writes the tag first.
-//! Token ids, most of a payload's bytes, are decoded by several chains at once, in AVX2 steps of
-//! three or four ids where the processor has AVX2 ([`with_scalar_decoding`] turns that off, for
-//! comparisons), and the payload's lines are prefetched before it is read.
+//! Token ids, most of a payload's bytes, are decoded 64 payload bytes (16-21 ids) at a time where
+//! the processor has AVX-512 VBMI (`vbmi`), else by several chains at once in AVX2 steps of
+//! three or four ids where it has AVX2 (`simd`), else by two scalar chains
+//! ([`with_avx2_decoding`] and [`with_scalar_decoding`] narrow the choice, for comparisons), and
+//! the payload's lines are prefetched before it is read.
 //!
 //! Decisions, beyond what vLLM specifies:
 //! - Unknown event types are skipped and counted in [`EventBatch::unknown_events`], not errors,

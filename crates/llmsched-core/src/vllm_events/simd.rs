@@ -17,8 +17,10 @@
 //! previous one's width, so [`super::reader`] runs three chains of steps at once (the scalar
 //! path keeps two: more cost it more instructions than they saved).
 //!
-//! Used on x86_64 when the processor has AVX2 (checked at run time); elsewhere, or with
-//! [`with_scalar_decoding`], only the scalar path runs.
+//! Used on x86_64 when the processor has AVX2 (checked at run time) and not AVX-512 VBMI (whose
+//! 64-byte chunks, `super::vbmi`, take the long runs there); elsewhere, or with
+//! [`with_scalar_decoding`], only the scalar path runs. [`with_avx2_decoding`] keeps this path
+//! where VBMI would run.
 
 use std::cell::Cell;
 
