@@ -77,8 +77,8 @@ mod kernel {
     /// A position after which no id of the run is valid (an id in another form): maps to itself.
     const DEAD: u8 = 127;
 
-    /// How far ahead of the chunk (bytes) the payload is asked for: a payload is read once, from
-    /// memory, and the hardware prefetcher starts late on each one.
+    /// How far ahead of the chunk (bytes) the payload is asked for: `decode_event_batch` asks
+    /// for a payload's first 64 KiB up front, and a longer one is read from memory as it goes.
     const PREFETCH_AHEAD: usize = 512;
 
     /// `[0, 1, ..., 63]`.
