@@ -328,6 +328,9 @@ impl<'a> Reader<'a> {
         let mut i = match (vbmi, simd) {
             (Some(vbmi), _) => self.token_ids_start_vbmi(vbmi, &mut tokens),
             _ if count < SPLIT_MIN => 0,
+            // Ids mostly in the one- and two-byte forms (a vocabulary under 256), where every
+            // AVX2 step would fail: the scalar split.
+            (None, Some(_)) if self.first_two_ids_short() => self.token_ids_split(&mut tokens),
             (None, Some(avx2)) => avx2.enabled(|| self.token_ids_split_simd(avx2, &mut tokens)),
             (None, None) => self.token_ids_split(&mut tokens),
         };
@@ -386,6 +389,14 @@ impl<'a> Reader<'a> {
         }
         self.pos = pos;
         Ok(tokens)
+    }
+
+    /// Whether the next two ids are positive fixints or u8s (one or two bytes each), the forms
+    /// the vector steps do not take.
+    fn first_two_ids_short(&self) -> bool {
+        let short =
+            |at: usize| self.buf.get(at).map(|&m| fast_width(m)).filter(|w| (1..=2).contains(w));
+        short(self.pos).and_then(|w| short(self.pos + w)).is_some()
     }
 
     /// The start of [`Self::token_ids`] where the processor has VBMI: chunks from the first id,
