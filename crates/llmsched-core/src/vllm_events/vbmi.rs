@@ -9,14 +9,14 @@
 //! read from a table.
 //!
 //! Algorithm, per chunk: `J1[p]` is where the id after one starting at byte `p` would start
-//! (`p + 3` after a `0xcd`, `p + 5` after a `0xce`, [`DEAD`] after any other byte); positions 64
-//! and above (the next chunk) map to themselves, so do `J1[J1]` etc. Squaring the map five times
-//! (`vpermi2b`, a 128-entry byte table: the chunk's map, then the identity) gives `J2`, `J4`,
-//! ..., `J32`: `J32[e]` is where the run entering at `e` leaves the chunk (no chunk holds more
-//! than 22 ids), or [`DEAD`] when it meets another form. The positions of the chunk's ids are
-//! `J^k[e]` for lane `k`, built from the powers by the bits of `k` (five masked permutes), and
-//! a last permute gathers each id's value bytes (from this chunk and the next 4 bytes), reversed
-//! into little-endian u32 lanes, the upper two zeroed for a u16.
+//! (`p + 3` after a `0xcd`, `p + 5` after a `0xce`, a dead mark, `kernel::DEAD`, after any
+//! other byte); positions 64 and above (the next chunk) map to themselves, so do `J1[J1]` etc.
+//! Squaring the map five times (`vpermi2b`, a 128-entry byte table: the chunk's map, then the
+//! identity) gives `J2`, `J4`, ..., `J32`: `J32[e]` is where the run entering at `e` leaves the
+//! chunk (no chunk holds more than 22 ids), or the dead mark when it meets another form. The
+//! positions of the chunk's ids are `J^k[e]` for lane `k`, built from the powers by the bits of
+//! `k` (five masked permutes), and a last permute gathers each id's value bytes (from this chunk
+//! and the next 4 bytes), reversed into little-endian u32 lanes, the upper two zeroed for a u16.
 //!
 //! The run stops before an id in another form (fixint, u8, u64, int64, anything else: the
 //! caller takes it on the scalar path, which also reports every error), at the array's end, or
@@ -124,7 +124,8 @@ mod kernel {
         t
     };
 
-    /// Lane `k` of the orbit takes the map's `2^b`-th power when bit `b` of `k` is set (lanes 0-31).
+    /// Lane `k` of the orbit takes the map's `2^b`-th power when bit `b` of `k` is set (lanes
+    /// 0-31).
     const ORBIT_BITS: [u64; 5] = {
         let mut masks = [0u64; 5];
         let mut b = 0;
@@ -141,6 +142,11 @@ mod kernel {
         masks
     };
 
+    /// [`super::Vbmi::run`]'s chunks from `start` (at least [`CHUNK_REACH`] bytes before the
+    /// end of `buf`) into `tokens[i..]` (`i` below `tokens.len()`).
+    ///
+    /// # Safety
+    /// The processor must have AVX-512 F, BW and VBMI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
     pub(super) unsafe fn run(
         buf: &[u8],
