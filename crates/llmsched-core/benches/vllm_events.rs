@@ -5,7 +5,8 @@
 //! way vLLM 0.32 writes them (map events with extra_keys, group_idx, kv_cache_spec_kind), and the
 //! same batch in the older array encoding. Then one `BlockStored` of 30 blocks of 64 tokens (the
 //! mean event of `bench_peers_index.py --size large`) from a 128k vocabulary, whose ids mix the
-//! u16 and u32 forms, decoded with the AVX2 steps (where the processor has AVX2) and without.
+//! u16 and u32 forms, decoded on the default path (AVX-512 VBMI chunks or AVX2 steps, whichever
+//! the processor has), on the AVX2 steps at most, and on the scalar path.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use llmsched_core::vllm_events::{

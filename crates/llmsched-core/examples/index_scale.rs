@@ -21,7 +21,9 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use llmsched_core::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
-use llmsched_core::vllm_events::{decode_event_batch, with_avx2_decoding, with_scalar_decoding};
+use llmsched_core::vllm_events::{
+    decode_event_batch, recycle, with_avx2_decoding, with_scalar_decoding, KvEvent,
+};
 
 /// SplitMix64: a deterministic generator, so every run builds the same workload.
 struct Rng(u64);
@@ -179,12 +181,59 @@ fn ingest_received(bs: usize, wl: &Workload) -> (PrefixIndex, f64) {
     let index = PrefixIndex::new(IndexConfig { block_size: bs, ..Default::default() }).unwrap();
     let mut applying = std::time::Duration::ZERO;
     for (worker, bytes) in &wl.events {
-        black_box(bytes.chunks(64).map(|line| line[0]).fold(0u8, |a, b| a ^ b));
+        read_through(bytes);
         let t = Instant::now();
         index.apply_vllm_events(&WorkerKey::Int(*worker), bytes).unwrap();
         applying += t.elapsed();
     }
     (index, applying.as_secs_f64())
+}
+
+/// Reads one byte of each cache line of `bytes`, so the payload is in the cache (and its pages
+/// in the TLB), as one just received from a socket is.
+fn read_through(bytes: &[u8]) {
+    black_box(bytes.chunks(64).map(|line| line[0]).fold(0u8, |a, b| a ^ b));
+}
+
+/// `f`'s result, on the AVX2 decoding path when `avx2`, with a label saying which.
+fn alternated<R>(avx2: bool, f: impl FnOnce() -> R) -> (R, &'static str) {
+    if avx2 {
+        (with_avx2_decoding(f), " (AVX2 decoding)")
+    } else {
+        (f(), "")
+    }
+}
+
+/// `DECODE_AB`: the decode alone (its batches recycled, as the index does) over the first
+/// `limit` payloads cycled to the workload's count, the default path and AVX2 in alternating
+/// rounds, each payload read from memory or read through first; ns per block of `bs` ids.
+fn decode_ab(wl: &Workload, bs: usize, limit: usize) {
+    for round in 0..6 {
+        for touch in [false, true] {
+            let decode_all = || {
+                let (mut spent, mut ids) = (std::time::Duration::ZERO, 0usize);
+                let payloads = wl.events[..limit.min(wl.events.len())].iter().cycle();
+                for (_, b) in payloads.take(wl.events.len()) {
+                    if touch {
+                        read_through(b);
+                    }
+                    let t = Instant::now();
+                    let batch = decode_event_batch(b).unwrap();
+                    spent += t.elapsed();
+                    for e in &batch.events {
+                        if let KvEvent::Stored(s) = e {
+                            ids += s.token_ids.len();
+                        }
+                    }
+                    recycle(batch);
+                }
+                spent.as_secs_f64() * 1e9 / (ids as f64 / bs as f64)
+            };
+            let (ns_per_block, label) = alternated(round % 2 == 1, decode_all);
+            let payloads = if touch { "read through" } else { "from memory" };
+            println!("decode{label}, payloads {payloads}: {ns_per_block:.1} ns/block");
+        }
+    }
 }
 
 /// match_hashes calls per second of `threads` threads, each over every query, best of 3, and
@@ -298,44 +347,8 @@ fn run() {
         bytes as f64 / wl.blocks as f64,
         t.elapsed().as_secs_f64()
     );
-    if std::env::var("DECODE_AB").is_ok() {
-        for round in 0..6 {
-            for touch in [false, true] {
-                let mut spent = std::time::Duration::ZERO;
-                let mut ids = 0usize;
-                let limit: usize =
-                    std::env::var("DECODE_AB").unwrap().parse().unwrap_or(wl.events.len());
-                let mut decode_all = || {
-                    for (_, b) in
-                        wl.events[..limit.min(wl.events.len())].iter().cycle().take(wl.events.len())
-                    {
-                        if touch {
-                            black_box(b.chunks(64).map(|line| line[0]).fold(0u8, |a, x| a ^ x));
-                        }
-                        let t = Instant::now();
-                        let batch = decode_event_batch(b).unwrap();
-                        spent += t.elapsed();
-                        for e in &batch.events {
-                            if let llmsched_core::vllm_events::KvEvent::Stored(s) = e {
-                                ids += s.token_ids.len();
-                            }
-                        }
-                        llmsched_core::vllm_events::recycle(batch);
-                    }
-                };
-                if round % 2 == 1 {
-                    with_avx2_decoding(decode_all);
-                } else {
-                    decode_all();
-                }
-                println!(
-                    "decode {} payloads {}: {:.1} ns/block",
-                    if round % 2 == 1 { "AVX2" } else { "default" },
-                    if touch { "touched" } else { "cold" },
-                    spent.as_secs_f64() * 1e9 / (ids as f64 / bs as f64)
-                );
-            }
-        }
+    if let Ok(limit) = std::env::var("DECODE_AB") {
+        decode_ab(&wl, bs, limit.parse().unwrap_or(wl.events.len()));
         return;
     }
     if only.is_empty() || only == "ingest" {
@@ -350,24 +363,16 @@ fn run() {
     for r in 0..repeat {
         drop(index.take());
         let (t, c) = (Instant::now(), cpu_ns());
-        if alternate && r % 2 == 1 {
-            index = Some(with_avx2_decoding(|| ingest(bs, &wl)));
-            rate("decode+apply (AVX2 decoding)", wl.blocks, t, c);
-        } else {
-            index = Some(ingest(bs, &wl));
-            rate("decode+apply", wl.blocks, t, c);
-        }
+        let (built, label) = alternated(alternate && r % 2 == 1, || ingest(bs, &wl));
+        index = Some(built);
+        rate(&format!("decode+apply{label}"), wl.blocks, t, c);
     }
     if std::env::var("RECEIVED").is_ok() {
         for r in 0..repeat {
             drop(index.take());
-            let (built, seconds) = if alternate && r % 2 == 1 {
-                with_avx2_decoding(|| ingest_received(bs, &wl))
-            } else {
-                ingest_received(bs, &wl)
-            };
+            let ((built, seconds), label) =
+                alternated(alternate && r % 2 == 1, || ingest_received(bs, &wl));
             index = Some(built);
-            let label = if alternate && r % 2 == 1 { " (AVX2 decoding)" } else { "" };
             println!(
                 "decode+apply of payloads in cache{label}: {:.2} M blocks/s",
                 wl.blocks as f64 / seconds / 1e6

@@ -326,11 +326,13 @@ impl<'a> Reader<'a> {
         let vbmi = Vbmi::detect();
         let simd = Avx2::detect();
         let mut i = match (vbmi, simd) {
-            (Some(vbmi), _) => self.token_ids_start_vbmi(vbmi, &mut tokens),
             _ if count < SPLIT_MIN => 0,
             // Ids mostly in the one- and two-byte forms (a vocabulary under 256), where every
-            // AVX2 step would fail: the scalar split.
-            (None, Some(_)) if self.first_two_ids_short() => self.token_ids_split(&mut tokens),
+            // vector step would fail: the scalar split.
+            _ if (vbmi.is_some() || simd.is_some()) && self.first_two_ids_short() => {
+                self.token_ids_split(&mut tokens)
+            }
+            (Some(_), _) => 0,
             (None, Some(avx2)) => avx2.enabled(|| self.token_ids_split_simd(avx2, &mut tokens)),
             (None, None) => self.token_ids_split(&mut tokens),
         };
@@ -340,37 +342,22 @@ impl<'a> Reader<'a> {
         // forms, where a chunk costs more than the ids it takes).
         let mut vbmi_resume = 0;
         while i < count {
-            if let Some(vbmi) = vbmi {
-                if i >= vbmi_resume {
+            match (vbmi, simd) {
+                (Some(vbmi), _) if i >= vbmi_resume => {
                     let before = i;
                     (i, pos) = vbmi.run(buf, pos, &mut tokens, i);
                     if i - before < VBMI_MIN_RUN {
                         vbmi_resume = i + VBMI_BACKOFF;
                     }
-                } else {
-                    let stop = count.min(vbmi_resume);
-                    while i + 2 <= stop {
-                        let Some((first, second, width)) = fast_pair(buf, pos) else { break };
-                        tokens[i] = first;
-                        tokens[i + 1] = second;
-                        pos += width;
-                        i += 2;
-                    }
                 }
-            } else if let Some(avx2) = simd {
+                (Some(_), _) => {
+                    (i, pos) = pair_run(buf, pos, &mut tokens[..count.min(vbmi_resume)], i)
+                }
                 // Two to four ids per step (see `simd`); stops at any other form.
-                (i, pos) = avx2.enabled(|| simd_run(avx2, buf, pos, &mut tokens, i));
-            } else {
-                // Two ids per step: one 8-byte load gives the first marker and, shifted by the
-                // first width, the second, so the chain is one load and two width computations
-                // per pair.
-                while i + 2 <= count {
-                    let Some((first, second, width)) = fast_pair(buf, pos) else { break };
-                    tokens[i] = first;
-                    tokens[i + 1] = second;
-                    pos += width;
-                    i += 2;
+                (None, Some(avx2)) => {
+                    (i, pos) = avx2.enabled(|| simd_run(avx2, buf, pos, &mut tokens, i));
                 }
+                (None, None) => (i, pos) = pair_run(buf, pos, &mut tokens, i),
             }
             if i == count {
                 break;
@@ -397,28 +384,6 @@ impl<'a> Reader<'a> {
         let short =
             |at: usize| self.buf.get(at).map(|&m| fast_width(m)).filter(|w| (1..=2).contains(w));
         short(self.pos).and_then(|w| short(self.pos + w)).is_some()
-    }
-
-    /// The start of [`Self::token_ids`] where the processor has VBMI: chunks from the first id,
-    /// and if two runs of them (one id in another form taken between) stop at once, the ids are
-    /// mostly in other forms (a small vocabulary: fixint and u8) and the scalar split takes the
-    /// array on, faster than single ids between chunks. (A large vocabulary's occasional id below
-    /// 256 stops a run too, but two of them within a few ids are rare, even in a prompt that
-    /// recurs.) Returns the ids decoded; the position is left after them.
-    fn token_ids_start_vbmi(&mut self, vbmi: Vbmi, tokens: &mut [u32]) -> usize {
-        let count = tokens.len();
-        let (mut i, mut pos) = vbmi.run(self.buf, self.pos, tokens, 0);
-        if i < VBMI_MIN_RUN && i < count {
-            if let Some((value, width)) = fast_one(self.buf, pos) {
-                tokens[i] = value;
-                (i, pos) = vbmi.run(self.buf, pos + width, tokens, i + 1);
-            }
-        }
-        self.pos = pos;
-        if i < VBMI_SMALL_START && count - i >= SPLIT_MIN {
-            i += self.token_ids_split(&mut tokens[i..]);
-        }
-        i
     }
 
     /// Decodes a leading part of a long token array (`tokens.len()` ids from the current
@@ -887,6 +852,22 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Decodes pairs of ids in the fast forms from `pos` into `tokens[i..]` until one fails (an id
+/// in another form, fewer than two slots or 16 bytes left); returns the new `(i, pos)`. One
+/// 8-byte load gives the first marker and, shifted by the first width, the second, so the chain
+/// is one load and two width computations per pair.
+#[inline(always)]
+fn pair_run(buf: &[u8], mut pos: usize, tokens: &mut [u32], mut i: usize) -> (usize, usize) {
+    while i + 2 <= tokens.len() {
+        let Some((first, second, width)) = fast_pair(buf, pos) else { break };
+        tokens[i] = first;
+        tokens[i + 1] = second;
+        pos += width;
+        i += 2;
+    }
+    (i, pos)
+}
+
 /// Decodes AVX2 steps from `pos` into `tokens[i..]` until one fails (an id in another form,
 /// the end of the array or of the payload near); returns the new `(i, pos)`.
 #[inline(always)]
@@ -1001,9 +982,6 @@ const SPLIT_MIN: usize = 256;
 const VBMI_MIN_RUN: usize = 16;
 /// See [`VBMI_MIN_RUN`].
 const VBMI_BACKOFF: usize = 64;
-/// A long token array whose first two VBMI runs (and the id between them) take fewer ids than
-/// this goes to the scalar split.
-const VBMI_SMALL_START: usize = 4;
 /// How far ahead of each chain (bytes) the AVX2 split decode prefetches the payload.
 const PREFETCH_AHEAD: usize = 512;
 /// The chains of an AVX2 split decode ([`Reader::token_ids_split_simd`]).
