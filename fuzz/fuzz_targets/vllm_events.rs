@@ -1,19 +1,25 @@
 //! Fuzz target for the vLLM KV-event decoder.
 //!
-//! Checks, for any input: no panic; an error names an offset inside the payload; a successful
-//! decode satisfies the decoder's documented invariants, allocates no more elements than the
-//! payload has bytes, and survives a round trip (re-encoded canonically as map events, it
-//! decodes to the same batch). Decoded batches are handed back (`recycle`), so later inputs also
-//! decode into reused token buffers.
+//! Checks, for any input: no panic; an error names an offset inside the payload; every decoding
+//! path the processor has (AVX-512 VBMI, AVX2, scalar) gives the same batch or the same error; a
+//! successful decode satisfies the decoder's documented invariants, allocates no more elements
+//! than the payload has bytes, and survives a round trip (re-encoded canonically as map events,
+//! it decodes to the same batch). Decoded batches are handed back (`recycle`), so later inputs
+//! also decode into reused token buffers.
 
 #![no_main]
 
-use llmsched_core::vllm_events::{decode_event_batch, medium_name, recycle, EventBatch, KvEvent};
+use llmsched_core::vllm_events::{
+    decode_event_batch, medium_name, recycle, with_avx2_decoding, with_scalar_decoding,
+    DecodeError, EventBatch, KvEvent,
+};
 use libfuzzer_sys::fuzz_target;
 use rmpv::Value;
 
 fuzz_target!(|data: &[u8]| {
-    match decode_event_batch(data) {
+    let decoded = decode_event_batch(data);
+    same_on_every_path(data, &decoded);
+    match decoded {
         Err(err) => assert!(err.offset <= data.len(), "{err} (len {})", data.len()),
         Ok(batch) => {
             check_invariants(&batch, data.len());
@@ -29,6 +35,29 @@ fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// The narrower decoding paths (AVX2, then scalar) decode `data` to `decoded` exactly: the
+/// same events, or the same error at the same offset.
+fn same_on_every_path(data: &[u8], decoded: &Result<EventBatch, DecodeError>) {
+    for (path, other) in [
+        ("AVX2", with_avx2_decoding(|| decode_event_batch(data))),
+        ("scalar", with_scalar_decoding(|| decode_event_batch(data))),
+    ] {
+        match (decoded, &other) {
+            (Ok(a), Ok(b)) => {
+                assert_eq!(a.ts.to_bits(), b.ts.to_bits(), "{path}: ts");
+                assert_eq!(a.dp_rank, b.dp_rank, "{path}: dp_rank");
+                assert_eq!(a.events, b.events, "{path}: events");
+                assert_eq!(a.unknown_events, b.unknown_events, "{path}: unknown events");
+            }
+            (Err(a), Err(b)) => assert_eq!(a, b, "{path}: error"),
+            _ => panic!("{path} disagrees: {decoded:?} against {other:?}"),
+        }
+        if let Ok(batch) = other {
+            recycle(batch);
+        }
+    }
+}
 
 fn check_invariants(batch: &EventBatch, payload_len: usize) {
     assert!(batch.events.len() + batch.unknown_events as usize <= payload_len);
