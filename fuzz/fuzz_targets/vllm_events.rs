@@ -24,9 +24,7 @@ fuzz_target!(|data: &[u8]| {
         Ok(batch) => {
             check_invariants(&batch, data.len());
             let again = decode_event_batch(&reencode(&batch)).expect("re-encoded batch decodes");
-            assert_eq!(again.ts.to_bits(), batch.ts.to_bits());
-            assert_eq!(again.dp_rank, batch.dp_rank);
-            assert_eq!(again.events, batch.events);
+            assert_same_batch(&again, &batch, "round trip");
             assert_eq!(again.unknown_events, 0);
             // Hand the token buffers back, as the prefix index does, so later inputs decode
             // into reused buffers too.
@@ -45,9 +43,7 @@ fn same_on_every_path(data: &[u8], decoded: &Result<EventBatch, DecodeError>) {
     ] {
         match (decoded, &other) {
             (Ok(a), Ok(b)) => {
-                assert_eq!(a.ts.to_bits(), b.ts.to_bits(), "{path}: ts");
-                assert_eq!(a.dp_rank, b.dp_rank, "{path}: dp_rank");
-                assert_eq!(a.events, b.events, "{path}: events");
+                assert_same_batch(a, b, path);
                 assert_eq!(a.unknown_events, b.unknown_events, "{path}: unknown events");
             }
             (Err(a), Err(b)) => assert_eq!(a, b, "{path}: error"),
@@ -57,6 +53,13 @@ fn same_on_every_path(data: &[u8], decoded: &Result<EventBatch, DecodeError>) {
             recycle(batch);
         }
     }
+}
+
+/// `a` and `b` hold the same timestamp (bit for bit: a NaN is a NaN), rank and events.
+fn assert_same_batch(a: &EventBatch, b: &EventBatch, what: &str) {
+    assert_eq!(a.ts.to_bits(), b.ts.to_bits(), "{what}: ts");
+    assert_eq!(a.dp_rank, b.dp_rank, "{what}: dp_rank");
+    assert_eq!(a.events, b.events, "{what}: events");
 }
 
 fn check_invariants(batch: &EventBatch, payload_len: usize) {
