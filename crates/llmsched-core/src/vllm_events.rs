@@ -182,14 +182,38 @@ enum EventKind {
 }
 
 impl EventKind {
-    fn from_tag(tag: &str) -> Self {
+    fn from_tag(tag: &[u8]) -> Self {
         match tag {
-            "BlockStored" => EventKind::Stored,
-            "BlockRemoved" => EventKind::Removed,
-            "AllBlocksCleared" => EventKind::AllCleared,
+            b"BlockStored" => EventKind::Stored,
+            b"BlockRemoved" => EventKind::Removed,
+            b"AllBlocksCleared" => EventKind::AllCleared,
             _ => EventKind::Unknown,
         }
     }
+
+    /// Reads a type tag: a known one needs no UTF-8 check; any other must still be a str.
+    fn read(reader: &mut Reader<'_>) -> Result<Self> {
+        let (at, tag) = reader.str_bytes("event type tag")?;
+        let kind = EventKind::from_tag(tag);
+        if kind == EventKind::Unknown {
+            reader.utf8(at, tag, "event type tag")?;
+        }
+        Ok(kind)
+    }
+}
+
+/// Reads a map key, checking it is UTF-8 only when it is not one of the names the decoder
+/// knows (`known`): their bytes are ASCII. A payload carries a few such keys per event, so the
+/// check was a tenth of decoding a small event.
+fn read_key<'a>(
+    reader: &mut Reader<'a>,
+    known: impl Fn(&[u8]) -> bool,
+) -> Result<(usize, &'a [u8])> {
+    let (at, key) = reader.str_bytes("event field name")?;
+    if !known(key) {
+        reader.utf8(at, key, "event field name")?;
+    }
+    Ok((at, key))
 }
 
 /// Decodes one event; `None` for an event of unknown type (skipped).
@@ -205,7 +229,7 @@ fn decode_array_event(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<
     if len == 0 {
         return Err(reader.error(at, "event array is empty; its first element is the type tag"));
     }
-    let kind = EventKind::from_tag(reader.str("event type tag")?);
+    let kind = EventKind::read(reader)?;
     let field_count = len - 1;
     match kind {
         EventKind::Stored => {
@@ -231,22 +255,27 @@ fn decode_array_event(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<
     }
 }
 
-const TYPE_KEY: &str = "type";
+const TYPE_KEY: &[u8] = b"type";
 
 fn decode_map_event(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<Option<KvEvent>> {
-    let kind = find_map_tag(reader, at, len)?;
+    let (kind, tag_first) = find_map_tag(reader, at, len)?;
+    let known = |key: &[u8]| match kind {
+        EventKind::Stored => StoredField::named(key) != StoredField::Ignored,
+        EventKind::Removed => RemovedField::named(key) != RemovedField::Ignored,
+        EventKind::AllCleared | EventKind::Unknown => false,
+    };
     let mut stored = StoredFields::default();
     let mut removed = RemovedFields::default();
-    let mut tag_seen = false;
-    for _ in 0..len {
-        let key_at = reader.position();
-        let key = reader.str("event field name")?;
+    // Read already when it was the first key (as it is in vLLM's payloads).
+    let mut tag_seen = tag_first;
+    for _ in usize::from(tag_first)..len {
+        let (key_at, key) = read_key(reader, |key| key == TYPE_KEY || known(key))?;
         if key == TYPE_KEY {
             if tag_seen {
                 return Err(reader.error(key_at, "event key \"type\" appears twice"));
             }
             tag_seen = true;
-            reader.str("event type tag")?;
+            EventKind::read(reader)?;
             continue;
         }
         match kind {
@@ -263,16 +292,20 @@ fn decode_map_event(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<Op
     }
 }
 
-/// Reads the `type` tag of a map event and leaves the reader at the map's first key. The tag
-/// is normally the first key; otherwise the map is scanned ahead and the reader rewound.
-fn find_map_tag(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<EventKind> {
+/// Reads the `type` tag of a map event. The tag is normally the first key: then the reader is
+/// left after it and the second value is `true`. Otherwise the map is scanned ahead and the
+/// reader rewound to its first key.
+fn find_map_tag(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<(EventKind, bool)> {
     let first_key_at = reader.position();
-    for _ in 0..len {
-        let key = reader.str("event field name")?;
+    for index in 0..len {
+        let (_, key) = read_key(reader, |key| key == TYPE_KEY)?;
         if key == TYPE_KEY {
-            let kind = EventKind::from_tag(reader.str("event type tag")?);
+            let kind = EventKind::read(reader)?;
+            if index == 0 {
+                return Ok((kind, true));
+            }
             reader.rewind_to(first_key_at);
-            return Ok(kind);
+            return Ok((kind, false));
         }
         // Only well-formedness is checked here; the value is read again, fully, afterwards.
         reader.skip_value_unbounded("event field")?;
@@ -367,11 +400,26 @@ impl StoredField {
         STORED_FIELD_ORDER.get(position).map_or(StoredField::Ignored, |&(field, _)| field)
     }
 
-    fn named(name: &str) -> Self {
-        STORED_FIELD_ORDER
-            .iter()
-            .find(|&&(_, known)| known == name)
-            .map_or(StoredField::Ignored, |&(field, _)| field)
+    fn named(name: &[u8]) -> Self {
+        match name {
+            b"block_hashes" => StoredField::BlockHashes,
+            b"parent_block_hash" => StoredField::ParentBlockHash,
+            b"token_ids" => StoredField::TokenIds,
+            b"block_size" => StoredField::BlockSize,
+            b"lora_id" => StoredField::LoraId,
+            b"medium" => StoredField::Medium,
+            b"lora_name" => StoredField::LoraName,
+            b"extra_keys" => StoredField::ExtraKeys,
+            b"group_idx" => StoredField::GroupIdx,
+            b"kv_cache_spec_kind" => StoredField::SpecKind,
+            b"kv_cache_spec_sliding_window" => StoredField::SlidingWindow,
+            _ => StoredField::Ignored,
+        }
+    }
+
+    /// The field's name in vLLM's declaration.
+    fn name(self) -> &'static str {
+        STORED_FIELD_ORDER.iter().find(|&&(field, _)| field == self).map_or("?", |&(_, name)| name)
     }
 
     fn bit(self) -> u16 {
@@ -398,9 +446,10 @@ struct StoredFields<'a> {
 }
 
 impl<'a> StoredFields<'a> {
-    fn read_named(&mut self, reader: &mut Reader<'a>, key_at: usize, name: &str) -> Result<()> {
+    fn read_named(&mut self, reader: &mut Reader<'a>, key_at: usize, name: &[u8]) -> Result<()> {
         let field = StoredField::named(name);
         if field != StoredField::Ignored && self.seen & field.bit() != 0 {
+            let name = field.name();
             return Err(reader.error(key_at, format!("BlockStored field {name:?} appears twice")));
         }
         self.read(reader, field)
@@ -510,11 +559,18 @@ impl RemovedField {
         REMOVED_FIELD_ORDER.get(position).map_or(RemovedField::Ignored, |&(field, _)| field)
     }
 
-    fn named(name: &str) -> Self {
-        REMOVED_FIELD_ORDER
-            .iter()
-            .find(|&&(_, known)| known == name)
-            .map_or(RemovedField::Ignored, |&(field, _)| field)
+    fn named(name: &[u8]) -> Self {
+        match name {
+            b"block_hashes" => RemovedField::BlockHashes,
+            b"medium" => RemovedField::Medium,
+            b"group_idx" => RemovedField::GroupIdx,
+            _ => RemovedField::Ignored,
+        }
+    }
+
+    /// The field's name in vLLM's declaration.
+    fn name(self) -> &'static str {
+        REMOVED_FIELD_ORDER.iter().find(|&&(field, _)| field == self).map_or("?", |&(_, name)| name)
     }
 
     fn bit(self) -> u8 {
@@ -532,9 +588,10 @@ struct RemovedFields<'a> {
 }
 
 impl<'a> RemovedFields<'a> {
-    fn read_named(&mut self, reader: &mut Reader<'a>, key_at: usize, name: &str) -> Result<()> {
+    fn read_named(&mut self, reader: &mut Reader<'a>, key_at: usize, name: &[u8]) -> Result<()> {
         let field = RemovedField::named(name);
         if field != RemovedField::Ignored && self.seen & field.bit() != 0 {
+            let name = field.name();
             return Err(reader.error(key_at, format!("BlockRemoved field {name:?} appears twice")));
         }
         self.read(reader, field)

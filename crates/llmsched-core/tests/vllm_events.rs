@@ -500,7 +500,8 @@ fn duplicate_keys_are_rejected() {
         ("block_hashes", ints(&[1u64])),
         ("block_hashes", ints(&[2u64])),
     ];
-    assert!(decode_err(&batch(vec![map(entries.clone())])).contains("appears twice"));
+    assert!(decode_err(&batch(vec![map(entries.clone())]))
+        .contains("BlockRemoved field \"block_hashes\" appears twice"));
     entries.remove(2);
     entries.push(("type", s("BlockRemoved")));
     assert!(decode_err(&batch(vec![map(entries)])).contains("\"type\" appears twice"));
@@ -521,6 +522,40 @@ fn strings_must_be_utf8_where_read() {
     let at = payload.windows(3).position(|w| w == b"GPU").unwrap();
     payload[at] = 0xc3;
     assert!(decode_err(&payload).contains("UTF-8"));
+}
+
+/// Map keys the decoder knows are matched as bytes; any other key (first, before the tag, or
+/// later), and any type tag it does not know, must still be UTF-8, and the error points at it.
+#[test]
+fn unknown_map_keys_and_tags_must_be_utf8() {
+    let stored = || {
+        vec![
+            ("type", s("BlockStored")),
+            ("block_hashes", ints(&[1u64])),
+            ("parent_block_hash", Value::Nil),
+            ("token_ids", ints(&[1u32, 2])),
+            ("block_size", Value::from(2)),
+        ]
+    };
+    let placements: [(usize, &str); 3] = [(0, "first"), (1, "after the tag"), (5, "last")];
+    for (position, label) in placements {
+        let mut entries = stored();
+        entries.insert(position, ("zzzz", Value::from(7)));
+        let mut payload = batch(vec![map(entries)]);
+        let key = payload.windows(4).position(|w| w == b"zzzz").unwrap();
+        assert!(decode_event_batch(&payload).is_ok(), "{label}: an unknown key is skipped");
+        payload[key + 1] = 0xff;
+        let err = decode_event_batch(&payload).unwrap_err();
+        assert!(err.reason.contains("event field name: str is not valid UTF-8"), "{label}: {err}");
+        assert_eq!(err.offset, key - 1, "{label}: the offset is the key's marker");
+    }
+    let mut payload = batch(vec![map(vec![("type", s("Qzzzz")), ("x", Value::from(1))])]);
+    let tag = payload.windows(5).position(|w| w == b"Qzzzz").unwrap();
+    assert_eq!(decode_event_batch(&payload).unwrap().unknown_events, 1);
+    payload[tag + 2] = 0xc3;
+    let err = decode_event_batch(&payload).unwrap_err();
+    assert!(err.reason.contains("event type tag: str is not valid UTF-8"), "{err}");
+    assert_eq!(err.offset, tag - 1);
 }
 
 #[test]

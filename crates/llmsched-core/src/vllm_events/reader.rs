@@ -246,11 +246,23 @@ impl<'a> Reader<'a> {
 
     /// Reads a UTF-8 string without copying.
     pub fn str(&mut self, what: &str) -> Result<&'a str> {
+        let (at, bytes) = self.str_bytes(what)?;
+        self.utf8(at, bytes, what)
+    }
+
+    /// Reads a string's bytes without checking that they are UTF-8, with the offset of its
+    /// marker: for names compared against known ASCII ones, which need no check when they
+    /// match (pass any other to [`Reader::utf8`]).
+    pub fn str_bytes(&mut self, what: &str) -> Result<(usize, &'a [u8])> {
         let (at, marker) = self.marker(what)?;
         let Some(len) = self.str_len_after(marker, what)? else {
             return Err(self.wrong_type(at, marker, "a str", what));
         };
-        let bytes = self.take(len, what)?;
+        Ok((at, self.take(len, what)?))
+    }
+
+    /// `bytes` (a string read at `at`) as UTF-8, or the error [`Reader::str`] gives.
+    pub fn utf8(&self, at: usize, bytes: &'a [u8], what: &str) -> Result<&'a str> {
         std::str::from_utf8(bytes)
             .map_err(|err| self.error(at, format!("{what}: str is not valid UTF-8 ({err})")))
     }
