@@ -15,6 +15,9 @@ Queries are 10,000-token prompts extending stored sequences. Every query's per-w
 cross-checked between the three; the run fails (exit 1) on any difference. Figures: ingest
 blocks/s, RSS growth per (block, worker) pair and ``stats()["bytes"]`` against it, lookups/s and
 p50 for each input form, and two threads against one. Ratios are llmsched over Dynamo.
+An engine that decodes reports its blocks as they fill, one per event: the first events are also
+cut into events of one block each (chained by their parents) and ingested by both peers as such
+("one-block events"), with its own cross-check.
 
 Both peers get each input in the same form and state. Python lists (of token ids, or of block
 hashes) are timed two ways: as a caller has them, the list its tokenizer or hasher has just
@@ -103,6 +106,9 @@ SIZES = {
     "small": Size("small", 16, 64, 10_000, 300, 100),
     "large": Size("large", 64, 256, 100_000, 1_000, 100, pick_workers=1_024),
 }
+# Stored events cut into one-block events for that figure (`run_one_block_events`): about
+# 125,000 one-block events at the small size, 300,000 at the large one.
+ONE_BLOCK_EVENTS = {"small": 1_000, "large": 10_000}
 
 
 # ---- the peer -------------------------------------------------------------------------------
@@ -395,6 +401,85 @@ def ingest_dynamo(
         os.sched_setaffinity(0, allowed)
 
 
+def one_block_events(wl: Workload, events: int) -> tuple[list, list, int]:
+    """The first ``events`` stored events of ``wl`` cut into events of one block each, chained
+    by their parents, as an engine reports the blocks decoding fills one at a time: one vLLM
+    payload per event, and Dynamo's JSON event for the same block. Returns both lists and the
+    blocks (= events) in them."""
+    bs = wl.size.block_size
+    ours: list[tuple[int, bytes]] = []
+    theirs: list[tuple[int, bytes]] = []
+    for k, (worker, payload) in enumerate(wl.vllm[:events]):
+        _, (stored,), _ = msgpack.unpackb(payload)
+        parent = stored["parent_block_hash"]
+        dynamo_event = json.loads(wl.dynamo[k][1])["data"]["stored"] if wl.dynamo else None
+        dynamo_parent = dynamo_event["parent_hash"] if dynamo_event else None
+        for i, block in enumerate(stored["block_hashes"]):
+            tokens = stored["token_ids"][i * bs : (i + 1) * bs]
+            one = dict(stored, block_hashes=[block], parent_block_hash=parent, token_ids=tokens)
+            ours.append((worker, msgpack.packb([time.time(), [one], 0])))
+            parent = block
+            if dynamo_event is not None:
+                entry = dynamo_event["blocks"][i]
+                data = {"stored": {"parent_hash": dynamo_parent, "blocks": [entry]}}
+                event = {"event_id": len(theirs), "data": data}
+                theirs.append((worker, json.dumps(event).encode()))
+                dynamo_parent = entry["block_hash"]
+    return ours, theirs, len(ours)
+
+
+def run_one_block_events(
+    wl: Workload, dynamo: ModuleType | None, events: int, repeat: int = 2
+) -> dict[str, float]:
+    """Ingest of one-block events (see `one_block_events`): llmsched per payload beside Dynamo
+    per event on one core, best of ``repeat`` each; then the first 100 queries' per-worker
+    depths cross-checked between the two."""
+    ours, theirs, blocks = one_block_events(wl, events)
+    bs = wl.size.block_size
+    best_ours = best_theirs = 0.0
+    index = tree = None
+    for _ in range(repeat):
+        del index
+        gc.collect()
+        index = PrefixIndex(block_size=bs)
+        t = time.perf_counter()
+        for worker, payload in ours:
+            index.apply_vllm_events(worker, payload)
+        best_ours = max(best_ours, blocks / (time.perf_counter() - t))
+        if dynamo is not None:
+            del tree
+            gc.collect()
+            allowed = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {max(allowed)})  # its faster placement (`ingest_dynamo`)
+            try:
+                tree = dynamo.RadixTree()
+                t = time.perf_counter()
+                for worker, event in theirs:
+                    tree.apply_event(worker, event)
+                tree.find_matches(wl.dynamo_hashes[0])  # waits for its thread to apply all
+                best_theirs = max(best_theirs, blocks / (time.perf_counter() - t))
+            finally:
+                os.sched_setaffinity(0, allowed)
+    fig = {"ingest_one_block_llmsched": best_ours, "one_block_events": float(blocks)}
+    line = (
+        f"   one-block events (decode's shape; the first {events:,} events cut into {blocks:,}),"
+        f" M blocks/s: llmsched {best_ours / 1e6:.2f} ({1e9 / best_ours:.0f} ns an event)"
+    )
+    differing = 0
+    if tree is not None and index is not None:
+        fig["ingest_one_block_dynamo"] = best_theirs
+        for i, q in enumerate(wl.queries[:100]):
+            got = index.match_tokens(q, now=0.0).as_dict()
+            differing += dynamo_depths(tree.find_matches(wl.dynamo_hashes[i])) != got
+        line += (
+            f", Dynamo on one core {best_theirs / 1e6:.2f} ({1e9 / best_theirs:.0f} ns);"
+            f" llmsched/Dynamo {best_ours / best_theirs:.2f}x; {differing} of 100 queries differ"
+        )
+    fig["differing_one_block"] = differing
+    print(line)
+    return fig
+
+
 def run_ingest(
     size: Size, dynamo: ModuleType | None, why: str, repeat: int, cache: Path | None
 ) -> dict[str, float]:
@@ -467,6 +552,9 @@ def run_ingest(
         print(line)
     if tree is not None:
         print(f"   cross-check with Dynamo: {differing} of {len(wl.queries)} queries differ")
+    del index, tree
+    fig.update(run_one_block_events(wl, dynamo, ONE_BLOCK_EVENTS[size.name], repeat))
+    fig["differing"] += fig["differing_one_block"]
     return fig
 
 
@@ -573,6 +661,7 @@ def run(
         twin.store(worker, hashes, parent)
     fig["ingest_twin"] = wl.blocks / (time.perf_counter() - t)
     if not only:
+        fig.update(run_one_block_events(wl, dynamo, ONE_BLOCK_EVENTS[size.name]))
         with tempfile.TemporaryDirectory() as tmp:
             events = Path(tmp) / "events.pickle"
             with events.open("wb") as f:
@@ -609,7 +698,8 @@ def run(
         if i < size.twin_queries:
             views.append({w: v[0] for w, v in twin.match(hashes_list[i]).items()})
         differing += any(v != got for v in views)
-    fig["differing"] = differing
+    # The one-block events' cross-check counts too: any difference fails the run.
+    fig["differing"] = differing + fig.get("differing_one_block", 0)
     fig["workers_matched"] = statistics.mean(matched)
     print(
         f"   cross-check: {differing} of {len(wl.queries)} queries differ "
