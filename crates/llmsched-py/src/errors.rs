@@ -42,14 +42,25 @@ where
     T: Send,
     F: Send + FnOnce() -> T,
 {
-    py.detach(|| std::panic::catch_unwind(AssertUnwindSafe(f))).map_err(|payload| {
-        let reason = payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into());
-        InternalError::new_err(format!("internal error in llmsched's native core: {reason}"))
-    })
+    py.detach(|| std::panic::catch_unwind(AssertUnwindSafe(f))).map_err(internal_error)
+}
+
+/// [`detach`] for work too short to repay handing the GIL over and back: run with it held, a
+/// panic still becoming `InternalError`.
+pub(crate) fn attached<T, F>(f: F) -> PyResult<T>
+where
+    F: FnOnce() -> T,
+{
+    std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(internal_error)
+}
+
+fn internal_error(payload: Box<dyn std::any::Any + Send>) -> PyErr {
+    let reason = payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    InternalError::new_err(format!("internal error in llmsched's native core: {reason}"))
 }
 
 import_exception!(llmsched.errors, InvalidTokenError);

@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::errors::{detach, CoreResult};
+use crate::errors::{attached, detach, CoreResult};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use parking_lot::RwLock;
 use pyo3::exceptions::PyTypeError;
@@ -75,8 +75,32 @@ fn aligned(data: *const u64) -> bool {
     data as usize % std::mem::align_of::<u64>() == 0
 }
 
-/// Queries shorter than this many blocks are matched without releasing the GIL.
+/// Queries, and stores, records and removals, of fewer blocks than this run without releasing
+/// the GIL: a microsecond to a millisecond of work, where handing the GIL over and back costs
+/// more, and getting it back from a thread running Python waits out that thread's switch
+/// interval (5 ms by default; see [`DETACH_MIN_PAYLOAD_BYTES`]).
 const DETACH_MIN_BLOCKS: usize = 4096;
+
+/// Runs `f` with the GIL released when `long`, else with it held (see [`DETACH_MIN_BLOCKS`] and
+/// [`DETACH_MIN_PAYLOAD_BYTES`]); a panic becomes `InternalError` either way.
+fn detach_if<T, F>(py: Python<'_>, long: bool, f: F) -> PyResult<T>
+where
+    T: Send,
+    F: Send + FnOnce() -> T,
+{
+    if long {
+        detach(py, f)
+    } else {
+        attached(f)
+    }
+}
+
+/// Event payloads shorter than this are applied without releasing the GIL (about 250 blocks of
+/// 64 ids, some 60 us of work; an engine's payload is usually far smaller). Getting the GIL back
+/// after releasing it waits, while another thread runs Python, for that thread's switch
+/// interval (5 ms by default): one-block payloads took 1.7 ms each beside a busy Python thread
+/// when every call released it, 1.2 us with the GIL kept.
+const DETACH_MIN_PAYLOAD_BYTES: usize = 64 << 10;
 
 /// Matches `hashes`, releasing the GIL only for long queries: a match of a few thousand blocks
 /// takes a microsecond or two, whatever the number of workers, and handing the GIL over and back
@@ -88,11 +112,7 @@ fn match_short(
     hashes: &[u64],
     now: f64,
 ) -> PyResult<MatchResult> {
-    if hashes.len() < DETACH_MIN_BLOCKS {
-        Ok(index.match_hashes(hashes, now))
-    } else {
-        detach(py, || index.match_hashes(hashes, now))
-    }
+    detach_if(py, hashes.len() >= DETACH_MIN_BLOCKS, || index.match_hashes(hashes, now))
 }
 
 /// A worker name from Python: an int or a str.
@@ -402,7 +422,8 @@ impl PyPrefixIndex {
         let t = tier(tier_name)?;
         let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
-        let added = detach(py, || self.inner.store(&key, hashes, parent, t))?.py()?;
+        let long = hashes.len() >= DETACH_MIN_BLOCKS;
+        let added = detach_if(py, long, || self.inner.store(&key, hashes, parent, t))?.py()?;
         self.remember_name(worker, &key);
         Ok(added)
     }
@@ -418,7 +439,8 @@ impl PyPrefixIndex {
         let key = worker_key(worker)?;
         let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
-        let added = detach(py, || self.inner.record(&key, hashes, ttl, now))?.py()?;
+        let long = hashes.len() >= DETACH_MIN_BLOCKS;
+        let added = detach_if(py, long, || self.inner.record(&key, hashes, ttl, now))?.py()?;
         self.remember_name(worker, &key);
         Ok(added)
     }
@@ -435,7 +457,8 @@ impl PyPrefixIndex {
         let t = tier_name.map(tier).transpose()?;
         let hashes = Hashes::extract(hashes)?;
         let hashes = hashes.as_slice()?;
-        detach(py, || self.inner.remove(&key, hashes, t))?.py()
+        let long = hashes.len() >= DETACH_MIN_BLOCKS;
+        detach_if(py, long, || self.inner.remove(&key, hashes, t))?.py()
     }
 
     fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -539,7 +562,8 @@ impl PyPrefixIndex {
         payload: &[u8],
     ) -> PyResult<Bound<'py, PyDict>> {
         let key = worker_key(worker)?;
-        let report = detach(py, || self.inner.apply_vllm_events(&key, payload))?.py()?;
+        let long = payload.len() >= DETACH_MIN_PAYLOAD_BYTES;
+        let report = detach_if(py, long, || self.inner.apply_vllm_events(&key, payload))?.py()?;
         self.remember_name(worker, &key);
         report_dict(py, &report)
     }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::convert::{config_mapping, to_python};
-use crate::errors::{detach, CoreResult, ToPyErr};
+use crate::errors::{attached, detach, CoreResult, ToPyErr};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -744,7 +744,10 @@ impl PyDecision {
             return Err(PyRuntimeError::new_err("started() was already called for this decision"));
         }
         let router = self.router.get();
-        let ticket = detach(py, || router.inner.commit(&self.decision, key.as_ref(), now))?.py()?;
+        // With the GIL held: a commit records the prompt's blocks, microseconds of work, and
+        // getting a released GIL back from a thread running Python waits out its switch
+        // interval (5 ms by default) on every request.
+        let ticket = attached(|| router.inner.commit(&self.decision, key.as_ref(), now))?.py()?;
         let index = router.index.get();
         index.remember_key(
             py,
