@@ -584,6 +584,29 @@ def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> Non
     )
 
 
+def test_a_catch_up_that_times_out_is_asked_again_after_the_backoff(
+    fake: FakeKVPublisher,
+) -> None:
+    """A catch-up whose replay goes unanswered is asked again once the replay socket's backoff
+    has passed, though the idle publisher sends nothing that would reveal the hole."""
+    payloads = script(6, seed=24)
+    for p in payloads:
+        fake.publish(p, deliver=False)
+    fake.replay_answers = False
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    opts = {**FAST, "replay_timeout_s": 0.3, "replay_backoff_s": (0.5, 0.5)}
+    with Subscriber(index, [spec], catch_up=True, **opts) as sub:
+        wait(sub, lambda c: c["replay_timeouts"] >= 1)
+        fake.replay_answers = True
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 5)
+    assert c["catch_ups"] >= 2 and c["replayed_batches"] == 6, (c, fake.replay_requests)
+    assert set(fake.replay_requests) == {0}, fake.replay_requests
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
 def test_catch_up_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match="catch_up"):
         Subscriber(PrefixIndex(block_size=BLOCK), [], catch_up="yes")  # type: ignore[arg-type]

@@ -193,6 +193,7 @@ class _Replay:
     start: int
     deadline: float
     received: int = 0
+    catch_up: bool = False  # asked because the publisher (re)connected, not for a hole
 
 
 class _Publisher:
@@ -232,6 +233,9 @@ class _Publisher:
         self.replay: _Replay | None = None
         self.replay_failures = 0
         self.replay_retry_at = 0.0
+        # A catch-up whose replay timed out, asked again once the replay socket's backoff has
+        # passed: an idle publisher sends nothing that would show the hole.
+        self.catch_up_due = False
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- sockets ------------------------------------------------------------------------------
@@ -331,6 +335,7 @@ class _Publisher:
                 # A new connection is a new chance for the replay socket too.
                 self.replay_failures = 0
                 self.replay_retry_at = 0.0
+                self.catch_up_due = False
                 if self.owner.catch_up:
                     self.request_catch_up()
             elif kind == zmq.EVENT_DISCONNECTED:
@@ -389,6 +394,7 @@ class _Publisher:
     def restart(self) -> None:
         """The engine started its sequence over: forget it and whatever replay was running."""
         self.owner._bump(self, "restarts")
+        self.catch_up_due = False  # the new run's batches arrive live
         if self.replay is not None:
             self.replay = None
             self._reset_dealer()
@@ -473,12 +479,18 @@ class _Publisher:
     # -- gaps and replays ---------------------------------------------------------------------
 
     def check_timers(self, now: float) -> None:
-        """Give up an overdue replay; declare a hole that waited too long a gap."""
+        """Give up an overdue replay; ask again for a catch-up that timed out once its backoff
+        has passed; declare a hole that waited too long a gap."""
         if self.replay is not None:
             if now >= self.replay.deadline:
+                catch_up = self.replay.catch_up
                 self.owner._bump(self, "replay_timeouts")
                 self.give_up_replay()
                 self.resync_to_held()
+                self.catch_up_due = catch_up
+        elif self.catch_up_due and now >= self.replay_retry_at:
+            self.catch_up_due = False
+            self.request_catch_up()
         elif self.held_since is not None and now - self.held_since >= self.owner.reorder_wait_s:
             self.gap()
 
@@ -504,6 +516,8 @@ class _Publisher:
             return
         self.owner._bump(self, "catch_ups")
         self.ask_replay(self.expected())
+        assert self.replay is not None
+        self.replay.catch_up = True
 
     def ask_replay(self, start: int) -> None:
         """Ask the replay socket for every batch from ``start``; live batches are held meanwhile."""
@@ -683,6 +697,7 @@ class _SharedSocket:
                 for member in self.members.values():
                     member.replay_failures = 0
                     member.replay_retry_at = 0.0
+                    member.catch_up_due = False
                     if self.owner.catch_up:
                         member.request_catch_up()
             elif kind == zmq.EVENT_DISCONNECTED:
@@ -713,7 +728,8 @@ class KVEventSubscriber:
         buffer_cap_bytes: the same cap in payload bytes.
         catch_up: when a publisher connects (or reconnects), ask its replay socket at once for
             the batches after the last one applied (counted in ``catch_ups``), instead of
-            waiting for its next live batch to show the gap. Off by default: then the only
+            waiting for its next live batch to show the gap; a catch-up that times out is asked
+            again once the replay socket's backoff has passed. Off by default: then the only
             replays are the ones gaps ask for.
 
     Runs on its own daemon thread (:meth:`start` / :meth:`stop`, or ``with``) or as an asyncio

@@ -67,7 +67,8 @@ pub struct KvOptions {
     pub buffer_cap: usize,
     /// Most payload bytes held per engine.
     pub buffer_cap_bytes: usize,
-    /// Ask the replay socket for what was missed whenever a publisher (re)connects.
+    /// Ask the replay socket for what was missed whenever a publisher (re)connects (asked
+    /// again, after the replay backoff, when that replay times out).
     pub catch_up: bool,
 }
 

@@ -137,6 +137,8 @@ pub trait Wire {
 struct Replay {
     start: u64,
     deadline: f64,
+    /// Asked because the publisher (re)connected (`catch_up`), not because of a hole.
+    catch_up: bool,
 }
 
 /// Where a stream stands (the Python subscriber's `worker_state`).
@@ -177,6 +179,9 @@ pub struct Stream {
     replay: Option<Replay>,
     replay_failures: u32,
     replay_retry_at: f64,
+    /// A catch-up whose replay timed out, asked again once the replay socket's backoff has
+    /// passed: an idle publisher sends nothing that would show the hole.
+    catch_up_due: bool,
     /// This stream's counters.
     pub counts: Counts,
 }
@@ -198,6 +203,7 @@ impl Stream {
             replay: None,
             replay_failures: 0,
             replay_retry_at: 0.0,
+            catch_up_due: false,
             counts: Counts::default(),
         }
     }
@@ -226,10 +232,14 @@ impl Stream {
 
     /// When [`Stream::check_timers`] next has something to do (None: nothing pending).
     pub fn next_deadline(&self) -> Option<f64> {
-        match (self.replay, self.held_since) {
-            (Some(replay), _) => Some(replay.deadline),
-            (None, Some(since)) => Some(since + self.config.reorder_wait_s),
-            (None, None) => None,
+        if let Some(replay) = self.replay {
+            return Some(replay.deadline);
+        }
+        let hole = self.held_since.map(|since| since + self.config.reorder_wait_s);
+        let catch_up = self.catch_up_due.then_some(self.replay_retry_at);
+        match (hole, catch_up) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -252,6 +262,7 @@ impl Stream {
         // A new connection is a new chance for the replay socket too.
         self.replay_failures = 0;
         self.replay_retry_at = 0.0;
+        self.catch_up_due = false;
         if self.config.catch_up {
             self.request_catch_up(now, wire);
         }
@@ -316,6 +327,7 @@ impl Stream {
 
     fn restart(&mut self, wire: &mut dyn Wire) {
         self.bump(Counter::Restarts);
+        self.catch_up_due = false; // the new run's batches arrive live
         if self.replay.take().is_some() {
             wire.reset_replay();
         }
@@ -412,7 +424,11 @@ impl Stream {
                 self.bump(Counter::ReplayTimeouts);
                 self.give_up_replay(now, wire);
                 self.resync_to_held(now, wire);
+                self.catch_up_due = replay.catch_up;
             }
+        } else if self.catch_up_due && now >= self.replay_retry_at {
+            self.catch_up_due = false;
+            self.request_catch_up(now, wire);
         } else if self.held_since.is_some_and(|t| now - t >= self.config.reorder_wait_s) {
             self.gap(now, wire);
         }
@@ -441,10 +457,14 @@ impl Stream {
         }
         self.bump(Counter::CatchUps);
         self.ask_replay(self.expected(), now, wire);
+        if let Some(replay) = self.replay.as_mut() {
+            replay.catch_up = true;
+        }
     }
 
     fn ask_replay(&mut self, start: u64, now: f64, wire: &mut dyn Wire) {
-        self.replay = Some(Replay { start, deadline: now + self.config.replay_timeout_s });
+        let deadline = now + self.config.replay_timeout_s;
+        self.replay = Some(Replay { start, deadline, catch_up: false });
         wire.ask_replay(start);
     }
 

@@ -116,6 +116,52 @@ fn a_silent_replay_is_given_up_the_worker_resynced_and_the_socket_backs_off() {
 }
 
 #[test]
+fn a_catch_up_that_times_out_is_asked_again_after_the_backoff() {
+    let (mut s, mut w) = (
+        Stream::new(StreamConfig { catch_up: true, ..config() }),
+        Recorder { replay: true, ..Default::default() },
+    );
+    for seq in 0..3 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    s.connected(true, 0.0, &mut w); // a subscriber restarted while the publisher went quiet
+    assert_eq!(w.asked, [3]);
+    s.check_timers(1.5, &mut w); // no answer within the replay timeout
+    assert_eq!(s.counts.get(Counter::ReplayTimeouts), 1);
+    let retry = s.next_deadline().expect("the catch-up is due again");
+    assert!((retry - 11.5).abs() < 1e-9, "after the 10 s backoff: {retry}");
+    s.check_timers(5.0, &mut w);
+    assert_eq!(w.asked, [3], "not during the backoff");
+    s.check_timers(11.5, &mut w);
+    assert_eq!(w.asked, [3, 3]);
+    assert_eq!(s.counts.get(Counter::CatchUps), 2);
+    for seq in [3, 4, -1] {
+        s.on_replay_reply(&reply(seq), b"", 12.0, &mut w);
+    }
+    assert_eq!(w.applied, [0, 1, 2, 3, 4]);
+    assert_eq!(s.next_deadline(), None, "answered: nothing more is due");
+    s.check_timers(100.0, &mut w);
+    assert_eq!(w.asked.len(), 2);
+}
+
+#[test]
+fn a_gap_replay_that_times_out_is_not_a_catch_up() {
+    let (mut s, mut w) = (
+        Stream::new(StreamConfig { catch_up: true, ..config() }),
+        Recorder { replay: true, ..Default::default() },
+    );
+    s.on_live(0, batch(0), 0.0, &mut w);
+    for seq in 2..6 {
+        s.on_live(seq, batch(seq), 0.0, &mut w); // past the window: a gap at once
+    }
+    s.check_timers(1.5, &mut w);
+    assert_eq!(s.counts.get(Counter::ReplayTimeouts), 1);
+    assert_eq!(s.next_deadline(), None, "the hole was resynced; live batches show any new one");
+    s.check_timers(20.0, &mut w);
+    assert_eq!(w.asked, [1]);
+}
+
+#[test]
 fn a_new_publisher_starting_over_is_a_restart() {
     let (mut s, mut w) = (Stream::new(config()), Recorder::default());
     for seq in 0..5 {
