@@ -624,3 +624,23 @@ impl<'a> RemovedFields<'a> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The byte matches of map keys and the declaration-order tables name the same fields.
+    #[test]
+    fn field_names_and_their_byte_matches_agree() {
+        for &(field, name) in &STORED_FIELD_ORDER {
+            assert_eq!(StoredField::named(name.as_bytes()), field, "{name}");
+            assert_eq!(field.name(), name);
+        }
+        for &(field, name) in &REMOVED_FIELD_ORDER {
+            assert_eq!(RemovedField::named(name.as_bytes()), field, "{name}");
+            assert_eq!(field.name(), name);
+        }
+        assert_eq!(StoredField::named(b"locality"), StoredField::Ignored);
+        assert_eq!(RemovedField::named(b"token_ids"), RemovedField::Ignored);
+    }
+}
