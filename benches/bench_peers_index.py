@@ -346,12 +346,14 @@ def cached_build(size: Size, dynamo: ModuleType | None, cache: Path | None) -> W
     return wl
 
 
-def ingest_llmsched(wl: Workload, block_size: int) -> tuple[PrefixIndex, float, float]:
-    """A fresh index fed every vLLM payload of ``wl``; with the wall and this thread's CPU
-    seconds it took."""
+def ingest_llmsched(
+    wl: Workload, block_size: int, payloads: Sequence[tuple[int, bytes]] | None = None
+) -> tuple[PrefixIndex, float, float]:
+    """A fresh index fed every vLLM payload of ``wl`` (or ``payloads``); with the wall and this
+    thread's CPU seconds it took."""
     index = PrefixIndex(block_size=block_size)
     t, cpu = time.perf_counter(), time.thread_time()
-    for worker, payload in wl.vllm:
+    for worker, payload in wl.vllm if payloads is None else payloads:
         index.apply_vllm_events(worker, payload)
     return index, time.perf_counter() - t, time.thread_time() - cpu
 
@@ -377,9 +379,13 @@ class DynamoTree(Protocol):
 
 
 def ingest_dynamo(
-    dynamo: ModuleType, wl: Workload, one_core: bool = False
+    dynamo: ModuleType,
+    wl: Workload,
+    one_core: bool = False,
+    events: Sequence[tuple[int, bytes]] | None = None,
 ) -> tuple[DynamoTree, float]:
-    """A fresh Dynamo tree fed every JSON event of ``wl``, with the wall seconds it took.
+    """A fresh Dynamo tree fed every JSON event of ``wl`` (or ``events``), with the wall seconds
+    it took.
 
     The tree applies events on a thread of its own, and ``apply_event`` waits for it, so each
     event wakes that thread. Where it sleeps on an idle core, waking it costs far more on some
@@ -393,7 +399,7 @@ def ingest_dynamo(
     try:
         tree = dynamo.RadixTree()
         t = time.perf_counter()
-        for worker, event in wl.dynamo:
+        for worker, event in wl.dynamo if events is None else events:
             tree.apply_event(worker, event)
         tree.find_matches(wl.dynamo_hashes[0])  # the tree applies events on its own thread
         return tree, time.perf_counter() - t
@@ -401,11 +407,12 @@ def ingest_dynamo(
         os.sched_setaffinity(0, allowed)
 
 
-def one_block_events(wl: Workload, events: int) -> tuple[list, list, int]:
+def one_block_events(
+    wl: Workload, events: int
+) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
     """The first ``events`` stored events of ``wl`` cut into events of one block each, chained
     by their parents, as an engine reports the blocks decoding fills one at a time: one vLLM
-    payload per event, and Dynamo's JSON event for the same block. Returns both lists and the
-    blocks (= events) in them."""
+    payload per event, and Dynamo's JSON event for the same block (none without Dynamo)."""
     bs = wl.size.block_size
     ours: list[tuple[int, bytes]] = []
     theirs: list[tuple[int, bytes]] = []
@@ -425,7 +432,7 @@ def one_block_events(wl: Workload, events: int) -> tuple[list, list, int]:
                 event = {"event_id": len(theirs), "data": data}
                 theirs.append((worker, json.dumps(event).encode()))
                 dynamo_parent = entry["block_hash"]
-    return ours, theirs, len(ours)
+    return ours, theirs
 
 
 def run_one_block_events(
@@ -434,32 +441,21 @@ def run_one_block_events(
     """Ingest of one-block events (see `one_block_events`): llmsched per payload beside Dynamo
     per event on one core, best of ``repeat`` each; then the first 100 queries' per-worker
     depths cross-checked between the two."""
-    ours, theirs, blocks = one_block_events(wl, events)
-    bs = wl.size.block_size
+    ours, theirs = one_block_events(wl, events)
+    blocks = len(ours)
     best_ours = best_theirs = 0.0
     index = tree = None
     for _ in range(repeat):
         del index
         gc.collect()
-        index = PrefixIndex(block_size=bs)
-        t = time.perf_counter()
-        for worker, payload in ours:
-            index.apply_vllm_events(worker, payload)
-        best_ours = max(best_ours, blocks / (time.perf_counter() - t))
+        index, seconds, _ = ingest_llmsched(wl, wl.size.block_size, ours)
+        best_ours = max(best_ours, blocks / seconds)
         if dynamo is not None:
             del tree
             gc.collect()
-            allowed = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, {max(allowed)})  # its faster placement (`ingest_dynamo`)
-            try:
-                tree = dynamo.RadixTree()
-                t = time.perf_counter()
-                for worker, event in theirs:
-                    tree.apply_event(worker, event)
-                tree.find_matches(wl.dynamo_hashes[0])  # waits for its thread to apply all
-                best_theirs = max(best_theirs, blocks / (time.perf_counter() - t))
-            finally:
-                os.sched_setaffinity(0, allowed)
+            # On one core, its faster placement (see `ingest_dynamo`).
+            tree, seconds = ingest_dynamo(dynamo, wl, one_core=True, events=theirs)
+            best_theirs = max(best_theirs, blocks / seconds)
     fig = {"ingest_one_block_llmsched": best_ours, "one_block_events": float(blocks)}
     line = (
         f"   one-block events (decode's shape; the first {events:,} events cut into {blocks:,}),"

@@ -202,19 +202,10 @@ impl EventKind {
     }
 }
 
-/// Reads a map key, checking it is UTF-8 only when it is not one of the names the decoder
-/// knows (`known`): their bytes are ASCII. A payload carries a few such keys per event, so the
-/// check was a tenth of decoding a small event.
-fn read_key<'a>(
-    reader: &mut Reader<'a>,
-    known: impl Fn(&[u8]) -> bool,
-) -> Result<(usize, &'a [u8])> {
-    let (at, key) = reader.str_bytes("event field name")?;
-    if !known(key) {
-        reader.utf8(at, key, "event field name")?;
-    }
-    Ok((at, key))
-}
+/// A map key, as errors name it. Keys are read as bytes and checked to be UTF-8 only when they
+/// are not a name the decoder knows (those are ASCII): a payload carries several keys per event,
+/// and the check was a tenth of decoding a small event.
+const KEY: &str = "event field name";
 
 /// Decodes one event; `None` for an event of unknown type (skipped).
 fn decode_event(reader: &mut Reader<'_>) -> Result<Option<KvEvent>> {
@@ -259,17 +250,12 @@ const TYPE_KEY: &[u8] = b"type";
 
 fn decode_map_event(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<Option<KvEvent>> {
     let (kind, tag_first) = find_map_tag(reader, at, len)?;
-    let known = |key: &[u8]| match kind {
-        EventKind::Stored => StoredField::named(key) != StoredField::Ignored,
-        EventKind::Removed => RemovedField::named(key) != RemovedField::Ignored,
-        EventKind::AllCleared | EventKind::Unknown => false,
-    };
     let mut stored = StoredFields::default();
     let mut removed = RemovedFields::default();
     // Read already when it was the first key (as it is in vLLM's payloads).
     let mut tag_seen = tag_first;
     for _ in usize::from(tag_first)..len {
-        let (key_at, key) = read_key(reader, |key| key == TYPE_KEY || known(key))?;
+        let (key_at, key) = reader.str_bytes(KEY)?;
         if key == TYPE_KEY {
             if tag_seen {
                 return Err(reader.error(key_at, "event key \"type\" appears twice"));
@@ -281,7 +267,10 @@ fn decode_map_event(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<Op
         match kind {
             EventKind::Stored => stored.read_named(reader, key_at, key)?,
             EventKind::Removed => removed.read_named(reader, key_at, key)?,
-            EventKind::AllCleared | EventKind::Unknown => reader.skip_value("event field")?,
+            EventKind::AllCleared | EventKind::Unknown => {
+                reader.utf8(key_at, key, KEY)?;
+                reader.skip_value("event field")?
+            }
         }
     }
     match kind {
@@ -298,7 +287,7 @@ fn decode_map_event(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<Op
 fn find_map_tag(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<(EventKind, bool)> {
     let first_key_at = reader.position();
     for index in 0..len {
-        let (_, key) = read_key(reader, |key| key == TYPE_KEY)?;
+        let (key_at, key) = reader.str_bytes(KEY)?;
         if key == TYPE_KEY {
             let kind = EventKind::read(reader)?;
             if index == 0 {
@@ -307,6 +296,7 @@ fn find_map_tag(reader: &mut Reader<'_>, at: usize, len: usize) -> Result<(Event
             reader.rewind_to(first_key_at);
             return Ok((kind, false));
         }
+        reader.utf8(key_at, key, KEY)?;
         // Only well-formedness is checked here; the value is read again, fully, afterwards.
         reader.skip_value_unbounded("event field")?;
     }
@@ -401,25 +391,10 @@ impl StoredField {
     }
 
     fn named(name: &[u8]) -> Self {
-        match name {
-            b"block_hashes" => StoredField::BlockHashes,
-            b"parent_block_hash" => StoredField::ParentBlockHash,
-            b"token_ids" => StoredField::TokenIds,
-            b"block_size" => StoredField::BlockSize,
-            b"lora_id" => StoredField::LoraId,
-            b"medium" => StoredField::Medium,
-            b"lora_name" => StoredField::LoraName,
-            b"extra_keys" => StoredField::ExtraKeys,
-            b"group_idx" => StoredField::GroupIdx,
-            b"kv_cache_spec_kind" => StoredField::SpecKind,
-            b"kv_cache_spec_sliding_window" => StoredField::SlidingWindow,
-            _ => StoredField::Ignored,
-        }
-    }
-
-    /// The field's name in vLLM's declaration.
-    fn name(self) -> &'static str {
-        STORED_FIELD_ORDER.iter().find(|&&(field, _)| field == self).map_or("?", |&(_, name)| name)
+        STORED_FIELD_ORDER
+            .iter()
+            .find(|&&(_, known)| known.as_bytes() == name)
+            .map_or(StoredField::Ignored, |&(field, _)| field)
     }
 
     fn bit(self) -> u16 {
@@ -448,8 +423,10 @@ struct StoredFields<'a> {
 impl<'a> StoredFields<'a> {
     fn read_named(&mut self, reader: &mut Reader<'a>, key_at: usize, name: &[u8]) -> Result<()> {
         let field = StoredField::named(name);
-        if field != StoredField::Ignored && self.seen & field.bit() != 0 {
-            let name = field.name();
+        if field == StoredField::Ignored {
+            reader.utf8(key_at, name, KEY)?;
+        } else if self.seen & field.bit() != 0 {
+            let name = String::from_utf8_lossy(name); // a known name: ASCII
             return Err(reader.error(key_at, format!("BlockStored field {name:?} appears twice")));
         }
         self.read(reader, field)
@@ -560,17 +537,10 @@ impl RemovedField {
     }
 
     fn named(name: &[u8]) -> Self {
-        match name {
-            b"block_hashes" => RemovedField::BlockHashes,
-            b"medium" => RemovedField::Medium,
-            b"group_idx" => RemovedField::GroupIdx,
-            _ => RemovedField::Ignored,
-        }
-    }
-
-    /// The field's name in vLLM's declaration.
-    fn name(self) -> &'static str {
-        REMOVED_FIELD_ORDER.iter().find(|&&(field, _)| field == self).map_or("?", |&(_, name)| name)
+        REMOVED_FIELD_ORDER
+            .iter()
+            .find(|&&(_, known)| known.as_bytes() == name)
+            .map_or(RemovedField::Ignored, |&(field, _)| field)
     }
 
     fn bit(self) -> u8 {
@@ -590,8 +560,10 @@ struct RemovedFields<'a> {
 impl<'a> RemovedFields<'a> {
     fn read_named(&mut self, reader: &mut Reader<'a>, key_at: usize, name: &[u8]) -> Result<()> {
         let field = RemovedField::named(name);
-        if field != RemovedField::Ignored && self.seen & field.bit() != 0 {
-            let name = field.name();
+        if field == RemovedField::Ignored {
+            reader.utf8(key_at, name, KEY)?;
+        } else if self.seen & field.bit() != 0 {
+            let name = String::from_utf8_lossy(name); // a known name: ASCII
             return Err(reader.error(key_at, format!("BlockRemoved field {name:?} appears twice")));
         }
         self.read(reader, field)
@@ -622,25 +594,5 @@ impl<'a> RemovedFields<'a> {
             medium: parse_tier(reader, self.medium_at, self.medium)?,
             group_idx: self.group_idx,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The byte matches of map keys and the declaration-order tables name the same fields.
-    #[test]
-    fn field_names_and_their_byte_matches_agree() {
-        for &(field, name) in &STORED_FIELD_ORDER {
-            assert_eq!(StoredField::named(name.as_bytes()), field, "{name}");
-            assert_eq!(field.name(), name);
-        }
-        for &(field, name) in &REMOVED_FIELD_ORDER {
-            assert_eq!(RemovedField::named(name.as_bytes()), field, "{name}");
-            assert_eq!(field.name(), name);
-        }
-        assert_eq!(StoredField::named(b"locality"), StoredField::Ignored);
-        assert_eq!(RemovedField::named(b"token_ids"), RemovedField::Ignored);
     }
 }

@@ -515,14 +515,14 @@ class _Publisher:
         if self.dealer is None or self.replay is not None:
             return
         self.owner._bump(self, "catch_ups")
-        self.ask_replay(self.expected())
-        assert self.replay is not None
-        self.replay.catch_up = True
+        self.ask_replay(self.expected(), catch_up=True)
 
-    def ask_replay(self, start: int) -> None:
-        """Ask the replay socket for every batch from ``start``; live batches are held meanwhile."""
+    def ask_replay(self, start: int, *, catch_up: bool = False) -> None:
+        """Ask the replay socket for every batch from ``start`` (``catch_up``: because the
+        publisher connected, not for a hole); live batches are held meanwhile."""
         assert self.dealer is not None
-        self.replay = _Replay(start, time.monotonic() + self.owner.replay_timeout_s)
+        deadline = time.monotonic() + self.owner.replay_timeout_s
+        self.replay = _Replay(start, deadline, catch_up=catch_up)
         # The ROUTER expects [identity, empty delimiter, start seq]; the DEALER adds the identity.
         self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
 

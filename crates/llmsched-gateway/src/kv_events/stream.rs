@@ -447,7 +447,7 @@ impl Stream {
             self.resync_to_held(now, wire);
         } else {
             self.bump(Counter::Replays);
-            self.ask_replay(expected, now, wire);
+            self.ask_replay(expected, false, now, wire);
         }
     }
 
@@ -456,15 +456,12 @@ impl Stream {
             return;
         }
         self.bump(Counter::CatchUps);
-        self.ask_replay(self.expected(), now, wire);
-        if let Some(replay) = self.replay.as_mut() {
-            replay.catch_up = true;
-        }
+        self.ask_replay(self.expected(), true, now, wire);
     }
 
-    fn ask_replay(&mut self, start: u64, now: f64, wire: &mut dyn Wire) {
+    fn ask_replay(&mut self, start: u64, catch_up: bool, now: f64, wire: &mut dyn Wire) {
         let deadline = now + self.config.replay_timeout_s;
-        self.replay = Some(Replay { start, deadline, catch_up: false });
+        self.replay = Some(Replay { start, deadline, catch_up });
         wire.ask_replay(start);
     }
 

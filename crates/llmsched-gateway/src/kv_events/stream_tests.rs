@@ -115,12 +115,15 @@ fn a_silent_replay_is_given_up_the_worker_resynced_and_the_socket_backs_off() {
     assert_eq!(w.asked.len(), 1);
 }
 
+/// A stream that catches up on connecting, on a wire with a replay socket.
+fn catching_up() -> (Stream, Recorder) {
+    let config = StreamConfig { catch_up: true, ..config() };
+    (Stream::new(config), Recorder { replay: true, ..Default::default() })
+}
+
 #[test]
 fn a_catch_up_that_times_out_is_asked_again_after_the_backoff() {
-    let (mut s, mut w) = (
-        Stream::new(StreamConfig { catch_up: true, ..config() }),
-        Recorder { replay: true, ..Default::default() },
-    );
+    let (mut s, mut w) = catching_up();
     for seq in 0..3 {
         s.on_live(seq, batch(seq), 0.0, &mut w);
     }
@@ -146,10 +149,7 @@ fn a_catch_up_that_times_out_is_asked_again_after_the_backoff() {
 
 #[test]
 fn a_gap_replay_that_times_out_is_not_a_catch_up() {
-    let (mut s, mut w) = (
-        Stream::new(StreamConfig { catch_up: true, ..config() }),
-        Recorder { replay: true, ..Default::default() },
-    );
+    let (mut s, mut w) = catching_up();
     s.on_live(0, batch(0), 0.0, &mut w);
     for seq in 2..6 {
         s.on_live(seq, batch(seq), 0.0, &mut w); // past the window: a gap at once
