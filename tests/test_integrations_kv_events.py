@@ -107,7 +107,8 @@ def holdings(index: PrefixIndex, worker: str) -> dict[int, Any]:
 
 
 def wait(sub: Any, cond: Callable[[dict[str, int]], bool]) -> dict[str, int]:
-    assert sub.wait_for(cond, WAIT_S), sub.counters()
+    # The whole counter dict on failure: pytest's assertion rewriting truncates a long one.
+    assert sub.wait_for(cond, WAIT_S), repr(sub.counters())
     return sub.counters()
 
 
@@ -563,13 +564,16 @@ def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> Non
     payloads = script(10, seed=22)
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
-    sub = Subscriber(index, [spec], catch_up=True, **FAST)
+    # A loaded machine may take a while to connect the replay socket: no timeout meanwhile.
+    sub = Subscriber(index, [spec], catch_up=True, **{**FAST, "replay_timeout_s": WAIT_S})
     sub.start()
     try:
         assert fake.wait_subscribed()
         for p in payloads[:5]:
             fake.publish(p)
         wait(sub, lambda c: sub.last_seq(spec.worker_id) == 4)
+        # The first run's catch-up answered (one still in flight: the next test).
+        wait(sub, lambda c: not sub.worker_state(spec.worker_id)["replaying"])
         sub.stop()
         for p in payloads[5:]:
             fake.publish(p, deliver=False)  # nobody listens while it is stopped
@@ -579,6 +583,39 @@ def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> Non
         sub.stop()
     assert fake.replay_requests == [0, 5], (c, fake.replay_requests)
     assert c["catch_ups"] == 2 and c["gaps"] == 0 and c["resyncs"] == 0, c
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads, spec.worker_id), spec.worker_id
+    )
+
+
+def test_a_replay_in_flight_at_stop_does_not_hold_up_the_catch_up_after_start(
+    fake: FakeKVPublisher,
+) -> None:
+    """A catch-up still unanswered when the subscriber stops dies with its sockets: the next
+    start asks afresh at once, not after that replay's timeout and the replay backoff."""
+    payloads = script(10, seed=25)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    fake.replay_answers = False  # the first run's catch-up stays in flight
+    opts = {**FAST, "replay_timeout_s": 60.0, "replay_backoff_s": (60.0, 60.0)}
+    sub = Subscriber(index, [spec], catch_up=True, **opts)
+    sub.start()
+    try:
+        assert fake.wait_subscribed()
+        for p in payloads[:5]:
+            fake.publish(p)
+        wait(sub, lambda c: sub.last_seq(spec.worker_id) == 4)
+        assert sub.worker_state(spec.worker_id)["replaying"]
+        sub.stop()
+        fake.replay_answers = True
+        for p in payloads[5:]:
+            fake.publish(p, deliver=False)
+        sub.start()
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 9)
+    finally:
+        sub.stop()
+    assert fake.replay_requests == [5], (c, fake.replay_requests)
+    assert c["catch_ups"] == 2 and c["replay_timeouts"] == 0 and c["resyncs"] == 0, c
     assert holdings(index, spec.worker_id) == holdings(
         direct(payloads, spec.worker_id), spec.worker_id
     )

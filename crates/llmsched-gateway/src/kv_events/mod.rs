@@ -345,6 +345,9 @@ impl KvFeed {
             *lock(&group.bound) = None;
             group.tried.store(false, std::sync::atomic::Ordering::Release);
         }
+        for member in &self.shared.members {
+            lock(&member.stream).stopped();
+        }
     }
 
     /// Whether the thread runs.

@@ -268,6 +268,13 @@ impl Stream {
         }
     }
 
+    /// The feed stopped and closed its sockets: a replay in flight will never be answered, so
+    /// it is forgotten (no timeout, no backoff) and the next start's connection asks afresh.
+    pub fn stopped(&mut self) {
+        self.replay = None;
+        self.catch_up_due = false;
+    }
+
     /// A connection was lost.
     pub fn disconnected(&mut self) {
         self.bump(Counter::Disconnects);

@@ -148,6 +148,22 @@ fn a_catch_up_that_times_out_is_asked_again_after_the_backoff() {
 }
 
 #[test]
+fn a_replay_in_flight_when_the_feed_stops_is_forgotten() {
+    let (mut s, mut w) = catching_up();
+    s.connected(true, 0.0, &mut w);
+    for seq in 0..3 {
+        s.on_live(seq, batch(seq), 0.5, &mut w); // the catch-up is still unanswered
+    }
+    assert!(s.state(0.5).replaying);
+    s.stopped();
+    assert_eq!(s.next_deadline(), None, "no timeout waits on a closed socket");
+    s.connected(true, 0.6, &mut w); // started again
+    assert_eq!(w.asked, [0, 3], "asked afresh at once");
+    assert_eq!(s.counts.get(Counter::ReplayTimeouts), 0);
+    assert_eq!(s.state(0.6).replay_backoff_s, 0.0);
+}
+
+#[test]
 fn a_gap_replay_that_times_out_is_not_a_catch_up() {
     let (mut s, mut w) = catching_up();
     s.on_live(0, batch(0), 0.0, &mut w);
