@@ -311,6 +311,33 @@ def test_tools_and_template_kwargs_equal_the_python_plane(
         assert got == expected
 
 
+@pytest.mark.parametrize("template", ["features", "qwen"])
+def test_repeated_keys_and_large_objects_read_as_python_reads_them(
+    directories: dict[str, Path], template: str
+) -> None:
+    """The native plane reads the body's JSON as Python's ``json`` does: a repeated key keeps
+    its first place and its last value (the body's own keys included), and objects large and
+    small keep the order sent."""
+    meta = ", ".join(f'"k{i}": {i}' for i in range(20))
+    properties = ", ".join(f'"p{i}": {{"type": "string", "n": {i}}}' for i in range(20))
+    raw = (
+        '{"messages": [{"role": "user", "content": "ignored"}], "model": "m", '
+        '"messages": [{"role": "system", "content": "sys", "content": "be brief"}, '
+        '{"role": "user", "content": "hi", "name": "a", "name": "bob"}], '
+        f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": '
+        f'{{"type": "object", "properties": {{{properties}, "p3": "again"}}}}}}}}], '
+        f'"chat_template_kwargs": {{"mode": "x", "meta": {{{meta}, "k0": "last"}}, "mode": "y"}}}}'
+    )
+    body = json.loads(raw)
+    python = PromptTokenizer(directories[template])
+    native = NativePromptTokenizer(str(directories[template]))
+    expected = python.render_chat(body["messages"], _variables(body))
+    assert native.render_chat(raw) == expected
+    assert native.chat_tokens(raw) == python.chat_tokens(body["messages"], _variables(body))
+    if template == "features":
+        assert "k0=last;k1=1;" in expected and "Y " in expected and "(BOB)" in expected
+
+
 def test_tool_calls_and_tool_responses_equal_the_python_plane(directories: dict[str, Path]) -> None:
     messages = [
         {"role": "user", "content": "weather in Paris for 3 days?"},

@@ -48,6 +48,7 @@
 //! calls it as configured); nothing else on the request path is Python.
 
 pub mod admin;
+pub mod chat_values;
 pub mod flow;
 pub mod guards;
 pub mod health;
@@ -1092,7 +1093,6 @@ const TENANT_HEADER: &str = "x-llmsched-tenant";
 const PRIORITY_HEADER: &str = "x-llmsched-priority";
 const DROPPED_REASON_HEADER: &str = "x-llmsched-dropped-reason";
 const SESSION_HEADER: &str = "x-session-id";
-const NESTED: &str = "the body is nested too deeply";
 const MAX_TOKEN_LIMIT: u64 = (1 << 31) - 1;
 
 /// The sampling fields the gateway reads have the types the OpenAI API gives them; 400
@@ -1619,14 +1619,8 @@ impl Gateway {
                     ))
                 }
             };
-        let payload = Payload::parse(&raw).map_err(|problem| {
-            let message = match problem {
-                payload::Problem::NotJson => "the body is not valid JSON",
-                payload::Problem::NotObject => "the body must be a JSON object",
-                payload::Problem::Nested => NESTED,
-            };
-            Refusal::new(400, "invalid_request_error", message)
-        })?;
+        let payload = Payload::parse(&raw)
+            .map_err(|problem| Refusal::new(400, "invalid_request_error", problem.to_string()))?;
         check_fields(&payload)?;
         let model = match (payload.raw("model"), payload.str("model")) {
             (Some(_), Some(model)) => Some(model),
@@ -1649,7 +1643,7 @@ impl Gateway {
             )
             .param("model"));
         }
-        let tokens = self.prompt_tokens(&payload, &raw, route == "chat")?;
+        let tokens = self.prompt_tokens(&payload, route == "chat")?;
         let sse = payload.stream();
         let limiter = match &identity.limiter {
             Some(limiter) => {
@@ -1910,25 +1904,19 @@ impl Gateway {
     /// given and text as pseudo-tokens. A tokenizer's failure (a malformed conversation, a
     /// template that refuses it) is a 400 naming the problem; nothing it does can panic
     /// through here (a panic would be a 500, the gateway going on).
-    fn prompt_tokens(
-        &self,
-        payload: &Payload<'_>,
-        raw: &[u8],
-        chat: bool,
-    ) -> Result<Vec<u32>, Refusal> {
+    fn prompt_tokens(&self, payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, Refusal> {
         let bad = |problem: String| Refusal::new(400, "invalid_request_error", problem);
         let Some(tokenizer) = &self.tokenizer else {
             return prompt_tokens(payload, chat).map_err(|p| bad(p.to_owned()));
         };
-        if chat {
-            // The same first check as without a tokenizer.
-            if payload.raw("messages").and_then(payload::array_items).is_none_or(|m| m.is_empty()) {
-                return Err(bad("'messages' must be a non-empty list".into()));
-            }
+        // The same first check as without a tokenizer.
+        if chat && payload.raw("messages").and_then(payload::non_empty_array) != Some(true) {
+            return Err(bad("'messages' must be a non-empty list".into()));
         }
         let tokenized = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             if chat {
-                tokenizer.chat_tokens_of_body(raw)
+                tokenize::ChatRequest::of_payload(payload)
+                    .and_then(|request| tokenizer.chat_tokens(&request))
             } else {
                 tokenizer.completion_tokens(payload.value("prompt").and_then(Result::ok).as_ref())
             }

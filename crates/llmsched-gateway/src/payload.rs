@@ -38,8 +38,18 @@ pub enum Problem {
     Nested,
 }
 
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Problem::NotJson => "the body is not valid JSON",
+            Problem::NotObject => "the body must be a JSON object",
+            Problem::Nested => "the body is nested too deeply",
+        })
+    }
+}
+
 /// The fields of a request body the gateway reads.
-const FIELDS: [&str; 9] = [
+const FIELDS: [&str; 11] = [
     "model",
     "prompt",
     "messages",
@@ -49,6 +59,8 @@ const FIELDS: [&str; 9] = [
     "stop",
     "stream_options",
     "cache_salt",
+    "tools",
+    "chat_template_kwargs",
 ];
 
 /// A request body's fields, each as the JSON text it was sent as.
@@ -154,6 +166,14 @@ pub fn array_items(raw: &RawValue) -> Option<Vec<&RawValue>> {
         return None;
     }
     serde_json::from_str(raw.get()).ok()
+}
+
+/// Whether `raw` is a JSON array with at least one element (None when it is not an array).
+/// Read from its first bytes: a raw value is checked JSON, so `[` and then anything but `]`
+/// past the whitespace starts an element; nothing is parsed or collected.
+pub fn non_empty_array(raw: &RawValue) -> Option<bool> {
+    let inner = raw.get().strip_prefix('[')?;
+    Some(!inner.trim_start_matches([' ', '\t', '\n', '\r']).starts_with(']'))
 }
 
 fn problem(err: &serde_json::Error) -> Problem {
@@ -429,5 +449,24 @@ mod tests {
         assert_eq!(fields[1].and_then(as_str).as_deref(), Some("x"));
         assert!(object_fields(items[1], &["role"]).unwrap().is_none());
         assert!(array_items(items[1]).is_none());
+    }
+
+    #[test]
+    fn a_non_empty_array_is_told_from_its_first_bytes() {
+        for (text, expected) in [
+            ("[1]", Some(true)),
+            ("[ \n\t\r ]", Some(false)),
+            ("[]", Some(false)),
+            ("[ [] ]", Some(true)),
+            (r#"[ {"role": "user"} ]"#, Some(true)),
+            (r#""[]""#, None),
+            ("{}", None),
+            ("null", None),
+        ] {
+            let raw: &RawValue = serde_json::from_str(text).unwrap();
+            assert_eq!(non_empty_array(raw), expected, "{text}");
+            let items = array_items(raw).map(|items| !items.is_empty());
+            assert_eq!(items, expected, "agrees with array_items: {text}");
+        }
     }
 }

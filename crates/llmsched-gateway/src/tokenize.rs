@@ -22,16 +22,18 @@
 //! conversations ([`PromptTokenizer::load`] fails); a conversation the template refuses, or
 //! a malformed one, is a [`PromptProblem`] (a 400 on the request path).
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
+use std::sync::Arc;
 
 use minijinja::value::{Kwargs, Rest, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State, UndefinedBehavior, Value};
-use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
+use crate::chat_values::{template_value, ChatContext};
+use crate::payload::Payload;
 use crate::tokcache::{CacheStats, PieceEncoder};
 
 const SPECIAL_TOKEN_KEYS: [&str; 7] =
@@ -74,6 +76,8 @@ impl std::error::Error for Raised {}
 pub struct PromptTokenizer {
     tokenizer: Tokenizer,
     special: Vec<(String, String)>,
+    /// The same, as the template's values (shared by every render).
+    special_values: Arc<[(String, Value)]>,
     env: Option<Environment<'static>>,
     /// Chat prompts' ids through the piece cache ([`crate::tokcache`]).
     pieces: PieceEncoder,
@@ -89,16 +93,32 @@ impl std::fmt::Debug for PromptTokenizer {
     }
 }
 
-/// The fields of a chat request the template sees, read from the body again with map order
-/// kept (a template iterating a dict, or `tojson` of the tools, writes keys in the order the
-/// client sent them, as Python's `json` module keeps it).
-#[derive(Deserialize)]
-struct ChatFields {
-    messages: Value,
-    #[serde(default)]
-    tools: Option<Value>,
-    #[serde(default)]
-    chat_template_kwargs: Option<Value>,
+/// The fields of a chat request the template sees, as the JSON text they were sent as (read
+/// into template values with map order kept: a template iterating a dict, or `tojson` of the
+/// tools, writes keys in the order the client sent them, as Python's `json` module keeps it).
+#[derive(Clone, Copy, Debug)]
+pub struct ChatRequest<'a> {
+    /// The conversation (a list of `{role, content}` objects).
+    pub messages: &'a RawValue,
+    /// The tools offered (absent or `null`: none).
+    pub tools: Option<&'a RawValue>,
+    /// Further template variables (used when an object).
+    pub chat_template_kwargs: Option<&'a RawValue>,
+}
+
+impl<'a> ChatRequest<'a> {
+    /// The chat fields of a request body as the gateway read it (a repeated key keeps its
+    /// last value, as everywhere in the body); a problem when it has no `messages`.
+    pub fn of_payload(payload: &Payload<'a>) -> Result<ChatRequest<'a>, PromptProblem> {
+        let messages = payload
+            .raw("messages")
+            .ok_or_else(|| PromptProblem("the chat request has no 'messages'".into()))?;
+        Ok(ChatRequest {
+            messages,
+            tools: payload.raw("tools"),
+            chat_template_kwargs: payload.raw("chat_template_kwargs"),
+        })
+    }
 }
 
 impl PromptTokenizer {
@@ -130,7 +150,7 @@ impl PromptTokenizer {
         } else {
             Json::Null
         };
-        let special = SPECIAL_TOKEN_KEYS
+        let special: Vec<(String, String)> = SPECIAL_TOKEN_KEYS
             .iter()
             .filter_map(|key| {
                 let text = match config.get(*key) {
@@ -148,9 +168,12 @@ impl PromptTokenizer {
             None => None,
             Some(source) => Some(environment(source)?),
         };
+        let special_values =
+            special.iter().map(|(key, text)| (key.clone(), Value::from(text.as_str()))).collect();
         let mut loaded = PromptTokenizer {
             tokenizer,
             special,
+            special_values,
             env,
             pieces: PieceEncoder::off("not probed yet"),
         };
@@ -237,9 +260,16 @@ impl PromptTokenizer {
     }
 
     /// The ids of a chat request's body (`messages`, `tools`, `chat_template_kwargs`): the
-    /// rendered template, encoded without adding special tokens.
+    /// rendered template, encoded without adding special tokens. The body is read as the
+    /// gateway reads it ([`Payload::parse`], [`ChatRequest::of_payload`]).
     pub fn chat_tokens_of_body(&self, body: &[u8]) -> Result<Vec<u32>, PromptProblem> {
         let text = self.render_body(body)?;
+        self.encode_chat(&text)
+    }
+
+    /// The ids of a chat request's fields (see [`PromptTokenizer::chat_tokens_of_body`]).
+    pub fn chat_tokens(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>, PromptProblem> {
+        let text = self.render_request(request)?;
         self.encode_chat(&text)
     }
 
@@ -258,11 +288,20 @@ impl PromptTokenizer {
 
     /// The chat template's text for a chat request's body.
     pub fn render_body(&self, body: &[u8]) -> Result<String, PromptProblem> {
-        let fields: ChatFields = serde_json::from_slice(body)
-            .map_err(|e| PromptProblem(format!("cannot read the chat request: {e}")))?;
-        let extra = fields.chat_template_kwargs.filter(|v| v.kind() == ValueKind::Map);
-        let tools = fields.tools.filter(|v| !v.is_none());
-        self.render(&fields.messages, tools.as_ref(), extra.as_ref())
+        let payload = Payload::parse(body)
+            .map_err(|problem| PromptProblem(format!("cannot read the chat request: {problem}")))?;
+        self.render_request(&ChatRequest::of_payload(&payload)?)
+    }
+
+    /// The chat template's text for a chat request's fields.
+    pub fn render_request(&self, request: &ChatRequest<'_>) -> Result<String, PromptProblem> {
+        let value = |raw: &RawValue| template_value(raw).map_err(unreadable);
+        let messages = value(request.messages)?;
+        let present = |raw: &&RawValue| raw.get() != "null";
+        let tools = request.tools.filter(present).map(value).transpose()?;
+        let extra = request.chat_template_kwargs.map(value).transpose()?;
+        let extra = extra.filter(|v| v.kind() == ValueKind::Map);
+        self.render(&messages, tools.as_ref(), extra.as_ref())
     }
 
     /// The chat template's text for `messages` (a list of `{role, content}` maps) with
@@ -292,25 +331,14 @@ impl PromptTokenizer {
         extra: Option<&Value>,
     ) -> Result<String, RenderError> {
         let messages = string_contents(messages).map_err(RenderError::Prompt)?;
-        let mut variables: BTreeMap<String, Value> = self
-            .special
-            .iter()
-            .map(|(key, text)| (key.clone(), Value::from(text.as_str())))
-            .collect();
-        if let Some(extra) = extra {
-            let keys = extra.try_iter().map_err(RenderError::Template)?;
-            for key in keys {
-                let value = extra.get_item(&key).map_err(RenderError::Template)?;
-                variables.insert(key.to_string(), value);
-            }
-        }
-        if let Some(tools) = tools {
-            variables.insert("tools".into(), tools.clone());
-        }
-        variables.insert("messages".into(), messages);
-        variables.entry("add_generation_prompt".into()).or_insert(Value::from(true));
+        let context = ChatContext {
+            messages,
+            tools: tools.cloned(),
+            extra: extra.cloned(),
+            special: self.special_values.clone(),
+        };
         let template = env.get_template(TEMPLATE).map_err(RenderError::Template)?;
-        template.render(Value::from(variables)).map_err(RenderError::Template)
+        template.render(Value::from_object(context)).map_err(RenderError::Template)
     }
 
     /// The ids of `text`, with the tokenizer's special tokens added or not (without the
@@ -321,6 +349,11 @@ impl PromptTokenizer {
             .map(|encoding| encoding.get_ids().to_vec())
             .map_err(|e| PromptProblem(format!("cannot tokenize the prompt: {e}")))
     }
+}
+
+/// A chat request whose JSON cannot be read.
+fn unreadable(err: serde_json::Error) -> PromptProblem {
+    PromptProblem(format!("cannot read the chat request: {err}"))
 }
 
 enum RenderError {

@@ -1,0 +1,292 @@
+//! A chat request as its chat template sees it: the JSON of the request's messages, tools and
+//! template arguments as template values, and the variables of one render.
+//!
+//! A template reads a few members of a few small objects (each message's `role` and
+//! `content`, again for every message), so a JSON object of up to [`SMALL`] members becomes a
+//! [`Members`]: its members in the order sent, found by comparing keys. minijinja's own map
+//! hashes every key with SipHash when it is built and on every `m['role']`, which cost more
+//! than the comparisons over so few members; larger objects (a tool's schema, say) still become
+//! minijinja's map. Every other value is what minijinja's own deserialisation makes of it, and
+//! a map behaves the same either way: members in the order sent, a repeated key keeping its
+//! first place and its last value (as Python's `json` keeps it).
+
+use std::sync::Arc;
+
+use minijinja::value::{Enumerator, Object, ObjectExt, ObjectRepr, Value};
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+
+/// Objects of up to this many members are [`Members`]; larger ones minijinja's hash map.
+pub const SMALL: usize = 16;
+
+/// A JSON text as the template's value (see the module documentation).
+pub fn template_value(raw: &RawValue) -> Result<Value, serde_json::Error> {
+    let mut deserializer = serde_json::Deserializer::from_str(raw.get());
+    let value = TemplateValue.deserialize(&mut deserializer)?;
+    deserializer.end()?;
+    Ok(value)
+}
+
+/// Reads any JSON value as a template value.
+#[derive(Clone, Copy)]
+struct TemplateValue;
+
+impl<'de> DeserializeSeed<'de> for TemplateValue {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for TemplateValue {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::from(()))
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::from(()))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element_seed(self)? {
+            items.push(item);
+        }
+        Ok(Value::from(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut members: Vec<(Value, Value)> = Vec::with_capacity(map.size_hint().unwrap_or(4));
+        while let Some(key) = map.next_key_seed(self)? {
+            let value = map.next_value_seed(self)?;
+            members.push((key, value));
+        }
+        Ok(Members::value(members))
+    }
+}
+
+/// A small JSON object (see the module documentation).
+#[derive(Debug)]
+pub struct Members(Vec<(Value, Value)>);
+
+impl Members {
+    /// The object of `members` as sent (a repeated key keeps its first place and its last
+    /// value): a [`Members`] when small, else minijinja's map.
+    pub fn value(members: Vec<(Value, Value)>) -> Value {
+        if members.len() > SMALL {
+            return Value::from_iter(members);
+        }
+        let mut unique: Vec<(Value, Value)> = Vec::with_capacity(members.len());
+        for (key, value) in members {
+            match unique.iter_mut().find(|(seen, _)| *seen == key) {
+                Some(slot) => slot.1 = value,
+                None => unique.push((key, value)),
+            }
+        }
+        Value::from_object(Members(unique))
+    }
+}
+
+impl Object for Members {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Map
+    }
+
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+    }
+
+    fn get_value_by_str(self: &Arc<Self>, key: &str) -> Option<Value> {
+        self.0.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        self.mapped_rev_key_value_enumerator(|this| {
+            Box::new(this.0.iter().map(|(k, v)| (k.clone(), v.clone())))
+        })
+    }
+
+    fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
+        Some(self.0.len())
+    }
+}
+
+/// The variables of one render, looked up in this order: `messages`, `tools` (when the
+/// request has them), the request's `chat_template_kwargs`, `add_generation_prompt` (true
+/// unless a kwarg says otherwise), the tokenizer's special tokens. So a kwarg overrides a
+/// special token of its name, and `messages` and `tools` override the kwargs. Built per
+/// render without copying the special tokens (shared) or the kwargs (looked up in place).
+#[derive(Debug)]
+pub struct ChatContext {
+    /// The messages, as the template iterates them.
+    pub messages: Value,
+    /// The request's tools (None: absent or null).
+    pub tools: Option<Value>,
+    /// The request's `chat_template_kwargs`, when a map.
+    pub extra: Option<Value>,
+    /// The tokenizer's special tokens (`bos_token`, ...) and their texts.
+    pub special: Arc<[(String, Value)]>,
+}
+
+/// The variable defaulted when the kwargs do not set it.
+const ADD_GENERATION_PROMPT: &str = "add_generation_prompt";
+
+impl ChatContext {
+    fn extra(&self, key: &str) -> Option<Value> {
+        let extra = self.extra.as_ref()?;
+        extra.get_attr(key).ok().filter(|v| !v.is_undefined())
+    }
+}
+
+impl Object for ChatContext {
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        self.get_value_by_str(key.as_str()?)
+    }
+
+    fn get_value_by_str(self: &Arc<Self>, key: &str) -> Option<Value> {
+        match key {
+            "messages" => return Some(self.messages.clone()),
+            "tools" if self.tools.is_some() => return self.tools.clone(),
+            _ => {}
+        }
+        if let Some(value) = self.extra(key) {
+            return Some(value);
+        }
+        if key == ADD_GENERATION_PROMPT {
+            return Some(Value::from(true));
+        }
+        self.special.iter().find(|(name, _)| name == key).map(|(_, text)| text.clone())
+    }
+
+    /// Every variable's name, sorted.
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        let mut names: Vec<String> = self.special.iter().map(|(name, _)| name.clone()).collect();
+        if let Some(extra) = self.extra.as_ref().and_then(|e| e.try_iter().ok()) {
+            names.extend(extra.filter_map(|key| key.as_str().map(str::to_owned)));
+        }
+        names.extend(["messages", ADD_GENERATION_PROMPT].map(str::to_owned));
+        if self.tools.is_some() {
+            names.push("tools".to_owned());
+        }
+        names.sort_unstable();
+        names.dedup();
+        Enumerator::Values(names.into_iter().map(Value::from).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(text: &str) -> Value {
+        template_value(serde_json::from_str(text).unwrap()).unwrap()
+    }
+
+    /// minijinja's own reading of the same JSON.
+    fn minijinja_value(text: &str) -> Value {
+        serde_json::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn values_equal_minijinja_s_own_reading() {
+        let texts = [
+            r#"[{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}]"#,
+            r#"{"a": 1, "b": -2, "c": 1.5, "d": true, "e": null, "f": [1, "x", {}], "g": ""}"#,
+            r#"{"k": 1, "k": 2, "j": 3}"#,
+            r#"{"big": 18446744073709551615, "neg": -9223372036854775808, "e": 1e300}"#,
+            r#""text with \"escapes\" \u00e9 \ud83d\udc09""#,
+        ];
+        for text in texts {
+            let (ours, theirs) = (value(text), minijinja_value(text));
+            assert_eq!(ours, theirs, "{text}");
+            assert_eq!(format!("{ours:?}"), format!("{theirs:?}"), "{text}");
+        }
+    }
+
+    #[test]
+    fn members_keep_the_first_place_and_the_last_value_of_a_repeated_key() {
+        let object = value(r#"{"k": 1, "j": 2, "k": 3}"#);
+        let keys: Vec<Value> = object.try_iter().unwrap().collect();
+        assert_eq!(keys, [Value::from("k"), Value::from("j")]);
+        assert_eq!(object.get_attr("k").unwrap(), Value::from(3));
+        assert_eq!(object.get_item(&Value::from("j")).unwrap(), Value::from(2));
+        assert!(object.get_attr("missing").unwrap().is_undefined());
+        assert_eq!(object.len(), Some(2));
+    }
+
+    #[test]
+    fn large_objects_are_minijinja_maps_with_the_same_reading() {
+        let members: Vec<String> = (0..=SMALL).map(|i| format!("\"m{i}\": {i}")).collect();
+        let text = format!("{{{}, \"m0\": -1}}", members.join(", "));
+        let (ours, theirs) = (value(&text), minijinja_value(&text));
+        assert_eq!(ours, theirs);
+        assert_eq!(ours.get_attr("m0").unwrap(), Value::from(-1));
+        let keys: Vec<Value> = ours.try_iter().unwrap().collect();
+        assert_eq!(keys.len(), SMALL + 1);
+        assert_eq!(keys[0], Value::from("m0"));
+    }
+
+    fn context(extra: Option<&str>, tools: Option<&str>) -> Value {
+        let special: Arc<[(String, Value)]> =
+            Arc::from(vec![("bos_token".to_owned(), Value::from("<s>"))]);
+        Value::from_object(ChatContext {
+            messages: value(r#"[{"role": "user", "content": "hi"}]"#),
+            tools: tools.map(value),
+            extra: extra.map(value),
+            special,
+        })
+    }
+
+    #[test]
+    fn variables_resolve_in_the_documented_order() {
+        let plain = context(None, None);
+        assert_eq!(plain.get_attr("bos_token").unwrap(), Value::from("<s>"));
+        assert_eq!(plain.get_attr(ADD_GENERATION_PROMPT).unwrap(), Value::from(true));
+        assert!(plain.get_attr("tools").unwrap().is_undefined());
+        assert!(plain.get_attr("nothing").unwrap().is_undefined());
+        let kwargs = r#"{"bos_token": "B", "add_generation_prompt": false, "tools": "kw",
+            "messages": "kw", "flag": 1}"#;
+        let set = context(Some(kwargs), None);
+        assert_eq!(set.get_attr("bos_token").unwrap(), Value::from("B"));
+        assert_eq!(set.get_attr(ADD_GENERATION_PROMPT).unwrap(), Value::from(false));
+        assert_eq!(set.get_attr("tools").unwrap(), Value::from("kw"));
+        assert_eq!(set.get_attr("flag").unwrap(), Value::from(1));
+        assert_eq!(set.get_attr("messages").unwrap().len(), Some(1));
+        let with_tools = context(Some(kwargs), Some(r#"[{"name": "f"}]"#));
+        assert_eq!(with_tools.get_attr("tools").unwrap().len(), Some(1));
+        let names: Vec<Value> = with_tools.try_iter().unwrap().collect();
+        let expected = ["add_generation_prompt", "bos_token", "flag", "messages", "tools"];
+        assert_eq!(names, expected.map(Value::from));
+    }
+}
