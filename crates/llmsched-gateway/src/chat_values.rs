@@ -257,6 +257,47 @@ mod tests {
         assert_eq!(keys[0], Value::from("m0"));
     }
 
+    /// JSON texts of any shape, objects of up to twice [`SMALL`] members with keys drawn from
+    /// a few (so that keys repeat).
+    fn json_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just("null".to_owned()),
+            any::<bool>().prop_map(|b| b.to_string()),
+            any::<i64>().prop_map(|i| i.to_string()),
+            any::<u64>().prop_map(|u| u.to_string()),
+            any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(|f| format!("{f:e}")),
+            any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap()),
+        ];
+        leaf.prop_recursive(4, 64, 2 * SMALL as u32, |inner| {
+            let key = prop_oneof![
+                (0..24u8).prop_map(|k| format!("\"k{k}\"")),
+                any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap()),
+            ];
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(|items| {
+                    format!("[{}]", items.join(","))
+                }),
+                prop::collection::vec((key, inner), 0..2 * SMALL).prop_map(|members| {
+                    let members: Vec<String> =
+                        members.into_iter().map(|(k, v)| format!("{k}: {v}")).collect();
+                    format!("{{{}}}", members.join(", "))
+                }),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_json_reads_as_minijinja_reads_it(text in json_text()) {
+            let (ours, theirs) = (value(&text), minijinja_value(&text));
+            proptest::prop_assert_eq!(&ours, &theirs);
+            // The same members in the same order (Debug writes them in iteration order).
+            proptest::prop_assert_eq!(format!("{ours:?}"), format!("{theirs:?}"));
+            proptest::prop_assert_eq!(ours.len(), theirs.len());
+        }
+    }
+
     fn context(extra: Option<&str>, tools: Option<&str>) -> Value {
         let special: Arc<[(String, Value)]> =
             Arc::from(vec![("bos_token".to_owned(), Value::from("<s>"))]);
