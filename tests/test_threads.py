@@ -226,3 +226,53 @@ def test_results_made_on_many_threads_outlive_their_index_on_other_threads() -> 
         t.join(timeout=60)
     assert len(results) == 40 * 30
     assert not failures, failures[:5]
+
+
+# Calls of 65,536 tokens or more release the GIL; shorter ones keep it (getting it back from a
+# thread running Python waits out that thread's switch interval). Both sides must agree.
+LONG = 70_000
+SHORT = 60_000
+
+
+def test_calls_either_side_of_the_gil_threshold_agree() -> None:
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 50_000, LONG, dtype=np.uint32)
+    index = PrefixIndex(block_size=16)
+    long_hashes = index.hash_tokens(tokens)
+    short_hashes = index.hash_tokens(tokens[:SHORT])
+    assert len(long_hashes) == LONG // 16
+    assert np.array_equal(short_hashes, long_hashes[: SHORT // 16])
+    assert np.array_equal(index.hash_tokens(tokens[:SHORT].tolist()), short_hashes)
+    index.store("a", long_hashes[:1000])
+    index.store("b", long_hashes)
+    assert index.match_tokens(tokens).as_dict() == {"a": 1000, "b": LONG // 16}
+    assert index.match_tokens(tokens[:SHORT]).as_dict() == {"a": 1000, "b": SHORT // 16}
+    from llmsched import hashing
+
+    long_vllm = hashing.block_hashes(tokens[:5000], 16, algo="vllm_sha256_cbor")
+    short_vllm = hashing.block_hashes(tokens[:3000], 16, algo="vllm_sha256_cbor")
+    assert np.array_equal(short_vllm, long_vllm[: 3000 // 16])
+
+
+def test_a_python_plugin_runs_in_picks_either_side_of_the_gil_threshold() -> None:
+    """A long pick releases the GIL and takes it back for the plugin; a short one keeps it."""
+    seen: list[int] = []
+
+    def prefer_b(request: dict[str, Any], endpoints: list[dict[str, Any]]) -> list[float]:
+        seen.append(request["prompt_tokens"])
+        return [1.0 if e["id"] == "b" else 0.0 for e in endpoints]
+
+    config = {
+        "plugins": [
+            {"type": "python-scorer", "name": "b", "parameters": {"function": prefer_b}},
+            {"type": "max-score-picker", "name": "picker"},
+        ],
+        "schedulingProfiles": [
+            {"name": "p", "plugins": [{"pluginRef": "b"}, {"pluginRef": "picker"}]}
+        ],
+    }
+    router = Router(EndpointPool(["a", "b"]), config=config)
+    tokens = np.arange(LONG, dtype=np.uint32) % 50_000
+    for n in (SHORT, LONG):
+        assert router.pick(tokens=tokens[:n], now=0.0).endpoint == "b"
+    assert seen == [SHORT, LONG]

@@ -275,9 +275,8 @@ mod tests {
                 any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap()),
             ];
             prop_oneof![
-                prop::collection::vec(inner.clone(), 0..6).prop_map(|items| {
-                    format!("[{}]", items.join(","))
-                }),
+                prop::collection::vec(inner.clone(), 0..6)
+                    .prop_map(|items| { format!("[{}]", items.join(",")) }),
                 prop::collection::vec((key, inner), 0..2 * SMALL).prop_map(|members| {
                     let members: Vec<String> =
                         members.into_iter().map(|(k, v)| format!("{k}: {v}")).collect();

@@ -1,12 +1,12 @@
 //! Bindings for `llmsched_core::hashing`.
 
-use crate::errors::{detach, CoreResult};
+use crate::errors::{attached, detach, CoreResult};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
 
-use super::tokens::{TokenArray, TokenSlice};
+use super::tokens::{TokenArray, TokenSlice, DETACH_MIN_TOKENS, DETACH_MIN_TOKENS_SHA256};
 use llmsched_core::hashing::batch::hash_batch;
 use llmsched_core::hashing::text::{pack_text as core_pack_text, text_chain_hashes};
 use llmsched_core::hashing::vllm::{self, VllmBlockHasher, VllmDigests, VllmEventHashes};
@@ -22,7 +22,8 @@ fn xxh3_block_hashes<'py>(
     chain_seed: u64,
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let tokens = TokenArray::extract(tokens, "tokens")?;
-    let hashes = tokens.visit_detached(py, ChainHashes { block_size, chain_seed })?.py()?;
+    let hashes =
+        tokens.visit(py, ChainHashes { block_size, chain_seed }, DETACH_MIN_TOKENS)?.py()?;
     Ok(hashes.into_pyarray(py))
 }
 
@@ -52,7 +53,7 @@ fn vllm_block_hashes<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let tokens = TokenArray::extract(tokens, "tokens")?;
     let hasher = VllmBlockHasher::new(block_size, seed, lora, cache_salt).py()?;
-    let hashes = tokens.visit_detached(py, VllmEventHashes(&hasher))?.py()?;
+    let hashes = tokens.visit(py, VllmEventHashes(&hasher), DETACH_MIN_TOKENS_SHA256)?.py()?;
     Ok(hashes.into_pyarray(py))
 }
 
@@ -69,7 +70,7 @@ fn vllm_block_digests<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let tokens = TokenArray::extract(tokens, "tokens")?;
     let hasher = VllmBlockHasher::new(block_size, seed, lora, cache_salt).py()?;
-    let digests = tokens.visit_detached(py, VllmDigests(&hasher))?.py()?;
+    let digests = tokens.visit(py, VllmDigests(&hasher), DETACH_MIN_TOKENS_SHA256)?.py()?;
     PyList::new(py, digests.iter().map(|d| PyBytes::new(py, d)))
 }
 
@@ -104,9 +105,10 @@ fn text_block_hashes<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let bytes = text_bytes(text)?;
     let max_tokens = max_tokens.unwrap_or(usize::MAX);
-    let hashes = py
-        .detach(|| text_chain_hashes(bytes, block_size, chain_seed, include_partial, max_tokens))
-        .py()?;
+    // Four bytes a pseudo-token.
+    let long = bytes.len() / 4 >= DETACH_MIN_TOKENS;
+    let hash = || text_chain_hashes(bytes, block_size, chain_seed, include_partial, max_tokens);
+    let hashes = if long { detach(py, hash) } else { attached(hash) }?.py()?;
     Ok(hashes.into_pyarray(py))
 }
 

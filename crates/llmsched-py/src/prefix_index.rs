@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use super::tokens::{TokenArray, TokenVisitor};
+use super::tokens::{TokenArray, TokenVisitor, DETACH_MIN_TOKENS};
 use crate::pyints;
 use llmsched_core::buffer_pool::{self, BufferPool};
 use llmsched_core::hashing::{self, TokenId};
@@ -522,7 +522,7 @@ impl PyPrefixIndex {
         }
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let visitor = MatchTokens { index: &slf.get().inner, lora, cache_salt, now };
-        let m = tokens.visit_detached(slf.py(), visitor)?.py()?;
+        let m = tokens.visit(slf.py(), visitor, DETACH_MIN_TOKENS)?.py()?;
         result(slf, m)
     }
 
@@ -539,7 +539,7 @@ impl PyPrefixIndex {
         }
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let visitor = HashTokens { index: &self.inner, lora, cache_salt };
-        Ok(tokens.visit_detached(py, visitor)?.py()?.into_pyarray(py))
+        Ok(tokens.visit(py, visitor, DETACH_MIN_TOKENS)?.py()?.into_pyarray(py))
     }
 
     fn match_many(

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::prefix_index::{worker_key, PyPrefixIndex};
-use super::tokens::{TokenArray, TokenVisitor};
+use super::tokens::{TokenArray, TokenVisitor, DETACH_MIN_TOKENS};
 use llmsched_core::hashing::TokenId;
 use llmsched_core::prefix_index::WorkerKey;
 use llmsched_core::routing::inflight::{Stage, Ticket};
@@ -563,8 +563,9 @@ impl PyRouter {
         let tokens = TokenArray::extract(tokens, "tokens")?;
         let meta = RequestMeta { model, lora, priority, session_id, headers, cache_salt };
         let router = &slf.get().inner;
-        let decision =
-            tokens.visit_detached(py, Decide { router, meta: &meta, now })?.map_err(routing_err)?;
+        let decision = tokens
+            .visit(py, Decide { router, meta: &meta, now }, DETACH_MIN_TOKENS)?
+            .map_err(routing_err)?;
         Ok(PyDecision {
             router: slf.clone().unbind(),
             decision,
