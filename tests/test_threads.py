@@ -252,6 +252,11 @@ def test_calls_either_side_of_the_gil_threshold_agree() -> None:
     long_vllm = hashing.block_hashes(tokens[:5000], 16, algo="vllm_sha256_cbor")
     short_vllm = hashing.block_hashes(tokens[:3000], 16, algo="vllm_sha256_cbor")
     assert np.array_equal(short_vllm, long_vllm[: 3000 // 16])
+    text = "".join(chr(97 + i % 26) for i in range(4 * LONG))
+    assert np.array_equal(hashing.pack_text(text[: 4 * SHORT]), hashing.pack_text(text)[:SHORT])
+    long_text = hashing.text_block_hashes(text, 16)
+    short_text = hashing.text_block_hashes(text[: 4 * SHORT], 16)
+    assert np.array_equal(short_text, long_text[: SHORT // 16])
 
 
 def test_a_python_plugin_runs_in_picks_either_side_of_the_gil_threshold() -> None:

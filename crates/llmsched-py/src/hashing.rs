@@ -119,7 +119,10 @@ fn pack_text<'py>(
     text: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let bytes = text_bytes(text)?;
-    Ok(detach(py, || core_pack_text(bytes))?.into_pyarray(py))
+    let pack = || core_pack_text(bytes);
+    let packed =
+        if bytes.len() / 4 >= DETACH_MIN_TOKENS { detach(py, pack) } else { attached(pack) };
+    Ok(packed?.into_pyarray(py))
 }
 
 /// Borrows every prompt of a batch as a typed slice.
