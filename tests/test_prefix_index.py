@@ -50,6 +50,27 @@ def test_match_tokens_equals_hash_then_match() -> None:
     assert index.match_tokens(tokens, cache_salt="tenant").as_dict() == {}
 
 
+def test_int64_hashes_match_as_uint64_and_negative_ones_are_refused() -> None:
+    """Hashes kept as int64 (numpy's and pandas' default) are read natively, every length."""
+    index = PrefixIndex(block_size=4)
+    hashes = index.hash_tokens(np.arange(4 * 800, dtype=np.int64))
+    index.store("a", hashes[:600])
+    signed = (hashes >> np.uint64(1)).astype(np.int64)  # non-negative int64 values
+    index.store("b", signed[:10])
+    for n in (5, 800):
+        unsigned = signed[:n].astype(np.uint64)
+        assert index.match(signed[:n]).as_dict() == index.match(unsigned).as_dict()
+    assert index.match(signed[:20]).as_dict() == {"b": 10}
+    bad = signed[:50].copy()
+    bad[30] = -1
+    with pytest.raises(ValueError, match="non-negative"):
+        index.match(bad)
+    before = index.stats()
+    with pytest.raises(ValueError, match="non-negative"):
+        index.store("c", bad)
+    assert index.stats() == before
+
+
 def test_namespaces_never_share_entries() -> None:
     a = PrefixIndex(block_size=4, model="llama")
     b = PrefixIndex(block_size=4, model="qwen")
