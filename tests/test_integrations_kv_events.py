@@ -560,6 +560,32 @@ def test_live_copy_of_a_batch_the_catch_up_applied_first_is_a_duplicate(
     )
 
 
+def restart_across_an_outage(
+    fake: FakeKVPublisher,
+    sub: Any,
+    worker: str,
+    payloads: list[bytes],
+    before_stop: Callable[[], None],
+) -> dict[str, int]:
+    """Starts ``sub``, delivers the first five of ten payloads, runs ``before_stop``, stops it,
+    publishes the other five while nobody listens, starts it again and waits until it has taken
+    the tenth; returns its counters."""
+    sub.start()
+    try:
+        assert fake.wait_subscribed()
+        for p in payloads[:5]:
+            fake.publish(p)
+        wait(sub, lambda c: sub.last_seq(worker) == 4)
+        before_stop()
+        sub.stop()
+        for p in payloads[5:]:
+            fake.publish(p, deliver=False)  # nobody listens while it is stopped
+        sub.start()
+        return wait(sub, lambda c: sub.last_seq(worker) == 9)
+    finally:
+        sub.stop()
+
+
 def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> None:
     """A subscriber stopped and started again asks for the batches after the last it applied."""
     payloads = script(10, seed=22)
@@ -567,21 +593,12 @@ def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> Non
     spec = spec_of(fake)
     # A loaded machine may take a while to connect the replay socket: no timeout meanwhile.
     sub = Subscriber(index, [spec], catch_up=True, **{**FAST, "replay_timeout_s": WAIT_S})
-    sub.start()
-    try:
-        assert fake.wait_subscribed()
-        for p in payloads[:5]:
-            fake.publish(p)
-        wait(sub, lambda c: sub.last_seq(spec.worker_id) == 4)
+
+    def before_stop() -> None:
         # The first run's catch-up answered (one still in flight: the next test).
         wait(sub, lambda c: not sub.worker_state(spec.worker_id)["replaying"])
-        sub.stop()
-        for p in payloads[5:]:
-            fake.publish(p, deliver=False)  # nobody listens while it is stopped
-        sub.start()
-        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 9)
-    finally:
-        sub.stop()
+
+    c = restart_across_an_outage(fake, sub, spec.worker_id, payloads, before_stop)
     assert fake.replay_requests == [0, 5], (c, fake.replay_requests)
     assert c["catch_ups"] == 2 and c["gaps"] == 0 and c["resyncs"] == 0, c
     assert holdings(index, spec.worker_id) == holdings(
@@ -600,21 +617,12 @@ def test_a_replay_in_flight_at_stop_does_not_hold_up_the_catch_up_after_start(
     fake.replay_answers = False  # the first run's catch-up stays in flight
     opts = {**FAST, "replay_timeout_s": 60.0, "replay_backoff_s": (60.0, 60.0)}
     sub = Subscriber(index, [spec], catch_up=True, **opts)
-    sub.start()
-    try:
-        assert fake.wait_subscribed()
-        for p in payloads[:5]:
-            fake.publish(p)
-        wait(sub, lambda c: sub.last_seq(spec.worker_id) == 4)
+
+    def before_stop() -> None:
         assert sub.worker_state(spec.worker_id)["replaying"]
-        sub.stop()
-        fake.replay_answers = True
-        for p in payloads[5:]:
-            fake.publish(p, deliver=False)
-        sub.start()
-        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 9)
-    finally:
-        sub.stop()
+        fake.replay_answers = True  # for the next start's catch-up
+
+    c = restart_across_an_outage(fake, sub, spec.worker_id, payloads, before_stop)
     assert fake.replay_requests == [5], (c, fake.replay_requests)
     assert c["catch_ups"] == 2 and c["replay_timeouts"] == 0 and c["resyncs"] == 0, c
     assert holdings(index, spec.worker_id) == holdings(

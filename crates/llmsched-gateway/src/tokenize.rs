@@ -288,8 +288,7 @@ impl PromptTokenizer {
 
     /// The chat template's text for a chat request's body.
     pub fn render_body(&self, body: &[u8]) -> Result<String, PromptProblem> {
-        let payload = Payload::parse(body)
-            .map_err(|problem| PromptProblem(format!("cannot read the chat request: {problem}")))?;
+        let payload = Payload::parse(body).map_err(unreadable)?;
         self.render_request(&ChatRequest::of_payload(&payload)?)
     }
 
@@ -351,8 +350,9 @@ impl PromptTokenizer {
     }
 }
 
-/// A chat request whose JSON cannot be read.
-fn unreadable(err: serde_json::Error) -> PromptProblem {
+/// A chat request whose JSON cannot be read (a body [`Payload::parse`] refuses, or a field
+/// that does not read as template values).
+fn unreadable(err: impl std::fmt::Display) -> PromptProblem {
     PromptProblem(format!("cannot read the chat request: {err}"))
 }
 

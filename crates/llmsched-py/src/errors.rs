@@ -54,6 +54,21 @@ where
     std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(internal_error)
 }
 
+/// [`detach`] when `long`, else [`attached`]: the callers' bounds (`DETACH_MIN_BLOCKS`,
+/// `DETACH_MIN_PAYLOAD_BYTES`, `DETACH_MIN_TOKENS`) say when the work repays releasing the GIL,
+/// since getting it back from a thread running Python waits out that thread's switch interval.
+pub(crate) fn detach_if<T, F>(py: Python<'_>, long: bool, f: F) -> PyResult<T>
+where
+    T: Send,
+    F: Send + FnOnce() -> T,
+{
+    if long {
+        detach(py, f)
+    } else {
+        attached(f)
+    }
+}
+
 fn internal_error(payload: Box<dyn std::any::Any + Send>) -> PyErr {
     let reason = payload
         .downcast_ref::<&str>()

@@ -1,6 +1,6 @@
 //! Bindings for `llmsched_core::hashing`.
 
-use crate::errors::{attached, detach, CoreResult};
+use crate::errors::{detach, detach_if, CoreResult};
 use numpy::{IntoPyArray, PyArray1};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -91,6 +91,12 @@ fn text_bytes<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     Err(PyTypeError::new_err(format!("text must be str or bytes, got {}", text.get_type().name()?)))
 }
 
+/// Whether text is long enough to hash or pack with the GIL released ([`DETACH_MIN_TOKENS`]
+/// pseudo-tokens of 4 bytes).
+fn long_text(bytes: &[u8]) -> bool {
+    bytes.len() / 4 >= DETACH_MIN_TOKENS
+}
+
 /// Chained xxh3 hashes of text packed 4 bytes per pseudo-token (see
 /// `llmsched.hashing.text_block_hashes`).
 #[pyfunction]
@@ -105,10 +111,8 @@ fn text_block_hashes<'py>(
 ) -> PyResult<Bound<'py, PyArray1<u64>>> {
     let bytes = text_bytes(text)?;
     let max_tokens = max_tokens.unwrap_or(usize::MAX);
-    // Four bytes a pseudo-token.
-    let long = bytes.len() / 4 >= DETACH_MIN_TOKENS;
     let hash = || text_chain_hashes(bytes, block_size, chain_seed, include_partial, max_tokens);
-    let hashes = if long { detach(py, hash) } else { attached(hash) }?.py()?;
+    let hashes = detach_if(py, long_text(bytes), hash)?.py()?;
     Ok(hashes.into_pyarray(py))
 }
 
@@ -119,10 +123,7 @@ fn pack_text<'py>(
     text: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<u32>>> {
     let bytes = text_bytes(text)?;
-    let pack = || core_pack_text(bytes);
-    let packed =
-        if bytes.len() / 4 >= DETACH_MIN_TOKENS { detach(py, pack) } else { attached(pack) };
-    Ok(packed?.into_pyarray(py))
+    Ok(detach_if(py, long_text(bytes), || core_pack_text(bytes))?.into_pyarray(py))
 }
 
 /// Borrows every prompt of a batch as a typed slice.

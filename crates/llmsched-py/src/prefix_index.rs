@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::errors::{attached, detach, CoreResult};
+use crate::errors::{detach, detach_if, CoreResult};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use parking_lot::RwLock;
 use pyo3::exceptions::PyTypeError;
@@ -48,7 +48,6 @@ impl<'py> Hashes<'py> {
             if let Ok(signed) = arr.as_slice() {
                 if signed.iter().all(|&h| h >= 0) {
                     let mut out = buffer_pool::take(&HASH_BUFFERS);
-                    out.clear();
                     out.extend(signed.iter().map(|&h| h as u64));
                     return Ok(Self::Owned(out));
                 }
@@ -92,20 +91,6 @@ fn aligned(data: *const u64) -> bool {
 /// more, and getting it back from a thread running Python waits out that thread's switch
 /// interval (5 ms by default; see [`DETACH_MIN_PAYLOAD_BYTES`]).
 const DETACH_MIN_BLOCKS: usize = 4096;
-
-/// Runs `f` with the GIL released when `long`, else with it held (see [`DETACH_MIN_BLOCKS`] and
-/// [`DETACH_MIN_PAYLOAD_BYTES`]); a panic becomes `InternalError` either way.
-fn detach_if<T, F>(py: Python<'_>, long: bool, f: F) -> PyResult<T>
-where
-    T: Send,
-    F: Send + FnOnce() -> T,
-{
-    if long {
-        detach(py, f)
-    } else {
-        attached(f)
-    }
-}
 
 /// Event payloads shorter than this are applied without releasing the GIL (about 250 blocks of
 /// 64 ids, some 60 us of work; an engine's payload is usually far smaller). Getting the GIL back

@@ -1,7 +1,7 @@
 //! Token input: a 1-D contiguous numpy integer array of any width, read in place, or a list or
 //! tuple of ints read in one native pass (`pyints`).
 
-use crate::errors::{attached, detach};
+use crate::errors::detach_if;
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -109,10 +109,6 @@ impl<'py> TokenArray<'py> {
         V::Output: Send,
     {
         let tokens = self.as_token_slice()?;
-        if tokens.len() >= detach_min {
-            detach(py, || tokens.visit(visitor))
-        } else {
-            attached(|| tokens.visit(visitor))
-        }
+        detach_if(py, tokens.len() >= detach_min, || tokens.visit(visitor))
     }
 }
