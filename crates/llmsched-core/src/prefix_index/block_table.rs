@@ -12,6 +12,11 @@
 //! dependent cache misses in a table of millions: on the bs64 ingest, such chance matches on
 //! the probes that check an event's new blocks cost more than the probes themselves).
 //!
+//! Offsets are recorded as the node numbers its edge for the table: block `i` of a node's edge
+//! at `base + i` (`Node::base`), so that a split can leave its longer side's entries in place.
+//! Locations handed in (to record, move or forget a block) are recorded ones; [`BlockTable::get`]
+//! answers the offset in the edge.
+//!
 //! Invariant: the table holds exactly one entry per block of the live nodes, and each entry's
 //! location names the block's current position. The tree keeps it across edits that move
 //! blocks (`relocate`, by the old location, while the edges are being rewritten) and checks
@@ -29,6 +34,9 @@ use super::tree::{Loc, Node};
 pub(crate) struct BlockTable {
     table: HashTable<Slot>,
     hasher: DefaultHashBuilder,
+    /// Entries moved so far (the tree's tests bound what its edits move).
+    #[cfg(test)]
+    pub moved: usize,
 }
 
 /// A stored entry: the block's node and, in `word`, its offset, tagged when it fits.
@@ -42,7 +50,7 @@ struct Slot {
 }
 
 const TAGGED: u32 = 1 << 31;
-const TAGGED_OFFSETS: u32 = 1 << 24;
+pub(crate) const TAGGED_OFFSETS: u32 = 1 << 24;
 
 /// 7 bits of the block hash (not those hashbrown's control byte takes from the table's own
 /// hash of it, which is a different function of the block hash).
@@ -83,10 +91,11 @@ impl Slot {
     }
 }
 
-/// The block hash at `loc`, if `loc` is a position of `nodes`.
+/// The block hash recorded at `loc`, if `loc` is a recorded position of `nodes`.
 #[inline]
 fn hash_at(nodes: &[Node], loc: Loc) -> Option<u64> {
-    nodes.get(loc.node as usize)?.hashes.get(loc.offset as usize).copied()
+    let node = nodes.get(loc.node as usize)?;
+    node.hashes.get(loc.offset.checked_sub(node.base)? as usize).copied()
 }
 
 /// The block hash an entry names (for rehashing it).
@@ -109,7 +118,7 @@ impl BlockTable {
         let mut table = HashTable::with_capacity(capacity);
         for (id, node) in nodes.iter().enumerate() {
             for (j, &h) in node.hashes.iter().enumerate() {
-                let slot = Slot::new(h, Loc { node: id as u32, offset: j as u32 });
+                let slot = Slot::new(h, Loc { node: id as u32, offset: node.base + j as u32 });
                 // Room was made above: the hasher is never called.
                 table.insert_unique(self.hasher.hash_one(h), slot, |_| 0);
             }
@@ -126,10 +135,11 @@ impl BlockTable {
         self.table.len()
     }
 
-    /// Where block `hash` is.
+    /// Where block `hash` is: its node and its offset in the node's edge.
     #[inline]
     pub fn get(&self, nodes: &[Node], hash: u64) -> Option<Loc> {
-        self.table.find(self.hash(hash), |&s| s.is(nodes, hash)).map(|s| s.loc())
+        let loc = self.table.find(self.hash(hash), |&s| s.is(nodes, hash))?.loc();
+        Some(Loc { node: loc.node, offset: loc.offset - nodes[loc.node as usize].base })
     }
 
     #[inline]
@@ -203,6 +213,10 @@ impl BlockTable {
     /// Moves block `hash`'s entry from `from` to `to` (the edges may be mid-edit).
     #[inline]
     pub fn relocate(&mut self, hash: u64, from: Loc, to: Loc) {
+        #[cfg(test)]
+        {
+            self.moved += 1;
+        }
         let from = Slot::new(hash, from);
         let found = self.table.find_mut(self.hash(hash), |&s| s == from);
         debug_assert!(found.is_some(), "block {hash:#x} is at {from:?}");

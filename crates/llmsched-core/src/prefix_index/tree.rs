@@ -5,7 +5,9 @@
 //! stamp). A run of blocks held by the same workers is therefore one node, and matching a prompt is
 //! one child lookup per node followed by a tight comparison of u64s along the edge. A global
 //! table from block hash to (node, offset) finds a parent block for `store(.., parent=..)` and
-//! removals; it stores only the location and reads the hash from the edge (`block_table`).
+//! removals; it stores only the location and reads the hash from the edge (`block_table`). Each
+//! node numbers its edge's blocks for that table from a base of its own, so a split or merge
+//! re-records only the shorter side's blocks.
 //!
 //! Invariants: each worker's holdings are prefix-closed (a worker holding a block holds its
 //! parent), so a node's holders are a subset of its parent's. Recency is "whole path": touching a
@@ -15,8 +17,9 @@
 //!
 //! Complexity: match O(nodes on path + blocks compared + holders on path * log(workers)); store
 //! O(blocks + nodes on path), one block-map probe per new block; eviction O(log leaves) per
-//! trimmed node; a split moves the tail's entries in the block map, O(tail length), except where
-//! a removal cuts a node held by one worker alone short in place.
+//! trimmed node; a split or merge moves the block-map entries of its shorter side, O(min of
+//! the two lengths) probes (and a copy of the edge's hashes), and a removal that cuts a node
+//! held by one worker alone short does it in place.
 
 use std::cell::RefCell;
 use std::collections::BTreeSet;
@@ -71,6 +74,9 @@ impl Holder {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Node {
     pub hashes: Vec<u64>,
+    /// The block table records block `i` of this edge at offset `base + i`: a split that keeps
+    /// the tail in this node raises its base instead of re-recording every block of the tail.
+    pub base: u32,
     pub parent: NodeId,
     pub children: Children,
     /// Sorted by worker id.
@@ -88,6 +94,14 @@ const STAGE_MIN: usize = 32;
 /// The model tests store short chains: runs of five blocks or more take the staged path.
 #[cfg(test)]
 const STAGE_MIN: usize = 4;
+
+/// A node's recorded offsets ([`Node::base`] plus the edge's length) stay below this, where the
+/// block table tags its entries; appending past it renumbers the node from zero first.
+#[cfg(not(test))]
+const BASE_LIMIT: u32 = super::block_table::TAGGED_OFFSETS;
+/// The model tests' chains are short: renumber after 12 offsets to exercise it.
+#[cfg(test)]
+const BASE_LIMIT: u32 = 12;
 
 /// Nodes with at least this many holders are matched through bitsets.
 #[cfg(not(test))]
@@ -166,6 +180,9 @@ fn prefetch_slice<T>(items: &[T]) {
     }
 }
 
+/// A block's node and offset. The tree works with offsets into the node's edge; the block
+/// table records `base + offset` ([`Node::base`]): the locations the tree hands it to record,
+/// move or forget are those ([`Tree::recorded`]), and [`BlockTable::get`] answers edge offsets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Loc {
     pub node: NodeId,
@@ -618,19 +635,16 @@ impl Tree {
             let p = self.next_loc(pos, run[i]).expect("run checked by existing_run");
             let len = self.nodes[p.node as usize].hashes.len();
             let to = (p.offset + run.len() - i).min(len);
-            let (node, newly) = self.hold_range(w, p.node, p.offset, to, attrs, touched);
+            let (after, newly) = self.hold_range(w, p.node, p.offset, to, attrs, touched);
             added += newly;
             i += to - p.offset;
-            pos = Pos { node, offset: self.nodes[node as usize].hashes.len() };
-            if to < len && node == p.node {
-                pos.offset = to;
-            }
+            pos = after;
         }
         (pos, added)
     }
 
     /// Makes `w` hold blocks `from..to` of `node` with `attrs` merged in, splitting only when the
-    /// holding changes. Returns the node that now ends at `to` and the blocks newly held.
+    /// holding changes. Returns the position after the range and the blocks newly held.
     fn hold_range(
         &mut self,
         w: WorkerId,
@@ -639,25 +653,26 @@ impl Tree {
         to: usize,
         attrs: Attrs,
         touched: &mut Vec<NodeId>,
-    ) -> (NodeId, u64) {
+    ) -> (Pos, u64) {
         let current = self.nodes[node as usize].holder(w).map(|h| h.attrs);
         if current.is_some_and(|a| a.merged(attrs) == a) {
-            return (node, 0);
+            return (Pos { node, offset: to }, 0);
         }
         let target = self.isolate(node, from, to);
         touched.push(target);
-        let len = (to - from) as u64;
+        let len = to - from;
+        let after = Pos { node: target, offset: len };
         match current {
             Some(a) => {
                 let n = &mut self.nodes[target as usize];
                 n.changed();
                 let h = n.holder_mut(w).expect("holder present");
                 h.attrs = a.merged(attrs);
-                (target, 0)
+                (after, 0)
             }
             None => {
                 self.add_holder(w, target, attrs);
-                (target, len)
+                (after, len as u64)
             }
         }
     }
@@ -673,20 +688,21 @@ impl Tree {
         attrs: Attrs,
         touched: &mut Vec<NodeId>,
     ) -> Pos {
-        let at = pos.node;
+        let mut at = pos.node;
         if pos.offset < self.nodes[at as usize].hashes.len() {
-            self.split(at, pos.offset);
+            at = self.split(at, pos.offset).0;
             touched.push(at);
         }
         if self.can_append(at, w, attrs) {
+            self.make_room_after(at, new.len());
+            let first = self.nodes[at as usize].hashes.len();
             let node = &mut self.nodes[at as usize];
-            let base = node.hashes.len();
             // Exactly: a leaf grows by one engine event at a time, and doubling would leave a
             // quarter of every edge's hashes unused on average.
             node.hashes.reserve_exact(new.len());
             node.hashes.extend_from_slice(new);
             for (j, &h) in new.iter().enumerate() {
-                let loc = Loc { node: at, offset: (base + j) as u32 };
+                let loc = self.recorded(at, first + j);
                 match staged {
                     Some(s) => self.blocks.relocate(h, Loc { node: s, offset: j as u32 }, loc),
                     None => self.blocks.insert_new(&self.nodes, h, loc),
@@ -696,7 +712,7 @@ impl Tree {
                 self.nodes[s as usize] = Node { parent: DEAD, ..Node::default() };
                 self.free.push(s);
             }
-            return Pos { node: at, offset: base + new.len() };
+            return Pos { node: at, offset: first + new.len() };
         }
         let child = match staged {
             Some(s) => {
@@ -730,8 +746,9 @@ impl Tree {
     /// The node ending at `pos`, splitting when the position is inside an edge.
     fn end_node(&mut self, pos: Pos, touched: &mut Vec<NodeId>) -> NodeId {
         if pos.node != ROOT && pos.offset < self.nodes[pos.node as usize].hashes.len() {
-            self.split(pos.node, pos.offset);
-            touched.push(pos.node);
+            let head = self.split(pos.node, pos.offset).0;
+            touched.push(head);
+            return head;
         }
         pos.node
     }
@@ -804,12 +821,49 @@ impl Tree {
         (node as usize) < self.nodes.len() && self.nodes[node as usize].parent != DEAD
     }
 
-    /// Splits `node` before block `at` (0 < at < len); the tail becomes its only child.
-    fn split(&mut self, node: NodeId, at: usize) -> NodeId {
+    /// Where the block table records block `offset` of `node`'s edge.
+    #[inline]
+    pub(crate) fn recorded(&self, node: NodeId, offset: usize) -> Loc {
+        Loc { node, offset: self.nodes[node as usize].base + offset as u32 }
+    }
+
+    /// Before `extra` blocks are appended to `node`'s edge: a node whose base a split raised is
+    /// renumbered from zero when the recorded offsets would pass [`BASE_LIMIT`], so that they
+    /// stay where the block table tags them.
+    fn make_room_after(&mut self, node: NodeId, extra: usize) {
+        let n = &self.nodes[node as usize];
+        if n.base == 0 || n.base as usize + n.hashes.len() + extra < BASE_LIMIT as usize {
+            return;
+        }
+        let base = n.base;
+        for (j, &h) in self.nodes[node as usize].hashes.iter().enumerate() {
+            let from = Loc { node, offset: base + j as u32 };
+            self.blocks.relocate(h, from, Loc { node, offset: j as u32 });
+        }
+        self.nodes[node as usize].base = 0;
+    }
+
+    /// Splits `node` before block `at` (0 < at < len); the tail becomes the head's only child.
+    /// Returns (head, tail). The longer side stays in `node` and keeps its block-table entries;
+    /// the shorter side's move. A worker extending its hold a chunk at a time into a long edge
+    /// others hold (a chunked prefill of a shared prompt) so moves each chunk's entries, not the
+    /// whole rest of the edge's every time.
+    fn split(&mut self, node: NodeId, at: usize) -> (NodeId, NodeId) {
+        let len = self.nodes[node as usize].hashes.len();
+        debug_assert!(at > 0 && at < len);
+        if len - at > at {
+            (self.split_off_head(node, at), node)
+        } else {
+            (node, self.split_off_tail(node, at))
+        }
+    }
+
+    /// [`Self::split`] keeping the head in `node`: the tail becomes a new node, its only child.
+    fn split_off_tail(&mut self, node: NodeId, at: usize) -> NodeId {
         let n = &mut self.nodes[node as usize];
-        debug_assert!(at > 0 && at < n.hashes.len());
         let tail_hashes = n.hashes.split_off(at);
         n.hashes.shrink_to_fit();
+        let from_base = n.base + at as u32;
         let children = std::mem::take(&mut n.children);
         let holders = n.holders.clone();
         for h in &mut n.holders {
@@ -817,7 +871,14 @@ impl Tree {
         }
         let first = tail_hashes[0];
         let dense = OnceLock::new();
-        let tail = self.alloc(Node { hashes: tail_hashes, parent: node, children, holders, dense });
+        let tail = self.alloc(Node {
+            hashes: tail_hashes,
+            base: 0,
+            parent: node,
+            children,
+            holders,
+            dense,
+        });
         self.nodes[node as usize].children.insert(first, tail);
         let grandchildren: Vec<NodeId> =
             self.nodes[tail as usize].children.values().copied().collect();
@@ -825,7 +886,7 @@ impl Tree {
             self.nodes[g as usize].parent = tail;
         }
         for (j, &h) in self.nodes[tail as usize].hashes.iter().enumerate() {
-            let from = Loc { node, offset: (at + j) as u32 };
+            let from = Loc { node, offset: from_base + j as u32 };
             self.blocks.relocate(h, from, Loc { node: tail, offset: j as u32 });
         }
         for h in &self.nodes[tail as usize].holders {
@@ -839,20 +900,57 @@ impl Tree {
         tail
     }
 
+    /// [`Self::split`] keeping the tail in `node` (its base raised by `at`): the head becomes a
+    /// new node in its place under the parent. The tail's children, holders and the leaves
+    /// naming it stay as they are; the head's holders each hold its one child, so none is a leaf.
+    fn split_off_head(&mut self, node: NodeId, at: usize) -> NodeId {
+        let n = &mut self.nodes[node as usize];
+        let mut head_hashes = std::mem::take(&mut n.hashes);
+        n.hashes = head_hashes[at..].to_vec();
+        head_hashes.truncate(at);
+        head_hashes.shrink_to_fit();
+        let from_base = n.base;
+        n.base += at as u32;
+        let parent = n.parent;
+        let mut holders = n.holders.clone();
+        for h in &mut holders {
+            h.child_count = 1;
+        }
+        let mut children = Children::default();
+        children.insert(n.hashes[0], node);
+        let first = head_hashes[0];
+        let count = holders.len();
+        let dense = OnceLock::new();
+        let head =
+            self.alloc(Node { hashes: head_hashes, base: 0, parent, children, holders, dense });
+        self.nodes[node as usize].parent = head;
+        self.nodes[parent as usize].children.insert(first, head);
+        for (j, &h) in self.nodes[head as usize].hashes.iter().enumerate() {
+            let from = Loc { node, offset: from_base + j as u32 };
+            self.blocks.relocate(h, from, Loc { node: head, offset: j as u32 });
+        }
+        self.holder_count += count;
+        head
+    }
+
     /// Splits so that blocks `from..to` of `node` are exactly one node, and returns it.
     fn isolate(&mut self, node: NodeId, from: usize, to: usize) -> NodeId {
+        let mut node = node;
         if to < self.nodes[node as usize].hashes.len() {
-            self.split(node, to);
+            node = self.split(node, to).0;
         }
         if from > 0 {
-            self.split(node, from)
+            self.split(node, from).1
         } else {
             node
         }
     }
 
-    /// Merges `node` with its only child while both hold the same holdings.
+    /// Merges `node` with its only child while both hold the same holdings. The shorter of the
+    /// two moves its block-table entries: the child's are appended to `node`'s edge, or `node`'s
+    /// prepended to the child's when the child's base leaves room below it.
     fn try_merge_down(&mut self, node: NodeId) {
+        let mut node = node;
         while node != ROOT && self.is_live(node) && self.nodes[node as usize].children.len() == 1 {
             let child = *self.nodes[node as usize].children.values().next().expect("one child");
             let (n, c) = (&self.nodes[node as usize], &self.nodes[child as usize]);
@@ -861,32 +959,68 @@ impl Tree {
             if !same {
                 return;
             }
-            let c = std::mem::take(&mut self.nodes[child as usize]);
-            self.nodes[child as usize].parent = DEAD;
-            self.free.push(child);
-            let base = self.nodes[node as usize].hashes.len();
-            for (j, &h) in c.hashes.iter().enumerate() {
-                let from = Loc { node: child, offset: j as u32 };
-                self.blocks.relocate(h, from, Loc { node, offset: (base + j) as u32 });
+            let shorter = n.hashes.len() < c.hashes.len();
+            if shorter && c.base as usize >= n.hashes.len() {
+                self.merge_into_child(node, child);
+                node = child;
+            } else {
+                self.merge_child_into(node, child);
             }
-            for &g in c.children.values() {
-                self.nodes[g as usize].parent = node;
-            }
-            for h in &c.holders {
-                if h.child_count == 0 {
-                    let leaves = &mut self.workers[h.worker as usize].leaves;
-                    leaves.remove(&(h.stamp, child));
-                    leaves.insert((h.stamp, node));
-                }
-            }
-            self.holder_count -= c.holders.len();
-            let n = &mut self.nodes[node as usize];
-            n.hashes.reserve_exact(c.hashes.len());
-            n.hashes.extend_from_slice(&c.hashes);
-            n.children = c.children;
-            n.holders = c.holders;
-            n.changed();
         }
+    }
+
+    /// [`Self::try_merge_down`] appending `child` (same holdings, the only child) to `node`.
+    fn merge_child_into(&mut self, node: NodeId, child: NodeId) {
+        self.make_room_after(node, self.nodes[child as usize].hashes.len());
+        let c = std::mem::take(&mut self.nodes[child as usize]);
+        self.nodes[child as usize].parent = DEAD;
+        self.free.push(child);
+        let first = self.nodes[node as usize].hashes.len();
+        for (j, &h) in c.hashes.iter().enumerate() {
+            let from = Loc { node: child, offset: c.base + j as u32 };
+            self.blocks.relocate(h, from, self.recorded(node, first + j));
+        }
+        for &g in c.children.values() {
+            self.nodes[g as usize].parent = node;
+        }
+        for h in &c.holders {
+            if h.child_count == 0 {
+                let leaves = &mut self.workers[h.worker as usize].leaves;
+                leaves.remove(&(h.stamp, child));
+                leaves.insert((h.stamp, node));
+            }
+        }
+        self.holder_count -= c.holders.len();
+        let n = &mut self.nodes[node as usize];
+        n.hashes.reserve_exact(c.hashes.len());
+        n.hashes.extend_from_slice(&c.hashes);
+        n.children = c.children;
+        n.holders = c.holders;
+        n.changed();
+    }
+
+    /// [`Self::try_merge_down`] prepending `node` to `child` (same holdings, the only child),
+    /// which takes `node`'s place under its parent; `child`'s base is at least `node`'s length.
+    /// `node` is no holder's leaf (each of its holders holds `child`), and `child`'s holders,
+    /// children and the leaves naming it stay as they are.
+    fn merge_into_child(&mut self, node: NodeId, child: NodeId) {
+        let n = std::mem::take(&mut self.nodes[node as usize]);
+        self.nodes[node as usize].parent = DEAD;
+        self.free.push(node);
+        self.nodes[n.parent as usize].children.insert(n.hashes[0], child);
+        let base = self.nodes[child as usize].base - n.hashes.len() as u32;
+        for (j, &h) in n.hashes.iter().enumerate() {
+            let from = Loc { node, offset: n.base + j as u32 };
+            self.blocks.relocate(h, from, Loc { node: child, offset: base + j as u32 });
+        }
+        self.holder_count -= n.holders.len();
+        let c = &mut self.nodes[child as usize];
+        let mut hashes = n.hashes;
+        hashes.reserve_exact(c.hashes.len());
+        hashes.extend_from_slice(&c.hashes);
+        c.hashes = hashes;
+        c.base = base;
+        c.parent = n.parent;
     }
 
     /// Restores compression around nodes whose holdings or structure changed.
@@ -912,9 +1046,13 @@ impl Tree {
         if loc.offset > 0 && node.holders.len() == 1 {
             return self.cut_tail(w, loc.node, loc.offset as usize);
         }
-        let top = if loc.offset > 0 { self.split(loc.node, loc.offset as usize) } else { loc.node };
+        let (head, top) = if loc.offset > 0 {
+            self.split(loc.node, loc.offset as usize)
+        } else {
+            (loc.node, loc.node)
+        };
         let dropped = self.drop_subtree(w, top);
-        self.merge_around(&[loc.node]);
+        self.merge_around(&[head]);
         dropped
     }
 
@@ -924,8 +1062,9 @@ impl Tree {
     /// first moving the tail's block-table entries only to delete them (an engine evicting
     /// a chain tail first does this for nearly every removal).
     fn cut_tail(&mut self, w: WorkerId, node: NodeId, at: usize) -> u64 {
+        let base = self.nodes[node as usize].base;
         for (j, &h) in self.nodes[node as usize].hashes[at..].iter().enumerate() {
-            self.blocks.remove(h, Loc { node, offset: (at + j) as u32 });
+            self.blocks.remove(h, Loc { node, offset: base + (at + j) as u32 });
         }
         let n = &mut self.nodes[node as usize];
         let mut dropped = (n.hashes.len() - at) as u64;
@@ -946,7 +1085,7 @@ impl Tree {
             self.holder_count -= c.holders.len();
             dropped += c.hashes.len() as u64;
             for (j, &h) in c.hashes.iter().enumerate() {
-                self.blocks.remove(h, Loc { node: id, offset: j as u32 });
+                self.blocks.remove(h, Loc { node: id, offset: c.base + j as u32 });
             }
             stack.extend(c.children.values().copied());
             self.nodes[id as usize].parent = DEAD;
@@ -1012,7 +1151,7 @@ impl Tree {
             let n = std::mem::take(&mut self.nodes[id as usize]);
             debug_assert!(n.holders.is_empty());
             for (j, &h) in n.hashes.iter().enumerate() {
-                self.blocks.remove(h, Loc { node: id, offset: j as u32 });
+                self.blocks.remove(h, Loc { node: id, offset: n.base + j as u32 });
             }
             stack.extend(n.children.values().copied());
             self.nodes[id as usize].parent = DEAD;

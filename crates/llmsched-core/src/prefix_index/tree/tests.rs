@@ -52,9 +52,10 @@ fn shape(t: &Tree) -> String {
 /// `drop_from` without its shortcut: split off the tail, drop it, merge around.
 fn drop_by_split(t: &mut Tree, w: WorkerId, hash: u64) -> u64 {
     let loc = t.blocks.get(&t.nodes, hash).expect("a held block");
-    let top = if loc.offset > 0 { t.split(loc.node, loc.offset as usize) } else { loc.node };
+    let (head, top) =
+        if loc.offset > 0 { t.split(loc.node, loc.offset as usize) } else { (loc.node, loc.node) };
     let dropped = t.drop_subtree(w, top);
-    t.merge_around(&[loc.node]);
+    t.merge_around(&[head]);
     dropped
 }
 
@@ -117,6 +118,57 @@ fn a_staged_run_onto_a_leaf_held_alone_extends_it() {
     let node = t.blocks.get(&t.nodes, c[0][0]).unwrap().node;
     assert_eq!(t.nodes[node as usize].hashes, c[0], "one edge, grown in place");
     assert_eq!(t.live_nodes(), 1);
+    shape(&t);
+}
+
+/// A worker extending its hold a chunk at a time into a long edge another worker holds alone
+/// (a chunked prefill of a shared prompt): each split leaves the longer tail where it is and
+/// moves the chunk's entries, so a store moves a few chunks' worth, not the rest of the edge.
+#[test]
+fn a_chunked_extension_into_a_long_edge_moves_only_the_chunks() {
+    let chain = chain_hashes(&(0..120u32).collect::<Vec<u32>>(), 2, 0).expect("valid tokens");
+    let mut t = Tree::new();
+    t.store(0, &chain[..30], None, HELD).unwrap();
+    let long = t.blocks.get(&t.nodes, chain[0]).unwrap().node;
+    let chunk = 3;
+    for k in 0..8 {
+        let (from, to) = (k * chunk, (k + 1) * chunk);
+        let parent = (k > 0).then(|| chain[from - 1]);
+        t.blocks.moved = 0;
+        t.store(1, &chain[from..to], parent, HELD).unwrap();
+        // The tail stays in the same node, numbered from where it starts in the chain.
+        assert_eq!(t.nodes[long as usize].hashes, chain[to..30]);
+        assert_eq!(t.nodes[long as usize].base as usize, to);
+        assert!(t.blocks.moved <= 2 * chunk, "chunk {k}: {} entries moved", t.blocks.moved);
+        // What the two share is one node again.
+        let shared = t.blocks.get(&t.nodes, chain[0]).unwrap().node;
+        assert_eq!(t.nodes[shared as usize].hashes, chain[..to]);
+        shape(&t);
+    }
+    // Worker 1 lets go: the shared head (24 blocks) and the tail (6) are one edge again, the
+    // tail's entries moved.
+    t.blocks.moved = 0;
+    assert_eq!(t.drop_from(1, chain[0]), 24);
+    assert_eq!(t.blocks.moved, 6);
+    assert_eq!(t.live_nodes(), 1);
+    let long = t.blocks.get(&t.nodes, chain[0]).unwrap().node;
+    assert_eq!(t.nodes[long as usize].hashes, chain[..30]);
+    // A short head split off and merged back: only its entries move, both ways, and the long
+    // side keeps its node.
+    t.blocks.moved = 0;
+    t.store(1, &chain[..2], None, HELD).unwrap();
+    assert_eq!((t.nodes[long as usize].base, t.blocks.moved), (2, 2));
+    assert_eq!(t.drop_from(1, chain[0]), 2);
+    assert_eq!((t.nodes[long as usize].base, t.blocks.moved), (0, 4));
+    assert_eq!(t.nodes[long as usize].hashes, chain[..30]);
+    shape(&t);
+    // Split again near the head, then the tail grows past the renumbering limit: the node is
+    // renumbered from zero and every block is still found.
+    t.store(1, &chain[..2], None, HELD).unwrap();
+    assert!(t.nodes[long as usize].base > 0);
+    t.store(0, &chain[30..60], Some(chain[29]), HELD).unwrap();
+    assert_eq!(t.nodes[long as usize].hashes, chain[2..60]);
+    assert_eq!(t.nodes[long as usize].base, 0);
     shape(&t);
 }
 
