@@ -179,6 +179,20 @@ def _chats() -> list[tuple[str, list[dict[str, Any]]]]:
                 }
             ],
         ),
+        (
+            # Parts after plain messages: the messages before the first list keep their place.
+            "list-content-later",
+            [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "plain first"},
+                {"role": "assistant", "content": [{"type": "text", "text": "a listed answer"}]},
+                {"role": "user", "content": "plain again"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}],
+                },
+            ],
+        ),
         ("named", [{"role": "user", "name": "alice", "content": "hi, it's me"}]),
     ]
     rng = random.Random(17)

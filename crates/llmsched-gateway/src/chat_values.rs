@@ -107,14 +107,20 @@ impl Members {
         if members.len() > SMALL {
             return Value::from_iter(members);
         }
-        let mut unique: Vec<(Value, Value)> = Vec::with_capacity(members.len());
-        for (key, value) in members {
-            match unique.iter_mut().find(|(seen, _)| *seen == key) {
-                Some(slot) => slot.1 = value,
-                None => unique.push((key, value)),
+        let mut members = members;
+        // In place: a later repeat's value moves into the first place of its key.
+        let mut kept = 0;
+        for i in 0..members.len() {
+            match members[..kept].iter().position(|(seen, _)| *seen == members[i].0) {
+                Some(first) => members[first].1 = std::mem::take(&mut members[i].1),
+                None => {
+                    members.swap(kept, i);
+                    kept += 1;
+                }
             }
         }
-        Value::from_object(Members(unique))
+        members.truncate(kept);
+        Value::from_object(Members(members))
     }
 }
 

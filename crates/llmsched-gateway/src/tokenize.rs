@@ -476,14 +476,16 @@ fn strftime_now(format: String) -> Result<Value, Error> {
 }
 
 /// Messages as the template sees them: each a map with a string role; a list content is
-/// reduced to its text parts joined by newlines (vLLM's "string" content format).
+/// reduced to its text parts joined by newlines (vLLM's "string" content format). Messages
+/// whose contents are all strings are the template's as they are (no new list).
 fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
     let shape =
         || PromptProblem("messages must be a non-empty list of {role, content} objects".into());
     if messages.kind() != ValueKind::Seq || messages.len() == Some(0) {
         return Err(shape());
     }
-    let mut out = Vec::with_capacity(messages.len().unwrap_or(0));
+    // The messages before the first reduced one are copied in when it is met.
+    let mut out: Option<Vec<Value>> = None;
     for (i, message) in messages.try_iter().map_err(|_| shape())?.enumerate() {
         let role = message.get_attr("role").ok();
         if message.kind() != ValueKind::Map || role.as_ref().and_then(Value::as_str).is_none() {
@@ -517,7 +519,11 @@ fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
             }
         };
         match reduced {
-            None => out.push(message),
+            None => {
+                if let Some(out) = out.as_mut() {
+                    out.push(message);
+                }
+            }
             Some(text) => {
                 let keys = message.try_iter().map_err(|_| shape())?;
                 let fields: Vec<(Value, Value)> = keys
@@ -530,11 +536,16 @@ fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
                         (key, value)
                     })
                     .collect();
+                let out = out.get_or_insert_with(|| {
+                    let mut before = Vec::with_capacity(messages.len().unwrap_or(0));
+                    before.extend(messages.try_iter().into_iter().flatten().take(i));
+                    before
+                });
                 out.push(Value::from_iter(fields));
             }
         }
     }
-    Ok(Value::from(out))
+    Ok(out.map_or_else(|| messages.clone(), Value::from))
 }
 
 /// `{{ value }}` as Jinja on Python writes it: Python's `str()` (`None`, `True`, `['a']`).
