@@ -164,6 +164,41 @@ fn a_replay_in_flight_when_the_feed_stops_is_forgotten() {
 }
 
 #[test]
+fn a_hole_held_across_a_stop_is_asked_for_after_the_start() {
+    // Without catch-ups: the hole's wait was spent before the stop (no late arrival can come
+    // on a closed socket), so the first check after the start replays it.
+    let (mut s, mut w) = (Stream::new(config()), Recorder { replay: true, ..Default::default() });
+    s.on_live(0, batch(0), 0.0, &mut w);
+    s.on_live(2, batch(2), 0.01, &mut w); // held, 1 missing
+    s.stopped();
+    s.connected(true, 10.0, &mut w);
+    assert!(w.asked.is_empty());
+    let due = s.next_deadline().expect("the hole's deadline is kept");
+    assert!((due - 0.06).abs() < 1e-9, "{due}");
+    s.check_timers(10.0, &mut w);
+    assert_eq!(w.asked, [1]);
+    for seq in [1, 2, -1] {
+        s.on_replay_reply(&reply(seq), b"", 10.1, &mut w);
+    }
+    assert_eq!(w.applied, [0, 1, 2]);
+    assert_eq!(s.counts.get(Counter::Gaps), 1);
+    // With catch-ups: the start's catch-up asks from the hole and fills it, no gap counted.
+    let (mut s, mut w) = catching_up();
+    s.on_live(0, batch(0), 0.0, &mut w);
+    s.on_live(2, batch(2), 0.01, &mut w);
+    s.stopped();
+    s.connected(true, 10.0, &mut w);
+    assert_eq!(w.asked, [1]);
+    s.check_timers(10.0, &mut w);
+    assert_eq!(w.asked, [1], "the catch-up covers the hole");
+    for seq in [1, 2, 3, -1] {
+        s.on_replay_reply(&reply(seq), b"", 10.1, &mut w);
+    }
+    assert_eq!(w.applied, [0, 1, 2, 3]);
+    assert_eq!(s.counts.get(Counter::Gaps), 0);
+}
+
+#[test]
 fn a_gap_replay_that_times_out_is_not_a_catch_up() {
     let (mut s, mut w) = catching_up();
     s.on_live(0, batch(0), 0.0, &mut w);
