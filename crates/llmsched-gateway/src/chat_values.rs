@@ -22,10 +22,10 @@ pub const SMALL: usize = 16;
 /// A JSON text as the template's value (see the module documentation).
 ///
 /// A raw value is valid JSON by construction, and the body it came from was checked whole
-/// ([`crate::payload::Payload::parse`]): a direct reader ([`Direct`]) takes the usual shapes,
-/// finding each string's end with `memchr` where serde_json checks every byte again for
-/// control characters. What it does not take (a float, an integer past 64 bits, a lone
-/// surrogate escape, nesting past [`DIRECT_DEPTH`]) is read by serde_json, which decides it.
+/// ([`crate::payload::Payload::parse`]): a direct reader takes the usual shapes, finding each
+/// string's end with `memchr` where serde_json checks every byte again for control
+/// characters. What it does not take (a float, an integer past 64 bits, a lone surrogate
+/// escape, nesting past 100 levels) is read by serde_json, which decides it.
 pub fn template_value(raw: &RawValue) -> Result<Value, serde_json::Error> {
     let text = raw.get();
     let mut direct = Direct { text, at: 0, depth: 0 };
