@@ -410,3 +410,48 @@ def test_match_result_reads_like_a_mapping() -> None:
     assert index.match(h).best == ["c"]
     empty = index.match(chain(index, 500, 3))
     assert empty.best == [] and empty.top(3) == [] and len(empty) == 0 and dict(empty) == {}
+
+
+def test_chunked_extensions_into_long_shared_edges_agree_with_the_twin() -> None:
+    """Workers extending their holds chunk by chunk into long edges others hold (each chunk
+    splits an edge and merges the last split back, moving the shorter side), with removals
+    and capacity evictions between them: every match, holding and snapshot equals the twin's."""
+    rng = np.random.default_rng(11)
+    index = PrefixIndex(block_size=2)
+    twin = ReferencePrefixIndex(block_size=2)
+    chain = [int(h) for h in index.hash_tokens(np.arange(2 * 1500, dtype=np.uint32))]
+    branch = [int(h) for h in index.hash_tokens(np.arange(2 * 1500, dtype=np.uint32) % 1400)]
+    for target in (index, twin):
+        target.store("a", chain, None, "gpu")
+    extents = {"b": 0, "c": 0, "d": 0}
+    for step in range(300):
+        worker = str(rng.choice(list(extents)))
+        start = extents[worker]
+        if start < len(chain) and rng.random() < 0.85:
+            end = min(len(chain), start + int(rng.integers(1, 60)))
+            parent = chain[start - 1] if start else None
+            for target in (index, twin):
+                target.store(worker, chain[start:end], parent, "cpu" if worker == "d" else "gpu")
+            extents[worker] = end
+        elif start > 0:
+            # The engine evicts from somewhere in the worker's hold to its end.
+            cut = int(rng.integers(0, start))
+            for target in (index, twin):
+                target.remove(worker, [chain[cut]])
+            extents[worker] = cut
+        if step % 50 == 49:
+            # Another worker on the shared head and a branch off it, then its capacity trims
+            # its oldest leaves.
+            cap = int(rng.integers(100, 600))
+            for target in (index, twin):
+                target.store("e", branch[:760], None, "gpu")
+                target.set_capacity("e", cap)
+        if step % 10 == 0:
+            got = {str(w): b for w, b in index.match(chain).as_dict().items()}
+            want = {str(w): b for w, b in twin.match(chain, 0.0).items()}
+            assert got == {w: d[0] for w, d in want.items()}, step
+    for w in twin.workers():
+        assert index.holdings(w) == twin.holdings(w), w
+    restored = PrefixIndex.loads(index.dumps())
+    assert restored.match(chain).as_dict() == index.match(chain).as_dict()
+    assert restored.match(branch).as_dict() == index.match(branch).as_dict()
