@@ -172,52 +172,56 @@ impl<'a> Direct<'a> {
     }
 
     fn array(&mut self) -> Option<Value> {
-        self.enter()?;
         let mut items = Vec::new();
-        self.skip_whitespace();
-        if self.peek() == Some(b']') {
-            self.at += 1;
-        } else {
-            loop {
-                items.push(self.value()?);
-                self.skip_whitespace();
-                match self.peek()? {
-                    b',' => self.at += 1,
-                    b']' => {
-                        self.at += 1;
-                        break;
-                    }
-                    _ => return None,
-                }
-            }
-        }
-        self.depth -= 1;
+        self.elements(b']', |this| {
+            items.push(this.value()?);
+            Some(())
+        })?;
         Some(Value::from(items))
     }
 
     fn object(&mut self) -> Option<Value> {
-        self.enter()?;
         let mut members: Vec<(Value, Value)> = Vec::with_capacity(4);
+        self.elements(b'}', |this| {
+            this.skip_whitespace();
+            if this.peek()? != b'"' {
+                return None;
+            }
+            let key = Value::from(&*this.string()?);
+            this.skip_whitespace();
+            if this.peek()? != b':' {
+                return None;
+            }
+            this.at += 1;
+            members.push((key, this.value()?));
+            Some(())
+        })?;
+        Some(Members::value(members))
+    }
+
+    /// The comma-separated elements of the array or object at the cursor (its opening
+    /// bracket), each read by `element`, through the `close` bracket; None past
+    /// [`DIRECT_DEPTH`] levels or on anything else.
+    fn elements(
+        &mut self,
+        close: u8,
+        mut element: impl FnMut(&mut Self) -> Option<()>,
+    ) -> Option<()> {
+        self.at += 1;
+        self.depth += 1;
+        if self.depth > DIRECT_DEPTH {
+            return None;
+        }
         self.skip_whitespace();
-        if self.peek() == Some(b'}') {
+        if self.peek() == Some(close) {
             self.at += 1;
         } else {
             loop {
-                self.skip_whitespace();
-                if self.peek()? != b'"' {
-                    return None;
-                }
-                let key = Value::from(&*self.string()?);
-                self.skip_whitespace();
-                if self.peek()? != b':' {
-                    return None;
-                }
-                self.at += 1;
-                members.push((key, self.value()?));
+                element(self)?;
                 self.skip_whitespace();
                 match self.peek()? {
                     b',' => self.at += 1,
-                    b'}' => {
+                    b if b == close => {
                         self.at += 1;
                         break;
                     }
@@ -226,14 +230,7 @@ impl<'a> Direct<'a> {
             }
         }
         self.depth -= 1;
-        Some(Members::value(members))
-    }
-
-    /// Past the opening bracket, one level deeper (None past [`DIRECT_DEPTH`]).
-    fn enter(&mut self) -> Option<()> {
-        self.at += 1;
-        self.depth += 1;
-        (self.depth <= DIRECT_DEPTH).then_some(())
+        Some(())
     }
 }
 

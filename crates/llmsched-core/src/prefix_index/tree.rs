@@ -696,13 +696,14 @@ impl Tree {
         if self.can_append(at, w, attrs) {
             self.make_room_after(at, new.len());
             let first = self.nodes[at as usize].hashes.len();
+            let recorded = self.recorded(at, first).offset;
             let node = &mut self.nodes[at as usize];
             // Exactly: a leaf grows by one engine event at a time, and doubling would leave a
             // quarter of every edge's hashes unused on average.
             node.hashes.reserve_exact(new.len());
             node.hashes.extend_from_slice(new);
             for (j, &h) in new.iter().enumerate() {
-                let loc = self.recorded(at, first + j);
+                let loc = Loc { node: at, offset: recorded + j as u32 };
                 match staged {
                     Some(s) => self.blocks.relocate(h, Loc { node: s, offset: j as u32 }, loc),
                     None => self.blocks.insert_new(&self.nodes, h, loc),
@@ -975,10 +976,10 @@ impl Tree {
         let c = std::mem::take(&mut self.nodes[child as usize]);
         self.nodes[child as usize].parent = DEAD;
         self.free.push(child);
-        let first = self.nodes[node as usize].hashes.len();
+        let recorded = self.recorded(node, self.nodes[node as usize].hashes.len()).offset;
         for (j, &h) in c.hashes.iter().enumerate() {
             let from = Loc { node: child, offset: c.base + j as u32 };
-            self.blocks.relocate(h, from, self.recorded(node, first + j));
+            self.blocks.relocate(h, from, Loc { node, offset: recorded + j as u32 });
         }
         for &g in c.children.values() {
             self.nodes[g as usize].parent = node;
