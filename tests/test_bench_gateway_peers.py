@@ -190,3 +190,25 @@ def test_the_scheduling_policy_wraps_every_command_of_the_load() -> None:
     load_args.sched = "normal"
     command = bench.load_command(gen, None, ["http://x"], 1000.0, load_args, False, [])
     assert command[0] == "gen" and "--stream" not in command
+
+
+def test_the_kernel_share_is_the_system_part_of_the_ticks_or_none_when_too_few() -> None:
+    assert bench.kernel_share((100, 50), (130, 70)) == pytest.approx(0.4)
+    assert bench.kernel_share((0, 0), (10, 9)) is None, "19 ticks cannot tell"
+    assert bench.user_system_ticks([]) == (0, 0)
+    results = bench.Results()
+    for share in (0.4, 0.5, 0.45):
+        through = bench.figures_of(report(None, None))
+        through["kernel_share"] = share
+        results.add(("gw", "json", 1000.0), through)
+        results.add(("direct", "json", 1000.0), bench.figures_of(report(None, None)))
+    (row,) = bench.rows_of(results)
+    assert row.kernel_share == pytest.approx(0.45)
+    assert "| 45% |" in bench.table([row])
+
+
+def test_ticks_are_read_for_a_live_process() -> None:
+    import os
+
+    user, system = bench.user_system_ticks([os.getpid()])
+    assert user + system > 0, "this process has run"

@@ -8,7 +8,10 @@ gateway for each load. The gateways are interleaved (their order rotates each re
 figure is the median over the repeats:
 
 * CPU per request: the gateway process's (and its children's) user + system CPU time over the
-  measured window, per request sent;
+  measured window, per request sent; its kernel share, the system part of the gateway's CPU
+  over the whole load (warm-up included, from ``/proc/PID/stat``'s clock ticks): the sockets'
+  reads and writes, the loopback's TCP work and the thread's sleeps and wake-ups, which every
+  proxy pays alike, against the user part, which is the gateway's own;
 * added latency p50 / p99: the gateway's latency quantile minus the direct one of the same
   repeat; TTFT overhead p50 the same for the time to first token; ITL p99 of streams;
 * streamed, net of the engine (``stream net added p50 / p99``): a stream's latency is mostly
@@ -113,6 +116,7 @@ class Figures(TypedDict, total=False):
     net_p99: float | None
     relay_p50: float | None
     relay_p99: float | None
+    kernel_share: float | None
 
 
 StampedKey = Literal["net_p50", "net_p99", "relay_p50", "relay_p99"]
@@ -191,6 +195,30 @@ def descendants(pid: int) -> list[int]:
         found.append(p)
         stack.extend(children.get(p, []))
     return found
+
+
+def user_system_ticks(pids: Sequence[int]) -> tuple[int, int]:
+    """Clock ticks every thread of ``pids`` spent in user and in kernel mode so far
+    (``utime`` and ``stime`` of ``/proc/PID/stat``); processes gone count nothing."""
+    user = system = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        # Fields after the command name (which may hold spaces) in parentheses; utime and
+        # stime are the 14th and 15th of the whole line.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        user += int(fields[11])
+        system += int(fields[12])
+    return user, system
+
+
+def kernel_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """The kernel's part of the CPU time between two :func:`user_system_ticks` readings (None
+    when too few ticks passed to tell: under 20, a tick being 10 ms)."""
+    user, system = after[0] - before[0], after[1] - before[1]
+    return system / (user + system) if user + system >= 20 else None
 
 
 def cpu_ns(pids: Sequence[int]) -> int:
@@ -603,7 +631,9 @@ def run_gateway(
                 results.add((paired_name(gateway.name), answer, rate), paired)
                 report_line(paired_name(gateway.name), answer, rate, paired)
             else:
+                ticks = user_system_ticks(pids)
                 figures = load(load_bin, args.client_core, [url], rate, args, stream, pids)
+                figures["kernel_share"] = kernel_share(ticks, user_system_ticks(pids))
             results.add((gateway.name, answer, rate), figures)
             report_line(gateway.name, answer, rate, figures)
             held(answer, figures)
@@ -623,8 +653,10 @@ def report_line(name: str, answer: str, rate: float, figures: Figures) -> None:
     """One load's figures as they come (the table follows at the end)."""
     net = figures.get("net_p50")
     stamped = "" if net is None else f" net p50 {net} p99 {figures.get('net_p99')} ms"
+    share = figures.get("kernel_share")
+    kernel = "" if share is None else f" (kernel {share:.0%})"
     print(
-        f"  {name:24} {answer:6} {rate:6g}/s  cpu {figures.get('cpu_ms')} ms/req  "
+        f"  {name:24} {answer:6} {rate:6g}/s  cpu {figures.get('cpu_ms')} ms/req{kernel}  "
         f"p50 {figures['latency_p50']} p99 {figures['latency_p99']} ttft {figures['ttft_p50']} ms"
         f"{stamped}  errors {figures['errors']} {figures.get('error_kinds') or ''}",
         flush=True,
@@ -656,6 +688,7 @@ class Row:
     net_added_p99: float | None = None
     relay_added_p50: float | None = None
     relay_added_p99: float | None = None
+    kernel_share: float | None = None
 
     @property
     def mode(self) -> str:
@@ -693,6 +726,7 @@ def rows_of(results: Results) -> list[Row]:
                 answer=answer,
                 rate=rate,
                 cpu_ms=median([f.get("cpu_ms") for f in runs]),
+                kernel_share=median([f.get("kernel_share") for f in runs]),
                 added_p50=median([a[0] for a in added]),
                 added_p99=median([a[1] for a in added]),
                 ttft_overhead_p50=median([a[2] for a in added]),
@@ -755,6 +789,10 @@ def _ratio(mine: float | None, theirs: float | None) -> str:
     return f"{mine / theirs:.2f}x"
 
 
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
+
+
 def _errors(row: Row) -> str:
     if not row.errors:
         return "0"
@@ -766,17 +804,19 @@ def table(rows: Sequence[Row]) -> str:
     """The summary as a markdown table, each llmsched row with its ratios to the best peer."""
     best = best_peers(rows)
     lines = [
-        "| answer | rate/s | gateway | CPU ms/req | added p50 / p99 ms | TTFT overhead p50 ms "
+        "| answer | rate/s | gateway | CPU ms/req | kernel share | added p50 / p99 ms "
+        "| TTFT overhead p50 ms "
         "| stream net added p50 / p99 ms | relay added p50 / p99 ms "
         "| ITL p99 ms | errors | best peer | CPU ratio | added p50 ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         peer = best.get((row.answer, row.rate, row.mode))
         versus = peer if peer is not None and peer is not row else None
         lines.append(
             f"| {row.answer} | {row.rate:g} | {row.gateway} | {_fmt(row.cpu_ms)} | "
-            f"{_fmt(row.added_p50)} / {_fmt(row.added_p99)} | {_fmt(row.ttft_overhead_p50)} | "
+            f"{_share(row.kernel_share)} | {_fmt(row.added_p50)} / {_fmt(row.added_p99)} | "
+            f"{_fmt(row.ttft_overhead_p50)} | "
             f"{_fmt(row.net_added_p50)} / {_fmt(row.net_added_p99)} | "
             f"{_fmt(row.relay_added_p50)} / {_fmt(row.relay_added_p99)} | "
             f"{_fmt(row.itl_p99)} | {_errors(row)} | {versus.gateway if versus else '-'} | "
