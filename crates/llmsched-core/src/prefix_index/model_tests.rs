@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 
-use super::{IndexConfig, IndexStats, PrefixIndex, Tier, WorkerKey};
+use super::{tree, IndexConfig, IndexStats, PrefixIndex, Tier, WorkerKey};
 use crate::hashing::chain_hashes;
 
 #[derive(Clone, Debug)]
@@ -260,6 +260,10 @@ fn check(index: &PrefixIndex, model: &Model, chains: &[Vec<u64>], now: f64) {
         assert_eq!(got, want);
     }
     assert_eq!(index.stats().blocks, model.parent_of.len());
+    let st = index.state.read();
+    for w in 0..st.tree.workers.len() {
+        st.tree.check_leaves(w as tree::WorkerId);
+    }
 }
 
 /// Applies `ops` to the index and the model, checking after each. `fillers` workers holding

@@ -1200,6 +1200,19 @@ impl Tree {
         evicted
     }
 
+    /// Asserts that `w`'s leaf set is every holding of `w` with no held child, keyed by its
+    /// stamp: the order eviction follows.
+    #[cfg(test)]
+    pub fn check_leaves(&self, w: WorkerId) {
+        let want: BTreeSet<(u64, NodeId)> = (0..self.nodes.len())
+            .filter(|&id| self.is_live(id as NodeId))
+            .filter_map(|id| self.nodes[id].holder(w).map(|h| (h, id as NodeId)))
+            .filter(|(h, _)| h.child_count == 0)
+            .map(|(h, id)| (h.stamp, id))
+            .collect();
+        assert_eq!(self.workers[w as usize].leaves, want, "w{w}'s leaves");
+    }
+
     /// The stamp of `w`'s least recently used leaf.
     pub fn oldest_leaf_stamp(&self, w: WorkerId) -> Option<u64> {
         self.workers.get(w as usize)?.leaves.first().map(|&(s, _)| s)

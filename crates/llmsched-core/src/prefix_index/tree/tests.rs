@@ -35,6 +35,7 @@ fn shape(t: &Tree) -> String {
     let mut out = String::new();
     node(t, ROOT, &mut out);
     for (w, wt) in t.workers.iter().enumerate() {
+        t.check_leaves(w as WorkerId);
         let leaves: Vec<(u64, u64)> =
             wt.leaves.iter().map(|&(s, id)| (s, t.nodes[id as usize].hashes[0])).collect();
         out.push_str(&format!(" w{w}: held {} leaves {leaves:?}", wt.held));
