@@ -6,6 +6,7 @@ read into figures, the streamed added latency net of the engine (stamped streams
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -208,7 +209,5 @@ def test_the_kernel_share_is_the_system_part_of_the_ticks_or_none_when_too_few()
 
 
 def test_ticks_are_read_for_a_live_process() -> None:
-    import os
-
     user, system = bench.user_system_ticks([os.getpid()])
     assert user + system > 0, "this process has run"

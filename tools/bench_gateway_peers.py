@@ -619,6 +619,7 @@ def run_gateway(
                 results.idle.setdefault(gateway.name, []).append(idle)
             pids = descendants(child.pid)
             stream = answer == "stream"
+            ticks = user_system_ticks(pids)
             if args.paired:
                 # The direct half of the pair, at once: another seed, so that the two
                 # schedules do not send at the same instants.
@@ -631,9 +632,8 @@ def run_gateway(
                 results.add((paired_name(gateway.name), answer, rate), paired)
                 report_line(paired_name(gateway.name), answer, rate, paired)
             else:
-                ticks = user_system_ticks(pids)
                 figures = load(load_bin, args.client_core, [url], rate, args, stream, pids)
-                figures["kernel_share"] = kernel_share(ticks, user_system_ticks(pids))
+            figures["kernel_share"] = kernel_share(ticks, user_system_ticks(pids))
             results.add((gateway.name, answer, rate), figures)
             report_line(gateway.name, answer, rate, figures)
             held(answer, figures)
