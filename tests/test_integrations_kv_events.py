@@ -620,6 +620,9 @@ def test_a_replay_in_flight_at_stop_does_not_hold_up_the_catch_up_after_start(
 
     def before_stop() -> None:
         assert sub.worker_state(spec.worker_id)["replaying"]
+        # The request sent is not yet read when the subscriber says it is replaying: flipping
+        # the switch before the fake has read (and ignored) it would answer it after all.
+        wait(sub, lambda c: fake.replay_ignored == [0])
         fake.replay_answers = True  # for the next start's catch-up
 
     c = restart_across_an_outage(fake, sub, spec.worker_id, payloads, before_stop)

@@ -108,7 +108,8 @@ class FakeKVPublisher:
 
     The PUB side is an XPUB socket so that :meth:`wait_subscribed` can tell when a subscription
     has arrived; subscribers see an ordinary publisher. Set ``replay_answers = False`` to make
-    the replay socket ignore requests (a replay that times out), or ``replay_delay_s`` to answer
+    the replay socket ignore requests (a replay that times out; ``replay_ignored`` lists their
+    starts, ``replay_requests`` those answered), or ``replay_delay_s`` to answer
     each request that many seconds late (the live stream keeps flowing meanwhile).
     """
 
@@ -127,6 +128,8 @@ class FakeKVPublisher:
         self.replay_answers = True
         self.replay_delay_s = 0.0
         self.replay_requests: list[int] = []
+        # Requests read while ``replay_answers`` was False (left unanswered), by start.
+        self.replay_ignored: list[int] = []
         self._due_replays: list[tuple[float, bytes, int]] = []  # (when, client, start)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
@@ -309,10 +312,13 @@ class FakeKVPublisher:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3 or not self.replay_answers:
+            if len(frames) != 3:
                 continue
             client, _, start_bytes = frames
             start = int.from_bytes(start_bytes, "big")
+            if not self.replay_answers:
+                self.replay_ignored.append(start)
+                continue
             self.replay_requests.append(start)
             due = time.monotonic() + self.replay_delay_s
             self._due_replays.append((due, client, start))
