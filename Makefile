@@ -9,7 +9,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build build-dev build-freethreaded test-freethreaded wheel test-wheel test test-rust test-python test-engines bench-engines vllm-env lint docs fmt servers \
+.PHONY: help venv build build-dev pgo-profile build-freethreaded test-freethreaded wheel test-wheel test test-rust test-python test-engines bench-engines vllm-env lint docs fmt servers \
 	bench bench-peers bench-index-peers bench-threads bench-gateway-peers bench-gateway-ladder bench-rust demo fuzz clean
 
 help: ## List the targets
@@ -23,9 +23,18 @@ $(VENV)/.deps: pyproject.toml
 
 venv: $(VENV)/.deps ## Create the virtual environment with every Python dependency
 
+# Profile-guided optimisation: the extension (`make build`) and the wheel compile with the kept
+# execution profile, pgo/llmsched.profdata.xz, when this rustc's LLVM can read it; LLMSCHED_PGO=0
+# builds without it. `make pgo-profile` remakes it from a training load (tools/pgo_profile.py).
+# LLVM finds each function's part of the profile by its symbol, whose hash cargo derives from the
+# build's settings, and the wheel's zig-linked build has other hashes than `make build`'s: the
+# profile holds a training of each.
+PGO_RUSTFLAGS := $(shell python3 tools/pgo_profile.py rustflags)
+RELEASE_ENV := RUSTFLAGS="$(strip $(RUSTFLAGS) $(PGO_RUSTFLAGS))"
+
 build: $(VENV)/.deps ## Build the Rust extension (release) into the virtual environment
 	rm -f python/llmsched/_llmsched*.so
-	$(BIN)/maturin develop --release --uv -q
+	$(RELEASE_ENV) $(BIN)/maturin develop --release --uv -q
 
 # Unoptimised: compiles several times faster, runs the Rust code 10-50x slower. For editing and
 # type-checking; take figures (bench, demo, sim) and run the simulator tests on `make build`.
@@ -47,7 +56,7 @@ WHEEL_TARGET_DIR ?= target/wheel
 
 $(DIST)/.stamp: $(WHEEL_SOURCES) | $(VENV)/.deps
 	rm -f $(DIST)/llmsched-*.whl $(DIST)/llmsched-*.tar.gz
-	CARGO_TARGET_DIR=$(WHEEL_TARGET_DIR) $(BIN)/maturin build --release --zig --compatibility manylinux2014 --out $(DIST)
+	$(RELEASE_ENV) CARGO_TARGET_DIR=$(WHEEL_TARGET_DIR) $(BIN)/maturin build --release --zig --compatibility manylinux2014 --out $(DIST)
 	$(BIN)/maturin sdist --out $(DIST)
 	$(PY) tools/wheel_check.py tags $(DIST)/llmsched-*.whl
 	touch $@
@@ -235,6 +244,14 @@ bench-engines: build vllm-env $(CLIENT_VENV)/.deps ## Policies on two real vLLM 
 bench-rust: ## The criterion benchmarks (pure Rust figures)
 	cargo bench -p llmsched-core
 	cargo bench -p llmsched-sim
+
+# The kept execution profile (pgo/llmsched.profdata.xz and pgo/profile.json), remade from a
+# training load run on two instrumented builds, `make build`'s and the wheel's (in
+# target/pgo-generate-*): about twelve minutes.
+pgo-profile: build ## Remake the profile-guided optimisation's profile (pgo/) from a training load
+	cargo build --release -p llmsched-bench
+	$(PY) tools/pgo_profile.py make
+	$(MAKE) --no-print-directory build
 
 demo: build ## Run the main job: the simulator comparing routing policies (llmsched demo = llmsched sim)
 	$(PY) -m llmsched demo
