@@ -3,16 +3,16 @@
 The extension's release builds (``make build``, ``make wheel``) compile the Rust code with the
 execution profile kept in ``pgo/llmsched.profdata.xz``: LLVM lays out the hot paths
 together, inlines and orders branches by what the profile saw run. On this project's machine
-that cut the gateway's user-mode CPU per request by about a fifth and sped the index's ingest of
-engine events by 5-8% (docs/measurements.md, "Profile-guided optimisation").
+that made the index's ingest of engine events 1.11-1.16x as fast and cut the gateway's
+user-mode CPU per request to 0.71-0.97x (docs/measurements.md, "Profile-guided optimisation").
 
-``make`` subcommand (``rustflags``): prints the ``RUSTFLAGS`` a release build adds (nothing
+``rustflags``: prints the ``RUSTFLAGS`` a release build adds (nothing
 when the profile is absent, when ``LLMSCHED_PGO=0``, or when the rustc in use has an older LLVM
 than the one that wrote the profile, which it cannot read; the last says so on stderr). The
 profile is decompressed into ``target/pgo/`` when the compressed one is newer.
 
-``make`` subcommand (``make``, run by ``make pgo-profile``): builds the extension instrumented
-(``-Cprofile-generate``, in ``target/pgo-generate``), runs a training load with it (the
+``make`` (what ``make pgo-profile`` runs): builds the extension instrumented
+(``-Cprofile-generate``), twice (see ``BUILDS``), and runs a training load with each (the
 simulator's default scenario, the short benchmark pass of ``benches/`` without the twins, the
 prefix index at the small size of ``benches/bench_peers_index.py``, and ``llmsched serve`` with
 its native data plane at 1,000 requests/s: chat and plain completions, JSON and streamed, the
