@@ -88,9 +88,10 @@ def rustflags(
     out: Path = UNPACKED,
     llvm_major: int | None = None,
     enabled: str | None = None,
+    rustc: str = "rustc",
 ) -> str:
     """The ``RUSTFLAGS`` a release build adds to use ``profile``; empty when there is none to
-    use (see the module's docstring)."""
+    use (see the module's docstring). ``llvm_major`` stands for asking ``rustc``."""
     if (enabled if enabled is not None else os.environ.get("LLMSCHED_PGO", "1")) == "0":
         return ""
     if not profile.exists():
@@ -102,7 +103,12 @@ def rustflags(
             file=sys.stderr,
         )
         return ""
-    have = llvm_major if llvm_major is not None else rustc_llvm_major()
+    try:
+        have = llvm_major if llvm_major is not None else rustc_llvm_major(rustc)
+    except (OSError, subprocess.CalledProcessError, PgoError) as exc:
+        # Make reads these flags before anything is built: no rustc yet is not an error here.
+        print(f"pgo: building without {profile.name}: cannot ask {rustc}: {exc}", file=sys.stderr)
+        return ""
     if have < wrote:
         print(
             f"pgo: building without {profile.name}: it was written by LLVM {wrote}, "
