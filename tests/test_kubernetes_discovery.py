@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("kubernetes_asyncio")
 
+import aiohttp  # a dependency of kubernetes_asyncio
 from kubernetes_asyncio import client as k8s
 
 from llmsched.errors import ConfigError
@@ -250,3 +251,23 @@ def test_kv_event_endpoints_follow_the_pod_address() -> None:
 )
 def test_fake_server_label_selectors(selector: str, labels: dict[str, str], expected: bool) -> None:
     assert LabelSelector.parse(selector).matches(labels) is expected
+
+
+def test_the_fake_server_stops_at_once_with_a_watch_whose_client_left() -> None:
+    # A watch handler whose client has gone waits for changes until its own timeout, and the
+    # server's cleanup waits for running handlers (up to a minute): stop() ends them. CI once
+    # timed out a discovery test here.
+    async def body() -> None:
+        api = FakeKubeAPI(bookmark_s=3600)
+        url = await api.start()
+        async with aiohttp.ClientSession() as session:
+            watch = f"{url}/api/v1/namespaces/{NS}/pods?watch=1&timeoutSeconds=1800"
+            response = await session.get(watch)
+            assert response.status == 200
+            response.close()  # the client leaves without the server writing anything
+        while api.watches < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(api.stop(), 10)
+        assert api.watches == 1
+
+    run(body())

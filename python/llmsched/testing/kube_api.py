@@ -137,6 +137,8 @@ class FakeKubeAPI:
         self.gone = 0
         self.bookmarks = 0
         self._runner: web.AppRunner | None = None
+        # Set by stop(): every watch handler ends its stream instead of waiting for changes.
+        self._stopping = False
         self.url = ""
 
     # -- the store -------------------------------------------------------------------------
@@ -229,6 +231,7 @@ class FakeKubeAPI:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serves on ``host:port`` (0: any free port); returns the base URL."""
+        self._stopping = False
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._pods_handler)
         self._runner = web.AppRunner(app, handle_signals=False)
@@ -241,6 +244,12 @@ class FakeKubeAPI:
 
     async def stop(self) -> None:
         """Closes every stream and the server."""
+        # A watch handler whose client has gone keeps waiting for changes until its timeout,
+        # and the server's cleanup waits for running handlers (up to a minute): wake each one
+        # so that it ends, including one that started after its stream was cut.
+        self._stopping = True
+        self._changed.set()
+        self._changed = asyncio.Event()
         self.drop_watches()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -291,7 +300,7 @@ class FakeKubeAPI:
                 return response
             loop = asyncio.get_running_loop()
             end = loop.time() + timeout
-            while loop.time() < end:
+            while loop.time() < end and not self._stopping:
                 changed = self._changed
                 for change in self._changes:
                     if change.version <= since or change.namespace != namespace:
