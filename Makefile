@@ -247,7 +247,7 @@ bench-rust: ## The criterion benchmarks (pure Rust figures)
 
 # The kept execution profile (pgo/llmsched.profdata.xz and pgo/profile.json), remade from a
 # training load run on two instrumented builds, `make build`'s and the wheel's (in
-# target/pgo-generate-*): about twelve minutes.
+# target/pgo-generate-*): about fifteen minutes.
 pgo-profile: build ## Remake the profile-guided optimisation's profile (pgo/) from a training load
 	cargo build --release -p llmsched-bench
 	$(PY) tools/pgo_profile.py make

@@ -96,21 +96,17 @@ def test_the_makefile_builds_releases_with_the_flags_the_tool_prints() -> None:
         env={**os.environ, "LLMSCHED_PGO": "1"},
     ).stdout.strip()
     assert printed.startswith("-Cprofile-use=")
-    dry = subprocess.run(
+    assert f'RUSTFLAGS="{printed}"' in make_build_dry_run(pgo="1")
+    assert "-Cprofile-use" not in make_build_dry_run(pgo="0")
+
+
+def make_build_dry_run(pgo: str) -> str:
+    """The commands ``make build`` would run with ``LLMSCHED_PGO=pgo`` (and no RUSTFLAGS)."""
+    return subprocess.run(
         ["make", "-n", "build"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "LLMSCHED_PGO": "1", "RUSTFLAGS": ""},
+        env={**os.environ, "LLMSCHED_PGO": pgo, "RUSTFLAGS": ""},
     ).stdout
-    assert f'RUSTFLAGS="{printed}"' in dry
-    off = subprocess.run(
-        ["make", "-n", "build"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "LLMSCHED_PGO": "0", "RUSTFLAGS": ""},
-    ).stdout
-    assert "-Cprofile-use" not in off

@@ -53,13 +53,18 @@ class PgoError(Exception):
     """A step of making the profile failed; the message names it."""
 
 
+def rustc_field(pattern: str, rustc: str = "rustc") -> str:
+    """The first group of ``pattern`` matched against a line of ``rustc -vV``."""
+    out = subprocess.run([rustc, "-vV"], capture_output=True, text=True, check=True).stdout
+    match = re.search(pattern, out, re.MULTILINE)
+    if match is None:
+        raise PgoError(f"{rustc} -vV has no line matching {pattern!r}:\n{out}")
+    return match.group(1)
+
+
 def rustc_llvm_major(rustc: str = "rustc") -> int:
     """The major version of the LLVM inside ``rustc``."""
-    out = subprocess.run([rustc, "-vV"], capture_output=True, text=True, check=True).stdout
-    match = re.search(r"^LLVM version: (\d+)", out, re.MULTILINE)
-    if match is None:
-        raise PgoError(f"{rustc} -vV names no LLVM version:\n{out}")
-    return int(match.group(1))
+    return int(rustc_field(r"^LLVM version: (\d+)", rustc))
 
 
 def profile_llvm_major(info: Path = PROFILE_INFO) -> int | None:
@@ -121,11 +126,7 @@ def rustflags(
 
 def host_target() -> str:
     """The target triple of the machine rustc runs on."""
-    out = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
-    host = re.search(r"^host: (\S+)", out, re.MULTILINE)
-    if host is None:
-        raise PgoError(f"rustc -vV names no host:\n{out}")
-    return host.group(1)
+    return rustc_field(r"^host: (\S+)")
 
 
 def llvm_profdata() -> Path:
@@ -169,8 +170,11 @@ def build_instrumented(work: Path, raw: Path, build: str) -> Path:
     ``work/<build>/pkg`` (a directory to put first on ``PYTHONPATH``)."""
     env = dict(os.environ)
     # The caller's own flags stay; a kept profile in use does not (this build makes the next).
-    kept = [f for f in env.get("RUSTFLAGS", "").split() if not f.startswith("-Cprofile-use")]
-    kept = [f for f in kept if f != QUIET]
+    kept = [
+        f
+        for f in env.get("RUSTFLAGS", "").split()
+        if not f.startswith("-Cprofile-use") and f != QUIET
+    ]
     env["RUSTFLAGS"] = " ".join([*kept, f"-Cprofile-generate={raw}"])
     env["CARGO_TARGET_DIR"] = str(ROOT / "target" / f"pgo-generate-{build}")
     args, settings = BUILDS[build]
@@ -266,17 +270,10 @@ def make_profile(work: Path) -> dict[str, object]:
     profdata = llvm_profdata()
     raw = work / "raw"
     raw.mkdir()
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from pathlib import Path; "
-            "from llmsched.testing.openai_engine import write_tokenizer; "
-            "write_tokenizer(Path(sys.argv[1]))",
-            str(work / "tokenizer"),
-        ],
-        check=True,
-    )
+    # Here, not at the top: `rustflags` runs (at every make) where llmsched is not installed.
+    from llmsched.testing.openai_engine import write_tokenizer
+
+    write_tokenizer(work / "tokenizer")
     took = {build: train(work, build, raw) for build in BUILDS}
     records = sorted(raw.glob("*/*.profraw"))
     if not records:

@@ -224,6 +224,10 @@ class FakeKubeAPI:
             # A deletion: the watcher sees the last state, stamped with the deletion's version.
             before = gone
         self._changes.append(_Change(self.version, namespace, before, after))
+        self._wake_watches()
+
+    def _wake_watches(self) -> None:
+        """Wakes every watch handler waiting for a change."""
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -248,8 +252,7 @@ class FakeKubeAPI:
         # and the server's cleanup waits for running handlers (up to a minute): wake each one
         # so that it ends, including one that started after its stream was cut.
         self._stopping = True
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._wake_watches()
         self.drop_watches()
         if self._runner is not None:
             await self._runner.cleanup()
