@@ -28,9 +28,10 @@ venv: $(VENV)/.deps ## Create the virtual environment with every Python dependen
 # builds without it. `make pgo-profile` remakes it from a training load (tools/pgo_profile.py).
 # LLVM finds each function's part of the profile by its symbol, whose hash cargo derives from the
 # build's settings, and the wheel's zig-linked build has other hashes than `make build`'s: the
-# profile holds a training of each.
-PGO_RUSTFLAGS := $(shell python3 tools/pgo_profile.py rustflags)
-RELEASE_ENV := RUSTFLAGS="$(strip $(RUSTFLAGS) $(PGO_RUSTFLAGS))"
+# profile holds a training of each. Expanded only by the recipes that use it (`=`, not `:=`), so
+# other targets neither ask rustc nor unpack the profile.
+PGO_RUSTFLAGS = $(shell python3 tools/pgo_profile.py rustflags)
+RELEASE_ENV = RUSTFLAGS="$(strip $(RUSTFLAGS) $(PGO_RUSTFLAGS))"
 
 build: $(VENV)/.deps ## Build the Rust extension (release) into the virtual environment
 	rm -f python/llmsched/_llmsched*.so

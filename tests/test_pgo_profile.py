@@ -80,7 +80,7 @@ def test_no_flags_when_disabled_absent_or_unreadable_by_this_llvm(
     unrecorded = tmp_path / "none.json"
     assert pgo_profile.rustflags(profile, unrecorded, out, llvm_major=99, enabled="1") == ""
     assert "does not say which LLVM wrote it" in capsys.readouterr().err
-    # Without a rustc to ask (make reads the flags before anything is installed): none, said so.
+    # Without a rustc to ask: none, said so (the build then fails by itself).
     absent = str(tmp_path / "no-rustc")
     assert pgo_profile.rustflags(profile, info, out, enabled="1", rustc=absent) == ""
     assert "cannot ask" in capsys.readouterr().err

@@ -111,7 +111,7 @@ def rustflags(
     try:
         have = llvm_major if llvm_major is not None else rustc_llvm_major(rustc)
     except (OSError, subprocess.CalledProcessError, PgoError) as exc:
-        # Make reads these flags before anything is built: no rustc yet is not an error here.
+        # A build without a rustc on the path fails by itself, saying so: no error here too.
         print(f"pgo: building without {profile.name}: cannot ask {rustc}: {exc}", file=sys.stderr)
         return ""
     if have < wrote:
@@ -286,10 +286,9 @@ def make_profile(work: Path) -> dict[str, object]:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
-    rustc = subprocess.run(["rustc", "--version"], capture_output=True, text=True).stdout.strip()
     info: dict[str, object] = {
         "llvm_major": rustc_llvm_major(),
-        "rustc": rustc,
+        "rustc": rustc_field(r"^(rustc \S+.*)$"),
         "commit": commit,
         "made": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "processes": len(records),
