@@ -552,8 +552,18 @@ def _trained(directory: Path, kind: str) -> Path:
     with added tokens that strip spaces around them or match single words only, which the
     cache splits with the tokenizer's own added vocabulary), ``llama-normalizer``
     (the older Llama layout: Prepend and Replace normalizers, no pre-tokenizer),
-    ``truncating`` and ``normalized-added`` (two the cache must refuse)."""
-    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    ``truncating`` and ``normalized-added`` (two the cache must refuse), ``whitespace-bos-eos``
+    (a Whitespace pre-tokenizer, which drops the spaces, and a post-processor adding ``<s>``
+    before a text and ``</s>`` after it)."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     if kind == "llama-normalizer":
@@ -563,6 +573,8 @@ def _trained(directory: Path, kind: str) -> Path:
     elif kind == "normalized-added":
         tokenizer.normalizer = normalizers.Lowercase()
         tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    elif kind == "whitespace-bos-eos":
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=CACHE_SPECIALS)
@@ -570,6 +582,13 @@ def _trained(directory: Path, kind: str) -> Path:
     tokenizer.train_from_iterator(corpus * 4, trainer)
     if kind == "truncating":
         tokenizer.enable_truncation(max_length=4096)
+    if kind == "whitespace-bos-eos":
+        bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>",
+            pair="<s> $A </s> $B </s>",
+            special_tokens=[("<s>", bos), ("</s>", eos)],
+        )
     if kind == "normalized-added":
         tokenizer.add_tokens([AddedToken("<Tool>", normalized=True)])
     if kind == "strip-rules":
@@ -588,13 +607,29 @@ def cached_directories(
 ) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cached-tokenizers")
     out = dict(directories)
-    kinds = ("metaspace-first", "strip-rules", "llama-normalizer", "truncating", "normalized-added")
+    kinds = (
+        "metaspace-first",
+        "strip-rules",
+        "llama-normalizer",
+        "truncating",
+        "normalized-added",
+        "whitespace-bos-eos",
+    )
     for kind in kinds:
         out[kind] = _trained(root / kind, kind)
     return out
 
 
-CACHED = [*TEMPLATES, "tiny-model", "metaspace-first", "strip-rules", "llama-normalizer"]
+CACHED = [
+    *TEMPLATES,
+    "tiny-model",
+    "metaspace-first",
+    "strip-rules",
+    "llama-normalizer",
+    "whitespace-bos-eos",
+]
+# The one family whose long pieces stay whole: its Prepend normalizer marks every piece.
+UNCHUNKED = {"llama-normalizer"}
 
 
 @functools.cache
@@ -676,6 +711,88 @@ def test_random_texts_with_added_tokens_encode_as_the_whole_text(
     assert stats["enabled"], stats
     assert stats["evictions"] > 0 and stats["hits"] > 0, stats
     assert stats["bytes"] <= 16384
+
+
+@pytest.mark.parametrize("template", CACHED)
+def test_long_texts_sharing_a_beginning_share_its_chunks_and_encode_as_the_whole_text(
+    cached_directories: dict[str, Path], template: str
+) -> None:
+    """Texts of one long opening (about 2 kB of words, unicode, spaces and newlines) and tails
+    of their own, each encoded through the cache cold and warm: the whole text's ids; with
+    chunks on, every text after the first finds the opening's chunks in the cache."""
+    directory = cached_directories[template]
+    native = NativePromptTokenizer(str(directory), cache_bytes=1 << 20)
+    stats = native.cache_stats()
+    chunked = template not in UNCHUNKED
+    assert stats["enabled"] and stats["chunks"] is chunked, stats
+    if chunked:
+        assert stats["chunks_disabled_reason"] is None
+    else:
+        assert "chunk by chunk" in str(stats["chunks_disabled_reason"]), stats
+    rng = random.Random(f"chunks-{template}")
+    opening = "\n".join(_sentence(rng, 40) for _ in range(8))
+    assert len(opening) > 1500
+    texts = [f"{opening} {_sentence(rng, rng.randint(1, 30))}" for _ in range(12)]
+    texts += [f"{opening}{rng.choice([' ', '  ', chr(10), '12 ', ''])}{t}" for t in WORDS[:6]]
+    for text in texts:
+        expected = _whole(directory, text)
+        assert native.encode_chat(text) == expected, text
+        assert native.encode_chat(text) == expected, text
+    stats = native.cache_stats()
+    assert stats["fallbacks"] == 0, stats
+    if chunked:
+        # The opening alone is at least 1,500 bytes: at least 10 chunks of it on each of the
+        # 17 texts after the first, while each text misses a few chunks at most (cold).
+        assert stats["hits"] >= 17 * 10 + len(texts), stats
+        assert stats["misses"] <= 40 + 6 * len(texts), stats
+    else:
+        assert stats["misses"] == len(texts) and stats["hits"] == len(texts), stats
+    # A long piece assembled from cached chunks twice running is kept whole as well: from
+    # then on it is one lookup, not one a chunk.
+    expected = _whole(directory, texts[0])
+    lookups = []
+    for _ in range(3):
+        before = native.cache_stats()
+        assert native.encode_chat(texts[0]) == expected
+        after = native.cache_stats()
+        assert after["misses"] == before["misses"], after
+        lookups.append(after["hits"] - before["hits"])
+    if chunked:
+        assert lookups[2] < lookups[0], lookups
+    else:
+        assert lookups[2] == lookups[0], lookups
+
+
+@pytest.mark.parametrize("template", CACHED)
+def test_completion_prompts_go_through_the_cache_with_the_special_tokens_around(
+    cached_directories: dict[str, Path], template: str
+) -> None:
+    """A ``/v1/completions`` prompt is encoded with special tokens added (``<s>`` before it,
+    ``</s>`` after it too for one family): through the cache, the Python ``tokenizers`` ids
+    and the uncached encoder's, cold and warm, alone and as a batch's first prompt."""
+    directory = cached_directories[template]
+    native = NativePromptTokenizer(str(directory))
+    uncached = NativePromptTokenizer(str(directory), cache_bytes=0)
+    assert native.cache_stats()["completions"] is True
+    assert uncached.cache_stats()["completions"] is False
+    python = _python_tokenizer(directory)
+    rng = random.Random(f"completions-{template}")
+    opening = _sentence(rng, 150)
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>"]
+    prompts = [f"Session 3: {opening} turn {k}" for k in range(6)]
+    prompts += [_texts_with_added_tokens(rng, specials) for _ in range(30)]
+    prompts += ["", " ", "x", "<s>", " </s> ", "\n\n", "日本語"]
+    for prompt in prompts:
+        expected = list(python.encode(prompt, add_special_tokens=True).ids)
+        body = json.dumps({"model": MODEL, "prompt": prompt})
+        assert uncached.completion_tokens(body) == expected, prompt
+        assert native.completion_tokens(body) == expected, prompt
+        assert native.completion_tokens(body) == expected, prompt
+        batch = json.dumps({"model": MODEL, "prompt": [prompt, "another one"]})
+        assert native.completion_tokens(batch) == expected, prompt
+    stats = native.cache_stats()
+    assert stats["hits"] > 0 and stats["misses"] > 0 and stats["fallbacks"] == 0, stats
+    assert uncached.cache_stats()["hits"] == 0
 
 
 def test_hypothesis_texts_encode_as_the_whole_text(cached_directories: dict[str, Path]) -> None:
@@ -795,6 +912,13 @@ def test_the_gateway_counts_cache_hits_and_warns_once_when_it_is_off(
                     url = f"{gateway.url}/v1/chat/completions"
                     async with client.post(url, json=request) as response:
                         assert response.status == 200
+                # Completion prompts sharing a long beginning: its chunks are found.
+                for turn in range(2):
+                    prompt = f"{system['content']} completion {turn}"
+                    request = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                    url = f"{gateway.url}/v1/completions"
+                    async with client.post(url, json=request) as response:
+                        assert response.status == 200
                 async with client.get(f"{gateway.url}/metrics") as response:
                     text = await response.text()
             return gateway.tokenizer_cache_stats(), text
@@ -805,9 +929,12 @@ def test_the_gateway_counts_cache_hits_and_warns_once_when_it_is_off(
     with caplog.at_level("WARNING", logger="llmsched"):
         stats, metrics = run(serve(cached_directories["default"]))
     assert not [r for r in caplog.records if "tokenizer cache is off" in r.getMessage()]
-    assert stats is not None and stats["enabled"] and stats["hits"] >= 3, stats
+    assert stats is not None and stats["enabled"] and stats["hits"] >= 3 + 2, stats
+    assert stats["chunks"] and stats["completions"], stats
     assert f"llmsched_gateway_tokenizer_cache_hits_total {stats['hits']}.0" in metrics
     assert 'llmsched_gateway_tokenizer_cache_enabled{reason=""} 1.0' in metrics
+    assert 'llmsched_gateway_tokenizer_cache_chunks_enabled{reason=""} 1.0' in metrics
+    assert "llmsched_gateway_tokenizer_cache_completions_enabled 1.0" in metrics
     caplog.clear()
     with caplog.at_level("WARNING", logger="llmsched"):
         stats, metrics = run(serve(cached_directories["truncating"]))
@@ -816,3 +943,4 @@ def test_the_gateway_counts_cache_hits_and_warns_once_when_it_is_off(
     assert stats is not None and not stats["enabled"] and stats["hits"] == 0
     assert "llmsched_gateway_tokenizer_cache_enabled{reason=" in metrics
     assert "truncates" in metrics and "tokenizer_cache_enabled{" in metrics
+    assert "llmsched_gateway_tokenizer_cache_completions_enabled 0.0" in metrics

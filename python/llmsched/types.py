@@ -763,7 +763,13 @@ class TokenizerCacheStats(TypedDict):
     (None when enabled: a tokenizer whose piecewise encoding could not be proved exact at
     load, or ``tokenizer_cache_bytes: 0``); ``capacity_bytes``, ``bytes``, ``entries``: its
     size; ``hits``, ``misses``, ``evictions``: pieces found, encoded and inserted, evicted;
-    ``fallbacks``: prompts encoded whole because a piece could not be encoded alone."""
+    ``fallbacks``: prompts encoded whole because a piece could not be encoded alone;
+    ``chunks``: whether long pieces are cut at word boundaries into chunks of about 64 bytes,
+    each cached on its own, so that prompts sharing a long prefix share its chunks (proved
+    exact at load on long probe texts; ``chunks_disabled_reason`` says why not, e.g. for a
+    tokenizer with a ``Prepend`` normalizer); ``completions``: whether ``/v1/completions``
+    prompts (special tokens added) go through the cache, the ids the post-processor adds
+    around a text proved fixed at load."""
 
     enabled: bool
     disabled_reason: str | None
@@ -774,6 +780,9 @@ class TokenizerCacheStats(TypedDict):
     misses: int
     evictions: int
     fallbacks: int
+    chunks: bool
+    chunks_disabled_reason: str | None
+    completions: bool
 
 
 class NativeGatewayCounters(TypedDict):

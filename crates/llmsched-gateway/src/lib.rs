@@ -593,6 +593,21 @@ fn tokenizer_cache_metrics(out: &mut String, stats: &tokcache::CacheStats) {
         &[("reason", reason)],
         if stats.enabled { 1.0 } else { 0.0 },
     );
+    let reason = stats.chunks_disabled_reason.as_deref().unwrap_or("");
+    metrics::gauge(
+        out,
+        "tokenizer_cache_chunks_enabled",
+        "1 when long prompt pieces are cut into chunks cached on their own; 0 with the reason",
+        &[("reason", reason)],
+        if stats.chunks { 1.0 } else { 0.0 },
+    );
+    metrics::gauge(
+        out,
+        "tokenizer_cache_completions_enabled",
+        "1 when completion prompts (special tokens added) go through the tokenizer cache",
+        &[],
+        if stats.completions { 1.0 } else { 0.0 },
+    );
 }
 
 /// Checks `config`, binds `addr` and serves from tasks on the current tokio runtime (the

@@ -26,6 +26,25 @@
 //! tokenizer costs microseconds of fixed pipeline work (building the pre-tokenized string,
 //! its alignments and an `Encoding`), a lookup a small fraction of one.
 //!
+//! Chunks. A long piece is cut into chunks of about [`CHUNK_BYTES`], each cached on its own
+//! as a piece is (the first chunk of a piece that starts the text keeps that bit, the others
+//! are encoded after the anchor). A cut falls only where the text has an ASCII letter or
+//! digit, a space, then an ASCII letter ([`chunk_ends`]): there every pre-tokenizer in use
+//! (byte-level and Llama-3-style regular expressions, Metaspace, whitespace and BERT
+//! splitting) starts a new word at the space, and no byte-pair merge crosses a word. The
+//! cuts depend only on the text before them, so two prompts sharing a long prefix (a
+//! `/v1/completions` prompt that repeats its instructions, a conversation's earlier turns in
+//! one message) share every chunk before the first one where they differ, and only that
+//! chunk and those after it are encoded. Whether cutting is exact is proved at load as the
+//! pieces are, on long probe texts: a tokenizer whose chunked ids differ from its whole ids on
+//! any of them (the older Llama layout, whose `Prepend` normalizer adds a space marker to
+//! every piece it is handed, is one) keeps the piece cache with chunks off, and says why.
+//!
+//! Completions. A `/v1/completions` prompt is encoded with special tokens added; for a single
+//! text every post-processor adds fixed ids before and after the others (a `<s>` or
+//! `[CLS]` ... `[SEP]`), found at load from the probe texts and checked on each of them, so
+//! such prompts go through the same cache with those ids put around.
+//!
 //! The split at added tokens: when every added token is matched on the raw text without
 //! strip or single-word rules (chat models' role markers are), it is a leftmost-longest
 //! Aho-Corasick search over their contents, the matching the tokenizer's own trie does,
@@ -33,12 +52,12 @@
 //! added vocabulary splits (`extract_and_normalize` without the normalizer, slower: it builds
 //! alignments for each byte).
 //!
-//! Complexity: per chat request one scan of the text for added tokens, one hash and
-//! comparison per piece, the ids copied out; the tokenizer's normalizer, pre-tokenizer
+//! Complexity: per prompt one scan of the text for added tokens and one for word boundaries,
+//! one hash and comparison per short piece or chunk, the ids copied out; the tokenizer's normalizer, pre-tokenizer
 //! (regular expressions) and model run on misses only. Memory: at most `capacity` bytes of
 //! piece text and ids (plus [`ENTRY_OVERHEAD`] per entry), least recently used pieces evicted
-//! first. One mutex guards the map (held for a lookup or an insertion, never while
-//! encoding).
+//! first. One mutex guards the map (held while a piece's chunks are looked up and their ids
+//! copied out, and for an insertion; never while encoding).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -56,6 +75,12 @@ pub const ENTRY_OVERHEAD: usize = 128;
 
 /// The default capacity in bytes (`tokenizer_cache_bytes`).
 pub const DEFAULT_CAPACITY: usize = 32 << 20;
+
+/// The least length of a chunk of a long piece before it is cut at the next word boundary
+/// (and of a piece before it is cut at all). Smaller chunks leave less text to encode where
+/// two prompts part (on average half a chunk, a few microseconds a word on a miss), larger
+/// ones mean fewer lookups on a hit (a few hundred nanoseconds each).
+pub const CHUNK_BYTES: usize = 64;
 
 /// The cache's counters and state, as stats and `/metrics` show them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,6 +103,12 @@ pub struct CacheStats {
     pub evictions: u64,
     /// Prompts encoded whole because a piece could not be encoded on its own.
     pub fallbacks: u64,
+    /// Whether long pieces are cut into chunks cached on their own (see the module docs).
+    pub chunks: bool,
+    /// Why not, when the cache is on but chunks are off.
+    pub chunks_disabled_reason: Option<String>,
+    /// Whether `/v1/completions` prompts (special tokens added) go through the cache.
+    pub completions: bool,
 }
 
 const NIL: usize = usize::MAX;
@@ -103,7 +134,14 @@ struct Lru {
     tail: usize,
     bytes: usize,
     capacity: usize,
+    /// Fingerprints of long pieces last assembled whole from cached chunks, one per slot
+    /// (direct-mapped): a piece assembled again while its fingerprint is still there repeats
+    /// whole, and is kept whole too ([`Lru::assembled`]).
+    assembled: Vec<u64>,
 }
+
+/// Slots of [`Lru::assembled`] (8 bytes each).
+const ASSEMBLED_SLOTS: usize = 4096;
 
 fn cost(text: &str, ids: usize) -> usize {
     text.len() + ids * 4 + ENTRY_OVERHEAD
@@ -119,7 +157,19 @@ impl Lru {
             tail: NIL,
             bytes: 0,
             capacity,
+            assembled: vec![0; ASSEMBLED_SLOTS],
         }
+    }
+
+    /// Records that a long piece was assembled from cached chunks; true when it was the
+    /// last piece recorded in its slot (it repeats whole: keep it whole). A fingerprint
+    /// shared by two pieces only keeps a piece whole early (its ids are its own either way).
+    fn assembled(&mut self, text: &str, first: bool) -> bool {
+        use std::hash::BuildHasher as _;
+        // Never 0, the empty slot's value.
+        let fingerprint = self.maps[usize::from(first)].hasher().hash_one(text) | 1;
+        let slot = &mut self.assembled[(fingerprint >> 32) as usize % ASSEMBLED_SLOTS];
+        std::mem::replace(slot, fingerprint) == fingerprint
     }
 
     fn unlink(&mut self, slot: usize) {
@@ -146,13 +196,27 @@ impl Lru {
         }
     }
 
+    #[cfg(test)]
     fn get(&mut self, text: &str, first: bool) -> Option<Arc<[u32]>> {
+        let slot = self.touch(text, first)?;
+        Some(self.nodes[slot].ids.clone())
+    }
+
+    /// Appends the ids of a piece held to `out` (true), or leaves it as it was (false).
+    fn extend_with(&mut self, text: &str, first: bool, out: &mut Vec<u32>) -> bool {
+        let Some(slot) = self.touch(text, first) else { return false };
+        out.extend_from_slice(&self.nodes[slot].ids);
+        true
+    }
+
+    /// The slot of a piece held, made the most recently used.
+    fn touch(&mut self, text: &str, first: bool) -> Option<usize> {
         let slot = *self.maps[usize::from(first)].get(text)?;
         if self.head != slot {
             self.unlink(slot);
             self.push_front(slot);
         }
-        Some(self.nodes[slot].ids.clone())
+        Some(slot)
     }
 
     /// Inserts (or refreshes) a piece; returns how many entries were evicted. A piece larger
@@ -209,6 +273,53 @@ struct Counters {
 enum Piece<'t> {
     Token(u32),
     Text { text: &'t str, first: bool },
+}
+
+/// The ends of the chunks `text` is cut into, the last one its length: each cut at least
+/// [`CHUNK_BYTES`] after the one before, at the first space there with an ASCII letter or
+/// digit before it and an ASCII letter after it (the next chunk starts with the space, as the
+/// pre-tokenizer's next word does). A text shorter than two chunks, or any text when `cut`
+/// is false, is one chunk. A cut depends on the text up to the byte after it only.
+fn chunk_ends(text: &str, cut: bool) -> ChunkEnds<'_> {
+    let bytes = text.as_bytes();
+    ChunkEnds { bytes, at: 0, cut: cut && bytes.len() >= 2 * CHUNK_BYTES }
+}
+
+/// The iterator of [`chunk_ends`].
+struct ChunkEnds<'t> {
+    bytes: &'t [u8],
+    /// The last end given.
+    at: usize,
+    /// Whether the text is long enough to be cut.
+    cut: bool,
+}
+
+impl Iterator for ChunkEnds<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let len = self.bytes.len();
+        if self.at >= len {
+            return None;
+        }
+        let end = match self.cut {
+            true => next_cut(self.bytes, self.at + CHUNK_BYTES).unwrap_or(len),
+            false => len,
+        };
+        self.at = end;
+        Some(end)
+    }
+}
+
+/// The first word boundary of [`chunk_ends`] at or after `from`.
+fn next_cut(bytes: &[u8], from: usize) -> Option<usize> {
+    // A plain loop: the next space is most often a few bytes away, nearer than a vectored
+    // search pays off.
+    (from.max(1)..bytes.len().saturating_sub(1)).find(|&at| {
+        bytes[at] == b' '
+            && bytes[at - 1].is_ascii_alphanumeric()
+            && bytes[at + 1].is_ascii_alphabetic()
+    })
 }
 
 /// Finds the added tokens in a text.
@@ -268,6 +379,12 @@ pub struct PieceEncoder {
     /// The added token a non-first piece is encoded after: (its text, its id).
     anchor: Option<(String, u32)>,
     disabled_reason: Option<String>,
+    /// Whether long pieces are cut into chunks (proved at load).
+    chunks: bool,
+    chunks_disabled_reason: Option<String>,
+    /// The ids the post-processor puts before and after a single text's when special tokens
+    /// are added (`None`: not proved; such texts are encoded whole).
+    affixes: Option<(Vec<u32>, Vec<u32>)>,
     capacity: usize,
     counters: Counters,
 }
@@ -277,6 +394,8 @@ impl std::fmt::Debug for PieceEncoder {
         f.debug_struct("PieceEncoder")
             .field("enabled", &self.cache.is_some())
             .field("disabled_reason", &self.disabled_reason)
+            .field("chunks", &self.chunks)
+            .field("completions", &self.affixes.is_some())
             .field("capacity", &self.capacity)
             .finish()
     }
@@ -285,18 +404,12 @@ impl std::fmt::Debug for PieceEncoder {
 impl PieceEncoder {
     /// The encoder for `tokenizer` with a cache of `capacity` bytes (0: off), after checking
     /// the tokenizer's pipeline and probing it with `probes` (texts the chat template
-    /// renders) and texts built around its added tokens.
+    /// renders) and texts built around its added tokens; then, with long texts, whether
+    /// long pieces may be cut into chunks, and which ids special tokens add around a text.
     pub fn new(tokenizer: &Tokenizer, capacity: usize, probes: &[String]) -> PieceEncoder {
-        let mut encoder = PieceEncoder {
-            splitter: Splitter::Tokenizer,
-            cache: None,
-            anchor: None,
-            disabled_reason: None,
-            capacity,
-            counters: Counters::default(),
-        };
+        let mut encoder = PieceEncoder::off("tokenizer_cache_bytes is 0");
+        encoder.capacity = capacity;
         if capacity == 0 {
-            encoder.disabled_reason = Some("tokenizer_cache_bytes is 0".into());
             return encoder;
         }
         if let Err(reason) = pipeline_is_piecewise(tokenizer) {
@@ -312,6 +425,7 @@ impl PieceEncoder {
             return encoder;
         };
         encoder.anchor = Some(anchor);
+        encoder.disabled_reason = None;
         encoder.cache = Some(Mutex::new(Lru::new(capacity)));
         let mut texts: Vec<String> = probes.to_vec();
         texts.extend(synthetic_probes(tokenizer));
@@ -322,30 +436,55 @@ impl PieceEncoder {
         {
             encoder.splitter = Splitter::Tokenizer;
         }
-        for text in &texts {
-            let whole = match tokenizer.encode_fast(text.as_str(), false) {
-                Ok(encoding) => encoding.get_ids().to_vec(),
-                Err(_) => continue,
-            };
-            for pass in ["cold", "warm"] {
-                // `None`: a piece that cannot be encoded alone, whose prompt is encoded whole
-                // (exact, if not faster).
-                let Some(pieces) = encoder.encode_pieces(tokenizer, text) else { continue };
-                if pieces != whole {
-                    encoder.cache = None;
-                    encoder.disabled_reason = Some(format!(
-                        "encoding the probe text {:?} piece by piece ({pass}) does not give its \
-                         whole encoding",
-                        shorten(text)
-                    ));
-                    return encoder;
-                }
-            }
+        if let Some((text, pass)) = encoder.first_mismatch(tokenizer, &texts) {
+            encoder.cache = None;
+            encoder.disabled_reason = Some(format!(
+                "encoding the probe text {:?} piece by piece ({pass}) does not give its whole \
+                 encoding",
+                shorten(text)
+            ));
+            return encoder;
         }
+        // Chunks, probed on long texts from a cold cache.
+        let long = chunk_probes(&texts);
+        encoder.cache = Some(Mutex::new(Lru::new(capacity)));
+        encoder.chunks = true;
+        if let Some((text, pass)) = encoder.first_mismatch(tokenizer, &long) {
+            encoder.chunks = false;
+            encoder.chunks_disabled_reason = Some(format!(
+                "encoding the probe text {:?} chunk by chunk ({pass}) does not give its whole \
+                 encoding",
+                shorten(text)
+            ));
+        }
+        texts.extend(long);
+        encoder.affixes = special_affixes(tokenizer, &texts);
         // The probes' pieces do not stay, nor count.
         encoder.cache = Some(Mutex::new(Lru::new(capacity)));
         encoder.counters = Counters::default();
         encoder
+    }
+
+    /// The first of `texts` (and the pass, cold or warm) whose ids through the cache differ
+    /// from its whole ids. A text with a piece that cannot be encoded alone is encoded whole
+    /// at run time (exact, if not faster), so it does not count.
+    fn first_mismatch<'t>(
+        &self,
+        tokenizer: &Tokenizer,
+        texts: &'t [String],
+    ) -> Option<(&'t str, &'static str)> {
+        for text in texts {
+            let Ok(whole) = tokenizer.encode_fast(text.as_str(), false) else { continue };
+            for pass in ["cold", "warm"] {
+                let Some(pieces) = self.encode_pieces(tokenizer, text, &[], &[]) else {
+                    continue;
+                };
+                if pieces != whole.get_ids() {
+                    return Some((text, pass));
+                }
+            }
+        }
+        None
     }
 
     /// An encoder that encodes every text whole, for `reason`.
@@ -355,6 +494,9 @@ impl PieceEncoder {
             cache: None,
             anchor: None,
             disabled_reason: Some(reason.to_owned()),
+            chunks: false,
+            chunks_disabled_reason: None,
+            affixes: None,
             capacity: 0,
             counters: Counters::default(),
         }
@@ -369,12 +511,29 @@ impl PieceEncoder {
     /// same ids as `Tokenizer::encode_fast`, proved at load), else whole.
     pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
         if self.cache.is_some() {
-            if let Some(ids) = self.encode_pieces(tokenizer, text) {
+            if let Some(ids) = self.encode_pieces(tokenizer, text, &[], &[]) {
                 return Ok(ids);
             }
             self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
         }
         Ok(tokenizer.encode_fast(text, false)?.get_ids().to_vec())
+    }
+
+    /// The ids of `text` with special tokens added, as a `/v1/completions` prompt is encoded:
+    /// through the cache, between the ids the post-processor adds, when both were proved at
+    /// load; else whole.
+    pub fn encode_with_special_tokens(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+    ) -> tokenizers::Result<Vec<u32>> {
+        if let (Some(_), Some((before, after))) = (&self.cache, &self.affixes) {
+            if let Some(ids) = self.encode_pieces(tokenizer, text, before, after) {
+                return Ok(ids);
+            }
+            self.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(tokenizer.encode_fast(text, true)?.get_ids().to_vec())
     }
 
     /// The counters and state.
@@ -387,8 +546,9 @@ impl PieceEncoder {
             None => (0, 0),
         };
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let enabled = self.cache.is_some();
         CacheStats {
-            enabled: self.cache.is_some(),
+            enabled,
             disabled_reason: self.disabled_reason.clone(),
             capacity_bytes: self.capacity as u64,
             bytes,
@@ -397,47 +557,72 @@ impl PieceEncoder {
             misses: load(&self.counters.misses),
             evictions: load(&self.counters.evictions),
             fallbacks: load(&self.counters.fallbacks),
+            chunks: enabled && self.chunks,
+            chunks_disabled_reason: self.chunks_disabled_reason.clone(),
+            completions: enabled && self.affixes.is_some(),
         }
     }
 
-    /// The piecewise ids of `text`, or `None` when a piece cannot be encoded on its own (or
-    /// the tokenizer fails: the whole encoding reports it).
-    fn encode_pieces(&self, tokenizer: &Tokenizer, text: &str) -> Option<Vec<u32>> {
+    /// The piecewise ids of `text` between `before` and `after`, or `None` when a piece
+    /// cannot be encoded on its own (or the tokenizer fails: the whole encoding reports it).
+    fn encode_pieces(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        before: &[u32],
+        after: &[u32],
+    ) -> Option<Vec<u32>> {
         let cache = self.cache.as_ref()?;
         let pieces = self.splitter.split(tokenizer, text);
-        // Each text piece's ids (shared with the cache), then the whole in one allocation of
-        // the exact size: growing a guess cost two reallocations a chat where a tokenizer
-        // makes about one id a character.
-        let mut found: Vec<Arc<[u32]>> = Vec::with_capacity(pieces.len());
+        // Room for one id a byte (about what a small vocabulary makes), so that the ids are
+        // copied out of the cache without growing the vector.
+        let mut ids = Vec::with_capacity(before.len() + text.len() + pieces.len() + after.len());
+        ids.extend_from_slice(before);
+        let mut hits = 0;
         for piece in &pieces {
-            let &Piece::Text { text: piece, first } = piece else { continue };
-            let cached = cache.lock().unwrap_or_else(|e| e.into_inner()).get(piece, first);
-            if let Some(cached) = cached {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                found.push(cached);
+            let (piece, first) = match *piece {
+                Piece::Token(id) => {
+                    ids.push(id);
+                    continue;
+                }
+                Piece::Text { text, first } => (text, first),
+            };
+            let mut lru = cache.lock().unwrap_or_else(|e| e.into_inner());
+            let ends = chunk_ends(piece, self.chunks);
+            // A long piece seen whole before (a system message on every turn) is one lookup.
+            if ends.cut && lru.extend_with(piece, first, &mut ids) {
+                hits += 1;
                 continue;
             }
-            let encoded: Arc<[u32]> = Arc::from(self.encode_piece(tokenizer, piece, first)?);
-            self.counters.misses.fetch_add(1, Ordering::Relaxed);
-            let evicted = cache.lock().unwrap_or_else(|e| e.into_inner()).insert(
-                piece,
-                first,
-                encoded.clone(),
-            );
-            if evicted > 0 {
-                self.counters.evictions.fetch_add(evicted, Ordering::Relaxed);
+            let (from, mut start, mut all_cached) = (ids.len(), 0, ends.cut);
+            for end in ends {
+                let (chunk, first) = (&piece[start..end], first && start == 0);
+                start = end;
+                if lru.extend_with(chunk, first, &mut ids) {
+                    hits += 1;
+                    continue;
+                }
+                all_cached = false;
+                // Encoded without the lock: another thread's lookups go on meanwhile.
+                drop(lru);
+                let encoded: Arc<[u32]> = Arc::from(self.encode_piece(tokenizer, chunk, first)?);
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                ids.extend_from_slice(&encoded);
+                lru = cache.lock().unwrap_or_else(|e| e.into_inner());
+                let evicted = lru.insert(chunk, first, encoded);
+                if evicted > 0 {
+                    self.counters.evictions.fetch_add(evicted, Ordering::Relaxed);
+                }
             }
-            found.push(encoded);
-        }
-        let tokens = pieces.iter().filter(|p| matches!(p, Piece::Token(_))).count();
-        let mut ids = Vec::with_capacity(tokens + found.iter().map(|f| f.len()).sum::<usize>());
-        let mut found = found.iter();
-        for piece in &pieces {
-            match piece {
-                Piece::Token(id) => ids.push(*id),
-                Piece::Text { .. } => ids.extend_from_slice(found.next()?),
+            if all_cached && lru.assembled(piece, first) {
+                let evicted = lru.insert(piece, first, Arc::from(&ids[from..]));
+                if evicted > 0 {
+                    self.counters.evictions.fetch_add(evicted, Ordering::Relaxed);
+                }
             }
         }
+        self.counters.hits.fetch_add(hits, Ordering::Relaxed);
+        ids.extend_from_slice(after);
         Some(ids)
     }
 
@@ -622,6 +807,86 @@ fn synthetic_probes(tokenizer: &Tokenizer) -> Vec<String> {
     out
 }
 
+/// Long texts that are cut into chunks: prose, numbers, contractions, code, unicode and
+/// whitespace beside the cuts, each probe text repeated, and added tokens between long runs.
+fn chunk_probes(probes: &[String]) -> Vec<String> {
+    const WORDS: [&str; 24] = [
+        "the",
+        "Quick",
+        "brown",
+        "fox's",
+        "jumps",
+        "over",
+        "2024",
+        "lazy",
+        "dogs",
+        "don't",
+        "x1",
+        "café",
+        "naïve",
+        "日本語",
+        "🐉",
+        "re-run",
+        "it's",
+        "we'll",
+        "A",
+        "b",
+        "e.g.",
+        "(nested)",
+        "1,000",
+        "O'Neil",
+    ];
+    const SEPARATORS: [&str; 10] = [" ", " ", " ", " ", "  ", "\n", ", ", ". ", " \t", "\n\n"];
+    let mut out = Vec::new();
+    let mut state = 0x9e37_79b9_u32;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        state as usize % n
+    };
+    for _ in 0..6 {
+        let mut text = String::new();
+        while text.len() < 1200 {
+            text.push_str(WORDS[next(WORDS.len())]);
+            text.push_str(SEPARATORS[next(SEPARATORS.len())]);
+        }
+        out.push(text);
+    }
+    let code = "def area(r):\n    return 3.14159 * r ** 2  # the circle's area\n\n\
+                for i in range(10): print(i, area(i))\n";
+    out.push(code.repeat(8));
+    out.push("Session 3: context ".repeat(40) + "turn 7");
+    out.push("word ".repeat(60) + "12 34 abc 5x y");
+    for probe in probes.iter().take(24) {
+        if probe.len() < 4 * CHUNK_BYTES {
+            out.push(format!("{probe} {probe} {probe} {probe} {probe} {probe}"));
+        }
+    }
+    out
+}
+
+/// The ids the post-processor adds before and after a single text's when special tokens
+/// are added, the same around every probe text's ids (`None` when they are not).
+fn special_affixes(tokenizer: &Tokenizer, texts: &[String]) -> Option<(Vec<u32>, Vec<u32>)> {
+    let pair = |text: &str| -> Option<(Vec<u32>, Vec<u32>)> {
+        let with = tokenizer.encode_fast(text, true).ok()?.get_ids().to_vec();
+        let without = tokenizer.encode_fast(text, false).ok()?.get_ids().to_vec();
+        Some((with, without))
+    };
+    let (with, without) = texts.iter().filter_map(|t| pair(t)).find(|(_, w)| !w.is_empty())?;
+    let at = (0..=with.len().checked_sub(without.len())?)
+        .find(|&at| with[at..at + without.len()] == without[..])?;
+    let (before, after) = (with[..at].to_vec(), with[at + without.len()..].to_vec());
+    let fits = |(with, without): (Vec<u32>, Vec<u32>)| {
+        with.len() == before.len() + without.len() + after.len()
+            && with.starts_with(&before)
+            && with.ends_with(&after)
+            && with[before.len()..with.len() - after.len()] == without[..]
+    };
+    texts.iter().all(|t| pair(t).is_some_and(fits)).then_some((before, after))
+}
+
 fn same_split(a: &[Piece<'_>], b: &[Piece<'_>]) -> bool {
     a.len() == b.len()
         && a.iter().zip(b).all(|pair| match pair {
@@ -672,6 +937,63 @@ mod tests {
         assert_eq!(lru.insert(&"e".repeat(2000), false, ids(10)), 0);
         assert_eq!(lru.len(), 4);
         assert!(lru.bytes <= lru.capacity);
+    }
+
+    fn chunks(text: &str) -> Vec<&str> {
+        let mut start = 0;
+        chunk_ends(text, true)
+            .map(|end| {
+                let chunk = &text[start..end];
+                start = end;
+                chunk
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_long_text_is_cut_before_a_space_between_an_ascii_word_and_a_letter() {
+        let text = "context ".repeat(40) + "turn 7";
+        let parts = chunks(&text);
+        assert!(parts.len() > 3, "{parts:?}");
+        assert_eq!(parts.concat(), text);
+        for (i, part) in parts.iter().enumerate() {
+            if i > 0 {
+                assert!(part.starts_with(" c") || part.starts_with(" t"), "{part:?}");
+            }
+            if i + 1 < parts.len() {
+                assert!(part.len() >= CHUNK_BYTES && part.ends_with('t'), "{part:?}");
+            }
+        }
+        // A cut depends on the text before it (and the byte after): a longer text with the
+        // same beginning is cut at the same places there.
+        let longer = text.clone() + " and then some more words to go on with";
+        let more = chunks(&longer);
+        assert_eq!(parts[..parts.len() - 1], more[..parts.len() - 1]);
+    }
+
+    #[test]
+    fn texts_without_a_word_boundary_or_shorter_than_two_chunks_stay_whole() {
+        let short = "word ".repeat(2 * CHUNK_BYTES / 5 - 1);
+        assert!(short.len() < 2 * CHUNK_BYTES);
+        assert_eq!(chunks(&short), vec![short.as_str()]);
+        // No ASCII letter after a space, no ASCII letter or digit before one.
+        for text in [
+            "ab  ".repeat(64),
+            "é é ".repeat(64),
+            "x 1,".repeat(64),
+            "!? x".repeat(64),
+            "x\ny\t".repeat(64),
+            "日本語 ".repeat(64),
+        ] {
+            assert_eq!(chunks(&text), vec![text.as_str()], "{text:?}");
+        }
+        assert_eq!(chunks(""), Vec::<&str>::new());
+        let long = "context ".repeat(40);
+        assert_eq!(chunk_ends(&long, false).collect::<Vec<_>>(), vec![long.len()]);
+        // Digits before the space count, after it do not.
+        let digits = "12345 x ".repeat(40);
+        assert!(chunks(&digits).len() > 1);
+        assert!(chunks(&digits).iter().skip(1).all(|c| c.starts_with(" x")));
     }
 
     #[test]

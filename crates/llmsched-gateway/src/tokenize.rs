@@ -249,7 +249,7 @@ impl PromptTokenizer {
             None => return Err(bad()),
         };
         match prompt {
-            Json::String(text) => self.encode(text, true),
+            Json::String(text) => self.encode_completion(text),
             Json::Array(ids) => ids
                 .iter()
                 .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
@@ -278,6 +278,15 @@ impl PromptTokenizer {
     pub fn encode_chat(&self, text: &str) -> Result<Vec<u32>, PromptProblem> {
         self.pieces
             .encode(&self.tokenizer, text)
+            .map_err(|e| PromptProblem(format!("cannot tokenize the prompt: {e}")))
+    }
+
+    /// The ids of a completion prompt's text, special tokens added: through the piece cache
+    /// when it is on and the ids special tokens add were proved at load, the same ids as
+    /// [`PromptTokenizer::encode`] with `add_special_tokens` either way.
+    pub fn encode_completion(&self, text: &str) -> Result<Vec<u32>, PromptProblem> {
+        self.pieces
+            .encode_with_special_tokens(&self.tokenizer, text)
             .map_err(|e| PromptProblem(format!("cannot tokenize the prompt: {e}")))
     }
 

@@ -286,6 +286,9 @@ fn cache_stats_dict<'py>(py: Python<'py>, stats: &CacheStats) -> PyResult<Bound<
     out.set_item("misses", stats.misses)?;
     out.set_item("evictions", stats.evictions)?;
     out.set_item("fallbacks", stats.fallbacks)?;
+    out.set_item("chunks", stats.chunks)?;
+    out.set_item("chunks_disabled_reason", stats.chunks_disabled_reason.as_deref())?;
+    out.set_item("completions", stats.completions)?;
     Ok(out)
 }
 

@@ -279,10 +279,12 @@ class GatewayConfig:
     same process, :mod:`llmsched.gateway.native`) or ``python`` (the aiohttp gateway,
     :mod:`llmsched.gateway.app`); both serve every section of the config;
     ``native_threads``: the native plane's worker threads (1: all on one thread);
-    ``tokenizer_cache_bytes``: the native plane's cache of chat prompts' pieces (the text
-    between the tokenizer's added tokens, with its ids; least recently used evicted first), in
-    bytes; 0: none. It is used only where the tokenizer's piecewise encoding is proved exact
-    at start-up (else a warning and ``tokenizer_cache_stats()`` say why);
+    ``tokenizer_cache_bytes``: the native plane's cache of prompts' pieces (the text
+    between the tokenizer's added tokens, long pieces cut at word boundaries into chunks of
+    about 64 bytes, with their ids; least recently used evicted first), for chat and
+    completion prompts, in bytes; 0: none. It is used only where the tokenizer's piecewise
+    encoding is proved exact at start-up (else a warning and ``tokenizer_cache_stats()`` say
+    why);
     ``record_unread_prefixes``: whether the native plane hashes each prompt and records its
     blocks in the prefix index for the engine it is sent to when the router reads nothing of
     the index (``round-robin``, ``random``, ``least-load``, ...: no filter, scorer or picker

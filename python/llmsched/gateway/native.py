@@ -356,6 +356,12 @@ class NativeGateway:
                 cfg.tokenizer,
                 cache["disabled_reason"],
             )
+        elif cache is not None and cache["enabled"] and not cache["chunks"]:
+            log.info(
+                "tokenizer %s: long prompt pieces are encoded whole, not chunk by chunk: %s",
+                cfg.tokenizer,
+                cache["chunks_disabled_reason"],
+            )
         if cfg.discovery.file is not None:
             self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
 
