@@ -28,17 +28,20 @@
 //!
 //! Chunks. A long piece is cut into chunks of about [`CHUNK_BYTES`], each cached on its own
 //! as a piece is (the first chunk of a piece that starts the text keeps that bit, the others
-//! are encoded after the anchor). A cut falls only where the text has an ASCII letter or
-//! digit, a space, then an ASCII letter ([`chunk_ends`]): there every pre-tokenizer in use
-//! (byte-level and Llama-3-style regular expressions, Metaspace, whitespace and BERT
-//! splitting) starts a new word at the space, and no byte-pair merge crosses a word. The
-//! cuts depend only on the text before them, so two prompts sharing a long prefix (a
-//! `/v1/completions` prompt that repeats its instructions, a conversation's earlier turns in
-//! one message) share every chunk before the first one where they differ, and only that
-//! chunk and those after it are encoded. Whether cutting is exact is proved at load as the
-//! pieces are, on long probe texts: a tokenizer whose chunked ids differ from its whole ids on
-//! any of them (the older Llama layout, whose `Prepend` normalizer adds a space marker to
-//! every piece it is handed, is one) keeps the piece cache with chunks off, and says why.
+//! are encoded after the anchor). A cut falls only where the text has an ASCII letter, digit
+//! or punctuation mark, a space, then an ASCII letter ([`chunk_ends`]): there every
+//! pre-tokenizer in use (byte-level and Llama-3-style regular expressions, Metaspace,
+//! whitespace and BERT splitting) starts a new word at the space, and no byte-pair merge
+//! crosses a word. The cuts depend only on the text before them, so two prompts sharing a
+//! long prefix (a `/v1/completions` prompt that repeats its instructions, a conversation's
+//! earlier turns in one message) share every chunk before the first one where they differ.
+//! A chunk not in the cache is looked up word by word, cut at every such boundary
+//! ([`word_ends`]), and only the words not in the cache go through the tokenizer: a text no
+//! prompt has shared yet is still mostly words seen before. Whether cutting is exact is
+//! proved at load as the pieces are, on long probe texts: a tokenizer whose chunked ids
+//! differ from its whole ids on any of them (the older Llama layout, whose `Prepend`
+//! normalizer adds a space marker to every piece it is handed, is one) keeps the piece
+//! cache with chunks off, and says why.
 //!
 //! Completions. A `/v1/completions` prompt is encoded with special tokens added; for a single
 //! text every post-processor adds fixed ids before and after the others (a `<s>` or
@@ -276,20 +279,31 @@ enum Piece<'t> {
 }
 
 /// The ends of the chunks `text` is cut into, the last one its length: each cut at least
-/// [`CHUNK_BYTES`] after the one before, at the first space there with an ASCII letter or
-/// digit before it and an ASCII letter after it (the next chunk starts with the space, as the
+/// [`CHUNK_BYTES`] after the one before, at the first space there with an ASCII letter, digit
+/// or punctuation mark before it and an ASCII letter after it (the next chunk starts with the
+/// space, as the
 /// pre-tokenizer's next word does). A text shorter than two chunks, or any text when `cut`
 /// is false, is one chunk. A cut depends on the text up to the byte after it only.
 fn chunk_ends(text: &str, cut: bool) -> ChunkEnds<'_> {
     let bytes = text.as_bytes();
-    ChunkEnds { bytes, at: 0, cut: cut && bytes.len() >= 2 * CHUNK_BYTES }
+    ChunkEnds { bytes, at: 0, least: CHUNK_BYTES, cut: cut && bytes.len() >= 2 * CHUNK_BYTES }
 }
 
-/// The iterator of [`chunk_ends`].
+/// The ends of the words of a chunk, cut at every boundary of [`chunk_ends`]: a chunk that
+/// is not cached is looked up word by word (most words of a text are in the cache long
+/// before its chunks are).
+fn word_ends(chunk: &str) -> ChunkEnds<'_> {
+    let bytes = chunk.as_bytes();
+    ChunkEnds { bytes, at: 0, least: 1, cut: bytes.len() >= 2 }
+}
+
+/// The iterator of [`chunk_ends`] and [`word_ends`].
 struct ChunkEnds<'t> {
     bytes: &'t [u8],
     /// The last end given.
     at: usize,
+    /// The least length of a part before the next cut.
+    least: usize,
     /// Whether the text is long enough to be cut.
     cut: bool,
 }
@@ -303,7 +317,7 @@ impl Iterator for ChunkEnds<'_> {
             return None;
         }
         let end = match self.cut {
-            true => next_cut(self.bytes, self.at + CHUNK_BYTES).unwrap_or(len),
+            true => next_cut(self.bytes, self.at + self.least).unwrap_or(len),
             false => len,
         };
         self.at = end;
@@ -316,9 +330,7 @@ fn next_cut(bytes: &[u8], from: usize) -> Option<usize> {
     // A plain loop: the next space is most often a few bytes away, nearer than a vectored
     // search pays off.
     (from.max(1)..bytes.len().saturating_sub(1)).find(|&at| {
-        bytes[at] == b' '
-            && bytes[at - 1].is_ascii_alphanumeric()
-            && bytes[at + 1].is_ascii_alphabetic()
+        bytes[at] == b' ' && bytes[at - 1].is_ascii_graphic() && bytes[at + 1].is_ascii_alphabetic()
     })
 }
 
@@ -605,7 +617,10 @@ impl PieceEncoder {
                 all_cached = false;
                 // Encoded without the lock: another thread's lookups go on meanwhile.
                 drop(lru);
-                let encoded: Arc<[u32]> = Arc::from(self.encode_piece(tokenizer, chunk, first)?);
+                let encoded = match self.chunks {
+                    true => self.encode_by_words(cache, tokenizer, chunk, first, &mut hits)?,
+                    false => Arc::from(self.encode_piece(tokenizer, chunk, first)?),
+                };
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 ids.extend_from_slice(&encoded);
                 lru = cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -624,6 +639,42 @@ impl PieceEncoder {
         self.counters.hits.fetch_add(hits, Ordering::Relaxed);
         ids.extend_from_slice(after);
         Some(ids)
+    }
+
+    /// The ids of a chunk not in the cache, word by word ([`word_ends`]): each word from the
+    /// cache or encoded in place and kept (a word costs the tokenizer's fixed work of a few
+    /// microseconds on its own, a lookup a few hundred instructions).
+    fn encode_by_words(
+        &self,
+        cache: &Mutex<Lru>,
+        tokenizer: &Tokenizer,
+        chunk: &str,
+        first: bool,
+        hits: &mut u64,
+    ) -> Option<Arc<[u32]>> {
+        let words = word_ends(chunk);
+        if !words.cut {
+            return Some(Arc::from(self.encode_piece(tokenizer, chunk, first)?));
+        }
+        let mut ids = Vec::with_capacity(chunk.len());
+        let mut start = 0;
+        for end in words {
+            let (word, first) = (&chunk[start..end], first && start == 0);
+            start = end;
+            if cache.lock().unwrap_or_else(|e| e.into_inner()).extend_with(word, first, &mut ids) {
+                *hits += 1;
+                continue;
+            }
+            let encoded: Arc<[u32]> = Arc::from(self.encode_piece(tokenizer, word, first)?);
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            ids.extend_from_slice(&encoded);
+            let evicted =
+                cache.lock().unwrap_or_else(|e| e.into_inner()).insert(word, first, encoded);
+            if evicted > 0 {
+                self.counters.evictions.fetch_add(evicted, Ordering::Relaxed);
+            }
+        }
+        Some(Arc::from(ids))
     }
 
     /// One piece's ids as it encodes inside a text: alone when it starts the text, else
@@ -976,12 +1027,12 @@ mod tests {
         let short = "word ".repeat(2 * CHUNK_BYTES / 5 - 1);
         assert!(short.len() < 2 * CHUNK_BYTES);
         assert_eq!(chunks(&short), vec![short.as_str()]);
-        // No ASCII letter after a space, no ASCII letter or digit before one.
+        // No ASCII letter after a space, no ASCII letter, digit or punctuation mark before.
         for text in [
             "ab  ".repeat(64),
             "é é ".repeat(64),
             "x 1,".repeat(64),
-            "!? x".repeat(64),
+            "x\t x".repeat(64),
             "x\ny\t".repeat(64),
             "日本語 ".repeat(64),
         ] {
@@ -990,6 +1041,10 @@ mod tests {
         assert_eq!(chunks(""), Vec::<&str>::new());
         let long = "context ".repeat(40);
         assert_eq!(chunk_ends(&long, false).collect::<Vec<_>>(), vec![long.len()]);
+        // Punctuation before the space counts.
+        let commas = "word, x ".repeat(40);
+        assert!(chunks(&commas).iter().skip(1).all(|c| c.starts_with(" x") || c.starts_with(" w")));
+        assert!(chunks(&commas).len() > 1);
         // Digits before the space count, after it do not.
         let digits = "12345 x ".repeat(40);
         assert!(chunks(&digits).len() > 1);
