@@ -747,6 +747,19 @@ def test_long_texts_sharing_a_beginning_share_its_chunks_and_encode_as_the_whole
         assert stats["misses"] <= 40 + 6 * len(texts), stats
     else:
         assert stats["misses"] == len(texts) and stats["hits"] == len(texts), stats
+    # A text sharing no chunk with the others but made of their words: its chunks are looked
+    # up word by word, and only words never seen go through the tokenizer.
+    words = opening.split(" ")
+    random.Random(3).shuffle(words)
+    shuffled = " ".join(words)
+    before = native.cache_stats()
+    assert native.encode_chat(shuffled) == _whole(directory, shuffled)
+    after = native.cache_stats()
+    found, inserted = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    if chunked:
+        assert found > 2 * inserted, (found, inserted)
+    else:
+        assert (found, inserted) == (0, 1)
     # A long piece assembled from cached chunks twice running is kept whole as well: from
     # then on it is one lookup, not one a chunk.
     expected = _whole(directory, texts[0])
