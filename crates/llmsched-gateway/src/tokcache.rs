@@ -29,14 +29,14 @@
 //! Chunks. A long piece is cut into chunks of about [`CHUNK_BYTES`], each cached on its own
 //! as a piece is (the first chunk of a piece that starts the text keeps that bit, the others
 //! are encoded after the anchor). A cut falls only where the text has an ASCII letter, digit
-//! or punctuation mark, a space, then an ASCII letter ([`chunk_ends`]): there every
+//! or punctuation mark, a space, then an ASCII letter (`chunk_ends`): there every
 //! pre-tokenizer in use (byte-level and Llama-3-style regular expressions, Metaspace,
 //! whitespace and BERT splitting) starts a new word at the space, and no byte-pair merge
 //! crosses a word. The cuts depend only on the text before them, so two prompts sharing a
 //! long prefix (a `/v1/completions` prompt that repeats its instructions, a conversation's
 //! earlier turns in one message) share every chunk before the first one where they differ.
 //! A chunk not in the cache is looked up word by word, cut at every such boundary
-//! ([`word_ends`]), and only the words not in the cache go through the tokenizer: a text no
+//! (`word_ends`), and only the words not in the cache go through the tokenizer: a text no
 //! prompt has shared yet is still mostly words seen before. Whether cutting is exact is
 //! proved at load as the pieces are, on long probe texts: a tokenizer whose chunked ids
 //! differ from its whole ids on any of them (the older Llama layout, whose `Prepend`
