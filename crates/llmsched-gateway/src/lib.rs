@@ -24,7 +24,10 @@
 //! `read_timeout_s` between frames or the deadline `total_timeout_s` cuts it. An answer cut
 //! upstream is never passed off as complete: an SSE stream gets an error event and is closed
 //! without its last chunk, any other body is closed mid-chunk; both are counted in
-//! `llmsched_gateway_truncated_answers_total`. The router's in-flight ticket is committed
+//! `llmsched_gateway_truncated_answers_total`. An answer the engine ends by closing its
+//! connection (no Content-Length, not chunked), where a cut looks like the end, passes only
+//! as whole JSON (read whole first, up to 8 MiB) or as an event stream that showed its
+//! `data: [DONE]`. The router's in-flight ticket is committed
 //! when the request is sent, marks the first token with the first body frame and finishes at
 //! the end of the answer; a client that leaves drops the answer, which closes the upstream
 //! connection (the engine sees the disconnect) and finishes the ticket. Both sides set

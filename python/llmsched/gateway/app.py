@@ -8,7 +8,10 @@ connection fails or is closed before the engine's status line (or that gets a 5x
 next endpoint (bounded by ``retries.max_attempts``); one that waits ``timeouts.read_s`` for its
 status line gets a 504; an answer whose status line arrived is never sent again: cut off or
 timed out later, it is a 502 when the client got nothing yet, else the client's connection is
-reset (an SSE stream gets an error event and ends without ``[DONE]``). Engine health follows
+reset (an SSE stream gets an error event and ends without ``[DONE]``). An answer the engine
+ends by closing its connection (no Content-Length, not chunked), where a cut looks like the end,
+passes only as whole JSON (read whole first, up to 8 MiB) or as an event stream that showed its
+``data: [DONE]``. Engine health follows
 :mod:`llmsched.gateway.health`. The upstream URL is always built from the configured
 :class:`~llmsched.integrations.EngineSpec`, never from anything in the request.
 
