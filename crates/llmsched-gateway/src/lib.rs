@@ -871,6 +871,23 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream, open: OpenConnecti
     let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
 }
 
+/// Reads and drops a refused request's body (at most `max_body` and a refused connection's
+/// allowance, within [`REFUSED_DRAIN_TIME`]), so that the connection closes over no unread
+/// bytes: the client reads its refusal rather than a reset.
+async fn drain_refused_body(mut body: Incoming, max_body: usize) {
+    let mut left = max_body.saturating_add(REFUSED_DRAIN_BYTES);
+    let drain = async {
+        while let Some(Ok(frame)) = body.frame().await {
+            let read = frame.data_ref().map_or(0, Bytes::len);
+            left = left.saturating_sub(read);
+            if left == 0 {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
+}
+
 /// How long a refused connection's request is read and dropped at most before it is closed.
 const REFUSED_DRAIN_TIME: Duration = Duration::from_millis(500);
 /// How much of a refused connection's request is read and dropped at most.
@@ -1579,7 +1596,14 @@ impl Gateway {
         arrived: f64,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
-        let identity = self.identify(request.headers())?;
+        let identity = match self.identify(request.headers()) {
+            Ok(identity) => identity,
+            Err(refused) => {
+                // Refused before its body is read: see `drain_refused_body`.
+                tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+                return Err(refused);
+            }
+        };
         let (parts, body) = request.into_parts();
         let declared = parts
             .headers
@@ -1591,6 +1615,10 @@ impl Gateway {
             ..Refusal::new(413, "request_too_large", "the request body is too large")
         };
         if declared.is_some_and(|n| n > self.config.max_body as u64) {
+            // Answered before the body is read: the rest is read and dropped meanwhile, or
+            // the close over it would reset the connection and a client still sending it
+            // would lose the 413.
+            tokio::spawn(drain_refused_body(body, self.config.max_body));
             return Err(too_large());
         }
         let read = Limited::new(body, self.config.max_body).collect();

@@ -508,3 +508,41 @@ fn a_final_informational_answer_is_no_answer() {
     assert_eq!(raw.status(), 502, "{:?}", String::from_utf8_lossy(&raw.bytes));
     assert_eq!(counters.upstream_errors.total(), 1);
 }
+
+/// Sends a request with a `len`-byte body whole before reading anything (as Python's
+/// `urllib` does); the status read back, or the error sending or reading met.
+fn send_whole_then_read(addr: SocketAddr, len: usize, extra: &str) -> Result<u16, String> {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n\
+         Content-Length: {len}\r\nConnection: close\r\n{extra}\r\n"
+    );
+    stream.write_all(head.as_bytes()).map_err(|e| format!("head: {e}"))?;
+    let mut body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(len - 13)).into_bytes();
+    body.truncate(len);
+    stream.write_all(&body).map_err(|e| format!("body: {e}"))?;
+    let mut bytes = Vec::new();
+    stream.read_to_end(&mut bytes).map_err(|e| format!("answer: {e}"))?;
+    Ok(Raw { bytes }.status())
+}
+
+#[test]
+fn a_client_that_sends_its_whole_body_first_reads_its_early_refusal() {
+    // Refused before its body is read (too large by its Content-Length, or no key): the
+    // gateway reads the body meanwhile and drops it, so closing does not reset the
+    // connection under a client still sending, which would never see its 413 or 401.
+    let fleet = Fleet::new(vec![ok_engine()]);
+    let max_body = 16 << 20;
+    let (addr, _) =
+        fleet.gateway(GatewayConfig { max_body, ..config(fleet.urls(), "round-robin") });
+    assert_eq!(send_whole_then_read(addr, max_body + 1, ""), Ok(413));
+    let keys = vec![serde_json::from_value(json!({"key": "secret-key-1", "tenant": "t"})).unwrap()];
+    let (addr, _) = fleet.gateway(GatewayConfig {
+        max_body: 2 * max_body,
+        api_keys: keys,
+        ..config(fleet.urls(), "round-robin")
+    });
+    assert_eq!(send_whole_then_read(addr, max_body, ""), Ok(401));
+    assert_eq!(send_whole_then_read(addr, max_body, "Authorization: Bearer nope\r\n"), Ok(401));
+}
