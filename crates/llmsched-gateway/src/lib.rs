@@ -2761,6 +2761,55 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_done_split_anywhere_between_frames_is_seen_and_none_is_not_whole() {
+        let stream = b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n";
+        // Two frames, split at every byte; and one byte a frame.
+        for at in 0..=stream.len() {
+            let mut scan = DoneScan::Looking(Vec::new());
+            scan.feed(&stream[..at]);
+            scan.feed(&stream[at..]);
+            assert!(scan.whole(), "split at {at}");
+        }
+        let mut scan = DoneScan::Looking(Vec::new());
+        for byte in stream {
+            scan.feed(std::slice::from_ref(byte));
+        }
+        assert!(scan.whole());
+        // Without it (cut inside it too), the stream is not whole.
+        for end in [0, 20, stream.len() - 4] {
+            let mut scan = DoneScan::Looking(Vec::new());
+            for byte in &stream[..end] {
+                scan.feed(std::slice::from_ref(byte));
+            }
+            assert!(!scan.whole(), "cut at {end}");
+        }
+        assert!(DoneScan::Unneeded.whole());
+    }
+
+    #[test]
+    fn an_answer_ends_at_its_close_only_without_a_length_or_a_final_chunked() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut map = HeaderMap::new();
+            for (name, value) in pairs {
+                map.append(*name, HeaderValue::from_static(value));
+            }
+            map
+        };
+        let ok = StatusCode::OK;
+        assert!(ends_at_close(ok, &headers(&[])));
+        assert!(!ends_at_close(ok, &headers(&[("content-length", "5")])));
+        assert!(!ends_at_close(ok, &headers(&[("transfer-encoding", "chunked")])));
+        assert!(!ends_at_close(ok, &headers(&[("transfer-encoding", "gzip, Chunked")])));
+        assert!(ends_at_close(ok, &headers(&[("transfer-encoding", "chunked, gzip")])));
+        assert!(ends_at_close(
+            ok,
+            &headers(&[("transfer-encoding", "gzip"), ("content-length", "5")])
+        ));
+        assert!(!ends_at_close(StatusCode::NO_CONTENT, &headers(&[])));
+        assert!(!ends_at_close(StatusCode::NOT_MODIFIED, &headers(&[])));
+    }
+
+    #[test]
     fn the_backlog_holds_every_connection_and_never_shrinks() {
         assert_eq!(listen_backlog(1), 1024);
         assert_eq!(listen_backlog(4096), 4096);
