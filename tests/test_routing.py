@@ -427,7 +427,7 @@ def test_metrics_text_from_a_real_vllm() -> None:
     read = pool.update_from_metrics_text("vllm", path.read_text(), now=0.0)
     assert (read["waiting"], read["running"]) == (7, 3)
     assert pool.endpoints()[0]["kv_cache_usage"] == pytest.approx(0.782608695652174)
-    with pytest.raises(ValueError, match="no vLLM"):
+    with pytest.raises(InvalidValueError, match="no vLLM"):
         pool.update_from_metrics_text("vllm", "up 1\n")
 
 
