@@ -8,11 +8,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
-from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
+from _gateway_harness import (  # noqa: F401 (the fixture)
+    MODEL,
+    Rig,
+    current_plane,
+    plane,
+    raw_request,
+    rig,
+    run,
+)
+
+from llmsched.gateway import Gateway, NativeGateway, make_gateway
 
 pytestmark = pytest.mark.usefixtures("plane")
 
@@ -112,6 +122,109 @@ def test_a_chunked_json_answer_cut_off_resets_the_client_connection() -> None:
             assert (await r.complete("y")).status == 200
 
     run(body())
+
+
+@contextlib.asynccontextmanager
+async def _in_front_of_raw(answer: bytes) -> AsyncIterator[Gateway | NativeGateway]:
+    """A gateway in front of one engine that answers every POST with ``answer`` (raw bytes,
+    then it closes the connection) and anything else (a probe) with an empty 200."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            await reader.readexactly(length)
+            probe = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            writer.write(answer if head.startswith(b"POST") else probe)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config = {
+        "engines": [{"host": "127.0.0.1", "port": port, "model": MODEL}],
+        "models": [MODEL],
+        "block_size": 4,
+        "listen": {"port": 0},
+        "scrape": {"enabled": False},
+    }
+    gateway = make_gateway(config, data_plane=current_plane())
+    await gateway.start()
+    try:
+        yield gateway
+    finally:
+        await gateway.stop()
+        server.close()
+        await server.wait_closed()
+
+
+_CLOSE_JSON = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
+_CLOSE_SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+_EVENT = b'data: {"choices":[{"index":0,"text":" t0","finish_reason":null}]}\n\n'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_answer_ended_by_the_engine_closing_passes_only_whole(stream: bool) -> None:
+    # No Content-Length and not chunked: the body ends where the engine closes, so a cut
+    # looks like an end. The JSON must parse, or the client gets a 502.
+    body = json.dumps({"model": MODEL, "prompt": "x", "stream": stream}).encode()
+
+    async def cut() -> None:
+        async with _in_front_of_raw(_CLOSE_JSON + b'{"choices":[{"text":"hel') as gateway:
+            status, text = await raw_request(gateway.port, body)
+            assert status == 502, text
+            assert "cut off" in json.loads(text)["error"]["message"]
+            async with aiohttp.ClientSession() as client:
+                worker = gateway.config.engines[0].worker_id
+                assert _truncated(Rig(gateway, [], client), worker, "error") == 1
+
+    async def whole() -> None:
+        answer = _CLOSE_JSON + b'{"choices":[{"text":"hello"}],"usage":{"completion_tokens":1}}'
+        async with _in_front_of_raw(answer) as gateway:
+            status, text = await raw_request(gateway.port, body)
+            assert status == 200, text
+            assert json.loads(text)["choices"][0]["text"] == "hello"
+
+    run(cut())
+    run(whole())
+
+
+def test_an_event_stream_ended_by_the_engine_closing_needs_its_done() -> None:
+    request = {"model": MODEL, "prompt": "x", "stream": True}
+
+    async def cut() -> None:
+        async with (
+            _in_front_of_raw(_CLOSE_SSE + _EVENT + _EVENT) as gateway,
+            aiohttp.ClientSession() as client,
+        ):
+            url = gateway.url + "/v1/completions"
+            async with client.post(url, json=request) as response:
+                assert response.status == 200
+                received = b""
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for chunk in response.content.iter_any():
+                        received += chunk
+            events = [e for e in received.split(b"\n\n") if e]
+            assert len(events) == 3, events
+            assert json.loads(events[-1][len(b"data: ") :])["error"]["type"] == "upstream_error"
+            assert b"[DONE]" not in received
+
+    async def whole() -> None:
+        answer = _CLOSE_SSE + _EVENT + _EVENT + b"data: [DONE]\n\n"
+        async with _in_front_of_raw(answer) as gateway, aiohttp.ClientSession() as client:
+            async with client.post(gateway.url + "/v1/completions", json=request) as response:
+                assert response.status == 200
+                received = await response.read()  # complete: no payload error
+            assert received.endswith(b"data: [DONE]\n\n")
+
+    run(cut())
+    run(whole())
 
 
 def test_no_status_line_within_the_read_timeout_is_a_504_and_is_not_sent_again() -> None:

@@ -429,8 +429,15 @@ def test_text_errors() -> None:
         llmsched.text_block_hashes("abc", max_tokens=-1)
     with pytest.raises(TypeError, match="include_partial"):
         llmsched.text_block_hashes("abc", include_partial="yes")  # type: ignore[arg-type]
-    with pytest.raises(UnicodeEncodeError):
+    # No UTF-8 bytes: llmsched's error (a ValueError), naming where.
+    with pytest.raises(
+        llmsched.InvalidValueError, match="UTF-8: surrogates not allowed at position 15"
+    ):
         llmsched.text_block_hashes("lone surrogate \ud800")
+    with pytest.raises(llmsched.InvalidValueError, match="UTF-8"):
+        llmsched.pack_text("\ud800")
+    with pytest.raises(llmsched.InvalidValueError, match="UTF-8"):
+        llmsched.Router(llmsched.EndpointPool(["a"])).pick(text="\udc00 x")
 
 
 # --- batch ---------------------------------------------------------------------------------

@@ -131,18 +131,27 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         (llmsched.UnknownBlockError, lambda: index.remove("a", [int(h[0]), int(h[3])])),
         (llmsched.UnknownWorkerError, lambda: index.remove("nobody", h[:1])),
         (llmsched.UnknownWorkerError, lambda: index.clear("nobody")),
-        (ValueError, lambda: index.store("a", [-1])),
-        (ValueError, lambda: index.store("a", [2**64])),
+        (llmsched.InvalidValueError, lambda: index.store("a", [-1])),
+        (llmsched.InvalidValueError, lambda: index.store("a", [2**64])),
+        (llmsched.InvalidValueError, lambda: index.store("a", np.array([5, -1], np.int64))),
+        (llmsched.InvalidValueError, lambda: index.store("a", np.zeros((2, 2), np.uint64))),
+        (llmsched.InvalidValueError, lambda: index.store("a", h[2:], parent=-1)),
+        (llmsched.InvalidValueError, lambda: index.store("a", h[2:], parent=2**64)),
+        (llmsched.InvalidValueError, lambda: index.store(2**64, h)),
+        (llmsched.InvalidValueError, lambda: index.store("\ud800", h)),
         (TypeError, lambda: index.store("a", [1.5])),
         (TypeError, lambda: index.store("a", np.array([1.0]))),
         (TypeError, lambda: index.store(1.5, h)),  # type: ignore[arg-type]
         (TypeError, lambda: index.store(True, h)),
-        (ValueError, lambda: index.store("a", h, tier="ssd")),  # type: ignore[arg-type]
+        (llmsched.InvalidValueError, lambda: index.store("a", h, tier="ssd")),  # type: ignore[arg-type]
         (llmsched.InvalidTokenError, lambda: index.match_tokens([1, 2, -3, 4])),
         (llmsched.InvalidTokenError, lambda: index.match_tokens(np.array([2**32], np.int64))),
         (TypeError, lambda: index.match_tokens(np.array([1.0, 2.0]))),
-        (ValueError, lambda: index.match_tokens(np.zeros((2, 2), np.int32))),
-        (ValueError, lambda: index.set_capacity("a", 0)),
+        (llmsched.InvalidValueError, lambda: index.match_tokens(np.zeros((2, 2), np.int32))),
+        (llmsched.InvalidValueError, lambda: index.set_capacity("a", 0)),
+        (llmsched.InvalidValueError, lambda: index.set_capacity("a", 2**64)),
+        (llmsched.InvalidValueError, lambda: PrefixIndex(block_size=2, max_bytes=0)),
+        (llmsched.InvalidValueError, lambda: PrefixIndex(block_size=2, worker_capacity=2**64)),
         (llmsched.SnapshotError, lambda: PrefixIndex.loads(b"\x93\x01\x02")),
         (TypeError, lambda: index.apply_vllm_events("a", "text")),  # type: ignore[arg-type]
     ]

@@ -121,8 +121,8 @@ def test_token_list_elements_the_general_path_accepts_still_work() -> None:
 @pytest.mark.parametrize(
     ("bad", "error"),
     [
-        ([1, -1], ValueError),
-        ([1, 2**64], ValueError),
+        ([1, -1], errors.InvalidValueError),
+        ([1, 2**64], errors.InvalidValueError),
         ([1, 2.0], TypeError),
         ([1, None], TypeError),
         ([True], TypeError),
@@ -270,7 +270,8 @@ def test_an_object_shared_between_threads_is_still_freed() -> None:
 
 @pytest.mark.parametrize("at", [0, 7, 29, 30, 63, 64, 99])
 @pytest.mark.parametrize(
-    ("bad", "error"), [(-1, ValueError), (2**64, ValueError), ("x", TypeError)]
+    ("bad", "error"),
+    [(-1, errors.InvalidValueError), (2**64, errors.InvalidValueError), ("x", TypeError)],
 )
 def test_a_bad_hash_anywhere_in_a_list_raises_and_changes_nothing(
     at: int, bad: Any, error: type[Exception]

@@ -313,8 +313,23 @@ def test_bad_input_changes_nothing() -> None:
         pool.update("a", waiting=1, now=float("nan"))
     with pytest.raises(TypeError, match="headers"):
         router.pick(tokens=[1], headers={"a": 1})  # type: ignore[dict-item]
-    with pytest.raises(ValueError, match="stale_policy"):
+    with pytest.raises(InvalidValueError, match="stale_policy"):
         EndpointPool(stale_policy="never")  # type: ignore[arg-type]
+    with pytest.raises(InvalidValueError, match="stale_after_s"):
+        EndpointPool(stale_after_s=float("nan"))
+    # Bad values are llmsched's errors (ValueErrors too), not bare ValueError or OverflowError.
+    with pytest.raises(InvalidValueError, match="priority must fit in 32 bits"):
+        router.pick(tokens=[1], priority=2**40)
+    with pytest.raises(InvalidValueError, match="one-dimensional"):
+        router.pick(tokens=np.zeros((2, 2), np.uint32))
+    with pytest.raises(InvalidValueError, match="metrics line 1"):
+        pool.update_from_metrics_text("a", "{{{ garbage")
+    with pytest.raises(InvalidValueError, match="role"):
+        pool.add(Endpoint("x", role="decoder"))  # type: ignore[arg-type]
+    with pytest.raises(InvalidValueError, match="64 bits"):
+        pool.add(2**64)
+    assert len(pool) == 1
+    assert pool.endpoints()[0]["waiting"] == 2
 
 
 def test_no_endpoint() -> None:
@@ -412,7 +427,7 @@ def test_metrics_text_from_a_real_vllm() -> None:
     read = pool.update_from_metrics_text("vllm", path.read_text(), now=0.0)
     assert (read["waiting"], read["running"]) == (7, 3)
     assert pool.endpoints()[0]["kv_cache_usage"] == pytest.approx(0.782608695652174)
-    with pytest.raises(ValueError, match="no vLLM"):
+    with pytest.raises(InvalidValueError, match="no vLLM"):
         pool.update_from_metrics_text("vllm", "up 1\n")
 
 

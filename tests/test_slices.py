@@ -19,7 +19,13 @@ from hypothesis.stateful import (
 )
 
 import llmsched
-from llmsched.errors import ConfigError, SliceStateError, UnknownRequestError, UnknownWorkerError
+from llmsched.errors import (
+    ConfigError,
+    InvalidValueError,
+    SliceStateError,
+    UnknownRequestError,
+    UnknownWorkerError,
+)
 from llmsched.reference.slices import SliceTracker as TwinTracker
 from llmsched.slices import (
     SliceStart,
@@ -163,18 +169,23 @@ def test_bad_input_leaves_state_unchanged() -> None:
         (UnknownWorkerError, lambda: t.admit(2, prompt_tokens=1, max_tokens=1, endpoint="b")),
         (UnknownRequestError, lambda: t.decide(99, now=0.0)),
         (KeyError, lambda: t.record_tokens(99, 1)),
-        (ValueError, lambda: t.admit(2, prompt_tokens=1, max_tokens=0, endpoint="a")),
-        (ValueError, lambda: t.admit(-1, prompt_tokens=1, max_tokens=1, endpoint="a")),
-        (ValueError, lambda: t.record_tokens(1, -1)),
+        (InvalidValueError, lambda: t.admit(2, prompt_tokens=1, max_tokens=0, endpoint="a")),
+        (InvalidValueError, lambda: t.admit(-1, prompt_tokens=1, max_tokens=1, endpoint="a")),
+        (InvalidValueError, lambda: t.record_tokens(1, -1)),
         (TypeError, lambda: t.record_tokens(1, "3")),  # type: ignore[arg-type]
-        (ValueError, lambda: t.decide(1, finished=True, now=float("inf"))),
-        (ValueError, lambda: t.decide(1, finished=True, waiting=[(0, 5, 1, 1)], now=0.0)),
-        (ValueError, lambda: t.decide(1, finished=True, waiting=[(0, 0, 1, 0)], now=0.0)),
-        (ValueError, lambda: t.decide(1, finished=True, waiting=[(0, 0, -1, 1)], now=0.0)),
+        (InvalidValueError, lambda: t.decide(1, finished=True, now=float("inf"))),
+        (InvalidValueError, lambda: t.decide(1, finished=True, waiting=[(0, 5, 1, 1)], now=0.0)),
+        (InvalidValueError, lambda: t.decide(1, finished=True, waiting=[(0, 0, 1, 0)], now=0.0)),
+        (InvalidValueError, lambda: t.decide(1, finished=True, waiting=[(0, 0, -1, 1)], now=0.0)),
         (TypeError, lambda: t.decide(1, finished=True, waiting=[(0, 0)], now=0.0)),
-        (ValueError, lambda: t.set_endpoint("a", kv_cache_usage=1.5)),
-        (ValueError, lambda: t.set_endpoint("c", decode_step_s=-1.0)),
-        (ValueError, lambda: t.quantum(1)),
+        (InvalidValueError, lambda: t.set_endpoint("a", kv_cache_usage=1.5)),
+        (InvalidValueError, lambda: t.set_endpoint("c", decode_step_s=-1.0)),
+        (InvalidValueError, lambda: t.quantum(1)),
+        # Ints out of range: llmsched's error (a ValueError), not a bare ValueError.
+        (InvalidValueError, lambda: t.record_tokens(1, 2**70)),
+        (InvalidValueError, lambda: t.remove(2**70)),
+        (InvalidValueError, lambda: t.state(2**70)),
+        (InvalidValueError, lambda: t.entry_level(2**70)),
     ]
     for exc, call in bad_calls:
         with pytest.raises(exc):
@@ -187,7 +198,7 @@ def test_bad_input_leaves_state_unchanged() -> None:
 def test_waiting_error_names_the_field() -> None:
     t = SliceTracker("fixed", endpoints=["a"])
     t.admit(1, prompt_tokens=5, max_tokens=100, endpoint="a")
-    with pytest.raises(ValueError, match=r"waiting\[1\]\.context_tokens"):
+    with pytest.raises(InvalidValueError, match=r"waiting\[1\]\.context_tokens"):
         t.decide(1, finished=True, waiting=[(0, 0, 1, 1), (0, 0, 2**40, 1)], now=0.0)
 
 

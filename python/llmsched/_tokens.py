@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TypeAlias, Union
 import numpy as np
 import numpy.typing as npt
 
-from llmsched.errors import InvalidTokenError
+from llmsched.errors import InvalidTokenError, InvalidValueError
 
 TokensLike: TypeAlias = Union[
     "npt.NDArray[np.integer[Any]]",
@@ -132,7 +132,7 @@ def _checked(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.integer]:
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
-        raise ValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
+        raise InvalidValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
     if not (arr.flags.c_contiguous and arr.flags.aligned):

@@ -49,6 +49,7 @@ from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
     DuplicateRequestError,
     FlowRejected,
+    InvalidRequestError,
     UnknownRequestError,
 )
 from llmsched.types import BandConfig, FlowConfig, FlowMetrics
@@ -136,6 +137,15 @@ def default_config() -> FlowConfig:
 _Waiter = tuple["asyncio.AbstractEventLoop", "asyncio.Future[FlowDecision]"]
 
 
+def _int64(name: str, value: object) -> object:
+    """``value``, refused with :class:`~llmsched.errors.InvalidRequestError` when it is an
+    int beyond 64 bits (the native core's range; its own checks name a negative one). Other
+    types pass on to the core, which names them."""
+    if type(value) is int and not -(2**63) <= value < 2**63:
+        raise InvalidRequestError(f"{name} must fit in 64 bits, got {value}")
+    return value
+
+
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     aio = sys.modules.get("asyncio")
     if aio is None:  # never imported: no loop can be running
@@ -209,6 +219,7 @@ class FlowController:
             value = getattr(request, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"FlowRequest.{name} must be an int, got {type(value).__name__}")
+            _int64(f"FlowRequest.{name}", value)
         refused = self._core.enqueue(
             request.id,
             request.priority,
@@ -257,6 +268,8 @@ class FlowController:
         >>> ctrl.running_count()
         0
         """
+        _int64("request_id", request_id)
+        _int64("output_tokens", output_tokens)
         self._core.complete(request_id, output_tokens, self._now(now))
         if self._waiters:
             self.pump()
@@ -270,6 +283,8 @@ class FlowController:
         >>> _ = ctrl.enqueue(FlowRequest(1)); _ = ctrl.dispatch()
         >>> ctrl.record_output(1, 8)
         """
+        _int64("request_id", request_id)
+        _int64("output_tokens", output_tokens)
         self._core.record_output(request_id, output_tokens, self._now(now))
 
     def charge_remote(
@@ -318,6 +333,7 @@ class FlowController:
         >>> ctrl.cancel(1).outcome
         Outcome.EVICTED_CANCELLED
         """
+        _int64("request_id", request_id)
         decision = self._core.cancel(request_id, self._now(now))
         if decision is not None:
             self._settle_waiter(decision)
@@ -430,6 +446,7 @@ class FlowController:
         >>> FlowController().jain_index()
         1.0
         """
+        _int64("priority", priority)
         return self._core.jain_index(priority)
 
     def running_count(self) -> int:
@@ -446,6 +463,7 @@ class FlowController:
         >>> FlowController().is_queued(3)
         False
         """
+        _int64("request_id", request_id)
         return self._core.is_queued(request_id)
 
     def is_running(self, request_id: int) -> bool:
@@ -454,6 +472,7 @@ class FlowController:
         >>> FlowController().is_running(3)
         False
         """
+        _int64("request_id", request_id)
         return self._core.is_running(request_id)
 
     def __len__(self) -> int:

@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array, native_tokens
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidValueError
 from llmsched.validation import check_block_size, check_int, check_seed
 
 __all__ = [
@@ -206,7 +206,12 @@ def text_block_hashes(
         check_int("max_tokens", max_tokens, minimum=0)
     _check_text(text)
     chain_seed = namespace_seed(seed, model=model, lora=lora, cache_salt=cache_salt)
-    return _llmsched.text_block_hashes(text, block_size, chain_seed, include_partial, max_tokens)
+    try:
+        return _llmsched.text_block_hashes(
+            text, block_size, chain_seed, include_partial, max_tokens
+        )
+    except UnicodeEncodeError as exc:
+        raise _unencodable(exc) from None
 
 
 def pack_text(text: str | bytes) -> npt.NDArray[np.uint32]:
@@ -218,7 +223,10 @@ def pack_text(text: str | bytes) -> npt.NDArray[np.uint32]:
     True
     """
     _check_text(text)
-    return _llmsched.pack_text(text)
+    try:
+        return _llmsched.pack_text(text)
+    except UnicodeEncodeError as exc:
+        raise _unencodable(exc) from None
 
 
 def block_hashes_batch(
@@ -304,6 +312,13 @@ def _check_names(**names: str | None) -> None:
     for name, value in names.items():
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+
+
+def _unencodable(exc: UnicodeEncodeError) -> InvalidValueError:
+    """A text with no UTF-8 bytes (a lone surrogate), named."""
+    return InvalidValueError(
+        f"text must be encodable as UTF-8: {exc.reason} at position {exc.start}"
+    )
 
 
 def _check_text(text: object) -> None:

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, native_tokens
+from llmsched.errors import InvalidValueError
 from llmsched.hashing import DEFAULT_BLOCK_SIZE, text_block_hashes
 from llmsched.types import ApplyReport, IndexStats
 from llmsched.validation import check_block_size, check_now, check_seed
@@ -63,7 +64,7 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
     arr: npt.NDArray[np.uint64]
     if isinstance(hashes, np.ndarray):
         if hashes.dtype.kind == "i" and hashes.size and (hashes < 0).any():
-            raise ValueError(f"{what} must be non-negative 64-bit ints")
+            raise InvalidValueError(f"{what} must be non-negative 64-bit ints")
         if hashes.dtype.kind not in "iu":
             raise TypeError(f"{what} must be integers, got dtype {hashes.dtype}")
         arr = hashes.astype(np.uint64, copy=False)  # no copy when already uint64
@@ -98,9 +99,9 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
         try:
             arr = np.array(items, dtype=np.uint64)
         except OverflowError:
-            raise ValueError(f"{what} must be ints in 0..2**64-1") from None
+            raise InvalidValueError(f"{what} must be ints in 0..2**64-1") from None
     if arr.ndim != 1:
-        raise ValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
+        raise InvalidValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
     if not (arr.flags.c_contiguous and arr.flags.aligned):
         arr = np.require(arr, requirements=["C", "A"])
     return arr
@@ -146,8 +147,10 @@ class PrefixIndex:
         check_block_size(block_size)
         check_seed(seed)
         for name, value in (("worker_capacity", worker_capacity), ("max_bytes", max_bytes)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            if value is not None and (not isinstance(value, int) or not 1 <= value < 2**64):
+                raise InvalidValueError(
+                    f"{name} must be a positive int (below 2**64) or None, got {value!r}"
+                )
         self._native = _llmsched.PrefixIndex(block_size, seed, model, worker_capacity, max_bytes)
         self._init_state()
 
@@ -235,6 +238,8 @@ class PrefixIndex:
         >>> index.store(0, h[:2]), index.store(0, h[2:], parent=int(h[1]))
         (2, 1)
         """
+        if type(parent) is int and not 0 <= parent < 2**64:
+            raise InvalidValueError(f"parent must be a block hash in 0..2**64-1, got {parent}")
         return self._native.store(worker, hashes, parent, tier)
 
     def record(
@@ -276,8 +281,10 @@ class PrefixIndex:
 
     def set_capacity(self, worker: Worker, blocks: int | None) -> int:
         """Set (or lift, with None) ``worker``'s capacity in blocks; returns blocks evicted."""
-        if blocks is not None and (not isinstance(blocks, int) or blocks < 1):
-            raise ValueError(f"capacity must be a positive int or None, got {blocks!r}")
+        if blocks is not None and (not isinstance(blocks, int) or not 1 <= blocks < 2**64):
+            raise InvalidValueError(
+                f"capacity must be a positive int (below 2**64) or None, got {blocks!r}"
+            )
         return self._native.set_capacity(worker, blocks)
 
     def match(self, hashes: HashesLike, *, now: float | None = None) -> PrefixMatch:

@@ -38,7 +38,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, native_tokens
 from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidValueError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import (
@@ -160,7 +160,7 @@ class EndpointPool:
         default_after, default_policy = _llmsched.EndpointPool.default_staleness()
         after = default_after if stale_after_s is None else stale_after_s
         if isinstance(after, bool) or not isinstance(after, (int, float)) or not after >= 0:
-            raise ValueError(f"stale_after_s must be a number >= 0, got {stale_after_s!r}")
+            raise InvalidValueError(f"stale_after_s must be a number >= 0, got {stale_after_s!r}")
         self._native = _llmsched.EndpointPool(float(after), stale_policy or default_policy)
         for endpoint in endpoints:
             self.add(endpoint)
@@ -576,6 +576,8 @@ class Router:
             array = _prompt_array(tokens, text, messages)
         if type(priority) is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not -(2**31) <= priority < 2**31:
+            raise InvalidValueError(f"priority must fit in 32 bits, got {priority}")
         header_items = [] if headers is None else _headers(headers)
         if now is None:
             clock = time.monotonic()

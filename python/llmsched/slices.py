@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 
 from llmsched import _llmsched
 from llmsched._llmsched import EndpointLoad, SliceDecision, SliceState
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidValueError
 from llmsched.validation import check_now
 
 __all__ = [
@@ -286,7 +286,7 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in {low}..{high}, got {value}")
+        raise InvalidValueError(f"{name} must be in {low}..{high}, got {value}")
 
 
 def _explain_waiting(waiting: object) -> None:

@@ -24,7 +24,10 @@
 //! `read_timeout_s` between frames or the deadline `total_timeout_s` cuts it. An answer cut
 //! upstream is never passed off as complete: an SSE stream gets an error event and is closed
 //! without its last chunk, any other body is closed mid-chunk; both are counted in
-//! `llmsched_gateway_truncated_answers_total`. The router's in-flight ticket is committed
+//! `llmsched_gateway_truncated_answers_total`. An answer the engine ends by closing its
+//! connection (no Content-Length, not chunked), where a cut looks like the end, passes only
+//! as whole JSON (read whole first, up to 8 MiB) or as an event stream that showed its
+//! `data: [DONE]`. The router's in-flight ticket is committed
 //! when the request is sent, marks the first token with the first body frame and finishes at
 //! the end of the answer; a client that leaves drops the answer, which closes the upstream
 //! connection (the engine sees the disconnect) and finishes the ticket. Both sides set
@@ -74,7 +77,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, TRANSFER_ENCODING};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{HeaderMap, Method, Request, Response, StatusCode, Uri};
@@ -883,6 +886,23 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream, open: OpenConnecti
     let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
 }
 
+/// Reads and drops a refused request's body (at most `max_body` and a refused connection's
+/// allowance, within [`REFUSED_DRAIN_TIME`]), so that the connection closes over no unread
+/// bytes: the client reads its refusal rather than a reset.
+async fn drain_refused_body(mut body: Incoming, max_body: usize) {
+    let mut left = max_body.saturating_add(REFUSED_DRAIN_BYTES);
+    let drain = async {
+        while let Some(Ok(frame)) = body.frame().await {
+            let read = frame.data_ref().map_or(0, Bytes::len);
+            left = left.saturating_sub(read);
+            if left == 0 {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
+}
+
 /// How long a refused connection's request is read and dropped at most before it is closed.
 const REFUSED_DRAIN_TIME: Duration = Duration::from_millis(500);
 /// How much of a refused connection's request is read and dropped at most.
@@ -1591,7 +1611,14 @@ impl Gateway {
         arrived: f64,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
-        let identity = self.identify(request.headers())?;
+        let identity = match self.identify(request.headers()) {
+            Ok(identity) => identity,
+            Err(refused) => {
+                // Refused before its body is read: see `drain_refused_body`.
+                tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+                return Err(refused);
+            }
+        };
         let (parts, body) = request.into_parts();
         let declared = parts
             .headers
@@ -1603,6 +1630,10 @@ impl Gateway {
             ..Refusal::new(413, "request_too_large", "the request body is too large")
         };
         if declared.is_some_and(|n| n > self.config.max_body as u64) {
+            // Answered before the body is read: the rest is read and dropped meanwhile, or
+            // the close over it would reset the connection and a client still sending it
+            // would lose the 413.
+            tokio::spawn(drain_refused_body(body, self.config.max_body));
             return Err(too_large());
         }
         let read = Limited::new(body, self.config.max_body).collect();
@@ -1841,6 +1872,15 @@ impl Gateway {
                 Ok(Ok(answered)) => answered,
             };
             let (answer, lease) = answer;
+            if answer.status().is_informational() {
+                // A final 1xx (101 Switching Protocols to a plain POST): no answer at all, and
+                // nothing a client could use; the connection is the engine's now.
+                self.counters.upstream_errors.inc(&[&upstream.id, "broken"]);
+                self.attempt_ended(upstream, Some("broken"));
+                drop(ticket);
+                self.drop_record(router, &decision, key);
+                continue;
+            }
             let failed = answer.status().is_server_error();
             if failed {
                 self.counters.upstream_errors.inc(&[&upstream.id, "status_5xx"]);
@@ -1862,7 +1902,9 @@ impl Gateway {
                 lease: Some(lease),
                 ..Relaying::completion(self, upstream, sse, deadline)
             };
-            if sse || failed {
+            // A JSON answer whose end is the connection's close is read whole and checked:
+            // a cut there looks like a complete answer.
+            if (sse || failed) && !checked_whole(&answer) {
                 return Ok(relay(answer, relaying));
             }
             return self.answer_whole(answer, relaying).await;
@@ -1949,21 +1991,36 @@ impl Gateway {
         mut relaying: Relaying,
     ) -> Result<Answer, Refusal> {
         const WHOLE_LIMIT: u64 = 8 << 20;
-        if answer.body().size_hint().upper().is_none_or(|n| n > WHOLE_LIMIT) {
+        // Ended by the connection's close (no length, not chunked): the body is read whole
+        // whatever its size hint, and a JSON one must parse, or it was cut.
+        let at_close = checked_whole(&answer);
+        if !at_close && answer.body().size_hint().upper().is_none_or(|n| n > WHOLE_LIMIT) {
             return Ok(relay(answer, relaying));
         }
+        let json = is_json(answer.headers());
         let (parts, body) = answer.into_parts();
         let wake = wake_at(relaying.read_timeout, relaying.deadline);
-        let read = tokio::time::timeout_at(wake, body.collect()).await;
+        let read =
+            tokio::time::timeout_at(wake, Limited::new(body, WHOLE_LIMIT as usize).collect()).await;
         let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
         let route = relaying.route.unwrap_or("completions");
         let bytes = match read {
-            Ok(Ok(collected)) => collected.to_bytes(),
-            _ => {
-                self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
-                self.counters.truncated.inc(&[&endpoint, "error"]);
-                return Err(Refusal::new(502, "upstream_error", "the engine's answer was cut off"));
-            }
+            Ok(Ok(collected)) => Some(collected.to_bytes()),
+            _ => None,
+        };
+        let whole = |bytes: &Bytes| {
+            !(at_close && json) || serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok()
+        };
+        let Some(bytes) = bytes.filter(whole) else {
+            self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
+            self.counters.truncated.inc(&[&endpoint, "error"]);
+            let message = if at_close {
+                "the engine's answer was cut off (or, ended by closing the connection, is not \
+                 whole JSON of at most 8 MiB)"
+            } else {
+                "the engine's answer was cut off"
+            };
+            return Err(Refusal::new(502, "upstream_error", message));
         };
         if let Some(lease) = relaying.lease.take() {
             lease.release();
@@ -2143,12 +2200,17 @@ impl Relaying {
 
 fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
     let (parts, body) = answer.into_parts();
-    let sse = relaying.sse
-        || parts
-            .headers
-            .get(CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
+    let event_stream = is_event_stream(&parts.headers);
+    let sse = relaying.sse || event_stream;
+    // An event stream ended by the connection's close is whole only with its `[DONE]`.
+    let done = if event_stream && ends_at_close(parts.status, &parts.headers) {
+        DoneScan::Looking(Vec::new())
+    } else {
+        DoneScan::Unneeded
+    };
+    // Framed by Transfer-Encoding, a Content-Length beside it is wrong (RFC 9112 6.3: an
+    // intermediary removes it), and passed on it would cut the answer short.
+    let chunked = parts.headers.contains_key(TRANSFER_ENCODING);
     let now = tokio::time::Instant::now();
     let timer = match (relaying.read_timeout, relaying.deadline) {
         (None, None) => None,
@@ -2180,14 +2242,94 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         sliced: None,
         held: None,
         after_held: None,
+        done,
     });
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
-        if !HOP_BY_HOP.contains(&name.as_str()) {
+        let dropped = HOP_BY_HOP.contains(&name.as_str()) || (chunked && name == CONTENT_LENGTH);
+        if !dropped {
             out.headers_mut().append(HeaderName::clone(name), value.clone());
         }
     }
     out
+}
+
+/// Whether an engine's answer ends where its connection closes (RFC 9112 6.3: no
+/// Content-Length, and no Transfer-Encoding ending in `chunked`): a cut is then
+/// indistinguishable from the end at the HTTP level.
+fn ends_at_close(status: StatusCode, headers: &HeaderMap) -> bool {
+    if status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return false;
+    }
+    let codings: Vec<&str> = headers
+        .get_all(TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.to_str().unwrap_or("").split(','))
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    match codings.last() {
+        Some(last) => !last.eq_ignore_ascii_case("chunked"),
+        None => !headers.contains_key(CONTENT_LENGTH),
+    }
+}
+
+/// Whether an answer must be read whole and checked before it is passed on: ended by the
+/// connection's close and no event stream (a stream is checked for its `[DONE]` as it is
+/// relayed, [`DoneScan`]).
+fn checked_whole(answer: &Response<Incoming>) -> bool {
+    ends_at_close(answer.status(), answer.headers()) && !is_event_stream(answer.headers())
+}
+
+fn content_type(headers: &HeaderMap) -> &str {
+    headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("")
+}
+
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    content_type(headers).starts_with("text/event-stream")
+}
+
+fn is_json(headers: &HeaderMap) -> bool {
+    let essence = content_type(headers).split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json") || essence.ends_with("+json")
+}
+
+/// The search for an event stream's `data: [DONE]`, where its end cannot be told from a cut
+/// ([`ends_at_close`]).
+enum DoneScan {
+    /// The stream's end is its own (a length, or a chunked body's last chunk).
+    Unneeded,
+    /// Not seen yet: the last bytes so far, for a `[DONE]` split between frames.
+    Looking(Vec<u8>),
+    Seen,
+}
+
+impl DoneScan {
+    fn feed(&mut self, data: &[u8]) {
+        let DoneScan::Looking(tail) = self else { return };
+        let keep = DONE.needle().len() - 1;
+        // The last bytes before `data` and its first ones: a `[DONE]` across the boundary.
+        tail.extend_from_slice(&data[..data.len().min(keep + 1)]);
+        if DONE.find(tail).is_some() || DONE.find(data).is_some() {
+            *self = DoneScan::Seen;
+            return;
+        }
+        if data.len() > keep {
+            tail.clear();
+            tail.extend_from_slice(&data[data.len() - keep..]);
+        } else {
+            let old = tail.len().saturating_sub(keep);
+            tail.drain(..old);
+        }
+    }
+
+    /// Whether the answer may end here.
+    fn whole(&self) -> bool {
+        !matches!(self, DoneScan::Looking(_))
+    }
 }
 
 fn wake_at(read: Option<Duration>, deadline: Option<tokio::time::Instant>) -> tokio::time::Instant {
@@ -2227,6 +2369,7 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         sliced: None,
         held: None,
         after_held: None,
+        done: DoneScan::Unneeded,
     });
     *out.status_mut() = status;
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -2369,6 +2512,8 @@ pub struct Relay {
     held: Option<(bytes::BytesMut, u8)>,
     /// A frame that came after a held tail and goes out after it.
     after_held: Option<Frame<Bytes>>,
+    /// Whether the stream must show its `[DONE]` before it may end ([`DoneScan`]).
+    done: DoneScan,
 }
 
 /// The error that cuts a client's answer (hyper then closes the connection mid-body).
@@ -2419,6 +2564,7 @@ impl Relay {
             if self.completion {
                 self.tokens.feed(data, self.sse);
             }
+            self.done.feed(data);
         }
         if self.timer.is_some() {
             self.last_frame = tokio::time::Instant::now();
@@ -2458,6 +2604,10 @@ impl Relay {
             // read; a few more turns, then it goes out (the engine's body has registered
             // this task's waker for what comes later).
             Poll::Pending => self.hold(held, yields, cx),
+            Poll::Ready(None) if !self.done.whole() => {
+                self.held = Some((held, yields));
+                self.cut()
+            }
             Poll::Ready(None) => {
                 // `is_end_stream` is now true: hyper writes the held data and the end of
                 // the chunked body in one write.
@@ -2476,7 +2626,7 @@ impl Relay {
                     return Poll::Ready(Some(Ok(Frame::data(held.freeze()))));
                 };
                 held.extend_from_slice(data);
-                if self.inner.as_ref().is_some_and(Body::is_end_stream) {
+                if self.done.whole() && self.inner.as_ref().is_some_and(Body::is_end_stream) {
                     self.ended(true);
                     return Poll::Ready(Some(Ok(Frame::data(held.freeze()))));
                 }
@@ -2568,6 +2718,7 @@ impl Body for Relay {
                 }
                 Poll::Pending
             }
+            Poll::Ready(None) if !this.done.whole() => this.cut(),
             Poll::Ready(None) => {
                 this.ended(true);
                 Poll::Ready(None)
@@ -2575,7 +2726,7 @@ impl Body for Relay {
             Poll::Ready(Some(Err(_))) => this.cut(),
             Poll::Ready(Some(Ok(frame))) => {
                 this.received(&frame);
-                if this.inner.as_ref().is_some_and(Body::is_end_stream) {
+                if this.done.whole() && this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
                 } else if let Some(data) = frame.data_ref().filter(|d| this.sse && ends_soon(d)) {
                     return this.hold(bytes::BytesMut::from(&data[..]), 0, cx);
@@ -2590,7 +2741,7 @@ impl Body for Relay {
             return stream.is_end_stream();
         }
         match &self.inner {
-            Some(inner) => inner.is_end_stream(),
+            Some(inner) => inner.is_end_stream() && self.done.whole(),
             None => self.own.is_none() && !self.broken,
         }
     }
@@ -2623,6 +2774,55 @@ impl Drop for Relay {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_done_split_anywhere_between_frames_is_seen_and_none_is_not_whole() {
+        let stream = b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n";
+        // Two frames, split at every byte; and one byte a frame.
+        for at in 0..=stream.len() {
+            let mut scan = DoneScan::Looking(Vec::new());
+            scan.feed(&stream[..at]);
+            scan.feed(&stream[at..]);
+            assert!(scan.whole(), "split at {at}");
+        }
+        let mut scan = DoneScan::Looking(Vec::new());
+        for byte in stream {
+            scan.feed(std::slice::from_ref(byte));
+        }
+        assert!(scan.whole());
+        // Without it (cut inside it too), the stream is not whole.
+        for end in [0, 20, stream.len() - 4] {
+            let mut scan = DoneScan::Looking(Vec::new());
+            for byte in &stream[..end] {
+                scan.feed(std::slice::from_ref(byte));
+            }
+            assert!(!scan.whole(), "cut at {end}");
+        }
+        assert!(DoneScan::Unneeded.whole());
+    }
+
+    #[test]
+    fn an_answer_ends_at_its_close_only_without_a_length_or_a_final_chunked() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut map = HeaderMap::new();
+            for (name, value) in pairs {
+                map.append(*name, HeaderValue::from_static(value));
+            }
+            map
+        };
+        let ok = StatusCode::OK;
+        assert!(ends_at_close(ok, &headers(&[])));
+        assert!(!ends_at_close(ok, &headers(&[("content-length", "5")])));
+        assert!(!ends_at_close(ok, &headers(&[("transfer-encoding", "chunked")])));
+        assert!(!ends_at_close(ok, &headers(&[("transfer-encoding", "gzip, Chunked")])));
+        assert!(ends_at_close(ok, &headers(&[("transfer-encoding", "chunked, gzip")])));
+        assert!(ends_at_close(
+            ok,
+            &headers(&[("transfer-encoding", "gzip"), ("content-length", "5")])
+        ));
+        assert!(!ends_at_close(StatusCode::NO_CONTENT, &headers(&[])));
+        assert!(!ends_at_close(StatusCode::NOT_MODIFIED, &headers(&[])));
+    }
 
     #[test]
     fn the_backlog_holds_every_connection_and_never_shrinks() {

@@ -377,3 +377,172 @@ fn a_connection_over_the_cap_reads_its_503_after_sending_a_request() {
     assert_eq!(counters.connections_refused.load(Ordering::Relaxed), 5);
     drop(held);
 }
+
+/// An engine that answers every POST with `answer` (raw bytes, then closes the connection)
+/// and anything else (a health probe) with an empty 200.
+fn scripted_engine(answer: &'static [u8]) -> String {
+    let listener = std::net::TcpListener::bind(local()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut read = Vec::new();
+                let mut buf = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(at) = read.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break at + 4;
+                    }
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => read.extend_from_slice(&buf[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&read[..head_end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                while read.len() < head_end + length {
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => read.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let reply: &[u8] = if head.starts_with("post") {
+                    answer
+                } else {
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                };
+                let _ = stream.write_all(reply);
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+fn one_scripted(answer: &'static [u8]) -> (Fleet, SocketAddr, Arc<Counters>) {
+    let fleet = Fleet::new(vec![]);
+    let (addr, counters) = fleet.gateway(config(vec![scripted_engine(answer)], "round-robin"));
+    (fleet, addr, counters)
+}
+
+const CLOSE_JSON: &str =
+    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n";
+const CLOSE_SSE: &str =
+    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+const EVENT: &str =
+    "data: {\"choices\":[{\"index\":0,\"text\":\" t0\",\"finish_reason\":null}]}\n\n";
+
+#[test]
+fn a_json_answer_ended_by_the_connection_closing_passes_only_whole() {
+    // No Content-Length and not chunked: the body ends where the engine closes, so a cut looks
+    // like an end. The JSON must parse, or the client gets a 502.
+    let cut: &'static str =
+        Box::leak(format!("{CLOSE_JSON}{{\"choices\":[{{\"text\":\"hel").into_boxed_str());
+    for stream in [false, true] {
+        let (_fleet, addr, counters) = one_scripted(cut.as_bytes());
+        let body = format!(r#"{{"prompt":"x","stream":{stream}}}"#);
+        let raw = post(addr, "/v1/completions", &body);
+        assert_eq!(raw.status(), 502, "{:?}", String::from_utf8_lossy(&raw.bytes));
+        assert!(raw.json()["error"]["message"].as_str().unwrap().contains("cut off"));
+        assert_eq!(counters.truncated.total(), 1);
+        assert_eq!(counters.completed.load(Ordering::Relaxed), 0);
+    }
+    let whole: &'static str = Box::leak(
+        format!("{CLOSE_JSON}{{\"choices\":[{{\"text\":\"hello\"}}],\"usage\":{{\"completion_tokens\":1}}}}")
+            .into_boxed_str(),
+    );
+    let (_fleet, addr, counters) = one_scripted(whole.as_bytes());
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x"}"#);
+    assert_eq!(raw.status(), 200);
+    assert_eq!(raw.json()["choices"][0]["text"], "hello");
+    assert_eq!(counters.truncated.total(), 0);
+}
+
+#[test]
+fn an_event_stream_ended_by_the_connection_closing_needs_its_done() {
+    let cut: &'static str = Box::leak(format!("{CLOSE_SSE}{EVENT}{EVENT}").into_boxed_str());
+    let (_fleet, addr, counters) = one_scripted(cut.as_bytes());
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200, "the status line had been passed on");
+    let events = raw.data_events();
+    assert_eq!(events.len(), 3, "{events:?}");
+    assert!(events[2].contains("cut off"), "{events:?}");
+    assert!(!raw.body().ends_with(b"0\r\n\r\n"), "the client sees the break");
+    assert_eq!(reaches(1, || counters.truncated.total()), 1);
+    assert_eq!(counters.completed.load(Ordering::Relaxed), 0);
+
+    let whole: &'static str =
+        Box::leak(format!("{CLOSE_SSE}{EVENT}{EVENT}data: [DONE]\n\n").into_boxed_str());
+    let (_fleet, addr, counters) = one_scripted(whole.as_bytes());
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200);
+    assert_eq!(raw.data_events().last().map(String::as_str), Some("[DONE]"));
+    assert!(raw.body().ends_with(b"0\r\n\r\n"), "a whole stream ends with its last chunk");
+    assert_eq!(reaches(1, || counters.completed.load(Ordering::Relaxed)), 1);
+    assert_eq!(counters.truncated.total(), 0);
+}
+
+#[test]
+fn a_content_length_beside_transfer_encoding_is_not_passed_on() {
+    // Chunked wins (RFC 9112 6.3); the Content-Length passed on would cut the answer short.
+    let (_fleet, addr, _counters) = one_scripted(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5\r\n\
+          transfer-encoding: chunked\r\n\r\n11\r\n{\"choices\":[1,2]}\r\n0\r\n\r\n",
+    );
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200);
+    let head = String::from_utf8_lossy(&raw.bytes).to_ascii_lowercase();
+    assert!(!head.contains("content-length: 5"), "{head}");
+    assert!(String::from_utf8_lossy(raw.body()).contains(r#"{"choices":[1,2]}"#), "{head}");
+}
+
+#[test]
+fn a_final_informational_answer_is_no_answer() {
+    let (_fleet, addr, counters) = one_scripted(
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n",
+    );
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x"}"#);
+    assert_eq!(raw.status(), 502, "{:?}", String::from_utf8_lossy(&raw.bytes));
+    assert_eq!(counters.upstream_errors.total(), 1);
+}
+
+/// Sends a request with a `len`-byte body whole before reading anything (as Python's
+/// `urllib` does); the status read back, or the error sending or reading met.
+fn send_whole_then_read(addr: SocketAddr, len: usize, extra: &str) -> Result<u16, String> {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n\
+         Content-Length: {len}\r\nConnection: close\r\n{extra}\r\n"
+    );
+    stream.write_all(head.as_bytes()).map_err(|e| format!("head: {e}"))?;
+    let mut body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(len - 13)).into_bytes();
+    body.truncate(len);
+    stream.write_all(&body).map_err(|e| format!("body: {e}"))?;
+    let mut bytes = Vec::new();
+    stream.read_to_end(&mut bytes).map_err(|e| format!("answer: {e}"))?;
+    Ok(Raw { bytes }.status())
+}
+
+#[test]
+fn a_client_that_sends_its_whole_body_first_reads_its_early_refusal() {
+    // Refused before its body is read (too large by its Content-Length, or no key): the
+    // gateway reads the body meanwhile and drops it, so closing does not reset the
+    // connection under a client still sending, which would never see its 413 or 401.
+    let fleet = Fleet::new(vec![ok_engine()]);
+    let max_body = 16 << 20;
+    let (addr, _) =
+        fleet.gateway(GatewayConfig { max_body, ..config(fleet.urls(), "round-robin") });
+    assert_eq!(send_whole_then_read(addr, max_body + 1, ""), Ok(413));
+    let keys = vec![serde_json::from_value(json!({"key": "secret-key-1", "tenant": "t"})).unwrap()];
+    let (addr, _) = fleet.gateway(GatewayConfig {
+        max_body: 2 * max_body,
+        api_keys: keys,
+        ..config(fleet.urls(), "round-robin")
+    });
+    assert_eq!(send_whole_then_read(addr, max_body, ""), Ok(401));
+    assert_eq!(send_whole_then_read(addr, max_body, "Authorization: Bearer nope\r\n"), Ok(401));
+}

@@ -1,7 +1,6 @@
 //! The Python exception hierarchy is declared once, in `llmsched.errors`; core errors map to it
 //! variant by variant here.
 
-use pyo3::exceptions::PyValueError;
 use pyo3::import_exception;
 use std::panic::AssertUnwindSafe;
 
@@ -90,6 +89,7 @@ import_exception!(llmsched.errors, NoEndpointError);
 import_exception!(llmsched.errors, UnknownEndpointError);
 import_exception!(llmsched.errors, DuplicateRequestError);
 import_exception!(llmsched.errors, MalformedSyncBatchError);
+import_exception!(llmsched.errors, InvalidValueError);
 
 impl ToPyErr for SyncError {
     fn to_py_err(self) -> PyErr {
@@ -120,7 +120,7 @@ impl ToPyErr for IndexError {
             | IndexError::NotHeld { .. } => UnknownBlockError::new_err(msg),
             IndexError::Conflict(_) => HashChainError::new_err(msg),
             IndexError::InvalidConfig(_) => ConfigError::new_err(msg),
-            IndexError::InvalidTtl(_) => PyValueError::new_err(msg),
+            IndexError::InvalidTtl(_) => InvalidValueError::new_err(msg),
             IndexError::Hash(h) => h.to_py_err(),
             IndexError::Decode(_) => MalformedEventError::new_err(msg),
             IndexError::Snapshot(_) => SnapshotError::new_err(msg),
@@ -144,7 +144,7 @@ impl ToPyErr for llmsched_core::slices::SliceError {
             | E::WrongPhase { .. }
             | E::SliceOverrun { .. }
             | E::NotAtBoundary { .. } => SliceStateError::new_err(message),
-            E::InvalidValue { .. } => PyValueError::new_err(message),
+            E::InvalidValue { .. } => InvalidValueError::new_err(message),
         }
     }
 }
@@ -156,7 +156,7 @@ impl ToPyErr for llmsched_core::slices::AssemblyError {
             E::Unsupported(message) => ConfigError::new_err(message),
             E::State(message) => SliceStateError::new_err(message),
             E::Type(message) => pyo3::exceptions::PyTypeError::new_err(message),
-            E::Value(message) => PyValueError::new_err(message),
+            E::Value(message) => InvalidValueError::new_err(message),
         }
     }
 }
@@ -189,7 +189,7 @@ impl ToPyErr for RoutingError {
             RoutingError::Config(e) => ConfigError::new_err(e.to_string()),
             RoutingError::NoEndpoint { .. } => NoEndpointError::new_err(msg),
             RoutingError::UnknownEndpoint(_) => UnknownEndpointError::new_err(msg),
-            RoutingError::InvalidValue(_) => PyValueError::new_err(msg),
+            RoutingError::InvalidValue(_) => InvalidValueError::new_err(msg),
             RoutingError::Index(e) => e.to_py_err(),
             // A Python plugin's own exception comes back as it was raised.
             RoutingError::Plugin(e) => match e.source.downcast::<PyErr>() {

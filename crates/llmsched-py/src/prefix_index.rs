@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::errors::{detach, detach_if, CoreResult};
+use crate::errors::{detach, detach_if, CoreResult, InvalidValueError};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use parking_lot::RwLock;
 use pyo3::exceptions::PyTypeError;
@@ -118,10 +118,16 @@ pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
         return Err(PyTypeError::new_err("worker must be an int or a str, got bool"));
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(WorkerKey::Str(s.to_str()?.to_owned()));
+        let name = s.to_str().map_err(|_| {
+            InvalidValueError::new_err("worker names must be valid UTF-8 (no lone surrogates)")
+        })?;
+        return Ok(WorkerKey::Str(name.to_owned()));
     }
     match obj.extract::<i64>() {
         Ok(i) => Ok(WorkerKey::Int(i)),
+        Err(_) if obj.is_instance_of::<pyo3::types::PyInt>() => Err(InvalidValueError::new_err(
+            format!("worker ids that are ints must fit in 64 bits (signed), got {obj}"),
+        )),
         Err(_) => Err(PyTypeError::new_err(format!(
             "worker must be an int (64-bit) or a str, got {}",
             obj.get_type().name()?
@@ -131,7 +137,7 @@ pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
 
 fn tier(name: &str) -> PyResult<Tier> {
     Tier::parse(name).ok_or_else(|| {
-        pyo3::exceptions::PyValueError::new_err(format!(
+        InvalidValueError::new_err(format!(
             "unknown tier {name:?}: expected 'gpu', 'cpu' or 'storage'"
         ))
     })

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::convert::{config_mapping, to_python};
-use crate::errors::{attached, detach, CoreResult, ToPyErr};
+use crate::errors::{attached, detach, CoreResult, InvalidValueError, ToPyErr};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -50,7 +50,7 @@ impl PyEndpointPool {
     #[new]
     fn new(stale_after: f64, stale_policy: &str) -> PyResult<Self> {
         let mode = StaleMode::parse(stale_policy).ok_or_else(|| {
-            PyValueError::new_err(format!(
+            InvalidValueError::new_err(format!(
                 "stale_policy must be 'saturated' or 'ignore', got {stale_policy:?}"
             ))
         })?;
@@ -88,7 +88,7 @@ impl PyEndpointPool {
         let role = match role {
             None => None,
             Some(r) => Some(Role::parse(r).ok_or_else(|| {
-                PyValueError::new_err(format!(
+                InvalidValueError::new_err(format!(
                     "role must be 'prefill', 'decode', 'both' or None, got {r:?}"
                 ))
             })?),

@@ -1,9 +1,9 @@
 //! Token input: a 1-D contiguous numpy integer array of any width, read in place, or a list or
 //! tuple of ints read in one native pass (`pyints`).
 
-use crate::errors::detach_if;
+use crate::errors::{detach_if, InvalidValueError};
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
@@ -58,7 +58,7 @@ impl<'py> TokenArray<'py> {
             PyTypeError::new_err(format!("{what} must be a numpy array of integers"))
         })?;
         if arr.ndim() != 1 {
-            return Err(PyValueError::new_err(format!(
+            return Err(InvalidValueError::new_err(format!(
                 "{what} must be one-dimensional, got {} dimensions",
                 arr.ndim()
             )));

@@ -8,7 +8,10 @@ connection fails or is closed before the engine's status line (or that gets a 5x
 next endpoint (bounded by ``retries.max_attempts``); one that waits ``timeouts.read_s`` for its
 status line gets a 504; an answer whose status line arrived is never sent again: cut off or
 timed out later, it is a 502 when the client got nothing yet, else the client's connection is
-reset (an SSE stream gets an error event and ends without ``[DONE]``). Engine health follows
+reset (an SSE stream gets an error event and ends without ``[DONE]``). An answer the engine
+ends by closing its connection (no Content-Length, not chunked), where a cut looks like the end,
+passes only as whole JSON (read whole first, up to 8 MiB) or as an event stream that showed its
+``data: [DONE]``. Engine health follows
 :mod:`llmsched.gateway.health`. The upstream URL is always built from the configured
 :class:`~llmsched.integrations.EngineSpec`, never from anything in the request.
 
@@ -1014,10 +1017,14 @@ class Gateway:
             content_type = upstream.headers.get("Content-Type", "")
             sse = "event-stream" in content_type
             length = upstream.content_length
-            if length is not None and length <= _WHOLE_BODY_LIMIT and not sse:
+            # Ended by the engine closing the connection, a cut answer looks complete: a JSON
+            # one is read whole and checked, an event stream must show its [DONE].
+            at_close = _ends_at_close(upstream)
+            if not sse and (at_close or (length is not None and length <= _WHOLE_BODY_LIMIT)):
                 return await self._answer_whole(
-                    request, route, upstream, decision, endpoint, deadline, outcome
+                    request, route, upstream, decision, endpoint, deadline, outcome, at_close
                 )
+            done = _DoneScan() if at_close else None
             try:
                 first = await upstream.content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -1035,19 +1042,26 @@ class Gateway:
             try:
                 await response.prepare(request)
                 chunk = first
+                cut = False
                 while chunk:
                     counter.feed(chunk)
+                    if done is not None:
+                        done.feed(chunk)
                     await response.write(chunk)
                     try:
                         chunk = await upstream.content.readany()
                     except (aiohttp.ClientError, asyncio.TimeoutError):
-                        # Mid-answer failure: the client already has bytes and must not take
-                        # what it got for a whole answer.
-                        self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
-                        self._cut_failure(endpoint, deadline)
-                        await self.abort_response(request, response, endpoint, sse=sse)
-                        self.metrics.requests.labels(route, "aborted").inc()
-                        return response, counter.tokens()
+                        cut = True
+                        break
+                if cut or (done is not None and not done.seen):
+                    # Mid-answer failure (or an event stream ended by the connection's close
+                    # without its [DONE]): the client already has bytes and must not take
+                    # what it got for a whole answer.
+                    self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
+                    self._cut_failure(endpoint, deadline)
+                    await self.abort_response(request, response, endpoint, sse=sse)
+                    self.metrics.requests.labels(route, "aborted").inc()
+                    return response, counter.tokens()
                 await response.write_eof()
             except ConnectionError:  # the client went away; the finally closes upstream
                 self.metrics.requests.labels(route, "client_gone").inc()
@@ -1103,15 +1117,27 @@ class Gateway:
         endpoint: str,
         deadline: float,
         outcome: str | None,
+        at_close: bool = False,
     ) -> tuple[web.StreamResponse, int]:
         """A complete (non-streamed) answer of known length: read it whole, then send it in
         one response (fewer writes than relaying chunks). A failure while reading comes after
-        the status line: a 502, never a retry."""
+        the status line: a 502, never a retry. ``at_close``: the answer ends where the engine
+        closes the connection, so a cut looks like its end: it is read up to
+        :data:`_WHOLE_BODY_LIMIT` and, when JSON, must parse, or it is a 502 too."""
         try:
-            data = await upstream.read()
+            data = await (
+                _read_at_most(upstream, _WHOLE_BODY_LIMIT) if at_close else upstream.read()
+            )
         except (aiohttp.ClientError, asyncio.TimeoutError):
             self._cut_failure(endpoint, deadline)
             raise _Truncated("the engine's answer was cut off") from None
+        if at_close and (data is None or (_is_json(upstream) and not _parses(data))):
+            self._cut_failure(endpoint, deadline)
+            raise _Truncated(
+                "the engine's answer was cut off (or, ended by closing the connection, is not "
+                "whole JSON of at most 8 MiB)"
+            )
+        assert data is not None
         decision.first_token()
         response = web.Response(body=data, status=upstream.status)
         for name in _PASSED_RESPONSE_HEADERS:
@@ -1189,6 +1215,63 @@ class _OutputCounter:
         except (ValueError, AttributeError):
             return 0
         return value if type(value) is int and value >= 0 else 0
+
+
+def _ends_at_close(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether an engine's answer ends where its connection closes (RFC 9112 6.3: no
+    Content-Length, and no Transfer-Encoding ending in ``chunked``)."""
+    if upstream.status < 200 or upstream.status in (204, 304):
+        return False
+    codings = [
+        c.strip()
+        for value in upstream.headers.getall("Transfer-Encoding", ())
+        for c in value.split(",")
+        if c.strip()
+    ]
+    if codings:
+        return codings[-1].lower() != "chunked"
+    return "Content-Length" not in upstream.headers
+
+
+def _is_json(upstream: aiohttp.ClientResponse) -> bool:
+    essence = upstream.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    return essence == "application/json" or essence.endswith("+json")
+
+
+def _parses(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
+
+
+async def _read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body, or None when it is longer than ``limit``."""
+    data = bytearray()
+    while chunk := await upstream.content.readany():
+        data += chunk
+        if len(data) > limit:
+            return None
+    return bytes(data)
+
+
+class _DoneScan:
+    """Whether an event stream has shown its ``data: [DONE]`` (split between chunks too)."""
+
+    _NEEDLE = b"data: [DONE]"
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.seen:
+            return
+        joined = self._tail + chunk
+        if self._NEEDLE in joined:
+            self.seen = True
+        self._tail = joined[-(len(self._NEEDLE) - 1) :]
 
 
 def _answering(scrape: Mapping[str, Any] | None) -> bool:

@@ -53,7 +53,7 @@ from typing import Any, cast
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmsched.errors import ConfigError, UnknownEndpointError
+from llmsched.errors import ConfigError, InvalidValueError, UnknownEndpointError
 from llmsched.flow import FlowController
 from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.routing import Endpoint, EndpointPool, Role
@@ -124,7 +124,8 @@ class ScrapeResult:
 
 def parse_engine_metrics(text: str, *, prefilter: bool = True) -> EngineMetricValues:
     """Read a vLLM or SGLang ``/metrics`` text into the values of the module table. Raises
-    ValueError when the text does not parse or holds no load metric (waiting, running, KV use).
+    :class:`~llmsched.errors.InvalidValueError` (a ValueError) when the text does not parse or
+    holds no load metric (waiting, running, KV use).
 
     ``prefilter`` hands the parser only the lines of the families read (the same values, several
     times faster on a vLLM scrape); False parses everything (the benchmark's baseline).
@@ -162,7 +163,7 @@ def parse_engine_metrics(text: str, *, prefilter: bool = True) -> EngineMetricVa
     if lora is not None:
         values.update(_loras(lora[1]))
     if not {"waiting", "running", "kv_cache_usage"} & values.keys():
-        raise ValueError("no vLLM or SGLang load metrics in the text")
+        raise InvalidValueError("no vLLM or SGLang load metrics in the text")
     # Keys are set from the tables above, so mypy cannot follow them one by one.
     return cast(EngineMetricValues, _ordered(values))
 
