@@ -464,3 +464,12 @@ def test_in_flight_counts_return_to_zero_under_threads() -> None:
             0,
         )
     assert set(router.index.workers()) <= {f"e{i}" for i in range(8)}
+
+
+def test_an_endpoint_listed_twice_is_refused_and_add_replaces_on_purpose() -> None:
+    for listed in (["a", "b", "a"], [1, 1], [Endpoint("x", address="h:1"), "x"]):
+        with pytest.raises(InvalidValueError, match="listed twice"):
+            EndpointPool(listed)  # type: ignore[arg-type]
+    pool = EndpointPool(["a", "b"])
+    assert pool.add(Endpoint("a", address="h2:8000")) is False
+    assert sorted(e["id"] for e in pool.endpoints()) == ["a", "b"]

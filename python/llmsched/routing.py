@@ -140,7 +140,9 @@ class EndpointPool:
             endpoint that never reported is stale).
         stale_policy: ``"saturated"`` (the default) or ``"ignore"``.
 
-    Every method may be called from any thread, also while routers decide.
+    An id listed twice in ``endpoints`` raises InvalidValueError (:meth:`add` of a known id
+    replaces its description, on purpose). Every method may be called from any thread, also
+    while routers decide.
 
     >>> pool = EndpointPool([Endpoint(1, address="h1:8000"), 2])
     >>> pool.update(1, waiting=3, running=8, kv_cache_usage=0.5, now=10.0)
@@ -162,7 +164,13 @@ class EndpointPool:
         if isinstance(after, bool) or not isinstance(after, (int, float)) or not after >= 0:
             raise InvalidValueError(f"stale_after_s must be a number >= 0, got {stale_after_s!r}")
         self._native = _llmsched.EndpointPool(float(after), stale_policy or default_policy)
-        for endpoint in endpoints:
+        listed = [e if isinstance(e, Endpoint) else Endpoint(e) for e in endpoints]
+        ids = [e.id for e in listed]
+        twice = next((i for n, i in enumerate(ids) if i in ids[:n]), None)
+        if twice is not None:
+            # A second description of one endpoint would silently replace the first.
+            raise InvalidValueError(f"endpoints: {twice!r} is listed twice")
+        for endpoint in listed:
             self.add(endpoint)
 
     @property

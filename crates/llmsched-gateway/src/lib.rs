@@ -101,6 +101,10 @@ pub use health::HealthConfig;
 pub use metrics::Counters;
 use payload::Payload;
 
+/// The most worker threads a gateway runs on (`threads`, `--threads`; the Python
+/// configuration's `native_threads` has the same bound).
+pub const MAX_THREADS: usize = 64;
+
 /// What a gateway serves and how. Deserializes from JSON with these field names (what
 /// `llmsched serve` passes); fields left out keep their defaults.
 #[derive(Clone, Debug, Deserialize)]
@@ -164,7 +168,8 @@ pub struct GatewayConfig {
     pub health: HealthConfig,
     /// The header naming the prefill endpoint of a disaggregated request (None: off).
     pub pd_header: Option<String>,
-    /// Tokio worker threads of an in-process gateway (1: everything on one thread).
+    /// Tokio worker threads of an in-process gateway (1: everything on one thread; at most
+    /// [`MAX_THREADS`]).
     pub threads: usize,
     /// A `save_pretrained` tokenizer directory: prompts are routed on the token ids an
     /// engine loading it computes ([`tokenize::PromptTokenizer`]); `None`: token ids as
@@ -470,6 +475,9 @@ fn check(config: &GatewayConfig) -> Result<(), ConfigProblem> {
         return Err(ConfigProblem(
             "max_connections, max_tenants and threads: must be at least 1".into(),
         ));
+    }
+    if config.threads > MAX_THREADS {
+        return Err(ConfigProblem(format!("threads: must be at most {MAX_THREADS}")));
     }
     if !config.health.path.starts_with('/') {
         return Err(ConfigProblem("health.path: must be a URL path starting with /".into()));
@@ -1360,6 +1368,8 @@ impl Gateway {
             (&Method::GET, "/v1/models") => Ok(self.models(&request).await),
             (&Method::POST, "/v1/completions") => Ok(self.complete(request, "completions").await),
             (&Method::POST, "/v1/chat/completions") => Ok(self.complete(request, "chat").await),
+            (_, "/health" | "/ready" | "/metrics" | "/v1/models") => Ok(method_not_allowed("GET")),
+            (_, "/v1/completions" | "/v1/chat/completions") => Ok(method_not_allowed("POST")),
             (_, path) if path.starts_with("/admin/") => match self.admin(request).await {
                 Some(answer) => Ok(answer),
                 None => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
@@ -2252,6 +2262,14 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         }
     }
     out
+}
+
+/// A 405 for a known path asked with another method, naming the one it takes.
+fn method_not_allowed(allowed: &'static str) -> Answer {
+    let problem = format!("this path takes {allowed} only");
+    let mut answer = refusal(&Refusal::new(405, "method_not_allowed", problem));
+    answer.headers_mut().insert(hyper::header::ALLOW, HeaderValue::from_static(allowed));
+    answer
 }
 
 /// Whether an engine's answer ends where its connection closes (RFC 9112 6.3: no

@@ -19,6 +19,21 @@ fn main() {
     }
 }
 
+/// The flags `run` reads, each followed by its value.
+const FLAGS: [&str; 11] = [
+    "engine",
+    "listen",
+    "router",
+    "router-file",
+    "block-size",
+    "max-body",
+    "retries",
+    "scrape-interval-ms",
+    "seed",
+    "threads",
+    "config",
+];
+
 fn parse<T: std::str::FromStr>(name: &str, text: &str) -> Result<T, String> {
     text.parse().map_err(|_| format!("--{name} {text:?}: not a valid value"))
 }
@@ -35,6 +50,9 @@ fn run() -> Result<(), String> {
         }
         let name =
             flag.strip_prefix("--").ok_or_else(|| format!("unexpected argument {flag:?}"))?;
+        if !FLAGS.contains(&name) {
+            return Err(format!("unknown flag --{name} (--help lists them)"));
+        }
         let value = argv.next().ok_or_else(|| format!("--{name} needs a value"))?;
         match name {
             "engine" => config.engines.push(value.into()),
@@ -54,7 +72,13 @@ fn run() -> Result<(), String> {
                 config.scrape_interval_s = (ms > 0).then(|| ms as f64 / 1000.0);
             }
             "seed" => config.seed = parse(name, &value)?,
-            "threads" => threads = parse::<usize>(name, &value)?.max(1),
+            "threads" => {
+                threads = parse(name, &value)?;
+                if !(1..=llmsched_gateway::MAX_THREADS).contains(&threads) {
+                    let most = llmsched_gateway::MAX_THREADS;
+                    return Err(format!("--threads {threads}: must be 1 to {most}"));
+                }
+            }
             "config" => {
                 let text = std::fs::read_to_string(&value)
                     .map_err(|e| format!("--config {value:?}: {e}"))?;

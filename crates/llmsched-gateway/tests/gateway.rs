@@ -151,6 +151,18 @@ fn round_robin_spreads_json_answers_and_passes_them_through() {
     let six = r#"llmsched_gateway_requests_total{route="completions",status="200"} 6.0"#;
     assert!(metrics.contains(six), "{metrics}");
     assert_eq!(get(addr, "/elsewhere").status(), 404);
+    // A known path asked with another method: 405, naming the method it takes.
+    for (path, allowed) in [("/v1/completions", "POST"), ("/v1/chat/completions", "POST")] {
+        let raw = get(addr, path);
+        assert_eq!(raw.status(), 405, "{path}");
+        assert_eq!(raw.json()["error"]["type"], "method_not_allowed");
+        let head = String::from_utf8_lossy(&raw.bytes).to_ascii_lowercase();
+        assert!(head.contains(&format!("allow: {}\r\n", allowed.to_ascii_lowercase())), "{head}");
+    }
+    for path in ["/health", "/metrics", "/v1/models", "/ready"] {
+        assert_eq!(post(addr, path, "{}").status(), 405, "{path}");
+    }
+    assert_eq!((fleet.completed(0), fleet.completed(1)), (3, 3));
 }
 
 #[test]
@@ -340,6 +352,10 @@ fn configuration_problems_name_the_key() {
     assert!(problem(config(twice, "llm-d")).contains("listed twice"));
     let bad = GatewayConfig { router: json!({"plugins": 3}), ..config(fleet.urls(), "x") };
     assert!(problem(bad).starts_with("router:"));
+    for threads in [0, llmsched_gateway::MAX_THREADS + 1, 100_000] {
+        let bad = GatewayConfig { threads, ..config(fleet.urls(), "llm-d") };
+        assert!(problem(bad).contains("threads"), "{threads}");
+    }
 }
 
 #[test]
@@ -545,4 +561,28 @@ fn a_client_that_sends_its_whole_body_first_reads_its_early_refusal() {
     });
     assert_eq!(send_whole_then_read(addr, max_body, ""), Ok(401));
     assert_eq!(send_whole_then_read(addr, max_body, "Authorization: Bearer nope\r\n"), Ok(401));
+}
+
+#[test]
+fn the_binary_refuses_unknown_flags_and_thread_counts_out_of_range() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_llmsched-gateway"))
+            .args(args)
+            .output()
+            .expect("the binary runs");
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = run(&["--bogus"]);
+    assert_eq!(code, Some(2));
+    assert!(err.starts_with("llmsched-gateway: unknown flag --bogus"), "{err}");
+    let (code, err) = run(&["--engine", "http://127.0.0.1:9", "--bogus", "x"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("unknown flag --bogus"), "{err}");
+    let (_, err) = run(&["--engine"]);
+    assert!(err.contains("--engine needs a value"), "{err}");
+    for threads in ["0", "65", "100000"] {
+        let (code, err) = run(&["--engine", "http://127.0.0.1:9", "--threads", threads]);
+        assert_eq!(code, Some(2), "{threads}");
+        assert!(err.contains(&format!("--threads {threads}: must be 1 to 64")), "{err}");
+    }
 }
