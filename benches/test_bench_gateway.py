@@ -429,7 +429,13 @@ def chat_1k(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     body = json.dumps({"model": MODEL, "messages": messages})
     native = _llmsched.NativePromptTokenizer(str(directory))
     expected = tokenizer.chat_tokens(messages)
-    return {"python": tokenizer, "native": native, "body": body, "ids": expected}
+    return {
+        "python": tokenizer,
+        "native": native,
+        "body": body,
+        "ids": expected,
+        "directory": directory,
+    }
 
 
 def test_chat_tokenize(benchmark: Any, chat_1k: dict[str, Any]) -> None:
@@ -452,3 +458,60 @@ def test_chat_tokenize_twin(benchmark: Any, chat_1k: dict[str, Any]) -> None:
     assert path() == chat_1k["ids"]
     benchmark.extra_info["prompt_tokens"] = len(chat_1k["ids"])
     benchmark(path)
+
+
+COMPLETION_GROUP = (
+    "completion tokenization: 1,000-byte prompts of a shared opening and a turn of their own "
+    "(native cache vs native whole vs Python)"
+)
+
+
+@pytest.fixture(scope="module")
+def completions_1k(chat_1k: dict[str, Any]) -> dict[str, Any]:
+    from llmsched import _llmsched
+
+    directory = chat_1k["directory"]
+    whole = _llmsched.NativePromptTokenizer(str(directory), cache_bytes=0)
+    expected = [whole.completion_tokens(_completion_body(k)) for k in range(64)]
+    return {"ids": expected, "directory": directory, "whole": whole}
+
+
+def _completion_body(turn: int) -> str:
+    opening = "Session 3: " + "context " * 122
+    return json.dumps({"model": MODEL, "prompt": f"{opening}turn {turn}"})
+
+
+def _each_turn(call: Any) -> Any:
+    """``call`` on a body never seen before each time (a new turn: its tail is new, as live
+    traffic's is; the body's making is timed with it, alike for every row)."""
+    turns = iter(range(1000, 1 << 62))
+    return lambda: call(_completion_body(next(turns)))
+
+
+def test_completion_tokenize(benchmark: Any, completions_1k: dict[str, Any]) -> None:
+    """The native plane through its tokenizer cache (the opening's chunks found)."""
+    from llmsched import _llmsched
+
+    benchmark.group = COMPLETION_GROUP
+    native = _llmsched.NativePromptTokenizer(str(completions_1k["directory"]))
+    ids = [native.completion_tokens(_completion_body(k)) for k in range(64)]
+    assert ids == completions_1k["ids"]
+    benchmark(_each_turn(native.completion_tokens))
+
+
+def test_completion_tokenize_whole(benchmark: Any, completions_1k: dict[str, Any]) -> None:
+    """The native plane without its cache (``tokenizer_cache_bytes: 0``): each prompt whole."""
+    benchmark.group = COMPLETION_GROUP
+    benchmark(_each_turn(completions_1k["whole"].completion_tokens))
+
+
+def test_completion_tokenize_twin(benchmark: Any, completions_1k: dict[str, Any]) -> None:
+    """The Python plane's (``tokenizers``, the body parsed with ``json``)."""
+    benchmark.group = COMPLETION_GROUP
+    tokenizer = PromptTokenizer(completions_1k["directory"])
+
+    def path(body: str) -> list[int]:
+        return tokenizer.completion_tokens(json.loads(body)["prompt"])
+
+    assert [path(_completion_body(k)) for k in range(64)] == completions_1k["ids"]
+    benchmark(_each_turn(path))

@@ -186,6 +186,16 @@ async def raw_request(
     return status, payload.decode(errors="replace")
 
 
+async def read_cut_off(response: aiohttp.ClientResponse) -> bytes:
+    """The bytes of an answer the gateway cut off, read until the client library raises
+    (it must: a cut answer never ends as a complete one)."""
+    received = b""
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async for chunk in response.content.iter_any():
+            received += chunk
+    return received
+
+
 def _dechunk(data: bytes) -> bytes:
     out = bytearray()
     while data:

@@ -2282,14 +2282,13 @@ fn ends_at_close(status: StatusCode, headers: &HeaderMap) -> bool {
     {
         return false;
     }
-    let codings: Vec<&str> = headers
+    let last_coding = headers
         .get_all(TRANSFER_ENCODING)
         .iter()
         .flat_map(|v| v.to_str().unwrap_or("").split(','))
         .map(str::trim)
-        .filter(|c| !c.is_empty())
-        .collect();
-    match codings.last() {
+        .rfind(|c| !c.is_empty());
+    match last_coding {
         Some(last) => !last.eq_ignore_ascii_case("chunked"),
         None => !headers.contains_key(CONTENT_LENGTH),
     }

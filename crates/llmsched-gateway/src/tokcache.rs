@@ -448,26 +448,18 @@ impl PieceEncoder {
         {
             encoder.splitter = Splitter::Tokenizer;
         }
-        if let Some((text, pass)) = encoder.first_mismatch(tokenizer, &texts) {
+        if let Some(mismatch) = encoder.first_mismatch(tokenizer, &texts) {
             encoder.cache = None;
-            encoder.disabled_reason = Some(format!(
-                "encoding the probe text {:?} piece by piece ({pass}) does not give its whole \
-                 encoding",
-                shorten(text)
-            ));
+            encoder.disabled_reason = Some(mismatch_reason(mismatch, "piece by piece"));
             return encoder;
         }
         // Chunks, probed on long texts from a cold cache.
         let long = chunk_probes(&texts);
         encoder.cache = Some(Mutex::new(Lru::new(capacity)));
         encoder.chunks = true;
-        if let Some((text, pass)) = encoder.first_mismatch(tokenizer, &long) {
+        if let Some(mismatch) = encoder.first_mismatch(tokenizer, &long) {
             encoder.chunks = false;
-            encoder.chunks_disabled_reason = Some(format!(
-                "encoding the probe text {:?} chunk by chunk ({pass}) does not give its whole \
-                 encoding",
-                shorten(text)
-            ));
+            encoder.chunks_disabled_reason = Some(mismatch_reason(mismatch, "chunk by chunk"));
         }
         texts.extend(long);
         encoder.affixes = special_affixes(tokenizer, &texts);
@@ -599,40 +591,29 @@ impl PieceEncoder {
                 }
                 Piece::Text { text, first } => (text, first),
             };
-            let mut lru = cache.lock().unwrap_or_else(|e| e.into_inner());
             let ends = chunk_ends(piece, self.chunks);
+            let cut = ends.cut;
             // A long piece seen whole before (a system message on every turn) is one lookup.
-            if ends.cut && lru.extend_with(piece, first, &mut ids) {
+            if cut
+                && cache
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_with(piece, first, &mut ids)
+            {
                 hits += 1;
                 continue;
             }
-            let (from, mut start, mut all_cached) = (ids.len(), 0, ends.cut);
-            for end in ends {
-                let (chunk, first) = (&piece[start..end], first && start == 0);
-                start = end;
-                if lru.extend_with(chunk, first, &mut ids) {
-                    hits += 1;
-                    continue;
-                }
-                all_cached = false;
-                // Encoded without the lock: another thread's lookups go on meanwhile.
-                drop(lru);
-                let encoded = match self.chunks {
-                    true => self.encode_by_words(cache, tokenizer, chunk, first, &mut hits)?,
-                    false => Arc::from(self.encode_piece(tokenizer, chunk, first)?),
-                };
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                ids.extend_from_slice(&encoded);
-                lru = cache.lock().unwrap_or_else(|e| e.into_inner());
-                let evicted = lru.insert(chunk, first, encoded);
-                if evicted > 0 {
-                    self.counters.evictions.fetch_add(evicted, Ordering::Relaxed);
-                }
-            }
-            if all_cached && lru.assembled(piece, first) {
-                let evicted = lru.insert(piece, first, Arc::from(&ids[from..]));
-                if evicted > 0 {
-                    self.counters.evictions.fetch_add(evicted, Ordering::Relaxed);
+            let from = ids.len();
+            let encode_chunk = |chunk: &str, first: bool, hits: &mut u64| match self.chunks {
+                true => self.encode_by_words(tokenizer, chunk, first, hits),
+                false => Some(Arc::from(self.encode_piece(tokenizer, chunk, first)?)),
+            };
+            let all_cached =
+                self.extend_by_parts(piece, first, ends, &mut ids, &mut hits, encode_chunk)?;
+            if cut && all_cached {
+                let mut lru = cache.lock().unwrap_or_else(|e| e.into_inner());
+                if lru.assembled(piece, first) {
+                    self.keep(&mut lru, piece, first, Arc::from(&ids[from..]));
                 }
             }
         }
@@ -641,12 +622,53 @@ impl PieceEncoder {
         Some(ids)
     }
 
+    /// Appends the ids of `text`'s parts (cut at `ends`) to `ids`: each from the cache, else
+    /// made by `encode` (without the lock held: another thread's lookups go on meanwhile),
+    /// counted as a miss and kept. Returns whether every part was in the cache; `None` when
+    /// `encode` could not make a part's ids.
+    fn extend_by_parts(
+        &self,
+        text: &str,
+        first: bool,
+        ends: ChunkEnds<'_>,
+        ids: &mut Vec<u32>,
+        hits: &mut u64,
+        encode: impl Fn(&str, bool, &mut u64) -> Option<Arc<[u32]>>,
+    ) -> Option<bool> {
+        let cache = self.cache.as_ref()?;
+        let (mut start, mut all_cached) = (0, true);
+        let mut lru = cache.lock().unwrap_or_else(|e| e.into_inner());
+        for end in ends {
+            let (part, first) = (&text[start..end], first && start == 0);
+            start = end;
+            if lru.extend_with(part, first, ids) {
+                *hits += 1;
+                continue;
+            }
+            all_cached = false;
+            drop(lru);
+            let encoded = encode(part, first, hits)?;
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            ids.extend_from_slice(&encoded);
+            lru = cache.lock().unwrap_or_else(|e| e.into_inner());
+            self.keep(&mut lru, part, first, encoded);
+        }
+        Some(all_cached)
+    }
+
+    /// Inserts a piece's ids into the cache, counting what that evicts.
+    fn keep(&self, lru: &mut Lru, text: &str, first: bool, ids: Arc<[u32]>) {
+        let evicted = lru.insert(text, first, ids);
+        if evicted > 0 {
+            self.counters.evictions.fetch_add(evicted, Ordering::Relaxed);
+        }
+    }
+
     /// The ids of a chunk not in the cache, word by word ([`word_ends`]): each word from the
     /// cache or encoded in place and kept (a word costs the tokenizer's fixed work of a few
     /// microseconds on its own, a lookup a few hundred instructions).
     fn encode_by_words(
         &self,
-        cache: &Mutex<Lru>,
         tokenizer: &Tokenizer,
         chunk: &str,
         first: bool,
@@ -657,23 +679,10 @@ impl PieceEncoder {
             return Some(Arc::from(self.encode_piece(tokenizer, chunk, first)?));
         }
         let mut ids = Vec::with_capacity(chunk.len());
-        let mut start = 0;
-        for end in words {
-            let (word, first) = (&chunk[start..end], first && start == 0);
-            start = end;
-            if cache.lock().unwrap_or_else(|e| e.into_inner()).extend_with(word, first, &mut ids) {
-                *hits += 1;
-                continue;
-            }
-            let encoded: Arc<[u32]> = Arc::from(self.encode_piece(tokenizer, word, first)?);
-            self.counters.misses.fetch_add(1, Ordering::Relaxed);
-            ids.extend_from_slice(&encoded);
-            let evicted =
-                cache.lock().unwrap_or_else(|e| e.into_inner()).insert(word, first, encoded);
-            if evicted > 0 {
-                self.counters.evictions.fetch_add(evicted, Ordering::Relaxed);
-            }
-        }
+        let encode_word = |word: &str, first: bool, _: &mut u64| {
+            Some(Arc::from(self.encode_piece(tokenizer, word, first)?))
+        };
+        self.extend_by_parts(chunk, first, words, &mut ids, hits, encode_word)?;
         Some(Arc::from(ids))
     }
 
@@ -947,6 +956,15 @@ fn same_split(a: &[Piece<'_>], b: &[Piece<'_>]) -> bool {
             }
             _ => false,
         })
+}
+
+/// Why a probe text's ids through the cache (`how`: piece by piece, chunk by chunk) rule it
+/// out: the text and the pass (cold or warm) whose ids differed from its whole ids.
+fn mismatch_reason((text, pass): (&str, &str), how: &str) -> String {
+    format!(
+        "encoding the probe text {:?} {how} ({pass}) does not give its whole encoding",
+        shorten(text)
+    )
 }
 
 fn shorten(text: &str) -> String {
