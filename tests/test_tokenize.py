@@ -59,8 +59,11 @@ def test_list_contents_join_their_text_parts(tmp_path: Path) -> None:
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     ]
     assert tok.render_chat(parts) == "<s><|user|>\na\nb</s>\n<|assistant|>\n"
-    with pytest.raises(PromptError, match="only text parts"):
-        tok.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(PromptError, match="unsupported content part type"):
+        tok.render_chat([{"role": "user", "content": [{"type": "image", "image": {}}]}])
+    # A media part: the render stops where that message's content begins.
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    assert tok.render_chat([{"role": "user", "content": ["a", image]}]) == "<s><|user|>\n"
 
 
 def test_template_errors_become_prompt_errors(tmp_path: Path) -> None:

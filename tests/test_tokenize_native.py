@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -372,6 +373,147 @@ def test_tool_calls_and_tool_responses_equal_the_python_plane(directories: dict[
     ]
     expected, got = _both(directories["qwen"], {"messages": messages, "tools": TOOLS})
     assert isinstance(expected, list) and got == expected
+
+
+MEDIA_PARTS: dict[str, Any] = {
+    "image_url": {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    "input_image": {"type": "input_image", "image_url": "https://example.invalid/cat.png"},
+    "untyped_image": {"image_url": {"url": "https://example.invalid/cat.png"}},
+    "input_audio": {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    "video_url": {"type": "video_url", "video_url": {"url": "https://example.invalid/v.mp4"}},
+    "image_embeds": {"type": "image_embeds", "image_embeds": "AAAA"},
+}
+
+
+@pytest.mark.parametrize("template", [*TEMPLATES, "tiny-model"])
+@pytest.mark.parametrize("media", list(MEDIA_PARTS))
+def test_media_parts_route_by_the_conversation_before_them(
+    directories: dict[str, Path], template: str, media: str
+) -> None:
+    """A conversation holding an image (or audio, video, embeddings) is tokenized up to the
+    start of the first message holding it, alike on both planes: the engine puts the
+    media's placeholder tokens there, and its cache blocks past that point depend on the
+    media."""
+    directory = directories[template]
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    rng = random.Random(7)
+    before = [
+        {"role": "system", "content": _sentence(rng, 60)},
+        {"role": "user", "content": _sentence(rng, 20)},
+        {"role": "assistant", "content": _sentence(rng, 20)},
+    ]
+    part = MEDIA_PARTS[media]
+    asking: dict[str, Any] = {
+        "role": "user",
+        "content": [{"type": "text", "text": "what is this?"}, part],
+    }
+    later: list[dict[str, Any]] = [
+        {"role": "assistant", "content": "a cat"},
+        {"role": "user", "content": [part, "and this one?"]},
+    ]
+    for messages in ([*before, asking], [*before, asking, *later]):
+        body = {"model": MODEL, "messages": messages}
+        text = python.render_chat(messages)
+        assert native.render_chat(json.dumps(body)) == text
+        ids = python.chat_tokens(messages)
+        assert native.chat_tokens(json.dumps(body)) == ids
+        # The text is the conversation's render up to where the media's message content
+        # begins: the render with a marker there, cut at the marker.
+        marked = python.render_chat([*before, {"role": "user", "content": "MARKER"}])
+        assert text == marked.partition("MARKER")[0]
+        assert len(text) > sum(len(m["content"]) for m in before)
+        # A text-only conversation with the same beginning shares every full block of it.
+        text_only = [*before, {"role": "user", "content": "what is this?"}]
+        whole = python.chat_tokens(text_only)
+        shared = len(ids) - 1  # the last token may merge with what follows the cut
+        assert whole[:shared] == ids[:shared]
+
+
+def test_text_part_kinds_join_as_vllm_joins_them(directories: dict[str, Path]) -> None:
+    """Plain strings, ``input_text``, ``refusal`` and ``thinking`` parts are text; empty and
+    null texts are skipped; a null content is ``""``; an unknown part type is a 400."""
+    directory = directories["tiny-model"]
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    messages: list[dict[str, Any]] = [
+        {
+            "role": "user",
+            "content": [
+                "plain",
+                {"type": "input_text", "text": "in"},
+                {"type": "text", "text": ""},
+                {"type": "text", "text": None},
+                {"type": "output_text", "text": "out"},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": [{"type": "thinking", "thinking": "hm"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "go on"},
+    ]
+    joined = [
+        {"role": "user", "content": "plain\nin\nout"},
+        {"role": "assistant", "content": "no"},
+        {"role": "user", "content": "hm"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "go on"},
+    ]
+    body = json.dumps({"model": MODEL, "messages": messages})
+    assert python.render_chat(messages) == python.render_chat(joined)
+    assert native.render_chat(body) == python.render_chat(joined)
+    assert native.chat_tokens(body) == python.chat_tokens(joined)
+    assert "None" not in native.render_chat(body)
+    for part, problem in [
+        ({"type": "hologram", "hologram": "x"}, 'unsupported content part type "hologram"'),
+        ({"text": "no type"}, "has no 'type'"),
+        ({"type": 3}, "'type' must be a string"),
+        (7, "must be a string or an object"),
+    ]:
+        bad = [{"role": "user", "content": ["ok", part]}]
+        with pytest.raises(PromptError, match=re.escape(f"messages[0].content[1] {problem}")):
+            python.render_chat(bad)
+        with pytest.raises(InvalidRequestError, match=re.escape(problem)):
+            native.chat_tokens(json.dumps({"messages": bad}))
+
+
+@pytest.mark.usefixtures("plane")
+def test_the_gateway_routes_media_conversations_by_their_text_before_the_media(
+    tmp_path: Path,
+) -> None:
+    """Through the gateway: chats with an image are answered (each body reaches the engine as
+    sent), and chats sharing their text before the image, each with another image, go to
+    one engine: the beginning before the media is what the index learned and matched."""
+    directory = write_tokenizer(tmp_path)
+    rng = random.Random(11)
+    systems = [{"role": "system", "content": _sentence(rng, 80)} for _ in range(8)]
+
+    def chat(system: dict[str, str], image: str) -> dict[str, Any]:
+        part = {"type": "image_url", "image_url": {"url": f"https://example.invalid/{image}"}}
+        return {
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": [system, {"role": "user", "content": [part, "describe it"]}],
+        }
+
+    async def body() -> None:
+        async with rig(engines=4, tokenizer=str(directory)) as r:
+            homes: list[set[int]] = [set() for _ in systems]
+            for image in ("a.png", "b.png", "c.png"):
+                for home, system in zip(homes, systems, strict=True):
+                    request = chat(system, image)
+                    url = r.url("/v1/chat/completions")
+                    async with r.client.post(url, json=request) as response:
+                        assert response.status == 200, await response.text()
+                    engine = r.engine_of_request()
+                    assert engine.received[-1].body["messages"] == request["messages"]
+                    home.add(r.engines.index(engine))
+            assert all(len(home) == 1 for home in homes), homes
+            # Cold first chats tie and spread (random tie-break): later ones follow their
+            # beginning, not a favourite engine.
+            assert len({next(iter(home)) for home in homes}) > 1, homes
+
+    run(body())
 
 
 def test_completion_ids_equal_the_python_plane(directories: dict[str, Path]) -> None:

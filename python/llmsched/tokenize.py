@@ -15,8 +15,9 @@ library alone, so the gateway needs neither ``transformers`` nor ``torch``:
   ``raise_exception``, ``tojson``, the special tokens as variables,
   ``add_generation_prompt=True``), and the text is encoded *without* adding special tokens
   again (vLLM's chat default ``add_special_tokens=False``: the template writes them).
-  List contents are reduced to their text parts joined by newlines, vLLM's "string"
-  content format.
+  List contents are reduced to their text parts joined by newlines and a null content to
+  ``""``, vLLM's "string" content format; a conversation with a media part (an image,
+  audio, video) is rendered up to the start of the first message holding one.
 
 Route and index on these ids: they equal the engine's when both load the same files, so the
 blocks an engine reports in its KV events match the prompts picked with
@@ -26,6 +27,7 @@ pseudo-tokens instead, which never meet an engine's real ids. The gateway uses t
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -177,21 +179,29 @@ class PromptTokenizer:
         """The chat template's text for ``messages`` with ``add_generation_prompt=True``.
 
         ``extra``: further template variables (``tools``, ``chat_template_kwargs`` items).
+        A conversation holding a media part (an image, audio, video or embeddings) renders
+        up to the start of the first message holding one: the engine puts the media's
+        placeholder tokens there and hashes the media into the cache blocks after it, so
+        that beginning is what a router can match.
         """
         if self._template is None:
             raise PromptError("the configured tokenizer has no chat template")
         variables: dict[str, Any] = dict(self._special)
         variables.update(extra or {})
-        variables["messages"] = _string_contents(messages)
+        variables["messages"], media = _string_contents(messages)
         variables.setdefault("add_generation_prompt", True)
         try:
-            return self._template.render(**variables)
+            text = self._template.render(**variables)
         except jinja2.TemplateError as exc:
             raise PromptError(f"chat template: {exc}") from None
         except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as exc:
             # jinja2 lets a Python error inside the template through (``None + "x"`` on a
             # message without a field): the request's shape caused it, so it is the client's.
             raise PromptError(f"chat template: {type(exc).__name__}: {exc}") from None
+        if media:
+            # A template that left the marked message out keeps its whole text.
+            text = text.partition(_MEDIA_MARK)[0]
+        return text
 
     def chat_tokens(
         self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None
@@ -215,10 +225,84 @@ def _chat_template_source(path: Path, config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _string_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+_MEDIA_MARK = "\ue000llmsched:media\ue001"
+"""Stands for the content of the first message holding a media part while the template
+renders; the rendered text is cut where it appears (private-use characters: no template
+writes them and no tokenizer merges across the cut)."""
+
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+    "tool_reference": "name",
+}
+"""Text part types and the field holding their text, as vLLM reads them (its
+``entrypoints/chat_utils.py``)."""
+
+_MEDIA_PARTS = frozenset(
+    {
+        "image_url",
+        "input_image",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    }
+)
+"""Media part types (vLLM's); a part without a type is media when it holds one of these
+fields, as vLLM infers it."""
+
+
+def _part_text(value: object) -> str | None:
+    """A text part's text, None when it is skipped (absent, null or empty, as vLLM skips it)."""
+    if value is None:
+        return None
+    return str(value) or None
+
+
+class _Media(enum.Enum):
+    """What :func:`_content_part` gives for a media part."""
+
+    PART = "media"
+
+
+def _content_part(part: object) -> str | _Media | None:
+    """One part of a list content: its text (None: skipped), or ``_Media.PART``. Raises
+    ``ValueError`` naming what is wrong with it."""
+    if isinstance(part, str):
+        return _part_text(part)
+    if not isinstance(part, Mapping):
+        raise ValueError("must be a string or an object with a type")
+    kind = part.get("type")
+    if isinstance(kind, str):
+        field = _TEXT_PARTS.get(kind)
+        if field is not None:
+            return _part_text(part.get(field))
+        if kind in _MEDIA_PARTS:
+            return _Media.PART
+        raise ValueError(f"unsupported content part type {json.dumps(kind)}")
+    if kind is not None:
+        raise ValueError("'type' must be a string")
+    if any(field in part for field in _MEDIA_PARTS):
+        return _Media.PART
+    if "tool_reference" in part:
+        return _part_text(part["tool_reference"])
+    raise ValueError("has no 'type'")
+
+
+def _string_contents(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+    """The messages as the template sees them, and whether a media part was met (see
+    :meth:`PromptTokenizer.render_chat`)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise PromptError("messages must be a non-empty list of {role, content} objects")
     out = []
+    media = False
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise PromptError(f"messages[{i}] must be an object with a string role")
@@ -226,12 +310,24 @@ def _string_contents(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
         content = item.get("content")
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if not isinstance(part, Mapping) or part.get("type") != "text":
-                    raise PromptError(f"messages[{i}].content: only text parts are supported")
-                texts.append(str(part.get("text", "")))
-            item["content"] = "\n".join(texts)
-        elif content is not None and not isinstance(content, str):
+            has_media = False
+            for j, part in enumerate(content):
+                try:
+                    text = _content_part(part)
+                except ValueError as exc:
+                    raise PromptError(f"messages[{i}].content[{j}] {exc}") from None
+                if text is _Media.PART:
+                    has_media = True
+                elif isinstance(text, str):
+                    texts.append(text)
+            if has_media and not media:
+                media = True
+                item["content"] = _MEDIA_MARK
+            else:
+                item["content"] = "\n".join(texts)
+        elif content is None:
+            item["content"] = ""
+        elif not isinstance(content, str):
             raise PromptError(f"messages[{i}].content must be a string or a list of parts")
         out.append(item)
-    return out
+    return out, media

@@ -93,6 +93,23 @@ def test_gateway_tokens_equal_the_engine_tokens(
         prompt = sentence(rng, 40)
         engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "prompt": prompt})
         assert gateway.completion_tokens(prompt) == engine_side["tokens"]
+    # List contents as vLLM joins them: text-like parts, empty ones skipped, a null content.
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": sentence(rng, 12)}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": sentence(rng, 8)},
+                {"type": "text", "text": ""},
+                {"type": "input_text", "text": sentence(rng, 8)},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": sentence(rng, 4)}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": sentence(rng, 6)},
+    ]
+    engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "messages": messages})
+    assert gateway.chat_tokens(messages) == engine_side["tokens"]
 
 
 def test_conversations_return_to_the_engine_holding_their_prefix(

@@ -13,10 +13,14 @@
 //!
 //! - completions: a string prompt is encoded with the tokenizer's special tokens; a list of
 //!   ids is used as is; a batch routes by its first prompt;
-//! - chat: the messages (list contents reduced to their text parts joined by newlines) are
-//!   rendered with the special tokens, `chat_template_kwargs` items, `tools` and
-//!   `add_generation_prompt` (default true) as variables, and the text is encoded without
-//!   adding special tokens again.
+//! - chat: the messages (list contents reduced to their text parts joined by newlines, a
+//!   null content to `""`, as vLLM's "string" content format) are rendered with the special
+//!   tokens, `chat_template_kwargs` items, `tools` and `add_generation_prompt` (default true)
+//!   as variables, and the text is encoded without adding special tokens again;
+//! - media: a conversation with an image, audio, video or embeddings part is rendered up to
+//!   the start of the first message holding one. The engine puts the media's placeholder
+//!   tokens there and hashes the media into the cache blocks after it, so that beginning is
+//!   the part of the prompt a router can match; the request itself goes to the engine whole.
 //!
 //! A template the engine cannot render is found at load time by rendering probe
 //! conversations ([`PromptTokenizer::load`] fails); a conversation the template refuses, or
@@ -313,7 +317,8 @@ impl PromptTokenizer {
     }
 
     /// The chat template's text for `messages` (a list of `{role, content}` maps) with
-    /// `tools` and further variables (`extra`, a map) set.
+    /// `tools` and further variables (`extra`, a map) set; with a media part, the text up to
+    /// the start of the first message holding one (see the module documentation).
     pub fn render(
         &self,
         messages: &Value,
@@ -338,7 +343,7 @@ impl PromptTokenizer {
         tools: Option<&Value>,
         extra: Option<&Value>,
     ) -> Result<String, RenderError> {
-        let messages = string_contents(messages).map_err(RenderError::Prompt)?;
+        let (messages, media) = string_contents(messages).map_err(RenderError::Prompt)?;
         let context = ChatContext {
             messages,
             tools: tools.cloned(),
@@ -346,7 +351,12 @@ impl PromptTokenizer {
             special: self.special_values.clone(),
         };
         let template = env.get_template(TEMPLATE).map_err(RenderError::Template)?;
-        template.render(Value::from_object(context)).map_err(RenderError::Template)
+        let mut text =
+            template.render(Value::from_object(context)).map_err(RenderError::Template)?;
+        if media {
+            cut_at_media(&mut text);
+        }
+        Ok(text)
     }
 
     /// The ids of `text`, with the tokenizer's special tokens added or not (without the
@@ -484,15 +494,96 @@ fn strftime_now(format: String) -> Result<Value, Error> {
     String::from_utf8(buffer).map(Value::from).map_err(|_| bad())
 }
 
-/// Messages as the template sees them: each a map with a string role; a list content is
-/// reduced to its text parts joined by newlines (vLLM's "string" content format). Messages
-/// whose contents are all strings are the template's as they are (no new list).
-fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
+/// Stands for the content of the first message holding a media part while the template
+/// renders; the rendered text is cut where it appears. Private-use characters, so no
+/// template writes it and no tokenizer merges across the cut.
+const MEDIA_MARK: &str = "\u{E000}llmsched:media\u{E001}";
+
+/// Text part types and the field holding their text, as vLLM reads them (its
+/// `entrypoints/chat_utils.py`: text, input and output text, refusal, thinking; a tool
+/// reference contributes its name).
+const TEXT_PARTS: [(&str, &str); 6] = [
+    ("text", "text"),
+    ("input_text", "text"),
+    ("output_text", "text"),
+    ("refusal", "refusal"),
+    ("thinking", "thinking"),
+    ("tool_reference", "name"),
+];
+
+/// Media part types (vLLM's): the engine puts the media's placeholder tokens and its own
+/// processing in their place, which a gateway cannot reproduce. A part without a type is
+/// media when it holds one of these fields, as vLLM infers it.
+const MEDIA_PARTS: [&str; 10] = [
+    "image_url",
+    "input_image",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "image_pil",
+    "audio_url",
+    "input_audio",
+    "video_url",
+];
+
+/// One part of a list content.
+enum Part {
+    /// Text for the message (an empty or absent text is skipped, as vLLM skips it).
+    Text(Option<String>),
+    Media,
+}
+
+fn content_part(part: &Value) -> Result<Part, String> {
+    let text_of = |value: Value| match value.kind() {
+        ValueKind::Undefined | ValueKind::None => None,
+        _ => Some(python_str(&value)).filter(|text| !text.is_empty()),
+    };
+    match part.kind() {
+        ValueKind::String => return Ok(Part::Text(text_of(part.clone()))),
+        ValueKind::Map => {}
+        _ => return Err("must be a string or an object with a type".into()),
+    }
+    let kind = part.get_attr("type").unwrap_or_default();
+    match kind.kind() {
+        ValueKind::String => {
+            let kind = kind.as_str().unwrap_or("");
+            if let Some((_, field)) = TEXT_PARTS.iter().find(|(name, _)| *name == kind) {
+                return Ok(Part::Text(text_of(part.get_attr(field).unwrap_or_default())));
+            }
+            if MEDIA_PARTS.contains(&kind) {
+                return Ok(Part::Media);
+            }
+            Err(format!("unsupported content part type {kind:?}"))
+        }
+        ValueKind::Undefined | ValueKind::None => {
+            let holds = |field: &str| part.get_attr(field).is_ok_and(|v| !v.is_undefined());
+            if MEDIA_PARTS.iter().any(|field| holds(field)) {
+                Ok(Part::Media)
+            } else if holds("tool_reference") {
+                Ok(Part::Text(text_of(part.get_attr("tool_reference").unwrap_or_default())))
+            } else {
+                Err("has no 'type'".into())
+            }
+        }
+        _ => Err("'type' must be a string".into()),
+    }
+}
+
+/// Messages as the template sees them, and whether a media part was met: each message a map
+/// with a string role. A list content is reduced to its text parts joined by newlines, an
+/// absent or null content to `""` (vLLM's "string" content format). The first message
+/// holding a media part gets [`MEDIA_MARK`] as its content: vLLM puts the media's
+/// placeholders at the start of that message's text, so the prompt the gateway can know ends
+/// there. Messages whose contents are all strings are the template's as they are (no new
+/// list).
+fn string_contents(messages: &Value) -> Result<(Value, bool), PromptProblem> {
     let shape =
         || PromptProblem("messages must be a non-empty list of {role, content} objects".into());
     if messages.kind() != ValueKind::Seq || messages.len() == Some(0) {
         return Err(shape());
     }
+    let mut media = false;
     // The messages before the first reduced one are copied in when it is met.
     let mut out: Option<Vec<Value>> = None;
     for (i, message) in messages.try_iter().map_err(|_| shape())?.enumerate() {
@@ -506,21 +597,27 @@ fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
         let reduced = match content.kind() {
             ValueKind::Seq => {
                 let mut texts = Vec::new();
-                for part in content.try_iter().map_err(|_| shape())? {
-                    let kind = part.get_attr("type").ok();
-                    if part.kind() != ValueKind::Map
-                        || kind.as_ref().and_then(Value::as_str) != Some("text")
-                    {
-                        return Err(PromptProblem(format!(
-                            "messages[{i}].content: only text parts are supported"
-                        )));
+                let mut has_media = false;
+                for (j, part) in content.try_iter().map_err(|_| shape())?.enumerate() {
+                    match content_part(&part) {
+                        Ok(Part::Text(text)) => texts.extend(text),
+                        Ok(Part::Media) => has_media = true,
+                        Err(problem) => {
+                            return Err(PromptProblem(format!(
+                                "messages[{i}].content[{j}] {problem}"
+                            )))
+                        }
                     }
-                    let text = part.get_attr("text").unwrap_or_default();
-                    texts.push(if text.is_undefined() { String::new() } else { python_str(&text) });
                 }
-                Some(Value::from(texts.join("\n")))
+                if has_media && !media {
+                    media = true;
+                    Some(Value::from(MEDIA_MARK))
+                } else {
+                    Some(Value::from(texts.join("\n")))
+                }
             }
-            ValueKind::String | ValueKind::None | ValueKind::Undefined => None,
+            ValueKind::String => None,
+            ValueKind::None | ValueKind::Undefined => Some(Value::from("")),
             _ => {
                 return Err(PromptProblem(format!(
                     "messages[{i}].content must be a string or a list of parts"
@@ -535,7 +632,7 @@ fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
             }
             Some(text) => {
                 let keys = message.try_iter().map_err(|_| shape())?;
-                let fields: Vec<(Value, Value)> = keys
+                let mut fields: Vec<(Value, Value)> = keys
                     .map(|key| {
                         let value = if key.as_str() == Some("content") {
                             text.clone()
@@ -545,6 +642,9 @@ fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
                         (key, value)
                     })
                     .collect();
+                if content.is_undefined() {
+                    fields.push((Value::from("content"), text));
+                }
                 let out = out.get_or_insert_with(|| {
                     let mut before = Vec::with_capacity(messages.len().unwrap_or(0));
                     before.extend(messages.try_iter().into_iter().flatten().take(i));
@@ -554,7 +654,15 @@ fn string_contents(messages: &Value) -> Result<Value, PromptProblem> {
             }
         }
     }
-    Ok(out.map_or_else(|| messages.clone(), Value::from))
+    Ok((out.map_or_else(|| messages.clone(), Value::from), media))
+}
+
+/// Cuts a render at [`MEDIA_MARK`]. A template that did not write the marked content (one
+/// that leaves some messages out) keeps its whole text, the media's message left out.
+fn cut_at_media(text: &mut String) {
+    if let Some(at) = text.find(MEDIA_MARK) {
+        text.truncate(at);
+    }
 }
 
 /// `{{ value }}` as Jinja on Python writes it: Python's `str()` (`None`, `True`, `['a']`).
@@ -932,8 +1040,10 @@ mod tests {
             ("[{\"content\": \"x\"}]", "messages[0] must be an object"),
             ("[{\"role\": 1}]", "messages[0] must be an object"),
             ("[{\"role\": \"user\", \"content\": 5}]", "must be a string or a list of parts"),
-            ("[{\"role\": \"user\", \"content\": [{\"type\": \"image\"}]}]", "only text parts"),
-            ("[{\"role\": \"user\", \"content\": [3]}]", "only text parts"),
+            ("[{\"role\": \"user\", \"content\": [{\"type\": \"image\"}]}]", "type \"image\""),
+            ("[{\"role\": \"user\", \"content\": [3]}]", "content[0] must be a string or"),
+            ("[{\"role\": \"user\", \"content\": [{\"text\": \"a\"}]}]", "has no 'type'"),
+            ("[{\"role\": \"user\", \"content\": [{\"type\": 1}]}]", "'type' must be"),
         ] {
             let messages: Value = serde_json::from_str(bad).unwrap();
             let problem = string_contents(&messages).unwrap_err();
@@ -943,9 +1053,60 @@ mod tests {
             r#"[{"role": "user", "name": "n", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]"#,
         )
         .unwrap();
-        let reduced = string_contents(&messages).unwrap();
+        let (reduced, media) = string_contents(&messages).unwrap();
+        assert!(!media);
         let first = reduced.get_item(&Value::from(0)).unwrap();
         assert_eq!(first.get_attr("content").unwrap().as_str(), Some("a\nb"));
         assert_eq!(first.get_attr("name").unwrap().as_str(), Some("n"));
+    }
+
+    #[test]
+    fn text_parts_are_joined_as_vllm_joins_them() {
+        let messages: Value = serde_json::from_str(
+            r#"[{"role": "user", "content": ["plain", {"type": "input_text", "text": "in"},
+                {"type": "text", "text": ""}, {"type": "text", "text": null}, {"type": "text"},
+                {"type": "refusal", "refusal": "no"}, {"type": "thinking", "thinking": "hm"}]},
+               {"role": "assistant", "content": null, "tool_calls": []},
+               {"role": "tool"}]"#,
+        )
+        .unwrap();
+        let (reduced, media) = string_contents(&messages).unwrap();
+        assert!(!media);
+        let content = |i: i64| {
+            let message = reduced.get_item(&Value::from(i)).unwrap();
+            message.get_attr("content").unwrap().as_str().map(str::to_owned)
+        };
+        assert_eq!(content(0).as_deref(), Some("plain\nin\nno\nhm"));
+        assert_eq!(content(1).as_deref(), Some(""));
+        assert_eq!(content(2).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn the_first_media_part_marks_its_message() {
+        for part in [
+            r#"{"type": "image_url", "image_url": {"url": "data:,"}}"#,
+            r#"{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}"#,
+            r#"{"image_url": {"url": "data:,"}}"#,
+            r#"{"type": "video_url", "video_url": {"url": "v"}}"#,
+        ] {
+            let messages: Value = serde_json::from_str(&format!(
+                r#"[{{"role": "system", "content": "s"}},
+                   {{"role": "user", "content": [{{"type": "text", "text": "look"}}, {part}]}},
+                   {{"role": "user", "content": [{part}, "again"]}}]"#
+            ))
+            .unwrap();
+            let (reduced, media) = string_contents(&messages).unwrap();
+            assert!(media, "{part}");
+            let content = |i: i64| {
+                let message = reduced.get_item(&Value::from(i)).unwrap();
+                message.get_attr("content").unwrap().as_str().map(str::to_owned)
+            };
+            assert_eq!(content(0).as_deref(), Some("s"));
+            assert_eq!(content(1).as_deref(), Some(MEDIA_MARK));
+            assert_eq!(content(2).as_deref(), Some("again"));
+        }
+        let mut text = format!("<s>system{MEDIA_MARK}more");
+        cut_at_media(&mut text);
+        assert_eq!(text, "<s>system");
     }
 }
