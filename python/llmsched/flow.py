@@ -50,6 +50,7 @@ from llmsched.errors import (
     DuplicateRequestError,
     FlowRejected,
     InvalidRequestError,
+    InvalidTypeError,
     UnknownRequestError,
 )
 from llmsched.types import BandConfig, FlowConfig, FlowMetrics
@@ -113,7 +114,9 @@ def _as_dict(config: ConfigLike) -> dict[str, Any]:
         return {}
     if isinstance(config, (Mapping, str, os.PathLike)):
         return load_mapping(config, what="flow config")
-    raise TypeError(f"config must be a mapping, YAML text or a path, got {type(config).__name__}")
+    raise InvalidTypeError(
+        f"config must be a mapping, YAML text or a path, got {type(config).__name__}"
+    )
 
 
 def resolve_config(config: ConfigLike = None) -> FlowConfig:
@@ -214,11 +217,13 @@ class FlowController:
         (None, Outcome.REJECTED_CAPACITY)
         """
         if not isinstance(request, FlowRequest):
-            raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+            raise InvalidTypeError(f"request must be a FlowRequest, got {type(request).__name__}")
         for name in ("id", "priority", "prompt_tokens", "size_bytes"):
             value = getattr(request, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"FlowRequest.{name} must be an int, got {type(value).__name__}")
+                raise InvalidTypeError(
+                    f"FlowRequest.{name} must be an int, got {type(value).__name__}"
+                )
             _int64(f"FlowRequest.{name}", value)
         refused = self._core.enqueue(
             request.id,
@@ -306,7 +311,7 @@ class FlowController:
         False
         """
         if not isinstance(tenant, str):
-            raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
+            raise InvalidTypeError(f"tenant must be a str, got {type(tenant).__name__}")
         priority = check_int("priority", priority, minimum=-(2**31), maximum=2**31 - 1)
         return self._core.charge_remote(
             tenant, priority, prompt_tokens, output_tokens, self._now(now)
@@ -523,7 +528,7 @@ class FlowController:
         1
         """
         if not isinstance(request, FlowRequest):
-            raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+            raise InvalidTypeError(f"request must be a FlowRequest, got {type(request).__name__}")
         import asyncio
 
         loop = asyncio.get_running_loop()

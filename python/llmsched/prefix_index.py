@@ -31,7 +31,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, native_tokens
-from llmsched.errors import InvalidValueError
+from llmsched.errors import InvalidTypeError, InvalidValueError
 from llmsched.hashing import DEFAULT_BLOCK_SIZE, text_block_hashes
 from llmsched.types import ApplyReport, IndexStats
 from llmsched.validation import check_block_size, check_now, check_seed
@@ -66,11 +66,13 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
         if hashes.dtype.kind == "i" and hashes.size and (hashes < 0).any():
             raise InvalidValueError(f"{what} must be non-negative 64-bit ints")
         if hashes.dtype.kind not in "iu":
-            raise TypeError(f"{what} must be integers, got dtype {hashes.dtype}")
+            raise InvalidTypeError(f"{what} must be integers, got dtype {hashes.dtype}")
         arr = hashes.astype(np.uint64, copy=False)  # no copy when already uint64
     else:
         if isinstance(hashes, (bytes, bytearray, str)):
-            raise TypeError(f"{what} must be a sequence of ints, got {type(hashes).__name__}")
+            raise InvalidTypeError(
+                f"{what} must be a sequence of ints, got {type(hashes).__name__}"
+            )
         if not isinstance(hashes, (list, tuple)):
             try:
                 view = memoryview(hashes)  # type: ignore[arg-type]
@@ -91,11 +93,13 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
                     "n",
                     "N",
                 ):
-                    raise TypeError(f"{what} must be integers, got buffer format {view.format!r}")
+                    raise InvalidTypeError(
+                        f"{what} must be integers, got buffer format {view.format!r}"
+                    )
                 return as_hash_array(np.asarray(view), what)
         items = list(hashes)
         if any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) for h in items):
-            raise TypeError(f"{what} must be ints")
+            raise InvalidTypeError(f"{what} must be ints")
         try:
             arr = np.array(items, dtype=np.uint64)
         except OverflowError:
@@ -360,7 +364,7 @@ class PrefixIndex:
         """
         if type(payload) is not bytes:
             if not isinstance(payload, (bytes, bytearray, memoryview)):
-                raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+                raise InvalidTypeError(f"payload must be bytes, got {type(payload).__name__}")
             payload = bytes(payload)
         report = self._native.apply_vllm_events(worker, payload)
         skipped = report["block_size_mismatch"]

@@ -38,7 +38,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, native_tokens
 from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
-from llmsched.errors import ConfigError, InvalidValueError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import (
@@ -196,7 +196,7 @@ class EndpointPool:
             endpoint = Endpoint(endpoint)
         labels = dict(endpoint.labels)
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-            raise TypeError("labels must map str to str")
+            raise InvalidTypeError("labels must map str to str")
         return self._native.upsert(
             endpoint.id, endpoint.address, endpoint.role, labels, endpoint.model
         )
@@ -394,11 +394,11 @@ class Router:
         allow_pseudo_tokens: bool = False,
     ) -> None:
         if not isinstance(allow_pseudo_tokens, bool):
-            raise TypeError("allow_pseudo_tokens must be a bool")
+            raise InvalidTypeError("allow_pseudo_tokens must be a bool")
         self._pseudo_ok = allow_pseudo_tokens
         self._pseudo_picks = 0
         if not isinstance(pool, EndpointPool):
-            raise TypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
+            raise InvalidTypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
         if seed is not None:
             check_seed(seed)
         native, functions = native_config(load_config(config))
@@ -446,7 +446,9 @@ class Router:
                 else PrefixIndex(block_size, worker_capacity=capacity)
             )
         elif not isinstance(index, PrefixIndex):
-            raise TypeError(f"index must be a PrefixIndex or None, got {type(index).__name__}")
+            raise InvalidTypeError(
+                f"index must be a PrefixIndex or None, got {type(index).__name__}"
+            )
         self._pool = pool
         self._index = index
         self._info = info
@@ -583,7 +585,7 @@ class Router:
         else:
             array = _prompt_array(tokens, text, messages)
         if type(priority) is not int:
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+            raise InvalidTypeError(f"priority must be an int, got {type(priority).__name__}")
         if not -(2**31) <= priority < 2**31:
             raise InvalidValueError(f"priority must fit in 32 bits, got {priority}")
         header_items = [] if headers is None else _headers(headers)
@@ -908,7 +910,7 @@ def text_tokens(text: str | bytes) -> npt.NDArray[np.uint32]:
     if isinstance(text, (bytearray, memoryview)):
         text = bytes(text)
     if not isinstance(text, (str, bytes)):
-        raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
+        raise InvalidTypeError(f"text must be str or bytes, got {type(text).__name__}")
     return pack_text(text)
 
 
@@ -921,11 +923,11 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     '<|system|>\\nBe brief.\\n'
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError("messages must be a list of {'role': ..., 'content': ...} mappings")
+        raise InvalidTypeError("messages must be a list of {'role': ..., 'content': ...} mappings")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise TypeError(f"messages[{i}] must be a mapping with a str 'role'")
+            raise InvalidTypeError(f"messages[{i}] must be a mapping with a str 'role'")
         content = m.get("content")
         if content is None:  # an assistant message with only tool calls
             content = ""
@@ -936,7 +938,7 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
                 if isinstance(part, Mapping) and part.get("type") == "text"
             )
         if not isinstance(content, str):
-            raise TypeError(f"messages[{i}]['content'] must be a str or a list of parts")
+            raise InvalidTypeError(f"messages[{i}]['content'] must be a str or a list of parts")
         out.append(f"<|{m['role']}|>\n{content}\n")
     return "".join(out)
 
@@ -982,7 +984,7 @@ def _prompt_array(
     """The prompt as the native router takes it, from exactly one of the three forms: a token
     array, or a list or tuple of ids (read natively)."""
     if sum(x is not None for x in (tokens, text, messages)) != 1:
-        raise TypeError("give exactly one of tokens=, text= or messages=")
+        raise InvalidTypeError("give exactly one of tokens=, text= or messages=")
     if messages is not None:
         text = render_messages(messages)
     if text is not None:
@@ -993,10 +995,10 @@ def _prompt_array(
 
 def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     if not isinstance(headers, Mapping):
-        raise TypeError("headers must be a mapping of str to str")
+        raise InvalidTypeError("headers must be a mapping of str to str")
     items = list(headers.items())
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in items):
-        raise TypeError("headers must map str to str")
+        raise InvalidTypeError("headers must map str to str")
     return items
 
 

@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 
 from llmsched import _llmsched
 from llmsched._llmsched import EndpointLoad, SliceDecision, SliceState
-from llmsched.errors import ConfigError, InvalidValueError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
 from llmsched.validation import check_now
 
 __all__ = [
@@ -284,19 +284,19 @@ class SliceStart(NamedTuple):
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
     if not low <= value <= high:
         raise InvalidValueError(f"{name} must be in {low}..{high}, got {value}")
 
 
 def _explain_waiting(waiting: object) -> None:
     if isinstance(waiting, (str, bytes)) or not isinstance(waiting, Sequence):
-        raise TypeError("waiting must be a sequence of WaitingRequest tuples")
+        raise InvalidTypeError("waiting must be a sequence of WaitingRequest tuples")
     limits = [("priority", -_I32 - 1, _I32), ("level", 0, 255)]
     limits += [("context_tokens", 0, _U32), ("expected_tokens", 0, _U32)]
     for i, item in enumerate(waiting):
         if not isinstance(item, tuple) or len(item) != 4:
-            raise TypeError(
+            raise InvalidTypeError(
                 f"waiting[{i}] must be a WaitingRequest "
                 "(priority, level, context_tokens, expected_tokens)"
             )
@@ -537,7 +537,7 @@ class SliceTracker:
 
 def _endpoint_name(name: object) -> str:
     if not isinstance(name, str):
-        raise TypeError(f"endpoint must be a str, got {type(name).__name__}")
+        raise InvalidTypeError(f"endpoint must be a str, got {type(name).__name__}")
     return name
 
 
@@ -638,7 +638,7 @@ class SliceAssembler:
         if api not in ("completions", "chat"):
             raise ConfigError(f"api must be 'completions' or 'chat', got {api!r}")
         if response_id is not None and not isinstance(response_id, str):
-            raise TypeError(f"response_id must be a str, got {type(response_id).__name__}")
+            raise InvalidTypeError(f"response_id must be a str, got {type(response_id).__name__}")
         if created is not None:
             _check_int("created", created, -(2**63), 2**63 - 1)
         if default_max_tokens is not None:
@@ -714,7 +714,7 @@ class SliceAssembler:
         or token ids that are not ids raises ValueError (nothing is taken from it).
         """
         if not isinstance(chunk, Mapping):
-            raise TypeError(f"chunk must be a mapping, got {type(chunk).__name__}")
+            raise InvalidTypeError(f"chunk must be a mapping, got {type(chunk).__name__}")
         return self._native.feed(dict(chunk))
 
     def end_slice(self) -> list[dict[str, Any]]:

@@ -11,8 +11,8 @@ and ``SliceTracker.step(now=...)`` accept and refuse exactly the same clocks.
 * probabilities and fractions: a finite number in ``[0, 1]``.
 * ids (workers, endpoints): an ``int`` that fits 64 bits signed, or a ``str``.
 
-Type mistakes raise ``TypeError``; values out of range raise
-:class:`~llmsched.errors.InvalidValueError` (a ``ValueError``).
+Type mistakes raise :class:`~llmsched.errors.InvalidTypeError` (a ``TypeError``); values out of
+range raise :class:`~llmsched.errors.InvalidValueError` (a ``ValueError``).
 
 >>> check_now(12.5)
 12.5
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from llmsched._llmsched import MAX_BLOCK_SIZE
-from llmsched.errors import InvalidValueError
+from llmsched.errors import InvalidTypeError, InvalidValueError
 
 __all__ = [
     "I64_MAX",
@@ -82,7 +82,7 @@ def check_positive_seconds(name: str, value: object) -> float:
 
 def _seconds(name: str, value: object, *, strictly_positive: bool) -> float:
     if not _is_number(value):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
     seconds = float(value)  # type: ignore[arg-type]
     in_range = seconds > 0.0 if strictly_positive else seconds >= 0.0
     if not (math.isfinite(seconds) and in_range):
@@ -98,7 +98,7 @@ def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = I64_
     4
     """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise InvalidValueError(f"{name} must be at least {minimum}, got {value}")
     if value > maximum:
@@ -127,7 +127,7 @@ def check_seed(seed: object) -> int:
     1337
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        raise InvalidTypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= U64_MAX:
         raise InvalidValueError(f"seed must be in 0..2**64-1, got {seed}")
     return seed
@@ -140,7 +140,7 @@ def check_probability(name: str, value: object) -> float:
     1.0
     """
     if not _is_number(value):
-        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be a number in [0, 1], got {type(value).__name__}")
     p = float(value)  # type: ignore[arg-type]
     if not 0.0 <= p <= 1.0:  # also false for nan
         raise InvalidValueError(f"{name} must be in [0, 1], got {value!r}")
@@ -156,7 +156,7 @@ def check_id(name: str, value: object) -> int | str:
     if isinstance(value, str):
         return value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or a str, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int or a str, got {type(value).__name__}")
     if not -(2**63) <= value <= I64_MAX:
         raise InvalidValueError(f"{name} must fit in 64 bits (signed), got {value}")
     return value
