@@ -129,6 +129,10 @@ def read_config(source: ConfigSource, *, what: str) -> ConfigDocument:
     """
     if isinstance(source, Mapping):
         return ConfigDocument(dict(source), what)
+    if not isinstance(source, (str, os.PathLike)):
+        raise InvalidTypeError(
+            f"{what} must be a mapping, a path or YAML / JSON text, got {type(source).__name__}"
+        )
     path = None if isinstance(source, str) and looks_like_text(source) else Path(source)
     value = read_document(source, what=what)
     if value is None:
