@@ -108,7 +108,7 @@ def vllm_block_hashes_batch(
 def _read_list_floor(items: list[int], prefetch: bool) -> int:
     """Benchmarks only: the wrapping sum of a list of ints in `0..2**64`, each item's type
     checked and value read as a list converter must and nothing else done (the floor of reading
-    a list from memory); TypeError for anything else."""
+    a list from memory); InvalidTypeError (a TypeError) for anything else."""
 
 # ---- prefix_index --------------------------------------------------------------------------
 

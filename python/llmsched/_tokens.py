@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TypeAlias, Union
 import numpy as np
 import numpy.typing as npt
 
-from llmsched.errors import InvalidTokenError, InvalidValueError
+from llmsched.errors import InvalidTokenError, InvalidTypeError, InvalidValueError
 
 TokensLike: TypeAlias = Union[
     "npt.NDArray[np.integer[Any]]",
@@ -54,9 +54,11 @@ def as_token_array(tokens: TokensLike, what: str = "tokens") -> npt.NDArray[np.i
     elif isinstance(tokens, (list, tuple, range)):
         arr = _from_ints(tokens, what)
     elif isinstance(tokens, str):
-        raise TypeError(f"{what} must be token ids, got str; hash raw text with text_block_hashes")
+        raise InvalidTypeError(
+            f"{what} must be token ids, got str; hash raw text with text_block_hashes"
+        )
     elif isinstance(tokens, (bytes, bytearray)):
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what}: raw bytes are ambiguous; wrap them with numpy.frombuffer(buf, dtype=...)"
         )
     else:
@@ -86,14 +88,16 @@ def _from_other(tokens: object, what: str) -> npt.NDArray[Any]:
     except TypeError:
         if isinstance(tokens, Iterable):
             return _from_ints(list(tokens), what)
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} must be a numpy integer array, a buffer of integers or a sequence of ints, "
             f"got {type(tokens).__name__}"
         ) from None
     try:
         return np.asarray(view)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"{what}: unsupported buffer format {view.format!r}: {exc}") from None
+        raise InvalidTypeError(
+            f"{what}: unsupported buffer format {view.format!r}: {exc}"
+        ) from None
 
 
 def _from_ints(values: Sequence[Any], what: str) -> npt.NDArray[Any]:
@@ -103,7 +107,7 @@ def _from_ints(values: Sequence[Any], what: str) -> npt.NDArray[Any]:
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"{what} must be a flat sequence of ints: {exc}") from None
+        raise InvalidTypeError(f"{what} must be a flat sequence of ints: {exc}") from None
     if arr.dtype.kind in "iu":
         # numpy reads a bool among ints as 0 or 1: refuse it as a bool alone is refused.
         if any(isinstance(v, (bool, np.bool_)) for v in values):
@@ -113,7 +117,7 @@ def _from_ints(values: Sequence[Any], what: str) -> npt.NDArray[Any]:
         # numpy falls back to float or object for ints beyond int64/uint64 too: tell apart
         # an out-of-range id from a non-integer element.
         _raise_for_elements(values, what)
-    raise TypeError(f"{what} must be integers, got elements of dtype {arr.dtype}")
+    raise InvalidTypeError(f"{what} must be integers, got elements of dtype {arr.dtype}")
 
 
 def _is_int(value: object) -> bool:
@@ -124,13 +128,13 @@ def _raise_for_elements(values: Iterable[Any], what: str) -> NoReturn:
     """Raise for the first element that is not an int in range."""
     for position, value in enumerate(values):
         if not _is_int(value):
-            raise TypeError(f"{what}[{position}] must be an int, got {type(value).__name__}")
+            raise InvalidTypeError(f"{what}[{position}] must be an int, got {type(value).__name__}")
     raise_out_of_range(values, what)
 
 
 def _checked(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.integer]:
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{what} must have an integer dtype, got {arr.dtype}")
+        raise InvalidTypeError(f"{what} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
         raise InvalidValueError(f"{what} must be one-dimensional, got {arr.ndim} dimensions")
     if not arr.dtype.isnative:

@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from llmsched._extras import require
-from llmsched.errors import ConfigError, MalformedSyncBatchError
+from llmsched.errors import ConfigError, InvalidTypeError, MalformedSyncBatchError
 from llmsched.routing import Router
 from llmsched.types import SyncCounters
 from llmsched.validation import check_int, check_positive_seconds
@@ -181,7 +181,7 @@ class ClusterSync:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(router, Router):
-            raise TypeError(f"router must be a Router, got {type(router).__name__}")
+            raise InvalidTypeError(f"router must be a Router, got {type(router).__name__}")
         if not cluster or not all(c.isalnum() or c in "-_" for c in cluster):
             raise ConfigError(f"cluster must be letters, digits, '-' or '_', got {cluster!r}")
         name = replica if replica is not None else _default_replica()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidTypeError
 
 __all__ = [
     "ConfigDocument",
@@ -89,7 +89,9 @@ def read_document(source: str | os.PathLike[str], *, what: str) -> Any:
     if isinstance(source, str) and looks_like_text(source):
         return _parse(source, json_only=False, what=what, path=None)
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"{what} must be a path or YAML / JSON text, got {type(source).__name__}")
+        raise InvalidTypeError(
+            f"{what} must be a path or YAML / JSON text, got {type(source).__name__}"
+        )
     path = Path(source)
     try:
         text = path.read_text()
@@ -127,6 +129,10 @@ def read_config(source: ConfigSource, *, what: str) -> ConfigDocument:
     """
     if isinstance(source, Mapping):
         return ConfigDocument(dict(source), what)
+    if not isinstance(source, (str, os.PathLike)):
+        raise InvalidTypeError(
+            f"{what} must be a mapping, a path or YAML / JSON text, got {type(source).__name__}"
+        )
     path = None if isinstance(source, str) and looks_like_text(source) else Path(source)
     value = read_document(source, what=what)
     if value is None:

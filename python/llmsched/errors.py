@@ -1,10 +1,14 @@
 """The llmsched exception hierarchy.
 
 Every error that llmsched raises for bad input subclasses both :class:`LlmschedError` and the
-built-in exception it resembles, so ``except ValueError`` keeps working.
+built-in exception it resembles, so ``except ValueError`` keeps working: a value out of range
+is a ``ValueError`` (:class:`InvalidValueError`, ...), an argument of the wrong type a
+``TypeError`` (:class:`InvalidTypeError`).
 
->>> from llmsched.errors import InvalidTokenError
+>>> from llmsched.errors import InvalidTokenError, InvalidTypeError
 >>> issubclass(InvalidTokenError, ValueError)
+True
+>>> issubclass(InvalidTypeError, TypeError)
 True
 """
 
@@ -24,6 +28,7 @@ __all__ = [
     "InternalError",
     "InvalidRequestError",
     "InvalidTokenError",
+    "InvalidTypeError",
     "InvalidValueError",
     "LlmschedError",
     "MalformedEventError",
@@ -125,6 +130,12 @@ class GatewayStoppedError(LlmschedError, RuntimeError):
 class InvalidValueError(LlmschedError, ValueError):
     """An argument is out of the range :mod:`llmsched.validation` allows (a negative or
     non-finite ``now``, a probability above 1, ...); nothing was changed."""
+
+
+class InvalidTypeError(LlmschedError, TypeError):
+    """An argument is of the wrong type (a str where token ids belong, None where a number
+    does, ...); nothing was changed. Subclasses ``TypeError``, so ``except TypeError`` keeps
+    working."""
 
 
 class FlowRejected(LlmschedError):

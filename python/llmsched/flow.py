@@ -50,10 +50,20 @@ from llmsched.errors import (
     DuplicateRequestError,
     FlowRejected,
     InvalidRequestError,
+    InvalidTypeError,
     UnknownRequestError,
 )
 from llmsched.types import BandConfig, FlowConfig, FlowMetrics
-from llmsched.validation import check_int, check_now, check_positive_seconds, check_probability
+from llmsched.validation import (
+    check_callable,
+    check_int,
+    check_int_like,
+    check_now,
+    check_number_like,
+    check_positive_seconds,
+    check_probability,
+    check_str,
+)
 
 if TYPE_CHECKING:
     # Imported where used: `import llmsched` stays free of asyncio and PyYAML (about 10 and
@@ -113,7 +123,9 @@ def _as_dict(config: ConfigLike) -> dict[str, Any]:
         return {}
     if isinstance(config, (Mapping, str, os.PathLike)):
         return load_mapping(config, what="flow config")
-    raise TypeError(f"config must be a mapping, YAML text or a path, got {type(config).__name__}")
+    raise InvalidTypeError(
+        f"config must be a mapping, YAML text or a path, got {type(config).__name__}"
+    )
 
 
 def resolve_config(config: ConfigLike = None) -> FlowConfig:
@@ -139,10 +151,14 @@ _Waiter = tuple["asyncio.AbstractEventLoop", "asyncio.Future[FlowDecision]"]
 
 def _int64(name: str, value: object) -> object:
     """``value``, refused with :class:`~llmsched.errors.InvalidRequestError` when it is an
-    int beyond 64 bits (the native core's range; its own checks name a negative one). Other
-    types pass on to the core, which names them."""
-    if type(value) is int and not -(2**63) <= value < 2**63:
-        raise InvalidRequestError(f"{name} must fit in 64 bits, got {value}")
+    int beyond 64 bits (the native core's range; its own checks name a negative one), and with
+    :class:`~llmsched.errors.InvalidTypeError` when the native core could not read it as an int
+    at all (a numpy integer passes on, as the core reads it)."""
+    if type(value) is int:
+        if not -(2**63) <= value < 2**63:
+            raise InvalidRequestError(f"{name} must fit in 64 bits, got {value}")
+    else:
+        check_int_like(name, value)
     return value
 
 
@@ -183,6 +199,7 @@ class FlowController:
         poll_interval_s: float = 1.0,
     ) -> None:
         poll_interval_s = check_positive_seconds("poll_interval_s", poll_interval_s)
+        check_callable("clock", clock)
         self._core = FlowCore(_as_dict(config))
         self._config: FlowConfig = self._core.config()
         self._clock = clock
@@ -214,23 +231,32 @@ class FlowController:
         (None, Outcome.REJECTED_CAPACITY)
         """
         if not isinstance(request, FlowRequest):
-            raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+            raise InvalidTypeError(f"request must be a FlowRequest, got {type(request).__name__}")
         for name in ("id", "priority", "prompt_tokens", "size_bytes"):
             value = getattr(request, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"FlowRequest.{name} must be an int, got {type(value).__name__}")
+                raise InvalidTypeError(
+                    f"FlowRequest.{name} must be an int, got {type(value).__name__}"
+                )
             _int64(f"FlowRequest.{name}", value)
-        refused = self._core.enqueue(
-            request.id,
-            request.priority,
-            request.tenant,
-            request.prompt_tokens,
-            request.size_bytes,
-            request.deadline,
-            request.ttft_target,
-            request.payload,
-            self._now(now),
-        )
+        t = self._now(now)
+        try:
+            refused = self._core.enqueue(
+                request.id,
+                request.priority,
+                request.tenant,
+                request.prompt_tokens,
+                request.size_bytes,
+                request.deadline,
+                request.ttft_target,
+                request.payload,
+                t,
+            )
+        except TypeError:  # name the field the native conversion refused
+            check_str("FlowRequest.tenant", request.tenant)
+            check_number_like("FlowRequest.deadline", request.deadline, optional=True)
+            check_number_like("FlowRequest.ttft_target", request.ttft_target, optional=True)
+            raise
         if self._core.has_evicted():
             self._route_evictions()
         return refused
@@ -305,9 +331,10 @@ class FlowController:
         >>> ctrl.charge_remote("t", prompt_tokens=10)
         False
         """
-        if not isinstance(tenant, str):
-            raise TypeError(f"tenant must be a str, got {type(tenant).__name__}")
+        check_str("tenant", tenant)
         priority = check_int("priority", priority, minimum=-(2**31), maximum=2**31 - 1)
+        _int64("prompt_tokens", prompt_tokens)
+        _int64("output_tokens", output_tokens)
         return self._core.charge_remote(
             tenant, priority, prompt_tokens, output_tokens, self._now(now)
         )
@@ -406,7 +433,10 @@ class FlowController:
         waiting = check_int("waiting", waiting)
         running = check_int("running", running)
         kv_cache_usage = check_probability("kv_cache_usage", kv_cache_usage)
-        self._core.update_endpoint(endpoint, waiting, running, kv_cache_usage, self._now(timestamp))
+        now = check_now(timestamp, self._clock, name="timestamp")
+        self._core.update_endpoint(
+            check_str("endpoint", endpoint), waiting, running, kv_cache_usage, now
+        )
         if self._waiters:
             self.pump()
 
@@ -416,7 +446,7 @@ class FlowController:
         >>> FlowController().remove_endpoint("pod-a")
         False
         """
-        removed = self._core.remove_endpoint(endpoint)
+        removed = self._core.remove_endpoint(check_str("endpoint", endpoint))
         if self._waiters:
             self.pump()
         return removed
@@ -446,7 +476,8 @@ class FlowController:
         >>> FlowController().jain_index()
         1.0
         """
-        _int64("priority", priority)
+        if priority is not None:
+            _int64("priority", priority)
         return self._core.jain_index(priority)
 
     def running_count(self) -> int:
@@ -523,7 +554,7 @@ class FlowController:
         1
         """
         if not isinstance(request, FlowRequest):
-            raise TypeError(f"request must be a FlowRequest, got {type(request).__name__}")
+            raise InvalidTypeError(f"request must be a FlowRequest, got {type(request).__name__}")
         import asyncio
 
         loop = asyncio.get_running_loop()

@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array, native_tokens
-from llmsched.errors import ConfigError, InvalidValueError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
 from llmsched.validation import check_block_size, check_int, check_seed
 
 __all__ = [
@@ -201,7 +201,9 @@ def text_block_hashes(
     """
     check_block_size(block_size)
     if not isinstance(include_partial, bool):
-        raise TypeError(f"include_partial must be a bool, got {type(include_partial).__name__}")
+        raise InvalidTypeError(
+            f"include_partial must be a bool, got {type(include_partial).__name__}"
+        )
     if max_tokens is not None:
         check_int("max_tokens", max_tokens, minimum=0)
     _check_text(text)
@@ -257,7 +259,9 @@ def block_hashes_batch(
     check_block_size(block_size)
     check_int("threads", threads, minimum=1, maximum=1024)
     if isinstance(prompts, (str, bytes, np.ndarray)) or not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a list of token sequences, got {type(prompts).__name__}")
+        raise InvalidTypeError(
+            f"prompts must be a list of token sequences, got {type(prompts).__name__}"
+        )
     arrays = [as_token_array(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
     if _check_algo(algo) == "xxh3":
         chain_seed = _xxh3_chain_seed(seed, model, lora, cache_salt)
@@ -272,7 +276,9 @@ def _xxh3_chain_seed(
     seed: int | str | None, model: str | None, lora: str | None, cache_salt: str | None
 ) -> int:
     if isinstance(seed, str):
-        raise TypeError("seed must be an int for algo='xxh3' (a str seed is for vLLM's hash)")
+        raise InvalidTypeError(
+            "seed must be an int for algo='xxh3' (a str seed is for vLLM's hash)"
+        )
     seed = 0 if seed is None else seed
     if model is None and lora is None and cache_salt is None:
         check_seed(seed)  # no namespace: the seed is the chain seed (saves a native call)
@@ -286,7 +292,7 @@ def _vllm_seed(
     if seed is None:
         seed = VLLM_DEFAULT_NONE_HASH_SEED
     if not isinstance(seed, str):
-        raise TypeError(
+        raise InvalidTypeError(
             "seed must be a str for algo='vllm_sha256_cbor': the string vLLM hashes into "
             f"NONE_HASH, e.g. the engine's PYTHONHASHSEED such as '0'; got {type(seed).__name__}"
         )
@@ -311,7 +317,7 @@ def _check_algo(algo: object) -> Algorithm:
 def _check_names(**names: str | None) -> None:
     for name, value in names.items():
         if value is not None and not isinstance(value, str):
-            raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+            raise InvalidTypeError(f"{name} must be a str or None, got {type(value).__name__}")
 
 
 def _unencodable(exc: UnicodeEncodeError) -> InvalidValueError:
@@ -323,4 +329,4 @@ def _unencodable(exc: UnicodeEncodeError) -> InvalidValueError:
 
 def _check_text(text: object) -> None:
     if not isinstance(text, (str, bytes)):
-        raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
+        raise InvalidTypeError(f"text must be str or bytes, got {type(text).__name__}")

@@ -31,10 +31,22 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, native_tokens
-from llmsched.errors import InvalidValueError
+from llmsched.errors import InvalidTypeError, InvalidValueError
 from llmsched.hashing import DEFAULT_BLOCK_SIZE, text_block_hashes
 from llmsched.types import ApplyReport, IndexStats
-from llmsched.validation import check_block_size, check_now, check_seed
+from llmsched.validation import (
+    check_block_size,
+    check_bytes,
+    check_id,
+    check_int,
+    check_int_like,
+    check_iterable,
+    check_now,
+    check_number_like,
+    check_optional_str,
+    check_seed,
+    check_str,
+)
 
 __all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
 
@@ -66,11 +78,13 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
         if hashes.dtype.kind == "i" and hashes.size and (hashes < 0).any():
             raise InvalidValueError(f"{what} must be non-negative 64-bit ints")
         if hashes.dtype.kind not in "iu":
-            raise TypeError(f"{what} must be integers, got dtype {hashes.dtype}")
+            raise InvalidTypeError(f"{what} must be integers, got dtype {hashes.dtype}")
         arr = hashes.astype(np.uint64, copy=False)  # no copy when already uint64
     else:
         if isinstance(hashes, (bytes, bytearray, str)):
-            raise TypeError(f"{what} must be a sequence of ints, got {type(hashes).__name__}")
+            raise InvalidTypeError(
+                f"{what} must be a sequence of ints, got {type(hashes).__name__}"
+            )
         if not isinstance(hashes, (list, tuple)):
             try:
                 view = memoryview(hashes)  # type: ignore[arg-type]
@@ -91,11 +105,17 @@ def as_hash_array(hashes: HashesLike, what: str = "hashes") -> npt.NDArray[np.ui
                     "n",
                     "N",
                 ):
-                    raise TypeError(f"{what} must be integers, got buffer format {view.format!r}")
+                    raise InvalidTypeError(
+                        f"{what} must be integers, got buffer format {view.format!r}"
+                    )
                 return as_hash_array(np.asarray(view), what)
+        if not isinstance(hashes, Iterable):
+            raise InvalidTypeError(
+                f"{what} must be a sequence of ints, got {type(hashes).__name__}"
+            )
         items = list(hashes)
         if any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) for h in items):
-            raise TypeError(f"{what} must be ints")
+            raise InvalidTypeError(f"{what} must be ints")
         try:
             arr = np.array(items, dtype=np.uint64)
         except OverflowError:
@@ -146,6 +166,7 @@ class PrefixIndex:
     ) -> None:
         check_block_size(block_size)
         check_seed(seed)
+        check_optional_str("model", model)
         for name, value in (("worker_capacity", worker_capacity), ("max_bytes", max_bytes)):
             if value is not None and (not isinstance(value, int) or not 1 <= value < 2**64):
                 raise InvalidValueError(
@@ -200,7 +221,11 @@ class PrefixIndex:
         >>> len(PrefixIndex(block_size=4).hash_tokens(range(10)))
         2
         """
-        return self._native.hash_tokens(native_tokens(tokens), lora, cache_salt)
+        try:
+            return self._native.hash_tokens(native_tokens(tokens), lora, cache_salt)
+        except TypeError:
+            _check_namespace(lora, cache_salt)
+            raise
 
     def hash_text(
         self, text: str | bytes, *, lora: str | None = None, cache_salt: str | None = None
@@ -240,7 +265,12 @@ class PrefixIndex:
         """
         if type(parent) is int and not 0 <= parent < 2**64:
             raise InvalidValueError(f"parent must be a block hash in 0..2**64-1, got {parent}")
-        return self._native.store(worker, hashes, parent, tier)
+        try:
+            return self._native.store(worker, hashes, parent, tier)
+        except TypeError:  # name what the native conversion refused
+            check_int_like("parent", parent, optional=True)
+            check_str("tier", tier)
+            raise
 
     def record(
         self,
@@ -262,14 +292,23 @@ class PrefixIndex:
         >>> index.match_tokens([1, 2, 3, 4], now=6.0).longest
         0
         """
-        return self._native.record(worker, hashes, ttl_s, _now(now))
+        now = _now(now)
+        try:
+            return self._native.record(worker, hashes, ttl_s, now)
+        except TypeError:
+            check_number_like("ttl_s", ttl_s)
+            raise
 
     def remove(self, worker: Worker, hashes: HashesLike, tier: Tier | None = None) -> int:
         """Drop ``worker``'s holding of each block (of ``tier`` only, if given); a block left in
         no tier is dropped with everything below it. Every block must be held, or
         UnknownBlockError is raised and nothing changes. Returns the blocks dropped.
         """
-        return self._native.remove(worker, hashes, tier)
+        try:
+            return self._native.remove(worker, hashes, tier)
+        except TypeError:
+            check_optional_str("tier", tier)
+            raise
 
     def clear(self, worker: Worker) -> int:
         """Drop everything ``worker`` holds (it stays registered). Returns the blocks dropped."""
@@ -281,10 +320,15 @@ class PrefixIndex:
 
     def set_capacity(self, worker: Worker, blocks: int | None) -> int:
         """Set (or lift, with None) ``worker``'s capacity in blocks; returns blocks evicted."""
-        if blocks is not None and (not isinstance(blocks, int) or not 1 <= blocks < 2**64):
-            raise InvalidValueError(
-                f"capacity must be a positive int (below 2**64) or None, got {blocks!r}"
-            )
+        if blocks is not None:
+            if isinstance(blocks, bool) or not isinstance(blocks, int):
+                raise InvalidTypeError(
+                    f"blocks must be an int or None, got {type(blocks).__name__}"
+                )
+            if not 1 <= blocks < 2**64:
+                raise InvalidValueError(
+                    f"capacity must be a positive int (below 2**64) or None, got {blocks!r}"
+                )
         return self._native.set_capacity(worker, blocks)
 
     def match(self, hashes: HashesLike, *, now: float | None = None) -> PrefixMatch:
@@ -321,13 +365,24 @@ class PrefixIndex:
             now = check_now(now)
         if type(tokens) is not list and type(tokens) is not tuple:
             tokens = native_tokens(tokens)  # a list or tuple goes as it is (see native_tokens)
-        return self._native.match_tokens(tokens, lora, cache_salt, now)
+        try:
+            return self._native.match_tokens(tokens, lora, cache_salt, now)
+        except TypeError:
+            _check_namespace(lora, cache_salt)
+            raise
 
     def match_many(
         self, queries: Iterable[HashesLike], *, now: float | None = None
     ) -> list[PrefixMatch]:
         """:meth:`match` for many queries in one call (one GIL release)."""
-        return self._native.match_many(list(queries), _now(now))
+        listed = check_iterable("queries", queries)
+        now = _now(now)
+        try:
+            return self._native.match_many(listed, now)
+        except (TypeError, ValueError):
+            for i, query in enumerate(listed):  # name the query the native reader refused
+                as_hash_array(query, f"queries[{i}]")
+            raise
 
     def match_tokens_many(
         self,
@@ -344,8 +399,14 @@ class PrefixIndex:
         >>> [m.longest for m in index.match_tokens_many([[1, 2, 3, 4], [9, 9]])]
         [2, 0]
         """
-        hashes = [self.hash_tokens(p, lora=lora, cache_salt=cache_salt) for p in prompts]
-        return self._native.match_many(hashes, _now(now))
+        now = _now(now)
+        _check_namespace(lora, cache_salt)
+        native = self._native
+        hashes = [
+            native.hash_tokens(native_tokens(p, f"prompts[{i}]"), lora, cache_salt)
+            for i, p in enumerate(check_iterable("prompts", prompts))
+        ]
+        return native.match_many(hashes, now)
 
     def apply_vllm_events(self, worker: Worker, payload: bytes) -> ApplyReport:
         """Decode a vLLM ``EventBatch`` msgpack payload and apply it for ``worker`` atomically.
@@ -359,9 +420,7 @@ class PrefixIndex:
         tokens. A malformed payload raises MalformedEventError and changes nothing.
         """
         if type(payload) is not bytes:
-            if not isinstance(payload, (bytes, bytearray, memoryview)):
-                raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
-            payload = bytes(payload)
+            payload = check_bytes("payload", payload)
         report = self._native.apply_vllm_events(worker, payload)
         skipped = report["block_size_mismatch"]
         if skipped:
@@ -379,6 +438,8 @@ class PrefixIndex:
         >>> index.stats()["block_size_mismatch"]
         {'w': 2}
         """
+        check_id("worker", worker)
+        check_int("skipped", skipped)
         with self._lock:
             first = worker not in self._mismatch
             self._mismatch[worker] = self._mismatch.get(worker, 0) + skipped
@@ -433,7 +494,7 @@ class PrefixIndex:
         >>> PrefixIndex.loads(index.dumps()).match_tokens([5, 6, 7, 8]).as_dict()
         {1: 2}
         """
-        return cls._wrap(_llmsched.PrefixIndex.loads(bytes(data), time.monotonic()))
+        return cls._wrap(_llmsched.PrefixIndex.loads(check_bytes("data", data), time.monotonic()))
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -444,6 +505,11 @@ class PrefixIndex:
 
 
 _INF = math.inf
+
+
+def _check_namespace(lora: object, cache_salt: object) -> None:
+    check_optional_str("lora", lora)
+    check_optional_str("cache_salt", cache_salt)
 
 
 def _now(now: float | None) -> float:

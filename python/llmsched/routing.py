@@ -38,7 +38,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, native_tokens
 from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
-from llmsched.errors import ConfigError, InvalidValueError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import (
@@ -54,7 +54,19 @@ from llmsched.types import (
     RequestInfo,
     SaturationThresholds,
 )
-from llmsched.validation import U32_MAX, check_int, check_now, check_probability, check_seed
+from llmsched.validation import (
+    U32_MAX,
+    check_id,
+    check_int,
+    check_int_like,
+    check_iterable,
+    check_now,
+    check_number_like,
+    check_optional_str,
+    check_probability,
+    check_seed,
+    check_str,
+)
 
 __all__ = [
     "ConfigInfo",
@@ -163,8 +175,17 @@ class EndpointPool:
         after = default_after if stale_after_s is None else stale_after_s
         if isinstance(after, bool) or not isinstance(after, (int, float)) or not after >= 0:
             raise InvalidValueError(f"stale_after_s must be a number >= 0, got {stale_after_s!r}")
+        check_optional_str("stale_policy", stale_policy)
+        if isinstance(endpoints, (str, bytes)):
+            raise InvalidTypeError(
+                "endpoints must be an iterable of endpoints or ids, not a single "
+                + type(endpoints).__name__
+            )
+        listed = [
+            e if isinstance(e, Endpoint) else Endpoint(check_id(f"endpoints[{i}]", e))
+            for i, e in enumerate(check_iterable("endpoints", endpoints))
+        ]
         self._native = _llmsched.EndpointPool(float(after), stale_policy or default_policy)
-        listed = [e if isinstance(e, Endpoint) else Endpoint(e) for e in endpoints]
         ids = [e.id for e in listed]
         twice = next((i for n, i in enumerate(ids) if i in ids[:n]), None)
         if twice is not None:
@@ -193,10 +214,18 @@ class EndpointPool:
         (True, False)
         """
         if not isinstance(endpoint, Endpoint):
-            endpoint = Endpoint(endpoint)
+            endpoint = Endpoint(check_id("endpoint", endpoint))
+        check_id("endpoint id", endpoint.id)
+        check_str("address", endpoint.address)
+        check_optional_str("role", endpoint.role)
+        check_optional_str("model", endpoint.model)
+        if not isinstance(endpoint.labels, Mapping):
+            raise InvalidTypeError(
+                f"labels must be a mapping of str to str, got {type(endpoint.labels).__name__}"
+            )
         labels = dict(endpoint.labels)
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-            raise TypeError("labels must map str to str")
+            raise InvalidTypeError("labels must map str to str")
         return self._native.upsert(
             endpoint.id, endpoint.address, endpoint.role, labels, endpoint.model
         )
@@ -248,7 +277,17 @@ class EndpointPool:
     ) -> None:
         """Set the LoRA adapters an endpoint has active (running requests) and waiting, and
         how many it holds at once."""
-        self._native.set_loras(endpoint_id, list(active), list(waiting), max_loras)
+        adapters = []
+        for name, names in (("active", active), ("waiting", waiting)):
+            listed = check_iterable(name, names)
+            for i, adapter in enumerate(listed):
+                check_str(f"{name}[{i}]", adapter)
+            adapters.append(listed)
+        try:
+            self._native.set_loras(endpoint_id, adapters[0], adapters[1], max_loras)
+        except TypeError:
+            check_int_like("max_loras", max_loras)
+            raise
 
     def update_from_metrics_text(
         self, endpoint_id: EndpointId, text: str, *, now: float | None = None
@@ -261,7 +300,9 @@ class EndpointPool:
         >>> pool.update_from_metrics_text("a", text, now=0.0)["waiting"]
         7
         """
-        return self._native.update_from_metrics_text(endpoint_id, text, _now(now))
+        return self._native.update_from_metrics_text(
+            endpoint_id, check_str("text", text), _now(now)
+        )
 
     def endpoints(self) -> list[EndpointInfo]:
         """Every endpoint: description, last metrics, LoRA state and in-flight counts."""
@@ -394,13 +435,16 @@ class Router:
         allow_pseudo_tokens: bool = False,
     ) -> None:
         if not isinstance(allow_pseudo_tokens, bool):
-            raise TypeError("allow_pseudo_tokens must be a bool")
+            raise InvalidTypeError("allow_pseudo_tokens must be a bool")
         self._pseudo_ok = allow_pseudo_tokens
         self._pseudo_picks = 0
         if not isinstance(pool, EndpointPool):
-            raise TypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
+            raise InvalidTypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
         if seed is not None:
             check_seed(seed)
+        for name, value in (("record_ttl_s", record_ttl_s), ("session_ttl_s", session_ttl_s)):
+            check_number_like(name, value, optional=True)
+        check_int_like("max_sessions", max_sessions, optional=True)
         native, functions = native_config(load_config(config))
         info: ConfigInfo = _llmsched.Router.config_info(native, functions)
         _log_notes(info)
@@ -446,7 +490,9 @@ class Router:
                 else PrefixIndex(block_size, worker_capacity=capacity)
             )
         elif not isinstance(index, PrefixIndex):
-            raise TypeError(f"index must be a PrefixIndex or None, got {type(index).__name__}")
+            raise InvalidTypeError(
+                f"index must be a PrefixIndex or None, got {type(index).__name__}"
+            )
         self._pool = pool
         self._index = index
         self._info = info
@@ -500,6 +546,14 @@ class Router:
         """Turns on replica sync for this router and returns its native end, which
         :class:`llmsched.cluster.ClusterSync` drives (use that; one per router). From this call
         on, every :meth:`Decision.started` journals its prefix record and session binding."""
+        check_str("replica", replica)
+        for name, value in (
+            ("incarnation", incarnation),
+            ("journal_limit", journal_limit),
+            ("history_limit", history_limit),
+        ):
+            check_int_like(name, value)
+        check_number_like("load_ttl_s", load_ttl_s)
         return _llmsched.ReplicaSync(
             self._native, replica, incarnation, journal_limit, load_ttl_s, history_limit
         )
@@ -583,7 +637,7 @@ class Router:
         else:
             array = _prompt_array(tokens, text, messages)
         if type(priority) is not int:
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+            raise InvalidTypeError(f"priority must be an int, got {type(priority).__name__}")
         if not -(2**31) <= priority < 2**31:
             raise InvalidValueError(f"priority must fit in 32 bits, got {priority}")
         header_items = [] if headers is None else _headers(headers)
@@ -593,9 +647,21 @@ class Router:
             clock = now  # the common case, checked inline (pick is the hot path)
         else:
             clock = check_now(now)
-        native = self._native.pick(
-            array, model, lora, priority, session_id, header_items, cache_salt, clock
-        )
+        try:
+            native = self._native.pick(
+                array, model, lora, priority, session_id, header_items, cache_salt, clock
+            )
+        except TypeError:
+            # Name an argument the native conversion refused (a plugin's own TypeError passes
+            # through: these all hold then).
+            for name, value in (
+                ("model", model),
+                ("lora", lora),
+                ("session_id", session_id),
+                ("cache_salt", cache_salt),
+            ):
+                check_optional_str(name, value)
+            raise
         notes: tuple[str, ...] = ()
         if tokens is None and not self._pseudo_ok:  # a text or chat prompt
             notes = self._pseudo_token_notes()
@@ -908,7 +974,7 @@ def text_tokens(text: str | bytes) -> npt.NDArray[np.uint32]:
     if isinstance(text, (bytearray, memoryview)):
         text = bytes(text)
     if not isinstance(text, (str, bytes)):
-        raise TypeError(f"text must be str or bytes, got {type(text).__name__}")
+        raise InvalidTypeError(f"text must be str or bytes, got {type(text).__name__}")
     return pack_text(text)
 
 
@@ -921,11 +987,11 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
     '<|system|>\\nBe brief.\\n'
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError("messages must be a list of {'role': ..., 'content': ...} mappings")
+        raise InvalidTypeError("messages must be a list of {'role': ..., 'content': ...} mappings")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise TypeError(f"messages[{i}] must be a mapping with a str 'role'")
+            raise InvalidTypeError(f"messages[{i}] must be a mapping with a str 'role'")
         content = m.get("content")
         if content is None:  # an assistant message with only tool calls
             content = ""
@@ -936,7 +1002,7 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
                 if isinstance(part, Mapping) and part.get("type") == "text"
             )
         if not isinstance(content, str):
-            raise TypeError(f"messages[{i}]['content'] must be a str or a list of parts")
+            raise InvalidTypeError(f"messages[{i}]['content'] must be a str or a list of parts")
         out.append(f"<|{m['role']}|>\n{content}\n")
     return "".join(out)
 
@@ -982,7 +1048,7 @@ def _prompt_array(
     """The prompt as the native router takes it, from exactly one of the three forms: a token
     array, or a list or tuple of ids (read natively)."""
     if sum(x is not None for x in (tokens, text, messages)) != 1:
-        raise TypeError("give exactly one of tokens=, text= or messages=")
+        raise InvalidTypeError("give exactly one of tokens=, text= or messages=")
     if messages is not None:
         text = render_messages(messages)
     if text is not None:
@@ -993,10 +1059,10 @@ def _prompt_array(
 
 def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     if not isinstance(headers, Mapping):
-        raise TypeError("headers must be a mapping of str to str")
+        raise InvalidTypeError("headers must be a mapping of str to str")
     items = list(headers.items())
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in items):
-        raise TypeError("headers must map str to str")
+        raise InvalidTypeError("headers must map str to str")
     return items
 
 

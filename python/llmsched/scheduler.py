@@ -64,6 +64,7 @@ from llmsched.errors import (
     ConfigError,
     FlowRejected,
     InvalidRequestError,
+    InvalidTypeError,
     InvalidValueError,
     LlmschedError,
     NoEndpointError,
@@ -88,6 +89,7 @@ from llmsched.routing import (
     render_messages,
 )
 from llmsched.types import SchedulerStats
+from llmsched.validation import check_id, check_optional_str
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -187,8 +189,8 @@ class ScheduleRequest:
             try:
                 array = as_token_array(self.tokens)
             except (TypeError, ValueError) as exc:
-                if isinstance(exc, LlmschedError):
-                    raise
+                if isinstance(exc, LlmschedError) and not isinstance(exc, InvalidTypeError):
+                    raise  # InvalidTokenError, ...
                 raise InvalidRequestError(str(exc)) from None
             if (
                 array.size
@@ -641,6 +643,7 @@ class Scheduler:
         stale_after = (
             stale_after_s if stale_after_s is not None else 3 * scrape_interval_s + scrape_timeout_s
         )
+        check_optional_str("stale_policy", stale_policy)
         policy: StalePolicy = stale_policy or ("saturated" if scrape else "ignore")
         self.index = index
         """The prefix index every pick matches."""
@@ -763,6 +766,10 @@ class Scheduler:
     def _checked_engines(self, engines: Iterable[EngineLike]) -> list[_Engine]:
         if isinstance(engines, (str, bytes, Mapping)):
             raise ConfigError("engines must be an iterable of engines, not a single value")
+        if not isinstance(engines, Iterable):
+            raise InvalidTypeError(
+                f"engines must be an iterable of engines, got {type(engines).__name__}"
+            )
         out: list[_Engine] = []
         seen: set[EndpointId] = set()
         for i, engine in enumerate(engines):
@@ -816,7 +823,7 @@ class Scheduler:
 
     def address_of(self, endpoint: EndpointId) -> str:
         """An engine's address (UnknownEndpointError for an unknown id)."""
-        engine = self._engines.get(endpoint)
+        engine = self._engines.get(check_id("endpoint", endpoint))
         if engine is None:
             raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
         return engine.endpoint.address
@@ -837,7 +844,7 @@ class Scheduler:
         """Removes an engine from the pool, the flow controller's load reports, the index and
         the feeds. Requests in flight there keep their accounting until they end.
         UnknownEndpointError when it is not scheduled (nothing changes)."""
-        if endpoint not in self._engines:
+        if check_id("endpoint", endpoint) not in self._engines:
             raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
         self._forget(endpoint)
         self._feeds_changed()
@@ -883,7 +890,7 @@ class Scheduler:
         """Takes an engine out of routing: no new request goes there, requests in flight
         finish, its index entries and spec stay. False when it was already drained.
         UnknownEndpointError when it is not scheduled."""
-        if endpoint not in self._engines:
+        if check_id("endpoint", endpoint) not in self._engines:
             raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
         if endpoint in self._drained:
             return False
@@ -895,7 +902,7 @@ class Scheduler:
     def resume(self, endpoint: EndpointId) -> bool:
         """Brings a drained engine back into routing; False when it was not drained.
         UnknownEndpointError when it is not scheduled."""
-        engine = self._engines.get(endpoint)
+        engine = self._engines.get(check_id("endpoint", endpoint))
         if engine is None:
             raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
         was = endpoint in self._drained

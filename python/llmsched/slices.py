@@ -25,8 +25,16 @@ from typing import Any, Literal, NamedTuple
 
 from llmsched import _llmsched
 from llmsched._llmsched import EndpointLoad, SliceDecision, SliceState
-from llmsched.errors import ConfigError, InvalidValueError
-from llmsched.validation import check_now
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
+from llmsched.validation import (
+    check_bool,
+    check_int,
+    check_int_like,
+    check_iterable,
+    check_now,
+    check_number_like,
+    check_str,
+)
 
 __all__ = [
     "EndpointLoad",
@@ -62,7 +70,7 @@ def policy_defaults(name: str) -> dict[str, Any]:
     >>> policy_defaults("mlfq")["levels"]
     4
     """
-    return dict(_llmsched.slice_policy_defaults(name))
+    return dict(_llmsched.slice_policy_defaults(check_str("policy name", name)))
 
 
 def _params(params: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
@@ -97,7 +105,14 @@ class SwitchCostModel:
     __slots__ = ("_native",)
 
     def __init__(self, **params: float) -> None:
-        self._native = _llmsched.SwitchCostModel(_params(params, "cost model"))
+        try:
+            self._native = _llmsched.SwitchCostModel(_params(params, "cost model"))
+        except ConfigError:
+            known = _llmsched.SwitchCostModel({}).params()
+            for name, value in params.items():  # name a known one that is not a number
+                if name in known:
+                    check_number_like(name, value)
+            raise
 
     @property
     def native(self) -> _llmsched.SwitchCostModel:
@@ -164,7 +179,17 @@ class SwitchCostModel:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"cost model dims: {name} must be a positive number, got {value}")
         self = cls.__new__(cls)
-        self._native = _llmsched.SwitchCostModel.from_dims(_params(dims, "cost dims"))
+        try:
+            self._native = _llmsched.SwitchCostModel.from_dims(_params(dims, "cost dims"))
+        except ConfigError:  # name an argument of the wrong type (serde's message does not)
+            for name in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
+                check_int(name, model[name], minimum=1)
+            for name, number in gpu.items():
+                check_number_like(f"gpu_{name}", number, optional=True)
+            for name, setting in dims.items():
+                if name not in ("model", "gpu"):
+                    check_number_like(name, setting)
+            raise
         return self
 
     @property
@@ -198,7 +223,11 @@ class SwitchCostModel:
         >>> SwitchCostModel().weight(2)
         4.0
         """
-        return self._native.weight(priority)
+        try:
+            return self._native.weight(priority)
+        except TypeError:
+            check_int_like("priority", priority)
+            raise
 
     def recompute_s(
         self, context_tokens: float, prefill_tokens_per_s: float | None = None
@@ -209,7 +238,12 @@ class SwitchCostModel:
         0.5
         """
         rate = self.prefill_tokens_per_s if prefill_tokens_per_s is None else prefill_tokens_per_s
-        return self._native.recompute_s(context_tokens, rate)
+        try:
+            return self._native.recompute_s(context_tokens, rate)
+        except TypeError:
+            check_number_like("context_tokens", context_tokens)
+            check_number_like("prefill_tokens_per_s", rate)
+            raise
 
     def switch_s(
         self,
@@ -228,7 +262,11 @@ class SwitchCostModel:
         """
         rate = self.prefill_tokens_per_s if prefill_tokens_per_s is None else prefill_tokens_per_s
         p_evict = evict_probability(context_tokens, demand_tokens, free_tokens)
-        return self._native.switch_s(p_evict, context_tokens, rate)
+        try:
+            return self._native.switch_s(p_evict, context_tokens, rate)
+        except TypeError:
+            check_number_like("prefill_tokens_per_s", rate)
+            raise
 
     def to_dict(self) -> dict[str, float]:
         """The parameters as a plain dict (accepted back by the constructor).
@@ -251,7 +289,13 @@ def evict_probability(context_tokens: float, demand_tokens: float, free_tokens: 
     >>> evict_probability(1000, 1500, 1000)
     0.5
     """
-    return _llmsched.evict_probability(context_tokens, demand_tokens, free_tokens)
+    try:
+        return _llmsched.evict_probability(context_tokens, demand_tokens, free_tokens)
+    except TypeError:
+        check_number_like("context_tokens", context_tokens)
+        check_number_like("demand_tokens", demand_tokens)
+        check_number_like("free_tokens", free_tokens)
+        raise
 
 
 class WaitingRequest(NamedTuple):
@@ -284,19 +328,19 @@ class SliceStart(NamedTuple):
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
     if not low <= value <= high:
         raise InvalidValueError(f"{name} must be in {low}..{high}, got {value}")
 
 
 def _explain_waiting(waiting: object) -> None:
     if isinstance(waiting, (str, bytes)) or not isinstance(waiting, Sequence):
-        raise TypeError("waiting must be a sequence of WaitingRequest tuples")
+        raise InvalidTypeError("waiting must be a sequence of WaitingRequest tuples")
     limits = [("priority", -_I32 - 1, _I32), ("level", 0, 255)]
     limits += [("context_tokens", 0, _U32), ("expected_tokens", 0, _U32)]
     for i, item in enumerate(waiting):
         if not isinstance(item, tuple) or len(item) != 4:
-            raise TypeError(
+            raise InvalidTypeError(
                 f"waiting[{i}] must be a WaitingRequest "
                 "(priority, level, context_tokens, expected_tokens)"
             )
@@ -349,10 +393,13 @@ class SliceTracker:
         if not isinstance(self._cost_model, SwitchCostModel):
             raise ConfigError("cost_model must be a SwitchCostModel")
         native = _llmsched.SliceTracker(
-            policy, _params(params, f"policy {policy}"), self._cost_model._native
+            policy, _params(params, f"params of policy {policy}"), self._cost_model._native
         )
-        for name in [endpoints] if isinstance(endpoints, str) else endpoints:
-            native.set_endpoint(_endpoint_name(name), 0.0, 0)
+        names = (
+            [endpoints] if isinstance(endpoints, str) else check_iterable("endpoints", endpoints)
+        )
+        for i, name in enumerate(names):
+            native.set_endpoint(_endpoint_name(name, f"endpoints[{i}]"), 0.0, 0)
         self._native = native
 
     @property
@@ -414,14 +461,24 @@ class SliceTracker:
         750.0
         """
         _check_int("waiting", waiting, 0, _U32)
-        self._native.set_endpoint(
-            _endpoint_name(name),
-            float(kv_cache_usage),
-            waiting,
-            kv_capacity_tokens,
-            prefill_tokens_per_s,
-            decode_step_s,
-        )
+        check_number_like("kv_cache_usage", kv_cache_usage)
+        try:
+            self._native.set_endpoint(
+                _endpoint_name(name),
+                float(kv_cache_usage),
+                waiting,
+                kv_capacity_tokens,
+                prefill_tokens_per_s,
+                decode_step_s,
+            )
+        except TypeError:
+            for field_name, value in (
+                ("kv_capacity_tokens", kv_capacity_tokens),
+                ("prefill_tokens_per_s", prefill_tokens_per_s),
+                ("decode_step_s", decode_step_s),
+            ):
+                check_number_like(field_name, value, optional=True)
+            raise
 
     def endpoint_load(self, name: str) -> EndpointLoad | None:
         """The last load of endpoint ``name``, or None if unknown."""
@@ -488,6 +545,7 @@ class SliceTracker:
             # Name the offending argument when extraction failed; else re-raise as is.
             _check_int("request_id", request_id, 0, _U64)
             _explain_waiting(waiting)
+            check_bool("finished", finished)
             raise
 
     def resume(self, request_id: int, *, endpoint: str) -> SliceStart:
@@ -535,9 +593,9 @@ class SliceTracker:
         return f"SliceTracker({self.policy!r}, {self.params!r}, tracked={len(self)})"
 
 
-def _endpoint_name(name: object) -> str:
+def _endpoint_name(name: object, what: str = "endpoint") -> str:
     if not isinstance(name, str):
-        raise TypeError(f"endpoint must be a str, got {type(name).__name__}")
+        raise InvalidTypeError(f"{what} must be a str, got {type(name).__name__}")
     return name
 
 
@@ -638,7 +696,7 @@ class SliceAssembler:
         if api not in ("completions", "chat"):
             raise ConfigError(f"api must be 'completions' or 'chat', got {api!r}")
         if response_id is not None and not isinstance(response_id, str):
-            raise TypeError(f"response_id must be a str, got {type(response_id).__name__}")
+            raise InvalidTypeError(f"response_id must be a str, got {type(response_id).__name__}")
         if created is not None:
             _check_int("created", created, -(2**63), 2**63 - 1)
         if default_max_tokens is not None:
@@ -714,7 +772,7 @@ class SliceAssembler:
         or token ids that are not ids raises ValueError (nothing is taken from it).
         """
         if not isinstance(chunk, Mapping):
-            raise TypeError(f"chunk must be a mapping, got {type(chunk).__name__}")
+            raise InvalidTypeError(f"chunk must be a mapping, got {type(chunk).__name__}")
         return self._native.feed(dict(chunk))
 
     def end_slice(self) -> list[dict[str, Any]]:

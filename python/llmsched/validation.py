@@ -10,9 +10,15 @@ and ``SliceTracker.step(now=...)`` accept and refuse exactly the same clocks.
 * sizes and counts: an ``int`` (not ``bool``) within the stated bounds.
 * probabilities and fractions: a finite number in ``[0, 1]``.
 * ids (workers, endpoints): an ``int`` that fits 64 bits signed, or a ``str``.
+* names and text: a ``str``; payloads: ``bytes`` (or a ``bytearray`` or ``memoryview``).
 
-Type mistakes raise ``TypeError``; values out of range raise
-:class:`~llmsched.errors.InvalidValueError` (a ``ValueError``).
+Type mistakes raise :class:`~llmsched.errors.InvalidTypeError` (a ``TypeError``); values out of
+range raise :class:`~llmsched.errors.InvalidValueError` (a ``ValueError``).
+
+Arguments the native layer converts itself (an ``int`` or ``float`` handed to Rust) are checked
+only when it refuses one: the wrapper catches the bare ``TypeError`` and names the argument with
+:func:`check_int_like` / :func:`check_number_like`, which accept what the native conversion
+accepts (numpy scalars too), so a call that goes through pays nothing for them.
 
 >>> check_now(12.5)
 12.5
@@ -28,22 +34,31 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from llmsched._llmsched import MAX_BLOCK_SIZE
-from llmsched.errors import InvalidValueError
+from llmsched.errors import InvalidTypeError, InvalidValueError
 
 __all__ = [
     "I64_MAX",
     "U32_MAX",
     "U64_MAX",
     "check_block_size",
+    "check_bool",
+    "check_bytes",
+    "check_callable",
     "check_id",
     "check_int",
+    "check_int_like",
+    "check_iterable",
     "check_now",
+    "check_number_like",
+    "check_optional_str",
     "check_positive_seconds",
     "check_probability",
     "check_seed",
+    "check_str",
 ]
 
 U32_MAX = 2**32 - 1
@@ -56,8 +71,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_now(now: object, clock: Callable[[], float] = time.monotonic) -> float:
-    """``now`` as seconds: ``clock()`` when ``None``, else finite and ``>= 0``.
+def check_now(
+    now: object, clock: Callable[[], float] = time.monotonic, *, name: str = "now"
+) -> float:
+    """``now`` as seconds: ``clock()`` when ``None``, else finite and ``>= 0`` (errors call it
+    ``name``).
 
     >>> check_now(None, clock=lambda: 3.0)
     3.0
@@ -68,7 +86,7 @@ def check_now(now: object, clock: Callable[[], float] = time.monotonic) -> float
     """
     if now is None:
         return float(clock())
-    return _seconds("now", now, strictly_positive=False)
+    return _seconds(name, now, strictly_positive=False)
 
 
 def check_positive_seconds(name: str, value: object) -> float:
@@ -82,7 +100,7 @@ def check_positive_seconds(name: str, value: object) -> float:
 
 def _seconds(name: str, value: object, *, strictly_positive: bool) -> float:
     if not _is_number(value):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
     seconds = float(value)  # type: ignore[arg-type]
     in_range = seconds > 0.0 if strictly_positive else seconds >= 0.0
     if not (math.isfinite(seconds) and in_range):
@@ -98,7 +116,7 @@ def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = I64_
     4
     """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise InvalidValueError(f"{name} must be at least {minimum}, got {value}")
     if value > maximum:
@@ -127,7 +145,7 @@ def check_seed(seed: object) -> int:
     1337
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        raise InvalidTypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= U64_MAX:
         raise InvalidValueError(f"seed must be in 0..2**64-1, got {seed}")
     return seed
@@ -140,7 +158,7 @@ def check_probability(name: str, value: object) -> float:
     1.0
     """
     if not _is_number(value):
-        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be a number in [0, 1], got {type(value).__name__}")
     p = float(value)  # type: ignore[arg-type]
     if not 0.0 <= p <= 1.0:  # also false for nan
         raise InvalidValueError(f"{name} must be in [0, 1], got {value!r}")
@@ -156,7 +174,117 @@ def check_id(name: str, value: object) -> int | str:
     if isinstance(value, str):
         return value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or a str, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name} must be an int or a str, got {type(value).__name__}")
     if not -(2**63) <= value <= I64_MAX:
         raise InvalidValueError(f"{name} must fit in 64 bits (signed), got {value}")
     return value
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def check_str(name: str, value: object) -> str:
+    """A ``str``.
+
+    >>> check_str("tenant", None)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidTypeError: tenant must be a str, got NoneType
+    """
+    if not isinstance(value, str):
+        raise InvalidTypeError(f"{name} must be a str, got {_type_name(value)}")
+    return value
+
+
+def check_optional_str(name: str, value: object) -> str | None:
+    """A ``str`` or ``None``.
+
+    >>> check_optional_str("lora", None) is None
+    True
+    """
+    if value is not None and not isinstance(value, str):
+        raise InvalidTypeError(f"{name} must be a str or None, got {_type_name(value)}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A ``bool`` (not an int: a 0 or 1 where a flag belongs is a mistake).
+
+    >>> check_bool("finished", True)
+    True
+    """
+    if not isinstance(value, bool):
+        raise InvalidTypeError(f"{name} must be a bool, got {_type_name(value)}")
+    return value
+
+
+def check_bytes(name: str, value: object) -> bytes:
+    """A payload: ``bytes``, or a ``bytearray`` or ``memoryview`` (copied to ``bytes``).
+
+    >>> check_bytes("payload", bytearray(b"ab"))
+    b'ab'
+    """
+    if type(value) is bytes:
+        return value
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(f"{name} must be bytes, got {_type_name(value)}")
+    return bytes(value)
+
+
+def check_callable(name: str, value: object) -> Callable[..., Any]:
+    """Something to call (a clock, a hook).
+
+    >>> check_callable("clock", time.monotonic) is time.monotonic
+    True
+    """
+    if not callable(value):
+        raise InvalidTypeError(f"{name} must be callable, got {_type_name(value)}")
+    return value
+
+
+def check_iterable(name: str, value: object) -> list[Any]:
+    """The items of an iterable, as a list (a ``str`` is an iterable of characters: callers
+    that take one for a single item check that first).
+
+    >>> check_iterable("endpoints", ("a", "b"))
+    ['a', 'b']
+    """
+    if not isinstance(value, Iterable):
+        raise InvalidTypeError(f"{name} must be an iterable, got {_type_name(value)}")
+    return list(value)
+
+
+def check_int_like(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise unless ``value`` is what the native layer reads as an int: anything with
+    ``__index__`` (an ``int``, a numpy integer), or ``None`` when ``optional``. For the error
+    path of a native call, to name the argument it refused (its range is the core's to check).
+
+    >>> check_int_like("request_id", 1.5)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidTypeError: request_id must be an int, got float
+    """
+    if optional and value is None:
+        return
+    if not hasattr(type(value), "__index__"):
+        kind = "an int or None" if optional else "an int"
+        raise InvalidTypeError(f"{name} must be {kind}, got {_type_name(value)}")
+
+
+def check_number_like(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise unless ``value`` is what the native layer reads as a float: anything with
+    ``__float__`` or ``__index__`` (an ``int``, a ``float``, a numpy scalar) but a ``str``, or
+    ``None`` when ``optional``. For the error path of a native call, as :func:`check_int_like`.
+
+    >>> check_number_like("ttl_s", "5")
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidTypeError: ttl_s must be a number, got str
+    """
+    if optional and value is None:
+        return
+    kind = type(value)
+    if not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
+        expected = "a number or None" if optional else "a number"
+        raise InvalidTypeError(f"{name} must be {expected}, got {_type_name(value)}")

@@ -29,6 +29,7 @@ Decisions worth knowing (the Rust module ``vllm_events`` documents all of them):
 from __future__ import annotations
 
 from llmsched import _llmsched
+from llmsched.errors import InvalidTypeError
 from llmsched.types import EventBatchDict
 
 __all__ = ["decode_vllm_events"]
@@ -45,7 +46,8 @@ def decode_vllm_events(payload: bytes | bytearray | memoryview) -> EventBatchDic
     ``block_hashes``, ``medium`` and ``group_idx``; an ``AllBlocksCleared`` dict only its type.
 
     Raises :class:`~llmsched.errors.MalformedEventError` (a ``ValueError``) when the payload is
-    not a well-formed batch, and ``TypeError`` when it is not bytes-like.
+    not a well-formed batch, and :class:`~llmsched.errors.InvalidTypeError` (a ``TypeError``) when
+    it is not bytes-like.
 
     >>> import msgpack
     >>> event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
@@ -58,7 +60,7 @@ def decode_vllm_events(payload: bytes | bytearray | memoryview) -> EventBatchDic
     if isinstance(payload, (bytearray, memoryview)):
         payload = bytes(payload)
     if not isinstance(payload, bytes):
-        raise TypeError(
+        raise InvalidTypeError(
             f"payload must be bytes, bytearray or memoryview, not {type(payload).__name__}"
         )
     return _llmsched.decode_vllm_events(payload)

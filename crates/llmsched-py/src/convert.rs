@@ -3,14 +3,13 @@
 //! with its own serde types (so a wrong key or type is named by the same messages everywhere);
 //! structured results go back to Python the same way.
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::errors::{ConfigError, InternalError};
+use crate::errors::{ConfigError, InternalError, InvalidTypeError};
 
 /// Nesting deeper than this is refused before conversion (configs are a few levels deep).
 const MAX_DEPTH: usize = 32;
@@ -90,7 +89,7 @@ pub(crate) fn config_mapping(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyRe
         None => Ok(Value::Object(Default::default())),
         Some(obj) if obj.is_none() => Ok(Value::Object(Default::default())),
         Some(obj) if obj.cast::<PyDict>().is_ok() => config_value(obj, what),
-        Some(obj) => Err(PyTypeError::new_err(format!(
+        Some(obj) => Err(InvalidTypeError::new_err(format!(
             "{what} must be a mapping, got {}",
             obj.get_type().name()?
         ))),

@@ -90,6 +90,7 @@ import_exception!(llmsched.errors, UnknownEndpointError);
 import_exception!(llmsched.errors, DuplicateRequestError);
 import_exception!(llmsched.errors, MalformedSyncBatchError);
 import_exception!(llmsched.errors, InvalidValueError);
+import_exception!(llmsched.errors, InvalidTypeError);
 
 impl ToPyErr for SyncError {
     fn to_py_err(self) -> PyErr {
@@ -155,7 +156,7 @@ impl ToPyErr for llmsched_core::slices::AssemblyError {
         match self {
             E::Unsupported(message) => ConfigError::new_err(message),
             E::State(message) => SliceStateError::new_err(message),
-            E::Type(message) => pyo3::exceptions::PyTypeError::new_err(message),
+            E::Type(message) => InvalidTypeError::new_err(message),
             E::Value(message) => InvalidValueError::new_err(message),
         }
     }

@@ -16,7 +16,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::convert::to_python;
-use crate::errors::{detach, ConfigError, GatewayStoppedError, InvalidRequestError};
+use crate::errors::{
+    detach, ConfigError, GatewayStoppedError, InvalidRequestError, InvalidTypeError,
+};
 use crate::routing::PyRouter;
 
 /// A Python router seen from the gateway's threads (the class is frozen: no GIL needed to
@@ -89,7 +91,7 @@ impl PyNativeGateway {
                     .ok()
                     .and_then(|n| n.cast::<PyRouter>().ok().map(|n| n.clone().unbind()))
                     .ok_or_else(|| {
-                        pyo3::exceptions::PyTypeError::new_err("router must be an llmsched.Router")
+                        InvalidTypeError::new_err("router must be an llmsched.Router")
                     })?,
             }),
         };

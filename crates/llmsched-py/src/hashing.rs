@@ -1,8 +1,7 @@
 //! Bindings for `llmsched_core::hashing`.
 
-use crate::errors::{detach, detach_if, CoreResult};
+use crate::errors::{detach, detach_if, CoreResult, InvalidTypeError};
 use numpy::{IntoPyArray, PyArray1};
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
 
@@ -88,7 +87,10 @@ fn text_bytes<'a>(text: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     if let Ok(b) = text.cast::<PyBytes>() {
         return Ok(b.as_bytes());
     }
-    Err(PyTypeError::new_err(format!("text must be str or bytes, got {}", text.get_type().name()?)))
+    Err(InvalidTypeError::new_err(format!(
+        "text must be str or bytes, got {}",
+        text.get_type().name()?
+    )))
 }
 
 /// Whether text is long enough to hash or pack with the GIL released ([`DETACH_MIN_TOKENS`]

@@ -3,10 +3,9 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::errors::{detach, detach_if, CoreResult, InvalidValueError};
+use crate::errors::{detach, detach_if, CoreResult, InvalidTypeError, InvalidValueError};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use parking_lot::RwLock;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
@@ -114,22 +113,29 @@ fn match_short(
 
 /// A worker name from Python: an int or a str.
 pub fn worker_key(obj: &Bound<'_, PyAny>) -> PyResult<WorkerKey> {
+    id_key(obj, "worker")
+}
+
+/// An id from Python (a worker, an endpoint): an int or a str; errors name it `what`.
+pub fn id_key(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<WorkerKey> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(PyTypeError::new_err("worker must be an int or a str, got bool"));
+        return Err(InvalidTypeError::new_err(format!("{what} must be an int or a str, got bool")));
     }
     if let Ok(s) = obj.cast::<PyString>() {
         let name = s.to_str().map_err(|_| {
-            InvalidValueError::new_err("worker names must be valid UTF-8 (no lone surrogates)")
+            InvalidValueError::new_err(format!(
+                "{what} names must be valid UTF-8 (no lone surrogates)"
+            ))
         })?;
         return Ok(WorkerKey::Str(name.to_owned()));
     }
     match obj.extract::<i64>() {
         Ok(i) => Ok(WorkerKey::Int(i)),
         Err(_) if obj.is_instance_of::<pyo3::types::PyInt>() => Err(InvalidValueError::new_err(
-            format!("worker ids that are ints must fit in 64 bits (signed), got {obj}"),
+            format!("{what} ids that are ints must fit in 64 bits (signed), got {obj}"),
         )),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "worker must be an int (64-bit) or a str, got {}",
+        Err(_) => Err(InvalidTypeError::new_err(format!(
+            "{what} must be an int (64-bit) or a str, got {}",
             obj.get_type().name()?
         ))),
     }

@@ -449,12 +449,12 @@ unsafe fn floor<const LV_TAG: bool, const PREFETCH: bool>(
 
 /// Benchmarks only: [`read_floor`] from Python (`_read_list_floor(items, prefetch)`): the
 /// wrapping sum of the ints of the list `items`, read as cheaply as any converter could read
-/// them; a `TypeError` for anything else.
+/// them; an `InvalidTypeError` (a `TypeError`) for anything else.
 #[pyfunction]
 #[pyo3(name = "_read_list_floor")]
 fn read_list_floor(items: &Bound<'_, PyAny>, prefetch: bool) -> PyResult<u64> {
     read_floor(items, prefetch).ok_or_else(|| {
-        pyo3::exceptions::PyTypeError::new_err("items must be a list of ints in 0..2**64")
+        crate::errors::InvalidTypeError::new_err("items must be a list of ints in 0..2**64")
     })
 }
 

@@ -4,15 +4,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::convert::{config_mapping, to_python};
-use crate::errors::{attached, detach, CoreResult, InvalidValueError, ToPyErr};
+use crate::errors::{attached, detach, CoreResult, InvalidTypeError, InvalidValueError, ToPyErr};
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::prefix_index::{worker_key, PyPrefixIndex};
+use super::prefix_index::{id_key, PyPrefixIndex};
 use super::tokens::{TokenArray, TokenVisitor, DETACH_MIN_TOKENS};
 use llmsched_core::hashing::TokenId;
 use llmsched_core::prefix_index::WorkerKey;
@@ -93,12 +93,12 @@ impl PyEndpointPool {
                 ))
             })?),
         };
-        let endpoint = Endpoint { id: worker_key(id)?, address, role, labels, model };
+        let endpoint = Endpoint { id: id_key(id, "endpoint")?, address, role, labels, model };
         detach(py, || self.inner.upsert(endpoint))
     }
 
     fn remove(&self, py: Python<'_>, id: &Bound<'_, PyAny>) -> PyResult<()> {
-        let key = worker_key(id)?;
+        let key = id_key(id, "endpoint")?;
         detach(py, || self.inner.remove(&key))?.py()
     }
 
@@ -112,7 +112,7 @@ impl PyEndpointPool {
         max_concurrency: Option<u32>,
         now: f64,
     ) -> PyResult<()> {
-        let key = worker_key(id)?;
+        let key = id_key(id, "endpoint")?;
         let update = MetricsUpdate { waiting, running, kv_cache_usage, max_concurrency };
         self.inner.update_metrics(&key, update, now).py()
     }
@@ -124,7 +124,7 @@ impl PyEndpointPool {
         waiting: Vec<String>,
         max_loras: u32,
     ) -> PyResult<()> {
-        let key = worker_key(id)?;
+        let key = id_key(id, "endpoint")?;
         self.inner.set_loras(&key, LoraState { active, waiting, max_loras }).py()
     }
 
@@ -136,7 +136,7 @@ impl PyEndpointPool {
         text: &str,
         now: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let key = worker_key(id)?;
+        let key = id_key(id, "endpoint")?;
         let scrape = detach(py, || metrics_text::parse(text))?.py()?;
         if self.inner.snapshot().get(&key).is_none() {
             return Err(RoutingError::UnknownEndpoint(key).to_py_err());
@@ -231,7 +231,7 @@ impl PyCallable {
             let endpoints = cands.iter().map(|c| candidate_dict(py, ctx, c)).collect::<PyResult<Vec<_>>>()?;
             let out = self.function.call1(py, (request, PyList::new(py, endpoints)?))?;
             let values: Vec<T> = out.bind(py).extract().map_err(|_| {
-                PyTypeError::new_err(format!("plugin {:?} must return a list with one number (scorer) or bool (filter) per endpoint", self.name))
+                InvalidTypeError::new_err(format!("plugin {:?} must return a list with one number (scorer) or bool (filter) per endpoint", self.name))
             })?;
             if values.len() != cands.len() {
                 return Err(PyValueError::new_err(format!(
@@ -739,7 +739,7 @@ impl PyDecision {
         endpoint: Option<&Bound<'_, PyAny>>,
         now: f64,
     ) -> PyResult<()> {
-        let key = endpoint.map(worker_key).transpose()?;
+        let key = endpoint.map(|e| id_key(e, "endpoint")).transpose()?;
         let mut state = self.ticket.lock();
         if !matches!(*state, TicketState::Picked) {
             return Err(PyRuntimeError::new_err("started() was already called for this decision"));

@@ -2,9 +2,9 @@
 //! Rust engine (`simulate`).
 
 use crate::convert::{config_mapping, config_struct};
-use crate::errors::{detach, CoreResult};
+use crate::errors::{detach, CoreResult, InvalidTypeError};
 use numpy::{IntoPyArray, PyReadonlyArray1};
-use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -179,7 +179,7 @@ where
         .ok_or_else(|| PyKeyError::new_err(format!("simulation argument {name:?} is missing")))?;
     value.extract::<T>().map_err(|e| {
         let e: PyErr = e.into();
-        PyTypeError::new_err(format!("simulation argument {name:?}: {e}"))
+        InvalidTypeError::new_err(format!("simulation argument {name:?}: {e}"))
     })
 }
 
@@ -207,7 +207,9 @@ fn plan<'h>(d: &Bound<'_, PyDict>, hashes: &'h [u64]) -> PyResult<Plan<'h>> {
     let contents = match d.get_item("contents")? {
         Some(c) if !c.is_none() => Some(
             c.cast::<PyPlanContents>()
-                .map_err(|_| PyTypeError::new_err("plan item \"contents\" must be PlanContents"))?
+                .map_err(|_| {
+                    InvalidTypeError::new_err("plan item \"contents\" must be PlanContents")
+                })?
                 .get()
                 .inner
                 .clone(),

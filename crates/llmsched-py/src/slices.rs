@@ -358,7 +358,7 @@ pub struct PySliceAssembler {
 fn json_value(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<serde_json::Value> {
     pythonize::depythonize::<serde_json::Value>(obj).map_err(|err| {
         let err: PyErr = err.into();
-        pyo3::exceptions::PyTypeError::new_err(format!("{what} must be plain JSON data: {err}"))
+        crate::errors::InvalidTypeError::new_err(format!("{what} must be plain JSON data: {err}"))
     })
 }
 

@@ -1,9 +1,8 @@
 //! Token input: a 1-D contiguous numpy integer array of any width, read in place, or a list or
 //! tuple of ints read in one native pass (`pyints`).
 
-use crate::errors::{detach_if, InvalidValueError};
+use crate::errors::{detach_if, InvalidTypeError, InvalidValueError};
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
@@ -55,7 +54,7 @@ impl<'py> TokenArray<'py> {
 
     fn extract_array(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Self> {
         let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
-            PyTypeError::new_err(format!("{what} must be a numpy array of integers"))
+            InvalidTypeError::new_err(format!("{what} must be a numpy array of integers"))
         })?;
         if arr.ndim() != 1 {
             return Err(InvalidValueError::new_err(format!(
@@ -76,7 +75,7 @@ impl<'py> TokenArray<'py> {
             (b'i', 4) => Self::I32(obj.extract()?),
             (b'i', 8) => Self::I64(obj.extract()?),
             _ => {
-                return Err(PyTypeError::new_err(format!(
+                return Err(InvalidTypeError::new_err(format!(
                     "{what} must have an integer dtype, got {}",
                     dtype.str()?
                 )))

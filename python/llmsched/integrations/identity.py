@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidTypeError
 
 if TYPE_CHECKING:
     from llmsched.routing import EndpointId, EndpointPool
@@ -260,7 +260,7 @@ def resolve_engines(engines: Iterable[EngineSpec], pool: EndpointPool) -> list[E
     out = []
     for spec in engines:
         if not isinstance(spec, EngineSpec):
-            raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+            raise InvalidTypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
         there = by_address.get(spec.address, [])
         if spec.name is not None:
             if spec.name in addresses and addresses[spec.name] != spec.address:

@@ -87,7 +87,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from llmsched import _llmsched
-from llmsched.errors import ConfigError, MalformedEventError, UnknownWorkerError
+from llmsched.errors import (
+    ConfigError,
+    InvalidTypeError,
+    MalformedEventError,
+    UnknownWorkerError,
+)
 from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import EndpointPool
@@ -754,7 +759,7 @@ class KVEventSubscriber:
         if pool is not None:
             engines = resolve_engines(engines, pool)
         if not isinstance(index, PrefixIndex):
-            raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
+            raise InvalidTypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
         options = _checked_options(
             backoff_s,
             replay_timeout_s,
@@ -780,7 +785,7 @@ class KVEventSubscriber:
         listed = list(engines)
         for spec in listed:
             if not isinstance(spec, EngineSpec):
-                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+                raise InvalidTypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
         # Engines binding the same fixed endpoint share one socket, split by topic.
         binds: dict[str, list[EngineSpec]] = {}
         for spec in listed:
@@ -1153,7 +1158,7 @@ class NativeKVEventSubscriber:
         if pool is not None:
             engines = resolve_engines(engines, pool)
         if not isinstance(index, PrefixIndex):
-            raise TypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
+            raise InvalidTypeError(f"index must be a PrefixIndex, got {type(index).__name__}")
         options = _checked_options(
             backoff_s,
             replay_timeout_s,
@@ -1167,7 +1172,7 @@ class NativeKVEventSubscriber:
         listed = list(engines)
         for spec in listed:
             if not isinstance(spec, EngineSpec):
-                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+                raise InvalidTypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
         subscribed = [
             (spec.worker_id, spec.kv_events, spec.kv_events_bind, spec.replay, spec.topic)
             for spec in listed

@@ -53,7 +53,12 @@ from typing import Any, cast
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmsched.errors import ConfigError, InvalidValueError, UnknownEndpointError
+from llmsched.errors import (
+    ConfigError,
+    InvalidTypeError,
+    InvalidValueError,
+    UnknownEndpointError,
+)
 from llmsched.flow import FlowController
 from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.routing import Endpoint, EndpointPool, Role
@@ -246,7 +251,7 @@ class MetricsScraper:
             engines = resolve_engines(engines, pool)
         for spec in engines:
             if not isinstance(spec, EngineSpec):
-                raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+                raise InvalidTypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
             if spec.worker_id in self._engines:
                 raise ConfigError(f"engine {spec.worker_id} is listed twice")
             self._engines[spec.worker_id] = _EngineState(spec)
