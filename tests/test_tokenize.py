@@ -75,13 +75,14 @@ def test_template_errors_become_prompt_errors(tmp_path: Path) -> None:
 
 
 def test_a_python_error_inside_the_template_is_a_prompt_error(tmp_path: Path) -> None:
-    """jinja2 lets ``None + "x"`` through as a TypeError; the client's message shape caused it,
-    so it must reach the gateway as a PromptError (a 400), not a 500."""
-    template = "{% for m in messages %}{{ m.name + ': ' + m.content }}{% endfor %}"
+    """jinja2 lets ``"x" + 1`` through as a TypeError; the client's request caused it, so it
+    must reach the gateway as a PromptError (a 400), not a 500."""
+    template = "{% for m in messages %}{{ m.name + ': ' + m.content + suffix }}{% endfor %}"
     tok = PromptTokenizer(make_tokenizer(tmp_path, chat_template=template))
-    assert tok.render_chat([{"role": "user", "content": "hi", "name": "ann"}]) == "ann: hi"
+    ann = [{"role": "user", "content": "hi", "name": "ann"}]
+    assert tok.render_chat(ann, {"suffix": "!"}) == "ann: hi!"
     with pytest.raises(PromptError, match="TypeError"):
-        tok.render_chat([{"role": "user", "content": "hi", "name": None}])
+        tok.render_chat(ann, {"suffix": 1})
 
 
 def test_template_features_hugging_face_provides(tmp_path: Path) -> None:

@@ -107,7 +107,31 @@ FEATURES_TEMPLATE = """{{- bos_token }}
 {%- if add_generation_prompt %}<|assistant|>
 {% endif %}"""  # noqa: E501
 
-TEMPLATES = {"default": None, "qwen": QWEN_TEMPLATE, "features": FEATURES_TEMPLATE}
+# A template taking list contents as parts (vLLM's "openai" content format), in the way
+# multimodal models' templates do: media markers where the parts are, texts trimmed, and the
+# reasoning and tool calls an assistant message carries.
+PARTS_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+<|{{ message['role'] }}|>
+{%- if message['content'] is string %}{{ message['content'] | trim }}
+{%- else %}{%- for item in message['content'] %}
+{%- if item['type'] == 'image' %}<|image|>{%- elif item['type'] == 'audio' %}<|audio|>
+{%- elif item['type'] == 'text' %}{{ item['text'] | trim }}{%- endif %}
+{%- endfor %}{%- endif %}
+{%- if message.reasoning_content %} [thought: {{ message.reasoning_content }}]{%- endif %}
+{%- for call in message.tool_calls or [] %} [call {{ call.function.name }} {{ call.function.arguments | tojson }}]{%- endfor %}
+{{ eos_token }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|assistant|>
+{%- endif %}"""  # noqa: E501
+
+TEMPLATES = {
+    "default": None,
+    "qwen": QWEN_TEMPLATE,
+    "features": FEATURES_TEMPLATE,
+    "parts": PARTS_TEMPLATE,
+}
 
 TOOLS = [
     {
@@ -418,9 +442,16 @@ def test_media_parts_route_by_the_conversation_before_them(
         assert native.render_chat(json.dumps(body)) == text
         ids = python.chat_tokens(messages)
         assert native.chat_tokens(json.dumps(body)) == ids
-        # The text is the conversation's render up to where the media's message content
-        # begins: the render with a marker there, cut at the marker.
-        marked = python.render_chat([*before, {"role": "user", "content": "MARKER"}])
+        # The text is the conversation's render up to the media: where its message's content
+        # begins for a template taking texts (vLLM puts the placeholders first), at the part
+        # itself for one taking parts; the render with a marker there, cut at the marker.
+        content: Any = "MARKER"
+        if python.content_format == "openai":
+            content = [
+                {"type": "text", "text": "what is this?"},
+                {"type": "text", "text": "MARKER"},
+            ]
+        marked = python.render_chat([*before, {"role": "user", "content": content}])
         assert text == marked.partition("MARKER")[0]
         assert len(text) > sum(len(m["content"]) for m in before)
         # A text-only conversation with the same beginning shares every full block of it.
@@ -514,6 +545,146 @@ def test_the_gateway_routes_media_conversations_by_their_text_before_the_media(
             assert len({next(iter(home)) for home in homes}) > 1, homes
 
     run(body())
+
+
+# Templates whose content format vLLM 0.32 detects as given (tests/engines checks these
+# against vLLM's own detection).
+CONTENT_FORMATS = {
+    "plain": ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+    "parts": (PARTS_TEMPLATE, "openai"),
+    "filtered": (
+        "{% for m in messages %}{% for p in m.content | selectattr('type') %}x{% endfor %}"
+        "{% endfor %}",
+        "openai",
+    ),
+    "sliced": (
+        "{% set ms = messages[1:] %}{% for m in ms %}{% for p in m.content %}{% endfor %}"
+        "{% endfor %}",
+        "openai",
+    ),
+    "content-var": (
+        "{% for m in messages %}{% set content = m.content %}{% for p in content %}{% endfor %}"
+        "{% endfor %}",
+        "openai",
+    ),
+    "macro": (
+        "{% macro r(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}"
+        "{% for m in messages %}{{ r(m.content) }}{% endfor %}",
+        "openai",
+    ),
+    "macro-kwarg": (
+        "{% macro r(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}"
+        "{% for m in messages %}{{ r(c=m['content']) }}{% endfor %}",
+        "openai",
+    ),
+    "macro-other": (
+        "{% macro r(content) %}{% for p in content %}{% endfor %}{% endmacro %}"
+        "{% for m in messages %}{{ r('x') }}{% endfor %}",
+        "string",
+    ),
+    "tuple-target": (
+        "{% for m in messages %}{% if m.content is not string %}"
+        "{% for k, v in m.content %}{% endfor %}{% endif %}{% endfor %}",
+        "string",
+    ),
+    "tool-calls": (
+        "{% for m in messages %}{% for c in m.tool_calls %}{% endfor %}{{ m.content }}{% endfor %}",
+        "string",
+    ),
+    "first-message": ("{% for p in messages[0]['content'] %}{% endfor %}", "string"),
+    "generation-tag": (
+        "{% for m in messages %}{% generation %}{% for p in m['content'] %}{{ p.text }}"
+        "{% endfor %}{% endgeneration %}{% endfor %}",
+        "openai",
+    ),
+}
+
+
+def test_content_format_is_detected_alike(tmp_path: Path, directories: dict[str, Path]) -> None:
+    for name, (template, expected) in CONTENT_FORMATS.items():
+        directory = write_tokenizer(tmp_path / name, chat_template=template)
+        assert PromptTokenizer(directory).content_format == expected, name
+        assert NativePromptTokenizer(str(directory)).content_format == expected, name
+    for name, directory in directories.items():
+        expected = "openai" if name == "parts" else "string"
+        assert PromptTokenizer(directory).content_format == expected, name
+        assert NativePromptTokenizer(str(directory)).content_format == expected, name
+
+
+VLLM_SHAPED: list[dict[str, Any]] = [
+    {
+        "role": "system",
+        "content": "x-anthropic-billing-header: cch=8a1f\nYou are a helpful assistant.",
+    },
+    {"role": "developer", "content": "Answer in French.", "tools": [{"x": 1}]},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "  two parts  ", "cache_control": {"type": "ephemeral"}},
+            {"type": "input_text", "text": "in one message"},
+            {"type": "text", "text": ""},
+        ],
+        "name": 7,
+        "metadata": {"ignored": True},
+    },
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning": "the user wants weather",
+        "reasoning_content": "not what vLLM passes on",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+            },
+            {"id": "call_2", "function": {"name": "broken", "arguments": "{not json"}},
+        ],
+    },
+    {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "content": [{"type": "text", "text": '{"temp": 21}'}, {"type": "text", "text": "ok"}],
+    },
+    {
+        "role": "assistant",
+        "content": [{"type": "refusal", "refusal": "I cannot"}],
+        "tool_calls": [],
+    },
+    {"role": "user", "content": "thanks", "name": "ann"},
+]
+
+
+@pytest.mark.parametrize("template", [*TEMPLATES, "tiny-model"])
+def test_messages_reach_the_template_as_vllm_builds_them(
+    directories: dict[str, Path], template: str
+) -> None:
+    """Both planes build the template's messages as vLLM 0.32 does: only the fields it passes
+    on (an assistant's ``reasoning`` as ``reasoning_content`` too, tool call arguments read
+    into objects), developer messages merged into the system message when the template
+    never names that role, Claude Code's billing line dropped, and list contents as the
+    template's content format takes them."""
+    directory = directories[template]
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    messages = VLLM_SHAPED
+    if template == "default":  # its template has no tool role
+        messages = [m for m in messages if m["role"] != "tool"]
+    body = {"model": MODEL, "messages": messages}
+    text = python.render_chat(messages)
+    assert native.render_chat(json.dumps(body)) == text
+    assert native.chat_tokens(json.dumps(body)) == python.chat_tokens(messages)
+    assert "billing" not in text and "metadata" not in text
+    if template == "parts":
+        # Parts rendered one by one (trimmed, no newline between them), the developer's text
+        # merged into the system message, the reasoning and the parsed arguments shown.
+        assert "<|user|>two partsin one message" in text
+        assert "<|system|>You are a helpful assistant.\n\nAnswer in French." in text
+        assert "[thought: the user wants weather]" in text
+        assert '[call get_weather {"city": "Paris", "days": 3}] [call broken {}]' in text
+        assert '<|tool|>{"temp": 21}\nok' in text
+    if template == "default":
+        assert "two parts  \nin one message" in text
 
 
 def test_completion_ids_equal_the_python_plane(directories: dict[str, Path]) -> None:

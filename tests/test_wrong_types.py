@@ -62,6 +62,7 @@ ACCEPTS: dict[str, set[str]] = {
     "bytes": {"bytes"},
     "text": {"str", "bytes"},
     "ints": {"dict"},  # token ids or hashes: an empty dict is an empty iterable
+    "prompt": {"str"},  # a completion prompt: text or token ids
     "opt_ints": {"None", "dict"},
     "many": {"dict"},  # an iterable of queries or prompts
     "strs": {"str", "dict"},  # an iterable of str: "x" is ["x"]
@@ -228,10 +229,6 @@ PAYLOAD = msgpack.packb(
         ],
         None,
     ]
-)
-TOKENIZE_XFAIL = (
-    "llmsched.tokenize is being edited elsewhere: its PromptError is not an LlmschedError and "
-    "its arguments are not checked yet"
 )
 
 ENTRIES = [
@@ -1166,9 +1163,8 @@ ENTRIES = [
         "PromptTokenizer.completion_tokens",
         lambda t, **kw: t.completion_tokens(**kw),
         {"prompt": "hello"},
-        {"prompt": "ints"},
+        {"prompt": "prompt"},
         tokenizer_structure,
-        xfail=TOKENIZE_XFAIL,
     ),
     *(
         Entry(
@@ -1177,7 +1173,6 @@ ENTRIES = [
             {"messages": MESSAGES, "extra": None},
             {"messages": "messages", "extra": "opt_mapping"},
             tokenizer_structure,
-            xfail=TOKENIZE_XFAIL,
         )
         for method in ("render_chat", "chat_tokens")
     ),

@@ -1106,6 +1106,9 @@ class NativePromptTokenizer:
     def has_chat_template(self) -> bool:
         """Whether chat requests can be tokenized."""
     @property
+    def content_format(self) -> Literal["string", "openai"]:
+        """How the chat template takes a message's list content, detected as vLLM detects it."""
+    @property
     def special_tokens(self) -> list[tuple[str, str]]:
         """The special tokens the chat template sees (`bos_token`, `eos_token`, ...)."""
     def render_chat(self, request: str) -> str:

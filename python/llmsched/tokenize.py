@@ -15,9 +15,15 @@ library alone, so the gateway needs neither ``transformers`` nor ``torch``:
   ``raise_exception``, ``tojson``, the special tokens as variables,
   ``add_generation_prompt=True``), and the text is encoded *without* adding special tokens
   again (vLLM's chat default ``add_special_tokens=False``: the template writes them).
-  List contents are reduced to their text parts joined by newlines and a null content to
-  ``""``, vLLM's "string" content format; a conversation with a media part (an image,
-  audio, video) is rendered up to the start of the first message holding one.
+  The messages reach the template as vLLM 0.32 builds them: only the fields it passes on
+  (``role``, ``content``, an assistant's ``tool_calls`` with their ``arguments`` read into
+  objects and its ``reasoning`` also as ``reasoning_content``, a tool's ``tool_call_id``,
+  ``name`` and ``task`` when strings), a ``developer`` message merged into the system
+  message when the template never names that role, list contents as texts joined by
+  newlines (the ``string`` content format) or, for a template that loops over a message's
+  content, as ``{type, ...}`` parts (``openai``); a conversation with a media part (an
+  image, audio, video) is rendered up to that part (for the ``string`` format, the start of
+  its message, where vLLM puts the placeholders).
 
 Route and index on these ids: they equal the engine's when both load the same files, so the
 blocks an engine reports in its KV events match the prompts picked with
@@ -32,7 +38,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from llmsched._extras import require
 
@@ -45,7 +51,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidRequestError, InvalidTypeError
 
 __all__ = ["PromptError", "PromptTokenizer"]
 
@@ -60,8 +66,9 @@ _SPECIAL_TOKEN_KEYS = (
 )
 
 
-class PromptError(ValueError):
-    """A prompt or a chat conversation cannot be turned into tokens (answered with HTTP 400)."""
+class PromptError(InvalidRequestError):
+    """A prompt or a chat conversation cannot be turned into tokens (answered with HTTP 400);
+    an :class:`~llmsched.errors.InvalidRequestError`, so a ``ValueError`` too."""
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -138,6 +145,8 @@ class PromptTokenizer:
         }
         source = _chat_template_source(path, config)
         self._template: jinja2.Template | None = None
+        self._content_format: ContentFormat = "string"
+        self._developer_role = source is not None and _names_developer_role(source)
         if source is not None:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True,
@@ -151,11 +160,19 @@ class PromptTokenizer:
                 self._template = env.from_string(source)
             except jinja2.TemplateError as exc:
                 raise ConfigError(f"tokenizer: chat template does not compile: {exc}") from None
+            self._content_format = _detect_content_format(env, source)
 
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be tokenized."""
         return self._template is not None
+
+    @property
+    def content_format(self) -> ContentFormat:
+        """How the chat template takes a message's list content, detected from its source as
+        vLLM detects it: ``"openai"`` (the parts as ``{type, ...}`` objects) when it loops
+        over a message's content, else ``"string"`` (the texts joined by newlines)."""
+        return self._content_format
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -179,16 +196,21 @@ class PromptTokenizer:
         """The chat template's text for ``messages`` with ``add_generation_prompt=True``.
 
         ``extra``: further template variables (``tools``, ``chat_template_kwargs`` items).
-        A conversation holding a media part (an image, audio, video or embeddings) renders
-        up to the start of the first message holding one: the engine puts the media's
-        placeholder tokens there and hashes the media into the cache blocks after it, so
-        that beginning is what a router can match.
+        The messages are built as vLLM builds them (see the module docstring). A
+        conversation holding a media part (an image, audio, video or embeddings) renders up
+        to that part (for the ``string`` content format, the start of its message, where
+        vLLM puts the media's placeholder tokens): the engine hashes the media into the
+        cache blocks after it, so that beginning is what a router can match.
         """
+        if extra is not None and not isinstance(extra, Mapping):
+            raise InvalidTypeError(f"extra must be a mapping or None, got {type(extra).__name__}")
         if self._template is None:
             raise PromptError("the configured tokenizer has no chat template")
         variables: dict[str, Any] = dict(self._special)
         variables.update(extra or {})
-        variables["messages"], media = _string_contents(messages)
+        variables["messages"], media = _template_messages(
+            messages, self._content_format, self._developer_role
+        )
         variables.setdefault("add_generation_prompt", True)
         try:
             text = self._template.render(**variables)
@@ -226,9 +248,12 @@ def _chat_template_source(path: Path, config: Mapping[str, Any]) -> str | None:
 
 
 _MEDIA_MARK = "\ue000llmsched:media\ue001"
-"""Stands for the content of the first message holding a media part while the template
-renders; the rendered text is cut where it appears (private-use characters: no template
-writes them and no tokenizer merges across the cut)."""
+"""Stands for the first media part while the template renders; the rendered text is cut
+where it appears (private-use characters: no template writes them and no tokenizer merges
+across the cut)."""
+
+_PROMPT_EMBEDS_PLACEHOLDER = "<prompt_embeds>"
+"""The text vLLM puts in place of a ``prompt_embeds`` part (``openai`` format)."""
 
 _TEXT_PARTS = {
     "text": "text",
@@ -236,27 +261,69 @@ _TEXT_PARTS = {
     "output_text": "text",
     "refusal": "refusal",
     "thinking": "thinking",
-    "tool_reference": "name",
 }
-"""Text part types and the field holding their text, as vLLM reads them (its
-``entrypoints/chat_utils.py``)."""
+"""Text part types and the field holding their text, as vLLM 0.32 reads them."""
 
-_MEDIA_PARTS = frozenset(
+_MEDIA_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image_embeds": "image",
+    "image_pil": "image",
+    "audio_url": "audio",
+    "input_audio": "audio",
+    "audio_embeds": "audio",
+    "video_url": "video",
+    "video_embeds": "video",
+    "prompt_embeds": "prompt_embeds",
+}
+"""Media part types and their modality; a part without a type is media when it holds one of
+these fields."""
+
+_KNOWN_PART_FIELDS = frozenset(
     {
-        "image_url",
-        "input_image",
-        "image_embeds",
         "audio_embeds",
-        "video_embeds",
-        "prompt_embeds",
-        "image_pil",
         "audio_url",
+        "closed",
+        "data",
+        "file",
+        "image_embeds",
+        "image_pil",
+        "image_url",
         "input_audio",
+        "name",
+        "prompt_cache_breakpoint",
+        "refusal",
+        "text",
+        "thinking",
+        "type",
+        "uuid",
+        "video_embeds",
         "video_url",
     }
 )
-"""Media part types (vLLM's); a part without a type is media when it holds one of these
-fields, as vLLM infers it."""
+"""The fields of the content part types vLLM knows; a part's other fields are copied into the
+part an ``openai`` template sees."""
+
+_BILLING_HEADER = "x-anthropic-billing-header"
+"""The first line of a system text Claude Code adds on every request (vLLM drops it)."""
+
+ContentFormat = Literal["string", "openai"]
+"""How a chat template takes a message's list content (vLLM's
+``--chat-template-content-format``): the texts joined by newlines, or the parts as
+``{type, ...}`` objects."""
+
+
+class _Media(enum.Enum):
+    """What :func:`_content_part` gives for a media part (the value: its modality)."""
+
+    IMAGE = "image"
+    AUDIO = "audio"
+    VIDEO = "video"
+    PROMPT_EMBEDS = "prompt_embeds"
+
+
+class _ToolReference(str):
+    """A tool reference's name (a text in the ``string`` format, its own part in ``openai``)."""
 
 
 def _part_text(value: object) -> str | None:
@@ -266,15 +333,9 @@ def _part_text(value: object) -> str | None:
     return str(value) or None
 
 
-class _Media(enum.Enum):
-    """What :func:`_content_part` gives for a media part."""
-
-    PART = "media"
-
-
 def _content_part(part: object) -> str | _Media | None:
-    """One part of a list content: its text (None: skipped), or ``_Media.PART``. Raises
-    ``ValueError`` naming what is wrong with it."""
+    """One part of a list content: its text (None: skipped; a :class:`_ToolReference` for a
+    tool reference) or its media modality. Raises ``ValueError`` naming what is wrong."""
     if isinstance(part, str):
         return _part_text(part)
     if not isinstance(part, Mapping):
@@ -284,50 +345,291 @@ def _content_part(part: object) -> str | _Media | None:
         field = _TEXT_PARTS.get(kind)
         if field is not None:
             return _part_text(part.get(field))
+        if kind == "tool_reference":
+            name = _part_text(part.get("name"))
+            return None if name is None else _ToolReference(name)
         if kind in _MEDIA_PARTS:
-            return _Media.PART
+            return _Media(_MEDIA_PARTS[kind])
         raise ValueError(f"unsupported content part type {json.dumps(kind)}")
     if kind is not None:
         raise ValueError("'type' must be a string")
-    if any(field in part for field in _MEDIA_PARTS):
-        return _Media.PART
+    for field, modality in _MEDIA_PARTS.items():
+        if field in part:
+            return _Media(modality)
     if "tool_reference" in part:
-        return _part_text(part["tool_reference"])
+        name = _part_text(part["tool_reference"])
+        return None if name is None else _ToolReference(name)
     raise ValueError("has no 'type'")
 
 
-def _string_contents(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
-    """The messages as the template sees them, and whether a media part was met (see
+def _without_billing_header(parts: list[Any]) -> list[Any]:
+    """A system message's parts without Claude Code's billing header line."""
+    out = []
+    for part in parts:
+        if isinstance(part, str):
+            text: object = part
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            text = part.get("text")
+        else:
+            text = None
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
+class _Conversation:
+    """Builds the messages a template sees (see :meth:`PromptTokenizer.render_chat`)."""
+
+    def __init__(self, content_format: ContentFormat) -> None:
+        self.content_format = content_format
+        self.media = False
+
+    def content(self, i: int, parts: list[Any]) -> str | list[dict[str, Any]]:
+        texts: list[str] = []
+        items: list[dict[str, Any]] = []
+        media_here = False
+        for j, part in enumerate(parts):
+            try:
+                kind = _content_part(part)
+            except ValueError as exc:
+                raise PromptError(f"messages[{i}].content[{j}] {exc}") from None
+            if self.content_format == "string":
+                if isinstance(kind, _Media):
+                    media_here = True
+                elif kind is not None:
+                    texts.append(str(kind))
+                continue
+            if isinstance(kind, _ToolReference):
+                items.append({"type": "tool_reference", "name": str(kind)})
+            elif isinstance(kind, str):
+                items.append({"type": "text", "text": kind, **_extra_fields(part)})
+            elif isinstance(kind, _Media):
+                if not self.media:
+                    self.media = True
+                    items.append({"type": "text", "text": _MEDIA_MARK})
+                elif kind is _Media.PROMPT_EMBEDS:
+                    items.append({"type": "text", "text": _PROMPT_EMBEDS_PLACEHOLDER})
+                else:
+                    items.append({"type": kind.value, **_extra_fields(part)})
+        if self.content_format == "openai":
+            return items
+        if media_here and not self.media:
+            self.media = True
+            return _MEDIA_MARK
+        return "\n".join(texts)
+
+    def message(self, i: int, role: str, message: Mapping[str, Any]) -> dict[str, Any]:
+        content = message.get("content")
+        if content is None:
+            parts: list[Any] = []
+        elif isinstance(content, str):
+            parts = [content]
+        elif isinstance(content, list):
+            parts = list(content)
+        else:
+            raise PromptError(f"messages[{i}].content must be a string or a list of parts")
+        if role == "system":
+            parts = _without_billing_header(parts)
+        built: dict[str, Any] = {"role": role, "content": self.content(i, parts)}
+        if role == "tool" and isinstance(built["content"], list):
+            items = built["content"]
+            if all(item.get("type") == "text" for item in items):
+                built["content"] = "\n".join(str(item.get("text", "")) for item in items)
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if calls is not None:
+                calls = _tool_calls(i, calls)
+                if calls is not None:
+                    built["tool_calls"] = calls
+            reasoning = message.get("reasoning")
+            if reasoning is not None:
+                built["reasoning"] = reasoning
+                built["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in message:
+            built["tool_call_id"] = message["tool_call_id"]
+        for key in ("name", "task"):
+            if isinstance(message.get(key), str):
+                built[key] = message[key]
+        if role == "developer":
+            built["tools"] = message.get("tools")
+        return built
+
+
+def _extra_fields(part: object) -> dict[str, Any]:
+    if not isinstance(part, Mapping):
+        return {}
+    return {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}
+
+
+def _tool_calls(i: int, calls: object) -> object:
+    """An assistant's ``tool_calls`` as the template sees them: None for an empty list
+    (dropped), each call's ``arguments`` an object (a JSON text of one read; anything else
+    that is not one ``{}``); a value that is not a list as it is."""
+    if not isinstance(calls, list):
+        return calls
+    if not calls:
+        return None
+    out = []
+    for call in calls:
+        if not isinstance(call, Mapping):
+            raise PromptError(f"messages[{i}].tool_calls: entries must be objects")
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, Mapping):
+            raise PromptError(
+                f"messages[{i}].tool_calls: only calls of type 'function' are supported"
+            )
+        arguments = function.get("arguments")
+        if not isinstance(arguments, Mapping):
+            parsed: object = None
+            if isinstance(arguments, str):
+                try:
+                    parsed = json.loads(arguments)
+                except ValueError:
+                    parsed = None
+            arguments = parsed if isinstance(parsed, dict) else {}
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Developer messages as system messages, then the system messages merged into one at
+    the start (texts joined by a blank line, empty ones left out) when there is more than one
+    or one is not first."""
+    converted = []
+    for message in messages:
+        if message["role"] == "developer":
+            message = {k: v for k, v in message.items() if k != "tools"}
+            message["role"] = "system"
+        converted.append(message)
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if not (len(systems) > 1 or (systems and systems[0] > 0)):
+        return converted
+    texts = []
+    for i in systems:
+        content = converted[i].get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                str(p["text"]) if isinstance(p, Mapping) else p
+                for p in content
+                if (isinstance(p, Mapping) and "text" in p) or isinstance(p, str)
+            )
+        if content:
+            texts.append(content)
+    merged = {"role": "system", "content": "\n\n".join(texts)}
+    return [merged, *(m for i, m in enumerate(converted) if i not in systems)]
+
+
+def _template_messages(
+    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat, developer_role: bool
+) -> tuple[list[dict[str, Any]], bool]:
+    """The messages a template sees, and whether a media part was met (see
     :meth:`PromptTokenizer.render_chat`)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise PromptError("messages must be a non-empty list of {role, content} objects")
+    conversation = _Conversation(content_format)
     out = []
-    media = False
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise PromptError(f"messages[{i}] must be an object with a string role")
-        item = dict(message)
-        content = item.get("content")
-        if isinstance(content, list):
-            texts = []
-            has_media = False
-            for j, part in enumerate(content):
-                try:
-                    text = _content_part(part)
-                except ValueError as exc:
-                    raise PromptError(f"messages[{i}].content[{j}] {exc}") from None
-                if text is _Media.PART:
-                    has_media = True
-                elif isinstance(text, str):
-                    texts.append(text)
-            if has_media and not media:
-                media = True
-                item["content"] = _MEDIA_MARK
-            else:
-                item["content"] = "\n".join(texts)
-        elif content is None:
-            item["content"] = ""
-        elif not isinstance(content, str):
-            raise PromptError(f"messages[{i}].content must be a string or a list of parts")
-        out.append(item)
-    return out, media
+        out.append(conversation.message(i, message["role"], message))
+    if not developer_role and any(m["role"] == "developer" for m in out):
+        out = _developer_as_system(out)
+    return out, conversation.media
+
+
+def _names_developer_role(source: str) -> bool:
+    """Whether a template names the ``developer`` role (as a quoted string anywhere)."""
+    return '"developer"' in source or "'developer'" in source
+
+
+def _refers_to(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether ``node`` is variable ``name`` (or its ``key`` member), possibly sliced,
+    filtered or tested."""
+    nodes = jinja2.nodes
+    if isinstance(node, (nodes.Filter, nodes.Test)):
+        return node.node is not None and _refers_to(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _refers_to(node.node, name, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+    is_var = isinstance(getattr(node, "node", None), nodes.Name)
+    if isinstance(node, nodes.Getitem):
+        return (
+            is_var
+            and _refers_to(node.node, name)
+            and isinstance(node.arg, nodes.Const)
+            and node.arg.value == key
+        )
+    if isinstance(node, nodes.Getattr):
+        return is_var and _refers_to(node.node, name) and node.attr == key
+    return False
+
+
+def _target_name(node: jinja2.nodes.Node) -> str:
+    if not isinstance(node, jinja2.nodes.Name):
+        raise ValueError("not a name")
+    return node.name
+
+
+def _loops_over_content(root: jinja2.nodes.Template) -> bool:
+    """vLLM's rule (see :func:`_detect_content_format`); raises ``ValueError`` where vLLM's
+    detection fails (a loop or ``set`` target that is not a name)."""
+    nodes = jinja2.nodes
+    lists = ["messages"]
+    for name in lists:
+        for assign in root.find_all(nodes.Assign):
+            if _refers_to(assign.node, name):
+                target = _target_name(assign.target)
+                if target not in lists:
+                    lists.append(target)
+    messages = [
+        _target_name(loop.target)
+        for loop in root.find_all(nodes.For)
+        if any(_refers_to(loop.iter, name) for name in lists)
+    ]
+
+    def is_content(node: jinja2.nodes.Node) -> bool:
+        return any(_refers_to(node, m, "content") for m in messages)
+
+    in_macros: set[int] = set()
+    params_of_loop: dict[int, set[str]] = {}
+    for macro in root.find_all(nodes.Macro):
+        params = [arg.name for arg in macro.args]
+        given: set[str] = set()
+        for call in root.find_all(nodes.Call):
+            if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(params) and is_content(arg):
+                    given.add(params[i])
+            for kwarg in call.kwargs:
+                if kwarg.key in params and is_content(kwarg.value):
+                    given.add(kwarg.key)
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if given:
+                params_of_loop[id(loop)] = given
+    for loop in root.find_all(nodes.For):
+        iter_name = loop.iter.name if isinstance(loop.iter, nodes.Name) else None
+        if (
+            is_content(loop.iter)
+            or (iter_name is not None and iter_name in params_of_loop.get(id(loop), ()))
+            or (id(loop) not in in_macros and iter_name == "content")
+        ):
+            _target_name(loop.target)
+            return True
+    return False
+
+
+def _detect_content_format(env: jinja2.Environment, source: str) -> ContentFormat:
+    """``openai`` when the template loops over a message's content (through variables set
+    from the messages, a macro given the content, or a loop over a variable named
+    ``content`` outside macros), else ``string``, as vLLM 0.32 detects it."""
+    try:
+        return "openai" if _loops_over_content(env.parse(source)) else "string"
+    except (jinja2.TemplateError, ValueError):
+        return "string"

@@ -110,6 +110,18 @@ def test_gateway_tokens_equal_the_engine_tokens(
     ]
     engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "messages": messages})
     assert gateway.chat_tokens(messages) == engine_side["tokens"]
+    # What vLLM builds of the messages: a developer message (the template never names that
+    # role) merged into the system message, Claude Code's billing line dropped, fields
+    # vLLM does not pass on left out.
+    messages = [
+        {"role": "system", "content": "x-anthropic-billing-header: cch=1\n" + sentence(rng, 8)},
+        {"role": "user", "content": sentence(rng, 8), "metadata": {"a": 1}},
+        {"role": "developer", "content": sentence(rng, 6)},
+        {"role": "assistant", "content": sentence(rng, 4), "reasoning": sentence(rng, 3)},
+        {"role": "user", "content": sentence(rng, 6), "name": "ann"},
+    ]
+    engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "messages": messages})
+    assert gateway.chat_tokens(messages) == engine_side["tokens"]
 
 
 def test_conversations_return_to_the_engine_holding_their_prefix(

@@ -52,6 +52,7 @@
 
 pub mod admin;
 pub mod chat_values;
+pub mod conversation;
 pub mod flow;
 pub mod guards;
 pub mod health;
@@ -59,6 +60,7 @@ pub mod kv_events;
 pub mod metrics;
 pub mod payload;
 pub mod pool;
+pub mod pyvalues;
 pub mod slicing;
 pub mod tokcache;
 pub mod tokenize;

@@ -13,14 +13,10 @@
 //!
 //! - completions: a string prompt is encoded with the tokenizer's special tokens; a list of
 //!   ids is used as is; a batch routes by its first prompt;
-//! - chat: the messages (list contents reduced to their text parts joined by newlines, a
-//!   null content to `""`, as vLLM's "string" content format) are rendered with the special
-//!   tokens, `chat_template_kwargs` items, `tools` and `add_generation_prompt` (default true)
-//!   as variables, and the text is encoded without adding special tokens again;
-//! - media: a conversation with an image, audio, video or embeddings part is rendered up to
-//!   the start of the first message holding one. The engine puts the media's placeholder
-//!   tokens there and hashes the media into the cache blocks after it, so that beginning is
-//!   the part of the prompt a router can match; the request itself goes to the engine whole.
+//! - chat: the messages, built as vLLM builds them ([`crate::conversation`]), are rendered
+//!   with the special tokens, `chat_template_kwargs` items, `tools` and
+//!   `add_generation_prompt` (default true) as variables, and the text is encoded without
+//!   adding special tokens again; a conversation with a media part is rendered up to it.
 //!
 //! A template the engine cannot render is found at load time by rendering probe
 //! conversations ([`PromptTokenizer::load`] fails); a conversation the template refuses, or
@@ -30,14 +26,16 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::Arc;
 
-use minijinja::value::{Kwargs, Rest, ValueKind};
-use minijinja::{Environment, Error, ErrorKind, State, UndefinedBehavior, Value};
+use minijinja::value::ValueKind;
+use minijinja::{Environment, Error, ErrorKind, UndefinedBehavior, Value};
 use serde_json::value::RawValue;
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
 use crate::chat_values::{template_value, ChatContext};
+use crate::conversation::{cut_at_media, names_developer_role, template_messages, ContentFormat};
 use crate::payload::Payload;
+use crate::pyvalues::{python_formatter, tojson};
 use crate::tokcache::{CacheStats, PieceEncoder};
 
 const SPECIAL_TOKEN_KEYS: [&str; 7] =
@@ -83,6 +81,10 @@ pub struct PromptTokenizer {
     /// The same, as the template's values (shared by every render).
     special_values: Arc<[(String, Value)]>,
     env: Option<Environment<'static>>,
+    /// How the template takes list contents (detected from its source).
+    content_format: ContentFormat,
+    /// Whether the template names the `developer` role.
+    developer_role: bool,
     /// Chat prompts' ids through the piece cache ([`crate::tokcache`]).
     pieces: PieceEncoder,
 }
@@ -92,6 +94,7 @@ impl std::fmt::Debug for PromptTokenizer {
         f.debug_struct("PromptTokenizer")
             .field("special", &self.special)
             .field("has_chat_template", &self.env.is_some())
+            .field("content_format", &self.content_format)
             .field("pieces", &self.pieces)
             .finish()
     }
@@ -168,6 +171,10 @@ impl PromptTokenizer {
             })
             .collect();
         let source = chat_template_source(directory, &config)?;
+        let content_format = source.as_deref().map_or(ContentFormat::String, |source| {
+            ContentFormat::detect(&rewrite_generation_tags(source))
+        });
+        let developer_role = source.as_deref().is_some_and(names_developer_role);
         let env = match source {
             None => None,
             Some(source) => Some(environment(source)?),
@@ -179,6 +186,8 @@ impl PromptTokenizer {
             special,
             special_values,
             env,
+            content_format,
+            developer_role,
             pieces: PieceEncoder::off("not probed yet"),
         };
         let probes = loaded.probe()?;
@@ -189,6 +198,11 @@ impl PromptTokenizer {
     /// Whether chat requests can be tokenized.
     pub fn has_chat_template(&self) -> bool {
         self.env.is_some()
+    }
+
+    /// How the chat template takes a message's list content, as vLLM detects it.
+    pub fn content_format(&self) -> ContentFormat {
+        self.content_format
     }
 
     /// The special tokens the chat template sees (`bos_token`, `eos_token`, ...).
@@ -318,7 +332,7 @@ impl PromptTokenizer {
 
     /// The chat template's text for `messages` (a list of `{role, content}` maps) with
     /// `tools` and further variables (`extra`, a map) set; with a media part, the text up to
-    /// the start of the first message holding one (see the module documentation).
+    /// it ([`crate::conversation`]).
     pub fn render(
         &self,
         messages: &Value,
@@ -343,7 +357,9 @@ impl PromptTokenizer {
         tools: Option<&Value>,
         extra: Option<&Value>,
     ) -> Result<String, RenderError> {
-        let (messages, media) = string_contents(messages).map_err(RenderError::Prompt)?;
+        let (messages, media) =
+            template_messages(messages, self.content_format, self.developer_role)
+                .map_err(|problem| RenderError::Prompt(PromptProblem(problem)))?;
         let context = ChatContext {
             messages,
             tools: tools.cloned(),
@@ -494,481 +510,6 @@ fn strftime_now(format: String) -> Result<Value, Error> {
     String::from_utf8(buffer).map(Value::from).map_err(|_| bad())
 }
 
-/// Stands for the content of the first message holding a media part while the template
-/// renders; the rendered text is cut where it appears. Private-use characters, so no
-/// template writes it and no tokenizer merges across the cut.
-const MEDIA_MARK: &str = "\u{E000}llmsched:media\u{E001}";
-
-/// Text part types and the field holding their text, as vLLM reads them (its
-/// `entrypoints/chat_utils.py`: text, input and output text, refusal, thinking; a tool
-/// reference contributes its name).
-const TEXT_PARTS: [(&str, &str); 6] = [
-    ("text", "text"),
-    ("input_text", "text"),
-    ("output_text", "text"),
-    ("refusal", "refusal"),
-    ("thinking", "thinking"),
-    ("tool_reference", "name"),
-];
-
-/// Media part types (vLLM's): the engine puts the media's placeholder tokens and its own
-/// processing in their place, which a gateway cannot reproduce. A part without a type is
-/// media when it holds one of these fields, as vLLM infers it.
-const MEDIA_PARTS: [&str; 10] = [
-    "image_url",
-    "input_image",
-    "image_embeds",
-    "audio_embeds",
-    "video_embeds",
-    "prompt_embeds",
-    "image_pil",
-    "audio_url",
-    "input_audio",
-    "video_url",
-];
-
-/// One part of a list content.
-enum Part {
-    /// Text for the message (an empty or absent text is skipped, as vLLM skips it).
-    Text(Option<String>),
-    Media,
-}
-
-fn content_part(part: &Value) -> Result<Part, String> {
-    let text_of = |value: Value| match value.kind() {
-        ValueKind::Undefined | ValueKind::None => None,
-        _ => Some(python_str(&value)).filter(|text| !text.is_empty()),
-    };
-    match part.kind() {
-        ValueKind::String => return Ok(Part::Text(text_of(part.clone()))),
-        ValueKind::Map => {}
-        _ => return Err("must be a string or an object with a type".into()),
-    }
-    let kind = part.get_attr("type").unwrap_or_default();
-    match kind.kind() {
-        ValueKind::String => {
-            let kind = kind.as_str().unwrap_or("");
-            if let Some((_, field)) = TEXT_PARTS.iter().find(|(name, _)| *name == kind) {
-                return Ok(Part::Text(text_of(part.get_attr(field).unwrap_or_default())));
-            }
-            if MEDIA_PARTS.contains(&kind) {
-                return Ok(Part::Media);
-            }
-            Err(format!("unsupported content part type {kind:?}"))
-        }
-        ValueKind::Undefined | ValueKind::None => {
-            let holds = |field: &str| part.get_attr(field).is_ok_and(|v| !v.is_undefined());
-            if MEDIA_PARTS.iter().any(|field| holds(field)) {
-                Ok(Part::Media)
-            } else if holds("tool_reference") {
-                Ok(Part::Text(text_of(part.get_attr("tool_reference").unwrap_or_default())))
-            } else {
-                Err("has no 'type'".into())
-            }
-        }
-        _ => Err("'type' must be a string".into()),
-    }
-}
-
-/// Messages as the template sees them, and whether a media part was met: each message a map
-/// with a string role. A list content is reduced to its text parts joined by newlines, an
-/// absent or null content to `""` (vLLM's "string" content format). The first message
-/// holding a media part gets [`MEDIA_MARK`] as its content: vLLM puts the media's
-/// placeholders at the start of that message's text, so the prompt the gateway can know ends
-/// there. Messages whose contents are all strings are the template's as they are (no new
-/// list).
-fn string_contents(messages: &Value) -> Result<(Value, bool), PromptProblem> {
-    let shape =
-        || PromptProblem("messages must be a non-empty list of {role, content} objects".into());
-    if messages.kind() != ValueKind::Seq || messages.len() == Some(0) {
-        return Err(shape());
-    }
-    let mut media = false;
-    // The messages before the first reduced one are copied in when it is met.
-    let mut out: Option<Vec<Value>> = None;
-    for (i, message) in messages.try_iter().map_err(|_| shape())?.enumerate() {
-        let role = message.get_attr("role").ok();
-        if message.kind() != ValueKind::Map || role.as_ref().and_then(Value::as_str).is_none() {
-            return Err(PromptProblem(format!(
-                "messages[{i}] must be an object with a string role"
-            )));
-        }
-        let content = message.get_attr("content").unwrap_or_default();
-        let reduced = match content.kind() {
-            ValueKind::Seq => {
-                let mut texts = Vec::new();
-                let mut has_media = false;
-                for (j, part) in content.try_iter().map_err(|_| shape())?.enumerate() {
-                    match content_part(&part) {
-                        Ok(Part::Text(text)) => texts.extend(text),
-                        Ok(Part::Media) => has_media = true,
-                        Err(problem) => {
-                            return Err(PromptProblem(format!(
-                                "messages[{i}].content[{j}] {problem}"
-                            )))
-                        }
-                    }
-                }
-                if has_media && !media {
-                    media = true;
-                    Some(Value::from(MEDIA_MARK))
-                } else {
-                    Some(Value::from(texts.join("\n")))
-                }
-            }
-            ValueKind::String => None,
-            ValueKind::None | ValueKind::Undefined => Some(Value::from("")),
-            _ => {
-                return Err(PromptProblem(format!(
-                    "messages[{i}].content must be a string or a list of parts"
-                )))
-            }
-        };
-        match reduced {
-            None => {
-                if let Some(out) = out.as_mut() {
-                    out.push(message);
-                }
-            }
-            Some(text) => {
-                let keys = message.try_iter().map_err(|_| shape())?;
-                let mut fields: Vec<(Value, Value)> = keys
-                    .map(|key| {
-                        let value = if key.as_str() == Some("content") {
-                            text.clone()
-                        } else {
-                            message.get_item(&key).unwrap_or_default()
-                        };
-                        (key, value)
-                    })
-                    .collect();
-                if content.is_undefined() {
-                    fields.push((Value::from("content"), text));
-                }
-                let out = out.get_or_insert_with(|| {
-                    let mut before = Vec::with_capacity(messages.len().unwrap_or(0));
-                    before.extend(messages.try_iter().into_iter().flatten().take(i));
-                    before
-                });
-                out.push(Value::from_iter(fields));
-            }
-        }
-    }
-    Ok((out.map_or_else(|| messages.clone(), Value::from), media))
-}
-
-/// Cuts a render at [`MEDIA_MARK`]. A template that did not write the marked content (one
-/// that leaves some messages out) keeps its whole text, the media's message left out.
-fn cut_at_media(text: &mut String) {
-    if let Some(at) = text.find(MEDIA_MARK) {
-        text.truncate(at);
-    }
-}
-
-/// `{{ value }}` as Jinja on Python writes it: Python's `str()` (`None`, `True`, `['a']`).
-fn python_formatter(
-    out: &mut minijinja::Output,
-    _state: &State,
-    value: &Value,
-) -> Result<(), Error> {
-    match value.kind() {
-        ValueKind::Undefined => Ok(()),
-        ValueKind::String => out.write_str(value.as_str().unwrap_or("")).map_err(Error::from),
-        _ => out.write_str(&python_str(value)).map_err(Error::from),
-    }
-}
-
-/// Python's `str()` of a value: strings as they are, everything else its `repr()`.
-fn python_str(value: &Value) -> String {
-    match value.as_str() {
-        Some(text) if value.kind() == ValueKind::String => text.to_owned(),
-        _ => {
-            let mut out = String::new();
-            python_repr(value, &mut out);
-            out
-        }
-    }
-}
-
-fn python_repr(value: &Value, out: &mut String) {
-    match value.kind() {
-        ValueKind::Undefined => {}
-        ValueKind::None => out.push_str("None"),
-        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
-        ValueKind::Number => match f64_of(value) {
-            Some(f) => out.push_str(&python_float(f, false)),
-            None => {
-                let _ = write!(out, "{value}");
-            }
-        },
-        ValueKind::String => repr_str(value.as_str().unwrap_or(""), out),
-        ValueKind::Seq | ValueKind::Iterable => {
-            out.push('[');
-            if let Ok(items) = value.try_iter() {
-                for (i, item) in items.enumerate() {
-                    if i > 0 {
-                        out.push_str(", ");
-                    }
-                    python_repr(&item, out);
-                }
-            }
-            out.push(']');
-        }
-        ValueKind::Map => {
-            out.push('{');
-            if let Ok(keys) = value.try_iter() {
-                for (i, key) in keys.enumerate() {
-                    if i > 0 {
-                        out.push_str(", ");
-                    }
-                    python_repr(&key, out);
-                    out.push_str(": ");
-                    python_repr(&value.get_item(&key).unwrap_or_default(), out);
-                }
-            }
-            out.push('}');
-        }
-        _ => {
-            let _ = write!(out, "{value}");
-        }
-    }
-}
-
-/// Python's `repr()` of a string.
-fn repr_str(text: &str, out: &mut String) {
-    let quote = if text.contains('\'') && !text.contains('"') { '"' } else { '\'' };
-    out.push(quote);
-    for c in text.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c == quote => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
-                let _ = write!(out, "\\x{:02x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push(quote);
-}
-
-/// A number that is a float (not an integer), as `f64`.
-fn f64_of(value: &Value) -> Option<f64> {
-    if value.is_integer() {
-        return None;
-    }
-    f64::try_from(value.clone()).ok()
-}
-
-/// Python's `repr(float)` (`json` spells the non-finite ones `NaN`, `Infinity`).
-fn python_float(f: f64, json: bool) -> String {
-    if f.is_nan() {
-        return if json { "NaN" } else { "nan" }.into();
-    }
-    if f.is_infinite() {
-        let text = if json { "Infinity" } else { "inf" };
-        return if f < 0.0 { format!("-{text}") } else { text.into() };
-    }
-    let scientific = format!("{f:e}");
-    let (mantissa, exponent) = scientific.split_once('e').unwrap_or((&scientific, "0"));
-    let exponent: i32 = exponent.parse().unwrap_or(0);
-    if f != 0.0 && !(-4..16).contains(&exponent) {
-        let sign = if exponent < 0 { '-' } else { '+' };
-        return format!("{mantissa}e{sign}{:02}", exponent.unsigned_abs());
-    }
-    let fixed = format!("{f}");
-    if fixed.contains('.') {
-        fixed
-    } else {
-        format!("{fixed}.0")
-    }
-}
-
-/// Hugging Face's `tojson`: Python's `json.dumps(value, ensure_ascii=False, indent=None,
-/// separators=None, sort_keys=False)`, keyword or positional arguments in that order.
-fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
-    let positional = |i: usize| args.get(i).cloned();
-    let ensure_ascii = kwargs
-        .get::<Option<bool>>("ensure_ascii")?
-        .or_else(|| positional(0).map(|v| v.is_true()))
-        .unwrap_or(false);
-    let indent = kwargs.get::<Option<Value>>("indent")?.or_else(|| positional(1));
-    let separators = kwargs.get::<Option<Value>>("separators")?.or_else(|| positional(2));
-    let sort_keys = kwargs
-        .get::<Option<bool>>("sort_keys")?
-        .or_else(|| positional(3).map(|v| v.is_true()))
-        .unwrap_or(false);
-    kwargs.assert_all_used()?;
-    let indent = match indent {
-        None => None,
-        Some(v) if v.is_none() => None,
-        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or("").to_owned()),
-        Some(v) => match i64::try_from(v) {
-            Ok(n) => Some(" ".repeat(n.max(0) as usize)),
-            Err(_) => {
-                return Err(Error::new(ErrorKind::InvalidOperation, "tojson: bad indent"));
-            }
-        },
-    };
-    let (item_sep, key_sep) = match separators {
-        Some(v) if !v.is_none() => {
-            let parts: Vec<Value> = v.try_iter()?.collect();
-            match parts.as_slice() {
-                [a, b] if a.as_str().is_some() && b.as_str().is_some() => {
-                    (a.as_str().unwrap_or(",").to_owned(), b.as_str().unwrap_or(":").to_owned())
-                }
-                _ => {
-                    return Err(Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson: separators must be two strings",
-                    ))
-                }
-            }
-        }
-        _ if indent.is_some() => (",".to_owned(), ": ".to_owned()),
-        _ => (", ".to_owned(), ": ".to_owned()),
-    };
-    let dumper = Dumper { ensure_ascii, indent, item_sep, key_sep, sort_keys };
-    let mut out = String::new();
-    dumper.dump(value, 0, &mut out)?;
-    Ok(Value::from(out))
-}
-
-struct Dumper {
-    ensure_ascii: bool,
-    indent: Option<String>,
-    item_sep: String,
-    key_sep: String,
-    sort_keys: bool,
-}
-
-impl Dumper {
-    fn newline(&self, level: usize, out: &mut String) {
-        if let Some(indent) = &self.indent {
-            out.push('\n');
-            for _ in 0..level {
-                out.push_str(indent);
-            }
-        }
-    }
-
-    fn separator(&self, level: usize, out: &mut String) {
-        out.push_str(&self.item_sep);
-        self.newline(level, out);
-    }
-
-    fn dump(&self, value: &Value, level: usize, out: &mut String) -> Result<(), Error> {
-        match value.kind() {
-            ValueKind::None => out.push_str("null"),
-            ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
-            ValueKind::Number => match f64_of(value) {
-                Some(f) => out.push_str(&python_float(f, true)),
-                None => {
-                    let _ = write!(out, "{value}");
-                }
-            },
-            ValueKind::String => self.string(value.as_str().unwrap_or(""), out),
-            ValueKind::Seq | ValueKind::Iterable => {
-                let items: Vec<Value> = value.try_iter()?.collect();
-                if items.is_empty() {
-                    out.push_str("[]");
-                    return Ok(());
-                }
-                out.push('[');
-                self.newline(level + 1, out);
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        self.separator(level + 1, out);
-                    }
-                    self.dump(item, level + 1, out)?;
-                }
-                self.newline(level, out);
-                out.push(']');
-            }
-            ValueKind::Map => {
-                let mut entries: Vec<(String, Value)> = Vec::new();
-                for key in value.try_iter()? {
-                    let item = value.get_item(&key)?;
-                    let name = match key.kind() {
-                        ValueKind::String => key.as_str().unwrap_or("").to_owned(),
-                        ValueKind::None => "null".into(),
-                        ValueKind::Bool => (if key.is_true() { "true" } else { "false" }).into(),
-                        ValueKind::Number => match f64_of(&key) {
-                            Some(f) => python_float(f, true),
-                            None => key.to_string(),
-                        },
-                        _ => {
-                            return Err(Error::new(
-                                ErrorKind::InvalidOperation,
-                                "tojson: keys must be str, int, float, bool or None",
-                            ))
-                        }
-                    };
-                    entries.push((name, item));
-                }
-                if entries.is_empty() {
-                    out.push_str("{}");
-                    return Ok(());
-                }
-                if self.sort_keys {
-                    entries.sort_by(|a, b| a.0.cmp(&b.0));
-                }
-                out.push('{');
-                self.newline(level + 1, out);
-                for (i, (name, item)) in entries.iter().enumerate() {
-                    if i > 0 {
-                        self.separator(level + 1, out);
-                    }
-                    self.string(name, out);
-                    out.push_str(&self.key_sep);
-                    self.dump(item, level + 1, out)?;
-                }
-                self.newline(level, out);
-                out.push('}');
-            }
-            kind => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!("tojson: a value of type {kind} is not JSON serializable"),
-                ))
-            }
-        }
-        Ok(())
-    }
-
-    /// A JSON string as Python's `json` writes it.
-    fn string(&self, text: &str, out: &mut String) {
-        out.push('"');
-        for c in text.chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                '\r' => out.push_str("\\r"),
-                '\t' => out.push_str("\\t"),
-                '\u{8}' => out.push_str("\\b"),
-                '\u{c}' => out.push_str("\\f"),
-                c if (c as u32) < 0x20 => {
-                    let _ = write!(out, "\\u{:04x}", c as u32);
-                }
-                c if self.ensure_ascii && (c as u32) > 0x7e => {
-                    let mut units = [0u16; 2];
-                    for unit in c.encode_utf16(&mut units) {
-                        let _ = write!(out, "\\u{unit:04x}");
-                    }
-                }
-                c => out.push(c),
-            }
-        }
-        out.push('"');
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -981,23 +522,6 @@ mod tests {
         );
         assert_eq!(rewrite_generation_tags("{% if x %}"), "{% if x %}");
         assert_eq!(rewrite_generation_tags("{% unclosed"), "{% unclosed");
-    }
-
-    #[test]
-    fn floats_print_as_python_repr() {
-        for (f, text) in [
-            (1.0, "1.0"),
-            (0.5, "0.5"),
-            (1e16, "1e+16"),
-            (1.5e-5, "1.5e-05"),
-            (0.0001, "0.0001"),
-            (123456789.25, "123456789.25"),
-            (-2.0, "-2.0"),
-        ] {
-            assert_eq!(python_float(f, false), text);
-        }
-        assert_eq!(python_float(f64::NAN, true), "NaN");
-        assert_eq!(python_float(f64::NEG_INFINITY, true), "-Infinity");
     }
 
     #[test]
@@ -1028,85 +552,5 @@ mod tests {
             .render(minijinja::context! { n => (), t => true, l => vec!["a", "b"], d })
             .unwrap();
         assert_eq!(out, "None True ['a', 'b'] {'k': \"it's\", 'x': 1.0} .");
-    }
-
-    #[test]
-    fn malformed_messages_are_prompt_problems() {
-        for (bad, needle) in [
-            ("[]", "non-empty list"),
-            ("{}", "non-empty list"),
-            ("\"x\"", "non-empty list"),
-            ("[1]", "messages[0] must be an object"),
-            ("[{\"content\": \"x\"}]", "messages[0] must be an object"),
-            ("[{\"role\": 1}]", "messages[0] must be an object"),
-            ("[{\"role\": \"user\", \"content\": 5}]", "must be a string or a list of parts"),
-            ("[{\"role\": \"user\", \"content\": [{\"type\": \"image\"}]}]", "type \"image\""),
-            ("[{\"role\": \"user\", \"content\": [3]}]", "content[0] must be a string or"),
-            ("[{\"role\": \"user\", \"content\": [{\"text\": \"a\"}]}]", "has no 'type'"),
-            ("[{\"role\": \"user\", \"content\": [{\"type\": 1}]}]", "'type' must be"),
-        ] {
-            let messages: Value = serde_json::from_str(bad).unwrap();
-            let problem = string_contents(&messages).unwrap_err();
-            assert!(problem.0.contains(needle), "{bad}: {problem}");
-        }
-        let messages: Value = serde_json::from_str(
-            r#"[{"role": "user", "name": "n", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]"#,
-        )
-        .unwrap();
-        let (reduced, media) = string_contents(&messages).unwrap();
-        assert!(!media);
-        let first = reduced.get_item(&Value::from(0)).unwrap();
-        assert_eq!(first.get_attr("content").unwrap().as_str(), Some("a\nb"));
-        assert_eq!(first.get_attr("name").unwrap().as_str(), Some("n"));
-    }
-
-    #[test]
-    fn text_parts_are_joined_as_vllm_joins_them() {
-        let messages: Value = serde_json::from_str(
-            r#"[{"role": "user", "content": ["plain", {"type": "input_text", "text": "in"},
-                {"type": "text", "text": ""}, {"type": "text", "text": null}, {"type": "text"},
-                {"type": "refusal", "refusal": "no"}, {"type": "thinking", "thinking": "hm"}]},
-               {"role": "assistant", "content": null, "tool_calls": []},
-               {"role": "tool"}]"#,
-        )
-        .unwrap();
-        let (reduced, media) = string_contents(&messages).unwrap();
-        assert!(!media);
-        let content = |i: i64| {
-            let message = reduced.get_item(&Value::from(i)).unwrap();
-            message.get_attr("content").unwrap().as_str().map(str::to_owned)
-        };
-        assert_eq!(content(0).as_deref(), Some("plain\nin\nno\nhm"));
-        assert_eq!(content(1).as_deref(), Some(""));
-        assert_eq!(content(2).as_deref(), Some(""));
-    }
-
-    #[test]
-    fn the_first_media_part_marks_its_message() {
-        for part in [
-            r#"{"type": "image_url", "image_url": {"url": "data:,"}}"#,
-            r#"{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}"#,
-            r#"{"image_url": {"url": "data:,"}}"#,
-            r#"{"type": "video_url", "video_url": {"url": "v"}}"#,
-        ] {
-            let messages: Value = serde_json::from_str(&format!(
-                r#"[{{"role": "system", "content": "s"}},
-                   {{"role": "user", "content": [{{"type": "text", "text": "look"}}, {part}]}},
-                   {{"role": "user", "content": [{part}, "again"]}}]"#
-            ))
-            .unwrap();
-            let (reduced, media) = string_contents(&messages).unwrap();
-            assert!(media, "{part}");
-            let content = |i: i64| {
-                let message = reduced.get_item(&Value::from(i)).unwrap();
-                message.get_attr("content").unwrap().as_str().map(str::to_owned)
-            };
-            assert_eq!(content(0).as_deref(), Some("s"));
-            assert_eq!(content(1).as_deref(), Some(MEDIA_MARK));
-            assert_eq!(content(2).as_deref(), Some("again"));
-        }
-        let mut text = format!("<s>system{MEDIA_MARK}more");
-        cut_at_media(&mut text);
-        assert_eq!(text, "<s>system");
     }
 }

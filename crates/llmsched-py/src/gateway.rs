@@ -330,6 +330,14 @@ impl PyNativePromptTokenizer {
         self.inner.has_chat_template()
     }
 
+    /// How the chat template takes a message's list content, detected from its source as
+    /// vLLM detects it: `"openai"` (parts as `{type, ...}` objects) when it loops over a
+    /// message's content, else `"string"` (texts joined by newlines).
+    #[getter]
+    fn content_format(&self) -> &'static str {
+        self.inner.content_format().name()
+    }
+
     /// The special tokens the chat template sees (`bos_token`, `eos_token`, ...).
     #[getter]
     fn special_tokens(&self) -> Vec<(String, String)> {

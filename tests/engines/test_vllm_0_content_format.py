@@ -1,0 +1,43 @@
+"""The gateway's chat template content format against vLLM's own detection (no engine
+started: vLLM's renderer module is imported in its environment)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from llmsched import _llmsched
+from llmsched.testing.openai_engine import write_tokenizer
+from llmsched.tokenize import PromptTokenizer
+
+from .vllm_engine import vllm_python
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from test_tokenize_native import CONTENT_FORMATS
+
+DETECT = """
+import json, sys
+from vllm.renderers.hf import _detect_content_format
+templates = json.load(sys.stdin)
+print(json.dumps({k: _detect_content_format(t, default="string") for k, t in templates.items()}))
+"""
+
+
+def test_content_formats_equal_vllms_detection(tmp_path: Path) -> None:
+    templates = {name: template for name, (template, _) in CONTENT_FORMATS.items()}
+    done = subprocess.run(
+        [str(vllm_python()), "-c", DETECT],
+        input=json.dumps(templates),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    vllm = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, template in templates.items():
+        directory = write_tokenizer(tmp_path / name, chat_template=template)
+        native = _llmsched.NativePromptTokenizer(str(directory)).content_format
+        assert (PromptTokenizer(directory).content_format, native) == (vllm[name],) * 2, name
+        assert vllm[name] == CONTENT_FORMATS[name][1], name
