@@ -280,21 +280,12 @@ def _tiny_model_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def _variables(body: dict[str, Any]) -> dict[str, Any]:
-    """The template variables the Python plane takes from a chat body (as the gateway does)."""
-    extra = body.get("chat_template_kwargs")
-    variables = dict(extra) if isinstance(extra, dict) else {}
-    if body.get("tools") is not None:
-        variables["tools"] = body["tools"]
-    return variables
-
-
 def _both(directory: Path, body: dict[str, Any]) -> tuple[Any, Any]:
     """(Python ids or the PromptError text, native ids or the InvalidRequestError text)."""
     python = PromptTokenizer(directory)
     native = NativePromptTokenizer(str(directory))
     try:
-        expected: Any = python.chat_tokens(body["messages"], _variables(body))
+        expected: Any = python.chat_request_tokens(body)
     except PromptError as exc:
         expected = ("error", str(exc))
     try:
@@ -313,9 +304,9 @@ def test_chat_ids_equal_the_python_plane(
     body: dict[str, Any] = {"model": MODEL, "messages": messages}
     python = PromptTokenizer(directory)
     native = NativePromptTokenizer(str(directory))
-    text = python.render_chat(messages, _variables(body))
+    text = python.render_chat_request(body)
     assert native.render_chat(json.dumps(body)) == text
-    ids = python.chat_tokens(messages, _variables(body))
+    ids = python.chat_request_tokens(body)
     assert native.chat_tokens(json.dumps(body)) == ids
     assert len(ids) > 0
 
@@ -335,19 +326,38 @@ def test_tools_and_template_kwargs_equal_the_python_plane(
         "nothing": None,
         "meta": {"z": 1, "a": 1e20, "m": [1.0, 0.0001]},
     }
+    python = PromptTokenizer(directories[template])
+    native = NativePromptTokenizer(str(directories[template]))
     for body in (
         {"messages": messages, "tools": TOOLS},
         {"messages": messages, "tools": TOOLS, "chat_template_kwargs": kwargs},
+        # vLLM 0.32: the request's own field (default true) wins over the kwarg.
         {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}},
-        {"messages": messages, "tools": None, "chat_template_kwargs": "not a dict"},
+        {"messages": messages, "add_generation_prompt": False},
+        {"messages": messages, "tools": None, "chat_template_kwargs": None},
     ):
-        python = PromptTokenizer(directories[template])
-        native = NativePromptTokenizer(str(directories[template]))
-        assert native.render_chat(json.dumps(body)) == python.render_chat(
-            messages, _variables(body)
-        )
+        assert native.render_chat(json.dumps(body)) == python.render_chat_request(body)
         expected, got = _both(directories[template], body)
         assert got == expected
+    assert python.render_chat_request(
+        {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}}
+    ) == python.render_chat_request({"messages": messages})
+    for bad, problem in [
+        ({"chat_template_kwargs": "not a dict"}, "chat_template_kwargs must be an object"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "may not set 'tokenize'"),
+        ({"add_generation_prompt": 1}, "add_generation_prompt must be a boolean"),
+        ({"continue_final_message": True}, "cannot both be true"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort must be one of"),
+        ({"documents": ["x"]}, "documents must be a list of objects"),
+        ({"tools": {"a": 1}}, "tools must be a list"),
+        ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools[0].type must be"),
+        ({"tools": [{"function": {}}]}, "tools[0] must be an object with a function"),
+    ]:
+        body = {"messages": messages, **bad}
+        with pytest.raises(PromptError, match=re.escape(problem)):
+            python.render_chat_request(body)
+        with pytest.raises(InvalidRequestError, match=re.escape(problem)):
+            native.chat_tokens(json.dumps(body))
 
 
 @pytest.mark.parametrize("template", ["features", "qwen"])
@@ -370,9 +380,9 @@ def test_repeated_keys_and_large_objects_read_as_python_reads_them(
     body = json.loads(raw)
     python = PromptTokenizer(directories[template])
     native = NativePromptTokenizer(str(directories[template]))
-    expected = python.render_chat(body["messages"], _variables(body))
+    expected = python.render_chat_request(body)
     assert native.render_chat(raw) == expected
-    assert native.chat_tokens(raw) == python.chat_tokens(body["messages"], _variables(body))
+    assert native.chat_tokens(raw) == python.chat_request_tokens(body)
     if template == "features":
         assert "k0=last;k1=1;" in expected and "Y " in expected and "(BOB)" in expected
 
@@ -685,6 +695,84 @@ def test_messages_reach_the_template_as_vllm_builds_them(
         assert '<|tool|>{"temp": 21}\nok' in text
     if template == "default":
         assert "two parts  \nin one message" in text
+
+
+# What the request's own fields give a template: documents, the reasoning effort and the
+# thinking switch derived from it, the tools as vLLM dumps them.
+REQUEST_FIELDS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if documents is not none %}[docs {{ documents | tojson }}]{% endif %}"
+    "{% if reasoning_effort is defined %}[effort {{ reasoning_effort }}]{% endif %}"
+    "{% if enable_thinking is defined %}[thinking {{ enable_thinking }}]{% endif %}"
+    "{% if tools is not none %}[tools {{ tools | tojson }}]{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_request_fields_reach_the_template_as_vllm_sets_them(tmp_path: Path) -> None:
+    directory = write_tokenizer(tmp_path, chat_template=REQUEST_FIELDS_TEMPLATE)
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [
+        {"function": {"name": "noargs"}, "type": "function", "other": 1},
+        {"type": "function", "function": {"name": "f", "parameters": {"b": 1}, "strict": False}},
+    ]
+    bodies: list[dict[str, Any]] = [
+        {"messages": messages, "documents": [{"title": "t", "text": "x"}]},
+        {"messages": messages, "chat_template_kwargs": {"documents": [{"text": "kw"}]}},
+        {"messages": messages, "reasoning_effort": "none"},
+        {
+            "messages": messages,
+            "reasoning_effort": "high",
+            "chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "low"},
+        },
+        {"messages": messages, "tools": tools},
+        {"messages": messages},
+    ]
+    texts = []
+    for body in bodies:
+        text = python.render_chat_request(body)
+        assert native.render_chat(json.dumps(body)) == text
+        assert native.chat_tokens(json.dumps(body)) == python.chat_request_tokens(body)
+        texts.append(text)
+    assert '[docs [{"title": "t", "text": "x"}]]' in texts[0]
+    assert '[docs [{"text": "kw"}]]' in texts[1]
+    assert "[effort none][thinking False]" in texts[2]
+    assert "[effort high][thinking False]" in texts[3]
+    dumped = (
+        '[tools [{"type": "function", "function": {"name": "noargs", "description": null, '
+        '"parameters": null}}, {"type": "function", "function": {"name": "f", '
+        '"description": null, "parameters": {"b": 1}, "strict": false}}]]'
+    )
+    assert dumped in texts[4]
+    assert texts[5] == "<|user|>hi<|end|><|assistant|>"
+
+
+@pytest.mark.parametrize("template", [*TEMPLATES, "tiny-model"])
+def test_continue_final_message_and_special_tokens_equal_the_python_plane(
+    directories: dict[str, Path], template: str
+) -> None:
+    """``continue_final_message`` ends the text where the last message's content does (as
+    transformers cuts it); ``add_special_tokens`` encodes the text with the tokenizer's own
+    special tokens added."""
+    directory = directories[template]
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    messages = [
+        {"role": "user", "content": "tell me a story"},
+        {"role": "assistant", "content": "Once upon a time  "},
+    ]
+    for body in (
+        {"messages": messages, "continue_final_message": True, "add_generation_prompt": False},
+        {"messages": messages, "add_special_tokens": True},
+        {"messages": messages, "add_generation_prompt": False},
+    ):
+        text = python.render_chat_request(body)
+        assert native.render_chat(json.dumps(body)) == text
+        assert native.chat_tokens(json.dumps(body)) == python.chat_request_tokens(body)
+        if body.get("continue_final_message"):
+            assert text.rstrip().endswith("Once upon a time"), text
 
 
 def test_completion_ids_equal_the_python_plane(directories: dict[str, Path]) -> None:

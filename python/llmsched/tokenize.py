@@ -23,7 +23,10 @@ library alone, so the gateway needs neither ``transformers`` nor ``torch``:
   newlines (the ``string`` content format) or, for a template that loops over a message's
   content, as ``{type, ...}`` parts (``openai``); a conversation with a media part (an
   image, audio, video) is rendered up to that part (for the ``string`` format, the start of
-  its message, where vLLM puts the placeholders).
+  its message, where vLLM puts the placeholders). :meth:`PromptTokenizer.chat_request_tokens`
+  takes a whole request body and reads its other fields as vLLM does (``tools``,
+  ``documents``, ``chat_template_kwargs``, ``add_generation_prompt``,
+  ``continue_final_message``, ``add_special_tokens``, ``reasoning_effort``).
 
 Route and index on these ids: they equal the engine's when both load the same files, so the
 blocks an engine reports in its KV events match the prompts picked with
@@ -147,6 +150,7 @@ class PromptTokenizer:
         self._template: jinja2.Template | None = None
         self._content_format: ContentFormat = "string"
         self._developer_role = source is not None and _names_developer_role(source)
+        self._source = source or ""
         if source is not None:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True,
@@ -195,43 +199,253 @@ class PromptTokenizer:
     ) -> str:
         """The chat template's text for ``messages`` with ``add_generation_prompt=True``.
 
-        ``extra``: further template variables (``tools``, ``chat_template_kwargs`` items).
-        The messages are built as vLLM builds them (see the module docstring). A
-        conversation holding a media part (an image, audio, video or embeddings) renders up
-        to that part (for the ``string`` content format, the start of its message, where
-        vLLM puts the media's placeholder tokens): the engine hashes the media into the
-        cache blocks after it, so that beginning is what a router can match.
+        ``extra``: further template variables, as given (``add_generation_prompt``, true
+        unless set, ``tools`` and ``documents``, none unless set, among them). The messages
+        are built as vLLM builds them (see the module docstring). A conversation holding a
+        media part (an image, audio, video or embeddings) renders up to that part (for the
+        ``string`` content format, the start of its message, where vLLM puts the media's
+        placeholder tokens): the engine hashes the media into the cache blocks after it, so
+        that beginning is what a router can match. For a whole request body, as the gateway
+        has it, use :meth:`render_chat_request`.
         """
         if extra is not None and not isinstance(extra, Mapping):
             raise InvalidTypeError(f"extra must be a mapping or None, got {type(extra).__name__}")
+        variables = dict(extra or {})
+        # As transformers' apply_chat_template passes them: defined, even when none.
+        for name, default in (
+            ("add_generation_prompt", True),
+            ("tools", None),
+            ("documents", None),
+        ):
+            variables.setdefault(name, default)
+        return self._render(messages, variables, continue_final_message=False)
+
+    def chat_tokens(
+        self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """The ids of a chat conversation: the rendered template (:meth:`render_chat`),
+        encoded without adding special tokens (the template wrote them)."""
+        text = self.render_chat(messages, extra)
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def render_chat_request(self, request: Mapping[str, Any]) -> str:
+        """The chat template's text for a ``/v1/chat/completions`` request body, as vLLM 0.32
+        renders it: ``messages``, ``tools`` (as vLLM's request model hands them on: each a
+        ``{type, function: {name, description, parameters}}``, absent fields as null, and
+        null when the request has none), ``documents``, ``chat_template_kwargs`` under the
+        request's own ``add_generation_prompt`` (default true), ``reasoning_effort`` (and
+        ``enable_thinking`` from it unless a kwarg sets it), and ``continue_final_message``
+        (the text ends where the last message's content does). A field of the wrong shape
+        is a :class:`PromptError`."""
+        chat = _ChatRequest.read(request)
+        return self._render(
+            chat.messages, chat.variables, continue_final_message=chat.continue_final_message
+        )
+
+    def chat_request_tokens(self, request: Mapping[str, Any]) -> list[int]:
+        """The ids of a ``/v1/chat/completions`` request body (:meth:`render_chat_request`),
+        encoded with special tokens only when the request's ``add_special_tokens`` says so."""
+        chat = _ChatRequest.read(request)
+        text = self._render(
+            chat.messages, chat.variables, continue_final_message=chat.continue_final_message
+        )
+        return list(self._tokenizer.encode(text, add_special_tokens=chat.add_special_tokens).ids)
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        variables: Mapping[str, Any],
+        *,
+        continue_final_message: bool,
+    ) -> str:
         if self._template is None:
             raise PromptError("the configured tokenizer has no chat template")
-        variables: dict[str, Any] = dict(self._special)
-        variables.update(extra or {})
-        variables["messages"], media = _template_messages(
-            messages, self._content_format, self._developer_role
-        )
-        variables.setdefault("add_generation_prompt", True)
+        context: dict[str, Any] = dict(self._special)
+        context.update(variables)
+        built, media = _template_messages(messages, self._content_format, self._developer_role)
+        final = _mark_final_message(built, self._source) if continue_final_message else None
+        context["messages"] = built
         try:
-            text = self._template.render(**variables)
+            text = self._template.render(**context)
         except jinja2.TemplateError as exc:
             raise PromptError(f"chat template: {exc}") from None
         except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as exc:
             # jinja2 lets a Python error inside the template through (``None + "x"`` on a
             # message without a field): the request's shape caused it, so it is the client's.
             raise PromptError(f"chat template: {type(exc).__name__}: {exc}") from None
+        if final is not None:
+            text = _cut_at_final_mark(text, final)
         if media:
             # A template that left the marked message out keeps its whole text.
             text = text.partition(_MEDIA_MARK)[0]
         return text
 
-    def chat_tokens(
-        self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None
-    ) -> list[int]:
-        """The ids of a chat conversation: the rendered template, encoded without adding
-        special tokens (the template wrote them)."""
-        text = self.render_chat(messages, extra)
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""What transformers appends to the final message to find where it ends in the render."""
+
+
+def _mark_final_message(messages: list[dict[str, Any]], source: str) -> str:
+    """Appends :data:`_CONTINUE_TAG` to the last message's content (its last text part, for
+    a list) as transformers does for ``continue_final_message``; returns the text marked."""
+    if "content" not in source:
+        raise PromptError(
+            "continue_final_message is set but the chat template never reads a message's content"
+        )
+    final = messages[-1]
+    content = final.get("content")
+    if isinstance(content, list):
+        for part in reversed(content):
+            if isinstance(part, dict) and "text" in part:
+                text = str(part["text"])
+                part["text"] = text + _CONTINUE_TAG
+                return text
+        raise PromptError("continue_final_message is set but the final message has no text")
+    if not isinstance(content, str):
+        raise PromptError("continue_final_message is set but the final message has no content")
+    final["content"] = content + _CONTINUE_TAG
+    return content
+
+
+def _cut_at_final_mark(text: str, final: str) -> str:
+    """The render cut where the final message's content ends (transformers' rule: at the
+    tag, or before the spaces the template trimmed off with it)."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise PromptError(
+            "continue_final_message is set but the final message does not appear in the "
+            "rendered chat (the template changes it)"
+        )
+    at = text.rindex(tag)
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()
+
+
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""The ``reasoning_effort`` values vLLM 0.32 accepts."""
+
+
+class _ChatRequest:
+    """A chat request body's fields as vLLM 0.32 reads them for its template (see
+    :meth:`PromptTokenizer.render_chat_request`)."""
+
+    def __init__(
+        self,
+        messages: Any,
+        variables: dict[str, Any],
+        continue_final_message: bool,
+        add_special_tokens: bool,
+    ) -> None:
+        self.messages = messages
+        self.variables = variables
+        self.continue_final_message = continue_final_message
+        self.add_special_tokens = add_special_tokens
+
+    @classmethod
+    def read(cls, request: Mapping[str, Any]) -> _ChatRequest:
+        if not isinstance(request, Mapping):
+            raise InvalidTypeError(
+                f"request must be a mapping (a chat request body), got {type(request).__name__}"
+            )
+        messages = request.get("messages")
+        kwargs = request.get("chat_template_kwargs")
+        if kwargs is None:
+            kwargs = {}
+        if not isinstance(kwargs, Mapping):
+            raise PromptError("chat_template_kwargs must be an object")
+        for name in ("chat_template", "tokenize"):
+            if name in kwargs:
+                raise PromptError(f"chat_template_kwargs may not set {name!r}")
+
+        def flag(name: str, default: bool) -> bool:
+            value = request.get(name, default)
+            if value is None:
+                return default
+            if not isinstance(value, bool):
+                raise PromptError(f"{name} must be a boolean")
+            return value
+
+        add_generation_prompt = flag("add_generation_prompt", True)
+        continue_final_message = flag("continue_final_message", False)
+        if continue_final_message and add_generation_prompt:
+            raise PromptError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
+        variables = {
+            k: v for k, v in kwargs.items() if k not in _HF_NAMED_ARGUMENTS or k == "documents"
+        }
+        variables["add_generation_prompt"] = add_generation_prompt
+        variables["tools"] = _vllm_tools(request.get("tools"))
+        documents = request.get("documents")
+        if documents is not None:
+            if not isinstance(documents, list) or not all(
+                isinstance(d, Mapping) for d in documents
+            ):
+                raise PromptError("documents must be a list of objects")
+            variables["documents"] = documents
+        variables.setdefault("documents", None)
+        effort = request.get("reasoning_effort")
+        if effort is not None:
+            if effort not in _REASONING_EFFORTS:
+                raise PromptError(
+                    f"reasoning_effort must be one of {', '.join(_REASONING_EFFORTS)}"
+                )
+            variables["reasoning_effort"] = effort
+            if "enable_thinking" not in kwargs:
+                variables["enable_thinking"] = effort != "none"
+        return cls(messages, variables, continue_final_message, flag("add_special_tokens", False))
+
+
+_HF_NAMED_ARGUMENTS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+)
+"""Template variables set by the request's own fields, not by ``chat_template_kwargs``
+(transformers' ``apply_chat_template`` takes them as arguments; ``documents`` is read from
+the kwargs when the request has none)."""
+
+
+def _vllm_tools(tools: object) -> list[dict[str, Any]] | None:
+    """The request's tools as vLLM's request model dumps them: each ``{type, function:
+    {name, description, parameters[, strict][, defer_loading]}}``, absent fields as null,
+    other fields dropped; None when there are none."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise PromptError("tools must be a list")
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise PromptError(f"tools[{i}] must be an object with a function that has a name")
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise PromptError(f"tools[{i}].type must be 'function'")
+        description = function.get("description")
+        parameters = function.get("parameters")
+        strict = function.get("strict")
+        if description is not None and not isinstance(description, str):
+            raise PromptError(f"tools[{i}].function.description must be a string")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise PromptError(f"tools[{i}].function.parameters must be an object")
+        if strict is not None and not isinstance(strict, bool):
+            raise PromptError(f"tools[{i}].function.strict must be a boolean")
+        dumped: dict[str, Any] = {
+            "name": function["name"],
+            "description": description,
+            "parameters": parameters,
+        }
+        if strict is not None:
+            dumped["strict"] = strict
+        defer = function.get("defer_loading")
+        if defer is None:
+            defer = tool.get("defer_loading")
+        if defer is not None:
+            if not isinstance(defer, bool):
+                raise PromptError(f"tools[{i}].defer_loading must be a boolean")
+            dumped["defer_loading"] = defer
+        out.append({"type": "function", "function": dumped})
+    return out
 
 
 def _chat_template_source(path: Path, config: Mapping[str, Any]) -> str | None:

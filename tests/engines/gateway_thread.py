@@ -75,6 +75,13 @@ class GatewayThread:
         assert isinstance(self.gateway, Gateway) and self.gateway.tokenizer is not None
         return self.gateway.tokenizer.chat_tokens(messages)
 
+    def chat_request_tokens(self, body: dict[str, Any]) -> list[int]:
+        """The token ids the gateway routes a chat request body on."""
+        if self._native_tokenizer is not None:
+            return self._native_tokenizer.chat_tokens(json.dumps(body))
+        assert isinstance(self.gateway, Gateway) and self.gateway.tokenizer is not None
+        return self.gateway.tokenizer.chat_request_tokens(body)
+
     def completion_tokens(self, prompt: str) -> list[int]:
         """The token ids the gateway routes a completion prompt on."""
         if self._native_tokenizer is not None:

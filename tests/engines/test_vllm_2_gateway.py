@@ -122,6 +122,21 @@ def test_gateway_tokens_equal_the_engine_tokens(
     ]
     engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "messages": messages})
     assert gateway.chat_tokens(messages) == engine_side["tokens"]
+    # The request's own fields: no generation prompt, the final message continued, the
+    # tokenizer's special tokens added, a kwarg that the request's own field overrides.
+    messages = [
+        {"role": "user", "content": sentence(rng, 8)},
+        {"role": "assistant", "content": sentence(rng, 5) + "  "},
+    ]
+    for fields in (
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_special_tokens": True},
+        {"chat_template_kwargs": {"add_generation_prompt": False}},
+    ):
+        body = {"model": MODEL_NAME, "messages": messages, **fields}
+        engine_side = engines[0].post("/tokenize", body)
+        assert gateway.chat_request_tokens(body) == engine_side["tokens"], fields
 
 
 def test_conversations_return_to_the_engine_holding_their_prefix(

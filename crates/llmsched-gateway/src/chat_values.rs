@@ -355,24 +355,33 @@ impl Object for Members {
     }
 }
 
-/// The variables of one render, looked up in this order: `messages`, `tools` (when the
-/// request has them), the request's `chat_template_kwargs`, `add_generation_prompt` (true
-/// unless a kwarg says otherwise), the tokenizer's special tokens. So a kwarg overrides a
-/// special token of its name, and `messages` and `tools` override the kwargs. Built per
-/// render without copying the special tokens (shared) or the kwargs (looked up in place).
+/// The variables of one render, as transformers' `apply_chat_template` sets them for vLLM:
+/// `messages`, `tools` and `documents` (none when the request has none: defined, as
+/// transformers passes them), `add_generation_prompt` (the request's own field), then the
+/// variables the request's `reasoning_effort` sets, then the request's
+/// `chat_template_kwargs` (the names above excepted, and `continue_final_message`, which
+/// transformers consumes), then the tokenizer's special tokens. So a kwarg overrides a
+/// special token of its name. Built per render without copying the special tokens (shared)
+/// or the kwargs (looked up in place).
 #[derive(Debug)]
 pub struct ChatContext {
     /// The messages, as the template iterates them.
     pub messages: Value,
-    /// The request's tools (None: absent or null).
-    pub tools: Option<Value>,
+    /// `tools`.
+    pub tools: Value,
+    /// `documents`.
+    pub documents: Value,
+    /// `add_generation_prompt`.
+    pub add_generation_prompt: bool,
+    /// `reasoning_effort` and `enable_thinking`, when the request sets them.
+    pub reasoning: Vec<(&'static str, Value)>,
     /// The request's `chat_template_kwargs`, when a map.
     pub extra: Option<Value>,
     /// The tokenizer's special tokens (`bos_token`, ...) and their texts.
     pub special: Arc<[(String, Value)]>,
 }
 
-/// The variable defaulted when the kwargs do not set it.
+/// The variable the request's own field sets.
 const ADD_GENERATION_PROMPT: &str = "add_generation_prompt";
 
 impl ChatContext {
@@ -390,14 +399,17 @@ impl Object for ChatContext {
     fn get_value_by_str(self: &Arc<Self>, key: &str) -> Option<Value> {
         match key {
             "messages" => return Some(self.messages.clone()),
-            "tools" if self.tools.is_some() => return self.tools.clone(),
+            "tools" => return Some(self.tools.clone()),
+            "documents" => return Some(self.documents.clone()),
+            ADD_GENERATION_PROMPT => return Some(Value::from(self.add_generation_prompt)),
+            "continue_final_message" => return None,
             _ => {}
+        }
+        if let Some((_, value)) = self.reasoning.iter().find(|(name, _)| *name == key) {
+            return Some(value.clone());
         }
         if let Some(value) = self.extra(key) {
             return Some(value);
-        }
-        if key == ADD_GENERATION_PROMPT {
-            return Some(Value::from(true));
         }
         self.special.iter().find(|(name, _)| name == key).map(|(_, text)| text.clone())
     }
@@ -408,10 +420,9 @@ impl Object for ChatContext {
         if let Some(extra) = self.extra.as_ref().and_then(|e| e.try_iter().ok()) {
             names.extend(extra.filter_map(|key| key.as_str().map(str::to_owned)));
         }
-        names.extend(["messages", ADD_GENERATION_PROMPT].map(str::to_owned));
-        if self.tools.is_some() {
-            names.push("tools".to_owned());
-        }
+        names.retain(|name| name != "continue_final_message");
+        names.extend(["messages", "tools", "documents", ADD_GENERATION_PROMPT].map(str::to_owned));
+        names.extend(self.reasoning.iter().map(|(name, _)| (*name).to_owned()));
         names.sort_unstable();
         names.dedup();
         Enumerator::Values(names.into_iter().map(Value::from).collect())
@@ -573,7 +584,10 @@ mod tests {
             Arc::from(vec![("bos_token".to_owned(), Value::from("<s>"))]);
         Value::from_object(ChatContext {
             messages: value(r#"[{"role": "user", "content": "hi"}]"#),
-            tools: tools.map(value),
+            tools: tools.map_or(Value::from(()), value),
+            documents: Value::from(()),
+            add_generation_prompt: true,
+            reasoning: vec![("reasoning_effort", Value::from("low"))],
             extra: extra.map(value),
             special,
         })
@@ -584,20 +598,31 @@ mod tests {
         let plain = context(None, None);
         assert_eq!(plain.get_attr("bos_token").unwrap(), Value::from("<s>"));
         assert_eq!(plain.get_attr(ADD_GENERATION_PROMPT).unwrap(), Value::from(true));
-        assert!(plain.get_attr("tools").unwrap().is_undefined());
+        assert!(plain.get_attr("tools").unwrap().is_none());
+        assert!(plain.get_attr("documents").unwrap().is_none());
         assert!(plain.get_attr("nothing").unwrap().is_undefined());
         let kwargs = r#"{"bos_token": "B", "add_generation_prompt": false, "tools": "kw",
-            "messages": "kw", "flag": 1}"#;
+            "messages": "kw", "flag": 1, "reasoning_effort": "high", "continue_final_message": true}"#;
         let set = context(Some(kwargs), None);
         assert_eq!(set.get_attr("bos_token").unwrap(), Value::from("B"));
-        assert_eq!(set.get_attr(ADD_GENERATION_PROMPT).unwrap(), Value::from(false));
-        assert_eq!(set.get_attr("tools").unwrap(), Value::from("kw"));
+        assert_eq!(set.get_attr(ADD_GENERATION_PROMPT).unwrap(), Value::from(true));
+        assert!(set.get_attr("tools").unwrap().is_none());
         assert_eq!(set.get_attr("flag").unwrap(), Value::from(1));
+        assert_eq!(set.get_attr("reasoning_effort").unwrap(), Value::from("low"));
+        assert!(set.get_attr("continue_final_message").unwrap().is_undefined());
         assert_eq!(set.get_attr("messages").unwrap().len(), Some(1));
         let with_tools = context(Some(kwargs), Some(r#"[{"name": "f"}]"#));
         assert_eq!(with_tools.get_attr("tools").unwrap().len(), Some(1));
         let names: Vec<Value> = with_tools.try_iter().unwrap().collect();
-        let expected = ["add_generation_prompt", "bos_token", "flag", "messages", "tools"];
+        let expected = [
+            "add_generation_prompt",
+            "bos_token",
+            "documents",
+            "flag",
+            "messages",
+            "reasoning_effort",
+            "tools",
+        ];
         assert_eq!(names, expected.map(Value::from));
     }
 }

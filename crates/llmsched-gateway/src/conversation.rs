@@ -17,6 +17,9 @@
 //!   (`string`), a tool message's text parts joined in either format.
 //! - A `developer` message, when the template never names that role, becomes a system
 //!   message, and the system messages are then merged into one at the start.
+//! - The request's `tools` as vLLM's request model hands them on ([`vllm_tools`]), and its
+//!   `continue_final_message` as transformers does it ([`mark_final_message`],
+//!   [`cut_at_final_mark`]).
 //! - Media: the engine puts a media part's placeholder tokens in the prompt and hashes the
 //!   media into the cache blocks after them, which a gateway cannot reproduce. The first
 //!   media part is replaced by [`MEDIA_MARK`] (at the start of its message's content in the
@@ -168,6 +171,131 @@ pub fn cut_at_media(text: &mut String) {
     if let Some(at) = text.find(MEDIA_MARK) {
         text.truncate(at);
     }
+}
+
+/// The request's `tools` as vLLM's request model dumps them: each `{type: function,
+/// function: {name, description, parameters[, strict][, defer_loading]}}`, absent fields as
+/// null, other fields dropped (a tool's own `defer_loading` moves into its function).
+pub fn vllm_tools(tools: &Value) -> Result<Value, String> {
+    if tools.kind() != ValueKind::Seq {
+        return Err("tools must be a list".into());
+    }
+    let mut out = Vec::new();
+    for (i, tool) in tools.try_iter().into_iter().flatten().enumerate() {
+        let function = if tool.kind() == ValueKind::Map {
+            tool.get_attr("function").unwrap_or_default()
+        } else {
+            Value::UNDEFINED
+        };
+        let field =
+            |name: &str| function.get_attr(name).ok().filter(|v| !v.is_undefined() && !v.is_none());
+        let name = function.get_attr("name").unwrap_or_default();
+        if function.kind() != ValueKind::Map || name.kind() != ValueKind::String {
+            return Err(format!("tools[{i}] must be an object with a function that has a name"));
+        }
+        let kind = tool.get_attr("type").unwrap_or_default();
+        if !(kind.is_undefined() || kind.is_none() || kind.as_str() == Some("function")) {
+            return Err(format!("tools[{i}].type must be 'function'"));
+        }
+        let description = field("description");
+        let parameters = field("parameters");
+        let strict = field("strict");
+        if description.as_ref().is_some_and(|d| d.kind() != ValueKind::String) {
+            return Err(format!("tools[{i}].function.description must be a string"));
+        }
+        if parameters.as_ref().is_some_and(|p| p.kind() != ValueKind::Map) {
+            return Err(format!("tools[{i}].function.parameters must be an object"));
+        }
+        if strict.as_ref().is_some_and(|s| s.kind() != ValueKind::Bool) {
+            return Err(format!("tools[{i}].function.strict must be a boolean"));
+        }
+        let mut dumped = vec![
+            (Value::from("name"), name),
+            (Value::from("description"), description.unwrap_or(Value::from(()))),
+            (Value::from("parameters"), parameters.unwrap_or(Value::from(()))),
+        ];
+        if let Some(strict) = strict {
+            dumped.push((Value::from("strict"), strict));
+        }
+        let tool_defer =
+            tool.get_attr("defer_loading").ok().filter(|v| !v.is_undefined() && !v.is_none());
+        if let Some(defer) = field("defer_loading").or(tool_defer) {
+            if defer.kind() != ValueKind::Bool {
+                return Err(format!("tools[{i}].defer_loading must be a boolean"));
+            }
+            dumped.push((Value::from("defer_loading"), defer));
+        }
+        out.push(Members::value(vec![
+            (Value::from("type"), Value::from("function")),
+            (Value::from("function"), Members::value(dumped)),
+        ]));
+    }
+    Ok(Value::from(out))
+}
+
+/// What transformers appends to the final message to find where it ends in the render.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// The messages with [`CONTINUE_TAG`] appended to the last one's content (its last text
+/// part, for a list), as transformers does for `continue_final_message`, and the text so
+/// marked. `reads_content`: whether the template's source names `content` at all.
+pub fn mark_final_message(
+    messages: &Value,
+    reads_content: bool,
+) -> Result<(Value, String), String> {
+    if !reads_content {
+        return Err("continue_final_message is set but the chat template never reads a message's \
+                    content"
+            .into());
+    }
+    let mut list: Vec<Value> = messages.try_iter().into_iter().flatten().collect();
+    let Some(last) = list.pop() else { return Err("there is no final message".into()) };
+    let content = last.get_attr("content").unwrap_or_default();
+    let (content, text) = match content.kind() {
+        ValueKind::String => {
+            let text = content.as_str().unwrap_or("").to_owned();
+            (Value::from(format!("{text}{CONTINUE_TAG}")), text)
+        }
+        ValueKind::Seq => {
+            let mut parts: Vec<Value> = content.try_iter().into_iter().flatten().collect();
+            let at = parts.iter().rposition(|part| {
+                part.kind() == ValueKind::Map
+                    && !part.get_attr("text").unwrap_or_default().is_undefined()
+            });
+            let Some(at) = at else {
+                return Err(
+                    "continue_final_message is set but the final message has no text".into()
+                );
+            };
+            let text = python_str(&parts[at].get_attr("text").unwrap_or_default());
+            parts[at] =
+                replace_field(&parts[at], "text", Value::from(format!("{text}{CONTINUE_TAG}")));
+            (Value::from(parts), text)
+        }
+        _ => {
+            return Err("continue_final_message is set but the final message has no content".into())
+        }
+    };
+    list.push(replace_field(&last, "content", content));
+    Ok((Value::from(list), text))
+}
+
+/// Cuts a render where the final message's content ends (transformers' rule: at the tag, or
+/// before the spaces the template trimmed off with it).
+pub fn cut_at_final_mark(text: &mut String, final_text: &str) -> Result<(), String> {
+    let tag = CONTINUE_TAG.trim();
+    if !text.contains(final_text.trim()) || !text.contains(tag) {
+        return Err("continue_final_message is set but the final message does not appear in the \
+                    rendered chat (the template changes it)"
+            .into());
+    }
+    let at = text.rfind(tag).unwrap_or(0);
+    if text[at..].starts_with(CONTINUE_TAG) {
+        text.truncate(at);
+    } else {
+        text.truncate(text[..at].trim_end().len());
+    }
+    Ok(())
 }
 
 struct Builder {
@@ -1051,5 +1179,59 @@ mod tests {
         )
         .unwrap();
         assert_eq!(item(&out, 0).get_attr("content").unwrap().as_str(), Some("be brief"));
+    }
+
+    #[test]
+    fn tools_are_dumped_as_vllms_request_model_dumps_them() {
+        let tools = vllm_tools(&messages(
+            r#"[{"function": {"name": "f", "extra": 1}, "other": 2, "defer_loading": true},
+               {"type": "function", "function": {"name": "g", "description": "d", "parameters": {"b": 1}, "strict": true}}]"#,
+        ))
+        .unwrap();
+        let function = |i: i64| item(&tools, i).get_attr("function").unwrap();
+        let keys = |v: Value| v.try_iter().unwrap().map(|k| k.to_string()).collect::<Vec<_>>();
+        assert_eq!(keys(item(&tools, 0)), ["type", "function"]);
+        assert_eq!(keys(function(0)), ["name", "description", "parameters", "defer_loading"]);
+        assert!(function(0).get_attr("description").unwrap().is_none());
+        assert_eq!(keys(function(1)), ["name", "description", "parameters", "strict"]);
+        for (bad, problem) in [
+            (r#"{"a": 1}"#, "tools must be a list"),
+            (r#"[{"type": "code", "function": {"name": "f"}}]"#, "tools[0].type"),
+            (r#"[{"function": {"name": 1}}]"#, "must be an object with a function"),
+            (r#"[{"function": {"name": "f", "parameters": []}}]"#, "parameters must be an object"),
+        ] {
+            assert!(vllm_tools(&messages(bad)).unwrap_err().contains(problem), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_final_message_is_marked_and_the_render_cut_as_transformers_does() {
+        let sent = messages(
+            r#"[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once  "}]"#,
+        );
+        let (marked, text) = mark_final_message(&sent, true).unwrap();
+        assert_eq!(text, "Once  ");
+        let last = item(&marked, 1).get_attr("content").unwrap();
+        assert_eq!(last.as_str(), Some("Once  CONTINUE_FINAL_MESSAGE_TAG "));
+        // A template that keeps the spacing, and one that trims the content.
+        let mut kept = "<a>Once  CONTINUE_FINAL_MESSAGE_TAG </s>".to_owned();
+        cut_at_final_mark(&mut kept, &text).unwrap();
+        assert_eq!(kept, "<a>Once  ");
+        let mut trimmed = "<a>Once  CONTINUE_FINAL_MESSAGE_TAG</s>".to_owned();
+        cut_at_final_mark(&mut trimmed, &text).unwrap();
+        assert_eq!(trimmed, "<a>Once");
+        let mut dropped = "<a></s>".to_owned();
+        assert!(cut_at_final_mark(&mut dropped, &text).is_err());
+        assert!(mark_final_message(&sent, false).is_err());
+        let parts = messages(
+            r#"[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}]}]"#,
+        );
+        let (marked, text) = mark_final_message(&parts, true).unwrap();
+        assert_eq!(text, "a");
+        let content = item(&marked, 0).get_attr("content").unwrap();
+        assert_eq!(
+            item(&content, 0).get_attr("text").unwrap().as_str(),
+            Some("aCONTINUE_FINAL_MESSAGE_TAG ")
+        );
     }
 }

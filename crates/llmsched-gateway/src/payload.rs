@@ -49,7 +49,7 @@ impl fmt::Display for Problem {
 }
 
 /// The fields of a request body the gateway reads.
-const FIELDS: [&str; 11] = [
+const FIELDS: [&str; 16] = [
     "model",
     "prompt",
     "messages",
@@ -61,6 +61,11 @@ const FIELDS: [&str; 11] = [
     "cache_salt",
     "tools",
     "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "reasoning_effort",
 ];
 
 /// A request body's fields, each as the JSON text it was sent as.

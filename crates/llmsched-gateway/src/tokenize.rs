@@ -33,7 +33,10 @@ use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
 use crate::chat_values::{template_value, ChatContext};
-use crate::conversation::{cut_at_media, names_developer_role, template_messages, ContentFormat};
+use crate::conversation::{
+    cut_at_final_mark, cut_at_media, mark_final_message, names_developer_role, template_messages,
+    vllm_tools, ContentFormat,
+};
 use crate::payload::Payload;
 use crate::pyvalues::{python_formatter, tojson};
 use crate::tokcache::{CacheStats, PieceEncoder};
@@ -85,6 +88,9 @@ pub struct PromptTokenizer {
     content_format: ContentFormat,
     /// Whether the template names the `developer` role.
     developer_role: bool,
+    /// Whether the template's source names `content` (transformers' check for
+    /// `continue_final_message`).
+    reads_content: bool,
     /// Chat prompts' ids through the piece cache ([`crate::tokcache`]).
     pieces: PieceEncoder,
 }
@@ -109,8 +115,18 @@ pub struct ChatRequest<'a> {
     pub messages: &'a RawValue,
     /// The tools offered (absent or `null`: none).
     pub tools: Option<&'a RawValue>,
-    /// Further template variables (used when an object).
+    /// Further template variables (an object, or absent or `null`).
     pub chat_template_kwargs: Option<&'a RawValue>,
+    /// Whether the template adds the assistant's header (absent: true).
+    pub add_generation_prompt: Option<&'a RawValue>,
+    /// Whether the text ends where the last message's content does (absent: false).
+    pub continue_final_message: Option<&'a RawValue>,
+    /// Whether the rendered text is encoded with the tokenizer's special tokens added.
+    pub add_special_tokens: Option<&'a RawValue>,
+    /// Documents for retrieval-augmented templates (a list of objects).
+    pub documents: Option<&'a RawValue>,
+    /// The reasoning effort asked for (one of vLLM's names).
+    pub reasoning_effort: Option<&'a RawValue>,
 }
 
 impl<'a> ChatRequest<'a> {
@@ -120,11 +136,131 @@ impl<'a> ChatRequest<'a> {
         let messages = payload
             .raw("messages")
             .ok_or_else(|| PromptProblem("the chat request has no 'messages'".into()))?;
+        let present = |name: &str| payload.raw(name).filter(|raw| raw.get() != "null");
         Ok(ChatRequest {
             messages,
-            tools: payload.raw("tools"),
-            chat_template_kwargs: payload.raw("chat_template_kwargs"),
+            tools: present("tools"),
+            chat_template_kwargs: present("chat_template_kwargs"),
+            add_generation_prompt: present("add_generation_prompt"),
+            continue_final_message: present("continue_final_message"),
+            add_special_tokens: present("add_special_tokens"),
+            documents: present("documents"),
+            reasoning_effort: present("reasoning_effort"),
         })
+    }
+
+    /// The request's fields besides its messages, read and checked as vLLM 0.32 reads them.
+    pub fn options(&self) -> Result<ChatOptions, PromptProblem> {
+        let value = |raw: &RawValue| template_value(raw).map_err(unreadable);
+        let flag = |raw: Option<&RawValue>, name: &str, default: bool| match raw.map(RawValue::get)
+        {
+            None => Ok(default),
+            Some("true") => Ok(true),
+            Some("false") => Ok(false),
+            Some(_) => Err(PromptProblem(format!("{name} must be a boolean"))),
+        };
+        let add_generation_prompt =
+            flag(self.add_generation_prompt, "add_generation_prompt", true)?;
+        let continue_final_message =
+            flag(self.continue_final_message, "continue_final_message", false)?;
+        if add_generation_prompt && continue_final_message {
+            return Err(PromptProblem(
+                "continue_final_message and add_generation_prompt cannot both be true".into(),
+            ));
+        }
+        let extra = self.chat_template_kwargs.map(value).transpose()?;
+        if extra.as_ref().is_some_and(|e| e.kind() != ValueKind::Map) {
+            return Err(PromptProblem("chat_template_kwargs must be an object".into()));
+        }
+        let kwarg = |name: &str| {
+            extra.as_ref().and_then(|e| e.get_attr(name).ok()).filter(|v| !v.is_undefined())
+        };
+        for name in ["chat_template", "tokenize"] {
+            if kwarg(name).is_some() {
+                return Err(PromptProblem(format!("chat_template_kwargs may not set '{name}'")));
+            }
+        }
+        let tools = match self.tools {
+            Some(raw) => vllm_tools(&value(raw)?).map_err(PromptProblem)?,
+            None => Value::from(()),
+        };
+        let documents = match self.documents {
+            Some(raw) => {
+                let documents = value(raw)?;
+                let objects = documents.kind() == ValueKind::Seq
+                    && documents
+                        .try_iter()
+                        .into_iter()
+                        .flatten()
+                        .all(|d| d.kind() == ValueKind::Map);
+                if !objects {
+                    return Err(PromptProblem("documents must be a list of objects".into()));
+                }
+                documents
+            }
+            None => kwarg("documents").unwrap_or(Value::from(())),
+        };
+        let mut reasoning = Vec::new();
+        if let Some(raw) = self.reasoning_effort {
+            let effort = value(raw)?;
+            let known = effort.as_str().filter(|_| effort.kind() == ValueKind::String);
+            let Some(known) = known.filter(|e| REASONING_EFFORTS.contains(e)) else {
+                return Err(PromptProblem(format!(
+                    "reasoning_effort must be one of {}",
+                    REASONING_EFFORTS.join(", ")
+                )));
+            };
+            if kwarg("enable_thinking").is_none() {
+                reasoning.push(("enable_thinking", Value::from(known != "none")));
+            }
+            reasoning.push(("reasoning_effort", effort));
+        }
+        Ok(ChatOptions {
+            tools,
+            documents,
+            add_generation_prompt,
+            continue_final_message,
+            add_special_tokens: flag(self.add_special_tokens, "add_special_tokens", false)?,
+            reasoning,
+            extra,
+        })
+    }
+}
+
+/// The `reasoning_effort` values vLLM 0.32 accepts.
+const REASONING_EFFORTS: [&str; 7] = ["none", "minimal", "low", "medium", "high", "xhigh", "max"];
+
+/// What a chat request sets besides its messages ([`ChatRequest::options`]).
+#[derive(Debug)]
+pub struct ChatOptions {
+    /// `tools` as vLLM hands them on (none when absent).
+    pub tools: Value,
+    /// `documents` (none when absent).
+    pub documents: Value,
+    /// `add_generation_prompt`.
+    pub add_generation_prompt: bool,
+    /// Whether the text ends where the last message's content does.
+    pub continue_final_message: bool,
+    /// Whether the text is encoded with special tokens added.
+    pub add_special_tokens: bool,
+    /// `reasoning_effort` and `enable_thinking`, when the request sets them.
+    pub reasoning: Vec<(&'static str, Value)>,
+    /// The `chat_template_kwargs` (an object).
+    pub extra: Option<Value>,
+}
+
+impl Default for ChatOptions {
+    /// A request with messages alone: the assistant's header added, nothing else set.
+    fn default() -> ChatOptions {
+        ChatOptions {
+            tools: Value::from(()),
+            documents: Value::from(()),
+            add_generation_prompt: true,
+            continue_final_message: false,
+            add_special_tokens: false,
+            reasoning: Vec::new(),
+            extra: None,
+        }
     }
 }
 
@@ -175,6 +311,7 @@ impl PromptTokenizer {
             ContentFormat::detect(&rewrite_generation_tags(source))
         });
         let developer_role = source.as_deref().is_some_and(names_developer_role);
+        let reads_content = source.as_deref().is_some_and(|source| source.contains("content"));
         let env = match source {
             None => None,
             Some(source) => Some(environment(source)?),
@@ -188,6 +325,7 @@ impl PromptTokenizer {
             env,
             content_format,
             developer_role,
+            reads_content,
             pieces: PieceEncoder::off("not probed yet"),
         };
         let probes = loaded.probe()?;
@@ -237,7 +375,7 @@ impl PromptTokenizer {
         let mut rendered = Vec::new();
         for probe in probes {
             let messages = Value::from_serialize(&probe);
-            match self.render_values(env, &messages, None, None) {
+            match self.render_values(env, &messages, &ChatOptions::default()) {
                 Ok(text) => rendered.push(text),
                 Err(RenderError::Template(err)) if raised(&err) => {}
                 Err(RenderError::Template(err)) => engine_error = Some(describe(&err)),
@@ -277,18 +415,25 @@ impl PromptTokenizer {
         }
     }
 
-    /// The ids of a chat request's body (`messages`, `tools`, `chat_template_kwargs`): the
-    /// rendered template, encoded without adding special tokens. The body is read as the
-    /// gateway reads it ([`Payload::parse`], [`ChatRequest::of_payload`]).
+    /// The ids of a chat request's body: the rendered template ([`ChatRequest::options`]),
+    /// encoded without adding special tokens unless the request's `add_special_tokens` says
+    /// so. The body is read as the gateway reads it ([`Payload::parse`],
+    /// [`ChatRequest::of_payload`]).
     pub fn chat_tokens_of_body(&self, body: &[u8]) -> Result<Vec<u32>, PromptProblem> {
-        let text = self.render_body(body)?;
-        self.encode_chat(&text)
+        let payload = Payload::parse(body).map_err(unreadable)?;
+        self.chat_tokens(&ChatRequest::of_payload(&payload)?)
     }
 
     /// The ids of a chat request's fields (see [`PromptTokenizer::chat_tokens_of_body`]).
     pub fn chat_tokens(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>, PromptProblem> {
-        let text = self.render_request(request)?;
-        self.encode_chat(&text)
+        let options = request.options()?;
+        let messages = template_value(request.messages).map_err(unreadable)?;
+        let text = self.render(&messages, &options)?;
+        if options.add_special_tokens {
+            self.encode_completion(&text)
+        } else {
+            self.encode_chat(&text)
+        }
     }
 
     /// The ids of a rendered chat prompt (no special tokens added): through the piece cache
@@ -321,28 +466,19 @@ impl PromptTokenizer {
 
     /// The chat template's text for a chat request's fields.
     pub fn render_request(&self, request: &ChatRequest<'_>) -> Result<String, PromptProblem> {
-        let value = |raw: &RawValue| template_value(raw).map_err(unreadable);
-        let messages = value(request.messages)?;
-        let present = |raw: &&RawValue| raw.get() != "null";
-        let tools = request.tools.filter(present).map(value).transpose()?;
-        let extra = request.chat_template_kwargs.map(value).transpose()?;
-        let extra = extra.filter(|v| v.kind() == ValueKind::Map);
-        self.render(&messages, tools.as_ref(), extra.as_ref())
+        let options = request.options()?;
+        let messages = template_value(request.messages).map_err(unreadable)?;
+        self.render(&messages, &options)
     }
 
-    /// The chat template's text for `messages` (a list of `{role, content}` maps) with
-    /// `tools` and further variables (`extra`, a map) set; with a media part, the text up to
-    /// it ([`crate::conversation`]).
-    pub fn render(
-        &self,
-        messages: &Value,
-        tools: Option<&Value>,
-        extra: Option<&Value>,
-    ) -> Result<String, PromptProblem> {
+    /// The chat template's text for `messages` (a list of `{role, content}` maps) with the
+    /// request's other fields `options`; with a media part, the text up to it
+    /// ([`crate::conversation`]).
+    pub fn render(&self, messages: &Value, options: &ChatOptions) -> Result<String, PromptProblem> {
         let Some(env) = &self.env else {
             return Err(PromptProblem("the configured tokenizer has no chat template".into()));
         };
-        self.render_values(env, messages, tools, extra).map_err(|err| match err {
+        self.render_values(env, messages, options).map_err(|err| match err {
             RenderError::Prompt(problem) => problem,
             RenderError::Template(err) => {
                 PromptProblem(format!("chat template: {}", describe(&err)))
@@ -354,21 +490,34 @@ impl PromptTokenizer {
         &self,
         env: &Environment<'static>,
         messages: &Value,
-        tools: Option<&Value>,
-        extra: Option<&Value>,
+        options: &ChatOptions,
     ) -> Result<String, RenderError> {
-        let (messages, media) =
+        let problem = |text: String| RenderError::Prompt(PromptProblem(text));
+        let (mut messages, media) =
             template_messages(messages, self.content_format, self.developer_role)
-                .map_err(|problem| RenderError::Prompt(PromptProblem(problem)))?;
+                .map_err(problem)?;
+        let mut final_text = None;
+        if options.continue_final_message {
+            let (marked, text) =
+                mark_final_message(&messages, self.reads_content).map_err(problem)?;
+            messages = marked;
+            final_text = Some(text);
+        }
         let context = ChatContext {
             messages,
-            tools: tools.cloned(),
-            extra: extra.cloned(),
+            tools: options.tools.clone(),
+            documents: options.documents.clone(),
+            add_generation_prompt: options.add_generation_prompt,
+            reasoning: options.reasoning.clone(),
+            extra: options.extra.clone(),
             special: self.special_values.clone(),
         };
         let template = env.get_template(TEMPLATE).map_err(RenderError::Template)?;
         let mut text =
             template.render(Value::from_object(context)).map_err(RenderError::Template)?;
+        if let Some(final_text) = final_text {
+            cut_at_final_mark(&mut text, &final_text).map_err(problem)?;
+        }
         if media {
             cut_at_media(&mut text);
         }

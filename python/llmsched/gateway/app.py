@@ -823,12 +823,7 @@ class Gateway:
                 if not isinstance(messages, list) or not messages:
                     raise PromptError("'messages' must be a non-empty list")
                 if self.tokenizer is not None:
-                    extra = payload.get("chat_template_kwargs")
-                    tools = payload.get("tools")
-                    variables = dict(extra) if isinstance(extra, dict) else {}
-                    if tools is not None:
-                        variables["tools"] = tools
-                    ids = self.tokenizer.chat_tokens(messages, variables)
+                    ids = self.tokenizer.chat_request_tokens(payload)
                     return _Prompt(np.asarray(ids, dtype=np.uint32), None, None, len(ids))
                 _check_messages(messages)
                 size = sum(len(str(m.get("content", ""))) for m in messages) // 4
