@@ -791,6 +791,13 @@ def test_completion_ids_equal_the_python_plane(directories: dict[str, Path]) -> 
         ]:
             body = json.dumps({"model": MODEL, "prompt": prompt})
             assert native.completion_tokens(body) == python.completion_tokens(prompt), prompt
+            for add in (True, False):
+                body = json.dumps({"prompt": prompt, "add_special_tokens": add})
+                assert native.completion_tokens(body) == python.completion_tokens(prompt, add)
+        with pytest.raises(InvalidRequestError, match="add_special_tokens must be a boolean"):
+            native.completion_tokens(json.dumps({"prompt": "x", "add_special_tokens": 1}))
+        with pytest.raises(PromptError, match="add_special_tokens must be a boolean"):
+            python.completion_tokens("x", 1)  # type: ignore[arg-type]
         for bad in [3, [1, -1], [1.5], None, [True], {"a": 1}, [2**32]]:
             with pytest.raises(PromptError):
                 python.completion_tokens(bad)

@@ -183,13 +183,17 @@ class PromptTokenizer:
         """The special tokens the chat template sees (``bos_token``, ``eos_token``, ...)."""
         return dict(self._special)
 
-    def completion_tokens(self, prompt: Any) -> list[int]:
-        """The ids of a ``/v1/completions`` prompt: a str (encoded with special tokens) or a
-        list of ids (returned as is). A batch (a list of prompts) yields its first prompt's."""
+    def completion_tokens(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """The ids of a ``/v1/completions`` prompt: a str (encoded with special tokens unless
+        ``add_special_tokens`` is false, the request field of that name, true by default as
+        in vLLM) or a list of ids (returned as is). A batch (a list of prompts) yields its
+        first prompt's."""
+        if not isinstance(add_special_tokens, bool):
+            raise PromptError("add_special_tokens must be a boolean")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return list(self._tokenizer.encode(prompt, add_special_tokens=True).ids)
+            return list(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
         if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return prompt
         raise PromptError("prompt must be a string or a list of token ids")

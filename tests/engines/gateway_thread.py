@@ -82,6 +82,14 @@ class GatewayThread:
         assert isinstance(self.gateway, Gateway) and self.gateway.tokenizer is not None
         return self.gateway.tokenizer.chat_request_tokens(body)
 
+    def completion_request_tokens(self, body: dict[str, Any]) -> list[int]:
+        """The token ids the gateway routes a completions request body on."""
+        if self._native_tokenizer is not None:
+            return self._native_tokenizer.completion_tokens(json.dumps(body))
+        assert isinstance(self.gateway, Gateway) and self.gateway.tokenizer is not None
+        add = body.get("add_special_tokens")
+        return self.gateway.tokenizer.completion_tokens(body["prompt"], add is not False)
+
     def completion_tokens(self, prompt: str) -> list[int]:
         """The token ids the gateway routes a completion prompt on."""
         if self._native_tokenizer is not None:

@@ -93,6 +93,9 @@ def test_gateway_tokens_equal_the_engine_tokens(
         prompt = sentence(rng, 40)
         engine_side = engines[0].post("/tokenize", {"model": MODEL_NAME, "prompt": prompt})
         assert gateway.completion_tokens(prompt) == engine_side["tokens"]
+        body = {"model": MODEL_NAME, "prompt": prompt, "add_special_tokens": False}
+        engine_side = engines[0].post("/tokenize", body)
+        assert gateway.completion_request_tokens(body) == engine_side["tokens"]
     # List contents as vLLM joins them: text-like parts, empty ones skipped, a null content.
     messages = [
         {"role": "system", "content": [{"type": "text", "text": sentence(rng, 12)}]},

@@ -1987,7 +1987,11 @@ impl Gateway {
                 tokenize::ChatRequest::of_payload(payload)
                     .and_then(|request| tokenizer.chat_tokens(&request))
             } else {
-                tokenizer.completion_tokens(payload.value("prompt").and_then(Result::ok).as_ref())
+                let field = |name: &str| payload.value(name).and_then(Result::ok);
+                tokenizer.completion_tokens(
+                    field("prompt").as_ref(),
+                    field("add_special_tokens").as_ref(),
+                )
             }
         }));
         match tokenized {

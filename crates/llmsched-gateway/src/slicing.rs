@@ -462,20 +462,13 @@ impl Gateway {
             return prompt_tokens(&payload, chat).map_err(str::to_owned);
         };
         if !chat {
-            return tokenizer.completion_tokens(body.get("prompt")).map_err(|p| p.0);
+            return tokenizer
+                .completion_tokens(body.get("prompt"), body.get("add_special_tokens"))
+                .map_err(|p| p.0);
         }
-        // The template as the engine renders the continuation: no generation prompt after a
-        // final assistant message that is continued.
-        let mut kwargs = body.get("chat_template_kwargs").cloned().unwrap_or_else(|| json!({}));
-        if let Value::Object(map) = &mut kwargs {
-            let continued = body.get("continue_final_message").and_then(Value::as_bool);
-            map.insert("add_generation_prompt".into(), (!continued.unwrap_or(false)).into());
-        }
-        let mut fields = json!({"messages": body.get("messages"), "chat_template_kwargs": kwargs});
-        if let Some(tools) = body.get("tools") {
-            fields["tools"] = tools.clone();
-        }
-        let text = serde_json::to_vec(&fields).map_err(|e| e.to_string())?;
+        // The continuation as the engine renders it: its body carries
+        // `continue_final_message` and `add_generation_prompt` as the engine reads them.
+        let text = serde_json::to_vec(body).map_err(|e| e.to_string())?;
         tokenizer.chat_tokens_of_body(&text).map_err(|p| p.0)
     }
 

@@ -391,9 +391,19 @@ impl PromptTokenizer {
         }
     }
 
-    /// The ids of a `/v1/completions` prompt: a string (encoded with special tokens) or a
-    /// list of ids (as is); a batch yields its first prompt's.
-    pub fn completion_tokens(&self, prompt: Option<&Json>) -> Result<Vec<u32>, PromptProblem> {
+    /// The ids of a `/v1/completions` prompt: a string (encoded with special tokens unless
+    /// the request's `add_special_tokens` is false, vLLM's default being true) or a list of
+    /// ids (as is); a batch yields its first prompt's.
+    pub fn completion_tokens(
+        &self,
+        prompt: Option<&Json>,
+        add_special_tokens: Option<&Json>,
+    ) -> Result<Vec<u32>, PromptProblem> {
+        let add_special_tokens = match add_special_tokens {
+            None | Some(Json::Null) => true,
+            Some(Json::Bool(add)) => *add,
+            Some(_) => return Err(PromptProblem("add_special_tokens must be a boolean".into())),
+        };
         let bad = || PromptProblem("prompt must be a string or a list of token ids".into());
         let prompt = match prompt {
             Some(Json::Array(items))
@@ -405,7 +415,8 @@ impl PromptTokenizer {
             None => return Err(bad()),
         };
         match prompt {
-            Json::String(text) => self.encode_completion(text),
+            Json::String(text) if add_special_tokens => self.encode_completion(text),
+            Json::String(text) => self.encode_chat(text),
             Json::Array(ids) => ids
                 .iter()
                 .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))

@@ -355,11 +355,15 @@ impl PyNativePromptTokenizer {
         detach(py, || self.inner.chat_tokens_of_body(request.as_bytes()))?.map_err(prompt_error)
     }
 
-    /// The token ids of a completions request body's `prompt` (JSON text).
+    /// The token ids of a completions request body's `prompt` (JSON text), special tokens
+    /// added unless its `add_special_tokens` is false.
     fn completion_tokens(&self, py: Python<'_>, request: &str) -> PyResult<Vec<u32>> {
         let body: serde_json::Value = serde_json::from_str(request)
             .map_err(|e| InvalidRequestError::new_err(format!("request: {e}")))?;
-        detach(py, || self.inner.completion_tokens(body.get("prompt")))?.map_err(prompt_error)
+        let tokens = detach(py, || {
+            self.inner.completion_tokens(body.get("prompt"), body.get("add_special_tokens"))
+        })?;
+        tokens.map_err(prompt_error)
     }
 
     /// The ids of a rendered chat prompt (no special tokens added), through the piece cache

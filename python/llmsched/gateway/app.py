@@ -830,7 +830,10 @@ class Gateway:
                 return _Prompt(None, None, messages, size)
             prompt = payload.get("prompt")
             if self.tokenizer is not None:
-                ids = self.tokenizer.completion_tokens(prompt)
+                add_special_tokens = payload.get("add_special_tokens")
+                ids = self.tokenizer.completion_tokens(
+                    prompt, True if add_special_tokens is None else add_special_tokens
+                )
                 return _Prompt(np.asarray(ids, dtype=np.uint32), None, None, len(ids))
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]  # a batch routes by its first prompt

@@ -192,8 +192,9 @@ class SlicedRequest:
         if self.route == "chat":
             messages = body["messages"]
             if tokenizer is not None:
-                extra = {"add_generation_prompt": not body.get("continue_final_message")}
-                ids = tokenizer.chat_tokens(messages, extra)
+                # The continuation as the engine renders it (its body carries
+                # continue_final_message and add_generation_prompt).
+                ids = tokenizer.chat_request_tokens(body)
                 args["tokens"] = np.asarray(ids, dtype=np.uint32)
             else:
                 args["messages"] = messages
@@ -202,7 +203,11 @@ class SlicedRequest:
         if isinstance(prompt, list):
             args["tokens"] = np.asarray(prompt, dtype=np.uint32)
         elif tokenizer is not None:
-            args["tokens"] = np.asarray(tokenizer.completion_tokens(prompt), dtype=np.uint32)
+            add_special_tokens = body.get("add_special_tokens")
+            ids = tokenizer.completion_tokens(
+                prompt, True if add_special_tokens is None else add_special_tokens
+            )
+            args["tokens"] = np.asarray(ids, dtype=np.uint32)
         else:
             args["text"] = prompt
         return args
