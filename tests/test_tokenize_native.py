@@ -775,6 +775,39 @@ def test_continue_final_message_and_special_tokens_equal_the_python_plane(
             assert text.rstrip().endswith("Once upon a time"), text
 
 
+def test_the_content_format_can_be_set_as_the_engines_were_told(
+    directories: dict[str, Path],
+) -> None:
+    """``chat_template_content_format`` (vLLM's ``--chat-template-content-format``) overrides
+    the detected format on both planes; a bad value is a ConfigError."""
+    from llmsched.gateway.config import load_config
+
+    directory = directories["parts"]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    body = json.dumps({"messages": messages})
+    texts = {}
+    for fmt in ("auto", "string", "openai"):
+        python = PromptTokenizer(directory, content_format=fmt)
+        native = NativePromptTokenizer(str(directory), content_format=fmt)
+        assert python.content_format == native.content_format
+        assert native.render_chat(body) == python.render_chat_request({"messages": messages})
+        texts[fmt] = native.render_chat(body)
+    assert texts["auto"] == texts["openai"] != texts["string"]
+    assert "<|user|>a\nb" in texts["string"] and "<|user|>ab" in texts["openai"]
+    with pytest.raises(ConfigError, match="content_format"):
+        NativePromptTokenizer(str(directory), content_format="parts")
+    with pytest.raises(ConfigError, match="content_format"):
+        PromptTokenizer(directory, content_format="parts")
+    base = {"engines": [{"host": "127.0.0.1", "port": 9}], "models": [MODEL]}
+    assert load_config(base).chat_template_content_format == "auto"
+    config = load_config({**base, "chat_template_content_format": "openai"})
+    assert config.chat_template_content_format == "openai"
+    with pytest.raises(ConfigError, match="chat_template_content_format"):
+        load_config({**base, "chat_template_content_format": "parts"})
+
+
 def test_completion_ids_equal_the_python_plane(directories: dict[str, Path]) -> None:
     for template in ("default", "tiny-model"):
         python = PromptTokenizer(directories[template])

@@ -1097,11 +1097,18 @@ class NativePromptTokenizer:
     --data-plane native` routes on (the Rust `tokenizers` crate and a Jinja engine), to compare
     with `llmsched.tokenize.PromptTokenizer`. Every method releases the GIL."""
 
-    def __new__(cls, directory: str, cache_bytes: int = 33554432) -> NativePromptTokenizer:
+    def __new__(
+        cls,
+        directory: str,
+        cache_bytes: int = 33554432,
+        content_format: Literal["auto", "string", "openai"] = "auto",
+    ) -> NativePromptTokenizer:
         """Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded
         or its chat template cannot be rendered (probe conversations are rendered). Chat
         prompts go through a piece cache of `cache_bytes` (0: none) where the tokenizer's
-        piecewise encoding is proved exact at load."""
+        piecewise encoding is proved exact at load. `content_format`: `"auto"` (detected
+        from the template as vLLM detects it), `"string"` or `"openai"` (as vLLM's
+        `--chat-template-content-format` sets it)."""
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be tokenized."""

@@ -125,12 +125,19 @@ class PromptTokenizer:
 
     Args:
         directory: a ``save_pretrained`` tokenizer directory.
+        content_format: how the chat template takes a message's list content, as vLLM's
+            ``--chat-template-content-format`` sets it for the engine: ``"auto"`` (detected
+            from the template as vLLM detects it), ``"string"`` or ``"openai"``.
 
     Raises :class:`~llmsched.errors.ConfigError` when the directory cannot be loaded or its
     chat template does not compile.
     """
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, content_format: str = "auto") -> None:
+        if content_format not in ("auto", "string", "openai"):
+            raise ConfigError(
+                f"content_format: must be one of auto, string, openai, got {content_format!r}"
+            )
         path = Path(directory)
         try:
             self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -165,6 +172,8 @@ class PromptTokenizer:
             except jinja2.TemplateError as exc:
                 raise ConfigError(f"tokenizer: chat template does not compile: {exc}") from None
             self._content_format = _detect_content_format(env, source)
+        if content_format != "auto":
+            self._content_format = "openai" if content_format == "openai" else "string"
 
     @property
     def has_chat_template(self) -> bool:

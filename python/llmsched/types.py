@@ -739,6 +739,7 @@ class NativeGatewayConfig(TypedDict):
     threads: int
     tokenizer: str | None
     tokenizer_cache_bytes: int
+    chat_template_content_format: str
     slices: NativeSlicesConfig | None
     admin: NativeAdminConfig | None
     record_unread_prefixes: bool

@@ -180,6 +180,11 @@ pub struct GatewayConfig {
     /// Bytes of the tokenizer's piece cache ([`tokcache`]: chat prompts' text between added
     /// tokens and its ids, least recently used evicted); 0: no cache.
     pub tokenizer_cache_bytes: usize,
+    /// How the chat template takes list contents, as the engines were told with vLLM's
+    /// `--chat-template-content-format` (`"string"` or `"openai"`); `None` (`"auto"`): detected
+    /// from the template as vLLM detects it.
+    #[serde(deserialize_with = "content_format")]
+    pub chat_template_content_format: Option<conversation::ContentFormat>,
     /// Token slices ([`slicing`]); `None`: off.
     pub slices: Option<slicing::SlicesConfig>,
     /// The admin API ([`admin`]); `None`: its routes do not exist.
@@ -225,10 +230,26 @@ impl Default for GatewayConfig {
             threads: 1,
             tokenizer: None,
             tokenizer_cache_bytes: tokcache::DEFAULT_CAPACITY,
+            chat_template_content_format: None,
             slices: None,
             admin: None,
             record_unread_prefixes: false,
         }
+    }
+}
+
+/// `chat_template_content_format`: `"auto"` (or absent) is `None`.
+fn content_format<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<conversation::ContentFormat>, D::Error> {
+    let name = String::deserialize(deserializer)?;
+    match name.as_str() {
+        "auto" => Ok(None),
+        "string" => Ok(Some(conversation::ContentFormat::String)),
+        "openai" => Ok(Some(conversation::ContentFormat::OpenAi)),
+        other => Err(serde::de::Error::custom(format!(
+            "chat_template_content_format: {other:?} is not one of auto, string, openai"
+        ))),
     }
 }
 
@@ -522,6 +543,7 @@ fn build(
                 std::path::Path::new(directory),
                 config.tokenizer_cache_bytes,
             )
+            .map(|tokenizer| tokenizer.with_content_format(config.chat_template_content_format))
             .map_err(|e| ConfigProblem(format!("tokenizer: {e}")))?,
         ),
     };

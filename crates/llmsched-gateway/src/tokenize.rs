@@ -338,9 +338,19 @@ impl PromptTokenizer {
         self.env.is_some()
     }
 
-    /// How the chat template takes a message's list content, as vLLM detects it.
+    /// How the chat template takes a message's list content: as vLLM detects it, unless
+    /// [`PromptTokenizer::with_content_format`] set it.
     pub fn content_format(&self) -> ContentFormat {
         self.content_format
+    }
+
+    /// The tokenizer with its content format set, as vLLM's `--chat-template-content-format`
+    /// sets the engine's (`None`, vLLM's `auto`: the one detected at load).
+    pub fn with_content_format(mut self, format: Option<ContentFormat>) -> PromptTokenizer {
+        if let Some(format) = format {
+            self.content_format = format;
+        }
+        self
     }
 
     /// The special tokens the chat template sees (`bos_token`, `eos_token`, ...).

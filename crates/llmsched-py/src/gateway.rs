@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use llmsched_core::routing::Router;
 use llmsched_gateway::admin::EnginesHook;
+use llmsched_gateway::conversation::ContentFormat;
 use llmsched_gateway::tokcache::{CacheStats, DEFAULT_CAPACITY};
 use llmsched_gateway::tokenize::{PromptProblem, PromptTokenizer};
 use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, Hooks, RouterSource, Running};
@@ -311,16 +312,34 @@ impl PyNativePromptTokenizer {
     /// Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded or
     /// its chat template cannot be rendered (probe conversations are rendered). Chat prompts
     /// go through a piece cache of `cache_bytes` (0: none) where the tokenizer's piecewise
-    /// encoding is proved exact at load.
+    /// encoding is proved exact at load. `content_format`: `"auto"` (detected from the
+    /// template as vLLM detects it), `"string"` or `"openai"` (as vLLM's
+    /// `--chat-template-content-format` sets it).
     #[new]
-    #[pyo3(signature = (directory, cache_bytes=33554432))]
-    fn new(py: Python<'_>, directory: &str, cache_bytes: i64) -> PyResult<Self> {
+    #[pyo3(signature = (directory, cache_bytes=33554432, content_format="auto"))]
+    fn new(
+        py: Python<'_>,
+        directory: &str,
+        cache_bytes: i64,
+        content_format: &str,
+    ) -> PyResult<Self> {
         let cache_bytes = usize::try_from(cache_bytes).map_err(|_| {
             ConfigError::new_err(format!("cache_bytes: must be an int >= 0, got {cache_bytes}"))
         })?;
+        let format = match content_format {
+            "auto" => None,
+            "string" => Some(ContentFormat::String),
+            "openai" => Some(ContentFormat::OpenAi),
+            other => {
+                return Err(ConfigError::new_err(format!(
+                    "content_format: must be one of auto, string, openai, got {other:?}"
+                )))
+            }
+        };
         let path = std::path::PathBuf::from(directory);
         let inner = detach(py, || PromptTokenizer::load_with_cache(&path, cache_bytes))?
-            .map_err(|e| ConfigError::new_err(format!("tokenizer: {e}")))?;
+            .map_err(|e| ConfigError::new_err(format!("tokenizer: {e}")))?
+            .with_content_format(format);
         Ok(PyNativePromptTokenizer { inner })
     }
 

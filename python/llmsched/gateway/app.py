@@ -231,7 +231,11 @@ class Gateway:
         self.pool = self.scheduler.pool
         self.router = self.scheduler.router
         self.flow = self.scheduler.flow
-        self.tokenizer = None if cfg.tokenizer is None else PromptTokenizer(cfg.tokenizer)
+        self.tokenizer = (
+            None
+            if cfg.tokenizer is None
+            else PromptTokenizer(cfg.tokenizer, content_format=cfg.chat_template_content_format)
+        )
         self.slice_tracker = (
             SliceTracker(cfg.slices.policy, cfg.slices.params, endpoints=list(self._specs))
             if cfg.slices.enabled

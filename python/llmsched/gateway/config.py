@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("llmsched")
 
 __all__ = [
+    "CONTENT_FORMATS",
     "DATA_PLANES",
     "AdminConfig",
     "ApiKey",
@@ -285,6 +286,10 @@ class GatewayConfig:
     completion prompts, in bytes; 0: none. It is used only where the tokenizer's piecewise
     encoding is proved exact at start-up (else a warning and ``tokenizer_cache_stats()`` say
     why);
+    ``chat_template_content_format``: how the chat template takes a message's list
+    content, as the engines were started with vLLM's ``--chat-template-content-format``:
+    ``auto`` (the default: detected from the template as vLLM detects it), ``string`` (the
+    texts joined by newlines) or ``openai`` (the parts as ``{type, ...}`` objects);
     ``record_unread_prefixes``: whether the native plane hashes each prompt and records its
     blocks in the prefix index for the engine it is sent to when the router reads nothing of
     the index (``round-robin``, ``random``, ``least-load``, ...: no filter, scorer or picker
@@ -315,6 +320,7 @@ class GatewayConfig:
     data_plane: str = "native"
     native_threads: int = 1
     tokenizer_cache_bytes: int = 32 * 1024 * 1024
+    chat_template_content_format: str = "auto"
     record_unread_prefixes: bool = False
 
 
@@ -332,6 +338,7 @@ _TOP_KEYS = frozenset(
         "block_size",
         "tokenizer",
         "tokenizer_cache_bytes",
+        "chat_template_content_format",
         "record_unread_prefixes",
         "router",
         "flow",
@@ -413,6 +420,9 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         tokenizer_cache_bytes=_int(
             raw, "tokenizer_cache_bytes", GatewayConfig.tokenizer_cache_bytes, "", low=0, high=2**40
         ),
+        chat_template_content_format=_content_format(
+            raw.get("chat_template_content_format", GatewayConfig.chat_template_content_format)
+        ),
         record_unread_prefixes=_bool(
             raw, "record_unread_prefixes", GatewayConfig.record_unread_prefixes, ""
         ),
@@ -422,6 +432,19 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
 def _data_plane(value: Any) -> str:
     if value not in DATA_PLANES:
         raise ConfigError(f"data_plane: must be one of {', '.join(DATA_PLANES)}, got {value!r}")
+    return str(value)
+
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+"""``chat_template_content_format``: vLLM's ``--chat-template-content-format`` values."""
+
+
+def _content_format(value: Any) -> str:
+    if value not in CONTENT_FORMATS:
+        raise ConfigError(
+            f"chat_template_content_format: must be one of {', '.join(CONTENT_FORMATS)}, "
+            f"got {value!r}"
+        )
     return str(value)
 
 

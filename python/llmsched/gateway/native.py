@@ -220,6 +220,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "threads": config.native_threads,
         "tokenizer": None if config.tokenizer is None else str(config.tokenizer),
         "tokenizer_cache_bytes": config.tokenizer_cache_bytes,
+        "chat_template_content_format": config.chat_template_content_format,
         "slices": _slices_config(config),
         "admin": None if config.admin.token is None else {"token": config.admin.token},
         "record_unread_prefixes": config.record_unread_prefixes,
