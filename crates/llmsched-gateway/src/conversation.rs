@@ -236,9 +236,10 @@ pub fn vllm_tools(tools: &Value) -> Result<Value, String> {
 /// What transformers appends to the final message to find where it ends in the render.
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
-/// The messages with [`CONTINUE_TAG`] appended to the last one's content (its last text
-/// part, for a list), as transformers does for `continue_final_message`, and the text so
-/// marked. `reads_content`: whether the template's source names `content` at all.
+/// The messages with transformers' continue tag (`CONTINUE_FINAL_MESSAGE_TAG `) appended to
+/// the last one's content (its last text part, for a list), as transformers does for
+/// `continue_final_message`, and the text so marked. `reads_content`: whether the
+/// template's source names `content` at all.
 pub fn mark_final_message(
     messages: &Value,
     reads_content: bool,
