@@ -308,6 +308,11 @@ impl<'de> Visitor<'de> for TemplateValue {
 pub struct Members(Vec<(Value, Value)>);
 
 impl Members {
+    /// The members, in the order sent.
+    pub fn entries(&self) -> &[(Value, Value)] {
+        &self.0
+    }
+
     /// The object of `members` as sent (a repeated key keeps its first place and its last
     /// value): a [`Members`] when small, else minijinja's map.
     pub fn value(members: Vec<(Value, Value)>) -> Value {

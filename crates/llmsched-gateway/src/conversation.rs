@@ -149,6 +149,8 @@ pub fn template_messages(
     let mut builder = Builder { format, media: false };
     let mut out = Vec::with_capacity(messages.len().unwrap_or(0));
     let mut developer = false;
+    // Whether a message was rebuilt (else the list is the template's as it is).
+    let mut rebuilt = false;
     for (i, message) in messages.try_iter().map_err(|_| shape())?.enumerate() {
         let role = message.get_attr("role").ok();
         let Some(role) =
@@ -157,10 +159,18 @@ pub fn template_messages(
             return Err(format!("messages[{i}] must be an object with a string role"));
         };
         developer |= role == "developer";
-        out.push(builder.message(i, role, &message)?);
+        match builder.as_sent(role, &message) {
+            Some(same) => out.push(same),
+            None => {
+                rebuilt = true;
+                out.push(builder.message(i, role, &message)?);
+            }
+        }
     }
     if developer && !developer_role {
         out = developer_as_system(out, format);
+    } else if !rebuilt {
+        return Ok((messages.clone(), builder.media));
     }
     Ok((Value::from(out), builder.media))
 }
@@ -316,10 +326,8 @@ enum Part {
 }
 
 impl Builder {
+    /// The message built anew (see the module documentation).
     fn message(&mut self, i: usize, role: &str, message: &Value) -> Result<Value, String> {
-        if let Some(same) = self.as_sent(role, message) {
-            return Ok(same);
-        }
         let field = |name: &str| message.get_attr(name).ok().filter(|v| !v.is_undefined());
         let content = field("content");
         let parts: Vec<Value> = match content.as_ref().map(Value::kind) {
@@ -333,7 +341,15 @@ impl Builder {
             }
         };
         let parts = if role == "system" { without_billing_header(parts) } else { parts };
-        let mut content = self.content(i, &parts)?;
+        let mut content = match (self.format, content) {
+            // A string content kept as it is (no copy), as joining its one text would give.
+            (ContentFormat::String, Some(text))
+                if text.kind() == ValueKind::String && parts.first() == Some(&text) =>
+            {
+                text
+            }
+            _ => self.content(i, &parts)?,
+        };
         if role == "tool" {
             content = tool_content(content);
         }
@@ -376,19 +392,19 @@ impl Builder {
         if self.format == ContentFormat::OpenAi || role == "developer" {
             return None;
         }
-        let mut keys = message.try_iter().ok()?;
-        if keys.next()?.as_str() != Some("role") || keys.next()?.as_str() != Some("content") {
+        // A small object as the request's JSON made it (larger ones are rebuilt).
+        let entries = message.downcast_object_ref::<Members>()?.entries();
+        let key = |i: usize| entries.get(i).and_then(|(key, _)| key.as_str());
+        let string = |i: usize| entries.get(i).filter(|(_, v)| v.kind() == ValueKind::String);
+        let as_vllm_orders_it = match entries.len() {
+            2 => true,
+            3 => key(2) == Some("name") && string(2).is_some(),
+            _ => false,
+        };
+        if !as_vllm_orders_it || key(0) != Some("role") || key(1) != Some("content") {
             return None;
         }
-        if let Some(key) = keys.next() {
-            let name = message.get_attr("name").ok()?;
-            let string_name = key.as_str() == Some("name") && name.kind() == ValueKind::String;
-            if !string_name || keys.next().is_some() {
-                return None;
-            }
-        }
-        let content = message.get_attr("content").ok()?;
-        let text = content.as_str().filter(|_| content.kind() == ValueKind::String)?;
+        let text = string(1)?.1.as_str()?;
         if role == "system" && text.starts_with(BILLING_HEADER) {
             return None;
         }
