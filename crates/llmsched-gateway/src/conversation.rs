@@ -168,7 +168,7 @@ pub fn template_messages(
         }
     }
     if developer && !developer_role {
-        out = developer_as_system(out, format);
+        out = developer_as_system(out);
     } else if !rebuilt {
         return Ok((messages.clone(), builder.media));
     }
@@ -547,18 +547,7 @@ fn without_billing_header(parts: Vec<Value>) -> Vec<Value> {
             if part.kind() == ValueKind::String {
                 return Some(Value::from(rest));
             }
-            let keys = part.try_iter().into_iter().flatten();
-            let fields = keys
-                .map(|key| {
-                    let value = if key.as_str() == Some("text") {
-                        Value::from(rest)
-                    } else {
-                        part.get_item(&key).unwrap_or_default()
-                    };
-                    (key, value)
-                })
-                .collect();
-            Some(Members::value(fields))
+            Some(replace_field(&part, "text", Value::from(rest)))
         })
         .collect()
 }
@@ -644,7 +633,7 @@ fn replace_field(value: &Value, key: &str, new: Value) -> Value {
 /// Developer messages as system messages, then the system messages merged into one at the
 /// start (their texts joined by a blank line, empty ones left out) when there is more than
 /// one or one is not first.
-fn developer_as_system(messages: Vec<Value>, format: ContentFormat) -> Vec<Value> {
+fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
     let role_of = |m: &Value| m.get_attr("role").ok().and_then(|r| r.as_str().map(str::to_owned));
     let messages: Vec<Value> = messages
         .into_iter()
@@ -675,7 +664,7 @@ fn developer_as_system(messages: Vec<Value>, format: ContentFormat) -> Vec<Value
     }
     let texts: Vec<String> = systems
         .iter()
-        .map(|&i| system_text(&messages[i].get_attr("content").unwrap_or_default(), format))
+        .map(|&i| system_text(&messages[i].get_attr("content").unwrap_or_default()))
         .filter(|text| !text.is_empty())
         .collect();
     let merged = Members::value(vec![
@@ -690,7 +679,7 @@ fn developer_as_system(messages: Vec<Value>, format: ContentFormat) -> Vec<Value
 }
 
 /// A system message's content as one text (a list's text parts joined by newlines).
-fn system_text(content: &Value, _format: ContentFormat) -> String {
+fn system_text(content: &Value) -> String {
     match content.kind() {
         ValueKind::String => content.as_str().unwrap_or("").to_owned(),
         ValueKind::Seq => content
