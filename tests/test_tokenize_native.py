@@ -557,6 +557,162 @@ def test_the_gateway_routes_media_conversations_by_their_text_before_the_media(
     run(body())
 
 
+def _hf_truncated(directory: Path, text: str, add: bool, keep: int, side: str | None) -> list[int]:
+    """What vLLM 0.32 feeds its model for a text prompt with ``truncate_prompt_tokens`` (its
+    ``TokenizeParams``): without a side named, the ``tokenizers`` library's own truncation
+    (transformers enables it on the left, the side vLLM sets for generative models), then the
+    cut after encoding; with a side, the whole encoding cut on that side."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.no_truncation()
+    if side is None and keep > 0:
+        tokenizer.enable_truncation(max_length=keep, direction="left")
+    ids = list(tokenizer.encode(text, add_special_tokens=add).ids)
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[len(ids) - keep :]
+
+
+@pytest.mark.parametrize("template", ["default", "tiny-model", "features", "whitespace-bos-eos"])
+def test_truncation_keeps_what_the_engine_keeps(
+    cached_directories: dict[str, Path], template: str
+) -> None:
+    """``truncate_prompt_tokens`` and ``truncation_side``: the ids on both planes, with the
+    piece cache and without, equal the ``tokenizers`` library's truncation as vLLM asks for
+    it (tests/engines checks the same against a real engine's prompt ids)."""
+    directory = cached_directories[template]
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    uncached = NativePromptTokenizer(str(directory), cache_bytes=0)
+    rng = random.Random(f"truncation-{template}")
+    prompt = _sentence(rng, 60)
+    length = len(python.completion_tokens(prompt))
+    for keep in (0, 1, 2, 7, length - 1, length, length + 3, -1):
+        for side in (None, "left", "right"):
+            for add in (True, False):
+                expected = (
+                    python.completion_tokens(prompt, add)
+                    if keep == -1
+                    else _hf_truncated(directory, prompt, add, keep, side)
+                )
+                fields = {"truncate_prompt_tokens": keep, "truncation_side": side}
+                body = json.dumps({"prompt": prompt, "add_special_tokens": add, **fields})
+                case = (keep, side, add)
+                assert python.completion_tokens(prompt, add, keep, side) == expected, case
+                assert native.completion_tokens(body) == expected, case
+                assert uncached.completion_tokens(body) == expected, case
+                ids = python.completion_tokens(prompt, add)
+                id_body = json.dumps({"prompt": ids, **fields})
+                cut = (
+                    ids
+                    if keep in (-1,) or keep >= len(ids)
+                    else (ids[:keep] if side == "right" else ids[len(ids) - keep :])
+                )
+                assert native.completion_tokens(id_body) == cut, case
+                assert python.completion_tokens(ids, True, keep, side) == cut, case
+    if python.has_chat_template:
+        messages = [{"role": "user", "content": _sentence(rng, 30)}]
+        text = python.render_chat_request({"messages": messages})
+        for fields in (
+            {"truncate_prompt_tokens": 9},
+            {"truncate_prompt_tokens": 9, "truncation_side": "right"},
+            {"truncate_prompt_tokens": 9, "add_special_tokens": True},
+        ):
+            body = {"messages": messages, **fields}
+            add = bool(fields.get("add_special_tokens"))
+            expected = _hf_truncated(directory, text, add, 9, fields.get("truncation_side"))
+            assert python.chat_request_tokens(body) == expected, fields
+            assert native.chat_tokens(json.dumps(body)) == expected, fields
+            assert uncached.chat_tokens(json.dumps(body)) == expected, fields
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be an integer"),
+        ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens must be an integer"),
+        ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens must be an integer"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens must be an integer"),
+        ({"truncate_prompt_tokens": 5, "truncation_side": "middle"}, "truncation_side must be"),
+    ],
+)
+def test_malformed_truncation_fields_are_refused_alike(
+    directories: dict[str, Path], fields: dict[str, Any], problem: str
+) -> None:
+    directory = directories["default"]
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    with pytest.raises(PromptError, match=problem):
+        python.completion_tokens(
+            "hello", True, fields["truncate_prompt_tokens"], fields.get("truncation_side")
+        )
+    with pytest.raises(InvalidRequestError, match=problem):
+        native.completion_tokens(json.dumps({"prompt": "hello", **fields}))
+    body = {"messages": [{"role": "user", "content": "hello"}], **fields}
+    with pytest.raises(PromptError, match=problem):
+        python.chat_request_tokens(body)
+    with pytest.raises(InvalidRequestError, match=problem):
+        native.chat_tokens(json.dumps(body))
+
+
+@pytest.mark.usefixtures("plane")
+def test_the_gateway_routes_truncated_prompts_by_what_the_engine_keeps(tmp_path: Path) -> None:
+    """Completions that differ in their beginning but share the ids their
+    ``truncate_prompt_tokens`` keeps (the last ones) go to one engine: the index learned and
+    matched the kept ids. Prompts of ids are cut too (no tokenizer needed for them); a
+    malformed field is a 400 naming it."""
+    directory = write_tokenizer(tmp_path)
+    rng = random.Random(12)
+    tails = [_sentence(rng, 80) for _ in range(6)]
+    python = PromptTokenizer(directory)
+    keep = min(len(python.completion_tokens(tail, False)) for tail in tails) - 4
+
+    async def body() -> None:
+        async with rig(engines=4, tokenizer=str(directory)) as r:
+            homes: list[set[int]] = [set() for _ in tails]
+            for turn in range(3):
+                for home, tail in zip(homes, tails, strict=True):
+                    request = {
+                        "model": MODEL,
+                        "max_tokens": 2,
+                        "prompt": f"{_sentence(rng, 30)} turn {turn} {tail}",
+                        "truncate_prompt_tokens": keep,
+                    }
+                    async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                        assert response.status == 200, await response.text()
+                    engine = r.engine_of_request()
+                    assert engine.received[-1].body["prompt"] == request["prompt"]
+                    home.add(r.engines.index(engine))
+            assert all(len(home) == 1 for home in homes), homes
+            bad = {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": -3}
+            async with r.client.post(r.url("/v1/completions"), json=bad) as response:
+                assert response.status == 400
+                assert "truncate_prompt_tokens" in (await response.json())["error"]["message"]
+
+    run(body())
+
+    async def ids_body() -> None:
+        async with rig(engines=4) as r:
+            homes: list[set[int]] = [set() for _ in tails]
+            for _turn in range(3):
+                for g, home in enumerate(homes):
+                    head = [rng.randrange(1000, 2000) for _ in range(40)]
+                    tail = [g * 1000 + i for i in range(1, 65)]
+                    request = {
+                        "model": MODEL,
+                        "max_tokens": 2,
+                        "prompt": head + tail,
+                        "truncate_prompt_tokens": 64,
+                    }
+                    async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                        assert response.status == 200, await response.text()
+                    home.add(r.engines.index(r.engine_of_request()))
+            assert all(len(home) == 1 for home in homes), homes
+
+    run(ids_body())
+
+
 # Templates whose content format vLLM 0.32 detects as given (tests/engines checks these
 # against vLLM's own detection).
 CONTENT_FORMATS = {
@@ -993,7 +1149,8 @@ def _trained(directory: Path, kind: str) -> Path:
     with added tokens that strip spaces around them or match single words only, which the
     cache splits with the tokenizer's own added vocabulary), ``llama-normalizer``
     (the older Llama layout: Prepend and Replace normalizers, no pre-tokenizer),
-    ``truncating`` and ``normalized-added`` (two the cache must refuse), ``whitespace-bos-eos``
+    ``truncating`` (its file truncates and pads, which vLLM's encoding turns off),
+    ``normalized-added`` (one the cache must refuse), ``whitespace-bos-eos``
     (a Whitespace pre-tokenizer, which drops the spaces, and a post-processor adding ``<s>``
     before a text and ``</s>`` after it)."""
     from tokenizers import (
@@ -1022,7 +1179,8 @@ def _trained(directory: Path, kind: str) -> Path:
     corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] + UNICODE
     tokenizer.train_from_iterator(corpus * 4, trainer)
     if kind == "truncating":
-        tokenizer.enable_truncation(max_length=4096)
+        tokenizer.enable_truncation(max_length=8)
+        tokenizer.enable_padding(length=256, pad_id=tokenizer.token_to_id("<s>"), pad_token="<s>")
     if kind == "whitespace-bos-eos":
         bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
         tokenizer.post_processor = processors.TemplateProcessing(
@@ -1304,13 +1462,31 @@ def test_threads_share_the_cache_and_agree_with_the_uncached_encoder(
     assert stats["bytes"] <= 32768
 
 
-@pytest.mark.parametrize(
-    ("kind", "reason"),
-    [
-        ("truncating", "truncates"),
-        ("normalized-added", "matched after normalization"),
-    ],
-)
+def test_a_tokenizer_file_that_truncates_or_pads_encodes_whole_as_the_engine_does(
+    cached_directories: dict[str, Path],
+) -> None:
+    """transformers sets the tokenizer's truncation and padding on every call, and vLLM asks
+    for neither below the context length: a ``tokenizer.json`` that sets them (here, to 8 ids
+    and padding to 256) is encoded without either, on both planes, and the cache is on."""
+    directory = cached_directories["truncating"]
+    whole = _python_tokenizer(directory)
+    whole.no_truncation()
+    whole.no_padding()
+    native = NativePromptTokenizer(str(directory))
+    python = PromptTokenizer(directory)
+    assert native.cache_stats()["enabled"] is True
+    prompt = " ".join(WORDS * 3)
+    expected = list(whole.encode(prompt, add_special_tokens=True).ids)
+    assert 8 < len(expected) < 256
+    assert native.completion_tokens(json.dumps({"prompt": prompt})) == expected
+    assert python.completion_tokens(prompt) == expected
+    body = {"messages": [{"role": "user", "content": prompt}]}
+    text = python.render_chat_request(body)
+    expected = list(whole.encode(text, add_special_tokens=False).ids)
+    assert native.chat_tokens(json.dumps(body)) == expected == python.chat_request_tokens(body)
+
+
+@pytest.mark.parametrize(("kind", "reason"), [("normalized-added", "matched after normalization")])
 def test_a_tokenizer_the_cache_cannot_vouch_for_turns_it_off(
     cached_directories: dict[str, Path], kind: str, reason: str
 ) -> None:
@@ -1391,10 +1567,10 @@ def test_the_gateway_counts_cache_hits_and_warns_once_when_it_is_off(
     assert "llmsched_gateway_tokenizer_cache_completions_enabled 1.0" in metrics
     caplog.clear()
     with caplog.at_level("WARNING", logger="llmsched"):
-        stats, metrics = run(serve(cached_directories["truncating"]))
+        stats, metrics = run(serve(cached_directories["normalized-added"]))
     warnings = [r for r in caplog.records if "tokenizer cache is off" in r.getMessage()]
-    assert len(warnings) == 1 and "truncates" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "after normalization" in warnings[0].getMessage()
     assert stats is not None and not stats["enabled"] and stats["hits"] == 0
     assert "llmsched_gateway_tokenizer_cache_enabled{reason=" in metrics
-    assert "truncates" in metrics and "tokenizer_cache_enabled{" in metrics
+    assert "after normalization" in metrics and "tokenizer_cache_enabled{" in metrics
     assert "llmsched_gateway_tokenizer_cache_completions_enabled 0.0" in metrics

@@ -56,7 +56,7 @@ from tokenizers import Tokenizer
 
 from llmsched.errors import ConfigError, InvalidRequestError, InvalidTypeError
 
-__all__ = ["PromptError", "PromptTokenizer"]
+__all__ = ["PromptError", "PromptTokenizer", "Truncation"]
 
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -143,6 +143,11 @@ class PromptTokenizer:
             self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as exc:  # tokenizers raises a bare Exception on bad files
             raise ConfigError(f"tokenizer: cannot load {str(path)!r}: {exc}") from None
+        # transformers sets truncation and padding on every call, vLLM asking for neither
+        # below the context length: a tokenizer.json that sets them is not how the engine
+        # encodes.
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
         config: dict[str, Any] = {}
         config_path = path / "tokenizer_config.json"
         if config_path.is_file():
@@ -192,20 +197,46 @@ class PromptTokenizer:
         """The special tokens the chat template sees (``bos_token``, ``eos_token``, ...)."""
         return dict(self._special)
 
-    def completion_tokens(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+    def completion_tokens(
+        self,
+        prompt: Any,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        truncation_side: str | None = None,
+    ) -> list[int]:
         """The ids of a ``/v1/completions`` prompt: a str (encoded with special tokens unless
         ``add_special_tokens`` is false, the request field of that name, true by default as
         in vLLM) or a list of ids (returned as is). A batch (a list of prompts) yields its
-        first prompt's."""
+        first prompt's. ``truncate_prompt_tokens`` and ``truncation_side``, the request's
+        fields, cut the ids as the engine cuts them before caching them (see
+        :class:`Truncation`)."""
         if not isinstance(add_special_tokens, bool):
             raise PromptError("add_special_tokens must be a boolean")
+        truncation = Truncation.read(truncate_prompt_tokens, truncation_side)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return list(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
+            return self._encode(prompt, add_special_tokens, truncation)
         if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
-            return prompt
+            return prompt if truncation is None else truncation.cut(prompt)
         raise PromptError("prompt must be a string or a list of token ids")
+
+    def _encode(
+        self, text: str, add_special_tokens: bool, truncation: Truncation | None
+    ) -> list[int]:
+        """The ids of a prompt's text as the engine feeds them to its model: encoded with or
+        without special tokens, then truncated as the request asks."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if truncation is None or len(encoding.ids) <= truncation.keep:
+            return list(encoding.ids)
+        if add_special_tokens and truncation.side is None:
+            # The tokenizer truncates: the text's own ids, leaving room for its special
+            # tokens (transformers' truncation, on the side vLLM sets for generation).
+            own = self._tokenizer.encode(text, add_special_tokens=False)
+            room = truncation.keep - self._tokenizer.num_special_tokens_to_add(False)
+            own.truncate(max(room, 0), direction="left")
+            encoding = self._tokenizer.post_process(own, add_special_tokens=True)
+        return truncation.cut(list(encoding.ids))
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None
@@ -262,7 +293,7 @@ class PromptTokenizer:
         text = self._render(
             chat.messages, chat.variables, continue_final_message=chat.continue_final_message
         )
-        return list(self._tokenizer.encode(text, add_special_tokens=chat.add_special_tokens).ids)
+        return self._encode(text, chat.add_special_tokens, chat.truncation)
 
     def _render(
         self,
@@ -349,11 +380,13 @@ class _ChatRequest:
         variables: dict[str, Any],
         continue_final_message: bool,
         add_special_tokens: bool,
+        truncation: Truncation | None,
     ) -> None:
         self.messages = messages
         self.variables = variables
         self.continue_final_message = continue_final_message
         self.add_special_tokens = add_special_tokens
+        self.truncation = truncation
 
     @classmethod
     def read(cls, request: Mapping[str, Any]) -> _ChatRequest:
@@ -407,7 +440,67 @@ class _ChatRequest:
             variables["reasoning_effort"] = effort
             if "enable_thinking" not in kwargs:
                 variables["enable_thinking"] = effort != "none"
-        return cls(messages, variables, continue_final_message, flag("add_special_tokens", False))
+        truncation = Truncation.read(
+            request.get("truncate_prompt_tokens"), request.get("truncation_side")
+        )
+        return cls(
+            messages,
+            variables,
+            continue_final_message,
+            flag("add_special_tokens", False),
+            truncation,
+        )
+
+
+class Truncation:
+    """A request's ``truncate_prompt_tokens`` (and ``truncation_side``) as vLLM 0.32 applies
+    it before a prompt reaches the engine's cache: the engine keeps ``keep`` ids of the
+    prompt, so the blocks it caches are those of the kept ids.
+
+    - ``side`` ``"left"`` keeps the last ``keep`` ids, ``"right"`` the first, of the prompt
+      as encoded whole (special tokens included);
+    - without a side, a text prompt is truncated by the tokenizer while it encodes, on the
+      side vLLM sets for generative models (left): the text's own ids are cut to leave room
+      for the special tokens the tokenizer adds; a prompt of token ids is cut on that side;
+    - ``-1`` means the engine's context length, which a router does not know: a prompt
+      longer than that is refused or cut by the engine, so the whole prompt is hashed
+      (:meth:`read` returns None).
+    """
+
+    __slots__ = ("keep", "side")
+
+    def __init__(self, keep: int, side: Literal["left", "right"] | None = None) -> None:
+        self.keep = keep
+        self.side = side
+
+    def __repr__(self) -> str:
+        return f"Truncation(keep={self.keep}, side={self.side!r})"
+
+    @classmethod
+    def read(cls, keep: object, side: object) -> Truncation | None:
+        """The truncation a request's fields ask for: None when there is none a router can
+        apply (absent, null or -1); a :class:`PromptError` naming the field when one is
+        malformed."""
+        if side is not None and side not in ("left", "right"):
+            raise PromptError("truncation_side must be 'left' or 'right'")
+        if keep is None:
+            return None
+        if isinstance(keep, float) and keep.is_integer():
+            keep = int(keep)
+        if type(keep) is not int or keep < -1:
+            raise PromptError("truncate_prompt_tokens must be an integer of at least -1")
+        if keep == -1:
+            return None
+        return cls(keep, side)
+
+    def cut(self, ids: list[int]) -> list[int]:
+        """The ids the engine keeps of ``ids`` (encoded whole): ``keep`` of them from the side
+        named, else from the tokenizer's (left)."""
+        if len(ids) <= self.keep:
+            return ids
+        if self.side == "right":
+            return ids[: self.keep]
+        return ids[len(ids) - self.keep :]
 
 
 _HF_NAMED_ARGUMENTS = frozenset(

@@ -88,7 +88,12 @@ class GatewayThread:
             return self._native_tokenizer.completion_tokens(json.dumps(body))
         assert isinstance(self.gateway, Gateway) and self.gateway.tokenizer is not None
         add = body.get("add_special_tokens")
-        return self.gateway.tokenizer.completion_tokens(body["prompt"], add is not False)
+        return self.gateway.tokenizer.completion_tokens(
+            body["prompt"],
+            add is not False,
+            body.get("truncate_prompt_tokens"),
+            body.get("truncation_side"),
+        )
 
     def completion_tokens(self, prompt: str) -> list[int]:
         """The token ids the gateway routes a completion prompt on."""

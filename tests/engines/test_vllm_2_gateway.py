@@ -142,6 +142,60 @@ def test_gateway_tokens_equal_the_engine_tokens(
         assert gateway.chat_request_tokens(body) == engine_side["tokens"], fields
 
 
+def test_gateway_tokens_are_truncated_as_the_engine_truncates_them(
+    engines: list[VllmEngine], gateway: GatewayThread
+) -> None:
+    """``truncate_prompt_tokens`` makes the engine keep part of the prompt (the last ids,
+    unless ``truncation_side`` is ``right``), and it caches the blocks of what it kept: the
+    gateway routes on the same ids. The engine's own prompt ids (``return_token_ids``) are the
+    oracle, for text prompts with and without special tokens (the tokenizer keeps its BOS when
+    no side is named), prompts of ids, and chats."""
+    rng = random.Random(11)
+    prompt = sentence(rng, 60)
+    whole = gateway.completion_tokens(prompt)
+    cases: list[dict[str, Any]] = []
+    for keep in (1, 2, 17, len(whole) - 1, len(whole), len(whole) + 4, -1):
+        for side in (None, "left", "right"):
+            for add in (True, False):
+                cases.append(
+                    {"prompt": prompt, "add_special_tokens": add, "keep": keep, "side": side}
+                )
+    cases.append({"prompt": whole[1:], "keep": 20, "side": None})
+    cases.append({"prompt": whole[1:], "keep": 20, "side": "right"})
+    for case in cases:
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "prompt": case["prompt"],
+            "max_tokens": 1,
+            "return_token_ids": True,
+            "truncate_prompt_tokens": case["keep"],
+        }
+        if "add_special_tokens" in case:
+            body["add_special_tokens"] = case["add_special_tokens"]
+        if case["side"] is not None:
+            body["truncation_side"] = case["side"]
+        engine_side = engines[0].post("/v1/completions", body)["choices"][0]["prompt_token_ids"]
+        assert gateway.completion_request_tokens(body) == engine_side, case
+    messages = [
+        {"role": "system", "content": sentence(rng, 30)},
+        {"role": "user", "content": sentence(rng, 20)},
+    ]
+    for fields in (
+        {"truncate_prompt_tokens": 25},
+        {"truncate_prompt_tokens": 25, "truncation_side": "right"},
+        {"truncate_prompt_tokens": 25, "add_special_tokens": True},
+    ):
+        body = {
+            "model": MODEL_NAME,
+            "messages": messages,
+            "max_tokens": 1,
+            "return_token_ids": True,
+            **fields,
+        }
+        engine_side = engines[0].post("/v1/chat/completions", body)["prompt_token_ids"]
+        assert gateway.chat_request_tokens(body) == engine_side, fields
+
+
 def test_conversations_return_to_the_engine_holding_their_prefix(
     engines: list[VllmEngine], gateway: GatewayThread
 ) -> None:

@@ -64,6 +64,7 @@ pub mod pyvalues;
 pub mod slicing;
 pub mod tokcache;
 pub mod tokenize;
+pub mod truncation;
 pub mod usage;
 
 use std::collections::{HashMap, HashSet};
@@ -102,6 +103,7 @@ pub use guards::ApiKeyConfig;
 pub use health::HealthConfig;
 pub use metrics::Counters;
 use payload::Payload;
+use truncation::Truncation;
 
 /// The most worker threads a gateway runs on (`threads`, `--threads`; the Python
 /// configuration's `native_threads` has the same bound).
@@ -2010,9 +2012,12 @@ impl Gateway {
                     .and_then(|request| tokenizer.chat_tokens(&request))
             } else {
                 let field = |name: &str| payload.value(name).and_then(Result::ok);
+                let truncation =
+                    request_truncation(payload).map_err(|p| tokenize::PromptProblem(p.into()))?;
                 tokenizer.completion_tokens(
                     field("prompt").as_ref(),
                     field("add_special_tokens").as_ref(),
+                    truncation,
                 )
             }
         }));
@@ -2158,13 +2163,29 @@ fn prompt_tokens(payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, &'static
     };
     match prompt {
         Value::String(text) => Ok(pack_text(text.as_bytes())),
-        Value::Array(ids) => ids
-            .iter()
-            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-            .collect::<Option<Vec<u32>>>()
-            .ok_or(BAD_PROMPT),
+        Value::Array(ids) => {
+            let mut ids = ids
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or(BAD_PROMPT)?;
+            // The engine keeps what the request's truncation keeps of the ids.
+            if let Some(truncation) = request_truncation(payload)? {
+                truncation.cut(&mut ids);
+            }
+            Ok(ids)
+        }
         _ => Err(BAD_PROMPT),
     }
+}
+
+/// A request's `truncate_prompt_tokens` and `truncation_side` ([`truncation`]).
+fn request_truncation(payload: &Payload<'_>) -> Result<Option<Truncation>, &'static str> {
+    let field = |name: &str| payload.value(name).and_then(Result::ok);
+    Truncation::of_fields(
+        field("truncate_prompt_tokens").as_ref(),
+        field("truncation_side").as_ref(),
+    )
 }
 
 const HOP_BY_HOP: [&str; 8] = [

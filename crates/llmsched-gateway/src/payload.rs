@@ -49,7 +49,7 @@ impl fmt::Display for Problem {
 }
 
 /// The fields of a request body the gateway reads.
-const FIELDS: [&str; 16] = [
+const FIELDS: [&str; 18] = [
     "model",
     "prompt",
     "messages",
@@ -66,6 +66,8 @@ const FIELDS: [&str; 16] = [
     "add_special_tokens",
     "documents",
     "reasoning_effort",
+    "truncate_prompt_tokens",
+    "truncation_side",
 ];
 
 /// A request body's fields, each as the JSON text it was sent as.

@@ -37,6 +37,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::payload::Payload;
+use crate::truncation::Truncation;
 use crate::{
     json_answer, monotonic, prompt_tokens, wake_at, Answer, Cut, Gateway, Guards, Refusal, Upstream,
 };
@@ -462,8 +463,12 @@ impl Gateway {
             return prompt_tokens(&payload, chat).map_err(str::to_owned);
         };
         if !chat {
+            let truncation = Truncation::of_fields(
+                body.get("truncate_prompt_tokens"),
+                body.get("truncation_side"),
+            )?;
             return tokenizer
-                .completion_tokens(body.get("prompt"), body.get("add_special_tokens"))
+                .completion_tokens(body.get("prompt"), body.get("add_special_tokens"), truncation)
                 .map_err(|p| p.0);
         }
         // The continuation as the engine renders it: its body carries

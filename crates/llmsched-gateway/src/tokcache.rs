@@ -540,6 +540,12 @@ impl PieceEncoder {
         Ok(tokenizer.encode_fast(text, true)?.get_ids().to_vec())
     }
 
+    /// The ids the post-processor puts before and after a single text's when special tokens
+    /// are added, when proved at load (the cache on).
+    pub fn affixes(&self) -> Option<(&[u32], &[u32])> {
+        self.affixes.as_ref().map(|(before, after)| (before.as_slice(), after.as_slice()))
+    }
+
     /// The counters and state.
     pub fn stats(&self) -> CacheStats {
         let (bytes, entries) = match &self.cache {

@@ -40,6 +40,7 @@ use crate::conversation::{
 use crate::payload::Payload;
 use crate::pyvalues::{python_formatter, tojson};
 use crate::tokcache::{CacheStats, PieceEncoder};
+use crate::truncation::Truncation;
 
 const SPECIAL_TOKEN_KEYS: [&str; 7] =
     ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
@@ -127,6 +128,10 @@ pub struct ChatRequest<'a> {
     pub documents: Option<&'a RawValue>,
     /// The reasoning effort asked for (one of vLLM's names).
     pub reasoning_effort: Option<&'a RawValue>,
+    /// How many of the prompt's ids the engine keeps ([`crate::truncation`]).
+    pub truncate_prompt_tokens: Option<&'a RawValue>,
+    /// Which end of the prompt a truncation keeps.
+    pub truncation_side: Option<&'a RawValue>,
 }
 
 impl<'a> ChatRequest<'a> {
@@ -146,6 +151,8 @@ impl<'a> ChatRequest<'a> {
             add_special_tokens: present("add_special_tokens"),
             documents: present("documents"),
             reasoning_effort: present("reasoning_effort"),
+            truncate_prompt_tokens: present("truncate_prompt_tokens"),
+            truncation_side: present("truncation_side"),
         })
     }
 
@@ -215,6 +222,14 @@ impl<'a> ChatRequest<'a> {
             }
             reasoning.push(("reasoning_effort", effort));
         }
+        let json = |raw: Option<&RawValue>| {
+            raw.map(|raw| serde_json::from_str::<Json>(raw.get())).transpose().map_err(unreadable)
+        };
+        let truncation = Truncation::of_fields(
+            json(self.truncate_prompt_tokens)?.as_ref(),
+            json(self.truncation_side)?.as_ref(),
+        )
+        .map_err(|problem| PromptProblem(problem.into()))?;
         Ok(ChatOptions {
             tools,
             documents,
@@ -223,6 +238,7 @@ impl<'a> ChatRequest<'a> {
             add_special_tokens: flag(self.add_special_tokens, "add_special_tokens", false)?,
             reasoning,
             extra,
+            truncation,
         })
     }
 }
@@ -247,6 +263,8 @@ pub struct ChatOptions {
     pub reasoning: Vec<(&'static str, Value)>,
     /// The `chat_template_kwargs` (an object).
     pub extra: Option<Value>,
+    /// How the engine cuts the encoded prompt (`truncate_prompt_tokens`).
+    pub truncation: Option<Truncation>,
 }
 
 impl Default for ChatOptions {
@@ -260,6 +278,7 @@ impl Default for ChatOptions {
             add_special_tokens: false,
             reasoning: Vec::new(),
             extra: None,
+            truncation: None,
         }
     }
 }
@@ -282,8 +301,15 @@ impl PromptTokenizer {
         cache_bytes: usize,
     ) -> Result<PromptTokenizer, String> {
         let file = directory.join("tokenizer.json");
-        let tokenizer = Tokenizer::from_file(&file)
+        let mut tokenizer = Tokenizer::from_file(&file)
             .map_err(|e| format!("cannot load {:?}: {e}", directory.display().to_string()))?;
+        // transformers sets truncation and padding on every call, vLLM asking for neither
+        // below the context length: a `tokenizer.json` that sets them is not how the engine
+        // encodes.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| format!("cannot load {:?}: {e}", directory.display().to_string()))?;
+        tokenizer.with_padding(None);
         let config_path = directory.join("tokenizer_config.json");
         let config: Json = if config_path.is_file() {
             let text = std::fs::read_to_string(&config_path)
@@ -403,11 +429,13 @@ impl PromptTokenizer {
 
     /// The ids of a `/v1/completions` prompt: a string (encoded with special tokens unless
     /// the request's `add_special_tokens` is false, vLLM's default being true) or a list of
-    /// ids (as is); a batch yields its first prompt's.
+    /// ids (as is); a batch yields its first prompt's. With a `truncation`, the ids the
+    /// engine keeps ([`crate::truncation`]).
     pub fn completion_tokens(
         &self,
         prompt: Option<&Json>,
         add_special_tokens: Option<&Json>,
+        truncation: Option<Truncation>,
     ) -> Result<Vec<u32>, PromptProblem> {
         let add_special_tokens = match add_special_tokens {
             None | Some(Json::Null) => true,
@@ -425,15 +453,77 @@ impl PromptTokenizer {
             None => return Err(bad()),
         };
         match prompt {
-            Json::String(text) if add_special_tokens => self.encode_completion(text),
-            Json::String(text) => self.encode_chat(text),
-            Json::Array(ids) => ids
-                .iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                .collect::<Option<Vec<u32>>>()
-                .ok_or_else(bad),
+            Json::String(text) => self.encode_prompt(text, add_special_tokens, truncation),
+            Json::Array(ids) => {
+                let mut ids = ids
+                    .iter()
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .ok_or_else(bad)?;
+                if let Some(truncation) = truncation {
+                    truncation.cut(&mut ids);
+                }
+                Ok(ids)
+            }
             _ => Err(bad()),
         }
+    }
+
+    /// The ids of a prompt's text as the engine feeds them to its model: encoded with or
+    /// without special tokens, then truncated as the request asks.
+    fn encode_prompt(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        truncation: Option<Truncation>,
+    ) -> Result<Vec<u32>, PromptProblem> {
+        let mut ids = if add_special_tokens {
+            self.encode_completion(text)?
+        } else {
+            self.encode_chat(text)?
+        };
+        let Some(truncation) = truncation else { return Ok(ids) };
+        if ids.len() <= truncation.keep {
+            return Ok(ids);
+        }
+        if add_special_tokens && truncation.side.is_none() {
+            // The tokenizer truncates: the text's own ids, leaving room for its special tokens.
+            return self.truncated_with_special_tokens(text, &ids, truncation);
+        }
+        truncation.cut(&mut ids);
+        Ok(ids)
+    }
+
+    /// `text` encoded with special tokens and truncated by the tokenizer, as transformers
+    /// does it for vLLM without a side named (`ids`: its whole encoding).
+    fn truncated_with_special_tokens(
+        &self,
+        text: &str,
+        ids: &[u32],
+        truncation: Truncation,
+    ) -> Result<Vec<u32>, PromptProblem> {
+        if let Some((before, after)) = self.pieces.affixes() {
+            let content = &ids[before.len()..ids.len() - after.len()];
+            return Ok(truncation.cut_within(before, content, after));
+        }
+        // Which ids the post-processor adds was not proved at load: the tokenizer's own
+        // truncation, as transformers asks it of the same library.
+        let failed =
+            |e: tokenizers::Error| PromptProblem(format!("cannot tokenize the prompt: {e}"));
+        let mut encoding = self.tokenizer.encode_fast(text, false).map_err(failed)?;
+        let added = self
+            .tokenizer
+            .get_post_processor()
+            .map_or(0, |p| tokenizers::PostProcessor::added_tokens(p, false));
+        encoding.truncate(
+            truncation.keep.saturating_sub(added),
+            0,
+            tokenizers::TruncationDirection::Left,
+        );
+        let encoding = self.tokenizer.post_process(encoding, None, true).map_err(failed)?;
+        let mut ids = encoding.get_ids().to_vec();
+        truncation.cut(&mut ids);
+        Ok(ids)
     }
 
     /// The ids of a chat request's body: the rendered template ([`ChatRequest::options`]),
@@ -450,11 +540,7 @@ impl PromptTokenizer {
         let options = request.options()?;
         let messages = template_value(request.messages).map_err(unreadable)?;
         let text = self.render(&messages, &options)?;
-        if options.add_special_tokens {
-            self.encode_completion(&text)
-        } else {
-            self.encode_chat(&text)
-        }
+        self.encode_prompt(&text, options.add_special_tokens, options.truncation)
     }
 
     /// The ids of a rendered chat prompt (no special tokens added): through the piece cache

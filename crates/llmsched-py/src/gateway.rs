@@ -11,6 +11,7 @@ use llmsched_gateway::admin::EnginesHook;
 use llmsched_gateway::conversation::ContentFormat;
 use llmsched_gateway::tokcache::{CacheStats, DEFAULT_CAPACITY};
 use llmsched_gateway::tokenize::{PromptProblem, PromptTokenizer};
+use llmsched_gateway::truncation::Truncation;
 use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, Hooks, RouterSource, Running};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -379,8 +380,15 @@ impl PyNativePromptTokenizer {
     fn completion_tokens(&self, py: Python<'_>, request: &str) -> PyResult<Vec<u32>> {
         let body: serde_json::Value = serde_json::from_str(request)
             .map_err(|e| InvalidRequestError::new_err(format!("request: {e}")))?;
+        let truncation =
+            Truncation::of_fields(body.get("truncate_prompt_tokens"), body.get("truncation_side"))
+                .map_err(InvalidRequestError::new_err)?;
         let tokens = detach(py, || {
-            self.inner.completion_tokens(body.get("prompt"), body.get("add_special_tokens"))
+            self.inner.completion_tokens(
+                body.get("prompt"),
+                body.get("add_special_tokens"),
+                truncation,
+            )
         })?;
         tokens.map_err(prompt_error)
     }

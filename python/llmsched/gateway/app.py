@@ -71,7 +71,7 @@ from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import Decision
 from llmsched.scheduler import Admission, Placement, Scheduler, ScheduleRequest
 from llmsched.slices import SliceTracker
-from llmsched.tokenize import PromptError, PromptTokenizer
+from llmsched.tokenize import PromptError, PromptTokenizer, Truncation
 
 if TYPE_CHECKING:
     from llmsched.cluster import ClusterSync, Usage
@@ -836,7 +836,10 @@ class Gateway:
             if self.tokenizer is not None:
                 add_special_tokens = payload.get("add_special_tokens")
                 ids = self.tokenizer.completion_tokens(
-                    prompt, True if add_special_tokens is None else add_special_tokens
+                    prompt,
+                    True if add_special_tokens is None else add_special_tokens,
+                    payload.get("truncate_prompt_tokens"),
+                    payload.get("truncation_side"),
                 )
                 return _Prompt(np.asarray(ids, dtype=np.uint32), None, None, len(ids))
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -844,6 +847,12 @@ class Gateway:
             if isinstance(prompt, str):
                 return _Prompt(None, prompt, None, len(prompt) // 4)
             if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
+                # The engine keeps what the request's truncation keeps of the ids.
+                truncation = Truncation.read(
+                    payload.get("truncate_prompt_tokens"), payload.get("truncation_side")
+                )
+                if truncation is not None:
+                    prompt = truncation.cut(prompt)
                 return _Prompt(np.asarray(prompt, dtype=np.uint32), None, None, len(prompt))
             raise PromptError("'prompt' must be a string or a list of token ids")
         except PromptError as exc:

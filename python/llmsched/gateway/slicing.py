@@ -37,6 +37,7 @@ from llmsched.errors import (
 from llmsched.flow import FlowController
 from llmsched.scheduler import Admission, Placement, ScheduleRequest
 from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
+from llmsched.tokenize import Truncation
 
 if TYPE_CHECKING:
     from llmsched.gateway.app import Gateway, Refusal
@@ -201,11 +202,19 @@ class SlicedRequest:
             return args
         prompt = body["prompt"]
         if isinstance(prompt, list):
+            truncation = Truncation.read(
+                body.get("truncate_prompt_tokens"), body.get("truncation_side")
+            )
+            if truncation is not None:
+                prompt = truncation.cut(prompt)
             args["tokens"] = np.asarray(prompt, dtype=np.uint32)
         elif tokenizer is not None:
             add_special_tokens = body.get("add_special_tokens")
             ids = tokenizer.completion_tokens(
-                prompt, True if add_special_tokens is None else add_special_tokens
+                prompt,
+                True if add_special_tokens is None else add_special_tokens,
+                body.get("truncate_prompt_tokens"),
+                body.get("truncation_side"),
             )
             args["tokens"] = np.asarray(ids, dtype=np.uint32)
         else:
