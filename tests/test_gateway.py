@@ -516,3 +516,35 @@ def test_a_python_scorer_in_the_router_config_steers_every_request() -> None:
             assert calls == [2] * 6
 
     run(body())
+
+
+def test_a_cache_salt_routes_in_its_own_namespace() -> None:
+    """vLLM salts a prompt's first block with the request's ``cache_salt``: a salted prompt
+    shares no block with the same prompt unsalted or under another salt. The gateway records
+    and matches each request under its salt, so a salted request is never sent after the
+    unsalted prompt's blocks, and a second request under the same salt finds the first's."""
+
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            index = r.gateway.index
+            workers = [spec.worker_id for spec in r.gateway.config.engines]
+            tokens = list(range(100, 164))
+            response = await r.complete(tokens, max_tokens=1)
+            assert response.status == 200
+            plain_home = workers[r.engines.index(r.engine_of_request())]
+            assert index.match_tokens(tokens).as_dict() == {plain_home: 16}
+            assert index.match_tokens(tokens, cache_salt="tenant-a").as_dict() == {}
+            homes = set()
+            for _ in range(3):
+                response = await r.complete(tokens, max_tokens=1, cache_salt="tenant-a")
+                assert response.status == 200
+                homes.add(workers[r.engines.index(r.engine_of_request())])
+                assert r.engine_of_request().received[-1].body["cache_salt"] == "tenant-a"
+            assert len(homes) == 1, homes
+            assert index.match_tokens(tokens, cache_salt="tenant-a").as_dict() == {
+                next(iter(homes)): 16
+            }
+            assert index.match_tokens(tokens).as_dict() == {plain_home: 16}
+            assert index.match_tokens(tokens, cache_salt="tenant-b").as_dict() == {}
+
+    run(body())

@@ -67,6 +67,7 @@ pub mod tokenize;
 pub mod truncation;
 pub mod usage;
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::io;
@@ -1815,6 +1816,9 @@ impl Gateway {
         let meta = RequestMeta {
             model: model.map(str::to_owned),
             session_id: session.map(str::to_owned),
+            // vLLM salts the prompt's first block with it: a salted prompt shares no block
+            // with the same prompt unsalted or under another salt.
+            cache_salt: payload.str("cache_salt").map(Cow::into_owned),
             ..RequestMeta::default()
         };
         let sliced = self.slicing.as_ref().and_then(|s| s.assembler(&payload, route == "chat"));
