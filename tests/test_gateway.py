@@ -548,3 +548,57 @@ def test_a_cache_salt_routes_in_its_own_namespace() -> None:
             assert index.match_tokens(tokens, cache_salt="tenant-b").as_dict() == {}
 
     run(body())
+
+
+def test_a_lora_adapter_routes_to_its_base_model_under_its_own_name() -> None:
+    """A request naming a configured LoRA adapter is served by its base model's engines,
+    forwarded as sent, and its prompt is recorded and matched under the adapter (vLLM keys
+    an adapter's cache blocks by its name): the base model's blocks never count for it, nor
+    its for the base model. ``/v1/models`` lists it with its base as ``parent``."""
+
+    async def body() -> None:
+        async with rig(engines=2, models=[MODEL, "other"], lora_adapters={"sql": MODEL}) as r:
+            index = r.gateway.index
+            workers = [spec.worker_id for spec in r.gateway.config.engines]
+            tokens = list(range(300, 364))
+            response = await r.complete(tokens, max_tokens=1)
+            assert response.status == 200
+            base_home = workers[r.engines.index(r.engine_of_request())]
+            homes = set()
+            for _ in range(3):
+                response = await r.complete(tokens, max_tokens=1, model="sql")
+                assert response.status == 200, await response.text()
+                assert r.engine_of_request().received[-1].body["model"] == "sql"
+                homes.add(workers[r.engines.index(r.engine_of_request())])
+            assert len(homes) == 1, homes
+            assert index.match_tokens(tokens, lora="sql").as_dict() == {next(iter(homes)): 16}
+            assert index.match_tokens(tokens).as_dict() == {base_home: 16}
+            response = await r.complete(tokens, max_tokens=1, model="nosuch")
+            assert response.status == 404
+            async with r.client.get(r.url("/v1/models")) as listing:
+                models = (await listing.json())["data"]
+            assert [(m["id"], m.get("parent")) for m in models] == [
+                (MODEL, None),
+                ("other", None),
+                ("sql", MODEL),
+            ]
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("adapters", "problem"),
+    [
+        ({"sql": "nosuch"}, "base model 'nosuch' is not in models"),
+        ({MODEL: MODEL}, "is also a model in models"),
+        (["sql"], "must map each adapter"),
+        ({"sql": 3}, "must map each adapter"),
+    ],
+)
+def test_bad_lora_adapters_are_config_errors(adapters: object, problem: str) -> None:
+    from llmsched.errors import ConfigError
+    from llmsched.gateway.config import load_config
+
+    base = {"engines": [{"host": "127.0.0.1", "port": 9}], "models": [MODEL]}
+    with pytest.raises(ConfigError, match=problem):
+        load_config({**base, "lora_adapters": adapters})

@@ -715,6 +715,7 @@ class NativeGatewayConfig(TypedDict):
 
     engines: list[NativeEngineEntry]
     models: list[str]
+    lora_adapters: dict[str, str]
     max_body: int
     retries: int
     retry_on_5xx: bool

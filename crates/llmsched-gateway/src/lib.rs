@@ -121,6 +121,10 @@ pub struct GatewayConfig {
     /// Models served (`model` of a request must be one; empty: any, and `/v1/models` is the
     /// first engine's answer).
     pub models: Vec<String>,
+    /// LoRA adapters served, each with its base model (one of `models`): a request naming
+    /// an adapter goes to the engines of its base model, and its prompt is hashed, matched
+    /// and recorded under the adapter, as vLLM keys the adapter's cache blocks by its name.
+    pub lora_adapters: HashMap<String, String>,
     /// The router configuration: a preset name (`llm-d`, `round-robin`, ...) or llm-d's
     /// `EndpointPickerConfig` shape as JSON. Unused when a router is given.
     pub router: Value,
@@ -206,6 +210,7 @@ impl Default for GatewayConfig {
         GatewayConfig {
             engines: Vec::new(),
             models: Vec::new(),
+            lora_adapters: HashMap::new(),
             router: json!("llm-d"),
             block_size: 16,
             max_body: 16 << 20,
@@ -507,6 +512,33 @@ fn check(config: &GatewayConfig) -> Result<(), ConfigProblem> {
     }
     if !config.health.path.starts_with('/') {
         return Err(ConfigProblem("health.path: must be a URL path starting with /".into()));
+    }
+    check_lora_adapters(&config.lora_adapters, &config.models)
+}
+
+/// Each adapter's base model is served, and no adapter shares a model's name (a request
+/// naming it would be ambiguous).
+fn check_lora_adapters(
+    adapters: &HashMap<String, String>,
+    models: &[String],
+) -> Result<(), ConfigProblem> {
+    let mut names: Vec<&String> = adapters.keys().collect();
+    names.sort();
+    for adapter in names {
+        let base = &adapters[adapter];
+        if adapter.is_empty() {
+            return Err(ConfigProblem("lora_adapters: an adapter name is empty".into()));
+        }
+        if models.contains(adapter) {
+            return Err(ConfigProblem(format!(
+                "lora_adapters: {adapter:?} is also a model in models"
+            )));
+        }
+        if !models.contains(base) {
+            return Err(ConfigProblem(format!(
+                "lora_adapters: {adapter:?}'s base model {base:?} is not in models"
+            )));
+        }
     }
     Ok(())
 }
@@ -1612,12 +1644,21 @@ impl Gateway {
                 }
             };
         }
-        let data: Vec<Value> = self
+        let mut data: Vec<Value> = self
             .config
             .models
             .iter()
             .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "llmsched"}))
             .collect();
+        // Adapters as vLLM lists them: with their base model as `parent`.
+        let mut adapters: Vec<_> = self.config.lora_adapters.iter().collect();
+        adapters.sort();
+        data.extend(adapters.into_iter().map(|(adapter, base)| {
+            json!({
+                "id": adapter, "object": "model", "created": 0, "owned_by": "llmsched",
+                "parent": base,
+            })
+        }));
         self.counters.requests.inc(&["models", "200"]);
         json_answer(StatusCode::OK, &json!({"object": "list", "data": data}))
     }
@@ -1715,7 +1756,9 @@ impl Gateway {
             }
         };
         let model = model.as_deref();
-        if let Some(model) = model.filter(|m| !self.models.is_empty() && !self.models.contains(*m))
+        let adapter = model.filter(|m| self.config.lora_adapters.contains_key(*m));
+        if let Some(model) = model
+            .filter(|m| !self.models.is_empty() && !self.models.contains(*m) && adapter.is_none())
         {
             // A configured key is never echoed back.
             let named = if self.keys.identify(model).is_some() { "<redacted>" } else { model };
@@ -1814,7 +1857,13 @@ impl Gateway {
             })?),
         };
         let meta = RequestMeta {
-            model: model.map(str::to_owned),
+            // An adapter is served by its base model's engines; its cache blocks are keyed
+            // by its name.
+            model: match adapter {
+                Some(adapter) => self.config.lora_adapters.get(adapter).cloned(),
+                None => model.map(str::to_owned),
+            },
+            lora: adapter.map(str::to_owned),
             session_id: session.map(str::to_owned),
             // vLLM salts the prompt's first block with it: a salted prompt shares no block
             // with the same prompt unsalted or under another salt.

@@ -544,9 +544,14 @@ class Gateway:
             self._authenticate(request)
         except Refusal as refusal:
             return self.refuse("models", refusal)
-        data = [
+        data: list[dict[str, object]] = [
             {"id": m, "object": "model", "created": 0, "owned_by": "llmsched"}
             for m in self.config.models
+        ]
+        # Adapters as vLLM lists them: with their base model as ``parent``.
+        data += [
+            {"id": a, "object": "model", "created": 0, "owned_by": "llmsched", "parent": base}
+            for a, base in sorted(self.config.lora_adapters.items())
         ]
         self.metrics.requests.labels("models", "200").inc()
         return web.json_response({"object": "list", "data": data})
@@ -626,7 +631,7 @@ class Gateway:
         model = payload.get("model")
         if not isinstance(model, str):
             raise Refusal(400, "invalid_request_error", "'model' must be a string", param="model")
-        if model not in self.config.models:
+        if model not in self.config.models and model not in self.config.lora_adapters:
             raise Refusal(
                 404, "model_not_found", f"model {model!r} is not served here", param="model"
             )
@@ -638,7 +643,8 @@ class Gateway:
                 tokens=pick_args.get("tokens"),
                 text=pick_args.get("text"),
                 messages=pick_args.get("messages"),
-                model=model,
+                model=pick_args["model"],
+                lora=pick_args.get("lora"),
                 tenant=tenant,
                 priority=priority,
                 session_id=pick_args.get("session_id"),
@@ -867,6 +873,12 @@ class Gateway:
         request: web.Request,
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"model": model, "priority": priority}
+        base = self.config.lora_adapters.get(model)
+        if base is not None:
+            # An adapter is served by its base model's engines; its cache blocks are keyed
+            # by its name.
+            args["model"] = base
+            args["lora"] = model
         if prompt.tokens is not None:
             args["tokens"] = prompt.tokens
         elif prompt.text is not None:

@@ -276,6 +276,12 @@ class ClusterConfig:
 class GatewayConfig:
     """The whole gateway configuration. Build it with :func:`load_config`.
 
+    ``models``: the model names requests may ask for; ``lora_adapters``: LoRA adapters the
+    engines serve, each mapped to its base model (one of ``models``). A request naming an
+    adapter goes to its base model's engines, is forwarded as sent, and its prompt is
+    hashed, matched and recorded under the adapter's name, as vLLM keys the adapter's cache
+    blocks (and names it in its KV events); ``/v1/models`` lists each adapter with its base
+    as ``parent``.
     ``data_plane``: who serves requests, ``native`` (the default: the Rust data plane in the
     same process, :mod:`llmsched.gateway.native`) or ``python`` (the aiohttp gateway,
     :mod:`llmsched.gateway.app`); both serve every section of the config;
@@ -301,6 +307,7 @@ class GatewayConfig:
 
     engines: tuple[EngineSpec, ...]
     models: tuple[str, ...]
+    lora_adapters: Mapping[str, str] = field(default_factory=dict)
     listen: ListenConfig = ListenConfig()
     block_size: int = 16
     tokenizer: Path | None = None
@@ -335,6 +342,7 @@ _TOP_KEYS = frozenset(
         "listen",
         "engines",
         "models",
+        "lora_adapters",
         "block_size",
         "tokenizer",
         "tokenizer_cache_bytes",
@@ -397,6 +405,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     return GatewayConfig(
         engines=engines,
         models=models,
+        lora_adapters=_lora_adapters(raw.get("lora_adapters"), models),
         listen=_listen(_section(raw, "listen")),
         block_size=block_size,
         tokenizer=tokenizer,
@@ -772,6 +781,23 @@ def _models(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(m, str) and m for m in value):
         raise ConfigError("models: must list at least one model name")
     return tuple(value)
+
+
+def _lora_adapters(value: Any, models: tuple[str, ...]) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError("lora_adapters: must map each adapter's name to its base model")
+    out: dict[str, str] = {}
+    for adapter, base in value.items():
+        if not isinstance(adapter, str) or not adapter or not isinstance(base, str):
+            raise ConfigError("lora_adapters: must map each adapter's name to its base model")
+        if adapter in models:
+            raise ConfigError(f"lora_adapters: {adapter!r} is also a model in models")
+        if base not in models:
+            raise ConfigError(f"lora_adapters: {adapter!r}'s base model {base!r} is not in models")
+        out[adapter] = base
+    return out
 
 
 def _tokenizer(value: Any, base: Path) -> Path | None:

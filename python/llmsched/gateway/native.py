@@ -181,6 +181,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
     return {
         "engines": [{"id": spec.worker_id, "url": spec.base_url} for spec in engines],
         "models": list(config.models),
+        "lora_adapters": dict(config.lora_adapters),
         "max_body": limits.max_body_bytes,
         "retries": config.retries.max_attempts - 1,
         "retry_on_5xx": config.retries.on_5xx,
