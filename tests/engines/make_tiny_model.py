@@ -8,7 +8,9 @@ The model is about 0.85 M parameters by default (hidden size 128, 2 layers, 2 he
 ``--hidden``/``--layers`` make larger ones for benchmarks), random weights from a fixed seed;
 the tokenizer is a byte-level BPE trained on generated text, saved as a
 ``PreTrainedTokenizerFast`` with a small chat template. Output is deterministic for a given
-seed, so two engines started from the same directory agree on every token.
+seed, so two engines started from the same directory agree on every token. With
+``--lora-of MODEL_DIR`` it writes a random LoRA adapter of that model to ``OUT_DIR``
+instead.
 """
 
 from __future__ import annotations
@@ -115,16 +117,59 @@ def make_model(
     model.save_pretrained(out)
 
 
+def make_lora_adapter(model_dir: Path, out: Path, seed: int, rank: int = 8) -> None:
+    """A random LoRA adapter of the model in ``model_dir`` (its attention's query and value
+    projections), written as PEFT writes one, which vLLM loads with ``--lora-modules``."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    kv_width = config["num_key_value_heads"] * config["head_dim"]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for name, width in (("q_proj", hidden), ("v_proj", kv_width)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            a = torch.randn(rank, hidden, generator=generator) * 0.02
+            b = torch.randn(width, rank, generator=generator) * 0.02
+            tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": str(model_dir),
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lora-of", type=Path, default=None, help="write a LoRA adapter of this model instead"
+    )
     # Larger shapes for benchmarks where prefill should dominate a CPU engine's time.
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (heads of 64)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP size (2x hidden)")
     parser.add_argument("--max-positions", type=int, default=2048, help="context length")
     args = parser.parse_args()
+    if args.lora_of is not None:
+        make_lora_adapter(args.lora_of, args.out, args.seed)
+        print(args.out)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     make_tokenizer(args.out, args.seed)
     make_model(args.out, args.seed, args.hidden, args.layers, args.intermediate, args.max_positions)

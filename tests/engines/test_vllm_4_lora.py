@@ -1,0 +1,120 @@
+"""`llmsched serve` in front of a real vLLM engine serving a LoRA adapter: vLLM keys the
+adapter's cache blocks by its name (and says so in its KV events), and the gateway, told the
+adapter's base model (`lora_adapters`), hashes, records and matches the adapter's requests
+under that name, so its predictions equal the engine's own prefix-cache hits."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .gateway_thread import GatewayThread, gateway_config
+from .vllm_engine import (
+    BLOCK_SIZE,
+    MODEL_NAME,
+    STARTUP_CAP_S,
+    VllmEngine,
+    scaled,
+    start_engines,
+    vllm_python,
+)
+
+ADAPTER = "sql"
+VOCAB = 512
+
+
+def make_lora_adapter(model_dir: Path, out: Path) -> Path:
+    script = Path(__file__).with_name("make_tiny_model.py")
+    command = [str(vllm_python()), str(script), str(out), "--lora-of", str(model_dir)]
+    done = subprocess.run(command, capture_output=True, timeout=STARTUP_CAP_S)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
+    """One engine serving the tiny model and a random LoRA adapter of it."""
+    adapter = make_lora_adapter(tiny_model, tmp_path_factory.mktemp("lora-adapter"))
+    logs = tmp_path_factory.mktemp("lora-engine-logs")
+    engine = VllmEngine(
+        tiny_model,
+        "lora",
+        logs / "lora.log",
+        extra_args=(
+            "--enable-lora",
+            "--lora-modules",
+            f"{ADAPTER}={adapter}",
+            "--max-lora-rank",
+            "8",
+            "--max-loras",
+            "1",
+        ),
+    )
+    start_engines([engine])
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(lora_engine: VllmEngine, tiny_model: Path) -> Iterator[GatewayThread]:
+    config = gateway_config([lora_engine], str(tiny_model), lora_adapters={ADAPTER: MODEL_NAME})
+    runner = GatewayThread(config)
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
+def held(gateway: GatewayThread, prompt: list[int], lora: str | None) -> int:
+    """Blocks of ``prompt`` the gateway's index says the engine holds, under ``lora``."""
+    index = gateway.gateway.index
+    worker = gateway.gateway.config.engines[0].worker_id
+    matched = index.match_tokens(np.asarray(prompt, dtype=np.uint32), lora=lora).as_dict()
+    return int(matched.get(worker, 0))
+
+
+def test_adapter_requests_route_on_the_blocks_vllm_keys_by_the_adapter(
+    lora_engine: VllmEngine, gateway: GatewayThread
+) -> None:
+    rng = random.Random(21)
+    prompt = [rng.randrange(5, VOCAB) for _ in range(4 * BLOCK_SIZE + 7)]
+    full = len(prompt) // BLOCK_SIZE
+
+    def send(model: str, tokens: list[int]) -> float:
+        """Sends a completion through the gateway; the engine's prefix-cache hits (tokens)."""
+        before = lora_engine.metric("vllm:prefix_cache_hits_total")
+        body = {"model": model, "prompt": tokens, "max_tokens": 2, "temperature": 0}
+        status, _, answer = gateway.post("/v1/completions", body)
+        assert status == 200, answer
+        return lora_engine.metric("vllm:prefix_cache_hits_total") - before
+
+    assert send(ADAPTER, prompt) == 0
+    deadline = time.monotonic() + scaled(20)
+    while time.monotonic() < deadline and held(gateway, prompt, ADAPTER) < full:
+        time.sleep(0.05)
+    assert held(gateway, prompt, ADAPTER) == full
+    # Neither the gateway's record nor the engine's events put the adapter's blocks under
+    # the base model.
+    time.sleep(0.5)
+    assert held(gateway, prompt, None) == 0
+    counters = gateway.gateway.index.stats()
+    assert counters["blocks"] >= full, counters
+    # The engine's hits are what the index predicted, under each name.
+    longer = prompt[: 3 * BLOCK_SIZE] + [rng.randrange(5, VOCAB) for _ in range(BLOCK_SIZE)]
+    predicted = min(held(gateway, longer, ADAPTER), (len(longer) - 1) // BLOCK_SIZE)
+    assert predicted == 3
+    assert send(ADAPTER, longer) == predicted * BLOCK_SIZE
+    assert held(gateway, prompt, None) == 0
+    assert send(MODEL_NAME, prompt) == 0  # the base model shares none of the adapter's blocks
+    deadline = time.monotonic() + scaled(20)
+    while time.monotonic() < deadline and held(gateway, prompt, None) < full:
+        time.sleep(0.05)
+    assert send(MODEL_NAME, prompt) == min(full, (len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE
