@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _chat_kwargs import KWARGS_CASES, KWARGS_DEFAULTS, KWARGS_TEMPLATE
 from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
 
 from llmsched import _llmsched
@@ -711,6 +712,110 @@ def test_the_gateway_routes_truncated_prompts_by_what_the_engine_keeps(tmp_path:
             assert all(len(home) == 1 for home in homes), homes
 
     run(ids_body())
+
+
+def test_an_engine_template_and_default_kwargs_merge_as_vllm_merges_them(tmp_path: Path) -> None:
+    """``chat_template`` (vLLM's ``--chat-template``) replaces the directory's template and
+    ``default_chat_template_kwargs`` (``--default-chat-template-kwargs``) sit under each
+    request's kwargs, on both planes, merged as vLLM 0.32 merges them: a kwarg of None or
+    ``"auto"`` leaves the default, a ``tools`` kwarg overrides the request's tools, the
+    arguments transformers takes for itself (``padding``) are no variables, and a
+    ``messages`` kwarg is refused. The expected lines are vLLM's own renders."""
+    directory = write_tokenizer(tmp_path / "tok")
+    python = PromptTokenizer(
+        directory, chat_template=KWARGS_TEMPLATE, default_chat_template_kwargs=KWARGS_DEFAULTS
+    )
+    native = NativePromptTokenizer(
+        str(directory),
+        chat_template=KWARGS_TEMPLATE,
+        default_chat_template_kwargs=json.dumps(KWARGS_DEFAULTS),
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    for fields, first_line in KWARGS_CASES:
+        body = {"messages": messages, **fields}
+        text = python.render_chat_request(body)
+        assert text.split("\n")[0] == "<s>" + first_line, fields
+        assert native.render_chat(json.dumps(body)) == text, fields
+        assert native.chat_tokens(json.dumps(body)) == python.chat_request_tokens(body)
+    bad = {"messages": messages, "chat_template_kwargs": {"messages": []}}
+    with pytest.raises(PromptError, match="may not set 'messages'"):
+        python.render_chat_request(bad)
+    with pytest.raises(InvalidRequestError, match="may not set 'messages'"):
+        native.render_chat(json.dumps(bad))
+    for wrong in ('{"tokenize": true}', "[1]", "{"):
+        with pytest.raises(ConfigError, match="default_chat_template_kwargs"):
+            NativePromptTokenizer(str(directory), default_chat_template_kwargs=wrong)
+    with pytest.raises(ConfigError, match="default_chat_template_kwargs"):
+        PromptTokenizer(directory, default_chat_template_kwargs={"messages": []})
+
+
+def test_the_gateway_config_reads_an_engine_template_and_default_kwargs(tmp_path: Path) -> None:
+    from llmsched.gateway.config import load_config
+
+    directory = write_tokenizer(tmp_path / "tok")
+    (tmp_path / "template.jinja").write_text(KWARGS_TEMPLATE)
+    base = {"engines": [{"host": "127.0.0.1", "port": 9}], "models": [MODEL]}
+    config_file = tmp_path / "gateway.yaml"
+    config_file.write_text(
+        json.dumps(
+            {
+                **base,
+                "tokenizer": "tok",
+                "chat_template": "template.jinja",
+                "default_chat_template_kwargs": KWARGS_DEFAULTS,
+            }
+        )
+    )
+    config = load_config(config_file)
+    assert config.chat_template == KWARGS_TEMPLATE
+    assert config.default_chat_template_kwargs == KWARGS_DEFAULTS
+    literal = load_config({**base, "tokenizer": str(directory), "chat_template": "{{ x }}"})
+    assert literal.chat_template == "{{ x }}"
+    for bad, problem in (
+        ({"tokenizer": str(directory), "chat_template": "chatml"}, "no file"),
+        ({"chat_template": "{{ x }}"}, "needs a tokenizer"),
+        ({"tokenizer": str(directory), "default_chat_template_kwargs": [1]}, "must be a mapping"),
+        ({"tokenizer": str(directory), "default_chat_template_kwargs": {"tokenize": 1}}, "may not"),
+    ):
+        with pytest.raises(ConfigError, match=problem):
+            load_config({**base, **bad})
+
+
+@pytest.mark.usefixtures("plane")
+def test_the_gateway_routes_chats_on_the_engines_template(tmp_path: Path) -> None:
+    """Through the gateway: chats rendered with the configured template and default kwargs
+    (what the engines render) share their beginning by conversation and go to one engine
+    each; the index holds the ids of that render."""
+    directory = write_tokenizer(tmp_path / "tok")
+    template = KWARGS_TEMPLATE.replace("[pad=", "[pad-{{ mode }}=")
+    python = PromptTokenizer(
+        directory, chat_template=template, default_chat_template_kwargs=KWARGS_DEFAULTS
+    )
+    rng = random.Random(13)
+    systems = [{"role": "system", "content": _sentence(rng, 60)} for _ in range(4)]
+
+    async def body() -> None:
+        async with rig(
+            engines=3,
+            tokenizer=str(directory),
+            chat_template=template,
+            default_chat_template_kwargs=KWARGS_DEFAULTS,
+        ) as r:
+            for turn in range(2):
+                for system in systems:
+                    messages = [system, {"role": "user", "content": f"turn {turn}"}]
+                    request = {"model": MODEL, "max_tokens": 2, "messages": messages}
+                    async with r.client.post(
+                        r.url("/v1/chat/completions"), json=request
+                    ) as response:
+                        assert response.status == 200, await response.text()
+                    engine = r.engine_of_request()
+                    worker = r.gateway.config.engines[r.engines.index(engine)].worker_id
+                    ids = python.chat_request_tokens({"messages": messages})
+                    held = r.gateway.index.match_tokens(ids).as_dict()
+                    assert held.get(worker, 0) == len(ids) // 4, (held, worker)
+
+    run(body())
 
 
 # Templates whose content format vLLM 0.32 detects as given (tests/engines checks these

@@ -1102,13 +1102,18 @@ class NativePromptTokenizer:
         directory: str,
         cache_bytes: int = 33554432,
         content_format: Literal["auto", "string", "openai"] = "auto",
+        chat_template: str | None = None,
+        default_chat_template_kwargs: str | None = None,
     ) -> NativePromptTokenizer:
         """Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded
         or its chat template cannot be rendered (probe conversations are rendered). Chat
         prompts go through a piece cache of `cache_bytes` (0: none) where the tokenizer's
         piecewise encoding is proved exact at load. `content_format`: `"auto"` (detected
         from the template as vLLM detects it), `"string"` or `"openai"` (as vLLM's
-        `--chat-template-content-format` sets it)."""
+        `--chat-template-content-format` sets it). `chat_template`: a template's text in
+        place of the directory's own (vLLM's `--chat-template`);
+        `default_chat_template_kwargs`: a JSON object's text, the variables under every
+        request's (vLLM's `--default-chat-template-kwargs`)."""
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be tokenized."""

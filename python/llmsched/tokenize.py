@@ -128,12 +128,23 @@ class PromptTokenizer:
         content_format: how the chat template takes a message's list content, as vLLM's
             ``--chat-template-content-format`` sets it for the engine: ``"auto"`` (detected
             from the template as vLLM detects it), ``"string"`` or ``"openai"``.
+        chat_template: a template's text in place of the directory's own, as vLLM's
+            ``--chat-template`` sets it for the engine.
+        default_chat_template_kwargs: template variables under every request's
+            ``chat_template_kwargs`` and fields, as vLLM's ``--default-chat-template-kwargs``
+            sets them.
 
     Raises :class:`~llmsched.errors.ConfigError` when the directory cannot be loaded or its
     chat template does not compile.
     """
 
-    def __init__(self, directory: str | Path, content_format: str = "auto") -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        content_format: str = "auto",
+        chat_template: str | None = None,
+        default_chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         if content_format not in ("auto", "string", "openai"):
             raise ConfigError(
                 f"content_format: must be one of auto, string, openai, got {content_format!r}"
@@ -158,7 +169,16 @@ class PromptTokenizer:
         self._special = {
             key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))
         }
-        source = _chat_template_source(path, config)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ConfigError("chat_template: must be the template's text")
+        defaults = dict(default_chat_template_kwargs or {})
+        if not isinstance(default_chat_template_kwargs or {}, Mapping):
+            raise ConfigError("default_chat_template_kwargs: must be a mapping")
+        for name in ("chat_template", "tokenize", "messages"):
+            if name in defaults:
+                raise ConfigError(f"default_chat_template_kwargs: may not set {name!r}")
+        self._defaults = defaults
+        source = chat_template if chat_template is not None else _chat_template_source(path, config)
         self._template: jinja2.Template | None = None
         self._content_format: ContentFormat = "string"
         self._developer_role = source is not None and _names_developer_role(source)
@@ -243,8 +263,9 @@ class PromptTokenizer:
     ) -> str:
         """The chat template's text for ``messages`` with ``add_generation_prompt=True``.
 
-        ``extra``: further template variables, as given (``add_generation_prompt``, true
-        unless set, ``tools`` and ``documents``, none unless set, among them). The messages
+        ``extra``: further template variables, as given, over the default kwargs
+        (``add_generation_prompt``, true unless set, ``tools`` and ``documents``, none unless
+        set, among them). The messages
         are built as vLLM builds them (see the module docstring). A conversation holding a
         media part (an image, audio, video or embeddings) renders up to that part (for the
         ``string`` content format, the start of its message, where vLLM puts the media's
@@ -254,7 +275,7 @@ class PromptTokenizer:
         """
         if extra is not None and not isinstance(extra, Mapping):
             raise InvalidTypeError(f"extra must be a mapping or None, got {type(extra).__name__}")
-        variables = dict(extra or {})
+        variables = {**self._defaults, **(extra or {})}
         # As transformers' apply_chat_template passes them: defined, even when none.
         for name, default in (
             ("add_generation_prompt", True),
@@ -281,7 +302,7 @@ class PromptTokenizer:
         ``enable_thinking`` from it unless a kwarg sets it), and ``continue_final_message``
         (the text ends where the last message's content does). A field of the wrong shape
         is a :class:`PromptError`."""
-        chat = _ChatRequest.read(request)
+        chat = _ChatRequest.read(request, self._defaults)
         return self._render(
             chat.messages, chat.variables, continue_final_message=chat.continue_final_message
         )
@@ -289,7 +310,7 @@ class PromptTokenizer:
     def chat_request_tokens(self, request: Mapping[str, Any]) -> list[int]:
         """The ids of a ``/v1/chat/completions`` request body (:meth:`render_chat_request`),
         encoded with special tokens only when the request's ``add_special_tokens`` says so."""
-        chat = _ChatRequest.read(request)
+        chat = _ChatRequest.read(request, self._defaults)
         text = self._render(
             chat.messages, chat.variables, continue_final_message=chat.continue_final_message
         )
@@ -389,7 +410,12 @@ class _ChatRequest:
         self.truncation = truncation
 
     @classmethod
-    def read(cls, request: Mapping[str, Any]) -> _ChatRequest:
+    def read(cls, request: Mapping[str, Any], defaults: Mapping[str, Any]) -> _ChatRequest:
+        """The request's fields over its ``chat_template_kwargs`` over ``defaults`` (the
+        engines' default kwargs), as vLLM 0.32 merges them (``build_chat_params``,
+        ``preprocess_chat``, ``ChatParams.with_defaults``): a request field of None leaves
+        the kwarg; a kwarg of None or ``"auto"`` is left out (the default, if any, stays);
+        the request's ``tools`` sit with the defaults, so a ``tools`` kwarg overrides them."""
         if not isinstance(request, Mapping):
             raise InvalidTypeError(
                 f"request must be a mapping (a chat request body), got {type(request).__name__}"
@@ -400,7 +426,8 @@ class _ChatRequest:
             kwargs = {}
         if not isinstance(kwargs, Mapping):
             raise PromptError("chat_template_kwargs must be an object")
-        for name in ("chat_template", "tokenize"):
+        # vLLM refuses the first two; the third meets the conversation's own argument.
+        for name in ("chat_template", "tokenize", "messages"):
             if name in kwargs:
                 raise PromptError(f"chat_template_kwargs may not set {name!r}")
 
@@ -418,38 +445,63 @@ class _ChatRequest:
             raise PromptError(
                 "continue_final_message and add_generation_prompt cannot both be true"
             )
-        variables = {
-            k: v for k, v in kwargs.items() if k not in _HF_NAMED_ARGUMENTS or k == "documents"
-        }
-        variables["add_generation_prompt"] = add_generation_prompt
-        variables["tools"] = _vllm_tools(request.get("tools"))
+        merged = dict(kwargs)
+        merged["add_generation_prompt"] = add_generation_prompt
         documents = request.get("documents")
         if documents is not None:
             if not isinstance(documents, list) or not all(
                 isinstance(d, Mapping) for d in documents
             ):
                 raise PromptError("documents must be a list of objects")
-            variables["documents"] = documents
-        variables.setdefault("documents", None)
+            merged["documents"] = documents
         effort = request.get("reasoning_effort")
         if effort is not None:
             if effort not in _REASONING_EFFORTS:
                 raise PromptError(
                     f"reasoning_effort must be one of {', '.join(_REASONING_EFFORTS)}"
                 )
-            variables["reasoning_effort"] = effort
+            merged["reasoning_effort"] = effort
             if "enable_thinking" not in kwargs:
-                variables["enable_thinking"] = effort != "none"
-        truncation = Truncation.read(
-            request.get("truncate_prompt_tokens"), request.get("truncation_side")
-        )
+                merged["enable_thinking"] = effort != "none"
+        variables = dict(defaults)
+        tools = _vllm_tools(request.get("tools"))
+        if tools is not None:
+            variables["tools"] = tools
+        variables.update((k, v) for k, v in merged.items() if not _unset(v))
+        for name in _APPLY_ARGUMENTS:
+            variables.pop(name, None)
+        # As transformers' apply_chat_template passes them: defined, even when none.
+        variables.setdefault("tools", None)
+        variables.setdefault("documents", None)
         return cls(
             messages,
             variables,
             continue_final_message,
             flag("add_special_tokens", False),
-            truncation,
+            Truncation.read(request.get("truncate_prompt_tokens"), request.get("truncation_side")),
         )
+
+
+def _unset(value: object) -> bool:
+    """What vLLM's ``merge_kwargs`` leaves out of the overrides: None and ``"auto"``."""
+    return value is None or (isinstance(value, str) and value == "auto")
+
+
+_APPLY_ARGUMENTS = frozenset(
+    {
+        "chat_template",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""Arguments of transformers' ``apply_chat_template`` that never reach the template."""
 
 
 class Truncation:
@@ -501,14 +553,6 @@ class Truncation:
         if self.side == "right":
             return ids[: self.keep]
         return ids[len(ids) - self.keep :]
-
-
-_HF_NAMED_ARGUMENTS = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
-)
-"""Template variables set by the request's own fields, not by ``chat_template_kwargs``
-(transformers' ``apply_chat_template`` takes them as arguments; ``documents`` is read from
-the kwargs when the request has none)."""
 
 
 def _vllm_tools(tools: object) -> list[dict[str, Any]] | None:

@@ -741,6 +741,8 @@ class NativeGatewayConfig(TypedDict):
     tokenizer: str | None
     tokenizer_cache_bytes: int
     chat_template_content_format: str
+    chat_template: str | None
+    default_chat_template_kwargs: dict[str, Any] | None
     slices: NativeSlicesConfig | None
     admin: NativeAdminConfig | None
     record_unread_prefixes: bool

@@ -58,8 +58,14 @@ class GatewayThread:
         self.call(self.gateway.start())
         tokenizer = self.gateway.config.tokenizer
         # The ids the native plane routes on come from its own tokenizer.
+        config = self.gateway.config
+        defaults = config.default_chat_template_kwargs
         self._native_tokenizer = (
-            _llmsched.NativePromptTokenizer(str(tokenizer))
+            _llmsched.NativePromptTokenizer(
+                str(tokenizer),
+                chat_template=config.chat_template,
+                default_chat_template_kwargs=json.dumps(defaults) if defaults else None,
+            )
             if isinstance(self.gateway, NativeGateway) and tokenizer is not None
             else None
         )

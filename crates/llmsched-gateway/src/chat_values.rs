@@ -360,28 +360,40 @@ impl Object for Members {
     }
 }
 
-/// The variables of one render, as transformers' `apply_chat_template` sets them for vLLM:
-/// `messages`, `tools` and `documents` (none when the request has none: defined, as
-/// transformers passes them), `add_generation_prompt` (the request's own field), then the
-/// variables the request's `reasoning_effort` sets, then the request's
-/// `chat_template_kwargs` (the names above excepted, and `continue_final_message`, which
-/// transformers consumes), then the tokenizer's special tokens. So a kwarg overrides a
-/// special token of its name. Built per render without copying the special tokens (shared)
-/// or the kwargs (looked up in place).
+/// The variables of one render, as vLLM 0.32 hands them to transformers'
+/// `apply_chat_template` (`OnlineRenderer.preprocess_chat`, `ChatParams.with_defaults`):
+///
+/// - `messages`; `add_generation_prompt` (the request's own field);
+/// - the request's `chat_template_kwargs`, a value of `None` or `"auto"` left out (vLLM's
+///   `merge_kwargs` drops such overrides), over the engines' default kwargs, over the
+///   tokenizer's special tokens: so a kwarg overrides a default, and either a special token,
+///   of its name;
+/// - `tools`: a kwarg of that name, else the request's `tools`, else a default, else none;
+///   `documents`: the request's, else a kwarg, else a default, else none (both defined, as
+///   transformers passes them);
+/// - `reasoning_effort` and `enable_thinking` from the request's `reasoning_effort` over the
+///   kwargs;
+/// - the names transformers' `apply_chat_template` takes as its own arguments
+///   (`continue_final_message`, `padding`, ...) are no template variables.
+///
+/// Built per render without copying the special tokens (shared) or the kwargs (looked up in
+/// place).
 #[derive(Debug)]
 pub struct ChatContext {
     /// The messages, as the template iterates them.
     pub messages: Value,
-    /// `tools`.
-    pub tools: Value,
-    /// `documents`.
-    pub documents: Value,
+    /// The request's `tools`, as vLLM hands them on.
+    pub tools: Option<Value>,
+    /// The request's `documents`.
+    pub documents: Option<Value>,
     /// `add_generation_prompt`.
     pub add_generation_prompt: bool,
     /// `reasoning_effort` and `enable_thinking`, when the request sets them.
     pub reasoning: Vec<(&'static str, Value)>,
     /// The request's `chat_template_kwargs`, when a map.
     pub extra: Option<Value>,
+    /// The engines' default `chat_template_kwargs`, when set (a map).
+    pub defaults: Option<Value>,
     /// The tokenizer's special tokens (`bos_token`, ...) and their texts.
     pub special: Arc<[(String, Value)]>,
 }
@@ -389,10 +401,30 @@ pub struct ChatContext {
 /// The variable the request's own field sets.
 const ADD_GENERATION_PROMPT: &str = "add_generation_prompt";
 
+/// Arguments of transformers' `apply_chat_template` that never reach the template.
+const APPLY_ARGUMENTS: [&str; 10] = [
+    "chat_template",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+];
+
 impl ChatContext {
+    /// A request kwarg, unless vLLM drops it (`None` or `"auto"`).
     fn extra(&self, key: &str) -> Option<Value> {
-        let extra = self.extra.as_ref()?;
-        extra.get_attr(key).ok().filter(|v| !v.is_undefined())
+        let value = self.extra.as_ref()?.get_attr(key).ok()?;
+        let unset = value.is_undefined() || value.is_none() || value.as_str() == Some("auto");
+        (!unset).then_some(value)
+    }
+
+    fn default(&self, key: &str) -> Option<Value> {
+        self.defaults.as_ref()?.get_attr(key).ok().filter(|v| !v.is_undefined())
     }
 }
 
@@ -404,16 +436,24 @@ impl Object for ChatContext {
     fn get_value_by_str(self: &Arc<Self>, key: &str) -> Option<Value> {
         match key {
             "messages" => return Some(self.messages.clone()),
-            "tools" => return Some(self.tools.clone()),
-            "documents" => return Some(self.documents.clone()),
             ADD_GENERATION_PROMPT => return Some(Value::from(self.add_generation_prompt)),
-            "continue_final_message" => return None,
+            "tools" => {
+                let tools = self.extra("tools").or_else(|| self.tools.clone());
+                return Some(tools.or_else(|| self.default("tools")).unwrap_or(Value::from(())));
+            }
+            "documents" => {
+                let documents = self.documents.clone().or_else(|| self.extra("documents"));
+                return Some(
+                    documents.or_else(|| self.default("documents")).unwrap_or(Value::from(())),
+                );
+            }
+            key if APPLY_ARGUMENTS.contains(&key) => return None,
             _ => {}
         }
         if let Some((_, value)) = self.reasoning.iter().find(|(name, _)| *name == key) {
             return Some(value.clone());
         }
-        if let Some(value) = self.extra(key) {
+        if let Some(value) = self.extra(key).or_else(|| self.default(key)) {
             return Some(value);
         }
         self.special.iter().find(|(name, _)| name == key).map(|(_, text)| text.clone())
@@ -422,10 +462,16 @@ impl Object for ChatContext {
     /// Every variable's name, sorted.
     fn enumerate(self: &Arc<Self>) -> Enumerator {
         let mut names: Vec<String> = self.special.iter().map(|(name, _)| name.clone()).collect();
-        if let Some(extra) = self.extra.as_ref().and_then(|e| e.try_iter().ok()) {
-            names.extend(extra.filter_map(|key| key.as_str().map(str::to_owned)));
+        let kwargs = [&self.extra, &self.defaults];
+        for map in kwargs.into_iter().flatten() {
+            if let Ok(keys) = map.try_iter() {
+                names.extend(
+                    keys.filter_map(|key| key.as_str().map(str::to_owned))
+                        .filter(|key| self.get_value_by_str(key).is_some()),
+                );
+            }
         }
-        names.retain(|name| name != "continue_final_message");
+        names.retain(|name| !APPLY_ARGUMENTS.contains(&name.as_str()));
         names.extend(["messages", "tools", "documents", ADD_GENERATION_PROMPT].map(str::to_owned));
         names.extend(self.reasoning.iter().map(|(name, _)| (*name).to_owned()));
         names.sort_unstable();
@@ -584,39 +630,45 @@ mod tests {
         }
     }
 
-    fn context(extra: Option<&str>, tools: Option<&str>) -> Value {
+    fn context(extra: Option<&str>, tools: Option<&str>, defaults: Option<&str>) -> Value {
         let special: Arc<[(String, Value)]> =
             Arc::from(vec![("bos_token".to_owned(), Value::from("<s>"))]);
         Value::from_object(ChatContext {
             messages: value(r#"[{"role": "user", "content": "hi"}]"#),
-            tools: tools.map_or(Value::from(()), value),
-            documents: Value::from(()),
+            tools: tools.map(value),
+            documents: None,
             add_generation_prompt: true,
             reasoning: vec![("reasoning_effort", Value::from("low"))],
             extra: extra.map(value),
+            defaults: defaults.map(value),
             special,
         })
     }
 
     #[test]
     fn variables_resolve_in_the_documented_order() {
-        let plain = context(None, None);
+        let plain = context(None, None, None);
         assert_eq!(plain.get_attr("bos_token").unwrap(), Value::from("<s>"));
         assert_eq!(plain.get_attr(ADD_GENERATION_PROMPT).unwrap(), Value::from(true));
         assert!(plain.get_attr("tools").unwrap().is_none());
         assert!(plain.get_attr("documents").unwrap().is_none());
         assert!(plain.get_attr("nothing").unwrap().is_undefined());
-        let kwargs = r#"{"bos_token": "B", "add_generation_prompt": false, "tools": "kw",
-            "messages": "kw", "flag": 1, "reasoning_effort": "high", "continue_final_message": true}"#;
-        let set = context(Some(kwargs), None);
+        let kwargs = r#"{"bos_token": "B", "add_generation_prompt": false, "flag": 1,
+            "reasoning_effort": "high", "continue_final_message": true, "padding": true,
+            "unset": null, "auto": "auto"}"#;
+        let set = context(Some(kwargs), None, None);
         assert_eq!(set.get_attr("bos_token").unwrap(), Value::from("B"));
         assert_eq!(set.get_attr(ADD_GENERATION_PROMPT).unwrap(), Value::from(true));
         assert!(set.get_attr("tools").unwrap().is_none());
         assert_eq!(set.get_attr("flag").unwrap(), Value::from(1));
         assert_eq!(set.get_attr("reasoning_effort").unwrap(), Value::from("low"));
         assert!(set.get_attr("continue_final_message").unwrap().is_undefined());
+        assert!(set.get_attr("padding").unwrap().is_undefined());
+        // vLLM drops a kwarg of None or "auto": the variable is undefined, or the default.
+        assert!(set.get_attr("unset").unwrap().is_undefined());
+        assert!(set.get_attr("auto").unwrap().is_undefined());
         assert_eq!(set.get_attr("messages").unwrap().len(), Some(1));
-        let with_tools = context(Some(kwargs), Some(r#"[{"name": "f"}]"#));
+        let with_tools = context(Some(kwargs), Some(r#"[{"name": "f"}]"#), None);
         assert_eq!(with_tools.get_attr("tools").unwrap().len(), Some(1));
         let names: Vec<Value> = with_tools.try_iter().unwrap().collect();
         let expected = [
@@ -629,5 +681,22 @@ mod tests {
             "tools",
         ];
         assert_eq!(names, expected.map(Value::from));
+    }
+
+    #[test]
+    fn kwargs_override_defaults_and_the_request_s_tools() {
+        let defaults = r#"{"unset": 7, "mode": "brief", "tools": "default", "bos_token": "D",
+            "documents": "default"}"#;
+        let kwargs = r#"{"unset": null, "mode": "long", "tools": [1, 2, 3]}"#;
+        let both = context(Some(kwargs), Some(r#"[{"name": "f"}]"#), Some(defaults));
+        assert_eq!(both.get_attr("unset").unwrap(), Value::from(7));
+        assert_eq!(both.get_attr("mode").unwrap(), Value::from("long"));
+        assert_eq!(both.get_attr("tools").unwrap().len(), Some(3));
+        assert_eq!(both.get_attr("bos_token").unwrap(), Value::from("D"));
+        assert_eq!(both.get_attr("documents").unwrap(), Value::from("default"));
+        let request_tools = context(None, Some(r#"[{"name": "f"}]"#), Some(defaults));
+        assert_eq!(request_tools.get_attr("tools").unwrap().len(), Some(1));
+        let default_tools = context(Some(r#"{"tools": null}"#), None, Some(defaults));
+        assert_eq!(default_tools.get_attr("tools").unwrap(), Value::from("default"));
     }
 }

@@ -192,6 +192,12 @@ pub struct GatewayConfig {
     /// from the template as vLLM detects it.
     #[serde(deserialize_with = "content_format")]
     pub chat_template_content_format: Option<conversation::ContentFormat>,
+    /// The chat template's text in place of the tokenizer directory's own (the engines'
+    /// `--chat-template`).
+    pub chat_template: Option<String>,
+    /// Template variables under every request's `chat_template_kwargs` (a JSON object, the
+    /// engines' `--default-chat-template-kwargs`).
+    pub default_chat_template_kwargs: Option<Box<serde_json::value::RawValue>>,
     /// Token slices ([`slicing`]); `None`: off.
     pub slices: Option<slicing::SlicesConfig>,
     /// The admin API ([`admin`]); `None`: its routes do not exist.
@@ -239,6 +245,8 @@ impl Default for GatewayConfig {
             tokenizer: None,
             tokenizer_cache_bytes: tokcache::DEFAULT_CAPACITY,
             chat_template_content_format: None,
+            chat_template: None,
+            default_chat_template_kwargs: None,
             slices: None,
             admin: None,
             record_unread_prefixes: false,
@@ -574,11 +582,16 @@ fn build(
     let tokenizer = match &config.tokenizer {
         None => None,
         Some(directory) => Some(
-            tokenize::PromptTokenizer::load_with_cache(
+            tokenize::PromptTokenizer::load_with_template(
                 std::path::Path::new(directory),
                 config.tokenizer_cache_bytes,
+                config.chat_template.as_deref(),
             )
             .map(|tokenizer| tokenizer.with_content_format(config.chat_template_content_format))
+            .and_then(|tokenizer| match &config.default_chat_template_kwargs {
+                Some(kwargs) => tokenizer.with_default_kwargs(kwargs.get()),
+                None => Ok(tokenizer),
+            })
             .map_err(|e| ConfigProblem(format!("tokenizer: {e}")))?,
         ),
     };

@@ -94,6 +94,8 @@ pub struct PromptTokenizer {
     reads_content: bool,
     /// Chat prompts' ids through the piece cache ([`crate::tokcache`]).
     pieces: PieceEncoder,
+    /// The engines' `--default-chat-template-kwargs` (a map), under every request's.
+    default_kwargs: Option<Value>,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -182,14 +184,15 @@ impl<'a> ChatRequest<'a> {
         let kwarg = |name: &str| {
             extra.as_ref().and_then(|e| e.get_attr(name).ok()).filter(|v| !v.is_undefined())
         };
-        for name in ["chat_template", "tokenize"] {
+        // vLLM refuses the first two; the third meets the conversation's own argument.
+        for name in ["chat_template", "tokenize", "messages"] {
             if kwarg(name).is_some() {
                 return Err(PromptProblem(format!("chat_template_kwargs may not set '{name}'")));
             }
         }
         let tools = match self.tools {
-            Some(raw) => vllm_tools(&value(raw)?).map_err(PromptProblem)?,
-            None => Value::from(()),
+            Some(raw) => Some(vllm_tools(&value(raw)?).map_err(PromptProblem)?),
+            None => None,
         };
         let documents = match self.documents {
             Some(raw) => {
@@ -203,9 +206,9 @@ impl<'a> ChatRequest<'a> {
                 if !objects {
                     return Err(PromptProblem("documents must be a list of objects".into()));
                 }
-                documents
+                Some(documents)
             }
-            None => kwarg("documents").unwrap_or(Value::from(())),
+            None => None,
         };
         let mut reasoning = Vec::new();
         if let Some(raw) = self.reasoning_effort {
@@ -249,10 +252,10 @@ const REASONING_EFFORTS: [&str; 7] = ["none", "minimal", "low", "medium", "high"
 /// What a chat request sets besides its messages ([`ChatRequest::options`]).
 #[derive(Debug)]
 pub struct ChatOptions {
-    /// `tools` as vLLM hands them on (none when absent).
-    pub tools: Value,
-    /// `documents` (none when absent).
-    pub documents: Value,
+    /// The request's `tools` as vLLM hands them on.
+    pub tools: Option<Value>,
+    /// The request's `documents`.
+    pub documents: Option<Value>,
     /// `add_generation_prompt`.
     pub add_generation_prompt: bool,
     /// Whether the text ends where the last message's content does.
@@ -271,8 +274,8 @@ impl Default for ChatOptions {
     /// A request with messages alone: the assistant's header added, nothing else set.
     fn default() -> ChatOptions {
         ChatOptions {
-            tools: Value::from(()),
-            documents: Value::from(()),
+            tools: None,
+            documents: None,
             add_generation_prompt: true,
             continue_final_message: false,
             add_special_tokens: false,
@@ -299,6 +302,17 @@ impl PromptTokenizer {
     pub fn load_with_cache(
         directory: &Path,
         cache_bytes: usize,
+    ) -> Result<PromptTokenizer, String> {
+        PromptTokenizer::load_with_template(directory, cache_bytes, None)
+    }
+
+    /// Loads a `save_pretrained` directory as [`PromptTokenizer::load_with_cache`] does, with
+    /// `chat_template` (the engines' `--chat-template`, as its text) in place of the
+    /// directory's own template when given.
+    pub fn load_with_template(
+        directory: &Path,
+        cache_bytes: usize,
+        chat_template: Option<&str>,
     ) -> Result<PromptTokenizer, String> {
         let file = directory.join("tokenizer.json");
         let mut tokenizer = Tokenizer::from_file(&file)
@@ -332,7 +346,10 @@ impl PromptTokenizer {
                 text.filter(|t| !t.is_empty()).map(|t| ((*key).to_owned(), t))
             })
             .collect();
-        let source = chat_template_source(directory, &config)?;
+        let source = match chat_template {
+            Some(template) => Some(template.to_owned()),
+            None => chat_template_source(directory, &config)?,
+        };
         let content_format = source.as_deref().map_or(ContentFormat::String, |source| {
             ContentFormat::detect(&rewrite_generation_tags(source))
         });
@@ -353,6 +370,7 @@ impl PromptTokenizer {
             developer_role,
             reads_content,
             pieces: PieceEncoder::off("not probed yet"),
+            default_kwargs: None,
         };
         let probes = loaded.probe()?;
         loaded.pieces = PieceEncoder::new(&loaded.tokenizer, cache_bytes, &probes);
@@ -377,6 +395,26 @@ impl PromptTokenizer {
             self.content_format = format;
         }
         self
+    }
+
+    /// The tokenizer with the engines' `--default-chat-template-kwargs` (`kwargs`: a JSON
+    /// object's text, its keys' order kept): the template variables every request's
+    /// `chat_template_kwargs` and fields override. An error names the problem when `kwargs`
+    /// is not an object, or sets a name vLLM refuses.
+    pub fn with_default_kwargs(mut self, kwargs: &str) -> Result<PromptTokenizer, String> {
+        let bad = |e: &dyn std::fmt::Display| format!("default_chat_template_kwargs: {e}");
+        let raw: &RawValue = serde_json::from_str(kwargs).map_err(|e| bad(&e))?;
+        let value = template_value(raw).map_err(|e| bad(&e))?;
+        if value.kind() != ValueKind::Map {
+            return Err(bad(&"must be a mapping"));
+        }
+        for name in ["chat_template", "tokenize", "messages"] {
+            if value.get_attr(name).is_ok_and(|v| !v.is_undefined()) {
+                return Err(bad(&format!("may not set {name:?}")));
+            }
+        }
+        self.default_kwargs = Some(value);
+        Ok(self)
     }
 
     /// The special tokens the chat template sees (`bos_token`, `eos_token`, ...).
@@ -614,6 +652,7 @@ impl PromptTokenizer {
             messages,
             tools: options.tools.clone(),
             documents: options.documents.clone(),
+            defaults: self.default_kwargs.clone(),
             add_generation_prompt: options.add_generation_prompt,
             reasoning: options.reasoning.clone(),
             extra: options.extra.clone(),

@@ -315,14 +315,25 @@ impl PyNativePromptTokenizer {
     /// go through a piece cache of `cache_bytes` (0: none) where the tokenizer's piecewise
     /// encoding is proved exact at load. `content_format`: `"auto"` (detected from the
     /// template as vLLM detects it), `"string"` or `"openai"` (as vLLM's
-    /// `--chat-template-content-format` sets it).
+    /// `--chat-template-content-format` sets it). `chat_template`: a template's text in place
+    /// of the directory's own (vLLM's `--chat-template`); `default_chat_template_kwargs`: a
+    /// JSON object's text, the variables under every request's (vLLM's
+    /// `--default-chat-template-kwargs`).
     #[new]
-    #[pyo3(signature = (directory, cache_bytes=33554432, content_format="auto"))]
+    #[pyo3(signature = (
+        directory,
+        cache_bytes=33554432,
+        content_format="auto",
+        chat_template=None,
+        default_chat_template_kwargs=None,
+    ))]
     fn new(
         py: Python<'_>,
         directory: &str,
         cache_bytes: i64,
         content_format: &str,
+        chat_template: Option<&str>,
+        default_chat_template_kwargs: Option<&str>,
     ) -> PyResult<Self> {
         let cache_bytes = usize::try_from(cache_bytes).map_err(|_| {
             ConfigError::new_err(format!("cache_bytes: must be an int >= 0, got {cache_bytes}"))
@@ -338,9 +349,13 @@ impl PyNativePromptTokenizer {
             }
         };
         let path = std::path::PathBuf::from(directory);
-        let inner = detach(py, || PromptTokenizer::load_with_cache(&path, cache_bytes))?
-            .map_err(|e| ConfigError::new_err(format!("tokenizer: {e}")))?
-            .with_content_format(format);
+        let mut inner =
+            detach(py, || PromptTokenizer::load_with_template(&path, cache_bytes, chat_template))?
+                .map_err(|e| ConfigError::new_err(format!("tokenizer: {e}")))?
+                .with_content_format(format);
+        if let Some(kwargs) = default_chat_template_kwargs {
+            inner = inner.with_default_kwargs(kwargs).map_err(ConfigError::new_err)?;
+        }
         Ok(PyNativePromptTokenizer { inner })
     }
 

@@ -234,7 +234,12 @@ class Gateway:
         self.tokenizer = (
             None
             if cfg.tokenizer is None
-            else PromptTokenizer(cfg.tokenizer, content_format=cfg.chat_template_content_format)
+            else PromptTokenizer(
+                cfg.tokenizer,
+                content_format=cfg.chat_template_content_format,
+                chat_template=cfg.chat_template,
+                default_chat_template_kwargs=cfg.default_chat_template_kwargs,
+            )
         )
         self.slice_tracker = (
             SliceTracker(cfg.slices.policy, cfg.slices.params, endpoints=list(self._specs))

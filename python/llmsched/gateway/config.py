@@ -292,6 +292,13 @@ class GatewayConfig:
     completion prompts, in bytes; 0: none. It is used only where the tokenizer's piecewise
     encoding is proved exact at start-up (else a warning and ``tokenizer_cache_stats()`` say
     why);
+    ``chat_template``: the chat template as the engines were started with vLLM's
+    ``--chat-template`` (a file's path, relative to the config file, or the template's text),
+    in place of the tokenizer directory's own; ``default_chat_template_kwargs``: the
+    template variables the engines were given with ``--default-chat-template-kwargs``, under
+    every request's ``chat_template_kwargs`` (a request's kwarg of null or ``"auto"`` leaves
+    the default, as in vLLM). Both need ``tokenizer``, and both change the token ids every
+    chat is routed on: set them as the engines have them;
     ``chat_template_content_format``: how the chat template takes a message's list
     content, as the engines were started with vLLM's ``--chat-template-content-format``:
     ``auto`` (the default: detected from the template as vLLM detects it), ``string`` (the
@@ -328,6 +335,8 @@ class GatewayConfig:
     native_threads: int = 1
     tokenizer_cache_bytes: int = 32 * 1024 * 1024
     chat_template_content_format: str = "auto"
+    chat_template: str | None = None
+    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     record_unread_prefixes: bool = False
 
 
@@ -347,6 +356,8 @@ _TOP_KEYS = frozenset(
         "tokenizer",
         "tokenizer_cache_bytes",
         "chat_template_content_format",
+        "chat_template",
+        "default_chat_template_kwargs",
         "record_unread_prefixes",
         "router",
         "flow",
@@ -402,6 +413,9 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     pd = _pd(_section(raw, "pd"))
     wired = _wire_router(router, raw, block_size, flow, engines, models, tokenizer, pd)
     block_size, flow, engines, tokenizer, pd = wired
+    for key in ("chat_template", "default_chat_template_kwargs"):
+        if raw.get(key) is not None and tokenizer is None:
+            raise ConfigError(f"{key}: needs a tokenizer (it changes the chats' token ids)")
     return GatewayConfig(
         engines=engines,
         models=models,
@@ -432,6 +446,8 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         chat_template_content_format=_content_format(
             raw.get("chat_template_content_format", GatewayConfig.chat_template_content_format)
         ),
+        chat_template=_chat_template(raw.get("chat_template"), base),
+        default_chat_template_kwargs=_default_kwargs(raw.get("default_chat_template_kwargs")),
         record_unread_prefixes=_bool(
             raw, "record_unread_prefixes", GatewayConfig.record_unread_prefixes, ""
         ),
@@ -455,6 +471,40 @@ def _content_format(value: Any) -> str:
             f"got {value!r}"
         )
     return str(value)
+
+
+def _chat_template(value: Any, base: Path) -> str | None:
+    """The template's text, read as vLLM reads ``--chat-template``: a file (relative to the
+    config file), else the value itself when it holds ``{``, ``}`` or a newline."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError("chat_template: must be a template file's path or a template's text")
+    path = Path(value)
+    if not path.is_absolute():
+        path = base / path
+    if "\n" not in value and path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"chat_template: cannot read {str(path)!r}: {exc}") from None
+    if not any(c in value for c in "{}\n"):
+        raise ConfigError(
+            f"chat_template: {value!r} is no file (vLLM's built-in template names are not "
+            "known here: give the template's file)"
+        )
+    return value
+
+
+def _default_kwargs(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError("default_chat_template_kwargs: must be a mapping")
+    for name in ("chat_template", "tokenize", "messages"):
+        if name in value:
+            raise ConfigError(f"default_chat_template_kwargs: may not set {name!r}")
+    return dict(value)
 
 
 def _router(value: Any, base: Path) -> str | Mapping[str, Any]:

@@ -222,6 +222,8 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "tokenizer": None if config.tokenizer is None else str(config.tokenizer),
         "tokenizer_cache_bytes": config.tokenizer_cache_bytes,
         "chat_template_content_format": config.chat_template_content_format,
+        "chat_template": config.chat_template,
+        "default_chat_template_kwargs": dict(config.default_chat_template_kwargs) or None,
         "slices": _slices_config(config),
         "admin": None if config.admin.token is None else {"token": config.admin.token},
         "record_unread_prefixes": config.record_unread_prefixes,

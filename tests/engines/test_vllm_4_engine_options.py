@@ -1,10 +1,12 @@
-"""`llmsched serve` in front of a real vLLM engine serving a LoRA adapter: vLLM keys the
-adapter's cache blocks by its name (and says so in its KV events), and the gateway, told the
-adapter's base model (`lora_adapters`), hashes, records and matches the adapter's requests
-under that name, so its predictions equal the engine's own prefix-cache hits."""
+"""`llmsched serve` in front of a real vLLM engine started with options that change which
+blocks its cache holds: a LoRA adapter (vLLM keys the adapter's blocks by its name and says
+so in its KV events), `--chat-template` and `--default-chat-template-kwargs` (they change
+every chat's token ids). The gateway, told the same (`lora_adapters`, `chat_template`,
+`default_chat_template_kwargs`), routes on the ids and blocks the engine computes."""
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _chat_kwargs import KWARGS_CASES, KWARGS_DEFAULTS, KWARGS_TEMPLATE
 
 from .gateway_thread import GatewayThread, gateway_config
 from .vllm_engine import (
@@ -39,9 +42,12 @@ def make_lora_adapter(model_dir: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
-    """One engine serving the tiny model and a random LoRA adapter of it."""
+    """One engine serving the tiny model and a random LoRA adapter of it, with its own chat
+    template and default template kwargs."""
     adapter = make_lora_adapter(tiny_model, tmp_path_factory.mktemp("lora-adapter"))
     logs = tmp_path_factory.mktemp("lora-engine-logs")
+    template = logs / "template.jinja"
+    template.write_text(KWARGS_TEMPLATE)
     engine = VllmEngine(
         tiny_model,
         "lora",
@@ -54,6 +60,10 @@ def lora_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "8",
             "--max-loras",
             "1",
+            "--chat-template",
+            str(template),
+            "--default-chat-template-kwargs",
+            json.dumps(KWARGS_DEFAULTS),
         ),
     )
     start_engines([engine])
@@ -65,7 +75,13 @@ def lora_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture(scope="module")
 def gateway(lora_engine: VllmEngine, tiny_model: Path) -> Iterator[GatewayThread]:
-    config = gateway_config([lora_engine], str(tiny_model), lora_adapters={ADAPTER: MODEL_NAME})
+    config = gateway_config(
+        [lora_engine],
+        str(tiny_model),
+        lora_adapters={ADAPTER: MODEL_NAME},
+        chat_template=KWARGS_TEMPLATE,
+        default_chat_template_kwargs=KWARGS_DEFAULTS,
+    )
     runner = GatewayThread(config)
     try:
         yield runner
@@ -118,3 +134,22 @@ def test_adapter_requests_route_on_the_blocks_vllm_keys_by_the_adapter(
     while time.monotonic() < deadline and held(gateway, prompt, None) < full:
         time.sleep(0.05)
     assert send(MODEL_NAME, prompt) == min(full, (len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def test_chats_route_on_the_engine_s_template_and_default_kwargs(
+    lora_engine: VllmEngine, gateway: GatewayThread
+) -> None:
+    """The engine's own prompt ids (``return_token_ids``) for chats whose kwargs, fields and
+    the engine's defaults meet in every way ``_chat_kwargs.KWARGS_CASES`` lists, against the
+    ids the gateway routes on."""
+    messages = [{"role": "user", "content": "hello there, how is the cache"}]
+    for fields, _ in KWARGS_CASES:
+        body = {
+            "model": MODEL_NAME,
+            "messages": messages,
+            "max_tokens": 1,
+            "return_token_ids": True,
+            **fields,
+        }
+        engine_side = lora_engine.post("/v1/chat/completions", body)["prompt_token_ids"]
+        assert gateway.chat_request_tokens(body) == engine_side, fields
