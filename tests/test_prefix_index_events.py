@@ -159,24 +159,32 @@ def test_real_engine_capture_with_a_gap(block_size: int) -> None:
 
 def test_other_cache_groups_and_extra_keys_are_skipped() -> None:
     """Hybrid models repeat events per KV-cache group; only group 0 is indexed. Blocks whose
-    extra keys (images, a cache salt) make them more than their tokens are not keyed by tokens."""
+    extra keys (images: vLLM 0.32 writes ``(identifier, offset)`` pairs) make them more than
+    their tokens are not keyed by tokens; the LoRA name and a root block's cache salt are
+    the chain's namespace, as a request naming them is hashed."""
     index = PrefixIndex(block_size=16)
     tokens = list(range(16))
     report = index.apply_vllm_events(
         "e",
         batch(
             stored([1], None, tokens, group_idx=1),
-            stored([2], None, tokens, extra_keys=[["image-hash"]]),
+            stored([2], None, tokens, extra_keys=[[["image-hash", 0]]]),
             stored([3], None, tokens, extra_keys=[None]),
             stored([4], None, tokens, lora_name="sql", extra_keys=[["sql"]]),
+            stored([5], None, tokens, extra_keys=[["tenant"]]),
+            stored([6], None, tokens, lora_name="sql", extra_keys=[["sql", "tenant"]]),
+            stored([7], 5, tokens, extra_keys=[["again"]]),
             {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU", "group_idx": 1},
         ),
     )
     assert report["other_groups"] == 2
-    assert report["extra_keys"] == 1
-    assert report["blocks_stored"] == 2
+    assert report["extra_keys"] == 2
+    assert report["blocks_stored"] == 4
     assert index.match_tokens(tokens).as_dict() == {"e": 1}
     assert index.match_tokens(tokens, lora="sql").as_dict() == {"e": 1}
+    assert index.match_tokens(tokens, cache_salt="tenant").as_dict() == {"e": 1}
+    assert index.match_tokens(tokens, lora="sql", cache_salt="tenant").as_dict() == {"e": 1}
+    assert index.match_tokens(tokens, cache_salt="other").as_dict() == {}
 
 
 def test_engine_hashes_shared_and_conflicting_across_workers() -> None:

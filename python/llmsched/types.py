@@ -168,6 +168,8 @@ class BlockStoredDict(TypedDict):
     medium: str
     lora_name: str | None
     has_extra_keys: list[bool]
+    cache_salt: str | None
+    opaque_extra_keys: bool
     group_idx: int | None
     kv_cache_spec_kind: str | None
     kv_cache_spec_sliding_window: int | None

@@ -153,3 +153,37 @@ def test_chats_route_on_the_engine_s_template_and_default_kwargs(
         }
         engine_side = lora_engine.post("/v1/chat/completions", body)["prompt_token_ids"]
         assert gateway.chat_request_tokens(body) == engine_side, fields
+
+
+def test_salted_blocks_from_the_engine_s_events_match_salted_requests(
+    lora_engine: VllmEngine, gateway: GatewayThread
+) -> None:
+    """vLLM hashes a request's ``cache_salt`` into its first block and says so in its KV
+    events (the block's extra keys, beside the adapter's name): the index keeps such chains
+    under the salt, so a request with that salt (and adapter) matches them and no other
+    does. The requests go to the engine directly: only its events fill the gateway's index."""
+    rng = random.Random(33)
+    index = gateway.gateway.index
+    worker = gateway.gateway.config.engines[0].worker_id
+
+    def blocks(prompt: list[int], **namespace: str) -> int:
+        found = index.match_tokens(np.asarray(prompt, dtype=np.uint32), **namespace).as_dict()
+        return int(found.get(worker, 0))
+
+    for model, lora in ((MODEL_NAME, None), (ADAPTER, ADAPTER)):
+        prompt = [rng.randrange(5, VOCAB) for _ in range(3 * BLOCK_SIZE + 5)]
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"}
+        lora_engine.post("/v1/completions", body)
+        salted = {"cache_salt": "tenant-a", **({"lora": lora} if lora else {})}
+        deadline = time.monotonic() + scaled(20)
+        while time.monotonic() < deadline and blocks(prompt, **salted) < 3:
+            time.sleep(0.05)
+        assert blocks(prompt, **salted) == 3, (model, index.stats())
+        assert blocks(prompt) == 0 and blocks(prompt, cache_salt="tenant-b") == 0
+        if lora:
+            assert blocks(prompt, lora=lora) == 0
+        # The engine hits what the index predicts for the salted request, through the gateway.
+        before = lora_engine.metric("vllm:prefix_cache_hits_total")
+        status, _, answer = gateway.post("/v1/completions", {**body, "temperature": 0})
+        assert status == 200, answer
+        assert lora_engine.metric("vllm:prefix_cache_hits_total") - before == 3 * BLOCK_SIZE

@@ -86,6 +86,13 @@ pub struct BlockStored {
     /// name, cache salt) into the block, so its content is not determined by its tokens alone.
     /// Empty when the event carries no `extra_keys` (absent or nil).
     pub has_extra_keys: Vec<bool>,
+    /// The cache salt vLLM hashed into the first block: its extra keys' one string beside
+    /// the LoRA name, on a root block (vLLM salts a prompt's first block only).
+    pub cache_salt: Option<String>,
+    /// True where some block's extra keys are more than the LoRA name and a root block's
+    /// cache salt (multimodal inputs, prompt embeddings, keys of an older engine): the
+    /// content of such blocks is not their tokens, so no prompt's hashes can name them.
+    pub opaque_extra_keys: bool,
     /// The KV-cache group (hybrid models keep one group per attention kind), if sent.
     pub group_idx: Option<u32>,
     /// The group's cache kind, e.g. "full_attention" or "sliding_window", if sent.
@@ -113,6 +120,8 @@ impl Default for BlockStored {
             medium: Tier::Gpu,
             lora_id: None,
             has_extra_keys: Vec::new(),
+            cache_salt: None,
+            opaque_extra_keys: false,
             group_idx: None,
             kv_cache_spec_kind: None,
             kv_cache_spec_sliding_window: None,

@@ -32,9 +32,13 @@
 //! - Block hashes: an integer (negative int64 reinterpreted as its u64 bits) or a bin (its last 8
 //!   bytes read big-endian, left-padded with zeros), so the int and bytes forms of one engine hash
 //!   give the same u64 (vLLM's int form is the digest's last 8 bytes read big-endian).
-//! - `extra_keys` (one entry per block; multimodal hashes, LoRA name, cache salt) are not decoded:
-//!   [`BlockStored::has_extra_keys`] records which blocks carry any, because such a block's cache
-//!   content is not determined by its tokens alone.
+//! - `extra_keys` (one entry per block, vLLM 0.32's shapes: the LoRA name on every block of an
+//!   adapter, `(mm_identifier, offset)` pairs, the cache salt on a prompt's first block,
+//!   prompt-embedding digests): [`BlockStored::has_extra_keys`] records which blocks carry any;
+//!   string keys are read (a str that is not UTF-8 counts as an opaque key, never an error),
+//!   so that keys that are only the LoRA name and a root block's salt are explained
+//!   ([`BlockStored::cache_salt`]) and any other marks the event
+//!   ([`BlockStored::opaque_extra_keys`]): such a block's cache content is not its tokens.
 //! - The batch itself is also accepted as a map `{"ts", "events", "data_parallel_rank"}` (msgspec
 //!   writes that if the struct is not declared `array_like`), and as a 2-element array (dp_rank
 //!   omitted as a default); elements past the third are skipped.
@@ -332,21 +336,100 @@ fn read_block_hashes(reader: &mut Reader<'_>) -> Result<Vec<u64>> {
     Ok(hashes)
 }
 
-/// Reads `extra_keys`: nil, or one entry per block (nil, or a tuple left undecoded).
-fn read_extra_keys(reader: &mut Reader<'_>) -> Result<Option<Vec<bool>>> {
+/// One block's extra keys, as far as the index reads them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BlockKeys<'a> {
+    /// nil: none.
+    None,
+    /// An array of (up to two) strings: their count and the first two.
+    Strings(u8, &'a str, &'a str),
+    /// Anything else (pairs, bytes, numbers, more strings, a value other than an array).
+    Opaque,
+}
+
+/// Reads `extra_keys`: nil, or one entry per block.
+fn read_extra_keys<'a>(reader: &mut Reader<'a>) -> Result<Option<Vec<BlockKeys<'a>>>> {
     if reader.take_nil("extra_keys")? {
         return Ok(None);
     }
     let count = reader.array_len("extra_keys")?;
-    let mut present = Vec::with_capacity(count);
+    let mut blocks = Vec::with_capacity(count);
     for _ in 0..count {
-        let is_nil = reader.take_nil("extra_keys entry")?;
-        if !is_nil {
-            reader.skip_value("extra_keys entry")?;
-        }
-        present.push(!is_nil);
+        blocks.push(read_block_keys(reader)?);
     }
-    Ok(Some(present))
+    Ok(Some(blocks))
+}
+
+fn read_block_keys<'a>(reader: &mut Reader<'a>) -> Result<BlockKeys<'a>> {
+    const WHAT: &str = "extra_keys entry";
+    if reader.take_nil(WHAT)? {
+        return Ok(BlockKeys::None);
+    }
+    // Checked whole first, as every skipped value is (nesting bounded), then read again.
+    let start = reader.position();
+    reader.skip_value(WHAT)?;
+    let end = reader.position();
+    reader.rewind_to(start);
+    let keys = classify_block_keys(reader).unwrap_or(BlockKeys::Opaque);
+    if reader.position() != end {
+        // Not an array: read no further than its start, then past it.
+        reader.rewind_to(start);
+        reader.skip_value_unbounded(WHAT)?;
+    }
+    Ok(keys)
+}
+
+/// A checked entry's top level: an array of strings, or opaque.
+fn classify_block_keys<'a>(reader: &mut Reader<'a>) -> Result<BlockKeys<'a>> {
+    const WHAT: &str = "extra_keys entry";
+    let len = reader.array_len(WHAT)?;
+    let mut strings = (0u8, "", "");
+    let mut opaque = len > 2;
+    for _ in 0..len {
+        let item = reader.position();
+        let text = match reader.str_bytes(WHAT) {
+            Ok((_, bytes)) => std::str::from_utf8(bytes).ok(),
+            Err(_) => {
+                reader.rewind_to(item);
+                reader.skip_value_unbounded(WHAT)?;
+                None
+            }
+        };
+        match (text, strings.0) {
+            (Some(text), 0) => strings = (1, text, ""),
+            (Some(text), 1) => strings = (2, strings.1, text),
+            _ => opaque = true,
+        }
+    }
+    Ok(if opaque { BlockKeys::Opaque } else { BlockKeys::Strings(strings.0, strings.1, strings.2) })
+}
+
+/// What the blocks' extra keys say: the cache salt of a root block, and whether any key is
+/// more than the LoRA name and that salt.
+fn explain_extra_keys<'a>(
+    blocks: &[BlockKeys<'a>],
+    lora_name: Option<&str>,
+    root: bool,
+) -> (Option<&'a str>, bool) {
+    let mut salt = None;
+    for (i, keys) in blocks.iter().enumerate() {
+        let (count, first, second) = match *keys {
+            BlockKeys::None => continue,
+            BlockKeys::Opaque => return (None, true),
+            BlockKeys::Strings(count, first, second) => (count, first, second),
+        };
+        // vLLM writes the LoRA name first, the salt last.
+        let (rest, rest_first) = match lora_name {
+            Some(lora) if count > 0 && first == lora => (count - 1, second),
+            _ => (count, first),
+        };
+        match rest {
+            0 => {}
+            1 if i == 0 && root => salt = Some(rest_first),
+            _ => return (None, true),
+        }
+    }
+    (salt, false)
 }
 
 /// `BlockStored` fields in declaration order (vLLM's `BlockStored` class); `Ignored` covers the later
@@ -414,7 +497,7 @@ struct StoredFields<'a> {
     medium: Option<&'a str>,
     medium_at: usize,
     lora_name: Option<&'a str>,
-    extra_keys: Option<Vec<bool>>,
+    extra_keys: Option<Vec<BlockKeys<'a>>>,
     group_idx: Option<u32>,
     spec_kind: Option<&'a str>,
     sliding_window: Option<u32>,
@@ -500,6 +583,9 @@ impl<'a> StoredFields<'a> {
                 ));
             }
         }
+        let extra = self.extra_keys.unwrap_or_default();
+        let (cache_salt, opaque_extra_keys) =
+            explain_extra_keys(&extra, self.lora_name, self.parent_block_hash.is_none());
         Ok(BlockStored {
             medium: parse_tier(reader, self.medium_at, self.medium)?,
             block_hashes: self.block_hashes,
@@ -508,7 +594,9 @@ impl<'a> StoredFields<'a> {
             block_size: self.block_size,
             lora_name: self.lora_name.map(str::to_owned),
             lora_id: self.lora_id,
-            has_extra_keys: self.extra_keys.unwrap_or_default(),
+            has_extra_keys: extra.iter().map(|keys| *keys != BlockKeys::None).collect(),
+            cache_salt: cache_salt.map(str::to_owned),
+            opaque_extra_keys,
             group_idx: self.group_idx,
             kv_cache_spec_kind: self.spec_kind.map(str::to_owned),
             kv_cache_spec_sliding_window: self.sliding_window,

@@ -214,6 +214,7 @@ fn array_encoding_with_every_field_and_trailing_extras() {
     assert_eq!(stored.lora_name.as_deref(), Some("adapter-a"));
     assert_eq!(stored.has_extra_keys, vec![true]);
     assert!(stored.any_extra_keys());
+    assert!(stored.opaque_extra_keys);
     assert_eq!(stored.group_idx, Some(1));
     assert_eq!(stored.kv_cache_spec_kind.as_deref(), Some("sliding_window"));
     assert_eq!(stored.kv_cache_spec_sliding_window, Some(128));
@@ -319,6 +320,72 @@ fn int_and_bytes_forms_of_a_hash_agree() {
         })
         .collect();
     assert_eq!(hashes, vec![hash, hash, hash, hash, 0x0102]);
+}
+
+/// A two-block stored event (array form) with `parent`, `lora_name` and `extra_keys`.
+fn keyed_event(parent: Option<u64>, lora: Option<&str>, extra: Value) -> BlockStored {
+    let event = Value::Array(vec![
+        s("BlockStored"),
+        ints(&[1u64, 2]),
+        parent.map_or(Value::Nil, Value::from),
+        ints(&[1u32, 2, 3, 4]),
+        Value::from(2),
+        Value::Nil,
+        Value::Nil,
+        lora.map_or(Value::Nil, s),
+        extra,
+    ]);
+    match decode_event_batch(&batch(vec![event])).unwrap().events.remove(0) {
+        KvEvent::Stored(stored) => stored,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn extra_keys_of_a_lora_name_and_a_root_salt_are_explained() {
+    let keys = |entries: Vec<Value>| Value::Array(entries);
+    let strs = |items: &[&str]| Value::Array(items.iter().map(|t| s(t)).collect());
+    // vLLM 0.32's shapes: the salt on the first block, the LoRA name on every block.
+    let salted = keyed_event(None, None, keys(vec![strs(&["tenant"]), Value::Nil]));
+    assert_eq!((salted.cache_salt.as_deref(), salted.opaque_extra_keys), (Some("tenant"), false));
+    assert_eq!(salted.has_extra_keys, vec![true, false]);
+    let lora = keyed_event(None, Some("sql"), keys(vec![strs(&["sql"]), strs(&["sql"])]));
+    assert_eq!((lora.cache_salt, lora.opaque_extra_keys), (None, false));
+    let both = keyed_event(None, Some("sql"), keys(vec![strs(&["sql", "t"]), strs(&["sql"])]));
+    assert_eq!((both.cache_salt.as_deref(), both.opaque_extra_keys), (Some("t"), false));
+    // A salt-like key that vLLM never writes there, or more keys, or other kinds: opaque.
+    let opaque = [
+        keyed_event(Some(9), None, keys(vec![strs(&["tenant"]), Value::Nil])),
+        keyed_event(None, None, keys(vec![Value::Nil, strs(&["tenant"])])),
+        keyed_event(None, Some("sql"), keys(vec![strs(&["sql", "a", "b"]), strs(&["sql"])])),
+        keyed_event(None, Some("sql"), keys(vec![strs(&["sql"]), strs(&["other"])])),
+        keyed_event(None, None, keys(vec![strs(&["a", "b"]), Value::Nil])),
+        keyed_event(None, None, keys(vec![Value::Array(vec![ints(&[1u8, 2])]), Value::Nil])),
+        keyed_event(None, None, keys(vec![Value::Array(vec![Value::Binary(vec![1])]), Value::Nil])),
+        keyed_event(None, None, keys(vec![s("not a tuple"), Value::Nil])),
+    ];
+    for (i, event) in opaque.iter().enumerate() {
+        assert!(event.opaque_extra_keys && event.cache_salt.is_none(), "{i}: {event:?}");
+    }
+    // A str key that is not UTF-8 is an opaque key, not a decoding error.
+    let event = Value::Array(vec![
+        s("BlockStored"),
+        ints(&[1u64]),
+        Value::Nil,
+        ints(&[1u32, 2]),
+        Value::from(2),
+        Value::Nil,
+        Value::Nil,
+        Value::Nil,
+        keys(vec![strs(&["\u{7f}salt"])]),
+    ]);
+    let mut payload = batch(vec![event]);
+    let at = payload.windows(5).position(|w| w == b"\x7fsalt").unwrap();
+    payload[at] = 0xff;
+    let KvEvent::Stored(stored) = &decode_event_batch(&payload).unwrap().events[0] else {
+        panic!("not a stored event")
+    };
+    assert!(stored.opaque_extra_keys && stored.cache_salt.is_none());
 }
 
 #[test]
@@ -626,6 +693,7 @@ fn stored_event() -> impl Strategy<Value = BlockStored> {
                     kind,
                     window,
                 )| {
+                    let extra = extra.unwrap_or_default();
                     BlockStored {
                         block_hashes: hashes,
                         parent_block_hash: parent,
@@ -634,7 +702,10 @@ fn stored_event() -> impl Strategy<Value = BlockStored> {
                         lora_name: lora,
                         medium,
                         lora_id,
-                        has_extra_keys: extra.unwrap_or_default(),
+                        // Written as ["mm", 1]: a multimodal key, opaque.
+                        opaque_extra_keys: extra.contains(&true),
+                        cache_salt: None,
+                        has_extra_keys: extra,
                         group_idx: group,
                         kv_cache_spec_kind: kind,
                         kv_cache_spec_sliding_window: window,

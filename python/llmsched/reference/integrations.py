@@ -57,7 +57,13 @@ class ReferenceEventApplier:
         parent = event["parent_block_hash"]
         if parent is not None and parent not in mine:
             return 0  # its parent was never seen: skipped, as the native index does
-        seed = mine[parent][-1] if parent is not None else self.index.chain_seed(event["lora_name"])
+        if event["opaque_extra_keys"]:
+            return 0  # its blocks' content is more than their tokens, as the native index says
+        seed = (
+            mine[parent][-1]
+            if parent is not None
+            else self.index.chain_seed(event["lora_name"], event["cache_salt"])
+        )
         ours = block_hashes(event["token_ids"], self.index.block_size, seed)
         per_block = event["block_size"] // self.index.block_size
         tier = event["medium"].lower()

@@ -158,15 +158,58 @@ def _token_ids(value: object) -> list[int]:
     return [_integer(item, "token id", 0, _U32_MAX) for item in _array(value, "token_ids")]
 
 
-def _extra_keys(value: object) -> list[bool] | None:
+_OPAQUE = "opaque"
+"""A block's extra keys other than an array of up to two UTF-8 strings."""
+
+
+def _extra_keys(value: object) -> list[tuple[str, ...] | str | None] | None:
+    """One entry per block: None, a tuple of its (up to two) string keys, or ``_OPAQUE``."""
     if value is None:
         return None
-    flags = []
+    blocks: list[tuple[str, ...] | str | None] = []
     for entry in _array(value, "extra_keys"):
-        if entry is not None:
-            _skip(entry, "extra_keys entry")
-        flags.append(entry is not None)
-    return flags
+        if entry is None:
+            blocks.append(None)
+            continue
+        _skip(entry, "extra_keys entry")
+        blocks.append(_block_keys(entry))
+    return blocks
+
+
+def _block_keys(entry: object) -> tuple[str, ...] | str:
+    if not isinstance(entry, list) or isinstance(entry, _Map) or len(entry) > 2:
+        return _OPAQUE
+    strings = []
+    for item in entry:
+        if not isinstance(item, str):
+            return _OPAQUE
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate stands for an invalid UTF-8 byte
+            return _OPAQUE
+        strings.append(item)
+    return tuple(strings)
+
+
+def _explain_extra_keys(
+    blocks: list[tuple[str, ...] | str | None], lora_name: str | None, root: bool
+) -> tuple[str | None, bool]:
+    """(the cache salt of a root block, whether any key is more than the LoRA name and that
+    salt): vLLM writes the LoRA name first on every block, the salt last on a prompt's first."""
+    salt = None
+    for i, keys in enumerate(blocks):
+        if keys is None:
+            continue
+        if isinstance(keys, str):
+            return None, True
+        rest = keys[1:] if lora_name is not None and keys[:1] == (lora_name,) else keys
+        if not rest:
+            continue
+        if len(rest) == 1 and i == 0 and root:
+            salt = rest[0]
+            continue
+        return None, True
+    return salt, False
 
 
 def _medium(value: str | None) -> str:
@@ -215,6 +258,9 @@ def _finish_stored(fields: dict[str, Any]) -> dict[str, Any]:
     extra = fields.get("extra_keys")
     if extra is not None and len(extra) != blocks:
         raise _fail(f"BlockStored has {len(extra)} extra_keys entries for {blocks} blocks")
+    salt, opaque = _explain_extra_keys(
+        extra or [], fields.get("lora_name"), fields["parent_block_hash"] is None
+    )
     return {
         "type": "BlockStored",
         "block_hashes": fields["block_hashes"],
@@ -224,7 +270,9 @@ def _finish_stored(fields: dict[str, Any]) -> dict[str, Any]:
         "lora_id": fields.get("lora_id"),
         "medium": _medium(fields.get("medium")),
         "lora_name": fields.get("lora_name"),
-        "has_extra_keys": extra or [],
+        "has_extra_keys": [keys is not None for keys in extra or []],
+        "cache_salt": salt,
+        "opaque_extra_keys": opaque,
         "group_idx": fields.get("group_idx"),
         "kv_cache_spec_kind": fields.get("kv_cache_spec_kind"),
         "kv_cache_spec_sliding_window": fields.get("kv_cache_spec_sliding_window"),

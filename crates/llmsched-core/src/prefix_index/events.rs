@@ -36,8 +36,9 @@ pub struct ApplyReport {
     /// Events for a KV-cache group other than group 0, skipped: hybrid models send one event per
     /// group for the same tokens, and only the first (full attention) group decides prefix reuse.
     pub other_groups: u64,
-    /// Stored events skipped because their blocks carry extra keys (multimodal inputs, a cache
-    /// salt) that make their content more than their tokens, with no LoRA name to explain them.
+    /// Stored events skipped because their blocks carry extra keys that make their content
+    /// more than their tokens (multimodal inputs, prompt embeddings): keys other than the
+    /// LoRA name and a root block's cache salt, which the chain's seed holds.
     pub extra_keys: u64,
 }
 
@@ -77,7 +78,7 @@ fn apply_stored(
         report.other_groups += 1;
         return;
     }
-    if ev.lora_name.is_none() && ev.any_extra_keys() {
+    if ev.opaque_extra_keys {
         report.extra_keys += 1;
         return;
     }
@@ -98,7 +99,8 @@ fn apply_stored(
             }
         },
     };
-    let seed = parent.unwrap_or_else(|| index.chain_seed(ev.lora_name.as_deref(), None));
+    let seed = parent
+        .unwrap_or_else(|| index.chain_seed(ev.lora_name.as_deref(), ev.cache_salt.as_deref()));
     let mut ours = buffer_pool::take(&CHAIN_POOL);
     if hashing::chain_hashes_into(&ev.token_ids, bs, seed, &mut ours).is_ok() {
         store_chain(st, w, ev, parent, &ours, per_engine_block, report);
