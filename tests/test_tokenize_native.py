@@ -1679,3 +1679,35 @@ def test_the_gateway_counts_cache_hits_and_warns_once_when_it_is_off(
     assert "llmsched_gateway_tokenizer_cache_enabled{reason=" in metrics
     assert "after normalization" in metrics and "tokenizer_cache_enabled{" in metrics
     assert "llmsched_gateway_tokenizer_cache_completions_enabled 0.0" in metrics
+
+
+def test_tools_are_left_out_for_tool_choice_none_where_the_engines_were_told(
+    tmp_path: Path,
+) -> None:
+    """vLLM's ``--exclude-tools-when-tool-choice-none``: a request's ``tool_choice`` of
+    ``"none"`` leaves its tools out of the template (a default or kwarg of that name stays),
+    on both planes; without the flag the tools render."""
+    directory = write_tokenizer(tmp_path / "tok")
+    tool = {"type": "function", "function": {"name": "f"}}
+    messages = [{"role": "user", "content": "hi"}]
+    for exclude in (False, True):
+        python = PromptTokenizer(
+            directory,
+            chat_template=KWARGS_TEMPLATE,
+            default_chat_template_kwargs=KWARGS_DEFAULTS,
+            exclude_tools_when_tool_choice_none=exclude,
+        )
+        native = NativePromptTokenizer(
+            str(directory),
+            chat_template=KWARGS_TEMPLATE,
+            default_chat_template_kwargs=json.dumps(KWARGS_DEFAULTS),
+            exclude_tools_when_tool_choice_none=exclude,
+        )
+        for choice, excluded in (("none", exclude), ("auto", False), (None, False)):
+            body: dict[str, Any] = {"messages": messages, "tools": [tool]}
+            if choice is not None:
+                body["tool_choice"] = choice
+            text = python.render_chat_request(body)
+            assert native.render_chat(json.dumps(body)) == text
+            assert ('"name": "f"' not in text) == excluded, (exclude, choice, text)
+            assert ('[{"d": 1}]' in text) == excluded

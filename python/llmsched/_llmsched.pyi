@@ -1104,6 +1104,7 @@ class NativePromptTokenizer:
         content_format: Literal["auto", "string", "openai"] = "auto",
         chat_template: str | None = None,
         default_chat_template_kwargs: str | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
     ) -> NativePromptTokenizer:
         """Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded
         or its chat template cannot be rendered (probe conversations are rendered). Chat
@@ -1113,7 +1114,9 @@ class NativePromptTokenizer:
         `--chat-template-content-format` sets it). `chat_template`: a template's text in
         place of the directory's own (vLLM's `--chat-template`);
         `default_chat_template_kwargs`: a JSON object's text, the variables under every
-        request's (vLLM's `--default-chat-template-kwargs`)."""
+        request's (vLLM's `--default-chat-template-kwargs`);
+        `exclude_tools_when_tool_choice_none`: vLLM's flag of that name (a request's
+        `tool_choice` of `"none"` leaves its tools out)."""
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be tokenized."""

@@ -133,6 +133,8 @@ class PromptTokenizer:
         default_chat_template_kwargs: template variables under every request's
             ``chat_template_kwargs`` and fields, as vLLM's ``--default-chat-template-kwargs``
             sets them.
+        exclude_tools_when_tool_choice_none: as vLLM's flag of that name: a request's
+            ``tool_choice`` of ``"none"`` leaves its tools out of the template.
 
     Raises :class:`~llmsched.errors.ConfigError` when the directory cannot be loaded or its
     chat template does not compile.
@@ -144,6 +146,7 @@ class PromptTokenizer:
         content_format: str = "auto",
         chat_template: str | None = None,
         default_chat_template_kwargs: Mapping[str, Any] | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
     ) -> None:
         if content_format not in ("auto", "string", "openai"):
             raise ConfigError(
@@ -178,6 +181,9 @@ class PromptTokenizer:
             if name in defaults:
                 raise ConfigError(f"default_chat_template_kwargs: may not set {name!r}")
         self._defaults = defaults
+        if not isinstance(exclude_tools_when_tool_choice_none, bool):
+            raise ConfigError("exclude_tools_when_tool_choice_none: must be a boolean")
+        self._exclude_tools = exclude_tools_when_tool_choice_none
         source = chat_template if chat_template is not None else _chat_template_source(path, config)
         self._template: jinja2.Template | None = None
         self._content_format: ContentFormat = "string"
@@ -302,7 +308,7 @@ class PromptTokenizer:
         ``enable_thinking`` from it unless a kwarg sets it), and ``continue_final_message``
         (the text ends where the last message's content does). A field of the wrong shape
         is a :class:`PromptError`."""
-        chat = _ChatRequest.read(request, self._defaults)
+        chat = _ChatRequest.read(request, self._defaults, self._exclude_tools)
         return self._render(
             chat.messages, chat.variables, continue_final_message=chat.continue_final_message
         )
@@ -310,7 +316,7 @@ class PromptTokenizer:
     def chat_request_tokens(self, request: Mapping[str, Any]) -> list[int]:
         """The ids of a ``/v1/chat/completions`` request body (:meth:`render_chat_request`),
         encoded with special tokens only when the request's ``add_special_tokens`` says so."""
-        chat = _ChatRequest.read(request, self._defaults)
+        chat = _ChatRequest.read(request, self._defaults, self._exclude_tools)
         text = self._render(
             chat.messages, chat.variables, continue_final_message=chat.continue_final_message
         )
@@ -410,12 +416,16 @@ class _ChatRequest:
         self.truncation = truncation
 
     @classmethod
-    def read(cls, request: Mapping[str, Any], defaults: Mapping[str, Any]) -> _ChatRequest:
+    def read(
+        cls, request: Mapping[str, Any], defaults: Mapping[str, Any], exclude_tools: bool = False
+    ) -> _ChatRequest:
         """The request's fields over its ``chat_template_kwargs`` over ``defaults`` (the
         engines' default kwargs), as vLLM 0.32 merges them (``build_chat_params``,
         ``preprocess_chat``, ``ChatParams.with_defaults``): a request field of None leaves
         the kwarg; a kwarg of None or ``"auto"`` is left out (the default, if any, stays);
-        the request's ``tools`` sit with the defaults, so a ``tools`` kwarg overrides them."""
+        the request's ``tools`` sit with the defaults, so a ``tools`` kwarg overrides them;
+        with ``exclude_tools`` (vLLM's ``--exclude-tools-when-tool-choice-none``), a
+        ``tool_choice`` of ``"none"`` leaves them out."""
         if not isinstance(request, Mapping):
             raise InvalidTypeError(
                 f"request must be a mapping (a chat request body), got {type(request).__name__}"
@@ -465,6 +475,8 @@ class _ChatRequest:
                 merged["enable_thinking"] = effort != "none"
         variables = dict(defaults)
         tools = _vllm_tools(request.get("tools"))
+        if exclude_tools and request.get("tool_choice") == "none":
+            tools = None
         if tools is not None:
             variables["tools"] = tools
         variables.update((k, v) for k, v in merged.items() if not _unset(v))

@@ -65,6 +65,7 @@ class GatewayThread:
                 str(tokenizer),
                 chat_template=config.chat_template,
                 default_chat_template_kwargs=json.dumps(defaults) if defaults else None,
+                exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
             )
             if isinstance(self.gateway, NativeGateway) and tokenizer is not None
             else None

@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -64,6 +65,11 @@ def lora_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             str(template),
             "--default-chat-template-kwargs",
             json.dumps(KWARGS_DEFAULTS),
+            # A tool choice of "auto" renders the tools; "none" leaves them out.
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "pythonic",
+            "--exclude-tools-when-tool-choice-none",
         ),
     )
     start_engines([engine])
@@ -81,6 +87,7 @@ def gateway(lora_engine: VllmEngine, tiny_model: Path) -> Iterator[GatewayThread
         lora_adapters={ADAPTER: MODEL_NAME},
         chat_template=KWARGS_TEMPLATE,
         default_chat_template_kwargs=KWARGS_DEFAULTS,
+        exclude_tools_when_tool_choice_none=True,
     )
     runner = GatewayThread(config)
     try:
@@ -143,7 +150,13 @@ def test_chats_route_on_the_engine_s_template_and_default_kwargs(
     the engine's defaults meet in every way ``_chat_kwargs.KWARGS_CASES`` lists, against the
     ids the gateway routes on."""
     messages = [{"role": "user", "content": "hello there, how is the cache"}]
-    for fields, _ in KWARGS_CASES:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with_tools: list[dict[str, Any]] = [
+        {"tools": [tool]},
+        {"tools": [tool], "tool_choice": "auto", "chat_template_kwargs": {"mode": "auto"}},
+        {"tools": [tool], "tool_choice": "none"},
+    ]
+    for fields in [case for case, _ in KWARGS_CASES] + with_tools:
         body = {
             "model": MODEL_NAME,
             "messages": messages,

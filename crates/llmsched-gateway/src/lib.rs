@@ -198,6 +198,9 @@ pub struct GatewayConfig {
     /// Template variables under every request's `chat_template_kwargs` (a JSON object, the
     /// engines' `--default-chat-template-kwargs`).
     pub default_chat_template_kwargs: Option<Box<serde_json::value::RawValue>>,
+    /// Whether a request's `tool_choice` of `"none"` leaves its tools out of the template (the
+    /// engines' `--exclude-tools-when-tool-choice-none`).
+    pub exclude_tools_when_tool_choice_none: bool,
     /// Token slices ([`slicing`]); `None`: off.
     pub slices: Option<slicing::SlicesConfig>,
     /// The admin API ([`admin`]); `None`: its routes do not exist.
@@ -247,6 +250,7 @@ impl Default for GatewayConfig {
             chat_template_content_format: None,
             chat_template: None,
             default_chat_template_kwargs: None,
+            exclude_tools_when_tool_choice_none: false,
             slices: None,
             admin: None,
             record_unread_prefixes: false,
@@ -587,7 +591,13 @@ fn build(
                 config.tokenizer_cache_bytes,
                 config.chat_template.as_deref(),
             )
-            .map(|tokenizer| tokenizer.with_content_format(config.chat_template_content_format))
+            .map(|tokenizer| {
+                tokenizer
+                    .with_content_format(config.chat_template_content_format)
+                    .with_exclude_tools_when_tool_choice_none(
+                        config.exclude_tools_when_tool_choice_none,
+                    )
+            })
             .and_then(|tokenizer| match &config.default_chat_template_kwargs {
                 Some(kwargs) => tokenizer.with_default_kwargs(kwargs.get()),
                 None => Ok(tokenizer),

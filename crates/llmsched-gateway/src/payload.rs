@@ -49,7 +49,7 @@ impl fmt::Display for Problem {
 }
 
 /// The fields of a request body the gateway reads.
-const FIELDS: [&str; 18] = [
+const FIELDS: [&str; 19] = [
     "model",
     "prompt",
     "messages",
@@ -68,6 +68,7 @@ const FIELDS: [&str; 18] = [
     "reasoning_effort",
     "truncate_prompt_tokens",
     "truncation_side",
+    "tool_choice",
 ];
 
 /// A request body's fields, each as the JSON text it was sent as.

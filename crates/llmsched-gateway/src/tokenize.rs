@@ -96,6 +96,8 @@ pub struct PromptTokenizer {
     pieces: PieceEncoder,
     /// The engines' `--default-chat-template-kwargs` (a map), under every request's.
     default_kwargs: Option<Value>,
+    /// The engines' `--exclude-tools-when-tool-choice-none`.
+    exclude_tools_when_tool_choice_none: bool,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -134,6 +136,8 @@ pub struct ChatRequest<'a> {
     pub truncate_prompt_tokens: Option<&'a RawValue>,
     /// Which end of the prompt a truncation keeps.
     pub truncation_side: Option<&'a RawValue>,
+    /// The tool choice (`"none"` leaves the tools out where the engines were told to).
+    pub tool_choice: Option<&'a RawValue>,
 }
 
 impl<'a> ChatRequest<'a> {
@@ -155,11 +159,22 @@ impl<'a> ChatRequest<'a> {
             reasoning_effort: present("reasoning_effort"),
             truncate_prompt_tokens: present("truncate_prompt_tokens"),
             truncation_side: present("truncation_side"),
+            tool_choice: present("tool_choice"),
         })
     }
 
-    /// The request's fields besides its messages, read and checked as vLLM 0.32 reads them.
+    /// The request's fields besides its messages, read and checked as vLLM 0.32 reads them
+    /// (for engines started without `--exclude-tools-when-tool-choice-none`).
     pub fn options(&self) -> Result<ChatOptions, PromptProblem> {
+        self.options_for(false)
+    }
+
+    /// [`ChatRequest::options`] for engines started with `--exclude-tools-when-tool-choice-none`
+    /// or without: with it, a `tool_choice` of `"none"` leaves the request's tools out.
+    pub fn options_for(
+        &self,
+        exclude_tools_when_tool_choice_none: bool,
+    ) -> Result<ChatOptions, PromptProblem> {
         let value = |raw: &RawValue| template_value(raw).map_err(unreadable);
         let flag = |raw: Option<&RawValue>, name: &str, default: bool| match raw.map(RawValue::get)
         {
@@ -190,9 +205,11 @@ impl<'a> ChatRequest<'a> {
                 return Err(PromptProblem(format!("chat_template_kwargs may not set '{name}'")));
             }
         }
+        let excluded = exclude_tools_when_tool_choice_none
+            && self.tool_choice.is_some_and(|choice| choice.get() == r#""none""#);
         let tools = match self.tools {
-            Some(raw) => Some(vllm_tools(&value(raw)?).map_err(PromptProblem)?),
-            None => None,
+            Some(raw) if !excluded => Some(vllm_tools(&value(raw)?).map_err(PromptProblem)?),
+            _ => None,
         };
         let documents = match self.documents {
             Some(raw) => {
@@ -371,6 +388,7 @@ impl PromptTokenizer {
             reads_content,
             pieces: PieceEncoder::off("not probed yet"),
             default_kwargs: None,
+            exclude_tools_when_tool_choice_none: false,
         };
         let probes = loaded.probe()?;
         loaded.pieces = PieceEncoder::new(&loaded.tokenizer, cache_bytes, &probes);
@@ -415,6 +433,13 @@ impl PromptTokenizer {
         }
         self.default_kwargs = Some(value);
         Ok(self)
+    }
+
+    /// The tokenizer for engines started with `--exclude-tools-when-tool-choice-none` (or
+    /// without): with it, a request's `tool_choice` of `"none"` leaves its tools out.
+    pub fn with_exclude_tools_when_tool_choice_none(mut self, exclude: bool) -> PromptTokenizer {
+        self.exclude_tools_when_tool_choice_none = exclude;
+        self
     }
 
     /// The special tokens the chat template sees (`bos_token`, `eos_token`, ...).
@@ -575,7 +600,7 @@ impl PromptTokenizer {
 
     /// The ids of a chat request's fields (see [`PromptTokenizer::chat_tokens_of_body`]).
     pub fn chat_tokens(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>, PromptProblem> {
-        let options = request.options()?;
+        let options = request.options_for(self.exclude_tools_when_tool_choice_none)?;
         let messages = template_value(request.messages).map_err(unreadable)?;
         let text = self.render(&messages, &options)?;
         self.encode_prompt(&text, options.add_special_tokens, options.truncation)
@@ -611,7 +636,7 @@ impl PromptTokenizer {
 
     /// The chat template's text for a chat request's fields.
     pub fn render_request(&self, request: &ChatRequest<'_>) -> Result<String, PromptProblem> {
-        let options = request.options()?;
+        let options = request.options_for(self.exclude_tools_when_tool_choice_none)?;
         let messages = template_value(request.messages).map_err(unreadable)?;
         self.render(&messages, &options)
     }

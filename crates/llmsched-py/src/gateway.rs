@@ -318,7 +318,8 @@ impl PyNativePromptTokenizer {
     /// `--chat-template-content-format` sets it). `chat_template`: a template's text in place
     /// of the directory's own (vLLM's `--chat-template`); `default_chat_template_kwargs`: a
     /// JSON object's text, the variables under every request's (vLLM's
-    /// `--default-chat-template-kwargs`).
+    /// `--default-chat-template-kwargs`); `exclude_tools_when_tool_choice_none`: vLLM's flag of
+    /// that name (a request's `tool_choice` of `"none"` leaves its tools out).
     #[new]
     #[pyo3(signature = (
         directory,
@@ -326,6 +327,7 @@ impl PyNativePromptTokenizer {
         content_format="auto",
         chat_template=None,
         default_chat_template_kwargs=None,
+        exclude_tools_when_tool_choice_none=false,
     ))]
     fn new(
         py: Python<'_>,
@@ -334,6 +336,7 @@ impl PyNativePromptTokenizer {
         content_format: &str,
         chat_template: Option<&str>,
         default_chat_template_kwargs: Option<&str>,
+        exclude_tools_when_tool_choice_none: bool,
     ) -> PyResult<Self> {
         let cache_bytes = usize::try_from(cache_bytes).map_err(|_| {
             ConfigError::new_err(format!("cache_bytes: must be an int >= 0, got {cache_bytes}"))
@@ -352,7 +355,8 @@ impl PyNativePromptTokenizer {
         let mut inner =
             detach(py, || PromptTokenizer::load_with_template(&path, cache_bytes, chat_template))?
                 .map_err(|e| ConfigError::new_err(format!("tokenizer: {e}")))?
-                .with_content_format(format);
+                .with_content_format(format)
+                .with_exclude_tools_when_tool_choice_none(exclude_tools_when_tool_choice_none);
         if let Some(kwargs) = default_chat_template_kwargs {
             inner = inner.with_default_kwargs(kwargs).map_err(ConfigError::new_err)?;
         }

@@ -239,6 +239,7 @@ class Gateway:
                 content_format=cfg.chat_template_content_format,
                 chat_template=cfg.chat_template,
                 default_chat_template_kwargs=cfg.default_chat_template_kwargs,
+                exclude_tools_when_tool_choice_none=cfg.exclude_tools_when_tool_choice_none,
             )
         )
         self.slice_tracker = (

@@ -297,8 +297,10 @@ class GatewayConfig:
     in place of the tokenizer directory's own; ``default_chat_template_kwargs``: the
     template variables the engines were given with ``--default-chat-template-kwargs``, under
     every request's ``chat_template_kwargs`` (a request's kwarg of null or ``"auto"`` leaves
-    the default, as in vLLM). Both need ``tokenizer``, and both change the token ids every
-    chat is routed on: set them as the engines have them;
+    the default, as in vLLM); ``exclude_tools_when_tool_choice_none``: the engines' flag of
+    that name (a request's ``tool_choice`` of ``"none"`` leaves its tools out of the
+    template). These need ``tokenizer``, and change the token ids chats are routed on: set
+    them as the engines have them;
     ``chat_template_content_format``: how the chat template takes a message's list
     content, as the engines were started with vLLM's ``--chat-template-content-format``:
     ``auto`` (the default: detected from the template as vLLM detects it), ``string`` (the
@@ -337,6 +339,7 @@ class GatewayConfig:
     chat_template_content_format: str = "auto"
     chat_template: str | None = None
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    exclude_tools_when_tool_choice_none: bool = False
     record_unread_prefixes: bool = False
 
 
@@ -358,6 +361,7 @@ _TOP_KEYS = frozenset(
         "chat_template_content_format",
         "chat_template",
         "default_chat_template_kwargs",
+        "exclude_tools_when_tool_choice_none",
         "record_unread_prefixes",
         "router",
         "flow",
@@ -448,6 +452,12 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         ),
         chat_template=_chat_template(raw.get("chat_template"), base),
         default_chat_template_kwargs=_default_kwargs(raw.get("default_chat_template_kwargs")),
+        exclude_tools_when_tool_choice_none=_bool(
+            raw,
+            "exclude_tools_when_tool_choice_none",
+            GatewayConfig.exclude_tools_when_tool_choice_none,
+            "",
+        ),
         record_unread_prefixes=_bool(
             raw, "record_unread_prefixes", GatewayConfig.record_unread_prefixes, ""
         ),

@@ -224,6 +224,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "chat_template_content_format": config.chat_template_content_format,
         "chat_template": config.chat_template,
         "default_chat_template_kwargs": dict(config.default_chat_template_kwargs) or None,
+        "exclude_tools_when_tool_choice_none": config.exclude_tools_when_tool_choice_none,
         "slices": _slices_config(config),
         "admin": None if config.admin.token is None else {"token": config.admin.token},
         "record_unread_prefixes": config.record_unread_prefixes,
