@@ -602,3 +602,22 @@ def test_bad_lora_adapters_are_config_errors(adapters: object, problem: str) -> 
     base = {"engines": [{"host": "127.0.0.1", "port": 9}], "models": [MODEL]}
     with pytest.raises(ConfigError, match=problem):
         load_config({**base, "lora_adapters": adapters})
+
+
+def test_a_prompt_given_as_embeddings_is_served_without_prefix_routing() -> None:
+    """vLLM's ``--enable-prompt-embeds``: a completions request with ``prompt_embeds`` and no
+    ``prompt`` is forwarded as sent and routed on load alone (its blocks are keyed by the
+    embeddings); one with neither is still a 400."""
+
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            for embeds in ("AAAA", ["AAAA", "BBBB"]):
+                response = await r.complete(None, max_tokens=1, prompt_embeds=embeds)
+                assert response.status == 200, await response.text()
+                assert r.engine_of_request().received[-1].body["prompt_embeds"] == embeds
+            assert r.gateway.index.stats()["blocks"] == 0
+            for bad in ("", [], [1], None):
+                response = await r.complete(None, max_tokens=1, prompt_embeds=bad)
+                assert response.status == 400, bad
+
+    run(body())

@@ -2075,6 +2075,11 @@ impl Gateway {
     /// through here (a panic would be a 500, the gateway going on).
     fn prompt_tokens(&self, payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, Refusal> {
         let bad = |problem: String| Refusal::new(400, "invalid_request_error", problem);
+        if !chat && embeds_only(payload) {
+            // vLLM takes the prompt as embeddings: no token to hash (their cache blocks are
+            // keyed by the embeddings, which no other prompt shares by its tokens).
+            return Ok(Vec::new());
+        }
         let Some(tokenizer) = &self.tokenizer else {
             return prompt_tokens(payload, chat).map_err(|p| bad(p.to_owned()));
         };
@@ -2253,6 +2258,19 @@ fn prompt_tokens(payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, &'static
         }
         _ => Err(BAD_PROMPT),
     }
+}
+
+/// Whether a completions request gives its prompt only as `prompt_embeds` (vLLM's
+/// `--enable-prompt-embeds`: base64 tensors, one or a list), with no `prompt`.
+fn embeds_only(payload: &Payload<'_>) -> bool {
+    let no_prompt = payload.raw("prompt").is_none_or(|raw| raw.get() == "null");
+    no_prompt
+        && payload.raw("prompt_embeds").is_some_and(|raw| {
+            payload::as_str(raw).is_some_and(|text| !text.is_empty())
+                || payload::array_items(raw).is_some_and(|items| {
+                    !items.is_empty() && items.iter().all(|item| payload::as_str(item).is_some())
+                })
+        })
 }
 
 /// A request's `truncate_prompt_tokens` and `truncation_side` ([`truncation`]).

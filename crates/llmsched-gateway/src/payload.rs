@@ -49,7 +49,7 @@ impl fmt::Display for Problem {
 }
 
 /// The fields of a request body the gateway reads.
-const FIELDS: [&str; 19] = [
+const FIELDS: [&str; 20] = [
     "model",
     "prompt",
     "messages",
@@ -69,6 +69,7 @@ const FIELDS: [&str; 19] = [
     "truncate_prompt_tokens",
     "truncation_side",
     "tool_choice",
+    "prompt_embeds",
 ];
 
 /// A request body's fields, each as the JSON text it was sent as.

@@ -845,6 +845,10 @@ class Gateway:
                 size = sum(len(str(m.get("content", ""))) for m in messages) // 4
                 return _Prompt(None, None, messages, size)
             prompt = payload.get("prompt")
+            if prompt is None and _embeds_only(payload.get("prompt_embeds")):
+                # vLLM takes the prompt as embeddings: no token to hash (their cache blocks
+                # are keyed by the embeddings, which no other prompt shares by its tokens).
+                return _Prompt(np.empty(0, dtype=np.uint32), None, None, 0)
             if self.tokenizer is not None:
                 add_special_tokens = payload.get("add_special_tokens")
                 ids = self.tokenizer.completion_tokens(
@@ -1329,6 +1333,14 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise Refusal(400, "invalid_request_error", "the body must be a JSON object")
     return payload
+
+
+def _embeds_only(embeds: object) -> bool:
+    """Whether ``prompt_embeds`` (vLLM's ``--enable-prompt-embeds``: base64 tensors, one or a
+    list) stands in for an absent ``prompt``."""
+    if isinstance(embeds, str):
+        return bool(embeds)
+    return isinstance(embeds, list) and bool(embeds) and all(isinstance(e, str) for e in embeds)
 
 
 def _check_messages(messages: Sequence[Any]) -> None:

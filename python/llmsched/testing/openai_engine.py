@@ -311,7 +311,10 @@ def _check_body(body: Any, *, chat: bool) -> str | None:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return "messages must be a list of objects"
-    elif not isinstance(body.get("prompt"), (str, list)):
+    elif not isinstance(body.get("prompt"), (str, list)) and not (
+        # vLLM's --enable-prompt-embeds: the prompt as base64 tensors instead.
+        body.get("prompt") is None and isinstance(body.get("prompt_embeds"), (str, list))
+    ):
         return "prompt must be a string or a list"
     return None
 
