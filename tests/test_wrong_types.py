@@ -78,6 +78,7 @@ ACCEPTS: dict[str, set[str]] = {
     "pool": set(),
     "request": set(),
     "messages": set(),
+    "opt_side": {"None"},  # "left", "right" or None: "x" is refused too, as out of range
 }
 
 
@@ -211,6 +212,14 @@ def tokenizer_structure() -> tuple[Any, None]:
     if not _TOKENIZER:
         _TOKENIZER.append(PromptTokenizer(_tokenizer_dir()))
     return _TOKENIZER[0], None
+
+
+def _new_tokenizer(**kwargs: Any) -> Any:
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from llmsched.tokenize import PromptTokenizer
+
+    return PromptTokenizer(_tokenizer_dir(), **kwargs)
 
 
 TOKENS = [1, 2, 3, 4]
@@ -1162,9 +1171,27 @@ ENTRIES = [
     Entry(
         "PromptTokenizer.completion_tokens",
         lambda t, **kw: t.completion_tokens(**kw),
-        {"prompt": "hello"},
-        {"prompt": "prompt"},
+        {"prompt": "hello", "truncate_prompt_tokens": None, "truncation_side": None},
+        {
+            "prompt": "prompt",
+            "truncate_prompt_tokens": "opt_int",
+            "truncation_side": "opt_side",
+        },
         tokenizer_structure,
+    ),
+    Entry(
+        "PromptTokenizer",
+        lambda _, **kw: _new_tokenizer(**kw),
+        {
+            "chat_template": None,
+            "default_chat_template_kwargs": None,
+            "exclude_tools_when_tool_choice_none": False,
+        },
+        {
+            "chat_template": "opt_str",
+            "default_chat_template_kwargs": "opt_mapping",
+            "exclude_tools_when_tool_choice_none": "bool",
+        },
     ),
     *(
         Entry(

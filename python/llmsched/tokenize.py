@@ -174,9 +174,9 @@ class PromptTokenizer:
         }
         if chat_template is not None and not isinstance(chat_template, str):
             raise ConfigError("chat_template: must be the template's text")
-        defaults = dict(default_chat_template_kwargs or {})
         if not isinstance(default_chat_template_kwargs or {}, Mapping):
             raise ConfigError("default_chat_template_kwargs: must be a mapping")
+        defaults = dict(default_chat_template_kwargs or {})
         for name in ("chat_template", "tokenize", "messages"):
             if name in defaults:
                 raise ConfigError(f"default_chat_template_kwargs: may not set {name!r}")
@@ -549,9 +549,11 @@ class Truncation:
             raise PromptError("truncation_side must be 'left' or 'right'")
         if keep is None:
             return None
-        if isinstance(keep, float) and keep.is_integer():
+        # A float of an integer's value counts as that integer (below 9e15, where floats still
+        # hold every integer), as the native plane reads it; vLLM's bound is int64.
+        if isinstance(keep, float) and keep.is_integer() and abs(keep) < 9e15:
             keep = int(keep)
-        if type(keep) is not int or keep < -1:
+        if type(keep) is not int or not -1 <= keep < 2**63:
             raise PromptError("truncate_prompt_tokens must be an integer of at least -1")
         if keep == -1:
             return None
