@@ -106,6 +106,12 @@ class Rig:
         )
         return received[index][1]
 
+    def worker_of_request(self, index: int = -1) -> str:
+        """The worker id of the engine that received the request ``index`` (as in
+        :meth:`engine_of_request`)."""
+        engine = self.engine_of_request(index)
+        return str(self.gateway.config.engines[self.engines.index(engine)].worker_id)
+
     def metric(self, name: str, **labels: str) -> float:
         """A sample of the gateway's metrics (0 when absent)."""
         text = self.gateway.metrics.render().decode()

@@ -527,18 +527,17 @@ def test_a_cache_salt_routes_in_its_own_namespace() -> None:
     async def body() -> None:
         async with rig(engines=2) as r:
             index = r.gateway.index
-            workers = [spec.worker_id for spec in r.gateway.config.engines]
             tokens = list(range(100, 164))
             response = await r.complete(tokens, max_tokens=1)
             assert response.status == 200
-            plain_home = workers[r.engines.index(r.engine_of_request())]
+            plain_home = r.worker_of_request()
             assert index.match_tokens(tokens).as_dict() == {plain_home: 16}
             assert index.match_tokens(tokens, cache_salt="tenant-a").as_dict() == {}
             homes = set()
             for _ in range(3):
                 response = await r.complete(tokens, max_tokens=1, cache_salt="tenant-a")
                 assert response.status == 200
-                homes.add(workers[r.engines.index(r.engine_of_request())])
+                homes.add(r.worker_of_request())
                 assert r.engine_of_request().received[-1].body["cache_salt"] == "tenant-a"
             assert len(homes) == 1, homes
             assert index.match_tokens(tokens, cache_salt="tenant-a").as_dict() == {
@@ -559,17 +558,16 @@ def test_a_lora_adapter_routes_to_its_base_model_under_its_own_name() -> None:
     async def body() -> None:
         async with rig(engines=2, models=[MODEL, "other"], lora_adapters={"sql": MODEL}) as r:
             index = r.gateway.index
-            workers = [spec.worker_id for spec in r.gateway.config.engines]
             tokens = list(range(300, 364))
             response = await r.complete(tokens, max_tokens=1)
             assert response.status == 200
-            base_home = workers[r.engines.index(r.engine_of_request())]
+            base_home = r.worker_of_request()
             homes = set()
             for _ in range(3):
                 response = await r.complete(tokens, max_tokens=1, model="sql")
                 assert response.status == 200, await response.text()
                 assert r.engine_of_request().received[-1].body["model"] == "sql"
-                homes.add(workers[r.engines.index(r.engine_of_request())])
+                homes.add(r.worker_of_request())
             assert len(homes) == 1, homes
             assert index.match_tokens(tokens, lora="sql").as_dict() == {next(iter(homes)): 16}
             assert index.match_tokens(tokens).as_dict() == {base_home: 16}

@@ -809,8 +809,7 @@ def test_the_gateway_routes_chats_on_the_engines_template(tmp_path: Path) -> Non
                         r.url("/v1/chat/completions"), json=request
                     ) as response:
                         assert response.status == 200, await response.text()
-                    engine = r.engine_of_request()
-                    worker = r.gateway.config.engines[r.engines.index(engine)].worker_id
+                    worker = r.worker_of_request()
                     ids = python.chat_request_tokens({"messages": messages})
                     held = r.gateway.index.match_tokens(ids).as_dict()
                     assert held.get(worker, 0) == len(ids) // 4, (held, worker)

@@ -365,21 +365,21 @@ fn read_block_keys<'a>(reader: &mut Reader<'a>) -> Result<BlockKeys<'a>> {
     if reader.take_nil(WHAT)? {
         return Ok(BlockKeys::None);
     }
-    // Checked whole first, as every skipped value is (nesting bounded), then read again.
     let start = reader.position();
+    let array = matches!(
+        reader.peek_marker(WHAT)?,
+        rmp::Marker::FixArray(_) | rmp::Marker::Array16 | rmp::Marker::Array32
+    );
+    // Checked whole first, as every skipped value is (nesting bounded); an array read again.
     reader.skip_value(WHAT)?;
-    let end = reader.position();
-    reader.rewind_to(start);
-    let keys = classify_block_keys(reader).unwrap_or(BlockKeys::Opaque);
-    if reader.position() != end {
-        // Not an array: read no further than its start, then past it.
-        reader.rewind_to(start);
-        reader.skip_value_unbounded(WHAT)?;
+    if !array {
+        return Ok(BlockKeys::Opaque);
     }
-    Ok(keys)
+    reader.rewind_to(start);
+    classify_block_keys(reader)
 }
 
-/// A checked entry's top level: an array of strings, or opaque.
+/// A checked array entry: its strings, or opaque (read to its end).
 fn classify_block_keys<'a>(reader: &mut Reader<'a>) -> Result<BlockKeys<'a>> {
     const WHAT: &str = "extra_keys entry";
     let len = reader.array_len(WHAT)?;

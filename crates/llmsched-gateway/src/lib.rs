@@ -1779,7 +1779,8 @@ impl Gateway {
             }
         };
         let model = model.as_deref();
-        let adapter = model.filter(|m| self.config.lora_adapters.contains_key(*m));
+        // (adapter, its base model) when the request names an adapter.
+        let adapter = model.and_then(|m| self.config.lora_adapters.get_key_value(m));
         if let Some(model) = model
             .filter(|m| !self.models.is_empty() && !self.models.contains(*m) && adapter.is_none())
         {
@@ -1883,10 +1884,10 @@ impl Gateway {
             // An adapter is served by its base model's engines; its cache blocks are keyed
             // by its name.
             model: match adapter {
-                Some(adapter) => self.config.lora_adapters.get(adapter).cloned(),
+                Some((_, base)) => Some(base.clone()),
                 None => model.map(str::to_owned),
             },
-            lora: adapter.map(str::to_owned),
+            lora: adapter.map(|(name, _)| name.clone()),
             session_id: session.map(str::to_owned),
             // vLLM salts the prompt's first block with it: a salted prompt shares no block
             // with the same prompt unsalted or under another salt.

@@ -463,10 +463,7 @@ impl Gateway {
             return prompt_tokens(&payload, chat).map_err(str::to_owned);
         };
         if !chat {
-            let truncation = Truncation::of_fields(
-                body.get("truncate_prompt_tokens"),
-                body.get("truncation_side"),
-            )?;
+            let truncation = Truncation::of_body(body)?;
             return tokenizer
                 .completion_tokens(body.get("prompt"), body.get("add_special_tokens"), truncation)
                 .map_err(|p| p.0);

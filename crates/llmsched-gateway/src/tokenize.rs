@@ -163,15 +163,10 @@ impl<'a> ChatRequest<'a> {
         })
     }
 
-    /// The request's fields besides its messages, read and checked as vLLM 0.32 reads them
-    /// (for engines started without `--exclude-tools-when-tool-choice-none`).
-    pub fn options(&self) -> Result<ChatOptions, PromptProblem> {
-        self.options_for(false)
-    }
-
-    /// [`ChatRequest::options`] for engines started with `--exclude-tools-when-tool-choice-none`
-    /// or without: with it, a `tool_choice` of `"none"` leaves the request's tools out.
-    pub fn options_for(
+    /// The request's fields besides its messages, read and checked as vLLM 0.32 reads them,
+    /// for engines started with `--exclude-tools-when-tool-choice-none` or without: with it,
+    /// a `tool_choice` of `"none"` leaves the request's tools out.
+    pub fn options(
         &self,
         exclude_tools_when_tool_choice_none: bool,
     ) -> Result<ChatOptions, PromptProblem> {
@@ -600,7 +595,7 @@ impl PromptTokenizer {
 
     /// The ids of a chat request's fields (see [`PromptTokenizer::chat_tokens_of_body`]).
     pub fn chat_tokens(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>, PromptProblem> {
-        let options = request.options_for(self.exclude_tools_when_tool_choice_none)?;
+        let options = request.options(self.exclude_tools_when_tool_choice_none)?;
         let messages = template_value(request.messages).map_err(unreadable)?;
         let text = self.render(&messages, &options)?;
         self.encode_prompt(&text, options.add_special_tokens, options.truncation)
@@ -636,7 +631,7 @@ impl PromptTokenizer {
 
     /// The chat template's text for a chat request's fields.
     pub fn render_request(&self, request: &ChatRequest<'_>) -> Result<String, PromptProblem> {
-        let options = request.options_for(self.exclude_tools_when_tool_choice_none)?;
+        let options = request.options(self.exclude_tools_when_tool_choice_none)?;
         let messages = template_value(request.messages).map_err(unreadable)?;
         self.render(&messages, &options)
     }

@@ -73,6 +73,12 @@ impl Truncation {
         }
     }
 
+    /// [`Truncation::of_fields`] of a request body's `truncate_prompt_tokens` and
+    /// `truncation_side`.
+    pub fn of_body(body: &Json) -> Result<Option<Truncation>, &'static str> {
+        Truncation::of_fields(body.get("truncate_prompt_tokens"), body.get("truncation_side"))
+    }
+
     /// Cuts ids as the engine cuts them after encoding: `keep` of them from the side named,
     /// else from the tokenizer's (left).
     pub fn cut(&self, ids: &mut Vec<u32>) {

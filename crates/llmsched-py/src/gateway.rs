@@ -399,9 +399,7 @@ impl PyNativePromptTokenizer {
     fn completion_tokens(&self, py: Python<'_>, request: &str) -> PyResult<Vec<u32>> {
         let body: serde_json::Value = serde_json::from_str(request)
             .map_err(|e| InvalidRequestError::new_err(format!("request: {e}")))?;
-        let truncation =
-            Truncation::of_fields(body.get("truncate_prompt_tokens"), body.get("truncation_side"))
-                .map_err(InvalidRequestError::new_err)?;
+        let truncation = Truncation::of_body(&body).map_err(InvalidRequestError::new_err)?;
         let tokens = detach(py, || {
             self.inner.completion_tokens(
                 body.get("prompt"),
