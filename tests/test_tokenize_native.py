@@ -23,7 +23,7 @@ from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
 from llmsched import _llmsched
 from llmsched.errors import ConfigError, GatewayStoppedError, InvalidRequestError
 from llmsched.gateway import NativeGateway
-from llmsched.testing.openai_engine import write_tokenizer
+from llmsched.testing.openai_engine import CHAT_TEMPLATE, write_tokenizer
 from llmsched.tokenize import PromptError, PromptTokenizer
 
 NativePromptTokenizer = _llmsched.NativePromptTokenizer
@@ -1122,6 +1122,175 @@ def test_special_tokens_and_template_resolution(tmp_path: Path) -> None:
         else:
             with pytest.raises(InvalidRequestError, match="no chat template"):
                 native.chat_tokens(body)
+
+
+# Named templates as transformers saves them; each writes its name first.
+NAMED_TEMPLATES = {
+    "default": "default|" + CHAT_TEMPLATE,
+    "tool_use": "tool_use {{ tools | length }}|" + CHAT_TEMPLATE,
+    "rag": "rag|" + CHAT_TEMPLATE,
+}
+_TOOL = {"type": "function", "function": {"name": "f"}}
+# A request's fields and the template vLLM 0.32 renders it with, from a tokenizer holding
+# NAMED_TEMPLATES, for engines trusting requests' templates (tests/engines checks these
+# rules against a real engine).
+TEMPLATE_CHOICES: list[tuple[dict[str, Any], str]] = [
+    ({}, "default"),
+    ({"tools": [_TOOL]}, "tool_use"),
+    ({"tools": [_TOOL], "tool_choice": "none"}, "tool_use"),
+    ({"chat_template_kwargs": {"tools": [1, 2]}}, "tool_use"),
+    ({"tools": [_TOOL], "chat_template_kwargs": {"tools": None}}, "tool_use"),
+    ({"tools": None}, "default"),
+    ({"chat_template": "rag", "tools": [_TOOL]}, "rag"),
+    ({"chat_template": "own|" + CHAT_TEMPLATE}, "own"),
+    ({"chat_template": "", "tools": [_TOOL]}, "tool_use"),
+    ({"chat_template": None}, "default"),
+    ({"chat_template_kwargs": {"chat_template": "rag"}}, "rag"),
+    ({"chat_template": "default", "chat_template_kwargs": {"chat_template": "rag"}}, "default"),
+]
+
+
+def _named_directory(path: Path, how: str) -> Path:
+    """A tokenizer with NAMED_TEMPLATES, saved as files (``chat_template.jinja`` and
+    ``additional_chat_templates/``) or as ``tokenizer_config.json``'s list."""
+    if how == "config":
+        listed = [{"name": n, "template": t} for n, t in NAMED_TEMPLATES.items()]
+        return write_tokenizer(path, chat_template=listed)
+    directory = write_tokenizer(path, chat_template="config's, not read")
+    (directory / "chat_template.jinja").write_text(NAMED_TEMPLATES["default"])
+    (directory / "additional_chat_templates").mkdir()
+    for name in ("tool_use", "rag"):
+        (directory / "additional_chat_templates" / f"{name}.jinja").write_text(
+            NAMED_TEMPLATES[name]
+        )
+    return directory
+
+
+@pytest.mark.parametrize("how", ["files", "config"])
+def test_named_templates_are_chosen_as_vllm_chooses_them(tmp_path: Path, how: str) -> None:
+    directory = _named_directory(tmp_path / how, how)
+    python = PromptTokenizer(directory, trust_request_chat_template=True)
+    native = NativePromptTokenizer(str(directory), trust_request_chat_template=True)
+    assert sorted(python.template_names) == ["default", "rag", "tool_use"]
+    messages = [{"role": "user", "content": "hi"}]
+    for fields, name in TEMPLATE_CHOICES:
+        body = {"messages": messages, **fields}
+        rendered = python.render_chat_request(body)
+        assert rendered.split("|")[0].split(" ")[0] == name, fields
+        assert native.render_chat(json.dumps(body)) == rendered, fields
+        assert native.chat_tokens(json.dumps(body)) == python.chat_request_tokens(body), fields
+    # The engines' --chat-template comes before the directory's and the kwarg.
+    engine = "engine|" + CHAT_TEMPLATE
+    python = PromptTokenizer(directory, chat_template=engine, trust_request_chat_template=True)
+    native = NativePromptTokenizer(
+        str(directory), chat_template=engine, trust_request_chat_template=True
+    )
+    for fields, name in [
+        ({"tools": [_TOOL]}, "engine"),
+        ({"chat_template_kwargs": {"chat_template": "rag"}}, "engine"),
+        ({"chat_template": "rag"}, "rag"),
+    ]:
+        body = {"messages": messages, **fields}
+        rendered = python.render_chat_request(body)
+        assert rendered.startswith(name + "|"), fields
+        assert native.render_chat(json.dumps(body)) == rendered, fields
+
+
+def test_named_templates_without_a_default_need_a_name(tmp_path: Path) -> None:
+    only = [{"name": "tool_use", "template": "T"}, {"name": "rag", "template": "R"}]
+    directory = write_tokenizer(tmp_path / "nodefault", chat_template=only)
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    assert not python.has_chat_template and not native.has_chat_template
+    tools = {"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL]}
+    assert python.render_chat_request(tools) == native.render_chat(json.dumps(tools)) == "T"
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}]})
+    for render in (
+        lambda: python.render_chat_request(json.loads(body)),
+        lambda: native.render_chat(body),
+    ):
+        with pytest.raises(InvalidRequestError, match="none named 'default'.*rag"):
+            render()
+
+
+def test_a_request_template_is_refused_unless_the_engines_trust_it(tmp_path: Path) -> None:
+    directory = write_tokenizer(tmp_path / "tok")
+    messages = [{"role": "user", "content": "hi"}]
+    untrusting = (PromptTokenizer(directory), NativePromptTokenizer(str(directory)))
+    trusting = (
+        PromptTokenizer(directory, trust_request_chat_template=True),
+        NativePromptTokenizer(str(directory), trust_request_chat_template=True),
+    )
+    for fields in [
+        {"chat_template": "x"},
+        {"chat_template": ""},
+        {"chat_template_kwargs": {"chat_template": "x"}},
+    ]:
+        body = {"messages": messages, **fields}
+        with pytest.raises(PromptError, match="--trust-request-chat-template"):
+            untrusting[0].chat_request_tokens(body)
+        with pytest.raises(InvalidRequestError, match="trust_request_chat_template: true"):
+            untrusting[1].chat_tokens(json.dumps(body))
+    for fields, problem in [
+        ({"chat_template": 5}, "chat_template must be a string"),
+        ({"chat_template": ["x"]}, "chat_template must be a string"),
+        ({"chat_template_kwargs": {"chat_template": 1}}, "chat_template must be a string"),
+        ({"chat_template": "{% for %}"}, "the request's chat_template: .*does not compile"),
+    ]:
+        body = {"messages": messages, **fields}
+        for python, native in (untrusting, trusting):
+            if "compile" in problem and python is untrusting[0]:
+                continue
+            with pytest.raises(PromptError, match=problem):
+                python.chat_request_tokens(body)
+            with pytest.raises(InvalidRequestError, match=problem):
+                native.chat_tokens(json.dumps(body))
+    # Compiled once per text, rendered alike on both planes.
+    own = {"messages": messages, "chat_template": "{{ messages | length }}" + CHAT_TEMPLATE}
+    for _ in range(2):
+        assert trusting[0].chat_request_tokens(own) == trusting[1].chat_tokens(json.dumps(own))
+
+
+def test_a_request_template_s_work_is_bounded_on_the_native_plane(tmp_path: Path) -> None:
+    directory = write_tokenizer(tmp_path / "tok")
+    native = NativePromptTokenizer(str(directory), trust_request_chat_template=True)
+    endless = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}], "chat_template": endless})
+    with pytest.raises(InvalidRequestError, match="fuel"):
+        native.chat_tokens(body)
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("trust", [False, True])
+def test_the_gateway_answers_a_request_template_as_the_engines_do(
+    tmp_path: Path, trust: bool
+) -> None:
+    """Untrusted: a 400 naming the engines' flag and the config key, nothing routed. Trusted:
+    routed on the ids of the request's own template."""
+    directory = write_tokenizer(tmp_path / "tok")
+    python = PromptTokenizer(directory, trust_request_chat_template=True)
+    own = "own|" + CHAT_TEMPLATE
+    messages = [{"role": "user", "content": _sentence(random.Random(3), 40)}]
+
+    async def body() -> None:
+        async with rig(engines=2, tokenizer=str(directory), trust_request_chat_template=trust) as r:
+            request = {"model": MODEL, "max_tokens": 2, "messages": messages, "chat_template": own}
+            async with r.client.post(r.url("/v1/chat/completions"), json=request) as response:
+                text = await response.text()
+                if not trust:
+                    assert response.status == 400, text
+                    error = json.loads(text)["error"]
+                    assert "--trust-request-chat-template" in error["message"], error
+                    assert "trust_request_chat_template: true" in error["message"], error
+                    assert not any(e.received for e in r.engines)
+                    return
+                assert response.status == 200, text
+            worker = r.worker_of_request()
+            ids = python.chat_request_tokens({"messages": messages, "chat_template": own})
+            held = r.gateway.index.match_tokens(ids).as_dict()
+            assert held.get(worker, 0) == len(ids) // 4, (held, worker)
+
+    run(body())
 
 
 def test_a_template_the_native_engine_cannot_render_is_refused_at_load(tmp_path: Path) -> None:

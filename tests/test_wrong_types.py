@@ -1186,11 +1186,13 @@ ENTRIES = [
             "chat_template": None,
             "default_chat_template_kwargs": None,
             "exclude_tools_when_tool_choice_none": False,
+            "trust_request_chat_template": False,
         },
         {
             "chat_template": "opt_str",
             "default_chat_template_kwargs": "opt_mapping",
             "exclude_tools_when_tool_choice_none": "bool",
+            "trust_request_chat_template": "bool",
         },
     ),
     *(

@@ -1105,6 +1105,7 @@ class NativePromptTokenizer:
         chat_template: str | None = None,
         default_chat_template_kwargs: str | None = None,
         exclude_tools_when_tool_choice_none: bool = False,
+        trust_request_chat_template: bool = False,
     ) -> NativePromptTokenizer:
         """Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded
         or its chat template cannot be rendered (probe conversations are rendered). Chat
@@ -1116,7 +1117,9 @@ class NativePromptTokenizer:
         `default_chat_template_kwargs`: a JSON object's text, the variables under every
         request's (vLLM's `--default-chat-template-kwargs`);
         `exclude_tools_when_tool_choice_none`: vLLM's flag of that name (a request's
-        `tool_choice` of `"none"` leaves its tools out)."""
+        `tool_choice` of `"none"` leaves its tools out); `trust_request_chat_template`:
+        vLLM's `--trust-request-chat-template` (a request's own `chat_template` is rendered;
+        without it, such a request is refused)."""
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be tokenized."""

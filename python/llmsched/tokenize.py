@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -135,6 +136,15 @@ class PromptTokenizer:
             sets them.
         exclude_tools_when_tool_choice_none: as vLLM's flag of that name: a request's
             ``tool_choice`` of ``"none"`` leaves its tools out of the template.
+        trust_request_chat_template: as vLLM's ``--trust-request-chat-template``: a request's
+            own ``chat_template`` (or one among its ``chat_template_kwargs``) is rendered;
+            without it, such a request is a :class:`PromptError`, as the engines refuse it.
+
+    A directory with several named templates (``additional_chat_templates/*.jinja`` beside
+    ``chat_template.jinja``, or a list under ``chat_template`` in ``tokenizer_config.json``)
+    renders each request with the one transformers' ``get_chat_template`` picks for vLLM:
+    the template a request names, else ``tool_use`` when the template is handed tools, else
+    ``default``.
 
     Raises :class:`~llmsched.errors.ConfigError` when the directory cannot be loaded or its
     chat template does not compile.
@@ -147,6 +157,7 @@ class PromptTokenizer:
         chat_template: str | None = None,
         default_chat_template_kwargs: Mapping[str, Any] | None = None,
         exclude_tools_when_tool_choice_none: bool = False,
+        trust_request_chat_template: bool = False,
     ) -> None:
         if content_format not in ("auto", "string", "openai"):
             raise ConfigError(
@@ -184,39 +195,36 @@ class PromptTokenizer:
         if not isinstance(exclude_tools_when_tool_choice_none, bool):
             raise ConfigError("exclude_tools_when_tool_choice_none: must be a boolean")
         self._exclude_tools = exclude_tools_when_tool_choice_none
-        source = chat_template if chat_template is not None else _chat_template_source(path, config)
-        self._template: jinja2.Template | None = None
-        self._content_format: ContentFormat = "string"
-        self._developer_role = source is not None and _names_developer_role(source)
-        self._source = source or ""
-        if source is not None:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True,
-                lstrip_blocks=True,
-                extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
-            try:
-                self._template = env.from_string(source)
-            except jinja2.TemplateError as exc:
-                raise ConfigError(f"tokenizer: chat template does not compile: {exc}") from None
-            self._content_format = _detect_content_format(env, source)
-        if content_format != "auto":
-            self._content_format = "openai" if content_format == "openai" else "string"
+        if not isinstance(trust_request_chat_template, bool):
+            raise ConfigError("trust_request_chat_template: must be a boolean")
+        self._templates = _ChatTemplates(
+            _own_template_sources(path, config), chat_template, trust_request_chat_template
+        )
+        self._content_format_override: ContentFormat | None = (
+            None if content_format == "auto" else content_format  # type: ignore[assignment]
+        )
 
     @property
     def has_chat_template(self) -> bool:
-        """Whether chat requests can be tokenized."""
-        return self._template is not None
+        """Whether chat requests that ask for no template of their own can be tokenized."""
+        return self._templates.has_default()
 
     @property
     def content_format(self) -> ContentFormat:
-        """How the chat template takes a message's list content, detected from its source as
-        vLLM detects it: ``"openai"`` (the parts as ``{type, ...}`` objects) when it loops
-        over a message's content, else ``"string"`` (the texts joined by newlines)."""
-        return self._content_format
+        """How the chat template of a request asking for none (and without tools) takes a
+        message's list content, detected from its source as vLLM detects it: ``"openai"``
+        (the parts as ``{type, ...}`` objects) when it loops over a message's content, else
+        ``"string"`` (the texts joined by newlines); as set, where ``content_format`` was."""
+        if self._content_format_override is not None:
+            return self._content_format_override
+        default = self._templates.default()
+        return "string" if default is None else default.content_format
+
+    @property
+    def template_names(self) -> list[str]:
+        """The names of the tokenizer directory's named chat templates (empty when it has
+        one template or none)."""
+        return self._templates.names()
 
     @property
     def special_tokens(self) -> dict[str, str]:
@@ -289,7 +297,7 @@ class PromptTokenizer:
             ("documents", None),
         ):
             variables.setdefault(name, default)
-        return self._render(messages, variables, continue_final_message=False)
+        return self._render(messages, variables, _TemplateAsked(), continue_final_message=False)
 
     def chat_tokens(
         self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any] | None = None
@@ -310,7 +318,10 @@ class PromptTokenizer:
         is a :class:`PromptError`."""
         chat = _ChatRequest.read(request, self._defaults, self._exclude_tools)
         return self._render(
-            chat.messages, chat.variables, continue_final_message=chat.continue_final_message
+            chat.messages,
+            chat.variables,
+            chat.template,
+            continue_final_message=chat.continue_final_message,
         )
 
     def chat_request_tokens(self, request: Mapping[str, Any]) -> list[int]:
@@ -318,7 +329,10 @@ class PromptTokenizer:
         encoded with special tokens only when the request's ``add_special_tokens`` says so."""
         chat = _ChatRequest.read(request, self._defaults, self._exclude_tools)
         text = self._render(
-            chat.messages, chat.variables, continue_final_message=chat.continue_final_message
+            chat.messages,
+            chat.variables,
+            chat.template,
+            continue_final_message=chat.continue_final_message,
         )
         return self._encode(text, chat.add_special_tokens, chat.truncation)
 
@@ -326,18 +340,19 @@ class PromptTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         variables: Mapping[str, Any],
+        asked: _TemplateAsked,
         *,
         continue_final_message: bool,
     ) -> str:
-        if self._template is None:
-            raise PromptError("the configured tokenizer has no chat template")
+        template = self._templates.choose(asked, tools=variables.get("tools") is not None)
+        content_format = self._content_format_override or template.content_format
         context: dict[str, Any] = dict(self._special)
         context.update(variables)
-        built, media = _template_messages(messages, self._content_format, self._developer_role)
-        final = _mark_final_message(built, self._source) if continue_final_message else None
+        built, media = _template_messages(messages, content_format, template.developer_role)
+        final = _mark_final_message(built, template.source) if continue_final_message else None
         context["messages"] = built
         try:
-            text = self._template.render(**context)
+            text = template.template.render(**context)
         except jinja2.TemplateError as exc:
             raise PromptError(f"chat template: {exc}") from None
         except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError) as exc:
@@ -408,12 +423,14 @@ class _ChatRequest:
         continue_final_message: bool,
         add_special_tokens: bool,
         truncation: Truncation | None,
+        template: _TemplateAsked,
     ) -> None:
         self.messages = messages
         self.variables = variables
         self.continue_final_message = continue_final_message
         self.add_special_tokens = add_special_tokens
         self.truncation = truncation
+        self.template = template
 
     @classmethod
     def read(
@@ -436,10 +453,16 @@ class _ChatRequest:
             kwargs = {}
         if not isinstance(kwargs, Mapping):
             raise PromptError("chat_template_kwargs must be an object")
-        # vLLM refuses the first two; the third meets the conversation's own argument.
-        for name in ("chat_template", "tokenize", "messages"):
+        # vLLM refuses the first; the second meets the conversation's own argument.
+        for name in ("tokenize", "messages"):
             if name in kwargs:
                 raise PromptError(f"chat_template_kwargs may not set {name!r}")
+        field = request.get("chat_template")
+        if field is not None and not isinstance(field, str):
+            raise PromptError("chat_template must be a string")
+        kwarg = kwargs.get("chat_template")
+        if kwarg is not None and not isinstance(kwarg, str):
+            raise PromptError("chat_template_kwargs' chat_template must be a string")
 
         def flag(name: str, default: bool) -> bool:
             value = request.get(name, default)
@@ -491,6 +514,7 @@ class _ChatRequest:
             continue_final_message,
             flag("add_special_tokens", False),
             Truncation.read(request.get("truncate_prompt_tokens"), request.get("truncation_side")),
+            _TemplateAsked(field, kwarg),
         )
 
 
@@ -612,17 +636,160 @@ def _vllm_tools(tools: object) -> list[dict[str, Any]] | None:
     return out
 
 
-def _chat_template_source(path: Path, config: Mapping[str, Any]) -> str | None:
-    """The template: ``chat_template.jinja`` (newer ``save_pretrained``) or the
-    ``chat_template`` entry of ``tokenizer_config.json`` (a str, or named templates)."""
+_REQUEST_TEMPLATES_KEPT = 64
+"""Distinct request templates kept compiled; past this the cache starts again (as vLLM bounds
+its own cache of request templates' content formats)."""
+
+_UNTRUSTED = (
+    "the request sets its own chat template, which the engines refuse unless started with "
+    "--trust-request-chat-template (set trust_request_chat_template: true in the gateway's "
+    "config when they are)"
+)
+
+
+class _TemplateAsked:
+    """What a chat request asks of the template choice: its ``chat_template`` field and a
+    ``chat_template`` among its ``chat_template_kwargs``, each None when null or absent."""
+
+    __slots__ = ("field", "kwarg")
+
+    def __init__(self, field: str | None = None, kwarg: str | None = None) -> None:
+        self.field = field
+        self.kwarg = kwarg
+
+
+class _CompiledTemplate:
+    """A chat template compiled as transformers compiles it, with what vLLM reads off its
+    source (the content format, whether it names the ``developer`` role)."""
+
+    __slots__ = ("content_format", "developer_role", "source", "template")
+
+    def __init__(self, source: str, name: str) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"tokenizer: chat template{name} does not compile: {exc}") from None
+        self.source = source
+        self.content_format: ContentFormat = _detect_content_format(env, source)
+        self.developer_role = _names_developer_role(source)
+
+
+class _ChatTemplates:
+    """Every template a request can be rendered with, and vLLM's rule choosing among them:
+    the request's ``chat_template`` when not empty (trusted engines only), else the engines'
+    ``--chat-template``, else a ``chat_template`` kwarg (trusted only), handed to
+    transformers' ``get_chat_template``: a name among the tokenizer's named templates picks
+    it, other text is the template itself; nothing asked for picks ``tool_use`` when the
+    template is handed tools and the tokenizer names one, else ``default`` (or the one
+    template)."""
+
+    def __init__(
+        self, own: str | dict[str, str] | None, engine: str | None, trust_requests: bool
+    ) -> None:
+        self.own: _CompiledTemplate | dict[str, _CompiledTemplate] | None
+        if isinstance(own, dict):
+            self.own = {name: _CompiledTemplate(text, f" {name!r}") for name, text in own.items()}
+        else:
+            self.own = None if own is None else _CompiledTemplate(own, "")
+        self.engine = None if engine is None else _CompiledTemplate(engine, "")
+        self.trust_requests = trust_requests
+        self._requested: dict[str, _CompiledTemplate] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        return list(self.own) if isinstance(self.own, dict) else []
+
+    def has_default(self) -> bool:
+        return self.default() is not None
+
+    def default(self) -> _CompiledTemplate | None:
+        """The template of a request asking for none, without tools."""
+        try:
+            return self.choose(_TemplateAsked(), tools=False)
+        except PromptError:
+            return None
+
+    def choose(self, asked: _TemplateAsked, *, tools: bool) -> _CompiledTemplate:
+        if not self.trust_requests and (asked.field is not None or asked.kwarg is not None):
+            raise PromptError(_UNTRUSTED)
+        text = asked.field or None
+        if text is None:
+            if self.engine is not None:
+                return self.engine
+            text = asked.kwarg
+        own = self.own
+        if text is not None:
+            if isinstance(own, dict) and text in own:
+                return own[text]
+            return self._requested_template(text)
+        if isinstance(own, dict):
+            chosen = (own.get("tool_use") if tools else None) or own.get("default")
+            if chosen is None:
+                raise PromptError(
+                    "the tokenizer has several chat templates and none named 'default' (it has "
+                    f"{', '.join(own)}): the request must name one in chat_template"
+                )
+            return chosen
+        if own is None:
+            raise PromptError("the configured tokenizer has no chat template")
+        return own
+
+    def _requested_template(self, text: str) -> _CompiledTemplate:
+        """A request's own template, compiled once per distinct text."""
+        with self._lock:
+            found = self._requested.get(text)
+        if found is not None:
+            return found
+        try:
+            compiled = _CompiledTemplate(text, "")
+        except ConfigError as exc:
+            message = str(exc).removeprefix("tokenizer: ")
+            raise PromptError(f"the request's chat_template: {message}") from None
+        with self._lock:
+            if len(self._requested) >= _REQUEST_TEMPLATES_KEPT:
+                self._requested.clear()
+            self._requested[text] = compiled
+        return compiled
+
+
+def _own_template_sources(path: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """The directory's templates, as transformers loads them: ``chat_template.jinja`` (as
+    ``default``) and ``additional_chat_templates/*.jinja`` when there are such files (one
+    template when there is only the first), else the ``chat_template`` entry of
+    ``tokenizer_config.json`` (a str, or a list of ``{name, template}``, kept as named
+    templates however many). The additional files are taken in name order."""
+    named: dict[str, str] = {}
     file = path / "chat_template.jinja"
     if file.is_file():
-        return file.read_text()
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+        named["default"] = file.read_text()
+    extra = path / "additional_chat_templates"
+    if extra.is_dir():
+        for template in sorted(extra.glob("*.jinja")):
+            if template.is_file():
+                named[template.name.removesuffix(".jinja")] = template.read_text()
+    if list(named) == ["default"]:
+        return named["default"]
+    if named:
+        return named
+    entry = config.get("chat_template")
+    if isinstance(entry, list):
+        listed = {
+            t["name"]: t["template"]
+            for t in entry
+            if isinstance(t, Mapping)
+            and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str)
+        }
+        return listed or None
+    return entry if isinstance(entry, str) else None
 
 
 _MEDIA_MARK = "\ue000llmsched:media\ue001"

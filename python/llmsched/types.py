@@ -746,6 +746,7 @@ class NativeGatewayConfig(TypedDict):
     chat_template: str | None
     default_chat_template_kwargs: dict[str, Any] | None
     exclude_tools_when_tool_choice_none: bool
+    trust_request_chat_template: bool
     slices: NativeSlicesConfig | None
     admin: NativeAdminConfig | None
     record_unread_prefixes: bool

@@ -418,14 +418,38 @@ const APPLY_ARGUMENTS: [&str; 10] = [
 impl ChatContext {
     /// A request kwarg, unless vLLM drops it (`None` or `"auto"`).
     fn extra(&self, key: &str) -> Option<Value> {
-        let value = self.extra.as_ref()?.get_attr(key).ok()?;
-        let unset = value.is_undefined() || value.is_none() || value.as_str() == Some("auto");
-        (!unset).then_some(value)
+        request_kwarg(self.extra.as_ref(), key)
     }
 
     fn default(&self, key: &str) -> Option<Value> {
-        self.defaults.as_ref()?.get_attr(key).ok().filter(|v| !v.is_undefined())
+        default_kwarg(self.defaults.as_ref(), key)
     }
+}
+
+/// A kwarg of the request's `chat_template_kwargs` (`extra`), unless vLLM drops it (`None` or
+/// `"auto"`).
+fn request_kwarg(extra: Option<&Value>, key: &str) -> Option<Value> {
+    let value = extra?.get_attr(key).ok()?;
+    let unset = value.is_undefined() || value.is_none() || value.as_str() == Some("auto");
+    (!unset).then_some(value)
+}
+
+/// A kwarg of the engines' default `chat_template_kwargs`.
+fn default_kwarg(defaults: Option<&Value>, key: &str) -> Option<Value> {
+    defaults?.get_attr(key).ok().filter(|v| !v.is_undefined())
+}
+
+/// The `tools` a template is handed, as vLLM merges them: a request kwarg, else the request's
+/// own (`tools`, as vLLM hands them on), else a default kwarg; `None` when none is.
+pub fn tools_variable(
+    extra: Option<&Value>,
+    tools: Option<&Value>,
+    defaults: Option<&Value>,
+) -> Option<Value> {
+    request_kwarg(extra, "tools")
+        .or_else(|| tools.cloned())
+        .or_else(|| default_kwarg(defaults, "tools"))
+        .filter(|tools| !tools.is_none())
 }
 
 impl Object for ChatContext {
@@ -438,8 +462,12 @@ impl Object for ChatContext {
             "messages" => return Some(self.messages.clone()),
             ADD_GENERATION_PROMPT => return Some(Value::from(self.add_generation_prompt)),
             "tools" => {
-                let tools = self.extra("tools").or_else(|| self.tools.clone());
-                return Some(tools.or_else(|| self.default("tools")).unwrap_or(Value::from(())));
+                let tools = tools_variable(
+                    self.extra.as_ref(),
+                    self.tools.as_ref(),
+                    self.defaults.as_ref(),
+                );
+                return Some(tools.unwrap_or(Value::from(())));
             }
             "documents" => {
                 let documents = self.documents.clone().or_else(|| self.extra("documents"));

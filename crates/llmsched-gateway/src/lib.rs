@@ -62,6 +62,7 @@ pub mod payload;
 pub mod pool;
 pub mod pyvalues;
 pub mod slicing;
+pub mod templates;
 pub mod tokcache;
 pub mod tokenize;
 pub mod truncation;
@@ -201,6 +202,10 @@ pub struct GatewayConfig {
     /// Whether a request's `tool_choice` of `"none"` leaves its tools out of the template (the
     /// engines' `--exclude-tools-when-tool-choice-none`).
     pub exclude_tools_when_tool_choice_none: bool,
+    /// Whether a request's own `chat_template` is rendered (the engines'
+    /// `--trust-request-chat-template`); without, such a request is a 400, as the engines
+    /// answer it.
+    pub trust_request_chat_template: bool,
     /// Token slices ([`slicing`]); `None`: off.
     pub slices: Option<slicing::SlicesConfig>,
     /// The admin API ([`admin`]); `None`: its routes do not exist.
@@ -251,6 +256,7 @@ impl Default for GatewayConfig {
             chat_template: None,
             default_chat_template_kwargs: None,
             exclude_tools_when_tool_choice_none: false,
+            trust_request_chat_template: false,
             slices: None,
             admin: None,
             record_unread_prefixes: false,
@@ -597,6 +603,7 @@ fn build(
                     .with_exclude_tools_when_tool_choice_none(
                         config.exclude_tools_when_tool_choice_none,
                     )
+                    .with_trust_request_chat_template(config.trust_request_chat_template)
             })
             .and_then(|tokenizer| match &config.default_chat_template_kwargs {
                 Some(kwargs) => tokenizer.with_default_kwargs(kwargs.get()),

@@ -49,7 +49,7 @@ impl fmt::Display for Problem {
 }
 
 /// The fields of a request body the gateway reads.
-const FIELDS: [&str; 20] = [
+const FIELDS: [&str; 21] = [
     "model",
     "prompt",
     "messages",
@@ -70,6 +70,7 @@ const FIELDS: [&str; 20] = [
     "truncation_side",
     "tool_choice",
     "prompt_embeds",
+    "chat_template",
 ];
 
 /// A request body's fields, each as the JSON text it was sent as.

@@ -22,23 +22,22 @@
 //! conversations ([`PromptTokenizer::load`] fails); a conversation the template refuses, or
 //! a malformed one, is a [`PromptProblem`] (a 400 on the request path).
 
-use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::Arc;
 
 use minijinja::value::ValueKind;
-use minijinja::{Environment, Error, ErrorKind, UndefinedBehavior, Value};
+use minijinja::{Error, Value};
 use serde_json::value::RawValue;
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
-use crate::chat_values::{template_value, ChatContext};
+use crate::chat_values::{template_value, tools_variable, ChatContext};
 use crate::conversation::{
-    cut_at_final_mark, cut_at_media, mark_final_message, names_developer_role, template_messages,
-    vllm_tools, ContentFormat,
+    cut_at_final_mark, cut_at_media, mark_final_message, template_messages, vllm_tools,
+    ContentFormat,
 };
 use crate::payload::Payload;
-use crate::pyvalues::{python_formatter, tojson};
+use crate::templates::{describe, raised, ChatTemplate, ChatTemplates, TemplateAsked};
 use crate::tokcache::{CacheStats, PieceEncoder};
 use crate::truncation::Truncation;
 
@@ -49,9 +48,6 @@ const SPECIAL_TOKEN_KEYS: [&str; 7] =
 /// digits and unicode.
 const PROBE_SYSTEM: &str = "You are a helpful assistant. Answer briefly; use  two spaces here,\n\
     a newline there, digits 1234567 and unicode: héllo, 日本語, 🐉.\n\n  Indented line.";
-
-/// The template's name in its environment.
-const TEMPLATE: &str = "chat";
 
 /// A prompt or conversation that cannot be turned into tokens (answered with HTTP 400).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,33 +61,17 @@ impl std::fmt::Display for PromptProblem {
 
 impl std::error::Error for PromptProblem {}
 
-/// Marks an error the template raised itself (`raise_exception`), as opposed to one the
-/// engine met (an unknown filter or method, a type error).
-#[derive(Debug)]
-struct Raised;
-
-impl std::fmt::Display for Raised {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("raised by the template")
-    }
-}
-
-impl std::error::Error for Raised {}
-
 /// Token ids of completion prompts and chat conversations (see the module documentation).
 pub struct PromptTokenizer {
     tokenizer: Tokenizer,
     special: Vec<(String, String)>,
     /// The same, as the template's values (shared by every render).
     special_values: Arc<[(String, Value)]>,
-    env: Option<Environment<'static>>,
-    /// How the template takes list contents (detected from its source).
-    content_format: ContentFormat,
-    /// Whether the template names the `developer` role.
-    developer_role: bool,
-    /// Whether the template's source names `content` (transformers' check for
-    /// `continue_final_message`).
-    reads_content: bool,
+    /// The chat templates and the rule choosing among them.
+    templates: ChatTemplates,
+    /// How every template takes list contents, where the engines were told
+    /// (`--chat-template-content-format`); `None`: as detected on the template chosen.
+    content_format: Option<ContentFormat>,
     /// Chat prompts' ids through the piece cache ([`crate::tokcache`]).
     pieces: PieceEncoder,
     /// The engines' `--default-chat-template-kwargs` (a map), under every request's.
@@ -104,7 +84,7 @@ impl std::fmt::Debug for PromptTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PromptTokenizer")
             .field("special", &self.special)
-            .field("has_chat_template", &self.env.is_some())
+            .field("templates", &self.templates)
             .field("content_format", &self.content_format)
             .field("pieces", &self.pieces)
             .finish()
@@ -138,6 +118,8 @@ pub struct ChatRequest<'a> {
     pub truncation_side: Option<&'a RawValue>,
     /// The tool choice (`"none"` leaves the tools out where the engines were told to).
     pub tool_choice: Option<&'a RawValue>,
+    /// The request's own chat template (a template's text or a template's name).
+    pub chat_template: Option<&'a RawValue>,
 }
 
 impl<'a> ChatRequest<'a> {
@@ -160,6 +142,7 @@ impl<'a> ChatRequest<'a> {
             truncate_prompt_tokens: present("truncate_prompt_tokens"),
             truncation_side: present("truncation_side"),
             tool_choice: present("tool_choice"),
+            chat_template: present("chat_template"),
         })
     }
 
@@ -194,12 +177,23 @@ impl<'a> ChatRequest<'a> {
         let kwarg = |name: &str| {
             extra.as_ref().and_then(|e| e.get_attr(name).ok()).filter(|v| !v.is_undefined())
         };
-        // vLLM refuses the first two; the third meets the conversation's own argument.
-        for name in ["chat_template", "tokenize", "messages"] {
+        // vLLM refuses the first; the second meets the conversation's own argument.
+        for name in ["tokenize", "messages"] {
             if kwarg(name).is_some() {
                 return Err(PromptProblem(format!("chat_template_kwargs may not set '{name}'")));
             }
         }
+        let text = |value: Value, name: &str| match value.as_str() {
+            Some(text) if value.kind() == ValueKind::String => Ok(text.to_owned()),
+            _ => Err(PromptProblem(format!("{name} must be a string"))),
+        };
+        let template = TemplateAsked {
+            field: self.chat_template.map(|raw| text(value(raw)?, "chat_template")).transpose()?,
+            kwarg: kwarg("chat_template")
+                .filter(|v| !v.is_none())
+                .map(|v| text(v, "chat_template_kwargs' chat_template"))
+                .transpose()?,
+        };
         let excluded = exclude_tools_when_tool_choice_none
             && self.tool_choice.is_some_and(|choice| choice.get() == r#""none""#);
         let tools = match self.tools {
@@ -254,6 +248,7 @@ impl<'a> ChatRequest<'a> {
             reasoning,
             extra,
             truncation,
+            template,
         })
     }
 }
@@ -280,6 +275,8 @@ pub struct ChatOptions {
     pub extra: Option<Value>,
     /// How the engine cuts the encoded prompt (`truncate_prompt_tokens`).
     pub truncation: Option<Truncation>,
+    /// What the request asks of the template choice ([`ChatTemplates::choose`]).
+    pub template: TemplateAsked,
 }
 
 impl Default for ChatOptions {
@@ -294,6 +291,7 @@ impl Default for ChatOptions {
             reasoning: Vec::new(),
             extra: None,
             truncation: None,
+            template: TemplateAsked::default(),
         }
     }
 }
@@ -358,29 +356,15 @@ impl PromptTokenizer {
                 text.filter(|t| !t.is_empty()).map(|t| ((*key).to_owned(), t))
             })
             .collect();
-        let source = match chat_template {
-            Some(template) => Some(template.to_owned()),
-            None => chat_template_source(directory, &config)?,
-        };
-        let content_format = source.as_deref().map_or(ContentFormat::String, |source| {
-            ContentFormat::detect(&rewrite_generation_tags(source))
-        });
-        let developer_role = source.as_deref().is_some_and(names_developer_role);
-        let reads_content = source.as_deref().is_some_and(|source| source.contains("content"));
-        let env = match source {
-            None => None,
-            Some(source) => Some(environment(source)?),
-        };
+        let templates = ChatTemplates::load(directory, &config, chat_template)?;
         let special_values =
             special.iter().map(|(key, text)| (key.clone(), Value::from(text.as_str()))).collect();
         let mut loaded = PromptTokenizer {
             tokenizer,
             special,
             special_values,
-            env,
-            content_format,
-            developer_role,
-            reads_content,
+            templates,
+            content_format: None,
             pieces: PieceEncoder::off("not probed yet"),
             default_kwargs: None,
             exclude_tools_when_tool_choice_none: false,
@@ -390,24 +374,38 @@ impl PromptTokenizer {
         Ok(loaded)
     }
 
-    /// Whether chat requests can be tokenized.
+    /// Whether chat requests that ask for no template of their own can be tokenized.
     pub fn has_chat_template(&self) -> bool {
-        self.env.is_some()
+        self.templates.has_default()
     }
 
-    /// How the chat template takes a message's list content: as vLLM detects it, unless
+    /// How the chat template of a request asking for none (and without tools) takes a
+    /// message's list content: as vLLM detects it, unless
     /// [`PromptTokenizer::with_content_format`] set it.
     pub fn content_format(&self) -> ContentFormat {
-        self.content_format
+        let detected = self.templates.default_template().map(|t| t.content_format);
+        self.content_format.or(detected).unwrap_or(ContentFormat::String)
     }
 
     /// The tokenizer with its content format set, as vLLM's `--chat-template-content-format`
-    /// sets the engine's (`None`, vLLM's `auto`: the one detected at load).
+    /// sets the engine's (`None`, vLLM's `auto`: detected on the template each request is
+    /// rendered with).
     pub fn with_content_format(mut self, format: Option<ContentFormat>) -> PromptTokenizer {
-        if let Some(format) = format {
-            self.content_format = format;
-        }
+        self.content_format = format;
         self
+    }
+
+    /// The tokenizer for engines started with `--trust-request-chat-template` (or without):
+    /// with it, a request's own `chat_template` (or one among its `chat_template_kwargs`) is
+    /// rendered; without, such a request is refused, as the engines refuse it.
+    pub fn with_trust_request_chat_template(mut self, trust: bool) -> PromptTokenizer {
+        self.templates = self.templates.with_trust_requests(trust);
+        self
+    }
+
+    /// The chat templates and the rule choosing among them.
+    pub fn templates(&self) -> &ChatTemplates {
+        &self.templates
     }
 
     /// The tokenizer with the engines' `--default-chat-template-kwargs` (`kwargs`: a JSON
@@ -446,8 +444,7 @@ impl PromptTokenizer {
     /// template's own `raise_exception` (a template with rules of its own about roles).
     /// Returns the texts rendered (the piece cache's probes).
     fn probe(&self) -> Result<Vec<String>, String> {
-        let Some(env) = &self.env else { return Ok(Vec::new()) };
-        let probes = [
+        let conversations = [
             serde_json::json!([{"role": "user", "content": "hello"}]),
             serde_json::json!([
                 {"role": "system", "content": "be brief"},
@@ -465,24 +462,41 @@ impl PromptTokenizer {
                 {"role": "user", "content": "and tomorrow"},
             ]),
         ];
-        let mut engine_error = None;
+        let tool = serde_json::json!([{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }}]);
+        let with_tools = ChatOptions {
+            tools: Some(vllm_tools(&Value::from_serialize(&tool)).map_err(|e| e.to_string())?),
+            ..ChatOptions::default()
+        };
         let mut rendered = Vec::new();
-        for probe in probes {
-            let messages = Value::from_serialize(&probe);
-            match self.render_values(env, &messages, &ChatOptions::default()) {
-                Ok(text) => rendered.push(text),
-                Err(RenderError::Template(err)) if raised(&err) => {}
-                Err(RenderError::Template(err)) => engine_error = Some(describe(&err)),
-                Err(RenderError::Prompt(problem)) => engine_error = Some(problem.0),
+        for (name, template) in self.templates.loaded() {
+            let mut engine_error = None;
+            let mut any = false;
+            for options in [&ChatOptions::default(), &with_tools] {
+                for probe in &conversations {
+                    let messages = Value::from_serialize(probe);
+                    match self.render_values(&template, &messages, options) {
+                        Ok(text) => {
+                            any = true;
+                            rendered.push(text);
+                        }
+                        Err(RenderError::Template(err)) if raised(&err) => {}
+                        Err(RenderError::Template(err)) => engine_error = Some(describe(&err)),
+                        Err(RenderError::Prompt(problem)) => engine_error = Some(problem.0),
+                    }
+                }
+            }
+            if let Some(problem) = engine_error.filter(|_| !any) {
+                let name = name.map(|name| format!(" {name:?}")).unwrap_or_default();
+                return Err(format!(
+                    "the chat template{name} cannot be rendered by the native plane's \
+                     template engine ({problem}); serve it with data_plane: python"
+                ));
             }
         }
-        match engine_error {
-            Some(problem) if rendered.is_empty() => Err(format!(
-                "the chat template cannot be rendered by the native plane's template engine \
-                 ({problem}); serve it with data_plane: python"
-            )),
-            _ => Ok(rendered),
-        }
+        Ok(rendered)
     }
 
     /// The ids of a `/v1/completions` prompt: a string (encoded with special tokens unless
@@ -640,10 +654,14 @@ impl PromptTokenizer {
     /// request's other fields `options`; with a media part, the text up to it
     /// ([`crate::conversation`]).
     pub fn render(&self, messages: &Value, options: &ChatOptions) -> Result<String, PromptProblem> {
-        let Some(env) = &self.env else {
-            return Err(PromptProblem("the configured tokenizer has no chat template".into()));
-        };
-        self.render_values(env, messages, options).map_err(|err| match err {
+        let tools = tools_variable(
+            options.extra.as_ref(),
+            options.tools.as_ref(),
+            self.default_kwargs.as_ref(),
+        );
+        let template =
+            self.templates.choose(&options.template, tools.is_some()).map_err(PromptProblem)?;
+        self.render_values(&template, messages, options).map_err(|err| match err {
             RenderError::Prompt(problem) => problem,
             RenderError::Template(err) => {
                 PromptProblem(format!("chat template: {}", describe(&err)))
@@ -653,18 +671,18 @@ impl PromptTokenizer {
 
     fn render_values(
         &self,
-        env: &Environment<'static>,
+        template: &ChatTemplate,
         messages: &Value,
         options: &ChatOptions,
     ) -> Result<String, RenderError> {
         let problem = |text: String| RenderError::Prompt(PromptProblem(text));
+        let format = self.content_format.unwrap_or(template.content_format);
         let (mut messages, media) =
-            template_messages(messages, self.content_format, self.developer_role)
-                .map_err(problem)?;
+            template_messages(messages, format, template.developer_role).map_err(problem)?;
         let mut final_text = None;
         if options.continue_final_message {
             let (marked, text) =
-                mark_final_message(&messages, self.reads_content).map_err(problem)?;
+                mark_final_message(&messages, template.reads_content).map_err(problem)?;
             messages = marked;
             final_text = Some(text);
         }
@@ -678,7 +696,6 @@ impl PromptTokenizer {
             extra: options.extra.clone(),
             special: self.special_values.clone(),
         };
-        let template = env.get_template(TEMPLATE).map_err(RenderError::Template)?;
         let mut text =
             template.render(Value::from_object(context)).map_err(RenderError::Template)?;
         if let Some(final_text) = final_text {
@@ -709,163 +726,4 @@ fn unreadable(err: impl std::fmt::Display) -> PromptProblem {
 enum RenderError {
     Prompt(PromptProblem),
     Template(Error),
-}
-
-fn raised(err: &Error) -> bool {
-    std::error::Error::source(err).is_some_and(|s| s.downcast_ref::<Raised>().is_some())
-}
-
-/// An error's text: the template's own message for `raise_exception`, else the engine's
-/// description with the template line.
-fn describe(err: &Error) -> String {
-    if raised(err) {
-        return err.detail().unwrap_or("raised an exception").to_owned();
-    }
-    let mut text = err.to_string();
-    let mut source = std::error::Error::source(err);
-    while let Some(inner) = source {
-        let _ = write!(text, ": {inner}");
-        source = inner.source();
-    }
-    text
-}
-
-/// `chat_template.jinja` (newer `save_pretrained`), else the `chat_template` entry of
-/// `tokenizer_config.json` (a string, or named templates whose `default` is taken).
-fn chat_template_source(directory: &Path, config: &Json) -> Result<Option<String>, String> {
-    let file = directory.join("chat_template.jinja");
-    if file.is_file() {
-        return std::fs::read_to_string(&file)
-            .map(Some)
-            .map_err(|e| format!("{:?}: {e}", file.display().to_string()));
-    }
-    Ok(match config.get("chat_template") {
-        Some(Json::String(template)) => Some(template.clone()),
-        Some(Json::Array(named)) => named
-            .iter()
-            .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-            .and_then(|t| t.get("template"))
-            .and_then(Json::as_str)
-            .map(str::to_owned),
-        _ => None,
-    })
-}
-
-/// `{% generation %}` / `{% endgeneration %}` (Hugging Face's assistant-mask marker) as an
-/// always-true `if`: the body renders unchanged, whitespace control included.
-fn rewrite_generation_tags(source: &str) -> String {
-    let mut out = String::with_capacity(source.len());
-    let mut rest = source;
-    while let Some(start) = rest.find("{%") {
-        out.push_str(&rest[..start]);
-        let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
-            out.push_str(tag);
-            return out;
-        };
-        let inner = &tag[2..end];
-        let (open, body) = match inner.strip_prefix(['-', '+']) {
-            Some(body) => (&inner[..1], body),
-            None => ("", inner),
-        };
-        let (body, close) = match body.strip_suffix(['-', '+']) {
-            Some(trimmed) => (trimmed, &body[body.len() - 1..]),
-            None => (body, ""),
-        };
-        match body.trim() {
-            "generation" => {
-                let _ = write!(out, "{{%{open} if true {close}%}}");
-            }
-            "endgeneration" => {
-                let _ = write!(out, "{{%{open} endif {close}%}}");
-            }
-            _ => out.push_str(&tag[..end + 2]),
-        }
-        rest = &tag[end + 2..];
-    }
-    out.push_str(rest);
-    out
-}
-
-fn environment(source: String) -> Result<Environment<'static>, String> {
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_undefined_behavior(UndefinedBehavior::Lenient);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.set_formatter(python_formatter);
-    env.add_filter("tojson", tojson);
-    env.add_function("raise_exception", raise_exception);
-    env.add_function("strftime_now", strftime_now);
-    env.add_template_owned(TEMPLATE, rewrite_generation_tags(&source))
-        .map_err(|e| format!("chat template does not compile: {}", describe(&e)))?;
-    Ok(env)
-}
-
-fn raise_exception(message: String) -> Result<Value, Error> {
-    Err(Error::new(ErrorKind::InvalidOperation, message).with_source(Raised))
-}
-
-/// The local time formatted with C's `strftime` (Python's `datetime.now().strftime`).
-fn strftime_now(format: String) -> Result<Value, Error> {
-    let bad = || Error::new(ErrorKind::InvalidOperation, "strftime_now: bad format");
-    let c_format = std::ffi::CString::new(format).map_err(|_| bad())?;
-    let mut buffer = vec![0u8; 512];
-    // SAFETY: `time` and `localtime_r` write only into the locals given; `strftime` writes at
-    // most `buffer.len()` bytes into `buffer` and reads the NUL-terminated format.
-    let written = unsafe {
-        let now = libc::time(std::ptr::null_mut());
-        let mut tm: libc::tm = std::mem::zeroed();
-        if libc::localtime_r(&now, &mut tm).is_null() {
-            return Err(bad());
-        }
-        libc::strftime(buffer.as_mut_ptr().cast(), buffer.len(), c_format.as_ptr(), &tm)
-    };
-    buffer.truncate(written);
-    String::from_utf8(buffer).map(Value::from).map_err(|_| bad())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn generation_tags_become_an_if() {
-        assert_eq!(
-            rewrite_generation_tags("a{% generation %}b{%- endgeneration -%}c{{ x }}"),
-            "a{% if true %}b{%- endif -%}c{{ x }}"
-        );
-        assert_eq!(rewrite_generation_tags("{% if x %}"), "{% if x %}");
-        assert_eq!(rewrite_generation_tags("{% unclosed"), "{% unclosed");
-    }
-
-    #[test]
-    fn tojson_is_python_json_dumps() {
-        let env = environment(
-            "{{ v | tojson }}|{{ v | tojson(indent=2) }}|{{ v | tojson(ensure_ascii=true) }}"
-                .into(),
-        )
-        .unwrap();
-        let v: Value =
-            serde_json::from_str(r#"{"b": [1, 2.5, null, true], "a": "é<\"\n"}"#).unwrap();
-        let out = env.get_template(TEMPLATE).unwrap().render(minijinja::context! { v }).unwrap();
-        assert_eq!(
-            out,
-            "{\"b\": [1, 2.5, null, true], \"a\": \"é<\\\"\\n\"}|{\n  \"b\": [\n    1,\n    \
-             2.5,\n    null,\n    true\n  ],\n  \"a\": \"é<\\\"\\n\"\n}|{\"b\": [1, 2.5, null, \
-             true], \"a\": \"\\u00e9<\\\"\\n\"}"
-        );
-    }
-
-    #[test]
-    fn values_print_as_python_str() {
-        let env = environment("{{ n }} {{ t }} {{ l }} {{ d }} {{ u }}.".into()).unwrap();
-        let d: Value = serde_json::from_str(r#"{"k": "it's", "x": 1.0}"#).unwrap();
-        let out = env
-            .get_template(TEMPLATE)
-            .unwrap()
-            .render(minijinja::context! { n => (), t => true, l => vec!["a", "b"], d })
-            .unwrap();
-        assert_eq!(out, "None True ['a', 'b'] {'k': \"it's\", 'x': 1.0} .");
-    }
 }

@@ -319,7 +319,9 @@ impl PyNativePromptTokenizer {
     /// of the directory's own (vLLM's `--chat-template`); `default_chat_template_kwargs`: a
     /// JSON object's text, the variables under every request's (vLLM's
     /// `--default-chat-template-kwargs`); `exclude_tools_when_tool_choice_none`: vLLM's flag of
-    /// that name (a request's `tool_choice` of `"none"` leaves its tools out).
+    /// that name (a request's `tool_choice` of `"none"` leaves its tools out);
+    /// `trust_request_chat_template`: vLLM's `--trust-request-chat-template` (a request's own
+    /// `chat_template` is rendered; without it, such a request is refused).
     #[new]
     #[pyo3(signature = (
         directory,
@@ -328,6 +330,7 @@ impl PyNativePromptTokenizer {
         chat_template=None,
         default_chat_template_kwargs=None,
         exclude_tools_when_tool_choice_none=false,
+        trust_request_chat_template=false,
     ))]
     fn new(
         py: Python<'_>,
@@ -337,6 +340,7 @@ impl PyNativePromptTokenizer {
         chat_template: Option<&str>,
         default_chat_template_kwargs: Option<&str>,
         exclude_tools_when_tool_choice_none: bool,
+        trust_request_chat_template: bool,
     ) -> PyResult<Self> {
         let cache_bytes = usize::try_from(cache_bytes).map_err(|_| {
             ConfigError::new_err(format!("cache_bytes: must be an int >= 0, got {cache_bytes}"))
@@ -356,7 +360,8 @@ impl PyNativePromptTokenizer {
             detach(py, || PromptTokenizer::load_with_template(&path, cache_bytes, chat_template))?
                 .map_err(|e| ConfigError::new_err(format!("tokenizer: {e}")))?
                 .with_content_format(format)
-                .with_exclude_tools_when_tool_choice_none(exclude_tools_when_tool_choice_none);
+                .with_exclude_tools_when_tool_choice_none(exclude_tools_when_tool_choice_none)
+                .with_trust_request_chat_template(trust_request_chat_template);
         if let Some(kwargs) = default_chat_template_kwargs {
             inner = inner.with_default_kwargs(kwargs).map_err(ConfigError::new_err)?;
         }

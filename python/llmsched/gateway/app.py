@@ -240,6 +240,7 @@ class Gateway:
                 chat_template=cfg.chat_template,
                 default_chat_template_kwargs=cfg.default_chat_template_kwargs,
                 exclude_tools_when_tool_choice_none=cfg.exclude_tools_when_tool_choice_none,
+                trust_request_chat_template=cfg.trust_request_chat_template,
             )
         )
         self.slice_tracker = (

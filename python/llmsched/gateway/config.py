@@ -299,7 +299,10 @@ class GatewayConfig:
     every request's ``chat_template_kwargs`` (a request's kwarg of null or ``"auto"`` leaves
     the default, as in vLLM); ``exclude_tools_when_tool_choice_none``: the engines' flag of
     that name (a request's ``tool_choice`` of ``"none"`` leaves its tools out of the
-    template). These need ``tokenizer``, and change the token ids chats are routed on: set
+    template); ``trust_request_chat_template``: the engines' ``--trust-request-chat-template``
+    (a request's own ``chat_template``, or one among its ``chat_template_kwargs``, is
+    rendered; without it such a request is refused with a 400, as the engines refuse it).
+    These need ``tokenizer``, and change the token ids chats are routed on: set
     them as the engines have them;
     ``chat_template_content_format``: how the chat template takes a message's list
     content, as the engines were started with vLLM's ``--chat-template-content-format``:
@@ -340,6 +343,7 @@ class GatewayConfig:
     chat_template: str | None = None
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     exclude_tools_when_tool_choice_none: bool = False
+    trust_request_chat_template: bool = False
     record_unread_prefixes: bool = False
 
 
@@ -362,6 +366,7 @@ _TOP_KEYS = frozenset(
         "chat_template",
         "default_chat_template_kwargs",
         "exclude_tools_when_tool_choice_none",
+        "trust_request_chat_template",
         "record_unread_prefixes",
         "router",
         "flow",
@@ -456,6 +461,12 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
             raw,
             "exclude_tools_when_tool_choice_none",
             GatewayConfig.exclude_tools_when_tool_choice_none,
+            "",
+        ),
+        trust_request_chat_template=_bool(
+            raw,
+            "trust_request_chat_template",
+            GatewayConfig.trust_request_chat_template,
             "",
         ),
         record_unread_prefixes=_bool(

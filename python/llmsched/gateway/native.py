@@ -225,6 +225,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "chat_template": config.chat_template,
         "default_chat_template_kwargs": dict(config.default_chat_template_kwargs) or None,
         "exclude_tools_when_tool_choice_none": config.exclude_tools_when_tool_choice_none,
+        "trust_request_chat_template": config.trust_request_chat_template,
         "slices": _slices_config(config),
         "admin": None if config.admin.token is None else {"token": config.admin.token},
         "record_unread_prefixes": config.record_unread_prefixes,
