@@ -1209,7 +1209,7 @@ def test_named_templates_without_a_default_need_a_name(tmp_path: Path) -> None:
         lambda: python.render_chat_request(json.loads(body)),
         lambda: native.render_chat(body),
     ):
-        with pytest.raises(InvalidRequestError, match="none named 'default'.*rag"):
+        with pytest.raises(InvalidRequestError, match=r"none named 'default'.*rag"):
             render()
 
 

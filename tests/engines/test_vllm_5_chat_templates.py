@@ -31,8 +31,10 @@ BASE = (
 )
 # Each template writes its name first, so a wrong choice changes the first block's ids.
 NAMED = {
-    "tool_use": "tools {{ tools | length }} {{ tools | map(attribute='function.name') | join(',') }}|"
-    + BASE,
+    "tool_use": (
+        "tools {{ tools | length }} {{ tools | map(attribute='function.name') | join(',') }}|"
+        + BASE
+    ),
     "rag": "rag {{ documents | length if documents else 0 }}|" + BASE,
 }
 DEFAULT = "default|" + BASE

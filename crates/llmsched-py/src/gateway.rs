@@ -332,6 +332,7 @@ impl PyNativePromptTokenizer {
         exclude_tools_when_tool_choice_none=false,
         trust_request_chat_template=false,
     ))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per engine option
     fn new(
         py: Python<'_>,
         directory: &str,
