@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from llmsched._extras import require
 
@@ -260,7 +261,12 @@ class PromptTokenizer:
     ) -> list[int]:
         """The ids of a prompt's text as the engine feeds them to its model: encoded with or
         without special tokens, then truncated as the request asks."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            # The tokenizer takes only valid Unicode text; a lone surrogate that reached the
+            # prompt (through a template) is the request's fault, not the gateway's.
+            raise PromptError("the prompt is not valid text (it holds a lone surrogate)") from None
         if truncation is None or len(encoding.ids) <= truncation.keep:
             return list(encoding.ids)
         if add_special_tokens and truncation.side is None:
@@ -1029,15 +1035,64 @@ def _tool_calls(i: int, calls: object) -> object:
             )
         arguments = function.get("arguments")
         if not isinstance(arguments, Mapping):
-            parsed: object = None
-            if isinstance(arguments, str):
-                try:
-                    parsed = json.loads(arguments)
-                except ValueError:
-                    parsed = None
-            arguments = parsed if isinstance(parsed, dict) else {}
+            arguments = _arguments_object(arguments)
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
+
+
+# The deepest arguments the native plane reads (serde_json's recursion limit of 128).
+_MAX_ARGUMENTS_DEPTH = 127
+
+
+def _arguments_object(arguments: object) -> dict[str, Any]:
+    """A tool call's ``arguments`` text read as the native plane reads it: the object it
+    holds, else ``{}`` for anything that is not strict JSON of an object (not JSON, NaN or
+    Infinity, a float out of range, nesting past :data:`_MAX_ARGUMENTS_DEPTH` or past Python's
+    recursion limit, a lone surrogate escape, which no tokenizer takes as text)."""
+    if not isinstance(arguments, str) or not _is_text(arguments):
+        return {}
+    try:
+        parsed = json.loads(arguments, parse_constant=_not_json_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(parsed, dict) or _depth_over(parsed, _MAX_ARGUMENTS_DEPTH):
+        return {}
+    if "\\u" in arguments and not _is_text(json.dumps(parsed, ensure_ascii=False)):
+        return {}
+    return parsed
+
+
+def _is_text(text: str) -> bool:
+    """Whether ``text`` is valid Unicode text (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _not_json_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _depth_over(value: dict[str, Any] | list[Any], limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) nests more than ``limit`` arrays and objects (walked
+    without recursion: the value may be as deep as the decoder allows)."""
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

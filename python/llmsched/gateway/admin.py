@@ -24,10 +24,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
+from yarl import URL
 
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
@@ -35,7 +37,7 @@ from llmsched.integrations import EngineSpec
 if TYPE_CHECKING:
     from llmsched.gateway.app import Gateway
 
-__all__ = ["EngineSet", "add_admin_routes", "add_engine", "remove_engine"]
+__all__ = ["EngineSet", "add_admin_routes", "add_engine", "check_engine_url", "remove_engine"]
 
 
 class EngineSet(Protocol):
@@ -57,6 +59,11 @@ async def add_engine(gateway: EngineSet, body: bytes | str) -> tuple[int, dict[s
     try:
         entry: Any = json.loads(body)
         spec = EngineSpec.from_dict(entry)
+        # Checked before the set changes (the native plane's own check comes after the
+        # shared pool has taken the engine).
+        check_engine_url(spec)
+    except RecursionError:
+        return _error_body(400, "not an engine entry: the body is nested too deeply")
     except (ValueError, TypeError, ConfigError) as exc:
         return _error_body(400, f"not an engine entry: {exc}")
     current = gateway.engines
@@ -80,6 +87,38 @@ async def remove_engine(gateway: EngineSet, worker: str) -> tuple[int, dict[str,
         return _error_body(409, "the last engine cannot be removed")
     await gateway.set_engines(kept)
     return 200, {"removed": worker}
+
+
+def check_engine_url(spec: EngineSpec) -> None:
+    """Raises ConfigError when ``spec``'s base URL is not one the native plane takes as an
+    http:// URL (characters outside a URI's, ``%`` outside an IPv6 literal, stray brackets),
+    with the native plane's message; both planes refuse the same engines."""
+    base = spec.base_url
+    authority = re.split(r"[?#]", base.removeprefix("http://"), maxsplit=1)[0]
+    host, _, _ = authority.rpartition(":")
+    if host.startswith("["):
+        good = host.endswith("]") and "[" not in host[1:] and "]" not in host[:-1]
+    else:
+        good = "%" not in host and "[" not in host and "]" not in host
+    if not (good and _URI_CHARS.issuperset(base)):
+        raise ConfigError(f"engines: {_debug_quoted(base)} is not an http:// URL")
+    try:
+        URL(base)
+    except ValueError:
+        raise ConfigError(f"engines: {_debug_quoted(base)} is not an http:// URL") from None
+
+
+# What a URI may hold (RFC 3986's unreserved, reserved and "%").
+_URI_CHARS = frozenset(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~:/?#[]@!$&'()*+,;=%"
+)
+
+
+def _debug_quoted(text: str) -> str:
+    """``text`` quoted as Rust's ``{:?}`` quotes a string (the native plane's messages)."""
+    escapes = {'"': '\\"', "\\": "\\\\", "\t": "\\t", "\r": "\\r", "\n": "\\n", "\0": "\\0"}
+    out = [escapes.get(c) or (c if c.isprintable() else f"\\u{{{ord(c):x}}}") for c in text]
+    return '"' + "".join(out) + '"'
 
 
 def add_admin_routes(app: web.Application, gateway: Gateway, token: str) -> None:

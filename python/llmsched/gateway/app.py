@@ -29,17 +29,19 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import inspect
 import json
 import logging
 import os
+import re
 import socket
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import aiohttp
 import numpy as np
@@ -54,6 +56,7 @@ from llmsched.errors import (
     NoEndpointError,
     UnknownEndpointError,
 )
+from llmsched.gateway.admin import check_engine_url
 from llmsched.gateway.config import (
     ApiKey,
     GatewayConfig,
@@ -88,6 +91,10 @@ OVERFLOW_TENANT = "~overflow"
 """The tenant of requests whose header names a tenant past ``limits.max_tenants``."""
 
 _ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_ROUTE_OF_PATH = {path: route for route, path in _ROUTES.items()}
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# What the native plane takes as a priority (Rust's i32 parse): ASCII digits only, no "_".
+_PRIORITY = re.compile(r"[+-]?[0-9]+", re.ASCII)
 # Response headers copied from the engine; hop-by-hop and framing headers are aiohttp's job.
 _PASSED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
 # Bodies read whole to find the usage block of a non-streaming answer.
@@ -212,6 +219,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig | Mapping[str, Any] | str | os.PathLike[str]) -> None:
         self.config = config if isinstance(config, GatewayConfig) else load_config(config)
         cfg = self.config
+        for spec in cfg.engines:
+            check_engine_url(spec)
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
         self._urls = _upstream_urls(self._specs)
         # The request pipeline: pool, index, router, flow control and the feeds. Scraped
@@ -289,7 +298,9 @@ class Gateway:
         # Set while no engine is routable: queued requests then leave with a 503 at once.
         self._nothing_routable: asyncio.Event | None = None
         self._port: int | None = None
-        self.app = web.Application(client_max_size=cfg.limits.max_body_bytes)
+        self.app = web.Application(
+            client_max_size=cfg.limits.max_body_bytes, middlewares=[self._before_handler]
+        )
         self.app.add_routes(
             [
                 web.post(_ROUTES["completions"], self._completions),
@@ -380,6 +391,8 @@ class Gateway:
             lingering_time=0,
             # Idle keep-alive connections and request headers that never end are closed.
             keepalive_timeout=limits.idle_timeout_s,
+            # A compressed body is refused (415) before it is read, never decoded.
+            **_NO_DECOMPRESSION,
         )
         await self._runner.setup()
         server = self._runner.server
@@ -435,6 +448,8 @@ class Gateway:
         KV-event subscriber (which catches up from the replay sockets) and its scraper on the
         new set. An empty or repeated set raises ConfigError and changes nothing."""
         specs = engine_set(self.config, engines)
+        for spec in specs.values():
+            check_engine_url(spec)  # before anything changes
         # Pool, flow controller, index and feeds in one call; a changed engine starts over as
         # up, with its new spec.
         new, gone, updated = self.scheduler.set_engines(specs.values())
@@ -478,6 +493,20 @@ class Gateway:
         return {} if subscriber is None else subscriber.counters()
 
     # -- small endpoints -----------------------------------------------------------------
+
+    @web.middleware
+    async def _before_handler(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """What every request meets first: an unknown path or a method a path does not take
+        gets an OpenAI-shaped error (as on the native plane), and a body with a
+        Content-Encoding a 415 before it is read."""
+        routing_error = request.match_info.http_exception
+        if routing_error is not None:
+            return _error_response(_routing_refusal(request.path, routing_error))
+        refusal = _encoding_refusal(request)
+        if refusal is not None:
+            route = _ROUTE_OF_PATH.get(request.path)
+            return _error_response(refusal) if route is None else self.refuse(route, refusal)
+        return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -764,10 +793,7 @@ class Gateway:
         raw = _header(request, PRIORITY_HEADER)
         if raw is None:
             return tenant, 0, None
-        try:
-            priority = int(raw)
-        except ValueError:
-            priority = 1 << 40
+        priority = int(raw) if _PRIORITY.fullmatch(raw) else 1 << 40
         if not -(2**31) <= priority < 2**31:
             raise Refusal(
                 400,
@@ -1191,18 +1217,7 @@ class Gateway:
         reason = refusal.headers.get(DROPPED_REASON_HEADER, refusal.kind)
         self.metrics.rejections.labels(reason).inc()
         self.metrics.requests.labels(route, str(refusal.status)).inc()
-        body = {
-            "error": {
-                "message": self._redacted(refusal.message),
-                "type": refusal.kind,
-                "param": refusal.param,
-                "code": refusal.status,
-            }
-        }
-        response = web.json_response(body, status=refusal.status, headers=refusal.headers)
-        if refusal.close:
-            response.force_close()
-        return response
+        return _error_response(refusal, self._redacted(refusal.message))
 
     def _redacted(self, message: str) -> str:
         for key in self.config.auth.api_keys:
@@ -1326,7 +1341,8 @@ def _presented_key(request: web.Request) -> str | None:
 
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
-        payload = json.loads(body)
+        # NaN and Infinity are not JSON (the native plane and the engines refuse them).
+        payload = json.loads(body, parse_constant=_not_json)
     except RecursionError:
         raise Refusal(400, "invalid_request_error", "the body is nested too deeply") from None
     except ValueError:
@@ -1334,6 +1350,54 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise Refusal(400, "invalid_request_error", "the body must be a JSON object")
     return payload
+
+
+def _not_json(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _error_response(refusal: Refusal, message: str | None = None) -> web.Response:
+    """The OpenAI-shaped answer to ``refusal`` (``message``: its text, when not the
+    refusal's own)."""
+    body = {
+        "error": {
+            "message": refusal.message if message is None else message,
+            "type": refusal.kind,
+            "param": refusal.param,
+            "code": refusal.status,
+        }
+    }
+    response = web.json_response(body, status=refusal.status, headers=refusal.headers)
+    if refusal.close:
+        response.force_close()
+    return response
+
+
+def _routing_refusal(path: str, error: web.HTTPException) -> Refusal:
+    """The native plane's answer to a path nothing serves (404) or a method its path does not
+    take (405, with ``Allow``; an admin path answers 404 either way, as there)."""
+    if isinstance(error, web.HTTPMethodNotAllowed) and not path.startswith("/admin/"):
+        # HEAD goes with GET (RFC 9110), so the native plane names GET alone.
+        allowed = ", ".join(sorted(error.allowed_methods - {"HEAD"}))
+        return Refusal(
+            405, "method_not_allowed", f"this path takes {allowed} only", {"Allow": allowed}
+        )
+    return Refusal(404, "not_found", "not found")
+
+
+def _encoding_refusal(request: web.Request) -> Refusal | None:
+    """A 415 for a body sent with a Content-Encoding other than identity: bodies are taken
+    as sent, never decoded (as vLLM takes them), so a compressed one is refused, naming the
+    encoding, before a byte of it is read."""
+    for value in request.headers.getall("Content-Encoding", ()):
+        if value.strip().lower() != "identity":
+            return Refusal(
+                415,
+                "invalid_request_error",
+                f"Content-Encoding '{value}' is not supported: send the body uncompressed",
+                close=True,
+            )
+    return None
 
 
 def _embeds_only(embeds: object) -> bool:
@@ -1508,6 +1572,15 @@ _TOO_MANY_CONNECTIONS = (
     b"Connection: close\r\nRetry-After: 1\r\n"
     + f"Content-Length: {len(_TOO_MANY_BODY)}\r\n\r\n".encode()
     + _TOO_MANY_BODY
+)
+
+
+# aiohttp decodes gzip, deflate (and br with Brotli) request bodies itself unless told not to
+# (the server side takes the flag since aiohttp 3.9; older ones decode until the 415 check).
+_NO_DECOMPRESSION: dict[str, Any] = (
+    {"auto_decompress": False}
+    if "auto_decompress" in inspect.signature(web.RequestHandler.__init__).parameters
+    else {}
 )
 
 

@@ -1,0 +1,247 @@
+"""Client input from probe 44 answered alike on both data planes, never with a 5xx: tool-call
+arguments that do not decode, request bodies with a Content-Encoding, malformed admin entries,
+unknown paths and methods, priorities that are not ASCII integers, and NaN / Infinity."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _gateway_harness import MODEL, current_plane, plane, raw_request, rig, run  # noqa: F401
+
+from llmsched import _llmsched
+from llmsched.testing.openai_engine import write_tokenizer
+from llmsched.tokenize import PromptError, PromptTokenizer
+
+ADMIN_TOKEN = "admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+# A template that prints each call's arguments as Qwen 2.5's does (``| tojson``).
+ARGUMENTS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]"
+    "{% endfor %}{% endfor %}<|assistant|>"
+)
+
+# Arguments texts the native plane reads as ``{}`` (serde_json cannot decode them).
+UNDECODABLE_ARGUMENTS = {
+    "nested-5000": "[" * 5000 + "]" * 5000,
+    "lone-surrogate-value": '{"a": "\\ud800"}',
+    "lone-low-surrogate": '{"a": "\\udc00x"}',
+    "lone-surrogate-key": '{"\\ud800": 1}',
+    "nan": '{"a": NaN}',
+    "infinity": '{"a": -Infinity}',
+    "float-out-of-range": '{"a": 1e400}',
+    "nested-128": '{"a": ' + "[" * 127 + "]" * 127 + "}",
+}
+
+
+def _chat(arguments: str) -> dict[str, Any]:
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def arguments_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer directory whose chat template prints tool-call arguments."""
+    return write_tokenizer(tmp_path_factory.mktemp("tok"), chat_template=ARGUMENTS_TEMPLATE)
+
+
+@pytest.mark.parametrize("arguments", UNDECODABLE_ARGUMENTS.values(), ids=UNDECODABLE_ARGUMENTS)
+def test_undecodable_tool_call_arguments_give_the_native_planes_ids(
+    arguments_tokenizer: Path, arguments: str
+) -> None:
+    body = _chat(arguments)
+    python = PromptTokenizer(arguments_tokenizer)
+    native = _llmsched.NativePromptTokenizer(str(arguments_tokenizer))
+    ids = python.chat_request_tokens(body)
+    assert native.chat_tokens(json.dumps(body)) == ids
+    assert python.render_chat_request(body).endswith("[f {}]<|assistant|>")
+
+
+def test_tool_call_arguments_that_decode_are_still_read(arguments_tokenizer: Path) -> None:
+    body = _chat('{"a": "\\ud83d\\ude00", "b": ' + "[" * 120 + "]" * 120 + "}")
+    python = PromptTokenizer(arguments_tokenizer)
+    native = _llmsched.NativePromptTokenizer(str(arguments_tokenizer))
+    assert native.chat_tokens(json.dumps(body)) == python.chat_request_tokens(body)
+    assert '"a": "\U0001f600"' in python.render_chat_request(body)
+
+
+def test_a_prompt_the_tokenizer_cannot_take_is_a_prompt_error(tmp_path: Path) -> None:
+    python = PromptTokenizer(write_tokenizer(tmp_path / "tok"))
+    with pytest.raises(PromptError, match="lone surrogate"):
+        python.completion_tokens("a\ud800b")
+
+
+@pytest.mark.usefixtures("plane")
+def test_undecodable_tool_call_arguments_are_served(arguments_tokenizer: Path) -> None:
+    async def body() -> None:
+        async with rig(engines=1, tokenizer=str(arguments_tokenizer)) as r:
+            for name in ("nested-5000", "lone-surrogate-value"):
+                data = json.dumps(_chat(UNDECODABLE_ARGUMENTS[name])).encode()
+                status, text = await raw_request(r, data, path="/v1/chat/completions")
+                assert status == 200, (name, text)
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_content_encoding_is_refused_with_415(request: pytest.FixtureRequest) -> None:
+    if current_plane() == "native":
+        request.applymarker(pytest.mark.xfail(strict=False, reason="native side in progress"))
+    plain = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+    refused = [
+        ("gzip", plain),
+        ("gzip", gzip.compress(plain)),
+        ("GZIP", gzip.compress(plain)),
+        ("deflate", plain),
+        ("br", plain),
+        ("zstd", plain),
+    ]
+
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                for encoding, data in refused:
+                    extra = f"Content-Encoding: {encoding}\r\n".encode()
+                    status, text = await raw_request(r, data, extra=extra, path=path)
+                    assert status == 415, (encoding, text)
+                    assert json.loads(text) == {
+                        "error": {
+                            "message": f"Content-Encoding '{encoding}' is not supported: "
+                            "send the body uncompressed",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": 415,
+                        }
+                    }
+            for encoding in ("identity", "Identity"):
+                extra = f"Content-Encoding: {encoding}\r\n".encode()
+                status, text = await raw_request(r, plain, extra=extra)
+                assert status == 200, (encoding, text)
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_malformed_admin_entries_are_400_and_change_nothing() -> None:
+    cases = [
+        (b'{"host": ' + b"[" * 5000 + b"]" * 5000 + b', "port": 1}', "not an engine entry: "),
+        (
+            json.dumps({"host": "\u00e9\u00e9", "port": 1}, ensure_ascii=False).encode(),
+            'not an engine entry: engines: "http://\u00e9\u00e9:1" is not an http:// URL',
+        ),
+        (
+            json.dumps({"host": "a b", "port": 1}).encode(),
+            'not an engine entry: engines: "http://a b:1" is not an http:// URL',
+        ),
+        (
+            json.dumps({"host": "a\\b", "port": 1}).encode(),
+            'not an engine entry: engines: "http://a\\\\b:1" is not an http:// URL',
+        ),
+        (
+            json.dumps({"host": "a%41", "port": 1}).encode(),
+            'not an engine entry: engines: "http://a%41:1" is not an http:// URL',
+        ),
+    ]
+
+    async def body() -> None:
+        async with rig(engines=1, admin={"token": ADMIN_TOKEN}) as r:
+            first = r.gateway.config.engines[0].worker_id
+            for data, message in cases:
+                async with r.client.post(
+                    r.url("/admin/engines"), data=data, headers=ADMIN
+                ) as response:
+                    assert response.status == 400, await response.text()
+                    error = (await response.json())["error"]
+                    assert error["message"].startswith(message), error
+                    assert error["type"] == "invalid_request_error"
+            async with r.client.get(r.url("/admin/engines"), headers=ADMIN) as response:
+                listed = [e["worker_id"] for e in (await response.json())["engines"]]
+            assert listed == [first]
+            assert (await r.complete("hi")).status == 200
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_unknown_paths_and_methods_are_json_errors() -> None:
+    async def body() -> None:
+        async with rig(engines=1, admin={"token": ADMIN_TOKEN}) as r:
+            for method, path in [
+                ("GET", "/nope"),
+                ("POST", "/v1/embeddings"),
+                ("POST", "/v1/completions/"),
+                ("GET", "/v1/models/tiny"),
+                ("PUT", "/admin/engines"),
+                ("GET", "/admin/engines/x"),
+            ]:
+                async with r.client.request(method, r.url(path), headers=ADMIN) as response:
+                    assert response.status == 404, (method, path)
+                    assert await response.json() == {
+                        "error": {
+                            "message": "not found",
+                            "type": "not_found",
+                            "param": None,
+                            "code": 404,
+                        }
+                    }
+            for method, path, allowed in [
+                ("GET", "/v1/completions", "POST"),
+                ("PUT", "/v1/chat/completions", "POST"),
+                ("POST", "/v1/models", "GET"),
+                ("POST", "/ready", "GET"),
+                ("DELETE", "/metrics", "GET"),
+                ("PATCH", "/health", "GET"),
+            ]:
+                async with r.client.request(method, r.url(path)) as response:
+                    assert response.status == 405, (method, path)
+                    assert response.headers["Allow"] == allowed
+                    assert await response.json() == {
+                        "error": {
+                            "message": f"this path takes {allowed} only",
+                            "type": "method_not_allowed",
+                            "param": None,
+                            "code": 405,
+                        }
+                    }
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_priority_header_takes_ascii_integers_only() -> None:
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            for good in ("5", "+5", "-3", "007"):
+                response = await r.complete("hi", headers={"x-llmsched-priority": good})
+                assert response.status == 200, good
+            for bad in ("5_0", "\u0665", "1\u0660", "5.0", "0x5"):
+                response = await r.complete("hi", headers={"x-llmsched-priority": bad})
+                assert response.status == 400, bad
+                error = (await response.json())["error"]
+                assert error["param"] == "x-llmsched-priority"
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_nan_and_infinity_are_not_json() -> None:
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            for literal in ("NaN", "Infinity", "-Infinity"):
+                data = f'{{"model": "{MODEL}", "prompt": "hi", "temperature": {literal}}}'
+                status, text = await raw_request(r, data.encode())
+                assert status == 400, (literal, text)
+                assert json.loads(text)["error"]["message"] == "the body is not valid JSON"
+
+    run(body())
