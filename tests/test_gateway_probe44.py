@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _gateway_harness import MODEL, current_plane, plane, raw_request, rig, run  # noqa: F401
+from _gateway_harness import MODEL, plane, raw_request, rig, run  # noqa: F401
 
 from llmsched import _llmsched
 from llmsched.testing.openai_engine import write_tokenizer
@@ -95,9 +95,7 @@ def test_undecodable_tool_call_arguments_are_served(arguments_tokenizer: Path) -
 
 
 @pytest.mark.usefixtures("plane")
-def test_content_encoding_is_refused_with_415(request: pytest.FixtureRequest) -> None:
-    if current_plane() == "native":
-        request.applymarker(pytest.mark.xfail(strict=False, reason="native side in progress"))
+def test_content_encoding_is_refused_with_415() -> None:
     plain = json.dumps({"model": MODEL, "prompt": "hi"}).encode()
     refused = [
         ("gzip", plain),
@@ -128,6 +126,33 @@ def test_content_encoding_is_refused_with_415(request: pytest.FixtureRequest) ->
                 extra = f"Content-Encoding: {encoding}\r\n".encode()
                 status, text = await raw_request(r, plain, extra=extra)
                 assert status == 200, (encoding, text)
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_answer_cut_before_its_first_byte_is_a_502_not_a_200() -> None:
+    """An engine that sends its answer's head (as vLLM does for a stream before prefill) and
+    then stays silent past the read timeout: the client gets a 502 with a JSON body, its
+    status held back until the engine's first body byte, never a 200 cut short."""
+
+    async def body() -> None:
+        async with rig(engines=1, timeouts={"read_s": 0.5}) as r:
+            for stream in (False, True):
+                request = {"model": MODEL, "prompt": "hi", "stream": stream}
+                request["x_fake_mode"] = "headers"
+                async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                    text = await response.text()
+                    assert response.status == 502, (stream, text)
+                    error = json.loads(text)["error"]
+                    assert error["message"].startswith("the engine's answer was cut off"), error
+            # Answers that do come are passed on whole, streamed or not.
+            for stream in (False, True):
+                request = {"model": MODEL, "prompt": "hi", "stream": stream}
+                async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                    text = await response.text()
+                    assert response.status == 200, text
+                    assert ("[DONE]" in text) == stream, text
 
     run(body())
 

@@ -1443,6 +1443,14 @@ impl Gateway {
                 .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
             return Ok(answer);
         }
+        if let Some(refused) = encoding_refusal(&request) {
+            tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+            let mut answer = self.refuse("other", refused);
+            answer
+                .headers_mut()
+                .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+            return Ok(answer);
+        }
         match (request.method(), request.uri().path()) {
             (&Method::GET, "/health") => Ok(json_answer(StatusCode::OK, &json!({"status": "ok"}))),
             (&Method::GET, "/ready") => {
@@ -2025,12 +2033,46 @@ impl Gateway {
             // A JSON answer whose end is the connection's close is read whole and checked:
             // a cut there looks like a complete answer.
             if (sse || failed) && !checked_whole(&answer) {
-                return Ok(relay(answer, relaying));
+                return self.relay_from_first_frame(answer, relaying).await;
             }
             return self.answer_whole(answer, relaying).await;
         }
         drop(guards);
         Err(Refusal::new(502, "upstream_error", "no engine answered the request"))
+    }
+
+    /// An answer relayed as it comes, its status held back until the engine's first body
+    /// frame: an engine that sends its head and then fails or stays silent for the read
+    /// timeout (vLLM sends a stream's head before prefill) gets the client a 502 with a JSON
+    /// body, as any failure before the first byte, never a 200 cut short. A body that ends
+    /// at once is relayed as it is, unless it is an event stream that needed its `[DONE]`.
+    async fn relay_from_first_frame(
+        &self,
+        answer: Response<Incoming>,
+        relaying: Relaying,
+    ) -> Result<Answer, Refusal> {
+        let (parts, mut body) = answer.into_parts();
+        let wake = wake_at(relaying.read_timeout, relaying.deadline);
+        let first = match tokio::time::timeout_at(wake, body.frame()).await {
+            Ok(Some(Ok(frame))) => Some(frame),
+            Ok(None)
+                if !(is_event_stream(&parts.headers)
+                    && ends_at_close(parts.status, &parts.headers)) =>
+            {
+                None
+            }
+            _ => {
+                let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
+                self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
+                self.counters.truncated.inc(&[&endpoint, "error"]);
+                return Err(Refusal::new(
+                    502,
+                    "upstream_error",
+                    "the engine's answer was cut off before its first byte",
+                ));
+            }
+        };
+        Ok(relay_parts(parts, body, first, relaying))
     }
 
     /// A JSON answer read whole before anything is sent (up to 8 MiB; a larger one streams):
@@ -2127,7 +2169,7 @@ impl Gateway {
         // whatever its size hint, and a JSON one must parse, or it was cut.
         let at_close = checked_whole(&answer);
         if !at_close && answer.body().size_hint().upper().is_none_or(|n| n > WHOLE_LIMIT) {
-            return Ok(relay(answer, relaying));
+            return self.relay_from_first_frame(answer, relaying).await;
         }
         let json = is_json(answer.headers());
         let (parts, body) = answer.into_parts();
@@ -2361,6 +2403,16 @@ impl Relaying {
 
 fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
     let (parts, body) = answer.into_parts();
+    relay_parts(parts, body, None, relaying)
+}
+
+/// [`relay`] of an answer's head and body, `first` the body's frame already read from it.
+fn relay_parts(
+    parts: hyper::http::response::Parts,
+    body: Incoming,
+    first: Option<Frame<Bytes>>,
+    relaying: Relaying,
+) -> Answer {
     let event_stream = is_event_stream(&parts.headers);
     let sse = relaying.sse || event_stream;
     // An event stream ended by the connection's close is whole only with its `[DONE]`.
@@ -2385,6 +2437,7 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         route: relaying.route,
         status: parts.status,
         inner: Some(body),
+        first_frame: first,
         lease: relaying.lease,
         ticket: relaying.ticket,
         guards: relaying.guards,
@@ -2413,6 +2466,37 @@ fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
         }
     }
     out
+}
+
+/// A 415 for a request to a path served with a method it takes whose body was sent with a
+/// Content-Encoding other than identity: bodies are taken as sent, never decoded (as vLLM
+/// takes them), so a compressed one is refused, naming the encoding, before it is read (a
+/// compressed body would read as "not JSON", a plain one labelled compressed as JSON). As the
+/// Python plane answers it; an unknown path or method still gets its 404 or 405.
+fn encoding_refusal(request: &Request<Incoming>) -> Option<Refusal> {
+    let path = request.uri().path();
+    let served = match *request.method() {
+        Method::GET => matches!(path, "/health" | "/ready" | "/metrics" | "/v1/models"),
+        Method::POST => matches!(path, "/v1/completions" | "/v1/chat/completions"),
+        _ => false,
+    };
+    if !served && !path.starts_with("/admin/") {
+        return None;
+    }
+    let encoding = request
+        .headers()
+        .get_all(hyper::header::CONTENT_ENCODING)
+        .iter()
+        .find(|value| !value.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"))?;
+    let shown = String::from_utf8_lossy(encoding.as_bytes());
+    Some(Refusal {
+        close: true,
+        ..Refusal::new(
+            415,
+            "invalid_request_error",
+            format!("Content-Encoding '{shown}' is not supported: send the body uncompressed"),
+        )
+    })
 }
 
 /// A 405 for a known path asked with another method, naming the one it takes.
@@ -2519,6 +2603,7 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         route: None,
         status,
         inner: None,
+        first_frame: None,
         lease: None,
         ticket: None,
         guards: None,
@@ -2654,6 +2739,8 @@ pub struct Relay {
     route: Option<&'static str>,
     status: StatusCode,
     inner: Option<Incoming>,
+    /// A frame of `inner` read before the answer's head went out, passed on first.
+    first_frame: Option<Frame<Bytes>>,
     /// The upstream connection of `inner`: back to its pool after a complete answer, closed
     /// otherwise.
     lease: Option<pool::Lease>,
@@ -2868,7 +2955,10 @@ impl Body for Relay {
             return Poll::Ready(Some(Err(Cut("the engine's answer was cut off"))));
         }
         let Some(inner) = this.inner.as_mut() else { return Poll::Ready(None) };
-        let polled = Pin::new(inner).poll_frame(cx);
+        let polled = match this.first_frame.take() {
+            Some(frame) => Poll::Ready(Some(Ok(frame))),
+            None => Pin::new(inner).poll_frame(cx),
+        };
         if this.held.is_some() {
             return this.held_frame(polled, cx);
         }
@@ -2909,7 +2999,7 @@ impl Body for Relay {
             return stream.is_end_stream();
         }
         match &self.inner {
-            Some(inner) => inner.is_end_stream() && self.done.whole(),
+            Some(inner) => self.first_frame.is_none() && inner.is_end_stream() && self.done.whole(),
             None => self.own.is_none() && !self.broken,
         }
     }
@@ -2919,7 +3009,18 @@ impl Body for Relay {
             return SizeHint::default();
         }
         match (&self.inner, &self.own) {
-            (Some(inner), _) => inner.size_hint(),
+            (Some(inner), _) => {
+                // The frame read ahead is still to come.
+                let ahead =
+                    self.first_frame.as_ref().and_then(Frame::data_ref).map_or(0, |d| d.len());
+                let inner = inner.size_hint();
+                let mut hint = SizeHint::new();
+                if let Some(upper) = inner.upper() {
+                    hint.set_upper(upper + ahead as u64);
+                }
+                hint.set_lower(inner.lower() + ahead as u64);
+                hint
+            }
             (None, Some(bytes)) => SizeHint::with_exact(bytes.len() as u64),
             (None, None) => SizeHint::with_exact(0),
         }

@@ -10,7 +10,8 @@ failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error
 ``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens), ``"cut"``
 (send the status line and part of the answer, then close the connection: a stream after its
 first event, a JSON answer halfway through its declared length), ``"hang"`` (the same, then
-silence instead of a close). A request may script its own failure with a body field
+silence instead of a close), ``"headers"`` (the status line and headers of the answer, chunked,
+then silence: as vLLM sends a stream's head before its prefill). A request may script its own failure with a body field
 ``x_fake_mode`` naming a mode (it wins over :attr:`~FakeOpenAIEngine.mode`).
 :attr:`FakeOpenAIEngine.health_status` scripts ``/health``.
 Fields vLLM checks (``max_tokens``, ``stream``, ``stream_options``, ``prompt``, ``messages``)
@@ -44,7 +45,7 @@ from aiohttp import web
 
 __all__ = ["FakeOpenAIEngine", "ReceivedRequest", "main", "write_tokenizer"]
 
-MODES = ("ok", "drop", "error500", "stall", "slow", "cut", "hang")
+MODES = ("ok", "drop", "error500", "stall", "slow", "cut", "hang", "headers")
 
 
 @dataclass
@@ -220,6 +221,11 @@ class FakeOpenAIEngine:
             return web.json_response({"error": {"message": "engine failure"}}, status=500)
         if mode == "stall":
             await asyncio.sleep(3600)
+        if mode == "headers":
+            kind = "text/event-stream; charset=utf-8" if body.get("stream") else "application/json"
+            head_only = web.StreamResponse(headers={"Content-Type": kind})
+            await head_only.prepare(request)
+            await asyncio.sleep(3600)  # cancelled when the connection goes
         max_tokens = body.get("max_tokens")
         n = (
             self.answer_tokens
