@@ -80,6 +80,36 @@ def test_requests_that_cannot_be_sliced_are_proxied_whole() -> None:
     run(body())
 
 
+@pytest.mark.usefixtures("plane")
+def test_requests_whose_output_slicing_would_change_are_proxied_whole() -> None:
+    """Truncation (a continuation would cut the kept prompt away), structured output and
+    tool calling (their grammar and parser start again on each slice) go unsliced."""
+
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=6, slices=SLICES) as r:
+            for fields in [
+                {"truncate_prompt_tokens": 2},
+                {"response_format": {"type": "json_object"}},
+                {"guided_choice": ["a", "b"]},
+            ]:
+                response = await r.complete("hello there", max_tokens=6, **fields)
+                assert response.status == 200, fields
+            chat = {
+                "model": MODEL,
+                "max_tokens": 6,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+            }
+            async with r.client.post(r.url("/v1/chat/completions"), json=chat) as response:
+                assert response.status == 200
+            bodies = [q.body for q in r.engines[0].received]
+            assert len(bodies) == 4
+            assert all(b["max_tokens"] == 6 for b in bodies), bodies
+
+    run(body())
+
+
 def test_a_failing_slice_ends_the_request_with_502() -> None:
     async def body() -> None:
         async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:

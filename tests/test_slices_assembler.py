@@ -414,6 +414,42 @@ def test_finish_at_budget_and_eos_on_the_boundary() -> None:
         ({"prompt": [1], "max_tokens": 5, "n": 2}, {}, "n=2"),
         ({"prompt": [1], "max_tokens": 5, "echo": True}, {}, "echo"),
         ({"prompt": [1], "max_tokens": 5, "logprobs": 2}, {}, "logprobs"),
+        ({"prompt": "a b", "max_tokens": 5, "truncate_prompt_tokens": 1}, {}, "truncate_prompt"),
+        ({"prompt": [1], "max_tokens": 5, "truncate_prompt_tokens": -1}, {}, "truncate_prompt"),
+        (
+            {"prompt": [1], "max_tokens": 5, "response_format": {"type": "json_object"}},
+            {},
+            "response_format",
+        ),
+        ({"prompt": [1], "max_tokens": 5, "guided_regex": "a+"}, {}, "guided_regex"),
+        (
+            {"prompt": [1], "max_tokens": 5, "structured_outputs": {"choice": ["a"]}},
+            {},
+            "structured_outputs",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            {"api": "chat", "default_max_tokens": 3},
+            "tool calling",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function"}],
+                "tool_choice": "required",
+            },
+            {"api": "chat", "default_max_tokens": 3},
+            "tool calling",
+        ),
+        (
+            {
+                "prompt": [1],
+                "max_tokens": 5,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            {},
+            "continuous_usage_stats",
+        ),
         ({"prompt": ["a", "b"], "max_tokens": 5}, {}, "batched"),
         ({"prompt": [1, -2], "max_tokens": 5}, {}, "token ids"),
         ({"prompt": [1]}, {}, "no max_tokens"),
@@ -427,6 +463,24 @@ def test_bad_requests_raise_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         SliceAssembler(request_body, **kwargs)
+
+
+def test_requests_whose_output_slicing_keeps_are_sliced() -> None:
+    """A text response format, tools the request says not to call, null fields and usage
+    only at the end leave a request sliceable."""
+    for body in [
+        {"prompt": [1], "max_tokens": 5, "response_format": {"type": "text"}},
+        {"prompt": [1], "max_tokens": 5, "truncate_prompt_tokens": None, "guided_json": None},
+        {"prompt": [1], "max_tokens": 5, "stream_options": {"include_usage": True}},
+    ]:
+        SliceAssembler(body)
+    chat = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "none",
+    }
+    SliceAssembler(chat, api="chat", default_max_tokens=3)
+    SliceAssembler({**chat, "tools": []}, api="chat", default_max_tokens=3)
 
 
 def test_engine_protocol_errors() -> None:

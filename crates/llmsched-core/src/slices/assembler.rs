@@ -106,6 +106,16 @@ impl SliceUsage {
 
 const U32_MAX: u64 = u32::MAX as u64;
 const UNSUPPORTED: [&str; 4] = ["echo", "logprobs", "top_logprobs", "suffix"];
+/// The fields of vLLM's structured output (current and former names).
+const STRUCTURED_OUTPUT_FIELDS: [&str; 7] = [
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "structural_tag",
+];
 
 /// Python's truthiness of a JSON value.
 fn truthy(value: &Value) -> bool {
@@ -269,6 +279,7 @@ impl SliceAssembler {
                 )));
             }
         }
+        self.check_output_unconstrained()?;
         for name in UNSUPPORTED {
             // Python's `value not in (None, False)`: 0 is False there, "" and [] are not.
             let off = |v: &Value| match v {
@@ -281,6 +292,49 @@ impl SliceAssembler {
                     "{name} is not supported across slices"
                 )));
             }
+        }
+        Ok(())
+    }
+
+    /// Requests whose answer a continuation would change, beyond what sampling does: the
+    /// engine applies each of these to every slice as a request of its own.
+    /// - `truncate_prompt_tokens`: a continuation's prompt holds the output so far, so the
+    ///   engine would cut the kept prompt (and then early output) away;
+    /// - structured output (`response_format` other than text, `structured_outputs`, vLLM's
+    ///   `guided_*` fields) and tool calling (`tools` with a `tool_choice` other than
+    ///   `"none"`): the grammar and the tool parser start again on each slice's output;
+    /// - `stream_options.continuous_usage_stats`: usage in every event, which slices do not
+    ///   report.
+    fn check_output_unconstrained(&self) -> Result<(), AssemblyError> {
+        let set = |name: &str| self.request.get(name).is_some_and(|v| !v.is_null());
+        let unsupported = |what: &str| {
+            Err(AssemblyError::Unsupported(format!("{what} is not supported across slices")))
+        };
+        if set("truncate_prompt_tokens") {
+            return unsupported("truncate_prompt_tokens");
+        }
+        let response_format = self.request.get("response_format").filter(|v| !v.is_null());
+        if response_format.is_some_and(|f| f.get("type") != Some(&Value::from("text"))) {
+            return unsupported("response_format");
+        }
+        for name in STRUCTURED_OUTPUT_FIELDS {
+            if set(name) {
+                return unsupported(name);
+            }
+        }
+        let tools =
+            self.request.get("tools").is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+        let choice_none = self.request.get("tool_choice") == Some(&Value::from("none"));
+        if tools && !choice_none {
+            return unsupported("tool calling (tools without tool_choice \"none\")");
+        }
+        let continuous = self
+            .request
+            .get("stream_options")
+            .and_then(|o| o.get("continuous_usage_stats"))
+            .is_some_and(truthy);
+        if continuous {
+            return unsupported("stream_options.continuous_usage_stats");
         }
         Ok(())
     }
