@@ -11,8 +11,9 @@ failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error
 (send the status line and part of the answer, then close the connection: a stream after its
 first event, a JSON answer halfway through its declared length), ``"hang"`` (the same, then
 silence instead of a close), ``"headers"`` (the status line and headers of the answer, chunked,
-then silence: as vLLM sends a stream's head before its prefill). A request may script its own failure with a body field
-``x_fake_mode`` naming a mode (it wins over :attr:`~FakeOpenAIEngine.mode`).
+then silence: as vLLM sends a stream's head before its prefill). A request may script its own
+failure with a body field ``x_fake_mode`` naming a mode (it wins over
+:attr:`~FakeOpenAIEngine.mode`).
 :attr:`FakeOpenAIEngine.health_status` scripts ``/health``.
 Fields vLLM checks (``max_tokens``, ``stream``, ``stream_options``, ``prompt``, ``messages``)
 get vLLM's 400 when malformed.
