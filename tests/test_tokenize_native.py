@@ -1879,3 +1879,30 @@ def test_tools_are_left_out_for_tool_choice_none_where_the_engines_were_told(
             assert native.render_chat(json.dumps(body)) == text
             assert ('"name": "f"' not in text) == excluded, (exclude, choice, text)
             assert ('[{"d": 1}]' in text) == excluded
+
+
+def test_numbers_reach_the_template_as_python_s_json_reads_them(tmp_path: Path) -> None:
+    """Integers past 64 bits (a JSON Schema's ``maximum``) stay exact, ``-0`` is the integer
+    0, and floats are rounded as Python rounds them: the native plane renders what vLLM's
+    Jinja does (it printed ``1e+22`` for 10**22)."""
+    template = (
+        "{{ (big or 0) + 1 }}|{{ tools | tojson }}|{{ small }}|{{ zero }}|{{ third }}"
+        + CHAT_TEMPLATE
+    )
+    directory = write_tokenizer(tmp_path / "tok", chat_template=template)
+    python = PromptTokenizer(directory)
+    native = NativePromptTokenizer(str(directory))
+    parameters = (
+        '{"type": "object", "maximum": 10000000000000000000000, "minimum": -0, "step": 0.1}'
+    )
+    text = (
+        '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+        '"function": {"name": "f", "parameters": ' + parameters + "}}], "
+        '"chat_template_kwargs": {"big": 1180591620717411303424, "small": 1.5e-7, "zero": -0, '
+        '"third": 0.30000000000000004}}'
+    )
+    rendered = python.render_chat_request(json.loads(text))
+    assert rendered.startswith("1180591620717411303425|"), rendered
+    assert '"maximum": 10000000000000000000000, "minimum": 0, "step": 0.1' in rendered
+    assert "|1.5e-07|0|0.30000000000000004" in rendered
+    assert native.render_chat(text) == rendered

@@ -84,8 +84,10 @@ impl<'a> Direct<'a> {
         })
     }
 
-    /// An integer as serde_json visits it (u64 when positive, i64 when negative); None for a
-    /// fraction, an exponent, a value past 64 bits, or `-0` (serde_json's float -0.0).
+    /// A number as Python's `json` reads it: an integer (past 64 bits too, up to 128: a JSON
+    /// Schema's `maximum` may be; `-0` is the integer 0) or a float, correctly rounded as
+    /// Python's `float()` rounds it; None (left to serde_json) for an integer past 128 bits or
+    /// a float out of range.
     fn integer(&mut self) -> Option<Value> {
         let start = self.at;
         let negative = self.peek() == Some(b'-');
@@ -93,15 +95,35 @@ impl<'a> Direct<'a> {
         while matches!(self.peek(), Some(b'0'..=b'9')) {
             self.at += 1;
         }
-        if matches!(self.peek(), Some(b'.' | b'e' | b'E')) {
-            return None;
+        let mut float = false;
+        if self.peek() == Some(b'.') {
+            float = true;
+            self.at += 1;
+            while matches!(self.peek(), Some(b'0'..=b'9')) {
+                self.at += 1;
+            }
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            float = true;
+            self.at += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.at += 1;
+            }
+            while matches!(self.peek(), Some(b'0'..=b'9')) {
+                self.at += 1;
+            }
         }
         let digits = &self.text[start..self.at];
-        if negative {
-            digits.parse::<i64>().ok().filter(|&v| v != 0).map(Value::from)
-        } else {
-            digits.parse::<u64>().ok().map(Value::from)
+        if float {
+            return digits.parse::<f64>().ok().filter(|f| f.is_finite()).map(Value::from);
         }
+        if let Ok(value) = digits.parse::<u64>() {
+            return Some(Value::from(value));
+        }
+        if let Ok(value) = digits.parse::<i64>() {
+            return Some(Value::from(value));
+        }
+        digits.parse::<i128>().ok().map(Value::from)
     }
 
     /// The string at the cursor (an opening quote), borrowed when it has no escape.
@@ -629,17 +651,39 @@ mod tests {
     }
 
     #[test]
+    fn numbers_read_as_python_s_json_reads_them() {
+        // Floats correctly rounded, `-0` the integer 0, integers past 64 bits exact.
+        let read =
+            value("[1.5, -2e3, 0.0, -0, 1E2, 0.1, 18446744073709551616, -9223372036854775809]");
+        let items: Vec<Value> = read.try_iter().unwrap().collect();
+        let expected = [
+            Value::from(1.5),
+            Value::from(-2000.0),
+            Value::from(0.0),
+            Value::from(0),
+            Value::from(100.0),
+            Value::from(0.1),
+            Value::from(18_446_744_073_709_551_616_i128),
+            Value::from(-9_223_372_036_854_775_809_i128),
+        ];
+        for (item, want) in items.iter().zip(expected) {
+            assert_eq!(format!("{item:?}"), format!("{want:?}"));
+            assert_eq!(item.is_integer(), want.is_integer(), "{item:?}");
+        }
+        assert_eq!(format!("{:?}", items[6]), "18446744073709551616");
+    }
+
+    #[test]
     fn what_the_direct_reader_leaves_to_serde_json_reads_the_same() {
-        // Floats (-0 among them), integers past 64 bits, deep nesting; a lone surrogate fails
-        // either way.
+        // Deep nesting, integers past 128 bits; a lone surrogate fails either way, and so does
+        // a float out of range.
         let deep = format!("{}1{}", "[".repeat(DIRECT_DEPTH + 5), "]".repeat(DIRECT_DEPTH + 5));
-        let big = "[18446744073709551616, -9223372036854775809]";
-        let texts = ["[1.5, -2e3, 0.0, -0, 1E2]", big, &deep];
-        for text in texts {
+        let huge = "[1000000000000000000000000000000000000000000]";
+        for text in [&deep, huge] {
             let (ours, theirs) = (value(text), minijinja_value(text));
             assert_eq!(format!("{ours:?}"), format!("{theirs:?}"), "{text}");
         }
-        for text in [r#""\ud83d""#, r#""\udc09""#, r#""\ud83d\u0041""#] {
+        for text in [r#""\ud83d""#, r#""\udc09""#, r#""\ud83d\u0041""#, "1e400"] {
             let raw: &RawValue = serde_json::from_str(text).unwrap();
             assert!(template_value(raw).is_err(), "{text}");
         }
