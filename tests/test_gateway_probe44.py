@@ -4,7 +4,9 @@ unknown paths and methods, priorities that are not ASCII integers, and NaN / Inf
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -268,5 +270,36 @@ def test_nan_and_infinity_are_not_json() -> None:
                 status, text = await raw_request(r, data.encode())
                 assert status == 400, (literal, text)
                 assert json.loads(text)["error"]["message"] == "the body is not valid JSON"
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_long_prompt_being_tokenized_holds_no_other_request(tmp_path: Path) -> None:
+    """A prompt of megabytes takes the tokenizer a second or so: it is tokenized off the
+    thread (or event loop) serving the others, so a short request sent meanwhile is answered
+    first (it waited for the long one's tokenizing before)."""
+    directory = write_tokenizer(tmp_path / "tok")
+
+    async def body() -> None:
+        async with rig(
+            engines=1, tokenizer=str(directory), limits={"max_body_bytes": 8 << 20}
+        ) as r:
+            finished: list[str] = []
+
+            async def send(name: str, prompt: str) -> None:
+                request = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                data = io.BytesIO(json.dumps(request).encode())
+                headers = {"Content-Type": "application/json"}
+                url = r.url("/v1/completions")
+                async with r.client.post(url, data=data, headers=headers) as response:
+                    assert response.status == 200, await response.text()
+                finished.append(name)
+
+            long = asyncio.ensure_future(send("long", "a" * 3_000_000))
+            await asyncio.sleep(0.1)
+            await send("short", "hello")
+            await long
+            assert finished == ["short", "long"]
 
     run(body())

@@ -1808,7 +1808,22 @@ impl Gateway {
             )
             .param("model"));
         }
-        let tokens = self.prompt_tokens(&payload, route == "chat")?;
+        let tokens = if self.tokenizer.is_some() && raw.len() >= OFFLOADED_PROMPT_BYTES {
+            // Tokenizing a long prompt takes milliseconds to seconds: off the threads that
+            // serve every other request (with one, they would all wait for it).
+            let (gateway, body, chat) = (self.clone(), raw.clone(), route == "chat");
+            let tokenized = tokio::task::spawn_blocking(move || {
+                let payload = Payload::parse(&body).map_err(|problem| {
+                    Refusal::new(400, "invalid_request_error", problem.to_string())
+                })?;
+                gateway.prompt_tokens(&payload, chat)
+            });
+            tokenized.await.map_err(|_| {
+                Refusal::new(500, "internal_error", "tokenizing the prompt failed")
+            })??
+        } else {
+            self.prompt_tokens(&payload, route == "chat")?
+        };
         let sse = payload.stream();
         let limiter = match &identity.limiter {
             Some(limiter) => {
@@ -2467,6 +2482,9 @@ fn relay_parts(
     }
     out
 }
+
+/// Request bodies from this size on are tokenized on tokio's blocking threads.
+const OFFLOADED_PROMPT_BYTES: usize = 128 << 10;
 
 /// A 415 for a request to a path served with a method it takes whose body was sent with a
 /// Content-Encoding other than identity: bodies are taken as sent, never decoded (as vLLM

@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import hmac
 import inspect
+import io
 import json
 import logging
 import os
@@ -96,6 +97,12 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # What the native plane takes as a priority (Rust's i32 parse): ASCII digits only, no "_".
 _PRIORITY = re.compile(r"[+-]?[0-9]+", re.ASCII)
 # Response headers copied from the engine; hop-by-hop and framing headers are aiohttp's job.
+_LARGE_UPSTREAM_BODY = 1 << 20
+"""Bodies past this size (aiohttp's own bound for a bytes body) are sent as a file object."""
+
+_OFFLOADED_PROMPT_BYTES = 128 << 10
+"""Request bodies from this size on are tokenized on a worker thread."""
+
 _PASSED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
 # Bodies read whole to find the usage block of a non-streaming answer.
 _USAGE_PARSE_LIMIT = 1 << 20
@@ -672,7 +679,12 @@ class Gateway:
                 404, "model_not_found", f"model {model!r} is not served here", param="model"
             )
         _check_fields(payload)
-        prompt = self._prompt(route, payload)
+        if self.tokenizer is not None and len(body) >= _OFFLOADED_PROMPT_BYTES:
+            # Tokenizing a long prompt takes milliseconds to seconds: off the event loop that
+            # serves every other request.
+            prompt = await asyncio.to_thread(self._prompt, route, payload)
+        else:
+            prompt = self._prompt(route, payload)
         pick_args = self._pick_args(prompt, model, priority, payload, request)
         try:
             scheduled = ScheduleRequest(
@@ -1054,9 +1066,12 @@ class Gateway:
         url = self._urls.get((endpoint, route))
         if url is None:  # discovery removed the engine after it was picked
             raise _UpstreamFailed("removed")
+        # aiohttp writes a large bytes body in one call, which can hold the loop (and warns):
+        # as a file-like object it goes out in pieces.
+        data: bytes | io.BytesIO = io.BytesIO(body) if len(body) > _LARGE_UPSTREAM_BODY else body
         try:
             upstream = await self._session.post(
-                url, data=body, headers=headers, timeout=self.upstream_timeout(deadline)
+                url, data=data, headers=headers, timeout=self.upstream_timeout(deadline)
             )
         except _CONNECT_TIMEOUTS:
             raise _UpstreamFailed("timeout") from None

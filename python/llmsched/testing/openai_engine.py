@@ -102,7 +102,8 @@ class FakeOpenAIEngine:
         self.health_probes = 0
         self._port: int | None = None
         self._runner: web.AppRunner | None = None
-        self.app = web.Application()
+        # Bodies as large as a gateway may pass on (vLLM sets no bound of its own).
+        self.app = web.Application(client_max_size=64 << 20)
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
