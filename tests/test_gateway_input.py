@@ -44,6 +44,9 @@ BAD_BODIES: list[tuple[str, str, bytes]] = [
     ),
     ("completions", "cache_salt", _body(prompt="hi", cache_salt="salt\ud800")),
     ("completions", "cache_salt", _body(prompt="hi", cache_salt=7)),
+    # vLLM refuses these two: the gateway does before routing them.
+    ("completions", "cache_salt", _body(prompt="hi", cache_salt="")),
+    ("completions", "prompt", _body(prompt="")),
     ("completions", "stop", _body(prompt="hi", stop=3)),
     ("completions", "stop", _body(prompt="hi", stop=["a", 1])),
     ("completions", "stop", _body(prompt="hi", stop={"a": 1})),

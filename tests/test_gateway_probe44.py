@@ -303,3 +303,17 @@ def test_a_long_prompt_being_tokenized_holds_no_other_request(tmp_path: Path) ->
             assert finished == ["short", "long"]
 
     run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_head_reads_what_get_reads_without_a_body() -> None:
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            for path in ("/health", "/ready", "/v1/models", "/metrics"):
+                async with r.client.head(r.url(path)) as response:
+                    assert response.status == 200, path
+                    assert await response.read() == b""
+                async with r.client.get(r.url(path)) as response:
+                    assert response.status == 200 and await response.read(), path
+
+    run(body())

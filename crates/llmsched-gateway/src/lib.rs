@@ -1259,8 +1259,10 @@ fn check_fields(payload: &Payload<'_>) -> Result<(), Refusal> {
         Some(_) => return Err(bad("stream_options", "an object or null")),
     }
     match read("cache_salt") {
-        None | Some(Some(Value::Null | Value::String(_))) => {}
-        Some(_) => return Err(bad("cache_salt", "a string or null")),
+        None | Some(Some(Value::Null)) => {}
+        // vLLM refuses an empty salt.
+        Some(Some(Value::String(salt))) if !salt.is_empty() => {}
+        Some(_) => return Err(bad("cache_salt", "a non-empty string or null")),
     }
     Ok(())
 }
@@ -1451,7 +1453,12 @@ impl Gateway {
                 .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
             return Ok(answer);
         }
-        match (request.method(), request.uri().path()) {
+        // HEAD is GET without the body (hyper leaves it out), as the Python plane answers it.
+        let method = match request.method() {
+            &Method::HEAD => &Method::GET,
+            method => method,
+        };
+        match (method, request.uri().path()) {
             (&Method::GET, "/health") => Ok(json_answer(StatusCode::OK, &json!({"status": "ok"}))),
             (&Method::GET, "/ready") => {
                 let routable = self.routable().len();
@@ -2140,6 +2147,14 @@ impl Gateway {
     /// through here (a panic would be a 500, the gateway going on).
     fn prompt_tokens(&self, payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, Refusal> {
         let bad = |problem: String| Refusal::new(400, "invalid_request_error", problem);
+        let empty = payload.raw("prompt").is_some_and(|raw| raw.get() == r#""""#);
+        if !chat && empty && !embeds_given(payload) {
+            // As vLLM refuses it (nothing to route on, and the engine answers 400).
+            return Err(bad(
+                "Either prompt or prompt_embeds must be provided and non-empty.".into()
+            )
+            .param("prompt"));
+        }
         if !chat && embeds_only(payload) {
             // vLLM takes the prompt as embeddings: no token to hash (their cache blocks are
             // keyed by the embeddings, which no other prompt shares by its tokens).
@@ -2329,13 +2344,18 @@ fn prompt_tokens(payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, &'static
 /// `--enable-prompt-embeds`: base64 tensors, one or a list), with no `prompt`.
 fn embeds_only(payload: &Payload<'_>) -> bool {
     let no_prompt = payload.raw("prompt").is_none_or(|raw| raw.get() == "null");
-    no_prompt
-        && payload.raw("prompt_embeds").is_some_and(|raw| {
-            payload::as_str(raw).is_some_and(|text| !text.is_empty())
-                || payload::array_items(raw).is_some_and(|items| {
-                    !items.is_empty() && items.iter().all(|item| payload::as_str(item).is_some())
-                })
-        })
+    no_prompt && embeds_given(payload)
+}
+
+/// Whether a completions request's `prompt_embeds` holds an embedding (a base64 text, or a
+/// non-empty list of them).
+fn embeds_given(payload: &Payload<'_>) -> bool {
+    payload.raw("prompt_embeds").is_some_and(|raw| {
+        payload::as_str(raw).is_some_and(|text| !text.is_empty())
+            || payload::array_items(raw).is_some_and(|items| {
+                !items.is_empty() && items.iter().all(|item| payload::as_str(item).is_some())
+            })
+    })
 }
 
 /// A request's `truncate_prompt_tokens` and `truncation_side` ([`truncation`]).

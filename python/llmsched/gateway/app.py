@@ -884,6 +884,14 @@ class Gateway:
                 size = sum(len(str(m.get("content", ""))) for m in messages) // 4
                 return _Prompt(None, None, messages, size)
             prompt = payload.get("prompt")
+            if prompt == "" and not _embeds_only(payload.get("prompt_embeds")):
+                # As vLLM refuses it (nothing to route on, and the engine answers 400).
+                raise Refusal(
+                    400,
+                    "invalid_request_error",
+                    "Either prompt or prompt_embeds must be provided and non-empty.",
+                    param="prompt",
+                )
             if prompt is None and _embeds_only(payload.get("prompt_embeds")):
                 # vLLM takes the prompt as embeddings: no token to hash (their cache blocks
                 # are keyed by the embeddings, which no other prompt shares by its tokens).
@@ -1559,8 +1567,9 @@ def _check_fields(payload: Mapping[str, Any]) -> None:
     if options is not None and not isinstance(options, dict):
         raise bad("stream_options", "an object or null")
     salt = payload.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise bad("cache_salt", "a string or null")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        # vLLM refuses an empty salt.
+        raise bad("cache_salt", "a non-empty string or null")
 
 
 class _Refuser(asyncio.Protocol):
