@@ -317,3 +317,23 @@ def test_head_reads_what_get_reads_without_a_body() -> None:
                     assert response.status == 200 and await response.read(), path
 
     run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_request_the_engine_refuses_leaves_no_prefix_record() -> None:
+    """An engine's 4xx (a request too long for its context, say) caches nothing: the blocks the
+    gateway recorded for the request on that engine go, so the next request sharing the
+    prefix is not drawn to a cache that does not exist."""
+    tokens = list(range(100, 116))  # four blocks of 4
+
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            index = r.gateway.index
+            response = await r.complete(tokens, max_tokens=1, x_fake_mode="error400")
+            assert response.status == 400
+            assert index.match_tokens(tokens).as_dict() == {}
+            response = await r.complete(tokens, max_tokens=1)
+            assert response.status == 200
+            assert max(index.match_tokens(tokens).as_dict().values()) == 4
+
+    run(body())

@@ -2044,6 +2044,11 @@ impl Gateway {
             } else {
                 self.attempt_ended(upstream, None);
                 self.counters.routed.inc(&[&upstream.id]);
+                if answer.status().is_client_error() {
+                    // The engine refused the request and cached none of it: the blocks
+                    // recorded for it there go (they would draw its prefix to nothing).
+                    self.drop_record(router, &decision, key);
+                }
             }
             let relaying = Relaying {
                 ticket: Some(ticket),

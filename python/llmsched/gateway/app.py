@@ -984,9 +984,14 @@ class Gateway:
                 if placement.attempts > 1:
                     self.metrics.retries.inc()
                 try:
-                    return await self._attempt(
+                    answered = await self._attempt(
                         request, route, body, placement.decision, endpoint, deadline
                     )
+                    if 400 <= answered[0].status < 500:
+                        # The engine refused the request and cached none of it: the blocks
+                        # recorded for it there go (they would draw its prefix to nothing).
+                        placement.fail()
+                    return answered
                 except _UpstreamFailed as failed:
                     self.metrics.upstream_errors.labels(endpoint, failed.kind).inc()
                     # The request's own deadline ending an attempt says nothing about the

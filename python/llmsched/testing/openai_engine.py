@@ -7,6 +7,7 @@ It answers ``/v1/completions`` and ``/v1/chat/completions`` in vLLM's shapes (JS
 vLLM-style ``/metrics`` with its live request counts, and records every request it receives
 (path, headers, body) and every client disconnect. Its :attr:`FakeOpenAIEngine.mode` scripts
 failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error500"``,
+``"error400"`` (a refusal, as vLLM refuses a request it cannot run),
 ``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens), ``"cut"``
 (send the status line and part of the answer, then close the connection: a stream after its
 first event, a JSON answer halfway through its declared length), ``"hang"`` (the same, then
@@ -46,7 +47,7 @@ from aiohttp import web
 
 __all__ = ["FakeOpenAIEngine", "ReceivedRequest", "main", "write_tokenizer"]
 
-MODES = ("ok", "drop", "error500", "stall", "slow", "cut", "hang", "headers")
+MODES = ("ok", "drop", "error500", "error400", "stall", "slow", "cut", "hang", "headers")
 
 
 @dataclass
@@ -221,6 +222,8 @@ class FakeOpenAIEngine:
             await asyncio.sleep(3600)  # cancelled when the connection goes
         if mode == "error500":
             return web.json_response({"error": {"message": "engine failure"}}, status=500)
+        if mode == "error400":
+            return _bad_request("the engine refuses this request")
         if mode == "stall":
             await asyncio.sleep(3600)
         if mode == "headers":
