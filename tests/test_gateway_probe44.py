@@ -337,3 +337,40 @@ def test_a_request_the_engine_refuses_leaves_no_prefix_record() -> None:
             assert max(index.match_tokens(tokens).as_dict().values()) == 4
 
     run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_lora_routing_reads_the_adapters_engines_report() -> None:
+    """The adapters each engine runs (``vllm:lora_requests_info``, scraped) reach the LoRA
+    scorer on both planes: a request for an adapter goes to the engine running it. (The
+    native plane parsed them and left them unused, so its LoRA plugins saw none.)"""
+    router = {
+        "plugins": [{"type": "lora-affinity-scorer"}, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "lora-affinity-scorer"},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+    async def body() -> None:
+        async with rig(
+            engines=3,
+            router=router,
+            lora_adapters={"sql": MODEL},
+            scrape={"enabled": True, "interval_s": 0.05},
+        ) as r:
+            for engine in r.engines:
+                engine.loras = ([], [], 1)
+            r.engines[2].loras = (["sql"], [], 1)
+            await asyncio.sleep(0.5)
+            for _ in range(4):
+                response = await r.complete("hello", max_tokens=1, model="sql")
+                assert response.status == 200
+            assert len(r.engines[2].received) == 4, [len(e.received) for e in r.engines]
+
+    run(body())

@@ -1057,6 +1057,11 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
             let now = monotonic();
             let update = scraped.update;
             let _ = gateway.router().pool().update_metrics(&upstream.key, update, now);
+            if let Some(loras) = scraped.loras {
+                // The adapters it runs and waits on (`vllm:lora_requests_info`), what the LoRA
+                // filters and scorers read.
+                let _ = gateway.router().pool().set_loras(&upstream.key, loras);
+            }
             if let Some(flow) = &gateway.flow {
                 flow.update_endpoint(
                     &upstream.id,

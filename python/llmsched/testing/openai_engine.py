@@ -96,6 +96,9 @@ class FakeOpenAIEngine:
         self.kv_cache_usage = 0.0
         self.metrics_status = 200
         """Status of ``/metrics`` answers (anything but 200 makes scrapes fail)."""
+        self.loras: tuple[list[str], list[str], int] | None = None
+        """LoRA adapters running and waiting, and the most it holds at once, served as vLLM's
+        ``vllm:lora_requests_info`` (None: not served)."""
         self.chunked_json = False
         """Send JSON answers of modes ``"cut"`` / ``"hang"`` chunked (no Content-Length)."""
         self.health_status = 200
@@ -179,6 +182,13 @@ class FakeOpenAIEngine:
             f'vllm:num_requests_waiting{{model_name="{self.model}"}} {float(self.waiting)}\n'
             f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} {self.kv_cache_usage}\n'
         )
+        if self.loras is not None:
+            running, waiting, most = self.loras
+            text += (
+                f'vllm:lora_requests_info{{max_lora="{most}",'
+                f'running_lora_adapters="{",".join(running)}",'
+                f'waiting_lora_adapters="{",".join(waiting)}"}} {time.time()}\n'
+            )
         return web.Response(text=text, content_type="text/plain")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
