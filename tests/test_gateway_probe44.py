@@ -374,3 +374,26 @@ def test_lora_routing_reads_the_adapters_engines_report() -> None:
             assert len(r.engines[2].received) == 4, [len(e.received) for e in r.engines]
 
     run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_engine_set_with_a_url_the_native_plane_refuses_changes_nothing() -> None:
+    """What discovery calls: on the native plane the shared pool took the set before the
+    Rust upstream set refused the URL, which left the two apart and every later change
+    failing."""
+    from llmsched.errors import ConfigError
+    from llmsched.integrations import EngineSpec
+
+    async def body() -> None:
+        async with rig(engines=2) as r:
+            good = [EngineSpec(**e.spec()) for e in r.engines]
+            with pytest.raises(ConfigError, match="is not an http:// URL"):
+                await r.gateway.set_engines([*good, EngineSpec(host="\u00e9\u00e9", port=1)])
+            present = sorted(str(e["id"]) for e in r.gateway.pool.endpoints())
+            assert present == sorted(s.worker_id for s in good)
+            added, removed = await r.gateway.set_engines(good[:1])
+            assert (added, removed) == ([], [good[1].worker_id])
+            response = await r.complete("hello", max_tokens=1)
+            assert response.status == 200
+
+    run(body())

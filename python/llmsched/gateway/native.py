@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from llmsched import _llmsched
 from llmsched.errors import ConfigError, GatewayStoppedError
 from llmsched.flow import FlowController
+from llmsched.gateway.admin import check_engine_url
 from llmsched.gateway.config import (
     GatewayConfig,
     cluster_sync,
@@ -478,6 +479,10 @@ class NativeGateway:
         set; returns the worker ids added and removed. An empty or repeated set raises
         ConfigError and changes nothing."""
         specs = engine_set(self.config, engines)
+        for spec in specs.values():
+            # Before anything changes: the Rust upstream set refuses such a URL after the
+            # pool took it, which left the two apart.
+            check_engine_url(spec)
         new, gone, updated = self.scheduler.set_engines(specs.values())
         added, removed, changed = (list(map(str, ids)) for ids in (new, gone, updated))
         if not (added or removed or changed):
