@@ -663,8 +663,9 @@ class SliceAssembler:
     engine stream ends; both return the user-facing chunks (OpenAI streaming shape, one id,
     index 0). :attr:`done` says whether the response is complete; :attr:`last_slice_tokens`
     is what to pass to :meth:`SliceTracker.record_tokens`. Sampled (non-greedy) slicing is
-    equivalent in distribution, not token for token; ``n``, ``best_of``, ``echo`` and
-    ``logprobs`` are not supported across slices. Text positions count characters. The
+    equivalent in distribution, not token for token; ``n``, ``best_of``, ``echo``,
+    ``logprobs``, ``truncate_prompt_tokens``, structured output, tool calling and
+    ``continuous_usage_stats`` are not supported across slices (see docs/slices.md). Text positions count characters. The
     assembly runs in Rust (``llmsched_core::slices::assembler``), the one implementation the
     native data plane runs too; dicts cross as plain JSON data.
 
