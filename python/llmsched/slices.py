@@ -665,9 +665,10 @@ class SliceAssembler:
     is what to pass to :meth:`SliceTracker.record_tokens`. Sampled (non-greedy) slicing is
     equivalent in distribution, not token for token; ``n``, ``best_of``, ``echo``,
     ``logprobs``, ``truncate_prompt_tokens``, structured output, tool calling and
-    ``continuous_usage_stats`` are not supported across slices (see docs/slices.md). Text positions count characters. The
-    assembly runs in Rust (``llmsched_core::slices::assembler``), the one implementation the
-    native data plane runs too; dicts cross as plain JSON data.
+    ``continuous_usage_stats`` are not supported across slices (see docs/slices.md). Text
+    positions count characters. The assembly runs in Rust
+    (``llmsched_core::slices::assembler``), the one implementation the native data plane runs
+    too; dicts cross as plain JSON data.
 
     >>> asm = SliceAssembler({"model": "m", "prompt": [1, 2], "max_tokens": 3}, response_id="r")
     >>> asm.next_request(2)["max_tokens"], asm.next_request(2)["prompt"]
