@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 from llmsched._extras import require
 
@@ -57,6 +57,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from llmsched.errors import ConfigError, InvalidRequestError, InvalidTypeError
+from llmsched.validation import is_utf8_text, refuse_json_constant
 
 __all__ = ["PromptError", "PromptTokenizer", "Truncation"]
 
@@ -1049,30 +1050,19 @@ def _arguments_object(arguments: object) -> dict[str, Any]:
     holds, else ``{}`` for anything that is not strict JSON of an object (not JSON, NaN or
     Infinity, a float out of range, nesting past :data:`_MAX_ARGUMENTS_DEPTH` or past Python's
     recursion limit, a lone surrogate escape, which no tokenizer takes as text)."""
-    if not isinstance(arguments, str) or not _is_text(arguments):
+    if not isinstance(arguments, str) or not is_utf8_text(arguments):
         return {}
     try:
-        parsed = json.loads(arguments, parse_constant=_not_json_constant, parse_float=_finite_float)
+        parsed = json.loads(
+            arguments, parse_constant=refuse_json_constant, parse_float=_finite_float
+        )
     except (ValueError, RecursionError):
         return {}
     if not isinstance(parsed, dict) or _depth_over(parsed, _MAX_ARGUMENTS_DEPTH):
         return {}
-    if "\\u" in arguments and not _is_text(json.dumps(parsed, ensure_ascii=False)):
+    if "\\u" in arguments and not is_utf8_text(json.dumps(parsed, ensure_ascii=False)):
         return {}
     return parsed
-
-
-def _is_text(text: str) -> bool:
-    """Whether ``text`` is valid Unicode text (no lone surrogate)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _not_json_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _finite_float(text: str) -> float:

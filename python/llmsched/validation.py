@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from llmsched._llmsched import MAX_BLOCK_SIZE
 from llmsched.errors import InvalidTypeError, InvalidValueError
@@ -59,6 +59,8 @@ __all__ = [
     "check_probability",
     "check_seed",
     "check_str",
+    "is_utf8_text",
+    "refuse_json_constant",
 ]
 
 U32_MAX = 2**32 - 1
@@ -288,3 +290,25 @@ def check_number_like(name: str, value: object, *, optional: bool = False) -> No
     if not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
         expected = "a number or None" if optional else "a number"
         raise InvalidTypeError(f"{name} must be {expected}, got {_type_name(value)}")
+
+
+def is_utf8_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8, that is holds no lone surrogate (``"\\ud800"`` is
+    valid JSON, and how aiohttp hands over header bytes that are not UTF-8, but no text an
+    engine or a tokenizer takes).
+
+    >>> is_utf8_text("héllo"), is_utf8_text("a" + chr(0xD800))
+    (True, False)
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def refuse_json_constant(name: str) -> NoReturn:
+    """``json.loads``'s ``parse_constant``: ``NaN``, ``Infinity`` and ``-Infinity`` are not
+    JSON (the native data plane and the engines refuse them); raises ``ValueError`` naming
+    the literal, as for any text that is not JSON."""
+    raise ValueError(f"{name} is not JSON")

@@ -1444,25 +1444,17 @@ impl Gateway {
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Result<Answer, io::Error> {
         if let Some(refused) = self.oversized(&request) {
-            let mut answer = self.refuse("other", refused);
-            answer
-                .headers_mut()
-                .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
-            return Ok(answer);
-        }
-        if let Some(refused) = encoding_refusal(&request) {
-            tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
-            let mut answer = self.refuse("other", refused);
-            answer
-                .headers_mut()
-                .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
-            return Ok(answer);
+            return Ok(self.refuse_and_close(refused));
         }
         // HEAD is GET without the body (hyper leaves it out), as the Python plane answers it.
         let method = match request.method() {
             &Method::HEAD => &Method::GET,
             method => method,
         };
+        if let Some(refused) = encoding_refusal(method, request.uri().path(), request.headers()) {
+            tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+            return Ok(self.refuse_and_close(refused));
+        }
         match (method, request.uri().path()) {
             (&Method::GET, "/health") => Ok(json_answer(StatusCode::OK, &json!({"status": "ok"}))),
             (&Method::GET, "/ready") => {
@@ -1485,6 +1477,13 @@ impl Gateway {
             },
             _ => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
         }
+    }
+
+    /// A refusal made before the request was read, with the connection closed after it.
+    fn refuse_and_close(&self, refused: Refusal) -> Answer {
+        let mut answer = self.refuse("other", refused);
+        answer.headers_mut().insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+        answer
     }
 
     /// Returns once no engine is routable.
@@ -2516,14 +2515,14 @@ fn relay_parts(
 /// Request bodies from this size on are tokenized on tokio's blocking threads.
 const OFFLOADED_PROMPT_BYTES: usize = 128 << 10;
 
-/// A 415 for a request to a path served with a method it takes whose body was sent with a
-/// Content-Encoding other than identity: bodies are taken as sent, never decoded (as vLLM
-/// takes them), so a compressed one is refused, naming the encoding, before it is read (a
-/// compressed body would read as "not JSON", a plain one labelled compressed as JSON). As the
-/// Python plane answers it; an unknown path or method still gets its 404 or 405.
-fn encoding_refusal(request: &Request<Incoming>) -> Option<Refusal> {
-    let path = request.uri().path();
-    let served = match *request.method() {
+/// A 415 for a request to a path served with a method it takes (`method`: HEAD read as GET)
+/// whose body was sent with a Content-Encoding other than identity: bodies are taken as sent,
+/// never decoded (as vLLM takes them), so a compressed one is refused, naming the encoding,
+/// before it is read (a compressed body would read as "not JSON", a plain one labelled
+/// compressed as JSON). As the Python plane answers it; an unknown path or method still gets
+/// its 404 or 405.
+fn encoding_refusal(method: &Method, path: &str, headers: &HeaderMap) -> Option<Refusal> {
+    let served = match *method {
         Method::GET => matches!(path, "/health" | "/ready" | "/metrics" | "/v1/models"),
         Method::POST => matches!(path, "/v1/completions" | "/v1/chat/completions"),
         _ => false,
@@ -2531,8 +2530,7 @@ fn encoding_refusal(request: &Request<Incoming>) -> Option<Refusal> {
     if !served && !path.starts_with("/admin/") {
         return None;
     }
-    let encoding = request
-        .headers()
+    let encoding = headers
         .get_all(hyper::header::CONTENT_ENCODING)
         .iter()
         .find(|value| !value.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"))?;

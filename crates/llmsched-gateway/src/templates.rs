@@ -204,7 +204,7 @@ impl ChatTemplates {
 
     /// Whether a request that asks for no template of its own can be rendered.
     pub fn has_default(&self) -> bool {
-        self.engine.is_some() || matches!(self.own, Own::One(_)) || self.named("default").is_some()
+        self.default_template().is_some()
     }
 
     /// The template of a request asking for nothing, without tools (None: there is none).
@@ -233,11 +233,6 @@ impl ChatTemplates {
             }
         }
         all
-    }
-
-    /// Whether the engines trust requests' own templates.
-    pub fn trusts_requests(&self) -> bool {
-        self.trust_requests
     }
 
     /// The template a request is rendered with (`tools`: whether the template is handed tools,

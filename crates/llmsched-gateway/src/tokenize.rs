@@ -403,11 +403,6 @@ impl PromptTokenizer {
         self
     }
 
-    /// The chat templates and the rule choosing among them.
-    pub fn templates(&self) -> &ChatTemplates {
-        &self.templates
-    }
-
     /// The tokenizer with the engines' `--default-chat-template-kwargs` (`kwargs`: a JSON
     /// object's text, its keys' order kept): the template variables every request's
     /// `chat_template_kwargs` and fields override. An error names the problem when `kwargs`

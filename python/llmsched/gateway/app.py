@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -76,6 +76,7 @@ from llmsched.routing import Decision
 from llmsched.scheduler import Admission, Placement, Scheduler, ScheduleRequest
 from llmsched.slices import SliceTracker
 from llmsched.tokenize import PromptError, PromptTokenizer, Truncation
+from llmsched.validation import is_utf8_text, refuse_json_constant
 
 if TYPE_CHECKING:
     from llmsched.cluster import ClusterSync, Usage
@@ -96,13 +97,13 @@ _ROUTE_OF_PATH = {path: route for route, path in _ROUTES.items()}
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # What the native plane takes as a priority (Rust's i32 parse): ASCII digits only, no "_".
 _PRIORITY = re.compile(r"[+-]?[0-9]+", re.ASCII)
-# Response headers copied from the engine; hop-by-hop and framing headers are aiohttp's job.
 _LARGE_UPSTREAM_BODY = 1 << 20
 """Bodies past this size (aiohttp's own bound for a bytes body) are sent as a file object."""
 
 _OFFLOADED_PROMPT_BYTES = 128 << 10
 """Request bodies from this size on are tokenized on a worker thread."""
 
+# Response headers copied from the engine; hop-by-hop and framing headers are aiohttp's job.
 _PASSED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
 # Bodies read whole to find the usage block of a non-streaming answer.
 _USAGE_PARSE_LIMIT = 1 << 20
@@ -1370,7 +1371,7 @@ def _presented_key(request: web.Request) -> str | None:
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         # NaN and Infinity are not JSON (the native plane and the engines refuse them).
-        payload = json.loads(body, parse_constant=_not_json)
+        payload = json.loads(body, parse_constant=refuse_json_constant)
     except RecursionError:
         raise Refusal(400, "invalid_request_error", "the body is nested too deeply") from None
     except ValueError:
@@ -1378,10 +1379,6 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise Refusal(400, "invalid_request_error", "the body must be a JSON object")
     return payload
-
-
-def _not_json(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _error_response(refusal: Refusal, message: str | None = None) -> web.Response:
@@ -1494,17 +1491,9 @@ def _header(request: web.Request, name: str) -> str | None:
     """A request header's value; 400 naming the header when its bytes are not UTF-8 (aiohttp
     hands such bytes over as surrogate escapes, which nothing downstream can encode)."""
     value = request.headers.get(name)
-    if value is not None and not _encodable(value):
+    if value is not None and not is_utf8_text(value):
         raise Refusal(400, "invalid_request_error", f"header {name} is not valid UTF-8", param=name)
     return value
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_structure(value: Any, path: str, depth: int, *, text: bool) -> None:
@@ -1512,7 +1501,7 @@ def _check_structure(value: Any, path: str, depth: int, *, text: bool) -> None:
     value, holds a lone surrogate (``"\\ud800"`` is valid JSON but no UTF-8 text); the error
     names the first such field."""
     if isinstance(value, str):
-        if text and not _encodable(value):
+        if text and not is_utf8_text(value):
             raise Refusal(
                 400,
                 "invalid_request_error",
@@ -1532,7 +1521,7 @@ def _check_structure(value: Any, path: str, depth: int, *, text: bool) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             where = f"{path}.{key}" if path else str(key)
-            if text and not _encodable(key):
+            if text and not is_utf8_text(key):
                 raise Refusal(
                     400,
                     "invalid_request_error",
