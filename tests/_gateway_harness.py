@@ -7,7 +7,7 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -133,12 +133,16 @@ async def rig(
     *,
     answer_tokens: int = 4,
     engine_fields: list[dict[str, Any]] | None = None,
+    setup: Callable[[FakeOpenAIEngine], object] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Rig]:
     """``engines`` fake engines and a gateway in front (scraping off unless overridden).
-    ``engine_fields``: extra keys of each engine's config entry (e.g. its role)."""
+    ``engine_fields``: extra keys of each engine's config entry (e.g. its role); ``setup``:
+    called on each fake engine before it starts."""
     fakes = [FakeOpenAIEngine(model=MODEL, answer_tokens=answer_tokens) for _ in range(engines)]
     for fake in fakes:
+        if setup is not None:
+            setup(fake)
         await fake.start()
     config: dict[str, Any] = {
         "engines": [

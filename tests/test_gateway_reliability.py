@@ -369,6 +369,78 @@ def test_the_circuit_breaker_opens_on_a_failure_rate_and_closes_after_a_probe() 
     run(body())
 
 
+@pytest.mark.parametrize("mode", ["error500", "drop"])
+def test_requests_failing_on_every_engine_open_no_breaker(mode: str) -> None:
+    """Probe 44's finding 14: inputs every engine answers with a 5xx (or drops), each retried
+    on every engine, opened every breaker and shut every client out. Now each such request
+    is poisoned: counted against no engine, and the engines are probed instead."""
+
+    async def body() -> None:
+        health = {"interval_s": None, "breaker_min_requests": 4, "breaker_open_s": 30}
+        async with rig(engines=2, health=health, retries={"max_attempts": 2}) as r:
+            for i in range(12):
+                response = await r.complete(f"{i} poisoned", x_fake_mode=mode)
+                assert response.status == 502
+            assert r.metric("llmsched_gateway_poisoned_requests_total") == 12
+            workers = [_worker(r, index) for index in range(2)]
+            for worker in workers:
+                assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 0
+                assert r.gateway.health.state(worker) == "up"
+            # The engines were asked to prove themselves, and did.
+            await _until(
+                lambda: all(
+                    r.metric("llmsched_gateway_health_probes_total", endpoint=w, result="ok") > 0
+                    for w in workers
+                )
+            )
+            assert (await r.complete("a good request")).status == 200
+
+    run(body())
+
+
+def test_a_request_failing_on_one_engine_counts_against_it() -> None:
+    """With one attempt a request's 5xx cannot be told from the engine's: it counts, and
+    enough of them open the breaker, as before."""
+
+    async def body() -> None:
+        health = {"interval_s": None, "breaker_min_requests": 4, "breaker_open_s": 30}
+        async with rig(engines=2, health=health, retries={"max_attempts": 1}) as r:
+            for i in range(12):
+                await r.complete(f"{i} one attempt", x_fake_mode="error500")
+            assert r.metric("llmsched_gateway_poisoned_requests_total") == 0
+            opened = [
+                r.metric("llmsched_gateway_breaker_opens_total", endpoint=_worker(r, i))
+                for i in range(2)
+            ]
+            assert sum(opened) >= 1
+
+    run(body())
+
+
+def test_a_request_answered_after_a_5xx_counts_the_5xx_against_its_engine() -> None:
+    """A 5xx where another engine then answered says the first engine is at fault: held
+    until the request ends, then counted (the breaker opens as before)."""
+
+    async def body() -> None:
+        health = {
+            "interval_s": None,
+            "breaker_min_requests": 4,
+            "breaker_open_s": 30,
+            "failures_to_probe": 1000,
+        }
+        async with rig(engines=2, health=health) as r:
+            r.engines[0].mode = "error500"
+            worker = _worker(r, 0)
+            for i in range(40):
+                assert (await r.complete(f"{i} answered elsewhere")).status == 200
+                if r.gateway.health.state(worker) == "open":
+                    break
+            assert r.gateway.health.state(worker) == "open"
+            assert r.metric("llmsched_gateway_poisoned_requests_total") == 0
+
+    run(body())
+
+
 def test_ready_is_503_with_every_engine_down_even_without_scraping() -> None:
     async def body() -> None:
         async with rig(engines=2, health=FAST_HEALTH, retries={"eject_s": 60}) as r:

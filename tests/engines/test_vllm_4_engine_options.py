@@ -10,6 +10,7 @@ import json
 import random
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,25 @@ def test_salted_blocks_from_the_engine_s_events_match_salted_requests(
         status, _, answer = gateway.post("/v1/completions", {**body, "temperature": 0})
         assert status == 200, answer
         assert lora_engine.metric("vllm:prefix_cache_hits_total") - before == 3 * BLOCK_SIZE
+
+
+def test_the_model_check_reads_the_engine_s_adapter_listing(
+    lora_engine: VllmEngine, gateway: GatewayThread
+) -> None:
+    """The gateway's model check reads the engine's ``/v1/models`` (the adapter listed with
+    its base model as ``parent``): the gateway told the truth finds nothing; a config that
+    lists the adapter under ``models`` is found out from the same listing."""
+    from llmsched.gateway.engine_models import EngineModelCheck
+
+    check = gateway.gateway.model_check
+    worker = gateway.gateway.config.engines[0].worker_id
+    deadline = time.monotonic() + scaled(20)
+    while time.monotonic() < deadline and check.served(worker) is None:
+        time.sleep(0.05)
+    assert check.served(worker) == {MODEL_NAME: None, ADAPTER: MODEL_NAME}
+    assert check.findings() == []
+    with urllib.request.urlopen(lora_engine.base_url + "/v1/models", timeout=10) as reply:
+        listing = json.loads(reply.read())
+    wrong = EngineModelCheck([MODEL_NAME, ADAPTER], {})
+    (finding,) = wrong.check(worker, frozenset([MODEL_NAME]), listing)
+    assert (finding.kind, finding.name) == ("adapter_listed_as_model", ADAPTER)

@@ -168,11 +168,13 @@ impl Health {
         Change::None
     }
 
-    /// A scrape of its metrics got no answer in time: a stalled or slow engine looks the same
-    /// as a dead one for that long, so only probes decide (it stays in routing meanwhile).
-    /// Returns whether confirming probes were asked for (only an engine in routing is probed
-    /// at once; the others keep their schedule).
-    pub fn scrape_timed_out(&mut self) -> bool {
+    /// Something other than an attempt of its own says the engine may be unwell, and only
+    /// probes can tell (it stays in routing meanwhile): a scrape of its metrics got no answer
+    /// in time (a stalled or slow engine looks the same as a dead one for that long), or a
+    /// request failed on it and on every other engine it was tried on (the request, or the
+    /// engines together, may be at fault). Returns whether confirming probes were asked for
+    /// (only an engine in routing is probed at once; the others keep their schedule).
+    pub fn ask_probes(&mut self) -> bool {
         if self.state != State::Up {
             return false;
         }
@@ -309,17 +311,17 @@ mod tests {
     fn a_timed_out_scrape_asks_for_probes_and_only_they_take_the_engine_down() {
         let config = HealthConfig::default();
         let mut health = Health::default();
-        assert!(health.scrape_timed_out());
+        assert!(health.ask_probes());
         assert!(health.suspect);
         assert_eq!(health.state, State::Up, "still in routing");
         assert_eq!(health.probe(&config, true, 0.1), Change::None, "the stall ended");
         assert!(!health.suspect);
-        assert!(health.scrape_timed_out());
+        assert!(health.ask_probes());
         for t in [0.1, 0.2] {
             assert_eq!(health.probe(&config, false, t), Change::None);
         }
         assert_eq!(health.probe(&config, false, 0.3), Change::Out(State::Down));
-        assert!(!health.scrape_timed_out(), "down: probed on its own schedule");
+        assert!(!health.ask_probes(), "down: probed on its own schedule");
         assert!(!health.suspect);
     }
 

@@ -1047,7 +1047,7 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
                         .health
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .scrape_timed_out();
+                        .ask_probes();
                     if asked {
                         gateway.suspect.notify_one();
                     }
@@ -1970,6 +1970,9 @@ impl Gateway {
         let guards = Guards { slot, limiter };
         let attempts = self.config.retries + 1;
         let mut tried = 0;
+        // Failures the request itself may have caused (a 5xx, a connection dropped before
+        // the status line), held until it ends: see `settle_held`.
+        let mut held: Vec<(&Upstream, &'static str)> = Vec::new();
         for key in &ranked {
             if tried == attempts {
                 break;
@@ -2006,6 +2009,7 @@ impl Gateway {
                 Err(_) => {
                     // The engine has the request and may be running it: not sent again.
                     self.counters.upstream_errors.inc(&[&upstream.id, "timeout"]);
+                    self.settle_held(&held, false);
                     self.attempt_ended(upstream, Some("timeout"));
                     drop(ticket);
                     self.drop_record(router, &decision, key);
@@ -2018,7 +2022,11 @@ impl Gateway {
                         pool::SendError::Broken(_) => "broken",
                     };
                     self.counters.upstream_errors.inc(&[&upstream.id, kind]);
-                    self.attempt_ended(upstream, Some(kind));
+                    if kind == "broken" {
+                        held.push((upstream, kind));
+                    } else {
+                        self.attempt_ended(upstream, Some(kind));
+                    }
                     drop(ticket);
                     self.drop_record(router, &decision, key);
                     continue;
@@ -2038,13 +2046,14 @@ impl Gateway {
             let failed = answer.status().is_server_error();
             if failed {
                 self.counters.upstream_errors.inc(&[&upstream.id, "status_5xx"]);
-                self.attempt_ended(upstream, Some("status_5xx"));
                 if self.config.retry_on_5xx {
                     // Not passed on: the next endpoint may do better.
+                    held.push((upstream, "status_5xx"));
                     drop(ticket);
                     self.drop_record(router, &decision, key);
                     continue;
                 }
+                self.attempt_ended(upstream, Some("status_5xx"));
             } else {
                 self.attempt_ended(upstream, None);
                 self.counters.routed.inc(&[&upstream.id]);
@@ -2054,6 +2063,7 @@ impl Gateway {
                     self.drop_record(router, &decision, key);
                 }
             }
+            self.settle_held(&held, false);
             let relaying = Relaying {
                 ticket: Some(ticket),
                 guards: Some(guards),
@@ -2069,7 +2079,33 @@ impl Gateway {
             return self.answer_whole(answer, relaying).await;
         }
         drop(guards);
+        self.settle_held(&held, true);
         Err(Refusal::new(502, "upstream_error", "no engine answered the request"))
+    }
+
+    /// Counts the failures a request held (`held`) against their engines when it ends, unless
+    /// it went `unanswered` after failing so on two or more engines: then the request, not
+    /// the engines, is the likely cause (an input every engine answers with a 5xx), and
+    /// counting it would let a few such requests open every engine's breaker. It is counted
+    /// as poisoned instead, and those engines are probed: probes, not this request, decide
+    /// whether they are well. A request answered elsewhere, or failed on one engine, counts
+    /// as before.
+    fn settle_held(&self, held: &[(&Upstream, &'static str)], unanswered: bool) {
+        if unanswered && held.len() >= 2 {
+            self.counters.poisoned.fetch_add(1, Ordering::Relaxed);
+            // Probes tell an input every engine fails on from engines failing together.
+            for (upstream, _) in held {
+                let asked =
+                    upstream.health.lock().unwrap_or_else(|e| e.into_inner()).ask_probes();
+                if asked {
+                    self.suspect.notify_one();
+                }
+            }
+            return;
+        }
+        for (upstream, kind) in held {
+            self.attempt_ended(upstream, Some(kind));
+        }
     }
 
     /// An answer relayed as it comes, its status held back until the engine's first body

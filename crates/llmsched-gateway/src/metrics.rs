@@ -75,6 +75,9 @@ pub struct Counters {
     pub upstream_errors: Family,
     /// Requests re-sent to another endpoint.
     pub retries: AtomicU64,
+    /// Requests that failed on two or more engines (5xx answers, connections dropped before
+    /// the status line) and were answered by none: counted against no engine's health.
+    pub poisoned: AtomicU64,
     /// Engine calls made for sliced requests (one per slice).
     pub slices: AtomicU64,
     /// Admin API calls, by action and HTTP status.
@@ -115,6 +118,11 @@ pub struct Counters {
     pub histograms: Histograms,
 }
 
+/// The help text of `llmsched_gateway_poisoned_requests_total`, as the Python plane's.
+const POISONED_HELP: &str = "Requests that failed on two or more engines (5xx answers, \
+     connections dropped before the status line) and were answered by none, counted against \
+     no engine's breaker";
+
 impl Counters {
     /// Requests answered with `status` on `route`.
     pub fn answered(&self, route: &str, status: u16) -> u64 {
@@ -151,6 +159,7 @@ impl Counters {
             );
         };
         plain(out, "retries", "Requests re-sent to another endpoint", &self.retries);
+        plain(out, "poisoned_requests", POISONED_HELP, &self.poisoned);
         plain(out, "slices", "Engine calls made for sliced requests (one per slice)", &self.slices);
         self.routed.render(
             out,

@@ -66,6 +66,7 @@ from llmsched.gateway.config import (
     load_config,
     read_engines_file,
 )
+from llmsched.gateway.engine_models import EngineModelCheck
 from llmsched.gateway.health import EngineHealth
 from llmsched.gateway.metrics import GatewayMetrics
 from llmsched.gateway.ratelimit import KeyLimiter, retry_after
@@ -163,6 +164,18 @@ class _NoAnswer(Exception):
 _CONNECT_TIMEOUTS: tuple[type[BaseException], ...] = tuple(
     t for t in (getattr(aiohttp, "ConnectionTimeoutError", None),) if isinstance(t, type)
 )
+
+
+class _Unanswered(Exception):
+    """No engine answered the request (every attempt failed): ``answer`` is the 502."""
+
+    def __init__(self, answer: web.Response) -> None:
+        super().__init__("no engine answered")
+        self.answer = answer
+
+
+# Attempt failures a request can cause itself; held until it ends (Gateway._settle_held).
+_HELD_FAILURES = frozenset({"status_5xx", "broken"})
 
 
 class _Truncated(Exception):
@@ -269,6 +282,9 @@ class Gateway:
         """Replica sync (``cluster`` section; None when off)."""
         if self.cluster is not None:
             self.cluster.share_usage(self._collect_usage, self._apply_usage)
+        self.model_check = EngineModelCheck(cfg.models, cfg.lora_adapters)
+        """Each engine's ``/v1/models`` against ``models`` and ``lora_adapters``."""
+        self.model_check.set_engines(self._specs.values())
         self.metrics = GatewayMetrics(
             flow=self.flow,
             index=self.index,
@@ -276,6 +292,7 @@ class Gateway:
             endpoints=self.pool.endpoints,
             cluster=None if self.cluster is None else self.cluster.stats,
             scrapes=self._scrape_snapshot,
+            model_findings=self.model_check.findings,
         )
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
@@ -303,6 +320,7 @@ class Gateway:
         self._discovery_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
+        self._model_check_task: asyncio.Task[None] | None = None
         # Set while no engine is routable: queued requests then leave with a 503 at once.
         self._nothing_routable: asyncio.Event | None = None
         self._port: int | None = None
@@ -386,6 +404,7 @@ class Gateway:
         self._nothing_routable = asyncio.Event()
         self._health_task = asyncio.create_task(self.health.run())
         self._watch_task = asyncio.create_task(self._watch_routable())
+        self._model_check_task = asyncio.create_task(self.model_check.run())
         limits = cfg.limits
         self._runner = web.AppRunner(
             self.app,
@@ -423,12 +442,14 @@ class Gateway:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        for task in (self._discovery_task, self._health_task, self._watch_task):
+        tasks = (self._discovery_task, self._health_task, self._watch_task, self._model_check_task)
+        for task in tasks:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._discovery_task = self._health_task = self._watch_task = None
+        self._model_check_task = None
         if self.cluster is not None:
             await self.cluster.stop()
         await self.scheduler.stop()
@@ -470,6 +491,7 @@ class Gateway:
         self._specs = specs
         self._urls = _upstream_urls(specs)
         self.health.set_engines(specs, reset=changed)
+        self.model_check.set_engines(specs.values())
         self.metrics.engines_changed.inc(len(added) + len(removed) + len(changed))
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
         await self.scheduler.feeds_settled()  # started: the feeds follow the new set
@@ -979,6 +1001,44 @@ class Gateway:
         attempts fail before the engine's status line (or get a 5xx). Returns the response
         sent and the output tokens counted. The placement's exit settles the accounting: a
         failed request drops its approximate prefix record, a client gone cancels it."""
+        # Failures the request itself may have caused (a 5xx, a connection dropped before the
+        # status line), held until it ends: see _settle_held.
+        held: list[tuple[str, str]] = []
+        unanswered = False
+        try:
+            return await self._proxy_attempts(request, route, body, placement, deadline, held)
+        except _Unanswered as ended:
+            unanswered = True
+            return ended.answer, 0
+        finally:
+            self._settle_held(held, unanswered)
+
+    def _settle_held(self, held: list[tuple[str, str]], unanswered: bool) -> None:
+        """Counts the failures a request held against their engines when it ends, unless it
+        went ``unanswered`` after failing so on two or more engines: then the request, not the
+        engines, is the likely cause (an input every engine answers with a 5xx), and counting
+        it would let a few such requests open every engine's breaker; it is counted as
+        poisoned instead, and those engines are probed: probes, not this request, decide
+        whether they are well. A request answered elsewhere, or failed on one engine, counts
+        as before."""
+        if unanswered and len(held) >= 2:
+            self.metrics.poisoned_requests.inc()
+            for endpoint, _ in held:
+                # Probes tell an input every engine fails on from engines failing together.
+                self.health.ask_probes(endpoint)
+            return
+        for endpoint, kind in held:
+            self.health.record(endpoint, kind)
+
+    async def _proxy_attempts(
+        self,
+        request: web.Request,
+        route: str,
+        body: bytes,
+        placement: Placement,
+        deadline: float,
+        held: list[tuple[str, str]],
+    ) -> tuple[web.StreamResponse, int]:
         with placement:
             while True:
                 endpoint = str(placement.endpoint)
@@ -997,7 +1057,9 @@ class Gateway:
                     self.metrics.upstream_errors.labels(endpoint, failed.kind).inc()
                     # The request's own deadline ending an attempt says nothing about the
                     # engine.
-                    if failed.kind != "removed" and time.monotonic() < deadline:
+                    if failed.kind in _HELD_FAILURES and time.monotonic() < deadline:
+                        held.append((endpoint, failed.kind))
+                    elif failed.kind != "removed" and time.monotonic() < deadline:
                         self.health.record(endpoint, failed.kind)
                 except _NoAnswer:
                     placement.fail()
@@ -1033,10 +1095,14 @@ class Gateway:
             placement.fail()
         if time.monotonic() >= deadline:
             return self.refuse(route, _deadline_refusal()), 0
-        return self.refuse(
-            route,
-            Refusal(502, "upstream_error", f"no engine answered ({placement.attempts} attempts)"),
-        ), 0
+        raise _Unanswered(
+            self.refuse(
+                route,
+                Refusal(
+                    502, "upstream_error", f"no engine answered ({placement.attempts} attempts)"
+                ),
+            )
+        )
 
     def upstream_timeout(self, deadline: float) -> aiohttp.ClientTimeout:
         """Upstream timeouts of an attempt: ``timeouts.connect_s`` / ``read_s``, and the time

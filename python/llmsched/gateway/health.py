@@ -24,7 +24,11 @@ Signals:
 
 What one client request can provoke (an engine dropping that request's connection, a 5xx for a
 malformed body) counts as one failed attempt: it cannot take an engine down (that needs failed
-probes) nor open its breaker (that needs ``breaker_min_requests`` attempts in the window).
+probes) nor open its breaker (that needs ``breaker_min_requests`` attempts in the window). A
+request that fails so on two or more engines and is answered by none counts against none of
+them (the gateway's ``poisoned_requests`` metric): it asks for their probes instead
+(:meth:`EngineHealth.ask_probes`), so a burst of inputs every engine answers with a 5xx does
+not open every breaker, and engines failing together are still found by their probes.
 
 Complexity: O(1) per recorded outcome (amortised; the window is a deque trimmed by age); the
 background loop wakes at the earliest probe due, at most every second.
@@ -168,6 +172,15 @@ class EngineHealth:
             self._open(worker, engine, now)
             return
         if failure in _CONFIRM_AT_ONCE or engine.consecutive >= self.config.failures_to_probe:
+            self._start_probing(worker, engine, confirm=True)
+
+    def ask_probes(self, worker: str) -> None:
+        """Something other than an attempt of its own says ``worker`` may be unwell, and only
+        probes can tell (it stays in routing meanwhile): a request failed on it and on every
+        other engine it was tried on (the request, or the engines together, may be at fault).
+        An engine not in routing keeps its schedule."""
+        engine = self._engines.get(worker)
+        if engine is not None and engine.status == "up":
             self._start_probing(worker, engine, confirm=True)
 
     def _trim(self, engine: _Engine, now: float) -> None:

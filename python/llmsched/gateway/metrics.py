@@ -16,10 +16,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from llmsched.flow import FlowController
+from llmsched.gateway.engine_models import ModelFinding
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import EndpointInfo, FlowMetrics
 
-__all__ = ["GatewayMetrics", "cluster_metrics_text"]
+__all__ = ["GatewayMetrics", "cluster_metrics_text", "model_check_metrics_text"]
 
 PREFIX = "llmsched_gateway"
 
@@ -44,6 +45,7 @@ class GatewayMetrics:
         endpoints: Callable[[], list[EndpointInfo]] | None = None,
         cluster: Callable[[], Mapping[str, object] | None] | None = None,
         scrapes: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
+        model_findings: Callable[[], list[ModelFinding]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -91,6 +93,13 @@ class GatewayMetrics:
         )
         self.retries = Counter(
             f"{PREFIX}_retries", "Requests re-sent to another endpoint", registry=r
+        )
+        self.poisoned_requests = Counter(
+            f"{PREFIX}_poisoned_requests",
+            "Requests that failed on two or more engines (5xx answers, connections dropped "
+            "before the status line) and were answered by none, counted against no engine's "
+            "breaker",
+            registry=r,
         )
         self.routed = Counter(
             f"{PREFIX}_routed",
@@ -160,7 +169,9 @@ class GatewayMetrics:
             "Discovery file reads that failed (the current engines were kept)",
             registry=r,
         )
-        r.register(_StateCollector(flow, index, kv_counters, endpoints, cluster, scrapes))
+        r.register(
+            _StateCollector(flow, index, kv_counters, endpoints, cluster, scrapes, model_findings)
+        )
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
@@ -178,8 +189,10 @@ class _StateCollector(Collector):
         endpoints: Callable[[], list[EndpointInfo]] | None = None,
         cluster: Callable[[], Mapping[str, object] | None] | None = None,
         scrapes: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
+        model_findings: Callable[[], list[ModelFinding]] | None = None,
     ) -> None:
         self._flow = flow
+        self._model_findings = model_findings
         self._scrapes = scrapes
         self._index = index
         self._kv_counters = kv_counters
@@ -217,6 +230,8 @@ class _StateCollector(Collector):
                 failures.add_metric([worker, "timeout"], timeouts)
                 failures.add_metric([worker, "failed"], scrape["failures"] - timeouts)
             yield failures
+        if self._model_findings is not None:
+            yield _model_mismatches(self._model_findings())
         if self._flow is not None:
             yield from self._flow_metrics(self._flow.metrics())
         cluster = self._cluster() if self._cluster is not None else None
@@ -287,6 +302,22 @@ def _cluster_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
     yield family
 
 
+def _model_mismatches(findings: list[ModelFinding]) -> Metric:
+    family = GaugeMetricFamily(
+        f"{PREFIX}_engine_model_mismatches",
+        "Models an engine serves other than the config names them (its /v1/models, checked "
+        "by llmsched.gateway.engine_models), by engine and kind",
+        labels=["engine", "kind"],
+    )
+    counts: dict[tuple[str, str], int] = {}
+    for finding in findings:
+        key = (finding.engine, finding.kind)
+        counts[key] = counts.get(key, 0) + 1
+    for (engine, kind), count in sorted(counts.items()):
+        family.add_metric([engine, kind], count)
+    return family
+
+
 class _Families(Collector):
     def __init__(self, families: list[Metric]) -> None:
         self._families = families
@@ -304,4 +335,19 @@ def cluster_metrics_text(stats: Mapping[str, object]) -> str:
     it to its own)."""
     registry = CollectorRegistry()
     registry.register(_Families(list(_cluster_metrics(stats))))
+    return generate_latest(registry).decode()
+
+
+def model_check_metrics_text(findings: list[ModelFinding]) -> str:
+    """``llmsched_gateway_engine_model_mismatches`` for the findings of
+    :class:`~llmsched.gateway.engine_models.EngineModelCheck`, as exposition text (the native
+    plane appends it to its own).
+
+    >>> from llmsched.gateway.engine_models import ModelFinding
+    >>> text = model_check_metrics_text([ModelFinding("model_not_served", "e0", "m", "...")])
+    >>> 'llmsched_gateway_engine_model_mismatches{engine="e0",kind="model_not_served"} 1.0' in text
+    True
+    """
+    registry = CollectorRegistry()
+    registry.register(_Families([_model_mismatches(findings)]))
     return generate_latest(registry).decode()

@@ -63,7 +63,8 @@ from llmsched.gateway.config import (
     load_config,
     read_engines_file,
 )
-from llmsched.gateway.metrics import cluster_metrics_text
+from llmsched.gateway.engine_models import EngineModelCheck
+from llmsched.gateway.metrics import cluster_metrics_text, model_check_metrics_text
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
 from llmsched.scheduler import Scheduler
@@ -314,6 +315,11 @@ class NativeGateway:
         on the event loop, once per flush; the router's commits are journaled natively."""
         if self.cluster is not None:
             self.cluster.share_usage(self._collect_usage, self._apply_usage)
+        self.model_check = EngineModelCheck(cfg.models, cfg.lora_adapters)
+        """Each engine's ``/v1/models`` against ``models`` and ``lora_adapters`` (run here,
+        on the event loop)."""
+        self.model_check.set_engines(self._specs.values())
+        self._model_check_task: asyncio.Task[None] | None = None
 
     def native(self) -> _llmsched.NativeGateway:
         """The running native gateway (GatewayStoppedError when not started)."""
@@ -371,14 +377,16 @@ class NativeGateway:
             )
         if cfg.discovery.file is not None:
             self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
+        self._model_check_task = asyncio.create_task(self.model_check.run())
 
     async def stop(self) -> None:
         """Stops the native gateway (connections are closed), then the feeds."""
-        if self._discovery_task is not None:
-            self._discovery_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._discovery_task
-            self._discovery_task = None
+        for task in (self._discovery_task, self._model_check_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._discovery_task = self._model_check_task = None
         if self.cluster is not None:
             await self.cluster.stop()
         if self._native is not None:
@@ -423,7 +431,7 @@ class NativeGateway:
 
     def _extra_metrics(self) -> str:
         """What runs in Python, for the native ``/metrics``: discovery errors, the KV-event
-        subscriber's counters and replica sync's state."""
+        subscriber's counters, replica sync's state and the engines' model check."""
         lines = [
             "# HELP llmsched_gateway_discovery_errors_total Discovery file reads that failed "
             "(the current engines were kept)",
@@ -431,6 +439,7 @@ class NativeGateway:
             f"llmsched_gateway_discovery_errors_total {float(self._discovery_errors)}",
         ]
         cluster = "" if self.cluster is None else cluster_metrics_text(self.cluster.stats())
+        cluster += model_check_metrics_text(self.model_check.findings())
         subscriber = self.scheduler.subscriber
         if subscriber is None:
             return "\n".join(lines) + "\n" + cluster
@@ -488,6 +497,7 @@ class NativeGateway:
         if not (added or removed or changed):
             return [], []
         self._specs = specs
+        self.model_check.set_engines(specs.values())
         if self._native is not None:
             self._native.set_engines([(s.worker_id, s.base_url) for s in specs.values()])
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)

@@ -99,6 +99,12 @@ class FakeOpenAIEngine:
         self.loras: tuple[list[str], list[str], int] | None = None
         """LoRA adapters running and waiting, and the most it holds at once, served as vLLM's
         ``vllm:lora_requests_info`` (None: not served)."""
+        self.adapters: dict[str, str] = {}
+        """LoRA adapters listed by ``/v1/models`` beside :attr:`model`, each with its base
+        model (as vLLM lists them, with ``parent``)."""
+        self.models_status = 200
+        """Status of ``/v1/models`` answers."""
+        self.models_requests = 0
         self.chunked_json = False
         """Send JSON answers of modes ``"cut"`` / ``"hang"`` chunked (no Content-Length)."""
         self.health_status = 200
@@ -114,6 +120,7 @@ class FakeOpenAIEngine:
                 web.post("/v1/chat/completions", self._chat),
                 web.get("/metrics", self._metrics),
                 web.get("/health", self._health),
+                web.get("/v1/models", self._models),
             ]
         )
 
@@ -169,6 +176,18 @@ class FakeOpenAIEngine:
         return [r.path for r in self.received]
 
     # -- handlers ------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.models_requests += 1
+        if self.models_status != 200:
+            return _bad_request("models listing refused", status=self.models_status)
+        cards: list[dict[str, Any]] = [{"id": self.model, "root": self.model, "parent": None}]
+        cards += [
+            {"id": name, "root": f"/adapters/{name}", "parent": base}
+            for name, base in sorted(self.adapters.items())
+        ]
+        data = [{"object": "model", "created": 0, "owned_by": "vllm", **card} for card in cards]
+        return web.json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_probes += 1
@@ -312,9 +331,9 @@ class FakeOpenAIEngine:
         await asyncio.sleep(3600)  # cancelled when the connection goes
 
 
-def _bad_request(message: str) -> web.Response:
-    error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
-    return web.json_response({"error": error}, status=400)
+def _bad_request(message: str, status: int = 400) -> web.Response:
+    error = {"message": message, "type": "BadRequestError", "param": None, "code": status}
+    return web.json_response({"error": error}, status=status)
 
 
 def _check_body(body: Any, *, chat: bool) -> str | None:

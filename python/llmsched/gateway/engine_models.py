@@ -1,0 +1,270 @@
+"""What each engine serves, checked against the model names of the gateway's config.
+
+The gateway hashes a prompt in the namespace of its model: a base model's blocks by their
+tokens alone, a LoRA adapter's by the adapter's name as well, as vLLM keys an adapter's KV
+blocks (and names the adapter in its KV events). A config that lists an adapter under
+``models`` hashes the adapter's requests as a base model's: they never match the blocks the
+engine reports for them, and the LoRA filters and scorers never see the adapter. One that lists
+a base model under ``lora_adapters`` misses the other way. Nothing fails; routing is worse, so
+nobody notices.
+
+:class:`EngineModelCheck` reads each engine's ``GET /v1/models`` (vLLM lists every adapter with
+its base model as ``parent``) when the engine joins and every ``recheck_s`` after (adapters
+can be loaded at run time), and reports each problem it finds once through ``logging``
+(warning), in :meth:`~EngineModelCheck.findings` and, on both data planes, in ``/metrics``
+(``llmsched_gateway_engine_model_mismatches``, by engine and kind). The kinds:
+
+==========================  ==================================================================
+``adapter_listed_as_model`` the engine serves NAME as a LoRA adapter; ``models`` lists it
+``base_model_differs``      the engine's base model for adapter NAME is not the one
+                            ``lora_adapters`` names
+``model_listed_as_adapter`` the engine serves NAME as a base model; ``lora_adapters`` lists it
+``model_not_served``        the engine lists none of the models requests may send it (its
+                            ``model``, or the config's ``models``): it refuses every one
+==========================  ==================================================================
+
+An engine that answers ``/v1/models`` with 401, 403, 404 or 405, or with something other than
+a model list, is not checked again until its address changes; one that cannot be reached is
+tried again after 1, 2, 4, ... seconds (at most 60).
+
+>>> check = EngineModelCheck(["base", "helper"], {"tenant-a": "base"})
+>>> listing = {"data": [{"id": "base", "parent": None}, {"id": "helper", "parent": "base"}]}
+>>> [(f.kind, f.name) for f in check.check("engine-0", frozenset(), listing)]
+[('adapter_listed_as_model', 'helper')]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+
+from llmsched.integrations import EngineSpec
+
+log = logging.getLogger(__name__)
+
+FindingKind = Literal[
+    "adapter_listed_as_model", "base_model_differs", "model_listed_as_adapter", "model_not_served"
+]
+
+_UNSUPPORTED = frozenset({401, 403, 404, 405})
+_MAX_LISTING_BYTES = 4 << 20
+_MAX_BACKOFF_S = 60.0
+
+
+@dataclass(frozen=True)
+class ModelFinding:
+    """One way an engine serves a model other than the config says.
+
+    Attributes:
+        kind: what is wrong (the module's table).
+        engine: the engine's worker id.
+        name: the model or adapter concerned (for ``model_not_served``, the names expected,
+            comma-separated).
+        detail: the warning's text: what the engine serves, what it costs, what to change.
+    """
+
+    kind: FindingKind
+    engine: str
+    name: str
+    detail: str
+
+
+@dataclass
+class _Engine:
+    spec: EngineSpec
+    due: float = 0.0
+    failures: int = 0
+    findings: list[ModelFinding] = field(default_factory=list)
+    served: dict[str, str | None] | None = None
+
+
+class EngineModelCheck:
+    """Checks each engine's ``/v1/models`` against ``models`` and ``lora_adapters`` (the
+    module's text). :meth:`set_engines` tells it the engines; :meth:`run` checks them until
+    cancelled.
+
+    Args:
+        models: the config's ``models`` (base model names requests may send).
+        lora_adapters: the config's ``lora_adapters`` (adapter name to base model name).
+        timeout_s: the most one ``/v1/models`` request may take.
+        recheck_s: seconds between two checks of an engine that answered.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        models: Iterable[str],
+        lora_adapters: Mapping[str, str],
+        *,
+        timeout_s: float = 5.0,
+        recheck_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._models = frozenset(models)
+        self._adapters = dict(lora_adapters)
+        self._timeout_s = timeout_s
+        self._recheck_s = recheck_s
+        self._clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._warned: set[tuple[FindingKind, str]] = set()
+        self._wake: asyncio.Event | None = None
+
+    def set_engines(self, engines: Iterable[EngineSpec]) -> None:
+        """The engines to check now: new ones and ones whose spec changed are checked at once,
+        kept ones keep their findings, removed ones drop theirs."""
+        specs = {spec.worker_id: spec for spec in engines}
+        for worker in list(self._engines):
+            if worker not in specs:
+                del self._engines[worker]
+        for worker, spec in specs.items():
+            known = self._engines.get(worker)
+            if known is None or known.spec != spec:
+                self._engines[worker] = _Engine(spec)
+        if self._wake is not None:
+            self._wake.set()
+
+    def findings(self) -> list[ModelFinding]:
+        """Every problem the last check of each engine found, by engine.
+
+        >>> check = EngineModelCheck(["m"], {})
+        >>> check.findings()
+        []
+        """
+        return [f for worker in sorted(self._engines) for f in self._engines[worker].findings]
+
+    def served(self, engine: str) -> dict[str, str | None] | None:
+        """What ``engine`` listed at its last check: each model's name and, for an adapter,
+        its base model (None before it answered, or when it is not known).
+
+        >>> EngineModelCheck(["m"], {}).served("engine-0") is None
+        True
+        """
+        known = self._engines.get(engine)
+        return None if known is None or known.served is None else dict(known.served)
+
+    def check(self, engine: str, expected: frozenset[str], listing: object) -> list[ModelFinding]:
+        """The problems in one engine's ``/v1/models`` answer ``listing`` (decoded JSON);
+        ``expected``: the names requests may send it (empty: not checked). Raises ValueError
+        when ``listing`` is not an OpenAI model list."""
+        served = _served(listing)
+        found = [
+            f for name, parent in sorted(served.items()) for f in self._card(engine, name, parent)
+        ]
+        if expected and expected.isdisjoint(served):
+            names = ", ".join(sorted(expected))
+            found.append(
+                ModelFinding(
+                    "model_not_served",
+                    engine,
+                    names,
+                    f"engine {engine} serves {sorted(served)} and none of {names}, the models "
+                    "requests may send it: it refuses every request routed there; check its "
+                    "served model name",
+                )
+            )
+        return found
+
+    def _card(self, engine: str, name: str, parent: str | None) -> list[ModelFinding]:
+        if parent is not None and name in self._models:
+            detail = (
+                f"engine {engine} serves {name!r} as a LoRA adapter of {parent!r}, but the "
+                "config lists it under models: its requests are hashed as a base model's, so "
+                "they never match the cache the engine reports for them, and the LoRA filters "
+                f"and scorers never see it; list it under lora_adapters ({name}: {parent})"
+            )
+            return [ModelFinding("adapter_listed_as_model", engine, name, detail)]
+        configured = self._adapters.get(name)
+        if parent is not None and configured is not None and configured != parent:
+            detail = (
+                f"engine {engine} serves LoRA adapter {name!r} on base model {parent!r}, but "
+                f"lora_adapters names {configured!r}"
+            )
+            return [ModelFinding("base_model_differs", engine, name, detail)]
+        if parent is None and configured is not None:
+            detail = (
+                f"engine {engine} serves {name!r} as a base model, but the config lists it "
+                "under lora_adapters: its requests are hashed as an adapter's, so they never "
+                "match the cache the engine reports for them; list it under models"
+            )
+            return [ModelFinding("model_listed_as_adapter", engine, name, detail)]
+        return []
+
+    async def run(self) -> None:
+        """Checks the engines that are due until cancelled (one ``/v1/models`` request each,
+        concurrently)."""
+        self._wake = asyncio.Event()
+        timeout = aiohttp.ClientTimeout(total=self._timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                now = self._clock()
+                due = [(w, e) for w, e in self._engines.items() if e.due <= now]
+                if due:
+                    await asyncio.gather(*(self._check_one(session, w, e) for w, e in due))
+                    continue
+                wait = min((e.due for e in self._engines.values()), default=math.inf) - now
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), min(wait, 3600.0))
+
+    async def _check_one(
+        self, session: aiohttp.ClientSession, worker: str, engine: _Engine
+    ) -> None:
+        engine.due = math.inf  # while in flight
+        url = engine.spec.base_url + "/v1/models"
+        try:
+            async with session.get(url) as response:
+                status = response.status
+                body = await response.content.read(_MAX_LISTING_BYTES)
+            listing = json.loads(body) if status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            engine.failures += 1
+            engine.due = self._clock() + min(2.0 ** (engine.failures - 1), _MAX_BACKOFF_S)
+            log.debug("models check of %s: %s (tried %d times)", worker, exc, engine.failures)
+            return
+        if self._engines.get(worker) is not engine:
+            return  # removed or changed meanwhile
+        if status in _UNSUPPORTED:
+            log.debug("models check of %s: /v1/models answered %d, not checked", worker, status)
+            return
+        if status != 200:
+            engine.failures += 1
+            engine.due = self._clock() + min(2.0 ** (engine.failures - 1), _MAX_BACKOFF_S)
+            return
+        expected = frozenset([engine.spec.model]) if engine.spec.model else self._models
+        try:
+            engine.findings = self.check(worker, expected, listing)
+        except ValueError as exc:
+            log.debug("models check of %s: %s, not checked", worker, exc)
+            return
+        engine.served = _served(listing)
+        engine.failures = 0
+        engine.due = self._clock() + self._recheck_s
+        for finding in engine.findings:
+            if (finding.kind, finding.name) not in self._warned:
+                self._warned.add((finding.kind, finding.name))
+                log.warning(
+                    "%s (%s; further engines alike are only counted)", finding.detail, finding.kind
+                )
+
+
+def _served(listing: object) -> dict[str, str | None]:
+    """Each model of an OpenAI model list and its ``parent`` (None: a base model); ValueError
+    when ``listing`` is not one."""
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(cards, list):
+        raise ValueError("not an OpenAI model list (no 'data' list)")
+    served: dict[str, str | None] = {}
+    for card in cards:
+        if isinstance(card, dict) and isinstance(card.get("id"), str):
+            parent = card.get("parent")
+            served[card["id"]] = parent if isinstance(parent, str) and parent else None
+    return served
