@@ -1043,14 +1043,7 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
                 // (`Failed` above) and fails its probes within `health.timeout_s`.
                 Scraped::TimedOut => {
                     gateway.counters.scrape_failures.inc(&[&upstream.id, "timeout"]);
-                    let asked = upstream
-                        .health
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .ask_probes();
-                    if asked {
-                        gateway.suspect.notify_one();
-                    }
+                    gateway.ask_probes(upstream);
                     continue;
                 }
             };
@@ -1413,6 +1406,14 @@ impl Gateway {
             self.suspect.notify_one();
         }
         self.apply(upstream, change);
+    }
+
+    /// Asks for confirming probes of `upstream` ([`health::Health::ask_probes`]).
+    fn ask_probes(&self, upstream: &Upstream) {
+        let asked = upstream.health.lock().unwrap_or_else(|e| e.into_inner()).ask_probes();
+        if asked {
+            self.suspect.notify_one();
+        }
     }
 
     async fn probe(&self, upstream: &Upstream) -> bool {
@@ -2095,11 +2096,7 @@ impl Gateway {
             self.counters.poisoned.fetch_add(1, Ordering::Relaxed);
             // Probes tell an input every engine fails on from engines failing together.
             for (upstream, _) in held {
-                let asked =
-                    upstream.health.lock().unwrap_or_else(|e| e.into_inner()).ask_probes();
-                if asked {
-                    self.suspect.notify_one();
-                }
+                self.ask_probes(upstream);
             }
             return;
         }
