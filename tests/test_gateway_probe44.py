@@ -246,6 +246,34 @@ def test_unknown_paths_and_methods_are_json_errors() -> None:
 
 
 @pytest.mark.usefixtures("plane")
+def test_percent_encoded_paths_are_served_as_decoded() -> None:
+    """As the Python plane (aiohttp) routes them; the native plane answered 404. An escaped
+    ``/`` stays part of its segment on both."""
+
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            completion = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+            for path in ("/v1/%63ompletions", "/%76%31/completions"):
+                status, text = await raw_request(r, completion, path=path)
+                assert status == 200, (path, text)
+                assert json.loads(text)["choices"]
+            async with r.client.get(r.url("/%68ealth")) as response:
+                assert response.status == 200
+            for path in (
+                "/v1/%ZZcompletions",
+                "/v1/%+fcompletions",
+                "/v1/%ffcompletions",
+                "/v1%2Fcompletions",
+                "/v1/chat/../completions",
+            ):
+                status, _ = await raw_request(r, completion, path=path)
+                assert status == 404, path
+            assert len(r.engines[0].received) == 2
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
 def test_priority_header_takes_ascii_integers_only() -> None:
     async def body() -> None:
         async with rig(engines=1) as r:

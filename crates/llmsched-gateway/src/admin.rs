@@ -86,8 +86,8 @@ fn route(method: &Method, path: &str) -> Option<(&'static str, Option<String>)> 
     (!worker.is_empty()).then_some((action, Some(worker)))
 }
 
-/// A path segment with its `%XX` escapes decoded (None: not UTF-8 once decoded).
-fn percent_decoded(segment: &str) -> Option<String> {
+/// A path or path segment with its `%XX` escapes decoded (None: not UTF-8 once decoded).
+pub(crate) fn percent_decoded(segment: &str) -> Option<String> {
     let bytes = segment.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

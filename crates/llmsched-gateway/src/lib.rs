@@ -1452,11 +1452,12 @@ impl Gateway {
             &Method::HEAD => &Method::GET,
             method => method,
         };
-        if let Some(refused) = encoding_refusal(method, request.uri().path(), request.headers()) {
+        let path = route_of(request.uri().path());
+        if let Some(refused) = encoding_refusal(method, path, request.headers()) {
             tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
             return Ok(self.refuse_and_close(refused));
         }
-        match (method, request.uri().path()) {
+        match (method, path) {
             (&Method::GET, "/health") => Ok(json_answer(StatusCode::OK, &json!({"status": "ok"}))),
             (&Method::GET, "/ready") => {
                 let routable = self.routable().len();
@@ -1472,7 +1473,7 @@ impl Gateway {
             (&Method::POST, "/v1/chat/completions") => Ok(self.complete(request, "chat").await),
             (_, "/health" | "/ready" | "/metrics" | "/v1/models") => Ok(method_not_allowed("GET")),
             (_, "/v1/completions" | "/v1/chat/completions") => Ok(method_not_allowed("POST")),
-            (_, path) if path.starts_with("/admin/") => match self.admin(request).await {
+            (_, "/admin/") => match self.admin(request).await {
                 Some(answer) => Ok(answer),
                 None => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
             },
@@ -2576,6 +2577,42 @@ fn encoding_refusal(method: &Method, path: &str, headers: &HeaderMap) -> Option<
             format!("Content-Encoding '{shown}' is not supported: send the body uncompressed"),
         )
     })
+}
+
+/// The paths served (`/admin/` stands for every admin path).
+const SERVED_PATHS: [&str; 7] = [
+    "/health",
+    "/ready",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/admin/",
+];
+
+/// Which served path a request's path is (`""`: none), percent-escapes decoded as the Python
+/// plane decodes them (`/v1/%63ompletions` is `/v1/completions`; an escaped `/` stays a
+/// character of its segment, so a path holding one is none of these).
+fn route_of(path: &str) -> &'static str {
+    let decoded;
+    let path = if path.contains('%') {
+        if path.contains("%2F") || path.contains("%2f") {
+            return "";
+        }
+        match admin::percent_decoded(path) {
+            Some(path) => {
+                decoded = path;
+                decoded.as_str()
+            }
+            None => return "",
+        }
+    } else {
+        path
+    };
+    if path.starts_with("/admin/") {
+        return "/admin/";
+    }
+    SERVED_PATHS.iter().copied().find(|served| *served == path).unwrap_or("")
 }
 
 /// A 405 for a known path asked with another method, naming the one it takes.
