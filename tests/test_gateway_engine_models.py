@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from _gateway_harness import MODEL, plane, rig, run  # noqa: F401
 
@@ -209,5 +210,84 @@ def test_an_adapter_loaded_later_is_found_at_the_next_check() -> None:
                 await _until(lambda: check.findings() == [])
             finally:
                 task.cancel()
+
+    run(main())
+
+
+def test_the_context_length_is_learned_where_the_engines_agree() -> None:
+    async def main() -> None:
+        async with FakeOpenAIEngine(model="m") as a, FakeOpenAIEngine(model="m") as b:
+            a.max_model_len = b.max_model_len = 2048
+            told: list[int | None] = []
+            check = EngineModelCheck(["m"], {}, recheck_s=0.1, on_context=told.append)
+            check.set_engines([EngineSpec(a.host, a.port), EngineSpec(b.host, b.port)])
+            task = asyncio.create_task(check.run())
+            try:
+                await _until(lambda: check.context_length() == 2048)
+                assert told == [2048] and check.findings() == []
+                # One engine restarted with another context: unknown, and found out.
+                b.max_model_len = 4096
+                await _until(lambda: check.context_length() is None)
+                assert told == [2048, None]
+                # A tie: the smaller context is the reference.
+                await _until(lambda: len(check.findings()) == 1)
+                (finding,) = check.findings()
+                assert (finding.kind, finding.name) == ("max_model_len_differs", "4096")
+                assert finding.engine == EngineSpec(b.host, b.port).worker_id
+                b.max_model_len = 2048
+                await _until(lambda: check.context_length() == 2048)
+                assert told == [2048, None, 2048]
+                await _until(lambda: check.findings() == [])
+            finally:
+                task.cancel()
+
+    run(main())
+
+
+def test_a_configured_context_length_stands_and_engines_that_differ_are_found() -> None:
+    async def main() -> None:
+        async with FakeOpenAIEngine(model="m") as a, FakeOpenAIEngine(model="m") as b:
+            a.max_model_len, b.max_model_len = 1024, 2048
+            told: list[int | None] = []
+            check = EngineModelCheck(["m"], {}, max_model_len=1024, on_context=told.append)
+            assert check.context_length() == 1024
+            spec_b = EngineSpec(b.host, b.port)
+            check.set_engines([EngineSpec(a.host, a.port), spec_b])
+            task = asyncio.create_task(check.run())
+            try:
+                await _until(lambda: a.models_requests == 1 and b.models_requests == 1)
+                await _until(lambda: check.findings() != [])
+                (finding,) = check.findings()
+                assert (finding.kind, finding.engine, finding.name) == (
+                    "max_model_len_differs",
+                    spec_b.worker_id,
+                    "2048",
+                )
+                assert "the config's max_model_len 1024" in finding.detail
+                assert check.context_length() == 1024 and told == []
+            finally:
+                task.cancel()
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_minus_one_truncation_routes_on_what_the_engine_keeps() -> None:
+    """A prompt of ids longer than the engines' context with ``truncate_prompt_tokens: -1``:
+    vLLM keeps its last ``max_model_len - 1`` ids and caches their blocks; the gateway learns
+    the context from the engines' ``/v1/models`` and records those blocks, not the whole
+    prompt's (whose every block differs)."""
+
+    async def main() -> None:
+        async with rig(setup=lambda e: setattr(e, "max_model_len", 21)) as r:
+            await _until(lambda: r.gateway.model_check.context_length() == 21)
+            ids = list(range(100, 160))
+            body = {"model": MODEL, "prompt": ids, "truncate_prompt_tokens": -1}
+            async with r.client.post(r.url("/v1/completions"), json=body) as response:
+                assert response.status == 200
+            kept = np.asarray(ids[-20:], dtype=np.uint32)
+            held = r.gateway.index.match_tokens(kept).as_dict()
+            assert sorted(held.values()) == [5]  # 20 ids, blocks of 4, on the one engine
+            assert r.gateway.index.match_tokens(np.asarray(ids, dtype=np.uint32)).as_dict() == {}
 
     run(main())

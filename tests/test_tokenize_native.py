@@ -628,6 +628,50 @@ def test_truncation_keeps_what_the_engine_keeps(
             assert uncached.chat_tokens(json.dumps(body)) == expected, fields
 
 
+@pytest.mark.parametrize("template", ["default", "tiny-model", "features"])
+def test_minus_one_keeps_the_context_less_one_on_both_planes(
+    cached_directories: dict[str, Path], template: str
+) -> None:
+    """``truncate_prompt_tokens: -1`` with the engines' context length known: vLLM 0.32 keeps
+    ``max_model_len - 1`` ids (its ``max_truncation_tokens``), as a count of that many; with
+    it unknown, the prompt is whole."""
+    directory = cached_directories[template]
+    rng = random.Random(f"context-{template}")
+    prompt = _sentence(rng, 60)
+    whole = PromptTokenizer(directory).completion_tokens(prompt)
+    for context in (len(whole) - 5, len(whole), len(whole) + 1, len(whole) + 10):
+        python = PromptTokenizer(directory, max_model_len=context)
+        native = NativePromptTokenizer(str(directory), max_model_len=context)
+        for side in (None, "left", "right"):
+            for add in (True, False):
+                case = (context, side, add)
+                expected = _hf_truncated(directory, prompt, add, context - 1, side)
+                fields = {"truncate_prompt_tokens": -1, "truncation_side": side}
+                body = json.dumps({"prompt": prompt, "add_special_tokens": add, **fields})
+                assert python.completion_tokens(prompt, add, -1, side) == expected, case
+                assert native.completion_tokens(body) == expected, case
+                ids = python.completion_tokens(prompt, add)
+                cut = ids if context - 1 >= len(ids) else None
+                if cut is None:
+                    keep = context - 1
+                    cut = ids[:keep] if side == "right" else ids[len(ids) - keep :]
+                id_body = json.dumps({"prompt": ids, **fields})
+                assert native.completion_tokens(id_body) == cut, case
+                assert python.completion_tokens(ids, True, -1, side) == cut, case
+        if python.has_chat_template:
+            body_fields = {"truncate_prompt_tokens": -1}
+            messages = [{"role": "user", "content": prompt}]
+            text = python.render_chat_request({"messages": messages})
+            expected = _hf_truncated(directory, text, False, context - 1, None)
+            chat = {"messages": messages, **body_fields}
+            assert python.chat_request_tokens(chat) == expected, context
+            assert native.chat_tokens(json.dumps(chat)) == expected, context
+    # Unknown: whole, on both.
+    body = json.dumps({"prompt": prompt, "truncate_prompt_tokens": -1})
+    assert NativePromptTokenizer(str(directory)).completion_tokens(body) == whole
+    assert PromptTokenizer(directory).completion_tokens(prompt, True, -1) == whole
+
+
 @pytest.mark.parametrize(
     ("fields", "problem"),
     [

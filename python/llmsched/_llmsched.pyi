@@ -1090,6 +1090,9 @@ class NativeGateway:
         """Connection and request counters."""
     def tokenizer_cache_stats(self) -> TokenizerCacheStats | None:
         """The tokenizer's piece cache (None without a tokenizer)."""
+    def set_max_model_len(self, max_model_len: int | None) -> None:
+        """Sets the engines' context length (None: unknown): what a request's
+        `truncate_prompt_tokens` of -1 keeps less one, as vLLM keeps it."""
 
 @final
 class NativePromptTokenizer:
@@ -1106,6 +1109,7 @@ class NativePromptTokenizer:
         default_chat_template_kwargs: str | None = None,
         exclude_tools_when_tool_choice_none: bool = False,
         trust_request_chat_template: bool = False,
+        max_model_len: int | None = None,
     ) -> NativePromptTokenizer:
         """Loads a `save_pretrained` tokenizer directory; ConfigError when it cannot be loaded
         or its chat template cannot be rendered (probe conversations are rendered). Chat
@@ -1119,7 +1123,8 @@ class NativePromptTokenizer:
         `exclude_tools_when_tool_choice_none`: vLLM's flag of that name (a request's
         `tool_choice` of `"none"` leaves its tools out); `trust_request_chat_template`:
         vLLM's `--trust-request-chat-template` (a request's own `chat_template` is rendered;
-        without it, such a request is refused)."""
+        without it, such a request is refused); `max_model_len`: the engines' context length
+        (a `truncate_prompt_tokens` of -1 keeps one less)."""
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be tokenized."""

@@ -141,6 +141,10 @@ class PromptTokenizer:
         trust_request_chat_template: as vLLM's ``--trust-request-chat-template``: a request's
             own ``chat_template`` (or one among its ``chat_template_kwargs``) is rendered;
             without it, such a request is a :class:`PromptError`, as the engines refuse it.
+        max_model_len: the engines' context length (vLLM's ``--max-model-len``): a request's
+            ``truncate_prompt_tokens`` of -1 keeps one id less than it (:class:`Truncation`);
+            None: unknown, and such a prompt is encoded whole. The attribute of that name may
+            be set later (the gateway learns it from the engines).
 
     A directory with several named templates (``additional_chat_templates/*.jinja`` beside
     ``chat_template.jinja``, or a list under ``chat_template`` in ``tokenizer_config.json``)
@@ -160,7 +164,12 @@ class PromptTokenizer:
         default_chat_template_kwargs: Mapping[str, Any] | None = None,
         exclude_tools_when_tool_choice_none: bool = False,
         trust_request_chat_template: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
+        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
+            raise ConfigError("max_model_len: must be an int >= 1 or None")
+        self.max_model_len = max_model_len
+        """The engines' context length (None: unknown), for ``truncate_prompt_tokens: -1``."""
         if content_format not in ("auto", "string", "openai"):
             raise ConfigError(
                 f"content_format: must be one of auto, string, openai, got {content_format!r}"
@@ -248,7 +257,7 @@ class PromptTokenizer:
         :class:`Truncation`)."""
         if not isinstance(add_special_tokens, bool):
             raise PromptError("add_special_tokens must be a boolean")
-        truncation = Truncation.read(truncate_prompt_tokens, truncation_side)
+        truncation = Truncation.read(truncate_prompt_tokens, truncation_side, self.max_model_len)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
@@ -323,7 +332,7 @@ class PromptTokenizer:
         ``enable_thinking`` from it unless a kwarg sets it), and ``continue_final_message``
         (the text ends where the last message's content does). A field of the wrong shape
         is a :class:`PromptError`."""
-        chat = _ChatRequest.read(request, self._defaults, self._exclude_tools)
+        chat = _ChatRequest.read(request, self._defaults, self._exclude_tools, self.max_model_len)
         return self._render(
             chat.messages,
             chat.variables,
@@ -334,7 +343,7 @@ class PromptTokenizer:
     def chat_request_tokens(self, request: Mapping[str, Any]) -> list[int]:
         """The ids of a ``/v1/chat/completions`` request body (:meth:`render_chat_request`),
         encoded with special tokens only when the request's ``add_special_tokens`` says so."""
-        chat = _ChatRequest.read(request, self._defaults, self._exclude_tools)
+        chat = _ChatRequest.read(request, self._defaults, self._exclude_tools, self.max_model_len)
         text = self._render(
             chat.messages,
             chat.variables,
@@ -441,7 +450,11 @@ class _ChatRequest:
 
     @classmethod
     def read(
-        cls, request: Mapping[str, Any], defaults: Mapping[str, Any], exclude_tools: bool = False
+        cls,
+        request: Mapping[str, Any],
+        defaults: Mapping[str, Any],
+        exclude_tools: bool = False,
+        context: int | None = None,
     ) -> _ChatRequest:
         """The request's fields over its ``chat_template_kwargs`` over ``defaults`` (the
         engines' default kwargs), as vLLM 0.32 merges them (``build_chat_params``,
@@ -449,7 +462,8 @@ class _ChatRequest:
         the kwarg; a kwarg of None or ``"auto"`` is left out (the default, if any, stays);
         the request's ``tools`` sit with the defaults, so a ``tools`` kwarg overrides them;
         with ``exclude_tools`` (vLLM's ``--exclude-tools-when-tool-choice-none``), a
-        ``tool_choice`` of ``"none"`` leaves them out."""
+        ``tool_choice`` of ``"none"`` leaves them out. ``context``: the engines' context
+        length, where known (what a ``truncate_prompt_tokens`` of -1 keeps)."""
         if not isinstance(request, Mapping):
             raise InvalidTypeError(
                 f"request must be a mapping (a chat request body), got {type(request).__name__}"
@@ -520,7 +534,9 @@ class _ChatRequest:
             variables,
             continue_final_message,
             flag("add_special_tokens", False),
-            Truncation.read(request.get("truncate_prompt_tokens"), request.get("truncation_side")),
+            Truncation.read(
+                request.get("truncate_prompt_tokens"), request.get("truncation_side"), context
+            ),
             _TemplateAsked(field, kwarg),
         )
 
@@ -557,9 +573,15 @@ class Truncation:
     - without a side, a text prompt is truncated by the tokenizer while it encodes, on the
       side vLLM sets for generative models (left): the text's own ids are cut to leave room
       for the special tokens the tokenizer adds; a prompt of token ids is cut on that side;
-    - ``-1`` means the engine's context length, which a router does not know: a prompt
-      longer than that is refused or cut by the engine, so the whole prompt is hashed
+    - ``-1`` means the engine's context length less one (vLLM holds a token back for the
+      output): with the context length known (the gateway's ``max_model_len``, or the
+      engines' ``/v1/models``) it keeps that many; unknown, the whole prompt is hashed
       (:meth:`read` returns None).
+
+    >>> Truncation.read(-1, None, 4096)
+    Truncation(keep=4095, side=None)
+    >>> Truncation.read(-1, "right") is None
+    True
     """
 
     __slots__ = ("keep", "side")
@@ -572,10 +594,10 @@ class Truncation:
         return f"Truncation(keep={self.keep}, side={self.side!r})"
 
     @classmethod
-    def read(cls, keep: object, side: object) -> Truncation | None:
+    def read(cls, keep: object, side: object, context: int | None = None) -> Truncation | None:
         """The truncation a request's fields ask for: None when there is none a router can
-        apply (absent, null or -1); a :class:`PromptError` naming the field when one is
-        malformed."""
+        apply (absent, null, or -1 with ``context``, the engines' context length, unknown); a
+        :class:`PromptError` naming the field when one is malformed."""
         if side is not None and side not in ("left", "right"):
             raise PromptError("truncation_side must be 'left' or 'right'")
         if keep is None:
@@ -587,7 +609,8 @@ class Truncation:
         if type(keep) is not int or not -1 <= keep < 2**63:
             raise PromptError("truncate_prompt_tokens must be an integer of at least -1")
         if keep == -1:
-            return None
+            # vLLM's max_truncation_tokens: the context less the token held for output.
+            return None if context is None else cls(max(context - 1, 0), side)
         return cls(keep, side)
 
     def cut(self, ids: list[int]) -> list[int]:

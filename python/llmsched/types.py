@@ -747,6 +747,7 @@ class NativeGatewayConfig(TypedDict):
     default_chat_template_kwargs: dict[str, Any] | None
     exclude_tools_when_tool_choice_none: bool
     trust_request_chat_template: bool
+    max_model_len: int | None
     slices: NativeSlicesConfig | None
     admin: NativeAdminConfig | None
     record_unread_prefixes: bool

@@ -60,16 +60,30 @@ class GatewayThread:
         # The ids the native plane routes on come from its own tokenizer.
         config = self.gateway.config
         defaults = config.default_chat_template_kwargs
-        self._native_tokenizer = (
-            _llmsched.NativePromptTokenizer(
-                str(tokenizer),
-                chat_template=config.chat_template,
-                default_chat_template_kwargs=json.dumps(defaults) if defaults else None,
-                exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
-            )
+        self._native_tokenizers: dict[int | None, _llmsched.NativePromptTokenizer] = {}
+        self._native_options: dict[str, Any] | None = (
+            {
+                "directory": str(tokenizer),
+                "chat_template": config.chat_template,
+                "default_chat_template_kwargs": json.dumps(defaults) if defaults else None,
+                "exclude_tools_when_tool_choice_none": config.exclude_tools_when_tool_choice_none,
+            }
             if isinstance(self.gateway, NativeGateway) and tokenizer is not None
             else None
         )
+
+    @property
+    def _native_tokenizer(self) -> _llmsched.NativePromptTokenizer | None:
+        """The native plane's tokenizer as the gateway has it now (the engines' context length
+        it learned included)."""
+        if self._native_options is None:
+            return None
+        context = self.gateway.model_check.context_length()
+        if context not in self._native_tokenizers:
+            self._native_tokenizers[context] = _llmsched.NativePromptTokenizer(
+                **self._native_options, max_model_len=context
+            )
+        return self._native_tokenizers[context]
 
     @staticmethod
     async def _make(config: dict[str, Any]) -> Gateway | NativeGateway:

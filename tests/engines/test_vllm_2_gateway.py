@@ -196,6 +196,39 @@ def test_gateway_tokens_are_truncated_as_the_engine_truncates_them(
         assert gateway.chat_request_tokens(body) == engine_side, fields
 
 
+def test_minus_one_truncation_keeps_what_the_engine_keeps_past_its_context(
+    engines: list[VllmEngine], gateway: GatewayThread
+) -> None:
+    """``truncate_prompt_tokens: -1`` on a prompt longer than the engine's context: vLLM keeps
+    ``max_model_len - 1`` ids; the gateway learns the context from the engine's
+    ``/v1/models`` and routes on the same ids."""
+    check = gateway.gateway.model_check
+    deadline = time.monotonic() + scaled(20)
+    while time.monotonic() < deadline and check.context_length() is None:
+        time.sleep(0.05)
+    context = engines[0].max_model_len
+    assert check.context_length() == context
+    rng = random.Random(13)
+    prompt = sentence(rng, context + 200)
+    assert len(gateway.completion_tokens(prompt)) > context
+    for side in (None, "left", "right"):
+        for add in (True, False):
+            body: dict[str, Any] = {
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": 1,
+                "return_token_ids": True,
+                "truncate_prompt_tokens": -1,
+                "add_special_tokens": add,
+            }
+            if side is not None:
+                body["truncation_side"] = side
+            answer = engines[0].post("/v1/completions", body)
+            engine_side = answer["choices"][0]["prompt_token_ids"]
+            assert len(engine_side) == context - 1, (side, add)
+            assert gateway.completion_request_tokens(body) == engine_side, (side, add)
+
+
 def test_conversations_return_to_the_engine_holding_their_prefix(
     engines: list[VllmEngine], gateway: GatewayThread
 ) -> None:

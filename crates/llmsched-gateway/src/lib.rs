@@ -217,6 +217,11 @@ pub struct GatewayConfig {
     ///
     /// [`RouterConfig::reads_prefix_match`]: llmsched_core::routing::RouterConfig::reads_prefix_match
     pub record_unread_prefixes: bool,
+    /// The engines' context length (vLLM's `--max-model-len`), what a request's
+    /// `truncate_prompt_tokens` of -1 keeps less one ([`truncation`]); `None`: unknown until
+    /// [`NativeGateway::set_max_model_len`] says (Python sets it from the engines'
+    /// `/v1/models`), and such a prompt is hashed whole meanwhile.
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for GatewayConfig {
@@ -260,6 +265,7 @@ impl Default for GatewayConfig {
             slices: None,
             admin: None,
             record_unread_prefixes: false,
+            max_model_len: None,
         }
     }
 }
@@ -374,6 +380,9 @@ struct Gateway {
     models: HashSet<String>,
     pd_header: Option<HeaderName>,
     tokenizer: Option<tokenize::PromptTokenizer>,
+    /// The engines' context length (0: unknown), for token-id prompts; the tokenizer holds
+    /// the same for the prompts it encodes ([`Gateway::set_max_model_len`] sets both).
+    context_len: std::sync::atomic::AtomicUsize,
     slicing: Option<slicing::Slicing>,
     /// The admin token's SHA-256 (None: no admin API).
     admin: Option<[u8; 32]>,
@@ -636,6 +645,7 @@ fn build(
         models: config.models.iter().cloned().collect(),
         pd_header,
         tokenizer,
+        context_len: std::sync::atomic::AtomicUsize::new(0),
         slicing,
         admin: config.admin.as_ref().map(|a| admin::digest(&a.token)),
         extra_metrics: hooks.extra_metrics,
@@ -647,6 +657,7 @@ fn build(
         source,
         config,
     };
+    gateway.set_max_model_len(gateway.config.max_model_len);
     let engines = gateway.config.engines.clone();
     gateway.set_engines(&engines)?;
     Ok(gateway)
@@ -853,6 +864,12 @@ impl Running {
                 (u.id.clone(), u.health.lock().unwrap_or_else(|e| e.into_inner()).state.name())
             })
             .collect()
+    }
+
+    /// Sets the engines' context length (`None`: unknown): what a request's
+    /// `truncate_prompt_tokens` of -1 keeps less one, as vLLM keeps it.
+    pub fn set_max_model_len(&self, context: Option<usize>) {
+        self.gateway.set_max_model_len(context);
     }
 
     /// The tokenizer's piece cache (None without a tokenizer).
@@ -1406,6 +1423,19 @@ impl Gateway {
             self.suspect.notify_one();
         }
         self.apply(upstream, change);
+    }
+
+    /// See [`NativeGateway::set_max_model_len`].
+    fn set_max_model_len(&self, context: Option<usize>) {
+        self.context_len.store(context.unwrap_or(0), Ordering::Relaxed);
+        if let Some(tokenizer) = &self.tokenizer {
+            tokenizer.set_context_len(context);
+        }
+    }
+
+    /// The engines' context length, where known.
+    fn context_len(&self) -> Option<usize> {
+        Some(self.context_len.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     /// Asks for confirming probes of `upstream` ([`health::Health::ask_probes`]).
@@ -2204,7 +2234,7 @@ impl Gateway {
             return Ok(Vec::new());
         }
         let Some(tokenizer) = &self.tokenizer else {
-            return prompt_tokens(payload, chat).map_err(|p| bad(p.to_owned()));
+            return prompt_tokens(payload, chat, self.context_len()).map_err(|p| bad(p.to_owned()));
         };
         // The same first check as without a tokenizer.
         if chat && payload.raw("messages").and_then(payload::non_empty_array) != Some(true) {
@@ -2216,8 +2246,8 @@ impl Gateway {
                     .and_then(|request| tokenizer.chat_tokens(&request))
             } else {
                 let field = |name: &str| payload.value(name).and_then(Result::ok);
-                let truncation =
-                    request_truncation(payload).map_err(|p| tokenize::PromptProblem(p.into()))?;
+                let truncation = request_truncation(payload, tokenizer.context_len())
+                    .map_err(|p| tokenize::PromptProblem(p.into()))?;
                 tokenizer.completion_tokens(
                     field("prompt").as_ref(),
                     field("add_special_tokens").as_ref(),
@@ -2318,8 +2348,14 @@ impl Drop for LimiterGuard {
     }
 }
 
-/// The prompt as the router hashes it: token ids as given, text as 4-byte pseudo-tokens.
-fn prompt_tokens(payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, &'static str> {
+/// The prompt as the router hashes it: token ids as given (cut as the request's truncation
+/// cuts them, `context` the engines' context length where known), text as 4-byte
+/// pseudo-tokens.
+fn prompt_tokens(
+    payload: &Payload<'_>,
+    chat: bool,
+    context: Option<usize>,
+) -> Result<Vec<u32>, &'static str> {
     const BAD_PROMPT: &str = "'prompt' must be a string or a list of token ids";
     if chat {
         const NOT_A_LIST: &str = "'messages' must be a non-empty list";
@@ -2374,7 +2410,7 @@ fn prompt_tokens(payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, &'static
                 .collect::<Option<Vec<u32>>>()
                 .ok_or(BAD_PROMPT)?;
             // The engine keeps what the request's truncation keeps of the ids.
-            if let Some(truncation) = request_truncation(payload)? {
+            if let Some(truncation) = request_truncation(payload, context)? {
                 truncation.cut(&mut ids);
             }
             Ok(ids)
@@ -2401,12 +2437,17 @@ fn embeds_given(payload: &Payload<'_>) -> bool {
     })
 }
 
-/// A request's `truncate_prompt_tokens` and `truncation_side` ([`truncation`]).
-fn request_truncation(payload: &Payload<'_>) -> Result<Option<Truncation>, &'static str> {
+/// A request's `truncate_prompt_tokens` and `truncation_side` ([`truncation`]), `context`
+/// the engines' context length where known.
+fn request_truncation(
+    payload: &Payload<'_>,
+    context: Option<usize>,
+) -> Result<Option<Truncation>, &'static str> {
     let field = |name: &str| payload.value(name).and_then(Result::ok);
     Truncation::of_fields(
         field("truncate_prompt_tokens").as_ref(),
         field("truncation_side").as_ref(),
+        context,
     )
 }
 

@@ -460,10 +460,11 @@ impl Gateway {
             let text = serde_json::to_vec(body).map_err(|e| e.to_string())?;
             let payload =
                 Payload::parse(&text).map_err(|_| "the continuation is not a JSON object")?;
-            return prompt_tokens(&payload, chat).map_err(str::to_owned);
+            return prompt_tokens(&payload, chat, None).map_err(str::to_owned);
         };
         if !chat {
-            let truncation = Truncation::of_body(body)?;
+            // A request with a truncation is never sliced: a continuation carries none.
+            let truncation = Truncation::of_body(body, None)?;
             return tokenizer
                 .completion_tokens(body.get("prompt"), body.get("add_special_tokens"), truncation)
                 .map_err(|p| p.0);

@@ -23,6 +23,7 @@
 //! a malformed one, is a [`PromptProblem`] (a 400 on the request path).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use minijinja::value::ValueKind;
@@ -78,6 +79,9 @@ pub struct PromptTokenizer {
     default_kwargs: Option<Value>,
     /// The engines' `--exclude-tools-when-tool-choice-none`.
     exclude_tools_when_tool_choice_none: bool,
+    /// The engines' context length (`--max-model-len`; 0: unknown), for a
+    /// `truncate_prompt_tokens` of -1; set while serving as the engines report it.
+    context_len: AtomicUsize,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -148,10 +152,12 @@ impl<'a> ChatRequest<'a> {
 
     /// The request's fields besides its messages, read and checked as vLLM 0.32 reads them,
     /// for engines started with `--exclude-tools-when-tool-choice-none` or without: with it,
-    /// a `tool_choice` of `"none"` leaves the request's tools out.
+    /// a `tool_choice` of `"none"` leaves the request's tools out. `context`: the engines'
+    /// context length, where known (what a `truncate_prompt_tokens` of -1 keeps).
     pub fn options(
         &self,
         exclude_tools_when_tool_choice_none: bool,
+        context: Option<usize>,
     ) -> Result<ChatOptions, PromptProblem> {
         let value = |raw: &RawValue| template_value(raw).map_err(unreadable);
         let flag = |raw: Option<&RawValue>, name: &str, default: bool| match raw.map(RawValue::get)
@@ -237,6 +243,7 @@ impl<'a> ChatRequest<'a> {
         let truncation = Truncation::of_fields(
             json(self.truncate_prompt_tokens)?.as_ref(),
             json(self.truncation_side)?.as_ref(),
+            context,
         )
         .map_err(|problem| PromptProblem(problem.into()))?;
         Ok(ChatOptions {
@@ -368,6 +375,7 @@ impl PromptTokenizer {
             pieces: PieceEncoder::off("not probed yet"),
             default_kwargs: None,
             exclude_tools_when_tool_choice_none: false,
+            context_len: AtomicUsize::new(0),
         };
         let probes = loaded.probe()?;
         loaded.pieces = PieceEncoder::new(&loaded.tokenizer, cache_bytes, &probes);
@@ -421,6 +429,17 @@ impl PromptTokenizer {
         }
         self.default_kwargs = Some(value);
         Ok(self)
+    }
+
+    /// Sets the engines' context length (`None`: unknown), what a request's
+    /// `truncate_prompt_tokens` of -1 keeps less one ([`crate::truncation`]).
+    pub fn set_context_len(&self, context: Option<usize>) {
+        self.context_len.store(context.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// The engines' context length, where known.
+    pub fn context_len(&self) -> Option<usize> {
+        Some(self.context_len.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     /// The tokenizer for engines started with `--exclude-tools-when-tool-choice-none` (or
@@ -604,7 +623,8 @@ impl PromptTokenizer {
 
     /// The ids of a chat request's fields (see [`PromptTokenizer::chat_tokens_of_body`]).
     pub fn chat_tokens(&self, request: &ChatRequest<'_>) -> Result<Vec<u32>, PromptProblem> {
-        let options = request.options(self.exclude_tools_when_tool_choice_none)?;
+        let options =
+            request.options(self.exclude_tools_when_tool_choice_none, self.context_len())?;
         let messages = template_value(request.messages).map_err(unreadable)?;
         let text = self.render(&messages, &options)?;
         self.encode_prompt(&text, options.add_special_tokens, options.truncation)
@@ -640,7 +660,8 @@ impl PromptTokenizer {
 
     /// The chat template's text for a chat request's fields.
     pub fn render_request(&self, request: &ChatRequest<'_>) -> Result<String, PromptProblem> {
-        let options = request.options(self.exclude_tools_when_tool_choice_none)?;
+        let options =
+            request.options(self.exclude_tools_when_tool_choice_none, self.context_len())?;
         let messages = template_value(request.messages).map_err(unreadable)?;
         self.render(&messages, &options)
     }

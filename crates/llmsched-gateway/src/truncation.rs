@@ -11,8 +11,9 @@
 //!   side vLLM sets for generative models (left): the text's own ids are cut to leave room
 //!   for the special tokens the tokenizer adds (a `/v1/completions` prompt keeps its BOS); a
 //!   prompt of token ids is cut on that side;
-//! - `-1` means the engine's context length, which the gateway does not know: a prompt
-//!   longer than the context is refused or cut by the engine, so the whole prompt is hashed.
+//! - `-1` means the engine's context length less one (vLLM holds a token back for output):
+//!   with the context length known (the config's `max_model_len`, or the engines' `/v1/models`)
+//!   it is that many; unknown, the whole prompt is hashed.
 //!
 //! The request goes to the engine as it was sent; only the ids the router hashes change.
 
@@ -43,10 +44,12 @@ pub const BAD_SIDE: &str = "truncation_side must be 'left' or 'right'";
 
 impl Truncation {
     /// The truncation a request's fields ask for: `None` when there is none the gateway can
-    /// apply (absent, null, or -1); an error naming the field when one is malformed.
+    /// apply (absent, null, or -1 with `context`, the engines' context length, unknown); an
+    /// error naming the field when one is malformed.
     pub fn of_fields(
         keep: Option<&Json>,
         side: Option<&Json>,
+        context: Option<usize>,
     ) -> Result<Option<Truncation>, &'static str> {
         let side = match side {
             None | Some(Json::Null) => None,
@@ -65,7 +68,8 @@ impl Truncation {
             Some(_) => return Err(BAD_KEEP),
         };
         match keep {
-            -1 => Ok(None),
+            // vLLM's `max_truncation_tokens`: the context less the token held for output.
+            -1 => Ok(context.map(|context| Truncation { keep: context.saturating_sub(1), side })),
             keep if keep < -1 => Err(BAD_KEEP),
             keep => {
                 Ok(Some(Truncation { keep: usize::try_from(keep).unwrap_or(usize::MAX), side }))
@@ -75,8 +79,15 @@ impl Truncation {
 
     /// [`Truncation::of_fields`] of a request body's `truncate_prompt_tokens` and
     /// `truncation_side`.
-    pub fn of_body(body: &Json) -> Result<Option<Truncation>, &'static str> {
-        Truncation::of_fields(body.get("truncate_prompt_tokens"), body.get("truncation_side"))
+    pub fn of_body(
+        body: &Json,
+        context: Option<usize>,
+    ) -> Result<Option<Truncation>, &'static str> {
+        Truncation::of_fields(
+            body.get("truncate_prompt_tokens"),
+            body.get("truncation_side"),
+            context,
+        )
     }
 
     /// Cuts ids as the engine cuts them after encoding: `keep` of them from the side named,
@@ -115,7 +126,19 @@ mod tests {
     use serde_json::json;
 
     fn read(keep: Json, side: Json) -> Result<Option<Truncation>, &'static str> {
-        Truncation::of_fields(Some(&keep), Some(&side))
+        Truncation::of_fields(Some(&keep), Some(&side), None)
+    }
+
+    #[test]
+    fn minus_one_keeps_the_context_less_one_when_it_is_known() {
+        let read = |side: Json| Truncation::of_fields(Some(&json!(-1)), Some(&side), Some(8));
+        assert_eq!(read(json!(null)), Ok(Some(Truncation { keep: 7, side: None })));
+        assert_eq!(read(json!("right")), Ok(Some(Truncation { keep: 7, side: Some(Side::Right) })));
+        let one = Truncation::of_fields(Some(&json!(-1)), None, Some(1));
+        assert_eq!(one, Ok(Some(Truncation { keep: 0, side: None })));
+        // A count of its own is kept as given.
+        let five = Truncation::of_fields(Some(&json!(5)), None, Some(8));
+        assert_eq!(five, Ok(Some(Truncation { keep: 5, side: None })));
     }
 
     #[test]
@@ -128,7 +151,7 @@ mod tests {
             Ok(Some(Truncation { keep: 5, side: Some(Side::Right) }))
         );
         assert_eq!(read(json!(0), json!("left")).unwrap().unwrap().keep, 0);
-        assert_eq!(Truncation::of_fields(None, None), Ok(None));
+        assert_eq!(Truncation::of_fields(None, None, None), Ok(None));
         for bad in [json!(-2), json!(1.5), json!("5"), json!(true), json!([5])] {
             assert_eq!(read(bad, json!(null)), Err(BAD_KEEP));
         }

@@ -264,6 +264,16 @@ impl PyNativeGateway {
         Ok(out)
     }
 
+    /// Sets the engines' context length (None: unknown): what a request's
+    /// `truncate_prompt_tokens` of -1 keeps less one, as vLLM keeps it.
+    #[pyo3(signature = (max_model_len))]
+    fn set_max_model_len(&self, max_model_len: Option<usize>) -> PyResult<()> {
+        let guard = self.running.lock();
+        let running = guard.as_ref().ok_or_else(stopped)?;
+        running.set_max_model_len(max_model_len.filter(|&n| n > 0));
+        Ok(())
+    }
+
     /// The tokenizer's piece cache (`TokenizerCacheStats`), or None without a tokenizer.
     fn tokenizer_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let guard = self.running.lock();
@@ -321,7 +331,8 @@ impl PyNativePromptTokenizer {
     /// `--default-chat-template-kwargs`); `exclude_tools_when_tool_choice_none`: vLLM's flag of
     /// that name (a request's `tool_choice` of `"none"` leaves its tools out);
     /// `trust_request_chat_template`: vLLM's `--trust-request-chat-template` (a request's own
-    /// `chat_template` is rendered; without it, such a request is refused).
+    /// `chat_template` is rendered; without it, such a request is refused); `max_model_len`:
+    /// the engines' context length (a `truncate_prompt_tokens` of -1 keeps one less).
     #[new]
     #[pyo3(signature = (
         directory,
@@ -331,6 +342,7 @@ impl PyNativePromptTokenizer {
         default_chat_template_kwargs=None,
         exclude_tools_when_tool_choice_none=false,
         trust_request_chat_template=false,
+        max_model_len=None,
     ))]
     #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one per engine option
     fn new(
@@ -342,6 +354,7 @@ impl PyNativePromptTokenizer {
         default_chat_template_kwargs: Option<&str>,
         exclude_tools_when_tool_choice_none: bool,
         trust_request_chat_template: bool,
+        max_model_len: Option<usize>,
     ) -> PyResult<Self> {
         let cache_bytes = usize::try_from(cache_bytes).map_err(|_| {
             ConfigError::new_err(format!("cache_bytes: must be an int >= 0, got {cache_bytes}"))
@@ -366,6 +379,7 @@ impl PyNativePromptTokenizer {
         if let Some(kwargs) = default_chat_template_kwargs {
             inner = inner.with_default_kwargs(kwargs).map_err(ConfigError::new_err)?;
         }
+        inner.set_context_len(max_model_len.filter(|&n| n > 0));
         Ok(PyNativePromptTokenizer { inner })
     }
 
@@ -405,7 +419,8 @@ impl PyNativePromptTokenizer {
     fn completion_tokens(&self, py: Python<'_>, request: &str) -> PyResult<Vec<u32>> {
         let body: serde_json::Value = serde_json::from_str(request)
             .map_err(|e| InvalidRequestError::new_err(format!("request: {e}")))?;
-        let truncation = Truncation::of_body(&body).map_err(InvalidRequestError::new_err)?;
+        let truncation = Truncation::of_body(&body, self.inner.context_len())
+            .map_err(InvalidRequestError::new_err)?;
         let tokens = detach(py, || {
             self.inner.completion_tokens(
                 body.get("prompt"),

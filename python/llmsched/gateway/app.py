@@ -271,6 +271,7 @@ class Gateway:
                 default_chat_template_kwargs=cfg.default_chat_template_kwargs,
                 exclude_tools_when_tool_choice_none=cfg.exclude_tools_when_tool_choice_none,
                 trust_request_chat_template=cfg.trust_request_chat_template,
+                max_model_len=cfg.max_model_len,
             )
         )
         self.slice_tracker = (
@@ -282,7 +283,13 @@ class Gateway:
         """Replica sync (``cluster`` section; None when off)."""
         if self.cluster is not None:
             self.cluster.share_usage(self._collect_usage, self._apply_usage)
-        self.model_check = EngineModelCheck(cfg.models, cfg.lora_adapters)
+        self._context = cfg.max_model_len
+        self.model_check = EngineModelCheck(
+            cfg.models,
+            cfg.lora_adapters,
+            max_model_len=cfg.max_model_len,
+            on_context=self._set_context,
+        )
         """Each engine's ``/v1/models`` against ``models`` and ``lora_adapters``."""
         self.model_check.set_engines(self._specs.values())
         self.metrics = GatewayMetrics(
@@ -343,6 +350,12 @@ class Gateway:
             add_admin_routes(self.app, self, cfg.admin.token)
 
     # -- lifecycle -----------------------------------------------------------------------
+
+    def _set_context(self, context: int | None) -> None:
+        """The engines' context length changed (what ``truncate_prompt_tokens: -1`` keeps)."""
+        self._context = context
+        if self.tokenizer is not None:
+            self.tokenizer.max_model_len = context
 
     @property
     def port(self) -> int:
@@ -935,7 +948,9 @@ class Gateway:
             if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
                 # The engine keeps what the request's truncation keeps of the ids.
                 truncation = Truncation.read(
-                    payload.get("truncate_prompt_tokens"), payload.get("truncation_side")
+                    payload.get("truncate_prompt_tokens"),
+                    payload.get("truncation_side"),
+                    self._context,
                 )
                 if truncation is not None:
                     prompt = truncation.cut(prompt)

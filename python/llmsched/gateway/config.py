@@ -315,7 +315,11 @@ class GatewayConfig:
     router decides without hashing the prompt, and the index (its gauges, ``/metrics``) holds
     only what engines' KV events report; on, every sent request records its blocks as with a
     prefix-aware router. A router that reads the index always records. The Python plane always
-    records."""
+    records; ``max_model_len``: the engines' context length (vLLM's ``--max-model-len``),
+    what a request's ``truncate_prompt_tokens`` of -1 keeps less one, as vLLM keeps it (such a
+    prompt longer than that is cut by the engine, and routed on the ids it keeps). Null (the
+    default): learned from the engines' ``/v1/models`` when they agree; until then, and where
+    they differ, such a prompt is routed on its whole ids."""
 
     engines: tuple[EngineSpec, ...]
     models: tuple[str, ...]
@@ -345,6 +349,7 @@ class GatewayConfig:
     exclude_tools_when_tool_choice_none: bool = False
     trust_request_chat_template: bool = False
     record_unread_prefixes: bool = False
+    max_model_len: int | None = None
 
 
 DATA_PLANES = ("python", "native")
@@ -368,6 +373,7 @@ _TOP_KEYS = frozenset(
         "exclude_tools_when_tool_choice_none",
         "trust_request_chat_template",
         "record_unread_prefixes",
+        "max_model_len",
         "router",
         "flow",
         "auth",
@@ -471,6 +477,11 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         ),
         record_unread_prefixes=_bool(
             raw, "record_unread_prefixes", GatewayConfig.record_unread_prefixes, ""
+        ),
+        max_model_len=(
+            None
+            if raw.get("max_model_len") is None
+            else _int(raw, "max_model_len", 1, "", low=1, high=2**31)
         ),
     )
 

@@ -21,7 +21,15 @@ can be loaded at run time), and reports each problem it finds once through ``log
 ``model_listed_as_adapter`` the engine serves NAME as a base model; ``lora_adapters`` lists it
 ``model_not_served``        the engine lists none of the models requests may send it (its
                             ``model``, or the config's ``models``): it refuses every one
+``max_model_len_differs``   the engine's context length is not the config's
+                            ``max_model_len`` (or, without one, the other engines'): a
+                            ``truncate_prompt_tokens`` of -1 keeps another prompt there
 ==========================  ==================================================================
+
+The engines' context length (``max_model_len`` in vLLM's model list) is learned too: where
+the config sets none and every engine that reports one agrees, :meth:`context_length` is that
+value, and ``on_context`` is called whenever it changes (the gateway then routes a
+``truncate_prompt_tokens`` of -1 on the ids the engine keeps).
 
 An engine that answers ``/v1/models`` with 401, 403, 404 or 405, or with something other than
 a model list, is not checked again until its address changes; one that cannot be reached is
@@ -41,6 +49,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -52,7 +61,11 @@ from llmsched.integrations import EngineSpec
 log = logging.getLogger(__name__)
 
 FindingKind = Literal[
-    "adapter_listed_as_model", "base_model_differs", "model_listed_as_adapter", "model_not_served"
+    "adapter_listed_as_model",
+    "base_model_differs",
+    "model_listed_as_adapter",
+    "model_not_served",
+    "max_model_len_differs",
 ]
 
 _UNSUPPORTED = frozenset({401, 403, 404, 405})
@@ -85,6 +98,7 @@ class _Engine:
     failures: int = 0
     findings: list[ModelFinding] = field(default_factory=list)
     served: dict[str, str | None] | None = None
+    context: int | None = None
 
 
 class EngineModelCheck:
@@ -97,6 +111,8 @@ class EngineModelCheck:
         lora_adapters: the config's ``lora_adapters`` (adapter name to base model name).
         timeout_s: the most one ``/v1/models`` request may take.
         recheck_s: seconds between two checks of an engine that answered.
+        max_model_len: the config's ``max_model_len`` (None: learned from the engines).
+        on_context: called with the engines' context length (None: unknown) when it changes.
         clock: monotonic seconds (tests pass their own).
     """
 
@@ -107,6 +123,8 @@ class EngineModelCheck:
         *,
         timeout_s: float = 5.0,
         recheck_s: float = 300.0,
+        max_model_len: int | None = None,
+        on_context: Callable[[int | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._models = frozenset(models)
@@ -117,6 +135,28 @@ class EngineModelCheck:
         self._engines: dict[str, _Engine] = {}
         self._warned: set[tuple[FindingKind, str]] = set()
         self._wake: asyncio.Event | None = None
+        self._configured_context = max_model_len
+        self._on_context = on_context
+        self._context = max_model_len
+
+    def context_length(self) -> int | None:
+        """The engines' context length: the config's ``max_model_len``, else the one every
+        engine that reported one agrees on (None: none reported, or they differ).
+
+        >>> EngineModelCheck(["m"], {}, max_model_len=4096).context_length()
+        4096
+        """
+        return self._context
+
+    def _context_changed(self) -> None:
+        known = {e.context for e in self._engines.values() if e.context is not None}
+        context = self._configured_context
+        if context is None and len(known) == 1:
+            context = known.pop()
+        if context != self._context:
+            self._context = context
+            if self._on_context is not None:
+                self._on_context(context)
 
     def set_engines(self, engines: Iterable[EngineSpec]) -> None:
         """The engines to check now: new ones and ones whose spec changed are checked at once,
@@ -129,6 +169,7 @@ class EngineModelCheck:
             known = self._engines.get(worker)
             if known is None or known.spec != spec:
                 self._engines[worker] = _Engine(spec)
+        self._context_changed()
         if self._wake is not None:
             self._wake.set()
 
@@ -139,7 +180,33 @@ class EngineModelCheck:
         >>> check.findings()
         []
         """
-        return [f for worker in sorted(self._engines) for f in self._engines[worker].findings]
+        found = [f for worker in sorted(self._engines) for f in self._engines[worker].findings]
+        return found + self._context_findings()
+
+    def _context_findings(self) -> list[ModelFinding]:
+        """Engines whose context length is not the config's, or (without one) not the one
+        most engines report (the smallest among the most common)."""
+        reported = {w: e.context for w, e in self._engines.items() if e.context is not None}
+        reference = self._configured_context
+        where = "the config's max_model_len"
+        if reference is None:
+            if len(set(reported.values())) < 2:
+                return []
+            counts = Counter(reported.values())
+            reference = min(counts, key=lambda n: (-counts[n], n))
+            where = "the other engines'"
+        return [
+            ModelFinding(
+                "max_model_len_differs",
+                worker,
+                str(context),
+                f"engine {worker} serves max_model_len {context}, not {where} {reference}: a "
+                "truncate_prompt_tokens of -1 keeps another prompt there than the gateway "
+                "routes on; give the engines one --max-model-len (or set max_model_len)",
+            )
+            for worker, context in sorted(reported.items())
+            if context != reference
+        ]
 
     def served(self, engine: str) -> dict[str, str | None] | None:
         """What ``engine`` listed at its last check: each model's name and, for an adapter,
@@ -246,9 +313,11 @@ class EngineModelCheck:
             log.debug("models check of %s: %s, not checked", worker, exc)
             return
         engine.served = _served(listing)
+        engine.context = _context_length(listing, expected)
+        self._context_changed()
         engine.failures = 0
         engine.due = self._clock() + self._recheck_s
-        for finding in engine.findings:
+        for finding in engine.findings + self._context_findings():
             if (finding.kind, finding.name) not in self._warned:
                 self._warned.add((finding.kind, finding.name))
                 log.warning(
@@ -268,3 +337,17 @@ def _served(listing: object) -> dict[str, str | None]:
             parent = card.get("parent")
             served[card["id"]] = parent if isinstance(parent, str) and parent else None
     return served
+
+
+def _context_length(listing: object, expected: frozenset[str]) -> int | None:
+    """The ``max_model_len`` of the base model a request may send (the first base model
+    where none of those is listed); None when the list gives none."""
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    bases = [
+        card
+        for card in cards or ()
+        if isinstance(card, dict) and isinstance(card.get("id"), str) and not card.get("parent")
+    ]
+    chosen = [card for card in bases if card["id"] in expected] or bases[:1]
+    value = chosen[0].get("max_model_len") if chosen else None
+    return value if type(value) is int and value > 0 else None

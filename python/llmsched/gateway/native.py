@@ -228,6 +228,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "default_chat_template_kwargs": dict(config.default_chat_template_kwargs) or None,
         "exclude_tools_when_tool_choice_none": config.exclude_tools_when_tool_choice_none,
         "trust_request_chat_template": config.trust_request_chat_template,
+        "max_model_len": config.max_model_len,
         "slices": _slices_config(config),
         "admin": None if config.admin.token is None else {"token": config.admin.token},
         "record_unread_prefixes": config.record_unread_prefixes,
@@ -315,11 +316,21 @@ class NativeGateway:
         on the event loop, once per flush; the router's commits are journaled natively."""
         if self.cluster is not None:
             self.cluster.share_usage(self._collect_usage, self._apply_usage)
-        self.model_check = EngineModelCheck(cfg.models, cfg.lora_adapters)
+        self.model_check = EngineModelCheck(
+            cfg.models,
+            cfg.lora_adapters,
+            max_model_len=cfg.max_model_len,
+            on_context=self._set_context,
+        )
         """Each engine's ``/v1/models`` against ``models`` and ``lora_adapters`` (run here,
         on the event loop)."""
         self.model_check.set_engines(self._specs.values())
         self._model_check_task: asyncio.Task[None] | None = None
+
+    def _set_context(self, context: int | None) -> None:
+        """The engines' context length changed (what ``truncate_prompt_tokens: -1`` keeps)."""
+        if self._native is not None:
+            self._native.set_max_model_len(context)
 
     def native(self) -> _llmsched.NativeGateway:
         """The running native gateway (GatewayStoppedError when not started)."""

@@ -102,6 +102,8 @@ class FakeOpenAIEngine:
         self.adapters: dict[str, str] = {}
         """LoRA adapters listed by ``/v1/models`` beside :attr:`model`, each with its base
         model (as vLLM lists them, with ``parent``)."""
+        self.max_model_len: int | None = None
+        """``max_model_len`` of :attr:`model` in ``/v1/models`` (None: not listed)."""
         self.models_status = 200
         """Status of ``/v1/models`` answers."""
         self.models_requests = 0
@@ -182,6 +184,8 @@ class FakeOpenAIEngine:
         if self.models_status != 200:
             return _bad_request("models listing refused", status=self.models_status)
         cards: list[dict[str, Any]] = [{"id": self.model, "root": self.model, "parent": None}]
+        if self.max_model_len is not None:
+            cards[0]["max_model_len"] = self.max_model_len
         cards += [
             {"id": name, "root": f"/adapters/{name}", "parent": base}
             for name, base in sorted(self.adapters.items())
