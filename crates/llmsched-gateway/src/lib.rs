@@ -219,7 +219,7 @@ pub struct GatewayConfig {
     pub record_unread_prefixes: bool,
     /// The engines' context length (vLLM's `--max-model-len`), what a request's
     /// `truncate_prompt_tokens` of -1 keeps less one ([`truncation`]); `None`: unknown until
-    /// [`NativeGateway::set_max_model_len`] says (Python sets it from the engines'
+    /// [`Running::set_max_model_len`] says (Python sets it from the engines'
     /// `/v1/models`), and such a prompt is hashed whole meanwhile.
     pub max_model_len: Option<usize>,
 }
@@ -1425,7 +1425,7 @@ impl Gateway {
         self.apply(upstream, change);
     }
 
-    /// See [`NativeGateway::set_max_model_len`].
+    /// See [`Running::set_max_model_len`].
     fn set_max_model_len(&self, context: Option<usize>) {
         self.context_len.store(context.unwrap_or(0), Ordering::Relaxed);
         if let Some(tokenizer) = &self.tokenizer {
