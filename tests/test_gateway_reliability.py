@@ -441,6 +441,27 @@ def test_a_request_answered_after_a_5xx_counts_the_5xx_against_its_engine() -> N
     run(body())
 
 
+def test_a_5xx_counts_once_another_engine_answers_not_when_its_stream_ends() -> None:
+    """The failure held while the request was retried counts when the next engine answers:
+    an engine answering 5xx is taken out while the stream it was retried to still runs."""
+
+    async def body() -> None:
+        health = {"interval_s": None, "breaker_min_requests": 1, "breaker_open_s": 30}
+        async with rig(engines=2, health=health) as r:
+            home = await _warm(r, SYSTEM + " held")
+            worker = _worker(r, home)
+            r.engines[home].mode = "error500"
+            other = r.engines[1 - home]
+            other.mode, other.answer_tokens, other.token_delay_s = "slow", 40, 0.05
+            streaming = asyncio.ensure_future(r.complete(SYSTEM + " held on", stream=True))
+            await _until(lambda: other.running == 1)
+            await _until(lambda: r.gateway.health.state(worker) == "open")
+            assert not streaming.done()  # the stream still runs
+            assert (await streaming).status == 200
+
+    run(body())
+
+
 def test_ready_is_503_with_every_engine_down_even_without_scraping() -> None:
     async def body() -> None:
         async with rig(engines=2, health=FAST_HEALTH, retries={"eject_s": 60}) as r:

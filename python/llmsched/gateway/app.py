@@ -1061,7 +1061,7 @@ class Gateway:
                     self.metrics.retries.inc()
                 try:
                     answered = await self._attempt(
-                        request, route, body, placement.decision, endpoint, deadline
+                        request, route, body, placement.decision, endpoint, deadline, held
                     )
                     if 400 <= answered[0].status < 500:
                         # The engine refused the request and cached none of it: the blocks
@@ -1143,11 +1143,14 @@ class Gateway:
         decision: Decision,
         endpoint: str,
         deadline: float,
+        held: list[tuple[str, str]],
     ) -> tuple[web.StreamResponse, int]:
         """One upstream attempt. Raises _UpstreamFailed when the request did not get through
         (connection refused or timed out, or closed before a status line) or got a 5xx;
         _NoAnswer when no status line came in time; _Truncated when the answer fails before
-        the client got a byte; after that, a failure aborts the client's response."""
+        the client got a byte; after that, a failure aborts the client's response. Once the
+        engine answers, the failures ``held`` from earlier attempts count against their
+        engines (not when the answer ends: a stream can last minutes)."""
         assert self._session is not None, "the gateway is not started"
         headers = {"Content-Type": "application/json"}
         accept = request.headers.get("Accept")
@@ -1184,6 +1187,8 @@ class Gateway:
                     raise _UpstreamFailed("status_5xx")
                 outcome = "status_5xx"
                 self.metrics.upstream_errors.labels(endpoint, outcome).inc()
+            self._settle_held(held, unanswered=False)
+            held.clear()
             content_type = upstream.headers.get("Content-Type", "")
             sse = "event-stream" in content_type
             length = upstream.content_length
