@@ -291,3 +291,45 @@ def test_minus_one_truncation_routes_on_what_the_engine_keeps() -> None:
             assert r.gateway.index.match_tokens(np.asarray(ids, dtype=np.uint32)).as_dict() == {}
 
     run(main())
+
+
+def test_a_listing_of_any_size_or_shape_never_stops_the_checks() -> None:
+    """A listing in many pieces is read whole; one nested too deeply, not JSON or too large
+    is left unchecked, and the other engines are still checked (a context length past 2^31
+    is no context length)."""
+
+    async def main() -> None:
+        engines = [FakeOpenAIEngine(model="m") for _ in range(5)]
+        large, deep, junk, huge, odd = engines
+        large.adapters = {f"adapter-{i:05d}-" + "x" * 80: "m" for i in range(3000)}
+        large.adapters["helper"] = "m"
+        deep.models_body = b"[" * 100_000 + b"]" * 100_000
+        junk.models_body = b"{not json"
+        huge.models_body = b'{"data": [' + b'{"id": "m"},' * 500_000 + b'{"id": "m"}]}'
+        odd.max_model_len = 10**30
+        for engine in engines:
+            await engine.start()
+        try:
+            check = EngineModelCheck(["m", "helper"], {}, timeout_s=10.0)
+            check.set_engines(EngineSpec(e.host, e.port) for e in engines)
+            task = asyncio.create_task(check.run())
+            try:
+                await _until(lambda: all(e.models_requests == 1 for e in engines))
+                spec = EngineSpec(large.host, large.port)
+                await _until(lambda: check.served(spec.worker_id) is not None)
+                served = check.served(spec.worker_id)
+                assert served is not None and len(served) == 3002
+                assert kinds(check.findings()) == [("adapter_listed_as_model", "helper")]
+                odd_spec = EngineSpec(odd.host, odd.port)
+                await _until(lambda: check.served(odd_spec.worker_id) is not None)
+                assert check.context_length() is None
+                for engine in (deep, junk, huge):
+                    assert check.served(EngineSpec(engine.host, engine.port).worker_id) is None
+                assert not task.done()
+            finally:
+                task.cancel()
+        finally:
+            for engine in engines:
+                await engine.stop()
+
+    run(main())

@@ -275,7 +275,10 @@ class EngineModelCheck:
                 now = self._clock()
                 due = [(w, e) for w, e in self._engines.items() if e.due <= now]
                 if due:
-                    await asyncio.gather(*(self._check_one(session, w, e) for w, e in due))
+                    checks = (self._check_one(session, w, e) for w, e in due)
+                    for outcome in await asyncio.gather(*checks, return_exceptions=True):
+                        if isinstance(outcome, Exception):  # never ends the checks
+                            log.warning("models check failed: %r", outcome)
                     continue
                 wait = min((e.due for e in self._engines.values()), default=math.inf) - now
                 self._wake.clear()
@@ -290,9 +293,8 @@ class EngineModelCheck:
         try:
             async with session.get(url) as response:
                 status = response.status
-                body = await response.content.read(_MAX_LISTING_BYTES)
-            listing = json.loads(body) if status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+                body = await _read_capped(response) if status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             engine.failures += 1
             engine.due = self._clock() + min(2.0 ** (engine.failures - 1), _MAX_BACKOFF_S)
             log.debug("models check of %s: %s (tried %d times)", worker, exc, engine.failures)
@@ -308,8 +310,11 @@ class EngineModelCheck:
             return
         expected = frozenset([engine.spec.model]) if engine.spec.model else self._models
         try:
+            if body is None:
+                raise ValueError(f"the listing is over {_MAX_LISTING_BYTES} bytes")
+            listing = json.loads(body)
             engine.findings = self.check(worker, expected, listing)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             log.debug("models check of %s: %s, not checked", worker, exc)
             return
         engine.served = _served(listing)
@@ -323,6 +328,18 @@ class EngineModelCheck:
                 log.warning(
                     "%s (%s; further engines alike are only counted)", finding.detail, finding.kind
                 )
+
+
+async def _read_capped(response: aiohttp.ClientResponse) -> bytes | None:
+    """The whole body, or None past ``_MAX_LISTING_BYTES``."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > _MAX_LISTING_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _served(listing: object) -> dict[str, str | None]:
@@ -350,4 +367,5 @@ def _context_length(listing: object, expected: frozenset[str]) -> int | None:
     ]
     chosen = [card for card in bases if card["id"] in expected] or bases[:1]
     value = chosen[0].get("max_model_len") if chosen else None
-    return value if type(value) is int and value > 0 else None
+    # As the config takes it (an int below 2^31: a larger one is no context length).
+    return value if type(value) is int and 0 < value < 2**31 else None

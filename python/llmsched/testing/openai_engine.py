@@ -106,6 +106,8 @@ class FakeOpenAIEngine:
         """``max_model_len`` of :attr:`model` in ``/v1/models`` (None: not listed)."""
         self.models_status = 200
         """Status of ``/v1/models`` answers."""
+        self.models_body: bytes | None = None
+        """The body of ``/v1/models`` answers, sent as given (None: the listing)."""
         self.models_requests = 0
         self.chunked_json = False
         """Send JSON answers of modes ``"cut"`` / ``"hang"`` chunked (no Content-Length)."""
@@ -183,6 +185,8 @@ class FakeOpenAIEngine:
         self.models_requests += 1
         if self.models_status != 200:
             return _bad_request("models listing refused", status=self.models_status)
+        if self.models_body is not None:
+            return web.Response(body=self.models_body, content_type="application/json")
         cards: list[dict[str, Any]] = [{"id": self.model, "root": self.model, "parent": None}]
         if self.max_model_len is not None:
             cards[0]["max_model_len"] = self.max_model_len
