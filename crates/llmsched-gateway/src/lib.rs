@@ -1029,8 +1029,14 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
     let mut seen = u64::MAX;
     let timeout = Duration::from_secs_f64(gateway.config.scrape_timeout_s);
     let limit = idle_scrape_limit(&gateway, base);
+    // The first round at once: with flow control on, engines without metrics count as
+    // saturated, and the first requests would wait for a round (or be refused).
+    let mut first = true;
     loop {
-        tokio::time::sleep(interval).await;
+        if !first {
+            tokio::time::sleep(interval).await;
+        }
+        first = false;
         let requests = gateway.counters.received.load(Ordering::Relaxed);
         interval = if requests == seen { (interval * 2).min(limit) } else { base };
         seen = requests;
@@ -1101,6 +1107,10 @@ enum Scraped {
     TimedOut,
 }
 
+/// The largest `/metrics` body read (8 MiB, as on the Python plane; vLLM's with eight
+/// data-parallel ranks is about 270 KB).
+const MAX_SCRAPE_BYTES: usize = 8 << 20;
+
 /// One engine's scrape. A request that fails before any answer (typically a pooled
 /// connection the engine closed meanwhile) is tried once more on a fresh one: one lost race
 /// must not take a healthy engine out of routing.
@@ -1113,8 +1123,11 @@ async fn scrape_once(gateway: &Gateway, upstream: &Upstream, timeout: Duration) 
         if !answer.status().is_success() {
             return None;
         }
-        let body = answer.into_body().collect().await.ok()?.to_bytes();
-        String::from_utf8(body.to_vec()).ok()
+        // Bounded, as the Python plane bounds it: an endless body is a failed scrape, not
+        // gigabytes held.
+        let body = Limited::new(answer.into_body(), MAX_SCRAPE_BYTES).collect().await.ok()?;
+        // A label in another encoding (Latin-1) is not what a load figure needs.
+        Some(String::from_utf8_lossy(&body.to_bytes()).into_owned())
     };
     match tokio::time::timeout(timeout, fetch).await {
         Ok(Some(text)) => metrics_text::parse(&text).map_or(Scraped::Failed, Scraped::Answered),

@@ -57,6 +57,7 @@ from typing import Literal
 import aiohttp
 
 from llmsched.integrations import EngineSpec
+from llmsched.integrations.metrics import read_capped
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ class EngineModelCheck:
         try:
             async with session.get(url) as response:
                 status = response.status
-                body = await _read_capped(response) if status == 200 else None
+                body = await read_capped(response, _MAX_LISTING_BYTES) if status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             engine.failures += 1
             engine.due = self._clock() + min(2.0 ** (engine.failures - 1), _MAX_BACKOFF_S)
@@ -328,18 +329,6 @@ class EngineModelCheck:
                 log.warning(
                     "%s (%s; further engines alike are only counted)", finding.detail, finding.kind
                 )
-
-
-async def _read_capped(response: aiohttp.ClientResponse) -> bytes | None:
-    """The whole body, or None past ``_MAX_LISTING_BYTES``."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_any():
-        size += len(chunk)
-        if size > _MAX_LISTING_BYTES:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _served(listing: object) -> dict[str, str | None]:

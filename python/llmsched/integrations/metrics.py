@@ -70,6 +70,7 @@ __all__ = [
     "MetricsScraper",
     "ScrapeResult",
     "parse_engine_metrics",
+    "read_capped",
 ]
 
 DEFAULT_INTERVAL_S = 0.2
@@ -146,7 +147,7 @@ def parse_engine_metrics(text: str, *, prefilter: bool = True) -> EngineMetricVa
     for family in text_string_to_metric_families(relevant + "\n"):
         for sample in family.samples:
             name, value = sample.name, sample.value
-            if math.isnan(value):
+            if not math.isfinite(value):  # NaN or an infinity is no load reading
                 continue
             if name in _SUMS:
                 key = _SUMS[name]
@@ -159,7 +160,8 @@ def parse_engine_metrics(text: str, *, prefilter: bool = True) -> EngineMetricVa
                 lora = (value, sample.labels)
     for key in _COUNTS:
         if key in sums:
-            values[key] = max(0, round(sums[key]))
+            # Within what the pool holds (an unsigned 32-bit count), as the native plane reads it.
+            values[key] = min(max(0, round(sums[key])), _MAX_COUNT)
     for name in _KV_NAMES:
         if kv.get(name):
             mean = sum(kv[name]) / len(kv[name])
@@ -182,22 +184,59 @@ def _ordered(values: dict[str, Any]) -> dict[str, Any]:
 def _cache_config(labels: dict[str, str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for key in ("block_size", "num_gpu_blocks"):
-        raw = labels.get(key, "")
-        if raw.isdigit():
-            out[key] = int(raw)
+        number = _label_count(labels.get(key, ""))
+        if number is not None:
+            out[key] = number
     return out
+
+
+def _label_count(raw: str) -> int | None:
+    """A label's ASCII decimal count up to ``_MAX_COUNT`` (None: anything else)."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 10:
+        return None
+    number = int(raw)
+    return number if number <= _MAX_COUNT else None
 
 
 def _loras(labels: dict[str, str]) -> dict[str, Any]:
     def names(key: str) -> list[str]:
         return [n.strip() for n in labels.get(key, "").split(",") if n.strip()]
 
-    raw_max = labels.get("max_lora", "")
     return {
         "active_loras": names("running_lora_adapters"),
         "waiting_loras": names("waiting_lora_adapters"),
-        "max_loras": int(raw_max) if raw_max.isdigit() else 0,
+        "max_loras": _label_count(labels.get("max_lora", "")) or 0,
     }
+
+
+_MAX_COUNT = 2**32 - 1
+
+
+async def read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """An engine's whole answer body, or None when it is over ``limit`` bytes (read no
+    further). ``response.content.read(n)`` would return only what has arrived so far.
+
+    >>> import asyncio
+    >>> from llmsched.testing.openai_engine import FakeOpenAIEngine
+    >>> async def main() -> tuple[int, bool]:
+    ...     async with FakeOpenAIEngine() as engine, aiohttp.ClientSession() as session:
+    ...         async with session.get(engine.url + "/v1/models") as response:
+    ...             body = await read_capped(response, 1 << 20)
+    ...         async with session.get(engine.url + "/v1/models") as response:
+    ...             over = await read_capped(response, 10)
+    ...     return len(body or b""), over is None
+    >>> size, cut = asyncio.run(main())
+    >>> size > 10 and cut
+    True
+    """
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _EngineState:
@@ -300,8 +339,8 @@ class MetricsScraper:
             async with session.get(spec.metrics_url) as response:
                 if response.status != 200:
                     raise _ScrapeFailed(f"HTTP {response.status}")
-                body = await response.content.read(MAX_BODY_BYTES + 1)
-                if len(body) > MAX_BODY_BYTES:
+                body = await read_capped(response, MAX_BODY_BYTES)
+                if body is None:
                     raise _ScrapeFailed(f"metrics body over {MAX_BODY_BYTES} bytes")
             text = body.decode("utf-8", errors="replace")
             values = parse_engine_metrics(text)
@@ -309,7 +348,7 @@ class MetricsScraper:
             return self._failure(worker, started, f"timeout after {self.timeout_s} s", True)
         except aiohttp.ClientError as err:
             return self._failure(worker, started, f"{type(err).__name__}: {err}")
-        except (_ScrapeFailed, ValueError) as err:
+        except (_ScrapeFailed, ValueError, RecursionError) as err:
             return self._failure(worker, started, str(err))
         done = time.monotonic()
         return ScrapeResult(worker, True, values, None, done, done - started)
@@ -322,7 +361,10 @@ class MetricsScraper:
     def _apply(self, result: ScrapeResult) -> None:
         state = self._engines[result.worker]
         if result.ok:
-            self._feed(result)
+            try:
+                self._feed(result)
+            except (ValueError, OverflowError) as err:  # a value the pool refuses
+                result = self._failure(result.worker, result.at - result.duration_s, str(err))
         with self._lock:
             state.last = result
             state.scrapes += 1

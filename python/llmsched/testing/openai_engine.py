@@ -96,6 +96,10 @@ class FakeOpenAIEngine:
         self.kv_cache_usage = 0.0
         self.metrics_status = 200
         """Status of ``/metrics`` answers (anything but 200 makes scrapes fail)."""
+        self.metrics_extra = ""
+        """Text sent after the metrics on ``/metrics`` (odd lines a test scripts)."""
+        self.metrics_prefix = ""
+        """Text sent before the metrics on ``/metrics`` (to make the body long)."""
         self.loras: tuple[list[str], list[str], int] | None = None
         """LoRA adapters running and waiting, and the most it holds at once, served as vLLM's
         ``vllm:lora_requests_info`` (None: not served)."""
@@ -216,6 +220,7 @@ class FakeOpenAIEngine:
                 f'running_lora_adapters="{",".join(running)}",'
                 f'waiting_lora_adapters="{",".join(waiting)}"}} {time.time()}\n'
             )
+        text = self.metrics_prefix + text + self.metrics_extra
         return web.Response(text=text, content_type="text/plain")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:

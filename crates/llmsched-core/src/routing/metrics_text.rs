@@ -38,6 +38,9 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
         let s = sample(line).ok_or_else(|| {
             RoutingError::InvalidValue(format!("metrics line {}: cannot parse {line:?}", n + 1))
         })?;
+        if !s.value.is_finite() {
+            continue; // NaN or an infinity is no load reading (the Python plane skips them too)
+        }
         let add = |acc: &mut Option<f64>| *acc = Some(acc.unwrap_or(0.0) + s.value);
         match s.name {
             "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => add(&mut waiting),
@@ -164,6 +167,19 @@ mod tests {
         assert_eq!(s.update.waiting, Some(7));
         assert_eq!(s.update.running, Some(3));
         assert!((s.update.kv_cache_usage.unwrap() - 0.782608695652174).abs() < 1e-12);
+    }
+
+    #[test]
+    fn values_that_are_no_load_reading_are_skipped() {
+        let s = parse(
+            "vllm:num_requests_waiting +Inf\nvllm:num_requests_running 1e400\n\
+             vllm:num_requests_running 3\nvllm:kv_cache_usage_perc NaN\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (s.update.waiting, s.update.running, s.update.kv_cache_usage),
+            (None, Some(3), None)
+        );
     }
 
     #[test]

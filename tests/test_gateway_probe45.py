@@ -1,0 +1,116 @@
+"""What probe 45 found engines could do to the gateway, answered alike on both data planes:
+odd ``/metrics`` values (infinities, counts past 32 bits) that ended the Python plane's
+scraping, a ``/metrics`` body longer than one read or endless, and the first requests after
+start refused before the first scrape."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
+
+from llmsched.integrations.metrics import parse_engine_metrics
+
+SCRAPE = {"enabled": True, "interval_s": 0.05, "timeout_s": 1.0}
+FLOW = {"bands": [{"priority": 0}], "saturation": {"type": "concurrency", "max_requests": 4}}
+
+ODD_VALUES = {
+    "waiting-inf": 'vllm:num_requests_waiting{model_name="x"} +Inf\n',
+    "running-huge": 'vllm:num_requests_running{model_name="x"} 1e400\n',
+    "waiting-2^32": 'vllm:num_requests_waiting{model_name="x"} 4294967296\n',
+    "kv-nan": 'vllm:kv_cache_usage_perc{model_name="x"} NaN\n',
+    "kv-minus-inf": 'vllm:kv_cache_usage_perc{model_name="x"} -Inf\n',
+    "max-lora-2^32": (
+        'vllm:lora_requests_info{max_lora="4294967296",running_lora_adapters="a",'
+        'waiting_lora_adapters=""} 1.0\n'
+    ),
+    "block-size-huge": 'vllm:cache_config_info{block_size="99999999999999999999"} 1.0\n',
+    "latin-1-label": 'vllm:num_requests_waiting{model_name="caf\xe9"} 0\n',
+}
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not condition():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("extra", ODD_VALUES.values(), ids=ODD_VALUES)
+def test_odd_metric_values_keep_scraping_and_serving(extra: str) -> None:
+    async def main() -> None:
+        async with rig(engines=1, scrape=SCRAPE, flow=FLOW, timeouts={"total_s": 5}) as r:
+            engine = r.engines[0]
+            engine.metrics_extra = extra
+            for i in range(3):  # across several scrapes of the odd text
+                await asyncio.sleep(0.1)
+                response = await r.complete(f"odd {i}")
+                assert response.status == 200, await response.text()
+            engine.metrics_extra = ""
+            engine.waiting = 7  # scraping goes on and reads new values
+            await _until(lambda: r.gateway.pool.endpoints()[0]["waiting"] == 7)
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_the_load_figures_after_a_long_metrics_text_are_read() -> None:
+    """A vLLM with eight data-parallel ranks writes about 270 KB of metrics; the Python plane
+    read only the first chunk of it."""
+
+    async def main() -> None:
+        async with rig(engines=1, scrape=SCRAPE) as r:
+            engine = r.engines[0]
+            engine.metrics_prefix = "".join(
+                f'vllm:prompt_tokens_total{{engine="{i}",model_name="{MODEL}"}} {i}.0\n'
+                for i in range(6000)
+            )
+            engine.waiting, engine.running = 5, 3
+            await _until(lambda: r.gateway.pool.endpoints()[0]["waiting"] == 5)
+            assert r.gateway.pool.endpoints()[0]["running"] == 3
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_endless_metrics_body_is_a_failed_scrape() -> None:
+    async def main() -> None:
+        async with rig(engines=1, scrape=SCRAPE) as r:
+            worker = r.gateway.config.engines[0].worker_id
+            r.engines[0].metrics_prefix = "# " + "x" * (9 << 20) + "\n"  # past the 8 MiB bound
+            await _until(
+                lambda: (
+                    r.metric(
+                        "llmsched_gateway_scrape_failures_total", endpoint=worker, kind="failed"
+                    )
+                    > 0
+                )
+            )
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_the_first_request_after_start_is_served_with_flow_control() -> None:
+    """With flow control, an engine without metrics counts as saturated: the native plane's
+    first scrape waited one interval, and requests until then were refused."""
+
+    async def main() -> None:
+        scrape = {**SCRAPE, "interval_s": 2.0}
+        async with rig(engines=1, scrape=scrape, flow=FLOW, timeouts={"total_s": 1}) as r:
+            response = await r.complete("at once")
+            assert response.status == 200, await response.text()
+
+    run(main())
+
+
+def test_parse_skips_what_is_no_load_reading() -> None:
+    values = parse_engine_metrics(
+        "vllm:num_requests_waiting +Inf\nvllm:num_requests_running 4294967296\n"
+        "vllm:kv_cache_usage_perc NaN\n"
+    )
+    assert values == {"running": 2**32 - 1}
