@@ -398,6 +398,36 @@ def test_requests_failing_on_every_engine_open_no_breaker(mode: str) -> None:
     run(body())
 
 
+def test_the_breaker_never_opens_on_the_last_engine_in_routing() -> None:
+    """Probe 45: with one engine, inputs it answers with a 5xx opened its breaker, and every
+    client got 503s for breaker_open_s. The last engine up stays in routing; probes, asked
+    instead, decide whether it is well."""
+
+    async def body() -> None:
+        health = {"interval_s": None, "breaker_min_requests": 4, "breaker_open_s": 30}
+        async with rig(engines=1, health=health) as r:
+            worker = _worker(r, 0)
+            for i in range(12):
+                response = await r.complete(f"{i} alone", x_fake_mode="error500")
+                assert response.status == 502
+            assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 0
+            assert r.gateway.health.state(worker) == "up"
+            await _until(
+                lambda: (
+                    r.metric("llmsched_gateway_health_probes_total", endpoint=worker, result="ok")
+                    > 0
+                )
+            )
+            assert (await r.complete("a good request")).status == 200
+            # A dead engine still goes down by its probes.
+            r.engines[0].health_status = 503
+            for i in range(4):
+                await r.complete(f"{i} alone again", x_fake_mode="error500")
+            await _until(lambda: r.gateway.health.state(worker) == "down")
+
+    run(body())
+
+
 def test_a_request_failing_on_one_engine_counts_against_it() -> None:
     """With one attempt a request's 5xx cannot be told from the engine's: it counts, and
     enough of them open the breaker, as before."""

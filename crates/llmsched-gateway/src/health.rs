@@ -131,7 +131,17 @@ impl Default for Health {
 impl Health {
     /// An attempt ended: `failure` is None for a success, else its kind (`connect` and
     /// `timeout` start confirming probes at once, others after `failures_to_probe` in a row).
-    pub fn attempt(&mut self, config: &HealthConfig, failure: Option<&str>, now: f64) -> Change {
+    /// `others_up` says whether another engine is in routing, asked only when the breaker
+    /// would open: it never opens on the last one (nowhere better to send, and a failure rate
+    /// that requests provoke would shut every client out); confirming probes are asked
+    /// instead, and a dead engine still goes down by them.
+    pub fn attempt(
+        &mut self,
+        config: &HealthConfig,
+        failure: Option<&str>,
+        now: f64,
+        others_up: impl FnOnce() -> bool,
+    ) -> Change {
         if self.state != State::Up {
             return Change::None;
         }
@@ -159,6 +169,10 @@ impl Health {
             && total >= config.breaker_min_requests
             && failures / f64::from(total) >= rate
         {
+            if !others_up() {
+                self.suspect = true;
+                return Change::None;
+            }
             self.state = State::Open;
             self.window.clear();
             self.window_failures = 0;
@@ -260,7 +274,7 @@ mod tests {
     fn a_refused_connection_asks_for_probes_which_take_the_engine_down_and_back() {
         let config = HealthConfig::default();
         let mut health = Health::default();
-        assert_eq!(health.attempt(&config, Some("connect"), 0.0), Change::None);
+        assert_eq!(health.attempt(&config, Some("connect"), 0.0, || true), Change::None);
         assert!(health.suspect);
         assert_eq!(health.probe(&config, false, 0.1), Change::None);
         assert_eq!(health.probe(&config, false, 0.2), Change::None);
@@ -271,15 +285,32 @@ mod tests {
     }
 
     #[test]
+    fn the_breaker_never_opens_on_the_last_engine_in_routing() {
+        let config = HealthConfig { breaker_min_requests: 2, ..HealthConfig::default() };
+        let mut health = Health::default();
+        for i in 0..10 {
+            let change = health.attempt(&config, Some("status_5xx"), f64::from(i), || false);
+            assert_eq!(change, Change::None);
+        }
+        assert_eq!(health.state, State::Up);
+        assert!(health.suspect, "probes decide instead");
+        let change = health.attempt(&config, Some("status_5xx"), 11.0, || true);
+        assert_eq!(change, Change::Out(State::Open), "with another engine up, it opens");
+    }
+
+    #[test]
     fn the_breaker_opens_on_the_failure_rate_and_one_good_probe_closes_it() {
         let config = HealthConfig { breaker_min_requests: 4, ..HealthConfig::default() };
         let mut health = Health::default();
         for (i, failed) in [false, true, false].into_iter().enumerate() {
             let failure = failed.then_some("status_5xx");
-            assert_eq!(health.attempt(&config, failure, i as f64 * 0.1), Change::None);
+            assert_eq!(health.attempt(&config, failure, i as f64 * 0.1, || true), Change::None);
         }
-        assert_eq!(health.attempt(&config, Some("status_5xx"), 0.3), Change::Out(State::Open));
-        assert_eq!(health.attempt(&config, None, 0.4), Change::None, "open: not counted");
+        assert_eq!(
+            health.attempt(&config, Some("status_5xx"), 0.3, || true),
+            Change::Out(State::Open)
+        );
+        assert_eq!(health.attempt(&config, None, 0.4, || true), Change::None, "open: not counted");
         assert_eq!(health.probe(&config, true, 10.4), Change::Back);
     }
 
@@ -289,11 +320,14 @@ mod tests {
         let mut health = Health::default();
         // Failures early, then successes 11 s later: the early ones have left the window.
         for i in 0..3 {
-            assert_eq!(health.attempt(&config, Some("status_5xx"), f64::from(i)), Change::None);
+            assert_eq!(
+                health.attempt(&config, Some("status_5xx"), f64::from(i), || true),
+                Change::None
+            );
         }
         for i in 0..6 {
             let now = 14.0 + f64::from(i) * 0.1;
-            assert_eq!(health.attempt(&config, None, now), Change::None);
+            assert_eq!(health.attempt(&config, None, now, || true), Change::None);
             let recount = health.window.iter().filter(|(_, f)| *f).count();
             assert_eq!(health.window_failures, recount);
         }
@@ -301,9 +335,12 @@ mod tests {
         // 6 ok + 6 failed in the window: 50%, open.
         for i in 0..5 {
             let now = 15.0 + f64::from(i) * 0.1;
-            assert_eq!(health.attempt(&config, Some("status_5xx"), now), Change::None);
+            assert_eq!(health.attempt(&config, Some("status_5xx"), now, || true), Change::None);
         }
-        assert_eq!(health.attempt(&config, Some("status_5xx"), 16.0), Change::Out(State::Open));
+        assert_eq!(
+            health.attempt(&config, Some("status_5xx"), 16.0, || true),
+            Change::Out(State::Open)
+        );
         assert_eq!(health.window_failures, 0, "cleared with the window");
     }
 
@@ -334,7 +371,7 @@ mod tests {
         assert_eq!(health.drain(), Change::None);
         assert_eq!(health.probe(&config, false, 1.0), Change::None);
         assert_eq!(health.probe(&config, true, 2.0), Change::None);
-        assert_eq!(health.attempt(&config, Some("connect"), 3.0), Change::None);
+        assert_eq!(health.attempt(&config, Some("connect"), 3.0, || true), Change::None);
         assert_eq!(health.state, State::Draining);
         assert_eq!(health.resume(), Some(Change::Back));
         assert_eq!(health.state, State::Up);

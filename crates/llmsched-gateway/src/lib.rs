@@ -1428,7 +1428,8 @@ impl Gateway {
     fn attempt_ended(&self, upstream: &Upstream, failure: Option<&str>) {
         let (change, suspect) = {
             let mut health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
-            let change = health.attempt(&self.config.health, failure, monotonic());
+            let others_up = || self.others_in_routing(upstream);
+            let change = health.attempt(&self.config.health, failure, monotonic(), others_up);
             (change, health.suspect)
         };
         // The probe loop recomputes when its next probe is due.
@@ -1436,6 +1437,18 @@ impl Gateway {
             self.suspect.notify_one();
         }
         self.apply(upstream, change);
+    }
+
+    /// Whether an engine other than `upstream` is in routing, read from the pool alone (an
+    /// engine down, open or drained has left it): no other engine's health lock is taken, as
+    /// the caller holds `upstream`'s.
+    fn others_in_routing(&self, upstream: &Upstream) -> bool {
+        let snapshot = self.router().pool().snapshot();
+        self.upstreams().list.iter().any(|other| {
+            other.key != upstream.key
+                && snapshot.get(&other.key).is_some()
+                && !other.scrape_failed.load(Ordering::Relaxed)
+        })
     }
 
     /// See [`Running::set_max_model_len`].

@@ -8,7 +8,8 @@ Model (each engine is in one state):
 - **open** (circuit breaker): its requests failed too often. Over the last ``breaker_window_s``
   seconds, at least ``breaker_min_requests`` attempts ended and at least ``breaker_failure_rate``
   of them failed. Left out for ``breaker_open_s``; then a half-open probe closes the breaker
-  (up, window cleared) or opens it again.
+  (up, window cleared) or opens it again. It never opens on the last engine up: confirming
+  probes are asked instead.
 - **draining**: an operator drained it (admin API): no new requests, no probes, until resumed.
 
 Signals:
@@ -169,7 +170,13 @@ class EngineHealth:
             return
         engine.consecutive += 1
         if self._breaker_trips(engine):
-            self._open(worker, engine, now)
+            if self._others_up(worker):
+                self._open(worker, engine, now)
+                return
+            # Never on the last engine in routing: nowhere better to send, and a failure rate
+            # that requests provoke would shut every client out. Probes decide instead (a dead
+            # engine still goes down by them).
+            self._start_probing(worker, engine, confirm=True)
             return
         if failure in _CONFIRM_AT_ONCE or engine.consecutive >= self.config.failures_to_probe:
             self._start_probing(worker, engine, confirm=True)
@@ -182,6 +189,9 @@ class EngineHealth:
         engine = self._engines.get(worker)
         if engine is not None and engine.status == "up":
             self._start_probing(worker, engine, confirm=True)
+
+    def _others_up(self, worker: str) -> bool:
+        return any(w != worker and e.status == "up" for w, e in self._engines.items())
 
     def _trim(self, engine: _Engine, now: float) -> None:
         horizon = now - self.config.breaker_window_s
