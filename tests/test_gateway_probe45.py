@@ -6,10 +6,11 @@ start refused before the first scrape."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import pytest
-from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
+from _gateway_harness import MODEL, plane, read_cut_off, rig, run  # noqa: F401 (the fixture)
 
 from llmsched.integrations.metrics import parse_engine_metrics
 
@@ -114,3 +115,26 @@ def test_parse_skips_what_is_no_load_reading() -> None:
         "vllm:kv_cache_usage_perc NaN\n"
     )
     assert values == {"running": 2**32 - 1}
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_stream_cut_inside_an_event_ends_with_an_error_event_of_its_own() -> None:
+    """The engine's connection breaks in the middle of an event: the gateway's error event
+    followed the half-sent one on the same line, and the client could parse neither."""
+
+    async def main() -> None:
+        async with rig(engines=1, answer_tokens=4) as r:
+            body = {"model": MODEL, "prompt": "cut", "stream": True}
+            body["x_fake_mode"] = "cut_mid_event"
+            async with r.client.post(r.url("/v1/completions"), json=body) as response:
+                assert response.status == 200
+                received = await read_cut_off(response)
+            events = [e for e in received.decode().split("\n\n") if e.strip()]
+            first = json.loads(events[0].removeprefix("data: "))
+            assert first["choices"][0]["text"] == " t0"
+            assert events[-1].startswith("data: ")
+            last = json.loads(events[-1].removeprefix("data: "))
+            assert last["error"]["type"] == "upstream_error"
+            assert len(events) == 3  # the whole event, the half one, the error event
+
+    run(main())

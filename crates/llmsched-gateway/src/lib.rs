@@ -2602,6 +2602,7 @@ fn relay_parts(
         held: None,
         after_held: None,
         done,
+        tail: *b"\n\n",
     });
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
@@ -2806,6 +2807,7 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         held: None,
         after_held: None,
         done: DoneScan::Unneeded,
+        tail: *b"\n\n",
     });
     *out.status_mut() = status;
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -2952,6 +2954,9 @@ pub struct Relay {
     after_held: Option<Frame<Bytes>>,
     /// Whether the stream must show its `[DONE]` before it may end ([`DoneScan`]).
     done: DoneScan,
+    /// The last two bytes relayed (`"\n\n"` ends an SSE event): an error event after a cut
+    /// starts on its own rather than inside a half-sent one.
+    tail: [u8; 2],
 }
 
 /// The error that cuts a client's answer (hyper then closes the connection mid-body).
@@ -3003,6 +3008,11 @@ impl Relay {
                 self.tokens.feed(data, self.sse);
             }
             self.done.feed(data);
+            self.tail = match data[..] {
+                [] => self.tail,
+                [only] => [self.tail[1], only],
+                [.., a, b] => [a, b],
+            };
         }
         if self.timer.is_some() {
             self.last_frame = tokio::time::Instant::now();
@@ -3098,7 +3108,10 @@ impl Relay {
                 "param": null,
                 "code": 502,
             }});
-            let text = format!("data: {event}\n\n");
+            // A blank line first where the stream broke off inside an event: the error event
+            // must parse on its own, not run on from the half-sent one.
+            let gap = if self.tail == *b"\n\n" { "" } else { "\n\n" };
+            let text = format!("{gap}data: {event}\n\n");
             // Complete events held back go out first, with the error event.
             let mut out = self.held.take().map(|(held, _)| held).unwrap_or_default();
             out.extend_from_slice(text.as_bytes());

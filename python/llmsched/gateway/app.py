@@ -1218,10 +1218,12 @@ class Gateway:
                 await response.prepare(request)
                 chunk = first
                 cut = False
+                tail = b"\n\n"  # the last two bytes relayed ("\n\n" ends an event)
                 while chunk:
                     counter.feed(chunk)
                     if done is not None:
                         done.feed(chunk)
+                    tail = (tail + chunk[-2:])[-2:]
                     await response.write(chunk)
                     try:
                         chunk = await upstream.content.readany()
@@ -1234,7 +1236,9 @@ class Gateway:
                     # what it got for a whole answer.
                     self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
                     self._cut_failure(endpoint, deadline)
-                    await self.abort_response(request, response, endpoint, sse=sse)
+                    await self.abort_response(
+                        request, response, endpoint, sse=sse, mid_event=tail != b"\n\n"
+                    )
                     self.metrics.requests.labels(route, "aborted").inc()
                     return response, counter.tokens()
                 await response.write_eof()
@@ -1253,12 +1257,19 @@ class Gateway:
                 upstream.close()
 
     async def abort_response(
-        self, request: web.Request, response: web.StreamResponse, endpoint: str, *, sse: bool
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        endpoint: str,
+        *,
+        sse: bool,
+        mid_event: bool = False,
     ) -> None:
         """Ends a client response whose upstream answer broke off, so that no client takes it
         for complete: an SSE stream gets an error event and is closed without its final chunk
         (no ``[DONE]``); any other body is reset (RST), as Envoy and nginx do. Counted.
-        Package-internal."""
+        ``mid_event``: the stream broke off inside an event, so a blank line goes first and
+        the error event parses on its own. Package-internal."""
         protocol = request.protocol
         if sse:
             event = {
@@ -1269,8 +1280,9 @@ class Gateway:
                     "code": 502,
                 }
             }
+            gap = b"\n\n" if mid_event else b""
             with contextlib.suppress(ConnectionError):
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await response.write(gap + b"data: " + json.dumps(event).encode() + b"\n\n")
             self.metrics.truncated.labels(endpoint, "sse_error").inc()
         else:
             transport = request.transport

@@ -10,7 +10,8 @@ failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error
 ``"error400"`` (a refusal, as vLLM refuses a request it cannot run),
 ``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens), ``"cut"``
 (send the status line and part of the answer, then close the connection: a stream after its
-first event, a JSON answer halfway through its declared length), ``"hang"`` (the same, then
+first event, a JSON answer halfway through its declared length), ``"cut_mid_event"`` (a
+stream's first event and half of its second, then the close), ``"hang"`` (the same, then
 silence instead of a close), ``"headers"`` (the status line and headers of the answer, chunked,
 then silence: as vLLM sends a stream's head before its prefill). A request may script its own
 failure with a body field ``x_fake_mode`` naming a mode (it wins over
@@ -47,7 +48,18 @@ from aiohttp import web
 
 __all__ = ["FakeOpenAIEngine", "ReceivedRequest", "main", "write_tokenizer"]
 
-MODES = ("ok", "drop", "error500", "error400", "stall", "slow", "cut", "hang", "headers")
+MODES = (
+    "ok",
+    "drop",
+    "error500",
+    "error400",
+    "stall",
+    "slow",
+    "cut",
+    "cut_mid_event",
+    "hang",
+    "headers",
+)
 
 
 @dataclass
@@ -311,6 +323,9 @@ class FakeOpenAIEngine:
             if ids is not None:
                 chunk["choices"][0]["token_ids"] = [ids[i]]
             event = b"data: " + json.dumps(chunk).encode()
+            if mode == "cut_mid_event" and i:
+                await response.write(event[: len(event) // 2])
+                await self._stop_answering(request, "cut")
             written += event + b"\n\n"
             self.sent[-1] = bytes(written)
             await response.write(event + b"\n\n")
