@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
+import struct
 from collections.abc import Callable
 
 import pytest
@@ -138,3 +141,30 @@ def test_a_stream_cut_inside_an_event_ends_with_an_error_event_of_its_own() -> N
             assert len(events) == 3  # the whole event, the half one, the error event
 
     run(main())
+
+
+def test_a_client_resetting_while_sending_its_body_logs_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Python plane: aiohttp logged two tracebacks at ERROR for each such client (log noise any
+    client can make)."""
+
+    async def main() -> None:
+        async with rig(engines=1, data_plane="python") as r:
+            for _ in range(3):
+                _reader, writer = await asyncio.open_connection("127.0.0.1", r.gateway.port)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"mo'
+                )
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.close()
+            await asyncio.sleep(0.2)
+            assert (await r.complete("still served")).status == 200
+
+    caplog.set_level(logging.DEBUG, logger="aiohttp")
+    run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -899,6 +899,10 @@ class Gateway:
             return await asyncio.wait_for(request.read(), limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
+        except ConnectionResetError:
+            # The client went away while sending its body: nothing to answer, nothing to log
+            # (aiohttp logs a traceback per such request otherwise, noise any client can make).
+            raise asyncio.CancelledError from None
         except asyncio.TimeoutError:
             raise Refusal(
                 408,
