@@ -6,6 +6,7 @@ start refused before the first scrape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -13,8 +14,17 @@ import struct
 from collections.abc import Callable
 
 import pytest
-from _gateway_harness import MODEL, plane, read_cut_off, rig, run  # noqa: F401 (the fixture)
+from _gateway_harness import (  # noqa: F401 (the fixture)
+    MODEL,
+    current_plane,
+    plane,
+    raw_request,
+    read_cut_off,
+    rig,
+    run,
+)
 
+from llmsched.gateway import make_gateway
 from llmsched.integrations.metrics import parse_engine_metrics
 
 SCRAPE = {"enabled": True, "interval_s": 0.05, "timeout_s": 1.0}
@@ -168,3 +178,49 @@ def test_a_client_resetting_while_sending_its_body_logs_no_traceback(
     caplog.set_level(logging.DEBUG, logger="aiohttp")
     run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize(
+    "status_line",
+    [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: Upgrade", b"HTTP/1.1 999 Odd"],
+    ids=["101", "999"],
+)
+def test_an_engine_answering_no_http_status_a_client_knows_is_a_502(status_line: bytes) -> None:
+    """The Python plane relayed an engine's 101 to the client, the native plane its 999."""
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(status_line + b"\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
+                await reader.read()  # until the gateway closes the connection
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        config = {
+            "engines": [{"host": "127.0.0.1", "port": port}],
+            "models": [MODEL],
+            "listen": {"port": 0},
+            "scrape": {"enabled": False},
+            "health": {"interval_s": None},
+            "timeouts": {"read_s": 1},
+        }
+        gateway = make_gateway(config, data_plane=current_plane())
+        await gateway.start()
+        try:
+            status, text = await raw_request(
+                gateway.port, json.dumps({"model": MODEL, "prompt": "hi"}).encode()
+            )
+            assert status == 502, text
+            assert json.loads(text)["error"]["type"] == "upstream_error"
+        finally:
+            await gateway.stop()
+            server.close()
+            await server.wait_closed()
+
+    run(main())

@@ -2092,9 +2092,10 @@ impl Gateway {
                 Ok(Ok(answered)) => answered,
             };
             let (answer, lease) = answer;
-            if answer.status().is_informational() {
+            if answer.status().is_informational() || answer.status().as_u16() >= 600 {
                 // A final 1xx (101 Switching Protocols to a plain POST): no answer at all, and
-                // nothing a client could use; the connection is the engine's now.
+                // nothing a client could use; the connection is the engine's now. A status
+                // past 599 (hyper reads up to 999) is no HTTP status a client knows either.
                 self.counters.upstream_errors.inc(&[&upstream.id, "broken"]);
                 self.attempt_ended(upstream, Some("broken"));
                 drop(ticket);

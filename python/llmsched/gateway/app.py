@@ -1186,6 +1186,10 @@ class Gateway:
         # The attempt's outcome for the health model (a relayed 5xx still counts as failed).
         outcome: str | None = None
         try:
+            if upstream.status < 200:
+                # A final 1xx (101 Switching Protocols to a plain POST): no answer a client
+                # could use, as the native plane reads it.
+                raise _UpstreamFailed("broken")
             if upstream.status >= 500:
                 if self.config.retries.on_5xx:
                     raise _UpstreamFailed("status_5xx")
