@@ -224,3 +224,29 @@ def test_an_engine_answering_no_http_status_a_client_knows_is_a_502(status_line:
             await server.wait_closed()
 
     run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_stream_ending_cleanly_without_its_done_is_cut() -> None:
+    """vLLM ends every stream with ``data: [DONE]``, an error event's too: one that ends without
+    it was passed on as complete when its chunked body ended cleanly."""
+
+    async def main() -> None:
+        async with rig(engines=1, answer_tokens=3) as r:
+            body = {"model": MODEL, "prompt": "no done", "stream": True, "x_fake_mode": "no_done"}
+            async with r.client.post(r.url("/v1/completions"), json=body) as response:
+                assert response.status == 200
+                received = await read_cut_off(response)
+            events = [e for e in received.decode().split("\n\n") if e.strip()]
+            assert len(events) == 4  # three tokens, then the gateway's error event
+            assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == 502
+            worker = r.gateway.config.engines[0].worker_id
+            labels = {"endpoint": worker, "outcome": "sse_error"}
+            assert r.metric("llmsched_gateway_truncated_answers_total", **labels) == 1
+            # A whole stream still ends as one.
+            del body["x_fake_mode"]
+            async with r.client.post(r.url("/v1/completions"), json=body) as response:
+                text = await response.text()
+            assert text.endswith("data: [DONE]\n\n")
+
+    run(main())

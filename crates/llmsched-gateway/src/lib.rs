@@ -2561,8 +2561,13 @@ fn relay_parts(
 ) -> Answer {
     let event_stream = is_event_stream(&parts.headers);
     let sse = relaying.sse || event_stream;
-    // An event stream ended by the connection's close is whole only with its `[DONE]`.
-    let done = if event_stream && ends_at_close(parts.status, &parts.headers) {
+    // An engine's event stream is whole only with its `[DONE]` (vLLM and SGLang end every
+    // stream so, an error event included): a stream ended by the connection's close, or one
+    // that ends cleanly without it, is cut.
+    let done = if event_stream
+        && (relaying.completion && parts.status.is_success()
+            || ends_at_close(parts.status, &parts.headers))
+    {
         DoneScan::Looking(Vec::new())
     } else {
         DoneScan::Unneeded
@@ -2734,8 +2739,8 @@ fn is_json(headers: &HeaderMap) -> bool {
     essence.eq_ignore_ascii_case("application/json") || essence.ends_with("+json")
 }
 
-/// The search for an event stream's `data: [DONE]`, where its end cannot be told from a cut
-/// ([`ends_at_close`]).
+/// The search for an event stream's `data: [DONE]`, without which an engine's stream is not
+/// whole.
 enum DoneScan {
     /// The stream's end is its own (a length, or a chunked body's last chunk).
     Unneeded,

@@ -1207,7 +1207,10 @@ class Gateway:
                 return await self._answer_whole(
                     request, route, upstream, decision, endpoint, deadline, outcome, at_close
                 )
-            done = _DoneScan() if at_close else None
+            # An event stream is whole only with its [DONE] (vLLM and SGLang end every stream
+            # so, an error event included): one ended by the connection's close, or cleanly
+            # without it, is cut.
+            done = _DoneScan() if (sse and upstream.status < 300) or at_close else None
             try:
                 first = await upstream.content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError):

@@ -11,7 +11,8 @@ failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error
 ``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens), ``"cut"``
 (send the status line and part of the answer, then close the connection: a stream after its
 first event, a JSON answer halfway through its declared length), ``"cut_mid_event"`` (a
-stream's first event and half of its second, then the close), ``"hang"`` (the same, then
+stream's first event and half of its second, then the close), ``"no_done"`` (a stream that
+ends cleanly without its ``[DONE]``), ``"hang"`` (the same, then
 silence instead of a close), ``"headers"`` (the status line and headers of the answer, chunked,
 then silence: as vLLM sends a stream's head before its prefill). A request may script its own
 failure with a body field ``x_fake_mode`` naming a mode (it wins over
@@ -57,6 +58,7 @@ MODES = (
     "slow",
     "cut",
     "cut_mid_event",
+    "no_done",
     "hang",
     "headers",
 )
@@ -334,9 +336,10 @@ class FakeOpenAIEngine:
             event = b"data: " + json.dumps({"id": ident, "choices": [], "usage": usage}).encode()
             written += event + b"\n\n"
             await response.write(event + b"\n\n")
-        written += b"data: [DONE]\n\n"
-        self.sent[-1] = bytes(written)
-        await response.write(b"data: [DONE]\n\n")
+        if mode != "no_done":
+            written += b"data: [DONE]\n\n"
+            self.sent[-1] = bytes(written)
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
