@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import logging
 import socket
@@ -29,6 +30,8 @@ from llmsched.integrations.metrics import parse_engine_metrics
 
 SCRAPE = {"enabled": True, "interval_s": 0.05, "timeout_s": 1.0}
 FLOW = {"bands": [{"priority": 0}], "saturation": {"type": "concurrency", "max_requests": 4}}
+
+GZIPPED = gzip.compress(b'{"choices": []}')
 
 ODD_VALUES = {
     "waiting-inf": 'vllm:num_requests_waiting{model_name="x"} +Inf\n',
@@ -182,18 +185,28 @@ def test_a_client_resetting_while_sending_its_body_logs_no_traceback(
 
 @pytest.mark.usefixtures("plane")
 @pytest.mark.parametrize(
-    "status_line",
-    [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: Upgrade", b"HTTP/1.1 999 Odd"],
-    ids=["101", "999"],
+    "answer",
+    [
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: Upgrade\r\n"
+        b"Content-Length: 0\r\n\r\n",
+        b"HTTP/1.1 999 Odd\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: gzip, chunked\r\n\r\n"
+        + b"%x\r\n" % len(GZIPPED)
+        + GZIPPED
+        + b"\r\n0\r\n\r\n",
+    ],
+    ids=["101", "999", "gzip-chunked"],
 )
-def test_an_engine_answering_no_http_status_a_client_knows_is_a_502(status_line: bytes) -> None:
-    """The Python plane relayed an engine's 101 to the client, the native plane its 999."""
+def test_an_engine_answering_nothing_a_client_can_read_is_a_502(answer: bytes) -> None:
+    """The Python plane relayed an engine's 101 to the client, the native plane its 999, and
+    both a body in a gzip transfer coding as undecodable JSON."""
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
                 await reader.readuntil(b"\r\n\r\n")
-                writer.write(status_line + b"\r\nContent-Length: 0\r\n\r\n")
+                writer.write(answer)
                 await writer.drain()
                 await reader.read()  # until the gateway closes the connection
         finally:

@@ -2092,10 +2092,14 @@ impl Gateway {
                 Ok(Ok(answered)) => answered,
             };
             let (answer, lease) = answer;
-            if answer.status().is_informational() || answer.status().as_u16() >= 600 {
+            if answer.status().is_informational()
+                || answer.status().as_u16() >= 600
+                || coded_transfer(answer.headers())
+            {
                 // A final 1xx (101 Switching Protocols to a plain POST): no answer at all, and
                 // nothing a client could use; the connection is the engine's now. A status
-                // past 599 (hyper reads up to 999) is no HTTP status a client knows either.
+                // past 599 (hyper reads up to 999) is no HTTP status a client knows either,
+                // and a body in a transfer coding besides chunked (gzip) no body it could read.
                 self.counters.upstream_errors.inc(&[&upstream.id, "broken"]);
                 self.attempt_ended(upstream, Some("broken"));
                 drop(ticket);
@@ -2695,6 +2699,17 @@ fn method_not_allowed(allowed: &'static str) -> Answer {
     let mut answer = refusal(&Refusal::new(405, "method_not_allowed", problem));
     answer.headers_mut().insert(hyper::header::ALLOW, HeaderValue::from_static(allowed));
     answer
+}
+
+/// Whether an answer's `Transfer-Encoding` names a coding besides `chunked` (`gzip, chunked`):
+/// hyper removes only the chunking, so the body would go on still coded, with nothing saying so.
+fn coded_transfer(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.to_str().unwrap_or("?").split(','))
+        .map(str::trim)
+        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case("chunked"))
 }
 
 /// Whether an engine's answer ends where its connection closes (RFC 9112 6.3: no

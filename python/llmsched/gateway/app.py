@@ -1186,9 +1186,10 @@ class Gateway:
         # The attempt's outcome for the health model (a relayed 5xx still counts as failed).
         outcome: str | None = None
         try:
-            if upstream.status < 200:
-                # A final 1xx (101 Switching Protocols to a plain POST): no answer a client
-                # could use, as the native plane reads it.
+            if upstream.status < 200 or _coded_transfer(upstream):
+                # A final 1xx (101 Switching Protocols to a plain POST), or a body in a transfer
+                # coding besides chunked (gzip: only the chunking is removed): no answer a
+                # client could use, as the native plane reads it.
                 raise _UpstreamFailed("broken")
             if upstream.status >= 500:
                 if self.config.retries.on_5xx:
@@ -1418,6 +1419,12 @@ def _ends_at_close(upstream: aiohttp.ClientResponse) -> bool:
     if codings:
         return codings[-1].lower() != "chunked"
     return "Content-Length" not in upstream.headers
+
+
+def _coded_transfer(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether the answer's ``Transfer-Encoding`` names a coding besides ``chunked``."""
+    codings = ",".join(upstream.headers.getall("Transfer-Encoding", [])).split(",")
+    return any(c.strip() and c.strip().lower() != "chunked" for c in codings)
 
 
 def _is_json(upstream: aiohttp.ClientResponse) -> bool:
