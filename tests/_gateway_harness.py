@@ -46,6 +46,15 @@ def current_plane() -> str:
     return _plane[0]
 
 
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Waits until ``condition()`` holds (an AssertionError after ``timeout`` seconds)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not condition():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Runs one test coroutine on a fresh event loop."""
     return asyncio.run(asyncio.wait_for(coro, timeout=30))

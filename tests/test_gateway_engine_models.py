@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 import numpy as np
 import pytest
-from _gateway_harness import MODEL, plane, rig, run  # noqa: F401
+from _gateway_harness import MODEL, plane, rig, run, until  # noqa: F401
 
 from llmsched.gateway.engine_models import EngineModelCheck, ModelFinding
 from llmsched.integrations import EngineSpec
@@ -79,14 +78,6 @@ def test_cards_without_a_string_id_and_empty_parents_are_read_as_vllm_lists_them
     ]
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not condition():
-        assert loop.time() < end, "timed out"
-        await asyncio.sleep(0.02)
-
-
 def _lists_helper(engine: FakeOpenAIEngine) -> None:
     engine.adapters["helper"] = MODEL
 
@@ -105,7 +96,7 @@ def test_an_adapter_listed_as_a_model_is_warned_once_and_counted(
 
     async def main() -> None:
         async with rig(setup=_lists_helper, models=[MODEL, "helper"]) as r:
-            await _until(lambda: len(r.gateway.model_check.findings()) == 2)
+            await until(lambda: len(r.gateway.model_check.findings()) == 2)
             found = r.gateway.model_check.findings()
             assert {f.kind for f in found} == {"adapter_listed_as_model"}
             assert sorted(f.engine for f in found) == sorted(
@@ -129,7 +120,7 @@ def test_a_correct_config_finds_nothing_and_is_not_warned(caplog: pytest.LogCapt
         async with rig(setup=_lists_helper, lora_adapters={"helper": MODEL}) as r:
             check = r.gateway.model_check
             workers = [spec.worker_id for spec in r.gateway.config.engines]
-            await _until(lambda: all(check.served(w) is not None for w in workers))
+            await until(lambda: all(check.served(w) is not None for w in workers))
             for worker in workers:
                 assert check.served(worker) == {MODEL: None, "helper": MODEL}
             assert check.findings() == []
@@ -142,11 +133,11 @@ def test_a_correct_config_finds_nothing_and_is_not_warned(caplog: pytest.LogCapt
 def test_an_engine_added_later_is_checked_and_a_removed_one_forgotten() -> None:
     async def main() -> None:
         async with rig(engines=1) as r, FakeOpenAIEngine(model="other") as stranger:
-            await _until(lambda: r.engines[0].models_requests == 1)
+            await until(lambda: r.engines[0].models_requests == 1)
             assert r.gateway.model_check.findings() == []
             specs = [*r.gateway.config.engines, EngineSpec(stranger.host, stranger.port)]
             await r.gateway.set_engines(specs)
-            await _until(lambda: len(r.gateway.model_check.findings()) == 1)
+            await until(lambda: len(r.gateway.model_check.findings()) == 1)
             (finding,) = r.gateway.model_check.findings()
             assert (finding.kind, finding.name) == ("model_not_served", MODEL)
             assert finding.engine == specs[1].worker_id
@@ -164,7 +155,7 @@ def test_an_engine_without_a_models_listing_is_asked_once() -> None:
     async def main() -> None:
         async with rig(engines=1, setup=lambda e: setattr(e, "models_status", 404)) as r:
             engine = r.engines[0]
-            await _until(lambda: engine.models_requests == 1)
+            await until(lambda: engine.models_requests == 1)
             await asyncio.sleep(1.5)  # past the first retry an unreachable engine gets
             assert engine.models_requests == 1
             assert r.gateway.model_check.findings() == []
@@ -185,7 +176,7 @@ def test_an_unreachable_engine_is_tried_again_until_it_answers() -> None:
             await asyncio.sleep(0.3)  # the first try failed: connection refused
             assert check.findings() == []
             await engine.start()  # the same port
-            await _until(lambda: check.findings() != [], timeout=5.0)
+            await until(lambda: check.findings() != [], timeout=5.0)
             assert kinds(check.findings()) == [("model_not_served", "wanted")]
         finally:
             task.cancel()
@@ -201,13 +192,13 @@ def test_an_adapter_loaded_later_is_found_at_the_next_check() -> None:
             check.set_engines([EngineSpec(engine.host, engine.port, model="base")])
             task = asyncio.create_task(check.run())
             try:
-                await _until(lambda: engine.models_requests == 1)
+                await until(lambda: engine.models_requests == 1)
                 assert check.findings() == []
                 engine.adapters["late"] = "base"
-                await _until(lambda: check.findings() != [])
+                await until(lambda: check.findings() != [])
                 assert kinds(check.findings()) == [("adapter_listed_as_model", "late")]
                 del engine.adapters["late"]
-                await _until(lambda: check.findings() == [])
+                await until(lambda: check.findings() == [])
             finally:
                 task.cancel()
 
@@ -223,21 +214,21 @@ def test_the_context_length_is_learned_where_the_engines_agree() -> None:
             check.set_engines([EngineSpec(a.host, a.port), EngineSpec(b.host, b.port)])
             task = asyncio.create_task(check.run())
             try:
-                await _until(lambda: check.context_length() == 2048)
+                await until(lambda: check.context_length() == 2048)
                 assert told == [2048] and check.findings() == []
                 # One engine restarted with another context: unknown, and found out.
                 b.max_model_len = 4096
-                await _until(lambda: check.context_length() is None)
+                await until(lambda: check.context_length() is None)
                 assert told == [2048, None]
                 # A tie: the smaller context is the reference.
-                await _until(lambda: len(check.findings()) == 1)
+                await until(lambda: len(check.findings()) == 1)
                 (finding,) = check.findings()
                 assert (finding.kind, finding.name) == ("max_model_len_differs", "4096")
                 assert finding.engine == EngineSpec(b.host, b.port).worker_id
                 b.max_model_len = 2048
-                await _until(lambda: check.context_length() == 2048)
+                await until(lambda: check.context_length() == 2048)
                 assert told == [2048, None, 2048]
-                await _until(lambda: check.findings() == [])
+                await until(lambda: check.findings() == [])
             finally:
                 task.cancel()
 
@@ -255,8 +246,8 @@ def test_a_configured_context_length_stands_and_engines_that_differ_are_found() 
             check.set_engines([EngineSpec(a.host, a.port), spec_b])
             task = asyncio.create_task(check.run())
             try:
-                await _until(lambda: a.models_requests == 1 and b.models_requests == 1)
-                await _until(lambda: check.findings() != [])
+                await until(lambda: a.models_requests == 1 and b.models_requests == 1)
+                await until(lambda: check.findings() != [])
                 (finding,) = check.findings()
                 assert (finding.kind, finding.engine, finding.name) == (
                     "max_model_len_differs",
@@ -280,7 +271,7 @@ def test_minus_one_truncation_routes_on_what_the_engine_keeps() -> None:
 
     async def main() -> None:
         async with rig(setup=lambda e: setattr(e, "max_model_len", 21)) as r:
-            await _until(lambda: r.gateway.model_check.context_length() == 21)
+            await until(lambda: r.gateway.model_check.context_length() == 21)
             ids = list(range(100, 160))
             body = {"model": MODEL, "prompt": ids, "truncate_prompt_tokens": -1}
             async with r.client.post(r.url("/v1/completions"), json=body) as response:
@@ -314,14 +305,14 @@ def test_a_listing_of_any_size_or_shape_never_stops_the_checks() -> None:
             check.set_engines(EngineSpec(e.host, e.port) for e in engines)
             task = asyncio.create_task(check.run())
             try:
-                await _until(lambda: all(e.models_requests == 1 for e in engines))
+                await until(lambda: all(e.models_requests == 1 for e in engines))
                 spec = EngineSpec(large.host, large.port)
-                await _until(lambda: check.served(spec.worker_id) is not None)
+                await until(lambda: check.served(spec.worker_id) is not None)
                 served = check.served(spec.worker_id)
                 assert served is not None and len(served) == 3002
                 assert kinds(check.findings()) == [("adapter_listed_as_model", "helper")]
                 odd_spec = EngineSpec(odd.host, odd.port)
-                await _until(lambda: check.served(odd_spec.worker_id) is not None)
+                await until(lambda: check.served(odd_spec.worker_id) is not None)
                 assert check.context_length() is None
                 for engine in (deep, junk, huge):
                     assert check.served(EngineSpec(engine.host, engine.port).worker_id) is None

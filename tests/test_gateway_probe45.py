@@ -12,7 +12,6 @@ import json
 import logging
 import socket
 import struct
-from collections.abc import Callable
 
 import pytest
 from _gateway_harness import (  # noqa: F401 (the fixture)
@@ -23,6 +22,7 @@ from _gateway_harness import (  # noqa: F401 (the fixture)
     read_cut_off,
     rig,
     run,
+    until,
 )
 
 from llmsched.gateway import make_gateway
@@ -48,14 +48,6 @@ ODD_VALUES = {
 }
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not condition():
-        assert loop.time() < end, "timed out"
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.usefixtures("plane")
 @pytest.mark.parametrize("extra", ODD_VALUES.values(), ids=ODD_VALUES)
 def test_odd_metric_values_keep_scraping_and_serving(extra: str) -> None:
@@ -69,7 +61,7 @@ def test_odd_metric_values_keep_scraping_and_serving(extra: str) -> None:
                 assert response.status == 200, await response.text()
             engine.metrics_extra = ""
             engine.waiting = 7  # scraping goes on and reads new values
-            await _until(lambda: r.gateway.pool.endpoints()[0]["waiting"] == 7)
+            await until(lambda: r.gateway.pool.endpoints()[0]["waiting"] == 7)
 
     run(main())
 
@@ -87,7 +79,7 @@ def test_the_load_figures_after_a_long_metrics_text_are_read() -> None:
                 for i in range(6000)
             )
             engine.waiting, engine.running = 5, 3
-            await _until(lambda: r.gateway.pool.endpoints()[0]["waiting"] == 5)
+            await until(lambda: r.gateway.pool.endpoints()[0]["waiting"] == 5)
             assert r.gateway.pool.endpoints()[0]["running"] == 3
 
     run(main())
@@ -99,7 +91,7 @@ def test_an_endless_metrics_body_is_a_failed_scrape() -> None:
         async with rig(engines=1, scrape=SCRAPE) as r:
             worker = r.gateway.config.engines[0].worker_id
             r.engines[0].metrics_prefix = "# " + "x" * (9 << 20) + "\n"  # past the 8 MiB bound
-            await _until(
+            await until(
                 lambda: (
                     r.metric(
                         "llmsched_gateway_scrape_failures_total", endpoint=worker, kind="failed"

@@ -166,14 +166,6 @@ _CONNECT_TIMEOUTS: tuple[type[BaseException], ...] = tuple(
 )
 
 
-class _Unanswered(Exception):
-    """No engine answered the request (every attempt failed): ``answer`` is the 502."""
-
-    def __init__(self, answer: web.Response) -> None:
-        super().__init__("no engine answered")
-        self.answer = answer
-
-
 # Attempt failures a request can cause itself; held until it ends (Gateway._settle_held).
 _HELD_FAILURES = frozenset({"status_5xx", "broken"})
 
@@ -1023,31 +1015,28 @@ class Gateway:
         # Failures the request itself may have caused (a 5xx, a connection dropped before the
         # status line), held until it ends: see _settle_held.
         held: list[tuple[str, str]] = []
-        unanswered = False
         try:
             return await self._proxy_attempts(request, route, body, placement, deadline, held)
-        except _Unanswered as ended:
-            unanswered = True
-            return ended.answer, 0
         finally:
-            self._settle_held(held, unanswered)
+            self._settle_held(held, unanswered=False)
 
-    def _settle_held(self, held: list[tuple[str, str]], unanswered: bool) -> None:
-        """Counts the failures a request held against their engines when it ends, unless it
-        went ``unanswered`` after failing so on two or more engines: then the request, not the
-        engines, is the likely cause (an input every engine answers with a 5xx), and counting
-        it would let a few such requests open every engine's breaker; it is counted as
-        poisoned instead, and those engines are probed: probes, not this request, decide
-        whether they are well. A request answered elsewhere, or failed on one engine, counts
-        as before."""
+    def _settle_held(self, held: list[tuple[str, str]], *, unanswered: bool) -> None:
+        """Counts the failures a request held against their engines (and empties ``held``),
+        unless it went ``unanswered`` after failing so on two or more engines: then the
+        request, not the engines, is the likely cause (an input every engine answers with a
+        5xx), and counting it would let a few such requests open every engine's breaker; it is
+        counted as poisoned instead, and those engines are probed: probes, not this request,
+        decide whether they are well. A request answered elsewhere, or failed on one engine,
+        counts as before."""
         if unanswered and len(held) >= 2:
             self.metrics.poisoned_requests.inc()
             for endpoint, _ in held:
                 # Probes tell an input every engine fails on from engines failing together.
                 self.health.ask_probes(endpoint)
-            return
-        for endpoint, kind in held:
-            self.health.record(endpoint, kind)
+        else:
+            for endpoint, kind in held:
+                self.health.record(endpoint, kind)
+        held.clear()
 
     async def _proxy_attempts(
         self,
@@ -1114,14 +1103,11 @@ class Gateway:
             placement.fail()
         if time.monotonic() >= deadline:
             return self.refuse(route, _deadline_refusal()), 0
-        raise _Unanswered(
-            self.refuse(
-                route,
-                Refusal(
-                    502, "upstream_error", f"no engine answered ({placement.attempts} attempts)"
-                ),
-            )
-        )
+        self._settle_held(held, unanswered=True)
+        return self.refuse(
+            route,
+            Refusal(502, "upstream_error", f"no engine answered ({placement.attempts} attempts)"),
+        ), 0
 
     def upstream_timeout(self, deadline: float) -> aiohttp.ClientTimeout:
         """Upstream timeouts of an attempt: ``timeouts.connect_s`` / ``read_s``, and the time
@@ -1197,7 +1183,6 @@ class Gateway:
                 outcome = "status_5xx"
                 self.metrics.upstream_errors.labels(endpoint, outcome).inc()
             self._settle_held(held, unanswered=False)
-            held.clear()
             content_type = upstream.headers.get("Content-Type", "")
             sse = "event-stream" in content_type
             length = upstream.content_length

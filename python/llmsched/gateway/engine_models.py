@@ -223,7 +223,11 @@ class EngineModelCheck:
         """The problems in one engine's ``/v1/models`` answer ``listing`` (decoded JSON);
         ``expected``: the names requests may send it (empty: not checked). Raises ValueError
         when ``listing`` is not an OpenAI model list."""
-        served = _served(listing)
+        return self._findings(engine, expected, _served(listing))
+
+    def _findings(
+        self, engine: str, expected: frozenset[str], served: dict[str, str | None]
+    ) -> list[ModelFinding]:
         found = [
             f for name, parent in sorted(served.items()) for f in self._card(engine, name, parent)
         ]
@@ -286,6 +290,11 @@ class EngineModelCheck:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), min(wait, 3600.0))
 
+    def _retry_later(self, engine: _Engine) -> None:
+        """An engine that could not be asked: again after 1, 2, 4 ... 60 s."""
+        engine.failures += 1
+        engine.due = self._clock() + min(2.0 ** (engine.failures - 1), _MAX_BACKOFF_S)
+
     async def _check_one(
         self, session: aiohttp.ClientSession, worker: str, engine: _Engine
     ) -> None:
@@ -296,8 +305,7 @@ class EngineModelCheck:
                 status = response.status
                 body = await read_capped(response, _MAX_LISTING_BYTES) if status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            engine.failures += 1
-            engine.due = self._clock() + min(2.0 ** (engine.failures - 1), _MAX_BACKOFF_S)
+            self._retry_later(engine)
             log.debug("models check of %s: %s (tried %d times)", worker, exc, engine.failures)
             return
         if self._engines.get(worker) is not engine:
@@ -306,19 +314,19 @@ class EngineModelCheck:
             log.debug("models check of %s: /v1/models answered %d, not checked", worker, status)
             return
         if status != 200:
-            engine.failures += 1
-            engine.due = self._clock() + min(2.0 ** (engine.failures - 1), _MAX_BACKOFF_S)
+            self._retry_later(engine)
             return
         expected = frozenset([engine.spec.model]) if engine.spec.model else self._models
         try:
             if body is None:
                 raise ValueError(f"the listing is over {_MAX_LISTING_BYTES} bytes")
             listing = json.loads(body)
-            engine.findings = self.check(worker, expected, listing)
+            served = _served(listing)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
             log.debug("models check of %s: %s, not checked", worker, exc)
             return
-        engine.served = _served(listing)
+        engine.findings = self._findings(worker, expected, served)
+        engine.served = served
         engine.context = _context_length(listing, expected)
         self._context_changed()
         engine.failures = 0
