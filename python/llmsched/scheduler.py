@@ -1128,19 +1128,37 @@ class Scheduler:
             return asyncio.run(self.admit(request))
         raise RuntimeError("admit_sync() inside a running event loop: await admit() instead")
 
-    def place(self, request: ScheduleRequest, admission: Admission | None = None) -> Placement:
+    def place(
+        self,
+        request: ScheduleRequest,
+        admission: Admission | None = None,
+        *,
+        first: EndpointId | None = None,
+    ) -> Placement:
         """Picks an endpoint for an admitted ``request`` and puts it in flight there. The
         placement releases ``admission`` when it ends only if it was made by
         :meth:`schedule`; here the caller keeps it. NoEndpointError when no endpoint can serve
-        the request (nothing is held then)."""
+        the request (nothing is held then).
+
+        ``first``: an endpoint to run it on whatever the decision ranks first, as when only
+        that engine holds the state the request continues (a Responses API conversation);
+        the decision's order follows it for retries. NoEndpointError when ``first`` is not in
+        routing."""
         if not isinstance(request, ScheduleRequest):
             raise InvalidRequestError(
                 f"request must be a ScheduleRequest, got {type(request).__name__}"
             )
-        return self._place(request, admission, owns_admission=False)
+        if first is not None and (isinstance(first, bool) or not isinstance(first, (int, str))):
+            raise InvalidRequestError(f"first must be an endpoint id, got {first!r}")
+        return self._place(request, admission, owns_admission=False, first=first)
 
     def _place(
-        self, request: ScheduleRequest, admission: Admission | None, *, owns_admission: bool
+        self,
+        request: ScheduleRequest,
+        admission: Admission | None,
+        *,
+        owns_admission: bool,
+        first: EndpointId | None = None,
     ) -> Placement:
         try:
             decision = self.router.pick(**request.pick_arguments())  # type: ignore[arg-type]
@@ -1148,10 +1166,15 @@ class Scheduler:
             self._count("no_endpoint")
             raise
         cached = decision.cached_tokens()
-        chosen = decision.endpoint
-        order = [chosen, *decision.fallbacks]
+        chosen = decision.endpoint if first is None else first
+        order = [chosen, *(e for e in [decision.endpoint, *decision.fallbacks] if e != chosen)]
         order += [e for e in cached if e not in order]
-        attempt = self._started(decision, chosen, cached)
+        try:
+            attempt = self._started(decision, chosen, cached)
+        except UnknownEndpointError:  # ``first`` is out of routing (or was removed)
+            decision.finished()
+            self._count("no_endpoint")
+            raise NoEndpointError(f"endpoint {first!r} is not in routing") from None
         self._count("in_flight")
         return Placement(self, request, admission, attempt, order, owns_admission=owns_admission)
 

@@ -70,6 +70,14 @@ from llmsched.gateway.engine_models import EngineModelCheck
 from llmsched.gateway.health import EngineHealth
 from llmsched.gateway.metrics import GatewayMetrics
 from llmsched.gateway.ratelimit import KeyLimiter, retry_after
+from llmsched.gateway.responses import (
+    ResponseIdScan,
+    ResponseOwners,
+    TerminalEventScan,
+    chat_request_of,
+    output_deltas,
+    response_id_of,
+)
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
@@ -93,7 +101,11 @@ DROPPED_REASON_HEADER = "x-llmsched-dropped-reason"
 OVERFLOW_TENANT = "~overflow"
 """The tenant of requests whose header names a tenant past ``limits.max_tenants``."""
 
-_ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_ROUTES = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+}
 _ROUTE_OF_PATH = {path: route for route, path in _ROUTES.items()}
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # What the native plane takes as a priority (Rust's i32 parse): ASCII digits only, no "_".
@@ -305,6 +317,9 @@ class Gateway:
         # Tenant name -> when last seen (monotonic), least recently seen first.
         self._tenants: OrderedDict[str, float] = OrderedDict()
         self.metrics.tenants.set_function(lambda: len(self._tenants))
+        self.response_owners = ResponseOwners()
+        """Which engine made each stored response (Responses API)."""
+        self.metrics.response_owners.set_function(lambda: len(self.response_owners))
         self.health = EngineHealth(
             cfg.health,
             recheck_s=cfg.retries.eject_s,
@@ -330,6 +345,8 @@ class Gateway:
             [
                 web.post(_ROUTES["completions"], self._completions),
                 web.post(_ROUTES["chat"], self._chat),
+                web.post(_ROUTES["responses"], self._responses),
+                web.route("*", "/v1/responses/{tail:.+}", self._responses_by_id),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/ready", self._ready),
@@ -497,6 +514,9 @@ class Gateway:
         self._urls = _upstream_urls(specs)
         self.health.set_engines(specs, reset=changed)
         self.model_check.set_engines(specs.values())
+        for worker in removed + changed:
+            # Another engine (or this one restarted) holds none of its stored responses.
+            self.response_owners.forget_engine(worker)
         self.metrics.engines_changed.inc(len(added) + len(removed) + len(changed))
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
         await self.scheduler.feeds_settled()  # started: the feeds follow the new set
@@ -635,6 +655,9 @@ class Gateway:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
+
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         """One generation request: read and check it, admit it, serve it, release it."""
         arrived = time.perf_counter()
@@ -678,6 +701,127 @@ class Gateway:
                 limiter.release(
                     output_tokens=slot.output_tokens if key_tokens is None else key_tokens
                 )
+
+    async def _response_engine(self, response_id: str, deadline: float) -> str:
+        """The engine holding stored response ``response_id``, routable now: known from its
+        answer, else asked of the engines (:meth:`_locate`). Refusal: 404 when no engine has
+        it, 503 when its engine is out of routing (no other can answer for it)."""
+        engine = self.response_owners.owner(response_id)
+        if engine is not None and engine in self._specs:
+            if engine not in self.routable_endpoints():
+                self.metrics.response_lookups.labels("owner_unavailable").inc()
+                raise Refusal(
+                    503,
+                    "service_unavailable",
+                    f"the engine holding response {response_id!r} is not available",
+                    {
+                        DROPPED_REASON_HEADER: "owner-unavailable",
+                        "Retry-After": str(self.config.limits.retry_after_s),
+                    },
+                )
+            self.metrics.response_lookups.labels("owner").inc()
+            return engine
+        engine = await self._locate(response_id, deadline)
+        if engine is None:
+            self.metrics.response_lookups.labels("not_found").inc()
+            raise _response_not_found(response_id)
+        self.metrics.response_lookups.labels("located").inc()
+        return engine
+
+    async def _locate(self, response_id: str, deadline: float) -> str | None:
+        """Asks the engines in routing, one at a time, for ``response_id`` (``GET
+        /v1/responses/{id}``); the first to answer 200 holds it and is recorded. For ids this
+        gateway never saw: made before it started, or through another replica."""
+        session = self.upstream_session()
+        timeouts = self.config.timeouts
+        for engine in self.routable_endpoints():
+            if time.monotonic() >= deadline:
+                return None
+            url = self._urls[(engine, "responses")] / response_id
+            timeout = aiohttp.ClientTimeout(
+                total=max(min(deadline - time.monotonic(), timeouts.read_s or 5.0), 0.001),
+                sock_connect=timeouts.connect_s,
+            )
+            try:
+                async with session.get(url, timeout=timeout) as answer:
+                    await answer.read()
+                    found = answer.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+            if found:
+                self.response_owners.record(response_id, engine)
+                return engine
+        return None
+
+    async def _responses_by_id(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/responses/{id}`` and the paths under it (``cancel``, ``input_items``), any
+        method: relayed to the engine holding the response (no other can answer for it).
+        Authenticated, but not admitted through flow control: no generation runs."""
+        route = "responses_by_id"
+        total_s = self.config.timeouts.total_s
+        deadline = time.monotonic() + (total_s if total_s is not None else 1e9)
+        try:
+            self._authenticate(request)
+            body = await self._read_body(request)
+            response_id = request.match_info["tail"].split("/", 1)[0]
+            if not response_id:
+                raise Refusal(404, "not_found", "not found")
+            engine = await self._response_engine(response_id, deadline)
+        except Refusal as refusal:
+            return self.refuse(route, refusal)
+        url = URL(self._specs[engine].base_url + request.raw_path, encoded=True)
+        headers = {
+            name: value
+            for name in ("Content-Type", "Accept")
+            if (value := request.headers.get(name)) is not None
+        }
+        session = self.upstream_session()
+        try:
+            upstream = await session.request(
+                request.method,
+                url,
+                data=body or None,
+                headers=headers,
+                timeout=self.upstream_timeout(deadline),
+            )
+        except asyncio.TimeoutError:
+            self.metrics.upstream_errors.labels(engine, "timeout").inc()
+            return self.refuse(route, Refusal(504, "timeout", "the engine did not answer in time"))
+        except aiohttp.ClientError:
+            self.metrics.upstream_errors.labels(engine, "connect").inc()
+            return self.refuse(
+                route, Refusal(502, "upstream_error", "the engine holding the response failed")
+            )
+        try:
+            response = web.StreamResponse(status=upstream.status)
+            for name in _PASSED_RESPONSE_HEADERS:
+                value = upstream.headers.get(name)
+                if value is not None:
+                    response.headers[name] = value
+            sse = "event-stream" in upstream.headers.get("Content-Type", "")
+            done = TerminalEventScan() if sse and upstream.status < 300 else None
+            cut = False
+            try:
+                await response.prepare(request)
+                while chunk := await upstream.content.readany():
+                    if done is not None:
+                        done.feed(chunk)
+                    await response.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                cut = True
+            except ConnectionError:
+                self.metrics.requests.labels(route, "client_gone").inc()
+                return response
+            if cut or (done is not None and not done.seen):
+                self.metrics.upstream_errors.labels(engine, "truncated").inc()
+                await self.abort_response(request, response, engine, sse=sse, responses=True)
+                self.metrics.requests.labels(route, "aborted").inc()
+                return response
+            await response.write_eof()
+            self.metrics.requests.labels(route, str(upstream.status)).inc()
+            return response
+        finally:
+            upstream.close()
 
     def _no_engine_refusal(self) -> Refusal:
         return Refusal(
@@ -786,7 +930,7 @@ class Gateway:
         records in ``slot`` what flow control must be told at the end."""
         assembler = (
             None
-            if self.slice_tracker is None
+            if self.slice_tracker is None or route == "responses"
             else make_assembler(incoming.payload, route, self.config.slices.default_max_tokens)
         )
         if assembler is not None and self.slice_tracker is not None:
@@ -811,7 +955,14 @@ class Gateway:
             finally:
                 slot.admission, slot.output_tokens = sliced.admission, sliced.uncharged_tokens()
                 slot.key_tokens = sliced.asm.generated_tokens
-        placement = self.place(incoming.scheduled)
+        first = None
+        previous = incoming.payload.get("previous_response_id") if route == "responses" else None
+        if isinstance(previous, str):
+            try:
+                first = await self._response_engine(previous, incoming.deadline)
+            except Refusal as refusal:
+                return self.refuse(route, refusal)
+        placement = self.place(incoming.scheduled, first=first)
         if placement is None:
             return self.refuse(route, self._no_engine_refusal())
         self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
@@ -905,6 +1056,8 @@ class Gateway:
 
     def _prompt(self, route: str, payload: dict[str, Any]) -> _Prompt:
         try:
+            if route == "responses":
+                return self._responses_prompt(payload)
             if route == "chat":
                 messages = payload.get("messages")
                 if not isinstance(messages, list) or not messages:
@@ -955,6 +1108,42 @@ class Gateway:
         except PromptError as exc:
             raise Refusal(400, "invalid_request_error", str(exc)) from None
 
+    def _responses_prompt(self, payload: dict[str, Any]) -> _Prompt:
+        """The prompt of a ``POST /v1/responses`` request: the chat request vLLM makes of it,
+        tokenized (or rendered) as a chat request is. A conversation continued by
+        ``previous_response_id`` is not hashed: the engine puts its stored conversation
+        first, which the gateway cannot see, so the blocks of the new input alone would be
+        recorded for blocks the engine never caches. Its engine is found by the id instead."""
+        previous = payload.get("previous_response_id")
+        size = len(json.dumps(payload.get("input"))) // 4
+        if previous is not None:
+            if not isinstance(previous, str) or not previous:
+                raise Refusal(
+                    400,
+                    "invalid_request_error",
+                    "'previous_response_id' must be a non-empty string",
+                    param="previous_response_id",
+                )
+            return _Prompt(np.empty(0, dtype=np.uint32), None, None, size)
+        chat = chat_request_of(payload)
+        if chat is None:
+            self.metrics.responses_unhashed.inc()
+            return _Prompt(np.empty(0, dtype=np.uint32), None, None, size)
+        if self.tokenizer is not None:
+            try:
+                ids = self.tokenizer.chat_request_tokens(chat)
+            except PromptError:
+                # Content the chat path refuses (an image part, say) may still be the
+                # engine's to take or refuse: routed without hashing.
+                self.metrics.responses_unhashed.inc()
+                return _Prompt(np.empty(0, dtype=np.uint32), None, None, size)
+            return _Prompt(np.asarray(ids, dtype=np.uint32), None, None, len(ids))
+        messages = chat["messages"]
+        if not messages:
+            return _Prompt(np.empty(0, dtype=np.uint32), None, None, 0)
+        _check_messages(messages)
+        return _Prompt(None, None, messages, size)
+
     def _pick_args(
         self,
         prompt: _Prompt,
@@ -986,13 +1175,14 @@ class Gateway:
 
     # -- package-internal seam (used by llmsched.gateway.slicing) ---------------------------
 
-    def place(self, scheduled: ScheduleRequest) -> Placement | None:
+    def place(self, scheduled: ScheduleRequest, *, first: str | None = None) -> Placement | None:
         """The scheduler's placement of an admitted request (picked and in flight), timed in
         the metrics; None when no endpoint can serve it. The caller holds the admission.
-        Package-internal."""
+        ``first``: the engine tried first whatever the decision (it holds the request's
+        state). Package-internal."""
         started = time.perf_counter()
         try:
-            return self.scheduler.place(scheduled)
+            return self.scheduler.place(scheduled, first=first)
         except NoEndpointError:
             return None
         finally:
@@ -1196,7 +1386,12 @@ class Gateway:
             # An event stream is whole only with its [DONE] (vLLM and SGLang end every stream
             # so, an error event included): one ended by the connection's close, or cleanly
             # without it, is cut.
-            done = _DoneScan() if (sse and upstream.status < 300) or at_close else None
+            responses = route == "responses"
+            done: _DoneScan | TerminalEventScan | None = None
+            if (sse and upstream.status < 300) or at_close:
+                # A Responses stream ends with its terminal event, no [DONE] after it.
+                done = TerminalEventScan() if responses else _DoneScan()
+            ids = ResponseIdScan() if responses and sse and upstream.status < 300 else None
             try:
                 first = await upstream.content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -1210,7 +1405,7 @@ class Gateway:
                     response.headers[name] = value
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
-            counter = _OutputCounter(content_type)
+            counter = _OutputCounter(content_type, responses=responses)
             try:
                 await response.prepare(request)
                 chunk = first
@@ -1220,6 +1415,13 @@ class Gateway:
                     counter.feed(chunk)
                     if done is not None:
                         done.feed(chunk)
+                    if ids is not None:
+                        ids.feed(chunk)
+                        if ids.id is not None:
+                            # Known from the first event on: the stream's own client may
+                            # ask for it (or cancel it) before it ends.
+                            self.response_owners.record(ids.id, endpoint)
+                            ids = None
                     tail = (tail + chunk[-2:])[-2:]
                     await response.write(chunk)
                     try:
@@ -1234,7 +1436,12 @@ class Gateway:
                     self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
                     self._cut_failure(endpoint, deadline)
                     await self.abort_response(
-                        request, response, endpoint, sse=sse, mid_event=tail != b"\n\n"
+                        request,
+                        response,
+                        endpoint,
+                        sse=sse,
+                        mid_event=tail != b"\n\n",
+                        responses=responses,
                     )
                     self.metrics.requests.labels(route, "aborted").inc()
                     return response, counter.tokens()
@@ -1261,25 +1468,26 @@ class Gateway:
         *,
         sse: bool,
         mid_event: bool = False,
+        responses: bool = False,
     ) -> None:
         """Ends a client response whose upstream answer broke off, so that no client takes it
         for complete: an SSE stream gets an error event and is closed without its final chunk
         (no ``[DONE]``); any other body is reset (RST), as Envoy and nginx do. Counted.
         ``mid_event``: the stream broke off inside an event, so a blank line goes first and
-        the error event parses on its own. Package-internal."""
+        the error event parses on its own. ``responses``: the stream is the Responses API's,
+        whose events are named (an ``error`` event). Package-internal."""
         protocol = request.protocol
         if sse:
-            event = {
-                "error": {
-                    "message": "the engine's answer was cut off",
-                    "type": "upstream_error",
-                    "param": None,
-                    "code": 502,
-                }
-            }
+            message = "the engine's answer was cut off"
+            if responses:
+                error = {"type": "error", "code": "upstream_error", "message": message}
+                event = b"event: error\ndata: " + json.dumps({**error, "param": None}).encode()
+            else:
+                detail = {"message": message, "type": "upstream_error", "param": None}
+                event = b"data: " + json.dumps({"error": {**detail, "code": 502}}).encode()
             gap = b"\n\n" if mid_event else b""
             with contextlib.suppress(ConnectionError):
-                await response.write(gap + b"data: " + json.dumps(event).encode() + b"\n\n")
+                await response.write(gap + event + b"\n\n")
             self.metrics.truncated.labels(endpoint, "sse_error").inc()
         else:
             transport = request.transport
@@ -1328,8 +1536,14 @@ class Gateway:
             value = upstream.headers.get(name)
             if value is not None:
                 response.headers[name] = value
-        counter = _OutputCounter(response.headers.get("Content-Type", ""))
+        counter = _OutputCounter(
+            response.headers.get("Content-Type", ""), responses=route == "responses"
+        )
         counter.feed(data)
+        if route == "responses" and 200 <= upstream.status < 300:
+            response_id = response_id_of(data)
+            if response_id is not None:
+                self.response_owners.record(response_id, endpoint)
         self.health.record(endpoint, outcome)
         self.metrics.routed.labels(endpoint).inc()
         self.metrics.requests.labels(route, str(upstream.status)).inc()
@@ -1363,12 +1577,14 @@ class Gateway:
 
 class _OutputCounter:
     """Output tokens of an answer, for flow control's fairness accounting: the usage block of
-    a JSON answer, else one token per streamed event (what vLLM sends by default)."""
+    a JSON answer, else one token per streamed event (what vLLM sends by default; of a
+    Responses stream, its ``*.delta`` events)."""
 
-    __slots__ = ("_body", "_events", "_json")
+    __slots__ = ("_body", "_events", "_json", "_responses")
 
-    def __init__(self, content_type: str) -> None:
+    def __init__(self, content_type: str, *, responses: bool = False) -> None:
         self._json = content_type.startswith("application/json")
+        self._responses = responses
         self._body = bytearray()
         self._events = 0
 
@@ -1376,6 +1592,8 @@ class _OutputCounter:
         if self._json:
             if len(self._body) + len(chunk) <= _USAGE_PARSE_LIMIT:
                 self._body += chunk
+        elif self._responses:
+            self._events += output_deltas(chunk)
         else:
             self._events += chunk.count(b"data: {")
 
@@ -1384,7 +1602,7 @@ class _OutputCounter:
             return self._events
         try:
             usage = json.loads(self._body).get("usage") or {}
-            value = usage.get("completion_tokens", 0)
+            value = usage.get("output_tokens" if self._responses else "completion_tokens", 0)
         except (ValueError, AttributeError):
             return 0
         return value if type(value) is int and value >= 0 else 0
@@ -1497,6 +1715,16 @@ def _error_response(refusal: Refusal, message: str | None = None) -> web.Respons
     if refusal.close:
         response.force_close()
     return response
+
+
+def _response_not_found(response_id: str) -> Refusal:
+    """vLLM's answer for a response id no engine holds."""
+    return Refusal(
+        404,
+        "invalid_request_error",
+        f"Response with id {response_id!r} not found.",
+        param="response_id",
+    )
 
 
 def _routing_refusal(path: str, error: web.HTTPException) -> Refusal:

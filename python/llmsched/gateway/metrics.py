@@ -101,6 +101,25 @@ class GatewayMetrics:
             "breaker",
             registry=r,
         )
+        self.response_lookups = Counter(
+            f"{PREFIX}_response_lookups",
+            "Requests naming a stored response (previous_response_id, or its path), by how "
+            "its engine was found: owner (known), located (asked of the engines), "
+            "owner_unavailable (its engine is out of routing), not_found",
+            ["outcome"],
+            registry=r,
+        )
+        self.responses_unhashed = Counter(
+            f"{PREFIX}_responses_unhashed",
+            "Responses API requests routed without prefix hashing: input items or tools the "
+            "gateway does not turn into the engine's chat prompt",
+            registry=r,
+        )
+        self.response_owners = Gauge(
+            f"{PREFIX}_response_owners",
+            "Stored responses whose engine the gateway knows",
+            registry=r,
+        )
         self.routed = Counter(
             f"{PREFIX}_routed",
             "Requests sent to each endpoint (the successful attempt)",

@@ -3,7 +3,11 @@ caller's event loop (the OpenAI API; :class:`~llmsched.testing.fake_engine.FakeH
 serves scripted metrics on a thread).
 
 It answers ``/v1/completions`` and ``/v1/chat/completions`` in vLLM's shapes (JSON, or SSE
-``data: {...}`` events ending with ``data: [DONE]`` when ``stream`` is true), serves a
+``data: {...}`` events ending with ``data: [DONE]`` when ``stream`` is true), the Responses API
+as vLLM 0.32 serves it (``POST /v1/responses``: JSON, or named SSE events ending with
+``response.completed`` and no ``[DONE]``; ``GET /v1/responses/{id}`` and
+``POST /v1/responses/{id}/cancel`` from its own store, :attr:`FakeOpenAIEngine.responses`; an
+unknown ``previous_response_id`` is vLLM's 404), serves a
 vLLM-style ``/metrics`` with its live request counts, and records every request it receives
 (path, headers, body) and every client disconnect. Its :attr:`FakeOpenAIEngine.mode` scripts
 failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error500"``,
@@ -12,7 +16,8 @@ failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error
 (send the status line and part of the answer, then close the connection: a stream after its
 first event, a JSON answer halfway through its declared length), ``"cut_mid_event"`` (a
 stream's first event and half of its second, then the close), ``"no_done"`` (a stream that
-ends cleanly without its ``[DONE]``), ``"hang"`` (the same, then
+ends cleanly without its ``[DONE]``, a Responses stream without its ``response.completed``),
+``"hang"`` (the same, then
 silence instead of a close), ``"headers"`` (the status line and headers of the answer, chunked,
 then silence: as vLLM sends a stream's head before its prefill). A request may script its own
 failure with a body field ``x_fake_mode`` naming a mode (it wins over
@@ -132,6 +137,11 @@ class FakeOpenAIEngine:
         self.health_status = 200
         """Status of ``/health`` answers (anything but 200 fails the gateway's probes)."""
         self.health_probes = 0
+        self.responses: dict[str, dict[str, Any]] = {}
+        """The Responses API's store: each stored response by its id."""
+        self.responses_store = True
+        """Whether ``store`` is honoured (vLLM's ``VLLM_ENABLE_RESPONSES_API_STORE=1``); when
+        False nothing is stored, as vLLM by default."""
         self._port: int | None = None
         self._runner: web.AppRunner | None = None
         # Bodies as large as a gateway may pass on (vLLM sets no bound of its own).
@@ -143,6 +153,9 @@ class FakeOpenAIEngine:
                 web.get("/metrics", self._metrics),
                 web.get("/health", self._health),
                 web.get("/v1/models", self._models),
+                web.post("/v1/responses", self._create_response),
+                web.get("/v1/responses/{response_id}", self._retrieve_response),
+                web.post("/v1/responses/{response_id}/cancel", self._cancel_response),
             ]
         )
 
@@ -268,6 +281,109 @@ class FakeOpenAIEngine:
         finally:
             self.running -= 1
 
+    async def _create_response(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _bad_request("the body is not valid JSON")
+        if not isinstance(body, dict):
+            return _bad_request("the body must be a JSON object")
+        if not isinstance(body.get("input"), (str, list)):
+            return _bad_request("input must be a string or a list")
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.responses:
+            return _not_found(str(previous))
+        self.received.append(
+            ReceivedRequest(request.path, dict(request.headers), body, request.host)
+        )
+        self.running += 1
+        try:
+            return await self._answer_response(request, body)
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            self.disconnected.set()
+            raise
+        except ConnectionError:
+            self.disconnects += 1
+            self.disconnected.set()
+            return web.Response(status=499)
+        finally:
+            self.running -= 1
+
+    async def _answer_response(
+        self, request: web.Request, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        mode = body.get("x_fake_mode", self.mode)
+        if mode in ("drop", "error500", "error400", "stall", "headers"):
+            return await self._answer(request, body, chat=True)
+        max_tokens = body.get("max_output_tokens")
+        n = self.answer_tokens if not isinstance(max_tokens, int) else min(max_tokens, 1 << 30)
+        n = min(n, self.answer_tokens)
+        pieces = [f" t{i}" for i in range(n)]
+        ident = f"resp_{len(self.received)}_{self.port}"
+        stored = bool(body.get("store", True)) and self.responses_store
+        background = bool(body.get("background"))
+        final = _response_object(ident, body, pieces, "queued" if background else "completed")
+        if stored:
+            self.responses[ident] = final
+        if not body.get("stream"):
+            answer = json.dumps(final).encode()
+            self.sent.append(answer)
+            if mode in ("cut", "hang"):
+                return await self._break_off(request, answer, mode)
+            return web.Response(body=answer, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        started = _response_object(ident, body, [], "in_progress")
+        events: list[dict[str, Any]] = [
+            {"response": started, "type": "response.created"},
+            {"response": started, "type": "response.in_progress"},
+        ]
+        events += [
+            {"delta": piece, "item_id": f"msg_{ident}", "type": "response.output_text.delta"}
+            for piece in pieces
+        ]
+        done = "response.output_text.done"
+        events.append({"text": "".join(pieces), "item_id": f"msg_{ident}", "type": done})
+        if mode != "no_done":
+            events.append({"response": final, "type": "response.completed"})
+        written = bytearray()
+        self.sent.append(b"")
+        for i, event in enumerate(events):
+            event["sequence_number"] = i
+            if mode == "slow" and i:
+                await asyncio.sleep(self.token_delay_s)
+            data = f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode()
+            if mode in ("cut", "hang") and i:
+                await self._stop_answering(request, mode)
+            if mode == "cut_mid_event" and i:
+                await response.write(data[: len(data) // 2])
+                await self._stop_answering(request, "cut")
+            written += data + b"\n\n"
+            self.sent[-1] = bytes(written)
+            await response.write(data + b"\n\n")
+        await response.write_eof()
+        return response
+
+    async def _retrieve_response(self, request: web.Request) -> web.Response:
+        ident = request.match_info["response_id"]
+        self.received.append(ReceivedRequest(request.path, dict(request.headers), {}, request.host))
+        found = self.responses.get(ident)
+        if found is None:
+            return _not_found(ident)
+        return web.json_response(found)
+
+    async def _cancel_response(self, request: web.Request) -> web.Response:
+        ident = request.match_info["response_id"]
+        self.received.append(ReceivedRequest(request.path, dict(request.headers), {}, request.host))
+        found = self.responses.get(ident)
+        if found is None:
+            return _not_found(ident)
+        if found["status"] not in ("queued", "in_progress"):
+            return _bad_request("Cannot cancel a synchronous response.")
+        found["status"] = "cancelled"
+        return web.json_response(found)
+
     async def _answer(
         self, request: web.Request, body: dict[str, Any], *, chat: bool
     ) -> web.StreamResponse:
@@ -365,6 +481,49 @@ class FakeOpenAIEngine:
 def _bad_request(message: str, status: int = 400) -> web.Response:
     error = {"message": message, "type": "BadRequestError", "param": None, "code": status}
     return web.json_response({"error": error}, status=status)
+
+
+def _not_found(response_id: str) -> web.Response:
+    """vLLM's answer for a response id it does not hold."""
+    error = {
+        "message": f"Response with id '{response_id}' not found.",
+        "type": "invalid_request_error",
+        "param": "response_id",
+        "code": 404,
+    }
+    return web.json_response({"error": error}, status=404)
+
+
+def _response_object(
+    ident: str, body: dict[str, Any], pieces: list[str], status: str
+) -> dict[str, Any]:
+    """A Responses API ``response`` object in vLLM's shape (the fields clients read)."""
+    text = "".join(pieces)
+    prompt_tokens = len(json.dumps(body.get("input"))) // 4
+    output = [
+        {
+            "id": f"msg_{ident}",
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+    ]
+    return {
+        "id": ident,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": body.get("model"),
+        "status": status,
+        "instructions": body.get("instructions"),
+        "previous_response_id": body.get("previous_response_id"),
+        "output": output if pieces else [],
+        "usage": {
+            "input_tokens": prompt_tokens,
+            "output_tokens": len(pieces),
+            "total_tokens": prompt_tokens + len(pieces),
+        },
+    }
 
 
 def _check_body(body: Any, *, chat: bool) -> str | None:

@@ -1,0 +1,287 @@
+"""OpenAI's Responses API on the gateway: the prompt a ``POST /v1/responses`` request makes,
+which engine holds which stored response, and how its answers are read.
+
+vLLM (0.32) keeps each response it makes, and the conversation behind it, in the memory of the
+engine that made it: a request continuing a conversation (``previous_response_id``), and
+``GET`` / ``cancel`` of a stored response, are answered by that engine alone (any other
+answers 404). So the gateway learns each response's engine from its answer
+(:class:`ResponseOwners`) and sends the conversation's next request there, which also holds its
+KV cache. A request without ``previous_response_id`` is routed as the chat request vLLM makes
+of it (:func:`chat_request_of`), so its blocks match what the engine caches.
+
+The native data plane (``crates/llmsched-gateway/src/responses.rs``) does the same.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "MAX_OWNERS",
+    "MAX_RESPONSE_ID_BYTES",
+    "ResponseIdScan",
+    "ResponseOwners",
+    "TerminalEventScan",
+    "chat_request_of",
+    "output_deltas",
+]
+
+MAX_OWNERS = 100_000
+"""Response ids kept (least recently used dropped first): about 10 MB."""
+
+MAX_RESPONSE_ID_BYTES = 256
+"""Longer ids are not kept (vLLM's are ``resp_`` and 32 hex digits)."""
+
+_FIRST_EVENT_LIMIT = 64 << 10
+"""Bytes of a stream read for its first event (``response.created`` echoes the request's
+instructions and tools)."""
+
+_TERMINAL_EVENTS = (
+    b"event: response.completed\n",
+    b"event: response.incomplete\n",
+    b"event: response.failed\n",
+    b"event: error\n",
+)
+"""The events that end a Responses stream (vLLM writes no ``data: [DONE]`` after them)."""
+
+_DELTA = b".delta\ndata: "
+
+
+def chat_request_of(payload: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The chat request vLLM (0.32, models without the Harmony format) renders for a
+    ``POST /v1/responses`` body, to be tokenized as a chat request is; None when the body has
+    something this conversion does not cover (an input item other than a message, a function
+    call or its output; a tool other than a function), which the gateway then routes without
+    prefix hashing.
+
+    ``instructions`` becomes a system message and a string ``input`` a user message; list
+    items become messages as vLLM's ``construct_input_messages`` makes them (function calls
+    join the assistant message before them as ``tool_calls``). Function tools take the chat
+    shape (``{"type": "function", "function": {...}}``); ``reasoning.effort`` becomes
+    ``reasoning_effort`` (and, unless the request sets it, ``enable_thinking``); a last item
+    left ``in_progress`` or ``incomplete`` is continued, not answered.
+
+    >>> chat_request_of({"model": "m", "instructions": "Be brief.", "input": "Hi"})["messages"]
+    [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
+    >>> chat_request_of({"model": "m", "input": [{"type": "image_generation_call"}]}) is None
+    True
+    """
+    messages: list[dict[str, Any]] = []
+    instructions = payload.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    elif instructions is not None and not isinstance(instructions, str):
+        return None
+    request_input = payload.get("input")
+    continue_final = False
+    if isinstance(request_input, str):
+        messages.append({"role": "user", "content": request_input})
+    elif isinstance(request_input, list):
+        for item in request_input:
+            if not isinstance(item, dict) or not _add_item(messages, item):
+                return None
+        last = request_input[-1] if request_input else None
+        continue_final = (
+            isinstance(last, dict)
+            and last.get("type", "message") in ("message", "reasoning")
+            and last.get("status") in ("in_progress", "incomplete")
+        )
+    else:
+        return None
+    chat: dict[str, Any] = {"model": payload.get("model"), "messages": messages}
+    tools = payload.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            return None
+        converted = []
+        for tool in tools:
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                return None
+            converted.append(
+                {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+            )
+        chat["tools"] = converted
+        if "tool_choice" in payload:
+            chat["tool_choice"] = payload["tool_choice"]
+    kwargs = payload.get("chat_template_kwargs")
+    kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+    reasoning = payload.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
+    if kwargs:
+        chat["chat_template_kwargs"] = kwargs
+    chat["add_generation_prompt"] = not continue_final
+    chat["continue_final_message"] = continue_final
+    return chat
+
+
+def _add_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> bool:
+    """Adds one input item to ``messages`` as vLLM does; False when it is not covered."""
+    previous = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
+    kind = item.get("type")
+    if kind == "function_call":
+        if "namespace" in item and item["namespace"] is not None:
+            return False
+        call = {
+            "id": item.get("call_id"),
+            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            "type": "function",
+        }
+        if previous is not None and isinstance(previous.get("tool_calls", []), list):
+            previous.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "tool_calls": [call]})
+        return True
+    if kind == "function_call_output":
+        messages.append(
+            {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
+        )
+        return True
+    if item.get("role") == "assistant":
+        content = item.get("content")
+        text: Any = None
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list) and content:
+            first = content[0]
+            text = first.get("text") if isinstance(first, dict) else None
+        if text is not None:
+            if previous is not None and previous.get("content") is None:
+                previous["content"] = text
+            else:
+                messages.append({"role": "assistant", "content": text})
+            return True
+    if "role" in item and kind in (None, "message"):
+        messages.append(item)
+        return True
+    return False
+
+
+class ResponseOwners:
+    """Which engine made each stored response: at most ``capacity`` ids, least recently used
+    dropped first; ids longer than :data:`MAX_RESPONSE_ID_BYTES` are not kept.
+
+    >>> owners = ResponseOwners(capacity=2)
+    >>> owners.record("resp_a", "e0"); owners.record("resp_b", "e1"); owners.record("resp_c", "e0")
+    >>> owners.owner("resp_a"), owners.owner("resp_c"), len(owners)
+    (None, 'e0', 2)
+    >>> owners.forget_engine("e0"); owners.owner("resp_c"), len(owners)
+    (None, 1)
+    """
+
+    def __init__(self, capacity: int = MAX_OWNERS) -> None:
+        self._owners: OrderedDict[str, str] = OrderedDict()
+        self._capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def record(self, response_id: str, engine: str) -> None:
+        """``engine`` made (and stores) ``response_id``."""
+        if not response_id or len(response_id.encode("utf-8", "surrogatepass")) > (
+            MAX_RESPONSE_ID_BYTES
+        ):
+            return
+        self._owners[response_id] = engine
+        self._owners.move_to_end(response_id)
+        while len(self._owners) > self._capacity:
+            self._owners.popitem(last=False)
+
+    def owner(self, response_id: str) -> str | None:
+        """The engine that made ``response_id``, or None when not known here."""
+        engine = self._owners.get(response_id)
+        if engine is not None:
+            self._owners.move_to_end(response_id)
+        return engine
+
+    def forget_engine(self, engine: str) -> None:
+        """Forgets every id ``engine`` made (it left the configuration)."""
+        for response_id in [i for i, e in self._owners.items() if e == engine]:
+            del self._owners[response_id]
+
+
+def response_id_of(body: bytes) -> str | None:
+    """The ``id`` of a JSON Responses answer, else None.
+
+    >>> response_id_of(b'{"id": "resp_1", "object": "response"}')
+    'resp_1'
+    """
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    ident = value.get("id") if isinstance(value, dict) else None
+    return ident if isinstance(ident, str) else None
+
+
+class ResponseIdScan:
+    """The response id a Responses event stream announces in its first event
+    (``response.created``: ``{"response": {"id": ...}}``), fed the stream chunk by chunk.
+    :attr:`id` is None until found, and stays None when the first event (read up to 64 KiB)
+    has none."""
+
+    __slots__ = ("_buffer", "_done", "id")
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._done = False
+        self.id: str | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self._done:
+            return
+        self._buffer += chunk
+        end = self._buffer.find(b"\n\n")
+        if end < 0:
+            if len(self._buffer) > _FIRST_EVENT_LIMIT:
+                self._done = True
+                self._buffer.clear()
+            return
+        self._done = True
+        event = bytes(self._buffer[:end])
+        self._buffer.clear()
+        data = b"".join(
+            line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+        )
+        try:
+            value = json.loads(data)
+        except ValueError:
+            return
+        response = value.get("response") if isinstance(value, dict) else None
+        ident = response.get("id") if isinstance(response, dict) else None
+        if isinstance(ident, str):
+            self.id = ident
+
+
+class TerminalEventScan:
+    """Whether a Responses event stream has shown the event that ends it
+    (``response.completed``, ``response.incomplete``, ``response.failed`` or ``error``), split
+    between chunks too."""
+
+    __slots__ = ("_tail", "seen")
+
+    _LONGEST = max(len(event) for event in _TERMINAL_EVENTS)
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._tail = b"\n"
+
+    def feed(self, chunk: bytes) -> None:
+        if self.seen:
+            return
+        joined = self._tail + chunk
+        # Each name must start a line: a data field quoting one is no event.
+        if any(b"\n" + event in joined for event in _TERMINAL_EVENTS):
+            self.seen = True
+        self._tail = joined[-self._LONGEST :]
+
+
+def output_deltas(chunk: bytes) -> int:
+    """Events of a Responses stream chunk that carry output (``*.delta``: text, reasoning,
+    function arguments), counted as output tokens (vLLM sends one per token by default)."""
+    return chunk.count(_DELTA)

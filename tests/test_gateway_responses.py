@@ -1,0 +1,440 @@
+"""OpenAI's Responses API through the gateway, alike on both data planes: a conversation
+continued by ``previous_response_id`` and the requests naming a stored response go to the
+engine that made it (the only one holding it, as vLLM keeps responses in its memory); ids
+never seen here are asked of the engines; streams without their terminal event are cut; a new
+conversation is routed by the chat prompt vLLM makes of it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from _gateway_harness import (  # noqa: F401 (the fixture)
+    MODEL,
+    Rig,
+    plane,
+    rig,
+    run,
+    until,
+)
+
+from llmsched.gateway.responses import (
+    ResponseIdScan,
+    ResponseOwners,
+    TerminalEventScan,
+    chat_request_of,
+    output_deltas,
+)
+from llmsched.testing.openai_engine import write_tokenizer
+from llmsched.tokenize import PromptTokenizer
+
+FAST_HEALTH = {"interval_s": 0.05, "timeout_s": 1.0}
+
+
+async def create(r: Rig, **fields: Any) -> tuple[int, dict[str, Any]]:
+    """POSTs a Responses request; (status, the response object or error body). A stream's
+    response object is its first event's."""
+    body = {"model": MODEL, "input": "hello", **fields}
+    async with r.client.post(r.url("/v1/responses"), json=body) as response:
+        if not fields.get("stream") or response.status != 200:
+            return response.status, json.loads(await response.read())
+        text = (await response.read()).decode()
+    assert text.rstrip().splitlines()[0] == "event: response.created", text
+    first = text.split("\n\n")[0].split("data: ", 1)[1]
+    assert "event: response.completed\n" in text, text
+    return 200, json.loads(first)["response"]
+
+
+def holder(r: Rig, response_id: str) -> int:
+    """The index of the engine storing ``response_id``."""
+    (index,) = [i for i, e in enumerate(r.engines) if response_id in e.responses]
+    return index
+
+
+def lookups(r: Rig, outcome: str) -> float:
+    return r.metric("llmsched_gateway_response_lookups_total", outcome=outcome)
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_conversation_continues_on_the_engine_holding_it() -> None:
+    async def main() -> None:
+        async with rig(engines=3) as r:
+            for conversation in range(4):
+                status, made = await create(r, input=f"conversation {conversation}")
+                assert status == 200, made
+                home = holder(r, made["id"])
+                for turn in range(4):
+                    # Any other engine answers 404: a 200 is the owner's answer.
+                    status, made = await create(
+                        r,
+                        input=f"turn {turn}",
+                        previous_response_id=made["id"],
+                        stream=turn % 2 == 1,
+                    )
+                    assert status == 200, made
+                    assert holder(r, made["id"]) == home
+            assert lookups(r, "owner") == 16
+            assert r.metric("llmsched_gateway_response_owners") == 20
+            assert (
+                r.metric("llmsched_gateway_requests_total", route="responses", status="200") == 20
+            )
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_get_and_cancel_of_a_stored_response_reach_its_engine() -> None:
+    async def main() -> None:
+        async with rig(engines=3) as r:
+            status, made = await create(r, background=True)
+            assert (status, made["status"]) == (200, "queued")
+            home = r.engines[holder(r, made["id"])]
+            async with r.client.get(r.url(f"/v1/responses/{made['id']}")) as got:
+                assert (got.status, (await got.json())["id"]) == (200, made["id"])
+            cancel = r.url(f"/v1/responses/{made['id']}/cancel")
+            async with r.client.post(cancel) as cancelled:
+                assert (cancelled.status, (await cancelled.json())["status"]) == (200, "cancelled")
+            async with r.client.post(cancel) as again:  # the engine's own 400, relayed
+                assert again.status == 400
+                assert "Cannot cancel" in (await again.json())["error"]["message"]
+            assert [p for p in home.paths() if p != "/v1/responses"] == [
+                f"/v1/responses/{made['id']}",
+                f"/v1/responses/{made['id']}/cancel",
+                f"/v1/responses/{made['id']}/cancel",
+            ]
+            others = [e for e in r.engines if e is not home]
+            assert not any(e.received for e in others)
+            assert (
+                r.metric("llmsched_gateway_requests_total", route="responses_by_id", status="200")
+                == 2
+            )
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_ids_made_elsewhere_are_asked_of_the_engines_once() -> None:
+    async def main() -> None:
+        async with rig(engines=3) as r:
+            # Made through another gateway replica (or before this one started).
+            async with r.client.post(
+                r.engines[2].url + "/v1/responses", json={"model": MODEL, "input": "elsewhere"}
+            ) as direct:
+                made = await direct.json()
+            status, continued = await create(r, previous_response_id=made["id"])
+            assert status == 200, continued
+            assert holder(r, continued["id"]) == 2
+            async with r.client.get(r.url(f"/v1/responses/{made['id']}")) as got:
+                assert got.status == 200
+            # Asked once (each engine at most once, in turn); known since.
+            asked = [p for e in r.engines for p in e.paths() if p == f"/v1/responses/{made['id']}"]
+            assert 1 <= len(asked) <= 3 + 1
+            assert (lookups(r, "located"), lookups(r, "owner")) == (1, 1)
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_id_no_engine_holds_is_a_404_naming_it() -> None:
+    async def main() -> None:
+        async with rig(engines=2) as r:
+            status, error = await create(r, previous_response_id="resp_gone")
+            assert status == 404
+            assert error["error"]["message"] == "Response with id 'resp_gone' not found."
+            assert error["error"]["type"] == "invalid_request_error"
+            for method, path in (("GET", "resp_gone"), ("POST", "resp_gone/cancel")):
+                async with r.client.request(method, r.url(f"/v1/responses/{path}")) as answer:
+                    assert answer.status == 404
+                    assert "resp_gone" in (await answer.json())["error"]["message"]
+            assert lookups(r, "not_found") == 3
+            # Nothing was generated anywhere.
+            assert not any(p == "/v1/responses" for e in r.engines for p in e.paths())
+            async with r.client.get(r.url("/v1/responses/")) as empty:
+                assert empty.status == 404
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_conversation_whose_engine_is_down_gets_a_503_not_another_engine() -> None:
+    async def main() -> None:
+        async with rig(engines=2, health=FAST_HEALTH, retries={"eject_s": 60}) as r:
+            _, made = await create(r)
+            home = holder(r, made["id"])
+            r.engines[home].health_status = 503
+            worker = str(r.gateway.config.engines[home].worker_id)
+            await until(lambda: worker not in r.gateway.routable_endpoints())
+            before = len(r.engines[1 - home].received)
+            async with r.client.post(
+                r.url("/v1/responses"),
+                json={"model": MODEL, "input": "next", "previous_response_id": made["id"]},
+            ) as answer:
+                assert answer.status == 503
+                assert answer.headers["x-llmsched-dropped-reason"] == "owner-unavailable"
+                assert "Retry-After" in answer.headers
+                assert made["id"] in (await answer.json())["error"]["message"]
+            assert len(r.engines[1 - home].received) == before
+            assert lookups(r, "owner_unavailable") == 1
+            # A new conversation is served by the engine left.
+            assert (await create(r, input="new"))[0] == 200
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("mode", ["no_done", "cut", "cut_mid_event"])
+def test_a_stream_without_its_terminal_event_ends_with_an_error_event(mode: str) -> None:
+    async def main() -> None:
+        async with rig(engines=1) as r:
+            r.engines[0].mode = mode
+            body = {"model": MODEL, "input": "hello", "stream": True}
+            async with r.client.post(r.url("/v1/responses"), json=body) as answer:
+                assert answer.status == 200
+                text = b""
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for chunk in answer.content.iter_any():
+                        text += chunk
+            events = text.decode().split("\n\n")
+            assert events[-1] == ""
+            name, data = events[-2].split("\n")
+            assert name == "event: error"
+            error = json.loads(data.removeprefix("data: "))
+            assert (error["type"], error["code"]) == ("error", "upstream_error")
+            assert "response.completed" not in text.decode()
+            assert (
+                r.metric(
+                    "llmsched_gateway_upstream_errors_total",
+                    endpoint=str(r.gateway.config.engines[0].worker_id),
+                    kind="truncated",
+                )
+                == 1
+            )
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_input_the_gateway_cannot_render_is_routed_unhashed() -> None:
+    async def main() -> None:
+        async with rig(engines=2) as r:
+            status, made = await create(
+                r, input=[{"type": "item_reference", "id": "msg_1"}], tools=[{"type": "x"}]
+            )
+            assert status == 200, made
+            assert r.metric("llmsched_gateway_responses_unhashed_total") == 1
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_engine_removed_takes_its_ids_with_it() -> None:
+    async def main() -> None:
+        async with rig(engines=2) as r:
+            status, made = await create(r)
+            home = holder(r, made["id"])
+            kept = r.gateway.config.engines[1 - home]
+            await r.gateway.set_engines([kept])
+            assert r.metric("llmsched_gateway_response_owners") == 0
+            status, error = await create(r, previous_response_id=made["id"])
+            assert status == 404, error
+
+    run(main())
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% endif %}"
+        "{% for c in m.get('tool_calls') or [] %}[call {{ c['function']['name'] }}]{% endfor %}"
+        "{{ eos_token }}\n{% endfor %}"
+        "{% for t in tools or [] %}[tool {{ t['function']['name'] }}]{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    return write_tokenizer(tmp_path_factory.mktemp("tok"), chat_template=template)
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_new_conversation_routes_by_the_chat_prompt_vllm_makes_of_it(
+    tokenizer_dir: Path,
+) -> None:
+    async def main() -> None:
+        async with rig(engines=2, tokenizer=str(tokenizer_dir)) as r:
+            for c in range(12):
+                system = f"you are assistant number {c} " + "tell me a story " * 8
+                user = f"hello there how are you today {c} " * 4
+                chat = {
+                    "model": MODEL,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": user},
+                    ],
+                }
+                async with r.client.post(r.url("/v1/chat/completions"), json=chat) as answer:
+                    assert answer.status == 200
+                home = r.engine_of_request(-1)
+                status, _ = await create(
+                    r,
+                    instructions=system,
+                    input=[{"type": "message", "role": "user", "content": user}],
+                )
+                assert status == 200
+                # Two engines, a random tie-break: 12 chance matches have probability 2**-12.
+                assert r.engine_of_request(-1) is home, c
+            assert r.metric("llmsched_gateway_responses_unhashed_total") == 0
+
+    run(main())
+
+
+# -- the conversion and the scanners -----------------------------------------------------
+
+
+def test_the_conversion_follows_vllm_item_by_item() -> None:
+    payload = {
+        "model": "m",
+        "instructions": "sys",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "a"}],
+            },
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+            {"role": "developer", "content": "d"},
+        ],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": "auto",
+        "reasoning": {"effort": "low"},
+    }
+    chat = chat_request_of(payload)
+    assert chat is not None
+    assert chat["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+        {
+            "role": "assistant",
+            "content": "a",
+            "tool_calls": [
+                {"id": "c1", "function": {"name": "f", "arguments": "{}"}, "type": "function"},
+                {"id": "c2", "function": {"name": "g", "arguments": "{}"}, "type": "function"},
+            ],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "developer", "content": "d"},
+    ]
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+    assert (chat["tool_choice"], chat["reasoning_effort"]) == ("auto", "low")
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert (chat["add_generation_prompt"], chat["continue_final_message"]) == (True, False)
+
+
+def test_the_conversion_continues_an_unfinished_last_message_and_keeps_set_kwargs() -> None:
+    chat = chat_request_of(
+        {
+            "input": [
+                {"role": "user", "content": "q"},
+                {"type": "message", "role": "assistant", "content": "par", "status": "incomplete"},
+            ],
+            "reasoning": {"effort": "none"},
+            "chat_template_kwargs": {"enable_thinking": True},
+        }
+    )
+    assert chat is not None
+    assert (chat["add_generation_prompt"], chat["continue_final_message"]) == (False, True)
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    # A tool call after an assistant message joins it; text after a call fills its content.
+    chat = chat_request_of(
+        {
+            "input": [
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": ""},
+                {"role": "assistant", "content": "then"},
+            ]
+        }
+    )
+    assert chat is not None
+    assert chat["messages"] == [
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c", "function": {"name": "f", "arguments": ""}, "type": "function"}
+            ],
+            "content": "then",
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"input": 3},
+        {"input": [{"type": "reasoning", "summary": []}]},
+        {"input": ["text"]},
+        {"input": "x", "tools": [{"type": "web_search"}]},
+        {"input": "x", "instructions": 5},
+        {"input": [{"type": "function_call", "namespace": "ns", "name": "f"}]},
+    ],
+)
+def test_the_conversion_leaves_what_it_does_not_cover(payload: dict[str, Any]) -> None:
+    assert chat_request_of(payload) is None
+
+
+def test_a_converted_request_tokenizes_as_the_chat_request(tokenizer_dir: Path) -> None:
+    tokenizer = PromptTokenizer(str(tokenizer_dir))
+    converted = chat_request_of(
+        {"model": "m", "instructions": "be brief", "input": "hello there", "tools": []}
+    )
+    assert converted is not None
+    chat = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello there"},
+        ],
+    }
+    assert tokenizer.chat_request_tokens(converted) == tokenizer.chat_request_tokens(chat)
+
+
+def test_owners_are_bounded_and_skip_overlong_ids() -> None:
+    owners = ResponseOwners(capacity=3)
+    for i in range(5):
+        owners.record(f"resp_{i}", f"e{i % 2}")
+    assert len(owners) == 3
+    assert owners.owner("resp_0") is None and owners.owner("resp_4") == "e0"
+    owners.owner("resp_2")  # used: kept over resp_3
+    owners.record("resp_5", "e1")
+    assert owners.owner("resp_2") == "e0" and owners.owner("resp_3") is None
+    owners.record("r" * 257, "e0")
+    assert owners.owner("r" * 257) is None
+    owners.forget_engine("e0")
+    assert len(owners) == 1
+
+
+def test_the_scanners_read_events_split_anywhere() -> None:
+    stream = (
+        b'event: response.created\ndata: {"response": {"id": "resp_9"}, "type": "x"}\n\n'
+        b'event: response.output_text.delta\ndata: {"delta": "a"}\n\n'
+        b'event: response.output_text.delta\ndata: {"delta": "event: response.completed"}\n\n'
+        b'event: response.completed\ndata: {"type": "response.completed"}\n\n'
+    )
+    for cut in range(1, len(stream)):
+        ids, done = ResponseIdScan(), TerminalEventScan()
+        for part in (stream[:cut], stream[cut:]):
+            ids.feed(part)
+            done.feed(part)
+        assert ids.id == "resp_9" and done.seen, cut
+    unfinished = stream.rsplit(b"event: response.completed\n", 1)[0]
+    done = TerminalEventScan()
+    done.feed(unfinished)
+    assert not done.seen  # a data field quoting the name is no event
+    assert output_deltas(stream) == 2
+    first_without_id = ResponseIdScan()
+    first_without_id.feed(b"event: x\ndata: {}\n\n" + stream)
+    assert first_without_id.id is None
