@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from llmsched.gateway.responses import chat_request_of
+
 from .gateway_thread import GatewayThread, gateway_config
 from .vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, scaled
 
@@ -270,6 +272,76 @@ def test_conversations_return_to_the_engine_holding_their_prefix(
             messages.append({"role": "assistant", "content": answer})
             time.sleep(0.3)  # let the engine's KV events for this turn reach the index
     assert turns_checked == 12
+
+
+def test_responses_conversations_stay_on_the_engine_holding_them(
+    engines: list[VllmEngine], gateway: GatewayThread
+) -> None:
+    """The Responses API through the gateway. A new conversation routes by the chat prompt
+    vLLM makes of it: the engine's prompt is as long as the gateway's, and it lands on the
+    engine holding its prefix with the prefix-cache hits the index predicted. Each later turn
+    (``previous_response_id``) goes to the engine that stored the previous response (any other
+    answers 404), as does a GET of it."""
+    index = gateway.gateway.index
+    rng = random.Random(11)
+    for c in range(5):
+        system, first = f"responses {c}: " + sentence(rng, 40), sentence(rng, 20)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+        status, _, body = gateway.post(
+            "/v1/chat/completions",
+            {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0},
+        )
+        assert status == 200, body
+        answer = json.loads(body)["choices"][0]["message"]["content"]
+        time.sleep(0.3)  # the engine's KV events reach the index
+        request = {
+            "model": MODEL_NAME,
+            "instructions": system,
+            "input": [
+                {"type": "message", "role": "user", "content": first},
+                {"type": "message", "role": "assistant", "content": answer},
+                {"role": "user", "content": [{"type": "input_text", "text": sentence(rng, 9)}]},
+            ],
+            "max_output_tokens": 4,
+            "temperature": 0,
+        }
+        chat = chat_request_of(request)
+        assert chat is not None
+        tokens = gateway.chat_request_tokens(chat)
+        cached = index.match_tokens(np.asarray(tokens, dtype=np.uint32)).as_dict()
+        home = max(cached, key=lambda w: cached[w])
+        before_q, before_h = queries(engines), hits(engines)
+        status, _, body = gateway.post("/v1/responses", request)
+        assert status == 200, body
+        made = json.loads(body)
+        assert made["usage"]["input_tokens"] == len(tokens)
+        served = served_by(before_q, queries(engines))
+        assert gateway.gateway.config.engines[served].worker_id == home, f"conversation {c}"
+        predicted = min(cached[home], (len(tokens) - 1) // BLOCK_SIZE) * BLOCK_SIZE
+        assert hits(engines)[served] - before_h[served] == predicted
+        for turn in range(2):
+            before_q = queries(engines)
+            status, _, body = gateway.post(
+                "/v1/responses",
+                {
+                    "model": MODEL_NAME,
+                    "input": sentence(rng, 8),
+                    "previous_response_id": made["id"],
+                    "max_output_tokens": 4,
+                    "stream": turn == 1,
+                },
+            )
+            assert status == 200, body
+            assert served_by(before_q, queries(engines)) == served, f"{c}: turn {turn} moved"
+            if turn == 0:
+                made = json.loads(body)
+        conn = gateway.connection()
+        try:
+            conn.request("GET", f"/v1/responses/{made['id']}")
+            reply = conn.getresponse()
+            assert (reply.status, json.loads(reply.read())["id"]) == (200, made["id"])
+        finally:
+            conn.close()
 
 
 LONG_TOKENS = 1900  # about 4 s of generation for the tiny model on two cores

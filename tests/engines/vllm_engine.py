@@ -203,6 +203,9 @@ class VllmEngine:
             HF_HUB_OFFLINE="1",
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1",
+            # Responses are stored (in the engine's memory), so a conversation can continue by
+            # previous_response_id: only the engine that made a response holds it.
+            VLLM_ENABLE_RESPONSES_API_STORE="1",
             # By default every engine binds core 0 and its OpenMP thread spins between steps,
             # which starves the API servers on a two-core machine: the first streamed chunk
             # then arrives only after the whole generation. One core each, and sleeping waits.
