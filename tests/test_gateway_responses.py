@@ -178,6 +178,10 @@ def test_a_conversation_whose_engine_is_down_gets_a_503_not_another_engine() -> 
                 assert made["id"] in (await answer.json())["error"]["message"]
             assert len(r.engines[1 - home].received) == before
             assert lookups(r, "owner_unavailable") == 1
+            # Asked about itself, the response's engine still answers out of routing (as a
+            # drained one does): the GET reaches it.
+            async with r.client.get(r.url(f"/v1/responses/{made['id']}")) as got:
+                assert got.status == 200
             # A new conversation is served by the engine left.
             assert (await create(r, input="new"))[0] == 200
 

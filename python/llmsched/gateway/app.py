@@ -702,13 +702,17 @@ class Gateway:
                     output_tokens=slot.output_tokens if key_tokens is None else key_tokens
                 )
 
-    async def _response_engine(self, response_id: str, deadline: float) -> str:
-        """The engine holding stored response ``response_id``, routable now: known from its
-        answer, else asked of the engines (:meth:`_locate`). Refusal: 404 when no engine has
-        it, 503 when its engine is out of routing (no other can answer for it)."""
+    async def _response_engine(
+        self, response_id: str, deadline: float, *, generating: bool = True
+    ) -> str:
+        """The engine holding stored response ``response_id``: known from its answer, else
+        asked of the engines (:meth:`_locate`). Refusal: 404 when no engine has it; 503 when
+        ``generating`` (a conversation continued) and its engine is out of routing: no other
+        can answer for it. A request about the response itself (``GET``, ``cancel``) goes to
+        its engine whatever its routing state (drained, it still answers)."""
         engine = self.response_owners.owner(response_id)
         if engine is not None and engine in self._specs:
-            if engine not in self.routable_endpoints():
+            if generating and engine not in self.routable_endpoints():
                 self.metrics.response_lookups.labels("owner_unavailable").inc()
                 raise Refusal(
                     503,
@@ -766,7 +770,7 @@ class Gateway:
             response_id = request.match_info["tail"].split("/", 1)[0]
             if not response_id:
                 raise Refusal(404, "not_found", "not found")
-            engine = await self._response_engine(response_id, deadline)
+            engine = await self._response_engine(response_id, deadline, generating=False)
         except Refusal as refusal:
             return self.refuse(route, refusal)
         url = URL(self._specs[engine].base_url + request.raw_path, encoded=True)
