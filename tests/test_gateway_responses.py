@@ -189,6 +189,25 @@ def test_a_conversation_whose_engine_is_down_gets_a_503_not_another_engine() -> 
 
 
 @pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("mode", ["error500", "drop"])
+def test_a_conversation_is_not_retried_on_an_engine_without_it(mode: str) -> None:
+    async def main() -> None:
+        async with rig(engines=3) as r:
+            _, made = await create(r)
+            home = holder(r, made["id"])
+            before = [len(e.received) for e in r.engines]
+            status, error = await create(r, previous_response_id=made["id"], x_fake_mode=mode)
+            # Another engine would answer 404 for a response it never stored.
+            assert status == 502, error
+            after = [len(e.received) for e in r.engines]
+            assert [a - b for a, b in zip(after, before, strict=True)] == [
+                int(i == home) for i in range(3)
+            ]
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
 @pytest.mark.parametrize("mode", ["no_done", "cut", "cut_mid_event"])
 def test_a_stream_without_its_terminal_event_ends_with_an_error_event(mode: str) -> None:
     async def main() -> None:

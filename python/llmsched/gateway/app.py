@@ -971,7 +971,7 @@ class Gateway:
             return self.refuse(route, self._no_engine_refusal())
         self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
         response, slot.output_tokens = await self._proxy(
-            request, route, incoming.body, placement, incoming.deadline
+            request, route, incoming.body, placement, incoming.deadline, pinned=first is not None
         )
         return response
 
@@ -1201,16 +1201,22 @@ class Gateway:
         body: bytes,
         placement: Placement,
         deadline: float,
+        *,
+        pinned: bool = False,
     ) -> tuple[web.StreamResponse, int]:
         """Sends to the placed endpoint, then (:meth:`Placement.retry`) to the fallbacks while
         attempts fail before the engine's status line (or get a 5xx). Returns the response
         sent and the output tokens counted. The placement's exit settles the accounting: a
-        failed request drops its approximate prefix record, a client gone cancels it."""
+        failed request drops its approximate prefix record, a client gone cancels it.
+        ``pinned``: only the placed endpoint can run it (it holds the request's state): no
+        fallback is tried, as any other would answer 404."""
         # Failures the request itself may have caused (a 5xx, a connection dropped before the
         # status line), held until it ends: see _settle_held.
         held: list[tuple[str, str]] = []
         try:
-            return await self._proxy_attempts(request, route, body, placement, deadline, held)
+            return await self._proxy_attempts(
+                request, route, body, placement, deadline, held, pinned=pinned
+            )
         finally:
             self._settle_held(held, unanswered=False)
 
@@ -1240,6 +1246,8 @@ class Gateway:
         placement: Placement,
         deadline: float,
         held: list[tuple[str, str]],
+        *,
+        pinned: bool = False,
     ) -> tuple[web.StreamResponse, int]:
         with placement:
             while True:
@@ -1282,7 +1290,7 @@ class Gateway:
                     self.metrics.truncated.labels(endpoint, "error").inc()
                     return self.refuse(route, Refusal(502, "upstream_error", str(truncated))), 0
                 # The attempt failed before the engine took the request: the next endpoint.
-                if placement.attempts >= self.config.retries.max_attempts:
+                if pinned or placement.attempts >= self.config.retries.max_attempts:
                     break
                 if time.monotonic() >= deadline:
                     placement.fail()
