@@ -44,6 +44,11 @@
 //! (503 while no engine is routable), `GET /metrics` (the Python plane's metric names) and
 //! `GET /v1/models` (the configured models) are served natively.
 //!
+//! `POST /v1/responses` (OpenAI's Responses API) is served as a generation request, routed on
+//! the chat request vLLM makes of it; a conversation continued by `previous_response_id`, and
+//! every request under `/v1/responses/{id}`, goes to the engine holding that response, which
+//! alone can answer it ([`responses`]).
+//!
 //! With a tokenizer the prompt is the engine's token ids ([`tokenize`], with the piece cache
 //! of [`tokcache`]). Token slices ([`slicing`]), the admin API ([`admin`]), the usage that
 //! replica sync shares ([`usage`]) and the engines' KV-event feed ([`kv_events`]) are modules
@@ -61,6 +66,7 @@ pub mod metrics;
 pub mod payload;
 pub mod pool;
 pub mod pyvalues;
+pub mod responses;
 pub mod slicing;
 pub mod templates;
 pub mod tokcache;
@@ -349,6 +355,11 @@ struct Upstream {
     /// The origin-form targets of completion requests (what the request line carries).
     completions_path: Uri,
     chat_path: Uri,
+    /// The origin-form target of `POST /v1/responses`.
+    responses_path: Uri,
+    /// The base URL's path (empty, or `/prefix` without a trailing `/`): by-id requests go to
+    /// it followed by their own path and query.
+    prefix: String,
     /// Keep-alive connections for completion requests.
     connections: pool::Connections,
     metrics: Uri,
@@ -396,6 +407,8 @@ struct Gateway {
     /// Whether decisions hash the prompt (the router reads the prefix match, or
     /// `record_unread_prefixes` asks for its records anyway).
     hashes_prompts: bool,
+    /// Which engine holds each stored response ([`responses`]).
+    owners: Arc<responses::Owners>,
 }
 
 /// More exposition text for `/metrics`, from the embedding program (the Python side's
@@ -479,6 +492,8 @@ fn upstream(entry: &EngineEntry, config: &GatewayConfig) -> Result<Upstream, Con
         completions: at("/v1/completions")?,
         completions_path: path("/v1/completions")?,
         chat_path: path("/v1/chat/completions")?,
+        responses_path: path("/v1/responses")?,
+        prefix: prefix.to_owned(),
         connections,
         metrics: at("/metrics")?,
         models: at("/v1/models")?,
@@ -654,6 +669,7 @@ fn build(
         suspect: tokio::sync::Notify::new(),
         hashes_prompts: config.record_unread_prefixes
             || source.router().config().reads_prefix_match(),
+        owners: Arc::new(responses::Owners::default()),
         source,
         config,
     };
@@ -1384,6 +1400,10 @@ impl Gateway {
         if let Some(slicing) = &self.slicing {
             slicing.add_endpoints(&added);
         }
+        // Another engine (or this one restarted) holds none of its stored responses.
+        for gone in &removed {
+            self.owners.forget_engine(gone);
+        }
         let changes = added.len() + removed.len();
         *self.upstreams.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
         if !current.list.is_empty() {
@@ -1527,8 +1547,12 @@ impl Gateway {
             (&Method::GET, "/v1/models") => Ok(self.models(&request).await),
             (&Method::POST, "/v1/completions") => Ok(self.complete(request, "completions").await),
             (&Method::POST, "/v1/chat/completions") => Ok(self.complete(request, "chat").await),
+            (&Method::POST, "/v1/responses") => Ok(self.complete(request, "responses").await),
+            (_, "/v1/responses/") => Ok(self.by_id(request).await),
             (_, "/health" | "/ready" | "/metrics" | "/v1/models") => Ok(method_not_allowed("GET")),
-            (_, "/v1/completions" | "/v1/chat/completions") => Ok(method_not_allowed("POST")),
+            (_, "/v1/completions" | "/v1/chat/completions" | "/v1/responses") => {
+                Ok(method_not_allowed("POST"))
+            }
             (_, "/admin/") => match self.admin(request).await {
                 Some(answer) => Ok(answer),
                 None => Ok(refusal(&Refusal::new(404, "not_found", "not found"))),
@@ -1619,6 +1643,13 @@ impl Gateway {
         if let Some(extra) = &self.extra_metrics {
             out.push_str(&extra());
         }
+        metrics::gauge(
+            &mut out,
+            "response_owners",
+            "Stored responses whose engine the gateway knows",
+            &[],
+            self.owners.len() as f64,
+        );
         metrics::gauge(
             &mut out,
             "tenants",
@@ -1789,6 +1820,41 @@ impl Gateway {
         }
     }
 
+    /// A request's body, read up to `max_body` (413, and the connection closed; one declared
+    /// larger is refused before it is read) within `body_timeout_s` (408).
+    async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<Bytes, Refusal> {
+        let declared = headers
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let too_large = || Refusal {
+            close: true,
+            ..Refusal::new(413, "request_too_large", "the request body is too large")
+        };
+        if declared.is_some_and(|n| n > self.config.max_body as u64) {
+            // Answered before the body is read: the rest is read and dropped meanwhile, or
+            // the close over it would reset the connection and a client still sending it
+            // would lose the 413.
+            tokio::spawn(drain_refused_body(body, self.config.max_body));
+            return Err(too_large());
+        }
+        let read = Limited::new(body, self.config.max_body).collect();
+        match tokio::time::timeout(Duration::from_secs_f64(self.config.body_timeout_s), read).await
+        {
+            Err(_) => Err(Refusal {
+                close: true,
+                ..Refusal::new(408, "request_timeout", "the request body did not arrive in time")
+            }),
+            Ok(Ok(collected)) => Ok(collected.to_bytes()),
+            Ok(Err(err)) if err.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                Err(too_large())
+            }
+            Ok(Err(_)) => {
+                Err(Refusal::new(400, "invalid_request_error", "the body did not arrive"))
+            }
+        }
+    }
+
     async fn serve_completion(
         self: &Arc<Self>,
         request: Request<Incoming>,
@@ -1805,51 +1871,7 @@ impl Gateway {
             }
         };
         let (parts, body) = request.into_parts();
-        let declared = parts
-            .headers
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        let too_large = || Refusal {
-            close: true,
-            ..Refusal::new(413, "request_too_large", "the request body is too large")
-        };
-        if declared.is_some_and(|n| n > self.config.max_body as u64) {
-            // Answered before the body is read: the rest is read and dropped meanwhile, or
-            // the close over it would reset the connection and a client still sending it
-            // would lose the 413.
-            tokio::spawn(drain_refused_body(body, self.config.max_body));
-            return Err(too_large());
-        }
-        let read = Limited::new(body, self.config.max_body).collect();
-        let raw =
-            match tokio::time::timeout(Duration::from_secs_f64(self.config.body_timeout_s), read)
-                .await
-            {
-                Err(_) => {
-                    return Err(Refusal {
-                        close: true,
-                        ..Refusal::new(
-                            408,
-                            "request_timeout",
-                            "the request body did not arrive in time",
-                        )
-                    })
-                }
-                Ok(Ok(collected)) => collected.to_bytes(),
-                Ok(Err(err))
-                    if err.downcast_ref::<http_body_util::LengthLimitError>().is_some() =>
-                {
-                    return Err(too_large());
-                }
-                Ok(Err(_)) => {
-                    return Err(Refusal::new(
-                        400,
-                        "invalid_request_error",
-                        "the body did not arrive",
-                    ))
-                }
-            };
+        let raw = self.read_body(&parts.headers, body).await?;
         let payload = Payload::parse(&raw)
             .map_err(|problem| Refusal::new(400, "invalid_request_error", problem.to_string()))?;
         check_fields(&payload)?;
@@ -1877,26 +1899,27 @@ impl Gateway {
             )
             .param("model"));
         }
-        let tokens = if self.tokenizer.is_some() && raw.len() >= OFFLOADED_PROMPT_BYTES {
+        let prompt = if self.tokenizer.is_some() && raw.len() >= OFFLOADED_PROMPT_BYTES {
             // Tokenizing a long prompt takes milliseconds to seconds: off the threads that
             // serve every other request (with one, they would all wait for it).
-            let (gateway, body, chat) = (self.clone(), raw.clone(), route == "chat");
+            let (gateway, body) = (self.clone(), raw.clone());
             let tokenized = tokio::task::spawn_blocking(move || {
                 let payload = Payload::parse(&body).map_err(|problem| {
                     Refusal::new(400, "invalid_request_error", problem.to_string())
                 })?;
-                gateway.prompt_tokens(&payload, chat)
+                gateway.request_prompt(&payload, &body, route)
             });
             tokenized.await.map_err(|_| {
                 Refusal::new(500, "internal_error", "tokenizing the prompt failed")
             })??
         } else {
-            self.prompt_tokens(&payload, route == "chat")?
+            self.request_prompt(&payload, &raw, route)?
         };
+        let Prompt { tokens, size: prompt_size, previous } = prompt;
         let sse = payload.stream();
         let limiter = match &identity.limiter {
             Some(limiter) => {
-                limiter.acquire(tokens.len() as u64, monotonic()).map_err(|over| {
+                limiter.acquire(prompt_size as u64, monotonic()).map_err(|over| {
                     let what = if over.reason == "concurrency-limited" {
                         "requests in progress"
                     } else {
@@ -1926,7 +1949,7 @@ impl Gateway {
                 let admit = flow.admit(
                     &identity.tenant,
                     identity.priority,
-                    tokens.len() as u64,
+                    prompt_size as u64,
                     raw.len() as u64,
                     deadline,
                     monotonic,
@@ -1993,7 +2016,17 @@ impl Gateway {
             cache_salt: payload.str("cache_salt").map(Cow::into_owned),
             ..RequestMeta::default()
         };
-        let sliced = self.slicing.as_ref().and_then(|s| s.assembler(&payload, route == "chat"));
+        // A conversation continued by `previous_response_id` goes to the engine holding it.
+        let owner = match &previous {
+            Some(id) => Some(self.response_owner(id, deadline, true).await?),
+            None => None,
+        };
+        // The Responses API is never sliced.
+        let sliced = self
+            .slicing
+            .as_ref()
+            .filter(|_| route != "responses")
+            .and_then(|s| s.assembler(&payload, route == "chat"));
         if let Some(assembler) = sliced {
             self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
             let run = slicing::SlicedRequest::new(
@@ -2022,8 +2055,13 @@ impl Gateway {
             Err(err) => return Err(Refusal::new(400, "invalid_request_error", err.to_string())),
         };
         let prefill = decision.prefill().map(|p| decision.endpoint(p).address.clone());
-        let ranked: Vec<WorkerKey> =
+        let mut ranked: Vec<WorkerKey> =
             decision.ranked().map(|c| decision.endpoint(c).id.clone()).collect();
+        if let Some(owner) = &owner {
+            // Its engine, whatever the decision, and no other: any other would answer 404 for
+            // a response it never stored (a failed attempt there is a 502).
+            ranked = vec![owner.key.clone()];
+        }
         let upstreams = self.upstreams();
         let guards = Guards { slot, limiter };
         let attempts = self.config.retries + 1;
@@ -2040,8 +2078,11 @@ impl Gateway {
             if tried > 1 {
                 self.counters.retries.fetch_add(1, Ordering::Relaxed);
             }
-            let path =
-                if route == "chat" { &upstream.chat_path } else { &upstream.completions_path };
+            let path = match route {
+                "chat" => &upstream.chat_path,
+                "responses" => &upstream.responses_path,
+                _ => &upstream.completions_path,
+            };
             let mut forward = Request::new(Full::new(raw.clone()));
             *forward.method_mut() = Method::POST;
             *forward.uri_mut() = path.clone();
@@ -2127,11 +2168,21 @@ impl Gateway {
                 }
             }
             self.settle_held(&held, false);
+            let responses = route == "responses";
+            let learns = responses && answer.status().is_success();
             let relaying = Relaying {
                 ticket: Some(ticket),
                 guards: Some(guards),
                 route: Some(route),
                 lease: Some(lease),
+                responses,
+                // Learned from the first event on: the stream's own client may ask for the
+                // response (or cancel it) before the stream ends.
+                id_scan: learns.then(|| OwnerScan {
+                    owners: self.owners.clone(),
+                    engine: upstream.label.clone(),
+                    scan: responses::IdScan::default(),
+                }),
                 ..Relaying::completion(self, upstream, sse, deadline)
             };
             // A JSON answer whose end is the connection's close is read whole and checked:
@@ -2245,6 +2296,243 @@ impl Gateway {
         }
     }
 
+    /// The prompt of a request on `route` (`raw` its body): the ids the router hashes
+    /// ([`Gateway::prompt_tokens`]), or a responses request's ([`Gateway::responses_prompt`]).
+    fn request_prompt(
+        &self,
+        payload: &Payload<'_>,
+        raw: &[u8],
+        route: &str,
+    ) -> Result<Prompt, Refusal> {
+        if route == "responses" {
+            return self.responses_prompt(raw);
+        }
+        let tokens = self.prompt_tokens(payload, route == "chat")?;
+        Ok(Prompt { size: tokens.len(), tokens, previous: None })
+    }
+
+    /// The prompt of a `POST /v1/responses` request: the chat request vLLM makes of it
+    /// ([`responses::chat_request_of`]), tokenized (or hashed) as a chat request is. A
+    /// conversation continued by `previous_response_id` is not hashed: the engine puts its
+    /// stored conversation first, which the gateway cannot see, so the blocks of the new input
+    /// alone would be recorded for blocks the engine never caches; its engine is found by the
+    /// id instead. An input the conversion does not cover, or that the chat path refuses (an
+    /// image part, say: the engine's to take or refuse), is routed unhashed and counted.
+    /// Without hashes, the prompt's size for limits and flow control is a quarter of its
+    /// `input`'s JSON bytes.
+    fn responses_prompt(&self, raw: &[u8]) -> Result<Prompt, Refusal> {
+        let unhashed = |size: usize| {
+            self.counters.responses_unhashed.fetch_add(1, Ordering::Relaxed);
+            Ok(Prompt { tokens: Vec::new(), size, previous: None })
+        };
+        // A body Payload read but serde_json's Value does not (a number past f64's range).
+        let Ok(body) = serde_json::from_slice::<Value>(raw) else { return unhashed(0) };
+        let size = body.get("input").map_or(4, |input| input.to_string().len()) / 4;
+        match body.get("previous_response_id") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(id)) if !id.is_empty() => {
+                return Ok(Prompt { tokens: Vec::new(), size, previous: Some(id.clone()) });
+            }
+            Some(_) => {
+                return Err(Refusal::new(
+                    400,
+                    "invalid_request_error",
+                    "'previous_response_id' must be a non-empty string",
+                )
+                .param("previous_response_id"))
+            }
+        }
+        let Some(chat) = responses::chat_request_of(&body) else { return unhashed(size) };
+        if chat["messages"].as_array().is_none_or(Vec::is_empty) {
+            // Nothing to hash (and nothing vLLM would render but a generation prompt).
+            return Ok(Prompt { tokens: Vec::new(), size: 0, previous: None });
+        }
+        let Ok(text) = serde_json::to_vec(&chat) else { return unhashed(size) };
+        let Ok(payload) = Payload::parse(&text) else { return unhashed(size) };
+        match self.prompt_tokens(&payload, true) {
+            Ok(tokens) => Ok(Prompt { size: tokens.len(), tokens, previous: None }),
+            Err(_) => unhashed(size),
+        }
+    }
+
+    /// The engine holding stored response `id`: known from its answer, else asked of the
+    /// engines ([`Gateway::locate`]); counted by outcome. `routable`: the engine must be in
+    /// routing (a request continuing the conversation; a 503 `owner-unavailable` otherwise),
+    /// else it need only be configured (a by-id request: no other engine can answer it). No
+    /// engine holds it: 404, as vLLM answers it.
+    async fn response_owner(
+        &self,
+        id: &str,
+        deadline: f64,
+        routable: bool,
+    ) -> Result<Arc<Upstream>, Refusal> {
+        let lookups = &self.counters.response_lookups;
+        let upstreams = self.upstreams();
+        let known = self
+            .owners
+            .owner(id)
+            .and_then(|engine| upstreams.list.iter().find(|u| *u.label == *engine).cloned());
+        if let Some(upstream) = known {
+            if routable && !in_routing(&upstream, &self.router().pool().snapshot()) {
+                lookups.inc(&["owner_unavailable"]);
+                return Err(Refusal::new(
+                    503,
+                    "service_unavailable",
+                    format!("the engine holding response '{id}' is not available"),
+                )
+                .dropped("owner-unavailable", self.config.retry_after_s.to_string()));
+            }
+            lookups.inc(&["owner"]);
+            return Ok(upstream);
+        }
+        if let Some(upstream) = self.locate(id, deadline).await {
+            lookups.inc(&["located"]);
+            return Ok(upstream);
+        }
+        lookups.inc(&["not_found"]);
+        let param = if routable { "previous_response_id" } else { "response_id" };
+        Err(Refusal::new(
+            404,
+            "invalid_request_error",
+            format!("Response with id '{id}' not found."),
+        )
+        .param(param))
+    }
+
+    /// Asks the engines in routing, one at a time, for stored response `id` (`GET
+    /// /v1/responses/{id}`, within the read timeout or 5 s each); the first to answer 200
+    /// holds it, and is recorded. For ids this gateway never saw: made before it started, or
+    /// through another replica.
+    async fn locate(&self, id: &str, deadline: f64) -> Option<Arc<Upstream>> {
+        let upstreams = self.upstreams();
+        let each = self.config.read_timeout_s.unwrap_or(5.0);
+        for upstream in &upstreams.list {
+            if !in_routing(upstream, &self.router().pool().snapshot()) {
+                continue;
+            }
+            let left = deadline - monotonic();
+            if left <= 0.0 {
+                return None;
+            }
+            let Ok(uri) = format!("{}/v1/responses/{id}", upstream.prefix).parse::<Uri>() else {
+                return None;
+            };
+            let mut ask = Request::new(Full::new(Bytes::new()));
+            *ask.uri_mut() = uri;
+            let asked = async {
+                let (answer, lease) = upstream.connections.send(ask).await.ok()?;
+                let found = answer.status() == StatusCode::OK;
+                // Read to its end, so that the connection can serve again.
+                Limited::new(answer.into_body(), 8 << 20).collect().await.ok()?;
+                lease.release();
+                Some(found)
+            };
+            let wait = Duration::from_secs_f64(each.min(left).max(0.001));
+            if let Ok(Some(true)) = tokio::time::timeout(wait, asked).await {
+                self.owners.record(id, &upstream.id);
+                return Some(upstream.clone());
+            }
+        }
+        None
+    }
+
+    /// `/v1/responses/{id}` and the paths under it (`cancel`, `input_items`), any method:
+    /// relayed (method, path, query, body, `Content-Type` and `Accept`) to the engine
+    /// holding the response, which alone can answer it; never retried elsewhere.
+    /// Authenticated, but not admitted through flow control or the key's limits: no
+    /// generation runs.
+    async fn by_id(self: &Arc<Self>, request: Request<Incoming>) -> Answer {
+        let deadline = monotonic() + self.config.total_timeout_s.unwrap_or(1e9);
+        match self.serve_by_id(request, deadline).await {
+            Ok(answer) => answer,
+            Err(refused) => {
+                let close = refused.close;
+                let mut answer = self.refuse(BY_ID_ROUTE, refused);
+                if close {
+                    answer
+                        .headers_mut()
+                        .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                answer
+            }
+        }
+    }
+
+    async fn serve_by_id(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+        deadline: f64,
+    ) -> Result<Answer, Refusal> {
+        if let Err(refused) = self.identify(request.headers()) {
+            tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+            return Err(refused);
+        }
+        let (parts, body) = request.into_parts();
+        let raw = self.read_body(&parts.headers, body).await?;
+        let path_and_query = parts.uri.path_and_query().map_or("", |p| p.as_str());
+        let id = match responses::id_of_path(parts.uri.path()) {
+            Some(id) if id.contains('%') => admin::percent_decoded(id),
+            Some(id) => Some(id.to_owned()),
+            None => None,
+        };
+        let Some(id) = id.filter(|id| !id.is_empty()) else {
+            return Err(Refusal::new(404, "not_found", "not found"));
+        };
+        let upstream = self.response_owner(&id, deadline, false).await?;
+        let uri = format!("{}{path_and_query}", upstream.prefix)
+            .parse::<Uri>()
+            .map_err(|_| Refusal::new(404, "not_found", "not found"))?;
+        let mut forward = Request::new(Full::new(raw));
+        *forward.method_mut() = parts.method.clone();
+        *forward.uri_mut() = uri;
+        for name in [CONTENT_TYPE, hyper::header::ACCEPT] {
+            if let Some(value) = parts.headers.get(&name) {
+                forward.headers_mut().insert(name, value.clone());
+            }
+        }
+        let sent = upstream.connections.send(forward);
+        let answered = match self.config.read_timeout_s {
+            None => Ok(sent.await),
+            Some(read) => {
+                let wait = read.min((deadline - monotonic()).max(0.0));
+                tokio::time::timeout(Duration::from_secs_f64(wait), sent).await
+            }
+        };
+        let (answer, lease) = match answered {
+            Err(_) => {
+                self.counters.upstream_errors.inc(&[&upstream.id, "timeout"]);
+                return Err(Refusal::new(504, "timeout", "the engine did not answer in time"));
+            }
+            Ok(Err(_)) => {
+                self.counters.upstream_errors.inc(&[&upstream.id, "connect"]);
+                return Err(Refusal::new(
+                    502,
+                    "upstream_error",
+                    "the engine holding the response failed",
+                ));
+            }
+            Ok(Ok(answered)) => answered,
+        };
+        if answer.status().is_informational()
+            || answer.status().as_u16() >= 600
+            || coded_transfer(answer.headers())
+        {
+            self.counters.upstream_errors.inc(&[&upstream.id, "broken"]);
+            return Err(Refusal::new(
+                502,
+                "upstream_error",
+                "the engine holding the response failed",
+            ));
+        }
+        let relaying = Relaying {
+            route: Some(BY_ID_ROUTE),
+            lease: Some(lease),
+            responses: true,
+            ..Relaying::completion(self, &upstream, false, deadline)
+        };
+        Ok(relay(answer, Relaying { completion: false, ..relaying }))
+    }
+
     /// The ids the router hashes: with a tokenizer, the engine's; without, token ids as
     /// given and text as pseudo-tokens. A tokenizer's failure (a malformed conversation, a
     /// template that refuses it) is a 400 naming the problem; nothing it does can panic
@@ -2333,8 +2621,13 @@ impl Gateway {
         if let Some(lease) = relaying.lease.take() {
             lease.release();
         }
-        let mut tokens = TokenCount::default();
+        let mut tokens = TokenCount { responses: relaying.responses, ..TokenCount::default() };
         tokens.feed(&bytes, false);
+        if let Some(scan) = relaying.id_scan.take() {
+            if let Some(id) = responses::response_id_of(&bytes) {
+                scan.owners.record(&id, &scan.engine);
+            }
+        }
         if let Some(mut ticket) = relaying.ticket.take() {
             ticket.first_token();
             ticket.finish();
@@ -2351,6 +2644,33 @@ impl Gateway {
             }
         }
         Ok(out)
+    }
+}
+
+/// A request's prompt as routed.
+struct Prompt {
+    /// The ids the router hashes (none for a prompt not hashed).
+    tokens: Vec<u32>,
+    /// Its size in tokens for the key's limits and flow control (estimated when not hashed).
+    size: usize,
+    /// A responses request's `previous_response_id`.
+    previous: Option<String>,
+}
+
+/// The search for a Responses stream's id ([`responses::IdScan`]), recorded as `engine`'s
+/// once found.
+struct OwnerScan {
+    owners: Arc<responses::Owners>,
+    engine: Arc<str>,
+    scan: responses::IdScan,
+}
+
+impl OwnerScan {
+    /// Reads the next bytes of the stream.
+    fn feed(&mut self, data: &[u8]) {
+        if let Some(id) = self.scan.feed(data) {
+            self.owners.record(id, &self.engine);
+        }
     }
 }
 
@@ -2516,6 +2836,11 @@ struct Relaying {
     sse: bool,
     read_timeout: Option<Duration>,
     deadline: Option<tokio::time::Instant>,
+    /// A Responses API answer: its stream ends with a terminal event (no `[DONE]`), its
+    /// output tokens are its `*.delta` events or `usage.output_tokens`.
+    responses: bool,
+    /// Where a Responses stream's id is recorded (a 2xx answer to `POST /v1/responses`).
+    id_scan: Option<OwnerScan>,
 }
 
 impl Relaying {
@@ -2531,6 +2856,8 @@ impl Relaying {
             sse: false,
             read_timeout: None,
             deadline: None,
+            responses: false,
+            id_scan: None,
         }
     }
 
@@ -2547,6 +2874,8 @@ impl Relaying {
             sse,
             read_timeout: gateway.config.read_timeout_s.map(Duration::from_secs_f64),
             deadline: gateway.config.total_timeout_s.map(|_| tokio::time::Instant::now() + left),
+            responses: false,
+            id_scan: None,
         }
     }
 }
@@ -2568,11 +2897,16 @@ fn relay_parts(
     // An engine's event stream is whole only with its `[DONE]` (vLLM and SGLang end every
     // stream so, an error event included): a stream ended by the connection's close, or one
     // that ends cleanly without it, is cut.
+    // A Responses stream's end is its terminal event ([`responses::TerminalScan`]).
     let done = if event_stream
-        && (relaying.completion && parts.status.is_success()
+        && ((relaying.completion || relaying.responses) && parts.status.is_success()
             || ends_at_close(parts.status, &parts.headers))
     {
-        DoneScan::Looking(Vec::new())
+        if relaying.responses {
+            DoneScan::Events(responses::TerminalScan::default())
+        } else {
+            DoneScan::Looking(Vec::new())
+        }
     } else {
         DoneScan::Unneeded
     };
@@ -2607,12 +2941,14 @@ fn relay_parts(
         read_timeout: relaying.read_timeout,
         deadline: relaying.deadline,
         broken: false,
-        tokens: TokenCount::default(),
+        tokens: TokenCount { responses: relaying.responses, ..TokenCount::default() },
         sliced: None,
         held: None,
         after_held: None,
         done,
         tail: *b"\n\n",
+        responses: relaying.responses,
+        id_scan: relaying.id_scan.filter(|_| event_stream),
     });
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
@@ -2623,6 +2959,9 @@ fn relay_parts(
     }
     out
 }
+
+/// The route name of by-id Responses API requests (`/v1/responses/{id}...`) in metrics.
+const BY_ID_ROUTE: &str = "responses_by_id";
 
 /// Request bodies from this size on are tokenized on tokio's blocking threads.
 const OFFLOADED_PROMPT_BYTES: usize = 128 << 10;
@@ -2636,10 +2975,12 @@ const OFFLOADED_PROMPT_BYTES: usize = 128 << 10;
 fn encoding_refusal(method: &Method, path: &str, headers: &HeaderMap) -> Option<Refusal> {
     let served = match *method {
         Method::GET => matches!(path, "/health" | "/ready" | "/metrics" | "/v1/models"),
-        Method::POST => matches!(path, "/v1/completions" | "/v1/chat/completions"),
+        Method::POST => {
+            matches!(path, "/v1/completions" | "/v1/chat/completions" | "/v1/responses")
+        }
         _ => false,
     };
-    if !served && !path.starts_with("/admin/") {
+    if !served && !path.starts_with("/admin/") && path != "/v1/responses/" {
         return None;
     }
     let encoding = headers
@@ -2657,14 +2998,17 @@ fn encoding_refusal(method: &Method, path: &str, headers: &HeaderMap) -> Option<
     })
 }
 
-/// The paths served (`/admin/` stands for every admin path).
-const SERVED_PATHS: [&str; 7] = [
+/// The paths served (`/admin/` stands for every admin path, `/v1/responses/` for every path
+/// under it: a stored response's).
+const SERVED_PATHS: [&str; 9] = [
     "/health",
     "/ready",
     "/metrics",
     "/v1/models",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/responses/",
     "/admin/",
 ];
 
@@ -2689,6 +3033,9 @@ fn route_of(path: &str) -> &'static str {
     };
     if path.starts_with("/admin/") {
         return "/admin/";
+    }
+    if path.starts_with("/v1/responses/") {
+        return "/v1/responses/";
     }
     SERVED_PATHS.iter().copied().find(|served| *served == path).unwrap_or("")
 }
@@ -2761,11 +3108,20 @@ enum DoneScan {
     Unneeded,
     /// Not seen yet: the last bytes so far, for a `[DONE]` split between frames.
     Looking(Vec<u8>),
+    /// A Responses stream: whole once its terminal event was seen.
+    Events(responses::TerminalScan),
     Seen,
 }
 
 impl DoneScan {
     fn feed(&mut self, data: &[u8]) {
+        if let DoneScan::Events(scan) = self {
+            scan.feed(data);
+            if scan.seen() {
+                *self = DoneScan::Seen;
+            }
+            return;
+        }
         let DoneScan::Looking(tail) = self else { return };
         let keep = DONE.needle().len() - 1;
         // The last bytes before `data` and its first ones: a `[DONE]` across the boundary.
@@ -2785,7 +3141,7 @@ impl DoneScan {
 
     /// Whether the answer may end here.
     fn whole(&self) -> bool {
-        !matches!(self, DoneScan::Looking(_))
+        !matches!(self, DoneScan::Looking(_) | DoneScan::Events(_))
     }
 }
 
@@ -2829,6 +3185,8 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         after_held: None,
         done: DoneScan::Unneeded,
         tail: *b"\n\n",
+        responses: false,
+        id_scan: None,
     });
     *out.status_mut() = status;
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -2873,10 +3231,20 @@ fn refusal(refused: &Refusal) -> Answer {
 struct TokenCount {
     events: u64,
     usage: Option<u64>,
+    /// A Responses API answer: `*.delta` events, or a JSON answer's `usage.output_tokens`.
+    responses: bool,
 }
 
 impl TokenCount {
     fn feed(&mut self, data: &[u8], sse: bool) {
+        if self.responses {
+            if sse {
+                self.events += responses::output_deltas(data);
+            } else if let Some(n) = responses::usage_output_tokens(data) {
+                self.usage = Some(n);
+            }
+            return;
+        }
         if sse {
             let mut rest = data;
             while let Some(at) = SSE_DATA.find(rest) {
@@ -2978,6 +3346,10 @@ pub struct Relay {
     /// The last two bytes relayed (`"\n\n"` ends an SSE event): an error event after a cut
     /// starts on its own rather than inside a half-sent one.
     tail: [u8; 2],
+    /// A Responses API answer (see [`Relaying`]'s field).
+    responses: bool,
+    /// Where a Responses stream's id is recorded, until it is found.
+    id_scan: Option<OwnerScan>,
 }
 
 /// The error that cuts a client's answer (hyper then closes the connection mid-body).
@@ -3029,6 +3401,9 @@ impl Relay {
                 self.tokens.feed(data, self.sse);
             }
             self.done.feed(data);
+            if let Some(scan) = self.id_scan.as_mut() {
+                scan.feed(data);
+            }
             self.tail = match data[..] {
                 [] => self.tail,
                 [only] => [self.tail[1], only],
@@ -3114,7 +3489,7 @@ impl Relay {
             if let Some(route) = self.route {
                 counters.requests.inc(&[route, "aborted"]);
             }
-            if self.completion {
+            if self.completion || self.responses {
                 counters.upstream_errors.inc(&[&endpoint, "truncated"]);
                 counters.truncated.inc(&[&endpoint, if sse { "sse_error" } else { "reset" }]);
             }
@@ -3132,7 +3507,11 @@ impl Relay {
             // A blank line first where the stream broke off inside an event: the error event
             // must parse on its own, not run on from the half-sent one.
             let gap = if self.tail == *b"\n\n" { "" } else { "\n\n" };
-            let text = format!("{gap}data: {event}\n\n");
+            let text = if self.responses {
+                format!("{gap}{}", responses::CUT_EVENT)
+            } else {
+                format!("{gap}data: {event}\n\n")
+            };
             // Complete events held back go out first, with the error event.
             let mut out = self.held.take().map(|(held, _)| held).unwrap_or_default();
             out.extend_from_slice(text.as_bytes());
@@ -3203,7 +3582,9 @@ impl Body for Relay {
                 this.received(&frame);
                 if this.done.whole() && this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
-                } else if let Some(data) = frame.data_ref().filter(|d| this.sse && ends_soon(d)) {
+                } else if let Some(data) = frame.data_ref().filter(|d| {
+                    this.sse && if this.responses { responses::ends_here(d) } else { ends_soon(d) }
+                }) {
                     return this.hold(bytes::BytesMut::from(&data[..]), 0, cx);
                 }
                 Poll::Ready(Some(Ok(frame)))
@@ -3308,6 +3689,39 @@ mod tests {
         ));
         assert!(!ends_at_close(StatusCode::NO_CONTENT, &headers(&[])));
         assert!(!ends_at_close(StatusCode::NOT_MODIFIED, &headers(&[])));
+    }
+
+    #[test]
+    fn responses_paths_are_routes_of_their_own() {
+        assert_eq!(route_of("/v1/responses"), "/v1/responses");
+        for path in ["/v1/responses/resp_1", "/v1/responses/resp_1/cancel", "/v1/responses/"] {
+            assert_eq!(route_of(path), "/v1/responses/", "{path}");
+        }
+        assert_eq!(route_of("/v1/%72esponses/resp_1"), "/v1/responses/");
+        assert_eq!(route_of("/v1/responses%2Fresp_1"), "");
+        assert_eq!(route_of("/v1/responsesx"), "");
+    }
+
+    #[test]
+    fn a_responses_stream_is_whole_at_its_terminal_event_and_counts_its_deltas() {
+        let stream = b"event: response.created\ndata: {}\n\nevent: response.output_text.delta\n\
+            data: {}\n\nevent: response.completed\ndata: {}\n\n";
+        let mut done = DoneScan::Events(responses::TerminalScan::default());
+        let mut tokens = TokenCount { responses: true, ..TokenCount::default() };
+        let end = memchr::memmem::find(stream, b"event: response.completed").unwrap_or(0);
+        for (i, chunk) in stream.chunks(7).enumerate() {
+            assert_eq!(done.whole(), i * 7 >= end + 26, "chunk {i}");
+            done.feed(chunk);
+            tokens.feed(chunk, true);
+        }
+        assert!(done.whole());
+        // A split `.delta\ndata: ` is not counted (as a split `data: ` is not for chat).
+        let mut tokens = TokenCount { responses: true, ..TokenCount::default() };
+        tokens.feed(stream, true);
+        assert_eq!(tokens.tokens(), 1);
+        let mut tokens = TokenCount { responses: true, ..TokenCount::default() };
+        tokens.feed(br#"{"usage":{"output_tokens":9,"completion_tokens":3}}"#, false);
+        assert_eq!(tokens.tokens(), 9);
     }
 
     #[test]

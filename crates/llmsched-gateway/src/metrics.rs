@@ -114,6 +114,12 @@ pub struct Counters {
     pub completed: AtomicU64,
     /// Answers the client left before their end.
     pub disconnects: AtomicU64,
+    /// Requests naming a stored response (`previous_response_id`, or its path), by how its
+    /// engine was found: `owner`, `located`, `owner_unavailable`, `not_found`.
+    pub response_lookups: Family,
+    /// Responses API requests routed without prefix hashing (input the gateway does not turn
+    /// into the engine's chat prompt).
+    pub responses_unhashed: AtomicU64,
     /// Latency histograms.
     pub histograms: Histograms,
 }
@@ -226,6 +232,21 @@ impl Counters {
             &format!("{P}_admin_requests"),
             "Admin API calls, by action and HTTP status",
             &["action", "status"],
+        );
+        self.response_lookups.render(
+            out,
+            &format!("{P}_response_lookups"),
+            "Requests naming a stored response (previous_response_id, or its path), by how its \
+             engine was found: owner (known), located (asked of the engines), owner_unavailable \
+             (its engine is out of routing), not_found",
+            &["outcome"],
+        );
+        plain(
+            out,
+            "responses_unhashed",
+            "Responses API requests routed without prefix hashing: input items or tools the \
+             gateway does not turn into the engine's chat prompt",
+            &self.responses_unhashed,
         );
         self.histograms.render(out);
     }

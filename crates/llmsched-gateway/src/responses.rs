@@ -1,0 +1,848 @@
+//! OpenAI's Responses API (`POST /v1/responses`, `/v1/responses/{id}`): the chat request a
+//! responses request makes, which engine holds which stored response, and how its answers are
+//! read.
+//!
+//! Model: vLLM (0.32) keeps each response it makes, and the conversation behind it, in the
+//! memory of the engine that made it. A request continuing a conversation
+//! (`previous_response_id`), and a by-id request (`GET`, `cancel`, `input_items`), is answered
+//! by that engine alone (any other answers 404). So the gateway learns each response's engine
+//! from the answer that made it ([`Owners`]: from a JSON answer's top-level `id`,
+//! [`response_id_of`], or a stream's first event, [`IdScan`]) and sends the conversation's
+//! next request there (which also holds its KV cache). A request without
+//! `previous_response_id` is routed as the chat request vLLM renders of it
+//! ([`chat_request_of`]), so that its blocks match what the engine caches.
+//!
+//! A Responses event stream has no `data: [DONE]`: it is whole once its terminal event
+//! (`response.completed`, `response.incomplete`, `response.failed` or `error`) was seen
+//! ([`TerminalScan`]); cut, it gets [`CUT_EVENT`]. Its output tokens are its `*.delta` events
+//! ([`output_deltas`]); a JSON answer's are its `usage.output_tokens`.
+//!
+//! Complexity: the conversion is linear in the request; [`Owners`] is a map plus an
+//! ordered index (O(log n) a lookup or record, O(n) forgetting an engine, which happens
+//! only when the configuration changes); the scanners keep a few bytes between frames (the
+//! id scanner up to 64 KiB of the first event).
+//!
+//! Decisions beyond what vLLM specifies (the Python plane's `llmsched.gateway.responses` makes
+//! the same): an input the conversion does not cover (an item without a role other than a
+//! function call or its output, a namespaced function call, a tool other than a function)
+//! is routed without prefix hashing rather than refused (the engine answers it);
+//! `chat_template_kwargs` that is not an object is ignored.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+/// Response ids kept at most (least recently used dropped first): about 10 MB.
+pub const MAX_OWNERS: usize = 100_000;
+
+/// Longer ids are not kept (vLLM's are `resp_` and 32 hex digits).
+pub const MAX_RESPONSE_ID_BYTES: usize = 256;
+
+/// Bytes of a stream read for its first event (`response.created` echoes the request's
+/// instructions and tools).
+pub const FIRST_EVENT_LIMIT: usize = 64 << 10;
+
+/// The event the gateway appends to a Responses stream cut upstream (after a blank line when
+/// the stream broke off inside an event), before it closes it without its last chunk.
+pub const CUT_EVENT: &str = "event: error\ndata: {\"type\":\"error\",\"code\":\"upstream_error\",\
+\"message\":\"the engine's answer was cut off\",\"param\":null}\n\n";
+
+/// The chat request (a JSON object) vLLM renders for the responses request `body` (models
+/// without the Harmony format), to be tokenized as a chat request is; `None` when `body` has
+/// something this conversion does not cover, which is then routed without prefix hashing.
+///
+/// `instructions` becomes a system message and a string `input` a user message; list items
+/// become messages as vLLM's `construct_input_messages` makes them: a `function_call` joins
+/// the assistant message before it as a tool call (or makes one), a `function_call_output`
+/// is a `tool` message, an assistant item's text (its string content, or its first part's
+/// `text`) fills the content of an assistant message before it that has none (or makes
+/// one), any other item with a `role` (and no `type` but `message`) is a chat message as it
+/// is. Function tools take the chat shape (`{"type": "function", "function": {...}}`, with
+/// `tool_choice` when there are tools); `reasoning.effort` becomes `reasoning_effort` (and,
+/// unless `chat_template_kwargs` sets it, `enable_thinking`: whether the effort is not
+/// `"none"`); a last item of type `message` or `reasoning` whose status is `in_progress` or
+/// `incomplete` is continued (`continue_final_message`), otherwise a generation prompt is
+/// added.
+///
+/// ```
+/// use llmsched_gateway::responses::chat_request_of;
+/// use serde_json::json;
+/// let chat = chat_request_of(&json!({"model": "m", "instructions": "Be brief.", "input": "Hi"}));
+/// assert_eq!(
+///     chat.unwrap()["messages"],
+///     json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+/// );
+/// assert!(chat_request_of(&json!({"input": [{"type": "image_generation_call"}]})).is_none());
+/// ```
+pub fn chat_request_of(body: &Value) -> Option<Value> {
+    let body = body.as_object()?;
+    let mut messages: Vec<Value> = Vec::new();
+    match body.get("instructions") {
+        Some(Value::String(text)) if !text.is_empty() => {
+            messages.push(message("system", Value::String(text.clone())));
+        }
+        None | Some(Value::Null | Value::String(_)) => {}
+        Some(_) => return None,
+    }
+    let mut continue_final = false;
+    match body.get("input") {
+        Some(Value::String(text)) => messages.push(message("user", Value::String(text.clone()))),
+        Some(Value::Array(items)) => {
+            for item in items {
+                add_item(&mut messages, item.as_object()?)?;
+            }
+            continue_final = items.last().and_then(Value::as_object).is_some_and(|last| {
+                let kind = match last.get("type") {
+                    None => Some("message"),
+                    Some(kind) => kind.as_str(),
+                };
+                matches!(kind, Some("message" | "reasoning"))
+                    && matches!(
+                        last.get("status").and_then(Value::as_str),
+                        Some("in_progress" | "incomplete")
+                    )
+            });
+        }
+        _ => return None,
+    }
+    let mut chat = Map::new();
+    chat.insert("model".into(), body.get("model").cloned().unwrap_or(Value::Null));
+    chat.insert("messages".into(), Value::Array(messages));
+    if let Some(tools) = body.get("tools").filter(|tools| truthy(tools)) {
+        let mut converted = Vec::new();
+        for tool in tools.as_array()? {
+            let tool = tool.as_object()?;
+            if tool.get("type").and_then(Value::as_str) != Some("function") {
+                return None;
+            }
+            let function: Map<String, Value> = tool
+                .iter()
+                .filter(|(k, _)| *k != "type")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            converted.push(Value::Object(Map::from_iter([
+                ("type".to_owned(), Value::from("function")),
+                ("function".to_owned(), Value::Object(function)),
+            ])));
+        }
+        chat.insert("tools".into(), Value::Array(converted));
+        if let Some(choice) = body.get("tool_choice") {
+            chat.insert("tool_choice".into(), choice.clone());
+        }
+    }
+    let mut kwargs = match body.get("chat_template_kwargs") {
+        Some(Value::Object(kwargs)) => kwargs.clone(),
+        _ => Map::new(),
+    };
+    let effort = body
+        .get("reasoning")
+        .and_then(Value::as_object)
+        .and_then(|reasoning| reasoning.get("effort"))
+        .filter(|effort| !effort.is_null());
+    if let Some(effort) = effort {
+        chat.insert("reasoning_effort".into(), effort.clone());
+        kwargs
+            .entry("enable_thinking")
+            .or_insert_with(|| Value::Bool(effort.as_str() != Some("none")));
+    }
+    if !kwargs.is_empty() {
+        chat.insert("chat_template_kwargs".into(), Value::Object(kwargs));
+    }
+    chat.insert("add_generation_prompt".into(), Value::Bool(!continue_final));
+    chat.insert("continue_final_message".into(), Value::Bool(continue_final));
+    Some(Value::Object(chat))
+}
+
+fn message(role: &str, content: Value) -> Value {
+    Value::Object(Map::from_iter([
+        ("role".to_owned(), Value::from(role)),
+        ("content".to_owned(), content),
+    ]))
+}
+
+/// Python's truth of a JSON value (`if tools:`).
+fn truthy(value: &Value) -> bool {
+    match value {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|n| n != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
+/// Adds one input item to `messages` as vLLM does; `None` when it is not covered.
+fn add_item(messages: &mut Vec<Value>, item: &Map<String, Value>) -> Option<()> {
+    let field = |name: &str| item.get(name).cloned().unwrap_or(Value::Null);
+    let kind = item.get("type");
+    // The last message, when it is the assistant's.
+    let previous = messages
+        .last_mut()
+        .and_then(Value::as_object_mut)
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"));
+    match kind.and_then(Value::as_str) {
+        Some("function_call") => {
+            if item.get("namespace").is_some_and(|n| !n.is_null()) {
+                return None;
+            }
+            let call = Value::Object(Map::from_iter([
+                ("id".to_owned(), field("call_id")),
+                (
+                    "function".to_owned(),
+                    Value::Object(Map::from_iter([
+                        ("name".to_owned(), field("name")),
+                        ("arguments".to_owned(), field("arguments")),
+                    ])),
+                ),
+                ("type".to_owned(), Value::from("function")),
+            ]));
+            match previous {
+                Some(previous) if previous.get("tool_calls").is_none_or(Value::is_array) => {
+                    let calls =
+                        previous.entry("tool_calls").or_insert_with(|| Value::Array(Vec::new()));
+                    if let Value::Array(calls) = calls {
+                        calls.push(call);
+                    }
+                }
+                _ => messages.push(Value::Object(Map::from_iter([
+                    ("role".to_owned(), Value::from("assistant")),
+                    ("tool_calls".to_owned(), Value::Array(vec![call])),
+                ]))),
+            }
+            return Some(());
+        }
+        Some("function_call_output") => {
+            messages.push(Value::Object(Map::from_iter([
+                ("role".to_owned(), Value::from("tool")),
+                ("content".to_owned(), field("output")),
+                ("tool_call_id".to_owned(), field("call_id")),
+            ])));
+            return Some(());
+        }
+        _ => {}
+    }
+    if item.get("role").and_then(Value::as_str) == Some("assistant") {
+        let text = match item.get("content") {
+            Some(Value::String(text)) => Some(Value::String(text.clone())),
+            Some(Value::Array(parts)) => parts
+                .first()
+                .and_then(Value::as_object)
+                .and_then(|first| first.get("text"))
+                .filter(|text| !text.is_null())
+                .cloned(),
+            _ => None,
+        };
+        if let Some(text) = text {
+            match previous {
+                Some(previous) if previous.get("content").is_none_or(Value::is_null) => {
+                    previous.insert("content".into(), text);
+                }
+                _ => messages.push(message("assistant", text)),
+            }
+            return Some(());
+        }
+    }
+    let plain_kind = match kind {
+        None | Some(Value::Null) => true,
+        Some(kind) => kind.as_str() == Some("message"),
+    };
+    if item.contains_key("role") && plain_kind {
+        messages.push(Value::Object(item.clone()));
+        return Some(());
+    }
+    None
+}
+
+/// Which engine made each stored response: at most a capacity of ids, least recently used
+/// dropped first; ids longer than [`MAX_RESPONSE_ID_BYTES`] (or empty) are not kept. Shared
+/// between threads (one lock, held for a map operation).
+///
+/// ```
+/// use llmsched_gateway::responses::Owners;
+/// let owners = Owners::new(2);
+/// owners.record("resp_a", "e0");
+/// owners.record("resp_b", "e1");
+/// owners.record("resp_c", "e0");
+/// assert_eq!((owners.owner("resp_a"), owners.owner("resp_c").as_deref()), (None, Some("e0")));
+/// owners.forget_engine("e0");
+/// assert_eq!((owners.owner("resp_c"), owners.len()), (None, 1));
+/// ```
+pub struct Owners {
+    capacity: usize,
+    inner: Mutex<Lru>,
+}
+
+#[derive(Default)]
+struct Lru {
+    /// id -> (engine, its stamp in `order`).
+    map: HashMap<Box<str>, (Arc<str>, u64)>,
+    /// Stamps, oldest first, with their ids.
+    order: BTreeMap<u64, Box<str>>,
+    next: u64,
+}
+
+impl Owners {
+    /// An empty map keeping at most `capacity` ids.
+    pub fn new(capacity: usize) -> Owners {
+        Owners { capacity, inner: Mutex::new(Lru::default()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Lru> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `engine` made (and stores) `id`.
+    pub fn record(&self, id: &str, engine: &str) {
+        if id.is_empty() || id.len() > MAX_RESPONSE_ID_BYTES || self.capacity == 0 {
+            return;
+        }
+        let mut lru = self.lock();
+        let lru = &mut *lru;
+        let stamp = lru.next;
+        lru.next += 1;
+        match lru.map.get_mut(id) {
+            Some((owner, old)) => {
+                if &**owner != engine {
+                    *owner = Arc::from(engine);
+                }
+                if let Some(key) = lru.order.remove(old) {
+                    lru.order.insert(stamp, key);
+                }
+                *old = stamp;
+            }
+            None => {
+                lru.map.insert(id.into(), (Arc::from(engine), stamp));
+                lru.order.insert(stamp, id.into());
+                while lru.map.len() > self.capacity {
+                    let Some((_, oldest)) = lru.order.pop_first() else { break };
+                    lru.map.remove(&oldest);
+                }
+            }
+        }
+    }
+
+    /// The engine that made `id`, or `None` when not known here (a lookup counts as a use).
+    pub fn owner(&self, id: &str) -> Option<Arc<str>> {
+        let mut lru = self.lock();
+        let lru = &mut *lru;
+        let stamp = lru.next;
+        let (engine, old) = lru.map.get_mut(id)?;
+        let engine = engine.clone();
+        if let Some(key) = lru.order.remove(old) {
+            lru.order.insert(stamp, key);
+        }
+        *old = stamp;
+        lru.next += 1;
+        Some(engine)
+    }
+
+    /// Forgets every id `engine` made (it left the configuration).
+    pub fn forget_engine(&self, engine: &str) {
+        let mut lru = self.lock();
+        let lru = &mut *lru;
+        let order = &mut lru.order;
+        lru.map.retain(|_, (owner, stamp)| {
+            let keep = &**owner != engine;
+            if !keep {
+                order.remove(stamp);
+            }
+            keep
+        });
+    }
+
+    /// Ids known.
+    pub fn len(&self) -> usize {
+        self.lock().map.len()
+    }
+
+    /// Whether no id is known.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Default for Owners {
+    fn default() -> Self {
+        Owners::new(MAX_OWNERS)
+    }
+}
+
+#[derive(Deserialize)]
+struct WithId<'a> {
+    #[serde(borrow, default)]
+    id: Option<std::borrow::Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Created<'a> {
+    #[serde(borrow, default)]
+    response: Option<WithId<'a>>,
+}
+
+/// `json` when it is an object's text (a derived struct would read an array too).
+fn object(json: &[u8]) -> Option<&[u8]> {
+    let start = json.iter().position(|b| !b.is_ascii_whitespace())?;
+    (json[start] == b'{').then_some(json)
+}
+
+/// The top-level `id` of a JSON Responses answer, when it is a string.
+pub fn response_id_of(body: &[u8]) -> Option<String> {
+    let parsed: WithId<'_> = serde_json::from_slice(object(body)?).ok()?;
+    parsed.id.map(std::borrow::Cow::into_owned)
+}
+
+/// The response id a Responses event stream announces in its first event
+/// (`response.created`: `{"response": {"id": ...}}`), fed the stream frame by frame: found
+/// once the first event has ended (a blank line) within [`FIRST_EVENT_LIMIT`] bytes.
+#[derive(Debug, Default)]
+pub struct IdScan {
+    buffer: Vec<u8>,
+    done: bool,
+    /// The id, once found.
+    pub id: Option<String>,
+}
+
+impl IdScan {
+    /// Reads the next bytes of the stream; returns the id when this frame completed it.
+    pub fn feed(&mut self, data: &[u8]) -> Option<&str> {
+        if self.done {
+            return None;
+        }
+        // A blank line split between frames: the last byte before this frame searched too.
+        let from = self.buffer.len().saturating_sub(1);
+        self.buffer.extend_from_slice(data);
+        let Some(end) = memchr::memmem::find(&self.buffer[from..], b"\n\n").map(|at| at + from)
+        else {
+            if self.buffer.len() > FIRST_EVENT_LIMIT {
+                self.done = true;
+                self.buffer = Vec::new();
+            }
+            return None;
+        };
+        self.done = true;
+        let buffer = std::mem::take(&mut self.buffer);
+        let mut data = Vec::new();
+        for line in buffer[..end].split(|b| *b == b'\n') {
+            if let Some(rest) = line.strip_prefix(b"data:") {
+                let start = rest.iter().take_while(|b| **b == b' ').count();
+                data.extend_from_slice(&rest[start..]);
+            }
+        }
+        let created: Created<'_> = serde_json::from_slice(object(&data)?).ok()?;
+        self.id = created.response.and_then(|r| r.id).map(std::borrow::Cow::into_owned);
+        self.id.as_deref()
+    }
+}
+
+/// The events that end a Responses stream, each starting a line.
+const TERMINAL_EVENTS: [&[u8]; 4] = [
+    b"\nevent: response.completed\n",
+    b"\nevent: response.incomplete\n",
+    b"\nevent: response.failed\n",
+    b"\nevent: error\n",
+];
+
+static TERMINAL: std::sync::LazyLock<aho_corasick::AhoCorasick> = std::sync::LazyLock::new(|| {
+    aho_corasick::AhoCorasick::new(TERMINAL_EVENTS).unwrap_or_else(|_| unreachable!())
+});
+
+/// The longest of [`TERMINAL_EVENTS`].
+const LONGEST_TERMINAL: usize = 28;
+
+/// Whether a Responses event stream has shown the event that ends it (`response.completed`,
+/// `response.incomplete`, `response.failed` or `error`, as an `event:` line), split between
+/// frames too. A data field quoting one is no event.
+#[derive(Debug)]
+pub struct TerminalScan {
+    /// The last bytes so far (a newline at the stream's start: its first line starts one).
+    tail: Vec<u8>,
+    seen: bool,
+}
+
+impl Default for TerminalScan {
+    fn default() -> Self {
+        TerminalScan { tail: b"\n".to_vec(), seen: false }
+    }
+}
+
+impl TerminalScan {
+    /// Reads the next bytes of the stream.
+    pub fn feed(&mut self, data: &[u8]) {
+        if self.seen {
+            return;
+        }
+        let keep = LONGEST_TERMINAL - 1;
+        // Across the boundary: the tail and this frame's first bytes; then the frame.
+        self.tail.extend_from_slice(&data[..data.len().min(keep)]);
+        if TERMINAL.is_match(&self.tail[..]) || TERMINAL.is_match(data) {
+            self.seen = true;
+            self.tail = Vec::new();
+            return;
+        }
+        if data.len() >= keep {
+            self.tail.clear();
+            self.tail.extend_from_slice(&data[data.len() - keep..]);
+        } else {
+            let old = self.tail.len().saturating_sub(keep);
+            self.tail.drain(..old);
+        }
+    }
+
+    /// Whether the terminal event was seen.
+    pub fn seen(&self) -> bool {
+        self.seen
+    }
+}
+
+/// Whether `data` holds a terminal event line of its own (the end of a stream is near).
+pub fn ends_here(data: &[u8]) -> bool {
+    TERMINAL.is_match(data)
+}
+
+static DELTA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b".delta\ndata: "));
+
+/// Events of a Responses stream's frame that carry output (`*.delta`: text, reasoning,
+/// function arguments), counted as output tokens (vLLM sends one per token by default).
+pub fn output_deltas(data: &[u8]) -> u64 {
+    DELTA.find_iter(data).count() as u64
+}
+
+static OUTPUT_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"output_tokens\":"));
+
+/// A JSON Responses answer's `usage.output_tokens` (the first `"output_tokens":` number in
+/// it; `output_tokens_details` does not match).
+pub fn usage_output_tokens(data: &[u8]) -> Option<u64> {
+    let at = OUTPUT_TOKENS.find(data)?;
+    let rest = &data[at + OUTPUT_TOKENS.needle().len()..];
+    let start = rest.iter().take_while(|b| **b == b' ').count();
+    let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[start..start + digits]).ok()?.parse().ok()
+}
+
+/// The id of a by-id path's tail (`{id}` of `/v1/responses/{id}[/...]`), as sent.
+pub fn id_of_path(path: &str) -> Option<&str> {
+    let tail = path.strip_prefix("/v1/responses/")?;
+    let id = tail.split('/').next().unwrap_or("");
+    (!id.is_empty()).then_some(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chat(body: Value) -> Value {
+        chat_request_of(&body).expect("covered")
+    }
+
+    #[test]
+    fn instructions_and_a_string_input_are_a_system_and_a_user_message() {
+        let out = chat(json!({"model": "m", "instructions": "Be brief.", "input": "Hi"}));
+        assert_eq!(
+            out,
+            json!({
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                ],
+                "add_generation_prompt": true,
+                "continue_final_message": false,
+            })
+        );
+        // Empty or null instructions add nothing; other types are not covered.
+        for instructions in [json!(""), json!(null)] {
+            let out = chat(json!({"instructions": instructions, "input": "Hi"}));
+            assert_eq!(out["messages"], json!([{"role": "user", "content": "Hi"}]));
+        }
+        assert!(chat_request_of(&json!({"instructions": 3, "input": "Hi"})).is_none());
+    }
+
+    #[test]
+    fn an_input_neither_a_string_nor_a_list_is_not_covered() {
+        for input in [json!(null), json!(3), json!({"role": "user"})] {
+            assert!(chat_request_of(&json!({ "input": input })).is_none(), "{input}");
+        }
+        assert!(chat_request_of(&json!({})).is_none());
+        assert!(chat_request_of(&json!(["not an object"])).is_none());
+        // An empty list: no message.
+        assert_eq!(chat(json!({"input": []}))["messages"], json!([]));
+    }
+
+    #[test]
+    fn function_calls_join_the_assistant_message_before_them() {
+        let call = |id: &str| json!({"type": "function_call", "call_id": id, "name": "f", "arguments": "{}"});
+        let tool_call = |id: &str| json!({"id": id, "function": {"name": "f", "arguments": "{}"}, "type": "function"});
+        let out = chat(json!({"input": [
+            {"role": "user", "content": "q"},
+            call("c1"),
+            call("c2"),
+            {"type": "function_call_output", "call_id": "c1", "output": "r1"},
+            {"type": "function_call_output", "call_id": "c2", "output": "r2"},
+            {"role": "assistant", "content": "done"},
+            call("c3"),
+        ]}));
+        assert_eq!(
+            out["messages"],
+            json!([
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [tool_call("c1"), tool_call("c2")]},
+                {"role": "tool", "content": "r1", "tool_call_id": "c1"},
+                {"role": "tool", "content": "r2", "tool_call_id": "c2"},
+                {"role": "assistant", "content": "done", "tool_calls": [tool_call("c3")]},
+            ])
+        );
+        // An assistant message whose tool_calls is no list gets a message of its own after it.
+        let out = chat(
+            json!({"input": [{"role": "assistant", "content": null, "tool_calls": "x"}, call("c")]}),
+        );
+        assert_eq!(
+            out["messages"][1],
+            json!({"role": "assistant", "tool_calls": [tool_call("c")]})
+        );
+        // Missing fields are nulls, as vLLM leaves them to its parser.
+        let out = chat(json!({"input": [{"type": "function_call_output"}]}));
+        assert_eq!(
+            out["messages"][0],
+            json!({"role": "tool", "content": null, "tool_call_id": null})
+        );
+        // A namespaced call is not covered.
+        let namespaced = json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "namespace": "ns"});
+        assert!(chat_request_of(&json!({ "input": [namespaced] })).is_none());
+    }
+
+    #[test]
+    fn assistant_text_fills_the_content_of_an_assistant_message_before_it() {
+        let out = chat(json!({"input": [
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}, {"type": "output_text", "text": "b"}]},
+            {"role": "assistant", "content": "again"},
+        ]}));
+        let messages = out["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 2);
+        assert_eq!(messages[0]["content"], json!("a"));
+        assert_eq!(messages[0]["tool_calls"][0]["id"], json!("c"));
+        assert_eq!(messages[1], json!({"role": "assistant", "content": "again"}));
+        // A first part without text: the item is a chat message as it is.
+        let item = json!({"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]});
+        assert_eq!(chat(json!({ "input": [item.clone()] }))["messages"], json!([item]));
+    }
+
+    #[test]
+    fn other_items_with_a_role_pass_as_they_are_and_the_rest_is_not_covered() {
+        let user = json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]});
+        let developer = json!({"role": "developer", "content": "rules"});
+        let out = chat(json!({ "input": [developer.clone(), user.clone()] }));
+        assert_eq!(out["messages"], json!([developer, user]));
+        for item in [
+            json!({"type": "reasoning", "summary": []}),
+            json!({"type": "image_generation_call"}),
+            json!({"type": "web_search_call", "role": "user"}),
+            json!({"content": "no role"}),
+        ] {
+            assert!(chat_request_of(&json!({ "input": [item] })).is_none(), "{item}");
+        }
+    }
+
+    #[test]
+    fn function_tools_take_the_chat_shape_and_others_are_not_covered() {
+        let tool = json!({"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": true});
+        let out = chat(json!({"input": "x", "tools": [tool], "tool_choice": "auto"}));
+        assert_eq!(
+            out["tools"],
+            json!([{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}, "strict": true}}])
+        );
+        assert_eq!(out["tool_choice"], json!("auto"));
+        // No tools: no tool_choice either.
+        let out = chat(json!({"input": "x", "tools": [], "tool_choice": "auto"}));
+        assert!(out.get("tools").is_none() && out.get("tool_choice").is_none());
+        for tools in [json!([{"type": "web_search"}]), json!(["f"]), json!({"type": "function"})] {
+            assert!(chat_request_of(&json!({"input": "x", "tools": tools})).is_none(), "{tools}");
+        }
+    }
+
+    #[test]
+    fn reasoning_effort_sets_enable_thinking_unless_the_kwargs_do() {
+        let out = chat(json!({"input": "x", "reasoning": {"effort": "high"}}));
+        assert_eq!(out["reasoning_effort"], json!("high"));
+        assert_eq!(out["chat_template_kwargs"], json!({"enable_thinking": true}));
+        let out = chat(json!({"input": "x", "reasoning": {"effort": "none"}}));
+        assert_eq!(out["chat_template_kwargs"], json!({"enable_thinking": false}));
+        let out = chat(json!({
+            "input": "x", "reasoning": {"effort": "low"},
+            "chat_template_kwargs": {"enable_thinking": false, "k": 1},
+        }));
+        assert_eq!(out["chat_template_kwargs"], json!({"enable_thinking": false, "k": 1}));
+        let out =
+            chat(json!({"input": "x", "reasoning": {"effort": null}, "chat_template_kwargs": 3}));
+        assert!(out.get("reasoning_effort").is_none() && out.get("chat_template_kwargs").is_none());
+    }
+
+    #[test]
+    fn a_last_item_in_progress_is_continued() {
+        for (last, continued) in [
+            (json!({"role": "assistant", "content": "par", "status": "in_progress"}), true),
+            (
+                json!({"type": "message", "role": "assistant", "content": "par", "status": "incomplete"}),
+                true,
+            ),
+            (json!({"role": "assistant", "content": "par", "status": "completed"}), false),
+            (
+                json!({"type": "function_call_output", "call_id": "c", "output": "o", "status": "incomplete"}),
+                false,
+            ),
+            (
+                json!({"type": null, "role": "assistant", "content": "par", "status": "incomplete"}),
+                false,
+            ),
+        ] {
+            let out = chat(json!({"input": [{"role": "user", "content": "q"}, last.clone()]}));
+            assert_eq!(out["continue_final_message"], json!(continued), "{last}");
+            assert_eq!(out["add_generation_prompt"], json!(!continued), "{last}");
+        }
+    }
+
+    #[test]
+    fn owners_keep_the_most_recently_used_ids_up_to_their_capacity() {
+        let owners = Owners::new(3);
+        for id in ["a", "b", "c"] {
+            owners.record(id, "e0");
+        }
+        assert_eq!(owners.owner("a").as_deref(), Some("e0")); // a is now the newest
+        owners.record("d", "e1");
+        assert_eq!(owners.len(), 3);
+        assert!(owners.owner("b").is_none());
+        for id in ["a", "c", "d"] {
+            assert!(owners.owner(id).is_some(), "{id}");
+        }
+        // Recorded again: the engine changes, nothing is added.
+        owners.record("a", "e2");
+        assert_eq!((owners.owner("a").as_deref(), owners.len()), (Some("e2"), 3));
+        // Too long or empty: not kept.
+        owners.record(&"x".repeat(MAX_RESPONSE_ID_BYTES + 1), "e0");
+        owners.record("", "e0");
+        assert_eq!(owners.len(), 3);
+        owners.record(&"y".repeat(MAX_RESPONSE_ID_BYTES), "e0");
+        assert!(owners.owner(&"y".repeat(MAX_RESPONSE_ID_BYTES)).is_some());
+        // The bound holds over many ids.
+        let owners = Owners::new(100);
+        for i in 0..1000 {
+            owners.record(&format!("resp_{i}"), "e");
+        }
+        assert_eq!(owners.len(), 100);
+        assert!(owners.owner("resp_899").is_none() && owners.owner("resp_900").is_some());
+        assert_eq!(owners.lock().order.len(), 100);
+    }
+
+    #[test]
+    fn owners_forget_an_engine_that_left() {
+        let owners = Owners::default();
+        for i in 0..10 {
+            owners.record(&format!("r{i}"), if i % 2 == 0 { "e0" } else { "e1" });
+        }
+        owners.forget_engine("e0");
+        assert_eq!(owners.len(), 5);
+        assert!(owners.owner("r0").is_none() && owners.owner("r1").as_deref() == Some("e1"));
+        assert_eq!(owners.lock().order.len(), 5);
+        // Later records still evict in order.
+        let owners = Owners::new(2);
+        owners.record("a", "e0");
+        owners.record("b", "e1");
+        owners.forget_engine("e0");
+        owners.record("c", "e1");
+        owners.record("d", "e1");
+        assert!(owners.owner("b").is_none());
+        assert_eq!(owners.len(), 2);
+    }
+
+    const STREAM: &[u8] = b"event: response.created\ndata: {\"response\":{\"id\":\"resp_1\",\"status\":\"in_progress\"},\"sequence_number\":0,\"type\":\"response.created\"}\n\n\
+event: response.output_text.delta\ndata: {\"delta\":\"a\",\"type\":\"response.output_text.delta\"}\n\n\
+event: response.output_text.delta\ndata: {\"delta\":\"b\",\"type\":\"response.output_text.delta\"}\n\n\
+event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"output_tokens\":2}},\"type\":\"response.completed\"}\n\n";
+
+    #[test]
+    fn the_id_of_the_first_event_is_found_split_anywhere() {
+        for at in 0..=STREAM.len() {
+            let mut scan = IdScan::default();
+            let first = scan.feed(&STREAM[..at]).map(str::to_owned);
+            let second = scan.feed(&STREAM[at..]).map(str::to_owned);
+            assert_eq!(first.or(second).as_deref(), Some("resp_1"), "split at {at}");
+            assert_eq!(scan.id.as_deref(), Some("resp_1"));
+        }
+        let mut scan = IdScan::default();
+        for byte in STREAM {
+            scan.feed(std::slice::from_ref(byte));
+        }
+        assert_eq!(scan.id.as_deref(), Some("resp_1"));
+        // A first event without one (an error), or past the limit: none.
+        let mut scan = IdScan::default();
+        scan.feed(b"event: error\ndata: {\"type\":\"error\"}\n\nevent: x\ndata: {\"response\":{\"id\":\"r\"}}\n\n");
+        assert!(scan.id.is_none());
+        let mut scan = IdScan::default();
+        scan.feed(&vec![b'a'; FIRST_EVENT_LIMIT + 1]);
+        scan.feed(b"\n\ndata: {\"response\":{\"id\":\"r\"}}\n\n");
+        assert!(scan.id.is_none());
+        assert_eq!(
+            response_id_of(br#"{"id": "resp_2", "object": "response"}"#).as_deref(),
+            Some("resp_2")
+        );
+        assert!(response_id_of(br#"{"id": 3}"#).is_none() && response_id_of(b"[\"r\"]").is_none());
+    }
+
+    #[test]
+    fn a_terminal_event_split_anywhere_is_seen_and_none_is_not() {
+        for at in 0..=STREAM.len() {
+            let mut scan = TerminalScan::default();
+            scan.feed(&STREAM[..at]);
+            scan.feed(&STREAM[at..]);
+            assert!(scan.seen(), "split at {at}");
+        }
+        let mut scan = TerminalScan::default();
+        for byte in STREAM {
+            scan.feed(std::slice::from_ref(byte));
+        }
+        assert!(scan.seen());
+        let end =
+            STREAM.len() - memchr::memmem::rfind(STREAM, b"event: response.completed").unwrap();
+        for cut in [0, 30, STREAM.len() - end, STREAM.len() - end + 20] {
+            let mut scan = TerminalScan::default();
+            for byte in &STREAM[..cut] {
+                scan.feed(std::slice::from_ref(byte));
+            }
+            assert!(!scan.seen(), "cut at {cut}");
+        }
+        // Each terminal event; an error event first of all; a quoted name is no event.
+        for event in ["response.incomplete", "response.failed", "error"] {
+            let mut scan = TerminalScan::default();
+            scan.feed(format!("event: {event}\ndata: {{}}\n\n").as_bytes());
+            assert!(scan.seen(), "{event}");
+        }
+        let mut scan = TerminalScan::default();
+        scan.feed(b"data: {\"x\": \"\\nevent: error\\n\"} event: error\n\n");
+        assert!(!scan.seen());
+    }
+
+    #[test]
+    fn output_tokens_are_delta_events_or_the_usage() {
+        assert_eq!(output_deltas(STREAM), 2);
+        assert_eq!(
+            usage_output_tokens(br#"{"usage":{"input_tokens":5,"output_tokens_details":{"reasoning_tokens":0},"output_tokens": 7}}"#),
+            Some(7)
+        );
+        assert_eq!(usage_output_tokens(b"{}"), None);
+    }
+
+    #[test]
+    fn the_id_is_the_first_segment_after_the_prefix() {
+        assert_eq!(id_of_path("/v1/responses/resp_1"), Some("resp_1"));
+        assert_eq!(id_of_path("/v1/responses/resp_1/cancel"), Some("resp_1"));
+        assert_eq!(id_of_path("/v1/responses/"), None);
+        assert_eq!(id_of_path("/v1/responses//cancel"), None);
+        assert_eq!(id_of_path("/v1/responses"), None);
+    }
+}
