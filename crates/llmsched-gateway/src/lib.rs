@@ -2414,7 +2414,9 @@ impl Gateway {
             if left <= 0.0 {
                 return None;
             }
-            let Ok(uri) = format!("{}/v1/responses/{id}", upstream.prefix).parse::<Uri>() else {
+            let segment = responses::path_segment(id);
+            let Ok(uri) = format!("{}/v1/responses/{segment}", upstream.prefix).parse::<Uri>()
+            else {
                 return None;
             };
             let mut ask = Request::new(Full::new(Bytes::new()));

@@ -531,6 +531,20 @@ pub fn id_of_path(path: &str) -> Option<&str> {
     (!id.is_empty()).then_some(id)
 }
 
+/// `id` as one path segment: every byte but the unreserved ones (RFC 3986) percent-encoded,
+/// so that an id holding `/`, `?` or `..` names no other path.
+pub fn path_segment(id: &str) -> String {
+    let mut out = String::with_capacity(id.len());
+    for byte in id.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -835,6 +849,13 @@ event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"o
             Some(7)
         );
         assert_eq!(usage_output_tokens(b"{}"), None);
+    }
+
+    #[test]
+    fn an_id_is_one_path_segment() {
+        assert_eq!(path_segment("resp_1a-B.~"), "resp_1a-B.~");
+        assert_eq!(path_segment("../models?x=1 é"), "..%2Fmodels%3Fx%3D1%20%C3%A9");
+        assert!(format!("/v1/responses/{}", path_segment("a/b\n\0")).parse::<hyper::Uri>().is_ok());
     }
 
     #[test]
