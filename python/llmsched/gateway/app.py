@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import aiohttp
 import numpy as np
@@ -741,7 +742,10 @@ class Gateway:
         for engine in self.routable_endpoints():
             if time.monotonic() >= deadline:
                 return None
-            url = self._urls[(engine, "responses")] / response_id
+            # One path segment whatever the id holds (a "/" or "?" names no other path).
+            url = URL(
+                f"{self._urls[(engine, 'responses')]}/{quote(response_id, safe='')}", encoded=True
+            )
             timeout = aiohttp.ClientTimeout(
                 total=max(min(deadline - time.monotonic(), timeouts.read_s or 5.0), 0.001),
                 sock_connect=timeouts.connect_s,
