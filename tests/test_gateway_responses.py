@@ -145,10 +145,13 @@ def test_an_id_no_engine_holds_is_a_404_naming_it() -> None:
             assert status == 404
             assert error["error"]["message"] == "Response with id 'resp_gone' not found."
             assert error["error"]["type"] == "invalid_request_error"
+            assert error["error"]["param"] == "previous_response_id"
             for method, path in (("GET", "resp_gone"), ("POST", "resp_gone/cancel")):
                 async with r.client.request(method, r.url(f"/v1/responses/{path}")) as answer:
                     assert answer.status == 404
-                    assert "resp_gone" in (await answer.json())["error"]["message"]
+                    found = (await answer.json())["error"]
+                    assert "resp_gone" in found["message"]
+                    assert found["param"] == "response_id"
             assert lookups(r, "not_found") == 3
             # Nothing was generated anywhere.
             assert not any(p == "/v1/responses" for e in r.engines for p in e.paths())

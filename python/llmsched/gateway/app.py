@@ -729,7 +729,9 @@ class Gateway:
         engine = await self._locate(response_id, deadline)
         if engine is None:
             self.metrics.response_lookups.labels("not_found").inc()
-            raise _response_not_found(response_id)
+            raise _response_not_found(
+                response_id, "previous_response_id" if generating else "response_id"
+            )
         self.metrics.response_lookups.labels("located").inc()
         return engine
 
@@ -1733,13 +1735,10 @@ def _error_response(refusal: Refusal, message: str | None = None) -> web.Respons
     return response
 
 
-def _response_not_found(response_id: str) -> Refusal:
-    """vLLM's answer for a response id no engine holds."""
+def _response_not_found(response_id: str, param: str) -> Refusal:
+    """vLLM's answer for a response id no engine holds, naming the field that gave it."""
     return Refusal(
-        404,
-        "invalid_request_error",
-        f"Response with id {response_id!r} not found.",
-        param="response_id",
+        404, "invalid_request_error", f"Response with id {response_id!r} not found.", param=param
     )
 
 
