@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
+from yarl import URL
 
 from llmsched.errors import ConfigError
 from llmsched.gateway.config import load_config
@@ -90,3 +91,24 @@ def test_admin_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         load_config({**base, "admin": {"token_env": "ADMIN_TOKEN_X"}})
     monkeypatch.setenv("ADMIN_TOKEN_X", TOKEN)
     assert load_config({**base, "admin": {"token_env": "ADMIN_TOKEN_X"}}).admin.token == TOKEN
+
+
+def test_admin_paths_with_escapes_are_served_as_decoded() -> None:
+    """Both planes read each path segment with its escapes decoded (the native plane answered
+    404 to ``/adm%69n/engines``, probe 45)."""
+
+    async def body() -> None:
+        async with rig(engines=2, admin={"token": TOKEN}) as r:
+            first = str(r.gateway.config.engines[0].worker_id)
+            listing = URL(r.url("/adm%69n/%65ngines"), encoded=True)
+            async with r.client.get(listing, headers=AUTH) as response:
+                assert response.status == 200
+                assert len((await response.json())["engines"]) == 2
+            escaped = first.replace(":", "%3A")
+            drain = URL(r.url(f"/admin/engines/{escaped}/dr%61in"), encoded=True)
+            async with r.client.post(drain, headers=AUTH) as response:
+                assert response.status == 200, await response.text()
+            async with r.client.get(listing) as response:  # the token is still needed
+                assert response.status == 401
+
+    run(body())

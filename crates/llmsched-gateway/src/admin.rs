@@ -65,25 +65,21 @@ fn authorized(request: &Request<Incoming>, expected: &[u8; 32]) -> bool {
     scheme.eq_ignore_ascii_case(b"bearer") & same
 }
 
-/// The admin routes: the action's name and the worker named in the path.
+/// The admin routes: the action's name and the worker named in the path. Each segment is
+/// percent-decoded on its own, as the Python plane reads the path (`/adm%69n/engines` is
+/// `/admin/engines`; an escaped `/` stays inside its segment).
 fn route(method: &Method, path: &str) -> Option<(&'static str, Option<String>)> {
-    let rest = path.strip_prefix("/admin/engines")?;
-    if rest.is_empty() {
-        return match *method {
-            Method::GET => Some(("list", None)),
-            Method::POST => Some(("add", None)),
-            _ => None,
-        };
-    }
-    let rest = rest.strip_prefix('/')?;
-    let (worker, action) = match rest.split_once('/') {
-        Some((worker, "drain")) if method == Method::POST => (worker, "drain"),
-        Some((worker, "resume")) if method == Method::POST => (worker, "resume"),
-        None if method == Method::DELETE => (rest, "remove"),
+    let segments: Vec<String> = path.split('/').map(percent_decoded).collect::<Option<_>>()?;
+    let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let (action, worker) = match (method, segments.as_slice()) {
+        (&Method::GET, ["", "admin", "engines"]) => return Some(("list", None)),
+        (&Method::POST, ["", "admin", "engines"]) => return Some(("add", None)),
+        (&Method::POST, ["", "admin", "engines", worker, "drain"]) => ("drain", *worker),
+        (&Method::POST, ["", "admin", "engines", worker, "resume"]) => ("resume", *worker),
+        (&Method::DELETE, ["", "admin", "engines", worker]) => ("remove", *worker),
         _ => return None,
     };
-    let worker = percent_decoded(worker)?;
-    (!worker.is_empty()).then_some((action, Some(worker)))
+    (!worker.is_empty()).then(|| (action, Some(worker.to_owned())))
 }
 
 /// A path or path segment with its `%XX` escapes decoded (None: not UTF-8 once decoded).
@@ -288,5 +284,16 @@ mod tests {
         assert_eq!(route(&Method::POST, "/admin/engines/a/b/drain"), None);
         assert_eq!(route(&Method::GET, "/admin/other"), None);
         assert_eq!(route(&Method::DELETE, "/admin/engines/%FF"), None);
+        assert_eq!(route(&Method::DELETE, "/admin/engines/"), None);
+        // Escapes anywhere, decoded segment by segment as the Python plane decodes them.
+        assert_eq!(route(&Method::GET, "/adm%69n/engines"), Some(("list", None)));
+        assert_eq!(
+            route(&Method::POST, "/admin/engines/a/dr%61in"),
+            Some(("drain", Some("a".into())))
+        );
+        assert_eq!(
+            route(&Method::DELETE, "/admin/engines/a%2Fb"),
+            Some(("remove", Some("a/b".into())))
+        );
     }
 }
