@@ -143,11 +143,13 @@ async def rig(
     answer_tokens: int = 4,
     engine_fields: list[dict[str, Any]] | None = None,
     setup: Callable[[FakeOpenAIEngine], object] | None = None,
+    extra_engines: list[dict[str, Any]] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Rig]:
     """``engines`` fake engines and a gateway in front (scraping off unless overridden).
     ``engine_fields``: extra keys of each engine's config entry (e.g. its role); ``setup``:
-    called on each fake engine before it starts."""
+    called on each fake engine before it starts; ``extra_engines``: entries of engines the
+    test serves itself, listed before the fakes."""
     fakes = [FakeOpenAIEngine(model=MODEL, answer_tokens=answer_tokens) for _ in range(engines)]
     for fake in fakes:
         if setup is not None:
@@ -155,7 +157,11 @@ async def rig(
         await fake.start()
     config: dict[str, Any] = {
         "engines": [
-            {**f.spec(), **(engine_fields[i] if engine_fields else {})} for i, f in enumerate(fakes)
+            *(extra_engines or []),
+            *(
+                {**f.spec(), **(engine_fields[i] if engine_fields else {})}
+                for i, f in enumerate(fakes)
+            ),
         ],
         "models": [MODEL],
         "block_size": 4,

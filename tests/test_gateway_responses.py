@@ -6,6 +6,7 @@ conversation is routed by the chat prompt vLLM makes of it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from _gateway_harness import (  # noqa: F401 (the fixture)
     run,
     until,
 )
+from yarl import URL
 
 from llmsched.gateway.responses import (
     ResponseIdScan,
@@ -460,7 +462,287 @@ def test_the_scanners_read_events_split_anywhere() -> None:
     done = TerminalEventScan()
     done.feed(unfinished)
     assert not done.seen  # a data field quoting the name is no event
+    for cut in range(len(unfinished), len(stream) - 1):
+        done = TerminalEventScan()
+        done.feed(stream[:cut])
+        assert not done.seen, cut  # the terminal event is whole only with its blank line
     assert output_deltas(stream) == 2
     first_without_id = ResponseIdScan()
     first_without_id.feed(b"event: x\ndata: {}\n\n" + stream)
     assert first_without_id.id is None
+
+
+# -- what probe 46 found -----------------------------------------------------------------
+
+KEY = "sk-responses-0001"
+
+
+class ScriptedEngine:
+    """A raw-socket engine for framings aiohttp's server never writes: each request gets the
+    next answer scripted for the first path prefix it starts with (bytes sent as given, then
+    the connection closes; None: never answered), else a 404."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[bytes | None]] = {}
+        self.requests: list[str] = []
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> ScriptedEngine:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    def spec(self) -> dict[str, Any]:
+        assert self._server is not None
+        port = self._server.sockets[0].getsockname()[1]
+        return {"host": "127.0.0.1", "port": port, "model": MODEL}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            method, path, _ = (await reader.readline()).decode().split(" ", 2)
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            self.requests.append(f"{method} {path}")
+            prefix = next((p for p in self.answers if path.startswith(p)), None)
+            if prefix is not None and self.answers[prefix]:
+                answer = self.answers[prefix].pop(0)
+                if answer is None:
+                    await asyncio.sleep(3600)
+                    return
+            else:
+                answer = (
+                    b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+                )
+            writer.write(answer)
+            await writer.drain()
+        except (ConnectionError, ValueError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+def json_answer(value: dict[str, Any]) -> bytes:
+    body = json.dumps(value).encode()
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    )
+
+
+def event_bytes(name: str, value: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(value)}\n\n".encode()
+
+
+async def read_stream(response: aiohttp.ClientResponse) -> str:
+    """A stream's text up to its end, cut or not."""
+    text = b""
+    try:
+        async for chunk in response.content.iter_any():
+            text += chunk
+    except aiohttp.ClientPayloadError:
+        pass
+    return text.decode()
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("framing", ["chunked", "close"])
+def test_a_stream_cut_inside_its_terminal_event_is_cut(framing: str) -> None:
+    async def main() -> None:
+        created = event_bytes("response.created", {"response": {"id": "resp_t"}})
+        completed = event_bytes("response.completed", {"response": {"id": "resp_t"}})
+        half = completed[: len(completed) - 12]
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        if framing == "chunked":
+            body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (created, half))
+            answer = head + b"Transfer-Encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
+        else:
+            answer = head + b"Connection: close\r\n\r\n" + created + half
+        async with ScriptedEngine() as engine:
+            engine.answers["/v1/responses"] = [answer]
+            async with rig(engines=0, extra_engines=[engine.spec()]) as r:
+                body = {"model": MODEL, "input": "x", "stream": True}
+                async with r.client.post(r.url("/v1/responses"), json=body) as response:
+                    text = await read_stream(response)
+            assert text.startswith(created.decode() + half.decode())
+            # The gateway's error event, on a line of its own, ends it.
+            name, data = text[len(created) + len(half) :].strip("\n").split("\n")
+            assert name == "event: error"
+            assert json.loads(data.removeprefix("data: "))["code"] == "upstream_error"
+
+    run(main())
+
+
+CUT_JSON = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+    b'{"id": "resp_k", "status": "compl'
+)
+GZIP_CHUNKED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: gzip, chunked\r\n\r\n5\r\nabcde\r\n0\r\n\r\n"
+)
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("answer", [CUT_JSON, GZIP_CHUNKED], ids=["cut-at-close", "gzip"])
+def test_a_stored_response_answer_that_is_not_whole_is_a_502(answer: bytes) -> None:
+    async def main() -> None:
+        async with ScriptedEngine() as engine:
+            # The lookup finds it; the relayed GET is the answer under test.
+            engine.answers["/v1/responses/resp_k"] = [json_answer({"id": "resp_k"}), answer]
+            async with (
+                rig(engines=0, extra_engines=[engine.spec()]) as r,
+                r.client.get(r.url("/v1/responses/resp_k")) as response,
+            ):
+                assert response.status == 502, await response.text()
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_engine_stalling_on_a_lookup_holds_no_request() -> None:
+    async def main() -> None:
+        async with ScriptedEngine() as stalling:
+            stalling.answers["/v1/responses/"] = [None] * 4
+            # Listed first: asked one at a time, the lookup would wait out its read timeout.
+            async with rig(
+                engines=1, extra_engines=[stalling.spec()], timeouts={"read_s": 60}
+            ) as r:
+                made = await direct_response(r.engines[0])
+                status, continued = await create(r, previous_response_id=made)
+                assert status == 200, continued
+                assert lookups(r, "located") == 1
+
+    run(main())
+
+
+async def direct_response(engine: Any) -> str:
+    """The id of a response made on ``engine`` past the gateway."""
+    async with aiohttp.ClientSession() as client:
+        body = {"model": MODEL, "input": "elsewhere"}
+        async with client.post(engine.url + "/v1/responses", json=body) as answer:
+            return str((await answer.json())["id"])
+
+
+@pytest.mark.usefixtures("plane")
+def test_concurrent_requests_for_an_unknown_id_share_one_lookup() -> None:
+    async def main() -> None:
+        async with rig(engines=3) as r:
+            made = await direct_response(r.engines[2])
+            results = await asyncio.gather(
+                *(create(r, previous_response_id=made, input=f"n{i}") for i in range(20))
+            )
+            assert [status for status, _ in results] == [200] * 20
+            asked = [p for e in r.engines for p in e.paths() if p == f"/v1/responses/{made}"]
+            assert len(asked) <= 3  # each engine at most once
+
+    run(main())
+
+
+class _Liar(dict):  # type: ignore[type-arg]
+    """An engine's store that claims every id, answering with another."""
+
+    def get(self, key: object, default: object = None) -> object:
+        return {"id": "resp_someone_else", "status": "completed"}
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_engine_claiming_every_id_does_not_capture_it() -> None:
+    async def main() -> None:
+        async with rig(engines=2) as r:
+            made = await direct_response(r.engines[1])
+            r.engines[0].responses = _Liar()
+            status, continued = await create(r, previous_response_id=made)
+            assert status == 200, continued
+            assert not [e for e in r.engines[0].received if e.path == "/v1/responses"]
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize(
+    "path",
+    ["resp_x/../../../metrics", "resp_x/%2E%2E/cancel", "../models", "resp_x%2Fcancel"],
+)
+def test_a_stored_response_path_naming_another_path_reaches_no_engine(path: str) -> None:
+    async def main() -> None:
+        async with rig(engines=2) as r:
+            url = URL(r.url(f"/v1/responses/{path}"), encoded=True)
+            async with r.client.get(url) as response:
+                assert response.status == 404
+            assert not any(e.received for e in r.engines)
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_requests_about_stored_responses_take_the_keys_request_limits() -> None:
+    async def main() -> None:
+        keys = {KEY: {"tenant": "t", "requests_per_s": 0.001, "burst_requests": 2}}
+        async with rig(engines=2, auth={"api_keys": keys}) as r:
+            headers = {"Authorization": f"Bearer {KEY}"}
+            statuses = []
+            for _ in range(4):
+                async with r.client.get(r.url("/v1/responses/resp_q"), headers=headers) as got:
+                    statuses.append(got.status)
+            assert statuses == [404, 404, 429, 429]
+            async with r.client.get(r.url("/v1/responses/resp_q")) as anonymous:
+                assert anonymous.status == 401
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_output_tokens_are_read_from_the_usage_block() -> None:
+    async def main() -> None:
+        answer = {
+            "id": "resp_u",
+            "metadata": {"output_tokens": 0},
+            "tools": [{"type": "function", "parameters": {"output_tokens": 0}}],
+            "usage": {"input_tokens": 1, "output_tokens": 500, "total_tokens": 501},
+        }
+        async with ScriptedEngine() as engine:
+            engine.answers["/v1/responses"] = [json_answer(answer)] * 4
+            keys = {KEY: {"tenant": "t", "tokens_per_s": 0.001, "burst_tokens": 100}}
+            async with rig(engines=0, extra_engines=[engine.spec()], auth={"api_keys": keys}) as r:
+                statuses = []
+                for _ in range(4):
+                    body = {"model": MODEL, "input": "x", "metadata": {"output_tokens": 0}}
+                    headers = {"Authorization": f"Bearer {KEY}"}
+                    async with r.client.post(
+                        r.url("/v1/responses"), json=body, headers=headers
+                    ) as response:
+                        statuses.append(response.status)
+            # 500 output tokens put the key's 100-token bucket in debt after the first.
+            assert statuses == [200, 429, 429, 429]
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_number_past_double_range_keeps_the_conversation_on_its_engine() -> None:
+    async def main() -> None:
+        async with rig(engines=3) as r:
+            _, made = await create(r)
+            home = holder(r, made["id"])
+            for i in range(6):
+                body = (
+                    f'{{"model": "{MODEL}", "input": "n{i}", "metadata": {{"n": 1e400}}, '
+                    f'"previous_response_id": "{made["id"]}"}}'
+                ).encode()
+                headers = {"Content-Type": "application/json"}
+                async with r.client.post(r.url("/v1/responses"), data=body, headers=headers) as a:
+                    assert a.status == 200, await a.text()
+            assert lookups(r, "owner") == 6
+            assert all(
+                i == home or not [q for q in e.received if q.path == "/v1/responses"][1:]
+                for i, e in enumerate(r.engines)
+            )
+
+    run(main())

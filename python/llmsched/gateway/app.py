@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import aiohttp
 import numpy as np
@@ -123,6 +123,9 @@ _PASSED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
 _USAGE_PARSE_LIMIT = 1 << 20
 # Non-streamed answers up to this size are read whole and sent in one response.
 _WHOLE_BODY_LIMIT = 8 << 20
+_LOCATE_TIMEOUT_S = 2.0
+"""The most an engine is waited for when asked whether it holds a response (a lookup in its
+memory): one that stalls holds no lookup longer."""
 # How often queued requests learn that no engine is left (they then get a 503 at once).
 _ROUTABLE_CHECK_S = 0.2
 # Body fields the gateway checks whatever the engine: (name, what is allowed).
@@ -321,6 +324,8 @@ class Gateway:
         self.response_owners = ResponseOwners()
         """Which engine made each stored response (Responses API)."""
         self.metrics.response_owners.set_function(lambda: len(self.response_owners))
+        # Lookups of unknown response ids in progress, shared by the requests naming one.
+        self._locating: dict[str, asyncio.Future[str | None]] = {}
         self.health = EngineHealth(
             cfg.health,
             recheck_s=cfg.retries.eject_s,
@@ -736,56 +741,102 @@ class Gateway:
         return engine
 
     async def _locate(self, response_id: str, deadline: float) -> str | None:
-        """Asks the engines in routing, one at a time, for ``response_id`` (``GET
-        /v1/responses/{id}``); the first to answer 200 holds it and is recorded. For ids this
-        gateway never saw: made before it started, or through another replica."""
+        """Asks every engine in routing at once for ``response_id`` (``GET
+        /v1/responses/{id}``, each ask bounded by :data:`_LOCATE_TIMEOUT_S`); the first to
+        answer 200 with that very id holds it and is recorded. For ids this gateway never
+        saw: made before it started, or through another replica. Concurrent lookups of one
+        id share one."""
+        shared = self._locating.get(response_id)
+        if shared is None:
+            shared = asyncio.ensure_future(self._ask_engines(response_id, deadline))
+            self._locating[response_id] = shared
+            shared.add_done_callback(lambda _: self._locating.pop(response_id, None))
+        # A waiter leaving (its client gone) leaves the lookup to the others.
+        return await asyncio.shield(shared)
+
+    async def _ask_engines(self, response_id: str, deadline: float) -> str | None:
         session = self.upstream_session()
         timeouts = self.config.timeouts
-        for engine in self.routable_endpoints():
-            if time.monotonic() >= deadline:
-                return None
+        bound = min(_LOCATE_TIMEOUT_S, timeouts.read_s or _LOCATE_TIMEOUT_S)
+        timeout = aiohttp.ClientTimeout(
+            total=max(min(deadline - time.monotonic(), bound), 0.001),
+            sock_connect=timeouts.connect_s,
+        )
+
+        async def holds(engine: str) -> str | None:
             # One path segment whatever the id holds (a "/" or "?" names no other path).
-            url = URL(
-                f"{self._urls[(engine, 'responses')]}/{quote(response_id, safe='')}", encoded=True
-            )
-            timeout = aiohttp.ClientTimeout(
-                total=max(min(deadline - time.monotonic(), timeouts.read_s or 5.0), 0.001),
-                sock_connect=timeouts.connect_s,
-            )
+            base = self._urls[(engine, "responses")]
+            url = URL(f"{base}/{quote(response_id, safe='')}", encoded=True)
             try:
                 async with session.get(url, timeout=timeout) as answer:
-                    await answer.read()
-                    found = answer.status == 200
+                    if answer.status != 200:
+                        return None
+                    body = await _read_at_most(answer, _WHOLE_BODY_LIMIT)
             except (aiohttp.ClientError, asyncio.TimeoutError):
-                continue
-            if found:
-                self.response_owners.record(response_id, engine)
-                return engine
-        return None
+                return None
+            # An engine answering 200 for any id must not capture it: the answer names it.
+            return engine if body is not None and response_id_of(body) == response_id else None
+
+        asks = [asyncio.ensure_future(holds(engine)) for engine in self.routable_endpoints()]
+        try:
+            for finished in asyncio.as_completed(asks):
+                engine = await finished
+                if engine is not None:
+                    self.response_owners.record(response_id, engine)
+                    return engine
+            return None
+        finally:
+            for ask in asks:
+                ask.cancel()
 
     async def _responses_by_id(self, request: web.Request) -> web.StreamResponse:
         """``/v1/responses/{id}`` and the paths under it (``cancel``, ``input_items``), any
         method: relayed to the engine holding the response (no other can answer for it).
-        Authenticated, but not admitted through flow control: no generation runs."""
+        Authenticated and held to the key's request limits, but not admitted through flow
+        control: no generation runs."""
         route = "responses_by_id"
         total_s = self.config.timeouts.total_s
         deadline = time.monotonic() + (total_s if total_s is not None else 1e9)
+        limiter: KeyLimiter | None = None
         try:
-            self._authenticate(request)
-            body = await self._read_body(request)
-            response_id = request.match_info["tail"].split("/", 1)[0]
+            _, _, limiter = self._authenticate(request)
+            target = request.rel_url.raw_path
+            segments = [unquote(part) for part in target.split("/")]
+            if "%2f" in target.lower() or any(part in (".", "..") for part in segments):
+                # An escaped "/" or a dot segment names some other path on the engine.
+                raise Refusal(404, "not_found", "not found")
+            response_id = segments[3] if len(segments) > 3 else ""
             if not response_id:
                 raise Refusal(404, "not_found", "not found")
+            if limiter is not None:
+                over = limiter.acquire(prompt_tokens=0)
+                if over is not None:
+                    limiter = None  # not admitted: nothing to release
+                    raise _limit_refusal(*over)
+            body = await self._read_body(request)
             engine = await self._response_engine(response_id, deadline, generating=False)
+            return await self._relay_by_id(request, route, engine, body, deadline)
         except Refusal as refusal:
             return self.refuse(route, refusal)
-        url = URL(self._specs[engine].base_url + request.raw_path, encoded=True)
+        finally:
+            if limiter is not None:
+                limiter.release(output_tokens=0)
+
+    async def _relay_by_id(
+        self, request: web.Request, route: str, engine: str, body: bytes, deadline: float
+    ) -> web.StreamResponse:
+        """Relays a by-id request to ``engine``, its answer checked as a generation's is: an
+        answer ended by the engine's close must be whole JSON, a transfer coding besides
+        chunked is refused, an event stream must show its terminal event."""
+        target = request.rel_url.raw_path_qs  # origin form, whatever form the client sent
+        url = URL(self._specs[engine].base_url + target, encoded=True)
         headers = {
             name: value
             for name in ("Content-Type", "Accept")
             if (value := request.headers.get(name)) is not None
         }
         session = self.upstream_session()
+        cut_off = Refusal(502, "upstream_error", "the engine's answer was cut off")
         try:
             upstream = await session.request(
                 request.method,
@@ -796,19 +847,35 @@ class Gateway:
             )
         except asyncio.TimeoutError:
             self.metrics.upstream_errors.labels(engine, "timeout").inc()
-            return self.refuse(route, Refusal(504, "timeout", "the engine did not answer in time"))
+            raise Refusal(504, "timeout", "the engine did not answer in time") from None
         except aiohttp.ClientError:
             self.metrics.upstream_errors.labels(engine, "connect").inc()
-            return self.refuse(
-                route, Refusal(502, "upstream_error", "the engine holding the response failed")
-            )
+            raise Refusal(502, "upstream_error", "the engine holding the response failed") from None
         try:
+            if upstream.status < 200 or _coded_transfer(upstream):
+                self.metrics.upstream_errors.labels(engine, "broken").inc()
+                raise Refusal(502, "upstream_error", "the engine's answer is not one to relay")
+            sse = "event-stream" in upstream.headers.get("Content-Type", "")
+            if not sse and _ends_at_close(upstream):
+                try:
+                    data = await _read_at_most(upstream, _WHOLE_BODY_LIMIT)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    data = None
+                if data is None or (_is_json(upstream) and not _parses(data)):
+                    self.metrics.upstream_errors.labels(engine, "truncated").inc()
+                    raise cut_off
+                whole = web.Response(body=data, status=upstream.status)
+                for name in _PASSED_RESPONSE_HEADERS:
+                    if (value := upstream.headers.get(name)) is not None:
+                        whole.headers[name] = value
+                self.metrics.requests.labels(route, str(upstream.status)).inc()
+                return whole
             response = web.StreamResponse(status=upstream.status)
             for name in _PASSED_RESPONSE_HEADERS:
-                value = upstream.headers.get(name)
-                if value is not None:
+                if (value := upstream.headers.get(name)) is not None:
                     response.headers[name] = value
-            sse = "event-stream" in upstream.headers.get("Content-Type", "")
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
             done = TerminalEventScan() if sse and upstream.status < 300 else None
             cut = False
             try:
@@ -1151,7 +1218,11 @@ class Gateway:
         messages = chat["messages"]
         if not messages:
             return _Prompt(np.empty(0, dtype=np.uint32), None, None, 0)
-        _check_messages(messages)
+        try:
+            _check_messages(messages)
+        except PromptError:  # the engine's to refuse, as with a tokenizer
+            self.metrics.responses_unhashed.inc()
+            return _Prompt(np.empty(0, dtype=np.uint32), None, None, size)
         return _Prompt(None, None, messages, size)
 
     def _pick_args(

@@ -259,26 +259,39 @@ class ResponseIdScan:
 
 
 class TerminalEventScan:
-    """Whether a Responses event stream has shown the event that ends it
-    (``response.completed``, ``response.incomplete``, ``response.failed`` or ``error``), split
-    between chunks too."""
+    """Whether a Responses event stream has shown, whole, the event that ends it
+    (``response.completed``, ``response.incomplete``, ``response.failed`` or ``error``): its
+    name at the start of a line, then the blank line that closes the event (a stream cut
+    inside its data is cut). Fed chunk by chunk, split anywhere."""
 
-    __slots__ = ("_tail", "seen")
+    __slots__ = ("_ending", "_tail", "seen")
 
     _LONGEST = max(len(event) for event in _TERMINAL_EVENTS)
 
     def __init__(self) -> None:
         self.seen = False
+        self._ending = False
         self._tail = b"\n"
 
     def feed(self, chunk: bytes) -> None:
         if self.seen:
             return
         joined = self._tail + chunk
-        # Each name must start a line: a data field quoting one is no event.
-        if any(b"\n" + event in joined for event in _TERMINAL_EVENTS):
+        if not self._ending:
+            # Each name must start a line: a data field quoting one is no event.
+            found = [
+                at + len(event)
+                for event in _TERMINAL_EVENTS
+                if (at := joined.find(b"\n" + event)) >= 0
+            ]
+            if not found:
+                self._tail = joined[-self._LONGEST :]
+                return
+            self._ending = True
+            joined = joined[min(found) :]  # from the newline ending the event's name
+        if b"\n\n" in joined:
             self.seen = True
-        self._tail = joined[-self._LONGEST :]
+        self._tail = joined[-1:]
 
 
 def output_deltas(chunk: bytes) -> int:
