@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -746,3 +747,20 @@ def test_a_number_past_double_range_keeps_the_conversation_on_its_engine() -> No
             )
 
     run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_requests_the_parser_refuses_log_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """Each was a traceback at ERROR on the Python plane: log noise any client can make."""
+
+    async def main() -> None:
+        async with rig(engines=1) as r:
+            for line in (b"GET /\x01x HTTP/1.1", b"GET /" + b"a" * 20_000 + b" HTTP/1.1"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", r.gateway.port)
+                writer.write(line + b"\r\nHost: x\r\n\r\n")
+                assert (await reader.read(64)).split(b" ")[1] in (b"400", b"414")
+                writer.close()
+
+    with caplog.at_level(logging.ERROR):
+        run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -48,6 +48,7 @@ from urllib.parse import quote, unquote
 import aiohttp
 import numpy as np
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from llmsched.errors import (
@@ -416,6 +417,7 @@ class Gateway:
         then listens."""
         cfg = self.config
         timeouts = cfg.timeouts
+        logging.getLogger("aiohttp.server").addFilter(_QUIET_PARSER_ERRORS)
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
@@ -1662,6 +1664,22 @@ class Gateway:
         """The URL of ``route`` on a configured engine; None when the engine is not (or no
         longer) configured. Package-internal."""
         return self._urls.get((endpoint, route))
+
+
+class _ParserErrors(logging.Filter):
+    """Drops aiohttp's ERROR traceback for each request its parser refuses (a bad method,
+    URL or over-long line: the client already got its 400), log noise any client could make
+    at will; one DEBUG line is left."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            log.debug("refused a request the HTTP parser could not read: %s", type(error).__name__)
+            return False
+        return True
+
+
+_QUIET_PARSER_ERRORS = _ParserErrors()
 
 
 class _OutputCounter:
