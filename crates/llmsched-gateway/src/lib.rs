@@ -409,7 +409,27 @@ struct Gateway {
     hashes_prompts: bool,
     /// Which engine holds each stored response ([`responses`]).
     owners: Arc<responses::Owners>,
+    /// Lookups of unknown response ids in progress ([`Gateway::locate`]), shared by the
+    /// requests naming one.
+    locating: Mutex<Locating>,
 }
+
+/// The work of a lookup of a stored response's engine ([`Gateway::locate`]).
+type LookupWork = futures::future::BoxFuture<'static, Option<Arc<Upstream>>>;
+
+/// A lookup, shared by its waiters.
+type Lookup = futures::future::Shared<LookupWork>;
+
+/// The lookups in progress: id -> (its stamp, the lookup while any request waits for it).
+#[derive(Default)]
+struct Locating {
+    map: HashMap<String, (u64, futures::future::WeakShared<LookupWork>)>,
+    next: u64,
+}
+
+/// How long an engine is waited for at most when asked whether it holds a response (a
+/// lookup in its memory): one that stalls holds no lookup longer.
+const LOCATE_TIMEOUT_S: f64 = 2.0;
 
 /// More exposition text for `/metrics`, from the embedding program (the Python side's
 /// KV-event counters); called on each scrape of `/metrics` only.
@@ -670,6 +690,7 @@ fn build(
         hashes_prompts: config.record_unread_prefixes
             || source.router().config().reads_prefix_match(),
         owners: Arc::new(responses::Owners::default()),
+        locating: Mutex::new(Locating::default()),
         source,
         config,
     };
@@ -1917,25 +1938,7 @@ impl Gateway {
         };
         let Prompt { tokens, size: prompt_size, previous } = prompt;
         let sse = payload.stream();
-        let limiter = match &identity.limiter {
-            Some(limiter) => {
-                limiter.acquire(prompt_size as u64, monotonic()).map_err(|over| {
-                    let what = if over.reason == "concurrency-limited" {
-                        "requests in progress"
-                    } else {
-                        "rate"
-                    };
-                    Refusal::new(
-                        429,
-                        "rate_limit_exceeded",
-                        format!("this key's {what} limit is reached"),
-                    )
-                    .dropped(over.reason, (over.wait_s.ceil() as u64).max(1).to_string())
-                })?;
-                Some(LimiterGuard(limiter.clone(), 0))
-            }
-            None => None,
-        };
+        let limiter = limited(&identity, prompt_size as u64)?;
         let retry_after = self.config.retry_after_s.to_string();
         if !self.any_routable() {
             return Err(Refusal::new(503, "service_unavailable", "no engine is available")
@@ -2305,7 +2308,7 @@ impl Gateway {
         route: &str,
     ) -> Result<Prompt, Refusal> {
         if route == "responses" {
-            return self.responses_prompt(raw);
+            return self.responses_prompt(payload, raw);
         }
         let tokens = self.prompt_tokens(payload, route == "chat")?;
         Ok(Prompt { size: tokens.len(), tokens, previous: None })
@@ -2319,29 +2322,39 @@ impl Gateway {
     /// id instead. An input the conversion does not cover, or that the chat path refuses (an
     /// image part, say: the engine's to take or refuse), is routed unhashed and counted.
     /// Without hashes, the prompt's size for limits and flow control is a quarter of its
-    /// `input`'s JSON bytes.
-    fn responses_prompt(&self, raw: &[u8]) -> Result<Prompt, Refusal> {
+    /// `input`'s JSON bytes (of the whole body when serde_json's `Value` cannot hold it: a
+    /// number past f64's range). `previous_response_id` is read from `payload` (as parsed
+    /// for every request), so that such a number anywhere neither hides it nor makes it
+    /// pass unchecked.
+    fn responses_prompt(&self, payload: &Payload<'_>, raw: &[u8]) -> Result<Prompt, Refusal> {
         let unhashed = |size: usize| {
             self.counters.responses_unhashed.fetch_add(1, Ordering::Relaxed);
             Ok(Prompt { tokens: Vec::new(), size, previous: None })
         };
-        // A body Payload read but serde_json's Value does not (a number past f64's range).
-        let Ok(body) = serde_json::from_slice::<Value>(raw) else { return unhashed(0) };
-        let size = body.get("input").map_or(4, |input| input.to_string().len()) / 4;
-        match body.get("previous_response_id") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(id)) if !id.is_empty() => {
-                return Ok(Prompt { tokens: Vec::new(), size, previous: Some(id.clone()) });
-            }
-            Some(_) => {
-                return Err(Refusal::new(
-                    400,
-                    "invalid_request_error",
-                    "'previous_response_id' must be a non-empty string",
-                )
-                .param("previous_response_id"))
-            }
+        let previous = match payload.raw("previous_response_id") {
+            None => None,
+            Some(value) if value.get() == "null" => None,
+            Some(value) => match payload::as_str(value) {
+                Some(id) if !id.is_empty() => Some(id.into_owned()),
+                _ => {
+                    return Err(Refusal::new(
+                        400,
+                        "invalid_request_error",
+                        "'previous_response_id' must be a non-empty string",
+                    )
+                    .param("previous_response_id"))
+                }
+            },
+        };
+        let body = serde_json::from_slice::<Value>(raw).ok();
+        let size = match &body {
+            Some(body) => body.get("input").map_or(4, |input| input.to_string().len()) / 4,
+            None => raw.len() / 4,
+        };
+        if previous.is_some() {
+            return Ok(Prompt { tokens: Vec::new(), size, previous });
         }
+        let Some(body) = body else { return unhashed(size) };
         let Some(chat) = responses::chat_request_of(&body) else { return unhashed(size) };
         if chat["messages"].as_array().is_none_or(Vec::is_empty) {
             // Nothing to hash (and nothing vLLM would render but a generation prompt).
@@ -2361,7 +2374,7 @@ impl Gateway {
     /// else it need only be configured (a by-id request: no other engine can answer it). No
     /// engine holds it: 404, as vLLM answers it.
     async fn response_owner(
-        &self,
+        self: &Arc<Self>,
         id: &str,
         deadline: f64,
         routable: bool,
@@ -2399,38 +2412,79 @@ impl Gateway {
         .param(param))
     }
 
-    /// Asks the engines in routing, one at a time, for stored response `id` (`GET
-    /// /v1/responses/{id}`, within the read timeout or 5 s each); the first to answer 200
-    /// holds it, and is recorded. For ids this gateway never saw: made before it started, or
-    /// through another replica.
-    async fn locate(&self, id: &str, deadline: f64) -> Option<Arc<Upstream>> {
+    /// Asks every engine in routing at once for stored response `id` (`GET
+    /// /v1/responses/{id}`, each ask bounded by [`LOCATE_TIMEOUT_S`], the read timeout and
+    /// `deadline`); the first to answer 200 with that very id (the top-level `id` of its
+    /// JSON answer: an engine answering 200 for any id captures none) holds it, and is
+    /// recorded; the other asks are dropped. For ids this gateway never saw: made before it
+    /// started, or through another replica. Concurrent lookups of one id share one (a
+    /// request's own deadline still bounds its wait); a lookup whose requests are all gone
+    /// is dropped, its asks with it.
+    async fn locate(self: &Arc<Self>, id: &str, deadline: f64) -> Option<Arc<Upstream>> {
+        use futures::FutureExt;
+        let (stamp, lookup) = {
+            let mut locating = self.locating.lock().unwrap_or_else(|e| e.into_inner());
+            let running = locating
+                .map
+                .get(id)
+                .and_then(|(stamp, weak)| Some((*stamp, weak.upgrade()?)))
+                .filter(|(_, lookup)| lookup.peek().is_none());
+            match running {
+                Some(running) => running,
+                None => {
+                    let (gateway, asked) = (self.clone(), id.to_owned());
+                    let lookup: Lookup =
+                        async move { gateway.ask_engines(&asked, deadline).await }.boxed().shared();
+                    let stamp = locating.next;
+                    locating.next += 1;
+                    if let Some(weak) = lookup.downgrade() {
+                        locating.map.insert(id.to_owned(), (stamp, weak));
+                    }
+                    (stamp, lookup)
+                }
+            }
+        };
+        let mut waiter = LookupWaiter { locating: &self.locating, id, stamp, lookup: Some(lookup) };
+        let lookup = waiter.lookup.as_mut()?;
+        let left = (deadline - monotonic()).max(0.0);
+        tokio::time::timeout(Duration::from_secs_f64(left), lookup).await.ok().flatten()
+    }
+
+    /// One lookup of [`Gateway::locate`].
+    async fn ask_engines(&self, id: &str, deadline: f64) -> Option<Arc<Upstream>> {
+        use futures::StreamExt;
         let upstreams = self.upstreams();
-        let each = self.config.read_timeout_s.unwrap_or(5.0);
-        for upstream in &upstreams.list {
-            if !in_routing(upstream, &self.router().pool().snapshot()) {
-                continue;
-            }
-            let left = deadline - monotonic();
-            if left <= 0.0 {
-                return None;
-            }
-            let segment = responses::path_segment(id);
+        let pool = self.router().pool().snapshot();
+        let each = self.config.read_timeout_s.map_or(LOCATE_TIMEOUT_S, |r| r.min(LOCATE_TIMEOUT_S));
+        let wait = each.min(deadline - monotonic());
+        if wait <= 0.0 {
+            return None;
+        }
+        let wait = Duration::from_secs_f64(wait);
+        let segment = responses::path_segment(id);
+        let mut asks = futures::stream::FuturesUnordered::new();
+        for upstream in upstreams.list.iter().filter(|u| in_routing(u, &pool)) {
             let Ok(uri) = format!("{}/v1/responses/{segment}", upstream.prefix).parse::<Uri>()
             else {
-                return None;
+                continue;
             };
             let mut ask = Request::new(Full::new(Bytes::new()));
             *ask.uri_mut() = uri;
-            let asked = async {
-                let (answer, lease) = upstream.connections.send(ask).await.ok()?;
-                let found = answer.status() == StatusCode::OK;
-                // Read to its end, so that the connection can serve again.
-                Limited::new(answer.into_body(), 8 << 20).collect().await.ok()?;
-                lease.release();
-                Some(found)
-            };
-            let wait = Duration::from_secs_f64(each.min(left).max(0.001));
-            if let Ok(Some(true)) = tokio::time::timeout(wait, asked).await {
+            asks.push(async move {
+                let asked = async {
+                    let (answer, lease) = upstream.connections.send(ask).await.ok()?;
+                    let ok = answer.status() == StatusCode::OK;
+                    // Read to its end, so that the connection can serve again.
+                    let body = Limited::new(answer.into_body(), 8 << 20).collect().await.ok()?;
+                    lease.release();
+                    let named = responses::response_id_of(&body.to_bytes());
+                    (ok && named.as_deref() == Some(id)).then_some(upstream)
+                };
+                tokio::time::timeout(wait, asked).await.ok().flatten()
+            });
+        }
+        while let Some(found) = asks.next().await {
+            if let Some(upstream) = found {
                 self.owners.record(id, &upstream.id);
                 return Some(upstream.clone());
             }
@@ -2441,8 +2495,11 @@ impl Gateway {
     /// `/v1/responses/{id}` and the paths under it (`cancel`, `input_items`), any method:
     /// relayed (method, path, query, body, `Content-Type` and `Accept`) to the engine
     /// holding the response, which alone can answer it; never retried elsewhere.
-    /// Authenticated, but not admitted through flow control or the key's limits: no
-    /// generation runs.
+    /// Authenticated and held to the key's request limits (rate and requests in progress,
+    /// no tokens), but not admitted through flow control: no generation runs. Its answer is
+    /// checked as a generation's is: ended by the connection's close, it is read whole (up
+    /// to 8 MiB) and, JSON, must parse; an event stream must end with its terminal event;
+    /// a transfer coding besides chunked is a 502.
     async fn by_id(self: &Arc<Self>, request: Request<Incoming>) -> Answer {
         let deadline = monotonic() + self.config.total_timeout_s.unwrap_or(1e9);
         match self.serve_by_id(request, deadline).await {
@@ -2465,23 +2522,24 @@ impl Gateway {
         request: Request<Incoming>,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
-        if let Err(refused) = self.identify(request.headers()) {
-            tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
-            return Err(refused);
-        }
+        let identity = match self.identify(request.headers()) {
+            Ok(identity) => identity,
+            Err(refused) => {
+                tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+                return Err(refused);
+            }
+        };
         let (parts, body) = request.into_parts();
         let raw = self.read_body(&parts.headers, body).await?;
-        let path_and_query = parts.uri.path_and_query().map_or("", |p| p.as_str());
-        let id = match responses::id_of_path(parts.uri.path()) {
-            Some(id) if id.contains('%') => admin::percent_decoded(id),
-            Some(id) => Some(id.to_owned()),
-            None => None,
-        };
-        let Some(id) = id.filter(|id| !id.is_empty()) else {
+        // A dot segment, or an escaped `/`, would name another path (for the engine, or a
+        // proxy before it, that resolves them): no such path is served.
+        let Some(target) = responses::by_id_target(parts.uri.path()) else {
             return Err(Refusal::new(404, "not_found", "not found"));
         };
-        let upstream = self.response_owner(&id, deadline, false).await?;
-        let uri = format!("{}{path_and_query}", upstream.prefix)
+        let limiter = limited(&identity, 0)?;
+        let upstream = self.response_owner(&target.id, deadline, false).await?;
+        let query = parts.uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+        let uri = format!("{}{}{query}", upstream.prefix, target.path)
             .parse::<Uri>()
             .map_err(|_| Refusal::new(404, "not_found", "not found"))?;
         let mut forward = Request::new(Full::new(raw));
@@ -2529,10 +2587,17 @@ impl Gateway {
         let relaying = Relaying {
             route: Some(BY_ID_ROUTE),
             lease: Some(lease),
+            guards: Some(Guards { slot: None, limiter }),
             responses: true,
+            completion: false,
             ..Relaying::completion(self, &upstream, false, deadline)
         };
-        Ok(relay(answer, Relaying { completion: false, ..relaying }))
+        // Ended by the connection's close, a cut looks like the end: read whole and checked.
+        // (An answer to HEAD has no body whatever its headers say.)
+        if parts.method != Method::HEAD && checked_whole(&answer) {
+            return self.answer_whole(answer, relaying).await;
+        }
+        Ok(relay(answer, relaying))
     }
 
     /// The ids the router hashes: with a tokenizer, the engine's; without, token ids as
@@ -2624,7 +2689,9 @@ impl Gateway {
             lease.release();
         }
         let mut tokens = TokenCount { responses: relaying.responses, ..TokenCount::default() };
-        tokens.feed(&bytes, false);
+        if relaying.completion {
+            tokens.feed(&bytes, false);
+        }
         if let Some(scan) = relaying.id_scan.take() {
             if let Some(id) = responses::response_id_of(&bytes) {
                 scan.owners.record(&id, &scan.engine);
@@ -2637,7 +2704,9 @@ impl Gateway {
         if let Some(mut guards) = relaying.guards.take() {
             guards.output_tokens(tokens.tokens());
         }
-        self.counters.completed.fetch_add(1, Ordering::Relaxed);
+        if relaying.completion {
+            self.counters.completed.fetch_add(1, Ordering::Relaxed);
+        }
         self.counters.requests.inc(&[route, parts.status.as_str()]);
         let mut out = own(parts.status, "application/json", bytes);
         for (name, value) in &parts.headers {
@@ -2646,6 +2715,48 @@ impl Gateway {
             }
         }
         Ok(out)
+    }
+}
+
+/// The key's limits (`identity`'s) taken for a request of `prompt_tokens`: held until its
+/// answer ends, or a 429 naming the limit reached.
+fn limited(identity: &Identity, prompt_tokens: u64) -> Result<Option<LimiterGuard>, Refusal> {
+    let Some(limiter) = &identity.limiter else { return Ok(None) };
+    limiter.acquire(prompt_tokens, monotonic()).map_err(|over| {
+        let what =
+            if over.reason == "concurrency-limited" { "requests in progress" } else { "rate" };
+        Refusal::new(429, "rate_limit_exceeded", format!("this key's {what} limit is reached"))
+            .dropped(over.reason, (over.wait_s.ceil() as u64).max(1).to_string())
+    })?;
+    Ok(Some(LimiterGuard(limiter.clone(), 0)))
+}
+
+/// Waits for a shared lookup ([`Gateway::locate`]); gone (its answer read, or its request
+/// gone), it removes the lookup from those in progress once no request waits for it, or
+/// once it is done, so that none is left behind.
+struct LookupWaiter<'a> {
+    locating: &'a Mutex<Locating>,
+    id: &'a str,
+    stamp: u64,
+    lookup: Option<Lookup>,
+}
+
+impl Drop for LookupWaiter<'_> {
+    fn drop(&mut self) {
+        // Its own share goes first: the last waiter then sees none left.
+        drop(self.lookup.take());
+        let mut locating = self.locating.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((stamp, weak)) = locating.map.get(self.id) else { return };
+        if *stamp != self.stamp {
+            return;
+        }
+        let finished = match weak.upgrade() {
+            None => true,
+            Some(lookup) => lookup.peek().is_some(),
+        };
+        if finished {
+            locating.map.remove(self.id);
+        }
     }
 }
 
@@ -3145,6 +3256,11 @@ impl DoneScan {
     fn whole(&self) -> bool {
         !matches!(self, DoneScan::Looking(_) | DoneScan::Events(_))
     }
+
+    /// Whether a Responses stream's terminal event has begun and not yet ended.
+    fn ending(&self) -> bool {
+        matches!(self, DoneScan::Events(scan) if scan.ending())
+    }
 }
 
 fn wake_at(read: Option<Duration>, deadline: Option<tokio::time::Instant>) -> tokio::time::Instant {
@@ -3581,11 +3697,20 @@ impl Body for Relay {
             }
             Poll::Ready(Some(Err(_))) => this.cut(),
             Poll::Ready(Some(Ok(frame))) => {
+                // A Responses stream ends near its terminal event: a frame holding its line,
+                // or any part of it (split between frames), is held with what follows.
+                let (was_whole, was_ending) = (this.done.whole(), this.done.ending());
                 this.received(&frame);
+                let terminal = was_ending || this.done.ending() || was_whole != this.done.whole();
                 if this.done.whole() && this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
                 } else if let Some(data) = frame.data_ref().filter(|d| {
-                    this.sse && if this.responses { responses::ends_here(d) } else { ends_soon(d) }
+                    this.sse
+                        && if this.responses {
+                            terminal || responses::ends_here(d)
+                        } else {
+                            ends_soon(d)
+                        }
                 }) {
                     return this.hold(bytes::BytesMut::from(&data[..]), 0, cx);
                 }
@@ -3710,13 +3835,24 @@ mod tests {
             data: {}\n\nevent: response.completed\ndata: {}\n\n";
         let mut done = DoneScan::Events(responses::TerminalScan::default());
         let mut tokens = TokenCount { responses: true, ..TokenCount::default() };
-        let end = memchr::memmem::find(stream, b"event: response.completed").unwrap_or(0);
+        // Whole only once the blank line closing the terminal event came (the last byte);
+        // ending from its line's end on.
+        let line_end = memchr::memmem::find(stream, b"event: response.completed").unwrap_or(0) + 26;
         for (i, chunk) in stream.chunks(7).enumerate() {
-            assert_eq!(done.whole(), i * 7 >= end + 26, "chunk {i}");
+            assert!(!done.whole(), "chunk {i}");
             done.feed(chunk);
             tokens.feed(chunk, true);
+            assert_eq!(done.ending(), !done.whole() && i * 7 + 7 >= line_end, "chunk {i}");
         }
         assert!(done.whole());
+        // Cut inside the terminal event's data, split anywhere: not whole.
+        let cut = &stream[..stream.len() - 3];
+        for at in 0..=cut.len() {
+            let mut done = DoneScan::Events(responses::TerminalScan::default());
+            done.feed(&cut[..at]);
+            done.feed(&cut[at..]);
+            assert!(!done.whole(), "split at {at}");
+        }
         // A split `.delta\ndata: ` is not counted (as a split `data: ` is not for chat).
         let mut tokens = TokenCount { responses: true, ..TokenCount::default() };
         tokens.feed(stream, true);
@@ -3724,6 +3860,44 @@ mod tests {
         let mut tokens = TokenCount { responses: true, ..TokenCount::default() };
         tokens.feed(br#"{"usage":{"output_tokens":9,"completion_tokens":3}}"#, false);
         assert_eq!(tokens.tokens(), 9);
+    }
+
+    #[test]
+    fn a_shared_lookup_is_forgotten_once_done_or_once_no_request_waits() {
+        use futures::FutureExt;
+        let locating = Mutex::new(Locating::default());
+        let start = |lookup: Lookup, stamp: u64| {
+            let weak = lookup.downgrade().expect("not yet polled to its end");
+            locating.lock().unwrap().map.insert("resp_1".into(), (stamp, weak));
+            lookup
+        };
+        let waiter = |lookup: Lookup, stamp: u64| LookupWaiter {
+            locating: &locating,
+            id: "resp_1",
+            stamp,
+            lookup: Some(lookup),
+        };
+        // Two requests wait; the first leaves: kept for the other; the other leaves: gone.
+        let lookup = start(futures::future::pending().boxed().shared(), 0);
+        let (first, second) = (waiter(lookup.clone(), 0), waiter(lookup, 0));
+        drop(first);
+        assert_eq!(locating.lock().unwrap().map.len(), 1);
+        drop(second);
+        assert!(locating.lock().unwrap().map.is_empty());
+        // Done: gone when its first waiter is, the others still read its answer.
+        let lookup = start(futures::future::ready(None).boxed().shared(), 1);
+        let (first, mut second) = (waiter(lookup.clone(), 1), waiter(lookup, 1));
+        let answer = futures::executor::block_on(second.lookup.as_mut().unwrap());
+        assert!(answer.is_none());
+        drop(first);
+        assert!(locating.lock().unwrap().map.is_empty());
+        drop(second);
+        // A waiter of an older lookup leaves a newer one of the same id alone.
+        let lookup = start(futures::future::pending().boxed().shared(), 3);
+        drop(waiter(futures::future::pending().boxed().shared(), 2));
+        assert_eq!(locating.lock().unwrap().map.len(), 1);
+        drop(waiter(lookup, 3));
+        assert!(locating.lock().unwrap().map.is_empty());
     }
 
     #[test]

@@ -49,7 +49,7 @@ impl fmt::Display for Problem {
 }
 
 /// The fields of a request body the gateway reads.
-const FIELDS: [&str; 21] = [
+const FIELDS: [&str; 22] = [
     "model",
     "prompt",
     "messages",
@@ -71,6 +71,8 @@ const FIELDS: [&str; 21] = [
     "tool_choice",
     "prompt_embeds",
     "chat_template",
+    // The Responses API's (`POST /v1/responses`).
+    "previous_response_id",
 ];
 
 /// A request body's fields, each as the JSON text it was sent as.
@@ -367,6 +369,14 @@ mod tests {
         // A number out of f64's range is forwarded as sent; read alone, it is an error.
         let payload = parse(r#"{"max_tokens": 1e400, "temperature": -1e999}"#).unwrap();
         assert!(payload.value("max_tokens").unwrap().is_err());
+        // A Responses request's previous_response_id, whatever numbers the body holds.
+        let payload =
+            parse(r#"{"input": "x", "metadata": {"n": 1e400}, "previous_response_id": "resp_1"}"#)
+                .unwrap();
+        assert_eq!(payload.str("previous_response_id").as_deref(), Some("resp_1"));
+        let payload = parse(r#"{"previous_response_id": 1e400}"#).unwrap();
+        assert_eq!(payload.raw("previous_response_id").map(RawValue::get), Some("1e400"));
+        assert_eq!(payload.str("previous_response_id"), None);
     }
 
     #[test]

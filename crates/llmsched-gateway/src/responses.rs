@@ -452,19 +452,24 @@ static TERMINAL: std::sync::LazyLock<aho_corasick::AhoCorasick> = std::sync::Laz
 /// The longest of [`TERMINAL_EVENTS`].
 const LONGEST_TERMINAL: usize = 28;
 
-/// Whether a Responses event stream has shown the event that ends it (`response.completed`,
-/// `response.incomplete`, `response.failed` or `error`, as an `event:` line), split between
-/// frames too. A data field quoting one is no event.
+/// Whether a Responses event stream has shown, whole, the event that ends it
+/// (`response.completed`, `response.incomplete`, `response.failed` or `error`): its `event:`
+/// line at the start of a line, then the blank line (`\n\n`) that closes the event, so that a
+/// stream cut inside the terminal event's data is cut. Fed frame by frame, split anywhere. A
+/// data field quoting one is no event.
 #[derive(Debug)]
 pub struct TerminalScan {
     /// The last bytes so far (a newline at the stream's start: its first line starts one).
     tail: Vec<u8>,
+    /// Once the terminal event's line was seen: whether the last byte read was a newline
+    /// (the blank line closing the event may be split between frames).
+    ending: Option<bool>,
     seen: bool,
 }
 
 impl Default for TerminalScan {
     fn default() -> Self {
-        TerminalScan { tail: b"\n".to_vec(), seen: false }
+        TerminalScan { tail: b"\n".to_vec(), ending: None, seen: false }
     }
 }
 
@@ -474,12 +479,28 @@ impl TerminalScan {
         if self.seen {
             return;
         }
+        if self.ending.is_some() {
+            self.find_end(data);
+            return;
+        }
         let keep = LONGEST_TERMINAL - 1;
         // Across the boundary: the tail and this frame's first bytes; then the frame.
-        self.tail.extend_from_slice(&data[..data.len().min(keep)]);
-        if TERMINAL.is_match(&self.tail[..]) || TERMINAL.is_match(data) {
-            self.seen = true;
+        let head = data.len().min(keep);
+        self.tail.extend_from_slice(&data[..head]);
+        if let Some(found) = TERMINAL.find(&self.tail[..]) {
+            // What follows the event's line: the rest of the tail, then the frame's rest.
+            let after = self.tail.split_off(found.end());
             self.tail = Vec::new();
+            // The line ends with a newline: a newline next is the blank line.
+            self.ending = Some(true);
+            self.find_end(&after);
+            self.find_end(&data[head..]);
+            return;
+        }
+        if let Some(found) = TERMINAL.find(data) {
+            self.tail = Vec::new();
+            self.ending = Some(true);
+            self.find_end(&data[found.end()..]);
             return;
         }
         if data.len() >= keep {
@@ -491,9 +512,28 @@ impl TerminalScan {
         }
     }
 
-    /// Whether the terminal event was seen.
+    /// Reads bytes after the terminal event's line, for the blank line that ends the event.
+    fn find_end(&mut self, data: &[u8]) {
+        let Some(newline) = self.ending else { return };
+        if self.seen || data.is_empty() {
+            return;
+        }
+        if (newline && data[0] == b'\n') || memchr::memmem::find(data, b"\n\n").is_some() {
+            self.seen = true;
+            self.ending = None;
+            return;
+        }
+        self.ending = Some(data.last() == Some(&b'\n'));
+    }
+
+    /// Whether the terminal event was seen, whole.
     pub fn seen(&self) -> bool {
         self.seen
+    }
+
+    /// Whether the terminal event's line was seen and its end is still to come.
+    pub fn ending(&self) -> bool {
+        self.ending.is_some()
     }
 }
 
@@ -511,24 +551,81 @@ pub fn output_deltas(data: &[u8]) -> u64 {
     DELTA.find_iter(data).count() as u64
 }
 
-static OUTPUT_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"output_tokens\":"));
-
-/// A JSON Responses answer's `usage.output_tokens` (the first `"output_tokens":` number in
-/// it; `output_tokens_details` does not match).
-pub fn usage_output_tokens(data: &[u8]) -> Option<u64> {
-    let at = OUTPUT_TOKENS.find(data)?;
-    let rest = &data[at + OUTPUT_TOKENS.needle().len()..];
-    let start = rest.iter().take_while(|b| **b == b' ').count();
-    let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
-    std::str::from_utf8(&rest[start..start + digits]).ok()?.parse().ok()
+#[derive(Deserialize)]
+struct WithUsage {
+    #[serde(default)]
+    usage: Option<Usage>,
 }
 
-/// The id of a by-id path's tail (`{id}` of `/v1/responses/{id}[/...]`), as sent.
-pub fn id_of_path(path: &str) -> Option<&str> {
-    let tail = path.strip_prefix("/v1/responses/")?;
-    let id = tail.split('/').next().unwrap_or("");
-    (!id.is_empty()).then_some(id)
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    output_tokens: Option<u64>,
+}
+
+/// A JSON Responses answer's top-level `usage.output_tokens`, `data` being the whole answer
+/// (parsed: the answer echoes the request's `metadata` and tool schemas, which may hold an
+/// `output_tokens` key of the client's choosing, before its `usage`). `None` when `data` is
+/// no whole JSON object or has no such count.
+pub fn usage_output_tokens(data: &[u8]) -> Option<u64> {
+    let parsed: WithUsage = serde_json::from_slice(object(data)?).ok()?;
+    parsed.usage?.output_tokens
+}
+
+/// What a by-id path (`/v1/responses/{id}[/...]`) names: the stored response's id
+/// (percent-decoded) and the origin-form path to send its engine.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ByIdTarget {
+    /// The response's id.
+    pub id: String,
+    /// `/v1/responses/` and the rest of the path as the client sent it (the fixed part
+    /// without the escapes it may have had: `/v1/%72esponses/x` is `/v1/responses/x`).
+    pub path: String,
+}
+
+/// The target of a by-id request's `path` (no query), segment by segment with its escapes
+/// decoded; `None` (a 404) when it is no by-id path: not under `/v1/responses/`, an empty or
+/// undecodable id, an escaped `/` anywhere, or any segment that is, decoded, `.` or `..` (the
+/// engine, or a proxy before it, could read it as another path).
+///
+/// ```
+/// use llmsched_gateway::responses::by_id_target;
+/// let target = by_id_target("/v1/%72esponses/resp_1/cancel").unwrap();
+/// assert_eq!((target.id.as_str(), target.path.as_str()), ("resp_1", "/v1/responses/resp_1/cancel"));
+/// assert!(by_id_target("/v1/responses/resp_1/%2e%2E/models").is_none());
+/// ```
+pub fn by_id_target(path: &str) -> Option<ByIdTarget> {
+    let mut segments = path.split('/');
+    let decoded = |segment: &str| -> Option<String> {
+        if segment.contains('%') {
+            crate::admin::percent_decoded(segment)
+        } else {
+            Some(segment.to_owned())
+        }
+    };
+    if segments.next() != Some("") {
+        return None;
+    }
+    for fixed in ["v1", "responses"] {
+        if decoded(segments.next()?)? != fixed {
+            return None;
+        }
+    }
+    let rest: Vec<&str> = segments.collect();
+    let escaped_slash = |segment: &&str| segment.contains("%2F") || segment.contains("%2f");
+    if rest.iter().any(escaped_slash) {
+        return None;
+    }
+    for segment in &rest {
+        if matches!(decoded(segment).as_deref(), Some("." | "..")) {
+            return None;
+        }
+    }
+    let id = decoded(rest.first()?)?;
+    if id.is_empty() {
+        return None;
+    }
+    Some(ByIdTarget { id, path: format!("/v1/responses/{}", rest.join("/")) })
 }
 
 /// `id` as one path segment: every byte but the unreserved ones (RFC 3986) percent-encoded,
@@ -821,15 +918,50 @@ event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"o
             scan.feed(std::slice::from_ref(byte));
         }
         assert!(scan.seen());
-        let end =
-            STREAM.len() - memchr::memmem::rfind(STREAM, b"event: response.completed").unwrap();
-        for cut in [0, 30, STREAM.len() - end, STREAM.len() - end + 20] {
+        // Cut anywhere before the blank line closing the terminal event (inside its line,
+        // inside its data, between its data line and the blank line): not seen, however the
+        // bytes came (two frames split anywhere, or a byte at a time).
+        for cut in 0..STREAM.len() {
+            let part = &STREAM[..cut];
+            for at in 0..=cut {
+                let mut scan = TerminalScan::default();
+                scan.feed(&part[..at]);
+                scan.feed(&part[at..]);
+                assert!(!scan.seen(), "cut at {cut}, split at {at}");
+            }
             let mut scan = TerminalScan::default();
-            for byte in &STREAM[..cut] {
+            for byte in part {
                 scan.feed(std::slice::from_ref(byte));
             }
-            assert!(!scan.seen(), "cut at {cut}");
+            assert!(!scan.seen(), "cut at {cut}, a byte a frame");
         }
+        // Three frames, split at every pair of places.
+        for a in 0..=STREAM.len() {
+            for b in a..=STREAM.len() {
+                let mut scan = TerminalScan::default();
+                scan.feed(&STREAM[..a]);
+                scan.feed(&STREAM[a..b]);
+                scan.feed(&STREAM[b..]);
+                assert!(scan.seen(), "split at {a} and {b}");
+            }
+        }
+        // The terminal line seen, its end not yet: ending.
+        let mut scan = TerminalScan::default();
+        scan.feed(b"event: response.completed\ndata: {\"type\"");
+        assert!(scan.ending() && !scan.seen());
+        scan.feed(b": 1}\n");
+        assert!(scan.ending() && !scan.seen());
+        scan.feed(b"\n");
+        assert!(!scan.ending() && scan.seen());
+        // An event with no data ends at the blank line right after its line.
+        let mut scan = TerminalScan::default();
+        scan.feed(b"event: error\n");
+        scan.feed(b"\n");
+        assert!(scan.seen());
+        // A blank line before the terminal event is not its end.
+        let mut scan = TerminalScan::default();
+        scan.feed(b"data: {}\n\nevent: response.failed\ndata: {}\n");
+        assert!(!scan.seen());
         // Each terminal event; an error event first of all; a quoted name is no event.
         for event in ["response.incomplete", "response.failed", "error"] {
             let mut scan = TerminalScan::default();
@@ -849,6 +981,23 @@ event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"o
             Some(7)
         );
         assert_eq!(usage_output_tokens(b"{}"), None);
+        // The top-level usage's, whatever comes before it (echoed metadata, tool schemas).
+        let answer = br#"{"id": "resp_1", "metadata": {"output_tokens": 0},
+            "tools": [{"type": "function", "name": "f", "parameters": {"properties": {"output_tokens": {"type": "integer"}}}}],
+            "output": [{"content": [{"text": "\"output_tokens\": 1"}]}],
+            "usage": {"input_tokens": 3, "output_tokens": 500, "total_tokens": 503}}"#;
+        assert_eq!(usage_output_tokens(answer), Some(500));
+        let nested = br#"{"response": {"usage": {"output_tokens": 4}}, "usage": null}"#;
+        assert_eq!(usage_output_tokens(nested), None);
+        // Cut, or not an object: none.
+        assert_eq!(usage_output_tokens(&answer[..answer.len() - 1]), None);
+        assert_eq!(usage_output_tokens(br#"[{"usage": {"output_tokens": 4}}]"#), None);
+        assert_eq!(usage_output_tokens(br#"{"usage": {"output_tokens": "4"}}"#), None);
+        // Numbers past f64's range elsewhere do not stop it.
+        assert_eq!(
+            usage_output_tokens(br#"{"metadata": {"n": 1e400}, "usage": {"output_tokens": 2}}"#),
+            Some(2)
+        );
     }
 
     #[test]
@@ -859,11 +1008,48 @@ event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"o
     }
 
     #[test]
-    fn the_id_is_the_first_segment_after_the_prefix() {
-        assert_eq!(id_of_path("/v1/responses/resp_1"), Some("resp_1"));
-        assert_eq!(id_of_path("/v1/responses/resp_1/cancel"), Some("resp_1"));
-        assert_eq!(id_of_path("/v1/responses/"), None);
-        assert_eq!(id_of_path("/v1/responses//cancel"), None);
-        assert_eq!(id_of_path("/v1/responses"), None);
+    fn a_by_id_path_names_its_id_and_the_path_sent_on() {
+        let target = |path: &str| by_id_target(path).map(|t| (t.id, t.path));
+        let own = |id: &str, path: &str| Some((id.to_owned(), path.to_owned()));
+        assert_eq!(target("/v1/responses/resp_1"), own("resp_1", "/v1/responses/resp_1"));
+        assert_eq!(
+            target("/v1/responses/resp_1/cancel"),
+            own("resp_1", "/v1/responses/resp_1/cancel")
+        );
+        // Escapes: decoded in the id, kept in the path sent on; the fixed part's are read.
+        assert_eq!(target("/v1/responses/resp%5F1"), own("resp_1", "/v1/responses/resp%5F1"));
+        assert_eq!(
+            target("/v1/%72esponses/resp_1/input_items"),
+            own("resp_1", "/v1/responses/resp_1/input_items")
+        );
+        assert_eq!(target("/%76%31/RESPONSES/resp_1"), None);
+        assert_eq!(target("/%76%31/responses/r"), own("r", "/v1/responses/r"));
+        for path in [
+            "/v1/responses/",
+            "/v1/responses//cancel",
+            "/v1/responses",
+            "/v1/responsesx/r",
+            "v1/responses/r",
+            "/v2/responses/r",
+            // An escaped slash, in the id or anywhere.
+            "/v1/responses/resp_1%2Fx",
+            "/v1/responses/resp_1/a%2fb",
+            "/v1%2Fresponses/r",
+            // Dot segments, escaped or not, anywhere.
+            "/v1/responses/..",
+            "/v1/responses/.",
+            "/v1/responses/resp_1/../../../metrics",
+            "/v1/responses/resp_1/./cancel",
+            "/v1/responses/resp_1/%2e%2E/x",
+            "/v1/responses/%2e",
+            "/v1/responses/resp_1/cancel/..",
+            // Not UTF-8 once decoded.
+            "/v1/responses/%FF%FE",
+        ] {
+            assert_eq!(target(path), None, "{path}");
+        }
+        // Dots that are no dot segment.
+        assert_eq!(target("/v1/responses/.../x"), own("...", "/v1/responses/.../x"));
+        assert_eq!(target("/v1/responses/r/..x"), own("r", "/v1/responses/r/..x"));
     }
 }
