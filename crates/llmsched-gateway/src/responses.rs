@@ -13,9 +13,10 @@
 //! ([`chat_request_of`]), so that its blocks match what the engine caches.
 //!
 //! A Responses event stream has no `data: [DONE]`: it is whole once its terminal event
-//! (`response.completed`, `response.incomplete`, `response.failed` or `error`) was seen
-//! ([`TerminalScan`]); cut, it gets [`CUT_EVENT`]. Its output tokens are its `*.delta` events
-//! ([`output_deltas`]); a JSON answer's are its `usage.output_tokens`.
+//! (`response.completed`, `response.incomplete`, `response.failed` or `error`) has ended, its
+//! blank line seen ([`TerminalScan`]); cut, it gets [`CUT_EVENT`]. Its output tokens are its
+//! `*.delta` events ([`output_deltas`]); a JSON answer's are its top-level
+//! `usage.output_tokens` ([`usage_output_tokens`]).
 //!
 //! Complexity: the conversion is linear in the request; [`Owners`] is a map plus an
 //! ordered index (O(log n) a lookup or record, O(n) forgetting an engine, which happens
@@ -34,7 +35,8 @@ use std::sync::{Arc, Mutex};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-/// Response ids kept at most (least recently used dropped first): about 10 MB.
+/// Response ids kept at most (least recently used dropped first): about 10 MB of vLLM's
+/// 37-byte ids, up to about 60 MB of ids of [`MAX_RESPONSE_ID_BYTES`].
 pub const MAX_OWNERS: usize = 100_000;
 
 /// Longer ids are not kept (vLLM's are `resp_` and 32 hex digits).
