@@ -607,6 +607,22 @@ def test_a_stored_response_answer_that_is_not_whole_is_a_502(answer: bytes) -> N
 
 
 @pytest.mark.usefixtures("plane")
+def test_a_head_answer_without_a_length_is_relayed_without_a_body() -> None:
+    async def main() -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n"
+        async with ScriptedEngine() as engine:
+            engine.answers["/v1/responses/resp_h"] = [json_answer({"id": "resp_h"}), head]
+            async with (
+                rig(engines=0, extra_engines=[engine.spec()]) as r,
+                r.client.head(r.url("/v1/responses/resp_h")) as response,
+            ):
+                assert response.status == 200
+            assert engine.requests[-1] == "HEAD /v1/responses/resp_h"
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
 def test_an_engine_stalling_on_a_lookup_holds_no_request() -> None:
     async def main() -> None:
         async with ScriptedEngine() as stalling:

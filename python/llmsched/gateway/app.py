@@ -858,7 +858,8 @@ class Gateway:
                 self.metrics.upstream_errors.labels(engine, "broken").inc()
                 raise Refusal(502, "upstream_error", "the engine's answer is not one to relay")
             sse = "event-stream" in upstream.headers.get("Content-Type", "")
-            if not sse and _ends_at_close(upstream):
+            # A HEAD answer has no body, whatever its headers say.
+            if not sse and request.method != "HEAD" and _ends_at_close(upstream):
                 try:
                     data = await _read_at_most(upstream, _WHOLE_BODY_LIMIT)
                 except (aiohttp.ClientError, asyncio.TimeoutError):
