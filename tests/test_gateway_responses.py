@@ -89,6 +89,22 @@ def test_a_conversation_continues_on_the_engine_holding_it() -> None:
 
 
 @pytest.mark.usefixtures("plane")
+def test_a_stream_whose_first_event_is_long_still_names_its_engine() -> None:
+    """``response.created`` echoes the instructions and tools (an agent's run to tens of KB):
+    the id is read where vLLM writes it, first, not from the whole event."""
+
+    async def main() -> None:
+        async with rig(engines=3) as r:
+            status, made = await create(r, instructions="be brief. " * 10_000, stream=True)
+            assert status == 200, made
+            status, _ = await create(r, previous_response_id=made["id"])
+            assert status == 200
+            assert (lookups(r, "owner"), lookups(r, "located")) == (1, 0)
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
 def test_get_and_cancel_of_a_stored_response_reach_its_engine() -> None:
     async def main() -> None:
         async with rig(engines=3) as r:

@@ -397,8 +397,10 @@ pub fn response_id_of(body: &[u8]) -> Option<String> {
 }
 
 /// The response id a Responses event stream announces in its first event
-/// (`response.created`: `{"response": {"id": ...}}`), fed the stream frame by frame: found
-/// once the first event has ended (a blank line) within [`FIRST_EVENT_LIMIT`] bytes.
+/// (`response.created`: `{"response": {"id": ...}}`), fed the stream frame by frame: read
+/// where vLLM writes it, first in the event's data ([`leading_id`]), whatever the event's
+/// length, else once the first event has ended (a blank line) within [`FIRST_EVENT_LIMIT`]
+/// bytes.
 #[derive(Debug, Default)]
 pub struct IdScan {
     buffer: Vec<u8>,
@@ -415,7 +417,17 @@ impl IdScan {
         }
         // A blank line split between frames: the last byte before this frame searched too.
         let from = self.buffer.len().saturating_sub(1);
+        let searched = self.buffer.len() < LEADING_ID_WITHIN;
         self.buffer.extend_from_slice(data);
+        if searched {
+            let within = &self.buffer[..self.buffer.len().min(LEADING_ID_WITHIN)];
+            if let Some(id) = leading_id(within) {
+                self.id = Some(id.to_owned());
+                self.done = true;
+                self.buffer = Vec::new();
+                return self.id.as_deref();
+            }
+        }
         let Some(end) = memchr::memmem::find(&self.buffer[from..], b"\n\n").map(|at| at + from)
         else {
             if self.buffer.len() > FIRST_EVENT_LIMIT {
@@ -437,6 +449,31 @@ impl IdScan {
         self.id = created.response.and_then(|r| r.id).map(std::borrow::Cow::into_owned);
         self.id.as_deref()
     }
+}
+
+/// Bytes of a stream searched for [`leading_id`].
+const LEADING_ID_WITHIN: usize = 512;
+
+/// The id where vLLM writes it, first in the first event's data line
+/// (`data: {"response":{"id":"resp_..."`, spaces allowed between the tokens): found without
+/// reading the rest of the event, which echoes the request's instructions and tools and may
+/// run past [`FIRST_EVENT_LIMIT`]. `None` until the id's closing quote is in `data`, and for
+/// an id with an escape or longer than [`MAX_RESPONSE_ID_BYTES`].
+pub fn leading_id(data: &[u8]) -> Option<&str> {
+    // Of the first event only.
+    let data = &data[..memchr::memmem::find(data, b"\n\n").unwrap_or(data.len())];
+    let line =
+        if data.starts_with(b"data:") { 0 } else { memchr::memmem::find(data, b"\ndata:")? + 1 };
+    let mut rest = &data[line + b"data:".len()..];
+    for token in [&b"{"[..], b"\"response\"", b":", b"{", b"\"id\"", b":", b"\""] {
+        let spaces = rest.iter().take_while(|b| matches!(b, b' ' | b'\t' | b'\r')).count();
+        rest = rest[spaces..].strip_prefix(token)?;
+    }
+    let end = rest.iter().position(|b| matches!(b, b'"' | b'\\' | b'\n'))?;
+    if rest[end] != b'"' || end == 0 || end > MAX_RESPONSE_ID_BYTES {
+        return None;
+    }
+    std::str::from_utf8(&rest[..end]).ok()
 }
 
 /// The events that end a Responses stream, each starting a line.
@@ -877,6 +914,27 @@ mod tests {
 event: response.output_text.delta\ndata: {\"delta\":\"a\",\"type\":\"response.output_text.delta\"}\n\n\
 event: response.output_text.delta\ndata: {\"delta\":\"b\",\"type\":\"response.output_text.delta\"}\n\n\
 event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"output_tokens\":2}},\"type\":\"response.completed\"}\n\n";
+
+    #[test]
+    fn the_leading_id_is_read_whatever_the_event_length() {
+        let big = [
+            &b"event: response.created\ndata: {\"response\":{\"id\":\"resp_big\",\"i\":\""[..],
+            &vec![b'x'; 100_000],
+            b"\"}}\n\n",
+        ]
+        .concat();
+        for cut in 1..120 {
+            let mut scan = IdScan::default();
+            let first = scan.feed(&big[..cut]).map(str::to_owned);
+            let found = first.or_else(|| scan.feed(&big[cut..]).map(str::to_owned));
+            assert_eq!(found.as_deref(), Some("resp_big"), "cut at {cut}");
+        }
+        assert_eq!(leading_id(b"data: { \"response\" : { \"id\" : \"r1\" }"), Some("r1"));
+        assert_eq!(leading_id(b"data: {\"response\":{\"id\":\"r1"), None);
+        assert_eq!(leading_id(b"data: {\"response\":{\"id\":\"a\\\"b\"}"), None);
+        assert_eq!(leading_id(b"data: {\"sequence_number\":0,\"response\":{\"id\":\"r\"}"), None);
+        assert_eq!(leading_id(b"event: x\ndata: {}\n\ndata: {\"response\":{\"id\":\"r\"}"), None);
+    }
 
     #[test]
     fn the_id_of_the_first_event_is_found_split_anywhere() {

@@ -14,7 +14,9 @@ The native data plane (``crates/llmsched-gateway/src/responses.rs``) does the sa
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +40,16 @@ MAX_RESPONSE_ID_BYTES = 256
 _FIRST_EVENT_LIMIT = 64 << 10
 """Bytes of a stream read for its first event (``response.created`` echoes the request's
 instructions and tools)."""
+
+_LEADING_ID = re.compile(
+    rb'(?:^|\n)data: ?\{\s*"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\\n]{1,256})"'
+)
+"""The id where vLLM writes it, first in the first event's data (``{"response":{"id":...``):
+found without reading the rest of the event, which echoes the request's instructions and
+tools and may run past :data:`_FIRST_EVENT_LIMIT`."""
+
+_LEADING_ID_WITHIN = 512
+"""Bytes of the stream searched for :data:`_LEADING_ID`."""
 
 _TERMINAL_EVENTS = (
     b"event: response.completed\n",
@@ -221,9 +233,10 @@ def response_id_of(body: bytes) -> str | None:
 
 class ResponseIdScan:
     """The response id a Responses event stream announces in its first event
-    (``response.created``: ``{"response": {"id": ...}}``), fed the stream chunk by chunk.
-    :attr:`id` is None until found, and stays None when the first event (read up to 64 KiB)
-    has none."""
+    (``response.created``: ``{"response": {"id": ...}}``), fed the stream chunk by chunk:
+    read where vLLM writes it, first in the event's data, whatever the event's length, else
+    from the whole event read up to 64 KiB. :attr:`id` is None until found, and stays None
+    when the first event has none."""
 
     __slots__ = ("_buffer", "_done", "id")
 
@@ -235,7 +248,16 @@ class ResponseIdScan:
     def feed(self, chunk: bytes) -> None:
         if self._done:
             return
+        searched = len(self._buffer) < _LEADING_ID_WITHIN
         self._buffer += chunk
+        first = self._buffer.find(b"\n\n", 0, _LEADING_ID_WITHIN)  # the first event's end
+        within = _LEADING_ID_WITHIN if first < 0 else first
+        if searched and (leading := _LEADING_ID.search(self._buffer, 0, within)):
+            self._done = True
+            with contextlib.suppress(UnicodeDecodeError):
+                self.id = bytes(leading.group(1)).decode()
+            self._buffer.clear()  # after the match is read: it views the buffer
+            return
         end = self._buffer.find(b"\n\n")
         if end < 0:
             if len(self._buffer) > _FIRST_EVENT_LIMIT:
