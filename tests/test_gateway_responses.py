@@ -95,7 +95,7 @@ def test_a_stream_whose_first_event_is_long_still_names_its_engine() -> None:
 
     async def main() -> None:
         async with rig(engines=3) as r:
-            status, made = await create(r, instructions="be brief. " * 10_000, stream=True)
+            status, made = await create(r, instructions="be brief. " * 60_000, stream=True)
             assert status == 200, made
             status, _ = await create(r, previous_response_id=made["id"])
             assert status == 200
