@@ -11,16 +11,18 @@ timed out later, it is a 502 when the client got nothing yet, else the client's 
 reset (an SSE stream gets an error event and ends without ``[DONE]``). An answer the engine
 ends by closing its connection (no Content-Length, not chunked), where a cut looks like the end,
 passes only as whole JSON (read whole first, up to 8 MiB) or as an event stream that showed its
-``data: [DONE]``. Engine health follows
+``data: [DONE]`` (a Responses API stream: its terminal event). Engine health follows
 :mod:`llmsched.gateway.health`. The upstream URL is always built from the configured
-:class:`~llmsched.integrations.EngineSpec`, never from anything in the request.
+:class:`~llmsched.integrations.EngineSpec`, never from anything in the request. The Responses
+API's stored responses are reached through the engine that made them
+(:mod:`llmsched.gateway.responses`).
 
 >>> import asyncio
 >>> gw = Gateway({"engines": [{"host": "127.0.0.1", "port": 9}], "models": ["m"],
 ...               "scrape": {"enabled": False}})
 >>> sorted(r.resource.canonical for r in gw.app.router.routes()
 ...        if r.method == "POST")
-['/v1/chat/completions', '/v1/completions']
+['/v1/chat/completions', '/v1/completions', '/v1/responses']
 """
 
 from __future__ import annotations
