@@ -796,3 +796,32 @@ def test_requests_the_parser_refuses_log_no_traceback(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.ERROR):
         run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_stream_with_crlf_lines_is_whole_and_names_its_engine() -> None:
+    """Server-sent events may end their lines with CRLF (``sse-starlette`` does): such a
+    stream was always cut."""
+
+    async def main() -> None:
+        events = [
+            event_bytes("response.created", {"response": {"id": "resp_c"}}),
+            event_bytes("response.output_text.delta", {"delta": "a"}),
+            event_bytes("response.completed", {"response": {"id": "resp_c"}}),
+        ]
+        body = b"".join(e.replace(b"\n", b"\r\n") for e in events)
+        stream = (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        async with ScriptedEngine() as engine:
+            engine.answers["/v1/responses"] = [stream, json_answer({"id": "resp_c2"})]
+            async with rig(engines=0, extra_engines=[engine.spec()]) as r:
+                request = {"model": MODEL, "input": "x", "stream": True}
+                async with r.client.post(r.url("/v1/responses"), json=request) as response:
+                    assert await read_stream(response) == body.decode()
+                status, _ = await create(r, previous_response_id="resp_c")
+                assert status == 200
+                assert lookups(r, "owner") == 1
+
+    run(main())

@@ -513,11 +513,20 @@ impl Default for TerminalScan {
 }
 
 impl TerminalScan {
-    /// Reads the next bytes of the stream.
+    /// Reads the next bytes of the stream. Carriage returns are left out: a stream whose lines
+    /// end with CRLF (as `sse-starlette` writes them) reads as one with LF.
     pub fn feed(&mut self, data: &[u8]) {
         if self.seen {
             return;
         }
+        if memchr::memchr(b'\r', data).is_some() {
+            let data: Vec<u8> = data.iter().copied().filter(|b| *b != b'\r').collect();
+            return self.feed_lines(&data);
+        }
+        self.feed_lines(data);
+    }
+
+    fn feed_lines(&mut self, data: &[u8]) {
         if self.ending.is_some() {
             self.find_end(data);
             return;
@@ -587,8 +596,11 @@ static DELTA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 /// Events of a Responses stream's frame that carry output (`*.delta`: text, reasoning,
 /// function arguments), counted as output tokens (vLLM sends one per token by default).
 pub fn output_deltas(data: &[u8]) -> u64 {
-    DELTA.find_iter(data).count() as u64
+    (DELTA.find_iter(data).count() + DELTA_CRLF.find_iter(data).count()) as u64
 }
+
+static DELTA_CRLF: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b".delta\r\ndata: "));
 
 #[derive(Deserialize)]
 struct WithUsage {
@@ -1034,6 +1046,23 @@ event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"o
         let mut scan = TerminalScan::default();
         scan.feed(b"data: {\"x\": \"\\nevent: error\\n\"} event: error\n\n");
         assert!(!scan.seen());
+    }
+
+    #[test]
+    fn a_stream_with_crlf_lines_ends_as_one_with_lf() {
+        let stream = b"event: response.created\r\ndata: {}\r\n\r\n\
+            event: response.output_text.delta\r\ndata: {}\r\n\r\n\
+            event: response.completed\r\ndata: {}\r\n\r\n";
+        for cut in 0..stream.len() {
+            let mut scan = TerminalScan::default();
+            scan.feed(&stream[..cut]);
+            scan.feed(&stream[cut..]);
+            assert!(scan.seen(), "cut at {cut}");
+        }
+        let mut scan = TerminalScan::default();
+        scan.feed(&stream[..stream.len() - 2]);
+        assert!(!scan.seen());
+        assert_eq!(output_deltas(stream), 1);
     }
 
     #[test]

@@ -60,6 +60,7 @@ _TERMINAL_EVENTS = (
 """The events that end a Responses stream (vLLM writes no ``data: [DONE]`` after them)."""
 
 _DELTA = b".delta\ndata: "
+_DELTA_CRLF = b".delta\r\ndata: "
 
 
 def chat_request_of(payload: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -284,7 +285,9 @@ class TerminalEventScan:
     """Whether a Responses event stream has shown, whole, the event that ends it
     (``response.completed``, ``response.incomplete``, ``response.failed`` or ``error``): its
     name at the start of a line, then the blank line that closes the event (a stream cut
-    inside its data is cut). Fed chunk by chunk, split anywhere."""
+    inside its data is cut). Fed chunk by chunk, split anywhere. Carriage returns are left
+    out: a stream whose lines end with CRLF (as ``sse-starlette`` writes them) reads as one with
+    LF."""
 
     __slots__ = ("_ending", "_tail", "seen")
 
@@ -298,7 +301,7 @@ class TerminalEventScan:
     def feed(self, chunk: bytes) -> None:
         if self.seen:
             return
-        joined = self._tail + chunk
+        joined = self._tail + chunk.replace(b"\r", b"")
         if not self._ending:
             # Each name must start a line: a data field quoting one is no event.
             found = [
@@ -319,4 +322,4 @@ class TerminalEventScan:
 def output_deltas(chunk: bytes) -> int:
     """Events of a Responses stream chunk that carry output (``*.delta``: text, reasoning,
     function arguments), counted as output tokens (vLLM sends one per token by default)."""
-    return chunk.count(_DELTA)
+    return chunk.count(_DELTA) + chunk.count(_DELTA_CRLF)
