@@ -45,7 +45,7 @@ import json
 import re
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,12 +264,22 @@ class FakeOpenAIEngine:
         problem = _check_body(body, chat=chat)
         if problem is not None:
             return _bad_request(problem)
+        return await self._running(request, body, self._answer(request, body, chat=chat))
+
+    async def _running(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        answer: Coroutine[Any, Any, web.StreamResponse],
+    ) -> web.StreamResponse:
+        """Records a request and counts it running while ``answer`` serves it; a client that
+        leaves meanwhile is counted as a disconnect."""
         self.received.append(
             ReceivedRequest(request.path, dict(request.headers), body, request.host)
         )
         self.running += 1
         try:
-            return await self._answer(request, body, chat=chat)
+            return await answer
         except asyncio.CancelledError:
             self.disconnects += 1
             self.disconnected.set()
@@ -293,22 +303,7 @@ class FakeOpenAIEngine:
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.responses:
             return _not_found(str(previous))
-        self.received.append(
-            ReceivedRequest(request.path, dict(request.headers), body, request.host)
-        )
-        self.running += 1
-        try:
-            return await self._answer_response(request, body)
-        except asyncio.CancelledError:
-            self.disconnects += 1
-            self.disconnected.set()
-            raise
-        except ConnectionError:
-            self.disconnects += 1
-            self.disconnected.set()
-            return web.Response(status=499)
-        finally:
-            self.running -= 1
+        return await self._running(request, body, self._answer_response(request, body))
 
     async def _answer_response(
         self, request: web.Request, body: dict[str, Any]
@@ -317,8 +312,11 @@ class FakeOpenAIEngine:
         if mode in ("drop", "error500", "error400", "stall", "headers"):
             return await self._answer(request, body, chat=True)
         max_tokens = body.get("max_output_tokens")
-        n = self.answer_tokens if not isinstance(max_tokens, int) else min(max_tokens, 1 << 30)
-        n = min(n, self.answer_tokens)
+        n = (
+            self.answer_tokens
+            if not isinstance(max_tokens, int)
+            else min(max_tokens, self.answer_tokens)
+        )
         pieces = [f" t{i}" for i in range(n)]
         ident = f"resp_{len(self.received)}_{self.port}"
         stored = bool(body.get("store", True)) and self.responses_store
