@@ -568,6 +568,18 @@ async def read_stream(response: aiohttp.ClientResponse) -> str:
     return text.decode()
 
 
+def last_event(text: str) -> tuple[str, str | None]:
+    """The last event of an event stream as an SSE client parses it: its name, and its data's
+    ``code`` when the data is JSON (None when not)."""
+    events = [event for event in text.split("\n\n") if event.strip("\n")]
+    fields = dict(line.split(": ", 1) for line in events[-1].strip("\n").split("\n"))
+    try:
+        code = json.loads(fields.get("data", ""))["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    return fields.get("event", ""), code
+
+
 @pytest.mark.usefixtures("plane")
 @pytest.mark.parametrize("framing", ["chunked", "close"])
 def test_a_stream_cut_inside_its_terminal_event_is_cut(framing: str) -> None:
@@ -588,10 +600,34 @@ def test_a_stream_cut_inside_its_terminal_event_is_cut(framing: str) -> None:
                 async with r.client.post(r.url("/v1/responses"), json=body) as response:
                     text = await read_stream(response)
             assert text.startswith(created.decode() + half.decode())
-            # The gateway's error event, on a line of its own, ends it.
-            name, data = text[len(created) + len(half) :].strip("\n").split("\n")
-            assert name == "event: error"
-            assert json.loads(data.removeprefix("data: "))["code"] == "upstream_error"
+            # The gateway's error event, parsed on its own, ends it.
+            assert last_event(text) == ("error", "upstream_error")
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_stored_response_stream_cut_inside_an_event_ends_with_an_error_event_of_its_own() -> None:
+    async def main() -> None:
+        created = event_bytes("response.created", {"response": {"id": "resp_g"}})
+        completed = event_bytes("response.completed", {"response": {"id": "resp_g"}})
+        half = completed[: len(completed) - 12]
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+        async with ScriptedEngine() as engine:
+            # The lookup finds it; the relayed GET (a stream) is the answer under test.
+            engine.answers["/v1/responses/resp_g"] = [
+                json_answer({"id": "resp_g"}),
+                head + created + half,
+            ]
+            async with (
+                rig(engines=0, extra_engines=[engine.spec()]) as r,
+                r.client.get(r.url("/v1/responses/resp_g?stream=true")) as response,
+            ):
+                assert response.status == 200
+                text = await read_stream(response)
+            assert text.startswith(created.decode() + half.decode())
+            # The gateway's error event, parsed on its own, ends it.
+            assert last_event(text) == ("error", "upstream_error")
 
     run(main())
 

@@ -44,7 +44,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import quote, unquote
 
 import aiohttp
@@ -869,34 +869,28 @@ class Gateway:
                 if data is None or (_is_json(upstream) and not _parses(data)):
                     self.metrics.upstream_errors.labels(engine, "truncated").inc()
                     raise cut_off
-                whole = web.Response(body=data, status=upstream.status)
-                for name in _PASSED_RESPONSE_HEADERS:
-                    if (value := upstream.headers.get(name)) is not None:
-                        whole.headers[name] = value
+                whole = _passed_on(upstream, web.Response(body=data, status=upstream.status))
                 self.metrics.requests.labels(route, str(upstream.status)).inc()
                 return whole
-            response = web.StreamResponse(status=upstream.status)
-            for name in _PASSED_RESPONSE_HEADERS:
-                if (value := upstream.headers.get(name)) is not None:
-                    response.headers[name] = value
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
+            response = _passed_on(upstream, web.StreamResponse(status=upstream.status))
             done = TerminalEventScan() if sse and upstream.status < 300 else None
-            cut = False
+            feeds: tuple[_Feed, ...] = () if done is None else (done,)
             try:
                 await response.prepare(request)
-                while chunk := await upstream.content.readany():
-                    if done is not None:
-                        done.feed(chunk)
-                    await response.write(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                cut = True
+                relayed = await _relay_chunks(upstream, response, None, *feeds)
             except ConnectionError:
                 self.metrics.requests.labels(route, "client_gone").inc()
                 return response
-            if cut or (done is not None and not done.seen):
+            if relayed.cut or (done is not None and not done.seen):
                 self.metrics.upstream_errors.labels(engine, "truncated").inc()
-                await self.abort_response(request, response, engine, sse=sse, responses=True)
+                await self.abort_response(
+                    request,
+                    response,
+                    engine,
+                    sse=sse,
+                    mid_event=relayed.mid_event,
+                    responses=True,
+                )
                 self.metrics.requests.labels(route, "aborted").inc()
                 return response
             await response.write_eof()
@@ -1485,45 +1479,25 @@ class Gateway:
             if (sse and upstream.status < 300) or at_close:
                 # A Responses stream ends with its terminal event, no [DONE] after it.
                 done = TerminalEventScan() if responses else _DoneScan()
-            ids = ResponseIdScan() if responses and sse and upstream.status < 300 else None
             try:
                 first = await upstream.content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 self._cut_failure(endpoint, deadline)
                 raise _Truncated("the engine's answer was cut off before its first byte") from None
             decision.first_token()
-            response = web.StreamResponse(status=upstream.status)
-            for name in _PASSED_RESPONSE_HEADERS:
-                value = upstream.headers.get(name)
-                if value is not None:
-                    response.headers[name] = value
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
+            response = _passed_on(upstream, web.StreamResponse(status=upstream.status))
             counter = _OutputCounter(content_type, responses=responses)
+            feeds: list[_Feed] = [counter]
+            if done is not None:
+                feeds.append(done)
+            if responses and sse and upstream.status < 300:
+                # Known from the first event on: the stream's own client may ask for it (or
+                # cancel it) before it ends.
+                feeds.append(_OwnerRecorder(self.response_owners, endpoint))
             try:
                 await response.prepare(request)
-                chunk = first
-                cut = False
-                tail = b"\n\n"  # the last two bytes relayed ("\n\n" ends an event)
-                while chunk:
-                    counter.feed(chunk)
-                    if done is not None:
-                        done.feed(chunk)
-                    if ids is not None:
-                        ids.feed(chunk)
-                        if ids.id is not None:
-                            # Known from the first event on: the stream's own client may
-                            # ask for it (or cancel it) before it ends.
-                            self.response_owners.record(ids.id, endpoint)
-                            ids = None
-                    tail = (tail + chunk[-2:])[-2:]
-                    await response.write(chunk)
-                    try:
-                        chunk = await upstream.content.readany()
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
-                        cut = True
-                        break
-                if cut or (done is not None and not done.seen):
+                relayed = await _relay_chunks(upstream, response, first, *feeds)
+                if relayed.cut or (done is not None and not done.seen):
                     # Mid-answer failure (or an event stream ended by the connection's close
                     # without its [DONE]): the client already has bytes and must not take
                     # what it got for a whole answer.
@@ -1534,7 +1508,7 @@ class Gateway:
                         response,
                         endpoint,
                         sse=sse,
-                        mid_event=tail != b"\n\n",
+                        mid_event=relayed.mid_event,
                         responses=responses,
                     )
                     self.metrics.requests.labels(route, "aborted").inc()
@@ -1625,11 +1599,7 @@ class Gateway:
             )
         assert data is not None
         decision.first_token()
-        response = web.Response(body=data, status=upstream.status)
-        for name in _PASSED_RESPONSE_HEADERS:
-            value = upstream.headers.get(name)
-            if value is not None:
-                response.headers[name] = value
+        response = _passed_on(upstream, web.Response(body=data, status=upstream.status))
         counter = _OutputCounter(
             response.headers.get("Content-Type", ""), responses=route == "responses"
         )
@@ -1716,6 +1686,82 @@ class _OutputCounter:
         except (ValueError, AttributeError):
             return 0
         return value if type(value) is int and value >= 0 else 0
+
+
+class _Feed(Protocol):
+    """What reads a relayed answer's chunks as they pass (a counter, a scan)."""
+
+    def feed(self, chunk: bytes) -> None: ...
+
+
+class _OwnerRecorder:
+    """Records a Responses stream's id as owned by ``endpoint`` once its first event shows it."""
+
+    __slots__ = ("_endpoint", "_owners", "_scan")
+
+    def __init__(self, owners: ResponseOwners, endpoint: str) -> None:
+        self._owners = owners
+        self._endpoint = endpoint
+        self._scan: ResponseIdScan | None = ResponseIdScan()
+
+    def feed(self, chunk: bytes) -> None:
+        if self._scan is None:
+            return
+        self._scan.feed(chunk)
+        if self._scan.id is not None:
+            self._owners.record(self._scan.id, self._endpoint)
+            self._scan = None
+
+
+class _Relayed(NamedTuple):
+    """How a relay of an answer's chunks ended."""
+
+    cut: bool
+    """The engine's side failed (or timed out) before the answer's end."""
+    mid_event: bool
+    """The last bytes relayed do not end an event: an error event written after them needs a
+    blank line first."""
+
+
+async def _relay_chunks(
+    upstream: aiohttp.ClientResponse,
+    response: web.StreamResponse,
+    first: bytes | None,
+    *feeds: _Feed,
+) -> _Relayed:
+    """Writes the engine's answer to the prepared client ``response`` chunk by chunk as it
+    comes (``first``: a chunk already read, or None), each chunk fed to ``feeds`` before it
+    is written. A client gone raises ConnectionError from the write."""
+    tail = b"\n\n"  # the last two bytes relayed ("\n\n" ends an event)
+    chunk = first
+    while True:
+        if chunk is None:
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return _Relayed(cut=True, mid_event=tail != b"\n\n")
+        if not chunk:
+            return _Relayed(cut=False, mid_event=tail != b"\n\n")
+        for reader in feeds:
+            reader.feed(chunk)
+        tail = (tail + chunk[-2:])[-2:]
+        await response.write(chunk)
+        chunk = None
+
+
+_Answer = TypeVar("_Answer", bound=web.StreamResponse)
+
+
+def _passed_on(upstream: aiohttp.ClientResponse, response: _Answer) -> _Answer:
+    """``response`` with the engine's end-to-end headers that a client needs copied onto it
+    (framing and hop-by-hop headers are aiohttp's job), and, for a relayed body, its length
+    when the engine gave one."""
+    for name in _PASSED_RESPONSE_HEADERS:
+        if (value := upstream.headers.get(name)) is not None:
+            response.headers[name] = value
+    if not isinstance(response, web.Response) and upstream.content_length is not None:
+        response.content_length = upstream.content_length
+    return response
 
 
 def _ends_at_close(upstream: aiohttp.ClientResponse) -> bool:
