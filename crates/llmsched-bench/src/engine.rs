@@ -3,7 +3,11 @@
 //!
 //! It answers `POST /v1/completions` and `POST /v1/chat/completions` in vLLM's shapes: a JSON
 //! answer, or with `"stream": true` server-sent events `data: {...}` ending with `data: [DONE]`
-//! (a usage event before it when `stream_options.include_usage` is set). Output token `k` reads
+//! (a usage event before it when `stream_options.include_usage` is set). `POST /v1/responses`
+//! (OpenAI's Responses API as vLLM 0.32 serves it) keeps each response it makes and answers
+//! `GET /v1/responses/{id}` from that store; a `previous_response_id` it does not hold is
+//! vLLM's 404, counted, so that a benchmark can tell how many continuations a gateway sent to
+//! the wrong engine ([`responses`]). Output token `k` reads
 //! `" t<k>"`; a continuation (its earlier output in the prompt) carries on the count, as the
 //! Python fake in `llmsched.testing.openai_engine` does. `GET /v1/models`, `GET /health`, a
 //! vLLM-style `GET /metrics` (live running count, KV usage, success and token counters) and
@@ -17,7 +21,8 @@
 //! see [`Mode`]. Accepted sockets get `TCP_NODELAY`, so a small event is never held back by
 //! Nagle's algorithm waiting for the peer's delayed ACK.
 //!
-//! Decisions beyond what vLLM specifies: the body is bounded ([`EngineConfig::max_body`], 413
+//! Decisions beyond what vLLM specifies: the Responses store is bounded
+//! ([`EngineConfig::response_store`], the oldest dropped); the body is bounded ([`EngineConfig::max_body`], 413
 //! beyond it); prompt tokens are counted as a quarter of the prompt's JSON length; the KV usage
 //! in `/metrics` is the running count over [`EngineConfig::max_num_seqs`].
 
@@ -42,6 +47,19 @@ use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::time::Sleep;
+
+pub mod responses;
+
+/// Which OpenAI endpoint a generation request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Api {
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// `POST /v1/responses`.
+    Responses,
+}
 
 /// How an engine answers a completion request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,6 +158,9 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Stamp each streamed event with the engine's clock ([`crate::stamp`]).
     pub stamp: bool,
+    /// Responses kept for `previous_response_id` and `GET /v1/responses/{id}`, the oldest
+    /// dropped beyond it (0: none kept).
+    pub response_store: usize,
 }
 
 impl Default for EngineConfig {
@@ -155,6 +176,7 @@ impl Default for EngineConfig {
             max_body: 16 << 20,
             max_num_seqs: 256,
             stamp: false,
+            response_store: 100_000,
         }
     }
 }
@@ -178,11 +200,24 @@ pub struct Counters {
     pub prompt_tokens: AtomicU64,
     /// Output tokens of completed answers.
     pub generation_tokens: AtomicU64,
+    /// Responses made (`POST /v1/responses` answered 200, stored or not).
+    pub responses: AtomicU64,
+    /// Responses requests naming a `previous_response_id` (valid bodies).
+    pub continuations: AtomicU64,
+    /// Of those, answered 404: the previous response is not in this engine's store.
+    pub continuations_missed: AtomicU64,
+    /// `GET /v1/responses/{id}` answered from the store.
+    pub retrievals: AtomicU64,
+    /// `GET /v1/responses/{id}` answered 404.
+    pub retrievals_missed: AtomicU64,
 }
 
 struct Engine {
     config: EngineConfig,
     counters: Arc<Counters>,
+    /// The port it listens on (part of its response ids, unique among engines on one host).
+    port: u16,
+    store: responses::Store,
 }
 
 /// A listening engine: its address and counters. Serving goes on in a task of the runtime it
@@ -200,7 +235,8 @@ pub async fn start(addr: SocketAddr, config: EngineConfig) -> io::Result<EngineH
     let listener = TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let counters = Arc::new(Counters::default());
-    let engine = Arc::new(Engine { config, counters: counters.clone() });
+    let store = responses::Store::new(config.response_store);
+    let engine = Arc::new(Engine { config, counters: counters.clone(), port: addr.port(), store });
     tokio::spawn(async move {
         loop {
             let (stream, _) = match listener.accept().await {
@@ -231,10 +267,14 @@ async fn handle(engine: Arc<Engine>, request: Request<Incoming>) -> Result<Answe
         (Method::GET, "/v1/models") => Ok(engine.models()),
         (Method::GET, "/metrics") => Ok(engine.metrics()),
         (Method::GET, "/stats") => Ok(engine.stats()),
-        (Method::POST, "/v1/completions") => engine.complete(request, false).await,
-        (Method::POST, "/v1/chat/completions") => engine.complete(request, true).await,
+        (Method::POST, "/v1/completions") => engine.complete(request, Api::Completions).await,
+        (Method::POST, "/v1/chat/completions") => engine.complete(request, Api::Chat).await,
+        (Method::POST, "/v1/responses") => engine.complete(request, Api::Responses).await,
+        (Method::GET, path) if path.starts_with(responses::PREFIX) => {
+            Ok(engine.retrieve(&path[responses::PREFIX.len()..]))
+        }
         (_, "/health" | "/v1/models" | "/metrics" | "/stats")
-        | (_, "/v1/completions" | "/v1/chat/completions") => {
+        | (_, "/v1/completions" | "/v1/chat/completions" | "/v1/responses") => {
             Ok(error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"))
         }
         _ => Ok(error(StatusCode::NOT_FOUND, "not found")),
@@ -284,6 +324,12 @@ impl Engine {
             "faults": c.faults.load(Ordering::Relaxed),
             "rejected": c.rejected.load(Ordering::Relaxed),
             "running": c.running.load(Ordering::Relaxed),
+            "responses": c.responses.load(Ordering::Relaxed),
+            "continuations": c.continuations.load(Ordering::Relaxed),
+            "continuations_missed": c.continuations_missed.load(Ordering::Relaxed),
+            "retrievals": c.retrievals.load(Ordering::Relaxed),
+            "retrievals_missed": c.retrievals_missed.load(Ordering::Relaxed),
+            "stored": self.store.len(),
         });
         plain(StatusCode::OK, "application/json", serde_json::to_vec(&body).unwrap().into())
     }
@@ -291,8 +337,9 @@ impl Engine {
     async fn complete(
         self: Arc<Self>,
         request: Request<Incoming>,
-        chat: bool,
+        api: Api,
     ) -> Result<Answer, io::Error> {
+        let chat = api == Api::Chat;
         let raw = match Limited::new(request.into_body(), self.config.max_body).collect().await {
             Ok(collected) => collected.to_bytes(),
             Err(err) if err.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
@@ -304,8 +351,13 @@ impl Engine {
         let Ok(body) = serde_json::from_slice::<Value>(&raw) else {
             return Ok(self.reject(StatusCode::BAD_REQUEST, "the body is not valid JSON"));
         };
-        if let Err(problem) = check_body(&body, chat) {
+        if let Err(problem) = check_body(&body, api) {
             return Ok(self.reject(StatusCode::BAD_REQUEST, problem));
+        }
+        if api == Api::Responses {
+            if let Some(missing) = self.continuation_missing(&body) {
+                return Ok(missing);
+            }
         }
         let mode = match body.get("x_fake_mode") {
             Some(Value::String(name)) => match name.parse::<Mode>() {
@@ -351,6 +403,10 @@ impl Engine {
         if mode == Mode::Headers {
             let answer = AnswerBody::new(Vec::new(), Some(Break::Hang), None, guard);
             return Ok(respond(StatusCode::OK, content_type, answer));
+        }
+        if api == Api::Responses {
+            let generation = responses::Generation { mode, stream, seq, received_ns };
+            return Ok(self.respond_to(&body, generation, guard));
         }
         // vLLM reads either name (OpenAI's newer one first).
         let limit = ["max_completion_tokens", "max_tokens"]
@@ -463,7 +519,7 @@ fn sse(chunk: &Value) -> Bytes {
 }
 
 /// What vLLM's request validation would refuse with a 400 (the fields this fake reads).
-fn check_body(body: &Value, chat: bool) -> Result<(), &'static str> {
+fn check_body(body: &Value, api: Api) -> Result<(), &'static str> {
     let Some(fields) = body.as_object() else {
         return Err("the body must be a JSON object");
     };
@@ -480,13 +536,17 @@ fn check_body(body: &Value, chat: bool) -> Result<(), &'static str> {
     if !matches!(fields.get("stream_options"), None | Some(Value::Null | Value::Object(_))) {
         return Err("stream_options must be an object");
     }
-    if chat {
-        match fields.get("messages") {
+    match api {
+        Api::Chat => match fields.get("messages") {
             Some(Value::Array(messages)) if messages.iter().all(Value::is_object) => {}
             _ => return Err("messages must be a list of objects"),
+        },
+        Api::Completions => {
+            if !matches!(fields.get("prompt"), Some(Value::String(_) | Value::Array(_))) {
+                return Err("prompt must be a string or a list");
+            }
         }
-    } else if !matches!(fields.get("prompt"), Some(Value::String(_) | Value::Array(_))) {
-        return Err("prompt must be a string or a list");
+        Api::Responses => responses::check_body(fields)?,
     }
     Ok(())
 }

@@ -34,10 +34,11 @@ pub fn monotonic_ns() -> u64 {
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
-/// `event` (`data: {...}\n\n`) with the two stamps added as the object's last fields; any
-/// other event (`data: [DONE]`, a comment) unchanged.
+/// `event` (`data: {...}\n\n`, or a named one, `event: <name>\ndata: {...}\n\n`, as the
+/// Responses API streams) with the two stamps added as the object's last fields; any other
+/// event (`data: [DONE]`, a comment) unchanged.
 pub fn stamp(event: &[u8], received_ns: u64, sent_ns: u64) -> Vec<u8> {
-    let Some(body) = event.strip_suffix(b"}\n\n").filter(|_| event.starts_with(b"data: {")) else {
+    let Some(body) = event.strip_suffix(b"}\n\n").filter(|_| carries_object(event)) else {
         return event.to_vec();
     };
     let mut out = Vec::with_capacity(event.len() + 64);
@@ -50,6 +51,19 @@ pub fn stamp(event: &[u8], received_ns: u64, sent_ns: u64) -> Vec<u8> {
         format!("\"{RECEIVED}\":{received_ns},\"{SENT}\":{sent_ns}}}\n\n").as_bytes(),
     );
     out
+}
+
+/// Whether an event's data line (its first line, or its second after an `event:` name) opens
+/// a JSON object.
+fn carries_object(event: &[u8]) -> bool {
+    let data = match event.strip_prefix(b"event: ") {
+        Some(named) => match named.iter().position(|&b| b == b'\n') {
+            Some(end) => &named[end + 1..],
+            None => return false,
+        },
+        None => event,
+    };
+    data.starts_with(b"data: {")
 }
 
 /// The stamps of one event (its bytes without the blank line that ends it): (received, sent),
@@ -162,6 +176,21 @@ mod tests {
         assert_eq!(json["x_sent_ns"], 3_456_789_012_345u64);
         assert_eq!(json["choices"][0]["text"], " t0");
         assert_eq!(read(stamped.strip_suffix(b"\n\n").unwrap()), Some((12, 3_456_789_012_345)));
+    }
+
+    #[test]
+    fn a_named_event_is_stamped_in_its_data_line() {
+        let event = b"event: response.output_text.delta\ndata: {\"delta\":\" t0\"}\n\n";
+        let stamped = stamp(event, 7, 8);
+        assert_eq!(
+            stamped,
+            b"event: response.output_text.delta\ndata: {\"delta\":\" t0\",\"x_received_ns\":7,\
+              \"x_sent_ns\":8}\n\n"
+        );
+        assert_eq!(read(&stamped), Some((7, 8)));
+        for other in [&b"event: ping\n\n"[..], b"event: x\ndata: [DONE]\n\n", b"event: x"] {
+            assert_eq!(stamp(other, 1, 2), other.to_vec());
+        }
     }
 
     #[test]

@@ -302,6 +302,150 @@ fn unknown_fault_flags_are_refused() {
     }
 }
 
+/// The named events of a Responses stream: (name, data) in order.
+fn named_events(raw: &Raw) -> Vec<(String, Value)> {
+    let text = String::from_utf8_lossy(raw.body()).into_owned();
+    let mut found = Vec::new();
+    let mut name = String::new();
+    for line in text.lines() {
+        if let Some(event) = line.strip_prefix("event: ") {
+            name = event.to_string();
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            found.push((std::mem::take(&mut name), serde_json::from_str(data).expect("JSON data")));
+        }
+    }
+    found
+}
+
+#[test]
+fn responses_answer_json_with_the_id_first_and_store_it() {
+    let engines = Engines::start(&["--model", "tiny", "--answer-tokens", "4"]);
+    let port = engines.ports[0];
+    let body = r#"{"model":"tiny","input":"hi","instructions":"be brief","max_output_tokens":3}"#;
+    let raw = request(port, "POST", "/v1/responses", body);
+    assert_eq!(raw.status(), 200, "{}", raw.text());
+    assert!(raw.body().starts_with(b"{\"id\":\"resp_"), "{}", raw.text());
+    let answer = raw.json();
+    assert_eq!(answer["object"], "response");
+    assert_eq!(answer["status"], "completed");
+    assert_eq!(answer["instructions"], "be brief");
+    assert_eq!(answer["output"][0]["type"], "message");
+    assert_eq!(answer["output"][0]["content"][0]["text"], " t0 t1 t2");
+    assert_eq!(answer["usage"]["output_tokens"], 3);
+    let usage = &answer["usage"];
+    assert_eq!(usage["total_tokens"].as_u64(), Some(usage["input_tokens"].as_u64().unwrap() + 3));
+    // Kept: GET answers it as it was sent.
+    let id = answer["id"].as_str().unwrap();
+    let got = request(port, "GET", &format!("/v1/responses/{id}"), "");
+    assert_eq!(got.status(), 200);
+    assert_eq!(got.json(), answer);
+    let missing = request(port, "GET", "/v1/responses/resp_none", "");
+    assert_eq!(missing.status(), 404);
+    // "store": false: answered, not kept.
+    let unstored = request(port, "POST", "/v1/responses", r#"{"input":"x","store":false}"#).json();
+    let path = format!("/v1/responses/{}", unstored["id"].as_str().unwrap());
+    assert_eq!(request(port, "GET", &path, "").status(), 404);
+    let counted = stats(port);
+    assert_eq!(counted["responses"], 2);
+    assert_eq!(counted["retrievals"], 1);
+    assert_eq!(counted["retrievals_missed"], 2);
+    assert_eq!(counted["stored"], 1);
+    // Input items as messages are taken; what vLLM refuses is a 400.
+    let items = r#"{"input":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(request(port, "POST", "/v1/responses", items).status(), 200);
+    for bad in [r#"{"input":3}"#, r#"{"input":"x","max_output_tokens":0}"#, "[]"] {
+        assert_eq!(request(port, "POST", "/v1/responses", bad).status(), 400, "{bad}");
+    }
+    assert_eq!(request(port, "GET", "/v1/responses", "").status(), 405);
+}
+
+#[test]
+fn responses_stream_named_events_ending_with_completed() {
+    let engines = Engines::start(&["--answer-tokens", "3", "--stamp"]);
+    let port = engines.ports[0];
+    let raw = request(port, "POST", "/v1/responses", r#"{"input":"hi","stream":true}"#);
+    assert_eq!(raw.status(), 200);
+    assert!(raw.text().to_ascii_lowercase().contains("content-type: text/event-stream"));
+    assert!(!raw.text().contains("[DONE]"), "no [DONE] in a Responses stream");
+    let streamed = named_events(&raw);
+    let names: Vec<&str> = streamed.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.completed",
+        ]
+    );
+    for (i, (name, data)) in streamed.iter().enumerate() {
+        assert_eq!(data["type"], name.as_str());
+        assert_eq!(data["sequence_number"], i);
+        assert!(data["x_sent_ns"].as_u64().is_some(), "stamped: {data}");
+    }
+    // The id comes first in the first event.
+    let first = raw.body().windows(6).position(|w| w == b"data: ").unwrap();
+    assert!(raw.body()[first..].starts_with(b"data: {\"response\":{\"id\":\"resp_"));
+    let id = &streamed[0].1["response"]["id"];
+    let completed = &streamed[6].1["response"];
+    assert_eq!(&completed["id"], id);
+    assert_eq!(completed["output"][0]["content"][0]["text"], " t0 t1 t2");
+    assert_eq!(completed["usage"]["output_tokens"], 3);
+    let deltas: Vec<&str> =
+        streamed[2..5].iter().map(|(_, d)| d["delta"].as_str().unwrap()).collect();
+    assert_eq!(deltas, [" t0", " t1", " t2"]);
+    let path = format!("/v1/responses/{}", id.as_str().unwrap());
+    assert_eq!(request(port, "GET", &path, "").json()["status"], "completed");
+    // A scripted cut: the first event, then the close.
+    let cut = request(
+        port,
+        "POST",
+        "/v1/responses",
+        r#"{"input":"x","stream":true,"x_fake_mode":"cut"}"#,
+    );
+    assert_eq!(named_events(&cut).len(), 1);
+}
+
+#[test]
+fn continuations_reach_only_the_engine_that_holds_them() {
+    let engines = Engines::start(&["--engines", "2"]);
+    let (a, b) = (engines.ports[0], engines.ports[1]);
+    let first = request(a, "POST", "/v1/responses", r#"{"input":"hi"}"#).json();
+    let id = first["id"].as_str().unwrap();
+    let next = format!(r#"{{"input":"go on","previous_response_id":"{id}"}}"#);
+    let held = request(a, "POST", "/v1/responses", &next);
+    assert_eq!(held.status(), 200);
+    assert_eq!(held.json()["previous_response_id"], id);
+    // The other engine never made it: vLLM's 404.
+    let lost = request(b, "POST", "/v1/responses", &next);
+    assert_eq!(lost.status(), 404);
+    let error = &lost.json()["error"];
+    assert_eq!(error["message"], format!("Response with id '{id}' not found."));
+    assert_eq!(error["type"], "invalid_request_error");
+    assert_eq!(error["param"], "response_id");
+    assert_eq!(error["code"], 404);
+    let (sa, sb) = (stats(a), stats(b));
+    assert_eq!(
+        (sa["continuations"].as_u64(), sa["continuations_missed"].as_u64()),
+        (Some(1), Some(0))
+    );
+    assert_eq!(
+        (sb["continuations"].as_u64(), sb["continuations_missed"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(sb["responses"], 0);
+    // A bounded store forgets the oldest.
+    let small = Engines::start(&["--response-store", "1"]);
+    let port = small.ports[0];
+    let old = request(port, "POST", "/v1/responses", r#"{"input":"1"}"#).json();
+    request(port, "POST", "/v1/responses", r#"{"input":"2"}"#);
+    let path = format!("/v1/responses/{}", old["id"].as_str().unwrap());
+    assert_eq!(request(port, "GET", &path, "").status(), 404);
+}
+
 fn load(args: &[&str]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_llmsched-loadgen"))
         .args(["--json", "--warmup", "0"])

@@ -11,7 +11,8 @@ use llmsched_bench::engine::{self, EngineConfig, Fault, Mode};
 const USAGE: &str = "llmsched-fake-engine [--engines N] [--host 127.0.0.1] [--port P (first \
 port, 0 = free ones)] [--model NAME] [--answer-tokens N] [--first-token-delay-ms MS] \
 [--token-delay-ms MS] [--slow-delay-ms MS] [--mode MODE] [--fault MODE:EVERY ...] \
-[--max-body BYTES] [--threads N] [--stamp (engine timestamps in streamed events)]\nmodes: ok drop error500 error503 stall headers slow cut hang";
+[--max-body BYTES] [--response-store N (responses kept, the oldest dropped)] [--threads N] \
+[--stamp (engine timestamps in streamed events)]\nmodes: ok drop error500 error503 stall headers slow cut hang";
 
 fn main() {
     if let Err(problem) = run() {
@@ -42,6 +43,7 @@ fn run() -> Result<(), String> {
         "mode",
         "fault",
         "max-body",
+        "response-store",
         "threads",
         "help",
         "stamp",
@@ -63,6 +65,7 @@ fn run() -> Result<(), String> {
         faults: args.all::<Fault>("fault")?,
         max_body: args.get("max-body", 16usize << 20)?,
         stamp: args.switch("stamp"),
+        response_store: args.get("response-store", EngineConfig::default().response_store)?,
         ..EngineConfig::default()
     };
     let runtime = llmsched_bench::runtime(threads).map_err(|e| e.to_string())?;
