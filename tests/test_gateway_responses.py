@@ -835,9 +835,10 @@ def test_requests_the_parser_refuses_log_no_traceback(caplog: pytest.LogCaptureF
 
 
 @pytest.mark.usefixtures("plane")
-def test_a_stream_with_crlf_lines_is_whole_and_names_its_engine() -> None:
-    """Server-sent events may end their lines with CRLF (``sse-starlette`` does): such a
-    stream was always cut."""
+@pytest.mark.parametrize("line_end", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+def test_a_stream_with_crlf_or_cr_lines_is_whole_and_names_its_engine(line_end: bytes) -> None:
+    """Server-sent events may end their lines with CRLF (``sse-starlette`` does) or a lone CR:
+    such a stream was always cut."""
 
     async def main() -> None:
         events = [
@@ -845,7 +846,7 @@ def test_a_stream_with_crlf_lines_is_whole_and_names_its_engine() -> None:
             event_bytes("response.output_text.delta", {"delta": "a"}),
             event_bytes("response.completed", {"response": {"id": "resp_c"}}),
         ]
-        body = b"".join(e.replace(b"\n", b"\r\n") for e in events)
+        body = b"".join(e.replace(b"\n", line_end) for e in events)
         stream = (
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)

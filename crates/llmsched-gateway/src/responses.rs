@@ -404,6 +404,7 @@ pub fn response_id_of(body: &[u8]) -> Option<String> {
 #[derive(Debug, Default)]
 pub struct IdScan {
     buffer: Vec<u8>,
+    line_ends: LineEnds,
     done: bool,
     /// The id, once found.
     pub id: Option<String>,
@@ -415,6 +416,8 @@ impl IdScan {
         if self.done {
             return None;
         }
+        let data = self.line_ends.to_lf(data);
+        let data = &data[..];
         // A blank line split between frames: the last byte before this frame searched too.
         let from = self.buffer.len().saturating_sub(1);
         let searched = self.buffer.len() < LEADING_ID_WITHIN;
@@ -500,6 +503,7 @@ const LONGEST_TERMINAL: usize = 28;
 pub struct TerminalScan {
     /// The last bytes so far (a newline at the stream's start: its first line starts one).
     tail: Vec<u8>,
+    line_ends: LineEnds,
     /// Once the terminal event's line was seen: whether the last byte read was a newline
     /// (the blank line closing the event may be split between frames).
     ending: Option<bool>,
@@ -508,22 +512,24 @@ pub struct TerminalScan {
 
 impl Default for TerminalScan {
     fn default() -> Self {
-        TerminalScan { tail: b"\n".to_vec(), ending: None, seen: false }
+        TerminalScan {
+            tail: b"\n".to_vec(),
+            line_ends: LineEnds::default(),
+            ending: None,
+            seen: false,
+        }
     }
 }
 
 impl TerminalScan {
-    /// Reads the next bytes of the stream. Carriage returns are left out: a stream whose lines
-    /// end with CRLF (as `sse-starlette` writes them) reads as one with LF.
+    /// Reads the next bytes of the stream, with any of the line ends the SSE spec allows
+    /// ([`LineEnds`]).
     pub fn feed(&mut self, data: &[u8]) {
         if self.seen {
             return;
         }
-        if memchr::memchr(b'\r', data).is_some() {
-            let data: Vec<u8> = data.iter().copied().filter(|b| *b != b'\r').collect();
-            return self.feed_lines(&data);
-        }
-        self.feed_lines(data);
+        let data = self.line_ends.to_lf(data);
+        self.feed_lines(&data);
     }
 
     fn feed_lines(&mut self, data: &[u8]) {
@@ -596,11 +602,53 @@ static DELTA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 /// Events of a Responses stream's frame that carry output (`*.delta`: text, reasoning,
 /// function arguments), counted as output tokens (vLLM sends one per token by default).
 pub fn output_deltas(data: &[u8]) -> u64 {
-    (DELTA.find_iter(data).count() + DELTA_CRLF.find_iter(data).count()) as u64
+    let mut count = DELTA.find_iter(data).count();
+    if memchr::memchr(b'\r', data).is_some() {
+        count += DELTA_CRLF.find_iter(data).count() + DELTA_CR.find_iter(data).count();
+    }
+    count as u64
 }
 
 static DELTA_CRLF: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b".delta\r\ndata: "));
+
+static DELTA_CR: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b".delta\rdata: "));
+
+/// An event stream's line ends made LF, frame by frame, split anywhere: the SSE spec allows
+/// CRLF (as `sse-starlette` writes them), a lone CR and LF.
+#[derive(Debug, Default)]
+pub struct LineEnds {
+    /// The last byte read was a CR: an LF first in the next frame belongs to it.
+    after_cr: bool,
+}
+
+impl LineEnds {
+    /// `data`, the stream's next bytes, with each line end as LF (borrowed when it has no CR).
+    pub fn to_lf<'a>(&mut self, data: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
+        let data = match data {
+            [b'\n', rest @ ..] if self.after_cr => rest,
+            _ => data,
+        };
+        let Some(&last) = data.last() else { return std::borrow::Cow::Borrowed(data) };
+        self.after_cr = last == b'\r';
+        if memchr::memchr(b'\r', data).is_none() {
+            return std::borrow::Cow::Borrowed(data);
+        }
+        let mut lf = Vec::with_capacity(data.len());
+        let mut rest = data;
+        while let Some(at) = memchr::memchr(b'\r', rest) {
+            lf.extend_from_slice(&rest[..at]);
+            lf.push(b'\n');
+            rest = &rest[at + 1..];
+            if let [b'\n', after @ ..] = rest {
+                rest = after;
+            }
+        }
+        lf.extend_from_slice(rest);
+        std::borrow::Cow::Owned(lf)
+    }
+}
 
 #[derive(Deserialize)]
 struct WithUsage {
@@ -1063,6 +1111,39 @@ event: response.completed\ndata: {\"response\":{\"id\":\"resp_1\",\"usage\":{\"o
         scan.feed(&stream[..stream.len() - 2]);
         assert!(!scan.seen());
         assert_eq!(output_deltas(stream), 1);
+    }
+
+    #[test]
+    fn a_stream_with_lone_cr_lines_ends_and_names_its_id_as_one_with_lf() {
+        let stream = b"event: response.created\rdata: {\"response\": {\"id\": \"resp_cr\"}}\r\r\
+            event: response.output_text.delta\rdata: {}\r\r\
+            event: response.completed\rdata: {}\r\r";
+        for cut in 0..stream.len() {
+            let mut scan = TerminalScan::default();
+            scan.feed(&stream[..cut]);
+            scan.feed(&stream[cut..]);
+            assert!(scan.seen(), "cut at {cut}");
+            let mut ids = IdScan::default();
+            ids.feed(&stream[..cut]);
+            ids.feed(&stream[cut..]);
+            assert_eq!(ids.id.as_deref(), Some("resp_cr"), "cut at {cut}");
+        }
+        let mut scan = TerminalScan::default();
+        scan.feed(&stream[..stream.len() - 1]);
+        assert!(!scan.seen());
+        assert_eq!(output_deltas(stream), 1);
+    }
+
+    #[test]
+    fn line_ends_are_lf_whatever_the_frames() {
+        let stream = b"a\r\nb\rc\n\r\r\n\rd";
+        for cut in 0..=stream.len() {
+            let mut ends = LineEnds::default();
+            let mut lf = ends.to_lf(&stream[..cut]).into_owned();
+            lf.extend_from_slice(&ends.to_lf(b""));
+            lf.extend_from_slice(&ends.to_lf(&stream[cut..]));
+            assert_eq!(lf, b"a\nb\nc\n\n\n\nd", "cut at {cut}");
+        }
     }
 
     #[test]

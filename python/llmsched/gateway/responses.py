@@ -24,6 +24,7 @@ from typing import Any
 __all__ = [
     "MAX_OWNERS",
     "MAX_RESPONSE_ID_BYTES",
+    "LineEnds",
     "ResponseIdScan",
     "ResponseOwners",
     "TerminalEventScan",
@@ -59,8 +60,8 @@ _TERMINAL_EVENTS = (
 )
 """The events that end a Responses stream (vLLM writes no ``data: [DONE]`` after them)."""
 
-_DELTA = b".delta\ndata: "
-_DELTA_CRLF = b".delta\r\ndata: "
+_DELTAS = (b".delta\ndata: ", b".delta\r\ndata: ", b".delta\rdata: ")
+"""An output event's name ending its line, as each line end the SSE spec allows writes it."""
 
 
 def chat_request_of(payload: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -232,6 +233,32 @@ def response_id_of(body: bytes) -> str | None:
     return ident if isinstance(ident, str) else None
 
 
+class LineEnds:
+    """An event stream's line ends made LF, chunk by chunk, split anywhere: the SSE spec
+    allows CRLF (as ``sse-starlette`` writes them), a lone CR and LF.
+
+    >>> ends = LineEnds()
+    >>> [ends.to_lf(chunk) for chunk in (b"a\\r", b"\\nb\\rc\\r\\n", b"\\r")]
+    [b'a\\n', b'b\\nc\\n', b'\\n']
+    """
+
+    __slots__ = ("_after_cr",)
+
+    def __init__(self) -> None:
+        self._after_cr = False
+
+    def to_lf(self, chunk: bytes) -> bytes:
+        """``chunk``, the stream's next bytes, with each line end as LF."""
+        if self._after_cr and chunk[:1] == b"\n":
+            chunk = chunk[1:]  # the LF of a CRLF split between chunks: its CR ended the line
+        if not chunk:
+            return chunk
+        self._after_cr = chunk[-1:] == b"\r"
+        if b"\r" not in chunk:
+            return chunk
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
 class ResponseIdScan:
     """The response id a Responses event stream announces in its first event
     (``response.created``: ``{"response": {"id": ...}}``), fed the stream chunk by chunk:
@@ -239,16 +266,18 @@ class ResponseIdScan:
     from the whole event read up to 64 KiB. :attr:`id` is None until found, and stays None
     when the first event has none."""
 
-    __slots__ = ("_buffer", "_done", "id")
+    __slots__ = ("_buffer", "_done", "_line_ends", "id")
 
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._done = False
+        self._line_ends = LineEnds()
         self.id: str | None = None
 
     def feed(self, chunk: bytes) -> None:
         if self._done:
             return
+        chunk = self._line_ends.to_lf(chunk)
         searched = len(self._buffer) < _LEADING_ID_WITHIN
         self._buffer += chunk
         first = self._buffer.find(b"\n\n", 0, _LEADING_ID_WITHIN)  # the first event's end
@@ -285,11 +314,10 @@ class TerminalEventScan:
     """Whether a Responses event stream has shown, whole, the event that ends it
     (``response.completed``, ``response.incomplete``, ``response.failed`` or ``error``): its
     name at the start of a line, then the blank line that closes the event (a stream cut
-    inside its data is cut). Fed chunk by chunk, split anywhere. Carriage returns are left
-    out: a stream whose lines end with CRLF (as ``sse-starlette`` writes them) reads as one with
-    LF."""
+    inside its data is cut). Fed chunk by chunk, split anywhere, with any of the line ends the
+    SSE spec allows (:class:`LineEnds`)."""
 
-    __slots__ = ("_ending", "_tail", "seen")
+    __slots__ = ("_ending", "_line_ends", "_tail", "seen")
 
     _LONGEST = max(len(event) for event in _TERMINAL_EVENTS)
 
@@ -297,11 +325,12 @@ class TerminalEventScan:
         self.seen = False
         self._ending = False
         self._tail = b"\n"
+        self._line_ends = LineEnds()
 
     def feed(self, chunk: bytes) -> None:
         if self.seen:
             return
-        joined = self._tail + chunk.replace(b"\r", b"")
+        joined = self._tail + self._line_ends.to_lf(chunk)
         if not self._ending:
             # Each name must start a line: a data field quoting one is no event.
             found = [
@@ -322,4 +351,4 @@ class TerminalEventScan:
 def output_deltas(chunk: bytes) -> int:
     """Events of a Responses stream chunk that carry output (``*.delta``: text, reasoning,
     function arguments), counted as output tokens (vLLM sends one per token by default)."""
-    return chunk.count(_DELTA) + chunk.count(_DELTA_CRLF)
+    return sum(chunk.count(delta) for delta in _DELTAS)
