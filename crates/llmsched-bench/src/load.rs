@@ -14,6 +14,13 @@
 //! `data: [DONE]` or a JSON answer that does not parse (`incomplete`), or the per-request timeout
 //! (`timeout`); requests that would pass `max_in_flight` are not sent and count as `overload`.
 //!
+//! With [`LoadConfig::responses`] the load is conversations on OpenAI's Responses API
+//! (`POST /v1/responses`, [`conversations`]): each start continues an idle conversation with
+//! `previous_response_id` or opens a new one, and the report counts the continuations sent
+//! and those answered 404 (sent to an engine that does not hold the conversation). A
+//! Responses stream ends with its `response.completed` event instead of `data: [DONE]`; its
+//! token events are the `response.output_text.delta` ones.
+//!
 //! Streams from an engine that stamps its events (`llmsched-fake-engine --stamp`) are also
 //! measured against the engine's clock: forward, relay and net latency ([`crate::stamp`]).
 //!
@@ -37,6 +44,10 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+
+pub mod conversations;
+
+use conversations::{ConversationCounts, Conversations, Turn};
 
 /// How arrivals are spaced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,11 +88,18 @@ pub struct LoadConfig {
     pub arrivals: Arrivals,
     /// Chat completions (`/v1/chat/completions`) rather than completions.
     pub chat: bool,
+    /// Conversations on the Responses API (`/v1/responses`, [`conversations`]) rather than
+    /// completions (wins over `chat`).
+    pub responses: bool,
+    /// Responses: requests per conversation (the first and its continuations), at least 1.
+    pub turns: usize,
+    /// Responses: distinct `instructions` texts, conversation `c` taking `c % system_prompts`.
+    pub system_prompts: usize,
     /// Ask for a streamed answer.
     pub stream: bool,
     /// The model named in each request.
     pub model: String,
-    /// `max_tokens` of each request.
+    /// `max_tokens` of each request (`max_output_tokens` on the Responses API).
     pub max_tokens: u32,
     /// Words in each session's shared prompt opening (about one token each).
     pub prompt_words: usize,
@@ -109,6 +127,9 @@ impl Default for LoadConfig {
             warmup: 1.0,
             arrivals: Arrivals::Poisson,
             chat: false,
+            responses: false,
+            turns: 4,
+            system_prompts: 4,
             stream: false,
             model: "fake".into(),
             max_tokens: 4,
@@ -199,15 +220,23 @@ pub struct Report {
     /// event by event.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub slow_streams: Vec<crate::stamp::StreamTrace>,
+    /// Responses loads ([`LoadConfig::responses`]; absent otherwise): conversations and
+    /// continuations in the measured window.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conversations: Option<ConversationCounts>,
 }
 
 /// One finished request.
 struct Record {
     measured: bool,
+    /// Which turn of a conversation it was (Responses loads).
+    turn: Option<Turn>,
     outcome: Result<Timing, String>,
 }
 
 struct Timing {
+    /// The response id read from the answer (Responses loads).
+    response_id: Option<String>,
     latency: f64,
     ttft: f64,
     gaps: Vec<f64>,
@@ -312,7 +341,13 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     if !config.warmup.is_finite() || config.warmup < 0.0 {
         return Err("warmup must be >= 0".into());
     }
-    let path = if config.chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let path = if config.responses {
+        "/v1/responses"
+    } else if config.chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
     let uris: Vec<hyper::Uri> = config
         .urls
         .iter()
@@ -327,9 +362,14 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     // Bodies are made before the clock starts, so building them costs no schedule time.
     let horizon = config.warmup + config.duration;
     let expected = (config.rate * horizon * 1.2) as usize + 16;
-    let bodies: Vec<Bytes> = (0..expected.min(BODIES))
-        .map(|s| Bytes::from(serde_json::to_vec(&request_body(&config, s)).unwrap()))
-        .collect();
+    let mut plan = if config.responses {
+        Plan::Conversations(Conversations::new(&config, expected.min(BODIES), uris.len()))
+    } else {
+        let bodies = (0..expected.min(BODIES))
+            .map(|s| Bytes::from(serde_json::to_vec(&request_body(&config, s)).unwrap()))
+            .collect();
+        Plan::Fixed(bodies)
+    };
     let records: Arc<Mutex<Vec<Record>>> = Arc::new(Mutex::new(Vec::with_capacity(expected)));
     let mut rng = SplitMix(config.seed);
     let mut tasks = JoinSet::new();
@@ -338,6 +378,11 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     let mut overload = 0usize;
     let mut cpu_before: Vec<Option<f64>> = Vec::new();
     let mut window_open = false;
+    let expect = Expect {
+        stream: config.stream,
+        trace: config.slow_streams > 0,
+        responses: config.responses,
+    };
     let t0 = Instant::now();
     let mut at = 0.0f64;
     let mut k = 0usize;
@@ -357,21 +402,26 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
         if tasks.len() >= config.max_in_flight {
             overload += usize::from(measured);
         } else {
-            let request = Request::post(uris[k % uris.len()].clone())
+            let (target, body, turn) = plan.next(k, uris.len());
+            let request = Request::post(uris[target].clone())
                 .header(CONTENT_TYPE, "application/json")
-                .body(Full::new(bodies[k % bodies.len()].clone()))
+                .body(Full::new(body))
                 .expect("a valid request");
             let client = client.clone();
             let records = records.clone();
-            let (stream, timeout) = (config.stream, config.timeout);
-            let trace = config.slow_streams > 0;
+            let conversations = plan.shared();
+            let timeout = config.timeout;
             tasks.spawn(async move {
-                let sent = send(&client, request, stream, trace);
+                let sent = send(&client, request, expect);
                 let outcome = match tokio::time::timeout(timeout, sent).await {
                     Ok(outcome) => outcome,
                     Err(_) => Err("timeout".to_string()),
                 };
-                records.lock().unwrap().push(Record { measured, outcome });
+                if let (Some(conversations), Some(turn)) = (conversations, &turn) {
+                    let id = outcome.as_ref().ok().and_then(|t| t.response_id.clone());
+                    conversations.finished(turn, id);
+                }
+                records.lock().unwrap().push(Record { measured, turn, outcome });
             });
         }
         k += 1;
@@ -390,6 +440,58 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     if overload > 0 {
         report.errors.insert("overload".into(), overload);
     }
+    if config.responses {
+        report.conversations = Some(ConversationCounts::of(
+            records.iter().filter(|r| r.measured).map(|r| (r.turn.as_ref(), &r.outcome)),
+        ));
+    }
+    summarise(&mut report, records, lags, config.slow_streams);
+    report.achieved_rate = if window > 0.0 { round3(scheduled as f64 / window) } else { 0.0 };
+    let sent = (scheduled - overload).max(1) as f64;
+    for (((label, _), before), after) in config.cpu_pids.iter().zip(cpu_before).zip(cpu_after) {
+        if let (Some(before), Some(after)) = (before, after) {
+            // Several processes under one label add up (a gateway and its workers).
+            *report.cpu_ms_per_request.entry(label.clone()).or_default() +=
+                (after - before) / sent * 1e3;
+        }
+    }
+    for ms in report.cpu_ms_per_request.values_mut() {
+        *ms = round3(*ms);
+    }
+    Ok(report)
+}
+
+/// Where the load's bodies come from.
+enum Plan {
+    /// Request `k` sends body `k % len` to URL `k % urls` (completions and chats).
+    Fixed(Vec<Bytes>),
+    /// Turns of conversations (Responses).
+    Conversations(Conversations),
+}
+
+impl Plan {
+    /// The URL index, body and conversation turn of request `k`.
+    fn next(&mut self, k: usize, urls: usize) -> (usize, Bytes, Option<Turn>) {
+        match self {
+            Plan::Fixed(bodies) => (k % urls, bodies[k % bodies.len()].clone(), None),
+            Plan::Conversations(conversations) => {
+                let (turn, body) = conversations.next();
+                (turn.target, body, Some(turn))
+            }
+        }
+    }
+
+    /// What a finished request reports back to (conversations only).
+    fn shared(&self) -> Option<Arc<conversations::Idle>> {
+        match self {
+            Plan::Fixed(_) => None,
+            Plan::Conversations(conversations) => Some(conversations.idle()),
+        }
+    }
+}
+
+/// Fills the latency, TTFT, ITL, stamp and lag summaries and the error counts from the records.
+fn summarise(report: &mut Report, records: Vec<Record>, lags: Vec<f64>, slow_streams: usize) {
     let (mut latencies, mut ttfts, mut gaps) = (Vec::new(), Vec::new(), Vec::new());
     let (mut forwards, mut relays, mut nets) = (Vec::new(), Vec::new(), Vec::new());
     let mut traces = Vec::new();
@@ -410,7 +512,6 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
             Err(kind) => *report.errors.entry(kind).or_default() += 1,
         }
     }
-    report.achieved_rate = if window > 0.0 { round3(scheduled as f64 / window) } else { 0.0 };
     report.latency_ms = Summary::of(latencies);
     report.ttft_ms = Summary::of(ttfts);
     report.itl_ms = Summary::of(gaps);
@@ -419,29 +520,61 @@ pub async fn run(config: LoadConfig) -> Result<Report, String> {
     report.relay_ms = Summary::of(relays);
     report.net_latency_ms = Summary::of(nets);
     traces.sort_by(|a: &crate::stamp::StreamTrace, b| b.net_ms.total_cmp(&a.net_ms));
-    traces.truncate(config.slow_streams);
+    traces.truncate(slow_streams);
     report.slow_streams = traces;
-    let sent = (scheduled - overload).max(1) as f64;
-    for (((label, _), before), after) in config.cpu_pids.iter().zip(cpu_before).zip(cpu_after) {
-        if let (Some(before), Some(after)) = (before, after) {
-            // Several processes under one label add up (a gateway and its workers).
-            *report.cpu_ms_per_request.entry(label.clone()).or_default() +=
-                (after - before) / sent * 1e3;
-        }
+}
+
+/// What a request's answer should be.
+#[derive(Clone, Copy, Debug)]
+struct Expect {
+    /// A stream (else a JSON answer).
+    stream: bool,
+    /// Keep the stream's stamps event by event ([`LoadConfig::slow_streams`]).
+    trace: bool,
+    /// A Responses answer: named events ending with `response.completed`, its id read.
+    responses: bool,
+}
+
+/// What one complete streamed event is to the generator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Event {
+    /// The stream's last event (`data: [DONE]`, a Responses `response.completed`).
+    Done,
+    /// A token (any other `data:` event; a Responses `response.output_text.delta`).
+    Token,
+    /// Anything else (a Responses lifecycle event, a comment).
+    Other,
+}
+
+/// What `event` (its bytes without the blank line that ends it) is.
+fn classify(event: &[u8], responses: bool) -> Event {
+    if !responses {
+        return if event.starts_with(b"data: [DONE]") {
+            Event::Done
+        } else if event.starts_with(b"data:") {
+            Event::Token
+        } else {
+            Event::Other
+        };
     }
-    for ms in report.cpu_ms_per_request.values_mut() {
-        *ms = round3(*ms);
+    let name = event.strip_prefix(b"event:").map(|rest| {
+        let end = rest.iter().position(|&b| b == b'\n').unwrap_or(rest.len());
+        rest[..end].trim_ascii()
+    });
+    match name {
+        Some(b"response.output_text.delta") => Event::Token,
+        Some(b"response.completed") => Event::Done,
+        _ => Event::Other,
     }
-    Ok(report)
 }
 
 /// Sends one request and reads its answer to the end.
 async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     request: Request<Full<Bytes>>,
-    stream: bool,
-    trace: bool,
+    expect: Expect,
 ) -> Result<Timing, String> {
+    let stream = expect.stream;
     let started = Instant::now();
     let started_ns = crate::stamp::monotonic_ns();
     // Stamped events (received, sent) with their arrival here, nanoseconds.
@@ -453,6 +586,8 @@ async fn send(
     let mut events: Vec<Instant> = Vec::new();
     let mut pending: Vec<u8> = Vec::new();
     let mut done = false;
+    let mut response_id: Option<String> = None;
+    let mut seen = 0usize;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|_| "body".to_string())?;
         let Some(data) = frame.data_ref() else { continue };
@@ -468,10 +603,17 @@ async fn send(
         let mut start = 0;
         while let Some(end) = find(&pending[start..], b"\n\n") {
             let event = &pending[start..start + end];
-            if event.starts_with(b"data: [DONE]") {
-                done = true;
-            } else if event.starts_with(b"data:") {
-                events.push(now);
+            if expect.responses && seen == 0 {
+                // vLLM writes the response id first in the first event.
+                response_id = conversations::first_id(event);
+            }
+            seen += 1;
+            match classify(event, expect.responses) {
+                Event::Done => done = true,
+                Event::Token => events.push(now),
+                Event::Other => {}
+            }
+            if expect.responses || event.starts_with(b"data:") {
                 if let Some(stamp) = crate::stamp::read(event) {
                     stamps.push((stamp, now_ns));
                 }
@@ -490,16 +632,19 @@ async fn send(
             return Err("incomplete".into());
         }
         first = events.first().copied();
+    } else if expect.responses {
+        response_id = Some(conversations::json_id(&pending).ok_or("incomplete")?);
     } else if serde_json::from_slice::<serde::de::IgnoredAny>(&pending).is_err() {
         return Err("incomplete".into());
     }
     let since = |t: Instant| t.saturating_duration_since(started).as_secs_f64();
     Ok(Timing {
+        response_id,
         latency: since(finished),
         ttft: since(first.unwrap_or(finished)),
         gaps: events.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect(),
         stamped: crate::stamp::stream_times(started_ns, finished_ns, &stamps),
-        trace: if trace {
+        trace: if expect.trace {
             crate::stamp::stream_trace(started_ns, finished_ns, &stamps)
         } else {
             None

@@ -493,6 +493,54 @@ fn the_generator_counts_successes_and_measures_streams() {
 }
 
 #[test]
+fn the_generator_holds_conversations_on_the_responses_api() {
+    let engines = Engines::start(&["--engines", "2", "--answer-tokens", "3"]);
+    let (a, b) = (url(engines.ports[0]), url(engines.ports[1]));
+    let common = ["--rate", "200", "--duration", "0.5", "--arrivals", "uniform", "--responses"];
+    for stream in [false, true] {
+        let mut args = vec!["--url", &a, "--url", &b, "--turns", "3"];
+        args.extend(common);
+        if stream {
+            args.push("--stream");
+        }
+        let report = load(&args);
+        assert_eq!(report["scheduled"], 100);
+        assert_eq!(report["ok"], 100, "{report}");
+        let counts = &report["conversations"];
+        // Each conversation stays on its first turn's URL: none is lost.
+        assert_eq!(counts["continuations_lost"], 0, "{report}");
+        assert_eq!(counts["ids_unread"], 0, "{report}");
+        let started = counts["started"].as_u64().unwrap();
+        let continued = counts["continuations"].as_u64().unwrap();
+        assert_eq!(started + continued, 100);
+        assert!(continued > 0 && continued <= 2 * started, "{report}");
+        if stream {
+            // Three deltas: two gaps per stream.
+            assert_eq!(report["itl_ms"]["n"].as_u64(), Some(200));
+        }
+    }
+    let continuations: u64 =
+        engines.ports.iter().map(|&p| stats(p)["continuations"].as_u64().unwrap()).sum();
+    assert!(continuations > 0);
+    assert!(engines.ports.iter().all(|&p| stats(p)["continuations_missed"] == 0));
+
+    // An engine that keeps nothing: every continuation is lost, and its conversation ends.
+    let forgetful = Engines::start(&["--response-store", "0"]);
+    let mut args = vec!["--url".to_string(), url(forgetful.ports[0])];
+    args.extend(common.iter().map(|a| a.to_string()));
+    let report = load(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let counts = &report["conversations"];
+    let lost = counts["continuations_lost"].as_u64().unwrap();
+    assert!(lost > 0, "{report}");
+    assert_eq!(counts["continuations"].as_u64(), Some(lost));
+    assert_eq!(report["errors"]["status_404"].as_u64(), Some(lost));
+    assert_eq!(stats(forgetful.ports[0])["continuations_missed"].as_u64(), Some(lost));
+    // The other modes report no conversations.
+    let plain = load(&["--url", &a, "--rate", "100", "--duration", "0.1"]);
+    assert!(plain.get("conversations").is_none());
+}
+
+#[test]
 fn the_generator_counts_each_kind_of_error() {
     let engines = Engines::start(&["--fault", "error500:4"]);
     let report = load(&[

@@ -8,7 +8,8 @@ use llmsched_bench::args::Args;
 use llmsched_bench::load::{self, Arrivals, LoadConfig};
 
 const USAGE: &str = "llmsched-loadgen --url URL [--url URL ...] [--rate R] [--duration S] \
-[--warmup S] [--arrivals poisson|uniform] [--chat] [--stream] [--model NAME] [--max-tokens N] \
+[--warmup S] [--arrivals poisson|uniform] [--chat] [--responses (conversations on \
+/v1/responses)] [--turns N (requests per conversation)] [--system-prompts N] [--stream] [--model NAME] [--max-tokens N] \
 [--prompt-words N] [--sessions N] [--timeout-s S] [--max-in-flight N] [--cpu LABEL=PID ...] \
 [--seed N] [--threads N] [--slow-streams N (the N slowest stamped streams, event by event, \
 in the JSON)] [--json]";
@@ -24,7 +25,8 @@ fn main() {
 }
 
 fn run() -> Result<(), String> {
-    let args = Args::parse(std::env::args().skip(1), &["chat", "stream", "json", "help"])?;
+    let args =
+        Args::parse(std::env::args().skip(1), &["chat", "responses", "stream", "json", "help"])?;
     if args.switch("help") {
         println!("{USAGE}");
         return Ok(());
@@ -36,6 +38,9 @@ fn run() -> Result<(), String> {
         "warmup",
         "arrivals",
         "chat",
+        "responses",
+        "turns",
+        "system-prompts",
         "stream",
         "model",
         "max-tokens",
@@ -66,6 +71,9 @@ fn run() -> Result<(), String> {
         warmup: args.get("warmup", defaults.warmup)?,
         arrivals: args.get("arrivals", Arrivals::Poisson)?,
         chat: args.switch("chat"),
+        responses: args.switch("responses"),
+        turns: args.get("turns", defaults.turns)?,
+        system_prompts: args.get("system-prompts", defaults.system_prompts)?,
         stream: args.switch("stream"),
         model: args.get("model", defaults.model.clone())?,
         max_tokens: args.get("max-tokens", defaults.max_tokens)?,
@@ -96,6 +104,12 @@ fn run() -> Result<(), String> {
             report.lag_ms,
             report.cpu_ms_per_request
         );
+        if let Some(counts) = &report.conversations {
+            println!(
+                "conversations {} continuations {} lost (404) {} ids unread {}",
+                counts.started, counts.continuations, counts.continuations_lost, counts.ids_unread
+            );
+        }
     }
     Ok(())
 }
