@@ -1841,6 +1841,25 @@ impl Gateway {
         }
     }
 
+    /// The caller's identity (its API key's), then the request's head and its body read
+    /// within the body limits. A request its key refuses has its body drained aside, unread
+    /// (see `drain_refused_body`).
+    async fn identified_body(
+        &self,
+        request: Request<Incoming>,
+    ) -> Result<(Identity, hyper::http::request::Parts, Bytes), Refusal> {
+        let identity = match self.identify(request.headers()) {
+            Ok(identity) => identity,
+            Err(refused) => {
+                tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+                return Err(refused);
+            }
+        };
+        let (parts, body) = request.into_parts();
+        let raw = self.read_body(&parts.headers, body).await?;
+        Ok((identity, parts, raw))
+    }
+
     /// A request's body, read up to `max_body` (413, and the connection closed; one declared
     /// larger is refused before it is read) within `body_timeout_s` (408).
     async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<Bytes, Refusal> {
@@ -1883,16 +1902,7 @@ impl Gateway {
         arrived: f64,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
-        let identity = match self.identify(request.headers()) {
-            Ok(identity) => identity,
-            Err(refused) => {
-                // Refused before its body is read: see `drain_refused_body`.
-                tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
-                return Err(refused);
-            }
-        };
-        let (parts, body) = request.into_parts();
-        let raw = self.read_body(&parts.headers, body).await?;
+        let (identity, parts, raw) = self.identified_body(request).await?;
         let payload = Payload::parse(&raw)
             .map_err(|problem| Refusal::new(400, "invalid_request_error", problem.to_string()))?;
         check_fields(&payload)?;
@@ -2522,15 +2532,7 @@ impl Gateway {
         request: Request<Incoming>,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
-        let identity = match self.identify(request.headers()) {
-            Ok(identity) => identity,
-            Err(refused) => {
-                tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
-                return Err(refused);
-            }
-        };
-        let (parts, body) = request.into_parts();
-        let raw = self.read_body(&parts.headers, body).await?;
+        let (identity, parts, raw) = self.identified_body(request).await?;
         // A dot segment, or an escaped `/`, would name another path (for the engine, or a
         // proxy before it, that resolves them): no such path is served.
         let Some(target) = responses::by_id_target(parts.uri.path()) else {
