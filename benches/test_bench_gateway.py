@@ -399,6 +399,65 @@ def test_gateway_beside_peers(
         print("\n" + printed[0].split("\n\n", 1)[-1])
 
 
+def test_gateway_responses_beside_peers(
+    benchmark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The short form of ``bench_gateway_peers.py --responses``: conversations on the
+    Responses API (one repeat of one second at 300 req/s, JSON and streaming) through
+    ``llmsched serve`` on the native plane (routing on a tokenizer's ids), the peers where
+    installed and the bare proxy. ``llmsched serve`` keeps every continuation on the engine
+    holding its conversation: none is lost; the others' losses are printed, not asserted."""
+    if not (_HARNESS / "llmsched-fake-engine").exists():
+        pytest.skip("the native harness is not built (cargo build --release -p llmsched-bench)")
+    benchmark.group = "gateway beside sglang-router and vllm-router (extra_info)"
+    out = tmp_path / "rows.json"
+    llmsched = ["llmsched-serve-native-llm-d", "llmsched-serve-native-round-robin"]
+    command = [
+        sys.executable,
+        str(_ROOT / "tools" / "bench_gateway_peers.py"),
+        "--bin",
+        str(_HARNESS),
+        "--responses",
+        "--tokenizer",
+        str(write_tokenizer(tmp_path / "tokenizer")),
+        "--gateways",
+        ",".join([*llmsched, "sglang-cache_aware", "vllm-round_robin", "bare-proxy", "direct"]),
+        "--repeats",
+        "1",
+        "--seconds",
+        "1",
+        "--warmup",
+        "0.3",
+        "--rates",
+        "300",
+        "--idle-seconds",
+        "0",
+        "--json-out",
+        str(out),
+    ]
+    if _PEERS_PYTHON.exists():
+        command += ["--peers-python", str(_PEERS_PYTHON)]
+    printed: list[str] = []
+
+    def measure() -> None:
+        printed.append(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    rows = json.loads(out.read_text())
+    by_gateway = {(row["gateway"], row["answer"]): row for row in rows}
+    for gateway in llmsched:
+        for answer in ("json", "stream"):
+            row = by_gateway[(gateway, answer)]
+            assert row["continuations"] > 0, row
+            assert row["continuations_lost"] == 0, row
+            assert row["errors"] == 0, row
+    assert all({"continuations", "continuations_lost", "cpu_range"} <= set(r) for r in rows)
+    assert "| lost (404) |" in printed[0]
+    benchmark.extra_info["rows"] = rows
+    with capsys.disabled():
+        print("\n" + printed[0].split("\n\n", 1)[-1])
+
+
 # -- prompt tokenization ---------------------------------------------------------------------
 
 TOKENIZE_GROUP = "chat tokenization: a 1,000-token chat, template + encode (native plane vs Python)"

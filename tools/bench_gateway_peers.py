@@ -64,8 +64,22 @@ gateway the highest rate held (p99 under the bound, no errors, in every repeat).
 row is the same ladder straight to the engines: the engines and the generator (one core
 between them) hold at least that rate, so a gateway's ceiling below it is the gateway's.
 
+``--responses`` loads conversations on OpenAI's Responses API instead (``POST /v1/responses``,
+``llmsched-loadgen --responses``): each start continues an idle conversation (its last turn
+answered, ``--turns`` not spent) with ``previous_response_id`` and a short new input, or opens a
+new one (shared ``instructions``, an input of ``--prompt-words`` words). The fake engines keep
+each response they make, as vLLM does, and answer a continuation whose previous response they
+do not hold with vLLM's 404: a gateway that sends a continuation to another engine than the one
+holding the conversation loses it. Beside the usual table a second one gives, per gateway, the
+CPU per request (median and range over the repeats), the continuations sent and the share lost
+(404); lost continuations count as errors in the first table but not when the best peer is
+chosen (a peer's CPU ratio is still taken against the cheapest peer that answered everything
+else). A lost continuation ends its conversation, so a gateway that loses them sends more
+first turns (longer inputs) than one that does not.
+
 Usage: python tools/bench_gateway_peers.py [--short] [--rates 300,1000] [--repeats 3] ...
-(``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids;
+(``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids, the
+same for ``--responses``;
 ``llmsched-serve-native-llm-d-nocache`` in ``--gateways`` adds the native plane without its
 tokenizer cache.)
 (``make bench-gateway-peers`` runs it with the peers installed in their own environment.)
@@ -117,6 +131,8 @@ class Figures(TypedDict, total=False):
     relay_p50: float | None
     relay_p99: float | None
     kernel_share: float | None
+    continuations: int
+    continuations_lost: int
 
 
 StampedKey = Literal["net_p50", "net_p99", "relay_p50", "relay_p99"]
@@ -502,7 +518,9 @@ def load_command(
     ]
     if stream:
         command.append("--stream")
-    if args.chat:
+    if args.responses:
+        command += ["--responses", "--turns", str(args.turns)]
+    elif args.chat:
         command.append("--chat")
     return scheduled(args.sched, pinned(core, command))
 
@@ -514,7 +532,10 @@ def figures_of(report: dict[str, Any]) -> Figures:
         found = report.get(summary) or {}
         return float(found[quantile]) if found.get("n") else None
 
+    conversations = report.get("conversations") or {}
     return Figures(
+        continuations=int(conversations.get("continuations", 0)),
+        continuations_lost=int(conversations.get("continuations_lost", 0)),
         ok=report["ok"],
         errors=sum(report["errors"].values()),
         error_kinds=dict(report["errors"]),
@@ -655,10 +676,12 @@ def report_line(name: str, answer: str, rate: float, figures: Figures) -> None:
     stamped = "" if net is None else f" net p50 {net} p99 {figures.get('net_p99')} ms"
     share = figures.get("kernel_share")
     kernel = "" if share is None else f" (kernel {share:.0%})"
+    sent = figures.get("continuations", 0)
+    lost = f"  lost {figures.get('continuations_lost', 0)}/{sent} continuations" if sent else ""
     print(
         f"  {name:24} {answer:6} {rate:6g}/s  cpu {figures.get('cpu_ms')} ms/req{kernel}  "
         f"p50 {figures['latency_p50']} p99 {figures['latency_p99']} ttft {figures['ttft_p50']} ms"
-        f"{stamped}  errors {figures['errors']} {figures.get('error_kinds') or ''}",
+        f"{stamped}  errors {figures['errors']} {figures.get('error_kinds') or ''}{lost}",
         flush=True,
     )
 
@@ -689,6 +712,14 @@ class Row:
     relay_added_p50: float | None = None
     relay_added_p99: float | None = None
     kernel_share: float | None = None
+    cpu_range: tuple[float, float] | None = None
+    continuations: int = 0
+    continuations_lost: int = 0
+
+    @property
+    def lost_share(self) -> float | None:
+        """The share of continuations answered 404 (None when none were sent)."""
+        return self.continuations_lost / self.continuations if self.continuations else None
 
     @property
     def mode(self) -> str:
@@ -726,6 +757,9 @@ def rows_of(results: Results) -> list[Row]:
                 answer=answer,
                 rate=rate,
                 cpu_ms=median([f.get("cpu_ms") for f in runs]),
+                cpu_range=value_range([f.get("cpu_ms") for f in runs]),
+                continuations=sum(f.get("continuations", 0) for f in runs),
+                continuations_lost=sum(f.get("continuations_lost", 0) for f in runs),
                 kernel_share=median([f.get("kernel_share") for f in runs]),
                 added_p50=median([a[0] for a in added]),
                 added_p99=median([a[1] for a in added]),
@@ -745,6 +779,12 @@ def rows_of(results: Results) -> list[Row]:
         )
     rows.sort(key=lambda r: (r.answer, r.rate))
     return rows
+
+
+def value_range(values: Sequence[float | None]) -> tuple[float, float] | None:
+    """The least and the largest of the values present (None when none are)."""
+    present = [v for v in values if v is not None]
+    return (min(present), max(present)) if present else None
 
 
 def stamped_added(
@@ -767,10 +807,12 @@ def is_peer(name: str) -> bool:
 
 def best_peers(rows: Sequence[Row]) -> dict[tuple[str, float, str], Row]:
     """The peer with the lowest CPU per request at each answer kind, rate and mode, among
-    those that answered every request."""
+    those that answered every request (a lost continuation aside: see ``--responses``)."""
     best: dict[tuple[str, float, str], Row] = {}
     for row in rows:
-        if not is_peer(row.gateway) or row.cpu_ms is None or row.errors:
+        if not is_peer(row.gateway) or row.cpu_ms is None:
+            continue
+        if row.errors - row.continuations_lost:
             continue
         key = (row.answer, row.rate, row.mode)
         held = best.get(key)
@@ -822,6 +864,32 @@ def table(rows: Sequence[Row]) -> str:
             f"{_fmt(row.itl_p99)} | {_errors(row)} | {versus.gateway if versus else '-'} | "
             f"{_ratio(row.cpu_ms, versus.cpu_ms) if versus else '-'} | "
             f"{_ratio(row.added_p50, versus.added_p50) if versus else '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def responses_table(rows: Sequence[Row]) -> str:
+    """Per gateway on the Responses API: CPU per request (median, range over the repeats, ratio
+    to the best peer), continuations sent and lost (answered 404 by an engine that does not
+    hold the conversation)."""
+    best = best_peers(rows)
+    lines = [
+        "| answer | rate/s | gateway | CPU ms/req median (range) | best peer | CPU ratio "
+        "| continuations | lost (404) | lost share | other errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        peer = best.get((row.answer, row.rate, row.mode))
+        versus = peer if peer is not None and peer is not row else None
+        spread = (
+            "" if row.cpu_range is None else f" ({row.cpu_range[0]:.3f}-{row.cpu_range[1]:.3f})"
+        )
+        lines.append(
+            f"| {row.answer} | {row.rate:g} | {row.gateway} | {_fmt(row.cpu_ms)}{spread} | "
+            f"{versus.gateway if versus else '-'} | "
+            f"{_ratio(row.cpu_ms, versus.cpu_ms) if versus else '-'} | {row.continuations} | "
+            f"{row.continuations_lost} | {_share(row.lost_share)} | "
+            f"{row.errors - row.continuations_lost} |"
         )
     return "\n".join(lines)
 
@@ -928,6 +996,14 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-words", type=int, default=200)
     parser.add_argument("--chat", action="store_true", help="chat completions")
     parser.add_argument(
+        "--responses",
+        action="store_true",
+        help="conversations on the Responses API (/v1/responses, see above; wins over --chat)",
+    )
+    parser.add_argument(
+        "--turns", type=int, default=4, help="--responses: requests per conversation"
+    )
+    parser.add_argument(
         "--tokenizer",
         default=None,
         help="a tokenizer directory for llmsched serve (prompts routed on its token ids)",
@@ -1006,6 +1082,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         rows = rows_of(results)
         print("\n" + table(rows))
+        if args.responses:
+            print("\n" + responses_table(rows))
         out = [asdict(r) for r in rows]
     if results.idle:
         print("\n| gateway | idle CPU, % of a core (median, range) |\n|---|---|")
