@@ -74,8 +74,10 @@ holding the conversation loses it. Beside the usual table a second one gives, pe
 CPU per request (median and range over the repeats), the continuations sent and the share lost
 (404); lost continuations count as errors in the first table but not when the best peer is
 chosen (a peer's CPU ratio is still taken against the cheapest peer that answered everything
-else). A lost continuation ends its conversation, so a gateway that loses them sends more
-first turns (longer inputs) than one that does not.
+else). The last column is the busiest engine's share of the requests of each repeat (from the
+engines' ``/stats``; 25% is an even spread over the four): a gateway that sends everything to
+one engine loses no continuation. A lost continuation ends its conversation, so a gateway
+that loses them sends more first turns (longer inputs) than one that does not.
 
 Usage: python tools/bench_gateway_peers.py [--short] [--rates 300,1000] [--repeats 3] ...
 (``--chat --tokenizer DIR``: chat requests, ``llmsched serve`` routing on DIR's token ids, the
@@ -133,6 +135,7 @@ class Figures(TypedDict, total=False):
     kernel_share: float | None
     continuations: int
     continuations_lost: int
+    busiest_engine_share: float | None
 
 
 StampedKey = Literal["net_p50", "net_p99", "relay_p50", "relay_p99"]
@@ -653,11 +656,32 @@ def run_gateway(
                 results.add((paired_name(gateway.name), answer, rate), paired)
                 report_line(paired_name(gateway.name), answer, rate, paired)
             else:
+                before_load = engine_requests(engines) if args.responses else []
                 figures = load(load_bin, args.client_core, [url], rate, args, stream, pids)
+                if args.responses:
+                    figures["busiest_engine_share"] = busiest_share(
+                        before_load, engine_requests(engines)
+                    )
             figures["kernel_share"] = kernel_share(ticks, user_system_ticks(pids))
             results.add((gateway.name, answer, rate), figures)
             report_line(gateway.name, answer, rate, figures)
             held(answer, figures)
+
+
+def engine_requests(engines: Sequence[str]) -> list[int]:
+    """Requests each fake engine has received so far (its ``/stats``)."""
+    counts = []
+    for engine in engines:
+        with urllib.request.urlopen(engine + "/stats", timeout=5) as answer:
+            counts.append(int(json.load(answer)["received"]))
+    return counts
+
+
+def busiest_share(before: Sequence[int], after: Sequence[int]) -> float | None:
+    """The busiest engine's share of the requests received between two
+    :func:`engine_requests` readings (None when none were)."""
+    received = [b - a for a, b in zip(before, after, strict=True)]
+    return max(received) / sum(received) if sum(received) else None
 
 
 def paired_name(gateway: str) -> str:
@@ -713,6 +737,7 @@ class Row:
     relay_added_p99: float | None = None
     kernel_share: float | None = None
     cpu_range: tuple[float, float] | None = None
+    busiest_engine_shares: list[float | None] = field(default_factory=list)
     continuations: int = 0
     continuations_lost: int = 0
 
@@ -759,6 +784,7 @@ def rows_of(results: Results) -> list[Row]:
                 cpu_ms=median([f.get("cpu_ms") for f in runs]),
                 cpu_range=value_range([f.get("cpu_ms") for f in runs]),
                 continuations=sum(f.get("continuations", 0) for f in runs),
+                busiest_engine_shares=[f.get("busiest_engine_share") for f in runs],
                 continuations_lost=sum(f.get("continuations_lost", 0) for f in runs),
                 kernel_share=median([f.get("kernel_share") for f in runs]),
                 added_p50=median([a[0] for a in added]),
@@ -875,8 +901,9 @@ def responses_table(rows: Sequence[Row]) -> str:
     best = best_peers(rows)
     lines = [
         "| answer | rate/s | gateway | CPU ms/req median (range) | best peer | CPU ratio "
-        "| continuations | lost (404) | lost share | other errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| continuations | lost (404) | lost share | other errors "
+        "| busiest engine's share, each repeat |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         peer = best.get((row.answer, row.rate, row.mode))
@@ -889,7 +916,8 @@ def responses_table(rows: Sequence[Row]) -> str:
             f"{versus.gateway if versus else '-'} | "
             f"{_ratio(row.cpu_ms, versus.cpu_ms) if versus else '-'} | {row.continuations} | "
             f"{row.continuations_lost} | {_share(row.lost_share)} | "
-            f"{row.errors - row.continuations_lost} |"
+            f"{row.errors - row.continuations_lost} | "
+            f"{', '.join(_share(s) for s in row.busiest_engine_shares) or '-'} |"
         )
     return "\n".join(lines)
 
