@@ -249,6 +249,33 @@ def test_tenant_names_from_headers_are_bounded() -> None:
     run(body())
 
 
+def test_client_priorities_past_the_band_cap_are_folded() -> None:
+    """Each new x-llmsched-priority made a band for good (memory and /metrics grew without
+    bound, probe 47): past 256 bands besides the configured ones, a new priority queues in
+    the nearest band below it, counted."""
+
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 8}}
+        async with rig(engines=1, flow=flow) as r:
+            statuses = []
+            for priority in range(300):
+                headers = {"x-llmsched-priority": str(1_000 * priority - 150_000)}
+                statuses.append((await r.complete("x", headers=headers)).status)
+            assert statuses == [200] * 300
+            text = r.gateway.metrics.render().decode()
+            lengths = [
+                line
+                for line in text.splitlines()
+                if line.startswith("llmsched_gateway_queue_length{")
+            ]
+            assert len(lengths) == 256  # none configured
+            assert r.metric("llmsched_gateway_priorities_folded_total") == 300 - 256
+            assert r.gateway.flow is not None
+            assert r.gateway.flow.metrics()["priorities_folded"] == 300 - 256
+
+    run(body())
+
+
 def test_idle_tenants_give_their_place_and_flow_back() -> None:
     async def body() -> None:
         flow = {"saturation": {"type": "concurrency", "max_requests": 8}, "flow_idle_s": 0.2}

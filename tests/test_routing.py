@@ -421,6 +421,28 @@ def test_sessions_stick() -> None:
         assert router.pick(tokens=[9, t], session_id="s", now=float(t)).endpoint == first.endpoint
 
 
+def test_long_session_ids_stick_and_stay_apart() -> None:
+    """Ids past 64 bytes are kept as digests: each still sticks to its own endpoint."""
+    pool = EndpointPool(["a", "b", "c", "d"], stale_policy="ignore")
+    config = {
+        "plugins": [{"type": "session-affinity-scorer"}, {"type": "random-picker"}],
+        "schedulingProfiles": [
+            {"name": "p", "plugins": [{"pluginRef": "session-affinity-scorer"}]}
+        ],
+    }
+    router = Router(pool, config=config, seed=3)
+    ids = ["x" * 8_000 + str(i) for i in range(12)]
+    first = {}
+    for i, session in enumerate(ids):
+        with router.pick(tokens=[i], session_id=session, now=0.0) as decision:
+            first[session] = decision.endpoint
+    assert len(set(first.values())) > 1  # the random picker spread them
+    for t in range(1, 4):
+        for session in ids:
+            decision = router.pick(tokens=[t], session_id=session, now=float(t))
+            assert decision.endpoint == first[session]
+
+
 def test_metrics_text_from_a_real_vllm() -> None:
     path = vector_path("vllm_metrics_under_load.txt")
     pool = EndpointPool(["vllm"])

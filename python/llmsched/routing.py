@@ -392,7 +392,10 @@ class Router:
             same requests arrive in the same order.
         record_ttl_s: how long an approximate prefix entry recorded by :meth:`Decision.started`
             counts unless an engine confirms it (default 60 s).
-        session_ttl_s, max_sessions: session affinity bookkeeping (defaults 3600 s, 100,000).
+        session_ttl_s, max_sessions: session affinity bookkeeping (defaults 3600 s, 100,000
+            bindings; when full, expired ones go first, then the least recently bound). A
+            session id longer than 64 bytes is kept as a 128-bit digest, so a binding takes a
+            few hundred bytes whatever its id (some tens of MB at the default cap).
         allow_pseudo_tokens: text and chat prompts (``pick(text=/messages=)``) are hashed as
             pseudo-tokens, which never match the real token ids an engine reports in its KV
             events. Such a pick on an index fed by engine events logs one warning (logger

@@ -436,6 +436,10 @@ class FlowMetrics(TypedDict):
     """Tenants with at least one flow now (idle flows are reclaimed after ``flow_idle_s``)."""
     flows_reclaimed: int
     """Flows reclaimed after ``flow_idle_s`` seconds without a queued or running request."""
+    priorities_folded: int
+    """Requests queued in another priority's band: their priority had none, and the 256 bands
+    made besides the configured ones existed (a gateway's client-chosen priorities stay
+    bounded so)."""
 
 
 class ConfigNote(TypedDict):

@@ -1715,6 +1715,13 @@ impl Gateway {
                  llmsched_gateway_flows_reclaimed_total {}.0\n",
                 metrics.flows_reclaimed
             ));
+            out.push_str(&format!(
+                "# HELP llmsched_gateway_priorities_folded_total Requests queued in the nearest \
+                 band below their priority, 256 bands besides the configured ones being made\n\
+                 # TYPE llmsched_gateway_priorities_folded_total counter\n\
+                 llmsched_gateway_priorities_folded_total {}.0\n",
+                metrics.priorities_folded
+            ));
             out.push_str(
                 "# HELP llmsched_gateway_flow_outcomes_total Flow-control outcomes, by outcome\n\
                  # TYPE llmsched_gateway_flow_outcomes_total counter\n",

@@ -292,6 +292,12 @@ class _StateCollector(Collector):
             "Flows reclaimed after flow_idle_s without a queued or running request",
             value=metrics["flows_reclaimed"],
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_priorities_folded",
+            "Requests queued in the nearest band below their priority, 256 bands besides the "
+            "configured ones being made",
+            value=metrics["priorities_folded"],
+        )
         outcomes = CounterMetricFamily(
             f"{PREFIX}_flow_outcomes", "Flow-control outcomes, by outcome", labels=["outcome"]
         )

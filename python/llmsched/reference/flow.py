@@ -10,6 +10,11 @@ Flows idle (nothing queued, nothing running) for ``flow_idle_s`` are reclaimed a
 that takes ``now``; a new flow takes the lowest free number, and a tenant left without flows
 frees its place in the tenant order the same way.
 
+It makes a band for every priority it is given: the core's cap (256 bands besides the
+configured ones, past which a new priority queues in the nearest band below it) is not
+modelled, so calls with that many distinct priorities are outside what the twin answers for
+(the core's own tests check the cap).
+
 >>> from llmsched.flow import resolve_config
 >>> config = resolve_config({"saturation": {"type": "concurrency", "max_requests": 2}})
 >>> twin = FlowControllerTwin(config)

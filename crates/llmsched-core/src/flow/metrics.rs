@@ -100,6 +100,9 @@ pub struct ControllerMetrics {
     pub tenants: usize,
     /// Flows reclaimed after `flow_idle_s` idle, so far.
     pub flows_reclaimed: u64,
+    /// Requests queued in the band of another priority than theirs, so far: their priority had
+    /// no band, and [`MAX_BANDS`](super::MAX_BANDS) bands besides the configured ones existed.
+    pub priorities_folded: u64,
 }
 
 #[cfg(test)]

@@ -17,6 +17,12 @@
 //! removed at the first call that takes `now` from then on (its tenant too, once it has no flow
 //! left), so a stream of one-off tenant names costs memory only while they are active.
 //!
+//! Bands are made for the configured priorities, then for each other priority a request names,
+//! up to [`MAX_BANDS`] of those: past that, a request whose priority has no band queues in the nearest
+//! band below it (the lowest band when none is below), keeping its own priority for shedding
+//! and preemption, and is counted in `priorities_folded`. A gateway that takes the priority
+//! from a client's header thus keeps its bands, and its metrics, bounded.
+//!
 //! Complexity: with n queued requests, F flows in a band and B bands, `enqueue`, `dispatch`,
 //! `cancel` and `complete` cost O(log n + log F + B) plus O(log n) per request they evict;
 //! `expire` costs O(B) plus O(log n) per expired request.
@@ -53,6 +59,9 @@ pub use saturation::EndpointMetrics;
 use saturation::{CeilingPolicy, InFlight, Saturation, SaturationDetector};
 use shedding::SheddingPolicy;
 use slab::{Chain, NewSlot, Slab, SlotState, NIL};
+
+/// The most bands a controller makes besides the configured ones.
+pub const MAX_BANDS: usize = 256;
 
 /// Tenant names interned once, with each tenant's flow in every band it has used. The id of a
 /// tenant whose flows were all reclaimed is reused, lowest first.
@@ -186,6 +195,8 @@ pub struct FlowController<P> {
     /// Flows that turned idle, oldest first (the clock never goes back).
     idle_flows: VecDeque<IdleMark>,
     flows_reclaimed: u64,
+    /// Requests queued in another priority's band, [`MAX_BANDS`] being reached.
+    priorities_folded: u64,
 }
 
 impl<P> FlowController<P> {
@@ -229,6 +240,7 @@ impl<P> FlowController<P> {
             next_expiry: f64::INFINITY,
             idle_flows: VecDeque::new(),
             flows_reclaimed: 0,
+            priorities_folded: 0,
             config,
         };
         let configured: Vec<i32> = controller.config.bands.keys().copied().collect();
@@ -377,8 +389,7 @@ impl<P> FlowController<P> {
     ) -> Result<bool, FlowError> {
         let now = check_time("now", now)?;
         let now = self.advance(now);
-        let (Some(&t), Some(&b)) =
-            (self.tenants.ids.get(tenant), self.band_of_priority.get(&priority))
+        let (Some(&t), Some(b)) = (self.tenants.ids.get(tenant), self.existing_band(priority))
         else {
             return Ok(false);
         };
@@ -518,8 +529,8 @@ impl<P> FlowController<P> {
     /// tenants (all bands together) when `priority` is `None`.
     pub fn jain_index(&self, priority: Option<i32>) -> f64 {
         match priority {
-            Some(p) => match self.band_of_priority.get(&p) {
-                Some(&band) => jain_index(
+            Some(p) => match self.existing_band(p) {
+                Some(band) => jain_index(
                     self.bands[band as usize].live_flows().map(|(_, f)| f.service_tokens as f64),
                 ),
                 None => 1.0,
@@ -592,6 +603,7 @@ impl<P> FlowController<P> {
             jain_index: self.jain_index(None),
             tenants: self.tenants.live_count(),
             flows_reclaimed: self.flows_reclaimed,
+            priorities_folded: self.priorities_folded,
         })
     }
 
@@ -671,9 +683,28 @@ impl<P> FlowController<P> {
         self.band_order.iter().copied().find(|&b| self.bands[b as usize].queued > 0)
     }
 
-    /// The band of `priority`, created (and every band's ceiling re-ranked) on first use.
-    fn band_index(&mut self, priority: i32) -> Result<u32, FlowError> {
+    /// The band a request of `priority` joins if one exists: its own, or, [`MAX_BANDS`] more than
+    /// the configured ones being made, the nearest band below it (the lowest when none is below).
+    fn existing_band(&self, priority: i32) -> Option<u32> {
         if let Some(&band) = self.band_of_priority.get(&priority) {
+            return Some(band);
+        }
+        if self.bands.len() < self.config.bands.len() + MAX_BANDS {
+            return None;
+        }
+        // `band_order` runs from the highest priority down.
+        let below =
+            self.band_order.partition_point(|&b| self.bands[b as usize].priority > priority);
+        self.band_order.get(below).or(self.band_order.last()).copied()
+    }
+
+    /// The band of `priority`, created (and every band's ceiling re-ranked) on first use, or
+    /// another's past [`MAX_BANDS`] (counted).
+    fn band_index(&mut self, priority: i32) -> Result<u32, FlowError> {
+        if let Some(band) = self.existing_band(priority) {
+            if self.bands[band as usize].priority != priority {
+                self.priorities_folded += 1;
+            }
             return Ok(band);
         }
         let settings = self.config.band(priority);
@@ -694,8 +725,8 @@ impl<P> FlowController<P> {
     /// Band and global limits; over the global limits, lower-priority queued requests (lowest
     /// band first, newest first) may make room.
     fn admission(&self, priority: i32, bytes: u64) -> Admission {
-        let band_fits = match self.band_of_priority.get(&priority) {
-            Some(&band) => self.bands[band as usize].fits(bytes),
+        let band_fits = match self.existing_band(priority) {
+            Some(band) => self.bands[band as usize].fits(bytes),
             None => Band::fits_limits(self.config.band(priority), 0, 0, bytes),
         };
         if !band_fits {
@@ -715,12 +746,15 @@ impl<P> FlowController<P> {
         }
         let (mut freed_requests, mut freed_bytes) = (0u64, 0u64);
         let mut victims = Vec::new();
+        // Below the band the request joins (its own priority's, or the one it is folded into).
+        let joins =
+            self.existing_band(priority).map_or(priority, |b| self.bands[b as usize].priority);
         let lower_bands = self
             .band_order
             .iter()
             .rev()
             .map(|&b| &self.bands[b as usize])
-            .take_while(|band| band.priority < priority);
+            .take_while(|band| band.priority < joins);
         for band in lower_bands {
             let mut slot = band.arrivals.tail;
             while slot != NIL {

@@ -386,3 +386,35 @@ fn flow_idle_s_is_validated() {
         assert!(FlowController::<u32>::from_json(&json).is_err(), "{bad}");
     }
 }
+
+#[test]
+fn priorities_past_max_bands_queue_in_the_nearest_band_below() {
+    let json = r#"{"saturation": {"type": "concurrency", "max_requests": 100000},
+        "bands": [{"priority": 1000000}], "default_band": {"ttl_s": null, "max_requests": null}}"#;
+    let mut c = controller(json);
+    // Priorities 0, 10, 20, ...: the configured band and MAX_BANDS more are made.
+    let made = MAX_BANDS as i32;
+    for i in 0..made {
+        assert!(c.enqueue(request(i as u64, i * 10, "a"), 0.0).unwrap().is_none());
+    }
+    assert_eq!(c.metrics(0.0).unwrap().bands.len(), MAX_BANDS + 1);
+    // Past the cap: 15 joins band 10, -5 the lowest band (0), 5_000 the top made band.
+    for (id, priority) in [(1_000, 15), (1_001, -5), (1_002, 5_000)] {
+        assert!(c.enqueue(request(id, priority, "b"), 0.0).unwrap().is_none());
+    }
+    let metrics = c.metrics(0.0).unwrap();
+    assert_eq!(metrics.bands.len(), MAX_BANDS + 1, "no band made past the cap");
+    assert_eq!(metrics.priorities_folded, 3);
+    let queued = |p: i32| metrics.bands.iter().find(|b| b.priority == p).unwrap().queued;
+    assert_eq!((queued(10), queued(0), queued((made - 1) * 10)), (2, 2, 2));
+    // A band that exists is still its own priority's, not folded.
+    assert!(c.enqueue(request(1_003, 20, "c"), 0.0).unwrap().is_none());
+    assert_eq!(c.metrics(0.0).unwrap().priorities_folded, 3);
+    // Dispatch follows the bands: the folded 5_000 with band 2550, 15 with band 10.
+    let order = drain_ids(&mut c, 1.0);
+    let at = |id: RequestId| order.iter().position(|&x| x == id).unwrap();
+    assert!(at(1_002) < at(254) && at(1) < at(1_000) && at(1_000) < at(0));
+    assert_eq!(order.last(), Some(&1_001));
+    // Fairness queries and remote charges of a folded priority find its band.
+    assert!(c.charge_remote("b", 15, 5, 5, 2.0).unwrap());
+}

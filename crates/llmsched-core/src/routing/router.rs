@@ -21,7 +21,7 @@ use super::pool::{EndpointPool, Members};
 use super::profile::ProfileOutcome;
 use super::replica_sync::{ReplicaSync, SyncEntry, SyncJournal, SyncOptions};
 use super::rng::DecisionRng;
-use super::sessions::Sessions;
+use super::sessions::{session_key, Sessions};
 use super::RoutingError;
 use crate::hashing::TokenId;
 use crate::prefix_index::{MatchResult, PrefixIndex, WorkerId, WorkerKey};
@@ -447,7 +447,8 @@ impl Router {
             if self.journal.enabled() {
                 self.journal.push(SyncEntry::Session {
                     endpoint: decode_key.clone(),
-                    id: id.clone(),
+                    // As kept: a long id travels as its digest.
+                    id: session_key(id).into_owned(),
                     age_s: 0.0,
                 });
             }
