@@ -113,3 +113,60 @@ def test_components_read_json_files(tmp_path: Path) -> None:
     router = tmp_path / "router.json"
     router.write_text(json.dumps(router_config("prefix-only")))
     assert router_config(router) == router_config("prefix-only")
+
+
+# 5,000 levels in 10 KB: both parsers are recursive and run out of stack.
+DEEP = {
+    "deep.yaml": "a: " + "[" * 5000 + "]" * 5000,
+    "deep.json": '{"a": ' + "[" * 5000 + "]" * 5000 + "}",
+    "cycle.yaml": "a: &x [*x]",
+}
+DEEP_REASONS = {
+    "deep.yaml": "nested more than 32 levels",
+    "deep.json": "nested more than 32 levels",
+    "cycle.yaml": "a YAML alias refers to a node that contains it",
+}
+
+
+@pytest.mark.parametrize("component", sorted(LOADERS))
+@pytest.mark.parametrize("name", sorted(DEEP))
+def test_every_component_refuses_absurd_nesting(component: str, name: str, tmp_path: Path) -> None:
+    """A deeply nested or self-referencing document is the same one-line ConfigError as any
+    malformed file (it was a RecursionError, or a ValueError from a later copy)."""
+    load, what = LOADERS[component]
+    path = tmp_path / name
+    path.write_text(DEEP[name])
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    reason = DEEP_REASONS[name]
+    assert str(info.value) == f"{what}: cannot read {str(path)!r}: not valid YAML / JSON ({reason})"
+
+
+def test_text_too_long_for_a_file_name_is_text() -> None:
+    """A one-line document longer than a file name can be is text (it was an OSError)."""
+    text = "a: " + "[" * 5000 + "]" * 5000
+    assert looks_like_text(text)
+    with pytest.raises(ConfigError, match=r"^flow config: not valid YAML / JSON \(nested more"):
+        FlowController(text)
+
+
+def test_a_trace_line_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
+    from llmsched.sim.workloads import make_workload
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "x": ' + "[" * 5000 + "]" * 5000 + "}\n")
+    with pytest.raises(ConfigError, match=r"^trace .*t\.jsonl:1: not JSON: nested too deeply$"):
+        make_workload({"kind": "trace", "path": str(path)}, seed=0, block_size=16)
+
+
+def test_a_tokenizer_config_nested_too_deeply_is_a_config_error(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    from llmsched.tokenize import PromptTokenizer
+
+    Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json")
+    )
+    (tmp_path / "tokenizer_config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(ConfigError, match=r"^tokenizer: '.*tokenizer_config\.json': nested too"):
+        PromptTokenizer(tmp_path)

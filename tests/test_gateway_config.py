@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -146,6 +147,138 @@ def test_missing_or_unparsable_files(tmp_path: Path) -> None:
         load_config(bad)
 
 
+# A "billion laughs" document: seven levels of ten aliases each stand for 10**7 values.
+_ALIAS_BOMB = "\n".join(
+    [
+        "models: [tiny]",
+        "engines: [{host: 127.0.0.1, port: 8001}]",
+        "flow:",
+        "  a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]",
+        *(
+            f"  {c}: &{c} [{', '.join([f'*{p}'] * 10)}]"
+            for p, c in zip("abcdef", "bcdefg", strict=True)
+        ),
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        # 5,000 levels in 10 KB: the YAML parser itself runs out of stack.
+        ("deep.yaml", "a: " + "[" * 5000 + "]" * 5000, "nested more than 32 levels"),
+        ("deep.json", '{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nested more than 32 levels"),
+        # Parsed, but deeper than any config (and than the core takes).
+        ("deep40.yaml", "a: " + "[" * 40 + "]" * 40, "nested more than 32 levels"),
+        ("cycle.yaml", "flow: &x {x: *x}", "a YAML alias refers to a node that contains it"),
+        ("bomb.yaml", _ALIAS_BOMB, "YAML aliases repeat more than 1,000,000 values"),
+        # A scalar the safe loader cannot build raised ValueError, not ConfigError.
+        ("date.yaml", "a: 2020-13-01", "a value cannot be read: month must be in 1..12"),
+    ],
+)
+def test_absurd_nesting_is_a_config_error_naming_the_file(
+    tmp_path: Path, name: str, text: str, problem: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (
+        f"config: cannot read {str(path)!r}: not valid YAML / JSON ({problem})"
+    )
+
+
+def test_absurd_nesting_in_every_loader(tmp_path: Path) -> None:
+    """Every loader of a user's file or text refuses it the same way: the router, flow and
+    scheduler configs, simulator scenarios and API keys from a file or the environment."""
+    from llmsched import flow, routing
+    from llmsched.config_loader import load_mapping
+    from llmsched.sim.config import load_scenario
+
+    deep = "a: " + "[" * 5000 + "]" * 5000
+    path = tmp_path / "deep.yaml"
+    path.write_text(deep)
+    for load in (flow.load_config, routing.load_config):
+        with pytest.raises(ConfigError, match=r"nested more than 32 levels"):
+            load(path)
+        with pytest.raises(ConfigError, match=r"nested more than 32 levels"):
+            load(deep)
+    with pytest.raises(ConfigError, match=r"^scenario: cannot read .*nested more than 32"):
+        load_scenario(path=path)
+    with pytest.raises(ConfigError, match=r"^step-time profile: cannot read .*nested more"):
+        load_mapping(path, what="step-time profile")
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(deep)
+    with pytest.raises(ConfigError, match=r"^auth.api_keys_file: cannot read .*nested more"):
+        load_config(base(auth={"api_keys_file": str(keys)}))
+
+
+def test_absurd_nesting_in_the_environment_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DEEP_KEYS", "[" * 5000 + "]" * 5000)
+    with pytest.raises(ConfigError, match=r"^auth.api_keys_env: DEEP_KEYS is not a YAML / JSON"):
+        load_config(base(auth={"api_keys_env": "DEEP_KEYS"}))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "priority",
+            2**40,
+            r"priority: must be an int in -2147483648..2147483647, got 1099511627776",
+        ),
+        (
+            "priority",
+            -(2**31) - 1,
+            r"priority: must be an int in -2147483648..2147483647, got -2147",
+        ),
+        ("priority", 1.5, r"priority: must be an int in -2147483648..2147483647, got 1.5"),
+        ("max_concurrent", 2**64, r"max_concurrent: must be an int in 1..18446744073709551615"),
+    ],
+)
+def test_api_key_integers_fit_the_native_plane(field: str, value: object, message: str) -> None:
+    """A key's priority is an i32 and its max_concurrent a u64 on the native plane: a value
+    outside them is refused when the config is loaded, naming the key by its tenant."""
+    key = "sk-secret-value-1"
+    with pytest.raises(ConfigError) as info:
+        load_config(base(auth={"api_keys": {key: {"tenant": "team-a", field: value}}}))
+    assert str(info.value).startswith(f"auth.api_keys.<key team-a>.{field}: ")
+    assert key not in str(info.value)
+    assert re.search(message, str(info.value)), info.value
+    # The edges themselves are taken.
+    edge = {"priority": -(2**31), "max_concurrent": 2**64 - 1}[field]
+    config = load_config(base(auth={"api_keys": {key: {"tenant": "team-a", field: edge}}}))
+    assert getattr(config.auth.api_keys[key], field) == edge
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"flow": {"bands": [{"priority": 2**40}]}},
+            r"^flow\.bands\[0\]\.priority: must be an int in -2147483648\.\.2147483647, got 1099",
+        ),
+        (
+            {"flow": {"default_band": {"max_requests": 2**70}}},
+            r"^flow\.default_band\.max_requests: must be an int in -2\*\*63\.\.2\*\*64-1, got 1180",
+        ),
+        (
+            {"router": {"plugins": [{"type": "x", "parameters": {"n": -(2**64)}}]}},
+            r"^router\.plugins\[0\]\.parameters\.n: must be an int in -2\*\*63\.\.2\*\*64-1",
+        ),
+    ],
+)
+def test_flow_and_router_ints_are_checked_when_loaded(
+    overrides: dict[str, Any], message: str
+) -> None:
+    """An int no core field can hold is named by its key path when the config is loaded
+    (it reached the core as "JSON number out of range", naming no key)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(base(**overrides))
+
+
 def test_router_and_flow_errors_surface_when_the_gateway_is_built() -> None:
     from llmsched.gateway import Gateway
 
@@ -171,6 +304,38 @@ def test_serve_command_reports_config_errors(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "retries.max_attempts" in done.stderr
+
+
+@pytest.mark.parametrize("plane", ["python", "native"])
+@pytest.mark.parametrize(
+    ("text", "wanted"),
+    [
+        ("a: " + "[" * 5000 + "]" * 5000, "nested more than 32 levels"),
+        (
+            yaml.safe_dump(
+                base(auth={"api_keys": {"sk-secret-value-1": {"tenant": "t", "priority": 2**40}}})
+            ),
+            "auth.api_keys.<key t>.priority: must be an int in -2147483648..2147483647",
+        ),
+    ],
+)
+def test_serve_command_reports_a_config_error_in_one_line(
+    tmp_path: Path, plane: str, text: str, wanted: str
+) -> None:
+    """A deeply nested file or an out-of-range key priority is the one-line error and exit 2
+    of every malformed file, on either data plane (not a traceback, nor a serde message)."""
+    path = tmp_path / "g.yaml"
+    path.write_text(f"data_plane: {plane}\n{text}")
+    done = subprocess.run(
+        [sys.executable, "-m", "llmsched", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("llmsched serve: "), done.stderr[-2000:]
+    assert wanted in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
+    assert "sk-secret-value-1" not in done.stderr
 
 
 def test_serve_command_serves_until_signalled(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from _gateway_harness import MODEL, current_plane, plane, run  # noqa: F401 (the
 
 from llmsched.errors import ConfigError
 from llmsched.gateway import Gateway, NativeGateway, make_gateway
-from llmsched.gateway.config import load_config
+from llmsched.gateway.config import load_config, read_engines_file
 from llmsched.integrations import EngineSpec
 from llmsched.testing.openai_engine import FakeOpenAIEngine
 
@@ -158,3 +159,153 @@ def test_set_engines_refuses_an_empty_or_repeated_set(tmp_path: Path) -> None:
     assert [s.port for s in gateway.engines] == [8001]
     assert run(gateway.set_engines([spec])) == (["127.0.0.1:8002"], ["127.0.0.1:8001"])
     assert [e["id"] for e in gateway.pool.endpoints()] == ["127.0.0.1:8002"]
+
+
+# 5,000 levels in 10 KB (far under discovery.max_bytes): the YAML parser runs out of stack.
+DEEP = "- " + "[" * 5000 + "]" * 5000
+
+
+def test_read_engines_file_refuses_absurd_nesting(tmp_path: Path) -> None:
+    """A deeply nested, self-referencing or alias-bomb file is a ConfigError naming the file,
+    not a RecursionError (which no caller expects)."""
+    path = tmp_path / "engines.yaml"
+    for text, problem in (
+        (DEEP, "nested more than 32 levels"),
+        ("- &x [*x]", "a YAML alias refers to a node that contains it"),
+        (
+            "\n".join(
+                ["x:", "  - &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+                + [
+                    f"  - &{c} [{', '.join([f'*{p}'] * 10)}]"
+                    for p, c in zip("abcdef", "bcdefg", strict=True)
+                ]
+            ),
+            "YAML aliases repeat more than 1,000,000 values",
+        ),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            read_engines_file(path)
+        assert str(info.value) == (
+            f"discovery.file: cannot read {str(path)!r}: not valid YAML / JSON ({problem})"
+        )
+
+
+async def wait_errors(gateway: Gateway | NativeGateway, above: float) -> None:
+    for _ in range(200):
+        if discovery_errors(gateway) > above:
+            return
+        await asyncio.sleep(INTERVAL_S)
+    raise AssertionError(f"discovery errors stayed at {discovery_errors(gateway)}")
+
+
+def test_a_deeply_nested_discovery_file_keeps_the_watcher_alive(tmp_path: Path) -> None:
+    """F8: a deeply nested file is counted and keeps the current engines; the watcher lives
+    on, so a later bad file is counted too and a later good file applied."""
+    path = tmp_path / "engines.yaml"
+
+    async def body() -> None:
+        async with fakes(2) as (a, b), aiohttp.ClientSession() as client:
+            write_engines(path, [a])
+            async with make_gateway(config(path), data_plane=current_plane()) as gateway:
+                for bad in (DEEP, "not: [a list", "- {host: 2020-13-01, port: 1}", DEEP):
+                    errors = discovery_errors(gateway)
+                    path.write_text(bad)
+                    await wait_errors(gateway, errors)
+                    assert [s.worker_id for s in gateway.engines] == [
+                        EngineSpec.from_dict(a.spec()).worker_id
+                    ]
+                    assert await complete(client, gateway, "still served") == 200
+                write_engines(path, [b])
+                await wait_engines(gateway, [b])
+                assert discovery_errors(gateway) == 4
+
+    run(body())
+
+
+def test_the_discovery_watcher_survives_an_unexpected_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever reading a file raises (a bug, not only a ConfigError) is counted and keeps
+    the current engines; the next file is read as usual. The native plane logs the same
+    error once (with its traceback), however often it repeats."""
+    import llmsched.gateway.app
+    import llmsched.gateway.native
+
+    path = tmp_path / "engines.yaml"
+    failures = [RuntimeError("boom"), RuntimeError("boom")]
+
+    def flaky(path: Path, *, max_bytes: int) -> tuple[EngineSpec, ...]:
+        if failures:
+            raise failures.pop()
+        return read_engines_file(path, max_bytes=max_bytes)
+
+    async def body() -> None:
+        async with fakes(3) as (a, b, c):
+            write_engines(path, [a])
+            async with make_gateway(config(path), data_plane=current_plane()) as gateway:
+                # The first pass re-reads the file: let it settle before the faults start.
+                await asyncio.sleep(10 * INTERVAL_S)
+                module = (
+                    llmsched.gateway.native if current_plane() == "native" else llmsched.gateway.app
+                )
+                monkeypatch.setattr(module, "read_engines_file", flaky)
+                write_engines(path, [b])
+                await wait_errors(gateway, 0)
+                write_engines(path, [a, b])
+                await wait_errors(gateway, 1)
+                assert [s.worker_id for s in gateway.engines] == [
+                    EngineSpec.from_dict(a.spec()).worker_id
+                ]
+                write_engines(path, [c])
+                await wait_engines(gateway, [c])
+                assert discovery_errors(gateway) == 2
+
+    with caplog.at_level(logging.INFO, logger="llmsched"):
+        run(body())
+    if current_plane() == "native":
+        logged = [r for r in caplog.records if "boom" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].levelno == logging.ERROR
+        assert logged[0].exc_info is not None
+
+
+def test_serve_follows_a_good_file_after_a_deeply_nested_one(tmp_path: Path) -> None:
+    """The real ``llmsched serve``: after a deeply nested discovery file, a good one is applied
+    (requests reach the new engine), the error is counted on /metrics, and SIGTERM still ends
+    it with status 0 (the watcher did not die with an exception)."""
+    from _gateway_harness import serve_process
+
+    path = tmp_path / "engines.yaml"
+    metric = re.compile(rb"(?m)^\w+_discovery_errors_total (\S+)$")
+
+    async def follow(url: str, b: FakeOpenAIEngine) -> None:
+        # Its own session, closed before the gateway is stopped: this test is about the
+        # watcher, not about shutting down with clients' idle connections open.
+        async with aiohttp.ClientSession() as client:
+            path.write_text(DEEP)
+            for _ in range(200):
+                async with client.get(url + "/metrics") as response:
+                    found = metric.search(await response.read())
+                if found and float(found.group(1)) >= 1:
+                    break
+                await asyncio.sleep(INTERVAL_S)
+            else:
+                raise AssertionError("the deep file was not counted")
+            write_engines(path, [b])
+            body = {"model": MODEL, "prompt": "to b", "max_tokens": 2}
+            for _ in range(200):
+                async with client.post(url + "/v1/completions", json=body) as response:
+                    assert response.status == 200
+                if b.received:
+                    break
+                await asyncio.sleep(INTERVAL_S)
+            else:
+                raise AssertionError("the good file was not applied")
+
+    async def body() -> None:
+        async with fakes(2) as (a, b):
+            write_engines(path, [a])
+            async with serve_process(config(path), tmp_path) as url:
+                await follow(url, b)
+
+    run(body())

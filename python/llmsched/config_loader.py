@@ -16,6 +16,13 @@ Errors are :class:`~llmsched.errors.ConfigError` naming what was being read and 
 ``"scenario: must be a mapping, got list ('s.yaml')"``. Errors about a key inside the
 document name the file too: :meth:`ConfigDocument.error`.
 
+A document is also refused, as a ConfigError, when it nests more than :data:`MAX_DEPTH` levels
+(the parsers would otherwise raise ``RecursionError`` on a few kilobytes of ``[[[[...``), when a
+YAML alias refers to the node that holds it (a cycle every later walk would follow forever),
+or when YAML aliases repeat more than :data:`MAX_ALIASED_VALUES` values (a "billion laughs"
+document: a kilobyte that every later copy or check expands to gigabytes). Every text a user
+supplies goes through :func:`parse_document`, so no loader can forget these checks.
+
 >>> load_mapping("default_band: {ttl_s: 30}", what="flow config")
 {'default_band': {'ttl_s': 30}}
 >>> load_mapping({"a": 1}, what="config")
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +41,25 @@ from typing import Any
 from llmsched.errors import ConfigError, InvalidTypeError
 
 __all__ = [
+    "MAX_ALIASED_VALUES",
+    "MAX_DEPTH",
     "ConfigDocument",
     "ConfigSource",
+    "check_ints",
     "load_mapping",
     "looks_like_text",
+    "parse_document",
     "read_config",
     "read_document",
 ]
+
+MAX_DEPTH = 32
+"""Nesting deeper than this is refused (configs are a few levels deep; the native layer refuses
+the same depth when a config crosses to the core)."""
+
+MAX_ALIASED_VALUES = 1_000_000
+"""How many values YAML aliases may repeat in one document (each alias counts the values it
+stands for); a document without aliases never comes near it."""
 
 ConfigSource = Mapping[str, Any] | str | os.PathLike[str]
 """What a config argument accepts: a mapping, YAML / JSON text, or a file path."""
@@ -77,7 +96,12 @@ def looks_like_text(source: str) -> bool:
     """
     if not source.strip() or "\n" in source or source.lstrip().startswith(("{", "[")):
         return True
-    return ":" in source and not Path(source).is_file()
+    if ":" not in source:
+        return False
+    try:
+        return not Path(source).is_file()
+    except (OSError, ValueError):  # a name no file can have (too long, a NUL byte) is text
+        return True
 
 
 def read_document(source: str | os.PathLike[str], *, what: str) -> Any:
@@ -103,22 +127,141 @@ def read_document(source: str | os.PathLike[str], *, what: str) -> Any:
     return _parse(text, json_only=path.suffix == ".json", what=what, path=path)
 
 
-def _parse(text: str, *, json_only: bool, what: str, path: Path | None) -> Any:
+def parse_document(
+    text: str | bytes, *, what: str, path: Path | None = None, json_only: bool = False
+) -> Any:
+    """The YAML (or, with ``json_only``, JSON) value of ``text`` read from ``path`` (if any);
+    ConfigError naming ``what``, the file and the problem when it is not valid, nests too
+    deeply or expands too far through aliases (see the module docs).
+
+    >>> parse_document("engines: [{port: 8000}]", what="discovery.file")
+    {'engines': [{'port': 8000}]}
+    >>> parse_document("[" * 5000, what="config")
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: config: not valid YAML / JSON (nested more than 32 levels)
+    """
+    return _parse(text, json_only=json_only, what=what, path=path)
+
+
+def _parse(text: str | bytes, *, json_only: bool, what: str, path: Path | None) -> Any:
+    # RecursionError is the parsers' answer to deep nesting (both are recursive descent);
+    # it is caught here, where the text is known, so that no caller sees it as a crash.
+    deep = f"nested more than {MAX_DEPTH} levels"
+    reason: str | None
     if json_only:
         try:
-            return json.loads(text) if text.strip() else None
+            value = json.loads(text) if text.strip() else None
         except ValueError as exc:  # json.JSONDecodeError
             reason = str(exc)
+        except RecursionError:
+            reason = deep
+        else:
+            reason = _shape_problem(value)
     else:
         import yaml  # YAML is only needed when a document is read
 
         try:
-            return yaml.safe_load(text)
+            value = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             reason = " ".join(str(exc).split())
+        except RecursionError:
+            reason = deep
+        except (ValueError, OverflowError) as exc:
+            # A scalar the safe loader cannot build: a date such as 2020-13-01, ``!!int x``,
+            # an int of more digits than Python converts.
+            reason = f"a value cannot be read: {exc}"
+        else:
+            reason = _shape_problem(value)
+    if reason is None:
+        return value
     if path is None:
         raise ConfigError(f"{what}: not valid YAML / JSON ({reason})")
     raise ConfigError(f"{what}: cannot read {str(path)!r}: not valid YAML / JSON ({reason})")
+
+
+def _shape_problem(value: Any) -> str | None:
+    """Why a parsed document cannot be used (too deep, a cycle, an alias bomb), or None.
+
+    Iterative, so that it cannot itself run out of stack, and each container is walked once:
+    a node reached again through an alias adds its memoised size instead of being re-walked.
+    """
+    if not isinstance(value, _CONTAINERS):
+        return None
+    sizes: dict[int, int] = {}  # id -> how many values the container stands for, expanded
+    open_ids: set[int] = set()  # the containers on the path being walked
+    repeated = 0
+    # [container, its children still to walk, values counted so far]
+    stack: list[tuple[Any, Iterator[Any], list[int]]] = []
+
+    def enter(node: Any) -> None:
+        children = iter([*node.keys(), *node.values()] if isinstance(node, dict) else node)
+        open_ids.add(id(node))
+        stack.append((node, children, [1]))
+
+    enter(value)
+    while stack:
+        node, children, count = stack[-1]
+        child = next(children, _DONE)
+        if child is _DONE:
+            stack.pop()
+            open_ids.discard(id(node))
+            sizes[id(node)] = count[0]
+            if stack:
+                stack[-1][2][0] += count[0]
+            continue
+        if not isinstance(child, _CONTAINERS):
+            count[0] += 1
+        elif id(child) in open_ids:
+            return "a YAML alias refers to a node that contains it"
+        elif id(child) in sizes:
+            count[0] += sizes[id(child)]
+            repeated += sizes[id(child)]
+            if repeated > MAX_ALIASED_VALUES:
+                return f"YAML aliases repeat more than {MAX_ALIASED_VALUES:,} values"
+        elif len(stack) >= MAX_DEPTH:
+            return f"nested more than {MAX_DEPTH} levels"
+        else:
+            enter(child)
+    return None
+
+
+_DONE = object()
+# What YAML's safe loader builds that holds other values (tuples and sets come from !!omap,
+# !!pairs and !!set).
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def check_ints(value: Any, where: str) -> None:
+    """Refuses, naming its key path, an int in ``value`` that no config field can hold: the
+    core reads every config int as an i32, u32, i64 or u64, and an int beyond all of them
+    reaches it as "JSON number out of range", naming no key.
+
+    >>> try:
+    ...     check_ints({"bands": [{"max_requests": 2**64}]}, "flow")
+    ... except ConfigError as exc:
+    ...     print(exc)
+    flow.bands[0].max_requests: must be an int in -2**63..2**64-1, got 18446744073709551616
+    """
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [(where, value)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, int) and not isinstance(node, bool):
+            if not _INT_MIN <= node <= _INT_MAX:
+                raise ConfigError(f"{path}: must be an int in -2**63..2**64-1, got {node}")
+            continue
+        if id(node) in seen:  # a mapping built in Python may share or contain itself
+            continue
+        if isinstance(node, Mapping):
+            seen.add(id(node))
+            stack.extend((f"{path}.{key}", child) for key, child in node.items())
+        elif isinstance(node, (list, tuple)):
+            seen.add(id(node))
+            stack.extend((f"{path}[{i}]", child) for i, child in enumerate(node))
+
+
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
 def read_config(source: ConfigSource, *, what: str) -> ConfigDocument:

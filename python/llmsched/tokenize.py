@@ -189,8 +189,9 @@ class PromptTokenizer:
         if config_path.is_file():
             try:
                 config = json.loads(config_path.read_text())
-            except ValueError as exc:
-                raise ConfigError(f"tokenizer: {str(config_path)!r}: {exc}") from None
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+                reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+                raise ConfigError(f"tokenizer: {str(config_path)!r}: {reason}") from None
         self._special = {
             key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))
         }

@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from llmsched.config_loader import load_mapping, read_document
+from llmsched.config_loader import check_ints, load_mapping, parse_document, read_document
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec
 from llmsched.integrations.identity import wire_for_router
@@ -77,7 +75,9 @@ _LIMIT_FIELDS = ("requests_per_s", "burst_requests", "tokens_per_s", "burst_toke
 @dataclass(frozen=True)
 class ApiKey:
     """What an API key stands for: the fairness id and priority of every request it signs,
-    and its own limits (None: unlimited; see :mod:`llmsched.gateway.ratelimit`)."""
+    and its own limits (None: unlimited; see :mod:`llmsched.gateway.ratelimit`). The
+    priority is a 32-bit signed int and ``max_concurrent`` at most 2**64 - 1, as the native
+    plane holds them."""
 
     tenant: str
     priority: int = 0
@@ -425,6 +425,13 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     flow = raw.get("flow")
     if flow is not None and not isinstance(flow, Mapping):
         raise ConfigError("flow: must be a mapping or null")
+    # The core checks these sections' fields, but an int beyond 64 bits reaches it as a
+    # message that names no key: named here, on both planes, when the config is loaded.
+    if flow is not None:
+        _check_band_priorities(flow)
+        check_ints(flow, "flow")
+    if isinstance(router, Mapping):
+        check_ints(router, "router")
     pd = _pd(_section(raw, "pd"))
     wired = _wire_router(router, raw, block_size, flow, engines, models, tokenizer, pd)
     block_size, flow, engines, tokenizer, pd = wired
@@ -537,6 +544,21 @@ def _default_kwargs(value: Any) -> dict[str, Any]:
         if name in value:
             raise ConfigError(f"default_chat_template_kwargs: may not set {name!r}")
     return dict(value)
+
+
+def _check_band_priorities(flow: Mapping[str, Any]) -> None:
+    """A band's priority is an i32 in the core: one outside it is named with its path here
+    (the core's own message names the band but not the range)."""
+    bands = flow.get("bands")
+    if not isinstance(bands, list):
+        return  # the core names any other shape
+    for i, band in enumerate(bands):
+        priority = band.get("priority") if isinstance(band, Mapping) else None
+        if isinstance(priority, int) and not _I32_MIN <= priority <= _I32_MAX:
+            raise ConfigError(
+                f"flow.bands[{i}].priority: must be an int in {_I32_MIN}..{_I32_MAX}, "
+                f"got {priority}"
+            )
 
 
 def _router(value: Any, base: Path) -> str | Mapping[str, Any]:
@@ -776,10 +798,7 @@ def read_engines_file(
         raise ConfigError(
             f"discovery.file {str(path)!r}: larger than discovery.max_bytes ({max_bytes} bytes)"
         )
-    try:
-        raw = yaml.safe_load(data)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"discovery.file: cannot read {str(path)!r}: {exc}") from None
+    raw = parse_document(data, what="discovery.file", path=path)
     if isinstance(raw, Mapping) and set(raw) == {"engines"}:
         raw = raw["engines"]
     try:
@@ -922,11 +941,17 @@ def _auth(raw: dict[str, Any], base: Path) -> AuthConfig:
         if text is None:
             raise ConfigError(f"auth.api_keys_env: environment variable {env} is not set")
         try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError:
+            loaded = parse_document(text, what=f"auth.api_keys_env ({env})")
+        except ConfigError:
+            # The variable holds keys: the parser's message could quote one.
             raise ConfigError(f"auth.api_keys_env: {env} is not a YAML / JSON mapping") from None
         keys.update(_api_keys(loaded, f"auth.api_keys_env ({env})"))
     return AuthConfig(api_keys=keys)
+
+
+# The integer ranges of the native plane's fields (serde refuses anything outside them).
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_U64_MAX = 2**64 - 1
 
 
 def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
@@ -950,9 +975,19 @@ def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
         tenant = spec.get("tenant")
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(f"{where}.<key>.tenant: must be a non-empty str")
+        # The native plane holds a key's priority as i32 and max_concurrent as u64: a value
+        # outside them is this file's mistake, named here, not each request's (a 400) or a
+        # serde message naming no key at start-up.
         priority = spec.get("priority", 0)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ConfigError(f"{where}.<key {tenant}>.priority: must be an int")
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not _I32_MIN <= priority <= _I32_MAX
+        ):
+            raise ConfigError(
+                f"{where}.<key {tenant}>.priority: must be an int in {_I32_MIN}..{_I32_MAX}, "
+                f"got {priority!r}"
+            )
         limits: dict[str, Any] = {}
         for name in _LIMIT_FIELDS:
             value = spec.get(name)
@@ -964,11 +999,13 @@ def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
             limits[name] = None if value is None else float(value)
         concurrent = spec.get("max_concurrent")
         if concurrent is not None and (
-            isinstance(concurrent, bool) or not isinstance(concurrent, int) or concurrent < 1
+            isinstance(concurrent, bool)
+            or not isinstance(concurrent, int)
+            or not 1 <= concurrent <= _U64_MAX
         ):
             raise ConfigError(
-                f"{where}.<key {tenant}>.max_concurrent: must be an int >= 1 or null, "
-                f"got {concurrent!r}"
+                f"{where}.<key {tenant}>.max_concurrent: must be an int in 1..{_U64_MAX} or "
+                f"null, got {concurrent!r}"
             )
         keys[key] = ApiKey(tenant=tenant, priority=priority, max_concurrent=concurrent, **limits)
     return keys

@@ -517,23 +517,47 @@ class NativeGateway:
 
     async def _watch_discovery(self, path: Path) -> None:
         """Re-reads the discovery file when it changes; a file that cannot be read or checked
-        keeps the current engines (logged)."""
+        keeps the current engines (logged once per distinct error, and counted)."""
         seen: tuple[int, int] | None = (-1, -1)
+        logged: set[str] = set()
         while True:
             await asyncio.sleep(self.config.discovery.interval_s)
+            # Anything a file can provoke is caught, not only ConfigError: a task that dies
+            # stops discovery for good (later good files ignored) and fails the shutdown.
             try:
-                stat = path.stat()
-                version: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
-            except OSError:
-                version = None
-            if version == seen:
-                continue
-            seen = version
-            try:
+                try:
+                    stat = path.stat()
+                    version: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
+                except OSError:
+                    version = None
+                if version == seen:
+                    continue
+                seen = version
                 engines = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: read_engines_file(path, max_bytes=self.config.discovery.max_bytes)
                 )
                 await self.set_engines(engines)
-            except ConfigError as exc:
+            except Exception as exc:
                 self._discovery_errors += 1
-                log.warning("discovery: keeping the current engines: %s", exc)
+                _log_discovery_error(exc, logged)
+
+
+_LOGGED_ERRORS_MAX = 64
+"""How many distinct discovery errors are remembered as logged (then the memory starts over)."""
+
+
+def _log_discovery_error(exc: Exception, logged: set[str]) -> None:
+    """Logs a discovery error the first time it is seen (a file rewritten with the same
+    mistake, or a fault that repeats every interval, would flood the log), with the traceback
+    when it is not a ConfigError (a bug, not a bad file)."""
+    key = f"{type(exc).__name__}: {exc}"
+    if key in logged:
+        log.debug("discovery: keeping the current engines: %s", key)
+        return
+    if len(logged) >= _LOGGED_ERRORS_MAX:
+        logged.clear()
+    logged.add(key)
+    if isinstance(exc, ConfigError):
+        log.warning("discovery: keeping the current engines: %s", exc)
+    else:
+        log.error("discovery: keeping the current engines: %s", key, exc_info=exc)

@@ -742,8 +742,9 @@ def _read_trace(cfg: TraceConfig) -> list[dict[str, Any]]:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"trace {path}:{n}: not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise ConfigError(f"trace {path}:{n}: not JSON: {reason}") from None
         if not isinstance(row, dict):
             raise ConfigError(f"trace {path}:{n}: each line must be an object")
         for key in ("timestamp", "input_length", "output_length"):
