@@ -135,6 +135,19 @@ def test_key_errors_never_echo_the_key() -> None:
     assert "sk-secret-value-1" not in str(info.value)
 
 
+def test_a_malformed_keys_file_never_echoes_a_key(tmp_path: Path) -> None:
+    """PyYAML's message quotes the line it stopped at: for a keys file, only the line and
+    column are named."""
+    path = tmp_path / "keys.yaml"
+    path.write_text("sk-secret-value-1: {tenant: [a\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(base(auth={"api_keys_file": str(path)}))
+    assert str(info.value) == (
+        f"auth.api_keys_file: cannot read {str(path)!r}: not valid YAML / JSON "
+        "(expected ',' or ']', but got '<stream end>' at line 2, column 1)"
+    )
+
+
 def test_missing_or_unparsable_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

@@ -104,14 +104,16 @@ def looks_like_text(source: str) -> bool:
         return True
 
 
-def read_document(source: str | os.PathLike[str], *, what: str) -> Any:
+def read_document(source: str | os.PathLike[str], *, what: str, secret: bool = False) -> Any:
     """The YAML / JSON value held by a file or text, whatever its type (``None`` when empty).
+    With ``secret``, a YAML error names the line and column but never quotes the text (the
+    document holds secrets, e.g. API keys).
 
     >>> read_document("[1, 2]", what="engines")
     [1, 2]
     """
     if isinstance(source, str) and looks_like_text(source):
-        return _parse(source, json_only=False, what=what, path=None)
+        return _parse(source, json_only=False, what=what, path=None, secret=secret)
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidTypeError(
             f"{what} must be a path or YAML / JSON text, got {type(source).__name__}"
@@ -124,15 +126,21 @@ def read_document(source: str | os.PathLike[str], *, what: str) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"{what}: cannot read {str(path)!r}: {reason}") from None
-    return _parse(text, json_only=path.suffix == ".json", what=what, path=path)
+    return _parse(text, json_only=path.suffix == ".json", what=what, path=path, secret=secret)
 
 
 def parse_document(
-    text: str | bytes, *, what: str, path: Path | None = None, json_only: bool = False
+    text: str | bytes,
+    *,
+    what: str,
+    path: Path | None = None,
+    json_only: bool = False,
+    secret: bool = False,
 ) -> Any:
     """The YAML (or, with ``json_only``, JSON) value of ``text`` read from ``path`` (if any);
     ConfigError naming ``what``, the file and the problem when it is not valid, nests too
-    deeply or expands too far through aliases (see the module docs).
+    deeply or expands too far through aliases (see the module docs). With ``secret``, a YAML
+    error never quotes the text (see :func:`read_document`).
 
     >>> parse_document("engines: [{port: 8000}]", what="discovery.file")
     {'engines': [{'port': 8000}]}
@@ -141,10 +149,12 @@ def parse_document(
     ...
     llmsched.errors.ConfigError: config: not valid YAML / JSON (nested more than 32 levels)
     """
-    return _parse(text, json_only=json_only, what=what, path=path)
+    return _parse(text, json_only=json_only, what=what, path=path, secret=secret)
 
 
-def _parse(text: str | bytes, *, json_only: bool, what: str, path: Path | None) -> Any:
+def _parse(
+    text: str | bytes, *, json_only: bool, what: str, path: Path | None, secret: bool = False
+) -> Any:
     # RecursionError is the parsers' answer to deep nesting (both are recursive descent);
     # it is caught here, where the text is known, so that no caller sees it as a crash.
     deep = f"nested more than {MAX_DEPTH} levels"
@@ -164,7 +174,7 @@ def _parse(text: str | bytes, *, json_only: bool, what: str, path: Path | None) 
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            reason = " ".join(str(exc).split())
+            reason = _yaml_reason(exc, secret=secret)
         except RecursionError:
             reason = deep
         except (ValueError, OverflowError) as exc:
@@ -178,6 +188,18 @@ def _parse(text: str | bytes, *, json_only: bool, what: str, path: Path | None) 
     if path is None:
         raise ConfigError(f"{what}: not valid YAML / JSON ({reason})")
     raise ConfigError(f"{what}: cannot read {str(path)!r}: not valid YAML / JSON ({reason})")
+
+
+def _yaml_reason(exc: Any, *, secret: bool) -> str:
+    """A YAML error on one line; with ``secret``, without the snippet of the text PyYAML's
+    message quotes (the line of a key, in a keys file)."""
+    if not secret:
+        return " ".join(str(exc).split())
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or "not valid YAML"
+    if mark is None:
+        return str(problem)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _shape_problem(value: Any) -> str | None:

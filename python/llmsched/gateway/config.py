@@ -808,7 +808,8 @@ def read_engines_file(
 
 
 def _read_yaml(path: Path, what: str) -> Any:
-    return read_document(path, what=what)
+    # Only the keys file is read here: a parser's message must not quote it.
+    return read_document(path, what=what, secret=True)
 
 
 def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
