@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from _gateway_harness import (  # noqa: F401 (the fixture)
     serve_process,
 )
 
+import llmsched.scheduler
 from llmsched.errors import ConfigError
 from llmsched.gateway.config import read_engines_file
 from llmsched.testing.openai_engine import FakeOpenAIEngine
@@ -245,6 +247,27 @@ def test_tenant_names_from_headers_are_bounded() -> None:
             # A tenant seen before the cap keeps its own flow.
             assert (await r.complete("x", headers={"x-llmsched-tenant": "t1"})).status == 200
             assert r.metric("llmsched_gateway_tenants_folded_total") == 5
+
+    run(body())
+
+
+def test_flow_by_utilization_without_scraping_is_warned(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Utilization saturation with nothing scraped refuses every request (no-endpoints): the
+    native plane, whose flow control the scheduler does not see, said nothing (probe 47)."""
+    monkeypatch.setattr(llmsched.scheduler, "_WARNED", [])
+
+    async def body() -> None:
+        with caplog.at_level(logging.WARNING, logger="llmsched"):
+            async with rig(engines=1, flow={}) as r:
+                response = await r.complete("x")
+                assert response.status == 503
+                assert response.headers["x-llmsched-dropped-reason"] == "no-endpoints"
+        notes = [
+            rec.getMessage() for rec in caplog.records if "scraping is off" in rec.getMessage()
+        ]
+        assert len(notes) == 1, notes
 
     run(body())
 

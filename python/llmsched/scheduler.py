@@ -53,7 +53,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -112,6 +112,7 @@ __all__ = [
     "PlacementOutcome",
     "ScheduleRequest",
     "Scheduler",
+    "warn_flow_without_load",
 ]
 
 log = logging.getLogger("llmsched")
@@ -130,6 +131,21 @@ _FLOW_SATURATION_NOTE = (
     "no-endpoints; turn scrape on, feed FlowController.update_endpoint yourself, or configure "
     "saturation {type: concurrency}"
 )
+
+
+def warn_flow_without_load(saturation: Mapping[str, Any], *, scrape: bool) -> str | None:
+    """The note for flow control that measures saturation by utilization (the engines'
+    metrics) while nothing scrapes them, so that every request is refused with
+    ``no-endpoints``; logged once per process (logger ``llmsched``). None when the
+    configuration does not have that problem. ``saturation``: the flow config's
+    ``saturation`` section. The gateway's native plane, whose flow control runs in Rust,
+    logs it through here too."""
+    if scrape or saturation.get("type", "utilization") != "utilization":
+        return None
+    if _FLOW_SATURATION_NOTE not in _WARNED:
+        _WARNED.append(_FLOW_SATURATION_NOTE)
+        log.warning(_FLOW_SATURATION_NOTE)
+    return _FLOW_SATURATION_NOTE
 
 
 def _engine_spec_type() -> type | None:
@@ -690,13 +706,10 @@ class Scheduler:
             0,
         )
         self._warnings = list(self.router.warnings)
-        if self.flow is not None and not scrape:
-            saturation = self.flow.config["saturation"]
-            if saturation.get("type", "utilization") == "utilization":
-                self._warnings.append(_FLOW_SATURATION_NOTE)
-                if not _WARNED:
-                    _WARNED.append(_FLOW_SATURATION_NOTE)
-                    log.warning(_FLOW_SATURATION_NOTE)
+        if self.flow is not None:
+            note = warn_flow_without_load(self.flow.config["saturation"], scrape=scrape)
+            if note is not None:
+                self._warnings.append(note)
         self._subscriber: KVEventSubscriber | NativeKVEventSubscriber | None = None
         self._scraper: MetricsScraper | None = None
         self._scrape_task: asyncio.Task[None] | None = None

@@ -67,7 +67,7 @@ from llmsched.gateway.engine_models import EngineModelCheck
 from llmsched.gateway.metrics import cluster_metrics_text, model_check_metrics_text
 from llmsched.integrations import EngineSpec
 from llmsched.prefix_index import PrefixIndex
-from llmsched.scheduler import Scheduler
+from llmsched.scheduler import Scheduler, warn_flow_without_load
 
 if TYPE_CHECKING:
     from llmsched.cluster import ClusterSync, Usage
@@ -298,6 +298,13 @@ class NativeGateway:
             stale_policy="saturated" if cfg.scrape.enabled else "ignore",
             retry_after_s=cfg.limits.retry_after_s,
         )
+        if cfg.flow is not None:
+            # Flow control runs in Rust here, so the scheduler never sees it: its note on a
+            # configuration that refuses every request is given here.
+            saturation = cfg.flow.get("saturation")
+            warn_flow_without_load(
+                saturation if isinstance(saturation, Mapping) else {}, scrape=cfg.scrape.enabled
+            )
         self.index = self.scheduler.index
         self.pool = self.scheduler.pool
         self.router = self.scheduler.router
