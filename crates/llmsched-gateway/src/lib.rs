@@ -57,6 +57,7 @@
 
 pub mod admin;
 pub mod chat_values;
+pub mod client_io;
 pub mod conversation;
 pub mod flow;
 pub mod guards;
@@ -988,12 +989,21 @@ async fn serve(gateway: Arc<Gateway>, listener: TcpListener, mut stop: watch::Re
                 refuse_connection(stream, counted).await;
                 return;
             }
-            let service = service_fn(move |request| gateway.clone().handle(request));
+            // Writes to the client are bounded too (hyper has no write timeout): a client
+            // that stops reading holds its answer for `idle_timeout_s` at most, and no longer
+            // than its request's deadline.
+            let deadline = client_io::AnswerDeadline::new();
+            let total = gateway.config.total_timeout_s.map(Duration::from_secs_f64);
+            let io = client_io::ClientIo::new(stream, idle, deadline.clone(), counters);
+            let service = service_fn(move |request| {
+                deadline.request_arrived(total);
+                gateway.clone().handle(request)
+            });
             let _ = http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(idle)
                 .max_headers(max_headers)
-                .serve_connection(TokioIo::new(stream), service)
+                .serve_connection(TokioIo::new(io), service)
                 .await;
         });
     }
@@ -1987,13 +1997,7 @@ impl Gateway {
                 self.counters.histograms.admission_wait.observe(waited);
                 match admitted {
                     Ok(slot) => Some(slot),
-                    Err(flow::NotAdmitted::Deadline) => {
-                        return Err(Refusal::new(
-                            504,
-                            "timeout",
-                            "the request's deadline (timeouts.total_s) passed",
-                        ))
-                    }
+                    Err(flow::NotAdmitted::Deadline) => return Err(deadline_refusal()),
                     Err(flow::NotAdmitted::Outcome(outcome)) => {
                         let status = outcome.http_status();
                         let kind = if status == 429 {
@@ -2117,22 +2121,28 @@ impl Gateway {
                 self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
             }
             let sent = upstream.connections.send(forward);
-            let answered = match self.config.read_timeout_s {
-                None => Ok(sent.await),
-                Some(read) => {
-                    let wait = read.min((deadline - monotonic()).max(0.0));
-                    tokio::time::timeout(Duration::from_secs_f64(wait), sent).await
-                }
-            };
+            // The status line is waited for `read_timeout_s`, and never past the deadline
+            // (without a read timeout too).
+            let left = (deadline - monotonic()).max(0.0);
+            let wait = self.config.read_timeout_s.map_or(left, |read| read.min(left));
+            let answered = tokio::time::timeout(Duration::from_secs_f64(wait), sent).await;
             let answer = match answered {
                 Err(_) => {
                     // The engine has the request and may be running it: not sent again.
                     self.counters.upstream_errors.inc(&[&upstream.id, "timeout"]);
                     self.settle_held(&held, false);
-                    self.attempt_ended(upstream, Some("timeout"));
                     drop(ticket);
                     self.drop_record(router, &decision, key);
-                    return Err(Refusal::new(504, "timeout", "the engine did not answer in time"));
+                    if monotonic() >= deadline {
+                        // The request's own deadline says nothing about the engine.
+                        return Err(deadline_refusal());
+                    }
+                    self.attempt_ended(upstream, Some("timeout"));
+                    return Err(Refusal::new(
+                        504,
+                        "timeout",
+                        "the engine did not answer within timeouts.read_s",
+                    ));
                 }
                 Ok(Err(err)) => {
                     // Refused (or timed out) connecting, or closed before a status line.
@@ -2258,6 +2268,9 @@ impl Gateway {
             {
                 None
             }
+            // The request's deadline, not the engine, ended the wait: its 504, no truncation
+            // charged to the engine.
+            Err(_) if relaying.deadline_passed() => return Err(deadline_refusal()),
             _ => {
                 let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
                 self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
@@ -2678,6 +2691,8 @@ impl Gateway {
         let route = relaying.route.unwrap_or("completions");
         let bytes = match read {
             Ok(Ok(collected)) => Some(collected.to_bytes()),
+            // The request's deadline, not the engine, ended the read (as above).
+            Err(_) if relaying.deadline_passed() => return Err(deadline_refusal()),
             _ => None,
         };
         let whole = |bytes: &Bytes| {
@@ -3000,6 +3015,19 @@ impl Relaying {
             id_scan: None,
         }
     }
+}
+
+impl Relaying {
+    /// Whether the request's deadline has passed (what ended a wait that timed out, when it
+    /// did).
+    fn deadline_passed(&self) -> bool {
+        self.deadline.is_some_and(|deadline| tokio::time::Instant::now() >= deadline)
+    }
+}
+
+/// The 504 of a request whose deadline (`total_timeout_s`) passed before its answer began.
+fn deadline_refusal() -> Refusal {
+    Refusal::new(504, "timeout", "the request's deadline (timeouts.total_s) passed")
 }
 
 fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {

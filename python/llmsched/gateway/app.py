@@ -129,6 +129,12 @@ _WHOLE_BODY_LIMIT = 8 << 20
 _LOCATE_TIMEOUT_S = 2.0
 """The most an engine is waited for when asked whether it holds a response (a lookup in its
 memory): one that stalls holds no lookup longer."""
+_SHUTDOWN_GRACE_S = 60.0
+"""How long :meth:`Gateway.stop` lets requests in flight end before it cancels them (aiohttp's
+default grace); the connections left are then reset."""
+_LISTENER_CLOSE_S = 1.0
+"""How long :meth:`Gateway.stop` waits for its listener to close once every connection was
+reset."""
 # How often queued requests learn that no engine is left (they then get a 503 at once).
 _ROUTABLE_CHECK_S = 0.2
 # Body fields the gateway checks whatever the engine: (name, what is allowed).
@@ -175,7 +181,25 @@ class _UpstreamFailed(Exception):
 
 class _NoAnswer(Exception):
     """The request went to the engine and no status line came within ``timeouts.read_s`` (or
-    the deadline): not retried, since the engine may be running it."""
+    the deadline: ``by_deadline``): not retried, since the engine may be running it."""
+
+    def __init__(self, *, by_deadline: bool) -> None:
+        super().__init__()
+        self.by_deadline = by_deadline
+
+
+class _DeadlinePassed(Exception):
+    """The request's deadline (``timeouts.total_s``) passed after the engine's status line
+    but before anything went to the client: the request's 504, no failure of the engine."""
+
+
+def _deadline_ended(error: BaseException) -> bool:
+    """Whether the request's deadline, not the engine, ended an upstream wait that raised
+    ``error``: aiohttp raises its ServerTimeoutError for ``sock_read`` (``timeouts.read_s``)
+    and a plain TimeoutError for ``total`` (the time left to the deadline)."""
+    return isinstance(error, asyncio.TimeoutError) and not isinstance(
+        error, aiohttp.ServerTimeoutError
+    )
 
 
 # Timeouts of the connection itself (the request was not sent): retryable. aiohttp < 3.10 does
@@ -344,6 +368,8 @@ class Gateway:
         self._health_task: asyncio.Task[None] | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._model_check_task: asyncio.Task[None] | None = None
+        self._send_guard: _SendGuard | None = None
+        self._send_guard_task: asyncio.Task[None] | None = None
         # Set while no engine is routable: queued requests then leave with a 503 at once.
         self._nothing_routable: asyncio.Event | None = None
         self._port: int | None = None
@@ -416,7 +442,17 @@ class Gateway:
 
     async def start(self) -> None:
         """Opens the upstream client, starts the KV-event subscriber and the metrics scraper,
-        then listens."""
+        then listens. A failure to listen (port busy, a host that does not resolve) stops
+        what was started and raises (an OSError; a ConfigError naming ``listen.host`` for a
+        host that does not resolve)."""
+        try:
+            await self._start()
+        except BaseException:
+            # Nothing started is left behind (the upstream session warned when collected).
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         cfg = self.config
         timeouts = cfg.timeouts
         logging.getLogger("aiohttp.server").addFilter(_QUIET_PARSER_ERRORS)
@@ -451,37 +487,67 @@ class Gateway:
             # Idle keep-alive connections and request headers that never end are closed.
             keepalive_timeout=limits.idle_timeout_s,
             # A compressed body is refused (415) before it is read, never decoded.
+            shutdown_timeout=_SHUTDOWN_GRACE_S,
             **_NO_DECOMPRESSION,
         )
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
-        self._listener = await asyncio.get_running_loop().create_server(
-            _capped(server, limits.max_connections, self.metrics),
-            cfg.listen.host,
-            cfg.listen.port,
-            reuse_address=True,
-        )
+        self._send_guard = _SendGuard(server, limits.idle_timeout_s, self.metrics)
+        self._send_guard_task = asyncio.create_task(self._send_guard.run())
+        try:
+            self._listener = await asyncio.get_running_loop().create_server(
+                _capped(server, limits.max_connections, self.metrics),
+                cfg.listen.host,
+                cfg.listen.port,
+                reuse_address=True,
+            )
+        except socket.gaierror as exc:
+            # As the native plane names it.
+            raise ConfigError(
+                f"listen.host: cannot resolve {cfg.listen.host!r}: {exc.strerror}"
+            ) from None
         address = self._listener.sockets[0].getsockname() if self._listener.sockets else None
         self._port = int(address[1]) if isinstance(address, tuple) else cfg.listen.port
 
     async def stop(self) -> None:
-        """Stops listening (in-flight requests are cancelled), then the background work."""
-        if self._listener is not None:
-            self._listener.close()
-            await self._listener.wait_closed()
-            self._listener = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        tasks = (self._discovery_task, self._health_task, self._watch_task, self._model_check_task)
+        """Stops listening, gives the requests in flight aiohttp's shutdown grace
+        (:data:`_SHUTDOWN_GRACE_S`) to end, cancels those left, resets the connections still
+        open (an answer a client does not read would keep its connection, and the stop, from
+        ever ending), then stops the background work."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()  # no new connections
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            server = runner.server
+            # aiohttp forgets its connections (and they their transports) while shutting them
+            # down: kept to reset them.
+            transports = [] if server is None else [c.transport for c in server.connections]
+            await runner.cleanup()
+            for transport in transports:
+                if transport is not None:
+                    # aiohttp's close waits to deliver what the transport holds, forever for a
+                    # client that does not read: a reset ends it now.
+                    _reset(transport)
+        if listener is not None:
+            # uvloop's waits for every connection to end: bounded all the same.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(listener.wait_closed(), _LISTENER_CLOSE_S)
+        tasks = (
+            self._discovery_task,
+            self._health_task,
+            self._watch_task,
+            self._model_check_task,
+            self._send_guard_task,
+        )
         for task in tasks:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._discovery_task = self._health_task = self._watch_task = None
-        self._model_check_task = None
+        self._model_check_task = self._send_guard_task = self._send_guard = None
         if self.cluster is not None:
             await self.cluster.stop()
         await self.scheduler.stop()
@@ -534,24 +600,28 @@ class Gateway:
 
     async def _watch_discovery(self, path: Path) -> None:
         """Re-reads the discovery file when it changes; a file that cannot be read or checked
-        keeps the current engines (logged and counted)."""
+        keeps the current engines (counted, and logged once per distinct error)."""
         # The first pass re-reads the file: it may have changed since the config was loaded
         # (a no-op when it did not).
         seen: tuple[int, int] | None = (-1, -1)
+        logged: set[str] = set()
         while True:
             await asyncio.sleep(self.config.discovery.interval_s)
-            version = _file_version(path)
-            if version == seen:
-                continue
-            seen = version
+            # Anything a file can provoke is caught, not only ConfigError (a RecursionError
+            # from a deeply nested file, a bug): a watcher that dies stops discovery for good,
+            # later good files ignored, and fails the shutdown.
             try:
+                version = _file_version(path)
+                if version == seen:
+                    continue
+                seen = version
                 engines = await asyncio.get_running_loop().run_in_executor(
                     None, _read_capped, path, self.config.discovery.max_bytes
                 )
                 await self.set_engines(engines)
-            except ConfigError as exc:
+            except Exception as exc:
                 self.metrics.discovery_errors.inc()
-                log.warning("discovery: keeping the current engines: %s", exc)
+                _log_discovery_error(exc, logged)
 
     def _kv_counters(self) -> dict[str, int]:
         subscriber = self.scheduler.subscriber
@@ -563,7 +633,12 @@ class Gateway:
     async def _before_handler(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         """What every request meets first: an unknown path or a method a path does not take
         gets an OpenAI-shaped error (as on the native plane), and a body with a
-        Content-Encoding a 415 before it is read."""
+        Content-Encoding a 415 before it is read. Its answer is to be written by its deadline
+        (``timeouts.total_s``, see :class:`_SendGuard`)."""
+        if self._send_guard is not None and request.protocol is not None:
+            total_s = self.config.timeouts.total_s
+            deadline = None if total_s is None else time.monotonic() + total_s
+            self._send_guard.request_arrived(request.protocol, deadline)
         routing_error = request.match_info.http_exception
         if routing_error is not None:
             return _error_response(_routing_refusal(request.path, routing_error))
@@ -1347,10 +1422,10 @@ class Gateway:
                         held.append((endpoint, failed.kind))
                     elif failed.kind != "removed" and time.monotonic() < deadline:
                         self.health.record(endpoint, failed.kind)
-                except _NoAnswer:
+                except _NoAnswer as no_answer:
                     placement.fail()
                     self.metrics.upstream_errors.labels(endpoint, "timeout").inc()
-                    if time.monotonic() < deadline:
+                    if not no_answer.by_deadline:
                         self.health.record(endpoint, "timeout")
                         return self.refuse(
                             route,
@@ -1358,6 +1433,11 @@ class Gateway:
                                 504, "timeout", "the engine did not answer within timeouts.read_s"
                             ),
                         ), 0
+                    return self.refuse(route, _deadline_refusal()), 0
+                except _DeadlinePassed:
+                    # Neither a truncation nor the engine's failure: the request ran out of
+                    # time (a short total_s would otherwise show healthy engines cutting).
+                    placement.fail()
                     return self.refuse(route, _deadline_refusal()), 0
                 except _Truncated as truncated:
                     # The status line came: the request ran (or runs) there; it is not re-sent.
@@ -1441,8 +1521,8 @@ class Gateway:
             )
         except _CONNECT_TIMEOUTS:
             raise _UpstreamFailed("timeout") from None
-        except asyncio.TimeoutError:
-            raise _NoAnswer from None
+        except asyncio.TimeoutError as error:
+            raise _NoAnswer(by_deadline=_deadline_ended(error)) from None
         except aiohttp.ClientConnectorError:
             raise _UpstreamFailed("connect") from None
         except aiohttp.ClientError:  # connected, then closed before any status line
@@ -1481,7 +1561,9 @@ class Gateway:
                 done = TerminalEventScan() if responses else _DoneScan()
             try:
                 first = await upstream.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                if _deadline_ended(error):
+                    raise _DeadlinePassed from None
                 self._cut_failure(endpoint, deadline)
                 raise _Truncated("the engine's answer was cut off before its first byte") from None
             decision.first_token()
@@ -1588,7 +1670,9 @@ class Gateway:
             data = await (
                 _read_at_most(upstream, _WHOLE_BODY_LIMIT) if at_close else upstream.read()
             )
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            if _deadline_ended(error):
+                raise _DeadlinePassed from None
             self._cut_failure(endpoint, deadline)
             raise _Truncated("the engine's answer was cut off") from None
         if at_close and (data is None or (_is_json(upstream) and not _parses(data))):
@@ -1955,6 +2039,27 @@ def _read_capped(path: Path, max_bytes: int) -> tuple[EngineSpec, ...]:
     return read_engines_file(path, max_bytes=max_bytes)
 
 
+_LOGGED_DISCOVERY_ERRORS_MAX = 64
+"""How many distinct discovery errors are remembered as logged (then the memory starts over)."""
+
+
+def _log_discovery_error(exc: Exception, logged: set[str]) -> None:
+    """Logs a discovery error the first time it is seen (a file rewritten with the same
+    mistake, or a fault that repeats every interval, would flood the log), with the traceback
+    when it is not a ConfigError (a bug, not a bad file); as the native plane's watcher."""
+    key = f"{type(exc).__name__}: {exc}"
+    if key in logged:
+        log.debug("discovery: keeping the current engines: %s", key)
+        return
+    if len(logged) >= _LOGGED_DISCOVERY_ERRORS_MAX:
+        logged.clear()
+    logged.add(key)
+    if isinstance(exc, ConfigError):
+        log.warning("discovery: keeping the current engines: %s", exc)
+    else:
+        log.error("discovery: keeping the current engines: %s", key, exc_info=exc)
+
+
 def _limit_refusal(reason: str, wait_s: float) -> Refusal:
     what = "requests in progress" if reason == "concurrency-limited" else "rate"
     return Refusal(
@@ -2048,13 +2153,150 @@ def _check_fields(payload: Mapping[str, Any]) -> None:
         raise bad("cache_salt", "a non-empty string or null")
 
 
+class _SendGuard:
+    """Bounds the writing of answers to clients that do not read them (aiohttp has no write
+    timeout): an answer whose bytes wait in a connection's write buffer without any leaving
+    for ``stall_s`` (``limits.idle_timeout_s``), or still wait when the request's deadline
+    (``timeouts.total_s``) passes, has its connection reset. Before, a client that stopped
+    reading held a JSON answer of up to 8 MiB (and its connection) for as long as it kept the
+    connection open.
+
+    Nothing runs per write: :meth:`run` looks at every open connection's write buffer a few
+    times per ``stall_s`` (at most once a second). Progress is a buffer that shrank (or
+    emptied) since the last look; one that only grew (more of a stream queued behind the
+    stalled bytes) made none. Cuts are counted in ``rejections_total{reason}`` (``send_timeout``,
+    ``timeout``) and logged once per reason.
+    """
+
+    def __init__(self, server: web.Server, stall_s: float, metrics: GatewayMetrics) -> None:
+        self.server = server
+        self.stall_s = stall_s
+        self.metrics = metrics
+        self.tick_s = min(max(stall_s / 4, 0.05), 1.0)
+        # Connection -> the deadline of the request it answers (monotonic seconds).
+        self._deadlines: dict[web.RequestHandler, float] = {}
+        # Connection -> [buffered bytes at the last look, when it last shrank, when it was
+        # first seen holding bytes]; only for connections with bytes waiting.
+        self._waiting: dict[web.RequestHandler, list[float]] = {}
+        self._logged: set[str] = set()
+
+    def request_arrived(self, connection: web.RequestHandler, deadline: float | None) -> None:
+        """A request arrived on ``connection``: its answer must be written by ``deadline``
+        (None: no limit)."""
+        if deadline is None:
+            self._deadlines.pop(connection, None)
+        else:
+            self._deadlines[connection] = deadline
+
+    async def run(self) -> None:
+        """Looks at the connections every :attr:`tick_s` until cancelled."""
+        while True:
+            await asyncio.sleep(self.tick_s)
+            self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        """One look at every connection: resets those stalled past a bound."""
+        connections = self.server.connections
+        waiting: dict[web.RequestHandler, list[float]] = {}
+        for connection in connections:
+            transport = connection.transport
+            if transport is None:
+                continue
+            size = transport.get_write_buffer_size()
+            if size == 0:
+                continue
+            seen = self._waiting.get(connection)
+            if seen is None:
+                seen = [size, now, now]
+            elif size < seen[0]:
+                seen[0], seen[1] = size, now
+            else:
+                seen[0] = size
+            deadline = self._deadlines.get(connection)
+            if now - seen[1] >= self.stall_s:
+                self._cut(connection, transport, "send_timeout")
+            elif deadline is not None and now >= deadline and seen[2] < now:
+                # Past the deadline with bytes still waiting since an earlier look (not a
+                # buffer the kernel is about to take).
+                self._cut(connection, transport, "timeout")
+            else:
+                waiting[connection] = seen
+        self._waiting = waiting
+        if len(self._deadlines) > len(connections):
+            alive = set(connections)
+            self._deadlines = {c: d for c, d in self._deadlines.items() if c in alive}
+
+    def _cut(
+        self, connection: web.RequestHandler, transport: asyncio.Transport, reason: str
+    ) -> None:
+        self.metrics.rejections.labels(reason).inc()
+        self._deadlines.pop(connection, None)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            what = (
+                f"read nothing of its answer for limits.idle_timeout_s ({self.stall_s:g} s)"
+                if reason == "send_timeout"
+                else "had not read its answer when its deadline (timeouts.total_s) passed"
+            )
+            log.warning(
+                "a client %s: its connection was reset (logged once; each one is counted in "
+                'llmsched_gateway_rejections_total{reason="%s"})',
+                what,
+                reason,
+            )
+        _reset(transport)
+
+
+def _reset(transport: asyncio.Transport) -> None:
+    """Closes a client connection with a reset (SO_LINGER 0), dropping what its buffers
+    still hold for the client (a plain close waits to deliver it first)."""
+    # uvloop's pseudo-socket of a transport closed already raises ValueError.
+    with contextlib.suppress(OSError, ValueError):
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
 class _Refuser(asyncio.Protocol):
-    """A connection over ``limits.max_connections``: one 503, then closed."""
+    """A connection over ``limits.max_connections``: one 503, then closed. What the client
+    sends meanwhile is read and dropped (at most :data:`_REFUSED_DRAIN_BYTES`, for at most
+    :data:`_REFUSED_DRAIN_S`): closing over a request left unread would reset the connection,
+    and the client would lose the 503 (as the native plane does)."""
+
+    def __init__(self) -> None:
+        self._transport: Any = None
+        self._left = _REFUSED_DRAIN_BYTES
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(_TOO_MANY_CONNECTIONS)
-        transport.close()
+        # uvloop's transports are no asyncio.WriteTransport subclass: no isinstance check.
+        self._transport = transport
+        transport.write(_TOO_MANY_CONNECTIONS)  # type: ignore[attr-defined]
+        # The 503 then the end of the answer; the client may have gone already.
+        with contextlib.suppress(OSError):
+            if transport.can_write_eof():  # type: ignore[attr-defined]
+                transport.write_eof()  # type: ignore[attr-defined]
+        self._timer = asyncio.get_running_loop().call_later(_REFUSED_DRAIN_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        self._left -= len(data)
+        if self._left <= 0 and self._transport is not None:
+            self._transport.close()
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._transport = None
+
+
+_REFUSED_DRAIN_S = 0.5
+"""How long a refused connection's request is read and dropped at most before it is closed."""
+_REFUSED_DRAIN_BYTES = 1 << 20
+"""How much of a refused connection's request is read and dropped at most."""
 
 
 _TOO_MANY_BODY = json.dumps(
