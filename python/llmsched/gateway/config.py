@@ -127,8 +127,10 @@ class LimitsConfig:
     ``max_body_bytes`` also refuses a declared ``Content-Length`` over it before the body is
     read (413). ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
     that trickles in or never ends holds no connection longer); ``idle_timeout_s`` closes a
-    connection idle between requests or whose request headers have not all arrived.
-    ``max_connections`` caps open client connections; one over the cap gets a 503 and is
+    connection idle between requests or whose request headers have not all arrived, and
+    resets one whose answer the client takes no byte of for that long (counted as
+    ``send_timeout``). ``max_connections`` caps open client connections (the operators'
+    endpoints, ``/metrics`` and ``/health`` included); one over the cap gets a 503 and is
     closed (the native plane also listens with a backlog of that many, at least 1,024, so a
     burst of connects waits for its answer). ``max_tenants`` bounds the distinct tenant names
     taken from ``x-llmsched-tenant`` (auth off) and seen within the last ``tenant_idle_s``
