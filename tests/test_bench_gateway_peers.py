@@ -183,7 +183,14 @@ def test_the_scheduling_policy_wraps_every_command_of_the_load() -> None:
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         bench.scheduled("idle", ["a"])
     load_args = argparse.Namespace(
-        seconds=4.0, warmup=1.0, tokens=8, prompt_words=200, chat=False, sched="fifo"
+        seconds=4.0,
+        warmup=1.0,
+        tokens=8,
+        prompt_words=200,
+        chat=False,
+        responses=False,
+        turns=4,
+        sched="fifo",
     )
     gen = bench.Path("gen")
     command = bench.load_command(gen, None, ["http://x"], 1000.0, load_args, True, [])
@@ -191,6 +198,9 @@ def test_the_scheduling_policy_wraps_every_command_of_the_load() -> None:
     load_args.sched = "normal"
     command = bench.load_command(gen, None, ["http://x"], 1000.0, load_args, False, [])
     assert command[0] == "gen" and "--stream" not in command
+    load_args.responses = True
+    command = bench.load_command(gen, None, ["http://x"], 1000.0, load_args, False, [])
+    assert command[-3:] == ["--responses", "--turns", "4"]
 
 
 def test_the_kernel_share_is_the_system_part_of_the_ticks_or_none_when_too_few() -> None:
