@@ -349,6 +349,41 @@ _PEERS_PYTHON = Path(
 )
 
 
+def _short_peers_run(
+    benchmark: Any, out: Path, *options: str, idle_seconds: str
+) -> tuple[list[dict[str, Any]], str]:
+    """Runs ``bench_gateway_peers.py``'s short form (one repeat of one second at 300 req/s)
+    with ``options`` once under ``benchmark``; its rows (from ``out``) and its printed
+    tables."""
+    command = [
+        sys.executable,
+        str(_ROOT / "tools" / "bench_gateway_peers.py"),
+        "--bin",
+        str(_HARNESS),
+        *options,
+        "--repeats",
+        "1",
+        "--seconds",
+        "1",
+        "--warmup",
+        "0.3",
+        "--rates",
+        "300",
+        "--idle-seconds",
+        idle_seconds,
+        "--json-out",
+        str(out),
+    ]
+    printed: list[str] = []
+
+    def measure() -> None:
+        printed.append(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    tables = printed[0].split("\n\n", 1)[-1]
+    return json.loads(out.read_text()), tables
+
+
 def test_gateway_beside_peers(
     benchmark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -361,34 +396,13 @@ def test_gateway_beside_peers(
     if not _PEERS_PYTHON.exists():
         pytest.skip("sglang-router and vllm-router are not installed (make bench-gateway-peers)")
     benchmark.group = "gateway beside sglang-router and vllm-router (extra_info)"
-    out = tmp_path / "rows.json"
-    command = [
-        sys.executable,
-        str(_ROOT / "tools" / "bench_gateway_peers.py"),
-        "--bin",
-        str(_HARNESS),
+    rows, tables = _short_peers_run(
+        benchmark,
+        tmp_path / "rows.json",
         "--peers-python",
         str(_PEERS_PYTHON),
-        "--repeats",
-        "1",
-        "--seconds",
-        "1",
-        "--warmup",
-        "0.3",
-        "--rates",
-        "300",
-        "--idle-seconds",
-        "0.5",
-        "--json-out",
-        str(out),
-    ]
-    printed: list[str] = []
-
-    def measure() -> None:
-        printed.append(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-
-    benchmark.pedantic(measure, rounds=1, iterations=1)
-    rows = json.loads(out.read_text())
+        idle_seconds="0.5",
+    )
     gateways = {row["gateway"] for row in rows}
     assert {"llmsched-llm-d", "llmsched-round-robin"} <= gateways
     if (_HARNESS / "llmsched-gateway").exists():
@@ -396,7 +410,7 @@ def test_gateway_beside_peers(
     assert all(row["errors"] == 0 for row in rows), rows
     benchmark.extra_info["rows"] = rows
     with capsys.disabled():
-        print("\n" + printed[0].split("\n\n", 1)[-1])
+        print("\n" + tables)
 
 
 def test_gateway_responses_beside_peers(
@@ -410,40 +424,20 @@ def test_gateway_responses_beside_peers(
     if not (_HARNESS / "llmsched-fake-engine").exists():
         pytest.skip("the native harness is not built (cargo build --release -p llmsched-bench)")
     benchmark.group = "gateway beside sglang-router and vllm-router (extra_info)"
-    out = tmp_path / "rows.json"
     llmsched = ["llmsched-serve-native-llm-d", "llmsched-serve-native-round-robin"]
-    command = [
-        sys.executable,
-        str(_ROOT / "tools" / "bench_gateway_peers.py"),
-        "--bin",
-        str(_HARNESS),
+    gateways = [*llmsched, "sglang-cache_aware", "vllm-round_robin", "bare-proxy", "direct"]
+    peers = ["--peers-python", str(_PEERS_PYTHON)] if _PEERS_PYTHON.exists() else []
+    rows, tables = _short_peers_run(
+        benchmark,
+        tmp_path / "rows.json",
         "--responses",
         "--tokenizer",
         str(write_tokenizer(tmp_path / "tokenizer")),
         "--gateways",
-        ",".join([*llmsched, "sglang-cache_aware", "vllm-round_robin", "bare-proxy", "direct"]),
-        "--repeats",
-        "1",
-        "--seconds",
-        "1",
-        "--warmup",
-        "0.3",
-        "--rates",
-        "300",
-        "--idle-seconds",
-        "0",
-        "--json-out",
-        str(out),
-    ]
-    if _PEERS_PYTHON.exists():
-        command += ["--peers-python", str(_PEERS_PYTHON)]
-    printed: list[str] = []
-
-    def measure() -> None:
-        printed.append(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-
-    benchmark.pedantic(measure, rounds=1, iterations=1)
-    rows = json.loads(out.read_text())
+        ",".join(gateways),
+        *peers,
+        idle_seconds="0",
+    )
     by_gateway = {(row["gateway"], row["answer"]): row for row in rows}
     for gateway in llmsched:
         for answer in ("json", "stream"):
@@ -452,10 +446,10 @@ def test_gateway_responses_beside_peers(
             assert row["continuations_lost"] == 0, row
             assert row["errors"] == 0, row
     assert all({"continuations", "continuations_lost", "cpu_range"} <= set(r) for r in rows)
-    assert "| lost (404) |" in printed[0]
+    assert "| lost (404) |" in tables
     benchmark.extra_info["rows"] = rows
     with capsys.disabled():
-        print("\n" + printed[0].split("\n\n", 1)[-1])
+        print("\n" + tables)
 
 
 # -- prompt tokenization ---------------------------------------------------------------------

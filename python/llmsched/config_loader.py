@@ -113,7 +113,7 @@ def read_document(source: str | os.PathLike[str], *, what: str, secret: bool = F
     [1, 2]
     """
     if isinstance(source, str) and looks_like_text(source):
-        return _parse(source, json_only=False, what=what, path=None, secret=secret)
+        return parse_document(source, what=what, secret=secret)
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidTypeError(
             f"{what} must be a path or YAML / JSON text, got {type(source).__name__}"
@@ -126,7 +126,9 @@ def read_document(source: str | os.PathLike[str], *, what: str, secret: bool = F
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"{what}: cannot read {str(path)!r}: {reason}") from None
-    return _parse(text, json_only=path.suffix == ".json", what=what, path=path, secret=secret)
+    return parse_document(
+        text, what=what, path=path, json_only=path.suffix == ".json", secret=secret
+    )
 
 
 def parse_document(
@@ -149,12 +151,6 @@ def parse_document(
     ...
     llmsched.errors.ConfigError: config: not valid YAML / JSON (nested more than 32 levels)
     """
-    return _parse(text, json_only=json_only, what=what, path=path, secret=secret)
-
-
-def _parse(
-    text: str | bytes, *, json_only: bool, what: str, path: Path | None, secret: bool = False
-) -> Any:
     # RecursionError is the parsers' answer to deep nesting (both are recursive descent);
     # it is caught here, where the text is known, so that no caller sees it as a crash.
     deep = f"nested more than {MAX_DEPTH} levels"

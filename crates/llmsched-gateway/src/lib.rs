@@ -3015,9 +3015,7 @@ impl Relaying {
             id_scan: None,
         }
     }
-}
 
-impl Relaying {
     /// Whether the request's deadline has passed (what ended a wait that timed out, when it
     /// did).
     fn deadline_passed(&self) -> bool {

@@ -64,9 +64,11 @@ from llmsched.errors import (
 from llmsched.gateway.admin import check_engine_url
 from llmsched.gateway.config import (
     ApiKey,
+    DiscoveryErrors,
     GatewayConfig,
     cluster_sync,
     engine_set,
+    file_version,
     load_config,
     read_engines_file,
 )
@@ -604,24 +606,24 @@ class Gateway:
         # The first pass re-reads the file: it may have changed since the config was loaded
         # (a no-op when it did not).
         seen: tuple[int, int] | None = (-1, -1)
-        logged: set[str] = set()
+        errors = DiscoveryErrors()
         while True:
             await asyncio.sleep(self.config.discovery.interval_s)
             # Anything a file can provoke is caught, not only ConfigError (a RecursionError
             # from a deeply nested file, a bug): a watcher that dies stops discovery for good,
             # later good files ignored, and fails the shutdown.
             try:
-                version = _file_version(path)
+                version = file_version(path)
                 if version == seen:
                     continue
                 seen = version
                 engines = await asyncio.get_running_loop().run_in_executor(
-                    None, _read_capped, path, self.config.discovery.max_bytes
+                    None, lambda: read_engines_file(path, max_bytes=self.config.discovery.max_bytes)
                 )
                 await self.set_engines(engines)
             except Exception as exc:
                 self.metrics.discovery_errors.inc()
-                _log_discovery_error(exc, logged)
+                errors.log(exc)
 
     def _kv_counters(self) -> dict[str, int]:
         subscriber = self.scheduler.subscriber
@@ -1640,11 +1642,8 @@ class Gateway:
                 await response.write(gap + event + b"\n\n")
             self.metrics.truncated.labels(endpoint, "sse_error").inc()
         else:
-            transport = request.transport
-            sock = None if transport is None else transport.get_extra_info("socket")
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            if request.transport is not None:
+                _linger_zero(request.transport)
             self.metrics.truncated.labels(endpoint, "reset").inc()
         # Closing the connection without the terminating chunk: the client's parser sees a
         # body that ended early (with SO_LINGER 0 the close is a reset).
@@ -2026,40 +2025,6 @@ def _upstream_urls(specs: Mapping[str, EngineSpec]) -> dict[tuple[str, str], URL
     }
 
 
-def _file_version(path: Path) -> tuple[int, int] | None:
-    """What tells a rewritten file apart (modification time and size); None if unreadable."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return stat.st_mtime_ns, stat.st_size
-
-
-def _read_capped(path: Path, max_bytes: int) -> tuple[EngineSpec, ...]:
-    return read_engines_file(path, max_bytes=max_bytes)
-
-
-_LOGGED_DISCOVERY_ERRORS_MAX = 64
-"""How many distinct discovery errors are remembered as logged (then the memory starts over)."""
-
-
-def _log_discovery_error(exc: Exception, logged: set[str]) -> None:
-    """Logs a discovery error the first time it is seen (a file rewritten with the same
-    mistake, or a fault that repeats every interval, would flood the log), with the traceback
-    when it is not a ConfigError (a bug, not a bad file); as the native plane's watcher."""
-    key = f"{type(exc).__name__}: {exc}"
-    if key in logged:
-        log.debug("discovery: keeping the current engines: %s", key)
-        return
-    if len(logged) >= _LOGGED_DISCOVERY_ERRORS_MAX:
-        logged.clear()
-    logged.add(key)
-    if isinstance(exc, ConfigError):
-        log.warning("discovery: keeping the current engines: %s", exc)
-    else:
-        log.error("discovery: keeping the current engines: %s", key, exc_info=exc)
-
-
 def _limit_refusal(reason: str, wait_s: float) -> Refusal:
     what = "requests in progress" if reason == "concurrency-limited" else "rate"
     return Refusal(
@@ -2247,14 +2212,19 @@ class _SendGuard:
         _reset(transport)
 
 
-def _reset(transport: asyncio.Transport) -> None:
-    """Closes a client connection with a reset (SO_LINGER 0), dropping what its buffers
-    still hold for the client (a plain close waits to deliver it first)."""
+def _linger_zero(transport: asyncio.BaseTransport) -> None:
+    """Makes the client connection's close a reset (SO_LINGER 0): what its buffers still hold
+    for the client is dropped (a plain close waits to deliver it first)."""
     # uvloop's pseudo-socket of a transport closed already raises ValueError.
     with contextlib.suppress(OSError, ValueError):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def _reset(transport: asyncio.Transport) -> None:
+    """Closes a client connection now, with a reset (:func:`_linger_zero`)."""
+    _linger_zero(transport)
     transport.abort()
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "AuthConfig",
     "ClusterConfig",
     "DiscoveryConfig",
+    "DiscoveryErrors",
     "GatewayConfig",
     "HealthConfig",
     "LimitsConfig",
@@ -56,6 +57,7 @@ __all__ = [
     "SlicesConfig",
     "TimeoutsConfig",
     "engine_set",
+    "file_version",
     "load_config",
     "read_engines_file",
 ]
@@ -812,6 +814,42 @@ def read_engines_file(
 def _read_yaml(path: Path, what: str) -> Any:
     # Only the keys file is read here: a parser's message must not quote it.
     return read_document(path, what=what, secret=True)
+
+
+def file_version(path: Path) -> tuple[int, int] | None:
+    """What tells a rewritten file apart (modification time and size); None if unreadable."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+class DiscoveryErrors:
+    """The errors of a discovery watcher (both data planes'), each logged the first time it
+    is seen: a file rewritten with the same mistake, or a fault that repeats every interval,
+    would flood the log. One that is not a ConfigError (a bug, not a bad file) is logged with
+    its traceback."""
+
+    MAX_REMEMBERED = 64
+    """Distinct errors remembered as logged (then the memory starts over)."""
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()
+
+    def log(self, exc: Exception) -> None:
+        """Logs ``exc`` (logger ``llmsched``) unless an equal error was logged before."""
+        key = f"{type(exc).__name__}: {exc}"
+        if key in self._logged:
+            _log.debug("discovery: keeping the current engines: %s", key)
+            return
+        if len(self._logged) >= self.MAX_REMEMBERED:
+            self._logged.clear()
+        self._logged.add(key)
+        if isinstance(exc, ConfigError):
+            _log.warning("discovery: keeping the current engines: %s", exc)
+        else:
+            _log.error("discovery: keeping the current engines: %s", key, exc_info=exc)
 
 
 def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:

@@ -57,9 +57,11 @@ from llmsched.errors import ConfigError, GatewayStoppedError
 from llmsched.flow import FlowController
 from llmsched.gateway.admin import check_engine_url
 from llmsched.gateway.config import (
+    DiscoveryErrors,
     GatewayConfig,
     cluster_sync,
     engine_set,
+    file_version,
     load_config,
     read_engines_file,
 )
@@ -526,17 +528,13 @@ class NativeGateway:
         """Re-reads the discovery file when it changes; a file that cannot be read or checked
         keeps the current engines (logged once per distinct error, and counted)."""
         seen: tuple[int, int] | None = (-1, -1)
-        logged: set[str] = set()
+        errors = DiscoveryErrors()
         while True:
             await asyncio.sleep(self.config.discovery.interval_s)
             # Anything a file can provoke is caught, not only ConfigError: a task that dies
             # stops discovery for good (later good files ignored) and fails the shutdown.
             try:
-                try:
-                    stat = path.stat()
-                    version: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
-                except OSError:
-                    version = None
+                version = file_version(path)
                 if version == seen:
                     continue
                 seen = version
@@ -546,25 +544,4 @@ class NativeGateway:
                 await self.set_engines(engines)
             except Exception as exc:
                 self._discovery_errors += 1
-                _log_discovery_error(exc, logged)
-
-
-_LOGGED_ERRORS_MAX = 64
-"""How many distinct discovery errors are remembered as logged (then the memory starts over)."""
-
-
-def _log_discovery_error(exc: Exception, logged: set[str]) -> None:
-    """Logs a discovery error the first time it is seen (a file rewritten with the same
-    mistake, or a fault that repeats every interval, would flood the log), with the traceback
-    when it is not a ConfigError (a bug, not a bad file)."""
-    key = f"{type(exc).__name__}: {exc}"
-    if key in logged:
-        log.debug("discovery: keeping the current engines: %s", key)
-        return
-    if len(logged) >= _LOGGED_ERRORS_MAX:
-        logged.clear()
-    logged.add(key)
-    if isinstance(exc, ConfigError):
-        log.warning("discovery: keeping the current engines: %s", exc)
-    else:
-        log.error("discovery: keeping the current engines: %s", key, exc_info=exc)
+                errors.log(exc)
