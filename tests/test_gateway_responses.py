@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -275,16 +276,88 @@ def test_an_input_the_gateway_cannot_render_is_routed_unhashed() -> None:
 
 
 @pytest.mark.usefixtures("plane")
-def test_an_engine_removed_takes_its_ids_with_it() -> None:
+def test_an_engine_out_of_the_set_briefly_keeps_its_conversations() -> None:
+    """Discovery can drop an engine for a moment (a readiness probe flapping) while it still
+    holds its responses: asking the others would find none, so the requests naming them get
+    a retryable 503 and, once it is back, reach it again (probe 47)."""
+
     async def main() -> None:
         async with rig(engines=2) as r:
-            status, made = await create(r)
+            _, made = await create(r)
             home = holder(r, made["id"])
-            kept = r.gateway.config.engines[1 - home]
-            await r.gateway.set_engines([kept])
+            everyone = list(r.gateway.config.engines)
+            await r.gateway.set_engines([everyone[1 - home]])
+            assert r.metric("llmsched_gateway_response_owners") == 1
+            before = [len(e.received) for e in r.engines]
+            for answer in (
+                r.client.post(
+                    r.url("/v1/responses"),
+                    json={"model": MODEL, "input": "next", "previous_response_id": made["id"]},
+                ),
+                r.client.get(r.url(f"/v1/responses/{made['id']}")),
+            ):
+                async with answer as refused:
+                    assert refused.status == 503
+                    assert refused.headers["x-llmsched-dropped-reason"] == "owner-unavailable"
+                    assert refused.headers["Retry-After"] == "1"
+                    message = (await refused.json())["error"]["message"]
+                    assert made["id"] in message and "left the configuration" in message
+            assert [len(e.received) for e in r.engines] == before  # no engine asked
+            assert lookups(r, "owner_unavailable") == 2
+            await r.gateway.set_engines(everyone)
+            status, next_turn = await create(r, previous_response_id=made["id"])
+            assert status == 200 and holder(r, next_turn["id"]) == home
+            assert (lookups(r, "owner"), lookups(r, "located")) == (1, 0)
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_engine_gone_past_the_grace_takes_its_ids_with_it() -> None:
+    async def main() -> None:
+        grace = {"left_grace_s": 0.3}
+        async with rig(engines=2, discovery=grace) as r:
+            _, made = await create(r)
+            home = holder(r, made["id"])
+            everyone = list(r.gateway.config.engines)
+            await r.gateway.set_engines([everyone[1 - home]])
+            await asyncio.sleep(0.4)
             assert r.metric("llmsched_gateway_response_owners") == 0
             status, error = await create(r, previous_response_id=made["id"])
             assert status == 404, error
+            # Back after the grace (a restarted pod at the same address), it is asked.
+            await r.gateway.set_engines(everyone)
+            status, _ = await create(r, previous_response_id=made["id"])
+            assert status == 200 and lookups(r, "located") == 1
+        async with rig(engines=2, discovery={"left_grace_s": None}) as r:
+            _, made = await create(r)
+            await r.gateway.set_engines([r.gateway.config.engines[1 - holder(r, made["id"])]])
+            assert r.metric("llmsched_gateway_response_owners") == 0
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_response_answered_after_its_engine_left_is_not_kept_past_the_grace() -> None:
+    """A JSON answer names its id only when it ends: one whose engine left meanwhile is kept
+    as that engine's for the grace, then forgotten with the others (probe 47 F13: it was kept
+    for good, over-counted, and pinned to whatever engine later took that worker id)."""
+
+    async def main() -> None:
+        def slow(engine: Any) -> None:
+            engine.mode, engine.token_delay_s = "slow", 0.1
+
+        async with rig(engines=2, setup=slow, discovery={"left_grace_s": 1.0}) as r:
+            answer = asyncio.ensure_future(create(r))
+            await until(lambda: any(e.running for e in r.engines))
+            home = [e.running for e in r.engines].index(1)
+            await r.gateway.set_engines([r.gateway.config.engines[1 - home]])
+            status, made = await answer
+            assert holder(r, made["id"]) == home
+            assert status == 200, made
+            assert r.metric("llmsched_gateway_response_owners") == 1
+            await asyncio.sleep(1.1)
+            assert r.metric("llmsched_gateway_response_owners") == 0
 
     run(main())
 
@@ -449,17 +522,39 @@ def test_a_converted_request_tokenizes_as_the_chat_request(tokenizer_dir: Path) 
 
 def test_owners_are_bounded_and_skip_overlong_ids() -> None:
     owners = ResponseOwners(capacity=3)
+    owners.engine_joined("e0")
+    owners.engine_joined("e1")
     for i in range(5):
         owners.record(f"resp_{i}", f"e{i % 2}")
     assert len(owners) == 3
-    assert owners.owner("resp_0") is None and owners.owner("resp_4") == "e0"
+    assert owners.owner("resp_0") is None and owners.owner("resp_4") == ("e0", False)
     owners.owner("resp_2")  # used: kept over resp_3
     owners.record("resp_5", "e1")
-    assert owners.owner("resp_2") == "e0" and owners.owner("resp_3") is None
+    assert owners.owner("resp_2") == ("e0", False) and owners.owner("resp_3") is None
     owners.record("r" * 257, "e0")
     assert owners.owner("r" * 257) is None
+    owners.record("resp_6", "e9")  # an engine not configured
+    assert owners.owner("resp_6") is None
     owners.forget_engine("e0")
     assert len(owners) == 1
+
+
+def test_owners_keep_an_engine_that_left_for_the_grace() -> None:
+    owners = ResponseOwners(grace_s=0.2)
+    for engine in ("e0", "e1"):
+        owners.engine_joined(engine)
+    owners.record("a", "e0")
+    owners.record("b", "e1")
+    owners.engine_left("e0")
+    owners.record("c", "e0")  # answered after it left
+    assert owners.owner("a") == owners.owner("c") == ("e0", True)
+    owners.engine_joined("e0")
+    assert owners.owner("a") == ("e0", False) and len(owners) == 3
+    owners.engine_left("e0")
+    time.sleep(0.25)
+    assert (owners.owner("a"), owners.owner("c"), len(owners)) == (None, None, 1)
+    owners.record("d", "e0")
+    assert owners.owner("d") is None
 
 
 def test_the_scanners_read_events_split_anywhere() -> None:

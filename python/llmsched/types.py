@@ -741,6 +741,7 @@ class NativeGatewayConfig(TypedDict):
     max_line_size: int
     max_tenants: int
     tenant_idle_s: float
+    left_grace_s: float | None
     health: NativeHealthConfig
     pd_header: str | None
     threads: int

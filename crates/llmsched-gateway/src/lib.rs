@@ -181,6 +181,9 @@ pub struct GatewayConfig {
     pub max_tenants: usize,
     /// How long a header tenant name holds its place unseen.
     pub tenant_idle_s: f64,
+    /// How long the stored responses of an engine that left are kept for its return
+    /// ([`responses::Owners`]); `None`: forgotten at once.
+    pub left_grace_s: Option<f64>,
     /// Engine health (probes, circuit breaker).
     pub health: HealthConfig,
     /// The header naming the prefill endpoint of a disaggregated request (None: off).
@@ -259,6 +262,7 @@ impl Default for GatewayConfig {
             max_line_size: 8190,
             max_tenants: 10_000,
             tenant_idle_s: 300.0,
+            left_grace_s: Some(responses::OWNER_GRACE.as_secs_f64()),
             health: HealthConfig { interval_s: None, ..HealthConfig::default() },
             pd_header: None,
             threads: 1,
@@ -560,6 +564,7 @@ fn check(config: &GatewayConfig) -> Result<(), ConfigProblem> {
         ("total_timeout_s", config.total_timeout_s),
         ("scrape_interval_s", config.scrape_interval_s),
         ("health.interval_s", config.health.interval_s),
+        ("left_grace_s", config.left_grace_s),
     ] {
         if let Some(v) = value {
             positive(name, v)?;
@@ -690,7 +695,11 @@ fn build(
         suspect: tokio::sync::Notify::new(),
         hashes_prompts: config.record_unread_prefixes
             || source.router().config().reads_prefix_match(),
-        owners: Arc::new(responses::Owners::default()),
+        owners: Arc::new(responses::Owners::with_grace(
+            responses::MAX_OWNERS,
+            Duration::try_from_secs_f64(config.left_grace_s.unwrap_or(0.0))
+                .unwrap_or(Duration::MAX),
+        )),
         locating: Mutex::new(Locating::default()),
         source,
         config,
@@ -1431,9 +1440,17 @@ impl Gateway {
         if let Some(slicing) = &self.slicing {
             slicing.add_endpoints(&added);
         }
-        // Another engine (or this one restarted) holds none of its stored responses.
+        // One re-added under another URL is another engine (or this one restarted): it holds
+        // none of its stored responses. One that left may come back: see `Owners`.
         for gone in &removed {
-            self.owners.forget_engine(gone);
+            if added.contains(gone) {
+                self.owners.forget_engine(gone);
+            } else {
+                self.owners.engine_left(gone);
+            }
+        }
+        for new in &added {
+            self.owners.engine_joined(new);
         }
         let changes = added.len() + removed.len();
         *self.upstreams.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
@@ -2401,8 +2418,9 @@ impl Gateway {
     /// The engine holding stored response `id`: known from its answer, else asked of the
     /// engines ([`Gateway::locate`]); counted by outcome. `routable`: the engine must be in
     /// routing (a request continuing the conversation; a 503 `owner-unavailable` otherwise),
-    /// else it need only be configured (a by-id request: no other engine can answer it). No
-    /// engine holds it: 404, as vLLM answers it.
+    /// else it need only be configured (a by-id request: no other engine can answer it). An
+    /// engine that left the configuration within [`responses::OWNER_GRACE`] may come back
+    /// with it: a 503 `owner-unavailable` too. No engine holds it: 404, as vLLM answers it.
     async fn response_owner(
         self: &Arc<Self>,
         id: &str,
@@ -2411,19 +2429,27 @@ impl Gateway {
     ) -> Result<Arc<Upstream>, Refusal> {
         let lookups = &self.counters.response_lookups;
         let upstreams = self.upstreams();
-        let known = self
-            .owners
-            .owner(id)
-            .and_then(|engine| upstreams.list.iter().find(|u| *u.label == *engine).cloned());
+        let unavailable = |why: &str| {
+            lookups.inc(&["owner_unavailable"]);
+            Refusal::new(
+                503,
+                "service_unavailable",
+                format!("the engine holding response '{id}' is not available ({why})"),
+            )
+            .dropped("owner-unavailable", self.config.retry_after_s.to_string())
+        };
+        let known = match self.owners.owner(id) {
+            Some(responses::Holder::Left(engine)) => {
+                return Err(unavailable(&format!("'{engine}' left the configuration")));
+            }
+            Some(responses::Holder::Engine(engine)) => {
+                upstreams.list.iter().find(|u| *u.label == *engine).cloned()
+            }
+            None => None,
+        };
         if let Some(upstream) = known {
             if routable && !in_routing(&upstream, &self.router().pool().snapshot()) {
-                lookups.inc(&["owner_unavailable"]);
-                return Err(Refusal::new(
-                    503,
-                    "service_unavailable",
-                    format!("the engine holding response '{id}' is not available"),
-                )
-                .dropped("owner-unavailable", self.config.retry_after_s.to_string()));
+                return Err(unavailable(&format!("'{}' is out of routing", upstream.label)));
             }
             lookups.inc(&["owner"]);
             return Ok(upstream);

@@ -29,8 +29,9 @@
 //! is routed without prefix hashing rather than refused (the engine answers it);
 //! `chat_template_kwargs` that is not an object is ignored.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -262,20 +263,44 @@ fn add_item(messages: &mut Vec<Value>, item: &Map<String, Value>) -> Option<()> 
 /// dropped first; ids longer than [`MAX_RESPONSE_ID_BYTES`] (or empty) are not kept. Shared
 /// between threads (one lock, held for a map operation).
 ///
+/// It follows the engines configured ([`Owners::engine_joined`], [`Owners::engine_left`]): an
+/// engine that leaves keeps its ids for [`OWNER_GRACE`] as [`Holder::Left`] (discovery can
+/// drop an engine for a moment while it still holds them; asking the others would only find
+/// none), and gets them back if it returns by then; after that they are forgotten. An id
+/// answered by an engine no longer configured is not kept.
+///
 /// ```
-/// use llmsched_gateway::responses::Owners;
+/// use llmsched_gateway::responses::{Holder, Owners};
 /// let owners = Owners::new(2);
+/// owners.engine_joined("e0");
+/// owners.engine_joined("e1");
 /// owners.record("resp_a", "e0");
 /// owners.record("resp_b", "e1");
 /// owners.record("resp_c", "e0");
-/// assert_eq!((owners.owner("resp_a"), owners.owner("resp_c").as_deref()), (None, Some("e0")));
+/// assert_eq!(owners.owner("resp_a"), None);
+/// assert_eq!(owners.owner("resp_c"), Some(Holder::Engine("e0".into())));
+/// owners.engine_left("e0");
+/// assert_eq!(owners.owner("resp_c"), Some(Holder::Left("e0".into())));
 /// owners.forget_engine("e0");
 /// assert_eq!((owners.owner("resp_c"), owners.len()), (None, 1));
 /// ```
 pub struct Owners {
     capacity: usize,
+    grace: Duration,
     inner: Mutex<Lru>,
 }
+
+/// Where a stored response is, as far as the gateway knows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holder {
+    /// Made by this engine, which is configured.
+    Engine(Arc<str>),
+    /// Made by this engine, which left the configuration less than the grace ago.
+    Left(Arc<str>),
+}
+
+/// How long the ids of an engine that left the configuration are kept for its return.
+pub const OWNER_GRACE: Duration = Duration::from_secs(30);
 
 #[derive(Default)]
 struct Lru {
@@ -284,39 +309,110 @@ struct Lru {
     /// Stamps, oldest first, with their ids.
     order: BTreeMap<u64, Box<str>>,
     next: u64,
+    /// The engines configured.
+    engines: HashSet<Arc<str>>,
+    /// Engines that left, with when; their ids go once the grace has passed.
+    left: HashMap<Arc<str>, Instant>,
+}
+
+impl Lru {
+    fn forget(&mut self, engine: &str) {
+        let order = &mut self.order;
+        self.map.retain(|_, (owner, stamp)| {
+            let keep = &**owner != engine;
+            if !keep {
+                order.remove(stamp);
+            }
+            keep
+        });
+    }
+
+    /// Forgets the ids of the engines that left more than `grace` ago.
+    fn expire(&mut self, grace: Duration) {
+        if self.left.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let gone: Vec<Arc<str>> = self
+            .left
+            .iter()
+            .filter(|(_, since)| now.duration_since(**since) >= grace)
+            .map(|(engine, _)| engine.clone())
+            .collect();
+        for engine in gone {
+            self.left.remove(&engine);
+            self.forget(&engine);
+        }
+    }
 }
 
 impl Owners {
-    /// An empty map keeping at most `capacity` ids.
+    /// An empty map keeping at most `capacity` ids, with the grace [`OWNER_GRACE`].
     pub fn new(capacity: usize) -> Owners {
-        Owners { capacity, inner: Mutex::new(Lru::default()) }
+        Owners::with_grace(capacity, OWNER_GRACE)
+    }
+
+    /// An empty map keeping at most `capacity` ids, and those of an engine that left for
+    /// `grace`.
+    pub fn with_grace(capacity: usize, grace: Duration) -> Owners {
+        Owners { capacity, grace, inner: Mutex::new(Lru::default()) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Lru> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        let mut lru = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        lru.expire(self.grace);
+        lru
     }
 
-    /// `engine` made (and stores) `id`.
+    /// `engine` is configured: one that left within the grace gets its ids back.
+    pub fn engine_joined(&self, engine: &str) {
+        let mut lru = self.lock();
+        lru.left.remove(engine);
+        lru.engines.insert(engine.into());
+    }
+
+    /// `engine` left the configuration: its ids are [`Holder::Left`] for the grace.
+    pub fn engine_left(&self, engine: &str) {
+        let mut lru = self.lock();
+        if let Some(engine) = lru.engines.take(engine) {
+            lru.left.insert(engine, Instant::now());
+        }
+    }
+
+    /// Forgets every id `engine` made at once (another engine, or this one restarted, now
+    /// answers under its name).
+    pub fn forget_engine(&self, engine: &str) {
+        let mut lru = self.lock();
+        lru.left.remove(engine);
+        lru.forget(engine);
+    }
+
+    /// `engine` made (and stores) `id`; not kept when `engine` is neither configured nor
+    /// within its grace (it left while answering).
     pub fn record(&self, id: &str, engine: &str) {
         if id.is_empty() || id.len() > MAX_RESPONSE_ID_BYTES || self.capacity == 0 {
             return;
         }
         let mut lru = self.lock();
         let lru = &mut *lru;
+        let Some(engine) =
+            lru.engines.get(engine).or_else(|| lru.left.get_key_value(engine).map(|(e, _)| e))
+        else {
+            return;
+        };
+        let engine = engine.clone();
         let stamp = lru.next;
         lru.next += 1;
         match lru.map.get_mut(id) {
             Some((owner, old)) => {
-                if &**owner != engine {
-                    *owner = Arc::from(engine);
-                }
+                *owner = engine;
                 if let Some(key) = lru.order.remove(old) {
                     lru.order.insert(stamp, key);
                 }
                 *old = stamp;
             }
             None => {
-                lru.map.insert(id.into(), (Arc::from(engine), stamp));
+                lru.map.insert(id.into(), (engine, stamp));
                 lru.order.insert(stamp, id.into());
                 while lru.map.len() > self.capacity {
                     let Some((_, oldest)) = lru.order.pop_first() else { break };
@@ -326,36 +422,26 @@ impl Owners {
         }
     }
 
-    /// The engine that made `id`, or `None` when not known here (a lookup counts as a use).
-    pub fn owner(&self, id: &str) -> Option<Arc<str>> {
+    /// Where `id` is, or `None` when not known here (a lookup counts as a use).
+    pub fn owner(&self, id: &str) -> Option<Holder> {
         let mut lru = self.lock();
         let lru = &mut *lru;
         let stamp = lru.next;
         let (engine, old) = lru.map.get_mut(id)?;
-        let engine = engine.clone();
+        let holder = if lru.left.contains_key(engine) {
+            Holder::Left(engine.clone())
+        } else {
+            Holder::Engine(engine.clone())
+        };
         if let Some(key) = lru.order.remove(old) {
             lru.order.insert(stamp, key);
         }
         *old = stamp;
         lru.next += 1;
-        Some(engine)
+        Some(holder)
     }
 
-    /// Forgets every id `engine` made (it left the configuration).
-    pub fn forget_engine(&self, engine: &str) {
-        let mut lru = self.lock();
-        let lru = &mut *lru;
-        let order = &mut lru.order;
-        lru.map.retain(|_, (owner, stamp)| {
-            let keep = &**owner != engine;
-            if !keep {
-                order.remove(stamp);
-            }
-            keep
-        });
-    }
-
-    /// Ids known.
+    /// Ids known (those of engines within their grace included).
     pub fn len(&self) -> usize {
         self.lock().map.len()
     }
@@ -917,13 +1003,28 @@ mod tests {
         }
     }
 
+    fn owners_of(capacity: usize, engines: &[&str]) -> Owners {
+        let owners = Owners::new(capacity);
+        for engine in engines {
+            owners.engine_joined(engine);
+        }
+        owners
+    }
+
+    fn engine(owners: &Owners, id: &str) -> Option<String> {
+        match owners.owner(id)? {
+            Holder::Engine(engine) => Some(engine.to_string()),
+            Holder::Left(engine) => panic!("{id}: {engine} left"),
+        }
+    }
+
     #[test]
     fn owners_keep_the_most_recently_used_ids_up_to_their_capacity() {
-        let owners = Owners::new(3);
+        let owners = owners_of(3, &["e0", "e1", "e2"]);
         for id in ["a", "b", "c"] {
             owners.record(id, "e0");
         }
-        assert_eq!(owners.owner("a").as_deref(), Some("e0")); // a is now the newest
+        assert_eq!(engine(&owners, "a").as_deref(), Some("e0")); // a is now the newest
         owners.record("d", "e1");
         assert_eq!(owners.len(), 3);
         assert!(owners.owner("b").is_none());
@@ -932,7 +1033,7 @@ mod tests {
         }
         // Recorded again: the engine changes, nothing is added.
         owners.record("a", "e2");
-        assert_eq!((owners.owner("a").as_deref(), owners.len()), (Some("e2"), 3));
+        assert_eq!((engine(&owners, "a").as_deref(), owners.len()), (Some("e2"), 3));
         // Too long or empty: not kept.
         owners.record(&"x".repeat(MAX_RESPONSE_ID_BYTES + 1), "e0");
         owners.record("", "e0");
@@ -940,7 +1041,7 @@ mod tests {
         owners.record(&"y".repeat(MAX_RESPONSE_ID_BYTES), "e0");
         assert!(owners.owner(&"y".repeat(MAX_RESPONSE_ID_BYTES)).is_some());
         // The bound holds over many ids.
-        let owners = Owners::new(100);
+        let owners = owners_of(100, &["e"]);
         for i in 0..1000 {
             owners.record(&format!("resp_{i}"), "e");
         }
@@ -950,17 +1051,17 @@ mod tests {
     }
 
     #[test]
-    fn owners_forget_an_engine_that_left() {
-        let owners = Owners::default();
+    fn owners_forget_an_engine_replaced() {
+        let owners = owners_of(MAX_OWNERS, &["e0", "e1"]);
         for i in 0..10 {
             owners.record(&format!("r{i}"), if i % 2 == 0 { "e0" } else { "e1" });
         }
         owners.forget_engine("e0");
         assert_eq!(owners.len(), 5);
-        assert!(owners.owner("r0").is_none() && owners.owner("r1").as_deref() == Some("e1"));
+        assert!(owners.owner("r0").is_none() && engine(&owners, "r1").as_deref() == Some("e1"));
         assert_eq!(owners.lock().order.len(), 5);
         // Later records still evict in order.
-        let owners = Owners::new(2);
+        let owners = owners_of(2, &["e0", "e1"]);
         owners.record("a", "e0");
         owners.record("b", "e1");
         owners.forget_engine("e0");
@@ -968,6 +1069,34 @@ mod tests {
         owners.record("d", "e1");
         assert!(owners.owner("b").is_none());
         assert_eq!(owners.len(), 2);
+    }
+
+    #[test]
+    fn an_engine_that_left_keeps_its_ids_for_the_grace_and_back_in_it_owns_them_again() {
+        let owners = Owners::with_grace(MAX_OWNERS, Duration::from_millis(200));
+        owners.engine_joined("e0");
+        owners.engine_joined("e1");
+        owners.record("a", "e0");
+        owners.record("b", "e1");
+        owners.engine_left("e0");
+        assert_eq!(owners.owner("a"), Some(Holder::Left("e0".into())));
+        // An answer that ends after its engine left is still its engine's (F13).
+        owners.record("c", "e0");
+        assert_eq!(owners.owner("c"), Some(Holder::Left("e0".into())));
+        owners.engine_joined("e0");
+        assert_eq!(engine(&owners, "a").as_deref(), Some("e0"));
+        assert_eq!(engine(&owners, "c").as_deref(), Some("e0"));
+        // Past the grace its ids are gone, and one answered later is not kept.
+        owners.engine_left("e0");
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!((owners.owner("a"), owners.len()), (None, 1));
+        owners.record("d", "e0");
+        owners.record("e", "e9"); // never configured
+        assert_eq!((owners.owner("d"), owners.owner("e"), owners.len()), (None, None, 1));
+        assert_eq!(owners.lock().order.len(), 1);
+        // Back after the grace, it owns none of them.
+        owners.engine_joined("e0");
+        assert_eq!((owners.owner("a"), engine(&owners, "b").as_deref()), (None, Some("e1")));
     }
 
     const STREAM: &[u8] = b"event: response.created\ndata: {\"response\":{\"id\":\"resp_1\",\"status\":\"in_progress\"},\"sequence_number\":0,\"type\":\"response.created\"}\n\n\

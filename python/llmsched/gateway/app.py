@@ -350,8 +350,10 @@ class Gateway:
         # Tenant name -> when last seen (monotonic), least recently seen first.
         self._tenants: OrderedDict[str, float] = OrderedDict()
         self.metrics.tenants.set_function(lambda: len(self._tenants))
-        self.response_owners = ResponseOwners()
+        self.response_owners = ResponseOwners(grace_s=cfg.discovery.left_grace_s or 0.0)
         """Which engine made each stored response (Responses API)."""
+        for worker in self._specs:
+            self.response_owners.engine_joined(worker)
         self.metrics.response_owners.set_function(lambda: len(self.response_owners))
         # Lookups of unknown response ids in progress, shared by the requests naming one.
         self._locating: dict[str, asyncio.Future[str | None]] = {}
@@ -592,9 +594,14 @@ class Gateway:
         self._urls = _upstream_urls(specs)
         self.health.set_engines(specs, reset=changed)
         self.model_check.set_engines(specs.values())
-        for worker in removed + changed:
-            # Another engine (or this one restarted) holds none of its stored responses.
+        # One with a changed URL is another engine (or this one restarted): it holds none of
+        # its stored responses. One that left may come back: see ResponseOwners.
+        for worker in changed:
             self.response_owners.forget_engine(worker)
+        for worker in removed:
+            self.response_owners.engine_left(worker)
+        for worker in added:
+            self.response_owners.engine_joined(worker)
         self.metrics.engines_changed.inc(len(added) + len(removed) + len(changed))
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
         await self.scheduler.feeds_settled()  # started: the feeds follow the new set
@@ -796,20 +803,16 @@ class Gateway:
         asked of the engines (:meth:`_locate`). Refusal: 404 when no engine has it; 503 when
         ``generating`` (a conversation continued) and its engine is out of routing: no other
         can answer for it. A request about the response itself (``GET``, ``cancel``) goes to
-        its engine whatever its routing state (drained, it still answers)."""
-        engine = self.response_owners.owner(response_id)
+        its engine whatever its routing state (drained, it still answers). An engine that left
+        the configuration within :data:`~llmsched.gateway.responses.OWNER_GRACE_S` may come
+        back with it: a 503 too."""
+        holder = self.response_owners.owner(response_id)
+        if holder is not None and holder.left:
+            raise self._owner_unavailable(response_id, f"{holder.engine!r} left the configuration")
+        engine = None if holder is None else holder.engine
         if engine is not None and engine in self._specs:
             if generating and engine not in self.routable_endpoints():
-                self.metrics.response_lookups.labels("owner_unavailable").inc()
-                raise Refusal(
-                    503,
-                    "service_unavailable",
-                    f"the engine holding response {response_id!r} is not available",
-                    {
-                        DROPPED_REASON_HEADER: "owner-unavailable",
-                        "Retry-After": str(self.config.limits.retry_after_s),
-                    },
-                )
+                raise self._owner_unavailable(response_id, f"{engine!r} is out of routing")
             self.metrics.response_lookups.labels("owner").inc()
             return engine
         engine = await self._locate(response_id, deadline)
@@ -820,6 +823,18 @@ class Gateway:
             )
         self.metrics.response_lookups.labels("located").inc()
         return engine
+
+    def _owner_unavailable(self, response_id: str, why: str) -> Refusal:
+        self.metrics.response_lookups.labels("owner_unavailable").inc()
+        return Refusal(
+            503,
+            "service_unavailable",
+            f"the engine holding response {response_id!r} is not available ({why})",
+            {
+                DROPPED_REASON_HEADER: "owner-unavailable",
+                "Retry-After": str(self.config.limits.retry_after_s),
+            },
+        )
 
     async def _locate(self, response_id: str, deadline: float) -> str | None:
         """Asks every engine in routing at once for ``response_id`` (``GET

@@ -237,11 +237,17 @@ class DiscoveryConfig:
     mounted as a volume, or a file any discovery agent rewrites. The file holds the same list
     as ``engines`` (or a mapping with that one key); it is the only source of engines when set,
     and like ``engines`` it is configuration, never taken from requests. A file over
-    ``max_bytes`` is refused unread (a runaway agent cannot keep discovery busy)."""
+    ``max_bytes`` is refused unread (a runaway agent cannot keep discovery busy).
+
+    ``left_grace_s``: an engine that leaves the set (the file, or ``DELETE /admin/engines``)
+    may be back soon (a pod's readiness flapping); for this long the Responses API requests
+    naming its stored responses get a 503 with ``Retry-After`` rather than a 404, and it gets
+    them back if it returns. Null: they are forgotten at once."""
 
     file: Path | None = None
     interval_s: float = 2.0
     max_bytes: int = 1 << 20
+    left_grace_s: float | None = 30.0
 
 
 @dataclass(frozen=True)
@@ -1199,14 +1205,18 @@ def _discovery(raw: dict[str, Any], base: Path) -> DiscoveryConfig:
     interval = _seconds(raw, "interval_s", d.interval_s, "discovery", nullable=False)
     assert interval is not None
     max_bytes = _int(raw, "max_bytes", d.max_bytes, "discovery", low=1024, high=1 << 30)
+    grace = _seconds(raw, "left_grace_s", d.left_grace_s, "discovery", nullable=True)
     file = raw.get("file")
     if file is None:
-        return DiscoveryConfig(interval_s=interval, max_bytes=max_bytes)
+        return DiscoveryConfig(interval_s=interval, max_bytes=max_bytes, left_grace_s=grace)
     if not isinstance(file, (str, os.PathLike)) or not str(file):
         raise ConfigError(f"discovery.file: must be a path, got {file!r}")
     path = Path(file)
     return DiscoveryConfig(
-        file=path if path.is_absolute() else base / path, interval_s=interval, max_bytes=max_bytes
+        file=path if path.is_absolute() else base / path,
+        interval_s=interval,
+        max_bytes=max_bytes,
+        left_grace_s=grace,
     )
 
 

@@ -105,7 +105,8 @@ class GatewayMetrics:
             f"{PREFIX}_response_lookups",
             "Requests naming a stored response (previous_response_id, or its path), by how "
             "its engine was found: owner (known), located (asked of the engines), "
-            "owner_unavailable (its engine is out of routing), not_found",
+            "owner_unavailable (its engine is out of routing, or out of the set within "
+            "discovery.left_grace_s), not_found",
             ["outcome"],
             registry=r,
         )

@@ -208,6 +208,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "max_line_size": limits.max_line_size,
         "max_tenants": limits.max_tenants,
         "tenant_idle_s": limits.tenant_idle_s,
+        "left_grace_s": config.discovery.left_grace_s,
         "health": {
             "path": health.path,
             "interval_s": health.interval_s,

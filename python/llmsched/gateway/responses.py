@@ -17,14 +17,17 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "MAX_OWNERS",
     "MAX_RESPONSE_ID_BYTES",
+    "OWNER_GRACE_S",
     "LineEnds",
+    "ResponseHolder",
     "ResponseIdScan",
     "ResponseOwners",
     "TerminalEventScan",
@@ -176,47 +179,105 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> bool:
     return False
 
 
+OWNER_GRACE_S = 30.0
+"""Seconds the ids of an engine that left the configuration are kept for its return."""
+
+
+class ResponseHolder(NamedTuple):
+    """Where a stored response is, as far as the gateway knows."""
+
+    engine: str
+    """The engine that made it."""
+    left: bool
+    """Whether that engine left the configuration (less than the grace ago)."""
+
+
 class ResponseOwners:
     """Which engine made each stored response: at most ``capacity`` ids, least recently used
     dropped first; ids longer than :data:`MAX_RESPONSE_ID_BYTES` are not kept.
 
+    It follows the engines configured (:meth:`engine_joined`, :meth:`engine_left`): an engine
+    that leaves keeps its ids for ``grace_s`` as ``left`` (discovery can drop an engine for a
+    moment while it still holds them; asking the others would only find none), and gets them
+    back if it returns by then; after that they are forgotten. An id answered by an engine no
+    longer configured is not kept.
+
     >>> owners = ResponseOwners(capacity=2)
+    >>> owners.engine_joined("e0"); owners.engine_joined("e1")
     >>> owners.record("resp_a", "e0"); owners.record("resp_b", "e1"); owners.record("resp_c", "e0")
     >>> owners.owner("resp_a"), owners.owner("resp_c"), len(owners)
-    (None, 'e0', 2)
+    (None, ResponseHolder(engine='e0', left=False), 2)
+    >>> owners.engine_left("e0"); owners.owner("resp_c")
+    ResponseHolder(engine='e0', left=True)
     >>> owners.forget_engine("e0"); owners.owner("resp_c"), len(owners)
     (None, 1)
     """
 
-    def __init__(self, capacity: int = MAX_OWNERS) -> None:
+    def __init__(self, capacity: int = MAX_OWNERS, grace_s: float = OWNER_GRACE_S) -> None:
         self._owners: OrderedDict[str, str] = OrderedDict()
         self._capacity = capacity
+        self._grace_s = grace_s
+        self._engines: set[str] = set()
+        self._left: dict[str, float] = {}  # engine -> when it left (monotonic)
 
     def __len__(self) -> int:
+        self._expire()
         return len(self._owners)
 
+    def _expire(self) -> None:
+        if not self._left:
+            return
+        now = time.monotonic()
+        for engine in [e for e, since in self._left.items() if now - since >= self._grace_s]:
+            del self._left[engine]
+            self._forget(engine)
+
+    def _forget(self, engine: str) -> None:
+        for response_id in [i for i, e in self._owners.items() if e == engine]:
+            del self._owners[response_id]
+
+    def engine_joined(self, engine: str) -> None:
+        """``engine`` is configured: one that left within the grace gets its ids back."""
+        self._expire()
+        self._left.pop(engine, None)
+        self._engines.add(engine)
+
+    def engine_left(self, engine: str) -> None:
+        """``engine`` left the configuration: its ids are ``left`` for the grace."""
+        self._expire()
+        if engine in self._engines:
+            self._engines.discard(engine)
+            self._left[engine] = time.monotonic()
+
+    def forget_engine(self, engine: str) -> None:
+        """Forgets every id ``engine`` made at once (another engine, or this one restarted,
+        now answers under its name)."""
+        self._left.pop(engine, None)
+        self._forget(engine)
+
     def record(self, response_id: str, engine: str) -> None:
-        """``engine`` made (and stores) ``response_id``."""
+        """``engine`` made (and stores) ``response_id``; not kept when ``engine`` is neither
+        configured nor within its grace (it left while answering)."""
         if not response_id or len(response_id.encode("utf-8", "surrogatepass")) > (
             MAX_RESPONSE_ID_BYTES
         ):
+            return
+        self._expire()
+        if engine not in self._engines and engine not in self._left:
             return
         self._owners[response_id] = engine
         self._owners.move_to_end(response_id)
         while len(self._owners) > self._capacity:
             self._owners.popitem(last=False)
 
-    def owner(self, response_id: str) -> str | None:
-        """The engine that made ``response_id``, or None when not known here."""
+    def owner(self, response_id: str) -> ResponseHolder | None:
+        """Where ``response_id`` is, or None when not known here (a lookup counts as a use)."""
+        self._expire()
         engine = self._owners.get(response_id)
-        if engine is not None:
-            self._owners.move_to_end(response_id)
-        return engine
-
-    def forget_engine(self, engine: str) -> None:
-        """Forgets every id ``engine`` made (it left the configuration)."""
-        for response_id in [i for i, e in self._owners.items() if e == engine]:
-            del self._owners[response_id]
+        if engine is None:
+            return None
+        self._owners.move_to_end(response_id)
+        return ResponseHolder(engine, engine in self._left)
 
 
 def response_id_of(body: bytes) -> str | None:

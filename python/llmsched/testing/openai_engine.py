@@ -12,7 +12,8 @@ vLLM-style ``/metrics`` with its live request counts, and records every request 
 (path, headers, body) and every client disconnect. Its :attr:`FakeOpenAIEngine.mode` scripts
 failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error500"``,
 ``"error400"`` (a refusal, as vLLM refuses a request it cannot run),
-``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens), ``"cut"``
+``"stall"`` (never answer), ``"slow"`` (``token_delay_s`` between streamed tokens; a Responses
+JSON answer after as long as its stream would take), ``"cut"``
 (send the status line and part of the answer, then close the connection: a stream after its
 first event, a JSON answer halfway through its declared length), ``"cut_mid_event"`` (a
 stream's first event and half of its second, then the close), ``"no_done"`` (a stream that
@@ -325,6 +326,8 @@ class FakeOpenAIEngine:
         if stored:
             self.responses[ident] = final
         if not body.get("stream"):
+            if mode == "slow":  # generated before it is answered
+                await asyncio.sleep(self.token_delay_s * (n + 2))
             answer = json.dumps(final).encode()
             self.sent.append(answer)
             if mode in ("cut", "hang"):
