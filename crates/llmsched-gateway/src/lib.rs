@@ -529,12 +529,20 @@ fn upstream(entry: &EngineEntry, config: &GatewayConfig) -> Result<Upstream, Con
     })
 }
 
+/// Bytes the prefix index of a gateway that makes its own may use.
+pub const DEFAULT_INDEX_MAX_BYTES: u64 = 1 << 30;
+
 fn owned_router(config: &GatewayConfig) -> Result<Router, ConfigProblem> {
     let parsed = parse_config(&router_config(&config.router)?)
         .map_err(|e| ConfigProblem(format!("router: {e}")))?;
-    let index =
-        PrefixIndex::new(IndexConfig { block_size: config.block_size, ..Default::default() })
-            .map_err(|e| ConfigProblem(format!("block_size: {e}")))?;
+    // Bounded as `llmsched serve` bounds it (its `index` section's defaults).
+    let index = PrefixIndex::new(IndexConfig {
+        block_size: config.block_size,
+        worker_capacity: parsed.index_hints.worker_capacity,
+        max_bytes: Some(DEFAULT_INDEX_MAX_BYTES),
+        ..Default::default()
+    })
+    .map_err(|e| ConfigProblem(format!("block_size: {e}")))?;
     let pool = EndpointPool::new(StalePolicy::default())
         .map_err(|e| ConfigProblem(format!("pool: {e}")))?;
     let options = RouterOptions { seed: config.seed, ..RouterOptions::default() };
@@ -1685,6 +1693,13 @@ impl Gateway {
         ] {
             metrics::gauge(&mut out, key, help, &[], value);
         }
+        out.push_str(&format!(
+            "# HELP llmsched_gateway_index_evicted_blocks_total Blocks the prefix index evicted \
+             for index.max_bytes or a worker's capacity\n\
+             # TYPE llmsched_gateway_index_evicted_blocks_total counter\n\
+             llmsched_gateway_index_evicted_blocks_total {}.0\n",
+            stats.evicted_blocks
+        ));
         if let Some(tokenizer) = &self.tokenizer {
             tokenizer_cache_metrics(&mut out, &tokenizer.cache_stats());
         }

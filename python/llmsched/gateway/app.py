@@ -69,6 +69,7 @@ from llmsched.gateway.config import (
     cluster_sync,
     engine_set,
     file_version,
+    gateway_index,
     load_config,
     read_engines_file,
 )
@@ -86,7 +87,6 @@ from llmsched.gateway.responses import (
 )
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.integrations import EngineSpec
-from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import Decision
 from llmsched.scheduler import Admission, Placement, Scheduler, ScheduleRequest
 from llmsched.slices import SliceTracker
@@ -267,8 +267,9 @@ class Gateway:
 
     Components (public, for embedding and tests): :attr:`scheduler` (the
     :class:`~llmsched.Scheduler` every request goes through, which owns the rest), :attr:`index`
-    (one :class:`~llmsched.PrefixIndex` with the configured block size), :attr:`pool` (an
-    :class:`~llmsched.Endpoint` per engine, id = ``spec.worker_id``), :attr:`router`,
+    (one :class:`~llmsched.PrefixIndex` with the configured block size and ``index`` bounds),
+    :attr:`pool` (an :class:`~llmsched.Endpoint` per engine, id = ``spec.worker_id``),
+    :attr:`router`,
     :attr:`flow` (None when ``flow`` is null), :attr:`metrics`. :meth:`start` also starts the
     scheduler's feeds: a KV-event subscriber (engines with ``kv_events``) and a metrics
     scraper.
@@ -288,7 +289,7 @@ class Gateway:
             cfg.engines,
             router=cfg.router,
             flow=cfg.flow,
-            index=PrefixIndex(cfg.block_size),
+            index=gateway_index(cfg),
             scrape=cfg.scrape.enabled,
             scrape_interval_s=cfg.scrape.interval_s,
             scrape_timeout_s=cfg.scrape.timeout_s,

@@ -34,6 +34,7 @@ from llmsched.types import ConfigInfo, KeyLimits
 
 if TYPE_CHECKING:
     from llmsched.cluster import ClusterSync
+    from llmsched.prefix_index import PrefixIndex
     from llmsched.routing import Router
 
 _log = logging.getLogger("llmsched")
@@ -49,6 +50,7 @@ __all__ = [
     "DiscoveryErrors",
     "GatewayConfig",
     "HealthConfig",
+    "IndexConfig",
     "LimitsConfig",
     "ListenConfig",
     "PdConfig",
@@ -58,6 +60,7 @@ __all__ = [
     "TimeoutsConfig",
     "engine_set",
     "file_version",
+    "gateway_index",
     "load_config",
     "read_engines_file",
 ]
@@ -251,6 +254,21 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
+class IndexConfig:
+    """The gateway's prefix index. ``max_bytes``: the bytes it may use, as its
+    ``stats()["bytes"]`` counts them; past them the least recently used blocks of all engines
+    are evicted (``llmsched_gateway_index_evicted_blocks_total``). 1 GiB holds about 11-25
+    million (block, engine) pairs. Null: unbounded, and an engine (or any peer of a bound
+    ``kv_events`` port) that stores blocks and never removes them grows the gateway without
+    end. ``worker_capacity``: blocks each engine may hold in it (its least recently used
+    evicted past them); null: the router config's (llm-d's ``lruCapacityPerServer``), else
+    none."""
+
+    max_bytes: int | None = 1 << 30
+    worker_capacity: int | None = None
+
+
+@dataclass(frozen=True)
 class AdminConfig:
     """The admin API (:mod:`llmsched.gateway.admin`): on when a token is set, in the config
     (``token``) or in the environment variable ``token_env`` names."""
@@ -348,6 +366,7 @@ class GatewayConfig:
     pd: PdConfig = PdConfig()
     slices: SlicesConfig = SlicesConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    index: IndexConfig = IndexConfig()
     admin: AdminConfig = AdminConfig()
     cluster: ClusterConfig = ClusterConfig()
     data_plane: str = "native"
@@ -395,6 +414,7 @@ _TOP_KEYS = frozenset(
         "pd",
         "slices",
         "discovery",
+        "index",
         "admin",
         "cluster",
     }
@@ -466,6 +486,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         pd=pd,
         slices=_slices(_section(raw, "slices")),
         discovery=discovery,
+        index=_index(_section(raw, "index")),
         admin=_admin(_section(raw, "admin")),
         cluster=_cluster(_section(raw, "cluster")),
         data_plane=_data_plane(raw.get("data_plane", GatewayConfig.data_plane)),
@@ -1217,6 +1238,34 @@ def _discovery(raw: dict[str, Any], base: Path) -> DiscoveryConfig:
         interval_s=interval,
         max_bytes=max_bytes,
         left_grace_s=grace,
+    )
+
+
+def _index(raw: dict[str, Any]) -> IndexConfig:
+    d = IndexConfig()
+    _reject_unknown(raw, "index", set(d.__dataclass_fields__))
+    max_bytes, capacity = raw.get("max_bytes", d.max_bytes), raw.get("worker_capacity")
+    return IndexConfig(
+        max_bytes=None
+        if max_bytes is None
+        else _int({"max_bytes": max_bytes}, "max_bytes", 0, "index", low=1 << 20, high=1 << 50),
+        worker_capacity=None
+        if capacity is None
+        else _int(raw, "worker_capacity", 0, "index", low=1, high=1 << 40),
+    )
+
+
+def gateway_index(config: GatewayConfig) -> PrefixIndex:
+    """The prefix index a gateway of ``config`` routes on: its block size, bounded by its
+    ``index`` section (``worker_capacity`` defaulting to the router config's)."""
+    from llmsched.prefix_index import PrefixIndex
+    from llmsched.routing import config_info
+
+    capacity = config.index.worker_capacity
+    if capacity is None:
+        capacity = config_info(config.router)["worker_capacity"]
+    return PrefixIndex(
+        config.block_size, worker_capacity=capacity, max_bytes=config.index.max_bytes
     )
 
 

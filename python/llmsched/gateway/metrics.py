@@ -230,6 +230,11 @@ class _StateCollector(Collector):
             ("bytes", "Estimated bytes used by the prefix index"),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_index_{key}", help_text, value=stats[key])
+        yield CounterMetricFamily(
+            f"{PREFIX}_index_evicted_blocks",
+            "Blocks the prefix index evicted for index.max_bytes or a worker's capacity",
+            value=stats["evicted_blocks"],
+        )
         if self._endpoints is not None:
             in_flight = GaugeMetricFamily(
                 f"{PREFIX}_endpoint_in_flight",

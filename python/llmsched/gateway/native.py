@@ -62,13 +62,13 @@ from llmsched.gateway.config import (
     cluster_sync,
     engine_set,
     file_version,
+    gateway_index,
     load_config,
     read_engines_file,
 )
 from llmsched.gateway.engine_models import EngineModelCheck
 from llmsched.gateway.metrics import cluster_metrics_text, model_check_metrics_text
 from llmsched.integrations import EngineSpec
-from llmsched.prefix_index import PrefixIndex
 from llmsched.scheduler import Scheduler, warn_flow_without_load
 
 if TYPE_CHECKING:
@@ -293,7 +293,7 @@ class NativeGateway:
         self.scheduler = Scheduler(
             cfg.engines,
             router=cfg.router,
-            index=PrefixIndex(cfg.block_size),
+            index=gateway_index(cfg),
             scrape=False,
             # The engines' KV events are read and applied in Rust too.
             kv_feed="native",
