@@ -224,6 +224,12 @@ def test_snapshot_round_trip_keeps_everything() -> None:
     for cut in range(0, len(data) - 1, max(1, len(data) // 50)):
         with pytest.raises(llmsched.SnapshotError):
             PrefixIndex.loads(data[:cut])
+    # Any changed bit is refused (probe 48 F7: most loaded as another index).
+    for i in range(len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 1 << (i % 8)
+        with pytest.raises(llmsched.SnapshotError):
+            PrefixIndex.loads(bytes(damaged))
 
 
 def test_match_many_equals_single_matches() -> None:
