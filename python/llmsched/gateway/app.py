@@ -337,6 +337,7 @@ class Gateway:
             cluster=None if self.cluster is None else self.cluster.stats,
             scrapes=self._scrape_snapshot,
             model_findings=self.model_check.findings,
+            kv_failing=self._kv_failing,
         )
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
@@ -628,6 +629,10 @@ class Gateway:
     def _kv_counters(self) -> dict[str, int]:
         subscriber = self.scheduler.subscriber
         return {} if subscriber is None else subscriber.counters()
+
+    def _kv_failing(self) -> dict[str, str]:
+        subscriber = self.scheduler.subscriber
+        return {} if subscriber is None else subscriber.failing_sockets()
 
     # -- small endpoints -----------------------------------------------------------------
 

@@ -56,6 +56,7 @@ __all__ = [
     "ScrapeConfig",
     "SlicesConfig",
     "TimeoutsConfig",
+    "check_kv_transports",
     "engine_set",
     "file_version",
     "load_config",
@@ -442,6 +443,8 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     for key in ("chat_template", "default_chat_template_kwargs"):
         if raw.get(key) is not None and tokenizer is None:
             raise ConfigError(f"{key}: needs a tokenizer (it changes the chats' token ids)")
+    data_plane = _data_plane(raw.get("data_plane", GatewayConfig.data_plane))
+    check_kv_transports(engines, data_plane)
     return GatewayConfig(
         engines=engines,
         models=models,
@@ -462,7 +465,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         discovery=discovery,
         admin=_admin(_section(raw, "admin")),
         cluster=_cluster(_section(raw, "cluster")),
-        data_plane=_data_plane(raw.get("data_plane", GatewayConfig.data_plane)),
+        data_plane=data_plane,
         native_threads=_int(
             raw, "native_threads", GatewayConfig.native_threads, "", low=1, high=64
         ),
@@ -495,6 +498,41 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
             else _int(raw, "max_model_len", 1, "", low=1, high=2**31)
         ),
     )
+
+
+def check_kv_transports(
+    engines: Iterable[EngineSpec], data_plane: str, *, by_worker: bool = False
+) -> None:
+    """ConfigError for a KV-event or replay endpoint ``data_plane``'s subscriber can never
+    reach, naming the engine (``engines[i]``, or its worker id with ``by_worker``) and the
+    key: ``inproc://`` on either plane (only sockets of the subscriber's own ZMQ context reach
+    it, no engine), anything but ``tcp://`` on the native plane (its feed reads TCP only).
+    The endpoints' hosts and ports are checked by
+    :class:`~llmsched.integrations.EngineSpec` itself.
+
+    >>> spec = EngineSpec("h", 8000, kv_events="ipc:///tmp/kv", kv_events_bind=True)
+    >>> check_kv_transports([spec], "python")
+    >>> check_kv_transports([spec], "native")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: engines[0].kv_events: 'ipc:///tmp/kv': the native data plane ...
+    """
+    for i, spec in enumerate(engines):
+        for key in ("kv_events", "replay"):
+            endpoint = getattr(spec, key)
+            if endpoint is None:
+                continue
+            name = f"engine {spec.worker_id}: {key}" if by_worker else f"engines[{i}].{key}"
+            if endpoint.startswith("inproc://"):
+                raise ConfigError(
+                    f"{name}: {endpoint!r}: inproc:// reaches only the subscriber's own ZMQ "
+                    "context, where no engine publishes; use tcp:// (or ipc://)"
+                )
+            if data_plane == "native" and not endpoint.startswith("tcp://"):
+                raise ConfigError(
+                    f"{name}: {endpoint!r}: the native data plane reads KV events over tcp:// "
+                    "only (data_plane: python reads ipc:// too)"
+                )
 
 
 def _data_plane(value: Any) -> str:
@@ -709,7 +747,9 @@ def engine_set(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[str
         specs[spec.worker_id] = spec
     if not specs:
         raise ConfigError("engines: must list at least one engine")
-    return {s.worker_id: s for s in wire_engines(config, specs.values())}
+    wired = wire_engines(config, specs.values())
+    check_kv_transports(wired, config.data_plane, by_worker=True)
+    return {s.worker_id: s for s in wired}
 
 
 def _wire_specs(
