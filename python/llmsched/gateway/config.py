@@ -128,7 +128,16 @@ class LimitsConfig:
     """Request limits (aiohttp refuses bigger request lines and headers before a handler runs).
 
     ``max_body_bytes`` also refuses a declared ``Content-Length`` over it before the body is
-    read (413). ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
+    read (413). ``max_body_bytes_in_flight`` bounds the bytes of all the request bodies being
+    received at once (at least ``max_body_bytes``): a body whose declared ``Content-Length``
+    would pass it is refused at once, a chunked one as soon as it passes it, with a 503,
+    ``Retry-After`` and ``x-llmsched-dropped-reason: body-capacity``; a body's bytes count
+    until it is read whole (or refused, or its client leaves). The default, 256 MiB, keeps
+    what slow uploads can hold within a small container's memory (64 bodies of the largest
+    size at once; a body of a few KB takes milliseconds to arrive, so the budget is reached
+    only by bodies held back on purpose or over a very slow link), where the connection and
+    body limits alone allowed ``max_connections`` x ``max_body_bytes`` (16 GiB).
+    ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
     that trickles in or never ends holds no connection longer); ``idle_timeout_s`` closes a
     connection idle between requests or whose request headers have not all arrived, and
     resets one whose answer the client takes no byte of for that long (counted as
@@ -144,6 +153,7 @@ class LimitsConfig:
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes_in_flight: int = 256 * 1024 * 1024
     max_field_size: int = 8190
     max_line_size: int = 8190
     max_headers: int = 64
@@ -1143,8 +1153,19 @@ def _cluster(raw: dict[str, Any]) -> ClusterConfig:
 def _limits(raw: dict[str, Any]) -> LimitsConfig:
     d = LimitsConfig()
     _reject_unknown(raw, "limits", set(d.__dataclass_fields__))
+    max_body = _int(raw, "max_body_bytes", d.max_body_bytes, "limits", low=1024)
+    in_flight = _int(
+        raw, "max_body_bytes_in_flight", d.max_body_bytes_in_flight, "limits", low=1024, high=2**48
+    )
+    if in_flight < max_body:
+        given = "" if "max_body_bytes_in_flight" in raw else " (the default)"
+        raise ConfigError(
+            f"limits.max_body_bytes_in_flight: must be at least limits.max_body_bytes "
+            f"({max_body}), got {in_flight}{given}: a body of the largest size would never fit"
+        )
     return LimitsConfig(
-        max_body_bytes=_int(raw, "max_body_bytes", d.max_body_bytes, "limits", low=1024),
+        max_body_bytes=max_body,
+        max_body_bytes_in_flight=in_flight,
         max_field_size=_int(raw, "max_field_size", d.max_field_size, "limits", low=256),
         max_line_size=_int(raw, "max_line_size", d.max_line_size, "limits", low=256),
         max_headers=_int(raw, "max_headers", d.max_headers, "limits", low=8, high=10_000),

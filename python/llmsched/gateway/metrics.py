@@ -180,6 +180,13 @@ class GatewayMetrics:
             registry=r,
         )
         self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now", registry=r)
+        self.body_bytes_in_flight = Gauge(
+            f"{PREFIX}_body_bytes_in_flight",
+            "Bytes of the request bodies being received, held against "
+            "limits.max_body_bytes_in_flight (a declared Content-Length counts whole from the "
+            "start)",
+            registry=r,
+        )
         self.connections_refused = Counter(
             f"{PREFIX}_connections_refused",
             "Client connections refused at limits.max_connections",

@@ -193,6 +193,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "models": list(config.models),
         "lora_adapters": dict(config.lora_adapters),
         "max_body": limits.max_body_bytes,
+        "max_body_in_flight": limits.max_body_bytes_in_flight,
         "retries": config.retries.max_attempts - 1,
         "retry_on_5xx": config.retries.on_5xx,
         "scrape_interval_s": config.scrape.interval_s if config.scrape.enabled else None,
