@@ -726,6 +726,7 @@ class NativeGatewayConfig(TypedDict):
     models: list[str]
     lora_adapters: dict[str, str]
     max_body: int
+    max_body_in_flight: int
     retries: int
     retry_on_5xx: bool
     scrape_interval_s: float | None
