@@ -10,6 +10,7 @@ dead replica costs no decision.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections import Counter
@@ -25,7 +26,7 @@ from _nats import NatsServer, free_port, nats_binary
 
 from llmsched import EndpointPool, PrefixIndex, Router
 from llmsched.cluster import ClusterSync
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
 
 ENDPOINTS = ["e0", "e1", "e2", "e3"]
 # Prefix and session affinity plus llm-d's active-request scorer: the in-flight counts matter.
@@ -284,6 +285,58 @@ def test_hostile_bytes_on_the_subject_are_counted_not_applied(bus: NatsServer) -
             assert router.pick(tokens=_prompt(1)).cached == 0
 
     run(body)
+
+
+def test_a_replica_that_hashes_otherwise_is_warned_about_and_its_records_skipped(
+    bus: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Probe 48 F5: a replica with another block size synced silently, its records counted as
+    applied though they could never match."""
+
+    async def body() -> None:
+        odd = Router(
+            EndpointPool(ENDPOINTS, stale_policy="ignore"), PrefixIndex(block_size=32), CONFIG
+        )
+        async with _replicas(bus.url, 1) as replicas:
+            router, sync = replicas[0]
+            other = ClusterSync(odd, servers=bus.url, cluster="t", replica="odd")
+            await other.start()
+            try:
+                prompt = _prompt(1)
+                d = odd.pick(tokens=prompt, session_id="chat-9")
+                d.started()
+                d.finished()
+                await _until(lambda: sync.stats()["records_mismatched"] >= 1, "the skip")
+                stats = sync.stats()
+                assert stats["mismatched_in"] >= 1 and stats["records_applied"] == 0, stats
+                assert router.pick(tokens=prompt).cached == 0
+                # Its session binding still applies: sessions do not depend on hashing.
+                assert router.pick(tokens=_prompt(2), session_id="chat-9").endpoint == d.endpoint
+            finally:
+                await other.stop()
+        warned = [r for r in caplog.records if "hashes prompts otherwise" in r.getMessage()]
+        assert len(warned) == 1
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        run(body)
+
+
+def test_replica_sync_arguments_are_checked() -> None:
+    router = _router(0)
+    good = {"incarnation": 1, "journal_limit": 10, "load_ttl_s": 3.0, "history_limit": 10}
+    for bad, name in (
+        ({"incarnation": -1}, "incarnation"),
+        ({"incarnation": 2**64}, "incarnation"),
+        ({"journal_limit": -1}, "journal_limit"),
+        ({"history_limit": -5}, "history_limit"),
+        ({"load_ttl_s": float("nan")}, "load_ttl_s"),
+        ({"load_ttl_s": -1.0}, "load_ttl_s"),
+    ):
+        with pytest.raises((InvalidValueError, InvalidTypeError), match=name):
+            router.replica_sync("r", **{**good, **bad})  # type: ignore[arg-type]
+    for name in ("", "x" * 70_000):
+        with pytest.raises(InvalidValueError, match="replica"):
+            router.replica_sync(name, **good)  # type: ignore[arg-type]
 
 
 def test_settings_are_checked() -> None:

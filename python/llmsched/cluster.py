@@ -225,6 +225,7 @@ class ClusterSync:
         self._collect_usage: Callable[[], Usage] | None = None
         self._apply_usage: Callable[[Usage], None] | None = None
         self._warned_malformed = False
+        self._warned_hashing = False
         self._stopping = False
 
     @property
@@ -336,7 +337,16 @@ class ClusterSync:
 
     async def _on_batch(self, msg: Msg) -> None:
         try:
-            self._native.incoming(msg.data, self._clock())
+            report = self._native.incoming(msg.data, self._clock())
+            if report["records_mismatched"] and not self._warned_hashing:
+                self._warned_hashing = True
+                log.warning(
+                    "llmsched cluster %s: another replica hashes prompts otherwise (another "
+                    "block_size, hashing seed or model): its prefix records can never match "
+                    "here and are skipped (counted in mismatched_in); give every replica the "
+                    "same index settings",
+                    self.replica,
+                )
         except MalformedSyncBatchError as exc:
             if not self._warned_malformed:
                 self._warned_malformed = True

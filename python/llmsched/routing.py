@@ -63,6 +63,7 @@ from llmsched.validation import (
     check_now,
     check_number_like,
     check_optional_str,
+    check_positive_seconds,
     check_probability,
     check_seed,
     check_str,
@@ -550,13 +551,13 @@ class Router:
         :class:`llmsched.cluster.ClusterSync` drives (use that; one per router). From this call
         on, every :meth:`Decision.started` journals its prefix record and session binding."""
         check_str("replica", replica)
-        for name, value in (
-            ("incarnation", incarnation),
-            ("journal_limit", journal_limit),
-            ("history_limit", history_limit),
-        ):
-            check_int_like(name, value)
-        check_number_like("load_ttl_s", load_ttl_s)
+        if not 0 < len(replica.encode("utf-8", "surrogatepass")) <= 65_535:
+            # The batches carry the name in at most 65,535 bytes; an empty name is no name.
+            raise InvalidValueError(f"replica must be 1 to 65,535 bytes, got {len(replica)} chars")
+        check_int("incarnation", incarnation, maximum=2**64 - 1)
+        check_int("journal_limit", journal_limit, maximum=2**32)
+        check_int("history_limit", history_limit, maximum=2**32)
+        check_positive_seconds("load_ttl_s", load_ttl_s)
         return _llmsched.ReplicaSync(
             self._native, replica, incarnation, journal_limit, load_ttl_s, history_limit
         )

@@ -581,6 +581,11 @@ class SyncReport(TypedDict):
     """Session bindings made."""
     unknown_endpoints: int
     """Entries and counts for endpoints this replica's pool does not have (skipped)."""
+    records_mismatched: int
+    """Records skipped because the sender hashes prompts otherwise (another block size, seed
+    or model): they could never match here."""
+    records_refused: int
+    """Records the index refused (a chain conflicting with what it holds)."""
 
 
 class SyncCounters(TypedDict):
@@ -603,6 +608,10 @@ class SyncCounters(TypedDict):
     records_applied: int
     sessions_applied: int
     unknown_endpoints: int
+    mismatched_in: int
+    """Batches from a replica that hashes prompts otherwise (their records skipped)."""
+    records_mismatched: int
+    records_refused: int
     replicas_expired: int
     """Replicas forgotten because nothing came from them within ``load_ttl_s``."""
 

@@ -23,6 +23,8 @@ fn report_dict<'py>(py: Python<'py>, r: &IncomingReport) -> PyResult<Bound<'py, 
     d.set_item("records", r.records)?;
     d.set_item("sessions", r.sessions)?;
     d.set_item("unknown_endpoints", r.unknown_endpoints)?;
+    d.set_item("records_mismatched", r.records_mismatched)?;
+    d.set_item("records_refused", r.records_refused)?;
     Ok(d)
 }
 
@@ -131,6 +133,9 @@ impl PyReplicaSync {
             ("records_applied", c.records_applied),
             ("sessions_applied", c.sessions_applied),
             ("unknown_endpoints", c.unknown_endpoints),
+            ("mismatched_in", c.mismatched_in),
+            ("records_mismatched", c.records_mismatched),
+            ("records_refused", c.records_refused),
             ("replicas_expired", c.replicas_expired),
         ] {
             d.set_item(name, value)?;

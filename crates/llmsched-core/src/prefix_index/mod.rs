@@ -413,6 +413,19 @@ impl PrefixIndex {
         }
     }
 
+    /// A digest of how this index hashes prompts (its block size, seed and model): two
+    /// indexes with the same one compute the same block hashes for the same tokens, so the
+    /// records one shares (replica sync) can match in the other.
+    pub fn hashing_fingerprint(&self) -> u64 {
+        let mut bytes = Vec::with_capacity(24);
+        bytes.extend_from_slice(&(self.config.block_size as u64).to_le_bytes());
+        bytes.extend_from_slice(&self.config.seed.to_le_bytes());
+        if let Some(model) = &self.config.model {
+            bytes.extend_from_slice(model.as_bytes());
+        }
+        xxhash_rust::xxh3::xxh3_64(&bytes)
+    }
+
     /// Serialises the index. Approximate holdings keep their remaining lifetime relative to `now`.
     pub fn dumps(&self, now: f64) -> Vec<u8> {
         snapshot::dump(&self.config, &self.state.read(), now)

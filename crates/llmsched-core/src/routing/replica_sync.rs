@@ -18,8 +18,10 @@
 //! a drift behind. Records and sessions are idempotent (recording a prefix twice, or binding a
 //! session to the endpoint it is bound to, changes nothing), so duplicates are harmless.
 //!
-//! Wire format (version 1, little-endian): `b"LSYN"`, version `u8`, replica name (`u16` length
-//! then UTF-8), incarnation `u64` (random per process start), sequence `u64`, then `u32` count
+//! Wire format (version 2, little-endian): `b"LSYN"`, version `u8`, replica name (`u16` length
+//! then UTF-8), incarnation `u64` (random per process start), sequence `u64`, the sender's
+//! hashing `u64` ([`PrefixIndex::hashing_fingerprint`]: block size, seed and model; version 1
+//! has no such field, and its records are applied unchecked), then `u32` count
 //! of loads (endpoint key, four `u64`: requests, prefill requests, prefill tokens, tokens), then
 //! `u32` count of entries, each a tag `u8` (1: record, 2: session), the endpoint key, the age in
 //! seconds `f32`, then for a record a `u32` count of block hashes and the `u64` hashes, for a
@@ -42,7 +44,12 @@ use crate::prefix_index::{PrefixIndex, WorkerKey};
 use crate::protocols::BlockHash;
 
 const MAGIC: &[u8; 4] = b"LSYN";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// The first version, without the sender's hashing: still read.
+const VERSION_UNCHECKED: u8 = 1;
+/// Most batches one batch's sequence adds to `missed_in`: a number far ahead (a bug) is not a
+/// measure of what was lost.
+const MAX_MISSED_COUNTED: u64 = 1 << 20;
 const TAG_RECORD: u8 = 1;
 const TAG_SESSION: u8 = 2;
 const KEY_INT: u8 = 0;
@@ -65,6 +72,9 @@ pub struct SyncBatch {
     pub replica: String,
     pub incarnation: u64,
     pub seq: u64,
+    /// The sender's [`PrefixIndex::hashing_fingerprint`] (`None`: a version-1 batch, encoded
+    /// as one).
+    pub hashing: Option<u64>,
     /// Endpoints where the replica has requests in flight; absent endpoints count 0.
     pub loads: Vec<(WorkerKey, InFlightSnapshot)>,
     pub entries: Vec<SyncEntry>,
@@ -161,11 +171,14 @@ fn key_fits(key: &WorkerKey) -> bool {
 pub fn encode(batch: &SyncBatch) -> (Vec<u8>, usize) {
     let mut out = Vec::with_capacity(64 + batch.loads.len() * 48);
     out.extend_from_slice(MAGIC);
-    out.push(VERSION);
+    out.push(if batch.hashing.is_some() { VERSION } else { VERSION_UNCHECKED });
     let replica = if batch.replica.len() <= u16::MAX as usize { &batch.replica[..] } else { "" };
     put_str(&mut out, replica);
     out.extend_from_slice(&batch.incarnation.to_le_bytes());
     out.extend_from_slice(&batch.seq.to_le_bytes());
+    if let Some(hashing) = batch.hashing {
+        out.extend_from_slice(&hashing.to_le_bytes());
+    }
     let mut skipped = 0;
     let loads: Vec<_> = batch.loads.iter().filter(|(k, _)| key_fits(k)).collect();
     skipped += batch.loads.len() - loads.len();
@@ -309,13 +322,14 @@ pub fn decode(data: &[u8]) -> Result<SyncBatch, SyncError> {
         return r.fail("not a sync batch (bad magic)");
     }
     let version = r.u8()?;
-    if version != VERSION {
+    if version != VERSION && version != VERSION_UNCHECKED {
         r.at -= 1;
         return r.fail(format!("unknown version {version}"));
     }
     let replica = r.str()?;
     let incarnation = r.u64()?;
     let seq = r.u64()?;
+    let hashing = if version == VERSION { Some(r.u64()?) } else { None };
     let n = r.count(3 + 32, "loads")?;
     let mut loads = Vec::with_capacity(n);
     for _ in 0..n {
@@ -352,7 +366,7 @@ pub fn decode(data: &[u8]) -> Result<SyncBatch, SyncError> {
     if r.left() != 0 {
         return r.fail(format!("{} bytes after the batch", r.left()));
     }
-    Ok(SyncBatch { replica, incarnation, seq, loads, entries })
+    Ok(SyncBatch { replica, incarnation, seq, hashing, loads, entries })
 }
 
 // ---- one replica's side --------------------------------------------------------------------
@@ -387,6 +401,11 @@ pub struct IncomingReport {
     pub sessions: u64,
     /// Entries or loads for endpoints this replica's pool does not have.
     pub unknown_endpoints: u64,
+    /// Records skipped because the sender hashes prompts otherwise (another block size, seed
+    /// or model): they could never match here.
+    pub records_mismatched: u64,
+    /// Records the index refused (a chain that conflicts with what it holds).
+    pub records_refused: u64,
 }
 
 /// Counters of one replica's sync.
@@ -404,9 +423,23 @@ pub struct SyncCounters {
     pub records_applied: u64,
     pub sessions_applied: u64,
     pub unknown_endpoints: u64,
+    /// Batches from a replica that hashes prompts otherwise, and the records they carried.
+    pub mismatched_in: u64,
+    pub records_mismatched: u64,
+    pub records_refused: u64,
     pub journal_dropped: u64,
     pub skipped_out: u64,
     pub replicas_expired: u64,
+}
+
+impl SyncCounters {
+    fn add_mismatch(&mut self, report: &IncomingReport) {
+        if report.records_mismatched > 0 {
+            self.mismatched_in += 1;
+            self.records_mismatched += report.records_mismatched;
+        }
+        self.records_refused += report.records_refused;
+    }
 }
 
 #[derive(Debug)]
@@ -504,6 +537,7 @@ impl ReplicaSync {
             replica: self.replica.clone(),
             incarnation: self.incarnation,
             seq: state.seq,
+            hashing: Some(self.index.hashing_fingerprint()),
             loads: loads.clone(),
             entries,
         };
@@ -540,7 +574,7 @@ impl ReplicaSync {
                 return Ok(report);
             }
             Some(peer) if peer.incarnation == batch.incarnation => {
-                report.missed = batch.seq - peer.seq - 1;
+                report.missed = (batch.seq - peer.seq - 1).min(MAX_MISSED_COUNTED);
                 peer.seq = batch.seq;
                 peer.last_seen = now;
                 peer.loads = batch.loads;
@@ -557,16 +591,19 @@ impl ReplicaSync {
                 );
             }
         }
-        let applied = self.apply_entries(&batch.entries, &members, now);
+        let applied = self.apply_entries(&batch.entries, batch.hashing, &members, now);
         report.records = applied.records;
         report.sessions = applied.sessions;
+        report.records_mismatched = applied.records_mismatched;
+        report.records_refused = applied.records_refused;
         unknown += applied.unknown_endpoints;
         report.unknown_endpoints = unknown;
         let c = &mut state.counters;
-        c.missed_in += report.missed;
+        c.missed_in = c.missed_in.saturating_add(report.missed);
         c.records_applied += report.records;
         c.sessions_applied += report.sessions;
         c.unknown_endpoints += unknown;
+        c.add_mismatch(&report);
         self.refresh(&mut state, now);
         Ok(report)
     }
@@ -577,8 +614,17 @@ impl ReplicaSync {
     }
 
     /// Records and sessions of `entries` for endpoints in `members`; the rest are counted.
-    fn apply_entries(&self, entries: &[SyncEntry], members: &Members, now: f64) -> IncomingReport {
+    /// The records of a sender that hashes prompts otherwise (`hashing`) are skipped: they
+    /// could never match here, and would only take index memory for their lifetime.
+    fn apply_entries(
+        &self,
+        entries: &[SyncEntry],
+        hashing: Option<u64>,
+        members: &Members,
+        now: f64,
+    ) -> IncomingReport {
         let mut report = IncomingReport::default();
+        let mismatched = hashing.is_some_and(|h| h != self.index.hashing_fingerprint());
         for entry in entries {
             let (endpoint, age_s) = match entry {
                 SyncEntry::Record { endpoint, age_s, .. }
@@ -589,13 +635,14 @@ impl ReplicaSync {
                 continue;
             }
             match entry {
+                SyncEntry::Record { .. } if mismatched => report.records_mismatched += 1,
                 SyncEntry::Record { hashes, .. } => {
                     let ttl = self.record_ttl - age_s;
-                    if ttl > 0.0
-                        && !hashes.is_empty()
-                        && self.index.record(endpoint, hashes, ttl, now).is_ok()
-                    {
-                        report.records += 1;
+                    if ttl > 0.0 && !hashes.is_empty() {
+                        match self.index.record(endpoint, hashes, ttl, now) {
+                            Ok(_) => report.records += 1,
+                            Err(_) => report.records_refused += 1,
+                        }
                     }
                 }
                 SyncEntry::Session { id, .. } => {
@@ -670,6 +717,7 @@ impl ReplicaSync {
                 replica: self.replica.clone(),
                 incarnation: self.incarnation,
                 seq: 0,
+                hashing: Some(self.index.hashing_fingerprint()),
                 loads: Vec::new(),
                 entries: std::mem::take(chunk),
             };
@@ -693,13 +741,14 @@ impl ReplicaSync {
     /// its (empty) counts, whatever its sequence.
     pub fn apply_catch_up(&self, data: &[u8], now: f64) -> Result<IncomingReport, SyncError> {
         let batch = self.decode_counted(data)?;
-        let report = self.apply_entries(&batch.entries, &self.pool.snapshot(), now);
+        let report = self.apply_entries(&batch.entries, batch.hashing, &self.pool.snapshot(), now);
         let mut state = self.state.lock();
         let c = &mut state.counters;
         c.bytes_in += data.len() as u64;
         c.records_applied += report.records;
         c.sessions_applied += report.sessions;
         c.unknown_endpoints += report.unknown_endpoints;
+        c.add_mismatch(&report);
         Ok(report)
     }
 
@@ -740,13 +789,15 @@ mod tests {
     }
 
     fn replica(name: &str) -> Replica {
+        hashing_replica(name, IndexConfig { block_size: 16, ..IndexConfig::default() })
+    }
+
+    fn hashing_replica(name: &str, config: IndexConfig) -> Replica {
         let pool = Arc::new(EndpointPool::new(StalePolicy::default()).unwrap());
         for n in ["a", "b", "c"] {
             pool.upsert(Endpoint { address: format!("{n}:8000"), ..Endpoint::new(key(n)) });
         }
-        let index = Arc::new(
-            PrefixIndex::new(IndexConfig { block_size: 16, ..IndexConfig::default() }).unwrap(),
-        );
+        let index = Arc::new(PrefixIndex::new(config).unwrap());
         let config = parse_config(&presets::preset("llm-d").unwrap()).unwrap();
         let router = Router::new(pool, index, config, RouterOptions::default()).unwrap();
         let sync = router.replica_sync(name.into(), name.len() as u64, SyncOptions::default());
@@ -789,6 +840,41 @@ mod tests {
         // Its own echo is ignored; the same batch twice is a duplicate.
         assert!(one.sync.incoming(&batch, 1.0).unwrap().own);
         assert!(two.sync.incoming(&batch, 1.0).unwrap().duplicate);
+    }
+
+    #[test]
+    fn records_of_a_replica_that_hashes_otherwise_are_counted_not_applied() {
+        // Probe 48 F5: another block size (or seed, or model) never matches here, and was
+        // applied and counted as if it did.
+        let one = replica("one");
+        let tokens = prompt(0);
+        for (name, config) in [
+            ("bs32", IndexConfig { block_size: 32, ..IndexConfig::default() }),
+            ("seed9", IndexConfig { block_size: 16, seed: 9, ..IndexConfig::default() }),
+            (
+                "model",
+                IndexConfig { block_size: 16, model: Some("m".into()), ..Default::default() },
+            ),
+        ] {
+            let other = hashing_replica(name, config);
+            let d = other.router.decide(&tokens, &meta(Some("s1")), 1.0).unwrap();
+            let _ticket = other.router.commit(&d, None, 1.0).unwrap();
+            let batch = other.sync.outgoing(1.0, false).unwrap();
+            let report = one.sync.incoming(&batch, 1.0).unwrap();
+            assert_eq!((report.records, report.records_mismatched), (0, 1));
+            assert_eq!(report.sessions, 1, "sessions and counts do not depend on hashing");
+        }
+        let c = one.sync.counters();
+        assert_eq!((c.mismatched_in, c.records_mismatched, c.records_applied), (3, 3, 0));
+        assert_eq!(one.router.index().stats().blocks, 0);
+        // The same hashing matches, and a far jump of the sequence counts a bounded loss.
+        let same = replica("same");
+        let d = same.router.decide(&tokens, &meta(None), 1.0).unwrap();
+        let _ticket = same.router.commit(&d, None, 1.0).unwrap();
+        let batch = decode(&same.sync.outgoing(1.0, false).unwrap()).unwrap();
+        assert_eq!(one.sync.incoming(&encode(&batch).0, 1.0).unwrap().records, 1);
+        let far = SyncBatch { seq: u64::MAX, ..batch };
+        assert_eq!(one.sync.incoming(&encode(&far).0, 1.0).unwrap().missed, MAX_MISSED_COUNTED);
     }
 
     #[test]
@@ -893,6 +979,7 @@ mod tests {
             replica: "one".into(),
             incarnation: 7,
             seq: 1,
+            hashing: None,
             loads: vec![(key("zz"), InFlightSnapshot { requests: 4, ..Default::default() })],
             entries: vec![SyncEntry::Record {
                 endpoint: key("zz"),
@@ -910,6 +997,7 @@ mod tests {
             replica: "gw-0".into(),
             incarnation: u64::MAX,
             seq: 42,
+            hashing: Some(0xfeed_beef),
             loads: vec![
                 (
                     key("a"),
@@ -934,6 +1022,11 @@ mod tests {
         let (bytes, skipped) = encode(&batch);
         assert_eq!(skipped, 0);
         assert_eq!(decode(&bytes).unwrap(), batch);
+        // Without the sender's hashing: version 1, still read.
+        let first = SyncBatch { hashing: None, ..batch.clone() };
+        let (old, _) = encode(&first);
+        assert_eq!((old[4], old.len() + 8), (1, bytes.len()));
+        assert_eq!(decode(&old).unwrap(), first);
         // Too long a string is left out and counted, never truncated.
         let long = SyncBatch {
             entries: vec![SyncEntry::Session {
@@ -955,6 +1048,7 @@ mod tests {
             replica: "one".into(),
             incarnation: 1,
             seq: 1,
+            hashing: None,
             loads: vec![],
             entries: vec![SyncEntry::Record { endpoint: key("a"), hashes: vec![9; 4], age_s: 0.0 }],
         })
@@ -985,9 +1079,12 @@ mod tests {
         #[test]
         fn any_bytes_decode_or_fail_cleanly(data in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = decode(&data);
-            let mut framed = b"LSYN\x01".to_vec();
-            framed.extend_from_slice(&data);
-            let _ = decode(&framed);
+            for version in [1u8, 2] {
+                let mut framed = b"LSYN".to_vec();
+                framed.push(version);
+                framed.extend_from_slice(&data);
+                let _ = decode(&framed);
+            }
         }
 
         #[test]
@@ -996,6 +1093,7 @@ mod tests {
                 replica: "r".into(),
                 incarnation: 3,
                 seq: 9,
+                hashing: Some(5),
                 loads: vec![(key("a"), InFlightSnapshot { requests: 2, ..Default::default() })],
                 entries: vec![
                     SyncEntry::Record { endpoint: key("b"), hashes: vec![1, 2, 3], age_s: 0.5 },
