@@ -7,8 +7,8 @@
 //! past the cap, a message of more than [`MAX_FRAMES`] frames, a command larger than
 //! [`MAX_COMMAND`], reserved flag bits, a command inside a multipart message, are errors (the
 //! connection is dropped). [`Decoder::room`] says how much room to make for the next read:
-//! what the frame in progress still lacks, but never more than what has arrived (at least a
-//! read chunk), so the buffer grows by at most doubling with the bytes that actually come,
+//! what the frame in progress still lacks, but never more than what has arrived (at least
+//! [`MIN_ROOM`]), so the buffer grows by at most doubling with the bytes that actually come,
 //! whatever the header declared.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -21,8 +21,10 @@ pub const GREETING_LEN: usize = 64;
 pub const MAX_FRAMES: usize = 64;
 /// Largest command body (READY with its properties, PING, ...).
 pub const MAX_COMMAND: usize = 64 << 10;
-/// The read chunk: the least room made for a read.
+/// A connection's read buffer: its first capacity, and the least of a new one.
 pub const READ_CHUNK: usize = 64 << 10;
+/// The least room made for a read (below it, a buffer is replaced, at [`READ_CHUNK`]).
+pub const MIN_ROOM: usize = 8 << 10;
 
 const MORE: u8 = 0x01;
 const LONG: u8 = 0x02;
@@ -270,11 +272,11 @@ impl Decoder {
         }
     }
 
-    /// Room to make in a buffer holding `buffered` bytes before the next read: a read chunk,
-    /// or what the frame in progress still lacks when that is more, but never more than what
-    /// has arrived (growth by at most doubling, with the bytes that actually come).
+    /// Room to make in a buffer holding `buffered` bytes before the next read: what the frame
+    /// in progress still lacks, but never more than what has arrived (growth by at most
+    /// doubling, with the bytes that actually come), and at least [`MIN_ROOM`].
     pub fn room(&self, buffered: usize) -> usize {
-        self.need.min(buffered).max(READ_CHUNK)
+        self.need.min(buffered).max(MIN_ROOM)
     }
 }
 

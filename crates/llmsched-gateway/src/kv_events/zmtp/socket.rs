@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 
-use super::codec::{self, Decoder, Item, Kind, GREETING_LEN};
+use super::codec::{self, Decoder, Item, Kind, GREETING_LEN, READ_CHUNK};
 use super::{delay, tcp_address, SocketEvent, SocketOptions, ZmqError, ZmqMessage, ZmqResult};
 use super::{MAX_HANDSHAKES, MAX_PEERS};
 
@@ -80,7 +80,10 @@ async fn handshake(mut stream: TcpStream, kind: Kind, options: &SocketOptions) -
                 }
             }
         }
-        Ok(Conn { stream, buf, decoder })
+        // The handshake's small buffer is replaced by a read chunk (any bytes past READY kept).
+        let mut chunk = BytesMut::with_capacity(READ_CHUNK.max(buf.len()));
+        chunk.extend_from_slice(&buf);
+        Ok(Conn { stream, buf: chunk, decoder })
     };
     tokio::time::timeout(options.connect_timeout, work).await.map_err(|_| ZmqError::Timeout)?
 }
