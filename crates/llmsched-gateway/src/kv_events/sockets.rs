@@ -319,7 +319,8 @@ impl GroupTask {
                 self.with_stream(members[0], |s, _| s.disconnected());
             }
             SocketEvent::Dropped(peer, error) => {
-                let endpoint = self.group().endpoint.clone();
+                let group = self.group();
+                let endpoint = lock(&group.bound).clone().unwrap_or_else(|| group.endpoint.clone());
                 warn_dropped(&mut self.warned, &endpoint, &peer, &error);
                 let protocol = error.is_protocol();
                 if self.shared_socket() {
@@ -378,7 +379,7 @@ impl GroupTask {
         let frames = match reply.frames {
             Ok(frames) => frames,
             Err(error) => {
-                warn_dropped(&mut dealer.warned, &dealer.endpoint, &dealer.endpoint, &error);
+                warn_dropped(&mut dealer.warned, &dealer.endpoint, "the replay socket", &error);
                 if error.is_protocol() {
                     self.with_stream(reply.member, |s, _| s.malformed());
                 } else {
