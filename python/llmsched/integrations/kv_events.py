@@ -1103,15 +1103,18 @@ class KVEventSubscriber:
 
 class NativeKVEventSubscriber:
     """:class:`KVEventSubscriber` in Rust: the same engines, options, counters and rules (the
-    module docstring's algorithm), with no Python per batch. The sockets are the pure-Rust
-    ``zeromq`` crate's, polled by a tokio runtime on a thread of the feed's own; each batch is
+    module docstring's algorithm), with no Python per batch. The sockets are llmsched's own
+    ZMTP 3.x (TCP, NULL mechanism), on a tokio runtime on a thread of the feed's own: a peer
+    declaring a message over the larger of 64 MiB and ``buffer_cap_bytes``, sending a bad
+    greeting or not finishing its handshake within 2 s is dropped and counted
+    (``decode_errors`` / ``socket_errors``), the others unaffected; each batch is
     decoded and applied to ``index`` in Rust (``llmsched_gateway::kv_events``). ``llmsched
     serve`` runs it on the native data plane.
 
     What differs: there is no :meth:`KVEventSubscriber.run` (the feed always has its thread);
     a connecting socket probes its endpoint over TCP with the ``backoff_s`` backoff before it
-    connects (libzmq connects lazily), and a lost connection is re-made by the ``zeromq``
-    crate's own backoff (0.1 s doubling, up to 30 s) rather than ``backoff_s``. A batch whose
+    connects (libzmq connects lazily), and a lost connection is re-made with ``backoff_s``
+    too. A batch whose
     stored events were skipped for their block size reaches
     :meth:`~llmsched.PrefixIndex.note_block_size_mismatch` (counted and warned once, as with
     :meth:`~llmsched.PrefixIndex.apply_vllm_events`); that is the only call into Python, and
