@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import zmq
 
 from llmsched import PrefixIndex
 from llmsched.integrations import EngineSpec, NativeKVEventSubscriber
@@ -184,3 +185,28 @@ def test_terabyte_frame_from_the_replay_socket(hostile: HostileListener) -> None
     assert hostile.served >= 1 and c["decode_errors"] >= 1
     assert c["replay_timeouts"] >= 1 and c["resyncs"] >= 1
     assert len(index.holdings(spec.worker_id)) >= 3  # what came after the resync
+
+
+def test_libzmq_heartbeats_are_answered() -> None:
+    """A libzmq publisher with heartbeats (PING every 50 ms, a peer silent for 300 ms dropped)
+    keeps its one connection: the feed answers PING with PONG."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.HEARTBEAT_IVL, 50)
+    pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 300)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = PrefixIndex(block_size=BLOCK)
+    spec = EngineSpec("127.0.0.1", 8000, kv_events=f"tcp://127.0.0.1:{port}", topic="kv")
+    try:
+        with NativeKVEventSubscriber(index, [spec], **FAST) as sub:
+            assert pub.poll(int(WAIT_S * 1000)), "no subscription"
+            assert pub.recv() == b"\x01kv"
+            time.sleep(1.0)  # twenty heartbeats
+            for i in range(5):
+                pub.send_multipart([b"kv", i.to_bytes(8, "big"), batch(i)])
+            c = wait(sub, lambda c: c["batches"] >= 5)
+    finally:
+        pub.close()
+        ctx.term()
+    assert c["connects"] == 1 and c["disconnects"] == 0 and c["decode_errors"] == 0
