@@ -174,6 +174,8 @@ async fn dealer_task(
     replies: mpsc::UnboundedSender<Reply>,
 ) {
     let mut failures = 0;
+    // Connections dropped for the peer's fault since its last reply: the pause grows with them.
+    let mut strikes = 0;
     loop {
         reachable(&endpoint, backoff).await;
         let mut dealer = DealerSocket::with_options(options.clone());
@@ -188,6 +190,7 @@ async fn dealer_task(
             failures += 1;
             continue;
         }
+        failures = 0;
         loop {
             tokio::select! {
                 start = requests.recv() => {
@@ -201,7 +204,7 @@ async fn dealer_task(
                 }
                 reply = dealer.recv() => match reply {
                     Ok(message) => {
-                        failures = 0;
+                        strikes = 0;
                         let frames = Ok(message.into_vec());
                         if replies.send(Reply { member, generation, frames }).is_err() {
                             return;
@@ -211,8 +214,8 @@ async fn dealer_task(
                         if replies.send(Reply { member, generation, frames: Err(e) }).is_err() {
                             return;
                         }
-                        tokio::time::sleep(delay(backoff, failures)).await;
-                        failures += 1;
+                        tokio::time::sleep(delay(backoff, strikes)).await;
+                        strikes += 1;
                         break;
                     }
                     Err(_) => break,
