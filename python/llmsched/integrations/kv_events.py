@@ -166,12 +166,14 @@ COUNTER_HELP: dict[str, str] = {
     "replays_skipped": "gaps resynchronised at once because the replay socket was backing off",
     "resyncs": "times a worker was cleared because batches were lost for good",
     "restarts": "times a publisher started its sequence over (the worker is cleared)",
-    "decode_errors": "malformed messages or payloads (skipped)",
+    "decode_errors": "malformed messages or payloads (skipped); on the native feed also peers "
+    "dropped for breaking ZMTP or declaring a message over the cap",
     "topic_rejected": "messages with a foreign topic (refused)",
     "connects": "connections made to (or accepted from) a publisher",
     "disconnects": "connections lost",
     "reconnects": "connections after the first (a new publisher identity)",
-    "socket_errors": "socket failures (the socket is rebuilt after a backoff delay)",
+    "socket_errors": "socket failures (the socket is rebuilt after a backoff delay); on the "
+    "native feed also peers dropped for a handshake not finished in time, or too many peers",
 }
 """What each counter counts (see :meth:`KVEventSubscriber.counters`)."""
 
