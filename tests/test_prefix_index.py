@@ -195,6 +195,21 @@ def test_max_bytes_bounds_the_estimate() -> None:
     assert index.stats()["blocks"] > 0
 
 
+def test_max_bytes_never_empties_the_index() -> None:
+    """A hash table that doubles past the cap cannot be brought under it by evicting blocks:
+    the index used to evict every block (and still not meet the cap). It now evicts until
+    what is left fits with its tables rebuilt for it, keeping at least half its blocks."""
+    index = PrefixIndex(block_size=4, max_bytes=1 << 20)
+    peak = 0
+    for k in range(60):
+        index.store(k % 2, chain(index, 10_000 * k, 2000))
+        stats = index.stats()
+        assert stats["bytes"] <= 1 << 20
+        peak = max(peak, stats["blocks"])
+        assert stats["blocks"] >= peak // 2, (k, stats["blocks"], peak)
+    assert stats["evicted_blocks"] > 0
+
+
 def test_snapshot_round_trip_keeps_everything() -> None:
     index = PrefixIndex(block_size=2, seed=9, model="m", worker_capacity=50)
     h = chain(index, 0, 6)
@@ -209,6 +224,12 @@ def test_snapshot_round_trip_keeps_everything() -> None:
     for cut in range(0, len(data) - 1, max(1, len(data) // 50)):
         with pytest.raises(llmsched.SnapshotError):
             PrefixIndex.loads(data[:cut])
+    # Any changed bit is refused (probe 48 F7: most loaded as another index).
+    for i in range(len(data)):
+        damaged = bytearray(data)
+        damaged[i] ^= 1 << (i % 8)
+        with pytest.raises(llmsched.SnapshotError):
+            PrefixIndex.loads(bytes(damaged))
 
 
 def test_match_many_equals_single_matches() -> None:

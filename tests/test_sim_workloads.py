@@ -418,3 +418,36 @@ def test_empty_trace_plans_are_equal(tmp_path) -> None:
     path.write_text("\n\n")
     plan = assert_same_plan({"kind": "trace", "path": str(path)})
     assert len(plan["arrival"]) == 0 and len(plan["contents"]) == 0
+
+
+@pytest.mark.parametrize("build", ["python", "native"])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"kind": "agentic", "sessions": 100_000_000_000}, "requests"),
+        ({"kind": "agentic", "sessions": 2, "followup_turns": 100_000_000_000}, "requests"),
+        ({"kind": "agentic", "sessions": 2, "system_prompts": 100_000_000_000}, "shared"),
+        ({"kind": "shared_prefix", "num_requests": 100_000_000_000}, "requests"),
+        ({"kind": "shared_prefix", "num_requests": 5, "num_groups": 10**11}, "shared"),
+        ({"kind": "long_short", "num_requests": 100_000_000_000}, "requests"),
+        ({"kind": "priority", "num_requests": 10**11}, "requests"),
+        ({"kind": "agentic", "sessions": 2.5}, "sessions"),
+    ],
+)
+def test_a_workload_too_large_to_plan_is_refused_not_allocated(build: str, spec, message) -> None:
+    """Probe 48 F9: a plan is written out before the run, and an agentic count of 1e11 was an
+    allocation of terabytes in the native planner, which aborts the process."""
+    with pytest.raises(ConfigError, match=message):
+        build_plan(spec, 0, BS, 0, native=build == "native")
+
+
+def test_scenario_slo_keys_and_max_time_are_checked() -> None:
+    from llmsched.sim.config import ScenarioConfig
+
+    base = {"replicas": 2, "workload": {"kind": "agentic", "sessions": 3}}
+    with pytest.raises(ConfigError, match="slo: keys must be priorities"):
+        ScenarioConfig.from_dict({**base, "slo": {"abc": {"ttft_s": 1}}})
+    assert ScenarioConfig.from_dict({**base, "slo": {"2": {"ttft_s": 1}}}).slo == {2: {"ttft_s": 1}}
+    for bad in (-1, 0, float("nan"), "1"):
+        with pytest.raises(ConfigError, match="max_time_s"):
+            ScenarioConfig.from_dict({**base, "max_time_s": bad})

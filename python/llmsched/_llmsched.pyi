@@ -1008,9 +1008,12 @@ class NativeKVEventSubscriber:
         engines: list[tuple[str, str, bool, str | None, str]],
         options: str,
         on_mismatch: Callable[[str, int], None] | None = None,
+        on_socket: Callable[[list[str], str, str, str | None], None] | None = None,
     ) -> NativeKVEventSubscriber:
         """A feed of `(worker, endpoint, bind, replay, topic)` engines into `index` with
-        `options` (JSON); ConfigError naming the problem."""
+        `options` (JSON); `on_socket(workers, endpoint, action, error)` on each failure to
+        open a socket and once when it opens after failing (error None); ConfigError naming
+        the problem."""
     def start(self) -> None:
         """Starts the feed's thread."""
     def stop(self) -> None:
@@ -1028,6 +1031,8 @@ class NativeKVEventSubscriber:
         """Where `worker`'s stream stands."""
     def bound_endpoint(self, worker: str) -> str | None:
         """The endpoint bound for `worker`, once bound."""
+    def failing_sockets(self) -> list[tuple[str, str]]:
+        """The sockets failing to open now: `(endpoint, error)` each."""
     def workers(self) -> list[str]:
         """The subscribed workers."""
     def wait_changed(self, seen: int, timeout_s: float) -> int:

@@ -213,6 +213,16 @@ class PrefixIndex:
         """Model name folded into the chain seed."""
         return self._native.model
 
+    @property
+    def worker_capacity(self) -> int | None:
+        """Blocks each worker may hold (None: no bound)."""
+        return self._native.worker_capacity
+
+    @property
+    def max_bytes(self) -> int | None:
+        """Bytes the whole index may use (None: no bound)."""
+        return self._native.max_bytes
+
     def hash_tokens(
         self, tokens: TokensLike, *, lora: str | None = None, cache_salt: str | None = None
     ) -> npt.NDArray[np.uint64]:

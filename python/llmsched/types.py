@@ -101,6 +101,9 @@ class IndexStats(TypedDict):
     """Engine block hashes mapped to blocks (from KV events)."""
     bytes: int
     """Approximate heap bytes used."""
+    evicted_blocks: int
+    """Blocks evicted for ``worker_capacity`` or ``max_bytes`` since the index was made (or
+    loaded)."""
     worker_blocks: dict[WorkerId, int]
     """Blocks held, per worker."""
     event_batches: int
@@ -723,6 +726,7 @@ class NativeGatewayConfig(TypedDict):
     models: list[str]
     lora_adapters: dict[str, str]
     max_body: int
+    max_body_in_flight: int
     retries: int
     retry_on_5xx: bool
     scrape_interval_s: float | None

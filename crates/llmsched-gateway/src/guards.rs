@@ -1,6 +1,7 @@
 //! Who a request is and what it may take: API keys (tenant and priority), per-key rate and
-//! concurrency limits (token buckets, the rules of the Python plane's `ratelimit` module) and
-//! the bound on tenant names taken from request headers.
+//! concurrency limits (token buckets, the rules of the Python plane's `ratelimit` module), the
+//! bound on tenant names taken from request headers and the budget of request-body bytes
+//! being received ([`BodyBudget`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -313,6 +314,70 @@ impl Tenants {
     }
 }
 
+/// The bytes of the request bodies being received, bounded over all connections
+/// (`limits.max_body_bytes_in_flight`): per-connection limits alone let slow uploads hold
+/// `max_connections` x `max_body` for `body_timeout_s`. A body takes its declared length at
+/// once (or its frames as they arrive, when chunked) through a [`BodyHold`], which gives them
+/// back when dropped, on every way out of reading (read whole, refused, timed out, client
+/// gone), so the count never leaks and never goes below zero.
+#[derive(Debug)]
+pub struct BodyBudget {
+    limit: u64,
+    held: AtomicU64,
+}
+
+impl BodyBudget {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: u64) -> BodyBudget {
+        BodyBudget { limit, held: AtomicU64::new(0) }
+    }
+
+    /// The bytes held now.
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::Relaxed)
+    }
+
+    /// A hold of nothing yet, for one body.
+    pub fn hold(&self) -> BodyHold<'_> {
+        BodyHold { budget: self, bytes: 0 }
+    }
+}
+
+/// One body's share of a [`BodyBudget`], given back when dropped.
+#[derive(Debug)]
+pub struct BodyHold<'a> {
+    budget: &'a BodyBudget,
+    bytes: u64,
+}
+
+impl BodyHold<'_> {
+    /// Takes `bytes` more if the budget has room for them (false, and nothing taken, else).
+    pub fn take(&mut self, bytes: u64) -> bool {
+        let limit = self.budget.limit;
+        let taken = self.budget.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            held.checked_add(bytes).filter(|&total| total <= limit)
+        });
+        if taken.is_ok() {
+            self.bytes += bytes;
+        }
+        taken.is_ok()
+    }
+
+    /// The bytes this hold has taken.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for BodyHold<'_> {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            let before = self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
+            debug_assert!(before >= self.bytes, "a body hold gave back more than it took");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -372,6 +437,53 @@ mod tests {
         assert_eq!(limiter.acquire(0, 0.0).unwrap_err().reason, "concurrency-limited");
         limiter.release(0, 0.0);
         assert!(limiter.acquire(0, 0.0).is_ok());
+    }
+
+    #[test]
+    fn a_body_hold_takes_within_the_budget_and_gives_back_on_drop() {
+        let budget = BodyBudget::new(100);
+        let mut a = budget.hold();
+        assert!(a.take(60));
+        let mut b = budget.hold();
+        assert!(!b.take(41), "past the budget: refused, nothing taken");
+        assert_eq!((budget.held(), b.bytes()), (60, 0));
+        assert!(b.take(40));
+        assert!(!b.take(1));
+        assert!(!b.take(u64::MAX), "an overflowing take is refused");
+        drop(a);
+        assert_eq!(budget.held(), 40);
+        assert!(b.take(60));
+        drop(b);
+        assert_eq!(budget.held(), 0);
+        drop(budget.hold()); // nothing taken, nothing given back
+        assert_eq!(budget.held(), 0);
+    }
+
+    proptest::proptest! {
+        /// Whatever holds take and in whatever order they drop, the budget holds the sum of
+        /// the live holds' takes, never more than its limit, and nothing once all are gone.
+        #[test]
+        fn body_holds_never_leak_nor_pass_the_limit(
+            steps in proptest::collection::vec((0usize..4, 0u64..64, proptest::bool::ANY), 1..64)
+        ) {
+            let budget = BodyBudget::new(100);
+            let mut holds: Vec<Option<BodyHold<'_>>> = (0..4).map(|_| None).collect();
+            for (slot, bytes, drop_it) in steps {
+                if drop_it {
+                    holds[slot] = None;
+                } else {
+                    let hold = holds[slot].get_or_insert_with(|| budget.hold());
+                    let before = budget.held();
+                    let took = hold.take(bytes);
+                    proptest::prop_assert_eq!(took, before + bytes <= 100);
+                }
+                let live: u64 = holds.iter().flatten().map(BodyHold::bytes).sum();
+                proptest::prop_assert_eq!(budget.held(), live);
+                proptest::prop_assert!(budget.held() <= 100);
+            }
+            holds.clear();
+            proptest::prop_assert_eq!(budget.held(), 0);
+        }
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! Per request (`POST /v1/completions`, `POST /v1/chat/completions`): authenticate (API keys
 //! give the tenant and priority; without keys the `x-llmsched-tenant` / `x-llmsched-priority`
 //! headers do, tenant names bounded by [`GatewayConfig::max_tenants`]), read the body up to
-//! [`GatewayConfig::max_body`] within [`GatewayConfig::body_timeout_s`] (413 / 408), parse it
+//! [`GatewayConfig::max_body`] within [`GatewayConfig::body_timeout_s`] (413 / 408; the bodies
+//! being read share [`GatewayConfig::max_body_in_flight`], 503 past it), parse it
 //! as JSON (400), check the model (404), hash the prompt as pseudo-tokens of 4 UTF-8 bytes
 //! (llm-d's approximate prefix mode; a chat's messages rendered as `role\ncontent\n` each; a
 //! token-id prompt as given), take the key's rate and concurrency limits (429), wait in flow
@@ -140,6 +141,10 @@ pub struct GatewayConfig {
     pub block_size: usize,
     /// The largest request body accepted (413 beyond it).
     pub max_body: usize,
+    /// The bytes of all the request bodies being received at once (at least `max_body`;
+    /// [`guards::BodyBudget`]): a body that would pass it is refused with a 503
+    /// `body-capacity`.
+    pub max_body_in_flight: usize,
     /// Further endpoints tried when one refuses the connection (or answers 5xx) before the
     /// first byte.
     pub retries: usize,
@@ -243,6 +248,7 @@ impl Default for GatewayConfig {
             router: json!("llm-d"),
             block_size: 16,
             max_body: 16 << 20,
+            max_body_in_flight: 256 << 20,
             retries: 2,
             retry_on_5xx: true,
             scrape_interval_s: Some(0.2),
@@ -392,6 +398,8 @@ struct Gateway {
     counters: Arc<Counters>,
     keys: guards::Keys,
     tenants: guards::Tenants,
+    /// The bytes of request bodies being received ([`GatewayConfig::max_body_in_flight`]).
+    bodies: guards::BodyBudget,
     flow: Option<Arc<flow::Flow>>,
     models: HashSet<String>,
     pd_header: Option<HeaderName>,
@@ -529,12 +537,20 @@ fn upstream(entry: &EngineEntry, config: &GatewayConfig) -> Result<Upstream, Con
     })
 }
 
+/// Bytes the prefix index of a gateway that makes its own may use.
+pub const DEFAULT_INDEX_MAX_BYTES: u64 = 1 << 30;
+
 fn owned_router(config: &GatewayConfig) -> Result<Router, ConfigProblem> {
     let parsed = parse_config(&router_config(&config.router)?)
         .map_err(|e| ConfigProblem(format!("router: {e}")))?;
-    let index =
-        PrefixIndex::new(IndexConfig { block_size: config.block_size, ..Default::default() })
-            .map_err(|e| ConfigProblem(format!("block_size: {e}")))?;
+    // Bounded as `llmsched serve` bounds it (its `index` section's defaults).
+    let index = PrefixIndex::new(IndexConfig {
+        block_size: config.block_size,
+        worker_capacity: parsed.index_hints.worker_capacity,
+        max_bytes: Some(DEFAULT_INDEX_MAX_BYTES),
+        ..Default::default()
+    })
+    .map_err(|e| ConfigProblem(format!("block_size: {e}")))?;
     let pool = EndpointPool::new(StalePolicy::default())
         .map_err(|e| ConfigProblem(format!("pool: {e}")))?;
     let options = RouterOptions { seed: config.seed, ..RouterOptions::default() };
@@ -574,6 +590,12 @@ fn check(config: &GatewayConfig) -> Result<(), ConfigProblem> {
         return Err(ConfigProblem(
             "max_connections, max_tenants and threads: must be at least 1".into(),
         ));
+    }
+    if config.max_body_in_flight < config.max_body {
+        return Err(ConfigProblem(format!(
+            "max_body_in_flight: must be at least max_body ({}), got {}",
+            config.max_body, config.max_body_in_flight
+        )));
     }
     if config.threads > MAX_THREADS {
         return Err(ConfigProblem(format!("threads: must be at most {MAX_THREADS}")));
@@ -682,6 +704,7 @@ fn build(
         counters: Arc::new(Counters::default()),
         keys,
         tenants: guards::Tenants::new(config.max_tenants, config.tenant_idle_s),
+        bodies: guards::BodyBudget::new(config.max_body_in_flight as u64),
         flow,
         models: config.models.iter().cloned().collect(),
         pd_header,
@@ -1072,6 +1095,10 @@ async fn drain_refused_body(mut body: Incoming, max_body: usize) {
     };
     let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
 }
+
+/// The help text of `llmsched_gateway_body_bytes_in_flight`, as the Python plane's.
+const BODY_BYTES_HELP: &str = "Bytes of the request bodies being received, held against \
+     limits.max_body_bytes_in_flight (a declared Content-Length counts whole from the start)";
 
 /// How long a refused connection's request is read and dropped at most before it is closed.
 const REFUSED_DRAIN_TIME: Duration = Duration::from_millis(500);
@@ -1653,6 +1680,13 @@ impl Gateway {
     fn metrics_text(&self) -> String {
         let mut out = String::with_capacity(4096);
         self.counters.render(&mut out);
+        metrics::gauge(
+            &mut out,
+            "body_bytes_in_flight",
+            BODY_BYTES_HELP,
+            &[],
+            self.bodies.held() as f64,
+        );
         let snapshot = self.router().pool().snapshot();
         for upstream in &self.upstreams().list {
             let state = upstream.health.lock().unwrap_or_else(|e| e.into_inner()).state;
@@ -1685,6 +1719,13 @@ impl Gateway {
         ] {
             metrics::gauge(&mut out, key, help, &[], value);
         }
+        out.push_str(&format!(
+            "# HELP llmsched_gateway_index_evicted_blocks_total Blocks the prefix index evicted \
+             for index.max_bytes or a worker's capacity\n\
+             # TYPE llmsched_gateway_index_evicted_blocks_total counter\n\
+             llmsched_gateway_index_evicted_blocks_total {}.0\n",
+            stats.evicted_blocks
+        ));
         if let Some(tokenizer) = &self.tokenizer {
             tokenizer_cache_metrics(&mut out, &tokenizer.cache_stats());
         }
@@ -1895,8 +1936,12 @@ impl Gateway {
     }
 
     /// A request's body, read up to `max_body` (413, and the connection closed; one declared
-    /// larger is refused before it is read) within `body_timeout_s` (408).
-    async fn read_body(&self, headers: &HeaderMap, body: Incoming) -> Result<Bytes, Refusal> {
+    /// larger is refused before it is read) within `body_timeout_s` (408), its bytes held
+    /// against `max_body_in_flight` while it is read (503 `body-capacity`, and the connection
+    /// closed: at once for a declared length that does not fit, as soon as a chunked body's
+    /// next frame does not fit). The bytes are given back when this returns, whatever it
+    /// returns, and when the request's future is dropped (its client gone).
+    async fn read_body(&self, headers: &HeaderMap, mut body: Incoming) -> Result<Bytes, Refusal> {
         let declared = headers
             .get(CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
@@ -1905,28 +1950,80 @@ impl Gateway {
             close: true,
             ..Refusal::new(413, "request_too_large", "the request body is too large")
         };
-        if declared.is_some_and(|n| n > self.config.max_body as u64) {
+        let max_body = self.config.max_body;
+        if declared.is_some_and(|n| n > max_body as u64) {
             // Answered before the body is read: the rest is read and dropped meanwhile, or
             // the close over it would reset the connection and a client still sending it
             // would lose the 413.
-            tokio::spawn(drain_refused_body(body, self.config.max_body));
+            tokio::spawn(drain_refused_body(body, max_body));
             return Err(too_large());
         }
-        let read = Limited::new(body, self.config.max_body).collect();
-        match tokio::time::timeout(Duration::from_secs_f64(self.config.body_timeout_s), read).await
-        {
-            Err(_) => Err(Refusal {
-                close: true,
-                ..Refusal::new(408, "request_timeout", "the request body did not arrive in time")
-            }),
-            Ok(Ok(collected)) => Ok(collected.to_bytes()),
-            Ok(Err(err)) if err.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                Err(too_large())
-            }
-            Ok(Err(_)) => {
-                Err(Refusal::new(400, "invalid_request_error", "the body did not arrive"))
+        let no_room = || Refusal {
+            close: true,
+            ..Refusal::new(
+                503,
+                "service_unavailable",
+                "the gateway is receiving too many request bodies at once \
+                 (limits.max_body_bytes_in_flight); retry later",
+            )
+            .dropped("body-capacity", self.config.retry_after_s.to_string())
+        };
+        let mut hold = self.bodies.hold();
+        if let Some(length) = declared {
+            if !hold.take(length) {
+                tokio::spawn(drain_refused_body(body, max_body));
+                return Err(no_room());
             }
         }
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_secs_f64(self.config.body_timeout_s);
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut read = 0usize;
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) => {
+                    return Err(Refusal {
+                        close: true,
+                        ..Refusal::new(
+                            408,
+                            "request_timeout",
+                            "the request body did not arrive in time",
+                        )
+                    })
+                }
+                Ok(None) => break,
+                Ok(Some(Err(_))) => {
+                    return Err(Refusal::new(
+                        400,
+                        "invalid_request_error",
+                        "the body did not arrive",
+                    ))
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            let Ok(data) = frame.into_data() else { continue }; // trailers
+            read += data.len();
+            if read > max_body {
+                tokio::spawn(drain_refused_body(body, max_body));
+                return Err(too_large());
+            }
+            if declared.is_none() && !hold.take(data.len() as u64) {
+                tokio::spawn(drain_refused_body(body, max_body));
+                return Err(no_room());
+            }
+            chunks.push(data);
+        }
+        Ok(match chunks.len() {
+            0 => Bytes::new(),
+            1 => chunks.pop().unwrap_or_default(),
+            _ => {
+                let mut whole = bytes::BytesMut::with_capacity(read);
+                for chunk in chunks {
+                    whole.extend_from_slice(&chunk);
+                }
+                whole.freeze()
+            }
+        })
     }
 
     async fn serve_completion(

@@ -356,6 +356,99 @@ fn configuration_problems_name_the_key() {
         let bad = GatewayConfig { threads, ..config(fleet.urls(), "llm-d") };
         assert!(problem(bad).contains("threads"), "{threads}");
     }
+    let bad =
+        GatewayConfig { max_body: 2048, max_body_in_flight: 2047, ..config(fleet.urls(), "x") };
+    assert!(problem(bad).starts_with("max_body_in_flight: must be at least max_body (2048)"));
+}
+
+/// The `body_bytes_in_flight` gauge of a gateway's `/metrics`.
+fn body_bytes(addr: SocketAddr) -> u64 {
+    let raw = get(addr, "/metrics");
+    let text = String::from_utf8_lossy(raw.body()).into_owned();
+    let line = text.lines().find(|l| l.starts_with("llmsched_gateway_body_bytes_in_flight "));
+    let value = line.and_then(|l| l.rsplit(' ').next()).expect("the gauge is rendered");
+    value.parse::<f64>().expect("a number") as u64
+}
+
+/// Polls the gauge until it is `want` (bounded); returns the last value seen.
+fn body_bytes_reach(addr: SocketAddr, want: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let seen = body_bytes(addr);
+        if seen == want || Instant::now() > deadline {
+            return seen;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Sends a request head declaring `len` body bytes and `sent` of them; the connection.
+fn partial_body(addr: SocketAddr, len: usize, sent: usize) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n\
+         Content-Length: {len}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(&vec![b' '; sent]).unwrap();
+    stream
+}
+
+#[test]
+fn bodies_being_read_share_one_budget_given_back_on_every_way_out() {
+    // Probe 47 F15: per-connection limits alone let slow uploads hold max_connections x
+    // max_body. Budget 3 KiB, bodies of at most 2 KiB.
+    let fleet = Fleet::new(vec![ok_engine()]);
+    let (addr, counters) = fleet.gateway(GatewayConfig {
+        max_body: 2048,
+        max_body_in_flight: 3072,
+        body_timeout_s: 3.0,
+        ..config(fleet.urls(), "round-robin")
+    });
+    let held = partial_body(addr, 2048, 100);
+    assert_eq!(body_bytes_reach(addr, 2048), 2048, "a declared length counts whole at once");
+    // Declared past what is left: refused at once, its rest read and dropped, so a client
+    // that sent it whole reads its 503 (no reset).
+    assert_eq!(send_whole_then_read(addr, 2000, ""), Ok(503));
+    let raw = post(addr, "/v1/completions", &format!(r#"{{"prompt":"{}"}}"#, "x".repeat(1100)));
+    assert_eq!(raw.status(), 503);
+    let text = String::from_utf8_lossy(&raw.bytes).to_ascii_lowercase();
+    assert!(text.contains("x-llmsched-dropped-reason: body-capacity"), "{text}");
+    assert!(text.contains("retry-after: 1"), "{text}");
+    assert_eq!(counters.rejections.get(&["body-capacity"]), 2);
+    // A body that fits is served, and gives its bytes back when read whole (the request
+    // itself is bounded by flow control, not by this budget).
+    assert_eq!(post(addr, "/v1/completions", r#"{"prompt":"hi"}"#).status(), 200);
+    assert_eq!(body_bytes(addr), 2048);
+    // A client leaving mid-body gives its bytes back.
+    drop(held);
+    assert_eq!(body_bytes_reach(addr, 0), 0);
+    // A chunked body takes its chunks as they come, and is refused when one passes.
+    let held = partial_body(addr, 2048, 10);
+    assert_eq!(body_bytes_reach(addr, 2048), 2048);
+    let mut chunked = TcpStream::connect(addr).unwrap();
+    chunked.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    chunked
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .unwrap();
+    let chunk = format!("200\r\n{}\r\n", " ".repeat(0x200));
+    chunked.write_all(chunk.as_bytes()).unwrap(); // 512 of the 1024 left
+    assert_eq!(body_bytes_reach(addr, 2560), 2560);
+    chunked.write_all(chunk.repeat(2).as_bytes()).unwrap(); // 1024 more: past the budget
+    let mut bytes = Vec::new();
+    let _ = chunked.read_to_end(&mut bytes);
+    assert_eq!(Raw { bytes }.status(), 503);
+    assert_eq!(body_bytes_reach(addr, 2048), 2048, "the refused chunked body gave its back");
+    // A body that times out (408) gives its bytes back.
+    let mut stream = held;
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut bytes = Vec::new();
+    let _ = stream.read_to_end(&mut bytes);
+    assert_eq!(Raw { bytes }.status(), 408);
+    assert_eq!(body_bytes_reach(addr, 0), 0);
+    assert_eq!(counters.rejections.get(&["body-capacity"]), 3);
 }
 
 #[test]

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use llmsched_gateway::kv_events::{Counts, KvEngine, KvFeed, KvOptions, MismatchHook};
+use llmsched_gateway::kv_events::{
+    Counts, KvEngine, KvFeed, KvOptions, MismatchHook, SocketHook, SocketReport,
+};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError};
 use pyo3::prelude::*;
@@ -37,14 +39,18 @@ impl PyKvFeed {
     /// A feed into `index` of `engines` (`(worker, endpoint, bind, replay, topic)` tuples)
     /// with `options` (JSON of `llmsched_gateway::kv_events::KvOptions`); `on_mismatch(worker,
     /// skipped)` is called, with the GIL, for a batch whose stored events were skipped for
-    /// their block size (never while the sizes agree). ConfigError naming the problem.
+    /// their block size (never while the sizes agree); `on_socket(workers, endpoint, action,
+    /// error)` each time opening a socket fails (`action` `bind` or `connect`, `error` what
+    /// the OS or ZMQ said) and once when it opens after failing (`error` None). ConfigError
+    /// naming the problem.
     #[new]
-    #[pyo3(signature = (index, engines, options, on_mismatch=None))]
+    #[pyo3(signature = (index, engines, options, on_mismatch=None, on_socket=None))]
     fn new(
         index: &Bound<'_, PyPrefixIndex>,
         engines: Vec<(String, String, bool, Option<String>, String)>,
         options: &str,
         on_mismatch: Option<Py<PyAny>>,
+        on_socket: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let options: KvOptions = serde_json::from_str(options)
             .map_err(|e| ConfigError::new_err(format!("KV-event feed options: {e}")))?;
@@ -66,8 +72,19 @@ impl PyKvFeed {
                 });
             }) as MismatchHook
         });
+        let socket_hook = on_socket.map(|callable| {
+            Arc::new(move |report: &SocketReport<'_>| {
+                Python::attach(|py| {
+                    // A failing log call must not stop the feed.
+                    let args =
+                        (report.workers.clone(), report.endpoint, report.action, report.error);
+                    let _ = callable.call1(py, args);
+                });
+            }) as SocketHook
+        });
         let index = index.get().inner.clone();
-        let feed = KvFeed::new(index, engines, options, hook).map_err(ConfigError::new_err)?;
+        let feed = KvFeed::new(index, engines, options, hook, socket_hook)
+            .map_err(ConfigError::new_err)?;
         Ok(PyKvFeed { feed: Mutex::new(feed) })
     }
 
@@ -124,6 +141,11 @@ impl PyKvFeed {
     /// The endpoint bound for `worker` once bound (None: not bound, or connecting).
     fn bound_endpoint(&self, py: Python<'_>, worker: &str) -> PyResult<Option<String>> {
         detach(py, || self.feed.lock().bound_endpoint(worker))?.ok_or_else(|| unknown(worker))
+    }
+
+    /// The sockets failing to open now: `(endpoint, error)` each.
+    fn failing_sockets(&self, py: Python<'_>) -> PyResult<Vec<(String, String)>> {
+        detach(py, || self.feed.lock().failing_sockets())
     }
 
     /// The subscribed workers.

@@ -618,6 +618,7 @@ impl PyPrefixIndex {
         out.set_item("holdings", s.holdings)?;
         out.set_item("engine_blocks", s.engine_blocks)?;
         out.set_item("bytes", s.bytes)?;
+        out.set_item("evicted_blocks", s.evicted_blocks)?;
         let per_worker = PyDict::new(py);
         for (id, blocks) in s.worker_blocks {
             let name = self.name(py, id);

@@ -263,6 +263,9 @@ pub struct Agentic {
     pub system_prompt_len: f64,
 }
 
+/// Requests a planned workload may make (`llmsched.sim.workloads.MAX_REQUESTS`).
+pub const MAX_REQUESTS: usize = 10_000_000;
+
 /// The session scripts of an agentic workload (`AgenticWorkload.script` for every session):
 /// session `sid` draws its tokens from `default_rng([seed, sid])` and its tenant, lengths and
 /// think times from `random.Random(seed * 1_000_003 + sid)`. `systems` are the system prompts'
@@ -279,6 +282,15 @@ pub fn agentic_plan(
     check(block_size)?;
     if systems.is_empty() || u32::try_from(systems.len()).is_err() {
         return err("agentic: system_prompts must be >= 1");
+    }
+    // Written out in full before the run: an unchecked count would be an allocation that
+    // aborts the process.
+    let requests = cfg.followup_turns.checked_add(1).and_then(|t| t.checked_mul(cfg.sessions));
+    if requests.is_none_or(|r| r > MAX_REQUESTS) {
+        return err(format!(
+            "agentic: {} sessions of {} follow-up turns: more than {MAX_REQUESTS} requests",
+            cfg.sessions, cfg.followup_turns
+        ));
     }
     // The system prompts once: their hashes, and the state a session's conversation copies.
     let mut system_hashes = Vec::with_capacity(systems.len());
@@ -1045,6 +1057,29 @@ mod tests {
 
     const SPEC: TraceSpec =
         TraceSpec { millis: true, time_scale: 1.0, hash_block: 512, limit: None };
+
+    #[test]
+    fn an_agentic_plan_past_the_request_bound_is_refused_not_allocated() {
+        let cfg = |sessions, followup_turns| Agentic {
+            sessions,
+            first_input: 100.0,
+            first_output: 10.0,
+            followup_turns,
+            followup_input: 20.0,
+            followup_output: 5.0,
+            length_cv: 0.3,
+            think_time_s: 1.0,
+            system_prompt_len: 50.0,
+        };
+        let systems = vec![vec![1u32; 50]];
+        for (sessions, turns) in [(100_000_000_000, 5), (2, 100_000_000_000), (2, usize::MAX)] {
+            let plan = agentic_plan(cfg(sessions, turns), &systems, vec![], false, 0, 16, 0);
+            let Err(e) = plan else { panic!("{sessions} x {turns} planned") };
+            assert!(e.to_string().contains("requests"), "{e}");
+        }
+        let plan = agentic_plan(cfg(3, 2), &systems, vec![0.0; 3], false, 0, 16, 0).unwrap();
+        assert_eq!(plan.sessions.len(), 3);
+    }
 
     #[test]
     fn rows_sort_and_rebase() {

@@ -41,7 +41,7 @@ import socket
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
@@ -69,6 +69,7 @@ from llmsched.gateway.config import (
     cluster_sync,
     engine_set,
     file_version,
+    gateway_index,
     load_config,
     read_engines_file,
 )
@@ -86,7 +87,6 @@ from llmsched.gateway.responses import (
 )
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.integrations import EngineSpec
-from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import Decision
 from llmsched.scheduler import Admission, Placement, Scheduler, ScheduleRequest
 from llmsched.slices import SliceTracker
@@ -148,8 +148,10 @@ _MAX_DEPTH = 64
 
 class Refusal(Exception):
     """A request answered by the gateway itself: HTTP ``status``, OpenAI error ``kind``
-    (``type``), ``message``, the field at fault (``param``), extra ``headers``, and whether the
-    client connection is closed after the answer (``close``: the rest of a body is unread).
+    (``type``), ``message``, the field at fault (``param``), extra ``headers``, whether the
+    client connection is closed after the answer (``close``: the rest of a body is unread) and
+    whether what the client still sends of its body is read and dropped, briefly, after the
+    answer went out (``drain``: a client still sending reads its answer, not a reset).
 
     Package-internal: :mod:`llmsched.gateway.slicing` raises it through :meth:`Gateway.refuse`.
     """
@@ -163,6 +165,7 @@ class Refusal(Exception):
         *,
         param: str | None = None,
         close: bool = False,
+        drain: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -171,6 +174,46 @@ class Refusal(Exception):
         self.headers = dict(headers or {})
         self.param = param
         self.close = close
+        self.drain = drain
+
+
+class _BodyBudget:
+    """The bytes of the request bodies being received (``limits.max_body_bytes_in_flight``),
+    as the native plane's ``guards::BodyBudget``: each body takes its declared length at once
+    (or its chunks as they arrive) through a hold that gives them all back when it closes,
+    whatever way the reading ends. The event loop is the only user (no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[_BodyHold]:
+        hold = _BodyHold(self)
+        try:
+            yield hold
+        finally:
+            self.held -= hold.bytes
+            hold.bytes = 0
+
+
+class _BodyHold:
+    """One body's share of a :class:`_BodyBudget`."""
+
+    __slots__ = ("budget", "bytes")
+
+    def __init__(self, budget: _BodyBudget) -> None:
+        self.budget = budget
+        self.bytes = 0
+
+    def take(self, n: int) -> bool:
+        """Takes ``n`` more bytes if the budget has room for them (False, nothing taken,
+        else)."""
+        if self.budget.held + n > self.budget.limit:
+            return False
+        self.budget.held += n
+        self.bytes += n
+        return True
 
 
 class _UpstreamFailed(Exception):
@@ -267,8 +310,9 @@ class Gateway:
 
     Components (public, for embedding and tests): :attr:`scheduler` (the
     :class:`~llmsched.Scheduler` every request goes through, which owns the rest), :attr:`index`
-    (one :class:`~llmsched.PrefixIndex` with the configured block size), :attr:`pool` (an
-    :class:`~llmsched.Endpoint` per engine, id = ``spec.worker_id``), :attr:`router`,
+    (one :class:`~llmsched.PrefixIndex` with the configured block size and ``index`` bounds),
+    :attr:`pool` (an :class:`~llmsched.Endpoint` per engine, id = ``spec.worker_id``),
+    :attr:`router`,
     :attr:`flow` (None when ``flow`` is null), :attr:`metrics`. :meth:`start` also starts the
     scheduler's feeds: a KV-event subscriber (engines with ``kv_events``) and a metrics
     scraper.
@@ -288,7 +332,7 @@ class Gateway:
             cfg.engines,
             router=cfg.router,
             flow=cfg.flow,
-            index=PrefixIndex(cfg.block_size),
+            index=gateway_index(cfg),
             scrape=cfg.scrape.enabled,
             scrape_interval_s=cfg.scrape.interval_s,
             scrape_timeout_s=cfg.scrape.timeout_s,
@@ -337,7 +381,10 @@ class Gateway:
             cluster=None if self.cluster is None else self.cluster.stats,
             scrapes=self._scrape_snapshot,
             model_findings=self.model_check.findings,
+            kv_failing=self._kv_failing,
         )
+        self._bodies = _BodyBudget(cfg.limits.max_body_bytes_in_flight)
+        self.metrics.body_bytes_in_flight.set_function(lambda: self._bodies.held)
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
             for key, identity in cfg.auth.api_keys.items()
@@ -485,8 +532,9 @@ class Gateway:
             max_line_size=limits.max_line_size,
             max_field_size=limits.max_field_size,
             max_headers=limits.max_headers,
-            # A body left unread (refused before or while reading it) is not drained: the
-            # connection closes after the answer, so a slow or endless body holds nothing.
+            # A body left unread (refused before or while reading it) is not drained here: the
+            # connection closes after the answer, so a slow or endless body holds nothing (a
+            # refused one is read and dropped briefly after its answer, _refuse_unread).
             lingering_time=0,
             # Idle keep-alive connections and request headers that never end are closed.
             keepalive_timeout=limits.idle_timeout_s,
@@ -636,6 +684,10 @@ class Gateway:
         subscriber = self.scheduler.subscriber
         return {} if subscriber is None else subscriber.counters()
 
+    def _kv_failing(self) -> dict[str, str]:
+        subscriber = self.scheduler.subscriber
+        return {} if subscriber is None else subscriber.failing_sockets()
+
     # -- small endpoints -----------------------------------------------------------------
 
     @web.middleware
@@ -763,7 +815,7 @@ class Gateway:
             if self._nothing_routable is not None and self._nothing_routable.is_set():
                 raise self._no_engine_refusal()
         except Refusal as refusal:
-            return self.refuse(route, refusal)
+            return await self._refuse_unread(request, route, refusal)
         limiter = incoming.limiter
         if limiter is not None:
             over = limiter.acquire(prompt_tokens=incoming.prompt.size)
@@ -913,7 +965,7 @@ class Gateway:
             engine = await self._response_engine(response_id, deadline, generating=False)
             return await self._relay_by_id(request, route, engine, body, deadline)
         except Refusal as refusal:
-            return self.refuse(route, refusal)
+            return await self._refuse_unread(request, route, refusal)
         finally:
             if limiter is not None:
                 limiter.release(output_tokens=0)
@@ -1199,28 +1251,59 @@ class Gateway:
         return found
 
     async def _read_body(self, request: web.Request) -> bytes:
+        """The request's body, read up to ``limits.max_body_bytes`` (413; one declared larger
+        is refused before it is read) within ``limits.body_timeout_s`` (408), its bytes held
+        against ``limits.max_body_bytes_in_flight`` while it is read (503 ``body-capacity``:
+        at once for a declared length that does not fit, as soon as a chunked body's next
+        chunk does not fit). Every way out gives the bytes back, a client that leaves too."""
         limits = self.config.limits
         too_large = Refusal(
-            413, "request_too_large", f"body exceeds {limits.max_body_bytes} bytes", close=True
+            413,
+            "request_too_large",
+            f"body exceeds {limits.max_body_bytes} bytes",
+            close=True,
+            drain=True,
         )
         declared = request.content_length
         if declared is not None and declared > limits.max_body_bytes:
             raise too_large  # refused before a byte of it is read
-        try:
-            return await asyncio.wait_for(request.read(), limits.body_timeout_s)
-        except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
-        except ConnectionResetError:
-            # The client went away while sending its body: nothing to answer, nothing to log
-            # (aiohttp logs a traceback per such request otherwise, noise any client can make).
-            raise asyncio.CancelledError from None
-        except asyncio.TimeoutError:
-            raise Refusal(
-                408,
-                "request_timeout",
-                f"the body did not arrive within {limits.body_timeout_s:g} s",
-                close=True,
-            ) from None
+        no_room = Refusal(
+            503,
+            "service_unavailable",
+            "the gateway is receiving too many request bodies at once "
+            "(limits.max_body_bytes_in_flight); retry later",
+            {DROPPED_REASON_HEADER: "body-capacity", "Retry-After": str(limits.retry_after_s)},
+            close=True,
+            drain=True,
+        )
+        with self._bodies.hold() as hold:
+            if declared is not None and not hold.take(declared):
+                raise no_room
+
+            async def chunks() -> bytes:
+                body = bytearray()
+                while chunk := await request.content.readany():
+                    if len(body) + len(chunk) > limits.max_body_bytes:
+                        raise too_large
+                    if declared is None and not hold.take(len(chunk)):
+                        raise no_room
+                    body += chunk
+                return bytes(body)
+
+            try:
+                return await asyncio.wait_for(chunks(), limits.body_timeout_s)
+            except ConnectionResetError:
+                # The client went away while sending its body: nothing to answer, nothing to
+                # log (aiohttp logs a traceback per such request otherwise, noise any client
+                # can make).
+                raise asyncio.CancelledError from None
+            except asyncio.TimeoutError:
+                raise Refusal(
+                    408,
+                    "request_timeout",
+                    f"the body did not arrive within {limits.body_timeout_s:g} s",
+                    close=True,
+                ) from None
 
     def _prompt(self, route: str, payload: dict[str, Any]) -> _Prompt:
         try:
@@ -1718,6 +1801,32 @@ class Gateway:
         self.metrics.rejections.labels(reason).inc()
         self.metrics.requests.labels(route, str(refusal.status)).inc()
         return _error_response(refusal, self._redacted(refusal.message))
+
+    async def _refuse_unread(
+        self, request: web.Request, route: str, refusal: Refusal
+    ) -> web.StreamResponse:
+        """:meth:`refuse`; for a refusal that leaves the body unread (``drain``), the answer
+        goes out first, then what the client still sends of its body is read and dropped (at
+        most ``max_body_bytes`` and :data:`_REFUSED_DRAIN_BYTES`, for at most
+        :data:`_REFUSED_DRAIN_S`), as the native plane does: closing over unread bytes would
+        reset the connection, and a client still sending would lose its answer."""
+        response = self.refuse(route, refusal)
+        if not refusal.drain:
+            return response
+        left = self.config.limits.max_body_bytes + _REFUSED_DRAIN_BYTES
+
+        async def drain() -> None:
+            nonlocal left
+            await response.prepare(request)
+            await response.write_eof()
+            while left > 0 and (chunk := await request.content.readany()):
+                left -= len(chunk)
+
+        with contextlib.suppress(
+            asyncio.TimeoutError, ConnectionError, HttpProcessingError, aiohttp.ClientError
+        ):
+            await asyncio.wait_for(drain(), _REFUSED_DRAIN_S)
+        return response
 
     def _redacted(self, message: str) -> str:
         for key in self.config.auth.api_keys:

@@ -34,6 +34,7 @@ from llmsched.types import ConfigInfo, KeyLimits
 
 if TYPE_CHECKING:
     from llmsched.cluster import ClusterSync
+    from llmsched.prefix_index import PrefixIndex
     from llmsched.routing import Router
 
 _log = logging.getLogger("llmsched")
@@ -49,6 +50,7 @@ __all__ = [
     "DiscoveryErrors",
     "GatewayConfig",
     "HealthConfig",
+    "IndexConfig",
     "LimitsConfig",
     "ListenConfig",
     "PdConfig",
@@ -56,8 +58,10 @@ __all__ = [
     "ScrapeConfig",
     "SlicesConfig",
     "TimeoutsConfig",
+    "check_kv_transports",
     "engine_set",
     "file_version",
+    "gateway_index",
     "load_config",
     "read_engines_file",
 ]
@@ -127,7 +131,16 @@ class LimitsConfig:
     """Request limits (aiohttp refuses bigger request lines and headers before a handler runs).
 
     ``max_body_bytes`` also refuses a declared ``Content-Length`` over it before the body is
-    read (413). ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
+    read (413). ``max_body_bytes_in_flight`` bounds the bytes of all the request bodies being
+    received at once (at least ``max_body_bytes``): a body whose declared ``Content-Length``
+    would pass it is refused at once, a chunked one as soon as it passes it, with a 503,
+    ``Retry-After`` and ``x-llmsched-dropped-reason: body-capacity``; a body's bytes count
+    until it is read whole (or refused, or its client leaves). The default, 256 MiB, keeps
+    what slow uploads can hold within a small container's memory (64 bodies of the largest
+    size at once; a body of a few KB takes milliseconds to arrive, so the budget is reached
+    only by bodies held back on purpose or over a very slow link), where the connection and
+    body limits alone allowed ``max_connections`` x ``max_body_bytes`` (16 GiB).
+    ``body_timeout_s`` bounds the reading of a request body (408 after it: a body
     that trickles in or never ends holds no connection longer); ``idle_timeout_s`` closes a
     connection idle between requests or whose request headers have not all arrived, and
     resets one whose answer the client takes no byte of for that long (counted as
@@ -143,6 +156,7 @@ class LimitsConfig:
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes_in_flight: int = 256 * 1024 * 1024
     max_field_size: int = 8190
     max_line_size: int = 8190
     max_headers: int = 64
@@ -251,6 +265,21 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
+class IndexConfig:
+    """The gateway's prefix index. ``max_bytes``: the bytes it may use, as its
+    ``stats()["bytes"]`` counts them; past them the least recently used blocks of all engines
+    are evicted (``llmsched_gateway_index_evicted_blocks_total``). 1 GiB holds about 11-25
+    million (block, engine) pairs. Null: unbounded, and an engine (or any peer of a bound
+    ``kv_events`` port) that stores blocks and never removes them grows the gateway without
+    end. ``worker_capacity``: blocks each engine may hold in it (its least recently used
+    evicted past them); null: the router config's (llm-d's ``lruCapacityPerServer``), else
+    none."""
+
+    max_bytes: int | None = 1 << 30
+    worker_capacity: int | None = None
+
+
+@dataclass(frozen=True)
 class AdminConfig:
     """The admin API (:mod:`llmsched.gateway.admin`): on when a token is set, in the config
     (``token``) or in the environment variable ``token_env`` names."""
@@ -348,6 +377,7 @@ class GatewayConfig:
     pd: PdConfig = PdConfig()
     slices: SlicesConfig = SlicesConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    index: IndexConfig = IndexConfig()
     admin: AdminConfig = AdminConfig()
     cluster: ClusterConfig = ClusterConfig()
     data_plane: str = "native"
@@ -395,6 +425,7 @@ _TOP_KEYS = frozenset(
         "pd",
         "slices",
         "discovery",
+        "index",
         "admin",
         "cluster",
     }
@@ -448,6 +479,8 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     for key in ("chat_template", "default_chat_template_kwargs"):
         if raw.get(key) is not None and tokenizer is None:
             raise ConfigError(f"{key}: needs a tokenizer (it changes the chats' token ids)")
+    data_plane = _data_plane(raw.get("data_plane", GatewayConfig.data_plane))
+    check_kv_transports(engines, data_plane)
     return GatewayConfig(
         engines=engines,
         models=models,
@@ -466,9 +499,10 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         pd=pd,
         slices=_slices(_section(raw, "slices")),
         discovery=discovery,
+        index=_index(_section(raw, "index")),
         admin=_admin(_section(raw, "admin")),
         cluster=_cluster(_section(raw, "cluster")),
-        data_plane=_data_plane(raw.get("data_plane", GatewayConfig.data_plane)),
+        data_plane=data_plane,
         native_threads=_int(
             raw, "native_threads", GatewayConfig.native_threads, "", low=1, high=64
         ),
@@ -501,6 +535,41 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
             else _int(raw, "max_model_len", 1, "", low=1, high=2**31)
         ),
     )
+
+
+def check_kv_transports(
+    engines: Iterable[EngineSpec], data_plane: str, *, by_worker: bool = False
+) -> None:
+    """ConfigError for a KV-event or replay endpoint ``data_plane``'s subscriber can never
+    reach, naming the engine (``engines[i]``, or its worker id with ``by_worker``) and the
+    key: ``inproc://`` on either plane (only sockets of the subscriber's own ZMQ context reach
+    it, no engine), anything but ``tcp://`` on the native plane (its feed reads TCP only).
+    The endpoints' hosts and ports are checked by
+    :class:`~llmsched.integrations.EngineSpec` itself.
+
+    >>> spec = EngineSpec("h", 8000, kv_events="ipc:///tmp/kv", kv_events_bind=True)
+    >>> check_kv_transports([spec], "python")
+    >>> check_kv_transports([spec], "native")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: engines[0].kv_events: 'ipc:///tmp/kv': the native data plane ...
+    """
+    for i, spec in enumerate(engines):
+        for key in ("kv_events", "replay"):
+            endpoint = getattr(spec, key)
+            if endpoint is None:
+                continue
+            name = f"engine {spec.worker_id}: {key}" if by_worker else f"engines[{i}].{key}"
+            if endpoint.startswith("inproc://"):
+                raise ConfigError(
+                    f"{name}: {endpoint!r}: inproc:// reaches only the subscriber's own ZMQ "
+                    "context, where no engine publishes; use tcp:// (or ipc://)"
+                )
+            if data_plane == "native" and not endpoint.startswith("tcp://"):
+                raise ConfigError(
+                    f"{name}: {endpoint!r}: the native data plane reads KV events over tcp:// "
+                    "only (data_plane: python reads ipc:// too)"
+                )
 
 
 def _data_plane(value: Any) -> str:
@@ -715,7 +784,9 @@ def engine_set(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[str
         specs[spec.worker_id] = spec
     if not specs:
         raise ConfigError("engines: must list at least one engine")
-    return {s.worker_id: s for s in wire_engines(config, specs.values())}
+    wired = wire_engines(config, specs.values())
+    check_kv_transports(wired, config.data_plane, by_worker=True)
+    return {s.worker_id: s for s in wired}
 
 
 def _wire_specs(
@@ -1109,8 +1180,19 @@ def _cluster(raw: dict[str, Any]) -> ClusterConfig:
 def _limits(raw: dict[str, Any]) -> LimitsConfig:
     d = LimitsConfig()
     _reject_unknown(raw, "limits", set(d.__dataclass_fields__))
+    max_body = _int(raw, "max_body_bytes", d.max_body_bytes, "limits", low=1024)
+    in_flight = _int(
+        raw, "max_body_bytes_in_flight", d.max_body_bytes_in_flight, "limits", low=1024, high=2**48
+    )
+    if in_flight < max_body:
+        given = "" if "max_body_bytes_in_flight" in raw else " (the default)"
+        raise ConfigError(
+            f"limits.max_body_bytes_in_flight: must be at least limits.max_body_bytes "
+            f"({max_body}), got {in_flight}{given}: a body of the largest size would never fit"
+        )
     return LimitsConfig(
-        max_body_bytes=_int(raw, "max_body_bytes", d.max_body_bytes, "limits", low=1024),
+        max_body_bytes=max_body,
+        max_body_bytes_in_flight=in_flight,
         max_field_size=_int(raw, "max_field_size", d.max_field_size, "limits", low=256),
         max_line_size=_int(raw, "max_line_size", d.max_line_size, "limits", low=256),
         max_headers=_int(raw, "max_headers", d.max_headers, "limits", low=8, high=10_000),
@@ -1217,6 +1299,34 @@ def _discovery(raw: dict[str, Any], base: Path) -> DiscoveryConfig:
         interval_s=interval,
         max_bytes=max_bytes,
         left_grace_s=grace,
+    )
+
+
+def _index(raw: dict[str, Any]) -> IndexConfig:
+    d = IndexConfig()
+    _reject_unknown(raw, "index", set(d.__dataclass_fields__))
+    max_bytes, capacity = raw.get("max_bytes", d.max_bytes), raw.get("worker_capacity")
+    return IndexConfig(
+        max_bytes=None
+        if max_bytes is None
+        else _int({"max_bytes": max_bytes}, "max_bytes", 0, "index", low=1 << 20, high=1 << 50),
+        worker_capacity=None
+        if capacity is None
+        else _int(raw, "worker_capacity", 0, "index", low=1, high=1 << 40),
+    )
+
+
+def gateway_index(config: GatewayConfig) -> PrefixIndex:
+    """The prefix index a gateway of ``config`` routes on: its block size, bounded by its
+    ``index`` section (``worker_capacity`` defaulting to the router config's)."""
+    from llmsched.prefix_index import PrefixIndex
+    from llmsched.routing import config_info
+
+    capacity = config.index.worker_capacity
+    if capacity is None:
+        capacity = config_info(config.router)["worker_capacity"]
+    return PrefixIndex(
+        config.block_size, worker_capacity=capacity, max_bytes=config.index.max_bytes
     )
 
 

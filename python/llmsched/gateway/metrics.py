@@ -24,6 +24,12 @@ __all__ = ["GatewayMetrics", "cluster_metrics_text", "model_check_metrics_text"]
 
 PREFIX = "llmsched_gateway"
 
+KV_FAILING_SOCKETS = f"{PREFIX}_kv_events_failing_sockets"
+KV_FAILING_HELP = (
+    "KV-event sockets whose bind or connect failed and has not succeeded since (retried with "
+    "backoff; the log names the endpoint and the error)"
+)
+
 # Decisions take tens of microseconds; requests through the gateway take milliseconds.
 _DECISION_BUCKETS = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
@@ -46,6 +52,7 @@ class GatewayMetrics:
         cluster: Callable[[], Mapping[str, object] | None] | None = None,
         scrapes: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         model_findings: Callable[[], list[ModelFinding]] | None = None,
+        kv_failing: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -174,6 +181,13 @@ class GatewayMetrics:
             registry=r,
         )
         self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now", registry=r)
+        self.body_bytes_in_flight = Gauge(
+            f"{PREFIX}_body_bytes_in_flight",
+            "Bytes of the request bodies being received, held against "
+            "limits.max_body_bytes_in_flight (a declared Content-Length counts whole from the "
+            "start)",
+            registry=r,
+        )
         self.connections_refused = Counter(
             f"{PREFIX}_connections_refused",
             "Client connections refused at limits.max_connections",
@@ -190,7 +204,9 @@ class GatewayMetrics:
             registry=r,
         )
         r.register(
-            _StateCollector(flow, index, kv_counters, endpoints, cluster, scrapes, model_findings)
+            _StateCollector(
+                flow, index, kv_counters, endpoints, cluster, scrapes, model_findings, kv_failing
+            )
         )
 
     def render(self) -> bytes:
@@ -210,8 +226,10 @@ class _StateCollector(Collector):
         cluster: Callable[[], Mapping[str, object] | None] | None = None,
         scrapes: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         model_findings: Callable[[], list[ModelFinding]] | None = None,
+        kv_failing: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self._flow = flow
+        self._kv_failing = kv_failing
         self._model_findings = model_findings
         self._scrapes = scrapes
         self._index = index
@@ -230,6 +248,11 @@ class _StateCollector(Collector):
             ("bytes", "Estimated bytes used by the prefix index"),
         ):
             yield GaugeMetricFamily(f"{PREFIX}_index_{key}", help_text, value=stats[key])
+        yield CounterMetricFamily(
+            f"{PREFIX}_index_evicted_blocks",
+            "Blocks the prefix index evicted for index.max_bytes or a worker's capacity",
+            value=stats["evicted_blocks"],
+        )
         if self._endpoints is not None:
             in_flight = GaugeMetricFamily(
                 f"{PREFIX}_endpoint_in_flight",
@@ -264,6 +287,10 @@ class _StateCollector(Collector):
             for name, value in sorted(self._kv_counters().items()):
                 family.add_metric([name], value)
             yield family
+        if self._kv_failing is not None:
+            yield GaugeMetricFamily(
+                KV_FAILING_SOCKETS, KV_FAILING_HELP, value=len(self._kv_failing())
+            )
 
     @staticmethod
     def _flow_metrics(metrics: FlowMetrics) -> Iterator[Metric]:

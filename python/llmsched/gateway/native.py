@@ -59,16 +59,22 @@ from llmsched.gateway.admin import check_engine_url
 from llmsched.gateway.config import (
     DiscoveryErrors,
     GatewayConfig,
+    check_kv_transports,
     cluster_sync,
     engine_set,
     file_version,
+    gateway_index,
     load_config,
     read_engines_file,
 )
 from llmsched.gateway.engine_models import EngineModelCheck
-from llmsched.gateway.metrics import cluster_metrics_text, model_check_metrics_text
+from llmsched.gateway.metrics import (
+    KV_FAILING_HELP,
+    KV_FAILING_SOCKETS,
+    cluster_metrics_text,
+    model_check_metrics_text,
+)
 from llmsched.integrations import EngineSpec
-from llmsched.prefix_index import PrefixIndex
 from llmsched.scheduler import Scheduler, warn_flow_without_load
 
 if TYPE_CHECKING:
@@ -187,6 +193,7 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "models": list(config.models),
         "lora_adapters": dict(config.lora_adapters),
         "max_body": limits.max_body_bytes,
+        "max_body_in_flight": limits.max_body_bytes_in_flight,
         "retries": config.retries.max_attempts - 1,
         "retry_on_5xx": config.retries.on_5xx,
         "scrape_interval_s": config.scrape.interval_s if config.scrape.enabled else None,
@@ -287,13 +294,15 @@ class NativeGateway:
         self.config = config if isinstance(config, GatewayConfig) else load_config(config)
         cfg = self.config
         native_config(cfg, cfg.engines)  # a bad flow config fails here, before anything starts
+        # The config may have been loaded for the other plane (`llmsched serve --data-plane`).
+        check_kv_transports(cfg.engines, "native")
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
         # The pool, index and router are built in Python and shared; scraping, flow control,
         # health and the KV-event feed run natively.
         self.scheduler = Scheduler(
             cfg.engines,
             router=cfg.router,
-            index=PrefixIndex(cfg.block_size),
+            index=gateway_index(cfg),
             scrape=False,
             # The engines' KV events are read and applied in Rust too.
             kv_feed="native",
@@ -452,7 +461,8 @@ class NativeGateway:
 
     def _extra_metrics(self) -> str:
         """What runs in Python, for the native ``/metrics``: discovery errors, the KV-event
-        subscriber's counters, replica sync's state and the engines' model check."""
+        subscriber's counters and failing sockets, replica sync's state and the engines' model
+        check."""
         lines = [
             "# HELP llmsched_gateway_discovery_errors_total Discovery file reads that failed "
             "(the current engines were kept)",
@@ -462,6 +472,12 @@ class NativeGateway:
         cluster = "" if self.cluster is None else cluster_metrics_text(self.cluster.stats())
         cluster += model_check_metrics_text(self.model_check.findings())
         subscriber = self.scheduler.subscriber
+        failing = 0 if subscriber is None else len(subscriber.failing_sockets())
+        lines += [
+            f"# HELP {KV_FAILING_SOCKETS} {KV_FAILING_HELP}",
+            f"# TYPE {KV_FAILING_SOCKETS} gauge",
+            f"{KV_FAILING_SOCKETS} {float(failing)}",
+        ]
         if subscriber is None:
             return "\n".join(lines) + "\n" + cluster
         lines += [
@@ -509,6 +525,7 @@ class NativeGateway:
         set; returns the worker ids added and removed. An empty or repeated set raises
         ConfigError and changes nothing."""
         specs = engine_set(self.config, engines)
+        check_kv_transports(specs.values(), "native", by_worker=True)
         for spec in specs.values():
             # Before anything changes: the Rust upstream set refuses such a URL after the
             # pool took it, which left the two apart.

@@ -19,7 +19,9 @@ the one every component feeds, never a second copy keyed by its address; a genui
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +38,7 @@ __all__ = [
     "ENDPOINT_SCHEMES",
     "ROLES",
     "EngineSpec",
+    "endpoint_problem",
     "resolve_engines",
     "wire_for_router",
     "worker_id",
@@ -87,7 +90,7 @@ def worker_id(host: str, port: int, dp_rank: int = 0) -> str:
     return base if rank == 0 else f"{base}/dp{rank}"
 
 
-def _check_endpoint(name: str, endpoint: object) -> None:
+def _check_endpoint(name: str, endpoint: object, *, bind: bool = False) -> None:
     if endpoint is None:
         return
     if not isinstance(endpoint, str) or not endpoint.startswith(ENDPOINT_SCHEMES):
@@ -95,8 +98,69 @@ def _check_endpoint(name: str, endpoint: object) -> None:
             f"{name} must be a ZMQ endpoint starting with one of {ENDPOINT_SCHEMES}, "
             f"got {endpoint!r}"
         )
-    if endpoint.startswith("tcp://") and ":" not in endpoint[len("tcp://") :]:
-        raise ConfigError(f"{name} {endpoint!r} has no port")
+    problem = endpoint_problem(endpoint, bind=bind)
+    if problem is not None:
+        raise ConfigError(f"{name} {endpoint!r} {problem}")
+
+
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def endpoint_problem(endpoint: str, *, bind: bool = False) -> str | None:
+    """Why a ZMQ endpoint can never be bound (``bind``) or connected to, or None. A ``tcp://``
+    host is ``*``, an IPv4 address, an IPv6 address in brackets or a host name (letters,
+    digits, ``-`` and ``_`` in dot-separated labels); its port is 1..65535 (0 or ``*`` to bind
+    any free port). Whether the host resolves, or the port is free, is known only when the
+    socket is opened (a failure then is logged and retried, see
+    :class:`~llmsched.integrations.KVEventSubscriber`). The native feed checks the same rules
+    (``llmsched_gateway::kv_events::endpoint_problem``).
+
+    >>> endpoint_problem("tcp://10.0.0.7:5557"), endpoint_problem("tcp://*:5557", bind=True)
+    (None, None)
+    >>> endpoint_problem("tcp://999.1.1.1:5")
+    "has an invalid host: '999.1.1.1' is not an IPv4 address"
+    >>> endpoint_problem("tcp://127.0.0.1:70000")
+    'has an invalid port: 70000 is not in 1..65535'
+    """
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return None if rest else "names no address"
+    if ":" not in rest:
+        return "has no port"
+    host, _, port = rest.rpartition(":")
+    if port != "*":
+        lowest = 0 if bind else 1
+        if not (port.isascii() and port.isdigit()) or not lowest <= int(port) <= 65535:
+            return f"has an invalid port: {port} is not in {lowest}..65535"
+    problem = _host_problem(host)
+    return None if problem is None else f"has an invalid host: {problem}"
+
+
+def _host_problem(host: str) -> str | None:
+    if host == "*":
+        return None  # any address (refused where the endpoint is connected to)
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host!r} is not an IPv6 address"
+        if "%" in host:
+            return f"{host!r} has a zone index, which the native feed cannot take"
+        return None
+    if not host:
+        return "it is empty"
+    if all(c.isdigit() or c == "." for c in host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return f"{host!r} is not an IPv4 address"
+        return None
+    if ":" in host or "[" in host or "]" in host:
+        return f"{host!r}: an IPv6 address is written in brackets, as tcp://[::1]:5557"
+    labels = host.split(".")
+    if len(host) > 253 or not all(label.isascii() and _LABEL.fullmatch(label) for label in labels):
+        return f"{host!r} is not a host name"
+    return None
 
 
 @dataclass(frozen=True)
@@ -108,7 +172,8 @@ class EngineSpec:
         dp_rank: its data-parallel rank (each rank publishes its own KV events).
         model: the served model name (None: any).
         role: ``"prefill"``, ``"decode"``, ``"both"`` or None.
-        kv_events: the ZMQ endpoint of its KV-event publisher.
+        kv_events: the ZMQ endpoint of its KV-event publisher (``tcp://host:port``; one
+            that can never work, see :func:`endpoint_problem`, is refused here).
         kv_events_bind: True when the subscriber binds ``kv_events`` (vLLM given an endpoint
             without ``*`` connects to it); False when the subscriber connects.
         replay: the ZMQ endpoint of its replay ROUTER socket (the subscriber connects).
@@ -149,10 +214,10 @@ class EngineSpec:
             raise ConfigError(f"model must be a non-empty str or None, got {self.model!r}")
         if self.role is not None and self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES} or None, got {self.role!r}")
-        _check_endpoint("kv_events", self.kv_events)
-        _check_endpoint("replay", self.replay)
         if not isinstance(self.kv_events_bind, bool):
             raise ConfigError(f"kv_events_bind must be a bool, got {self.kv_events_bind!r}")
+        _check_endpoint("kv_events", self.kv_events, bind=self.kv_events_bind)
+        _check_endpoint("replay", self.replay)
         if self.kv_events is not None and not self.kv_events_bind and "*" in self.kv_events:
             raise ConfigError(
                 f"kv_events {self.kv_events!r} is a wildcard: a subscriber that connects needs "

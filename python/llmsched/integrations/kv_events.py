@@ -46,7 +46,11 @@ Sockets are polled together by one thread (:meth:`KVEventSubscriber.start`) or o
 (:meth:`KVEventSubscriber.run`), reading at most :data:`DRAIN_BATCH` messages from a socket
 before the others (and the deadlines) get their turn. ZMQ reconnects dropped TCP connections on
 its own with exponential backoff (``backoff_s``); a socket that fails is rebuilt with the same
-backoff.
+backoff. A bind or connect that fails (the port taken, an address that is not the host's) is
+counted in ``socket_errors``, listed by :meth:`KVEventSubscriber.failing_sockets` until it
+succeeds, and logged once per endpoint and error (logger ``llmsched``, WARNING: the engines,
+the endpoint, the OS error); an endpoint that can never work (a malformed host or port) is
+refused by :class:`~llmsched.integrations.EngineSpec` up front.
 
 >>> import msgpack
 >>> import zmq
@@ -74,8 +78,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
+import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -97,6 +104,8 @@ from llmsched.integrations.identity import EngineSpec, resolve_engines
 from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import EndpointPool
 from llmsched.types import ApplyReport, ReportKey
+
+log = logging.getLogger("llmsched")
 
 __all__ = [
     "COUNTERS",
@@ -193,6 +202,60 @@ _REPORT_KEYS: tuple[tuple[ReportKey, str], ...] = (
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
+def _zmq_error_text(exc: zmq.ZMQError) -> str:
+    """What a failed bind or connect says, in the native feed's form for an OS error
+    (``Address already in use (os error 98)``)."""
+    code = exc.errno
+    if code is not None and code in errno.errorcode:  # not one of ZMQ's own codes
+        return f"{os.strerror(code)} (os error {code})"
+    return str(exc.strerror)
+
+
+class _SocketLog:
+    """What both subscribers say about their sockets: a bind or connect that fails is logged
+    (logger ``llmsched``, WARNING) once per endpoint and error, naming the engines, the
+    endpoint and the OS error, and an endpoint that opens after failing is logged once (INFO).
+    The feed retries with its backoff either way; the failures are counted in
+    ``socket_errors`` and listed by ``failing_sockets()``."""
+
+    MAX_REMEMBERED = 256
+    """Distinct failures remembered as logged (then the memory starts over)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logged: set[tuple[str, str]] = set()
+        self._recovered: set[str] = set()
+
+    def report(self, workers: list[str], endpoint: str, action: str, error: str | None) -> None:
+        """One attempt to open ``endpoint``'s socket (``action``: ``bind`` or ``connect``)
+        failed with ``error``, or (None) succeeded after failing."""
+        engines = f"engine{'s' if len(workers) > 1 else ''} {', '.join(workers)}"
+        with self._lock:
+            if error is None:
+                first = endpoint not in self._recovered
+                self._recovered.add(endpoint)
+            else:
+                first = (endpoint, error) not in self._logged
+                if first and len(self._logged) >= self.MAX_REMEMBERED:
+                    self._logged.clear()
+                self._logged.add((endpoint, error))
+        if error is None:
+            if first:
+                log.info("KV events of %s: %s %s now succeeds", engines, action, endpoint)
+            return
+        if first:
+            log.warning(
+                "KV events of %s: cannot %s %s: %s; retried with backoff (until then the "
+                "prefix index knows their cached blocks only from the requests routed there)",
+                engines,
+                action,
+                endpoint,
+                error,
+            )
+        else:
+            log.debug("KV events of %s: cannot %s %s: %s", engines, action, endpoint, error)
+
+
 @dataclasses.dataclass
 class _Replay:
     """A replay in progress: where it starts and when it is given up."""
@@ -225,6 +288,8 @@ class _Publisher:
         self.bound: str | None = None
         self.retry_at = 0.0
         self.failures = 0
+        # Why the last attempt to open the socket failed, while it has not opened since.
+        self.failure: str | None = None
         self.next_seq: int | None = None
         self.highest: int | None = None
         self.new_peer = False
@@ -276,14 +341,19 @@ class _Publisher:
                 self.bound = sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
                 sub.connect(endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             if monitor is not None:
                 monitor.close(linger=0)
             sub.close(linger=0)
+            self.failure = _zmq_error_text(exc)
             self._failed()
+            self._report(self.failure)
             return
         self.sub, self.monitor = sub, monitor
         self.failures = 0
+        if self.failure is not None:
+            self.failure = None
+            self._report(None)
         if self.spec.replay is not None:
             self.dealer = self._new_dealer(ctx)
 
@@ -300,6 +370,11 @@ class _Publisher:
                 sock.close(linger=0)
         self.sub = self.monitor = self.dealer = None
         self.replay = None
+
+    def _report(self, error: str | None) -> None:
+        action = "bind" if self.spec.kv_events_bind else "connect"
+        assert self.spec.kv_events is not None
+        self.owner._socket_log.report([self.worker], self.spec.kv_events, action, error)
 
     def _failed(self) -> None:
         self.owner._bump(self, "socket_errors")
@@ -634,6 +709,7 @@ class _SharedSocket:
         self.bound: str | None = None
         self.retry_at = 0.0
         self.failures = 0
+        self.failure: str | None = None  # as _Publisher.failure
 
     def open(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         backoff_first, backoff_max = self.owner.backoff_s
@@ -649,14 +725,23 @@ class _SharedSocket:
             monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
             sub.bind(self.endpoint)
             self.bound = sub.getsockopt_string(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             if monitor is not None:
                 monitor.close(linger=0)
             sub.close(linger=0)
+            self.failure = _zmq_error_text(exc)
             self._failed()
+            self._report(self.failure)
             return
         self.sub, self.monitor = sub, monitor
         self.failures = 0
+        if self.failure is not None:
+            self.failure = None
+            self._report(None)
+
+    def _report(self, error: str | None) -> None:
+        workers = [member.worker for member in self.members.values()]
+        self.owner._socket_log.report(workers, self.endpoint, "bind", error)
 
     def close(self) -> None:
         for sock in (self.monitor, self.sub):
@@ -783,6 +868,7 @@ class KVEventSubscriber:
         self.catch_up: bool = options["catch_up"]
         self._publishers: dict[str, _Publisher] = {}
         self._shared: dict[str, _SharedSocket] = {}
+        self._socket_log = _SocketLog()
         seen_endpoints: dict[str, str] = {}
         listed = list(engines)
         for spec in listed:
@@ -917,6 +1003,20 @@ class KVEventSubscriber:
         pub = self._publisher(worker)
         return pub.bound if pub.group is None else pub.group.bound
 
+    def failing_sockets(self) -> dict[str, str]:
+        """The sockets whose last bind or connect failed and that have not opened since, by
+        endpoint (as configured): what the OS or ZMQ said. They are retried with the backoff
+        (``backoff_s``); each failure counts in ``socket_errors`` and is logged once per
+        endpoint and error (logger ``llmsched``, WARNING)."""
+        failing: dict[str, str] = {}
+        for group in self._shared.values():
+            if group.failure is not None:
+                failing[group.endpoint] = group.failure
+        for pub in self._publishers.values():
+            if pub.group is None and pub.failure is not None and pub.spec.kv_events is not None:
+                failing[pub.spec.kv_events] = pub.failure
+        return failing
+
     def workers(self) -> list[str]:
         """The worker ids subscribed to."""
         return list(self._publishers)
@@ -1049,8 +1149,10 @@ class KVEventSubscriber:
     def _close_all(self) -> None:
         for group in self._shared.values():
             group.close()
+            group.failure = None
         for pub in self._publishers.values():
             pub.close()
+            pub.failure = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -1116,11 +1218,13 @@ class NativeKVEventSubscriber:
     What differs: there is no :meth:`KVEventSubscriber.run` (the feed always has its thread);
     a connecting socket probes its endpoint over TCP with the ``backoff_s`` backoff before it
     connects (libzmq connects lazily), and a lost connection is re-made with ``backoff_s``
-    too. A batch whose
-    stored events were skipped for their block size reaches
+    too; a peer that breaks ZMTP, or does not finish its handshake within 2 s once the
+    endpoint answers, is dropped and counted (a decode or socket error) where libzmq drops it
+    unnoticed. A batch whose stored events were skipped for their block size reaches
     :meth:`~llmsched.PrefixIndex.note_block_size_mismatch` (counted and warned once, as with
-    :meth:`~llmsched.PrefixIndex.apply_vllm_events`); that is the only call into Python, and
-    only under that misconfiguration.
+    :meth:`~llmsched.PrefixIndex.apply_vllm_events`), and a failure to open a socket reaches
+    the log as :meth:`KVEventSubscriber.failing_sockets` says; those are the only calls into
+    Python, and only under such a misconfiguration.
 
     >>> import msgpack
     >>> import zmq
@@ -1184,9 +1288,15 @@ class NativeKVEventSubscriber:
             if spec.kv_events is not None
         ]
         self.index = index
-        # Checked (the engine set, the caps against the window) by the native side too.
+        self._socket_log = _SocketLog()
+        # Checked (the engine set, the endpoints, the caps against the window) by the native
+        # side too.
         self._native = _llmsched.NativeKVEventSubscriber(
-            index.native, subscribed, json.dumps(options), index.note_block_size_mismatch
+            index.native,
+            subscribed,
+            json.dumps(options),
+            index.note_block_size_mismatch,
+            self._socket_log.report,
         )
 
     def start(self) -> None:
@@ -1236,6 +1346,11 @@ class NativeKVEventSubscriber:
         """The endpoint bound for ``worker`` once bound (a ``*`` port resolved); None for an
         engine the feed connects to, or before its socket is bound."""
         return self._native.bound_endpoint(worker)
+
+    def failing_sockets(self) -> dict[str, str]:
+        """:meth:`KVEventSubscriber.failing_sockets`: the sockets whose last bind or connect
+        failed, by endpoint, with what the OS or ZMQ said (logged as there)."""
+        return dict(self._native.failing_sockets())
 
     def workers(self) -> list[str]:
         """The worker ids subscribed to."""

@@ -221,6 +221,11 @@ class ScenarioConfig:
         for name in ("metrics_delay_s", "kv_events_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+        limit = self.max_time_s
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0
+        ):
+            raise ConfigError(f"max_time_s must be null or > 0, got {limit!r}")
         if self.kv_sample_s <= 0:
             raise ConfigError("kv_sample_s must be > 0")
         if (
@@ -302,7 +307,7 @@ class ScenarioConfig:
             elif key == "slo":
                 if not isinstance(value, dict):
                     raise ConfigError("slo must map priorities to {ttft_s, tpot_s}")
-                values[key] = {int(k): dict(v) for k, v in value.items()}
+                values[key] = {_priority(k): v for k, v in value.items()}
             else:
                 values[key] = value
         try:
@@ -311,6 +316,14 @@ class ScenarioConfig:
             raise ConfigError(f"scenario: {exc}") from None
         cfg.validate()
         return cfg
+
+
+def _priority(key: object) -> int:
+    """An ``slo`` key: a priority (an int, or its text as YAML keys may be)."""
+    try:
+        return int(str(key).strip()) if not isinstance(key, bool) else int("x")
+    except ValueError:
+        raise ConfigError(f"slo: keys must be priorities (ints), got {key!r}") from None
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

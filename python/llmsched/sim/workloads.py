@@ -34,6 +34,8 @@ from llmsched.errors import ConfigError
 from llmsched.sim.request import Request
 
 __all__ = [
+    "MAX_REQUESTS",
+    "MAX_SHARED_TOKENS",
     "AgenticConfig",
     "ArrivalConfig",
     "Conversation",
@@ -50,6 +52,12 @@ __all__ = [
 VOCAB = 128_000
 U64_TOP = np.iinfo(np.int64).max
 MAX_TOKENS = 1 << 24  # the longest prompt or output a workload may draw or a trace ask for
+MAX_REQUESTS = 10_000_000
+"""Requests a workload may make (a session's turns each count): a plan takes tens of bytes a
+request, and simulating ten million takes hours."""
+MAX_SHARED_TOKENS = 1 << 28
+"""Tokens of the shared texts a workload writes out before its first request (system prompts,
+questions): 1 GiB of token ids."""
 
 
 class Workload(Protocol):
@@ -835,7 +843,38 @@ def _parse(spec: dict[str, Any]) -> tuple[str, Any]:
     kind = params.pop("kind")
     if kind not in KINDS:
         raise ConfigError(f"unknown workload kind {kind!r}; known: {sorted(KINDS)}")
-    return kind, from_dict(KINDS[kind][0], params, f"workload ({kind})")
+    cfg = from_dict(KINDS[kind][0], params, f"workload ({kind})")
+    _check_sizes(kind, cfg)
+    return kind, cfg
+
+
+def _check_sizes(kind: str, cfg: Any) -> None:
+    """ConfigError for a workload too large to plan: more than :data:`MAX_REQUESTS` requests
+    or :data:`MAX_SHARED_TOKENS` tokens of shared texts (a plan is written out in full before
+    the run: unchecked, a count of 1e11 was an allocation of terabytes, which aborts)."""
+    for name in ("num_requests", "sessions", "followup_turns", "num_groups", "system_prompts"):
+        value = getattr(cfg, name, 0)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"workload ({kind}).{name}: must be an int, got {value!r}")
+    if isinstance(cfg, AgenticConfig):
+        requests = cfg.sessions * (1 + max(cfg.followup_turns, 0))
+        shared = cfg.system_prompts * max(cfg.system_prompt_len, 0)
+    elif isinstance(cfg, SharedPrefixConfig):
+        requests = cfg.num_requests
+        texts = cfg.num_groups * max(cfg.num_prompts_per_group, 0)
+        shared = cfg.num_groups * max(cfg.system_prompt_len, 0) + texts * max(cfg.question_len, 0)
+    else:
+        requests, shared = getattr(cfg, "num_requests", 0), 0
+    if requests > MAX_REQUESTS:
+        raise ConfigError(
+            f"workload ({kind}): {requests} requests, more than the simulator plans "
+            f"({MAX_REQUESTS})"
+        )
+    if shared > MAX_SHARED_TOKENS:
+        raise ConfigError(
+            f"workload ({kind}): {shared} tokens of shared prompts, more than the simulator "
+            f"writes out ({MAX_SHARED_TOKENS})"
+        )
 
 
 def make_workload(

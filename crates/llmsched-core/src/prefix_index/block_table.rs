@@ -240,6 +240,20 @@ impl BlockTable {
     pub fn bytes(&self) -> u64 {
         self.table.allocation_size() as u64
     }
+
+    /// What [`BlockTable::bytes`] would be after [`BlockTable::fit`].
+    pub fn fitted_bytes(&self) -> u64 {
+        self.bytes().min(super::engine_map::fitted_table_bytes::<Slot>(2 * self.len()))
+    }
+
+    /// Rebuilds the table at most half full (as [`BlockTable::reserve`] leaves it) when that
+    /// takes less memory: a table never shrinks by itself, and one grown past the index's
+    /// memory cap cannot be brought under it by evicting blocks.
+    pub fn fit(&mut self, nodes: &[Node]) {
+        if self.fitted_bytes() < self.bytes() {
+            self.fill_from(nodes, 2 * self.len());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -291,6 +305,26 @@ mod tests {
         assert_eq!(table.get(&nodes, a), Some(loc(1, 0)));
         assert_eq!(table.get(&nodes, b), Some(loc(1, 1)));
         assert_eq!(table.get(&nodes, 0xfe00_0000_0000_0003), None);
+    }
+
+    #[test]
+    fn a_table_emptied_by_removals_fits_to_what_it_holds_as_estimated() {
+        for (len, kept) in [(40_000u64, 100u64), (40_000, 9_000), (300_000, 70_000), (64, 3)] {
+            let mut nodes = vec![Node::default(), node(&(1..=len).collect::<Vec<_>>())];
+            let mut table = BlockTable::from_nodes(&nodes);
+            let gone = nodes[1].hashes.split_off(kept as usize);
+            for (j, &h) in gone.iter().enumerate() {
+                table.remove(h, loc(1, (kept as usize + j) as u32));
+            }
+            let (before, fitted) = (table.bytes(), table.fitted_bytes());
+            table.fit(&nodes);
+            assert!(fitted < before, "{len} -> {kept}: {fitted} of {before}");
+            assert_eq!(table.bytes(), fitted, "{len} -> {kept}");
+            assert_eq!(table.len(), kept as usize);
+            assert!((1..=kept).all(|h| table.contains(&nodes, h)));
+            table.fit(&nodes); // fitted already: kept as it is
+            assert_eq!(table.bytes(), fitted);
+        }
     }
 
     #[test]

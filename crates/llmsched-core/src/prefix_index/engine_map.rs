@@ -140,6 +140,20 @@ impl EngineMap {
         table_bytes(&self.one) + table_bytes(&self.span) + own
     }
 
+    /// What [`EngineMap::bytes`] would be after [`EngineMap::fit`].
+    pub fn fitted_bytes(&self) -> u64 {
+        let own: u64 = self.own.iter().map(fitted).sum();
+        fitted(&self.one) + fitted(&self.span) + own
+    }
+
+    /// Shrinks the tables that removals left larger than their entries need (a table never
+    /// shrinks by itself).
+    pub fn fit(&mut self) {
+        fit(&mut self.one);
+        fit(&mut self.span);
+        self.own.iter_mut().for_each(fit);
+    }
+
     /// Every entry worker `w` can use: its own, then the shared ones whose first block it holds.
     pub fn entries_of(&self, w: WorkerId, tree: &Tree) -> Vec<(u64, Span)> {
         let mut out: Vec<(u64, Span)> = self
@@ -164,6 +178,31 @@ impl EngineMap {
         out.sort_unstable();
         out
     }
+}
+
+/// Heap bytes of a hashbrown table of `T` made for `len` entries (`with_capacity(len)` or
+/// `shrink_to(len)`): the power of two of buckets of which 7/8 hold them (at least 4, or 8
+/// from 4 entries), with a control byte each and a group of trailing control bytes.
+pub(crate) fn fitted_table_bytes<T>(len: usize) -> u64 {
+    if len == 0 {
+        return 0;
+    }
+    let buckets = match len {
+        0..4 => 4,
+        4..8 => 8,
+        _ => (len * 8).div_ceil(7).next_power_of_two(),
+    };
+    (buckets * (std::mem::size_of::<T>() + 1) + 16) as u64
+}
+
+fn fit<V>(map: &mut HashMap<u64, V>) {
+    if fitted_table_bytes::<(u64, V)>(map.len()) < table_bytes(map) {
+        map.shrink_to_fit();
+    }
+}
+
+fn fitted<V>(map: &HashMap<u64, V>) -> u64 {
+    table_bytes(map).min(fitted_table_bytes::<(u64, V)>(map.len()))
 }
 
 /// Heap bytes of a hashbrown table as allocated: a bucket and a control byte per slot of its

@@ -133,6 +133,8 @@ pub struct IndexStats {
     pub worker_blocks: Vec<(WorkerId, u64)>,
     pub engine_blocks: usize,
     pub bytes: u64,
+    /// Blocks evicted for a worker's capacity or the memory cap, since the index was made.
+    pub evicted_blocks: u64,
 }
 
 /// Per-worker state kept beside the tree.
@@ -178,6 +180,8 @@ pub struct PrefixIndex {
     state: ReadMostlyLock<State>,
     /// Engine event batches applied, by any caller (the bindings, a native KV-event feed).
     event_batches: std::sync::atomic::AtomicU64,
+    /// Blocks evicted by [`PrefixIndex::enforce_bounds`].
+    evicted_blocks: std::sync::atomic::AtomicU64,
 }
 
 // The running memory estimate that `max_bytes` is checked against and `stats()` reports: the
@@ -197,6 +201,7 @@ impl PrefixIndex {
             config,
             state: ReadMostlyLock::new(State { tree: Tree::new(), workers: Workers::default() }),
             event_batches: std::sync::atomic::AtomicU64::new(0),
+            evicted_blocks: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -404,6 +409,7 @@ impl PrefixIndex {
                 .collect(),
             engine_blocks: st.workers.engine_entries(),
             bytes: estimated_bytes(&st),
+            evicted_blocks: self.evicted_blocks.load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -419,6 +425,7 @@ impl PrefixIndex {
             config,
             state: ReadMostlyLock::new(state),
             event_batches: std::sync::atomic::AtomicU64::new(0),
+            evicted_blocks: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -445,11 +452,21 @@ impl PrefixIndex {
         if let Some(cap) = st.workers.capacity.get(w as usize).copied().flatten() {
             evicted += st.tree.evict_to(w, cap);
         }
-        if let Some(max) = self.config.max_bytes {
-            while estimated_bytes(st) > max {
+        if let Some(max) = self.config.max_bytes.filter(|&max| estimated_bytes(st) > max) {
+            // The hash tables grow by doubling and never shrink: one whose last doubling took
+            // it past the cap cannot be brought under it by evicting blocks (every block was
+            // evicted, and the cap still not met). Evict until what is left fits with the
+            // tables rebuilt for it, then rebuild them.
+            while fitted_bytes(st) > max {
                 let Some(oldest) = oldest_worker(&st.tree) else { break };
                 evicted += st.tree.evict_oldest_leaf(oldest, u64::MAX);
             }
+            let tree = &mut st.tree;
+            tree.blocks.fit(&tree.nodes);
+            st.workers.engine.fit();
+        }
+        if evicted > 0 {
+            self.evicted_blocks.fetch_add(evicted, std::sync::atomic::Ordering::Relaxed);
         }
         evicted
     }
@@ -471,6 +488,14 @@ fn oldest_worker(tree: &Tree) -> Option<WorkerId> {
         .filter_map(|w| tree.oldest_leaf_stamp(w).map(|s| (s, w)))
         .min()
         .map(|(_, w)| w)
+}
+
+/// [`estimated_bytes`] with the hash tables rebuilt for what they hold.
+fn fitted_bytes(st: &State) -> u64 {
+    let (blocks, engine) = (&st.tree.blocks, &st.workers.engine);
+    estimated_bytes(st) - blocks.bytes() - engine.bytes()
+        + blocks.fitted_bytes()
+        + engine.fitted_bytes()
 }
 
 fn estimated_bytes(st: &State) -> u64 {

@@ -147,6 +147,8 @@ struct Group {
     members: Vec<usize>,
     /// The endpoint actually bound (a `*` port resolved), once bound.
     bound: Mutex<Option<String>>,
+    /// Why the last attempt to open the socket failed, while it has not opened since.
+    failure: Mutex<Option<String>>,
     /// Whether its first attempt to open (bind) was made ([`KvFeed::start`] waits for it).
     tried: std::sync::atomic::AtomicBool,
 }
@@ -156,10 +158,28 @@ struct Group {
 /// never called while the sizes agree).
 pub type MismatchHook = Arc<dyn Fn(&str, u64) + Send + Sync>;
 
+/// What a socket did, for [`SocketHook`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SocketReport<'a> {
+    /// The workers whose events it carries (several on a shared bound endpoint).
+    pub workers: Vec<&'a str>,
+    /// Its endpoint as configured.
+    pub endpoint: &'a str,
+    /// `bind` or `connect`.
+    pub action: &'static str,
+    /// Why opening it failed (what the OS or ZMQ said); `None`: it opened after failing.
+    pub error: Option<&'a str>,
+}
+
+/// Called (on the feed's thread) each time opening a socket fails, and once when it opens
+/// after failing: the embedder logs it (the feed retries with its backoff either way).
+pub type SocketHook = Arc<dyn Fn(&SocketReport<'_>) + Send + Sync>;
+
 /// What the feed's tasks and its readers share.
 struct Shared {
     index: Arc<PrefixIndex>,
     on_mismatch: Option<MismatchHook>,
+    on_socket: Option<SocketHook>,
     options: KvOptions,
     members: Vec<Member>,
     by_worker: HashMap<String, usize>,
@@ -194,16 +214,107 @@ fn fixed_port(endpoint: &str) -> bool {
     !endpoint.ends_with(":*")
 }
 
+/// Why an endpoint can never be bound (`bind`) or connected to by this feed, or `None`: the
+/// rules of the Python side's `llmsched.integrations.identity.endpoint_problem`, for the one
+/// transport the feed reads (`tcp://`). The host is `*`, an IPv4 address, an IPv6 address in
+/// brackets or a host name (letters, digits, `-` and `_` in dot-separated labels); the port
+/// is 1..65535 (0 or `*` to bind any free port); `*` is for binding only. Whether the host resolves, or the port is
+/// free, is known only when the socket is opened (a failure then is reported and retried).
+///
+/// ```
+/// use llmsched_gateway::kv_events::endpoint_problem;
+/// assert_eq!(endpoint_problem("tcp://10.0.0.7:5557", false), None);
+/// assert_eq!(endpoint_problem("tcp://*:*", true), None);
+/// assert_eq!(
+///     endpoint_problem("tcp://999.1.1.1:5", true).as_deref(),
+///     Some("has an invalid host: '999.1.1.1' is not an IPv4 address")
+/// );
+/// ```
+pub fn endpoint_problem(endpoint: &str, bind: bool) -> Option<String> {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return Some("is not tcp://: the native KV-event feed reads TCP only".into());
+    };
+    let Some((host, port)) = rest.rsplit_once(':') else {
+        return Some("has no port".into());
+    };
+    if !bind && (host == "*" || port == "*") {
+        return Some("is a wildcard: a socket that connects needs the engine's address".into());
+    }
+    if port != "*" {
+        let lowest = u32::from(!bind);
+        let valid = port.bytes().all(|b| b.is_ascii_digit())
+            && port.parse::<u32>().is_ok_and(|p| (lowest..=65535).contains(&p));
+        if !valid {
+            return Some(format!("has an invalid port: {port} is not in {lowest}..65535"));
+        }
+    }
+    host_problem(host).map(|problem| format!("has an invalid host: {problem}"))
+}
+
+fn host_problem(host: &str) -> Option<String> {
+    if host == "*" {
+        return None; // any address (refused where the endpoint is connected to)
+    }
+    if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        if inner.contains('%') {
+            return Some(format!("'{host}' has a zone index, which the native feed cannot take"));
+        }
+        return match inner.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => None,
+            Err(_) => Some(format!("'{host}' is not an IPv6 address")),
+        };
+    }
+    if host.is_empty() {
+        return Some("it is empty".into());
+    }
+    if host.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return match host.parse::<std::net::Ipv4Addr>() {
+            Ok(_) => None,
+            Err(_) => Some(format!("'{host}' is not an IPv4 address")),
+        };
+    }
+    if host.contains([':', '[', ']']) {
+        return Some(format!(
+            "'{host}': an IPv6 address is written in brackets, as tcp://[::1]:5557"
+        ));
+    }
+    let label = |l: &str| {
+        let inner = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
+        let bytes = l.as_bytes();
+        (1..=63).contains(&bytes.len())
+            && inner(bytes[0])
+            && inner(bytes[bytes.len() - 1])
+            && bytes.iter().all(|&b| inner(b) || b == b'-')
+    };
+    if host.len() > 253 || !host.split('.').all(label) {
+        return Some(format!("'{host}' is not a host name"));
+    }
+    None
+}
+
 impl KvFeed {
     /// A feed of `engines` into `index` (worker names are the engines' `worker`); checked as
-    /// the Python subscriber checks them. Not started.
+    /// the Python subscriber checks them, each endpoint by [`endpoint_problem`]. Not started.
     pub fn new(
         index: Arc<PrefixIndex>,
         engines: Vec<KvEngine>,
         options: KvOptions,
         on_mismatch: Option<MismatchHook>,
+        on_socket: Option<SocketHook>,
     ) -> Result<KvFeed, String> {
         options.check()?;
+        for engine in &engines {
+            let checks = [
+                ("kv_events", Some(&engine.endpoint), engine.bind),
+                ("replay", engine.replay.as_ref(), false),
+            ];
+            for (key, endpoint, bind) in checks {
+                let Some(endpoint) = endpoint else { continue };
+                if let Some(problem) = endpoint_problem(endpoint, bind) {
+                    return Err(format!("engine {}: {key} '{endpoint}' {problem}", engine.worker));
+                }
+            }
+        }
         let mut binds: HashMap<&str, usize> = HashMap::new();
         for engine in engines.iter().filter(|e| e.bind && fixed_port(&e.endpoint)) {
             *binds.entry(engine.endpoint.as_str()).or_default() += 1;
@@ -217,6 +328,7 @@ impl KvFeed {
                 bind: true,
                 members: Vec::new(),
                 bound: Mutex::new(None),
+                failure: Mutex::new(None),
                 tried: Default::default(),
             })
             .collect();
@@ -269,6 +381,7 @@ impl KvFeed {
                         bind: engine.bind,
                         members: vec![at],
                         bound: Mutex::new(None),
+                        failure: Mutex::new(None),
                         tried: Default::default(),
                     });
                 }
@@ -283,6 +396,7 @@ impl KvFeed {
         let shared = Shared {
             index,
             on_mismatch,
+            on_socket,
             options,
             members,
             by_worker,
@@ -345,6 +459,7 @@ impl KvFeed {
         }
         for group in &self.shared.groups {
             *lock(&group.bound) = None;
+            *lock(&group.failure) = None;
             group.tried.store(false, std::sync::atomic::Ordering::Release);
         }
         for member in &self.shared.members {
@@ -392,6 +507,16 @@ impl KvFeed {
         Some(lock(&group.bound).clone())
     }
 
+    /// The sockets whose last attempt to open failed and that have not opened since: each
+    /// one's endpoint (as configured) and what the OS or ZMQ said. Retried with the backoff.
+    pub fn failing_sockets(&self) -> Vec<(String, String)> {
+        self.shared
+            .groups
+            .iter()
+            .filter_map(|g| lock(&g.failure).clone().map(|error| (g.endpoint.clone(), error)))
+            .collect()
+    }
+
     /// The subscribed workers, in the order given.
     pub fn workers(&self) -> Vec<String> {
         self.shared.members.iter().map(|m| m.spec.worker.clone()).collect()
@@ -423,5 +548,123 @@ impl Waiter {
 impl Drop for KvFeed {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use llmsched_core::prefix_index::IndexConfig;
+
+    #[test]
+    fn endpoints_that_can_never_work_are_named() {
+        // The table of `tests/test_gateway_kv_endpoints.py`, which holds the Python side to the
+        // same answers.
+        for (endpoint, bind) in [
+            ("tcp://10.0.0.7:5557", false),
+            ("tcp://engine-a.default.svc:5557", false),
+            ("tcp://[::1]:5557", false),
+            ("tcp://*:5557", true),
+            ("tcp://127.0.0.1:*", true),
+            ("tcp://127.0.0.1:0", true),
+            ("tcp://localhost:65535", false),
+        ] {
+            assert_eq!(endpoint_problem(endpoint, bind), None, "{endpoint}");
+        }
+        for (endpoint, bind, problem) in [
+            ("tcp://999.1.1.1:5", true, "'999.1.1.1' is not an IPv4 address"),
+            ("tcp://1.2.3:5", false, "'1.2.3' is not an IPv4 address"),
+            ("tcp://127.0.0.1:70000", true, "70000 is not in 0..65535"),
+            ("tcp://127.0.0.1:0", false, "0 is not in 1..65535"),
+            ("tcp://127.0.0.1:x", true, "x is not in 0..65535"),
+            ("tcp://127.0.0.1:-1", true, "-1 is not in 0..65535"),
+            ("tcp://h", false, "has no port"),
+            ("tcp://:5557", true, "it is empty"),
+            ("tcp://host name:5557", true, "'host name' is not a host name"),
+            ("tcp://-a.b:5557", true, "'-a.b' is not a host name"),
+            ("tcp://::1:5557", false, "an IPv6 address is written in brackets"),
+            ("tcp://[::g]:5557", false, "'[::g]' is not an IPv6 address"),
+            ("tcp://[fe80::1%eth0]:5557", true, "has a zone index"),
+            ("tcp://*:5557", false, "is a wildcard"),
+            ("ipc:///tmp/kv", true, "the native KV-event feed reads TCP only"),
+        ] {
+            let found = endpoint_problem(endpoint, bind).unwrap_or_default();
+            assert!(found.contains(problem), "{endpoint}: {found:?}");
+        }
+    }
+
+    fn index() -> Arc<PrefixIndex> {
+        Arc::new(PrefixIndex::new(IndexConfig { block_size: 4, ..Default::default() }).unwrap())
+    }
+
+    fn engine(worker: &str, endpoint: &str, bind: bool) -> KvEngine {
+        KvEngine {
+            worker: worker.into(),
+            endpoint: endpoint.into(),
+            bind,
+            replay: None,
+            topic: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_feed_refuses_an_endpoint_that_can_never_work() {
+        let bad = engine("a", "tcp://999.1.1.1:5", true);
+        let problem = KvFeed::new(index(), vec![bad], KvOptions::default(), None, None)
+            .err()
+            .expect("refused");
+        assert!(problem.starts_with("engine a: kv_events 'tcp://999.1.1.1:5' has an invalid host"));
+        let replay =
+            KvEngine { replay: Some("tcp://h:99999".into()), ..engine("b", "tcp://h:1", false) };
+        let problem = KvFeed::new(index(), vec![replay], KvOptions::default(), None, None)
+            .err()
+            .expect("refused");
+        assert!(problem.starts_with("engine b: replay 'tcp://h:99999' has an invalid port"));
+    }
+
+    #[test]
+    fn a_bind_that_fails_is_retried_reported_and_listed_until_it_works() {
+        let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("tcp://{}", busy.local_addr().unwrap());
+        // (workers, endpoint, action, error) of each report.
+        type Seen = (Vec<String>, String, &'static str, Option<String>);
+        let reports: Arc<Mutex<Vec<Seen>>> = Arc::default();
+        let seen = reports.clone();
+        let hook: SocketHook = Arc::new(move |r: &SocketReport<'_>| {
+            let workers = r.workers.iter().map(|w| w.to_string()).collect();
+            lock(&seen).push((workers, r.endpoint.into(), r.action, r.error.map(String::from)));
+        });
+        let options = KvOptions { backoff_s: (0.01, 0.05), ..KvOptions::default() };
+        let engines = vec![engine("a", &endpoint, true)];
+        let mut feed = KvFeed::new(index(), engines, options, None, Some(hook)).unwrap();
+        feed.start().unwrap();
+        // `start` returns once the first bind was tried: its failure is known.
+        let failing = feed.failing_sockets();
+        assert_eq!(failing.len(), 1);
+        assert_eq!(failing[0].0, endpoint);
+        assert!(failing[0].1.contains("os error"), "{failing:?}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while feed.counters().get(Counter::SocketErrors) < 3 {
+            assert!(std::time::Instant::now() < deadline, "not retried");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        {
+            let reports = lock(&reports);
+            let first = &reports[0];
+            assert_eq!(
+                (&first.0[..], &first.1[..], first.2),
+                (&["a".to_string()][..], &endpoint[..], "bind")
+            );
+            assert!(first.3.as_deref().is_some_and(|e| e.contains("in use")), "{first:?}");
+            assert!(reports.iter().all(|r| r.3.is_some()), "no success while the port is taken");
+        }
+        drop(busy);
+        while feed.bound_endpoint("a") != Some(Some(endpoint.clone())) {
+            assert!(std::time::Instant::now() < deadline, "never bound");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(feed.failing_sockets().is_empty());
+        assert_eq!(lock(&reports).last().map(|r| r.3.clone()), Some(None), "success reported");
+        feed.stop();
     }
 }

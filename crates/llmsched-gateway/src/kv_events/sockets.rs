@@ -46,6 +46,15 @@ fn zmq_endpoint(endpoint: &str) -> String {
     endpoint.replacen("tcp://*:", "tcp://0.0.0.0:", 1)
 }
 
+/// What a failed bind or connect says: the OS error's own text for a network error
+/// (`Address already in use (os error 98)`), else ZMQ's.
+fn error_text(error: &ZmqError) -> String {
+    match error {
+        ZmqError::Network(e) => e.to_string(),
+        other => other.to_string(),
+    }
+}
+
 /// Waits until a TCP endpoint accepts connections (with the feed's backoff), so that the ZMQ
 /// connection made after it is made at once (libzmq connects lazily).
 async fn reachable(endpoint: &str, backoff: (f64, f64)) {
@@ -412,8 +421,21 @@ impl GroupTask {
             .min_by(f64::total_cmp)
     }
 
-    /// Opens the SUB socket (binding, or connecting once the endpoint answers), retrying with
-    /// the backoff after a failure (counted in `socket_errors`).
+    /// Tells the embedder's hook (if any) what opening the socket gave.
+    fn report(&self, error: Option<&str>) {
+        let Some(hook) = self.shared.on_socket.as_ref() else { return };
+        let group = self.group();
+        let workers =
+            group.members.iter().map(|&m| self.shared.members[m].spec.worker.as_str()).collect();
+        let action = if group.bind { "bind" } else { "connect" };
+        hook(&super::SocketReport { workers, endpoint: &group.endpoint, action, error });
+    }
+
+    /// Opens the SUB socket (binding, or connecting once the endpoint answers TCP), retrying
+    /// with the backoff after a failure of the bind or the connect (counted in
+    /// `socket_errors`, kept for [`super::KvFeed::failing_sockets`] and reported to the
+    /// embedder's hook). A connecting socket's endpoint that does not answer yet (its engine
+    /// not up) is waited for, not a failure.
     async fn open(&mut self) -> (SubSocket, fmpsc::Receiver<SocketEvent>) {
         let backoff = self.shared.options.backoff_s;
         let endpoint = zmq_endpoint(&self.group().endpoint);
@@ -421,35 +443,44 @@ impl GroupTask {
         loop {
             let mut sub = SubSocket::with_options(options(&self.shared.options));
             let monitor = sub.monitor();
-            let mut subscribed = true;
+            let mut subscribed = Ok(());
             for &m in &self.group().members {
                 let topic = self.shared.members[m].spec.topic.clone();
-                subscribed &= sub.subscribe(&topic).await.is_ok();
+                if let Err(e) = sub.subscribe(&topic).await {
+                    subscribed = Err(e);
+                }
             }
-            let opened = if !subscribed {
-                Err(())
-            } else if self.group().bind {
-                sub.bind(&endpoint).await.map(|e| Some(e.to_string())).map_err(|_| ())
-            } else {
-                reachable(&endpoint, backoff).await;
-                sub.connect(&endpoint).await.map(|_| None).map_err(|_| ())
+            let opened = match subscribed {
+                Err(e) => Err(e),
+                Ok(()) if self.group().bind => {
+                    sub.bind(&endpoint).await.map(|e| Some(e.to_string()))
+                }
+                Ok(()) => {
+                    reachable(&endpoint, backoff).await;
+                    sub.connect(&endpoint).await.map(|()| None)
+                }
             };
             let first = !self.group().tried.swap(true, std::sync::atomic::Ordering::AcqRel);
             match opened {
                 Ok(bound) => {
                     *lock(&self.group().bound) = bound;
+                    if lock(&self.group().failure).take().is_some() {
+                        self.report(None);
+                    }
                     self.shared.touched();
                     return (sub, monitor);
                 }
-                Err(()) if self.group().bind => {
+                Err(error) => {
+                    let error = error_text(&error);
+                    *lock(&self.group().failure) = Some(error.clone());
                     if self.shared_socket() {
                         self.bump_extra(Counter::SocketErrors);
                     } else {
                         let m = self.group().members[0];
                         self.with_stream(m, |s, _| s.socket_failed());
                     }
+                    self.report(Some(&error));
                 }
-                Err(()) => {} // not up yet, or went away meanwhile: tried again
             }
             if first {
                 self.shared.touched();
