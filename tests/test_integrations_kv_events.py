@@ -872,6 +872,47 @@ def test_late_replay_falls_back_to_a_resync_and_the_socket_backs_off(
     )
 
 
+def test_a_replay_answering_only_what_was_applied_is_given_up_at_its_deadline(
+    fake: FakeKVPublisher,
+) -> None:
+    """Probe 48 F3: every reply pushed the replay's deadline back, so a replay socket
+    answering stale batches forever held the live stream until the buffer caps."""
+    payloads = script(12, seed=52)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    fake.replay_stale_s = 0.05
+    opts = {**FAST, "replay_timeout_s": 0.5, "replay_backoff_s": (600.0, 600.0)}
+    with Subscriber(index, [spec], reorder_window=2, **opts) as sub:
+        assert fake.wait_subscribed()
+        for i, p in enumerate(payloads):
+            fake.publish(p, deliver=i != 3)
+        c = wait(sub, lambda c: sub.last_seq(spec.worker_id) == 11)
+    assert c["replays"] == 1 and c["replay_timeouts"] == 1 and c["resyncs"] == 1, c
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads[4:], spec.worker_id), spec.worker_id
+    )
+
+
+def test_a_sequence_number_past_int64_is_malformed(fake: FakeKVPublisher) -> None:
+    """Probe 48 F1: vLLM numbers batches as an int64; u64::MAX made the native feed's next
+    number wrap to 0, and a repeat of it was applied again after clearing the worker."""
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    first, last = script(2, seed=9)
+    with Subscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        fake.publish(first)
+        wait(sub, lambda c: c["batches"] >= 1)
+        for seq in (2**64 - 1, 2**64 - 1, 2**63):
+            fake.send_frames([b"kv@a", seq.to_bytes(8, "big"), last])
+        c = wait(sub, lambda c: c["decode_errors"] >= 3)
+        assert sub.last_seq(spec.worker_id) == 0
+    assert c["resyncs"] == 0 and c["restarts"] == 0 and c["batches"] == 1, c
+    assert holdings(index, spec.worker_id) == holdings(
+        direct([first], spec.worker_id), spec.worker_id
+    )
+
+
 def test_buffer_cap_ends_a_replay_that_does_not_answer(fake: FakeKVPublisher) -> None:
     """The live stream keeps flowing behind a silent replay socket: at most ``buffer_cap``
     batches are held, then the replay is given up and the worker resyncs."""

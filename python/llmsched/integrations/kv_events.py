@@ -154,6 +154,10 @@ RCVHWM = 10_000
 
 _END_SEQ = -1  # the replay socket's end marker, a signed 8-byte big-endian -1
 
+MAX_GAP_COUNTED = 1 << 20
+"""Most batches one hole adds to ``missed_batches``: a sequence number far ahead (a publisher's
+bug) is not a measure of what was lost."""
+
 COUNTER_HELP: dict[str, str] = {
     "batches": "batches applied to the index (live and replayed)",
     "events": "events in the batches applied",
@@ -163,7 +167,7 @@ COUNTER_HELP: dict[str, str] = {
     "unknown_parent": "stored chains whose parent block the index did not know",
     "unknown_removed": "removed blocks the index did not know",
     "gaps": "holes in the sequence not filled within the reorder window",
-    "missed_batches": "batches those holes spanned",
+    "missed_batches": "batches those holes spanned (at most 1,048,576 a hole)",
     "reordered": "live batches that arrived after a later one and filled their hole",
     "duplicates": "live batches dropped because their sequence number was already taken",
     "held_batches": "live batches held back (out of order, or during a replay) before applying",
@@ -441,7 +445,10 @@ class _Publisher:
         if topic != self.topic:
             self.owner._bump(self, "topic_rejected")
             return
-        seq = int.from_bytes(seq_bytes, "big")
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        if seq < 0:  # vLLM numbers batches from 0 as an int64; -1 only ends a replay
+            self.owner._bump(self, "decode_errors")
+            return
         if self.is_restart(seq):
             self.restart()
         self.new_peer = False
@@ -580,7 +587,7 @@ class _Publisher:
         """The hole before the first held batch will not be filled by a late arrival."""
         expected = self.expected()
         self.owner._bump(self, "gaps")
-        self.owner._bump(self, "missed_batches", min(self.held) - expected)
+        self.owner._bump(self, "missed_batches", min(min(self.held) - expected, MAX_GAP_COUNTED))
         if self.dealer is None:
             self.resync_to_held()
         elif time.monotonic() < self.replay_retry_at:
@@ -644,10 +651,16 @@ class _Publisher:
             self.finish_replay()
             return
         self.replay.received += 1
-        # A replay that keeps answering is not late: its deadline runs from its last reply.
-        self.replay.deadline = time.monotonic() + self.owner.replay_timeout_s
         if seq < self.expected():
-            return  # applied already (from the live stream or this replay)
+            # Applied already (from the live stream or this replay), or not a batch number
+            # (counted): no progress, so it does not keep the replay alive (one answering only
+            # such replies would hold the live stream until the buffer caps).
+            if seq < 0:
+                self.owner._bump(self, "decode_errors")
+            return
+        # A replay that keeps answering is not late: its deadline runs from its last useful
+        # reply.
+        self.replay.deadline = time.monotonic() + self.owner.replay_timeout_s
         if seq > self.expected():
             self.lose_before(seq)  # the engine no longer holds what lies before it
             if seq < self.expected():

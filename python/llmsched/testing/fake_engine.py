@@ -110,7 +110,9 @@ class FakeKVPublisher:
     has arrived; subscribers see an ordinary publisher. Set ``replay_answers = False`` to make
     the replay socket ignore requests (a replay that times out; ``replay_ignored`` lists their
     starts, ``replay_requests`` those answered), or ``replay_delay_s`` to answer
-    each request that many seconds late (the live stream keeps flowing meanwhile).
+    each request that many seconds late (the live stream keeps flowing meanwhile), or
+    ``replay_stale_s`` to answer each request with the first batch it holds again and again,
+    that many seconds apart, never ending (a replay socket stuck on what was applied).
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class FakeKVPublisher:
         self.replay_with_topic = replay_with_topic
         self.replay_answers = True
         self.replay_delay_s = 0.0
+        self.replay_stale_s: float | None = None
         self.replay_requests: list[int] = []
         # Requests read while ``replay_answers`` was False (left unanswered), by start.
         self.replay_ignored: list[int] = []
@@ -330,9 +333,16 @@ class FakeKVPublisher:
             if due > now:
                 waiting.append((due, client, start))
                 continue
+            head = [client, b""] + ([self.topic] if self.replay_with_topic else [])
+            if self.replay_stale_s is not None:
+                with self._lock:
+                    first = self._buffer[0] if self._buffer else None
+                if first is not None:
+                    router.send_multipart([*head, first[0].to_bytes(8, "big"), first[1]])
+                waiting.append((now + self.replay_stale_s, client, start))
+                continue
             with self._lock:
                 batches = [(s, p) for s, p in self._buffer if s >= start]
-            head = [client, b""] + ([self.topic] if self.replay_with_topic else [])
             for seq, payload in batches:
                 router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
             end_topic = [b""] if self.replay_with_topic else []

@@ -71,14 +71,19 @@ pub enum Counter {
     SocketErrors,
 }
 
-/// A set of counters.
+/// Most batches one hole adds to `missed_batches`: a sequence number far ahead (a publisher's
+/// bug) is not a measure of what was lost.
+pub const MAX_GAP_COUNTED: u64 = 1 << 20;
+
+/// A set of counters (saturating: a counter never wraps back).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts(pub [u64; 26]);
 
 impl Counts {
     /// Adds `n` to `counter`.
     pub fn bump(&mut self, counter: Counter, n: u64) {
-        self.0[counter as usize] += n;
+        let count = &mut self.0[counter as usize];
+        *count = count.saturating_add(n);
     }
 
     /// One counter.
@@ -89,7 +94,7 @@ impl Counts {
     /// Adds every counter of `other`.
     pub fn add(&mut self, other: &Counts) {
         for (a, b) in self.0.iter_mut().zip(other.0) {
-            *a += b;
+            *a = a.saturating_add(b);
         }
     }
 
@@ -297,6 +302,12 @@ impl Stream {
 
     /// A live batch.
     pub fn on_live(&mut self, seq: u64, payload: Bytes, now: f64, wire: &mut dyn Wire) {
+        if seq > i64::MAX as u64 {
+            // vLLM numbers batches from 0 as an int64 (-1 only ends a replay): not a batch
+            // number, and the next after u64::MAX would wrap to 0.
+            self.malformed();
+            return;
+        }
         if self.is_restart(seq) {
             self.restart(wire);
         }
@@ -446,7 +457,8 @@ impl Stream {
         let expected = self.expected();
         self.bump(Counter::Gaps);
         let first = self.held.keys().next().copied().unwrap_or(expected);
-        self.counts.bump(Counter::MissedBatches, first.saturating_sub(expected));
+        self.counts
+            .bump(Counter::MissedBatches, first.saturating_sub(expected).min(MAX_GAP_COUNTED));
         if !wire.has_replay() {
             self.resync_to_held(now, wire);
         } else if now < self.replay_retry_at {
@@ -522,13 +534,19 @@ impl Stream {
             self.finish_replay(now, wire);
             return;
         }
-        // A replay that keeps answering is not late: its deadline runs from its last reply.
+        // Applied already (from the live stream or this replay), or not a batch number
+        // (counted): no progress, so it does not keep the replay alive (one answering only
+        // such replies would hold the live stream until the buffer caps).
+        let Some(seq) = u64::try_from(seq).ok().filter(|&s| s >= self.expected()) else {
+            if seq < 0 {
+                self.bump(Counter::DecodeErrors);
+            }
+            return;
+        };
+        // A replay that keeps answering is not late: its deadline runs from its last useful
+        // reply.
         if let Some(replay) = self.replay.as_mut() {
             replay.deadline = now + self.config.replay_timeout_s;
-        }
-        let Ok(seq) = u64::try_from(seq) else { return };
-        if seq < self.expected() {
-            return; // applied already
         }
         if seq > self.expected() {
             self.lose_before(seq, now, wire); // the engine no longer holds what lies before

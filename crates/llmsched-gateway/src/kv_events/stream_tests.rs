@@ -239,3 +239,51 @@ fn the_buffer_cap_ends_a_replay_that_does_not_answer() {
     assert_eq!(w.applied, [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
     assert_eq!(s.state(0.0).held_peak, 8);
 }
+
+#[test]
+fn a_replay_answering_only_what_was_applied_times_out_as_a_silent_one() {
+    // Probe 48 F3: every reply pushed the deadline back, so one answering stale batches (or
+    // negative numbers) forever held the live stream until the buffer caps.
+    let (mut s, mut w) = (Stream::new(config()), Recorder { replay: true, ..Default::default() });
+    s.on_live(0, batch(0), 0.0, &mut w);
+    for seq in 2..6 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    assert_eq!(w.asked, [1]);
+    for t in 1..15 {
+        let now = f64::from(t) * 0.1;
+        s.on_replay_reply(&reply(if t % 2 == 0 { 0 } else { -7 }), b"t", now, &mut w);
+        s.check_timers(now, &mut w);
+    }
+    assert_eq!(s.counts.get(Counter::ReplayTimeouts), 1, "given up at its deadline");
+    assert_eq!(w.applied, [0, 2, 3, 4, 5]);
+    assert!(!s.state(1.5).replaying);
+    assert_eq!(s.counts.get(Counter::DecodeErrors), 5, "the replies of -7");
+}
+
+#[test]
+fn a_sequence_number_past_int64_is_malformed_and_far_jumps_count_a_bounded_loss() {
+    // Probe 48 F1: u64::MAX made the next expected number wrap to 0 (a repeat was applied
+    // again after clearing the worker), and one far jump added 10^19 missed batches.
+    let (mut s, mut w) = (Stream::new(config()), Recorder::default());
+    for seq in [0, 1] {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    for _ in 0..2 {
+        s.on_live(u64::MAX, batch(9), 0.0, &mut w);
+        s.on_live(1 << 63, batch(9), 0.0, &mut w);
+    }
+    assert_eq!(s.counts.get(Counter::DecodeErrors), 4);
+    assert_eq!((w.applied.clone(), s.last_seq(), w.clears), (vec![0, 1], Some(1), 0));
+    let far = i64::MAX as u64;
+    for seq in [far, far - 1, far - 2] {
+        s.on_live(seq, batch(seq), 0.0, &mut w); // past the window: a gap at once
+    }
+    assert_eq!(s.counts.get(Counter::MissedBatches), MAX_GAP_COUNTED);
+    assert_eq!(s.last_seq(), Some(far));
+    let mut counts = Counts::default();
+    counts.bump(Counter::Events, u64::MAX);
+    counts.bump(Counter::Events, 5);
+    counts.add(&counts.clone());
+    assert_eq!(counts.get(Counter::Events), u64::MAX, "saturates, never wraps back");
+}
