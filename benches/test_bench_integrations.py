@@ -2,8 +2,9 @@
 
 Subscriber workload: rounds of 100 batches published on a real PUB socket (loopback TCP), each
 batch 4 BlockStored events of 4 blocks x 16 tokens (16 blocks, 256 tokens; 150k vocabulary);
-the first batch of a round clears the worker. The native subscriber hands each payload to the
-Rust index in one call; the twin receives on the same kind of socket, decodes into Python objects
+the first batch of a round clears the worker. The subscriber hands each payload to the Rust
+index in one call; ``NativeKVEventSubscriber`` reads (llmsched's own ZMTP), decodes and applies
+in Rust; the twin receives on the same kind of socket, decodes into Python objects
 (``llmsched.reference.vllm_events``) and applies them to the pure-Python reference index.
 
 Scrape workload: the real vLLM CPU engine's ``/metrics`` capture (581 lines, mostly histograms),
@@ -23,7 +24,7 @@ import pytest
 import zmq
 
 from llmsched import EndpointPool, PrefixIndex
-from llmsched.integrations import EngineSpec, KVEventSubscriber
+from llmsched.integrations import EngineSpec, KVEventSubscriber, NativeKVEventSubscriber
 from llmsched.integrations.metrics import parse_engine_metrics
 from llmsched.reference.integrations import ReferenceEventApplier
 from llmsched.reference.prefix_index import ReferencePrefixIndex
@@ -143,6 +144,22 @@ def test_subscriber_throughput(benchmark: Any, publisher: _Publisher) -> None:
     index = PrefixIndex(block_size=BLOCK)
     spec = EngineSpec("127.0.0.1", 8000, kv_events=publisher.endpoint)
     with KVEventSubscriber(index, [spec]) as sub:
+        publisher.wait_subscribed()
+
+        def wait(n: int) -> None:
+            assert sub.wait_for(lambda c: c["batches"] >= n, 60.0), sub.counters()
+
+        _run_rounds(benchmark, publisher, wait, lambda: sub.counters()["batches"])
+        c = sub.counters()
+    assert c["gaps"] == 0 and c["decode_errors"] == 0
+    assert index.stats()["worker_blocks"][WORKER] == BLOCKS_PER_ROUND
+
+
+def test_native_subscriber_throughput(benchmark: Any, publisher: _Publisher) -> None:
+    """The native feed (llmsched's own ZMTP on tokio, decode and apply in Rust)."""
+    index = PrefixIndex(block_size=BLOCK)
+    spec = EngineSpec("127.0.0.1", 8000, kv_events=publisher.endpoint)
+    with NativeKVEventSubscriber(index, [spec]) as sub:
         publisher.wait_subscribed()
 
         def wait(n: int) -> None:

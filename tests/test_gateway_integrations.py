@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from _gateway_harness import current_plane, plane, rig, run  # noqa: F401 (the fixture)
+from test_integrations_kv_zmtp import GREETING, TERABYTE, HostileListener
 
 from llmsched.testing import FakeKVPublisher, event_batch, stored_event
 
@@ -53,6 +54,49 @@ def test_kv_events_from_an_engine_draw_its_prefix_there() -> None:
         finally:
             for p in publishers:
                 p.close()
+
+    run(body())
+
+
+def test_kv_feed_survives_a_terabyte_frame_from_publisher_and_replay_socket() -> None:
+    """Probe 48 F2 through the gateway: engine 0's publisher and engine 1's replay socket each
+    answer with a frame header declaring 1 TiB. The gateway serves on; engine 1's live events
+    still steer routing; on the native plane the drops are counted (the Python plane's libzmq
+    drops them silently)."""
+    tokens = list(range(100, 132))
+
+    async def body() -> None:
+        hostile_pub, hostile_replay = (
+            HostileListener(GREETING + TERABYTE),
+            HostileListener(GREETING + TERABYTE),
+        )
+        good = FakeKVPublisher(topic="kv@e1", replay=False)
+        fields = [
+            {"kv_events": hostile_pub.endpoint, "topic": "kv@e0"},
+            {**good.spec_kwargs(), "replay": hostile_replay.endpoint},
+        ]
+        try:
+            async with rig(engines=2, engine_fields=fields, block_size=BLOCK) as r:
+                assert await asyncio.to_thread(good.wait_subscribed, 5.0)
+                stored = stored_event(list(range(1, 9)), None, tokens, block_size=BLOCK)
+                good.publish(event_batch(stored))
+                worker = r.gateway.config.engines[1].worker_id
+                await _until(
+                    lambda: r.gateway.index.match_tokens(tokens).as_dict().get(worker) == 8
+                )
+                response = await r.complete([*tokens, 500])
+                assert response.status == 200 and len(r.engines[1].received) == 1
+                if current_plane() == "native":
+                    await _until(
+                        lambda: (
+                            r.metric("llmsched_gateway_kv_events_total", counter="decode_errors")
+                            >= 2
+                        )
+                    )
+        finally:
+            good.close()
+            hostile_pub.close()
+            hostile_replay.close()
 
     run(body())
 

@@ -179,12 +179,14 @@ COUNTER_HELP: dict[str, str] = {
     "replays_skipped": "gaps resynchronised at once because the replay socket was backing off",
     "resyncs": "times a worker was cleared because batches were lost for good",
     "restarts": "times a publisher started its sequence over (the worker is cleared)",
-    "decode_errors": "malformed messages or payloads (skipped)",
+    "decode_errors": "malformed messages or payloads (skipped); on the native feed also peers "
+    "dropped for breaking ZMTP or declaring a message over the cap",
     "topic_rejected": "messages with a foreign topic (refused)",
     "connects": "connections made to (or accepted from) a publisher",
     "disconnects": "connections lost",
     "reconnects": "connections after the first (a new publisher identity)",
-    "socket_errors": "socket failures (the socket is rebuilt after a backoff delay)",
+    "socket_errors": "socket failures (the socket is rebuilt after a backoff delay); on the "
+    "native feed also peers dropped for a handshake not finished in time, or too many peers",
 }
 """What each counter counts (see :meth:`KVEventSubscriber.counters`)."""
 
@@ -1218,21 +1220,24 @@ class KVEventSubscriber:
 
 class NativeKVEventSubscriber:
     """:class:`KVEventSubscriber` in Rust: the same engines, options, counters and rules (the
-    module docstring's algorithm), with no Python per batch. The sockets are the pure-Rust
-    ``zeromq`` crate's, polled by a tokio runtime on a thread of the feed's own; each batch is
+    module docstring's algorithm), with no Python per batch. The sockets are llmsched's own
+    ZMTP 3.x (TCP, NULL mechanism), on a tokio runtime on a thread of the feed's own: a peer
+    declaring a message over the larger of 64 MiB and ``buffer_cap_bytes``, sending a bad
+    greeting or not finishing its handshake within 2 s is dropped and counted
+    (``decode_errors`` / ``socket_errors``), the others unaffected; each batch is
     decoded and applied to ``index`` in Rust (``llmsched_gateway::kv_events``). ``llmsched
     serve`` runs it on the native data plane.
 
     What differs: there is no :meth:`KVEventSubscriber.run` (the feed always has its thread);
     a connecting socket probes its endpoint over TCP with the ``backoff_s`` backoff before it
-    connects (libzmq connects lazily), and a lost connection is re-made by the ``zeromq``
-    crate's own backoff (0.1 s doubling, up to 30 s) rather than ``backoff_s``; a ZMQ connect
-    that fails once the endpoint answers (its handshake, within 2 s) counts as a socket
-    error, where libzmq's lazy connect never fails. A batch whose stored events were skipped
-    for their block size reaches :meth:`~llmsched.PrefixIndex.note_block_size_mismatch`
-    (counted and warned once, as with :meth:`~llmsched.PrefixIndex.apply_vllm_events`), and
-    a failure to open a socket reaches the log as :meth:`KVEventSubscriber.failing_sockets`
-    says; those are the only calls into Python, and only under such a misconfiguration.
+    connects (libzmq connects lazily), and a lost connection is re-made with ``backoff_s``
+    too; a peer that breaks ZMTP, or does not finish its handshake within 2 s once the
+    endpoint answers, is dropped and counted (a decode or socket error) where libzmq drops it
+    unnoticed. A batch whose stored events were skipped for their block size reaches
+    :meth:`~llmsched.PrefixIndex.note_block_size_mismatch` (counted and warned once, as with
+    :meth:`~llmsched.PrefixIndex.apply_vllm_events`), and a failure to open a socket reaches
+    the log as :meth:`KVEventSubscriber.failing_sockets` says; those are the only calls into
+    Python, and only under such a misconfiguration.
 
     >>> import msgpack
     >>> import zmq

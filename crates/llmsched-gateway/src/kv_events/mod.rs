@@ -1,5 +1,5 @@
-//! A native KV-event feed: vLLM engines' ZMQ KV-event streams read in Rust (the pure-Rust
-//! `zeromq` crate, no libzmq) and applied to the prefix index with no Python per batch. It
+//! A native KV-event feed: vLLM engines' ZMQ KV-event streams read in Rust (our own ZMTP,
+//! [`zmtp`], no libzmq) and applied to the prefix index with no Python per batch. It
 //! does what the Python subscriber (`llmsched.integrations.kv_events`) does, with its options,
 //! counters and rules: one SUB socket per engine (connecting, or binding), engines binding one
 //! fixed endpoint sharing a socket split by topic, the replay (DEALER to the engine's ROUTER)
@@ -13,10 +13,12 @@
 //! Differences from the Python subscriber, where libzmq and this ZMQ implementation differ:
 //! a connecting socket probes the endpoint over TCP with the `backoff_s` backoff until it
 //! answers before its ZMQ connection is made (libzmq connects lazily on its own), and a lost
-//! connection is re-made by the `zeromq` crate's own backoff (0.1 s doubling, up to 30 s).
+//! connection is re-made with the same backoff; a peer that breaks the protocol, declares a
+//! message over the cap or does not finish its handshake is dropped and counted ([`zmtp`]).
 
 mod sockets;
 pub mod stream;
+pub mod zmtp;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -10,13 +10,13 @@ use bytes::Bytes;
 use futures::channel::mpsc as fmpsc;
 use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
-use zeromq::{
-    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqError,
-    ZmqMessage,
-};
 
 use super::stream::{Counter, Wire};
-use super::{lock, Group, Shared};
+use super::zmtp::{
+    delay, DealerSocket, SocketEvent, SocketOptions, SubSocket, ZmqError, ZmqMessage,
+    DEFAULT_MAX_MESSAGE,
+};
+use super::{lock, Group, KvOptions, Shared};
 use crate::monotonic;
 
 /// How long a ZMQ connection (TCP and handshake) may take once the endpoint answers.
@@ -33,15 +33,14 @@ pub(super) async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     while tasks.join_next().await.is_some() {}
 }
 
-/// A reply of a replay socket.
+/// A reply of a replay socket, or why its connection was dropped.
 struct Reply {
     member: usize,
     generation: u64,
-    frames: Vec<Bytes>,
+    frames: Result<Vec<Bytes>, ZmqError>,
 }
 
-/// An endpoint as the `zeromq` crate reads it: `*` (any port, any address) as `0`
-/// and `0.0.0.0`.
+/// An endpoint with `*` (any port, any address) as `0` and `0.0.0.0`.
 fn zmq_endpoint(endpoint: &str) -> String {
     let endpoint = endpoint.strip_suffix(":*").map_or(endpoint.to_owned(), |e| format!("{e}:0"));
     endpoint.replacen("tcp://*:", "tcp://0.0.0.0:", 1)
@@ -56,14 +55,8 @@ fn error_text(error: &ZmqError) -> String {
     }
 }
 
-fn delay(backoff: (f64, f64), failures: u32) -> Duration {
-    let (first, largest) = backoff;
-    Duration::from_secs_f64(largest.min(first * 2f64.powi(failures.min(32) as i32)))
-}
-
 /// Waits until a TCP endpoint accepts connections (with the feed's backoff), so that the ZMQ
-/// connection made after it is made at once (libzmq connects lazily; the `zeromq` crate
-/// waits seconds between its own first attempts).
+/// connection made after it is made at once (libzmq connects lazily).
 async fn reachable(endpoint: &str, backoff: (f64, f64)) {
     let Some(address) = endpoint.strip_prefix("tcp://") else { return };
     let mut failures = 0;
@@ -73,37 +66,70 @@ async fn reachable(endpoint: &str, backoff: (f64, f64)) {
     }
 }
 
-fn options() -> SocketOptions {
+/// The sockets' options: the connect timeout, the feed's backoff for a lost connection, and
+/// the message cap: the larger of [`DEFAULT_MAX_MESSAGE`] and `buffer_cap_bytes` (a message
+/// the feed could hold), so a peer declaring more is dropped before anything is allocated.
+fn options(feed: &KvOptions) -> SocketOptions {
     let mut options = SocketOptions::default();
-    options.connect_timeout(CONNECT_TIMEOUT);
     options
+        .connect_timeout(CONNECT_TIMEOUT)
+        .reconnect_backoff(feed.backoff_s)
+        .max_message(feed.buffer_cap_bytes.max(DEFAULT_MAX_MESSAGE));
+    options
+}
+
+/// Logs a dropped peer, the first one of an endpoint only (the rest are counted).
+fn warn_dropped(warned: &mut bool, endpoint: &str, peer: &str, error: &ZmqError) {
+    if !std::mem::replace(warned, true) {
+        eprintln!(
+            "llmsched: warning: KV events {endpoint}: dropped the connection of {peer}: {error} \
+             (counted in {}; later ones on this endpoint are counted, not logged)",
+            if error.is_protocol() { "decode_errors" } else { "socket_errors" }
+        );
+    }
 }
 
 /// A replay socket seen from its SUB task.
 struct Dealer {
     endpoint: String,
     backoff: (f64, f64),
+    options: SocketOptions,
     member: usize,
     generation: u64,
     requests: mpsc::UnboundedSender<u64>,
     replies: mpsc::UnboundedSender<Reply>,
     task: tokio::task::JoinHandle<()>,
+    /// Whether a dropped connection was logged.
+    warned: bool,
 }
 
 impl Dealer {
     fn new(
         endpoint: String,
-        backoff: (f64, f64),
+        feed: &KvOptions,
         member: usize,
         replies: mpsc::UnboundedSender<Reply>,
     ) -> Dealer {
-        let (requests, task) = Dealer::spawn(&endpoint, backoff, member, 0, replies.clone());
-        Dealer { endpoint, backoff, member, generation: 0, requests, replies, task }
+        let (backoff, options) = (feed.backoff_s, options(feed));
+        let (requests, task) =
+            Dealer::spawn(&endpoint, backoff, &options, member, 0, replies.clone());
+        Dealer {
+            endpoint,
+            backoff,
+            options,
+            member,
+            generation: 0,
+            requests,
+            replies,
+            task,
+            warned: false,
+        }
     }
 
     fn spawn(
         endpoint: &str,
         backoff: (f64, f64),
+        options: &SocketOptions,
         member: usize,
         generation: u64,
         replies: mpsc::UnboundedSender<Reply>,
@@ -112,6 +138,7 @@ impl Dealer {
         let task = tokio::spawn(dealer_task(
             zmq_endpoint(endpoint),
             backoff,
+            options.clone(),
             member,
             generation,
             rx,
@@ -127,6 +154,7 @@ impl Dealer {
         let (requests, task) = Dealer::spawn(
             &self.endpoint,
             self.backoff,
+            &self.options,
             self.member,
             self.generation,
             self.replies.clone(),
@@ -143,20 +171,30 @@ impl Drop for Dealer {
 }
 
 /// One replay socket: connects (again, after a failure), sends the replay requests it is
-/// given and forwards the replies.
+/// given and forwards the replies, and why a connection was dropped (a peer breaking the
+/// protocol, or too slow a handshake: connected again after the backoff).
 async fn dealer_task(
     endpoint: String,
     backoff: (f64, f64),
+    options: SocketOptions,
     member: usize,
     generation: u64,
     mut requests: mpsc::UnboundedReceiver<u64>,
     replies: mpsc::UnboundedSender<Reply>,
 ) {
     let mut failures = 0;
+    // Connections dropped for the peer's fault since its last reply: the pause grows with them.
+    let mut strikes = 0;
     loop {
         reachable(&endpoint, backoff).await;
-        let mut dealer = DealerSocket::with_options(options());
-        if dealer.connect(&endpoint).await.is_err() {
+        let mut dealer = DealerSocket::with_options(options.clone());
+        if let Err(e) = dealer.connect(&endpoint).await {
+            if e.reported() {
+                let frames = Err(e);
+                if replies.send(Reply { member, generation, frames }).is_err() {
+                    return;
+                }
+            }
             tokio::time::sleep(delay(backoff, failures)).await;
             failures += 1;
             continue;
@@ -175,10 +213,19 @@ async fn dealer_task(
                 }
                 reply = dealer.recv() => match reply {
                     Ok(message) => {
-                        let frames = message.into_vec();
+                        strikes = 0;
+                        let frames = Ok(message.into_vec());
                         if replies.send(Reply { member, generation, frames }).is_err() {
                             return;
                         }
+                    }
+                    Err(e) if e.reported() => {
+                        if replies.send(Reply { member, generation, frames: Err(e) }).is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(delay(backoff, strikes)).await;
+                        strikes += 1;
+                        break;
                     }
                     Err(_) => break,
                 },
@@ -233,6 +280,8 @@ struct GroupTask {
     group: usize,
     /// Replay sockets by member (None: no replay socket).
     dealers: Vec<Option<Dealer>>,
+    /// Whether a peer dropped by the SUB socket was logged.
+    warned: bool,
 }
 
 impl GroupTask {
@@ -281,7 +330,23 @@ impl GroupTask {
             SocketEvent::Disconnected(..) => {
                 self.with_stream(members[0], |s, _| s.disconnected());
             }
-            _ => {}
+            SocketEvent::Dropped(peer, error) => {
+                let group = self.group();
+                let endpoint = lock(&group.bound).clone().unwrap_or_else(|| group.endpoint.clone());
+                warn_dropped(&mut self.warned, &endpoint, &peer, &error);
+                let protocol = error.is_protocol();
+                if self.shared_socket() {
+                    self.bump_extra(if protocol {
+                        Counter::DecodeErrors
+                    } else {
+                        Counter::SocketErrors
+                    });
+                } else if protocol {
+                    self.with_stream(members[0], |s, _| s.malformed());
+                } else {
+                    self.with_stream(members[0], |s, _| s.socket_failed());
+                }
+            }
         }
     }
 
@@ -319,15 +384,25 @@ impl GroupTask {
 
     fn on_reply(&mut self, reply: Reply) {
         let slot = self.group().members.iter().position(|&x| x == reply.member);
-        let current = slot.and_then(|s| self.dealers[s].as_ref()).map(|d| d.generation);
-        if current != Some(reply.generation) {
+        let Some(dealer) = slot.and_then(|s| self.dealers[s].as_mut()) else { return };
+        if dealer.generation != reply.generation {
             return; // from a socket replaced since
         }
+        let frames = match reply.frames {
+            Ok(frames) => frames,
+            Err(error) => {
+                warn_dropped(&mut dealer.warned, &dealer.endpoint, "the replay socket", &error);
+                if error.is_protocol() {
+                    self.with_stream(reply.member, |s, _| s.malformed());
+                } else {
+                    self.with_stream(reply.member, |s, _| s.socket_failed());
+                }
+                return;
+            }
+        };
         let topic = self.shared.members[reply.member].spec.topic.clone();
         let now = monotonic();
-        self.with_stream(reply.member, |s, w| {
-            s.on_replay_reply(&reply.frames, topic.as_bytes(), now, w)
-        });
+        self.with_stream(reply.member, |s, w| s.on_replay_reply(&frames, topic.as_bytes(), now, w));
     }
 
     fn check_timers(&mut self) {
@@ -366,7 +441,7 @@ impl GroupTask {
         let endpoint = zmq_endpoint(&self.group().endpoint);
         let mut failures = 0;
         loop {
-            let mut sub = SubSocket::with_options(options());
+            let mut sub = SubSocket::with_options(options(&self.shared.options));
             let monitor = sub.monitor();
             let mut subscribed = Ok(());
             for &m in &self.group().members {
@@ -418,16 +493,15 @@ impl GroupTask {
 
 async fn group_task(shared: Arc<Shared>, group: usize) {
     let (replies_tx, mut replies) = mpsc::unbounded_channel();
-    let backoff = shared.options.backoff_s;
     let dealers = shared.groups[group]
         .members
         .iter()
         .map(|&m| {
             let replay = shared.members[m].spec.replay.clone();
-            replay.map(|endpoint| Dealer::new(endpoint, backoff, m, replies_tx.clone()))
+            replay.map(|endpoint| Dealer::new(endpoint, &shared.options, m, replies_tx.clone()))
         })
         .collect();
-    let mut task = GroupTask { shared, group, dealers };
+    let mut task = GroupTask { shared, group, dealers, warned: false };
     let (mut sub, mut monitor) = task.open().await;
     let mut monitoring = true;
     loop {
