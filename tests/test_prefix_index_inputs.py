@@ -4,12 +4,13 @@ bad element raises the same error whichever form it comes in, changing nothing."
 from __future__ import annotations
 
 import array
+import pickle
 from typing import Any
 
 import numpy as np
 import pytest
 
-from llmsched import PrefixIndex, errors
+from llmsched import PrefixIndex, errors, namespace_seed
 
 
 def loaded() -> tuple[PrefixIndex, np.ndarray, np.ndarray]:
@@ -300,3 +301,18 @@ def test_hash_lists_match_as_their_arrays_do(length: int, changed: int | None) -
     got = index.match(query.tolist(), now=0.0)
     assert got.as_dict() == want.as_dict()
     assert (got.query_blocks, got.tree_blocks) == (want.query_blocks, want.tree_blocks)
+
+
+def test_an_index_pickles_as_its_snapshot_and_surrogate_names_are_refused() -> None:
+    """Probe 48 F8: pickling failed on the index's lock; a lone surrogate in a model name was
+    a builtin UnicodeEncodeError."""
+    index = PrefixIndex(block_size=4, model="m", worker_capacity=100)
+    hashes = index.hash_tokens(list(range(40)))
+    index.store("w", hashes)
+    index.record(3, hashes[:5], ttl_s=60)
+    copy = pickle.loads(pickle.dumps(index))
+    assert (copy.block_size, copy.model, copy.worker_capacity) == (4, "m", 100)
+    assert copy.match(hashes).as_dict() == index.match(hashes).as_dict()
+    for name in ("model", "lora", "cache_salt"):
+        with pytest.raises(errors.InvalidValueError, match=name):
+            namespace_seed(**{name: "a\ud800"})

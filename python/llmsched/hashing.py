@@ -316,8 +316,16 @@ def _check_algo(algo: object) -> Algorithm:
 
 def _check_names(**names: str | None) -> None:
     for name, value in names.items():
-        if value is not None and not isinstance(value, str):
+        if value is None:
+            continue
+        if not isinstance(value, str):
             raise InvalidTypeError(f"{name} must be a str or None, got {type(value).__name__}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no bytes to hash
+            raise InvalidValueError(
+                f"{name} must be encodable as UTF-8: {exc.reason} at position {exc.start}"
+            ) from None
 
 
 def _unencodable(exc: UnicodeEncodeError) -> InvalidValueError:

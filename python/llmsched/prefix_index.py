@@ -506,6 +506,17 @@ class PrefixIndex:
         """
         return cls._wrap(_llmsched.PrefixIndex.loads(check_bytes("data", data), time.monotonic()))
 
+    def __reduce__(self) -> tuple[object, tuple[bytes]]:
+        """Pickled as its :meth:`dumps` snapshot (a multiprocessing worker gets a copy).
+
+        >>> import pickle
+        >>> index = PrefixIndex(block_size=2)
+        >>> _ = index.store("w", index.hash_tokens([1, 2, 3, 4]))
+        >>> pickle.loads(pickle.dumps(index)).match_tokens([1, 2, 3, 4]).as_dict()
+        {'w': 2}
+        """
+        return (PrefixIndex.loads, (self.dumps(),))
+
     def __repr__(self) -> str:
         s = self.stats()
         return (
