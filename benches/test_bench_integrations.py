@@ -140,10 +140,14 @@ def _run_rounds(
         benchmark.extra_info["blocks_per_s"] = round(BLOCKS_PER_ROUND / median)
 
 
-def test_subscriber_throughput(benchmark: Any, publisher: _Publisher) -> None:
+def _subscriber_throughput(
+    benchmark: Any,
+    publisher: _Publisher,
+    subscriber: type[KVEventSubscriber] | type[NativeKVEventSubscriber],
+) -> None:
     index = PrefixIndex(block_size=BLOCK)
     spec = EngineSpec("127.0.0.1", 8000, kv_events=publisher.endpoint)
-    with KVEventSubscriber(index, [spec]) as sub:
+    with subscriber(index, [spec]) as sub:
         publisher.wait_subscribed()
 
         def wait(n: int) -> None:
@@ -153,22 +157,15 @@ def test_subscriber_throughput(benchmark: Any, publisher: _Publisher) -> None:
         c = sub.counters()
     assert c["gaps"] == 0 and c["decode_errors"] == 0
     assert index.stats()["worker_blocks"][WORKER] == BLOCKS_PER_ROUND
+
+
+def test_subscriber_throughput(benchmark: Any, publisher: _Publisher) -> None:
+    _subscriber_throughput(benchmark, publisher, KVEventSubscriber)
 
 
 def test_native_subscriber_throughput(benchmark: Any, publisher: _Publisher) -> None:
     """The native feed (llmsched's own ZMTP on tokio, decode and apply in Rust)."""
-    index = PrefixIndex(block_size=BLOCK)
-    spec = EngineSpec("127.0.0.1", 8000, kv_events=publisher.endpoint)
-    with NativeKVEventSubscriber(index, [spec]) as sub:
-        publisher.wait_subscribed()
-
-        def wait(n: int) -> None:
-            assert sub.wait_for(lambda c: c["batches"] >= n, 60.0), sub.counters()
-
-        _run_rounds(benchmark, publisher, wait, lambda: sub.counters()["batches"])
-        c = sub.counters()
-    assert c["gaps"] == 0 and c["decode_errors"] == 0
-    assert index.stats()["worker_blocks"][WORKER] == BLOCKS_PER_ROUND
+    _subscriber_throughput(benchmark, publisher, NativeKVEventSubscriber)
 
 
 def test_subscriber_throughput_twin(benchmark: Any, publisher: _Publisher) -> None:
