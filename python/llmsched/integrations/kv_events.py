@@ -152,10 +152,6 @@ DRAIN_BATCH = 1_000
 RCVHWM = 10_000
 """Messages a SUB socket queues before dropping (vLLM's replay buffer holds 10,000 batches)."""
 
-MAX_MESSAGE_BYTES = 64 << 20
-"""The largest message a socket takes (or ``buffer_cap_bytes`` when larger), as the native
-feed: libzmq drops a peer that declares more, before reading it."""
-
 _END_SEQ = -1  # the replay socket's end marker, a signed 8-byte big-endian -1
 
 MAX_GAP_COUNTED = 1 << 20
@@ -208,10 +204,6 @@ _REPORT_KEYS: tuple[tuple[ReportKey, str], ...] = (
 )
 
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-
-
-def _message_cap(owner: KVEventSubscriber) -> int:
-    return max(MAX_MESSAGE_BYTES, owner.buffer_cap_bytes)
 
 
 def _zmq_error_text(exc: zmq.ZMQError) -> str:
@@ -344,7 +336,6 @@ class _Publisher:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, RCVHWM)
-            sub.setsockopt(zmq.MAXMSGSIZE, _message_cap(self.owner))
             sub.setsockopt(zmq.RECONNECT_IVL, max(1, round(backoff_first * 1000)))
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, round(backoff_max * 1000)))
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -373,7 +364,6 @@ class _Publisher:
     def _new_dealer(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, _message_cap(self.owner))
         assert self.spec.replay is not None
         dealer.connect(self.spec.replay)
         return dealer
@@ -741,7 +731,6 @@ class _SharedSocket:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, RCVHWM)
-            sub.setsockopt(zmq.MAXMSGSIZE, _message_cap(self.owner))
             sub.setsockopt(zmq.RECONNECT_IVL, max(1, round(backoff_first * 1000)))
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, round(backoff_max * 1000)))
             for topic in self.members:
