@@ -1309,7 +1309,7 @@ def _index(raw: dict[str, Any]) -> IndexConfig:
     return IndexConfig(
         max_bytes=None
         if max_bytes is None
-        else _int({"max_bytes": max_bytes}, "max_bytes", 0, "index", low=1 << 20, high=1 << 50),
+        else _int(raw, "max_bytes", max_bytes, "index", low=1 << 20, high=1 << 50),
         worker_capacity=None
         if capacity is None
         else _int(raw, "worker_capacity", 0, "index", low=1, high=1 << 40),
