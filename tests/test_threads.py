@@ -281,3 +281,54 @@ def test_a_python_plugin_runs_in_picks_either_side_of_the_gil_threshold() -> Non
     for n in (SHORT, LONG):
         assert router.pick(tokens=tokens[:n], now=0.0).endpoint == "b"
     assert seen == [SHORT, LONG]
+
+
+def test_matches_during_a_large_clear_see_the_worker_whole_or_gone() -> None:
+    """A worker of 36,000 blocks is cleared (by an engine's ``AllBlocksCleared``, and by
+    ``clear``) in steps while threads match its chains: every match finds it holding the whole
+    chain or nothing, and the other worker's depths always equal the twin's."""
+    import msgpack
+
+    index = PrefixIndex(block_size=1)
+    twin = ReferencePrefixIndex(block_size=1)
+    chains = [[c * 10_000 + j for j in range(1200)] for c in range(30)]
+    index.store("other", chains[0][:500])
+    twin.store("other", chains[0][:500])
+    cleared = msgpack.packb([0.0, [{"type": "AllBlocksCleared"}], None])
+    stop = threading.Event()
+    problems: list[str] = []
+    matched = [0]
+
+    def read(t: int) -> None:
+        k = t
+        while not stop.is_set():
+            chain = chains[k % len(chains)]
+            k += 7
+            got = index.match(chain)
+            want = twin.match(chain).get("other", (0,))[0]
+            if got.get("other", 0) != want:
+                problems.append(f"other: {got.get('other', 0)} != {want}")
+            if got.get("big", 1200) != 1200:
+                problems.append(f"big seen half cleared: {got['big']}")
+            matched[0] += 1
+
+    readers = [threading.Thread(target=read, args=(t,)) for t in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        for round_ in range(6):
+            for chain in chains:
+                index.store("big", chain)
+            if round_ % 2:
+                assert index.clear("big") == 36_000
+            else:
+                report = index.apply_vllm_events("big", cleared)
+                assert report["cleared"] == 1
+            assert index.holdings("big") == {}
+    finally:
+        stop.set()
+        for t in readers:
+            t.join()
+    assert problems == []
+    assert matched[0] > 0
+    assert index.stats()["blocks"] == 500

@@ -321,11 +321,20 @@ class PrefixIndex:
             raise
 
     def clear(self, worker: Worker) -> int:
-        """Drop everything ``worker`` holds (it stays registered). Returns the blocks dropped."""
+        """Drop everything ``worker`` holds (it stays registered). Returns the blocks dropped.
+
+        Matches stop seeing the worker's blocks at once. A worker holding more than 4,096
+        blocks has them dropped 4,096 at a time with the index's lock (and the GIL) released
+        between steps, so that other threads' matches wait for one step, not for the whole
+        clear; writes for this worker from other threads land after the clear.
+        """
         return self._native.clear(worker)
 
     def remove_worker(self, worker: Worker) -> int:
-        """Drop everything ``worker`` holds and forget it. Returns the blocks dropped."""
+        """Drop everything ``worker`` holds and forget it. Returns the blocks dropped.
+
+        Large holdings are dropped in steps, as by :meth:`clear`.
+        """
         return self._native.remove_worker(worker)
 
     def set_capacity(self, worker: Worker, blocks: int | None) -> int:
@@ -428,6 +437,10 @@ class PrefixIndex:
         of KV-cache groups other than group 0 (hybrid models repeat their events per group) and
         stored blocks whose extra keys (multimodal inputs, a cache salt) make them more than their
         tokens. A malformed payload raises MalformedEventError and changes nothing.
+
+        An ``AllBlocksCleared`` for a worker holding more than 4,096 blocks is applied as
+        :meth:`clear` does, in steps: the events up to it apply at once, the rest once the
+        cleared blocks are dropped.
         """
         if type(payload) is not bytes:
             payload = check_bytes("payload", payload)

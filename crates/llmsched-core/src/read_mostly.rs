@@ -101,7 +101,7 @@ impl<T> ReadMostlyLock<T> {
                 }
             }
         }
-        WriteGuard { lock: self, _writer: writer }
+        WriteGuard { lock: self, writer: Some(writer) }
     }
 
     /// The data, without locking: `&mut self` proves no one else holds the lock.
@@ -139,7 +139,20 @@ impl<T> Drop for ReadGuard<'_, T> {
 /// Exclusive access to a [`ReadMostlyLock`]'s data, released when dropped.
 pub struct WriteGuard<'a, T> {
     lock: &'a ReadMostlyLock<T>,
-    _writer: parking_lot::MutexGuard<'a, ()>,
+    /// Taken out only by [`WriteGuard::unlock_fair`].
+    writer: Option<parking_lot::MutexGuard<'a, ()>>,
+}
+
+impl<T> WriteGuard<'_, T> {
+    /// Releases the lock and hands it to a thread waiting for it, if any, rather than letting
+    /// this thread take it straight back: a writer that works in steps, taking the lock for
+    /// each, calls this between steps so that readers turned away get in.
+    pub fn unlock_fair(mut self) {
+        self.lock.writing.store(false, Ordering::Release);
+        if let Some(writer) = self.writer.take() {
+            parking_lot::MutexGuard::unlock_fair(writer);
+        }
+    }
 }
 
 impl<T> Deref for WriteGuard<'_, T> {
@@ -161,8 +174,11 @@ impl<T> Drop for WriteGuard<'_, T> {
     fn drop(&mut self) {
         // Release: the writes happen before any reader that then sees the flag down. The mutex
         // is released after this (the field drops after `drop`), so a reader parked on it
-        // finds the flag down when it retries.
-        self.lock.writing.store(false, Ordering::Release);
+        // finds the flag down when it retries. After `unlock_fair` the flag is not touched:
+        // another writer may hold the lock by then.
+        if self.writer.is_some() {
+            self.lock.writing.store(false, Ordering::Release);
+        }
     }
 }
 

@@ -10,6 +10,10 @@
 //! seed that happens to collide) keeps its own entry in `own`, looked up first. Entries are
 //! valid only while the index still holds their first block; those left behind by blocks the
 //! index dropped (evictions, cleared workers) are swept when they outnumber live blocks.
+//!
+//! The shared tables are split by key into [`SHARDS`] tables, so that a sweep visits a few of
+//! them at a time, under one hold of the index's lock each, rather than millions of entries at
+//! once (15 ms for a million, every match waiting).
 
 use hashbrown::HashMap;
 
@@ -18,12 +22,100 @@ use super::tree::{Tree, WorkerId};
 /// An engine block's index blocks: (first, last, count).
 pub(crate) type Span = (u64, u64, u32);
 
+/// One worker's own entries (see [`EngineMap`]).
+pub(crate) type OwnEntries = HashMap<u64, Span>;
+
+/// Tables each shared map is split into.
+const SHARDS: usize = 256;
+
+/// Entries a sweep step visits at most (about 1 ms: a block-table lookup each).
+const SWEEP_STEP: usize = 16_384;
+
+/// A map from engine hashes split into [`SHARDS`] tables by key.
+#[derive(Debug, Clone)]
+struct Sharded<V> {
+    tables: Box<[HashMap<u64, V>]>,
+    len: usize,
+}
+
+impl<V> Default for Sharded<V> {
+    fn default() -> Self {
+        Sharded { tables: (0..SHARDS).map(|_| HashMap::new()).collect(), len: 0 }
+    }
+}
+
+impl<V: Copy> Sharded<V> {
+    /// The shard of `key`: its top bits once mixed (engine hashes in tests are small integers).
+    fn shard(key: u64) -> usize {
+        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARDS.trailing_zeros())) as usize
+    }
+
+    fn table(&self, key: u64) -> &HashMap<u64, V> {
+        &self.tables[Self::shard(key)]
+    }
+
+    fn get(&self, key: u64) -> Option<&V> {
+        self.table(key).get(&key)
+    }
+
+    fn insert(&mut self, key: u64, value: V) {
+        if self.tables[Self::shard(key)].insert(key, value).is_none() {
+            self.len += 1;
+        }
+    }
+
+    /// Inserts `value` under `key` if absent; else returns the value there.
+    fn insert_new(&mut self, key: u64, value: V) -> Option<V> {
+        match self.tables[Self::shard(key)].entry(key) {
+            hashbrown::hash_map::Entry::Vacant(v) => {
+                v.insert(value);
+                self.len += 1;
+                None
+            }
+            hashbrown::hash_map::Entry::Occupied(o) => Some(*o.get()),
+        }
+    }
+
+    fn remove(&mut self, key: u64) {
+        if self.tables[Self::shard(key)].remove(&key).is_some() {
+            self.len -= 1;
+        }
+    }
+
+    /// Keeps shard `i`'s entries that `keep` accepts. Returns the entries visited.
+    fn retain_shard(&mut self, i: usize, mut keep: impl FnMut(&V) -> bool) -> usize {
+        let table = &mut self.tables[i];
+        let before = table.len();
+        table.retain(|_, v| keep(v));
+        self.len -= before - table.len();
+        before
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&u64, &V)> {
+        self.tables.iter().flat_map(|t| t.iter())
+    }
+
+    fn bytes(&self) -> u64 {
+        self.tables.iter().map(table_bytes).sum()
+    }
+
+    fn fitted_bytes(&self) -> u64 {
+        self.tables.iter().map(fitted).sum()
+    }
+
+    fn fit(&mut self) {
+        self.tables.iter_mut().for_each(fit);
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub(crate) struct EngineMap {
-    one: HashMap<u64, u64>,
-    span: HashMap<u64, Span>,
+    one: Sharded<u64>,
+    span: Sharded<Span>,
     /// Per worker, entries that differ from the shared one for the same engine hash.
-    own: Vec<HashMap<u64, Span>>,
+    own: Vec<OwnEntries>,
+    /// The shard the next sweep step starts at.
+    next_sweep: usize,
 }
 
 impl EngineMap {
@@ -34,9 +126,9 @@ impl EngineMap {
     }
 
     fn shared(&self, engine: u64) -> Option<Span> {
-        match self.one.get(&engine) {
+        match self.one.get(engine) {
             Some(&b) => Some((b, b, 1)),
-            None => self.span.get(&engine).copied(),
+            None => self.span.get(engine).copied(),
         }
     }
 
@@ -55,7 +147,7 @@ impl EngineMap {
     /// per block in a table of millions), which the inserts, each writing the table, would
     /// take one after another.
     pub fn warm(&self, engines: &[u64]) {
-        for engine in engines {
+        for &engine in engines {
             std::hint::black_box(self.one.get(engine));
         }
     }
@@ -63,20 +155,17 @@ impl EngineMap {
     /// Records that worker `w`'s engine block `engine` became `span`.
     pub fn insert(&mut self, w: WorkerId, engine: u64, span: Span) {
         self.ensure_worker(w);
-        if span.2 == 1 && span.0 == span.1 && self.span.is_empty() {
+        if span.2 == 1 && span.0 == span.1 && self.span.table(engine).is_empty() {
             // The common case (engine and index blocks alike): one probe of one table.
-            match self.one.entry(engine) {
-                hashbrown::hash_map::Entry::Vacant(v) => {
-                    v.insert(span.0);
-                    return;
-                }
-                hashbrown::hash_map::Entry::Occupied(o) if *o.get() == span.0 => {
+            match self.one.insert_new(engine, span.0) {
+                None => return,
+                Some(first) if first == span.0 => {
                     if !self.own[w as usize].is_empty() {
                         self.own[w as usize].remove(&engine);
                     }
                     return;
                 }
-                hashbrown::hash_map::Entry::Occupied(_) => {}
+                Some(_) => {}
             }
         }
         match self.shared(engine) {
@@ -106,51 +195,65 @@ impl EngineMap {
         }
         if let Some((first, _, _)) = self.shared(engine) {
             if !tree.blocks.contains(&tree.nodes, first) {
-                self.one.remove(&engine);
-                self.span.remove(&engine);
+                self.one.remove(engine);
+                self.span.remove(engine);
             }
         }
     }
 
-    /// Drops worker `w`'s own entries (it cleared its cache or left).
-    pub fn clear_worker(&mut self, w: WorkerId) {
-        if let Some(own) = self.own.get_mut(w as usize) {
-            *own = HashMap::new();
-        }
+    /// Takes worker `w`'s own entries out (it cleared its cache or left), for the caller to
+    /// free after releasing the index's lock.
+    pub fn take_worker(&mut self, w: WorkerId) -> OwnEntries {
+        self.own.get_mut(w as usize).map(std::mem::take).unwrap_or_default()
     }
 
-    /// Drops shared entries whose first block the index no longer holds, once there are more of
-    /// them than live blocks.
-    pub fn sweep(&mut self, tree: &Tree) {
-        let shared = self.one.len() + self.span.len();
-        if shared <= 2 * tree.blocks.len() + 4096 {
-            return;
+    /// Whether shared entries outnumber twice the live blocks (by more than a margin): then
+    /// [`Self::sweep_step`] has work.
+    pub fn needs_sweep(&self, tree: &Tree) -> bool {
+        self.one.len + self.span.len > 2 * tree.blocks.len() + 4096
+    }
+
+    /// When [`Self::needs_sweep`], drops the shared entries whose first block the index no
+    /// longer holds from the next shards, about [`SWEEP_STEP`] entries' worth. Returns whether
+    /// sweeping is still wanted.
+    pub fn sweep_step(&mut self, tree: &Tree) -> bool {
+        if !self.needs_sweep(tree) {
+            return false;
         }
-        self.one.retain(|_, b| tree.blocks.contains(&tree.nodes, *b));
-        self.span.retain(|_, s| tree.blocks.contains(&tree.nodes, s.0));
+        let mut visited = 0;
+        for _ in 0..SHARDS {
+            let i = self.next_sweep;
+            self.next_sweep = (i + 1) % SHARDS;
+            visited += self.one.retain_shard(i, |&b| tree.blocks.contains(&tree.nodes, b));
+            visited += self.span.retain_shard(i, |s| tree.blocks.contains(&tree.nodes, s.0));
+            if visited >= SWEEP_STEP {
+                break;
+            }
+        }
+        self.needs_sweep(tree)
     }
 
     pub fn len(&self) -> usize {
-        self.one.len() + self.span.len() + self.own.iter().map(HashMap::len).sum::<usize>()
+        self.one.len + self.span.len + self.own.iter().map(HashMap::len).sum::<usize>()
     }
 
     /// Heap bytes of the tables as allocated (see [`table_bytes`]).
     pub fn bytes(&self) -> u64 {
         let own: u64 = self.own.iter().map(table_bytes).sum();
-        table_bytes(&self.one) + table_bytes(&self.span) + own
+        self.one.bytes() + self.span.bytes() + own
     }
 
     /// What [`EngineMap::bytes`] would be after [`EngineMap::fit`].
     pub fn fitted_bytes(&self) -> u64 {
         let own: u64 = self.own.iter().map(fitted).sum();
-        fitted(&self.one) + fitted(&self.span) + own
+        self.one.fitted_bytes() + self.span.fitted_bytes() + own
     }
 
     /// Shrinks the tables that removals left larger than their entries need (a table never
     /// shrinks by itself).
     pub fn fit(&mut self) {
-        fit(&mut self.one);
-        fit(&mut self.span);
+        self.one.fit();
+        self.span.fit();
         self.own.iter_mut().for_each(fit);
     }
 

@@ -6,11 +6,12 @@
 //! index blocks each engine block became. An engine block may span several index blocks when the engine's block size is a
 //! multiple of the index's.
 
+use super::engine_map::OwnEntries;
 use super::tree::{Attrs, StoreRefusal, WorkerId};
-use super::{PrefixIndex, State, Tier};
+use super::{start_clear, PrefixIndex, State, Tier};
 use crate::buffer_pool::{self, BufferPool};
 use crate::hashing;
-use crate::vllm_events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+use crate::vllm_events::{BlockRemoved, BlockStored, KvEvent};
 
 /// What applying one batch did. Skipped events change nothing.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -42,29 +43,32 @@ pub struct ApplyReport {
     pub extra_keys: u64,
 }
 
-pub(super) fn apply_batch(
+/// Applies `events` (the batch's events from some position on) for `w` into `report`, up to
+/// and including the first clear of a worker too large to clear at once. Returns, for such a
+/// clear, the number of events applied and the engine-hash entries it took from the worker
+/// (freed by the caller once the lock is released); the caller finishes the clear in steps
+/// ([`PrefixIndex::finish_clear`]) before applying the rest.
+pub(super) fn apply_events(
     index: &PrefixIndex,
     st: &mut State,
     w: WorkerId,
-    batch: &EventBatch,
-) -> ApplyReport {
-    let mut report = ApplyReport {
-        events: batch.events.len() as u64,
-        unknown_events: u64::from(batch.unknown_events),
-        ..Default::default()
-    };
-    for event in &batch.events {
+    events: &[KvEvent],
+    report: &mut ApplyReport,
+) -> Option<(usize, OwnEntries)> {
+    for (i, event) in events.iter().enumerate() {
         match event {
-            KvEvent::Stored(stored) => apply_stored(index, st, w, stored, &mut report),
-            KvEvent::Removed(removed) => apply_removed(st, w, removed, &mut report),
+            KvEvent::Stored(stored) => apply_stored(index, st, w, stored, report),
+            KvEvent::Removed(removed) => apply_removed(st, w, removed, report),
             KvEvent::AllCleared => {
-                st.tree.clear_worker(w);
-                st.workers.engine.clear_worker(w);
                 report.cleared += 1;
+                let (_, own) = start_clear(st, w);
+                if st.tree.is_hidden(w) {
+                    return Some((i + 1, own));
+                }
             }
         }
     }
-    report
+    None
 }
 
 fn apply_stored(
