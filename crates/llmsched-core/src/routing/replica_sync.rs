@@ -568,12 +568,20 @@ impl ReplicaSync {
         let mut unknown =
             batch.loads.iter().filter(|(k, _)| members.get(k).is_none()).count() as u64;
         match state.peers.get_mut(&batch.replica) {
-            Some(peer) if peer.incarnation == batch.incarnation && batch.seq <= peer.seq => {
+            // A batch more than `MAX_MISSED_COUNTED` behind the last is taken as the replica's
+            // sequence starting over (below) rather than as a duplicate: one batch claiming a
+            // sequence far ahead (a garbled or forged `u64::MAX`) would otherwise make every
+            // later batch of that replica a duplicate until it restarted.
+            Some(peer)
+                if peer.incarnation == batch.incarnation
+                    && batch.seq <= peer.seq
+                    && peer.seq - batch.seq <= MAX_MISSED_COUNTED =>
+            {
                 state.counters.duplicates_in += 1;
                 report.duplicate = true;
                 return Ok(report);
             }
-            Some(peer) if peer.incarnation == batch.incarnation => {
+            Some(peer) if peer.incarnation == batch.incarnation && batch.seq > peer.seq => {
                 report.missed = (batch.seq - peer.seq - 1).min(MAX_MISSED_COUNTED);
                 peer.seq = batch.seq;
                 peer.last_seen = now;
@@ -873,8 +881,15 @@ mod tests {
         let _ticket = same.router.commit(&d, None, 1.0).unwrap();
         let batch = decode(&same.sync.outgoing(1.0, false).unwrap()).unwrap();
         assert_eq!(one.sync.incoming(&encode(&batch).0, 1.0).unwrap().records, 1);
-        let far = SyncBatch { seq: u64::MAX, ..batch };
+        let far = SyncBatch { seq: u64::MAX, ..batch.clone() };
         assert_eq!(one.sync.incoming(&encode(&far).0, 1.0).unwrap().missed, MAX_MISSED_COUNTED);
+        // The replica's real batches that follow are not taken for duplicates of it...
+        let next = SyncBatch { seq: batch.seq + 1, ..batch.clone() };
+        let report = one.sync.incoming(&encode(&next).0, 1.0).unwrap();
+        assert!(!report.duplicate && report.records == 1, "{report:?}");
+        // ...and duplicates of those still are.
+        assert!(one.sync.incoming(&encode(&next).0, 1.0).unwrap().duplicate);
+        assert!(one.sync.incoming(&encode(&batch).0, 1.0).unwrap().duplicate);
     }
 
     #[test]
