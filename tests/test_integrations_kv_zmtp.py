@@ -210,3 +210,30 @@ def test_libzmq_heartbeats_are_answered() -> None:
         pub.close()
         ctx.term()
     assert c["connects"] == 1 and c["disconnects"] == 0 and c["decode_errors"] == 0
+
+
+def test_a_dropped_peer_is_logged_through_logging(caplog: pytest.LogCaptureFixture) -> None:
+    """The first peer an endpoint drops is a WARNING of the ``llmsched`` logger naming the
+    engine, the endpoint and why (it went to stderr, out of reach of the embedder's logging);
+    the socket is not listed as failing for it."""
+    index = PrefixIndex(block_size=BLOCK)
+    spec = bound_spec("kv")
+    with (
+        caplog.at_level("WARNING", logger="llmsched"),
+        NativeKVEventSubscriber(index, [spec], **FAST) as sub,
+    ):
+        endpoint = sub.bound_endpoint(spec.worker_id)
+        assert endpoint is not None
+        port = int(endpoint.rsplit(":", 1)[1])
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", port)) as peer:
+                peer.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                peer.settimeout(WAIT_S)
+                while peer.recv(4096):
+                    pass
+        wait(sub, lambda c: c["decode_errors"] >= 2)
+        assert sub.failing_sockets() == {}
+    drops = [r.getMessage() for r in caplog.records if "dropped the connection" in r.getMessage()]
+    assert len(drops) == 1, drops
+    assert spec.worker_id in drops[0] and endpoint in drops[0]
+    assert "decode_errors" in drops[0]

@@ -1012,8 +1012,8 @@ class NativeKVEventSubscriber:
     ) -> NativeKVEventSubscriber:
         """A feed of `(worker, endpoint, bind, replay, topic)` engines into `index` with
         `options` (JSON); `on_socket(workers, endpoint, action, error)` on each failure to
-        open a socket and once when it opens after failing (error None); ConfigError naming
-        the problem."""
+        open a socket, once when it opens after failing (error None), and for the first peer
+        connection an endpoint drops (action `drop`); ConfigError naming the problem."""
     def start(self) -> None:
         """Starts the feed's thread."""
     def stop(self) -> None:

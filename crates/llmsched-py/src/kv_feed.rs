@@ -41,8 +41,9 @@ impl PyKvFeed {
     /// skipped)` is called, with the GIL, for a batch whose stored events were skipped for
     /// their block size (never while the sizes agree); `on_socket(workers, endpoint, action,
     /// error)` each time opening a socket fails (`action` `bind` or `connect`, `error` what
-    /// the OS or ZMQ said) and once when it opens after failing (`error` None). ConfigError
-    /// naming the problem.
+    /// the OS or ZMQ said), once when it opens after failing (`error` None), and for the first
+    /// peer connection an endpoint drops (`action` `drop`, `error` why). ConfigError naming
+    /// the problem.
     #[new]
     #[pyo3(signature = (index, engines, options, on_mismatch=None, on_socket=None))]
     fn new(

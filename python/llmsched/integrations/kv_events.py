@@ -220,7 +220,10 @@ class _SocketLog:
     (logger ``llmsched``, WARNING) once per endpoint and error, naming the engines, the
     endpoint and the OS error, and an endpoint that opens after failing is logged once (INFO).
     The feed retries with its backoff either way; the failures are counted in
-    ``socket_errors`` and listed by ``failing_sockets()``."""
+    ``socket_errors`` and listed by ``failing_sockets()``. The native feed also reports the
+    first peer connection each endpoint drops (``drop``: a protocol violation, a handshake
+    that did not finish; counted in ``decode_errors`` or ``socket_errors``), logged as a
+    WARNING once per endpoint; the socket is not failing for it."""
 
     MAX_REMEMBERED = 256
     """Distinct failures remembered as logged (then the memory starts over)."""
@@ -232,8 +235,12 @@ class _SocketLog:
 
     def report(self, workers: list[str], endpoint: str, action: str, error: str | None) -> None:
         """One attempt to open ``endpoint``'s socket (``action``: ``bind`` or ``connect``)
-        failed with ``error``, or (None) succeeded after failing."""
+        failed with ``error``, or (None) succeeded after failing; or (``drop``) the socket
+        dropped a peer's connection, for the reason ``error``."""
         engines = f"engine{'s' if len(workers) > 1 else ''} {', '.join(workers)}"
+        if action == "drop":
+            log.warning("KV events of %s on %s: %s", engines, endpoint, error)
+            return
         with self._lock:
             if error is None:
                 first = endpoint not in self._recovered

@@ -165,14 +165,17 @@ pub struct SocketReport<'a> {
     pub workers: Vec<&'a str>,
     /// Its endpoint as configured.
     pub endpoint: &'a str,
-    /// `bind` or `connect`.
+    /// `bind` or `connect`; `drop` for a peer connection the socket dropped (a protocol
+    /// violation, a handshake that did not finish), the first of the endpoint only.
     pub action: &'static str,
-    /// Why opening it failed (what the OS or ZMQ said); `None`: it opened after failing.
+    /// Why opening it failed (what the OS or ZMQ said), or why the peer was dropped; `None`:
+    /// it opened after failing.
     pub error: Option<&'a str>,
 }
 
-/// Called (on the feed's thread) each time opening a socket fails, and once when it opens
-/// after failing: the embedder logs it (the feed retries with its backoff either way).
+/// Called (on the feed's thread) each time opening a socket fails, once when it opens after
+/// failing, and for the first peer connection an endpoint drops: the embedder logs it (the
+/// feed retries with its backoff either way; a drop does not make the socket failing).
 pub type SocketHook = Arc<dyn Fn(&SocketReport<'_>) + Send + Sync>;
 
 /// What the feed's tasks and its readers share.

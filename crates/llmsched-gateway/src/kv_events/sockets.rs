@@ -78,14 +78,29 @@ fn options(feed: &KvOptions) -> SocketOptions {
     options
 }
 
-/// Logs a dropped peer, the first one of an endpoint only (the rest are counted).
-fn warn_dropped(warned: &mut bool, endpoint: &str, peer: &str, error: &ZmqError) {
-    if !std::mem::replace(warned, true) {
-        eprintln!(
-            "llmsched: warning: KV events {endpoint}: dropped the connection of {peer}: {error} \
-             (counted in {}; later ones on this endpoint are counted, not logged)",
-            if error.is_protocol() { "decode_errors" } else { "socket_errors" }
-        );
+/// Reports a dropped peer, the first one of an endpoint only (the rest are counted): to the
+/// embedder's hook as a `drop` (Python logs it through `logging`), else on stderr.
+fn warn_dropped(
+    warned: &mut bool,
+    hook: Option<&super::SocketHook>,
+    workers: Vec<&str>,
+    endpoint: &str,
+    peer: &str,
+    error: &ZmqError,
+) {
+    if std::mem::replace(warned, true) {
+        return;
+    }
+    let counter = if error.is_protocol() { "decode_errors" } else { "socket_errors" };
+    let text = format!(
+        "dropped the connection of {peer}: {error} (counted in {counter}; later ones on this \
+         endpoint are counted, not logged)"
+    );
+    match hook {
+        Some(hook) => {
+            hook(&super::SocketReport { workers, endpoint, action: "drop", error: Some(&text) })
+        }
+        None => eprintln!("llmsched: warning: KV events {endpoint}: {text}"),
     }
 }
 
@@ -331,9 +346,13 @@ impl GroupTask {
                 self.with_stream(members[0], |s, _| s.disconnected());
             }
             SocketEvent::Dropped(peer, error) => {
-                let group = self.group();
+                let shared = self.shared.clone();
+                let group = &shared.groups[self.group];
                 let endpoint = lock(&group.bound).clone().unwrap_or_else(|| group.endpoint.clone());
-                warn_dropped(&mut self.warned, &endpoint, &peer, &error);
+                let workers =
+                    group.members.iter().map(|&m| shared.members[m].spec.worker.as_str()).collect();
+                let hook = shared.on_socket.as_ref();
+                warn_dropped(&mut self.warned, hook, workers, &endpoint, &peer, &error);
                 let protocol = error.is_protocol();
                 if self.shared_socket() {
                     self.bump_extra(if protocol {
@@ -391,7 +410,10 @@ impl GroupTask {
         let frames = match reply.frames {
             Ok(frames) => frames,
             Err(error) => {
-                warn_dropped(&mut dealer.warned, &dealer.endpoint, "the replay socket", &error);
+                let worker = self.shared.members[reply.member].spec.worker.as_str();
+                let hook = self.shared.on_socket.as_ref();
+                let (endpoint, peer) = (&dealer.endpoint, "the replay socket");
+                warn_dropped(&mut dealer.warned, hook, vec![worker], endpoint, peer, &error);
                 if error.is_protocol() {
                     self.with_stream(reply.member, |s, _| s.malformed());
                 } else {
