@@ -158,10 +158,15 @@ def test_terabyte_frame_from_the_publisher_it_connects_to(hostile: HostileListen
     spec = EngineSpec("127.0.0.1", 8000, kv_events=hostile.endpoint, topic="kv")
     with NativeKVEventSubscriber(index, [spec], **FAST) as sub:
         wait(sub, lambda c: c["decode_errors"] >= 2)  # dropped, connected again, dropped
+        # The endpoint answers TCP but not as a publisher: the socket is failing.
+        failing = sub.failing_sockets()
+        assert list(failing) == [hostile.endpoint], failing
+        assert "handshake failed" in failing[hostile.endpoint]
         hostile.close()
         # A well-behaved publisher on the same port: the feed connects to it with its backoff.
         with FakeKVPublisher(topic="kv", endpoint=hostile.endpoint, replay=False) as eng:
             publish_until(sub, eng, 5)
+            assert sub.failing_sockets() == {}
         c = sub.counters()
     assert c["decode_errors"] >= 2 and c["batches"] == 5
     assert len(index.holdings(spec.worker_id)) == 5

@@ -1369,7 +1369,9 @@ class NativeKVEventSubscriber:
 
     def failing_sockets(self) -> dict[str, str]:
         """:meth:`KVEventSubscriber.failing_sockets`: the sockets whose last bind or connect
-        failed, by endpoint, with what the OS or ZMQ said (logged as there)."""
+        failed, by endpoint, with what the OS or ZMQ said (logged as there); a connecting
+        socket whose peer answers TCP but fails the ZMTP handshake (an engine's HTTP port, say)
+        is failing too, until a handshake succeeds."""
         return dict(self._native.failing_sockets())
 
     def workers(self) -> list[str]:

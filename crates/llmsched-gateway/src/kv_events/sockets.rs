@@ -331,6 +331,10 @@ impl GroupTask {
         let members = self.group().members.clone();
         match event {
             SocketEvent::Connected(..) | SocketEvent::Accepted(..) => {
+                // A connecting socket whose handshakes failed works again.
+                if !self.group().bind && lock(&self.group().failure).take().is_some() {
+                    self.report(None);
+                }
                 let own = !self.shared_socket();
                 if !own {
                     self.bump_extra(Counter::Connects);
@@ -352,7 +356,20 @@ impl GroupTask {
                 let workers =
                     group.members.iter().map(|&m| shared.members[m].spec.worker.as_str()).collect();
                 let hook = shared.on_socket.as_ref();
-                warn_dropped(&mut self.warned, hook, workers, &endpoint, &peer, &error);
+                if group.bind {
+                    warn_dropped(&mut self.warned, hook, workers, &endpoint, &peer, &error);
+                } else {
+                    // The endpoint this socket connects to answers TCP but not as a ZMQ
+                    // publisher (an engine's HTTP port, another protocol): the socket cannot
+                    // work as configured, so it is failing until a handshake succeeds.
+                    let text = format!("the peer's ZMTP handshake failed: {error}");
+                    let mut failure = lock(&group.failure);
+                    if failure.as_deref() != Some(text.as_str()) {
+                        *failure = Some(text.clone());
+                        drop(failure);
+                        self.report(Some(&text));
+                    }
+                }
                 let protocol = error.is_protocol();
                 if self.shared_socket() {
                     self.bump_extra(if protocol {
