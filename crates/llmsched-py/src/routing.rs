@@ -95,13 +95,7 @@ impl PyEndpointPool {
         let endpoints = rows
             .iter()
             .map(|row| {
-                let (id, address, role, labels, model): (
-                    Bound<'_, PyAny>,
-                    String,
-                    Option<String>,
-                    BTreeMap<String, String>,
-                    Option<String>,
-                ) = row.extract()?;
+                let (id, address, role, labels, model): EndpointRow<'_> = row.extract()?;
                 endpoint_of(&id, address, role.as_deref(), labels, model)
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -208,6 +202,10 @@ impl PyEndpointPool {
         self.inner.len()
     }
 }
+
+/// A row of `upsert_many`: `(id, address, role, labels, model)`, as `upsert` takes them.
+type EndpointRow<'py> =
+    (Bound<'py, PyAny>, String, Option<String>, BTreeMap<String, String>, Option<String>);
 
 fn endpoint_of(
     id: &Bound<'_, PyAny>,
