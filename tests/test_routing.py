@@ -400,8 +400,13 @@ def test_python_plugins() -> None:
     config["plugins"][1]["parameters"] = {"function": broken}
     with pytest.raises(ZeroDivisionError, match="boom"):
         Router(pool, config=config).pick(tokens=[1])
+    # A wrong count is llmsched's error naming the plugin (and its function), for either kind.
     config["plugins"][1]["parameters"] = {"function": lambda r, e: [0.5]}
-    with pytest.raises(ValueError, match="returned 1 values for 2"):
+    with pytest.raises(InvalidValueError, match=r'plugin "c" \(function <lambda>\) returned 1 '):
+        Router(pool, config=config).pick(tokens=[1])
+    config["plugins"][1]["parameters"] = {"function": prefer_c}
+    config["plugins"][0]["parameters"] = {"function": lambda r, e: [True] * 5}
+    with pytest.raises(InvalidValueError, match=r'plugin "no-a" .* returned 5 values for 3'):
         Router(pool, config=config).pick(tokens=[1])
 
 
@@ -495,3 +500,133 @@ def test_an_endpoint_listed_twice_is_refused_and_add_replaces_on_purpose() -> No
     pool = EndpointPool(["a", "b"])
     assert pool.add(Endpoint("a", address="h2:8000")) is False
     assert sorted(e["id"] for e in pool.endpoints()) == ["a", "b"]
+
+
+def test_a_scorer_listed_twice_in_a_profile_sums_its_weights_warns_and_explains() -> None:
+    pool = EndpointPool(["a", "b"], stale_policy="ignore")
+    pool.update("b", waiting=3)
+    config = {
+        "plugins": [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "queue-scorer", "weight": 1},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
+                    {"pluginRef": "queue-scorer", "weight": 5},
+                ],
+            }
+        ],
+    }
+    router = Router(pool, config=config)
+    # As llm-d (which runs it twice and adds both): one scorer with the summed weight.
+    assert [n["key"] for n in router.config_info["notes"]] == [
+        "schedulingProfiles[0].plugins[2].pluginRef"
+    ]
+    assert any('"queue-scorer" is listed twice in profile "default"' in w for w in router.warnings)
+    explained = router.pick(tokens=[1], now=0.0).explain()["default"]
+    assert explained.weights == {"queue-scorer": 6.0, "kv-cache-utilization-scorer": 1.0}
+    assert explained.row("a").total == 7.0
+    assert "queue-scorer x6" in str(explained)
+
+
+def test_scorer_weights_that_overflow_are_refused_and_all_zero_weights_noted() -> None:
+    plugins = [{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}]
+
+    def config(weight: float) -> dict:
+        refs = [{"pluginRef": p["type"], "weight": weight} for p in plugins]
+        return {"plugins": plugins, "schedulingProfiles": [{"name": "p", "plugins": refs}]}
+
+    with pytest.raises(ConfigError, match=r"schedulingProfiles\[0\]\.plugins.*add up past"):
+        Router(EndpointPool(["a"]), config=config(1e308))
+    router = Router(EndpointPool(["a"]), config=config(0))
+    assert any("every scorer weight" in w for w in router.warnings)
+
+
+def test_an_endpoint_removed_and_added_back_keeps_its_requests_in_flight() -> None:
+    pool = EndpointPool(["a", "b"], stale_policy="ignore")
+    router = Router(pool, config="least-load")
+
+    def in_flight(endpoint: object) -> tuple[int, int]:
+        row = next(e for e in pool.endpoints() if e["id"] == endpoint)
+        return row["in_flight_requests"], row["in_flight_tokens"]
+
+    d = router.pick(tokens=list(range(50)), now=1.0)
+    d.started(now=1.0)
+    pool.remove(d.endpoint)
+    pool.add(d.endpoint)
+    assert in_flight(d.endpoint) == (1, 50)
+    # Started after the endpoint flapped: counted on the endpoint as it is now.
+    late = router.pick(tokens=list(range(10)), now=2.0)
+    pool.remove(late.endpoint)
+    pool.add_many([late.endpoint])
+    late.started(now=2.0)
+    assert in_flight(late.endpoint)[0] == (2 if late.endpoint == d.endpoint else 1)
+    d.finished()
+    late.finished()
+    assert in_flight("a") == in_flight("b") == (0, 0)
+
+
+def test_add_many_adds_in_one_step_and_changes_nothing_on_bad_input() -> None:
+    pool = EndpointPool(["a"])
+    pool.update("a", waiting=4, now=0.0)
+    assert pool.add_many(["b", Endpoint("a", address="h:1"), Endpoint(7, role="decode")]) == 2
+    rows = {e["id"]: e for e in pool.endpoints()}
+    assert list(rows) == ["a", "b", 7]
+    assert rows["a"]["address"] == "h:1" and rows["a"]["waiting"] == 4
+    for bad, error in (
+        (["c", "c"], InvalidValueError),
+        (["c", Endpoint("d", role="decoder")], InvalidValueError),  # type: ignore[arg-type]
+        (["c", 1.5], TypeError),
+        ("cd", TypeError),
+    ):
+        with pytest.raises(error):
+            pool.add_many(bad)  # type: ignore[arg-type]
+        assert len(pool) == 3
+    big = EndpointPool([f"e{i}" for i in range(5000)])
+    assert len(big) == 5000 and big.endpoints()[-1]["id"] == "e4999"
+
+
+def test_counts_take_numpy_ints_and_out_of_range_counts_are_invalid_values() -> None:
+    pool = EndpointPool(["a"])
+    pool.update("a", waiting=np.int64(3), running=np.uint32(2), max_concurrency=np.int8(9))
+    row = pool.endpoints()[0]
+    assert (row["waiting"], row["running"], row["max_concurrency"]) == (3, 2, 9)
+    pool.set_loras("a", ["x"], [], max_loras=np.int64(2))
+    for bad in (-1, 2**32, 2**70):
+        with pytest.raises(InvalidValueError, match="max_loras must be at"):
+            pool.set_loras("a", ["y"], [], max_loras=bad)
+        with pytest.raises(InvalidValueError, match="waiting must be at"):
+            pool.update("a", waiting=np.int64(bad) if bad < 2**63 else bad)
+    for wrong in (True, 1.0, "2", np.bool_(True)):
+        with pytest.raises(TypeError, match="max_loras must be an int"):
+            pool.set_loras("a", ["y"], [], max_loras=wrong)  # type: ignore[arg-type]
+    row = pool.endpoints()[0]
+    assert (row["active_loras"], row["max_loras"], row["waiting"]) == (["x"], 2, 3)
+
+
+def test_explain_keeps_one_column_per_scorer_entry_even_when_names_repeat() -> None:
+    from llmsched.routing import ProfileExplanation
+
+    row = {
+        "endpoint": "a",
+        "address": "",
+        "cached_tokens": 0,
+        "saturated": False,
+        "removed_by": None,
+        "scores": [0.5, 1.0],
+        "total": 5.5,
+        "rank": 0,
+    }
+    raw = {
+        "profile": "p",
+        "picker": "max-score-picker",
+        "filters": [],
+        "skipped_filters": [],
+        "scorers": [("q", 1.0), ("q", 5.0)],
+        "rows": [row],
+    }
+    explained = ProfileExplanation._from_raw(raw)  # type: ignore[arg-type]
+    assert explained.weights == {"q": 1.0, "q#2": 5.0}
+    assert explained.row("a").weighted == {"q": 0.5, "q#2": 5.0}
+    assert "q#2 x5" in str(explained)

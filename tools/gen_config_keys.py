@@ -220,7 +220,9 @@ def _router() -> list[str]:
         "| `plugins[]` | `type` (one of the [plugin catalogue](plugins.md)), optional `name` "
         "(default: the type), `parameters` |",
         "| `schedulingProfiles[]` | `name`, `plugins[]` of `{pluginRef, weight}` (scorers are "
-        "weighted; a profile without a picker gets `max-score-picker`) |",
+        "weighted; a profile without a picker gets `max-score-picker`; a scorer listed twice "
+        "counts once with its weights summed, a filter listed twice runs twice, both noted; the "
+        "weights must sum to a finite number, all 0 is noted) |",
         "| `saturationDetector` | `queueDepthThreshold`, `kvCacheUtilThreshold`, "
         "`metricsStalenessThreshold`: flow control's saturation thresholds (gateway) |",
         "| `featureGates` | `flowControl` turns flow control on in the gateway |",

@@ -560,6 +560,12 @@ class EndpointPool:
         model: str | None,
     ) -> bool:
         """Adds or updates an endpoint; returns whether it is new."""
+    def upsert_many(
+        self,
+        rows: list[tuple[int | str, str, str | None, dict[str, str], str | None]],
+    ) -> int:
+        """`upsert` of each `(id, address, role, labels, model)` row in one step; every row is
+        converted before anything changes. Returns how many were new."""
     def remove(self, id: int | str) -> None:
         """Removes an endpoint."""
     def update(

@@ -57,6 +57,7 @@ from llmsched.types import (
 from llmsched.validation import (
     U32_MAX,
     check_id,
+    check_index,
     check_int,
     check_int_like,
     check_iterable,
@@ -154,8 +155,10 @@ class EndpointPool:
         stale_policy: ``"saturated"`` (the default) or ``"ignore"``.
 
     An id listed twice in ``endpoints`` raises InvalidValueError (:meth:`add` of a known id
-    replaces its description, on purpose). Every method may be called from any thread, also
-    while routers decide.
+    replaces its description, on purpose). Building a pool, like :meth:`add_many`, takes time
+    linear in the number of endpoints; each single :meth:`add` or :meth:`remove` copies the
+    member list (decisions never wait for a change), so a loop of them is quadratic. Every
+    method may be called from any thread, also while routers decide.
 
     >>> pool = EndpointPool([Endpoint(1, address="h1:8000"), 2])
     >>> pool.update(1, waiting=3, running=8, kv_cache_usage=0.5, now=10.0)
@@ -177,23 +180,8 @@ class EndpointPool:
         if isinstance(after, bool) or not isinstance(after, (int, float)) or not after >= 0:
             raise InvalidValueError(f"stale_after_s must be a number >= 0, got {stale_after_s!r}")
         check_optional_str("stale_policy", stale_policy)
-        if isinstance(endpoints, (str, bytes)):
-            raise InvalidTypeError(
-                "endpoints must be an iterable of endpoints or ids, not a single "
-                + type(endpoints).__name__
-            )
-        listed = [
-            e if isinstance(e, Endpoint) else Endpoint(check_id(f"endpoints[{i}]", e))
-            for i, e in enumerate(check_iterable("endpoints", endpoints))
-        ]
         self._native = _llmsched.EndpointPool(float(after), stale_policy or default_policy)
-        ids = [e.id for e in listed]
-        twice = next((i for n, i in enumerate(ids) if i in ids[:n]), None)
-        if twice is not None:
-            # A second description of one endpoint would silently replace the first.
-            raise InvalidValueError(f"endpoints: {twice!r} is listed twice")
-        for endpoint in listed:
-            self.add(endpoint)
+        self.add_many(endpoints)
 
     @property
     def stale_after_s(self) -> float:
@@ -216,24 +204,44 @@ class EndpointPool:
         """
         if not isinstance(endpoint, Endpoint):
             endpoint = Endpoint(check_id("endpoint", endpoint))
-        check_id("endpoint id", endpoint.id)
-        check_str("address", endpoint.address)
-        check_optional_str("role", endpoint.role)
-        check_optional_str("model", endpoint.model)
-        if not isinstance(endpoint.labels, Mapping):
+        return self._native.upsert(*_native_endpoint(endpoint))
+
+    def add_many(self, endpoints: Iterable[Endpoint | EndpointId]) -> int:
+        """Add (or replace) several endpoints at once, as :meth:`add` does each; returns how
+        many were new. Linear in the pool's size, where a loop of :meth:`add` is quadratic
+        (each change copies the member list, so that decisions never wait for it). Every
+        endpoint is checked first: on an error, or an id listed twice, nothing changes.
+
+        >>> pool = EndpointPool(["a"])
+        >>> pool.add_many(["a", "b", Endpoint("c", address="h:8000")])
+        2
+        >>> len(pool)
+        3
+        """
+        if isinstance(endpoints, (str, bytes)):
             raise InvalidTypeError(
-                f"labels must be a mapping of str to str, got {type(endpoint.labels).__name__}"
+                "endpoints must be an iterable of endpoints or ids, not a single "
+                + type(endpoints).__name__
             )
-        labels = dict(endpoint.labels)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-            raise InvalidTypeError("labels must map str to str")
-        return self._native.upsert(
-            endpoint.id, endpoint.address, endpoint.role, labels, endpoint.model
-        )
+        rows = [
+            _native_endpoint(
+                e if isinstance(e, Endpoint) else Endpoint(check_id(f"endpoints[{i}]", e))
+            )
+            for i, e in enumerate(check_iterable("endpoints", endpoints))
+        ]
+        seen: set[EndpointId] = set()
+        for row in rows:
+            if row[0] in seen:
+                # A second description of one endpoint would silently replace the first.
+                raise InvalidValueError(f"endpoints: {row[0]!r} is listed twice")
+            seen.add(row[0])
+        # One native step: one copy of the member list for the batch.
+        return self._native.upsert_many(rows)
 
     def remove(self, endpoint_id: EndpointId) -> None:
         """Remove an endpoint (UnknownEndpointError if absent). Requests in flight there keep
-        their accounting until they finish."""
+        their accounting until they finish: an endpoint added back while they run (a pod that
+        flapped) counts them again."""
         self._native.remove(endpoint_id)
 
     def update(
@@ -248,24 +256,26 @@ class EndpointPool:
     ) -> None:
         """Record a metrics snapshot taken at ``now``; fields left None keep their value.
 
-        ``kv_cache_usage`` is a fraction in 0..1 (vLLM's ``kv_cache_usage_perc``). Raises
-        UnknownEndpointError or ValueError and changes nothing on bad input.
+        ``kv_cache_usage`` is a fraction in 0..1 (vLLM's ``kv_cache_usage_perc``); the counts
+        are ints (numpy integers too) in 0..2**32-1. Raises UnknownEndpointError or ValueError
+        and changes nothing on bad input.
         """
-        for name, value in (
-            ("waiting", waiting),
-            ("running", running),
-            ("max_concurrency", max_concurrency),
-        ):
-            if value is not None:
-                check_int(name, value, maximum=U32_MAX)
+        counts = [
+            None if value is None else check_index(name, value, maximum=U32_MAX)
+            for name, value in (
+                ("waiting", waiting),
+                ("running", running),
+                ("max_concurrency", max_concurrency),
+            )
+        ]
         if kv_cache_usage is not None:
             kv_cache_usage = check_probability("kv_cache_usage", kv_cache_usage)
         self._native.update(
             endpoint_id,
-            waiting,
-            running,
+            counts[0],
+            counts[1],
             None if kv_cache_usage is None else float(kv_cache_usage),
-            max_concurrency,
+            counts[2],
             _now(now),
         )
 
@@ -277,18 +287,21 @@ class EndpointPool:
         max_loras: int = 0,
     ) -> None:
         """Set the LoRA adapters an endpoint has active (running requests) and waiting, and
-        how many it holds at once."""
+        how many it holds at once (an int in 0..2**32-1).
+
+        >>> pool = EndpointPool(["a"])
+        >>> pool.set_loras("a", ["sql"], [], max_loras=4)
+        >>> pool.endpoints()[0]["active_loras"]
+        ['sql']
+        """
         adapters = []
         for name, names in (("active", active), ("waiting", waiting)):
             listed = check_iterable(name, names)
             for i, adapter in enumerate(listed):
                 check_str(f"{name}[{i}]", adapter)
             adapters.append(listed)
-        try:
-            self._native.set_loras(endpoint_id, adapters[0], adapters[1], max_loras)
-        except TypeError:
-            check_int_like("max_loras", max_loras)
-            raise
+        limit = check_index("max_loras", max_loras, maximum=U32_MAX)
+        self._native.set_loras(endpoint_id, adapters[0], adapters[1], limit)
 
     def update_from_metrics_text(
         self, endpoint_id: EndpointId, text: str, *, now: float | None = None
@@ -314,6 +327,24 @@ class EndpointPool:
 
     def __repr__(self) -> str:
         return f"EndpointPool({len(self)} endpoints, stale after {self.stale_after_s} s)"
+
+
+def _native_endpoint(
+    endpoint: Endpoint,
+) -> tuple[EndpointId, str, str | None, dict[str, str], str | None]:
+    """An endpoint's fields checked, as the native ``upsert`` takes them."""
+    check_id("endpoint id", endpoint.id)
+    check_str("address", endpoint.address)
+    check_optional_str("role", endpoint.role)
+    check_optional_str("model", endpoint.model)
+    if not isinstance(endpoint.labels, Mapping):
+        raise InvalidTypeError(
+            f"labels must be a mapping of str to str, got {type(endpoint.labels).__name__}"
+        )
+    labels = dict(endpoint.labels)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise InvalidTypeError("labels must map str to str")
+    return endpoint.id, endpoint.address, endpoint.role, labels, endpoint.model
 
 
 def load_config(config: ConfigLike) -> dict[str, Any]:
@@ -889,8 +920,16 @@ class ProfileExplanation:
     def _from_raw(
         cls, raw: ProfileData, notes: Mapping[EndpointId, str] | None = None
     ) -> ProfileExplanation:
-        weights = dict(raw["scorers"])
-        names = list(weights)
+        # One label per scorer entry: a name the profile repeats gets "#2", ... rather than
+        # merging entries and mismatching the score columns.
+        names: list[str] = []
+        for name, _ in raw["scorers"]:
+            label, n = name, 1
+            while label in names:
+                n += 1
+                label = f"{name}#{n}"
+            names.append(label)
+        weights = {label: w for label, (_, w) in zip(names, raw["scorers"], strict=True)}
         rows = []
         for r in raw["rows"]:
             scores = dict(zip(names, r["scores"], strict=True)) if r["scores"] is not None else {}
@@ -1021,7 +1060,7 @@ def native_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     ...     {"plugins": [{"type": "python-scorer", "parameters": {"function": len}}]}
     ... )
     >>> plain
-    {'plugins': [{'type': 'python-scorer', 'parameters': {'handle': 0}}]}
+    {'plugins': [{'type': 'python-scorer', 'parameters': {'handle': 0, 'plugin': 'python-scorer'}}]}
     >>> functions == [len]
     True
     """
@@ -1038,6 +1077,8 @@ def native_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
             if not callable(fn):
                 raise ConfigError(f"plugins[{i}].parameters.function: must be a callable")
             params["handle"] = len(functions)
+            # Errors about what the function returned name the plugin.
+            params["plugin"] = str(p.get("name") or p.get("type"))
             functions.append(fn)
             p["parameters"] = params
         config["plugins"] = plugins

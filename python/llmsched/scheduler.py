@@ -688,7 +688,7 @@ class Scheduler:
         self._drained: set[EndpointId] = set()
         for engine in listed:
             self._engines[engine.endpoint.id] = engine
-            self.pool.add(engine.endpoint)
+        self.pool.add_many(engine.endpoint for engine in listed)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(

@@ -49,6 +49,7 @@ __all__ = [
     "check_bytes",
     "check_callable",
     "check_id",
+    "check_index",
     "check_int",
     "check_int_like",
     "check_iterable",
@@ -124,6 +125,24 @@ def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = I64_
     if value > maximum:
         raise InvalidValueError(f"{name} must be at most {maximum}, got {value}")
     return value
+
+
+def check_index(name: str, value: object, *, minimum: int = 0, maximum: int = I64_MAX) -> int:
+    """An integer as the native layer reads one (an ``int`` or a numpy integer: anything with
+    ``__index__``, but not a ``bool``) in ``minimum..maximum``, as a Python ``int``.
+
+    >>> import numpy as np
+    >>> check_index("waiting", np.int64(3), maximum=2**32 - 1)
+    3
+    >>> check_index("max_loras", -1)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: max_loras must be at least 0, got -1
+    """
+    index = getattr(type(value), "__index__", None)
+    if index is None or type(value).__name__ in ("bool", "bool_"):
+        raise InvalidTypeError(f"{name} must be an int, got {_type_name(value)}")
+    return check_int(name, int(index(value)), minimum=minimum, maximum=maximum)
 
 
 def check_block_size(block_size: object) -> int:

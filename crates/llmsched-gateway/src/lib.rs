@@ -1454,10 +1454,11 @@ impl Gateway {
             for gone in current.list.iter().filter(|u| removed.contains(&u.id)) {
                 let _ = pool.remove(&gone.key);
             }
-            for new in next.list.iter().filter(|u| added.contains(&u.id)) {
+            // One step for the batch: a discovery file of thousands of engines is linear.
+            pool.upsert_many(next.list.iter().filter(|u| added.contains(&u.id)).map(|new| {
                 let address = new.models.authority().map(|a| a.to_string()).unwrap_or_default();
-                pool.upsert(Endpoint { address, ..Endpoint::new(new.key.clone()) });
-            }
+                Endpoint { address, ..Endpoint::new(new.key.clone()) }
+            }));
         }
         if let Some(flow) = &self.flow {
             for gone in &removed {

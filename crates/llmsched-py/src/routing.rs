@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::convert::{config_mapping, to_python};
 use crate::errors::{attached, detach, CoreResult, InvalidTypeError, InvalidValueError, ToPyErr};
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use serde::{Deserialize, Serialize};
@@ -85,16 +85,21 @@ impl PyEndpointPool {
         labels: BTreeMap<String, String>,
         model: Option<String>,
     ) -> PyResult<bool> {
-        let role = match role {
-            None => None,
-            Some(r) => Some(Role::parse(r).ok_or_else(|| {
-                InvalidValueError::new_err(format!(
-                    "role must be 'prefill', 'decode', 'both' or None, got {r:?}"
-                ))
-            })?),
-        };
-        let endpoint = Endpoint { id: id_key(id, "endpoint")?, address, role, labels, model };
+        let endpoint = endpoint_of(id, address, role, labels, model)?;
         detach(py, || self.inner.upsert(endpoint))
+    }
+
+    /// `upsert` of each `(id, address, role, labels, model)` row in one step; every row is
+    /// converted before anything changes. Returns how many were new.
+    fn upsert_many(&self, py: Python<'_>, rows: &Bound<'_, PyList>) -> PyResult<usize> {
+        let endpoints = rows
+            .iter()
+            .map(|row| {
+                let (id, address, role, labels, model): EndpointRow<'_> = row.extract()?;
+                endpoint_of(&id, address, role.as_deref(), labels, model)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        detach(py, || self.inner.upsert_many(endpoints))
     }
 
     fn remove(&self, py: Python<'_>, id: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -198,12 +203,37 @@ impl PyEndpointPool {
     }
 }
 
+/// A row of `upsert_many`: `(id, address, role, labels, model)`, as `upsert` takes them.
+type EndpointRow<'py> =
+    (Bound<'py, PyAny>, String, Option<String>, BTreeMap<String, String>, Option<String>);
+
+fn endpoint_of(
+    id: &Bound<'_, PyAny>,
+    address: String,
+    role: Option<&str>,
+    labels: BTreeMap<String, String>,
+    model: Option<String>,
+) -> PyResult<Endpoint> {
+    let role = match role {
+        None => None,
+        Some(r) => Some(Role::parse(r).ok_or_else(|| {
+            InvalidValueError::new_err(format!(
+                "role must be 'prefill', 'decode', 'both' or None, got {r:?}"
+            ))
+        })?),
+    };
+    Ok(Endpoint { id: id_key(id, "endpoint")?, address, role, labels, model })
+}
+
 // ---- Python plugins -------------------------------------------------------------------------
 
 #[derive(Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields, rename_all = "camelCase")]
 struct PyPluginParams {
     handle: usize,
+    // The plugin's name in the config, for errors; set by the Python layer like `handle`.
+    #[serde(skip_serializing)]
+    plugin: String,
     fail_open: bool,
     reads_metrics: bool,
 }
@@ -211,6 +241,7 @@ struct PyPluginParams {
 /// A Python callable as a scorer or filter. It is called once per decision with the GIL held:
 /// `fn(request: dict, endpoints: list[dict]) -> list[float] | list[bool]`.
 struct PyCallable {
+    /// The plugin's config name and the function's, as errors show them.
     name: String,
     function: Py<PyAny>,
     fail_open: bool,
@@ -231,11 +262,11 @@ impl PyCallable {
             let endpoints = cands.iter().map(|c| candidate_dict(py, ctx, c)).collect::<PyResult<Vec<_>>>()?;
             let out = self.function.call1(py, (request, PyList::new(py, endpoints)?))?;
             let values: Vec<T> = out.bind(py).extract().map_err(|_| {
-                InvalidTypeError::new_err(format!("plugin {:?} must return a list with one number (scorer) or bool (filter) per endpoint", self.name))
+                InvalidTypeError::new_err(format!("plugin {} must return a list with one number (scorer) or bool (filter) per endpoint", self.name))
             })?;
             if values.len() != cands.len() {
-                return Err(PyValueError::new_err(format!(
-                    "plugin {:?} returned {} values for {} endpoints",
+                return Err(InvalidValueError::new_err(format!(
+                    "plugin {} returned {} values for {} endpoints (one per endpoint expected)",
                     self.name,
                     values.len(),
                     cands.len()
@@ -362,13 +393,18 @@ pub(crate) fn registry(py: Python<'_>, functions: &[Py<PyAny>]) -> Registry {
             let function = functions
                 .get(p.handle)
                 .ok_or_else(|| ParamError::new("function", "must be a callable"))?;
-            let name = Python::attach(|py| {
+            let function_name = Python::attach(|py| {
                 function
                     .bind(py)
                     .getattr("__name__")
                     .and_then(|n| n.extract::<String>())
                     .unwrap_or_else(|_| "python".into())
             });
+            let name = if p.plugin.is_empty() {
+                format!("{function_name:?}")
+            } else {
+                format!("{:?} (function {function_name})", p.plugin)
+            };
             let plugin = PyCallable {
                 name,
                 function: Python::attach(|py| function.clone_ref(py)),

@@ -229,7 +229,8 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
     };
     let mut profiles = Vec::new();
     for (i, pv) in profile_values.iter().enumerate() {
-        let profile = parse_profile(pv, &format!("schedulingProfiles[{i}]"), &names, &instances)?;
+        let at = format!("schedulingProfiles[{i}]");
+        let profile = parse_profile(pv, &at, &names, &instances, &mut notes)?;
         if profiles.iter().any(|p: &Profile| p.name == profile.name) {
             return Err(ConfigError::new(
                 format!("schedulingProfiles[{i}].name"),
@@ -696,6 +697,7 @@ fn parse_profile(
     at: &str,
     names: &HashMap<String, usize>,
     instances: &[Instance],
+    notes: &mut Vec<ConfigNote>,
 ) -> Result<Profile, ConfigError> {
     let map = object(v, at)?;
     check_keys(map, &["name", "plugins"], at)?;
@@ -712,6 +714,8 @@ fn parse_profile(
         }),
     };
     let mut has_picker = false;
+    // Each pluginRef's first entry, to note one listed twice.
+    let mut listed: HashMap<&str, usize> = HashMap::new();
     for (j, rv) in array(map.get("plugins"), &format!("{at}.plugins"))?.iter().enumerate() {
         let rat = format!("{at}.plugins[{j}]");
         let rmap = object(rv, &rat)?;
@@ -737,15 +741,47 @@ fn parse_profile(
                 format!("only scorers take a weight; {plugin_ref:?} is a {}", plugin.kind()),
             ));
         }
+        let first = *listed.entry(plugin_ref).or_insert(j);
         match plugin {
-            Plugin::Filter(f) => profile
-                .filters
-                .push(NamedFilter { name: plugin_ref.to_string(), filter: f.clone() }),
-            Plugin::Scorer(s) => profile.scorers.push(WeightedScorer {
-                name: plugin_ref.to_string(),
-                scorer: s.clone(),
-                weight: weight.unwrap_or(1.0),
-            }),
+            Plugin::Filter(f) => {
+                if first != j {
+                    notes.push(ConfigNote {
+                        key: ref_key.clone(),
+                        message: format!(
+                            "filter {plugin_ref:?} is listed twice in profile {name:?} (first \
+                             at plugins[{first}]): it runs twice, as in llm-d"
+                        ),
+                    });
+                }
+                profile
+                    .filters
+                    .push(NamedFilter { name: plugin_ref.to_string(), filter: f.clone() });
+            }
+            // llm-d runs a scorer listed twice twice and adds both weighted scores: the same
+            // as one entry with the summed weight, which is what the profile keeps (one score
+            // per scorer name, as explain() shows them).
+            Plugin::Scorer(s) => {
+                let weight = weight.unwrap_or(1.0);
+                if let Some(kept) = profile.scorers.iter_mut().find(|w| w.name == plugin_ref) {
+                    let before = kept.weight;
+                    kept.weight += weight;
+                    notes.push(ConfigNote {
+                        key: ref_key.clone(),
+                        message: format!(
+                            "scorer {plugin_ref:?} is listed twice in profile {name:?} (first \
+                             at plugins[{first}]): its weights add up to {} ({before} + \
+                             {weight}), as in llm-d; give it one entry",
+                            kept.weight
+                        ),
+                    });
+                } else {
+                    profile.scorers.push(WeightedScorer {
+                        name: plugin_ref.to_string(),
+                        scorer: s.clone(),
+                        weight,
+                    });
+                }
+            }
             Plugin::Picker(p) => {
                 if has_picker {
                     return Err(ConfigError::new(ref_key, "a profile takes one picker"));
@@ -768,6 +804,24 @@ fn parse_profile(
     }
     if !has_picker {
         profile.picker_name = "max-score-picker".into();
+    }
+    // Totals are sums of clamped scores times weights: a weight sum that overflows makes
+    // totals infinite, and infinite totals tie or dominate whatever the scores say.
+    let sum: f64 = profile.scorers.iter().map(|s| s.weight).sum();
+    if !sum.is_finite() {
+        return Err(ConfigError::new(
+            format!("{at}.plugins"),
+            format!("the scorer weights of profile {name:?} add up past the largest number"),
+        ));
+    }
+    if sum == 0.0 && !profile.scorers.is_empty() {
+        notes.push(ConfigNote {
+            key: format!("{at}.plugins"),
+            message: format!(
+                "every scorer weight of profile {name:?} is 0: all endpoints tie, so the \
+                 picker chooses among all of them as if there were no scorers"
+            ),
+        });
     }
     Ok(profile)
 }
@@ -1033,6 +1087,53 @@ mod tests {
 
     fn single(plugins: Value, refs: Value) -> Value {
         json!({"plugins": plugins, "schedulingProfiles": [{"name": "default", "plugins": refs}]})
+    }
+
+    #[test]
+    fn a_plugin_listed_twice_in_a_profile_is_noted_and_a_scorer_keeps_one_summed_weight() {
+        let v = single(
+            json!([{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}, {"type": "decode-filter"}]),
+            json!([
+                {"pluginRef": "queue-scorer", "weight": 1},
+                {"pluginRef": "decode-filter"},
+                {"pluginRef": "kv-cache-utilization-scorer"},
+                {"pluginRef": "queue-scorer", "weight": 5},
+                {"pluginRef": "decode-filter"}
+            ]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        let scorers: Vec<(&str, f64)> =
+            c.profiles[0].scorers.iter().map(|s| (s.name.as_str(), s.weight)).collect();
+        assert_eq!(scorers, [("queue-scorer", 6.0), ("kv-cache-utilization-scorer", 1.0)]);
+        assert_eq!(c.profiles[0].filters.len(), 2, "a filter listed twice runs twice, as in llm-d");
+        let keys: Vec<&str> = c.notes.iter().map(|n| n.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "schedulingProfiles[0].plugins[3].pluginRef",
+                "schedulingProfiles[0].plugins[4].pluginRef"
+            ]
+        );
+        assert!(c.notes[0].message.contains("\"default\""), "{:?}", c.notes[0]);
+        assert!(c.notes[0].message.contains("add up to 6 (1 + 5)"), "{:?}", c.notes[0]);
+    }
+
+    #[test]
+    fn scorer_weights_that_cannot_sum_finitely_are_refused_and_all_zero_is_noted() {
+        let plugins = json!([{"type": "queue-scorer"}, {"type": "kv-cache-utilization-scorer"}]);
+        let huge = single(
+            plugins.clone(),
+            json!([{"pluginRef": "queue-scorer", "weight": 1e308}, {"pluginRef": "kv-cache-utilization-scorer", "weight": 1e308}]),
+        );
+        let Err(e) = parse(&huge, &Registry::builtin()) else { panic!("1e308 twice accepted") };
+        assert_eq!(e.key, "schedulingProfiles[0].plugins");
+        let zero = single(
+            plugins,
+            json!([{"pluginRef": "queue-scorer", "weight": 0}, {"pluginRef": "kv-cache-utilization-scorer", "weight": 0}]),
+        );
+        let c = parse(&zero, &Registry::builtin()).unwrap();
+        assert_eq!(c.notes.len(), 1);
+        assert_eq!(c.notes[0].key, "schedulingProfiles[0].plugins");
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! The endpoint pool: endpoints, their latest metrics, and the staleness policy.
 //!
 //! Membership (endpoints added, changed or removed) is copy-on-write: a decision takes an
-//! `Arc` of the current member list once and never blocks on writers. Metrics and LoRA state
+//! `Arc` of the current member list once and never blocks on writers. A change costs O(n) (one
+//! copy of the list), so adding many endpoints goes through [`EndpointPool::upsert_many`], one
+//! copy for the batch. Metrics and LoRA state
 //! change in place per member: metrics sit in a seqlock cell (readers never write shared memory,
 //! so deciding threads do not contend), LoRA state behind a small lock read only by LoRA plugins.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crossbeam_utils::atomic::AtomicCell;
 use hashbrown::HashMap;
@@ -137,8 +139,33 @@ impl Members {
 pub struct EndpointPool {
     members: RwLock<Arc<Members>>,
     // Serialises membership changes (copy-on-write), never held by readers.
-    membership: Mutex<()>,
+    membership: Mutex<Departed>,
     policy: StalePolicy,
+}
+
+/// The in-flight counters of removed endpoints, while tickets still hold them: an endpoint
+/// removed and added back (a flapping pod, a health ejection) gets its counters back, so the
+/// requests still running there keep counting. Weak, so that a removed endpoint's counters
+/// go when its last ticket ends; dead entries are swept when the map has doubled.
+#[derive(Debug, Default)]
+struct Departed {
+    inflight: HashMap<WorkerKey, Weak<InFlight>>,
+    sweep_at: usize,
+}
+
+impl Departed {
+    fn keep(&mut self, id: WorkerKey, inflight: &Arc<InFlight>) {
+        self.inflight.insert(id, Arc::downgrade(inflight));
+        if self.inflight.len() >= self.sweep_at {
+            self.inflight.retain(|_, w| w.strong_count() > 0);
+            // Amortised O(1) per removal.
+            self.sweep_at = (2 * self.inflight.len()).max(64);
+        }
+    }
+
+    fn take(&mut self, id: &WorkerKey) -> Option<Arc<InFlight>> {
+        self.inflight.remove(id).and_then(|w| w.upgrade())
+    }
 }
 
 impl EndpointPool {
@@ -151,7 +178,7 @@ impl EndpointPool {
         }
         Ok(EndpointPool {
             members: RwLock::new(Arc::new(Members::build(Vec::new()))),
-            membership: Mutex::new(()),
+            membership: Mutex::new(Departed::default()),
             policy,
         })
     }
@@ -174,42 +201,60 @@ impl EndpointPool {
     }
 
     /// Adds an endpoint, or replaces the description of one with the same id while keeping its
-    /// metrics, LoRA state and in-flight counts. Returns true if it was new.
+    /// metrics, LoRA state and in-flight counts. Returns true if it was new. O(n): adding many
+    /// endpoints one by one is quadratic, [`EndpointPool::upsert_many`] is not.
     pub fn upsert(&self, endpoint: Endpoint) -> bool {
-        let _guard = self.membership.lock();
-        let current = self.snapshot();
-        let mut list = current.list.clone();
-        let new = match current.by_id.get(&endpoint.id) {
-            Some(&i) => {
-                let old = &list[i];
-                let member = Member {
-                    endpoint,
-                    metrics: AtomicCell::new(old.metrics()),
-                    loras: RwLock::new(old.loras()),
-                    inflight: old.inflight.clone(),
-                    update: Mutex::new(()),
-                };
-                list[i] = Arc::new(member);
-                false
-            }
-            None => {
-                list.push(Arc::new(Member::new(endpoint)));
-                true
-            }
-        };
-        *self.members.write() = Arc::new(Members::build(list));
-        new
+        self.upsert_many(std::iter::once(endpoint)) == 1
     }
 
-    /// Removes an endpoint. Requests in flight there keep their tickets.
+    /// [`EndpointPool::upsert`] of each endpoint in order, with one copy of the member list for
+    /// the batch (O(n + batch)). Returns how many were new. Readers see all or none of it.
+    pub fn upsert_many(&self, endpoints: impl IntoIterator<Item = Endpoint>) -> usize {
+        let mut departed = self.membership.lock();
+        let current = self.snapshot();
+        let mut list = current.list.clone();
+        let mut by_id = current.by_id.clone();
+        let mut added = 0;
+        for endpoint in endpoints {
+            match by_id.get(&endpoint.id) {
+                Some(&i) => {
+                    let old = &list[i];
+                    let member = Member {
+                        endpoint,
+                        metrics: AtomicCell::new(old.metrics()),
+                        loras: RwLock::new(old.loras()),
+                        inflight: old.inflight.clone(),
+                        update: Mutex::new(()),
+                    };
+                    list[i] = Arc::new(member);
+                }
+                None => {
+                    let mut member = Member::new(endpoint);
+                    if let Some(inflight) = departed.take(&member.endpoint.id) {
+                        member.inflight = inflight;
+                    }
+                    by_id.insert(member.endpoint.id.clone(), list.len());
+                    list.push(Arc::new(member));
+                    added += 1;
+                }
+            }
+        }
+        let generation = GENERATIONS.fetch_add(1, Ordering::Relaxed);
+        *self.members.write() = Arc::new(Members { list, by_id, generation });
+        added
+    }
+
+    /// Removes an endpoint. Requests in flight there keep their tickets, and their counts come
+    /// back with the endpoint if it is added again while they run.
     pub fn remove(&self, id: &WorkerKey) -> Result<(), RoutingError> {
-        let _guard = self.membership.lock();
+        let mut departed = self.membership.lock();
         let current = self.snapshot();
         let Some(&i) = current.by_id.get(id) else {
             return Err(RoutingError::UnknownEndpoint(id.clone()));
         };
         let mut list = current.list.clone();
-        list.remove(i);
+        let gone = list.remove(i);
+        departed.keep(id.clone(), &gone.inflight);
         *self.members.write() = Arc::new(Members::build(list));
         Ok(())
     }
@@ -280,6 +325,52 @@ mod tests {
         assert!(matches!(pool.remove(&key("b")), Err(RoutingError::UnknownEndpoint(_))));
         pool.remove(&key("a")).unwrap();
         assert!(pool.is_empty());
+    }
+
+    #[test]
+    fn a_removed_endpoint_added_back_keeps_the_counts_of_requests_still_running() {
+        use super::super::inflight::{Part, Ticket};
+        let pool = EndpointPool::new(StalePolicy::default()).unwrap();
+        pool.upsert(Endpoint::new(key("a")));
+        let held = pool.snapshot().get(&key("a")).unwrap().inflight.clone();
+        let ticket = Ticket::start(vec![(held, Part::Whole { uncached_tokens: 5 })], 50);
+        pool.remove(&key("a")).unwrap();
+        assert!(pool.upsert(Endpoint::new(key("a"))));
+        let counts = || pool.snapshot().get(&key("a")).unwrap().inflight.snapshot();
+        assert_eq!((counts().requests, counts().tokens), (1, 50));
+        drop(ticket);
+        assert_eq!(counts(), Default::default());
+        // Once no ticket holds them, a re-added endpoint starts from zero counters.
+        pool.remove(&key("a")).unwrap();
+        assert!(pool.upsert(Endpoint::new(key("a"))));
+        assert_eq!(counts(), Default::default());
+    }
+
+    #[test]
+    fn upsert_many_adds_in_one_step_and_replaces_known_ids() {
+        let pool = EndpointPool::new(StalePolicy::default()).unwrap();
+        pool.upsert(Endpoint::new(key("a")));
+        let generation = pool.snapshot().generation;
+        let mut again = Endpoint::new(key("a"));
+        again.address = "h:1".into();
+        let batch = vec![Endpoint::new(key("b")), again, Endpoint::new(key("c"))];
+        assert_eq!(pool.upsert_many(batch), 2);
+        let snap = pool.snapshot();
+        assert!(snap.generation > generation);
+        let ids: Vec<_> = snap.list.iter().map(|m| m.endpoint.id.clone()).collect();
+        assert_eq!(ids, [key("a"), key("b"), key("c")]);
+        assert_eq!(snap.get(&key("a")).unwrap().endpoint.address, "h:1");
+        assert_eq!(snap.by_id.len(), 3);
+    }
+
+    #[test]
+    fn departed_counters_are_swept_once_their_tickets_end() {
+        let pool = EndpointPool::new(StalePolicy::default()).unwrap();
+        for i in 0..1000 {
+            pool.upsert(Endpoint::new(key(&format!("e{i}"))));
+            pool.remove(&key(&format!("e{i}"))).unwrap();
+        }
+        assert!(pool.membership.lock().inflight.len() <= 128);
     }
 
     #[test]
