@@ -165,3 +165,10 @@ def test_bad_requests_are_rejected_without_changing_the_engine(model) -> None:
         engine.preempt("ok")
     assert [r.request_id for r in engine.waiting] == ["ok"]
     assert set(engine.requests) == {"ok"}
+
+
+def test_a_kv_cache_past_memory_is_refused_before_allocating(model) -> None:
+    with pytest.raises(
+        ConfigError, match=r"Engine would allocate .*the largest part is num_blocks"
+    ):
+        Engine(model, EngineConfig(num_blocks=2**40))

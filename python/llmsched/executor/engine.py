@@ -38,10 +38,16 @@ import torch
 import xxhash
 
 from llmsched.errors import ConfigError, InvalidTokenError
-from llmsched.executor.config import EngineConfig
+from llmsched.executor.config import EngineConfig, check_memory
 from llmsched.executor.kv_cache import CachedBlock, KVCacheManager
 from llmsched.executor.kv_events import encode_event_batch
-from llmsched.executor.model import ForwardBatch, MoETransformer, PagedKV, SequenceChunk
+from llmsched.executor.model import (
+    ForwardBatch,
+    MoETransformer,
+    PagedKV,
+    SequenceChunk,
+    device_memory_bytes,
+)
 
 __all__ = ["Engine", "EngineMetrics", "Request", "RequestOutput", "SamplingParams"]
 
@@ -175,6 +181,13 @@ class Engine:
         self.publisher = publisher
         self.clock = clock
         cfg = self.config
+        # Before the KV tensors and the block lists: num_blocks=2**40 is a ConfigError.
+        check_memory(
+            "Engine",
+            cfg.estimate_bytes(model.config),
+            device_memory_bytes(model.device),
+            str(model.device),
+        )
         self.kv = PagedKV(model.config, cfg.num_blocks, cfg.block_size, model.device)
         self.kv_manager = KVCacheManager(
             cfg.num_blocks,
