@@ -165,3 +165,57 @@ def test_bad_requests_are_rejected_without_changing_the_engine(model) -> None:
         engine.preempt("ok")
     assert [r.request_id for r in engine.waiting] == ["ok"]
     assert set(engine.requests) == {"ok"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop_token_ids": ("eos",)}, r"stop_token_ids\[0\]"),
+    ],
+)
+def test_bad_sampling_params_are_refused_when_built(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SamplingParams(**overrides)
+
+
+def test_a_tiny_temperature_samples_greedily(model) -> None:
+    engine = Engine(model, EngineConfig(num_blocks=8))
+    greedy = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    # logits / 1e-300 overflowed to inf and softmax gave NaN probabilities.
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=1e-300)) == greedy
+
+
+def test_a_failed_generate_leaves_the_engine_usable(model) -> None:
+    engine = Engine(model, EngineConfig(num_blocks=8))
+    expected = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidTokenError):
+        engine.generate([[1, 2, 3], [1, 512]], SamplingParams(max_tokens=2))
+    assert not engine.requests and not engine.has_unfinished()
+    with pytest.raises(ConfigError, match="2 sampling params for 1 prompts"):
+        engine.generate([[1, 2, 3]], [SamplingParams(), SamplingParams()])
+    assert not engine.requests
+
+    def interrupt(_: Engine) -> None:
+        raise KeyboardInterrupt
+
+    engine.step_hooks.append(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([[4, 5, 6]], SamplingParams(max_tokens=4))
+    engine.step_hooks.clear()
+    assert not engine.requests and not engine.has_unfinished()
+    assert engine.kv_manager.pool.num_free == 8
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2)) == expected
+
+
+def test_a_kv_cache_past_memory_is_refused_before_allocating(model) -> None:
+    with pytest.raises(
+        ConfigError, match=r"Engine would allocate .*the largest part is num_blocks"
+    ):
+        Engine(model, EngineConfig(num_blocks=2**40))

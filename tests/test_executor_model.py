@@ -10,6 +10,7 @@ from llmsched.errors import ConfigError  # noqa: E402
 from llmsched.executor.config import ModelConfig  # noqa: E402
 from llmsched.executor.eplb import ExpertPlacement  # noqa: E402
 from llmsched.executor.model import (  # noqa: E402
+    ExpertStore,
     ForwardBatch,
     LocalExperts,
     MoETransformer,
@@ -147,3 +148,56 @@ def test_bad_configs_raise_clear_errors() -> None:
         MoETransformer(ModelConfig(), LocalExperts.build(ModelConfig(num_layers=3)))
     with pytest.raises(ConfigError, match="needs 2 blocks"):
         ForwardBatch.build([SequenceChunk(list(range(20)), 0, [0])], BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rms_eps": float("nan")}, "rms_eps must be finite"),
+        ({"rms_eps": 0.0}, "rms_eps"),
+        ({"rms_eps": -1e-6}, "rms_eps"),
+        ({"rope_theta": -1.0}, "rope_theta"),
+        ({"rope_theta": float("inf")}, "rope_theta"),
+        ({"rope_theta": 1.0}, "rope_theta"),
+        ({"rope_theta": 10**400}, "rope_theta must be finite"),
+        ({"router_skew": float("inf")}, "router_skew"),
+        ({"router_skew": 1e300}, "router_skew"),
+        ({"router_skew": "1"}, "router_skew"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"shared_expert_hidden_size": 1.5}, "shared_expert_hidden_size"),
+    ],
+)
+def test_out_of_range_model_parameters_are_refused(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "part"),
+    [
+        ({"vocab_size": 2**40}, "vocab_size x hidden_size"),
+        ({"max_position": 2**40}, "max_position x head_dim"),
+        ({"num_layers": 10**9}, "num_layers x num_experts x hidden_size"),
+        ({"num_experts": 10**9}, "num_layers x num_experts x hidden_size"),
+        ({"hidden_size": 2**30}, "num_layers x num_experts x hidden_size"),
+    ],
+)
+def test_a_model_past_memory_is_refused_before_allocating(overrides, part) -> None:
+    config = ModelConfig(**overrides)
+    with pytest.raises(
+        ConfigError, match=rf"MoETransformer would allocate .*largest part is {part}"
+    ):
+        MoETransformer(config)
+    with pytest.raises(ConfigError, match="LocalExperts would allocate"):
+        LocalExperts.build(config)
+
+
+def test_kv_and_expert_stores_past_memory_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"PagedKV would allocate .*num_blocks"):
+        PagedKV(ModelConfig(), num_blocks=2**40, block_size=BLOCK)
+    config = ModelConfig(expert_hidden_size=2**30)
+    placement = ExpertPlacement.contiguous(config.num_layers, config.num_experts)
+    with pytest.raises(ConfigError, match=r"ExpertStore would allocate .*expert_hidden_size"):
+        ExpertStore(config, placement, range(8))

@@ -16,6 +16,7 @@ import llmsched
 import llmsched._tokens
 import llmsched.hashing
 from llmsched import ConfigError, InvalidTokenError
+from llmsched.errors import InvalidTypeError
 from llmsched.reference import hashing as ref
 
 INT_DTYPES = [np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64]
@@ -182,7 +183,7 @@ def test_every_integer_dtype(dtype: Any) -> None:
         lambda t: array.array("I", t),
         lambda t: array.array("q", t),
         lambda t: memoryview(array.array("H", t)),
-        lambda t: memoryview(bytes(t)),  # format "B": one byte per token
+        lambda t: memoryview(array.array("B", t)),  # format "B": one byte per token
         lambda t: np.asarray(t, dtype=">u4"),  # non-native byte order
         lambda t: np.repeat(np.asarray(t, dtype=np.int32), 2)[::2],  # strided view
         lambda t: np.asarray(t, dtype=np.int64).view(np.int64),
@@ -264,6 +265,38 @@ def test_non_integer_input_raises_type_error(tokens: Any) -> None:
         llmsched.block_hashes(tokens)
     with pytest.raises(TypeError):
         llmsched.block_hashes(tokens, algo="vllm_sha256_cbor")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "match"),
+    [
+        (set(range(16)), "no defined order"),
+        (frozenset(range(16)), "no defined order"),
+        ({i: 0 for i in range(16)}, "iterates over its keys"),
+        (memoryview(bytes(range(16))), "raw bytes"),
+        (memoryview(bytearray(16)), "raw bytes"),
+        (memoryview(bytes(range(16)))[2:], "raw bytes"),
+        (np.ma.masked_array(np.arange(16), mask=[False] * 15 + [True]), "masked array"),
+    ],
+    ids=repr,
+)
+def test_unordered_raw_byte_and_masked_input_is_refused(tokens: Any, match: str) -> None:
+    # Each was hashed before: a set in its iteration order, a dict's keys, a memoryview of
+    # bytes as uint8 ids (while bytes were refused), a masked array with its mask ignored.
+    for call in (
+        lambda: llmsched.block_hashes(tokens),
+        lambda: llmsched.block_hashes(tokens, algo="vllm_sha256_cbor"),
+        lambda: llmsched.PrefixIndex().hash_tokens(tokens),
+    ):
+        with pytest.raises(InvalidTypeError, match=match):
+            call()
+
+
+def test_raw_bytes_hash_once_their_width_is_given() -> None:
+    raw = np.arange(64, dtype=np.uint32).tobytes()
+    expected = llmsched.block_hashes(range(64)).tolist()
+    assert llmsched.block_hashes(memoryview(raw).cast("I")).tolist() == expected
+    assert llmsched.block_hashes(np.frombuffer(raw, dtype=np.uint32)).tolist() == expected
 
 
 def test_text_input_error_points_to_text_hashing() -> None:

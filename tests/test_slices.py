@@ -134,6 +134,37 @@ def test_evict_probability_table(context: int, demand: int, free: int, expected:
     assert evict_probability(context, demand, free) == expected
 
 
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda m: m.recompute_s(-5), "context_tokens"),
+        (lambda m: m.recompute_s(float("nan")), "context_tokens"),
+        (lambda m: m.recompute_s(10**400), "context_tokens"),
+        (lambda m: m.recompute_s(5, 0), "prefill_tokens_per_s"),
+        (lambda m: m.recompute_s(5, float("nan")), "prefill_tokens_per_s"),
+        (lambda m: m.switch_s(5, demand_tokens=10, free_tokens=0, prefill_tokens_per_s=0),
+         "prefill_tokens_per_s"),
+        (lambda m: m.switch_s(float("nan"), demand_tokens=1, free_tokens=1), "context_tokens"),
+        (lambda m: m.switch_s(5, demand_tokens=-1, free_tokens=1), "demand_tokens"),
+        (lambda m: evict_probability(float("nan"), 1, 1), "context_tokens"),
+        (lambda m: evict_probability(1, float("inf"), 1), "demand_tokens"),
+        (lambda m: evict_probability(1, 1, -2), "free_tokens"),
+        (lambda m: m.weight(2**31), "priority"),
+        (lambda m: m.weight(-(2**31) - 1), "priority"),
+        (lambda m: m.weight(2**70), "priority"),
+    ],
+)  # fmt: skip
+def test_cost_helpers_refuse_nan_negative_and_out_of_range(call: Any, name: str) -> None:
+    with pytest.raises(InvalidValueError, match=name):
+        call(SwitchCostModel())
+
+
+def test_cost_helpers_accept_their_bounds() -> None:
+    m = SwitchCostModel(priority_base=2.0)
+    assert m.weight(-(2**31)) == 0.0 and m.weight(2**31 - 1) == float("inf")
+    assert m.recompute_s(0) == 0.0 and evict_probability(0, 0, 0) == 0.0
+
+
 def _run_slice(t: Any, rid: int) -> None:
     state = t.state(rid)
     get = state.get if isinstance(state, dict) else lambda k: getattr(state, k)

@@ -8,16 +8,19 @@ Accepted, in order of preference:
   ``memoryview``, ...): wrapped without copying;
 - a list, tuple, range or other iterable of Python ints: converted once.
 
-Rejected with ``TypeError``: floats, bools, strings, ``bytes``/``bytearray`` (their width is
-ambiguous; wrap them with ``numpy.frombuffer(buf, dtype=...)``), and anything else that is not
-integers. Ids outside ``0..2**32-1`` raise :class:`~llmsched.errors.InvalidTokenError` naming
-the position and value; for numpy input the native code checks them while hashing.
+Rejected with ``TypeError``: floats, bools, strings, raw bytes -- ``bytes``, ``bytearray`` and a
+``memoryview`` of them in its own byte format (their token width is ambiguous; wrap them with
+``numpy.frombuffer(buf, dtype=...)`` or ``memoryview(buf).cast("I")``) --, sets and mappings
+(no defined token order; a mapping iterates over its keys), numpy masked arrays (the mask
+would be ignored; pass ``arr.compressed()``), and anything else that is not integers. Ids
+outside ``0..2**32-1`` raise :class:`~llmsched.errors.InvalidTokenError` naming the position
+and value; for numpy input the native code checks them while hashing.
 """
 
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, NoReturn, TypeAlias, Union
 
 import numpy as np
@@ -49,6 +52,11 @@ def as_token_array(tokens: TokensLike, what: str = "tokens") -> npt.NDArray[np.i
     >>> as_token_array(array.array("I", [7, 8])).dtype
     dtype('uint32')
     """
+    if isinstance(tokens, np.ma.MaskedArray):
+        raise InvalidTypeError(
+            f"{what}: a masked array's mask would be ignored; pass arr.compressed() or "
+            "arr.filled(value)"
+        )
     if isinstance(tokens, np.ndarray):
         arr = tokens
     elif isinstance(tokens, (list, tuple, range)):
@@ -57,9 +65,21 @@ def as_token_array(tokens: TokensLike, what: str = "tokens") -> npt.NDArray[np.i
         raise InvalidTypeError(
             f"{what} must be token ids, got str; hash raw text with text_block_hashes"
         )
-    elif isinstance(tokens, (bytes, bytearray)):
+    elif isinstance(tokens, (bytes, bytearray)) or _is_raw_bytes_view(tokens):
+        # memoryview(b"...") reads as uint8 ids; refused as the bytes themselves are.
         raise InvalidTypeError(
-            f"{what}: raw bytes are ambiguous; wrap them with numpy.frombuffer(buf, dtype=...)"
+            f"{what}: raw bytes ({type(tokens).__name__}) are ambiguous; wrap them with "
+            'numpy.frombuffer(buf, dtype=...) or memoryview(buf).cast("I")'
+        )
+    elif isinstance(tokens, (Set, Mapping)):
+        reason = (
+            "a mapping iterates over its keys"
+            if isinstance(tokens, Mapping)
+            else ("a set has no defined order")
+        )
+        raise InvalidTypeError(
+            f"{what} must be an ordered sequence of token ids, got {type(tokens).__name__} "
+            f"({reason})"
         )
     else:
         arr = _from_other(tokens, what)
@@ -79,6 +99,15 @@ def native_tokens(
     if type(tokens) is list or type(tokens) is tuple:
         return tokens
     return as_token_array(tokens, what)
+
+
+def _is_raw_bytes_view(tokens: object) -> bool:
+    """A memoryview of ``bytes``/``bytearray`` in their own byte format (not cast)."""
+    return (
+        isinstance(tokens, memoryview)
+        and isinstance(tokens.obj, (bytes, bytearray))
+        and tokens.format in ("B", "c")
+    )
 
 
 def _from_other(tokens: object, what: str) -> npt.NDArray[Any]:

@@ -23,7 +23,9 @@ returns the 64-bit form vLLM publishes in KV events (the digest's last 8 bytes, 
 
 Token input: a numpy integer array of any width (read in place, never copied when 1-D,
 contiguous and native-endian), any integer buffer (``array.array``, ``memoryview``) or a list
-of ints. Floats, bools and strings raise ``TypeError``; ids outside ``0..2**32-1`` anywhere in
+of ints. Floats, bools, strings, raw bytes (``bytes``, ``bytearray`` or a ``memoryview`` of them
+not cast to a token width), sets and mappings (no defined order) and numpy masked arrays raise
+:class:`~llmsched.errors.InvalidTypeError` (a ``TypeError``); ids outside ``0..2**32-1`` anywhere in
 the input (also in the unhashed tail) raise :class:`~llmsched.errors.InvalidTokenError` (a
 ``ValueError``) naming position and value; ``block_size < 1`` raises ``ValueError``.
 

@@ -20,6 +20,8 @@ SliceStart(level=0, slice_tokens=4)
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -218,32 +220,35 @@ class SwitchCostModel:
         return self._native.priority_base
 
     def weight(self, priority: int) -> float:
-        """``priority_base ** priority``.
+        """``priority_base ** priority``; ``priority`` is an int in ``-2**31..2**31-1``
+        (``InvalidValueError`` outside it).
 
         >>> SwitchCostModel().weight(2)
         4.0
         """
-        try:
-            return self._native.weight(priority)
-        except TypeError:
-            check_int_like("priority", priority)
-            raise
+        check_int_like("priority", priority)
+        value = operator.index(priority)
+        if not -(2**31) <= value <= _I32:
+            # The native i32 conversion gave a bare OverflowError.
+            raise InvalidValueError(f"priority must be in -2**31..2**31-1, got {value}")
+        return self._native.weight(value)
 
     def recompute_s(
         self, context_tokens: float, prefill_tokens_per_s: float | None = None
     ) -> float:
         """Seconds to recompute ``context_tokens`` of KV (default rate: this model's).
 
+        ``context_tokens`` must be finite and ``>= 0``, the rate finite and ``> 0``
+        (``InvalidValueError`` naming the argument otherwise).
+
         >>> SwitchCostModel(prefill_tokens_per_s=1000).recompute_s(500)
         0.5
         """
         rate = self.prefill_tokens_per_s if prefill_tokens_per_s is None else prefill_tokens_per_s
-        try:
-            return self._native.recompute_s(context_tokens, rate)
-        except TypeError:
-            check_number_like("context_tokens", context_tokens)
-            check_number_like("prefill_tokens_per_s", rate)
-            raise
+        return self._native.recompute_s(
+            _amount("context_tokens", context_tokens),
+            _amount("prefill_tokens_per_s", rate, positive=True),
+        )
 
     def switch_s(
         self,
@@ -255,18 +260,16 @@ class SwitchCostModel:
     ) -> float:
         """Expected seconds a switch costs a request with ``context_tokens`` of KV when the work
         admitted meanwhile needs ``demand_tokens`` and the endpoint has ``free_tokens``.
+        The token counts must be finite and ``>= 0``, the rate finite and ``> 0``.
 
         >>> m = SwitchCostModel(prefill_tokens_per_s=1000, requeue_delay_s=0.01)
         >>> m.switch_s(1000, demand_tokens=1500, free_tokens=1000)  # half evicted
         0.51
         """
         rate = self.prefill_tokens_per_s if prefill_tokens_per_s is None else prefill_tokens_per_s
+        rate = _amount("prefill_tokens_per_s", rate, positive=True)
         p_evict = evict_probability(context_tokens, demand_tokens, free_tokens)
-        try:
-            return self._native.switch_s(p_evict, context_tokens, rate)
-        except TypeError:
-            check_number_like("prefill_tokens_per_s", rate)
-            raise
+        return self._native.switch_s(p_evict, float(context_tokens), rate)
 
     def to_dict(self) -> dict[str, float]:
         """The parameters as a plain dict (accepted back by the constructor).
@@ -284,18 +287,32 @@ class SwitchCostModel:
 def evict_probability(context_tokens: float, demand_tokens: float, free_tokens: float) -> float:
     """Expected share of a paused request's KV evicted before it resumes:
     ``clamp((demand_tokens - free_tokens) / context_tokens, 0, 1)`` (LRU eviction keeps the
-    newest blocks, i.e. the paused request's, until the older free KV is used up).
+    newest blocks, i.e. the paused request's, until the older free KV is used up). Each count
+    must be finite and ``>= 0`` (``InvalidValueError`` naming it otherwise).
 
     >>> evict_probability(1000, 1500, 1000)
     0.5
     """
+    return _llmsched.evict_probability(
+        _amount("context_tokens", context_tokens),
+        _amount("demand_tokens", demand_tokens),
+        _amount("free_tokens", free_tokens),
+    )
+
+
+def _amount(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a finite float ``>= 0`` (``> 0`` when ``positive``), else an error naming
+    ``name``: NaN or a negative count gave a NaN or negative cost, a zero rate an infinite one.
+    """
+    check_number_like(name, value)
     try:
-        return _llmsched.evict_probability(context_tokens, demand_tokens, free_tokens)
-    except TypeError:
-        check_number_like("context_tokens", context_tokens)
-        check_number_like("demand_tokens", demand_tokens)
-        check_number_like("free_tokens", free_tokens)
-        raise
+        number = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int past float range
+        number = math.inf
+    if not (math.isfinite(number) and (number > 0 if positive else number >= 0)):
+        bound = "> 0" if positive else ">= 0"
+        raise InvalidValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return number
 
 
 class WaitingRequest(NamedTuple):

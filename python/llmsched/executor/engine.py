@@ -25,6 +25,7 @@ After every step the engine publishes what vLLM publishes: the step's KV events 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,10 +39,16 @@ import torch
 import xxhash
 
 from llmsched.errors import ConfigError, InvalidTokenError
-from llmsched.executor.config import EngineConfig
+from llmsched.executor.config import EngineConfig, check_memory
 from llmsched.executor.kv_cache import CachedBlock, KVCacheManager
 from llmsched.executor.kv_events import encode_event_batch
-from llmsched.executor.model import ForwardBatch, MoETransformer, PagedKV, SequenceChunk
+from llmsched.executor.model import (
+    ForwardBatch,
+    MoETransformer,
+    PagedKV,
+    SequenceChunk,
+    device_memory_bytes,
+)
 
 __all__ = ["Engine", "EngineMetrics", "Request", "RequestOutput", "SamplingParams"]
 
@@ -50,10 +57,17 @@ __all__ = ["Engine", "EngineMetrics", "Request", "RequestOutput", "SamplingParam
 class SamplingParams:
     """How a request samples: greedy at ``temperature == 0``, else seeded multinomial.
 
+    Every field is checked when built: ``max_tokens`` an int >= 1, ``temperature`` a finite
+    number >= 0, ``seed`` ``None`` or an int in ``0..2**64-1``, ``stop_token_ids`` ints.
+
     >>> SamplingParams(max_tokens=0)
     Traceback (most recent call last):
     ...
     llmsched.errors.ConfigError: max_tokens must be >= 1, got 0
+    >>> SamplingParams(temperature=float("nan"))
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: temperature must be a finite number >= 0, got nan
     """
 
     max_tokens: int = 16
@@ -62,10 +76,29 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens):
+            raise ConfigError(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        temperature = self.temperature
+        # NaN or inf reached torch.multinomial mid-step as a bare RuntimeError.
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature)
+            or temperature < 0
+        ):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
+            # xxh3 takes the seed modulo 2**64: -1 would silently be 2**64 - 1.
+            raise ConfigError(f"seed must be None or an int in 0..2**64-1, got {self.seed!r}")
+        for index, token in enumerate(self.stop_token_ids):
+            if not _is_int(token):
+                raise ConfigError(f"stop_token_ids[{index}] must be an int, got {token!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -175,6 +208,13 @@ class Engine:
         self.publisher = publisher
         self.clock = clock
         cfg = self.config
+        # Before the KV tensors and the block lists: num_blocks=2**40 is a ConfigError.
+        check_memory(
+            "Engine",
+            cfg.estimate_bytes(model.config),
+            device_memory_bytes(model.device),
+            str(model.device),
+        )
         self.kv = PagedKV(model.config, cfg.num_blocks, cfg.block_size, model.device)
         self.kv_manager = KVCacheManager(
             cfg.num_blocks,
@@ -368,7 +408,10 @@ class Engine:
         position = len(request.output_token_ids)
         token_seed = xxhash.xxh3_64_intdigest(position.to_bytes(8, "little"), request.sample_seed)
         generator = torch.Generator().manual_seed(token_seed & (2**63 - 1))
-        probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+        # In float64 (a float32 temperature of 1e-300 is 0), shifted so the largest logit is 0:
+        # a tiny temperature then gives -inf for the others rather than inf - inf = NaN.
+        logits = logits.double().cpu()
+        probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator).item())
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
@@ -437,18 +480,34 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[list[int]]:
-        """Run ``prompts`` to completion; the generated tokens of each, in order."""
+        """Run ``prompts`` to completion; the generated tokens of each, in order.
+
+        If it raises (a bad prompt, an interrupt), the requests it added are aborted, so the
+        engine is left as it was for the next call.
+        """
         if params is None or isinstance(params, SamplingParams):
             per_request = [params or SamplingParams()] * len(prompts)
         else:
             per_request = list(params)
+            if len(per_request) != len(prompts):
+                raise ConfigError(
+                    f"{len(per_request)} sampling params for {len(prompts)} prompts; "
+                    "give one, or one per prompt"
+                )
         self._generate_calls += 1
         ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, per_request, strict=True):
-            self.add_request(request_id, prompt, p)
         results: dict[str, list[int]] = {}
-        while any(i not in results for i in ids):
-            for output in self.step():
-                if output.finished:
-                    results[output.request_id] = output.output_token_ids
+        try:
+            for request_id, prompt, p in zip(ids, prompts, per_request, strict=True):
+                self.add_request(request_id, prompt, p)
+            while any(i not in results for i in ids):
+                for output in self.step():
+                    if output.finished:
+                        results[output.request_id] = output.output_token_ids
+        except BaseException:
+            # Left in the engine, a request that cannot run would fail every later step.
+            for request_id in ids:
+                if request_id in self.requests:
+                    self.abort_request(request_id)
+            raise
         return [results[i] for i in ids]

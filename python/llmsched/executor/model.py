@@ -14,7 +14,7 @@ parallelism over ranks (``expert_parallel.AllToAllExperts``) and dual-batch over
 phases of two micro-batches interleave so one's communication overlaps the other's compute.
 
 >>> import torch
->>> from llmsched.executor.config import ModelConfig
+>>> from llmsched.executor.config import ModelConfig, check_memory
 >>> model = MoETransformer(ModelConfig.preset("small"))
 >>> model.forward_dense([1, 2, 3]).shape
 torch.Size([3, 512])
@@ -23,7 +23,10 @@ torch.Size([3, 512])
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 import xxhash
 
 from llmsched.errors import ConfigError
-from llmsched.executor.config import ModelConfig
+from llmsched.executor.config import ModelConfig, check_memory
 from llmsched.executor.eplb import ExpertPlacement
 
 __all__ = [
@@ -49,11 +52,16 @@ __all__ = [
     "MoETransformer",
     "PagedKV",
     "SequenceChunk",
+    "device_memory_bytes",
     "seeded_tensor",
     "torch_dtype",
 ]
 
 Tensor = torch.Tensor
+
+
+def _dtype_bytes(config: ModelConfig) -> int:
+    return torch.empty((), dtype=torch_dtype(config.dtype)).element_size()
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -66,6 +74,41 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"unknown dtype {name!r}")
     return dtype
+
+
+_FALLBACK_MEMORY_BYTES = 2**40
+"""The bound when a device's memory cannot be read (1 TiB)."""
+
+
+def device_memory_bytes(device: torch.device | str) -> int:
+    """The memory the executor may fill on ``device``: a GPU's total memory, else the host's
+    physical memory (lowered to the address-space limit, ``ulimit -v``, when one is set).
+
+    Model and KV sizes past it are refused with a ConfigError before anything is allocated;
+    where the memory cannot be read the bound is 1 TiB.
+
+    >>> device_memory_bytes("cpu") > 0
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        limit = _FALLBACK_MEMORY_BYTES
+    if sys.platform != "win32":
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            limit = min(limit, soft)
+    return int(limit) if limit > 0 else _FALLBACK_MEMORY_BYTES
+
+
+def _check_fits(what: str, parts: Mapping[str, int], device: torch.device | str) -> None:
+    device = torch.device(device)
+    check_memory(what, parts, device_memory_bytes(device), str(device))
 
 
 def seeded_tensor(
@@ -223,6 +266,8 @@ class PagedKV:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        kv_part = "num_blocks x block_size x num_layers x num_kv_heads x head_dim (KV cache)"
+        _check_fits("PagedKV", {kv_part: 2 * math.prod(shape) * _dtype_bytes(config)}, device)
         dtype = torch_dtype(config.dtype)
         self.block_size = block_size
         self.key = torch.zeros(shape, dtype=dtype, device=device)
@@ -279,6 +324,8 @@ class ExpertStore:
         self.config = config
         self.device = torch.device(device)
         self.slots = list(slots)
+        part = "num_layers x num_experts x hidden_size x expert_hidden_size (routed experts)"
+        _check_fits("ExpertStore", {part: config.expert_bytes(len(self.slots))}, self.device)
         self.w_gate: list[Tensor] = []
         self.w_up: list[Tensor] = []
         self.w_down: list[Tensor] = []
@@ -428,6 +475,9 @@ class LocalExperts(ExpertBackend):
         device: torch.device | str = "cpu",
     ) -> LocalExperts:
         """All slots of ``placement`` (default: one slot per expert) in this process."""
+        if placement is None:
+            # Before the placement's [layers, experts] tables are built.
+            _check_fits("LocalExperts", config.estimate_bytes(), device)
         placement = placement or ExpertPlacement.contiguous(config.num_layers, config.num_experts)
         _check_placement(config, placement)
         store = ExpertStore(config, placement, range(placement.num_slots), device)
@@ -508,6 +558,8 @@ class MoETransformer:
     ) -> None:
         self.config = config
         self.device = torch.device(device)
+        # A given backend has built its experts already.
+        _check_fits("MoETransformer", config.estimate_bytes(0 if backend else None), self.device)
         self.dtype = torch_dtype(config.dtype)
         self.backend = backend or LocalExperts.build(config, device=self.device)
         _check_placement(config, self.backend.placement)
