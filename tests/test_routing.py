@@ -21,7 +21,7 @@ from llmsched import (
     Router,
     UnknownEndpointError,
 )
-from llmsched.errors import InvalidValueError
+from llmsched.errors import InvalidValueError, PlacementError
 from llmsched.routing import load_config, render_messages, text_tokens
 
 PD_YAML = """
@@ -495,3 +495,28 @@ def test_an_endpoint_listed_twice_is_refused_and_add_replaces_on_purpose() -> No
     pool = EndpointPool(["a", "b"])
     assert pool.add(Endpoint("a", address="h2:8000")) is False
     assert sorted(e["id"] for e in pool.endpoints()) == ["a", "b"]
+
+
+def test_a_decision_used_out_of_order_raises_placement_error() -> None:
+    # Probe 49 F6: a bare RuntimeError, not an llmsched exception.
+    pool = EndpointPool(["a"], stale_policy="ignore")
+    d = Router(pool, config="least-load").pick(tokens=[1], now=0.0)
+    with pytest.raises(PlacementError, match="before started"):
+        d.first_token()
+    d.started(now=0.0)
+    with pytest.raises(PlacementError, match="already"):
+        d.started(now=0.0)
+    assert d.finished()
+    with pytest.raises(PlacementError, match="already"):
+        d.started(now=0.0)
+    assert pool.endpoints()[0]["in_flight_requests"] == 0  # nothing changed
+    assert d.first_token() is False
+
+
+def test_a_time_beyond_a_floats_range_is_an_invalid_value() -> None:
+    # Probe 49 F7: int(10**400) gave a bare OverflowError from the shared validation.
+    with pytest.raises(InvalidValueError, match=r"now .*an int of 1329 bits"):
+        Router(EndpointPool(["a"])).pick(tokens=[1], now=10**400)
+    with pytest.raises(InvalidValueError, match=r"stale_after_s .*an int of"):
+        EndpointPool(["a"], stale_after_s=10**5000)  # past str()'s digit limit too
+    assert EndpointPool(["a"], stale_after_s=2**60).stale_after_s == 2.0**60
