@@ -422,8 +422,11 @@ fn priorities_past_max_bands_queue_in_the_nearest_band_below() {
 #[test]
 fn token_and_byte_sums_saturate_instead_of_wrapping() {
     // Probe 49 F13: three prompts of 2^63 - 1 tokens wrapped `running_tokens` to a small
-    // number (and a debug build panicked on the overflow).
-    let mut c = controller(ROOMY);
+    // number (and a debug build panicked on the overflow). No byte limit: bytes add up too.
+    let mut c = controller(
+        r#"{"saturation": {"type": "concurrency", "max_requests": 1000},
+            "default_band": {"max_bytes": null}}"#,
+    );
     let huge =
         |id| FlowRequest { tokens: u64::MAX / 2, bytes: u64::MAX / 2, ..request(id, 0, "t") };
     for id in 1..=3 {

@@ -174,13 +174,13 @@ pub fn parse_engine(text: &str) -> Result<EngineMetrics, RoutingError> {
             lora = Some((s.value, lora_state(&s.labels)));
         }
     }
-    // `max` before `min`: a NaN (inf - inf in a sum) reads as 0, as Python's max(0, x) did.
+    // Sums of finite samples may reach an infinity (clamped) but never NaN.
     let count =
-        |v: Option<f64>| v.map(|v| v.max(0.0).round_ties_even().min(f64::from(u32::MAX)) as u32);
+        |v: Option<f64>| v.map(|v| v.round_ties_even().clamp(0.0, f64::from(u32::MAX)) as u32);
     [out.waiting, out.running, out.prefix_cache_queries, out.prefix_cache_hits, out.preemptions] =
         sums.map(count);
     out.kv_cache_usage =
-        kv.iter().find(|(_, n)| *n > 0).map(|(sum, n)| (sum / f64::from(*n)).max(0.0).min(1.0));
+        kv.iter().find(|(_, n)| *n > 0).map(|(sum, n)| (sum / f64::from(*n)).clamp(0.0, 1.0));
     out.loras = lora.map(|(_, l)| l);
     if out.waiting.is_none() && out.running.is_none() && out.kv_cache_usage.is_none() {
         return Err(RoutingError::InvalidValue(
