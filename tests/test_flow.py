@@ -289,3 +289,25 @@ def test_thread_stress_accounts_for_every_request() -> None:
     counts = ctrl.metrics()["outcomes"]
     assert sum(counts.values()) == total
     assert counts["dispatched"] == sum(o == "dispatched" for o in finished.values())
+
+
+def test_token_sums_saturate_instead_of_wrapping() -> None:
+    # Probe 49 F13: three prompts of 2**63 - 1 tokens read 9223372036854775805 running tokens.
+    g = FlowController({"saturation": {"type": "concurrency", "max_requests": 8}})
+    for i in range(3):
+        assert g.enqueue(FlowRequest(i, prompt_tokens=2**63 - 1, tenant="t"), now=1.0) is None
+        g.dispatch(now=1.0)
+    assert g.metrics(now=1.0)["running_tokens"] == 2**64 - 1
+    for i in range(3):
+        g.complete(i, output_tokens=2**63 - 1, now=1.0)
+    m = g.metrics(now=1.0)
+    assert (m["running"], m["running_tokens"]) == (0, 0)
+    assert [f["service_tokens"] for f in m["flows"]] == [2**64 - 1]
+
+
+def test_a_deadline_beyond_a_floats_range_is_refused_by_name() -> None:
+    # Probe 49 F7: a bare OverflowError from the native conversion.
+    g = FlowController()
+    with pytest.raises(InvalidRequestError, match=r"FlowRequest\.deadline .*an int of 1329 bits"):
+        g.enqueue(FlowRequest(1, deadline=10**400))
+    assert len(g) == 0

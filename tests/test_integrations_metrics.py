@@ -127,7 +127,7 @@ def test_sglang_names() -> None:
     [
         (500, UNDER_LOAD, "HTTP 500"),
         (200, "<html>not metrics</html>", "no vLLM or SGLang load metrics"),
-        (200, 'vllm:num_requests_waiting{engine="0" 3\n', "could not convert"),
+        (200, 'vllm:num_requests_waiting{engine="0" 3\n', "line 1: cannot parse"),
         (200, "", "no vLLM or SGLang load metrics"),
     ],
     ids=["http-500", "html", "broken-line", "empty"],
@@ -254,3 +254,47 @@ def test_configuration_errors() -> None:
 @pytest.mark.parametrize("text", [UNDER_LOAD, OLD_VLLM, SGLANG], ids=["new", "old", "sglang"])
 def test_prefilter_reads_the_same_values_as_a_full_parse(text: str) -> None:
     assert parse_engine_metrics(text) == parse_engine_metrics(text, prefilter=False)
+
+
+def _one_long_line(labels: int) -> str:
+    return (
+        "vllm:num_requests_waiting{"
+        + ",".join(f'a{i}="b\\""' for i in range(labels))
+        + "} 3\nvllm:kv_cache_usage_perc 0.5\n"
+    )
+
+
+def test_a_multi_megabyte_line_is_read_by_the_native_parser(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Probe 49 F15: prometheus_client's parser, super-linear on a long line, ran on the event
+    loop (a 1.3 MB line took 10 s; the body cap is 8 MiB). The scraper no longer calls it."""
+    import llmsched.integrations.metrics as metrics
+
+    def refused(text: str) -> object:
+        raise AssertionError("prometheus_client's parser ran on an engine's text")
+
+    monkeypatch.setattr(metrics, "text_string_to_metric_families", refused)
+    text = _one_long_line(550_000)
+    assert 6 << 20 < len(text) < metrics.MAX_BODY_BYTES
+    with FakeHTTPEngine(metrics_text=text) as fake:
+        spec = fake.spec()
+        pool = EndpointPool()
+        result = asyncio.run(MetricsScraper([spec], pool=pool).scrape_once())[spec.worker_id]
+        assert result.ok, result.error
+        assert result.values == {"waiting": 3, "kv_cache_usage": 0.5}
+        assert endpoint(pool, spec.worker_id)["waiting"] == 3
+        fake.metrics_text = text.replace("} 3", " 3", 1)  # the brace never closes
+        result = asyncio.run(MetricsScraper([spec]).scrape_once())[spec.worker_id]
+        assert not result.ok and result.error is not None
+        assert "line 1: cannot parse" in result.error and len(result.error) < 200
+
+
+def test_the_native_parse_agrees_with_prometheus_client_on_odd_texts() -> None:
+    for text in (
+        "vllm:num_requests_waiting 2.5\nvllm:num_requests_waiting 1\n",  # 3.5 rounds to 4
+        "vllm:num_requests_running 0.5\nsglang:token_usage 7\n",  # 0.5 rounds to 0
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="+7"} 1\nsglang:num_queue_reqs 1\n',
+        _one_long_line(2_000),
+    ):
+        assert parse_engine_metrics(text) == parse_engine_metrics(text, prefilter=False), text

@@ -21,7 +21,7 @@ from llmsched import (
     Router,
     UnknownEndpointError,
 )
-from llmsched.errors import InvalidValueError
+from llmsched.errors import InvalidValueError, PlacementError
 from llmsched.routing import load_config, render_messages, text_tokens
 
 PD_YAML = """
@@ -630,3 +630,28 @@ def test_explain_keeps_one_column_per_scorer_entry_even_when_names_repeat() -> N
     assert explained.weights == {"q": 1.0, "q#2": 5.0}
     assert explained.row("a").weighted == {"q": 0.5, "q#2": 5.0}
     assert "q#2 x5" in str(explained)
+
+
+def test_a_decision_used_out_of_order_raises_placement_error() -> None:
+    # Probe 49 F6: a bare RuntimeError, not an llmsched exception.
+    pool = EndpointPool(["a"], stale_policy="ignore")
+    d = Router(pool, config="least-load").pick(tokens=[1], now=0.0)
+    with pytest.raises(PlacementError, match="before started"):
+        d.first_token()
+    d.started(now=0.0)
+    with pytest.raises(PlacementError, match="already"):
+        d.started(now=0.0)
+    assert d.finished()
+    with pytest.raises(PlacementError, match="already"):
+        d.started(now=0.0)
+    assert pool.endpoints()[0]["in_flight_requests"] == 0  # nothing changed
+    assert d.first_token() is False
+
+
+def test_a_time_beyond_a_floats_range_is_an_invalid_value() -> None:
+    # Probe 49 F7: int(10**400) gave a bare OverflowError from the shared validation.
+    with pytest.raises(InvalidValueError, match=r"now .*an int of 1329 bits"):
+        Router(EndpointPool(["a"])).pick(tokens=[1], now=10**400)
+    with pytest.raises(InvalidValueError, match=r"stale_after_s .*an int of"):
+        EndpointPool(["a"], stale_after_s=10**5000)  # past str()'s digit limit too
+    assert EndpointPool(["a"], stale_after_s=2**60).stale_after_s == 2.0**60

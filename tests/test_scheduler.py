@@ -598,3 +598,52 @@ def test_an_llm_d_precise_config_wires_the_engines_kv_events() -> None:
     # An engine added later is wired the same way.
     scheduler.add_engine(EngineSpec(host="10.0.0.3", port=8000, name="c", model="m"))
     assert {s.name: s for s in scheduler.specs}["c"].kv_events == precise["zmq_endpoint"]
+
+
+FLOW_2 = {"saturation": {"type": "concurrency", "max_requests": 2}}
+
+
+@pytest.mark.parametrize("how", ["complete", "attribute", "add", "release"])
+def test_an_output_count_flow_control_cannot_take_leaves_the_slot_held(how: str) -> None:
+    """Probe 49 F14: the count was refused by flow control after the slot and the placement
+    were marked ended, so the slot and ``in_flight`` were held for good."""
+    s = Scheduler(["a", "b"], flow=FLOW_2)
+    request = ScheduleRequest(tokens=PROMPT, tenant="t")
+    if how == "release":
+        admission = s.admit_sync(request)
+        with pytest.raises(
+            InvalidValueError, match=r"output_tokens must be in 0\.\.9223372036854775807"
+        ):
+            admission.release(2**64)
+        assert admission.holds_slot and s.flow is not None and s.flow.running_count() == 1
+        assert admission.release(2**63 - 1)
+        at_rest(s)
+        return
+    p = s.schedule_sync(request)
+    if how == "complete":
+        with pytest.raises(InvalidValueError, match="output_tokens"):
+            p.complete(2**63)
+    elif how == "attribute":
+        p.output_tokens = 10**400
+        with pytest.raises(InvalidValueError, match="an int of 1329 bits"):
+            p.fail()
+        p.output_tokens = 7
+    else:
+        p.add_output_tokens(2**62)
+        p.add_output_tokens(2**62 - 1)
+        with pytest.raises(InvalidValueError, match="would total more than"):
+            p.add_output_tokens(2**62)
+        assert p.output_tokens == 2**63 - 1
+    assert p.outcome is None and s.stats()["in_flight"] == 1
+    assert p.complete()
+    assert s.stats()["completed"] == 1
+    at_rest(s)
+
+
+def test_a_deadline_beyond_a_floats_range_is_an_invalid_request() -> None:
+    # Probe 49 F7: a bare OverflowError from math.isfinite.
+    for name in ("deadline", "ttft_target_s"):
+        with pytest.raises(InvalidRequestError, match=name):
+            ScheduleRequest(tokens=[1], **{name: 2**1024 - 1})
+    with pytest.raises(ConfigError, match=r"retry_after_s .*an int of"):
+        Scheduler(["a"], retry_after_s=10**400)

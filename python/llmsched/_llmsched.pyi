@@ -15,6 +15,7 @@ from llmsched.types import (
     ConfigInfo,
     EndpointId,
     EndpointInfo,
+    EngineMetricValues,
     EventBatchDict,
     FlowConfig,
     FlowMetrics,
@@ -689,11 +690,17 @@ class Decision:
     def explain_data(self) -> list[ProfileData]:
         """Each profile's scores per endpoint and scorer."""
     def started(self, endpoint: int | str | None, now: float) -> None:
-        """Marks the request sent (to `endpoint`, default the chosen one)."""
+        """Marks the request sent (to `endpoint`, default the chosen one); PlacementError when
+        it was already started or finished."""
     def first_token(self) -> bool:
-        """Marks the first token; returns False when already marked."""
+        """Marks the first token; returns False when already marked; PlacementError before
+        `started`."""
     def finished(self) -> bool:
         """Marks the request finished; returns False when already finished."""
+
+def parse_engine_metrics_text(text: str) -> EngineMetricValues:
+    """An engine's `/metrics` text read as `llmsched.integrations.metrics.parse_engine_metrics`
+    documents (one linear pass)."""
 
 @final
 class ReplicaSync:

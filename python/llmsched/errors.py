@@ -94,8 +94,10 @@ class NoEndpointError(LlmschedError, LookupError):
 
 
 class PlacementError(LlmschedError, RuntimeError):
-    """A :class:`llmsched.Placement` was used in a way its state does not allow (a retry
-    after it ended, its endpoint after a retry found none); nothing was changed."""
+    """A :class:`llmsched.Placement` or :class:`llmsched.Decision` was used in a way its state
+    does not allow (a retry after it ended, its endpoint after a retry found none, a decision
+    started twice or after it finished, a first token before it started); nothing was
+    changed."""
 
 
 class UnknownEndpointError(LlmschedError, KeyError):

@@ -63,6 +63,8 @@ from llmsched.validation import (
     check_positive_seconds,
     check_probability,
     check_str,
+    describe_int,
+    is_finite_number,
 )
 
 if TYPE_CHECKING:
@@ -256,6 +258,14 @@ class FlowController:
             check_str("FlowRequest.tenant", request.tenant)
             check_number_like("FlowRequest.deadline", request.deadline, optional=True)
             check_number_like("FlowRequest.ttft_target", request.ttft_target, optional=True)
+            raise
+        except OverflowError:  # an int beyond a float's range, refused by the conversion
+            for name in ("deadline", "ttft_target"):
+                value = getattr(request, name)
+                if isinstance(value, int) and not is_finite_number(value):
+                    raise InvalidRequestError(
+                        f"FlowRequest.{name} must be a finite number, got {describe_int(value)}"
+                    ) from None
             raise
         if self._core.has_evicted():
             self._route_evictions()

@@ -68,6 +68,7 @@ from llmsched.validation import (
     check_probability,
     check_seed,
     check_str,
+    describe_int,
 )
 
 __all__ = [
@@ -178,9 +179,18 @@ class EndpointPool:
         default_after, default_policy = _llmsched.EndpointPool.default_staleness()
         after = default_after if stale_after_s is None else stale_after_s
         if isinstance(after, bool) or not isinstance(after, (int, float)) or not after >= 0:
-            raise InvalidValueError(f"stale_after_s must be a number >= 0, got {stale_after_s!r}")
+            raise InvalidValueError(
+                f"stale_after_s must be a number >= 0, got {describe_int(stale_after_s)}"
+            )
+        try:
+            after = float(after)
+        except OverflowError:  # an int beyond a float's range
+            raise InvalidValueError(
+                f"stale_after_s must be a number >= 0 within a float's range, "
+                f"got {describe_int(after)}"
+            ) from None
         check_optional_str("stale_policy", stale_policy)
-        self._native = _llmsched.EndpointPool(float(after), stale_policy or default_policy)
+        self._native = _llmsched.EndpointPool(after, stale_policy or default_policy)
         self.add_many(endpoints)
 
     @property
@@ -816,11 +826,13 @@ class Decision:
     def started(self, endpoint: EndpointId | None = None, *, now: float | None = None) -> None:
         """The request is being sent: to the chosen endpoint, or to ``endpoint`` (e.g. a
         fallback). Adds it to the in-flight counts, records approximate prefix entries for the
-        endpoints used, binds the session. Once only."""
+        endpoints used, binds the session. Once only: again, or after :meth:`finished`, raises
+        :class:`~llmsched.errors.PlacementError` (a RuntimeError)."""
         self._native.started(endpoint, _now(now))
 
     def first_token(self) -> bool:
-        """The first token arrived: the prefill work is done. False if already noted."""
+        """The first token arrived: the prefill work is done. False if already noted or
+        finished; :class:`~llmsched.errors.PlacementError` before :meth:`started`."""
         return self._native.first_token()
 
     def finished(self) -> bool:

@@ -47,13 +47,13 @@ import contextlib
 import copy
 import itertools
 import logging
-import math
+import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -89,7 +89,7 @@ from llmsched.routing import (
     render_messages,
 )
 from llmsched.types import SchedulerStats
-from llmsched.validation import check_id, check_optional_str
+from llmsched.validation import check_id, check_optional_str, describe_int, is_finite_number
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -236,12 +236,7 @@ class ScheduleRequest:
         _check_int("size_bytes", self.size_bytes, 0, 2**63 - 1)
         for name in ("deadline", "ttft_target_s"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value < 0
-            ):
+            if value is not None and (not is_finite_number(value) or value < 0):
                 raise InvalidRequestError(f"{name} must be a finite number >= 0 or None")
         headers = self.headers
         if headers is not None and not (
@@ -297,6 +292,25 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise InvalidRequestError(f"{name} must be an int in {low}..{high}, got {value!r}")
 
 
+_MAX_OUTPUT_TOKENS = 2**63 - 1
+"""The most output tokens flow control charges in one call (the native core's signed range)."""
+
+
+def _check_output_tokens(name: str, value: object) -> int:
+    """``value`` as an output-token count flow control can charge: an int (or numpy integer) in
+    ``0..2**63-1``, else :class:`~llmsched.errors.InvalidTypeError` /
+    :class:`~llmsched.errors.InvalidValueError`. Checked before anything is marked ended, so a
+    refused count leaves the slot held and releasable."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
+    count = operator.index(value)
+    if not 0 <= count <= _MAX_OUTPUT_TOKENS:
+        raise InvalidValueError(
+            f"{name} must be in 0..{_MAX_OUTPUT_TOKENS}, got {describe_int(count)}"
+        )
+    return count
+
+
 class Admission:
     """A request's place in flow control, once dispatched: its ``id``, the seconds it queued,
     and the slot to give back (:meth:`release`, once). Without flow control it holds nothing.
@@ -328,14 +342,25 @@ class Admission:
 
     def release(self, output_tokens: int = 0) -> bool:
         """Gives the flow-control slot back, charging ``output_tokens``; False when nothing
-        was held (or it was already released)."""
+        was held (or it was already released). A count that is not an int in ``0..2**63-1``
+        raises :class:`~llmsched.errors.InvalidValueError` (or InvalidTypeError) and the slot
+        stays held."""
+        # Checked before the slot counts as released: a refused count must leave it held, or
+        # nothing could ever give it back.
+        tokens = _check_output_tokens("output_tokens", output_tokens)
         with self._lock:
             if not self._open:
                 return False
             self._open = False
         assert self._flow is not None
-        with contextlib.suppress(UnknownRequestError):  # revoked meanwhile
-            self._flow.complete(self.id, output_tokens)
+        try:
+            self._flow.complete(self.id, tokens)
+        except UnknownRequestError:  # revoked meanwhile
+            pass
+        except Exception:
+            with self._lock:  # the core refused it and holds the slot still: releasable again
+                self._open = True
+            raise
         return True
 
     def __repr__(self) -> str:
@@ -466,10 +491,18 @@ class Placement:
         return attempt.decision.first_token()
 
     def add_output_tokens(self, tokens: int) -> None:
-        """Counts ``tokens`` more output tokens (charged to the tenant at the end)."""
+        """Counts ``tokens`` more output tokens (charged to the tenant at the end). A count that
+        would take the total past ``2**63-1`` raises
+        :class:`~llmsched.errors.InvalidValueError` and counts nothing."""
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise InvalidValueError(f"tokens must be an int >= 0, got {tokens!r}")
-        self.output_tokens += tokens
+        total = self.output_tokens + tokens
+        if total > _MAX_OUTPUT_TOKENS:
+            raise InvalidValueError(
+                f"output tokens would total more than {_MAX_OUTPUT_TOKENS} "
+                f"({self.output_tokens} counted so far)"
+            )
+        self.output_tokens = total
 
     def retry(self) -> EndpointId:
         """The current attempt failed before the engine ran the request: fails it (its
@@ -501,12 +534,14 @@ class Placement:
 
     def complete(self, output_tokens: int | None = None) -> bool:
         """The request succeeded. ``output_tokens`` (default: those counted) is charged to
-        the tenant. False if it had already ended."""
+        the tenant. False if it had already ended. A count beyond ``2**63-1`` raises
+        :class:`~llmsched.errors.InvalidValueError` and leaves the placement open."""
         if output_tokens is not None:
             if isinstance(output_tokens, bool) or not isinstance(output_tokens, int):
                 raise InvalidValueError(f"output_tokens must be an int, got {output_tokens!r}")
             if output_tokens < 0:
                 raise InvalidValueError(f"output_tokens must be >= 0, got {output_tokens}")
+            _check_output_tokens("output_tokens", output_tokens)
             self.output_tokens = output_tokens
         return self._end("completed")
 
@@ -521,6 +556,10 @@ class Placement:
         return self._end("cancelled")
 
     def _end(self, outcome: PlacementOutcome) -> bool:
+        if self._owns and self._admission is not None:
+            # ``output_tokens`` is a public attribute: refused here, before the placement
+            # counts as ended, rather than by the release below once nothing can end it.
+            _check_output_tokens("output_tokens", self.output_tokens)
         with self._lock:
             if self._outcome is not None:
                 return False
@@ -530,9 +569,11 @@ class Placement:
             if attempt is not None:
                 self._scheduler._end_attempt(attempt, self._request, failed=outcome == "failed")
         finally:
-            if self._owns and self._admission is not None:
-                self._admission.release(self.output_tokens)
-            self._scheduler._placement_ended(outcome)
+            try:
+                if self._owns and self._admission is not None:
+                    self._admission.release(self.output_tokens)
+            finally:
+                self._scheduler._placement_ended(outcome)
         return True
 
     def __enter__(self) -> Placement:
@@ -633,12 +674,8 @@ class Scheduler:
             ("scrape_timeout_s", scrape_timeout_s),
             ("retry_after_s", retry_after_s),
         ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (math.isfinite(value) and value > 0)
-            ):
-                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+            if not (is_finite_number(value) and value > 0):
+                raise ConfigError(f"{name} must be a number > 0, got {describe_int(value)}")
         info = config_info(router)
         self._info = info
         listed = self._checked_engines(engines)

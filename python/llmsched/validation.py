@@ -60,6 +60,8 @@ __all__ = [
     "check_probability",
     "check_seed",
     "check_str",
+    "describe_int",
+    "is_finite_number",
     "is_utf8_text",
     "refuse_json_constant",
 ]
@@ -104,12 +106,45 @@ def check_positive_seconds(name: str, value: object) -> float:
 def _seconds(name: str, value: object, *, strictly_positive: bool) -> float:
     if not _is_number(value):
         raise InvalidTypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    seconds = float(value)  # type: ignore[arg-type]
+    bound = "> 0" if strictly_positive else ">= 0"
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond a float's range (about 1.8e308)
+        raise InvalidValueError(
+            f"{name} must be a finite number of seconds {bound}, got {describe_int(value)}"
+        ) from None
     in_range = seconds > 0.0 if strictly_positive else seconds >= 0.0
     if not (math.isfinite(seconds) and in_range):
-        bound = "> 0" if strictly_positive else ">= 0"
         raise InvalidValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
     return seconds
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is an ``int`` or ``float`` (not ``bool``) with a finite float value:
+    false for NaN, the infinities and an int beyond a float's range (where ``float()`` and
+    ``math.isfinite`` raise OverflowError).
+
+    >>> is_finite_number(1.5), is_finite_number(float("inf")), is_finite_number(10**400)
+    (True, False, False)
+    """
+    if not _is_number(value):
+        return False
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
+def describe_int(value: object) -> str:
+    """``value`` for an error message: its digits, or its size when it is too long to show (an
+    int of thousands of digits has no ``str`` at all past Python's 4,300-digit limit).
+
+    >>> describe_int(12), describe_int(10**400)
+    ('12', 'an int of 1329 bits')
+    """
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    return repr(value)
 
 
 def check_int(name: str, value: object, *, minimum: int = 0, maximum: int = I64_MAX) -> int:

@@ -3541,10 +3541,19 @@ impl TokenCount {
         }
     }
 
+    /// A usage count above [`MAX_USAGE_TOKENS`] is the engine's error and counts as none, as
+    /// on the Python plane: flow control and the key's bucket are not charged for it.
     fn tokens(&self) -> u64 {
-        self.usage.unwrap_or(self.events)
+        match self.usage {
+            Some(n) if n > MAX_USAGE_TOKENS => 0,
+            Some(n) => n,
+            None => self.events,
+        }
     }
 }
+
+/// The most output tokens an answer's usage block is believed for (no answer is longer).
+const MAX_USAGE_TOKENS: u64 = u32::MAX as u64;
 
 /// The searchers [`TokenCount::feed`] uses, built once (building one costs more than a search
 /// of a short answer).
@@ -4019,6 +4028,19 @@ mod tests {
         let mut tokens = TokenCount { responses: true, ..TokenCount::default() };
         tokens.feed(br#"{"usage":{"output_tokens":9,"completion_tokens":3}}"#, false);
         assert_eq!(tokens.tokens(), 9);
+    }
+
+    #[test]
+    fn a_usage_count_no_answer_can_hold_counts_as_none() {
+        // Probe 49 F14: an engine's 2^63 reached flow control and wrapped the tenant's service.
+        for (usage, expected) in
+            [("7", 7), ("4294967295", 4_294_967_295), ("4294967296", 0), ("9223372036854775808", 0)]
+        {
+            let mut tokens = TokenCount::default();
+            tokens
+                .feed(format!(r#"{{"usage":{{"completion_tokens":{usage}}}}}"#).as_bytes(), false);
+            assert_eq!(tokens.tokens(), expected, "{usage}");
+        }
     }
 
     #[test]

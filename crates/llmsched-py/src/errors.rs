@@ -91,6 +91,7 @@ import_exception!(llmsched.errors, DuplicateRequestError);
 import_exception!(llmsched.errors, MalformedSyncBatchError);
 import_exception!(llmsched.errors, InvalidValueError);
 import_exception!(llmsched.errors, InvalidTypeError);
+import_exception!(llmsched.errors, PlacementError);
 
 impl ToPyErr for SyncError {
     fn to_py_err(self) -> PyErr {

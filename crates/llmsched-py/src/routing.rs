@@ -4,9 +4,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::convert::{config_mapping, to_python};
-use crate::errors::{attached, detach, CoreResult, InvalidTypeError, InvalidValueError, ToPyErr};
+use crate::errors::{
+    attached, detach, CoreResult, InvalidTypeError, InvalidValueError, PlacementError, ToPyErr,
+};
 use parking_lot::Mutex;
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use serde::{Deserialize, Serialize};
@@ -778,7 +779,7 @@ impl PyDecision {
         let key = endpoint.map(|e| id_key(e, "endpoint")).transpose()?;
         let mut state = self.ticket.lock();
         if !matches!(*state, TicketState::Picked) {
-            return Err(PyRuntimeError::new_err("started() was already called for this decision"));
+            return Err(PlacementError::new_err("started() was already called for this decision"));
         }
         let router = self.router.get();
         // With the GIL held: a commit records the prompt's blocks, microseconds of work, and
@@ -800,7 +801,7 @@ impl PyDecision {
     fn first_token(&self) -> PyResult<bool> {
         match &mut *self.ticket.lock() {
             TicketState::Sent(t) => Ok(t.first_token()),
-            TicketState::Picked => Err(PyRuntimeError::new_err("first_token() before started()")),
+            TicketState::Picked => Err(PlacementError::new_err("first_token() before started()")),
             TicketState::Closed => Ok(false),
         }
     }
@@ -817,6 +818,43 @@ impl PyDecision {
     }
 }
 
+/// Reads an engine's `/metrics` text as the Python plane's scraper does
+/// (`llmsched.integrations.metrics.parse_engine_metrics`): the values present, in the order
+/// that function documents.
+#[pyfunction]
+fn parse_engine_metrics_text<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyDict>> {
+    let m = detach(py, || metrics_text::parse_engine(text))?.py()?;
+    let out = PyDict::new(py);
+    let counts = |out: &Bound<'py, PyDict>, pairs: &[(&str, Option<u32>)]| -> PyResult<()> {
+        for (key, value) in pairs {
+            if let Some(value) = value {
+                out.set_item(*key, *value)?;
+            }
+        }
+        Ok(())
+    };
+    counts(&out, &[("waiting", m.waiting), ("running", m.running)])?;
+    if let Some(kv) = m.kv_cache_usage {
+        out.set_item("kv_cache_usage", kv)?;
+    }
+    counts(
+        &out,
+        &[
+            ("block_size", m.block_size),
+            ("num_gpu_blocks", m.num_gpu_blocks),
+            ("prefix_cache_queries", m.prefix_cache_queries),
+            ("prefix_cache_hits", m.prefix_cache_hits),
+            ("preemptions", m.preemptions),
+        ],
+    )?;
+    if let Some(l) = m.loras {
+        out.set_item("active_loras", l.active)?;
+        out.set_item("waiting_loras", l.waiting)?;
+        out.set_item("max_loras", l.max_loras)?;
+    }
+    Ok(out)
+}
+
 fn routing_err(e: RoutingError) -> PyErr {
     e.to_py_err()
 }
@@ -825,5 +863,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEndpointPool>()?;
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecision>()?;
+    m.add_function(wrap_pyfunction!(parse_engine_metrics_text, m)?)?;
     Ok(())
 }

@@ -126,6 +126,8 @@ _OFFLOADED_PROMPT_BYTES = 128 << 10
 _PASSED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Cache-Control")
 # Bodies read whole to find the usage block of a non-streaming answer.
 _USAGE_PARSE_LIMIT = 1 << 20
+# The most output tokens an answer's usage block is believed for (the native plane's bound too).
+_MAX_USAGE_TOKENS = 2**32 - 1
 # Non-streamed answers up to this size are read whole and sent in one response.
 _WHOLE_BODY_LIMIT = 8 << 20
 _LOCATE_TIMEOUT_S = 2.0
@@ -1892,7 +1894,9 @@ class _OutputCounter:
             value = usage.get("output_tokens" if self._responses else "completion_tokens", 0)
         except (ValueError, AttributeError):
             return 0
-        return value if type(value) is int and value >= 0 else 0
+        # A count no answer can hold is the engine's error: charged as none, as a negative one
+        # is, rather than a number flow control and the key's bucket cannot take.
+        return value if type(value) is int and 0 <= value <= _MAX_USAGE_TOKENS else 0
 
 
 class _Feed(Protocol):

@@ -190,10 +190,10 @@ impl Band {
             }
         };
         queue.len += 1;
-        queue.bytes += bytes;
+        queue.bytes = queue.bytes.saturating_add(bytes);
         slab.push_back(&mut self.arrivals, index, Chain::Band);
         self.queued += 1;
-        self.bytes += bytes;
+        self.bytes = self.bytes.saturating_add(bytes);
         if becomes_head {
             self.fairness.head_changed(flow, Some(key));
         }
@@ -218,14 +218,14 @@ impl Band {
             }
         };
         queue.len -= 1;
-        queue.bytes -= bytes;
+        queue.bytes = queue.bytes.saturating_sub(bytes);
         slab.unlink(&mut self.arrivals, index, Chain::Band);
         self.queued -= 1;
-        self.bytes -= bytes;
+        self.bytes = self.bytes.saturating_sub(bytes);
         if let Some((tokens, now)) = served {
             queue.dispatched += 1;
-            queue.service_tokens += tokens;
-            queue.unsynced.0 += tokens;
+            queue.service_tokens = queue.service_tokens.saturating_add(tokens);
+            queue.unsynced.0 = queue.unsynced.0.saturating_add(tokens);
             self.dispatched += 1;
             self.fairness.charge(flow, tokens, 0, now);
         }

@@ -26,6 +26,11 @@
 //! Complexity: with n queued requests, F flows in a band and B bands, `enqueue`, `dispatch`,
 //! `cancel` and `complete` cost O(log n + log F + B) plus O(log n) per request they evict;
 //! `expire` costs O(B) plus O(log n) per expired request.
+//!
+//! Token and byte sums (running tokens, a flow's service, queued bytes) saturate at `u64::MAX`
+//! instead of wrapping: each request may declare up to `u64::MAX`, so a few absurd ones would
+//! otherwise wrap a sum to a small number. A saturated sum is an underestimate, never below 0,
+//! and the running and queued sums are back at 0 once those requests end.
 
 mod band;
 pub mod config;
@@ -451,7 +456,7 @@ impl<P> FlowController<P> {
         let (band, flow) = (running.band, running.flow);
         self.bands[band as usize].flows[flow as usize].running -= 1;
         self.inflight.requests -= 1;
-        self.inflight.tokens -= tokens;
+        self.inflight.tokens = self.inflight.tokens.saturating_sub(tokens);
         if priority < 0 {
             self.preemption.candidates.remove(&(priority, Reverse(dispatch_seq), id));
         }
@@ -538,7 +543,8 @@ impl<P> FlowController<P> {
             None => {
                 let mut per_tenant = vec![0u64; self.tenants.names.len()];
                 for (_, flow) in self.bands.iter().flat_map(|b| b.live_flows()) {
-                    per_tenant[flow.tenant as usize] += flow.service_tokens;
+                    let tenant = &mut per_tenant[flow.tenant as usize];
+                    *tenant = tenant.saturating_add(flow.service_tokens);
                 }
                 let live = per_tenant
                     .into_iter()
@@ -763,7 +769,7 @@ impl<P> FlowController<P> {
                 }
                 victims.push(slot);
                 freed_requests += 1;
-                freed_bytes += self.slab.get(slot).bytes;
+                freed_bytes = freed_bytes.saturating_add(self.slab.get(slot).bytes);
                 slot = self.slab.prev(slot, Chain::Band);
             }
         }
@@ -801,7 +807,7 @@ impl<P> FlowController<P> {
             self.next_expiry = self.next_expiry.min(now + ttl);
         }
         self.queued += 1;
-        self.queued_bytes += request.bytes;
+        self.queued_bytes = self.queued_bytes.saturating_add(request.bytes);
         self.index.insert(request.id, slot);
     }
 
@@ -844,7 +850,7 @@ impl<P> FlowController<P> {
         let (id, band, flow, bytes) = (entry.id, entry.band, entry.flow, entry.bytes);
         self.bands[band as usize].remove(&mut self.slab, slot, None);
         self.queued -= 1;
-        self.queued_bytes -= bytes;
+        self.queued_bytes = self.queued_bytes.saturating_sub(bytes);
         let decision = self.decision(slot, outcome, now);
         self.index.remove(&id);
         self.slab.release(slot);
@@ -862,14 +868,14 @@ impl<P> FlowController<P> {
         band.flows[flow as usize].running += 1;
         band.wait_s.record(now - arrival);
         self.queued -= 1;
-        self.queued_bytes -= bytes;
+        self.queued_bytes = self.queued_bytes.saturating_sub(bytes);
         let dispatch_seq = self.next_seq();
         let decision = self.decision(slot, Outcome::Dispatched, now);
         let entry = self.slab.get_mut(slot);
         entry.state = SlotState::Running;
         entry.seq = dispatch_seq;
         self.inflight.requests += 1;
-        self.inflight.tokens += tokens;
+        self.inflight.tokens = self.inflight.tokens.saturating_add(tokens);
         if priority < 0 {
             self.preemption.candidates.insert((priority, Reverse(dispatch_seq), id));
         }
@@ -880,8 +886,8 @@ impl<P> FlowController<P> {
         let entry = self.slab.get(slot);
         let band = &mut self.bands[entry.band as usize];
         let flow = &mut band.flows[entry.flow as usize];
-        flow.service_tokens += output_tokens;
-        flow.unsynced.1 += output_tokens;
+        flow.service_tokens = flow.service_tokens.saturating_add(output_tokens);
+        flow.unsynced.1 = flow.unsynced.1.saturating_add(output_tokens);
         band.fairness.charge(entry.flow, 0, output_tokens, now);
     }
 

@@ -418,3 +418,29 @@ fn priorities_past_max_bands_queue_in_the_nearest_band_below() {
     // Fairness queries and remote charges of a folded priority find its band.
     assert!(c.charge_remote("b", 15, 5, 5, 2.0).unwrap());
 }
+
+#[test]
+fn token_and_byte_sums_saturate_instead_of_wrapping() {
+    // Probe 49 F13: three prompts of 2^63 - 1 tokens wrapped `running_tokens` to a small
+    // number (and a debug build panicked on the overflow). No byte limit: bytes add up too.
+    let mut c = controller(
+        r#"{"saturation": {"type": "concurrency", "max_requests": 1000},
+            "default_band": {"max_bytes": null}}"#,
+    );
+    let huge =
+        |id| FlowRequest { tokens: u64::MAX / 2, bytes: u64::MAX / 2, ..request(id, 0, "t") };
+    for id in 1..=3 {
+        assert!(c.enqueue(huge(id), 0.0).unwrap().is_none());
+    }
+    assert_eq!(c.metrics(0.0).unwrap().queued_bytes, u64::MAX);
+    assert_eq!(drain_ids(&mut c, 0.0), vec![1, 2, 3]);
+    let m = c.metrics(0.0).unwrap();
+    assert_eq!((m.running_tokens, m.queued_bytes), (u64::MAX, 0));
+    for id in 1..=3 {
+        c.complete(id, u64::MAX, 0.0).unwrap();
+    }
+    let m = c.metrics(0.0).unwrap();
+    assert_eq!((m.running, m.running_tokens), (0, 0), "back at 0, not below");
+    assert_eq!(m.flows[0].service_tokens, u64::MAX);
+    assert_eq!(c.jain_index(None), 1.0);
+}

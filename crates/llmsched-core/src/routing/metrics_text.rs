@@ -5,6 +5,13 @@
 //! `vllm:lora_requests_info` (labels `running_lora_adapters`, `waiting_lora_adapters`,
 //! `max_lora`; the sample with the latest value wins). SGLang: `sglang:num_queue_reqs`,
 //! `sglang:num_running_reqs`, `sglang:token_usage`. Other lines are ignored.
+//!
+//! [`parse_engine`] reads more (prefix-cache counters, preemptions, the cache config): all the
+//! Python plane's scraper reads (`llmsched.integrations.metrics`), with its rules.
+//!
+//! Both run in one pass, linear in the text's length: an engine's `/metrics` is untrusted, and
+//! a single line of a million labels must cost milliseconds. Label values are copied only for
+//! the few labels read (of `vllm:lora_requests_info`, `vllm:cache_config_info`).
 
 use super::endpoint::LoraState;
 use super::pool::MetricsUpdate;
@@ -35,9 +42,11 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let s = sample(line).ok_or_else(|| {
-            RoutingError::InvalidValue(format!("metrics line {}: cannot parse {line:?}", n + 1))
-        })?;
+        let keep = match name_of(line) {
+            Some(LORA_INFO) => LORA_LABELS,
+            _ => &[],
+        };
+        let s = sample(line, keep).ok_or_else(|| unparsable(n, line))?;
         if !s.value.is_finite() {
             continue; // NaN or an infinity is no load reading (the Python plane skips them too)
         }
@@ -77,6 +86,127 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
     })
 }
 
+/// What the Python plane's scraper reads of an engine's `/metrics` text (its
+/// `parse_engine_metrics`); `None`: not in the text.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineMetrics {
+    /// Summed over label sets, rounded (ties to even) and clamped to `0..=u32::MAX`, as are
+    /// the other counts.
+    pub waiting: Option<u32>,
+    pub running: Option<u32>,
+    /// The mean over label sets, clamped to `[0, 1]`: of `vllm:kv_cache_usage_perc`, else of
+    /// `vllm:gpu_cache_usage_perc`, else of `sglang:token_usage`.
+    pub kv_cache_usage: Option<f64>,
+    /// `vllm:prefix_cache_queries_total` (older: `vllm:gpu_prefix_cache_queries_total`).
+    pub prefix_cache_queries: Option<u32>,
+    /// `vllm:prefix_cache_hits_total` (older: `vllm:gpu_prefix_cache_hits_total`).
+    pub prefix_cache_hits: Option<u32>,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: Option<u32>,
+    /// Labels of `vllm:cache_config_info` (a decimal count up to `u32::MAX`, else absent).
+    pub block_size: Option<u32>,
+    pub num_gpu_blocks: Option<u32>,
+    /// Labels of `vllm:lora_requests_info`, of the sample with the latest value.
+    pub loras: Option<LoraState>,
+}
+
+const LORA_INFO: &str = "vllm:lora_requests_info";
+const LORA_LABELS: &[&str] = &["running_lora_adapters", "waiting_lora_adapters", "max_lora"];
+const CACHE_INFO: &str = "vllm:cache_config_info";
+const CACHE_LABELS: &[&str] = &["block_size", "num_gpu_blocks"];
+/// KV-cache use, by preference: the current vLLM name, the older one, SGLang's.
+const KV_NAMES: [&str; 3] =
+    ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"];
+
+/// Where a summed sample goes in [`parse_engine`]'s counts.
+fn sum_index(name: &str) -> Option<usize> {
+    Some(match name {
+        "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => 0,
+        "vllm:num_requests_running" | "sglang:num_running_reqs" => 1,
+        "vllm:prefix_cache_queries_total" | "vllm:gpu_prefix_cache_queries_total" => 2,
+        "vllm:prefix_cache_hits_total" | "vllm:gpu_prefix_cache_hits_total" => 3,
+        "vllm:num_preemptions_total" => 4,
+        _ => return None,
+    })
+}
+
+/// Parses exposition text as the Python plane's scraper reads it (see [`EngineMetrics`]).
+/// Only the lines of the metrics read are parsed (a broken one fails the text, naming it);
+/// other lines are skipped unread. Fails when no load metric (waiting, running, KV use) is
+/// present.
+pub fn parse_engine(text: &str) -> Result<EngineMetrics, RoutingError> {
+    let mut sums: [Option<f64>; 5] = [None; 5];
+    let mut kv = [(0.0f64, 0u32); 3];
+    let mut lora: Option<(f64, LoraState)> = None;
+    let mut out = EngineMetrics::default();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(name) = name_of(line) else { continue };
+        let (sum, kv_at) = (sum_index(name), KV_NAMES.iter().position(|k| *k == name));
+        let keep = match name {
+            LORA_INFO => LORA_LABELS,
+            CACHE_INFO => CACHE_LABELS,
+            _ if sum.is_some() || kv_at.is_some() => &[],
+            _ => continue,
+        };
+        let s = sample(line, keep).ok_or_else(|| unparsable(n, line))?;
+        if !s.value.is_finite() {
+            continue; // NaN or an infinity is no load reading
+        }
+        if let Some(i) = sum {
+            sums[i] = Some(sums[i].unwrap_or(0.0) + s.value);
+        } else if let Some(i) = kv_at {
+            kv[i] = (kv[i].0 + s.value, kv[i].1 + 1);
+        } else if name == CACHE_INFO {
+            // A later sample's labels win, as the Python plane's dict update did.
+            for (key, value) in &s.labels {
+                let count = label_count(value);
+                match *key {
+                    "block_size" if count.is_some() => out.block_size = count,
+                    "num_gpu_blocks" if count.is_some() => out.num_gpu_blocks = count,
+                    _ => {}
+                }
+            }
+        } else if lora.as_ref().is_none_or(|(v, _)| s.value >= *v) {
+            lora = Some((s.value, lora_state(&s.labels)));
+        }
+    }
+    // Sums of finite samples may reach an infinity (clamped) but never NaN.
+    let count =
+        |v: Option<f64>| v.map(|v| v.round_ties_even().clamp(0.0, f64::from(u32::MAX)) as u32);
+    [out.waiting, out.running, out.prefix_cache_queries, out.prefix_cache_hits, out.preemptions] =
+        sums.map(count);
+    out.kv_cache_usage =
+        kv.iter().find(|(_, n)| *n > 0).map(|(sum, n)| (sum / f64::from(*n)).clamp(0.0, 1.0));
+    out.loras = lora.map(|(_, l)| l);
+    if out.waiting.is_none() && out.running.is_none() && out.kv_cache_usage.is_none() {
+        return Err(RoutingError::InvalidValue(
+            "no vLLM or SGLang load metrics in the text".into(),
+        ));
+    }
+    Ok(out)
+}
+
+/// A label's ASCII decimal count up to `u32::MAX` (the Python plane's rule: no sign, no
+/// spaces, at most 10 digits).
+fn label_count(raw: &str) -> Option<u32> {
+    if raw.is_empty() || raw.len() > 10 || !raw.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    raw.parse().ok()
+}
+
+/// The error for line `n` (0-based), quoting at most its first 80 characters: a hostile line
+/// may be megabytes long.
+fn unparsable(n: usize, line: &str) -> RoutingError {
+    let shown: String = line.chars().take(80).collect();
+    let more = if shown.len() < line.len() { "..." } else { "" };
+    RoutingError::InvalidValue(format!("metrics line {}: cannot parse {shown:?}{more}", n + 1))
+}
+
 fn lora_state(labels: &[(&str, String)]) -> LoraState {
     let list = |key: &str| -> Vec<String> {
         labels
@@ -99,14 +229,18 @@ fn lora_state(labels: &[(&str, String)]) -> LoraState {
     }
 }
 
-/// One `name{labels} value [timestamp]` line.
-fn sample(line: &str) -> Option<Sample<'_>> {
-    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
-    let name = &line[..name_end];
-    let mut rest = &line[name_end..];
+/// The metric name a sample line starts with.
+fn name_of(line: &str) -> Option<&str> {
+    line.find(|c: char| c == '{' || c.is_whitespace()).map(|end| &line[..end])
+}
+
+/// One `name{labels} value [timestamp]` line; of its labels, those named in `keep`.
+fn sample<'a>(line: &'a str, keep: &[&str]) -> Option<Sample<'a>> {
+    let name = name_of(line)?;
+    let mut rest = &line[name.len()..];
     let mut labels = Vec::new();
     if rest.starts_with('{') {
-        let (parsed, after) = label_set(&rest[1..])?;
+        let (parsed, after) = label_set(&rest[1..], keep)?;
         labels = parsed;
         rest = after;
     }
@@ -120,8 +254,8 @@ fn sample(line: &str) -> Option<Sample<'_>> {
     Some(Sample { name, labels, value })
 }
 
-/// Labels up to the closing brace; returns them and the text after it.
-fn label_set(mut s: &str) -> Option<(Vec<(&str, String)>, &str)> {
+/// Labels up to the closing brace; returns those named in `keep` and the text after it.
+fn label_set<'a>(mut s: &'a str, keep: &[&str]) -> Option<(Vec<(&'a str, String)>, &'a str)> {
     let mut labels = Vec::new();
     loop {
         s = s.trim_start_matches([' ', ',']);
@@ -131,6 +265,10 @@ fn label_set(mut s: &str) -> Option<(Vec<(&str, String)>, &str)> {
         let eq = s.find('=')?;
         let key = s[..eq].trim();
         let body = s[eq + 1..].strip_prefix('"')?;
+        if !keep.contains(&key) {
+            s = &body[skip_value(body.as_bytes())? + 1..];
+            continue;
+        }
         let mut value = String::new();
         let mut chars = body.char_indices();
         let end = loop {
@@ -146,6 +284,20 @@ fn label_set(mut s: &str) -> Option<(Vec<(&str, String)>, &str)> {
         };
         labels.push((key, value));
         s = &body[end + 1..];
+    }
+}
+
+/// The index of the quote closing a label value (`body` starts after the opening one),
+/// without copying it. An escape skips the byte after the backslash: a multi-byte character
+/// there leaves continuation bytes, never a quote or a backslash.
+fn skip_value(body: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    loop {
+        match *body.get(i)? {
+            b'"' => return Some(i),
+            b'\\' => i += 2,
+            _ => i += 1,
+        }
     }
 }
 
@@ -201,5 +353,44 @@ mod tests {
         assert!(parse("vllm:num_requests_waiting{a=\"1} 4\n").is_err());
         let escaped = parse("vllm:num_requests_running{x=\"a\\\"}b\"} 3\n").unwrap();
         assert_eq!(escaped.update.running, Some(3));
+    }
+
+    #[test]
+    fn the_engine_parse_reads_what_the_python_scraper_reads() {
+        let text = "# TYPE vllm:num_requests_running gauge\n\
+            vllm:num_requests_running{engine=\"0\"} 2.0\nvllm:num_requests_running{engine=\"1\"} 4.5\n\
+            vllm:num_requests_waiting 1e400\nvllm:num_requests_waiting -3\n\
+            vllm:gpu_cache_usage_perc 0.25\nsglang:token_usage 0.9\nvllm:gpu_cache_usage_perc 0.75\n\
+            vllm:gpu_prefix_cache_queries_total 100\nvllm:prefix_cache_queries_total 50\n\
+            vllm:prefix_cache_hits_total 30\nvllm:num_preemptions_total 2.5\n\
+            vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"+7\",x=\"\\\"\"} 1\n\
+            vllm:cache_config_info{num_gpu_blocks=\"24\"} 1\n\
+            vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a, b\"} 2e9\n\
+            vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"old\"} 1e9\n\
+            some_histogram_bucket{le=\"broken 1\n";
+        let m = parse_engine(text).unwrap();
+        assert_eq!((m.waiting, m.running), (Some(0), Some(6)), "-3 -> 0; 6.5 rounds to even");
+        assert_eq!(m.kv_cache_usage, Some(0.5), "the vLLM name before SGLang's");
+        assert_eq!((m.prefix_cache_queries, m.prefix_cache_hits), (Some(150), Some(30)));
+        assert_eq!(m.preemptions, Some(2));
+        assert_eq!((m.block_size, m.num_gpu_blocks), (Some(16), Some(24)));
+        let l = m.loras.unwrap();
+        assert_eq!((l.active, l.max_loras), (vec!["a".to_string(), "b".to_string()], 4));
+        let err = parse_engine("vllm:num_requests_waiting{a=\"1} 4\n").unwrap_err();
+        assert!(err.to_string().contains("metrics line 1: cannot parse"), "{err}");
+        assert!(parse_engine("up 1\nvllm:cache_config_info{block_size=\"16\"} 1\n").is_err());
+    }
+
+    #[test]
+    fn a_line_of_a_million_labels_is_read_in_one_pass() {
+        // Probe 49 F15: the text an engine serves is untrusted and may be one line of 8 MiB.
+        let labels: Vec<String> = (0..700_000).map(|i| format!("a{i}=\"b\\\"\"")).collect();
+        let line = format!("vllm:num_requests_waiting{{{}}} 3\n", labels.join(","));
+        assert!(line.len() > 8 << 20);
+        assert_eq!(parse_engine(&line).unwrap().waiting, Some(3));
+        assert_eq!(parse(&line).unwrap().update.waiting, Some(3));
+        let cut = &line[..line.len() - 4];
+        let err = parse_engine(cut).unwrap_err().to_string();
+        assert!(err.len() < 200 && err.ends_with("..."), "the line is quoted in part: {err}");
     }
 }
