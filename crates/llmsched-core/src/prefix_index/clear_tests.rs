@@ -289,3 +289,38 @@ fn a_large_clear_sweeps_the_engine_hash_map_in_steps() {
     assert_eq!(stats.blocks, 1);
     assert!(stats.engine_blocks <= 2 + 4096, "{} entries left", stats.engine_blocks);
 }
+
+#[test]
+fn engines_with_their_own_hash_seeds_do_not_sweep_every_batch() {
+    // vLLM picks a random hash seed per engine unless told otherwise: eight engines storing the
+    // same prompts give the shared map eight entries per index block, all live. Sweeping must
+    // still cost O(1) an entry (it swept the whole map after every batch: 435 us a batch of
+    // 32 blocks where 100 would do, growing with the map).
+    let config = IndexConfig { block_size: 1, ..IndexConfig::default() };
+    let index = PrefixIndex::new(config).unwrap();
+    let mut inserted = 0usize;
+    for prompt in 0..300u64 {
+        let tokens: Vec<u64> = (0..16).map(|j| prompt * 16 + j).collect();
+        for engine in 0..8u64 {
+            let hashes: Vec<u64> = tokens.iter().map(|t| (engine << 40) | t).collect();
+            let stored = Value::Array(vec![
+                Value::from("BlockStored"),
+                Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
+                Value::Nil,
+                Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
+                Value::from(1),
+                Value::Nil,
+                Value::from("GPU"),
+            ]);
+            let batch = Value::Array(vec![Value::F64(1.0), Value::Array(vec![stored]), Value::Nil]);
+            let mut payload = Vec::new();
+            rmpv::encode::write_value(&mut payload, &batch).unwrap();
+            index.apply_vllm_events(&WorkerKey::Int(engine as i64), &payload).unwrap();
+            inserted += 16;
+        }
+    }
+    let stats = index.stats();
+    assert_eq!((stats.blocks, stats.engine_blocks), (4800, inserted));
+    let swept = index.state.read().workers.engine.swept;
+    assert!(swept <= 4 * inserted, "{swept} entries visited for {inserted} inserted");
+}

@@ -116,6 +116,17 @@ pub(crate) struct EngineMap {
     own: Vec<OwnEntries>,
     /// The shard the next sweep step starts at.
     next_sweep: usize,
+    /// Shards left to visit in the sweep under way (0: none under way).
+    pass_left: usize,
+    /// Entries kept so far by the sweep under way.
+    pass_kept: usize,
+    /// Entries the last whole sweep kept: live entries can outnumber live blocks (engines
+    /// with their own hash seeds, vLLM's default, each map the same blocks under other
+    /// hashes), and a sweep is due only once the map has doubled past what the last one kept.
+    sweep_floor: usize,
+    /// Entries visited by sweeps so far (tests check sweeping stays O(1) an entry).
+    #[cfg(test)]
+    pub swept: usize,
 }
 
 impl EngineMap {
@@ -207,30 +218,41 @@ impl EngineMap {
         self.own.get_mut(w as usize).map(std::mem::take).unwrap_or_default()
     }
 
-    /// Whether shared entries outnumber twice the live blocks (by more than a margin): then
-    /// [`Self::sweep_step`] has work.
+    /// Whether a sweep is under way, or due: shared entries outnumber twice the live blocks
+    /// and twice what the last sweep kept (by more than a margin), so that sweeping costs
+    /// each entry added O(1) however many entries stay live.
     pub fn needs_sweep(&self, tree: &Tree) -> bool {
-        self.one.len + self.span.len > 2 * tree.blocks.len() + 4096
+        self.pass_left > 0
+            || self.one.len + self.span.len > 2 * tree.blocks.len().max(self.sweep_floor) + 4096
     }
 
     /// When [`Self::needs_sweep`], drops the shared entries whose first block the index no
     /// longer holds from the next shards, about [`SWEEP_STEP`] entries' worth. Returns whether
-    /// sweeping is still wanted.
+    /// the sweep is still under way.
     pub fn sweep_step(&mut self, tree: &Tree) -> bool {
         if !self.needs_sweep(tree) {
             return false;
         }
+        if self.pass_left == 0 {
+            (self.pass_left, self.pass_kept) = (SHARDS, 0);
+        }
         let mut visited = 0;
-        for _ in 0..SHARDS {
+        while self.pass_left > 0 && visited < SWEEP_STEP {
             let i = self.next_sweep;
             self.next_sweep = (i + 1) % SHARDS;
+            self.pass_left -= 1;
             visited += self.one.retain_shard(i, |&b| tree.blocks.contains(&tree.nodes, b));
             visited += self.span.retain_shard(i, |s| tree.blocks.contains(&tree.nodes, s.0));
-            if visited >= SWEEP_STEP {
-                break;
-            }
+            self.pass_kept += self.one.tables[i].len() + self.span.tables[i].len();
         }
-        self.needs_sweep(tree)
+        #[cfg(test)]
+        {
+            self.swept += visited;
+        }
+        if self.pass_left == 0 {
+            self.sweep_floor = self.pass_kept;
+        }
+        self.pass_left > 0
     }
 
     pub fn len(&self) -> usize {
