@@ -63,6 +63,7 @@ from llmsched.validation import (
     check_positive_seconds,
     check_probability,
     check_str,
+    check_utf8,
     describe_int,
     is_finite_number,
 )
@@ -241,6 +242,8 @@ class FlowController:
                     f"FlowRequest.{name} must be an int, got {type(value).__name__}"
                 )
             _int64(f"FlowRequest.{name}", value)
+        if isinstance(request.tenant, str):  # a wrong type is named when the native side refuses
+            check_utf8("FlowRequest.tenant", request.tenant)
         t = self._now(now)
         try:
             refused = self._core.enqueue(
@@ -445,7 +448,7 @@ class FlowController:
         kv_cache_usage = check_probability("kv_cache_usage", kv_cache_usage)
         now = check_now(timestamp, self._clock, name="timestamp")
         self._core.update_endpoint(
-            check_str("endpoint", endpoint), waiting, running, kv_cache_usage, now
+            check_utf8("endpoint", endpoint), waiting, running, kv_cache_usage, now
         )
         if self._waiters:
             self.pump()
@@ -456,7 +459,7 @@ class FlowController:
         >>> FlowController().remove_endpoint("pod-a")
         False
         """
-        removed = self._core.remove_endpoint(check_str("endpoint", endpoint))
+        removed = self._core.remove_endpoint(check_utf8("endpoint", endpoint))
         if self._waiters:
             self.pump()
         return removed

@@ -68,6 +68,8 @@ from llmsched.validation import (
     check_probability,
     check_seed,
     check_str,
+    check_str_mapping,
+    check_utf8,
     describe_int,
 )
 
@@ -308,7 +310,7 @@ class EndpointPool:
         for name, names in (("active", active), ("waiting", waiting)):
             listed = check_iterable(name, names)
             for i, adapter in enumerate(listed):
-                check_str(f"{name}[{i}]", adapter)
+                check_utf8(f"{name}[{i}]", adapter)
             adapters.append(listed)
         limit = check_index("max_loras", max_loras, maximum=U32_MAX)
         self._native.set_loras(endpoint_id, adapters[0], adapters[1], limit)
@@ -325,7 +327,7 @@ class EndpointPool:
         7
         """
         return self._native.update_from_metrics_text(
-            endpoint_id, check_str("text", text), _now(now)
+            endpoint_id, check_utf8("text", text), _now(now)
         )
 
     def endpoints(self) -> list[EndpointInfo]:
@@ -344,16 +346,11 @@ def _native_endpoint(
 ) -> tuple[EndpointId, str, str | None, dict[str, str], str | None]:
     """An endpoint's fields checked, as the native ``upsert`` takes them."""
     check_id("endpoint id", endpoint.id)
-    check_str("address", endpoint.address)
+    check_utf8("address", endpoint.address)
     check_optional_str("role", endpoint.role)
-    check_optional_str("model", endpoint.model)
-    if not isinstance(endpoint.labels, Mapping):
-        raise InvalidTypeError(
-            f"labels must be a mapping of str to str, got {type(endpoint.labels).__name__}"
-        )
-    labels = dict(endpoint.labels)
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-        raise InvalidTypeError("labels must map str to str")
+    if endpoint.model is not None:
+        check_utf8("model", endpoint.model)
+    labels = check_str_mapping("labels", endpoint.labels)
     return endpoint.id, endpoint.address, endpoint.role, labels, endpoint.model
 
 
@@ -696,16 +693,18 @@ class Router:
             native = self._native.pick(
                 array, model, lora, priority, session_id, header_items, cache_salt, clock
             )
-        except TypeError:
-            # Name an argument the native conversion refused (a plugin's own TypeError passes
-            # through: these all hold then).
+        except (TypeError, UnicodeEncodeError):
+            # Name an argument the native conversion refused: a type, or a str with a lone
+            # surrogate (a plugin's own error passes through: these all hold then).
             for name, value in (
                 ("model", model),
                 ("lora", lora),
                 ("session_id", session_id),
                 ("cache_salt", cache_salt),
             ):
-                check_optional_str(name, value)
+                if check_optional_str(name, value) is not None:
+                    check_utf8(name, value)
+            check_str_mapping("headers", dict(header_items))
             raise
         notes: tuple[str, ...] = ()
         if tokens is None and not self._pseudo_ok:  # a text or chat prompt
@@ -1115,6 +1114,7 @@ def _prompt_array(
 
 
 def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    # Types only (pick is the hot path): a lone surrogate is named when the native side refuses.
     if not isinstance(headers, Mapping):
         raise InvalidTypeError("headers must be a mapping of str to str")
     items = list(headers.items())

@@ -10,7 +10,9 @@ and ``SliceTracker.step(now=...)`` accept and refuse exactly the same clocks.
 * sizes and counts: an ``int`` (not ``bool``) within the stated bounds.
 * probabilities and fractions: a finite number in ``[0, 1]``.
 * ids (workers, endpoints): an ``int`` that fits 64 bits signed, or a ``str``.
-* names and text: a ``str``; payloads: ``bytes`` (or a ``bytearray`` or ``memoryview``).
+* names and text: a ``str``; payloads: ``bytes`` (or a ``bytearray`` or ``memoryview``). A
+  ``str`` the native core keeps must encode as UTF-8 (:func:`check_utf8`): Python strings may
+  hold lone surrogates (``"\\ud800"``, also valid JSON), Rust strings may not.
 
 Type mistakes raise :class:`~llmsched.errors.InvalidTypeError` (a ``TypeError``); values out of
 range raise :class:`~llmsched.errors.InvalidValueError` (a ``ValueError``).
@@ -34,11 +36,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 from llmsched._llmsched import MAX_BLOCK_SIZE
-from llmsched.errors import InvalidTypeError, InvalidValueError
+from llmsched.errors import InvalidTypeError, InvalidValueError, LlmschedError
 
 __all__ = [
     "I64_MAX",
@@ -60,6 +62,8 @@ __all__ = [
     "check_probability",
     "check_seed",
     "check_str",
+    "check_str_mapping",
+    "check_utf8",
     "describe_int",
     "is_finite_number",
     "is_utf8_text",
@@ -359,6 +363,49 @@ def is_utf8_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def check_utf8(name: str, value: object, *, error: type[LlmschedError] = InvalidValueError) -> str:
+    """A ``str`` that encodes as UTF-8 (no lone surrogate), as every name, label and text the
+    native core keeps must: checked here, before anything changes, so the error names the
+    argument (the conversion's own is a bare ``UnicodeEncodeError``). ``error`` is the class
+    raised for a surrogate, for callers whose documented error is another ``ValueError``.
+
+    >>> check_utf8("tenant", "acme")
+    'acme'
+    >>> check_utf8("tenant", "a" + chr(0xD800))
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: tenant must be valid UTF-8 (no lone surrogates)
+    """
+    text = check_str(name, value)
+    # isascii() reads a flag CPython keeps: the common case costs no encoding.
+    if not (text.isascii() or is_utf8_text(text)):
+        raise error(f"{name} must be valid UTF-8 (no lone surrogates)")
+    return text
+
+
+def check_str_mapping(name: str, value: object) -> dict[str, str]:
+    """A mapping of ``str`` to ``str`` (labels, headers) with every key and value valid UTF-8
+    (:func:`check_utf8`), copied to a ``dict``.
+
+    >>> check_str_mapping("labels", {"zone": "eu"})
+    {'zone': 'eu'}
+    >>> check_str_mapping("labels", {"zone": chr(0xDC80)})
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: labels['zone'] must be valid UTF-8 (no lone surrogates)
+    """
+    if not isinstance(value, Mapping):
+        raise InvalidTypeError(f"{name} must be a mapping of str to str, got {_type_name(value)}")
+    items = dict(value)
+    for key, text in items.items():
+        if not (isinstance(key, str) and isinstance(text, str)):
+            raise InvalidTypeError(f"{name} must map str to str")
+        # repr() escapes a surrogate, so the message itself stays valid text.
+        check_utf8(f"a key of {name} ({key!r})", key)
+        check_utf8(f"{name}[{key!r}]", text)
+    return items
 
 
 def refuse_json_constant(name: str) -> NoReturn:
