@@ -330,3 +330,30 @@ def test_a_lone_surrogate_is_named_and_changes_nothing(argument: str, call: Any)
     with pytest.raises(InvalidValueError, match=f"^{argument} must be valid UTF-8"):
         call(ctrl)
     assert (len(ctrl), ctrl.metrics(now=0.0)) == before
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"default_band": {"fairness": {"type": "vtc", "weights": {"a\ud800": 1}}}},
+            r"key 'a\\ud800' at default_band\.fairness\.weights must be valid UTF-8",
+        ),
+        (
+            {"default_band": {"fairness": {"type": "vtc", "weights": {7: 1}}}},
+            r"key 7 at default_band\.fairness\.weights must be a str",
+        ),
+        (
+            {"default_band": {"max_requests": 2**64}},
+            r"value at default_band\.max_requests must fit in 64 bits",
+        ),
+    ],
+)
+def test_a_config_value_the_native_side_cannot_take_is_named(
+    config: dict[Any, Any], message: str
+) -> None:
+    """Probe 49 F2/F8: ``flow config: UnicodeEncodeError: ...``, naming no key."""
+    with pytest.raises(ConfigError, match=f"^flow config: {message}"):
+        FlowController(config)
+    with pytest.raises(ConfigError, match=f"^flow config: {message}"):
+        resolve_config(config)

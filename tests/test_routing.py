@@ -23,7 +23,7 @@ from llmsched import (
     UnknownEndpointError,
 )
 from llmsched.errors import InvalidValueError, PlacementError
-from llmsched.routing import load_config, render_messages, text_tokens
+from llmsched.routing import config_info, load_config, render_messages, text_tokens
 
 PD_YAML = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -689,3 +689,41 @@ def test_a_lone_surrogate_is_named_and_changes_nothing(argument: str, call: Any)
     with pytest.raises(InvalidValueError, match=f"^{argument}.* must be valid UTF-8"):
         call(pool, router)
     assert pool.endpoints() == before
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"plugins": [{"type": "queue-scorer", "name": SURROGATE}]},
+            r"text at plugins\[0\]\.name must be valid UTF-8",
+        ),
+        ({SURROGATE: 1}, r"key 'a\\ud800' at the top level must be valid UTF-8"),
+        ({1: 2}, "key 1 at the top level must be a str, got int"),
+        (
+            {"plugins": [{"type": "low-queue-filter", "parameters": {"threshold": 2**64}}]},
+            r"value at plugins\[0\]\.parameters\.threshold must fit in 64 bits",
+        ),
+        (
+            {"plugins": [{"type": "low-queue-filter", "parameters": {"threshold": -(2**63) - 1}}]},
+            r"value at plugins\[0\]\.parameters\.threshold must fit in 64 bits",
+        ),
+        (
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": []}]},
+            r"plugins\[0\]\.parameters: must be a mapping, got list",
+        ),
+        (
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": [5]}]},
+            r"plugins\[0\]\.parameters: must be a mapping, got list",
+        ),
+    ],
+)
+def test_a_config_value_the_native_side_cannot_take_is_named(
+    config: dict[Any, Any], message: str
+) -> None:
+    """Probe 49 F2/F8: these named no key (``router config: UnicodeEncodeError: ...``), and a
+    list of parameters was read as the fields in order (``[]`` as none)."""
+    with pytest.raises(ConfigError, match=message):
+        Router(EndpointPool(["a"]), config=config)
+    with pytest.raises(ConfigError, match=message):
+        config_info(config)

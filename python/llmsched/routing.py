@@ -56,6 +56,7 @@ from llmsched.types import (
 )
 from llmsched.validation import (
     U32_MAX,
+    check_config_data,
     check_id,
     check_index,
     check_int,
@@ -388,7 +389,18 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     (True, 'plugins[0].type')
     """
     native, functions = native_config(load_config(config))
-    info: ConfigInfo = _llmsched.Router.config_info(native, functions)
+    return _config_info(native, functions)
+
+
+def _config_info(native: dict[str, Any], functions: list[Any]) -> ConfigInfo:
+    """The native side's reading of a config from :func:`native_config`: a value its
+    conversion refuses without naming a key (a lone surrogate, an int beyond 64 bits, a key
+    that is not a str) is named by its key path instead."""
+    try:
+        info: ConfigInfo = _llmsched.Router.config_info(native, functions)
+    except ConfigError:
+        check_config_data("router config", native)
+        raise
     return info
 
 
@@ -488,7 +500,7 @@ class Router:
             check_number_like(name, value, optional=True)
         check_int_like("max_sessions", max_sessions, optional=True)
         native, functions = native_config(load_config(config))
-        info: ConfigInfo = _llmsched.Router.config_info(native, functions)
+        info = _config_info(native, functions)
         _log_notes(info)
         warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]
         if index is None and info["precise"] is not None:
@@ -1081,7 +1093,15 @@ def native_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         config = dict(config)
         plugins = [dict(p) if isinstance(p, Mapping) else p for p in plugins]
         for i, p in enumerate(plugins):
-            if not isinstance(p, dict) or p.get("type") not in PYTHON_PLUGIN_TYPES:
+            if not isinstance(p, dict):
+                continue
+            parameters = p.get("parameters")
+            if parameters is not None and not isinstance(parameters, Mapping):
+                # The native decoder would read a list as the fields in order ([] as none).
+                raise ConfigError(
+                    f"plugins[{i}].parameters: must be a mapping, got {type(parameters).__name__}"
+                )
+            if p.get("type") not in PYTHON_PLUGIN_TYPES:
                 continue
             params = dict(p.get("parameters") or {})
             fn = params.pop("function", None)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 from llmsched._llmsched import MAX_BLOCK_SIZE
-from llmsched.errors import InvalidTypeError, InvalidValueError, LlmschedError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError, LlmschedError
 
 __all__ = [
     "I64_MAX",
@@ -50,6 +50,7 @@ __all__ = [
     "check_bool",
     "check_bytes",
     "check_callable",
+    "check_config_data",
     "check_id",
     "check_index",
     "check_int",
@@ -406,6 +407,57 @@ def check_str_mapping(name: str, value: object) -> dict[str, str]:
         check_utf8(f"a key of {name} ({key!r})", key)
         check_utf8(f"{name}[{key!r}]", text)
     return items
+
+
+_CONFIG_INT_RANGE = (-(2**63), U64_MAX)
+"""The ints a config carries to the native side (a JSON number: i64 or u64)."""
+
+_CONFIG_MAX_DEPTH = 32
+"""How deep :func:`check_config_data` looks (the native conversion refuses deeper first)."""
+
+
+def check_config_data(what: str, config: object) -> None:
+    """Raise :class:`~llmsched.errors.ConfigError` naming the key path of the first value in
+    ``config`` (plain data: dicts, lists, str, numbers) that cannot cross to the native side: a
+    key that is not a ``str``, a key or text that is not valid UTF-8, an int beyond 64 bits.
+    For the error path of a native config conversion, whose own message names no key; returns
+    when it finds none (the native error then stands).
+
+    >>> check_config_data("flow config", {"weights": {7: 2}})
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.ConfigError: flow config: key 7 at weights must be a str, got int
+    """
+    _check_config_data(what, config, "", 0)
+
+
+def _check_config_data(what: str, value: object, path: str, depth: int) -> None:
+    if depth > _CONFIG_MAX_DEPTH:
+        return
+    where = path or "the top level"
+    if isinstance(value, str):
+        if not is_utf8_text(value):
+            raise ConfigError(f"{what}: text at {where} must be valid UTF-8 (no lone surrogates)")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        low, high = _CONFIG_INT_RANGE
+        if not low <= value <= high:
+            raise ConfigError(
+                f"{what}: value at {where} must fit in 64 bits, got {describe_int(value)}"
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(
+                    f"{what}: key {key!r} at {where} must be a str, got {_type_name(key)}"
+                )
+            if not is_utf8_text(key):
+                raise ConfigError(
+                    f"{what}: key {key!r} at {where} must be valid UTF-8 (no lone surrogates)"
+                )
+            _check_config_data(what, item, f"{path}.{key}" if path else key, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_config_data(what, item, f"{path}[{i}]", depth + 1)
 
 
 def refuse_json_constant(name: str) -> NoReturn:
