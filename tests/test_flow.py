@@ -311,3 +311,49 @@ def test_a_deadline_beyond_a_floats_range_is_refused_by_name() -> None:
     with pytest.raises(InvalidRequestError, match=r"FlowRequest\.deadline .*an int of 1329 bits"):
         g.enqueue(FlowRequest(1, deadline=10**400))
     assert len(g) == 0
+
+
+@pytest.mark.parametrize(
+    ("argument", "call"),
+    [
+        ("FlowRequest.tenant", lambda c: c.enqueue(FlowRequest(9, tenant="a\ud800"), now=0.0)),
+        ("endpoint", lambda c: c.update_endpoint("a\ud800", timestamp=0.0)),
+        ("endpoint", lambda c: c.remove_endpoint("a\ud800")),
+    ],
+)
+def test_a_lone_surrogate_is_named_and_changes_nothing(argument: str, call: Any) -> None:
+    """Probe 49 F2: a bare UnicodeEncodeError from the native conversion."""
+    ctrl = FlowController(ROOMY)
+    ctrl.enqueue(FlowRequest(1, tenant="t"), now=0.0)
+    ctrl.update_endpoint("pod", waiting=3, timestamp=0.0)
+    before = (len(ctrl), ctrl.metrics(now=0.0))
+    with pytest.raises(InvalidValueError, match=f"^{argument} must be valid UTF-8"):
+        call(ctrl)
+    assert (len(ctrl), ctrl.metrics(now=0.0)) == before
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"default_band": {"fairness": {"type": "vtc", "weights": {"a\ud800": 1}}}},
+            r"key 'a\\ud800' at default_band\.fairness\.weights must be valid UTF-8",
+        ),
+        (
+            {"default_band": {"fairness": {"type": "vtc", "weights": {7: 1}}}},
+            r"key 7 at default_band\.fairness\.weights must be a str",
+        ),
+        (
+            {"default_band": {"max_requests": 2**64}},
+            r"value at default_band\.max_requests must fit in 64 bits",
+        ),
+    ],
+)
+def test_a_config_value_the_native_side_cannot_take_is_named(
+    config: dict[Any, Any], message: str
+) -> None:
+    """Probe 49 F2/F8: ``flow config: UnicodeEncodeError: ...``, naming no key."""
+    with pytest.raises(ConfigError, match=f"^flow config: {message}"):
+        FlowController(config)
+    with pytest.raises(ConfigError, match=f"^flow config: {message}"):
+        resolve_config(config)

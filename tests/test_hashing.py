@@ -547,3 +547,11 @@ def test_concurrent_calls_agree_with_sequential() -> None:
     for t in threads:
         t.join(timeout=60)
     assert [results[i] for i in range(len(prompts))] == expect
+
+
+def test_a_lone_surrogate_in_the_vllm_seed_is_named() -> None:
+    """Probe 49 F2: the vLLM seed was a bare UnicodeEncodeError (LoRA names were checked)."""
+    with pytest.raises(llmsched.InvalidValueError, match=r"^seed must be valid UTF-8"):
+        llmsched.block_hashes(range(64), seed="0\ud800", algo="vllm_sha256_cbor")
+    with pytest.raises(llmsched.InvalidValueError, match=r"^seed must be valid UTF-8"):
+        llmsched.hashing.vllm_none_hash("0\ud800")

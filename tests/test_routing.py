@@ -7,6 +7,7 @@ import gc
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from llmsched import (
     UnknownEndpointError,
 )
 from llmsched.errors import InvalidValueError, PlacementError
-from llmsched.routing import load_config, render_messages, text_tokens
+from llmsched.routing import config_info, load_config, render_messages, text_tokens
 
 PD_YAML = """
 apiVersion: inference.networking.x-k8s.io/v1alpha1
@@ -655,3 +656,74 @@ def test_a_time_beyond_a_floats_range_is_an_invalid_value() -> None:
     with pytest.raises(InvalidValueError, match=r"stale_after_s .*an int of"):
         EndpointPool(["a"], stale_after_s=10**5000)  # past str()'s digit limit too
     assert EndpointPool(["a"], stale_after_s=2**60).stale_after_s == 2.0**60
+
+
+SURROGATE = "a\ud800"  # a valid Python str and JSON escape, but no UTF-8 text
+
+
+@pytest.mark.parametrize(
+    ("argument", "call"),
+    [
+        ("address", lambda p, r: p.add(Endpoint("c", address=SURROGATE))),
+        ("model", lambda p, r: p.add(Endpoint("c", model=SURROGATE))),
+        (r"labels\['k'\]", lambda p, r: p.add(Endpoint("c", labels={"k": SURROGATE}))),
+        ("a key of labels", lambda p, r: p.add(Endpoint("c", labels={SURROGATE: "v"}))),
+        ("model", lambda p, r: p.add_many(["d", Endpoint("c", model=SURROGATE)])),
+        (r"active\[0\]", lambda p, r: p.set_loras("a", [SURROGATE], [], 1)),
+        (r"waiting\[1\]", lambda p, r: p.set_loras("a", [], ["x", SURROGATE], 1)),
+        ("text", lambda p, r: p.update_from_metrics_text("a", f"x {SURROGATE}\n")),
+        ("session_id", lambda p, r: r.pick(tokens=[1], session_id=SURROGATE)),
+        ("model", lambda p, r: r.pick(tokens=[1], model=SURROGATE)),
+        ("lora", lambda p, r: r.pick(tokens=[1], lora=SURROGATE)),
+        ("cache_salt", lambda p, r: r.pick(tokens=[1], cache_salt=SURROGATE)),
+        (r"headers\['x'\]", lambda p, r: r.pick(tokens=[1], headers={"x": SURROGATE})),
+        ("a key of headers", lambda p, r: r.pick(tokens=[1], headers={SURROGATE: "x"})),
+    ],
+)
+def test_a_lone_surrogate_is_named_and_changes_nothing(argument: str, call: Any) -> None:
+    """Probe 49 F2: these were a bare UnicodeEncodeError from the native conversion."""
+    pool = EndpointPool(["a", "b"], stale_policy="ignore")
+    pool.set_loras("a", ["sql"], [], 2)
+    router = Router(pool, config="least-load")
+    before = pool.endpoints()
+    with pytest.raises(InvalidValueError, match=f"^{argument}.* must be valid UTF-8"):
+        call(pool, router)
+    assert pool.endpoints() == before
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"plugins": [{"type": "queue-scorer", "name": SURROGATE}]},
+            r"text at plugins\[0\]\.name must be valid UTF-8",
+        ),
+        ({SURROGATE: 1}, r"key 'a\\ud800' at the top level must be valid UTF-8"),
+        ({1: 2}, "key 1 at the top level must be a str, got int"),
+        (
+            {"plugins": [{"type": "low-queue-filter", "parameters": {"threshold": 2**64}}]},
+            r"value at plugins\[0\]\.parameters\.threshold must fit in 64 bits",
+        ),
+        (
+            {"plugins": [{"type": "low-queue-filter", "parameters": {"threshold": -(2**63) - 1}}]},
+            r"value at plugins\[0\]\.parameters\.threshold must fit in 64 bits",
+        ),
+        (
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": []}]},
+            r"plugins\[0\]\.parameters: must be a mapping, got list",
+        ),
+        (
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": [5]}]},
+            r"plugins\[0\]\.parameters: must be a mapping, got list",
+        ),
+    ],
+)
+def test_a_config_value_the_native_side_cannot_take_is_named(
+    config: dict[Any, Any], message: str
+) -> None:
+    """Probe 49 F2/F8: these named no key (``router config: UnicodeEncodeError: ...``), and a
+    list of parameters was read as the fields in order (``[]`` as none)."""
+    with pytest.raises(ConfigError, match=message):
+        Router(EndpointPool(["a"]), config=config)
+    with pytest.raises(ConfigError, match=message):
+        config_info(config)

@@ -9,6 +9,7 @@ import random
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -647,3 +648,25 @@ def test_a_deadline_beyond_a_floats_range_is_an_invalid_request() -> None:
             ScheduleRequest(tokens=[1], **{name: 2**1024 - 1})
     with pytest.raises(ConfigError, match=r"retry_after_s .*an int of"):
         Scheduler(["a"], retry_after_s=10**400)
+
+
+@pytest.mark.parametrize(
+    ("argument", "fields"),
+    [
+        (name, {"tokens": [1], name: "a\ud800"})
+        for name in ("tenant", "session_id", "model", "lora", "cache_salt")
+    ]
+    + [
+        ("text", {"text": "a\ud800"}),
+        ("messages", {"messages": [{"role": "user", "content": "a\ud800"}]}),
+        (r"headers\['x'\]", {"tokens": [1], "headers": {"x": "a\ud800"}}),
+        ("a key of headers", {"tokens": [1], "headers": {"a\ud800": "x"}}),
+    ],
+)
+def test_a_lone_surrogate_is_refused_when_the_request_is_built(
+    argument: str, fields: dict[str, Any]
+) -> None:
+    """Probe 49 F2: accepted at construction, then a bare UnicodeEncodeError from
+    schedule_sync (the class promises every field is checked when built)."""
+    with pytest.raises(InvalidRequestError, match=f"^{argument}.* must be valid UTF-8"):
+        ScheduleRequest(**fields)

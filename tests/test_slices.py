@@ -572,3 +572,22 @@ def test_top_level_exports() -> None:
     assert llmsched.SliceTracker is SliceTracker
     assert issubclass(llmsched.SliceStateError, ValueError)
     assert issubclass(llmsched.UnknownRequestError, KeyError)
+
+
+@pytest.mark.parametrize(
+    ("argument", "call"),
+    [
+        ("endpoint", lambda t: t.set_endpoint("a\ud800")),
+        ("endpoint", lambda t: t.admit(2, prompt_tokens=5, max_tokens=5, endpoint="a\ud800")),
+        ("endpoint", lambda t: t.endpoint_load("a\ud800")),
+        (r"endpoints\[1\]", lambda t: SliceTracker("fixed", endpoints=["b", "a\ud800"])),
+    ],
+)
+def test_a_lone_surrogate_endpoint_is_named_and_changes_nothing(argument: str, call: Any) -> None:
+    """Probe 49 F2: a bare UnicodeEncodeError from the native conversion."""
+    tracker = SliceTracker("fixed", endpoints=["a"])
+    tracker.admit(1, prompt_tokens=5, max_tokens=5, endpoint="a")
+    before = (tracker.endpoints, len(tracker))
+    with pytest.raises(InvalidValueError, match=f"^{argument} must be valid UTF-8"):
+        call(tracker)
+    assert (tracker.endpoints, len(tracker)) == before

@@ -42,11 +42,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
+    ConfigError,
     DuplicateRequestError,
     FlowRejected,
     InvalidRequestError,
@@ -56,6 +57,7 @@ from llmsched.errors import (
 from llmsched.types import BandConfig, FlowConfig, FlowMetrics
 from llmsched.validation import (
     check_callable,
+    check_config_data,
     check_int,
     check_int_like,
     check_now,
@@ -63,6 +65,7 @@ from llmsched.validation import (
     check_positive_seconds,
     check_probability,
     check_str,
+    check_utf8,
     describe_int,
     is_finite_number,
 )
@@ -136,7 +139,20 @@ def resolve_config(config: ConfigLike = None) -> FlowConfig:
     >>> resolve_config({"default_band": {"fairness": {"type": "vtc"}}})["default_band"]["fairness"]
     {'type': 'vtc', 'w_p': 1.0, 'w_q': 2.0, 'weights': {}}
     """
-    return flow_resolve_config(_as_dict(config))
+    return _native_config(flow_resolve_config, _as_dict(config))
+
+
+_T = TypeVar("_T")
+
+
+def _native_config(read: Callable[[dict[str, Any]], _T], config: dict[str, Any]) -> _T:
+    """``read(config)`` (a native reader of the flow config); a value its conversion refuses
+    without naming a key (a lone surrogate, an int beyond 64 bits) is named by its key path."""
+    try:
+        return read(config)
+    except ConfigError:
+        check_config_data("flow config", config)
+        raise
 
 
 def default_config() -> FlowConfig:
@@ -202,7 +218,7 @@ class FlowController:
     ) -> None:
         poll_interval_s = check_positive_seconds("poll_interval_s", poll_interval_s)
         check_callable("clock", clock)
-        self._core = FlowCore(_as_dict(config))
+        self._core = _native_config(FlowCore, _as_dict(config))
         self._config: FlowConfig = self._core.config()
         self._clock = clock
         self._poll_interval_s = float(poll_interval_s)
@@ -241,6 +257,8 @@ class FlowController:
                     f"FlowRequest.{name} must be an int, got {type(value).__name__}"
                 )
             _int64(f"FlowRequest.{name}", value)
+        if isinstance(request.tenant, str):  # a wrong type is named when the native side refuses
+            check_utf8("FlowRequest.tenant", request.tenant)
         t = self._now(now)
         try:
             refused = self._core.enqueue(
@@ -445,7 +463,7 @@ class FlowController:
         kv_cache_usage = check_probability("kv_cache_usage", kv_cache_usage)
         now = check_now(timestamp, self._clock, name="timestamp")
         self._core.update_endpoint(
-            check_str("endpoint", endpoint), waiting, running, kv_cache_usage, now
+            check_utf8("endpoint", endpoint), waiting, running, kv_cache_usage, now
         )
         if self._waiters:
             self.pump()
@@ -456,7 +474,7 @@ class FlowController:
         >>> FlowController().remove_endpoint("pod-a")
         False
         """
-        removed = self._core.remove_endpoint(check_str("endpoint", endpoint))
+        removed = self._core.remove_endpoint(check_utf8("endpoint", endpoint))
         if self._waiters:
             self.pump()
         return removed

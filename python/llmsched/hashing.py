@@ -48,7 +48,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, as_token_array, native_tokens
 from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
-from llmsched.validation import check_block_size, check_int, check_seed
+from llmsched.validation import check_block_size, check_int, check_seed, check_utf8
 
 __all__ = [
     "ALGORITHMS",
@@ -303,7 +303,7 @@ def _vllm_seed(
             "model is not part of vLLM's block hash (it covers tokens, LoRA name and cache "
             "salt only); leave model=None with algo='vllm_sha256_cbor'"
         )
-    _check_names(lora=lora, cache_salt=cache_salt)
+    _check_names(seed=seed, lora=lora, cache_salt=cache_salt)
     return seed
 
 
@@ -322,12 +322,7 @@ def _check_names(**names: str | None) -> None:
             continue
         if not isinstance(value, str):
             raise InvalidTypeError(f"{name} must be a str or None, got {type(value).__name__}")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate: no bytes to hash
-            raise InvalidValueError(
-                f"{name} must be encodable as UTF-8: {exc.reason} at position {exc.start}"
-            ) from None
+        check_utf8(name, value)  # a lone surrogate: no bytes to hash
 
 
 def _unencodable(exc: UnicodeEncodeError) -> InvalidValueError:

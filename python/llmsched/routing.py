@@ -56,6 +56,7 @@ from llmsched.types import (
 )
 from llmsched.validation import (
     U32_MAX,
+    check_config_data,
     check_id,
     check_index,
     check_int,
@@ -68,6 +69,8 @@ from llmsched.validation import (
     check_probability,
     check_seed,
     check_str,
+    check_str_mapping,
+    check_utf8,
     describe_int,
 )
 
@@ -308,7 +311,7 @@ class EndpointPool:
         for name, names in (("active", active), ("waiting", waiting)):
             listed = check_iterable(name, names)
             for i, adapter in enumerate(listed):
-                check_str(f"{name}[{i}]", adapter)
+                check_utf8(f"{name}[{i}]", adapter)
             adapters.append(listed)
         limit = check_index("max_loras", max_loras, maximum=U32_MAX)
         self._native.set_loras(endpoint_id, adapters[0], adapters[1], limit)
@@ -325,7 +328,7 @@ class EndpointPool:
         7
         """
         return self._native.update_from_metrics_text(
-            endpoint_id, check_str("text", text), _now(now)
+            endpoint_id, check_utf8("text", text), _now(now)
         )
 
     def endpoints(self) -> list[EndpointInfo]:
@@ -344,16 +347,11 @@ def _native_endpoint(
 ) -> tuple[EndpointId, str, str | None, dict[str, str], str | None]:
     """An endpoint's fields checked, as the native ``upsert`` takes them."""
     check_id("endpoint id", endpoint.id)
-    check_str("address", endpoint.address)
+    check_utf8("address", endpoint.address)
     check_optional_str("role", endpoint.role)
-    check_optional_str("model", endpoint.model)
-    if not isinstance(endpoint.labels, Mapping):
-        raise InvalidTypeError(
-            f"labels must be a mapping of str to str, got {type(endpoint.labels).__name__}"
-        )
-    labels = dict(endpoint.labels)
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-        raise InvalidTypeError("labels must map str to str")
+    if endpoint.model is not None:
+        check_utf8("model", endpoint.model)
+    labels = check_str_mapping("labels", endpoint.labels)
     return endpoint.id, endpoint.address, endpoint.role, labels, endpoint.model
 
 
@@ -391,7 +389,18 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     (True, 'plugins[0].type')
     """
     native, functions = native_config(load_config(config))
-    info: ConfigInfo = _llmsched.Router.config_info(native, functions)
+    return _config_info(native, functions)
+
+
+def _config_info(native: dict[str, Any], functions: list[Any]) -> ConfigInfo:
+    """The native side's reading of a config from :func:`native_config`: a value its
+    conversion refuses without naming a key (a lone surrogate, an int beyond 64 bits, a key
+    that is not a str) is named by its key path instead."""
+    try:
+        info: ConfigInfo = _llmsched.Router.config_info(native, functions)
+    except ConfigError:
+        check_config_data("router config", native)
+        raise
     return info
 
 
@@ -491,7 +500,7 @@ class Router:
             check_number_like(name, value, optional=True)
         check_int_like("max_sessions", max_sessions, optional=True)
         native, functions = native_config(load_config(config))
-        info: ConfigInfo = _llmsched.Router.config_info(native, functions)
+        info = _config_info(native, functions)
         _log_notes(info)
         warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]
         if index is None and info["precise"] is not None:
@@ -696,16 +705,18 @@ class Router:
             native = self._native.pick(
                 array, model, lora, priority, session_id, header_items, cache_salt, clock
             )
-        except TypeError:
-            # Name an argument the native conversion refused (a plugin's own TypeError passes
-            # through: these all hold then).
+        except (TypeError, UnicodeEncodeError):
+            # Name an argument the native conversion refused: a type, or a str with a lone
+            # surrogate (a plugin's own error passes through: these all hold then).
             for name, value in (
                 ("model", model),
                 ("lora", lora),
                 ("session_id", session_id),
                 ("cache_salt", cache_salt),
             ):
-                check_optional_str(name, value)
+                if check_optional_str(name, value) is not None:
+                    check_utf8(name, value)
+            check_str_mapping("headers", dict(header_items))
             raise
         notes: tuple[str, ...] = ()
         if tokens is None and not self._pseudo_ok:  # a text or chat prompt
@@ -1082,7 +1093,15 @@ def native_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         config = dict(config)
         plugins = [dict(p) if isinstance(p, Mapping) else p for p in plugins]
         for i, p in enumerate(plugins):
-            if not isinstance(p, dict) or p.get("type") not in PYTHON_PLUGIN_TYPES:
+            if not isinstance(p, dict):
+                continue
+            parameters = p.get("parameters")
+            if parameters is not None and not isinstance(parameters, Mapping):
+                # The native decoder would read a list as the fields in order ([] as none).
+                raise ConfigError(
+                    f"plugins[{i}].parameters: must be a mapping, got {type(parameters).__name__}"
+                )
+            if p.get("type") not in PYTHON_PLUGIN_TYPES:
                 continue
             params = dict(p.get("parameters") or {})
             fn = params.pop("function", None)
@@ -1115,6 +1134,7 @@ def _prompt_array(
 
 
 def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    # Types only (pick is the hot path): a lone surrogate is named when the native side refuses.
     if not isinstance(headers, Mapping):
         raise InvalidTypeError("headers must be a mapping of str to str")
     items = list(headers.items())

@@ -89,7 +89,13 @@ from llmsched.routing import (
     render_messages,
 )
 from llmsched.types import SchedulerStats
-from llmsched.validation import check_id, check_optional_str, describe_int, is_finite_number
+from llmsched.validation import (
+    check_id,
+    check_optional_str,
+    check_utf8,
+    describe_int,
+    is_finite_number,
+)
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -218,18 +224,25 @@ class ScheduleRequest:
         elif self.text is not None:
             if not isinstance(self.text, str):
                 raise InvalidRequestError(f"text must be a str, got {type(self.text).__name__}")
+            check_utf8("text", self.text, error=InvalidRequestError)
         else:
             try:
                 rendered = render_messages(self.messages)  # type: ignore[arg-type]
             except TypeError as exc:
                 raise InvalidRequestError(str(exc)) from None
+            check_utf8("messages", rendered, error=InvalidRequestError)
         object.__setattr__(self, "_rendered", rendered)
+        # Every str reaches the native side, which takes only UTF-8: checked here, not in
+        # schedule_sync after admission.
         for name in ("model", "session_id", "lora", "cache_salt"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise InvalidRequestError(f"{name} must be a str or None, got {value!r}")
+            if value is not None:
+                check_utf8(name, value, error=InvalidRequestError)
         if not isinstance(self.tenant, str) or not self.tenant:
             raise InvalidRequestError(f"tenant must be a non-empty str, got {self.tenant!r}")
+        check_utf8("tenant", self.tenant, error=InvalidRequestError)
         _check_int("priority", self.priority, -_I32, _I32 - 1)
         if self.prompt_tokens is not None:
             _check_int("prompt_tokens", self.prompt_tokens, 0, 2**63 - 1)
@@ -244,6 +257,9 @@ class ScheduleRequest:
             and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
         ):
             raise InvalidRequestError("headers must map str to str")
+        for key, value in (headers or {}).items():
+            check_utf8(f"a key of headers ({key!r})", key, error=InvalidRequestError)
+            check_utf8(f"headers[{key!r}]", value, error=InvalidRequestError)
 
     @property
     def prompt_size(self) -> int:

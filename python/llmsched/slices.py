@@ -36,6 +36,7 @@ from llmsched.validation import (
     check_now,
     check_number_like,
     check_str,
+    check_utf8,
 )
 
 __all__ = [
@@ -611,9 +612,7 @@ class SliceTracker:
 
 
 def _endpoint_name(name: object, what: str = "endpoint") -> str:
-    if not isinstance(name, str):
-        raise InvalidTypeError(f"{what} must be a str, got {type(name).__name__}")
-    return name
+    return check_utf8(what, name)
 
 
 # --------------------------------------------------------------------------------------------

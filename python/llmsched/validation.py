@@ -10,7 +10,9 @@ and ``SliceTracker.step(now=...)`` accept and refuse exactly the same clocks.
 * sizes and counts: an ``int`` (not ``bool``) within the stated bounds.
 * probabilities and fractions: a finite number in ``[0, 1]``.
 * ids (workers, endpoints): an ``int`` that fits 64 bits signed, or a ``str``.
-* names and text: a ``str``; payloads: ``bytes`` (or a ``bytearray`` or ``memoryview``).
+* names and text: a ``str``; payloads: ``bytes`` (or a ``bytearray`` or ``memoryview``). A
+  ``str`` the native core keeps must encode as UTF-8 (:func:`check_utf8`): Python strings may
+  hold lone surrogates (``"\\ud800"``, also valid JSON), Rust strings may not.
 
 Type mistakes raise :class:`~llmsched.errors.InvalidTypeError` (a ``TypeError``); values out of
 range raise :class:`~llmsched.errors.InvalidValueError` (a ``ValueError``).
@@ -34,11 +36,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 from llmsched._llmsched import MAX_BLOCK_SIZE
-from llmsched.errors import InvalidTypeError, InvalidValueError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError, LlmschedError
 
 __all__ = [
     "I64_MAX",
@@ -48,6 +50,7 @@ __all__ = [
     "check_bool",
     "check_bytes",
     "check_callable",
+    "check_config_data",
     "check_id",
     "check_index",
     "check_int",
@@ -60,6 +63,8 @@ __all__ = [
     "check_probability",
     "check_seed",
     "check_str",
+    "check_str_mapping",
+    "check_utf8",
     "describe_int",
     "is_finite_number",
     "is_utf8_text",
@@ -359,6 +364,100 @@ def is_utf8_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def check_utf8(name: str, value: object, *, error: type[LlmschedError] = InvalidValueError) -> str:
+    """A ``str`` that encodes as UTF-8 (no lone surrogate), as every name, label and text the
+    native core keeps must: checked here, before anything changes, so the error names the
+    argument (the conversion's own is a bare ``UnicodeEncodeError``). ``error`` is the class
+    raised for a surrogate, for callers whose documented error is another ``ValueError``.
+
+    >>> check_utf8("tenant", "acme")
+    'acme'
+    >>> check_utf8("tenant", "a" + chr(0xD800))
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: tenant must be valid UTF-8 (no lone surrogates)
+    """
+    text = check_str(name, value)
+    # isascii() reads a flag CPython keeps: the common case costs no encoding.
+    if not (text.isascii() or is_utf8_text(text)):
+        raise error(f"{name} must be valid UTF-8 (no lone surrogates)")
+    return text
+
+
+def check_str_mapping(name: str, value: object) -> dict[str, str]:
+    """A mapping of ``str`` to ``str`` (labels, headers) with every key and value valid UTF-8
+    (:func:`check_utf8`), copied to a ``dict``.
+
+    >>> check_str_mapping("labels", {"zone": "eu"})
+    {'zone': 'eu'}
+    >>> check_str_mapping("labels", {"zone": chr(0xDC80)})
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: labels['zone'] must be valid UTF-8 (no lone surrogates)
+    """
+    if not isinstance(value, Mapping):
+        raise InvalidTypeError(f"{name} must be a mapping of str to str, got {_type_name(value)}")
+    items = dict(value)
+    for key, text in items.items():
+        if not (isinstance(key, str) and isinstance(text, str)):
+            raise InvalidTypeError(f"{name} must map str to str")
+        # repr() escapes a surrogate, so the message itself stays valid text.
+        check_utf8(f"a key of {name} ({key!r})", key)
+        check_utf8(f"{name}[{key!r}]", text)
+    return items
+
+
+_CONFIG_INT_RANGE = (-(2**63), U64_MAX)
+"""The ints a config carries to the native side (a JSON number: i64 or u64)."""
+
+_CONFIG_MAX_DEPTH = 32
+"""How deep :func:`check_config_data` looks (the native conversion refuses deeper first)."""
+
+
+def check_config_data(what: str, config: object) -> None:
+    """Raise :class:`~llmsched.errors.ConfigError` naming the key path of the first value in
+    ``config`` (plain data: dicts, lists, str, numbers) that cannot cross to the native side: a
+    key that is not a ``str``, a key or text that is not valid UTF-8, an int beyond 64 bits.
+    For the error path of a native config conversion, whose own message names no key; returns
+    when it finds none (the native error then stands).
+
+    >>> check_config_data("flow config", {"weights": {7: 2}})
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.ConfigError: flow config: key 7 at weights must be a str, got int
+    """
+    _check_config_data(what, config, "", 0)
+
+
+def _check_config_data(what: str, value: object, path: str, depth: int) -> None:
+    if depth > _CONFIG_MAX_DEPTH:
+        return
+    where = path or "the top level"
+    if isinstance(value, str):
+        if not is_utf8_text(value):
+            raise ConfigError(f"{what}: text at {where} must be valid UTF-8 (no lone surrogates)")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        low, high = _CONFIG_INT_RANGE
+        if not low <= value <= high:
+            raise ConfigError(
+                f"{what}: value at {where} must fit in 64 bits, got {describe_int(value)}"
+            )
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(
+                    f"{what}: key {key!r} at {where} must be a str, got {_type_name(key)}"
+                )
+            if not is_utf8_text(key):
+                raise ConfigError(
+                    f"{what}: key {key!r} at {where} must be valid UTF-8 (no lone surrogates)"
+                )
+            _check_config_data(what, item, f"{path}.{key}" if path else key, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_config_data(what, item, f"{path}[{i}]", depth + 1)
 
 
 def refuse_json_constant(name: str) -> NoReturn:
