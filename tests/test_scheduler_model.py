@@ -28,18 +28,14 @@ class SchedulerModel(RuleBasedStateMachine):
         )
         self.engines = set(NAMES[:2])
         self.drained: set[str] = set()
-        # Pool membership epochs: an endpoint that leaves the pool and comes back is a new
-        # member, whose counts start at zero (requests on the old one keep their own).
-        self.epoch = dict.fromkeys(NAMES, 0)
-        self.open: list[tuple[Placement, str, int]] = []
+        # Where each open placement's attempt runs. An endpoint that leaves the pool and comes
+        # back counts the requests still running there (probe 49 F4: they started at zero).
+        self.open: list[tuple[Placement, str]] = []
         self.ended = {"completed": 0, "failed": 0, "cancelled": 0}
         self.no_endpoint = 0
 
     def routable(self) -> set[str]:
         return self.engines - self.drained
-
-    def left_pool(self, name: str) -> None:
-        self.epoch[name] += 1
 
     @rule(k=st.integers(0, len(PROMPTS) - 1))
     def open_one(self, k: int) -> None:
@@ -51,25 +47,25 @@ class SchedulerModel(RuleBasedStateMachine):
             return
         name = str(placement.endpoint)
         assert name in self.routable()
-        self.open.append((placement, name, self.epoch[name]))
+        self.open.append((placement, name))
 
     @precondition(lambda self: self.open)
     @rule(i=st.integers(0, 50))
     def retry(self, i: int) -> None:
         i %= len(self.open)
-        placement, _, _ = self.open[i]
+        placement, _ = self.open[i]
         try:
             name = str(placement.retry())
         except NoEndpointError:
-            self.open[i] = (placement, "", -1)  # open, with no attempt in flight
+            self.open[i] = (placement, "")  # open, with no attempt in flight
             return
         assert name in self.routable()
-        self.open[i] = (placement, name, self.epoch[name])
+        self.open[i] = (placement, name)
 
     @precondition(lambda self: self.open)
     @rule(i=st.integers(0, 50), how=st.sampled_from(["completed", "failed", "cancelled"]))
     def end(self, i: int, how: str) -> None:
-        placement, _, _ = self.open.pop(i % len(self.open))
+        placement, _ = self.open.pop(i % len(self.open))
         ended = {"completed": placement.complete, "failed": placement.fail}.get(
             how, placement.cancel
         )()
@@ -96,8 +92,6 @@ class SchedulerModel(RuleBasedStateMachine):
                 return
             raise AssertionError("an unknown engine was removed")
         self.s.remove_engine(name)
-        if name not in self.drained:
-            self.left_pool(name)
         self.engines.discard(name)
         self.drained.discard(name)
         assert name not in self.s.index.workers()
@@ -106,8 +100,7 @@ class SchedulerModel(RuleBasedStateMachine):
     def drain(self, name: str) -> None:
         if name not in self.engines:
             return
-        if self.s.drain(name):
-            self.left_pool(name)
+        self.s.drain(name)
         self.drained.add(name)
 
     @rule(name=st.sampled_from(NAMES))
@@ -121,8 +114,8 @@ class SchedulerModel(RuleBasedStateMachine):
         pool = {str(e["id"]): e["in_flight_requests"] for e in self.s.pool.endpoints()}
         assert set(pool) == self.routable()
         expected = dict.fromkeys(pool, 0)
-        for _, name, epoch in self.open:
-            if name in expected and epoch == self.epoch[name]:
+        for _, name in self.open:
+            if name in expected:
                 expected[name] += 1
         assert pool == expected
         stats = self.s.stats()
@@ -133,7 +126,7 @@ class SchedulerModel(RuleBasedStateMachine):
         assert stats["engines"] == len(self.engines) and stats["draining"] == len(self.drained)
 
     def teardown(self) -> None:
-        for placement, _, _ in self.open:
+        for placement, _ in self.open:
             placement.complete()
         assert self.s.stats()["in_flight"] == 0
         assert self.s.flow is not None and self.s.flow.running_count() == 0
