@@ -571,11 +571,15 @@ impl PyPrefixIndex {
         payload: &[u8],
     ) -> PyResult<Bound<'py, PyDict>> {
         let key = worker_key(worker)?;
+        let long = payload.len() >= DETACH_MIN_PAYLOAD_BYTES;
+        let batch =
+            detach_if(py, long, || llmsched_core::vllm_events::decode_event_batch(payload))?
+                .map_err(IndexError::from)
+                .py()?;
         // A long payload, or a clear the core does in steps (so that other threads' matches get
         // in between them: they would wait for the GIL instead).
-        let long = payload.len() >= DETACH_MIN_PAYLOAD_BYTES
-            || self.inner.may_clear_in_steps(&key, payload);
-        let report = detach_if(py, long, || self.inner.apply_vllm_events(&key, payload))?.py()?;
+        let long = long || self.inner.clears_in_steps(&key, &batch);
+        let report = detach_if(py, long, || self.inner.apply_event_batch(&key, batch))?;
         self.remember_name(worker, &key);
         report_dict(py, &report)
     }

@@ -47,6 +47,7 @@ impl<V> Default for Sharded<V> {
 impl<V: Copy> Sharded<V> {
     /// The shard of `key`: its top bits once mixed (engine hashes in tests are small integers).
     fn shard(key: u64) -> usize {
+        const { assert!(SHARDS.is_power_of_two() && SHARDS > 1) };
         (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARDS.trailing_zeros())) as usize
     }
 

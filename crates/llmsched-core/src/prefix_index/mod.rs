@@ -28,6 +28,7 @@ use crate::hashing::{self, HashError, TokenId};
 use crate::protocols::DecodeError;
 pub use crate::protocols::{Tier, WorkerKey};
 use crate::read_mostly::{ReadMostlyLock, WriteGuard};
+use crate::vllm_events::{EventBatch, KvEvent};
 
 /// Construction parameters. Defaults live here and nowhere else.
 #[derive(Debug, Clone, PartialEq)]
@@ -444,6 +445,12 @@ impl PrefixIndex {
         payload: &[u8],
     ) -> Result<ApplyReport, IndexError> {
         let batch = crate::vllm_events::decode_event_batch(payload)?;
+        Ok(self.apply_event_batch(worker, batch))
+    }
+
+    /// [`Self::apply_vllm_events`] for a batch already decoded (the bindings decode first, to
+    /// see whether the batch clears a worker in steps before choosing how to call this).
+    pub fn apply_event_batch(&self, worker: &WorkerKey, batch: EventBatch) -> ApplyReport {
         let mut report = ApplyReport {
             events: batch.events.len() as u64,
             unknown_events: u64::from(batch.unknown_events),
@@ -472,18 +479,15 @@ impl PrefixIndex {
         }
         crate::vllm_events::recycle(batch);
         self.event_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(report)
+        report
     }
 
-    /// Whether applying `payload` for `worker` may clear a worker of more than [`CLEAR_STEP`]
-    /// blocks (the payload names `AllBlocksCleared` and the worker holds that many): a caller
-    /// holding another lock matches wait on (Python's) releases it for such a call.
-    pub fn may_clear_in_steps(&self, worker: &WorkerKey, payload: &[u8]) -> bool {
-        // A vectorised search, its searcher built once: this runs before every batch the
-        // bindings apply (a byte-wise one cost a one-block event 40% more).
-        static CLEARED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-            std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"AllBlocksCleared"));
-        CLEARED.find(payload).is_some() && self.held_blocks(worker) > CLEAR_STEP
+    /// Whether applying `batch` for `worker` clears a worker of more than [`CLEAR_STEP`]
+    /// blocks, in steps: a caller holding another lock that matches wait on (Python's)
+    /// releases it for such a call.
+    pub fn clears_in_steps(&self, worker: &WorkerKey, batch: &EventBatch) -> bool {
+        batch.events.iter().any(|e| matches!(e, KvEvent::AllCleared))
+            && self.held_blocks(worker) > CLEAR_STEP
     }
 
     /// Engine event batches applied so far ([`PrefixIndex::apply_vllm_events`] calls that
