@@ -231,3 +231,48 @@ def _dechunk(data: bytes) -> bytes:
         out += data[:size]
         data = data[size + 2 :]
     return bytes(out)
+
+
+@contextlib.asynccontextmanager
+async def in_front_of_raw(
+    answer: bytes, flow: dict[str, Any] | None = None
+) -> AsyncIterator[Gateway | NativeGateway]:
+    """A gateway in front of one engine that answers every POST with ``answer`` (raw bytes,
+    then it closes the connection) and anything else (a probe) with an empty 200; with flow
+    control ``flow`` when given."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            await reader.readexactly(length)
+            probe = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            writer.write(answer if head.startswith(b"POST") else probe)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config: dict[str, Any] = {
+        "engines": [{"host": "127.0.0.1", "port": port, "model": MODEL}],
+        "models": [MODEL],
+        "block_size": 4,
+        "listen": {"port": 0},
+        "scrape": {"enabled": False},
+    }
+    if flow is not None:
+        config["flow"] = flow
+    gateway = make_gateway(config, data_plane=current_plane())
+    await gateway.start()
+    try:
+        yield gateway
+    finally:
+        await gateway.stop()
+        server.close()
+        await server.wait_closed()

@@ -8,22 +8,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aiohttp
 import pytest
 from _gateway_harness import (  # noqa: F401 (the fixture)
     MODEL,
     Rig,
-    current_plane,
+    in_front_of_raw,
     plane,
     raw_request,
     read_cut_off,
     rig,
     run,
 )
-
-from llmsched.gateway import Gateway, NativeGateway, make_gateway
 
 pytestmark = pytest.mark.usefixtures("plane")
 
@@ -122,46 +120,6 @@ def test_a_chunked_json_answer_cut_off_resets_the_client_connection() -> None:
     run(body())
 
 
-@contextlib.asynccontextmanager
-async def _in_front_of_raw(answer: bytes) -> AsyncIterator[Gateway | NativeGateway]:
-    """A gateway in front of one engine that answers every POST with ``answer`` (raw bytes,
-    then it closes the connection) and anything else (a probe) with an empty 200."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
-            await reader.readexactly(length)
-            probe = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-            writer.write(answer if head.startswith(b"POST") else probe)
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    config = {
-        "engines": [{"host": "127.0.0.1", "port": port, "model": MODEL}],
-        "models": [MODEL],
-        "block_size": 4,
-        "listen": {"port": 0},
-        "scrape": {"enabled": False},
-    }
-    gateway = make_gateway(config, data_plane=current_plane())
-    await gateway.start()
-    try:
-        yield gateway
-    finally:
-        await gateway.stop()
-        server.close()
-        await server.wait_closed()
-
-
 _CLOSE_JSON = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
 _CLOSE_SSE = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
 _EVENT = b'data: {"choices":[{"index":0,"text":" t0","finish_reason":null}]}\n\n'
@@ -174,7 +132,7 @@ def test_a_json_answer_ended_by_the_engine_closing_passes_only_whole(stream: boo
     body = json.dumps({"model": MODEL, "prompt": "x", "stream": stream}).encode()
 
     async def cut() -> None:
-        async with _in_front_of_raw(_CLOSE_JSON + b'{"choices":[{"text":"hel') as gateway:
+        async with in_front_of_raw(_CLOSE_JSON + b'{"choices":[{"text":"hel') as gateway:
             status, text = await raw_request(gateway.port, body)
             assert status == 502, text
             assert "cut off" in json.loads(text)["error"]["message"]
@@ -184,7 +142,7 @@ def test_a_json_answer_ended_by_the_engine_closing_passes_only_whole(stream: boo
 
     async def whole() -> None:
         answer = _CLOSE_JSON + b'{"choices":[{"text":"hello"}],"usage":{"completion_tokens":1}}'
-        async with _in_front_of_raw(answer) as gateway:
+        async with in_front_of_raw(answer) as gateway:
             status, text = await raw_request(gateway.port, body)
             assert status == 200, text
             assert json.loads(text)["choices"][0]["text"] == "hello"
@@ -198,7 +156,7 @@ def test_an_event_stream_ended_by_the_engine_closing_needs_its_done() -> None:
 
     async def cut() -> None:
         async with (
-            _in_front_of_raw(_CLOSE_SSE + _EVENT + _EVENT) as gateway,
+            in_front_of_raw(_CLOSE_SSE + _EVENT + _EVENT) as gateway,
             aiohttp.ClientSession() as client,
         ):
             url = gateway.url + "/v1/completions"
@@ -212,7 +170,7 @@ def test_an_event_stream_ended_by_the_engine_closing_needs_its_done() -> None:
 
     async def whole() -> None:
         answer = _CLOSE_SSE + _EVENT + _EVENT + b"data: [DONE]\n\n"
-        async with _in_front_of_raw(answer) as gateway, aiohttp.ClientSession() as client:
+        async with in_front_of_raw(answer) as gateway, aiohttp.ClientSession() as client:
             async with client.post(gateway.url + "/v1/completions", json=request) as response:
                 assert response.status == 200
                 received = await response.read()  # complete: no payload error
