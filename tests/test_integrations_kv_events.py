@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _data import load_vector
+from test_integrations_kv_zmtp import GREETING, TERABYTE, HostileListener
 
 from llmsched import PrefixIndex
 from llmsched.errors import ConfigError
@@ -932,6 +933,47 @@ def test_buffer_cap_ends_a_replay_that_does_not_answer(fake: FakeKVPublisher) ->
     assert state["held_peak"] == 50 and state["held"] == 0 and not state["replaying"], state
     assert holdings(index, spec.worker_id) == holdings(
         direct(payloads[11:], spec.worker_id), spec.worker_id
+    )
+
+
+def test_replay_socket_whose_peer_broke_the_handshake_does_not_hold_the_feed() -> None:
+    """The replay socket's only peer broke the ZMTP handshake (a frame declaring 1 TiB), so
+    the socket has no connection to send on. Asking it to fill a gap must not block: the
+    Python subscriber's libzmq DEALER blocked its thread on the send until a peer came back,
+    so live batches stopped being applied and ``stop()`` timed out. The replay times out, the
+    stream resyncs and goes on, and the subscriber stops at once."""
+    hostile = HostileListener(GREETING + TERABYTE)
+    payloads = script(12, seed=71, clears=False)
+    index = PrefixIndex(block_size=BLOCK)
+    try:
+        with FakeKVPublisher(topic="kv@a", replay=False) as fake:
+            spec = spec_of(fake, replay=hostile.endpoint)
+            opts = {**FAST, "replay_timeout_s": 0.3}
+            sub = Subscriber(index, [spec], **opts)
+            sub.start()
+            try:
+                assert fake.wait_subscribed()
+                for i in range(6):
+                    fake.publish(payloads[i])
+                wait(sub, lambda c: c["batches"] >= 6)
+                # The handshake failed and libzmq dropped the connection (it is slow to dial
+                # again after a protocol error): the socket now has no peer.
+                deadline = time.monotonic() + WAIT_S
+                while hostile.served < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.3)
+                fake.publish(payloads[6], deliver=False)
+                for i in range(7, 12):
+                    fake.publish(payloads[i])
+                c = wait(sub, lambda c: c["resyncs"] >= 1 and c["batches"] >= 11)
+            finally:
+                sub.stop()  # raises TimeoutError if the thread is held
+    finally:
+        hostile.close()
+    assert hostile.served >= 1
+    assert c["replays"] == 1 and c["replay_timeouts"] == 1 and c["gaps"] == 1, c
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(payloads[7:], spec.worker_id), spec.worker_id
     )
 
 

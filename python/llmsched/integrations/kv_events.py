@@ -620,7 +620,11 @@ class _Publisher:
         deadline = time.monotonic() + self.owner.replay_timeout_s
         self.replay = _Replay(start, deadline, catch_up=catch_up)
         # The ROUTER expects [identity, empty delimiter, start seq]; the DEALER adds the identity.
-        self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        # Never blocking: a DEALER with no peer to take the request would hold this thread
+        # (and its stop) until one connects. A request not taken goes unanswered and the
+        # replay times out, as on the native feed, whose request waits for the connection.
+        with contextlib.suppress(zmq.Again):
+            self.dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
 
     def give_up_replay(self) -> None:
         """Abandon the replay in progress (if any); the replay socket backs off."""
