@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -975,6 +976,71 @@ def test_replay_socket_whose_peer_broke_the_handshake_does_not_hold_the_feed() -
     assert holdings(index, spec.worker_id) == holdings(
         direct(payloads[7:], spec.worker_id), spec.worker_id
     )
+
+
+def _ready_command(socket_type: bytes) -> bytes:
+    """A ZMTP 3.0 READY command frame carrying ``Socket-Type``."""
+    body = b"\x05READY" + b"\x0bSocket-Type" + len(socket_type).to_bytes(4, "big") + socket_type
+    return b"\x04" + bytes([len(body)]) + body
+
+
+class _OversizedPublisher:
+    """A TCP listener that completes the ZMTP handshake as a PUB, then declares one frame of
+    ``declared`` bytes and sends no body. ``dropped`` is set once a subscriber that sent bytes
+    (not the native feed's bare TCP probe) closes the connection."""
+
+    def __init__(self, declared: int) -> None:
+        self.wire = GREETING + _ready_command(b"PUB") + b"\x02" + declared.to_bytes(8, "big")
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.dropped = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set() and not self.dropped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                heard = 0
+                try:
+                    conn.sendall(self.wire)
+                    conn.settimeout(WAIT_S)
+                    while chunk := conn.recv(4096):  # its greeting, READY and SUBSCRIBE
+                        heard += len(chunk)
+                except ConnectionResetError:
+                    pass  # closed with bytes unread: a reset rather than an end
+                except OSError:
+                    continue  # not closed within WAIT_S (or the probe's own reset)
+                if heard:  # a subscriber's greeting, not a bare TCP probe
+                    self.dropped.set()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(WAIT_S + 1)
+        self.sock.close()
+
+
+def test_a_frame_over_the_message_cap_drops_the_connection_at_its_header() -> None:
+    """A publisher declaring a 100 MiB frame (over the 64 MiB cap) is dropped as soon as the
+    header arrives, without allocating it: before, the Python subscriber's libzmq had no cap
+    and would have allocated any size that memory allowed and waited for the body."""
+    peer = _OversizedPublisher(100 << 20)
+    index = PrefixIndex(block_size=BLOCK)
+    spec = EngineSpec("127.0.0.1", 8000, kv_events=peer.endpoint, topic="kv@a")
+    try:
+        with Subscriber(index, [spec], **FAST) as sub:
+            assert peer.dropped.wait(WAIT_S), repr(sub.counters())
+            if _feed[0] is NativeKVEventSubscriber:
+                wait(sub, lambda c: c["decode_errors"] >= 1)
+            else:
+                wait(sub, lambda c: c["disconnects"] >= 1)
+    finally:
+        peer.close()
 
 
 def test_silent_replay_socket_under_heavy_loss_keeps_the_stream_flowing() -> None:

@@ -152,6 +152,11 @@ DRAIN_BATCH = 1_000
 RCVHWM = 10_000
 """Messages a SUB socket queues before dropping (vLLM's replay buffer holds 10,000 batches)."""
 
+MAX_MESSAGE_FLOOR = 64 * 1024 * 1024
+"""A peer's frame declaring more than the larger of this and ``buffer_cap_bytes`` (a batch the
+feed could hold) drops the connection at its header, before anything is allocated (libzmq's
+``ZMQ_MAXMSGSIZE``; the native feed's own cap is the same)."""
+
 _END_SEQ = -1  # the replay socket's end marker, a signed 8-byte big-endian -1
 
 MAX_GAP_COUNTED = 1 << 20
@@ -337,14 +342,10 @@ class _Publisher:
             return
         endpoint = self.spec.kv_events
         assert endpoint is not None
-        backoff_first, backoff_max = self.owner.backoff_s
         sub = ctx.socket(zmq.SUB)
         monitor: zmq.Socket[bytes] | None = None
         try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, RCVHWM)
-            sub.setsockopt(zmq.RECONNECT_IVL, max(1, round(backoff_first * 1000)))
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, round(backoff_max * 1000)))
+            _configure_sub(sub, self.owner)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
             if self.spec.kv_events_bind:
@@ -371,6 +372,7 @@ class _Publisher:
     def _new_dealer(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, _max_message(self.owner))
         assert self.spec.replay is not None
         dealer.connect(self.spec.replay)
         return dealer
@@ -721,6 +723,20 @@ class _Publisher:
         self.owner._count_batch(self, seq, report, replayed)
 
 
+def _max_message(owner: KVEventSubscriber) -> int:
+    return max(MAX_MESSAGE_FLOOR, owner.buffer_cap_bytes)
+
+
+def _configure_sub(sub: zmq.Socket[bytes], owner: KVEventSubscriber) -> None:
+    """The options every SUB socket of ``owner`` gets (before it connects or binds)."""
+    backoff_first, backoff_max = owner.backoff_s
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, RCVHWM)
+    sub.setsockopt(zmq.MAXMSGSIZE, _max_message(owner))
+    sub.setsockopt(zmq.RECONNECT_IVL, max(1, round(backoff_first * 1000)))
+    sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, round(backoff_max * 1000)))
+
+
 class _SharedSocket:
     """One bound SUB socket several engines publish to, split by topic."""
 
@@ -736,14 +752,10 @@ class _SharedSocket:
         self.failure: str | None = None  # as _Publisher.failure
 
     def open(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-        backoff_first, backoff_max = self.owner.backoff_s
         sub = ctx.socket(zmq.SUB)
         monitor: zmq.Socket[bytes] | None = None
         try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, RCVHWM)
-            sub.setsockopt(zmq.RECONNECT_IVL, max(1, round(backoff_first * 1000)))
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, round(backoff_max * 1000)))
+            _configure_sub(sub, self.owner)
             for topic in self.members:
                 sub.setsockopt(zmq.SUBSCRIBE, topic)
             monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
@@ -841,7 +853,9 @@ class KVEventSubscriber:
         reorder_wait_s: how long a hole waits for a late arrival before it is a gap.
         buffer_cap: most batches held per engine (during a replay, or a reorder wait); one more
             gives the replay up (``buffer_overflows``) and resyncs the worker.
-        buffer_cap_bytes: the same cap in payload bytes.
+        buffer_cap_bytes: the same cap in payload bytes. A peer's frame declaring more than
+            the larger of this and 64 MiB (:data:`MAX_MESSAGE_FLOOR`) drops its connection at
+            the frame's header, before anything is allocated (counted in ``disconnects``).
         catch_up: when a publisher connects (or reconnects), ask its replay socket at once for
             the batches after the last one applied (counted in ``catch_ups``), instead of
             waiting for its next live batch to show the gap; a catch-up that times out is asked
