@@ -405,6 +405,12 @@ def test_python_plugins() -> None:
     config["plugins"][1]["parameters"] = {"function": lambda r, e: [0.5]}
     with pytest.raises(InvalidValueError, match=r'plugin "c" \(function <lambda>\) returned 1 '):
         Router(pool, config=config).pick(tokens=[1])
+    # Probe 49 F9: NaN was read as 0, hiding the plugin's bug; out-of-range numbers clamp.
+    config["plugins"][1]["parameters"] = {"function": lambda r, e: [0.5, float("nan")]}
+    with pytest.raises(InvalidValueError, match=r'plugin "c" .* returned NaN for endpoint 1 of 2'):
+        Router(pool, config=config).pick(tokens=[1])
+    config["plugins"][1]["parameters"] = {"function": lambda r, e: [-3.0, float("inf")]}
+    assert Router(pool, config=config).pick(tokens=[1]).endpoint == "c"
     config["plugins"][1]["parameters"] = {"function": prefer_c}
     config["plugins"][0]["parameters"] = {"function": lambda r, e: [True] * 5}
     with pytest.raises(InvalidValueError, match=r'plugin "no-a" .* returned 5 values for 3'):
@@ -715,6 +721,10 @@ def test_a_lone_surrogate_is_named_and_changes_nothing(argument: str, call: Any)
         (
             {"plugins": [{"type": "prefix-cache-scorer", "parameters": [5]}]},
             r"plugins\[0\]\.parameters: must be a mapping, got list",
+        ),
+        (  # an InvalidValueError from the index's constructor, naming no key
+            {"plugins": [{"type": "prefix-cache-scorer", "parameters": {"blockSize": 2**40}}]},
+            r"plugins\[0\]\.parameters\.blockSize: must be at most 65536",
         ),
     ],
 )

@@ -322,7 +322,19 @@ impl Scorer for PyCallable {
         cands: &[Candidate],
         out: &mut [f64],
     ) -> PluginResult {
-        out.copy_from_slice(&self.call::<f64>(ctx, cands)?);
+        let scores = self.call::<f64>(ctx, cands)?;
+        // Out-of-range numbers are clamped into [0, 1]; NaN has no place to clamp to, and
+        // reading it as 0 would hide the plugin's bug.
+        if let Some(i) = scores.iter().position(|s| s.is_nan()) {
+            let message = format!(
+                "plugin {} returned NaN for endpoint {i} of {} (a score is a number, clamped \
+                 into [0, 1])",
+                self.name,
+                cands.len()
+            );
+            return Err(Box::new(InvalidValueError::new_err(message)));
+        }
+        out.copy_from_slice(&scores);
         Ok(())
     }
 

@@ -14,6 +14,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::hashing::MAX_BLOCK_SIZE;
 use crate::routing::plugin::{Candidate, IndexHints, PluginResult, RequestContext, Scorer};
 use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin, PluginDoc};
 
@@ -81,8 +82,12 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
         (Some(a), _) => ("blockSize", Some(a)),
         (None, b) => ("hashBlockSize", b),
     };
-    if block_size == Some(0) {
-        return Err(ParamError::new(field, "must be positive"));
+    match block_size {
+        Some(0) => return Err(ParamError::new(field, "must be positive")),
+        Some(n) if n > MAX_BLOCK_SIZE => {
+            return Err(ParamError::new(field, format!("must be at most {MAX_BLOCK_SIZE}")));
+        }
+        _ => {}
     }
     if p.max_prefix_blocks_to_match == Some(0) {
         return Err(ParamError::new("maxPrefixBlocksToMatch", "must be positive"));
@@ -127,8 +132,9 @@ const PARAMS: &[ParamDoc] = &[
         "blockSize",
         "tokens per block of the index the router builds (absent: the index's)",
     )
-    .min(1.0),
-    ParamDoc::int("hashBlockSize", "older name of `blockSize`").min(1.0),
+    .min(1.0)
+    .max(65_536.0),
+    ParamDoc::int("hashBlockSize", "older name of `blockSize`").min(1.0).max(65_536.0),
     ParamDoc::int("maxPrefixBlocksToMatch", "cap on matched and prompt blocks (absent: no cap)")
         .min(1.0),
     ParamDoc::int(
@@ -183,6 +189,12 @@ mod tests {
     fn params() {
         let bad = factory(&serde_json::json!({"blockSize": 0})).err().unwrap();
         assert_eq!(bad.path, "blockSize");
+        // Probe 49 F8: past the largest block size, a ConfigError naming the key, not a
+        // bare InvalidValueError when the router builds its index.
+        let huge = factory(&serde_json::json!({"hashBlockSize": 1u64 << 40})).err().unwrap();
+        assert_eq!(huge.path, "hashBlockSize");
+        assert!(huge.message.contains("at most 65536"), "{huge:?}");
+        assert!(factory(&serde_json::json!({"blockSize": MAX_BLOCK_SIZE})).is_ok());
         let unknown = factory(&serde_json::json!({"blocksize": 16})).err().unwrap();
         assert!(unknown.message.contains("unknown field"), "{unknown:?}");
         let Plugin::Scorer(s) = factory(&serde_json::json!({"hashBlockSize": 64})).unwrap() else {
