@@ -180,29 +180,38 @@ fn threads_matching_during_clears_see_a_worker_whole_or_gone() {
     assert_eq!((stats.blocks, stats.holdings), (120, 3));
 }
 
+/// A vLLM `BlockStored` event (array-encoded): blocks `hashes` holding `tokens` (block size
+/// 1), under engine block `parent` (None: the root).
+fn stored_event(hashes: &[u64], parent: Option<u64>, tokens: &[u64]) -> Value {
+    Value::Array(vec![
+        Value::from("BlockStored"),
+        Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
+        parent.map_or(Value::Nil, Value::from),
+        Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
+        Value::from(1),
+        Value::Nil,
+        Value::from("GPU"),
+    ])
+}
+
+/// The msgpack payload of a vLLM event batch holding `events`.
+fn payload_of(ts: f64, events: Vec<Value>) -> Vec<u8> {
+    let mut out = Vec::new();
+    let batch = Value::Array(vec![Value::F64(ts), Value::Array(events), Value::Nil]);
+    rmpv::encode::write_value(&mut out, &batch).unwrap();
+    out
+}
+
 /// A vLLM batch: blocks `hashes` stored from the root (a token per block, index block size 1),
 /// then optionally a clear, then blocks `after`.
 fn batch(hashes: &[u64], clear: bool, after: &[u64]) -> Vec<u8> {
-    let stored = |hs: &[u64]| {
-        Value::Array(vec![
-            Value::from("BlockStored"),
-            Value::Array(hs.iter().map(|&h| Value::from(h)).collect()),
-            Value::Nil,
-            Value::Array(hs.iter().map(|&h| Value::from(h % 50_000)).collect()),
-            Value::from(1),
-            Value::Nil,
-            Value::from("GPU"),
-        ])
-    };
-    let mut events = vec![stored(hashes)];
+    let tokens = |hs: &[u64]| hs.iter().map(|&h| h % 50_000).collect::<Vec<_>>();
+    let mut events = vec![stored_event(hashes, None, &tokens(hashes))];
     if clear {
         events.push(Value::Array(vec![Value::from("AllBlocksCleared")]));
     }
-    events.push(stored(after));
-    let mut out = Vec::new();
-    let payload = Value::Array(vec![Value::F64(1.0), Value::Array(events), Value::Nil]);
-    rmpv::encode::write_value(&mut out, &payload).unwrap();
-    out
+    events.push(stored_event(after, None, &tokens(after)));
+    payload_of(1.0, events)
 }
 
 #[test]
@@ -218,19 +227,8 @@ fn an_event_batch_with_a_large_clear_applies_as_one_in_order() {
     // Everything before the clear is gone; the two blocks after it are held, and found by
     // their engine hashes (a later event's parent).
     assert_eq!(index.held_blocks(&BIG), 2);
-    let more = Value::Array(vec![
-        Value::from("BlockStored"),
-        Value::Array(vec![Value::from(903u64)]),
-        Value::from(902u64),
-        Value::Array(vec![Value::from(903u64)]),
-        Value::from(1),
-        Value::Nil,
-        Value::from("GPU"),
-    ]);
-    let mut payload = Vec::new();
-    let batch = Value::Array(vec![Value::F64(2.0), Value::Array(vec![more]), Value::Nil]);
-    rmpv::encode::write_value(&mut payload, &batch).unwrap();
-    let report = index.apply_vllm_events(&BIG, &payload).unwrap();
+    let more = payload_of(2.0, vec![stored_event(&[903], Some(902), &[903])]);
+    let report = index.apply_vllm_events(&BIG, &more).unwrap();
     assert_eq!((report.blocks_stored, report.unknown_parent), (1, 0));
     assert_eq!(index.held_blocks(&BIG), 3);
     assert_eq!(index.stats().blocks, 3);
@@ -303,18 +301,7 @@ fn engines_with_their_own_hash_seeds_do_not_sweep_every_batch() {
         let tokens: Vec<u64> = (0..16).map(|j| prompt * 16 + j).collect();
         for engine in 0..8u64 {
             let hashes: Vec<u64> = tokens.iter().map(|t| (engine << 40) | t).collect();
-            let stored = Value::Array(vec![
-                Value::from("BlockStored"),
-                Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
-                Value::Nil,
-                Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
-                Value::from(1),
-                Value::Nil,
-                Value::from("GPU"),
-            ]);
-            let batch = Value::Array(vec![Value::F64(1.0), Value::Array(vec![stored]), Value::Nil]);
-            let mut payload = Vec::new();
-            rmpv::encode::write_value(&mut payload, &batch).unwrap();
+            let payload = payload_of(1.0, vec![stored_event(&hashes, None, &tokens)]);
             index.apply_vllm_events(&WorkerKey::Int(engine as i64), &payload).unwrap();
             inserted += 16;
         }

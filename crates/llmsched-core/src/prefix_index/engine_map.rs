@@ -222,7 +222,7 @@ impl EngineMap {
     /// Whether a sweep is under way, or due: shared entries outnumber twice the live blocks
     /// and twice what the last sweep kept (by more than a margin), so that sweeping costs
     /// each entry added O(1) however many entries stay live.
-    pub fn needs_sweep(&self, tree: &Tree) -> bool {
+    fn needs_sweep(&self, tree: &Tree) -> bool {
         self.pass_left > 0
             || self.one.len + self.span.len > 2 * tree.blocks.len().max(self.sweep_floor) + 4096
     }
