@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
 
 import pytest
-from _gateway_harness import MODEL, Rig, current_plane, plane, rig, run  # noqa: F401 (the fixture)
+from _gateway_harness import MODEL, Rig, current_plane, plane, rig, run, until  # noqa: F401 (the fixture)
 
 from llmsched.gateway import NativeGateway
 
@@ -193,7 +192,7 @@ def test_a_stopped_engine_is_routed_around() -> None:
             assert len(r.engines[1 - home].received) == 5
             worker = r.gateway.config.engines[home].worker_id
             # A refused connection, confirmed by failed probes: the engine is left out.
-            await _until(lambda: r.gateway.health.state(worker) == "down")
+            await until(lambda: r.gateway.health.state(worker) == "down")
             assert (
                 r.metric("llmsched_gateway_upstream_errors_total", endpoint=worker, kind="connect")
                 >= 1
@@ -246,7 +245,7 @@ def test_a_cancelled_client_request_cancels_the_upstream_one() -> None:
                 await asyncio.wait_for(request, timeout=0.3)
             await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
             assert engine.disconnects == 1
-            await _until(lambda: r.gateway.flow is not None and r.gateway.flow.running_count() == 0)
+            await until(lambda: r.gateway.flow is not None and r.gateway.flow.running_count() == 0)
             assert r.gateway.pool.endpoints()[0]["in_flight_requests"] == 0
 
     run(body())
@@ -264,7 +263,7 @@ def test_a_client_leaving_a_stream_cancels_the_upstream_stream() -> None:
             assert (await response.content.readany()).startswith(b"data: {")
             response.close()
             await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
-            await _until(lambda: r.gateway.pool.endpoints()[0]["in_flight_requests"] == 0)
+            await until(lambda: r.gateway.pool.endpoints()[0]["in_flight_requests"] == 0)
 
     run(body())
 
@@ -277,7 +276,7 @@ def test_overload_sheds_sheddable_requests_while_high_priority_ones_pass() -> No
             engine.mode = "slow"
             engine.token_delay_s = 0.03
             busy = asyncio.ensure_future(r.complete("busy", stream=True))
-            await _until(lambda: engine.running == 1)
+            await until(lambda: engine.running == 1)
             shed = await r.complete("batch job", headers={"x-llmsched-priority": "-1"})
             assert shed.status == 429
             assert shed.headers["x-llmsched-dropped-reason"] == "load-shed"
@@ -441,15 +440,6 @@ def test_bad_requests_are_400_in_openai_error_shape() -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 def test_the_first_streamed_chunk_arrives_before_the_stream_ends_on_a_reused_connection() -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
-from _gateway_harness import current_plane, plane, rig, run  # noqa: F401 (the fixture)
+from _gateway_harness import current_plane, plane, rig, run, until  # noqa: F401 (the fixture)
 from test_integrations_kv_zmtp import GREETING, TERABYTE, HostileListener
 
 from llmsched.testing import FakeKVPublisher, event_batch, stored_event
@@ -16,15 +15,6 @@ from llmsched.testing import FakeKVPublisher, event_batch, stored_event
 pytestmark = pytest.mark.usefixtures("plane")
 
 BLOCK = 4
-
-
-async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 def test_kv_events_from_an_engine_draw_its_prefix_there() -> None:
@@ -42,9 +32,7 @@ def test_kv_events_from_an_engine_draw_its_prefix_there() -> None:
                 stored = stored_event(hashes, None, tokens, block_size=BLOCK)
                 publishers[1].publish(event_batch(stored))
                 worker = r.gateway.config.engines[1].worker_id
-                await _until(
-                    lambda: r.gateway.index.match_tokens(tokens).as_dict().get(worker) == 8
-                )
+                await until(lambda: r.gateway.index.match_tokens(tokens).as_dict().get(worker) == 8)
                 for extra in range(4):
                     response = await r.complete([*tokens, 500 + extra])
                     assert response.status == 200
@@ -81,13 +69,11 @@ def test_kv_feed_survives_a_terabyte_frame_from_publisher_and_replay_socket() ->
                 stored = stored_event(list(range(1, 9)), None, tokens, block_size=BLOCK)
                 good.publish(event_batch(stored))
                 worker = r.gateway.config.engines[1].worker_id
-                await _until(
-                    lambda: r.gateway.index.match_tokens(tokens).as_dict().get(worker) == 8
-                )
+                await until(lambda: r.gateway.index.match_tokens(tokens).as_dict().get(worker) == 8)
                 response = await r.complete([*tokens, 500])
                 assert response.status == 200 and len(r.engines[1].received) == 1
                 if current_plane() == "native":
-                    await _until(
+                    await until(
                         lambda: (
                             r.metric("llmsched_gateway_kv_events_total", counter="decode_errors")
                             >= 2
@@ -108,7 +94,7 @@ def test_scraped_load_steers_routing_and_admission() -> None:
             busy, idle = r.engines
             busy.waiting, busy.kv_cache_usage = 3, 0.5
             worker = r.gateway.config.engines[0].worker_id
-            await _until(
+            await until(
                 lambda: any(
                     e["id"] == worker and e["waiting"] == 3 for e in r.gateway.pool.endpoints()
                 )
@@ -131,7 +117,7 @@ def test_metrics_stay_fresh_through_an_idle_spell() -> None:
     async def body() -> None:
         scrape = {"enabled": True, "interval_s": 0.05, "timeout_s": 0.5}
         async with rig(engines=2, scrape=scrape, flow={}) as r:
-            await _until(lambda: all(e["timestamp"] for e in r.gateway.pool.endpoints()))
+            await until(lambda: all(e["timestamp"] for e in r.gateway.pool.endpoints()))
             oldest = 0.0
             for _ in range(80):  # 4 s without a request: long enough to back off fully
                 await asyncio.sleep(0.05)
@@ -150,20 +136,20 @@ def test_engines_failing_their_scrapes_leave_readiness() -> None:
             if current_plane() == "python":
                 scraper = r.gateway.scheduler.scraper
                 assert scraper is not None
-                await _until(lambda: all(s["ok"] for s in scraper.snapshot().values()))
+                await until(lambda: all(s["ok"] for s in scraper.snapshot().values()))
             else:  # the native plane scrapes itself
-                await _until(lambda: len(r.gateway.routable_endpoints()) == 2)
+                await until(lambda: len(r.gateway.routable_endpoints()) == 2)
             r.engines[0].metrics_status = 503
             alive = r.gateway.config.engines[1].worker_id
-            await _until(lambda: r.gateway.routable_endpoints() == [alive])
+            await until(lambda: r.gateway.routable_endpoints() == [alive])
             async with r.client.get(r.url("/ready")) as response:
                 assert await response.json() == {"ready": True, "endpoints": 1}
             r.engines[1].metrics_status = 500
-            await _until(lambda: r.gateway.routable_endpoints() == [])
+            await until(lambda: r.gateway.routable_endpoints() == [])
             async with r.client.get(r.url("/ready")) as response:
                 assert response.status == 503
             r.engines[0].metrics_status = 200
-            await _until(
+            await until(
                 lambda: r.gateway.routable_endpoints() == [r.gateway.config.engines[0].worker_id]
             )
 

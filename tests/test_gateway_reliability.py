@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -21,6 +20,7 @@ from _gateway_harness import (  # noqa: F401 (the fixture)
     read_cut_off,
     rig,
     run,
+    until,
 )
 
 pytestmark = pytest.mark.usefixtures("plane")
@@ -29,15 +29,6 @@ pytestmark = pytest.mark.usefixtures("plane")
 SYSTEM = "You are a helpful assistant that answers in full sentences. " * 4
 # Probes fast enough for a test, thresholds as in production.
 FAST_HEALTH = {"interval_s": 0.05, "timeout_s": 1.0}
-
-
-async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 async def _warm(r: Rig, prompt: str) -> int:
@@ -248,7 +239,7 @@ def test_dropped_connections_from_client_requests_do_not_eject_a_healthy_engine(
             )
             for i in range(5):  # every engine drops these: 502s, and 5 failures in a row each
                 await r.complete(f"{i} drop in a row", x_fake_mode="drop")
-            await _until(
+            await until(
                 lambda: (
                     r.metric("llmsched_gateway_health_probes_total", endpoint=worker, result="ok")
                     > ok_probes
@@ -270,7 +261,7 @@ def test_a_refused_connection_is_confirmed_by_probes_before_ejection() -> None:
             for i in range(5):
                 assert (await r.complete(SYSTEM + f" refused {i}")).status == 200
             worker = _worker(r, home)
-            await _until(lambda: r.gateway.health.state(worker) == "down")
+            await until(lambda: r.gateway.health.state(worker) == "down")
             assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 1
             # Confirmed by failed probes (unhealthy_threshold), not by the request alone.
             failed = r.metric(
@@ -288,12 +279,12 @@ def test_active_checks_take_an_engine_down_and_bring_it_back() -> None:
         async with rig(engines=2, health=FAST_HEALTH, retries={"eject_s": 0.05}) as r:
             worker = _worker(r, 0)
             r.engines[0].health_status = 503
-            await _until(lambda: r.gateway.health.state(worker) == "down")
+            await until(lambda: r.gateway.health.state(worker) == "down")
             for i in range(4):
                 assert (await r.complete(f"while down {i}")).status == 200
             assert not r.engines[0].received
             r.engines[0].health_status = 200
-            await _until(lambda: r.gateway.health.state(worker) == "up")
+            await until(lambda: r.gateway.health.state(worker) == "up")
             assert sorted(r.gateway.routable_endpoints()) == sorted([worker, _worker(r, 1)])
             assert r.metric("llmsched_gateway_endpoint_up", endpoint=worker) == 1
 
@@ -321,7 +312,7 @@ def test_the_circuit_breaker_opens_on_a_failure_rate_and_closes_after_a_probe() 
             assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 1
             assert r.gateway.routable_endpoints() == [_worker(r, 1 - home)]
             r.engines[home].mode = "ok"  # the half-open probe finds it well again
-            await _until(lambda: r.gateway.health.state(worker) == "up")
+            await until(lambda: r.gateway.health.state(worker) == "up")
             assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 0
 
     run(body())
@@ -345,7 +336,7 @@ def test_requests_failing_on_every_engine_open_no_breaker(mode: str) -> None:
                 assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 0
                 assert r.gateway.health.state(worker) == "up"
             # The engines were asked to prove themselves, and did.
-            await _until(
+            await until(
                 lambda: all(
                     r.metric("llmsched_gateway_health_probes_total", endpoint=w, result="ok") > 0
                     for w in workers
@@ -370,7 +361,7 @@ def test_the_breaker_never_opens_on_the_last_engine_in_routing() -> None:
                 assert response.status == 502
             assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 0
             assert r.gateway.health.state(worker) == "up"
-            await _until(
+            await until(
                 lambda: (
                     r.metric("llmsched_gateway_health_probes_total", endpoint=worker, result="ok")
                     > 0
@@ -381,7 +372,7 @@ def test_the_breaker_never_opens_on_the_last_engine_in_routing() -> None:
             r.engines[0].health_status = 503
             for i in range(4):
                 await r.complete(f"{i} alone again", x_fake_mode="error500")
-            await _until(lambda: r.gateway.health.state(worker) == "down")
+            await until(lambda: r.gateway.health.state(worker) == "down")
 
     run(body())
 
@@ -442,8 +433,8 @@ def test_a_5xx_counts_once_another_engine_answers_not_when_its_stream_ends() -> 
             other = r.engines[1 - home]
             other.mode, other.answer_tokens, other.token_delay_s = "slow", 40, 0.05
             streaming = asyncio.ensure_future(r.complete(SYSTEM + " held on", stream=True))
-            await _until(lambda: other.running == 1)
-            await _until(lambda: r.gateway.health.state(worker) == "open")
+            await until(lambda: other.running == 1)
+            await until(lambda: r.gateway.health.state(worker) == "open")
             assert not streaming.done()  # the stream still runs
             assert (await streaming).status == 200
 
@@ -457,7 +448,7 @@ def test_ready_is_503_with_every_engine_down_even_without_scraping() -> None:
                 assert response.status == 200
             for engine in r.engines:
                 await engine.stop()
-            await _until(lambda: not r.gateway.routable_endpoints())
+            await until(lambda: not r.gateway.routable_endpoints())
             async with r.client.get(r.url("/ready")) as response:
                 assert response.status == 503
                 assert await response.json() == {"ready": False, "endpoints": 0}
@@ -475,9 +466,9 @@ def test_with_every_engine_down_flow_control_answers_503_at_once() -> None:
             engine = r.engines[0]
             engine.mode = "hang"  # holds the only slot: one event, then silence
             busy = asyncio.ensure_future(r.complete("busy", stream=True))
-            await _until(lambda: engine.running == 1)
+            await until(lambda: engine.running == 1)
             queued = asyncio.ensure_future(r.complete("queued"))
-            await _until(lambda: r.gateway.flow is not None and len(r.gateway.flow) == 1)
+            await until(lambda: r.gateway.flow is not None and len(r.gateway.flow) == 1)
             engine.health_status = 503  # the engine's probes fail: it goes down
             response = await asyncio.wait_for(queued, timeout=10)  # the band TTL is 60 s
             assert response.status == 503
@@ -489,7 +480,7 @@ def test_with_every_engine_down_flow_control_answers_503_at_once() -> None:
             busy.cancel()  # the client of the hung stream leaves
             with contextlib.suppress(asyncio.CancelledError):
                 await busy
-            await _until(lambda: r.gateway.flow is not None and r.gateway.flow.running_count() == 0)
+            await until(lambda: r.gateway.flow is not None and r.gateway.flow.running_count() == 0)
             assert r.gateway.flow is not None and len(r.gateway.flow) == 0
 
     run(body())
