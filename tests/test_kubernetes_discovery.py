@@ -5,6 +5,8 @@ cut streams, server errors with backoff, and the periodic resync."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -269,5 +271,103 @@ def test_the_fake_server_stops_at_once_with_a_watch_whose_client_left() -> None:
             await asyncio.sleep(0.01)
         await asyncio.wait_for(api.stop(), 10)
         assert api.watches == 1
+
+    run(body())
+
+
+# -- probe 50: a hostile or broken API server ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"kind": "Status", "status": "Failure"}',  # no type, no object, no code
+        b'{"type": "BOOKMARK", "object": {"kind": "Pod"}}',  # a bookmark with no version
+        b"[1, 2]",
+        b"not json",
+        b'{"type": "ADDED", "object": {"metadata": {"name": 5, "resourceVersion": "9"}}}',
+        b'{"type": "ADDED", "object": {"metadata": {"name": "x"}}}',
+        b'{"type": "RESTARTED", "object": {"metadata": {"resourceVersion": "9"}}}',
+        # Longer than the client reads as one line (aiohttp's LineTooLong, a bare Exception).
+        pytest.param(b'{"type": "' + b"A" * (5 << 20) + b'"}', id="a-5-MiB-line"),
+    ],
+)
+def test_garbage_on_the_watch_does_not_end_discovery(line: bytes) -> None:
+    # The client raises bare Exceptions for some lines, and a pod named 5 once stopped every
+    # later update (the publisher task died sorting names): discovery went quiet for good.
+    async def body() -> None:
+        async with rig() as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            r.api.send_raw(line)
+            await r.until(lambda: r.discovery.counters()["errors"] >= 1, "the error counted")
+            r.api.put_pod(NS, "b", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["a", "b"], "b after the garbage")
+
+    run(body())
+
+
+def test_a_failed_list_reports_the_api_message(caplog: pytest.LogCaptureFixture) -> None:
+    # The client leaves the status of a raw answer unchecked: a 403 (missing RBAC) was logged
+    # as "unreadable answer: KeyError('resourceVersion')", without the API's reason.
+    async def body() -> None:
+        async with rig() as r:
+            await r.discovery.synced.wait()
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            forbidden = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": 'pods is forbidden: User "x" cannot list resource "pods"',
+                "reason": "Forbidden",
+                "code": 403,
+            }
+            r.api.drop_watches()  # the next watch gets 410, then the list gets the 403
+            r.api.fail_next(
+                1,
+                200,
+                b'{"type": "ERROR", "object": {"code": 410, '
+                b'"reason": "Expired", "message": "too old"}}',
+            )
+            r.api.fail_next(1, 403, json.dumps(forbidden).encode())
+            await r.until(lambda: r.discovery.counters()["errors"] >= 1, "the error")
+            await r.until(lambda: r.discovery.counters()["lists"] >= 2, "the list again")
+            assert r.names() == ["a"]
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        run(body())
+    assert any("403" in m and "pods is forbidden" in m for m in caplog.messages), caplog.messages
+
+
+@pytest.mark.parametrize("status", [503, 200])
+def test_a_watch_that_ends_at_once_backs_off(status: int) -> None:
+    # A proxy with no backend answering at once with an empty body: the watcher reopened the
+    # watch at once, in a tight loop, without counting an error.
+    async def body() -> None:
+        async with rig() as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            r.api.fail_next(3, status, b"")
+            r.api.drop_watches()
+            await r.until(lambda: r.discovery.counters()["errors"] >= 3, "three errors")
+            r.api.put_pod(NS, "b", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["a", "b"], "b")
+
+    run(body())
+
+
+def test_an_unanswered_watch_times_out() -> None:
+    # The client's default is no timeout: a watch (or list) never answered stalled discovery.
+    async def body() -> None:
+        async with rig(watch_timeout_s=1.0, request_timeout_s=0.2) as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            r.api.hang_next(1)
+            r.api.drop_watches()
+            await r.until(lambda: r.discovery.counters()["errors"] >= 1, "a timeout")
+            r.api.put_pod(NS, "b", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["a", "b"], "b")
 
     run(body())

@@ -9,10 +9,12 @@ engines current with the list/watch protocol that controllers use (through the
 2. **Watch** from that version, with bookmarks (so a quiet watch still advances the version)
    and a server-side timeout; each ``ADDED``/``MODIFIED``/``DELETED`` event updates the pods.
    A watch that ends, times out or is cut resumes from the last version seen, with no relist.
-3. **410 Gone** (the version fell out of the server's history) or an event that cannot be read
-   means events were missed: list again.
-4. **Errors** (connection refused, 5xx, 429) back off exponentially with jitter, from
-   ``backoff_initial_s`` up to ``backoff_max_s``, and reset after a success.
+3. **410 Gone** (the version fell out of the server's history) or an answer that cannot be
+   read means events were missed: list again.
+4. **Errors** (connection refused, 5xx, 429, a watch that ends at once with nothing, an answer
+   that does not come within ``request_timeout_s``) back off exponentially with jitter, from
+   ``backoff_initial_s`` up to ``backoff_max_s``, and reset after a success. Nothing the
+   server sends ends the watcher: it logs, counts and tries again.
 5. **Resync**: every ``resync_s`` the pods are listed again even when the watch is healthy,
    which bounds how long any missed change can survive.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -58,6 +61,64 @@ Pod = Mapping[str, Any]
 
 EngineCallback = Callable[[tuple[EngineSpec, ...]], Awaitable[None]]
 """Receives the whole engine set after each (coalesced) change."""
+
+
+_ERROR_BODY_BYTES = 4096
+"""How much of an error answer is read for its message."""
+
+
+class _UnreadableAnswer(ValueError):
+    """An answer from the API server that is not what the list/watch protocol says."""
+
+
+async def _raise_for_status(response: aiohttp.ClientResponse) -> None:
+    """ApiException for an answer that is not 2xx, with the API's own message. The client
+    leaves the status unchecked when asked for the raw response (``_preload_content=False``)."""
+    if 200 <= response.status <= 299:
+        return
+    try:
+        body = await response.content.read(_ERROR_BODY_BYTES)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        body = b""
+    message = ""
+    with contextlib.suppress(ValueError):
+        status = json.loads(body)
+        if isinstance(status, Mapping) and isinstance(status.get("message"), str):
+            message = status["message"][:200]
+    response.release()
+    reason = f"{response.reason}: {message}" if message else response.reason
+    raise ApiException(status=response.status, reason=reason)
+
+
+def _object(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _UnreadableAnswer(f"{what} is not an object: {str(value)[:100]!r}")
+    return value
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _UnreadableAnswer(f"{what} is not a non-empty string: {str(value)[:100]!r}")
+    return value
+
+
+def _pod_list(body: object) -> tuple[dict[str, Pod], str]:
+    """The pods (by name) and the resourceVersion of a list answer."""
+    answer = _object(body, "the pod list")
+    version = _text(
+        _object(answer.get("metadata"), "the list's metadata").get("resourceVersion"),
+        "the list's resourceVersion",
+    )
+    items = answer.get("items") or []
+    if not isinstance(items, list):
+        raise _UnreadableAnswer(f"the list's items are not a list: {str(items)[:100]!r}")
+    pods: dict[str, Pod] = {}
+    for item in items:
+        pod = _object(item, "a listed pod")
+        pods[
+            _text(_object(pod.get("metadata"), "a pod's metadata").get("name"), "a pod's name")
+        ] = pod
+    return pods, version
 
 
 def _check_port(name: str, value: object, *, optional: bool) -> None:
@@ -215,12 +276,14 @@ class KubernetesDiscovery:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         settle_s: float = 0.1,
+        request_timeout_s: float = 30.0,
     ) -> None:
         for name, value in (
             ("resync_s", resync_s),
             ("watch_timeout_s", watch_timeout_s),
             ("backoff_initial_s", backoff_initial_s),
             ("backoff_max_s", backoff_max_s),
+            ("request_timeout_s", request_timeout_s),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -235,6 +298,7 @@ class KubernetesDiscovery:
         self.backoff_initial_s = float(backoff_initial_s)
         self.backoff_max_s = float(backoff_max_s)
         self.settle_s = float(settle_s)
+        self.request_timeout_s = float(request_timeout_s)
         self.synced = asyncio.Event()
         self._pods: dict[str, Pod] = {}
         self._version: str | None = None
@@ -305,8 +369,10 @@ class KubernetesDiscovery:
             except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 # Connection trouble: resume the watch from the last version after the pause.
                 backoff = await self._back_off(backoff, f"{type(exc).__name__}: {exc}")
-            except (ValueError, KeyError, TypeError) as exc:
-                # An answer that cannot be read: events may have been missed, so list afresh.
+            except Exception as exc:
+                # An answer that cannot be read (the client raises bare Exceptions for some):
+                # events may have been missed, so list afresh. Nothing here may end the task,
+                # which nobody awaits until shutdown: discovery would stop without a word.
                 must_list = True
                 backoff = await self._back_off(backoff, f"unreadable answer: {exc!r}")
 
@@ -325,43 +391,95 @@ class KubernetesDiscovery:
                 self.selector.namespace,
                 label_selector=self.selector.label_selector(),
                 _preload_content=False,
+                _request_timeout=self._timeout(self.request_timeout_s),
             ),
         )
         async with response:
+            await _raise_for_status(response)
             body = await response.json()
+        # Read whole before anything changes: half a list would drop engines.
+        pods, version = _pod_list(body)
         self._counters["lists"] += 1
-        self._pods = {item["metadata"]["name"]: item for item in body.get("items") or []}
-        self._version = body["metadata"]["resourceVersion"]
+        self._pods = pods
+        self._version = version
         self._changed()
+
+    def _timeout(self, read_s: float) -> aiohttp.ClientTimeout:
+        # The client's default is no timeout at all: a list that is never answered, or a
+        # watch on a connection that died without a word, would stall discovery for good.
+        return aiohttp.ClientTimeout(sock_connect=self.request_timeout_s, sock_read=read_s)
+
+    async def _open_watch(
+        self,
+        api: k8s.CoreV1Api,
+        *,
+        watch: bool,
+        resource_version: str,
+        timeout_seconds: int,
+        _request_timeout: aiohttp.ClientTimeout,
+        _preload_content: bool,
+    ) -> aiohttp.ClientResponse:
+        # What Watch.stream calls: the list call with a status check, which the client skips.
+        response = cast(
+            "aiohttp.ClientResponse",
+            await api.list_namespaced_pod(
+                self.selector.namespace,
+                label_selector=self.selector.label_selector(),
+                watch=watch,
+                resource_version=resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=timeout_seconds,
+                _request_timeout=_request_timeout,
+                _preload_content=_preload_content,
+            ),
+        )
+        await _raise_for_status(response)
+        return response
 
     async def _watch(self, api: k8s.CoreV1Api, timeout_s: float) -> None:
         self._counters["watches"] += 1
+        loop = asyncio.get_running_loop()
+        opened = loop.time()
+        events = 0
         async with k8s_watch.Watch(return_type="object") as watcher:
             stream = watcher.stream(
-                api.list_namespaced_pod,
-                self.selector.namespace,
-                label_selector=self.selector.label_selector(),
+                self._open_watch,
+                api,
                 resource_version=self._version,
-                allow_watch_bookmarks=True,
                 timeout_seconds=int(timeout_s),
+                # The server ends the watch after timeout_s; silence beyond that is a
+                # dead connection.
+                _request_timeout=self._timeout(timeout_s + self.request_timeout_s),
             )
             async for event in stream:
-                self._apply(event["type"], event["raw_object"])
+                self._apply(event)
+                events += 1
+        if events == 0 and loop.time() - opened < timeout_s / 2:
+            # Ended at once with nothing (a proxy with no backend): opening it again at
+            # once would hammer the server, so back off as for any failure.
+            raise ConnectionError("the watch ended at once with no event")
 
-    def _apply(self, kind: str, pod: Pod) -> None:
-        version = pod["metadata"]["resourceVersion"]
+    def _apply(self, event: object) -> None:
+        if not isinstance(event, Mapping):  # a line the client could not parse as JSON
+            raise _UnreadableAnswer(f"a watch line is not an event: {str(event)[:100]!r}")
+        kind = event.get("type")
+        pod = _object(event.get("raw_object"), f"the object of a {kind!r} event")
+        metadata = _object(pod.get("metadata"), f"the metadata of a {kind!r} event")
+        version = _text(metadata.get("resourceVersion"), "an event's resourceVersion")
         if kind == "BOOKMARK":
             self._counters["bookmarks"] += 1
         elif kind in ("ADDED", "MODIFIED"):
+            name = _text(metadata.get("name"), "a pod's name")
             self._counters["events"] += 1
-            self._pods[pod["metadata"]["name"]] = pod
+            self._pods[name] = pod
             self._changed()
         elif kind == "DELETED":
+            name = _text(metadata.get("name"), "a pod's name")
             self._counters["events"] += 1
-            self._pods.pop(pod["metadata"]["name"], None)
+            self._pods.pop(name, None)
             self._changed()
         else:
-            raise ValueError(f"unknown watch event type {kind!r}")
+            raise _UnreadableAnswer(f"unknown watch event type {kind!r}")
         self._version = version
 
     def _changed(self) -> None:
