@@ -371,3 +371,90 @@ def test_an_unanswered_watch_times_out() -> None:
             await r.until(lambda: r.names() == ["a", "b"], "b")
 
     run(body())
+
+
+def _event(kind: str, name: str, version: int, **fields: Any) -> bytes:
+    metadata = {"name": name, "resourceVersion": str(version), "labels": APP}
+    metadata.update(fields.pop("metadata", {}))
+    return json.dumps({"type": kind, "object": {"metadata": metadata, **fields}}).encode()
+
+
+READY = [{"type": "Ready", "status": "True"}]
+
+
+def test_malformed_pods_are_skipped_and_discovery_goes_on() -> None:
+    # Fields of the wrong type killed the task that hands engines on: no update after that.
+    selector = PodSelector(NS, APP, 8000, role_label="role", kv_events_port=5557)
+    bad_pods: list[tuple[str, dict[str, Any], str | None]] = [
+        ("status-text", {"status": "Running"}, None),
+        (
+            "conditions-ints",
+            {"status": {"phase": "Running", "podIP": "10.0.1.1", "conditions": [1, None]}},
+            None,
+        ),
+        (
+            "ip-int",
+            {"status": {"phase": "Running", "podIP": 5, "conditions": READY}},
+            "is not an IP address",
+        ),
+        (
+            "ip-name",
+            {"status": {"phase": "Running", "podIP": "evil.example", "conditions": READY}},
+            "is not an IP address",
+        ),
+        (
+            "labels-list",
+            {
+                "metadata": {"labels": ["role"]},
+                "status": {"phase": "Running", "podIP": "10.0.1.2", "conditions": READY},
+            },
+            "labels are not an object",
+        ),
+        (
+            "Not_A_Pod_Name",
+            {"status": {"phase": "Running", "podIP": "10.0.1.3", "conditions": READY}},
+            "is not a pod name",
+        ),
+    ]
+
+    async def body() -> None:
+        async with rig(selector=selector) as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            for name, fields, _ in bad_pods:
+                r.api.send_raw(_event("ADDED", name, r.api.version, **fields))
+            r.api.put_pod(NS, "b", APP, "fd00::2")
+            await r.until(lambda: r.names() == ["a", "b"], "b after the malformed pods")
+            skipped = r.discovery.skipped_pods()
+            for name, _, why in bad_pods:
+                if why is None:
+                    assert name not in skipped, skipped  # not Ready: not an engine, quietly
+                else:
+                    assert why in skipped[name], skipped
+            b = r.discovery.engines()[1]
+            assert (b.address, b.kv_events) == ("[fd00::2]:8000", "tcp://[fd00::2]:5557")
+
+    run(body())
+
+
+def test_two_pods_at_one_address_are_one_engine(caplog: pytest.LogCaptureFixture) -> None:
+    # hostNetwork pods on one node, or an IP given again while a stale pod still reads Ready:
+    # both were routed to, as two engines that are one.
+    async def body() -> None:
+        async with rig() as r:
+            r.api.put_pod(NS, "old", APP, "10.0.0.1")
+            r.api.put_pod(NS, "new", APP, "10.0.0.1")
+            r.api.put_pod(NS, "other", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["new", "other"], "one engine per address")
+            assert "also pod new's" in r.discovery.skipped_pods()["old"]
+            assert r.discovery.counters()["duplicates"] >= 1
+            r.api.put_pod(NS, "c", APP, "10.0.0.3")  # another update, the same duplicate
+            await r.until(lambda: r.names() == ["c", "new", "other"], "c")
+            r.api.delete_pod(NS, "new")
+            await r.until(lambda: r.names() == ["c", "old", "other"], "old takes over")
+            assert r.discovery.skipped_pods() == {}
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        run(body())
+    logged = [m for m in caplog.messages if "pod old is not routed to" in m]
+    assert len(logged) == 1, caplog.messages

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import random
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -202,58 +204,114 @@ class PodSelector:
         return ",".join(f"{k}={v}" for k, v in sorted(self.selector.items()))
 
 
+_POD_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+"""A Kubernetes object name (a DNS subdomain), which the engine's worker id becomes."""
+
+
+def _fields(value: object) -> Mapping[str, object]:
+    # A field of the wrong type reads as absent, so such a pod fails the checks below.
+    return value if isinstance(value, Mapping) else {}
+
+
 def _is_ready(pod: Pod) -> bool:
-    metadata = pod.get("metadata") or {}
-    status = pod.get("status") or {}
+    metadata = _fields(pod.get("metadata"))
+    status = _fields(pod.get("status"))
     if metadata.get("deletionTimestamp") or status.get("phase") != "Running":
         return False
     if not status.get("podIP"):
         return False
-    conditions = status.get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    conditions = status.get("conditions")
+    if not isinstance(conditions, list):
+        return False
+    return any(
+        isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True"
+        for c in conditions
+    )
+
+
+def _pod_engine(name: str, pod: Pod, selector: PodSelector) -> EngineSpec:
+    """The engine of a Ready pod; ConfigError saying why the pod cannot be one."""
+    role = None
+    if selector.role_label is not None:
+        labels = _fields(pod.get("metadata")).get("labels") or {}
+        if not isinstance(labels, Mapping):
+            raise ConfigError(f"its labels are not an object: {str(labels)[:100]!r}")
+        role = labels.get(selector.role_label)
+        if role is not None and role not in ROLES:
+            raise ConfigError(f"label {selector.role_label}={role!r} is not one of {ROLES}")
+    ip = _fields(pod.get("status")).get("podIP")
+    try:
+        address = ipaddress.ip_address(ip) if isinstance(ip, str) else None
+    except ValueError:
+        address = None
+    if address is None:
+        raise ConfigError(f"its podIP {str(ip)[:100]!r} is not an IP address")
+    host = f"[{ip}]" if address.version == 6 else str(ip)
+    kv_events = replay = None
+    if selector.kv_events_port is not None:
+        kv_events = f"tcp://{host}:{selector.kv_events_port}"
+    if selector.replay_port is not None:
+        replay = f"tcp://{host}:{selector.replay_port}"
+    return EngineSpec(
+        str(ip),
+        selector.target_port,
+        model=selector.model,
+        role=role,
+        kv_events=kv_events,
+        replay=replay,
+        topic=selector.topic,
+        labels={**selector.labels, "pod": name},
+        name=name,
+    )
 
 
 def engines_from_pods(
-    pods: Mapping[str, Pod], selector: PodSelector, skipped: Callable[[str, str], None]
+    pods: Mapping[str, Pod],
+    selector: PodSelector,
+    skipped: Callable[[str, str], None],
+    *,
+    duplicate: Callable[[str, str], None] | None = None,
 ) -> tuple[EngineSpec, ...]:
     """The engines among ``pods`` (by pod name): Ready ones, named after their pods, in name
-    order. ``skipped(pod, why)`` hears of each Ready pod left out."""
-    engines = []
-    for name in sorted(pods):
+    order. ``skipped(pod, why)`` hears of each Ready pod left out (a bad role label, address
+    or name); a pod that cannot be read is never an error here, only skipped or not Ready.
+
+    Two Ready pods at one address (``hostNetwork`` pods on one node, or an IP given again
+    while a stale pod still reads Ready) are one engine: the newest pod (by
+    ``creationTimestamp``) keeps it and each other is skipped, and ``duplicate(pod, kept)``
+    hears of it. Routing both would count one engine's load and cache twice.
+    """
+    engines: list[EngineSpec] = []
+    created: dict[str, str] = {}
+    for name in sorted(pods, key=str):
         pod = pods[name]
-        if not _is_ready(pod):
+        if not isinstance(pod, Mapping) or not _is_ready(pod):
             continue
-        labels: Mapping[str, str] = (pod.get("metadata") or {}).get("labels") or {}
-        role = None
-        if selector.role_label is not None:
-            role = labels.get(selector.role_label)
-            if role is not None and role not in ROLES:
-                skipped(name, f"label {selector.role_label}={role!r} is not one of {ROLES}")
-                continue
-        ip: str = pod["status"]["podIP"]
-        host = f"[{ip}]" if ":" in ip else ip
-        kv_events = replay = None
-        if selector.kv_events_port is not None:
-            kv_events = f"tcp://{host}:{selector.kv_events_port}"
-        if selector.replay_port is not None:
-            replay = f"tcp://{host}:{selector.replay_port}"
+        if not isinstance(name, str) or not _POD_NAME.fullmatch(name):
+            skipped(str(name)[:100], f"its name {str(name)[:100]!r} is not a pod name")
+            continue
         try:
-            engines.append(
-                EngineSpec(
-                    ip,
-                    selector.target_port,
-                    model=selector.model,
-                    role=role,
-                    kv_events=kv_events,
-                    replay=replay,
-                    topic=selector.topic,
-                    labels={**selector.labels, "pod": name},
-                    name=name,
-                )
-            )
+            engines.append(_pod_engine(name, pod, selector))
         except ConfigError as exc:
             skipped(name, str(exc))
-    return tuple(engines)
+            continue
+        stamp = _fields(pod.get("metadata")).get("creationTimestamp")
+        created[name] = stamp if isinstance(stamp, str) else ""
+    by_address: dict[str, list[EngineSpec]] = {}
+    for spec in engines:
+        by_address.setdefault(spec.address, []).append(spec)
+    kept: list[EngineSpec] = []
+    for spec in engines:
+        name = cast("str", spec.name)
+        group = by_address[spec.address]
+        newest = max(group, key=lambda e: (created[cast("str", e.name)], cast("str", e.name)))
+        if spec is not newest:
+            skipped(name, f"its address {spec.address} is also pod {newest.name}'s, a newer pod")
+            if duplicate is not None:
+                duplicate(name, cast("str", newest.name))
+            continue
+        kept.append(spec)
+    return tuple(kept)
 
 
 class KubernetesDiscovery:
@@ -305,8 +363,19 @@ class KubernetesDiscovery:
         self._engines: tuple[EngineSpec, ...] | None = None
         self._dirty = asyncio.Event()
         self._skipped_logged: set[tuple[str, str]] = set()
+        self._skipped_pods: dict[str, str] = {}
         self._counters = dict.fromkeys(
-            ("lists", "watches", "events", "bookmarks", "gone", "errors", "updates", "skipped"),
+            (
+                "lists",
+                "watches",
+                "events",
+                "bookmarks",
+                "gone",
+                "errors",
+                "updates",
+                "skipped",
+                "duplicates",
+            ),
             0,
         )
 
@@ -315,9 +384,14 @@ class KubernetesDiscovery:
         return self._engines or ()
 
     def counters(self) -> dict[str, int]:
-        """Lists, watches opened, events, bookmarks, 410s, errors, updates handed on, and
-        Ready pods skipped (bad role label or address)."""
+        """Lists, watches opened, events, bookmarks, 410s, errors, updates handed on, Ready
+        pods skipped (bad role label, address or name; counted at each update) and, of
+        those, pods skipped for sharing another pod's address."""
         return dict(self._counters)
+
+    def skipped_pods(self) -> dict[str, str]:
+        """The Ready pods left out of the current engine set, each with why."""
+        return dict(self._skipped_pods)
 
     async def run(self) -> None:
         """Lists and watches until cancelled; never returns otherwise."""
@@ -485,19 +559,19 @@ class KubernetesDiscovery:
     def _changed(self) -> None:
         self._dirty.set()
 
-    def _skipped(self, pod: str, why: str) -> None:
-        self._counters["skipped"] += 1
-        if (pod, why) not in self._skipped_logged:
-            self._skipped_logged.add((pod, why))
-            log.warning("kubernetes discovery: pod %s is not routed to: %s", pod, why)
-
     async def _publish_changes(self) -> None:
         while True:
             await self._dirty.wait()
             if self.settle_s and self.synced.is_set():
                 await asyncio.sleep(self.settle_s)
             self._dirty.clear()
-            engines = engines_from_pods(self._pods, self.selector, self._skipped)
+            try:
+                engines = self._current_engines()
+            except Exception:
+                # A bug, not a pod (those are skipped): this task must not die unseen.
+                self._counters["errors"] += 1
+                log.exception("kubernetes discovery: cannot read the pods")
+                continue
             if engines != self._engines:
                 self._engines = engines
                 self._counters["updates"] += 1
@@ -506,3 +580,23 @@ class KubernetesDiscovery:
                 except Exception:  # the receiver's trouble; discovery goes on
                     log.exception("kubernetes discovery: on_change failed")
             self.synced.set()
+
+    def _current_engines(self) -> tuple[EngineSpec, ...]:
+        skipped: dict[str, str] = {}
+
+        def skip(pod: str, why: str) -> None:
+            skipped[pod] = why
+
+        def duplicate(pod: str, kept: str) -> None:
+            self._counters["duplicates"] += 1
+
+        engines = engines_from_pods(self._pods, self.selector, skip, duplicate=duplicate)
+        for pod, why in skipped.items():
+            self._counters["skipped"] += 1
+            if (pod, why) not in self._skipped_logged:
+                log.warning("kubernetes discovery: pod %s is not routed to: %s", pod, why)
+        # Remembered while the pod stays skipped for that reason, so the memory is bounded
+        # by the pods there are and a pod skipped again later is logged again.
+        self._skipped_logged = set(skipped.items())
+        self._skipped_pods = skipped
+        return engines

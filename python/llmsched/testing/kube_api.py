@@ -157,9 +157,16 @@ class FakeKubeAPI:
         phase: str = "Running",
         deleting: bool = False,
     ) -> int:
-        """Creates or replaces a pod; returns the new resource version."""
+        """Creates or replaces a pod; returns the new resource version. A new pod's
+        ``creationTimestamp`` is later than every earlier pod's."""
         before = self._pods.get((namespace, name))
         self.version += 1
+        created = (
+            before["metadata"]["creationTimestamp"]
+            if before is not None
+            else f"2026-01-01T{self.version // 3600 % 24:02d}:{self.version // 60 % 60:02d}:"
+            f"{self.version % 60:02d}Z"
+        )
         status: dict[str, Any] = {
             "phase": phase,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
@@ -172,6 +179,7 @@ class FakeKubeAPI:
             "uid": f"uid-{namespace}-{name}",
             "labels": dict(labels),
             "resourceVersion": str(self.version),
+            "creationTimestamp": created,
         }
         if deleting:
             metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
