@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -458,3 +459,117 @@ def test_two_pods_at_one_address_are_one_engine(caplog: pytest.LogCaptureFixture
         run(body())
     logged = [m for m in caplog.messages if "pod old is not routed to" in m]
     assert len(logged) == 1, caplog.messages
+
+
+def test_a_set_on_change_refused_is_offered_again() -> None:
+    # engines() reported a set the receiver had refused, and the set was never offered again
+    # unless the pods changed once more.
+    async def body() -> None:
+        api = FakeKubeAPI(bookmark_s=0.1)
+        url = await api.start()
+        api_client = k8s.ApiClient(k8s.Configuration(host=url))
+        calls: list[tuple[str | None, ...]] = []
+
+        async def on_change(engines: tuple[EngineSpec, ...]) -> None:
+            calls.append(tuple(e.name for e in engines))
+            if len(calls) in (2, 3):
+                raise RuntimeError("the receiver is busy")
+
+        selector = PodSelector(NS, APP, 8000)
+        discovery = KubernetesDiscovery(
+            selector, on_change, api_client=api_client, settle_s=0.0, backoff_initial_s=0.05
+        )
+        task = asyncio.create_task(discovery.run())
+        try:
+            await discovery.synced.wait()
+            api.put_pod(NS, "a", APP, "10.0.0.1")
+            for _ in range(500):
+                if len(calls) >= 4:
+                    break
+                await asyncio.sleep(0.02)
+            assert calls == [(), ("a",), ("a",), ("a",)]
+            assert [e.name for e in discovery.engines()] == ["a"]
+            counters = discovery.counters()
+            assert (counters["callback_errors"], counters["updates"]) == (2, 2)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await api_client.close()
+            await api.stop()
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"resync_s": float("inf")}, "resync_s"),
+        ({"watch_timeout_s": float("inf")}, "watch_timeout_s"),
+        ({"watch_timeout_s": 10**400}, "watch_timeout_s"),
+        ({"settle_s": float("nan")}, "settle_s"),
+        ({"settle_s": True}, "settle_s"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+    ],
+)
+def test_discovery_numbers_are_checked(options: dict[str, Any], message: str) -> None:
+    # resync_s=inf ("never") was accepted and then ended the task (int(inf) in the watch).
+    async def noop(engines: tuple[EngineSpec, ...]) -> None:
+        return None
+
+    with pytest.raises(ConfigError, match=message):
+        KubernetesDiscovery(PodSelector(NS, APP, 8000), noop, **options)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"selector": {"app": "vllm,tier!=a"}}, "not a label value"),
+        ({"selector": {"app": "vllm, llama"}}, "not a label value"),
+        ({"selector": {"app": 1}}, "not a label value"),
+        ({"selector": {"a b": "x"}}, "not a label key"),
+        ({"namespace": "LLM"}, "namespace"),
+        ({"namespace": "llm/other"}, "namespace"),
+        ({"role_label": "role=x"}, "role_label"),
+        ({"labels": {"zone": 1}}, "labels"),
+        ({"labels": {"pod": "x"}}, "'pod'"),
+        ({"topic": 5}, "topic"),
+        ({"model": ""}, "model"),
+    ],
+)
+def test_pod_selector_refuses_what_kubernetes_would(fields: dict[str, Any], message: str) -> None:
+    # A selector value with a comma selected other pods than meant; labels, topic or model of
+    # the wrong type skipped every pod at run time instead of failing here.
+    raw: dict[str, Any] = {"namespace": NS, "selector": APP, "target_port": 8000, **fields}
+    with pytest.raises(ConfigError, match=message):
+        PodSelector.from_dict(raw)
+
+
+def test_pod_selector_from_dict_and_hash() -> None:
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        PodSelector.from_dict(["namespace"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown key 1"):
+        PodSelector.from_dict({1: "x", "namespace": NS})  # type: ignore[dict-item]
+    labels = {"app": "vllm"}
+    selector = PodSelector(NS, labels, 8000, role_label="llm-d.ai/role")
+    labels["app"] = "web"  # the caller's dict, changed later
+    assert selector.label_selector() == "app=vllm"
+    assert hash(selector) == hash(
+        PodSelector(NS, {"app": "vllm"}, 8000, role_label="llm-d.ai/role")
+    )
+
+
+def test_a_client_that_cannot_be_configured_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The client's ConfigException (a bare Exception) ended run() at once.
+    async def noop(engines: tuple[EngineSpec, ...]) -> None:
+        return None
+
+    selector = PodSelector(NS, APP, 8000)
+    missing = str(tmp_path / "no-kubeconfig")
+    with pytest.raises(ConfigError, match="cannot load kubeconfig"):
+        run(KubernetesDiscovery(selector, noop, kubeconfig=missing).run())
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ConfigError, match="in-cluster service account"):
+        run(KubernetesDiscovery(selector, noop).run())

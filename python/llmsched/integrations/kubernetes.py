@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from llmsched._extras import require
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidTypeError
 from llmsched.integrations.identity import ROLES, EngineSpec
 
 require("kubernetes", "kubernetes_asyncio", feature="llmsched.integrations.kubernetes")
@@ -123,6 +123,38 @@ def _pod_list(body: object) -> tuple[dict[str, Pod], str]:
     return pods, version
 
 
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _is_label_key(key: object) -> bool:
+    """Whether ``key`` is a label key: ``name`` or ``prefix/name`` (a DNS subdomain)."""
+    if not isinstance(key, str):
+        return False
+    prefix, slash, name = key.rpartition("/")
+    if slash and (len(prefix) > 253 or not _LABEL_PREFIX.fullmatch(prefix)):
+        return False
+    return _LABEL_NAME.fullmatch(name) is not None
+
+
+def _check_label(where: str, key: object, value: object) -> None:
+    if not _is_label_key(key):
+        raise ConfigError(f"{where}: {key!r} is not a label key")
+    if not isinstance(value, str) or (value and not _LABEL_NAME.fullmatch(value)):
+        raise ConfigError(
+            f"{where}: label {key!r} has the value {value!r}, which is not a label value "
+            "(up to 63 letters, digits, '-', '_' and '.'; a set of values needs the string "
+            "form, as 'key in (a,b)')"
+        )
+
+
+def _seconds(value: object) -> bool:
+    """Whether ``value`` is a number of seconds >= 0 and below 1e9 (about 30 years). inf
+    ("never") once passed and overflowed ``int()`` in the watch, ending the task."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
+
+
 def _check_port(name: str, value: object, *, optional: bool) -> None:
     if value is None and optional:
         return
@@ -146,13 +178,21 @@ class PodSelector:
         replay_port: the port of each pod's replay socket (needs ``kv_events_port``).
         topic: the KV-event topic the engines publish with.
         model: the model the engines serve (None: any).
+        labels: labels every engine gets (besides ``pod``, its pod's name).
+
+    A namespace, label key or label value that Kubernetes would refuse raises ConfigError
+    here: a value such as ``"vllm,tier!=a"`` would otherwise select other pods than meant.
 
     >>> PodSelector("llm", {"app": "vllm"}, 8000).label_selector()
     'app=vllm'
+    >>> PodSelector("llm", {"app": "vllm, llama"}, 8000)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: selector: label 'app' has the value 'vllm, llama', ...
     """
 
     namespace: str
-    selector: Mapping[str, str] | str
+    selector: Mapping[str, str] | str = field(hash=False)
     target_port: int
     role_label: str | None = None
     kv_events_port: int | None = None
@@ -162,8 +202,10 @@ class PodSelector:
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.namespace, str) or not self.namespace:
-            raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
+        if not isinstance(self.namespace, str) or not _NAMESPACE.fullmatch(self.namespace):
+            raise ConfigError(
+                f"namespace must be a Kubernetes namespace name, got {self.namespace!r}"
+            )
         if isinstance(self.selector, str):
             if not self.selector.strip():
                 raise ConfigError("selector must not be empty (it would select every pod)")
@@ -171,8 +213,9 @@ class PodSelector:
             if not self.selector:
                 raise ConfigError("selector must not be empty (it would select every pod)")
             for key, value in self.selector.items():
-                if not isinstance(key, str) or not isinstance(value, str) or not key:
-                    raise ConfigError(f"selector: labels must map str to str, got {key!r}")
+                _check_label("selector", key, value)
+            # A private copy: a caller's later change must not reach a frozen selector.
+            object.__setattr__(self, "selector", dict(self.selector))
         else:
             raise ConfigError(f"selector must be a mapping or a str, got {self.selector!r}")
         _check_port("target_port", self.target_port, optional=False)
@@ -180,18 +223,30 @@ class PodSelector:
         _check_port("replay_port", self.replay_port, optional=True)
         if self.replay_port is not None and self.kv_events_port is None:
             raise ConfigError("replay_port needs kv_events_port")
-        if self.role_label is not None and (
-            not isinstance(self.role_label, str) or not self.role_label
+        if self.role_label is not None and not _is_label_key(self.role_label):
+            raise ConfigError(f"role_label must be a label key, got {self.role_label!r}")
+        if not isinstance(self.topic, str):
+            raise ConfigError(f"topic must be a str, got {self.topic!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError(f"model must be a non-empty str or None, got {self.model!r}")
+        # Checked here, not at each pod: a bad one skipped every pod, one by one.
+        if not isinstance(self.labels, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.labels.items()
         ):
-            raise ConfigError(f"role_label must be a non-empty str, got {self.role_label!r}")
+            raise ConfigError(f"labels must map str to str, got {self.labels!r}")
+        if "pod" in self.labels:
+            raise ConfigError("labels: 'pod' is each engine's pod name; use another key")
+        object.__setattr__(self, "labels", dict(self.labels))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> PodSelector:
         """From a config mapping with these keys; unknown keys raise ConfigError."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"a pod selector must be a mapping, got {type(raw).__name__}")
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(map(repr, set(raw) - known))
         if unknown:
-            raise ConfigError(f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"unknown key {unknown[0]} (known: {', '.join(sorted(known))})")
         missing = [k for k in ("namespace", "selector", "target_port") if k not in raw]
         if missing:
             raise ConfigError(f"missing key {missing[0]!r}")
@@ -319,7 +374,7 @@ class KubernetesDiscovery:
 
     ``api_client``: a configured ``kubernetes_asyncio`` ``ApiClient``; None loads the in-cluster
     service account, or ``kubeconfig`` when given. Run :meth:`run` as a task; :attr:`synced`
-    is set once the first list has been handed to ``on_change``.
+    is set once the first list has been offered to ``on_change``.
     """
 
     def __init__(
@@ -343,10 +398,14 @@ class KubernetesDiscovery:
             ("backoff_max_s", backoff_max_s),
             ("request_timeout_s", request_timeout_s),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
-        if not isinstance(settle_s, (int, float)) or settle_s < 0:
-            raise ConfigError(f"settle_s must be a number of seconds >= 0, got {settle_s!r}")
+            if not _seconds(value) or not value > 0:
+                raise ConfigError(f"{name} must be a number of seconds in (0, 1e9), got {value!r}")
+        if not _seconds(settle_s):
+            raise ConfigError(f"settle_s must be a number of seconds in [0, 1e9), got {settle_s!r}")
+        if not isinstance(selector, PodSelector):
+            raise InvalidTypeError(f"selector must be a PodSelector, got {type(selector).__name__}")
+        if not callable(on_change):
+            raise InvalidTypeError(f"on_change must be an async function, got {on_change!r}")
         self.selector = selector
         self._on_change = on_change
         self._api_client = api_client
@@ -375,18 +434,21 @@ class KubernetesDiscovery:
                 "updates",
                 "skipped",
                 "duplicates",
+                "callback_errors",
             ),
             0,
         )
 
     def engines(self) -> tuple[EngineSpec, ...]:
-        """The engines handed to ``on_change`` last (empty before the first list)."""
+        """The engines ``on_change`` took last (empty before the first list): a call that
+        raised leaves them as they were, and the new set is offered again after a pause."""
         return self._engines or ()
 
     def counters(self) -> dict[str, int]:
         """Lists, watches opened, events, bookmarks, 410s, errors, updates handed on, Ready
-        pods skipped (bad role label, address or name; counted at each update) and, of
-        those, pods skipped for sharing another pod's address."""
+        pods skipped (bad role label, address or name; counted at each update), of
+        those the pods skipped for sharing another pod's address, and ``on_change`` calls that
+        raised."""
         return dict(self._counters)
 
     def skipped_pods(self) -> dict[str, str]:
@@ -394,7 +456,9 @@ class KubernetesDiscovery:
         return dict(self._skipped_pods)
 
     async def run(self) -> None:
-        """Lists and watches until cancelled; never returns otherwise."""
+        """Lists and watches until cancelled; never returns otherwise. Raises ConfigError
+        at once when the client cannot be configured (no kubeconfig, not in a cluster); any
+        trouble after that is logged, counted and retried."""
         owns_client = self._api_client is None
         api_client = self._api_client or await self._load_client()
         publisher = asyncio.create_task(self._publish_changes())
@@ -409,15 +473,26 @@ class KubernetesDiscovery:
 
     async def _load_client(self) -> k8s.ApiClient:
         configuration = k8s.Configuration()
-        if self._kubeconfig is not None:
-            await k8s_config.load_kube_config(
-                config_file=self._kubeconfig, client_configuration=configuration
+        try:
+            if self._kubeconfig is not None:
+                await k8s_config.load_kube_config(
+                    config_file=self._kubeconfig, client_configuration=configuration
+                )
+            else:
+                # The service account's token and CA, mounted into every pod.
+                k8s_config.load_incluster_config(  # type: ignore[no-untyped-call]
+                    client_configuration=configuration
+                )
+        except Exception as exc:  # the client's ConfigException is a bare Exception
+            where = (
+                f"kubeconfig {self._kubeconfig!r}"
+                if self._kubeconfig is not None
+                else "the in-cluster service account (outside a cluster, pass kubeconfig)"
             )
-        else:
-            # The service account's token and CA, mounted into every pod.
-            k8s_config.load_incluster_config(  # type: ignore[no-untyped-call]
-                client_configuration=configuration
-            )
+            error = ConfigError(f"kubernetes discovery: cannot load {where}: {exc}")
+            # Also logged: run() is a task, which its owner may await only at shutdown.
+            log.error("%s", error)
+            raise error from exc
         return k8s.ApiClient(configuration)
 
     async def _list_and_watch(self, api: k8s.CoreV1Api) -> None:
@@ -560,6 +635,8 @@ class KubernetesDiscovery:
         self._dirty.set()
 
     async def _publish_changes(self) -> None:
+        retry_s = self.backoff_initial_s  # the pause before a refused set is offered again
+        last_error = ""
         while True:
             await self._dirty.wait()
             if self.settle_s and self.synced.is_set():
@@ -573,12 +650,26 @@ class KubernetesDiscovery:
                 log.exception("kubernetes discovery: cannot read the pods")
                 continue
             if engines != self._engines:
-                self._engines = engines
-                self._counters["updates"] += 1
                 try:
                     await self._on_change(engines)
-                except Exception:  # the receiver's trouble; discovery goes on
-                    log.exception("kubernetes discovery: on_change failed")
+                except Exception as exc:  # the receiver's trouble; discovery goes on
+                    # Not taken: engines() keeps the set the receiver has, and the same set
+                    # is offered again after a pause (a receiver that failed once may take
+                    # it then; before, only a later change in the pods offered it again).
+                    self._counters["callback_errors"] += 1
+                    error = f"{type(exc).__name__}: {exc}"
+                    if error != last_error:  # the same refusal every pause: logged once
+                        log.exception("kubernetes discovery: on_change failed; trying again")
+                    last_error = error
+                    self.synced.set()
+                    pause = retry_s * random.uniform(0.8, 1.2)
+                    retry_s = min(retry_s * 2, self.backoff_max_s)
+                    await asyncio.sleep(pause)
+                    self._dirty.set()
+                    continue
+                retry_s, last_error = self.backoff_initial_s, ""
+                self._engines = engines
+                self._counters["updates"] += 1
             self.synced.set()
 
     def _current_engines(self) -> tuple[EngineSpec, ...]:
