@@ -893,13 +893,16 @@ def _read_yaml(path: Path, what: str) -> Any:
     return read_document(path, what=what, secret=True)
 
 
-def file_version(path: Path) -> tuple[int, int] | None:
-    """What tells a rewritten file apart (modification time and size); None if unreadable."""
+def file_version(path: Path) -> tuple[int, int, int] | None:
+    """What tells a rewritten file apart (inode, modification time and size); None if
+    unreadable. The inode tells apart a file replaced (renamed over, or a ConfigMap's new
+    data) by one of the same size within one tick of the file system's clock, which an
+    agent rewriting the file often does."""
     try:
         stat = path.stat()
     except OSError:
         return None
-    return stat.st_mtime_ns, stat.st_size
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
 class DiscoveryErrors:
