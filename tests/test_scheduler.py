@@ -670,3 +670,22 @@ def test_a_lone_surrogate_is_refused_when_the_request_is_built(
     schedule_sync (the class promises every field is checked when built)."""
     with pytest.raises(InvalidRequestError, match=f"^{argument}.* must be valid UTF-8"):
         ScheduleRequest(**fields)
+
+
+def test_an_engine_back_at_another_address_is_credited_with_no_cache() -> None:
+    # A StatefulSet pod rescheduled keeps its name (its worker id) but is a new process at a
+    # new IP: the index still credited it with the old one's blocks, so its prefixes went there.
+    from llmsched.integrations import EngineSpec
+
+    s = Scheduler(
+        [EngineSpec("10.0.0.1", 8000, name="vllm-0")], router="prefix-only", block_size=16
+    )
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        assert p.endpoint == "vllm-0"
+    assert s.index.match_tokens(PROMPT).as_dict() == {"vllm-0": 4}
+    relabelled = EngineSpec("10.0.0.1", 8000, name="vllm-0", labels={"zone": "a"})
+    assert s.set_engines([relabelled]) == ([], [], ["vllm-0"])
+    assert s.index.match_tokens(PROMPT).as_dict() == {"vllm-0": 4}, "the same process"
+    moved = EngineSpec("10.0.0.9", 8000, name="vllm-0")
+    assert s.set_engines([moved]) == ([], [], ["vllm-0"])
+    assert s.index.match_tokens(PROMPT).as_dict() == {}

@@ -930,8 +930,10 @@ class Scheduler:
     ) -> tuple[list[EndpointId], list[EndpointId], list[EndpointId]]:
         """Replaces the whole set of engines; returns the ids added, removed and changed.
         Engines kept keep their metrics, in-flight counts and index entries; a changed one
-        takes its new description and comes back into routing; removed ones leave every
-        registry. A repeated id raises ConfigError and changes nothing."""
+        takes its new description and comes back into routing (one now at another address
+        is another process, e.g. a StatefulSet pod rescheduled under its name, so its index
+        entries go: it holds none of that cache); removed ones leave every registry. A
+        repeated id raises ConfigError and changes nothing."""
         listed = self._checked_engines(engines)
         new = {e.endpoint.id: e for e in listed}
         added = [k for k in new if k not in self._engines]
@@ -944,6 +946,11 @@ class Scheduler:
         ]
         for key in removed:
             self._forget(key)
+        for key in changed:
+            if new[key].endpoint.address != self._engines[key].endpoint.address:
+                # Routing by the old entries sent its prefixes to a cache that is gone.
+                with contextlib.suppress(UnknownWorkerError):
+                    self.index.remove_worker(key)
         for key in added + changed:
             self._engines[key] = new[key]
             self._drained.discard(key)
