@@ -39,6 +39,7 @@ __all__ = [
     "ROLES",
     "EngineSpec",
     "endpoint_problem",
+    "normal_address",
     "resolve_engines",
     "wire_for_router",
     "worker_id",
@@ -302,13 +303,13 @@ class EngineSpec:
         return cls(**dict(d))
 
 
-def _normal_address(address: str) -> str:
+def normal_address(address: str) -> str:
     """``host:port`` of an endpoint address given with or without scheme and trailing slash,
     in one spelling per address: an IP literal in its short form (``[0:0::1]`` is ``[::1]``),
     a host name in lower case (DNS names are case-insensitive). Two spellings of one address
     once made a second endpoint for an engine the pool already had.
 
-    >>> _normal_address("http://[0:0:0:0:0:0:0:1]:8000/"), _normal_address("Engine-A:80")
+    >>> normal_address("http://[0:0:0:0:0:0:0:1]:8000/"), normal_address("Engine-A:80")
     ('[::1]:8000', 'engine-a:80')
     """
     for scheme in ("http://", "https://"):
@@ -342,14 +343,14 @@ def resolve_engines(engines: Iterable[EngineSpec], pool: EndpointPool) -> list[E
     addresses: dict[EndpointId, str] = {}
     for e in pool.endpoints():
         if e["address"]:
-            address = _normal_address(e["address"])
+            address = normal_address(e["address"])
             by_address.setdefault(address, []).append(e["id"])
             addresses[e["id"]] = address
     out = []
     for spec in engines:
         if not isinstance(spec, EngineSpec):
             raise InvalidTypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
-        spec_address = _normal_address(spec.address)
+        spec_address = normal_address(spec.address)
         there = by_address.get(spec_address, [])
         if spec.name is not None:
             if spec.name in addresses and addresses[spec.name] != spec_address:
