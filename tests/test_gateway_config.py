@@ -418,3 +418,12 @@ def _check_serving(process: subprocess.Popen[str], port: int, *, plane: str = "n
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
+
+
+def test_engine_set_refuses_a_stranger_with_an_llmsched_error() -> None:
+    # What Gateway.set_engines (discovery) calls: a bare TypeError before (probe 50 F15).
+    from llmsched.errors import InvalidTypeError
+    from llmsched.gateway.config import engine_set
+
+    with pytest.raises(InvalidTypeError, match="engines must be EngineSpec, got object"):
+        engine_set(load_config(base()), [object()])  # type: ignore[list-item]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -309,3 +310,23 @@ def test_serve_follows_a_good_file_after_a_deeply_nested_one(tmp_path: Path) -> 
                 await follow(url, b)
 
     run(body())
+
+
+def test_a_file_replaced_by_one_of_the_same_size_and_time_is_a_new_version(
+    tmp_path: Path,
+) -> None:
+    # An agent that renames a new list over the old one within one tick of the file system's
+    # clock, with the same size (one engine's port for another's), went unseen for good.
+    from llmsched.gateway.config import file_version
+
+    path = tmp_path / "engines.yaml"
+    path.write_text("- {host: 127.0.0.1, port: 8001}\n")
+    before = file_version(path)
+    stat = path.stat()
+    staged = tmp_path / "engines.tmp"
+    staged.write_text("- {host: 127.0.0.1, port: 8002}\n")
+    os.utime(staged, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    staged.replace(path)
+    assert path.stat().st_size == stat.st_size
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert file_version(path) != before

@@ -93,3 +93,31 @@ def test_labels_are_copied() -> None:
     spec = EngineSpec("h", 80, labels=labels)
     labels["zone"] = "us"
     assert spec.labels == {"zone": "eu"}
+
+
+@pytest.mark.parametrize("host", ["10.0.0.7:8000", "engine-a:8000", "[::1]:8000", "::g"])
+def test_a_host_with_a_port_is_refused(host: str) -> None:
+    # "10.0.0.7:8000" was taken for an IPv6 address: "[10.0.0.7:8000]:8000", never reachable.
+    with pytest.raises(ConfigError, match="a port goes in port"):
+        EngineSpec(host, 8000)
+    assert EngineSpec("[::1]", 8000).address == "[::1]:8000"
+
+
+def test_resolve_engines_matches_any_spelling_of_an_address() -> None:
+    # "0:0:0:0:0:0:0:1" and "[::1]" are one address: the scraper and the KV feed added a second
+    # endpoint for an engine the pool had under its name, and routed to both.
+    from llmsched import Endpoint, EndpointPool
+    from llmsched.integrations import resolve_engines
+
+    pool = EndpointPool(
+        [
+            Endpoint("engine-a", address="[::1]:8000"),
+            Endpoint("engine-b", address="http://Engine-B.local:9000/"),
+        ]
+    )
+    engines = [EngineSpec("0:0:0:0:0:0:0:1", 8000), EngineSpec("engine-b.local", 9000)]
+    assert [e.worker_id for e in resolve_engines(engines, pool)] == ["engine-a", "engine-b"]
+    named = EngineSpec("0::1", 8000, name="engine-a")
+    assert resolve_engines([named], pool) == [named]
+    with pytest.raises(ConfigError, match="is at"):
+        resolve_engines([EngineSpec("::2", 8000, name="engine-a")], pool)

@@ -5,8 +5,11 @@ cut streams, server errors with backoff, and the periodic resync."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -271,3 +274,302 @@ def test_the_fake_server_stops_at_once_with_a_watch_whose_client_left() -> None:
         assert api.watches == 1
 
     run(body())
+
+
+# -- probe 50: a hostile or broken API server ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"kind": "Status", "status": "Failure"}',  # no type, no object, no code
+        b'{"type": "BOOKMARK", "object": {"kind": "Pod"}}',  # a bookmark with no version
+        b"[1, 2]",
+        b"not json",
+        b'{"type": "ADDED", "object": {"metadata": {"name": 5, "resourceVersion": "9"}}}',
+        b'{"type": "ADDED", "object": {"metadata": {"name": "x"}}}',
+        b'{"type": "RESTARTED", "object": {"metadata": {"resourceVersion": "9"}}}',
+        # Longer than the client reads as one line (aiohttp's LineTooLong, a bare Exception).
+        pytest.param(b'{"type": "' + b"A" * (5 << 20) + b'"}', id="a-5-MiB-line"),
+    ],
+)
+def test_garbage_on_the_watch_does_not_end_discovery(line: bytes) -> None:
+    # The client raises bare Exceptions for some lines, and a pod named 5 once stopped every
+    # later update (the publisher task died sorting names): discovery went quiet for good.
+    async def body() -> None:
+        async with rig() as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            r.api.send_raw(line)
+            await r.until(lambda: r.discovery.counters()["errors"] >= 1, "the error counted")
+            r.api.put_pod(NS, "b", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["a", "b"], "b after the garbage")
+
+    run(body())
+
+
+def test_a_failed_list_reports_the_api_message(caplog: pytest.LogCaptureFixture) -> None:
+    # The client leaves the status of a raw answer unchecked: a 403 (missing RBAC) was logged
+    # as "unreadable answer: KeyError('resourceVersion')", without the API's reason.
+    async def body() -> None:
+        async with rig() as r:
+            await r.discovery.synced.wait()
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            forbidden = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": 'pods is forbidden: User "x" cannot list resource "pods"',
+                "reason": "Forbidden",
+                "code": 403,
+            }
+            r.api.drop_watches()  # the next watch gets 410, then the list gets the 403
+            r.api.fail_next(
+                1,
+                200,
+                b'{"type": "ERROR", "object": {"code": 410, '
+                b'"reason": "Expired", "message": "too old"}}',
+            )
+            r.api.fail_next(1, 403, json.dumps(forbidden).encode())
+            await r.until(lambda: r.discovery.counters()["errors"] >= 1, "the error")
+            await r.until(lambda: r.discovery.counters()["lists"] >= 2, "the list again")
+            assert r.names() == ["a"]
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        run(body())
+    assert any("403" in m and "pods is forbidden" in m for m in caplog.messages), caplog.messages
+
+
+@pytest.mark.parametrize("status", [503, 200])
+def test_a_watch_that_ends_at_once_backs_off(status: int) -> None:
+    # A proxy with no backend answering at once with an empty body: the watcher reopened the
+    # watch at once, in a tight loop, without counting an error.
+    async def body() -> None:
+        async with rig() as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            r.api.fail_next(3, status, b"")
+            r.api.drop_watches()
+            await r.until(lambda: r.discovery.counters()["errors"] >= 3, "three errors")
+            r.api.put_pod(NS, "b", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["a", "b"], "b")
+
+    run(body())
+
+
+def test_an_unanswered_watch_times_out() -> None:
+    # The client's default is no timeout: a watch (or list) never answered stalled discovery.
+    async def body() -> None:
+        async with rig(watch_timeout_s=1.0, request_timeout_s=0.2) as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            r.api.hang_next(1)
+            r.api.drop_watches()
+            await r.until(lambda: r.discovery.counters()["errors"] >= 1, "a timeout")
+            r.api.put_pod(NS, "b", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["a", "b"], "b")
+
+    run(body())
+
+
+def _event(kind: str, name: str, version: int, **fields: Any) -> bytes:
+    metadata = {"name": name, "resourceVersion": str(version), "labels": APP}
+    metadata.update(fields.pop("metadata", {}))
+    return json.dumps({"type": kind, "object": {"metadata": metadata, **fields}}).encode()
+
+
+READY = [{"type": "Ready", "status": "True"}]
+
+
+def test_malformed_pods_are_skipped_and_discovery_goes_on() -> None:
+    # Fields of the wrong type killed the task that hands engines on: no update after that.
+    selector = PodSelector(NS, APP, 8000, role_label="role", kv_events_port=5557)
+    bad_pods: list[tuple[str, dict[str, Any], str | None]] = [
+        ("status-text", {"status": "Running"}, None),
+        (
+            "conditions-ints",
+            {"status": {"phase": "Running", "podIP": "10.0.1.1", "conditions": [1, None]}},
+            None,
+        ),
+        (
+            "ip-int",
+            {"status": {"phase": "Running", "podIP": 5, "conditions": READY}},
+            "is not an IP address",
+        ),
+        (
+            "ip-name",
+            {"status": {"phase": "Running", "podIP": "evil.example", "conditions": READY}},
+            "is not an IP address",
+        ),
+        (
+            "labels-list",
+            {
+                "metadata": {"labels": ["role"]},
+                "status": {"phase": "Running", "podIP": "10.0.1.2", "conditions": READY},
+            },
+            "labels are not an object",
+        ),
+        (
+            "Not_A_Pod_Name",
+            {"status": {"phase": "Running", "podIP": "10.0.1.3", "conditions": READY}},
+            "is not a pod name",
+        ),
+    ]
+
+    async def body() -> None:
+        async with rig(selector=selector) as r:
+            r.api.put_pod(NS, "a", APP, "10.0.0.1")
+            await r.until(lambda: r.names() == ["a"], "a")
+            for name, fields, _ in bad_pods:
+                r.api.send_raw(_event("ADDED", name, r.api.version, **fields))
+            r.api.put_pod(NS, "b", APP, "fd00::2")
+            await r.until(lambda: r.names() == ["a", "b"], "b after the malformed pods")
+            skipped = r.discovery.skipped_pods()
+            for name, _, why in bad_pods:
+                if why is None:
+                    assert name not in skipped, skipped  # not Ready: not an engine, quietly
+                else:
+                    assert why in skipped[name], skipped
+            b = r.discovery.engines()[1]
+            assert (b.address, b.kv_events) == ("[fd00::2]:8000", "tcp://[fd00::2]:5557")
+
+    run(body())
+
+
+def test_two_pods_at_one_address_are_one_engine(caplog: pytest.LogCaptureFixture) -> None:
+    # hostNetwork pods on one node, or an IP given again while a stale pod still reads Ready:
+    # both were routed to, as two engines that are one.
+    async def body() -> None:
+        async with rig() as r:
+            r.api.put_pod(NS, "old", APP, "10.0.0.1")
+            r.api.put_pod(NS, "new", APP, "10.0.0.1")
+            r.api.put_pod(NS, "other", APP, "10.0.0.2")
+            await r.until(lambda: r.names() == ["new", "other"], "one engine per address")
+            assert "also pod new's" in r.discovery.skipped_pods()["old"]
+            assert r.discovery.counters()["duplicates"] >= 1
+            r.api.put_pod(NS, "c", APP, "10.0.0.3")  # another update, the same duplicate
+            await r.until(lambda: r.names() == ["c", "new", "other"], "c")
+            r.api.delete_pod(NS, "new")
+            await r.until(lambda: r.names() == ["c", "old", "other"], "old takes over")
+            assert r.discovery.skipped_pods() == {}
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        run(body())
+    logged = [m for m in caplog.messages if "pod old is not routed to" in m]
+    assert len(logged) == 1, caplog.messages
+
+
+def test_a_set_on_change_refused_is_offered_again() -> None:
+    # engines() reported a set the receiver had refused, and the set was never offered again
+    # unless the pods changed once more.
+    async def body() -> None:
+        api = FakeKubeAPI(bookmark_s=0.1)
+        url = await api.start()
+        api_client = k8s.ApiClient(k8s.Configuration(host=url))
+        calls: list[tuple[str | None, ...]] = []
+
+        async def on_change(engines: tuple[EngineSpec, ...]) -> None:
+            calls.append(tuple(e.name for e in engines))
+            if len(calls) in (2, 3):
+                raise RuntimeError("the receiver is busy")
+
+        selector = PodSelector(NS, APP, 8000)
+        discovery = KubernetesDiscovery(
+            selector, on_change, api_client=api_client, settle_s=0.0, backoff_initial_s=0.05
+        )
+        task = asyncio.create_task(discovery.run())
+        try:
+            await discovery.synced.wait()
+            api.put_pod(NS, "a", APP, "10.0.0.1")
+            for _ in range(500):
+                if len(calls) >= 4:
+                    break
+                await asyncio.sleep(0.02)
+            assert calls == [(), ("a",), ("a",), ("a",)]
+            assert [e.name for e in discovery.engines()] == ["a"]
+            counters = discovery.counters()
+            assert (counters["callback_errors"], counters["updates"]) == (2, 2)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await api_client.close()
+            await api.stop()
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"resync_s": float("inf")}, "resync_s"),
+        ({"watch_timeout_s": float("inf")}, "watch_timeout_s"),
+        ({"watch_timeout_s": 10**400}, "watch_timeout_s"),
+        ({"settle_s": float("nan")}, "settle_s"),
+        ({"settle_s": True}, "settle_s"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+    ],
+)
+def test_discovery_numbers_are_checked(options: dict[str, Any], message: str) -> None:
+    # resync_s=inf ("never") was accepted and then ended the task (int(inf) in the watch).
+    async def noop(engines: tuple[EngineSpec, ...]) -> None:
+        return None
+
+    with pytest.raises(ConfigError, match=message):
+        KubernetesDiscovery(PodSelector(NS, APP, 8000), noop, **options)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"selector": {"app": "vllm,tier!=a"}}, "not a label value"),
+        ({"selector": {"app": "vllm, llama"}}, "not a label value"),
+        ({"selector": {"app": 1}}, "not a label value"),
+        ({"selector": {"a b": "x"}}, "not a label key"),
+        ({"namespace": "LLM"}, "namespace"),
+        ({"namespace": "llm/other"}, "namespace"),
+        ({"role_label": "role=x"}, "role_label"),
+        ({"labels": {"zone": 1}}, "labels"),
+        ({"labels": {"pod": "x"}}, "'pod'"),
+        ({"topic": 5}, "topic"),
+        ({"model": ""}, "model"),
+    ],
+)
+def test_pod_selector_refuses_what_kubernetes_would(fields: dict[str, Any], message: str) -> None:
+    # A selector value with a comma selected other pods than meant; labels, topic or model of
+    # the wrong type skipped every pod at run time instead of failing here.
+    raw: dict[str, Any] = {"namespace": NS, "selector": APP, "target_port": 8000, **fields}
+    with pytest.raises(ConfigError, match=message):
+        PodSelector.from_dict(raw)
+
+
+def test_pod_selector_from_dict_and_hash() -> None:
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        PodSelector.from_dict(["namespace"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown key 1"):
+        PodSelector.from_dict({1: "x", "namespace": NS})  # type: ignore[dict-item]
+    labels = {"app": "vllm"}
+    selector = PodSelector(NS, labels, 8000, role_label="llm-d.ai/role")
+    labels["app"] = "web"  # the caller's dict, changed later
+    assert selector.label_selector() == "app=vllm"
+    assert hash(selector) == hash(
+        PodSelector(NS, {"app": "vllm"}, 8000, role_label="llm-d.ai/role")
+    )
+
+
+def test_a_client_that_cannot_be_configured_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The client's ConfigException (a bare Exception) ended run() at once.
+    async def noop(engines: tuple[EngineSpec, ...]) -> None:
+        return None
+
+    selector = PodSelector(NS, APP, 8000)
+    missing = str(tmp_path / "no-kubeconfig")
+    with pytest.raises(ConfigError, match="cannot load kubeconfig"):
+        run(KubernetesDiscovery(selector, noop, kubeconfig=missing).run())
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ConfigError, match="in-cluster service account"):
+        run(KubernetesDiscovery(selector, noop).run())

@@ -670,3 +670,42 @@ def test_a_lone_surrogate_is_refused_when_the_request_is_built(
     schedule_sync (the class promises every field is checked when built)."""
     with pytest.raises(InvalidRequestError, match=f"^{argument}.* must be valid UTF-8"):
         ScheduleRequest(**fields)
+
+
+def test_an_engine_back_at_another_address_is_credited_with_no_cache() -> None:
+    # A StatefulSet pod rescheduled keeps its name (its worker id) but is a new process at a
+    # new IP: the index still credited it with the old one's blocks, so its prefixes went there.
+    from llmsched.integrations import EngineSpec
+
+    s = Scheduler(
+        [EngineSpec("10.0.0.1", 8000, name="vllm-0")], router="prefix-only", block_size=16
+    )
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        assert p.endpoint == "vllm-0"
+    assert s.index.match_tokens(PROMPT).as_dict() == {"vllm-0": 4}
+    relabelled = EngineSpec("10.0.0.1", 8000, name="vllm-0", labels={"zone": "a"})
+    assert s.set_engines([relabelled]) == ([], [], ["vllm-0"])
+    assert s.index.match_tokens(PROMPT).as_dict() == {"vllm-0": 4}, "the same process"
+    moved = EngineSpec("10.0.0.9", 8000, name="vllm-0")
+    assert s.set_engines([moved]) == ([], [], ["vllm-0"])
+    assert s.index.match_tokens(PROMPT).as_dict() == {}
+
+
+def test_one_address_under_two_ids_is_noted_once(caplog: pytest.LogCaptureFixture) -> None:
+    # Two names for one engine were taken silently: its load and cache counted apart (probe 50
+    # F14). Data-parallel ranks share an address and are not noted.
+    import logging
+
+    from llmsched.integrations import EngineSpec
+
+    a, b = EngineSpec("10.0.0.7", 8000, name="a"), EngineSpec("10.0.0.7", 8000, name="b")
+    rank1 = EngineSpec("10.0.0.7", 8000, dp_rank=1, name="a1")
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        s = Scheduler([a, b, rank1])
+        s.set_engines([a, b])  # the same pair again: not logged again
+    notes = [w for w in s.warnings if "10.0.0.7:8000" in w]
+    assert len(notes) == 1 and "'a', 'b'" in notes[0] and "rank 0" in notes[0], notes
+    assert s.stats()["config_warnings"] == len(s.warnings)
+    assert len([m for m in caplog.messages if "10.0.0.7:8000" in m]) == 1, caplog.messages
+    s.remove_engine("b")
+    assert not [w for w in s.warnings if "10.0.0.7:8000" in w]

@@ -763,6 +763,9 @@ class Scheduler:
             note = warn_flow_without_load(self.flow.config["saturation"], scrape=scrape)
             if note is not None:
                 self._warnings.append(note)
+        self._config_notes = list(self._warnings)
+        self._address_notes: list[str] = []
+        self._note_shared_addresses()
         self._subscriber: KVEventSubscriber | NativeKVEventSubscriber | None = None
         self._scraper: MetricsScraper | None = None
         self._scrape_task: asyncio.Task[None] | None = None
@@ -903,6 +906,7 @@ class Scheduler:
             raise ConfigError(f"engine {key!r} is already scheduled")
         self._engines[key] = checked
         self.pool.add(checked.endpoint)
+        self._note_shared_addresses()
         self._feeds_changed()
         return key
 
@@ -913,6 +917,7 @@ class Scheduler:
         if check_id("endpoint", endpoint) not in self._engines:
             raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
         self._forget(endpoint)
+        self._note_shared_addresses()
         self._feeds_changed()
 
     def _forget(self, endpoint: EndpointId) -> None:
@@ -930,8 +935,10 @@ class Scheduler:
     ) -> tuple[list[EndpointId], list[EndpointId], list[EndpointId]]:
         """Replaces the whole set of engines; returns the ids added, removed and changed.
         Engines kept keep their metrics, in-flight counts and index entries; a changed one
-        takes its new description and comes back into routing; removed ones leave every
-        registry. A repeated id raises ConfigError and changes nothing."""
+        takes its new description and comes back into routing (one now at another address
+        is another process, e.g. a StatefulSet pod rescheduled under its name, so its index
+        entries go: it holds none of that cache); removed ones leave every registry. A
+        repeated id raises ConfigError and changes nothing."""
         listed = self._checked_engines(engines)
         new = {e.endpoint.id: e for e in listed}
         added = [k for k in new if k not in self._engines]
@@ -944,13 +951,44 @@ class Scheduler:
         ]
         for key in removed:
             self._forget(key)
+        for key in changed:
+            if new[key].endpoint.address != self._engines[key].endpoint.address:
+                # Routing by the old entries sent its prefixes to a cache that is gone.
+                with contextlib.suppress(UnknownWorkerError):
+                    self.index.remove_worker(key)
         for key in added + changed:
             self._engines[key] = new[key]
             self._drained.discard(key)
             self.pool.add(new[key].endpoint)
         if added or removed or changed:
+            self._note_shared_addresses()
             self._feeds_changed()
         return added, removed, changed
+
+    def _note_shared_addresses(self) -> None:
+        """Notes engines under several ids at one address and rank (each note logged once
+        while it holds, in :attr:`warnings` and ``stats()["config_warnings"]``): one engine
+        counted as several, its load and cache split between ids (one address listed under
+        two names, perhaps once per model it serves)."""
+        from llmsched.integrations.identity import normal_address
+
+        by_address: dict[tuple[str, int], list[EndpointId]] = {}
+        for key, engine in self._engines.items():
+            if engine.endpoint.address:
+                rank = 0 if engine.spec is None else engine.spec.dp_rank
+                where = (normal_address(engine.endpoint.address), rank)
+                by_address.setdefault(where, []).append(key)
+        notes = [
+            f"engines {', '.join(map(repr, ids))} are all at {address} (rank {rank}): one "
+            "engine under several ids has its load and cache counted apart; list it once"
+            for (address, rank), ids in sorted(by_address.items())
+            if len(ids) > 1
+        ]
+        for note in notes:
+            if note not in self._address_notes:
+                log.warning("%s", note)
+        self._address_notes = notes
+        self._warnings = [*self._config_notes, *notes]
 
     def drain(self, endpoint: EndpointId) -> bool:
         """Takes an engine out of routing: no new request goes there, requests in flight

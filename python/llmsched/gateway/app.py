@@ -662,7 +662,7 @@ class Gateway:
         keeps the current engines (counted, and logged once per distinct error)."""
         # The first pass re-reads the file: it may have changed since the config was loaded
         # (a no-op when it did not).
-        seen: tuple[int, int] | None = (-1, -1)
+        seen: tuple[int, int, int] | None = (-1, -1, -1)
         errors = DiscoveryErrors()
         while True:
             await asyncio.sleep(self.config.discovery.interval_s)

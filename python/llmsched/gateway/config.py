@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmsched.config_loader import check_ints, load_mapping, parse_document, read_document
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidTypeError
 from llmsched.integrations import EngineSpec
 from llmsched.integrations.identity import wire_for_router
 from llmsched.types import ConfigInfo, KeyLimits
@@ -773,12 +773,13 @@ def wire_engines(config: GatewayConfig, engines: Iterable[EngineSpec]) -> tuple[
 
 def engine_set(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[str, EngineSpec]:
     """A new set of engines (discovery, the admin API) checked and wired as
-    :func:`wire_engines` does, by worker id. TypeError for an element that is not an
-    :class:`~llmsched.integrations.EngineSpec`; ConfigError for an empty or repeated set."""
+    :func:`wire_engines` does, by worker id. InvalidTypeError (a TypeError) for an element
+    that is not an :class:`~llmsched.integrations.EngineSpec`; ConfigError for an empty or
+    repeated set."""
     specs: dict[str, EngineSpec] = {}
     for spec in engines:
         if not isinstance(spec, EngineSpec):
-            raise TypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
+            raise InvalidTypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
         if spec.worker_id in specs:
             raise ConfigError(f"engines: {spec.worker_id} is listed twice")
         specs[spec.worker_id] = spec
@@ -893,13 +894,16 @@ def _read_yaml(path: Path, what: str) -> Any:
     return read_document(path, what=what, secret=True)
 
 
-def file_version(path: Path) -> tuple[int, int] | None:
-    """What tells a rewritten file apart (modification time and size); None if unreadable."""
+def file_version(path: Path) -> tuple[int, int, int] | None:
+    """What tells a rewritten file apart (inode, modification time and size); None if
+    unreadable. The inode tells apart a file replaced (renamed over, or a ConfigMap's new
+    data) by one of the same size within one tick of the file system's clock, which an
+    agent rewriting the file often does."""
     try:
         stat = path.stat()
     except OSError:
         return None
-    return stat.st_mtime_ns, stat.st_size
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
 class DiscoveryErrors:

@@ -545,7 +545,7 @@ class NativeGateway:
     async def _watch_discovery(self, path: Path) -> None:
         """Re-reads the discovery file when it changes; a file that cannot be read or checked
         keeps the current engines (logged once per distinct error, and counted)."""
-        seen: tuple[int, int] | None = (-1, -1)
+        seen: tuple[int, int, int] | None = (-1, -1, -1)
         errors = DiscoveryErrors()
         while True:
             await asyncio.sleep(self.config.discovery.interval_s)

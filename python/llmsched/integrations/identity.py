@@ -39,6 +39,7 @@ __all__ = [
     "ROLES",
     "EngineSpec",
     "endpoint_problem",
+    "normal_address",
     "resolve_engines",
     "wire_for_router",
     "worker_id",
@@ -59,6 +60,14 @@ def _host_part(host: str) -> str:
 def _check_host(host: object) -> str:
     if not isinstance(host, str) or not host or host != host.strip() or "/" in host:
         raise ConfigError(f"host must be a non-empty host name or address, got {host!r}")
+    if ":" in host:
+        # Only an IPv6 address has colons; "10.0.0.7:8000" became "[10.0.0.7:8000]:8000".
+        try:
+            ipaddress.IPv6Address(host.removeprefix("[").removesuffix("]"))
+        except ValueError:
+            raise ConfigError(
+                f"host {host!r} is not a host name or address (a port goes in port)"
+            ) from None
     return host
 
 
@@ -294,11 +303,26 @@ class EngineSpec:
         return cls(**dict(d))
 
 
-def _normal_address(address: str) -> str:
-    """``host:port`` of an endpoint address given with or without scheme and trailing slash."""
+def normal_address(address: str) -> str:
+    """``host:port`` of an endpoint address given with or without scheme and trailing slash,
+    in one spelling per address: an IP literal in its short form (``[0:0::1]`` is ``[::1]``),
+    a host name in lower case (DNS names are case-insensitive). Two spellings of one address
+    once made a second endpoint for an engine the pool already had.
+
+    >>> normal_address("http://[0:0:0:0:0:0:0:1]:8000/"), normal_address("Engine-A:80")
+    ('[::1]:8000', 'engine-a:80')
+    """
     for scheme in ("http://", "https://"):
         address = address.removeprefix(scheme)
-    return address.rstrip("/")
+    address = address.rstrip("/")
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return address.lower()
+    try:
+        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return address.lower()
+    return f"{_host_part(ip.compressed)}:{port}"
 
 
 def resolve_engines(engines: Iterable[EngineSpec], pool: EndpointPool) -> list[EngineSpec]:
@@ -319,16 +343,17 @@ def resolve_engines(engines: Iterable[EngineSpec], pool: EndpointPool) -> list[E
     addresses: dict[EndpointId, str] = {}
     for e in pool.endpoints():
         if e["address"]:
-            address = _normal_address(e["address"])
+            address = normal_address(e["address"])
             by_address.setdefault(address, []).append(e["id"])
             addresses[e["id"]] = address
     out = []
     for spec in engines:
         if not isinstance(spec, EngineSpec):
             raise InvalidTypeError(f"engines must be EngineSpec, got {type(spec).__name__}")
-        there = by_address.get(spec.address, [])
+        spec_address = normal_address(spec.address)
+        there = by_address.get(spec_address, [])
         if spec.name is not None:
-            if spec.name in addresses and addresses[spec.name] != spec.address:
+            if spec.name in addresses and addresses[spec.name] != spec_address:
                 raise ConfigError(
                     f"engine {spec.name!r} is at {spec.address} but the pool's endpoint "
                     f"{spec.name!r} is at {addresses[spec.name]}"

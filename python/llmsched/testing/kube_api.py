@@ -14,7 +14,8 @@ what a watcher depends on:
 - ``timeoutSeconds`` ends the stream cleanly.
 
 Faults for tests: :meth:`drop_watches` cuts every open watch stream, :meth:`fail_next` answers
-the next requests with an HTTP error.
+the next requests with an HTTP error (or any body), :meth:`hang_next` never answers them, and
+:meth:`send_raw` puts any line into a watch stream.
 
 >>> api = FakeKubeAPI()
 >>> api.put_pod("ns", "a", {"app": "vllm"}, "10.0.0.1")
@@ -131,7 +132,9 @@ class FakeKubeAPI:
         self._changed = asyncio.Event()
         # Open watch streams: the transport of each, to cut it.
         self._watches: dict[web.StreamResponse, asyncio.BaseTransport | None] = {}
-        self._failures: list[int] = []
+        self._failures: list[tuple[int, bytes | None]] = []
+        self._hangs = 0
+        self._raw_lines: list[bytes] = []
         self.lists = 0
         self.watches = 0
         self.gone = 0
@@ -154,9 +157,16 @@ class FakeKubeAPI:
         phase: str = "Running",
         deleting: bool = False,
     ) -> int:
-        """Creates or replaces a pod; returns the new resource version."""
+        """Creates or replaces a pod; returns the new resource version. A new pod's
+        ``creationTimestamp`` is later than every earlier pod's."""
         before = self._pods.get((namespace, name))
         self.version += 1
+        created = (
+            before["metadata"]["creationTimestamp"]
+            if before is not None
+            else f"2026-01-01T{self.version // 3600 % 24:02d}:{self.version // 60 % 60:02d}:"
+            f"{self.version % 60:02d}Z"
+        )
         status: dict[str, Any] = {
             "phase": phase,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
@@ -169,6 +179,7 @@ class FakeKubeAPI:
             "uid": f"uid-{namespace}-{name}",
             "labels": dict(labels),
             "resourceVersion": str(self.version),
+            "creationTimestamp": created,
         }
         if deleting:
             metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
@@ -213,9 +224,20 @@ class FakeKubeAPI:
                 transport.abort()
         self._watches.clear()
 
-    def fail_next(self, count: int, status: int = 500) -> None:
-        """The next ``count`` requests get HTTP ``status``."""
-        self._failures.extend([status] * count)
+    def fail_next(self, count: int, status: int = 500, body: bytes | None = None) -> None:
+        """The next ``count`` requests get HTTP ``status``, with ``body`` (None: the API's
+        JSON ``Status`` object)."""
+        self._failures.extend([(status, body)] * count)
+
+    def hang_next(self, count: int) -> None:
+        """The next ``count`` requests get no answer at all (until :meth:`stop`)."""
+        self._hangs += count
+
+    def send_raw(self, line: bytes) -> None:
+        """Sends ``line`` (newline added) on the next watch stream that wakes, which then goes
+        on as before: a server or proxy that answers garbage."""
+        self._raw_lines.append(line)
+        self._wake_watches()
 
     def _record(
         self, namespace: str, before: Pod | None, after: Pod | None, gone: Pod | None = None
@@ -259,8 +281,15 @@ class FakeKubeAPI:
             self._runner = None
 
     async def _pods_handler(self, request: web.Request) -> web.StreamResponse:
+        if self._hangs:
+            self._hangs -= 1
+            while not self._stopping:
+                await asyncio.sleep(0.02)
+            raise web.HTTPServiceUnavailable()
         if self._failures:
-            status = self._failures.pop(0)
+            status, raw = self._failures.pop(0)
+            if raw is not None:
+                return web.Response(body=raw, status=status, content_type="application/json")
             return web.json_response(_status(status, "InternalError", "injected"), status=status)
         namespace = request.match_info["namespace"]
         query = request.query
@@ -305,6 +334,8 @@ class FakeKubeAPI:
             end = loop.time() + timeout
             while loop.time() < end and not self._stopping:
                 changed = self._changed
+                while self._raw_lines:
+                    await response.write(self._raw_lines.pop(0) + b"\n")
                 for change in self._changes:
                     if change.version <= since or change.namespace != namespace:
                         continue
