@@ -739,8 +739,14 @@ class Scheduler:
         self._retry_after_s = retry_after_s
         self._engines: dict[EndpointId, _Engine] = {}
         self._drained: set[EndpointId] = set()
+        # Engines by (address, rank), kept as they change, so that a note on one address
+        # under several ids costs each change O(1), not a pass over every engine.
+        self._engine_place: dict[EndpointId, tuple[str, int]] = {}
+        self._at_place: dict[tuple[str, int], dict[EndpointId, None]] = {}
+        self._shared_places: set[tuple[str, int]] = set()
         for engine in listed:
             self._engines[engine.endpoint.id] = engine
+            self._enter_place(engine.endpoint.id)
         self.pool.add_many(engine.endpoint for engine in listed)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -905,6 +911,7 @@ class Scheduler:
         if key in self._engines:
             raise ConfigError(f"engine {key!r} is already scheduled")
         self._engines[key] = checked
+        self._enter_place(key)
         self.pool.add(checked.endpoint)
         self._note_shared_addresses()
         self._feeds_changed()
@@ -921,6 +928,7 @@ class Scheduler:
         self._feeds_changed()
 
     def _forget(self, endpoint: EndpointId) -> None:
+        self._leave_place(endpoint)
         del self._engines[endpoint]
         self._drained.discard(endpoint)
         with contextlib.suppress(UnknownEndpointError):
@@ -957,7 +965,9 @@ class Scheduler:
                 with contextlib.suppress(UnknownWorkerError):
                     self.index.remove_worker(key)
         for key in added + changed:
+            self._leave_place(key)
             self._engines[key] = new[key]
+            self._enter_place(key)
             self._drained.discard(key)
             self.pool.add(new[key].endpoint)
         if added or removed or changed:
@@ -965,24 +975,43 @@ class Scheduler:
             self._feeds_changed()
         return added, removed, changed
 
+    def _enter_place(self, key: EndpointId) -> None:
+        """Files engine ``key`` under its (address, rank)."""
+        from llmsched.integrations.identity import normal_address
+
+        engine = self._engines[key]
+        if not engine.endpoint.address:
+            return
+        rank = 0 if engine.spec is None else engine.spec.dp_rank
+        place = (normal_address(engine.endpoint.address), rank)
+        self._engine_place[key] = place
+        there = self._at_place.setdefault(place, {})
+        there[key] = None
+        if len(there) > 1:
+            self._shared_places.add(place)
+
+    def _leave_place(self, key: EndpointId) -> None:
+        """Takes engine ``key`` out of its (address, rank), if filed."""
+        place = self._engine_place.pop(key, None)
+        if place is None:
+            return
+        there = self._at_place[place]
+        del there[key]
+        if len(there) < 2:
+            self._shared_places.discard(place)
+        if not there:
+            del self._at_place[place]
+
     def _note_shared_addresses(self) -> None:
         """Notes engines under several ids at one address and rank (each note logged once
         while it holds, in :attr:`warnings` and ``stats()["config_warnings"]``): one engine
         counted as several, its load and cache split between ids (one address listed under
         two names, perhaps once per model it serves)."""
-        from llmsched.integrations.identity import normal_address
-
-        by_address: dict[tuple[str, int], list[EndpointId]] = {}
-        for key, engine in self._engines.items():
-            if engine.endpoint.address:
-                rank = 0 if engine.spec is None else engine.spec.dp_rank
-                where = (normal_address(engine.endpoint.address), rank)
-                by_address.setdefault(where, []).append(key)
         notes = [
-            f"engines {', '.join(map(repr, ids))} are all at {address} (rank {rank}): one "
-            "engine under several ids has its load and cache counted apart; list it once"
-            for (address, rank), ids in sorted(by_address.items())
-            if len(ids) > 1
+            f"engines {', '.join(map(repr, self._at_place[place]))} are all at {place[0]} "
+            f"(rank {place[1]}): one engine under several ids has its load and cache counted "
+            "apart; list it once"
+            for place in sorted(self._shared_places)
         ]
         for note in notes:
             if note not in self._address_notes:
