@@ -261,8 +261,14 @@ def test_a_refused_connection_is_confirmed_by_probes_before_ejection() -> None:
             for i in range(5):
                 assert (await r.complete(SYSTEM + f" refused {i}")).status == 200
             worker = _worker(r, home)
-            await until(lambda: r.gateway.health.state(worker) == "down")
-            assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 1
+            # The state turns before the ejection is counted and the engine leaves routing.
+            await until(
+                lambda: (
+                    r.gateway.health.state(worker) == "down"
+                    and r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 1
+                    and r.gateway.routable_endpoints() == [_worker(r, 1 - home)]
+                )
+            )
             # Confirmed by failed probes (unhealthy_threshold), not by the request alone.
             failed = r.metric(
                 "llmsched_gateway_health_probes_total", endpoint=worker, result="failed"
@@ -284,8 +290,13 @@ def test_active_checks_take_an_engine_down_and_bring_it_back() -> None:
                 assert (await r.complete(f"while down {i}")).status == 200
             assert not r.engines[0].received
             r.engines[0].health_status = 200
-            await until(lambda: r.gateway.health.state(worker) == "up")
-            assert sorted(r.gateway.routable_endpoints()) == sorted([worker, _worker(r, 1)])
+            # The state turns before the engine is back in routing.
+            await until(
+                lambda: (
+                    r.gateway.health.state(worker) == "up"
+                    and sorted(r.gateway.routable_endpoints()) == sorted([worker, _worker(r, 1)])
+                )
+            )
             assert r.metric("llmsched_gateway_endpoint_up", endpoint=worker) == 1
 
     run(body())
