@@ -5,9 +5,7 @@ marked ``python_feed_only`` (it reads the Python subscriber's own internals)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -985,45 +983,15 @@ def _ready_command(socket_type: bytes) -> bytes:
     return b"\x04" + bytes([len(body)]) + body
 
 
-class _OversizedPublisher:
-    """A TCP listener that completes the ZMTP handshake as a PUB on every connection, then
-    declares one frame of ``declared`` bytes and sends no body; it never closes a connection
-    itself (until :meth:`close`), so a drop can only be the subscriber's."""
-
-    def __init__(self, declared: int) -> None:
-        self.wire = GREETING + _ready_command(b"PUB") + b"\x02" + declared.to_bytes(8, "big")
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.1)
-        self.endpoint = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.conns: list[socket.socket] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            self.conns.append(conn)
-            with contextlib.suppress(OSError):  # the native feed's bare TCP probe, gone
-                conn.sendall(self.wire)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        for conn in self.conns:
-            conn.close()
-        self.sock.close()
-
-
 def test_a_frame_over_the_message_cap_drops_the_connection_at_its_header() -> None:
     """A publisher declaring a 100 MiB frame (over the 64 MiB cap) is dropped as soon as the
     header arrives, without allocating it: before, the Python subscriber's libzmq had no cap,
     allocated any size that memory allowed and waited for the body (the peer here never closes
     a connection, so only the subscriber can end it)."""
-    peer = _OversizedPublisher(100 << 20)
+    # The handshake as a PUB, then a frame header declaring 100 MiB and no body.
+    peer = HostileListener(
+        GREETING + _ready_command(b"PUB") + b"\x02" + (100 << 20).to_bytes(8, "big")
+    )
     index = PrefixIndex(block_size=BLOCK)
     spec = EngineSpec("127.0.0.1", 8000, kv_events=peer.endpoint, topic="kv@a")
     try:
