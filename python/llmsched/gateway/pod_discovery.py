@@ -109,11 +109,6 @@ class PodDiscovery:
             settle_s=config.settle_s,
         )
         self._task = asyncio.create_task(self._watch(self._watcher))
-        log.info(
-            "kubernetes discovery: watching pods %s in namespace %s",
-            selector.label_selector(),
-            selector.namespace,
-        )
 
     async def stop(self) -> None:
         """Cancels the watcher and closes the API client (a no-op when not started)."""
