@@ -571,3 +571,14 @@ def test_the_section_reaches_the_pod_selector(tmp_path: Path) -> None:
     )
     assert (selector.topic, selector.labels) == ("kv", {"pool": "a"})
     assert section.kubeconfig == tmp_path / "kubeconfig"
+
+
+def test_the_docs_example_config_loads() -> None:
+    """The gateway config of docs/kubernetes.md's "In `llmsched serve`" section is valid."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md").read_text()
+    section = page.split("## In `llmsched serve`", 1)[1]
+    example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = load_config(yaml.safe_load(example))
+    kubernetes = config.discovery.kubernetes
+    assert kubernetes is not None and kubernetes.kubeconfig is None
+    assert kubernetes.pod_selector().label_selector() == "app=vllm-llama"
