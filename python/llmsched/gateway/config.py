@@ -270,7 +270,11 @@ class KubernetesConfig:
     ``metrics_path``, ``kv_events_bind``, a model, topic or labels of its own) is not
     offered: every selected pod is one rank-0 engine with ``/metrics``, the subscriber
     connects to its KV-event port, and ``model``, ``topic`` and ``labels`` hold for all of
-    them (one section selects one kind of engine)."""
+    them (one section selects one kind of engine).
+
+    >>> KubernetesConfig("llm", {"app": "vllm"}, 8000).pod_selector().label_selector()
+    'app=vllm'
+    """
 
     namespace: str
     selector: Mapping[str, str] | str

@@ -2,7 +2,8 @@
 
 Python reads and checks the YAML config (:func:`~llmsched.gateway.config.load_config`, the one
 loader), builds the pool, prefix index and router (a :class:`~llmsched.Scheduler`, whose
-KV-event subscriber keeps feeding the index), watches the discovery file, and then starts the
+KV-event subscriber keeps feeding the index), watches the discovery file (or the pods of
+``discovery.kubernetes``, :mod:`llmsched.gateway.pod_discovery`), and then starts the
 Rust gateway (``llmsched-gateway``) in-process on its own runtime thread, handing it the router
 itself: both sides share one pool, one index and one set of in-flight counts. Every request
 is served in Rust (auth, limits, flow control, routing, proxying, metrics), and the engines'
