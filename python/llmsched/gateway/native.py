@@ -283,7 +283,8 @@ _NO_ENGINE = ("llmsched-no-engine", "http://127.0.0.1:9")
 first list, or with no Ready pod): the Rust gateway refuses an empty upstream set, so it holds
 this one, which is never in the shared pool and so never routable (requests get a 503
 ``no-endpoints``, ``/ready`` a 503). Its health probes fail at once (loopback's discard port)
-and show on ``/metrics`` under this id."""
+and show on ``/metrics``, and ``GET /admin/engines`` lists it, under this id. (A Rust gateway
+that takes an empty set would make it unnecessary.)"""
 
 
 def _upstreams(specs: Iterable[EngineSpec]) -> list[tuple[str, str]]:
