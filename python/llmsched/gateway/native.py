@@ -404,11 +404,11 @@ class NativeGateway:
         cfg = self.config
         await self.scheduler.start()
         self._loop = asyncio.get_running_loop()
-        native = native_config(cfg, self._specs.values())
-        native["engines"] = [
-            {"id": id_, "url": url} for id_, url in _upstreams(self._specs.values())
+        settings = native_config(cfg, self._specs.values())
+        settings["engines"] = [
+            {"id": worker, "url": url} for worker, url in _upstreams(self._specs.values())
         ]
-        text = json.dumps(native)
+        text = json.dumps(settings)
         try:
             self._native = _llmsched.NativeGateway(
                 text,
