@@ -85,6 +85,8 @@ def _known_keys(section: str) -> list[str]:
         base["zzUnknown"] = 1
     elif section == "auth.api_keys.<key>":
         base["auth"] = {"api_keys": {"sk-docs-0000000001": {"tenant": "t", "zzUnknown": 1}}}
+    elif section == "discovery.kubernetes":
+        base["discovery"] = {"kubernetes": {"zzUnknown": 1}}
     else:
         base[section] = {"zzUnknown": 1}
     try:
@@ -134,6 +136,15 @@ def _gateway() -> list[str]:
                 _doc(gw.ApiKey),
                 "",
                 *_dataclass_rows(gw.ApiKey, _known_keys("auth.api_keys.<key>")),
+                "",
+            ]
+        if key == "discovery":
+            lines += [
+                "#### `discovery.kubernetes`",
+                "",
+                _doc(gw.KubernetesConfig),
+                "",
+                *_dataclass_rows(gw.KubernetesConfig, _known_keys("discovery.kubernetes")),
                 "",
             ]
     lines += [

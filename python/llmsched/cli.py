@@ -413,6 +413,12 @@ def _run_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await gateway.start()
         engines = ", ".join(spec.worker_id for spec in gateway.config.engines)
+        pods = gateway.config.discovery.kubernetes
+        if pods is not None:  # no engine until the first list of pods
+            selector = pods.selector
+            if not isinstance(selector, str):
+                selector = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+            engines = f"the pods {selector} of namespace {pods.namespace}"
         plane = gateway.config.data_plane
         print(
             f"llmsched serve: listening on {gateway.url} in front of {engines} "

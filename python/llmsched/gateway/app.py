@@ -76,6 +76,7 @@ from llmsched.gateway.config import (
 from llmsched.gateway.engine_models import EngineModelCheck
 from llmsched.gateway.health import EngineHealth
 from llmsched.gateway.metrics import GatewayMetrics
+from llmsched.gateway.pod_discovery import PodDiscovery
 from llmsched.gateway.ratelimit import KeyLimiter, retry_after
 from llmsched.gateway.responses import (
     ResponseIdScan,
@@ -375,6 +376,14 @@ class Gateway:
         )
         """Each engine's ``/v1/models`` against ``models`` and ``lora_adapters``."""
         self.model_check.set_engines(self._specs.values())
+        self.kubernetes: PodDiscovery | None = None
+        """Kubernetes discovery (``discovery.kubernetes``; None when off)."""
+        if cfg.discovery.kubernetes is not None:
+            self.kubernetes = PodDiscovery(
+                cfg.discovery.kubernetes,
+                self,
+                on_error=lambda: self.metrics.discovery_errors.inc(),
+            )
         self.metrics = GatewayMetrics(
             flow=self.flow,
             index=self.index,
@@ -384,6 +393,7 @@ class Gateway:
             scrapes=self._scrape_snapshot,
             model_findings=self.model_check.findings,
             kv_failing=self._kv_failing,
+            kubernetes=None if self.kubernetes is None else self.kubernetes.stats,
         )
         self._bodies = _BodyBudget(cfg.limits.max_body_bytes_in_flight)
         self.metrics.body_bytes_in_flight.set_function(lambda: self._bodies.held)
@@ -522,6 +532,8 @@ class Gateway:
             await self.cluster.start()
         if cfg.discovery.file is not None:
             self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
+        if self.kubernetes is not None:
+            await self.kubernetes.start()
         self._nothing_routable = asyncio.Event()
         self._health_task = asyncio.create_task(self.health.run())
         self._watch_task = asyncio.create_task(self._watch_routable())
@@ -602,6 +614,8 @@ class Gateway:
                     await task
         self._discovery_task = self._health_task = self._watch_task = None
         self._model_check_task = self._send_guard_task = self._send_guard = None
+        if self.kubernetes is not None:
+            await self.kubernetes.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         await self.scheduler.stop()
@@ -619,16 +633,20 @@ class Gateway:
 
     @property
     def engines(self) -> list[EngineSpec]:
-        """The engines requests may go to now (from ``engines``, or the discovery file)."""
+        """The engines requests may go to now (from ``engines``, the discovery file or the
+        pods Kubernetes discovery selects)."""
         return list(self._specs.values())
 
-    async def set_engines(self, engines: Iterable[EngineSpec]) -> tuple[list[str], list[str]]:
+    async def set_engines(
+        self, engines: Iterable[EngineSpec], *, allow_empty: bool = False
+    ) -> tuple[list[str], list[str]]:
         """Replace the set of engines (what discovery calls); returns the worker ids added and
         removed. Engines kept keep their metrics, in-flight counts and index entries; removed
         ones leave the pool, the flow controller and the index; a running gateway restarts its
         KV-event subscriber (which catches up from the replay sockets) and its scraper on the
-        new set. An empty or repeated set raises ConfigError and changes nothing."""
-        specs = engine_set(self.config, engines)
+        new set. A repeated set, or an empty one unless ``allow_empty`` (then requests get a
+        503 and ``/ready`` says not ready), raises ConfigError and changes nothing."""
+        specs = engine_set(self.config, engines, allow_empty=allow_empty)
         for spec in specs.values():
             check_engine_url(spec)  # before anything changes
         # Pool, flow controller, index and feeds in one call; a changed engine starts over as
@@ -653,6 +671,8 @@ class Gateway:
         for worker in added:
             self.response_owners.engine_joined(worker)
         self.metrics.engines_changed.inc(len(added) + len(removed) + len(changed))
+        # At once, not at the next check: engines that came after none take requests now.
+        self._note_routable()
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
         await self.scheduler.feeds_settled()  # started: the feeds follow the new set
         return added, removed
@@ -741,13 +761,17 @@ class Gateway:
 
     async def _watch_routable(self) -> None:
         """Keeps ``_nothing_routable`` current (scrapes and probes change it)."""
-        assert self._nothing_routable is not None
         while True:
+            self._note_routable()
+            await asyncio.sleep(_ROUTABLE_CHECK_S)
+
+    def _note_routable(self) -> None:
+        """``_nothing_routable`` as the engines are now (a no-op before :meth:`start`)."""
+        if self._nothing_routable is not None:
             if self.routable_endpoints():
                 self._nothing_routable.clear()
             else:
                 self._nothing_routable.set()
-            await asyncio.sleep(_ROUTABLE_CHECK_S)
 
     def _routing_changed(self, worker: str, routable: bool) -> None:
         """The health model took an engine out of routing or brought it back."""
@@ -756,11 +780,7 @@ class Gateway:
                 self.scheduler.resume(worker)
             else:
                 self.scheduler.drain(worker)
-        if self._nothing_routable is not None:
-            if self.routable_endpoints():
-                self._nothing_routable.clear()
-            else:
-                self._nothing_routable.set()
+        self._note_routable()
 
     async def _probe(self, worker: str) -> bool:
         """One health probe: ``GET <engine><health.path>`` answered 200 within the timeout."""

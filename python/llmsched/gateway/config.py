@@ -34,6 +34,7 @@ from llmsched.types import ConfigInfo, KeyLimits
 
 if TYPE_CHECKING:
     from llmsched.cluster import ClusterSync
+    from llmsched.integrations.kubernetes import PodSelector
     from llmsched.prefix_index import PrefixIndex
     from llmsched.routing import Router
 
@@ -51,6 +52,7 @@ __all__ = [
     "GatewayConfig",
     "HealthConfig",
     "IndexConfig",
+    "KubernetesConfig",
     "LimitsConfig",
     "ListenConfig",
     "PdConfig",
@@ -246,6 +248,83 @@ class SlicesConfig:
 
 
 @dataclass(frozen=True)
+class KubernetesConfig:
+    """Engines discovered from the Kubernetes API (``discovery.kubernetes``): the Ready pods
+    of ``namespace`` that ``selector`` picks (a mapping of labels that must all match, or a
+    label-selector string such as ``"app=vllm,tier in (a,b)"``), each an engine at
+    ``<pod IP>:<target_port>`` named after its pod (see
+    :mod:`llmsched.integrations.kubernetes`). Needs the ``kubernetes`` extra.
+
+    ``role_label``: the pod label holding its P/D role (``prefill``, ``decode``, ``both``);
+    ``kv_events_port`` / ``replay_port``: the ports of each pod's KV-event publisher and replay
+    socket (``tcp://<pod IP>:<port>``), published with ``topic``; ``model``: the model every
+    pod serves (null: any); ``labels``: labels every engine gets besides ``pod``.
+    ``kubeconfig``: a kubeconfig file (relative to the config file); null: the in-cluster
+    service account. The rest tune the watcher, with its own defaults: ``resync_s`` (a full
+    list even while the watch is healthy), ``watch_timeout_s`` (the server ends each watch
+    after it), ``request_timeout_s`` (an unanswered request or silent watch is cut),
+    ``backoff_initial_s`` / ``backoff_max_s`` (the pause after an error, doubling) and
+    ``settle_s`` (changes within it are handed on as one).
+
+    What an ``engines`` entry can say per engine and a pod cannot (``dp_rank``,
+    ``metrics_path``, ``kv_events_bind``, a model, topic or labels of its own) is not
+    offered: every selected pod is one rank-0 engine with ``/metrics``, the subscriber
+    connects to its KV-event port, and ``model``, ``topic`` and ``labels`` hold for all of
+    them (one section selects one kind of engine).
+
+    >>> KubernetesConfig("llm", {"app": "vllm"}, 8000).pod_selector().label_selector()
+    'app=vllm'
+    """
+
+    namespace: str
+    selector: Mapping[str, str] | str
+    target_port: int
+    role_label: str | None = None
+    kv_events_port: int | None = None
+    replay_port: int | None = None
+    topic: str = ""
+    model: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    kubeconfig: Path | None = None
+    resync_s: float = 300.0
+    watch_timeout_s: float = 240.0
+    request_timeout_s: float = 30.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    settle_s: float = 0.1
+
+    def pod_selector(self) -> PodSelector:
+        """The :class:`~llmsched.integrations.kubernetes.PodSelector` of these keys (needs
+        the ``kubernetes`` extra: ConfigError naming it otherwise)."""
+        return _pod_selector(
+            {name: getattr(self, name) for name in _SELECTOR_KEYS}, "discovery.kubernetes"
+        )
+
+
+_SELECTOR_KEYS = (
+    "namespace",
+    "selector",
+    "target_port",
+    "role_label",
+    "kv_events_port",
+    "replay_port",
+    "topic",
+    "model",
+    "labels",
+)
+"""The keys of ``discovery.kubernetes`` that :class:`PodSelector` takes (and checks)."""
+
+_WATCH_SECONDS = (
+    "resync_s",
+    "watch_timeout_s",
+    "request_timeout_s",
+    "backoff_initial_s",
+    "backoff_max_s",
+)
+"""The watcher's timings in ``discovery.kubernetes`` (seconds > 0; ``settle_s`` may be 0)."""
+
+
+@dataclass(frozen=True)
 class DiscoveryConfig:
     """Engines listed in a file the gateway re-reads when it changes: a Kubernetes ConfigMap
     mounted as a volume, or a file any discovery agent rewrites. The file holds the same list
@@ -256,12 +335,16 @@ class DiscoveryConfig:
     ``left_grace_s``: an engine that leaves the set (the file, or ``DELETE /admin/engines``)
     may be back soon (a pod's readiness flapping); for this long the Responses API requests
     naming its stored responses get a 503 with ``Retry-After`` rather than a 404, and it gets
-    them back if it returns. Null: they are forgotten at once."""
+    them back if it returns. Null: they are forgotten at once.
+
+    ``kubernetes``: engines from the Kubernetes API instead (:class:`KubernetesConfig`), with
+    neither ``file`` nor ``engines``; ``interval_s`` and ``max_bytes`` are the file's alone."""
 
     file: Path | None = None
     interval_s: float = 2.0
     max_bytes: int = 1 << 20
     left_grace_s: float | None = 30.0
+    kubernetes: KubernetesConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -453,12 +536,15 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key (known: {', '.join(sorted(_TOP_KEYS))})")
     discovery = _discovery(_section(raw, "discovery"), base)
-    if discovery.file is None:
+    source = "discovery.file" if discovery.file is not None else "discovery.kubernetes"
+    if discovery.file is None and discovery.kubernetes is None:
         engines = _engines(raw.get("engines"))
     elif raw.get("engines") is not None:
-        raise ConfigError("engines: give either engines or discovery.file, not both")
-    else:
+        raise ConfigError(f"engines: give either engines or {source}, not both")
+    elif discovery.file is not None:
         engines = read_engines_file(discovery.file, max_bytes=discovery.max_bytes)
+    else:
+        engines = ()  # until the first list of pods
     models = _models(raw.get("models"))
     block_size = _int(raw, "block_size", GatewayConfig.block_size, "", low=1)
     tokenizer = _tokenizer(raw.get("tokenizer"), base)
@@ -771,11 +857,14 @@ def wire_engines(config: GatewayConfig, engines: Iterable[EngineSpec]) -> tuple[
     return _wire_specs(tuple(engines), config.models, config_info(config.router))
 
 
-def engine_set(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[str, EngineSpec]:
+def engine_set(
+    config: GatewayConfig, engines: Iterable[EngineSpec], *, allow_empty: bool = False
+) -> dict[str, EngineSpec]:
     """A new set of engines (discovery, the admin API) checked and wired as
     :func:`wire_engines` does, by worker id. InvalidTypeError (a TypeError) for an element
-    that is not an :class:`~llmsched.integrations.EngineSpec`; ConfigError for an empty or
-    repeated set."""
+    that is not an :class:`~llmsched.integrations.EngineSpec`; ConfigError for a repeated
+    set, or an empty one unless ``allow_empty`` (Kubernetes discovery: no Ready pod is no
+    engine, where an empty file or admin call is a mistake)."""
     specs: dict[str, EngineSpec] = {}
     for spec in engines:
         if not isinstance(spec, EngineSpec):
@@ -783,7 +872,7 @@ def engine_set(config: GatewayConfig, engines: Iterable[EngineSpec]) -> dict[str
         if spec.worker_id in specs:
             raise ConfigError(f"engines: {spec.worker_id} is listed twice")
         specs[spec.worker_id] = spec
-    if not specs:
+    if not specs and not allow_empty:
         raise ConfigError("engines: must list at least one engine")
     wired = wire_engines(config, specs.values())
     check_kv_transports(wired, config.data_plane, by_worker=True)
@@ -933,12 +1022,12 @@ class DiscoveryErrors:
             _log.error("discovery: keeping the current engines: %s", key, exc_info=exc)
 
 
-def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
+def _section(raw: Mapping[str, Any], key: str, name: str | None = None) -> dict[str, Any]:
     value = raw.get(key)
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{key}: must be a mapping")
+        raise ConfigError(f"{name or key}: must be a mapping")
     return dict(value)
 
 
@@ -1293,8 +1382,17 @@ def _discovery(raw: dict[str, Any], base: Path) -> DiscoveryConfig:
     max_bytes = _int(raw, "max_bytes", d.max_bytes, "discovery", low=1024, high=1 << 30)
     grace = _seconds(raw, "left_grace_s", d.left_grace_s, "discovery", nullable=True)
     file = raw.get("file")
+    kubernetes = None
+    if raw.get("kubernetes") is not None:
+        kubernetes = _kubernetes(_section(raw, "kubernetes", "discovery.kubernetes"), base)
+        if file is not None:
+            raise ConfigError(
+                "discovery: give either discovery.file or discovery.kubernetes, not both"
+            )
     if file is None:
-        return DiscoveryConfig(interval_s=interval, max_bytes=max_bytes, left_grace_s=grace)
+        return DiscoveryConfig(
+            interval_s=interval, max_bytes=max_bytes, left_grace_s=grace, kubernetes=kubernetes
+        )
     if not isinstance(file, (str, os.PathLike)) or not str(file):
         raise ConfigError(f"discovery.file: must be a path, got {file!r}")
     path = Path(file)
@@ -1304,6 +1402,70 @@ def _discovery(raw: dict[str, Any], base: Path) -> DiscoveryConfig:
         max_bytes=max_bytes,
         left_grace_s=grace,
     )
+
+
+def _kubernetes(raw: dict[str, Any], base: Path) -> KubernetesConfig:
+    prefix = "discovery.kubernetes"
+    _reject_unknown(raw, prefix, set(KubernetesConfig.__dataclass_fields__))
+    for key in ("namespace", "selector", "target_port"):
+        if key not in raw:
+            raise ConfigError(f"{prefix}.{key}: required")
+    _pod_selector({k: raw[k] for k in _SELECTOR_KEYS if k in raw}, prefix)  # its own checks
+    seconds = {
+        key: _required_seconds(raw, key, getattr(KubernetesConfig, key), prefix)
+        for key in _WATCH_SECONDS
+    }
+    if seconds["backoff_max_s"] < seconds["backoff_initial_s"]:
+        raise ConfigError(f"{prefix}.backoff_max_s: must be at least {prefix}.backoff_initial_s")
+    settle = raw.get("settle_s", KubernetesConfig.settle_s)
+    if isinstance(settle, bool) or not isinstance(settle, (int, float)) or not 0 <= settle < 1e9:
+        raise ConfigError(f"{prefix}.settle_s: must be a number of seconds >= 0, got {settle!r}")
+    kubeconfig = raw.get("kubeconfig")
+    path = None
+    if kubeconfig is not None:
+        if not isinstance(kubeconfig, (str, os.PathLike)) or not str(kubeconfig):
+            raise ConfigError(f"{prefix}.kubeconfig: must be a path, got {kubeconfig!r}")
+        path = base / kubeconfig
+        if not path.is_file():
+            raise ConfigError(f"{prefix}.kubeconfig: {str(path)!r} does not exist")
+    selector = raw["selector"]
+    return KubernetesConfig(
+        namespace=raw["namespace"],
+        selector=selector if isinstance(selector, str) else dict(selector),
+        target_port=raw["target_port"],
+        role_label=raw.get("role_label"),
+        kv_events_port=raw.get("kv_events_port"),
+        replay_port=raw.get("replay_port"),
+        topic=raw.get("topic", KubernetesConfig.topic),
+        model=raw.get("model"),
+        labels=dict(raw.get("labels") or {}),
+        kubeconfig=path,
+        settle_s=float(settle),
+        **seconds,
+    )
+
+
+def _pod_selector(fields: Mapping[str, Any], prefix: str) -> PodSelector:
+    """``PodSelector(**fields)``, its ConfigError naming the key under ``prefix``; a missing
+    ``kubernetes`` extra is a ConfigError saying what to install."""
+    try:
+        from llmsched.integrations.kubernetes import PodSelector
+    except ImportError as exc:
+        raise ConfigError(f"{prefix}: {exc}") from None
+    try:
+        return PodSelector(**fields)
+    except ConfigError as exc:
+        raise ConfigError(_under(prefix, str(exc), fields)) from None
+
+
+def _under(prefix: str, message: str, keys: Iterable[str]) -> str:
+    """``message`` of a check that names its key first (``"target_port must be ..."``,
+    ``"selector: ..."``) as ``"<prefix>.<key>: ..."``."""
+    for key in keys:
+        for separator in (": ", " "):
+            if message.startswith(key + separator):
+                return f"{prefix}.{key}: {message[len(key) + len(separator) :]}"
+    return f"{prefix}: {message}"
 
 
 def _index(raw: dict[str, Any]) -> IndexConfig:

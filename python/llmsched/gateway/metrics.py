@@ -9,7 +9,7 @@ are read when ``/metrics`` is scraped, by :class:`_StateCollector`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,9 +20,23 @@ from llmsched.gateway.engine_models import ModelFinding
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import EndpointInfo, FlowMetrics
 
-__all__ = ["GatewayMetrics", "cluster_metrics_text", "model_check_metrics_text"]
+if TYPE_CHECKING:
+    from llmsched.gateway.pod_discovery import PodDiscoveryStats
+
+__all__ = [
+    "DISCOVERY_ERRORS_HELP",
+    "GatewayMetrics",
+    "cluster_metrics_text",
+    "kubernetes_metrics_text",
+    "model_check_metrics_text",
+]
 
 PREFIX = "llmsched_gateway"
+
+DISCOVERY_ERRORS_HELP = (
+    "Discovery updates that failed: a discovery file that could not be read or checked, or a "
+    "set of Kubernetes engines the gateway refused (the current engines were kept)"
+)
 
 KV_FAILING_SOCKETS = f"{PREFIX}_kv_events_failing_sockets"
 KV_FAILING_HELP = (
@@ -53,6 +67,7 @@ class GatewayMetrics:
         scrapes: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         model_findings: Callable[[], list[ModelFinding]] | None = None,
         kv_failing: Callable[[], Mapping[str, str]] | None = None,
+        kubernetes: Callable[[], PodDiscoveryStats] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -199,15 +214,15 @@ class GatewayMetrics:
             registry=r,
         )
         self.discovery_errors = Counter(
-            f"{PREFIX}_discovery_errors",
-            "Discovery file reads that failed (the current engines were kept)",
-            registry=r,
+            f"{PREFIX}_discovery_errors", DISCOVERY_ERRORS_HELP, registry=r
         )
         r.register(
             _StateCollector(
                 flow, index, kv_counters, endpoints, cluster, scrapes, model_findings, kv_failing
             )
         )
+        if kubernetes is not None:
+            r.register(_LiveFamilies(lambda: list(_kubernetes_metrics(kubernetes()))))
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
@@ -371,6 +386,49 @@ def _model_mismatches(findings: list[ModelFinding]) -> Metric:
     return family
 
 
+def _kubernetes_metrics(stats: PodDiscoveryStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        f"{PREFIX}_kubernetes_synced",
+        "1 once the first list of pods has been offered (until then the gateway has no engines)",
+        value=1 if stats["synced"] else 0,
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_kubernetes_engines",
+        "Engines taken from the Ready pods last",
+        value=stats["engines"],
+    )
+    counters = CounterMetricFamily(
+        f"{PREFIX}_kubernetes_discovery",
+        "Kubernetes discovery counters (KubernetesDiscovery.counters: lists, watches, events, "
+        "errors, ...)",
+        labels=["counter"],
+    )
+    for name, value in sorted(stats["counters"].items()):
+        counters.add_metric([name], value)
+    yield counters
+    skipped = GaugeMetricFamily(
+        f"{PREFIX}_kubernetes_skipped_pod",
+        "Ready pods left out of the engines (1 each), with why",
+        labels=["pod", "reason"],
+    )
+    for pod, why in sorted(stats["skipped_pods"].items()):
+        skipped.add_metric([pod, why], 1)
+    yield skipped
+
+
+class _LiveFamilies(Collector):
+    """Families made afresh at each scrape."""
+
+    def __init__(self, families: Callable[[], list[Metric]]) -> None:
+        self._families = families
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families()
+
+
 class _Families(Collector):
     def __init__(self, families: list[Metric]) -> None:
         self._families = families
@@ -403,4 +461,21 @@ def model_check_metrics_text(findings: list[ModelFinding]) -> str:
     """
     registry = CollectorRegistry()
     registry.register(_Families([_model_mismatches(findings)]))
+    return generate_latest(registry).decode()
+
+
+def kubernetes_metrics_text(stats: PodDiscoveryStats) -> str:
+    """The Kubernetes discovery families of ``/metrics`` (``llmsched_gateway_kubernetes_*``)
+    for :meth:`llmsched.gateway.pod_discovery.PodDiscovery.stats`, as exposition text (the
+    native plane appends it to its own; the Python plane registers the same families).
+
+    >>> text = kubernetes_metrics_text({"synced": True, "engines": 1,
+    ...     "counters": {"lists": 1}, "skipped_pods": {"p": "bad role"}})
+    >>> 'llmsched_gateway_kubernetes_discovery_total{counter="lists"} 1.0' in text
+    True
+    >>> 'llmsched_gateway_kubernetes_skipped_pod{pod="p",reason="bad role"} 1.0' in text
+    True
+    """
+    registry = CollectorRegistry()
+    registry.register(_Families(list(_kubernetes_metrics(stats))))
     return generate_latest(registry).decode()

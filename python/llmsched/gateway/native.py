@@ -2,7 +2,8 @@
 
 Python reads and checks the YAML config (:func:`~llmsched.gateway.config.load_config`, the one
 loader), builds the pool, prefix index and router (a :class:`~llmsched.Scheduler`, whose
-KV-event subscriber keeps feeding the index), watches the discovery file, and then starts the
+KV-event subscriber keeps feeding the index), watches the discovery file (or the pods of
+``discovery.kubernetes``, :mod:`llmsched.gateway.pod_discovery`), and then starts the
 Rust gateway (``llmsched-gateway``) in-process on its own runtime thread, handing it the router
 itself: both sides share one pool, one index and one set of in-flight counts. Every request
 is served in Rust (auth, limits, flow control, routing, proxying, metrics), and the engines'
@@ -69,11 +70,14 @@ from llmsched.gateway.config import (
 )
 from llmsched.gateway.engine_models import EngineModelCheck
 from llmsched.gateway.metrics import (
+    DISCOVERY_ERRORS_HELP,
     KV_FAILING_HELP,
     KV_FAILING_SOCKETS,
     cluster_metrics_text,
+    kubernetes_metrics_text,
     model_check_metrics_text,
 )
+from llmsched.gateway.pod_discovery import PodDiscovery
 from llmsched.integrations import EngineSpec
 from llmsched.scheduler import Scheduler, warn_flow_without_load
 
@@ -274,6 +278,19 @@ def _flow_config(config: GatewayConfig) -> FlowConfig:
 # An admin call's engine change waits this long for the event loop at most.
 _ADMIN_WAIT_S = 60.0
 
+_NO_ENGINE = ("llmsched-no-engine", "http://127.0.0.1:9")
+"""The native gateway's upstream while Kubernetes discovery has found no engine (before the
+first list, or with no Ready pod): the Rust gateway refuses an empty upstream set, so it holds
+this one, which is never in the shared pool and so never routable (requests get a 503
+``no-endpoints``, ``/ready`` a 503). Its health probes fail at once (loopback's discard port)
+and show on ``/metrics``, and ``GET /admin/engines`` lists it, under this id. (A Rust gateway
+that takes an empty set would make it unnecessary.)"""
+
+
+def _upstreams(specs: Iterable[EngineSpec]) -> list[tuple[str, str]]:
+    """The native gateway's upstream set for ``specs`` (:data:`_NO_ENGINE` for none)."""
+    return [(s.worker_id, s.base_url) for s in specs] or [_NO_ENGINE]
+
 
 def _stale_after(config: GatewayConfig) -> float:
     return 3 * config.scrape.interval_s + config.scrape.timeout_s
@@ -345,6 +362,16 @@ class NativeGateway:
         on the event loop)."""
         self.model_check.set_engines(self._specs.values())
         self._model_check_task: asyncio.Task[None] | None = None
+        self.kubernetes: PodDiscovery | None = None
+        """Kubernetes discovery (``discovery.kubernetes``; None when off), run here, on the
+        event loop."""
+        if cfg.discovery.kubernetes is not None:
+            self.kubernetes = PodDiscovery(
+                cfg.discovery.kubernetes, self, on_error=self._count_discovery_error
+            )
+
+    def _count_discovery_error(self) -> None:
+        self._discovery_errors += 1
 
     def _set_context(self, context: int | None) -> None:
         """The engines' context length changed (what ``truncate_prompt_tokens: -1`` keeps)."""
@@ -377,7 +404,11 @@ class NativeGateway:
         cfg = self.config
         await self.scheduler.start()
         self._loop = asyncio.get_running_loop()
-        text = json.dumps(native_config(cfg, self._specs.values()))
+        settings = native_config(cfg, self._specs.values())
+        settings["engines"] = [
+            {"id": worker, "url": url} for worker, url in _upstreams(self._specs.values())
+        ]
+        text = json.dumps(settings)
         try:
             self._native = _llmsched.NativeGateway(
                 text,
@@ -408,6 +439,12 @@ class NativeGateway:
         if cfg.discovery.file is not None:
             self._discovery_task = asyncio.create_task(self._watch_discovery(cfg.discovery.file))
         self._model_check_task = asyncio.create_task(self.model_check.run())
+        if self.kubernetes is not None:
+            try:
+                await self.kubernetes.start()
+            except BaseException:
+                await self.stop()
+                raise
 
     async def stop(self) -> None:
         """Stops the native gateway (connections are closed), then the feeds."""
@@ -417,6 +454,8 @@ class NativeGateway:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._discovery_task = self._model_check_task = None
+        if self.kubernetes is not None:
+            await self.kubernetes.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         if self._native is not None:
@@ -464,13 +503,14 @@ class NativeGateway:
         subscriber's counters and failing sockets, replica sync's state and the engines' model
         check."""
         lines = [
-            "# HELP llmsched_gateway_discovery_errors_total Discovery file reads that failed "
-            "(the current engines were kept)",
+            f"# HELP llmsched_gateway_discovery_errors_total {DISCOVERY_ERRORS_HELP}",
             "# TYPE llmsched_gateway_discovery_errors_total counter",
             f"llmsched_gateway_discovery_errors_total {float(self._discovery_errors)}",
         ]
         cluster = "" if self.cluster is None else cluster_metrics_text(self.cluster.stats())
         cluster += model_check_metrics_text(self.model_check.findings())
+        if self.kubernetes is not None:
+            cluster += kubernetes_metrics_text(self.kubernetes.stats())
         subscriber = self.scheduler.subscriber
         failing = 0 if subscriber is None else len(subscriber.failing_sockets())
         lines += [
@@ -519,12 +559,15 @@ class NativeGateway:
         """The pool's endpoints (:meth:`llmsched.EndpointPool.endpoints`)."""
         return self.pool.endpoints()
 
-    async def set_engines(self, engines: Iterable[EngineSpec]) -> tuple[list[str], list[str]]:
+    async def set_engines(
+        self, engines: Iterable[EngineSpec], *, allow_empty: bool = False
+    ) -> tuple[list[str], list[str]]:
         """Replaces the set of engines (what discovery calls): the shared pool and index as
         :meth:`llmsched.gateway.Gateway.set_engines` does, then the native gateway's upstream
-        set; returns the worker ids added and removed. An empty or repeated set raises
+        set; returns the worker ids added and removed. A repeated set, or an empty one unless
+        ``allow_empty`` (then requests get a 503 and ``/ready`` says not ready), raises
         ConfigError and changes nothing."""
-        specs = engine_set(self.config, engines)
+        specs = engine_set(self.config, engines, allow_empty=allow_empty)
         check_kv_transports(specs.values(), "native", by_worker=True)
         for spec in specs.values():
             # Before anything changes: the Rust upstream set refuses such a URL after the
@@ -537,7 +580,7 @@ class NativeGateway:
         self._specs = specs
         self.model_check.set_engines(specs.values())
         if self._native is not None:
-            self._native.set_engines([(s.worker_id, s.base_url) for s in specs.values()])
+            self._native.set_engines(_upstreams(specs.values()))
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
         await self.scheduler.feeds_settled()
         return added, removed

@@ -54,7 +54,7 @@ from kubernetes_asyncio import config as k8s_config  # noqa: E402
 from kubernetes_asyncio import watch as k8s_watch  # noqa: E402
 from kubernetes_asyncio.client.exceptions import ApiException  # noqa: E402
 
-__all__ = ["KubernetesDiscovery", "PodSelector", "engines_from_pods"]
+__all__ = ["KubernetesDiscovery", "PodSelector", "engines_from_pods", "load_api_client"]
 
 log = logging.getLogger("llmsched")
 
@@ -369,6 +369,38 @@ def engines_from_pods(
     return tuple(kept)
 
 
+async def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
+    """A ``kubernetes_asyncio`` ``ApiClient`` for ``kubeconfig`` (a kubeconfig file's path;
+    its current context), or, when None, for the in-cluster service account (the token and
+    CA mounted into every pod). ConfigError saying which could not be loaded and why; the
+    caller closes the client.
+
+    >>> import asyncio
+    >>> asyncio.run(load_api_client("/no/such/kubeconfig"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: kubernetes discovery: cannot load kubeconfig '/no/such/...
+    """
+    configuration = k8s.Configuration()
+    try:
+        if kubeconfig is not None:
+            await k8s_config.load_kube_config(
+                config_file=kubeconfig, client_configuration=configuration
+            )
+        else:
+            k8s_config.load_incluster_config(  # type: ignore[no-untyped-call]
+                client_configuration=configuration
+            )
+    except Exception as exc:  # the client's ConfigException is a bare Exception
+        where = (
+            f"kubeconfig {kubeconfig!r}"
+            if kubeconfig is not None
+            else "the in-cluster service account (outside a cluster, pass kubeconfig)"
+        )
+        raise ConfigError(f"kubernetes discovery: cannot load {where}: {exc}") from exc
+    return k8s.ApiClient(configuration)
+
+
 class KubernetesDiscovery:
     """Keeps the engine set of a :class:`PodSelector` current (see the module doc).
 
@@ -472,28 +504,12 @@ class KubernetesDiscovery:
                 await api_client.close()
 
     async def _load_client(self) -> k8s.ApiClient:
-        configuration = k8s.Configuration()
         try:
-            if self._kubeconfig is not None:
-                await k8s_config.load_kube_config(
-                    config_file=self._kubeconfig, client_configuration=configuration
-                )
-            else:
-                # The service account's token and CA, mounted into every pod.
-                k8s_config.load_incluster_config(  # type: ignore[no-untyped-call]
-                    client_configuration=configuration
-                )
-        except Exception as exc:  # the client's ConfigException is a bare Exception
-            where = (
-                f"kubeconfig {self._kubeconfig!r}"
-                if self._kubeconfig is not None
-                else "the in-cluster service account (outside a cluster, pass kubeconfig)"
-            )
-            error = ConfigError(f"kubernetes discovery: cannot load {where}: {exc}")
+            return await load_api_client(self._kubeconfig)
+        except ConfigError as error:
             # Also logged: run() is a task, which its owner may await only at shutdown.
             log.error("%s", error)
-            raise error from exc
-        return k8s.ApiClient(configuration)
+            raise
 
     async def _list_and_watch(self, api: k8s.CoreV1Api) -> None:
         loop = asyncio.get_running_loop()

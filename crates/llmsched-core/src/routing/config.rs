@@ -167,8 +167,9 @@ const REFUSED: &[(&str, &str)] = &[
 const REFUSED_TYPES: &[(&str, &str)] = &[
     (
         "k8s-notification-source",
-        "is not supported: llmsched watches no Kubernetes objects; engines come from the \
-         gateway's `engines` or its discovery file",
+        "is not supported: the router watches no Kubernetes objects; engines come from the \
+         gateway's `engines`, its discovery file or its `discovery.kubernetes` section (the \
+         Ready pods of a label selector)",
     ),
     (
         "always-disagg-multimodal-decider",
