@@ -35,6 +35,7 @@ from llmsched.testing.openai_engine import FakeOpenAIEngine
 NS = "llm"
 APP = {"app": "vllm"}
 ROLE = "llm-d.ai/role"
+ADMIN_TOKEN = "admin-token-for-tests"
 
 
 def _loopback_aliases() -> bool:
@@ -108,6 +109,7 @@ def pods_config(tmp_path: Path, server: str, port: int, **fields: Any) -> dict[s
         "listen": {"port": 0},
         "scrape": {"enabled": False},
         "discovery": {"kubernetes": section},
+        "admin": {"token": ADMIN_TOKEN},
         **fields,
     }
 
@@ -132,6 +134,13 @@ class Client:
     async def metrics(self) -> str:
         async with self.session.get(self.url + "/metrics") as response:
             return await response.text()
+
+    async def admin_engines(self) -> list[str]:
+        """The engines ``GET /admin/engines`` lists (the config's admin token)."""
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        async with self.session.get(self.url + "/admin/engines", headers=headers) as response:
+            assert response.status == 200, await response.text()
+            return sorted(engine["worker_id"] for engine in (await response.json())["engines"])
 
     async def wait_routed(self, engine: FakeOpenAIEngine, what: str = "") -> None:
         """Sends requests until one reaches ``engine``."""
@@ -200,6 +209,7 @@ def test_ready_pods_become_engines_and_leave_routing(tmp_path: Path) -> None:
         ):
             await until(lambda: api.watches > 0)  # the first list came, with no pod
             await assert_no_engine(client)
+            assert await client.admin_engines() == []  # none, not a stand-in
 
             api.put_pod(NS, "engine-a", APP, "127.0.0.2")
             api.put_pod(NS, "not-selected", {"app": "other"}, "127.0.0.3")
@@ -215,6 +225,7 @@ def test_ready_pods_become_engines_and_leave_routing(tmp_path: Path) -> None:
 
             api.delete_pod(NS, "engine-b")
             await client.wait_refused()
+            assert await client.admin_engines() == []
             text = await client.metrics()
             assert counter(text, "lists") >= 1 and counter(text, "events") >= 4
             assert "llmsched_gateway_kubernetes_synced 1.0" in text

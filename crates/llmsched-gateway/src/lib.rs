@@ -639,10 +639,12 @@ fn build(
     hooks: Hooks,
 ) -> Result<Gateway, ConfigProblem> {
     check(&config)?;
-    if config.engines.is_empty() {
+    let owns_pool = source.is_none();
+    // A gateway with a router of its own has no discovery to bring engines later; an
+    // embedder's (Python's discovery) may start with none and answer 503 until they come.
+    if owns_pool && config.engines.is_empty() {
         return Err(ConfigProblem("engines: at least one engine is needed".into()));
     }
-    let owns_pool = source.is_none();
     let source: Arc<dyn RouterSource> = match source {
         Some(source) => source,
         None => Arc::new(owned_router(&config)?),
@@ -729,7 +731,7 @@ fn build(
     };
     gateway.set_max_model_len(gateway.config.max_model_len);
     let engines = gateway.config.engines.clone();
-    gateway.set_engines(&engines)?;
+    gateway.replace_engines(&engines, false)?;
     Ok(gateway)
 }
 
@@ -910,8 +912,8 @@ impl Running {
 
     /// Replaces the engines (base URLs); returns the ids added and removed. Kept engines keep
     /// their health; with a router of its own the gateway updates the pool too (a shared
-    /// router's pool is its owner's to update). An empty, repeated or malformed list changes
-    /// nothing.
+    /// router's pool is its owner's to update). An empty list takes every engine out (requests
+    /// get a 503 until some come back); a repeated or malformed one changes nothing.
     pub fn set_engines(
         &self,
         engines: &[EngineEntry],
@@ -1414,9 +1416,16 @@ impl Gateway {
         &self,
         engines: &[EngineEntry],
     ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
-        if engines.is_empty() {
-            return Err(ConfigProblem("engines: at least one engine is needed".into()));
-        }
+        self.replace_engines(engines, true)
+    }
+
+    /// [`Gateway::set_engines`]; `counted`: the changes go to `engine_changes` (not the
+    /// configured set the gateway starts with).
+    fn replace_engines(
+        &self,
+        engines: &[EngineEntry],
+        counted: bool,
+    ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
         let current = self.upstreams();
         let mut next = Upstreams::default();
         let mut added = Vec::new();
@@ -1482,7 +1491,7 @@ impl Gateway {
         }
         let changes = added.len() + removed.len();
         *self.upstreams.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
-        if !current.list.is_empty() {
+        if counted {
             self.counters.engine_changes.fetch_add(changes as u64, Ordering::Relaxed);
         }
         // An engine both removed and re-added (a changed URL) is reported once each way.

@@ -140,8 +140,8 @@ impl PyNativeGateway {
     }
 
     /// Replaces the engines (`(id, base URL)` pairs); returns the ids added and removed. The shared
-    /// router's pool is the caller's to update. ConfigError (nothing changed) on an empty,
-    /// repeated or malformed list.
+    /// router's pool is the caller's to update. An empty list leaves no engine (requests get a
+    /// 503 until some come); ConfigError (nothing changed) on a repeated or malformed list.
     fn set_engines(
         &self,
         py: Python<'_>,

@@ -278,19 +278,6 @@ def _flow_config(config: GatewayConfig) -> FlowConfig:
 # An admin call's engine change waits this long for the event loop at most.
 _ADMIN_WAIT_S = 60.0
 
-_NO_ENGINE = ("llmsched-no-engine", "http://127.0.0.1:9")
-"""The native gateway's upstream while Kubernetes discovery has found no engine (before the
-first list, or with no Ready pod): the Rust gateway refuses an empty upstream set, so it holds
-this one, which is never in the shared pool and so never routable (requests get a 503
-``no-endpoints``, ``/ready`` a 503). Its health probes fail at once (loopback's discard port)
-and show on ``/metrics``, and ``GET /admin/engines`` lists it, under this id. (A Rust gateway
-that takes an empty set would make it unnecessary.)"""
-
-
-def _upstreams(specs: Iterable[EngineSpec]) -> list[tuple[str, str]]:
-    """The native gateway's upstream set for ``specs`` (:data:`_NO_ENGINE` for none)."""
-    return [(s.worker_id, s.base_url) for s in specs] or [_NO_ENGINE]
-
 
 def _stale_after(config: GatewayConfig) -> float:
     return 3 * config.scrape.interval_s + config.scrape.timeout_s
@@ -404,11 +391,7 @@ class NativeGateway:
         cfg = self.config
         await self.scheduler.start()
         self._loop = asyncio.get_running_loop()
-        settings = native_config(cfg, self._specs.values())
-        settings["engines"] = [
-            {"id": worker, "url": url} for worker, url in _upstreams(self._specs.values())
-        ]
-        text = json.dumps(settings)
+        text = json.dumps(native_config(cfg, self._specs.values()))
         try:
             self._native = _llmsched.NativeGateway(
                 text,
@@ -580,7 +563,7 @@ class NativeGateway:
         self._specs = specs
         self.model_check.set_engines(specs.values())
         if self._native is not None:
-            self._native.set_engines(_upstreams(specs.values()))
+            self._native.set_engines([(s.worker_id, s.base_url) for s in specs.values()])
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
         await self.scheduler.feeds_settled()
         return added, removed
