@@ -813,7 +813,7 @@ class Scheduler:
             "scrape",
             "retry_after_s",
         }
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(set(raw) - known, key=str)
         if unknown:
             raise ConfigError(f"scheduler config: unknown key(s) {', '.join(map(str, unknown))}")
         engines: list[EngineLike] = []

@@ -449,7 +449,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         base = path.resolve().parent
     if not isinstance(raw, dict):
         raise ConfigError("config: must be a mapping")
-    unknown = sorted(set(raw) - _TOP_KEYS)
+    unknown = sorted(set(raw) - _TOP_KEYS, key=str)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key (known: {', '.join(sorted(_TOP_KEYS))})")
     discovery = _discovery(_section(raw, "discovery"), base)
@@ -943,7 +943,7 @@ def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
 
 
 def _reject_unknown(section: Mapping[str, Any], prefix: str, known: set[str]) -> None:
-    unknown = sorted(set(section) - known)
+    unknown = sorted(set(section) - known, key=str)
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
 
@@ -1089,7 +1089,7 @@ def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{where}: the entry of each key must be a mapping")
         known = {"tenant", "priority", "max_concurrent", *_LIMIT_FIELDS}
-        unknown = sorted(set(spec) - known)
+        unknown = sorted(set(spec) - known, key=str)
         if unknown:
             raise ConfigError(
                 f"{where}.<key>.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})"
