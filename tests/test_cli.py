@@ -171,3 +171,22 @@ def test_policy_colours_are_distinct_beyond_ten() -> None:
     names = [f"p{i}" for i in range(14)]
     colours = policy_colours(names)
     assert list(colours) == names and len(set(colours.values())) == 14
+
+
+def test_serve_reports_any_llmsched_error_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probe 51 F7: only ConfigError was turned into a one-line exit; another llmsched error
+    raised while the gateway is built (a value it refuses) was a traceback."""
+    from llmsched.errors import InvalidValueError
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise InvalidValueError("address must be valid UTF-8 (no lone surrogates)")
+
+    monkeypatch.setattr("llmsched.gateway.make_gateway", refuse)
+    config = tmp_path / "gw.yaml"
+    config.write_text("engines: [{host: 127.0.0.1, port: 9}]\nmodels: [tiny]\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert one_line_error(capsys) == (
+        "llmsched serve: address must be valid UTF-8 (no lone surrogates)"
+    )

@@ -170,3 +170,78 @@ def test_a_tokenizer_config_nested_too_deeply_is_a_config_error(tmp_path: Path) 
     (tmp_path / "tokenizer_config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}")
     with pytest.raises(ConfigError, match=r"^tokenizer: '.*tokenizer_config\.json': nested too"):
         PromptTokenizer(tmp_path)
+
+
+GATEWAY_HEAD = "engines: [{host: 127.0.0.1, port: 9}]\nmodels: [tiny]\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        (GATEWAY_HEAD + "auth: {api_keys: {abcdefgh1: {tenant: t}}}\nauth: {}\n", "gw.yaml"),
+        ('{"models": ["a"], "models": ["b"]}', "gw.json"),
+        (GATEWAY_HEAD + "limits: {max_connections: 4, max_connections: 400000}\n", "gw.yaml"),
+    ],
+    ids=["yaml-auth-twice", "json", "nested"],
+)
+def test_a_key_named_twice_is_refused(text: str, name: str, tmp_path: Path) -> None:
+    """Probe 51 F2: YAML and JSON keep the last of two equal keys silently: a second `auth:`
+    section started the gateway with its API keys off."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="appears twice"):
+        gateway_config(path)
+
+
+def test_merge_keys_may_still_be_overridden() -> None:
+    text = "base: &b {ttl_s: 30, max_requests: 2}\nband: {<<: *b, ttl_s: 5}\n"
+    assert load_mapping(text, what="config")["band"] == {"ttl_s": 5, "max_requests": 2}
+
+
+def test_a_key_named_twice_in_a_secret_document_is_not_quoted(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("secret-key-1: {tenant: a}\nsecret-key-1: {tenant: b}\n")
+    config = tmp_path / "gw.yaml"
+    config.write_text(GATEWAY_HEAD + f"auth: {{api_keys_file: {keys}}}\n")
+    with pytest.raises(ConfigError, match="appears twice") as error:
+        gateway_config(config)
+    assert "secret-key-1" not in str(error.value)
+
+
+def test_a_lone_surrogate_escape_is_refused(tmp_path: Path) -> None:
+    """Probe 51 F5: `"\\ud800"` in a host was an InvalidValueError traceback from `llmsched
+    serve`; in a model, tenant or key the native plane failed with serde's "unexpected end of
+    hex escape", naming no key."""
+    for field in (
+        'engines: [{host: "\\ud800", port: 9}]\nmodels: [tiny]\n',
+        GATEWAY_HEAD.replace("[tiny]", '["ti\\udc80ny"]'),
+    ):
+        path = tmp_path / "gw.yaml"
+        path.write_text(field)
+        with pytest.raises(ConfigError, match="lone surrogate"):
+            gateway_config(path)
+    with pytest.raises(ConfigError, match="lone surrogate"):
+        load_mapping('{"a": "\\ud800"}', what="config")
+
+
+def test_a_document_too_large_is_refused_unparsed(tmp_path: Path) -> None:
+    """Probe 51 F4: a 100 MB config held `llmsched serve` in the YAML parser for minutes."""
+    from llmsched.config_loader import MAX_DOCUMENT_BYTES
+
+    path = tmp_path / "gw.yaml"
+    with path.open("w") as file:
+        file.write(GATEWAY_HEAD + "# ")
+        file.truncate(MAX_DOCUMENT_BYTES + 1)
+    with pytest.raises(ConfigError, match="larger than"):
+        gateway_config(path)
+
+
+def test_a_key_that_is_not_a_string_beside_strings_is_a_config_error(tmp_path: Path) -> None:
+    """Probe 51 F6: `limits: {1: 2, a: 3}` was a TypeError (sorting an int and a str)."""
+    path = tmp_path / "gw.yaml"
+    path.write_text(GATEWAY_HEAD + "limits: {1: 2, a: 3}\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        gateway_config(path)
+    path.write_text(GATEWAY_HEAD + "1: 2\nzz: 3\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        gateway_config(path)

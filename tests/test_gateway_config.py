@@ -427,3 +427,26 @@ def test_engine_set_refuses_a_stranger_with_an_llmsched_error() -> None:
 
     with pytest.raises(InvalidTypeError, match="engines must be EngineSpec, got object"):
         engine_set(load_config(base()), [object()])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "header", ["content-length", "Transfer-Encoding", "host", "content-type", "x\ny", "x:y"]
+)
+def test_the_pd_header_cannot_be_one_the_gateway_sets_itself(header: str) -> None:
+    """Probe 51 F8: `pd.header: content-length` made the Python plane answer every split request
+    500 (transfer-encoding: a request framed twice); the native plane dropped it silently."""
+    with pytest.raises(ConfigError, match=r"pd\.header"):
+        load_config(base(pd={"enabled": True, "header": header}))
+
+
+@pytest.mark.parametrize(
+    "key", ["clé-secrète-1", " leading-space", "trailing-space ", "tab\tinside1"]
+)
+def test_api_keys_a_client_cannot_present_are_refused(key: str) -> None:
+    """Probe 51 F9: a key with an accented letter authenticated on the Python plane and never on
+    the native one (it reads only visible ASCII in a header); a space at an end is trimmed off
+    by both, so such a key matched nothing. The message names the tenant, never the key."""
+    with pytest.raises(ConfigError, match="visible ASCII") as error:
+        load_config(base(auth={"api_keys": {key: {"tenant": "team-a"}}}))
+    assert "team-a" in str(error.value) and key.strip() not in str(error.value)
+    assert load_config(base(auth={"api_keys": {"inner space key": {"tenant": "t"}}})).auth.enabled

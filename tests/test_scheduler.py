@@ -745,3 +745,48 @@ def test_shared_address_notes_follow_every_change() -> None:
             if len(names) > 1:
                 note = next(w for w in notes if f"(rank {rank})" in w and host in w.lower())
                 assert all(repr(n) in note for n in names), (step, note, names)
+
+
+def test_retry_never_goes_where_the_routers_filters_said_no() -> None:
+    """Past the picker's fallbacks a retry tries the other endpoints considered, but only
+    those the chosen profile's filters kept: a decode request never lands on a prefill-only
+    engine (probe 51 F1: it did, with the prefill header naming that engine itself)."""
+    from llmsched.integrations import EngineSpec
+
+    roles = ["prefill", "decode", "decode", "decode", "decode", "decode"]
+    engines = [EngineSpec("127.0.0.1", 8000 + i, role=role) for i, role in enumerate(roles)]
+    router = {
+        "plugins": [
+            {"type": "prefill-filter"},
+            {"type": "decode-filter"},
+            {"type": "max-score-picker"},
+            {"type": "always-disagg-pd-decider"},
+            {
+                "type": "pd-profile-handler",
+                "parameters": {"deciderPluginName": "always-disagg-pd-decider"},
+            },
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "prefill",
+                "plugins": [{"pluginRef": "prefill-filter"}, {"pluginRef": "max-score-picker"}],
+            },
+            {
+                "name": "decode",
+                "plugins": [{"pluginRef": "decode-filter"}, {"pluginRef": "max-score-picker"}],
+            },
+        ],
+    }
+    s = Scheduler(engines, router=router)
+    prefill = engines[0].worker_id
+    decode = {e.worker_id for e in engines[1:]}
+    tried = []
+    with pytest.raises(NoEndpointError), s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        assert p.prefill_endpoint == prefill
+        tried.append(p.endpoint)
+        assert prefill not in p.fallbacks
+        while True:
+            tried.append(p.retry())
+    # Every decode engine (the picker's 3 fallbacks and the one past them), never the prefill.
+    assert set(tried) == decode
+    at_rest(s)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from llmsched.errors import ConfigError, one_line
+from llmsched.errors import ConfigError, LlmschedError, one_line
 
 if TYPE_CHECKING:
     from llmsched.executor.step_time import StepTimeProfile
@@ -467,9 +467,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         status: int = args.handler(args)
-    except (ConfigError, ImportError, OSError) as exc:
-        # ConfigError carries its own context; an OSError names the file (e.g. a config that
-        # cannot be read); an ImportError names the extra to install.
+    except (LlmschedError, ImportError, OSError) as exc:
+        # ConfigError carries its own context, as does any other llmsched error a bad value
+        # raises (a config's value the gateway refuses at start); an OSError names the file
+        # (e.g. a config that cannot be read); an ImportError names the extra to install.
         print(f"llmsched {args.command}: {one_line(exc)}", file=sys.stderr)
         return 2
     return status

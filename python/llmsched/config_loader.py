@@ -21,7 +21,11 @@ A document is also refused, as a ConfigError, when it nests more than :data:`MAX
 YAML alias refers to the node that holds it (a cycle every later walk would follow forever),
 or when YAML aliases repeat more than :data:`MAX_ALIASED_VALUES` values (a "billion laughs"
 document: a kilobyte that every later copy or check expands to gigabytes). Every text a user
-supplies goes through :func:`parse_document`, so no loader can forget these checks.
+supplies goes through :func:`parse_document`, so no loader can forget these checks. A mapping
+that names a key twice is refused too (YAML and JSON parsers keep the last one silently: a second
+``auth:`` section would turn the keys of the first off), as is a string holding a lone surrogate
+(a ``"\\ud800"`` escape: no UTF-8 can carry it to an engine or to the native plane), and a
+document larger than :data:`MAX_DOCUMENT_BYTES` (parsing YAML takes about a second a megabyte).
 
 >>> load_mapping("default_band: {ttl_s: 30}", what="flow config")
 {'default_band': {'ttl_s': 30}}
@@ -43,6 +47,7 @@ from llmsched.errors import ConfigError, InvalidTypeError
 __all__ = [
     "MAX_ALIASED_VALUES",
     "MAX_DEPTH",
+    "MAX_DOCUMENT_BYTES",
     "ConfigDocument",
     "ConfigSource",
     "check_ints",
@@ -60,6 +65,11 @@ the same depth when a config crosses to the core)."""
 MAX_ALIASED_VALUES = 1_000_000
 """How many values YAML aliases may repeat in one document (each alias counts the values it
 stands for); a document without aliases never comes near it."""
+
+MAX_DOCUMENT_BYTES = 16 << 20
+"""The largest document read (16 MiB): a config, keys file or discovery file is far smaller, and
+the YAML parser takes about a second a megabyte (a 100 MB file held ``llmsched serve`` for
+minutes)."""
 
 ConfigSource = Mapping[str, Any] | str | os.PathLike[str]
 """What a config argument accepts: a mapping, YAML / JSON text, or a file path."""
@@ -120,7 +130,13 @@ def read_document(source: str | os.PathLike[str], *, what: str, secret: bool = F
         )
     path = Path(source)
     try:
-        text = path.read_text()
+        with path.open("rb") as file:
+            data = file.read(MAX_DOCUMENT_BYTES + 1)
+        if len(data) > MAX_DOCUMENT_BYTES:
+            raise ConfigError(
+                f"{what}: cannot read {str(path)!r}: larger than {MAX_DOCUMENT_BYTES:,} bytes"
+            )
+        text = data.decode()
     except FileNotFoundError:
         raise ConfigError(f"{what}: cannot read {str(path)!r}: does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -155,20 +171,29 @@ def parse_document(
     # it is caught here, where the text is known, so that no caller sees it as a crash.
     deep = f"nested more than {MAX_DEPTH} levels"
     reason: str | None
-    if json_only:
+    if len(text) > MAX_DOCUMENT_BYTES:
+        reason = f"larger than {MAX_DOCUMENT_BYTES:,} bytes"
+        value = None
+    elif json_only:
         try:
-            value = json.loads(text) if text.strip() else None
+            value = (
+                json.loads(text, object_pairs_hook=_unique_keys_object) if text.strip() else None
+            )
+        except _DuplicateKey as exc:
+            reason = exc.hidden if secret else str(exc)
         except ValueError as exc:  # json.JSONDecodeError
             reason = str(exc)
         except RecursionError:
             reason = deep
         else:
-            reason = _shape_problem(value)
+            reason = _shape_problem(value, secret=secret)
     else:
         import yaml  # YAML is only needed when a document is read
 
         try:
-            value = yaml.safe_load(text)
+            value = yaml.load(text, Loader=_unique_keys_loader())  # a SafeLoader
+        except _DuplicateKey as exc:
+            reason = exc.hidden if secret else str(exc)
         except yaml.YAMLError as exc:
             reason = _yaml_reason(exc, secret=secret)
         except RecursionError:
@@ -178,7 +203,7 @@ def parse_document(
             # an int of more digits than Python converts.
             reason = f"a value cannot be read: {exc}"
         else:
-            reason = _shape_problem(value)
+            reason = _shape_problem(value, secret=secret)
     if reason is None:
         return value
     if path is None:
@@ -198,7 +223,7 @@ def _yaml_reason(exc: Any, *, secret: bool) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
-def _shape_problem(value: Any) -> str | None:
+def _shape_problem(value: Any, *, secret: bool = False) -> str | None:
     """Why a parsed document cannot be used (too deep, a cycle, an alias bomb), or None.
 
     Iterative, so that it cannot itself run out of stack, and each container is walked once:
@@ -230,6 +255,9 @@ def _shape_problem(value: Any) -> str | None:
             continue
         if not isinstance(child, _CONTAINERS):
             count[0] += 1
+            if isinstance(child, str) and not _utf8(child):
+                what = "a string" if secret else f"the string {child[:40]!a}"
+                return f"{what} holds a lone surrogate escape, not UTF-8"
         elif id(child) in open_ids:
             return "a YAML alias refers to a node that contains it"
         elif id(child) in sizes:
@@ -242,6 +270,70 @@ def _shape_problem(value: Any) -> str | None:
         else:
             enter(child)
     return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _DuplicateKey(ValueError):
+    """A mapping names a key twice (the message says which, and where; ``hidden`` without
+    the key, for a document of secrets)."""
+
+    def __init__(self, message: str, hidden: str) -> None:
+        super().__init__(message)
+        self.hidden = hidden
+
+
+def _unique_keys_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: a dict, or _DuplicateKey when a key comes twice."""
+    value: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in value:
+            raise _DuplicateKey(
+                f"the key {key!r} appears twice in one object", "a key appears twice in one object"
+            )
+        value[key] = item
+    return value
+
+
+_LOADER: Any = None
+
+
+def _unique_keys_loader() -> Any:
+    """YAML's safe loader, refusing a mapping that names a scalar key twice (keys a ``<<``
+    merge brings in may still be overridden, as YAML intends)."""
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: set[tuple[str, str]] = set()
+                for key_node, _ in node.value:
+                    if not isinstance(key_node, yaml.ScalarNode):
+                        continue
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = (key_node.tag, key_node.value)
+                    if key in seen:
+                        mark = key_node.start_mark
+                        where = f"(line {mark.line + 1}, column {mark.column + 1})"
+                        raise _DuplicateKey(
+                            f"the key {key_node.value!r} appears twice in one mapping {where}",
+                            f"a key appears twice in one mapping {where}",
+                        )
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    _LOADER = UniqueKeyLoader
+    return _LOADER
 
 
 _DONE = object()

@@ -45,12 +45,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import itertools
 import logging
 import operator
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex
@@ -412,6 +413,7 @@ class Placement:
         order: list[EndpointId],
         *,
         owns_admission: bool,
+        more: Callable[[], list[EndpointId]] | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._request = request
@@ -419,6 +421,9 @@ class Placement:
         self._owns = owns_admission
         self._attempt: _Attempt | None = attempt
         self._order = order
+        # The other endpoints considered, appended to the order when first needed (reading
+        # the decision's explanation costs more than most requests ever need).
+        self._more = more
         self._next = 1
         self._attempts = 1
         self._lock = threading.Lock()
@@ -460,7 +465,13 @@ class Placement:
     @property
     def fallbacks(self) -> list[EndpointId]:
         """Endpoints a :meth:`retry` may go to, in order."""
+        self._take_more()
         return list(self._order[self._next :])
+
+    def _take_more(self) -> None:
+        more, self._more = self._more, None
+        if more is not None:
+            self._order += [e for e in more() if e not in self._order]
 
     @property
     def prefill_endpoint(self) -> EndpointId | None:
@@ -533,6 +544,7 @@ class Placement:
         if failed is not None:
             self._scheduler._end_attempt(failed, self._request, failed=True)
         self._scheduler._count("retries")
+        self._take_more()
         while self._next < len(self._order):
             endpoint = self._order[self._next]
             self._next += 1
@@ -801,7 +813,7 @@ class Scheduler:
             "scrape",
             "retry_after_s",
         }
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(set(raw) - known, key=str)
         if unknown:
             raise ConfigError(f"scheduler config: unknown key(s) {', '.join(map(str, unknown))}")
         engines: list[EngineLike] = []
@@ -1301,7 +1313,9 @@ class Scheduler:
         cached = decision.cached_tokens()
         chosen = decision.endpoint if first is None else first
         order = [chosen, *(e for e in [decision.endpoint, *decision.fallbacks] if e != chosen)]
-        order += [e for e in cached if e not in order]
+        more = None
+        if any(e not in order for e in cached):
+            more = functools.partial(_also_eligible, decision, list(cached))
         try:
             attempt = self._started(decision, chosen, cached)
         except UnknownEndpointError:  # ``first`` is out of routing (or was removed)
@@ -1309,7 +1323,9 @@ class Scheduler:
             self._count("no_endpoint")
             raise NoEndpointError(f"endpoint {first!r} is not in routing") from None
         self._count("in_flight")
-        return Placement(self, request, admission, attempt, order, owns_admission=owns_admission)
+        return Placement(
+            self, request, admission, attempt, order, owns_admission=owns_admission, more=more
+        )
 
     def _started(
         self, decision: Decision, endpoint: EndpointId, cached: Mapping[EndpointId, int]
@@ -1460,6 +1476,25 @@ class _Scheduling:
     ) -> None:
         if self._placement is not None:
             self._placement.end_for(exc_type)
+
+
+def _also_eligible(decision: Decision, considered: list[EndpointId]) -> list[EndpointId]:
+    """The endpoints ``considered`` that the profile which chose ``decision.endpoint`` kept:
+    none of its filters removed them. A retry never goes where the router's filters said the
+    request must not (a prefill-only engine for a decode request, an endpoint another filter
+    set aside); another profile's candidates (a P/D decision's prefill profile) do not count."""
+    chosen = decision.endpoint
+    kept: set[EndpointId] | None = None
+    for profile in decision.explain().profiles:
+        rows = {row.endpoint: row for row in profile.rows}
+        mine = rows.get(chosen)
+        if mine is None or mine.rank != 0:
+            continue
+        ok = {e for e, row in rows.items() if row.removed_by is None}
+        kept = ok if kept is None else kept & ok
+    if kept is None:  # no profile ranked it first (a pinned endpoint): no more than before
+        return []
+    return [e for e in considered if e in kept]
 
 
 def _flow_config(flow: ConfigSource, stale_after_s: float) -> dict[str, object]:

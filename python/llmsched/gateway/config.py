@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,7 +114,8 @@ class ApiKey:
 
 @dataclass(frozen=True)
 class AuthConfig:
-    """API keys (``Authorization: Bearer <key>`` or ``x-api-key: <key>``).
+    """API keys (``Authorization: Bearer <key>`` or ``x-api-key: <key>``): at least 8
+    characters of visible ASCII, spaces inside only (a client sends a key in a header).
 
     ``api_keys`` merges the keys written in the config, in ``api_keys_file`` (a YAML / JSON
     mapping of the same form) and in the environment variable ``api_keys_env`` (the same
@@ -229,7 +231,8 @@ class ScrapeConfig:
 class PdConfig:
     """Prefill/decode disaggregation: when the router splits a request, it goes to the decode
     endpoint with the prefill endpoint in ``header`` (llm-d's routing sidecar reads
-    ``x-prefiller-host-port``)."""
+    ``x-prefiller-host-port``; a header the gateway sets or frames the request with itself,
+    such as ``content-length`` or ``host``, is refused)."""
 
     enabled: bool = False
     header: str = "x-prefiller-host-port"
@@ -532,7 +535,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         base = path.resolve().parent
     if not isinstance(raw, dict):
         raise ConfigError("config: must be a mapping")
-    unknown = sorted(set(raw) - _TOP_KEYS)
+    unknown = sorted(set(raw) - _TOP_KEYS, key=str)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key (known: {', '.join(sorted(_TOP_KEYS))})")
     discovery = _discovery(_section(raw, "discovery"), base)
@@ -1032,7 +1035,7 @@ def _section(raw: Mapping[str, Any], key: str, name: str | None = None) -> dict[
 
 
 def _reject_unknown(section: Mapping[str, Any], prefix: str, known: set[str]) -> None:
-    unknown = sorted(set(section) - known)
+    unknown = sorted(set(section) - known, key=str)
     if unknown:
         raise ConfigError(f"{prefix}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
 
@@ -1175,10 +1178,20 @@ def _api_keys(value: Any, where: str) -> dict[str, ApiKey]:
         # Keys are secrets: an error names the tenant, never the key itself.
         if not isinstance(key, str) or len(key) < 8:
             raise ConfigError(f"{where}: every key must be a str of at least 8 characters")
+        if not _PRESENTABLE_KEY.fullmatch(key):
+            # A client sends the key in a header: the native plane reads only visible ASCII
+            # there (a key with an accented letter worked on one plane only), and both planes
+            # trim the ends (a key with a space at an end matched nothing).
+            tenant = spec.get("tenant") if isinstance(spec, Mapping) else None
+            owner = f" (tenant {tenant!r})" if isinstance(tenant, str) else ""
+            raise ConfigError(
+                f"{where}: a key{owner} must be visible ASCII (spaces inside only): "
+                "clients send it in an HTTP header"
+            )
         if not isinstance(spec, Mapping):
             raise ConfigError(f"{where}: the entry of each key must be a mapping")
         known = {"tenant", "priority", "max_concurrent", *_LIMIT_FIELDS}
-        unknown = sorted(set(spec) - known)
+        unknown = sorted(set(spec) - known, key=str)
         if unknown:
             raise ConfigError(
                 f"{where}.<key>.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})"
@@ -1500,9 +1513,42 @@ def _pd(raw: dict[str, Any]) -> PdConfig:
     d = PdConfig()
     _reject_unknown(raw, "pd", set(d.__dataclass_fields__))
     header = raw.get("header", d.header)
-    if not isinstance(header, str) or not header or not header.isascii() or " " in header:
+    if not isinstance(header, str) or not _HEADER_NAME.fullmatch(header):
         raise ConfigError(f"pd.header: must be an HTTP header name, got {header!r}")
+    if header.lower() in _GATEWAY_HEADERS:
+        # The python plane would send a Content-Length of "host:port" (a 500 for every split
+        # request) or a body framed twice; the native plane dropped the header silently.
+        raise ConfigError(
+            f"pd.header: {header!r} frames or routes the request the gateway sends itself; "
+            "name another header"
+        )
     return PdConfig(enabled=_bool(raw, "enabled", d.enabled, "pd"), header=header.lower())
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", re.ASCII)
+"""An HTTP header name (RFC 9110's token)."""
+
+_PRESENTABLE_KEY = re.compile(r"[!-~](?:[ -~]*[!-~])?", re.ASCII)
+"""An API key a client can present: visible ASCII, spaces inside only."""
+
+_GATEWAY_HEADERS = frozenset(
+    {
+        "accept",
+        "connection",
+        "content-encoding",
+        "content-length",
+        "content-type",
+        "expect",
+        "host",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+"""Headers the gateway sets on (or that frame) the request it sends to an engine."""
 
 
 def _slices(raw: dict[str, Any]) -> SlicesConfig:
