@@ -171,6 +171,68 @@ def test_an_event_stream_ended_by_the_engine_closing_needs_its_done() -> None:
     run(whole())
 
 
+_TEXT_EVENT = b'data: {"choices":[{"index":0,"text":"data: [DONE]","finish_reason":null}]}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("events", "whole"),
+    [
+        (_EVENT + b"data:[DONE]\n\n", True),  # SSE's space after the colon is optional
+        ((_EVENT + b"data: [DONE]\n\n").replace(b"\n", b"\r\n"), True),
+        ((_EVENT + b"data:[DONE]\n\n").replace(b"\n", b"\r"), True),
+        (_EVENT + _TEXT_EVENT, False),  # the bytes in a token's text
+        (_EVENT + b": data: [DONE]\n\n", False),  # in a comment line
+    ],
+    ids=["unspaced", "crlf", "cr", "in-text", "in-comment"],
+)
+def test_only_a_done_line_makes_a_stream_whole(events: bytes, whole: bool) -> None:
+    """Probe 51 F3: the check was a search for the bytes ``data: [DONE]`` anywhere, so a cut
+    stream whose token text held them passed as whole, and an engine's valid ``data:[DONE]``
+    got the client an error event after a complete stream."""
+    request = {"model": MODEL, "prompt": "x", "stream": True}
+
+    async def body() -> None:
+        async with (
+            in_front_of_raw(_CLOSE_SSE + events) as gateway,
+            aiohttp.ClientSession() as client,
+            client.post(gateway.url + "/v1/completions", json=request) as response,
+        ):
+            assert response.status == 200
+            if whole:
+                received = await response.read()  # complete: no payload error
+                assert b"upstream_error" not in received
+            else:
+                received = await read_cut_off(response)
+                assert b"upstream_error" in received
+
+    run(body())
+
+
+@pytest.mark.parametrize("done", [True, False])
+def test_an_event_stream_framed_by_its_length_must_show_its_done(done: bool) -> None:
+    """Probe 51 F10: an event stream with a Content-Length and no ``[DONE]`` reached the
+    client as a complete 200 (the gateway counted it as cut, but had passed the length on).
+    Now it is read whole and checked first: without its end it is a 502."""
+    events = _EVENT + _EVENT + (b"data: [DONE]\n\n" if done else b"")
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n"
+    request = json.dumps({"model": MODEL, "prompt": "x", "stream": True}).encode()
+
+    async def body() -> None:
+        async with in_front_of_raw(head % len(events) + events) as gateway:
+            status, text = await raw_request(gateway.port, request)
+            if done:
+                assert status == 200, text
+                assert text.endswith("data: [DONE]\n\n")
+            else:
+                assert status == 502, text
+                assert "without its end event" in json.loads(text)["error"]["message"]
+                async with aiohttp.ClientSession() as client:
+                    worker = gateway.config.engines[0].worker_id
+                    assert _truncated(Rig(gateway, [], client), worker, "error") == 1
+
+    run(body())
+
+
 def test_no_status_line_within_the_read_timeout_is_a_504_and_is_not_sent_again() -> None:
     async def body() -> None:
         async with rig(engines=2, timeouts={"read_s": 0.3}) as r:

@@ -2341,7 +2341,10 @@ impl Gateway {
             };
             // A JSON answer whose end is the connection's close is read whole and checked:
             // a cut there looks like a complete answer.
-            if (sse || failed) && !checked_whole(&answer) {
+            if (sse || failed)
+                && !checked_whole(&answer)
+                && !length_framed_events(&answer, &relaying)
+            {
                 return self.relay_from_first_frame(answer, relaying).await;
             }
             return self.answer_whole(answer, relaying).await;
@@ -2816,6 +2819,7 @@ impl Gateway {
             return self.relay_from_first_frame(answer, relaying).await;
         }
         let json = is_json(answer.headers());
+        let events = length_framed_events(&answer, &relaying);
         let (parts, body) = answer.into_parts();
         let wake = wake_at(relaying.read_timeout, relaying.deadline);
         let read =
@@ -2829,12 +2833,17 @@ impl Gateway {
             _ => None,
         };
         let whole = |bytes: &Bytes| {
+            if events {
+                return shows_its_end(bytes, relaying.responses);
+            }
             !(at_close && json) || serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok()
         };
         let Some(bytes) = bytes.filter(whole) else {
             self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
             self.counters.truncated.inc(&[&endpoint, "error"]);
-            let message = if at_close {
+            let message = if events {
+                "the engine's event stream ended without its end event ([DONE])"
+            } else if at_close {
                 "the engine's answer was cut off (or, ended by closing the connection, is not \
                  whole JSON of at most 8 MiB)"
             } else {
@@ -2847,7 +2856,7 @@ impl Gateway {
         }
         let mut tokens = TokenCount { responses: relaying.responses, ..TokenCount::default() };
         if relaying.completion {
-            tokens.feed(&bytes, false);
+            tokens.feed(&bytes, events);
         }
         if let Some(scan) = relaying.id_scan.take() {
             if let Some(id) = responses::response_id_of(&bytes) {
@@ -3186,7 +3195,7 @@ fn relay_parts(
         if relaying.responses {
             DoneScan::Events(responses::TerminalScan::default())
         } else {
-            DoneScan::Looking(Vec::new())
+            DoneScan::Looking(DoneEvent::default())
         }
     } else {
         DoneScan::Unneeded
@@ -3365,6 +3374,31 @@ fn ends_at_close(status: StatusCode, headers: &HeaderMap) -> bool {
 /// Whether an answer must be read whole and checked before it is passed on: ended by the
 /// connection's close and no event stream (a stream is checked for its `[DONE]` as it is
 /// relayed, [`DoneScan`]).
+/// A generation's event stream, answered with success and framed by a Content-Length: read
+/// whole and checked for its end before anything is sent ([`Gateway::answer_whole`], up to 8
+/// MiB), because once its length is passed on, a missing `[DONE]` (or terminal event) could not
+/// be told to the client.
+fn length_framed_events(answer: &Response<Incoming>, relaying: &Relaying) -> bool {
+    let headers = answer.headers();
+    is_event_stream(headers)
+        && (relaying.completion || relaying.responses)
+        && answer.status().is_success()
+        && headers.contains_key(CONTENT_LENGTH)
+        && !headers.contains_key(TRANSFER_ENCODING)
+}
+
+/// Whether a whole event stream shows its end: its `[DONE]` event, or a Responses stream's
+/// terminal event.
+fn shows_its_end(stream: &[u8], responses: bool) -> bool {
+    let mut scan = if responses {
+        DoneScan::Events(responses::TerminalScan::default())
+    } else {
+        DoneScan::Looking(DoneEvent::default())
+    };
+    scan.feed(stream);
+    scan.whole()
+}
+
 fn checked_whole(answer: &Response<Incoming>) -> bool {
     ends_at_close(answer.status(), answer.headers()) && !is_event_stream(answer.headers())
 }
@@ -3382,13 +3416,13 @@ fn is_json(headers: &HeaderMap) -> bool {
     essence.eq_ignore_ascii_case("application/json") || essence.ends_with("+json")
 }
 
-/// The search for an event stream's `data: [DONE]`, without which an engine's stream is not
+/// The search for an event stream's `[DONE]` event, without which an engine's stream is not
 /// whole.
 enum DoneScan {
     /// The stream's end is its own (a length, or a chunked body's last chunk).
     Unneeded,
-    /// Not seen yet: the last bytes so far, for a `[DONE]` split between frames.
-    Looking(Vec<u8>),
+    /// Not seen yet.
+    Looking(DoneEvent),
     /// A Responses stream: whole once its terminal event was seen.
     Events(responses::TerminalScan),
     Seen,
@@ -3403,20 +3437,9 @@ impl DoneScan {
             }
             return;
         }
-        let DoneScan::Looking(tail) = self else { return };
-        let keep = DONE.needle().len() - 1;
-        // The last bytes before `data` and its first ones: a `[DONE]` across the boundary.
-        tail.extend_from_slice(&data[..data.len().min(keep + 1)]);
-        if DONE.find(tail).is_some() || DONE.find(data).is_some() {
+        let DoneScan::Looking(event) = self else { return };
+        if event.feed(data) {
             *self = DoneScan::Seen;
-            return;
-        }
-        if data.len() > keep {
-            tail.clear();
-            tail.extend_from_slice(&data[data.len() - keep..]);
-        } else {
-            let old = tail.len().saturating_sub(keep);
-            tail.drain(..old);
         }
     }
 
@@ -3430,6 +3453,51 @@ impl DoneScan {
         matches!(self, DoneScan::Events(scan) if scan.ending())
     }
 }
+
+/// An event stream's `[DONE]` event: a line that is the `data` field `[DONE]` (`data:
+/// [DONE]`, or `data:[DONE]`: the space is optional in SSE), with any of the line ends SSE
+/// allows, split between frames anywhere. The same bytes inside a token's text (a JSON string
+/// on a `data: {` line) or a comment line (`: ...`) are not it.
+struct DoneEvent {
+    /// The last bytes so far, line ends made LF (a newline at the stream's start: its first
+    /// line starts one).
+    tail: Vec<u8>,
+    line_ends: responses::LineEnds,
+}
+
+impl Default for DoneEvent {
+    fn default() -> Self {
+        DoneEvent { tail: b"\n".to_vec(), line_ends: responses::LineEnds::default() }
+    }
+}
+
+impl DoneEvent {
+    /// Reads the stream's next bytes; true once the event was seen.
+    fn feed(&mut self, data: &[u8]) -> bool {
+        let data = self.line_ends.to_lf(data);
+        let keep = DONE_SPACED.needle().len() - 1;
+        // The last bytes before `data` and its first ones: an event across the boundary.
+        self.tail.extend_from_slice(&data[..data.len().min(keep)]);
+        let found =
+            |bytes: &[u8]| DONE_SPACED.find(bytes).is_some() || DONE_UNSPACED.find(bytes).is_some();
+        if found(&self.tail) || found(&data[..]) {
+            return true;
+        }
+        if data.len() >= keep {
+            self.tail.clear();
+            self.tail.extend_from_slice(&data[data.len() - keep..]);
+        } else {
+            let old = self.tail.len().saturating_sub(keep);
+            self.tail.drain(..old);
+        }
+        false
+    }
+}
+
+static DONE_SPACED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\ndata: [DONE]"));
+static DONE_UNSPACED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\ndata:[DONE]"));
 
 fn wake_at(read: Option<Duration>, deadline: Option<tokio::time::Instant>) -> tokio::time::Instant {
     due(read, deadline, tokio::time::Instant::now())
@@ -3951,25 +4019,68 @@ mod tests {
         let stream = b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n";
         // Two frames, split at every byte; and one byte a frame.
         for at in 0..=stream.len() {
-            let mut scan = DoneScan::Looking(Vec::new());
+            let mut scan = DoneScan::Looking(DoneEvent::default());
             scan.feed(&stream[..at]);
             scan.feed(&stream[at..]);
             assert!(scan.whole(), "split at {at}");
         }
-        let mut scan = DoneScan::Looking(Vec::new());
+        let mut scan = DoneScan::Looking(DoneEvent::default());
         for byte in stream {
             scan.feed(std::slice::from_ref(byte));
         }
         assert!(scan.whole());
         // Without it (cut inside it too), the stream is not whole.
         for end in [0, 20, stream.len() - 4] {
-            let mut scan = DoneScan::Looking(Vec::new());
+            let mut scan = DoneScan::Looking(DoneEvent::default());
             for byte in &stream[..end] {
                 scan.feed(std::slice::from_ref(byte));
             }
             assert!(!scan.whole(), "cut at {end}");
         }
         assert!(DoneScan::Unneeded.whole());
+    }
+
+    /// Whether `stream`, fed split at every byte and one byte a frame, shows its `[DONE]`
+    /// event (the same answer each way).
+    fn shows_done(stream: &[u8]) -> bool {
+        let whole = |frames: &[&[u8]]| {
+            let mut scan = DoneScan::Looking(DoneEvent::default());
+            for frame in frames {
+                scan.feed(frame);
+            }
+            scan.whole()
+        };
+        let seen = whole(&[stream]);
+        for at in 0..=stream.len() {
+            assert_eq!(whole(&[&stream[..at], &stream[at..]]), seen, "split at {at}");
+        }
+        let bytes: Vec<&[u8]> = stream.chunks(1).collect();
+        assert_eq!(whole(&bytes), seen, "a byte a frame");
+        seen
+    }
+
+    #[test]
+    fn only_a_done_line_ends_a_stream() {
+        // The event, with or without the field's space, with every line end SSE allows.
+        for stream in [
+            &b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"[..],
+            b"data: {\"choices\":[]}\n\ndata:[DONE]\n\n",
+            b"data: {\"choices\":[]}\r\n\r\ndata: [DONE]\r\n\r\n",
+            b"data: {\"choices\":[]}\r\rdata:[DONE]\r\r",
+            b"data: [DONE]\n\n",
+        ] {
+            assert!(shows_done(stream), "{}", String::from_utf8_lossy(stream));
+        }
+        // The same bytes in a token's text or a comment line, or not starting a line: cut.
+        for stream in [
+            &b"data: {\"text\":\"data: [DONE]\"}\n\n"[..],
+            b": data: [DONE]\n\n",
+            b"data: {\"choices\":[]}\n\n: data:[DONE]\r\n",
+            b"event: x data: [DONE]\n\n",
+            b"data: [DON",
+        ] {
+            assert!(!shows_done(stream), "{}", String::from_utf8_lossy(stream));
+        }
     }
 
     #[test]

@@ -79,6 +79,7 @@ from llmsched.gateway.metrics import GatewayMetrics
 from llmsched.gateway.pod_discovery import PodDiscovery
 from llmsched.gateway.ratelimit import KeyLimiter, retry_after
 from llmsched.gateway.responses import (
+    LineEnds,
     ResponseIdScan,
     ResponseOwners,
     TerminalEventScan,
@@ -1669,9 +1670,26 @@ class Gateway:
             # Ended by the engine closing the connection, a cut answer looks complete: a JSON
             # one is read whole and checked, an event stream must show its [DONE].
             at_close = _ends_at_close(upstream)
-            if not sse and (at_close or (length is not None and length <= _WHOLE_BODY_LIMIT)):
+            small = length is not None and length <= _WHOLE_BODY_LIMIT
+            # An event stream framed by a length is read whole and checked for its end before
+            # anything is sent: once its length is passed on, a missing [DONE] cannot be told.
+            framed_events = (
+                sse
+                and upstream.status < 300
+                and small
+                and "Transfer-Encoding" not in upstream.headers
+            )
+            if framed_events or (not sse and (at_close or small)):
                 return await self._answer_whole(
-                    request, route, upstream, decision, endpoint, deadline, outcome, at_close
+                    request,
+                    route,
+                    upstream,
+                    decision,
+                    endpoint,
+                    deadline,
+                    outcome,
+                    at_close,
+                    events=framed_events,
                 )
             # An event stream is whole only with its [DONE] (vLLM and SGLang end every stream
             # so, an error event included): one ended by the connection's close, or cleanly
@@ -1779,12 +1797,16 @@ class Gateway:
         deadline: float,
         outcome: str | None,
         at_close: bool = False,
+        *,
+        events: bool = False,
     ) -> tuple[web.StreamResponse, int]:
         """A complete (non-streamed) answer of known length: read it whole, then send it in
         one response (fewer writes than relaying chunks). A failure while reading comes after
         the status line: a 502, never a retry. ``at_close``: the answer ends where the engine
         closes the connection, so a cut looks like its end: it is read up to
-        :data:`_WHOLE_BODY_LIMIT` and, when JSON, must parse, or it is a 502 too."""
+        :data:`_WHOLE_BODY_LIMIT` and, when JSON, must parse, or it is a 502 too. ``events``:
+        an event stream framed by its length, which must show its end (``[DONE]``, or a
+        Responses stream's terminal event), or it is a 502."""
         try:
             data = await (
                 _read_at_most(upstream, _WHOLE_BODY_LIMIT) if at_close else upstream.read()
@@ -1801,6 +1823,9 @@ class Gateway:
                 "whole JSON of at most 8 MiB)"
             )
         assert data is not None
+        if events and not _shows_its_end(data, responses=route == "responses"):
+            self._cut_failure(endpoint, deadline)
+            raise _Truncated("the engine's event stream ended without its end event ([DONE])")
         decision.first_token()
         response = _passed_on(upstream, web.Response(body=data, status=upstream.status))
         counter = _OutputCounter(
@@ -2041,21 +2066,46 @@ async def _read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> bytes |
 
 
 class _DoneScan:
-    """Whether an event stream has shown its ``data: [DONE]`` (split between chunks too)."""
+    """Whether an event stream has shown its ``[DONE]`` event: a line that is the ``data``
+    field ``[DONE]`` (``data: [DONE]``, or ``data:[DONE]``: the space is optional in SSE),
+    with any of the line ends SSE allows, split between chunks anywhere. The same bytes inside
+    a token's text (a JSON string on a ``data: {`` line) or a comment line are not it.
 
-    _NEEDLE = b"data: [DONE]"
+    >>> scan = _DoneScan()
+    >>> scan.feed(b'data: {"text": "data: [DONE]"}\\n\\n: data: [DONE]\\n\\n')
+    >>> scan.seen
+    False
+    >>> scan.feed(b"data:[DO")
+    >>> scan.feed(b"NE]\\r\\n\\r\\n")
+    >>> scan.seen
+    True
+    """
+
+    # Each starts a line: the stream's start is one (the tail begins as a newline).
+    _EVENTS = (b"\ndata: [DONE]", b"\ndata:[DONE]")
+    _KEEP = len(_EVENTS[0]) - 1
 
     def __init__(self) -> None:
         self.seen = False
-        self._tail = b""
+        self._tail = b"\n"
+        self._line_ends = LineEnds()
 
     def feed(self, chunk: bytes) -> None:
         if self.seen:
             return
-        joined = self._tail + chunk
-        if self._NEEDLE in joined:
+        joined = self._tail + self._line_ends.to_lf(chunk)
+        if any(event in joined for event in self._EVENTS):
             self.seen = True
-        self._tail = joined[-(len(self._NEEDLE) - 1) :]
+            return
+        self._tail = joined[-self._KEEP :]
+
+
+def _shows_its_end(stream: bytes, *, responses: bool) -> bool:
+    """Whether a whole event stream shows its end: its ``[DONE]`` event, or a Responses
+    stream's terminal event."""
+    scan = TerminalEventScan() if responses else _DoneScan()
+    scan.feed(stream)
+    return scan.seen
 
 
 def _answering(scrape: Mapping[str, Any] | None) -> bool:
