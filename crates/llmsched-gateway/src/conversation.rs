@@ -133,6 +133,18 @@ impl ContentFormat {
     }
 }
 
+/// Whether a template adds to a `safe` filter's result (`"..." | safe + text`): on Python that
+/// is Jinja's `Markup`, whose `+` HTML-escapes the other operand, and minijinja has no such
+/// type, so the native plane would render such a template otherwise (probe 52 F6).
+pub fn adds_to_safe_text(source: &str) -> bool {
+    let Ok(root) = parse(source, "chat", SyntaxConfig, WhitespaceConfig::default()) else {
+        return false;
+    };
+    let mut nodes = Nodes::default();
+    nodes.stmt(&root, None);
+    nodes.adds_to_safe
+}
+
 /// Whether a template names the `developer` role (as a quoted string anywhere in it).
 pub fn names_developer_role(source: &str) -> bool {
     source.contains("\"developer\"") || source.contains("'developer'")
@@ -742,6 +754,8 @@ struct Nodes<'a> {
     sets: Vec<&'a ast::Set<'a>>,
     macros: Vec<&'a ast::Macro<'a>>,
     calls: Vec<&'a ast::Call<'a>>,
+    /// An addition with a `safe` filter's result as an operand ([`adds_to_safe_text`]).
+    adds_to_safe: bool,
 }
 
 impl<'a> Nodes<'a> {
@@ -857,6 +871,10 @@ impl<'a> Nodes<'a> {
             }
             Expr::UnaryOp(u) => self.expr(&u.expr),
             Expr::BinOp(b) => {
+                let safe = |e: &ast::Expr<'_>| matches!(e, Expr::Filter(f) if f.name == "safe");
+                if b.op == ast::BinOpKind::Add && (safe(&b.left) || safe(&b.right)) {
+                    self.adds_to_safe = true;
+                }
                 self.expr(&b.left);
                 self.expr(&b.right);
             }

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use minijinja::{Environment, Error, ErrorKind, UndefinedBehavior, Value};
 use serde_json::Value as Json;
 
-use crate::conversation::{names_developer_role, ContentFormat};
+use crate::conversation::{adds_to_safe_text, names_developer_role, ContentFormat};
 use crate::pyvalues::{python_formatter, python_str, tojson};
 
 /// The template's name in its environment.
@@ -117,6 +117,12 @@ impl ChatTemplate {
         env.add_test("iterable", python_iterable);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        if adds_to_safe_text(&source) {
+            return Err("chat template adds to a `safe` filter's result (`\"...\" | safe + \
+                        text`), which HTML-escapes the text on Python (Jinja's Markup) and not \
+                        here; serve it with data_plane: python"
+                .to_owned());
+        }
         let content_format = ContentFormat::detect(&source);
         let developer_role = names_developer_role(&source);
         let reads_content = source.contains("content");
@@ -491,6 +497,24 @@ mod tests {
         let out =
             render(&template, minijinja::context! { n => (), t => true, l => vec!["a", "b"], d });
         assert_eq!(out, "None True ['a', 'b'] {'k': \"it's\", 'x': 1.0} .");
+    }
+
+    #[test]
+    fn adding_to_safe_text_is_refused() {
+        for source in [
+            "{{ \"f:\" | safe + t }}",
+            "{% set x = a + (b | safe) %}{{ x }}",
+            "{% for t in tools %}{{ \"f:\"|safe + t.name + \"<\" }}{% endfor %}",
+        ] {
+            let Err(problem) = ChatTemplate::compile(source) else {
+                panic!("{source} compiled");
+            };
+            assert!(problem.contains("data_plane: python"), "{problem}");
+        }
+        // Concatenation (`~`) does not escape on Python either, nor does `safe` alone.
+        for source in ["{{ \"f:\" | safe ~ t }}", "{{ t | safe }}", "{{ a + b }}"] {
+            assert!(ChatTemplate::compile(source).is_ok(), "{source}");
+        }
     }
 
     #[test]
