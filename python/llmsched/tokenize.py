@@ -17,11 +17,13 @@ library alone, so the gateway needs neither ``transformers`` nor ``torch``:
   again (vLLM's chat default ``add_special_tokens=False``: the template writes them).
   The messages reach the template as vLLM 0.32 builds them: only the fields it passes on
   (``role``, ``content``, an assistant's ``tool_calls`` with their ``arguments`` read into
-  objects and its ``reasoning`` also as ``reasoning_content``, a tool's ``tool_call_id``,
-  ``name`` and ``task`` when strings), a ``developer`` message merged into the system
-  message when the template never names that role, list contents as texts joined by
-  newlines (the ``string`` content format) or, for a template that loops over a message's
-  content, as ``{type, ...}`` parts (``openai``); a conversation with a media part (an
+  objects and their fields in vLLM's order, and its ``reasoning`` (or, without one, the
+  deprecated ``reasoning_content``) as both ``reasoning`` and ``reasoning_content``, a
+  tool's ``tool_call_id``, ``name`` and ``task`` when strings), a ``developer`` message
+  merged into the system message when the template never names that role, list contents
+  as texts joined by newlines (the ``string`` content format, empty texts left out) or, for
+  a template that loops over a message's content, as ``{type, ...}`` parts (``openai``,
+  empty texts kept, a string content as one text part); a conversation with a media part (an
   image, audio, video) is rendered up to that part (for the ``string`` format, the start of
   its message, where vLLM puts the placeholders). :meth:`PromptTokenizer.chat_request_tokens`
   takes a whole request body and reads its other fields as vLLM does (``tools``,
@@ -903,15 +905,18 @@ class _ToolReference(str):
 
 
 def _part_text(value: object) -> str | None:
-    """A text part's text, None when it is skipped (absent, null or empty, as vLLM skips it)."""
+    """A text part's text, None when it is skipped (absent or null, as vLLM skips it). An
+    empty text is kept: vLLM leaves it out of the ``string`` format's join but keeps it as a
+    part in the ``openai`` format (a template may test the parts' number or index them)."""
     if value is None:
         return None
-    return str(value) or None
+    return str(value)
 
 
 def _content_part(part: object) -> str | _Media | None:
-    """One part of a list content: its text (None: skipped; a :class:`_ToolReference` for a
-    tool reference) or its media modality. Raises ``ValueError`` naming what is wrong."""
+    """One part of a list content: its text (None: skipped; possibly empty; a
+    :class:`_ToolReference` for a tool reference) or its media modality. Raises
+    ``ValueError`` naming what is wrong."""
     if isinstance(part, str):
         return _part_text(part)
     if not isinstance(part, Mapping):
@@ -976,7 +981,7 @@ class _Conversation:
             if self.content_format == "string":
                 if isinstance(kind, _Media):
                     media_here = True
-                elif kind is not None:
+                elif kind:
                     texts.append(str(kind))
                 continue
             if isinstance(kind, _ToolReference):
@@ -1022,6 +1027,9 @@ class _Conversation:
                 if calls is not None:
                     built["tool_calls"] = calls
             reasoning = message.get("reasoning")
+            if reasoning is None:
+                # vLLM's request model renames the deprecated field to this one.
+                reasoning = message.get("reasoning_content")
             if reasoning is not None:
                 built["reasoning"] = reasoning
                 built["reasoning_content"] = reasoning
@@ -1044,7 +1052,8 @@ def _extra_fields(part: object) -> dict[str, Any]:
 def _tool_calls(i: int, calls: object) -> object:
     """An assistant's ``tool_calls`` as the template sees them: None for an empty list
     (dropped), each call's ``arguments`` an object (a JSON text of one read; anything else
-    that is not one ``{}``); a value that is not a list as it is."""
+    that is not one ``{}``), the fields of each call and its function in vLLM's order
+    (:data:`_TOOL_CALL_FIELDS`); a value that is not a list as it is."""
     if not isinstance(calls, list):
         return calls
     if not calls:
@@ -1061,8 +1070,23 @@ def _tool_calls(i: int, calls: object) -> object:
         arguments = function.get("arguments")
         if not isinstance(arguments, Mapping):
             arguments = _arguments_object(arguments)
-        out.append({**call, "function": {**function, "arguments": arguments}})
+        function = _in_field_order({**function, "arguments": arguments}, _FUNCTION_FIELDS)
+        out.append(_in_field_order({**call, "function": function}, _TOOL_CALL_FIELDS))
     return out
+
+
+_TOOL_CALL_FIELDS = ("id", "function", "type")
+_FUNCTION_FIELDS = ("arguments", "name")
+"""The fields of a tool call and of its function in the order vLLM's request model (the
+OpenAI ``TypedDict`` types, validated by pydantic) hands them to the template, whatever order
+the request sent them in: a template writing a call with ``tojson`` writes them so."""
+
+
+def _in_field_order(value: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """``value``'s ``fields`` first, in that order, then its other keys as they came."""
+    ordered = {key: value[key] for key in fields if key in value}
+    ordered.update((k, v) for k, v in value.items() if k not in ordered)
+    return ordered
 
 
 # The deepest arguments the native plane reads (serde_json's recursion limit of 128).

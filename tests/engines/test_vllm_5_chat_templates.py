@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _template_cases import CASES
 
 from llmsched import _llmsched
 from llmsched.tokenize import PromptError, PromptTokenizer
@@ -119,6 +120,31 @@ def test_requests_render_with_the_template_vllm_chooses(
         firsts.add(tuple(engine_side[:4]))
     # The cases rendered with at least four different templates.
     assert len(firsts) >= 4
+
+
+def test_real_templates_constructs_render_as_the_engine_renders_them(
+    trusting_engine: VllmEngine, named_model: Path
+) -> None:
+    """The constructs of real templates that rendered differently (probe 52,
+    ``_template_cases.CASES``), each rendered by the engine as the request's own template: the
+    engine writes the text the case states, and both planes compute its ids."""
+    python = PromptTokenizer(named_model, trust_request_chat_template=True)
+    native = _llmsched.NativePromptTokenizer(str(named_model), trust_request_chat_template=True)
+    for name, template, fields, expected in CASES:
+        body = {
+            "model": MODEL_NAME,
+            "max_tokens": 1,
+            "return_token_ids": True,
+            "chat_template": template,
+            "add_generation_prompt": False,
+            **fields,
+        }
+        status, text = post_status(trusting_engine, body)
+        assert status == 200, (name, text)
+        engine_side = json.loads(text)["prompt_token_ids"]
+        assert python.render_chat_request(body) == expected, name
+        assert python.chat_request_tokens(body) == engine_side, name
+        assert native.chat_tokens(json.dumps(body)) == engine_side, name
 
 
 def post_status(engine: VllmEngine, body: dict[str, Any]) -> tuple[int, str]:

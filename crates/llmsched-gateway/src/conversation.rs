@@ -4,12 +4,15 @@
 //!
 //! - Each message the template sees is built anew: `role` and `content`, then `tool_calls`
 //!   (an assistant's, unless null; an empty list is dropped and each call's `arguments` JSON
-//!   text becomes an object, `{}` when it is not one), `reasoning` and `reasoning_content`
-//!   (an assistant's `reasoning`), `tool_call_id` (a tool's), `name` and `task` (when
-//!   strings), `tools` (a developer's). Other keys the client sent are not seen.
+//!   text becomes an object, `{}` when it is not one; a call's fields and its function's in
+//!   the order of vLLM's request model, [`TOOL_CALL_FIELDS`]), `reasoning` and
+//!   `reasoning_content` (an assistant's `reasoning`, or without one the deprecated
+//!   `reasoning_content` vLLM renames to it), `tool_call_id` (a tool's), `name` and `task`
+//!   (when strings), `tools` (a developer's). Other keys the client sent are not seen.
 //! - Content: a string, a list of parts, or null (no parts). Text-like parts (plain strings,
-//!   `text`, `input_text`, `output_text`, `refusal`, `thinking`) give their text, an empty or
-//!   null one skipped; a `tool_reference` its name; media parts (images, audio, video,
+//!   `text`, `input_text`, `output_text`, `refusal`, `thinking`) give their text, a null one
+//!   skipped and an empty one left out of the `string` format's join but kept as a part in
+//!   the `openai` format; a `tool_reference` its name; media parts (images, audio, video,
 //!   embeddings) are the engine's. A system message's text part starting with Claude Code's
 //!   billing header loses that first line.
 //! - [`ContentFormat`]: a template that loops over a message's content gets the parts as a
@@ -128,6 +131,18 @@ impl ContentFormat {
             ContentFormat::OpenAi => "openai",
         }
     }
+}
+
+/// Whether a template adds to a `safe` filter's result (`"..." | safe + text`): on Python that
+/// is Jinja's `Markup`, whose `+` HTML-escapes the other operand, and minijinja has no such
+/// type, so the native plane would render such a template otherwise (probe 52 F6).
+pub fn adds_to_safe_text(source: &str) -> bool {
+    let Ok(root) = parse(source, "chat", SyntaxConfig, WhitespaceConfig::default()) else {
+        return false;
+    };
+    let mut nodes = Nodes::default();
+    nodes.stmt(&root, None);
+    nodes.adds_to_safe
 }
 
 /// Whether a template names the `developer` role (as a quoted string anywhere in it).
@@ -317,7 +332,7 @@ struct Builder {
 
 /// One part of a list content.
 enum Part {
-    /// Text (None: empty or absent, skipped).
+    /// Text (None: null or absent, skipped; an empty text is kept in the `openai` format).
     Text(Option<String>),
     /// A tool reference's name (None: absent, skipped).
     ToolReference(Option<String>),
@@ -362,7 +377,11 @@ impl Builder {
                         fields.push((Value::from("tool_calls"), calls));
                     }
                 }
-                if let Some(reasoning) = field("reasoning").filter(|r| !r.is_none()) {
+                let reasoning = field("reasoning").filter(|r| !r.is_none());
+                // vLLM's request model renames the deprecated field to `reasoning`.
+                let reasoning =
+                    reasoning.or_else(|| field("reasoning_content").filter(|r| !r.is_none()));
+                if let Some(reasoning) = reasoning {
                     fields.push((Value::from("reasoning"), reasoning.clone()));
                     fields.push((Value::from("reasoning_content"), reasoning));
                 }
@@ -421,7 +440,7 @@ impl Builder {
                 .map_err(|problem| format!("messages[{i}].content[{j}] {problem}"))?;
             match (self.format, kind) {
                 (ContentFormat::String, Part::Text(text) | Part::ToolReference(text)) => {
-                    texts.extend(text);
+                    texts.extend(text.filter(|t| !t.is_empty()));
                 }
                 (ContentFormat::String, Part::Media(_)) => media_here = true,
                 (ContentFormat::OpenAi, Part::Text(Some(text))) => {
@@ -485,7 +504,7 @@ fn extra_fields(part: &Value) -> Vec<(Value, Value)> {
 fn content_part(part: &Value) -> Result<Part, String> {
     let text_of = |value: Value| match value.kind() {
         ValueKind::Undefined | ValueKind::None => None,
-        _ => Some(python_str(&value)).filter(|text| !text.is_empty()),
+        _ => Some(python_str(&value)),
     };
     match part.kind() {
         ValueKind::String => return Ok(Part::Text(text_of(part.clone()))),
@@ -593,9 +612,37 @@ fn tool_calls(i: usize, calls: &Value) -> Result<Option<Value>, String> {
         }
         let arguments = arguments_object(&function.get_attr("arguments").unwrap_or_default());
         let function = replace_field(&function, "arguments", arguments);
-        out.push(replace_field(&call, "function", function));
+        let function = in_field_order(&function, FUNCTION_FIELDS);
+        out.push(in_field_order(&replace_field(&call, "function", function), TOOL_CALL_FIELDS));
     }
     Ok(Some(Value::from(out)))
+}
+
+/// The fields of a tool call in the order vLLM's request model (the OpenAI `TypedDict`s,
+/// validated by pydantic) hands them to the template, whatever order the request sent them
+/// in: a template writing a call with `tojson` writes them so. [`FUNCTION_FIELDS`]: its
+/// function's.
+pub const TOOL_CALL_FIELDS: &[&str] = &["id", "function", "type"];
+/// See [`TOOL_CALL_FIELDS`].
+pub const FUNCTION_FIELDS: &[&str] = &["arguments", "name"];
+
+/// Map `value` with its `fields` first, in that order, then its other keys as they came.
+fn in_field_order(value: &Value, fields: &[&str]) -> Value {
+    let keys: Vec<Value> = value.try_iter().into_iter().flatten().collect();
+    let rank = |key: &Value| {
+        key.as_str().and_then(|k| fields.iter().position(|f| *f == k)).unwrap_or(fields.len())
+    };
+    let mut ordered: Vec<(usize, Value)> = keys.into_iter().map(|k| (rank(&k), k)).collect();
+    // A stable sort: the other keys keep their order after the named ones.
+    ordered.sort_by_key(|(rank, _)| *rank);
+    let members = ordered
+        .into_iter()
+        .map(|(_, key)| {
+            let item = value.get_item(&key).unwrap_or_default();
+            (key, item)
+        })
+        .collect();
+    Members::value(members)
 }
 
 /// A call's `arguments` as an object: an object as it is, a JSON text of an object read, and
@@ -707,6 +754,8 @@ struct Nodes<'a> {
     sets: Vec<&'a ast::Set<'a>>,
     macros: Vec<&'a ast::Macro<'a>>,
     calls: Vec<&'a ast::Call<'a>>,
+    /// An addition with a `safe` filter's result as an operand ([`adds_to_safe_text`]).
+    adds_to_safe: bool,
 }
 
 impl<'a> Nodes<'a> {
@@ -822,6 +871,10 @@ impl<'a> Nodes<'a> {
             }
             Expr::UnaryOp(u) => self.expr(&u.expr),
             Expr::BinOp(b) => {
+                let safe = |e: &ast::Expr<'_>| matches!(e, Expr::Filter(f) if f.name == "safe");
+                if b.op == ast::BinOpKind::Add && (safe(&b.left) || safe(&b.right)) {
+                    self.adds_to_safe = true;
+                }
                 self.expr(&b.left);
                 self.expr(&b.right);
             }
@@ -1133,6 +1186,43 @@ mod tests {
         )
         .unwrap_err();
         assert!(problem.contains("only calls of type 'function'"), "{problem}");
+    }
+
+    #[test]
+    fn reasoning_content_empty_parts_and_call_fields_as_vllm_builds_them() {
+        let (out, _) = template_messages(
+            &messages(
+                r#"[{"role": "user", "content": ""},
+                   {"role": "assistant", "content": [{"type": "text", "text": ""}, "x"],
+                    "reasoning_content": "rc", "tool_calls": [
+                       {"type": "function", "index": 0, "function": {"extra": 1, "name": "f", "arguments": "{}"}, "id": "a"}]},
+                   {"role": "assistant", "content": "y", "reasoning": "r", "reasoning_content": "rc"}]"#,
+            ),
+            ContentFormat::OpenAi,
+            true,
+        )
+        .unwrap();
+        let keys =
+            |v: &Value| -> Vec<String> { v.try_iter().unwrap().map(|k| k.to_string()).collect() };
+        let empty = item(&out, 0).get_attr("content").unwrap();
+        assert_eq!(empty.len(), Some(1));
+        assert_eq!(item(&empty, 0).get_attr("text").unwrap().as_str(), Some(""));
+        let assistant = item(&out, 1);
+        assert_eq!(assistant.get_attr("content").unwrap().len(), Some(2));
+        assert_eq!(assistant.get_attr("reasoning").unwrap().as_str(), Some("rc"));
+        assert_eq!(assistant.get_attr("reasoning_content").unwrap().as_str(), Some("rc"));
+        let call = item(&assistant.get_attr("tool_calls").unwrap(), 0);
+        assert_eq!(keys(&call), ["id", "function", "type", "index"]);
+        assert_eq!(keys(&call.get_attr("function").unwrap()), ["arguments", "name", "extra"]);
+        assert_eq!(item(&out, 2).get_attr("reasoning_content").unwrap().as_str(), Some("r"));
+        // The string format still leaves an empty text out of the join.
+        let (out, _) = template_messages(
+            &messages(r#"[{"role": "user", "content": [{"type": "text", "text": ""}, "x"]}]"#),
+            ContentFormat::String,
+            true,
+        )
+        .unwrap();
+        assert_eq!(item(&out, 0).get_attr("content").unwrap().as_str(), Some("x"));
     }
 
     #[test]

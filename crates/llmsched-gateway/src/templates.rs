@@ -27,8 +27,8 @@ use std::sync::{Arc, Mutex};
 use minijinja::{Environment, Error, ErrorKind, UndefinedBehavior, Value};
 use serde_json::Value as Json;
 
-use crate::conversation::{names_developer_role, ContentFormat};
-use crate::pyvalues::{python_formatter, tojson};
+use crate::conversation::{adds_to_safe_text, names_developer_role, ContentFormat};
+use crate::pyvalues::{python_formatter, python_str, tojson};
 
 /// The template's name in its environment.
 const TEMPLATE: &str = "chat";
@@ -111,8 +111,18 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(python_formatter);
         env.add_filter("tojson", tojson);
+        // Filters and tests where minijinja's own differ from Jinja on Python.
+        env.add_filter("string", python_string);
+        env.add_filter("trim", python_trim);
+        env.add_test("iterable", python_iterable);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        if adds_to_safe_text(&source) {
+            return Err("chat template adds to a `safe` filter's result (`\"...\" | safe + \
+                        text`), which HTML-escapes the text on Python (Jinja's Markup) and not \
+                        here; serve it with data_plane: python"
+                .to_owned());
+        }
         let content_format = ContentFormat::detect(&source);
         let developer_role = names_developer_role(&source);
         let reads_content = source.contains("content");
@@ -397,6 +407,32 @@ fn rewrite_generation_tags(source: &str) -> String {
     out
 }
 
+/// `value | string`: Python's `str()` (a list or a mapping as its `repr()`, `None` as
+/// `None`), where minijinja writes its own form (`["a"]`, `none`).
+fn python_string(value: &Value) -> Value {
+    if value.kind() == minijinja::value::ValueKind::String {
+        return value.clone();
+    }
+    Value::from(python_str(value))
+}
+
+/// `value | trim(chars)`: Python's `str(value).strip(chars)`; minijinja's own takes only
+/// strings, so a list (a message's content in the `openai` format) was written in its form.
+fn python_trim(value: &Value, chars: Option<&str>) -> Value {
+    let text = python_str(value);
+    let trimmed = match chars {
+        Some(chars) => text.trim_matches(|c| chars.contains(c)),
+        None => text.trim(),
+    };
+    Value::from(trimmed)
+}
+
+/// `value is iterable` as on Python: `none` is not (minijinja iterates it as empty, so
+/// `tools is iterable and tools | length > 0` failed on every request without tools).
+fn python_iterable(value: &Value) -> bool {
+    !value.is_none() && value.try_iter().is_ok()
+}
+
 fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message).with_source(Raised))
 }
@@ -461,6 +497,41 @@ mod tests {
         let out =
             render(&template, minijinja::context! { n => (), t => true, l => vec!["a", "b"], d });
         assert_eq!(out, "None True ['a', 'b'] {'k': \"it's\", 'x': 1.0} .");
+    }
+
+    #[test]
+    fn adding_to_safe_text_is_refused() {
+        for source in [
+            "{{ \"f:\" | safe + t }}",
+            "{% set x = a + (b | safe) %}{{ x }}",
+            "{% for t in tools %}{{ \"f:\"|safe + t.name + \"<\" }}{% endfor %}",
+        ] {
+            let Err(problem) = ChatTemplate::compile(source) else {
+                panic!("{source} compiled");
+            };
+            assert!(problem.contains("data_plane: python"), "{problem}");
+        }
+        // Concatenation (`~`) does not escape on Python either, nor does `safe` alone.
+        for source in ["{{ \"f:\" | safe ~ t }}", "{{ t | safe }}", "{{ a + b }}"] {
+            assert!(ChatTemplate::compile(source).is_ok(), "{source}");
+        }
+    }
+
+    #[test]
+    fn string_trim_and_iterable_are_jinja_on_python_s() {
+        let template = ChatTemplate::compile(
+            "{{ l | trim }}|{{ l | string }}|{{ n | string }}|{{ ' x.' | trim(' .') }}|\
+             {{ n is iterable }} {{ l is iterable }} {{ s is iterable }} {{ u is iterable }}|\
+             {% if n is iterable and n | length > 0 %}tools{% endif %}",
+        )
+        .unwrap();
+        let l: Value = serde_json::from_str(r#"[{"type": "text", "text": " hi "}]"#).unwrap();
+        let out = render(&template, minijinja::context! { l, n => (), s => "ab" });
+        assert_eq!(
+            out,
+            "[{'type': 'text', 'text': ' hi '}]|[{'type': 'text', 'text': ' hi '}]|None|x|\
+             False True True True|"
+        );
     }
 
     fn named(config: Json, engine: Option<&str>, trust: bool) -> ChatTemplates {
