@@ -15,6 +15,7 @@ import pytest
 from _template_cases import CASES
 
 from llmsched import _llmsched
+from llmsched.errors import ConfigError
 from llmsched.testing.openai_engine import write_tokenizer
 from llmsched.tokenize import PromptTokenizer
 
@@ -50,3 +51,23 @@ def test_the_native_plane_renders_what_vllm_renders(
     body = {"model": "m", "add_generation_prompt": False, **fields}
     assert native.render_chat(json.dumps(body)) == expected
     assert native.chat_tokens(json.dumps(body)) == python.chat_request_tokens(body)
+
+
+def test_the_native_plane_refuses_adding_to_safe_text(tmp_path: Path) -> None:
+    """Probe 52 F6: ``"..." | safe + text`` is Jinja's ``Markup`` on Python, whose ``+``
+    HTML-escapes the text (functionary v3.1's tool list); minijinja cannot do the same, so the
+    native plane refuses such a template at load instead of rendering other ids. The Python
+    plane renders it as vLLM does."""
+    template = (
+        '{% for t in tools %}{{ "f:"|safe + t.function.name + "<" }}{% endfor %}'
+        "{{ messages[0].content }}"
+    )
+    directory = write_tokenizer(tmp_path / "markup", chat_template=template)
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "q"}],
+        "tools": [{"type": "function", "function": {"name": 'a"b'}}],
+    }
+    assert PromptTokenizer(directory).render_chat_request(body) == "f:a&#34;b&lt;q"
+    with pytest.raises(ConfigError, match="data_plane: python"):
+        NativePromptTokenizer(str(directory))

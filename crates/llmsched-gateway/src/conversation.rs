@@ -872,7 +872,7 @@ impl<'a> Nodes<'a> {
             Expr::UnaryOp(u) => self.expr(&u.expr),
             Expr::BinOp(b) => {
                 let safe = |e: &ast::Expr<'_>| matches!(e, Expr::Filter(f) if f.name == "safe");
-                if b.op == ast::BinOpKind::Add && (safe(&b.left) || safe(&b.right)) {
+                if matches!(b.op, ast::BinOpKind::Add) && (safe(&b.left) || safe(&b.right)) {
                     self.adds_to_safe = true;
                 }
                 self.expr(&b.left);
