@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from llmsched import Scheduler, ScheduleRequest
+from llmsched import PrefixIndex, Scheduler, ScheduleRequest
 from llmsched.errors import PlacementError
 
 
@@ -91,3 +91,38 @@ def test_placements_retried_and_ended_from_two_threads_hold_nothing() -> None:
     stats = s.stats()
     assert stats["in_flight"] == 0
     assert stats["completed"] + stats["failed"] + stats["cancelled"] == len(placements)
+
+
+@pytest.mark.timeout(60)
+def test_a_large_clear_returns_every_block_while_another_thread_snapshots() -> None:
+    """F1: a clear of more than 4,096 blocks goes in steps with the lock released between
+    them, and a `dumps` on another thread finishes a clear under way; the clear then returned
+    only the blocks of its own steps (11,808 of 20,000, or 0), not every block it dropped."""
+    index = PrefixIndex(block_size=1)
+    index.store("other", list(range(10**9, 10**9 + 5)))
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def snapshot() -> None:
+        try:
+            while not stop.is_set():
+                PrefixIndex.loads(index.dumps())
+        except BaseException as exc:  # pragma: no cover - reported below
+            failures.append(exc)
+
+    thread = threading.Thread(target=snapshot)
+    thread.start()
+    returned = []
+    try:
+        for r in range(12):
+            first = 1 + r * 100_000
+            index.store("w", list(range(first, first + 20_000)))
+            returned.append(index.remove_worker("w") if r % 2 else index.clear("w"))
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive(), "a thread hung"
+    assert not failures, failures
+    assert returned == [20_000] * 12
+    stats = index.stats()
+    assert (stats["blocks"], stats["worker_blocks"]) == (5, {"other": 5})
