@@ -326,7 +326,9 @@ class PrefixIndex:
         Matches stop seeing the worker's blocks at once. A worker holding more than 4,096
         blocks has them dropped 4,096 at a time with the index's lock (and the GIL) released
         between steps, so that other threads' matches wait for one step, not for the whole
-        clear; writes for this worker from other threads land after the clear.
+        clear; writes for this worker from other threads land after the clear. The count
+        returned is every block the clear dropped, also those of steps that another thread
+        (a :meth:`dumps`, a write for this worker) took to finish it.
         """
         return self._native.clear(worker)
 

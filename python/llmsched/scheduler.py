@@ -469,9 +469,10 @@ class Placement:
         return list(self._order[self._next :])
 
     def _take_more(self) -> None:
-        more, self._more = self._more, None
-        if more is not None:
-            self._order += [e for e in more() if e not in self._order]
+        with self._lock:
+            more, self._more = self._more, None
+            if more is not None:
+                self._order += [e for e in more() if e not in self._order]
 
     @property
     def prefill_endpoint(self) -> EndpointId | None:
@@ -536,6 +537,9 @@ class Placement:
         in-flight counts go back, its approximate prefix record is dropped) and starts the
         next attempt on the next fallback still in the pool. Returns that endpoint; raises
         NoEndpointError when none is left (the placement stays open with no attempt: end it).
+
+        Safe against the placement being ended on another thread meanwhile: the attempt it
+        started is then ended too, and PlacementError raised.
         """
         with self._lock:
             if self._outcome is not None:
@@ -545,14 +549,31 @@ class Placement:
             self._scheduler._end_attempt(failed, self._request, failed=True)
         self._scheduler._count("retries")
         self._take_more()
-        while self._next < len(self._order):
-            endpoint = self._order[self._next]
-            self._next += 1
+        while True:
+            with self._lock:
+                if self._outcome is not None:
+                    raise PlacementError(f"the placement has ended ({self._outcome})")
+                if self._next >= len(self._order):
+                    break
+                endpoint = self._order[self._next]
+                self._next += 1
             attempt = self._scheduler._start_attempt(self._request, endpoint)
-            if attempt is not None:
-                self._attempt = attempt
-                self._attempts += 1
-                return endpoint
+            if attempt is None:
+                continue
+            with self._lock:
+                # Installed under the lock: an end on another thread either took it (and
+                # ends it) or came first, and then this attempt is ended here.
+                ended, current = self._outcome, self._attempt
+                if ended is None and current is None:
+                    self._attempt = attempt
+                    self._attempts += 1
+                    return endpoint
+            self._scheduler._end_attempt(attempt, self._request, failed=ended == "failed")
+            if ended is not None:
+                raise PlacementError(f"the placement has ended ({ended})")
+            # Another thread's retry installed its attempt first: that one stands.
+            assert current is not None
+            return current.endpoint
         raise NoEndpointError(
             f"no fallback is left after {self._attempts} attempt(s) "
             f"(tried {', '.join(map(str, self._order))})"

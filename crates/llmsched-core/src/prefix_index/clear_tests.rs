@@ -255,6 +255,46 @@ fn a_snapshot_taken_during_a_clear_waits_for_it() {
     assert_eq!(loaded.held_blocks(&BIG), 0);
 }
 
+/// Probe 53 F1: a clear whose steps another thread finished (a snapshot, a write for the
+/// worker) returned only the blocks of its own steps (often 0), not all it dropped.
+#[test]
+fn a_clear_finished_by_another_thread_returns_every_block_it_dropped() {
+    type Helper = fn(&PrefixIndex);
+    let helpers: [Helper; 2] = [
+        |idx| {
+            idx.dumps(0.0);
+        },
+        |idx| {
+            idx.store(&BIG, &[77_777], None, Tier::Gpu).unwrap();
+        },
+    ];
+    for (i, helper) in helpers.into_iter().enumerate() {
+        for remove in [false, true] {
+            let index = Arc::new(index());
+            store_all(&index, &BIG, &chains(1000, 10, 30));
+            store_all(&index, &OTHER, &chains(9000, 1, 5));
+            let held = index.held_blocks(&BIG);
+            assert!(held > 2 * CLEAR_STEP, "{held} blocks clear at once");
+            let (idx, helped) = (Arc::clone(&index), Arc::new(AtomicBool::new(false)));
+            let flag = Arc::clone(&helped);
+            set_hook(move |_| {
+                if !flag.swap(true, Ordering::SeqCst) {
+                    let idx = Arc::clone(&idx);
+                    on_other_thread(move || helper(&idx));
+                }
+            });
+            let dropped =
+                if remove { index.remove_worker(&BIG) } else { index.clear(&BIG) }.unwrap();
+            clear_hook();
+            assert!(helped.load(Ordering::SeqCst), "helper {i}: no step was taken elsewhere");
+            assert_eq!(dropped, held, "helper {i}, remove_worker: {remove}");
+            assert_eq!(index.stats().blocks, 5 + usize::from(i == 1));
+            assert!(index.state.read().clears.running.is_empty());
+            assert!(index.state.read().clears.done.is_empty());
+        }
+    }
+}
+
 #[test]
 fn a_large_clear_sweeps_the_engine_hash_map_in_steps() {
     let config = IndexConfig { block_size: 1, ..IndexConfig::default() };

@@ -174,6 +174,45 @@ impl Workers {
 pub(crate) struct State {
     pub tree: Tree,
     pub workers: Workers,
+    /// The blocks each stepped [`PrefixIndex::clear`] (or `remove_worker`) dropped, whichever
+    /// threads dropped them.
+    pub clears: ClearTally,
+}
+
+/// Blocks dropped by the stepped clears that a [`PrefixIndex::clear`] or
+/// [`PrefixIndex::remove_worker`] call waits on: other threads (a snapshot, a write for the
+/// worker) may drop some of the steps, and the call still returns them all.
+#[derive(Default)]
+pub(crate) struct ClearTally {
+    /// Per hidden worker: the waiting call's ticket and the blocks dropped so far.
+    running: HashMap<WorkerId, (u64, u64)>,
+    /// Per ticket: the blocks a finished clear dropped, until its call collects them.
+    done: HashMap<u64, u64>,
+    next: u64,
+}
+
+impl ClearTally {
+    fn open(&mut self, w: WorkerId) -> u64 {
+        self.next += 1;
+        self.running.insert(w, (self.next, 0));
+        self.next
+    }
+
+    fn add(&mut self, w: WorkerId, dropped: u64) {
+        if let Some((_, total)) = self.running.get_mut(&w) {
+            *total += dropped;
+        }
+    }
+
+    fn close(&mut self, w: WorkerId) {
+        if let Some((ticket, total)) = self.running.remove(&w) {
+            self.done.insert(ticket, total);
+        }
+    }
+
+    fn collect(&mut self, ticket: u64) -> u64 {
+        self.done.remove(&ticket).unwrap_or(0)
+    }
 }
 
 /// A concurrent prefix index. Share it between threads by reference or `Arc`.
@@ -201,7 +240,11 @@ impl PrefixIndex {
         config.validate()?;
         Ok(PrefixIndex {
             config,
-            state: ReadMostlyLock::new(State { tree: Tree::new(), workers: Workers::default() }),
+            state: ReadMostlyLock::new(State {
+                tree: Tree::new(),
+                workers: Workers::default(),
+                clears: ClearTally::default(),
+            }),
             event_batches: std::sync::atomic::AtomicU64::new(0),
             evicted_blocks: std::sync::atomic::AtomicU64::new(0),
         })
@@ -306,13 +349,13 @@ impl PrefixIndex {
     /// [`CLEAR_STEP`] blocks has them dropped in steps of that many, the lock released between
     /// steps, so that matches wait for one step rather than the whole clear (89 ms for a
     /// million blocks). Writes for this worker from other threads wait for the clear to end.
+    /// Returns every block the clear dropped, also those of steps another thread took (a
+    /// snapshot, or a write for the worker, finishes a clear under way).
     pub fn clear(&self, worker: &WorkerKey) -> Result<u64, IndexError> {
         let (mut st, w) = self.write_for(worker);
         let w = w.ok_or_else(|| IndexError::UnknownWorker(worker.clone()))?;
         let (dropped, own) = start_clear(&mut st, w);
-        drop(st);
-        drop(own);
-        Ok(dropped + self.finish_clear(w))
+        self.finish_own_clear(st, own, w, dropped)
     }
 
     /// Drops everything `worker` holds and forgets the worker (in steps, as [`Self::clear`]).
@@ -322,9 +365,28 @@ impl PrefixIndex {
         let (dropped, own) = start_clear(&mut st, w);
         st.workers.keys[w as usize] = None;
         st.workers.ids.remove(worker);
+        self.finish_own_clear(st, own, w, dropped)
+    }
+
+    /// Ends a [`Self::clear`] or [`Self::remove_worker`] begun by [`start_clear`]: finishes its
+    /// steps (with any other thread that helps) and returns all the blocks it dropped.
+    fn finish_own_clear(
+        &self,
+        mut st: WriteGuard<'_, State>,
+        own: OwnEntries,
+        w: WorkerId,
+        dropped: u64,
+    ) -> Result<u64, IndexError> {
+        if !st.tree.is_hidden(w) {
+            drop(st);
+            drop(own);
+            return Ok(dropped);
+        }
+        let ticket = st.clears.open(w);
         drop(st);
         drop(own);
-        Ok(dropped + self.finish_clear(w))
+        self.finish_clear(w);
+        Ok(dropped + self.state.write().clears.collect(ticket))
     }
 
     /// The write lock, once no clear of `worker` is under way, and the worker's id if it is
@@ -353,9 +415,12 @@ impl PrefixIndex {
             if !st.tree.is_hidden(w) {
                 return dropped;
             }
-            dropped += st.tree.drop_some(w, CLEAR_STEP);
+            let step = st.tree.drop_some(w, CLEAR_STEP);
+            st.clears.add(w, step);
+            dropped += step;
             if st.tree.held(w) == 0 {
                 st.tree.unhide(w);
+                st.clears.close(w);
                 drop(st);
                 self.sweep_engine_map();
                 return dropped;

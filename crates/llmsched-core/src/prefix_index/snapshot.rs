@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::block_table::BlockTable;
 use super::tree::{Attrs, Holder, Node, NodeId, Tree, WorkerId, ROOT};
-use super::{IndexConfig, IndexError, State, WorkerKey, Workers};
+use super::{ClearTally, IndexConfig, IndexError, State, WorkerKey, Workers};
 
 /// Snapshots are sealed: the msgpack bytes, then their xxh3-64 (8 bytes, little-endian), so a
 /// damaged snapshot is refused rather than loaded as another index (the structural checks
@@ -156,7 +156,7 @@ pub(super) fn load(data: &[u8], now: f64) -> Result<(IndexConfig, State), IndexE
     let workers = load_workers(snap.workers)?;
     let nodes = load_nodes(snap.nodes, &workers, now, snap.stamp)?;
     let tree = Tree::rebuild(nodes, snap.stamp, workers.keys.len())?;
-    Ok((config, State { tree, workers }))
+    Ok((config, State { tree, workers, clears: ClearTally::default() }))
 }
 
 fn load_workers(snap: Vec<SnapWorker>) -> Result<Workers, IndexError> {
