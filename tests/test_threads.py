@@ -332,3 +332,30 @@ def test_matches_during_a_large_clear_see_the_worker_whole_or_gone() -> None:
     assert problems == []
     assert matched[0] > 0
     assert index.stats()["blocks"] == 500
+
+
+def test_text_picks_on_many_threads_are_all_counted() -> None:
+    """Probe 53 F3: the count of text picks on an index fed by engine events was a bare
+    ``+= 1``, which free-threaded CPython can lose between threads."""
+    from llmsched.testing.fake_engine import event_batch, stored_event
+
+    index = PrefixIndex(4)
+    index.apply_vllm_events("a", event_batch(stored_event([11, 12], None, list(range(1, 9)), 4)))
+    router = Router(EndpointPool(["a", "b"]), index, config="prefix-only")
+    threads, picks = 4, 2_000
+    errors: list[BaseException] = []
+
+    def pick_texts() -> None:
+        try:
+            for i in range(picks):
+                router.pick(text=f"prompt {i}", now=0.0)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=pick_texts) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert not errors and not any(w.is_alive() for w in workers)
+    assert router.stats() == {"pseudo_token_picks": threads * picks}

@@ -25,6 +25,7 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -474,7 +475,16 @@ class Router:
     'a'
     """
 
-    __slots__ = ("_index", "_info", "_native", "_pool", "_pseudo_ok", "_pseudo_picks", "_warnings")
+    __slots__ = (
+        "_index",
+        "_info",
+        "_native",
+        "_pool",
+        "_pseudo_lock",
+        "_pseudo_ok",
+        "_pseudo_picks",
+        "_warnings",
+    )
 
     def __init__(
         self,
@@ -492,6 +502,9 @@ class Router:
             raise InvalidTypeError("allow_pseudo_tokens must be a bool")
         self._pseudo_ok = allow_pseudo_tokens
         self._pseudo_picks = 0
+        # Picks run on many threads at once (no GIL on free-threaded CPython): `+= 1` alone
+        # could lose counts there (probe 53 F3).
+        self._pseudo_lock = threading.Lock()
         if not isinstance(pool, EndpointPool):
             raise InvalidTypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
         if seed is not None:
@@ -726,8 +739,10 @@ class Router:
     def _pseudo_token_notes(self) -> tuple[str, ...]:
         if not self._index.fed_by_engine_events:
             return ()
-        self._pseudo_picks += 1
-        if self._pseudo_picks == 1:
+        with self._pseudo_lock:
+            self._pseudo_picks += 1
+            first = self._pseudo_picks == 1
+        if first:
             import logging  # only on this rare path: `import llmsched` stays light
 
             logging.getLogger("llmsched").warning("router: %s", PSEUDO_TOKEN_NOTE)
