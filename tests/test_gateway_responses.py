@@ -930,6 +930,32 @@ def test_requests_the_parser_refuses_log_no_traceback(caplog: pytest.LogCaptureF
 
 
 @pytest.mark.usefixtures("plane")
+def test_a_stream_framed_by_its_length_without_its_terminal_event_is_a_502() -> None:
+    """Probe 51 F10 on the Responses API: a length-framed stream is read whole and checked;
+    without its terminal event the client gets a 502, not a complete-looking 200."""
+
+    async def main() -> None:
+        events = [
+            event_bytes("response.created", {"response": {"id": "resp_t"}}),
+            event_bytes("response.output_text.delta", {"delta": "a"}),
+        ]
+        body = b"".join(events)
+        stream = (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        async with ScriptedEngine() as engine:
+            engine.answers["/v1/responses"] = [stream]
+            async with rig(engines=0, extra_engines=[engine.spec()]) as r:
+                request = {"model": MODEL, "input": "x", "stream": True}
+                async with r.client.post(r.url("/v1/responses"), json=request) as response:
+                    assert response.status == 502
+                    assert "without its end event" in (await response.json())["error"]["message"]
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
 @pytest.mark.parametrize("line_end", [b"\r\n", b"\r"], ids=["crlf", "cr"])
 def test_a_stream_with_crlf_or_cr_lines_is_whole_and_names_its_engine(line_end: bytes) -> None:
     """Server-sent events may end their lines with CRLF (``sse-starlette`` does) or a lone CR:

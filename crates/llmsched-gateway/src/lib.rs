@@ -2858,8 +2858,10 @@ impl Gateway {
         if relaying.completion {
             tokens.feed(&bytes, events);
         }
-        if let Some(scan) = relaying.id_scan.take() {
-            if let Some(id) = responses::response_id_of(&bytes) {
+        if let Some(mut scan) = relaying.id_scan.take() {
+            if events {
+                scan.feed(&bytes); // a whole Responses stream: its first event names it
+            } else if let Some(id) = responses::response_id_of(&bytes) {
                 scan.owners.record(&id, &scan.engine);
             }
         }

@@ -1833,7 +1833,7 @@ class Gateway:
         )
         counter.feed(data)
         if route == "responses" and 200 <= upstream.status < 300:
-            response_id = response_id_of(data)
+            response_id = _stream_response_id(data) if events else response_id_of(data)
             if response_id is not None:
                 self.response_owners.record(response_id, endpoint)
         self.health.record(endpoint, outcome)
@@ -2098,6 +2098,13 @@ class _DoneScan:
             self.seen = True
             return
         self._tail = joined[-self._KEEP :]
+
+
+def _stream_response_id(stream: bytes) -> str | None:
+    """The response id a whole Responses event stream announces in its first event."""
+    scan = ResponseIdScan()
+    scan.feed(stream)
+    return scan.id
 
 
 def _shows_its_end(stream: bytes, *, responses: bool) -> bool:
