@@ -14,8 +14,9 @@ Without a token the routes do not exist (404).
   index; 409 for the last engine).
 
 Changes apply to the current set of engines; with ``discovery.file`` (or
-``discovery.kubernetes``), the file (the Ready pods) replaces that set whenever it changes. On the native data plane (``data_plane: native``) the same routes are
-served in Rust (``crates/llmsched-gateway/src/admin.rs``); adding and removing an engine call
+``discovery.kubernetes``), the file (the Ready pods) replaces that set whenever it changes. On
+the native data plane (``data_plane: native``) the same routes are served in Rust
+(``crates/llmsched-gateway/src/admin.rs``); adding and removing an engine call
 :func:`add_engine` and :func:`remove_engine` here, the one implementation of both.
 """
 
