@@ -647,3 +647,55 @@ def test_pd_handler_uses_the_declared_prefix_decider_by_default() -> None:
     pool = EndpointPool([Endpoint("p", role="prefill"), Endpoint("d", role="decode")])
     decision = Router(pool, config=cfg).pick(tokens=list(range(64)), now=0.0)
     assert decision.endpoint == "d" and not decision.disaggregated
+
+
+def test_llm_ds_label_selector_pd_example_splits() -> None:
+    """Probe 54 F1, F12: the P/D example of llm-d's docs/disaggregation.md (its current
+    label-selector-filter, a prefix scorer with blockSizeTokens and autoTune) was refused; it
+    loads and splits when at least 8 prompt tokens are not cached on the decode endpoint."""
+    from llmsched import Endpoint
+
+    def selector(name: str, role: str) -> dict[str, Any]:
+        expr = {"key": "role", "operator": "In", "values": [role]}
+        return {
+            "type": "label-selector-filter",
+            "name": name,
+            "parameters": {"matchExpressions": [expr]},
+        }
+
+    prefix = {
+        "type": "prefix-cache-scorer",
+        "parameters": {"autoTune": False, "blockSizeTokens": 5, "maxPrefixBlocksToMatch": 256},
+    }
+    handler = {
+        "type": "disagg-profile-handler",
+        "parameters": {
+            "profiles": {"prefill": "prefill", "decode": "decode"},
+            "deciders": {"prefill": "prefix-based-pd-decider"},
+        },
+    }
+    cfg = _config(
+        [
+            selector("prefill-pods", "prefill"),
+            selector("decode-pods", "decode"),
+            prefix,
+            {"type": "max-score-picker"},
+            {"type": "prefix-based-pd-decider", "parameters": {"nonCachedTokens": 8}},
+            handler,
+        ],
+        [
+            {"name": n, "plugins": [{"pluginRef": f"{n}-pods"}, {"pluginRef": "max-score-picker"}]}
+            for n in ("prefill", "decode")
+        ],
+    )
+    assert config_info(cfg)["block_size"] == 5
+    pool = EndpointPool(
+        [
+            Endpoint("P", address="10.0.0.1:8000", labels={"role": "prefill"}),
+            Endpoint("D", labels={"role": "decode"}),
+        ]
+    )
+    router = Router(pool, config=cfg)
+    decision = router.pick(tokens=list(range(40)), now=0.0)
+    assert decision.endpoint == "D" and decision.prefill_endpoint == "P"
+    assert not router.pick(tokens=list(range(5)), now=0.0).disaggregated

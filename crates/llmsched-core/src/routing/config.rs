@@ -173,6 +173,11 @@ const REFUSED_TYPES: &[(&str, &str)] = &[
          Ready pods of a label selector)",
     ),
     (
+        "encode-filter",
+        "is not supported: encode disaggregation (multimodal encoder endpoints) is not; the \
+         decode and prefill stages are (decode-filter, prefill-filter)",
+    ),
+    (
         "always-disagg-multimodal-decider",
         "is not supported: encode disaggregation (multimodal encoder endpoints) is not; the \
          decode and prefill stages are",
@@ -1250,6 +1255,23 @@ mod tests {
             panic!()
         };
         assert_eq!(decider, DeciderSpec::PrefixBased { non_cached_tokens: 0 });
+    }
+
+    #[test]
+    fn llm_ds_label_selector_filter_and_encode_filter() {
+        // llm-d registers label-selector-filter, with by-label-selector as its deprecated
+        // name, and encode-filter (filter/bylabel/selector.go, roles.go; probe 54 F12).
+        let v = single(
+            json!([{"type": "label-selector-filter", "parameters": {"matchLabels": {"a": "b"}}},
+                   {"type": "by-label-selector", "name": "old"}]),
+            json!([{"pluginRef": "label-selector-filter"}, {"pluginRef": "old"}]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!(c.profiles[0].filters.len(), 2);
+        assert_eq!(c.notes.len(), 1, "{:?}", c.notes);
+        assert!(c.notes[0].message.contains("\"label-selector-filter\""));
+        let e = parse(&json!({"plugins": [{"type": "encode-filter"}]}), &Registry::builtin());
+        assert!(e.err().unwrap().message.contains("encode disaggregation"));
     }
 
     #[test]
