@@ -383,6 +383,29 @@ def _event(kind: str, name: str, version: int, **fields: Any) -> bytes:
 READY = [{"type": "Ready", "status": "True"}]
 
 
+def test_llm_ds_combined_role_values_are_read_as_its_role_filters_do() -> None:
+    """Probe 54 F11: llm-d labels pods ``llm-d.ai/role`` with combined roles too; its decode
+    filter admits prefill-decode and encode-prefill-decode, its prefill filter those and
+    encode-prefill (filter/bylabel/roles.go). Those pods were left out as unknown roles; an
+    encode-only pod still is (no encode stage)."""
+
+    async def body() -> None:
+        async with rig() as r:
+            for name, role, ip in [
+                ("pd", "prefill-decode", "10.0.0.1"),
+                ("epd", "encode-prefill-decode", "10.0.0.2"),
+                ("ep", "encode-prefill", "10.0.0.3"),
+                ("e", "encode", "10.0.0.4"),
+            ]:
+                r.api.put_pod(NS, name, {**APP, "llm-d.ai/role": role}, ip)
+            await r.until(lambda: len(r.names()) == 3, "three engines")
+            roles = {e.name: e.role for e in r.discovery.engines()}
+            assert roles == {"pd": "both", "epd": "both", "ep": "prefill"}
+            assert "e" in r.discovery.skipped_pods()
+
+    asyncio.run(body())
+
+
 def test_malformed_pods_are_skipped_and_discovery_goes_on() -> None:
     # Fields of the wrong type killed the task that hands engines on: no update after that.
     selector = PodSelector(NS, APP, 8000, role_label="role", kv_events_port=5557)

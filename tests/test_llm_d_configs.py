@@ -560,3 +560,142 @@ def test_newest_precise_sample_reads_metrics_through_the_scraper() -> None:
     cfg["plugins"][3]["parameters"] = {"engineConfigs": [{"name": "custom"}]}
     with pytest.raises(ConfigError, match=r"plugins\[3\]\.parameters\.engineConfigs"):
         config_info(cfg)
+
+
+def _config(plugins: list[Any], profiles: list[Any] | None = None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"kind": "EndpointPickerConfig", "plugins": plugins}
+    if profiles is not None:
+        cfg["schedulingProfiles"] = profiles
+    return cfg
+
+
+def test_llm_ds_current_prefix_scorer_parameters_load() -> None:
+    """Probe 54 F1: llm-d's deploy/config/sim-pd-epp-config.yaml names the prefix scorer's
+    current parameters (approximateprefix/types.go); they were refused as unknown fields.
+    maxPrefixTokensToMatch caps both counts at tokens / blockSizeTokens blocks."""
+    cfg = _config(
+        [
+            {
+                "type": "prefix-cache-scorer",
+                "parameters": {
+                    "blockSizeTokens": 16,
+                    "autoTune": False,
+                    "maxPrefixBlocksToMatch": 256,
+                    "maxPrefixTokensToMatch": 64,
+                    "lruCapacityPerServer": 31250,
+                },
+            },
+            {"type": "max-score-picker"},
+        ]
+    )
+    info = config_info(cfg)
+    assert info["block_size"] == 16
+    assert any(n["key"] == "plugins[0].parameters.autoTune" for n in info["notes"])
+    router = Router(_pool(2), config=cfg)
+    tokens = list(range(160))  # 10 blocks; the cap is 64 / 16 = 4
+    router.index.store("e0", router.index.hash_tokens(tokens[:64]))
+    row = router.pick(tokens=tokens, now=0.0).explain()["default"].row("e0").scores
+    assert row["prefix-cache-scorer"] == pytest.approx(1.0)
+
+
+def test_lora_scorer_matches_the_model_name_without_an_adapter() -> None:
+    """Probe 54 F2: the Extension's lora-affinity-scorer matches the target model, so a
+    base-model request scores 0.8 where another adapter fits and 0 where none does (it scored
+    1.0 everywhere)."""
+    pool = _pool(2)
+    pool.set_loras("e0", ["a1", "a2"], [], max_loras=2)
+    pool.set_loras("e1", ["a1"], [], max_loras=2)
+    router = Router(pool, config=_config([{"type": "lora-affinity-scorer"}]))
+    scores = router.pick(tokens=[1, 2, 3], model="base", now=0.0).explain()["default"]
+    assert scores.row("e0").scores["lora-affinity-scorer"] == pytest.approx(0.0)
+    assert scores.row("e1").scores["lora-affinity-scorer"] == pytest.approx(0.8)
+
+
+def test_a_profile_without_a_picker_takes_the_declared_picker() -> None:
+    """Probe 54 F3: llm-d's loader (config/loader/defaults.go) gives a profile listing no
+    picker a declared picker; llmsched gave it a new max-score-picker."""
+    cfg = _config(
+        [{"type": "queue-scorer"}, {"type": "random-picker", "name": "rp"}],
+        [{"name": "default", "plugins": [{"pluginRef": "queue-scorer"}]}],
+    )
+    info = config_info(cfg)
+    assert any(n["key"] == "schedulingProfiles[0].plugins" for n in info["notes"])
+    decision = Router(_pool(3), config=cfg, seed=1).pick(tokens=[1], now=0.0)
+    assert "picker rp" in str(decision.explain())
+
+
+def test_pd_handler_uses_the_declared_prefix_decider_by_default() -> None:
+    """Probe 54 F4: llm-d's pd-profile-handler defaults deciderPluginName to the plugin named
+    prefix-based-pd-decider, and takes primaryPort / prefixPluginType / prefixPluginName; those
+    were refused and the inline decider (0: always split) ran instead."""
+    cfg = _config(
+        [
+            {"type": "decode-filter"},
+            {"type": "prefill-filter"},
+            {"type": "prefix-based-pd-decider", "parameters": {"nonCachedTokens": 1000}},
+            {"type": "pd-profile-handler", "parameters": {"primaryPort": 8000}},
+        ],
+        [
+            {"name": "decode", "plugins": [{"pluginRef": "decode-filter"}]},
+            {"name": "prefill", "plugins": [{"pluginRef": "prefill-filter"}]},
+        ],
+    )
+    info = config_info(cfg)
+    assert any(n["key"] == "plugins[3].parameters.primaryPort" for n in info["notes"])
+    from llmsched import Endpoint
+
+    pool = EndpointPool([Endpoint("p", role="prefill"), Endpoint("d", role="decode")])
+    decision = Router(pool, config=cfg).pick(tokens=list(range(64)), now=0.0)
+    assert decision.endpoint == "d" and not decision.disaggregated
+
+
+def test_llm_ds_label_selector_pd_example_splits() -> None:
+    """Probe 54 F1, F12: the P/D example of llm-d's docs/disaggregation.md (its current
+    label-selector-filter, a prefix scorer with blockSizeTokens and autoTune) was refused; it
+    loads and splits when at least 8 prompt tokens are not cached on the decode endpoint."""
+    from llmsched import Endpoint
+
+    def selector(name: str, role: str) -> dict[str, Any]:
+        expr = {"key": "role", "operator": "In", "values": [role]}
+        return {
+            "type": "label-selector-filter",
+            "name": name,
+            "parameters": {"matchExpressions": [expr]},
+        }
+
+    prefix = {
+        "type": "prefix-cache-scorer",
+        "parameters": {"autoTune": False, "blockSizeTokens": 5, "maxPrefixBlocksToMatch": 256},
+    }
+    handler = {
+        "type": "disagg-profile-handler",
+        "parameters": {
+            "profiles": {"prefill": "prefill", "decode": "decode"},
+            "deciders": {"prefill": "prefix-based-pd-decider"},
+        },
+    }
+    cfg = _config(
+        [
+            selector("prefill-pods", "prefill"),
+            selector("decode-pods", "decode"),
+            prefix,
+            {"type": "max-score-picker"},
+            {"type": "prefix-based-pd-decider", "parameters": {"nonCachedTokens": 8}},
+            handler,
+        ],
+        [
+            {"name": n, "plugins": [{"pluginRef": f"{n}-pods"}, {"pluginRef": "max-score-picker"}]}
+            for n in ("prefill", "decode")
+        ],
+    )
+    assert config_info(cfg)["block_size"] == 5
+    pool = EndpointPool(
+        [
+            Endpoint("P", address="10.0.0.1:8000", labels={"role": "prefill"}),
+            Endpoint("D", labels={"role": "decode"}),
+        ]
+    )
+    router = Router(pool, config=cfg)
+    decision = router.pick(tokens=list(range(40)), now=0.0)
+    assert decision.endpoint == "D" and decision.prefill_endpoint == "P"
+    assert not router.pick(tokens=list(range(5)), now=0.0).disaggregated

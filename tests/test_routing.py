@@ -420,7 +420,7 @@ def test_python_plugins() -> None:
 def test_sessions_stick() -> None:
     pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
     config = {
-        "plugins": [{"type": "session-affinity-scorer"}, {"type": "random-picker"}],
+        "plugins": [{"type": "session-affinity-scorer"}],
         "schedulingProfiles": [
             {"name": "p", "plugins": [{"pluginRef": "session-affinity-scorer"}]}
         ],
@@ -437,7 +437,7 @@ def test_long_session_ids_stick_and_stay_apart() -> None:
     """Ids past 64 bytes are kept as digests: each still sticks to its own endpoint."""
     pool = EndpointPool(["a", "b", "c", "d"], stale_policy="ignore")
     config = {
-        "plugins": [{"type": "session-affinity-scorer"}, {"type": "random-picker"}],
+        "plugins": [{"type": "session-affinity-scorer"}],
         "schedulingProfiles": [
             {"name": "p", "plugins": [{"pluginRef": "session-affinity-scorer"}]}
         ],

@@ -21,8 +21,10 @@ engines current with the list/watch protocol that controllers use (through the
 Only *Ready* pods are engines: phase ``Running``, condition ``Ready`` true, an IP, and no
 deletion under way; a pod that turns unready leaves the set at once. Each engine is named after
 its pod, so the pool, the index and the metrics keep one identity for it; its role comes from
-``role_label`` (``prefill``, ``decode`` or ``both``; a pod with another value is left out,
-counted and logged once, since guessing a role would send prefill work to a decoder).
+``role_label`` (``prefill``, ``decode`` or ``both``; llm-d's ``prefill-decode`` and
+``encode-prefill-decode`` are read as ``both`` and ``encode-prefill`` as ``prefill``, as its
+role filters read them; a pod with another value is left out, counted and logged once, since
+guessing a role would send prefill work to a decoder).
 
 Changes are handed to ``on_change`` as the whole new engine tuple, coalesced over
 ``settle_s`` so a rollout of many pods costs one update. :meth:`KubernetesDiscovery.counters`
@@ -172,7 +174,8 @@ class PodSelector:
             all must match) or a label-selector string (``"app=vllm,tier in (a,b)"``).
         target_port: the engines' HTTP port (OpenAI API and ``/metrics``).
         role_label: the label whose value is the pod's role (``prefill``, ``decode``,
-            ``both``); None: every pod serves both.
+            ``both``, or llm-d's combined values: see :data:`LLM_D_ROLES`); None: every pod
+            serves both.
         kv_events_port: the port each pod publishes vLLM KV events on (ZMQ, the subscriber
             connects to ``tcp://<pod IP>:<port>``); None: no KV events.
         replay_port: the port of each pod's replay socket (needs ``kv_events_port``).
@@ -284,6 +287,16 @@ def _is_ready(pod: Pod) -> bool:
     )
 
 
+#: llm-d's combined ``llm-d.ai/role`` values, read as its decode and prefill filters read them
+#: (filter/bylabel/roles.go): a pod that also encodes serves the stages it names; an
+#: encode-only pod has no stage here and is left out.
+LLM_D_ROLES = {
+    "prefill-decode": "both",
+    "encode-prefill-decode": "both",
+    "encode-prefill": "prefill",
+}
+
+
 def _pod_engine(name: str, pod: Pod, selector: PodSelector) -> EngineSpec:
     """The engine of a Ready pod; ConfigError saying why the pod cannot be one."""
     role = None
@@ -292,8 +305,12 @@ def _pod_engine(name: str, pod: Pod, selector: PodSelector) -> EngineSpec:
         if not isinstance(labels, Mapping):
             raise ConfigError(f"its labels are not an object: {str(labels)[:100]!r}")
         role = labels.get(selector.role_label)
+        role = LLM_D_ROLES.get(role, role) if isinstance(role, str) else role
         if role is not None and role not in ROLES:
-            raise ConfigError(f"label {selector.role_label}={role!r} is not one of {ROLES}")
+            raise ConfigError(
+                f"label {selector.role_label}={role!r} is not one of {ROLES} "
+                f"(or llm-d's {', '.join(LLM_D_ROLES)})"
+            )
     ip = _fields(pod.get("status")).get("podIP")
     try:
         address = ipaddress.ip_address(ip) if isinstance(ip, str) else None

@@ -13,7 +13,8 @@
 //! ```
 //!
 //! A profile handler is one of the plugins; without one, a single profile runs. A profile with
-//! no picker gets a default `max-score-picker`. Without `schedulingProfiles` (or with an empty
+//! no picker gets the first declared picker (llm-d: any declared one), else a
+//! `max-score-picker`. Without `schedulingProfiles` (or with an empty
 //! list) the Inference Extension's default applies: one profile, `default`, running every
 //! filter, scorer (weight 1) and picker in the order the plugins are declared. Every error
 //! names the offending key (`plugins[2].parameters.threshold`).
@@ -172,18 +173,50 @@ const REFUSED_TYPES: &[(&str, &str)] = &[
          Ready pods of a label selector)",
     ),
     (
+        "encode-filter",
+        "is not supported: encode disaggregation (multimodal encoder endpoints) is not; the \
+         decode and prefill stages are (decode-filter, prefill-filter)",
+    ),
+    (
         "always-disagg-multimodal-decider",
         "is not supported: encode disaggregation (multimodal encoder endpoints) is not; the \
          decode and prefill stages are",
     ),
 ];
 
+/// The decider `pd-profile-handler` uses without `deciderPluginName` or `threshold`, when a
+/// plugin of that name is declared (llm-d's default `deciderPluginName`).
+const DEFAULT_DECIDER: &str = "prefix-based-pd-decider";
+
 /// Parameters a plugin accepts without effect, and what is used instead.
-const NO_EFFECT_PARAMS: &[(&str, &str, &str)] = &[(
-    "pd-profile-handler",
-    "hashBlockSize",
-    "has no effect: the decider counts uncached tokens with the prefix index's block size",
-)];
+const NO_EFFECT_PARAMS: &[(&str, &str, &str)] = &[
+    (
+        "pd-profile-handler",
+        "hashBlockSize",
+        "has no effect: the decider counts uncached tokens with the prefix index's block size",
+    ),
+    (
+        "pd-profile-handler",
+        "primaryPort",
+        "has no effect: the gateway sends the request to the decode endpoint's own port",
+    ),
+    (
+        "pd-profile-handler",
+        "prefixPluginType",
+        "has no effect: the decider reads the router's prefix match, whatever scorer is named",
+    ),
+    (
+        "pd-profile-handler",
+        "prefixPluginName",
+        "has no effect: the decider reads the router's prefix match, whatever scorer is named",
+    ),
+    (
+        "prefix-cache-scorer",
+        "autoTune",
+        "has no effect: the prefix index's block size holds (llm-d takes the engines' reported \
+         block size when true)",
+    ),
+];
 
 struct Instance {
     key: String,
@@ -804,7 +837,30 @@ fn parse_profile(
         }
     }
     if !has_picker {
-        profile.picker_name = "max-score-picker".into();
+        // As in the Extension and llm-d (config/loader/defaults.go): a profile without a
+        // picker gets a declared picker when there is one (there, any of them; here the
+        // first declared), else a max-score-picker.
+        let declared: Vec<&Instance> =
+            instances.iter().filter(|i| matches!(i.plugin, Plugin::Picker(_))).collect();
+        match declared.first() {
+            Some(Instance { name: picker_name, plugin: Plugin::Picker(p), .. }) => {
+                profile.picker = p.clone();
+                profile.picker_name = picker_name.clone();
+                notes.push(ConfigNote {
+                    key: format!("{at}.plugins"),
+                    message: format!(
+                        "profile {name:?} lists no picker: it takes the declared picker \
+                         {picker_name:?}, as in llm-d{}",
+                        if declared.len() > 1 {
+                            " (which picks one of the declared pickers at random: list one)"
+                        } else {
+                            ""
+                        }
+                    ),
+                });
+            }
+            _ => profile.picker_name = "max-score-picker".into(),
+        }
     }
     // Totals are sums of clamped scores times weights: a weight sum that overflows makes
     // totals infinite, and infinite totals tie or dominate whatever the scores say.
@@ -885,6 +941,16 @@ fn resolve_handler(
             let prefill = profile(prefill_profile, format!("{key}.parameters.prefillProfile"))?;
             let decider = match decider {
                 DeciderRef::Inline(spec) => *spec,
+                // llm-d's default deciderPluginName is "prefix-based-pd-decider".
+                DeciderRef::Default => match names.get(DEFAULT_DECIDER) {
+                    Some(_) => resolve_decider(
+                        instances,
+                        names,
+                        DEFAULT_DECIDER,
+                        format!("{key}.parameters.deciderPluginName"),
+                    )?,
+                    None => DeciderSpec::PrefixBased { non_cached_tokens: 0 },
+                },
                 DeciderRef::Plugin(name) => resolve_decider(
                     instances,
                     names,
@@ -1159,6 +1225,74 @@ mod tests {
         });
         let c = parse(&v, &Registry::builtin()).unwrap();
         assert_eq!(c.notes[0].key, "plugins[0].parameters.hashBlockSize");
+    }
+
+    #[test]
+    fn llm_d_current_pd_profile_handler() {
+        // llm-d's pd_profile_handler.go: deciderPluginName defaults to the plugin named
+        // "prefix-based-pd-decider"; primaryPort / prefixPluginType / prefixPluginName are its
+        // parameters too (they were refused as unknown fields: probe 54 F4).
+        let v = json!({
+            "plugins": [
+                {"type": "prefix-based-pd-decider", "parameters": {"nonCachedTokens": 16}},
+                {"type": "pd-profile-handler", "parameters": {"primaryPort": 8000,
+                    "prefixPluginType": "prefix-cache-scorer", "prefixPluginName": "p"}}],
+            "schedulingProfiles": [{"name": "decode", "plugins": []}, {"name": "prefill", "plugins": []}]
+        });
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        let Handler::Pd { decider, .. } = c.handler else { panic!() };
+        assert_eq!(decider, DeciderSpec::PrefixBased { non_cached_tokens: 16 });
+        let keys: Vec<&str> = c.notes.iter().map(|n| n.key.as_str()).collect();
+        for k in ["primaryPort", "prefixPluginType", "prefixPluginName"] {
+            assert!(keys.contains(&format!("plugins[1].parameters.{k}").as_str()), "{keys:?}");
+        }
+        // Without a plugin of that name, the inline decider with 0 (as before).
+        let v = json!({
+            "plugins": [{"type": "pd-profile-handler"}],
+            "schedulingProfiles": [{"name": "decode", "plugins": []}, {"name": "prefill", "plugins": []}]
+        });
+        let Handler::Pd { decider, .. } = parse(&v, &Registry::builtin()).unwrap().handler else {
+            panic!()
+        };
+        assert_eq!(decider, DeciderSpec::PrefixBased { non_cached_tokens: 0 });
+    }
+
+    #[test]
+    fn llm_ds_label_selector_filter_and_encode_filter() {
+        // llm-d registers label-selector-filter, with by-label-selector as its deprecated
+        // name, and encode-filter (filter/bylabel/selector.go, roles.go; probe 54 F12).
+        let v = single(
+            json!([{"type": "label-selector-filter", "parameters": {"matchLabels": {"a": "b"}}},
+                   {"type": "by-label-selector", "name": "old"}]),
+            json!([{"pluginRef": "label-selector-filter"}, {"pluginRef": "old"}]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!(c.profiles[0].filters.len(), 2);
+        assert_eq!(c.notes.len(), 1, "{:?}", c.notes);
+        assert!(c.notes[0].message.contains("\"label-selector-filter\""));
+        let e = parse(&json!({"plugins": [{"type": "encode-filter"}]}), &Registry::builtin());
+        assert!(e.err().unwrap().message.contains("encode disaggregation"));
+    }
+
+    #[test]
+    fn a_profile_without_a_picker_takes_the_declared_one() {
+        // config/loader/defaults.go (llm-d, and the Extension since 1.0): a profile listing no
+        // picker gets a declared picker, a new max-score-picker only when none is declared
+        // (probe 54 F3).
+        let v = json!({
+            "plugins": [{"type": "queue-scorer"}, {"type": "random-picker", "name": "rp"}],
+            "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "queue-scorer"}]}]
+        });
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!(c.profiles[0].picker_name, "rp");
+        assert_eq!(c.notes[0].key, "schedulingProfiles[0].plugins");
+        let v = json!({
+            "plugins": [{"type": "queue-scorer"}],
+            "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "queue-scorer"}]}]
+        });
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        assert_eq!(c.profiles[0].picker_name, "max-score-picker");
+        assert!(c.notes.is_empty());
     }
 
     #[test]

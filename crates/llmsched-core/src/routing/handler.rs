@@ -65,6 +65,9 @@ pub enum DeciderRef {
     Plugin(String),
     /// The legacy `threshold` parameter of the handler itself.
     Inline(DeciderSpec),
+    /// Neither given: the plugin named `prefix-based-pd-decider` when one is declared (llm-d's
+    /// default `deciderPluginName`), else an inline decider with `nonCachedTokens` 0.
+    Default,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -125,6 +128,10 @@ struct PdParams {
     decider_plugin_name: Option<String>,
     threshold: Option<u64>,
     hash_block_size: Option<usize>,
+    // llm-d's current parameters without an effect here (noted, see `config`).
+    primary_port: Option<u64>,
+    prefix_plugin_type: Option<String>,
+    prefix_plugin_name: Option<String>,
 }
 
 impl Default for PdParams {
@@ -135,21 +142,24 @@ impl Default for PdParams {
             decider_plugin_name: None,
             threshold: None,
             hash_block_size: None,
+            primary_port: None,
+            prefix_plugin_type: None,
+            prefix_plugin_name: None,
         }
     }
 }
 
 pub fn pd_factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: PdParams = decode(params)?;
-    let _ = p.hash_block_size; // legacy: accepted with a note (see `config`)
+    // Accepted with a note (see `config`).
+    let _ = (p.hash_block_size, p.primary_port, p.prefix_plugin_type, p.prefix_plugin_name);
     let decider = match (p.decider_plugin_name, p.threshold) {
         (Some(_), Some(_)) => {
             return Err(ParamError::new("threshold", "give either threshold or deciderPluginName"));
         }
         (Some(name), None) => DeciderRef::Plugin(name),
-        (None, t) => {
-            DeciderRef::Inline(DeciderSpec::PrefixBased { non_cached_tokens: t.unwrap_or(0) })
-        }
+        (None, Some(t)) => DeciderRef::Inline(DeciderSpec::PrefixBased { non_cached_tokens: t }),
+        (None, None) => DeciderRef::Default,
     };
     if p.decode_profile == p.prefill_profile {
         return Err(ParamError::new("prefillProfile", "must differ from decodeProfile"));
@@ -331,10 +341,14 @@ const PD_PARAMS: &[ParamDoc] = &[
     ParamDoc::string("prefillProfile", "the prefill profile's name (must differ)"),
     ParamDoc::string(
         "deciderPluginName",
-        "the decider plugin (absent: an inline `prefix-based-pd-decider`)",
+        "the decider plugin (absent: the plugin named `prefix-based-pd-decider` when declared, \
+         else an inline one)",
     ),
     ParamDoc::int("threshold", "the inline decider's `nonCachedTokens` (absent: 0)"),
     ParamDoc::int("hashBlockSize", "accepted for older configs; no effect"),
+    ParamDoc::int("primaryPort", "accepted for llm-d configs; no effect"),
+    ParamDoc::string("prefixPluginType", "accepted for llm-d configs; no effect"),
+    ParamDoc::string("prefixPluginName", "accepted for llm-d configs; no effect"),
 ];
 
 /// The catalogue entry (see [`crate::routing::registry::PluginDoc`]).

@@ -276,7 +276,7 @@ impl Registry {
             filters::label::by_label_doc,
         );
         r.add_documented(
-            "by-label-selector",
+            "label-selector-filter",
             filters::label::selector_factory,
             filters::label::selector_doc,
         );
@@ -468,6 +468,8 @@ impl Registry {
         r.alias("decision-tree", "decision-tree-filter");
         r.alias("tokenizer", "token-producer");
         r.alias("prefill-header-handler", "disagg-headers-handler");
+        // llm-d's earlier name of its label-selector-filter (filter/bylabel/selector.go).
+        r.alias("by-label-selector", "label-selector-filter");
         r
     }
 

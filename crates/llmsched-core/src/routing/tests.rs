@@ -244,7 +244,9 @@ fn sessions_stick_after_commit() {
         &["A", "B", "C"],
         StalePolicy { mode: StaleMode::Ignore, ..StalePolicy::default() },
     );
-    let config = json!({"plugins": [{"type": "session-affinity-scorer"}, {"type": "random-picker"}],
+    // The profile lists no picker: it gets a max-score-picker (a declared random-picker would
+    // be taken instead, as in llm-d).
+    let config = json!({"plugins": [{"type": "session-affinity-scorer"}],
         "schedulingProfiles": [{"name": "x", "plugins": [{"pluginRef": "session-affinity-scorer"}]}]});
     let router = s.router(config, 3);
     let meta = RequestMeta { session_id: Some("s1".into()), ..RequestMeta::default() };

@@ -2,7 +2,8 @@
 //!
 //! - `by-label`: keeps endpoints whose label `label` has one of `validValues`; endpoints without
 //!   the label are kept only with `allowsNoLabel: true`.
-//! - `by-label-selector`: a Kubernetes-style selector: every `matchLabels` pair must match, and
+//! - `label-selector-filter` (llm-d's current name; `by-label-selector` is its earlier one): a
+//!   Kubernetes-style selector: every `matchLabels` pair must match, and
 //!   every `matchExpressions` entry (`key`, `operator` In / NotIn / Exists / DoesNotExist,
 //!   `values`).
 

@@ -1,7 +1,10 @@
 //! `lora-affinity-scorer`: for a request naming a LoRA adapter, 1.0 where the adapter is active,
 //! else 0.8 where another adapter fits (distinct active or waiting adapters < max), else 0.6
 //! where the adapter is waiting, else 0 (the order of the Gateway API Inference Extension).
-//! A request without an adapter scores 1.0 everywhere. No parameters.
+//! The adapter is the request's LoRA name, else its model name, as in `lora-affinity-filter`:
+//! the Extension matches its target model, so a base-model request scores 0.8 where another
+//! adapter fits and 0 where none does (it scored 1.0 everywhere before probe 54 F2). No
+//! parameters.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -26,17 +29,18 @@ impl Scorer for LoraAffinityScorer {
         cands: &[Candidate],
         out: &mut [f64],
     ) -> PluginResult {
-        let Some(adapter) = ctx.meta.lora.as_deref() else {
-            out.fill(1.0);
-            return Ok(());
-        };
+        let target = ctx.meta.lora.as_deref().or(ctx.meta.model.as_deref());
         for (o, c) in out.iter_mut().zip(cands) {
             let loras = ctx.loras(c);
-            *o = if loras.is_active(adapter) {
+            let (active, waiting) = match target {
+                Some(t) => (loras.is_active(t), loras.is_waiting(t)),
+                None => (false, false),
+            };
+            *o = if active {
                 1.0
             } else if loras.has_room() {
                 0.8
-            } else if loras.is_waiting(adapter) {
+            } else if waiting {
                 0.6
             } else {
                 0.0
@@ -88,7 +92,15 @@ mod tests {
         for (m, s) in f.members.list.iter().zip(states) {
             *m.loras_mut() = std::sync::Arc::new(s);
         }
-        assert!(close(&f.score(&LoraAffinityScorer), &[1.0, 1.0, 1.0, 1.0, 1.0]));
+        // No adapter: the Extension matches the target (model) name against the adapters, so a
+        // base-model request scores 0.8 where another adapter fits and 0 elsewhere (probe 54 F2;
+        // scorer/loraaffinity/lora_affinity.go:80-98 in llm-d-router).
+        assert!(close(&f.score(&LoraAffinityScorer), &[0.0, 0.8, 0.0, 0.0, 0.0]));
+        f.meta.model = Some("base".into());
+        assert!(close(&f.score(&LoraAffinityScorer), &[0.0, 0.8, 0.0, 0.0, 0.0]));
+        f.meta.model = Some("a".into());
+        assert!(close(&f.score(&LoraAffinityScorer), &[1.0, 0.8, 0.6, 0.0, 0.6]));
+        f.meta.model = None;
         f.meta.lora = Some("a".into());
         assert!(close(&f.score(&LoraAffinityScorer), &[1.0, 0.8, 0.6, 0.0, 0.6]));
     }

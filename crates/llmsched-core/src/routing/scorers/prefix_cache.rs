@@ -3,9 +3,12 @@
 //! the shared prefix index, computed once per request.
 //!
 //! Parameters: `maxPrefixBlocksToMatch` caps both counts (default: no cap; llm-d caps at 256
-//! blocks of 64 tokens). `blockSize` (or the older `hashBlockSize`) and `lruCapacityPerServer`
-//! configure the index when the router builds its own; with a shared index `blockSize` must
-//! equal the index's block size.
+//! blocks of 64 tokens); `maxPrefixTokensToMatch` (llm-d's current name) caps them at that many
+//! tokens in the index's blocks and wins over `maxPrefixBlocksToMatch`, as there. `blockSize`
+//! (or the older `hashBlockSize`, or llm-d's current `blockSizeTokens`) and
+//! `lruCapacityPerServer` configure the index when the router builds its own; with a shared
+//! index `blockSize` must equal the index's block size. `autoTune` (llm-d's: take the block
+//! size from the engines' metrics) is accepted with a note: the index's block size holds.
 //!
 //! `mode` (llm-d's): `estimate` (the default, above) or `cache_tracking`, which makes this the
 //! precise scorer (see `precise_prefix`) configured by `indexerConfig` and `kvEventsConfig`;
@@ -23,7 +26,10 @@ use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin
 struct Params {
     block_size: Option<usize>,
     hash_block_size: Option<usize>,
+    block_size_tokens: Option<usize>,
     max_prefix_blocks_to_match: Option<u32>,
+    max_prefix_tokens_to_match: Option<u64>,
+    auto_tune: Option<bool>,
     lru_capacity_per_server: Option<u64>,
     mode: Option<String>,
     indexer_config: Option<Value>,
@@ -32,6 +38,8 @@ struct Params {
 
 pub struct PrefixCacheScorer {
     max_blocks: u32,
+    /// `maxPrefixTokensToMatch`: a cap in tokens, turned into blocks of the index's size.
+    max_tokens: Option<u64>,
     hints: IndexHints,
 }
 
@@ -42,9 +50,14 @@ impl Scorer for PrefixCacheScorer {
         cands: &[Candidate],
         out: &mut [f64],
     ) -> PluginResult {
-        let total = (ctx.query_blocks as u64).min(u64::from(self.max_blocks));
+        // llm-d: maxBlocks = maxPrefixTokensToMatch / blockSize (integer division).
+        let cap = match self.max_tokens {
+            Some(t) => u32::try_from(t / ctx.block_size.max(1) as u64).unwrap_or(u32::MAX),
+            None => self.max_blocks,
+        };
+        let total = (ctx.query_blocks as u64).min(u64::from(cap));
         for (o, c) in out.iter_mut().zip(cands) {
-            let matched = c.cached_blocks.min(self.max_blocks);
+            let matched = c.cached_blocks.min(cap);
             *o = if total == 0 { 0.0 } else { f64::from(matched) / total as f64 };
         }
         Ok(())
@@ -75,13 +88,18 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
             return Err(ParamError::new(field, "is read only with mode: cache_tracking"));
         }
     }
-    let (field, block_size) = match (p.block_size, p.hash_block_size) {
-        (Some(a), Some(b)) if a != b => {
-            return Err(ParamError::new("hashBlockSize", "differs from blockSize"));
-        }
-        (Some(a), _) => ("blockSize", Some(a)),
-        (None, b) => ("hashBlockSize", b),
-    };
+    let given: Vec<(&str, usize)> = [
+        ("blockSize", p.block_size),
+        ("hashBlockSize", p.hash_block_size),
+        ("blockSizeTokens", p.block_size_tokens),
+    ]
+    .into_iter()
+    .filter_map(|(field, v)| v.map(|v| (field, v)))
+    .collect();
+    if let Some(&(field, _)) = given.iter().find(|&&(_, v)| v != given[0].1) {
+        return Err(ParamError::new(field, format!("differs from {}", given[0].0)));
+    }
+    let (field, block_size) = given.first().map_or(("blockSize", None), |&(f, v)| (f, Some(v)));
     match block_size {
         Some(0) => return Err(ParamError::new(field, "must be positive")),
         Some(n) if n > MAX_BLOCK_SIZE => {
@@ -92,11 +110,15 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     if p.max_prefix_blocks_to_match == Some(0) {
         return Err(ParamError::new("maxPrefixBlocksToMatch", "must be positive"));
     }
+    if p.max_prefix_tokens_to_match == Some(0) {
+        return Err(ParamError::new("maxPrefixTokensToMatch", "must be positive"));
+    }
     if p.lru_capacity_per_server == Some(0) {
         return Err(ParamError::new("lruCapacityPerServer", "must be positive"));
     }
     Ok(Plugin::scorer(PrefixCacheScorer {
         max_blocks: p.max_prefix_blocks_to_match.unwrap_or(u32::MAX),
+        max_tokens: p.max_prefix_tokens_to_match,
         hints: IndexHints { block_size, worker_capacity: p.lru_capacity_per_server },
     }))
 }
@@ -107,7 +129,10 @@ fn cache_tracking(p: &Params) -> Result<Plugin, ParamError> {
     let estimate = [
         (p.block_size.is_some(), "blockSize"),
         (p.hash_block_size.is_some(), "hashBlockSize"),
+        (p.block_size_tokens.is_some(), "blockSizeTokens"),
         (p.max_prefix_blocks_to_match.is_some(), "maxPrefixBlocksToMatch"),
+        (p.max_prefix_tokens_to_match.is_some(), "maxPrefixTokensToMatch"),
+        (p.auto_tune.is_some(), "autoTune"),
         (p.lru_capacity_per_server.is_some(), "lruCapacityPerServer"),
     ];
     if let Some((_, field)) = estimate.iter().find(|(set, _)| *set) {
@@ -135,8 +160,18 @@ const PARAMS: &[ParamDoc] = &[
     .min(1.0)
     .max(65_536.0),
     ParamDoc::int("hashBlockSize", "older name of `blockSize`").min(1.0).max(65_536.0),
+    ParamDoc::int("blockSizeTokens", "llm-d's current name of `blockSize`").min(1.0).max(65_536.0),
     ParamDoc::int("maxPrefixBlocksToMatch", "cap on matched and prompt blocks (absent: no cap)")
         .min(1.0),
+    ParamDoc::int(
+        "maxPrefixTokensToMatch",
+        "cap in tokens, in the index's blocks; wins over `maxPrefixBlocksToMatch` (absent: none)",
+    )
+    .min(1.0),
+    ParamDoc::boolean(
+        "autoTune",
+        "accepted for llm-d configs; no effect (the index's block size holds)",
+    ),
     ParamDoc::int(
         "lruCapacityPerServer",
         "blocks per worker in the index the router builds (absent: unbounded)",
@@ -174,8 +209,13 @@ mod tests {
 
     #[test]
     fn table() {
-        let uncapped = PrefixCacheScorer { max_blocks: u32::MAX, hints: IndexHints::default() };
-        let capped = PrefixCacheScorer { max_blocks: 4, hints: IndexHints::default() };
+        let uncapped = PrefixCacheScorer {
+            max_blocks: u32::MAX,
+            max_tokens: None,
+            hints: IndexHints::default(),
+        };
+        let capped =
+            PrefixCacheScorer { max_blocks: 4, max_tokens: None, hints: IndexHints::default() };
         // 160 tokens in blocks of 16: 10 blocks.
         let f = Fixture::new(4).cached(&[0, 8, 10, 3]);
         assert!(close(&f.score(&uncapped), &[0.0, 0.8, 1.0, 0.3]));
@@ -183,6 +223,26 @@ mod tests {
         let mut short = Fixture::new(2).cached(&[0, 0]);
         short.prompt_tokens = 10;
         assert!(close(&short.score(&uncapped), &[0.0, 0.0]));
+    }
+
+    #[test]
+    fn llm_d_current_parameters() {
+        // llm-d's current prefix-cache-scorer (approximateprefix/types.go): blockSizeTokens,
+        // maxPrefixTokensToMatch (maxBlocks = tokens / blockSize, winning over
+        // maxPrefixBlocksToMatch) and autoTune; these were refused as unknown fields (probe 54 F1).
+        let v = serde_json::json!({"blockSizeTokens": 16, "autoTune": false,
+            "maxPrefixBlocksToMatch": 256, "maxPrefixTokensToMatch": 64});
+        let Plugin::Scorer(s) = factory(&v).unwrap() else { panic!() };
+        assert_eq!(s.index_hints().block_size, Some(16));
+        // 160 tokens in blocks of 16: 10 blocks; the cap is 64 / 16 = 4 blocks.
+        let f = Fixture::new(4).cached(&[0, 8, 10, 3]);
+        assert!(close(&f.score(s.as_ref()), &[0.0, 1.0, 1.0, 0.75]));
+        let clash = factory(&serde_json::json!({"blockSize": 16, "blockSizeTokens": 32}));
+        assert_eq!(clash.err().unwrap().path, "blockSizeTokens");
+        let zero = factory(&serde_json::json!({"maxPrefixTokensToMatch": 0}));
+        assert_eq!(zero.err().unwrap().path, "maxPrefixTokensToMatch");
+        let tracking = factory(&serde_json::json!({"mode": "cache_tracking", "autoTune": true}));
+        assert_eq!(tracking.err().unwrap().path, "autoTune");
     }
 
     #[test]
