@@ -699,3 +699,31 @@ def test_llm_ds_label_selector_pd_example_splits() -> None:
     decision = router.pick(tokens=list(range(40)), now=0.0)
     assert decision.endpoint == "D" and decision.prefill_endpoint == "P"
     assert not router.pick(tokens=list(range(5)), now=0.0).disaggregated
+
+
+def test_llm_ds_active_request_and_no_hit_lru_parameters_load() -> None:
+    """Probe 54 F13, F14: llm-d's active-request-scorer `maxBusyScore` and no-hit-lru-scorer
+    `prefixPluginType` were refused as unknown parameters. Busy endpoints score
+    `(max - n) / max * maxBusyScore`; a value outside [0, 1] names the key."""
+    cfg = _config(
+        [
+            {"type": "active-request-scorer", "parameters": {"maxBusyScore": 0.5}},
+            {
+                "type": "no-hit-lru-scorer",
+                "parameters": {"prefixPluginType": "prefix-cache-scorer"},
+            },
+            {"type": "max-score-picker"},
+        ]
+    )
+    router = Router(_pool(3), config=cfg)
+    in_flight = []  # kept: a decision let go gives its in-flight count back
+    for endpoint, busy in (("e1", 2), ("e2", 4)):
+        for _ in range(busy):
+            in_flight.append(router.pick(tokens=[1], now=0.0))
+            in_flight[-1].started(endpoint)
+    table = router.pick(tokens=[1], now=0.0).explain()["default"]
+    scores = [table.row(e).scores["active-request-scorer"] for e in ("e0", "e1", "e2")]
+    assert scores == pytest.approx([1.0, 0.25, 0.0])
+    bad = _config([{"type": "active-request-scorer", "parameters": {"maxBusyScore": 2}}])
+    with pytest.raises(ConfigError, match="maxBusyScore"):
+        Router(_pool(1), config=bad)

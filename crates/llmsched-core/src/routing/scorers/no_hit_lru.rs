@@ -23,12 +23,18 @@ use crate::routing::registry::{decode, defaults_of, ParamDoc, ParamError, Plugin
 struct Params {
     lru_size: usize,
     prefix_plugin_name: Option<String>,
+    prefix_plugin_type: Option<String>,
     prefill_profile: Option<String>,
 }
 
 impl Default for Params {
     fn default() -> Self {
-        Params { lru_size: 1024, prefix_plugin_name: None, prefill_profile: None }
+        Params {
+            lru_size: 1024,
+            prefix_plugin_name: None,
+            prefix_plugin_type: None,
+            prefill_profile: None,
+        }
     }
 }
 
@@ -101,13 +107,14 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     if p.lru_size == 0 {
         return Err(ParamError::new("lruSize", "must be positive"));
     }
-    let _ = (p.prefix_plugin_name, p.prefill_profile);
+    let _ = (p.prefix_plugin_name, p.prefix_plugin_type, p.prefill_profile);
     Ok(Plugin::scorer(NoHitLruScorer { capacity: p.lru_size, lru: Mutex::new(VecDeque::new()) }))
 }
 
 const PARAMS: &[ParamDoc] = &[
     ParamDoc::int("lruSize", "endpoints remembered").min(1.0),
     ParamDoc::string("prefixPluginName", "accepted for llm-d configs; no effect"),
+    ParamDoc::string("prefixPluginType", "accepted for llm-d configs; no effect"),
     ParamDoc::string("prefillProfile", "accepted for llm-d configs; no effect"),
 ];
 
