@@ -1605,7 +1605,7 @@ impl Gateway {
     }
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Result<Answer, io::Error> {
-        if let Some(refused) = self.oversized(&request) {
+        if let Some(refused) = self.oversized(&request).or_else(|| host_refusal(&request)) {
             return Ok(self.refuse_and_close(refused));
         }
         // HEAD is GET without the body (hyper leaves it out), as the Python plane answers it.
@@ -2288,13 +2288,17 @@ impl Gateway {
             };
             let (answer, lease) = answer;
             if answer.status().is_informational()
+                || answer.status() == StatusCode::NO_CONTENT
+                || answer.status() == StatusCode::NOT_MODIFIED
                 || answer.status().as_u16() >= 600
                 || coded_transfer(answer.headers())
             {
                 // A final 1xx (101 Switching Protocols to a plain POST): no answer at all, and
-                // nothing a client could use; the connection is the engine's now. A status
-                // past 599 (hyper reads up to 999) is no HTTP status a client knows either,
-                // and a body in a transfer coding besides chunked (gzip) no body it could read.
+                // nothing a client could use; the connection is the engine's now. A 204 or 304
+                // has no body (hyper drops one sent all the same): no generation either, as
+                // the Python plane reads it (an empty JSON answer, cut). A status past 599
+                // (hyper reads up to 999) is no HTTP status a client knows either, and a body
+                // in a transfer coding besides chunked (gzip) no body it could read.
                 self.counters.upstream_errors.inc(&[&upstream.id, "broken"]);
                 self.attempt_ended(upstream, Some("broken"));
                 drop(ticket);
@@ -3243,8 +3247,19 @@ fn relay_parts(
         id_scan: relaying.id_scan.filter(|_| event_stream),
     });
     *out.status_mut() = parts.status;
+    // The fields the engine's Connection header names are its hop's only (RFC 9110 7.6.1).
+    let named: Vec<String> = parts
+        .headers
+        .get_all(hyper::header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.to_str().unwrap_or("").split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !n.is_empty())
+        .collect();
     for (name, value) in &parts.headers {
-        let dropped = HOP_BY_HOP.contains(&name.as_str()) || (chunked && name == CONTENT_LENGTH);
+        let dropped = HOP_BY_HOP.contains(&name.as_str())
+            || (chunked && name == CONTENT_LENGTH)
+            || named.iter().any(|n| n == name.as_str());
         if !dropped {
             out.headers_mut().append(HeaderName::clone(name), value.clone());
         }
@@ -3257,6 +3272,16 @@ const BY_ID_ROUTE: &str = "responses_by_id";
 
 /// Request bodies from this size on are tokenized on tokio's blocking threads.
 const OFFLOADED_PROMPT_BYTES: usize = 128 << 10;
+
+/// A 400 for a request without its one Host header (RFC 9112 3.2: an HTTP/1.1 request
+/// names exactly one; any request at most one), as the Python plane's parser answers it.
+fn host_refusal(request: &Request<Incoming>) -> Option<Refusal> {
+    let hosts = request.headers().get_all(hyper::header::HOST).iter().count();
+    let missing = hosts == 0 && request.version() == hyper::Version::HTTP_11;
+    (hosts > 1 || missing).then(|| {
+        Refusal::new(400, "invalid_request_error", "the request needs exactly one Host header")
+    })
+}
 
 /// A 415 for a request to a path served with a method it takes (`method`: HEAD read as GET)
 /// whose body was sent with a Content-Encoding other than identity: bodies are taken as sent,
@@ -3274,6 +3299,26 @@ fn encoding_refusal(method: &Method, path: &str, headers: &HeaderMap) -> Option<
     };
     if !served && !path.starts_with("/admin/") && path != "/v1/responses/" {
         return None;
+    }
+    if coded_transfer(headers) {
+        // hyper removes only the chunking: the body would be read still coded (gzip).
+        let codings: Vec<String> = headers
+            .get_all(TRANSFER_ENCODING)
+            .iter()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .collect();
+        return Some(Refusal {
+            close: true,
+            ..Refusal::new(
+                501,
+                "invalid_request_error",
+                format!(
+                    "Transfer-Encoding '{}' is not supported: send the body chunked or with a \
+                     Content-Length",
+                    codings.join(", ")
+                ),
+            )
+        });
     }
     let encoding = headers
         .get_all(hyper::header::CONTENT_ENCODING)

@@ -440,6 +440,7 @@ class Gateway:
         self.app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[self._before_handler]
         )
+        self.app.on_response_prepare.append(_close_after_unframed)
         self.app.add_routes(
             [
                 web.post(_ROUTES["completions"], self._completions),
@@ -2005,6 +2006,19 @@ async def _relay_chunks(
         chunk = None
 
 
+async def _close_after_unframed(request: web.Request, response: web.StreamResponse) -> None:
+    """Closes the connection after an answer sent without a length to an HTTP/1.0 client (a
+    stream): HTTP/1.0 has no chunked coding, so such an answer ends where its connection
+    closes. aiohttp would keep the connection of a keep-alive client open, and that client
+    would wait for the end of the answer until the idle timeout."""
+    if (
+        request.version < aiohttp.HttpVersion11
+        and response.content_length is None
+        and not response.chunked
+    ):
+        response.force_close()
+
+
 _Answer = TypeVar("_Answer", bound=web.StreamResponse)
 
 
@@ -2183,7 +2197,18 @@ def _routing_refusal(path: str, error: web.HTTPException) -> Refusal:
 def _encoding_refusal(request: web.Request) -> Refusal | None:
     """A 415 for a body sent with a Content-Encoding other than identity: bodies are taken
     as sent, never decoded (as vLLM takes them), so a compressed one is refused, naming the
-    encoding, before a byte of it is read."""
+    encoding, before a byte of it is read. A 501 for a Transfer-Encoding naming a coding
+    besides chunked (``gzip, chunked``): only the chunking is removed, so the body would be
+    read still coded (RFC 9112 6.1)."""
+    codings = request.headers.getall("Transfer-Encoding", ())
+    if any(c.strip().lower() not in ("", "chunked") for v in codings for c in v.split(",")):
+        return Refusal(
+            501,
+            "invalid_request_error",
+            f"Transfer-Encoding '{', '.join(codings)}' is not supported: send the body chunked "
+            "or with a Content-Length",
+            close=True,
+        )
     for value in request.headers.getall("Content-Encoding", ()):
         if value.strip().lower() != "identity":
             return Refusal(
