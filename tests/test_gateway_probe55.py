@@ -170,3 +170,41 @@ def test_the_headers_an_engines_connection_header_names_are_not_relayed() -> Non
             assert b"data: [done]" in data.lower()
 
     run(go())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_only_the_bodys_type_coding_and_caching_headers_are_relayed(stream: bool) -> None:
+    # Probe 55's open difference: the native plane passed on every engine header (Server,
+    # Set-Cookie, an engine-sent x-llmsched-dropped-reason that would pass for the gateway's
+    # own); the Python plane passes Content-Type, Content-Encoding and Cache-Control only.
+    payload = (
+        b'data: {"choices":[{"index":0,"text":"hi"}]}\n\ndata: [DONE]\n\n'
+        if stream
+        else b'{"choices":[{"index":0,"text":"hi"}],"usage":{"completion_tokens":1}}'
+    )
+    kind = b"text/event-stream" if stream else b"application/json"
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: " + kind + b"\r\nCache-Control: no-store\r\n"
+        b"Server: engine\r\nSet-Cookie: s=1\r\nX-Llmsched-Dropped-Reason: spoof\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+    )
+
+    async def go() -> None:
+        async with in_front_of_raw(answer) as gateway:
+            body = f'{{"model":"{MODEL}","prompt":"hello","stream":{str(stream).lower()}}}'
+            data = await _exchange(
+                gateway.port,
+                (
+                    "POST /v1/completions HTTP/1.1\r\nHost: g\r\n"
+                    "Content-Type: application/json\r\nConnection: close\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n{body}"
+                ).encode(),
+            )
+            head = data.partition(b"\r\n\r\n")[0].lower()
+            assert head.startswith(b"http/1.1 200"), head
+            assert b"cache-control: no-store" in head
+            assert b"content-type: " + kind in head
+            for header in (b"server: engine", b"set-cookie", b"spoof"):
+                assert header not in head, head
+
+    run(go())

@@ -2882,7 +2882,7 @@ impl Gateway {
         self.counters.requests.inc(&[route, parts.status.as_str()]);
         let mut out = own(parts.status, "application/json", bytes);
         for (name, value) in &parts.headers {
-            if !HOP_BY_HOP.contains(&name.as_str()) && name != CONTENT_LENGTH {
+            if PASSED_HEADERS.contains(name) {
                 out.headers_mut().insert(HeaderName::clone(name), value.clone());
             }
         }
@@ -3087,17 +3087,6 @@ fn request_truncation(
     )
 }
 
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-    "host",
-];
-
 /// What an engine gets of the client's headers: the content type (always JSON) and
 /// `Accept`. Nothing else (hosts, forwarding headers, keys, a client-sent prefill header)
 /// reaches it.
@@ -3247,25 +3236,22 @@ fn relay_parts(
         id_scan: relaying.id_scan.filter(|_| event_stream),
     });
     *out.status_mut() = parts.status;
-    // The fields the engine's Connection header names are its hop's only (RFC 9110 7.6.1).
-    let named: Vec<String> = parts
-        .headers
-        .get_all(hyper::header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.to_str().unwrap_or("").split(','))
-        .map(|n| n.trim().to_ascii_lowercase())
-        .filter(|n| !n.is_empty())
-        .collect();
     for (name, value) in &parts.headers {
-        let dropped = HOP_BY_HOP.contains(&name.as_str())
-            || (chunked && name == CONTENT_LENGTH)
-            || named.iter().any(|n| n == name.as_str());
-        if !dropped {
+        // The length frames the body as relayed, unless the engine chunked it.
+        let framing = !chunked && name == CONTENT_LENGTH;
+        if framing || PASSED_HEADERS.contains(name) {
             out.headers_mut().append(HeaderName::clone(name), value.clone());
         }
     }
     out
 }
+
+/// The engine's answer headers a client gets, as on the Python plane: its body's type, coding
+/// and caching. The others are the engine's hop's (its `Connection` and the fields that names,
+/// RFC 9110 7.6.1), its own (`Server`, `Set-Cookie`), or would pass for the gateway's (an
+/// engine's `x-llmsched-*`).
+const PASSED_HEADERS: [HeaderName; 3] =
+    [CONTENT_TYPE, hyper::header::CONTENT_ENCODING, hyper::header::CACHE_CONTROL];
 
 /// The route name of by-id Responses API requests (`/v1/responses/{id}...`) in metrics.
 const BY_ID_ROUTE: &str = "responses_by_id";
