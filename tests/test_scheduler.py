@@ -503,6 +503,49 @@ def test_feeds_follow_engine_changes_while_started() -> None:
         asyncio.run(run())
 
 
+@pytest.mark.parametrize("how", ["removed", "moved"])
+def test_events_landing_while_the_feeds_restart_leave_no_stale_blocks(how: str) -> None:
+    """Probe 57 F5: an engine's index entries were dropped when it was removed (or moved to
+    another address: another process), but the feed kept running on the old engine set until
+    its restart task ran, and a batch it applied meanwhile brought the worker back with the
+    old process's blocks. Those blocks outlived the restart: a removed engine stayed among the
+    index's workers, and a moved one matched prompts its new process never cached."""
+    pytest.importorskip("zmq")
+    from llmsched.integrations import EngineSpec
+    from llmsched.testing import FakeKVPublisher, event_batch, stored_event
+
+    with FakeKVPublisher() as first, FakeKVPublisher() as second, FakeKVPublisher() as third:
+        key = "b"
+        named = EngineSpec("127.0.0.1", 2, name=key, **second.spec_kwargs())
+        s = Scheduler([_kv_spec(first, 1), named], router="prefix-only", block_size=16)  # type: ignore[list-item]
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            async with s:
+                assert await loop.run_in_executor(None, second.wait_subscribed, 20.0)
+                second.publish(event_batch(stored_event([1, 2], None, PROMPT[:32].tolist())))
+                await until(lambda: s.index.match_tokens(PROMPT).longest == 2, "the events")
+                subscriber = s.subscriber
+                assert subscriber is not None
+                if how == "removed":
+                    s.remove_engine(key)
+                else:  # the same name at another address: another process
+                    moved = EngineSpec("127.0.0.2", 2, name=key, **third.spec_kwargs())
+                    s.set_engines([_kv_spec(first, 1), moved])  # type: ignore[list-item]
+                assert s.index.match_tokens(PROMPT).as_dict() == {}
+                # A batch the old process sent lands before the feeds restart (the loop is
+                # held here on purpose, so the restart task cannot run first).
+                second.publish(event_batch(stored_event([3], 2, PROMPT[32:48].tolist())))
+                second.publish(event_batch(stored_event([9], None, PROMPT[:16].tolist())))
+                assert subscriber.wait_for(lambda c: c["batches"] >= 3, timeout=20.0)
+                await s.feeds_settled()
+                assert s.index.match_tokens(PROMPT).as_dict() == {}
+                if how == "removed":
+                    assert key not in s.index.workers()
+
+        asyncio.run(run())
+
+
 def test_feeds_on_threads_with_the_sync_pair() -> None:
     pytest.importorskip("zmq")
     from llmsched.testing import FakeKVPublisher, event_batch, stored_event

@@ -811,6 +811,10 @@ class Scheduler:
         self._mode: Literal["async", "threads"] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restart: asyncio.Task[None] | None = None
+        # Workers whose index entries were dropped (an engine removed, or moved to another
+        # address) while a feed ran: dropped again once that feed has stopped, since a batch
+        # it applied meanwhile brings the old process's blocks back.
+        self._dropped: set[EndpointId] = set()
 
     @classmethod
     def from_config(cls, config: ConfigSource) -> Scheduler:
@@ -968,8 +972,22 @@ class Scheduler:
             self.pool.remove(endpoint)
         if self.flow is not None:
             self.flow.remove_endpoint(str(endpoint))
+        self._drop_worker(endpoint)
+
+    def _drop_worker(self, key: EndpointId) -> None:
+        """Drops ``key``'s index entries, and again once the running feed has stopped."""
         with contextlib.suppress(UnknownWorkerError):
-            self.index.remove_worker(endpoint)
+            self.index.remove_worker(key)
+        if self._mode is not None:
+            self._dropped.add(key)
+
+    def _drop_again(self) -> None:
+        """The feed that ran while workers were dropped has stopped: what it applied for them
+        after their drop goes too."""
+        dropped, self._dropped = self._dropped, set()
+        for key in dropped:
+            with contextlib.suppress(UnknownWorkerError):
+                self.index.remove_worker(key)
 
     def set_engines(
         self, engines: Iterable[EngineLike]
@@ -995,8 +1013,7 @@ class Scheduler:
         for key in changed:
             if new[key].endpoint.address != self._engines[key].endpoint.address:
                 # Routing by the old entries sent its prefixes to a cache that is gone.
-                with contextlib.suppress(UnknownWorkerError):
-                    self.index.remove_worker(key)
+                self._drop_worker(key)
         for key in added + changed:
             self._leave_place(key)
             self._engines[key] = new[key]
@@ -1117,6 +1134,7 @@ class Scheduler:
                 await self._restart
             self._restart = None
         await self._stop_feeds_async()
+        self._drop_again()
         self._mode = None
         self._loop = None
 
@@ -1136,6 +1154,7 @@ class Scheduler:
         if self._mode != "threads":
             return
         self._stop_feeds_threads()
+        self._drop_again()
         self._mode = None
 
     async def feeds_settled(self) -> None:
@@ -1217,6 +1236,7 @@ class Scheduler:
         """The engines changed: running feeds restart on the new set."""
         if self._mode == "threads":
             self._stop_feeds_threads()
+            self._drop_again()
             self._start_feeds()
         elif self._mode == "async":
             assert self._loop is not None
@@ -1227,6 +1247,7 @@ class Scheduler:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await previous
                 await self._stop_feeds_async()
+                self._drop_again()
                 if self._mode == "async":
                     self._start_feeds()
 
