@@ -237,3 +237,29 @@ def test_a_bad_marker_anywhere_in_a_long_token_run_raises_where_it_is_and_change
     assert (index.stats(), index.holdings("e")) == before
     index.apply_vllm_events("e", payload)
     assert index.match_tokens(tokens).as_dict() == {"e": 40}
+
+
+def test_an_adapter_named_only_by_its_number_is_not_indexed_as_the_base_model() -> None:
+    """Probe 57 F4: vLLM before 0.20 names a LoRA adapter in its events only by ``lora_id``
+    (no ``lora_name``, no ``extra_keys``), but keys the adapter's blocks by it. Such blocks
+    were chained as the base model's: a base-model prompt matched blocks the engine can only
+    reuse for the adapter. No request's hashes can name a numbered adapter, so the event is
+    skipped as one whose blocks are more than their tokens (``extra_keys``)."""
+    index = PrefixIndex(block_size=16)
+    tokens = list(range(16))
+    report = index.apply_vllm_events("e", batch(stored([1], None, tokens, lora_id=3)))
+    assert (report["extra_keys"], report["blocks_stored"]) == (1, 0)
+    assert index.match_tokens(tokens).as_dict() == {}
+    # A removal of the skipped block is an unknown one; the base model's blocks still index,
+    # with lora_id nil or 0 (no adapter), and a named adapter under its name.
+    report = index.apply_vllm_events(
+        "e",
+        batch(
+            {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"},
+            stored([2], None, tokens, lora_id=0),
+            stored([4], None, tokens, lora_id=3, lora_name="sql"),
+        ),
+    )
+    assert (report["unknown_removed"], report["blocks_stored"], report["extra_keys"]) == (1, 2, 0)
+    assert index.match_tokens(tokens).as_dict() == {"e": 1}
+    assert index.match_tokens(tokens, lora="sql").as_dict() == {"e": 1}

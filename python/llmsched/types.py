@@ -130,7 +130,8 @@ class ApplyReport(TypedDict):
     other_groups: int
     """Events of a KV-cache group other than the first (ignored)."""
     extra_keys: int
-    """Blocks stored with extra keys (multimodal, LoRA...) the index cannot hash."""
+    """Blocks stored with extra keys (multimodal, LoRA...) the index cannot hash, or for a LoRA
+    adapter named only by its ``lora_id`` (vLLM before 0.20)."""
 
 
 ReportKey = Literal[

@@ -59,6 +59,8 @@ class ReferenceEventApplier:
             return 0  # its parent was never seen: skipped, as the native index does
         if event["opaque_extra_keys"]:
             return 0  # its blocks' content is more than their tokens, as the native index says
+        if event["lora_name"] is None and event["lora_id"] not in (None, 0):
+            return 0  # an adapter named only by its number: no request's hashes name it
         seed = (
             mine[parent][-1]
             if parent is not None

@@ -39,7 +39,9 @@ pub struct ApplyReport {
     pub other_groups: u64,
     /// Stored events skipped because their blocks carry extra keys that make their content
     /// more than their tokens (multimodal inputs, prompt embeddings): keys other than the
-    /// LoRA name and a root block's cache salt, which the chain's seed holds.
+    /// LoRA name and a root block's cache salt, which the chain's seed holds; also a LoRA
+    /// adapter's blocks named only by its `lora_id` (vLLM before 0.20), whose name no
+    /// request's hashes can take.
     pub extra_keys: u64,
 }
 
@@ -82,7 +84,11 @@ fn apply_stored(
         report.other_groups += 1;
         return;
     }
-    if ev.opaque_extra_keys {
+    // vLLM before 0.20 names an adapter only by its number (no `lora_name`, no `extra_keys`)
+    // but keys the adapter's blocks by it: no request's hashes can name it, and chained from
+    // the base model's seed its blocks would match the base model's prompts.
+    let numbered_adapter = ev.lora_name.is_none() && ev.lora_id.is_some_and(|id| id != 0);
+    if ev.opaque_extra_keys || numbered_adapter {
         report.extra_keys += 1;
         return;
     }
