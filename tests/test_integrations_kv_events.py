@@ -280,6 +280,7 @@ def test_foreign_topic_is_refused_even_when_zmq_prefix_matches(fake: FakeKVPubli
 
 
 def test_malformed_messages_are_counted_and_change_nothing(fake: FakeKVPublisher) -> None:
+    """Messages that are not ``[topic, seq, payload]`` take no number and change nothing."""
     index = PrefixIndex(block_size=BLOCK)
     spec = spec_of(fake)
     first, last = script(2, seed=7)
@@ -289,21 +290,49 @@ def test_malformed_messages_are_counted_and_change_nothing(fake: FakeKVPublisher
         fake.publish(first)
         wait(sub, lambda c: c["batches"] >= 1)
         before = holdings(index, spec.worker_id)
-        # A payload that is not msgpack, and one whose second event is broken: nothing applies.
-        broken = event_batch(stored_event([50], None, [1] * BLOCK, BLOCK), {"type": "BlockStored"})
-        fake.publish(b"\xc1 not msgpack")
-        fake.publish(broken)
-        fake.send_frames([topic, (3).to_bytes(8, "big")])  # two frames
-        fake.send_frames([topic, (3).to_bytes(4, "big"), last])  # a 4-byte seq
-        fake.send_frames([topic, (3).to_bytes(8, "big"), last, b"extra"])  # four frames
-        c = wait(sub, lambda c: c["decode_errors"] >= 5)
+        fake.send_frames([topic, (1).to_bytes(8, "big")])  # two frames
+        fake.send_frames([topic, (1).to_bytes(4, "big"), last])  # a 4-byte seq
+        fake.send_frames([topic, (1).to_bytes(8, "big"), last, b"extra"])  # four frames
+        c = wait(sub, lambda c: c["decode_errors"] >= 3)
         assert holdings(index, spec.worker_id) == before
-        fake.publish(last)  # seq 3: the malformed batches 1 and 2 still count as taken
+        fake.publish(last)  # seq 1: nothing took its number
         c = wait(sub, lambda c: c["batches"] >= 2)
-    assert c["decode_errors"] == 5 and c["gaps"] == 0
+    assert c["decode_errors"] == 3 and c["gaps"] == 0 and c["resyncs"] == 0
     assert holdings(index, spec.worker_id) == holdings(
         direct([first, last], spec.worker_id), spec.worker_id
     )
+
+
+def test_a_malformed_batch_is_lost_the_worker_resynced_and_logged_once(
+    fake: FakeKVPublisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Probe 57 F1: a batch whose payload does not decode took its number and left the worker
+    as it was, though its events (removals among them) were lost, and nothing was logged. It
+    is not waited for (a replay sends the same bytes), but it is a batch lost for good: the
+    worker is resynchronised (cleared), counted in ``resyncs``, and the first one logged."""
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    first = event_batch(stored_event([1], None, list(range(BLOCK)), BLOCK))
+    # The removal of block 1 is in a batch whose second event is broken: nothing of it applies.
+    broken = event_batch(removed_event([1]), {"type": "BlockStored"})
+    last = event_batch(stored_event([2], None, list(range(100, 100 + BLOCK)), BLOCK))
+    with caplog.at_level("WARNING", logger="llmsched"), Subscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        fake.publish(first)
+        wait(sub, lambda c: c["batches"] >= 1)
+        fake.publish(b"\xc1 not msgpack")
+        fake.publish(broken)
+        fake.publish(last)  # seq 3: the malformed batches 1 and 2 are not waited for
+        c = wait(sub, lambda c: c["batches"] >= 2)
+        assert sub.last_seq(spec.worker_id) == 3
+    assert c["decode_errors"] == 2 and c["resyncs"] == 2 and c["gaps"] == 0, c
+    assert c["replays"] == 0 and fake.replay_requests == []
+    # Block 1 may be gone from the engine: the index no longer claims it.
+    assert index.match_tokens(list(range(BLOCK))).as_dict() == {}
+    assert index.match_tokens(list(range(100, 100 + BLOCK))).as_dict() == {spec.worker_id: 1}
+    logged = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert spec.worker_id in logged[0] and "batch 1 is malformed" in logged[0], logged
 
 
 def test_reconnects_when_the_publisher_comes_back() -> None:
@@ -600,7 +629,9 @@ def test_catch_up_after_a_restart_fills_the_outage(fake: FakeKVPublisher) -> Non
         wait(sub, lambda c: not sub.worker_state(spec.worker_id)["replaying"])
 
     c = restart_across_an_outage(fake, sub, spec.worker_id, payloads, before_stop)
-    assert fake.replay_requests == [0, 5], (c, fake.replay_requests)
+    # The second catch-up starts at the last batch taken (4): it comes back the same, so the
+    # publisher continues its sequence.
+    assert fake.replay_requests == [0, 4], (c, fake.replay_requests)
     assert c["catch_ups"] == 2 and c["gaps"] == 0 and c["resyncs"] == 0, c
     assert holdings(index, spec.worker_id) == holdings(
         direct(payloads, spec.worker_id), spec.worker_id
@@ -627,7 +658,8 @@ def test_a_replay_in_flight_at_stop_does_not_hold_up_the_catch_up_after_start(
         fake.replay_answers = True  # for the next start's catch-up
 
     c = restart_across_an_outage(fake, sub, spec.worker_id, payloads, before_stop)
-    assert fake.replay_requests == [5], (c, fake.replay_requests)
+    # From the last batch taken (4), which shows the publisher continues its sequence.
+    assert fake.replay_requests == [4], (c, fake.replay_requests)
     assert c["catch_ups"] == 2 and c["replay_timeouts"] == 0 and c["resyncs"] == 0, c
     assert holdings(index, spec.worker_id) == holdings(
         direct(payloads, spec.worker_id), spec.worker_id
@@ -812,6 +844,109 @@ def test_new_publisher_identity_is_a_restart() -> None:
     assert index.match_tokens([7] * BLOCK).as_dict() == {}
     assert holdings(index, spec.worker_id) == holdings(
         direct(after, spec.worker_id), spec.worker_id
+    )
+
+
+@pytest.mark.parametrize("catch_up", [False, True])
+def test_an_engine_restarted_past_the_last_batch_seen_is_a_restart(catch_up: bool) -> None:
+    """Probe 57 F2: an engine that restarted while the subscriber was away, and whose new run
+    had passed the old run's last number by the time it reconnected, was taken for the same
+    run: the gap was replayed from the new run onto the old run's blocks, which stayed. The
+    first replay after a new connection now starts at the last batch taken, which must come
+    back byte for byte; another batch there is a restart, and the new run is replayed from 0."""
+    old_run = [_marker(), *script(4, seed=60, clears=False)]
+    new_run = script(9, seed=61)
+    index = PrefixIndex(block_size=BLOCK)
+    with FakeKVPublisher(topic="kv@a") as fake:
+        spec = spec_of(fake)
+        sub = Subscriber(index, [spec], catch_up=catch_up, **{**FAST, "replay_timeout_s": WAIT_S})
+        sub.start()
+        try:
+            assert fake.wait_subscribed()
+            for p in old_run:
+                fake.publish(p)
+            wait(sub, lambda c: sub.last_seq(spec.worker_id) == 4 and not _replaying(sub, spec))
+            sub.stop()
+            fake.restart()  # the engine restarts and runs on while nobody listens
+            for p in new_run[:8]:
+                fake.publish(p, deliver=False)
+            sub.start()
+            assert fake.wait_subscribed(count=2)
+            fake.publish(new_run[8])
+            c = wait(sub, lambda c: c["restarts"] >= 1 and sub.last_seq(spec.worker_id) == 8)
+        finally:
+            sub.stop()
+    assert c["restarts"] == 1, c
+    assert index.match_tokens([7] * BLOCK).as_dict() == {}, "the old run's blocks are gone"
+    assert holdings(index, spec.worker_id) == holdings(
+        direct(new_run, spec.worker_id), spec.worker_id
+    )
+    assert fake.replay_requests[-2:] == [4, 0], fake.replay_requests
+
+
+def _replaying(sub: Any, spec: EngineSpec) -> bool:
+    state: dict[str, Any] = sub.worker_state(spec.worker_id)
+    return bool(state["replaying"])
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_an_engine_restarted_on_a_shared_socket_is_a_restart(replay: bool) -> None:
+    """Probe 57 F2: engines publishing to one bound endpoint cannot be told apart by
+    connection, so a restarted engine whose batch 0 was lost (sent before its subscription
+    arrived) sent numbers below the last one taken: every one dropped as a duplicate, the old
+    blocks kept. After a connection a stream going back is checked against the replay socket
+    (or, without one, taken for a restart)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    shared = f"tcp://127.0.0.1:{port}"
+    old_run = [_marker(), *script(5, seed=62, clears=False)]
+    new_run = script(4, seed=63)
+    index = PrefixIndex(block_size=BLOCK)
+    a = FakeKVPublisher(topic="kv@a", endpoint=shared, connect=True, replay=replay)
+    b = FakeKVPublisher(topic="kv@b", endpoint=shared, connect=True, replay=replay)
+    specs = [
+        EngineSpec(
+            "127.0.0.1",
+            8000 + i,
+            topic=f.topic.decode(),
+            kv_events=shared,
+            kv_events_bind=True,
+            replay=f.replay_endpoint,
+        )
+        for i, f in enumerate((a, b))
+    ]
+    late: FakeKVPublisher | None = None
+    try:
+        with Subscriber(index, specs, **{**FAST, "replay_timeout_s": WAIT_S}) as sub:
+            assert a.wait_subscribed() and b.wait_subscribed()
+            for p in old_run:
+                a.publish(p)
+            b.publish(old_run[0])
+            wait(sub, lambda c: sub.last_seq(specs[0].worker_id) == 5 and c["batches"] == 7)
+            a.restart()
+            a.publish(new_run[0], deliver=False)  # before the new process's subscription
+            connects = sub.counters()["connects"]
+            late = FakeKVPublisher(topic="kv@c", endpoint=shared, connect=True, replay=False)
+            wait(sub, lambda c: c["connects"] > connects)  # a connection: whose is not known
+            for p in new_run[1:]:
+                a.publish(p)
+            b.publish(old_run[1])  # the other engine goes on, untouched
+            c = wait(sub, lambda c: c["restarts"] >= 1 and sub.last_seq(specs[0].worker_id) == 3)
+            wait(sub, lambda c: sub.last_seq(specs[1].worker_id) == 1)
+    finally:
+        for f in (a, b, late):
+            if f is not None:
+                f.close()
+    assert c["restarts"] == 1 and sub.worker_counters(specs[1].worker_id)["restarts"] == 0, c
+    assert index.match_tokens([7] * BLOCK).as_dict() == {specs[1].worker_id: 1}
+    # With a replay socket the whole new run comes back; without one, its lost batch 0 stays
+    # lost (a resync at 1).
+    expected = new_run if replay else new_run[1:]
+    assert holdings(index, specs[0].worker_id) == holdings(
+        direct(expected, specs[0].worker_id), specs[0].worker_id
     )
 
 

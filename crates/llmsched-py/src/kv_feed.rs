@@ -42,7 +42,8 @@ impl PyKvFeed {
     /// their block size (never while the sizes agree); `on_socket(workers, endpoint, action,
     /// error)` each time opening a socket fails (`action` `bind` or `connect`, `error` what
     /// the OS or ZMQ said), once when it opens after failing (`error` None), and for the first
-    /// peer connection an endpoint drops (`action` `drop`, `error` why). ConfigError naming
+    /// peer connection an endpoint drops (`action` `drop`, `error` why), and for an engine's
+    /// first malformed batch (`action` `malformed`, `error` what was skipped). ConfigError naming
     /// the problem.
     #[new]
     #[pyo3(signature = (index, engines, options, on_mismatch=None, on_socket=None))]

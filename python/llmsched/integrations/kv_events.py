@@ -39,8 +39,16 @@ highest live sequence number seen since the last restart):
   begins at 0; a batch 0 that only the catch-up replay delivered before may still arrive live,
   and is then a duplicate); the sequence goes back by more than ``reorder_window`` below
   ``highest``; or the first batch after a new connection (a new publisher identity, as ZMQ's
-  socket monitor reports it) does not move past ``highest``. Nothing else clears a worker that
-  has a replay socket.
+  socket monitor reports it) does not move past ``highest``. A new connection also has to show
+  that it continues the sequence: the next replay (a catch-up, or the one a gap asks for)
+  starts at the last batch taken, which must come back byte for byte; another batch there, or
+  none from there on, is a restart (the new run is then asked for from 0), and a publisher
+  that no longer holds it resyncs. On a shared socket any connection puts every member to this
+  check, and a member's live stream going back after one asks for it (without a replay
+  socket: a restart).
+- **Malformed batch** (its payload does not decode): not waited for (a replay sends the same
+  bytes), but its events are lost, so the worker is resynchronised as after a gap; counted in
+  ``decode_errors`` and ``resyncs``, the first per engine logged (WARNING).
 
 Sockets are polled together by one thread (:meth:`KVEventSubscriber.start`) or one asyncio task
 (:meth:`KVEventSubscriber.run`), reading at most :data:`DRAIN_BATCH` messages from a socket
@@ -228,7 +236,8 @@ class _SocketLog:
     ``socket_errors`` and listed by ``failing_sockets()``. The native feed also reports the
     first peer connection each endpoint drops (``drop``: a protocol violation, a handshake
     that did not finish; counted in ``decode_errors`` or ``socket_errors``), logged as a
-    WARNING once per endpoint; the socket is not failing for it."""
+    WARNING once per endpoint; the socket is not failing for it. Both report an engine's
+    first malformed batch (``malformed``: skipped, the worker resynchronised), a WARNING."""
 
     MAX_REMEMBERED = 256
     """Distinct failures remembered as logged (then the memory starts over)."""
@@ -243,6 +252,9 @@ class _SocketLog:
         failed with ``error``, or (None) succeeded after failing; or (``drop``) the socket
         dropped a peer's connection, for the reason ``error``."""
         engines = f"engine{'s' if len(workers) > 1 else ''} {', '.join(workers)}"
+        if action == "malformed":
+            log.warning("KV events of %s: %s", engines, error)
+            return
         if action == "drop":
             log.warning("KV events of %s on %s: %s", engines, endpoint, error)
             return
@@ -280,6 +292,10 @@ class _Replay:
     deadline: float
     received: int = 0
     catch_up: bool = False  # asked because the publisher (re)connected, not for a hole
+    # The last batch taken, asked for again (``start`` is its number) to show that the
+    # publisher behind a new connection continues the sequence: it must come back byte for
+    # byte. None once decided.
+    verify: tuple[int, bytes] | None = None
 
 
 class _Publisher:
@@ -324,6 +340,12 @@ class _Publisher:
         # A catch-up whose replay timed out, asked again once the replay socket's backoff has
         # passed: an idle publisher sends nothing that would show the hole.
         self.catch_up_due = False
+        # The payload of the last batch taken (None before any, and after a resync or restart).
+        self.last_payload: bytes | None = None
+        # A connection was made since the last batch taken in order from the live stream: the
+        # next replay starts at the last batch taken, to show the publisher did not start over.
+        self.verify = False
+        self.malformed_reported = False  # the first malformed batch is logged, not the others
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- sockets ------------------------------------------------------------------------------
@@ -427,6 +449,7 @@ class _Publisher:
                     # Possibly another process on the same address: its first batch decides.
                     self.new_peer = True
                     self.peer_highest = self.highest
+                    self.must_verify()
                 # A new connection is a new chance for the replay socket too.
                 self.replay_failures = 0
                 self.replay_retry_at = 0.0
@@ -460,6 +483,15 @@ class _Publisher:
             return
         if self.is_restart(seq):
             self.restart()
+        elif self.verify and seq < self.expected() and self.replay is None:
+            # A live stream going back after a new connection: a duplicate only if the
+            # publisher is the one whose batches were taken, which the replay shows; without
+            # one, another process started over.
+            if self.dealer is None:
+                self.restart()
+            elif time.monotonic() >= self.replay_retry_at:
+                self.owner._bump(self, "catch_ups")
+                self.ask_replay(self.expected())
         self.new_peer = False
         self.live_seen = True
         expected = self.expected()
@@ -471,6 +503,7 @@ class _Publisher:
         if self.highest is None or seq > self.highest:
             self.highest = seq
         if seq == expected:
+            self.verify = False  # the live stream continues where it was
             self.apply(seq, payload)
             self.drain_held()
         else:
@@ -502,6 +535,21 @@ class _Publisher:
             self.next_seq = None
         self.highest = None
         self.live_seen = False
+        self.last_payload = None
+        self.verify = False
+
+    def must_verify(self) -> None:
+        """A new connection: whoever is behind it must show it continues the sequence."""
+        self.verify = self.next_seq is not None and self.last_payload is not None
+
+    def started_over(self) -> None:
+        """The publisher behind a new connection is not the one whose batches were taken (the
+        replay showed another batch where the last one taken was, or none from there on): a
+        restart, and its batches are asked for from its start."""
+        self.restart()
+        if self.dealer is not None:
+            self.owner._bump(self, "catch_ups")
+            self.ask_replay(0, catch_up=True)
 
     # -- holding ------------------------------------------------------------------------------
 
@@ -617,10 +665,21 @@ class _Publisher:
 
     def ask_replay(self, start: int, *, catch_up: bool = False) -> None:
         """Ask the replay socket for every batch from ``start`` (``catch_up``: because the
-        publisher connected, not for a hole); live batches are held meanwhile."""
+        publisher connected, not for a hole); live batches are held meanwhile. While a new
+        connection's continuity is still to be shown (``verify``), from the last batch taken."""
         assert self.dealer is not None
         deadline = time.monotonic() + self.owner.replay_timeout_s
-        self.replay = _Replay(start, deadline, catch_up=catch_up)
+        verify: tuple[int, bytes] | None = None
+        if (
+            self.verify
+            and self.last_payload is not None
+            and self.next_seq is not None
+            and self.next_seq > 0
+            and start == self.next_seq
+        ):
+            start -= 1
+            verify = (start, self.last_payload)
+        self.replay = _Replay(start, deadline, catch_up=catch_up, verify=verify)
         # The ROUTER expects [identity, empty delimiter, start seq]; the DEALER adds the identity.
         # Never blocking: a DEALER with no peer to take the request would hold this thread
         # (and its stop) until one connects. A request not taken goes unanswered and the
@@ -664,6 +723,23 @@ class _Publisher:
             self.finish_replay()
             return
         self.replay.received += 1
+        if self.replay.verify is not None:
+            verify_seq, taken = self.replay.verify
+            if seq == verify_seq:
+                self.replay.verify = None
+                self.replay.deadline = time.monotonic() + self.owner.replay_timeout_s
+                if payload == taken:
+                    self.verify = False  # the same publisher: its sequence goes on
+                else:
+                    self.started_over()
+                return
+            if seq > verify_seq:
+                # The publisher no longer holds the last batch taken: whether it started over
+                # cannot be shown, so what the worker holds is not trusted.
+                self.replay.verify = None
+                self.verify = False
+                if seq == self.expected():
+                    self.resync(seq)  # (further on, lose_before resyncs)
         if seq < self.expected():
             # Applied already (from the live stream or this replay), or not a batch number
             # (counted): no progress, so it does not keep the replay alive (one answering only
@@ -688,6 +764,10 @@ class _Publisher:
         assert replay is not None
         self.replay = None
         self.replay_failures = 0
+        if replay.verify is not None:
+            # Nothing from the last batch taken on: the publisher's sequence is behind it.
+            self.started_over()
+            return
         if self.held and self.expected() <= replay.start:
             self.resync_to_held()
 
@@ -697,6 +777,8 @@ class _Publisher:
         self.clear_worker()
         with self.owner._lock:
             self.next_seq = seq
+        self.last_payload = None
+        self.verify = False
 
     def _reset_dealer(self) -> None:
         # Replies to an abandoned request may still arrive; a fresh socket never sees them.
@@ -713,11 +795,24 @@ class _Publisher:
             self.highest = seq
         try:
             report = self.owner.index.apply_vllm_events(self.worker, payload)
-        except MalformedEventError:
-            with self.owner._lock:
-                self.next_seq = seq + 1  # skipped, not waited for
+        except MalformedEventError as exc:
+            # Not waited for (a replay sends the same bytes), but its events are lost: the
+            # worker is resynchronised as after any batch lost for good.
             self.owner._bump(self, "decode_errors")
+            if not self.malformed_reported:
+                self.malformed_reported = True
+                self.owner._socket_log.report(
+                    [self.worker],
+                    self.spec.kv_events or "",
+                    "malformed",
+                    f"batch {seq} is malformed and skipped ({exc}); the worker is "
+                    "resynchronised (counted in decode_errors and resyncs; later ones are not "
+                    "logged)",
+                )
+            self.resync(seq + 1)
+            self.last_payload = payload
             return
+        self.last_payload = payload
         # The sequence number moves with the counters, after the index: whoever sees
         # `last_seq` reach a batch also sees its blocks and its counts.
         self.owner._count_batch(self, seq, report, replayed)
@@ -823,6 +918,7 @@ class _SharedSocket:
             if kind in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                 self.owner._bump_total("connects")
                 for member in self.members.values():
+                    member.must_verify()  # the connection may be any member's
                     member.replay_failures = 0
                     member.replay_retry_at = 0.0
                     member.catch_up_due = False
@@ -1260,9 +1356,9 @@ class NativeKVEventSubscriber:
     endpoint answers, is dropped and counted (a decode or socket error) where libzmq drops it
     unnoticed. A batch whose stored events were skipped for their block size reaches
     :meth:`~llmsched.PrefixIndex.note_block_size_mismatch` (counted and warned once, as with
-    :meth:`~llmsched.PrefixIndex.apply_vllm_events`), and a failure to open a socket reaches
-    the log as :meth:`KVEventSubscriber.failing_sockets` says; those are the only calls into
-    Python, and only under such a misconfiguration.
+    :meth:`~llmsched.PrefixIndex.apply_vllm_events`), a failure to open a socket reaches
+    the log as :meth:`KVEventSubscriber.failing_sockets` says, and so does an engine's first
+    malformed batch; those are the only calls into Python, and only under such a fault.
 
     >>> import msgpack
     >>> import zmq

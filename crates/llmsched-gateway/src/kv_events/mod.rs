@@ -166,7 +166,9 @@ pub struct SocketReport<'a> {
     /// Its endpoint as configured.
     pub endpoint: &'a str,
     /// `bind` or `connect`; `drop` for a peer connection the socket dropped (a protocol
-    /// violation, a handshake that did not finish), the first of the endpoint only.
+    /// violation, a handshake that did not finish), the first of the endpoint only;
+    /// `malformed` for an engine's first batch that does not decode (skipped, the worker
+    /// resynchronised).
     pub action: &'static str,
     /// Why opening it failed (what the OS or ZMQ said), or why the peer was dropped; `None`:
     /// it opened after failing.

@@ -257,15 +257,34 @@ struct MemberWire<'a> {
 }
 
 impl Wire for MemberWire<'_> {
-    fn apply(&mut self, payload: &[u8]) -> Option<llmsched_core::prefix_index::ApplyReport> {
+    fn apply(
+        &mut self,
+        payload: &[u8],
+    ) -> Result<llmsched_core::prefix_index::ApplyReport, String> {
         let member = &self.shared.members[self.member];
-        let report = self.shared.index.apply_vllm_events(&member.key, payload).ok()?;
+        let report =
+            self.shared.index.apply_vllm_events(&member.key, payload).map_err(|e| e.to_string())?;
         if let Some(hook) =
             self.shared.on_mismatch.as_ref().filter(|_| report.block_size_mismatch > 0)
         {
             hook(&member.spec.worker, report.block_size_mismatch);
         }
-        Some(report)
+        Ok(report)
+    }
+
+    fn malformed_batch(&mut self, seq: u64, error: &str) {
+        let Some(hook) = self.shared.on_socket.as_ref() else { return };
+        let spec = &self.shared.members[self.member].spec;
+        let error = format!(
+            "batch {seq} is malformed and skipped ({error}); the worker is resynchronised \
+             (counted in decode_errors and resyncs; later ones are not logged)"
+        );
+        hook(&super::SocketReport {
+            workers: vec![spec.worker.as_str()],
+            endpoint: &spec.endpoint,
+            action: "malformed",
+            error: Some(&error),
+        });
     }
 
     fn clear(&mut self) {

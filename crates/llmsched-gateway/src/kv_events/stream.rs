@@ -126,8 +126,12 @@ pub struct StreamConfig {
 
 /// What a stream asks of its sockets and of the index.
 pub trait Wire {
-    /// Applies a batch to the worker in the index; None when the payload is malformed.
-    fn apply(&mut self, payload: &[u8]) -> Option<ApplyReport>;
+    /// Applies a batch to the worker in the index; the decoder's message when the payload is
+    /// malformed (nothing of it applied).
+    fn apply(&mut self, payload: &[u8]) -> Result<ApplyReport, String>;
+    /// Reports the first malformed batch of the stream (the embedder logs it): `seq`, and what
+    /// the decoder said.
+    fn malformed_batch(&mut self, seq: u64, error: &str);
     /// Clears the worker in the index.
     fn clear(&mut self);
     /// Whether the publisher has a replay socket.
@@ -138,12 +142,16 @@ pub trait Wire {
     fn reset_replay(&mut self);
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Replay {
     start: u64,
     deadline: f64,
     /// Asked because the publisher (re)connected (`catch_up`), not because of a hole.
     catch_up: bool,
+    /// The last batch taken, asked for again (`start` is its number) to show that the
+    /// publisher behind a new connection continues the sequence: it must come back byte for
+    /// byte. Dropped once decided.
+    verify: Option<(u64, Bytes)>,
 }
 
 /// Where a stream stands (the Python subscriber's `worker_state`).
@@ -187,6 +195,13 @@ pub struct Stream {
     /// A catch-up whose replay timed out, asked again once the replay socket's backoff has
     /// passed: an idle publisher sends nothing that would show the hole.
     catch_up_due: bool,
+    /// The payload of the last batch taken (None before any, and after a resync or restart).
+    last_payload: Option<Bytes>,
+    /// A connection was made since the last batch taken in order from the live stream: the
+    /// next replay starts at the last batch taken, to show the publisher did not start over.
+    verify: bool,
+    /// Whether a malformed batch was reported (the first one only).
+    malformed_reported: bool,
     /// This stream's counters.
     pub counts: Counts,
 }
@@ -209,6 +224,9 @@ impl Stream {
             replay_failures: 0,
             replay_retry_at: 0.0,
             catch_up_due: false,
+            last_payload: None,
+            verify: false,
+            malformed_reported: false,
             counts: Counts::default(),
         }
     }
@@ -237,7 +255,7 @@ impl Stream {
 
     /// When [`Stream::check_timers`] next has something to do (None: nothing pending).
     pub fn next_deadline(&self) -> Option<f64> {
-        if let Some(replay) = self.replay {
+        if let Some(replay) = &self.replay {
             return Some(replay.deadline);
         }
         let hole = self.held_since.map(|since| since + self.config.reorder_wait_s);
@@ -263,6 +281,11 @@ impl Stream {
                 self.new_peer = true;
                 self.peer_highest = self.highest;
             }
+        }
+        // Whoever is behind the connection must show it continues the sequence (a shared
+        // socket's connection may be any member's).
+        if !own || self.counts.get(Counter::Connects) > 1 {
+            self.verify = self.next_seq.is_some() && self.last_payload.is_some();
         }
         // A new connection is a new chance for the replay socket too.
         self.replay_failures = 0;
@@ -310,6 +333,16 @@ impl Stream {
         }
         if self.is_restart(seq) {
             self.restart(wire);
+        } else if self.verify && seq < self.expected() && self.replay.is_none() {
+            // A live stream going back after a new connection: a duplicate only if the
+            // publisher is the one whose batches were taken, which the replay shows; without
+            // one, another process started over.
+            if !wire.has_replay() {
+                self.restart(wire);
+            } else if now >= self.replay_retry_at {
+                self.bump(Counter::CatchUps);
+                self.ask_replay(self.expected(), false, now, wire);
+            }
         }
         self.new_peer = false;
         self.live_seen = true;
@@ -325,6 +358,7 @@ impl Stream {
             self.highest = Some(seq);
         }
         if seq == expected {
+            self.verify = false; // the live stream continues where it was
             self.apply(seq, &payload, false, wire);
             self.drain_held(now, wire);
         } else {
@@ -354,6 +388,19 @@ impl Stream {
         self.next_seq = None;
         self.highest = None;
         self.live_seen = false;
+        self.last_payload = None;
+        self.verify = false;
+    }
+
+    /// The publisher behind a new connection is not the one whose batches were taken (the
+    /// replay showed another batch where the last one taken was, or none from there on): a
+    /// restart, and its batches are asked for from its start.
+    fn started_over(&mut self, now: f64, wire: &mut dyn Wire) {
+        self.restart(wire);
+        if wire.has_replay() {
+            self.bump(Counter::CatchUps);
+            self.ask_replay(0, true, now, wire);
+        }
     }
 
     /// Keeps a batch that arrived after a hole until the hole is filled, within the caps; one
@@ -437,7 +484,7 @@ impl Stream {
 
     /// Gives up an overdue replay; declares a hole that waited too long a gap.
     pub fn check_timers(&mut self, now: f64, wire: &mut dyn Wire) {
-        if let Some(replay) = self.replay {
+        if let Some(replay) = self.replay.clone() {
             if now >= replay.deadline {
                 self.bump(Counter::ReplayTimeouts);
                 self.give_up_replay(now, wire);
@@ -478,9 +525,18 @@ impl Stream {
         self.ask_replay(self.expected(), true, now, wire);
     }
 
+    /// Asks for every batch from `start`; from the last batch taken instead, when a new
+    /// connection's continuity is still to be shown ([`Stream::verify`]).
     fn ask_replay(&mut self, start: u64, catch_up: bool, now: f64, wire: &mut dyn Wire) {
         let deadline = now + self.config.replay_timeout_s;
-        self.replay = Some(Replay { start, deadline, catch_up });
+        let verify = match (&self.last_payload, self.next_seq) {
+            (Some(payload), Some(next)) if self.verify && next > 0 && start == next => {
+                Some((next - 1, payload.clone()))
+            }
+            _ => None,
+        };
+        let start = verify.as_ref().map_or(start, |(seq, _)| *seq);
+        self.replay = Some(Replay { start, deadline, catch_up, verify });
         wire.ask_replay(start);
     }
 
@@ -534,6 +590,34 @@ impl Stream {
             self.finish_replay(now, wire);
             return;
         }
+        if let Some((verify_seq, taken)) = self.replay.as_ref().and_then(|r| r.verify.clone()) {
+            match u64::try_from(seq) {
+                Ok(s) if s == verify_seq => {
+                    if let Some(replay) = self.replay.as_mut() {
+                        replay.verify = None;
+                        replay.deadline = now + self.config.replay_timeout_s;
+                    }
+                    if payload.as_ref() == taken.as_ref() {
+                        self.verify = false; // the same publisher: its sequence goes on
+                    } else {
+                        self.started_over(now, wire);
+                    }
+                    return;
+                }
+                Ok(s) if s > verify_seq => {
+                    // The publisher no longer holds the last batch taken: whether it started
+                    // over cannot be shown, so what the worker holds is not trusted.
+                    if let Some(replay) = self.replay.as_mut() {
+                        replay.verify = None;
+                    }
+                    self.verify = false;
+                    if s == self.expected() {
+                        self.resync(s, wire);
+                    } // (further on, `lose_before` resyncs)
+                }
+                _ => {}
+            }
+        }
         // Applied already (from the live stream or this replay), or not a batch number
         // (counted): no progress, so it does not keep the replay alive (one answering only
         // such replies would hold the live stream until the buffer caps).
@@ -561,6 +645,11 @@ impl Stream {
     fn finish_replay(&mut self, now: f64, wire: &mut dyn Wire) {
         let Some(replay) = self.replay.take() else { return };
         self.replay_failures = 0;
+        if replay.verify.is_some() {
+            // Nothing from the last batch taken on: the publisher's sequence is behind it.
+            self.started_over(now, wire);
+            return;
+        }
         if !self.held.is_empty() && self.expected() <= replay.start {
             self.resync_to_held(now, wire);
         }
@@ -570,20 +659,34 @@ impl Stream {
         self.bump(Counter::Resyncs);
         wire.clear();
         self.next_seq = Some(seq);
+        self.last_payload = None;
+        self.verify = false;
     }
 
-    fn apply(&mut self, seq: u64, payload: &[u8], replayed: bool, wire: &mut dyn Wire) {
+    fn apply(&mut self, seq: u64, payload: &Bytes, replayed: bool, wire: &mut dyn Wire) {
         if self.highest.is_none_or(|h| seq > h) {
             self.highest = Some(seq);
         }
         let report = wire.apply(payload);
+        let report = match report {
+            Ok(report) => report,
+            Err(error) => {
+                // Not waited for (a replay sends the same bytes), but its events are lost: the
+                // worker is resynchronised as after any batch lost for good.
+                self.bump(Counter::DecodeErrors);
+                if !self.malformed_reported {
+                    self.malformed_reported = true;
+                    wire.malformed_batch(seq, &error);
+                }
+                self.resync(seq + 1, wire);
+                self.last_payload = Some(payload.clone());
+                return;
+            }
+        };
         // The sequence number moves with the counters, after the index: whoever reads
         // `last_seq` reach a batch (under the same lock) sees its blocks and counts too.
         self.next_seq = Some(seq + 1);
-        let Some(report) = report else {
-            self.bump(Counter::DecodeErrors); // skipped, not waited for
-            return;
-        };
+        self.last_payload = Some(payload.clone());
         self.bump(Counter::Batches);
         if replayed {
             self.bump(Counter::ReplayedBatches);

@@ -10,13 +10,19 @@ struct Recorder {
     asked: Vec<u64>,
     resets: usize,
     replay: bool,
+    /// The malformed batches reported, by sequence number.
+    reported: Vec<u64>,
 }
 
 impl Wire for Recorder {
-    fn apply(&mut self, payload: &[u8]) -> Option<ApplyReport> {
-        let first = *payload.first()?;
+    fn apply(&mut self, payload: &[u8]) -> Result<ApplyReport, String> {
+        let first = *payload.first().ok_or("an empty payload")?;
         self.applied.push(first);
-        Some(ApplyReport { events: 1, ..ApplyReport::default() })
+        Ok(ApplyReport { events: 1, ..ApplyReport::default() })
+    }
+    fn malformed_batch(&mut self, seq: u64, error: &str) {
+        assert_eq!(error, "an empty payload");
+        self.reported.push(seq);
     }
     fn clear(&mut self) {
         self.clears += 1;
@@ -158,7 +164,8 @@ fn a_replay_in_flight_when_the_feed_stops_is_forgotten() {
     s.stopped();
     assert_eq!(s.next_deadline(), None, "no timeout waits on a closed socket");
     s.connected(true, 0.6, &mut w); // started again
-    assert_eq!(w.asked, [0, 3], "asked afresh at once");
+                                    // From the last batch taken (2): the new connection shows it continues the sequence.
+    assert_eq!(w.asked, [0, 2], "asked afresh at once");
     assert_eq!(s.counts.get(Counter::ReplayTimeouts), 0);
     assert_eq!(s.state(0.6).replay_backoff_s, 0.0);
 }
@@ -286,4 +293,152 @@ fn a_sequence_number_past_int64_is_malformed_and_far_jumps_count_a_bounded_loss(
     counts.bump(Counter::Events, 5);
     counts.add(&counts.clone());
     assert_eq!(counts.get(Counter::Events), u64::MAX, "saturates, never wraps back");
+}
+
+/// A batch of a publisher's second run (an engine restarted): other bytes at the same number.
+fn rerun(seq: u64) -> Bytes {
+    Bytes::from(vec![100u8.wrapping_add(seq as u8)])
+}
+
+fn rerun_reply(seq: i64) -> Vec<Bytes> {
+    vec![Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), rerun(seq as u64)]
+}
+
+#[test]
+fn a_malformed_batch_is_taken_reported_once_and_the_worker_resynced() {
+    // Probe 57 F1: a malformed batch took its number and left the worker as it was, though
+    // its events (removals among them) were lost; nothing was logged.
+    let (mut s, mut w) = (Stream::new(config()), Recorder::default());
+    for (seq, payload) in [(0, batch(0)), (1, Bytes::new()), (2, Bytes::new()), (3, batch(3))] {
+        s.on_live(seq, payload, 0.0, &mut w);
+    }
+    assert_eq!((w.applied.clone(), s.last_seq()), (vec![0, 3], Some(3)));
+    assert_eq!(s.counts.get(Counter::DecodeErrors), 2);
+    assert_eq!((s.counts.get(Counter::Resyncs), w.clears), (2, 2), "lost for good: cleared");
+    assert_eq!((s.counts.get(Counter::Gaps), s.counts.get(Counter::Batches)), (0, 2));
+    assert_eq!(w.reported, [1], "the first one only");
+    assert!(w.asked.is_empty(), "a replay would send the same bytes");
+}
+
+#[test]
+fn a_reconnection_is_verified_by_the_last_batch_taken() {
+    let (mut s, mut w) = catching_up();
+    s.connected(true, 0.0, &mut w);
+    for seq in [0, -1] {
+        s.on_replay_reply(&reply(seq), b"", 0.0, &mut w);
+    }
+    for seq in 1..3 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    s.connected(true, 1.0, &mut w); // the same publisher, back after a blip
+    assert_eq!(w.asked, [0, 2], "from the last batch taken");
+    for seq in [2, 3, 4, -1] {
+        s.on_replay_reply(&reply(seq), b"", 1.0, &mut w);
+    }
+    assert_eq!(w.applied, [0, 1, 2, 3, 4]);
+    assert_eq!((s.counts.get(Counter::Restarts), w.clears), (0, 0));
+    s.on_live(5, batch(5), 1.1, &mut w);
+    assert_eq!(s.last_seq(), Some(5));
+}
+
+#[test]
+fn an_engine_restarted_past_the_last_batch_taken_is_a_restart() {
+    // Probe 57 F2: a restarted engine whose new run had passed the old one's last number by
+    // the time the subscriber reconnected was taken for the same run: its gap was replayed
+    // onto the old run's blocks, which stayed.
+    let (mut s, mut w) = (Stream::new(config()), Recorder { replay: true, ..Default::default() });
+    s.connected(true, 0.0, &mut w);
+    for seq in 0..3 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    s.connected(true, 1.0, &mut w); // the engine's new process
+    s.on_live(7, rerun(7), 1.0, &mut w); // past the last seen: no restart by number alone
+    s.check_timers(1.1, &mut w); // the hole's wait is up: a gap
+    assert_eq!(w.asked, [2], "from the last batch taken");
+    s.on_replay_reply(&rerun_reply(2), b"", 1.1, &mut w);
+    assert_eq!((s.counts.get(Counter::Restarts), w.clears), (1, 1));
+    assert_eq!(w.asked, [2, 0], "the new run from its start");
+    for seq in [0, 1, 2, 3, 4, 5, 6, 7, -1] {
+        s.on_replay_reply(&rerun_reply(seq), b"", 1.2, &mut w);
+    }
+    s.on_live(8, rerun(8), 1.3, &mut w);
+    assert_eq!(w.applied, [0, 1, 2, 100, 101, 102, 103, 104, 105, 106, 107, 108]);
+    assert_eq!(s.counts.get(Counter::Resyncs), 0);
+}
+
+#[test]
+fn a_replay_with_nothing_from_the_last_batch_taken_is_a_restart() {
+    // The new run is behind the old one's last number: the catch-up finds nothing there.
+    let (mut s, mut w) = catching_up();
+    s.connected(true, 0.0, &mut w);
+    for seq in 0..3 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    s.on_replay_reply(&reply(-1), b"", 0.0, &mut w); // the first catch-up: nothing new
+    s.connected(true, 1.0, &mut w);
+    assert_eq!(w.asked, [0, 2]);
+    s.on_replay_reply(&rerun_reply(0), b"", 1.0, &mut w); // below: ignored
+    s.on_replay_reply(&reply(-1), b"", 1.0, &mut w);
+    assert_eq!((s.counts.get(Counter::Restarts), w.clears), (1, 1));
+    assert_eq!(w.asked, [0, 2, 0]);
+    for seq in [0, 1, -1] {
+        s.on_replay_reply(&rerun_reply(seq), b"", 1.1, &mut w);
+    }
+    assert_eq!(w.applied, [0, 1, 2, 100, 101]);
+}
+
+#[test]
+fn a_shared_socket_stream_going_back_after_a_connection_is_checked() {
+    // Probe 57 F2: on a shared socket (no publisher identity) a restarted engine whose batch
+    // 0 was lost sent numbers below the last taken: all dropped as duplicates, and its old
+    // blocks kept.
+    for replay in [true, false] {
+        let (mut s, mut w) = (Stream::new(config()), Recorder { replay, ..Default::default() });
+        for seq in 0..6 {
+            s.on_live(seq, batch(seq), 0.0, &mut w);
+        }
+        s.connected(false, 1.0, &mut w); // some member's connection
+        s.on_live(4, rerun(4), 1.0, &mut w); // within the window: a duplicate by number
+        if replay {
+            assert_eq!(w.asked, [5], "the last batch taken, to compare");
+            s.on_replay_reply(&rerun_reply(5), b"", 1.0, &mut w);
+            assert_eq!(w.asked, [5, 0]);
+            for seq in 0..6 {
+                s.on_replay_reply(&rerun_reply(seq), b"", 1.1, &mut w);
+            }
+        } else {
+            s.check_timers(1.1, &mut w); // 0..3 of the new run are lost: a resync at 4
+            assert_eq!(s.counts.get(Counter::Resyncs), 1);
+        }
+        assert_eq!(s.counts.get(Counter::Restarts), 1, "replay: {replay}");
+        let tail: &[u8] = if replay { &[100, 101, 102, 103, 104, 105] } else { &[104] };
+        assert_eq!(&w.applied[6..], tail, "replay: {replay}");
+    }
+    // The same publisher on a shared socket: its live stream moves on, nothing is asked.
+    let (mut s, mut w) = (Stream::new(config()), Recorder { replay: true, ..Default::default() });
+    for seq in 0..3 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    s.connected(false, 1.0, &mut w);
+    s.on_live(3, batch(3), 1.0, &mut w);
+    s.on_live(2, batch(2), 1.0, &mut w); // a duplicate once the stream moved on
+    assert!(w.asked.is_empty());
+    assert_eq!(s.counts.get(Counter::Duplicates), 1);
+}
+
+#[test]
+fn a_publisher_that_no_longer_holds_the_last_batch_taken_resyncs() {
+    let (mut s, mut w) = catching_up();
+    s.connected(true, 0.0, &mut w);
+    for seq in 0..3 {
+        s.on_live(seq, batch(seq), 0.0, &mut w);
+    }
+    s.on_replay_reply(&reply(-1), b"", 0.0, &mut w);
+    s.connected(true, 1.0, &mut w);
+    for seq in [3, 4, -1] {
+        s.on_replay_reply(&reply(seq), b"", 1.0, &mut w); // its buffer starts after 2
+    }
+    assert_eq!((s.counts.get(Counter::Resyncs), w.clears), (1, 1), "not shown to continue");
+    assert_eq!(s.counts.get(Counter::Restarts), 0);
+    assert_eq!(w.applied, [0, 1, 2, 3, 4]);
 }
