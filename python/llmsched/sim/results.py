@@ -4,8 +4,9 @@ Figures (``summary()``): TTFT, time per output token (TPOT, decode time over out
 after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and requests/s
 over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
 hit over tokens queried at admission, vLLM's counters); prefill tokens computed and recomputed
-after preemption; KV use (mean and peak over time); SLO attainment per priority (the share of
-the class's requests, refused ones included, that got TTFT and TPOT within its targets); TTFT
+after preemption; KV use (mean and peak over time); SLO attainment per priority with targets
+(the share of the class's requests, refused ones included, that got TTFT and TPOT within its
+targets; a priority without targets has none); TTFT
 and end-to-end latency per tenant (up to 16 tenants); Jain's fairness over tenants of the mean
 normalised speed (a request's time alone on an idle replica over its actual end-to-end time);
 and the wall time
@@ -161,6 +162,8 @@ class SimResult:
         for prio in sorted(set(r["priority"].tolist()) | set(self.rejected_by_priority)):
             mask = r["priority"] == prio
             target = self.slo.get(prio, {})
+            if not target:
+                continue  # no targets, nothing to attain (not 100%)
             ok = np.ones(int(mask.sum()), dtype=bool)
             if "ttft_s" in target:
                 ok &= ttft[mask] <= target["ttft_s"]
