@@ -374,6 +374,9 @@ pub struct SimOutput {
     pub sync_bytes: u64,
     /// Token slices that yielded or migrated.
     pub slice_switches: u64,
+    /// Requests that arrived (session turns included): each is in `done` or, in a run that
+    /// `max_time_s` cut off, was still waiting, queued or running.
+    pub arrived: u64,
 }
 
 /// One router replica: its own pool, index and router, and its end of replica sync.
@@ -441,6 +444,7 @@ struct World<'p> {
     gate: Option<Gate>,
     slices: Option<SliceTracker>,
     slice_switches: u64,
+    arrived: u64,
     /// Routes instead of the router when set.
     policy: Option<Box<dyn PolicyHook>>,
 }
@@ -733,6 +737,7 @@ impl<'p> Simulation<'p> {
             gate,
             slices,
             slice_switches: 0,
+            arrived: 0,
             policy,
         };
         Ok(Simulation { world })
@@ -835,6 +840,7 @@ impl<'p> Simulation<'p> {
             sync_batches: w.sync_batches,
             sync_bytes: w.sync_bytes,
             slice_switches: w.slice_switches,
+            arrived: w.arrived,
         }
     }
 }
@@ -844,6 +850,7 @@ impl<'p> Simulation<'p> {
 impl<'p> World<'p> {
     /// Request `r` arrives: straight to the router, or offered to flow control.
     fn arrive(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        self.arrived += 1;
         if self.gate.is_none() {
             return self.dispatch(r, now);
         }
@@ -2164,6 +2171,22 @@ mod tests {
 
     fn flow(config: serde_json::Value) -> FlowSetup {
         FlowSetup { config: FlowConfig::from_value(config).unwrap(), ttft_targets: Vec::new() }
+    }
+
+    #[test]
+    fn a_run_cut_off_by_max_time_counts_what_arrived() {
+        let mut plan = burst(12, 256, 8, |_| 0);
+        for (i, o) in plan.open.iter_mut().enumerate() {
+            o.arrival = i as f64;
+        }
+        let out = run(config(1), "round-robin", &plan, None);
+        assert_eq!((out.arrived, out.done.len()), (12, 12));
+        let mut cut = config(1);
+        cut.max_time = Some(5.05);
+        let out = run(cut, "round-robin", &plan, None);
+        // Arrivals at 0..=5 s, each done about 0.08 s later: the last is still running.
+        assert_eq!(out.arrived, 6);
+        assert_eq!(out.done.len(), 5);
     }
 
     #[test]

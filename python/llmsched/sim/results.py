@@ -1,5 +1,10 @@
 """What a simulation measured: per-request records and the summary figures.
 
+Counts (``summary()``): requests ``completed``, ``rejected`` (refused by flow control or by
+their engine) and ``unfinished`` (arrived but still waiting, queued or running when
+``max_time_s`` cut the run off; 0 in a run to the end): they add up to the requests that
+arrived. Every figure below covers the requests that left.
+
 Figures (``summary()``): TTFT, time per output token (TPOT, decode time over output tokens
 after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and requests/s
 over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
@@ -131,6 +136,7 @@ class SimResult:
         if self.fallback_reason is not None:
             out["engine_fallback"] = self.fallback_reason
         out["rejected"] = self.rejected
+        out["unfinished"] = int(self.extra.get("unfinished", 0))
         if n == 0:
             return out
         ttft = r["first_token"] - r["arrival"]
@@ -270,6 +276,10 @@ class RunRecord:
     sync_batches: int = 0
     sync_bytes: int = 0
     slice_switches: int = 0
+    arrived: int | None = None
+    """Requests that arrived, session turns included (None: every request in ``requests``).
+    Those that did not leave were still waiting, queued or running when ``max_time_s`` cut the
+    run off."""
 
     @classmethod
     def from_native(cls, out: dict[str, Any]) -> RunRecord:
@@ -302,6 +312,7 @@ class RunRecord:
             sync_batches=int(out["sync_batches"]),
             sync_bytes=int(out["sync_bytes"]),
             slice_switches=int(out.get("slice_switches", 0)),
+            arrived=int(out["arrived"]),
         )
 
 
@@ -342,6 +353,7 @@ def collect(
             "sync_batches": record.sync_batches,
             "sync_bytes": record.sync_bytes,
             "slice_switches": record.slice_switches,
+            "unfinished": 0 if record.arrived is None else record.arrived - len(rejected),
             "prefill_by_replica": [rep.prefill_tokens for rep in record.replicas],
         },
         engine_name=engine_name,

@@ -214,11 +214,12 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         f"{'SLO':>6}{'Jain':>6}"
     )
     lines = [header, "-" * len(header)]
-    total = 0
+    total = unfinished = 0
     decision = wall = 0.0
     for r in results:
         s = r.summary()
         total += s["completed"]
+        unfinished += s["unfinished"]
         wall += s.get("wall_s", 0.0)
         decision += s.get("decision_share", 0.0) * s.get("wall_s", 0.0)
         if s["completed"] == 0:
@@ -243,6 +244,11 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         f"routing decisions took {share:.1%} of simulation time "
         f"(engine: {' and '.join(engines)})"
     )
+    if unfinished:
+        lines.append(
+            f"{unfinished} requests unfinished at max_time_s (arrived, still waiting or "
+            f"running): left out of every figure"
+        )
     reasons = sorted({r.fallback_reason for r in results if r.fallback_reason is not None})
     if reasons:
         lines.append(

@@ -88,6 +88,8 @@ class ReferenceSimulation:
         self.feed_s = 0.0
         self.feed_skipped = 0
         self.slice_switches = 0
+        self.arrived = 0
+        """Requests that arrived (session turns included)."""
         self.kv_bytes_per_token = config.pd.kv_bytes(self.model)
         index = PrefixIndex(block_size=engine_cfg.block_size, seed=config.seed)
         self.index = index
@@ -209,6 +211,7 @@ class ReferenceSimulation:
     # -- request life cycle ------------------------------------------------------------------
 
     def _arrive(self, req: Request, now: float) -> None:
+        self.arrived += 1
         if self.gate is None:
             self._dispatch(req, now)
             return
@@ -452,6 +455,7 @@ class ReferenceSimulation:
             decision_s=self.decision_s,
             feed_s=self.feed_s,
             slice_switches=self.slice_switches,
+            arrived=self.arrived,
         )
 
 
