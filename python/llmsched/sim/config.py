@@ -24,7 +24,7 @@ from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
 from llmsched.sim.stepmodel import StepModelConfig
 from llmsched.sim.workloads import check_fields, from_dict
-from llmsched.validation import U64_MAX, is_finite_number
+from llmsched.validation import U64_MAX, describe_int, is_finite_number
 
 if TYPE_CHECKING:
     from llmsched.slices import SwitchCostModel
@@ -70,8 +70,10 @@ class EngineConfig:
         """ConfigError for impossible settings."""
         check_fields(self, "engine")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= U64_MAX:
+                raise ConfigError(
+                    f"engine.{name} must be 1..2**64-1, got {describe_int(getattr(self, name))}"
+                )
         if self.kv_tokens is not None and self.kv_tokens < self.block_size:
             raise ConfigError(
                 f"engine.kv_tokens must hold at least one block, got {self.kv_tokens}"
@@ -99,9 +101,10 @@ class PDConfig:
             raise ConfigError("pd.prefill_replicas must leave at least one decode replica")
         if self.transfer_bw <= 0 or self.transfer_latency_s < 0:
             raise ConfigError("pd.transfer_bw must be > 0 and transfer_latency_s >= 0")
-        if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 1:
+        kv_bytes = self.kv_bytes_per_token
+        if kv_bytes is not None and not 1 <= kv_bytes <= U64_MAX:
             raise ConfigError(
-                f"pd.kv_bytes_per_token must be >= 1 or null, got {self.kv_bytes_per_token}"
+                f"pd.kv_bytes_per_token must be 1..2**64-1 or null, got {describe_int(kv_bytes)}"
             )
 
     def kv_bytes(self, model: object) -> int:
