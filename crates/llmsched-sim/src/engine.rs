@@ -750,6 +750,15 @@ impl<'p> Simulation<'p> {
             if limit.is_some_and(|l| ev.time > l) {
                 break;
             }
+            if !ev.time.is_finite() {
+                // Otherwise requests finish at inf (or the routing core refuses the clock).
+                return Err(SimError::Config(format!(
+                    "simulated time left the finite range: a {:?} event at {} s (a step, a KV \
+                     transfer or a think time too long: see the step model, pd.transfer_bw and \
+                     the workload's times)",
+                    ev.kind, ev.time
+                )));
+            }
             self.world.now = ev.time;
             match ev.kind {
                 Kind::Step => self.world.step_end(ev.obj, ev.version, ev.time)?,
@@ -951,12 +960,13 @@ impl<'p> World<'p> {
         let whole = (q.prompt_len / self.bs) as usize;
         let ids = &self.ids[q.hashes.0..q.hashes.1];
         let uncached = (whole - rep.kv.lookup(ids, whole)) as u64;
-        let nbytes = uncached * self.bs * self.cfg.kv_bytes_per_token;
+        // In f64: the product of u64s wrapped past 2**64 for a huge kv_bytes_per_token.
+        let nbytes = (uncached * self.bs) as f64 * self.cfg.kv_bytes_per_token as f64;
         let q = &mut self.reqs[r];
         q.kv_ready = true;
         q.computed = 0;
         q.phase = WAITING;
-        let when = now + self.cfg.transfer_latency + nbytes as f64 / self.cfg.transfer_bw;
+        let when = now + self.cfg.transfer_latency + nbytes / self.cfg.transfer_bw;
         self.push(when, Kind::Transfer, r, 0);
         Ok(())
     }
@@ -2187,6 +2197,20 @@ mod tests {
         // Arrivals at 0..=5 s, each done about 0.08 s later: the last is still running.
         assert_eq!(out.arrived, 6);
         assert_eq!(out.done.len(), 5);
+    }
+
+    #[test]
+    fn time_past_the_finite_range_stops_the_run() {
+        let plan = burst(2, 256, 8, |_| 0);
+        let model: StepModel = serde_json::from_value(json!({"kind": "linear", "b0": 1e308,
+            "b1": 1e308, "b2": 0.0, "b3": 0.0, "b4": 0.0}))
+        .unwrap();
+        let value = json!({"plugins": [{"type": "round-robin-picker"}],
+            "schedulingProfiles": [{"name": "default",
+                                    "plugins": [{"pluginRef": "round-robin-picker"}]}]});
+        let make = || parse_config(&value).map_err(RoutingError::from);
+        let err = simulate(config(1), model, &make, &plan, None, None).unwrap_err();
+        assert!(err.to_string().contains("simulated time left the finite range"), "{err}");
     }
 
     #[test]
