@@ -72,3 +72,36 @@ def test_a_priority_with_targets_keeps_its_attainment(target: float) -> None:
     cfg = ScenarioConfig.from_dict({**TINY, "slo": {"0": {"ttft_s": target}}})
     summary = Simulation(cfg, "random").run().summary()
     assert summary["slo_attainment"] == {0: 0.0 if target < 1 else 1.0}
+
+
+def test_the_preempt_column_counts_preemptions_as_its_legend_says() -> None:
+    """The column is the engines' preemption count (a request preempted five times counts five);
+    the legend called it the requests preempted."""
+    from llmsched.sim.runner import TABLE_LEGEND
+
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 1,
+            "engine": {"kv_tokens": 4096},
+            "policies": ["round-robin"],
+            "workload": {
+                "kind": "long_short",
+                "num_requests": 24,
+                "long_fraction": 0.0,
+                "short_input": 300,
+                "short_output": 1500,
+                "length_cv": 0.0,
+                "arrival": {"process": "constant", "rate": 1000.0},
+            },
+        }
+    )
+    sim = Simulation(cfg, "round-robin")
+    result = sim.run()
+    assert sim.record is not None
+    per_request = sim.record.requests["preemptions"]
+    events, requests = int(per_request.sum()), int((per_request > 0).sum())
+    assert events > requests > 0
+    row = format_table([result]).splitlines()[2].split()
+    assert int(row[-3]) == events == result.summary()["preemptions"]
+    legend = next(line for line in TABLE_LEGEND.splitlines() if line.strip().startswith("preempt"))
+    assert "requests preempted" not in legend and "preemptions" in legend

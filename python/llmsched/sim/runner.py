@@ -46,7 +46,7 @@ columns (times are simulated; ms or s as printed):
   E2E p90            arrival to last token, 90th percentile
   hit                share of prompt tokens found in the engines' prefix caches
   prefill, recomp    prompt tokens computed, and tokens recomputed after preemption (millions)
-  preempt            requests preempted by the engines (count)
+  preempt            preemptions by the engines (a request preempted twice counts twice)
   SLO                share of requests meeting their priority's TTFT/TPOT targets (refused
                      requests miss), mean over priorities; - without targets
   Jain               Jain's fairness index over tenants of ideal/actual latency (1 = fair)"""
