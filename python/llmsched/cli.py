@@ -296,6 +296,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         config.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if not config.policies:
             raise ConfigError("--policies names no policy")
+    config.validate()  # the options above, checked as the file's values are
     for _, variant in config.expand():
         for policy in variant.policies:
             resolve_policy(policy)

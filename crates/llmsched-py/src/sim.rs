@@ -444,6 +444,7 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
     d.set_item("sync_batches", out.sync_batches)?;
     d.set_item("sync_bytes", out.sync_bytes)?;
     d.set_item("slice_switches", out.slice_switches)?;
+    d.set_item("arrived", out.arrived)?;
     let replicas = PyList::empty(py);
     for rep in &out.replicas {
         let r = PyDict::new(py);

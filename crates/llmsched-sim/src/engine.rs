@@ -374,6 +374,9 @@ pub struct SimOutput {
     pub sync_bytes: u64,
     /// Token slices that yielded or migrated.
     pub slice_switches: u64,
+    /// Requests that arrived (session turns included): each is in `done` or, in a run that
+    /// `max_time_s` cut off, was still waiting, queued or running.
+    pub arrived: u64,
 }
 
 /// One router replica: its own pool, index and router, and its end of replica sync.
@@ -441,6 +444,7 @@ struct World<'p> {
     gate: Option<Gate>,
     slices: Option<SliceTracker>,
     slice_switches: u64,
+    arrived: u64,
     /// Routes instead of the router when set.
     policy: Option<Box<dyn PolicyHook>>,
 }
@@ -733,6 +737,7 @@ impl<'p> Simulation<'p> {
             gate,
             slices,
             slice_switches: 0,
+            arrived: 0,
             policy,
         };
         Ok(Simulation { world })
@@ -744,6 +749,15 @@ impl<'p> Simulation<'p> {
         while let Some(ev) = self.world.heap.pop() {
             if limit.is_some_and(|l| ev.time > l) {
                 break;
+            }
+            if !ev.time.is_finite() {
+                // Otherwise requests finish at inf (or the routing core refuses the clock).
+                return Err(SimError::Config(format!(
+                    "simulated time left the finite range: a {:?} event at {} s (a step, a KV \
+                     transfer or a think time too long: see the step model, pd.transfer_bw and \
+                     the workload's times)",
+                    ev.kind, ev.time
+                )));
             }
             self.world.now = ev.time;
             match ev.kind {
@@ -835,6 +849,7 @@ impl<'p> Simulation<'p> {
             sync_batches: w.sync_batches,
             sync_bytes: w.sync_bytes,
             slice_switches: w.slice_switches,
+            arrived: w.arrived,
         }
     }
 }
@@ -844,6 +859,7 @@ impl<'p> Simulation<'p> {
 impl<'p> World<'p> {
     /// Request `r` arrives: straight to the router, or offered to flow control.
     fn arrive(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        self.arrived += 1;
         if self.gate.is_none() {
             return self.dispatch(r, now);
         }
@@ -944,12 +960,13 @@ impl<'p> World<'p> {
         let whole = (q.prompt_len / self.bs) as usize;
         let ids = &self.ids[q.hashes.0..q.hashes.1];
         let uncached = (whole - rep.kv.lookup(ids, whole)) as u64;
-        let nbytes = uncached * self.bs * self.cfg.kv_bytes_per_token;
+        // In f64: the product of u64s wrapped past 2**64 for a huge kv_bytes_per_token.
+        let nbytes = (uncached * self.bs) as f64 * self.cfg.kv_bytes_per_token as f64;
         let q = &mut self.reqs[r];
         q.kv_ready = true;
         q.computed = 0;
         q.phase = WAITING;
-        let when = now + self.cfg.transfer_latency + nbytes as f64 / self.cfg.transfer_bw;
+        let when = now + self.cfg.transfer_latency + nbytes / self.cfg.transfer_bw;
         self.push(when, Kind::Transfer, r, 0);
         Ok(())
     }
@@ -2164,6 +2181,36 @@ mod tests {
 
     fn flow(config: serde_json::Value) -> FlowSetup {
         FlowSetup { config: FlowConfig::from_value(config).unwrap(), ttft_targets: Vec::new() }
+    }
+
+    #[test]
+    fn a_run_cut_off_by_max_time_counts_what_arrived() {
+        let mut plan = burst(12, 256, 8, |_| 0);
+        for (i, o) in plan.open.iter_mut().enumerate() {
+            o.arrival = i as f64;
+        }
+        let out = run(config(1), "round-robin", &plan, None);
+        assert_eq!((out.arrived, out.done.len()), (12, 12));
+        let mut cut = config(1);
+        cut.max_time = Some(5.05);
+        let out = run(cut, "round-robin", &plan, None);
+        // Arrivals at 0..=5 s, each done about 0.08 s later: the last is still running.
+        assert_eq!(out.arrived, 6);
+        assert_eq!(out.done.len(), 5);
+    }
+
+    #[test]
+    fn time_past_the_finite_range_stops_the_run() {
+        let plan = burst(2, 256, 8, |_| 0);
+        let model: StepModel = serde_json::from_value(json!({"kind": "linear", "b0": 1e308,
+            "b1": 1e308, "b2": 0.0, "b3": 0.0, "b4": 0.0}))
+        .unwrap();
+        let value = json!({"plugins": [{"type": "round-robin-picker"}],
+            "schedulingProfiles": [{"name": "default",
+                                    "plugins": [{"pluginRef": "round-robin-picker"}]}]});
+        let make = || parse_config(&value).map_err(RoutingError::from);
+        let err = simulate(config(1), model, &make, &plan, None, None).unwrap_err();
+        assert!(err.to_string().contains("simulated time left the finite range"), "{err}");
     }
 
     #[test]

@@ -41,6 +41,7 @@ import yaml
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
 from llmsched.sim.stepmodel import CALIBRATE_TERMS
+from llmsched.validation import is_finite_number
 
 __all__ = ["FitError", "StepSample", "StepTimeProfile"]
 
@@ -50,6 +51,9 @@ PROFILE_VERSION = 1
 TERMS = CALIBRATE_TERMS
 # A profile written before the per-chunk and idle terms names the first five.
 _TERMS_V1 = TERMS[:5]
+
+
+_COUNTS = ("prefill_tokens", "decode_tokens", "prefill_tokens_sq", "decode_context_tokens")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,12 @@ class StepSample:
     after_idle: bool = False
 
     def __post_init__(self) -> None:
+        for name in _COUNTS:
+            value = getattr(self, name)
+            index = getattr(type(value), "__index__", None)
+            if index is None or isinstance(value, (bool, np.bool_)) or index(value) < 0:
+                raise ConfigError(f"a sample's {name} must be an int >= 0, got {value!r}")
+            object.__setattr__(self, name, int(index(value)))
         if self.prefill_requests is None:
             object.__setattr__(self, "prefill_requests", 1 if self.prefill_tokens > 0 else 0)
         elif self.prefill_requests < 0 or (self.prefill_requests == 0) != (
@@ -146,10 +156,16 @@ class StepTimeProfile:
         """Relative-error least-squares fit of the seven-term model (and the three-term one)."""
         if len(samples) < len(TERMS):
             raise ConfigError(f"need at least {len(TERMS)} samples to fit, got {len(samples)}")
+        for i, sample in enumerate(samples):
+            # NaN (a Prometheus /metrics may report it) made lstsq fail to converge; an
+            # infinity gave a fit whose errors were NaN.
+            if not is_finite_number(sample.seconds) or not sample.seconds > 0:
+                raise ConfigError(
+                    f"sample {i} ({sample.prefill_tokens} prefill, {sample.decode_tokens} "
+                    f"decode tokens) needs a finite positive time, got {sample.seconds!r}"
+                )
         x = np.array([s.features() for s in samples])
-        y = np.array([s.seconds for s in samples])
-        if (y <= 0).any():
-            raise ConfigError("every sample needs a positive time")
+        y = np.array([float(s.seconds) for s in samples])
         coef = _nonnegative_fit(x, y)
         linear = _nonnegative_fit(x[:, :3], y)
         return cls(

@@ -2,7 +2,11 @@
 
 A scenario file is a mapping with the keys of :class:`ScenarioConfig`; ``base: <name>`` starts
 from a named scenario (:data:`SCENARIOS`) and overrides only what the file gives (nested
-mappings merge). Unknown keys raise ConfigError naming them.
+mappings merge). Unknown keys raise ConfigError naming them, and so does a value of the wrong
+type (an int where the table says ``int``, a finite number for ``float``, ``true``/``false`` for
+``bool``), NaN, or a number out of range (a workload's counts, lengths and times below 0, a
+``seed`` outside 0..2**64-1, an SLO target that is not a finite number >= 0), when the file is
+loaded and again when a :class:`~llmsched.sim.Simulation` is made.
 
 >>> cfg = ScenarioConfig.from_dict({"base": "agentic", "replicas": 4})
 >>> cfg.replicas, cfg.workload["kind"]
@@ -19,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
 from llmsched.sim.stepmodel import StepModelConfig
-from llmsched.sim.workloads import from_dict
+from llmsched.sim.workloads import check_fields, from_dict
+from llmsched.validation import U64_MAX, describe_int, is_finite_number
 
 if TYPE_CHECKING:
     from llmsched.slices import SwitchCostModel
@@ -63,9 +68,12 @@ class EngineConfig:
 
     def validate(self) -> None:
         """ConfigError for impossible settings."""
+        check_fields(self, "engine")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"engine.{name} must be >= 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= U64_MAX:
+                raise ConfigError(
+                    f"engine.{name} must be 1..2**64-1, got {describe_int(getattr(self, name))}"
+                )
         if self.kv_tokens is not None and self.kv_tokens < self.block_size:
             raise ConfigError(
                 f"engine.kv_tokens must hold at least one block, got {self.kv_tokens}"
@@ -85,6 +93,19 @@ class PDConfig:
     transfer_bw: float = 25e9  # a 200 Gb/s RDMA NIC
     transfer_latency_s: float = 1e-3
     kv_bytes_per_token: int | None = None  # None: from the step model
+
+    def validate(self, replicas: int) -> None:
+        """ConfigError for impossible settings (``replicas``: the scenario's)."""
+        check_fields(self, "pd")
+        if not 0 <= self.prefill_replicas < replicas:
+            raise ConfigError("pd.prefill_replicas must leave at least one decode replica")
+        if self.transfer_bw <= 0 or self.transfer_latency_s < 0:
+            raise ConfigError("pd.transfer_bw must be > 0 and transfer_latency_s >= 0")
+        kv_bytes = self.kv_bytes_per_token
+        if kv_bytes is not None and not 1 <= kv_bytes <= U64_MAX:
+            raise ConfigError(
+                f"pd.kv_bytes_per_token must be 1..2**64-1 or null, got {describe_int(kv_bytes)}"
+            )
 
     def kv_bytes(self, model: object) -> int:
         """KV bytes per token moved in a transfer: ``kv_bytes_per_token``, else the step
@@ -204,13 +225,20 @@ class ScenarioConfig:
     variants: list[dict[str, Any]] = field(default_factory=list)
 
     def validate(self) -> None:
-        """ConfigError for impossible settings."""
+        """ConfigError for impossible settings: each value of the wrong type, not finite or
+        out of range is named."""
+        check_fields(self, "")
+        for nested, where in (
+            (self.step_model, "step_model"),
+            (self.slices, "slices"),
+            (self.flow, "flow"),
+        ):
+            check_fields(nested, where)
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
-        if not 0 <= self.pd.prefill_replicas < self.replicas:
-            raise ConfigError("pd.prefill_replicas must leave at least one decode replica")
-        if self.pd.transfer_bw <= 0 or self.pd.transfer_latency_s < 0:
-            raise ConfigError("pd.transfer_bw must be > 0 and transfer_latency_s >= 0")
+        if not 0 <= self.seed <= U64_MAX:
+            raise ConfigError(f"seed must be in 0..2**64-1, got {self.seed}")
+        self.pd.validate(self.replicas)
         if self.slices.policy:
             from llmsched.slices import policy_names
 
@@ -249,6 +277,11 @@ class ScenarioConfig:
         for prio, slo in self.slo.items():
             if not isinstance(slo, dict) or set(slo) - {"ttft_s", "tpot_s"}:
                 raise ConfigError(f"slo[{prio}] must be a mapping with ttft_s and/or tpot_s")
+            for key, target in slo.items():
+                if not is_finite_number(target) or target < 0:
+                    raise ConfigError(
+                        f"slo[{prio}].{key} must be a finite number of seconds >= 0, got {target!r}"
+                    )
         self.engine.validate()
 
     def roles(self) -> list[str]:

@@ -1,11 +1,17 @@
 """What a simulation measured: per-request records and the summary figures.
 
+Counts (``summary()``): requests ``completed``, ``rejected`` (refused by flow control or by
+their engine) and ``unfinished`` (arrived but still waiting, queued or running when
+``max_time_s`` cut the run off; 0 in a run to the end): they add up to the requests that
+arrived. Every figure below covers the requests that left.
+
 Figures (``summary()``): TTFT, time per output token (TPOT, decode time over output tokens
 after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and requests/s
 over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
 hit over tokens queried at admission, vLLM's counters); prefill tokens computed and recomputed
-after preemption; KV use (mean and peak over time); SLO attainment per priority (the share of
-the class's requests, refused ones included, that got TTFT and TPOT within its targets); TTFT
+after preemption; KV use (mean and peak over time); SLO attainment per priority with targets
+(the share of the class's requests, refused ones included, that got TTFT and TPOT within its
+targets; a priority without targets has none); TTFT
 and end-to-end latency per tenant (up to 16 tenants); Jain's fairness over tenants of the mean
 normalised speed (a request's time alone on an idle replica over its actual end-to-end time);
 and the wall time
@@ -130,6 +136,7 @@ class SimResult:
         if self.fallback_reason is not None:
             out["engine_fallback"] = self.fallback_reason
         out["rejected"] = self.rejected
+        out["unfinished"] = int(self.extra.get("unfinished", 0))
         if n == 0:
             return out
         ttft = r["first_token"] - r["arrival"]
@@ -161,6 +168,8 @@ class SimResult:
         for prio in sorted(set(r["priority"].tolist()) | set(self.rejected_by_priority)):
             mask = r["priority"] == prio
             target = self.slo.get(prio, {})
+            if not target:
+                continue  # no targets, nothing to attain (not 100%)
             ok = np.ones(int(mask.sum()), dtype=bool)
             if "ttft_s" in target:
                 ok &= ttft[mask] <= target["ttft_s"]
@@ -267,6 +276,10 @@ class RunRecord:
     sync_batches: int = 0
     sync_bytes: int = 0
     slice_switches: int = 0
+    arrived: int | None = None
+    """Requests that arrived, session turns included (None: every request in ``requests``).
+    Those that did not leave were still waiting, queued or running when ``max_time_s`` cut the
+    run off."""
 
     @classmethod
     def from_native(cls, out: dict[str, Any]) -> RunRecord:
@@ -299,6 +312,7 @@ class RunRecord:
             sync_batches=int(out["sync_batches"]),
             sync_bytes=int(out["sync_bytes"]),
             slice_switches=int(out.get("slice_switches", 0)),
+            arrived=int(out["arrived"]),
         )
 
 
@@ -339,6 +353,7 @@ def collect(
             "sync_batches": record.sync_batches,
             "sync_bytes": record.sync_bytes,
             "slice_switches": record.slice_switches,
+            "unfinished": 0 if record.arrived is None else record.arrived - len(rejected),
             "prefill_by_replica": [rep.prefill_tokens for rep in record.replicas],
         },
         engine_name=engine_name,

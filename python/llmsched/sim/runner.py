@@ -12,6 +12,7 @@ results.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -45,7 +46,7 @@ columns (times are simulated; ms or s as printed):
   E2E p90            arrival to last token, 90th percentile
   hit                share of prompt tokens found in the engines' prefix caches
   prefill, recomp    prompt tokens computed, and tokens recomputed after preemption (millions)
-  preempt            requests preempted by the engines (count)
+  preempt            preemptions by the engines (a request preempted twice counts twice)
   SLO                share of requests meeting their priority's TTFT/TPOT targets (refused
                      requests miss), mean over priorities; - without targets
   Jain               Jain's fairness index over tenants of ideal/actual latency (1 = fair)"""
@@ -213,25 +214,26 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         f"{'SLO':>6}{'Jain':>6}"
     )
     lines = [header, "-" * len(header)]
-    total = 0
+    total = unfinished = 0
     decision = wall = 0.0
     for r in results:
         s = r.summary()
         total += s["completed"]
+        unfinished += s["unfinished"]
         wall += s.get("wall_s", 0.0)
         decision += s.get("decision_share", 0.0) * s.get("wall_s", 0.0)
         if s["completed"] == 0:
             lines.append(f"{s['policy']:<28} (no request completed)")
             continue
         slo = s["slo_attainment"]
-        slo_all = sum(slo.values()) / len(slo) if slo else float("nan")
+        slo_all = f"{sum(slo.values()) / len(slo):>6.0%}" if slo else f"{'-':>6}"
         lines.append(
             f"{s['policy']:<28}{s['output_tok_s']:>10.0f}{s['requests_s']:>7.2f}"
             f"{_secs(s['ttft_s']['p50']):>9}{_secs(s['ttft_s']['p90']):>8}"
             f"{_secs(s['ttft_s']['p99']):>8}{_secs(s['tpot_s']['p50']):>9}"
             f"{_secs(s['e2e_s']['p90']):>9}{s['prefix_hit_rate']:>6.0%}"
             f"{s['prefill_tokens'] / 1e6:>8.1f}M{s['recomputed_tokens'] / 1e6:>7.2f}M"
-            f"{s['preemptions']:>8}{slo_all:>6.0%}{s['fairness_jain']:>6.2f}"
+            f"{s['preemptions']:>8}{slo_all}{s['fairness_jain']:>6.2f}"
         )
     elapsed = wall_s if wall_s is not None else wall
     share = decision / wall if wall > 0 else 0.0
@@ -242,6 +244,11 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         f"routing decisions took {share:.1%} of simulation time "
         f"(engine: {' and '.join(engines)})"
     )
+    if unfinished:
+        lines.append(
+            f"{unfinished} requests unfinished at max_time_s (arrived, still waiting or "
+            f"running): left out of every figure"
+        )
     reasons = sorted({r.fallback_reason for r in results if r.fallback_reason is not None})
     if reasons:
         lines.append(
@@ -268,7 +275,23 @@ def write_json(
         "wall_s": wall_s,
         "results": [dict(r.summary(), kv_use_series=r.kv_series()) for r in results],
     }
-    Path(path).write_text(json.dumps(doc, indent=1, default=_jsonable))
+    # Strict JSON: a figure without samples (NaN: the TPOT of one-token answers) is null.
+    Path(path).write_text(json.dumps(_finite(doc), indent=1, default=_jsonable, allow_nan=False))
+
+
+def _finite(x: Any) -> Any:
+    """``x`` with every float that is not finite (NaN, an infinity) replaced by None.
+
+    >>> _finite({"p50": float("nan"), "n": [1.5, float("inf")]})
+    {'p50': None, 'n': [1.5, None]}
+    """
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _jsonable(x: Any) -> Any:

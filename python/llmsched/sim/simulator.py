@@ -99,7 +99,7 @@ class Simulation:
     ) -> None:
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}; known: {list(ENGINES)}")
-        config.engine.validate()
+        config.validate()  # a scenario changed after loading is checked again
         self.config = config
         self.model = build_step_model(config.step_model)
         kv_tokens = config.engine.kv_tokens or self.model.kv_capacity_tokens()

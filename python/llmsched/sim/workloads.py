@@ -32,6 +32,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched.errors import ConfigError
 from llmsched.sim.request import Request
+from llmsched.validation import describe_int
 
 __all__ = [
     "MAX_REQUESTS",
@@ -44,6 +45,7 @@ __all__ = [
     "SharedPrefixConfig",
     "TraceConfig",
     "Workload",
+    "check_fields",
     "make_workload",
     "native_plan",
     "trace_build",
@@ -836,6 +838,70 @@ def from_dict(cls: type[Any], data: dict[str, Any], where: str) -> Any:
     return cls(**values)
 
 
+_EXPECTED = {
+    "int": "an int",
+    "float": "a finite number",
+    "str": "a string",
+    "bool": "true or false",
+}
+_CONTAINERS = {"dict": (dict, "a mapping"), "list": (list, "a list")}
+
+
+def _fits(kind: str, value: object) -> bool:
+    if kind == "bool" or kind == "str":
+        return isinstance(value, bool if kind == "bool" else str)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a float's range
+        return False
+
+
+def check_fields(config: Any, where: str, *, nonnegative: bool = False) -> None:
+    """ConfigError naming ``where.<field>`` for the first field of dataclass ``config`` whose
+    value is not of its annotated type: an ``int`` (not a ``bool``), a finite number for a
+    ``float``, a ``str``, a ``bool``, a mapping or a list (``None`` where the annotation allows
+    it); with ``nonnegative``, also for a number below 0. Nested dataclass fields are left to
+    their own check.
+
+    >>> check_fields(ArrivalConfig(rate=float("nan")), "arrival")
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.ConfigError: arrival.rate must be a finite number, got nan
+    >>> check_fields(ArrivalConfig(concurrency=-1), "arrival", nonnegative=True)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.ConfigError: arrival.concurrency must be >= 0, got -1
+    """
+    for f in fields(config):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        optional = "None" in kinds
+        kinds = [k for k in kinds if k != "None"]
+        if len(kinds) != 1:
+            continue
+        kind = kinds[0]
+        value = getattr(config, f.name)
+        if optional and value is None:
+            continue
+        name = f"{where}.{f.name}" if where else f.name
+        shown = describe_int(value) if isinstance(value, int) else repr(value)
+        null = " or null" if optional else ""
+        container = _CONTAINERS.get(kind.split("[", 1)[0])
+        if container is not None:
+            if not isinstance(value, container[0]):
+                raise ConfigError(f"{name} must be {container[1]}{null}, got {shown}")
+            continue
+        if kind not in _EXPECTED:
+            continue
+        if not _fits(kind, value):
+            raise ConfigError(f"{name} must be {_EXPECTED[kind]}{null}, got {shown}")
+        if nonnegative and kind in ("int", "float") and value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {shown}")
+
+
 def _parse(spec: dict[str, Any]) -> tuple[str, Any]:
     if not isinstance(spec, dict) or "kind" not in spec:
         raise ConfigError("workload: needs a 'kind'")
@@ -843,7 +909,13 @@ def _parse(spec: dict[str, Any]) -> tuple[str, Any]:
     kind = params.pop("kind")
     if kind not in KINDS:
         raise ConfigError(f"unknown workload kind {kind!r}; known: {sorted(KINDS)}")
-    cfg = from_dict(KINDS[kind][0], params, f"workload ({kind})")
+    where = f"workload ({kind})"
+    cfg = from_dict(KINDS[kind][0], params, where)
+    # Every number of a workload is a count, a length, a time or a fraction: none below 0.
+    check_fields(cfg, where, nonnegative=True)
+    arrival = getattr(cfg, "arrival", None)
+    if arrival is not None:
+        check_fields(arrival, f"{where}.arrival", nonnegative=True)
     _check_sizes(kind, cfg)
     return kind, cfg
 
@@ -860,6 +932,11 @@ def _check_sizes(kind: str, cfg: Any) -> None:
         requests = cfg.sessions * (1 + max(cfg.followup_turns, 0))
         shared = cfg.system_prompts * max(cfg.system_prompt_len, 0)
     elif isinstance(cfg, SharedPrefixConfig):
+        if cfg.output_len > MAX_TOKENS:
+            raise ConfigError(
+                f"workload ({kind}).output_len must be <= {MAX_TOKENS}, "
+                f"got {describe_int(cfg.output_len)}"
+            )
         requests = cfg.num_requests
         texts = cfg.num_groups * max(cfg.num_prompts_per_group, 0)
         shared = cfg.num_groups * max(cfg.system_prompt_len, 0) + texts * max(cfg.question_len, 0)

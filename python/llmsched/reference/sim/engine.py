@@ -21,6 +21,7 @@ published ``metrics_delay_s`` ago and the prefix index as fed by the engines' KV
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from llmsched.slices import SliceTracker, WaitingRequest
 __all__ = ["ReferenceSimulation", "ideal_time"]
 
 STREAM_ARRIVAL, ARRIVAL, STEP, TRANSFER, KV_FEED = 0, 1, 2, 3, 4
+_KIND_NAMES = ("StreamArrival", "Arrival", "Step", "Transfer", "KvFeed")  # the Rust engine's
 
 
 class ReferenceSimulation:
@@ -88,6 +90,8 @@ class ReferenceSimulation:
         self.feed_s = 0.0
         self.feed_skipped = 0
         self.slice_switches = 0
+        self.arrived = 0
+        """Requests that arrived (session turns included)."""
         self.kv_bytes_per_token = config.pd.kv_bytes(self.model)
         index = PrefixIndex(block_size=engine_cfg.block_size, seed=config.seed)
         self.index = index
@@ -209,6 +213,7 @@ class ReferenceSimulation:
     # -- request life cycle ------------------------------------------------------------------
 
     def _arrive(self, req: Request, now: float) -> None:
+        self.arrived += 1
         if self.gate is None:
             self._dispatch(req, now)
             return
@@ -264,7 +269,7 @@ class ReferenceSimulation:
         decode: Replica = req.decode_replica
         whole = req.prompt_len // decode.bs
         uncached = whole - decode.kv.lookup(req.hashes, whole)
-        nbytes = uncached * decode.bs * self.kv_bytes_per_token
+        nbytes = float(uncached * decode.bs) * float(self.kv_bytes_per_token)  # as Rust does
         pd = self.config.pd
         req.kv_ready = True
         req.computed = 0
@@ -360,6 +365,12 @@ class ReferenceSimulation:
             when, _, kind, obj, version = pop(heap)
             if limit is not None and when > limit:
                 break
+            if not math.isfinite(when):
+                raise ConfigError(
+                    f"simulated time left the finite range: a {_KIND_NAMES[kind]} event at "
+                    f"{when} s (a step, a KV transfer or a think time too long: see the step "
+                    f"model, pd.transfer_bw and the workload's times)"
+                )
             self.now = when
             if kind == STEP:
                 if version == obj.version:
@@ -452,6 +463,7 @@ class ReferenceSimulation:
             decision_s=self.decision_s,
             feed_s=self.feed_s,
             slice_switches=self.slice_switches,
+            arrived=self.arrived,
         )
 
 

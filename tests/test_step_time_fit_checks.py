@@ -1,0 +1,64 @@
+"""Probe 58: fitting the step-time model on bad samples raises a ConfigError that names the
+sample, instead of numpy's LinAlgError (a NaN time, which a Prometheus ``/metrics`` may
+report), a fit whose errors are NaN (an infinite time) or a fit of negative token counts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llmsched.errors import ConfigError
+from llmsched.executor.step_time import StepSample, StepTimeProfile
+
+SHAPES = [(0, 1), (0, 8), (16, 0), (64, 0), (256, 0), (0, 32), (32, 4)]
+
+
+def _samples(bad_seconds: float | None = None) -> list[StepSample]:
+    out = []
+    for i, (p, d) in enumerate(SHAPES):
+        seconds = 1e-3 + 2e-6 * p + 5e-6 * d
+        if i == 2 and bad_seconds is not None:
+            seconds = bad_seconds
+        out.append(StepSample(p, d, p * p, d * (p + 9), seconds))
+    return out
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf, -1.0, 0.0])
+def test_a_time_that_is_not_finite_and_positive_is_named(seconds: float) -> None:
+    with pytest.raises(ConfigError, match=r"sample 2 .*positive"):
+        StepTimeProfile.fit(_samples(seconds))
+
+
+def test_a_time_that_is_not_a_number_is_named() -> None:
+    samples = _samples()
+    samples[3] = StepSample(64, 0, 64 * 64, 0, "0.01")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="sample 3"):
+        StepTimeProfile.fit(samples)
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        ((-16, 0, 256, 0), "prefill_tokens"),
+        ((16, -1, 256, 0), "decode_tokens"),
+        ((16, 0, -256, 0), "prefill_tokens_sq"),
+        ((0, 4, 0, -9), "decode_context_tokens"),
+        ((math.nan, 0, 0, 0), "prefill_tokens"),
+        ((16.5, 0, 0, 0), "prefill_tokens"),
+        ((True, 0, 0, 0), "prefill_tokens"),
+    ],
+)
+def test_token_counts_must_be_counts(args: tuple[object, ...], name: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        StepSample(*args, 0.01)  # type: ignore[arg-type]
+
+
+def test_good_samples_still_fit() -> None:
+    import numpy as np
+
+    samples = _samples()
+    samples.append(StepSample(np.int64(8), 0, 64, 0, 1e-3 + 2e-6 * 8))  # type: ignore[arg-type]
+    profile = StepTimeProfile.fit(samples)
+    assert profile.predict(128, 0) == pytest.approx(1.256e-3, rel=1e-6)
+    assert all(math.isfinite(c) for c in profile.coefficients.values())
