@@ -776,6 +776,7 @@ class NativeGatewayConfig(TypedDict):
     slices: NativeSlicesConfig | None
     admin: NativeAdminConfig | None
     record_unread_prefixes: bool
+    session_token_namespace: str | None
 
 
 class NativeFlowStats(TypedDict):
