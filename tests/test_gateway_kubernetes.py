@@ -7,6 +7,7 @@ listens on the one ``target_port`` all pods share, as pods of a Deployment do.""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
 import os
@@ -335,6 +336,106 @@ def test_role_label_splits_prefill_and_decode(tmp_path: Path) -> None:
             assert not prefill.received
             (received,) = decode.received
             assert received.headers["x-prefiller-host-port"] == f"127.0.0.2:{port}"
+
+    run(body())
+
+
+def _session_router(*plugins: str) -> dict[str, Any]:
+    return {
+        "plugins": [{"type": p} for p in plugins],
+        "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": p} for p in plugins]}],
+    }
+
+
+def _token(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+@pytest.mark.usefixtures("plane")
+def test_session_tokens_name_pods_as_llm_d_does_across_processes(tmp_path: Path) -> None:
+    """With a session plugin, an answer carries ``x-session-token``: the base64 of the pod's
+    ``namespace/name``, what llm-d's scheduler mints and reads. A token llm-d minted (or an
+    earlier ``llmsched serve`` process) routes to its pod through a fresh process, with no
+    ``x-session-id``; a pod of another namespace is no pod of this gateway's."""
+    router = _session_router("session-affinity-filter", "round-robin-picker")
+
+    async def turns(client: Client, token: str, n: int) -> list[str]:
+        tokens = []
+        for i in range(n):
+            body = {"model": MODEL, "prompt": f"turn {i}", "max_tokens": 2}
+            headers = {"x-session-token": token}
+            async with client.session.post(
+                client.url + "/v1/completions", json=body, headers=headers
+            ) as answer:
+                await answer.read()
+                assert answer.status == 200
+                tokens.append(answer.headers["x-session-token"])
+        return tokens
+
+    async def body() -> None:
+        async with (
+            fake_api() as api,
+            engines_at(["127.0.0.2", "127.0.0.3"]) as (port, (a, b)),
+        ):
+            api.put_pod(NS, "engine-a", APP, "127.0.0.2")
+            api.put_pod(NS, "engine-b", APP, "127.0.0.3")
+            minted = _token(f"{NS}/engine-b")  # llm-d's token for pod llm/engine-b
+            for process in range(2):  # each a fresh process, knowing no session
+                async with serving(tmp_path, api, port, router=router) as client:
+                    await client.wait_routed(a)
+                    await client.wait_routed(b)
+                    before_a, before_b = len(a.received), len(b.received)
+                    assert await turns(client, minted, 4) == [minted] * 4, process
+                    assert len(b.received) == before_b + 4 and len(a.received) == before_a
+                    # Another namespace's pod of the same name: ignored, round-robin again.
+                    await turns(client, _token("other/engine-b"), 2)
+                    assert len(a.received) == before_a + 1
+
+    run(body())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_split_request_s_token_names_its_decode_pod(tmp_path: Path) -> None:
+    router = {
+        **PD_ROUTER,
+        "plugins": [*PD_ROUTER["plugins"], {"type": "session-affinity-scorer"}],
+        "schedulingProfiles": [
+            PD_ROUTER["schedulingProfiles"][0],
+            {
+                "name": "decode",
+                "plugins": [
+                    *PD_ROUTER["schedulingProfiles"][1]["plugins"],
+                    {"pluginRef": "session-affinity-scorer"},
+                ],
+            },
+        ],
+    }
+
+    async def body() -> None:
+        async with (
+            fake_api() as api,
+            engines_at(["127.0.0.2", "127.0.0.3"]) as (port, (prefill, decode)),
+            serving(
+                tmp_path,
+                api,
+                port,
+                kubernetes={"role_label": ROLE},
+                router=router,
+                pd={"enabled": True},
+            ) as client,
+        ):
+            api.put_pod(NS, "prefill-0", {**APP, ROLE: "prefill"}, "127.0.0.2")
+            api.put_pod(NS, "decode-0", {**APP, ROLE: "decode"}, "127.0.0.3")
+            for _ in range(500):
+                if "llmsched_gateway_kubernetes_engines 2.0" in await client.metrics():
+                    break
+                await asyncio.sleep(0.02)
+            response = await client.complete("You answer in full sentences. " * 8)
+            assert response.status == 200
+            assert not prefill.received
+            (received,) = decode.received
+            assert received.headers["x-prefiller-host-port"] == f"127.0.0.2:{port}"
+            assert response.headers["x-session-token"] == _token(f"{NS}/decode-0")
 
     run(body())
 

@@ -433,6 +433,70 @@ def test_sessions_stick() -> None:
         assert router.pick(tokens=[9, t], session_id="s", now=float(t)).endpoint == first.endpoint
 
 
+# Round-robin moves every pick on unless the filter keeps one endpoint; max-score picks the
+# scorer's 1 over the others' 0 (ties broken at random).
+SESSION_PLUGINS = {
+    "session-affinity-filter": "round-robin-picker",
+    "session-affinity-scorer": "max-score-picker",
+}
+
+
+@pytest.mark.parametrize("plugin", sorted(SESSION_PLUGINS))
+def test_a_named_session_endpoint_holds_until_a_binding_lives(plugin: str) -> None:
+    """``session_endpoint`` (the gateway's decoded ``x-session-token``) is the session's
+    endpoint while ``session_id`` has no live binding; an id of no endpoint is ignored."""
+    pool = EndpointPool(["a", "b", "c", 7], stale_policy="ignore")
+    picker = SESSION_PLUGINS[plugin]
+    config = {
+        "plugins": [{"type": plugin}, {"type": picker}],
+        "schedulingProfiles": [
+            {"name": "p", "plugins": [{"pluginRef": plugin}, {"pluginRef": picker}]}
+        ],
+    }
+    router = Router(pool, config=config, seed=5)
+    assert router.config_info["session_affinity"]
+    for t in range(5):
+        with router.pick(tokens=[t], session_endpoint="b", now=float(t)) as d:
+            assert d.endpoint == "b"
+        assert router.pick(tokens=[t], session_endpoint=7, now=float(t)).endpoint == 7
+    # Ignored, no error: the picker spreads the picks as without it.
+    spread = {router.pick(tokens=[1], session_endpoint="zz", now=6.0).endpoint for _ in range(12)}
+    assert len(spread) > 1
+    # The name pins the first turn, which binds the id; the binding then wins.
+    with router.pick(tokens=[1], session_id="s", session_endpoint="c", now=7.0) as d:
+        assert d.endpoint == "c"
+    for t in range(8, 12):
+        d = router.pick(tokens=[t], session_id="s", session_endpoint="a", now=float(t))
+        assert d.endpoint == "c"
+    assert not config_info("llm-d")["session_affinity"]
+
+
+def test_python_plugins_see_the_session_endpoint() -> None:
+    seen: list[object] = []
+
+    def scorer(request: dict[str, Any], endpoints: list[dict[str, Any]]) -> list[float]:
+        seen.append(request["session_endpoint"])
+        return [0.0] * len(endpoints)
+
+    config = {
+        "plugins": [{"type": "python-scorer", "parameters": {"function": scorer}}],
+        "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "python-scorer"}]}],
+    }
+    router = Router(EndpointPool(["a", 5]), config=config)
+    router.pick(tokens=[1], now=0.0)
+    router.pick(tokens=[1], session_endpoint="nowhere", now=0.0)
+    router.pick(tokens=[1], session_endpoint=5, now=0.0)
+    assert seen == [None, "nowhere", 5]
+
+
+def test_a_session_endpoint_of_the_wrong_type_is_refused() -> None:
+    router = Router(EndpointPool(["a"]), config="least-load")
+    with pytest.raises(TypeError, match="session_endpoint"):
+        router.pick(tokens=[1], session_endpoint=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="session_endpoint"):
+        router.pick(tokens=[1], session_endpoint=True)
+
+
 def test_long_session_ids_stick_and_stay_apart() -> None:
     """Ids past 64 bytes are kept as digests: each still sticks to its own endpoint."""
     pool = EndpointPool(["a", "b", "c", "d"], stale_policy="ignore")
@@ -679,6 +743,7 @@ SURROGATE = "a\ud800"  # a valid Python str and JSON escape, but no UTF-8 text
         (r"waiting\[1\]", lambda p, r: p.set_loras("a", [], ["x", SURROGATE], 1)),
         ("text", lambda p, r: p.update_from_metrics_text("a", f"x {SURROGATE}\n")),
         ("session_id", lambda p, r: r.pick(tokens=[1], session_id=SURROGATE)),
+        ("session_endpoint", lambda p, r: r.pick(tokens=[1], session_endpoint=SURROGATE)),
         ("model", lambda p, r: r.pick(tokens=[1], model=SURROGATE)),
         ("lora", lambda p, r: r.pick(tokens=[1], lora=SURROGATE)),
         ("cache_salt", lambda p, r: r.pick(tokens=[1], cache_salt=SURROGATE)),

@@ -697,7 +697,7 @@ def test_a_deadline_beyond_a_floats_range_is_an_invalid_request() -> None:
     ("argument", "fields"),
     [
         (name, {"tokens": [1], name: "a\ud800"})
-        for name in ("tenant", "session_id", "model", "lora", "cache_salt")
+        for name in ("tenant", "session_id", "session_endpoint", "model", "lora", "cache_salt")
     ]
     + [
         ("text", {"text": "a\ud800"}),
@@ -833,3 +833,27 @@ def test_retry_never_goes_where_the_routers_filters_said_no() -> None:
     # Every decode engine (the picker's 3 fallbacks and the one past them), never the prefill.
     assert set(tried) == decode
     at_rest(s)
+
+
+def test_a_session_endpoint_reaches_the_router() -> None:
+    config = {
+        "plugins": [{"type": "session-affinity-filter"}, {"type": "round-robin-picker"}],
+        "schedulingProfiles": [
+            {
+                "name": "p",
+                "plugins": [
+                    {"pluginRef": "session-affinity-filter"},
+                    {"pluginRef": "round-robin-picker"},
+                ],
+            }
+        ],
+    }
+    scheduler = Scheduler(["a", "b", 3], router=config)
+    request = ScheduleRequest(tokens=[1, 2], session_endpoint=3)
+    assert request.pick_arguments()["session_endpoint"] == 3
+    for _ in range(4):
+        with scheduler.schedule_sync(request) as placement:
+            assert placement.endpoint == 3
+    for bad in (1.5, True, 2**63, b"a"):
+        with pytest.raises(InvalidRequestError, match="session_endpoint"):
+            ScheduleRequest(tokens=[1], session_endpoint=bad)  # type: ignore[arg-type]

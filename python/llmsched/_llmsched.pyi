@@ -643,6 +643,7 @@ class Router:
         headers: list[tuple[str, str]],
         cache_salt: str | None,
         now: float,
+        session_endpoint: EndpointId | None = None,
     ) -> Decision:
         """Routes a prompt given as token ids."""
 

@@ -380,7 +380,8 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     scorer's wiring, the ``saturationDetector`` thresholds, whether ``featureGates`` turns
     flow control on, the tokenizer a ``token-producer`` names, the ``dataLayer`` sources, the
     prefill header llm-d's disaggregation handlers set, whether the Inference Extension's
-    default profile was built, and the path a ``metrics-data-source`` polls. Raises
+    default profile was built, the path a ``metrics-data-source`` polls, and whether a session
+    plugin reads the request's session (then answers carry ``x-session-token``). Raises
     ConfigError naming the key for a configuration a Router refuses.
 
     >>> profile = {"name": "default", "plugins": [{"pluginRef": "kv-cache-scorer"}]}
@@ -672,6 +673,7 @@ class Router:
         headers: Mapping[str, str] | None = None,
         cache_salt: str | None = None,
         now: float | None = None,
+        session_endpoint: EndpointId | None = None,
     ) -> Decision:
         """Decide where one request goes. Give exactly one of ``tokens`` (token ids: numpy
         array or sequence), ``text`` (a raw prompt) or ``messages`` (chat messages); text is
@@ -686,10 +688,22 @@ class Router:
         ``priority``, ``session_id`` and ``headers`` reach the plugins. Nothing changes until
         :meth:`Decision.started`. Raises NoEndpointError when no endpoint can serve it.
 
+        The session plugins (``session-affinity-scorer`` / ``-filter``) favour the endpoint
+        the session is bound to: the live binding of ``session_id`` (made by
+        :meth:`Decision.started`), else ``session_endpoint``, an endpoint id the caller names
+        as the session's (what llm-d's ``x-session-token`` names; the gateway decodes it). An
+        id that is no endpoint of the pool is ignored. ``session_endpoint`` binds nothing.
+
         >>> router = Router(EndpointPool(["a", "b"]), config="prefix-only", seed=1)
         >>> d = router.pick(text="You are a helpful assistant.", now=0.0)
         >>> d.endpoint in ("a", "b")
         True
+        >>> sticky = Router(EndpointPool(["a", "b"]), config={
+        ...     "plugins": [{"type": "session-affinity-scorer"}],
+        ...     "schedulingProfiles": [{"name": "default",
+        ...         "plugins": [{"pluginRef": "session-affinity-scorer"}]}]})
+        >>> [sticky.pick(tokens=[1, 2], session_endpoint="b", now=0.0).endpoint for _ in "xyz"]
+        ['b', 'b', 'b']
         """
         array: npt.NDArray[np.integer] | list[int] | tuple[int, ...]
         if (
@@ -716,7 +730,15 @@ class Router:
             clock = check_now(now)
         try:
             native = self._native.pick(
-                array, model, lora, priority, session_id, header_items, cache_salt, clock
+                array,
+                model,
+                lora,
+                priority,
+                session_id,
+                header_items,
+                cache_salt,
+                clock,
+                session_endpoint,
             )
         except (TypeError, UnicodeEncodeError):
             # Name an argument the native conversion refused: a type, or a str with a lone

@@ -171,11 +171,12 @@ class ScheduleRequest:
     (chat messages, rendered by :func:`~llmsched.routing.render_messages`).
 
     ``tenant`` and ``priority`` place it in flow control (higher first; negative is
-    sheddable); ``model``, ``lora``, ``session_id``, ``cache_salt`` and ``headers`` reach the
-    router as :meth:`Router.pick <llmsched.Router.pick>` takes them. ``prompt_tokens`` is its
-    size for flow control (default: the token count, or a quarter of the text's characters);
-    ``size_bytes`` counts against byte limits; ``deadline`` (absolute, on the flow
-    controller's clock) and ``ttft_target_s`` feed the ``edf`` and ``slo-deadline`` orderings.
+    sheddable); ``model``, ``lora``, ``session_id``, ``session_endpoint``, ``cache_salt`` and
+    ``headers`` reach the router as :meth:`Router.pick <llmsched.Router.pick>` takes them.
+    ``prompt_tokens`` is its size for flow control (default: the token count, or a quarter of
+    the text's characters); ``size_bytes`` counts against byte limits; ``deadline``
+    (absolute, on the flow controller's clock) and ``ttft_target_s`` feed the ``edf`` and
+    ``slo-deadline`` orderings.
 
     Every field is checked when the request is built: a bad one raises
     :class:`~llmsched.errors.InvalidRequestError` (or InvalidTokenError) naming it.
@@ -195,6 +196,7 @@ class ScheduleRequest:
     tenant: str = "default"
     priority: int = 0
     session_id: str | None = None
+    session_endpoint: str | int | None = None
     lora: str | None = None
     cache_salt: str | None = None
     headers: Mapping[str, str] | None = None
@@ -241,6 +243,17 @@ class ScheduleRequest:
                 raise InvalidRequestError(f"{name} must be a str or None, got {value!r}")
             if value is not None:
                 check_utf8(name, value, error=InvalidRequestError)
+        endpoint = self.session_endpoint
+        if isinstance(endpoint, str):
+            check_utf8("session_endpoint", endpoint, error=InvalidRequestError)
+        elif endpoint is not None and (
+            isinstance(endpoint, bool)
+            or not isinstance(endpoint, int)
+            or not -(2**63) <= endpoint < 2**63
+        ):
+            raise InvalidRequestError(
+                f"session_endpoint must be a str, a 64-bit int or None, got {endpoint!r}"
+            )
         if not isinstance(self.tenant, str) or not self.tenant:
             raise InvalidRequestError(f"tenant must be a non-empty str, got {self.tenant!r}")
         check_utf8("tenant", self.tenant, error=InvalidRequestError)
@@ -289,7 +302,7 @@ class ScheduleRequest:
             args["tokens"] = self.tokens
         else:
             args["text"] = self.text if self.text is not None else self._rendered_text()
-        for name in ("model", "lora", "session_id", "cache_salt", "headers"):
+        for name in ("model", "lora", "session_id", "session_endpoint", "cache_salt", "headers"):
             value = getattr(self, name)
             if value is not None:
                 args[name] = value

@@ -285,6 +285,9 @@ class RequestInfo(TypedDict):
     lora: str | None
     priority: int
     session_id: str | None
+    session_endpoint: EndpointId | None
+    """The endpoint the request names as its session's (``Router.pick``'s
+    ``session_endpoint``, the gateway's decoded ``x-session-token``), member or not."""
     headers: dict[str, str]
     now: float
 
@@ -534,6 +537,10 @@ class ConfigInfo(TypedDict):
     """True when the config gives no ``schedulingProfiles`` and the Inference Extension's
     default profile was built (every filter, scorer and picker declared)."""
     metrics_source: MetricsSourceInfo | None
+    session_affinity: bool
+    """True when a profile's filter or scorer reads the request's session
+    (``session-affinity-scorer`` / ``-filter``): llm-d then answers with the serving pod's
+    ``x-session-token``, and so does ``llmsched serve``."""
 
 
 class PluginParamInfo(TypedDict):
@@ -770,6 +777,7 @@ class NativeGatewayConfig(TypedDict):
     slices: NativeSlicesConfig | None
     admin: NativeAdminConfig | None
     record_unread_prefixes: bool
+    session_token_namespace: str | None
 
 
 class NativeFlowStats(TypedDict):

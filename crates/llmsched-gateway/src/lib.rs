@@ -13,8 +13,9 @@
 //! (llm-d's approximate prefix mode; a chat's messages rendered as `role\ncontent\n` each; a
 //! token-id prompt as given), take the key's rate and concurrency limits (429), wait in flow
 //! control when it is on (429 / 503 with `x-llmsched-dropped-reason`, 504 at the deadline),
-//! decide with the router (`model` restricts the endpoints; `x-session-id` binds a session;
-//! a prefill/decode split names the prefill endpoint in [`GatewayConfig::pd_header`]), then
+//! decide with the router (`model` restricts the endpoints; `x-session-id` binds a session,
+//! and llm-d's `x-session-token` names its endpoint ([`session_token`]); a prefill/decode
+//! split names the prefill endpoint in [`GatewayConfig::pd_header`]), then
 //! send the body unchanged to the chosen endpoint. Before the first byte of an answer has been
 //! passed on, a refused connection or (with [`GatewayConfig::retry_on_5xx`]) a 5xx answer
 //! moves the request to the next endpoint in the decision's ranking, at most
@@ -69,6 +70,7 @@ pub mod payload;
 pub mod pool;
 pub mod pyvalues;
 pub mod responses;
+pub mod session_token;
 pub mod slicing;
 pub mod templates;
 pub mod tokcache;
@@ -237,6 +239,11 @@ pub struct GatewayConfig {
     /// [`Running::set_max_model_len`] says (Python sets it from the engines'
     /// `/v1/models`), and such a prompt is hashed whole meanwhile.
     pub max_model_len: Option<usize>,
+    /// The Kubernetes namespace of the engines when they come from Kubernetes discovery
+    /// (their ids are their pods' names): an engine's session token (`x-session-token`) is
+    /// then that of `<namespace>/<id>`, its pod's namespaced name, as llm-d mints it
+    /// ([`session_token`]); `None`: the token of its id.
+    pub session_token_namespace: Option<String>,
 }
 
 impl Default for GatewayConfig {
@@ -283,6 +290,7 @@ impl Default for GatewayConfig {
             admin: None,
             record_unread_prefixes: false,
             max_model_len: None,
+            session_token_namespace: None,
         }
     }
 }
@@ -420,6 +428,11 @@ struct Gateway {
     /// Whether decisions hash the prompt (the router reads the prefix match, or
     /// `record_unread_prefixes` asks for its records anyway).
     hashes_prompts: bool,
+    /// Reads requests' `x-session-token`.
+    session_tokens: session_token::SessionTokens,
+    /// Whether answers carry the serving engine's `x-session-token` (a profile's filter or
+    /// scorer reads the session, as llm-d's session-affinity scorer sets it).
+    sets_session_tokens: bool,
     /// Which engine holds each stored response ([`responses`]).
     owners: Arc<responses::Owners>,
     /// Lookups of unknown response ids in progress ([`Gateway::locate`]), shared by the
@@ -720,6 +733,10 @@ fn build(
         suspect: tokio::sync::Notify::new(),
         hashes_prompts: config.record_unread_prefixes
             || source.router().config().reads_prefix_match(),
+        session_tokens: session_token::SessionTokens::new(
+            config.session_token_namespace.as_deref(),
+        ),
+        sets_session_tokens: source.router().config().reads_session(),
         owners: Arc::new(responses::Owners::with_grace(
             responses::MAX_OWNERS,
             Duration::try_from_secs_f64(config.left_grace_s.unwrap_or(0.0))
@@ -2150,6 +2167,7 @@ impl Gateway {
                 .param(SESSION_HEADER)
             })?),
         };
+        let session_endpoint = self.session_endpoint(&parts.headers);
         let meta = RequestMeta {
             // An adapter is served by its base model's engines; its cache blocks are keyed
             // by its name.
@@ -2162,6 +2180,7 @@ impl Gateway {
             // vLLM salts the prompt's first block with it: a salted prompt shares no block
             // with the same prompt unsalted or under another salt.
             cache_salt: payload.str("cache_salt").map(Cow::into_owned),
+            session_endpoint,
             ..RequestMeta::default()
         };
         // A conversation continued by `previous_response_id` goes to the engine holding it.
@@ -2343,19 +2362,40 @@ impl Gateway {
                 }),
                 ..Relaying::completion(self, upstream, sse, deadline)
             };
+            let token = self.sets_session_tokens.then(|| self.session_tokens.token(&upstream.id));
             // A JSON answer whose end is the connection's close is read whole and checked:
             // a cut there looks like a complete answer.
-            if (sse || failed)
+            let mut answered = if (sse || failed)
                 && !checked_whole(&answer)
                 && !length_framed_events(&answer, &relaying)
             {
-                return self.relay_from_first_frame(answer, relaying).await;
+                self.relay_from_first_frame(answer, relaying).await
+            } else {
+                self.answer_whole(answer, relaying).await
+            };
+            if let (Ok(answer), Some(token)) = (&mut answered, token) {
+                // The engine that served, for the client to echo (llm-d's session token).
+                if let Ok(value) = HeaderValue::try_from(token) {
+                    answer.headers_mut().insert(session_token::SESSION_TOKEN_HEADER, value);
+                }
             }
-            return self.answer_whole(answer, relaying).await;
+            return answered;
         }
         drop(guards);
         self.settle_held(&held, true);
         Err(Refusal::new(502, "upstream_error", "no engine answered the request"))
+    }
+
+    /// The engine a request's `x-session-token` names, when it is one of the gateway's; any
+    /// other token is ignored (and counted), as llm-d ignores it.
+    fn session_endpoint(&self, headers: &HeaderMap) -> Option<WorkerKey> {
+        let token = headers.get(session_token::SESSION_TOKEN_HEADER)?;
+        let key = self.session_tokens.endpoint(token.as_bytes()).map(WorkerKey::Str);
+        let known = key.filter(|key| self.upstreams().by_key.contains_key(key));
+        if known.is_none() {
+            self.counters.session_tokens_ignored.fetch_add(1, Ordering::Relaxed);
+        }
+        known
     }
 
     /// Counts the failures a request held (`held`) against their engines when it ends, unless

@@ -120,9 +120,16 @@ pub struct Counters {
     /// Responses API requests routed without prefix hashing (input the gateway does not turn
     /// into the engine's chat prompt).
     pub responses_unhashed: AtomicU64,
+    /// Requests whose `x-session-token` was ignored (not base64 of UTF-8 text, another
+    /// namespace, or naming no engine of the gateway's).
+    pub session_tokens_ignored: AtomicU64,
     /// Latency histograms.
     pub histograms: Histograms,
 }
+
+/// The help text of `llmsched_gateway_session_tokens_ignored_total`, as the Python plane's.
+const SESSION_TOKENS_HELP: &str = "Requests whose x-session-token was ignored (not base64 of \
+     UTF-8 text, another namespace, or naming no engine of the gateway's)";
 
 /// The help text of `llmsched_gateway_poisoned_requests_total`, as the Python plane's.
 const POISONED_HELP: &str = "Requests that failed on two or more engines (5xx answers, \
@@ -167,6 +174,7 @@ impl Counters {
         plain(out, "retries", "Requests re-sent to another endpoint", &self.retries);
         plain(out, "poisoned_requests", POISONED_HELP, &self.poisoned);
         plain(out, "slices", "Engine calls made for sliced requests (one per slice)", &self.slices);
+        plain(out, "session_tokens_ignored", SESSION_TOKENS_HELP, &self.session_tokens_ignored);
         self.routed.render(
             out,
             &format!("{P}_routed"),

@@ -288,6 +288,8 @@ fn request_dict<'py>(py: Python<'py>, ctx: &RequestContext<'_>) -> PyResult<Boun
     d.set_item("lora", ctx.meta.lora.clone())?;
     d.set_item("priority", ctx.meta.priority)?;
     d.set_item("session_id", ctx.meta.session_id.clone())?;
+    let session_endpoint = ctx.meta.session_endpoint.as_ref().map(|k| key_object(py, k));
+    d.set_item("session_endpoint", session_endpoint.transpose()?)?;
     d.set_item("headers", ctx.meta.headers.iter().cloned().collect::<BTreeMap<_, _>>())?;
     d.set_item("now", ctx.now)?;
     Ok(d)
@@ -550,6 +552,7 @@ impl PyRouter {
             "prefill_header": prefill_header,
             "default_profile": c.default_profile,
             "metrics_source": metrics_source,
+            "session_affinity": c.reads_session(),
         });
         Ok(to_python(py, &info)?.unbind())
     }
@@ -595,7 +598,9 @@ impl PyRouter {
         self.inner.config().profiles.iter().map(|p| p.name.clone()).collect()
     }
 
-    #[pyo3(signature = (tokens, model, lora, priority, session_id, headers, cache_salt, now))]
+    #[pyo3(signature = (
+        tokens, model, lora, priority, session_id, headers, cache_salt, now, session_endpoint=None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn pick(
         slf: &Bound<'_, Self>,
@@ -607,10 +612,21 @@ impl PyRouter {
         headers: Vec<(String, String)>,
         cache_salt: Option<String>,
         now: f64,
+        session_endpoint: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyDecision> {
         let py = slf.py();
         let tokens = TokenArray::extract(tokens, "tokens")?;
-        let meta = RequestMeta { model, lora, priority, session_id, headers, cache_salt };
+        let session_endpoint =
+            session_endpoint.map(|e| id_key(e, "session_endpoint")).transpose()?;
+        let meta = RequestMeta {
+            model,
+            lora,
+            priority,
+            session_id,
+            headers,
+            cache_salt,
+            session_endpoint,
+        };
         let router = &slf.get().inner;
         let decision = tokens
             .visit(py, Decide { router, meta: &meta, now }, DETACH_MIN_TOKENS)?

@@ -1207,6 +1207,7 @@ impl<'p> World<'p> {
             session_id: q.session_name.clone(),
             headers: Vec::new(),
             cache_salt: None,
+            session_endpoint: None,
         };
         let prompt_len = q.prompt_len;
         let k = self.next_router % self.routers.len();

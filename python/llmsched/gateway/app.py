@@ -87,6 +87,7 @@ from llmsched.gateway.responses import (
     output_deltas,
     response_id_of,
 )
+from llmsched.gateway.session_token import SESSION_TOKEN_HEADER, SessionTokens
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
 from llmsched.integrations import EngineSpec
 from llmsched.routing import Decision
@@ -346,6 +347,11 @@ class Gateway:
         self.pool = self.scheduler.pool
         self.router = self.scheduler.router
         self.flow = self.scheduler.flow
+        kubernetes = cfg.discovery.kubernetes
+        self._session_tokens = SessionTokens(None if kubernetes is None else kubernetes.namespace)
+        # llm-d's session-affinity scorer answers with the serving pod's token: so does a
+        # router whose profiles read the session.
+        self._sets_session_tokens = self.router.config_info["session_affinity"]
         self.tokenizer = (
             None
             if cfg.tokenizer is None
@@ -1112,6 +1118,7 @@ class Gateway:
                 tenant=tenant,
                 priority=priority,
                 session_id=pick_args.get("session_id"),
+                session_endpoint=pick_args.get("session_endpoint"),
                 cache_salt=pick_args.get("cache_salt"),
                 prompt_tokens=prompt.size,
                 size_bytes=len(body),
@@ -1450,7 +1457,22 @@ class Gateway:
         session = _header(request, SESSION_HEADER)
         if session:
             args["session_id"] = session
+        token = request.headers.get(SESSION_TOKEN_HEADER)
+        if token is not None:
+            endpoint = self._session_tokens.endpoint(token)
+            if endpoint is not None and endpoint in self._specs:
+                args["session_endpoint"] = endpoint
+            else:  # ignored, as llm-d ignores it
+                self.metrics.session_tokens_ignored.inc()
         return args
+
+    def _mark_session(self, response: _Answer, endpoint: str) -> _Answer:
+        """``response`` with the ``x-session-token`` of ``endpoint``, the engine that served,
+        when the router's profiles read the session (as llm-d's session-affinity scorer
+        sets it)."""
+        if self._sets_session_tokens:
+            response.headers[SESSION_TOKEN_HEADER] = self._session_tokens.token(endpoint)
+        return response
 
     # -- package-internal seam (used by llmsched.gateway.slicing) ---------------------------
 
@@ -1708,7 +1730,9 @@ class Gateway:
                 self._cut_failure(endpoint, deadline)
                 raise _Truncated("the engine's answer was cut off before its first byte") from None
             decision.first_token()
-            response = _passed_on(upstream, web.StreamResponse(status=upstream.status))
+            response = self._mark_session(
+                _passed_on(upstream, web.StreamResponse(status=upstream.status)), endpoint
+            )
             counter = _OutputCounter(content_type, responses=responses)
             feeds: list[_Feed] = [counter]
             if done is not None:
@@ -1828,7 +1852,9 @@ class Gateway:
             self._cut_failure(endpoint, deadline)
             raise _Truncated("the engine's event stream ended without its end event ([DONE])")
         decision.first_token()
-        response = _passed_on(upstream, web.Response(body=data, status=upstream.status))
+        response = self._mark_session(
+            _passed_on(upstream, web.Response(body=data, status=upstream.status)), endpoint
+        )
         counter = _OutputCounter(
             response.headers.get("Content-Type", ""), responses=route == "responses"
         )

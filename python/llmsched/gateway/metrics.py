@@ -123,6 +123,12 @@ class GatewayMetrics:
             "breaker",
             registry=r,
         )
+        self.session_tokens_ignored = Counter(
+            f"{PREFIX}_session_tokens_ignored",
+            "Requests whose x-session-token was ignored (not base64 of UTF-8 text, another "
+            "namespace, or naming no engine of the gateway's)",
+            registry=r,
+        )
         self.response_lookups = Counter(
             f"{PREFIX}_response_lookups",
             "Requests naming a stored response (previous_response_id, or its path), by how "

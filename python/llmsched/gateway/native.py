@@ -246,6 +246,9 @@ def native_config(config: GatewayConfig, engines: Iterable[EngineSpec]) -> Nativ
         "slices": _slices_config(config),
         "admin": None if config.admin.token is None else {"token": config.admin.token},
         "record_unread_prefixes": config.record_unread_prefixes,
+        "session_token_namespace": (
+            None if config.discovery.kubernetes is None else config.discovery.kubernetes.namespace
+        ),
     }
 
 

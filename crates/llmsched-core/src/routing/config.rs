@@ -128,6 +128,16 @@ impl RouterConfig {
         self.profiles.iter().any(|p| p.picker.reads_tree_size())
     }
 
+    /// Whether a profile's filter or scorer reads the session's endpoint
+    /// (`session-affinity-scorer`, `session-affinity-filter`): llm-d then answers each request
+    /// with the serving endpoint's session token (`x-session-token`), and so does the gateway.
+    pub fn reads_session(&self) -> bool {
+        self.profiles.iter().any(|p| {
+            p.filters.iter().any(|f| f.filter.reads_session())
+                || p.scorers.iter().any(|s| s.scorer.reads_session())
+        })
+    }
+
     /// Whether a decision reads what the prefix index says of the prompt: a P/D handler (its
     /// decider weighs the uncached tokens) or any filter, scorer or picker of a profile
     /// ([`Scorer::reads_prefix_match`]). When none does (round-robin, random, least-load), the

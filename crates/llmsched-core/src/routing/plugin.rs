@@ -22,6 +22,10 @@ pub struct RequestMeta {
     pub session_id: Option<String>,
     pub headers: Vec<(String, String)>,
     pub cache_salt: Option<String>,
+    /// The endpoint the caller names as the session's (llm-d's `x-session-token`, decoded): the
+    /// session's endpoint when `session_id` has no live binding. One that is not a member is
+    /// ignored.
+    pub session_endpoint: Option<WorkerKey>,
 }
 
 impl RequestMeta {
@@ -53,7 +57,8 @@ pub struct RequestContext<'a> {
     pub block_size: usize,
     /// Whether any endpoint of the pool holds part of the prompt.
     pub any_hit: bool,
-    /// The member the request's session is bound to, if any.
+    /// The member the request's session is bound to (its `session_id`'s live binding, else
+    /// its `session_endpoint` when a member), if any.
     pub session_slot: Option<usize>,
     pub now: f64,
     pub members: &'a Members,
@@ -139,6 +144,13 @@ pub trait Filter: Send + Sync {
     fn reads_prefix_match(&self) -> bool {
         true
     }
+
+    /// Whether it reads the session's endpoint ([`RequestContext::session_slot`]): a router
+    /// with such a plugin answers with the serving endpoint's session token
+    /// ([`RouterConfig::reads_session`](super::config::RouterConfig::reads_session)).
+    fn reads_session(&self) -> bool {
+        false
+    }
 }
 
 /// Scores candidates; each score should be in [0, 1] (the framework clamps).
@@ -163,6 +175,11 @@ pub trait Scorer: Send + Sync {
     /// ([`RouterConfig::reads_prefix_match`](super::config::RouterConfig::reads_prefix_match)).
     fn reads_prefix_match(&self) -> bool {
         true
+    }
+
+    /// Whether it reads the session's endpoint (as [`Filter::reads_session`]).
+    fn reads_session(&self) -> bool {
+        false
     }
 
     /// Called when a decision is committed (the request is sent).

@@ -362,9 +362,13 @@ impl Router {
         IdMap { generation: members.generation, slots }
     }
 
+    /// The member of the session's live binding, else of the endpoint the request names as
+    /// the session's (`session_endpoint`, e.g. a decoded `x-session-token`), when a member.
     fn session_slot(&self, meta: &RequestMeta, members: &Members, now: f64) -> Option<usize> {
-        let id = meta.session_id.as_ref()?;
-        self.sessions.with_bound(id, now, |key| members.by_id.get(key).copied())
+        let bound = meta.session_id.as_ref().and_then(|id| {
+            self.sessions.with_bound(id, now, |key| members.by_id.get(key).copied())
+        });
+        bound.or_else(|| meta.session_endpoint.as_ref().and_then(|k| members.by_id.get(k).copied()))
     }
 
     /// Turns on replica sync for this router: from now on commits are journaled, and the

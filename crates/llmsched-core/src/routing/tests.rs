@@ -259,6 +259,68 @@ fn sessions_stick_after_commit() {
     }
 }
 
+/// The endpoint the session plugin of `d`'s only profile favoured: the one a filter kept, or
+/// the one a scorer gave 1; None when it favoured none.
+fn favoured(d: &super::Decision) -> Option<String> {
+    let o = &d.outcomes[0];
+    let kept: Vec<usize> =
+        (0..o.kept.len()).filter(|&i| o.scores.is_empty() || o.score(0, i) == 1.0).collect();
+    match kept[..] {
+        [i] if o.kept.len() == 1 || !o.scores.is_empty() => {
+            Some(name(d, &d.base[o.kept[i] as usize]))
+        }
+        _ => None,
+    }
+}
+
+#[test]
+fn a_named_session_endpoint_is_the_session_s_unless_a_binding_lives() {
+    let s = Setup::new(
+        &["A", "B", "C"],
+        StalePolicy { mode: StaleMode::Ignore, ..StalePolicy::default() },
+    );
+    for plugin in ["session-affinity-scorer", "session-affinity-filter"] {
+        let config = json!({"plugins": [{"type": plugin}],
+            "schedulingProfiles": [{"name": "x", "plugins": [{"pluginRef": plugin}]}]});
+        let router = s.router(config, 3);
+        assert!(router.config().reads_session(), "{plugin}");
+        let pinned = |endpoint: &str, session: Option<&str>| RequestMeta {
+            session_endpoint: Some(key(endpoint)),
+            session_id: session.map(str::to_string),
+            ..RequestMeta::default()
+        };
+        let d = router.decide(&prompt(8), &RequestMeta::default(), 0.0).unwrap();
+        assert_eq!(favoured(&d), None, "{plugin}");
+        for t in 0..4 {
+            let d = router.decide(&prompt(8), &pinned("B", None), f64::from(t)).unwrap();
+            assert_eq!(favoured(&d).as_deref(), Some("B"), "{plugin}");
+            assert_eq!(name(&d, d.chosen()), "B", "{plugin}");
+            // Nothing is bound without a session id.
+            drop(router.commit(&d, None, f64::from(t)).unwrap());
+        }
+        assert!(router.sessions().is_empty());
+        // Not a member: ignored, no error.
+        let d = router.decide(&prompt(8), &pinned("Z", None), 5.0).unwrap();
+        assert_eq!(favoured(&d), None, "{plugin}");
+        // With a session id: the endpoint named pins the first request, whose commit binds
+        // the id; from then on the live binding wins over a name of another endpoint.
+        let d = router.decide(&prompt(8), &pinned("C", Some("s1")), 10.0).unwrap();
+        assert_eq!(favoured(&d).as_deref(), Some("C"), "{plugin}");
+        drop(router.commit(&d, None, 10.0).unwrap());
+        for t in 11..14 {
+            let d = router.decide(&prompt(8), &pinned("A", Some("s1")), f64::from(t)).unwrap();
+            assert_eq!(favoured(&d).as_deref(), Some("C"), "{plugin}");
+        }
+        // A session id without a live binding: the name holds.
+        let d = router.decide(&prompt(8), &pinned("A", Some("s2")), 14.0).unwrap();
+        assert_eq!(favoured(&d).as_deref(), Some("A"), "{plugin}");
+    }
+    let plain = s.router(json!({"plugins": [{"type": "round-robin-picker"}]}), 0);
+    assert!(!plain.config().reads_session());
+    let least = s.router(presets::preset("llm-d").unwrap(), 0);
+    assert!(!least.config().reads_session());
+}
+
 #[test]
 fn concurrent_decisions_leave_no_in_flight_counts() {
     let names: Vec<String> = (0..8).map(|i| format!("e{i}")).collect();

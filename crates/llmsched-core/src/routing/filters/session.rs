@@ -1,5 +1,7 @@
 //! `session-affinity-filter`: keeps only the endpoint the request's session is bound to, when
-//! that endpoint is a candidate; otherwise keeps all (fails open). No parameters.
+//! that endpoint is a candidate; otherwise keeps all (fails open). No parameters. The session's
+//! endpoint is as the `session-affinity-scorer` reads it (a live `session_id` binding, else the
+//! request's `session_endpoint`).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -17,6 +19,10 @@ pub struct SessionFilter;
 impl Filter for SessionFilter {
     fn reads_prefix_match(&self) -> bool {
         false
+    }
+
+    fn reads_session(&self) -> bool {
+        true
     }
 
     fn filter(

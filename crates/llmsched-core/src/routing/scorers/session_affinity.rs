@@ -1,6 +1,11 @@
 //! `session-affinity-scorer`: 1 for the endpoint the request's session is bound to, 0 for the
 //! others (and 0 everywhere for a request without a bound session). The router binds a session
 //! to the decode endpoint of each committed decision. No parameters.
+//!
+//! The session's endpoint is the live binding of the request's `session_id`, else the endpoint
+//! it names itself (`session_endpoint`): llm-d's scorer reads only the latter, from the
+//! `x-session-token` header (the base64 of the pod's `namespace/name`), which the gateway
+//! decodes into `session_endpoint` and sets on its answers.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -17,6 +22,10 @@ pub struct SessionAffinityScorer;
 impl Scorer for SessionAffinityScorer {
     fn reads_prefix_match(&self) -> bool {
         false
+    }
+
+    fn reads_session(&self) -> bool {
+        true
     }
 
     fn score(
