@@ -171,7 +171,9 @@ def _int64(name: str, value: object) -> object:
     """``value``, refused with :class:`~llmsched.errors.InvalidRequestError` when it is an
     int beyond 64 bits (the native core's range; its own checks name a negative one), and with
     :class:`~llmsched.errors.InvalidTypeError` when the native core could not read it as an int
-    at all (a numpy integer passes on, as the core reads it)."""
+    at all, or is a bool (a numpy integer passes on, as the core reads it)."""
+    if isinstance(value, bool):
+        raise InvalidTypeError(f"{name} must be an int, got bool")
     if type(value) is int:
         if not -(2**63) <= value < 2**63:
             raise InvalidRequestError(f"{name} must fit in 64 bits, got {value}")
