@@ -165,6 +165,15 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         (UnknownRequestError, "not running", lambda: ctrl.record_output(77, 3)),
         (TypeError, "FlowRequest", lambda: ctrl.enqueue({"id": 3})),  # type: ignore[arg-type]
         (TypeError, "prompt_tokens", lambda: ctrl.enqueue(FlowRequest(3, prompt_tokens="5"))),  # type: ignore[arg-type]
+        # A bool is not a count or an id (as FlowRequest's own fields already refuse it).
+        (TypeError, "output_tokens must be an int, got bool", lambda: ctrl.complete(1, True)),
+        (TypeError, "request_id must be an int, got bool", lambda: ctrl.is_queued(True)),
+        (TypeError, "request_id must be an int, got bool", lambda: ctrl.cancel(True)),
+        (
+            TypeError,
+            "prompt_tokens must be an int, got bool",
+            lambda: ctrl.charge_remote("a", prompt_tokens=False),
+        ),
     ]
     for kind, needle, call in cases:
         with pytest.raises(kind, match=needle):

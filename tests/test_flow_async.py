@@ -4,9 +4,12 @@ rejections, and two event loops in two threads sharing one controller."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -144,3 +147,113 @@ def test_sync_cancel_wakes_admit_and_waiters_wake_on_complete() -> None:
         assert (await asyncio.wait_for(second, 0.5)).id == 2
 
     asyncio.run(scenario())
+
+
+# -- a request id used again (a client retry, or two callers with one id) -----------------
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_admit_never_cancels_a_later_request_with_its_id() -> None:
+    """A's request was cancelled (its decision already handed over) and B queued under the
+    same id before A's task saw its cancellation: A's clean-up must not cancel B's request, nor
+    take B's waiter, or B waits forever."""
+
+    async def scenario() -> None:
+        ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1}})
+        await ctrl.admit(FlowRequest(100))  # holds the only slot
+        first = asyncio.create_task(ctrl.admit(FlowRequest(7)))
+        await asyncio.sleep(0.01)
+        assert ctrl.is_queued(7)
+        ctrl.cancel(7)  # A's decision is set; A has not resumed yet
+        retry = asyncio.create_task(ctrl.admit(FlowRequest(7)))
+        await asyncio.sleep(0)  # the retry queues under the same id
+        assert ctrl.is_queued(7)
+        first.cancel()
+        (result,) = await asyncio.gather(first, return_exceptions=True)
+        assert isinstance(result, (asyncio.CancelledError, FlowRejected))
+        assert ctrl.is_queued(7), "the retry's request is still queued"
+        ctrl.complete(100)
+        decision = await asyncio.wait_for(retry, 5)
+        assert (decision.id, decision.outcome) == (7, Outcome.DISPATCHED)
+        ctrl.complete(7)
+        outcomes = ctrl.metrics()["outcomes"]
+        assert (outcomes["dispatched"], outcomes["evicted_cancelled"]) == (2, 1)
+        assert len(ctrl) == 0 and ctrl.running_count() == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_duplicate_admit_never_takes_the_other_requests_decision() -> None:
+    """Request 7 was enqueued through the synchronous API; an admit() of id 7 is refused as a
+    duplicate. If the other request is dispatched while that admit is on its way in (another
+    thread, here the clock standing in for it), the dispatch still goes to its owner."""
+    hook: list[Callable[[], None]] = []
+
+    def clock() -> float:
+        while hook:
+            hook.pop()()
+        return 0.0
+
+    ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}}, clock=clock)
+    assert ctrl.enqueue(FlowRequest(7, payload="sync")) is None
+    handed: list[FlowDecision | None] = []
+    hook.append(lambda: handed.append(ctrl.dispatch()))
+
+    async def duplicate() -> None:
+        with pytest.raises(DuplicateRequestError):
+            await ctrl.admit(FlowRequest(7, payload="admit"))
+
+    asyncio.run(duplicate())
+    decision = handed[0] if handed and handed[0] is not None else ctrl.dispatch()
+    assert decision is not None and decision.payload == "sync", "the owner gets its dispatch"
+    ctrl.complete(7)
+    assert ctrl.running_count() == 0 and len(ctrl) == 0
+
+
+@pytest.mark.timeout(120)
+def test_threads_reusing_ids_with_admit_and_the_sync_api_leak_nothing() -> None:
+    """A thread enqueues, dispatches and completes ids 0..6 through the synchronous API while
+    an event loop admits the same ids: every dispatch reaches its owner (nothing is left
+    running once both drained), each admit either succeeds or is refused as a duplicate."""
+    ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1000}})
+    stop = threading.Event()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the windows are a few bytecodes wide
+
+    def sync_side() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            with contextlib.suppress(DuplicateRequestError):
+                if ctrl.enqueue(FlowRequest(i % 7, payload="sync")) is not None:
+                    continue
+            decision = ctrl.dispatch()
+            if decision is not None:
+                ctrl.complete(decision.id)
+
+    async def admit_side() -> Counter[str]:
+        seen: Counter[str] = Counter()
+        for i in range(30_000):
+            try:
+                decision = await ctrl.admit(FlowRequest(i % 7, payload="admit"))
+            except DuplicateRequestError:
+                seen["duplicate"] += 1
+                continue
+            assert decision.payload == "admit", "an admit got another request's dispatch"
+            ctrl.complete(decision.id)
+            seen["dispatched"] += 1
+        return seen
+
+    thread = threading.Thread(target=sync_side)
+    thread.start()
+    try:
+        seen = asyncio.run(admit_side())
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert seen["dispatched"] + seen["duplicate"] == 30_000
+    while (decision := ctrl.dispatch()) is not None:  # what the sync side left behind
+        ctrl.complete(decision.id)
+    assert len(ctrl) == 0 and ctrl.running_count() == 0, "a dispatch reached nobody"

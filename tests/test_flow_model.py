@@ -132,10 +132,11 @@ def same(native: FlowDecision | None, twin: TwinDecision | None) -> None:
         return
     got = (native.id, native.outcome.key, native.priority, native.tenant, native.prompt_tokens)
     assert got == (twin.id, twin.outcome, twin.priority, twin.tenant, twin.tokens)
-    assert (native.size_bytes, native.wait_s, native.payload) == (
+    assert (native.size_bytes, native.wait_s, native.payload, native.ticket) == (
         twin.size_bytes,
         twin.wait_s,
         twin.payload,
+        twin.ticket,
     )
 
 
@@ -151,6 +152,9 @@ class FlowMachine(RuleBasedStateMachine):
         self.next_id = 0
         # id -> "queued" | "running" | terminal outcome key; a request finishes once.
         self.state: dict[int, str] = {}
+        # id -> the ticket of its latest enqueue (ids are used again once their request left).
+        self.tickets: dict[int, int] = {}
+        self.next_ticket = 0
         for endpoint in ENDPOINTS[:2]:
             self.native.update_endpoint(endpoint, 0, 0, 0.1, 0.0)
             self.twin.update_endpoint(endpoint, 0, 0, 0.1, 0.0)
@@ -219,11 +223,25 @@ class FlowMachine(RuleBasedStateMachine):
         ttft: float | None,
     ) -> None:
         self.next_id += 1
-        rid = self.next_id
+        self.offer(self.next_id, priority, tenant, tokens, size, deadline, ttft)
+
+    def offer(
+        self,
+        rid: int,
+        priority: int,
+        tenant: str,
+        tokens: int,
+        size: int,
+        deadline: float | None,
+        ttft: float | None,
+    ) -> None:
+        self.next_ticket += 1
+        ticket = self.next_ticket
+        self.tickets[rid] = ticket
         deadline = None if deadline is None else self.now + deadline
-        args = (rid, priority, tenant, tokens, size, deadline, ttft, f"p{rid}", self.now)
-        native = self.native.enqueue(*args)
-        twin = self.twin.enqueue(*args)
+        args = (rid, priority, tenant, tokens, size, deadline, ttft, f"p{rid}.{ticket}", self.now)
+        native = self.native.enqueue(*args, ticket)
+        twin = self.twin.enqueue(*args, ticket)
         assert (native.key if native else None) == twin
         self.state[rid] = "queued"
         self.compare_outbox()
@@ -284,6 +302,28 @@ class FlowMachine(RuleBasedStateMachine):
         for pick in picks:
             if self.twin.running:
                 self.complete(pick, 5, partial=False)
+
+    @rule(pick=st.integers(0, 1000), priority=st.integers(-2, 2), tenant=st.sampled_from(TENANTS))
+    def enqueue_again(self, pick: int, priority: int, tenant: str) -> None:
+        """An id whose request has left is queued again (a client's retry)."""
+        done = sorted(rid for rid, s in self.state.items() if s not in ("queued", "running"))
+        assume(done)
+        self.offer(done[pick % len(done)], priority, tenant, 5, 5, None, None)
+
+    @rule(pick=st.integers(0, 1000), stale=st.booleans())
+    def cancel_by_ticket(self, pick: int, stale: bool) -> None:
+        """Cancels the request an id's latest enqueue made, or (stale) an earlier one: an
+        earlier ticket cancels nothing, whatever its id holds now."""
+        assume(self.tickets)
+        rid = sorted(self.tickets)[pick % len(self.tickets)]
+        ticket = self.tickets[rid] - 1 if stale else self.tickets[rid]
+        native = self.native.cancel(rid, self.now, ticket)
+        twin = self.twin.cancel(rid, self.now, ticket)
+        same(native, twin)
+        if stale:
+            assert twin is None
+        if twin is not None:
+            self.finish(twin)
 
     @rule(pick=st.integers(0, 1000))
     def cancel(self, pick: int) -> None:

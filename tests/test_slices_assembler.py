@@ -335,6 +335,65 @@ def test_stop_strings_across_boundaries(
     assert len(finals) == 1 and chunks[-1] is finals[0]
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="ab", min_size=0, max_size=14),
+    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=3), min_size=1, max_size=2),
+    cuts=st.lists(st.integers(1, 5), min_size=1, max_size=8),
+    include=st.booleans(),
+    chat=st.booleans(),
+)
+def test_stop_strings_the_engine_cuts_across_boundaries(
+    text: str, stops: list[str], cuts: list[int], include: bool, chat: bool
+) -> None:
+    """The engine applies the forwarded stop strings to each slice's own output, as vLLM does
+    (one character per token, checked after every token, stops in list order) and cuts the one
+    it matched out of its text. An occurrence that straddles a boundary, which the engine
+    cannot see, ends the response when it ends first, as in the uninterrupted generation."""
+    api = "chat" if chat else "completions"
+    request: dict[str, Any] = {"model": "m", "max_tokens": len(text) + 1, "stop": stops}
+    request["include_stop_str_in_output"] = include
+    if chat:
+        request["messages"] = [{"role": "user", "content": "q"}]
+    else:
+        request["prompt"] = "p"
+    asm = SliceAssembler(request, api=api)  # type: ignore[arg-type]
+    chunks: list[dict[str, Any]] = []
+    pos, k, made = 0, 0, 0
+    key = "text" if api == "completions" else "content"
+    while not asm.done:
+        size = cuts[k % len(cuts)]
+        k += 1
+        body = asm.next_request(size)
+        out, tokens, finish, stop_reason = "", 0, "length", None
+        while tokens < body["max_tokens"]:
+            tokens += 1
+            if pos >= len(text):
+                finish = "stop"  # the end-of-sequence token
+                break
+            out += text[pos]
+            pos += 1
+            hit = next((s for s in body["stop"] if out.endswith(s)), None)
+            if hit is not None:
+                out = out if include else out[: -len(hit)]
+                finish, stop_reason = "stop", hit
+                break
+        made += tokens
+        choice = {"index": 0, key: out} if not chat else {"index": 0, "delta": {key: out}}
+        chunks += asm.feed({"choices": [choice]})
+        final = {"index": 0, key: "", "finish_reason": finish, "stop_reason": stop_reason}
+        chunks += asm.feed({"choices": [final]})
+        chunks += asm.feed({"choices": [], "usage": {"completion_tokens": tokens}})
+        chunks += asm.end_slice()
+    want, stop = reference_cut(text, stops, include)
+    assert (asm.text, asm.stop_reason) == (want, stop)
+    assert streamed_text(chunks, api) == want
+    assert asm.finish_reason == "stop"
+    assert asm.usage.completion_tokens == made, "every slice's tokens are counted"
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and chunks[-1] is finals[0]
+
+
 # --------------------------------------------------------------------------------------------
 # Continuation request shapes and errors
 # --------------------------------------------------------------------------------------------

@@ -187,8 +187,9 @@ def _flow() -> list[str]:
         "",
         "The defaults, as `llmsched.flow.default_config()` resolves them. `bands` lists "
         "per-priority overrides of `default_band` (each with its `priority`); a policy "
-        "(`saturation`, `ceilings`, `shedding`, `fairness`, `ordering`, `ceiling`) is "
-        "`{type: ..., <its parameters>}`, and an absent parameter takes the default shown.",
+        "(`saturation`, `ceilings`, `shedding`, `fairness`, `ordering`) is "
+        "`{type: ..., <its parameters>}`, and an absent parameter takes the default shown; a "
+        "band's `ceiling` is a number (null: the `ceilings` policy's).",
         "",
         *rows,
         "",

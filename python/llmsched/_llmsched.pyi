@@ -836,6 +836,9 @@ class FlowDecision:
     def payload(self) -> Any:
         """The payload given at enqueue."""
     @property
+    def ticket(self) -> int | None:
+        """The ticket given at enqueue (which ``admit()`` awaits it), or None."""
+    @property
     def http_status(self) -> int:
         """The outcome's HTTP status."""
     @property
@@ -862,12 +865,15 @@ class FlowCore:
         ttft_target: float | None,
         payload: Any,
         now: float,
+        ticket: int | None = None,
     ) -> Outcome | None:
-        """Queues a request; returns the rejection outcome, or None when queued."""
+        """Queues a request; returns the rejection outcome, or None when queued. ``ticket``
+        comes back on its decision (ids may be reused, tickets are the caller's to keep
+        unique)."""
     def dispatch(self, now: float) -> FlowDecision | None:
         """The next request to dispatch, or None."""
-    def cancel(self, id: int, now: float) -> FlowDecision | None:
-        """Cancels a queued or running request."""
+    def cancel(self, id: int, now: float, ticket: int | None = None) -> FlowDecision | None:
+        """Cancels a queued request (given ``ticket``, only the one enqueued with it)."""
     def expire(self, now: float) -> list[FlowDecision]:
         """Evicts requests past their TTL."""
     def drain_evicted(self) -> list[FlowDecision]:

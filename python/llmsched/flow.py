@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import os
 import sys
@@ -48,7 +49,6 @@ from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_con
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
     ConfigError,
-    DuplicateRequestError,
     FlowRejected,
     InvalidRequestError,
     InvalidTypeError,
@@ -171,7 +171,9 @@ def _int64(name: str, value: object) -> object:
     """``value``, refused with :class:`~llmsched.errors.InvalidRequestError` when it is an
     int beyond 64 bits (the native core's range; its own checks name a negative one), and with
     :class:`~llmsched.errors.InvalidTypeError` when the native core could not read it as an int
-    at all (a numpy integer passes on, as the core reads it)."""
+    at all, or is a bool (a numpy integer passes on, as the core reads it)."""
+    if isinstance(value, bool):
+        raise InvalidTypeError(f"{name} must be an int, got bool")
     if type(value) is int:
         if not -(2**63) <= value < 2**63:
             raise InvalidRequestError(f"{name} must fit in 64 bits, got {value}")
@@ -222,7 +224,11 @@ class FlowController:
         self._config: FlowConfig = self._core.config()
         self._clock = clock
         self._poll_interval_s = float(poll_interval_s)
+        # Keyed by ticket, not by request id: an id may be queued again (a retry, another
+        # caller) once its request left, and a decision must reach only the admit() whose
+        # enqueue made it (the core hands each decision back with its ticket).
         self._waiters: dict[int, _Waiter] = {}
+        self._tickets = itertools.count(1)
         # Dispatched by `pump` with nobody awaiting them: handed out by `dispatch`.
         self._unclaimed: deque[FlowDecision] = deque()
         # Side-effect evictions with nobody awaiting them: handed out by `drain_evicted`.
@@ -248,6 +254,12 @@ class FlowController:
         >>> ctrl.enqueue(FlowRequest(1)), ctrl.enqueue(FlowRequest(2))
         (None, Outcome.REJECTED_CAPACITY)
         """
+        return self._enqueue(request, now, None)
+
+    def _enqueue(
+        self, request: FlowRequest, now: float | None, ticket: int | None
+    ) -> Outcome | None:
+        """:meth:`enqueue`, the request carrying ``ticket`` (the awaiting :meth:`admit`)."""
         if not isinstance(request, FlowRequest):
             raise InvalidTypeError(f"request must be a FlowRequest, got {type(request).__name__}")
         for name in ("id", "priority", "prompt_tokens", "size_bytes"):
@@ -271,6 +283,7 @@ class FlowController:
                 request.ttft_target,
                 request.payload,
                 t,
+                ticket,
             )
         except TypeError:  # name the field the native conversion refused
             check_str("FlowRequest.tenant", request.tenant)
@@ -574,7 +587,11 @@ class FlowController:
         """Enqueues ``request`` and returns its :class:`FlowDecision` once dispatched; raises
         :class:`~llmsched.errors.FlowRejected` (with outcome, HTTP status and reason) when it
         is refused or evicted. Cancelling the awaiting task cancels the request; if it was
-        dispatched in the same instant, it is completed on the caller's behalf.
+        dispatched in the same instant, it is completed on the caller's behalf. An id that is
+        queued or running already (whoever enqueued it) raises
+        :class:`~llmsched.errors.DuplicateRequestError` and changes nothing; once its request
+        has left, the id may be used again, and each call only ever gets or cancels its own
+        request.
 
         >>> import asyncio
         >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 8}})
@@ -587,22 +604,24 @@ class FlowController:
 
         loop = asyncio.get_running_loop()
         future: asyncio.Future[FlowDecision] = loop.create_future()
-        waiter: _Waiter = (loop, future)
-        if self._waiters.setdefault(request.id, waiter) is not waiter:
-            raise DuplicateRequestError(f"request {request.id} is already awaited by admit()")
+        # Registered before the enqueue: another thread may dispatch the request at once.
+        # A request id already queued or running is refused by the core
+        # (DuplicateRequestError), which leaves everything as it was.
+        ticket = next(self._tickets)
+        self._waiters[ticket] = (loop, future)
         try:
-            refused = self.enqueue(request)
+            refused = self._enqueue(request, None, ticket)
         except BaseException:
-            self._waiters.pop(request.id, None)
+            self._waiters.pop(ticket, None)
             raise
         if refused is not None:
-            self._waiters.pop(request.id, None)
+            self._waiters.pop(ticket, None)
             raise FlowRejected(request.id, refused)
         self.pump()
         try:
             decision = await self._wait(future, self._expiry_of(request))
         except asyncio.CancelledError:
-            self._abandon(request.id, future)
+            self._abandon(request.id, ticket, future)
             raise
         if decision.outcome != Outcome.DISPATCHED:
             raise FlowRejected(request.id, decision.outcome)
@@ -628,12 +647,13 @@ class FlowController:
                 return future.result()
             self.poll()
 
-    def _abandon(self, request_id: int, future: asyncio.Future[FlowDecision]) -> None:
+    def _abandon(self, request_id: int, ticket: int, future: asyncio.Future[FlowDecision]) -> None:
         """The awaiting task was cancelled: cancel the request, or, when a decision is already
-        on its way, release a dispatched request once it lands."""
-        cancelled = self._core.cancel(request_id, self._clock())
+        on its way, release a dispatched request once it lands. Only this call's own request
+        (its ticket): the id may have been queued again since its decision was made."""
+        cancelled = self._core.cancel(request_id, self._clock(), ticket)
         if cancelled is not None:
-            self._waiters.pop(request_id, None)
+            self._waiters.pop(ticket, None)
             return
         future.add_done_callback(lambda f: self._release(request_id, f))
 
@@ -650,7 +670,8 @@ class FlowController:
 
     def _settle_waiter(self, decision: FlowDecision) -> bool:
         """Hands ``decision`` to the :meth:`admit` awaiting it; False when there is none."""
-        waiter = self._waiters.pop(decision.id, None)
+        ticket = decision.ticket
+        waiter = None if ticket is None else self._waiters.pop(ticket, None)
         if waiter is None:
             return False
         loop, future = waiter

@@ -341,12 +341,14 @@ class ProfileData(TypedDict):
 
 
 class BandConfig(TypedDict):
-    """The resolved settings of a priority band (see :mod:`llmsched.flow`)."""
+    """The resolved settings of a priority band (see :mod:`llmsched.flow`). None: no limit
+    (``max_requests``, ``max_bytes``), no expiry (``ttl_s``), the ``ceilings`` policy's
+    ceiling (``ceiling``, else a saturation number this band stops dispatching at)."""
 
-    max_requests: int
-    max_bytes: int
-    ttl_s: float
-    ceiling: PolicySpec | None
+    max_requests: int | None
+    max_bytes: int | None
+    ttl_s: float | None
+    ceiling: float | None
     fairness: PolicySpec
     ordering: PolicySpec
 

@@ -13,7 +13,15 @@ use llmsched_core::flow::{
     EndpointMetrics, FlowConfig, FlowController, FlowDecision, FlowRequest, Outcome, PolicyRegistry,
 };
 
-type Core = FlowController<Py<PyAny>>;
+type Core = FlowController<Carried>;
+
+/// What a queued request carries through the core: the caller's payload and the ticket of the
+/// `admit()` awaiting it (None for a plain `enqueue`). Ids may be reused once a request has
+/// left, so the ticket, not the id, says which awaiting call a decision belongs to.
+struct Carried {
+    payload: Py<PyAny>,
+    ticket: Option<u64>,
+}
 
 /// The terminal outcome of a request, with its HTTP status and dropped-reason header value.
 #[pyclass(frozen, eq, eq_int, hash, name = "Outcome", module = "llmsched._llmsched")]
@@ -94,10 +102,13 @@ pub struct PyFlowDecision {
     wait_s: f64,
     #[pyo3(get)]
     payload: Py<PyAny>,
+    /// The ticket given at enqueue (the awaiting `admit()`), or None.
+    #[pyo3(get)]
+    ticket: Option<u64>,
 }
 
-impl From<FlowDecision<Py<PyAny>>> for PyFlowDecision {
-    fn from(d: FlowDecision<Py<PyAny>>) -> Self {
+impl From<FlowDecision<Carried>> for PyFlowDecision {
+    fn from(d: FlowDecision<Carried>) -> Self {
         PyFlowDecision {
             id: d.id,
             outcome: d.outcome.into(),
@@ -106,7 +117,8 @@ impl From<FlowDecision<Py<PyAny>>> for PyFlowDecision {
             prompt_tokens: d.tokens,
             size_bytes: d.bytes,
             wait_s: d.waited_s,
-            payload: d.payload,
+            payload: d.payload.payload,
+            ticket: d.payload.ticket,
         }
     }
 }
@@ -140,7 +152,7 @@ impl PyFlowDecision {
     }
 }
 
-fn decisions(list: Vec<FlowDecision<Py<PyAny>>>) -> Vec<PyFlowDecision> {
+fn decisions(list: Vec<FlowDecision<Carried>>) -> Vec<PyFlowDecision> {
     list.into_iter().map(PyFlowDecision::from).collect()
 }
 
@@ -181,7 +193,7 @@ impl PyFlowCore {
     }
 
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (id, priority, tenant, prompt_tokens, size_bytes, deadline, ttft_target, payload, now))]
+    #[pyo3(signature = (id, priority, tenant, prompt_tokens, size_bytes, deadline, ttft_target, payload, now, ticket=None))]
     fn enqueue(
         &self,
         id: i64,
@@ -193,6 +205,7 @@ impl PyFlowCore {
         ttft_target: Option<f64>,
         payload: Py<PyAny>,
         now: f64,
+        ticket: Option<u64>,
     ) -> PyResult<Option<PyOutcome>> {
         let request = FlowRequest {
             id: non_negative("id", id)?,
@@ -202,7 +215,7 @@ impl PyFlowCore {
             bytes: non_negative("size_bytes", size_bytes)?,
             deadline,
             ttft_target,
-            payload,
+            payload: Carried { payload, ticket },
         };
         let refused = self.inner.lock().enqueue(request, now).py()?;
         Ok(refused.map(|decision| decision.outcome.into()))
@@ -213,9 +226,12 @@ impl PyFlowCore {
         Ok(dispatched.map(PyFlowDecision::from))
     }
 
-    fn cancel(&self, id: i64, now: f64) -> PyResult<Option<PyFlowDecision>> {
+    /// Cancels the queued request `id`; given a `ticket`, only the one enqueued with it.
+    #[pyo3(signature = (id, now, ticket=None))]
+    fn cancel(&self, id: i64, now: f64, ticket: Option<u64>) -> PyResult<Option<PyFlowDecision>> {
         let id = non_negative("id", id)?;
-        let cancelled = self.inner.lock().cancel(id, now).py()?;
+        let owns = |carried: &Carried| ticket.is_none() || carried.ticket == ticket;
+        let cancelled = self.inner.lock().cancel_if(id, now, owns).py()?;
         Ok(cancelled.map(PyFlowDecision::from))
     }
 

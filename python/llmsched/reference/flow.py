@@ -51,6 +51,7 @@ class TwinDecision:
     size_bytes: int
     wait_s: float
     payload: Any
+    ticket: int | None = None
 
 
 @dataclass
@@ -64,6 +65,7 @@ class _Item:
     key: float
     seq: int
     payload: Any
+    ticket: int | None = None
 
 
 @dataclass
@@ -349,6 +351,7 @@ class FlowControllerTwin:
             item.size_bytes,
             now - item.arrival,
             item.payload,
+            item.ticket,
         )
 
     def _evict(self, request_id: int, outcome: str, now: float) -> TwinDecision:
@@ -420,8 +423,10 @@ class FlowControllerTwin:
         ttft_target: float | None,
         payload: Any,
         now: float,
+        ticket: int | None = None,
     ) -> str | None:
-        """None when queued, else the refusal outcome key."""
+        """None when queued, else the refusal outcome key; ``ticket`` comes back on the
+        request's decision."""
         for name, value in (("id", request_id), ("tokens", tokens), ("size_bytes", size_bytes)):
             if value < 0:
                 raise InvalidRequestError(f"{name} must be >= 0, got {value}")
@@ -467,7 +472,9 @@ class FlowControllerTwin:
         else:
             key = 0.0
         seq = self._next_seq()
-        item = _Item(request_id, priority, tenant, tokens, size_bytes, now, key, seq, payload)
+        item = _Item(
+            request_id, priority, tenant, tokens, size_bytes, now, key, seq, payload, ticket
+        )
         band.push(item)
         self.queued[request_id] = item
         return None
@@ -487,9 +494,11 @@ class FlowControllerTwin:
         self.running[item.id] = _Running(item.priority, item.tenant, item.tokens, dispatch_seq)
         return self._decision(item, "dispatched", now)
 
-    def cancel(self, request_id: int, now: float) -> TwinDecision | None:
+    def cancel(self, request_id: int, now: float, ticket: int | None = None) -> TwinDecision | None:
+        """Evicts the queued request (given ``ticket``, only the one enqueued with it)."""
         now = self._advance(now)
-        if request_id not in self.queued:
+        item = self.queued.get(request_id)
+        if item is None or (ticket is not None and item.ticket != ticket):
             return None
         return self._evict(request_id, "evicted_cancelled", now)
 

@@ -355,9 +355,25 @@ impl<P> FlowController<P> {
         id: RequestId,
         now: f64,
     ) -> Result<Option<FlowDecision<P>>, FlowError> {
+        self.cancel_if(id, now, |_| true)
+    }
+
+    /// [`cancel`](Self::cancel), only when the queued request's payload passes `owns`; `None`
+    /// otherwise, and nothing changes. Ids are unique among live requests only, so a caller
+    /// whose request may have left the queue already (and its id been queued again since, by
+    /// a retry or another caller) names its own request by the payload it gave: it then never
+    /// cancels the later one.
+    pub fn cancel_if(
+        &mut self,
+        id: RequestId,
+        now: f64,
+        owns: impl FnOnce(&P) -> bool,
+    ) -> Result<Option<FlowDecision<P>>, FlowError> {
         let now = self.advance(check_time("now", now)?);
         match self.state_of(id) {
-            Some((slot, SlotState::Queued)) => {
+            Some((slot, SlotState::Queued))
+                if self.slab.get(slot).payload.as_ref().is_some_and(owns) =>
+            {
                 Ok(self.evict_slot(slot, Outcome::EvictedCancelled, now))
             }
             _ => Ok(None),

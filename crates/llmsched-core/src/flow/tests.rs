@@ -155,6 +155,23 @@ fn cancel_and_bad_input_leave_state_consistent() {
 }
 
 #[test]
+fn cancel_if_cancels_only_the_request_whose_payload_it_names() {
+    let mut c = controller(ROOMY);
+    // The first request under id 1 left; a retry queued under the same id, payload 9.
+    c.enqueue(FlowRequest { payload: 9, ..request(1, 0, "a") }, 0.0).unwrap();
+    assert!(c.cancel_if(1, 1.0, |&p| p == 1).unwrap().is_none());
+    assert!(c.is_queued(1) && c.len() == 1, "another's request stays queued");
+    assert_eq!(c.outcome_counts()[Outcome::EvictedCancelled.index()], 0);
+    let d = c.cancel_if(1, 1.0, |&p| p == 9).unwrap().unwrap();
+    assert_eq!((d.id, d.outcome, d.payload), (1, Outcome::EvictedCancelled, 9));
+    // A running request is never cancelled, whatever the predicate says.
+    c.enqueue(request(2, 0, "a"), 1.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 1.0), vec![2]);
+    assert!(c.cancel_if(2, 1.0, |_| true).unwrap().is_none());
+    assert!(c.is_running(2));
+}
+
+#[test]
 fn preemption_victims_lowest_priority_newest_first_capped_and_paced() {
     let json = r#"{"saturation": {"type": "concurrency", "max_requests": 4},
         "shedding": {"type": "none"}}"#;

@@ -701,6 +701,31 @@ impl SliceAssembler {
         self.emit_upto(safe)
     }
 
+    /// [`release`](Self::release) at the end of the response. An engine that stopped on one
+    /// of the stop strings cut it out of its text (unless `include_stop_str_in_output`), so the
+    /// text seen here ends where that occurrence began; it is put back for the scan, so that an
+    /// occurrence straddling the slice boundary (which the engine, seeing only its slice's
+    /// output, could not match) still wins when it ends first, as it would have unsliced. The
+    /// text put back is never released: a stop string is found at the latest there.
+    fn release_last(&mut self, reason: &Value) -> Vec<Value> {
+        let cut = match (reason.as_str(), self.slice_stop_reason.as_str()) {
+            (Some("stop"), Some(stop)) if !self.include_stop => {
+                self.stops.iter().find(|s| s.as_str() == stop).cloned()
+            }
+            _ => None,
+        };
+        let Some(stop) = cut else {
+            return self.release(true);
+        };
+        let seen = self.text.len();
+        self.text.push_str(&stop);
+        let out = self.release(true);
+        debug_assert!(self.done() && self.emitted <= seen);
+        self.text.truncate(seen);
+        self.scanned = self.scanned.min(seen);
+        out
+    }
+
     fn emit_upto(&mut self, end: usize) -> Vec<Value> {
         if end <= self.emitted {
             return Vec::new();
@@ -739,7 +764,7 @@ impl SliceAssembler {
                     "the engine stream ended without a finish_reason".into(),
                 ));
             };
-            out.extend(self.release(true));
+            out.extend(self.release_last(&reason));
             if !self.done() {
                 self.finish_reason = Some(reason);
                 self.stop_reason = self.slice_stop_reason.as_str().map(str::to_owned);

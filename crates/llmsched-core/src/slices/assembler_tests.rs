@@ -75,6 +75,38 @@ fn a_stop_string_across_a_boundary_is_found_in_characters() {
 }
 
 #[test]
+fn a_stop_string_the_engine_cut_still_yields_to_one_across_the_boundary() {
+    // Unsliced, "b" then "a" ends "ba" first (ties: "ba" is listed first): the answer is "".
+    // Sliced one token at a time, the second slice's engine sees only "a", matches "a" and cuts
+    // it from its text: the assembler must put it back to find "ba" across the boundary.
+    let request = json!({"prompt": [1], "max_tokens": 5, "stop": ["ba", "a"]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(1).unwrap();
+    asm.feed(&completion("b", &[98], Some("length"))).unwrap();
+    assert!(asm.end_slice().unwrap().is_empty());
+    asm.next_request(1).unwrap();
+    let stop = json!({"choices": [{"index": 0, "text": "", "token_ids": [97],
+        "finish_reason": "stop", "stop_reason": "a"}]});
+    asm.feed(&stop).unwrap();
+    let end = asm.end_slice().unwrap();
+    assert_eq!(texts(&end), [""]);
+    assert_eq!((asm.text(), asm.stop_reason()), ("", Some("ba")));
+    assert_eq!(asm.usage().completion_tokens, 2);
+    // Where no occurrence straddles, the engine's own stop stands and the text is kept.
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(1).unwrap();
+    asm.feed(&completion("b", &[98], Some("length"))).unwrap();
+    asm.end_slice().unwrap();
+    asm.next_request(1).unwrap();
+    let stop = json!({"choices": [{"index": 0, "text": "", "token_ids": [97],
+        "finish_reason": "stop", "stop_reason": "x"}]});
+    asm.feed(&stop).unwrap();
+    let end = asm.end_slice().unwrap();
+    assert_eq!(texts(&end), ["b", ""]);
+    assert_eq!((asm.text(), asm.stop_reason()), ("b", Some("x")));
+}
+
+#[test]
 fn a_chat_continues_its_final_assistant_message() {
     let request = json!({"model": "m", "max_completion_tokens": 4,
         "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}});
