@@ -411,3 +411,85 @@ def test_a_step_on_an_idle_replica_pays_the_wake_up(engine: str, tmp_path) -> No
     firsts = sorted(t for a, t in ttft if a == 0.0)
     assert firsts == pytest.approx([alone, alone + beside], rel=1e-12)
     assert [t for a, t in ttft if a > 0] == pytest.approx([alone], rel=1e-12)
+
+
+def _kv_trace_scenario(tmp_path, rows: list[tuple[float, int, int]], **over) -> ScenarioConfig:
+    """One replica of 1024 KV tokens (64 blocks of 16) serving ``(arrival, prompt, output)``."""
+    trace = tmp_path / "kv.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": p, "output_length": o}) + "\n"
+            for t, p, o in rows
+        )
+    )
+    workload = {"kind": "trace", "path": str(trace), "timestamp_unit": "s"}
+    return scenario(engine={"kv_tokens": 1024}, workload=workload, **over)
+
+
+@ENGINES
+def test_peak_kv_use_counts_the_blocks_a_decode_run_grows(engine: str, tmp_path) -> None:
+    """Probe 58: the 899 decode steps of one request run as one closed-form event; its KV
+    grows from 2 blocks to ceil((32 + 899) / 16) = 59 of 64 before it finishes and frees
+    them. The peak was read after the finish (0.031); it is 59/64."""
+    cfg = _kv_trace_scenario(tmp_path, [(0.0, 32, 900)])
+    sim = Simulation(cfg, "round-robin", engine=engine)
+    summary = sim.run().summary()
+    assert summary["kv_use"]["peak"] == 59 / 64
+
+
+@ENGINES
+def test_mean_kv_use_is_weighted_by_time(engine: str, tmp_path) -> None:
+    """Every step takes 10 ms: 2 blocks for the prefill step, then one more block at the
+    start of decode steps 0, 16, ..., 896 (vLLM allocates a step's slot when it schedules it)
+    until the run ends at 9.0 s; the mean is the integral over ``[0, 9.0]`` over 64 blocks."""
+    cfg = _kv_trace_scenario(
+        tmp_path, [(0.0, 32, 900)], step_model={"linear": {"b0": 0.01, "b1": 0.0, "b2": 0.0}}
+    )
+    sim = Simulation(cfg, "round-robin", engine=engine)
+    summary = sim.run().summary()
+    area = 2 * 0.01 + 59 * 8.99 - 0.01 * 16 * sum(range(57))
+    assert summary["kv_use"]["mean"] == pytest.approx(area / (64 * 9.0), rel=1e-9)
+    assert summary["kv_use"]["peak"] == 59 / 64
+
+
+class _KvSeen:
+    """Sends every request to replica 0 and records the KV use it last saw at each pick."""
+
+    name = "kv-seen"
+
+    def __init__(self) -> None:
+        self.kv = 0.0
+        self.seen: list[float] = []
+
+    def update_metrics(
+        self, replica: int, waiting: int, running: int, kv_cache_usage: float, now: float
+    ) -> None:
+        self.kv = kv_cache_usage
+
+    def pick(self, req, now: float) -> tuple[int, int | None]:
+        self.seen.append(self.kv)
+        return 0, None
+
+    def on_first_token(self, req, now: float) -> None:
+        pass
+
+    def on_finished(self, req, now: float) -> None:
+        pass
+
+
+@ENGINES
+def test_a_router_sees_the_kv_held_at_its_decision(engine: str, tmp_path) -> None:
+    """Every step takes 10 ms. The second request arrives at 0.505 s, during decode step 49
+    of the first request's run (which began at 0.01 s): that request holds its 2 prompt
+    blocks plus the blocks of steps 0, 16, 32 and 48, so the router sees 6/64, not the 2/64
+    published when the run began."""
+    cfg = _kv_trace_scenario(
+        tmp_path,
+        [(0.0, 32, 900), (0.505, 16, 2)],
+        step_model={"linear": {"b0": 0.01, "b1": 0.0, "b2": 0.0}},
+    )
+    policy = _KvSeen()
+    sim = Simulation(cfg, policy, engine=engine)
+    summary = sim.run().summary()
+    assert policy.seen == [0.0, 6 / 64]
+    assert summary["kv_use"]["peak"] == 59 / 64

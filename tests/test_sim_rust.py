@@ -188,6 +188,9 @@ def assert_same(cfg: ScenarioConfig, policy: Any) -> None:
             r.decode_ctx,
             r.steps,
         )
+        # KV use over the run: the peak and the time-weighted mean, bit for bit.
+        assert (p.kv.peak, p.kv.mean) == (r.kv.peak, r.kv.mean)
+    assert a.summary().get("kv_use") == b.summary().get("kv_use")
 
 
 def _sid(session: Any) -> int | None:

@@ -457,6 +457,8 @@ fn output<'py>(py: Python<'py>, out: SimOutput) -> PyResult<Bound<'py, PyDict>> 
         r.set_item("steps", c.steps)?;
         r.set_item("kv_requests", rep.kv_requests)?;
         r.set_item("kv_usage", rep.kv_usage)?;
+        r.set_item("kv_peak", rep.kv_peak)?;
+        r.set_item("kv_mean", rep.kv_mean)?;
         r.set_item("running", rep.running)?;
         r.set_item("waiting", rep.waiting)?;
         r.set_item("decode_n", rep.decode_n)?;

@@ -12,6 +12,12 @@
 //! reference engine is the oracle of the equivalence tests). Cost per event: O(log events +
 //! blocks touched).
 //!
+//! KV use: a decode run's blocks are allocated at its end, but what a replica holds at any
+//! instant is known (a decoding request takes a block every `block_size` steps, at known
+//! steps): a replica in a run republishes it before each routing decision when it grew, and
+//! the peak and time integral of blocks held are accounted per block added (O(blocks added)
+//! per run), as vLLM's `kv_cache_usage_perc` would read at every instant.
+//!
 //! Flow control: with a [`FlowSetup`], arrivals are offered to the flow core
 //! ([`FlowController`], the one `llmsched.flow` wraps) in simulated time; what it dispatches is
 //! routed, what it refuses or lets expire is rejected, and every replica's metrics feed its
@@ -320,6 +326,12 @@ struct Replica {
     run: Option<DecodeRun>,
     run_steps: u64,
     counters: Counters,
+    /// KV use over time, in blocks (see [`Replica::kv_observe`]): the blocks held since
+    /// `kv_since`, the integral of blocks held over time until then, and the peak.
+    kv_held: u64,
+    kv_since: f64,
+    kv_area: f64,
+    kv_peak: u64,
 }
 
 /// One finished (or refused) request, in the order requests left the simulation.
@@ -354,6 +366,10 @@ pub struct ReplicaEnd {
     pub waiting: usize,
     pub decode_n: u64,
     pub decode_ctx: u64,
+    /// Over the run: the peak KV use, and the mean over `[0, now]` weighted by time (the
+    /// blocks held at every instant, a decode run's growth included).
+    pub kv_peak: f64,
+    pub kv_mean: f64,
 }
 
 /// What a simulation produced.
@@ -424,6 +440,8 @@ struct World<'p> {
     pending_metrics: Vec<VecDeque<(f64, u32, u32, f64)>>,
     kv_trace: Vec<Vec<(f64, f64)>>,
     next_kv_sample: Vec<f64>,
+    /// The KV use each replica published last.
+    published: Vec<f64>,
     feeds: Vec<Option<(usize, Vec<IdEvent>)>>,
     /// A KV event's blocks as hashes (reused from event to event).
     event_hashes: Vec<u64>,
@@ -664,6 +682,10 @@ impl<'p> Simulation<'p> {
                 run: None,
                 run_steps: 0,
                 counters: Counters::default(),
+                kv_held: 0,
+                kv_since: 0.0,
+                kv_area: 0.0,
+                kv_peak: 0,
             })));
         }
         let n = cfg.replicas;
@@ -721,6 +743,7 @@ impl<'p> Simulation<'p> {
             pending_metrics: vec![VecDeque::new(); n],
             kv_trace: vec![Vec::new(); n],
             next_kv_sample: vec![0.0; n],
+            published: vec![0.0; n],
             feeds: Vec::new(),
             event_hashes: Vec::new(),
             decision: Duration::ZERO,
@@ -828,14 +851,20 @@ impl<'p> Simulation<'p> {
             .replicas
             .iter()
             .flatten()
-            .map(|rep| ReplicaEnd {
-                counters: rep.counters,
-                kv_requests: rep.kv.requests(),
-                kv_usage: rep.kv.usage(),
-                running: rep.running.len(),
-                waiting: rep.waiting.len(),
-                decode_n: rep.decode_n,
-                decode_ctx: rep.decode_ctx,
+            .map(|rep| {
+                let (peak, area) = rep.kv_totals(w.now, &w);
+                let blocks = rep.kv.num_blocks() as f64;
+                ReplicaEnd {
+                    counters: rep.counters,
+                    kv_requests: rep.kv.requests(),
+                    kv_usage: rep.kv.usage(),
+                    running: rep.running.len(),
+                    waiting: rep.waiting.len(),
+                    decode_n: rep.decode_n,
+                    decode_ctx: rep.decode_ctx,
+                    kv_peak: peak as f64 / blocks,
+                    kv_mean: if w.now > 0.0 { area / (blocks * w.now) } else { 0.0 },
+                }
             })
             .collect();
         SimOutput {
@@ -921,6 +950,7 @@ impl<'p> World<'p> {
 
     /// Routes request `r` and hands it to its replica.
     fn dispatch(&mut self, r: usize, now: f64) -> Result<(), SimError> {
+        self.scrape_runs(now)?;
         if self.cfg.metrics_delay > 0.0 {
             self.deliver_metrics(now)?;
         }
@@ -1015,12 +1045,34 @@ impl<'p> World<'p> {
     }
 
     fn publish_replica(&mut self, rid: usize, now: f64) -> Result<(), SimError> {
-        let Some(rep) = self.replicas[rid].as_ref() else {
+        let Some(mut rep) = self.replicas[rid].take() else {
             return Err(SimError::Config(format!("replica {rid} is missing")));
         };
+        rep.kv_observe(now);
         let (waiting, running, usage) =
             (rep.waiting.len() as u32, rep.running.len() as u32, rep.kv.usage());
-        self.publish(rid, waiting, running, usage, now)
+        self.replicas[rid] = Some(rep);
+        self.publish(rid, waiting, running, usage, now, true)
+    }
+
+    /// Before a routing decision: a replica in a decode run republishes its KV use as of
+    /// `now` (the run's growth so far, as vLLM's gauge would read at a scrape), when it
+    /// changed. It does not wake flow control (the decision under way goes first).
+    fn scrape_runs(&mut self, now: f64) -> Result<(), SimError> {
+        for rid in 0..self.replicas.len() {
+            let Some(rep) = self.replicas[rid].as_ref() else { continue };
+            if !rep.in_run(now) {
+                continue;
+            }
+            let grown = rep.kv_grown(now, self);
+            let free = rep.kv.free_blocks() as u64 - grown;
+            let usage = 1.0 - free as f64 / rep.kv.num_blocks() as f64;
+            if usage != self.published[rid] {
+                let (waiting, running) = (rep.waiting.len() as u32, rep.running.len() as u32);
+                self.publish(rid, waiting, running, usage, now, false)?;
+            }
+        }
+        Ok(())
     }
 
     fn push(&mut self, time: f64, kind: Kind, obj: usize, version: u64) {
@@ -1366,7 +1418,9 @@ impl<'p> World<'p> {
         running: u32,
         usage: f64,
         now: f64,
+        pump: bool,
     ) -> Result<(), SimError> {
+        self.published[rid] = usage;
         if now >= self.next_kv_sample[rid] {
             self.kv_trace[rid].push((now, usage));
             self.next_kv_sample[rid] = now + self.cfg.kv_sample;
@@ -1375,10 +1429,11 @@ impl<'p> World<'p> {
             self.pending_metrics[rid].push_back((now, waiting, running, usage));
             Ok(())
         } else {
-            self.metrics_seen(rid, waiting, running, usage, now)
+            self.metrics_seen(rid, waiting, running, usage, now, pump)
         }
     }
 
+    /// The gateway sees a replica's metrics; flow control may dispatch on them (`pump`).
     fn metrics_seen(
         &mut self,
         rid: usize,
@@ -1386,6 +1441,7 @@ impl<'p> World<'p> {
         running: u32,
         usage: f64,
         now: f64,
+        pump: bool,
     ) -> Result<(), SimError> {
         let start = Instant::now();
         if let Some(policy) = self.policy.as_mut() {
@@ -1400,7 +1456,7 @@ impl<'p> World<'p> {
         for replica in &self.routers {
             replica.pool.update_metrics(&self.keys[rid], update, now)?;
         }
-        let mut pump = false;
+        let mut wake = false;
         if let Some(gate) = self.gate.as_mut() {
             let metrics = EndpointMetrics {
                 waiting: u64::from(waiting),
@@ -1409,10 +1465,10 @@ impl<'p> World<'p> {
                 timestamp: now,
             };
             gate.core.update_endpoint(&gate.names[rid], metrics)?;
-            pump = gate.queued > 0;
+            wake = pump && gate.queued > 0;
         }
         self.feed += start.elapsed();
-        if pump {
+        if wake {
             self.pump(self.now)?;
         }
         Ok(())
@@ -1429,7 +1485,7 @@ impl<'p> World<'p> {
                 last = self.pending_metrics[rid].pop_front();
             }
             if let Some((t, w, r, u)) = last {
-                self.metrics_seen(rid, w, r, u, t)?;
+                self.metrics_seen(rid, w, r, u, t, true)?;
             }
         }
         Ok(())
@@ -1598,12 +1654,90 @@ impl Replica {
         }
     }
 
+    /// A decode run is in flight at `now`, past its start.
+    fn in_run(&self, now: f64) -> bool {
+        self.busy && self.run_steps > 0 && now > self.step_start
+    }
+
+    /// Blocks the decode run in flight allocates in its first `upto` steps, and the integral
+    /// over its first `elapsed` seconds of the blocks those add (block-seconds).
+    ///
+    /// A decoding request holding `t` tokens in `b` blocks takes a new block at the start of
+    /// step `b*bs - t`, then every `bs` steps (vLLM allocates a step's slots when it schedules
+    /// it). Cost: O(decoding requests + blocks added), not O(steps).
+    fn run_growth(&self, elapsed: f64, upto: u64, w: &World<'_>) -> (u64, f64) {
+        let Some(run) = self.run else { return (0, 0.0) };
+        let bs = w.bs;
+        let (mut grown, mut area) = (0u64, 0.0f64);
+        for &r in &self.running {
+            let q = &w.reqs[r];
+            if q.phase != DECODE {
+                continue;
+            }
+            let (Ok(blocks), Ok(tokens)) = (self.kv.blocks_of(q.id), self.kv.tokens_of(q.id))
+            else {
+                continue;
+            };
+            let mut s = (blocks as u64 * bs).saturating_sub(tokens);
+            while s < upto {
+                grown += 1;
+                area += elapsed - run.time(s);
+                s += bs;
+            }
+        }
+        (grown, area)
+    }
+
+    /// Blocks the decode run in flight has added by `now` and not yet committed to the cache
+    /// (0 outside a run): with them, the blocks held at `now`, what vLLM's
+    /// `kv_cache_usage_perc` would report if scraped then.
+    fn kv_grown(&self, now: f64, w: &World<'_>) -> u64 {
+        let Some(run) = self.run.filter(|_| self.in_run(now)) else { return 0 };
+        let done = run.steps_within(now - self.step_start, self.run_steps);
+        self.run_growth(0.0, (done + 1).min(self.run_steps), w).0
+    }
+
+    /// Accounts the blocks held up to `now` (called whenever the metrics are published; a
+    /// decode run in flight is accounted when it ends).
+    fn kv_observe(&mut self, now: f64) {
+        if self.in_run(now) {
+            return;
+        }
+        self.kv_area += self.kv_held as f64 * (now - self.kv_since);
+        self.kv_since = now;
+        self.kv_held = (self.kv.num_blocks() - self.kv.free_blocks()) as u64;
+        self.kv_peak = self.kv_peak.max(self.kv_held);
+    }
+
+    /// (peak blocks, block-seconds held) from the start to `now`.
+    fn kv_totals(&self, now: f64, w: &World<'_>) -> (u64, f64) {
+        let run = match self.run {
+            Some(run) if self.in_run(now) => run,
+            _ => {
+                let area = self.kv_area + self.kv_held as f64 * (now - self.kv_since);
+                return (self.kv_peak.max(self.kv_held), area);
+            }
+        };
+        let elapsed = now - self.step_start;
+        let done = run.steps_within(elapsed, self.run_steps);
+        let (grown, area) = self.run_growth(elapsed, (done + 1).min(self.run_steps), w);
+        let held = self.kv_held + grown;
+        (self.kv_peak.max(held), self.kv_area + self.kv_held as f64 * elapsed + area)
+    }
+
     fn on_step_end(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
         self.busy = false;
         self.stepping = true;
         self.last_end = now;
         if self.run_steps > 0 {
             let k = self.run_steps;
+            // The run's KV growth, before its finishes free their blocks (peak and area).
+            let elapsed = now - self.step_start;
+            let (added, area) = self.run_growth(elapsed, k, w);
+            self.kv_area += self.kv_held as f64 * elapsed + area;
+            self.kv_held += added;
+            self.kv_since = now;
+            self.kv_peak = self.kv_peak.max(self.kv_held);
             let grown = self.kv.advance_decoding(k);
             debug_assert!(grown, "decode run was sized to fit the cache");
             self.decode_step += k;
@@ -2284,5 +2418,100 @@ mod tests {
             simulate(cfg, model(), &make, &plan, None, None),
             Err(SimError::Config(_))
         ));
+    }
+
+    /// Requests `(arrival, prompt, output)`, each with content of its own.
+    fn requests(rows: &[(f64, u64, u64)]) -> Plan<'static> {
+        let mut plan = burst(0, 16, 1, |_| 0);
+        let mut hashes = Vec::new();
+        for (i, &(arrival, prompt, output)) in rows.iter().enumerate() {
+            let start = hashes.len();
+            hashes.extend((0..prompt / 16).map(|b| (i as u64) * 1000 + b + 1));
+            plan.open.push(OpenRequest {
+                arrival,
+                prompt_len: prompt,
+                output_len: output,
+                tenant: 0,
+                priority: 0,
+                session: None,
+                hashes: start..hashes.len(),
+            });
+        }
+        plan.hashes = hashes.into();
+        plan
+    }
+
+    /// Every step takes 10 ms; one replica of 64 blocks of 16 tokens (1024 tokens).
+    fn kv_run(plan: &Plan<'_>) -> (SimOutput, Vec<f64>) {
+        /// Sends everything to replica 0; records the KV use it last saw at each pick.
+        struct KvSeen {
+            kv: f64,
+            seen: std::sync::Arc<std::sync::Mutex<Vec<f64>>>,
+        }
+        impl PolicyHook for KvSeen {
+            fn update_metrics(
+                &mut self,
+                _: usize,
+                _: u32,
+                _: u32,
+                kv: f64,
+                _: f64,
+            ) -> Result<(), PolicyFailure> {
+                self.kv = kv;
+                Ok(())
+            }
+            fn pick(
+                &mut self,
+                _: &RequestView<'_>,
+                _: f64,
+            ) -> Result<(usize, Option<usize>), PolicyFailure> {
+                self.seen.lock().unwrap().push(self.kv);
+                Ok((0, None))
+            }
+            fn on_first_token(&mut self, _: &RequestView<'_>, _: f64) -> Result<(), PolicyFailure> {
+                Ok(())
+            }
+            fn on_finished(&mut self, _: &RequestView<'_>, _: f64) -> Result<(), PolicyFailure> {
+                Ok(())
+            }
+        }
+        let mut cfg = config(1);
+        cfg.kv_blocks = 64;
+        let model: StepModel = serde_json::from_value(json!({"kind": "linear", "b0": 0.01,
+            "b1": 0.0, "b2": 0.0, "b3": 0.0, "b4": 0.0}))
+        .unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hook = KvSeen { kv: 0.0, seen: seen.clone() };
+        let value = json!({"plugins": [{"type": "round-robin-picker"}],
+            "schedulingProfiles": [{"name": "default",
+                                    "plugins": [{"pluginRef": "round-robin-picker"}]}]});
+        let make = || parse_config(&value).map_err(RoutingError::from);
+        let out =
+            simulate_with_policy(cfg, model, &make, plan, None, None, Box::new(hook)).unwrap();
+        let seen = std::mem::take(&mut *seen.lock().unwrap());
+        (out, seen)
+    }
+
+    #[test]
+    fn kv_use_counts_the_blocks_a_decode_run_grows() {
+        // 32 prompt tokens (2 blocks), then 899 decode steps in one closed-form run: the
+        // request ends holding 32 + 899 = 931 tokens, 59 blocks, freed at the run's end.
+        let (out, _) = kv_run(&requests(&[(0.0, 32, 900)]));
+        let rep = &out.replicas[0];
+        assert_eq!(rep.kv_peak, 59.0 / 64.0);
+        // Held over time: 2 blocks for the prefill step [0, 0.01], then 2 blocks plus one
+        // more at the start of decode steps 0, 16, ..., 896 (57 blocks) until 9.0 s.
+        let area = 2.0 * 0.01 + 59.0 * 8.99 - 0.01 * 16.0 * (0..57).sum::<u64>() as f64;
+        assert!((out.now - 9.0).abs() < 1e-9, "{}", out.now);
+        assert!((rep.kv_mean - area / (64.0 * 9.0)).abs() < 1e-9, "{}", rep.kv_mean);
+    }
+
+    #[test]
+    fn a_router_sees_the_kv_held_at_its_decision() {
+        // The second request arrives during decode step 49 of the first one's run: that
+        // request holds its 2 prompt blocks plus those of steps 0, 16, 32 and 48.
+        let (out, seen) = kv_run(&requests(&[(0.0, 32, 900), (0.505, 16, 2)]));
+        assert_eq!(seen, vec![0.0, 6.0 / 64.0]);
+        assert_eq!(out.replicas[0].kv_peak, 59.0 / 64.0);
     }
 }

@@ -9,7 +9,9 @@ Figures (``summary()``): TTFT, time per output token (TPOT, decode time over out
 after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and requests/s
 over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
 hit over tokens queried at admission, vLLM's counters); prefill tokens computed and recomputed
-after preemption; KV use (mean and peak over time); SLO attainment per priority with targets
+after preemption; KV use (``peak``: the most blocks a replica held at any instant;
+``mean``: each replica's mean over ``[0, end]`` weighted by time, averaged over replicas);
+SLO attainment per priority with targets
 (the share of the class's requests, refused ones included, that got TTFT and TPOT within its
 targets; a priority without targets has none); TTFT
 and end-to-end latency per tenant (up to 16 tenants); Jain's fairness over tenants of the mean
@@ -159,11 +161,7 @@ class SimResult:
         out["prompt_tokens"] = int(r["prompt"].sum())
         out["output_tokens"] = int(r["output"].sum())
         out["preemptions"] = eng["preemptions"]
-        usage = [u for trace in self.kv_trace for _, u in trace]
-        out["kv_use"] = {
-            "mean": float(np.mean(usage)) if usage else 0.0,
-            "peak": max(usage, default=0.0),
-        }
+        out["kv_use"] = self._kv_use()
         slo_out = {}
         for prio in sorted(set(r["priority"].tolist()) | set(self.rejected_by_priority)):
             mask = r["priority"] == prio
@@ -211,6 +209,16 @@ class SimResult:
         out["feed_share"] = self.feed_s / self.wall_s if self.wall_s > 0 else 0.0
         return out
 
+    def _kv_use(self) -> dict[str, float]:
+        """Mean (over time, then over replicas) and peak KV use: from the engines' exact
+        figures, or from the sampled trace for a result that has none."""
+        peaks = self.extra.get("kv_peak_by_replica")
+        means = self.extra.get("kv_mean_by_replica")
+        if peaks and means:
+            return {"mean": float(np.mean(means)), "peak": float(max(peaks))}
+        usage = [u for trace in self.kv_trace for _, u in trace]
+        return {"mean": float(np.mean(usage)) if usage else 0.0, "peak": max(usage, default=0.0)}
+
     def kv_series(self, points: int = 200) -> dict[str, list[float]]:
         """Mean KV use over replicas on a regular time grid (for plots and JSON)."""
         end = max((t for trace in self.kv_trace for t, _ in trace), default=0.0)
@@ -228,11 +236,15 @@ class SimResult:
 
 
 class KvEnd:
-    """A replica's KV cache when a run ended: its live requests and its use (0..1)."""
+    """A replica's KV cache when a run ended: its live requests and its use (0..1), and over
+    the run: its peak use and its time-weighted mean use over ``[0, end]`` (the blocks held at
+    every instant, a decode run's growth included)."""
 
-    def __init__(self, requests: int, usage: float) -> None:
+    def __init__(self, requests: int, usage: float, peak: float = 0.0, mean: float = 0.0) -> None:
         self.live = requests
         self.use = usage
+        self.peak = peak
+        self.mean = mean
 
     def requests(self) -> int:
         """Requests holding blocks."""
@@ -297,7 +309,12 @@ class RunRecord:
                 waiting=int(d["waiting"]),
                 decode_n=int(d["decode_n"]),
                 decode_ctx=int(d["decode_ctx"]),
-                kv=KvEnd(int(d["kv_requests"]), float(d["kv_usage"])),
+                kv=KvEnd(
+                    int(d["kv_requests"]),
+                    float(d["kv_usage"]),
+                    float(d["kv_peak"]),
+                    float(d["kv_mean"]),
+                ),
             )
             for i, d in enumerate(out["replicas"])
         ]
@@ -355,6 +372,8 @@ def collect(
             "slice_switches": record.slice_switches,
             "unfinished": 0 if record.arrived is None else record.arrived - len(rejected),
             "prefill_by_replica": [rep.prefill_tokens for rep in record.replicas],
+            "kv_peak_by_replica": [rep.kv.peak for rep in record.replicas],
+            "kv_mean_by_replica": [rep.kv.mean for rep in record.replicas],
         },
         engine_name=engine_name,
         fallback_reason=fallback_reason,

@@ -124,6 +124,7 @@ class ReferenceSimulation:
         ]
         self.kv_trace: list[list[tuple[float, float]]] = [[] for _ in self.replicas]
         self._next_kv_sample = [0.0] * len(self.replicas)
+        self._published = [0.0] * len(self.replicas)  # the KV use each replica published last
         self.slices = self._slice_tracker()
         self.gate = (
             FlowGate(
@@ -157,23 +158,43 @@ class ReferenceSimulation:
 
     def publish(self, replica: Replica, now: float) -> None:
         """The replica's metrics changed; the gateway sees them ``metrics_delay_s`` later."""
+        replica.kv_observe(now)
         waiting, running, usage = len(replica.waiting), len(replica.running), replica.kv.usage()
-        rid = replica.id
+        self._publish(replica.id, waiting, running, usage, now, pump=True)
+
+    def _publish(
+        self, rid: int, waiting: int, running: int, usage: float, now: float, *, pump: bool
+    ) -> None:
+        self._published[rid] = usage
         if now >= self._next_kv_sample[rid]:
             self.kv_trace[rid].append((now, usage))
             self._next_kv_sample[rid] = now + self.config.kv_sample_s
         if self.config.metrics_delay_s > 0:
             self._pending_metrics[rid].append((now, waiting, running, usage))
         else:
-            self._metrics_seen(rid, waiting, running, usage, now)
+            self._metrics_seen(rid, waiting, running, usage, now, pump=pump)
 
-    def _metrics_seen(self, rid: int, waiting: int, running: int, usage: float, now: float) -> None:
+    def _scrape_runs(self, now: float) -> None:
+        """Before a routing decision: a replica in a decode run republishes its KV use as of
+        ``now`` (the run's growth so far, as vLLM's gauge would read at a scrape), when it
+        changed. It does not wake flow control (the decision under way goes first)."""
+        for rep in self.replicas:
+            if not rep.in_run(now):
+                continue
+            kv = rep.kv
+            usage = 1.0 - (kv.free_blocks - rep.kv_grown(now)) / kv.num_blocks
+            if usage != self._published[rep.id]:
+                self._publish(rep.id, len(rep.waiting), len(rep.running), usage, now, pump=False)
+
+    def _metrics_seen(
+        self, rid: int, waiting: int, running: int, usage: float, now: float, *, pump: bool = True
+    ) -> None:
         t = time.perf_counter()
         self.policy.update_metrics(rid, waiting, running, usage, now)
         if self.gate is not None:
             self.gate.endpoint(rid, waiting, running, usage, now)
         self.feed_s += time.perf_counter() - t
-        if self.gate is not None and self.gate.queued:
+        if pump and self.gate is not None and self.gate.queued:
             self._pump(self.now)
 
     def _deliver_metrics(self, now: float) -> None:
@@ -241,6 +262,7 @@ class ReferenceSimulation:
             self._push(follow.arrival, ARRIVAL, follow)
 
     def _dispatch(self, req: Request, now: float) -> None:
+        self._scrape_runs(now)
         if self.config.metrics_delay_s > 0:
             self._deliver_metrics(now)
         t = time.perf_counter()
@@ -397,6 +419,12 @@ class ReferenceSimulation:
             engine_name="python",
         )
 
+    def _kv_figures(self, rep: Replica) -> tuple[float, float]:
+        """A replica's peak KV use and its mean over the run's time (``[0, now]``)."""
+        peak, area = rep.kv_totals(self.now)
+        blocks = rep.kv.num_blocks
+        return peak / blocks, area / (blocks * self.now) if self.now > 0 else 0.0
+
     def record(self) -> RunRecord:
         """The run's record: the same arrays and counters the Rust engine returns."""
         model, budget = self.model, self.config.engine.max_num_batched_tokens
@@ -450,7 +478,7 @@ class ReferenceSimulation:
                 waiting=len(rep.waiting),
                 decode_n=rep.decode_n,
                 decode_ctx=rep.decode_ctx,
-                kv=KvEnd(rep.kv.requests(), rep.kv.usage()),
+                kv=KvEnd(rep.kv.requests(), rep.kv.usage(), *self._kv_figures(rep)),
             )
             for rep in self.replicas
         ]

@@ -20,6 +20,12 @@ next finish, the next arrival or a full cache, so that whole run of decode steps
 step in progress). Per-request decode progress is implicit: a decoding request that joined at
 decode step ``s`` with ``g`` tokens has ``g + (S - s)`` after step ``S``. Cost: O(log n) per
 event plus O(requests touched), never O(tokens).
+
+KV use: the blocks a run grows are allocated at its end, but the replica still knows, for any
+instant, how many it holds (:meth:`Replica.kv_grown`: a decoding request takes a block every
+``block_size`` steps, at known steps), which the engine publishes before a routing decision; the
+peak and the time integral of blocks held are accounted per block added (``kv_peak``,
+``kv_area``), O(blocks added) per run.
 """
 
 from __future__ import annotations
@@ -125,12 +131,76 @@ class Replica:
         self.preemptions = 0
         self.steps = 0
         self.busy_time = 0.0
+        # KV use over time, in blocks (see :meth:`kv_observe`): the blocks held since
+        # ``kv_since``, the integral of blocks held over time until then, and the peak.
+        self.kv_held = 0
+        self.kv_since = 0.0
+        self.kv_area = 0.0
+        self.kv_peak = 0
 
     # -- signals -----------------------------------------------------------------------------
 
     def metrics(self) -> tuple[int, int, float]:
         """(waiting, running, KV-cache use 0..1), as the engine's /metrics would report."""
         return len(self.waiting), len(self.running), self.kv.usage()
+
+    def in_run(self, now: float) -> bool:
+        """A decode run is in flight at ``now``, past its start."""
+        return self.busy and self.run_steps > 0 and now > self.step_start
+
+    def run_growth(self, elapsed: float, upto: int) -> tuple[int, float]:
+        """Blocks the decode run in flight allocates in its first ``upto`` steps, and the
+        integral over its first ``elapsed`` seconds of the blocks those add (block-seconds).
+
+        A decoding request holding ``t`` tokens in ``b`` blocks takes a new block at the start
+        of steps ``b*bs - t``, then every ``bs`` steps (vLLM allocates a step's slots when it
+        schedules it). Cost: O(decoding requests + blocks added), not O(steps).
+        """
+        run = self.run
+        assert run is not None
+        bs, kv = self.bs, self.kv
+        grown, area = 0, 0.0
+        for req in self.running:
+            if req.phase != DECODE:
+                continue
+            s = kv.blocks_of(req.id) * bs - kv.tokens_of(req.id)
+            while s < upto:
+                grown += 1
+                area += elapsed - run.time(s)
+                s += bs
+        return grown, area
+
+    def kv_grown(self, now: float) -> int:
+        """Blocks the decode run in flight has added by ``now`` and not yet committed to the
+        cache (0 outside a run): with them, the blocks held at ``now``, what vLLM's
+        ``kv_cache_usage_perc`` would report if scraped then."""
+        if not self.in_run(now):
+            return 0
+        assert self.run is not None
+        done = self.run.steps_within(now - self.step_start, self.run_steps)
+        return self.run_growth(0.0, min(done + 1, self.run_steps))[0]
+
+    def kv_observe(self, now: float) -> None:
+        """Account the blocks held up to ``now`` (called whenever the metrics are published;
+        a decode run in flight is accounted when it ends)."""
+        if self.in_run(now):
+            return
+        self.kv_area += self.kv_held * (now - self.kv_since)
+        self.kv_since = now
+        self.kv_held = self.kv.num_blocks - self.kv.free_blocks
+        self.kv_peak = max(self.kv_peak, self.kv_held)
+
+    def kv_totals(self, now: float) -> tuple[int, float]:
+        """(peak blocks, block-seconds held) from the start to ``now``."""
+        if not self.in_run(now):
+            area = self.kv_area + self.kv_held * (now - self.kv_since)
+            return max(self.kv_peak, self.kv_held), area
+        assert self.run is not None
+        elapsed = now - self.step_start
+        done = self.run.steps_within(elapsed, self.run_steps)
+        grown, area = self.run_growth(elapsed, min(done + 1, self.run_steps))
+        held = self.kv_held + grown
+        return max(self.kv_peak, held), self.kv_area + self.kv_held * elapsed + area
 
     # -- input -------------------------------------------------------------------------------
 
@@ -176,6 +246,13 @@ class Replica:
         self.busy_time += now - self.step_start
         if self.run_steps:
             k = self.run_steps
+            # The run's KV growth, before its finishes free their blocks (peak and area).
+            elapsed = now - self.step_start
+            added, area = self.run_growth(elapsed, k)
+            self.kv_area += self.kv_held * elapsed + area
+            self.kv_held += added
+            self.kv_since = now
+            self.kv_peak = max(self.kv_peak, self.kv_held)
             grown = self.kv.advance_decoding(k)
             assert grown, "decode run was sized to fit the cache"
             self.decode_step += k
