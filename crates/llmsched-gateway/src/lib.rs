@@ -1099,12 +1099,14 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream, open: OpenConnecti
 }
 
 /// Reads and drops a refused request's body (at most `max_body` and a refused connection's
-/// allowance, within [`REFUSED_DRAIN_TIME`]), so that the connection closes over no unread
-/// bytes: the client reads its refusal rather than a reset.
-async fn drain_refused_body(mut body: Incoming, max_body: usize) {
+/// allowance, while its bytes keep coming: each read within [`REFUSED_BODY_GAP`], all within
+/// `total`), so that the connection closes over no unread bytes: the client reads its refusal
+/// rather than a reset. Bounded by pauses rather than by a short total: a client still sending
+/// 16 MiB at a few MB/s (or on a busy machine) would otherwise be reset.
+async fn drain_refused_body(mut body: Incoming, max_body: usize, total: Duration) {
     let mut left = max_body.saturating_add(REFUSED_DRAIN_BYTES);
     let drain = async {
-        while let Some(Ok(frame)) = body.frame().await {
+        while let Ok(Some(Ok(frame))) = tokio::time::timeout(REFUSED_BODY_GAP, body.frame()).await {
             let read = frame.data_ref().map_or(0, Bytes::len);
             left = left.saturating_sub(read);
             if left == 0 {
@@ -1112,7 +1114,7 @@ async fn drain_refused_body(mut body: Incoming, max_body: usize) {
             }
         }
     };
-    let _ = tokio::time::timeout(REFUSED_DRAIN_TIME, drain).await;
+    let _ = tokio::time::timeout(total, drain).await;
 }
 
 /// The help text of `llmsched_gateway_body_bytes_in_flight`, as the Python plane's.
@@ -1121,6 +1123,9 @@ const BODY_BYTES_HELP: &str = "Bytes of the request bodies being received, held 
 
 /// How long a refused connection's request is read and dropped at most before it is closed.
 const REFUSED_DRAIN_TIME: Duration = Duration::from_millis(500);
+/// How long a refused request's body may pause between reads before its connection is
+/// closed (it is read for at most `body_timeout_s` in all, as long as any body may take).
+const REFUSED_BODY_GAP: Duration = Duration::from_secs(1);
 /// How much of a refused connection's request is read and dropped at most.
 const REFUSED_DRAIN_BYTES: usize = 1 << 20;
 
@@ -1632,7 +1637,7 @@ impl Gateway {
         };
         let path = route_of(request.uri().path());
         if let Some(refused) = encoding_refusal(method, path, request.headers()) {
-            tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+            self.drain_refused(request.into_body());
             return Ok(self.refuse_and_close(refused));
         }
         match (method, path) {
@@ -1953,13 +1958,20 @@ impl Gateway {
         let identity = match self.identify(request.headers()) {
             Ok(identity) => identity,
             Err(refused) => {
-                tokio::spawn(drain_refused_body(request.into_body(), self.config.max_body));
+                self.drain_refused(request.into_body());
                 return Err(refused);
             }
         };
         let (parts, body) = request.into_parts();
         let raw = self.read_body(&parts.headers, body).await?;
         Ok((identity, parts, raw))
+    }
+
+    /// Reads and drops a refused request's body in the background (`drain_refused_body`,
+    /// within `body_timeout_s`).
+    fn drain_refused(&self, body: Incoming) {
+        let total = Duration::from_secs_f64(self.config.body_timeout_s);
+        tokio::spawn(drain_refused_body(body, self.config.max_body, total));
     }
 
     /// A request's body, read up to `max_body` (413, and the connection closed; one declared
@@ -1982,7 +1994,7 @@ impl Gateway {
             // Answered before the body is read: the rest is read and dropped meanwhile, or
             // the close over it would reset the connection and a client still sending it
             // would lose the 413.
-            tokio::spawn(drain_refused_body(body, max_body));
+            self.drain_refused(body);
             return Err(too_large());
         }
         let no_room = || Refusal {
@@ -1998,7 +2010,7 @@ impl Gateway {
         let mut hold = self.bodies.hold();
         if let Some(length) = declared {
             if !hold.take(length) {
-                tokio::spawn(drain_refused_body(body, max_body));
+                self.drain_refused(body);
                 return Err(no_room());
             }
         }
@@ -2031,11 +2043,11 @@ impl Gateway {
             let Ok(data) = frame.into_data() else { continue }; // trailers
             read += data.len();
             if read > max_body {
-                tokio::spawn(drain_refused_body(body, max_body));
+                self.drain_refused(body);
                 return Err(too_large());
             }
             if declared.is_none() && !hold.take(data.len() as u64) {
-                tokio::spawn(drain_refused_body(body, max_body));
+                self.drain_refused(body);
                 return Err(no_room());
             }
             chunks.push(data);

@@ -1881,9 +1881,10 @@ class Gateway:
     ) -> web.StreamResponse:
         """:meth:`refuse`; for a refusal that leaves the body unread (``drain``), the answer
         goes out first, then what the client still sends of its body is read and dropped (at
-        most ``max_body_bytes`` and :data:`_REFUSED_DRAIN_BYTES`, for at most
-        :data:`_REFUSED_DRAIN_S`), as the native plane does: closing over unread bytes would
-        reset the connection, and a client still sending would lose its answer."""
+        most ``max_body_bytes`` and :data:`_REFUSED_DRAIN_BYTES`, while it keeps coming: each
+        read within :data:`_REFUSED_BODY_GAP_S`, all within ``limits.body_timeout_s``), as the
+        native plane does: closing over unread bytes would reset the connection, and a client
+        still sending would lose its answer."""
         response = self.refuse(route, refusal)
         if not refusal.drain:
             return response
@@ -1893,13 +1894,15 @@ class Gateway:
             nonlocal left
             await response.prepare(request)
             await response.write_eof()
-            while left > 0 and (chunk := await request.content.readany()):
+            while left > 0 and (
+                chunk := await asyncio.wait_for(request.content.readany(), _REFUSED_BODY_GAP_S)
+            ):
                 left -= len(chunk)
 
         with contextlib.suppress(
             asyncio.TimeoutError, ConnectionError, HttpProcessingError, aiohttp.ClientError
         ):
-            await asyncio.wait_for(drain(), _REFUSED_DRAIN_S)
+            await asyncio.wait_for(drain(), self.config.limits.body_timeout_s)
         return response
 
     def _redacted(self, message: str) -> str:
@@ -2523,6 +2526,11 @@ _REFUSED_DRAIN_S = 0.5
 """How long a refused connection's request is read and dropped at most before it is closed."""
 _REFUSED_DRAIN_BYTES = 1 << 20
 """How much of a refused connection's request is read and dropped at most."""
+_REFUSED_BODY_GAP_S = 1.0
+"""How long a refused request's body may pause between reads before its connection is closed
+(it is read for at most ``limits.body_timeout_s`` in all, as long as any body may take):
+bounded by pauses rather than by a short total, as a client still sending 16 MiB at a few MB/s
+would otherwise be reset."""
 
 
 _TOO_MANY_BODY = json.dumps(
