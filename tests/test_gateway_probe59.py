@@ -1,0 +1,110 @@
+"""Probe 59's findings on the gateway's observability surface (``/metrics`` and the admin
+API), on both data planes: every scrape parsed by ``prometheus_client``'s own parser."""
+
+from __future__ import annotations
+
+import pytest
+from _gateway_harness import (  # noqa: F401 (the fixture)
+    MODEL,
+    Rig,
+    plane,
+    rig,
+    run,
+    until,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
+
+from llmsched.testing.openai_engine import FakeOpenAIEngine
+
+pytestmark = pytest.mark.usefixtures("plane")
+
+TOKEN = "probe59-admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+# A label value of every kind the exposition format escapes, and one it does not.
+HOSTILE = 'engine "a"\\b\nc é'
+# The bounds of llmsched_gateway_decision_seconds (both planes).
+DECISION_BOUNDS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+async def _scrape(r: Rig) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of one ``GET /metrics``, parsed (a ValueError on an invalid body)."""
+    response = await r.client.get(r.url("/metrics"))
+    assert response.status == 200
+    text = await response.text()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def _sample(r: Rig, name: str, **labels: str) -> float:
+    return (await _scrape(r)).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_engine_names_with_quotes_backslashes_and_newlines_are_escaped_in_metrics() -> None:
+    # The native plane escaped a label value's backslashes and quotes but not its newlines:
+    # an engine named with one (in the config or through the admin API) broke every scrape
+    # of /metrics (a sample split over two lines, which no Prometheus parser reads).
+    async def go() -> None:
+        extra = FakeOpenAIEngine(model=MODEL)
+        await extra.start()
+        try:
+            async with rig(1, engine_fields=[{"name": HOSTILE}], admin={"token": TOKEN}) as r:
+                assert (await r.complete("hello")).status == 200
+                added = {**extra.spec(), "name": HOSTILE + "\n2"}
+                response = await r.client.post(r.url("/admin/engines"), json=added, headers=ADMIN)
+                assert response.status == 201, await response.text()
+                samples = await _scrape(r)
+                up = "llmsched_gateway_endpoint_up"
+                assert samples[(up, (("endpoint", HOSTILE),))] == 1.0
+                assert samples[(up, (("endpoint", HOSTILE + "\n2"),))] == 1.0
+                routed = ("llmsched_gateway_routed_total", (("endpoint", HOSTILE),))
+                assert samples[routed] == 1.0
+        finally:
+            await extra.stop()
+
+    run(go())
+
+
+def test_histogram_bucket_bounds_are_spelled_as_on_the_python_plane() -> None:
+    # The native plane wrote its bucket bounds with Rust's float formatting (le="1e-5"), the
+    # Python plane with Go's (le="1e-05", prometheus_client's): the same bucket was two
+    # series, so a dashboard summing a histogram over replicas of both planes split it.
+    async def go() -> None:
+        async with rig(1) as r:
+            assert (await r.complete("hello")).status == 200
+            samples = await _scrape(r)
+            bounds = {
+                dict(labels)["le"]
+                for name, labels in samples
+                if name == "llmsched_gateway_decision_seconds_bucket"
+            }
+            assert bounds == {floatToGoString(b) for b in DECISION_BOUNDS} | {"+Inf"}
+            bounds = {
+                dict(labels)["le"]
+                for name, labels in samples
+                if name == "llmsched_gateway_admission_wait_seconds_bucket"
+            }
+            assert "5e-05" in bounds and "60.0" in bounds and "+Inf" in bounds
+
+    run(go())
+
+
+def test_head_of_the_engine_list_answers_as_get_without_a_body() -> None:
+    # HEAD is GET without the body on every other GET path of both planes, and on the Python
+    # plane's GET /admin/engines (aiohttp routes HEAD with GET); the native plane answered 404.
+    async def go() -> None:
+        async with rig(1, admin={"token": TOKEN}) as r:
+            response = await r.client.head(r.url("/admin/engines"), headers=ADMIN)
+            assert response.status == 200
+            assert await response.read() == b""
+            response = await r.client.head(r.url("/admin/engines"))
+            assert response.status == 401
+            listed = await _sample(
+                r, "llmsched_gateway_admin_requests_total", action="list", status="200"
+            )
+            assert listed == 1.0
+
+    run(go())
