@@ -3,6 +3,10 @@ API), on both data planes: every scrape parsed by ``prometheus_client``'s own pa
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import aiohttp
 import pytest
 from _gateway_harness import (  # noqa: F401 (the fixture)
     MODEL,
@@ -88,6 +92,67 @@ def test_histogram_bucket_bounds_are_spelled_as_on_the_python_plane() -> None:
                 if name == "llmsched_gateway_admission_wait_seconds_bucket"
             }
             assert "5e-05" in bounds and "60.0" in bounds and "+Inf" in bounds
+
+    run(go())
+
+
+async def _client_leaves(r: Rig, body: dict[str, Any], *, after_first_chunk: bool) -> None:
+    """Sends ``body`` and leaves: after the answer's first chunk, or before any answer."""
+    url = r.url("/v1/completions")
+    if after_first_chunk:
+        response = await r.client.post(url, json=body)
+        assert response.status == 200
+        await response.content.readany()
+        response.close()
+        return
+    with pytest.raises(asyncio.TimeoutError):
+        await r.client.post(url, json=body, timeout=aiohttp.ClientTimeout(total=0.5))
+
+
+def test_a_client_that_leaves_mid_stream_is_counted() -> None:
+    # A client leaving a stream was counted nowhere in llmsched_gateway_requests_total: the
+    # Python plane's handler is cancelled (its client_gone count sat on a ConnectionError
+    # that cancellation never raises), the native plane counted only ended answers.
+    async def go() -> None:
+        def slow(engine: FakeOpenAIEngine) -> None:
+            engine.mode = "slow"
+            engine.token_delay_s = 0.2
+
+        async with rig(1, answer_tokens=50, setup=slow) as r:
+            body = {"model": MODEL, "prompt": "hello", "stream": True}
+            await _client_leaves(r, body, after_first_chunk=True)
+            await until(lambda: r.engines[0].disconnects == 1)
+            name = "llmsched_gateway_requests_total"
+            for _ in range(100):
+                if await _sample(r, name, route="completions", status="client_gone") == 1.0:
+                    break
+                await asyncio.sleep(0.05)
+            samples = await _scrape(r)
+            statuses = {
+                dict(labels)["status"]: value
+                for (n, labels), value in samples.items()
+                if n == name and dict(labels)["route"] == "completions"
+            }
+            assert statuses == {"client_gone": 1.0}
+
+    run(go())
+
+
+def test_a_client_that_leaves_before_the_answer_is_counted() -> None:
+    # The same for a client that leaves while the engine has not answered yet.
+    async def go() -> None:
+        def stall(engine: FakeOpenAIEngine) -> None:
+            engine.mode = "stall"
+
+        async with rig(1, setup=stall) as r:
+            body = {"model": MODEL, "prompt": "hello"}
+            await _client_leaves(r, body, after_first_chunk=False)
+            name = "llmsched_gateway_requests_total"
+            for _ in range(100):
+                if await _sample(r, name, route="completions", status="client_gone") == 1.0:
+                    break
+                await asyncio.sleep(0.05)
+            assert await _sample(r, name, route="completions", status="client_gone") == 1.0
 
     run(go())
 

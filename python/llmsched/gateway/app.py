@@ -820,13 +820,25 @@ class Gateway:
     # -- generation ----------------------------------------------------------------------
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completions")
+        return await self._gone_counted("completions", self._generate(request, "completions"))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat")
+        return await self._gone_counted("chat", self._generate(request, "chat"))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "responses")
+        return await self._gone_counted("responses", self._generate(request, "responses"))
+
+    async def _gone_counted(
+        self, route: str, serving: Awaitable[web.StreamResponse]
+    ) -> web.StreamResponse:
+        """``serving``'s answer. A client that leaves first cancels its handler
+        (``handler_cancellation``): counted as ``client_gone`` on ``route``, wherever it was
+        (read, queued, waiting for or relaying the answer), as the native plane counts it."""
+        try:
+            return await serving
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(route, "client_gone").inc()
+            raise
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         """One generation request: read and check it, admit it, serve it, release it."""
@@ -962,6 +974,10 @@ class Gateway:
                 ask.cancel()
 
     async def _responses_by_id(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/responses/{id}`` (see :meth:`_response_by_id`), a client leaving first counted."""
+        return await self._gone_counted("responses_by_id", self._response_by_id(request))
+
+    async def _response_by_id(self, request: web.Request) -> web.StreamResponse:
         """``/v1/responses/{id}`` and the paths under it (``cancel``, ``input_items``), any
         method: relayed to the engine holding the response (no other can answer for it).
         Authenticated and held to the key's request limits, but not admitted through flow
