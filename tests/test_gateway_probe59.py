@@ -173,3 +173,28 @@ def test_head_of_the_engine_list_answers_as_get_without_a_body() -> None:
             assert listed == 1.0
 
     run(go())
+
+
+def test_routed_counts_the_attempt_whose_status_line_came_without_a_5xx_on_both_planes() -> None:
+    # llmsched_gateway_routed_total disagreed between the planes for the same traffic: the
+    # Python plane counted a relayed 5xx (no successful attempt) and left out an answer cut
+    # after its status line; the native plane counts the attempt once its status line came
+    # without a 5xx, whatever becomes of its body.
+    async def go() -> None:
+        async with rig(1, retries={"on_5xx": False}) as r:
+            expected = {
+                "ok": (200, 1.0),
+                "error500": (500, 0.0),
+                "error400": (400, 1.0),
+                "cut": (502, 1.0),
+            }
+            total = 0.0
+            for mode, (status, routed) in expected.items():
+                response = await r.complete("hello", x_fake_mode=mode)
+                assert response.status == status, mode
+                total += routed
+                endpoint = str(r.gateway.config.engines[0].worker_id)
+                counted = await _sample(r, "llmsched_gateway_routed_total", endpoint=endpoint)
+                assert counted == total, mode
+
+    run(go())

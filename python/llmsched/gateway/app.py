@@ -1680,6 +1680,11 @@ class Gateway:
                     raise _UpstreamFailed("status_5xx")
                 outcome = "status_5xx"
                 self.metrics.upstream_errors.labels(endpoint, outcome).inc()
+            else:
+                # The successful attempt, counted once its status line came (never re-sent
+                # from here), as the native plane counts it: whatever becomes of its body
+                # (cut, or left by its client).
+                self.metrics.routed.labels(endpoint).inc()
             self._settle_held(held, unanswered=False)
             content_type = upstream.headers.get("Content-Type", "")
             sse = "event-stream" in content_type
@@ -1757,7 +1762,6 @@ class Gateway:
                 self.metrics.requests.labels(route, "client_gone").inc()
                 return response, counter.tokens()
             self.health.record(endpoint, outcome)
-            self.metrics.routed.labels(endpoint).inc()
             self.metrics.requests.labels(route, str(upstream.status)).inc()
             return response, counter.tokens()
         finally:
@@ -1854,7 +1858,6 @@ class Gateway:
             if response_id is not None:
                 self.response_owners.record(response_id, endpoint)
         self.health.record(endpoint, outcome)
-        self.metrics.routed.labels(endpoint).inc()
         self.metrics.requests.labels(route, str(upstream.status)).inc()
         return response, counter.tokens()
 
