@@ -19,6 +19,7 @@ from _gateway_harness import (  # noqa: F401 (the fixture)
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
+from llmsched.testing import FakeKVPublisher, event_batch, stored_event
 from llmsched.testing.openai_engine import FakeOpenAIEngine
 
 pytestmark = pytest.mark.usefixtures("plane")
@@ -196,5 +197,58 @@ def test_routed_counts_the_attempt_whose_status_line_came_without_a_5xx_on_both_
                 endpoint = str(r.gateway.config.engines[0].worker_id)
                 counted = await _sample(r, "llmsched_gateway_routed_total", endpoint=endpoint)
                 assert counted == total, mode
+
+    run(go())
+
+
+async def _kv_counters(r: Rig) -> dict[str, float]:
+    return {
+        dict(labels)["counter"]: value
+        for (name, labels), value in (await _scrape(r)).items()
+        if name == "llmsched_gateway_kv_events_total"
+    }
+
+
+def test_kv_event_counters_go_on_across_an_engine_change() -> None:
+    # An engine change (admin API, discovery) restarts the KV-event feed with a new
+    # subscriber, and llmsched_gateway_kv_events_total started again from 0 on both planes:
+    # a counter that went down without a restart of the gateway.
+    async def go() -> None:
+        publisher = FakeKVPublisher(topic="kv@e0")
+        extra = FakeOpenAIEngine(model=MODEL)
+        await extra.start()
+        try:
+            fields = [publisher.spec_kwargs()]
+            async with rig(1, engine_fields=fields, admin={"token": TOKEN}) as r:
+                assert await asyncio.to_thread(publisher.wait_subscribed, 5.0)
+                publisher.publish(
+                    event_batch(stored_event([1, 2], None, list(range(8)), block_size=4))
+                )
+                name = "llmsched_gateway_kv_events_total"
+                for _ in range(200):
+                    if await _sample(r, name, counter="batches") == 1.0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert await _sample(r, name, counter="batches") == 1.0
+                before = await _kv_counters(r)
+                response = await r.client.post(
+                    r.url("/admin/engines"), json=extra.spec(), headers=ADMIN
+                )
+                assert response.status == 201, await response.text()
+                await r.gateway.scheduler.feeds_settled()
+                # The new subscriber connects again: counted on top of the first connect.
+                for _ in range(200):
+                    if await _sample(r, name, counter="connects") >= 2.0:
+                        break
+                    await asyncio.sleep(0.05)
+                after = await _kv_counters(r)
+                assert after["connects"] >= 2.0
+                assert all(after[counter] >= value for counter, value in before.items()), (
+                    before,
+                    after,
+                )
+        finally:
+            publisher.close()
+            await extra.stop()
 
     run(go())

@@ -705,8 +705,8 @@ class Gateway:
                 errors.log(exc)
 
     def _kv_counters(self) -> dict[str, int]:
-        subscriber = self.scheduler.subscriber
-        return {} if subscriber is None else subscriber.counters()
+        # Summed over the feed's restarts (engine changes): the counters only go up.
+        return self.scheduler.kv_event_counters()
 
     def _kv_failing(self) -> dict[str, str]:
         subscriber = self.scheduler.subscriber
