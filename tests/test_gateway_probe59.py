@@ -252,3 +252,36 @@ def test_kv_event_counters_go_on_across_an_engine_change() -> None:
             await extra.stop()
 
     run(go())
+
+
+def test_scrape_failure_counters_go_on_across_an_engine_change() -> None:
+    # The Python plane read llmsched_gateway_scrape_failures_total from the running scraper,
+    # which an engine change replaces: an engine's failed scrapes fell back to 0 (the native
+    # plane keeps its own counts).
+    async def go() -> None:
+        def failing(engine: FakeOpenAIEngine) -> None:
+            engine.metrics_status = 500
+
+        extra = FakeOpenAIEngine(model=MODEL)
+        await extra.start()
+        scrape = {"enabled": True, "interval_s": 0.05, "timeout_s": 0.5}
+        try:
+            async with rig(2, setup=failing, scrape=scrape, admin={"token": TOKEN}) as r:
+                worker = str(r.gateway.config.engines[0].worker_id)
+                name = "llmsched_gateway_scrape_failures_total"
+                for _ in range(200):
+                    if await _sample(r, name, endpoint=worker, kind="failed") >= 2.0:
+                        break
+                    await asyncio.sleep(0.05)
+                before = await _sample(r, name, endpoint=worker, kind="failed")
+                assert before >= 2.0
+                response = await r.client.post(
+                    r.url("/admin/engines"), json=extra.spec(), headers=ADMIN
+                )
+                assert response.status == 201, await response.text()
+                await r.gateway.scheduler.feeds_settled()
+                assert await _sample(r, name, endpoint=worker, kind="failed") >= before
+        finally:
+            await extra.stop()
+
+    run(go())

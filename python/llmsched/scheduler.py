@@ -810,6 +810,9 @@ class Scheduler:
         # under ``_feed_lock`` with ``_subscriber``: ``kv_event_counters`` never goes down.
         self._feed_lock = threading.Lock()
         self._retired_kv_counts: dict[str, int] = {}
+        # The same for the metrics scrapers' counts, by worker (under ``_feed_lock`` with
+        # ``_scraper``).
+        self._retired_scrape_counts: dict[str, dict[str, int]] = {}
         self._scraper: MetricsScraper | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._mode: Literal["async", "threads"] | None = None
@@ -1120,6 +1123,38 @@ class Scheduler:
             totals[key] = totals.get(key, 0) + value
         return totals
 
+    def scrape_counters(self) -> dict[str, dict[str, int]]:
+        """The metrics scraper's counts by worker (``scrapes``, ``failures`` and, of those,
+        ``timeouts``: :meth:`MetricsScraper.snapshot
+        <llmsched.integrations.MetricsScraper.snapshot>`), summed over every scraper this
+        scheduler has run, as :meth:`kv_event_counters` (they only go up; a removed engine's
+        stay). Empty before any ran.
+
+        >>> Scheduler(["a"]).scrape_counters()
+        {}
+        """
+        with self._feed_lock:
+            totals = {w: dict(counts) for w, counts in self._retired_scrape_counts.items()}
+            current = {} if self._scraper is None else self._scraper.snapshot()
+        for worker, snapshot in current.items():
+            counts = totals.setdefault(worker, dict.fromkeys(_SCRAPE_COUNTS, 0))
+            for key in _SCRAPE_COUNTS:
+                counts[key] += int(snapshot[key])
+        return totals
+
+    def _retire_scraper(self) -> None:
+        """Takes the (stopped) scraper out, its counts kept in :meth:`scrape_counters`."""
+        with self._feed_lock:
+            scraper, self._scraper = self._scraper, None
+            if scraper is None:
+                return
+            for worker, snapshot in scraper.snapshot().items():
+                counts = self._retired_scrape_counts.setdefault(
+                    worker, dict.fromkeys(_SCRAPE_COUNTS, 0)
+                )
+                for key in _SCRAPE_COUNTS:
+                    counts[key] += int(snapshot[key])
+
     def _retire_subscriber(
         self,
     ) -> tuple[KVEventSubscriber | NativeKVEventSubscriber | None, dict[str, int]]:
@@ -1241,13 +1276,15 @@ class Scheduler:
         if self._scrape:
             from llmsched.integrations import MetricsScraper
 
-            self._scraper = MetricsScraper(
+            scraper = MetricsScraper(
                 specs,
                 pool=self.pool,
                 flow=self.flow,
                 interval_s=self._scrape_interval_s,
                 timeout_s=self._scrape_timeout_s,
             )
+            with self._feed_lock:
+                self._scraper = scraper
             # The scraper adds the pool endpoints it lacks: drained engines stay out.
             for key in self._drained:
                 with contextlib.suppress(UnknownEndpointError):
@@ -1264,7 +1301,7 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._scrape_task
             self._scrape_task = None
-        self._scraper = None
+        self._retire_scraper()
         subscriber, seen = self._retire_subscriber()
         if subscriber is not None:
             await asyncio.get_running_loop().run_in_executor(None, subscriber.stop)
@@ -1276,7 +1313,7 @@ class Scheduler:
             self._scrape_task = None
         elif self._scraper is not None:
             self._scraper.stop()
-        self._scraper = None
+        self._retire_scraper()
         subscriber, seen = self._retire_subscriber()
         if subscriber is not None:
             subscriber.stop()
@@ -1543,6 +1580,10 @@ class Scheduler:
     def __repr__(self) -> str:
         flow = "on" if self.flow is not None else "off"
         return f"Scheduler({len(self._engines)} engines, flow {flow}, router {self.router!r})"
+
+
+# The counts of MetricsScraper.snapshot that Scheduler.scrape_counters sums.
+_SCRAPE_COUNTS = ("scrapes", "failures", "timeouts")
 
 
 class _Scheduling:

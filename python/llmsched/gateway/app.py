@@ -391,7 +391,8 @@ class Gateway:
             kv_counters=self._kv_counters,
             endpoints=self.pool.endpoints,
             cluster=None if self.cluster is None else self.cluster.stats,
-            scrapes=self._scrape_snapshot,
+            # Summed over the scraper's restarts (engine changes): the counters only go up.
+            scrapes=self.scheduler.scrape_counters,
             model_findings=self.model_check.findings,
             kv_failing=self._kv_failing,
             kubernetes=None if self.kubernetes is None else self.kubernetes.stats,
