@@ -819,6 +819,13 @@ class Scheduler:
         self._address_notes: list[str] = []
         self._note_shared_addresses()
         self._subscriber: KVEventSubscriber | NativeKVEventSubscriber | None = None
+        # The counts of the subscribers stopped so far (an engine change restarts the feed),
+        # under ``_feed_lock`` with ``_subscriber``: ``kv_event_counters`` never goes down.
+        self._feed_lock = threading.Lock()
+        self._retired_kv_counts: dict[str, int] = {}
+        # The same for the metrics scrapers' counts, by worker (under ``_feed_lock`` with
+        # ``_scraper``).
+        self._retired_scrape_counts: dict[str, dict[str, int]] = {}
         self._scraper: MetricsScraper | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._mode: Literal["async", "threads"] | None = None
@@ -1113,6 +1120,80 @@ class Scheduler:
         """The running KV-event subscriber, if any."""
         return self._subscriber
 
+    def kv_event_counters(self) -> dict[str, int]:
+        """The KV-event subscriber's counters (:meth:`KVEventSubscriber.counters
+        <llmsched.integrations.KVEventSubscriber.counters>`), summed over every subscriber
+        this scheduler has run: an engine change restarts the feed with a new subscriber, and
+        the totals go on from where they were (they only go up). Empty before any ran.
+
+        >>> Scheduler(["a"]).kv_event_counters()
+        {}
+        """
+        with self._feed_lock:
+            totals = dict(self._retired_kv_counts)
+            current = {} if self._subscriber is None else self._subscriber.counters()
+        for key, value in current.items():
+            totals[key] = totals.get(key, 0) + value
+        return totals
+
+    def scrape_counters(self) -> dict[str, dict[str, int]]:
+        """The metrics scraper's counts by worker (``scrapes``, ``failures`` and, of those,
+        ``timeouts``: :meth:`MetricsScraper.snapshot
+        <llmsched.integrations.MetricsScraper.snapshot>`), summed over every scraper this
+        scheduler has run, as :meth:`kv_event_counters` (they only go up; a removed engine's
+        stay). Empty before any ran.
+
+        >>> Scheduler(["a"]).scrape_counters()
+        {}
+        """
+        with self._feed_lock:
+            totals = {w: dict(counts) for w, counts in self._retired_scrape_counts.items()}
+            current = {} if self._scraper is None else self._scraper.snapshot()
+        for worker, snapshot in current.items():
+            counts = totals.setdefault(worker, dict.fromkeys(_SCRAPE_COUNTS, 0))
+            for key in _SCRAPE_COUNTS:
+                counts[key] += int(snapshot[key])
+        return totals
+
+    def _retire_scraper(self) -> None:
+        """Takes the (stopped) scraper out, its counts kept in :meth:`scrape_counters`."""
+        with self._feed_lock:
+            scraper, self._scraper = self._scraper, None
+            if scraper is None:
+                return
+            for worker, snapshot in scraper.snapshot().items():
+                counts = self._retired_scrape_counts.setdefault(
+                    worker, dict.fromkeys(_SCRAPE_COUNTS, 0)
+                )
+                for key in _SCRAPE_COUNTS:
+                    counts[key] += int(snapshot[key])
+
+    def _retire_subscriber(
+        self,
+    ) -> tuple[KVEventSubscriber | NativeKVEventSubscriber | None, dict[str, int]]:
+        """Takes the running subscriber out, its counts kept in the totals at once (a scrape
+        meanwhile sees no dip); returns it and the counts kept, for :meth:`_retired`."""
+        with self._feed_lock:
+            subscriber, self._subscriber = self._subscriber, None
+            if subscriber is None:
+                return None, {}
+            seen = subscriber.counters()
+            self._add_retired(seen, {})
+        return subscriber, seen
+
+    def _retired(
+        self, subscriber: KVEventSubscriber | NativeKVEventSubscriber, seen: dict[str, int]
+    ) -> None:
+        """Adds what ``subscriber`` counted after :meth:`_retire_subscriber` (it is stopped)."""
+        counts = subscriber.counters()
+        with self._feed_lock:
+            self._add_retired(counts, seen)
+
+    def _add_retired(self, counts: dict[str, int], seen: dict[str, int]) -> None:
+        for key, value in counts.items():
+            kept = self._retired_kv_counts.get(key, 0)
+            self._retired_kv_counts[key] = kept + value - seen.get(key, 0)
+
     @property
     def scraper(self) -> MetricsScraper | None:
         """The running metrics scraper, if any."""
@@ -1201,18 +1282,22 @@ class Scheduler:
             # A (re)started scheduler learns what the engines already cache from their replay
             # sockets right away, not only when an engine next stores or evicts a block.
             feed = NativeKVEventSubscriber if self._kv_feed == "native" else KVEventSubscriber
-            self._subscriber = feed(self.index, with_events, catch_up=True)
-            self._subscriber.start()
+            subscriber = feed(self.index, with_events, catch_up=True)
+            with self._feed_lock:
+                self._subscriber = subscriber
+            subscriber.start()
         if self._scrape:
             from llmsched.integrations import MetricsScraper
 
-            self._scraper = MetricsScraper(
+            scraper = MetricsScraper(
                 specs,
                 pool=self.pool,
                 flow=self.flow,
                 interval_s=self._scrape_interval_s,
                 timeout_s=self._scrape_timeout_s,
             )
+            with self._feed_lock:
+                self._scraper = scraper
             # The scraper adds the pool endpoints it lacks: drained engines stay out.
             for key in self._drained:
                 with contextlib.suppress(UnknownEndpointError):
@@ -1229,10 +1314,11 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._scrape_task
             self._scrape_task = None
-        self._scraper = None
-        if self._subscriber is not None:
-            subscriber, self._subscriber = self._subscriber, None
+        self._retire_scraper()
+        subscriber, seen = self._retire_subscriber()
+        if subscriber is not None:
             await asyncio.get_running_loop().run_in_executor(None, subscriber.stop)
+            self._retired(subscriber, seen)
 
     def _stop_feeds_threads(self) -> None:
         if self._scrape_task is not None:  # started on a loop that failed to start the rest
@@ -1240,10 +1326,11 @@ class Scheduler:
             self._scrape_task = None
         elif self._scraper is not None:
             self._scraper.stop()
-        self._scraper = None
-        if self._subscriber is not None:
-            self._subscriber.stop()
-            self._subscriber = None
+        self._retire_scraper()
+        subscriber, seen = self._retire_subscriber()
+        if subscriber is not None:
+            subscriber.stop()
+            self._retired(subscriber, seen)
 
     def _feeds_changed(self) -> None:
         """The engines changed: running feeds restart on the new set."""
@@ -1506,6 +1593,10 @@ class Scheduler:
     def __repr__(self) -> str:
         flow = "on" if self.flow is not None else "off"
         return f"Scheduler({len(self._engines)} engines, flow {flow}, router {self.router!r})"
+
+
+# The counts of MetricsScraper.snapshot that Scheduler.scrape_counters sums.
+_SCRAPE_COUNTS = ("scrapes", "failures", "timeouts")
 
 
 class _Scheduling:

@@ -72,7 +72,8 @@ fn route(method: &Method, path: &str) -> Option<(&'static str, Option<String>)> 
     let segments: Vec<String> = path.split('/').map(percent_decoded).collect::<Option<_>>()?;
     let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
     let (action, worker) = match (method, segments.as_slice()) {
-        (&Method::GET, ["", "admin", "engines"]) => return Some(("list", None)),
+        // HEAD is GET without the body (hyper leaves it out), as on every GET path.
+        (&Method::GET | &Method::HEAD, ["", "admin", "engines"]) => return Some(("list", None)),
         (&Method::POST, ["", "admin", "engines"]) => return Some(("add", None)),
         (&Method::POST, ["", "admin", "engines", worker, "drain"]) => ("drain", *worker),
         (&Method::POST, ["", "admin", "engines", worker, "resume"]) => ("resume", *worker),
@@ -271,6 +272,8 @@ mod tests {
     fn admin_routes_name_their_action_and_worker() {
         assert_eq!(route(&Method::GET, "/admin/engines"), Some(("list", None)));
         assert_eq!(route(&Method::POST, "/admin/engines"), Some(("add", None)));
+        assert_eq!(route(&Method::HEAD, "/admin/engines"), Some(("list", None)));
+        assert_eq!(route(&Method::HEAD, "/admin/engines/a/drain"), None);
         assert_eq!(
             route(&Method::POST, "/admin/engines/127.0.0.1%3A8000/drain"),
             Some(("drain", Some("127.0.0.1:8000".into())))

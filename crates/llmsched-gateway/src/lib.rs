@@ -1652,10 +1652,22 @@ impl Gateway {
                 Ok(own(StatusCode::OK, "text/plain; version=0.0.4", self.metrics_text().into()))
             }
             (&Method::GET, "/v1/models") => Ok(self.models(&request).await),
-            (&Method::POST, "/v1/completions") => Ok(self.complete(request, "completions").await),
-            (&Method::POST, "/v1/chat/completions") => Ok(self.complete(request, "chat").await),
-            (&Method::POST, "/v1/responses") => Ok(self.complete(request, "responses").await),
-            (_, "/v1/responses/") => Ok(self.by_id(request).await),
+            (&Method::POST, "/v1/completions") => {
+                let gone = ClientGone::new(&self.counters, "completions");
+                Ok(gone.answered(self.complete(request, "completions").await))
+            }
+            (&Method::POST, "/v1/chat/completions") => {
+                let gone = ClientGone::new(&self.counters, "chat");
+                Ok(gone.answered(self.complete(request, "chat").await))
+            }
+            (&Method::POST, "/v1/responses") => {
+                let gone = ClientGone::new(&self.counters, "responses");
+                Ok(gone.answered(self.complete(request, "responses").await))
+            }
+            (_, "/v1/responses/") => {
+                let gone = ClientGone::new(&self.counters, BY_ID_ROUTE);
+                Ok(gone.answered(self.by_id(request).await))
+            }
             (_, "/health" | "/ready" | "/metrics" | "/v1/models") => Ok(method_not_allowed("GET")),
             (_, "/v1/completions" | "/v1/chat/completions" | "/v1/responses") => {
                 Ok(method_not_allowed("POST"))
@@ -3308,6 +3320,36 @@ const PASSED_HEADERS: [HeaderName; 3] =
 /// The route name of by-id Responses API requests (`/v1/responses/{id}...`) in metrics.
 const BY_ID_ROUTE: &str = "responses_by_id";
 
+/// Counts a request whose handling was dropped before it answered as `client_gone` on its
+/// route: hyper drops it when the client closes its connection first (waiting for its body,
+/// in flow control's queue, for the engine's answer). An answer's body that the client leaves
+/// is counted by [`Relay`]'s drop.
+struct ClientGone<'a> {
+    counters: &'a Counters,
+    route: &'static str,
+    armed: bool,
+}
+
+impl<'a> ClientGone<'a> {
+    fn new(counters: &'a Counters, route: &'static str) -> ClientGone<'a> {
+        ClientGone { counters, route, armed: true }
+    }
+
+    /// The request answered: nothing to count here.
+    fn answered(mut self, answer: Answer) -> Answer {
+        self.armed = false;
+        answer
+    }
+}
+
+impl Drop for ClientGone<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.counters.requests.inc(&[self.route, "client_gone"]);
+        }
+    }
+}
+
 /// Request bodies from this size on are tokenized on tokio's blocking threads.
 const OFFLOADED_PROMPT_BYTES: usize = 128 << 10;
 
@@ -4088,6 +4130,10 @@ impl Drop for Relay {
             if let Some(counters) = &self.counters {
                 if self.completion {
                     counters.disconnects.fetch_add(1, Ordering::Relaxed);
+                }
+                // The client left mid-answer, as the Python plane counts it.
+                if let Some(route) = self.route {
+                    counters.requests.inc(&[route, "client_gone"]);
                 }
             }
             self.ended(false);

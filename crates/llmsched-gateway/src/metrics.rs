@@ -56,12 +56,41 @@ fn label_text(names: &[&str], values: &[String]) -> String {
     if names.is_empty() {
         return String::new();
     }
-    let pairs: Vec<String> = names
-        .iter()
-        .zip(values)
-        .map(|(n, v)| format!("{n}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
-        .collect();
+    let pairs: Vec<String> =
+        names.iter().zip(values).map(|(n, v)| format!("{n}=\"{}\"", escaped(v))).collect();
     format!("{{{}}}", pairs.join(","))
+}
+
+/// A label value as the text format spells it: backslash, double quote and line feed
+/// escaped (a raw line feed would end the sample's line).
+fn escaped(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A bucket bound as the Python plane (`prometheus_client`, Go's formatting) spells it:
+/// `1e-05`, not Rust's `1e-5`, so that one bucket is one series whichever plane serves it
+/// (for values below 1e6, where Go's formatting and Python's `repr` agree: the bounds here).
+fn go_float(value: f64) -> String {
+    let text = format!("{value:?}");
+    match text.split_once('e') {
+        Some((mantissa, exponent)) => {
+            let (sign, digits) = match exponent.strip_prefix('-') {
+                Some(digits) => ('-', digits),
+                None => ('+', exponent),
+            };
+            format!("{mantissa}e{sign}{digits:0>2}")
+        }
+        None => text,
+    }
 }
 
 /// Every counter of the gateway.
@@ -321,7 +350,8 @@ impl Histogram {
         let mut cumulative = 0;
         for (bound, count) in self.bounds.iter().zip(&self.counts) {
             cumulative += count.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound:?}\"}} {cumulative}.0");
+            let bound = go_float(*bound);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}.0");
         }
         let count = self.count();
         let sum = self.sum_ns.load(Ordering::Relaxed) as f64 * 1e-9;
@@ -396,5 +426,17 @@ mod tests {
                 "x_total{route=\"completions\",status=\"200\"} 1.0",
             ]
         );
+    }
+
+    #[test]
+    fn label_values_are_escaped_and_bounds_spelled_as_go_spells_them() {
+        let family = Family::default();
+        family.inc(&["a\"b\\c\nd é"]);
+        let mut out = String::new();
+        family.render(&mut out, "x", "help", &["endpoint"]);
+        assert!(out.ends_with("x_total{endpoint=\"a\\\"b\\\\c\\nd é\"} 1.0\n"), "{out}");
+        let spelled: Vec<String> =
+            [1e-5, 2.5e-5, 1e-4, 0.1, 60.0, 1e16, 1.5e17].into_iter().map(go_float).collect();
+        assert_eq!(spelled, ["1e-05", "2.5e-05", "0.0001", "0.1", "60.0", "1e+16", "1.5e+17"]);
     }
 }

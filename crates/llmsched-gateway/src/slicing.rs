@@ -225,6 +225,8 @@ pub struct SliceStream {
     /// Set after the error event of a broken stream: one Pending lets hyper write it out.
     breaking: Option<bool>,
     counters: Arc<crate::Counters>,
+    /// The request's route, for its `client_gone` count.
+    route: &'static str,
     ended: bool,
 }
 
@@ -275,6 +277,11 @@ impl Drop for SliceStream {
     fn drop(&mut self) {
         if !self.ended {
             self.counters.disconnects.fetch_add(1, Ordering::Relaxed);
+            // A task still running has counted nothing yet (a finished one counted its 200
+            // or its abort): the client left first.
+            if self.task.as_ref().is_some_and(|task| !task.0.is_finished()) {
+                self.counters.requests.inc(&[self.route, "client_gone"]);
+            }
         }
     }
 }
@@ -350,6 +357,7 @@ impl Gateway {
                     task: Some(task),
                     breaking: None,
                     counters: self.counters.clone(),
+                    route,
                     ended: false,
                 };
                 crate::sliced_answer(stream)

@@ -397,7 +397,8 @@ class Gateway:
             kv_counters=self._kv_counters,
             endpoints=self.pool.endpoints,
             cluster=None if self.cluster is None else self.cluster.stats,
-            scrapes=self._scrape_snapshot,
+            # Summed over the scraper's restarts (engine changes): the counters only go up.
+            scrapes=self.scheduler.scrape_counters,
             model_findings=self.model_check.findings,
             kv_failing=self._kv_failing,
             kubernetes=None if self.kubernetes is None else self.kubernetes.stats,
@@ -711,8 +712,8 @@ class Gateway:
                 errors.log(exc)
 
     def _kv_counters(self) -> dict[str, int]:
-        subscriber = self.scheduler.subscriber
-        return {} if subscriber is None else subscriber.counters()
+        # Summed over the feed's restarts (engine changes): the counters only go up.
+        return self.scheduler.kv_event_counters()
 
     def _kv_failing(self) -> dict[str, str]:
         subscriber = self.scheduler.subscriber
@@ -826,13 +827,25 @@ class Gateway:
     # -- generation ----------------------------------------------------------------------
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completions")
+        return await self._gone_counted("completions", self._generate(request, "completions"))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat")
+        return await self._gone_counted("chat", self._generate(request, "chat"))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "responses")
+        return await self._gone_counted("responses", self._generate(request, "responses"))
+
+    async def _gone_counted(
+        self, route: str, serving: Awaitable[web.StreamResponse]
+    ) -> web.StreamResponse:
+        """``serving``'s answer. A client that leaves first cancels its handler
+        (``handler_cancellation``): counted as ``client_gone`` on ``route``, wherever it was
+        (read, queued, waiting for or relaying the answer), as the native plane counts it."""
+        try:
+            return await serving
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(route, "client_gone").inc()
+            raise
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         """One generation request: read and check it, admit it, serve it, release it."""
@@ -968,6 +981,10 @@ class Gateway:
                 ask.cancel()
 
     async def _responses_by_id(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/responses/{id}`` (see :meth:`_response_by_id`), a client leaving first counted."""
+        return await self._gone_counted("responses_by_id", self._response_by_id(request))
+
+    async def _response_by_id(self, request: web.Request) -> web.StreamResponse:
         """``/v1/responses/{id}`` and the paths under it (``cancel``, ``input_items``), any
         method: relayed to the engine holding the response (no other can answer for it).
         Authenticated and held to the key's request limits, but not admitted through flow
@@ -1686,6 +1703,11 @@ class Gateway:
                     raise _UpstreamFailed("status_5xx")
                 outcome = "status_5xx"
                 self.metrics.upstream_errors.labels(endpoint, outcome).inc()
+            else:
+                # The successful attempt, counted once its status line came (never re-sent
+                # from here), as the native plane counts it: whatever becomes of its body
+                # (cut, or left by its client).
+                self.metrics.routed.labels(endpoint).inc()
             self._settle_held(held, unanswered=False)
             content_type = upstream.headers.get("Content-Type", "")
             sse = "event-stream" in content_type
@@ -1765,7 +1787,6 @@ class Gateway:
                 self.metrics.requests.labels(route, "client_gone").inc()
                 return response, counter.tokens()
             self.health.record(endpoint, outcome)
-            self.metrics.routed.labels(endpoint).inc()
             self.metrics.requests.labels(route, str(upstream.status)).inc()
             return response, counter.tokens()
         finally:
@@ -1864,7 +1885,6 @@ class Gateway:
             if response_id is not None:
                 self.response_owners.record(response_id, endpoint)
         self.health.record(endpoint, outcome)
-        self.metrics.routed.labels(endpoint).inc()
         self.metrics.requests.labels(route, str(upstream.status)).inc()
         return response, counter.tokens()
 

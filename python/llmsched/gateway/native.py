@@ -504,13 +504,15 @@ class NativeGateway:
             f"# TYPE {KV_FAILING_SOCKETS} gauge",
             f"{KV_FAILING_SOCKETS} {float(failing)}",
         ]
-        if subscriber is None:
+        # Summed over the feed's restarts (engine changes): the counters only go up.
+        counters = self.scheduler.kv_event_counters()
+        if not counters:
             return "\n".join(lines) + "\n" + cluster
         lines += [
             "# HELP llmsched_gateway_kv_events_total KV-event subscriber counters",
             "# TYPE llmsched_gateway_kv_events_total counter",
         ]
-        for name, value in sorted(subscriber.counters().items()):
+        for name, value in sorted(counters.items()):
             lines.append(f'llmsched_gateway_kv_events_total{{counter="{name}"}} {float(value)}')
         return "\n".join(lines) + "\n" + cluster
 
