@@ -38,7 +38,8 @@ require("executor", "torch", "xxhash", feature="llmsched.executor")
 import torch
 import xxhash
 
-from llmsched.errors import ConfigError, InvalidTokenError
+from llmsched._tokens import TokensLike, as_token_array
+from llmsched.errors import ConfigError, InvalidTokenError, InvalidTypeError
 from llmsched.executor.config import EngineConfig, check_memory
 from llmsched.executor.kv_cache import CachedBlock, KVCacheManager
 from llmsched.executor.kv_events import encode_event_batch
@@ -236,14 +237,34 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt_token_ids: TokensLike,
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue a request; raises (and queues nothing) if it can never run."""
-        params = params or SamplingParams()
+        """Queue a request; raises (and queues nothing) if it can never run.
+
+        ``prompt_token_ids`` is any token input :func:`llmsched.hashing.block_hashes` takes
+        (a list of ints, a numpy integer array, ...); floats, bools and strings are an
+        :class:`~llmsched.errors.InvalidTypeError`, ids outside the vocabulary an
+        :class:`~llmsched.errors.InvalidTokenError`. A request that may grow past the KV cache
+        or ``max_position``, or, with chunked prefill off, whose prompt plus output (what a
+        preempted request recomputes) may exceed ``max_num_batched_tokens``, is a
+        :class:`~llmsched.errors.ConfigError`: it could never be scheduled.
+        """
+        if not isinstance(request_id, str):
+            raise InvalidTypeError(
+                f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}"
+            )
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidTypeError(
+                f"request {request_id!r}: params must be a SamplingParams or None, "
+                f"got {type(params).__name__}"
+            )
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in the engine")
-        tokens = [int(t) for t in prompt_token_ids]
+        # 1.7 was truncated to 1 and "123" read as [1, 2, 3] by int(); refuse what is not ids.
+        tokens = as_token_array(prompt_token_ids, f"request {request_id!r}'s prompt").tolist()
         if not tokens:
             raise ConfigError(f"request {request_id!r} has an empty prompt")
         vocab = self.model.config.vocab_size
@@ -259,6 +280,17 @@ class Engine:
             raise ConfigError(
                 f"request {request_id!r} may reach {longest} tokens; the engine holds at most "
                 f"{min(capacity, self.model.config.max_position)}"
+            )
+        # Without chunked prefill a prompt is scheduled whole, and a preempted request
+        # recomputes its prompt and output (up to longest - 1 tokens) in one step: past the
+        # budget it would wait forever.
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and longest - 1 > budget:
+            raise ConfigError(
+                f"request {request_id!r} may need {longest - 1} tokens computed in one step "
+                f"(prompt {len(tokens)} + max_tokens {params.max_tokens} - 1); with "
+                f"enable_chunked_prefill off a step holds at most max_num_batched_tokens = "
+                f"{budget}"
             )
         seed = params.seed
         if seed is None:
@@ -477,7 +509,7 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[TokensLike],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[list[int]]:
         """Run ``prompts`` to completion; the generated tokens of each, in order.
