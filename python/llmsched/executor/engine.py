@@ -371,13 +371,18 @@ class Engine:
             and len(self.running) < cfg.max_num_seqs
         ):
             request = self.waiting[0]
-            hit = self.kv_manager.lookup(request.request_id, request.token_ids)
+            rid, tokens = request.request_id, request.token_ids
+            # Check before taking the prefix: as in vLLM, a request that cannot be admitted
+            # must not refresh its cached blocks' place in the LRU queue.
+            hit = self.kv_manager.peek(rid, tokens)
             remaining = request.num_tokens - hit
             count = min(remaining, budget)
             chunk_refused = count < remaining and not cfg.enable_chunked_prefill
-            if chunk_refused or not self.kv_manager.allocate(request.request_id, hit + count):
-                self.kv_manager.free(request.request_id)
+            if chunk_refused or not self.kv_manager.can_admit(rid, tokens, hit + count):
                 break
+            taken = self.kv_manager.lookup(rid, tokens)
+            admitted = self.kv_manager.allocate(rid, hit + count)
+            assert taken == hit and admitted, "can_admit promised the blocks"
             self.waiting.popleft()
             request.num_computed_tokens = hit
             self._counters.prefix_cache_queries += request.num_tokens
