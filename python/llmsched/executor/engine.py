@@ -38,8 +38,8 @@ require("executor", "torch", "xxhash", feature="llmsched.executor")
 import torch
 import xxhash
 
-from llmsched._tokens import TokensLike, as_token_array
-from llmsched.errors import ConfigError, InvalidTokenError, InvalidTypeError
+from llmsched._tokens import TokensLike
+from llmsched.errors import ConfigError, InvalidTypeError
 from llmsched.executor.config import EngineConfig, check_memory
 from llmsched.executor.kv_cache import CachedBlock, KVCacheManager
 from llmsched.executor.kv_events import encode_event_batch
@@ -48,6 +48,7 @@ from llmsched.executor.model import (
     MoETransformer,
     PagedKV,
     SequenceChunk,
+    checked_tokens,
     device_memory_bytes,
 )
 
@@ -264,16 +265,9 @@ class Engine:
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in the engine")
         # 1.7 was truncated to 1 and "123" read as [1, 2, 3] by int(); refuse what is not ids.
-        tokens = as_token_array(prompt_token_ids, f"request {request_id!r}'s prompt").tolist()
+        tokens = checked_tokens(self.model.config, prompt_token_ids, f"request {request_id!r}")
         if not tokens:
             raise ConfigError(f"request {request_id!r} has an empty prompt")
-        vocab = self.model.config.vocab_size
-        for position, token in enumerate(tokens):
-            if not 0 <= token < vocab:
-                raise InvalidTokenError(
-                    f"request {request_id!r}: token id {token} at position {position} is "
-                    f"outside the vocabulary (0 to {vocab - 1})"
-                )
         longest = len(tokens) + params.max_tokens
         capacity = self.config.num_blocks * self.config.block_size
         if longest > min(capacity, self.model.config.max_position):
