@@ -1,6 +1,8 @@
 """Wide-EP sizing, the dual-batch-overlap cost term, calibration and the CLI."""
 
+import numpy as np
 import pytest
+import yaml
 
 from llmsched.errors import ConfigError
 from llmsched.executor.sizing import MoEModelSpec, ParallelLayout, dbo_step_time, kv_tokens_per_rank
@@ -135,3 +137,34 @@ def test_calibrate_command_writes_a_profile_with_fit_error(tmp_path, capsys) -> 
     assert "fit error (relative): median" in printed
     with pytest.raises(SystemExit):
         cli.main(["calibrate", "--batch-sizes", "a,b"])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("prefill_requests", "2"),  # a bare TypeError from the < 0 comparison
+        ("prefill_requests", 1.5),  # a fractional sequence count was fitted
+        ("prefill_requests", True),
+        ("after_idle", "yes"),  # a ValueError only when fitted
+        ("after_idle", None),
+        ("after_idle", 2),
+    ],
+)
+def test_step_samples_refuse_malformed_batch_fields(tmp_path, field, value) -> None:
+    """Probe 60: these were accepted when built and failed (or fitted nonsense) later."""
+    with pytest.raises(ConfigError, match=field):
+        StepSample(16, 0, 256, 0, 1e-3, **{field: value})
+    good = [StepSample(16 * i, 0, 256 * i * i, 0, 1e-3 * i) for i in range(1, 9)]
+    doc = StepTimeProfile.fit(good).to_dict()
+    doc["samples"][0][field] = value
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=field):
+        StepTimeProfile.load(path)
+
+
+def test_step_samples_take_numpy_counts_and_flags() -> None:
+    sample = StepSample(16, 0, 256, 0, 1e-3, prefill_requests=np.int64(2), after_idle=np.True_)
+    assert sample.prefill_requests == 2 and type(sample.prefill_requests) is int
+    assert sample.after_idle is True
+    assert StepSample(16, 0, 256, 0, 1e-3, after_idle=1).after_idle is True
