@@ -290,3 +290,22 @@ def test_request_ids_and_params_of_the_wrong_type_are_refused(model) -> None:
 
     engine.add_request("np", np.array([1, 2, 3], dtype=np.int32))
     assert engine.requests["np"].token_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hash_seed": 1.5}, "hash_seed"),  # a TypeError mid-generate
+        ({"hash_seed": True}, "hash_seed"),  # an error from the hashing mid-step
+        ({"hash_seed": "3"}, "hash_seed"),  # a bare TypeError
+        ({"dp_rank": -1}, "dp_rank"),  # published in every event batch
+        ({"dp_rank": "x"}, "dp_rank"),
+        ({"dp_rank": 2**70}, "dp_rank"),  # an OverflowError after the forward pass
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),  # truthy: caching on
+        ({"enable_chunked_prefill": None}, "enable_chunked_prefill"),
+    ],
+)
+def test_engine_config_fields_are_checked_when_built(overrides, message) -> None:
+    """Probe 60: these were accepted and failed, or silently misbehaved, while serving."""
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**overrides)
