@@ -9,6 +9,7 @@ from llmsched.executor.sizing import MoEModelSpec, ParallelLayout, dbo_step_time
 from llmsched.executor.step_time import StepSample, StepTimeProfile
 
 H200 = 141e9
+V3 = MoEModelSpec.deepseek_v3()
 
 
 def test_kv_per_rank_grows_as_expert_parallelism_widens() -> None:
@@ -168,3 +169,36 @@ def test_step_samples_take_numpy_counts_and_flags() -> None:
     assert sample.prefill_requests == 2 and type(sample.prefill_requests) is int
     assert sample.after_idle is True
     assert StepSample(16, 0, 256, 0, 1e-3, after_idle=1).after_idle is True
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: kv_tokens_per_rank(V3, ParallelLayout(tp=8), float("nan")), "hbm_bytes"),
+        (lambda: kv_tokens_per_rank(V3, ParallelLayout(tp=8), float("inf")), "hbm_bytes"),
+        (
+            lambda: kv_tokens_per_rank(
+                V3, ParallelLayout(tp=8), H200, activation_reserve_bytes=float("nan")
+            ),
+            "activation_reserve_bytes",
+        ),
+        (
+            lambda: kv_tokens_per_rank(
+                V3, ParallelLayout(tp=8), H200, activation_reserve_bytes=-1e12
+            ),
+            "activation_reserve_bytes",
+        ),
+        (lambda: MoEModelSpec("m", 1e9, 1e9, 100, 0), "kv_heads"),  # ZeroDivisionError
+        (lambda: MoEModelSpec("m", 1e9, 1e9, 0, 1), "kv_bytes_per_token"),  # ZeroDivisionError
+        (lambda: MoEModelSpec("m", -1e12, 1e9, 100, 1), "dense_params"),  # more KV than HBM
+        (lambda: MoEModelSpec("m", 1e9, 1e9, 100, 1, weight_bytes=float("nan")), "weight_bytes"),
+        (lambda: ParallelLayout(tp=True), "tp"),
+        (lambda: dbo_step_time(float("nan"), 1.0), "times"),
+        (lambda: dbo_step_time(1.0, 1.0, micro_batches=1.5), "micro_batches"),
+    ],
+)
+def test_sizing_refuses_values_that_give_nan_or_crash(call, message) -> None:
+    """Probe 60: NaN and infinite sizes came back as NaN or inf token counts, a spec with no
+    KV heads or no KV bytes was a ZeroDivisionError, negative weights gave more KV than HBM."""
+    with pytest.raises(ConfigError, match=message):
+        call()
