@@ -202,3 +202,35 @@ def test_sizing_refuses_values_that_give_nan_or_crash(call, message) -> None:
     KV heads or no KV bytes was a ZeroDivisionError, negative weights gave more KV than HBM."""
     with pytest.raises(ConfigError, match=message):
         call()
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ({"batch_sizes": (1.5,)}, "batch_sizes"),  # accepted, then range(1.5) mid-timing
+        ({"batch_sizes": (True,)}, "batch_sizes"),
+        ({"context_lens": ("16",)}, "context_lens"),  # a bare TypeError
+        ({"repeats": 0}, "repeats"),
+        ({"max_prefill_tokens": 2.5}, "max_prefill_tokens"),
+    ],
+)
+def test_calibration_grids_hold_positive_ints(grid, message) -> None:
+    pytest.importorskip("torch")
+    from llmsched.executor.calibrate import CalibrationGrid
+
+    with pytest.raises(ConfigError, match=message):
+        CalibrationGrid(**grid)
+
+
+def test_calibrate_refuses_contexts_past_max_position_before_timing() -> None:
+    """A decode at position max_position was an IndexError after the other points were timed
+    (probe 60)."""
+    pytest.importorskip("torch")
+    from llmsched.executor.calibrate import CalibrationGrid, calibrate
+    from llmsched.executor.config import ModelConfig
+
+    grid = CalibrationGrid(batch_sizes=(1,), context_lens=(16, 32, 64), repeats=1)
+    with pytest.raises(ConfigError, match=r"context length 64 .*max_position = 64"):
+        calibrate(ModelConfig(max_position=64), grid)
+    profile = calibrate(ModelConfig(max_position=65), grid)
+    assert len(profile.samples) == 9
