@@ -6,7 +6,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from llmsched.errors import ConfigError, InvalidTokenError  # noqa: E402
+from llmsched.errors import (  # noqa: E402
+    ConfigError,
+    InvalidTokenError,
+    InvalidTypeError,
+    InvalidValueError,
+)
 from llmsched.executor.config import EngineConfig, ModelConfig  # noqa: E402
 from llmsched.executor.engine import Engine, SamplingParams  # noqa: E402
 from llmsched.executor.model import MoETransformer  # noqa: E402
@@ -219,3 +224,88 @@ def test_a_kv_cache_past_memory_is_refused_before_allocating(model) -> None:
         ConfigError, match=r"Engine would allocate .*the largest part is num_blocks"
     ):
         Engine(model, EngineConfig(num_blocks=2**40))
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "refused"),
+    [(20, 2, True), (8, 4, True), (8, 1, False), (5, 4, False)],
+)
+def test_requests_a_whole_prompt_step_can_never_hold_are_refused(
+    model, prompt_len, max_tokens, refused
+) -> None:
+    """With chunked prefill off, a prompt (or, after a preemption, prompt plus output) past
+    the token budget was never scheduled: ``generate`` looped forever (probe 60)."""
+    config = EngineConfig(num_blocks=16, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    engine = Engine(model, config)
+    prompt = list(range(prompt_len))
+    params = SamplingParams(max_tokens=max_tokens)
+    if refused:
+        with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+            engine.add_request("r", prompt, params)
+        assert not engine.requests and not engine.has_unfinished()
+        return
+    engine.add_request("r", prompt, params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        if "r" in engine.requests and engine.requests["r"].output_token_ids:
+            engine.preempt("r")  # the recompute is prompt plus output: it must still fit
+        steps += 1
+        assert steps < 50, "the request is never scheduled"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error"),
+    [
+        ([1.7, 2], InvalidTypeError),
+        ([True, 2], InvalidTypeError),
+        (["5", 2], InvalidTypeError),
+        ("123", InvalidTypeError),
+        ("abc", InvalidTypeError),
+        ([[1, 2]], InvalidValueError),
+        ([1, -1], InvalidTokenError),
+        ([1, 2**40], InvalidTokenError),
+    ],
+)
+def test_prompts_that_are_not_token_ids_are_refused(model, prompt, error) -> None:
+    """A float was truncated (1.7 ran as 1), ``"123"`` ran as [1, 2, 3], ``"abc"`` was a bare
+    ValueError (probe 60)."""
+    engine = Engine(model, EngineConfig(num_blocks=8))
+    with pytest.raises(error):
+        engine.add_request("r", prompt)
+    assert not engine.requests and not engine.has_unfinished()
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+
+
+def test_request_ids_and_params_of_the_wrong_type_are_refused(model) -> None:
+    engine = Engine(model, EngineConfig(num_blocks=8))
+    with pytest.raises(InvalidTypeError, match="request_id"):
+        engine.add_request(5, [1, 2])  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="SamplingParams"):
+        engine.add_request("r", [1, 2], 5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="SamplingParams"):
+        engine.generate([[1, 2]], [5])  # type: ignore[list-item]
+    assert not engine.requests and not engine.has_unfinished()
+    import numpy as np
+
+    engine.add_request("np", np.array([1, 2, 3], dtype=np.int32))
+    assert engine.requests["np"].token_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hash_seed": 1.5}, "hash_seed"),  # a TypeError mid-generate
+        ({"hash_seed": True}, "hash_seed"),  # an error from the hashing mid-step
+        ({"hash_seed": "3"}, "hash_seed"),  # a bare TypeError
+        ({"dp_rank": -1}, "dp_rank"),  # published in every event batch
+        ({"dp_rank": "x"}, "dp_rank"),
+        ({"dp_rank": 2**70}, "dp_rank"),  # an OverflowError after the forward pass
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),  # truthy: caching on
+        ({"enable_chunked_prefill": None}, "enable_chunked_prefill"),
+    ],
+)
+def test_engine_config_fields_are_checked_when_built(overrides, message) -> None:
+    """Probe 60: these were accepted and failed, or silently misbehaved, while serving."""
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**overrides)

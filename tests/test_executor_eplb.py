@@ -178,3 +178,78 @@ def test_eplb_lowers_max_over_mean_gpu_load_on_recorded_routing() -> None:
     assert stats.layers_moved == 2 and len(stats.step_stalls_s) == 2
     assert model.backend.placement.num_slots == 24
     assert imbalance(load, model.backend.placement, gpus) < imbalance(load, contiguous, gpus)
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"num_nodes": 2, "num_gpus": 1}, "multiple of num_nodes"),
+        ({"num_groups": 3}, "3 equal groups"),
+        ({"num_gpus": 0}, "num_gpus must be a positive int"),
+    ],
+)
+def test_rebalancer_layouts_are_checked_when_built(layout, message) -> None:
+    """They failed on the background thread and only surfaced at a later step (probe 60)."""
+    from llmsched.executor.config import ModelConfig
+    from llmsched.executor.model import MoETransformer
+    from llmsched.executor.rebalance import ExpertRebalancer
+
+    with pytest.raises(ConfigError, match=message):
+        ExpertRebalancer(MoETransformer(ModelConfig()), **layout)
+
+
+def test_a_failed_background_rebalance_is_raised_once_and_can_be_retried(monkeypatch) -> None:
+    """Every later step raised the same error and trigger() said a rebalance was in progress,
+    so the engine could not serve again (probe 60)."""
+    from llmsched.executor.config import EngineConfig, ModelConfig
+    from llmsched.executor.engine import Engine, SamplingParams
+    from llmsched.executor.model import MoETransformer
+    from llmsched.executor.rebalance import ExpertRebalancer
+
+    torch.set_num_threads(1)
+    model = MoETransformer(ModelConfig())
+    engine = Engine(model, EngineConfig(num_blocks=8))
+    engine.generate([list(range(40))], SamplingParams(max_tokens=1))
+    load = model.load_snapshot()
+    rebalancer = ExpertRebalancer(model, num_gpus=2)
+    engine.step_hooks.append(rebalancer)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("placement failed")
+
+    monkeypatch.setattr(ExpertPlacement, "rebalanced", fail)
+    rebalancer.trigger()
+    rebalancer.wait()
+    with pytest.raises(RuntimeError, match="placement failed"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+    assert not rebalancer.pending
+    # The load it took for the failed placement is counted again, not lost.
+    assert (model.load_snapshot() >= load).all()
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    monkeypatch.undo()
+    rebalancer.trigger()
+    rebalancer.wait()
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert not rebalancer.pending and len(rebalancer.history) == 1
+
+
+def test_a_failed_stop_the_world_rebalance_keeps_the_load(monkeypatch) -> None:
+    from llmsched.executor.config import ModelConfig
+    from llmsched.executor.model import MoETransformer
+    from llmsched.executor.rebalance import ExpertRebalancer
+
+    torch.set_num_threads(1)
+    model = MoETransformer(ModelConfig())
+    model.forward_dense(list(range(20)))
+    load = model.load_snapshot()
+    rebalancer = ExpertRebalancer(model, num_gpus=2)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("placement failed")
+
+    monkeypatch.setattr(ExpertPlacement, "rebalanced", fail)
+    with pytest.raises(RuntimeError, match="placement failed"):
+        rebalancer.rebalance_now()
+    assert (model.load_snapshot() == load).all() and load.sum() > 0
+    monkeypatch.undo()
+    assert rebalancer.rebalance_now().layers_moved == 2

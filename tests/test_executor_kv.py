@@ -186,3 +186,43 @@ def test_replayed_events_match_the_engine_cache(seed: int) -> None:
     for block_hash, (parent, tokens) in index.blocks.items():
         chain = engine.config.hash_seed if parent is None else parent
         assert ref_hashing.block_hashes(list(tokens), len(tokens), chain) == [block_hash]
+
+
+def test_a_waiting_request_that_cannot_be_admitted_does_not_refresh_its_prefix() -> None:
+    """vLLM touches a request's cached prefix only once its blocks are allocated. The engine
+    took (and on failure released) the prefix on every try, moving it to the back of the LRU
+    queue, so a blocked request's prefix outlived older-used blocks (probe 60)."""
+    engine = Engine(MoETransformer(ModelConfig()), EngineConfig(num_blocks=6))
+    first, second = list(range(100, 132)), list(range(200, 216))
+    engine.generate([[*first, 1]], SamplingParams(max_tokens=1))  # caches first's 2 blocks
+    engine.generate([[*second, 2]], SamplingParams(max_tokens=1))  # then second's block
+    oldest = next(h for h, b in engine.cached_blocks().items() if b.token_ids[0] == 116)
+    engine.take_kv_event_batches()
+    engine.add_request("grows", list(range(300, 340)), SamplingParams(max_tokens=20))
+    # Hits first's 2 blocks but needs 3 more while only 1 is free: it waits.
+    engine.add_request("blocked", first + list(range(400, 440)), SamplingParams(max_tokens=1))
+    removed: list[int] = []
+    while "grows" in engine.requests and not removed:
+        engine.step()
+        assert [r.request_id for r in engine.waiting] == ["blocked"]
+        for payload in engine.take_kv_event_batches():
+            for event in msgpack.unpackb(payload, raw=False)[1]:
+                if event["type"] == "BlockRemoved":
+                    removed += event["block_hashes"]
+    # "grows" needed a 4th block: the least recently used cached block goes, first's second.
+    assert removed == [oldest]
+
+
+def test_peek_and_can_admit_take_no_references() -> None:
+    kvm = KVCacheManager(num_blocks=4, block_size=4)
+    tokens = list(range(9))
+    assert kvm.lookup("a", tokens) == 0 and kvm.allocate("a", 9)
+    kvm.commit("a", tokens, 9)
+    kvm.free("a")
+    assert kvm.peek("b", tokens) == 8
+    assert kvm.pool.num_free == 4 and kvm.block_table("b") == []
+    # 2 cached blocks (free, so they count) + 2 new ones: 4 <= 4 free.
+    assert kvm.can_admit("b", tokens, 13)
+    assert not kvm.can_admit("b", tokens, 17)
+    assert kvm.lookup("b", tokens) == 8 and kvm.allocate("b", 13)
+    assert kvm.pool.num_free == 0

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from llmsched.errors import ConfigError  # noqa: E402
+from llmsched.errors import ConfigError, InvalidTokenError, InvalidTypeError  # noqa: E402
 from llmsched.executor.config import ModelConfig  # noqa: E402
 from llmsched.executor.eplb import ExpertPlacement  # noqa: E402
 from llmsched.executor.model import (  # noqa: E402
@@ -201,3 +201,21 @@ def test_kv_and_expert_stores_past_memory_are_refused() -> None:
     placement = ExpertPlacement.contiguous(config.num_layers, config.num_experts)
     with pytest.raises(ConfigError, match=r"ExpertStore would allocate .*expert_hidden_size"):
         ExpertStore(config, placement, range(8))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error", "message"),
+    [
+        ([3, -1], InvalidTokenError, "-1 at position 1"),  # ran silently as token 511
+        ([512], InvalidTokenError, "512 at position 0"),  # a bare IndexError
+        ([], ConfigError, "empty"),  # a reshape RuntimeError
+        ([1] * 8193, ConfigError, "max_position"),  # a bare IndexError
+        ([1.5], InvalidTypeError, "float"),
+    ],
+)
+def test_the_dense_reference_refuses_what_it_cannot_run(model, tokens, error, message) -> None:
+    with pytest.raises(error, match=message):
+        model.forward_dense(tokens)
+    load = model.load_snapshot()
+    model.forward_dense([1, 2])
+    assert (model.load_snapshot() - load).sum() == 2 * 2 * model.config.top_k

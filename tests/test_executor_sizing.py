@@ -1,12 +1,15 @@
 """Wide-EP sizing, the dual-batch-overlap cost term, calibration and the CLI."""
 
+import numpy as np
 import pytest
+import yaml
 
 from llmsched.errors import ConfigError
 from llmsched.executor.sizing import MoEModelSpec, ParallelLayout, dbo_step_time, kv_tokens_per_rank
 from llmsched.executor.step_time import StepSample, StepTimeProfile
 
 H200 = 141e9
+V3 = MoEModelSpec.deepseek_v3()
 
 
 def test_kv_per_rank_grows_as_expert_parallelism_widens() -> None:
@@ -135,3 +138,99 @@ def test_calibrate_command_writes_a_profile_with_fit_error(tmp_path, capsys) -> 
     assert "fit error (relative): median" in printed
     with pytest.raises(SystemExit):
         cli.main(["calibrate", "--batch-sizes", "a,b"])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("prefill_requests", "2"),  # a bare TypeError from the < 0 comparison
+        ("prefill_requests", 1.5),  # a fractional sequence count was fitted
+        ("prefill_requests", True),
+        ("after_idle", "yes"),  # a ValueError only when fitted
+        ("after_idle", None),
+        ("after_idle", 2),
+    ],
+)
+def test_step_samples_refuse_malformed_batch_fields(tmp_path, field, value) -> None:
+    """Probe 60: these were accepted when built and failed (or fitted nonsense) later."""
+    with pytest.raises(ConfigError, match=field):
+        StepSample(16, 0, 256, 0, 1e-3, **{field: value})
+    good = [StepSample(16 * i, 0, 256 * i * i, 0, 1e-3 * i) for i in range(1, 9)]
+    doc = StepTimeProfile.fit(good).to_dict()
+    doc["samples"][0][field] = value
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=field):
+        StepTimeProfile.load(path)
+
+
+def test_step_samples_take_numpy_counts_and_flags() -> None:
+    sample = StepSample(16, 0, 256, 0, 1e-3, prefill_requests=np.int64(2), after_idle=np.True_)
+    assert sample.prefill_requests == 2 and type(sample.prefill_requests) is int
+    assert sample.after_idle is True
+    assert StepSample(16, 0, 256, 0, 1e-3, after_idle=1).after_idle is True
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: kv_tokens_per_rank(V3, ParallelLayout(tp=8), float("nan")), "hbm_bytes"),
+        (lambda: kv_tokens_per_rank(V3, ParallelLayout(tp=8), float("inf")), "hbm_bytes"),
+        (
+            lambda: kv_tokens_per_rank(
+                V3, ParallelLayout(tp=8), H200, activation_reserve_bytes=float("nan")
+            ),
+            "activation_reserve_bytes",
+        ),
+        (
+            lambda: kv_tokens_per_rank(
+                V3, ParallelLayout(tp=8), H200, activation_reserve_bytes=-1e12
+            ),
+            "activation_reserve_bytes",
+        ),
+        (lambda: MoEModelSpec("m", 1e9, 1e9, 100, 0), "kv_heads"),  # ZeroDivisionError
+        (lambda: MoEModelSpec("m", 1e9, 1e9, 0, 1), "kv_bytes_per_token"),  # ZeroDivisionError
+        (lambda: MoEModelSpec("m", -1e12, 1e9, 100, 1), "dense_params"),  # more KV than HBM
+        (lambda: MoEModelSpec("m", 1e9, 1e9, 100, 1, weight_bytes=float("nan")), "weight_bytes"),
+        (lambda: ParallelLayout(tp=True), "tp"),
+        (lambda: dbo_step_time(float("nan"), 1.0), "times"),
+        (lambda: dbo_step_time(1.0, 1.0, micro_batches=1.5), "micro_batches"),
+    ],
+)
+def test_sizing_refuses_values_that_give_nan_or_crash(call, message) -> None:
+    """Probe 60: NaN and infinite sizes came back as NaN or inf token counts, a spec with no
+    KV heads or no KV bytes was a ZeroDivisionError, negative weights gave more KV than HBM."""
+    with pytest.raises(ConfigError, match=message):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ({"batch_sizes": (1.5,)}, "batch_sizes"),  # accepted, then range(1.5) mid-timing
+        ({"batch_sizes": (True,)}, "batch_sizes"),
+        ({"context_lens": ("16",)}, "context_lens"),  # a bare TypeError
+        ({"repeats": 0}, "repeats"),
+        ({"max_prefill_tokens": 2.5}, "max_prefill_tokens"),
+    ],
+)
+def test_calibration_grids_hold_positive_ints(grid, message) -> None:
+    pytest.importorskip("torch")
+    from llmsched.executor.calibrate import CalibrationGrid
+
+    with pytest.raises(ConfigError, match=message):
+        CalibrationGrid(**grid)
+
+
+def test_calibrate_refuses_contexts_past_max_position_before_timing() -> None:
+    """A decode at position max_position was an IndexError after the other points were timed
+    (probe 60)."""
+    pytest.importorskip("torch")
+    from llmsched.executor.calibrate import CalibrationGrid, calibrate
+    from llmsched.executor.config import ModelConfig
+
+    grid = CalibrationGrid(batch_sizes=(1,), context_lens=(16, 32, 64), repeats=1)
+    with pytest.raises(ConfigError, match=r"context length 64 .*max_position = 64"):
+        calibrate(ModelConfig(max_position=64), grid)
+    profile = calibrate(ModelConfig(max_position=65), grid)
+    assert len(profile.samples) == 9

@@ -50,9 +50,18 @@ class CalibrationGrid:
     max_prefill_tokens: int = 4096
 
     def __post_init__(self) -> None:
-        values = (*self.batch_sizes, *self.context_lens, self.repeats, self.max_prefill_tokens)
-        if not self.batch_sizes or not self.context_lens or min(values) < 1:
-            raise ConfigError("batch sizes, context lengths and repeats must be positive")
+        fields = {
+            "batch_sizes": tuple(self.batch_sizes),
+            "context_lens": tuple(self.context_lens),
+            "repeats": (self.repeats,),
+            "max_prefill_tokens": (self.max_prefill_tokens,),
+        }
+        for name, values in fields.items():
+            # 1.5 failed in range() mid-timing, "16" was a bare TypeError.
+            if not values or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values
+            ):
+                raise ConfigError(f"{name} must be positive ints, got {getattr(self, name)!r}")
 
     @classmethod
     def for_device(cls, device: str) -> CalibrationGrid:
@@ -87,6 +96,14 @@ def calibrate(
 ) -> StepTimeProfile:
     """Time the grid's steps on ``device`` and fit the step-time model."""
     grid = grid or CalibrationGrid.for_device(device)
+    # The decode step runs at position ``context``: past the rotary tables it failed with an
+    # IndexError after every shorter context had been timed.
+    too_long = [n for n in grid.context_lens if n >= config.max_position]
+    if too_long:
+        raise ConfigError(
+            f"context length {too_long[0]} needs {too_long[0] + 1} positions; the model has "
+            f"max_position = {config.max_position}"
+        )
     dev = torch.device(device)
     model = MoETransformer(config, device=dev)
     time_it = _timer(dev)

@@ -289,10 +289,17 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            # The string "no" is truthy: it turned the feature on.
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.medium not in ("GPU", "CPU", "STORAGE"):
             raise ConfigError(f"medium must be GPU, CPU or STORAGE, got {self.medium!r}")
-        if not 0 <= self.hash_seed < 2**64:
-            raise ConfigError(f"hash_seed must be in 0..2**64-1, got {self.hash_seed}")
+        # Both reach the hashing and the event encoder mid-step; refuse them here instead.
+        for name, limit, text in (("hash_seed", 2**64, "2**64-1"), ("dp_rank", 2**31, "2**31-1")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
+                raise ConfigError(f"{name} must be an int in 0..{text}, got {value!r}")
 
     def estimate_bytes(self, model: ModelConfig) -> dict[str, int]:
         """Bytes the engine would allocate for ``model``'s KV cache and its block bookkeeping.

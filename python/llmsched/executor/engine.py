@@ -38,7 +38,8 @@ require("executor", "torch", "xxhash", feature="llmsched.executor")
 import torch
 import xxhash
 
-from llmsched.errors import ConfigError, InvalidTokenError
+from llmsched._tokens import TokensLike
+from llmsched.errors import ConfigError, InvalidTypeError
 from llmsched.executor.config import EngineConfig, check_memory
 from llmsched.executor.kv_cache import CachedBlock, KVCacheManager
 from llmsched.executor.kv_events import encode_event_batch
@@ -47,6 +48,7 @@ from llmsched.executor.model import (
     MoETransformer,
     PagedKV,
     SequenceChunk,
+    checked_tokens,
     device_memory_bytes,
 )
 
@@ -236,29 +238,53 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt_token_ids: TokensLike,
         params: SamplingParams | None = None,
     ) -> None:
-        """Queue a request; raises (and queues nothing) if it can never run."""
-        params = params or SamplingParams()
+        """Queue a request; raises (and queues nothing) if it can never run.
+
+        ``prompt_token_ids`` is any token input :func:`llmsched.hashing.block_hashes` takes
+        (a list of ints, a numpy integer array, ...); floats, bools and strings are an
+        :class:`~llmsched.errors.InvalidTypeError`, ids outside the vocabulary an
+        :class:`~llmsched.errors.InvalidTokenError`. A request that may grow past the KV cache
+        or ``max_position``, or, with chunked prefill off, whose prompt plus output (what a
+        preempted request recomputes) may exceed ``max_num_batched_tokens``, is a
+        :class:`~llmsched.errors.ConfigError`: it could never be scheduled.
+        """
+        if not isinstance(request_id, str):
+            raise InvalidTypeError(
+                f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}"
+            )
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidTypeError(
+                f"request {request_id!r}: params must be a SamplingParams or None, "
+                f"got {type(params).__name__}"
+            )
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in the engine")
-        tokens = [int(t) for t in prompt_token_ids]
+        # 1.7 was truncated to 1 and "123" read as [1, 2, 3] by int(); refuse what is not ids.
+        tokens = checked_tokens(self.model.config, prompt_token_ids, f"request {request_id!r}")
         if not tokens:
             raise ConfigError(f"request {request_id!r} has an empty prompt")
-        vocab = self.model.config.vocab_size
-        for position, token in enumerate(tokens):
-            if not 0 <= token < vocab:
-                raise InvalidTokenError(
-                    f"request {request_id!r}: token id {token} at position {position} is "
-                    f"outside the vocabulary (0 to {vocab - 1})"
-                )
         longest = len(tokens) + params.max_tokens
         capacity = self.config.num_blocks * self.config.block_size
         if longest > min(capacity, self.model.config.max_position):
             raise ConfigError(
                 f"request {request_id!r} may reach {longest} tokens; the engine holds at most "
                 f"{min(capacity, self.model.config.max_position)}"
+            )
+        # Without chunked prefill a prompt is scheduled whole, and a preempted request
+        # recomputes its prompt and output (up to longest - 1 tokens) in one step: past the
+        # budget it would wait forever.
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and longest - 1 > budget:
+            raise ConfigError(
+                f"request {request_id!r} may need {longest - 1} tokens computed in one step "
+                f"(prompt {len(tokens)} + max_tokens {params.max_tokens} - 1); with "
+                f"enable_chunked_prefill off a step holds at most max_num_batched_tokens = "
+                f"{budget}"
             )
         seed = params.seed
         if seed is None:
@@ -339,13 +365,18 @@ class Engine:
             and len(self.running) < cfg.max_num_seqs
         ):
             request = self.waiting[0]
-            hit = self.kv_manager.lookup(request.request_id, request.token_ids)
+            rid, tokens = request.request_id, request.token_ids
+            # Check before taking the prefix: as in vLLM, a request that cannot be admitted
+            # must not refresh its cached blocks' place in the LRU queue.
+            hit = self.kv_manager.peek(rid, tokens)
             remaining = request.num_tokens - hit
             count = min(remaining, budget)
             chunk_refused = count < remaining and not cfg.enable_chunked_prefill
-            if chunk_refused or not self.kv_manager.allocate(request.request_id, hit + count):
-                self.kv_manager.free(request.request_id)
+            if chunk_refused or not self.kv_manager.can_admit(rid, tokens, hit + count):
                 break
+            taken = self.kv_manager.lookup(rid, tokens)
+            admitted = self.kv_manager.allocate(rid, hit + count)
+            assert taken == hit and admitted, "can_admit promised the blocks"
             self.waiting.popleft()
             request.num_computed_tokens = hit
             self._counters.prefix_cache_queries += request.num_tokens
@@ -477,7 +508,7 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[TokensLike],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[list[int]]:
         """Run ``prompts`` to completion; the generated tokens of each, in order.

@@ -46,7 +46,7 @@ import numpy.typing as npt
 
 from llmsched.errors import ConfigError
 
-__all__ = ["ExpertPlacement", "gpu_loads", "imbalance", "rebalance_experts"]
+__all__ = ["ExpertPlacement", "check_layout", "gpu_loads", "imbalance", "rebalance_experts"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -73,7 +73,7 @@ def rebalance_experts(
     """
     weights = _check_load(load)
     num_layers, num_experts = weights.shape
-    _check_layout(num_experts, num_replicas, num_groups, num_nodes, num_gpus)
+    check_layout(num_experts, num_replicas, num_groups, num_nodes, num_gpus)
     if num_groups % num_nodes == 0:
         phy2log, phy_rank, logcnt = _hierarchical(
             weights, num_replicas, num_groups, num_nodes, num_gpus
@@ -101,9 +101,18 @@ def _check_load(load: npt.ArrayLike) -> FloatArray:
     return weights
 
 
-def _check_layout(
+def check_layout(
     num_experts: int, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> None:
+    """Raise the ConfigError :func:`rebalance_experts` would raise for this layout, if any.
+
+    For callers that take the layout now and place experts later (the rebalancer).
+
+    >>> check_layout(8, 8, 3, 1, 1)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: 8 experts do not split into 3 equal groups
+    """
     for name, value in (
         ("num_replicas", num_replicas),
         ("num_groups", num_groups),

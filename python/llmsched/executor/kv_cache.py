@@ -237,19 +237,47 @@ class KVCacheManager:
         new = np.asarray(token_ids[done * size : full * size], dtype=np.int64)
         state.hashes.extend(int(h) for h in block_hashes(new, size, seed=parent))
 
-    def lookup(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Take the longest cached prefix of a request with no blocks yet; tokens it covers.
+    def _cached_prefix(self, state: _RequestBlocks, token_ids: Sequence[int]) -> list[int]:
+        if not self.enable_prefix_caching or len(token_ids) < 2:
+            return []
+        limit = (len(token_ids) - 1) // self.block_size * self.block_size
+        self._extend_hashes(state, token_ids, limit)
+        return self.pool.find_prefix(state.hashes[: limit // self.block_size])
 
-        The last token is always left to compute (its logits are needed), as vLLM does.
+    def peek(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Tokens :meth:`lookup` would find cached now, taking no reference (so the LRU order
+        is unchanged); the request's block hashes are kept for the lookup."""
+        state = self._state(request_id)
+        if state.blocks:
+            raise RuntimeError(f"request {request_id!r} already holds blocks")
+        return len(self._cached_prefix(state, token_ids)) * self.block_size
+
+    def can_admit(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> bool:
+        """Whether :meth:`lookup` then :meth:`allocate` of ``num_tokens`` would succeed now.
+
+        Takes nothing. As vLLM counts them, cached prefix blocks no request holds are taken
+        out of the free queue by the lookup, so they count against the free blocks too.
         """
         state = self._state(request_id)
         if state.blocks:
             raise RuntimeError(f"request {request_id!r} already holds blocks")
-        if not self.enable_prefix_caching or len(token_ids) < 2:
-            return 0
-        limit = (len(token_ids) - 1) // self.block_size * self.block_size
-        self._extend_hashes(state, token_ids, limit)
-        hits = self.pool.find_prefix(state.hashes[: limit // self.block_size])
+        hits = self._cached_prefix(state, token_ids)
+        idle_hits = sum(1 for block in hits if self.pool.ref_count[block] == 0)
+        needed = max(-(-num_tokens // self.block_size) - len(hits), 0)
+        return needed + idle_hits <= self.pool.num_free
+
+    def lookup(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Take the longest cached prefix of a request with no blocks yet; tokens it covers.
+
+        The last token is always left to compute (its logits are needed), as vLLM does.
+        Taking a reference moves the blocks out of the LRU queue (they go back to its end when
+        freed); check with :meth:`can_admit` first, as the engine does, so that a request
+        which then cannot be allocated leaves the eviction order alone, as in vLLM.
+        """
+        state = self._state(request_id)
+        if state.blocks:
+            raise RuntimeError(f"request {request_id!r} already holds blocks")
+        hits = self._cached_prefix(state, token_ids)
         self.pool.touch(hits)
         state.blocks = hits
         state.num_cached = len(hits)

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 import xxhash
 
-from llmsched.errors import ConfigError
+from llmsched._tokens import TokensLike, as_token_array
+from llmsched.errors import ConfigError, InvalidTokenError
 from llmsched.executor.config import ModelConfig, check_memory
 from llmsched.executor.eplb import ExpertPlacement
 
@@ -52,6 +53,7 @@ __all__ = [
     "MoETransformer",
     "PagedKV",
     "SequenceChunk",
+    "checked_tokens",
     "device_memory_bytes",
     "seeded_tensor",
     "torch_dtype",
@@ -109,6 +111,28 @@ def device_memory_bytes(device: torch.device | str) -> int:
 def _check_fits(what: str, parts: Mapping[str, int], device: torch.device | str) -> None:
     device = torch.device(device)
     check_memory(what, parts, device_memory_bytes(device), str(device))
+
+
+def checked_tokens(config: ModelConfig, tokens: TokensLike, what: str = "tokens") -> list[int]:
+    """``tokens`` as a list of ids in ``config``'s vocabulary, or the error naming the first
+    bad one (what :func:`llmsched.hashing.block_hashes` refuses, plus ids past the vocabulary:
+    a negative id indexed the embedding from its end).
+
+    >>> checked_tokens(ModelConfig(), [1, 512], "prompt")
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.InvalidTokenError: prompt: token id 512 at position 1 is outside the \
+vocabulary (0 to 511)
+    """
+    ids: list[int] = as_token_array(tokens, what).tolist()
+    vocab = config.vocab_size
+    for position, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise InvalidTokenError(
+                f"{what}: token id {token} at position {position} is outside the vocabulary "
+                f"(0 to {vocab - 1})"
+            )
+    return ids
 
 
 def seeded_tensor(
@@ -732,13 +756,24 @@ class MoETransformer:
                 self._finish_moe(layer, mb)
         return [self._logits(mb.hidden[mb.batch.sample_rows]) for mb in mbs]
 
-    def forward_dense(self, token_ids: Sequence[int]) -> Tensor:
+    def forward_dense(self, token_ids: TokensLike) -> Tensor:
         """Logits of every position of one sequence, attention without any cache (reference).
+
+        Token ids outside the vocabulary are an :class:`~llmsched.errors.InvalidTokenError`;
+        an empty sequence or one past ``max_position`` a :class:`~llmsched.errors.ConfigError`.
 
         >>> MoETransformer(ModelConfig()).forward_dense([7]).dtype
         torch.float32
         """
-        tokens = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        ids = checked_tokens(self.config, token_ids)
+        if not ids:
+            raise ConfigError("forward_dense needs at least one token, got an empty sequence")
+        if len(ids) > self.config.max_position:
+            raise ConfigError(
+                f"forward_dense got {len(ids)} tokens; the rotary tables hold max_position = "
+                f"{self.config.max_position}"
+            )
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(tokens.shape[0], device=self.device)
         mb = _MicroBatch(ForwardBatch.build([], 1, self.device), self.embed[tokens])
         for layer in range(self.config.num_layers):

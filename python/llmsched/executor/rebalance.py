@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from llmsched.errors import ConfigError
 from llmsched.executor.engine import Engine
-from llmsched.executor.eplb import ExpertPlacement
+from llmsched.executor.eplb import ExpertPlacement, check_layout
 from llmsched.executor.model import MoETransformer
 
 __all__ = ["ExpertRebalancer", "RebalanceStats"]
@@ -98,6 +98,10 @@ class ExpertRebalancer:
         if layers_per_step < 1:
             raise ConfigError(f"layers_per_step must be >= 1, got {layers_per_step}")
         self.layers_per_step = layers_per_step
+        # Here rather than on the background thread, where a bad layout surfaced steps later.
+        check_layout(
+            model.backend.placement.num_experts, self.num_replicas, num_groups, num_nodes, num_gpus
+        )
         if self.num_replicas % num_gpus:
             raise ConfigError(f"{self.num_replicas} slots do not split over {num_gpus} GPUs")
         self.distributed = model.backend.requires_lockstep
@@ -108,6 +112,7 @@ class ExpertRebalancer:
         self._error: BaseException | None = None
         self._next_layer = 0
         self._stats: RebalanceStats | None = None
+        self._taken_load: torch.Tensor | None = None
 
     @property
     def pending(self) -> bool:
@@ -115,7 +120,8 @@ class ExpertRebalancer:
         return self._stats is not None
 
     def _global_load(self) -> np.ndarray:
-        load = self.model.expert_load.clone()
+        self._taken_load = self.model.expert_load.clone()
+        load = self._taken_load.clone()
         if self.distributed:
             dist.all_reduce(load, group=self.group)
         self.model.reset_load()
@@ -158,7 +164,13 @@ class ExpertRebalancer:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
             ready = bool(flag.item())
         if ready and self._error is not None:
-            raise self._error
+            # Raised once: the rebalance is over (it left every pass on the old placement),
+            # the load it took is counted again, and trigger() may try again.
+            error, self._error = self._error, None
+            if self._taken_load is not None:
+                self.model.expert_load += self._taken_load
+            self._stats = self._thread = self._target = self._taken_load = None
+            raise error
         return ready
 
     def __call__(self, engine: Engine) -> None:
@@ -186,6 +198,7 @@ class ExpertRebalancer:
         self.history.append(self._stats)
         self._stats = None
         self._thread = None
+        self._taken_load = None
 
     def wait(self) -> None:
         """Block until the background placement is computed (tests and benchmarks)."""
@@ -198,7 +211,14 @@ class ExpertRebalancer:
             raise ConfigError("a rebalance is already in progress")
         stats = RebalanceStats(stop_the_world=True)
         start = time.perf_counter()
-        target = self._compute(self._global_load())
+        load = self._global_load()
+        try:
+            target = self._compute(load)
+        except BaseException:
+            if self._taken_load is not None:
+                self.model.expert_load += self._taken_load
+            self._taken_load = None
+            raise
         stats.compute_s = time.perf_counter() - start
         self._stats = stats
         start = time.perf_counter()

@@ -22,9 +22,31 @@ True
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from llmsched.errors import ConfigError
+
+
+def _finite(value: object) -> float | None:
+    """``value`` as a float if it is a finite real number (numpy ones too, not bools)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _check_size(name: str, value: object, *, positive: bool) -> None:
+    """A finite number > 0 (``positive``) or >= 0, else a ConfigError naming ``name``."""
+    number = _finite(value)
+    if number is None or not (number > 0 if positive else number >= 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{name} must be a finite number {bound}, got {value!r}")
+
 
 __all__ = [
     "KVSizing",
@@ -50,6 +72,16 @@ class MoEModelSpec:
     kv_bytes_per_token: float
     kv_heads: int
     weight_bytes: float = 1.0
+
+    def __post_init__(self) -> None:
+        # No KV heads or bytes divided by zero; negative weights gave more KV than HBM.
+        _check_size("dense_params", self.dense_params, positive=False)
+        _check_size("expert_params", self.expert_params, positive=False)
+        _check_size("kv_bytes_per_token", self.kv_bytes_per_token, positive=True)
+        _check_size("weight_bytes", self.weight_bytes, positive=True)
+        heads = self.kv_heads
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise ConfigError(f"kv_heads must be a positive int, got {heads!r}")
 
     @classmethod
     def deepseek_v3(cls, weight_bytes: float = 1.0, kv_bytes: float = 2.0) -> MoEModelSpec:
@@ -88,7 +120,7 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "ep"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.ranks % self.ep:
             raise ConfigError(f"ep ({self.ep}) must divide the {self.ranks} ranks of the layout")
@@ -128,6 +160,9 @@ def kv_tokens_per_rank(
     """
     if not 0 < memory_utilization <= 1:
         raise ConfigError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+    # NaN or inf came back as NaN or inf token counts.
+    _check_size("hbm_bytes", hbm_bytes, positive=True)
+    _check_size("activation_reserve_bytes", activation_reserve_bytes, positive=False)
     expert_split = layout.ep if layout.ep > 1 else layout.tp
     weights = model.weight_bytes * (
         model.dense_params / layout.tp + model.expert_params / expert_split
@@ -158,9 +193,12 @@ def dbo_step_time(
     >>> dbo_step_time(1.0, 1.0), dbo_step_time(1.0, 0.0)
     (1.5, 1.0)
     """
-    if compute_s < 0 or comm_s < 0 or overhead_s < 0:
-        raise ConfigError("times must be >= 0")
-    if micro_batches < 1:
+    finite = [_finite(t) for t in (compute_s, comm_s, overhead_s)]
+    if any(t is None or t < 0 for t in finite):
+        raise ConfigError(
+            f"times must be finite numbers >= 0, got {compute_s!r}, {comm_s!r}, {overhead_s!r}"
+        )
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
     if micro_batches == 1:
         return compute_s + comm_s + overhead_s

@@ -30,6 +30,7 @@ error of the three-term linear model fitted the same way.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,24 @@ _TERMS_V1 = TERMS[:5]
 _COUNTS = ("prefill_tokens", "decode_tokens", "prefill_tokens_sq", "decode_context_tokens")
 
 
+def _index(value: object) -> int | None:
+    """``value`` as an int if it is an integer (numpy ones too) and not a bool, else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` as an int >= 0, or a ConfigError naming ``name``."""
+    number = _index(value)
+    if number is None or number < 0:
+        raise ConfigError(f"a sample's {name} must be an int >= 0, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class StepSample:
     """One measured step: its batch composition and wall time in seconds.
@@ -78,16 +97,20 @@ class StepSample:
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
-            value = getattr(self, name)
-            index = getattr(type(value), "__index__", None)
-            if index is None or isinstance(value, (bool, np.bool_)) or index(value) < 0:
-                raise ConfigError(f"a sample's {name} must be an int >= 0, got {value!r}")
-            object.__setattr__(self, name, int(index(value)))
+            object.__setattr__(self, name, _count(name, getattr(self, name)))
+        idle = self.after_idle
+        # "yes" or None failed only when fitted; 2 was fitted as two idle starts.
+        if not isinstance(idle, (bool, np.bool_)) and _index(idle) not in (0, 1):
+            raise ConfigError(f"a sample's after_idle must be a bool, got {idle!r}")
+        object.__setattr__(self, "after_idle", bool(idle))
         if self.prefill_requests is None:
             object.__setattr__(self, "prefill_requests", 1 if self.prefill_tokens > 0 else 0)
-        elif self.prefill_requests < 0 or (self.prefill_requests == 0) != (
-            self.prefill_tokens == 0
-        ):
+            return
+        # "2" was a bare TypeError, 1.5 a fractional sequence count in the fit.
+        object.__setattr__(
+            self, "prefill_requests", _count("prefill_requests", self.prefill_requests)
+        )
+        if (self.prefill_requests == 0) != (self.prefill_tokens == 0):
             raise ConfigError(
                 f"a sample with {self.prefill_tokens} prefill tokens cannot prefill "
                 f"{self.prefill_requests} sequences"
