@@ -13,7 +13,13 @@ from collections.abc import Callable
 
 import pytest
 
-from llmsched.errors import DuplicateRequestError, FlowRejected
+from llmsched.errors import (
+    DuplicateRequestError,
+    FlowRejected,
+    InvalidTypeError,
+    InvalidValueError,
+    UnknownRequestError,
+)
 from llmsched.flow import FlowController, FlowDecision, FlowRequest, Outcome
 
 
@@ -257,3 +263,78 @@ def test_threads_reusing_ids_with_admit_and_the_sync_api_leak_nothing() -> None:
     while (decision := ctrl.dispatch()) is not None:  # what the sync side left behind
         ctrl.complete(decision.id)
     assert len(ctrl) == 0 and ctrl.running_count() == 0, "a dispatch reached nobody"
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_admits_late_release_never_completes_a_later_request_with_its_id() -> None:
+    """A's request 7 was dispatched as A's task was cancelled, so A releases it on its way
+    out. Before that release runs (another thread, here the clock standing in for it), A's
+    request is revoked at the endpoint and an admit B of id 7 is dispatched: A's release must
+    leave B's running request alone (it completed B's before: a slot freed that B holds)."""
+    hook: list[Callable[[], None]] = []
+
+    def clock() -> float:
+        while hook:
+            hook.pop()()
+        return 0.0
+
+    ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 1}}, clock=clock)
+    second: list[FlowDecision] = []
+
+    def revoke_and_admit_again() -> None:
+        ctrl.complete(7)  # A's request revoked (preempted) at the endpoint
+        other = threading.Thread(
+            target=lambda: second.append(asyncio.run(ctrl.admit(FlowRequest(7, payload="B"))))
+        )
+        other.start()
+        other.join()
+
+    async def scenario() -> None:
+        await ctrl.admit(FlowRequest(100))  # holds the only slot
+        first = asyncio.create_task(ctrl.admit(FlowRequest(7, payload="A")))
+        await asyncio.sleep(0.01)
+        assert ctrl.is_queued(7)
+        ctrl.complete(100)  # A's request dispatched; A has not resumed yet
+        assert ctrl.is_running(7)
+        hook.append(revoke_and_admit_again)
+        first.cancel()
+        (result,) = await asyncio.gather(first, return_exceptions=True)
+        assert isinstance(result, asyncio.CancelledError)
+        await asyncio.sleep(0.01)  # A's release has run
+        assert not hook, "the other thread's turn came"
+        assert [d.payload for d in second] == ["B"]
+        assert ctrl.is_running(7) and ctrl.running_count() == 1, "B's request still runs"
+        ctrl.complete(7, ticket=second[0].ticket)
+        assert ctrl.running_count() == 0 and len(ctrl) == 0
+
+    asyncio.run(scenario())
+
+
+def test_complete_with_an_admits_ticket_releases_only_that_admits_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``complete(id, ticket=decision.ticket)``: a stale ticket (its request ended, the id
+    dispatched again for another admit, or for a plain enqueue) changes nothing and is logged
+    at debug level; the current one completes the request."""
+    ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
+    first = asyncio.run(ctrl.admit(FlowRequest(7, payload="A")))
+    ctrl.complete(7)  # revoked, by id
+    second = asyncio.run(ctrl.admit(FlowRequest(7, payload="B")))
+    assert first.ticket is not None and second.ticket not in (None, first.ticket)
+    with caplog.at_level("DEBUG", logger="llmsched.flow"):
+        ctrl.complete(7, 3, ticket=first.ticket)
+    assert ctrl.is_running(7) and ctrl.running_count() == 1
+    assert "stale release of request 7" in caplog.text
+    ctrl.complete(7, 3, ticket=second.ticket)
+    assert ctrl.running_count() == 0
+    with pytest.raises(UnknownRequestError):
+        ctrl.complete(7, ticket=second.ticket)
+    assert ctrl.enqueue(FlowRequest(8)) is None and ctrl.dispatch() is not None
+    ctrl.complete(8, ticket=second.ticket)  # enqueued without a ticket: by id only
+    assert ctrl.is_running(8)
+    with pytest.raises(InvalidValueError):
+        ctrl.complete(8, ticket=-1)
+    with pytest.raises(InvalidTypeError):
+        ctrl.complete(8, ticket="1")  # type: ignore[arg-type]
+    ctrl.complete(8)
+    assert ctrl.running_count() == 0

@@ -325,6 +325,21 @@ class FlowMachine(RuleBasedStateMachine):
         if twin is not None:
             self.finish(twin)
 
+    @precondition(lambda self: bool(self.twin.running))
+    @rule(pick=st.integers(0, 1000), output=st.integers(0, 40), stale=st.booleans())
+    def complete_by_ticket(self, pick: int, output: int, stale: bool) -> None:
+        """Releases a running request by the ticket of its enqueue, or (stale) by an earlier
+        ticket: a stale release changes nothing, whatever its id runs now."""
+        ids = sorted(self.twin.running)
+        rid = ids[pick % len(ids)]
+        ticket = self.tickets[rid] - 1 if stale else self.tickets[rid]
+        native = self.native.complete(rid, output, self.now, ticket)
+        twin = self.twin.complete(rid, output, self.now, ticket)
+        assert native == twin == (not stale)
+        if twin:
+            self.state[rid] = "completed"
+        assert self.native.running_count() == len(self.twin.running)
+
     @rule(pick=st.integers(0, 1000))
     def cancel(self, pick: int) -> None:
         rid = pick % (self.next_id + 2)

@@ -868,8 +868,8 @@ class FlowCore:
         ticket: int | None = None,
     ) -> Outcome | None:
         """Queues a request; returns the rejection outcome, or None when queued. ``ticket``
-        comes back on its decision (ids may be reused, tickets are the caller's to keep
-        unique)."""
+        comes back on its decision and stays with the request while it runs, for ``cancel``
+        and ``complete`` (ids may be reused, tickets are the caller's to keep unique)."""
     def dispatch(self, now: float) -> FlowDecision | None:
         """The next request to dispatch, or None."""
     def cancel(self, id: int, now: float, ticket: int | None = None) -> FlowDecision | None:
@@ -888,8 +888,9 @@ class FlowCore:
         """Charges another replica's service of a tenant to its flow's fairness policy."""
     def drain_service(self) -> list[tuple[str, int, int, int]]:
         """Service given since the last call: (tenant, priority, prompt, output tokens)."""
-    def complete(self, id: int, output_tokens: int, now: float) -> None:
-        """Marks a running request finished."""
+    def complete(self, id: int, output_tokens: int, now: float, ticket: int | None = None) -> bool:
+        """Marks a running request finished; given ``ticket``, only the one enqueued with it
+        (False, changing nothing, when the id runs for another enqueue: a stale release)."""
     def preemption_victims(self, now: float) -> list[int]:
         """Running requests to revoke for blocked higher-priority work."""
     def update_endpoint(

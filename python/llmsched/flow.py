@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import logging
 import math
 import os
 import sys
@@ -74,6 +75,8 @@ if TYPE_CHECKING:
     # Imported where used: `import llmsched` stays free of asyncio and PyYAML (about 10 and
     # 20 ms).
     import asyncio
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "FlowController",
@@ -323,11 +326,21 @@ class FlowController:
                 return decision
 
     def complete(
-        self, request_id: int, output_tokens: int = 0, *, now: float | None = None
+        self,
+        request_id: int,
+        output_tokens: int = 0,
+        *,
+        now: float | None = None,
+        ticket: int | None = None,
     ) -> None:
         """Marks a dispatched request finished (or revoked); charges ``output_tokens`` not yet
         reported to its tenant and frees its in-flight share. Raises
         :class:`~llmsched.errors.UnknownRequestError` when it is not running.
+
+        ``ticket`` (an :meth:`admit`'s ``decision.ticket``) completes only the request that
+        admit was given: when ``request_id`` runs for another caller (its own request ended
+        and the id was dispatched again since), nothing changes, and the stale release is
+        logged at debug level.
 
         >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
         >>> _ = ctrl.enqueue(FlowRequest(1)); _ = ctrl.dispatch()
@@ -337,7 +350,13 @@ class FlowController:
         """
         _int64("request_id", request_id)
         _int64("output_tokens", output_tokens)
-        self._core.complete(request_id, output_tokens, self._now(now))
+        if ticket is not None:
+            ticket = check_int("ticket", ticket, minimum=0, maximum=2**64 - 1)
+        if not self._core.complete(request_id, output_tokens, self._now(now), ticket):
+            _log.debug(
+                "stale release of request %s (ticket %s): it runs for another", request_id, ticket
+            )
+            return
         if self._waiters:
             self.pump()
 
@@ -590,8 +609,8 @@ class FlowController:
         dispatched in the same instant, it is completed on the caller's behalf. An id that is
         queued or running already (whoever enqueued it) raises
         :class:`~llmsched.errors.DuplicateRequestError` and changes nothing; once its request
-        has left, the id may be used again, and each call only ever gets or cancels its own
-        request.
+        has left, the id may be used again, and each call only ever gets, cancels or releases
+        its own request (pass ``ticket=decision.ticket`` to :meth:`complete` to do the same).
 
         >>> import asyncio
         >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 8}})
@@ -655,13 +674,15 @@ class FlowController:
         if cancelled is not None:
             self._waiters.pop(ticket, None)
             return
-        future.add_done_callback(lambda f: self._release(request_id, f))
+        future.add_done_callback(lambda f: self._release(request_id, ticket, f))
 
-    def _release(self, request_id: int, future: asyncio.Future[FlowDecision]) -> None:
+    def _release(self, request_id: int, ticket: int, future: asyncio.Future[FlowDecision]) -> None:
+        """Completes the request the abandoned admit was dispatched, by its ticket: by the
+        time this runs it may have been revoked and its id dispatched again for another."""
         if future.cancelled() or future.result().outcome != Outcome.DISPATCHED:
             return
         with contextlib.suppress(UnknownRequestError):
-            self.complete(request_id)
+            self.complete(request_id, ticket=ticket)
 
     def _route_evictions(self) -> None:
         for decision in self._core.drain_evicted():
@@ -682,8 +703,9 @@ class FlowController:
             loop.call_soon_threadsafe(_set_result, future, decision)
         except RuntimeError:  # the waiter's loop is closed: nobody will use a dispatch
             if decision.outcome == Outcome.DISPATCHED:
+                # Under the pump's lock maybe: the core's, not complete() (which pumps).
                 with contextlib.suppress(UnknownRequestError):
-                    self._core.complete(decision.id, 0, self._clock())
+                    self._core.complete(decision.id, 0, self._clock(), ticket)
         return True
 
 

@@ -217,7 +217,7 @@ impl PyFlowCore {
             ttft_target,
             payload: Carried { payload, ticket },
         };
-        let refused = self.inner.lock().enqueue(request, now).py()?;
+        let refused = self.inner.lock().enqueue_ticketed(request, ticket, now).py()?;
         Ok(refused.map(|decision| decision.outcome.into()))
     }
 
@@ -273,9 +273,22 @@ impl PyFlowCore {
         drained.into_iter().map(|(t, p, a, b)| (t.to_string(), p, a, b)).collect()
     }
 
-    fn complete(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
+    /// Completes the running request `id`; given a `ticket`, only the one enqueued with it
+    /// (False, changing nothing, when `id` runs for another enqueue: a stale release).
+    #[pyo3(signature = (id, output_tokens, now, ticket=None))]
+    fn complete(
+        &self,
+        id: i64,
+        output_tokens: i64,
+        now: f64,
+        ticket: Option<u64>,
+    ) -> PyResult<bool> {
         let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
-        self.inner.lock().complete(id, tokens, now).py()
+        let mut core = self.inner.lock();
+        match ticket {
+            None => core.complete(id, tokens, now).py().map(|()| true),
+            Some(ticket) => core.complete_ticketed(id, ticket, tokens, now).py(),
+        }
     }
 
     fn preemption_victims(&self, now: f64) -> PyResult<Vec<u64>> {

@@ -74,6 +74,7 @@ class _Running:
     tenant: str
     tokens: int
     dispatch_seq: int
+    ticket: int | None = None
 
 
 class SplitMix64:
@@ -491,7 +492,9 @@ class FlowControllerTwin:
         del self.queued[item.id]
         band.remove(item, now)
         dispatch_seq = self._next_seq()
-        self.running[item.id] = _Running(item.priority, item.tenant, item.tokens, dispatch_seq)
+        self.running[item.id] = _Running(
+            item.priority, item.tenant, item.tokens, dispatch_seq, item.ticket
+        )
         return self._decision(item, "dispatched", now)
 
     def cancel(self, request_id: int, now: float, ticket: int | None = None) -> TwinDecision | None:
@@ -532,13 +535,19 @@ class FlowControllerTwin:
         now = self._advance(now)
         self._charge_output(request_id, output_tokens, now)
 
-    def complete(self, request_id: int, output_tokens: int, now: float) -> None:
+    def complete(
+        self, request_id: int, output_tokens: int, now: float, ticket: int | None = None
+    ) -> bool:
+        """Completes the running request; given ``ticket``, only the one enqueued with it
+        (False, changing nothing, when the id runs for another enqueue: a stale release)."""
         if output_tokens < 0:
             raise InvalidRequestError(f"output_tokens must be >= 0, got {output_tokens}")
         if not math.isfinite(now):
             raise InvalidRequestError(f"now must be a finite number, got {now}")
         if request_id not in self.running:
             raise UnknownRequestError(f"request {request_id} is not running")
+        if ticket is not None and self.running[request_id].ticket != ticket:
+            return False
         now = self._advance(now)
         self._charge_output(request_id, output_tokens, now)
         finished = self.running.pop(request_id)
@@ -547,6 +556,7 @@ class FlowControllerTwin:
             self.pending_victims.discard(request_id)
             if not self.pending_victims:
                 self.next_victims_at = now + self.config["preemption"]["pacing_s"]
+        return True
 
     def preemption_victims(self, now: float) -> list[int]:
         now = self._advance(now)

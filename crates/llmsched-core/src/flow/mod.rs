@@ -304,6 +304,19 @@ impl<P> FlowController<P> {
         request: FlowRequest<'_, P>,
         now: f64,
     ) -> Result<Option<FlowDecision<P>>, FlowError> {
+        self.enqueue_ticketed(request, None, now)
+    }
+
+    /// [`enqueue`](Self::enqueue), the request keeping `ticket` while queued and running, so a
+    /// caller releases exactly its own request with
+    /// [`complete_ticketed`](Self::complete_ticketed) (ids may be used again once a request
+    /// has ended; tickets are the caller's to keep unique).
+    pub fn enqueue_ticketed(
+        &mut self,
+        request: FlowRequest<'_, P>,
+        ticket: Option<u64>,
+        now: f64,
+    ) -> Result<Option<FlowDecision<P>>, FlowError> {
         request.validate()?;
         let now = check_time("now", now)?;
         if self.index.contains_key(&request.id) {
@@ -329,7 +342,7 @@ impl<P> FlowController<P> {
                 self.evicted.push(decision);
             }
         }
-        self.insert(band, request, now);
+        self.insert(band, request, ticket, now);
         Ok(None)
     }
 
@@ -465,9 +478,36 @@ impl<P> FlowController<P> {
     ) -> Result<(), FlowError> {
         let now = check_time("now", now)?;
         let slot = self.running_slot(id)?;
+        self.complete_slot(slot, output_tokens, now);
+        Ok(())
+    }
+
+    /// [`complete`](Self::complete), only when the running request `id` was enqueued with
+    /// `ticket` ([`enqueue_ticketed`](Self::enqueue_ticketed)). `Ok(false)`, changing nothing,
+    /// when `id` runs for another enqueue: a stale release, whose own request ended already
+    /// and whose id was dispatched again since (a retry, another caller). An id not running
+    /// is [`FlowError::UnknownRequest`], as for `complete`.
+    pub fn complete_ticketed(
+        &mut self,
+        id: RequestId,
+        ticket: u64,
+        output_tokens: u64,
+        now: f64,
+    ) -> Result<bool, FlowError> {
+        let now = check_time("now", now)?;
+        let slot = self.running_slot(id)?;
+        if self.slab.get(slot).ticket != Some(ticket) {
+            return Ok(false);
+        }
+        self.complete_slot(slot, output_tokens, now);
+        Ok(true)
+    }
+
+    fn complete_slot(&mut self, slot: u32, output_tokens: u64, now: f64) {
         let now = self.advance(now);
         self.charge_output(slot, output_tokens, now);
         let running = self.slab.get(slot);
+        let id = running.id;
         let (priority, dispatch_seq, tokens) = (running.priority, running.seq, running.tokens);
         let (band, flow) = (running.band, running.flow);
         self.bands[band as usize].flows[flow as usize].running -= 1;
@@ -482,7 +522,6 @@ impl<P> FlowController<P> {
         self.index.remove(&id);
         self.slab.release(slot);
         self.note_if_idle(band, flow, now);
-        Ok(())
     }
 
     /// Running sheddable requests to revoke because a higher band is blocked by saturation:
@@ -796,7 +835,13 @@ impl<P> FlowController<P> {
         }
     }
 
-    fn insert(&mut self, band_index: u32, request: FlowRequest<'_, P>, now: f64) {
+    fn insert(
+        &mut self,
+        band_index: u32,
+        request: FlowRequest<'_, P>,
+        ticket: Option<u64>,
+        now: f64,
+    ) {
         let tenant = self.tenants.intern(request.tenant);
         let seq = self.next_seq();
         let band = &mut self.bands[band_index as usize];
@@ -817,6 +862,7 @@ impl<P> FlowController<P> {
             flow,
             priority: request.priority,
             payload: request.payload,
+            ticket,
         });
         band.push(&mut self.slab, slot);
         if let Some(ttl) = band.settings.ttl_s {

@@ -49,6 +49,9 @@ pub struct Slot<P> {
     pub priority: i32,
     pub state: SlotState,
     pub payload: Option<P>,
+    /// The caller's ticket given at enqueue, kept while queued and running: a release that
+    /// names it acts only on this request, not on a later one under the same id.
+    pub ticket: Option<u64>,
     band_links: Links,
     flow_links: Links,
 }
@@ -91,6 +94,7 @@ pub struct NewSlot<P> {
     pub flow: FlowIdx,
     pub priority: i32,
     pub payload: P,
+    pub ticket: Option<u64>,
 }
 
 impl<P> Slab<P> {
@@ -107,6 +111,7 @@ impl<P> Slab<P> {
             priority: new.priority,
             state: SlotState::Queued,
             payload: Some(new.payload),
+            ticket: new.ticket,
             band_links: UNLINKED,
             flow_links: UNLINKED,
         };
@@ -206,6 +211,7 @@ mod tests {
             flow: 0,
             priority: 0,
             payload: (),
+            ticket: None,
         }
     }
 

@@ -172,6 +172,28 @@ fn cancel_if_cancels_only_the_request_whose_payload_it_names() {
 }
 
 #[test]
+fn complete_ticketed_releases_only_the_request_enqueued_with_the_ticket() {
+    let mut c = controller(ROOMY);
+    c.enqueue_ticketed(request(7, 0, "a"), Some(1), 0.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 0.0), vec![7]);
+    // Ticket 1's request was revoked; id 7 was queued again with ticket 2 and dispatched.
+    c.complete(7, 0, 1.0).unwrap();
+    c.enqueue_ticketed(request(7, 0, "a"), Some(2), 1.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 1.0), vec![7]);
+    assert!(!c.complete_ticketed(7, 1, 5, 2.0).unwrap(), "a stale release changes nothing");
+    assert!(c.is_running(7) && c.running_len() == 1);
+    assert!(c.complete_ticketed(7, 2, 5, 2.0).unwrap());
+    assert!(!c.is_running(7) && c.running_len() == 0);
+    assert!(matches!(c.complete_ticketed(7, 2, 0, 2.0), Err(FlowError::UnknownRequest(7))));
+    // A request enqueued without a ticket is released by id only.
+    c.enqueue(request(8, 0, "a"), 2.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 2.0), vec![8]);
+    assert!(!c.complete_ticketed(8, 2, 0, 2.0).unwrap());
+    c.complete(8, 0, 2.0).unwrap();
+    assert_eq!(c.running_len(), 0);
+}
+
+#[test]
 fn preemption_victims_lowest_priority_newest_first_capped_and_paced() {
     let json = r#"{"saturation": {"type": "concurrency", "max_requests": 4},
         "shedding": {"type": "none"}}"#;
