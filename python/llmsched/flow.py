@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import logging
 import math
 import os
 import sys
@@ -75,8 +74,6 @@ if TYPE_CHECKING:
     # Imported where used: `import llmsched` stays free of asyncio and PyYAML (about 10 and
     # 20 ms).
     import asyncio
-
-_log = logging.getLogger(__name__)
 
 __all__ = [
     "FlowController",
@@ -353,7 +350,9 @@ class FlowController:
         if ticket is not None:
             ticket = check_int("ticket", ticket, minimum=0, maximum=2**64 - 1)
         if not self._core.complete(request_id, output_tokens, self._now(now), ticket):
-            _log.debug(
+            import logging  # only on this rare path: `import llmsched` stays light
+
+            logging.getLogger(__name__).debug(
                 "stale release of request %s (ticket %s): it runs for another", request_id, ticket
             )
             return
