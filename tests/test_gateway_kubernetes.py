@@ -15,6 +15,7 @@ import re
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +303,55 @@ PD_ROUTER = {
 }
 
 
+@dataclass
+class PdCluster:
+    """``llmsched serve`` with P/D on, over pods whose role comes from a label."""
+
+    client: Client
+    prefill: FakeOpenAIEngine
+    decode: FakeOpenAIEngine
+    port: int
+    metrics: str  # /metrics once both engines were routed
+
+    async def split(self) -> aiohttp.ClientResponse:
+        """A long prompt, answered by the decode pod with the prefill pod in its header."""
+        response = await self.client.complete("You answer in full sentences. " * 8)
+        assert response.status == 200
+        assert not self.prefill.received
+        (received,) = self.decode.received
+        assert received.headers["x-prefiller-host-port"] == f"127.0.0.2:{self.port}"
+        return response
+
+
+@contextlib.asynccontextmanager
+async def pd_cluster(tmp_path: Path, router: dict[str, Any]) -> AsyncIterator[PdCluster]:
+    """Pods ``prefill-0`` (127.0.0.2) and ``decode-0`` (127.0.0.3) by ``role_label``, and
+    ``odd-0`` of a role llm-d does not know, behind ``llmsched serve`` routing with ``router``;
+    yields once both engines are routed."""
+    async with (
+        fake_api() as api,
+        engines_at(["127.0.0.2", "127.0.0.3"]) as (port, (prefill, decode)),
+        serving(
+            tmp_path,
+            api,
+            port,
+            kubernetes={"role_label": ROLE},
+            router=router,
+            pd={"enabled": True},
+        ) as client,
+    ):
+        api.put_pod(NS, "prefill-0", {**APP, ROLE: "prefill"}, "127.0.0.2")
+        api.put_pod(NS, "decode-0", {**APP, ROLE: "decode"}, "127.0.0.3")
+        api.put_pod(NS, "odd-0", {**APP, ROLE: "leader"}, "127.0.0.4")
+        text = ""
+        for _ in range(500):
+            text = await client.metrics()
+            if "llmsched_gateway_kubernetes_engines 2.0" in text:
+                break
+            await asyncio.sleep(0.02)
+        yield PdCluster(client, prefill, decode, port, text)
+
+
 @pytest.mark.usefixtures("plane")
 def test_role_label_splits_prefill_and_decode(tmp_path: Path) -> None:
     """``role_label`` gives each pod its P/D role: a long prompt goes to the decode pod with
@@ -309,33 +359,9 @@ def test_role_label_splits_prefill_and_decode(tmp_path: Path) -> None:
     /metrics names it with why."""
 
     async def body() -> None:
-        async with (
-            fake_api() as api,
-            engines_at(["127.0.0.2", "127.0.0.3"]) as (port, (prefill, decode)),
-            serving(
-                tmp_path,
-                api,
-                port,
-                kubernetes={"role_label": ROLE},
-                router=PD_ROUTER,
-                pd={"enabled": True},
-            ) as client,
-        ):
-            api.put_pod(NS, "prefill-0", {**APP, ROLE: "prefill"}, "127.0.0.2")
-            api.put_pod(NS, "decode-0", {**APP, ROLE: "decode"}, "127.0.0.3")
-            api.put_pod(NS, "odd-0", {**APP, ROLE: "leader"}, "127.0.0.4")
-            text = ""
-            for _ in range(500):
-                text = await client.metrics()
-                if "llmsched_gateway_kubernetes_engines 2.0" in text:
-                    break
-                await asyncio.sleep(0.02)
-            assert 'llmsched_gateway_kubernetes_skipped_pod{pod="odd-0"' in text, text
-            response = await client.complete("You answer in full sentences. " * 8)
-            assert response.status == 200
-            assert not prefill.received
-            (received,) = decode.received
-            assert received.headers["x-prefiller-host-port"] == f"127.0.0.2:{port}"
+        async with pd_cluster(tmp_path, PD_ROUTER) as cluster:
+            assert 'llmsched_gateway_kubernetes_skipped_pod{pod="odd-0"' in cluster.metrics
+            await cluster.split()
 
     run(body())
 
@@ -412,29 +438,8 @@ def test_a_split_request_s_token_names_its_decode_pod(tmp_path: Path) -> None:
     }
 
     async def body() -> None:
-        async with (
-            fake_api() as api,
-            engines_at(["127.0.0.2", "127.0.0.3"]) as (port, (prefill, decode)),
-            serving(
-                tmp_path,
-                api,
-                port,
-                kubernetes={"role_label": ROLE},
-                router=router,
-                pd={"enabled": True},
-            ) as client,
-        ):
-            api.put_pod(NS, "prefill-0", {**APP, ROLE: "prefill"}, "127.0.0.2")
-            api.put_pod(NS, "decode-0", {**APP, ROLE: "decode"}, "127.0.0.3")
-            for _ in range(500):
-                if "llmsched_gateway_kubernetes_engines 2.0" in await client.metrics():
-                    break
-                await asyncio.sleep(0.02)
-            response = await client.complete("You answer in full sentences. " * 8)
-            assert response.status == 200
-            assert not prefill.received
-            (received,) = decode.received
-            assert received.headers["x-prefiller-host-port"] == f"127.0.0.2:{port}"
+        async with pd_cluster(tmp_path, router) as cluster:
+            response = await cluster.split()
             assert response.headers["x-session-token"] == _token(f"{NS}/decode-0")
 
     run(body())
