@@ -37,6 +37,18 @@ def _stored(block_size: int, first_hash: int) -> bytes:
     return event_batch(stored_event([first_hash], None, tokens, block_size=block_size))
 
 
+SATURATION_ROUTER = {
+    "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+    "schedulingProfiles": [
+        {
+            "name": "d",
+            "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
+        }
+    ],
+    "saturationDetector": {"queueDepthThreshold": 5},
+}
+
+
 # -- the library ---------------------------------------------------------------------------
 
 
@@ -91,6 +103,18 @@ def test_the_callers_notes_are_listed_and_counted() -> None:
     scheduler = Scheduler(["a"], router="round-robin", notes=["gateway: something"])
     assert scheduler.warnings == ["gateway: something"]
     assert scheduler.stats()["config_warnings"] == 1
+
+
+def test_router_notes_flow_sections_unless_the_caller_wires_them() -> None:
+    from llmsched import EndpointPool, Router
+    from llmsched.errors import InvalidTypeError
+
+    bare = Router(EndpointPool(["a"]), config=SATURATION_ROUTER)
+    assert any("a Router alone does not run" in w for w in bare.warnings)
+    wired = Router(EndpointPool(["a"]), config=SATURATION_ROUTER, wires_flow=True)
+    assert wired.warnings == []
+    with pytest.raises(InvalidTypeError, match="wires_flow"):
+        Router(EndpointPool(["a"]), wires_flow=1)  # type: ignore[arg-type]
 
 
 # -- the gateway, both planes --------------------------------------------------------------
@@ -152,18 +176,6 @@ ALL_ZERO = {
             ],
         }
     ],
-}
-
-
-SATURATION_ROUTER = {
-    "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
-    "schedulingProfiles": [
-        {
-            "name": "d",
-            "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
-        }
-    ],
-    "saturationDetector": {"queueDepthThreshold": 5},
 }
 
 
