@@ -482,6 +482,18 @@ class PrefixIndex:
                 skipped,
             )
 
+    def block_size_mismatch(self) -> dict[Worker, int]:
+        """``stats()['block_size_mismatch']`` alone, without the rest of :meth:`stats`: per
+        worker, the stored events skipped because the engine's block size is not a multiple of
+        :attr:`block_size`.
+
+        >>> index = PrefixIndex(block_size=16)
+        >>> index.block_size_mismatch()
+        {}
+        """
+        with self._lock:
+            return dict(self._mismatch)
+
     def expire(self, *, now: float | None = None) -> int:
         """Drop approximate holdings that have expired; returns the blocks dropped."""
         return self._native.expire(_now(now))

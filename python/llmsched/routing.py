@@ -454,6 +454,9 @@ class Router:
             events. Such a pick on an index fed by engine events logs one warning (logger
             ``llmsched``), is counted in :meth:`stats` and flagged in ``explain()``, unless this
             is True (the index is fed only by the router's own text picks).
+        wires_flow: the caller applies the config's flow-control sections
+            (``saturationDetector``, ``featureGates: [flowControl]``) itself, as ``llmsched
+            serve`` does: the Router then notes nothing about them.
 
     User plugins: a plugin entry ``{"type": "python-scorer", "name": ..., "parameters":
     {"function": fn}}`` (or ``python-filter``) calls ``fn(request, endpoints)`` once per
@@ -498,9 +501,12 @@ class Router:
         session_ttl_s: float | None = None,
         max_sessions: int | None = None,
         allow_pseudo_tokens: bool = False,
+        wires_flow: bool = False,
     ) -> None:
         if not isinstance(allow_pseudo_tokens, bool):
             raise InvalidTypeError("allow_pseudo_tokens must be a bool")
+        if not isinstance(wires_flow, bool):
+            raise InvalidTypeError("wires_flow must be a bool")
         self._pseudo_ok = allow_pseudo_tokens
         self._pseudo_picks = 0
         # Picks run on many threads at once (no GIL on free-threaded CPython): `+= 1` alone
@@ -540,7 +546,7 @@ class Router:
             ("saturationDetector", info["saturation"] is not None),
             ("featureGates: flowControl", info["flow_control"]),
         ):
-            if present:
+            if present and not wires_flow:
                 message = (
                     f"routing config {section}: configures flow control, which a Router alone "
                     "does not run; `llmsched serve` applies it, elsewhere read it with "

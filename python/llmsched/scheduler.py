@@ -691,14 +691,19 @@ class Scheduler:
             each within ``scrape_timeout_s``): feeds the pool and the flow controller.
         stale_after_s, stale_policy: the pool's staleness (defaults: three scrape intervals
             plus the timeout, ``"saturated"`` when scraping, else ``"ignore"``).
-        seed, record_ttl_s, allow_pseudo_tokens: passed to the :class:`~llmsched.Router`.
+        seed, record_ttl_s, allow_pseudo_tokens, wires_flow: passed to the
+            :class:`~llmsched.Router`.
         retry_after_s: the retry-after a :class:`~llmsched.errors.FlowRejected` carries.
+        notes: notes about the configuration found by the caller (a gateway's own checks of
+            its config), already logged by it: listed in :attr:`warnings` and counted with
+            the scheduler's own.
 
     Feeds need the ``integrations`` extra and :class:`~llmsched.integrations.EngineSpec`
     engines; they run between :meth:`start` and :meth:`stop` (``async with scheduler:``), or
     on threads between :meth:`start_sync` and :meth:`stop_sync`. A configuration that will
-    route badly (flow control by utilization with nothing reporting load) logs one warning on
-    logger ``llmsched``, is listed in :attr:`warnings` and counted in :meth:`stats`.
+    route badly (flow control by utilization with nothing reporting load, one engine under
+    several ids, an engine whose KV events use a block size the index cannot split) logs one
+    warning on logger ``llmsched``, is listed in :attr:`warnings` and counted in :meth:`stats`.
 
     >>> s = Scheduler(["a"], router="round-robin")
     >>> with s.schedule_sync(ScheduleRequest(tokens=[1, 2, 3])) as placement:
@@ -725,7 +730,12 @@ class Scheduler:
         record_ttl_s: float | None = None,
         allow_pseudo_tokens: bool = False,
         retry_after_s: float = 1.0,
+        notes: Iterable[str] = (),
+        wires_flow: bool = False,
     ) -> None:
+        given_notes = list(notes)
+        if not all(isinstance(note, str) for note in given_notes):
+            raise ConfigError("notes must be strings")
         for name, flag in (("kv_events", kv_events), ("scrape", scrape)):
             if not isinstance(flag, bool):
                 raise ConfigError(f"{name} must be a bool, got {flag!r}")
@@ -771,6 +781,7 @@ class Scheduler:
             seed=seed,
             record_ttl_s=record_ttl_s,
             allow_pseudo_tokens=allow_pseudo_tokens,
+            wires_flow=wires_flow,
         )
         """The router."""
         self.flow: FlowController | None = (
@@ -810,7 +821,7 @@ class Scheduler:
             ),
             0,
         )
-        self._warnings = list(self.router.warnings)
+        self._warnings = [*self.router.warnings, *given_notes]
         if self.flow is not None:
             note = warn_flow_without_load(self.flow.config["saturation"], scrape=scrape)
             if note is not None:
@@ -1563,8 +1574,34 @@ class Scheduler:
 
     @property
     def warnings(self) -> list[str]:
-        """The configuration's notes (the router's, and the scheduler's own)."""
-        return list(self._warnings)
+        """The configuration's notes (the router's, the caller's ``notes`` and the
+        scheduler's own), and one for each scheduled engine whose KV events the index skipped
+        because their block size is not a multiple of the index's (``index.stats()
+        ["block_size_mismatch"]``; the index logs that once per engine).
+
+        >>> s = Scheduler(["a"], router="round-robin", block_size=16)
+        >>> s.warnings
+        []
+        >>> s.index.note_block_size_mismatch("a", 3)
+        >>> [w[:49] for w in s.warnings]
+        ["engine 'a': 3 stored KV events skipped: its block"]
+        >>> s.stats()["config_warnings"]
+        1
+        """
+        return [*self._warnings, *self._block_size_notes()]
+
+    def _block_size_notes(self) -> list[str]:
+        """One note per engine whose KV events were skipped for their block size."""
+        skipped = self.index.block_size_mismatch()
+        size = self.index.block_size
+        return [
+            f"engine {worker!r}: {count} stored KV events skipped: its block size is not a "
+            f"multiple of the index's {size} tokens, so its cache is never matched; start the "
+            f"engine with vLLM's --block-size a multiple of {size} (or give the index a block "
+            "size that divides the engine's)"
+            for worker, count in sorted(skipped.items(), key=lambda item: str(item[0]))
+            if worker in self._engines
+        ]
 
     def stats(self) -> SchedulerStats:
         """Counters since the scheduler was built and what it holds now.
@@ -1587,7 +1624,7 @@ class Scheduler:
             queued=0 if self.flow is None else len(self.flow),
             engines=len(self._engines),
             draining=len(self._drained),
-            config_warnings=len(self._warnings),
+            config_warnings=len(self.warnings),
         )
 
     def __repr__(self) -> str:

@@ -342,6 +342,9 @@ class Gateway:
             scrape_interval_s=cfg.scrape.interval_s,
             scrape_timeout_s=cfg.scrape.timeout_s,
             retry_after_s=cfg.limits.retry_after_s,
+            notes=cfg.notes,
+            # The loader applied the router config's flow sections (or noted them).
+            wires_flow=True,
         )
         self.index = self.scheduler.index
         self.pool = self.scheduler.pool
@@ -402,6 +405,7 @@ class Gateway:
             model_findings=self.model_check.findings,
             kv_failing=self._kv_failing,
             kubernetes=None if self.kubernetes is None else self.kubernetes.stats,
+            config_warnings=lambda: len(self.scheduler.warnings),
         )
         self._bodies = _BodyBudget(cfg.limits.max_body_bytes_in_flight)
         self.metrics.body_bytes_in_flight.set_function(lambda: self._bodies.held)

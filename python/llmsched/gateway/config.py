@@ -444,7 +444,11 @@ class GatewayConfig:
     what a request's ``truncate_prompt_tokens`` of -1 keeps less one, as vLLM keeps it (such a
     prompt longer than that is cut by the engine, and routed on the ids it keeps). Null (the
     default): learned from the engines' ``/v1/models`` when they agree; until then, and where
-    they differ, such a prompt is routed on its whole ids."""
+    they differ, such a prompt is routed on its whole ids.
+    ``notes`` (not a key): what the loader found will route badly (a ``saturationDetector``
+    without flow control, a precise prefix scorer over engines without ``kv_events``, a
+    ``token-producer`` tokenizer not found), each logged once as it loaded; the gateway lists
+    them in its scheduler's ``warnings`` and counts them in ``llmsched_gateway_config_warnings``."""
 
     engines: tuple[EngineSpec, ...]
     models: tuple[str, ...]
@@ -476,6 +480,7 @@ class GatewayConfig:
     trust_request_chat_template: bool = False
     record_unread_prefixes: bool = False
     max_model_len: int | None = None
+    notes: tuple[str, ...] = ()
 
 
 DATA_PLANES = ("python", "native")
@@ -563,7 +568,8 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     if isinstance(router, Mapping):
         check_ints(router, "router")
     pd = _pd(_section(raw, "pd"))
-    wired = _wire_router(router, raw, block_size, flow, engines, models, tokenizer, pd)
+    notes: list[str] = []
+    wired = _wire_router(router, raw, block_size, flow, engines, models, tokenizer, pd, notes)
     block_size, flow, engines, tokenizer, pd = wired
     for key in ("chat_template", "default_chat_template_kwargs"):
         if raw.get(key) is not None and tokenizer is None:
@@ -623,6 +629,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
             if raw.get("max_model_len") is None
             else _int(raw, "max_model_len", 1, "", low=1, high=2**31)
         ),
+        notes=tuple(notes),
     )
 
 
@@ -750,6 +757,7 @@ def _wire_router(
     models: tuple[str, ...],
     tokenizer: Path | None,
     pd: PdConfig,
+    notes: list[str],
 ) -> tuple[int, dict[str, Any] | None, tuple[EngineSpec, ...], Path | None, PdConfig]:
     """What an ``EndpointPickerConfig`` asks of the gateway: the index's block size (taken
     when ``block_size`` is not set, checked when it is), flow control (``featureGates:
@@ -758,7 +766,8 @@ def _wire_router(
     their own ``kv_events`` publish to ``kvEventsConfig.zmqEndpoint``, one socket the gateway
     binds and splits by topic), the tokenizer a ``token-producer`` names (found in the local
     Hugging Face cache when ``tokenizer`` is not set) and the prefill header of llm-d's
-    disaggregation handlers (``pd`` turned on with it)."""
+    disaggregation handlers (``pd`` turned on with it). What will route badly is logged and
+    appended to ``notes``."""
     from llmsched.routing import config_info
 
     try:
@@ -780,9 +789,10 @@ def _wire_router(
     saturation = info["saturation"]
     if saturation is not None:
         if out is None:
-            _log.warning(
+            _note(
+                notes,
                 "router config saturationDetector has no effect: flow control is off (add "
-                "featureGates: [flowControl] to the router config or a flow section here)"
+                "featureGates: [flowControl] to the router config or a flow section here)",
             )
         else:
             _merge_saturation(out, saturation)
@@ -798,13 +808,12 @@ def _wire_router(
     if precise is not None:
         without = [spec.worker_id for spec in engines if spec.kv_events is None]
         if without:
-            _log.warning(
-                "router config %s: the precise prefix scorer reads KV events, but engines %s "
-                "list no kv_events endpoint and cannot publish to kvEventsConfig.zmqEndpoint "
-                "%s (see above); their caches are known only from routed requests",
-                precise["key"],
-                ", ".join(without),
-                precise["zmq_endpoint"],
+            _note(
+                notes,
+                f"router config {precise['key']}: the precise prefix scorer reads KV events, "
+                f"but engines {', '.join(without)} list no kv_events endpoint and cannot "
+                f"publish to kvEventsConfig.zmqEndpoint {precise['zmq_endpoint']} (see above); "
+                "their caches are known only from routed requests",
             )
         for i, spec in enumerate(engines):
             if spec.kv_events is not None and not spec.topic.startswith(precise["topic_filter"]):
@@ -826,13 +835,13 @@ def _wire_router(
                 tokenizer,
             )
         else:
-            _log.warning(
-                "router config %s: the token-producer tokenizes prompts with %r's tokenizer, "
-                "which is not in the local Hugging Face cache; set `tokenizer` to a directory "
-                "holding its tokenizer.json. Until then prompts are hashed as pseudo-tokens, "
-                "which never match the engines' KV events",
-                wanted_tokenizer["key"],
-                wanted_tokenizer["model"],
+            _note(
+                notes,
+                f"router config {wanted_tokenizer['key']}: the token-producer tokenizes "
+                f"prompts with {wanted_tokenizer['model']!r}'s tokenizer, which is not in the "
+                "local Hugging Face cache; set `tokenizer` to a directory holding its "
+                "tokenizer.json. Until then prompts are hashed as pseudo-tokens, which never "
+                "match the engines' KV events",
             )
     header = info["prefill_header"]
     if header is not None:
@@ -904,6 +913,13 @@ def _cached_tokenizer(model: str) -> Path | None:
     if not found:
         return None
     return max(found, key=lambda d: (d / "tokenizer.json").stat().st_mtime)
+
+
+def _note(notes: list[str], message: str) -> None:
+    """A configuration that will route badly: logged (logger ``llmsched``) and kept in
+    ``notes`` (:attr:`GatewayConfig.notes`, counted by the gateway's scheduler)."""
+    _log.warning("%s", message)
+    notes.append(message)
 
 
 def _json_copy(value: Mapping[str, Any]) -> dict[str, Any]:

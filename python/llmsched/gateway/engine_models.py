@@ -24,6 +24,10 @@ can be loaded at run time), and reports each problem it finds once through ``log
 ``max_model_len_differs``   the engine's context length is not the config's
                             ``max_model_len`` (or, without one, the other engines'): a
                             ``truncate_prompt_tokens`` of -1 keeps another prompt there
+``model_not_configured``    the engine's own ``model`` (its config entry, a discovered pod's)
+                            is none of ``models`` and ``lora_adapters``: requests may only
+                            name those, so none is ever routed there (found from the config,
+                            before any ``/v1/models``)
 ==========================  ==================================================================
 
 The engines' context length (``max_model_len`` in vLLM's model list) is learned too: where
@@ -67,6 +71,7 @@ FindingKind = Literal[
     "model_listed_as_adapter",
     "model_not_served",
     "max_model_len_differs",
+    "model_not_configured",
 ]
 
 _UNSUPPORTED = frozenset({401, 403, 404, 405})
@@ -98,6 +103,8 @@ class _Engine:
     due: float = 0.0
     failures: int = 0
     findings: list[ModelFinding] = field(default_factory=list)
+    # Found from the spec alone (model_not_configured), kept until the spec changes.
+    configured: list[ModelFinding] = field(default_factory=list)
     served: dict[str, str | None] | None = None
     context: int | None = None
 
@@ -169,7 +176,9 @@ class EngineModelCheck:
         for worker, spec in specs.items():
             known = self._engines.get(worker)
             if known is None or known.spec != spec:
-                self._engines[worker] = _Engine(spec)
+                engine = _Engine(spec, configured=self._spec_findings(worker, spec))
+                self._engines[worker] = engine
+                self._warn(engine.configured)
         self._context_changed()
         if self._wake is not None:
             self._wake.set()
@@ -181,8 +190,34 @@ class EngineModelCheck:
         >>> check.findings()
         []
         """
-        found = [f for worker in sorted(self._engines) for f in self._engines[worker].findings]
+        found = [
+            f
+            for worker in sorted(self._engines)
+            for f in (*self._engines[worker].configured, *self._engines[worker].findings)
+        ]
         return found + self._context_findings()
+
+    def _spec_findings(self, worker: str, spec: EngineSpec) -> list[ModelFinding]:
+        """``model_not_configured`` for an engine whose own model no request may name."""
+        model = spec.model
+        if model is None or model in self._models or model in self._adapters:
+            return []
+        known = ", ".join(sorted([*self._models, *self._adapters]))
+        detail = (
+            f"engine {worker} serves model {model!r}, which is none of the models requests may "
+            f"name ({known}): no request is ever routed there; add {model!r} to models (or "
+            "lora_adapters), or correct the engine's model"
+        )
+        return [ModelFinding("model_not_configured", worker, model, detail)]
+
+    def _warn(self, findings: Iterable[ModelFinding]) -> None:
+        """Logs each finding whose kind and name were not logged before."""
+        for finding in findings:
+            if (finding.kind, finding.name) not in self._warned:
+                self._warned.add((finding.kind, finding.name))
+                log.warning(
+                    "%s (%s; further engines alike are only counted)", finding.detail, finding.kind
+                )
 
     def _context_findings(self) -> list[ModelFinding]:
         """Engines whose context length is not the config's, or (without one) not the one
@@ -331,12 +366,7 @@ class EngineModelCheck:
         self._context_changed()
         engine.failures = 0
         engine.due = self._clock() + self._recheck_s
-        for finding in engine.findings + self._context_findings():
-            if (finding.kind, finding.name) not in self._warned:
-                self._warned.add((finding.kind, finding.name))
-                log.warning(
-                    "%s (%s; further engines alike are only counted)", finding.detail, finding.kind
-                )
+        self._warn(engine.findings + self._context_findings())
 
 
 def _served(listing: object) -> dict[str, str | None]:

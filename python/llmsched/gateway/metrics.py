@@ -27,6 +27,7 @@ __all__ = [
     "DISCOVERY_ERRORS_HELP",
     "GatewayMetrics",
     "cluster_metrics_text",
+    "config_metrics_text",
     "kubernetes_metrics_text",
     "model_check_metrics_text",
 ]
@@ -68,6 +69,7 @@ class GatewayMetrics:
         model_findings: Callable[[], list[ModelFinding]] | None = None,
         kv_failing: Callable[[], Mapping[str, str]] | None = None,
         kubernetes: Callable[[], PodDiscoveryStats] | None = None,
+        config_warnings: Callable[[], int] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -229,6 +231,16 @@ class GatewayMetrics:
         )
         if kubernetes is not None:
             r.register(_LiveFamilies(lambda: list(_kubernetes_metrics(kubernetes()))))
+        r.register(
+            _LiveFamilies(
+                lambda: list(
+                    _config_metrics(
+                        0 if config_warnings is None else config_warnings(),
+                        index.block_size_mismatch(),
+                    )
+                )
+            )
+        )
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
@@ -374,6 +386,42 @@ def _cluster_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
         if isinstance(value, int) and not isinstance(value, bool):
             family.add_metric([name], value)
     yield family
+
+
+def _config_metrics(warnings: int, block_size_mismatch: Mapping[Any, int]) -> Iterator[Metric]:
+    """``llmsched_gateway_config_warnings`` and
+    ``llmsched_gateway_index_block_size_mismatch_total`` (by engine)."""
+    yield GaugeMetricFamily(
+        f"{PREFIX}_config_warnings",
+        "Notes about a configuration that will route badly, each logged once (logger llmsched) "
+        "and listed in the scheduler's warnings",
+        value=warnings,
+    )
+    skipped = CounterMetricFamily(
+        f"{PREFIX}_index_block_size_mismatch",
+        "Stored KV events skipped because the engine's block size is not a multiple of the "
+        "gateway's block_size (that engine's cache is never matched)",
+        labels=["engine"],
+    )
+    for worker, count in sorted(block_size_mismatch.items(), key=lambda item: str(item[0])):
+        skipped.add_metric([str(worker)], count)
+    yield skipped
+
+
+def config_metrics_text(warnings: int, block_size_mismatch: Mapping[Any, int]) -> str:
+    """``llmsched_gateway_config_warnings`` (the scheduler's warnings) and
+    ``llmsched_gateway_index_block_size_mismatch_total`` (the index's skipped events by
+    engine), as exposition text (the native plane appends it to its ``/metrics``).
+
+    >>> text = config_metrics_text(1, {"e0": 3})
+    >>> "llmsched_gateway_config_warnings 1.0" in text
+    True
+    >>> 'llmsched_gateway_index_block_size_mismatch_total{engine="e0"} 3.0' in text
+    True
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(_config_metrics(warnings, block_size_mismatch))))
+    return generate_latest(registry).decode()
 
 
 def _model_mismatches(findings: list[ModelFinding]) -> Metric:

@@ -74,6 +74,7 @@ from llmsched.gateway.metrics import (
     KV_FAILING_HELP,
     KV_FAILING_SOCKETS,
     cluster_metrics_text,
+    config_metrics_text,
     kubernetes_metrics_text,
     model_check_metrics_text,
 )
@@ -306,6 +307,17 @@ class NativeGateway:
         self._specs: dict[str, EngineSpec] = {spec.worker_id: spec for spec in cfg.engines}
         # The pool, index and router are built in Python and shared; scraping, flow control,
         # health and the KV-event feed run natively.
+        notes = list(cfg.notes)
+        if cfg.flow is not None:
+            # Flow control runs in Rust here, so the scheduler never sees it: its note on a
+            # configuration that refuses every request is given here, and handed to the
+            # scheduler to list and count as the Python plane's does.
+            saturation = cfg.flow.get("saturation")
+            note = warn_flow_without_load(
+                saturation if isinstance(saturation, Mapping) else {}, scrape=cfg.scrape.enabled
+            )
+            if note is not None:
+                notes.append(note)
         self.scheduler = Scheduler(
             cfg.engines,
             router=cfg.router,
@@ -316,14 +328,10 @@ class NativeGateway:
             stale_after_s=_stale_after(cfg),
             stale_policy="saturated" if cfg.scrape.enabled else "ignore",
             retry_after_s=cfg.limits.retry_after_s,
+            notes=notes,
+            # The loader applied the router config's flow sections (or noted them).
+            wires_flow=True,
         )
-        if cfg.flow is not None:
-            # Flow control runs in Rust here, so the scheduler never sees it: its note on a
-            # configuration that refuses every request is given here.
-            saturation = cfg.flow.get("saturation")
-            warn_flow_without_load(
-                saturation if isinstance(saturation, Mapping) else {}, scrape=cfg.scrape.enabled
-            )
         self.index = self.scheduler.index
         self.pool = self.scheduler.pool
         self.router = self.scheduler.router
@@ -495,6 +503,9 @@ class NativeGateway:
         ]
         cluster = "" if self.cluster is None else cluster_metrics_text(self.cluster.stats())
         cluster += model_check_metrics_text(self.model_check.findings())
+        cluster += config_metrics_text(
+            len(self.scheduler.warnings), self.index.block_size_mismatch()
+        )
         if self.kubernetes is not None:
             cluster += kubernetes_metrics_text(self.kubernetes.stats())
         subscriber = self.scheduler.subscriber

@@ -1,0 +1,300 @@
+"""Probe 63: a configuration that will route badly warns once through ``logging``, is counted,
+and shows in ``Scheduler.warnings`` / ``stats()`` and, in ``llmsched serve``, in ``/metrics``
+on both data planes (``llmsched_gateway_config_warnings``,
+``llmsched_gateway_index_block_size_mismatch_total``,
+``llmsched_gateway_engine_model_mismatches``). Configurations that are fine say nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from _gateway_harness import MODEL, Rig, plane, rig, run, until  # noqa: F401
+
+from llmsched import Scheduler
+from llmsched.gateway.config import load_config
+from llmsched.integrations import EngineSpec
+from llmsched.testing import FakeKVPublisher, event_batch, stored_event
+
+CONFIG_WARNINGS = "llmsched_gateway_config_warnings"
+MISMATCH = "llmsched_gateway_index_block_size_mismatch_total"
+MODEL_FINDINGS = "llmsched_gateway_engine_model_mismatches"
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and needle in r.getMessage()
+    ]
+
+
+def _stored(block_size: int, first_hash: int) -> bytes:
+    """One batch storing one engine block of ``block_size`` tokens (a root block)."""
+    tokens = list(range(first_hash * 100, first_hash * 100 + block_size))
+    return event_batch(stored_event([first_hash], None, tokens, block_size=block_size))
+
+
+SATURATION_ROUTER = {
+    "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+    "schedulingProfiles": [
+        {
+            "name": "d",
+            "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
+        }
+    ],
+    "saturationDetector": {"queueDepthThreshold": 5},
+}
+
+
+# -- the library ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_feed", ["python", "native"])
+@pytest.mark.parametrize(("engine_block", "bad"), [(6, True), (8, False)], ids=["6", "8"])
+def test_scheduler_lists_and_counts_an_engine_block_size_the_index_cannot_split(
+    caplog: pytest.LogCaptureFixture, kv_feed: Any, engine_block: int, bad: bool
+) -> None:
+    # Engine blocks of 6 tokens on an index of 4: every stored event is skipped, so the
+    # engine's cache is never matched. Before: logged by the index and counted in
+    # index.stats() only; Scheduler.warnings and stats()["config_warnings"] said nothing.
+    caplog.set_level(logging.WARNING)
+
+    async def go() -> None:
+        with FakeKVPublisher() as publisher:
+            spec = EngineSpec("127.0.0.1", 9, **publisher.spec_kwargs())
+            scheduler = Scheduler([spec], router="round-robin", block_size=4, kv_feed=kv_feed)
+            async with scheduler:
+                assert await asyncio.to_thread(publisher.wait_subscribed, 5.0)
+                publisher.publish(_stored(engine_block, 1))
+                publisher.publish(_stored(engine_block, 2))
+                counters = scheduler.kv_event_counters
+                await until(lambda: counters().get("batches", 0) == 2)
+            skipped = scheduler.index.block_size_mismatch()
+            if not bad:
+                assert skipped == {}
+                assert scheduler.warnings == []
+                assert scheduler.stats()["config_warnings"] == 0
+                assert _warnings(caplog, "block size") == []
+                return
+            assert skipped == {spec.worker_id: 2}
+            [note] = scheduler.warnings
+            assert f"engine {spec.worker_id!r}: 2 stored KV events skipped" in note
+            assert "--block-size a multiple of 4" in note
+            assert scheduler.stats()["config_warnings"] == 1
+            # Warned once, for the first batch, not per batch.
+            assert len(_warnings(caplog, "block size")) == 1
+
+    run(go())
+
+
+def test_a_removed_engine_takes_its_block_size_note_with_it() -> None:
+    scheduler = Scheduler(["a", "b"], router="round-robin", block_size=4)
+    scheduler.index.note_block_size_mismatch("a", 1)
+    assert len(scheduler.warnings) == 1
+    scheduler.remove_engine("a")
+    assert scheduler.warnings == []
+    assert scheduler.index.block_size_mismatch() == {"a": 1}  # the count stays
+
+
+def test_the_callers_notes_are_listed_and_counted() -> None:
+    scheduler = Scheduler(["a"], router="round-robin", notes=["gateway: something"])
+    assert scheduler.warnings == ["gateway: something"]
+    assert scheduler.stats()["config_warnings"] == 1
+
+
+def test_router_notes_flow_sections_unless_the_caller_wires_them() -> None:
+    from llmsched import EndpointPool, Router
+    from llmsched.errors import InvalidTypeError
+
+    bare = Router(EndpointPool(["a"]), config=SATURATION_ROUTER)
+    assert any("a Router alone does not run" in w for w in bare.warnings)
+    wired = Router(EndpointPool(["a"]), config=SATURATION_ROUTER, wires_flow=True)
+    assert wired.warnings == []
+    with pytest.raises(InvalidTypeError, match="wires_flow"):
+        Router(EndpointPool(["a"]), wires_flow=1)  # type: ignore[arg-type]
+
+
+# -- the gateway, both planes --------------------------------------------------------------
+
+
+async def _metric(r: Rig, name: str, **labels: str) -> float:
+    """A sample of ``GET /metrics`` (both planes serve it)."""
+    response = await r.client.get(r.url("/metrics"))
+    text = await response.text()
+    wanted = name + (
+        "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    )
+    for line in text.splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize(("engine_block", "bad"), [(6, True), (8, False)], ids=["6", "8"])
+def test_gateway_exports_an_engine_block_size_mismatch(
+    caplog: pytest.LogCaptureFixture, engine_block: int, bad: bool
+) -> None:
+    # Before: neither plane's /metrics said anything of skipped events (the known gap).
+    caplog.set_level(logging.WARNING)
+
+    async def go() -> None:
+        with FakeKVPublisher(topic="kv@e0") as publisher:
+            async with rig(1, engine_fields=[publisher.spec_kwargs()]) as r:
+                worker = r.gateway.config.engines[0].worker_id
+                assert await asyncio.to_thread(publisher.wait_subscribed, 5.0)
+                publisher.publish(_stored(engine_block, 1))
+                publisher.publish(_stored(engine_block, 2))
+                counters = r.gateway.scheduler.kv_event_counters
+                await until(lambda: counters().get("batches", 0) == 2)
+                mismatch = await _metric(r, MISMATCH, engine=worker)
+                warnings = await _metric(r, CONFIG_WARNINGS)
+                if bad:
+                    assert (mismatch, warnings) == (2.0, 1.0)
+                    assert len(_warnings(caplog, "block size")) == 1
+                else:
+                    assert (mismatch, warnings) == (0.0, 0.0)
+                    assert _warnings(caplog, "block size") == []
+                # The family is there either way, with its type.
+                text = await (await r.client.get(r.url("/metrics"))).text()
+                assert f"# TYPE {MISMATCH} counter" in text
+
+    run(go())
+
+
+ALL_ZERO = {
+    "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "queue-scorer", "weight": 0},
+                {"pluginRef": "max-score-picker"},
+            ],
+        }
+    ],
+}
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"router": ALL_ZERO}, "every scorer weight"),
+        # Flow control by utilization with nothing scraped refuses every request. Before:
+        # the native plane logged it but its scheduler never listed or counted it.
+        ({"flow": {}}, "utilization"),
+        ({}, None),
+        # The gateway applies saturationDetector to its flow control. Before: the Router's
+        # note that "a Router alone does not run" it was logged and counted anyway.
+        ({"router": SATURATION_ROUTER, "flow": {}, "scrape": {"enabled": True}}, None),
+    ],
+    ids=["zero-weights", "flow-without-load", "fine", "saturation-wired"],
+)
+def test_gateway_counts_its_config_warnings_alike_on_both_planes(
+    overrides: dict[str, Any], needle: str | None
+) -> None:
+    async def go() -> None:
+        async with rig(1, **overrides) as r:
+            warnings = r.gateway.scheduler.warnings
+            if needle is None:
+                assert warnings == []
+                assert await _metric(r, CONFIG_WARNINGS) == 0.0
+            else:
+                assert len(warnings) == 1 and needle in warnings[0], warnings
+                assert await _metric(r, CONFIG_WARNINGS) == 1.0
+                assert r.gateway.scheduler.stats()["config_warnings"] == 1
+
+    run(go())
+
+
+def test_loader_notes_are_kept_in_the_config(caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a saturationDetector without flow control was logged while loading and then
+    # lost: no count, nothing in the scheduler's warnings or /metrics.
+    caplog.set_level(logging.WARNING)
+    router = {
+        "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {
+                "name": "d",
+                "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
+            }
+        ],
+        "saturationDetector": {"queueDepthThreshold": 5},
+    }
+    base = {"engines": [{"host": "127.0.0.1", "port": 8001}], "models": ["m"]}
+    config = load_config({**base, "router": router})
+    [note] = config.notes
+    assert "saturationDetector has no effect" in note
+    assert len(_warnings(caplog, "saturationDetector has no effect")) == 1
+    assert load_config(base).notes == ()
+
+
+@pytest.mark.usefixtures("plane")
+def test_saturation_detector_without_flow_is_counted_by_the_gateway() -> None:
+    router = {
+        "plugins": [{"type": "queue-scorer"}, {"type": "max-score-picker"}],
+        "schedulingProfiles": [
+            {
+                "name": "d",
+                "plugins": [{"pluginRef": "queue-scorer"}, {"pluginRef": "max-score-picker"}],
+            }
+        ],
+        "saturationDetector": {"queueDepthThreshold": 5},
+    }
+
+    async def go() -> None:
+        async with rig(1, router=router) as r:
+            assert await _metric(r, CONFIG_WARNINGS) == 1.0
+            assert "saturationDetector" in r.gateway.scheduler.warnings[0]
+
+    run(go())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_engine_whose_model_is_not_configured_is_warned_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # An engine entry with `model: other` when `models` is [tiny]: no request may name
+    # "other", so the engine never gets one. Before: silent (its /v1/models, had it served
+    # "other", matched its own model and the check found nothing).
+    caplog.set_level(logging.WARNING)
+
+    async def go() -> None:
+        fields = [{"model": "other"}, {"model": "other"}, {}]
+        async with rig(3, engine_fields=fields) as r:
+            workers = [spec.worker_id for spec in r.gateway.config.engines]
+            found = [
+                (f.kind, f.engine, f.name)
+                for f in r.gateway.model_check.findings()
+                if f.kind == "model_not_configured"
+            ]
+            assert found == sorted(
+                [("model_not_configured", w, "other") for w in workers[:2]], key=lambda x: x[1]
+            )
+            for worker in workers[:2]:
+                labels = {"engine": worker, "kind": "model_not_configured"}
+                assert await _metric(r, MODEL_FINDINGS, **labels) == 1.0
+            labels = {"engine": workers[2], "kind": "model_not_configured"}
+            assert await _metric(r, MODEL_FINDINGS, **labels) == 0.0
+            # Two engines alike: one warning, naming the fix.
+            warned = _warnings(caplog, "model_not_configured")
+            assert len(warned) == 1 and "add 'other' to models" in warned[0]
+
+    run(go())
+
+
+def test_an_engine_serving_a_configured_model_or_adapter_is_fine(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from llmsched.gateway.engine_models import EngineModelCheck
+
+    caplog.set_level(logging.WARNING)
+    check = EngineModelCheck(["base"], {"tenant-a": "base"})
+    check.set_engines([EngineSpec("h", 1, model="base"), EngineSpec("h", 2, model="tenant-a")])
+    check.set_engines([EngineSpec("h", 3)])
+    assert check.findings() == []
+    assert caplog.records == []
