@@ -1,5 +1,5 @@
-"""Probe 63: a configuration that will route badly warns once through ``logging``, is counted,
-and shows in ``Scheduler.warnings`` / ``stats()`` and, in ``llmsched serve``, in ``/metrics``
+"""A configuration that will route badly warns once through ``logging``, is counted, and shows
+in ``Scheduler.warnings`` / ``stats()`` and, in ``llmsched serve``, in ``/metrics``
 on both data planes (``llmsched_gateway_config_warnings``,
 ``llmsched_gateway_index_block_size_mismatch_total``,
 ``llmsched_gateway_engine_model_mismatches``). Configurations that are fine say nothing."""
