@@ -349,7 +349,7 @@ class Admission:
     (completed by id through :attr:`Scheduler.flow`, as for a preemption victim) and whose id
     was admitted again for another caller neither charges nor releases that other request
     (it carries the ``ticket`` of its admit, :attr:`FlowDecision.ticket
-    <llmsched.flow.FlowDecision.ticket>`).
+    <llmsched.flow.FlowDecision.ticket>`; built with ``ticket=None`` it acts by id).
 
     >>> Scheduler(["a"]).admit_sync(ScheduleRequest(tokens=[1])).holds_slot
     False
