@@ -1236,7 +1236,8 @@ class Scheduler:
             raise
 
     async def stop(self) -> None:
-        """Stops the feeds (a no-op when not started)."""
+        """Stops the feeds, started by :meth:`start` or :meth:`start_sync` (a no-op when not
+        started). The scheduler goes on admitting and placing requests without feeds."""
         if self._mode != "async":
             if self._mode == "threads":
                 self.stop_sync()
@@ -1262,7 +1263,9 @@ class Scheduler:
             raise
 
     def stop_sync(self) -> None:
-        """Stops feeds started by :meth:`start_sync`."""
+        """Stops feeds started by :meth:`start_sync`; a no-op otherwise (feeds started by
+        :meth:`start` run on its event loop: ``await stop()``). The scheduler goes on
+        admitting and placing requests without feeds."""
         if self._mode != "threads":
             return
         self._stop_feeds_threads()
