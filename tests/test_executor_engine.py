@@ -8,9 +8,12 @@ torch = pytest.importorskip("torch")
 
 from llmsched.errors import (  # noqa: E402
     ConfigError,
+    DuplicateRequestError,
     InvalidTokenError,
     InvalidTypeError,
     InvalidValueError,
+    LlmschedError,
+    UnknownRequestError,
 )
 from llmsched.executor.config import EngineConfig, ModelConfig  # noqa: E402
 from llmsched.executor.engine import Engine, SamplingParams  # noqa: E402
@@ -160,16 +163,92 @@ def test_bad_requests_are_rejected_without_changing_the_engine(model) -> None:
     engine.add_request("ok", [1, 2, 3])
     with pytest.raises(InvalidTokenError, match="position 1"):
         engine.add_request("bad", [1, 512, 3])
-    with pytest.raises(ConfigError, match="already"):
+    with pytest.raises(DuplicateRequestError, match="already"):
         engine.add_request("ok", [1])
     with pytest.raises(ConfigError, match="at most 64"):
         engine.add_request("long", list(range(60)), SamplingParams(max_tokens=10))
     with pytest.raises(ConfigError, match="empty prompt"):
         engine.add_request("empty", [])
-    with pytest.raises(ConfigError, match="not running"):
+    with pytest.raises(UnknownRequestError, match="not running"):
         engine.preempt("ok")
     assert [r.request_id for r in engine.waiting] == ["ok"]
     assert set(engine.requests) == {"ok"}
+
+
+def _engine_state(engine: Engine) -> tuple[object, ...]:
+    return (
+        sorted(engine.requests),
+        [r.request_id for r in engine.waiting],
+        [r.request_id for r in engine.running],
+        engine.kv_manager.pool.usage,
+        engine.metrics(),
+    )
+
+
+def test_request_ids_misused_raise_their_errors_and_change_nothing(model) -> None:
+    """Probe 62: a duplicate id was a ConfigError (DuplicateRequestError is the library's
+    error for an id in use), an unknown id for abort/preempt a ConfigError, and an id that
+    cannot be hashed a bare TypeError from the dict lookup."""
+    engine = Engine(model, EngineConfig(num_blocks=8))
+    engine.add_request("waiting", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.step()  # "waiting" runs now
+    engine.add_request("queued", [4, 5], SamplingParams(max_tokens=2))
+    before = _engine_state(engine)
+    for request_id in ("waiting", "queued"):
+        with pytest.raises(DuplicateRequestError, match="already in the engine") as caught:
+            engine.add_request(request_id, [7])
+        assert isinstance(caught.value, ValueError)  # as ConfigError was: except keeps working
+    cases: list[tuple[type[LlmschedError], str, object]] = [
+        (UnknownRequestError, "unknown request id 'gone'", lambda: engine.abort_request("gone")),
+        (UnknownRequestError, "'queued' is not running", lambda: engine.preempt("queued")),
+        (UnknownRequestError, "'gone' is not running", lambda: engine.preempt("gone")),
+        (InvalidTypeError, "got list", lambda: engine.abort_request(["x"])),  # type: ignore[arg-type]
+        (InvalidTypeError, "got list", lambda: engine.preempt(["x"])),  # type: ignore[arg-type]
+        (InvalidTypeError, "got int", lambda: engine.abort_request(5)),  # type: ignore[arg-type]
+        (InvalidTypeError, "got bool", lambda: engine.add_request(True, [1])),  # type: ignore[arg-type]
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()  # type: ignore[operator]
+        assert _engine_state(engine) == before
+    # A finished request's id may be used again.
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("waiting", [1, 2, 3], SamplingParams(max_tokens=1))
+    assert set(engine.requests) == {"waiting"}
+    engine.abort_request("waiting")
+    with pytest.raises(UnknownRequestError):
+        engine.abort_request("waiting")
+
+
+def test_wrong_types_and_huge_values_are_llmsched_errors(model) -> None:
+    """Probe 62: each of these was a bare TypeError, AttributeError, OverflowError or
+    ValueError (an int of thousands of digits has no str for the message)."""
+    engine = Engine(model, EngineConfig(num_blocks=8))
+    engine.add_request("r", [1, 2])
+    before = _engine_state(engine)
+    huge = 10**5000
+    cases: list[tuple[type[Exception], str, object]] = [
+        (InvalidTypeError, "collection of prompts, got NoneType", lambda: engine.generate(None)),
+        (InvalidTypeError, "got generator", lambda: engine.generate(p for p in [[1]])),
+        (InvalidTypeError, "got str", lambda: engine.generate("123")),
+        (InvalidTypeError, "params must be", lambda: engine.generate([[1]], 5)),
+        (InvalidTokenError, "an int of 16610 bits", lambda: engine.add_request("h", [huge])),
+        (
+            ConfigError,
+            "may reach an int of 16610 bits",
+            lambda: engine.add_request("h", [1], SamplingParams(max_tokens=huge)),
+        ),
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()  # type: ignore[operator]
+        assert _engine_state(engine) == before
+    with pytest.raises(InvalidTypeError, match="config must be an EngineConfig"):
+        Engine(model, {"num_blocks": 4})  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="model must be a MoETransformer"):
+        Engine(None)  # type: ignore[arg-type]
+    assert engine.generate([[3, 4]], SamplingParams(max_tokens=1)) != []
 
 
 @pytest.mark.parametrize(
@@ -183,11 +262,45 @@ def test_bad_requests_are_rejected_without_changing_the_engine(model) -> None:
         ({"seed": -1}, "seed"),
         ({"seed": 2**64}, "seed"),
         ({"stop_token_ids": ("eos",)}, r"stop_token_ids\[0\]"),
+        # Probe 62: a bare OverflowError, a bare TypeError, and bare ValueErrors (no str for
+        # an int of thousands of digits).
+        ({"temperature": 10**400}, "an int of 1329 bits"),
+        ({"stop_token_ids": None}, "stop_token_ids must be an iterable"),
+        ({"stop_token_ids": "12"}, "stop_token_ids must be an iterable"),
+        ({"seed": 10**5000}, "an int of 16610 bits"),
+        ({"temperature": 10**5000}, "an int of 16610 bits"),
+        ({"max_tokens": -(10**5000)}, "an int of 16610 bits"),
+        ({"stop_token_ids": (1.5,)}, r"stop_token_ids\[0\] must be an int, got 1.5"),
     ],
 )
 def test_bad_sampling_params_are_refused_when_built(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         SamplingParams(**overrides)
+
+
+def test_generate_leaves_the_callers_own_requests_alone(model) -> None:
+    """Probe 62: generate named its requests ``generate-N-i`` whatever the engine held, so a
+    caller's request of that name made it raise DuplicateRequestError, and its clean-up
+    aborted the caller's request."""
+    engine = Engine(model, EngineConfig(num_blocks=16))
+    expected = Engine(model, EngineConfig(num_blocks=16)).generate(
+        [[4, 5, 6]], SamplingParams(max_tokens=2)
+    )
+    engine.add_request("generate-1-0", [1, 2, 3], SamplingParams(max_tokens=8))
+    assert engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2)) == expected
+    assert "generate-1-0" in engine.requests
+    # A failed generate aborts only what it added.
+    with pytest.raises(InvalidTokenError):
+        engine.generate([[1, 2], [1, 512]], SamplingParams(max_tokens=2))
+    assert set(engine.requests) == {"generate-1-0"}
+
+
+def test_stop_token_ids_are_kept_as_a_tuple() -> None:
+    # A list made the frozen params unhashable.
+    params = SamplingParams(stop_token_ids=[3, 4])  # type: ignore[arg-type]
+    assert params.stop_token_ids == (3, 4) and hash(params) == hash(
+        SamplingParams(stop_token_ids=(3, 4))
+    )
 
 
 def test_a_tiny_temperature_samples_greedily(model) -> None:

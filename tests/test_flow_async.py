@@ -338,3 +338,30 @@ def test_complete_with_an_admits_ticket_releases_only_that_admits_request(
         ctrl.complete(8, ticket="1")  # type: ignore[arg-type]
     ctrl.complete(8)
     assert ctrl.running_count() == 0
+
+
+def test_record_output_with_an_admits_ticket_charges_only_that_admits_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Probe 62: ``record_output`` charged by id only, so a stale handle (its request revoked,
+    the id dispatched again for another admit) charged the other admit's tenant. With
+    ``ticket=`` a stale charge changes nothing and is logged at debug level."""
+    ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
+    first = asyncio.run(ctrl.admit(FlowRequest(7, tenant="a")))
+    ctrl.complete(7)  # revoked, by id
+    second = asyncio.run(ctrl.admit(FlowRequest(7, tenant="b")))
+    ctrl.drain_service()
+    with caplog.at_level("DEBUG", logger="llmsched.flow"):
+        ctrl.record_output(7, 40, ticket=first.ticket)
+    assert "stale output of request 7" in caplog.text
+    assert ctrl.drain_service() == [], "a stale handle charged the new request"
+    ctrl.record_output(7, 5, ticket=second.ticket)
+    assert ctrl.drain_service() == [("b", 0, 0, 5)] and ctrl.is_running(7)
+    with pytest.raises(InvalidValueError):
+        ctrl.record_output(7, 1, ticket=2**64)
+    with pytest.raises(InvalidTypeError):
+        ctrl.record_output(7, 1, ticket=1.0)  # type: ignore[arg-type]
+    ctrl.complete(7, ticket=second.ticket)
+    with pytest.raises(UnknownRequestError):
+        ctrl.record_output(7, 1, ticket=second.ticket)
+    assert ctrl.running_count() == 0 and ctrl.drain_service() == []

@@ -340,6 +340,20 @@ class FlowMachine(RuleBasedStateMachine):
             self.state[rid] = "completed"
         assert self.native.running_count() == len(self.twin.running)
 
+    @precondition(lambda self: bool(self.twin.running))
+    @rule(pick=st.integers(0, 1000), output=st.integers(1, 40), stale=st.booleans())
+    def record_output_by_ticket(self, pick: int, output: int, stale: bool) -> None:
+        """Charges streamed output by the ticket of a running request's enqueue, or (stale) by
+        an earlier ticket: a stale handle charges nothing, whatever its id runs now (the
+        service compared by the invariants)."""
+        ids = sorted(self.twin.running)
+        rid = ids[pick % len(ids)]
+        ticket = self.tickets[rid] - 1 if stale else self.tickets[rid]
+        native = self.native.record_output(rid, output, self.now, ticket)
+        twin = self.twin.record_output(rid, output, self.now, ticket)
+        assert native == twin == (not stale)
+        assert self.native.is_running(rid), "recording output leaves it running"
+
     @rule(pick=st.integers(0, 1000))
     def cancel(self, pick: int) -> None:
         rid = pick % (self.next_id + 2)

@@ -20,12 +20,13 @@ from llmsched.errors import (
     FlowRejected,
     InvalidRequestError,
     InvalidTokenError,
+    InvalidTypeError,
     InvalidValueError,
     NoEndpointError,
     PlacementError,
     UnknownEndpointError,
 )
-from llmsched.flow import Outcome
+from llmsched.flow import FlowRequest, Outcome
 from llmsched.routing import render_messages
 
 CONCURRENCY_1 = {"saturation": {"type": "concurrency", "max_requests": 1}}
@@ -336,6 +337,8 @@ def test_bad_engine_changes_raise_and_change_nothing() -> None:
         ({"tokens": [1], "model": 3}, InvalidRequestError, "model"),
         ({"tokens": [1], "headers": {"a": 1}}, InvalidRequestError, "headers"),
         ({"tokens": [1], "deadline": float("nan")}, InvalidRequestError, "deadline"),
+        # Probe 62: a bare ValueError (an int of thousands of digits has no str).
+        ({"tokens": [1, 10**5000]}, InvalidTokenError, "an int of 16610 bits at position 1"),
     ],
 )
 def test_bad_requests_raise_llmsched_errors(
@@ -370,6 +373,119 @@ def test_place_leaves_the_admission_to_its_caller() -> None:
         assert p.admission is admission
     assert admission.holds_slot and s.flow is not None and s.flow.running_count() == 1
     assert admission.release(5) and not admission.release()
+    at_rest(s)
+
+
+def _output_by_tenant(s: Scheduler) -> dict[str, int]:
+    """Output tokens flow control charged per tenant since the last call."""
+    assert s.flow is not None
+    charged: dict[str, int] = {}
+    for tenant, _, _, output in s.flow.drain_service():
+        charged[tenant] = charged.get(tenant, 0) + output
+    return charged
+
+
+def test_a_stale_admission_leaves_the_request_admitted_again_under_its_id_alone() -> None:
+    """Probe 62: an Admission released and charged by request id. Once its request was
+    revoked through ``scheduler.flow`` (a preemption victim completed by id, as
+    ``preemption_victims`` says to) and the id admitted again there, the old admission's
+    ``record_output`` charged the new request's tenant and its ``release`` completed the new
+    request while it still ran."""
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 4}})
+    assert s.flow is not None
+    old = s.admit_sync(ScheduleRequest(tokens=PROMPT, tenant="old"))
+    s.flow.complete(old.id)  # revoked
+    # Revoked and not admitted again: nothing to charge or give back, and no error.
+    old.record_output(3)
+    assert _output_by_tenant(s) == {"old": 0}
+    again = asyncio.run(s.flow.admit(FlowRequest(old.id, tenant="new", prompt_tokens=1)))
+    assert again.ticket is not None and s.flow.is_running(old.id)
+    _output_by_tenant(s)
+    old.record_output(50)
+    assert _output_by_tenant(s) == {}, "the stale admission charged the new request"
+    assert old.release(7)  # it held a slot (revoked meanwhile): given up, changing nothing
+    assert s.flow.is_running(old.id) and s.flow.running_count() == 1
+    assert _output_by_tenant(s) == {}
+    assert not old.release() and old.record_output(1) is None
+    s.flow.record_output(old.id, 2, ticket=again.ticket)
+    s.flow.complete(old.id, 3, ticket=again.ticket)
+    assert _output_by_tenant(s) == {"new": 5}
+    at_rest(s)
+
+
+def test_output_counts_are_checked_alike_everywhere() -> None:
+    """Probe 62: Placement refused a numpy integer and called a str an InvalidValueError,
+    where Admission took the one and called the other an InvalidTypeError; Admission's
+    record_output checked nothing without flow control or once released, and place() kept
+    an admission that was not one."""
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 2}})
+    request = ScheduleRequest(tokens=PROMPT)
+    with pytest.raises(InvalidRequestError, match="admission must be an Admission"):
+        s.place(request, "not an admission")  # type: ignore[arg-type]
+    assert s.stats()["in_flight"] == 0
+    with s.schedule_sync(request) as p:
+        for bad in ("3", 1.5, True, None):
+            with pytest.raises(InvalidTypeError, match="tokens must be an int"):
+                p.add_output_tokens(bad)  # type: ignore[arg-type]
+            if bad is not None:  # complete(None) charges the tokens counted
+                with pytest.raises(InvalidTypeError, match="output_tokens must be an int"):
+                    p.complete(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidValueError, match="tokens must be in"):
+            p.add_output_tokens(-1)
+        p.add_output_tokens(np.int64(4))  # type: ignore[arg-type]
+        assert p.output_tokens == 4 and p.outcome is None
+        assert p.complete(np.uint32(6))  # type: ignore[arg-type]
+    assert p.output_tokens == 6
+    at_rest(s)
+    for admission in (Scheduler(["a"]).admit_sync(request), s.admit_sync(request)):
+        for bad, error in (("x", InvalidTypeError), (-1, InvalidValueError)):
+            with pytest.raises(error, match="output_tokens"):
+                admission.record_output(bad)  # type: ignore[arg-type]
+        admission.release()
+        with pytest.raises(InvalidValueError, match="output_tokens"):
+            admission.record_output(2**63)
+    at_rest(s)
+
+
+def test_stale_admissions_on_many_threads_charge_and_release_only_their_own() -> None:
+    """Probe 62: threads revoke their admissions' requests through ``scheduler.flow`` and
+    admit the ids again, then race the stale admission's record_output and release against
+    the new request's own; the oracle: every new request runs until its owner completes it,
+    and the output charged is exactly what the owners charged."""
+    s = Scheduler(["a", "b"], flow={"saturation": {"type": "concurrency", "max_requests": 64}})
+    assert s.flow is not None
+    flow = s.flow
+    threads_n, rounds = 4, 25
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for _ in range(rounds):
+                old = s.admit_sync(ScheduleRequest(tokens=PROMPT, tenant="old"))
+                flow.complete(old.id)  # revoked
+                again = asyncio.run(flow.admit(FlowRequest(old.id, tenant="new")))
+                stale = [
+                    threading.Thread(target=old.record_output, args=(100,)),
+                    threading.Thread(target=old.release, args=(1000,)),
+                ]
+                for thread in stale:
+                    thread.start()
+                flow.record_output(old.id, 2, ticket=again.ticket)
+                for thread in stale:
+                    thread.join(timeout=10)
+                assert flow.is_running(old.id), "a stale release ended the new request"
+                flow.complete(old.id, 3, ticket=again.ticket)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(threads_n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors[:3]
+    assert not any(t.is_alive() for t in threads)
+    assert _output_by_tenant(s) == {"old": 0, "new": 5 * threads_n * rounds}
     at_rest(s)
 
 

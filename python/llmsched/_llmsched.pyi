@@ -880,8 +880,12 @@ class FlowCore:
         """Requests evicted since the last call."""
     def has_evicted(self) -> bool:
         """Whether any eviction waits to be drained."""
-    def record_output(self, id: int, output_tokens: int, now: float) -> None:
-        """Charges output tokens to a running request's tenant."""
+    def record_output(
+        self, id: int, output_tokens: int, now: float, ticket: int | None = None
+    ) -> bool:
+        """Charges output tokens to a running request's tenant; given ``ticket``, only the
+        one enqueued with it (False, charging nothing, when the id runs for another
+        enqueue: a stale handle)."""
     def charge_remote(
         self, tenant: str, priority: int, prompt_tokens: int, output_tokens: int, now: float
     ) -> bool:

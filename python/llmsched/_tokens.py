@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llmsched.errors import InvalidTokenError, InvalidTypeError, InvalidValueError
+from llmsched.validation import describe_int
 
 TokensLike: TypeAlias = Union[
     "npt.NDArray[np.integer[Any]]",
@@ -173,12 +174,21 @@ def _checked(arr: npt.NDArray[Any], what: str) -> npt.NDArray[np.integer]:
     return arr
 
 
+def _shown(value: int) -> str:
+    """``value``'s digits, or its size when Python refuses to print it (past
+    ``sys.get_int_max_str_digits()`` digits ``str`` raises a bare ValueError)."""
+    try:
+        return str(value)
+    except ValueError:
+        return describe_int(value)
+
+
 def raise_out_of_range(tokens: Iterable[Any], what: str) -> NoReturn:
     """Raise InvalidTokenError naming the first id outside 0..2**32-1."""
     for position, value in enumerate(tokens):
         if not 0 <= int(value) <= MAX_TOKEN_ID:
             raise InvalidTokenError(
-                f"{what}: token id {value} at position {position} is out of range "
+                f"{what}: token id {_shown(int(value))} at position {position} is out of range "
                 f"(0 to {MAX_TOKEN_ID})"
             )
     raise InvalidTokenError(f"{what}: token id out of range (0 to {MAX_TOKEN_ID})")

@@ -105,7 +105,9 @@ class UnknownEndpointError(LlmschedError, KeyError):
 
 
 class DuplicateRequestError(LlmschedError, ValueError):
-    """A request id is already in use where a new one is needed (the simulator's KV cache)."""
+    """A request id is already in use where a new one is needed: flow control's ``enqueue``
+    and ``admit`` (an id queued or running), the executor's ``Engine.add_request`` (an id in
+    the engine), the simulator's KV cache; nothing was changed."""
 
 
 class InvalidRequestError(LlmschedError, ValueError):

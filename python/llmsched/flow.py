@@ -360,9 +360,19 @@ class FlowController:
             self.pump()
 
     def record_output(
-        self, request_id: int, output_tokens: int, *, now: float | None = None
+        self,
+        request_id: int,
+        output_tokens: int,
+        *,
+        now: float | None = None,
+        ticket: int | None = None,
     ) -> None:
         """Charges output tokens of a running request as they stream (VTC's per-token rule).
+        Raises :class:`~llmsched.errors.UnknownRequestError` when it is not running.
+
+        ``ticket`` (an :meth:`admit`'s ``decision.ticket``) charges only the request that
+        admit was given: when ``request_id`` runs for another caller (its own request ended
+        and the id was dispatched again since), nothing is charged, as for :meth:`complete`.
 
         >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
         >>> _ = ctrl.enqueue(FlowRequest(1)); _ = ctrl.dispatch()
@@ -370,7 +380,14 @@ class FlowController:
         """
         _int64("request_id", request_id)
         _int64("output_tokens", output_tokens)
-        self._core.record_output(request_id, output_tokens, self._now(now))
+        if ticket is not None:
+            ticket = check_int("ticket", ticket, minimum=0, maximum=2**64 - 1)
+        if not self._core.record_output(request_id, output_tokens, self._now(now), ticket):
+            import logging  # only on this rare path: `import llmsched` stays light
+
+            logging.getLogger(__name__).debug(
+                "stale output of request %s (ticket %s): it runs for another", request_id, ticket
+            )
 
     def charge_remote(
         self,
@@ -609,7 +626,8 @@ class FlowController:
         queued or running already (whoever enqueued it) raises
         :class:`~llmsched.errors.DuplicateRequestError` and changes nothing; once its request
         has left, the id may be used again, and each call only ever gets, cancels or releases
-        its own request (pass ``ticket=decision.ticket`` to :meth:`complete` to do the same).
+        its own request (pass ``ticket=decision.ticket`` to :meth:`complete` and
+        :meth:`record_output` to do the same).
 
         >>> import asyncio
         >>> ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 8}})

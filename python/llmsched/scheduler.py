@@ -345,16 +345,30 @@ class Admission:
     """A request's place in flow control, once dispatched: its ``id``, the seconds it queued,
     and the slot to give back (:meth:`release`, once). Without flow control it holds nothing.
 
+    It acts on its own request only: an admission whose request was revoked meanwhile
+    (completed by id through :attr:`Scheduler.flow`, as for a preemption victim) and whose id
+    was admitted again for another caller neither charges nor releases that other request
+    (it carries the ``ticket`` of its admit, :attr:`FlowDecision.ticket
+    <llmsched.flow.FlowDecision.ticket>`; built with ``ticket=None`` it acts by id).
+
     >>> Scheduler(["a"]).admit_sync(ScheduleRequest(tokens=[1])).holds_slot
     False
     """
 
-    __slots__ = ("_flow", "_lock", "_open", "id", "queued_s")
+    __slots__ = ("_flow", "_lock", "_open", "_ticket", "id", "queued_s")
 
-    def __init__(self, flow: FlowController | None, request_id: int, queued_s: float) -> None:
+    def __init__(
+        self,
+        flow: FlowController | None,
+        request_id: int,
+        queued_s: float,
+        *,
+        ticket: int | None = None,
+    ) -> None:
         self._flow = flow
         self._lock = threading.Lock()
         self._open = flow is not None
+        self._ticket = ticket
         self.id = request_id
         """The request id (unique within its scheduler)."""
         self.queued_s = queued_s
@@ -366,15 +380,22 @@ class Admission:
         return self._open
 
     def record_output(self, output_tokens: int) -> None:
-        """Charges streamed output tokens to the tenant now (VTC's per-token rule)."""
+        """Charges streamed output tokens to the tenant now (VTC's per-token rule); nothing
+        once released, without flow control, or when the request was revoked meanwhile. A
+        count that is not an int in ``0..2**63-1`` raises
+        :class:`~llmsched.errors.InvalidValueError` (or InvalidTypeError), charging
+        nothing."""
+        tokens = _check_output_tokens("output_tokens", output_tokens)
         if self._flow is not None and self._open:
-            self._flow.record_output(self.id, output_tokens)
+            with contextlib.suppress(UnknownRequestError):  # revoked meanwhile
+                self._flow.record_output(self.id, tokens, ticket=self._ticket)
 
     def release(self, output_tokens: int = 0) -> bool:
         """Gives the flow-control slot back, charging ``output_tokens``; False when nothing
         was held (or it was already released). A count that is not an int in ``0..2**63-1``
         raises :class:`~llmsched.errors.InvalidValueError` (or InvalidTypeError) and the slot
-        stays held."""
+        stays held. When the request was revoked meanwhile there is nothing to give back (and
+        another request now running under the same id is left alone)."""
         # Checked before the slot counts as released: a refused count must leave it held, or
         # nothing could ever give it back.
         tokens = _check_output_tokens("output_tokens", output_tokens)
@@ -384,7 +405,7 @@ class Admission:
             self._open = False
         assert self._flow is not None
         try:
-            self._flow.complete(self.id, tokens)
+            self._flow.complete(self.id, tokens, ticket=self._ticket)
         except UnknownRequestError:  # revoked meanwhile
             pass
         except Exception:
@@ -532,11 +553,11 @@ class Placement:
         return attempt.decision.first_token()
 
     def add_output_tokens(self, tokens: int) -> None:
-        """Counts ``tokens`` more output tokens (charged to the tenant at the end). A count that
-        would take the total past ``2**63-1`` raises
-        :class:`~llmsched.errors.InvalidValueError` and counts nothing."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise InvalidValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        """Counts ``tokens`` more output tokens (charged to the tenant at the end). A count
+        that is not an int (or numpy integer) is an :class:`~llmsched.errors.InvalidTypeError`;
+        a negative one, or one that would take the total past ``2**63-1``, an
+        :class:`~llmsched.errors.InvalidValueError`; either counts nothing."""
+        tokens = _check_output_tokens("tokens", tokens)
         total = self.output_tokens + tokens
         if total > _MAX_OUTPUT_TOKENS:
             raise InvalidValueError(
@@ -596,15 +617,12 @@ class Placement:
 
     def complete(self, output_tokens: int | None = None) -> bool:
         """The request succeeded. ``output_tokens`` (default: those counted) is charged to
-        the tenant. False if it had already ended. A count beyond ``2**63-1`` raises
-        :class:`~llmsched.errors.InvalidValueError` and leaves the placement open."""
+        the tenant. False if it had already ended. A count that is not an int (or numpy
+        integer) raises :class:`~llmsched.errors.InvalidTypeError`, one outside
+        ``0..2**63-1`` :class:`~llmsched.errors.InvalidValueError`; either leaves the
+        placement open."""
         if output_tokens is not None:
-            if isinstance(output_tokens, bool) or not isinstance(output_tokens, int):
-                raise InvalidValueError(f"output_tokens must be an int, got {output_tokens!r}")
-            if output_tokens < 0:
-                raise InvalidValueError(f"output_tokens must be >= 0, got {output_tokens}")
-            _check_output_tokens("output_tokens", output_tokens)
-            self.output_tokens = output_tokens
+            self.output_tokens = _check_output_tokens("output_tokens", output_tokens)
         return self._end("completed")
 
     def fail(self) -> bool:
@@ -1229,7 +1247,8 @@ class Scheduler:
             raise
 
     async def stop(self) -> None:
-        """Stops the feeds (a no-op when not started)."""
+        """Stops the feeds, started by :meth:`start` or :meth:`start_sync` (a no-op when not
+        started). The scheduler goes on admitting and placing requests without feeds."""
         if self._mode != "async":
             if self._mode == "threads":
                 self.stop_sync()
@@ -1255,7 +1274,9 @@ class Scheduler:
             raise
 
     def stop_sync(self) -> None:
-        """Stops feeds started by :meth:`start_sync`."""
+        """Stops feeds started by :meth:`start_sync`; a no-op otherwise (feeds started by
+        :meth:`start` run on its event loop: ``await stop()``). The scheduler goes on
+        admitting and placing requests without feeds."""
         if self._mode != "threads":
             return
         self._stop_feeds_threads()
@@ -1401,14 +1422,15 @@ class Scheduler:
             return Admission(None, request_id, 0.0)
         before = time.perf_counter()
         try:
-            await self.flow.admit(self._flow_request(request, request_id))
+            decision = await self.flow.admit(self._flow_request(request, request_id))
         except FlowRejected as rejected:
             self._count("rejected")
             raise FlowRejected(
                 rejected.request_id, rejected.outcome, retry_after_s=self._retry_after_s
             ) from None
         self._count("admitted")
-        return Admission(self.flow, request_id, time.perf_counter() - before)
+        queued_s = time.perf_counter() - before
+        return Admission(self.flow, request_id, queued_s, ticket=decision.ticket)
 
     def admit_sync(self, request: ScheduleRequest) -> Admission:
         """:meth:`admit` for code without a running event loop (it blocks the calling thread
@@ -1445,6 +1467,10 @@ class Scheduler:
         if not isinstance(request, ScheduleRequest):
             raise InvalidRequestError(
                 f"request must be a ScheduleRequest, got {type(request).__name__}"
+            )
+        if admission is not None and not isinstance(admission, Admission):
+            raise InvalidRequestError(
+                f"admission must be an Admission or None, got {type(admission).__name__}"
             )
         if first is not None and (isinstance(first, bool) or not isinstance(first, (int, str))):
             raise InvalidRequestError(f"first must be an endpoint id, got {first!r}")

@@ -250,9 +250,22 @@ impl PyFlowCore {
         self.inner.lock().evicted_len() > 0
     }
 
-    fn record_output(&self, id: i64, output_tokens: i64, now: f64) -> PyResult<()> {
+    /// Charges streamed output of the running request `id`; given a `ticket`, only the one
+    /// enqueued with it (False, charging nothing, when `id` runs for another enqueue).
+    #[pyo3(signature = (id, output_tokens, now, ticket=None))]
+    fn record_output(
+        &self,
+        id: i64,
+        output_tokens: i64,
+        now: f64,
+        ticket: Option<u64>,
+    ) -> PyResult<bool> {
         let (id, tokens) = (non_negative("id", id)?, non_negative("output_tokens", output_tokens)?);
-        self.inner.lock().record_output(id, tokens, now).py()
+        let mut core = self.inner.lock();
+        match ticket {
+            None => core.record_output(id, tokens, now).py().map(|()| true),
+            Some(ticket) => core.record_output_ticketed(id, ticket, tokens, now).py(),
+        }
     }
 
     fn charge_remote(

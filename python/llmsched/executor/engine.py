@@ -25,10 +25,9 @@ After every step the engine publishes what vLLM publishes: the step's KV events 
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from llmsched._extras import require
@@ -39,7 +38,12 @@ import torch
 import xxhash
 
 from llmsched._tokens import TokensLike
-from llmsched.errors import ConfigError, InvalidTypeError
+from llmsched.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    InvalidTypeError,
+    UnknownRequestError,
+)
 from llmsched.executor.config import EngineConfig, check_memory
 from llmsched.executor.kv_cache import CachedBlock, KVCacheManager
 from llmsched.executor.kv_events import encode_event_batch
@@ -51,6 +55,7 @@ from llmsched.executor.model import (
     checked_tokens,
     device_memory_bytes,
 )
+from llmsched.validation import describe_int, is_finite_number
 
 __all__ = ["Engine", "EngineMetrics", "Request", "RequestOutput", "SamplingParams"]
 
@@ -60,7 +65,8 @@ class SamplingParams:
     """How a request samples: greedy at ``temperature == 0``, else seeded multinomial.
 
     Every field is checked when built: ``max_tokens`` an int >= 1, ``temperature`` a finite
-    number >= 0, ``seed`` ``None`` or an int in ``0..2**64-1``, ``stop_token_ids`` ints.
+    number >= 0, ``seed`` ``None`` or an int in ``0..2**64-1``, ``stop_token_ids`` an
+    iterable of ints (kept as a tuple).
 
     >>> SamplingParams(max_tokens=0)
     Traceback (most recent call last):
@@ -79,28 +85,51 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):
-            raise ConfigError(f"max_tokens must be an int, got {self.max_tokens!r}")
+            raise ConfigError(f"max_tokens must be an int, got {describe_int(self.max_tokens)}")
         if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ConfigError(f"max_tokens must be >= 1, got {describe_int(self.max_tokens)}")
         temperature = self.temperature
-        # NaN or inf reached torch.multinomial mid-step as a bare RuntimeError.
+        # NaN or inf reached torch.multinomial mid-step as a bare RuntimeError; an int past a
+        # float's range was a bare OverflowError from math.isfinite, and one of thousands of
+        # digits has no str for the message (describe_int, below and for every int field).
         if (
             isinstance(temperature, bool)
             or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature)
+            or not is_finite_number(temperature)
             or temperature < 0
         ):
-            raise ConfigError(f"temperature must be a finite number >= 0, got {temperature!r}")
+            raise ConfigError(
+                f"temperature must be a finite number >= 0, got {describe_int(temperature)}"
+            )
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**64):
             # xxh3 takes the seed modulo 2**64: -1 would silently be 2**64 - 1.
-            raise ConfigError(f"seed must be None or an int in 0..2**64-1, got {self.seed!r}")
-        for index, token in enumerate(self.stop_token_ids):
+            raise ConfigError(
+                f"seed must be None or an int in 0..2**64-1, got {describe_int(self.seed)}"
+            )
+        stop = self.stop_token_ids
+        # None was a bare TypeError; a list made the frozen params unhashable.
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
+            raise ConfigError(f"stop_token_ids must be an iterable of ints, got {stop!r}")
+        stop = tuple(stop)
+        for index, token in enumerate(stop):
             if not _is_int(token):
-                raise ConfigError(f"stop_token_ids[{index}] must be an int, got {token!r}")
+                raise ConfigError(
+                    f"stop_token_ids[{index}] must be an int, got {describe_int(token)}"
+                )
+        object.__setattr__(self, "stop_token_ids", stop)
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_request_id(request_id: object) -> None:
+    """A request id is a str: anything else (an int, a list that cannot be hashed) is an
+    :class:`~llmsched.errors.InvalidTypeError`."""
+    if not isinstance(request_id, str):
+        raise InvalidTypeError(
+            f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}"
+        )
 
 
 @dataclass
@@ -204,6 +233,13 @@ class Engine:
         publisher: Callable[[bytes], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        # A dict config or a None model was a bare AttributeError from check_memory.
+        if not isinstance(model, MoETransformer):
+            raise InvalidTypeError(f"model must be a MoETransformer, got {type(model).__name__}")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise InvalidTypeError(
+                f"config must be an EngineConfig or None, got {type(config).__name__}"
+            )
         self.model = model
         self.config = config or EngineConfig()
         self.dual_batch_overlap = dual_batch_overlap
@@ -246,15 +282,14 @@ class Engine:
         ``prompt_token_ids`` is any token input :func:`llmsched.hashing.block_hashes` takes
         (a list of ints, a numpy integer array, ...); floats, bools and strings are an
         :class:`~llmsched.errors.InvalidTypeError`, ids outside the vocabulary an
-        :class:`~llmsched.errors.InvalidTokenError`. A request that may grow past the KV cache
+        :class:`~llmsched.errors.InvalidTokenError`. An id already in the engine (waiting or
+        running; a finished request's id may be used again) is a
+        :class:`~llmsched.errors.DuplicateRequestError`. A request that may grow past the KV cache
         or ``max_position``, or, with chunked prefill off, whose prompt plus output (what a
         preempted request recomputes) may exceed ``max_num_batched_tokens``, is a
         :class:`~llmsched.errors.ConfigError`: it could never be scheduled.
         """
-        if not isinstance(request_id, str):
-            raise InvalidTypeError(
-                f"request_id must be a str, got {type(request_id).__name__}: {request_id!r}"
-            )
+        _check_request_id(request_id)
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -263,7 +298,7 @@ class Engine:
                 f"got {type(params).__name__}"
             )
         if request_id in self.requests:
-            raise ConfigError(f"request id {request_id!r} is already in the engine")
+            raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         # 1.7 was truncated to 1 and "123" read as [1, 2, 3] by int(); refuse what is not ids.
         tokens = checked_tokens(self.model.config, prompt_token_ids, f"request {request_id!r}")
         if not tokens:
@@ -272,7 +307,8 @@ class Engine:
         capacity = self.config.num_blocks * self.config.block_size
         if longest > min(capacity, self.model.config.max_position):
             raise ConfigError(
-                f"request {request_id!r} may reach {longest} tokens; the engine holds at most "
+                f"request {request_id!r} may reach {describe_int(longest)} tokens; the engine "
+                "holds at most "
                 f"{min(capacity, self.model.config.max_position)}"
             )
         # Without chunked prefill a prompt is scheduled whole, and a preempted request
@@ -294,10 +330,13 @@ class Engine:
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request wherever it is, freeing its blocks."""
+        """Drop a request wherever it is, freeing its blocks. An id not in the engine (never
+        added, finished or aborted) is an :class:`~llmsched.errors.UnknownRequestError`, one
+        that is not a str an :class:`~llmsched.errors.InvalidTypeError`."""
+        _check_request_id(request_id)
         request = self.requests.pop(request_id, None)
         if request is None:
-            raise ConfigError(f"unknown request id {request_id!r}")
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -306,10 +345,14 @@ class Engine:
         self._publish_events()
 
     def preempt(self, request_id: str) -> None:
-        """Preempt a running request by recompute (free its KV, requeue it at the front)."""
+        """Preempt a running request by recompute (free its KV, requeue it at the front). A
+        request that is not running (waiting, finished, never added) is an
+        :class:`~llmsched.errors.UnknownRequestError`, an id that is not a str an
+        :class:`~llmsched.errors.InvalidTypeError`."""
+        _check_request_id(request_id)
         request = self.requests.get(request_id)
         if request is None or request not in self.running:
-            raise ConfigError(f"request {request_id!r} is not running")
+            raise UnknownRequestError(f"request {request_id!r} is not running")
         self._preempt(request)
         self._publish_events()
 
@@ -514,8 +557,21 @@ class Engine:
         """Run ``prompts`` to completion; the generated tokens of each, in order.
 
         If it raises (a bad prompt, an interrupt), the requests it added are aborted, so the
-        engine is left as it was for the next call.
+        engine is left as it was for the next call; requests added with :meth:`add_request`
+        are left alone (and run alongside). ``prompts`` must be a collection of prompts
+        (a list, a tuple, a 2-D array; not a generator) and ``params`` one
+        :class:`SamplingParams`, a collection of one per prompt, or None; anything else is an
+        :class:`~llmsched.errors.InvalidTypeError`.
         """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Collection):
+            raise InvalidTypeError(
+                f"prompts must be a collection of prompts, got {type(prompts).__name__}"
+            )
+        if params is not None and not isinstance(params, (SamplingParams, Collection)):
+            raise InvalidTypeError(
+                "params must be a SamplingParams, a collection of them or None, "
+                f"got {type(params).__name__}"
+            )
         if params is None or isinstance(params, SamplingParams):
             per_request = [params or SamplingParams()] * len(prompts)
         else:
@@ -525,19 +581,26 @@ class Engine:
                     f"{len(per_request)} sampling params for {len(prompts)} prompts; "
                     "give one, or one per prompt"
                 )
-        self._generate_calls += 1
-        ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
+        # Ids no request in the engine holds: a caller's own request named like one made
+        # generate raise, and its clean-up abort the caller's request.
+        while True:
+            self._generate_calls += 1
+            ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
+            if not any(i in self.requests for i in ids):
+                break
+        added: list[str] = []
         results: dict[str, list[int]] = {}
         try:
             for request_id, prompt, p in zip(ids, prompts, per_request, strict=True):
                 self.add_request(request_id, prompt, p)
+                added.append(request_id)
             while any(i not in results for i in ids):
                 for output in self.step():
                     if output.finished:
                         results[output.request_id] = output.output_token_ids
         except BaseException:
             # Left in the engine, a request that cannot run would fail every later step.
-            for request_id in ids:
+            for request_id in added:
                 if request_id in self.requests:
                     self.abort_request(request_id)
             raise

@@ -525,15 +525,22 @@ class FlowControllerTwin:
         band.service[flow] += output_tokens
         band.charge(flow, 0, output_tokens, now)
 
-    def record_output(self, request_id: int, output_tokens: int, now: float) -> None:
+    def record_output(
+        self, request_id: int, output_tokens: int, now: float, ticket: int | None = None
+    ) -> bool:
+        """Charges streamed output of the running request; given ``ticket``, only the one
+        enqueued with it (False, charging nothing, when the id runs for another enqueue)."""
         if output_tokens < 0:
             raise InvalidRequestError(f"output_tokens must be >= 0, got {output_tokens}")
         if not math.isfinite(now):
             raise InvalidRequestError(f"now must be a finite number, got {now}")
         if request_id not in self.running:
             raise UnknownRequestError(f"request {request_id} is not running")
+        if ticket is not None and self.running[request_id].ticket != ticket:
+            return False
         now = self._advance(now)
         self._charge_output(request_id, output_tokens, now)
+        return True
 
     def complete(
         self, request_id: int, output_tokens: int, now: float, ticket: int | None = None

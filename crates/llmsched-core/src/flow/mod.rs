@@ -469,6 +469,28 @@ impl<P> FlowController<P> {
         Ok(())
     }
 
+    /// [`record_output`](Self::record_output), only when the running request `id` was
+    /// enqueued with `ticket` ([`enqueue_ticketed`](Self::enqueue_ticketed)). `Ok(false)`,
+    /// charging nothing, when `id` runs for another enqueue (a stale handle, whose own request
+    /// ended and whose id was dispatched again since). An id not running is
+    /// [`FlowError::UnknownRequest`], as for `record_output`.
+    pub fn record_output_ticketed(
+        &mut self,
+        id: RequestId,
+        ticket: u64,
+        output_tokens: u64,
+        now: f64,
+    ) -> Result<bool, FlowError> {
+        let now = check_time("now", now)?;
+        let slot = self.running_slot(id)?;
+        if self.slab.get(slot).ticket != Some(ticket) {
+            return Ok(false);
+        }
+        let now = self.advance(now);
+        self.charge_output(slot, output_tokens, now);
+        Ok(true)
+    }
+
     /// A running request finished (or was revoked); `output_tokens` not yet recorded are charged.
     pub fn complete(
         &mut self,

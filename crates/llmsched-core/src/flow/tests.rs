@@ -194,6 +194,27 @@ fn complete_ticketed_releases_only_the_request_enqueued_with_the_ticket() {
 }
 
 #[test]
+fn record_output_ticketed_charges_only_the_request_enqueued_with_the_ticket() {
+    let mut c = controller(ROOMY);
+    c.enqueue_ticketed(request(7, 0, "a"), Some(1), 0.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 0.0), vec![7]);
+    c.complete(7, 0, 1.0).unwrap();
+    c.enqueue_ticketed(request(7, 0, "a"), Some(2), 1.0).unwrap();
+    assert_eq!(drain_ids(&mut c, 1.0), vec![7]);
+    let output =
+        |c: &mut FlowController<u32>| -> u64 { c.drain_service().iter().map(|s| s.3).sum() };
+    assert_eq!(output(&mut c), 0);
+    assert!(!c.record_output_ticketed(7, 1, 5, 2.0).unwrap(), "a stale handle charges nothing");
+    assert_eq!(output(&mut c), 0);
+    assert!(c.record_output_ticketed(7, 2, 5, 2.0).unwrap());
+    assert_eq!(output(&mut c), 5);
+    assert!(c.is_running(7), "recording output leaves the request running");
+    c.complete_ticketed(7, 2, 0, 3.0).unwrap();
+    let stale = c.record_output_ticketed(7, 2, 1, 3.0);
+    assert!(matches!(stale, Err(FlowError::UnknownRequest(7))));
+}
+
+#[test]
 fn preemption_victims_lowest_priority_newest_first_capped_and_paced() {
     let json = r#"{"saturation": {"type": "concurrency", "max_requests": 4},
         "shedding": {"type": "none"}}"#;
