@@ -489,15 +489,132 @@ def test_the_conversion_continues_an_unfinished_last_message_and_keeps_set_kwarg
     ]
 
 
+def test_reasoning_items_join_the_assistant_message_as_vllm_reads_them() -> None:
+    """Probe 65: a stateless agent loop (``store: false``) sends its reasoning back as items;
+    they were routed without prefix hashing (vLLM renders them as the assistant's
+    ``reasoning``)."""
+    user = {"role": "user", "content": "q"}
+
+    def reasoning(text: str) -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": "rs",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
+
+    answer = {
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "a"}],
+    }
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    chat = chat_request_of(
+        {
+            "input": [
+                user,
+                reasoning("r1"),
+                answer,
+                reasoning("r2"),
+                call,
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+                {"type": "reasoning", "summary": []},
+            ]
+        }
+    )
+    assert chat is not None
+    assert chat["messages"] == [
+        user,
+        {"role": "assistant", "reasoning": "r1", "content": "a"},
+        {
+            "role": "assistant",
+            "reasoning": "r2",
+            "tool_calls": [
+                {"id": "c", "function": {"name": "f", "arguments": "{}"}, "type": "function"}
+            ],
+        },
+        {"role": "assistant", "reasoning": "s"},
+        {"role": "assistant", "reasoning": ""},
+    ]
+
+
+def test_custom_and_namespaced_tools_and_calls_take_vllms_names_and_shapes() -> None:
+    """Probe 65: custom tools (a coding agent's ``apply_patch``), namespaces (an MCP server's
+    functions) and the built-in tools vLLM does not show the model made a request unhashed."""
+
+    def call(ident: str, name: str, arguments: str) -> dict[str, Any]:
+        return {"id": ident, "function": {"name": name, "arguments": arguments}, "type": "function"}
+
+    chat = chat_request_of(
+        {
+            "input": [
+                {
+                    "type": "custom_tool_call",
+                    "call_id": "c1",
+                    "name": "sh",
+                    "input": 'echo "é"\n\x01',
+                },
+                {"type": "custom_tool_call_output", "call_id": "c1", "output": "ok"},
+                {
+                    "type": "function_call",
+                    "call_id": "c2",
+                    "namespace": "ns",
+                    "name": "f",
+                    "arguments": "{}",
+                },
+                {"type": "custom_tool_call", "call_id": "c3", "name": "sh"},
+            ],
+            "tools": [
+                {"type": "web_search"},
+                {
+                    "type": "namespace",
+                    "name": "ns",
+                    "description": "d",
+                    "tools": [
+                        {"type": "function", "name": "f", "parameters": {"type": "object"}},
+                        {"type": "custom", "name": "c"},
+                    ],
+                },
+                {"type": "custom", "name": "sh", "format": {"type": "text"}},
+            ],
+        }
+    )
+    assert chat is not None
+    assert chat["messages"] == [
+        {
+            "role": "assistant",
+            "tool_calls": [call("c1", "sh", '{"input": "echo \\"é\\"\\n\\u0001"}')],
+        },
+        {"role": "tool", "content": "ok", "tool_call_id": "c1"},
+        {
+            "role": "assistant",
+            "tool_calls": [call("c2", "ns__f", "{}"), call("c3", "sh", '{"input": ""}')],
+        },
+    ]
+    namespaced, custom = chat["tools"]
+    assert namespaced == {
+        "type": "function",
+        "function": {"name": "ns__f", "parameters": {"type": "object"}},
+    }
+    assert custom["function"]["name"] == "sh" and custom["function"]["description"] is None
+    assert custom["function"]["parameters"]["required"] == ["input"]
+    # Only tools left out: an empty list, as vLLM hands the template.
+    only_mcp = chat_request_of({"input": "x", "tools": [{"type": "mcp", "server_label": "s"}]})
+    assert only_mcp is not None and only_mcp["tools"] == []
+
+
 @pytest.mark.parametrize(
     "payload",
     [
         {"input": 3},
-        {"input": [{"type": "reasoning", "summary": []}]},
+        {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "opaque"}]},
+        {"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]}]},
         {"input": ["text"]},
-        {"input": "x", "tools": [{"type": "web_search"}]},
+        {"input": "x", "tools": [{"name": "untyped"}]},
         {"input": "x", "instructions": 5},
-        {"input": [{"type": "function_call", "namespace": "ns", "name": "f"}]},
+        {"input": [{"type": "function_call", "namespace": 3, "name": "f"}]},
+        {"input": [{"type": "custom_tool_call", "name": "sh", "input": 5}]},
     ],
 )
 def test_the_conversion_leaves_what_it_does_not_cover(payload: dict[str, Any]) -> None:
@@ -981,5 +1098,108 @@ def test_a_stream_with_crlf_or_cr_lines_is_whole_and_names_its_engine(line_end: 
                 status, _ = await create(r, previous_response_id="resp_c")
                 assert status == 200
                 assert lookups(r, "owner") == 1
+
+    run(main())
+
+
+# -- what probe 65 found -----------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("store", [False, None])
+def test_a_response_the_engine_does_not_keep_gets_no_owner(store: bool | None) -> None:
+    """vLLM keeps nothing of a request with ``store`` false (or null): its id was recorded
+    all the same, each filling a place of the 100,000 known ids (pushing out the ones that
+    are held) and pinning requests naming it to an engine that never had it."""
+
+    async def main() -> None:
+        async with rig(engines=2) as r:
+            for stream in (False, True):
+                status, made = await create(r, store=store, stream=stream)
+                assert status == 200, made
+                assert not any(made["id"] in e.responses for e in r.engines)
+            assert r.metric("llmsched_gateway_response_owners") == 0
+            status, error = await create(r, previous_response_id=made["id"])
+            assert status == 404, error
+            assert error["error"]["message"] == f"Response with id '{made['id']}' not found."
+            assert lookups(r, "not_found") == 1
+            # Kept (absent means true): remembered.
+            _, kept = await create(r, store=True)
+            assert r.metric("llmsched_gateway_response_owners") == 1
+            status, _ = await create(r, previous_response_id=kept["id"])
+            assert status == 200 and lookups(r, "owner") == 1
+            # vLLM's 400 for a background request it would not keep, relayed.
+            status, error = await create(r, store=False, background=True)
+            assert status == 400 and error["error"]["param"] == "background"
+
+    run(main())
+
+
+STATELESS_AGENT_TURN: dict[str, Any] = {
+    "store": False,
+    "instructions": "you are a coding agent",
+    "input": [
+        {"role": "user", "content": "fix the bug"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look"}]},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** x"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "done"},
+        {
+            "type": "function_call",
+            "call_id": "c2",
+            "namespace": "repo",
+            "name": "grep",
+            "arguments": '{"q": "bug"}',
+        },
+        {"type": "function_call_output", "call_id": "c2", "output": "none left"},
+    ],
+    "tools": [
+        {"type": "custom", "name": "apply_patch", "description": "patch files"},
+        {
+            "type": "namespace",
+            "name": "repo",
+            "description": "the repository",
+            "tools": [{"type": "function", "name": "grep", "parameters": {"type": "object"}}],
+        },
+        {"type": "web_search"},
+    ],
+}
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("tokenized", [False, True], ids=["hashed-text", "tokenized"])
+def test_a_stateless_agent_turn_is_routed_by_its_prompt(
+    tokenized: bool, tokenizer_dir: Path
+) -> None:
+    async def main() -> None:
+        extra = {"tokenizer": str(tokenizer_dir)} if tokenized else {}
+        async with rig(engines=2, **extra) as r:
+            status, made = await create(r, **STATELESS_AGENT_TURN)
+            assert status == 200, made
+            assert r.metric("llmsched_gateway_responses_unhashed_total") == 0
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_a_missing_id_is_named_as_vllm_names_it_on_both_planes() -> None:
+    """The Python plane wrote the id as Python's repr (``'it\\'s'``, ``'\\x01'``); an id
+    whose escapes are no UTF-8 text was asked of the engines as U+FFFD there (natively: a
+    plain 404)."""
+
+    async def main() -> None:
+        async with rig(engines=2) as r:
+            status, error = await create(r, previous_response_id="it's\x01")
+            assert status == 404
+            assert error["error"]["message"] == "Response with id 'it's\x01' not found."
+            url = URL(r.url("/v1/responses/it%27s%01"), encoded=True)
+            async with r.client.get(url) as answer:
+                assert answer.status == 404
+                message = (await answer.json())["error"]["message"]
+                assert message == "Response with id 'it's\x01' not found."
+            before = [len(e.received) for e in r.engines]
+            async with r.client.get(URL(r.url("/v1/responses/%FF"), encoded=True)) as answer:
+                assert answer.status == 404
+                assert (await answer.json())["error"]["type"] == "not_found"
+            assert [len(e.received) for e in r.engines] == before  # no engine asked
 
     run(main())

@@ -2207,6 +2207,8 @@ impl Gateway {
             session_endpoint,
             ..RequestMeta::default()
         };
+        let stored = route == "responses"
+            && responses::stores_response(payload.value("store").and_then(Result::ok).as_ref());
         // A conversation continued by `previous_response_id` goes to the engine holding it.
         let owner = match &previous {
             Some(id) => Some(self.response_owner(id, deadline, true).await?),
@@ -2370,7 +2372,8 @@ impl Gateway {
             }
             self.settle_held(&held, false);
             let responses = route == "responses";
-            let learns = responses && answer.status().is_success();
+            // A response the engine does not keep (`store` false) has no owner to learn.
+            let learns = responses && stored && answer.status().is_success();
             let relaying = Relaying {
                 ticket: Some(ticket),
                 guards: Some(guards),

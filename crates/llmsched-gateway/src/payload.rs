@@ -49,7 +49,7 @@ impl fmt::Display for Problem {
 }
 
 /// The fields of a request body the gateway reads.
-const FIELDS: [&str; 22] = [
+const FIELDS: [&str; 23] = [
     "model",
     "prompt",
     "messages",
@@ -73,6 +73,7 @@ const FIELDS: [&str; 22] = [
     "chat_template",
     // The Responses API's (`POST /v1/responses`).
     "previous_response_id",
+    "store",
 ];
 
 /// A request body's fields, each as the JSON text it was sent as.

@@ -25,9 +25,10 @@
 //!
 //! Decisions beyond what vLLM specifies (the Python plane's `llmsched.gateway.responses` makes
 //! the same): an input the conversion does not cover (an item without a role other than a
-//! function call or its output, a namespaced function call, a tool other than a function)
-//! is routed without prefix hashing rather than refused (the engine answers it);
-//! `chat_template_kwargs` that is not an object is ignored.
+//! function or custom tool call, its output or a reasoning item; reasoning with encrypted
+//! content; a tool without a type) is routed without prefix hashing rather than refused (the
+//! engine answers it); `chat_template_kwargs` that is not an object is ignored; a response
+//! made with `store` false ([`stores_response`]) is not remembered, as the engine keeps none.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -59,11 +60,17 @@ pub const CUT_EVENT: &str = "event: error\ndata: {\"type\":\"error\",\"code\":\"
 /// `instructions` becomes a system message and a string `input` a user message; list items
 /// become messages as vLLM's `construct_input_messages` makes them: a `function_call` joins
 /// the assistant message before it as a tool call (or makes one), a `function_call_output`
-/// is a `tool` message, an assistant item's text (its string content, or its first part's
+/// (or `custom_tool_call_output`) is a `tool` message, an assistant item's text (its string content, or its first part's
 /// `text`) fills the content of an assistant message before it that has none (or makes
 /// one), any other item with a `role` (and no `type` but `message`) is a chat message as it
-/// is. Function tools take the chat shape (`{"type": "function", "function": {...}}`, with
-/// `tool_choice` when there are tools); `reasoning.effort` becomes `reasoning_effort` (and,
+/// is. A `custom_tool_call` is a tool call whose arguments are `{"input": ...}`, a namespaced
+/// `function_call` is named `namespace__name`, a `reasoning` item's text (its first content
+/// part's, else its first summary's) is the `reasoning` of the assistant message before it
+/// that has none (or makes one). Function tools take the chat shape (`{"type": "function",
+/// "function": {...}}`, with `tool_choice` when there are tools), a namespace's functions are
+/// flattened (`ns__f`), a custom tool is a function taking one string `input`, and the other
+/// tools (web search, MCP, ...) are left out, as vLLM shows them to no model without the
+/// Harmony format; `reasoning.effort` becomes `reasoning_effort` (and,
 /// unless `chat_template_kwargs` sets it, `enable_thinking`: whether the effort is not
 /// `"none"`); a last item of type `message` or `reasoning` whose status is `in_progress` or
 /// `incomplete` is continued (`continue_final_message`), otherwise a generation prompt is
@@ -114,23 +121,7 @@ pub fn chat_request_of(body: &Value) -> Option<Value> {
     chat.insert("model".into(), body.get("model").cloned().unwrap_or(Value::Null));
     chat.insert("messages".into(), Value::Array(messages));
     if let Some(tools) = body.get("tools").filter(|tools| truthy(tools)) {
-        let mut converted = Vec::new();
-        for tool in tools.as_array()? {
-            let tool = tool.as_object()?;
-            if tool.get("type").and_then(Value::as_str) != Some("function") {
-                return None;
-            }
-            let function: Map<String, Value> = tool
-                .iter()
-                .filter(|(k, _)| *k != "type")
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            converted.push(Value::Object(Map::from_iter([
-                ("type".to_owned(), Value::from("function")),
-                ("function".to_owned(), Value::Object(function)),
-            ])));
-        }
-        chat.insert("tools".into(), Value::Array(converted));
+        chat.insert("tools".into(), Value::Array(chat_tools(tools)?));
         if let Some(choice) = body.get("tool_choice") {
             chat.insert("tool_choice".into(), choice.clone());
         }
@@ -156,6 +147,99 @@ pub fn chat_request_of(body: &Value) -> Option<Value> {
     chat.insert("add_generation_prompt".into(), Value::Bool(!continue_final));
     chat.insert("continue_final_message".into(), Value::Bool(continue_final));
     Some(Value::Object(chat))
+}
+
+/// Between a namespace's name and its function's: vLLM shows a namespace's functions to the
+/// model flattened (`ns__f`).
+const NAMESPACE_SEPARATOR: &str = "__";
+
+/// A responses request's tools as the chat tools vLLM renders (`None`: not covered): a
+/// function in the chat shape, a namespace's functions flattened (`ns__f`), a custom tool as a
+/// function taking one string `input`; other tools (web search, MCP, ...) are not shown to a
+/// model without the Harmony format: left out.
+fn chat_tools(tools: &Value) -> Option<Vec<Value>> {
+    let mut converted = Vec::new();
+    for tool in tools.as_array()? {
+        let tool = tool.as_object()?;
+        match tool.get("type")?.as_str()? {
+            "function" => converted.push(chat_function(tool, None)),
+            "namespace" => {
+                let namespace = tool.get("name")?.as_str()?;
+                for function in tool.get("tools")?.as_array()? {
+                    let function = function.as_object()?;
+                    let name = function.get("name")?.as_str()?;
+                    if function.get("type").and_then(Value::as_str) == Some("function") {
+                        let flat = format!("{namespace}{NAMESPACE_SEPARATOR}{name}");
+                        converted.push(chat_function(function, Some(flat)));
+                    }
+                }
+            }
+            "custom" => {
+                let function = Map::from_iter([
+                    ("name".to_owned(), tool.get("name").cloned().unwrap_or(Value::Null)),
+                    (
+                        "description".to_owned(),
+                        tool.get("description").cloned().unwrap_or(Value::Null),
+                    ),
+                    ("parameters".to_owned(), custom_tool_parameters()),
+                ]);
+                converted.push(Value::Object(Map::from_iter([
+                    ("type".to_owned(), Value::from("function")),
+                    ("function".to_owned(), Value::Object(function)),
+                ])));
+            }
+            _ => {}
+        }
+    }
+    Some(converted)
+}
+
+/// A function tool in the chat shape (`name`, when given, in place of its own).
+fn chat_function(tool: &Map<String, Value>, name: Option<String>) -> Value {
+    let mut function: Map<String, Value> =
+        tool.iter().filter(|(k, _)| *k != "type").map(|(k, v)| (k.clone(), v.clone())).collect();
+    if let Some(name) = name {
+        function.insert("name".into(), Value::String(name));
+    }
+    Value::Object(Map::from_iter([
+        ("type".to_owned(), Value::from("function")),
+        ("function".to_owned(), Value::Object(function)),
+    ]))
+}
+
+/// The parameters of the function vLLM shows the model for a `custom` tool (its input is one
+/// string).
+fn custom_tool_parameters() -> Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "input": {"type": "string", "description": "The freeform text payload for this tool."}
+        },
+        "required": ["input"],
+        "additionalProperties": false,
+    })
+}
+
+/// Whether vLLM keeps the response a responses request makes, given the request's `store`
+/// (`None`: absent): unless it is false as vLLM's request model reads it (`null`, `false`,
+/// `0`, `"no"`, ...). A response not kept has no engine to remember.
+///
+/// ```
+/// use llmsched_gateway::responses::stores_response;
+/// use serde_json::json;
+/// assert!(stores_response(None) && stores_response(Some(&json!("yes"))));
+/// assert!(!stores_response(Some(&json!(false))) && !stores_response(Some(&json!(null))));
+/// ```
+pub fn stores_response(store: Option<&Value>) -> bool {
+    match store {
+        None => true,
+        Some(Value::Bool(store)) => *store,
+        Some(Value::Number(n)) => n.as_f64() == Some(1.0),
+        Some(Value::String(s)) => {
+            matches!(s.to_lowercase().as_str(), "1" | "on" | "t" | "true" | "y" | "yes")
+        }
+        Some(_) => false,
+    }
 }
 
 fn message(role: &str, content: Value) -> Value {
@@ -186,43 +270,76 @@ fn add_item(messages: &mut Vec<Value>, item: &Map<String, Value>) -> Option<()> 
         .last_mut()
         .and_then(Value::as_object_mut)
         .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"));
-    match kind.and_then(Value::as_str) {
+    let call_of = |name: Value, arguments: Value| {
+        Value::Object(Map::from_iter([
+            ("id".to_owned(), field("call_id")),
+            (
+                "function".to_owned(),
+                Value::Object(Map::from_iter([
+                    ("name".to_owned(), name),
+                    ("arguments".to_owned(), arguments),
+                ])),
+            ),
+            ("type".to_owned(), Value::from("function")),
+        ]))
+    };
+    let call = match kind.and_then(Value::as_str) {
         Some("function_call") => {
-            if item.get("namespace").is_some_and(|n| !n.is_null()) {
-                return None;
-            }
-            let call = Value::Object(Map::from_iter([
-                ("id".to_owned(), field("call_id")),
-                (
-                    "function".to_owned(),
-                    Value::Object(Map::from_iter([
-                        ("name".to_owned(), field("name")),
-                        ("arguments".to_owned(), field("arguments")),
-                    ])),
-                ),
-                ("type".to_owned(), Value::from("function")),
-            ]));
-            match previous {
-                Some(previous) if previous.get("tool_calls").is_none_or(Value::is_array) => {
-                    let calls =
-                        previous.entry("tool_calls").or_insert_with(|| Value::Array(Vec::new()));
-                    if let Value::Array(calls) = calls {
-                        calls.push(call);
-                    }
-                }
-                _ => messages.push(Value::Object(Map::from_iter([
-                    ("role".to_owned(), Value::from("assistant")),
-                    ("tool_calls".to_owned(), Value::Array(vec![call])),
-                ]))),
-            }
-            return Some(());
+            let name = match item.get("namespace").filter(|n| truthy(n)) {
+                Some(namespace) => Value::String(format!(
+                    "{}{NAMESPACE_SEPARATOR}{}",
+                    namespace.as_str()?,
+                    item.get("name")?.as_str()?
+                )),
+                None => field("name"),
+            };
+            Some(call_of(name, field("arguments")))
         }
-        Some("function_call_output") => {
+        Some("custom_tool_call") => {
+            // vLLM passes a custom tool's input as its function shim's arguments, written as
+            // Python's `json.dumps({"input": ...}, ensure_ascii=False)` writes them.
+            let input = match item.get("input").filter(|input| truthy(input)) {
+                Some(input) => input.as_str()?,
+                None => "",
+            };
+            let arguments = format!("{{\"input\": {}}}", Value::from(input));
+            Some(call_of(field("name"), Value::String(arguments)))
+        }
+        _ => None,
+    };
+    if let Some(call) = call {
+        match previous {
+            Some(previous) if previous.get("tool_calls").is_none_or(Value::is_array) => {
+                let calls =
+                    previous.entry("tool_calls").or_insert_with(|| Value::Array(Vec::new()));
+                if let Value::Array(calls) = calls {
+                    calls.push(call);
+                }
+            }
+            _ => messages.push(Value::Object(Map::from_iter([
+                ("role".to_owned(), Value::from("assistant")),
+                ("tool_calls".to_owned(), Value::Array(vec![call])),
+            ]))),
+        }
+        return Some(());
+    }
+    match kind.and_then(Value::as_str) {
+        Some("function_call_output" | "custom_tool_call_output") => {
             messages.push(Value::Object(Map::from_iter([
                 ("role".to_owned(), Value::from("tool")),
                 ("content".to_owned(), field("output")),
                 ("tool_call_id".to_owned(), field("call_id")),
             ])));
+            return Some(());
+        }
+        Some("reasoning") => {
+            let reasoning = reasoning_text(item)?;
+            match previous {
+                Some(previous) if previous.get("reasoning").is_none_or(Value::is_null) => {
+                    previous.insert("reasoning".into(), reasoning);
+                }
+                _ => messages.push(message_with("reasoning", reasoning)),
+            }
             return Some(());
         }
         _ => {}
@@ -257,6 +374,32 @@ fn add_item(messages: &mut Vec<Value>, item: &Map<String, Value>) -> Option<()> 
         return Some(());
     }
     None
+}
+
+/// A reasoning item's text as vLLM reads it: its first content part's, else its first
+/// summary's, else empty; `None` when not covered (encrypted content, which vLLM refuses, or
+/// parts of another shape).
+fn reasoning_text(item: &Map<String, Value>) -> Option<Value> {
+    if item.get("encrypted_content").is_some_and(truthy) {
+        return None;
+    }
+    let summary = item.get("summary")?.as_array()?;
+    let parts = match item.get("content") {
+        None | Some(Value::Null) => summary,
+        Some(content) => Some(content.as_array()?).filter(|c| !c.is_empty()).unwrap_or(summary),
+    };
+    match parts.first() {
+        None => Some(Value::from("")),
+        Some(first) => Some(Value::from(first.as_object()?.get("text")?.as_str()?)),
+    }
+}
+
+/// An assistant message holding `value` under `field` alone.
+fn message_with(field: &str, value: Value) -> Value {
+    Value::Object(Map::from_iter([
+        ("role".to_owned(), Value::from("assistant")),
+        (field.to_owned(), value),
+    ]))
 }
 
 /// Which engine made each stored response: at most a capacity of ids, least recently used
@@ -907,9 +1050,10 @@ mod tests {
             out["messages"][0],
             json!({"role": "tool", "content": null, "tool_call_id": null})
         );
-        // A namespaced call is not covered.
+        // A namespaced call is named as vLLM shows the model its namespace's functions.
         let namespaced = json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "namespace": "ns"});
-        assert!(chat_request_of(&json!({ "input": [namespaced] })).is_none());
+        let out = chat(json!({ "input": [namespaced] }));
+        assert_eq!(out["messages"][0]["tool_calls"][0]["function"]["name"], json!("ns__f"));
     }
 
     #[test]
@@ -936,13 +1080,85 @@ mod tests {
         let out = chat(json!({ "input": [developer.clone(), user.clone()] }));
         assert_eq!(out["messages"], json!([developer, user]));
         for item in [
-            json!({"type": "reasoning", "summary": []}),
+            json!({"type": "reasoning", "summary": [], "encrypted_content": "opaque"}),
+            json!({"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]}),
             json!({"type": "image_generation_call"}),
             json!({"type": "web_search_call", "role": "user"}),
             json!({"content": "no role"}),
         ] {
             assert!(chat_request_of(&json!({ "input": [item] })).is_none(), "{item}");
         }
+    }
+
+    #[test]
+    fn reasoning_items_join_the_assistant_message_as_vllm_reads_them() {
+        let user = json!({"role": "user", "content": "q"});
+        let reasoning = |text: &str| {
+            json!({"type": "reasoning", "id": "rs", "summary": [],
+                   "content": [{"type": "reasoning_text", "text": text}]})
+        };
+        let answer = json!({"type": "message", "role": "assistant", "status": "completed",
+                            "content": [{"type": "output_text", "text": "a"}]});
+        let call = json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"});
+        let out = chat(json!({"input": [
+            user.clone(), reasoning("r1"), answer.clone(), reasoning("r2"), call.clone(),
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+            {"type": "reasoning", "summary": []},
+        ]}));
+        assert_eq!(
+            out["messages"],
+            json!([
+                user,
+                {"role": "assistant", "reasoning": "r1", "content": "a"},
+                {"role": "assistant", "reasoning": "r2", "tool_calls": [
+                    {"id": "c", "function": {"name": "f", "arguments": "{}"}, "type": "function"}
+                ]},
+                {"role": "assistant", "reasoning": "s"},
+                {"role": "assistant", "reasoning": ""},
+            ])
+        );
+    }
+
+    #[test]
+    fn custom_and_namespaced_calls_take_the_names_and_arguments_vllm_gives_them() {
+        let out = chat(json!({"input": [
+            {"type": "custom_tool_call", "call_id": "c1", "name": "sh", "input": "echo \"é\"\n\u{1}"},
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": "ok"},
+            {"type": "function_call", "call_id": "c2", "namespace": "ns", "name": "f", "arguments": "{}"},
+            {"type": "custom_tool_call", "call_id": "c3", "name": "sh"},
+        ]}));
+        let call = |id: &str, name: &str, arguments: &str| json!({"id": id, "function": {"name": name, "arguments": arguments}, "type": "function"});
+        assert_eq!(
+            out["messages"],
+            json!([
+                {"role": "assistant", "tool_calls": [call("c1", "sh", "{\"input\": \"echo \\\"é\\\"\\n\\u0001\"}")]},
+                {"role": "tool", "content": "ok", "tool_call_id": "c1"},
+                {"role": "assistant", "tool_calls": [call("c2", "ns__f", "{}"), call("c3", "sh", "{\"input\": \"\"}")]},
+            ])
+        );
+        for item in [
+            json!({"type": "function_call", "namespace": 3, "name": "f"}),
+            json!({"type": "custom_tool_call", "name": "sh", "input": 5}),
+        ] {
+            assert!(chat_request_of(&json!({ "input": [item] })).is_none(), "{item}");
+        }
+    }
+
+    #[test]
+    fn a_response_not_stored_is_one_store_false_as_pydantic_reads_it() {
+        for (store, kept) in [
+            (json!(true), true),
+            (json!(1), true),
+            (json!("Yes"), true),
+            (json!(false), false),
+            (json!(null), false),
+            (json!(0), false),
+            (json!("off"), false),
+            (json!([true]), false),
+        ] {
+            assert_eq!(stores_response(Some(&store)), kept, "{store}");
+        }
+        assert!(stores_response(None));
     }
 
     #[test]
@@ -957,9 +1173,30 @@ mod tests {
         // No tools: no tool_choice either.
         let out = chat(json!({"input": "x", "tools": [], "tool_choice": "auto"}));
         assert!(out.get("tools").is_none() && out.get("tool_choice").is_none());
-        for tools in [json!([{"type": "web_search"}]), json!(["f"]), json!({"type": "function"})] {
+        for tools in [json!(["f"]), json!({"type": "function"}), json!([{"name": "untyped"}])] {
             assert!(chat_request_of(&json!({"input": "x", "tools": tools})).is_none(), "{tools}");
         }
+        // Namespaces flattened, custom tools as their function shim, the others left out (a
+        // model without the Harmony format is not shown them).
+        let out = chat(json!({"input": "x", "tools": [
+            {"type": "web_search"},
+            {"type": "namespace", "name": "ns", "description": "d", "tools": [
+                {"type": "function", "name": "f", "parameters": {"type": "object"}},
+                {"type": "custom", "name": "c"},
+            ]},
+            {"type": "custom", "name": "sh", "format": {"type": "text"}},
+        ]}));
+        assert_eq!(
+            out["tools"][0],
+            json!({"type": "function", "function": {"name": "ns__f", "parameters": {"type": "object"}}})
+        );
+        assert_eq!(out["tools"][1]["function"]["name"], json!("sh"));
+        assert_eq!(out["tools"][1]["function"]["description"], json!(null));
+        assert_eq!(out["tools"][1]["function"]["parameters"]["required"], json!(["input"]));
+        assert_eq!(out["tools"].as_array().map(Vec::len), Some(2));
+        // Only tools left out: an empty list, as vLLM hands the template.
+        let out = chat(json!({"input": "x", "tools": [{"type": "mcp", "server_label": "s"}]}));
+        assert_eq!(out["tools"], json!([]));
     }
 
     #[test]

@@ -86,6 +86,7 @@ from llmsched.gateway.responses import (
     chat_request_of,
     output_deltas,
     response_id_of,
+    stores_response,
 )
 from llmsched.gateway.session_token import SESSION_TOKEN_HEADER, SessionTokens
 from llmsched.gateway.slicing import SlicedRequest, make_assembler
@@ -1004,7 +1005,11 @@ class Gateway:
             if "%2f" in target.lower() or any(part in (".", "..") for part in segments):
                 # An escaped "/" or a dot segment names some other path on the engine.
                 raise Refusal(404, "not_found", "not found")
-            response_id = segments[3] if len(segments) > 3 else ""
+            try:
+                # An id whose escapes are no UTF-8 text names no response (as natively).
+                response_id = unquote(target.split("/")[3], errors="strict")
+            except (IndexError, UnicodeDecodeError):
+                response_id = ""
             if not response_id:
                 raise Refusal(404, "not_found", "not found")
             if limiter is not None:
@@ -1239,7 +1244,13 @@ class Gateway:
             return self.refuse(route, self._no_engine_refusal())
         self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
         response, slot.output_tokens = await self._proxy(
-            request, route, incoming.body, placement, incoming.deadline, pinned=first is not None
+            request,
+            route,
+            incoming.body,
+            placement,
+            incoming.deadline,
+            pinned=first is not None,
+            stored=route == "responses" and stores_response(incoming.payload),
         )
         return response
 
@@ -1521,19 +1532,21 @@ class Gateway:
         deadline: float,
         *,
         pinned: bool = False,
+        stored: bool = False,
     ) -> tuple[web.StreamResponse, int]:
         """Sends to the placed endpoint, then (:meth:`Placement.retry`) to the fallbacks while
         attempts fail before the engine's status line (or get a 5xx). Returns the response
         sent and the output tokens counted. The placement's exit settles the accounting: a
         failed request drops its approximate prefix record, a client gone cancels it.
         ``pinned``: only the placed endpoint can run it (it holds the request's state): no
-        fallback is tried, as any other would answer 404."""
+        fallback is tried, as any other would answer 404. ``stored``: a Responses request
+        whose response the engine keeps: its id is recorded as the answering engine's."""
         # Failures the request itself may have caused (a 5xx, a connection dropped before the
         # status line), held until it ends: see _settle_held.
         held: list[tuple[str, str]] = []
         try:
             return await self._proxy_attempts(
-                request, route, body, placement, deadline, held, pinned=pinned
+                request, route, body, placement, deadline, held, pinned=pinned, stored=stored
             )
         finally:
             self._settle_held(held, unanswered=False)
@@ -1566,6 +1579,7 @@ class Gateway:
         held: list[tuple[str, str]],
         *,
         pinned: bool = False,
+        stored: bool = False,
     ) -> tuple[web.StreamResponse, int]:
         with placement:
             while True:
@@ -1574,7 +1588,14 @@ class Gateway:
                     self.metrics.retries.inc()
                 try:
                     answered = await self._attempt(
-                        request, route, body, placement.decision, endpoint, deadline, held
+                        request,
+                        route,
+                        body,
+                        placement.decision,
+                        endpoint,
+                        deadline,
+                        held,
+                        stored=stored,
                     )
                     if 400 <= answered[0].status < 500:
                         # The engine refused the request and cached none of it: the blocks
@@ -1659,13 +1680,16 @@ class Gateway:
         endpoint: str,
         deadline: float,
         held: list[tuple[str, str]],
+        *,
+        stored: bool = False,
     ) -> tuple[web.StreamResponse, int]:
-        """One upstream attempt. Raises _UpstreamFailed when the request did not get through
-        (connection refused or timed out, or closed before a status line) or got a 5xx;
-        _NoAnswer when no status line came in time; _Truncated when the answer fails before
-        the client got a byte; after that, a failure aborts the client's response. Once the
-        engine answers, the failures ``held`` from earlier attempts count against their
-        engines (not when the answer ends: a stream can last minutes)."""
+        """One upstream attempt (``stored``: as in :meth:`_proxy`). Raises _UpstreamFailed
+        when the request did not get through (connection refused or timed out, or closed
+        before a status line) or got a 5xx; _NoAnswer when no status line came in time;
+        _Truncated when the answer fails before the client got a byte; after that, a failure
+        aborts the client's response. Once the engine answers, the failures ``held`` from
+        earlier attempts count against their engines (not when the answer ends: a stream can
+        last minutes)."""
         assert self._session is not None, "the gateway is not started"
         headers = {"Content-Type": "application/json"}
         accept = request.headers.get("Accept")
@@ -1739,6 +1763,7 @@ class Gateway:
                     outcome,
                     at_close,
                     events=framed_events,
+                    stored=stored,
                 )
             # An event stream is whole only with its [DONE] (vLLM and SGLang end every stream
             # so, an error event included): one ended by the connection's close, or cleanly
@@ -1763,7 +1788,7 @@ class Gateway:
             feeds: list[_Feed] = [counter]
             if done is not None:
                 feeds.append(done)
-            if responses and sse and upstream.status < 300:
+            if stored and sse and upstream.status < 300:
                 # Known from the first event on: the stream's own client may ask for it (or
                 # cancel it) before it ends.
                 feeds.append(_OwnerRecorder(self.response_owners, endpoint))
@@ -1849,11 +1874,13 @@ class Gateway:
         at_close: bool = False,
         *,
         events: bool = False,
+        stored: bool = False,
     ) -> tuple[web.StreamResponse, int]:
         """A complete (non-streamed) answer of known length: read it whole, then send it in
-        one response (fewer writes than relaying chunks). A failure while reading comes after
-        the status line: a 502, never a retry. ``at_close``: the answer ends where the engine
-        closes the connection, so a cut looks like its end: it is read up to
+        one response (fewer writes than relaying chunks; ``stored``: as in :meth:`_proxy`). A
+        failure while reading comes after the status line: a 502, never a retry.
+        ``at_close``: the answer ends where the engine closes the connection, so a cut looks
+        like its end: it is read up to
         :data:`_WHOLE_BODY_LIMIT` and, when JSON, must parse, or it is a 502 too. ``events``:
         an event stream framed by its length, which must show its end (``[DONE]``, or a
         Responses stream's terminal event), or it is a 502."""
@@ -1884,7 +1911,7 @@ class Gateway:
             response.headers.get("Content-Type", ""), responses=route == "responses"
         )
         counter.feed(data)
-        if route == "responses" and 200 <= upstream.status < 300:
+        if stored and 200 <= upstream.status < 300:
             response_id = _stream_response_id(data) if events else response_id_of(data)
             if response_id is not None:
                 self.response_owners.record(response_id, endpoint)
@@ -2231,7 +2258,7 @@ def _error_response(refusal: Refusal, message: str | None = None) -> web.Respons
 def _response_not_found(response_id: str, param: str) -> Refusal:
     """vLLM's answer for a response id no engine holds, naming the field that gave it."""
     return Refusal(
-        404, "invalid_request_error", f"Response with id {response_id!r} not found.", param=param
+        404, "invalid_request_error", f"Response with id '{response_id}' not found.", param=param
     )
 
 

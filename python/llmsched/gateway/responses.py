@@ -7,7 +7,8 @@ engine that made it: a request continuing a conversation (``previous_response_id
 answers 404). So the gateway learns each response's engine from its answer
 (:class:`ResponseOwners`) and sends the conversation's next request there, which also holds its
 KV cache. A request without ``previous_response_id`` is routed as the chat request vLLM makes
-of it (:func:`chat_request_of`), so its blocks match what the engine caches.
+of it (:func:`chat_request_of`), so its blocks match what the engine caches. A response made
+with ``store`` false is kept by no engine (:func:`stores_response`): its id is not recorded.
 
 The native data plane (``crates/llmsched-gateway/src/responses.rs``) does the same.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "TerminalEventScan",
     "chat_request_of",
     "output_deltas",
+    "stores_response",
 ]
 
 MAX_OWNERS = 100_000
@@ -71,15 +73,21 @@ def chat_request_of(payload: Mapping[str, Any]) -> dict[str, Any] | None:
     """The chat request vLLM (0.32, models without the Harmony format) renders for a
     ``POST /v1/responses`` body, to be tokenized as a chat request is; None when the body has
     something this conversion does not cover (an input item other than a message, a function
-    call or its output; a tool other than a function), which the gateway then routes without
-    prefix hashing.
+    or custom tool call, its output or a reasoning item; reasoning with encrypted content; a
+    tool without a type), which the gateway then routes without prefix hashing.
 
     ``instructions`` becomes a system message and a string ``input`` a user message; list
-    items become messages as vLLM's ``construct_input_messages`` makes them (function calls
-    join the assistant message before them as ``tool_calls``). Function tools take the chat
-    shape (``{"type": "function", "function": {...}}``); ``reasoning.effort`` becomes
-    ``reasoning_effort`` (and, unless the request sets it, ``enable_thinking``); a last item
-    left ``in_progress`` or ``incomplete`` is continued, not answered.
+    items become messages as vLLM's ``construct_input_messages`` makes them: function and
+    custom tool calls join the assistant message before them as ``tool_calls`` (a custom
+    call's arguments ``{"input": ...}``, a namespaced call named ``namespace__name``), their
+    outputs become tool messages, a reasoning item's text (its first content part's, else
+    its first summary's) becomes the ``reasoning`` of the assistant message before it.
+    Function tools take the chat shape (``{"type": "function", "function": {...}}``), a
+    namespace's functions are flattened (``ns__f``), a custom tool is a function taking one
+    string ``input``, other tools (web search, MCP, ...) are left out as vLLM shows them to
+    no such model; ``reasoning.effort`` becomes ``reasoning_effort`` (and, unless the request
+    sets it, ``enable_thinking``); a last item left ``in_progress`` or ``incomplete`` is
+    continued, not answered.
 
     >>> chat_request_of({"model": "m", "instructions": "Be brief.", "input": "Hi"})["messages"]
     [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
@@ -111,15 +119,9 @@ def chat_request_of(payload: Mapping[str, Any]) -> dict[str, Any] | None:
     chat: dict[str, Any] = {"model": payload.get("model"), "messages": messages}
     tools = payload.get("tools")
     if tools:
-        if not isinstance(tools, list):
+        converted = _chat_tools(tools)
+        if converted is None:
             return None
-        converted = []
-        for tool in tools:
-            if not isinstance(tool, dict) or tool.get("type") != "function":
-                return None
-            converted.append(
-                {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-            )
         chat["tools"] = converted
         if "tool_choice" in payload:
             chat["tool_choice"] = payload["tool_choice"]
@@ -137,27 +139,107 @@ def chat_request_of(payload: Mapping[str, Any]) -> dict[str, Any] | None:
     return chat
 
 
+_NAMESPACE_SEPARATOR = "__"
+"""Between a namespace's name and its function's: vLLM shows a namespace's functions to the
+model flattened (``ns__f``)."""
+
+_CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "input": {"type": "string", "description": "The freeform text payload for this tool."}
+    },
+    "required": ["input"],
+    "additionalProperties": False,
+}
+"""The parameters of the function vLLM shows the model for a ``custom`` tool (its input is
+one string)."""
+
+
+def _chat_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A Responses request's tools as the chat tools vLLM renders (None: not covered): a
+    function in the chat shape, a namespace's functions flattened (``ns__f``), a custom tool
+    as a function taking one string ``input``; other tools (web search, MCP, ...) are not
+    shown to a model without the Harmony format: left out."""
+    if not isinstance(tools, list):
+        return None
+    converted: list[dict[str, Any]] = []
+    for tool in tools:
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            return None
+        kind = tool["type"]
+        if kind == "function":
+            converted.append(_chat_function(tool))
+        elif kind == "namespace":
+            name, inner = tool.get("name"), tool.get("tools")
+            if not isinstance(name, str) or not isinstance(inner, list):
+                return None
+            for function in inner:
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    return None
+                if function.get("type") == "function":
+                    flat = f"{name}{_NAMESPACE_SEPARATOR}{function['name']}"
+                    converted.append(_chat_function({**function, "name": flat}))
+        elif kind == "custom":
+            function = {
+                "name": tool.get("name"),
+                "description": tool.get("description"),
+                "parameters": _CUSTOM_TOOL_PARAMETERS,
+            }
+            converted.append({"type": "function", "function": function})
+    return converted
+
+
+def _chat_function(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> bool:
     """Adds one input item to ``messages`` as vLLM does; False when it is not covered."""
     previous = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
     kind = item.get("type")
+    call: dict[str, Any] | None = None
     if kind == "function_call":
-        if "namespace" in item and item["namespace"] is not None:
-            return False
+        name = item.get("name")
+        namespace = item.get("namespace")
+        if namespace:
+            if not isinstance(namespace, str) or not isinstance(name, str):
+                return False
+            name = f"{namespace}{_NAMESPACE_SEPARATOR}{name}"
         call = {
             "id": item.get("call_id"),
-            "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            "function": {"name": name, "arguments": item.get("arguments")},
             "type": "function",
         }
+    elif kind == "custom_tool_call":
+        payload = item.get("input") or ""
+        if not isinstance(payload, str):
+            return False
+        # vLLM passes a custom tool's input as its function shim's arguments.
+        arguments = json.dumps({"input": payload}, ensure_ascii=False)
+        call = {
+            "id": item.get("call_id"),
+            "function": {"name": item.get("name"), "arguments": arguments},
+            "type": "function",
+        }
+    if call is not None:
         if previous is not None and isinstance(previous.get("tool_calls", []), list):
             previous.setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "assistant", "tool_calls": [call]})
         return True
-    if kind == "function_call_output":
+    if kind in ("function_call_output", "custom_tool_call_output"):
         messages.append(
             {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
         )
+        return True
+    if kind == "reasoning":
+        reasoning = _reasoning_text(item)
+        if reasoning is None:
+            return False
+        if previous is not None and previous.get("reasoning") is None:
+            previous["reasoning"] = reasoning
+        else:
+            messages.append({"role": "assistant", "reasoning": reasoning})
         return True
     if item.get("role") == "assistant":
         content = item.get("content")
@@ -176,6 +258,48 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any]) -> bool:
     if "role" in item and kind in (None, "message"):
         messages.append(item)
         return True
+    return False
+
+
+def _reasoning_text(item: dict[str, Any]) -> str | None:
+    """A reasoning item's text as vLLM reads it: its first content part's, else its first
+    summary's, else empty; None when not covered (encrypted content, which vLLM refuses, or
+    parts of another shape)."""
+    if item.get("encrypted_content"):
+        return None
+    content, summary = item.get("content"), item.get("summary")
+    if not isinstance(summary, list) or not isinstance(content, (list, type(None))):
+        return None
+    parts = content or summary
+    if not parts:
+        return ""
+    first = parts[0]
+    text = first.get("text") if isinstance(first, dict) else None
+    return text if isinstance(text, str) else None
+
+
+_PYDANTIC_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+"""The strings pydantic (vLLM's request model) reads as ``true`` for a boolean field."""
+
+
+def stores_response(payload: Mapping[str, Any]) -> bool:
+    """Whether vLLM keeps the response a ``POST /v1/responses`` body makes: unless its
+    ``store`` is false, as vLLM's request model reads it (``null``, ``false``, ``0`` and
+    ``"no"`` are false; absent is true). A response not kept has no engine to remember: a
+    request naming it gets vLLM's 404 from whichever engine is asked.
+
+    >>> stores_response({"input": "x"}), stores_response({"store": False})
+    (True, False)
+    >>> stores_response({"store": None}), stores_response({"store": "yes"})
+    (False, True)
+    """
+    store = payload.get("store", True)
+    if isinstance(store, bool):
+        return store
+    if isinstance(store, (int, float)):
+        return store == 1
+    if isinstance(store, str):
+        return store.lower() in _PYDANTIC_TRUE
     return False
 
 

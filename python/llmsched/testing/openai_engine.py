@@ -7,7 +7,8 @@ It answers ``/v1/completions`` and ``/v1/chat/completions`` in vLLM's shapes (JS
 as vLLM 0.32 serves it (``POST /v1/responses``: JSON, or named SSE events ending with
 ``response.completed`` and no ``[DONE]``; ``GET /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` from its own store, :attr:`FakeOpenAIEngine.responses`; an
-unknown ``previous_response_id`` is vLLM's 404), serves a
+unknown ``previous_response_id`` is vLLM's 404; ``store`` false keeps nothing, and a
+``background`` request then, or on an engine not storing, is vLLM's 400), serves a
 vLLM-style ``/metrics`` with its live request counts, and records every request it receives
 (path, headers, body) and every client disconnect. Its :attr:`FakeOpenAIEngine.mode` scripts
 failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error500"``,
@@ -301,6 +302,15 @@ class FakeOpenAIEngine:
             return _bad_request("the body must be a JSON object")
         if not isinstance(body.get("input"), (str, list)):
             return _bad_request("input must be a string or a list")
+        store = body.get("store", True)
+        if body.get("background") and not store:
+            return _bad_request("background can only be used when `store` is true", "background")
+        if body.get("background") and not self.responses_store:
+            return _bad_request(
+                "This vLLM engine does not support `store=True` and therefore does not support "
+                "the background mode.",
+                "background",
+            )
         previous = body.get("previous_response_id")
         if previous is not None and previous not in self.responses:
             return _not_found(str(previous))
@@ -479,8 +489,8 @@ class FakeOpenAIEngine:
         await asyncio.sleep(3600)  # cancelled when the connection goes
 
 
-def _bad_request(message: str, status: int = 400) -> web.Response:
-    error = {"message": message, "type": "BadRequestError", "param": None, "code": status}
+def _bad_request(message: str, param: str | None = None, status: int = 400) -> web.Response:
+    error = {"message": message, "type": "BadRequestError", "param": param, "code": status}
     return web.json_response({"error": error}, status=status)
 
 
