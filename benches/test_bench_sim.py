@@ -1,9 +1,9 @@
 """Simulator benchmarks: the KV cache beside its pure-Python twin; whole simulations on the
 reference engine with the native cache and with the twin; the Rust engine beside the reference
 engine (simulated requests per wall second in ``extra_info``); a Python ``Policy`` object on
-both engines (the Rust engine calls it back; the cost of a call in ``extra_info``); and a
-Mooncake-style trace end to end, its plan built natively beside the plan built by the Python
-workload classes.
+both engines (the Rust engine calls it back; the cost of a call in ``extra_info``); router
+replicas in front of 256 engines (the Rust engine only); and a Mooncake-style trace end to end,
+its plan built natively beside the plan built by the Python workload classes.
 
 The comparison tables of ``llmsched sim`` report the same rate for the default scenario; here a
 smaller agentic run keeps ``make bench`` short.
@@ -144,6 +144,51 @@ def test_engines_simulate_features(benchmark, feature: str, engine: str) -> None
     assert result.summary()["engine"] == engine
     benchmark.pedantic(run, rounds=3 if engine == "rust" else 1)
     benchmark.extra_info["sim_requests_per_wall_s"] = round(n / benchmark.stats.stats.median)
+
+
+# -- router replicas in front of many engines (the Rust engine only: no twin) -----------------
+
+ROUTER_ENGINES = 256
+ROUTER_SESSIONS = 400  # 2,400 requests
+
+
+def _router_replicas(routers: int) -> ScenarioConfig:
+    return ScenarioConfig.from_dict(
+        {
+            "base": "agentic",
+            "replicas": ROUTER_ENGINES,
+            "kv_events_delay_s": 0.05,
+            "workload": {
+                "kind": "agentic",
+                "sessions": ROUTER_SESSIONS,
+                "arrival": {"process": "closed", "concurrency": 10 * ROUTER_ENGINES},
+            },
+            "router_replicas": routers,
+            "router_sync_delay_s": 0.005 if routers > 1 else None,
+        }
+    )
+
+
+@pytest.mark.parametrize("routers", [1, 8, 64])
+def test_router_replicas_many_engines(benchmark, routers: int) -> None:
+    """Agentic sessions over 256 engines through 1, 8 or 64 synced router replicas: the time
+    per simulated request. Each replica's pool gets every engine's metrics and its index every
+    engine's KV events, so that part grows with the replicas; the scrape before each decision
+    (a decode run's KV use) costs O(1) per engine once no block was added since the last."""
+    cfg = _router_replicas(routers)
+    n = 6 * ROUTER_SESSIONS
+    benchmark.group = f"router replicas: agentic, {n:,} requests over {ROUTER_ENGINES} engines"
+
+    def run():
+        return Simulation(cfg, "llm-d").run().summary()
+
+    summary = run()
+    assert summary["completed"] == n and summary["engine"] == "rust"
+    benchmark.pedantic(run, rounds=1 if routers > 8 else 3)
+    benchmark.extra_info["items"] = n
+    benchmark.extra_info["unit"] = "requests"
+    benchmark.extra_info["us_per_request"] = round(benchmark.stats.stats.median / n * 1e6)
+    benchmark.extra_info["feed_share"] = round(summary["feed_share"], 3)
 
 
 # -- a Python Policy object: called back from the Rust engine, or driven by the reference engine

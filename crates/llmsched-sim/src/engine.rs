@@ -14,9 +14,11 @@
 //!
 //! KV use: a decode run's blocks are allocated at its end, but what a replica holds at any
 //! instant is known (a decoding request takes a block every `block_size` steps, at known
-//! steps): a replica in a run republishes it before each routing decision when it grew, and
-//! the peak and time integral of blocks held are accounted per block added (O(blocks added)
-//! per run), as vLLM's `kv_cache_usage_perc` would read at every instant.
+//! steps): a replica in a run republishes it before each routing decision when it grew (its
+//! count kept from one decision to the next until the run reaches a step that allocates a
+//! block: O(1) per replica per decision), and the peak and time integral of blocks held are
+//! accounted per block added (O(blocks added) per run), as vLLM's `kv_cache_usage_perc` would
+//! read at every instant.
 //!
 //! Flow control: with a [`FlowSetup`], arrivals are offered to the flow core
 //! ([`FlowController`], the one `llmsched.flow` wraps) in simulated time; what it dispatches is
@@ -332,6 +334,10 @@ struct Replica {
     kv_since: f64,
     kv_area: f64,
     kv_peak: u64,
+    /// What the last scrape of the decode run in flight found: (the run's `version`, the
+    /// blocks it had added, the elapsed seconds from which it adds more). The blocks a run
+    /// adds change only at known steps, so a scrape before then reads them here in O(1).
+    scraped: Option<(u64, u64, f64)>,
 }
 
 /// One finished (or refused) request, in the order requests left the simulation.
@@ -686,6 +692,7 @@ impl<'p> Simulation<'p> {
                 kv_since: 0.0,
                 kv_area: 0.0,
                 kv_peak: 0,
+                scraped: None,
             })));
         }
         let n = cfg.replicas;
@@ -1058,17 +1065,22 @@ impl<'p> World<'p> {
     /// Before a routing decision: a replica in a decode run republishes its KV use as of
     /// `now` (the run's growth so far, as vLLM's gauge would read at a scrape), when it
     /// changed. It does not wake flow control (the decision under way goes first).
+    ///
+    /// Cost: O(1) per replica, plus O(decoding requests + blocks added) for a replica whose run
+    /// added a block since its last scrape (see [`Replica::scrape`]).
     fn scrape_runs(&mut self, now: f64) -> Result<(), SimError> {
         for rid in 0..self.replicas.len() {
-            let Some(rep) = self.replicas[rid].as_ref() else { continue };
+            let Some(mut rep) = self.replicas[rid].take() else { continue };
             if !rep.in_run(now) {
+                self.replicas[rid] = Some(rep);
                 continue;
             }
-            let grown = rep.kv_grown(now, self);
+            let grown = rep.scrape(now, self);
             let free = rep.kv.free_blocks() as u64 - grown;
             let usage = 1.0 - free as f64 / rep.kv.num_blocks() as f64;
+            let (waiting, running) = (rep.waiting.len() as u32, rep.running.len() as u32);
+            self.replicas[rid] = Some(rep);
             if usage != self.published[rid] {
-                let (waiting, running) = (rep.waiting.len() as u32, rep.running.len() as u32);
                 self.publish(rid, waiting, running, usage, now, false)?;
             }
         }
@@ -1659,16 +1671,17 @@ impl Replica {
         self.busy && self.run_steps > 0 && now > self.step_start
     }
 
-    /// Blocks the decode run in flight allocates in its first `upto` steps, and the integral
-    /// over its first `elapsed` seconds of the blocks those add (block-seconds).
+    /// Blocks the decode run in flight allocates in its first `upto` steps, the integral
+    /// over its first `elapsed` seconds of the blocks those add (block-seconds), and the first
+    /// step at or after `upto` (and before the run's end) where it allocates one.
     ///
     /// A decoding request holding `t` tokens in `b` blocks takes a new block at the start of
     /// step `b*bs - t`, then every `bs` steps (vLLM allocates a step's slots when it schedules
     /// it). Cost: O(decoding requests + blocks added), not O(steps).
-    fn run_growth(&self, elapsed: f64, upto: u64, w: &World<'_>) -> (u64, f64) {
-        let Some(run) = self.run else { return (0, 0.0) };
+    fn run_growth(&self, elapsed: f64, upto: u64, w: &World<'_>) -> (u64, f64, Option<u64>) {
+        let Some(run) = self.run else { return (0, 0.0, None) };
         let bs = w.bs;
-        let (mut grown, mut area) = (0u64, 0.0f64);
+        let (mut grown, mut area, mut next) = (0u64, 0.0f64, u64::MAX);
         for &r in &self.running {
             let q = &w.reqs[r];
             if q.phase != DECODE {
@@ -1684,13 +1697,39 @@ impl Replica {
                 area += elapsed - run.time(s);
                 s += bs;
             }
+            next = next.min(s);
         }
-        (grown, area)
+        (grown, area, (next < self.run_steps).then_some(next))
+    }
+
+    /// [`kv_grown`](Self::kv_grown) for a scrape at `now` (a decode run in flight), from the
+    /// last scrape's count while the run has reached no step that allocates a block since.
+    ///
+    /// Exact: with `done` steps complete the count covers steps `0..=done`, so it changes only
+    /// once `done` reaches the next allocating step `s`, that is once `run.time(s)` seconds
+    /// have elapsed (`steps_within`'s own test).
+    fn scrape(&mut self, now: f64, w: &World<'_>) -> u64 {
+        let elapsed = now - self.step_start;
+        if let Some((version, grown, until)) = self.scraped {
+            if version == self.version && elapsed < until {
+                #[cfg(test)]
+                assert_eq!(grown, self.kv_grown(now, w), "a stale scrape of replica {}", self.id);
+                return grown;
+            }
+        }
+        let Some(run) = self.run else { return 0 };
+        let done = run.steps_within(elapsed, self.run_steps);
+        let (grown, _, next) = self.run_growth(0.0, (done + 1).min(self.run_steps), w);
+        let until = next.map_or(f64::INFINITY, |s| run.time(s));
+        self.scraped = Some((self.version, grown, until));
+        grown
     }
 
     /// Blocks the decode run in flight has added by `now` and not yet committed to the cache
     /// (0 outside a run): with them, the blocks held at `now`, what vLLM's
     /// `kv_cache_usage_perc` would report if scraped then.
+    /// Tests check [`scrape`](Self::scrape) against it.
+    #[cfg(test)]
     fn kv_grown(&self, now: f64, w: &World<'_>) -> u64 {
         let Some(run) = self.run.filter(|_| self.in_run(now)) else { return 0 };
         let done = run.steps_within(now - self.step_start, self.run_steps);
@@ -1720,7 +1759,7 @@ impl Replica {
         };
         let elapsed = now - self.step_start;
         let done = run.steps_within(elapsed, self.run_steps);
-        let (grown, area) = self.run_growth(elapsed, (done + 1).min(self.run_steps), w);
+        let (grown, area, _) = self.run_growth(elapsed, (done + 1).min(self.run_steps), w);
         let held = self.kv_held + grown;
         (self.kv_peak.max(held), self.kv_area + self.kv_held as f64 * elapsed + area)
     }
@@ -1733,7 +1772,7 @@ impl Replica {
             let k = self.run_steps;
             // The run's KV growth, before its finishes free their blocks (peak and area).
             let elapsed = now - self.step_start;
-            let (added, area) = self.run_growth(elapsed, k, w);
+            let (added, area, _) = self.run_growth(elapsed, k, w);
             self.kv_area += self.kv_held as f64 * elapsed + area;
             self.kv_held += added;
             self.kv_since = now;
@@ -2513,5 +2552,68 @@ mod tests {
         let (out, seen) = kv_run(&requests(&[(0.0, 32, 900), (0.505, 16, 2)]));
         assert_eq!(seen, vec![0.0, 6.0 / 64.0]);
         assert_eq!(out.replicas[0].kv_peak, 59.0 / 64.0);
+    }
+
+    #[test]
+    fn scrapes_between_block_steps_see_the_blocks_held() {
+        // Replica 0 decodes one request (32 prompt tokens, then 899 steps of 10 ms from
+        // 0.01 s); 200 short requests go to replica 1 meanwhile, several per 16 steps, so most
+        // scrapes of replica 0 find no block added since the last one (the engine's own check
+        // against a full recount runs at each of them in tests). At decode step k it holds its 2
+        // prompt blocks plus those of steps 0, 16, ..., up to k.
+        struct Seen {
+            kv: f64,
+            seen: std::sync::Arc<std::sync::Mutex<Vec<(f64, f64)>>>,
+        }
+        impl PolicyHook for Seen {
+            fn update_metrics(
+                &mut self,
+                replica: usize,
+                _: u32,
+                _: u32,
+                kv: f64,
+                _: f64,
+            ) -> Result<(), PolicyFailure> {
+                if replica == 0 {
+                    self.kv = kv;
+                }
+                Ok(())
+            }
+            fn pick(
+                &mut self,
+                req: &RequestView<'_>,
+                now: f64,
+            ) -> Result<(usize, Option<usize>), PolicyFailure> {
+                self.seen.lock().unwrap().push((now, self.kv));
+                Ok((usize::from(req.id > 0), None))
+            }
+            fn on_first_token(&mut self, _: &RequestView<'_>, _: f64) -> Result<(), PolicyFailure> {
+                Ok(())
+            }
+            fn on_finished(&mut self, _: &RequestView<'_>, _: f64) -> Result<(), PolicyFailure> {
+                Ok(())
+            }
+        }
+        let mut rows = vec![(0.0, 32, 900)];
+        rows.extend((0..200).map(|i| (0.0155 + 0.037 * f64::from(i), 16, 2)));
+        let mut cfg = config(2);
+        cfg.kv_blocks = 64;
+        let model: StepModel = serde_json::from_value(json!({"kind": "linear", "b0": 0.01,
+            "b1": 0.0, "b2": 0.0, "b3": 0.0, "b4": 0.0}))
+        .unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hook = Seen { kv: 0.0, seen: seen.clone() };
+        let value = json!({"plugins": [{"type": "round-robin-picker"}],
+            "schedulingProfiles": [{"name": "default",
+                                    "plugins": [{"pluginRef": "round-robin-picker"}]}]});
+        let make = || parse_config(&value).map_err(RoutingError::from);
+        let plan = requests(&rows);
+        simulate_with_policy(cfg, model, &make, &plan, None, None, Box::new(hook)).unwrap();
+        let seen = std::mem::take(&mut *seen.lock().unwrap());
+        assert_eq!(seen.len(), 201);
+        for &(now, kv) in &seen[1..] {
+            let step = ((now - 0.01) / 0.01).floor() as u64;
+            assert_eq!(kv, (3 + step / 16) as f64 / 64.0, "at {now}");
+        }
     }
 }
