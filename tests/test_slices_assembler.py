@@ -513,6 +513,10 @@ def test_finish_at_budget_and_eos_on_the_boundary() -> None:
         ({"prompt": [1, -2], "max_tokens": 5}, {}, "token ids"),
         ({"prompt": [1]}, {}, "no max_tokens"),
         ({"prompt": [1], "max_tokens": 5, "stop": [""]}, {}, "stop"),
+        # The engine judges these on the request unsliced (probe 61).
+        ({"prompt": [1], "max_tokens": 5, "min_tokens": -1}, {}, "min_tokens"),
+        ({"prompt": [1], "max_tokens": 5, "min_tokens": 6}, {}, "min_tokens"),
+        ({"prompt": [1], "max_tokens": 5, "min_tokens": "2"}, {}, "min_tokens"),
         ({"messages": []}, {"api": "chat", "default_max_tokens": 3}, "non-empty"),
         ({"prompt": [1], "max_tokens": 5}, {"api": "embeddings"}, "api"),
     ],

@@ -673,7 +673,13 @@ class SliceAssembler:
       stop strings that straddle a boundary: it holds back the last ``max(len(stop)) - 1``
       characters until the next text (or the end) resolves them. A response ends before the
       stop occurrence that ends first (ties: the stop listed first), or after it with
-      ``include_stop_str_in_output``.
+      ``include_stop_str_in_output``. As vLLM checks stop strings only once ``min_tokens``
+      are generated, an occurrence counts only where it ends after the text of the first
+      ``min_tokens`` tokens; with stop strings, the call reaching ``min_tokens`` is cut short
+      there (:attr:`last_slice_tokens` below the slice, :attr:`done` False: call
+      :meth:`next_request` for the rest of the tracker's slice, which
+      :meth:`SliceTracker.record_tokens` returns, before its boundary decision). A
+      ``min_tokens`` that is not an int in ``0..=max_tokens`` is not sliced.
 
     Feed each engine chunk (decoded JSON) to :meth:`feed` and call :meth:`end_slice` when the
     engine stream ends; both return the user-facing chunks (OpenAI streaming shape, one id,

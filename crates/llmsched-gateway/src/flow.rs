@@ -126,21 +126,27 @@ impl Flow {
             payload: tx,
         };
         let now = clock();
-        match self.lock().enqueue(request, now) {
+        let enqueued = self.lock().enqueue(request, now);
+        // Even when this request is refused: its enqueue may have evicted expired ones.
+        self.pump(now);
+        match enqueued {
             Ok(None) => {}
             Ok(Some(refused)) => return Err(NotAdmitted::Outcome(refused.outcome)),
             Err(_) => return Err(NotAdmitted::Outcome(Outcome::RejectedCapacity)),
         }
-        self.pump(now);
         // The expiry loop runs only while requests wait: one dispatched at once needs no
         // wake-up of it.
         if !self.lock().is_empty() {
             self.queued.notify_one();
         }
+        let wait = Duration::from_secs_f64((deadline - now).max(0.0));
+        // Declared before `queued`, so dropped after it: a request whose waiter is dropped
+        // leaves the queue (cancelled) before its receiver goes, never dispatched unclaimed.
+        let timed = tokio::time::timeout(wait, rx);
+        tokio::pin!(timed);
         // Dropped while queued (the client left, or no engine is left): cancelled.
         let mut queued = Queued { flow: self, id, clock, armed: true };
-        let wait = Duration::from_secs_f64((deadline - now).max(0.0));
-        let outcome = tokio::time::timeout(wait, rx).await;
+        let outcome = timed.await;
         queued.armed = false;
         match outcome {
             Ok(Ok(Outcome::Dispatched)) => {
@@ -156,13 +162,11 @@ impl Flow {
         }
     }
 
-    /// Dispatches what the controller allows now and tells evicted requests their outcome.
+    /// Dispatches what the controller allows now and tells evicted requests their outcome
+    /// (those `enqueue` and `dispatch` evicted: expired, preempted).
     pub fn pump(&self, now: f64) {
         let mut core = self.lock();
         let mut unclaimed = Vec::new();
-        for evicted in core.drain_evicted() {
-            let _ = evicted.payload.send(evicted.outcome);
-        }
         while let Ok(Some(decision)) = core.dispatch(now) {
             let FlowDecision { id, payload, .. } = decision;
             if payload.send(Outcome::Dispatched).is_err() {
@@ -172,6 +176,11 @@ impl Flow {
         }
         for id in unclaimed {
             let _ = core.complete(id, 0, now);
+        }
+        // After dispatching: `dispatch` moves requests whose TTL ran out to the outbox (the
+        // last of them leaves the queue empty, and the expiry loop asleep).
+        for evicted in core.drain_evicted() {
+            let _ = evicted.payload.send(evicted.outcome);
         }
     }
 
@@ -253,4 +262,49 @@ pub struct FlowStats {
     pub tenants: usize,
     /// Requests per outcome.
     pub outcomes: Vec<(Outcome, u64)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The clock of the TTL test, in f64 bits (a `fn` clock cannot capture).
+    static TTL_CLOCK: AtomicU64 = AtomicU64::new(0);
+
+    fn ttl_clock() -> f64 {
+        f64::from_bits(TTL_CLOCK.load(Ordering::Relaxed))
+    }
+
+    #[tokio::test]
+    async fn a_request_expiring_as_a_slot_frees_is_told_at_once() {
+        // One slot; B queues behind A with a 1 s TTL. A's release comes after B's TTL ran out:
+        // its dispatch finds B expired and moves it to the eviction outbox, leaving the queue
+        // empty (so the expiry loop sleeps). B must be told its eviction then, not wait for its
+        // deadline.
+        TTL_CLOCK.store(100f64.to_bits(), Ordering::Relaxed);
+        let config = json!({
+            "saturation": {"type": "concurrency", "max_requests": 1},
+            "default_band": {"ttl_s": 1.0},
+        });
+        let flow = Arc::new(Flow::new(&config).unwrap());
+        let far = 1e9;
+        let a = flow.admit("t", 0, 1, 1, far, ttl_clock).await.ok().unwrap();
+        let waiting = flow.clone();
+        // B's own deadline: 5 s of real time from now (a Deadline answer means it was not told).
+        let deadline = 100.0 + 5.0;
+        let b = tokio::spawn(async move { waiting.admit("t", 0, 1, 1, deadline, ttl_clock).await });
+        while flow.stats(ttl_clock()).queued == 0 {
+            tokio::task::yield_now().await;
+        }
+        TTL_CLOCK.store(102f64.to_bits(), Ordering::Relaxed);
+        drop(a);
+        match b.await.unwrap() {
+            Err(NotAdmitted::Outcome(outcome)) => assert_eq!(outcome, Outcome::EvictedTtl),
+            Err(NotAdmitted::Deadline) => panic!("B waited for its deadline"),
+            Ok(_) => panic!("B was dispatched after its TTL"),
+        }
+        let stats = flow.stats(ttl_clock());
+        assert_eq!((stats.queued, stats.running), (0, 0));
+    }
 }

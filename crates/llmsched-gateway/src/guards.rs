@@ -142,11 +142,9 @@ impl KeyLimiter {
         Ok(())
     }
 
-    /// Ends an admitted request; its output tokens are taken from the token bucket.
+    /// Ends an admitted request; its output tokens are taken from the token bucket (before
+    /// its concurrency goes back: a request admitted in its place sees them taken).
     pub fn release(&self, output_tokens: u64, now: f64) {
-        let _ = self
-            .in_progress
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n.saturating_sub(1)));
         if output_tokens > 0 {
             let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(bucket) = buckets.tokens.as_mut() {
@@ -155,6 +153,9 @@ impl KeyLimiter {
                 buckets.used.1 += output_tokens as f64;
             }
         }
+        let _ = self
+            .in_progress
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n.saturating_sub(1)));
     }
 
     /// Whether the key has a request or token rate (what replicas share; concurrency stays

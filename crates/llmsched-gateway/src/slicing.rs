@@ -182,6 +182,14 @@ impl SlicedRequest {
     }
 }
 
+impl Drop for SlicedRequest {
+    /// However the request ends (a client that leaves mid-answer drops it with its task):
+    /// flow control and the key are charged the tokens generated, as at its end.
+    fn drop(&mut self) {
+        self.settle();
+    }
+}
+
 /// What the slices' task hands the client's answer.
 enum Out {
     /// SSE bytes to pass on.
@@ -454,11 +462,14 @@ impl Gateway {
             ticket.finish();
             self.counters.slices.fetch_add(1, Ordering::Relaxed);
             let made = u32::try_from(run.assembler.last_slice_tokens()).unwrap_or(u32::MAX);
-            slicing.lock().record_tokens(id, made)?;
+            let left = slicing.lock().record_tokens(id, made)?;
             if run.assembler.done() {
                 return Ok(());
             }
-            slice_tokens = self.boundary(slicing, id, run).await?;
+            // A call the assembler cut short (at `min_tokens`) is no boundary: the rest of the
+            // tracker's slice follows without a decision.
+            slice_tokens =
+                if left > 0 { u64::from(left) } else { self.boundary(slicing, id, run).await? };
         }
     }
 

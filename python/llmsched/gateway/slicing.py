@@ -144,10 +144,12 @@ class SlicedRequest:
                         await response.prepare(request)
                     for chunk in chunks:
                         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                self.tracker.record_tokens(self.request_id, self.asm.last_slice_tokens)
+                left = self.tracker.record_tokens(self.request_id, self.asm.last_slice_tokens)
                 if self.asm.done:
                     break
-                slice_tokens = await self._boundary()
+                # A call the assembler cut short (at min_tokens) is no boundary: the rest of
+                # the tracker's slice follows without a decision.
+                slice_tokens = left if left > 0 else await self._boundary()
             if response is None:
                 return web.json_response(self.asm.response())
             await response.write(b"data: [DONE]\n\n")

@@ -12,7 +12,11 @@
 //! (`continue_final_message`) for a chat. Engine chunks' text is released to the user as it
 //! comes, except the last `max(len(stop)) - 1` characters, held back until the next text (or
 //! the end) shows whether a stop string straddles the boundary; the first stop occurrence to
-//! end (ties: the stop listed first) ends the response. Text positions are counted in
+//! end (ties: the stop listed first) ends the response. With `min_tokens`, as vLLM checks stop
+//! strings only once `min_tokens` are generated, an occurrence counts only where it ends after
+//! the text of the first `min_tokens` tokens: a request with stop strings gets a slice
+//! boundary there (its slices are cut short to reach it), where that text is known exactly.
+//! Text positions are counted in
 //! characters (Unicode scalar values), as Python's `str` counts them, so both planes cut the
 //! same text at the same places. Every step is linear in the text it adds, except the stop
 //! search, which rescans at most the held-back tail plus the new text.
@@ -182,6 +186,12 @@ pub struct SliceAssembler {
     emitted: usize,
     /// No stop string ends before this byte of `text`.
     scanned: usize,
+    /// The request's `min_tokens` (0: none).
+    min_tokens: u64,
+    /// Stop strings count only where they end after this byte of `text`: the text of the
+    /// first `min_tokens` tokens (vLLM checks stop strings only once `min_tokens` are
+    /// generated); `usize::MAX` while the slice running lies wholly within them.
+    stop_floor: usize,
     generated_tokens: u64,
     slices: u64,
     user_prompt_tokens: Option<i64>,
@@ -237,6 +247,8 @@ impl SliceAssembler {
             text: String::new(),
             emitted: 0,
             scanned: 0,
+            min_tokens: 0,
+            stop_floor: 0,
             generated_tokens: 0,
             slices: 0,
             user_prompt_tokens: None,
@@ -260,6 +272,7 @@ impl SliceAssembler {
             Api::Chat => asm.read_messages()?,
         }
         asm.max_tokens = asm.read_budget(options.default_max_tokens)?;
+        asm.min_tokens = asm.read_min_tokens()?;
         asm.stops = asm.read_stops()?;
         asm.holdback = asm.stops.iter().map(|s| s.chars().count()).max().unwrap_or(1) - 1;
         Ok(asm)
@@ -432,6 +445,21 @@ impl SliceAssembler {
         Ok(budget as u64)
     }
 
+    /// `min_tokens`, an int in `0..=max_tokens`; any other value is the engine's to judge, on
+    /// the request unsliced (a continuation would change or hide it).
+    fn read_min_tokens(&self) -> Result<u64, AssemblyError> {
+        let Some(value) = self.request.get("min_tokens").filter(|v| !v.is_null()) else {
+            return Ok(0);
+        };
+        match int(value).and_then(|m| u64::try_from(m).ok()) {
+            Some(m) if m <= self.max_tokens => Ok(m),
+            _ => Err(AssemblyError::Unsupported(format!(
+                "min_tokens={value} is not an int in 0..={}; the request is not sliced",
+                self.max_tokens
+            ))),
+        }
+    }
+
     fn read_stops(&self) -> Result<Vec<String>, AssemblyError> {
         let bad = || {
             AssemblyError::Unsupported("stop must be a non-empty string or a list of them".into())
@@ -526,17 +554,22 @@ impl SliceAssembler {
         }
         let mut body = self.request.clone();
         body.remove("max_completion_tokens");
-        let max_tokens = slice_tokens.min(self.remaining_tokens());
+        let mut max_tokens = slice_tokens.min(self.remaining_tokens());
+        let min_left = self.min_tokens.saturating_sub(self.generated_tokens);
+        if min_left > 0 && !self.stops.is_empty() {
+            // The slice ends where `min_tokens` is reached: the text before that point is then
+            // known exactly, and no stop string may end within it.
+            max_tokens = max_tokens.min(min_left);
+            self.stop_floor = usize::MAX;
+        }
         body.insert("max_tokens".into(), max_tokens.into());
         body.insert("stream".into(), true.into());
         body.insert("stream_options".into(), json!({"include_usage": true}));
         if !self.forward_stop {
             body.remove("stop");
         }
-        if let Some(min_tokens) = self.request.get("min_tokens").filter(|v| truthy(v)).and_then(int)
-        {
-            let left = (min_tokens - self.generated_tokens as i64).max(0);
-            body.insert("min_tokens".into(), left.min(max_tokens as i64).into());
+        if self.min_tokens > 0 {
+            body.insert("min_tokens".into(), min_left.min(max_tokens).into());
         }
         match self.api {
             Api::Completions => match &self.prompt_ids {
@@ -677,8 +710,16 @@ impl SliceAssembler {
         let start = chars_back(&self.text, self.scanned, self.holdback);
         let mut best: Option<(usize, usize, usize)> = None;
         for (i, stop) in self.stops.iter().enumerate() {
-            if let Some(at) = self.text[start..].find(stop.as_str()) {
-                let at = start + at;
+            if self.stop_floor == usize::MAX {
+                break; // the text so far is within the first `min_tokens` tokens
+            }
+            // An occurrence counts only where it ends after the floor.
+            let mut from = start.max((self.stop_floor + 1).saturating_sub(stop.len()));
+            while !self.text.is_char_boundary(from) {
+                from += 1;
+            }
+            if let Some(at) = self.text[from..].find(stop.as_str()) {
+                let at = from + at;
                 let end = at + stop.len();
                 if best.is_none_or(|(_, e, _)| end < e) {
                     best = Some((at, end, i));
@@ -748,6 +789,10 @@ impl SliceAssembler {
         self.in_slice = false;
         self.last_slice_tokens = tokens;
         self.generated_tokens += tokens;
+        if self.stop_floor == usize::MAX {
+            // The slice was capped at `min_tokens`: its text is all within them.
+            self.stop_floor = self.text.len();
+        }
         self.account_prompt();
         self.slices += 1;
         let mut out = Vec::new();

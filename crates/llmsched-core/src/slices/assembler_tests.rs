@@ -161,3 +161,84 @@ fn requests_and_calls_that_cannot_be_served_are_refused() {
     let over = asm.end_slice().unwrap_err();
     assert_eq!(over.to_string(), "the engine generated 3 tokens in a slice of 2");
 }
+
+/// One slice of one-character tokens (ids 100 on), ending at the slice's budget.
+fn slice_of(asm: &mut SliceAssembler, pieces: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (i, piece) in pieces.iter().enumerate() {
+        let finish = (i + 1 == pieces.len()).then_some("length");
+        out.extend(texts(&asm.feed(&completion(piece, &[100 + i as u32], finish)).unwrap()));
+    }
+    out.extend(texts(&asm.end_slice().unwrap()));
+    out
+}
+
+#[test]
+fn no_stop_string_ends_within_the_first_min_tokens() {
+    // vLLM checks stop strings only once `min_tokens` are generated: an occurrence counts where
+    // it ends after the text of the first `min_tokens` tokens. The slice reaching min_tokens is
+    // cut short there, so that text is known exactly.
+    let request = json!({"prompt": [1], "max_tokens": 10, "min_tokens": 3, "stop": ["b"]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    let first = asm.next_request(4).unwrap();
+    assert_eq!((&first["max_tokens"], &first["min_tokens"]), (&json!(3), &json!(3)));
+    assert_eq!(slice_of(&mut asm, &["a", "b", "a"]), ["a", "b", "a"]);
+    assert!(!asm.done(), "the 'b' of token 2 is within min_tokens");
+    let second = asm.next_request(4).unwrap();
+    assert_eq!((&second["max_tokens"], &second["min_tokens"]), (&json!(4), &json!(0)));
+    asm.feed(&completion("c", &[7], None)).unwrap();
+    asm.feed(&completion("b", &[8], None)).unwrap();
+    assert!(asm.done());
+    assert_eq!((asm.text(), asm.stop_reason()), ("abac", Some("b")));
+    // Without stop strings the slices are not cut short.
+    let request = json!({"prompt": [1], "max_tokens": 10, "min_tokens": 3});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    assert_eq!(asm.next_request(4).unwrap()["max_tokens"], 4);
+}
+
+#[test]
+fn a_stop_string_ending_after_min_tokens_counts_though_it_starts_within_them() {
+    // Straddling the min_tokens point: "ab" over tokens 2 and 3 ends the answer (vLLM's search
+    // starts a stop's length before the point).
+    let request = json!({"prompt": [1], "max_tokens": 10, "min_tokens": 2, "stop": ["ab"]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(4).unwrap();
+    assert_eq!(slice_of(&mut asm, &["x", "a"]), ["x"]);
+    asm.next_request(4).unwrap();
+    asm.feed(&completion("b", &[9], None)).unwrap();
+    assert_eq!((asm.text(), asm.stop_reason()), ("x", Some("ab")));
+    // Overlapping occurrences: "aa" within min_tokens does not count, "aa" over the point does.
+    let request = json!({"prompt": [1], "max_tokens": 10, "min_tokens": 2, "stop": ["aa"]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(4).unwrap();
+    slice_of(&mut asm, &["a", "a"]);
+    assert!(!asm.done());
+    asm.next_request(4).unwrap();
+    asm.feed(&completion("a", &[9], None)).unwrap();
+    assert_eq!((asm.text(), asm.stop_reason()), ("a", Some("aa")));
+    // An engine that stopped on a stop string within min_tokens anyway is believed.
+    let request = json!({"prompt": [1], "max_tokens": 10, "min_tokens": 4, "stop": ["z", "q"]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(4).unwrap();
+    asm.feed(&completion("q", &[5], None)).unwrap();
+    let stop = json!({"choices": [{"index": 0, "text": "", "token_ids": [6],
+        "finish_reason": "stop", "stop_reason": "z"}]});
+    asm.feed(&stop).unwrap();
+    asm.end_slice().unwrap();
+    assert_eq!((asm.text(), asm.stop_reason()), ("q", Some("z")));
+}
+
+#[test]
+fn a_min_tokens_the_engine_would_refuse_is_not_sliced() {
+    // Negative, not an int, or above max_tokens: the engine's 400 on the request unsliced,
+    // not a continuation that hides the value or a 502 from a slice.
+    for min_tokens in [json!(-1), json!("3"), json!(true), json!(2.5), json!(11)] {
+        let request = json!({"prompt": [1], "max_tokens": 10, "min_tokens": min_tokens});
+        let refused = SliceAssembler::new(&request, Api::Completions, Default::default());
+        assert!(matches!(refused, Err(AssemblyError::Unsupported(_))), "{min_tokens}");
+    }
+    for min_tokens in [json!(null), json!(0), json!(10)] {
+        let request = json!({"prompt": [1], "max_tokens": 10, "min_tokens": min_tokens});
+        assert!(SliceAssembler::new(&request, Api::Completions, Default::default()).is_ok());
+    }
+}
