@@ -169,9 +169,9 @@ def _router_replicas(routers: int) -> ScenarioConfig:
     )
 
 
-@pytest.mark.parametrize("routers", [1, 8, 64])
+@pytest.mark.parametrize("routers", [1, 8, 32])
 def test_router_replicas_many_engines(benchmark, routers: int) -> None:
-    """Agentic sessions over 256 engines through 1, 8 or 64 synced router replicas: the time
+    """Agentic sessions over 256 engines through 1, 8 or 32 synced router replicas: the time
     per simulated request. Each replica's pool gets every engine's metrics and its index every
     engine's KV events, so that part grows with the replicas; the scrape before each decision
     (a decode run's KV use) costs O(1) per engine once no block was added since the last."""
@@ -182,9 +182,8 @@ def test_router_replicas_many_engines(benchmark, routers: int) -> None:
     def run():
         return Simulation(cfg, "llm-d").run().summary()
 
-    summary = run()
+    summary = benchmark.pedantic(run, rounds=1 if routers > 8 else 3)
     assert summary["completed"] == n and summary["engine"] == "rust"
-    benchmark.pedantic(run, rounds=1 if routers > 8 else 3)
     benchmark.extra_info["items"] = n
     benchmark.extra_info["unit"] = "requests"
     benchmark.extra_info["us_per_request"] = round(benchmark.stats.stats.median / n * 1e6)

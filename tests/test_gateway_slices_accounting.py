@@ -1,4 +1,5 @@
-"""Probe 61's findings on token slices and flow control, on both data planes.
+"""Token slices through the gateway, on both data planes: what a client leaving a sliced
+answer is charged, and ``min_tokens`` with ``stop`` (probe 61 found both wrong).
 
 - A client leaving a sliced stream mid-answer: the native plane aborted the slices' task and
   dropped the request's flow-control slot and API-key guard without charging them the tokens
