@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import pytest
 
@@ -149,8 +150,32 @@ def test_a_base_row_runs_the_other_build() -> None:
     assert bench._router_of(rows[1].name) == "round-robin"
     with pytest.raises(SystemExit, match="--base-python"):
         bench.gateways(["llmsched-serve-native-llm-d@base"], "py", None, "/nowhere")
-    with pytest.raises(SystemExit, match="only llmsched serve"):
+    with pytest.raises(SystemExit, match="only llmsched rows"):
         bench.gateways(["direct@base"], "py", None, "/nowhere", "/main/python")
+
+
+def test_a_native_base_row_runs_the_other_builds_binary(tmp_path: Path) -> None:
+    new, base = tmp_path / "new" / "llmsched-gateway", tmp_path / "base" / "llmsched-gateway"
+    for binary in (new, base):
+        binary.parent.mkdir()
+        binary.write_text("")
+    rows = bench.gateways(
+        ["llmsched-native-round-robin", "llmsched-native-round-robin@base"],
+        "py",
+        None,
+        str(new),
+        None,
+        str(base),
+    )
+    assert [r.command for r in rows] == [
+        (str(new), "--router", "round-robin"),
+        (str(base), "--router", "round-robin"),
+    ]
+    assert rows[1].name == "llmsched-native-round-robin@base" and rows[1].mode == "round-robin"
+    with pytest.raises(SystemExit, match="--base-bin"):
+        bench.gateways(["llmsched-native-llm-d@base"], "py", None, str(new))
+    with pytest.raises(SystemExit, match="is not built"):
+        bench.gateways(["llmsched-native-llm-d@base"], "py", None, str(new), None, "/nowhere")
 
 
 def test_a_paired_gateway_is_measured_against_the_direct_load_beside_it() -> None:

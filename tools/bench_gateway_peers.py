@@ -44,7 +44,8 @@ figure is the median over the repeats:
   gateways, is the streamed p99 (``tools/stream_tail.py`` traces it per slow stream);
 * a name ending in ``@base`` (``llmsched-serve-native-llm-d@base``) runs that gateway with
   ``--base-python`` instead of ``--python``: another build (e.g. main's) interleaved with this
-  one in the same run;
+  one in the same run; ``llmsched-native-round-robin@base`` runs the standalone binary of
+  ``--base-bin`` (another build's ``target/release``) the same way;
 * errors: requests without a 200 and a complete answer (summed over the repeats, by kind);
   a peer with errors is not taken as the best peer;
 * idle CPU: percent of a core the gateway used over ``--idle-seconds`` before its first load;
@@ -326,15 +327,25 @@ def gateways(
     peers_python: str | None,
     native_bin: str,
     base_python: str | None = None,
+    base_bin: str | None = None,
 ) -> list[Gateway]:
     """The gateways asked for; a peer is skipped (with a message) when it is not installed.
-    ``llmsched-*@base`` runs ``llmsched serve`` with ``base_python`` (another build)."""
+    ``llmsched-*@base`` runs ``llmsched serve`` with ``base_python`` (another build), and
+    ``llmsched-native-*@base`` the standalone binary ``base_bin`` (another build's
+    ``llmsched-gateway``)."""
     found: list[Gateway] = []
     for name in names:
-        if name.endswith("@base"):
+        if name.endswith("@base") and name.startswith("llmsched-native-"):
+            if base_bin is None:
+                raise SystemExit(f"{name!r} needs --base-bin")
+            if not Path(base_bin).exists():
+                raise SystemExit(f"{name!r}: {base_bin} is not built")
+            (row,) = gateways([name.removesuffix("@base")], python, None, base_bin)
+            found.append(Gateway(name, row.kind, row.mode, row.command))
+        elif name.endswith("@base"):
             plain = name.removesuffix("@base")
-            if not plain.startswith("llmsched-") or plain.startswith("llmsched-native-"):
-                raise SystemExit(f"{name!r}: only llmsched serve rows take @base")
+            if not plain.startswith("llmsched-"):
+                raise SystemExit(f"{name!r}: only llmsched rows take @base")
             if base_python is None:
                 raise SystemExit(f"{name!r} needs --base-python")
             (row,) = gateways([plain], base_python, None, native_bin)
@@ -574,8 +585,14 @@ def run(args: argparse.Namespace) -> Results:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             native = str(bin_dir / "llmsched-gateway")
+            base_bin = str(Path(args.base_bin) / "llmsched-gateway") if args.base_bin else None
             chosen = gateways(
-                args.gateways.split(","), args.python, args.peers_python, native, args.base_python
+                args.gateways.split(","),
+                args.python,
+                args.peers_python,
+                native,
+                args.base_python,
+                base_bin,
             )
             for repeat in range(args.repeats):
                 order = chosen[repeat % len(chosen) :] + chosen[: repeat % len(chosen)]
@@ -1017,6 +1034,12 @@ def add_setup_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers-python", default=None, help="the peers' environment's python")
     parser.add_argument(
         "--base-python", default=None, help="runs the llmsched-*@base rows (another build)"
+    )
+    parser.add_argument(
+        "--base-bin",
+        default=None,
+        help="another build's binaries directory: its llmsched-gateway runs the "
+        "llmsched-native-*@base rows",
     )
     parser.add_argument("--answers", default="json,stream")
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer")

@@ -3775,6 +3775,21 @@ static COMPLETION_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 const HOLD_YIELDS: u8 = 8;
 /// Bytes of a held stream tail at most.
 const HOLD_BYTES: usize = 64 << 10;
+/// Turns of the runtime SSE bytes from the middle of a stream are held while nothing more
+/// comes ([`Relay::hold`]): hyper's client hands over a frame it has already read within two
+/// (measured: with one, no fewer writes than without holding).
+const GATHER_YIELDS: u8 = 2;
+
+/// SSE bytes held back ([`Relay::hold`]).
+struct Held {
+    data: bytes::BytesMut,
+    /// Turns waited: in all for a tail, since the last frame came while gathering.
+    yields: u8,
+    /// Whether the stream's end is near (its last token, `[DONE]`, a Responses stream's
+    /// terminal event): held for up to [`HOLD_YIELDS`] turns in all, else
+    /// [`GATHER_YIELDS`] turns without a new frame.
+    tail: bool,
+}
 
 /// Whether an SSE frame ends its stream or nearly: it holds `data: [DONE]`, or an event
 /// with a `finish_reason` (the last token's; a usage event and `[DONE]` follow at once).
@@ -3829,9 +3844,8 @@ pub struct Relay {
     tokens: TokenCount,
     /// A sliced request's stream ([`slicing`]), which makes the whole body.
     sliced: Option<Box<slicing::SliceStream>>,
-    /// The tail of an SSE stream held back for what the engine sent with it (see
-    /// [`Relay::hold`]), and the yields it has waited so far.
-    held: Option<(bytes::BytesMut, u8)>,
+    /// SSE bytes held back for what the engine sent with them (see [`Relay::hold`]).
+    held: Option<Held>,
     /// A frame that came after a held tail and goes out after it.
     after_held: Option<Frame<Bytes>>,
     /// Whether the stream must show its `[DONE]` before it may end ([`DoneScan`]).
@@ -3908,66 +3922,88 @@ impl Relay {
         }
     }
 
-    /// Holds `data`, the end of an SSE stream ([`ends_soon`]), for a few turns of the runtime
-    /// ([`HOLD_YIELDS`]): the engine sends its last events and the end of the body together,
-    /// but hyper's client hands them over a frame at a time, so relayed at once they cost a
-    /// write to the client (and a wake-up of it) each: the last token, `[DONE]`, the chunked
-    /// body's end (3 of the 11 writes of an 8-token stream). What arrives meanwhile joins
-    /// `data`, and the end of the body goes out with it. Never waits for the network: the
-    /// turns are the thread's own, and then what is held goes out.
+    /// Holds `data`, SSE bytes read from the engine, for a turn of the runtime or a few
+    /// ([`Held`]): hyper's client hands over what it has read a frame (an HTTP chunk) at a
+    /// time, one frame per turn of its connection's task, so events read together (the
+    /// engine's last token, `[DONE]` and the chunked body's end; or events that queued up
+    /// while the gateway's thread was busy) would each cost a write to the client and a
+    /// wake-up of it. What arrives meanwhile joins `data` and goes out in one write (with the
+    /// body's end when that came). Never waits for the network: the turns are the thread's
+    /// own, and then what is held goes out.
     fn hold(
         &mut self,
-        data: bytes::BytesMut,
-        yields: u8,
+        mut held: Held,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
-        if yields >= HOLD_YIELDS || data.len() >= HOLD_BYTES {
-            return Poll::Ready(Some(Ok(Frame::data(data.freeze()))));
+        let limit = if held.tail { HOLD_YIELDS } else { GATHER_YIELDS };
+        if held.yields >= limit || held.data.len() >= HOLD_BYTES {
+            return Poll::Ready(Some(Ok(Frame::data(held.data.freeze()))));
         }
-        self.held = Some((data, yields + 1));
+        held.yields += 1;
+        self.held = Some(held);
         cx.waker().wake_by_ref();
         Poll::Pending
     }
 
-    /// The next poll of the engine's body while a tail is held ([`Relay::hold`]).
+    /// Whether an SSE frame ends its stream or nearly (then what follows is held longer:
+    /// [`Held::tail`]); `terminal` for a Responses stream, whose terminal event may be split
+    /// between frames.
+    fn ends_near(&self, data: &[u8], terminal: bool) -> bool {
+        if self.responses {
+            terminal || responses::ends_here(data)
+        } else {
+            ends_soon(data)
+        }
+    }
+
+    /// The next poll of the engine's body while bytes are held ([`Relay::hold`]).
     fn held_frame(
         &mut self,
         polled: Poll<Option<Result<Frame<Bytes>, hyper::Error>>>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
-        let Some((mut held, yields)) = self.held.take() else { return Poll::Pending };
+        let Some(mut held) = self.held.take() else { return Poll::Pending };
         match polled {
             // Nothing yet: hyper's connection task may not have handed over what it has
             // read; a few more turns, then it goes out (the engine's body has registered
             // this task's waker for what comes later).
-            Poll::Pending => self.hold(held, yields, cx),
+            Poll::Pending => self.hold(held, cx),
             Poll::Ready(None) if !self.done.whole() => {
-                self.held = Some((held, yields));
+                self.held = Some(held);
                 self.cut()
             }
             Poll::Ready(None) => {
                 // `is_end_stream` is now true: hyper writes the held data and the end of
                 // the chunked body in one write.
                 self.ended(true);
-                Poll::Ready(Some(Ok(Frame::data(held.freeze()))))
+                Poll::Ready(Some(Ok(Frame::data(held.data.freeze()))))
             }
             Poll::Ready(Some(Err(_))) => {
-                self.held = Some((held, yields));
+                self.held = Some(held);
                 self.cut()
             }
             Poll::Ready(Some(Ok(frame))) => {
+                let (was_whole, was_ending) = (self.done.whole(), self.done.ending());
                 self.received(&frame);
                 let Some(data) = frame.data_ref() else {
                     // Trailers: they follow what is held.
                     self.after_held = Some(frame);
-                    return Poll::Ready(Some(Ok(Frame::data(held.freeze()))));
+                    return Poll::Ready(Some(Ok(Frame::data(held.data.freeze()))));
                 };
-                held.extend_from_slice(data);
+                held.data.extend_from_slice(data);
                 if self.done.whole() && self.inner.as_ref().is_some_and(Body::is_end_stream) {
                     self.ended(true);
-                    return Poll::Ready(Some(Ok(Frame::data(held.freeze()))));
+                    return Poll::Ready(Some(Ok(Frame::data(held.data.freeze()))));
                 }
-                self.hold(held, yields, cx)
+                if !held.tail {
+                    // Gathering: more came, so more may be waiting; from the stream's end
+                    // on, the tail's longer hold.
+                    let terminal =
+                        was_ending || self.done.ending() || was_whole != self.done.whole();
+                    held.tail = self.ends_near(data, terminal);
+                    held.yields = 0;
+                }
+                self.hold(held, cx)
             }
         }
     }
@@ -4006,7 +4042,7 @@ impl Relay {
                 format!("{gap}data: {event}\n\n")
             };
             // Complete events held back go out first, with the error event.
-            let mut out = self.held.take().map(|(held, _)| held).unwrap_or_default();
+            let mut out = self.held.take().map(|held| held.data).unwrap_or_default();
             out.extend_from_slice(text.as_bytes());
             return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
         }
@@ -4044,9 +4080,10 @@ impl Body for Relay {
             return Poll::Ready(Some(Err(Cut("the engine's answer was cut off"))));
         }
         let Some(inner) = this.inner.as_mut() else { return Poll::Ready(None) };
-        let polled = match this.first_frame.take() {
-            Some(frame) => Poll::Ready(Some(Ok(frame))),
-            None => Pin::new(inner).poll_frame(cx),
+        // The frame read before the answer's head goes out with the head, not gathered.
+        let (polled, gather) = match this.first_frame.take() {
+            Some(frame) => (Poll::Ready(Some(Ok(frame))), false),
+            None => (Pin::new(inner).poll_frame(cx), true),
         };
         if this.held.is_some() {
             return this.held_frame(polled, cx);
@@ -4079,15 +4116,12 @@ impl Body for Relay {
                 let terminal = was_ending || this.done.ending() || was_whole != this.done.whole();
                 if this.done.whole() && this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
-                } else if let Some(data) = frame.data_ref().filter(|d| {
-                    this.sse
-                        && if this.responses {
-                            terminal || responses::ends_here(d)
-                        } else {
-                            ends_soon(d)
-                        }
-                }) {
-                    return this.hold(bytes::BytesMut::from(&data[..]), 0, cx);
+                } else if let Some(data) = frame.data_ref().filter(|_| this.sse) {
+                    let tail = this.ends_near(data, terminal);
+                    if tail || gather {
+                        let data = bytes::BytesMut::from(&data[..]);
+                        return this.hold(Held { data, yields: 0, tail }, cx);
+                    }
                 }
                 Poll::Ready(Some(Ok(frame)))
             }

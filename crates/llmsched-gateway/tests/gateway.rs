@@ -594,6 +594,68 @@ fn an_event_stream_ended_by_the_connection_closing_needs_its_done() {
     assert_eq!(counters.truncated.total(), 0);
 }
 
+/// The data of each chunk of a chunked body, in order (None: not a whole chunked body).
+fn chunks(body: &[u8]) -> Option<Vec<&[u8]>> {
+    let mut found = Vec::new();
+    let mut rest = body;
+    loop {
+        let line = rest.windows(2).position(|w| w == b"\r\n")?;
+        let size = usize::from_str_radix(std::str::from_utf8(&rest[..line]).ok()?, 16).ok()?;
+        rest = &rest[line + 2..];
+        if size == 0 {
+            return (rest == b"\r\n").then_some(found);
+        }
+        found.push(rest.get(..size)?);
+        rest = rest.get(size..)?.strip_prefix(b"\r\n")?;
+    }
+}
+
+#[test]
+fn events_read_together_leave_together_whole_and_in_order() {
+    // The engine writes four events, `[DONE]` and the body's end at once, a chunk each; hyper's
+    // client hands them to the relay a frame at a time. The relay gathers what was read
+    // together (`GATHER_YIELDS`), so the client gets the first event with the answer's head and
+    // the rest in one write (one chunk), none lost, repeated or reordered. The gateway runs on
+    // one current-thread runtime, as `llmsched serve` runs it, so the turns are deterministic.
+    let mut answer = String::from(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n",
+    );
+    let mut events: Vec<String> = (0..4)
+        .map(|i| format!("data: {{\"choices\":[{{\"index\":0,\"text\":\" t{i}\",\"finish_reason\":null}}]}}\n\n"))
+        .collect();
+    events.push("data: [DONE]\n\n".into());
+    for event in &events {
+        answer.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+    }
+    answer.push_str("0\r\n\r\n");
+    let engine = scripted_engine(Box::leak(answer.into_boxed_str()).as_bytes());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let handle = start(local(), config(vec![engine], "round-robin")).await.unwrap();
+            tx.send((handle.addr, handle.counters)).unwrap();
+            std::future::pending::<()>().await
+        });
+    });
+    let (addr, counters) = rx.recv().unwrap();
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200);
+    let body = chunks(raw.body()).expect("a complete chunked answer");
+    let sent: Vec<&[u8]> = events.iter().map(|e| e.as_bytes()).collect();
+    assert_eq!(body.concat(), sent.concat(), "every event once, in order");
+    assert_eq!(
+        body.len(),
+        2,
+        "{:?}",
+        body.iter().map(|c| String::from_utf8_lossy(c)).collect::<Vec<_>>()
+    );
+    assert_eq!(body[0], sent[0], "the first event goes out with the head");
+    assert_eq!(reaches(1, || counters.completed.load(Ordering::Relaxed)), 1);
+    assert_eq!(counters.truncated.total(), 0);
+}
+
 #[test]
 fn a_content_length_beside_transfer_encoding_is_not_passed_on() {
     // Chunked wins (RFC 9112 6.3); the Content-Length passed on would cut the answer short.
