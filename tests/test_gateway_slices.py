@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _gateway_harness import MODEL, Rig, plane, rig, run  # noqa: F401 (the fixture)
+from _gateway_harness import MODEL, Rig, plane, rig, run, until  # noqa: F401 (the fixture)
 
 from llmsched.testing.openai_engine import OUTPUT_ID_BASE, FakeOpenAIEngine
 
@@ -215,6 +215,54 @@ def test_a_client_leaving_mid_slice_cancels_the_engine_call() -> None:
             while len(r.gateway.slice_tracker):
                 await asyncio.sleep(0.01)
             assert len(engine.received) < 3
+
+    run(body())
+
+
+@pytest.mark.parametrize("stop", [None, ["zz"]], ids=["no_stop", "stop"])
+def test_a_sliced_stream_sends_each_chunk_before_its_slice_ends(stop: list[str] | None) -> None:
+    """The first slice's engine call sends its first token and then goes silent (mode
+    ``"hang"``): the client gets that token's text while the call is still open (the Python
+    plane wrote a slice's chunks only once its call ended: none would come). With stop
+    strings the assembler holds back only the text's last (longest stop - 1) characters, one
+    for ``"zz"``. Then the client leaves: the call is dropped, no further slice is called, the
+    request counts as client_gone once."""
+
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            engine = r.engines[0]
+            engine.mode = "hang"
+            request: dict[str, Any] = {
+                "model": MODEL,
+                "prompt": [1, 2, 3],
+                "max_tokens": 12,
+                "stream": True,
+            }
+            if stop is not None:
+                request["stop"] = stop
+            response = await r.client.post(r.url("/v1/completions"), json=request)
+            assert response.status == 200
+            data = b""
+            while b"\n\n" not in data:
+                piece = await asyncio.wait_for(response.content.readany(), 10)
+                assert piece, data  # the stream must not end
+                data += piece
+            event = data.decode().split("\n\n")[0]
+            chunk = json.loads(event.removeprefix("data: "))
+            assert chunk["choices"][0]["text"] == (" t0" if stop is None else " t")
+            assert chunk["choices"][0]["finish_reason"] is None
+            # The first slice's call is still in flight: its engine sent one event of four
+            # and holds the connection open.
+            assert len(engine.received) == 1 and not engine.disconnected.is_set()
+            assert b"[DONE]" not in engine.sent[0]
+            response.close()
+            await asyncio.wait_for(engine.disconnected.wait(), 5)
+            tracker = r.gateway.slice_tracker
+            assert tracker is not None
+            await until(lambda: len(tracker) == 0)
+            gone = {"route": "completions", "status": "client_gone"}
+            await until(lambda: r.metric("llmsched_gateway_requests_total", **gone) == 1)
+            assert len(engine.received) == 1
 
     run(body())
 

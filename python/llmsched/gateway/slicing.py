@@ -4,9 +4,11 @@ A request is cut with :class:`~llmsched.SliceAssembler` (continuation = prompt p
 generated so far) and budgeted by a :class:`~llmsched.SliceTracker`. Each slice is routed
 afresh by the router (the engine holding the conversation's KV usually wins on its prefix),
 streamed from the engine, and stitched back into one response: a single JSON answer, or one SSE
-stream when the client asked for ``stream``. At each boundary the tracker decides whether the
-request continues, yields (its flow-control slot goes back and the continuation queues again at
-the decided priority) or migrates.
+stream when the client asked for ``stream``, whose chunks go out as the assembler releases
+them (as each engine chunk comes; with stop strings, less the text's last longest-stop-minus-one
+characters, held until a stop string straddling them is ruled out). At each boundary
+the tracker decides whether the request continues, yields (its flow-control slot goes back and
+the continuation queues again at the decided priority) or migrates.
 
 Not covered: retries within a sliced request (a failed slice ends it with 502, or, once the
 stream started, with an SSE error event and a stream closed without ``[DONE]``), and requests
@@ -103,11 +105,14 @@ class SlicedRequest:
         """The request's deadline (monotonic seconds; None: none), applied to every slice."""
         self.endpoints: list[str] = []
         """The engine of every slice, in order."""
+        self._request: web.Request | None = None
+        self._response: web.StreamResponse | None = None
+        """The client's SSE response, prepared with the first chunk released (a streamed
+        answer)."""
 
     async def run(self, request: web.Request) -> web.StreamResponse:
         """Runs every slice; returns the response sent to the client."""
-        stream = self.stream
-        response: web.StreamResponse | None = None
+        self._request = request
         try:
             slice_tokens = 0
             first = True
@@ -134,40 +139,34 @@ class SlicedRequest:
                         start = self.tracker.resume(self.request_id, endpoint=endpoint)
                         body = self.asm.next_request(start.slice_tokens)
                     self.endpoints.append(endpoint)
-                    chunks = await self._call(endpoint, body, placement)
+                    await self._call(endpoint, body, placement)
                 self.gateway.metrics.slices.inc()
-                if stream:
-                    if response is None:
-                        response = web.StreamResponse(
-                            headers={"Content-Type": "text/event-stream; charset=utf-8"}
-                        )
-                        await response.prepare(request)
-                    for chunk in chunks:
-                        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 left = self.tracker.record_tokens(self.request_id, self.asm.last_slice_tokens)
                 if self.asm.done:
                     break
                 # A call the assembler cut short (at min_tokens) is no boundary: the rest of
                 # the tracker's slice follows without a decision.
                 slice_tokens = left if left > 0 else await self._boundary()
-            if response is None:
+            if not self.stream:
                 return web.json_response(self.asm.response())
-            await response.write(b"data: [DONE]\n\n")
+            response = await self._stream_response()
+            await self._write(response, b"data: [DONE]\n\n")
             await response.write_eof()
             return response
         except SliceFailed as failed:
             self.gateway.metrics.upstream_errors.labels(
                 self.endpoints[-1] if self.endpoints else "none", "slice"
             ).inc()
-            if response is None:
+            started = self._response
+            if started is None:
                 return self.gateway.refuse(
                     self.route, _upstream_refusal(f"a slice failed: {failed}")
                 )
             # Part of the stream went out: the client must not take it for a whole answer.
             await self.gateway.abort_response(
-                request, response, self.endpoints[-1] if self.endpoints else "none", sse=True
+                request, started, self.endpoints[-1] if self.endpoints else "none", sse=True
             )
-            return response
+            return started
         finally:
             self.tracker.remove(self.request_id)
 
@@ -223,15 +222,13 @@ class SlicedRequest:
             args["text"] = prompt
         return args
 
-    async def _call(
-        self, endpoint: str, body: dict[str, Any], placement: Placement
-    ) -> list[dict[str, Any]]:
-        """One slice's engine call, streamed into the assembler; returns the user chunks."""
+    async def _call(self, endpoint: str, body: dict[str, Any], placement: Placement) -> None:
+        """One slice's engine call, streamed into the assembler; the user chunks it releases go
+        to a streamed answer as they come."""
         session = self.gateway.upstream_session()
         url = self.gateway.upstream_url(endpoint, self.route)
         if url is None:
             raise SliceFailed(f"engine {endpoint} was removed by discovery")
-        chunks: list[dict[str, Any]] = []
         try:
             deadline = self.deadline
             timeout = None if deadline is None else self.gateway.upstream_timeout(deadline)
@@ -246,17 +243,48 @@ class SlicedRequest:
                         first = False
                     buffered += data
                     *events, buffered = buffered.split(b"\n\n")
+                    chunks: list[dict[str, Any]] = []
                     for event in events:
                         chunks.extend(self._feed(event))
-                if buffered.strip():
-                    chunks.extend(self._feed(buffered))
+                    await self._pass_on(chunks)
+                tail = self._feed(buffered) if buffered.strip() else []
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise SliceFailed(type(exc).__name__) from None
         try:
-            chunks.extend(self.asm.end_slice())
+            tail.extend(self.asm.end_slice())
         except SliceStateError as exc:  # a stream the assembler cannot continue from
             raise SliceFailed(str(exc)) from None
-        return chunks
+        await self._pass_on(tail)
+
+    async def _pass_on(self, chunks: list[dict[str, Any]]) -> None:
+        """Writes released user chunks to a streamed answer (nothing for a JSON answer)."""
+        if not self.stream or not chunks:
+            return
+        response = await self._stream_response()
+        events = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks)
+        await self._write(response, events)
+
+    async def _stream_response(self) -> web.StreamResponse:
+        """The client's SSE response, prepared on first use."""
+        if self._response is None:
+            assert self._request is not None
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream; charset=utf-8"}
+            )
+            await response.prepare(self._request)
+            self._response = response
+        return self._response
+
+    @staticmethod
+    async def _write(response: web.StreamResponse, data: bytes) -> None:
+        """Writes to the client. A client gone ends the request as the cancellation of its
+        handler does (``handler_cancellation``), whichever comes first: the engine call in
+        flight is dropped and the request counted ``client_gone`` once. (The write's error
+        must not pass for the engine's: aiohttp's reset error is a ``ClientError`` too.)"""
+        try:
+            await response.write(data)
+        except ConnectionError:
+            raise asyncio.CancelledError from None
 
     def _feed(self, event: bytes) -> list[dict[str, Any]]:
         for line in event.splitlines():
