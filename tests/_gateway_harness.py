@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,18 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+RUN_TIMEOUT_S = 30.0
+
+
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Runs one test coroutine on a fresh event loop."""
-    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+    """Runs one test coroutine on a fresh event loop, failing it after
+    :data:`RUN_TIMEOUT_S` (also when the cancellation at the timeout was swallowed and the
+    coroutine returned: that is a hang too)."""
+    start = time.monotonic()
+    result = asyncio.run(asyncio.wait_for(coro, timeout=RUN_TIMEOUT_S))
+    elapsed = time.monotonic() - start
+    assert elapsed < RUN_TIMEOUT_S, f"the test hung for {elapsed:.1f} s and then ended"
+    return result
 
 
 @contextlib.asynccontextmanager

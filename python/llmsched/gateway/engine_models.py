@@ -48,7 +48,6 @@ tried again after 1, 2, 4, ... seconds (at most 60).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -60,6 +59,7 @@ from typing import Literal
 
 import aiohttp
 
+from llmsched.gateway.wake import wait_woken
 from llmsched.integrations import EngineSpec
 from llmsched.integrations.metrics import read_capped
 
@@ -322,8 +322,7 @@ class EngineModelCheck:
                     continue
                 wait = min((e.due for e in self._engines.values()), default=math.inf) - now
                 self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), min(wait, 3600.0))
+                await wait_woken(self._wake, min(wait, 3600.0))
 
     def _retry_later(self, engine: _Engine) -> None:
         """An engine that could not be asked: again after 1, 2, 4 ... 60 s."""

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from llmsched.gateway.config import HealthConfig
 from llmsched.gateway.metrics import GatewayMetrics
+from llmsched.gateway.wake import wait_woken
 
 __all__ = ["FAILURE_KINDS", "EngineHealth"]
 
@@ -332,8 +333,7 @@ class EngineHealth:
                     else:
                         earliest = min(earliest, engine.next_probe)
                 self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(earliest - now, 0.001))
+                await wait_woken(self._wake, max(earliest - now, 0.001))
         finally:
             for task in list(self._tasks):
                 task.cancel()
