@@ -1,4 +1,4 @@
-"""Probe 59's findings on the gateway's observability surface (``/metrics`` and the admin
+"""The gateway's observability surface (``/metrics`` and the admin
 API), on both data planes: every scrape parsed by ``prometheus_client``'s own parser."""
 
 from __future__ import annotations

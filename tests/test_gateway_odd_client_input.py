@@ -1,4 +1,4 @@
-"""Client input from probe 44 answered alike on both data planes, never with a 5xx: tool-call
+"""Odd client input answered alike on both data planes, never with a 5xx: tool-call
 arguments that do not decode, request bodies with a Content-Encoding, malformed admin entries,
 unknown paths and methods, priorities that are not ASCII integers, and NaN / Infinity."""
 

@@ -1,5 +1,5 @@
-"""Probe 51's findings on the gateway (P/D disaggregation, API keys, stream completeness, the
-config loader), on both data planes where they apply."""
+"""P/D disaggregation on the gateway: a failing decode engine never sends the request to a
+prefill-only engine, on both data planes."""
 
 from __future__ import annotations
 

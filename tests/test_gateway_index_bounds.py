@@ -1,4 +1,4 @@
-"""Probe 48's findings on the gateway: its prefix index is bounded (F4: an engine, or any peer
+"""The gateway's prefix index is bounded (F4: an engine, or any peer
 of a bound ``kv_events`` port, storing blocks without removing them grew the gateway without
 end), by ``index.max_bytes`` (1 GiB unless set) and ``index.worker_capacity`` (the router
 config's ``lruCapacityPerServer`` unless set, which ``llmsched serve`` used to ignore)."""

@@ -1,4 +1,4 @@
-"""Probe 49's finding on the gateway (F14): an engine's ``usage.completion_tokens`` is charged to
+"""An engine's ``usage.completion_tokens`` is charged to
 flow control when the answer ends. A count beyond 64 bits signed was refused by the flow
 controller after the Python plane had marked the slot released, so each such answer leaked a
 flow-control slot for good (with ``max_requests: 1``, the next request waited forever); the

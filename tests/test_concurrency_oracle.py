@@ -1,4 +1,4 @@
-"""Probe 53: concurrency claims checked with threads against an oracle.
+"""Concurrency claims checked with threads against an oracle.
 
 Each test joins its threads with a timeout, so a deadlock fails rather than hangs the suite.
 """

@@ -1,4 +1,4 @@
-"""What probe 45 found engines could do to the gateway, answered alike on both data planes:
+"""What engines can do to the gateway, answered alike on both data planes:
 odd ``/metrics`` values (infinities, counts past 32 bits) that ended the Python plane's
 scraping, a ``/metrics`` body longer than one read or endless, and the first requests after
 start refused before the first scrape."""

@@ -1,4 +1,4 @@
-"""Probe 47's findings on the gateway, each on the planes it concerns: a client that does not
+"""The gateway's limits and life cycle, each on the planes it concerns: a client that does not
 read its answer is cut (F9), a stop never waits for one forever (F10), the request's deadline
 passing before the engine's first byte is its 504 (F11), connections over the cap get their
 503 (F3), a failed start leaves nothing behind (F7), and the discovery watcher outlives any

@@ -1,4 +1,4 @@
-"""Probe 55's findings on the gateway's HTTP/1.1 handling (client and engine legs), on both
+"""The gateway's HTTP/1.1 handling (client and engine legs), on both
 data planes."""
 
 from __future__ import annotations
