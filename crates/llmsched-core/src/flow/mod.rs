@@ -462,11 +462,7 @@ impl<P> FlowController<P> {
         output_tokens: u64,
         now: f64,
     ) -> Result<(), FlowError> {
-        let now = check_time("now", now)?;
-        let slot = self.running_slot(id)?;
-        let now = self.advance(now);
-        self.charge_output(slot, output_tokens, now);
-        Ok(())
+        self.record_output_for(id, None, output_tokens, now).map(|_| ())
     }
 
     /// [`record_output`](Self::record_output), only when the running request `id` was
@@ -481,11 +477,20 @@ impl<P> FlowController<P> {
         output_tokens: u64,
         now: f64,
     ) -> Result<bool, FlowError> {
+        self.record_output_for(id, Some(ticket), output_tokens, now)
+    }
+
+    fn record_output_for(
+        &mut self,
+        id: RequestId,
+        ticket: Option<u64>,
+        output_tokens: u64,
+        now: f64,
+    ) -> Result<bool, FlowError> {
         let now = check_time("now", now)?;
-        let slot = self.running_slot(id)?;
-        if self.slab.get(slot).ticket != Some(ticket) {
+        let Some(slot) = self.running_slot_for(id, ticket)? else {
             return Ok(false);
-        }
+        };
         let now = self.advance(now);
         self.charge_output(slot, output_tokens, now);
         Ok(true)
@@ -498,10 +503,7 @@ impl<P> FlowController<P> {
         output_tokens: u64,
         now: f64,
     ) -> Result<(), FlowError> {
-        let now = check_time("now", now)?;
-        let slot = self.running_slot(id)?;
-        self.complete_slot(slot, output_tokens, now);
-        Ok(())
+        self.complete_for(id, None, output_tokens, now).map(|_| ())
     }
 
     /// [`complete`](Self::complete), only when the running request `id` was enqueued with
@@ -516,13 +518,34 @@ impl<P> FlowController<P> {
         output_tokens: u64,
         now: f64,
     ) -> Result<bool, FlowError> {
+        self.complete_for(id, Some(ticket), output_tokens, now)
+    }
+
+    fn complete_for(
+        &mut self,
+        id: RequestId,
+        ticket: Option<u64>,
+        output_tokens: u64,
+        now: f64,
+    ) -> Result<bool, FlowError> {
         let now = check_time("now", now)?;
-        let slot = self.running_slot(id)?;
-        if self.slab.get(slot).ticket != Some(ticket) {
+        let Some(slot) = self.running_slot_for(id, ticket)? else {
             return Ok(false);
-        }
+        };
         self.complete_slot(slot, output_tokens, now);
         Ok(true)
+    }
+
+    /// The slot of running request `id`; `None` when `ticket` is given and `id` runs for
+    /// another enqueue (a stale handle). An id not running is [`FlowError::UnknownRequest`].
+    fn running_slot_for(
+        &self,
+        id: RequestId,
+        ticket: Option<u64>,
+    ) -> Result<Option<u32>, FlowError> {
+        let slot = self.running_slot(id)?;
+        let current = ticket.is_none() || self.slab.get(slot).ticket == ticket;
+        Ok(current.then_some(slot))
     }
 
     fn complete_slot(&mut self, slot: u32, output_tokens: u64, now: f64) {
