@@ -1,5 +1,6 @@
 """The short form of ``bench_peers_index.py``: the small size cut to 4,000 sequences to keep
 ``make bench`` short, llmsched beside Dynamo and the twin.
+
 Runs with ``make bench`` (timing enabled) and prints the figures; it fails only when the three
 indexes disagree on some query's per-worker depths, never on timing. Skipped, saying why, when
 ``ai-dynamo-runtime`` cannot be installed: ``make bench-peers`` runs both sizes.
