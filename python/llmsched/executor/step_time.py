@@ -21,6 +21,13 @@ fixed at 0 and the rest refitted, the most negative first, until none is. Fit er
 relative error of the fitted model on the samples (median, mean, max), reported beside the
 error of the three-term linear model fitted the same way.
 
+The samples must determine the three terms every step uses (``b0``, ``prefill_tokens``,
+``decode_tokens``): each must vary independently of the other terms over the samples, else the
+least-squares split between them is arbitrary (ten decode steps of one batch size fitted
+to 2% gave a batch of 64 sixteen times the measured step, and a prefill nearly free) and the
+fit raises ConfigError naming them. The other four may be left undetermined (e.g. no step on
+an idle engine was timed): their least-squares split is kept as it comes.
+
 >>> samples = [StepSample(p, d, p * p, d * (p + 9), 1e-3 + 2e-6 * p + 5e-6 * d)
 ...            for p, d in [(0, 1), (0, 8), (16, 0), (64, 0), (256, 0), (0, 32), (32, 4)]]
 >>> profile = StepTimeProfile.fit(samples)
@@ -144,6 +151,27 @@ class FitError:
         return cls(float(np.median(rel)), float(rel.mean()), float(rel.max()))
 
 
+# Terms the samples must determine: every step's time uses them.
+_REQUIRED = TERMS[:3]
+
+
+def _undetermined(x: np.ndarray) -> list[str]:
+    """The terms whose coefficient the rows of ``x`` leave free: those with a component in the
+    null space of the design matrix, its columns scaled to a largest entry of 1 (dividing each
+    row by its time, as the fit does, changes neither)."""
+    scale = np.abs(x).max(axis=0)
+    used = scale > 0
+    free = {i for i in range(x.shape[1]) if not used[i]}
+    cols = np.flatnonzero(used)
+    if len(cols):
+        _, sv, vt = np.linalg.svd(x[:, cols] / scale[cols], full_matrices=True)
+        rank = int(np.sum(sv > sv[0] * 1e-9))
+        null = vt[rank:]
+        if len(null):
+            free |= {int(cols[j]) for j in np.flatnonzero(np.abs(null).max(axis=0) > 1e-6)}
+    return [TERMS[i] for i in sorted(free)]
+
+
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares on relative error, ``min sum(((x @ c) - y) / y)^2`` with ``c >= 0``: a
     negative coefficient is fixed at 0 (the most negative first) and the rest refitted."""
@@ -189,6 +217,15 @@ class StepTimeProfile:
                 )
         x = np.array([s.features() for s in samples])
         y = np.array([float(s.seconds) for s in samples])
+        missing = [t for t in _undetermined(x) if t in _REQUIRED]
+        if missing:
+            shapes = len({tuple(s.features()) for s in samples})
+            raise ConfigError(
+                f"the {len(samples)} samples ({shapes} distinct step shapes) do not determine "
+                f"{', '.join(missing)}: a fit would split their cost arbitrarily and extrapolate "
+                "wildly; time decode steps of two or more batch sizes and prefill steps of two "
+                "or more lengths (and steps without prefill beside steps with it)"
+            )
         coef = _nonnegative_fit(x, y)
         linear = _nonnegative_fit(x[:, :3], y)
         return cls(
