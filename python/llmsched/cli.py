@@ -220,6 +220,11 @@ def _calibrate_engine(args: argparse.Namespace) -> int:
     kv = f", {profile.kv_tokens} KV tokens" if profile.kv_tokens is not None else ""
     where = ", ".join(urls)
     print(f"wrote {args.out}: {len(profile.samples)} grid points timed on {where}{kv}")
+    if profile.kv_tokens is None:
+        print(
+            "  no KV capacity: the engine exports no readable vllm:cache_config_info; "
+            "give the simulator engine.kv_tokens"
+        )
     _print_fit(profile)
     return 0
 
