@@ -48,7 +48,7 @@ import yaml
 
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
-from llmsched.sim.stepmodel import CALIBRATE_TERMS
+from llmsched.sim.stepmodel import CALIBRATE_TERMS, coefficient_seconds, kv_capacity
 from llmsched.validation import is_finite_number
 
 __all__ = ["FitError", "StepSample", "StepTimeProfile"]
@@ -280,7 +280,9 @@ class StepTimeProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> StepTimeProfile:
-        """Read a profile written by :meth:`save`; raises ConfigError naming what is wrong."""
+        """Read a profile written by :meth:`save`; raises ConfigError naming what is wrong
+        (coefficients must be finite numbers >= 0, as :meth:`fit` writes them, and
+        ``kv_tokens`` a positive int)."""
         data = load_mapping(Path(path), what="step-time profile")
         if data.get("kind") != PROFILE_KIND:
             raise ConfigError(f"{path}: not a {PROFILE_KIND} document")
@@ -293,13 +295,24 @@ class StepTimeProfile:
         ):
             raise ConfigError(f"{path}: coefficients must name exactly {list(TERMS)}")
         try:
+            values = {t: coefficient_seconds(t, coefficients.get(t, 0.0)) for t in TERMS}
+            kv_tokens = kv_capacity(data.get("kv_tokens"))
+            meta = data.get("meta") or {}
+            if not isinstance(meta, dict):
+                raise ConfigError(f"meta must be a mapping, got {meta!r:.100}")
+            samples = [StepSample(**s) for s in data.get("samples", [])]
+            for i, sample in enumerate(samples):
+                if not is_finite_number(sample.seconds) or not sample.seconds > 0:
+                    raise ConfigError(f"sample {i} has seconds {sample.seconds!r}")
             return cls(
-                coefficients={t: float(coefficients.get(t, 0.0)) for t in TERMS},
+                coefficients=values,
                 error=FitError(**data["fit_error"]),
                 linear_error=FitError(**data["linear_fit_error"]),
-                samples=[StepSample(**s) for s in data.get("samples", [])],
-                meta=dict(data.get("meta") or {}),
-                kv_tokens=None if data.get("kv_tokens") is None else int(data["kv_tokens"]),
+                samples=samples,
+                meta=dict(meta),
+                kv_tokens=kv_tokens,
             )
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed profile: {exc}") from None
