@@ -223,8 +223,8 @@ class StepTimeProfile:
             raise ConfigError(
                 f"the {len(samples)} samples ({shapes} distinct step shapes) do not determine "
                 f"{', '.join(missing)}: a fit would split their cost arbitrarily and extrapolate "
-                "wildly; time decode steps of two or more batch sizes and prefill steps of two "
-                "or more lengths (and steps without prefill beside steps with it)"
+                "wildly; time decode steps of two or more batch sizes and contexts, and prefill "
+                "steps of three or more lengths (and steps without prefill beside steps with it)"
             )
         coef = _nonnegative_fit(x, y)
         linear = _nonnegative_fit(x[:, :3], y)
