@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import operator
 import random
 import statistics
 import threading
@@ -68,6 +69,8 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
+
+import numpy as np
 
 from llmsched.errors import ConfigError
 from llmsched.executor.step_time import StepSample, StepTimeProfile
@@ -110,6 +113,16 @@ class GridPoint:
     paced: bool = False
 
 
+def _grid_int(name: str, value: object) -> int:
+    """``value`` as an int (numpy's too), not a bool; ConfigError naming ``name`` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ConfigError(f"calibration grid: {name} must hold ints, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineGrid:
     """The prompt lengths (prefill), batch sizes and contexts (decode) to time.
@@ -130,6 +143,17 @@ class EngineGrid:
     prefill_batches: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
+        # 16.5 tokens, True or "16" failed only once timing had started (range(16.5), an
+        # engine refusing max_tokens 4.5), a bare TypeError at best.
+        for name in ("prompt_lens", "batch_sizes", "context_lens", "prefill_batches"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+                raise ConfigError(
+                    f"calibration grid: {name} must be a tuple of ints, got {value!r}"
+                )
+            object.__setattr__(self, name, tuple(_grid_int(name, v) for v in value))
+        for name in ("repeats", "decode_tokens"):
+            object.__setattr__(self, name, _grid_int(name, getattr(self, name)))
         if not self.prompt_lens or not self.batch_sizes or not self.context_lens:
             raise ConfigError("calibration grid: prompt lengths, batch sizes and contexts needed")
         values = (*self.prompt_lens, *self.batch_sizes, *self.context_lens, self.repeats)
