@@ -5,6 +5,7 @@ capacity read from ``vllm:cache_config_info`` as vLLM writes it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Callable
@@ -13,7 +14,8 @@ import pytest
 from aiohttp import web
 
 from llmsched import cli
-from llmsched.calibrate import engine_info
+from llmsched.calibrate import engine_info, timed_batch, timed_completion
+from llmsched.errors import ConfigError
 from llmsched.testing import FakeHTTPEngine
 
 Answer = Callable[[], web.StreamResponse]
@@ -156,3 +158,32 @@ def test_a_grid_left_short_by_split_prefills_says_so(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "need at least 7 samples to fit, got 6" in err
     assert "6 batched prefill points were left out" in err
+
+
+def _endless_engine() -> FakeHTTPEngine:
+    """Answers every completion without end: a stream of keep-alive comments, an unstreamed
+    answer one byte at a time."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        reply = web.StreamResponse()
+        await reply.prepare(request)
+        while True:
+            await reply.write(b": keep-alive\n\n" if body.get("stream") else b" ")
+            await asyncio.sleep(0.02)
+
+    def setup(app: web.Application) -> None:
+        app.router.add_post("/v1/completions", completions)
+
+    return FakeHTTPEngine(setup=setup)
+
+
+@pytest.mark.timeout(60)
+def test_an_answer_that_never_ends_is_cut_off_at_the_timeout() -> None:
+    """Each part came within the socket's timeout, so the stream (and the unstreamed read)
+    went on for ever."""
+    with _endless_engine() as fake:
+        with pytest.raises(ConfigError, match=r"still streaming after 0\.5 s \(0 tokens"):
+            timed_completion(fake.url, "tiny", [1, 2, 3], 4, timeout_s=0.5)
+        with pytest.raises(ConfigError, match=r"POST /v1/completions still answering after 0\.5"):
+            timed_batch(fake.url, "tiny", [[1, 2, 3]], 1, timeout_s=0.5)

@@ -228,14 +228,24 @@ def _split(url: str) -> tuple[str, int, str]:
 def _request(
     url: str, method: str, path: str, body: object | None = None, timeout_s: float = 60.0
 ) -> tuple[int, bytes]:
+    """``method path`` on the engine: its status and body, all within ``timeout_s`` (an engine
+    that trickles its answer out is cut off at the deadline, not only one that goes quiet)."""
     host, port, base = _split(url)
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    deadline = time.perf_counter() + timeout_s
     try:
         payload = None if body is None else json.dumps(body)
         headers = {"content-type": "application/json"} if body is not None else {}
         conn.request(method, base + path, payload, headers)
         reply = conn.getresponse()
-        return reply.status, reply.read()
+        parts = []
+        while part := reply.read1(65536):
+            parts.append(part)
+            if time.perf_counter() > deadline:
+                raise ConfigError(
+                    f"engine {url}: {method} {path} still answering after {timeout_s:g} s"
+                )
+        return reply.status, b"".join(parts)
     except OSError as exc:
         raise ConfigError(f"engine {url} did not answer {method} {path}: {exc}") from None
     finally:
@@ -304,6 +314,13 @@ def timed_completion(
             )
         for raw in reply:
             now = time.perf_counter()
+            # A stream that never ends (keep-alive comments, a count that never grows) stops
+            # here; the socket's timeout only ends one that goes quiet.
+            if now - sent > timeout_s:
+                raise ConfigError(
+                    f"engine {url}: a completion of {max_tokens} tokens still streaming after "
+                    f"{timeout_s:g} s ({seen} tokens counted)"
+                )
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
