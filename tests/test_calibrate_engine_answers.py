@@ -33,8 +33,18 @@ def engine(
     chunk: Callable[[int], str] | None = None,
     batch: Answer | None = None,
     metrics: str = CACHE,
+    split_batches: bool = False,
 ) -> FakeHTTPEngine:
-    """An OpenAI-compatible engine on loopback; each given answer replaces a well-formed one."""
+    """An OpenAI-compatible engine on loopback; each given answer replaces a well-formed one.
+    ``split_batches``: its metrics count two steps with prefill for each request of several
+    prompts (vLLM's ``vllm:iteration_tokens_total``): it never takes them in one step."""
+    holder: list[FakeHTTPEngine] = []
+    steps = [0]
+
+    def count_steps() -> None:
+        holder[0].metrics_text = metrics + (
+            f'vllm:iteration_tokens_total_count{{engine="0"}} {steps[0]}\n'
+        )
 
     async def v1_models(_: web.Request) -> web.StreamResponse:
         if models is not None:
@@ -52,6 +62,9 @@ def engine(
         if not body.get("stream"):
             if batch is not None:
                 return batch()
+            if split_batches:
+                steps[0] += 2
+                count_steps()
             return web.json_response(
                 {"choices": [{"index": i} for i in range(len(body["prompt"]))]}
             )
@@ -69,7 +82,10 @@ def engine(
         app.router.add_post("/tokenize", v1_tokenize)
         app.router.add_post("/v1/completions", v1_completions)
 
-    return FakeHTTPEngine(metrics_text=metrics, setup=setup)
+    holder.append(FakeHTTPEngine(metrics_text=metrics, setup=setup))
+    if split_batches:
+        count_steps()
+    return holder[0]
 
 
 def text(body: str) -> Answer:
@@ -143,9 +159,7 @@ def _calibrate(fake: FakeHTTPEngine, out: str, prompt_lens: str) -> int:
 
 
 def test_an_engine_without_cache_info_is_said_to_give_no_kv_capacity(tmp_path, capsys) -> None:
-    """Its profile fits (the prompts alone and the decodes; this engine's decoding request
-    ends before a batched prefill is sent, so those are left out), and the command says the
-    simulator will need ``engine.kv_tokens``."""
+    """Its profile fits, and the command says the simulator will need ``engine.kv_tokens``."""
     with engine(metrics="") as fake:
         assert _calibrate(fake, str(tmp_path / "p.yaml"), "16,64,256") == 0
     out = capsys.readouterr().out
@@ -153,7 +167,7 @@ def test_an_engine_without_cache_info_is_said_to_give_no_kv_capacity(tmp_path, c
 
 
 def test_a_grid_left_short_by_split_prefills_says_so(tmp_path, capsys) -> None:
-    with engine() as fake:
+    with engine(split_batches=True) as fake:
         assert _calibrate(fake, str(tmp_path / "p.yaml"), "16,64") == 2
     err = capsys.readouterr().err
     assert "need at least 7 samples to fit, got 6" in err
