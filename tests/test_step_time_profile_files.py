@@ -101,3 +101,22 @@ def test_yaml_yes_is_not_a_coefficient(tmp_path) -> None:
         LinearStepModel(b0=1e-3, b1=0.0, b2=True)
     with pytest.raises(ConfigError, match="kv_tokens"):
         LinearStepModel(b0=1e-3, b1=0.0, b2=1e-4, kv_tokens=True)
+
+
+@pytest.mark.parametrize(("kv_tokens", "blocks"), [(10**12, 62_500_000_000), (8, 0)])
+def test_a_profile_capacity_no_replica_can_hold_is_named(
+    tmp_path, capsys, kv_tokens: int, blocks: int
+) -> None:
+    """An engine that overstates its cache gave a profile whose capacity reached the Rust
+    engine as "invalid value: integer `62500000000`, expected u32"."""
+    from llmsched import cli
+
+    path = _write(tmp_path, kv_tokens=kv_tokens)
+    scenario = tmp_path / "small.yaml"
+    scenario.write_text(
+        "base: shared-prefix\nreplicas: 2\npolicies: [round-robin]\nworkload: {num_requests: 8}\n"
+    )
+    argv = ["sim", "--step-model", str(path), "--config", str(scenario), "--quiet"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"the step model's kv_tokens = {kv_tokens} is {blocks} blocks of 16 tokens" in err
