@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
@@ -120,3 +121,38 @@ def test_a_profile_capacity_no_replica_can_hold_is_named(
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert f"the step model's kv_tokens = {kv_tokens} is {blocks} blocks of 16 tokens" in err
+
+
+def test_numpy_times_and_meta_fit_save_and_read_back(tmp_path) -> None:
+    """Times from numpy (``np.median`` of a timing array): a float32 was refused as "not a
+    finite positive time", a float64 fitted and then failed to save (yaml's RepresenterError),
+    as did numpy values in ``meta``."""
+    plain = _profile()
+    samples = [
+        StepSample(
+            s.prefill_tokens,
+            s.decode_tokens,
+            s.prefill_tokens_sq,
+            s.decode_context_tokens,
+            np.float32(s.seconds) if i % 2 else np.float64(s.seconds),  # type: ignore[arg-type]
+            s.prefill_requests,
+            s.after_idle,
+        )
+        for i, s in enumerate(plain.samples)
+    ]
+    assert all(type(s.seconds) is float for s in samples)
+    meta = {"gpu": np.str_("H100"), "threads": np.int64(4), "lens": np.array([16, 64])}
+    profile = StepTimeProfile.fit(samples, meta)
+    path = tmp_path / "profile.yaml"
+    profile.save(path)
+    loaded = StepTimeProfile.load(path)
+    assert loaded.samples == profile.samples
+    assert loaded.meta == {"gpu": "H100", "threads": 4, "lens": [16, 64]}
+    assert loaded.coefficients == profile.coefficients
+
+
+def test_meta_yaml_cannot_write_is_named(tmp_path) -> None:
+    profile = _profile()
+    profile.meta["when"] = object()
+    with pytest.raises(ConfigError, match="meta cannot be written as YAML"):
+        profile.save(tmp_path / "profile.yaml")

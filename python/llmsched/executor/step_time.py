@@ -105,6 +105,11 @@ class StepSample:
     def __post_init__(self) -> None:
         for name in _COUNTS:
             object.__setattr__(self, name, _count(name, getattr(self, name)))
+        seconds = self.seconds
+        # numpy's floats (what np.median of a timing array gives): a float32 was refused as
+        # "not a finite positive time", a float64 fitted and then failed to save as YAML.
+        if isinstance(seconds, (np.floating, np.integer)):
+            object.__setattr__(self, "seconds", float(seconds))
         idle = self.after_idle
         # "yes" or None failed only when fitted; 2 was fitted as two idle starts.
         if not isinstance(idle, (bool, np.bool_)) and _index(idle) not in (0, 1):
@@ -188,6 +193,20 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays (at any depth of dicts, lists and tuples) turned
+    into the Python values they hold."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
 @dataclass
 class StepTimeProfile:
     """Fitted coefficients (seconds per term), fit errors and the context they came from."""
@@ -261,12 +280,13 @@ class StepTimeProfile:
         return float(sum(self.coefficients[t] * f for t, f in zip(TERMS, features, strict=True)))
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML document as plain data."""
+        """The YAML document as plain data (numpy values in ``meta`` as the numbers, strings
+        and lists they hold)."""
         return {
             "kind": PROFILE_KIND,
             "version": PROFILE_VERSION,
             **({"kv_tokens": self.kv_tokens} if self.kv_tokens is not None else {}),
-            "meta": self.meta,
+            "meta": _plain(self.meta),
             "terms": list(TERMS),
             "coefficients": self.coefficients,
             "fit_error": asdict(self.error),
@@ -275,8 +295,14 @@ class StepTimeProfile:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write the profile as YAML."""
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Write the profile as YAML; ConfigError when ``meta`` holds what YAML cannot write."""
+        try:
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                f"{path}: the profile's meta cannot be written as YAML: {exc}"
+            ) from None
+        Path(path).write_text(text)
 
     @classmethod
     def load(cls, path: str | Path) -> StepTimeProfile:
