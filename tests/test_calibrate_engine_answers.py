@@ -201,3 +201,19 @@ def test_an_answer_that_never_ends_is_cut_off_at_the_timeout() -> None:
             timed_completion(fake.url, "tiny", [1, 2, 3], 4, timeout_s=0.5)
         with pytest.raises(ConfigError, match=r"POST /v1/completions still answering after 0\.5"):
             timed_batch(fake.url, "tiny", [[1, 2, 3]], 1, timeout_s=0.5)
+
+
+@pytest.mark.parametrize(
+    "urls",
+    [
+        "http://127.0.0.1:{port},http://127.0.0.1:{port}/",
+        "http://LOCALHOST:{port},http://localhost:{port}",
+    ],
+)
+def test_one_engine_given_twice_is_refused(tmp_path, capsys, urls: str) -> None:
+    """It was timed against itself, each point sent to it twice at once: the fit was of its
+    steps under twice the load, pooled as if from two engines."""
+    with engine() as fake:
+        argv = ["calibrate", "--engine", urls.format(port=fake.port)]
+        assert cli.main([*argv, "--out", str(tmp_path / "p.yaml")]) == 2
+    assert "are the same engine" in capsys.readouterr().err
