@@ -674,13 +674,13 @@ def calibrate_engine(
     urls = [url] if isinstance(url, str) else list(url)
     if not urls:
         raise ConfigError("calibrate: no engine given")
-    seen: dict[tuple[str, int, str], str] = {}
+    named: dict[tuple[str, int, str], str] = {}
     for u in urls:
         # One engine given twice was timed against itself: its steps under twice the load.
         where = _split(u)
-        if where in seen:
-            raise ConfigError(f"calibrate: {u} and {seen[where]} are the same engine")
-        seen[where] = u
+        if where in named:
+            raise ConfigError(f"calibrate: {u} and {named[where]} are the same engine")
+        named[where] = u
     infos = [engine_info(u, model) for u in urls]
     info = infos[0]
     for u, other in zip(urls[1:], infos[1:], strict=True):
