@@ -175,12 +175,11 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     require("executor", "torch", feature="llmsched calibrate")
     import torch
 
-    from llmsched.executor.calibrate import CalibrationGrid, calibrate
+    from llmsched.executor.calibrate import CalibrationGrid, calibrate, torch_device
     from llmsched.executor.config import ModelConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    _check_device(torch, device)
-    on_cpu = torch.device(device).type == "cpu"
+    on_cpu = torch_device(device).type == "cpu"  # ConfigError for one torch cannot run on
     if on_cpu:
         torch.set_num_threads(args.threads)
     config = ModelConfig.preset(args.preset or ("small" if on_cpu else "large"))
@@ -196,24 +195,6 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {len(profile.samples)} steps timed on {device}")
     _print_fit(profile)
     return 0
-
-
-def _check_device(torch: Any, device: str) -> None:
-    """ConfigError naming ``--device`` unless torch can run on it (a misspelt device, or a
-    GPU this machine lacks, was a RuntimeError traceback)."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ConfigError(f"--device {device!r}: {one_line(exc)}") from None
-    if dev.type == "cpu":
-        return
-    if dev.type != "cuda":
-        raise ConfigError(f"--device {device!r}: calibrate runs on cpu or cuda")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"--device {device!r}: no CUDA device on this machine")
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise ConfigError(f"--device {device!r}: this machine has {count} CUDA device(s)")
 
 
 def _calibrate_engine(args: argparse.Namespace) -> int:
