@@ -156,3 +156,19 @@ def test_meta_yaml_cannot_write_is_named(tmp_path) -> None:
     profile.meta["when"] = object()
     with pytest.raises(ConfigError, match="meta cannot be written as YAML"):
         profile.save(tmp_path / "profile.yaml")
+
+
+def test_sim_says_whose_steps_it_runs(tmp_path, capsys) -> None:
+    """The header is the base scenario's description ("8 x Qwen2.5-32B on 2 x H100") whatever
+    the profile was fitted to; a line after it names the fitted model and its capacity."""
+    from llmsched import cli
+
+    path = _write(tmp_path)
+    scenario = tmp_path / "small.yaml"
+    scenario.write_text(
+        "base: shared-prefix\nreplicas: 2\npolicies: [round-robin]\nworkload: {num_requests: 8}\n"
+    )
+    argv = ["sim", "--step-model", str(path), "--config", str(scenario), "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"step model: linear, fitted to 'tiny' ({path}), 2048 KV tokens per replica" in out

@@ -347,6 +347,19 @@ def _simulate(
         progress = False
         print("llmsched sim: no progress bar without tqdm (pip install 'llmsched[sim]')")
     print(f"llmsched sim: {config.name}: {config.description}".rstrip(": "))
+    step = config.step_model
+    if step.profile is not None or step.linear is not None:
+        # The description names the scenario's roofline model; say whose steps these are.
+        from llmsched.sim.stepmodel import load_step_model
+
+        fitted = load_step_model(
+            step.profile if step.profile is not None else {"coefficients": step.linear}
+        )
+        kv = config.engine.kv_tokens or fitted.kv_capacity_tokens()
+        print(
+            f"llmsched sim: step model: linear, fitted to {fitted.model!r} "
+            f"({step.profile or 'inline coefficients'}), {kv} KV tokens per replica"
+        )
     results, wall = timed_compare(config, jobs=jobs, progress=progress, engine=engine)
     print(format_table(results, wall))
     print(TABLE_LEGEND)
