@@ -156,6 +156,7 @@ def test_step_samples_refuse_malformed_batch_fields(tmp_path, field, value) -> N
     with pytest.raises(ConfigError, match=field):
         StepSample(16, 0, 256, 0, 1e-3, **{field: value})
     good = [StepSample(16 * i, 0, 256 * i * i, 0, 1e-3 * i) for i in range(1, 9)]
+    good += [StepSample(0, b, 0, c * b, 1e-3 + 1e-4 * b) for b, c in ((1, 90), (2, 9), (4, 30))]
     doc = StepTimeProfile.fit(good).to_dict()
     doc["samples"][0][field] = value
     path = tmp_path / "profile.yaml"

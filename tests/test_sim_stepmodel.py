@@ -164,7 +164,10 @@ def test_load_step_model_both_schemas(tmp_path) -> None:
         ({"coefficients": {"b0": 1.0, "b1": -1.0, "b2": 1.0}}, "b1 must be"),
         ({"coefficients": {"b0": 0, "b1": 0, "b2": 0}}, "must take time"),
         ({"coefficients": {"b0": 1, "b1": 1, "b2": 1, "decode_tokens": 1}}, "both"),
-        ({"coefficients": {"b0": "x", "b1": 1, "b2": 1}}, "malformed"),
+        (
+            {"coefficients": {"b0": "x", "b1": 1, "b2": 1}},
+            "b0 must be a finite number >= 0, got .x.",
+        ),
         ({"coefficients": {"b0": 1, "b1": 1, "b2": 1}, "kv_tokens": 0}, "kv_tokens"),
     ],
 )

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import operator
 import random
 import statistics
 import threading
@@ -68,6 +69,8 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
+
+import numpy as np
 
 from llmsched.errors import ConfigError
 from llmsched.executor.step_time import StepSample, StepTimeProfile
@@ -110,6 +113,16 @@ class GridPoint:
     paced: bool = False
 
 
+def _grid_int(name: str, value: object) -> int:
+    """``value`` as an int (numpy's too), not a bool; ConfigError naming ``name`` otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ConfigError(f"calibration grid: {name} must hold ints, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineGrid:
     """The prompt lengths (prefill), batch sizes and contexts (decode) to time.
@@ -130,6 +143,17 @@ class EngineGrid:
     prefill_batches: tuple[int, ...] = (2, 4)
 
     def __post_init__(self) -> None:
+        # 16.5 tokens, True or "16" failed only once timing had started (range(16.5), an
+        # engine refusing max_tokens 4.5), a bare TypeError at best.
+        for name in ("prompt_lens", "batch_sizes", "context_lens", "prefill_batches"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+                raise ConfigError(
+                    f"calibration grid: {name} must be a tuple of ints, got {value!r}"
+                )
+            object.__setattr__(self, name, tuple(_grid_int(name, v) for v in value))
+        for name in ("repeats", "decode_tokens"):
+            object.__setattr__(self, name, _grid_int(name, getattr(self, name)))
         if not self.prompt_lens or not self.batch_sizes or not self.context_lens:
             raise ConfigError("calibration grid: prompt lengths, batch sizes and contexts needed")
         values = (*self.prompt_lens, *self.batch_sizes, *self.context_lens, self.repeats)
@@ -204,18 +228,48 @@ def _split(url: str) -> tuple[str, int, str]:
 def _request(
     url: str, method: str, path: str, body: object | None = None, timeout_s: float = 60.0
 ) -> tuple[int, bytes]:
+    """``method path`` on the engine: its status and body, all within ``timeout_s`` (an engine
+    that trickles its answer out is cut off at the deadline, not only one that goes quiet)."""
     host, port, base = _split(url)
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    deadline = time.perf_counter() + timeout_s
     try:
         payload = None if body is None else json.dumps(body)
         headers = {"content-type": "application/json"} if body is not None else {}
         conn.request(method, base + path, payload, headers)
         reply = conn.getresponse()
-        return reply.status, reply.read()
+        parts = []
+        while part := reply.read1(65536):
+            parts.append(part)
+            if time.perf_counter() > deadline:
+                raise ConfigError(
+                    f"engine {url}: {method} {path} still answering after {timeout_s:g} s"
+                )
+        return reply.status, b"".join(parts)
     except OSError as exc:
         raise ConfigError(f"engine {url} did not answer {method} {path}: {exc}") from None
     finally:
         conn.close()
+
+
+def _object(url: str, what: str, raw: bytes) -> dict[str, object]:
+    """``raw`` as a JSON object, or a ConfigError naming the engine and ``what`` answered it."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"engine {url}: {what} answered {raw[:200]!r}, not a JSON object")
+    return value
+
+
+def _count(url: str, what: str, value: object, default: int = 0) -> int:
+    """``value`` as a count >= 0 (``default`` when absent), or a ConfigError naming it."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"engine {url}: {what} must be a count, got {value!r}")
+    return value
 
 
 def timed_completion(
@@ -260,12 +314,23 @@ def timed_completion(
             )
         for raw in reply:
             now = time.perf_counter()
+            # A stream that never ends (keep-alive comments, a count that never grows) stops
+            # here; the socket's timeout only ends one that goes quiet.
+            if now - sent > timeout_s:
+                raise ConfigError(
+                    f"engine {url}: a completion of {max_tokens} tokens still streaming after "
+                    f"{timeout_s:g} s ({seen} tokens counted)"
+                )
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
-            usage = json.loads(line[5:]).get("usage") or {}
-            done = int(usage.get("completion_tokens") or 0)
-            prompt_tokens = int(usage.get("prompt_tokens") or prompt_tokens)
+            usage = _object(url, "a streamed completion chunk", line[5:]).get("usage") or {}
+            if not isinstance(usage, dict):
+                raise ConfigError(f"engine {url}: a streamed chunk's usage is {usage!r}")
+            done = _count(url, "usage.completion_tokens", usage.get("completion_tokens"))
+            prompt_tokens = _count(
+                url, "usage.prompt_tokens", usage.get("prompt_tokens"), prompt_tokens
+            )
             times.extend([now] * (done - seen))
             seen = max(seen, done)
             if progress is not None:
@@ -306,7 +371,9 @@ def timed_batch(
     seconds = time.perf_counter() - sent
     if status != 200:
         raise ConfigError(f"engine {url} refused a batched completion ({status}): {reply[:300]!r}")
-    choices = json.loads(reply).get("choices") or []
+    choices = _object(url, "a batched completion", reply).get("choices") or []
+    if not isinstance(choices, list):
+        raise ConfigError(f"engine {url}: a batched completion's choices are {choices!r:.200}")
     if len(choices) != len(prompts):
         raise ConfigError(
             f"engine {url}: {len(choices)} choices for a request of {len(prompts)} prompts"
@@ -361,7 +428,9 @@ def engine_info(url: str, model: str | None = None) -> EngineInfo:
     status, body = _request(url, "GET", "/v1/models")
     if status != 200:
         raise ConfigError(f"engine {url}: /v1/models answered {status}")
-    listed = json.loads(body).get("data") or []
+    listed = _object(url, "/v1/models", body).get("data") or []
+    if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
+        raise ConfigError(f"engine {url}: /v1/models data is {listed!r}, not a list of models")
     names = [str(m.get("id")) for m in listed]
     if model is None:
         if not names:
@@ -371,10 +440,19 @@ def engine_info(url: str, model: str | None = None) -> EngineInfo:
         raise ConfigError(f"engine {url} does not serve {model!r}; it serves {names}")
     entry = next(m for m in listed if str(m.get("id")) == model)
     max_len = entry.get("max_model_len")
+    if max_len is not None and (
+        isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
+    ):
+        raise ConfigError(f"engine {url}: {model!r} has max_model_len {max_len!r}")
     block_size = kv_tokens = None
     for key in read_metrics(url):
         if key.startswith("vllm:cache_config_info{"):
-            blocks = _label(key, "num_gpu_blocks_override") or _label(key, "num_gpu_blocks")
+            # vLLM sets num_gpu_blocks to the override when one is given, and exports the
+            # override label as "None" when not (read first, it left every such engine's
+            # capacity unknown).
+            blocks = _label(key, "num_gpu_blocks")
+            if not (blocks and blocks.isdigit()):
+                blocks = _label(key, "num_gpu_blocks_override")
             size = _label(key, "block_size")
             if size and size.isdigit():
                 block_size = int(size)
@@ -386,10 +464,15 @@ def engine_info(url: str, model: str | None = None) -> EngineInfo:
     status, body = _request(url, "POST", "/tokenize", {"model": model, "prompt": text})
     if status != 200:
         raise ConfigError(f"engine {url}: /tokenize answered {status}; calibrate needs it")
-    vocabulary = tuple(sorted(set(json.loads(body).get("tokens") or [])))
+    tokens = _object(url, "/tokenize", body).get("tokens") or []
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        raise ConfigError(f"engine {url}: /tokenize tokens are not token ids: {tokens!r:.200}")
+    vocabulary = tuple(sorted(set(tokens)))
     if len(vocabulary) < 16:
         raise ConfigError(f"engine {url}: /tokenize gave {len(vocabulary)} distinct tokens")
-    return EngineInfo(model, int(max_len) if max_len else None, block_size, kv_tokens, vocabulary)
+    return EngineInfo(model, max_len, block_size, kv_tokens, vocabulary)
 
 
 def _concurrently(jobs: Sequence[Callable[[], T]]) -> list[T]:
@@ -591,6 +674,13 @@ def calibrate_engine(
     urls = [url] if isinstance(url, str) else list(url)
     if not urls:
         raise ConfigError("calibrate: no engine given")
+    named: dict[tuple[str, int, str], str] = {}
+    for u in urls:
+        # One engine given twice was timed against itself: its steps under twice the load.
+        where = _split(u)
+        if where in named:
+            raise ConfigError(f"calibrate: {u} and {named[where]} are the same engine")
+        named[where] = u
     infos = [engine_info(u, model) for u in urls]
     info = infos[0]
     for u, other in zip(urls[1:], infos[1:], strict=True):
@@ -690,10 +780,20 @@ def calibrate_engine(
         "split_retries": retries,
         "split_points": split_points,
     }
-    if use_engine:
-        client_fit = StepTimeProfile.fit(client_samples)
-        meta["client_coefficients"] = client_fit.coefficients
-        meta["client_fit_error"] = asdict(client_fit.error)
-    profile = StepTimeProfile.fit(samples, meta)
+    try:
+        if use_engine:
+            client_fit = StepTimeProfile.fit(client_samples)
+            meta["client_coefficients"] = client_fit.coefficients
+            meta["client_fit_error"] = asdict(client_fit.error)
+        profile = StepTimeProfile.fit(samples, meta)
+    except ConfigError as exc:
+        if not split_points:
+            raise
+        # Say why the grid came out short: the points the engine never took in one step.
+        raise ConfigError(
+            f"{exc}; {len(split_points)} batched prefill points were left out (the engine "
+            "never prefilled them in one step, or the decoding request beside them ended "
+            "first): give more prompt lengths or smaller --prefill-batches"
+        ) from None
     profile.kv_tokens = kv_tokens
     return profile

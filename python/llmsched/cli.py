@@ -175,11 +175,11 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     require("executor", "torch", feature="llmsched calibrate")
     import torch
 
-    from llmsched.executor.calibrate import CalibrationGrid, calibrate
+    from llmsched.executor.calibrate import CalibrationGrid, calibrate, torch_device
     from llmsched.executor.config import ModelConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    on_cpu = torch.device(device).type == "cpu"
+    on_cpu = torch_device(device).type == "cpu"  # ConfigError for one torch cannot run on
     if on_cpu:
         torch.set_num_threads(args.threads)
     config = ModelConfig.preset(args.preset or ("small" if on_cpu else "large"))
@@ -220,6 +220,11 @@ def _calibrate_engine(args: argparse.Namespace) -> int:
     kv = f", {profile.kv_tokens} KV tokens" if profile.kv_tokens is not None else ""
     where = ", ".join(urls)
     print(f"wrote {args.out}: {len(profile.samples)} grid points timed on {where}{kv}")
+    if profile.kv_tokens is None:
+        print(
+            "  no KV capacity: the engine exports no readable vllm:cache_config_info; "
+            "give the simulator engine.kv_tokens"
+        )
     _print_fit(profile)
     return 0
 
@@ -342,6 +347,19 @@ def _simulate(
         progress = False
         print("llmsched sim: no progress bar without tqdm (pip install 'llmsched[sim]')")
     print(f"llmsched sim: {config.name}: {config.description}".rstrip(": "))
+    step = config.step_model
+    if step.profile is not None or step.linear is not None:
+        # The description names the scenario's roofline model; say whose steps these are.
+        from llmsched.sim.stepmodel import load_step_model
+
+        fitted = load_step_model(
+            step.profile if step.profile is not None else {"coefficients": step.linear}
+        )
+        kv = config.engine.kv_tokens or fitted.kv_capacity_tokens()
+        print(
+            f"llmsched sim: step model: linear, fitted to {fitted.model!r} "
+            f"({step.profile or 'inline coefficients'}), {kv} KV tokens per replica"
+        )
     results, wall = timed_compare(config, jobs=jobs, progress=progress, engine=engine)
     print(format_table(results, wall))
     print(TABLE_LEGEND)

@@ -33,7 +33,7 @@ from llmsched.executor.config import DEFAULT_BLOCK_SIZE, ModelConfig
 from llmsched.executor.model import ForwardBatch, MoETransformer, PagedKV, SequenceChunk
 from llmsched.executor.step_time import StepSample, StepTimeProfile
 
-__all__ = ["CalibrationGrid", "calibrate"]
+__all__ = ["CalibrationGrid", "calibrate", "torch_device"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,34 @@ class CalibrationGrid:
         return cls((1, 4, 16, 64), (128, 512, 2048, 4096), 5, 32768)
 
 
+def torch_device(device: str) -> torch.device:
+    """``device`` as a torch device calibrate can run on (cpu, or a CUDA device this machine
+    has); ConfigError naming it otherwise (a misspelt device, or a GPU the machine lacks, was
+    torch's RuntimeError).
+
+    >>> torch_device("cpu").type
+    'cpu'
+    >>> torch_device("tpu")
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: device 'tpu': Expected one of cpu, cuda, ...
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r}: {str(exc).splitlines()[0]}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"device {device!r}: calibrate runs on cpu or cuda")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: no CUDA device on this machine")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(f"device {device!r}: this machine has {count} CUDA device(s)")
+    return dev
+
+
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
     def fastest_seconds(run: Callable[[], object], repeats: int) -> float:
         run()  # warm-up
@@ -95,6 +123,10 @@ def calibrate(
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> StepTimeProfile:
     """Time the grid's steps on ``device`` and fit the step-time model."""
+    dev = torch_device(device)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        # 0 was a ZeroDivisionError, -4 and 1.5 torch errors from the KV allocation.
+        raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
     grid = grid or CalibrationGrid.for_device(device)
     # The decode step runs at position ``context``: past the rotary tables it failed with an
     # IndexError after every shorter context had been timed.
@@ -104,7 +136,6 @@ def calibrate(
             f"context length {too_long[0]} needs {too_long[0] + 1} positions; the model has "
             f"max_position = {config.max_position}"
         )
-    dev = torch.device(device)
     model = MoETransformer(config, device=dev)
     time_it = _timer(dev)
     rng = random.Random(config.seed)

@@ -21,6 +21,13 @@ fixed at 0 and the rest refitted, the most negative first, until none is. Fit er
 relative error of the fitted model on the samples (median, mean, max), reported beside the
 error of the three-term linear model fitted the same way.
 
+The samples must determine the three terms every step uses (``b0``, ``prefill_tokens``,
+``decode_tokens``): each must vary independently of the other terms over the samples, else the
+least-squares split between them is arbitrary (ten decode steps of one batch size fitted
+to 2% gave a batch of 64 sixteen times the measured step, and a prefill nearly free) and the
+fit raises ConfigError naming them. The other four may be left undetermined (e.g. no step on
+an idle engine was timed): their least-squares split is kept as it comes.
+
 >>> samples = [StepSample(p, d, p * p, d * (p + 9), 1e-3 + 2e-6 * p + 5e-6 * d)
 ...            for p, d in [(0, 1), (0, 8), (16, 0), (64, 0), (256, 0), (0, 32), (32, 4)]]
 >>> profile = StepTimeProfile.fit(samples)
@@ -41,7 +48,7 @@ import yaml
 
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
-from llmsched.sim.stepmodel import CALIBRATE_TERMS
+from llmsched.sim.stepmodel import CALIBRATE_TERMS, coefficient_seconds, kv_capacity
 from llmsched.validation import is_finite_number
 
 __all__ = ["FitError", "StepSample", "StepTimeProfile"]
@@ -98,6 +105,11 @@ class StepSample:
     def __post_init__(self) -> None:
         for name in _COUNTS:
             object.__setattr__(self, name, _count(name, getattr(self, name)))
+        seconds = self.seconds
+        # numpy's floats (what np.median of a timing array gives): a float32 was refused as
+        # "not a finite positive time", a float64 fitted and then failed to save as YAML.
+        if isinstance(seconds, (np.floating, np.integer)):
+            object.__setattr__(self, "seconds", float(seconds))
         idle = self.after_idle
         # "yes" or None failed only when fitted; 2 was fitted as two idle starts.
         if not isinstance(idle, (bool, np.bool_)) and _index(idle) not in (0, 1):
@@ -144,6 +156,27 @@ class FitError:
         return cls(float(np.median(rel)), float(rel.mean()), float(rel.max()))
 
 
+# Terms the samples must determine: every step's time uses them.
+_REQUIRED = TERMS[:3]
+
+
+def _undetermined(x: np.ndarray) -> list[str]:
+    """The terms whose coefficient the rows of ``x`` leave free: those with a component in the
+    null space of the design matrix, its columns scaled to a largest entry of 1 (dividing each
+    row by its time, as the fit does, changes neither)."""
+    scale = np.abs(x).max(axis=0)
+    used = scale > 0
+    free = {i for i in range(x.shape[1]) if not used[i]}
+    cols = np.flatnonzero(used)
+    if len(cols):
+        _, sv, vt = np.linalg.svd(x[:, cols] / scale[cols], full_matrices=True)
+        rank = int(np.sum(sv > sv[0] * 1e-9))
+        null = vt[rank:]
+        if len(null):
+            free |= {int(cols[j]) for j in np.flatnonzero(np.abs(null).max(axis=0) > 1e-6)}
+    return [TERMS[i] for i in sorted(free)]
+
+
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares on relative error, ``min sum(((x @ c) - y) / y)^2`` with ``c >= 0``: a
     negative coefficient is fixed at 0 (the most negative first) and the rest refitted."""
@@ -158,6 +191,20 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
             break
         free.pop(int(np.argmin(sub)))
     return coef
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays (at any depth of dicts, lists and tuples) turned
+    into the Python values they hold."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 @dataclass
@@ -189,6 +236,15 @@ class StepTimeProfile:
                 )
         x = np.array([s.features() for s in samples])
         y = np.array([float(s.seconds) for s in samples])
+        missing = [t for t in _undetermined(x) if t in _REQUIRED]
+        if missing:
+            shapes = len({tuple(s.features()) for s in samples})
+            raise ConfigError(
+                f"the {len(samples)} samples ({shapes} distinct step shapes) do not determine "
+                f"{', '.join(missing)}: a fit would split their cost arbitrarily and extrapolate "
+                "wildly; time decode steps of two or more batch sizes and contexts, and prefill "
+                "steps of three or more lengths (and steps without prefill beside steps with it)"
+            )
         coef = _nonnegative_fit(x, y)
         linear = _nonnegative_fit(x[:, :3], y)
         return cls(
@@ -224,12 +280,13 @@ class StepTimeProfile:
         return float(sum(self.coefficients[t] * f for t, f in zip(TERMS, features, strict=True)))
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML document as plain data."""
+        """The YAML document as plain data (numpy values in ``meta`` as the numbers, strings
+        and lists they hold)."""
         return {
             "kind": PROFILE_KIND,
             "version": PROFILE_VERSION,
             **({"kv_tokens": self.kv_tokens} if self.kv_tokens is not None else {}),
-            "meta": self.meta,
+            "meta": _plain(self.meta),
             "terms": list(TERMS),
             "coefficients": self.coefficients,
             "fit_error": asdict(self.error),
@@ -238,12 +295,20 @@ class StepTimeProfile:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write the profile as YAML."""
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Write the profile as YAML; ConfigError when ``meta`` holds what YAML cannot write."""
+        try:
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                f"{path}: the profile's meta cannot be written as YAML: {exc}"
+            ) from None
+        Path(path).write_text(text)
 
     @classmethod
     def load(cls, path: str | Path) -> StepTimeProfile:
-        """Read a profile written by :meth:`save`; raises ConfigError naming what is wrong."""
+        """Read a profile written by :meth:`save`; raises ConfigError naming what is wrong
+        (coefficients must be finite numbers >= 0, as :meth:`fit` writes them, and
+        ``kv_tokens`` a positive int)."""
         data = load_mapping(Path(path), what="step-time profile")
         if data.get("kind") != PROFILE_KIND:
             raise ConfigError(f"{path}: not a {PROFILE_KIND} document")
@@ -256,13 +321,24 @@ class StepTimeProfile:
         ):
             raise ConfigError(f"{path}: coefficients must name exactly {list(TERMS)}")
         try:
+            values = {t: coefficient_seconds(t, coefficients.get(t, 0.0)) for t in TERMS}
+            kv_tokens = kv_capacity(data.get("kv_tokens"))
+            meta = data.get("meta") or {}
+            if not isinstance(meta, dict):
+                raise ConfigError(f"meta must be a mapping, got {meta!r:.100}")
+            samples = [StepSample(**s) for s in data.get("samples", [])]
+            for i, sample in enumerate(samples):
+                if not is_finite_number(sample.seconds) or not sample.seconds > 0:
+                    raise ConfigError(f"sample {i} has seconds {sample.seconds!r}")
             return cls(
-                coefficients={t: float(coefficients.get(t, 0.0)) for t in TERMS},
+                coefficients=values,
                 error=FitError(**data["fit_error"]),
                 linear_error=FitError(**data["linear_fit_error"]),
-                samples=[StepSample(**s) for s in data.get("samples", [])],
-                meta=dict(data.get("meta") or {}),
-                kv_tokens=None if data.get("kv_tokens") is None else int(data["kv_tokens"]),
+                samples=samples,
+                meta=dict(meta),
+                kv_tokens=kv_tokens,
             )
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed profile: {exc}") from None

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["ENGINES", "Simulation", "fallback_counts"]
 
 ENGINES = ("auto", "rust", "python")
+# The most KV blocks a simulated replica may have (crates/llmsched-sim/src/kv_cache.rs).
+MAX_KV_BLOCKS = 1 << 24
 """``engine`` values: ``auto`` (Rust, or the reference engine with a warning for what Rust
 does not cover), ``rust`` (ConfigError for what it does not cover), ``python`` (the reference
 engine, the oracle)."""
@@ -106,6 +108,14 @@ class Simulation:
         if kv_tokens is None:
             raise ConfigError("engine.kv_tokens is needed: the step model gives no KV capacity")
         self.kv_blocks = kv_tokens // config.engine.block_size
+        if not 1 <= self.kv_blocks <= MAX_KV_BLOCKS:
+            # A profile's kv_tokens from an engine that lied about its cache reached the Rust
+            # engine as "invalid value: integer `62500000000`, expected u32".
+            source = "engine.kv_tokens" if config.engine.kv_tokens else "the step model's kv_tokens"
+            raise ConfigError(
+                f"{source} = {kv_tokens} is {self.kv_blocks} blocks of "
+                f"{config.engine.block_size} tokens; a replica holds 1 to {MAX_KV_BLOCKS}"
+            )
         self.router_config: ConfigLike | None = None
         """The router configuration the Rust engine runs (None for a Policy object)."""
         name = ""

@@ -583,6 +583,47 @@ def _chunks(prefill_tokens: int, prefill_requests: int | None) -> int:
 
 
 LINEAR_TERMS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
+
+
+def coefficient_seconds(name: str, value: object) -> float:
+    """A step-model coefficient read from a file: a number (or its text: YAML reads ``4e-3``
+    as a string) that is finite and >= 0; ConfigError naming ``name`` otherwise. A bool is
+    refused: YAML reads ``yes`` and ``on`` as true, which was taken as 1 second.
+
+    >>> coefficient_seconds("b0", "4e-3")
+    0.004
+    >>> coefficient_seconds("b1", True)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: coefficient b1 must be a finite number >= 0, got True
+    """
+    number: float | None = None
+    if not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number) or number < 0:
+        raise ConfigError(f"coefficient {name} must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def kv_capacity(value: object) -> int | None:
+    """A KV capacity read from a file: None, or an int >= 1 (not a bool, a float or text);
+    ConfigError otherwise.
+
+    >>> kv_capacity(1.5)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: kv_tokens must be a positive int, got 1.5
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"kv_tokens must be a positive int, got {value!r}")
+    return value
+
+
 # The names ``llmsched calibrate`` writes (llmsched.executor.step_time), in the same order.
 CALIBRATE_TERMS = (
     "b0",
@@ -620,14 +661,16 @@ class LinearStepModel:
     def __post_init__(self) -> None:
         for name in LINEAR_TERMS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 raise ConfigError(f"coefficient {name} must be a finite number >= 0, got {value!r}")
         if self.b0 + self.b1 + self.b2 <= 0:
             raise ConfigError("a step must take time: b0, b1 and b2 are all zero")
-        if self.kv_tokens is not None and (
-            not isinstance(self.kv_tokens, int) or self.kv_tokens < 1
-        ):
-            raise ConfigError(f"kv_tokens must be a positive int, got {self.kv_tokens!r}")
+        kv_capacity(self.kv_tokens)
 
     def step_time(
         self,
@@ -713,6 +756,8 @@ def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
     or the file ``llmsched calibrate`` writes (``kind: llmsched.step_time_profile``, coefficients
     named ``b0, prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens,
     prefill_requests, after_idle``; a profile from before these two terms has neither).
+    Each coefficient is a finite number of seconds >= 0 (its text too: YAML reads ``4e-3`` as
+    text; a bool, such as YAML's ``yes``, is refused), ``kv_tokens`` a positive int.
 
     >>> load_step_model({"coefficients": {"b0": 0.001, "b1": 1e-5, "b2": 5e-5}}).b1
     1e-05
@@ -722,11 +767,13 @@ def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
     if not isinstance(data.get("coefficients"), dict):
         raise ConfigError(f"{where}: needs a 'coefficients' mapping")
     coefficients = dict(data["coefficients"])
+    spelled = {t: t for t in coefficients}  # the name the file gave each coefficient
     for short, long in zip(LINEAR_TERMS, CALIBRATE_TERMS, strict=True):
         if long != short and long in coefficients:
             if short in coefficients:
                 raise ConfigError(f"{where}: both {short!r} and {long!r} given")
             coefficients[short] = coefficients.pop(long)
+            spelled[short] = long
     unknown = sorted(set(coefficients) - set(LINEAR_TERMS))
     if unknown:
         raise ConfigError(f"{where}: unknown coefficient(s) {unknown}")
@@ -738,11 +785,9 @@ def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
     kv_tokens = data.get("kv_tokens")
     try:
         return LinearStepModel(
-            **{t: float(v) for t, v in coefficients.items()},
+            **{t: coefficient_seconds(spelled[t], v) for t, v in coefficients.items()},
             kv_tokens=kv_tokens,
             model=str(model),
         )
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise ConfigError(f"{where}: {exc}") from None
-        raise ConfigError(f"{where}: malformed coefficients: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
