@@ -503,6 +503,9 @@ class SliceAssembler:
     def generated_tokens(self) -> int:
         """Output tokens over every slice."""
     @property
+    def produced_tokens(self) -> int:
+        """Output tokens so far, the slice in progress included."""
+    @property
     def generated_token_ids(self) -> list[int]:
         """Output token ids over every slice."""
     @property

@@ -1231,7 +1231,7 @@ class Gateway:
                 return await sliced.run(request)
             finally:
                 slot.admission, slot.output_tokens = sliced.admission, sliced.uncharged_tokens()
-                slot.key_tokens = sliced.asm.generated_tokens
+                slot.key_tokens = sliced.asm.produced_tokens
         first = None
         previous = incoming.payload.get("previous_response_id") if route == "responses" else None
         if isinstance(previous, str):
