@@ -407,6 +407,7 @@ class Gateway:
             kv_failing=self._kv_failing,
             kubernetes=None if self.kubernetes is None else self.kubernetes.stats,
             config_warnings=lambda: len(self.scheduler.warnings),
+            engine_block_sizes=self.scheduler.engine_block_size_mismatch,
         )
         self._bodies = _BodyBudget(cfg.limits.max_body_bytes_in_flight)
         self.metrics.body_bytes_in_flight.set_function(lambda: self._bodies.held)
