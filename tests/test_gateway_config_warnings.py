@@ -21,6 +21,8 @@ from llmsched.testing import FakeKVPublisher, event_batch, stored_event
 CONFIG_WARNINGS = "llmsched_gateway_config_warnings"
 MISMATCH = "llmsched_gateway_index_block_size_mismatch_total"
 MODEL_FINDINGS = "llmsched_gateway_engine_model_mismatches"
+EXTRA_KEYS = "llmsched_gateway_index_extra_keys_total"
+ENGINE_BLOCK_SIZE = "llmsched_gateway_engine_block_size_mismatch"
 
 
 def _warnings(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
@@ -86,6 +88,51 @@ def test_scheduler_lists_and_counts_an_engine_block_size_the_index_cannot_split(
             assert scheduler.stats()["config_warnings"] == 1
             # Warned once, for the first batch, not per batch.
             assert len(_warnings(caplog, "block size")) == 1
+
+    run(go())
+
+
+def _keyed(first_hash: int, kind: str) -> bytes:
+    """One batch storing a root block of 4 tokens whose extra keys the index cannot use:
+    ``numbered`` (a LoRA adapter named only by its number, vLLM before 0.20), ``image``
+    (a multimodal input's key)."""
+    tokens = list(range(first_hash * 100, first_hash * 100 + 4))
+    extra: dict[str, Any] = (
+        {"lora_id": 3} if kind == "numbered" else {"extra_keys": [[["image-hash", 0]]]}
+    )
+    return event_batch(stored_event([first_hash], None, tokens, block_size=4, **extra))
+
+
+@pytest.mark.parametrize("kv_feed", ["python", "native"])
+def test_scheduler_lists_and_counts_events_skipped_for_extra_keys(
+    caplog: pytest.LogCaptureFixture, kv_feed: Any
+) -> None:
+    # Probe 66: events skipped for extra keys the index cannot name were counted with
+    # multimodal ones (one count, in each batch's report only) and said nothing anywhere.
+    # Now: counted apart in index.stats(), the extra-keys ones warned once and listed.
+    caplog.set_level(logging.WARNING)
+
+    async def go() -> None:
+        with FakeKVPublisher() as publisher:
+            spec = EngineSpec("127.0.0.1", 9, **publisher.spec_kwargs())
+            scheduler = Scheduler([spec], router="round-robin", block_size=4, kv_feed=kv_feed)
+            async with scheduler:
+                assert await asyncio.to_thread(publisher.wait_subscribed, 5.0)
+                publisher.publish(_keyed(1, "image"))
+                counters = scheduler.kv_event_counters
+                await until(lambda: counters().get("batches", 0) == 1)
+                # Multimodal blocks: counted, not a configuration to warn of.
+                assert scheduler.index.stats()["multimodal"] == {spec.worker_id: 1}
+                assert scheduler.warnings == [] and _warnings(caplog, "extra keys") == []
+                publisher.publish(_keyed(2, "numbered"))
+                publisher.publish(_keyed(3, "numbered"))
+                await until(lambda: counters().get("batches", 0) == 3)
+            assert scheduler.index.extra_keys() == {spec.worker_id: 2}
+            assert scheduler.index.stats()["multimodal"] == {spec.worker_id: 1}
+            [note] = scheduler.warnings
+            assert f"engine {spec.worker_id!r}: 2 stored KV events skipped for extra keys" in note
+            assert scheduler.stats()["config_warnings"] == 1
+            assert len(_warnings(caplog, "extra keys")) == 1
 
     run(go())
 
@@ -161,6 +208,81 @@ def test_gateway_exports_an_engine_block_size_mismatch(
                 # The family is there either way, with its type.
                 text = await (await r.client.get(r.url("/metrics"))).text()
                 assert f"# TYPE {MISMATCH} counter" in text
+
+    run(go())
+
+
+@pytest.mark.usefixtures("plane")
+def test_gateway_exports_events_skipped_for_extra_keys(caplog: pytest.LogCaptureFixture) -> None:
+    # Before: neither plane said anything of them (counted with multimodal events in each
+    # batch's report only).
+    caplog.set_level(logging.WARNING)
+
+    async def go() -> None:
+        with FakeKVPublisher(topic="kv@e0") as publisher:
+            async with rig(1, engine_fields=[publisher.spec_kwargs()]) as r:
+                worker = r.gateway.config.engines[0].worker_id
+                assert await asyncio.to_thread(publisher.wait_subscribed, 5.0)
+                publisher.publish(_keyed(1, "numbered"))
+                publisher.publish(_keyed(2, "image"))
+                publisher.publish(_keyed(3, "numbered"))
+                counters = r.gateway.scheduler.kv_event_counters
+                await until(lambda: counters().get("batches", 0) == 3)
+                assert await _metric(r, EXTRA_KEYS, engine=worker) == 2.0
+                assert await _metric(r, CONFIG_WARNINGS) == 1.0
+                assert len(_warnings(caplog, "extra keys")) == 1
+                assert r.gateway.index.stats()["multimodal"] == {worker: 1}
+
+    run(go())
+
+
+def _block_size_info(size: int) -> Any:
+    """A fake engine setup whose ``/metrics`` gives a KV block size of ``size`` tokens."""
+
+    def setup(engine: Any) -> None:
+        engine.metrics_extra = f'vllm:cache_config_info{{block_size="{size}"}} 1\n'
+
+    return setup
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize(
+    ("engine_block", "kv_events", "bad"),
+    [(6, True, True), (8, True, False), (6, False, False)],
+    ids=["6-events", "8-events", "6-no-events"],
+)
+def test_gateway_compares_a_scraped_engine_block_size_where_it_matters(
+    caplog: pytest.LogCaptureFixture, engine_block: int, kv_events: bool, bad: bool
+) -> None:
+    # Probe 66: the block size an engine's /metrics gives (vllm:cache_config_info) was never
+    # compared with the gateway's. It matters only where the engine's KV events feed the
+    # index: blocks of 6 tokens cannot be split into the index's blocks of 4, so every
+    # stored event will be skipped. Without KV events the index holds the router's own
+    # decisions at its own block size: nothing to say.
+    caplog.set_level(logging.WARNING)
+
+    async def go() -> None:
+        with FakeKVPublisher(topic="kv@e0") as publisher:
+            fields = [publisher.spec_kwargs() if kv_events else {}]
+            scrape = {"enabled": True, "interval_s": 0.05}
+            setup = _block_size_info(engine_block)
+            async with rig(1, engine_fields=fields, setup=setup, scrape=scrape) as r:
+                worker = r.gateway.config.engines[0].worker_id
+                scheduler = r.gateway.scheduler
+                await until(lambda: worker in scheduler.engine_block_sizes())
+                assert scheduler.engine_block_sizes() == {worker: engine_block}
+                await asyncio.sleep(0.2)  # more scrapes: still one warning
+                gauge = await _metric(r, ENGINE_BLOCK_SIZE, engine=worker)
+                warned = _warnings(caplog, "KV block size")
+                if bad:
+                    assert gauge == float(engine_block)
+                    assert await _metric(r, CONFIG_WARNINGS) == 1.0
+                    [note] = scheduler.warnings
+                    assert "--block-size a multiple of 4" in note
+                    assert len(warned) == 1
+                else:
+                    assert gauge == 0.0 and await _metric(r, CONFIG_WARNINGS) == 0.0
+                    assert scheduler.warnings == [] and warned == []
 
     run(go())
 

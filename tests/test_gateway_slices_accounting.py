@@ -50,6 +50,14 @@ async def _leave_at_call(r: Rig, response: aiohttp.ClientResponse, calls: int) -
     response.close()
 
 
+async def _third_slice_in_mode(r: Rig, mode: str) -> None:
+    """Slices 1 and 2 run as the engine's mode says; the third call runs in ``mode``
+    (``"hang"``: one token, then nothing; ``"stall"``: nothing)."""
+    engine = r.engines[0]
+    await until(lambda: len(engine.received) >= 2)
+    engine.mode = mode
+
+
 def _service(r: Rig, tenant: str) -> int:
     assert r.gateway.flow is not None
     flows = r.gateway.flow.metrics()["flows"]
@@ -69,10 +77,13 @@ def test_a_client_leaving_a_sliced_stream_is_charged_and_counted_once() -> None:
             request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 40, "stream": True}
             tenant = {"x-llmsched-tenant": "leaver"}
             url = r.url("/v1/completions")
+            # The third call answers nothing: the client leaves a slice that produced none.
+            third = asyncio.ensure_future(_third_slice_in_mode(r, "stall"))
             response = await r.client.post(url, json=request, headers=tenant)
             assert response.status == 200
             # Left at the third slice's call: two slices (8 tokens) have ended.
             await _leave_at_call(r, response, 3)
+            await third
             await asyncio.wait_for(engine.disconnected.wait(), 5)
             flow, tracker = r.gateway.flow, r.gateway.slice_tracker
             assert flow is not None and tracker is not None
@@ -178,5 +189,76 @@ def test_a_min_tokens_the_engine_would_refuse_goes_unsliced() -> None:
                 received = r.engines[0].received[-1].body
                 assert received["min_tokens"] == min_tokens and received["max_tokens"] == 16
             assert len(r.engines[0].received) == 2
+
+    run(body())
+
+
+async def _leave_after_chunks(r: Rig, response: aiohttp.ClientResponse, chunks: int) -> None:
+    """Reads ``response`` until ``chunks`` answer chunks came, then leaves."""
+    got = 0
+    while got < chunks:
+        line = await response.content.readline()
+        assert line, "the stream ended early"
+        if line.startswith(b"data: {"):
+            got += 1
+    response.close()
+
+
+def test_a_client_leaving_mid_slice_is_charged_the_tokens_of_that_slice() -> None:
+    """Probe 66: the client leaves after the 9th token, the first of the third slice: flow
+    control charges its 3 prompt tokens and all 9 (before: 3 + 8, the slices that ended;
+    the unsliced path charges every token streamed)."""
+
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES, flow=ONE_SLOT) as r:
+            engine = r.engines[0]
+            engine.mode = "slow"
+            engine.token_delay_s = 0.05
+            request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 40, "stream": True}
+            tenant = {"x-llmsched-tenant": "leaver"}
+            hang = asyncio.ensure_future(_third_slice_in_mode(r, "hang"))
+            response = await r.client.post(r.url("/v1/completions"), json=request, headers=tenant)
+            assert response.status == 200
+            await _leave_after_chunks(r, response, 9)
+            await hang
+            await asyncio.wait_for(engine.disconnected.wait(), 5)
+            flow, tracker = r.gateway.flow, r.gateway.slice_tracker
+            assert flow is not None and tracker is not None
+            await until(lambda: flow.running_count() == 0 and not len(tracker))
+            assert len(engine.received) == 3
+            assert _service(r, "leaver") == 3 + 9
+
+    run(body())
+
+
+def test_a_key_is_charged_the_tokens_of_the_slice_its_client_left() -> None:
+    """A 14-token bucket: 3 prompt tokens and the 9 output tokens sent leave 2, short of the
+    next 3-token prompt (charged only the 8 of the ended slices, 3 were left: served)."""
+
+    async def body() -> None:
+        key = "sk-leaver-0000002"
+        limits = {"tenant": "a", "tokens_per_s": 0.001, "burst_tokens": 14, "max_concurrent": 1}
+        auth = {"api_keys": {key: limits}}
+        async with rig(engines=1, answer_tokens=100, slices=SLICES, flow=ONE_SLOT, auth=auth) as r:
+            engine = r.engines[0]
+            engine.mode = "slow"
+            engine.token_delay_s = 0.05
+            request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 40, "stream": True}
+            as_key = {"Authorization": f"Bearer {key}"}
+            hang = asyncio.ensure_future(_third_slice_in_mode(r, "hang"))
+            response = await r.client.post(r.url("/v1/completions"), json=request, headers=as_key)
+            assert response.status == 200
+            await _leave_after_chunks(r, response, 9)
+            await hang
+            await asyncio.wait_for(engine.disconnected.wait(), 5)
+            engine.mode = "ok"
+            while True:
+                again = await r.complete([4, 5, 6], max_tokens=1, headers=as_key)
+                assert again.status == 429
+                reason = again.headers["x-llmsched-dropped-reason"]
+                if reason != "concurrency-limited":
+                    break
+                await asyncio.sleep(0.02)
+            assert reason == "rate-limited"
 
     run(body())

@@ -178,7 +178,9 @@ def test_other_cache_groups_and_extra_keys_are_skipped() -> None:
         ),
     )
     assert report["other_groups"] == 2
-    assert report["extra_keys"] == 2
+    # The image's block (content keys) and the salt-like key on a child block (a string
+    # the index cannot name) are skipped for different causes, counted apart.
+    assert (report["multimodal"], report["extra_keys"]) == (1, 1)
     assert report["blocks_stored"] == 4
     assert index.match_tokens(tokens).as_dict() == {"e": 1}
     assert index.match_tokens(tokens, lora="sql").as_dict() == {"e": 1}
@@ -263,3 +265,35 @@ def test_an_adapter_named_only_by_its_number_is_not_indexed_as_the_base_model() 
     assert (report["unknown_removed"], report["blocks_stored"], report["extra_keys"]) == (1, 2, 0)
     assert index.match_tokens(tokens).as_dict() == {"e": 1}
     assert index.match_tokens(tokens, lora="sql").as_dict() == {"e": 1}
+
+
+def test_extra_keys_and_multimodal_events_are_counted_apart_and_extra_keys_warned_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Probe 66: events skipped for extra keys the index cannot name (a LoRA adapter named
+    only by its number, string keys beside the LoRA name and a root's salt) were counted with
+    multimodal ones in one ``extra_keys`` and said nothing: each is a prefix hit lost that
+    configuration can cure. Now ``multimodal`` and ``extra_keys`` are apart, per worker in
+    ``stats()``, and the second is warned once per worker."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="llmsched")
+    index = PrefixIndex(block_size=16)
+    tokens = list(range(16))
+    image = stored([1], None, tokens, extra_keys=[[["image-hash", 0]]])
+    embeds = stored([2], None, tokens, extra_keys=[[b"\x01" * 32]])
+    numbered = stored([3], None, tokens, lora_id=3)
+    strings = stored([4], None, tokens, extra_keys=[["a", "b", "c"]])
+    report = index.apply_vllm_events("e", batch(image, embeds))
+    assert (report["multimodal"], report["extra_keys"]) == (2, 0)
+    assert [r for r in caplog.records if "extra keys" in r.getMessage()] == []
+    for _ in range(2):
+        report = index.apply_vllm_events("e", batch(numbered, strings))
+        assert (report["multimodal"], report["extra_keys"]) == (0, 2)
+    index.apply_vllm_events("f", batch(numbered))
+    stats = index.stats()
+    assert stats["multimodal"] == {"e": 2}
+    assert stats["extra_keys"] == {"e": 4, "f": 1} == index.extra_keys()
+    warned = [r.getMessage() for r in caplog.records if "extra keys" in r.getMessage()]
+    assert len(warned) == 2 and "'e'" in warned[0] and "'f'" in warned[1]
+    assert PrefixIndex(16).stats()["extra_keys"] == {}

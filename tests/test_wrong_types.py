@@ -353,6 +353,20 @@ ENTRIES = [
         index_structure,
     ),
     Entry(
+        "PrefixIndex.note_extra_keys",
+        lambda ix, **kw: ix.note_extra_keys(**kw),
+        {"worker": "w", "skipped": 1},
+        {"worker": "id", "skipped": "int"},
+        index_structure,
+    ),
+    Entry(
+        "PrefixIndex.note_multimodal",
+        lambda ix, **kw: ix.note_multimodal(**kw),
+        {"worker": "w", "skipped": 1},
+        {"worker": "id", "skipped": "int"},
+        index_structure,
+    ),
+    Entry(
         "PrefixIndex.expire",
         lambda ix, **kw: ix.expire(**kw),
         {"now": 1.0},

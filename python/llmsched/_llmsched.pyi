@@ -503,6 +503,9 @@ class SliceAssembler:
     def generated_tokens(self) -> int:
         """Output tokens over every slice."""
     @property
+    def produced_tokens(self) -> int:
+        """Output tokens so far, the slice in progress included."""
+    @property
     def generated_token_ids(self) -> list[int]:
         """Output token ids over every slice."""
     @property
@@ -1032,13 +1035,15 @@ class NativeKVEventSubscriber:
         index: PrefixIndex,
         engines: list[tuple[str, str, bool, str | None, str]],
         options: str,
-        on_mismatch: Callable[[str, int], None] | None = None,
+        on_mismatch: Callable[[str, int, int, int], None] | None = None,
         on_socket: Callable[[list[str], str, str, str | None], None] | None = None,
     ) -> NativeKVEventSubscriber:
         """A feed of `(worker, endpoint, bind, replay, topic)` engines into `index` with
-        `options` (JSON); `on_socket(workers, endpoint, action, error)` on each failure to
-        open a socket, once when it opens after failing (error None), and for the first peer
-        connection an endpoint drops (action `drop`); ConfigError naming the problem."""
+        `options` (JSON); `on_mismatch(worker, block_size_mismatch, extra_keys, multimodal)`
+        for a batch whose stored events were skipped for any of those causes;
+        `on_socket(workers, endpoint, action, error)` on each failure to open a socket, once
+        when it opens after failing (error None), and for the first peer connection an
+        endpoint drops (action `drop`); ConfigError naming the problem."""
     def start(self) -> None:
         """Starts the feed's thread."""
     def stop(self) -> None:
@@ -1076,14 +1081,16 @@ class NativeGateway:
         router: object | None = None,
         extra_metrics: Callable[[], str] | None = None,
         engines: Callable[[str, str], tuple[int, str]] | None = None,
+        block_size: Callable[[str, int], None] | None = None,
     ) -> NativeGateway:
         """Starts serving on `host:port` (0: any free port) with `config` (the JSON of the
         native gateway config), routing with `router` (an `llmsched.Router` or its native
         router; None: one built from `config`); `extra_metrics()` adds to `/metrics` (called
         with the GIL on each scrape of it); `engines(action, argument)` adds or removes an
         engine for the admin API (`"add"` with the request body, `"remove"` with the worker id)
-        and returns the status and JSON body to answer. Raises ConfigError naming the
-        problem."""
+        and returns the status and JSON body to answer; `block_size(worker, size)` is told
+        the KV block size an engine's `/metrics` gives (first seen, or changed). Raises
+        ConfigError naming the problem."""
     @property
     def host(self) -> str:
         """The address listened on."""

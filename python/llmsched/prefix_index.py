@@ -153,7 +153,7 @@ class PrefixIndex:
     16
     """
 
-    __slots__ = ("_lock", "_mismatch", "_native")
+    __slots__ = ("_extra_keys", "_lock", "_mismatch", "_multimodal", "_native")
 
     def __init__(
         self,
@@ -180,6 +180,9 @@ class PrefixIndex:
         _llmsched._share_between_threads(self)
         self._lock = threading.Lock()
         self._mismatch: dict[Worker, int] = {}  # stored events skipped for their size, by worker
+        # Stored events skipped for extra keys no request names / for content keys, by worker.
+        self._extra_keys: dict[Worker, int] = {}
+        self._multimodal: dict[Worker, int] = {}
 
     @classmethod
     def _wrap(cls, native: _llmsched.PrefixIndex) -> PrefixIndex:
@@ -437,8 +440,13 @@ class PrefixIndex:
         hash algorithm and seed never matter. A stored event whose parent is unknown, or a
         removal of an unknown block, is skipped and counted in the returned report, as are events
         of KV-cache groups other than group 0 (hybrid models repeat their events per group) and
-        stored blocks whose extra keys (multimodal inputs, a cache salt) make them more than their
-        tokens. A malformed payload raises MalformedEventError and changes nothing.
+        stored blocks whose extra keys no request's hashes can name: ``multimodal`` where a key
+        stands for content beside the tokens (images, prompt embeddings), ``extra_keys`` where
+        the keys are strings other than the LoRA name and a root block's cache salt (which the
+        index hashes as a request naming them is), or the adapter is named only by its number
+        (both counted per worker in :meth:`stats`; the second warned of, see
+        :meth:`note_extra_keys`). A malformed payload raises MalformedEventError and changes
+        nothing.
 
         An ``AllBlocksCleared`` for a worker holding more than 4,096 blocks is applied as
         :meth:`clear` does, in steps: the events up to it apply at once, the rest once the
@@ -450,6 +458,10 @@ class PrefixIndex:
         skipped = report["block_size_mismatch"]
         if skipped:
             self.note_block_size_mismatch(worker, skipped)
+        if report["extra_keys"]:
+            self.note_extra_keys(worker, report["extra_keys"])
+        if report["multimodal"]:
+            self.note_multimodal(worker, report["multimodal"])
         return report
 
     def note_block_size_mismatch(self, worker: Worker, skipped: int) -> None:
@@ -482,6 +494,60 @@ class PrefixIndex:
                 skipped,
             )
 
+    def note_extra_keys(self, worker: Worker, skipped: int) -> None:
+        """Counts stored events of ``worker`` skipped for extra keys no request's hashes can
+        name (``stats()['extra_keys']``: string keys other than the LoRA name and a root
+        block's cache salt, or an adapter named only by its ``lora_id``), warning the first
+        time for each worker: each is a prefix hit lost. :meth:`apply_vllm_events` calls it;
+        so does a feed that applies events natively.
+
+        >>> index = PrefixIndex(block_size=16)
+        >>> index.note_extra_keys("w", 2)
+        >>> index.extra_keys()
+        {'w': 2}
+        """
+        check_id("worker", worker)
+        check_int("skipped", skipped)
+        with self._lock:
+            first = worker not in self._extra_keys
+            self._extra_keys[worker] = self._extra_keys.get(worker, 0) + skipped
+        if first:
+            import logging  # only on this rare path: `import llmsched` stays light
+
+            logging.getLogger("llmsched").warning(
+                "prefix index: stored KV events of worker %r carry extra keys the index cannot "
+                "name (%d skipped so far, see stats()['extra_keys']): those blocks are never "
+                "matched. Send the LoRA adapter's name (vLLM 0.20 or later names it in its "
+                "events) and no keys beside it and a prompt's cache salt",
+                worker,
+                skipped,
+            )
+
+    def note_multimodal(self, worker: Worker, skipped: int) -> None:
+        """Counts stored events of ``worker`` skipped because their extra keys stand for
+        content beside their tokens (``stats()['multimodal']``: images, prompt embeddings).
+        Not warned of: no configuration makes them match a prompt's token hashes.
+
+        >>> index = PrefixIndex(block_size=16)
+        >>> index.note_multimodal("w", 1)
+        >>> index.stats()["multimodal"]
+        {'w': 1}
+        """
+        check_id("worker", worker)
+        check_int("skipped", skipped)
+        with self._lock:
+            self._multimodal[worker] = self._multimodal.get(worker, 0) + skipped
+
+    def extra_keys(self) -> dict[Worker, int]:
+        """``stats()['extra_keys']`` alone: per worker, the stored events skipped for extra keys
+        no request's hashes can name (see :meth:`note_extra_keys`).
+
+        >>> PrefixIndex(block_size=16).extra_keys()
+        {}
+        """
+        with self._lock:
+            return dict(self._extra_keys)
+
     def block_size_mismatch(self) -> dict[Worker, int]:
         """``stats()['block_size_mismatch']`` alone, without the rest of :meth:`stats`: per
         worker, the stored events skipped because the engine's block size is not a multiple of
@@ -510,12 +576,17 @@ class PrefixIndex:
         """Counts (workers, nodes, blocks, holdings, per-worker blocks) and estimated bytes;
         ``event_batches``: engine KV-event batches applied; ``block_size_mismatch``: per worker,
         the stored events skipped because the engine's block size is not a multiple of
-        :attr:`block_size` (a warning is logged the first time for each worker).
+        :attr:`block_size` (a warning is logged the first time for each worker);
+        ``extra_keys`` and ``multimodal``: per worker, the stored events skipped for extra keys
+        no request names (warned of, :meth:`note_extra_keys`) and for keys standing for content
+        beside the tokens (:meth:`note_multimodal`).
         """
         stats = self._native.stats()
         with self._lock:
             stats["event_batches"] = self._native.event_batches
             stats["block_size_mismatch"] = dict(self._mismatch)
+            stats["extra_keys"] = dict(self._extra_keys)
+            stats["multimodal"] = dict(self._multimodal)
         return stats
 
     def dumps(self) -> bytes:

@@ -814,6 +814,9 @@ class Scheduler:
         self._retry_after_s = retry_after_s
         self._engines: dict[EndpointId, _Engine] = {}
         self._drained: set[EndpointId] = set()
+        # The KV block size each engine's /metrics gave, and the (engine, size) pairs warned of.
+        self._engine_block_sizes: dict[EndpointId, int] = {}
+        self._block_sizes_warned: set[tuple[EndpointId, int]] = set()
         # Engines by (address, rank), kept as they change, so that a note on one address
         # under several ids costs each change O(1), not a pass over every engine.
         self._engine_place: dict[EndpointId, tuple[str, int]] = {}
@@ -1327,6 +1330,7 @@ class Scheduler:
                 flow=self.flow,
                 interval_s=self._scrape_interval_s,
                 timeout_s=self._scrape_timeout_s,
+                on_block_size=self.note_engine_block_size,
             )
             with self._feed_lock:
                 self._scraper = scraper
@@ -1614,7 +1618,108 @@ class Scheduler:
         >>> s.stats()["config_warnings"]
         1
         """
-        return [*self._warnings, *self._block_size_notes()]
+        return [
+            *self._warnings,
+            *self._block_size_notes(),
+            *self._engine_block_size_notes(),
+            *self._extra_keys_notes(),
+        ]
+
+    def note_engine_block_size(self, worker: EndpointId, block_size: int) -> None:
+        """Takes the KV block size ``worker``'s ``/metrics`` gives (vLLM's
+        ``vllm:cache_config_info``; the metrics scraper, or the native data plane's, calls it).
+        Where the engine's KV events feed the index and ``block_size`` is not a multiple of the
+        index's, every block it stores will be skipped (the index can split an engine block
+        only into whole blocks of its own) and its cache never matched: that is warned once
+        per engine and size through logging and listed in :attr:`warnings` (before the first
+        event shows it). Without KV events the index holds the router's own decisions, hashed
+        at its own block size, and the engine's size does not matter: nothing is said.
+
+        >>> from llmsched.integrations import EngineSpec
+        >>> spec = EngineSpec("h", 1, kv_events="tcp://h:5557")
+        >>> s = Scheduler([spec], router="round-robin", block_size=16)
+        >>> s.note_engine_block_size(spec.worker_id, 32)
+        >>> s.warnings
+        []
+        >>> s.note_engine_block_size(spec.worker_id, 24)
+        >>> [w[:46] for w in s.warnings]
+        ["engine 'h:1': its /metrics gives a KV block si"]
+        """
+        check_id("worker", worker)
+        _check_int("block_size", block_size, 1, 2**32 - 1)
+        with self._lock:
+            self._engine_block_sizes[worker] = block_size
+            bad = self._block_size_unmatched(worker, block_size)
+            first = bad and (worker, block_size) not in self._block_sizes_warned
+            if first:
+                self._block_sizes_warned.add((worker, block_size))
+        if first:
+            log.warning("%s", self._engine_block_size_note(worker, block_size))
+
+    def _block_size_unmatched(self, worker: EndpointId, block_size: int) -> bool:
+        """Whether an engine's block size makes its KV events unusable by the index: its
+        events feed the index and the index cannot split its blocks into whole ones."""
+        engine = self._engines.get(worker)
+        if engine is None or engine.spec is None or not engine.spec.kv_events:
+            return False
+        return self._kv_events and block_size % self.index.block_size != 0
+
+    def _engine_block_size_note(self, worker: EndpointId, block_size: int) -> str:
+        size = self.index.block_size
+        return (
+            f"engine {worker!r}: its /metrics gives a KV block size of {block_size} tokens, not a "
+            f"multiple of the index's {size}: every block its KV events store is skipped, so "
+            f"its cache is never matched; start the engine with vLLM's --block-size a multiple "
+            f"of {size} (or give the index a block size that divides {block_size})"
+        )
+
+    def _engine_block_size_notes(self) -> list[str]:
+        """One note per engine whose scraped block size the index cannot split, unless its
+        skipped events already say so (:meth:`_block_size_notes`)."""
+        skipped = self.index.block_size_mismatch()
+        with self._lock:
+            sizes = sorted(self._engine_block_sizes.items(), key=lambda item: str(item[0]))
+            return [
+                self._engine_block_size_note(worker, size)
+                for worker, size in sizes
+                if worker not in skipped and self._block_size_unmatched(worker, size)
+            ]
+
+    def _extra_keys_notes(self) -> list[str]:
+        """One note per engine whose KV events the index skipped for their extra keys."""
+        skipped = self.index.extra_keys()
+        return [
+            f"engine {worker!r}: {count} stored KV events skipped for extra keys the index "
+            "cannot name (a LoRA adapter named only by its number, or keys beside the LoRA "
+            "name and a prompt's cache salt), so those blocks are never matched; send the "
+            "adapter's name (vLLM 0.20 or later) and no other keys"
+            for worker, count in sorted(skipped.items(), key=lambda item: str(item[0]))
+            if worker in self._engines
+        ]
+
+    def engine_block_sizes(self) -> dict[EndpointId, int]:
+        """The KV block size each engine's ``/metrics`` gave (see
+        :meth:`note_engine_block_size`).
+
+        >>> Scheduler(["a"], router="round-robin").engine_block_sizes()
+        {}
+        """
+        with self._lock:
+            return dict(self._engine_block_sizes)
+
+    def engine_block_size_mismatch(self) -> dict[EndpointId, int]:
+        """The engines whose scraped KV block size makes their KV events unusable by the index
+        (their events feed it and the index cannot split their blocks), with that size.
+
+        >>> Scheduler(["a"], router="round-robin").engine_block_size_mismatch()
+        {}
+        """
+        with self._lock:
+            return {
+                worker: size
+                for worker, size in self._engine_block_sizes.items()
+                if self._block_size_unmatched(worker, size)
+            }
 
     def _block_size_notes(self) -> list[str]:
         """One note per engine whose KV events were skipped for their block size."""

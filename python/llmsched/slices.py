@@ -756,6 +756,21 @@ class SliceAssembler:
         return self._native.generated_tokens
 
     @property
+    def produced_tokens(self) -> int:
+        """Output tokens the engine produced so far: :attr:`generated_tokens` and what it
+        streamed of the slice in progress (its token ids, its usage, else one token per
+        streamed choice, as the gateway counts an unsliced stream). What a client leaving
+        mid-slice is charged.
+
+        >>> asm = SliceAssembler({"prompt": [1], "max_tokens": 8})
+        >>> _ = asm.next_request(4)
+        >>> _ = asm.feed({"choices": [{"index": 0, "text": "a", "token_ids": [5]}]})
+        >>> asm.generated_tokens, asm.produced_tokens
+        (0, 1)
+        """
+        return self._native.produced_tokens
+
+    @property
     def generated_token_ids(self) -> list[int]:
         """Output token ids over all slices, when the engine returned them."""
         return self._native.generated_token_ids

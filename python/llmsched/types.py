@@ -111,6 +111,13 @@ class IndexStats(TypedDict):
     block_size_mismatch: dict[WorkerId, int]
     """Per worker, stored events skipped because the engine's block size is not a multiple of
     the index's (a warning is logged the first time for each worker)."""
+    extra_keys: dict[WorkerId, int]
+    """Per worker, stored events skipped for extra keys no request's hashes can name
+    (:class:`ApplyReport`'s ``extra_keys``; a warning is logged the first time for each
+    worker)."""
+    multimodal: dict[WorkerId, int]
+    """Per worker, stored events skipped because their extra keys stand for content beside
+    their tokens (multimodal inputs, prompt embeddings; counted, not warned of)."""
 
 
 class ApplyReport(TypedDict):
@@ -130,8 +137,13 @@ class ApplyReport(TypedDict):
     other_groups: int
     """Events of a KV-cache group other than the first (ignored)."""
     extra_keys: int
-    """Blocks stored with extra keys (multimodal, LoRA...) the index cannot hash, or for a LoRA
-    adapter named only by its ``lora_id`` (vLLM before 0.20)."""
+    """Stored events skipped for extra keys no request's hashes can name, though the blocks'
+    content is their tokens: strings other than the LoRA name and a root block's cache salt
+    (a LoRA name the event does not give, an older engine's keys), or a LoRA adapter named
+    only by its ``lora_id`` (vLLM before 0.20). A routing miss the index warns of."""
+    multimodal: int
+    """Stored events skipped because their blocks' extra keys stand for content beside their
+    tokens (multimodal inputs, prompt embeddings): no prompt's hashes can match them."""
 
 
 ReportKey = Literal[
@@ -146,6 +158,7 @@ ReportKey = Literal[
     "unknown_events",
     "other_groups",
     "extra_keys",
+    "multimodal",
 ]
 """A key of :class:`ApplyReport`."""
 
@@ -174,6 +187,7 @@ class BlockStoredDict(TypedDict):
     has_extra_keys: list[bool]
     cache_salt: str | None
     opaque_extra_keys: bool
+    content_extra_keys: bool
     group_idx: int | None
     kv_cache_spec_kind: str | None
     kv_cache_spec_sliding_window: int | None

@@ -19,7 +19,10 @@ Decisions worth knowing (the Rust module ``vllm_events`` documents all of them):
   such a block's cache content depends on more than its tokens (images, LoRA, cache salt);
   ``cache_salt`` is the salt vLLM hashed into a root event's first block (its one string key
   beside the LoRA name), and ``opaque_extra_keys`` is true when any key is more than the LoRA
-  name and that salt (multimodal inputs, prompt embeddings): the index skips such events;
+  name and that salt: the index skips such events. ``content_extra_keys`` (implying it) is true
+  when a key is not a string (multimodal inputs' ``(identifier, offset)`` pairs,
+  prompt-embedding digests): the index counts those apart (``multimodal``) from strings it
+  cannot explain (``extra_keys``);
 * a malformed payload raises :class:`~llmsched.errors.MalformedEventError` naming the byte offset;
   hostile declared lengths or nesting cannot make the decoder allocate beyond the payload's size.
 
@@ -45,7 +48,7 @@ def decode_vllm_events(payload: bytes | bytearray | memoryview) -> EventBatchDic
     (int or None), ``unknown_events`` (int) and ``events``: dicts tagged by ``type``. A
     ``BlockStored`` dict holds ``block_hashes``, ``parent_block_hash``, ``token_ids``,
     ``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``has_extra_keys``, ``cache_salt``,
-    ``opaque_extra_keys``, ``group_idx``, ``kv_cache_spec_kind`` and
+    ``opaque_extra_keys``, ``content_extra_keys``, ``group_idx``, ``kv_cache_spec_kind`` and
     ``kv_cache_spec_sliding_window``; a ``BlockRemoved`` dict
     ``block_hashes``, ``medium`` and ``group_idx``; an ``AllBlocksCleared`` dict only its type.
 

@@ -93,6 +93,12 @@ pub struct BlockStored {
     /// cache salt (multimodal inputs, prompt embeddings, keys of an older engine): the
     /// content of such blocks is not their tokens, so no prompt's hashes can name them.
     pub opaque_extra_keys: bool,
+    /// True where some block's extra keys stand for content beside its tokens: a key that is
+    /// not a string (vLLM's `(identifier, offset)` pairs of multimodal inputs, prompt-embedding
+    /// digests) or an entry that is not an array. Implies `opaque_extra_keys`; false where
+    /// the keys are only strings the index cannot explain (an older engine's multimodal
+    /// hashes among them: they are strings).
+    pub content_extra_keys: bool,
     /// The KV-cache group (hybrid models keep one group per attention kind), if sent.
     pub group_idx: Option<u32>,
     /// The group's cache kind, e.g. "full_attention" or "sliding_window", if sent.
@@ -122,6 +128,7 @@ impl Default for BlockStored {
             has_extra_keys: Vec::new(),
             cache_salt: None,
             opaque_extra_keys: false,
+            content_extra_keys: false,
             group_idx: None,
             kv_cache_spec_kind: None,
             kv_cache_spec_sliding_window: None,

@@ -38,7 +38,11 @@
 //!   string keys are read (a str that is not UTF-8 counts as an opaque key, never an error),
 //!   so that keys that are only the LoRA name and a root block's salt are explained
 //!   ([`BlockStored::cache_salt`]) and any other marks the event
-//!   ([`BlockStored::opaque_extra_keys`]): such a block's cache content is not its tokens.
+//!   ([`BlockStored::opaque_extra_keys`]): no request's hashes can name such a block. A key
+//!   that is not a string (a pair, bytes, a number) or an entry that is not an array stands
+//!   for content beside the tokens ([`BlockStored::content_extra_keys`]: multimodal inputs,
+//!   prompt embeddings); strings that are not explained are keys of another kind (an
+//!   older engine's, a LoRA name the event does not give), counted apart by the index.
 //! - The batch itself is also accepted as a map `{"ts", "events", "data_parallel_rank"}` (msgspec
 //!   writes that if the struct is not declared `array_like`), and as a 2-element array (dp_rank
 //!   omitted as a default); elements past the third are skipped.
@@ -341,10 +345,14 @@ fn read_block_hashes(reader: &mut Reader<'_>) -> Result<Vec<u64>> {
 enum BlockKeys<'a> {
     /// nil: none.
     None,
-    /// An array of (up to two) strings: their count and the first two.
+    /// An array of up to two UTF-8 strings: their count and the first two.
     Strings(u8, &'a str, &'a str),
-    /// Anything else (pairs, bytes, numbers, more strings, a value other than an array).
-    Opaque,
+    /// An array of strings only, but more than two of them or one that is not UTF-8.
+    OtherStrings,
+    /// Anything else (pairs, bytes, numbers, a value other than an array): keys that stand
+    /// for content, such as multimodal inputs' `(identifier, offset)` pairs and
+    /// prompt-embedding digests.
+    Content,
 }
 
 /// Reads `extra_keys`: nil, or one entry per block.
@@ -373,18 +381,19 @@ fn read_block_keys<'a>(reader: &mut Reader<'a>) -> Result<BlockKeys<'a>> {
     // Checked whole first, as every skipped value is (nesting bounded); an array read again.
     reader.skip_value(WHAT)?;
     if !array {
-        return Ok(BlockKeys::Opaque);
+        return Ok(BlockKeys::Content);
     }
     reader.rewind_to(start);
     classify_block_keys(reader)
 }
 
-/// A checked array entry: its strings, or opaque (read to its end).
+/// A checked array entry: its strings, or content (read to its end).
 fn classify_block_keys<'a>(reader: &mut Reader<'a>) -> Result<BlockKeys<'a>> {
     const WHAT: &str = "extra_keys entry";
     let len = reader.array_len(WHAT)?;
     let mut strings = (0u8, "", "");
-    let mut opaque = len > 2;
+    let mut other = len > 2;
+    let mut content = false;
     for _ in 0..len {
         let item = reader.position();
         let text = match reader.str_bytes(WHAT) {
@@ -392,30 +401,42 @@ fn classify_block_keys<'a>(reader: &mut Reader<'a>) -> Result<BlockKeys<'a>> {
             Err(_) => {
                 reader.rewind_to(item);
                 reader.skip_value_unbounded(WHAT)?;
-                None
+                content = true;
+                continue;
             }
         };
         match (text, strings.0) {
             (Some(text), 0) => strings = (1, text, ""),
             (Some(text), 1) => strings = (2, strings.1, text),
-            _ => opaque = true,
+            _ => other = true,
         }
     }
-    Ok(if opaque { BlockKeys::Opaque } else { BlockKeys::Strings(strings.0, strings.1, strings.2) })
+    Ok(if content {
+        BlockKeys::Content
+    } else if other {
+        BlockKeys::OtherStrings
+    } else {
+        BlockKeys::Strings(strings.0, strings.1, strings.2)
+    })
 }
 
-/// What the blocks' extra keys say: the cache salt of a root block, and whether any key is
-/// more than the LoRA name and that salt.
+/// What the blocks' extra keys say: the cache salt of a root block, whether any key is more
+/// than the LoRA name and that salt, and whether any stands for content (not a string).
 fn explain_extra_keys<'a>(
     blocks: &[BlockKeys<'a>],
     lora_name: Option<&str>,
     root: bool,
-) -> (Option<&'a str>, bool) {
+) -> (Option<&'a str>, bool, bool) {
     let mut salt = None;
+    let mut opaque = false;
     for (i, keys) in blocks.iter().enumerate() {
         let (count, first, second) = match *keys {
             BlockKeys::None => continue,
-            BlockKeys::Opaque => return (None, true),
+            BlockKeys::Content => return (None, true, true),
+            BlockKeys::OtherStrings => {
+                opaque = true;
+                continue;
+            }
             BlockKeys::Strings(count, first, second) => (count, first, second),
         };
         // vLLM writes the LoRA name first, the salt last.
@@ -426,10 +447,14 @@ fn explain_extra_keys<'a>(
         match rest {
             0 => {}
             1 if i == 0 && root => salt = Some(rest_first),
-            _ => return (None, true),
+            _ => opaque = true,
         }
     }
-    (salt, false)
+    if opaque {
+        (None, true, false)
+    } else {
+        (salt, false, false)
+    }
 }
 
 /// `BlockStored` fields in declaration order (vLLM's `BlockStored` class); `Ignored` covers the later
@@ -584,7 +609,7 @@ impl<'a> StoredFields<'a> {
             }
         }
         let extra = self.extra_keys.unwrap_or_default();
-        let (cache_salt, opaque_extra_keys) =
+        let (cache_salt, opaque_extra_keys, content_extra_keys) =
             explain_extra_keys(&extra, self.lora_name, self.parent_block_hash.is_none());
         Ok(BlockStored {
             medium: parse_tier(reader, self.medium_at, self.medium)?,
@@ -597,6 +622,7 @@ impl<'a> StoredFields<'a> {
             has_extra_keys: extra.iter().map(|keys| *keys != BlockKeys::None).collect(),
             cache_salt: cache_salt.map(str::to_owned),
             opaque_extra_keys,
+            content_extra_keys,
             group_idx: self.group_idx,
             kv_cache_spec_kind: self.spec_kind.map(str::to_owned),
             kv_cache_spec_sliding_window: self.sliding_window,

@@ -214,7 +214,7 @@ fn array_encoding_with_every_field_and_trailing_extras() {
     assert_eq!(stored.lora_name.as_deref(), Some("adapter-a"));
     assert_eq!(stored.has_extra_keys, vec![true]);
     assert!(stored.any_extra_keys());
-    assert!(stored.opaque_extra_keys);
+    assert!(stored.opaque_extra_keys && stored.content_extra_keys);
     assert_eq!(stored.group_idx, Some(1));
     assert_eq!(stored.kv_cache_spec_kind.as_deref(), Some("sliding_window"));
     assert_eq!(stored.kv_cache_spec_sliding_window, Some(128));
@@ -366,7 +366,10 @@ fn extra_keys_of_a_lora_name_and_a_root_salt_are_explained() {
     ];
     for (i, event) in opaque.iter().enumerate() {
         assert!(event.opaque_extra_keys && event.cache_salt.is_none(), "{i}: {event:?}");
+        // Strings only (the first five) are keys of another kind; the rest stand for content.
+        assert_eq!(event.content_extra_keys, i >= 5, "{i}: {event:?}");
     }
+    assert!(![&salted, &both].iter().any(|e| e.content_extra_keys) && !lora.content_extra_keys);
     // A str key that is not UTF-8 is an opaque key, not a decoding error.
     let event = Value::Array(vec![
         s("BlockStored"),
@@ -386,6 +389,7 @@ fn extra_keys_of_a_lora_name_and_a_root_salt_are_explained() {
         panic!("not a stored event")
     };
     assert!(stored.opaque_extra_keys && stored.cache_salt.is_none());
+    assert!(!stored.content_extra_keys, "a string key, though not UTF-8");
 }
 
 #[test]
@@ -704,6 +708,7 @@ fn stored_event() -> impl Strategy<Value = BlockStored> {
                         lora_id,
                         // Written as ["mm", 1]: a multimodal key, opaque.
                         opaque_extra_keys: extra.contains(&true),
+                        content_extra_keys: extra.contains(&true),
                         cache_salt: None,
                         has_extra_keys: extra,
                         group_idx: group,

@@ -389,6 +389,8 @@ struct Upstream {
     parked: Mutex<Option<Endpoint>>,
     /// Whether its last metrics scrape failed (such an engine is not routable).
     scrape_failed: std::sync::atomic::AtomicBool,
+    /// The KV block size its `/metrics` last gave (`vllm:cache_config_info`; 0: none yet).
+    block_size: std::sync::atomic::AtomicU32,
 }
 
 #[derive(Default)]
@@ -420,6 +422,7 @@ struct Gateway {
     admin: Option<[u8; 32]>,
     extra_metrics: Option<ExtraMetrics>,
     engines_hook: Option<admin::EnginesHook>,
+    block_size_hook: Option<BlockSizeHook>,
     /// Woken when an engine leaves routing or its scrape fails (queued requests then check
     /// whether any engine is left).
     routing_changed: tokio::sync::Notify,
@@ -461,12 +464,20 @@ const LOCATE_TIMEOUT_S: f64 = 2.0;
 /// KV-event counters); called on each scrape of `/metrics` only.
 pub type ExtraMetrics = Arc<dyn Fn() -> String + Send + Sync>;
 
+/// Called with an engine's worker id and the KV block size its `/metrics` gives
+/// (`vllm:cache_config_info`), on the first scrape that gives one and whenever it changes, on
+/// a blocking thread: the embedder compares it with the index's where that matters (an
+/// engine whose KV events feed the index).
+pub type BlockSizeHook = Arc<dyn Fn(&str, u32) + Send + Sync>;
+
 /// What an embedding program (`llmsched serve`) lends the gateway: none is on the request
 /// path.
 #[derive(Clone, Default)]
 pub struct Hooks {
     /// More `/metrics` text.
     pub extra_metrics: Option<ExtraMetrics>,
+    /// The engines' KV block sizes, as scraped.
+    pub block_size: Option<BlockSizeHook>,
     /// Adds and removes engines for the admin API (the embedder owns the engine set).
     pub engines: Option<admin::EnginesHook>,
 }
@@ -547,6 +558,7 @@ fn upstream(entry: &EngineEntry, config: &GatewayConfig) -> Result<Upstream, Con
         health: Mutex::new(health::Health::default()),
         parked: Mutex::new(None),
         scrape_failed: std::sync::atomic::AtomicBool::new(false),
+        block_size: std::sync::atomic::AtomicU32::new(0),
     })
 }
 
@@ -729,6 +741,7 @@ fn build(
         admin: config.admin.as_ref().map(|a| admin::digest(&a.token)),
         extra_metrics: hooks.extra_metrics,
         engines_hook: hooks.engines,
+        block_size_hook: hooks.block_size,
         routing_changed: tokio::sync::Notify::new(),
         suspect: tokio::sync::Notify::new(),
         hashes_prompts: config.record_unread_prefixes
@@ -1180,6 +1193,13 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
             let now = monotonic();
             let update = scraped.update;
             let _ = gateway.router().pool().update_metrics(&upstream.key, update, now);
+            if let Some(size) = scraped.block_size.filter(|&size| size > 0) {
+                let before = upstream.block_size.swap(size, Ordering::Relaxed);
+                if let Some(hook) = gateway.block_size_hook.clone().filter(|_| before != size) {
+                    let worker = upstream.id.clone();
+                    tokio::task::spawn_blocking(move || hook(&worker, size));
+                }
+            }
             if let Some(loras) = scraped.loras {
                 // The adapters it runs and waits on (`vllm:lora_requests_info`), what the LoRA
                 // filters and scorers read.

@@ -170,9 +170,10 @@ impl SlicedRequest {
     }
 
     /// Hands the tokens not yet charged to flow control's slot and every token to the key's
-    /// limiter (both charge them when dropped).
+    /// limiter (both charge them when dropped): those of the slice in progress too, streamed
+    /// before a client left, as the unsliced path charges a stream its client left.
     fn settle(&mut self) {
-        let generated = self.assembler.generated_tokens();
+        let generated = self.assembler.produced_tokens();
         if let Some(slot) = self.guards.slot.as_mut() {
             slot.output_tokens = generated - self.charged;
         }
@@ -597,7 +598,7 @@ impl Gateway {
             Action::Yield if run.guards.slot.is_some() => {
                 run.settle();
                 run.guards.slot = None; // the slot goes back, charged
-                run.charged = run.assembler.generated_tokens();
+                run.charged = run.assembler.produced_tokens();
                 let Some(flow) = &self.flow else {
                     return Ok(u64::from(decision.next_slice_tokens));
                 };

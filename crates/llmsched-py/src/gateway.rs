@@ -12,7 +12,9 @@ use llmsched_gateway::conversation::ContentFormat;
 use llmsched_gateway::tokcache::{CacheStats, DEFAULT_CAPACITY};
 use llmsched_gateway::tokenize::{PromptProblem, PromptTokenizer};
 use llmsched_gateway::truncation::Truncation;
-use llmsched_gateway::{EngineEntry, ExtraMetrics, GatewayConfig, Hooks, RouterSource, Running};
+use llmsched_gateway::{
+    BlockSizeHook, EngineEntry, ExtraMetrics, GatewayConfig, Hooks, RouterSource, Running,
+};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -53,10 +55,15 @@ impl PyNativeGateway {
     /// returns more `/metrics` text (called, with the GIL, on each scrape of `/metrics`);
     /// `engines(action, argument)` adds (`"add"`, the request body) or removes (`"remove"`,
     /// the worker id) an engine for the admin API and returns the status and JSON body to
-    /// answer (called, with the GIL, on a blocking thread, per such admin call only).
-    /// Raises ConfigError naming the problem.
+    /// answer (called, with the GIL, on a blocking thread, per such admin call only);
+    /// `block_size(worker, size)` is told the KV block size an engine's `/metrics` gives, on
+    /// the first scrape that gives one and when it changes (with the GIL, on a blocking
+    /// thread). Raises ConfigError naming the problem.
     #[new]
-    #[pyo3(signature = (config, host, port, router=None, extra_metrics=None, engines=None))]
+    #[pyo3(signature = (
+        config, host, port, router=None, extra_metrics=None, engines=None, block_size=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         config: &str,
@@ -65,7 +72,16 @@ impl PyNativeGateway {
         router: Option<&Bound<'_, PyAny>>,
         extra_metrics: Option<Py<PyAny>>,
         engines: Option<Py<PyAny>>,
+        block_size: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        let block_size: Option<BlockSizeHook> = block_size.map(|callable| {
+            Arc::new(move |worker: &str, size: u32| {
+                Python::attach(|py| {
+                    // A failing warning must not stop the scrape.
+                    let _ = callable.call1(py, (worker, size));
+                });
+            }) as BlockSizeHook
+        });
         let engines: Option<EnginesHook> = engines.map(|callable| {
             Arc::new(move |action: &str, argument: &str| {
                 Python::attach(|py| {
@@ -107,7 +123,7 @@ impl PyNativeGateway {
                 .map_err(|e| format!("listen.host: cannot resolve {host:?}: {e}"))?
                 .next()
                 .ok_or_else(|| format!("listen.host: {host:?} has no address"))?;
-            let hooks = Hooks { extra_metrics: extra, engines };
+            let hooks = Hooks { extra_metrics: extra, engines, block_size };
             llmsched_gateway::spawn(addr, config, source, hooks).map_err(|e| e.to_string())
         })?;
         let running = started.map_err(ConfigError::new_err)?;

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use llmsched_core::prefix_index::ApplyReport;
 use llmsched_gateway::kv_events::{
     Counts, KvEngine, KvFeed, KvOptions, MismatchHook, SocketHook, SocketReport,
 };
@@ -38,8 +39,9 @@ fn unknown(worker: &str) -> PyErr {
 impl PyKvFeed {
     /// A feed into `index` of `engines` (`(worker, endpoint, bind, replay, topic)` tuples)
     /// with `options` (JSON of `llmsched_gateway::kv_events::KvOptions`); `on_mismatch(worker,
-    /// skipped)` is called, with the GIL, for a batch whose stored events were skipped for
-    /// their block size (never while the sizes agree); `on_socket(workers, endpoint, action,
+    /// block_size_mismatch, extra_keys, multimodal)` is called, with the GIL, for a batch
+    /// whose stored events were skipped for their block size, for extra keys no request names
+    /// or for keys standing for content (the counts of each; never for a batch with none); `on_socket(workers, endpoint, action,
     /// error)` each time opening a socket fails (`action` `bind` or `connect`, `error` what
     /// the OS or ZMQ said), once when it opens after failing (`error` None), and for the first
     /// peer connection an endpoint drops (`action` `drop`, `error` why), and for an engine's
@@ -67,10 +69,11 @@ impl PyKvFeed {
             })
             .collect();
         let hook = on_mismatch.map(|callable| {
-            Arc::new(move |worker: &str, skipped: u64| {
+            Arc::new(move |worker: &str, report: &ApplyReport| {
+                let counts = (report.block_size_mismatch, report.extra_keys, report.multimodal);
                 Python::attach(|py| {
                     // A failing warning must not stop the feed.
-                    let _ = callable.call1(py, (worker, skipped));
+                    let _ = callable.call1(py, (worker, counts.0, counts.1, counts.2));
                 });
             }) as MismatchHook
         });

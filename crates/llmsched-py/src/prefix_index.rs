@@ -666,6 +666,7 @@ fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyD
         ("unknown_events", r.unknown_events),
         ("other_groups", r.other_groups),
         ("extra_keys", r.extra_keys),
+        ("multimodal", r.multimodal),
     ];
     let (template, keys) = TEMPLATE.get_or_try_init(py, || -> PyResult<_> {
         let d = PyDict::new(py);

@@ -437,6 +437,11 @@ impl PySliceAssembler {
     }
 
     #[getter]
+    fn produced_tokens(&self) -> u64 {
+        self.inner.lock().produced_tokens()
+    }
+
+    #[getter]
     fn generated_token_ids(&self) -> Vec<u32> {
         self.inner.lock().generated_token_ids().to_vec()
     }

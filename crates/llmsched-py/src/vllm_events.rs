@@ -48,6 +48,7 @@ fn fill_stored(dict: &Bound<'_, PyDict>, stored: &BlockStored) -> PyResult<()> {
     dict.set_item("has_extra_keys", &stored.has_extra_keys)?;
     dict.set_item("cache_salt", stored.cache_salt.as_deref())?;
     dict.set_item("opaque_extra_keys", stored.opaque_extra_keys)?;
+    dict.set_item("content_extra_keys", stored.content_extra_keys)?;
     dict.set_item("group_idx", stored.group_idx)?;
     dict.set_item("kv_cache_spec_kind", stored.kv_cache_spec_kind.as_deref())?;
     dict.set_item("kv_cache_spec_sliding_window", stored.kv_cache_spec_sliding_window)?;

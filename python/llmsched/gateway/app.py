@@ -407,6 +407,7 @@ class Gateway:
             kv_failing=self._kv_failing,
             kubernetes=None if self.kubernetes is None else self.kubernetes.stats,
             config_warnings=lambda: len(self.scheduler.warnings),
+            engine_block_sizes=self.scheduler.engine_block_size_mismatch,
         )
         self._bodies = _BodyBudget(cfg.limits.max_body_bytes_in_flight)
         self.metrics.body_bytes_in_flight.set_function(lambda: self._bodies.held)
@@ -1231,7 +1232,7 @@ class Gateway:
                 return await sliced.run(request)
             finally:
                 slot.admission, slot.output_tokens = sliced.admission, sliced.uncharged_tokens()
-                slot.key_tokens = sliced.asm.generated_tokens
+                slot.key_tokens = sliced.asm.produced_tokens
         first = None
         previous = incoming.payload.get("previous_response_id") if route == "responses" else None
         if isinstance(previous, str):

@@ -70,6 +70,7 @@ class GatewayMetrics:
         kv_failing: Callable[[], Mapping[str, str]] | None = None,
         kubernetes: Callable[[], PodDiscoveryStats] | None = None,
         config_warnings: Callable[[], int] | None = None,
+        engine_block_sizes: Callable[[], Mapping[Any, int]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -237,6 +238,8 @@ class GatewayMetrics:
                     _config_metrics(
                         0 if config_warnings is None else config_warnings(),
                         index.block_size_mismatch(),
+                        index.extra_keys(),
+                        {} if engine_block_sizes is None else engine_block_sizes(),
                     )
                 )
             )
@@ -388,9 +391,16 @@ def _cluster_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
     yield family
 
 
-def _config_metrics(warnings: int, block_size_mismatch: Mapping[Any, int]) -> Iterator[Metric]:
-    """``llmsched_gateway_config_warnings`` and
-    ``llmsched_gateway_index_block_size_mismatch_total`` (by engine)."""
+def _config_metrics(
+    warnings: int,
+    block_size_mismatch: Mapping[Any, int],
+    extra_keys: Mapping[Any, int],
+    engine_block_sizes: Mapping[Any, int],
+) -> Iterator[Metric]:
+    """``llmsched_gateway_config_warnings``,
+    ``llmsched_gateway_index_block_size_mismatch_total``,
+    ``llmsched_gateway_index_extra_keys_total`` and
+    ``llmsched_gateway_engine_block_size_mismatch`` (by engine)."""
     yield GaugeMetricFamily(
         f"{PREFIX}_config_warnings",
         "Notes about a configuration that will route badly, each logged once (logger llmsched) "
@@ -406,21 +416,54 @@ def _config_metrics(warnings: int, block_size_mismatch: Mapping[Any, int]) -> It
     for worker, count in sorted(block_size_mismatch.items(), key=lambda item: str(item[0])):
         skipped.add_metric([str(worker)], count)
     yield skipped
+    keyed = CounterMetricFamily(
+        f"{PREFIX}_index_extra_keys",
+        "Stored KV events skipped for extra keys the index cannot name (a LoRA adapter named "
+        "only by its number, keys beside the LoRA name and a prompt's cache salt): those "
+        "blocks are never matched",
+        labels=["engine"],
+    )
+    for worker, count in sorted(extra_keys.items(), key=lambda item: str(item[0])):
+        keyed.add_metric([str(worker)], count)
+    yield keyed
+    sizes = GaugeMetricFamily(
+        f"{PREFIX}_engine_block_size_mismatch",
+        "The KV block size an engine's /metrics gives, where its KV events feed the index and "
+        "that size is not a multiple of the gateway's block_size (its cache is never matched)",
+        labels=["engine"],
+    )
+    for worker, size in sorted(engine_block_sizes.items(), key=lambda item: str(item[0])):
+        sizes.add_metric([str(worker)], size)
+    yield sizes
 
 
-def config_metrics_text(warnings: int, block_size_mismatch: Mapping[Any, int]) -> str:
-    """``llmsched_gateway_config_warnings`` (the scheduler's warnings) and
-    ``llmsched_gateway_index_block_size_mismatch_total`` (the index's skipped events by
-    engine), as exposition text (the native plane appends it to its ``/metrics``).
+def config_metrics_text(
+    warnings: int,
+    block_size_mismatch: Mapping[Any, int],
+    *,
+    extra_keys: Mapping[Any, int] | None = None,
+    engine_block_sizes: Mapping[Any, int] | None = None,
+) -> str:
+    """``llmsched_gateway_config_warnings`` (the scheduler's warnings),
+    ``llmsched_gateway_index_block_size_mismatch_total`` and
+    ``llmsched_gateway_index_extra_keys_total`` (the index's skipped events by engine) and
+    ``llmsched_gateway_engine_block_size_mismatch`` (engines whose scraped KV block size the
+    index cannot split, while their KV events feed it), as exposition text (the native plane
+    appends it to its ``/metrics``).
 
-    >>> text = config_metrics_text(1, {"e0": 3})
+    >>> text = config_metrics_text(1, {"e0": 3}, extra_keys={"e1": 2})
     >>> "llmsched_gateway_config_warnings 1.0" in text
     True
     >>> 'llmsched_gateway_index_block_size_mismatch_total{engine="e0"} 3.0' in text
     True
+    >>> 'llmsched_gateway_index_extra_keys_total{engine="e1"} 2.0' in text
+    True
     """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(_config_metrics(warnings, block_size_mismatch))))
+    families = _config_metrics(
+        warnings, block_size_mismatch, extra_keys or {}, engine_block_sizes or {}
+    )
+    registry.register(_Families(list(families)))
     return generate_latest(registry).decode()
 
 

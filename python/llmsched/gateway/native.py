@@ -411,6 +411,7 @@ class NativeGateway:
                 self.router,
                 self._extra_metrics,
                 self._admin_engines if cfg.admin.enabled else None,
+                self.scheduler.note_engine_block_size,
             )
         except BaseException:
             await self.scheduler.stop()
@@ -504,7 +505,10 @@ class NativeGateway:
         cluster = "" if self.cluster is None else cluster_metrics_text(self.cluster.stats())
         cluster += model_check_metrics_text(self.model_check.findings())
         cluster += config_metrics_text(
-            len(self.scheduler.warnings), self.index.block_size_mismatch()
+            len(self.scheduler.warnings),
+            self.index.block_size_mismatch(),
+            extra_keys=self.index.extra_keys(),
+            engine_block_sizes=self.scheduler.engine_block_size_mismatch(),
         )
         if self.kubernetes is not None:
             cluster += kubernetes_metrics_text(self.kubernetes.stats())

@@ -171,8 +171,9 @@ class SlicedRequest:
             self.tracker.remove(self.request_id)
 
     def uncharged_tokens(self) -> int:
-        """Output tokens not yet charged to the tenant in flow control."""
-        return self.asm.generated_tokens - self._charged
+        """Output tokens not yet charged to the tenant in flow control: the slice in progress
+        included (what a client that left mid-slice had been sent and the engine produced)."""
+        return self.asm.produced_tokens - self._charged
 
     def _paused(self) -> bool:
         state = self.tracker.state(self.request_id)
@@ -312,7 +313,7 @@ class SlicedRequest:
             # Give the slot back; the continuation queues again like a new request would
             # (its admission needs its size only: the slice's prompt is built afterwards).
             admission.release(self.uncharged_tokens())
-            self._charged = self.asm.generated_tokens
+            self._charged = self.asm.produced_tokens
             self.admission = None
             continuation = ScheduleRequest(
                 tokens=(),

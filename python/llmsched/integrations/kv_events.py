@@ -1339,6 +1339,24 @@ class KVEventSubscriber:
         )
 
 
+class _SkippedEvents:
+    """What the native feed calls for a batch with skipped stored events: the index's counts
+    (and warnings) by cause, as :meth:`PrefixIndex.apply_vllm_events` keeps them."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def note(self, worker: str, block_size_mismatch: int, extra_keys: int, multimodal: int) -> None:
+        if block_size_mismatch:
+            self._index.note_block_size_mismatch(worker, block_size_mismatch)
+        if extra_keys:
+            self._index.note_extra_keys(worker, extra_keys)
+        if multimodal:
+            self._index.note_multimodal(worker, multimodal)
+
+
 class NativeKVEventSubscriber:
     """:class:`KVEventSubscriber` in Rust: the same engines, options, counters and rules (the
     module docstring's algorithm), with no Python per batch. The sockets are llmsched's own
@@ -1355,8 +1373,10 @@ class NativeKVEventSubscriber:
     too; a peer that breaks ZMTP, or does not finish its handshake within 2 s once the
     endpoint answers, is dropped and counted (a decode or socket error) where libzmq drops it
     unnoticed. A batch whose stored events were skipped for their block size reaches
-    :meth:`~llmsched.PrefixIndex.note_block_size_mismatch` (counted and warned once, as with
-    :meth:`~llmsched.PrefixIndex.apply_vllm_events`), a failure to open a socket reaches
+    :meth:`~llmsched.PrefixIndex.note_block_size_mismatch`, one whose events were skipped for
+    their extra keys :meth:`~llmsched.PrefixIndex.note_extra_keys` or
+    :meth:`~llmsched.PrefixIndex.note_multimodal` (counted, and the first two warned once,
+    as with :meth:`~llmsched.PrefixIndex.apply_vllm_events`), a failure to open a socket reaches
     the log as :meth:`KVEventSubscriber.failing_sockets` says, and so does an engine's first
     malformed batch; those are the only calls into Python, and only under such a fault.
 
@@ -1429,7 +1449,7 @@ class NativeKVEventSubscriber:
             index.native,
             subscribed,
             json.dumps(options),
-            index.note_block_size_mismatch,
+            _SkippedEvents(index).note,
             self._socket_log.report,
         )
 

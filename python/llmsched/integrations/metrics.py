@@ -46,7 +46,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, cast
@@ -269,6 +269,10 @@ class MetricsScraper:
         flow: a flow controller to feed load reports to.
         interval_s: seconds between the starts of two rounds.
         timeout_s: seconds one scrape may take.
+        on_block_size: called with a worker and the KV block size its ``/metrics`` gives
+            (``vllm:cache_config_info``), on the first scrape that gives one and when it
+            changes (:meth:`Scheduler.note_engine_block_size
+            <llmsched.Scheduler.note_engine_block_size>` compares it with the index's).
 
     Run ``await run()`` on your event loop, or :meth:`start` / :meth:`stop` for a thread with
     its own loop. :meth:`snapshot` may be read from any thread.
@@ -282,7 +286,13 @@ class MetricsScraper:
         flow: FlowController | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_block_size: Callable[[str, int], None] | None = None,
     ) -> None:
+        if on_block_size is not None and not callable(on_block_size):
+            raise InvalidTypeError(
+                f"on_block_size must be callable, got {type(on_block_size).__name__}"
+            )
+        self._on_block_size = on_block_size
         for name, value in (("interval_s", interval_s), ("timeout_s", timeout_s)):
             if isinstance(value, bool) or not (
                 isinstance(value, (int, float)) and 0 < value < math.inf
@@ -368,6 +378,8 @@ class MetricsScraper:
                 self._feed(result)
             except (ValueError, OverflowError) as err:  # a value the pool refuses
                 result = self._failure(result.worker, result.at - result.duration_s, str(err))
+        block_size = result.values.get("block_size") if result.ok else None
+        changed = False
         with self._lock:
             state.last = result
             state.scrapes += 1
@@ -376,11 +388,14 @@ class MetricsScraper:
             if result.ok:
                 state.last_ok = result.at
                 state.consecutive_failures = 0
+                changed = block_size != state.values.get("block_size")
                 state.values = result.values.copy()
             else:
                 state.failures += 1
                 state.timeouts += result.timed_out
                 state.consecutive_failures += 1
+        if block_size and changed and self._on_block_size is not None:
+            self._on_block_size(result.worker, block_size)
 
     def _feed(self, result: ScrapeResult) -> None:
         values = result.values

@@ -158,12 +158,17 @@ def _token_ids(value: object) -> list[int]:
     return [_integer(item, "token id", 0, _U32_MAX) for item in _array(value, "token_ids")]
 
 
-_OPAQUE = "opaque"
-"""A block's extra keys other than an array of up to two UTF-8 strings."""
+_CONTENT = "content"
+"""A block's extra keys holding a value other than a string, or not an array: keys standing
+for content beside the tokens (multimodal inputs, prompt embeddings)."""
+
+_OTHER_STRINGS = "strings"
+"""A block's extra keys that are strings only, but more than two or one not UTF-8."""
 
 
 def _extra_keys(value: object) -> list[tuple[str, ...] | str | None] | None:
-    """One entry per block: None, a tuple of its (up to two) string keys, or ``_OPAQUE``."""
+    """One entry per block: None, a tuple of its (up to two) string keys, ``_CONTENT`` or
+    ``_OTHER_STRINGS``."""
     if value is None:
         return None
     blocks: list[tuple[str, ...] | str | None] = []
@@ -177,39 +182,44 @@ def _extra_keys(value: object) -> list[tuple[str, ...] | str | None] | None:
 
 
 def _block_keys(entry: object) -> tuple[str, ...] | str:
-    if not isinstance(entry, list) or isinstance(entry, _Map) or len(entry) > 2:
-        return _OPAQUE
+    if not isinstance(entry, list) or isinstance(entry, _Map):
+        return _CONTENT
+    if not all(isinstance(item, str) for item in entry):
+        return _CONTENT
     strings = []
     for item in entry:
-        if not isinstance(item, str):
-            return _OPAQUE
         try:
             item.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate stands for an invalid UTF-8 byte
-            return _OPAQUE
+            return _OTHER_STRINGS
         strings.append(item)
-    return tuple(strings)
+    return tuple(strings) if len(strings) <= 2 else _OTHER_STRINGS
 
 
 def _explain_extra_keys(
     blocks: list[tuple[str, ...] | str | None], lora_name: str | None, root: bool
-) -> tuple[str | None, bool]:
+) -> tuple[str | None, bool, bool]:
     """(the cache salt of a root block, whether any key is more than the LoRA name and that
-    salt): vLLM writes the LoRA name first on every block, the salt last on a prompt's first."""
+    salt, whether any stands for content): vLLM writes the LoRA name first on every block,
+    the salt last on a prompt's first."""
     salt = None
+    opaque = False
     for i, keys in enumerate(blocks):
         if keys is None:
             continue
+        if keys == _CONTENT:
+            return None, True, True
         if isinstance(keys, str):
-            return None, True
+            opaque = True
+            continue
         rest = keys[1:] if lora_name is not None and keys[:1] == (lora_name,) else keys
         if not rest:
             continue
         if len(rest) == 1 and i == 0 and root:
             salt = rest[0]
             continue
-        return None, True
-    return salt, False
+        opaque = True
+    return (None, True, False) if opaque else (salt, False, False)
 
 
 def _medium(value: str | None) -> str:
@@ -258,7 +268,7 @@ def _finish_stored(fields: dict[str, Any]) -> dict[str, Any]:
     extra = fields.get("extra_keys")
     if extra is not None and len(extra) != blocks:
         raise _fail(f"BlockStored has {len(extra)} extra_keys entries for {blocks} blocks")
-    salt, opaque = _explain_extra_keys(
+    salt, opaque, content = _explain_extra_keys(
         extra or [], fields.get("lora_name"), fields["parent_block_hash"] is None
     )
     return {
@@ -273,6 +283,7 @@ def _finish_stored(fields: dict[str, Any]) -> dict[str, Any]:
         "has_extra_keys": [keys is not None for keys in extra or []],
         "cache_salt": salt,
         "opaque_extra_keys": opaque,
+        "content_extra_keys": content,
         "group_idx": fields.get("group_idx"),
         "kv_cache_spec_kind": fields.get("kv_cache_spec_kind"),
         "kv_cache_spec_sliding_window": fields.get("kv_cache_spec_sliding_window"),

@@ -37,12 +37,17 @@ pub struct ApplyReport {
     /// Events for a KV-cache group other than group 0, skipped: hybrid models send one event per
     /// group for the same tokens, and only the first (full attention) group decides prefix reuse.
     pub other_groups: u64,
-    /// Stored events skipped because their blocks carry extra keys that make their content
-    /// more than their tokens (multimodal inputs, prompt embeddings): keys other than the
-    /// LoRA name and a root block's cache salt, which the chain's seed holds; also a LoRA
-    /// adapter's blocks named only by its `lora_id` (vLLM before 0.20), whose name no
-    /// request's hashes can take.
+    /// Stored events skipped because their blocks carry extra keys that no request's hashes
+    /// can name, though their content is their tokens: string keys other than the LoRA name
+    /// and a root block's cache salt (which the chain's seed holds), such as a LoRA name the
+    /// event does not give or keys of an older engine; also a LoRA adapter's blocks named
+    /// only by its `lora_id` (vLLM before 0.20), whose name no request's hashes can take.
+    /// Every one is a routing miss that configuration may cure (the index warns).
     pub extra_keys: u64,
+    /// Stored events skipped because their blocks' extra keys stand for content beside their
+    /// tokens ([`BlockStored::content_extra_keys`]: multimodal inputs, prompt embeddings):
+    /// no prompt's token hashes can match them, whatever the configuration.
+    pub multimodal: u64,
 }
 
 /// Applies `events` (the batch's events from some position on) for `w` into `report`, up to
@@ -88,6 +93,10 @@ fn apply_stored(
     // but keys the adapter's blocks by it: no request's hashes can name it, and chained from
     // the base model's seed its blocks would match the base model's prompts.
     let numbered_adapter = ev.lora_name.is_none() && ev.lora_id.is_some_and(|id| id != 0);
+    if ev.content_extra_keys {
+        report.multimodal += 1;
+        return;
+    }
     if ev.opaque_extra_keys || numbered_adapter {
         report.extra_keys += 1;
         return;

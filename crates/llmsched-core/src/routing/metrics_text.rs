@@ -22,6 +22,9 @@ use super::RoutingError;
 pub struct Scrape {
     pub update: MetricsUpdate,
     pub loras: Option<LoraState>,
+    /// The engine's KV block size: the `block_size` label of `vllm:cache_config_info` (a
+    /// decimal count, the last sample's), if sent.
+    pub block_size: Option<u32>,
 }
 
 struct Sample<'a> {
@@ -37,6 +40,7 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
     let mut kv: (f64, u32) = (0.0, 0);
     let mut old_kv: (f64, u32) = (0.0, 0);
     let mut lora: Option<(f64, LoraState)> = None;
+    let mut block_size = None;
     for (n, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -44,6 +48,7 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
         }
         let keep = match name_of(line) {
             Some(LORA_INFO) => LORA_LABELS,
+            Some(CACHE_INFO) => &CACHE_LABELS[..1],
             _ => &[],
         };
         let s = sample(line, keep).ok_or_else(|| unparsable(n, line))?;
@@ -58,6 +63,10 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
             "vllm:gpu_cache_usage_perc" => old_kv = (old_kv.0 + s.value, old_kv.1 + 1),
             "vllm:lora_requests_info" if lora.as_ref().is_none_or(|(v, _)| s.value >= *v) => {
                 lora = Some((s.value, lora_state(&s.labels)));
+            }
+            CACHE_INFO => {
+                let size = s.labels.iter().find(|(k, _)| *k == "block_size");
+                block_size = size.and_then(|(_, v)| label_count(v)).or(block_size);
             }
             _ => {}
         }
@@ -83,6 +92,7 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
             max_concurrency: None,
         },
         loras: lora.map(|(_, l)| l),
+        block_size,
     })
 }
 
@@ -319,6 +329,17 @@ mod tests {
         assert_eq!(s.update.waiting, Some(7));
         assert_eq!(s.update.running, Some(3));
         assert!((s.update.kv_cache_usage.unwrap() - 0.782608695652174).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_scrape_reads_the_engine_block_size() {
+        // What the gateway compares with its index's block size (absent: not compared).
+        let load = "vllm:num_requests_running 1\n";
+        let info = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"9\"} 1\n";
+        assert_eq!(parse(&format!("{load}{info}")).unwrap().block_size, Some(16));
+        assert_eq!(parse(load).unwrap().block_size, None);
+        let bad = "vllm:cache_config_info{block_size=\"+16\"} 1\n";
+        assert_eq!(parse(&format!("{load}{info}{bad}")).unwrap().block_size, Some(16));
     }
 
     #[test]

@@ -204,6 +204,8 @@ pub struct SliceAssembler {
     slice_max: u64,
     slice_resent: usize,
     slice_ids: Vec<u32>,
+    /// Choices the engine streamed in the slice in progress (vLLM sends one token each).
+    slice_events: u64,
     slice_usage: Option<Map<String, Value>>,
     slice_finish: Option<Value>,
     slice_stop_reason: Value,
@@ -261,6 +263,7 @@ impl SliceAssembler {
             slice_max: 0,
             slice_resent: 0,
             slice_ids: Vec::new(),
+            slice_events: 0,
             slice_usage: None,
             slice_finish: None,
             slice_stop_reason: Value::Null,
@@ -501,6 +504,21 @@ impl SliceAssembler {
         self.generated_tokens
     }
 
+    /// Output tokens the engine produced so far: those of the ended slices
+    /// ([`generated_tokens`](Self::generated_tokens)) and those of the slice in progress
+    /// streamed so far (its token ids, its usage when sent, else one token per streamed
+    /// choice, as the unsliced path counts a stream). What a client leaving mid-slice is
+    /// charged for.
+    pub fn produced_tokens(&self) -> u64 {
+        if !self.in_slice {
+            return self.generated_tokens;
+        }
+        let reported = self.slice_usage.as_ref().and_then(|u| u.get("completion_tokens"));
+        let reported = reported.and_then(int).map_or(0, |n| n.clamp(0, self.slice_max as i64));
+        let current = (self.slice_ids.len() as u64).max(self.slice_events).max(reported as u64);
+        self.generated_tokens + current.min(self.slice_max)
+    }
+
     /// Output token ids over all slices, when the engine returned them.
     pub fn generated_token_ids(&self) -> &[u32] {
         &self.generated_ids
@@ -595,6 +613,7 @@ impl SliceAssembler {
         self.slice_resent = self.generated_ids.len();
         self.in_slice = true;
         self.slice_ids.clear();
+        self.slice_events = 0;
         self.slice_usage = None;
         self.slice_finish = None;
         self.slice_stop_reason = Value::Null;
@@ -685,6 +704,7 @@ impl SliceAssembler {
         }
         let mut out = Vec::new();
         for (choice, ids) in parsed {
+            self.slice_events += 1;
             self.slice_ids.extend(ids);
             if let Some(reason) = choice.get("finish_reason").filter(|r| !r.is_null()) {
                 self.slice_finish = Some(reason.clone());

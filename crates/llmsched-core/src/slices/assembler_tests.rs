@@ -242,3 +242,31 @@ fn a_min_tokens_the_engine_would_refuse_is_not_sliced() {
         assert!(SliceAssembler::new(&request, Api::Completions, Default::default()).is_ok());
     }
 }
+
+#[test]
+fn produced_tokens_count_the_slice_in_progress() {
+    // A client leaving mid-slice is charged what the engine streamed of it, not only the
+    // slices that ended (before: generated_tokens alone, the current slice's tokens lost).
+    let request = json!({"prompt": [1], "max_tokens": 10});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(4).unwrap();
+    asm.feed(&completion("ab", &[5, 6, 7, 8], Some("length"))).unwrap();
+    asm.end_slice().unwrap();
+    assert_eq!((asm.generated_tokens(), asm.produced_tokens()), (4, 4));
+    asm.next_request(4).unwrap();
+    assert_eq!(asm.produced_tokens(), 4, "nothing streamed of the new slice yet");
+    asm.feed(&completion("c", &[9], None)).unwrap();
+    asm.feed(&completion("d", &[10], None)).unwrap();
+    assert_eq!((asm.generated_tokens(), asm.produced_tokens()), (4, 6));
+    // Without token ids, one token per streamed choice (as the unsliced path counts).
+    let request = json!({"prompt": "x", "max_tokens": 10});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(4).unwrap();
+    for piece in ["a", "b", "c"] {
+        asm.feed(&completion(piece, &[], None)).unwrap();
+    }
+    assert_eq!(asm.produced_tokens(), 3);
+    // A usage block mid-slice counts, capped at the slice's budget.
+    asm.feed(&json!({"choices": [], "usage": {"completion_tokens": 99}})).unwrap();
+    assert_eq!(asm.produced_tokens(), 4);
+}

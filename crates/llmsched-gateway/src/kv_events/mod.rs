@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use llmsched_core::prefix_index::{PrefixIndex, WorkerKey};
+use llmsched_core::prefix_index::{ApplyReport, PrefixIndex, WorkerKey};
 use serde::Deserialize;
 use tokio::sync::watch;
 
@@ -153,10 +153,12 @@ struct Group {
     tried: std::sync::atomic::AtomicBool,
 }
 
-/// Called with a worker and the stored events of one batch skipped because the engine's
-/// block size is not a multiple of the index's (a misconfiguration the embedder warns about;
-/// never called while the sizes agree).
-pub type MismatchHook = Arc<dyn Fn(&str, u64) + Send + Sync>;
+/// Called with a worker and the report of one batch some of whose stored events were skipped
+/// for a cause the embedder counts and warns about: the engine's block size is not a multiple
+/// of the index's (`block_size_mismatch`), their blocks carry extra keys no request's hashes
+/// can name (`extra_keys`), or keys standing for content beside the tokens (`multimodal`).
+/// Never called for a batch with none of these.
+pub type MismatchHook = Arc<dyn Fn(&str, &ApplyReport) + Send + Sync>;
 
 /// What a socket did, for [`SocketHook`].
 #[derive(Clone, Debug, PartialEq, Eq)]
