@@ -722,8 +722,9 @@ class ReplicaSync:
     @property
     def replica(self) -> str:
         """This replica's name."""
-    def outgoing(self, now: float, heartbeat: bool) -> bytes | None:
-        """The next batch to publish, or None when nothing changed and no heartbeat is due."""
+    def outgoing(self, now: float, heartbeat: bool, max_bytes: int) -> list[bytes]:
+        """The next batches to publish, each at most `max_bytes` (an entry larger than that
+        alone in its batch); empty when nothing changed and no heartbeat is due."""
     def incoming(self, data: bytes, now: float) -> SyncReport:
         """Applies another replica's batch."""
     def apply_catch_up(self, data: bytes, now: float) -> SyncReport:
@@ -734,6 +735,8 @@ class ReplicaSync:
         """Forgets silent replicas; returns how many."""
     def peers(self) -> list[str]:
         """Replicas heard from within the load TTL."""
+    def shared_names(self) -> list[str]:
+        """Names more than one live replica uses (this one's included)."""
     def counters(self) -> SyncCounters:
         """Counters since the sync started."""
 

@@ -22,11 +22,13 @@ counts expire (``load_ttl_s``). Nothing needs persistence, so no JetStream.
 
 Batching: commits are journaled in the native core; every ``flush_s`` (5 ms) one batch carries
 the journal and the replica's counts, and nothing is sent while nothing changed, except a
-heartbeat every ``heartbeat_s``. A replica that starts late asks its peers for a catch-up
-(records younger than the record TTL and live sessions) on ``<subject>.catchup``. While the bus
-is unreachable the replica routes on its own, exactly as without sync: journal entries are
-dropped and counted, peers' counts expire, and nothing raises; it catches up again when the bus
-returns.
+heartbeat every ``heartbeat_s``; a journal larger than the server's message limit goes out as
+several batches. A replica that starts late asks its peers for a catch-up (their records
+younger than the record TTL and live sessions) on ``<subject>.catchup``. While the bus is
+unreachable the replica routes on its own, exactly as without sync: batches are dropped and
+counted, peers' counts expire, and nothing raises; when the bus returns it catches up again and
+announces what it routed meanwhile. Replica names must be unique: two live replicas with one
+name are counted (``identity_conflicts``), listed (``shared_names``) and warned about once.
 
 >>> from llmsched import EndpointPool, PrefixIndex, Router
 >>> router = Router(EndpointPool(["a", "b"]), PrefixIndex(block_size=16), config="llm-d")
@@ -48,7 +50,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from llmsched._extras import require
@@ -94,6 +96,9 @@ class ClusterStats(SyncCounters, ConnectionCounters):
     connected: bool
     peers: list[str]
     """Replicas heard from within ``load_ttl_s``."""
+    shared_names: list[str]
+    """Names that more than one live replica uses (this replica's own included): each replica
+    needs a name of its own (see ``identity_conflicts``)."""
 
 
 class Usage(TypedDict):
@@ -109,6 +114,13 @@ class Usage(TypedDict):
 
 _MAX_USAGE_ITEMS = 10_000
 """Most keys and tenants one usage message carries (the rest wait for the next flush)."""
+
+_DEFAULT_MAX_PAYLOAD = 1 << 20
+"""The largest message a NATS server takes by default, used until the server says its own."""
+
+_STOP_TIMEOUT_S = 2
+"""Seconds :meth:`ClusterSync.stop` waits for the bus to take the last batch before it closes
+the connection anyway (a server that stopped answering held it 20 s)."""
 
 
 def _usage_from_json(data: bytes) -> Usage:
@@ -160,7 +172,8 @@ class ClusterSync:
     :param heartbeat_s: the longest silence; peers forget a replica after ``load_ttl_s``.
     :param load_ttl_s: how long a peer's counts count without news from it (> ``heartbeat_s``).
     :param journal_limit: most entries journaled between two flushes (the rest are counted).
-    :param history_limit: most entries kept to serve late replicas.
+    :param history_limit: most of this replica's records kept to serve late replicas (none
+        older than the record TTL).
     :param catch_up_timeout_s: how long a starting replica waits for a peer's catch-up.
     :param clock: the router's clock (``time.monotonic`` unless the router is driven by another).
     """
@@ -201,16 +214,22 @@ class ClusterSync:
         self.servers = [servers] if isinstance(servers, str) else list(servers)
         self.subject = f"llmsched.{cluster}.sync"
         self.catch_up_subject = f"llmsched.{cluster}.catchup"
+        self.announce_subject = f"llmsched.{cluster}.announce"
         self._clock = clock
+        self._incarnation = secrets.randbits(64)
         self._native = router.replica_sync(
             name,
-            incarnation=secrets.randbits(64),
+            incarnation=self._incarnation,
             journal_limit=journal_limit,
             load_ttl_s=self.load_ttl_s,
             history_limit=history_limit,
         )
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._side_tasks: set[asyncio.Task[None]] = set()
+        # What a catch-up request carries: the name (what replicas before this one compare
+        # with their own) and this incarnation.
+        self._catch_up_token = f"{name}\n{self._incarnation}".encode()
         self._counters: ConnectionCounters = {
             "disconnects": 0,
             "reconnects": 0,
@@ -226,6 +245,7 @@ class ClusterSync:
         self._apply_usage: Callable[[Usage], None] | None = None
         self._warned_malformed = False
         self._warned_hashing = False
+        self._warned_identity = False
         self._stopping = False
 
     @property
@@ -242,6 +262,7 @@ class ClusterSync:
             replica=self.replica,
             connected=self._nc is not None and self._nc.is_connected,
             peers=self._native.peers(),
+            shared_names=self._native.shared_names(),
         )
 
     def share_usage(self, collect: Callable[[], Usage], apply: Callable[[Usage], None]) -> None:
@@ -262,24 +283,32 @@ class ClusterSync:
         self._tasks.append(asyncio.create_task(self._flush_loop(), name="llmsched-cluster-flush"))
 
     async def stop(self) -> None:
-        """Publishes what is left, then closes the connection."""
+        """Publishes what is left, then closes the connection. Bounded: a bus that stops
+        answering holds it about 2 s at most, then the connection is closed anyway."""
         self._stopping = True
-        for task in self._tasks:
+        for task in [*self._tasks, *self._side_tasks]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._side_tasks]:
             # A failed loop must not stop stop().
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        self._side_tasks.clear()
         nc, self._nc = self._nc, None
         if nc is None:
             return
-        with contextlib.suppress(NatsError, OSError, asyncio.TimeoutError):
+        try:
             if nc.is_connected:
                 await self._publish(nc, heartbeat=True)
-                await nc.drain()
-            else:  # reconnecting: stop the client's own reconnect loop too
-                await nc.close()
+                # Not nc.drain(): it waits up to 30 s for a server that stopped answering, then
+                # 10 s more, and swallows the cancellation that would cut it short.
+                await nc.flush(timeout=_STOP_TIMEOUT_S)
+        except (NatsError, OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            # Also stops the client's own reconnect loop when the bus is down.
+            with contextlib.suppress(NatsError, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(nc.close(), _STOP_TIMEOUT_S)
 
     async def __aenter__(self) -> ClusterSync:
         await self.start()
@@ -289,6 +318,12 @@ class ClusterSync:
         await self.stop()
 
     # -- the bus -----------------------------------------------------------------------------
+
+    def _spawn(self, work: Coroutine[object, object, None], name: str) -> None:
+        """Runs `work` beside the loops (stop() cancels it)."""
+        task = asyncio.create_task(work, name=name)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     async def _connect(self) -> None:
         async def disconnected() -> None:
@@ -300,8 +335,9 @@ class ClusterSync:
         async def reconnected() -> None:
             self._counters["reconnects"] += 1
             log.info("llmsched cluster %s: bus back", self.replica)
-            if self._nc is not None:
-                await self._catch_up(self._nc)
+            if self._nc is not None and not self._stopping:
+                # Not awaited here: the client's reconnect waits for this callback.
+                self._spawn(self._exchange(self._nc), "llmsched-cluster-catch-up")
 
         async def error(exc: Exception) -> None:
             log.debug("llmsched cluster %s: bus error %s", self.replica, exc)
@@ -330,27 +366,44 @@ class ClusterSync:
                 delay = min(delay * 2, 5.0)
         await nc.subscribe(self.subject, cb=self._on_batch)
         await nc.subscribe(self.catch_up_subject, cb=self._on_catch_up_request)
+        await nc.subscribe(self.announce_subject, cb=self._on_announce)
         if self._apply_usage is not None:
             await nc.subscribe(self.usage_subject, cb=self._on_usage)
         self._nc = nc
-        await self._catch_up(nc)
+        await self._exchange(nc)
+
+    def _max_bytes(self, nc: Client) -> int:
+        """The largest message the server takes (its INFO says; 1 MiB before it has)."""
+        return max(1024, nc.max_payload or _DEFAULT_MAX_PAYLOAD)
 
     async def _on_batch(self, msg: Msg) -> None:
         try:
             report = self._native.incoming(msg.data, self._clock())
-            if report["records_mismatched"] and not self._warned_hashing:
-                self._warned_hashing = True
-                log.warning(
-                    "llmsched cluster %s: another replica hashes prompts otherwise (another "
-                    "block_size, hashing seed or model): its prefix records can never match "
-                    "here and are skipped (counted in mismatched_in); give every replica the "
-                    "same index settings",
-                    self.replica,
-                )
         except MalformedSyncBatchError as exc:
             if not self._warned_malformed:
                 self._warned_malformed = True
                 log.warning("llmsched cluster %s: dropped a malformed batch: %s", self.replica, exc)
+            return
+        if report["records_mismatched"] and not self._warned_hashing:
+            self._warned_hashing = True
+            log.warning(
+                "llmsched cluster %s: another replica hashes prompts otherwise (another "
+                "block_size, hashing seed or model): its prefix records can never match "
+                "here and are skipped (counted in mismatched_in); give every replica the "
+                "same index settings",
+                self.replica,
+            )
+        if report["identity_conflict"] and not self._warned_identity:
+            self._warned_identity = True
+            names = ", ".join(repr(n) for n in self._native.shared_names())
+            log.warning(
+                "llmsched cluster %s: more than one live replica uses the name %s (counted in "
+                "identity_conflicts, listed in stats()['shared_names']): give each replica its "
+                "own name (cluster.replica; the default is host name and pid); their counts "
+                "still add up",
+                self.replica,
+                names,
+            )
 
     async def _on_usage(self, msg: Msg) -> None:
         if self._apply_usage is None:
@@ -384,10 +437,17 @@ class ClusterSync:
         except (NatsError, OSError):
             self._counters["publish_failures"] += 1
 
+    def _catch_up_batches(self, nc: Client) -> list[bytes]:
+        """This replica's records (younger than the record TTL) and live sessions."""
+        return self._native.catch_up(self._clock(), min(256 * 1024, self._max_bytes(nc)))
+
     async def _on_catch_up_request(self, msg: Msg) -> None:
-        if msg.data.decode(errors="replace") == self.replica or not msg.reply or self._nc is None:
+        # The bus sends nothing back to its sender (no_echo): a request that names this replica
+        # and incarnation can only be a replay of ours. One from another replica of the same
+        # name is served.
+        if msg.data == self._catch_up_token or not msg.reply or self._nc is None:
             return
-        batches = self._native.catch_up(self._clock(), 256 * 1024)
+        batches = self._catch_up_batches(self._nc)
         self._counters["catch_ups_served"] += 1
         # One reply per batch; an empty marker ends the series.
         try:
@@ -397,26 +457,49 @@ class ClusterSync:
         except (NatsError, OSError):
             self._counters["publish_failures"] += 1
 
+    def _apply_catch_up(self, data: bytes, what: str) -> None:
+        try:
+            self._native.apply_catch_up(data, self._clock())
+            self._counters["catch_ups"] += 1
+        except MalformedSyncBatchError as exc:
+            log.warning("llmsched cluster %s: dropped a malformed %s: %s", self.replica, what, exc)
+
+    async def _on_announce(self, msg: Msg) -> None:
+        self._apply_catch_up(msg.data, "announcement")
+
+    async def _exchange(self, nc: Client) -> None:
+        """On every (re)connect: tells the peers what this replica learned while it could not
+        publish (its records and sessions, which they would otherwise never get), then asks
+        them for theirs."""
+        try:
+            for batch in self._catch_up_batches(nc):
+                await nc.publish(self.announce_subject, batch)
+        except (NatsError, OSError):
+            self._counters["publish_failures"] += 1
+        await self._catch_up(nc)
+
     async def _catch_up(self, nc: Client) -> None:
-        """Asks one peer for its records and sessions; applies what comes within the timeout."""
+        """Asks every peer for its records and sessions; applies what comes within the timeout.
+        Each peer holds only its own records, so it listens until every peer it knows of has
+        answered (an empty marker ends each answer), or for the whole timeout when it knows of
+        none yet."""
         inbox = nc.new_inbox()
         done = asyncio.Event()
+        expected = len(self._native.peers())
+        answers = 0
 
         async def on_reply(msg: Msg) -> None:
-            if not msg.data:
-                done.set()
+            nonlocal answers
+            if msg.data:
+                self._apply_catch_up(msg.data, "catch-up")
                 return
-            try:
-                self._native.apply_catch_up(msg.data, self._clock())
-                self._counters["catch_ups"] += 1
-            except MalformedSyncBatchError as exc:
-                log.warning(
-                    "llmsched cluster %s: dropped a malformed catch-up: %s", self.replica, exc
-                )
+            answers += 1
+            if expected and answers >= expected:
+                done.set()
 
         try:
             sub = await nc.subscribe(inbox, cb=on_reply)
-            await nc.publish(self.catch_up_subject, self.replica.encode(), reply=inbox)
+            await nc.publish(self.catch_up_subject, self._catch_up_token, reply=inbox)
             # No answer in time: no peer yet, the first replica of a cluster starts empty.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(done.wait(), self.catch_up_timeout_s)
@@ -425,14 +508,15 @@ class ClusterSync:
             self._counters["publish_failures"] += 1
 
     async def _publish(self, nc: Client, *, heartbeat: bool) -> None:
-        batch = self._native.outgoing(self._clock(), heartbeat)
-        if batch is None:
+        batches = self._native.outgoing(self._clock(), heartbeat, self._max_bytes(nc))
+        if not batches:
             return
         if not nc.is_connected:
             self._counters["publish_failures"] += 1
             return
         try:
-            await nc.publish(self.subject, batch)
+            for batch in batches:
+                await nc.publish(self.subject, batch)
         except (NatsError, OSError):
             self._counters["publish_failures"] += 1
 
@@ -445,8 +529,9 @@ class ClusterSync:
             nc = self._nc
             beat = now - last_beat >= self.heartbeat_s
             if nc is None:
-                # Not connected yet: keep the journal bounded by draining it into nothing.
-                if self._native.outgoing(now, False) is not None:
+                # Not connected yet: keep the journal bounded by draining it into nothing (the
+                # records stay in the history, announced once connected).
+                if self._native.outgoing(now, False, _DEFAULT_MAX_PAYLOAD):
                     self._counters["publish_failures"] += 1
                 if self._collect_usage is not None:
                     self._collect_usage()  # dropped: limits hold per replica meanwhile

@@ -133,6 +133,13 @@ PSEUDO_TOKEN_NOTE = (
 )
 """Why a text pick on an index fed by engine events is flagged (logged once, in explain())."""
 
+SHARED_REPLICA_NAME_NOTE = (
+    "replica sync: another live replica uses this replica's name {name!r}: give each replica "
+    "its own name (cluster.replica; the default is host name and pid); its counts still add up"
+)
+"""Why decisions of a synced router are flagged while another replica uses its name (logged
+once by :class:`llmsched.cluster.ClusterSync`, listed in its ``stats()["shared_names"]``)."""
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -487,6 +494,7 @@ class Router:
         "_pseudo_lock",
         "_pseudo_ok",
         "_pseudo_picks",
+        "_sync",
         "_warnings",
     )
 
@@ -509,6 +517,7 @@ class Router:
             raise InvalidTypeError("wires_flow must be a bool")
         self._pseudo_ok = allow_pseudo_tokens
         self._pseudo_picks = 0
+        self._sync: _llmsched.ReplicaSync | None = None
         # Picks run on many threads at once (no GIL on free-threaded CPython): `+= 1` alone
         # could lose counts there (probe 53 F3).
         self._pseudo_lock = threading.Lock()
@@ -628,9 +637,10 @@ class Router:
         check_int("journal_limit", journal_limit, maximum=2**32)
         check_int("history_limit", history_limit, maximum=2**32)
         check_positive_seconds("load_ttl_s", load_ttl_s)
-        return _llmsched.ReplicaSync(
+        self._sync = _llmsched.ReplicaSync(
             self._native, replica, incarnation, journal_limit, load_ttl_s, history_limit
         )
+        return self._sync
 
     @property
     def pool(self) -> EndpointPool:
@@ -762,7 +772,7 @@ class Router:
         notes: tuple[str, ...] = ()
         if tokens is None and not self._pseudo_ok:  # a text or chat prompt
             notes = self._pseudo_token_notes()
-        return Decision(native, self._pool, clock, notes)
+        return Decision(native, self._pool, clock, notes, self._sync)
 
     def _pseudo_token_notes(self) -> tuple[str, ...]:
         if not self._index.fed_by_engine_events:
@@ -797,7 +807,7 @@ class Decision:
     'finished'
     """
 
-    __slots__ = ("_native", "_notes", "_now", "_pool")
+    __slots__ = ("_native", "_notes", "_now", "_pool", "_sync")
 
     def __init__(
         self,
@@ -805,11 +815,13 @@ class Decision:
         pool: EndpointPool,
         now: float,
         notes: tuple[str, ...] = (),
+        sync: _llmsched.ReplicaSync | None = None,
     ) -> None:
         self._native = native
         self._pool = pool
         self._now = now
         self._notes = notes
+        self._sync = sync
 
     @property
     def endpoint(self) -> EndpointId:
@@ -913,7 +925,8 @@ class Decision:
         were forced (an endpoint with stale metrics counts as saturated: scorers that read
         metrics give it 0) carry a :attr:`EndpointScores.note` saying why, marked ``*`` in the
         table; :attr:`Explanation.notes` flags the request itself (e.g. a text prompt on an
-        index fed by engine events).
+        index fed by engine events) and the router (a synced replica whose name another live
+        replica uses).
 
         >>> pool = EndpointPool(["a", "b"], stale_policy="ignore")
         >>> pool.update("b", waiting=4)
@@ -924,7 +937,11 @@ class Decision:
         """
         notes = self._saturation_notes()
         profiles = [ProfileExplanation._from_raw(p, notes) for p in self._native.explain_data()]
-        return Explanation(profiles=profiles, pd=self.pd(), notes=list(self._notes))
+        request_notes = list(self._notes)
+        sync = self._sync
+        if sync is not None and sync.replica in sync.shared_names():
+            request_notes.append(SHARED_REPLICA_NAME_NOTE.format(name=sync.replica))
+        return Explanation(profiles=profiles, pd=self.pd(), notes=request_notes)
 
     def _saturation_notes(self) -> dict[EndpointId, str]:
         """Why each endpoint counted as saturated at the pick (its metrics' age then)."""

@@ -610,6 +610,8 @@ class SyncReport(TypedDict):
     or model): they could never match here."""
     records_refused: int
     """Records the index refused (a chain conflicting with what it holds)."""
+    identity_conflict: bool
+    """Another live replica (this one, or another peer) uses the sender's name too."""
 
 
 class SyncCounters(TypedDict):
@@ -638,6 +640,9 @@ class SyncCounters(TypedDict):
     records_refused: int
     replicas_expired: int
     """Replicas forgotten because nothing came from them within ``load_ttl_s``."""
+    identity_conflicts: int
+    """Batches from a replica whose name another live replica uses too (this one's, or a
+    peer's): names must be unique; both replicas' counts still add up."""
 
 
 class SchedulerStats(TypedDict):

@@ -25,6 +25,7 @@ fn report_dict<'py>(py: Python<'py>, r: &IncomingReport) -> PyResult<Bound<'py, 
     d.set_item("unknown_endpoints", r.unknown_endpoints)?;
     d.set_item("records_mismatched", r.records_mismatched)?;
     d.set_item("records_refused", r.records_refused)?;
+    d.set_item("identity_conflict", r.identity_conflict)?;
     Ok(d)
 }
 
@@ -62,15 +63,16 @@ impl PyReplicaSync {
         self.inner.replica()
     }
 
-    #[pyo3(signature = (now, heartbeat))]
+    #[pyo3(signature = (now, heartbeat, max_bytes))]
     fn outgoing<'py>(
         &self,
         py: Python<'py>,
         now: f64,
         heartbeat: bool,
-    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let out = detach(py, || self.inner.outgoing(now, heartbeat))?;
-        Ok(out.map(|b| PyBytes::new(py, &b)))
+        max_bytes: usize,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let out = detach(py, || self.inner.outgoing_split(now, heartbeat, max_bytes))?;
+        Ok(out.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
     fn incoming<'py>(
@@ -115,6 +117,10 @@ impl PyReplicaSync {
         self.inner.peers()
     }
 
+    fn shared_names(&self) -> Vec<String> {
+        self.inner.shared_names()
+    }
+
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.inner.counters();
         let d = PyDict::new(py);
@@ -137,6 +143,7 @@ impl PyReplicaSync {
             ("records_mismatched", c.records_mismatched),
             ("records_refused", c.records_refused),
             ("replicas_expired", c.replicas_expired),
+            ("identity_conflicts", c.identity_conflicts),
         ] {
             d.set_item(name, value)?;
         }

@@ -18,6 +18,12 @@
 //! a drift behind. Records and sessions are idempotent (recording a prefix twice, or binding a
 //! session to the endpoint it is bound to, changes nothing), so duplicates are harmless.
 //!
+//! A peer is a name and an incarnation. A new incarnation of a name replaces the old one (a
+//! restart); one that speaks again once replaced, or one with this replica's own name, shows
+//! two live replicas sharing a name: both count, and the name is listed
+//! ([`ReplicaSync::shared_names`]) and its batches counted. [`ReplicaSync::outgoing_split`]
+//! keeps every batch within the bus's message limit.
+//!
 //! Wire format (version 2, little-endian): `b"LSYN"`, version `u8`, replica name (`u16` length
 //! then UTF-8), incarnation `u64` (random per process start), sequence `u64`, the sender's
 //! hashing `u64` ([`PrefixIndex::hashing_fingerprint`]: block size, seed and model; version 1
@@ -229,6 +235,47 @@ pub fn encode(batch: &SyncBatch) -> (Vec<u8>, usize) {
     (out, skipped)
 }
 
+fn key_size(key: &WorkerKey) -> usize {
+    match key {
+        WorkerKey::Int(_) => 1 + 8,
+        WorkerKey::Str(s) => 1 + 2 + s.len(),
+    }
+}
+
+/// The encoded size of a batch of `replica` with `loads` and no entries.
+fn header_size(replica: &str, loads: &[(WorkerKey, InFlightSnapshot)]) -> usize {
+    let loads: usize = loads.iter().map(|(k, _)| key_size(k) + 32).sum();
+    4 + 1 + 2 + replica.len() + 8 + 8 + 8 + 4 + loads + 4
+}
+
+/// The encoded size of one entry.
+fn entry_size(entry: &SyncEntry) -> usize {
+    match entry {
+        SyncEntry::Record { endpoint, hashes, .. } => {
+            1 + key_size(endpoint) + 4 + 4 + 8 * hashes.len()
+        }
+        SyncEntry::Session { endpoint, id, .. } => 1 + key_size(endpoint) + 4 + 2 + id.len(),
+    }
+}
+
+/// `entries` in runs whose batches (with a `header`-byte header) stay within `max_bytes`; an
+/// entry too large on its own is a run by itself. One empty run when `entries` is empty.
+fn chunks(entries: Vec<SyncEntry>, header: usize, max_bytes: usize) -> Vec<Vec<SyncEntry>> {
+    let mut out = vec![Vec::new()];
+    let mut size = header;
+    for e in entries {
+        let n = entry_size(&e);
+        let last = out.last_mut().expect("never empty");
+        if !last.is_empty() && size.saturating_add(n) > max_bytes {
+            out.push(Vec::new());
+            size = header;
+        }
+        size = size.saturating_add(n);
+        out.last_mut().expect("never empty").push(e);
+    }
+    out
+}
+
 struct Reader<'a> {
     data: &'a [u8],
     at: usize,
@@ -406,6 +453,9 @@ pub struct IncomingReport {
     pub records_mismatched: u64,
     /// Records the index refused (a chain that conflicts with what it holds).
     pub records_refused: u64,
+    /// The sender's name is used by another live replica too (this one, or another peer):
+    /// a misconfiguration that [`ReplicaSync::shared_names`] lists.
+    pub identity_conflict: bool,
 }
 
 /// Counters of one replica's sync.
@@ -430,6 +480,8 @@ pub struct SyncCounters {
     pub journal_dropped: u64,
     pub skipped_out: u64,
     pub replicas_expired: u64,
+    /// Batches from a replica whose name another live replica uses too (this one or a peer).
+    pub identity_conflicts: u64,
 }
 
 impl SyncCounters {
@@ -444,17 +496,26 @@ impl SyncCounters {
 
 #[derive(Debug)]
 struct Peer {
-    incarnation: u64,
     seq: u64,
     last_seen: f64,
     loads: Vec<(WorkerKey, InFlightSnapshot)>,
 }
 
+/// A peer: its name and incarnation. Two live replicas that share a name (a misconfiguration)
+/// are two peers, so that both their counts add up instead of replacing each other.
+type PeerId = (String, u64);
+
 #[derive(Debug, Default)]
 struct State {
     seq: u64,
     last_loads: Vec<(WorkerKey, InFlightSnapshot)>,
-    peers: HashMap<String, Peer>,
+    peers: HashMap<PeerId, Peer>,
+    /// Incarnations replaced by a newer one of the same name (taken for a restart), and when:
+    /// one heard from again within `load_ttl` is alive, so its name is shared.
+    retired: HashMap<PeerId, f64>,
+    /// Names used by more than one live replica (this one included), and since when.
+    shared: HashMap<String, f64>,
+    /// This replica's own records (sessions are served from the live bindings), oldest first.
     history: VecDeque<(f64, SyncEntry)>,
     counters: SyncCounters,
 }
@@ -519,36 +580,56 @@ impl ReplicaSync {
     /// None when there is nothing new and `heartbeat` is false (counts unchanged, nothing
     /// journaled); a heartbeat batch tells the others this replica is alive.
     pub fn outgoing(&self, now: f64, heartbeat: bool) -> Option<Vec<u8>> {
+        self.outgoing_split(now, heartbeat, usize::MAX).pop()
+    }
+
+    /// [`ReplicaSync::outgoing`] for a bus that carries at most `max_bytes` per message: the
+    /// journal is split over as many batches as it takes (consecutive sequence numbers, each
+    /// with the replica's counts), so that a burst (or a stalled publisher) never makes one
+    /// batch the bus refuses whole. Empty when there is nothing to send. An entry that cannot
+    /// fit in `max_bytes` on its own goes alone into an oversized batch.
+    pub fn outgoing_split(&self, now: f64, heartbeat: bool, max_bytes: usize) -> Vec<Vec<u8>> {
         let entries = self.journal.drain();
         let loads = self.local_loads();
         let mut state = self.state.lock();
         state.counters.journal_dropped = self.journal.dropped();
         if entries.is_empty() && loads == state.last_loads && !heartbeat {
-            return None;
+            return Vec::new();
         }
-        for e in &entries {
+        // The history keeps what a catch-up serves: records younger than the record TTL.
+        while state.history.front().is_some_and(|(t, _)| now - t >= self.record_ttl) {
+            state.history.pop_front();
+        }
+        for e in entries.iter().filter(|e| matches!(e, SyncEntry::Record { .. })) {
             if state.history.len() >= self.options.history_limit {
                 state.history.pop_front();
             }
-            state.history.push_back((now, e.clone()));
+            if self.options.history_limit > 0 {
+                state.history.push_back((now, e.clone()));
+            }
         }
-        state.seq += 1;
-        let batch = SyncBatch {
-            replica: self.replica.clone(),
-            incarnation: self.incarnation,
-            seq: state.seq,
-            hashing: Some(self.index.hashing_fingerprint()),
-            loads: loads.clone(),
-            entries,
-        };
-        let (bytes, skipped) = encode(&batch);
+        let header = header_size(&self.replica, &loads);
+        let mut out = Vec::new();
+        for chunk in chunks(entries, header, max_bytes) {
+            state.seq += 1;
+            let batch = SyncBatch {
+                replica: self.replica.clone(),
+                incarnation: self.incarnation,
+                seq: state.seq,
+                hashing: Some(self.index.hashing_fingerprint()),
+                loads: loads.clone(),
+                entries: chunk,
+            };
+            let (bytes, skipped) = encode(&batch);
+            let c = &mut state.counters;
+            c.batches_out += 1;
+            c.bytes_out += bytes.len() as u64;
+            c.entries_out += batch.entries.len() as u64;
+            c.skipped_out += skipped as u64;
+            out.push(bytes);
+        }
         state.last_loads = loads;
-        let c = &mut state.counters;
-        c.batches_out += 1;
-        c.bytes_out += bytes.len() as u64;
-        c.entries_out += batch.entries.len() as u64;
-        c.skipped_out += skipped as u64;
-        Some(bytes)
+        out
     }
 
     /// Applies another replica's batch at `now`. A malformed batch changes nothing and is
@@ -567,37 +648,33 @@ impl ReplicaSync {
         let members = self.pool.snapshot();
         let mut unknown =
             batch.loads.iter().filter(|(k, _)| members.get(k).is_none()).count() as u64;
-        match state.peers.get_mut(&batch.replica) {
+        let id: PeerId = (batch.replica.clone(), batch.incarnation);
+        match state.peers.get_mut(&id) {
             // A batch more than `MAX_MISSED_COUNTED` behind the last is taken as the replica's
             // sequence starting over (below) rather than as a duplicate: one batch claiming a
             // sequence far ahead (a garbled or forged `u64::MAX`) would otherwise make every
             // later batch of that replica a duplicate until it restarted.
-            Some(peer)
-                if peer.incarnation == batch.incarnation
-                    && batch.seq <= peer.seq
-                    && peer.seq - batch.seq <= MAX_MISSED_COUNTED =>
-            {
+            Some(peer) if batch.seq <= peer.seq && peer.seq - batch.seq <= MAX_MISSED_COUNTED => {
                 state.counters.duplicates_in += 1;
                 report.duplicate = true;
                 return Ok(report);
             }
-            Some(peer) if peer.incarnation == batch.incarnation && batch.seq > peer.seq => {
-                report.missed = (batch.seq - peer.seq - 1).min(MAX_MISSED_COUNTED);
+            Some(peer) => {
+                if batch.seq > peer.seq {
+                    report.missed = (batch.seq - peer.seq - 1).min(MAX_MISSED_COUNTED);
+                }
                 peer.seq = batch.seq;
                 peer.last_seen = now;
                 peer.loads = batch.loads;
             }
-            _ => {
-                state.peers.insert(
-                    batch.replica.clone(),
-                    Peer {
-                        incarnation: batch.incarnation,
-                        seq: batch.seq,
-                        last_seen: now,
-                        loads: batch.loads,
-                    },
-                );
+            None => {
+                self.admit_incarnation(&mut state, &id, now);
+                state.peers.insert(id, Peer { seq: batch.seq, last_seen: now, loads: batch.loads });
             }
+        }
+        if state.shared.contains_key(&batch.replica) {
+            state.counters.identity_conflicts += 1;
+            report.identity_conflict = true;
         }
         let applied = self.apply_entries(&batch.entries, batch.hashing, &members, now);
         report.records = applied.records;
@@ -614,6 +691,26 @@ impl ReplicaSync {
         c.add_mismatch(&report);
         self.refresh(&mut state, now);
         Ok(report)
+    }
+
+    /// A replica incarnation heard from for the first time. Another live incarnation of the
+    /// same name is taken for its previous life (a restart) and forgotten, unless the name is
+    /// this replica's own or the forgotten one speaks again: then two live replicas share the
+    /// name, and both count from now on.
+    fn admit_incarnation(&self, state: &mut State, id: &PeerId, now: f64) {
+        let name = &id.0;
+        if *name == self.replica || state.retired.remove(id).is_some() {
+            state.shared.insert(name.clone(), now);
+            return;
+        }
+        if state.shared.contains_key(name) {
+            return;
+        }
+        let older: Vec<PeerId> = state.peers.keys().filter(|p| p.0 == *name).cloned().collect();
+        for old in older {
+            state.peers.remove(&old);
+            state.retired.insert(old, now);
+        }
     }
 
     /// A batch decoded; a malformed one is counted.
@@ -675,6 +772,13 @@ impl ReplicaSync {
         state.peers.retain(|_, p| now - p.last_seen <= ttl);
         let expired = before - state.peers.len();
         state.counters.replicas_expired += expired as u64;
+        state.retired.retain(|_, t| now - *t <= ttl);
+        // A name stays shared while more than one live replica uses it.
+        let State { shared, peers, .. } = state;
+        shared.retain(|name, _| {
+            let others = peers.keys().filter(|p| p.0 == *name).take(2).count();
+            others + usize::from(*name == self.replica) >= 2
+        });
         let mut sums: HashMap<&WorkerKey, InFlightSnapshot> = HashMap::new();
         for peer in state.peers.values() {
             for (key, load) in &peer.loads {
@@ -689,15 +793,15 @@ impl ReplicaSync {
     }
 
     /// Batches that bring a late replica up to date: the prefix records of the last
-    /// `record_ttl` seconds (with their ages) and every live session, each batch at most about
-    /// `max_bytes`. They carry sequence 0: a receiver applies them with
-    /// [`ReplicaSync::apply_catch_up`], not as live batches.
+    /// `record_ttl` seconds (with their ages) and every live session, each batch at most
+    /// `max_bytes` (an entry larger than that alone in its batch). They carry sequence 0: a
+    /// receiver applies them with [`ReplicaSync::apply_catch_up`], not as live batches.
     pub fn catch_up(&self, now: f64, max_bytes: usize) -> Vec<Vec<u8>> {
         let state = self.state.lock();
         let mut entries: Vec<SyncEntry> = state
             .history
             .iter()
-            .filter(|(t, e)| matches!(e, SyncEntry::Record { .. }) && now - t < self.record_ttl)
+            .filter(|(t, _)| now - t < self.record_ttl)
             .map(|(t, e)| match e {
                 SyncEntry::Record { endpoint, hashes, .. } => SyncEntry::Record {
                     endpoint: endpoint.clone(),
@@ -713,36 +817,23 @@ impl ReplicaSync {
             age_s: s.idle_s as f32,
         }));
         drop(state);
-        let mut out = Vec::new();
-        let mut chunk = Vec::new();
-        let mut size = 0usize;
-        let entry_size = |e: &SyncEntry| match e {
-            SyncEntry::Record { hashes, .. } => 16 + 8 * hashes.len(),
-            SyncEntry::Session { id, .. } => 16 + id.len(),
-        };
-        let flush = |chunk: &mut Vec<SyncEntry>, out: &mut Vec<Vec<u8>>| {
-            let batch = SyncBatch {
-                replica: self.replica.clone(),
-                incarnation: self.incarnation,
-                seq: 0,
-                hashing: Some(self.index.hashing_fingerprint()),
-                loads: Vec::new(),
-                entries: std::mem::take(chunk),
-            };
-            out.push(encode(&batch).0);
-        };
-        for e in entries {
-            size += entry_size(&e);
-            chunk.push(e);
-            if size >= max_bytes {
-                flush(&mut chunk, &mut out);
-                size = 0;
-            }
+        if entries.is_empty() {
+            return Vec::new();
         }
-        if !chunk.is_empty() {
-            flush(&mut chunk, &mut out);
-        }
-        out
+        chunks(entries, header_size(&self.replica, &[]), max_bytes)
+            .into_iter()
+            .map(|entries| {
+                let batch = SyncBatch {
+                    replica: self.replica.clone(),
+                    incarnation: self.incarnation,
+                    seq: 0,
+                    hashing: Some(self.index.hashing_fingerprint()),
+                    loads: Vec::new(),
+                    entries,
+                };
+                encode(&batch).0
+            })
+            .collect()
     }
 
     /// Applies a catch-up batch from [`ReplicaSync::catch_up`]: its records and sessions, not
@@ -769,7 +860,16 @@ impl ReplicaSync {
 
     /// Replicas heard from within `load_ttl` (as of the last batch or expiry).
     pub fn peers(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.state.lock().peers.keys().cloned().collect();
+        let mut names: Vec<String> = self.state.lock().peers.keys().map(|p| p.0.clone()).collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    /// Names that more than one live replica uses (this replica's own included), heard within
+    /// `load_ttl`: each should be unique (see [`IncomingReport::identity_conflict`]).
+    pub fn shared_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.state.lock().shared.keys().cloned().collect();
         names.sort();
         names
     }
@@ -985,6 +1085,118 @@ mod tests {
         let stale = one.sync.catch_up(1.0 + 61.0, 1 << 20);
         let entries = decode(&stale[0]).unwrap().entries;
         assert!(entries.iter().all(|e| matches!(e, SyncEntry::Session { .. })));
+    }
+
+    /// A batch of replica `name`/`incarnation` with `requests` in flight on `a`.
+    fn load_batch(name: &str, incarnation: u64, seq: u64, requests: u64) -> Vec<u8> {
+        encode(&SyncBatch {
+            replica: name.into(),
+            incarnation,
+            seq,
+            hashing: None,
+            loads: vec![(key("a"), InFlightSnapshot { requests, ..Default::default() })],
+            entries: vec![],
+        })
+        .0
+    }
+
+    fn remote_on_a(r: &Replica) -> u64 {
+        r.router.pool().snapshot().get(&key("a")).unwrap().inflight.remote().requests
+    }
+
+    #[test]
+    fn a_peer_with_this_replicas_name_is_a_conflict_and_still_counts() {
+        // "two" has incarnation 3 (its name's length); another process calls itself "two" too.
+        let two = replica("two");
+        let report = two.sync.incoming(&load_batch("two", 99, 1, 2), 1.0).unwrap();
+        assert!(report.identity_conflict && !report.own);
+        assert_eq!(two.sync.shared_names(), vec!["two".to_string()]);
+        assert_eq!(two.sync.counters().identity_conflicts, 1);
+        assert_eq!(remote_on_a(&two), 2, "its requests are real: they count");
+        // Once it is silent for load_ttl, the name is ours alone again.
+        two.sync.expire(1.0 + 3.5);
+        assert!(two.sync.shared_names().is_empty());
+    }
+
+    #[test]
+    fn two_peers_sharing_a_name_both_count_and_a_restart_replaces_the_old_life() {
+        let one = replica("one");
+        // "gw" restarts: its new incarnation replaces the old one (no double count).
+        one.sync.incoming(&load_batch("gw", 1, 5, 4), 1.0).unwrap();
+        let report = one.sync.incoming(&load_batch("gw", 2, 1, 1), 1.1).unwrap();
+        assert!(!report.identity_conflict);
+        assert_eq!(remote_on_a(&one), 1);
+        assert_eq!(one.sync.peers(), vec!["gw".to_string()]);
+        // The old incarnation speaks again: it is alive, so two replicas share the name; their
+        // counts add up instead of replacing each other batch after batch.
+        let report = one.sync.incoming(&load_batch("gw", 1, 6, 4), 1.2).unwrap();
+        assert!(report.identity_conflict);
+        for (t, (inc, seq)) in [(1, 7), (2, 2), (1, 8), (2, 3)].into_iter().enumerate() {
+            one.sync
+                .incoming(
+                    &load_batch("gw", inc, seq, if inc == 1 { 4 } else { 1 }),
+                    1.3 + t as f64 * 0.1,
+                )
+                .unwrap();
+            assert_eq!(remote_on_a(&one), 5);
+        }
+        assert_eq!(one.sync.shared_names(), vec!["gw".to_string()]);
+        assert_eq!(one.sync.peers(), vec!["gw".to_string()]);
+        assert_eq!(one.sync.counters().identity_conflicts, 5);
+        // One of them goes quiet: forgotten after load_ttl, and the name is unique again.
+        one.sync.incoming(&load_batch("gw", 2, 4, 1), 4.6).unwrap();
+        assert_eq!(remote_on_a(&one), 1);
+        assert!(one.sync.shared_names().is_empty());
+    }
+
+    #[test]
+    fn the_history_keeps_records_only_and_only_while_a_catch_up_would_serve_them() {
+        let one = replica("one");
+        for i in 0..10 {
+            let d =
+                one.router.decide(&prompt(i * 1000), &meta(Some(&format!("s{i}"))), 1.0).unwrap();
+            drop(one.router.commit(&d, None, 1.0).unwrap());
+        }
+        one.sync.outgoing(1.0, false).unwrap();
+        // 10 records and 10 sessions journaled: the sessions are served from the live
+        // bindings, never from the history.
+        assert_eq!(one.sync.state.lock().history.len(), 10);
+        // Past the record TTL (60 s) the records are never served again: they go.
+        let d = one.router.decide(&prompt(99_000), &meta(None), 70.0).unwrap();
+        drop(one.router.commit(&d, None, 70.0).unwrap());
+        one.sync.outgoing(70.0, false).unwrap();
+        assert_eq!(one.sync.state.lock().history.len(), 1);
+    }
+
+    #[test]
+    fn a_journal_larger_than_the_bus_allows_is_split_over_batches() {
+        let (one, two) = (replica("one"), replica("two"));
+        // 40 records of 16 blocks (about 150 bytes each) in flight, over 1,000-byte messages.
+        let _tickets: Vec<_> = (0..40)
+            .map(|i| {
+                let d = one.router.decide(&prompt(i * 1000), &meta(None), 1.0).unwrap();
+                one.router.commit(&d, None, 1.0).unwrap()
+            })
+            .collect();
+        let batches = one.sync.outgoing_split(1.0, false, 1000);
+        assert!(batches.len() >= 6, "{}", batches.len());
+        assert!(batches.iter().all(|b| b.len() <= 1000));
+        let mut records = 0;
+        for b in &batches {
+            let report = two.sync.incoming(b, 1.0).unwrap();
+            assert!(!report.duplicate && report.missed == 0);
+            records += report.records;
+        }
+        assert_eq!(records, 40);
+        let total: u64 = ["a", "b", "c"]
+            .iter()
+            .map(|e| two.router.pool().snapshot().get(&key(e)).unwrap().inflight.remote().requests)
+            .sum();
+        assert_eq!(total, 40, "every batch carries the counts");
+        // Nothing new: nothing to send.
+        assert!(one.sync.outgoing_split(1.1, false, 1000).is_empty());
+        // Catch-up batches keep to the same bound.
+        assert!(one.sync.catch_up(2.0, 1000).iter().all(|b| b.len() <= 1000));
     }
 
     #[test]

@@ -1,0 +1,392 @@
+"""Replica sync under faults, against a real NATS server (Debian's ``nats-server``).
+
+What a production cluster of router replicas meets: two replicas given the same name, a burst
+larger than the bus takes in one message, a bus that stops answering while a replica stops, a
+peer slow to answer a catch-up, one replica cut off from the bus while the others carry on, a
+replica that restarts, a peer of another protocol version. Every wait is bounded, so a hang
+fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nats", reason="the cluster extra brings nats-py")
+
+import nats
+from _nats import NatsServer, free_port, nats_binary
+
+from llmsched import EndpointPool, PrefixIndex, Router
+from llmsched.cluster import ClusterSync
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
+ENDPOINTS = ["e0", "e1", "e2", "e3"]
+CONFIG = {
+    "plugins": [
+        {"type": "prefix-cache-scorer"},
+        {"type": "active-request-scorer"},
+        {"type": "session-affinity-scorer"},
+        {"type": "max-score-picker"},
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                {"pluginRef": "active-request-scorer", "weight": 2},
+                {"pluginRef": "session-affinity-scorer", "weight": 10},
+                {"pluginRef": "max-score-picker"},
+            ],
+        }
+    ],
+}
+
+
+@pytest.fixture
+def bus() -> Iterator[NatsServer]:
+    server = NatsServer(nats_binary())
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+def _router(seed: int = 0) -> Router:
+    return Router(
+        EndpointPool(ENDPOINTS, stale_policy="ignore"),
+        PrefixIndex(block_size=16),
+        CONFIG,
+        seed=seed,
+    )
+
+
+def _prompt(i: int, length: int = 256) -> np.ndarray:
+    return np.arange(i * 1_000_000, i * 1_000_000 + length, dtype=np.uint32)
+
+
+def _remote(router: Router) -> int:
+    return sum(e["remote_in_flight_requests"] for e in router.pool.endpoints())
+
+
+async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def _synced(
+    *members: tuple[Router, str, str], **options: object
+) -> AsyncIterator[list[ClusterSync]]:
+    """ClusterSyncs for (router, server URL, replica name), started and connected."""
+    syncs = [
+        ClusterSync(router, servers=url, cluster="f", replica=name, **options)  # type: ignore[arg-type]
+        for router, url, name in members
+    ]
+    for sync in syncs:
+        await sync.start()
+    try:
+        await _until(lambda: all(s.stats()["connected"] for s in syncs), "connections")
+        yield syncs
+    finally:
+        for sync in syncs:
+            await asyncio.wait_for(sync.stop(), 15)
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), 90))
+
+
+def test_two_replicas_with_one_name_are_flagged_and_both_still_count(
+    bus: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two replicas configured with the same name ("gw-0", say a name copied into every pod's
+    config): they synced silently, each listing the other under its own name, and a third
+    replica kept one of their counts at a time (it saw 2 or 3 requests in flight, never 5)."""
+
+    async def body() -> None:
+        a, b, c = _router(0), _router(1), _router(2)
+        async with _synced((a, bus.url, "gw-0"), (b, bus.url, "gw-0"), (c, bus.url, "gw-2")) as (
+            sa,
+            sb,
+            sc,
+        ):
+            held = []
+            for i in range(2):
+                d = a.pick(tokens=_prompt(i))
+                d.started()
+                held.append(d)
+            for i in range(3):
+                d = b.pick(tokens=_prompt(10 + i))
+                d.started()
+                held.append(d)
+            await _until(lambda: _remote(c) == 5, "both replicas' counts at the third")
+            # Their batches keep coming (every change, every heartbeat): the sum holds.
+            for _ in range(3):
+                d = a.pick(tokens=_prompt(50))
+                d.started()
+                d.finished()
+                await _until(lambda: _remote(c) == 5, "the sum to hold")
+            await _until(lambda: sa.stats()["identity_conflicts"] >= 1, "the conflict at gw-0")
+            for sync in (sa, sb):
+                assert sync.stats()["shared_names"] == ["gw-0"]
+            assert sc.stats()["shared_names"] == ["gw-0"]
+            assert sc.stats()["identity_conflicts"] >= 1
+            note = a.pick(tokens=_prompt(99)).explain().notes
+            assert any("uses this replica's name 'gw-0'" in n for n in note), note
+            assert not any("gw-2" in n for n in c.pick(tokens=_prompt(99)).explain().notes)
+            for d in held:
+                d.finished()
+        warned = [r for r in caplog.records if "more than one live replica" in r.getMessage()]
+        # Once per replica that saw it (each of the three), never once per batch.
+        assert 1 <= len(warned) <= 3, [r.getMessage() for r in warned]
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        run(body)
+
+
+def test_a_replica_that_restarts_under_its_name_replaces_its_old_life(bus: NatsServer) -> None:
+    """A restart (same name, new incarnation) is not a second replica: the peers drop the old
+    incarnation's counts at once, not after load_ttl_s, and flag nothing."""
+
+    async def body() -> None:
+        a, b = _router(0), _router(1)
+        async with _synced((b, bus.url, "gw-b"), load_ttl_s=30.0) as (sb,):
+            old = ClusterSync(a, servers=bus.url, cluster="f", replica="gw-a", load_ttl_s=30.0)
+            await old.start()
+            await _until(lambda: old.stats()["connected"], "the first life's connection")
+            lost = [a.pick(tokens=_prompt(i)) for i in range(3)]
+            for d in lost:
+                d.started()
+            await _until(lambda: _remote(b) == 3, "the first life's count")
+            # It dies without a word (its loops stop, its connection goes with the process).
+            for task in old._tasks:  # the test kills the replica abruptly
+                task.cancel()
+            assert old._nc is not None
+            await old._nc.close()
+            fresh = _router(3)
+            async with _synced((fresh, bus.url, "gw-a"), load_ttl_s=30.0):
+                d = fresh.pick(tokens=_prompt(7))
+                d.started()
+                await _until(lambda: _remote(b) == 1, "the new life's count alone")
+                assert sb.stats()["peers"] == ["gw-a"]
+                assert sb.stats()["shared_names"] == []
+                assert sb.stats()["identity_conflicts"] == 0
+                d.finished()
+
+    run(body)
+
+
+def test_a_burst_over_the_bus_message_limit_still_reaches_the_peers(bus: NatsServer) -> None:
+    """40 requests of 65,536 tokens between two flushes (a burst, or an event loop held up)
+    journal 1.3 MB, over the server's 1 MiB message limit: the one batch was refused whole, so
+    the peers never got those records, nor the 40 requests in flight (until a heartbeat), and
+    only ``publish_failures`` said so."""
+
+    async def body() -> None:
+        a, b = _router(0), _router(1)
+        async with _synced((a, bus.url, "a"), (b, bus.url, "b")) as (sa, sb):
+            held = []
+            for i in range(40):
+                d = a.pick(tokens=_prompt(i, 65_536))
+                d.started()
+                held.append(d)
+            await _until(lambda: sb.stats()["records_applied"] >= 40, "the 40 records")
+            assert _remote(b) == 40
+            assert sa.stats()["publish_failures"] == 0
+            assert b.pick(tokens=_prompt(7, 65_536)).cached == 65_536
+            for d in held:
+                d.finished()
+
+    run(body)
+
+
+def test_stop_is_bounded_when_the_bus_stops_answering(bus: NatsServer) -> None:
+    """A server that stops answering (frozen, or a half-open connection) held stop() 20 s."""
+
+    async def body() -> None:
+        sync = ClusterSync(_router(), servers=bus.url, cluster="f", replica="x")
+        await sync.start()
+        await _until(lambda: sync.stats()["connected"], "the connection")
+        assert bus.proc is not None
+        os.kill(bus.proc.pid, signal.SIGSTOP)
+        try:
+            # Not asyncio.wait_for(sync.stop(), ...): nats-py's drain swallowed its
+            # cancellation, so the wait ended when stop() did, however late.
+            stopping = asyncio.create_task(sync.stop())
+            await asyncio.wait({stopping}, timeout=8)
+            assert stopping.done(), "stop() still running 8 s after a frozen bus"
+        finally:
+            os.kill(bus.proc.pid, signal.SIGCONT)
+            await stopping
+
+    run(body)
+
+
+def test_a_late_replica_takes_every_peers_answer_not_only_the_first(bus: NatsServer) -> None:
+    """Each peer answers a catch-up with its own records only. The late replica stopped
+    listening at the first peer's end marker, so a peer that answered later (a busy one, or one
+    with more to send) was lost: here one peer answers at once with nothing, another 0.3 s later
+    with a record."""
+
+    async def body() -> None:
+        source = _router(5)
+        native = source.replica_sync(
+            "slow", incarnation=1, journal_limit=100, load_ttl_s=3.0, history_limit=100
+        )
+        d = source.pick(tokens=_prompt(3), session_id="chat-3")
+        d.started()
+        d.finished()
+        native.outgoing(time.monotonic(), False, 1 << 20)  # into its history
+        answer = native.catch_up(time.monotonic(), 1 << 20)
+        assert answer
+
+        # Two peers, each on its own connection: one with nothing to send answers at once,
+        # the other 0.3 s later with its record and session.
+        quick, slow = await nats.connect(bus.url), await nats.connect(bus.url)
+
+        async def quick_peer(msg: Msg) -> None:
+            await quick.publish(msg.reply, b"")
+
+        async def slow_peer(msg: Msg) -> None:
+            await asyncio.sleep(0.3)
+            for batch in answer:
+                await slow.publish(msg.reply, batch)
+            await slow.publish(msg.reply, b"")
+
+        await quick.subscribe("llmsched.f.catchup", cb=quick_peer)
+        await slow.subscribe("llmsched.f.catchup", cb=slow_peer)
+        try:
+            late = _router(9)
+            async with _synced((late, bus.url, "late"), catch_up_timeout_s=5.0) as (sync,):
+                await _until(lambda: sync.stats()["records_applied"] >= 1, "the slow answer")
+                assert late.pick(tokens=_prompt(3)).endpoint == d.endpoint
+                assert late.pick(tokens=_prompt(4), session_id="chat-3").endpoint == d.endpoint
+        finally:
+            await quick.close()
+            await slow.close()
+
+    run(body)
+
+
+class _Cable:
+    """A TCP relay between one replica and the NATS server that the test can cut and mend:
+    that replica loses the bus while the others keep it (a partition)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def mend(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+def test_what_a_cut_off_replica_routed_reaches_the_peers_when_the_partition_heals(
+    bus: NatsServer,
+) -> None:
+    """Replica x loses the bus while a keeps it. x routes a prompt and binds a session alone;
+    a routes another. Once x is back, both know both: x asked for a's records (as before), and
+    x's records and sessions, which x could not publish and a never asked for, reached a (they
+    never did: a routed x's chat blind until the record TTL ran out)."""
+
+    async def body() -> None:
+        cable = _Cable(bus.port)
+        await cable.mend()
+        a, x = _router(0), _router(1)
+        async with _synced((a, bus.url, "a"), (x, cable.url, "x")) as (_sa, sx):
+            await cable.cut()
+            await _until(lambda: not sx.stats()["connected"], "x to lose the bus")
+            dx = x.pick(tokens=_prompt(1), session_id="chat-x")
+            dx.started()
+            dx.finished()
+            da = a.pick(tokens=_prompt(2))
+            da.started()
+            da.finished()
+            await asyncio.sleep(0.1)  # both flushed while apart
+            assert a.pick(tokens=_prompt(1)).cached == 0
+            await cable.mend()
+            await _until(lambda: sx.stats()["connected"], "x to reconnect", 20)
+            await _until(lambda: x.pick(tokens=_prompt(2)).cached == 256, "a's record at x")
+            await _until(lambda: a.pick(tokens=_prompt(1)).cached == 256, "x's record at a")
+            assert a.pick(tokens=_prompt(1)).endpoint == dx.endpoint
+            assert a.pick(tokens=_prompt(3), session_id="chat-x").endpoint == dx.endpoint
+            assert sx.stats()["reconnects"] >= 1 and sx.stats()["disconnects"] >= 1
+        await cable.cut()
+
+    run(body)
+
+
+def test_a_peer_of_another_protocol_version_is_counted_and_changes_nothing(
+    bus: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica of a later release (version byte 3), and a batch cut short, are refused,
+    counted and warned about once; routing state is unchanged."""
+
+    async def body() -> None:
+        source = _router(5)
+        native = source.replica_sync(
+            "new", incarnation=1, journal_limit=100, load_ttl_s=3.0, history_limit=100
+        )
+        d = source.pick(tokens=_prompt(3))
+        d.started()
+        (good,) = native.outgoing(time.monotonic(), False, 1 << 20)
+        d.finished()
+        newer = good[:4] + bytes([3]) + good[5:]
+        router = _router(0)
+        async with _synced((router, bus.url, "r")) as (sync,):
+            nc = await nats.connect(bus.url)
+            for payload in (newer, good[: len(good) // 2]):
+                await nc.publish("llmsched.f.sync", payload)
+            await nc.flush()
+            await _until(lambda: sync.stats()["malformed_in"] == 2, "the refusals")
+            await nc.close()
+            assert sync.stats()["records_applied"] == 0 and sync.stats()["peers"] == []
+            assert _remote(router) == 0 and router.pick(tokens=_prompt(3)).cached == 0
+        warned = [r.getMessage() for r in caplog.records if "malformed batch" in r.getMessage()]
+        assert len(warned) == 1 and "unknown version 3" in warned[0], warned
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        run(body)
