@@ -24,9 +24,11 @@ def run(test: Callable[[FakeOpenAIEngine, aiohttp.ClientSession], Awaitable[None
     """Runs ``test`` against a started fake engine, failing it if it hangs."""
 
     async def main() -> None:
-        async with FakeOpenAIEngine(model="m", answer_tokens=3) as engine:
-            async with aiohttp.ClientSession() as session:
-                await test(engine, session)
+        async with (
+            FakeOpenAIEngine(model="m", answer_tokens=3) as engine,
+            aiohttp.ClientSession() as session,
+        ):
+            await test(engine, session)
 
     asyncio.run(asyncio.wait_for(main(), LIMIT_S))
 
