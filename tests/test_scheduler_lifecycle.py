@@ -1,11 +1,13 @@
-"""``Scheduler.start_sync`` / ``stop_sync`` called from several threads at once: one start
-wins, a stop waits for a start under way and stops what it started, and no feed outlives the
-scheduler's last stop (a scraper left running after ``started`` turned False was stopped by
-nothing). Feeds here are metrics scrapers of engines that are not there (their thread runs
-all the same)."""
+"""The scheduler's start and stop. ``start_sync`` / ``stop_sync`` called from several threads
+at once: one start wins, a stop waits for a start under way and stops what it started, and no
+feed outlives the scheduler's last stop (a scraper left running after ``started`` turned False
+was stopped by nothing). ``await stop()`` cancelled while it waits for the feeds to end is
+cancelled (it swallowed the cancellation and ran on). Feeds here are metrics scrapers of
+engines that are not there (their loop runs all the same)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sys
 import threading
@@ -104,3 +106,40 @@ def test_threads_hammering_start_and_stop_leave_one_mode_and_its_feeds() -> None
         sys.setswitchinterval(interval)
         s.stop_sync()
     assert not s.started
+
+
+def test_a_stop_cancelled_while_the_feeds_end_is_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop waited for the feeds' restart (after an engine change), then for the scraper's
+    task, with ``CancelledError`` suppressed, its own included: a stop cancelled there
+    returned normally (and an ``asyncio.wait_for`` around it never timed out)."""
+
+    async def main() -> None:
+        ending, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def slow_to_end(self: MetricsScraper) -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+                await ending.wait()  # its cleanup takes until the test lets it end
+
+        monkeypatch.setattr(MetricsScraper, "run", slow_to_end)
+        s = scheduler()
+        await s.start()
+        s.set_engines([EngineSpec("127.0.0.1", 9), EngineSpec("127.0.0.1", 10)])  # a restart
+        for waiting_for in ("the feeds' restart", "the scraper's task"):
+            ending.clear()
+            cancelled.clear()
+            stopping = asyncio.ensure_future(s.stop())
+            await cancelled.wait()  # the scraper is ending: the stop waits for it
+            assert not stopping.done()
+            stopping.cancel()
+            ending.set()
+            with pytest.raises(asyncio.CancelledError):
+                await stopping
+            assert s.started, waiting_for
+            await s.feeds_settled()
+        await s.stop()
+        assert not s.started
+
+    asyncio.run(asyncio.wait_for(main(), LIMIT_S))

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
+from llmsched._aio import cancel_and_wait, settled
 from llmsched._tokens import MAX_TOKEN_ID, TokensLike, as_token_array, raise_out_of_range
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
@@ -1261,8 +1262,8 @@ class Scheduler:
                 self.stop_sync()
             return
         if self._restart is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._restart
+            # Its own failure is not the stop's; the stop's cancellation goes through.
+            await settled(self._restart)
             self._restart = None
         await self._stop_feeds_async()
         with self._lifecycle:
@@ -1354,9 +1355,7 @@ class Scheduler:
 
     async def _stop_feeds_async(self) -> None:
         if self._scrape_task is not None:
-            self._scrape_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scrape_task
+            await cancel_and_wait(self._scrape_task)
             self._scrape_task = None
         self._retire_scraper()
         subscriber, seen = self._retire_subscriber()

@@ -53,6 +53,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
+from llmsched._aio import cancel_and_wait, settled
 from llmsched.errors import (
     ConfigError,
     FlowRejected,
@@ -623,9 +624,7 @@ class Gateway:
         )
         for task in tasks:
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
         self._discovery_task = self._health_task = self._watch_task = None
         self._model_check_task = self._send_guard_task = self._send_guard = None
         if self.kubernetes is not None:
@@ -1186,8 +1185,8 @@ class Gateway:
             nothing.cancel()
             if not admitted.done():
                 admitted.cancel()
-                with contextlib.suppress(asyncio.CancelledError, FlowRejected):
-                    await admitted
+                # Its refusal or cancellation is read below; the handler's own goes through.
+                await settled(admitted)
         if admitted.cancelled():
             if time.monotonic() >= deadline:
                 raise _deadline_refusal()
