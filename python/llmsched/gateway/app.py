@@ -2226,8 +2226,12 @@ def _presented_key(request: web.Request) -> str | None:
 
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
+        # UTF-8 only, as on the native plane: ``json.loads`` of bytes also reads UTF-16 and
+        # UTF-32, and reads a surrogate's UTF-8 form (not UTF-8) as a lone surrogate, which
+        # the escape check below never saw (a 500 where such a string was encoded).
+        text = body.decode("utf-8")
         # NaN and Infinity are not JSON (the native plane and the engines refuse them).
-        payload = json.loads(body, parse_constant=refuse_json_constant)
+        payload = json.loads(text, parse_constant=refuse_json_constant)
     except RecursionError:
         raise Refusal(400, "invalid_request_error", "the body is nested too deeply") from None
     except ValueError:
