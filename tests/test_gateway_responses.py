@@ -1203,3 +1203,44 @@ def test_a_missing_id_is_named_as_vllm_names_it_on_both_planes() -> None:
             assert [len(e.received) for e in r.engines] == before  # no engine asked
 
     run(main())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_id_holding_a_lone_surrogate_is_the_same_400_on_both_planes() -> None:
+    """A lone surrogate escape (``"\\ud800"``: JSON, but no UTF-8 text) was named on the
+    Python plane and "the body is not valid JSON" natively; now both name the field. A
+    surrogate's UTF-8 form (which is no UTF-8) was a 500 on the Python plane (``json`` read
+    it as a lone surrogate, and its check looked at escapes only): not JSON on both, as a
+    UTF-16 body is."""
+
+    async def main() -> None:
+        async with rig(engines=1) as r:
+            for fields, param, in_key in [
+                ({"previous_response_id": "resp_\ud800"}, "previous_response_id", False),
+                ({"input": [{"type": "item_reference", "id": "x\udc00"}]}, "input[0].id", False),
+                ({"metadata": {"ok": "\ud83d\ude00", "\ud800": "v"}}, "metadata", True),
+                ({"\udbff": "an unknown field"}, "", True),
+            ]:
+                data = json.dumps({"model": MODEL, "input": "x", **fields}).encode()
+                async with r.client.post(r.url("/v1/responses"), data=data) as answer:
+                    assert answer.status == 400
+                    error = (await answer.json())["error"]
+                at = param or "body"
+                message = (
+                    f"a key in '{at}' holds a lone surrogate escape"
+                    if in_key
+                    else f"'{at}' holds a lone surrogate escape (not valid UTF-8 text)"
+                )
+                expected = {"message": message, "type": "invalid_request_error", "code": 400}
+                assert error == {**expected, "param": param or None}, fields
+            text = json.dumps({"model": MODEL, "input": "x"})
+            raw = b'{"model": "tiny", "input": "x", "previous_response_id": "r\xed\xa0\x80"}'
+            # A surrogate's UTF-8 form, UTF-16, and UTF-8 after a byte order mark.
+            for data in (raw, text.encode("utf-16"), b"\xef\xbb\xbf" + text.encode()):
+                async with r.client.post(r.url("/v1/responses"), data=data) as answer:
+                    assert answer.status == 400, data
+                    error = (await answer.json())["error"]
+                    assert error["message"] == "the body is not valid JSON", data
+            assert not r.engines[0].received
+
+    run(main())

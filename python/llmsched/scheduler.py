@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Literal, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
+from llmsched._aio import cancel_and_wait, settled
 from llmsched._tokens import MAX_TOKEN_ID, TokensLike, as_token_array, raise_out_of_range
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
@@ -861,6 +862,10 @@ class Scheduler:
         self._scraper: MetricsScraper | None = None
         self._scrape_task: asyncio.Task[None] | None = None
         self._mode: Literal["async", "threads"] | None = None
+        # Held while the mode is read and changed together with the feeds it stands for
+        # (start_sync / stop_sync / an engine change on threads; the async pair around their
+        # synchronous steps): concurrent calls see one mode and the feeds it started.
+        self._lifecycle = threading.RLock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restart: asyncio.Task[None] | None = None
         # Workers whose index entries were dropped (an engine removed, or moved to another
@@ -1239,52 +1244,60 @@ class Scheduler:
     async def start(self) -> None:
         """Starts the feeds on the running event loop (the scraper as a task, the subscriber
         on its thread). A no-op when started."""
-        if self._mode is not None:
-            return
-        self._mode = "async"
-        self._loop = asyncio.get_running_loop()
-        try:
-            self._start_feeds()
-        except BaseException:
-            self._mode = self._loop = None
-            raise
+        with self._lifecycle:
+            if self._mode is not None:
+                return
+            self._mode = "async"
+            self._loop = asyncio.get_running_loop()
+            try:
+                self._start_feeds()
+            except BaseException:
+                self._mode = self._loop = None
+                raise
 
     async def stop(self) -> None:
         """Stops the feeds, started by :meth:`start` or :meth:`start_sync` (a no-op when not
         started). The scheduler goes on admitting and placing requests without feeds."""
-        if self._mode != "async":
-            if self._mode == "threads":
+        with self._lifecycle:
+            mode = self._mode
+        if mode != "async":
+            if mode == "threads":
                 self.stop_sync()
             return
         if self._restart is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._restart
+            # Its own failure is not the stop's; the stop's cancellation goes through.
+            await settled(self._restart)
             self._restart = None
         await self._stop_feeds_async()
-        self._drop_again()
-        self._mode = None
-        self._loop = None
+        with self._lifecycle:
+            self._drop_again()
+            self._mode = None
+            self._loop = None
 
     def start_sync(self) -> None:
-        """Starts the feeds on threads of their own (for code without an event loop)."""
-        if self._mode is not None:
-            return
-        self._mode = "threads"
-        try:
-            self._start_feeds()
-        except BaseException:
-            self._mode = None
-            raise
+        """Starts the feeds on threads of their own (for code without an event loop). A no-op
+        when started; safe to call from several threads at once (one start wins, and a
+        :meth:`stop_sync` meanwhile waits for it and then stops what it started)."""
+        with self._lifecycle:
+            if self._mode is not None:
+                return
+            self._mode = "threads"
+            try:
+                self._start_feeds()
+            except BaseException:
+                self._mode = None
+                raise
 
     def stop_sync(self) -> None:
         """Stops feeds started by :meth:`start_sync`; a no-op otherwise (feeds started by
         :meth:`start` run on its event loop: ``await stop()``). The scheduler goes on
         admitting and placing requests without feeds."""
-        if self._mode != "threads":
-            return
-        self._stop_feeds_threads()
-        self._drop_again()
-        self._mode = None
+        with self._lifecycle:
+            if self._mode != "threads":
+                return
+            self._stop_feeds_threads()
+            self._drop_again()
+            self._mode = None
 
     async def feeds_settled(self) -> None:
         """Waits until the feeds follow the current engines (after an engine change)."""
@@ -1346,9 +1359,7 @@ class Scheduler:
 
     async def _stop_feeds_async(self) -> None:
         if self._scrape_task is not None:
-            self._scrape_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scrape_task
+            await cancel_and_wait(self._scrape_task)
             self._scrape_task = None
         self._retire_scraper()
         subscriber, seen = self._retire_subscriber()
@@ -1370,24 +1381,26 @@ class Scheduler:
 
     def _feeds_changed(self) -> None:
         """The engines changed: running feeds restart on the new set."""
-        if self._mode == "threads":
-            self._stop_feeds_threads()
-            self._drop_again()
-            self._start_feeds()
-        elif self._mode == "async":
-            assert self._loop is not None
-            previous = self._restart
-
-            async def restart() -> None:
-                if previous is not None:
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await previous
-                await self._stop_feeds_async()
+        with self._lifecycle:
+            if self._mode == "threads":
+                self._stop_feeds_threads()
                 self._drop_again()
-                if self._mode == "async":
-                    self._start_feeds()
+                self._start_feeds()
+            elif self._mode == "async":
+                assert self._loop is not None
+                previous = self._restart
 
-            self._restart = self._loop.create_task(restart())
+                async def restart() -> None:
+                    if previous is not None:
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await previous
+                    await self._stop_feeds_async()
+                    with self._lifecycle:
+                        self._drop_again()
+                        if self._mode == "async":
+                            self._start_feeds()
+
+                self._restart = self._loop.create_task(restart())
 
     # -- the pipeline --------------------------------------------------------------------
 

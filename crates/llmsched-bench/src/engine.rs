@@ -217,7 +217,7 @@ struct Engine {
     counters: Arc<Counters>,
     /// The port it listens on (part of its response ids, unique among engines on one host).
     port: u16,
-    store: responses::Store,
+    store: Arc<responses::Store>,
 }
 
 /// A listening engine: its address and counters. Serving goes on in a task of the runtime it
@@ -235,7 +235,7 @@ pub async fn start(addr: SocketAddr, config: EngineConfig) -> io::Result<EngineH
     let listener = TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let counters = Arc::new(Counters::default());
-    let store = responses::Store::new(config.response_store);
+    let store = Arc::new(responses::Store::new(config.response_store));
     let engine = Arc::new(Engine { config, counters: counters.clone(), port: addr.port(), store });
     tokio::spawn(async move {
         loop {
@@ -271,7 +271,7 @@ async fn handle(engine: Arc<Engine>, request: Request<Incoming>) -> Result<Answe
         (Method::POST, "/v1/chat/completions") => engine.complete(request, Api::Chat).await,
         (Method::POST, "/v1/responses") => engine.complete(request, Api::Responses).await,
         (Method::GET, path) if path.starts_with(responses::PREFIX) => {
-            Ok(engine.retrieve(&path[responses::PREFIX.len()..]))
+            Ok(engine.retrieve(&path[responses::PREFIX.len()..], request.uri().query()))
         }
         (_, "/health" | "/v1/models" | "/metrics" | "/stats")
         | (_, "/v1/completions" | "/v1/chat/completions" | "/v1/responses") => {
@@ -662,6 +662,9 @@ struct AnswerBody {
     guard: InFlight,
     /// The engine's reading of the request, when events are stamped.
     stamp: Option<u64>,
+    /// Run just before the last event goes out, when the answer is not scripted to break
+    /// (a streamed response is stored then, as vLLM stores it before `response.completed`).
+    before_last: Option<Box<dyn FnOnce() + Send + Sync>>,
 }
 
 impl AnswerBody {
@@ -673,7 +676,17 @@ impl AnswerBody {
     ) -> Self {
         let mut events = events.into_iter();
         let next = events.next();
-        AnswerBody { events, next, sleep: None, breaks, length, flushed: false, guard, stamp: None }
+        AnswerBody {
+            events,
+            next,
+            sleep: None,
+            breaks,
+            length,
+            flushed: false,
+            guard,
+            stamp: None,
+            before_last: None,
+        }
     }
 }
 
@@ -722,6 +735,9 @@ impl Body for AnswerBody {
         }
         this.next = this.events.next();
         if this.next.is_none() && this.breaks.is_none() {
+            if let Some(before_last) = this.before_last.take() {
+                before_last();
+            }
             // The last frame: hyper may not poll again once the body says it has ended.
             this.guard.finish();
         }

@@ -407,6 +407,30 @@ fn responses_stream_named_events_ending_with_completed() {
         r#"{"input":"x","stream":true,"x_fake_mode":"cut"}"#,
     );
     assert_eq!(named_events(&cut).len(), 1);
+    // Broken off before its `response.completed`: never stored (vLLM stores a stream as it
+    // completes, just before that event).
+    let cut_id = named_events(&cut)[0].1["response"]["id"].as_str().unwrap().to_string();
+    assert_eq!(request(port, "GET", &format!("/v1/responses/{cut_id}"), "").status(), 404);
+}
+
+#[test]
+fn a_stored_response_asked_as_a_stream_is_cut_after_the_head_as_vllm_does() {
+    let engines = Engines::start(&["--answer-tokens", "2"]);
+    let port = engines.ports[0];
+    let made = request(port, "POST", "/v1/responses", r#"{"input":"hi"}"#).json();
+    let path = format!("/v1/responses/{}", made["id"].as_str().unwrap());
+    // vLLM replays the events of background streams only: for any other response its
+    // generator fails after the head, and the connection closes mid-body.
+    for query in ["?stream=true", "?starting_after=0&stream=1"] {
+        let raw = request(port, "GET", &format!("{path}{query}"), "");
+        assert_eq!(raw.status(), 200, "{}", raw.text());
+        assert!(raw.text().to_ascii_lowercase().contains("content-type: text/event-stream"));
+        assert!(!raw.timed_out, "the connection closes");
+        assert!(!raw.body().ends_with(b"0\r\n\r\n"), "the chunked body never ends");
+    }
+    assert_eq!(request(port, "GET", &format!("{path}?stream=false"), "").json(), made);
+    assert_eq!(request(port, "GET", &format!("{path}?stream=maybe"), "").status(), 400);
+    assert_eq!(request(port, "GET", "/v1/responses/resp_none?stream=true", "").status(), 404);
 }
 
 #[test]

@@ -1345,7 +1345,7 @@ struct Refusal {
     status: StatusCode,
     kind: &'static str,
     message: String,
-    param: Option<&'static str>,
+    param: Option<Cow<'static, str>>,
     reason: Option<&'static str>,
     retry_after: Option<String>,
     close: bool,
@@ -1364,9 +1364,18 @@ impl Refusal {
         }
     }
 
-    fn param(mut self, param: &'static str) -> Refusal {
-        self.param = Some(param);
+    fn param(mut self, param: impl Into<Cow<'static, str>>) -> Refusal {
+        self.param = Some(param.into());
         self
+    }
+
+    /// The 400 for a body [`Payload::parse`] refuses (naming the field when it can).
+    fn unreadable(problem: payload::Problem) -> Refusal {
+        let refusal = Refusal::new(400, "invalid_request_error", problem.to_string());
+        match problem.param() {
+            Some(param) => refusal.param(param.to_owned()),
+            None => refusal,
+        }
     }
 
     fn dropped(mut self, reason: &'static str, retry_after: String) -> Refusal {
@@ -2105,8 +2114,7 @@ impl Gateway {
         deadline: f64,
     ) -> Result<Answer, Refusal> {
         let (identity, parts, raw) = self.identified_body(request).await?;
-        let payload = Payload::parse(&raw)
-            .map_err(|problem| Refusal::new(400, "invalid_request_error", problem.to_string()))?;
+        let payload = Payload::parse(&raw).map_err(Refusal::unreadable)?;
         check_fields(&payload)?;
         let model = match (payload.raw("model"), payload.str("model")) {
             (Some(_), Some(model)) => Some(model),
@@ -2137,9 +2145,7 @@ impl Gateway {
             // serve every other request (with one, they would all wait for it).
             let (gateway, body) = (self.clone(), raw.clone());
             let tokenized = tokio::task::spawn_blocking(move || {
-                let payload = Payload::parse(&body).map_err(|problem| {
-                    Refusal::new(400, "invalid_request_error", problem.to_string())
-                })?;
+                let payload = Payload::parse(&body).map_err(Refusal::unreadable)?;
                 gateway.request_prompt(&payload, &body, route)
             });
             tokenized.await.map_err(|_| {

@@ -9,11 +9,12 @@
 //!
 //! What is refused is what a full parse into `serde_json::Value` refused, except numbers
 //! outside `f64`'s range, which are now forwarded as sent (the engine parses them; Python's
-//! `json` reads them as infinities): a body that is not JSON, or not UTF-8, or with a lone
-//! surrogate escape anywhere (checked by a full parse only when the body has a surrogate
-//! escape at all); a body that is not a JSON object ([`Problem::NotObject`]); nesting deeper
-//! than serde_json's recursion limit or than [`MAX_DEPTH`] ([`Problem::Nested`]). As with
-//! `Value`, a repeated key keeps its last value.
+//! `json` reads them as infinities): a body that is not JSON, or not UTF-8; a body that is
+//! not a JSON object ([`Problem::NotObject`]); a lone surrogate escape anywhere (checked by a
+//! full parse only when the body has a surrogate escape at all), named as the Python plane
+//! names it ([`Problem::LoneSurrogate`]: the path of the first string holding one, in the
+//! body's order); nesting deeper than serde_json's recursion limit or than [`MAX_DEPTH`]
+//! ([`Problem::Nested`]). As with `Value`, a repeated key keeps its last value.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -30,8 +31,17 @@ pub const MAX_DEPTH: usize = 64;
 /// Why a body cannot be read.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Problem {
-    /// Not JSON (or not UTF-8, or with a lone surrogate escape).
+    /// Not JSON (or not UTF-8).
     NotJson,
+    /// JSON whose string at `path` (`messages[0].content`; empty: the body) holds a lone
+    /// surrogate escape (`"\ud800"`: JSON, but no UTF-8 text), in a key of the object at
+    /// `path` when `in_key`.
+    LoneSurrogate {
+        /// Where, spelt as the Python plane spells it.
+        path: String,
+        /// In a key of the object at `path` rather than in the string at `path`.
+        in_key: bool,
+    },
     /// JSON, but not an object.
     NotObject,
     /// Nested past [`MAX_DEPTH`] (or serde_json's own recursion limit).
@@ -44,7 +54,25 @@ impl fmt::Display for Problem {
             Problem::NotJson => "the body is not valid JSON",
             Problem::NotObject => "the body must be a JSON object",
             Problem::Nested => "the body is nested too deeply",
+            Problem::LoneSurrogate { path, in_key } => {
+                let at = if path.is_empty() { "body" } else { path };
+                return if *in_key {
+                    write!(f, "a key in '{at}' holds a lone surrogate escape")
+                } else {
+                    write!(f, "'{at}' holds a lone surrogate escape (not valid UTF-8 text)")
+                };
+            }
         })
+    }
+}
+
+impl Problem {
+    /// The field a refusal names (the `param` of the 400), when there is one.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            Problem::LoneSurrogate { path, .. } if !path.is_empty() => Some(path),
+            _ => None,
+        }
     }
 }
 
@@ -107,14 +135,23 @@ impl<'a> Payload<'a> {
             return Err(Problem::Nested);
         }
         let mut deserializer = serde_json::Deserializer::from_str(text);
-        let picked = match Pick::<FIELDS_LEN>(&FIELDS, PhantomData).deserialize(&mut deserializer) {
-            Ok(picked) => deserializer.end().map(|()| picked).map_err(|e| problem(&e))?,
-            Err(err) => return Err(problem(&err)),
+        let named = || {
+            lone_surrogate(raw)
+                .map_or(Problem::NotJson, |(path, in_key)| Problem::LoneSurrogate { path, in_key })
         };
-        if has_surrogate_escape(raw) && serde_json::from_slice::<Value>(raw).is_err() {
-            return Err(Problem::NotJson);
-        }
+        let picked = match Pick::<FIELDS_LEN>(&FIELDS, PhantomData).deserialize(&mut deserializer) {
+            Ok(picked) => deserializer.end().map(|()| picked).map_err(|e| problem(&e)),
+            Err(err) => Err(problem(&err)),
+        };
+        let picked = match picked {
+            // A key is decoded to be picked: one with a lone surrogate fails here.
+            Err(Problem::NotJson) if has_surrogate_escape(raw) => return Err(named()),
+            picked => picked?,
+        };
         let Some(fields) = picked else { return Err(Problem::NotObject) };
+        if has_surrogate_escape(raw) && serde_json::from_slice::<Value>(raw).is_err() {
+            return Err(named());
+        }
         if deep.is_some() {
             return Err(Problem::Nested);
         }
@@ -207,6 +244,219 @@ fn has_surrogate_escape(raw: &[u8]) -> bool {
         }
         _ => false,
     })
+}
+
+/// The first string of a JSON text, in its order, that holds a lone surrogate escape: its
+/// path as the Python plane writes it (`a.b[0]`: keys joined by dots, indices in brackets)
+/// and whether it is a key (then the path is the object's). None when there is none, or when
+/// the text is not JSON but for its lone surrogates (Python's `json` refuses it then, `NaN`
+/// and `Infinity` included). The nesting is bounded by the caller ([`SERDE_DEPTH`]); any
+/// bytes are scanned safely.
+fn lone_surrogate(raw: &[u8]) -> Option<(String, bool)> {
+    let mut scan = SurrogateScan { raw, at: 0, path: Vec::new(), found: None };
+    scan.value().ok()?;
+    scan.skip_space();
+    if scan.at != raw.len() {
+        return None;
+    }
+    scan.found
+}
+
+/// One step of a path into a JSON value.
+enum Step {
+    Key(String),
+    Index(usize),
+}
+
+/// A recursive-descent check of a JSON text that decodes its strings (the keys kept for the
+/// path) and notes the first one holding a lone surrogate escape. `Err(())`: not JSON.
+struct SurrogateScan<'a> {
+    raw: &'a [u8],
+    at: usize,
+    path: Vec<Step>,
+    found: Option<(String, bool)>,
+}
+
+impl SurrogateScan<'_> {
+    /// Notes a lone surrogate in the value at the current path (in a key of it when `in_key`),
+    /// unless an earlier one was noted.
+    fn note(&mut self, in_key: bool) {
+        if self.found.is_some() {
+            return;
+        }
+        let mut out = String::new();
+        for step in &self.path {
+            match step {
+                // As Python's `f"{path}.{key}" if path else key`.
+                Step::Key(key) if out.is_empty() => out.push_str(key),
+                Step::Key(key) => {
+                    out.push('.');
+                    out.push_str(key);
+                }
+                Step::Index(i) => out.push_str(&format!("[{i}]")),
+            }
+        }
+        self.found = Some((out, in_key));
+    }
+
+    fn skip_space(&mut self) {
+        while matches!(self.raw.get(self.at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.at += 1;
+        }
+    }
+
+    fn eat(&mut self, byte: u8) -> bool {
+        self.skip_space();
+        let found = self.raw.get(self.at) == Some(&byte);
+        if found {
+            self.at += 1;
+        }
+        found
+    }
+
+    fn value(&mut self) -> Result<(), ()> {
+        self.skip_space();
+        match self.raw.get(self.at) {
+            Some(b'"') => {
+                let (_, lone) = self.string()?;
+                if lone {
+                    self.note(false);
+                }
+                Ok(())
+            }
+            Some(b'{') => {
+                self.at += 1;
+                if self.eat(b'}') {
+                    return Ok(());
+                }
+                loop {
+                    self.skip_space();
+                    if self.raw.get(self.at) != Some(&b'"') {
+                        return Err(());
+                    }
+                    let (key, lone) = self.string()?;
+                    if lone {
+                        self.note(true);
+                    }
+                    if !self.eat(b':') {
+                        return Err(());
+                    }
+                    self.path.push(Step::Key(key));
+                    self.value()?;
+                    self.path.pop();
+                    if self.eat(b'}') {
+                        return Ok(());
+                    }
+                    if !self.eat(b',') {
+                        return Err(());
+                    }
+                }
+            }
+            Some(b'[') => {
+                self.at += 1;
+                if self.eat(b']') {
+                    return Ok(());
+                }
+                let mut index = 0;
+                loop {
+                    self.path.push(Step::Index(index));
+                    self.value()?;
+                    self.path.pop();
+                    if self.eat(b']') {
+                        return Ok(());
+                    }
+                    if !self.eat(b',') {
+                        return Err(());
+                    }
+                    index += 1;
+                }
+            }
+            Some(_) => {
+                // A number, true, false or null: checked with serde_json, to the delimiter.
+                let rest = &self.raw[self.at..];
+                let len = rest
+                    .iter()
+                    .position(|b| matches!(b, b',' | b']' | b'}' | b' ' | b'\t' | b'\n' | b'\r'))
+                    .unwrap_or(rest.len());
+                serde_json::from_slice::<IgnoredAny>(&rest[..len]).map_err(drop)?;
+                self.at += len;
+                Ok(())
+            }
+            None => Err(()),
+        }
+    }
+
+    /// Reads the string at the cursor (its opening quote): its text (lone surrogates left
+    /// out) and whether it holds a lone surrogate escape.
+    fn string(&mut self) -> Result<(String, bool), ()> {
+        self.at += 1;
+        let mut text = Vec::new();
+        let mut lone = false;
+        loop {
+            let rest = self.raw.get(self.at..).unwrap_or_default();
+            let next = memchr::memchr2(b'"', b'\\', rest).ok_or(())?;
+            if rest[..next].iter().any(|&b| b < 0x20) {
+                return Err(()); // a raw control character: not JSON
+            }
+            text.extend_from_slice(&rest[..next]);
+            self.at += next + 1;
+            if rest[next] == b'"' {
+                // Split at ASCII bytes only: the text stays as UTF-8 as the body was.
+                return Ok((String::from_utf8_lossy(&text).into_owned(), lone));
+            }
+            let escaped = match self.raw.get(self.at) {
+                Some(b'u') => {
+                    let unit = self.hex(self.at + 1).ok_or(())?;
+                    self.at += 5;
+                    match unit {
+                        0xD800..=0xDBFF => {
+                            let low = (self.raw.get(self.at..self.at + 2) == Some(b"\\u"))
+                                .then(|| self.hex(self.at + 2))
+                                .flatten()
+                                .filter(|low| (0xDC00..=0xDFFF).contains(low));
+                            match low {
+                                Some(low) => {
+                                    self.at += 6;
+                                    char::from_u32(
+                                        0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00),
+                                    )
+                                }
+                                None => None,
+                            }
+                        }
+                        0xDC00..=0xDFFF => None,
+                        _ => char::from_u32(unit),
+                    }
+                }
+                Some(&byte) => {
+                    self.at += 1;
+                    Some(match byte {
+                        b'"' | b'\\' | b'/' => char::from(byte),
+                        b'b' => '\u{8}',
+                        b'f' => '\u{c}',
+                        b'n' => '\n',
+                        b'r' => '\r',
+                        b't' => '\t',
+                        _ => return Err(()),
+                    })
+                }
+                None => return Err(()),
+            };
+            match escaped {
+                Some(c) => text.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                None => lone = true,
+            }
+        }
+    }
+
+    /// The four hex digits at `at`.
+    fn hex(&self, at: usize) -> Option<u32> {
+        let digits = self.raw.get(at..at + 4)?;
+        if !digits.iter().all(u8::is_ascii_hexdigit) {
+            return None;
+        }
+        u32::from_str_radix(std::str::from_utf8(digits).ok()?, 16).ok()
+    }
 }
 
 /// serde_json's recursion limit (a parse into `Value` refuses deeper nesting).
@@ -393,25 +643,68 @@ mod tests {
 
     #[test]
     fn refuses_what_a_value_parse_refuses() {
-        for text in [
-            "",
-            "{",
-            "{\"a\": }",
-            "{} x",
-            "nul",
-            "{\"a\": \"\\ud800\"}",
-            "[\"\\udfff\"]",
-            "{\"x\": [\"\\uDFFF\"]}",
-        ] {
+        for text in ["", "{", "{\"a\": }", "{} x", "nul"] {
             assert_eq!(parse(text).unwrap_err(), Problem::NotJson, "{text:?}");
         }
         assert!(Payload::parse(b"{\"a\": \"\xff\"}").is_err());
-        for text in ["[]", "[1, {\"a\": 2}]", "3", "\"s\"", "true", "null"] {
+        // Not an object comes first, as the Python plane checks it first.
+        for text in ["[]", "[1, {\"a\": 2}]", "3", "\"s\"", "true", "null", "[\"\\udfff\"]"] {
             assert_eq!(parse(text).unwrap_err(), Problem::NotObject, "{text:?}");
         }
         // Paired surrogates are text.
         let payload = parse(r#"{"prompt": "\ud83d\ude00", "x": "\uD83D\uDE00"}"#).unwrap();
         assert_eq!(payload.str("prompt").as_deref(), Some("\u{1F600}"));
+    }
+
+    #[test]
+    fn a_lone_surrogate_is_named_as_the_python_plane_names_it() {
+        let lone = |path: &str, in_key: bool| Problem::LoneSurrogate { path: path.into(), in_key };
+        for (text, expected) in [
+            (r#"{"a": "\ud800"}"#, lone("a", false)),
+            (r#"{"x": ["ok", "\uDFFF"]}"#, lone("x[1]", false)),
+            (r#"{"previous_response_id": "id\udc00"}"#, lone("previous_response_id", false)),
+            // A high surrogate followed by anything but a low one is lone.
+            (r#"{"a": "\ud800\u0041"}"#, lone("a", false)),
+            (r#"{"a": "\ud800\ud800"}"#, lone("a", false)),
+            (r#"{"a": "\ud800\\udc00"}"#, lone("a", false)),
+            // Keys: the object holding them; escaped keys decoded; paired escapes are text.
+            (r#"{"m": [{"\ud800": 1}]}"#, lone("m[0]", true)),
+            (r#"{"\ud800": 1}"#, lone("", true)),
+            (
+                r#"{"\u0061\"b": {"c": ["\ud83d\ude00", 1e400, true, null, "\udbff"]}}"#,
+                lone("a\"b.c[4]", false),
+            ),
+            // The first in the body's order.
+            (r#"{"b": {"\udc00": "\ud800"}, "a": "\ud800"}"#, lone("b", true)),
+            // An empty key at the top: no dot (Python's `if path`).
+            (r#"{"": {"k": "\ud800"}}"#, lone("k", false)),
+        ] {
+            let problem = parse(text).unwrap_err();
+            assert_eq!(problem, expected, "{text}");
+        }
+        assert_eq!(
+            lone("input[0].id", false).to_string(),
+            "'input[0].id' holds a lone surrogate escape (not valid UTF-8 text)"
+        );
+        assert_eq!(lone("", true).to_string(), "a key in 'body' holds a lone surrogate escape");
+        assert_eq!(lone("", false).param(), None);
+        assert_eq!(lone("m[0]", true).param(), Some("m[0]"));
+        assert_eq!(Problem::NotJson.param(), None);
+        // Not JSON for another reason, before or after it: not named.
+        for text in [
+            r#"{"a": "\ud800", "b": }"#,
+            r#"{"\ud800": 1, "b": }"#,
+            r#"{"\ud800": NaN}"#,
+            r#"{"a": "\ud800"} x"#,
+            r#"{"a": tru, "b": "\ud800"}"#,
+            "{\"a\": \"\\ud800\t\"}",
+        ] {
+            assert_eq!(parse(text).unwrap_err(), Problem::NotJson, "{text}");
+        }
+        // Junk is scanned without panicking.
+        for junk in [&b"{\"a\": \"\\ud8"[..], b"{\"a\" \"\\ud800\"}", b"[1,", b"{\"a\": \"\xff"] {
+            assert_eq!(lone_surrogate(junk), None);
+        }
     }
 
     #[test]

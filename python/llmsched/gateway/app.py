@@ -53,6 +53,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
+from llmsched._aio import cancel_and_wait, settled
 from llmsched.errors import (
     ConfigError,
     FlowRejected,
@@ -624,9 +625,7 @@ class Gateway:
         )
         for task in tasks:
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
         self._discovery_task = self._health_task = self._watch_task = None
         self._model_check_task = self._send_guard_task = self._send_guard = None
         if self.kubernetes is not None:
@@ -1187,8 +1186,8 @@ class Gateway:
             nothing.cancel()
             if not admitted.done():
                 admitted.cancel()
-                with contextlib.suppress(asyncio.CancelledError, FlowRejected):
-                    await admitted
+                # Its refusal or cancellation is read below; the handler's own goes through.
+                await settled(admitted)
         if admitted.cancelled():
             if time.monotonic() >= deadline:
                 raise _deadline_refusal()
@@ -2228,8 +2227,12 @@ def _presented_key(request: web.Request) -> str | None:
 
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
+        # UTF-8 only, as on the native plane: ``json.loads`` of bytes also reads UTF-16 and
+        # UTF-32, and reads a surrogate's UTF-8 form (not UTF-8) as a lone surrogate, which
+        # the escape check below never saw (a 500 where such a string was encoded).
+        text = body.decode("utf-8")
         # NaN and Infinity are not JSON (the native plane and the engines refuse them).
-        payload = json.loads(body, parse_constant=refuse_json_constant)
+        payload = json.loads(text, parse_constant=refuse_json_constant)
     except RecursionError:
         raise Refusal(400, "invalid_request_error", "the body is nested too deeply") from None
     except ValueError:

@@ -45,7 +45,6 @@ True
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmsched import _llmsched
+from llmsched._aio import cancel_and_wait
 from llmsched.errors import ConfigError, GatewayStoppedError
 from llmsched.flow import FlowController
 from llmsched.gateway.admin import check_engine_url
@@ -445,9 +445,7 @@ class NativeGateway:
         """Stops the native gateway (connections are closed), then the feeds."""
         for task in (self._discovery_task, self._model_check_task):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
         self._discovery_task = self._model_check_task = None
         if self.kubernetes is not None:
             await self.kubernetes.stop()

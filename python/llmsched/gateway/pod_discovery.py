@@ -23,11 +23,11 @@ is on each plane's ``/metrics`` as ``llmsched_gateway_kubernetes_*``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
+from llmsched._aio import cancel_and_wait
 from llmsched.gateway.config import KubernetesConfig
 from llmsched.integrations import EngineSpec
 
@@ -114,9 +114,7 @@ class PodDiscovery:
         """Cancels the watcher and closes the API client (a no-op when not started)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         client, self._client = self._client, None
         if client is not None:
             await client.close()

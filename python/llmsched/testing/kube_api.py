@@ -344,6 +344,9 @@ class FakeKubeAPI:
                     if event is not None:
                         await _send(response, event)
                 wait = min(end - loop.time(), self.bookmark_s if bookmarks else end)
+                # The handler is cancelled only by the server's cleanup, after stop() set
+                # ``_stopping`` and woke it: a cancellation ``wait_for`` loses on CPython
+                # 3.10-3.11 still ends the loop.
                 try:
                     await asyncio.wait_for(changed.wait(), max(wait, 0.0))
                 except asyncio.TimeoutError:

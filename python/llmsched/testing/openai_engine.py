@@ -8,7 +8,16 @@ as vLLM 0.32 serves it (``POST /v1/responses``: JSON, or named SSE events ending
 ``response.completed`` and no ``[DONE]``; ``GET /v1/responses/{id}`` and
 ``POST /v1/responses/{id}/cancel`` from its own store, :attr:`FakeOpenAIEngine.responses`; an
 unknown ``previous_response_id`` is vLLM's 404; ``store`` false keeps nothing, and a
-``background`` request then, or on an engine not storing, is vLLM's 400), serves a
+``background`` request then, or on an engine not storing, is vLLM's 400; an ``instructions``
+that is neither a string nor null is vLLM's 400). As vLLM, it stores a response once it is
+generated (a stream's just before its ``response.completed``; a stream cut before then is never
+stored) and a ``background`` one at once as ``"queued"``; a background stream is generated
+apart from the request that started it, and ``GET /v1/responses/{id}?stream=true``
+(``&starting_after=N``) replays its events from the one after ``N``, waiting for the rest
+until ``response.completed`` (a background stream cancelled before then leaves its readers
+waiting, as vLLM's do); for any other stored response that GET sends the head of a stream and
+then closes the connection, as vLLM's fails. A background request that is not streamed stays
+``"queued"`` until cancelled (its generation is not simulated). It serves a
 vLLM-style ``/metrics`` with its live request counts, and records every request it receives
 (path, headers, body) and every client disconnect. Its :attr:`FakeOpenAIEngine.mode` scripts
 failures: ``"ok"``, ``"drop"`` (close the connection before answering), ``"error500"``,
@@ -69,6 +78,14 @@ MODES = (
     "hang",
     "headers",
 )
+
+
+@dataclass
+class _EventLog:
+    """The events of a background stream as they are generated (vLLM's ``event_store``)."""
+
+    events: list[bytes] = field(default_factory=list)
+    grew: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -144,6 +161,8 @@ class FakeOpenAIEngine:
         self.responses_store = True
         """Whether ``store`` is honoured (vLLM's ``VLLM_ENABLE_RESPONSES_API_STORE=1``); when
         False nothing is stored, as vLLM by default."""
+        self._event_logs: dict[str, _EventLog] = {}
+        self._background: dict[str, asyncio.Task[None]] = {}
         self._port: int | None = None
         self._runner: web.AppRunner | None = None
         # Bodies as large as a gateway may pass on (vLLM sets no bound of its own).
@@ -191,7 +210,12 @@ class FakeOpenAIEngine:
         self._port = int(address[1])
 
     async def stop(self) -> None:
-        """Stops listening (connections are then refused) and closes open connections."""
+        """Stops listening (connections are then refused), closes open connections and ends
+        the generation of background streams."""
+        for task in list(self._background.values()):
+            task.cancel()
+        for task in list(self._background.values()):
+            await asyncio.gather(task, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -302,6 +326,8 @@ class FakeOpenAIEngine:
             return _bad_request("the body must be a JSON object")
         if not isinstance(body.get("input"), (str, list)):
             return _bad_request("input must be a string or a list")
+        if not isinstance(body.get("instructions"), (str, type(None))):
+            return _bad_request("instructions must be a string", "body.instructions")
         store = body.get("store", True)
         if body.get("background") and not store:
             return _bad_request("background can only be used when `store` is true", "background")
@@ -332,57 +358,111 @@ class FakeOpenAIEngine:
         ident = f"resp_{len(self.received)}_{self.port}"
         stored = bool(body.get("store", True)) and self.responses_store
         background = bool(body.get("background"))
-        final = _response_object(ident, body, pieces, "queued" if background else "completed")
-        if stored:
-            self.responses[ident] = final
+        if background:  # stored at once, before it is generated (vLLM's "queued")
+            self.responses[ident] = _response_object(ident, body, [], "queued")
         if not body.get("stream"):
             if mode == "slow":  # generated before it is answered
                 await asyncio.sleep(self.token_delay_s * (n + 2))
-            answer = json.dumps(final).encode()
+            final = _response_object(ident, body, pieces, "completed")
+            if stored and not background:  # stored once generated
+                self.responses[ident] = final
+            answer = json.dumps(self.responses[ident] if background else final).encode()
             self.sent.append(answer)
             if mode in ("cut", "hang"):
                 return await self._break_off(request, answer, mode)
             return web.Response(body=answer, content_type="application/json")
+        if background:
+            log = self._event_logs[ident] = _EventLog()
+            task = asyncio.create_task(self._generate(ident, body, pieces, mode, log))
+            self._background[ident] = task
+            task.add_done_callback(lambda _: self._background.pop(ident, None))
+            return await self._replay(request, log, 0, mode)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
-        started = _response_object(ident, body, [], "in_progress")
-        events: list[dict[str, Any]] = [
-            {"response": started, "type": "response.created"},
-            {"response": started, "type": "response.in_progress"},
-        ]
-        events += [
-            {"delta": piece, "item_id": f"msg_{ident}", "type": "response.output_text.delta"}
-            for piece in pieces
-        ]
-        done = "response.output_text.done"
-        events.append({"text": "".join(pieces), "item_id": f"msg_{ident}", "type": done})
-        if mode != "no_done":
-            events.append({"response": final, "type": "response.completed"})
         written = bytearray()
         self.sent.append(b"")
-        for i, event in enumerate(events):
-            event["sequence_number"] = i
+        for i, (kind, data) in enumerate(_response_events(ident, body, pieces, mode)):
+            if kind == "response.completed" and stored:
+                # vLLM stores a streamed response as it completes, before this event.
+                self.responses[ident] = _response_object(ident, body, pieces, "completed")
             if mode == "slow" and i:
                 await asyncio.sleep(self.token_delay_s)
-            data = f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode()
             if mode in ("cut", "hang") and i:
                 await self._stop_answering(request, mode)
             if mode == "cut_mid_event" and i:
                 await response.write(data[: len(data) // 2])
                 await self._stop_answering(request, "cut")
-            written += data + b"\n\n"
+            written += data
             self.sent[-1] = bytes(written)
-            await response.write(data + b"\n\n")
+            await response.write(data)
         await response.write_eof()
         return response
 
-    async def _retrieve_response(self, request: web.Request) -> web.Response:
+    async def _generate(
+        self, ident: str, body: dict[str, Any], pieces: list[str], mode: str, log: _EventLog
+    ) -> None:
+        """Generates a background stream into ``log``, apart from any request reading it; the
+        stored response is completed with its last event (unless cancelled meanwhile)."""
+        for i, (kind, data) in enumerate(_response_events(ident, body, pieces, mode)):
+            if mode == "slow" and i:
+                await asyncio.sleep(self.token_delay_s)
+            if kind == "response.completed" and self.responses[ident]["status"] != "cancelled":
+                self.responses[ident] = _response_object(ident, body, pieces, "completed")
+            log.events.append(data)
+            log.grew.set()
+
+    async def _replay(
+        self, request: web.Request, log: _EventLog, start: int, mode: str
+    ) -> web.StreamResponse:
+        """The events of a background stream from the ``start``-th, as they come, until its
+        ``response.completed`` (broken off after the first in modes ``"cut"``, ``"hang"`` and
+        ``"cut_mid_event"``)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        written = bytearray()
+        self.sent.append(b"")
+        at = start
+        while True:
+            log.grew.clear()
+            while at < len(log.events):
+                data = log.events[at]
+                if mode in ("cut", "hang") and written:
+                    await self._stop_answering(request, mode)
+                if mode == "cut_mid_event" and written:
+                    await response.write(data[: len(data) // 2])
+                    await self._stop_answering(request, "cut")
+                written += data
+                self.sent[-1] = bytes(written)
+                await response.write(data)
+                if data.startswith(b"event: response.completed\n"):
+                    await response.write_eof()
+                    return response
+                at += 1
+            await log.grew.wait()
+
+    async def _retrieve_response(self, request: web.Request) -> web.StreamResponse:
         ident = request.match_info["response_id"]
         self.received.append(ReceivedRequest(request.path, dict(request.headers), {}, request.host))
+        stream = _query_bool(request.query.get("stream", "false"))
+        after = request.query.get("starting_after")
+        if stream is None or (after is not None and not re.fullmatch(r"[+-]?\d+", after.strip())):
+            return _bad_request("stream must be a boolean and starting_after an integer")
         found = self.responses.get(ident)
         if found is None:
             return _not_found(ident)
-        return web.json_response(found)
+        if not stream:
+            return web.json_response(found)
+        log = self._event_logs.get(ident)
+        if log is None:
+            # vLLM fails after sending the head: its stream replays background streams only.
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream; charset=utf-8"}
+            )
+            await response.prepare(request)
+            await self._stop_answering(request, "cut")
+            return response  # not reached
+        start = 0 if after is None else int(after) + 1
+        return await self._replay(request, log, max(start, 0), "ok")
 
     async def _cancel_response(self, request: web.Request) -> web.Response:
         ident = request.match_info["response_id"]
@@ -391,8 +471,12 @@ class FakeOpenAIEngine:
         if found is None:
             return _not_found(ident)
         if found["status"] not in ("queued", "in_progress"):
-            return _bad_request("Cannot cancel a synchronous response.")
+            return _bad_request("Cannot cancel a synchronous response.", "response_id")
         found["status"] = "cancelled"
+        task = self._background.get(ident)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         return web.json_response(found)
 
     async def _answer(
@@ -535,6 +619,43 @@ def _response_object(
             "total_tokens": prompt_tokens + len(pieces),
         },
     }
+
+
+def _response_events(
+    ident: str, body: dict[str, Any], pieces: list[str], mode: str
+) -> list[tuple[str, bytes]]:
+    """A Responses stream's named events, each as written (no ``response.completed`` in
+    mode ``"no_done"``)."""
+    started = _response_object(ident, body, [], "in_progress")
+    events: list[dict[str, Any]] = [
+        {"response": started, "type": "response.created"},
+        {"response": started, "type": "response.in_progress"},
+    ]
+    events += [
+        {"delta": piece, "item_id": f"msg_{ident}", "type": "response.output_text.delta"}
+        for piece in pieces
+    ]
+    done = "response.output_text.done"
+    events.append({"text": "".join(pieces), "item_id": f"msg_{ident}", "type": done})
+    if mode != "no_done":
+        final = _response_object(ident, body, pieces, "completed")
+        events.append({"response": final, "type": "response.completed"})
+    out = []
+    for i, event in enumerate(events):
+        event["sequence_number"] = i
+        data = f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+        out.append((str(event["type"]), data))
+    return out
+
+
+def _query_bool(text: str) -> bool | None:
+    """A query parameter read as FastAPI reads a ``bool`` (None: not one)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "on", "yes", "t", "y"):
+        return True
+    if value in ("0", "false", "off", "no", "f", "n"):
+        return False
+    return None
 
 
 def _check_body(body: Any, *, chat: bool) -> str | None:

@@ -12,7 +12,12 @@
 //! with vLLM's error and counted in [`super::Counters::continuations_missed`]. Every response
 //! made is stored unless the request says `"store": false`, in a bounded store
 //! ([`super::EngineConfig::response_store`]: the oldest dropped first), one lock per request
-//! (a hash lookup and an insert).
+//! (a hash lookup and an insert): a JSON answer before it is sent, a stream as it completes
+//! (just before its `response.completed`; a stream scripted to break off is never stored), as
+//! vLLM stores them. `GET /v1/responses/{id}?stream=true` answers a stored response as vLLM
+//! answers one that was not streamed in the background (vLLM keeps the events of those
+//! only, and this fake has no background mode): the head of a stream, then the connection is
+//! cut; a `stream` that is no boolean is vLLM's 400.
 //!
 //! Decisions beyond what vLLM specifies: `max_output_tokens` caps the answer like `max_tokens`
 //! does elsewhere; input tokens are a quarter of the `input`'s JSON length; the stored
@@ -292,9 +297,18 @@ impl Engine {
         Some(not_found(previous))
     }
 
-    /// `GET /v1/responses/{id}`: the stored response, or vLLM's 404.
-    pub(super) fn retrieve(&self, id: &str) -> Answer {
+    /// `GET /v1/responses/{id}` (`query`: the URI's query): the stored response, or vLLM's
+    /// 404; with `stream=true`, a stream's head and then a cut (see the module docs).
+    pub(super) fn retrieve(&self, id: &str, query: Option<&str>) -> Answer {
+        let Ok(stream) = stream_asked(query) else {
+            return super::error(StatusCode::BAD_REQUEST, "stream must be a boolean");
+        };
         match self.store.get(id) {
+            Some(_) if stream => {
+                self.counters.retrievals.fetch_add(1, Ordering::Relaxed);
+                let cut = AnswerBody::new(Vec::new(), Some(Break::Cut), None, InFlight::none());
+                respond(StatusCode::OK, "text/event-stream; charset=utf-8", cut)
+            }
             Some(found) => {
                 self.counters.retrievals.fetch_add(1, Ordering::Relaxed);
                 plain(StatusCode::OK, "application/json", found)
@@ -328,14 +342,21 @@ impl Engine {
             created_at: unix_time(),
         };
         let final_json = Bytes::from(serde_json::to_vec(&made.object("completed", false)).unwrap());
-        if body.get("store").and_then(Value::as_bool) != Some(false) {
-            self.store.insert(&made.id, final_json.clone());
-        }
+        let stored = body.get("store").and_then(Value::as_bool) != Some(false);
         self.counters.responses.fetch_add(1, Ordering::Relaxed);
         guard.tokens = Some((made.input_tokens as u64, n as u64));
         if generation.stream {
-            self.stream_answer(&made, generation, guard)
+            let mut answer = self.stream_answer(&made, generation, guard);
+            if stored {
+                let (store, id) = (self.store.clone(), made.id.clone());
+                answer.body_mut().before_last =
+                    Some(Box::new(move || store.insert(&id, final_json)));
+            }
+            answer
         } else {
+            if stored {
+                self.store.insert(&made.id, final_json.clone());
+            }
             json_answer(final_json, generation.mode, guard)
         }
     }
@@ -369,6 +390,23 @@ impl Engine {
         let mut answer = AnswerBody::new(events, breaks, None, guard);
         answer.stamp = self.config.stamp.then_some(generation.received_ns);
         respond(StatusCode::OK, "text/event-stream; charset=utf-8", answer)
+    }
+}
+
+/// `stream` of a `GET /v1/responses/{id}` query read as FastAPI reads a `bool` (false when
+/// absent; `Err` when it is no boolean).
+fn stream_asked(query: Option<&str>) -> Result<bool, ()> {
+    // The last one counts, as Starlette reads a repeated parameter.
+    let Some(value) = query.unwrap_or_default().split('&').rev().find_map(|pair| {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        (name == "stream").then_some(value)
+    }) else {
+        return Ok(false);
+    };
+    match value.to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" | "t" | "y" => Ok(true),
+        "0" | "false" | "off" | "no" | "f" | "n" => Ok(false),
+        _ => Err(()),
     }
 }
 
@@ -439,6 +477,24 @@ mod tests {
             serde_json::json!({"input": "x", "previous_response_id": 7}),
         ] {
             assert!(check_body(&fields(bad.clone())).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_stream_query_is_read_as_fastapi_reads_a_bool() {
+        for (query, expected) in [
+            (None, Ok(false)),
+            (Some(""), Ok(false)),
+            (Some("starting_after=3"), Ok(false)),
+            (Some("stream=true"), Ok(true)),
+            (Some("starting_after=1&stream=1"), Ok(true)),
+            (Some("stream=Yes"), Ok(true)),
+            (Some("stream=false&stream=true"), Ok(true)),
+            (Some("stream=false"), Ok(false)),
+            (Some("stream=maybe"), Err(())),
+            (Some("stream"), Err(())),
+        ] {
+            assert_eq!(stream_asked(query), expected, "{query:?}");
         }
     }
 
