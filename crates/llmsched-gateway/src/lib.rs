@@ -3573,6 +3573,12 @@ enum DoneScan {
 
 impl DoneScan {
     fn feed(&mut self, data: &[u8]) {
+        self.feed_with(data, has_done_word(data));
+    }
+
+    /// [`DoneScan::feed`], `word` whether `data` holds `[DONE]` ([`has_done_word`], searched
+    /// once a frame for the relay's scans).
+    fn feed_with(&mut self, data: &[u8], word: bool) {
         if let DoneScan::Events(scan) = self {
             scan.feed(data);
             if scan.seen() {
@@ -3581,7 +3587,7 @@ impl DoneScan {
             return;
         }
         let DoneScan::Looking(event) = self else { return };
-        if event.feed(data) {
+        if event.feed(data, word) {
             *self = DoneScan::Seen;
         }
     }
@@ -3615,15 +3621,18 @@ impl Default for DoneEvent {
 }
 
 impl DoneEvent {
-    /// Reads the stream's next bytes; true once the event was seen.
-    fn feed(&mut self, data: &[u8]) -> bool {
+    /// Reads the stream's next bytes, `word` whether they hold `[DONE]` (which the event
+    /// holds whatever its line ends); true once the event was seen.
+    fn feed(&mut self, data: &[u8], word: bool) -> bool {
         let data = self.line_ends.to_lf(data);
         let keep = DONE_SPACED.needle().len() - 1;
-        // The last bytes before `data` and its first ones: an event across the boundary.
+        // The last bytes before `data` and its first ones: an event across the boundary (then
+        // its `[` is among them).
         self.tail.extend_from_slice(&data[..data.len().min(keep)]);
         let found =
             |bytes: &[u8]| DONE_SPACED.find(bytes).is_some() || DONE_UNSPACED.find(bytes).is_some();
-        if found(&self.tail) || found(&data[..]) {
+        let across = memchr::memchr(b'[', &self.tail).is_some() && found(&self.tail);
+        if across || word && found(&data[..]) {
             return true;
         }
         if data.len() >= keep {
@@ -3637,6 +3646,14 @@ impl DoneEvent {
     }
 }
 
+/// Whether `data` holds `[DONE]`: every `[DONE]` event does, so a frame without it needs no
+/// other search for one (one pass over an event instead of three).
+fn has_done_word(data: &[u8]) -> bool {
+    DONE_WORD.find(data).is_some()
+}
+
+static DONE_WORD: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"[DONE]"));
 static DONE_SPACED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\ndata: [DONE]"));
 static DONE_UNSPACED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
@@ -3854,8 +3871,9 @@ struct Held {
 
 /// Whether an SSE frame ends its stream or nearly: it holds `data: [DONE]`, or an event
 /// with a `finish_reason` (the last token's; a usage event and `[DONE]` follow at once).
-fn ends_soon(data: &[u8]) -> bool {
-    if DONE.find(data).is_some() {
+/// `word`: whether it holds `[DONE]` at all ([`has_done_word`]).
+fn ends_soon(data: &[u8], word: bool) -> bool {
+    if word && DONE.find(data).is_some() {
         return true;
     }
     let mut rest = data;
@@ -3961,7 +3979,9 @@ impl Relay {
     }
 
     /// A frame from the engine: the first token, the output tokens, the read timeout's clock.
-    fn received(&mut self, frame: &Frame<Bytes>) {
+    /// Whether its data holds `[DONE]` ([`has_done_word`], for [`Relay::ends_near`]).
+    fn received(&mut self, frame: &Frame<Bytes>) -> bool {
+        let mut word = false;
         if let Some(data) = frame.data_ref() {
             if self.first {
                 self.first = false;
@@ -3972,7 +3992,8 @@ impl Relay {
             if self.completion {
                 self.tokens.feed(data, self.sse);
             }
-            self.done.feed(data);
+            word = (self.sse || matches!(self.done, DoneScan::Looking(_))) && has_done_word(data);
+            self.done.feed_with(data, word);
             if let Some(scan) = self.id_scan.as_mut() {
                 scan.feed(data);
             }
@@ -3985,6 +4006,7 @@ impl Relay {
         if self.timer.is_some() {
             self.last_frame = tokio::time::Instant::now();
         }
+        word
     }
 
     /// A body frame came from the engine: counted against the connection's last read.
@@ -4034,12 +4056,12 @@ impl Relay {
 
     /// Whether an SSE frame ends its stream or nearly (then what follows is held longer:
     /// [`Held::tail`]); `terminal` for a Responses stream, whose terminal event may be split
-    /// between frames.
-    fn ends_near(&self, data: &[u8], terminal: bool) -> bool {
+    /// between frames. `word`: whether `data` holds `[DONE]` ([`Relay::received`]).
+    fn ends_near(&self, data: &[u8], terminal: bool, word: bool) -> bool {
         if self.responses {
             terminal || responses::ends_here(data)
         } else {
-            ends_soon(data)
+            ends_soon(data, word)
         }
     }
 
@@ -4071,7 +4093,7 @@ impl Relay {
             }
             Poll::Ready(Some(Ok(frame))) => {
                 let (was_whole, was_ending) = (self.done.whole(), self.done.ending());
-                self.received(&frame);
+                let word = self.received(&frame);
                 let Some(data) = frame.data_ref() else {
                     // Trailers: they follow what is held.
                     self.after_held = Some(frame);
@@ -4087,7 +4109,7 @@ impl Relay {
                     // on, the tail's longer hold.
                     let terminal =
                         was_ending || self.done.ending() || was_whole != self.done.whole();
-                    held.tail = self.ends_near(data, terminal);
+                    held.tail = self.ends_near(data, terminal, word);
                     held.yields = 0;
                 }
                 self.hold(held, cx)
@@ -4205,12 +4227,12 @@ impl Body for Relay {
                 // A Responses stream ends near its terminal event: a frame holding its line,
                 // or any part of it (split between frames), is held with what follows.
                 let (was_whole, was_ending) = (this.done.whole(), this.done.ending());
-                this.received(&frame);
+                let word = this.received(&frame);
                 let terminal = was_ending || this.done.ending() || was_whole != this.done.whole();
                 if this.done.whole() && this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
                 } else if let Some(data) = frame.data_ref().filter(|_| this.sse) {
-                    let tail = this.ends_near(data, terminal);
+                    let tail = this.ends_near(data, terminal, word);
                     if tail || (gather && this.more_read()) {
                         let data = bytes::BytesMut::from(&data[..]);
                         return this.hold(Held { data, yields: 0, tail }, cx);
