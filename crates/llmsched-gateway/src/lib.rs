@@ -3300,6 +3300,17 @@ fn relay_parts(
             now,
         )))),
     };
+    // The frame read ahead is the latest read's, unless that read had the head too.
+    let share = match relaying.lease.as_ref().and_then(pool::Lease::reads) {
+        Some((meter, head_read)) if meter.last_read().0 != head_read => {
+            let mut share = ReadShare::UNKNOWN;
+            if let Some(data) = first.as_ref().and_then(Frame::data_ref) {
+                share.handed_over(meter.last_read(), data.len(), chunked);
+            }
+            share
+        }
+        _ => ReadShare::UNKNOWN,
+    };
     let mut out = Response::new(Relay {
         route: relaying.route,
         status: parts.status,
@@ -3325,6 +3336,8 @@ fn relay_parts(
         after_held: None,
         done,
         tail: *b"\n\n",
+        share,
+        chunked,
         responses: relaying.responses,
         id_scan: relaying.id_scan.filter(|_| event_stream),
     });
@@ -3586,6 +3599,12 @@ enum DoneScan {
 
 impl DoneScan {
     fn feed(&mut self, data: &[u8]) {
+        self.feed_with(data, has_done_word(data));
+    }
+
+    /// [`DoneScan::feed`], `word` whether `data` holds `[DONE]` ([`has_done_word`], searched
+    /// once a frame for the relay's scans).
+    fn feed_with(&mut self, data: &[u8], word: bool) {
         if let DoneScan::Events(scan) = self {
             scan.feed(data);
             if scan.seen() {
@@ -3594,7 +3613,7 @@ impl DoneScan {
             return;
         }
         let DoneScan::Looking(event) = self else { return };
-        if event.feed(data) {
+        if event.feed(data, word) {
             *self = DoneScan::Seen;
         }
     }
@@ -3628,15 +3647,18 @@ impl Default for DoneEvent {
 }
 
 impl DoneEvent {
-    /// Reads the stream's next bytes; true once the event was seen.
-    fn feed(&mut self, data: &[u8]) -> bool {
+    /// Reads the stream's next bytes, `word` whether they hold `[DONE]` (which the event
+    /// holds whatever its line ends); true once the event was seen.
+    fn feed(&mut self, data: &[u8], word: bool) -> bool {
         let data = self.line_ends.to_lf(data);
         let keep = DONE_SPACED.needle().len() - 1;
-        // The last bytes before `data` and its first ones: an event across the boundary.
+        // The last bytes before `data` and its first ones: an event across the boundary (then
+        // its `[` is among them).
         self.tail.extend_from_slice(&data[..data.len().min(keep)]);
         let found =
             |bytes: &[u8]| DONE_SPACED.find(bytes).is_some() || DONE_UNSPACED.find(bytes).is_some();
-        if found(&self.tail) || found(&data[..]) {
+        let across = memchr::memchr(b'[', &self.tail).is_some() && found(&self.tail);
+        if across || word && found(&data[..]) {
             return true;
         }
         if data.len() >= keep {
@@ -3650,6 +3672,14 @@ impl DoneEvent {
     }
 }
 
+/// Whether `data` holds `[DONE]`: every `[DONE]` event does, so a frame without it needs no
+/// other search for one (one pass over an event instead of three).
+fn has_done_word(data: &[u8]) -> bool {
+    DONE_WORD.find(data).is_some()
+}
+
+static DONE_WORD: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"[DONE]"));
 static DONE_SPACED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\ndata: [DONE]"));
 static DONE_UNSPACED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
@@ -3695,6 +3725,8 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         after_held: None,
         done: DoneScan::Unneeded,
         tail: *b"\n\n",
+        share: ReadShare::UNKNOWN,
+        chunked: false,
         responses: false,
         id_scan: None,
     });
@@ -3803,8 +3835,54 @@ const HOLD_YIELDS: u8 = 8;
 const HOLD_BYTES: usize = 64 << 10;
 /// Turns of the runtime SSE bytes from the middle of a stream are held while nothing more
 /// comes ([`Relay::hold`]): hyper's client hands over a frame it has already read within two
-/// (measured: with one, no fewer writes than without holding).
+/// (measured: with one, no fewer writes than without holding). Only while hyper holds more of
+/// what it read from the engine than it has handed over ([`ReadShare`]).
 const GATHER_YIELDS: u8 = 2;
+
+/// What a relay has been handed of its engine connection's last read ([`pool::ReadMeter`]):
+/// hyper reads the socket again only once it has handed over all of the last read, so while
+/// the frames of a read (counted with their chunked framing) fall short of its bytes, hyper
+/// holds more for the relay's next turns, and gathering can wait for it. When the engine's
+/// events each come in a read of their own there is nothing to gather, and a frame goes out
+/// at once.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct ReadShare {
+    /// The read (its number) the last frame came from.
+    read: u64,
+    /// Bytes of that read handed over, framing included.
+    used: usize,
+    /// Whether `used` counts all of the read: not for the read that had the answer's head.
+    known: bool,
+}
+
+impl ReadShare {
+    /// Nothing known: every read may hold more (gathering as without a meter).
+    const UNKNOWN: ReadShare = ReadShare { read: u64::MAX, used: 0, known: false };
+
+    /// A body frame of `len` bytes handed over, `reads` the connection's reads now.
+    fn handed_over(&mut self, reads: (u64, usize), len: usize, chunked: bool) {
+        if reads.0 != self.read {
+            *self = ReadShare { read: reads.0, used: 0, known: true };
+        }
+        self.used = self.used.saturating_add(framed(len, chunked));
+    }
+
+    /// Whether hyper holds more of what it read than it has handed over, `reads` the
+    /// connection's reads now (a read since the last frame: all of it).
+    fn more(&self, reads: (u64, usize)) -> bool {
+        reads.0 != self.read || !self.known || reads.1 > self.used
+    }
+}
+
+/// The bytes of a chunked body's chunk of `len` data bytes (`{len:x}\r\n`, the data,
+/// `\r\n`), or `len` for a body framed otherwise.
+fn framed(len: usize, chunked: bool) -> usize {
+    if !chunked {
+        return len;
+    }
+    let digits = (usize::BITS - len.leading_zeros()).div_ceil(4).max(1) as usize;
+    len + digits + 4
+}
 
 /// SSE bytes held back ([`Relay::hold`]).
 struct Held {
@@ -3819,8 +3897,9 @@ struct Held {
 
 /// Whether an SSE frame ends its stream or nearly: it holds `data: [DONE]`, or an event
 /// with a `finish_reason` (the last token's; a usage event and `[DONE]` follow at once).
-fn ends_soon(data: &[u8]) -> bool {
-    if DONE.find(data).is_some() {
+/// `word`: whether it holds `[DONE]` at all ([`has_done_word`]).
+fn ends_soon(data: &[u8], word: bool) -> bool {
+    if word && DONE.find(data).is_some() {
         return true;
     }
     let mut rest = data;
@@ -3879,6 +3958,10 @@ pub struct Relay {
     /// The last two bytes relayed (`"\n\n"` ends an SSE event): an error event after a cut
     /// starts on its own rather than inside a half-sent one.
     tail: [u8; 2],
+    /// What the relay has been handed of the engine connection's last read.
+    share: ReadShare,
+    /// Whether the engine's body is chunked (its frames' framing, for `share`).
+    chunked: bool,
     /// A Responses API answer (see [`Relaying`]'s field).
     responses: bool,
     /// Where a Responses stream's id is recorded, until it is found.
@@ -3922,7 +4005,9 @@ impl Relay {
     }
 
     /// A frame from the engine: the first token, the output tokens, the read timeout's clock.
-    fn received(&mut self, frame: &Frame<Bytes>) {
+    /// Whether its data holds `[DONE]` ([`has_done_word`], for [`Relay::ends_near`]).
+    fn received(&mut self, frame: &Frame<Bytes>) -> bool {
+        let mut word = false;
         if let Some(data) = frame.data_ref() {
             if self.first {
                 self.first = false;
@@ -3933,7 +4018,8 @@ impl Relay {
             if self.completion {
                 self.tokens.feed(data, self.sse);
             }
-            self.done.feed(data);
+            word = (self.sse || matches!(self.done, DoneScan::Looking(_))) && has_done_word(data);
+            self.done.feed_with(data, word);
             if let Some(scan) = self.id_scan.as_mut() {
                 scan.feed(data);
             }
@@ -3945,6 +4031,26 @@ impl Relay {
         }
         if self.timer.is_some() {
             self.last_frame = tokio::time::Instant::now();
+        }
+        word
+    }
+
+    /// A body frame came from the engine: counted against the connection's last read.
+    fn handed_over(&mut self, frame: &Frame<Bytes>) {
+        let (Some(data), Some((meter, _))) =
+            (frame.data_ref(), self.lease.as_ref().and_then(pool::Lease::reads))
+        else {
+            return;
+        };
+        self.share.handed_over(meter.last_read(), data.len(), self.chunked);
+    }
+
+    /// Whether hyper holds more of what it read from the engine than it has handed over
+    /// ([`ReadShare`]); true where that cannot be told (no connection of the pool).
+    fn more_read(&self) -> bool {
+        match self.lease.as_ref().and_then(pool::Lease::reads) {
+            Some((meter, _)) => self.share.more(meter.last_read()),
+            None => true,
         }
     }
 
@@ -3962,7 +4068,10 @@ impl Relay {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
         let limit = if held.tail { HOLD_YIELDS } else { GATHER_YIELDS };
-        if held.yields >= limit || held.data.len() >= HOLD_BYTES {
+        // Gathering ends as soon as hyper has handed over all it read: what follows is the
+        // network's.
+        let gathered = !held.tail && !self.more_read();
+        if held.yields >= limit || held.data.len() >= HOLD_BYTES || gathered {
             return Poll::Ready(Some(Ok(Frame::data(held.data.freeze()))));
         }
         held.yields += 1;
@@ -3973,12 +4082,12 @@ impl Relay {
 
     /// Whether an SSE frame ends its stream or nearly (then what follows is held longer:
     /// [`Held::tail`]); `terminal` for a Responses stream, whose terminal event may be split
-    /// between frames.
-    fn ends_near(&self, data: &[u8], terminal: bool) -> bool {
+    /// between frames. `word`: whether `data` holds `[DONE]` ([`Relay::received`]).
+    fn ends_near(&self, data: &[u8], terminal: bool, word: bool) -> bool {
         if self.responses {
             terminal || responses::ends_here(data)
         } else {
-            ends_soon(data)
+            ends_soon(data, word)
         }
     }
 
@@ -4010,7 +4119,7 @@ impl Relay {
             }
             Poll::Ready(Some(Ok(frame))) => {
                 let (was_whole, was_ending) = (self.done.whole(), self.done.ending());
-                self.received(&frame);
+                let word = self.received(&frame);
                 let Some(data) = frame.data_ref() else {
                     // Trailers: they follow what is held.
                     self.after_held = Some(frame);
@@ -4026,7 +4135,7 @@ impl Relay {
                     // on, the tail's longer hold.
                     let terminal =
                         was_ending || self.done.ending() || was_whole != self.done.whole();
-                    held.tail = self.ends_near(data, terminal);
+                    held.tail = self.ends_near(data, terminal, word);
                     held.yields = 0;
                 }
                 self.hold(held, cx)
@@ -4109,7 +4218,13 @@ impl Body for Relay {
         // The frame read before the answer's head goes out with the head, not gathered.
         let (polled, gather) = match this.first_frame.take() {
             Some(frame) => (Poll::Ready(Some(Ok(frame))), false),
-            None => (Pin::new(inner).poll_frame(cx), true),
+            None => {
+                let polled = Pin::new(inner).poll_frame(cx);
+                if let Poll::Ready(Some(Ok(frame))) = &polled {
+                    this.handed_over(frame);
+                }
+                (polled, true)
+            }
         };
         if this.held.is_some() {
             return this.held_frame(polled, cx);
@@ -4138,13 +4253,13 @@ impl Body for Relay {
                 // A Responses stream ends near its terminal event: a frame holding its line,
                 // or any part of it (split between frames), is held with what follows.
                 let (was_whole, was_ending) = (this.done.whole(), this.done.ending());
-                this.received(&frame);
+                let word = this.received(&frame);
                 let terminal = was_ending || this.done.ending() || was_whole != this.done.whole();
                 if this.done.whole() && this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
                 } else if let Some(data) = frame.data_ref().filter(|_| this.sse) {
-                    let tail = this.ends_near(data, terminal);
-                    if tail || gather {
+                    let tail = this.ends_near(data, terminal, word);
+                    if tail || (gather && this.more_read()) {
                         let data = bytes::BytesMut::from(&data[..]);
                         return this.hold(Held { data, yields: 0, tail }, cx);
                     }
@@ -4207,6 +4322,41 @@ impl Drop for Relay {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chunk_is_framed_by_its_hex_size_line_and_two_crlfs() {
+        assert_eq!(framed(0, true), 5, "0\\r\\n\\r\\n");
+        assert_eq!(framed(15, true), 15 + 1 + 4);
+        assert_eq!(framed(16, true), 16 + 2 + 4);
+        assert_eq!(framed(0x1234, true), 0x1234 + 4 + 4);
+        assert_eq!(framed(16, false), 16);
+        for len in [1usize, 9, 200, 4096, 70_000] {
+            assert_eq!(framed(len, true), format!("{len:x}\r\n").len() + len + 2);
+        }
+    }
+
+    #[test]
+    fn more_is_held_until_the_read_is_handed_over() {
+        let event = 90; // one event's chunk data
+        let read = 3 * framed(event, true) + framed(0, true);
+        let mut share = ReadShare::UNKNOWN;
+        assert!(share.more((0, 0)), "nothing known: gather");
+        share.handed_over((7, read), event, true);
+        assert!(share.more((7, read)), "two events and the end still in hyper's buffer");
+        share.handed_over((7, read), event, true);
+        share.handed_over((7, read), event, true);
+        assert!(share.more((7, read)), "the body's end still to come");
+        // A read of one event alone: nothing more once it is handed over.
+        share.handed_over((8, framed(event, true)), event, true);
+        assert!(!share.more((8, framed(event, true))));
+        // hyper read again since: that read is not handed over yet.
+        assert!(share.more((9, framed(event, true))));
+        // Unchunked bodies count their bytes alone.
+        share.handed_over((10, 2 * event), event, false);
+        assert!(share.more((10, 2 * event)));
+        share.handed_over((10, 2 * event), event, false);
+        assert!(!share.more((10, 2 * event)));
+    }
 
     #[test]
     fn a_done_split_anywhere_between_frames_is_seen_and_none_is_not_whole() {

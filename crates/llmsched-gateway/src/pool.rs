@@ -17,13 +17,21 @@
 //! waits for the connection to be ready again. On the gateway's one thread that was about a
 //! sixth of the instructions of a proxied request.
 //!
+//! Each connection's socket counts its reads ([`ReadMeter`]): the relay of a streamed answer
+//! tells from it whether hyper holds more of what it read than it has handed over, and only
+//! then waits for that before writing to the client (see `Relay::hold` in the crate root).
+//!
 //! Failures: connecting (refused, unreachable, unresolvable, over the connect timeout) is
 //! [`SendError::Connect`]; a connection that fails after the request went out (closed before
 //! the status line, a malformed answer) is [`SendError::Broken`]. A reused connection found
 //! closed before the request was written (the engine closed it while idle) is not a failure:
 //! the request goes out on another connection, once.
 
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -33,6 +41,7 @@ use hyper::client::conn::http1;
 use hyper::header::HOST;
 use hyper::{Request, Response, Uri};
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -64,8 +73,91 @@ impl std::fmt::Display for SendError {
 
 impl std::error::Error for SendError {}
 
-struct Idle {
+/// The reads of one upstream connection's socket: how many, and the bytes the last one got.
+/// hyper reads the socket only once it has parsed all it read before (the body's decoder asks
+/// for more only when its buffer is empty), so the bytes of the last read not yet handed over
+/// as body frames (counted by the reader, with their chunked framing) are bytes hyper holds
+/// and hands over at its next turns, without waiting for the network.
+#[derive(Debug, Default)]
+pub struct ReadMeter {
+    reads: AtomicU64,
+    last: AtomicUsize,
+}
+
+impl ReadMeter {
+    /// Reads that got bytes so far, and the bytes of the last of them.
+    pub fn last_read(&self) -> (u64, usize) {
+        (self.reads.load(Ordering::Relaxed), self.last.load(Ordering::Relaxed))
+    }
+
+    fn read(&self, bytes: usize) {
+        self.last.store(bytes, Ordering::Relaxed);
+        self.reads.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// An upstream connection's socket, its reads counted in a [`ReadMeter`]; writes pass
+/// through.
+struct Metered {
+    inner: TcpStream,
+    meter: Arc<ReadMeter>,
+}
+
+impl AsyncRead for Metered {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+        let got = buf.filled().len() - before;
+        if got > 0 {
+            this.meter.read(got);
+        }
+        read
+    }
+}
+
+impl AsyncWrite for Metered {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+/// A connection: the request side of hyper's connection and its socket's reads.
+struct Conn {
     sender: http1::SendRequest<Body>,
+    meter: Arc<ReadMeter>,
+}
+
+struct Idle {
+    conn: Conn,
     since: Instant,
 }
 
@@ -91,17 +183,25 @@ impl std::fmt::Debug for Connections {
 
 /// A connection in use by one request; see [`Lease::release`].
 pub struct Lease {
-    sender: Option<http1::SendRequest<Body>>,
+    conn: Option<Conn>,
     home: Connections,
+    /// The connection's reads when the answer's head had been read.
+    head_read: u64,
 }
 
 impl Lease {
     /// The answer was read to its end: the connection goes back to its engine's idle list
     /// (unless it is closing, or the list is full).
     pub fn release(mut self) {
-        if let Some(sender) = self.sender.take() {
-            self.home.put(sender);
+        if let Some(conn) = self.conn.take() {
+            self.home.put(conn);
         }
+    }
+
+    /// The reads of the connection's socket ([`ReadMeter::last_read`]), and which of them
+    /// had the answer's head.
+    pub fn reads(&self) -> Option<(&ReadMeter, u64)> {
+        self.conn.as_ref().map(|conn| (&*conn.meter, self.head_read))
     }
 }
 
@@ -150,9 +250,9 @@ impl Connections {
         mut request: Request<Body>,
     ) -> Result<(Response<Incoming>, Lease), SendError> {
         request.headers_mut().insert(HOST, self.0.host.clone());
-        if let Some(mut sender) = self.checkout() {
-            match sender.try_send_request(request).await {
-                Ok(answer) => return Ok((answer, self.lease(sender))),
+        if let Some(mut conn) = self.checkout() {
+            match conn.sender.try_send_request(request).await {
+                Ok(answer) => return Ok((answer, self.lease(conn))),
                 Err(mut failed) => match failed.take_message() {
                     // Not written: the connection had closed meanwhile; a new one follows.
                     Some(unsent) => request = unsent,
@@ -160,30 +260,32 @@ impl Connections {
                 },
             }
         }
-        let mut sender = self.connect().await?;
-        match sender.send_request(request).await {
-            Ok(answer) => Ok((answer, self.lease(sender))),
+        let mut conn = self.connect().await?;
+        match conn.sender.send_request(request).await {
+            Ok(answer) => Ok((answer, self.lease(conn))),
             Err(err) => Err(SendError::Broken(err)),
         }
     }
 
-    fn lease(&self, sender: http1::SendRequest<Body>) -> Lease {
-        Lease { sender: Some(sender), home: self.clone() }
+    fn lease(&self, conn: Conn) -> Lease {
+        let head_read = conn.meter.last_read().0;
+        Lease { conn: Some(conn), home: self.clone(), head_read }
     }
 
     /// The most recently released connection that can take a request now. Closed and
     /// expired ones are dropped; one still finishing its last answer is left in the list.
-    fn checkout(&self) -> Option<http1::SendRequest<Body>> {
+    fn checkout(&self) -> Option<Conn> {
         let now = Instant::now();
         let mut idle = self.lock();
         let mut busy = Vec::new();
         let mut found = None;
         while let Some(entry) = idle.pop() {
-            if entry.sender.is_closed() || now.duration_since(entry.since) > self.0.idle_timeout {
+            let sender = &entry.conn.sender;
+            if sender.is_closed() || now.duration_since(entry.since) > self.0.idle_timeout {
                 continue;
             }
-            if entry.sender.is_ready() {
-                found = Some(entry.sender);
+            if sender.is_ready() {
+                found = Some(entry.conn);
                 break;
             }
             busy.push(entry);
@@ -192,8 +294,8 @@ impl Connections {
         found
     }
 
-    fn put(&self, sender: http1::SendRequest<Body>) {
-        if sender.is_closed() {
+    fn put(&self, conn: Conn) {
+        if conn.sender.is_closed() {
             return;
         }
         let now = Instant::now();
@@ -203,15 +305,17 @@ impl Connections {
             idle.iter().take_while(|e| now.duration_since(e.since) > self.0.idle_timeout).count();
         let over = (idle.len() - expired + 1).saturating_sub(MAX_IDLE);
         idle.drain(..expired + over);
-        idle.push(Idle { sender, since: now });
+        idle.push(Idle { conn, since: now });
     }
 
-    async fn connect(&self) -> Result<http1::SendRequest<Body>, SendError> {
+    async fn connect(&self) -> Result<Conn, SendError> {
         let connecting = async {
             let stream = self.open().await?;
             let _ = stream.set_nodelay(true);
+            let meter = Arc::new(ReadMeter::default());
+            let io = Metered { inner: stream, meter: meter.clone() };
             let (sender, connection) = http1::Builder::new()
-                .handshake::<_, Body>(TokioIo::new(stream))
+                .handshake::<_, Body>(TokioIo::new(io))
                 .await
                 .map_err(|e| SendError::Connect(e.to_string()))?;
             // Drives the connection until it closes (the lease and the answer dropped, the
@@ -219,7 +323,7 @@ impl Connections {
             tokio::spawn(async move {
                 let _ = connection.await;
             });
-            Ok(sender)
+            Ok(Conn { sender, meter })
         };
         match self.0.connect_timeout {
             None => connecting.await,

@@ -490,11 +490,18 @@ fn a_connection_over_the_cap_reads_its_503_after_sending_a_request() {
 /// An engine that answers every POST with `answer` (raw bytes, then closes the connection)
 /// and anything else (a health probe) with an empty 200.
 fn scripted_engine(answer: &'static [u8]) -> String {
+    paced_engine(vec![answer], Duration::ZERO)
+}
+
+/// [`scripted_engine`] writing its answer in `parts`, `pause` apart (so each comes in a read
+/// of its own).
+fn paced_engine(parts: Vec<&'static [u8]>, pause: Duration) -> String {
     let listener = std::net::TcpListener::bind(local()).unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
         for stream in listener.incoming() {
             let Ok(mut stream) = stream else { continue };
+            let parts = parts.clone();
             std::thread::spawn(move || {
                 let mut read = Vec::new();
                 let mut buf = [0u8; 4096];
@@ -519,12 +526,20 @@ fn scripted_engine(answer: &'static [u8]) -> String {
                         Ok(n) => read.extend_from_slice(&buf[..n]),
                     }
                 }
-                let reply: &[u8] = if head.starts_with("post") {
-                    answer
-                } else {
-                    b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                };
-                let _ = stream.write_all(reply);
+                if !head.starts_with("post") {
+                    let reply =
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                    let _ = stream.write_all(reply);
+                    return;
+                }
+                for (i, part) in parts.iter().enumerate() {
+                    if i > 0 {
+                        std::thread::sleep(pause);
+                    }
+                    if stream.write_all(part).is_err() {
+                        return;
+                    }
+                }
             });
         }
     });
@@ -617,29 +632,10 @@ fn events_read_together_leave_together_whole_and_in_order() {
     // together (`GATHER_YIELDS`), so the client gets the first event with the answer's head and
     // the rest in one write (one chunk), none lost, repeated or reordered. The gateway runs on
     // one current-thread runtime, as `llmsched serve` runs it, so the turns are deterministic.
-    let mut answer = String::from(
-        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
-         transfer-encoding: chunked\r\nconnection: close\r\n\r\n",
-    );
-    let mut events: Vec<String> = (0..4)
-        .map(|i| format!("data: {{\"choices\":[{{\"index\":0,\"text\":\" t{i}\",\"finish_reason\":null}}]}}\n\n"))
-        .collect();
-    events.push("data: [DONE]\n\n".into());
-    for event in &events {
-        answer.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
-    }
-    answer.push_str("0\r\n\r\n");
+    let events = sse_events(4);
+    let answer = format!("{CHUNKED_SSE}{}0\r\n\r\n", as_chunks(&events));
     let engine = scripted_engine(Box::leak(answer.into_boxed_str()).as_bytes());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        runtime.block_on(async move {
-            let handle = start(local(), config(vec![engine], "round-robin")).await.unwrap();
-            tx.send((handle.addr, handle.counters)).unwrap();
-            std::future::pending::<()>().await
-        });
-    });
-    let (addr, counters) = rx.recv().unwrap();
+    let (addr, counters) = one_thread_gateway(engine);
     let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
     assert_eq!(raw.status(), 200);
     let body = chunks(raw.body()).expect("a complete chunked answer");
@@ -654,6 +650,86 @@ fn events_read_together_leave_together_whole_and_in_order() {
     assert_eq!(body[0], sent[0], "the first event goes out with the head");
     assert_eq!(reaches(1, || counters.completed.load(Ordering::Relaxed)), 1);
     assert_eq!(counters.truncated.total(), 0);
+}
+
+/// A gateway on one current-thread runtime (as `llmsched serve` runs it, so the turns are
+/// deterministic) in front of `engine`.
+fn one_thread_gateway(engine: String) -> (SocketAddr, Arc<Counters>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let handle = start(local(), config(vec![engine], "round-robin")).await.unwrap();
+            tx.send((handle.addr, handle.counters)).unwrap();
+            std::future::pending::<()>().await
+        });
+    });
+    rx.recv().unwrap()
+}
+
+/// `n` SSE events of a completion stream (no `finish_reason`), then `[DONE]`.
+fn sse_events(n: usize) -> Vec<String> {
+    let mut events: Vec<String> = (0..n)
+        .map(|i| format!("data: {{\"choices\":[{{\"index\":0,\"text\":\" t{i}\",\"finish_reason\":null}}]}}\n\n"))
+        .collect();
+    events.push("data: [DONE]\n\n".into());
+    events
+}
+
+/// `events` as the chunks of a chunked body.
+fn as_chunks(events: &[String]) -> String {
+    events.iter().map(|event| format!("{:x}\r\n{event}\r\n", event.len())).collect()
+}
+
+const CHUNKED_SSE: &str = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+    transfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+
+#[test]
+fn events_read_together_after_the_head_leave_together() {
+    // The head and the first event in one write, then the other events, `[DONE]` and the
+    // body's end in a second write, read by hyper in one read after the head's: the relay
+    // counts what it was handed of that read (framing included) against the read's bytes, so
+    // it keeps gathering while hyper holds more of it, and the client gets them in one write.
+    let events = sse_events(3);
+    let first = format!("{CHUNKED_SSE}{}", as_chunks(&events[..1]));
+    let rest = format!("{}0\r\n\r\n", as_chunks(&events[1..]));
+    let parts: Vec<&'static [u8]> = vec![
+        Box::leak(first.into_boxed_str()).as_bytes(),
+        Box::leak(rest.into_boxed_str()).as_bytes(),
+    ];
+    let (addr, counters) = one_thread_gateway(paced_engine(parts, Duration::from_millis(50)));
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200);
+    let body = chunks(raw.body()).expect("a complete chunked answer");
+    let sent: Vec<&[u8]> = events.iter().map(|e| e.as_bytes()).collect();
+    assert_eq!(body.concat(), sent.concat(), "every event once, in order");
+    let shown = || body.iter().map(|c| String::from_utf8_lossy(c)).collect::<Vec<_>>();
+    assert_eq!(body.len(), 2, "{:?}", shown());
+    assert_eq!(body[0], sent[0], "{:?}", shown());
+    assert_eq!(reaches(1, || counters.completed.load(Ordering::Relaxed)), 1);
+}
+
+#[test]
+fn events_read_apart_leave_apart() {
+    // Each event in a write (and a read) of its own, 30 ms apart: nothing is held for the
+    // next, which is the network's; `[DONE]` and the body's end, written together, leave
+    // together.
+    let events = sse_events(3);
+    let mut parts: Vec<&'static [u8]> = vec![CHUNKED_SSE.as_bytes()];
+    for (i, event) in events.iter().enumerate() {
+        let mut part = as_chunks(std::slice::from_ref(event));
+        if i + 1 == events.len() {
+            part.push_str("0\r\n\r\n");
+        }
+        parts.push(Box::leak(part.into_boxed_str()).as_bytes());
+    }
+    let (addr, counters) = one_thread_gateway(paced_engine(parts, Duration::from_millis(30)));
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200);
+    let body = chunks(raw.body()).expect("a complete chunked answer");
+    let sent: Vec<&[u8]> = events.iter().map(|e| e.as_bytes()).collect();
+    assert_eq!(body, sent, "one write an event");
+    assert_eq!(reaches(1, || counters.completed.load(Ordering::Relaxed)), 1);
 }
 
 #[test]
