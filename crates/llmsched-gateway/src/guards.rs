@@ -274,23 +274,25 @@ fn digest(key: &str) -> [u8; 32] {
 pub struct Tenants {
     max: usize,
     idle_s: f64,
-    seen: Mutex<HashMap<Arc<str>, f64>>,
+    /// hashbrown's map (foldhash, seeded per process): a header name is hashed on every
+    /// request, and std's SipHash cost several times more for these short keys; the map is
+    /// bounded by `max`, so a crafted set of names cannot grow it.
+    seen: Mutex<hashbrown::HashMap<Arc<str>, f64>>,
 }
 
 impl Tenants {
     /// A bound of `max` names, each held `idle_s` after it was last seen.
     pub fn new(max: usize, idle_s: f64) -> Tenants {
-        Tenants { max: max.max(1), idle_s, seen: Mutex::new(HashMap::new()) }
+        Tenants { max: max.max(1), idle_s, seen: Mutex::new(hashbrown::HashMap::new()) }
     }
 
     /// The tenant a header name is served as; `true` when it was folded into the overflow.
     pub fn admit(&self, name: &str, now: f64) -> (Arc<str>, bool) {
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((key, at)) = seen.get_key_value(name) {
-            let key = key.clone();
-            let _ = at;
-            seen.insert(key.clone(), now);
-            return (key, false);
+        // One lookup for a name seen before (its time updated in place).
+        if let Some((key, at)) = seen.get_key_value_mut(name) {
+            *at = now;
+            return (key.clone(), false);
         }
         if seen.len() >= self.max {
             let idle_s = self.idle_s;

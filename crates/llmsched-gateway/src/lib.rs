@@ -396,7 +396,9 @@ struct Upstream {
 #[derive(Default)]
 struct Upstreams {
     list: Vec<Arc<Upstream>>,
-    by_key: HashMap<WorkerKey, Arc<Upstream>>,
+    /// Looked up on every attempt: hashbrown's foldhash, not std's SipHash (the keys are the
+    /// configured or discovered engines').
+    by_key: hashbrown::HashMap<WorkerKey, Arc<Upstream>>,
 }
 
 struct Gateway {
@@ -1389,6 +1391,14 @@ const TENANT_HEADER: &str = "x-llmsched-tenant";
 const PRIORITY_HEADER: &str = "x-llmsched-priority";
 const DROPPED_REASON_HEADER: &str = "x-llmsched-dropped-reason";
 const SESSION_HEADER: &str = "x-session-id";
+
+/// The request headers read on every completion request, as header names: a lookup by a
+/// `&str` parses and lower-cases the name each time, one by a `HeaderName` does not.
+static TENANT_HEADER_NAME: HeaderName = HeaderName::from_static(TENANT_HEADER);
+static PRIORITY_HEADER_NAME: HeaderName = HeaderName::from_static(PRIORITY_HEADER);
+static SESSION_HEADER_NAME: HeaderName = HeaderName::from_static(SESSION_HEADER);
+static SESSION_TOKEN_HEADER_NAME: HeaderName =
+    HeaderName::from_static(session_token::SESSION_TOKEN_HEADER);
 const MAX_TOKEN_LIMIT: u64 = (1 << 31) - 1;
 
 /// The sampling fields the gateway reads have the types the OpenAI API gives them; 400
@@ -1903,7 +1913,7 @@ impl Gateway {
                 limiter: found.limiter.clone(),
             });
         }
-        let header = |name: &'static str| match headers.get(name) {
+        let header = |name: &'static HeaderName| match headers.get(name) {
             None => Ok(None),
             Some(value) => match std::str::from_utf8(value.as_bytes()) {
                 Ok(text) => Ok(Some(text)),
@@ -1912,15 +1922,15 @@ impl Gateway {
                     "invalid_request_error",
                     format!("header {name} is not valid UTF-8"),
                 )
-                .param(name)),
+                .param(name.as_str())),
             },
         };
-        let name = header(TENANT_HEADER)?.filter(|t| !t.is_empty()).unwrap_or("default");
+        let name = header(&TENANT_HEADER_NAME)?.filter(|t| !t.is_empty()).unwrap_or("default");
         let (tenant, folded) = self.tenants.admit(name, monotonic());
         if folded {
             self.counters.tenants_folded.fetch_add(1, Ordering::Relaxed);
         }
-        let priority = match header(PRIORITY_HEADER)? {
+        let priority = match header(&PRIORITY_HEADER_NAME)? {
             None => 0,
             Some(text) => text.trim().parse::<i32>().map_err(|_| {
                 Refusal::new(
@@ -2057,6 +2067,8 @@ impl Gateway {
         }
         let deadline =
             tokio::time::Instant::now() + Duration::from_secs_f64(self.config.body_timeout_s);
+        // A body of one frame (the usual one) is kept as it came: no list, no copy.
+        let mut first: Option<Bytes> = None;
         let mut chunks: Vec<Bytes> = Vec::new();
         let mut read = 0usize;
         loop {
@@ -2091,13 +2103,17 @@ impl Gateway {
                 self.drain_refused(body);
                 return Err(no_room());
             }
-            chunks.push(data);
+            match first {
+                None => first = Some(data),
+                Some(_) => chunks.push(data),
+            }
         }
-        Ok(match chunks.len() {
-            0 => Bytes::new(),
-            1 => chunks.pop().unwrap_or_default(),
-            _ => {
+        Ok(match first {
+            None => Bytes::new(),
+            Some(first) if chunks.is_empty() => first,
+            Some(first) => {
                 let mut whole = bytes::BytesMut::with_capacity(read);
+                whole.extend_from_slice(&first);
                 for chunk in chunks {
                     whole.extend_from_slice(&chunk);
                 }
@@ -2206,7 +2222,7 @@ impl Gateway {
                 }
             }
         };
-        let session = match parts.headers.get(SESSION_HEADER) {
+        let session = match parts.headers.get(&SESSION_HEADER_NAME) {
             None => None,
             Some(value) => Some(std::str::from_utf8(value.as_bytes()).map_err(|_| {
                 Refusal::new(
@@ -2274,12 +2290,13 @@ impl Gateway {
             Err(err) => return Err(Refusal::new(400, "invalid_request_error", err.to_string())),
         };
         let prefill = decision.prefill().map(|p| decision.endpoint(p).address.clone());
-        let mut ranked: Vec<WorkerKey> =
-            decision.ranked().map(|c| decision.endpoint(c).id.clone()).collect();
+        // Borrowed from the decision (or the owner): no key is copied per request.
+        let mut ranked: Vec<&WorkerKey> =
+            decision.ranked().map(|c| &decision.endpoint(c).id).collect();
         if let Some(owner) = &owner {
             // Its engine, whatever the decision, and no other: any other would answer 404 for
             // a response it never stored (a failed attempt there is a 502).
-            ranked = vec![owner.key.clone()];
+            ranked = vec![&owner.key];
         }
         let upstreams = self.upstreams();
         let guards = Guards { slot, limiter };
@@ -2288,7 +2305,7 @@ impl Gateway {
         // Failures the request itself may have caused (a 5xx, a connection dropped before
         // the status line), held until it ends: see `settle_held`.
         let mut held: Vec<(&Upstream, &'static str)> = Vec::new();
-        for key in &ranked {
+        for &key in &ranked {
             if tried == attempts {
                 break;
             }
@@ -2442,7 +2459,7 @@ impl Gateway {
     /// The engine a request's `x-session-token` names, when it is one of the gateway's; any
     /// other token is ignored (and counted), as llm-d ignores it.
     fn session_endpoint(&self, headers: &HeaderMap) -> Option<WorkerKey> {
-        let token = headers.get(session_token::SESSION_TOKEN_HEADER)?;
+        let token = headers.get(&SESSION_TOKEN_HEADER_NAME)?;
         let key = self.session_tokens.endpoint(token.as_bytes()).map(WorkerKey::Str);
         let known = key.filter(|key| self.upstreams().by_key.contains_key(key));
         if known.is_none() {
@@ -2915,7 +2932,8 @@ impl Gateway {
         if !at_close && answer.body().size_hint().upper().is_none_or(|n| n > WHOLE_LIMIT) {
             return self.relay_from_first_frame(answer, relaying).await;
         }
-        let json = is_json(answer.headers());
+        // Whether a body ended by the close must parse (read only for such a body).
+        let must_parse = at_close && is_json(answer.headers());
         let events = length_framed_events(&answer, &relaying);
         let (parts, body) = answer.into_parts();
         let wake = wake_at(relaying.read_timeout, relaying.deadline);
@@ -2933,7 +2951,7 @@ impl Gateway {
             if events {
                 return shows_its_end(bytes, relaying.responses);
             }
-            !(at_close && json) || serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok()
+            !must_parse || serde_json::from_slice::<serde::de::IgnoredAny>(bytes).is_ok()
         };
         let Some(bytes) = bytes.filter(whole) else {
             self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);

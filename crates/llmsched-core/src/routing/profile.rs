@@ -78,8 +78,16 @@ impl Profile {
             kept: (0..base.len() as u32).collect(),
             ..ProfileOutcome::default()
         };
-        let mut current: Vec<Candidate> = base.to_vec();
-        self.apply_filters(ctx, &mut current, &mut out, rng)?;
+        // Without filters the candidates are the base ones: read in place, not copied.
+        let filtered;
+        let current: &[Candidate] = if self.filters.is_empty() {
+            base
+        } else {
+            let mut kept = base.to_vec();
+            self.apply_filters(ctx, &mut kept, &mut out, rng)?;
+            filtered = kept;
+            &filtered
+        };
         let k = current.len();
         if k == 0 {
             return Ok(out);
@@ -88,7 +96,7 @@ impl Profile {
         out.totals = vec![0.0; k];
         for (j, ws) in self.scorers.iter().enumerate() {
             let column = &mut out.scores[j * k..(j + 1) * k];
-            run_scorer(ws, ctx, &current, column)?;
+            run_scorer(ws, ctx, current, column)?;
             for (t, s) in out.totals.iter_mut().zip(column.iter_mut()) {
                 *s = if s.is_nan() { 0.0 } else { s.clamp(0.0, 1.0) };
                 *t += *s * ws.weight;
@@ -96,7 +104,7 @@ impl Profile {
         }
         let mut order = Vec::with_capacity(self.picker.limit().min(k));
         self.picker
-            .pick(ctx, &current, &out.totals, rng, &mut order)
+            .pick(ctx, current, &out.totals, rng, &mut order)
             .map_err(|source| PluginError { plugin: self.picker_name.clone(), source })?;
         order.truncate(self.picker.limit());
         out.order = order.into_iter().filter(|&i| i < k).map(|i| out.kept[i]).collect();
