@@ -1,4 +1,5 @@
-"""A real NATS server for the tests: Debian's ``nats-server`` on loopback, per test."""
+"""A real NATS server for the tests: Debian's ``nats-server`` on loopback, per test (the ``bus``
+fixture), and the router the cluster tests sync over it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from llmsched import EndpointPool, PrefixIndex, Router
 
 
 def free_port() -> int:
@@ -59,3 +63,43 @@ def nats_binary() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return found
+
+
+@pytest.fixture(name="bus")
+def bus_fixture() -> Iterator[NatsServer]:
+    """A nats-server started for the test and killed after it (stopped by SIGSTOP or not)."""
+    server = NatsServer(nats_binary())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+ENDPOINTS = ["e0", "e1", "e2", "e3"]
+# Prefix and session affinity plus llm-d's active-request scorer: the in-flight counts matter.
+CONFIG = {
+    "plugins": [
+        {"type": "prefix-cache-scorer"},
+        {"type": "active-request-scorer"},
+        {"type": "session-affinity-scorer"},
+        {"type": "max-score-picker"},
+    ],
+    "schedulingProfiles": [
+        {
+            "name": "default",
+            "plugins": [
+                {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                {"pluginRef": "active-request-scorer", "weight": 2},
+                {"pluginRef": "session-affinity-scorer", "weight": 10},
+                {"pluginRef": "max-score-picker"},
+            ],
+        }
+    ],
+}
+
+
+def cluster_router(seed: int = 0) -> Router:
+    """A router over ``ENDPOINTS`` with ``CONFIG``, the one the cluster tests sync."""
+    pool = EndpointPool(ENDPOINTS, stale_policy="ignore")
+    return Router(pool, PrefixIndex(block_size=16), config=CONFIG, seed=seed)

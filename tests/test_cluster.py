@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -22,48 +22,18 @@ import pytest
 
 pytest.importorskip("nats", reason="the cluster extra brings nats-py")
 
-from _nats import NatsServer, free_port, nats_binary
+from _nats import (  # noqa: F401 (the bus fixture)
+    CONFIG,
+    ENDPOINTS,
+    NatsServer,
+    bus_fixture,
+    cluster_router,
+    free_port,
+)
 
 from llmsched import EndpointPool, PrefixIndex, Router
 from llmsched.cluster import ClusterSync
 from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
-
-ENDPOINTS = ["e0", "e1", "e2", "e3"]
-# Prefix and session affinity plus llm-d's active-request scorer: the in-flight counts matter.
-CONFIG = {
-    "plugins": [
-        {"type": "prefix-cache-scorer"},
-        {"type": "active-request-scorer"},
-        {"type": "session-affinity-scorer"},
-        {"type": "max-score-picker"},
-    ],
-    "schedulingProfiles": [
-        {
-            "name": "default",
-            "plugins": [
-                {"pluginRef": "prefix-cache-scorer", "weight": 3},
-                {"pluginRef": "active-request-scorer", "weight": 2},
-                {"pluginRef": "session-affinity-scorer", "weight": 10},
-                {"pluginRef": "max-score-picker"},
-            ],
-        }
-    ],
-}
-
-
-@pytest.fixture
-def bus() -> Iterator[NatsServer]:
-    server = NatsServer(nats_binary())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _router(seed: int) -> Router:
-    pool = EndpointPool(ENDPOINTS, stale_policy="ignore")
-    return Router(pool, PrefixIndex(block_size=16), config=CONFIG, seed=seed)
 
 
 def _prompt(i: int, length: int = 256) -> np.ndarray:
@@ -84,7 +54,7 @@ async def _replicas(
 ) -> AsyncIterator[list[tuple[Router, ClusterSync]]]:
     members = []
     for i in range(n):
-        router = _router(seed=i)
+        router = cluster_router(seed=i)
         sync = ClusterSync(router, servers=url, cluster="t", replica=f"gw-{i}", **options)  # type: ignore[arg-type]
         await sync.start()
         members.append((router, sync))
@@ -167,7 +137,9 @@ def test_shared_counts_stop_replicas_herding(bus: NatsServer) -> None:
         async with _replicas(bus.url, 3) as replicas:
             synced = await _herd(replicas, 10, settle=True)
         assert synced == [1] * 10, synced
-        alone: list[tuple[Router, ClusterSync | None]] = [(_router(k), None) for k in range(3)]
+        alone: list[tuple[Router, ClusterSync | None]] = [
+            (cluster_router(k), None) for k in range(3)
+        ]
         unsynced = await _herd(alone, 10, settle=False)
         assert sum(w > 1 for w in unsynced) >= 3, unsynced
         print(f"max requests on one endpoint per round: synced {synced}, unsynced {unsynced}")
@@ -205,7 +177,7 @@ def test_a_late_replica_catches_up(bus: NatsServer) -> None:
                 d.started()
                 d.finished()
             await asyncio.sleep(0.1)  # flushed into the history
-            late = _router(seed=9)
+            late = cluster_router(seed=9)
             started = time.monotonic()
             sync = ClusterSync(late, servers=bus.url, cluster="t", replica="late")
             await sync.start()
@@ -254,7 +226,7 @@ def test_losing_the_bus_degrades_to_local_routing_and_recovers(bus: NatsServer) 
 
 def test_a_replica_started_without_a_bus_routes_alone() -> None:
     async def body() -> None:
-        router = _router(0)
+        router = cluster_router(0)
         sync = ClusterSync(router, servers=f"nats://127.0.0.1:{free_port()}", replica="x")
         await sync.start()
         for i in range(10):
@@ -324,7 +296,7 @@ def test_a_replica_that_hashes_otherwise_is_warned_about_and_its_records_skipped
 
 
 def test_replica_sync_arguments_are_checked() -> None:
-    router = _router(0)
+    router = cluster_router(0)
     good = {"incarnation": 1, "journal_limit": 10, "load_ttl_s": 3.0, "history_limit": 10}
     for bad, name in (
         ({"incarnation": -1}, "incarnation"),
@@ -342,7 +314,7 @@ def test_replica_sync_arguments_are_checked() -> None:
 
 
 def test_settings_are_checked() -> None:
-    router = _router(0)
+    router = cluster_router(0)
     with pytest.raises(ConfigError, match="load_ttl_s"):
         ClusterSync(router, heartbeat_s=2.0, load_ttl_s=1.0)
     with pytest.raises(ConfigError, match="cluster"):
@@ -377,7 +349,7 @@ def test_tenant_fairness_holds_across_replicas(bus: NatsServer) -> None:
         flows = [FlowController(config), FlowController(config)]
         syncs = []
         for i, flow in enumerate(flows):
-            sync = ClusterSync(_router(i), servers=bus.url, cluster="f", replica=f"r{i}")
+            sync = ClusterSync(cluster_router(i), servers=bus.url, cluster="f", replica=f"r{i}")
             if synced:
                 link(sync, flow)
                 await sync.start()

@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,56 +24,18 @@ import pytest
 pytest.importorskip("nats", reason="the cluster extra brings nats-py")
 
 import nats
-from _nats import NatsServer, free_port, nats_binary
+from _nats import (  # noqa: F401 (the bus fixture)
+    NatsServer,
+    bus_fixture,
+    cluster_router,
+    free_port,
+)
 
-from llmsched import EndpointPool, PrefixIndex, Router
+from llmsched import Router
 from llmsched.cluster import ClusterSync
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
-
-ENDPOINTS = ["e0", "e1", "e2", "e3"]
-CONFIG = {
-    "plugins": [
-        {"type": "prefix-cache-scorer"},
-        {"type": "active-request-scorer"},
-        {"type": "session-affinity-scorer"},
-        {"type": "max-score-picker"},
-    ],
-    "schedulingProfiles": [
-        {
-            "name": "default",
-            "plugins": [
-                {"pluginRef": "prefix-cache-scorer", "weight": 3},
-                {"pluginRef": "active-request-scorer", "weight": 2},
-                {"pluginRef": "session-affinity-scorer", "weight": 10},
-                {"pluginRef": "max-score-picker"},
-            ],
-        }
-    ],
-}
-
-
-@pytest.fixture
-def bus() -> Iterator[NatsServer]:
-    server = NatsServer(nats_binary())
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(server.proc.pid, signal.SIGCONT)
-        server.stop()
-
-
-def _router(seed: int = 0) -> Router:
-    return Router(
-        EndpointPool(ENDPOINTS, stale_policy="ignore"),
-        PrefixIndex(block_size=16),
-        CONFIG,
-        seed=seed,
-    )
 
 
 def _prompt(i: int, length: int = 256) -> np.ndarray:
@@ -123,7 +85,7 @@ def test_two_replicas_with_one_name_are_flagged_and_both_still_count(
     replica kept one of their counts at a time (it saw 2 or 3 requests in flight, never 5)."""
 
     async def body() -> None:
-        a, b, c = _router(0), _router(1), _router(2)
+        a, b, c = cluster_router(0), cluster_router(1), cluster_router(2)
         async with _synced((a, bus.url, "gw-0"), (b, bus.url, "gw-0"), (c, bus.url, "gw-2")) as (
             sa,
             sb,
@@ -168,7 +130,7 @@ def test_a_replica_that_restarts_under_its_name_replaces_its_old_life(bus: NatsS
     incarnation's counts at once, not after load_ttl_s, and flag nothing."""
 
     async def body() -> None:
-        a, b = _router(0), _router(1)
+        a, b = cluster_router(0), cluster_router(1)
         async with _synced((b, bus.url, "gw-b"), load_ttl_s=30.0) as (sb,):
             old = ClusterSync(a, servers=bus.url, cluster="f", replica="gw-a", load_ttl_s=30.0)
             await old.start()
@@ -182,7 +144,7 @@ def test_a_replica_that_restarts_under_its_name_replaces_its_old_life(bus: NatsS
                 task.cancel()
             assert old._nc is not None
             await old._nc.close()
-            fresh = _router(3)
+            fresh = cluster_router(3)
             async with _synced((fresh, bus.url, "gw-a"), load_ttl_s=30.0):
                 d = fresh.pick(tokens=_prompt(7))
                 d.started()
@@ -202,7 +164,7 @@ def test_a_burst_over_the_bus_message_limit_still_reaches_the_peers(bus: NatsSer
     only ``publish_failures`` said so."""
 
     async def body() -> None:
-        a, b = _router(0), _router(1)
+        a, b = cluster_router(0), cluster_router(1)
         async with _synced((a, bus.url, "a"), (b, bus.url, "b")) as (sa, sb):
             held = []
             for i in range(40):
@@ -223,7 +185,7 @@ def test_stop_is_bounded_when_the_bus_stops_answering(bus: NatsServer) -> None:
     """A server that stops answering (frozen, or a half-open connection) held stop() 20 s."""
 
     async def body() -> None:
-        sync = ClusterSync(_router(), servers=bus.url, cluster="f", replica="x")
+        sync = ClusterSync(cluster_router(), servers=bus.url, cluster="f", replica="x")
         await sync.start()
         await _until(lambda: sync.stats()["connected"], "the connection")
         assert bus.proc is not None
@@ -248,7 +210,7 @@ def test_a_late_replica_takes_every_peers_answer_not_only_the_first(bus: NatsSer
     with a record."""
 
     async def body() -> None:
-        source = _router(5)
+        source = cluster_router(5)
         native = source.replica_sync(
             "slow", incarnation=1, journal_limit=100, load_ttl_s=3.0, history_limit=100
         )
@@ -275,7 +237,7 @@ def test_a_late_replica_takes_every_peers_answer_not_only_the_first(bus: NatsSer
         await quick.subscribe("llmsched.f.catchup", cb=quick_peer)
         await slow.subscribe("llmsched.f.catchup", cb=slow_peer)
         try:
-            late = _router(9)
+            late = cluster_router(9)
             async with _synced((late, bus.url, "late"), catch_up_timeout_s=5.0) as (sync,):
                 await _until(lambda: sync.stats()["records_applied"] >= 1, "the slow answer")
                 assert late.pick(tokens=_prompt(3)).endpoint == d.endpoint
@@ -335,7 +297,7 @@ def test_what_a_cut_off_replica_routed_reaches_the_peers_when_the_partition_heal
     async def body() -> None:
         cable = _Cable(bus.port)
         await cable.mend()
-        a, x = _router(0), _router(1)
+        a, x = cluster_router(0), cluster_router(1)
         async with _synced((a, bus.url, "a"), (x, cable.url, "x")) as (_sa, sx):
             await cable.cut()
             await _until(lambda: not sx.stats()["connected"], "x to lose the bus")
@@ -366,7 +328,7 @@ def test_a_peer_of_another_protocol_version_is_counted_and_changes_nothing(
     counted and warned about once; routing state is unchanged."""
 
     async def body() -> None:
-        source = _router(5)
+        source = cluster_router(5)
         native = source.replica_sync(
             "new", incarnation=1, journal_limit=100, load_ttl_s=3.0, history_limit=100
         )
@@ -375,7 +337,7 @@ def test_a_peer_of_another_protocol_version_is_counted_and_changes_nothing(
         (good,) = native.outgoing(time.monotonic(), False, 1 << 20)
         d.finished()
         newer = good[:4] + bytes([3]) + good[5:]
-        router = _router(0)
+        router = cluster_router(0)
         async with _synced((router, bus.url, "r")) as (sync,):
             nc = await nats.connect(bus.url)
             for payload in (newer, good[: len(good) // 2]):
