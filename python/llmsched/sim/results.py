@@ -29,7 +29,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COUNTERS", "KvEnd", "ReplicaEnd", "RunRecord", "SimResult", "collect", "jain"]
+from llmsched.errors import ConfigError
+
+__all__ = [
+    "COUNTERS",
+    "MAX_TIME_S",
+    "KvEnd",
+    "ReplicaEnd",
+    "RunRecord",
+    "SimResult",
+    "check_time",
+    "collect",
+    "jain",
+]
 
 COUNTERS = (
     "prefill_tokens",
@@ -333,6 +345,29 @@ class RunRecord:
         )
 
 
+MAX_TIME_S = float(2**32)
+"""The latest simulated time a run may reach (about 136 years): past it float64 seconds are
+coarser than a microsecond, and TTFTs and latencies are rounded away (to 0 at 1e300 s)."""
+
+
+def check_time(now: float) -> None:
+    """ConfigError for a run that reached past :data:`MAX_TIME_S`.
+
+    >>> check_time(1e300)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: simulated time reached 1e+300 s, past 2**32 s (136 years), \
+where float64 seconds are coarser than a microsecond and every latency would be rounded; \
+shorten the gaps: arrival.rate, think_time_s, a trace's time_scale
+    """
+    if now > MAX_TIME_S:
+        raise ConfigError(
+            f"simulated time reached {now:.3g} s, past 2**32 s (136 years), where float64 "
+            "seconds are coarser than a microsecond and every latency would be rounded; "
+            "shorten the gaps: arrival.rate, think_time_s, a trace's time_scale"
+        )
+
+
 def collect(
     record: RunRecord,
     *,
@@ -344,7 +379,11 @@ def collect(
     engine_name: str,
     fallback_reason: str | None = None,
 ) -> SimResult:
-    """The :class:`SimResult` of a run: the one collector both engines' records go through."""
+    """The :class:`SimResult` of a run: the one collector both engines' records go through.
+
+    A run that reached past :data:`MAX_TIME_S` is a ConfigError (:func:`check_time`).
+    """
+    check_time(record.now)
     out = record.requests
     rejected = out["rejected"].astype(bool)
     ok = ~rejected
