@@ -88,3 +88,18 @@ def test_a_run_past_float_second_precision_is_refused(engine: str) -> None:
     # Arrivals at 1e300 s: every TTFT and latency was reported as 0.0.
     with pytest.raises(ConfigError, match=r"simulated time reached .* past 2\*\*32 s"):
         Simulation(cfg, "round-robin", engine=engine).run()
+
+
+@pytest.mark.parametrize("engine", ["rust", "python"])
+def test_prefill_imbalance_of_a_pd_split_is_over_its_prefill_pool(engine: str) -> None:
+    workload = {"kind": "long_short", "num_requests": 40, "arrival": {"rate": 20.0}}
+    cfg = ScenarioConfig.from_dict(
+        {"replicas": 4, "pd": {"prefill_replicas": 2}, "workload": workload}
+    )
+    sim = Simulation(cfg, "llm-d-pd", engine=engine)
+    summary = sim.run().summary()
+    pool = [rep.prefill_tokens for rep in sim.replicas[:2]]
+    # The decode replicas' few tokens counted in the mean: twice the pool's imbalance (a
+    # 2P+6D split within 10% read 4.4).
+    assert summary["prefill_imbalance"] == pytest.approx(max(pool) / (sum(pool) / 2))
+    assert summary["prefill_imbalance"] < 1.5

@@ -417,6 +417,7 @@ class ReferenceSimulation:
             router_replicas=1,
             wall_s=time.perf_counter() - wall,
             engine_name="python",
+            prefill_replicas=self.config.pd.prefill_replicas,
         )
 
     def _kv_figures(self, rep: Replica) -> tuple[float, float]:
