@@ -103,3 +103,30 @@ def test_prefill_imbalance_of_a_pd_split_is_over_its_prefill_pool(engine: str) -
     # 2P+6D split within 10% read 4.4).
     assert summary["prefill_imbalance"] == pytest.approx(max(pool) / (sum(pool) / 2))
     assert summary["prefill_imbalance"] < 1.5
+
+
+@pytest.mark.parametrize("engine", ["rust", "python"])
+def test_kv_series_is_the_mean_over_every_replica(tmp_path: Path, engine: str) -> None:
+    data = _trace(tmp_path, [{"timestamp": 0, "input_length": 1000, "output_length": 200}])
+    data.update(replicas=4, kv_sample_s=0.1)
+    result = Simulation(ScenarioConfig.from_dict(data), "round-robin", engine=engine).run()
+    busy = [trace for trace in result.kv_trace if trace]
+    assert len(busy) == 1 and len(result.kv_trace) == 4
+    # One replica of four held KV: the idle three were left out of the mean, which read 4x.
+    series = result.kv_series()["kv_use"]
+    assert max(series) == pytest.approx(max(u for _, u in busy[0]) / 4)
+
+
+def test_kv_series_holds_nothing_before_a_replicas_first_sample(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 1000, "output_length": 5},
+        {"timestamp": 5, "input_length": 1000, "output_length": 5},  # to the other replica
+    ]
+    data = _trace(tmp_path, rows)
+    data.update(replicas=2, kv_sample_s=0.01)
+    result = Simulation(ScenarioConfig.from_dict(data), "round-robin").run()
+    series = result.kv_series(points=101)  # every 0.05 s up to the last sample
+    between = [u for t, u in zip(series["t"], series["kv_use"], strict=True) if 1.0 < t < 4.9]
+    # Both replicas are empty from the first request's end to the second's arrival; the
+    # second replica's first sample (at 5 s) was used for every earlier point.
+    assert between and max(between) == 0.0

@@ -233,17 +233,26 @@ class SimResult:
         return {"mean": float(np.mean(usage)) if usage else 0.0, "peak": max(usage, default=0.0)}
 
     def kv_series(self, points: int = 200) -> dict[str, list[float]]:
-        """Mean KV use over replicas on a regular time grid (for plots and JSON)."""
+        """Mean KV use over replicas on a regular time grid (for plots and JSON): each
+        replica's last sample at or before each point, 0 before its first (replicas start
+        empty), every replica counted (an idle one as 0).
+
+        >>> r = SimResult("p", "s", {}, 0, {}, {}, [[(1.0, 0.5)], []], {}, 0.0, 0.0, 0.0)
+        >>> r.kv_series(3)["kv_use"]
+        [0.0, 0.0, 0.25]
+        """
         end = max((t for trace in self.kv_trace for t, _ in trace), default=0.0)
         grid = np.linspace(0.0, end, points)
         rows = []
         for trace in self.kv_trace:
             if not trace:
+                rows.append(np.zeros(points))  # it was left out: the mean of the busy ones
                 continue
             t = np.array([p[0] for p in trace])
             u = np.array([p[1] for p in trace])
-            idx = np.clip(np.searchsorted(t, grid, side="right") - 1, 0, len(t) - 1)
-            rows.append(u[idx])
+            idx = np.searchsorted(t, grid, side="right") - 1
+            # Before its first sample a replica held nothing (its first sample was used).
+            rows.append(np.where(idx >= 0, u[np.maximum(idx, 0)], 0.0))
         mean = np.mean(rows, axis=0) if rows else np.zeros(points)
         return {"t": grid.tolist(), "kv_use": mean.tolist()}
 
