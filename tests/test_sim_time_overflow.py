@@ -46,12 +46,26 @@ def test_time_past_the_finite_range_is_refused(engine: str, over: dict[str, Any]
 
 
 def test_a_huge_kv_transfer_takes_as_long_on_both_engines() -> None:
+    # Two 1024-token prompts of 2**55 bytes a token: 2**65 bytes a transfer, which wrapped to 0
+    # as a u64. (2**63 bytes a token ran to 5e12 s, past the 2**32 s a run may reach.)
+    workload = {
+        "kind": "long_short",
+        "num_requests": 2,
+        "long_fraction": 0.0,
+        "short_input": 1024,
+        "length_cv": 0.0,
+        "arrival": {"rate": 5.0},
+    }
     cfg = ScenarioConfig.from_dict(
-        {**BASE, "pd": {"prefill_replicas": 1, "kv_bytes_per_token": 2**63}}
+        {
+            **BASE,
+            "workload": workload,
+            "pd": {"prefill_replicas": 1, "kv_bytes_per_token": 2**55},
+        }
     )
     done = {}
     for engine in ("rust", "python"):
         sim = Simulation(cfg, "llm-d-pd", engine=engine)
         done[engine] = sim.run().summary()["e2e_s"]["p50"]
     assert done["rust"] == pytest.approx(done["python"], rel=1e-9)
-    assert done["rust"] > 1e8  # 2**63 bytes a token at 25 GB/s
+    assert done["rust"] > 1e9  # 2**65 bytes at 25 GB/s

@@ -250,7 +250,7 @@ SPECS = st.one_of(
             "num_groups": st.integers(1, 4),
             "num_prompts_per_group": st.integers(1, 3),
             "system_prompt_len": st.integers(0, 300),
-            "question_len": st.integers(0, 80),
+            "question_len": st.integers(1, 80),  # prompts of no tokens are refused
             "output_len": st.integers(1, 90),
             "arrival": ARRIVALS,
         }

@@ -301,6 +301,14 @@ def _run_sim(args: argparse.Namespace) -> int:
         config.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if not config.policies:
             raise ConfigError("--policies names no policy")
+        # For every variant: one that names its own policies (the pd scenario's P/D splits)
+        # ran those instead, and the option was ignored for it without a word.
+        config.variants = [
+            {key: value for key, value in variant.items() if key != "policies"}
+            if isinstance(variant, dict)
+            else variant
+            for variant in config.variants
+        ]
     config.validate()  # the options above, checked as the file's values are
     for _, variant in config.expand():
         for policy in variant.policies:

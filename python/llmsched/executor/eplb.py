@@ -119,8 +119,7 @@ def check_layout(
         ("num_nodes", num_nodes),
         ("num_gpus", num_gpus),
     ):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        _positive_int(name, value)
     if num_experts % num_groups:
         raise ConfigError(f"{num_experts} experts do not split into {num_groups} equal groups")
     if num_replicas < num_experts:
@@ -131,6 +130,45 @@ def check_layout(
         raise ConfigError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")
     if num_groups % num_nodes == 0 and num_experts % num_nodes:
         raise ConfigError(f"{num_experts} experts do not split over {num_nodes} nodes")
+
+
+def _positive_int(name: str, value: object) -> int:
+    """``value`` as an int if it is a positive integer (numpy ones too, not bools), else a
+    ConfigError naming ``name``.
+
+    >>> _positive_int("num_gpus", 0)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: num_gpus must be a positive int, got 0
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _int_table(name: str, value: object, ndim: int) -> IntArray:
+    """``value`` as an int64 array of ``ndim`` dimensions, or a ConfigError naming ``name``:
+    whole numbers only (a float array of whole numbers is taken; 0.5 was truncated to 0).
+
+    >>> _int_table("phy2log", [[0, 1.5]], 2)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: phy2log must hold whole numbers, got [[0.  1.5]]
+    """
+    try:
+        table = np.asarray(value)
+    except (TypeError, ValueError) as exc:  # ragged nested lists
+        raise ConfigError(f"{name} must be an array of ints: {exc}") from None
+    kind = table.dtype.kind
+    if kind not in "iuf":
+        raise ConfigError(f"{name} must be an array of ints, got {table.dtype} values")
+    if table.ndim != ndim:
+        raise ConfigError(f"{name} must be a {ndim}-D array, got shape {table.shape}")
+    if kind == "f" and not (np.isfinite(table).all() and (table == np.round(table)).all()):
+        raise ConfigError(f"{name} must hold whole numbers, got {table}")
+    if kind == "u" and table.size and int(table.max()) > np.iinfo(np.int64).max:
+        raise ConfigError(f"{name} holds a value past int64: {int(table.max())}")
+    return table.astype(np.int64)
 
 
 def _hierarchical(
@@ -234,16 +272,44 @@ class ExpertPlacement:
     logcnt: IntArray
 
     def __post_init__(self) -> None:
-        num_layers = self.phy2log.shape[0]
-        if self.logcnt.shape[0] != num_layers or self.log2phy.shape[:2] != self.logcnt.shape:
+        # Every table is checked whole: a log2phy that disagreed with phy2log sent a logical
+        # expert's tokens to a slot holding another expert, silently.
+        phy2log = _int_table("phy2log", self.phy2log, 2)
+        log2phy = _int_table("log2phy", self.log2phy, 3)
+        logcnt = _int_table("logcnt", self.logcnt, 2)
+        for name, table in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
+            object.__setattr__(self, name, table)
+            if 0 in table.shape:
+                raise ConfigError(f"{name} must not be empty, got shape {table.shape}")
+        num_layers, num_slots = phy2log.shape
+        if logcnt.shape[0] != num_layers or log2phy.shape[:2] != logcnt.shape:
             raise ConfigError("phy2log, log2phy and logcnt disagree on layers or experts")
-        counts = np.stack(
-            [np.bincount(row, minlength=self.num_experts) for row in self.phy2log]
-        ).astype(np.int64)
-        if counts.shape != self.logcnt.shape or (counts != self.logcnt).any():
+        num_experts = logcnt.shape[1]
+        if (phy2log < 0).any() or (phy2log >= num_experts).any():
+            raise ConfigError(f"phy2log names experts outside 0..{num_experts - 1}")
+        counts = np.stack([np.bincount(row, minlength=num_experts) for row in phy2log])
+        if (counts != logcnt).any():
             raise ConfigError("logcnt does not count the replicas in phy2log")
-        if (self.logcnt < 1).any():
+        if (logcnt < 1).any():
             raise ConfigError("every logical expert needs at least one physical slot")
+        if log2phy.shape[2] < int(logcnt.max()):
+            raise ConfigError(
+                f"log2phy has room for {log2phy.shape[2]} replicas an expert, logcnt needs "
+                f"{int(logcnt.max())}"
+            )
+        listed = np.arange(log2phy.shape[2])[None, None, :] < logcnt[:, :, None]
+        if (log2phy[~listed] != -1).any():
+            raise ConfigError("log2phy must be -1 past each expert's replica count (logcnt)")
+        slots = log2phy[listed]  # in (layer, expert, rank) order
+        layer_of = np.broadcast_to(np.arange(num_layers)[:, None, None], log2phy.shape)[listed]
+        expert_of = np.broadcast_to(np.arange(num_experts)[None, :, None], log2phy.shape)[listed]
+        if (
+            (slots < 0).any()
+            or (slots >= num_slots).any()
+            or (phy2log[layer_of, np.clip(slots, 0, num_slots - 1)] != expert_of).any()
+            or np.unique(layer_of * num_slots + slots).size != slots.size
+        ):
+            raise ConfigError("log2phy does not list the slots phy2log gives each expert")
 
     @classmethod
     def contiguous(
@@ -257,7 +323,9 @@ class ExpertPlacement:
         >>> ExpertPlacement.contiguous(1, 3, 4).phy2log.tolist()
         [[0, 1, 2, 0]]
         """
-        slots = num_experts if num_slots is None else num_slots
+        _positive_int("num_layers", num_layers)
+        _positive_int("num_experts", num_experts)
+        slots = num_experts if num_slots is None else _positive_int("num_slots", num_slots)
         if slots < num_experts:
             raise ConfigError(f"{slots} slots cannot hold {num_experts} experts")
         row = np.arange(slots, dtype=np.int64) % num_experts
@@ -270,8 +338,9 @@ class ExpertPlacement:
         >>> ExpertPlacement.from_phy2log([[0, 1, 0]], 2).log2phy.tolist()
         [[[0, 2], [1, -1]]]
         """
-        table = np.asarray(phy2log, dtype=np.int64)
-        if table.ndim != 2 or table.size == 0:
+        num_experts = _positive_int("num_experts", num_experts)
+        table = _int_table("phy2log", phy2log, 2)
+        if table.size == 0:
             raise ConfigError(f"phy2log must be a non-empty [layers, slots] array: {table.shape}")
         if (table < 0).any() or (table >= num_experts).any():
             raise ConfigError(f"phy2log names experts outside 0..{num_experts - 1}")
@@ -321,11 +390,24 @@ class ExpertPlacement:
         >>> ExpertPlacement.contiguous(3, 2).layer(1).num_layers
         1
         """
+        layer = self._layer_index(layer)
         return ExpertPlacement(
             self.phy2log[layer : layer + 1],
             self.log2phy[layer : layer + 1],
             self.logcnt[layer : layer + 1],
         )
+
+    def _layer_index(self, layer: object) -> int:
+        """``layer`` if it is a layer of this placement (0 to ``num_layers - 1``): a negative
+        one counted from the end, and one past the end gave an empty placement (a bare
+        ValueError) or a bare IndexError."""
+        if (
+            isinstance(layer, (bool, np.bool_))
+            or not isinstance(layer, (int, np.integer))
+            or not 0 <= layer < self.num_layers
+        ):
+            raise ConfigError(f"layer must be an int in 0..{self.num_layers - 1}, got {layer!r}")
+        return int(layer)
 
     def with_layer(self, layer: int, other: ExpertPlacement) -> ExpertPlacement:
         """A copy whose ``layer`` comes from the one-layer placement ``other``.
@@ -335,8 +417,16 @@ class ExpertPlacement:
         >>> a.with_layer(1, b).phy2log.tolist()
         [[0, 1], [1, 0]]
         """
+        layer = self._layer_index(layer)
+        if not isinstance(other, ExpertPlacement):
+            raise ConfigError(f"with_layer needs an ExpertPlacement, got {type(other).__name__}")
         if other.num_layers != 1 or other.num_slots != self.num_slots:
             raise ConfigError("with_layer needs a one-layer placement with the same slot count")
+        if other.num_experts != self.num_experts:
+            raise ConfigError(
+                f"with_layer got a placement of {other.num_experts} experts, this one has "
+                f"{self.num_experts}"
+            )
         phy2log = self.phy2log.copy()
         phy2log[layer] = other.phy2log[0]
         return ExpertPlacement.from_phy2log(phy2log, self.num_experts)
@@ -353,6 +443,7 @@ def gpu_loads(load: npt.ArrayLike, placement: ExpertPlacement, num_gpus: int) ->
     [[6.0, 2.0]]
     """
     weights = _check_load(load)
+    num_gpus = _positive_int("num_gpus", num_gpus)
     if weights.shape != placement.logcnt.shape:
         raise ConfigError(f"load shape {weights.shape} != placement {placement.logcnt.shape}")
     if placement.num_slots % num_gpus:

@@ -26,6 +26,7 @@ import multiprocessing.connection
 import os
 import pickle
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -237,8 +238,40 @@ def _rank_main(
     try:
         result = fn(rank, world_size, *args)
         Path(result_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    except BaseException as exc:
+        _write_error(result_dir, rank, exc)
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _write_error(result_dir: str, rank: int, exc: BaseException) -> None:
+    """Leave a failed rank's exception (and when it was raised) for :func:`launch` to raise."""
+    try:
+        payload = pickle.dumps((time.time_ns(), exc))
+        pickle.loads(payload)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        stand_in = RuntimeError(f"{type(exc).__name__}: {exc}")
+        payload = pickle.dumps((time.time_ns(), stand_in))
+    path = Path(result_dir, f"rank{rank}.err")
+    partial = path.with_suffix(".tmp")
+    partial.write_bytes(payload)
+    os.replace(partial, path)  # never read half written
+
+
+def _rank_error(result_dir: str, ranks: int) -> tuple[int, BaseException] | None:
+    """The failed rank whose exception came first, and that exception (None: none left one).
+    The first is the cause: the others typically fail in a collective once it is gone."""
+    found: list[tuple[int, int, BaseException]] = []
+    for rank in range(ranks):
+        path = Path(result_dir, f"rank{rank}.err")
+        if path.exists():
+            when, exc = pickle.loads(path.read_bytes())
+            found.append((when, rank, exc))
+    if not found:
+        return None
+    _, rank, exc = min(found, key=lambda item: (item[0], item[1]))
+    return rank, exc
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
@@ -263,7 +296,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         for process in ranks:
             process.start()
         try:
-            _join_or_fail(ranks)
+            _join_or_fail(ranks, tmp)
         finally:
             for process in ranks:
                 if process.is_alive():
@@ -272,9 +305,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
-def _join_or_fail(ranks: Sequence[multiprocessing.process.BaseProcess]) -> None:
+def _join_or_fail(ranks: Sequence[multiprocessing.process.BaseProcess], result_dir: str) -> None:
     """Wait for every rank; as soon as one fails, raise (the caller stops the others, which
-    would otherwise wait in a collective for the dead rank)."""
+    would otherwise wait in a collective for the dead rank): the exception of the rank that
+    failed first, itself (a ConfigError stays one), or a RuntimeError naming the rank and its
+    exit status when it left none (killed, out of memory)."""
     pending = list(ranks)
     while pending:
         multiprocessing.connection.wait([p.sentinel for p in pending])
@@ -284,4 +319,14 @@ def _join_or_fail(ranks: Sequence[multiprocessing.process.BaseProcess]) -> None:
             pending.remove(process)
             if process.exitcode != 0:
                 rank = list(ranks).index(process)
-                raise RuntimeError(f"expert-parallel rank {rank} exited with {process.exitcode}")
+                failed = _rank_error(result_dir, len(ranks))
+                if failed is None:
+                    raise RuntimeError(
+                        f"expert-parallel rank {rank} exited with {process.exitcode}"
+                    )
+                # It was a RuntimeError naming the exit status only; the exception itself
+                # (a ConfigError from AllToAllExperts.build, say) went to the rank's stderr.
+                first, exc = failed
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"raised on expert-parallel rank {first}")
+                raise exc

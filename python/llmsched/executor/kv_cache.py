@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmsched.errors import ConfigError
+from llmsched.errors import ConfigError, InvalidValueError
 from llmsched.executor.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from llmsched.hashing import block_hashes
 
@@ -92,8 +92,28 @@ class BlockPool:
             found.append(cached.block_id)
         return found
 
+    def _block_ids(self, blocks: Sequence[int], what: str) -> list[int]:
+        """``blocks`` as ids of this pool, or an InvalidValueError naming the first that is
+        not one (a negative id indexed the tables from their end)."""
+        ids = []
+        for block in blocks:
+            if (
+                isinstance(block, (bool, np.bool_))
+                or not isinstance(block, (int, np.integer))
+                or not 0 <= block < self.num_blocks
+            ):
+                raise InvalidValueError(
+                    f"{what}: {block!r} is not a block of this pool (0..{self.num_blocks - 1})"
+                )
+            ids.append(int(block))
+        return ids
+
     def touch(self, blocks: Sequence[int]) -> None:
-        """Take a reference on cached blocks found by :meth:`find_prefix`."""
+        """Take a reference on cached blocks found by :meth:`find_prefix`.
+
+        Block ids outside the pool are an InvalidValueError, and nothing is taken.
+        """
+        blocks = self._block_ids(blocks, "touch")
         for block in blocks:
             if self.ref_count[block] == 0:
                 del self._free[block]
@@ -120,11 +140,23 @@ class BlockPool:
         self._events.append(BlockRemoved((block_hash,), self.medium))
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference on each block, last block first."""
+        """Drop one reference on each block, last block first.
+
+        A block outside the pool, or freed more often than it is referenced, is an
+        InvalidValueError, and nothing is freed (the check comes first: it used to leave the
+        blocks before it freed and the count at -1, a block then handed out twice).
+        """
+        blocks = self._block_ids(blocks, "free")
+        frees: dict[int, int] = {}
+        for block in blocks:
+            frees[block] = frees.get(block, 0) + 1
+        for block, count in frees.items():
+            if count > self.ref_count[block]:
+                raise InvalidValueError(
+                    f"block {block} freed {count} time(s), referenced {self.ref_count[block]}"
+                )
         for block in reversed(blocks):
             self.ref_count[block] -= 1
-            if self.ref_count[block] < 0:
-                raise RuntimeError(f"block {block} freed more often than referenced")
             if self.ref_count[block] == 0:
                 self._free[block] = None
                 if self.block_hash[block] is None:

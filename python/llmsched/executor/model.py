@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import xxhash
 
 from llmsched._tokens import TokensLike, as_token_array
-from llmsched.errors import ConfigError, InvalidTokenError
+from llmsched.errors import ConfigError, InvalidTokenError, InvalidTypeError
 from llmsched.executor.config import ModelConfig, check_memory
 from llmsched.executor.eplb import ExpertPlacement
 
@@ -193,6 +193,8 @@ class ForwardBatch:
     sample_rows: Tensor
     num_sequences: int
     sample_sequences: list[int] = field(default_factory=list)
+    block_size: int = 0
+    """The block size the slots were computed for (0: unknown, not checked by ``forward``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -216,10 +218,23 @@ class ForwardBatch:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_sequences: list[int] = []
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
         for index, chunk in enumerate(chunks):
+            start = chunk.start
+            # A negative start read the block table and the rotary tables from their end.
+            if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+                raise ConfigError(
+                    f"sequence chunk {index}: start must be an int >= 0, got {start!r}"
+                )
             end = chunk.start + len(chunk.token_ids)
             if len(chunk.token_ids) == 0:
                 raise ConfigError(f"sequence chunk {index} has no tokens")
+            for block in chunk.block_table:
+                if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 0:
+                    raise ConfigError(
+                        f"sequence chunk {index}: block ids must be ints >= 0, got {block!r}"
+                    )
             if len(chunk.block_table) * block_size < end:
                 raise ConfigError(
                     f"sequence chunk {index} needs {-(-end // block_size)} blocks for {end} "
@@ -271,6 +286,7 @@ class ForwardBatch:
             sample_rows=put(sample_rows),
             num_sequences=num_seqs,
             sample_sequences=sample_sequences,
+            block_size=block_size,
         )
 
 
@@ -296,6 +312,15 @@ class PagedKV:
         self.block_size = block_size
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the cache.
+
+        >>> PagedKV(ModelConfig(), 4, 16).num_blocks
+        4
+        """
+        return int(self.key.shape[1])
 
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers (``2 * layers * kv_heads * head_dim * b``).
@@ -528,6 +553,38 @@ class LocalExperts(ExpertBackend):
         self._cache_layer_maps(layer)
 
 
+_EXPERT_FIELDS = ("num_layers", "num_experts", "hidden_size", "expert_hidden_size", "dtype", "seed")
+"""The model settings an expert backend's weights depend on."""
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are one (``cuda`` and ``cuda:0`` are, when the index is left out)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _check_backend(config: ModelConfig, backend: object, device: torch.device) -> None:
+    """ConfigError for an expert backend built for another model or device: its weights were
+    used as they were (another ``seed`` or ``expert_hidden_size`` gave other logits without a
+    word) or failed mid-forward as a bare RuntimeError (another dtype or width)."""
+    if not isinstance(backend, ExpertBackend):
+        raise InvalidTypeError(
+            f"backend must be an ExpertBackend or None, got {type(backend).__name__}"
+        )
+    _check_placement(config, backend.placement)
+    theirs = backend.store.config
+    differ = [
+        f"{name} {getattr(theirs, name)!r} (the model's: {getattr(config, name)!r})"
+        for name in _EXPERT_FIELDS
+        if getattr(theirs, name) != getattr(config, name)
+    ]
+    if differ:
+        raise ConfigError("the expert backend was built for another model: " + ", ".join(differ))
+    if not _same_device(backend.store.device, device):
+        raise ConfigError(
+            f"the expert backend's weights are on {backend.store.device}, the model is on {device}"
+        )
+
+
 def _check_placement(config: ModelConfig, placement: ExpertPlacement) -> None:
     if placement.num_layers != config.num_layers or placement.num_experts != config.num_experts:
         raise ConfigError(
@@ -585,6 +642,8 @@ class MoETransformer:
         # A given backend has built its experts already.
         _check_fits("MoETransformer", config.estimate_bytes(0 if backend else None), self.device)
         self.dtype = torch_dtype(config.dtype)
+        if backend is not None:
+            _check_backend(config, backend, self.device)
         self.backend = backend or LocalExperts.build(config, device=self.device)
         _check_placement(config, self.backend.placement)
         self.embed = self._tensor("embed", (config.vocab_size, config.hidden_size), 1.0)
@@ -740,7 +799,13 @@ class MoETransformer:
         With two micro-batches the phases interleave layer by layer: A's dispatch is in flight
         while B's attention runs, A's return trip while B's experts run. One micro-batch is
         the plain pass. Every micro-batch must use distinct cache blocks.
+
+        Checked before anything is written (:meth:`check_inputs`): token ids in the
+        vocabulary (an :class:`~llmsched.errors.InvalidTokenError`), positions below
+        ``max_position``, and a ``kv`` of this model's shape, dtype and device whose blocks
+        and block size the batches were built for (a :class:`~llmsched.errors.ConfigError`).
         """
+        self.check_inputs(batches, kv)
         mbs = [_MicroBatch(b, self.embed[b.token_ids]) for b in batches]
         for layer in range(self.config.num_layers):
             w = self.layers[layer]
@@ -755,6 +820,68 @@ class MoETransformer:
             for mb in mbs:
                 self._finish_moe(layer, mb)
         return [self._logits(mb.hidden[mb.batch.sample_rows]) for mb in mbs]
+
+    def check_inputs(self, batches: Sequence[ForwardBatch], kv: PagedKV) -> None:
+        """The checks :meth:`forward` makes before it runs. Unchecked, a token id of -1 read
+        the last row of the embedding, a batch built for another block size wrote its keys
+        and values into other sequences' slots before failing, and a block past the cache or
+        a ``kv`` of another model failed in torch as a bare IndexError or RuntimeError.
+
+        >>> model = MoETransformer(ModelConfig())
+        >>> batch = ForwardBatch.build([SequenceChunk([1, 2], 0, [0])], 8)
+        >>> model.check_inputs([batch], PagedKV(model.config, 2, 16))
+        Traceback (most recent call last):
+        ...
+        llmsched.errors.ConfigError: batch 0 was built for blocks of 8 tokens, the KV cache \
+has blocks of 16
+        """
+        cfg = self.config
+        if not isinstance(kv, PagedKV):
+            raise InvalidTypeError(f"kv must be a PagedKV, got {type(kv).__name__}")
+        layers, num_blocks, block_size, heads, dim = kv.key.shape
+        shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        if (layers, heads, dim) != shape or kv.key.dtype != self.dtype:
+            raise ConfigError(
+                f"the KV cache holds {layers} layers x {heads} KV heads x {dim} in "
+                f"{kv.key.dtype}; the model needs {shape[0]} x {shape[1]} x {shape[2]} in "
+                f"{self.dtype}"
+            )
+        if not _same_device(kv.key.device, self.device):
+            raise ConfigError(f"the KV cache is on {kv.key.device}, the model is on {self.device}")
+        if isinstance(batches, ForwardBatch) or not isinstance(batches, Sequence):
+            raise InvalidTypeError(
+                f"batches must be a sequence of ForwardBatch, got {type(batches).__name__}"
+            )
+        for index, batch in enumerate(batches):
+            if not isinstance(batch, ForwardBatch):
+                raise InvalidTypeError(
+                    f"batch {index} must be a ForwardBatch, got {type(batch).__name__}"
+                )
+            if batch.block_size and batch.block_size != block_size:
+                raise ConfigError(
+                    f"batch {index} was built for blocks of {batch.block_size} tokens, the KV "
+                    f"cache has blocks of {block_size}"
+                )
+            if not batch.num_tokens:
+                continue
+            low, high = int(batch.token_ids.min()), int(batch.token_ids.max())
+            if low < 0 or high >= cfg.vocab_size:
+                bad = low if low < 0 else high
+                raise InvalidTokenError(
+                    f"batch {index}: token id {bad} is outside the vocabulary "
+                    f"(0 to {cfg.vocab_size - 1})"
+                )
+            last = int(batch.positions.max())
+            if last >= cfg.max_position:
+                raise ConfigError(
+                    f"batch {index} reaches position {last}; the rotary tables hold "
+                    f"max_position = {cfg.max_position}"
+                )
+            top = max(int(batch.kv_blocks.max()), int(batch.slot_mapping.max()) // block_size)
+            if top >= num_blocks:
+                raise ConfigError(
+                    f"batch {index} uses block {top}; the KV cache has {num_blocks} blocks"
+                )
 
     def forward_dense(self, token_ids: TokensLike) -> Tensor:
         """Logits of every position of one sequence, attention without any cache (reference).

@@ -95,8 +95,14 @@ class ExpertRebalancer:
         self.num_groups = num_groups
         self.num_nodes = num_nodes
         self.num_gpus = num_gpus
-        if layers_per_step < 1:
-            raise ConfigError(f"layers_per_step must be >= 1, got {layers_per_step}")
+        if (
+            isinstance(layers_per_step, bool)
+            or not isinstance(layers_per_step, int)
+            or layers_per_step < 1
+        ):
+            # 1.5 was taken and failed at the first move (range() of a float), "2" was a bare
+            # TypeError.
+            raise ConfigError(f"layers_per_step must be an int >= 1, got {layers_per_step!r}")
         self.layers_per_step = layers_per_step
         # Here rather than on the background thread, where a bad layout surfaced steps later.
         check_layout(

@@ -134,17 +134,37 @@ class SliceConfig:
     policy: str = ""
     params: dict[str, Any] = field(default_factory=dict)
 
-    def cost_model(self, model: object) -> SwitchCostModel:
+    def cost_model(self, model: object, kv_tokens: int | None = None) -> SwitchCostModel:
         """The tracker's switch-cost model, as both engines build it: from the model and GPU
-        of a roofline step model, the defaults otherwise."""
-        from llmsched.sim.stepmodel import RooflineStepModel
+        of a roofline step model; from a linear step model's coefficients (a prompt token
+        costs ``b1``, a one-sequence decode step ``b0 + b2``); the defaults otherwise.
+        ``kv_tokens`` is a simulated replica's KV capacity (what the engines hold): the
+        tracker weighs evictions against it.
+
+        >>> from llmsched.sim.stepmodel import LinearStepModel
+        >>> cost = SliceConfig("fixed").cost_model(LinearStepModel(0.02, 5e-5, 0.0), 14_000)
+        >>> cost.kv_capacity_tokens, cost.decode_step_s, round(cost.prefill_tokens_per_s)
+        (14000.0, 0.02, 20000)
+        """
+        from llmsched.sim.stepmodel import LinearStepModel, RooflineStepModel
         from llmsched.slices import SwitchCostModel
 
+        # A replica's own KV capacity, not the cost model's default (an 8B model on an H100:
+        # 426,788 tokens, 30 times the 14,000 of slices-small), else the tracker saw room that
+        # was not there and never expected a yielded request to be evicted.
+        own: dict[str, float] = {} if kv_tokens is None else {"kv_capacity_tokens": kv_tokens}
+        if isinstance(model, LinearStepModel):
+            decode_s = model.step_time(decode_tokens=1)
+            if decode_s > 0:  # b0 = b2 = 0 (prefill costs only): the default step stays
+                own["decode_step_s"] = decode_s
+            if model.b1 > 0:
+                own["prefill_tokens_per_s"] = 1.0 / model.b1
+            return SwitchCostModel(**own)
         if not isinstance(model, RooflineStepModel):
-            return SwitchCostModel()
+            return SwitchCostModel(**own)
         spec, gpu = model.model, model.gpu
         tp = model.tp or 1
-        return SwitchCostModel.from_model(
+        derived = SwitchCostModel.from_model(
             params=spec.params,
             layers=spec.layers,
             kv_heads=spec.kv_heads,
@@ -156,6 +176,9 @@ class SliceConfig:
             bandwidth_efficiency=model.memory_eff,
             memory_fraction=model.gpu_memory_utilization,
         )
+        if not own:
+            return derived
+        return SwitchCostModel(**{**derived.to_dict(), **own})
 
 
 @dataclass

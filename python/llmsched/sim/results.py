@@ -16,7 +16,8 @@ SLO attainment per priority with targets
 targets; a priority without targets has none); TTFT
 and end-to-end latency per tenant (up to 16 tenants); Jain's fairness over tenants of the mean
 normalised speed (a request's time alone on an idle replica over its actual end-to-end time);
-and the wall time
+``prefill_imbalance``, the most prompt tokens one replica computed over the mean (over the
+prefill replicas of a P/D split); and the wall time
 with the share spent in the routing decision code, and which engine ran (``engine``:
 ``"rust"`` or ``"python"``).
 """
@@ -29,7 +30,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["COUNTERS", "KvEnd", "ReplicaEnd", "RunRecord", "SimResult", "collect", "jain"]
+from llmsched.errors import ConfigError
+
+__all__ = [
+    "COUNTERS",
+    "MAX_TIME_S",
+    "KvEnd",
+    "ReplicaEnd",
+    "RunRecord",
+    "SimResult",
+    "check_time",
+    "collect",
+    "jain",
+]
 
 COUNTERS = (
     "prefill_tokens",
@@ -220,17 +233,26 @@ class SimResult:
         return {"mean": float(np.mean(usage)) if usage else 0.0, "peak": max(usage, default=0.0)}
 
     def kv_series(self, points: int = 200) -> dict[str, list[float]]:
-        """Mean KV use over replicas on a regular time grid (for plots and JSON)."""
+        """Mean KV use over replicas on a regular time grid (for plots and JSON): each
+        replica's last sample at or before each point, 0 before its first (replicas start
+        empty), every replica counted (an idle one as 0).
+
+        >>> r = SimResult("p", "s", {}, 0, {}, {}, [[(1.0, 0.5)], []], {}, 0.0, 0.0, 0.0)
+        >>> r.kv_series(3)["kv_use"]
+        [0.0, 0.0, 0.25]
+        """
         end = max((t for trace in self.kv_trace for t, _ in trace), default=0.0)
         grid = np.linspace(0.0, end, points)
         rows = []
         for trace in self.kv_trace:
             if not trace:
+                rows.append(np.zeros(points))  # it was left out: the mean of the busy ones
                 continue
             t = np.array([p[0] for p in trace])
             u = np.array([p[1] for p in trace])
-            idx = np.clip(np.searchsorted(t, grid, side="right") - 1, 0, len(t) - 1)
-            rows.append(u[idx])
+            idx = np.searchsorted(t, grid, side="right") - 1
+            # Before its first sample a replica held nothing (its first sample was used).
+            rows.append(np.where(idx >= 0, u[np.maximum(idx, 0)], 0.0))
         mean = np.mean(rows, axis=0) if rows else np.zeros(points)
         return {"t": grid.tolist(), "kv_use": mean.tolist()}
 
@@ -333,6 +355,29 @@ class RunRecord:
         )
 
 
+MAX_TIME_S = float(2**32)
+"""The latest simulated time a run may reach (about 136 years): past it float64 seconds are
+coarser than a microsecond, and TTFTs and latencies are rounded away (to 0 at 1e300 s)."""
+
+
+def check_time(now: float) -> None:
+    """ConfigError for a run that reached past :data:`MAX_TIME_S`.
+
+    >>> check_time(1e300)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: simulated time reached 1e+300 s, past 2**32 s (136 years), \
+where float64 seconds are coarser than a microsecond and every latency would be rounded; \
+shorten the gaps: arrival.rate, think_time_s, a trace's time_scale
+    """
+    if now > MAX_TIME_S:
+        raise ConfigError(
+            f"simulated time reached {now:.3g} s, past 2**32 s (136 years), where float64 "
+            "seconds are coarser than a microsecond and every latency would be rounded; "
+            "shorten the gaps: arrival.rate, think_time_s, a trace's time_scale"
+        )
+
+
 def collect(
     record: RunRecord,
     *,
@@ -343,8 +388,15 @@ def collect(
     wall_s: float,
     engine_name: str,
     fallback_reason: str | None = None,
+    prefill_replicas: int = 0,
 ) -> SimResult:
-    """The :class:`SimResult` of a run: the one collector both engines' records go through."""
+    """The :class:`SimResult` of a run: the one collector both engines' records go through.
+
+    A run that reached past :data:`MAX_TIME_S` is a ConfigError (:func:`check_time`).
+    ``prefill_replicas`` is the scenario's ``pd.prefill_replicas``: with a P/D split the
+    prefill balance is taken over the prefill pool only.
+    """
+    check_time(record.now)
     out = record.requests
     rejected = out["rejected"].astype(bool)
     ok = ~rejected
@@ -371,7 +423,12 @@ def collect(
             "sync_bytes": record.sync_bytes,
             "slice_switches": record.slice_switches,
             "unfinished": 0 if record.arrived is None else record.arrived - len(rejected),
-            "prefill_by_replica": [rep.prefill_tokens for rep in record.replicas],
+            # The prefill pool's (every replica's without a P/D split): decode replicas
+            # prefill a few tokens each, and counted in, they made a 2P+6D split whose two
+            # prefill replicas were within 10% of each other read 4.4 times imbalanced.
+            "prefill_by_replica": [
+                rep.prefill_tokens for rep in record.replicas[: prefill_replicas or None]
+            ],
             "kv_peak_by_replica": [rep.kv.peak for rep in record.replicas],
             "kv_mean_by_replica": [rep.kv.mean for rep in record.replicas],
         },

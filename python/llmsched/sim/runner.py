@@ -215,11 +215,14 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
     )
     lines = [header, "-" * len(header)]
     total = unfinished = 0
+    refused: dict[str, int] = {}
     decision = wall = 0.0
     for r in results:
         s = r.summary()
         total += s["completed"]
         unfinished += s["unfinished"]
+        if s["rejected"]:
+            refused[s["policy"]] = s["rejected"]
         wall += s.get("wall_s", 0.0)
         decision += s.get("decision_share", 0.0) * s.get("wall_s", 0.0)
         if s["completed"] == 0:
@@ -248,6 +251,15 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         lines.append(
             f"{unfinished} requests unfinished at max_time_s (arrived, still waiting or "
             f"running): left out of every figure"
+        )
+    if refused:
+        # Refused requests are in no column but SLO: without this line a run that refused
+        # most of its requests (too long for a replica's KV cache) read like a clean one.
+        counts = ", ".join(f"{n} under {policy}" for policy, n in refused.items())
+        lines.append(
+            f"{sum(refused.values())} requests refused ({counts}: by flow control, or longer "
+            f"than a replica's KV cache holds): SLO counts them as misses, the other columns "
+            f"leave them out"
         )
     reasons = sorted({r.fallback_reason for r in results if r.fallback_reason is not None})
     if reasons:

@@ -195,6 +195,7 @@ class Simulation:
             router_replicas=self.config.router_replicas,
             wall_s=wall_s,
             engine_name="rust",
+            prefill_replicas=self.config.pd.prefill_replicas,
         )
 
     def _finished_record(self) -> RunRecord:

@@ -917,7 +917,76 @@ def _parse(spec: dict[str, Any]) -> tuple[str, Any]:
     if arrival is not None:
         check_fields(arrival, f"{where}.arrival", nonnegative=True)
     _check_sizes(kind, cfg)
+    _check_draws(kind, cfg)
     return kind, cfg
+
+
+# The mean lengths each kind draws (agentic: its first user message is first_input less the
+# system prompt, checked by the workload).
+_MEAN_LENGTHS = {
+    "agentic": ("first_output", "followup_input", "followup_output"),
+    "long_short": ("short_input", "short_output", "long_input", "long_output"),
+    "priority": ("interactive_input", "interactive_output", "batch_input", "batch_output"),
+}
+
+
+def _gamma_fits(cv: float, mean: float) -> bool:
+    """Whether a gamma of mean ``mean`` and coefficient of variation ``cv`` can be drawn: its
+    shape ``1/cv**2`` and scale ``mean * cv**2`` positive finite numbers (1e200 or 1e-200
+    made one of them 0 and the draw a ZeroDivisionError).
+
+    >>> _gamma_fits(0.3, 512.0), _gamma_fits(1e200, 512.0), _gamma_fits(1e-200, 1.0)
+    (True, False, False)
+    """
+    square = cv * cv
+    if not (square > 0 and math.isfinite(square)):
+        return False
+    shape, scale = 1.0 / square, mean * square
+    return math.isfinite(shape) and shape > 0 and math.isfinite(scale) and scale > 0
+
+
+def _check_draws(kind: str, cfg: Any) -> None:
+    """ConfigError naming the key for lengths and gaps a workload cannot draw: a mean length
+    below one token (0 with ``length_cv: 0`` became 1 without a word), a shared-prefix prompt
+    of no tokens (a bare OverflowError on the reference engine), a ``length_cv`` or gamma
+    ``cv`` too large or too small for a gamma distribution (a ZeroDivisionError)."""
+    where = f"workload ({kind})"
+    names = _MEAN_LENGTHS.get(kind, ())
+    if kind == "long_short" and cfg.long_fraction in (0, 1):
+        names = names[:2] if cfg.long_fraction == 0 else names[2:]  # the other pair is unused
+    if kind == "priority" and cfg.batch_fraction in (0, 1):
+        names = names[:2] if cfg.batch_fraction == 0 else names[2:]
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(
+                f"{where}.{name}: a mean length must be >= 1 token, got {getattr(cfg, name)!r}"
+            )
+    if kind == "shared_prefix" and cfg.system_prompt_len + cfg.question_len < 1:
+        raise ConfigError(
+            f"{where}: system_prompt_len + question_len must be >= 1 (a prompt of no tokens)"
+        )
+    cv = getattr(cfg, "length_cv", 0)
+    if cv > 0:
+        longest = max([float(getattr(cfg, name)) for name in names] + [1.0])
+        if kind == "agentic":
+            longest = max(longest, float(cfg.first_input))
+        if not (_gamma_fits(cv, 1.0) and _gamma_fits(cv, longest)):
+            raise ConfigError(
+                f"{where}.length_cv: {cv!r} is outside what a gamma distribution of lengths "
+                "can take (1/length_cv**2 and mean * length_cv**2 must be finite and > 0)"
+            )
+    arrival = getattr(cfg, "arrival", None)
+    if (
+        arrival is not None
+        and arrival.process == "gamma"
+        and arrival.rate > 0
+        and not _gamma_fits(arrival.cv, 1.0 / arrival.rate)
+    ):
+        raise ConfigError(
+            f"{where}.arrival.cv: {arrival.cv!r} is outside what a gamma distribution of "
+            f"gaps at rate {arrival.rate!r} can take (1/cv**2 and cv**2/rate must be finite "
+            "and > 0)"
+        )
 
 
 def _check_sizes(kind: str, cfg: Any) -> None:

@@ -141,7 +141,7 @@ class ReferenceSimulation:
         cfg = self.config.slices
         if not cfg.policy:
             return None
-        cost = cfg.cost_model(self.model)
+        cost = cfg.cost_model(self.model, self.kv_blocks * self.config.engine.block_size)
         endpoints = [str(r.id) for r in self.replicas]
         return SliceTracker(cfg.policy, cfg.params, cost_model=cost, endpoints=endpoints)
 
@@ -417,6 +417,7 @@ class ReferenceSimulation:
             router_replicas=1,
             wall_s=time.perf_counter() - wall,
             engine_name="python",
+            prefill_replicas=self.config.pd.prefill_replicas,
         )
 
     def _kv_figures(self, rep: Replica) -> tuple[float, float]:

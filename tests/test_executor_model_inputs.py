@@ -1,0 +1,115 @@
+"""The MoE model under inputs it cannot use: an expert backend built for another model, and
+forward passes over a KV cache or tokens that do not fit it. Each is refused before anything is
+written (no KV slot, no load count changes), where it gave other logits without a word or failed
+mid-pass in torch."""
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from llmsched.errors import ConfigError, InvalidTokenError  # noqa: E402
+from llmsched.executor.config import ModelConfig  # noqa: E402
+from llmsched.executor.model import (  # noqa: E402
+    ForwardBatch,
+    LocalExperts,
+    MoETransformer,
+    PagedKV,
+    SequenceChunk,
+)
+
+torch.set_num_threads(1)
+CONFIG = ModelConfig(num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def model() -> MoETransformer:
+    return MoETransformer(CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("other", "named"),
+    [
+        ({"seed": 5}, "seed 5 (the model's: 0)"),  # other expert weights, silently
+        ({"expert_hidden_size": 32}, "expert_hidden_size 32"),  # silently too
+        ({"dtype": "float64"}, "dtype 'float64'"),  # a RuntimeError in the first forward
+        ({"hidden_size": 32}, "hidden_size 32"),  # likewise
+    ],
+)
+def test_a_backend_built_for_another_model_is_refused(other: dict[str, object], named: str) -> None:
+    backend = LocalExperts.build(ModelConfig(num_layers=1, **other))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="the expert backend was built for another model"):
+        MoETransformer(CONFIG, backend)
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        MoETransformer(CONFIG, backend)
+
+
+def test_a_backend_built_for_the_same_model_is_taken(model: MoETransformer) -> None:
+    same = MoETransformer(CONFIG, LocalExperts.build(CONFIG))
+    assert torch.equal(same.forward_dense([1, 2, 3]), model.forward_dense([1, 2, 3]))
+
+
+def _unchanged(model: MoETransformer, kv: PagedKV, batch: ForwardBatch) -> None:
+    before = (kv.key.clone(), kv.value.clone(), model.expert_load.clone())
+    with pytest.raises((ConfigError, InvalidTokenError)) as raised:
+        model.forward([batch], kv)
+    assert torch.equal(kv.key, before[0]) and torch.equal(kv.value, before[1])
+    assert torch.equal(model.expert_load, before[2])
+    raise raised.value
+
+
+def test_a_token_outside_the_vocabulary_is_refused(model: MoETransformer) -> None:
+    kv = PagedKV(CONFIG, 2, 16)
+    batch = ForwardBatch.build([SequenceChunk([5, -1, 7], 0, [0])], 16)
+    # -1 read the last row of the embedding.
+    with pytest.raises(InvalidTokenError, match="token id -1 is outside the vocabulary"):
+        _unchanged(model, kv, batch)
+
+
+def test_a_batch_built_for_another_block_size_writes_nothing(model: MoETransformer) -> None:
+    kv = PagedKV(CONFIG, 4, 16)
+    batch = ForwardBatch.build([SequenceChunk(list(range(10)), 0, [2, 3])], 8)
+    # Its keys went to slots 16-25 (block * 8 + offset), block 1 of the cache, which it does not
+    # hold; then attention failed as a bare RuntimeError.
+    with pytest.raises(
+        ConfigError, match=r"built for blocks of 8 tokens, the KV cache has blocks of 16"
+    ):
+        _unchanged(model, kv, batch)
+
+
+def test_a_block_past_the_cache_is_refused(model: MoETransformer) -> None:
+    kv = PagedKV(CONFIG, 2, 16)
+    batch = ForwardBatch.build([SequenceChunk([1, 2, 3], 0, [5])], 16)
+    with pytest.raises(ConfigError, match="uses block 5; the KV cache has 2 blocks"):
+        _unchanged(model, kv, batch)
+
+
+def test_a_cache_of_another_model_is_refused(model: MoETransformer) -> None:
+    kv = PagedKV(ModelConfig(num_layers=1, num_kv_heads=4), 2, 16)
+    batch = ForwardBatch.build([SequenceChunk([1, 2, 3], 0, [0])], 16)
+    with pytest.raises(ConfigError, match="the KV cache holds 1 layers x 4 KV heads"):
+        _unchanged(model, kv, batch)
+
+
+def test_a_position_past_the_rotary_tables_is_refused() -> None:
+    short = MoETransformer(ModelConfig(num_layers=1, max_position=8))
+    kv = PagedKV(short.config, 1, 16)
+    batch = ForwardBatch.build([SequenceChunk([1, 2, 3], 6, [0])], 16)
+    with pytest.raises(ConfigError, match="reaches position 8; the rotary tables hold"):
+        _unchanged(short, kv, batch)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "match"),
+    [
+        (SequenceChunk([1, 2], -1, [0, 1]), "start must be an int >= 0, got -1"),
+        (SequenceChunk([1, 2], 0, [-1]), "block ids must be ints >= 0, got -1"),
+    ],
+)
+def test_negative_starts_and_blocks_are_refused_when_built(
+    chunk: SequenceChunk, match: str
+) -> None:
+    # Both indexed their tables from the end.
+    with pytest.raises(ConfigError, match=match):
+        ForwardBatch.build([chunk], 16)
