@@ -108,9 +108,10 @@ def test_two_replicas_with_one_name_are_flagged_and_both_still_count(
                 d.finished()
                 await _until(lambda: _remote(c) == 5, "the sum to hold")
             await _until(lambda: sa.stats()["identity_conflicts"] >= 1, "the conflict at gw-0")
-            for sync in (sa, sb):
-                assert sync.stats()["shared_names"] == ["gw-0"]
-            assert sc.stats()["shared_names"] == ["gw-0"]
+            # The older of the two is taken for the other's previous life until it has kept
+            # speaking for longer than load_ttl_s: then it is alive, everywhere.
+            for sync in (sa, sb, sc):
+                await _until(lambda s=sync: s.stats()["shared_names"] == ["gw-0"], "the name")
             assert sc.stats()["identity_conflicts"] >= 1
             note = a.pick(tokens=_prompt(99)).explain().notes
             assert any("uses this replica's name 'gw-0'" in n for n in note), note
@@ -153,6 +154,123 @@ def test_a_replica_that_restarts_under_its_name_replaces_its_old_life(bus: NatsS
                 assert sb.stats()["shared_names"] == []
                 assert sb.stats()["identity_conflicts"] == 0
                 d.finished()
+
+    run(body)
+
+
+def test_a_late_batch_of_a_restarted_replicas_previous_life_is_dropped_not_flagged(
+    bus: NatsServer,
+) -> None:
+    """A batch of replica gw-a's previous life, held up and delivered after its new life's
+    first batch, was taken for a second live replica named gw-a: the name was flagged shared
+    (for load_ttl_s) and the old life's 3 requests in flight were added to the new life's 1.
+    Incarnations now grow with the start time, and the late batch is dropped and counted."""
+
+    async def body() -> None:
+        now = time.monotonic()
+        held = []
+
+        def life(name: str, incarnation: int, in_flight: int) -> bytes:
+            router = cluster_router(incarnation % 7)
+            native = router.replica_sync(
+                name, incarnation=incarnation, journal_limit=100, load_ttl_s=30.0, history_limit=9
+            )
+            for i in range(in_flight):
+                d = router.pick(tokens=_prompt(i))
+                d.started()
+                held.append(d)
+            (batch,) = native.outgoing(now, False, 1 << 20)
+            return batch
+
+        old_life, new_life = life("gw-a", 5 << 40, 3), life("gw-a", 6 << 40, 1)
+        router = cluster_router(0)
+        async with _synced((router, bus.url, "r"), load_ttl_s=30.0) as (sync,):
+            # Its own previous life (an incarnation older than any made now) is late too.
+            own_old_life = life("r", 1, 2)
+            nc = await nats.connect(bus.url)
+            try:
+                await nc.publish("llmsched.f.sync", new_life)
+                await nc.flush()
+                await _until(lambda: _remote(router) == 1, "the new life's count")
+                for late in (old_life, own_old_life):
+                    await nc.publish("llmsched.f.sync", late)
+                await nc.flush()
+                await _until(lambda: sync.stats()["batches_in"] >= 3, "the late batches")
+            finally:
+                await nc.close()
+            stats = sync.stats()
+            assert _remote(router) == 1, "the previous lives' requests are not counted"
+            assert stats["shared_names"] == [] and stats["identity_conflicts"] == 0
+            assert stats["peers"] == ["gw-a"]
+            assert stats["stale_in"] == 2
+
+    run(body)
+
+
+def test_a_short_blip_costs_what_was_routed_during_it_not_every_peers_history(
+    bus: NatsServer,
+) -> None:
+    """Four replicas, each with 12 records of 4,096 tokens (2 kB each) and 12 sessions. One
+    loses the bus for a moment while it and another each route one prompt. When it was back,
+    every peer answered its catch-up with all its records and every session it knew, and it
+    announced all of its own: about 100 kB on the bus for 2 prompts. Now each peer sends only
+    what the other side misses, and every replica still ends with every record and session."""
+
+    async def body() -> None:
+        cable = _Cable(bus.port)
+        await cable.mend()
+        routers = [cluster_router(i) for i in range(4)]
+        members = [(r, bus.url if i < 3 else cable.url, f"r{i}") for i, r in enumerate(routers)]
+        routed: dict[int, str] = {}
+        chats: dict[str, str] = {}
+
+        def route(i: int, p: int) -> None:
+            d = routers[i].pick(tokens=_prompt(p, 4096), session_id=f"chat-{p}")
+            d.started()
+            d.finished()
+            routed[p] = chats[f"chat-{p}"] = d.endpoint
+
+        def converged() -> bool:
+            for router in routers:
+                for p, endpoint in routed.items():
+                    d = router.pick(tokens=_prompt(p, 4096))
+                    if d.endpoint != endpoint or d.cached != 4096:
+                        return False
+                for chat, endpoint in chats.items():
+                    if router.pick(tokens=_prompt(999), session_id=chat).endpoint != endpoint:
+                        return False
+            return True
+
+        async with _synced(*members) as syncs:
+            for i in range(4):
+                for j in range(12):
+                    route(i, 100 * i + j)
+            await _until(converged, "the history everywhere")
+            history = 48 * 4096 // 16 * 8
+            spy = await nats.connect(bus.url)
+            traffic: list[int] = []
+
+            async def count(msg: Msg) -> None:
+                traffic.append(len(msg.data))
+
+            for subject in ("_INBOX.>", "llmsched.f.catchup", "llmsched.f.announce"):
+                await spy.subscribe(subject, cb=count)
+            await spy.flush()
+            await cable.cut()
+            await _until(lambda: not syncs[3].stats()["connected"], "r3 to lose the bus")
+            route(0, 900)
+            route(3, 901)
+            await asyncio.sleep(0.1)  # both flushed while apart
+            await cable.mend()
+            await _until(lambda: syncs[3].stats()["connected"], "r3 to reconnect", 20)
+            await _until(converged, "both prompts and chats everywhere")
+            await asyncio.sleep(0.5)  # the last answers in
+            await spy.close()
+            assert sum(traffic) < history // 4, (sum(traffic), len(traffic), history)
+            assert len(traffic) < 40, len(traffic)
+            served = sum(s.stats()["catch_up_bytes_out"] for s in syncs)
+            assert served < history // 4, served
+        await cable.cut()
 
     run(body)
 

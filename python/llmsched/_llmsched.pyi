@@ -729,8 +729,13 @@ class ReplicaSync:
         """Applies another replica's batch."""
     def apply_catch_up(self, data: bytes, now: float) -> SyncReport:
         """Applies a catch-up batch (records and sessions only)."""
-    def catch_up(self, now: float, max_bytes: int) -> list[bytes]:
-        """Batches that bring a late replica up to date."""
+    def catch_up(self, now: float, max_bytes: int, request: bytes | None = None) -> list[bytes]:
+        """The answer to a peer's catch-up `request` (everything when None): this replica's
+        entries past the asker's cursor; empty when the request is not for this replica."""
+    def catch_up_request(self) -> bytes:
+        """The catch-up request to send every peer: what this replica holds of each."""
+    def repair_requests(self) -> list[bytes]:
+        """One catch-up request per peer with batches missing here, each asked once."""
     def expire(self, now: float) -> int:
         """Forgets silent replicas; returns how many."""
     def peers(self) -> list[str]:

@@ -23,12 +23,16 @@ counts expire (``load_ttl_s``). Nothing needs persistence, so no JetStream.
 Batching: commits are journaled in the native core; every ``flush_s`` (5 ms) one batch carries
 the journal and the replica's counts, and nothing is sent while nothing changed, except a
 heartbeat every ``heartbeat_s``; a journal larger than the server's message limit goes out as
-several batches. A replica that starts late asks its peers for a catch-up (their records
-younger than the record TTL and live sessions) on ``<subject>.catchup``. While the bus is
-unreachable the replica routes on its own, exactly as without sync: batches are dropped and
-counted, peers' counts expire, and nothing raises; when the bus returns it catches up again and
-announces what it routed meanwhile. Replica names must be unique: two live replicas with one
-name are counted (``identity_conflicts``), listed (``shared_names``) and warned about once.
+several batches. A replica that connects asks its peers for a catch-up on
+``<subject>.catchup``, saying how far it has each peer's batches: each answers only its own
+records and sessions past that (all of them, younger than their TTL, to a replica it is new
+to), so a short blip costs what was routed during it, not the peers' whole history. A gap in a
+peer's batches asks that peer alone for the rest. While the bus is unreachable the replica
+routes on its own, exactly as without sync: batches are dropped and counted, peers' counts
+expire, and nothing raises; when the bus returns its peers see the gap in its batches and ask
+it for what it routed meanwhile. Replica names must be unique: two live replicas with one name
+are counted (``identity_conflicts``), listed (``shared_names``) and warned about once; a late
+batch of a restarted replica's previous life is dropped (``stale_in``).
 
 >>> from llmsched import EndpointPool, PrefixIndex, Router
 >>> router = Router(EndpointPool(["a", "b"]), PrefixIndex(block_size=16), config="llm-d")
@@ -161,6 +165,12 @@ def _default_replica() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def _new_incarnation() -> int:
+    """A replica's incarnation: milliseconds since the epoch and 16 random bits, so that a
+    restart's is larger than the life before it (peers drop a late batch of an older one)."""
+    return ((time.time_ns() // 1_000_000) << 16 | secrets.randbits(16)) & (2**64 - 1)
+
+
 class ClusterSync:
     """One router replica's membership of a cluster of replicas synced over NATS.
 
@@ -217,7 +227,7 @@ class ClusterSync:
         self.catch_up_subject = f"llmsched.{cluster}.catchup"
         self.announce_subject = f"llmsched.{cluster}.announce"
         self._clock = clock
-        self._incarnation = secrets.randbits(64)
+        self._incarnation = _new_incarnation()
         self._native = router.replica_sync(
             name,
             incarnation=self._incarnation,
@@ -228,9 +238,8 @@ class ClusterSync:
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._side_tasks: set[asyncio.Task[None]] = set()
-        # What a catch-up request carries: the name (what replicas before this one compare
-        # with their own) and this incarnation.
-        self._catch_up_token = f"{name}\n{self._incarnation}".encode()
+        self._catching_up = 0
+        self._beat_now = False
         self._counters: ConnectionCounters = {
             "disconnects": 0,
             "reconnects": 0,
@@ -393,6 +402,8 @@ class ClusterSync:
                 "same index settings",
                 self.replica,
             )
+        if report["behind"]:
+            self._on_behind()
         if report["identity_conflict"] and not self._warned_identity:
             self._warned_identity = True
             names = ", ".join(repr(n) for n in self._native.shared_names())
@@ -437,17 +448,15 @@ class ClusterSync:
         except (NatsError, OSError):
             self._counters["publish_failures"] += 1
 
-    def _catch_up_batches(self, nc: Client) -> list[bytes]:
-        """This replica's records (younger than the record TTL) and live sessions."""
-        return self._native.catch_up(self._clock(), min(256 * 1024, self._max_bytes(nc)))
-
     async def _on_catch_up_request(self, msg: Msg) -> None:
-        # The bus sends nothing back to its sender (no_echo): a request that names this replica
-        # and incarnation can only be a replay of ours. One from another replica of the same
-        # name is served.
-        if msg.data == self._catch_up_token or not msg.reply or self._nc is None:
+        if not msg.reply or self._nc is None:
             return
-        batches = self._catch_up_batches(self._nc)
+        # Only what the asker misses of this replica's own journal; nothing for a request of
+        # this replica's own, one aimed at another peer, or a malformed one.
+        max_bytes = min(256 * 1024, self._max_bytes(self._nc))
+        batches = self._native.catch_up(self._clock(), max_bytes, msg.data)
+        if not batches:
+            return
         self._counters["catch_ups_served"] += 1
         # One reply per batch; an empty marker ends the series.
         try:
@@ -465,27 +474,39 @@ class ClusterSync:
             log.warning("llmsched cluster %s: dropped a malformed %s: %s", self.replica, what, exc)
 
     async def _on_announce(self, msg: Msg) -> None:
+        # Replicas of the release before announced their history on every (re)connect.
         self._apply_catch_up(msg.data, "announcement")
 
-    async def _exchange(self, nc: Client) -> None:
-        """On every (re)connect: tells the peers what this replica learned while it could not
-        publish (its records and sessions, which they would otherwise never get), then asks
-        them for theirs."""
-        try:
-            for batch in self._catch_up_batches(nc):
-                await nc.publish(self.announce_subject, batch)
-        except (NatsError, OSError):
-            self._counters["publish_failures"] += 1
-        await self._catch_up(nc)
+    def _on_behind(self) -> None:
+        """A peer's batches are missing here: ask it (after the connect's catch-up, which
+        may bring them)."""
+        if self._nc is not None and not self._catching_up and not self._stopping:
+            self._spawn(self._repair(self._nc), "llmsched-cluster-repair")
 
-    async def _catch_up(self, nc: Client) -> None:
-        """Asks every peer for its records and sessions; applies what comes within the timeout.
-        Each peer holds only its own records, so it listens until every peer it knows of has
-        answered (an empty marker ends each answer), or for the whole timeout when it knows of
-        none yet."""
+    async def _repair(self, nc: Client) -> None:
+        """Asks each peer with batches missing here for them alone (each once)."""
+        for request in self._native.repair_requests():
+            await self._catch_up(nc, request, expected=1)
+
+    async def _exchange(self, nc: Client) -> None:
+        """On every (re)connect: a heartbeat at once, so that the peers see the gap in this
+        replica's batches and ask for what it routed while it could not publish, then a
+        catch-up request to every peer, then a repair for any peer still behind."""
+        self._beat_now = True
+        self._catching_up += 1
+        try:
+            await self._catch_up(nc, self._native.catch_up_request(), len(self._native.peers()))
+        finally:
+            self._catching_up -= 1
+        await self._repair(nc)
+
+    async def _catch_up(self, nc: Client, request: bytes, expected: int) -> None:
+        """Sends a catch-up `request`; applies what comes within the timeout. Each peer holds
+        only its own records, so it listens until the `expected` peers have answered (an empty
+        marker ends each answer), or for the whole timeout when it expects none (it knows of
+        none yet)."""
         inbox = nc.new_inbox()
         done = asyncio.Event()
-        expected = len(self._native.peers())
         answers = 0
 
         async def on_reply(msg: Msg) -> None:
@@ -499,7 +520,7 @@ class ClusterSync:
 
         try:
             sub = await nc.subscribe(inbox, cb=on_reply)
-            await nc.publish(self.catch_up_subject, self._catch_up_token, reply=inbox)
+            await nc.publish(self.catch_up_subject, request, reply=inbox)
             # No answer in time: no peer yet, the first replica of a cluster starts empty.
             # (On CPython 3.10-3.11 ``wait_for`` loses a cancellation that meets the last
             # reply; harmless here: nothing is left to do after it, and no loop runs on.)
@@ -529,7 +550,7 @@ class ClusterSync:
             now = self._clock()
             self._native.expire(now)
             nc = self._nc
-            beat = now - last_beat >= self.heartbeat_s
+            beat = now - last_beat >= self.heartbeat_s or self._beat_now
             if nc is None:
                 # Not connected yet: keep the journal bounded by draining it into nothing (the
                 # records stay in the history, announced once connected).
@@ -542,3 +563,4 @@ class ClusterSync:
             await self._publish_usage(nc)
             if beat:
                 last_beat = now
+                self._beat_now = False

@@ -612,6 +612,12 @@ class SyncReport(TypedDict):
     """Records the index refused (a chain conflicting with what it holds)."""
     identity_conflict: bool
     """Another live replica (this one, or another peer) uses the sender's name too."""
+    stale: bool
+    """From an older incarnation of a name whose newer one was heard (a restarted replica's
+    previous life, late): dropped, unless it keeps speaking for longer than the load TTL."""
+    behind: bool
+    """Batches of the sender are missing here and no repair was asked yet
+    (``ReplicaSync.repair_requests``)."""
 
 
 class SyncCounters(TypedDict):
@@ -643,6 +649,16 @@ class SyncCounters(TypedDict):
     identity_conflicts: int
     """Batches from a replica whose name another live replica uses too (this one's, or a
     peer's): names must be unique; both replicas' counts still add up."""
+    stale_in: int
+    """Batches dropped as a late one of an older incarnation (a restarted replica's previous
+    life) after a newer one of its name was heard."""
+    catch_up_batches_out: int
+    """Catch-up answers built for peers: batches, bytes and entries (each peer answers only
+    what the asker misses of its own journal)."""
+    catch_up_bytes_out: int
+    catch_up_entries_out: int
+    repairs_asked: int
+    """Catch-up requests aimed at one peer for a gap in its batches."""
 
 
 class SchedulerStats(TypedDict):

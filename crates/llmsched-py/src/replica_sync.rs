@@ -26,6 +26,8 @@ fn report_dict<'py>(py: Python<'py>, r: &IncomingReport) -> PyResult<Bound<'py, 
     d.set_item("records_mismatched", r.records_mismatched)?;
     d.set_item("records_refused", r.records_refused)?;
     d.set_item("identity_conflict", r.identity_conflict)?;
+    d.set_item("stale", r.stale)?;
+    d.set_item("behind", r.behind)?;
     Ok(d)
 }
 
@@ -99,14 +101,29 @@ impl PyReplicaSync {
         report_dict(py, &report)
     }
 
+    #[pyo3(signature = (now, max_bytes, request=None))]
     fn catch_up<'py>(
         &self,
         py: Python<'py>,
         now: f64,
         max_bytes: usize,
+        request: Option<&[u8]>,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let batches = detach(py, || self.inner.catch_up(now, max_bytes))?;
+        let batches = detach(py, || match request {
+            Some(request) => self.inner.answer(request, now, max_bytes),
+            None => self.inner.catch_up(now, max_bytes),
+        })?;
         Ok(batches.iter().map(|b| PyBytes::new(py, b)).collect())
+    }
+
+    fn catch_up_request<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let request = detach(py, || self.inner.catch_up_request())?;
+        Ok(PyBytes::new(py, &request))
+    }
+
+    fn repair_requests<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let requests = detach(py, || self.inner.repair_requests())?;
+        Ok(requests.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
     fn expire(&self, py: Python<'_>, now: f64) -> PyResult<usize> {
@@ -144,6 +161,11 @@ impl PyReplicaSync {
             ("records_refused", c.records_refused),
             ("replicas_expired", c.replicas_expired),
             ("identity_conflicts", c.identity_conflicts),
+            ("stale_in", c.stale_in),
+            ("catch_up_batches_out", c.catch_up_batches_out),
+            ("catch_up_bytes_out", c.catch_up_bytes_out),
+            ("catch_up_entries_out", c.catch_up_entries_out),
+            ("repairs_asked", c.repairs_asked),
         ] {
             d.set_item(name, value)?;
         }

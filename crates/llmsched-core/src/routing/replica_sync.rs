@@ -18,11 +18,23 @@
 //! a drift behind. Records and sessions are idempotent (recording a prefix twice, or binding a
 //! session to the endpoint it is bound to, changes nothing), so duplicates are harmless.
 //!
-//! A peer is a name and an incarnation. A new incarnation of a name replaces the old one (a
-//! restart); one that speaks again once replaced, or one with this replica's own name, shows
+//! A peer is a name and an incarnation. Incarnations of one name are ordered (`llmsched.cluster`
+//! makes them from the start time): a newer incarnation replaces the older ones (a restart),
+//! and a batch of an older one that arrives after a newer one was heard (a previous life's
+//! batch, late) is dropped and counted ([`IncomingReport::stale`]). An older incarnation that
+//! keeps speaking for longer than `load_ttl`, or a newer one with this replica's own name, shows
 //! two live replicas sharing a name: both count, and the name is listed
 //! ([`ReplicaSync::shared_names`]) and its batches counted. [`ReplicaSync::outgoing_split`]
 //! keeps every batch within the bus's message limit.
+//!
+//! Catch-up: a replica keeps its own records and session bindings with the sequence of their
+//! batch, and tracks per peer incarnation the sequence through which it has that peer's
+//! batches (a cursor). A connecting replica sends its cursors ([`ReplicaSync::catch_up_request`]);
+//! each peer answers ([`ReplicaSync::answer`]) only its own entries past the asker's cursor for
+//! it, all of them when it has none, and its whole session table only to a replica that knows
+//! no peer at all; the answer's last batch carries the peer's sequence, which moves the
+//! asker's cursor. A gap in a peer's sequence (batches lost, or published while the bus was
+//! away) asks that peer alone for what is missing ([`ReplicaSync::repair_requests`]), once.
 //!
 //! Wire format (version 2, little-endian): `b"LSYN"`, version `u8`, replica name (`u16` length
 //! then UTF-8), incarnation `u64` (random per process start), sequence `u64`, the sender's
@@ -33,7 +45,16 @@
 //! seconds `f32`, then for a record a `u32` count of block hashes and the `u64` hashes, for a
 //! session its id (`u16` length then UTF-8). An endpoint key is a tag `u8` (0: integer, `i64`;
 //! 1: string, `u16` length then UTF-8). Every length is checked against the bytes left before
-//! anything is allocated, so a hostile batch costs at most its own size.
+//! anything is allocated, so a hostile batch costs at most its own size. A catch-up answer is
+//! batches of this format without loads: sequence 0, except the last, which carries the
+//! sender's sequence through which the answer is complete.
+//!
+//! Catch-up request (version 1, little-endian): `b"LSYQ"`, version `u8`, the asker's name
+//! (`u16` length then UTF-8) and incarnation `u64`, flags `u8` (1: the asker knows no peer and
+//! wants every live session; 2: a target follows), the target's name and incarnation when
+//! flagged (only it answers), then `u32` count of cursors, each a peer's name, incarnation `u64`
+//! and the sequence `u64` through which the asker has its batches. A request without the magic
+//! (the first format: the asker's name and incarnation as text) is answered in full.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -416,6 +437,94 @@ pub fn decode(data: &[u8]) -> Result<SyncBatch, SyncError> {
     Ok(SyncBatch { replica, incarnation, seq, hashing, loads, entries })
 }
 
+// ---- catch-up requests ---------------------------------------------------------------------
+
+/// What a replica asks its peers for when it connects, or one peer when it finds a gap in that
+/// peer's batches: see [`ReplicaSync::catch_up_request`] and [`ReplicaSync::answer`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CatchUpRequest {
+    /// The asker: its name and incarnation.
+    pub replica: String,
+    pub incarnation: u64,
+    /// The asker knows no peer at all (a first start): the answers carry every live session,
+    /// those learned from other replicas included.
+    pub wants_sessions: bool,
+    /// Only this replica (name, incarnation) answers (a gap repair); `None`: every peer does.
+    pub target: Option<(String, u64)>,
+    /// Per peer (name, incarnation): the sequence through which the asker has its records and
+    /// sessions. A peer answers only what it journaled after it; all of it when not listed.
+    pub cursors: Vec<(String, u64, u64)>,
+}
+
+const REQUEST_MAGIC: &[u8; 4] = b"LSYQ";
+const REQUEST_VERSION: u8 = 1;
+const FLAG_WANTS_SESSIONS: u8 = 1;
+const FLAG_TARGET: u8 = 2;
+
+/// Encodes a catch-up request (names over 65,535 bytes are left out of the cursors).
+pub fn encode_request(request: &CatchUpRequest) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + request.cursors.len() * 32);
+    out.extend_from_slice(REQUEST_MAGIC);
+    out.push(REQUEST_VERSION);
+    put_str(
+        &mut out,
+        if request.replica.len() <= u16::MAX as usize { &request.replica } else { "" },
+    );
+    out.extend_from_slice(&request.incarnation.to_le_bytes());
+    let mut flags = 0;
+    if request.wants_sessions {
+        flags |= FLAG_WANTS_SESSIONS;
+    }
+    if request.target.is_some() {
+        flags |= FLAG_TARGET;
+    }
+    out.push(flags);
+    if let Some((name, incarnation)) = &request.target {
+        put_str(&mut out, if name.len() <= u16::MAX as usize { name } else { "" });
+        out.extend_from_slice(&incarnation.to_le_bytes());
+    }
+    let cursors: Vec<_> =
+        request.cursors.iter().filter(|(n, _, _)| n.len() <= u16::MAX as usize).collect();
+    out.extend_from_slice(&(cursors.len() as u32).to_le_bytes());
+    for (name, incarnation, seq) in cursors {
+        put_str(&mut out, name);
+        out.extend_from_slice(&incarnation.to_le_bytes());
+        out.extend_from_slice(&seq.to_le_bytes());
+    }
+    out
+}
+
+/// Decodes a catch-up request. `Ok(None)`: not one of this format (the first format's
+/// request, the asker's name and incarnation as text), which is answered in full.
+pub fn decode_request(data: &[u8]) -> Result<Option<CatchUpRequest>, SyncError> {
+    if !data.starts_with(REQUEST_MAGIC) {
+        return Ok(None);
+    }
+    let mut r = Reader { data, at: 4 };
+    if data.len() > MAX_BATCH_BYTES {
+        return r.fail(format!("{} bytes is over the {MAX_BATCH_BYTES}-byte limit", data.len()));
+    }
+    let version = r.u8()?;
+    if version != REQUEST_VERSION {
+        r.at -= 1;
+        return r.fail(format!("unknown catch-up request version {version}"));
+    }
+    let replica = r.str()?;
+    let incarnation = r.u64()?;
+    let flags = r.u8()?;
+    let target = if flags & FLAG_TARGET != 0 { Some((r.str()?, r.u64()?)) } else { None };
+    let n = r.count(2 + 16, "cursors")?;
+    let mut cursors = Vec::with_capacity(n);
+    for _ in 0..n {
+        cursors.push((r.str()?, r.u64()?, r.u64()?));
+    }
+    if r.left() != 0 {
+        return r.fail(format!("{} bytes after the request", r.left()));
+    }
+    let wants_sessions = flags & FLAG_WANTS_SESSIONS != 0;
+    Ok(Some(CatchUpRequest { replica, incarnation, wants_sessions, target, cursors }))
+}
+
 // ---- one replica's side --------------------------------------------------------------------
 
 /// Settings of one replica's sync. Defaults live here.
@@ -456,6 +565,13 @@ pub struct IncomingReport {
     /// The sender's name is used by another live replica too (this one, or another peer):
     /// a misconfiguration that [`ReplicaSync::shared_names`] lists.
     pub identity_conflict: bool,
+    /// From an older incarnation of a name whose newer one (or this replica) was heard: a
+    /// batch of a replica's previous life, late. Dropped, unless that incarnation keeps
+    /// speaking for longer than `load_ttl` (then it is alive and the name is shared).
+    pub stale: bool,
+    /// Batches of the sender are missing here (a gap, or a sender first heard past its first
+    /// batch), and no repair was asked yet: [`ReplicaSync::repair_requests`] asks for them.
+    pub behind: bool,
 }
 
 /// Counters of one replica's sync.
@@ -482,6 +598,14 @@ pub struct SyncCounters {
     pub replicas_expired: u64,
     /// Batches from a replica whose name another live replica uses too (this one or a peer).
     pub identity_conflicts: u64,
+    /// Batches dropped as an older incarnation's, late (see [`IncomingReport::stale`]).
+    pub stale_in: u64,
+    /// Catch-up answers built for peers: batches, bytes and entries.
+    pub catch_up_batches_out: u64,
+    pub catch_up_bytes_out: u64,
+    pub catch_up_entries_out: u64,
+    /// Targeted catch-up requests made for a gap in a peer's batches.
+    pub repairs_asked: u64,
 }
 
 impl SyncCounters {
@@ -505,19 +629,73 @@ struct Peer {
 /// are two peers, so that both their counts add up instead of replacing each other.
 type PeerId = (String, u64);
 
+/// What this replica holds of one peer incarnation's journal.
+#[derive(Debug, Default)]
+struct Cursor {
+    /// Every batch through this sequence is here (live, or through a catch-up answer).
+    have: u64,
+    /// The last run of consecutive live batches: `run_start..=top`.
+    run_start: u64,
+    top: u64,
+    /// A repair was asked and not answered yet.
+    asked: bool,
+    /// Last news from that incarnation.
+    seen: f64,
+}
+
+impl Cursor {
+    fn settle(&mut self) {
+        if self.run_start <= self.have.saturating_add(1) {
+            self.have = self.have.max(self.top);
+        }
+    }
+
+    fn behind(&self) -> bool {
+        self.have < self.top
+    }
+}
+
+/// An older incarnation heard after a newer one of its name: since when, and last.
+#[derive(Debug, Clone, Copy)]
+struct Suspect {
+    first: f64,
+    last: f64,
+}
+
 #[derive(Debug, Default)]
 struct State {
     seq: u64,
     last_loads: Vec<(WorkerKey, InFlightSnapshot)>,
     peers: HashMap<PeerId, Peer>,
-    /// Incarnations replaced by a newer one of the same name (taken for a restart), and when:
-    /// one heard from again within `load_ttl` is alive, so its name is shared.
-    retired: HashMap<PeerId, f64>,
+    /// Older incarnations heard after a newer one of the same name: a late batch of a
+    /// previous life, unless it keeps speaking for longer than `load_ttl` (then it is alive,
+    /// and its name is shared).
+    suspects: HashMap<PeerId, Suspect>,
     /// Names used by more than one live replica (this one included), and since when.
     shared: HashMap<String, f64>,
-    /// This replica's own records (sessions are served from the live bindings), oldest first.
-    history: VecDeque<(f64, SyncEntry)>,
+    /// What this replica holds of each peer incarnation's journal (kept for the record TTL
+    /// after its last news, so that a reconnect asks only for what it missed).
+    cursors: HashMap<PeerId, Cursor>,
+    /// This replica's own records, oldest first: when, the sequence of their batch, the entry.
+    history: VecDeque<(f64, u64, SyncEntry)>,
+    /// This replica's own session bindings, the same way (served to peers that know it).
+    session_history: VecDeque<(f64, u64, SyncEntry)>,
     counters: SyncCounters,
+}
+
+/// `entry` with `age_s` more seconds of age.
+fn aged(entry: &SyncEntry, extra_s: f64) -> SyncEntry {
+    let extra = extra_s.max(0.0) as f32;
+    match entry {
+        SyncEntry::Record { endpoint, hashes, age_s } => SyncEntry::Record {
+            endpoint: endpoint.clone(),
+            hashes: hashes.clone(),
+            age_s: age_s + extra,
+        },
+        SyncEntry::Session { endpoint, id, age_s } => {
+            SyncEntry::Session { endpoint: endpoint.clone(), id: id.clone(), age_s: age_s + extra }
+        }
+    }
 }
 
 /// One replica's end of the sync: builds its outgoing batches and applies the others'.
@@ -535,6 +713,8 @@ pub struct ReplicaSync {
 
 impl ReplicaSync {
     /// The sync of replica `replica` over a router's parts (see `Router::replica_sync`).
+    /// Incarnations of one name are compared: a larger one is a later life (see
+    /// [`IncomingReport::stale`]), so make them grow with the start time.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         replica: String,
@@ -583,6 +763,22 @@ impl ReplicaSync {
         self.outgoing_split(now, heartbeat, usize::MAX).pop()
     }
 
+    /// Keeps `entry` of batch `seq` for catch-ups (records and session bindings apart).
+    fn remember(&self, state: &mut State, now: f64, seq: u64, entry: &SyncEntry) {
+        let limit = self.options.history_limit;
+        if limit == 0 {
+            return;
+        }
+        let history = match entry {
+            SyncEntry::Record { .. } => &mut state.history,
+            SyncEntry::Session { .. } => &mut state.session_history,
+        };
+        if history.len() >= limit {
+            history.pop_front();
+        }
+        history.push_back((now, seq, entry.clone()));
+    }
+
     /// [`ReplicaSync::outgoing`] for a bus that carries at most `max_bytes` per message: the
     /// journal is split over as many batches as it takes (consecutive sequence numbers, each
     /// with the replica's counts), so that a burst (or a stalled publisher) never makes one
@@ -596,26 +792,27 @@ impl ReplicaSync {
         if entries.is_empty() && loads == state.last_loads && !heartbeat {
             return Vec::new();
         }
-        // The history keeps what a catch-up serves: records younger than the record TTL.
-        while state.history.front().is_some_and(|(t, _)| now - t >= self.record_ttl) {
+        // The history keeps what a catch-up serves: records younger than the record TTL,
+        // session bindings younger than the session TTL.
+        while state.history.front().is_some_and(|(t, _, _)| now - t >= self.record_ttl) {
             state.history.pop_front();
         }
-        for e in entries.iter().filter(|e| matches!(e, SyncEntry::Record { .. })) {
-            if state.history.len() >= self.options.history_limit {
-                state.history.pop_front();
-            }
-            if self.options.history_limit > 0 {
-                state.history.push_back((now, e.clone()));
-            }
+        let session_ttl = self.sessions.ttl();
+        while state.session_history.front().is_some_and(|(t, _, _)| now - t >= session_ttl) {
+            state.session_history.pop_front();
         }
         let header = header_size(&self.replica, &loads);
         let mut out = Vec::new();
         for chunk in chunks(entries, header, max_bytes) {
             state.seq += 1;
+            let seq = state.seq;
+            for e in &chunk {
+                self.remember(&mut state, now, seq, e);
+            }
             let batch = SyncBatch {
                 replica: self.replica.clone(),
                 incarnation: self.incarnation,
-                seq: state.seq,
+                seq,
                 hashing: Some(self.index.hashing_fingerprint()),
                 loads: loads.clone(),
                 entries: chunk,
@@ -668,10 +865,18 @@ impl ReplicaSync {
                 peer.loads = batch.loads;
             }
             None => {
-                self.admit_incarnation(&mut state, &id, now);
-                state.peers.insert(id, Peer { seq: batch.seq, last_seen: now, loads: batch.loads });
+                if !self.admit_incarnation(&mut state, &id, now) {
+                    state.counters.stale_in += 1;
+                    report.stale = true;
+                    return Ok(report);
+                }
+                state.peers.insert(
+                    id.clone(),
+                    Peer { seq: batch.seq, last_seen: now, loads: batch.loads },
+                );
             }
         }
+        report.behind = self.note_live(&mut state, id, batch.seq, now);
         if state.shared.contains_key(&batch.replica) {
             state.counters.identity_conflicts += 1;
             report.identity_conflict = true;
@@ -693,24 +898,54 @@ impl ReplicaSync {
         Ok(report)
     }
 
-    /// A replica incarnation heard from for the first time. Another live incarnation of the
-    /// same name is taken for its previous life (a restart) and forgotten, unless the name is
-    /// this replica's own or the forgotten one speaks again: then two live replicas share the
-    /// name, and both count from now on.
-    fn admit_incarnation(&self, state: &mut State, id: &PeerId, now: f64) {
-        let name = &id.0;
-        if *name == self.replica || state.retired.remove(id).is_some() {
+    /// Moves the cursor of `id` past live batch `seq`; true when batches of it are missing
+    /// here and no repair is asked yet.
+    fn note_live(&self, state: &mut State, id: PeerId, seq: u64, now: f64) -> bool {
+        let c = state.cursors.entry(id).or_default();
+        if c.top != 0 && c.top.checked_add(1) == Some(seq) {
+            c.top = seq;
+        } else {
+            // First heard, a gap, or the sequence starting over: a new run.
+            c.run_start = seq;
+            c.top = seq;
+        }
+        c.settle();
+        c.seen = now;
+        c.behind() && !c.asked
+    }
+
+    /// A replica incarnation heard from for the first time: false when it is a late batch of
+    /// a previous life (a newer incarnation of its name, or this replica, was heard), unless
+    /// that life keeps speaking for longer than `load_ttl`: then it is alive, the name is
+    /// shared, and both count. A newer incarnation replaces the older ones (a restart), unless
+    /// the name is this replica's own or already shared.
+    fn admit_incarnation(&self, state: &mut State, id: &PeerId, now: f64) -> bool {
+        let (name, incarnation) = (&id.0, id.1);
+        let own = *name == self.replica;
+        let newer_heard = (own && self.incarnation > incarnation)
+            || state.peers.keys().any(|p| p.0 == *name && p.1 > incarnation);
+        if newer_heard {
+            let suspect =
+                state.suspects.entry(id.clone()).or_insert(Suspect { first: now, last: now });
+            suspect.last = now;
+            if now - suspect.first <= self.options.load_ttl {
+                return false;
+            }
+            state.suspects.remove(id);
             state.shared.insert(name.clone(), now);
-            return;
+            return true;
+        }
+        if own {
+            // A later incarnation of this replica's name: never this replica's past.
+            state.shared.insert(name.clone(), now);
+            return true;
         }
         if state.shared.contains_key(name) {
-            return;
+            return true;
         }
-        let older: Vec<PeerId> = state.peers.keys().filter(|p| p.0 == *name).cloned().collect();
-        for old in older {
-            state.peers.remove(&old);
-            state.retired.insert(old, now);
-        }
+        // A restart: the older lives are gone (a late batch of theirs is a suspect).
+        state.peers.retain(|p, _| p.0 != *name);
+        true
     }
 
     /// A batch decoded; a malformed one is counted.
@@ -772,7 +1007,9 @@ impl ReplicaSync {
         state.peers.retain(|_, p| now - p.last_seen <= ttl);
         let expired = before - state.peers.len();
         state.counters.replicas_expired += expired as u64;
-        state.retired.retain(|_, t| now - *t <= ttl);
+        state.suspects.retain(|_, s| now - s.last <= ttl);
+        let keep = self.record_ttl.max(self.sessions.ttl()).max(ttl);
+        state.cursors.retain(|_, c| now - c.seen <= keep);
         // A name stays shared while more than one live replica uses it.
         let State { shared, peers, .. } = state;
         shared.retain(|name, _| {
@@ -792,56 +1029,156 @@ impl ReplicaSync {
         expired
     }
 
+    fn request(&self, state: &State, target: Option<(String, u64)>) -> Vec<u8> {
+        let mut cursors: Vec<_> =
+            state.cursors.iter().map(|(id, c)| (id.0.clone(), id.1, c.have)).collect();
+        cursors.sort();
+        encode_request(&CatchUpRequest {
+            replica: self.replica.clone(),
+            incarnation: self.incarnation,
+            wants_sessions: state.cursors.is_empty(),
+            target,
+            cursors,
+        })
+    }
+
+    /// The request a connecting replica sends every peer: what it holds of each (see
+    /// [`CatchUpRequest`]), so that each answers only what is missing here.
+    pub fn catch_up_request(&self) -> Vec<u8> {
+        self.request(&self.state.lock(), None)
+    }
+
+    /// One targeted request per peer whose batches are missing here (a gap, or first heard
+    /// past its first batch) and not asked for yet; each is asked once until it answers.
+    pub fn repair_requests(&self) -> Vec<Vec<u8>> {
+        let mut state = self.state.lock();
+        let mut behind: Vec<PeerId> = state
+            .cursors
+            .iter()
+            .filter(|(_, c)| c.behind() && !c.asked)
+            .map(|(id, _)| id.clone())
+            .collect();
+        behind.sort();
+        let out: Vec<_> = behind.iter().map(|id| self.request(&state, Some(id.clone()))).collect();
+        for id in &behind {
+            if let Some(c) = state.cursors.get_mut(id) {
+                c.asked = true;
+            }
+        }
+        state.counters.repairs_asked += out.len() as u64;
+        out
+    }
+
+    /// The answer to a peer's catch-up request (`request` as sent, the first format's
+    /// included): this replica's records and session bindings journaled after the asker's
+    /// cursor for this incarnation (all of them younger than their TTL when it has none),
+    /// plus every live session when the asker knows no peer yet, each batch at most
+    /// `max_bytes`. The last batch carries this replica's sequence (the others 0): the asker
+    /// has everything through it once applied ([`ReplicaSync::apply_catch_up`]). Always one
+    /// batch at least, possibly without entries. Empty for a request of this replica's own,
+    /// one aimed at another replica, or a malformed one (counted).
+    pub fn answer(&self, request: &[u8], now: f64, max_bytes: usize) -> Vec<Vec<u8>> {
+        let (after, table) = match decode_request(request) {
+            Ok(None) => (None, true),
+            Ok(Some(r)) => {
+                let me = |name: &str, inc: u64| name == self.replica && inc == self.incarnation;
+                if me(&r.replica, r.incarnation)
+                    || r.target.as_ref().is_some_and(|(n, i)| !me(n, *i))
+                {
+                    return Vec::new();
+                }
+                let after = r.cursors.iter().find(|(n, i, _)| me(n, *i)).map(|c| c.2);
+                (after, r.wants_sessions && after.is_none())
+            }
+            Err(_) => {
+                self.state.lock().counters.malformed_in += 1;
+                return Vec::new();
+            }
+        };
+        self.answer_after(after, table, now, max_bytes)
+    }
+
     /// Batches that bring a late replica up to date: the prefix records of the last
-    /// `record_ttl` seconds (with their ages) and every live session, each batch at most
-    /// `max_bytes` (an entry larger than that alone in its batch). They carry sequence 0: a
-    /// receiver applies them with [`ReplicaSync::apply_catch_up`], not as live batches.
+    /// `record_ttl` seconds (with their ages) and every live session (see
+    /// [`ReplicaSync::answer`], which this is for an asker that knows nothing).
     pub fn catch_up(&self, now: f64, max_bytes: usize) -> Vec<Vec<u8>> {
-        let state = self.state.lock();
+        self.answer_after(None, true, now, max_bytes)
+    }
+
+    fn answer_after(
+        &self,
+        after: Option<u64>,
+        table: bool,
+        now: f64,
+        max_bytes: usize,
+    ) -> Vec<Vec<u8>> {
+        let after = after.unwrap_or(0);
+        let mut state = self.state.lock();
+        let session_ttl = self.sessions.ttl();
         let mut entries: Vec<SyncEntry> = state
             .history
             .iter()
-            .filter(|(t, _)| now - t < self.record_ttl)
-            .map(|(t, e)| match e {
-                SyncEntry::Record { endpoint, hashes, .. } => SyncEntry::Record {
-                    endpoint: endpoint.clone(),
-                    hashes: hashes.clone(),
-                    age_s: (now - t).max(0.0) as f32,
-                },
-                other => other.clone(),
-            })
+            .filter(|(t, seq, _)| *seq > after && now - t < self.record_ttl)
+            .map(|(t, _, e)| aged(e, now - t))
             .collect();
-        entries.extend(self.sessions.live(now).into_iter().map(|s| SyncEntry::Session {
-            endpoint: s.endpoint,
-            id: s.id,
-            age_s: s.idle_s as f32,
-        }));
-        drop(state);
-        if entries.is_empty() {
-            return Vec::new();
+        if table {
+            entries.extend(self.sessions.live(now).into_iter().map(|s| SyncEntry::Session {
+                endpoint: s.endpoint,
+                id: s.id,
+                age_s: s.idle_s as f32,
+            }));
+        } else {
+            entries.extend(
+                state
+                    .session_history
+                    .iter()
+                    .filter(|(t, seq, _)| *seq > after && now - t < session_ttl)
+                    .map(|(t, _, e)| aged(e, now - t)),
+            );
         }
-        chunks(entries, header_size(&self.replica, &[]), max_bytes)
-            .into_iter()
-            .map(|entries| {
-                let batch = SyncBatch {
-                    replica: self.replica.clone(),
-                    incarnation: self.incarnation,
-                    seq: 0,
-                    hashing: Some(self.index.hashing_fingerprint()),
-                    loads: Vec::new(),
-                    entries,
-                };
-                encode(&batch).0
-            })
-            .collect()
+        let through = state.seq;
+        let mut out: Vec<Vec<u8>> = Vec::new();
+        let runs = chunks(entries, header_size(&self.replica, &[]), max_bytes);
+        let last = runs.len() - 1;
+        for (i, entries) in runs.into_iter().enumerate() {
+            let batch = SyncBatch {
+                replica: self.replica.clone(),
+                incarnation: self.incarnation,
+                seq: if i == last { through } else { 0 },
+                hashing: Some(self.index.hashing_fingerprint()),
+                loads: Vec::new(),
+                entries,
+            };
+            let c = &mut state.counters;
+            c.catch_up_entries_out += batch.entries.len() as u64;
+            let bytes = encode(&batch).0;
+            c.catch_up_batches_out += 1;
+            c.catch_up_bytes_out += bytes.len() as u64;
+            out.push(bytes);
+        }
+        out
     }
 
-    /// Applies a catch-up batch from [`ReplicaSync::catch_up`]: its records and sessions, not
-    /// its (empty) counts, whatever its sequence.
+    /// Applies a catch-up batch from [`ReplicaSync::answer`]: its records and sessions, not
+    /// its (empty) counts. One with a sequence (an answer's last batch) moves the cursor of
+    /// its sender past it; one without (the others, and every batch of the first format)
+    /// only adds.
     pub fn apply_catch_up(&self, data: &[u8], now: f64) -> Result<IncomingReport, SyncError> {
         let batch = self.decode_counted(data)?;
         let report = self.apply_entries(&batch.entries, batch.hashing, &self.pool.snapshot(), now);
         let mut state = self.state.lock();
+        let own = batch.replica == self.replica && batch.incarnation == self.incarnation;
+        if batch.seq > 0 && !own {
+            let c = state.cursors.entry((batch.replica, batch.incarnation)).or_default();
+            if c.top == 0 {
+                c.run_start = 1;
+            }
+            c.have = c.have.max(batch.seq);
+            c.top = c.top.max(c.have);
+            c.settle();
+            c.asked = false;
+            c.seen = now;
+        }
         let c = &mut state.counters;
         c.bytes_in += data.len() as u64;
         c.records_applied += report.records;
@@ -1127,15 +1464,27 @@ mod tests {
         assert!(!report.identity_conflict);
         assert_eq!(remote_on_a(&one), 1);
         assert_eq!(one.sync.peers(), vec!["gw".to_string()]);
-        // The old incarnation speaks again: it is alive, so two replicas share the name; their
-        // counts add up instead of replacing each other batch after batch.
+        // The old incarnation speaks again: a late batch of its life, dropped, until it keeps
+        // speaking for longer than load_ttl (3 s): then it is alive, two replicas share the
+        // name, and their counts add up instead of replacing each other batch after batch.
         let report = one.sync.incoming(&load_batch("gw", 1, 6, 4), 1.2).unwrap();
-        assert!(report.identity_conflict);
-        for (t, (inc, seq)) in [(1, 7), (2, 2), (1, 8), (2, 3)].into_iter().enumerate() {
+        assert!(report.stale && !report.identity_conflict);
+        let mut t = 1.2;
+        for (inc, seq) in [(2, 2), (1, 7), (2, 3), (1, 8)] {
+            t += 0.5;
+            let report = one.sync.incoming(&load_batch("gw", inc, seq, 1), t).unwrap();
+            assert_eq!(report.stale, inc == 1, "{t}");
+            assert_eq!(remote_on_a(&one), 1);
+        }
+        assert!(one.sync.shared_names().is_empty());
+        assert_eq!(one.sync.counters().stale_in, 3);
+        let report = one.sync.incoming(&load_batch("gw", 1, 9, 4), 4.3).unwrap();
+        assert!(report.identity_conflict && !report.stale);
+        for (t, (inc, seq)) in [(1, 10), (2, 4), (1, 11), (2, 5)].into_iter().enumerate() {
             one.sync
                 .incoming(
                     &load_batch("gw", inc, seq, if inc == 1 { 4 } else { 1 }),
-                    1.3 + t as f64 * 0.1,
+                    4.4 + t as f64 * 0.1,
                 )
                 .unwrap();
             assert_eq!(remote_on_a(&one), 5);
@@ -1144,13 +1493,41 @@ mod tests {
         assert_eq!(one.sync.peers(), vec!["gw".to_string()]);
         assert_eq!(one.sync.counters().identity_conflicts, 5);
         // One of them goes quiet: forgotten after load_ttl, and the name is unique again.
-        one.sync.incoming(&load_batch("gw", 2, 4, 1), 4.6).unwrap();
+        one.sync.incoming(&load_batch("gw", 2, 6, 1), 7.9).unwrap();
         assert_eq!(remote_on_a(&one), 1);
         assert!(one.sync.shared_names().is_empty());
     }
 
     #[test]
-    fn the_history_keeps_records_only_and_only_while_a_catch_up_would_serve_them() {
+    fn a_late_batch_of_an_older_incarnation_is_stale_not_a_second_replica() {
+        // Probe: a batch of a replica's previous life delayed past its new life's first batch
+        // flagged the name shared for load_ttl and added the old life's counts.
+        let one = replica("one");
+        one.sync.incoming(&load_batch("gw", 7, 1, 1), 1.0).unwrap();
+        let report = one.sync.incoming(&load_batch("gw", 5, 40, 4), 1.1).unwrap();
+        assert!(report.stale && !report.identity_conflict, "{report:?}");
+        assert_eq!(remote_on_a(&one), 1, "the old life's counts are not added");
+        assert!(one.sync.shared_names().is_empty());
+        // This replica's own previous life ("one" has incarnation 3) is stale too...
+        let report = one.sync.incoming(&load_batch("one", 2, 9, 4), 1.2).unwrap();
+        assert!(report.stale && !report.identity_conflict);
+        assert!(one.sync.shared_names().is_empty());
+        let c = one.sync.counters();
+        assert_eq!((c.stale_in, c.identity_conflicts), (2, 0));
+        // ...while a later incarnation of its name is another live replica at once.
+        let report = one.sync.incoming(&load_batch("one", 4, 1, 2), 1.3).unwrap();
+        assert!(report.identity_conflict && !report.stale);
+        assert_eq!(one.sync.shared_names(), vec!["one".to_string()]);
+        assert_eq!(remote_on_a(&one), 3);
+        // A stale life that falls silent is forgotten: a late batch of it much later is
+        // stale again, not taken for a replica that kept speaking.
+        one.sync.incoming(&load_batch("gw", 7, 2, 1), 4.2).unwrap();
+        let report = one.sync.incoming(&load_batch("gw", 5, 41, 4), 5.0).unwrap();
+        assert!(report.stale);
+    }
+
+    #[test]
+    fn the_history_keeps_what_a_catch_up_would_serve_and_no_longer() {
         let one = replica("one");
         for i in 0..10 {
             let d =
@@ -1158,14 +1535,133 @@ mod tests {
             drop(one.router.commit(&d, None, 1.0).unwrap());
         }
         one.sync.outgoing(1.0, false).unwrap();
-        // 10 records and 10 sessions journaled: the sessions are served from the live
-        // bindings, never from the history.
+        // 10 records and 10 session bindings, kept apart.
         assert_eq!(one.sync.state.lock().history.len(), 10);
+        assert_eq!(one.sync.state.lock().session_history.len(), 10);
         // Past the record TTL (60 s) the records are never served again: they go.
         let d = one.router.decide(&prompt(99_000), &meta(None), 70.0).unwrap();
         drop(one.router.commit(&d, None, 70.0).unwrap());
         one.sync.outgoing(70.0, false).unwrap();
         assert_eq!(one.sync.state.lock().history.len(), 1);
+    }
+
+    /// `n` requests with a session each routed by `r` at `now`, published; the batch.
+    fn route(r: &Replica, from: u32, n: u32, now: f64) -> Vec<u8> {
+        for i in from..from + n {
+            let d = r.router.decide(&prompt(i * 1000), &meta(Some(&format!("s{i}"))), now).unwrap();
+            drop(r.router.commit(&d, None, now).unwrap());
+        }
+        r.sync.outgoing(now, false).unwrap()
+    }
+
+    fn answer_entries(batches: &[Vec<u8>]) -> (usize, usize, u64) {
+        let mut out = (0, 0, 0);
+        for b in batches {
+            let batch = decode(b).unwrap();
+            for e in &batch.entries {
+                match e {
+                    SyncEntry::Record { .. } => out.0 += 1,
+                    SyncEntry::Session { .. } => out.1 += 1,
+                }
+            }
+            out.2 = batch.seq;
+        }
+        out
+    }
+
+    #[test]
+    fn a_catch_up_answers_only_what_the_asker_misses() {
+        // Probe: every peer answered every catch-up with its whole history and every live
+        // session it knew (its peers' too), so a replica back from a short blip got it all
+        // again from each peer.
+        let (one, two) = (replica("one"), replica("two"));
+        let first = route(&one, 0, 10, 1.0);
+        assert!(!two.sync.incoming(&first, 1.0).unwrap().behind);
+        // Up to date: the answer is one batch without entries, carrying one's sequence.
+        let request = two.sync.catch_up_request();
+        assert_eq!(answer_entries(&one.sync.answer(&request, 2.0, 1 << 20)), (0, 0, 1));
+        // Two misses one's next batch (a blip): the one after shows the gap, once.
+        let _lost = route(&one, 10, 3, 3.0);
+        let next = route(&one, 13, 1, 4.0);
+        let report = two.sync.incoming(&next, 4.0).unwrap();
+        assert!(report.behind && report.missed == 1);
+        let repairs = two.sync.repair_requests();
+        assert_eq!(repairs.len(), 1);
+        assert!(two.sync.repair_requests().is_empty(), "asked once");
+        // Only one answers a repair aimed at it: the 3 records and sessions it missed, and
+        // the one it has live again (batch 3 is after the cursor, 1).
+        assert!(two.sync.answer(&repairs[0], 4.0, 1 << 20).is_empty());
+        let answer = one.sync.answer(&repairs[0], 4.0, 1 << 20);
+        assert_eq!(answer_entries(&answer), (4, 4, 3));
+        for b in &answer {
+            two.sync.apply_catch_up(b, 4.0).unwrap();
+        }
+        assert!(cached_on_any(&two, &prompt(11_000)));
+        let later = route(&one, 14, 1, 5.0);
+        assert!(!two.sync.incoming(&later, 5.0).unwrap().behind);
+        let request = two.sync.catch_up_request();
+        assert_eq!(answer_entries(&one.sync.answer(&request, 5.0, 1 << 20)), (0, 0, 4));
+        // A replica that knows no one gets it all, sessions learned from others included.
+        let three = replica("three");
+        let other = route(&two, 100, 2, 5.0);
+        one.sync.incoming(&other, 5.0).unwrap();
+        let request = three.sync.catch_up_request();
+        assert_eq!(answer_entries(&one.sync.answer(&request, 5.0, 1 << 20)), (15, 17, 4));
+        // One that knows another peer but not this one: its records and its own sessions.
+        let fresh = replica("four");
+        fresh.sync.incoming(&other, 5.0).unwrap();
+        let request = fresh.sync.catch_up_request();
+        assert_eq!(answer_entries(&one.sync.answer(&request, 5.0, 1 << 20)), (15, 15, 4));
+        // The first format's request (name and incarnation as text) is answered in full.
+        assert_eq!(answer_entries(&one.sync.answer(b"old\n9", 5.0, 1 << 20)), (15, 17, 4));
+        // Its own request and a malformed one are not answered.
+        assert!(one.sync.answer(&one.sync.catch_up_request(), 5.0, 1 << 20).is_empty());
+        assert!(one.sync.answer(b"LSYQ\x09", 5.0, 1 << 20).is_empty());
+        assert_eq!(one.sync.counters().malformed_in, 1);
+        let c = one.sync.counters();
+        assert!(c.catch_up_batches_out >= 6 && c.catch_up_bytes_out > 0, "{c:?}");
+    }
+
+    fn cached_on_any(r: &Replica, tokens: &[u32]) -> bool {
+        ["a", "b", "c"].iter().any(|e| cached_on(r, tokens, e) == 256)
+    }
+
+    #[test]
+    fn a_peer_first_heard_past_its_first_batch_is_asked_for_the_rest() {
+        let (one, two) = (replica("one"), replica("two"));
+        let _unheard = route(&one, 0, 2, 1.0);
+        let heard = route(&one, 2, 1, 2.0);
+        assert!(two.sync.incoming(&heard, 2.0).unwrap().behind);
+        let repairs = two.sync.repair_requests();
+        for b in one.sync.answer(&repairs[0], 2.0, 1) {
+            two.sync.apply_catch_up(&b, 2.0).unwrap();
+        }
+        assert!(cached_on_any(&two, &prompt(0)) && cached_on_any(&two, &prompt(1000)));
+        // The answer came in several batches (1 byte each at most); only the last moved the
+        // cursor, and it is up to date.
+        assert!(!two.sync.incoming(&route(&one, 3, 1, 3.0), 3.0).unwrap().behind);
+        assert!(two.sync.repair_requests().is_empty());
+    }
+
+    #[test]
+    fn catch_up_requests_round_trip_and_refuse_garbage() {
+        let request = CatchUpRequest {
+            replica: "gw-1".into(),
+            incarnation: u64::MAX,
+            wants_sessions: false,
+            target: Some(("gw-0".into(), 7)),
+            cursors: vec![("gw-0".into(), 7, 3), ("é".into(), 0, u64::MAX)],
+        };
+        let bytes = encode_request(&request);
+        assert_eq!(decode_request(&bytes).unwrap(), Some(request.clone()));
+        let plain = CatchUpRequest { target: None, wants_sessions: true, ..request };
+        assert_eq!(decode_request(&encode_request(&plain)).unwrap(), Some(plain));
+        assert_eq!(decode_request(b"gw-0\n12").unwrap(), None);
+        let mut huge = bytes.clone();
+        let at = bytes.len() - 4 - (2 + 4 + 16) - (2 + 2 + 16);
+        huge[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_request(&huge).unwrap_err().to_string().contains("cannot fit"));
+        assert!(decode_request(&bytes[..bytes.len() - 1]).is_err());
     }
 
     #[test]
@@ -1306,6 +1802,9 @@ mod tests {
         #[test]
         fn any_bytes_decode_or_fail_cleanly(data in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = decode(&data);
+            let mut request = b"LSYQ\x01".to_vec();
+            request.extend_from_slice(&data);
+            let _ = decode_request(&request);
             for version in [1u8, 2] {
                 let mut framed = b"LSYN".to_vec();
                 framed.push(version);
