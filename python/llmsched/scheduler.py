@@ -1414,8 +1414,9 @@ class Scheduler:
 
                 async def restart() -> None:
                     if previous is not None:
-                        with contextlib.suppress(asyncio.CancelledError, Exception):
-                            await previous
+                        # Whatever it ended with; a cancellation of this one goes through
+                        # (suppressed with the previous one's, it went on to start feeds).
+                        await settled(previous)
                     await self._stop_feeds_async()
                     with self._lifecycle:
                         self._drop_again()

@@ -520,9 +520,11 @@ class KubernetesDiscovery:
             await self._list_and_watch(k8s.CoreV1Api(api_client))
         finally:
             publisher.cancel()
-            await settled(publisher)
-            if owns_client:
-                await api_client.close()
+            try:
+                await settled(publisher)
+            finally:  # closed even when this task is cancelled again meanwhile
+                if owns_client:
+                    await api_client.close()
 
     async def stop(self) -> None:
         """Ends :meth:`run` (cancels the task running it) and returns once it has ended; a
