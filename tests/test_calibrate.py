@@ -6,12 +6,22 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import numpy as np
 import pytest
 
+from llmsched import calibrate as calibrate_module
 from llmsched import cli
-from llmsched.calibrate import EngineGrid, GridPoint, StreamTiming, calibrate_engine, engine_info
+from llmsched.calibrate import (
+    PACER_PROMPT,
+    PACER_TOKENS,
+    EngineGrid,
+    GridPoint,
+    StreamTiming,
+    calibrate_engine,
+    engine_info,
+)
 from llmsched.errors import ConfigError
 from llmsched.executor.step_time import TERMS, StepSample, StepTimeProfile
 from llmsched.sim.stepmodel import load_step_model
@@ -161,6 +171,19 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
     holder: list[FakeHTTPEngine] = []
     splits = [split]
     streaming: dict[int, list[int]] = {}  # running streams: [prompt length, tokens sent]
+    batches = [0, 0]  # batched requests served, and the metrics requests served before the last
+
+    async def pacer_held(batches_before: int) -> None:
+        """The pacer's stream waits after its first token until the batch sent beside it has
+        been answered and the scrape after it has come: a request sent meanwhile finds it at
+        one token (as the client counts it: its KV length is then exact), and its end cannot
+        come before the client saw the batch's reply, however late the client runs (a machine
+        under load). Bounded, so a client that never sends them fails, not hangs."""
+        deadline = asyncio.get_running_loop().time() + 60.0
+        while batches[0] == batches_before or holder[0].metrics_requests == batches[1]:
+            if asyncio.get_running_loop().time() > deadline:
+                return
+            await asyncio.sleep(1e-3)
 
     def publish() -> None:
         holder[0].metrics_text = cache_info + (
@@ -216,9 +239,13 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
             await asyncio.sleep(1e-3)
             if law is not None:
                 run([len(p) for p in prompts], m, list(streaming.values()))
+            batches[0] += 1
+            batches[1] = holder[0].metrics_requests
             choices = [{"index": i, "text": "x" * m} for i in range(len(prompts))]
             return web.json_response({"choices": choices})
         served["prompts"].append(body["prompt"])
+        pacer = m == PACER_TOKENS and len(body["prompt"]) == PACER_PROMPT
+        batches_before = batches[0]
         reply = web.StreamResponse()
         await reply.prepare(request)
         n = len(body["prompt"])
@@ -231,9 +258,10 @@ def fake_openai_engine(law: dict[str, float] | None = None, split: int = 0):
             chunk = {"choices": [{"text": "x"}], "usage": usage}
             await reply.write(f"data: {json.dumps(chunk)}\n\n".encode())
             state[1] = i + 1
-            if i == 0 and law is not None:
-                # Held after its first token, so a request sent then finds it at one token
-                # (as the client counts it: a pacer's KV length is then exact).
+            if i == 0 and pacer:
+                await pacer_held(batches_before)
+            elif i == 0 and law is not None:
+                # Held after its first token: streams sent together decode together.
                 await asyncio.sleep(0.2)
         await reply.write(b"data: [DONE]\n\n")
         del streaming[id(reply)]
@@ -268,7 +296,21 @@ def test_engine_info_reads_kv_capacity_and_vocabulary() -> None:
             engine_info(engine.url, "big")
 
 
-def test_calibrate_command_against_a_streaming_engine(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("late_client", [False, True])
+def test_calibrate_command_against_a_streaming_engine(
+    tmp_path, capsys, monkeypatch, late_client
+) -> None:
+    """``late_client``: each batched prefill is sent 0.3 s after the pacer's first token, as a
+    client thread on a loaded machine may be (the fake's pacer then ended first: the points
+    were taken again and the samples and prompts were not those below)."""
+    if late_client:
+        timed_batch = calibrate_module.timed_batch
+
+        def late(*args, **kwargs):
+            time.sleep(0.3)
+            return timed_batch(*args, **kwargs)
+
+        monkeypatch.setattr(calibrate_module, "timed_batch", late)
     engine, served = fake_openai_engine()
     out = tmp_path / "fitted.yaml"
     with engine:

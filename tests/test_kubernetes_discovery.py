@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -596,3 +597,190 @@ def test_a_client_that_cannot_be_configured_is_a_config_error(
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ConfigError, match="in-cluster service account"):
         run(KubernetesDiscovery(selector, noop).run())
+
+
+# How a cancelled watch request surfaces from the HTTP client: as CancelledError; as a
+# TimeoutError (aiohttp's request timer firing at the same moment converts it); as a
+# TimeoutError with the task's cancellation taken back (aiohttp's timer calls uncancel() before
+# it raises; Python 3.10 keeps no cancellation count at all, so nothing tells it apart).
+CANCEL_FORMS = ("cancelled", "timeout", "timeout, uncancelled")
+
+
+def held_watch(monkeypatch: pytest.MonkeyPatch, form: str, opened: list[int]) -> None:
+    """Watches that stay open with nothing to say and end, when first cancelled, in ``form``
+    (see CANCEL_FORMS; the timer fires once: a later cancellation goes through); lists go to
+    the fake API server."""
+    original = k8s.CoreV1Api.list_namespaced_pod
+    converted: list[int] = []
+
+    async def list_namespaced_pod(self: k8s.CoreV1Api, namespace: str, **kwargs: Any) -> Any:
+        if not kwargs.get("watch"):
+            return await original(self, namespace, **kwargs)
+        opened.append(1)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError as cancel:
+            if form == "cancelled" or converted:
+                raise
+            converted.append(1)
+            task = asyncio.current_task()
+            if form == "timeout, uncancelled" and task is not None:
+                task.uncancel()
+            raise asyncio.TimeoutError from cancel
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(k8s.CoreV1Api, "list_namespaced_pod", list_namespaced_pod)
+
+
+@asynccontextmanager
+async def watching(
+    monkeypatch: pytest.MonkeyPatch, form: str
+) -> AsyncIterator[tuple[KubernetesDiscovery, asyncio.Task[None], list[int]]]:
+    """A watcher whose watch is held open (see :func:`held_watch`), running, synced and
+    watching; its task and the watches it opened."""
+    opened: list[int] = []
+    held_watch(monkeypatch, form, opened)
+    api = FakeKubeAPI()
+    url = await api.start()
+    api_client = k8s.ApiClient(k8s.Configuration(host=url))
+
+    async def on_change(engines: tuple[EngineSpec, ...]) -> None:
+        pass
+
+    discovery = KubernetesDiscovery(
+        PodSelector(NS, APP, 8000),
+        on_change,
+        api_client=api_client,
+        backoff_initial_s=0.01,
+        backoff_max_s=0.01,
+        settle_s=0.0,
+    )
+    task = asyncio.create_task(discovery.run())
+    try:
+        await discovery.synced.wait()
+        while not opened:
+            await asyncio.sleep(0.01)
+        yield discovery, task, opened
+    finally:
+        for _ in range(2):  # on a regression, a first cancellation converted is retried
+            task.cancel()
+            if (await asyncio.wait((task,), timeout=10.0))[0]:
+                break
+        await api_client.close()
+        await api.stop()
+
+
+def quiet_stop(caplog: pytest.LogCaptureFixture, discovery: KubernetesDiscovery) -> None:
+    """Nothing logged or counted as trouble by the stop."""
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == []
+    assert discovery.counters()["errors"] == 0
+
+
+@pytest.mark.parametrize("form", CANCEL_FORMS)
+def test_stop_ends_a_watch_whatever_its_cancellation_became(
+    form: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """stop() during a watch ends the watcher at once and quietly, also where the client turned
+    the cancellation into a TimeoutError (taken for a connection timeout: logged, counted,
+    retried, and the stop waited on a watcher that never ended)."""
+    caplog.set_level(logging.WARNING, logger="llmsched")
+
+    async def body() -> None:
+        async with watching(monkeypatch, form) as (discovery, task, opened):
+            stop = asyncio.ensure_future(discovery.stop())
+            done, _ = await asyncio.wait((stop,), timeout=10.0)
+            assert stop in done, "stop() hung: the watcher ran on"
+            assert task.cancelled()
+            assert opened == [1]  # not opened again
+            quiet_stop(caplog, discovery)
+            await discovery.stop()  # again: a no-op
+
+    run(body())
+
+
+@pytest.mark.parametrize("form", CANCEL_FORMS[:2])
+def test_a_cancelled_watcher_task_ends_whatever_its_cancellation_became(
+    form: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bare task.cancel() too, while the task still counts its cancellation (Python 3.11
+    and later; one taken back is only told apart by stop())."""
+    if form != "cancelled" and sys.version_info < (3, 11):
+        pytest.skip("Python 3.10 keeps no cancellation count: stop() is the way")
+    caplog.set_level(logging.WARNING, logger="llmsched")
+
+    async def body() -> None:
+        async with watching(monkeypatch, form) as (discovery, task, opened):
+            task.cancel()
+            done, _ = await asyncio.wait((task,), timeout=10.0)
+            assert task in done, "the cancelled watcher ran on"
+            assert task.cancelled()
+            assert opened == [1]
+            quiet_stop(caplog, discovery)
+
+    run(body())
+
+
+@pytest.mark.parametrize("form", CANCEL_FORMS)
+def test_pod_discovery_stops_quietly_during_a_watch(
+    form: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The gateway's PodDiscovery.stop() (what ``llmsched serve`` runs at shutdown) during a
+    watch: ended at once, nothing logged, no discovery error counted."""
+    from llmsched.gateway.config import load_config
+    from llmsched.gateway.pod_discovery import PodDiscovery
+
+    caplog.set_level(logging.WARNING, logger="llmsched")
+    opened: list[int] = []
+    held_watch(monkeypatch, form, opened)
+    errors: list[int] = []
+
+    class Receiver:
+        async def set_engines(self, engines: Any, *, allow_empty: bool = False) -> Any:
+            return [], []
+
+    async def body() -> None:
+        api = FakeKubeAPI()
+        url = await api.start()
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\n"
+            f"clusters: [{{name: fake, cluster: {{server: '{url}'}}}}]\n"
+            "users: [{name: fake, user: {token: test}}]\n"
+            "contexts: [{name: fake, context: {cluster: fake, user: fake}}]\n"
+            "current-context: fake\n"
+        )
+        section = {
+            "namespace": NS,
+            "selector": APP,
+            "target_port": 8000,
+            "kubeconfig": str(kubeconfig),
+            "settle_s": 0,
+            "backoff_initial_s": 0.01,
+            "backoff_max_s": 0.01,
+        }
+        config = load_config({"models": ["m"], "discovery": {"kubernetes": section}})
+        assert config.discovery.kubernetes is not None
+        pods = PodDiscovery(
+            config.discovery.kubernetes, Receiver(), on_error=lambda: errors.append(1)
+        )
+        try:
+            await pods.start()
+            while not (opened and pods.stats()["synced"]):
+                await asyncio.sleep(0.01)
+            stop = asyncio.ensure_future(pods.stop())
+            done, _ = await asyncio.wait((stop,), timeout=10.0)
+            assert stop in done, "stop() hung: the watcher ran on"
+            assert opened == [1]
+            assert errors == []
+            assert pods.stats()["counters"]["errors"] == 0
+            warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert warned == []
+        finally:
+            await pods.stop()
+            await api.stop()
+
+    run(body())

@@ -143,3 +143,42 @@ def test_a_stop_cancelled_while_the_feeds_end_is_cancelled(monkeypatch: pytest.M
         assert not s.started
 
     asyncio.run(asyncio.wait_for(main(), LIMIT_S))
+
+
+def test_a_feed_restart_cancelled_while_it_waits_for_the_last_one_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine change restarts the feeds in a task that first waits for the restart before
+    it. Cancelled meanwhile (a loop shutting down), it suppressed its own cancellation with the
+    previous restart's and went on to stop and start the feeds."""
+
+    async def main() -> None:
+        s = scheduler()
+        await s.start()
+        entered, go = asyncio.Event(), asyncio.Event()
+        stop_feeds = s._stop_feeds_async
+        calls: list[int] = []
+
+        async def held_stop() -> None:
+            calls.append(1)
+            if len(calls) == 1:  # the first restart, held while it stops the feeds
+                entered.set()
+                await go.wait()
+            await stop_feeds()
+
+        monkeypatch.setattr(s, "_stop_feeds_async", held_stop)
+        s.add_engine(EngineSpec("127.0.0.1", 10))
+        await entered.wait()
+        s.add_engine(EngineSpec("127.0.0.1", 11))  # its restart waits for the first
+        second = s._restart
+        assert second is not None
+        await asyncio.sleep(0)  # it is waiting
+        second.cancel()
+        go.set()
+        await asyncio.wait((second,), timeout=LIMIT_S)
+        assert second.cancelled()
+        assert calls == [1]  # the cancelled restart stopped (and started) nothing
+        await s.feeds_settled()
+        await s.stop()
+
+    asyncio.run(asyncio.wait_for(main(), LIMIT_S))

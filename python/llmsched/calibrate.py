@@ -592,10 +592,12 @@ def measure(
         before = read_metrics(url)
         pacer_ctx = PACER_PROMPT + progress[0]
         batch_s = timed_batch(url, info.model, prompts, point.output_len)
-        after = read_metrics(url)
         # The pacer must still have been decoding when the prompts' step ended (else they may
-        # have found the engine idle): not done as the client saw it after the reply.
+        # have found the engine idle): not done as the client saw it on the reply, read before
+        # the scrape below (whose time the pacer may finish in: the step was paced all the
+        # same, and taking it again on a slow scrape cost a point or, twice, lost it).
         paced = progress[0] < PACER_TOKENS
+        after = read_metrics(url)
         pacer.join(300.0)
         if failed:
             raise failed[0]

@@ -128,6 +128,28 @@ _STOP_TIMEOUT_S = 2
 the connection anyway (a server that stopped answering held it 20 s)."""
 
 
+async def _close_bounded(nc: Client) -> None:
+    """Closes ``nc``, waiting :data:`_STOP_TIMEOUT_S` at most; a cancellation of the caller
+    goes through at once. The close runs as a task of its own and is waited for through
+    ``asyncio.wait``: nats-py's close swallows a cancellation (while it waits for its
+    reconnect loop) and goes on with its cleanup, so ``asyncio.wait_for`` around it, which
+    waits for what it cancelled to end, held the stop past the bound and kept it from being
+    cancelled. A close still running at the end is cancelled and left to end by itself (its
+    failure retrieved, not logged)."""
+    closing = asyncio.ensure_future(nc.close())
+    closing.add_done_callback(_retrieved)
+    try:
+        await asyncio.wait((closing,), timeout=_STOP_TIMEOUT_S)
+    finally:
+        closing.cancel()
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """A done callback: the task's failure retrieved (a close that failed is not news)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _usage_from_json(data: bytes) -> Usage:
     """A peer's usage message, checked item by item; ValueError names what is wrong."""
     raw = json.loads(data)
@@ -316,8 +338,7 @@ class ClusterSync:
             pass
         finally:
             # Also stops the client's own reconnect loop when the bus is down.
-            with contextlib.suppress(NatsError, OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(nc.close(), _STOP_TIMEOUT_S)
+            await _close_bounded(nc)
 
     async def __aenter__(self) -> ClusterSync:
         await self.start()

@@ -815,6 +815,13 @@ class Scheduler:
         self._retry_after_s = retry_after_s
         self._engines: dict[EndpointId, _Engine] = {}
         self._drained: set[EndpointId] = set()
+        # Held while the engine map (``_engines``, ``_drained``, the places below, the address
+        # notes and ``_dropped``) is changed, and while it is read as a whole: a reader on
+        # another thread (the native gateway's ``/metrics``, a discovery change on the event
+        # loop) sees one whole engine set, never half of a change. Never held while feeds
+        # start or stop (``_feeds_changed`` runs once it is released); ``_lifecycle`` may be
+        # taken before it, and ``_lock`` after it, never the other way round.
+        self._engines_lock = threading.RLock()
         # The KV block size each engine's /metrics gave, and the (engine, size) pairs warned of.
         self._engine_block_sizes: dict[EndpointId, int] = {}
         self._block_sizes_warned: set[tuple[EndpointId, int]] = set()
@@ -978,17 +985,20 @@ class Scheduler:
     @property
     def engines(self) -> dict[EndpointId, Endpoint]:
         """Every engine (drained ones too), by id."""
-        return {key: e.endpoint for key, e in self._engines.items()}
+        with self._engines_lock:
+            return {key: e.endpoint for key, e in self._engines.items()}
 
     @property
     def specs(self) -> list[EngineSpec]:
         """The engines given as :class:`~llmsched.integrations.EngineSpec`."""
-        return [e.spec for e in self._engines.values() if e.spec is not None]
+        with self._engines_lock:
+            return [e.spec for e in self._engines.values() if e.spec is not None]
 
     @property
     def draining(self) -> list[EndpointId]:
         """Engines out of routing (:meth:`drain`)."""
-        return [key for key in self._engines if key in self._drained]
+        with self._engines_lock:
+            return [key for key in self._engines if key in self._drained]
 
     def address_of(self, endpoint: EndpointId) -> str:
         """An engine's address (UnknownEndpointError for an unknown id)."""
@@ -1002,12 +1012,13 @@ class Scheduler:
         ConfigError when one with its id is already there (nothing changes)."""
         checked = self._as_engine(engine)
         key = checked.endpoint.id
-        if key in self._engines:
-            raise ConfigError(f"engine {key!r} is already scheduled")
-        self._engines[key] = checked
-        self._enter_place(key)
-        self.pool.add(checked.endpoint)
-        self._note_shared_addresses()
+        with self._engines_lock:
+            if key in self._engines:
+                raise ConfigError(f"engine {key!r} is already scheduled")
+            self._engines[key] = checked
+            self._enter_place(key)
+            self.pool.add(checked.endpoint)
+            self._note_shared_addresses()
         self._feeds_changed()
         return key
 
@@ -1015,10 +1026,12 @@ class Scheduler:
         """Removes an engine from the pool, the flow controller's load reports, the index and
         the feeds. Requests in flight there keep their accounting until they end.
         UnknownEndpointError when it is not scheduled (nothing changes)."""
-        if check_id("endpoint", endpoint) not in self._engines:
-            raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
-        self._forget(endpoint)
-        self._note_shared_addresses()
+        check_id("endpoint", endpoint)
+        with self._engines_lock:
+            if endpoint not in self._engines:
+                raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
+            self._forget(endpoint)
+            self._note_shared_addresses()
         self._feeds_changed()
 
     def _forget(self, endpoint: EndpointId) -> None:
@@ -1041,7 +1054,8 @@ class Scheduler:
     def _drop_again(self) -> None:
         """The feed that ran while workers were dropped has stopped: what it applied for them
         after their drop goes too."""
-        dropped, self._dropped = self._dropped, set()
+        with self._engines_lock:
+            dropped, self._dropped = self._dropped, set()
         for key in dropped:
             with contextlib.suppress(UnknownWorkerError):
                 self.index.remove_worker(key)
@@ -1056,29 +1070,32 @@ class Scheduler:
         entries go: it holds none of that cache); removed ones leave every registry. A
         repeated id raises ConfigError and changes nothing."""
         listed = self._checked_engines(engines)
-        new = {e.endpoint.id: e for e in listed}
-        added = [k for k in new if k not in self._engines]
-        removed = [k for k in self._engines if k not in new]
-        changed = [
-            k
-            for k in new
-            if k in self._engines
-            and (new[k].endpoint, new[k].spec) != (self._engines[k].endpoint, self._engines[k].spec)
-        ]
-        for key in removed:
-            self._forget(key)
-        for key in changed:
-            if new[key].endpoint.address != self._engines[key].endpoint.address:
-                # Routing by the old entries sent its prefixes to a cache that is gone.
-                self._drop_worker(key)
-        for key in added + changed:
-            self._leave_place(key)
-            self._engines[key] = new[key]
-            self._enter_place(key)
-            self._drained.discard(key)
-            self.pool.add(new[key].endpoint)
+        with self._engines_lock:
+            new = {e.endpoint.id: e for e in listed}
+            added = [k for k in new if k not in self._engines]
+            removed = [k for k in self._engines if k not in new]
+            changed = [
+                k
+                for k in new
+                if k in self._engines
+                and (new[k].endpoint, new[k].spec)
+                != (self._engines[k].endpoint, self._engines[k].spec)
+            ]
+            for key in removed:
+                self._forget(key)
+            for key in changed:
+                if new[key].endpoint.address != self._engines[key].endpoint.address:
+                    # Routing by the old entries sent its prefixes to a cache that is gone.
+                    self._drop_worker(key)
+            for key in added + changed:
+                self._leave_place(key)
+                self._engines[key] = new[key]
+                self._enter_place(key)
+                self._drained.discard(key)
+                self.pool.add(new[key].endpoint)
+            if added or removed or changed:
+                self._note_shared_addresses()
         if added or removed or changed:
-            self._note_shared_addresses()
             self._feeds_changed()
         return added, removed, changed
 
@@ -1130,25 +1147,29 @@ class Scheduler:
         """Takes an engine out of routing: no new request goes there, requests in flight
         finish, its index entries and spec stay. False when it was already drained.
         UnknownEndpointError when it is not scheduled."""
-        if check_id("endpoint", endpoint) not in self._engines:
-            raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
-        if endpoint in self._drained:
-            return False
-        self._drained.add(endpoint)
-        with contextlib.suppress(UnknownEndpointError):
-            self.pool.remove(endpoint)
-        return True
+        check_id("endpoint", endpoint)
+        with self._engines_lock:
+            if endpoint not in self._engines:
+                raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
+            if endpoint in self._drained:
+                return False
+            self._drained.add(endpoint)
+            with contextlib.suppress(UnknownEndpointError):
+                self.pool.remove(endpoint)
+            return True
 
     def resume(self, endpoint: EndpointId) -> bool:
         """Brings a drained engine back into routing; False when it was not drained.
         UnknownEndpointError when it is not scheduled."""
-        engine = self._engines.get(check_id("endpoint", endpoint))
-        if engine is None:
-            raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
-        was = endpoint in self._drained
-        self._drained.discard(endpoint)
-        self.pool.add(engine.endpoint)
-        return was
+        check_id("endpoint", endpoint)
+        with self._engines_lock:
+            engine = self._engines.get(endpoint)
+            if engine is None:
+                raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
+            was = endpoint in self._drained
+            self._drained.discard(endpoint)
+            self.pool.add(engine.endpoint)
+            return was
 
     # -- feeds ---------------------------------------------------------------------------
 
@@ -1348,9 +1369,10 @@ class Scheduler:
             with self._feed_lock:
                 self._scraper = scraper
             # The scraper adds the pool endpoints it lacks: drained engines stay out.
-            for key in self._drained:
-                with contextlib.suppress(UnknownEndpointError):
-                    self.pool.remove(key)
+            with self._engines_lock:
+                for key in self._drained:
+                    with contextlib.suppress(UnknownEndpointError):
+                        self.pool.remove(key)
             if self._mode == "threads":
                 self._scraper.start()
             else:
@@ -1392,8 +1414,9 @@ class Scheduler:
 
                 async def restart() -> None:
                     if previous is not None:
-                        with contextlib.suppress(asyncio.CancelledError, Exception):
-                            await previous
+                        # Whatever it ended with; a cancellation of this one goes through
+                        # (suppressed with the previous one's, it went on to start feeds).
+                        await settled(previous)
                     await self._stop_feeds_async()
                     with self._lifecycle:
                         self._drop_again()
@@ -1631,12 +1654,13 @@ class Scheduler:
         >>> s.stats()["config_warnings"]
         1
         """
-        return [
-            *self._warnings,
-            *self._block_size_notes(),
-            *self._engine_block_size_notes(),
-            *self._extra_keys_notes(),
-        ]
+        with self._engines_lock:  # the notes of one engine set
+            return [
+                *self._warnings,
+                *self._block_size_notes(),
+                *self._engine_block_size_notes(),
+                *self._extra_keys_notes(),
+            ]
 
     def note_engine_block_size(self, worker: EndpointId, block_size: int) -> None:
         """Takes the KV block size ``worker``'s ``/metrics`` gives (vLLM's
@@ -1690,7 +1714,7 @@ class Scheduler:
         """One note per engine whose scraped block size the index cannot split, unless its
         skipped events already say so (:meth:`_block_size_notes`)."""
         skipped = self.index.block_size_mismatch()
-        with self._lock:
+        with self._engines_lock, self._lock:
             sizes = sorted(self._engine_block_sizes.items(), key=lambda item: str(item[0]))
             return [
                 self._engine_block_size_note(worker, size)
@@ -1701,14 +1725,15 @@ class Scheduler:
     def _extra_keys_notes(self) -> list[str]:
         """One note per engine whose KV events the index skipped for their extra keys."""
         skipped = self.index.extra_keys()
-        return [
-            f"engine {worker!r}: {count} stored KV events skipped for extra keys the index "
-            "cannot name (a LoRA adapter named only by its number, or keys beside the LoRA "
-            "name and a prompt's cache salt), so those blocks are never matched; send the "
-            "adapter's name (vLLM 0.20 or later) and no other keys"
-            for worker, count in sorted(skipped.items(), key=lambda item: str(item[0]))
-            if worker in self._engines
-        ]
+        with self._engines_lock:
+            return [
+                f"engine {worker!r}: {count} stored KV events skipped for extra keys the index "
+                "cannot name (a LoRA adapter named only by its number, or keys beside the LoRA "
+                "name and a prompt's cache salt), so those blocks are never matched; send the "
+                "adapter's name (vLLM 0.20 or later) and no other keys"
+                for worker, count in sorted(skipped.items(), key=lambda item: str(item[0]))
+                if worker in self._engines
+            ]
 
     def engine_block_sizes(self) -> dict[EndpointId, int]:
         """The KV block size each engine's ``/metrics`` gave (see
@@ -1727,7 +1752,7 @@ class Scheduler:
         >>> Scheduler(["a"], router="round-robin").engine_block_size_mismatch()
         {}
         """
-        with self._lock:
+        with self._engines_lock, self._lock:
             return {
                 worker: size
                 for worker, size in self._engine_block_sizes.items()
@@ -1738,14 +1763,15 @@ class Scheduler:
         """One note per engine whose KV events were skipped for their block size."""
         skipped = self.index.block_size_mismatch()
         size = self.index.block_size
-        return [
-            f"engine {worker!r}: {count} stored KV events skipped: its block size is not a "
-            f"multiple of the index's {size} tokens, so its cache is never matched; start the "
-            f"engine with vLLM's --block-size a multiple of {size} (or give the index a block "
-            "size that divides the engine's)"
-            for worker, count in sorted(skipped.items(), key=lambda item: str(item[0]))
-            if worker in self._engines
-        ]
+        with self._engines_lock:
+            return [
+                f"engine {worker!r}: {count} stored KV events skipped: its block size is not a "
+                f"multiple of the index's {size} tokens, so its cache is never matched; start "
+                f"the engine with vLLM's --block-size a multiple of {size} (or give the index a "
+                "block size that divides the engine's)"
+                for worker, count in sorted(skipped.items(), key=lambda item: str(item[0]))
+                if worker in self._engines
+            ]
 
     def stats(self) -> SchedulerStats:
         """Counters since the scheduler was built and what it holds now.
@@ -1755,6 +1781,8 @@ class Scheduler:
         """
         with self._lock:
             counts = dict(self._counts)
+        with self._engines_lock:
+            engines, draining = len(self._engines), len(self._drained)
         return SchedulerStats(
             admitted=counts["admitted"],
             rejected=counts["rejected"],
@@ -1766,8 +1794,8 @@ class Scheduler:
             records_removed=counts["records_removed"],
             in_flight=counts["in_flight"],
             queued=0 if self.flow is None else len(self.flow),
-            engines=len(self._engines),
-            draining=len(self._drained),
+            engines=engines,
+            draining=draining,
             config_warnings=len(self.warnings),
         )
 

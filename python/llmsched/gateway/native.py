@@ -45,9 +45,12 @@ True
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -283,6 +286,36 @@ def _flow_config(config: GatewayConfig) -> FlowConfig:
 _ADMIN_WAIT_S = 60.0
 
 
+class _AdminClaim:
+    """Who decides an admin engine change that timed out: the event loop, which takes it up
+    (:meth:`start`), or the admin thread, which gave up waiting (:meth:`abandon`); whichever
+    comes first, under one lock. An abandoned change never starts, so the admin call can say
+    it was not made; a started one is made (see :meth:`NativeGateway._admin_engines`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = False
+        self._abandoned = False
+
+    def start(self) -> bool:
+        """On the loop, before the change: False when the caller has abandoned it."""
+        with self._lock:
+            self._started = not self._abandoned
+            return self._started
+
+    def abandon(self) -> bool:
+        """On the admin thread, once it stopped waiting: True when the change had not started
+        (it never will)."""
+        with self._lock:
+            self._abandoned = not self._started
+            return self._abandoned
+
+
+def _admin_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    kind = "service_unavailable" if status == 503 else "timeout"
+    return status, {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
 def _stale_after(config: GatewayConfig) -> float:
     return 3 * config.scrape.interval_s + config.scrape.timeout_s
 
@@ -467,15 +500,71 @@ class NativeGateway:
         """An admin call adding (``add``, the request body) or removing (``remove``, the worker
         id) an engine, from the native gateway's blocking thread: run on the event loop by
         :func:`~llmsched.gateway.admin.add_engine` / :func:`~llmsched.gateway.admin.remove_engine`
-        (the Python plane's code); returns the status and the JSON body."""
+        (the Python plane's code); returns the status and the JSON body.
+
+        A change the loop has not taken up within ``_ADMIN_WAIT_S`` is abandoned (it never
+        runs; 503, nothing changed). One taken up changes the engine set in the loop step that
+        starts it (only the KV-event feeds are awaited after that): past the wait it is
+        answered as made, from the engine set, while the feeds catch up."""
         from llmsched.gateway.admin import add_engine, remove_engine
 
         loop = self._loop
         if loop is None or loop.is_closed():
             return 503, json.dumps({"error": {"message": "the gateway is stopping"}})
-        change = add_engine(self, argument) if action == "add" else remove_engine(self, argument)
-        status, body = asyncio.run_coroutine_threadsafe(change, loop).result(_ADMIN_WAIT_S)
+        claim = _AdminClaim()
+
+        async def change() -> tuple[int, dict[str, Any]]:
+            if not claim.start():
+                return _admin_error(503, "abandoned")  # nobody waits for this answer
+            if action == "add":
+                return await add_engine(self, argument)
+            return await remove_engine(self, argument)
+
+        future = asyncio.run_coroutine_threadsafe(change(), loop)
+        try:
+            status, body = future.result(_ADMIN_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the change's own TimeoutError: a failure, as any other
+                raise
+            status, body = self._admin_timed_out(action, argument, claim, future)
         return status, json.dumps(body)
+
+    def _admin_timed_out(
+        self,
+        action: str,
+        argument: str,
+        claim: _AdminClaim,
+        future: concurrent.futures.Future[tuple[int, dict[str, Any]]],
+    ) -> tuple[int, dict[str, Any]]:
+        """The answer to an admin engine change still unfinished after ``_ADMIN_WAIT_S``: what
+        happened to the engine set, never a failure for a change that is made."""
+        waited = f"{_ADMIN_WAIT_S:g} s"
+        if claim.abandon():
+            return _admin_error(
+                503,
+                f"the engine change was not made: the gateway did not take it up within "
+                f"{waited} (its event loop is busy); nothing changed, try again",
+            )
+        if future.done():  # it ended meanwhile: its own answer
+            return future.result()
+        worker = argument
+        if action == "add":
+            with contextlib.suppress(ValueError, TypeError, ConfigError, RecursionError):
+                worker = EngineSpec.from_dict(json.loads(argument)).worker_id
+        there = worker in self._specs
+        if there == (action == "add"):
+            log.warning(
+                "admin: engine %s %s; its KV-event feeds had not followed after %s",
+                worker,
+                "added" if action == "add" else "removed",
+                waited,
+            )
+            return (201, {"added": worker}) if action == "add" else (200, {"removed": worker})
+        return _admin_error(
+            504,
+            f"the engine change is under way and did not end within {waited}: it may still "
+            "be made; GET /admin/engines shows the engines",
+        )
 
     def _collect_usage(self) -> Usage:
         """What this replica took per rate-limited key and served per tenant since the last

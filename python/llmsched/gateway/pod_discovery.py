@@ -111,10 +111,14 @@ class PodDiscovery:
         self._task = asyncio.create_task(self._watch(self._watcher))
 
     async def stop(self) -> None:
-        """Cancels the watcher and closes the API client (a no-op when not started)."""
+        """Ends the watcher and closes the API client (a no-op when not started). The
+        watcher's own stop: a cancellation the HTTP client turned into a TimeoutError ends
+        it too, instead of being retried as a timeout (and logged as one)."""
         task, self._task = self._task, None
         if task is not None:
-            await cancel_and_wait(task)
+            if self._watcher is not None:
+                await self._watcher.stop()
+            await cancel_and_wait(task)  # not started yet, or already ended
         client, self._client = self._client, None
         if client is not None:
             await client.close()

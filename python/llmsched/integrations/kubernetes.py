@@ -40,10 +40,12 @@ import json
 import logging
 import random
 import re
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from llmsched._aio import settled
 from llmsched._extras import require
 from llmsched.errors import ConfigError, InvalidTypeError
 from llmsched.integrations.identity import ROLES, EngineSpec
@@ -470,6 +472,8 @@ class KubernetesDiscovery:
         self._version: str | None = None
         self._engines: tuple[EngineSpec, ...] | None = None
         self._dirty = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[Any] | None = None
         self._skipped_logged: set[tuple[str, str]] = set()
         self._skipped_pods: dict[str, str] = {}
         self._counters = dict.fromkeys(
@@ -505,9 +509,10 @@ class KubernetesDiscovery:
         return dict(self._skipped_pods)
 
     async def run(self) -> None:
-        """Lists and watches until cancelled; never returns otherwise. Raises ConfigError
-        at once when the client cannot be configured (no kubeconfig, not in a cluster); any
-        trouble after that is logged, counted and retried."""
+        """Lists and watches until cancelled (or :meth:`stop`); never returns otherwise.
+        Raises ConfigError at once when the client cannot be configured (no kubeconfig, not
+        in a cluster); any trouble after that is logged, counted and retried."""
+        self._task = asyncio.current_task()
         owns_client = self._api_client is None
         api_client = self._api_client or await self._load_client()
         publisher = asyncio.create_task(self._publish_changes())
@@ -515,10 +520,39 @@ class KubernetesDiscovery:
             await self._list_and_watch(k8s.CoreV1Api(api_client))
         finally:
             publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publisher
-            if owns_client:
-                await api_client.close()
+            try:
+                await settled(publisher)
+            finally:  # closed even when this task is cancelled again meanwhile
+                if owns_client:
+                    await api_client.close()
+
+    async def stop(self) -> None:
+        """Ends :meth:`run` (cancels the task running it) and returns once it has ended; a
+        no-op when it is not running. Better than a bare ``task.cancel()``: the HTTP client
+        can turn a cancellation into a ``TimeoutError`` (aiohttp when the request's own
+        timer fires at the same moment, and on Python 3.10, which cannot tell the two
+        apart), which a watcher would take for a connection timeout and retry; once stopped,
+        it ends whatever the cancellation became. A stopped watcher stays stopped (a later
+        :meth:`run` ends at once); a cancellation of the caller goes through."""
+        self._stopping = True
+        task = self._task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            await settled(task)
+
+    def _stopped(self) -> bool:
+        """Whether this task is being ended: :meth:`stop` was called, or (Python 3.11 and
+        later) the task was cancelled and the cancellation reached here as another error."""
+        if self._stopping:
+            return True
+        task = asyncio.current_task()
+        return sys.version_info >= (3, 11) and task is not None and task.cancelling() > 0
+
+    def _end_if_stopped(self) -> None:
+        """Raises CancelledError when the task is being ended (see :meth:`_stopped`): an
+        error seen then is the cancellation in another form, not trouble to retry or log."""
+        if self._stopped():
+            raise asyncio.CancelledError
 
     async def _load_client(self) -> k8s.ApiClient:
         try:
@@ -534,6 +568,7 @@ class KubernetesDiscovery:
         must_list = True
         resync_at = 0.0
         while True:
+            self._end_if_stopped()
             try:
                 if must_list or loop.time() >= resync_at:
                     await self._list(api)
@@ -559,6 +594,7 @@ class KubernetesDiscovery:
                 backoff = await self._back_off(backoff, f"unreadable answer: {exc!r}")
 
     async def _back_off(self, backoff: float, why: str) -> float:
+        self._end_if_stopped()
         self._counters["errors"] += 1
         pause = backoff * random.uniform(0.8, 1.2)
         log.warning("kubernetes discovery: %s; retrying in %.1f s", why, pause)
@@ -686,6 +722,7 @@ class KubernetesDiscovery:
                 try:
                     await self._on_change(engines)
                 except Exception as exc:  # the receiver's trouble; discovery goes on
+                    self._end_if_stopped()
                     # Not taken: engines() keeps the set the receiver has, and the same set
                     # is offered again after a pause (a receiver that failed once may take
                     # it then; before, only a later change in the pods offered it again).
