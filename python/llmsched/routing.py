@@ -935,27 +935,31 @@ class Decision:
         >>> row.scores["queue-scorer"], row.total
         (0.0, 1.0)
         """
-        notes = self._saturation_notes()
-        profiles = [ProfileExplanation._from_raw(p, notes) for p in self._native.explain_data()]
+        raw = self._native.explain_data()
+        notes = self._saturation_notes(raw)
+        profiles = [ProfileExplanation._from_raw(p, notes) for p in raw]
         request_notes = list(self._notes)
         sync = self._sync
         if sync is not None and sync.replica in sync.shared_names():
             request_notes.append(SHARED_REPLICA_NAME_NOTE.format(name=sync.replica))
         return Explanation(profiles=profiles, pd=self.pd(), notes=request_notes)
 
-    def _saturation_notes(self) -> dict[EndpointId, str]:
-        """Why each endpoint counted as saturated at the pick (its metrics' age then)."""
+    def _saturation_notes(self, raw: list[ProfileData]) -> dict[EndpointId, str]:
+        """Why each endpoint counted as saturated at the pick: the age then of the metrics the
+        pick read (not of the pool's metrics now, which may have been refreshed since, or gone
+        with the endpoint)."""
         after = self._pool.stale_after_s
         notes: dict[EndpointId, str] = {}
-        for e in self._pool.endpoints():
-            stamp = e["timestamp"]
-            if stamp is None:
-                why = "no metrics reported"
-            elif stamp <= self._now:
-                why = f"metrics {self._now - stamp:.3g} s old at the pick"
-            else:
-                why = "metrics were stale at the pick (refreshed since)"
-            notes[e["id"]] = (
+        for row in raw[0]["rows"] if raw else ():
+            if not row["saturated"]:
+                continue
+            stamp = row["metrics_timestamp"]
+            why = (
+                "no metrics reported"
+                if stamp is None
+                else f"metrics {self._now - stamp:.3g} s old at the pick"
+            )
+            notes[row["endpoint"]] = (
                 f"saturated: {why} (stale after {after:g} s); scorers that read metrics gave 0"
             )
         return notes
