@@ -287,7 +287,7 @@ impl Router {
         };
         let first = self.run_profile(primary, ctx, base, rng)?;
         let Some(chosen) = first.chosen() else {
-            return Err(self.no_endpoint(primary, base.len()));
+            return Err(self.no_endpoint(primary, base.len(), ctx));
         };
         let Handler::Pd { prefill, decider, .. } = self.config.handler else {
             return Ok((vec![first], None, None));
@@ -310,10 +310,20 @@ impl Router {
         Ok((outcomes, prefill_outcome, Some(note)))
     }
 
-    fn no_endpoint(&self, profile: usize, considered: usize) -> RoutingError {
+    fn no_endpoint(
+        &self,
+        profile: usize,
+        considered: usize,
+        ctx: &RequestContext<'_>,
+    ) -> RoutingError {
         let name = self.config.profiles[profile].name.clone();
-        let detail = if considered == 0 {
-            "no endpoint in the pool serves the request's model".to_string()
+        let members = ctx.members.list.len();
+        let detail = if members == 0 {
+            "the pool has no endpoints".to_string()
+        } else if considered == 0 {
+            // Only a model the request names can leave a non-empty pool without candidates.
+            let model = ctx.meta.model.as_deref().unwrap_or_default();
+            format!("none of the pool's {members} endpoints serves model {model:?}")
         } else {
             format!("the filters removed all {considered} endpoints")
         };
