@@ -576,6 +576,17 @@ class Router:
             raise InvalidTypeError(
                 f"index must be a PrefixIndex or None, got {type(index).__name__}"
             )
+        elif info["worker_capacity"] not in (None, index.worker_capacity):
+            # A given index keeps its own bound: the config's would be dropped unsaid.
+            message = (
+                f"routing config lruCapacityPerServer: {info['worker_capacity']} has no effect: "
+                f"the prefix index given holds {index.worker_capacity or 'unbounded'} blocks "
+                "per worker (PrefixIndex(worker_capacity=...) sets it)"
+            )
+            warnings.append(message)
+            if message not in _LOGGED:
+                _LOGGED.add(message)
+                _warn(message)
         self._pool = pool
         self._index = index
         self._info = info
@@ -660,11 +671,13 @@ class Router:
     def stats(self) -> dict[str, int]:
         """``pseudo_token_picks``: text or chat picks made while the index was fed by engine
         events (see ``allow_pseudo_tokens``); they cannot match the engines' cached prefixes.
+        ``config_warnings``: how many notes the configuration gave (:attr:`warnings`: settings
+        without effect, a scorer that can never change a decision, wiring the caller lacks).
 
         >>> Router(EndpointPool(["a"])).stats()
-        {'pseudo_token_picks': 0}
+        {'pseudo_token_picks': 0, 'config_warnings': 0}
         """
-        return {"pseudo_token_picks": self._pseudo_picks}
+        return {"pseudo_token_picks": self._pseudo_picks, "config_warnings": len(self._warnings)}
 
     @property
     def config_info(self) -> ConfigInfo:

@@ -146,6 +146,19 @@ impl Router {
                 }));
             }
         }
+        // llm-d: maxBlocks = maxPrefixTokensToMatch / blockSize. Under one block the cap is 0
+        // blocks and the scorer gives every endpoint 0 whatever the index holds.
+        if let Some((key, tokens)) =
+            config.token_caps.iter().find(|&&(_, tokens)| tokens < index_bs as u64)
+        {
+            return Err(RoutingError::Config(super::config::ConfigError {
+                key: key.clone(),
+                message: format!(
+                    "is {tokens}, less than one block of the prefix index ({index_bs} tokens): \
+                     the scorer would give every endpoint 0; give at least {index_bs}"
+                ),
+            }));
+        }
         if !(options.record_ttl.is_finite() && options.record_ttl > 0.0) {
             return Err(RoutingError::InvalidValue(format!(
                 "record_ttl must be positive, got {}",
