@@ -245,3 +245,25 @@ def test_a_key_that_is_not_a_string_beside_strings_is_a_config_error(tmp_path: P
     path.write_text(GATEWAY_HEAD + "1: 2\nzz: 3\n")
     with pytest.raises(ConfigError, match="unknown key"):
         gateway_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1e-3", 1e-3), ("2E5", 2e5), ("-1.5e3", -1.5e3), (".5e1", 5.0), ("1.5e+3", 1.5e3)],
+)
+def test_numbers_with_an_exponent_are_numbers(text: str, value: float) -> None:
+    # YAML 1.1 left `1e-3` (no dot) and `1.5e3` (unsigned exponent) strings; JSON, YAML 1.2
+    # and llm-d's Go loader read numbers, so an llm-d threshold written so was refused.
+    assert load_mapping(f"x: {text}", what="config") == {"x": value}
+    assert load_mapping(f"x: '{text}'", what="config") == {"x": text}
+
+
+def test_an_llm_d_parameter_written_with_an_exponent_loads() -> None:
+    doc = (
+        "plugins:\n- type: lora-affinity-filter\n  parameters: {threshold: 9.99e-1}\n"
+        "- type: queue-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n"
+        "  - pluginRef: lora-affinity-filter\n  - pluginRef: queue-scorer\n    weight: 2e0\n"
+    )
+    config = router_config(doc)
+    assert config["plugins"][0]["parameters"]["threshold"] == 0.999
+    assert config["schedulingProfiles"][0]["plugins"][1]["weight"] == 2.0

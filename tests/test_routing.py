@@ -334,7 +334,7 @@ def test_bad_input_changes_nothing() -> None:
 
 
 def test_no_endpoint() -> None:
-    with pytest.raises(NoEndpointError, match="model"):
+    with pytest.raises(NoEndpointError, match="the pool has no endpoints"):
         Router(EndpointPool()).pick(tokens=[1, 2])
     pool = EndpointPool([Endpoint("p", role="prefill")])
     config = {

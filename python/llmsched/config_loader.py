@@ -8,7 +8,9 @@ or :func:`read_document`, so they accept the same inputs and fail the same way:
 * an ``os.PathLike`` is a file; a ``str`` is a file too, unless it is blank, holds a newline,
   starts with ``{`` or ``[``, or names no file and contains ``:`` (then it is YAML / JSON text);
 * files ending in ``.json`` are parsed as JSON, everything else as YAML (a superset of JSON);
-  an empty document is an empty mapping.
+  an empty document is an empty mapping. A number written with an exponent (``1e-3``,
+  ``1.5e3``) is a number, as in JSON, YAML 1.2 and llm-d's Go loader (PyYAML's YAML 1.1 reads
+  those two as strings); quoted, it stays a string.
 
 Errors are :class:`~llmsched.errors.ConfigError` naming what was being read and the file:
 ``"flow config: cannot read 'flow.yaml': does not exist"``,
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,8 +335,19 @@ def _unique_keys_loader() -> Any:
                     seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
+    # YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent: `1e-3` and
+    # `1.5e3` were strings, so a threshold written so failed as "expected f64". YAML 1.2,
+    # JSON and llm-d's Go loader read them as numbers; so does this loader.
+    UniqueKeyLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789")
+    )
     _LOADER = UniqueKeyLoader
     return _LOADER
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+"""A number with an exponent that YAML 1.1 leaves a string: without a dot (`1e-3`), or with an
+unsigned exponent (`1.5e3`)."""
 
 
 _DONE = object()

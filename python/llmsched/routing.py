@@ -576,6 +576,17 @@ class Router:
             raise InvalidTypeError(
                 f"index must be a PrefixIndex or None, got {type(index).__name__}"
             )
+        elif info["worker_capacity"] not in (None, index.worker_capacity):
+            # A given index keeps its own bound: the config's would be dropped unsaid.
+            message = (
+                f"routing config lruCapacityPerServer: {info['worker_capacity']} has no effect: "
+                f"the prefix index given holds {index.worker_capacity or 'unbounded'} blocks "
+                "per worker (PrefixIndex(worker_capacity=...) sets it)"
+            )
+            warnings.append(message)
+            if message not in _LOGGED:
+                _LOGGED.add(message)
+                _warn(message)
         self._pool = pool
         self._index = index
         self._info = info
@@ -660,11 +671,13 @@ class Router:
     def stats(self) -> dict[str, int]:
         """``pseudo_token_picks``: text or chat picks made while the index was fed by engine
         events (see ``allow_pseudo_tokens``); they cannot match the engines' cached prefixes.
+        ``config_warnings``: how many notes the configuration gave (:attr:`warnings`: settings
+        without effect, a scorer that can never change a decision, wiring the caller lacks).
 
         >>> Router(EndpointPool(["a"])).stats()
-        {'pseudo_token_picks': 0}
+        {'pseudo_token_picks': 0, 'config_warnings': 0}
         """
-        return {"pseudo_token_picks": self._pseudo_picks}
+        return {"pseudo_token_picks": self._pseudo_picks, "config_warnings": len(self._warnings)}
 
     @property
     def config_info(self) -> ConfigInfo:
@@ -935,27 +948,31 @@ class Decision:
         >>> row.scores["queue-scorer"], row.total
         (0.0, 1.0)
         """
-        notes = self._saturation_notes()
-        profiles = [ProfileExplanation._from_raw(p, notes) for p in self._native.explain_data()]
+        raw = self._native.explain_data()
+        notes = self._saturation_notes(raw)
+        profiles = [ProfileExplanation._from_raw(p, notes) for p in raw]
         request_notes = list(self._notes)
         sync = self._sync
         if sync is not None and sync.replica in sync.shared_names():
             request_notes.append(SHARED_REPLICA_NAME_NOTE.format(name=sync.replica))
         return Explanation(profiles=profiles, pd=self.pd(), notes=request_notes)
 
-    def _saturation_notes(self) -> dict[EndpointId, str]:
-        """Why each endpoint counted as saturated at the pick (its metrics' age then)."""
+    def _saturation_notes(self, raw: list[ProfileData]) -> dict[EndpointId, str]:
+        """Why each endpoint counted as saturated at the pick: the age then of the metrics the
+        pick read (not of the pool's metrics now, which may have been refreshed since, or gone
+        with the endpoint)."""
         after = self._pool.stale_after_s
         notes: dict[EndpointId, str] = {}
-        for e in self._pool.endpoints():
-            stamp = e["timestamp"]
-            if stamp is None:
-                why = "no metrics reported"
-            elif stamp <= self._now:
-                why = f"metrics {self._now - stamp:.3g} s old at the pick"
-            else:
-                why = "metrics were stale at the pick (refreshed since)"
-            notes[e["id"]] = (
+        for row in raw[0]["rows"] if raw else ():
+            if not row["saturated"]:
+                continue
+            stamp = row["metrics_timestamp"]
+            why = (
+                "no metrics reported"
+                if stamp is None
+                else f"metrics {self._now - stamp:.3g} s old at the pick"
+            )
+            notes[row["endpoint"]] = (
                 f"saturated: {why} (stale after {after:g} s); scorers that read metrics gave 0"
             )
         return notes

@@ -331,6 +331,8 @@ class ProfileRow(TypedDict):
     address: str
     cached_tokens: int
     saturated: bool
+    metrics_timestamp: float | None
+    """When the metrics the pick read were taken (None: never reported)."""
     removed_by: str | None
     """The filter that removed it (None: kept)."""
     scores: list[float] | None

@@ -754,18 +754,23 @@ impl PyDecision {
                 profile.scorers.iter().map(|s| (s.name.clone(), s.weight)).collect::<Vec<_>>(),
             )?;
             let rows = PyList::empty(py);
-            for (b, c) in d.base.iter().enumerate() {
+            let positions = o.positions(d.base.len());
+            for ((b, c), &(kept_at, rank)) in d.base.iter().enumerate().zip(&positions) {
                 let r = PyDict::new(py);
                 r.set_item("endpoint", self.id(py, c)?)?;
                 r.set_item("address", &d.endpoint(c).address)?;
                 r.set_item("cached_tokens", d.cached_tokens(c))?;
                 r.set_item("saturated", c.saturated)?;
+                // The metrics' time as the pick read them (None: never reported), so that
+                // explain() says how old they were then, whatever the pool holds now.
+                let stamp = c.metrics.timestamp;
+                r.set_item("metrics_timestamp", stamp.is_finite().then_some(stamp))?;
                 let removed = o.removed_by[b];
                 r.set_item(
                     "removed_by",
                     if removed == KEPT { None } else { Some(filters[removed as usize]) },
                 )?;
-                if let Some(i) = o.kept.iter().position(|&k| k as usize == b) {
+                if let Some(i) = kept_at {
                     let scores: Vec<f64> =
                         (0..profile.scorers.len()).map(|j| o.score(j, i)).collect();
                     r.set_item("scores", scores)?;
@@ -774,7 +779,7 @@ impl PyDecision {
                     r.set_item("scores", py.None())?;
                     r.set_item("total", py.None())?;
                 }
-                r.set_item("rank", o.order.iter().position(|&k| k as usize == b))?;
+                r.set_item("rank", rank)?;
                 rows.append(r)?;
             }
             p.set_item("rows", rows)?;

@@ -27,7 +27,7 @@
 
 use std::sync::Arc;
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
@@ -96,6 +96,9 @@ pub struct RouterConfig {
     /// What the scorers ask of the prefix index, with the key that asked for a block size.
     pub index_hints: IndexHints,
     pub block_size_key: Option<String>,
+    /// Each `maxPrefixTokensToMatch` with its key: a cap below one block of the index would
+    /// make its scorer give every endpoint 0 ([`Router::new`](super::Router::new) refuses it).
+    pub token_caps: Vec<(String, u64)>,
     /// Older names read under their current ones, settings accepted without effect.
     pub notes: Vec<ConfigNote>,
     /// The precise prefix scorer's wiring, with the key of the plugin that asked for it.
@@ -259,7 +262,7 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
         }
     }
     let (names, mut instances) = parse_plugins(top.get("plugins"), registry, &mut notes)?;
-    resolve_trees(&mut instances, &names)?;
+    let tree_refs = resolve_trees(&mut instances, &names)?;
     let data_layer = parse_data_section(top, &names, &instances, &mut notes)?;
     let given = top.get("schedulingProfiles").filter(|v| !v.as_array().is_some_and(Vec::is_empty));
     let default_profile = given.is_none();
@@ -284,6 +287,7 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
         profiles.push(profile);
     }
     let handler = resolve_handler(&instances, &names, &profiles, &mut notes)?;
+    note_unused(&instances, &profiles, &tree_refs, &mut notes);
     let prefill_header = prefill_header(&instances, &profiles, &handler, &mut notes);
     let tokenizer = instances.iter().find_map(|inst| match &inst.plugin {
         Plugin::Data(DataSpec::Tokenizer { model, .. }) => Some((inst.key.clone(), model.clone())),
@@ -298,6 +302,7 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
     let mut scorers: Vec<Arc<dyn Scorer>> = Vec::new();
     let mut index_hints = IndexHints::default();
     let mut block_size_key = None;
+    let mut token_caps = Vec::new();
     let mut precise: Option<(String, PreciseSpec)> = None;
     for inst in &instances {
         if let Plugin::Scorer(s) = &inst.plugin {
@@ -332,7 +337,20 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
                 index_hints.block_size = Some(bs);
                 block_size_key = Some(format!("{}.parameters.blockSize", inst.key));
             }
-            index_hints.worker_capacity = index_hints.worker_capacity.or(hints.worker_capacity);
+            if let Some(capacity) = hints.worker_capacity {
+                // One index serves every scorer: a second capacity would be dropped unsaid.
+                if index_hints.worker_capacity.is_some_and(|c| c != capacity) {
+                    return Err(ConfigError::new(
+                        format!("{}.parameters.lruCapacityPerServer", inst.key),
+                        "differs from another plugin's lruCapacityPerServer; one index serves both",
+                    ));
+                }
+                index_hints.worker_capacity = Some(capacity);
+            }
+            if let Some(tokens) = hints.max_tokens {
+                token_caps
+                    .push((format!("{}.parameters.maxPrefixTokensToMatch", inst.key), tokens));
+            }
             scorers.push(s.clone());
         }
     }
@@ -342,6 +360,7 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
         scorers,
         index_hints,
         block_size_key,
+        token_caps,
         notes,
         precise,
         saturation,
@@ -427,6 +446,73 @@ fn default_profile(
         ),
     });
     Ok(serde_json::json!({"name": "default", "plugins": refs}))
+}
+
+/// Notes what a configuration declares but never runs: a filter, scorer or picker that no
+/// profile lists (nor a decision tree refers to), and a profile the profile handler never
+/// runs. llm-d builds both and uses neither, silently; here each is a note.
+fn note_unused(
+    instances: &[Instance],
+    profiles: &[Profile],
+    tree_refs: &HashSet<usize>,
+    notes: &mut Vec<ConfigNote>,
+) {
+    let mut used: HashSet<&str> = HashSet::new();
+    for p in profiles {
+        used.extend(p.filters.iter().map(|f| f.name.as_str()));
+        used.extend(p.scorers.iter().map(|s| s.name.as_str()));
+        used.insert(p.picker_name.as_str());
+    }
+    for (i, inst) in instances.iter().enumerate() {
+        let what = match inst.plugin {
+            Plugin::Filter(_) => "filters nothing",
+            Plugin::Scorer(_) => "scores nothing",
+            Plugin::Picker(_) => "picks nothing",
+            _ => continue,
+        };
+        if used.contains(inst.name.as_str()) || tree_refs.contains(&i) {
+            continue;
+        }
+        notes.push(ConfigNote {
+            key: inst.key.clone(),
+            message: format!(
+                "{:?} is declared but no scheduling profile lists it (nor a decision tree): it \
+                 {what}; list it in a profile (with a weight, for a scorer) or remove it",
+                inst.name
+            ),
+        });
+    }
+    // The profiles a handler knows: the ones it runs, and a prefill profile it is noted not to
+    // run (a disaggregation handler without a decider).
+    let known: Vec<&str> = instances
+        .iter()
+        .find_map(|inst| match &inst.plugin {
+            Plugin::Handler(
+                HandlerSpec::Pd { decode_profile, prefill_profile, .. }
+                | HandlerSpec::Disagg { decode_profile, prefill_profile, .. },
+            ) => Some(vec![decode_profile.as_str(), prefill_profile.as_str()]),
+            _ => None,
+        })
+        .unwrap_or_default();
+    if known.is_empty() {
+        return; // a single profile handler: exactly one profile, which it runs
+    }
+    let handler = instances
+        .iter()
+        .find(|inst| matches!(inst.plugin, Plugin::Handler(_)))
+        .map_or("the profile handler", |inst| inst.name.as_str());
+    for (i, p) in profiles.iter().enumerate() {
+        if !known.contains(&p.name.as_str()) {
+            notes.push(ConfigNote {
+                key: format!("schedulingProfiles[{i}]"),
+                message: format!(
+                    "profile {:?} never runs: {handler:?} runs only its decode profile {:?} and \
+                     its prefill profile {:?}",
+                    p.name, known[0], known[1]
+                ),
+            });
+        }
+    }
 }
 
 /// The prefill header llm-d would set, and notes for a headers plugin that never sets it.
@@ -563,14 +649,16 @@ pub fn parse_duration(text: &str) -> Result<f64, String> {
 }
 
 /// Builds every decision tree, following references to filters and to other trees.
+/// Returns the indices of the plugins a tree refers to.
 fn resolve_trees(
     instances: &mut [Instance],
     names: &HashMap<String, usize>,
-) -> Result<(), ConfigError> {
+) -> Result<HashSet<usize>, ConfigError> {
     let mut built: Vec<Option<Arc<dyn Filter>>> = vec![None; instances.len()];
+    let mut referenced = HashSet::new();
     for i in 0..instances.len() {
         if matches!(instances[i].plugin, Plugin::Tree(_)) {
-            build_tree(i, instances, names, &mut built, &mut Vec::new())?;
+            build_tree(i, instances, names, &mut built, &mut Vec::new(), &mut referenced)?;
         }
     }
     for (inst, b) in instances.iter_mut().zip(built) {
@@ -578,7 +666,7 @@ fn resolve_trees(
             inst.plugin = Plugin::Filter(f);
         }
     }
-    Ok(())
+    Ok(referenced)
 }
 
 fn build_tree(
@@ -587,6 +675,7 @@ fn build_tree(
     names: &HashMap<String, usize>,
     built: &mut Vec<Option<Arc<dyn Filter>>>,
     stack: &mut Vec<usize>,
+    referenced: &mut HashSet<usize>,
 ) -> Result<Arc<dyn Filter>, ConfigError> {
     if let Some(f) = &built[i] {
         return Ok(f.clone());
@@ -600,12 +689,13 @@ fn build_tree(
         let Some(&j) = names.get(name) else {
             return Err(ParamError::new(path, format!("no plugin named {name:?}")));
         };
+        referenced.insert(j);
         match &instances[j].plugin {
             Plugin::Filter(f) => Ok(f.clone()),
             Plugin::Tree(_) if stack.contains(&j) => {
                 Err(ParamError::new(path, format!("{name:?} refers back to this tree (a cycle)")))
             }
-            Plugin::Tree(_) => match build_tree(j, instances, names, built, stack) {
+            Plugin::Tree(_) => match build_tree(j, instances, names, built, stack, referenced) {
                 Ok(f) => Ok(f),
                 Err(e) => {
                     inner_err = Some(e);
@@ -881,7 +971,32 @@ fn parse_profile(
             format!("the scorer weights of profile {name:?} add up past the largest number"),
         ));
     }
-    if sum == 0.0 && !profile.scorers.is_empty() {
+    if !profile.picker.reads_scores() && !profile.scorers.is_empty() {
+        let listed: Vec<&str> = profile.scorers.iter().map(|s| s.name.as_str()).collect();
+        notes.push(ConfigNote {
+            key: format!("{at}.plugins"),
+            message: format!(
+                "the picker {:?} of profile {name:?} orders endpoints without reading scores: \
+                 its scorers ({}) never change a decision; use a max-score-picker, \
+                 weighted-random-picker or power-of-two-picker, or remove them",
+                profile.picker_name,
+                listed.join(", ")
+            ),
+        });
+    } else if sum > 0.0 {
+        for s in profile.scorers.iter().filter(|s| s.weight == 0.0) {
+            let first = listed.get(s.name.as_str()).copied().unwrap_or_default();
+            notes.push(ConfigNote {
+                key: format!("{at}.plugins[{first}].weight"),
+                message: format!(
+                    "scorer {:?} has weight 0 in profile {name:?}: it never changes a decision \
+                     (0 times its score adds nothing to any total); give it a weight or remove it",
+                    s.name
+                ),
+            });
+        }
+    }
+    if sum == 0.0 && !profile.scorers.is_empty() && profile.picker.reads_scores() {
         notes.push(ConfigNote {
             key: format!("{at}.plugins"),
             message: format!(
@@ -1579,6 +1694,106 @@ mod tests {
                 Ok(_) => panic!("accepted {params}"),
             };
             assert_eq!(e.key, key, "{params} -> {e}");
+        }
+    }
+
+    fn note_keys(v: &Value) -> Vec<String> {
+        parse(v, &Registry::builtin()).unwrap().notes.into_iter().map(|n| n.key).collect()
+    }
+
+    #[test]
+    fn a_scorer_of_weight_0_beside_weighted_ones_is_noted() {
+        let v = single(
+            json!([{"type": "queue-scorer"}, {"type": "prefix-cache-scorer"}]),
+            json!([{"pluginRef": "queue-scorer", "weight": 0}, {"pluginRef": "prefix-cache-scorer", "weight": 2}]),
+        );
+        assert_eq!(note_keys(&v), ["schedulingProfiles[0].plugins[0].weight"]);
+        let weighted = single(
+            json!([{"type": "queue-scorer"}, {"type": "prefix-cache-scorer"}]),
+            json!([{"pluginRef": "queue-scorer", "weight": 0.5}, {"pluginRef": "prefix-cache-scorer"}]),
+        );
+        assert!(note_keys(&weighted).is_empty());
+    }
+
+    #[test]
+    fn a_plugin_no_profile_lists_is_noted_unless_a_tree_refers_to_it() {
+        let v = single(
+            json!([
+                {"type": "queue-scorer"}, {"type": "prefix-cache-scorer"}, {"type": "decode-filter"},
+                {"type": "low-queue-filter"}, {"type": "random-picker"},
+                {"type": "decision-tree-filter", "name": "t", "parameters": {"current": {"pluginRef": "low-queue-filter"}}}
+            ]),
+            json!([{"pluginRef": "queue-scorer"}, {"pluginRef": "t"}]),
+        );
+        let c = parse(&v, &Registry::builtin()).unwrap();
+        let unused: Vec<&str> = c
+            .notes
+            .iter()
+            .filter(|n| n.message.contains("no scheduling profile lists it"))
+            .map(|n| n.key.as_str())
+            .collect();
+        // The picker is the profile's (taken as its declared picker): not unused.
+        assert_eq!(unused, ["plugins[1]", "plugins[2]"]);
+        assert!(c.notes.iter().any(|n| n.message.contains("scores nothing")));
+    }
+
+    #[test]
+    fn a_profile_the_handler_never_runs_is_noted() {
+        let v = json!({
+            "plugins": [{"type": "pd-profile-handler"}, {"type": "queue-scorer"}],
+            "schedulingProfiles": [
+                {"name": "decode", "plugins": [{"pluginRef": "queue-scorer"}]},
+                {"name": "prefill", "plugins": [{"pluginRef": "queue-scorer"}]},
+                {"name": "spare", "plugins": [{"pluginRef": "queue-scorer"}]}
+            ]
+        });
+        assert_eq!(note_keys(&v), ["schedulingProfiles[2]"]);
+    }
+
+    #[test]
+    fn two_different_lru_capacities_are_refused() {
+        let v = single(
+            json!([
+                {"type": "prefix-cache-scorer", "parameters": {"lruCapacityPerServer": 10}},
+                {"type": "prefix-cache-scorer", "name": "p2", "parameters": {"lruCapacityPerServer": 20}}
+            ]),
+            json!([{"pluginRef": "prefix-cache-scorer"}, {"pluginRef": "p2"}]),
+        );
+        let err = parse(&v, &Registry::builtin()).err().unwrap();
+        assert_eq!(err.key, "plugins[1].parameters.lruCapacityPerServer");
+        let same = single(
+            json!([
+                {"type": "prefix-cache-scorer", "parameters": {"lruCapacityPerServer": 10}},
+                {"type": "prefix-cache-scorer", "name": "p2", "parameters": {"lruCapacityPerServer": 10}}
+            ]),
+            json!([{"pluginRef": "prefix-cache-scorer"}, {"pluginRef": "p2"}]),
+        );
+        assert_eq!(
+            parse(&same, &Registry::builtin()).unwrap().index_hints.worker_capacity,
+            Some(10)
+        );
+    }
+
+    #[test]
+    fn scorers_under_a_picker_that_reads_no_scores_are_noted() {
+        for picker in
+            ["random-picker", "round-robin-picker", "softmax-cost-picker", "cache-aware-picker"]
+        {
+            let v = single(
+                json!([{"type": "queue-scorer"}, {"type": picker}]),
+                json!([{"pluginRef": "queue-scorer", "weight": 0}, {"pluginRef": picker}]),
+            );
+            let c = parse(&v, &Registry::builtin()).unwrap();
+            let keys: Vec<&str> = c.notes.iter().map(|n| n.key.as_str()).collect();
+            assert_eq!(keys, ["schedulingProfiles[0].plugins"], "{picker}");
+            assert!(c.notes[0].message.contains("without reading scores"), "{picker}");
+        }
+        for picker in ["max-score-picker", "weighted-random-picker", "power-of-two-picker"] {
+            let v = single(
+                json!([{"type": "queue-scorer"}, {"type": picker}]),
+                json!([{"pluginRef": "queue-scorer"}, {"pluginRef": picker}]),
+            );
+            assert!(note_keys(&v).is_empty(), "{picker}");
         }
     }
 }

@@ -201,6 +201,8 @@ pub trait Scorer: Send + Sync {
 pub struct IndexHints {
     pub block_size: Option<usize>,
     pub worker_capacity: Option<u64>,
+    /// A cap in tokens on the prefix a scorer reads (`maxPrefixTokensToMatch`).
+    pub max_tokens: Option<u64>,
 }
 
 /// Orders candidates: the first is chosen, the rest are fallbacks. Writes at most `limit`
@@ -224,6 +226,13 @@ pub trait Picker: Send + Sync {
     /// plugins read none of it may decide without hashing the prompt
     /// ([`RouterConfig::reads_prefix_match`](super::config::RouterConfig::reads_prefix_match)).
     fn reads_prefix_match(&self) -> bool {
+        true
+    }
+
+    /// Whether it reads the weighted totals of the scorers. A picker that orders endpoints by
+    /// its own measure (at random, in turn, by its own cost) makes a profile's scorers moot:
+    /// the configuration notes it.
+    fn reads_scores(&self) -> bool {
         true
     }
 

@@ -62,6 +62,24 @@ impl ProfileOutcome {
     pub fn score(&self, j: usize, i: usize) -> f64 {
         self.scores[j * self.kept.len() + i]
     }
+
+    /// Per base candidate (`base` of them): its position in [`kept`](Self::kept) and its rank
+    /// in [`order`](Self::order), in one pass over each (an explanation of a large pool reads
+    /// every row: searching both lists per row was quadratic).
+    pub fn positions(&self, base: usize) -> Vec<(Option<usize>, Option<usize>)> {
+        let mut out = vec![(None, None); base];
+        for (i, &b) in self.kept.iter().enumerate() {
+            if let Some(row) = out.get_mut(b as usize) {
+                row.0 = Some(i);
+            }
+        }
+        for (rank, &b) in self.order.iter().enumerate() {
+            if let Some(row) = out.get_mut(b as usize) {
+                row.1 = Some(rank);
+            }
+        }
+        out
+    }
 }
 
 impl Profile {

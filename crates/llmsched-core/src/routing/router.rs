@@ -146,6 +146,19 @@ impl Router {
                 }));
             }
         }
+        // llm-d: maxBlocks = maxPrefixTokensToMatch / blockSize. Under one block the cap is 0
+        // blocks and the scorer gives every endpoint 0 whatever the index holds.
+        if let Some((key, tokens)) =
+            config.token_caps.iter().find(|&&(_, tokens)| tokens < index_bs as u64)
+        {
+            return Err(RoutingError::Config(super::config::ConfigError {
+                key: key.clone(),
+                message: format!(
+                    "is {tokens}, less than one block of the prefix index ({index_bs} tokens): \
+                     the scorer would give every endpoint 0; give at least {index_bs}"
+                ),
+            }));
+        }
         if !(options.record_ttl.is_finite() && options.record_ttl > 0.0) {
             return Err(RoutingError::InvalidValue(format!(
                 "record_ttl must be positive, got {}",
@@ -287,7 +300,7 @@ impl Router {
         };
         let first = self.run_profile(primary, ctx, base, rng)?;
         let Some(chosen) = first.chosen() else {
-            return Err(self.no_endpoint(primary, base.len()));
+            return Err(self.no_endpoint(primary, base.len(), ctx));
         };
         let Handler::Pd { prefill, decider, .. } = self.config.handler else {
             return Ok((vec![first], None, None));
@@ -310,10 +323,20 @@ impl Router {
         Ok((outcomes, prefill_outcome, Some(note)))
     }
 
-    fn no_endpoint(&self, profile: usize, considered: usize) -> RoutingError {
+    fn no_endpoint(
+        &self,
+        profile: usize,
+        considered: usize,
+        ctx: &RequestContext<'_>,
+    ) -> RoutingError {
         let name = self.config.profiles[profile].name.clone();
-        let detail = if considered == 0 {
-            "no endpoint in the pool serves the request's model".to_string()
+        let members = ctx.members.list.len();
+        let detail = if members == 0 {
+            "the pool has no endpoints".to_string()
+        } else if considered == 0 {
+            // Only a model the request names can leave a non-empty pool without candidates.
+            let model = ctx.meta.model.as_deref().unwrap_or_default();
+            format!("none of the pool's {members} endpoints serves model {model:?}")
         } else {
             format!("the filters removed all {considered} endpoints")
         };

@@ -396,3 +396,61 @@ fn only_a_picker_breaking_ties_by_tree_size_reads_tree_sizes() {
         assert_eq!(config.reads_tree_size(), reads, "{preset}");
     }
 }
+
+#[test]
+fn a_token_cap_below_one_block_of_the_index_is_refused() {
+    // maxPrefixTokensToMatch 10 over blocks of 16: a cap of 0 blocks, every endpoint 0.
+    let s = Setup::new(&["A"], StalePolicy::default());
+    let config = |tokens: u64| {
+        json!({"plugins": [{"type": "prefix-cache-scorer",
+            "parameters": {"maxPrefixTokensToMatch": tokens}}],
+        "schedulingProfiles": [{"name": "x", "plugins": [{"pluginRef": "prefix-cache-scorer"}]}]})
+    };
+    let build = |tokens| {
+        Router::new(
+            s.pool.clone(),
+            s.index.clone(),
+            parse_config(&config(tokens)).unwrap(),
+            RouterOptions::default(),
+        )
+    };
+    let err = build(10).err().unwrap();
+    assert!(
+        matches!(err, RoutingError::Config(ref e)
+            if e.key == "plugins[0].parameters.maxPrefixTokensToMatch"
+                && e.message.contains("16 tokens")),
+        "{err}"
+    );
+    assert!(build(16).is_ok());
+}
+
+#[test]
+fn no_endpoint_names_an_empty_pool_apart_from_a_model_no_endpoint_serves() {
+    let s = Setup::new(&[], StalePolicy::default());
+    let router = s.router(presets::preset("random").unwrap(), 0);
+    let detail = |meta: &RequestMeta| match router.decide(&prompt(8), meta, 0.0) {
+        Err(RoutingError::NoEndpoint { detail, .. }) => detail,
+        other => panic!("{:?}", other.map(|_| ())),
+    };
+    assert_eq!(detail(&RequestMeta::default()), "the pool has no endpoints");
+    s.pool.upsert(Endpoint { model: Some("m1".into()), ..Endpoint::new(key("A")) });
+    let meta = RequestMeta { model: Some("m3".into()), ..RequestMeta::default() };
+    assert_eq!(detail(&meta), "none of the pool's 1 endpoints serves model \"m3\"");
+}
+
+#[test]
+fn positions_map_each_base_candidate_to_its_kept_slot_and_rank() {
+    let outcome = super::profile::ProfileOutcome {
+        profile: 0,
+        removed_by: vec![super::profile::KEPT, 0, super::profile::KEPT, super::profile::KEPT],
+        skipped_filters: Vec::new(),
+        kept: vec![0, 2, 3],
+        scores: Vec::new(),
+        totals: vec![0.1, 0.9, 0.5],
+        order: vec![2, 3],
+    };
+    assert_eq!(
+        outcome.positions(4),
+        [(Some(0), None), (None, None), (Some(1), Some(0)), (Some(2), Some(1))]
+    );
+}

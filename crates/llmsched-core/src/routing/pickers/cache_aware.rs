@@ -43,6 +43,10 @@ pub struct CacheAwarePicker {
 }
 
 impl Picker for CacheAwarePicker {
+    fn reads_scores(&self) -> bool {
+        false
+    }
+
     fn pick(
         &self,
         ctx: &RequestContext<'_>,

@@ -19,6 +19,10 @@ pub struct RandomPicker {
 }
 
 impl Picker for RandomPicker {
+    fn reads_scores(&self) -> bool {
+        false
+    }
+
     fn reads_prefix_match(&self) -> bool {
         false
     }

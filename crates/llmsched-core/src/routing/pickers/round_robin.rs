@@ -23,6 +23,10 @@ pub struct RoundRobinPicker {
 }
 
 impl Picker for RoundRobinPicker {
+    fn reads_scores(&self) -> bool {
+        false
+    }
+
     fn reads_prefix_match(&self) -> bool {
         false
     }

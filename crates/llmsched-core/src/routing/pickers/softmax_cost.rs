@@ -57,6 +57,10 @@ impl SoftmaxCostPicker {
 }
 
 impl Picker for SoftmaxCostPicker {
+    fn reads_scores(&self) -> bool {
+        false
+    }
+
     fn pick(
         &self,
         ctx: &RequestContext<'_>,

@@ -142,7 +142,7 @@ impl Scorer for PrecisePrefixScorer {
     }
 
     fn index_hints(&self) -> IndexHints {
-        IndexHints { block_size: Some(self.spec.block_size), worker_capacity: None }
+        IndexHints { block_size: Some(self.spec.block_size), ..IndexHints::default() }
     }
 
     fn precise(&self) -> Option<&PreciseSpec> {

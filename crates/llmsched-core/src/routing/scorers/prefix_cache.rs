@@ -119,7 +119,11 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     Ok(Plugin::scorer(PrefixCacheScorer {
         max_blocks: p.max_prefix_blocks_to_match.unwrap_or(u32::MAX),
         max_tokens: p.max_prefix_tokens_to_match,
-        hints: IndexHints { block_size, worker_capacity: p.lru_capacity_per_server },
+        hints: IndexHints {
+            block_size,
+            worker_capacity: p.lru_capacity_per_server,
+            max_tokens: p.max_prefix_tokens_to_match,
+        },
     }))
 }
 
