@@ -3345,6 +3345,7 @@ fn relay_parts(
         sse,
         own: None,
         timer,
+        timer_waker: None,
         last_frame: now,
         read_timeout: relaying.read_timeout,
         deadline: relaying.deadline,
@@ -3741,6 +3742,7 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         sse: false,
         own: Some(body),
         timer: None,
+        timer_waker: None,
         last_frame: tokio::time::Instant::now(),
         read_timeout: None,
         deadline: None,
@@ -3942,6 +3944,10 @@ pub struct Relay {
     /// Fires no earlier than the read timeout after `last_frame` (or at the deadline): set
     /// once, and moved on only when it fires, rather than reset at every frame.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The waker `timer` was last polled with, its poll having registered it: until the timer
+    /// fires, it wakes that task, and a poll with the same waker would only say it has not
+    /// fired ([`tokio::time::Sleep::is_elapsed`] says so without one).
+    timer_waker: Option<std::task::Waker>,
     last_frame: tokio::time::Instant,
     read_timeout: Option<Duration>,
     deadline: Option<tokio::time::Instant>,
@@ -4243,6 +4249,14 @@ impl Body for Relay {
         match polled {
             Poll::Pending => {
                 if let Some(timer) = this.timer.as_mut() {
+                    // Registered with this task's waker and not fired: a poll (once a frame)
+                    // would only register the same waker again.
+                    let waker = cx.waker();
+                    if this.timer_waker.as_ref().is_some_and(|w| w.will_wake(waker))
+                        && !timer.is_elapsed()
+                    {
+                        return Poll::Pending;
+                    }
                     while timer.as_mut().poll(cx).is_ready() {
                         let due = due(this.read_timeout, this.deadline, this.last_frame);
                         if due <= tokio::time::Instant::now() {
@@ -4251,6 +4265,11 @@ impl Body for Relay {
                         // A frame came since it was set: silent for less than the timeout.
                         timer.as_mut().reset(due);
                     }
+                    // Its last poll registered the waker unless the task's budget was spent
+                    // (a pending poll gives back what it took; a spent one yields instead).
+                    this.timer_waker = tokio::task::coop::has_budget_remaining()
+                        .then(|| this.timer_waker.take().filter(|w| w.will_wake(waker)))
+                        .map(|kept| kept.unwrap_or_else(|| waker.clone()));
                 }
                 Poll::Pending
             }
