@@ -72,6 +72,7 @@ pub mod pyvalues;
 pub mod responses;
 pub mod session_token;
 pub mod slicing;
+mod sse_scan;
 pub mod templates;
 pub mod tokcache;
 pub mod tokenize;
@@ -3344,6 +3345,7 @@ fn relay_parts(
         sse,
         own: None,
         timer,
+        timer_waker: None,
         last_frame: now,
         read_timeout: relaying.read_timeout,
         deadline: relaying.deadline,
@@ -3617,23 +3619,25 @@ enum DoneScan {
 
 impl DoneScan {
     fn feed(&mut self, data: &[u8]) {
-        self.feed_with(data, has_done_word(data));
+        self.read(data);
     }
 
-    /// [`DoneScan::feed`], `word` whether `data` holds `[DONE]` ([`has_done_word`], searched
-    /// once a frame for the relay's scans).
-    fn feed_with(&mut self, data: &[u8], word: bool) {
+    /// [`DoneScan::feed`], and for an event stream still looking for its `[DONE]`, what the
+    /// frame's scan found ([`sse_scan::scan`], of the frame with its line ends made LF).
+    fn read(&mut self, data: &[u8]) -> Option<sse_scan::Found> {
         if let DoneScan::Events(scan) = self {
             scan.feed(data);
             if scan.seen() {
                 *self = DoneScan::Seen;
             }
-            return;
+            return None;
         }
-        let DoneScan::Looking(event) = self else { return };
-        if event.feed(data, word) {
+        let DoneScan::Looking(event) = self else { return None };
+        let (found, seen) = event.read(data);
+        if seen {
             *self = DoneScan::Seen;
         }
+        Some(found)
     }
 
     /// Whether the answer may end here.
@@ -3652,52 +3656,57 @@ impl DoneScan {
 /// allows, split between frames anywhere. The same bytes inside a token's text (a JSON string
 /// on a `data: {` line) or a comment line (`: ...`) are not it.
 struct DoneEvent {
-    /// The last bytes so far, line ends made LF (a newline at the stream's start: its first
-    /// line starts one).
-    tail: Vec<u8>,
+    /// The last bytes so far (`tail_len` of them), line ends made LF (a newline at the
+    /// stream's start: its first line starts one).
+    tail: [u8; DONE_KEEP],
+    tail_len: usize,
     line_ends: responses::LineEnds,
 }
 
+/// Bytes of an event stream a [`DoneEvent`] keeps: a `[DONE]` event's line but one byte.
+const DONE_KEEP: usize = b"\ndata: [DONE]".len() - 1;
+
 impl Default for DoneEvent {
     fn default() -> Self {
-        DoneEvent { tail: b"\n".to_vec(), line_ends: responses::LineEnds::default() }
+        let mut tail = [0; DONE_KEEP];
+        tail[0] = b'\n';
+        DoneEvent { tail, tail_len: 1, line_ends: responses::LineEnds::default() }
     }
 }
 
 impl DoneEvent {
-    /// Reads the stream's next bytes, `word` whether they hold `[DONE]` (which the event
-    /// holds whatever its line ends); true once the event was seen.
-    fn feed(&mut self, data: &[u8], word: bool) -> bool {
+    /// Reads the stream's next bytes: what their scan found ([`sse_scan::scan`], of `data`
+    /// with its line ends made LF), and whether the event was seen (in them, or begun in the
+    /// bytes before).
+    fn read(&mut self, data: &[u8]) -> (sse_scan::Found, bool) {
         let data = self.line_ends.to_lf(data);
-        let keep = DONE_SPACED.needle().len() - 1;
+        let found = sse_scan::scan(&data);
+        if found.done_line {
+            return (found, true);
+        }
         // The last bytes before `data` and its first ones: an event across the boundary (then
         // its `[` is among them).
-        self.tail.extend_from_slice(&data[..data.len().min(keep)]);
-        let found =
-            |bytes: &[u8]| DONE_SPACED.find(bytes).is_some() || DONE_UNSPACED.find(bytes).is_some();
-        let across = memchr::memchr(b'[', &self.tail).is_some() && found(&self.tail);
-        if across || word && found(&data[..]) {
-            return true;
+        let head = &data[..data.len().min(DONE_KEEP)];
+        let mut window = [0; 2 * DONE_KEEP];
+        window[..self.tail_len].copy_from_slice(&self.tail[..self.tail_len]);
+        window[self.tail_len..self.tail_len + head.len()].copy_from_slice(head);
+        let window = &window[..self.tail_len + head.len()];
+        if memchr::memchr(b'[', window).is_some()
+            && (DONE_SPACED.find(window).is_some() || DONE_UNSPACED.find(window).is_some())
+        {
+            return (found, true);
         }
-        if data.len() >= keep {
-            self.tail.clear();
-            self.tail.extend_from_slice(&data[data.len() - keep..]);
+        let last = if data.len() >= DONE_KEEP {
+            &data[data.len() - DONE_KEEP..]
         } else {
-            let old = self.tail.len().saturating_sub(keep);
-            self.tail.drain(..old);
-        }
-        false
+            &window[window.len().saturating_sub(DONE_KEEP)..]
+        };
+        self.tail[..last.len()].copy_from_slice(last);
+        self.tail_len = last.len();
+        (found, false)
     }
 }
 
-/// Whether `data` holds `[DONE]`: every `[DONE]` event does, so a frame without it needs no
-/// other search for one (one pass over an event instead of three).
-fn has_done_word(data: &[u8]) -> bool {
-    DONE_WORD.find(data).is_some()
-}
-
-static DONE_WORD: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"[DONE]"));
 static DONE_SPACED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\ndata: [DONE]"));
 static DONE_UNSPACED: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
@@ -3733,6 +3742,7 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         sse: false,
         own: Some(body),
         timer: None,
+        timer_waker: None,
         last_frame: tokio::time::Instant::now(),
         read_timeout: None,
         deadline: None,
@@ -3806,21 +3816,20 @@ impl TokenCount {
             return;
         }
         if sse {
-            let mut rest = data;
-            while let Some(at) = SSE_DATA.find(rest) {
-                rest = &rest[at + 6..];
-                if !rest.starts_with(b"[DONE]") {
-                    self.events += 1;
-                }
-            }
+            self.add(&sse_scan::scan(data));
+        } else if let Some(n) = COMPLETION_TOKENS
+            .find(data)
+            .and_then(|at| sse_scan::count(&data[at + COMPLETION_TOKENS.needle().len()..]))
+        {
+            self.usage = Some(n);
         }
-        if let Some(at) = COMPLETION_TOKENS.find(data) {
-            let rest = &data[at + 20..];
-            let start = rest.iter().take_while(|b| **b == b' ').count();
-            let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
-            if let Ok(n) = std::str::from_utf8(&rest[start..start + digits]).unwrap_or("").parse() {
-                self.usage = Some(n);
-            }
+    }
+
+    /// A frame of a Completions or Chat Completions event stream, as its scan found it.
+    fn add(&mut self, found: &sse_scan::Found) {
+        self.events += found.events;
+        if let Some(n) = found.usage {
+            self.usage = Some(n);
         }
     }
 
@@ -3838,10 +3847,8 @@ impl TokenCount {
 /// The most output tokens an answer's usage block is believed for (no answer is longer).
 const MAX_USAGE_TOKENS: u64 = u32::MAX as u64;
 
-/// The searchers [`TokenCount::feed`] uses, built once (building one costs more than a search
-/// of a short answer).
-static SSE_DATA: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"data: "));
+/// The searcher [`TokenCount::feed`] uses for a JSON answer, built once (building one costs
+/// more than a search of a short answer).
 static COMPLETION_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"completion_tokens\":"));
 
@@ -3913,29 +3920,6 @@ struct Held {
     tail: bool,
 }
 
-/// Whether an SSE frame ends its stream or nearly: it holds `data: [DONE]`, or an event
-/// with a `finish_reason` (the last token's; a usage event and `[DONE]` follow at once).
-/// `word`: whether it holds `[DONE]` at all ([`has_done_word`]).
-fn ends_soon(data: &[u8], word: bool) -> bool {
-    if word && DONE.find(data).is_some() {
-        return true;
-    }
-    let mut rest = data;
-    while let Some(at) = FINISH_REASON.find(rest) {
-        rest = &rest[at + FINISH_REASON.needle().len()..];
-        let value = rest.iter().position(|b| *b != b' ').map(|i| &rest[i..]).unwrap_or(&[]);
-        if value.first() == Some(&b'"') {
-            return true;
-        }
-    }
-    false
-}
-
-static DONE: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"data: [DONE]"));
-static FINISH_REASON: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
-    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"finish_reason\":"));
-
 /// An answer passed on frame by frame (an SSE stream's tail, from its last token on, in one
 /// write with the body's end: `Relay::hold`), with the router's ticket: the first frame
 /// marks the first token, the end finishes it; dropped before the end (the client left), it counts a
@@ -3960,6 +3944,10 @@ pub struct Relay {
     /// Fires no earlier than the read timeout after `last_frame` (or at the deadline): set
     /// once, and moved on only when it fires, rather than reset at every frame.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The waker `timer` was last polled with, its poll having registered it: until the timer
+    /// fires, it wakes that task, and a poll with the same waker would only say it has not
+    /// fired ([`tokio::time::Sleep::is_elapsed`] says so without one).
+    timer_waker: Option<std::task::Waker>,
     last_frame: tokio::time::Instant,
     read_timeout: Option<Duration>,
     deadline: Option<tokio::time::Instant>,
@@ -4023,9 +4011,12 @@ impl Relay {
     }
 
     /// A frame from the engine: the first token, the output tokens, the read timeout's clock.
-    /// Whether its data holds `[DONE]` ([`has_done_word`], for [`Relay::ends_near`]).
+    /// Whether a Completions or Chat Completions event stream ends in it or nearly (it holds
+    /// `data: [DONE]`, or an event with a string `finish_reason`, the last token's: a usage
+    /// event and `[DONE]` follow at once; for [`Relay::ends_near`]). Such a stream's frame is
+    /// scanned once for all of it ([`sse_scan::scan`]).
     fn received(&mut self, frame: &Frame<Bytes>) -> bool {
-        let mut word = false;
+        let mut soon = false;
         if let Some(data) = frame.data_ref() {
             if self.first {
                 self.first = false;
@@ -4033,11 +4024,18 @@ impl Relay {
                     ticket.first_token();
                 }
             }
-            if self.completion {
-                self.tokens.feed(data, self.sse);
+            if self.sse && !self.responses {
+                let found = self.done.read(data).unwrap_or_else(|| sse_scan::scan(data));
+                if self.completion {
+                    self.tokens.add(&found);
+                }
+                soon = found.ends_soon();
+            } else {
+                if self.completion {
+                    self.tokens.feed(data, self.sse);
+                }
+                self.done.feed(data);
             }
-            word = (self.sse || matches!(self.done, DoneScan::Looking(_))) && has_done_word(data);
-            self.done.feed_with(data, word);
             if let Some(scan) = self.id_scan.as_mut() {
                 scan.feed(data);
             }
@@ -4050,7 +4048,7 @@ impl Relay {
         if self.timer.is_some() {
             self.last_frame = tokio::time::Instant::now();
         }
-        word
+        soon
     }
 
     /// A body frame came from the engine: counted against the connection's last read.
@@ -4100,12 +4098,13 @@ impl Relay {
 
     /// Whether an SSE frame ends its stream or nearly (then what follows is held longer:
     /// [`Held::tail`]); `terminal` for a Responses stream, whose terminal event may be split
-    /// between frames. `word`: whether `data` holds `[DONE]` ([`Relay::received`]).
-    fn ends_near(&self, data: &[u8], terminal: bool, word: bool) -> bool {
+    /// between frames. `soon`: whether a Completions or Chat Completions stream ends in it or
+    /// nearly ([`Relay::received`]).
+    fn ends_near(&self, data: &[u8], terminal: bool, soon: bool) -> bool {
         if self.responses {
             terminal || responses::ends_here(data)
         } else {
-            ends_soon(data, word)
+            soon
         }
     }
 
@@ -4137,7 +4136,7 @@ impl Relay {
             }
             Poll::Ready(Some(Ok(frame))) => {
                 let (was_whole, was_ending) = (self.done.whole(), self.done.ending());
-                let word = self.received(&frame);
+                let soon = self.received(&frame);
                 let Some(data) = frame.data_ref() else {
                     // Trailers: they follow what is held.
                     self.after_held = Some(frame);
@@ -4153,7 +4152,7 @@ impl Relay {
                     // on, the tail's longer hold.
                     let terminal =
                         was_ending || self.done.ending() || was_whole != self.done.whole();
-                    held.tail = self.ends_near(data, terminal, word);
+                    held.tail = self.ends_near(data, terminal, soon);
                     held.yields = 0;
                 }
                 self.hold(held, cx)
@@ -4250,6 +4249,14 @@ impl Body for Relay {
         match polled {
             Poll::Pending => {
                 if let Some(timer) = this.timer.as_mut() {
+                    // Registered with this task's waker and not fired: a poll (once a frame)
+                    // would only register the same waker again.
+                    let waker = cx.waker();
+                    if this.timer_waker.as_ref().is_some_and(|w| w.will_wake(waker))
+                        && !timer.is_elapsed()
+                    {
+                        return Poll::Pending;
+                    }
                     while timer.as_mut().poll(cx).is_ready() {
                         let due = due(this.read_timeout, this.deadline, this.last_frame);
                         if due <= tokio::time::Instant::now() {
@@ -4258,6 +4265,11 @@ impl Body for Relay {
                         // A frame came since it was set: silent for less than the timeout.
                         timer.as_mut().reset(due);
                     }
+                    // Its last poll registered the waker unless the task's budget was spent
+                    // (a pending poll gives back what it took; a spent one yields instead).
+                    this.timer_waker = tokio::task::coop::has_budget_remaining()
+                        .then(|| this.timer_waker.take().filter(|w| w.will_wake(waker)))
+                        .map(|kept| kept.unwrap_or_else(|| waker.clone()));
                 }
                 Poll::Pending
             }
@@ -4271,12 +4283,12 @@ impl Body for Relay {
                 // A Responses stream ends near its terminal event: a frame holding its line,
                 // or any part of it (split between frames), is held with what follows.
                 let (was_whole, was_ending) = (this.done.whole(), this.done.ending());
-                let word = this.received(&frame);
+                let soon = this.received(&frame);
                 let terminal = was_ending || this.done.ending() || was_whole != this.done.whole();
                 if this.done.whole() && this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.ended(true);
                 } else if let Some(data) = frame.data_ref().filter(|_| this.sse) {
-                    let tail = this.ends_near(data, terminal, word);
+                    let tail = this.ends_near(data, terminal, soon);
                     if tail || (gather && this.more_read()) {
                         let data = bytes::BytesMut::from(&data[..]);
                         return this.hold(Held { data, yields: 0, tail }, cx);
@@ -4596,6 +4608,239 @@ mod tests {
             };
             assert_eq!(got, 0);
             assert_eq!(info.tcpi_sacked as i32, asked.min(somaxconn));
+        }
+    }
+
+    /// The relay's scans of an SSE frame before [`sse_scan`] (one search of the frame for
+    /// each needle), kept as they were to check the one pass against.
+    mod before_one_pass {
+        use super::responses;
+
+        fn finder(needle: &'static [u8]) -> memchr::memmem::Finder<'static> {
+            memchr::memmem::Finder::new(needle)
+        }
+
+        /// `TokenCount::feed` of a Completions or Chat Completions answer: `(events, usage)`.
+        pub fn token_feed(count: &mut (u64, Option<u64>), data: &[u8], sse: bool) {
+            if sse {
+                let mut rest = data;
+                while let Some(at) = finder(b"data: ").find(rest) {
+                    rest = &rest[at + 6..];
+                    if !rest.starts_with(b"[DONE]") {
+                        count.0 += 1;
+                    }
+                }
+            }
+            if let Some(at) = finder(b"\"completion_tokens\":").find(data) {
+                let rest = &data[at + 20..];
+                let start = rest.iter().take_while(|b| **b == b' ').count();
+                let digits = rest[start..].iter().take_while(|b| b.is_ascii_digit()).count();
+                if let Ok(n) =
+                    std::str::from_utf8(&rest[start..start + digits]).unwrap_or("").parse()
+                {
+                    count.1 = Some(n);
+                }
+            }
+        }
+
+        pub fn has_done_word(data: &[u8]) -> bool {
+            finder(b"[DONE]").find(data).is_some()
+        }
+
+        pub struct DoneEvent {
+            tail: Vec<u8>,
+            line_ends: responses::LineEnds,
+        }
+
+        impl Default for DoneEvent {
+            fn default() -> Self {
+                DoneEvent { tail: b"\n".to_vec(), line_ends: responses::LineEnds::default() }
+            }
+        }
+
+        impl DoneEvent {
+            pub fn feed(&mut self, data: &[u8], word: bool) -> bool {
+                let data = self.line_ends.to_lf(data);
+                let (spaced, unspaced) = (finder(b"\ndata: [DONE]"), finder(b"\ndata:[DONE]"));
+                let keep = spaced.needle().len() - 1;
+                self.tail.extend_from_slice(&data[..data.len().min(keep)]);
+                let found =
+                    |bytes: &[u8]| spaced.find(bytes).is_some() || unspaced.find(bytes).is_some();
+                let across = memchr::memchr(b'[', &self.tail).is_some() && found(&self.tail);
+                if across || word && found(&data[..]) {
+                    return true;
+                }
+                if data.len() >= keep {
+                    self.tail.clear();
+                    self.tail.extend_from_slice(&data[data.len() - keep..]);
+                } else {
+                    let old = self.tail.len().saturating_sub(keep);
+                    self.tail.drain(..old);
+                }
+                false
+            }
+        }
+
+        pub fn ends_soon(data: &[u8], word: bool) -> bool {
+            if word && finder(b"data: [DONE]").find(data).is_some() {
+                return true;
+            }
+            let needle = finder(b"\"finish_reason\":");
+            let mut rest = data;
+            while let Some(at) = needle.find(rest) {
+                rest = &rest[at + needle.needle().len()..];
+                let value = rest.iter().position(|b| *b != b' ').map(|i| &rest[i..]).unwrap_or(&[]);
+                if value.first() == Some(&b'"') {
+                    return true;
+                }
+            }
+            false
+        }
+    }
+
+    /// Pieces of event streams, real and adversarial: events split anywhere, `[DONE]` in a
+    /// token's text, in a comment, without its space or its line, escaped quotes, usage
+    /// blocks with odd counts, the line ends SSE allows.
+    const STREAM_PIECES: &[&str] = &[
+        "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\
+         \"choices\":[{\"index\":0,\"text\":\" t1\",\"logprobs\":null,\"finish_reason\":null}]}\n\n",
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\
+         \"delta\":{\"content\":\"x\"},\"finish_reason\":\"length\"}]}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":8,\
+         \"total_tokens\":13}}\n\n",
+        "data: [DONE]\n\n",
+        "data:[DONE]\r\n\r\n",
+        "data: {\"text\":\"data: [DONE]\"}\n\n",
+        "data: {\"text\":\"\\\"finish_reason\\\":\\\"stop\\\" \\\"completion_tokens\\\":3\"}\n\n",
+        ": data: [DONE]\n",
+        "event: x data: [DONE]\n",
+        "data: ",
+        "data:",
+        "data",
+        "ata: ",
+        ":",
+        " ",
+        "[DONE]",
+        "[DON",
+        "E]",
+        "\n",
+        "\r",
+        "\r\n",
+        "\n\n",
+        "\"finish_reason\":",
+        "\"finish_reason\":  \"stop\"",
+        "\"finish_reason\": null",
+        "\"completion_tokens\":",
+        "\"completion_tokens\": 12",
+        "\"completion_tokens\":null",
+        "18446744073709551616",
+        "7",
+        "\"",
+        "\\\"",
+        "x",
+        "{\"choices\":[",
+        "data: [DONE]",
+    ];
+
+    /// What the relay's scans tell of a stream, frame by frame: the tokens and usage so
+    /// far, whether it is whole, whether the frame ends it or nearly.
+    type Told = Vec<(u64, Option<u64>, bool, bool)>;
+
+    /// The stream through [`Relay::received`] (an event stream of a completion, looking
+    /// for its `[DONE]`).
+    fn told_now(frames: &[&[u8]]) -> Told {
+        let mut answer = own(StatusCode::OK, "text/event-stream", Bytes::new());
+        let relay = answer.body_mut();
+        (relay.completion, relay.sse, relay.own) = (true, true, None);
+        relay.done = DoneScan::Looking(DoneEvent::default());
+        frames
+            .iter()
+            .map(|frame| {
+                let soon = relay.received(&Frame::data(Bytes::copy_from_slice(frame)));
+                let tokens = (relay.tokens.events, relay.tokens.usage);
+                (tokens.0, tokens.1, relay.done.whole(), soon)
+            })
+            .collect()
+    }
+
+    /// The same through the scans before [`sse_scan`].
+    fn told_before(frames: &[&[u8]]) -> Told {
+        let (mut tokens, mut done) = ((0, None), Some(before_one_pass::DoneEvent::default()));
+        frames
+            .iter()
+            .map(|frame| {
+                before_one_pass::token_feed(&mut tokens, frame, true);
+                let word = before_one_pass::has_done_word(frame);
+                if done.as_mut().is_some_and(|event| event.feed(frame, word)) {
+                    done = None;
+                }
+                (tokens.0, tokens.1, done.is_none(), before_one_pass::ends_soon(frame, word))
+            })
+            .collect()
+    }
+
+    /// `stream` cut into frames at `cuts` (positions, any order, repeats allowed).
+    fn frames_of(stream: &[u8], cuts: &[usize]) -> Vec<Vec<u8>> {
+        let mut at: Vec<usize> = cuts.iter().map(|c| c % (stream.len() + 1)).collect();
+        at.extend([0, stream.len()]);
+        at.sort_unstable();
+        at.windows(2).map(|w| stream[w[0]..w[1]].to_vec()).collect()
+    }
+
+    fn check_against_before(stream: &[u8], cuts: &[usize]) -> Result<(), String> {
+        let frames = frames_of(stream, cuts);
+        let frames: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        let (now, before) = (told_now(&frames), told_before(&frames));
+        if now != before {
+            return Err(format!("{frames:?}: {now:?} against {before:?}"));
+        }
+        // A whole answer's reading (`answer_whole`, `shows_its_end`): the stream at once.
+        let mut tokens = TokenCount::default();
+        let mut old = (0, None);
+        for sse in [true, false] {
+            tokens.feed(stream, sse);
+            before_one_pass::token_feed(&mut old, stream, sse);
+            if (tokens.events, tokens.usage) != old {
+                return Err(format!("whole, sse {sse}: {:?} against {old:?}", tokens.usage));
+            }
+        }
+        let whole_before = before_one_pass::DoneEvent::default()
+            .feed(stream, before_one_pass::has_done_word(stream));
+        if shows_its_end(stream, false) != whole_before {
+            return Err("whole: the end read differently".into());
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_one_pass_reads_every_piece_split_anywhere_as_the_searches_did() {
+        for piece in STREAM_PIECES {
+            let stream = piece.as_bytes();
+            for at in 0..=stream.len() {
+                check_against_before(stream, &[at]).unwrap();
+                check_against_before(stream, &[at, at + 1, at + 5]).unwrap();
+            }
+            let bytes: Vec<usize> = (0..stream.len()).collect();
+            check_against_before(stream, &bytes).unwrap();
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_one_pass_reads_any_stream_as_the_searches_did(
+            pieces in proptest::collection::vec(0..STREAM_PIECES.len(), 0..24),
+            noise in proptest::collection::vec(proptest::num::u8::ANY, 0..8),
+            cuts in proptest::collection::vec(0usize..4096, 0..12),
+        ) {
+            let mut stream: Vec<u8> =
+                pieces.iter().flat_map(|i| STREAM_PIECES[*i].bytes()).collect();
+            // A few arbitrary bytes in arbitrary places.
+            for (i, byte) in noise.iter().enumerate() {
+                let at = (usize::from(*byte) * (i + 7)) % (stream.len() + 1);
+                stream.insert(at, *byte);
+            }
+            let checked = check_against_before(&stream, &cuts);
+            proptest::prop_assert!(checked.is_ok(), "{}", checked.unwrap_err());
         }
     }
 }

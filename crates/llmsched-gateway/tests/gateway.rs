@@ -496,6 +496,11 @@ fn scripted_engine(answer: &'static [u8]) -> String {
 /// [`scripted_engine`] writing its answer in `parts`, `pause` apart (so each comes in a read
 /// of its own).
 fn paced_engine(parts: Vec<&'static [u8]>, pause: Duration) -> String {
+    lingering_engine(parts, pause, Duration::ZERO)
+}
+
+/// [`paced_engine`], silent for `linger` after its last part before it closes.
+fn lingering_engine(parts: Vec<&'static [u8]>, pause: Duration, linger: Duration) -> String {
     let listener = std::net::TcpListener::bind(local()).unwrap();
     let addr = listener.local_addr().unwrap();
     std::thread::spawn(move || {
@@ -540,6 +545,7 @@ fn paced_engine(parts: Vec<&'static [u8]>, pause: Duration) -> String {
                         return;
                     }
                 }
+                std::thread::sleep(linger);
             });
         }
     });
@@ -655,11 +661,16 @@ fn events_read_together_leave_together_whole_and_in_order() {
 /// A gateway on one current-thread runtime (as `llmsched serve` runs it, so the turns are
 /// deterministic) in front of `engine`.
 fn one_thread_gateway(engine: String) -> (SocketAddr, Arc<Counters>) {
+    one_thread_gateway_with(config(vec![engine], "round-robin"))
+}
+
+/// [`one_thread_gateway`] with this configuration.
+fn one_thread_gateway_with(config: GatewayConfig) -> (SocketAddr, Arc<Counters>) {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async move {
-            let handle = start(local(), config(vec![engine], "round-robin")).await.unwrap();
+            let handle = start(local(), config).await.unwrap();
             tx.send((handle.addr, handle.counters)).unwrap();
             std::future::pending::<()>().await
         });
@@ -707,6 +718,32 @@ fn events_read_together_after_the_head_leave_together() {
     assert_eq!(body.len(), 2, "{:?}", shown());
     assert_eq!(body[0], sent[0], "{:?}", shown());
     assert_eq!(reaches(1, || counters.completed.load(Ordering::Relaxed)), 1);
+}
+
+#[test]
+fn a_stream_that_falls_silent_after_its_timer_moved_on_is_cut() {
+    // Four events 120 ms apart under a 0.3 s read timeout: the timer fires mid-stream, finds a
+    // frame since, and is moved on (polled between frames only once it fires); then the
+    // engine falls silent without `[DONE]` and holds the connection open for longer than the
+    // client waits: only the timer can end the answer, with the events and the error event.
+    let events = sse_events(4);
+    let mut parts: Vec<&'static [u8]> = vec![CHUNKED_SSE.as_bytes()];
+    for event in &events[..4] {
+        parts.push(Box::leak(as_chunks(std::slice::from_ref(event)).into_boxed_str()).as_bytes());
+    }
+    let engine = lingering_engine(parts, Duration::from_millis(120), Duration::from_secs(30));
+    let (addr, counters) = one_thread_gateway_with(GatewayConfig {
+        read_timeout_s: Some(0.3),
+        ..config(vec![engine], "round-robin")
+    });
+    let raw = post(addr, "/v1/completions", r#"{"prompt":"x","stream":true}"#);
+    assert_eq!(raw.status(), 200);
+    let body = String::from_utf8_lossy(raw.body()).to_string();
+    for i in 0..4 {
+        assert!(body.contains(&format!("\" t{i}\"")), "{body}");
+    }
+    assert!(body.contains("upstream_error") && !body.contains("[DONE]"), "{body}");
+    assert_eq!(reaches(1, || counters.truncated.total()), 1);
 }
 
 #[test]

@@ -1,0 +1,183 @@
+//! One pass over a frame of a Completions or Chat Completions event stream, finding all the
+//! relay reads in it: the `data: ` events (the output tokens), the usage block's
+//! `"completion_tokens":`, `data: [DONE]` (and whether it starts a line: the stream's end
+//! event) and a string `"finish_reason":` (the last token's, the stream's end near).
+//!
+//! Every one of these holds a `:`, once, so the frame is searched for that byte alone (16
+//! bytes at a time, [`colons`]) and each hit is told apart by the bytes around it; the
+//! searches of each needle over the whole frame (four to six a frame) are gone.
+
+/// What [`scan`] found in a frame.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Found {
+    /// `data: ` fields but `data: [DONE]`, anywhere in the frame (one token each).
+    pub events: u64,
+    /// The count after the frame's first `"completion_tokens":` (spaces skipped), when it has
+    /// one that a `u64` holds.
+    pub usage: Option<u64>,
+    /// Whether the frame holds `data: [DONE]`.
+    pub done_field: bool,
+    /// Whether the frame holds `\ndata: [DONE]` or `\ndata:[DONE]` (the `[DONE]` event, its
+    /// line started within the frame; line ends made LF by the caller).
+    pub done_line: bool,
+    /// Whether a `"finish_reason":` has a string value (spaces skipped).
+    pub finish: bool,
+}
+
+impl Found {
+    /// Whether the stream's end is near: `data: [DONE]`, or the last token's
+    /// `finish_reason`.
+    pub(crate) fn ends_soon(&self) -> bool {
+        self.done_field || self.finish
+    }
+}
+
+/// Scans an SSE frame once ([`Found`]).
+pub(crate) fn scan(data: &[u8]) -> Found {
+    let mut found = Found::default();
+    let mut usage_read = false;
+    let mut chunks = data.chunks_exact(16);
+    let mut base = 0;
+    loop {
+        let mut bits = match chunks.next() {
+            Some(chunk) => colons(chunk.try_into().unwrap_or(&[0; 16])),
+            None => {
+                // The last bytes, padded (a zero is no `:`).
+                let rest = chunks.remainder();
+                let mut last = [0; 16];
+                last[..rest.len()].copy_from_slice(rest);
+                colons(&last)
+            }
+        };
+        while bits != 0 {
+            let at = base + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            colon(data, at, &mut found, &mut usage_read);
+        }
+        base += 16;
+        if base >= data.len() {
+            return found;
+        }
+    }
+}
+
+/// Tells what the `:` at `at` of `data` is ([`scan`]).
+#[inline]
+fn colon(data: &[u8], at: usize, found: &mut Found, usage_read: &mut bool) {
+    let (before, after) = (&data[..at], &data[at + 1..]);
+    match before {
+        [.., b'd', b'a', b't', b'a'] => {
+            let (spaced, value) = match after {
+                [b' ', rest @ ..] => (true, rest),
+                _ => (false, after),
+            };
+            if !value.starts_with(b"[DONE]") {
+                found.events += u64::from(spaced);
+                return;
+            }
+            found.done_field |= spaced;
+            found.done_line |= before.len() > 4 && before[before.len() - 5] == b'\n';
+        }
+        [.., b'n', b'"'] if before.ends_with(b"\"finish_reason\"") => {
+            found.finish |= after.iter().find(|b| **b != b' ') == Some(&b'"');
+        }
+        [.., b's', b'"'] if !*usage_read && before.ends_with(b"\"completion_tokens\"") => {
+            *usage_read = true;
+            found.usage = count(after);
+        }
+        _ => {}
+    }
+}
+
+/// Bit `i` set where `chunk[i]` is a `:` (SSE2, which every x86-64 processor has).
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+#[inline]
+fn colons(chunk: &[u8; 16]) -> u32 {
+    use std::arch::x86_64::{_mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8};
+    // SAFETY: SSE2 is enabled at compile time (the `cfg` above), and the load reads the 16
+    // bytes of `chunk` (unaligned loads allowed).
+    unsafe {
+        let bytes = _mm_loadu_si128(chunk.as_ptr().cast());
+        _mm_movemask_epi8(_mm_cmpeq_epi8(bytes, _mm_set1_epi8(b':' as i8))) as u32
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+fn colons(chunk: &[u8; 16]) -> u32 {
+    colons_portable(chunk)
+}
+
+/// [`colons`] eight bytes at a time in a `u64`, without SIMD.
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "sse2", not(test)), allow(dead_code))]
+fn colons_portable(chunk: &[u8; 16]) -> u32 {
+    let word = |half: &[u8]| {
+        let x = u64::from_le_bytes(half.try_into().unwrap_or([0; 8])) ^ 0x3a3a_3a3a_3a3a_3a3a;
+        // The high bit of each byte that is zero (exactly: no borrow between bytes).
+        let high =
+            !(((x & 0x7f7f_7f7f_7f7f_7f7f) + 0x7f7f_7f7f_7f7f_7f7f) | x | 0x7f7f_7f7f_7f7f_7f7f);
+        // Those eight bits gathered into one byte, byte i's as bit i.
+        (((high >> 7).wrapping_mul(0x0102_0408_1020_4080)) >> 56) as u32
+    };
+    word(&chunk[..8]) | word(&chunk[8..]) << 8
+}
+
+/// The count at the start of `value` (after spaces), as `u64`.
+pub(crate) fn count(value: &[u8]) -> Option<u64> {
+    let start = value.iter().take_while(|b| **b == b' ').count();
+    let digits = value[start..].iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&value[start..start + digits]).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chunk_of_events_is_read_in_one_pass() {
+        let frame = b"data: {\"choices\":[{\"text\":\"a\",\"finish_reason\":null}]}\n\n\
+            data: {\"choices\":[{\"text\":\"b\",\"finish_reason\": \"length\"}]}\n\n\
+            data: {\"choices\":[],\"usage\":{\"completion_tokens\": 2}}\n\ndata: [DONE]\n\n";
+        let found = scan(frame);
+        assert_eq!(
+            found,
+            Found { events: 3, usage: Some(2), done_field: true, done_line: true, finish: true }
+        );
+        assert!(found.ends_soon());
+    }
+
+    #[test]
+    fn done_inside_a_token_or_unspaced_or_at_the_start_is_told_apart() {
+        // In a token's text: the field but no line.
+        let found = scan(b"data: {\"text\":\"data: [DONE]\"}\n\n");
+        assert_eq!((found.events, found.done_field, found.done_line), (1, true, false));
+        // Without the space: the line (after a newline) but not the field.
+        let found = scan(b"\n\ndata:[DONE]\n\n");
+        assert_eq!((found.events, found.done_field, found.done_line), (0, false, true));
+        // At the frame's start the line is the caller's to tell (the bytes before).
+        let found = scan(b"data: [DONE]\n\n");
+        assert_eq!((found.events, found.done_field, found.done_line), (0, true, false));
+        // A null finish reason, an escaped quote's `:`, and a key ending alike: none.
+        let found = scan(b"data: {\"x\\\":\":1,\"finish_reason\": null,\"reason\":\"a\"}");
+        assert_eq!(found, Found { events: 1, ..Found::default() });
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn colons_are_found_with_simd_as_without(chunk in proptest::array::uniform16(
+            proptest::sample::select(vec![b':', b'9', b'z', 0, 0xba, 0x3b, 0x39, 0xff])
+        )) {
+            let slow = chunk.iter().enumerate().fold(0, |m, (i, b)| m | u32::from(*b == b':') << i);
+            proptest::prop_assert_eq!(colons(&chunk), slow);
+            proptest::prop_assert_eq!(colons_portable(&chunk), slow);
+        }
+    }
+
+    #[test]
+    fn the_first_usage_count_is_read_even_without_digits() {
+        assert_eq!(scan(b"{\"completion_tokens\":  17,\"x\":1}").usage, Some(17));
+        let first_null = b"{\"completion_tokens\":null},{\"completion_tokens\":3}";
+        assert_eq!(scan(first_null).usage, None);
+        assert_eq!(scan(b"{\"completion_tokens\":18446744073709551616}").usage, None);
+        assert_eq!(scan(b"{\"completion_tokens\":").usage, None);
+    }
+}
