@@ -64,6 +64,7 @@ pub mod conversation;
 pub mod flow;
 pub mod guards;
 pub mod health;
+mod json_scan;
 pub mod kv_events;
 pub mod metrics;
 pub mod payload;
@@ -3136,7 +3137,7 @@ fn prompt_tokens(
         return Ok(pack_text(text.as_bytes()));
     }
     let raw = payload.raw("prompt").ok_or(BAD_PROMPT)?;
-    if let Some(text) = payload::as_str(raw) {
+    if let Some(text) = payload.str("prompt") {
         return Ok(pack_text(text.as_bytes()));
     }
     // Token ids, or a batch (small next to a text prompt): read whole.
