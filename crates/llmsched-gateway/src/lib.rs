@@ -1256,8 +1256,13 @@ async fn scrape_once(gateway: &Gateway, upstream: &Upstream, timeout: Duration) 
         // Bounded, as the Python plane bounds it: an endless body is a failed scrape, not
         // gigabytes held.
         let body = Limited::new(answer.into_body(), MAX_SCRAPE_BYTES).collect().await.ok()?;
-        // A label in another encoding (Latin-1) is not what a load figure needs.
-        Some(String::from_utf8_lossy(&body.to_bytes()).into_owned())
+        // A label in another encoding (Latin-1) is not what a load figure needs. (Checked as
+        // UTF-8 first: the lossy reading goes a byte at a time even through ASCII.)
+        let bytes = body.to_bytes();
+        Some(match std::str::from_utf8(&bytes) {
+            Ok(text) => text.to_owned(),
+            Err(_) => String::from_utf8_lossy(&bytes).into_owned(),
+        })
     };
     match tokio::time::timeout(timeout, fetch).await {
         Ok(Some(text)) => metrics_text::parse(&text).map_or(Scraped::Failed, Scraped::Answered),
