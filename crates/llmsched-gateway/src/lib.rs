@@ -64,6 +64,7 @@ pub mod conversation;
 pub mod flow;
 pub mod guards;
 pub mod health;
+mod json_scan;
 pub mod kv_events;
 pub mod metrics;
 pub mod payload;
@@ -101,7 +102,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use llmsched_core::flow::EndpointMetrics;
-use llmsched_core::hashing::text::pack_text;
+use llmsched_core::hashing::text::{pack_text, packed_len};
 use llmsched_core::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
 use llmsched_core::routing::{
     metrics_text, parse_config, presets, Decision, Endpoint, EndpointPool, RequestMeta, Router,
@@ -1256,8 +1257,13 @@ async fn scrape_once(gateway: &Gateway, upstream: &Upstream, timeout: Duration) 
         // Bounded, as the Python plane bounds it: an endless body is a failed scrape, not
         // gigabytes held.
         let body = Limited::new(answer.into_body(), MAX_SCRAPE_BYTES).collect().await.ok()?;
-        // A label in another encoding (Latin-1) is not what a load figure needs.
-        Some(String::from_utf8_lossy(&body.to_bytes()).into_owned())
+        // A label in another encoding (Latin-1) is not what a load figure needs. (Checked as
+        // UTF-8 first: the lossy reading goes a byte at a time even through ASCII.)
+        let bytes = body.to_bytes();
+        Some(match std::str::from_utf8(&bytes) {
+            Ok(text) => text.to_owned(),
+            Err(_) => String::from_utf8_lossy(&bytes).into_owned(),
+        })
     };
     match tokio::time::timeout(timeout, fetch).await {
         Ok(Some(text)) => metrics_text::parse(&text).map_or(Scraped::Failed, Scraped::Answered),
@@ -1460,9 +1466,12 @@ impl Gateway {
     /// Decides for a prompt of `tokens`. A router that reads nothing of the prefix index
     /// decides on no block hashes (unless `record_unread_prefixes`): hashing, matching and
     /// recording them would change no decision of its, only the index's approximate records.
+    /// `ids`: how many the prompt has (`tokens.len()`, unless the ids were not packed for a
+    /// router that hashes none).
     fn decide(
         &self,
         tokens: &[u32],
+        ids: usize,
         meta: &RequestMeta,
         now: f64,
     ) -> Result<Decision, RoutingError> {
@@ -1470,7 +1479,7 @@ impl Gateway {
         if self.hashes_prompts {
             router.decide(tokens, meta, now)
         } else {
-            router.decide_hashes(Vec::new(), tokens.len() as u64, meta, now)
+            router.decide_hashes(Vec::new(), ids as u64, meta, now)
         }
     }
 
@@ -2171,7 +2180,7 @@ impl Gateway {
         } else {
             self.request_prompt(&payload, &raw, route)?
         };
-        let Prompt { tokens, size: prompt_size, previous } = prompt;
+        let Prompt { tokens, ids, size: prompt_size, previous } = prompt;
         let sse = payload.stream();
         let limiter = limited(&identity, prompt_size as u64)?;
         let retry_after = self.config.retry_after_s.to_string();
@@ -2270,7 +2279,7 @@ impl Gateway {
                 route,
                 identity.tenant.clone(),
                 identity.priority,
-                tokens.len(),
+                ids,
                 meta,
                 sse,
                 deadline,
@@ -2280,7 +2289,7 @@ impl Gateway {
         }
         let router = self.router();
         let before = monotonic();
-        let decided = self.decide(&tokens, &meta, before);
+        let decided = self.decide(&tokens, ids, &meta, before);
         self.counters.histograms.decision.observe(monotonic() - before);
         let decision = match decided {
             Ok(decision) => decision,
@@ -2582,8 +2591,18 @@ impl Gateway {
         if route == "responses" {
             return self.responses_prompt(payload, raw);
         }
-        let tokens = self.prompt_tokens(payload, route == "chat")?;
-        Ok(Prompt { size: tokens.len(), tokens, previous: None })
+        let chat = route == "chat";
+        if !chat && !self.hashes_prompts && self.tokenizer.is_none() {
+            // A router that hashes no prompt is told only its size: a text prompt's ids are
+            // counted, not packed (as `prompt_tokens` would pack them; an empty prompt is
+            // refused there).
+            if let Some(text) = payload.str("prompt").filter(|text| !text.is_empty()) {
+                let size = packed_len(text.len());
+                return Ok(Prompt { tokens: Vec::new(), size, ids: size, previous: None });
+            }
+        }
+        let tokens = self.prompt_tokens(payload, chat)?;
+        Ok(Prompt { size: tokens.len(), ids: tokens.len(), tokens, previous: None })
     }
 
     /// The prompt of a `POST /v1/responses` request: the chat request vLLM makes of it
@@ -2601,7 +2620,7 @@ impl Gateway {
     fn responses_prompt(&self, payload: &Payload<'_>, raw: &[u8]) -> Result<Prompt, Refusal> {
         let unhashed = |size: usize| {
             self.counters.responses_unhashed.fetch_add(1, Ordering::Relaxed);
-            Ok(Prompt { tokens: Vec::new(), size, previous: None })
+            Ok(Prompt { tokens: Vec::new(), ids: 0, size, previous: None })
         };
         let previous = match payload.raw("previous_response_id") {
             None => None,
@@ -2624,18 +2643,20 @@ impl Gateway {
             None => raw.len() / 4,
         };
         if previous.is_some() {
-            return Ok(Prompt { tokens: Vec::new(), size, previous });
+            return Ok(Prompt { tokens: Vec::new(), ids: 0, size, previous });
         }
         let Some(body) = body else { return unhashed(size) };
         let Some(chat) = responses::chat_request_of(&body) else { return unhashed(size) };
         if chat["messages"].as_array().is_none_or(Vec::is_empty) {
             // Nothing to hash (and nothing vLLM would render but a generation prompt).
-            return Ok(Prompt { tokens: Vec::new(), size: 0, previous: None });
+            return Ok(Prompt { tokens: Vec::new(), ids: 0, size: 0, previous: None });
         }
         let Ok(text) = serde_json::to_vec(&chat) else { return unhashed(size) };
         let Ok(payload) = Payload::parse(&text) else { return unhashed(size) };
         match self.prompt_tokens(&payload, true) {
-            Ok(tokens) => Ok(Prompt { size: tokens.len(), tokens, previous: None }),
+            Ok(tokens) => {
+                Ok(Prompt { size: tokens.len(), ids: tokens.len(), tokens, previous: None })
+            }
             Err(_) => unhashed(size),
         }
     }
@@ -3046,8 +3067,12 @@ impl Drop for LookupWaiter<'_> {
 
 /// A request's prompt as routed.
 struct Prompt {
-    /// The ids the router hashes (none for a prompt not hashed).
+    /// The ids the router hashes (none for a prompt not hashed, or for a router that hashes
+    /// none).
     tokens: Vec<u32>,
+    /// How many ids the router is told the prompt has: `tokens`', or as many as there would
+    /// be for a router that hashes none.
+    ids: usize,
     /// Its size in tokens for the key's limits and flow control (estimated when not hashed).
     size: usize,
     /// A responses request's `previous_response_id`.
@@ -3137,7 +3162,7 @@ fn prompt_tokens(
         return Ok(pack_text(text.as_bytes()));
     }
     let raw = payload.raw("prompt").ok_or(BAD_PROMPT)?;
-    if let Some(text) = payload::as_str(raw) {
+    if let Some(text) = payload.str("prompt") {
         return Ok(pack_text(text.as_bytes()));
     }
     // Token ids, or a batch (small next to a text prompt): read whole.

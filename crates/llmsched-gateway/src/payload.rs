@@ -24,6 +24,8 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use serde_json::value::RawValue;
 use serde_json::Value;
 
+use crate::json_scan;
+
 /// Deepest nesting of arrays and objects accepted (chat content parts and tool schemas need a
 /// few levels).
 pub const MAX_DEPTH: usize = 64;
@@ -108,6 +110,9 @@ const FIELDS: [&str; 23] = [
 pub struct Payload<'a> {
     raw: &'a [u8],
     fields: [Option<&'a RawValue>; FIELDS.len()],
+    /// Bit `i` set: field `i` is known to be a string without an escape (known only when
+    /// read the fast way).
+    plain: u32,
 }
 
 impl fmt::Debug for Payload<'_> {
@@ -125,6 +130,44 @@ impl fmt::Debug for Payload<'_> {
 impl<'a> Payload<'a> {
     /// Reads `raw` (see the module docs for what is refused).
     pub fn parse(raw: &'a [u8]) -> Result<Payload<'a>, Problem> {
+        match Payload::parse_plain(raw) {
+            Some(payload) => Ok(payload),
+            None => Payload::parse_checked(raw),
+        }
+    }
+
+    /// The usual body (JSON without an escaped key or a surrogate escape, nested at most
+    /// [`MAX_DEPTH`] deep) read by [`json_scan::object_members`], which crosses long strings
+    /// faster than serde_json; None for any other, which [`Payload::parse_checked`] reads.
+    fn parse_plain(raw: &'a [u8]) -> Option<Payload<'a>> {
+        let mut spans = [None; FIELDS_LEN];
+        let mut plain = 0u32;
+        json_scan::object_members(raw, MAX_DEPTH, |key, start, end, escaped| {
+            // A repeated key keeps its last value, as a parse into `Value` does.
+            if let Some(i) = FIELDS.iter().position(|name| name.as_bytes() == key) {
+                spans[i] = Some((start, end));
+                let string = raw[start] == b'"' && !escaped;
+                plain = (plain & !(1 << i)) | (u32::from(string) << i);
+            }
+        })?;
+        let mut fields = [None; FIELDS_LEN];
+        for (field, span) in fields.iter_mut().zip(spans) {
+            if let Some((start, end)) = span {
+                // The scan checked the text as UTF-8 (all of it ASCII, or checked whole), and
+                // a value starts and ends at ASCII bytes (its first byte, and a quote,
+                // bracket, letter or digit last): a character boundary each.
+                let bytes = &raw[start..end];
+                debug_assert!(std::str::from_utf8(bytes).is_ok());
+                // SAFETY: as said above, `bytes` is UTF-8.
+                let text = unsafe { std::str::from_utf8_unchecked(bytes) };
+                *field = Some(checked_raw(text)?);
+            }
+        }
+        Some(Payload { raw, fields, plain })
+    }
+
+    /// Reads `raw` with serde_json, naming why a body is refused.
+    fn parse_checked(raw: &'a [u8]) -> Result<Payload<'a>, Problem> {
         // Checked once here: parsed as text, serde_json checks no raw value again.
         let Ok(text) = std::str::from_utf8(raw) else { return Err(Problem::NotJson) };
         // serde_json skips the members it does not keep without a recursion limit: the
@@ -155,7 +198,7 @@ impl<'a> Payload<'a> {
         if deep.is_some() {
             return Err(Problem::Nested);
         }
-        Ok(Payload { raw, fields })
+        Ok(Payload { raw, fields, plain: 0 })
     }
 
     /// The field's JSON text, when the body has it (`null` included).
@@ -171,7 +214,14 @@ impl<'a> Payload<'a> {
 
     /// The field when it is a JSON string (borrowed unless it has escapes).
     pub fn str(&self, name: &str) -> Option<Cow<'a, str>> {
-        self.raw(name).and_then(as_str)
+        let i = FIELDS.iter().position(|f| *f == name)?;
+        let raw = self.fields[i]?;
+        if self.plain & (1 << i) != 0 {
+            // Known to be a string without an escape: the text between its quotes.
+            let text = raw.get();
+            return Some(Cow::Borrowed(&text[1..text.len() - 1]));
+        }
+        as_str(raw)
     }
 
     /// Whether the body asks for a streamed answer (`"stream": true`).
@@ -186,6 +236,21 @@ impl<'a> Payload<'a> {
 }
 
 const FIELDS_LEN: usize = FIELDS.len();
+const _: () = assert!(FIELDS_LEN <= 32, "Payload::plain has a bit per field");
+
+/// `text`, a JSON value's text already checked, as a `&RawValue` borrowing it, without
+/// reading it again. serde_json builds one only as it parses (its constructor from a borrowed
+/// text is private); the same borrowed text goes through the protocol its own deserializer
+/// uses to hand one over (a map of one member named by its marker, the text as a borrowed
+/// string). Should that protocol ever change, this is None and the body is read the slow way
+/// (`the_usual_body_is_read_the_fast_way` fails).
+fn checked_raw(text: &str) -> Option<&RawValue> {
+    use serde::de::value::{BorrowedStrDeserializer, Error, MapDeserializer};
+    const RAW_VALUE_MARKER: &str = "$serde_json::private::RawValue";
+    let member = (RAW_VALUE_MARKER, BorrowedStrDeserializer::<Error>::new(text));
+    let handed = MapDeserializer::<_, Error>::new(std::iter::once(member));
+    serde::Deserialize::deserialize(handed).ok()
+}
 
 /// `raw` as a string when it is a JSON string.
 pub fn as_str(raw: &RawValue) -> Option<Cow<'_, str>> {
@@ -651,6 +716,10 @@ mod tests {
         for text in ["[]", "[1, {\"a\": 2}]", "3", "\"s\"", "true", "null", "[\"\\udfff\"]"] {
             assert_eq!(parse(text).unwrap_err(), Problem::NotObject, "{text:?}");
         }
+        // Text like a surrogate escape after an escaped backslash has the body parsed whole,
+        // which refuses a number past f64's range (that is accepted otherwise).
+        assert_eq!(parse(r#"{"a": "\\ud800", "b": 1e400}"#).unwrap_err(), Problem::NotJson);
+        assert!(parse(r#"{"a": "\\ud800", "b": 1}"#).is_ok());
         // Paired surrogates are text.
         let payload = parse(r#"{"prompt": "\ud83d\ude00", "x": "\uD83D\uDE00"}"#).unwrap();
         assert_eq!(payload.str("prompt").as_deref(), Some("\u{1F600}"));
@@ -763,6 +832,127 @@ mod tests {
         assert_eq!(fields[1].and_then(as_str).as_deref(), Some("x"));
         assert!(object_fields(items[1], &["role"]).unwrap().is_none());
         assert!(array_items(items[1]).is_none());
+    }
+
+    #[test]
+    fn the_usual_body_is_read_the_fast_way() {
+        let prompt = format!("Session 1: {}turn 2 caf\u{e9} \\n \\u00e9", "context ".repeat(200));
+        let body = format!(
+            r#"{{"model": "m", "prompt": "{prompt}", "max_tokens": 16,
+            "stream": false, "other": {{"k": [1, -2.5e3, true, null, "\ud83d\ude00"]}}}}"#
+        );
+        // Without a surrogate escape (the other member's is left to the slow reading).
+        let plain = body.replace(r"\ud83d\ude00", "x");
+        let payload = Payload::parse_plain(plain.as_bytes()).expect("read the fast way");
+        assert_eq!(payload.raw("prompt").map(RawValue::get), Some(&*format!("\"{prompt}\"")));
+        assert_eq!(payload.str("model").as_deref(), Some("m"));
+        assert_eq!(payload.value("max_tokens").unwrap().unwrap(), serde_json::json!(16));
+        assert!(!payload.stream());
+        assert!(payload.raw("messages").is_none());
+        assert!(Payload::parse_plain(body.as_bytes()).is_none());
+        assert_eq!(
+            format!("{:?}", Payload::parse(body.as_bytes()).unwrap()),
+            format!("{:?}", payload)
+        );
+    }
+
+    /// A body as [`Payload::parse`] reads it, and as serde_json alone reads it.
+    fn both_readings(raw: &[u8]) -> (Result<String, Problem>, Result<String, Problem>) {
+        // Each field's text, and each as a string (the fast reading knows some are plain).
+        let shown = |payload: Payload<'_>| {
+            let strings: Vec<_> = FIELDS.iter().map(|name| payload.str(name)).collect();
+            format!("{payload:?} {strings:?}")
+        };
+        (Payload::parse(raw).map(shown), Payload::parse_checked(raw).map(shown))
+    }
+
+    /// JSON objects of the fields the gateway reads and others, their values of any shape
+    /// (strings with and without escapes, past ASCII, long; numbers of any size), with
+    /// whitespace or none around the separators.
+    fn body_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let string = prop_oneof![
+            any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap()),
+            "[ -~]{0,40}".prop_map(|s| serde_json::to_string(&s).unwrap()),
+            "[a-z ]{0,300}".prop_map(|s| format!("\"{s}\"")),
+            Just(r#""\/\b\f\n\r\t\"\\ \u00E9 \u0000 \\ud800""#.to_owned()),
+            Just(r#""\ud83d\ude00""#.to_owned()),
+            Just(r#""\udc00""#.to_owned()),
+        ];
+        let leaf = prop_oneof![
+            Just("null".to_owned()),
+            any::<bool>().prop_map(|b| b.to_string()),
+            any::<i64>().prop_map(|i| i.to_string()),
+            any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(|f| format!("{f:e}")),
+            prop::sample::select(vec![
+                "0",
+                "-0",
+                "1e400",
+                "-1.5E-3",
+                "0.0e+0",
+                "123456789012345678901234"
+            ])
+            .prop_map(str::to_owned),
+            string.clone(),
+        ];
+        let value = leaf.prop_recursive(3, 32, 5, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..5)
+                    .prop_map(|items| format!("[{}]", items.join(","))),
+                prop::collection::vec(("[a-z]{1,3}", inner), 0..5).prop_map(|members| {
+                    let members: Vec<String> =
+                        members.into_iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+                    format!("{{{}}}", members.join(","))
+                }),
+            ]
+        });
+        let key = prop_oneof![
+            prop::sample::select(FIELDS.to_vec()).prop_map(|k| format!("\"{k}\"")),
+            "[a-z_]{1,8}".prop_map(|k| format!("\"{k}\"")),
+            Just(r#""mod\u0065l""#.to_owned()),
+            string,
+        ];
+        let spaces = prop::sample::select(vec!["", " ", "\n\t ", "\r"]);
+        (prop::collection::vec((key, value), 0..8), spaces).prop_map(|(members, space)| {
+            let members: Vec<String> =
+                members.into_iter().map(|(k, v)| format!("{space}{k}{space}:{space}{v}")).collect();
+            format!("{space}{{{}{space}}}{space}", members.join(","))
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_body_reads_as_serde_json_reads_it(
+            text in body_text(),
+            edits in proptest::collection::vec(
+                (
+                    proptest::prelude::any::<proptest::sample::Index>(),
+                    0..3u8,
+                    proptest::sample::select(
+                        b"\"\\\x01\x1f\x7f\xff\xc3\xa9u{}[],:0-.eE d8 ".to_vec(),
+                    ),
+                ),
+                0..3,
+            ),
+        ) {
+            // The text as generated (JSON), then with bytes replaced, inserted or removed.
+            let (ours, theirs) = both_readings(text.as_bytes());
+            proptest::prop_assert_eq!(ours, theirs);
+            let mut raw = text.into_bytes();
+            for (at, edit, byte) in edits {
+                let at = at.index(raw.len() + 1);
+                match edit {
+                    0 if at < raw.len() => raw[at] = byte,
+                    1 => raw.insert(at, byte),
+                    _ if at < raw.len() => {
+                        raw.remove(at);
+                    }
+                    _ => {}
+                }
+            }
+            let (ours, theirs) = both_readings(&raw);
+            proptest::prop_assert_eq!(ours, theirs);
+        }
     }
 
     #[test]

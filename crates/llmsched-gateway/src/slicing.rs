@@ -415,7 +415,7 @@ impl Gateway {
                 .map_err(|e| SliceFailed(format!("the continuation cannot be routed: {e}")))?;
             let router = self.router();
             let before = monotonic();
-            let decided = self.decide(&tokens, &run.meta, before);
+            let decided = self.decide(&tokens, tokens.len(), &run.meta, before);
             self.counters.histograms.decision.observe(monotonic() - before);
             let decision = match decided {
                 Ok(decision) => decision,

@@ -36,6 +36,11 @@ pub fn pack_text(text: &[u8]) -> Vec<u32> {
     out
 }
 
+/// How many pseudo-tokens [`pack_text`] makes of `bytes` bytes of text.
+pub fn packed_len(bytes: usize) -> usize {
+    bytes.div_ceil(BYTES_PER_TOKEN)
+}
+
 /// Chained xxh3 hashes of `text`'s pseudo-token blocks (see the module docs).
 pub fn text_chain_hashes(
     text: &[u8],
@@ -74,6 +79,9 @@ mod tests {
         assert_eq!(pack_text(b""), Vec::<u32>::new());
         assert_eq!(pack_text(b"abcd"), vec![u32::from_le_bytes(*b"abcd")]);
         assert_eq!(pack_text(b"abcde"), vec![u32::from_le_bytes(*b"abcd"), u32::from(b'e')]);
+        for n in 0..10 {
+            assert_eq!(packed_len(n), pack_text(&vec![b'x'; n]).len(), "{n} bytes");
+        }
         // Every tail length, against packing byte by byte.
         let text: Vec<u8> = (1..=23).collect();
         for n in 0..text.len() {

@@ -41,7 +41,7 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
     let mut old_kv: (f64, u32) = (0.0, 0);
     let mut lora: Option<(f64, LoraState)> = None;
     let mut block_size = None;
-    for (n, line) in text.lines().enumerate() {
+    for (n, line) in lines(text).enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
@@ -149,7 +149,7 @@ pub fn parse_engine(text: &str) -> Result<EngineMetrics, RoutingError> {
     let mut kv = [(0.0f64, 0u32); 3];
     let mut lora: Option<(f64, LoraState)> = None;
     let mut out = EngineMetrics::default();
-    for (n, line) in text.lines().enumerate() {
+    for (n, line) in lines(text).enumerate() {
         let line = line.trim();
         if line.starts_with('#') {
             continue;
@@ -240,8 +240,35 @@ fn lora_state(labels: &[(&str, String)]) -> LoraState {
 }
 
 /// The metric name a sample line starts with.
+/// The lines of `text` as `str::lines` splits them (at `\n`, less a `\r` before it), each end
+/// found by `memchr`, which searches a vector at a time (`str::lines` a word at a time).
+fn lines(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let Some(end) = memchr::memchr(b'\n', rest.as_bytes()) else {
+            return Some(std::mem::take(&mut rest));
+        };
+        let line = &rest[..end];
+        rest = &rest[end + 1..];
+        Some(line.strip_suffix('\r').unwrap_or(line))
+    })
+}
+
 fn name_of(line: &str) -> Option<&str> {
-    line.find(|c: char| c == '{' || c.is_whitespace()).map(|end| &line[..end])
+    let ends = |c: char| c == '{' || c.is_whitespace();
+    // A byte at a time while the line is ASCII (its whitespace is `char::is_whitespace`'s
+    // below 0x80); past it, a character at a time.
+    for (at, &byte) in line.as_bytes().iter().enumerate() {
+        match byte {
+            b'{' | b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r' => return Some(&line[..at]),
+            0x80.. => return line[at..].find(ends).map(|end| &line[..at + end]),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// One `name{labels} value [timestamp]` line; of its labels, those named in `keep`.
@@ -313,6 +340,54 @@ fn skip_value(body: &[u8]) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn lines_split_as_str_lines_splits_them() {
+        for text in [
+            "",
+            "\n",
+            "a",
+            "a\n",
+            "a\r\n",
+            "a\r",
+            "a\n\nb",
+            "a\r\r\nb\r",
+            "\r\n\r\n",
+            "a\rb\n\u{e9}\n",
+        ] {
+            let ours: Vec<&str> = super::lines(text).collect();
+            assert_eq!(ours, text.lines().collect::<Vec<_>>(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn a_name_ends_where_a_character_search_ends_it() {
+        let slow = |line: &str| {
+            line.find(|c: char| c == '{' || c.is_whitespace()).map(|end| line[..end].to_owned())
+        };
+        for line in [
+            "",
+            "a",
+            "a b",
+            "a{b=\"1\"} 2",
+            "a\tb",
+            "a\x0bb",
+            "a\x0cb",
+            "a\rb",
+            "a\nb",
+            "\u{e9}a b",
+            "a\u{e9}\u{a0}b",
+            "a\u{85}b",
+            "a\u{2028}b",
+            "a\u{3000}{",
+            "\u{e9}",
+            "a\u{1f600}",
+            " a",
+            "{",
+        ] {
+            assert_eq!(super::name_of(line).map(str::to_owned), slow(line), "{line:?}");
+        }
+    }
+
     use super::*;
 
     #[test]
