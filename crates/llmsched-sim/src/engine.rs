@@ -1857,12 +1857,18 @@ impl Replica {
         // weighs them too.
         self.take_inbox(w);
         let start = Instant::now();
+        let Some(tracker) = w.slices.as_mut() else {
+            return Err(SimError::Config("a slice boundary without token slices".into()));
+        };
         let mut waiting = Vec::with_capacity(8);
         for &x in self.waiting.iter().take(8) {
             let q = &w.reqs[x];
+            // Its entry level (mlfq skip-join) until its first slice ends, then the level it
+            // was demoted or promoted to: every dispatched request was admitted.
+            let level = tracker.get(q.id).ok_or(SliceError::UnknownRequest(q.id))?.level;
             waiting.push(SliceWaiting {
                 priority: to_i32(q.priority)?,
-                level: 0,
+                level,
                 context_tokens: to_u32(q.prompt_len + q.generated, "context")?,
                 expected_tokens: to_u32(q.output_len - q.generated, "output")?,
             });
@@ -1873,9 +1879,6 @@ impl Replica {
             kv_capacity_tokens: None,
             prefill_tokens_per_s: None,
             decode_step_s: None,
-        };
-        let Some(tracker) = w.slices.as_mut() else {
-            return Err(SimError::Config("a slice boundary without token slices".into()));
         };
         let q = &mut w.reqs[r];
         tracker.record_tokens(q.id, to_u32(q.generated - q.slice_start, "slice")?)?;

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from llmsched.errors import ConfigError, UnknownBlockError
+from llmsched.errors import ConfigError, UnknownBlockError, UnknownRequestError
 from llmsched.prefix_index import PrefixIndex
 from llmsched.reference.sim.gate import FlowGate
 from llmsched.reference.sim.replica import Replica
@@ -308,7 +308,12 @@ class ReferenceSimulation:
         t = time.perf_counter()
         tracker.record_tokens(req.id, req.generated - req.slice_start)
         waiting = [
-            WaitingRequest(w.priority, 0, w.prompt_len + w.generated, w.output_len - w.generated)
+            WaitingRequest(
+                w.priority,
+                self._slice_level(w),
+                w.prompt_len + w.generated,
+                w.output_len - w.generated,
+            )
             for w in list(replica.waiting)[:8]
         ]
         tracker.set_endpoint(
@@ -324,6 +329,15 @@ class ReferenceSimulation:
             return True
         req.slice_endpoint = int(decision.endpoint) if decision.endpoint is not None else replica.id
         return False
+
+    def _slice_level(self, req: Request) -> int:
+        """The slice level of waiting ``req`` as the tracker holds it: its entry level (mlfq
+        skip-join) until its first slice ends, then the level it was demoted or promoted to."""
+        assert self.slices is not None
+        state = self.slices.state(req.id)
+        if state is None:  # every dispatched request was admitted
+            raise UnknownRequestError(f"request {req.id} waits without a slice state")
+        return state.level
 
     def first_token(self, req: Request, now: float) -> None:
         """``req`` produced its first token."""
