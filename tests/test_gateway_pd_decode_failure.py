@@ -61,3 +61,20 @@ def test_failed_decode_engines_never_fall_back_to_the_prefill_engine() -> None:
                 assert received.headers["x-prefiller-host-port"] == f"127.0.0.1:{prefill.port}"
 
     run(body())
+
+
+def test_a_both_engine_picked_for_prefill_and_decode_gets_no_prefill_header() -> None:
+    """The prefill profile picking the decode engine itself (role both) was a split onto one
+    engine: the gateway named that engine as its own prefiller, a needless P/D hand-off."""
+
+    async def body() -> None:
+        async with rig(
+            engines=1, engine_fields=[{"role": "both"}], router=SPLIT_ALWAYS, pd={"enabled": True}
+        ) as r:
+            (engine,) = r.engines
+            response = await r.complete("hello there")
+            assert response.status == 200, current_plane()
+            (received,) = engine.received
+            assert "x-prefiller-host-port" not in received.headers, current_plane()
+
+    run(body())

@@ -194,7 +194,13 @@ def test_pd_threshold_edges(threshold: int, split: bool) -> None:
     router = Router(pool, index, config=PD_YAML_CONFIG(threshold))
     d = router.pick(tokens=prompt, now=0.0)
     assert d.endpoint == "D"
-    assert d.pd() == {"uncached_tokens": 96, "wanted": split, "disaggregated": split}
+    reason = "split" if split else "below-threshold"
+    assert d.pd() == {
+        "uncached_tokens": 96,
+        "wanted": split,
+        "disaggregated": split,
+        "reason": reason,
+    }
     assert d.disaggregated is split
     assert d.prefill_endpoint == ("P" if split else None)
     assert d.prefill_address == ("p:80" if split else None)
@@ -207,6 +213,49 @@ def test_pd_threshold_edges(threshold: int, split: bool) -> None:
         d.first_token()
         assert {e["id"]: e["in_flight_requests"] for e in pool.endpoints()} == {"D": 1, "P": 0}
         d.finished()
+
+
+def test_a_prefill_pick_of_the_decode_endpoint_is_not_split() -> None:
+    # A `both` endpoint passes both role filters: alone, each profile picks it.
+    pool = EndpointPool([Endpoint("B", address="b:80", role="both")], stale_policy="ignore")
+    router = Router(pool, config=PD_YAML_CONFIG(0))
+    d = router.pick(tokens=np.arange(64, dtype=np.uint32), now=0.0)
+    assert d.endpoint == "B"
+    assert d.pd() == {
+        "uncached_tokens": 64,
+        "wanted": True,
+        "disaggregated": False,
+        "reason": "same-endpoint",
+    }
+    assert (d.disaggregated, d.prefill_endpoint, d.prefill_address) == (False, None, None)
+    explanation = d.explain()
+    assert explanation["prefill"].row("B").rank == 0  # the prefill profile ran and picked B
+    assert "picked the decode endpoint itself" in str(explanation)
+    d.started(now=0.0)
+    (row,) = pool.endpoints()
+    assert row["in_flight_requests"] == 1  # counted once, as the decode endpoint
+    d.finished()
+    # A prefill endpoint beside it takes the prefill: a real split.
+    pool.add(Endpoint("P", address="p:80", role="prefill"))
+    pool.update("B", waiting=5, now=0.0)
+    d = router.pick(tokens=np.arange(64, dtype=np.uint32), now=0.0)
+    note = d.pd()
+    assert note is not None
+    assert (d.endpoint, d.prefill_endpoint, note["reason"]) == ("B", "P", "split")
+    assert "split: another endpoint prefills" in str(d.explain())
+
+
+def test_endpoint_model_must_not_be_empty() -> None:
+    pool = EndpointPool()
+    with pytest.raises(InvalidValueError, match=r"endpoint 'e': model must be a non-empty str"):
+        pool.add(Endpoint("e", model=""))
+    assert len(pool) == 0
+    with pytest.raises(InvalidValueError, match="model"):
+        EndpointPool([Endpoint("a", model="m"), Endpoint("b", model="")])
+    # None serves any model; a named model serves only requests naming it.
+    pool.add_many([Endpoint("any"), Endpoint("m", model="m")])
+    router = Router(pool, config="least-load")
+    assert {router.pick(tokens=[1], model="x", now=0.0).endpoint} == {"any"}
 
 
 def test_seeded_pickers_replay() -> None:

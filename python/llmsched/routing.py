@@ -145,8 +145,18 @@ once by :class:`llmsched.cluster.ClusterSync`, listed in its ``stats()["shared_n
 class Endpoint:
     """An endpoint's description. Metrics change separately (:meth:`EndpointPool.update`).
 
+    ``model`` is the base model it serves: a request naming another model is not sent there;
+    None (the default) serves any model. An empty ``model`` is refused when the endpoint joins
+    a pool (``InvalidValueError``): it would serve only requests naming the model ``""``, and
+    is most likely an unset setting; give None to serve any model.
+
     >>> Endpoint("pod-1", address="10.0.0.1:8000", role="decode").role
     'decode'
+    >>> try:
+    ...     EndpointPool([Endpoint("pod-2", model="")])
+    ... except InvalidValueError as e:
+    ...     print(e)
+    endpoint 'pod-2': model must be a non-empty str or None (None: any model), got ''
     """
 
     id: EndpointId
@@ -359,6 +369,12 @@ def _native_endpoint(
     check_optional_str("role", endpoint.role)
     if endpoint.model is not None:
         check_utf8("model", endpoint.model)
+        if not endpoint.model:
+            # As EngineSpec: "" would serve only requests naming the model "".
+            raise InvalidValueError(
+                f"endpoint {endpoint.id!r}: model must be a non-empty str or None "
+                f"(None: any model), got ''"
+            )
     labels = check_str_mapping("labels", endpoint.labels)
     return endpoint.id, endpoint.address, endpoint.role, labels, endpoint.model
 
@@ -870,7 +886,8 @@ class Decision:
 
     @property
     def disaggregated(self) -> bool:
-        """Whether prefill runs on a separate endpoint."""
+        """Whether prefill runs on a separate endpoint (never the decode endpoint itself:
+        :meth:`pd` says why a request is not split)."""
         return self._native.prefill_endpoint is not None
 
     @property
@@ -899,7 +916,19 @@ class Decision:
 
     def pd(self) -> PdNote | None:
         """The prefill/decode decision (uncached tokens on the decode endpoint, whether a
-        split was wanted and made), or None without a P/D handler."""
+        split was wanted and made, and why), or None without a P/D handler.
+
+        A prefill profile that picks the decode endpoint itself (an endpoint of role
+        ``both`` passes both role filters) makes no split: ``disaggregated`` is False,
+        ``reason`` is ``"same-endpoint"``, there is no :attr:`prefill_endpoint` and the
+        gateway sets no prefill header, so the engine prefills locally instead of handing
+        the request off to itself.
+
+        >>> pool = EndpointPool([Endpoint("b", role="both")])
+        >>> note = Router(pool, config="llm-d-pd").pick(tokens=list(range(256)), now=0.0).pd()
+        >>> note["disaggregated"], note["reason"]
+        (False, 'same-endpoint')
+        """
         return self._native.pd()
 
     def started(self, endpoint: EndpointId | None = None, *, now: float | None = None) -> None:
@@ -1082,6 +1111,19 @@ class ProfileExplanation:
         return "\n".join([title, *body, *footnotes])
 
 
+# What `print(decision.explain())` says for each PdNote reason.
+_PD_REASONS: dict[str, str] = {
+    "split": "split: another endpoint prefills and hands the KV over",
+    "below-threshold": "not split: fewer uncached tokens than the decider's threshold",
+    "no-prefill-endpoint": "not split: the prefill profile found no endpoint",
+    "prefill-queue-longer": "not split: the prefill endpoint's queue is too long",
+    "same-endpoint": (
+        "not split: the prefill profile picked the decode endpoint itself (role both); "
+        "it prefills locally, with no hand-off to itself"
+    ),
+}
+
+
 @dataclass(frozen=True)
 class Explanation:
     """What :meth:`Decision.explain` returns: the profiles run, in order."""
@@ -1100,7 +1142,12 @@ class Explanation:
     def __str__(self) -> str:
         parts = [f"note: {n}" for n in self.notes] + [str(p) for p in self.profiles]
         if self.pd is not None:
-            parts.append(f"P/D: {self.pd}")
+            pd = self.pd
+            why = _PD_REASONS.get(pd["reason"], pd["reason"])
+            parts.append(
+                f"P/D: {why} ({pd['uncached_tokens']} prompt tokens uncached on the decode "
+                f"endpoint)"
+            )
         return "\n\n".join(parts)
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "NativeHealthConfig",
     "NativeSlicesConfig",
     "PdNote",
+    "PdReason",
     "PluginInfo",
     "PluginParamInfo",
     "PolicySpec",
@@ -314,6 +315,12 @@ class CandidateInfo(EndpointLoad):
     cached_tokens: int
 
 
+PdReason = Literal[
+    "split", "below-threshold", "no-prefill-endpoint", "prefill-queue-longer", "same-endpoint"
+]
+"""Why a prefill/decode decision split the request or did not (:class:`PdNote`)."""
+
+
 class PdNote(TypedDict):
     """:attr:`llmsched.routing.Decision.pd`: the prefill/decode split decision."""
 
@@ -321,7 +328,13 @@ class PdNote(TypedDict):
     wanted: bool
     """The handler's threshold asked for a split."""
     disaggregated: bool
-    """A prefill endpoint was picked (``wanted`` and one was available)."""
+    """A prefill endpoint other than the decode endpoint was picked and kept."""
+    reason: PdReason
+    """Why: ``"split"``; ``"below-threshold"`` (fewer uncached tokens than the decider's
+    threshold); ``"no-prefill-endpoint"`` (the prefill profile found none);
+    ``"prefill-queue-longer"`` (``load-aware-pd-decider`` kept the decode endpoint);
+    ``"same-endpoint"`` (the prefill profile picked the decode endpoint itself, one of role
+    ``both``: it prefills locally, with no hand-off to itself)."""
 
 
 class ProfileRow(TypedDict):

@@ -730,6 +730,7 @@ impl PyDecision {
         d.set_item("uncached_tokens", note.uncached_tokens)?;
         d.set_item("wanted", note.wanted)?;
         d.set_item("disaggregated", note.disaggregated)?;
+        d.set_item("reason", note.reason.name())?;
         Ok(Some(d))
     }
 

@@ -43,7 +43,7 @@ pub use inflight::{InFlightSnapshot, Ticket};
 pub use plugin::{PluginError, RequestMeta};
 pub use pool::{EndpointPool, MetricsUpdate, StaleMode, StalePolicy};
 pub use registry::Registry;
-pub use router::{Decision, Router, RouterOptions};
+pub use router::{Decision, PdNote, PdReason, Router, RouterOptions};
 
 use crate::prefix_index::{IndexError, WorkerKey};
 

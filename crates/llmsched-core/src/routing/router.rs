@@ -56,6 +56,35 @@ struct IdMap {
 
 const NOT_A_MEMBER: u32 = u32::MAX;
 
+/// Why a P/D decision split the request or did not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PdReason {
+    /// Split: another endpoint prefills, then hands the KV to the decode endpoint.
+    Split,
+    /// Fewer prompt tokens uncached on the decode endpoint than the decider's threshold.
+    BelowThreshold,
+    /// The prefill profile found no endpoint.
+    NoPrefillEndpoint,
+    /// The load-aware decider found the prefill endpoint's queue too long.
+    PrefillQueueLonger,
+    /// The prefill profile picked the decode endpoint itself (one of role `both`): it
+    /// prefills locally rather than hand the request off to itself.
+    SameEndpoint,
+}
+
+impl PdReason {
+    /// The name `Decision.pd()` gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PdReason::Split => "split",
+            PdReason::BelowThreshold => "below-threshold",
+            PdReason::NoPrefillEndpoint => "no-prefill-endpoint",
+            PdReason::PrefillQueueLonger => "prefill-queue-longer",
+            PdReason::SameEndpoint => "same-endpoint",
+        }
+    }
+}
+
 /// The P/D decision, when a P/D handler ran.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PdNote {
@@ -63,8 +92,11 @@ pub struct PdNote {
     pub uncached_tokens: u64,
     /// Whether the decider asked for a prefill endpoint.
     pub wanted: bool,
-    /// Whether one is used.
+    /// Whether one is used: a prefill endpoint other than the decode endpoint was picked and
+    /// kept.
     pub disaggregated: bool,
+    /// Why it is or is not.
+    pub reason: PdReason,
 }
 
 /// The outcome of [`Router::decide`].
@@ -311,12 +343,21 @@ impl Router {
             uncached_tokens,
             wanted: decider.wants_prefill(uncached_tokens),
             disaggregated: false,
+            reason: PdReason::BelowThreshold,
         };
         let mut outcomes = vec![first];
         if note.wanted {
             let second = self.run_profile(prefill, ctx, base, rng)?;
-            note.disaggregated =
-                second.chosen().is_some_and(|p| decider.keeps_prefill(decode, &base[p]));
+            // A prefill pick that is the decode endpoint (role `both`) is no split: a
+            // hand-off to itself would only add a KV transfer (llm-d sets its prefill header
+            // whatever the prefill profile picked).
+            note.reason = match second.chosen() {
+                None => PdReason::NoPrefillEndpoint,
+                Some(p) if p == chosen => PdReason::SameEndpoint,
+                Some(p) if !decider.keeps_prefill(decode, &base[p]) => PdReason::PrefillQueueLonger,
+                Some(_) => PdReason::Split,
+            };
+            note.disaggregated = note.reason == PdReason::Split;
             outcomes.push(second);
         }
         let prefill_outcome = note.disaggregated.then_some(1);

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use super::endpoint::{Endpoint, Role};
 use super::plugin::RequestMeta;
 use super::pool::{EndpointPool, MetricsUpdate, StaleMode, StalePolicy};
-use super::router::{Router, RouterOptions};
+use super::router::{PdReason, Router, RouterOptions};
 use super::{parse_config, presets, RoutingError};
 use crate::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
 
@@ -152,6 +152,8 @@ fn load_aware_pd_rule_weighs_queues() {
         let d = router.decide(&prompt(160), &RequestMeta::default(), 0.0).unwrap();
         assert_eq!(d.prefill().is_some(), split, "prefill queue {pq}, decode queue {dq}");
         assert!(d.pd.unwrap().wanted);
+        let reason = if split { PdReason::Split } else { PdReason::PrefillQueueLonger };
+        assert_eq!(d.pd.unwrap().reason, reason);
     }
 }
 
@@ -164,6 +166,7 @@ fn no_prefill_endpoint_means_no_split_and_no_decode_endpoint_is_an_error() {
         .decide(&prompt(64), &RequestMeta::default(), 0.0)
         .unwrap();
     assert!(d.pd.unwrap().wanted && d.prefill().is_none());
+    assert_eq!(d.pd.unwrap().reason, PdReason::NoPrefillEndpoint);
     let only_prefill = pd_setup();
     only_prefill.pool.remove(&key("D")).unwrap();
     let err = only_prefill
@@ -175,6 +178,37 @@ fn no_prefill_endpoint_means_no_split_and_no_decode_endpoint_is_an_error() {
         matches!(err, RoutingError::NoEndpoint { ref profile, .. } if profile == "decode"),
         "{err}"
     );
+}
+
+#[test]
+fn a_prefill_pick_of_the_decode_endpoint_is_no_split() {
+    // One `both` endpoint passes both role filters: each profile picks it.
+    let s = Setup::new(&[], StalePolicy { mode: StaleMode::Ignore, ..StalePolicy::default() });
+    s.pool.upsert(Endpoint { role: Some(Role::Both), ..Endpoint::new(key("B")) });
+    for decider in [
+        json!({"type": "prefix-based-pd-decider", "name": "decider"}),
+        json!({"type": "load-aware-pd-decider", "name": "decider"}),
+    ] {
+        let d = s.router(pd_config(decider), 0).decide(&prompt(64), &RequestMeta::default(), 0.0);
+        let d = d.unwrap();
+        let note = d.pd.unwrap();
+        assert!(note.wanted && !note.disaggregated);
+        assert_eq!(note.reason, PdReason::SameEndpoint);
+        assert!(d.prefill().is_none());
+        assert_eq!(d.outcomes.len(), 2, "the prefill profile ran (explain shows it)");
+        assert_eq!(d.outcomes[1].chosen(), d.outcomes[0].chosen());
+    }
+    // With a prefill endpoint beside it, the split goes there; reasons name each outcome.
+    s.pool.upsert(Endpoint { role: Some(Role::Prefill), ..Endpoint::new(key("P")) });
+    s.metrics("B", 5, 0.0, 0.0); // a longer queue: the prefill profile prefers P
+    let decider = json!({"type": "prefix-based-pd-decider", "name": "decider"});
+    let d = s.router(pd_config(decider), 0).decide(&prompt(64), &RequestMeta::default(), 0.0);
+    let d = d.unwrap();
+    assert_eq!(d.pd.unwrap().reason, PdReason::Split);
+    assert_eq!(name(&d, d.prefill().unwrap()), "P");
+    let few = json!({"type": "prefix-based-pd-decider", "name": "decider", "parameters": {"nonCachedTokens": 65}});
+    let d = s.router(pd_config(few), 0).decide(&prompt(64), &RequestMeta::default(), 0.0).unwrap();
+    assert_eq!(d.pd.unwrap().reason, PdReason::BelowThreshold);
 }
 
 #[test]
