@@ -275,6 +275,63 @@ def test_a_short_blip_costs_what_was_routed_during_it_not_every_peers_history(
     run(body)
 
 
+def test_a_new_replica_gets_each_session_once_those_of_a_replica_gone_included(
+    bus: NatsServer,
+) -> None:
+    """Four replicas bind 60 sessions each (one-block prompts), and every replica holds all 240.
+    One stops; then a new replica starts. A replica that knew no peer got every peer's whole
+    session table: each session once per peer, 720 session entries for 240 sessions (18 kB of
+    catch-up answers on the bus, now 9 kB). Now each peer sends the sessions it owns
+    (bound last) and one peer, asked after, those whose owner did not answer (the stopped
+    one's): each session once, and the new replica still holds all 240 bindings."""
+
+    async def body() -> None:
+        routers = [cluster_router(i) for i in range(4)]
+        chats: dict[str, str] = {}
+
+        def route(i: int, p: int) -> None:
+            d = routers[i].pick(tokens=_prompt(p, 16), session_id=f"chat-{p}")
+            d.started()
+            d.finished()
+            chats[f"chat-{p}"] = d.endpoint
+
+        def holds_every_chat(router: Router) -> bool:
+            return all(
+                router.pick(tokens=_prompt(999), session_id=chat).endpoint == endpoint
+                for chat, endpoint in chats.items()
+            )
+
+        members = [(r, bus.url, f"r{i}") for i, r in enumerate(routers)]
+        async with _synced(*members) as syncs:
+            for i in range(4):
+                for j in range(60):
+                    route(i, 100 * i + j)
+            await _until(lambda: all(map(holds_every_chat, routers)), "every chat everywhere")
+            await asyncio.wait_for(syncs[3].stop(), 15)  # r3 leaves; its sessions live on
+            spy = await nats.connect(bus.url)
+            traffic: list[int] = []
+
+            async def count(msg: Msg) -> None:
+                traffic.append(len(msg.data))
+
+            await spy.subscribe("_INBOX.>", cb=count)
+            await spy.flush()
+            new = cluster_router(9)
+            async with _synced((new, bus.url, "new"), catch_up_timeout_s=1.0) as (sync,):
+                await _until(lambda: holds_every_chat(new), "every chat on the new replica")
+                await asyncio.sleep(0.3)  # any later answer in
+                stats = sync.stats()
+            await spy.close()
+            served = [s.stats()["catch_up_entries_out"] for s in syncs[:3]]
+            # 240 records and 240 sessions, each once (r3's 60 records left with it).
+            assert stats["sessions_applied"] == 240, (stats["sessions_applied"], served)
+            assert sum(served) == 180 + 240, served
+            assert stats["tables_asked"] == 1
+            assert sum(traffic) < 12_000, (sum(traffic), len(traffic))
+
+    run(body)
+
+
 def test_a_burst_over_the_bus_message_limit_still_reaches_the_peers(bus: NatsServer) -> None:
     """40 requests of 65,536 tokens between two flushes (a burst, or an event loop held up)
     journal 1.3 MB, over the server's 1 MiB message limit: the one batch was refused whole, so

@@ -733,9 +733,12 @@ class ReplicaSync:
         """The answer to a peer's catch-up `request` (everything when None): this replica's
         entries past the asker's cursor; empty when the request is not for this replica."""
     def catch_up_request(self) -> bytes:
-        """The catch-up request to send every peer: what this replica holds of each."""
+        """The catch-up request to send every peer: what this replica holds of each (each
+        answers its own records and the sessions it owns)."""
     def repair_requests(self) -> list[bytes]:
-        """One catch-up request per peer with batches missing here, each asked once."""
+        """One catch-up request per peer with batches missing here, each asked once; after a
+        first start's catch-up, first one request to one peer that answered for the sessions
+        whose owner did not answer (a replica since gone)."""
     def expire(self, now: float) -> int:
         """Forgets silent replicas; returns how many."""
     def peers(self) -> list[str]:

@@ -26,13 +26,15 @@ heartbeat every ``heartbeat_s``; a journal larger than the server's message limi
 several batches. A replica that connects asks its peers for a catch-up on
 ``<subject>.catchup``, saying how far it has each peer's batches: each answers only its own
 records and sessions past that (all of them, younger than their TTL, to a replica it is new
-to), so a short blip costs what was routed during it, not the peers' whole history. A gap in a
-peer's batches asks that peer alone for the rest. While the bus is unreachable the replica
-routes on its own, exactly as without sync: batches are dropped and counted, peers' counts
-expire, and nothing raises; when the bus returns its peers see the gap in its batches and ask
-it for what it routed meanwhile. Replica names must be unique: two live replicas with one name
-are counted (``identity_conflicts``), listed (``shared_names``) and warned about once; a late
-batch of a restarted replica's previous life is dropped (``stale_in``).
+to), so a short blip costs what was routed during it, not the peers' whole history. A
+replica that knew no peer then asks one peer for the sessions no answering peer owns (a
+departed replica's): each session arrives once. A gap in a peer's batches asks that peer alone
+for the rest. While the bus is unreachable the replica routes on its own, exactly as without
+sync: batches are dropped and counted, peers' counts expire, and nothing raises; when the bus
+returns its peers see the gap in its batches and ask it for what it routed meanwhile. Replica
+names must be unique: two live replicas with one name are counted (``identity_conflicts``),
+listed (``shared_names``) and warned about once; a late batch of a restarted replica's previous
+life is dropped (``stale_in``).
 
 >>> from llmsched import EndpointPool, PrefixIndex, Router
 >>> router = Router(EndpointPool(["a", "b"]), PrefixIndex(block_size=16), config="llm-d")
@@ -512,7 +514,8 @@ class ClusterSync:
     async def _exchange(self, nc: Client) -> None:
         """On every (re)connect: a heartbeat at once, so that the peers see the gap in this
         replica's batches and ask for what it routed while it could not publish, then a
-        catch-up request to every peer, then a repair for any peer still behind."""
+        catch-up request to every peer, then a repair for any peer still behind (after a first
+        start, with the request for the sessions whose owner did not answer)."""
         self._beat_now = True
         self._catching_up += 1
         try:

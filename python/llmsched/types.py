@@ -674,6 +674,9 @@ class SyncCounters(TypedDict):
     catch_up_entries_out: int
     repairs_asked: int
     """Catch-up requests aimed at one peer for a gap in its batches."""
+    tables_asked: int
+    """After a first start's catch-up (each peer answers with its own sessions): requests to
+    one peer for the sessions that no answering peer owns (of replicas since gone)."""
 
 
 class SchedulerStats(TypedDict):

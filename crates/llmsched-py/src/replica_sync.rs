@@ -166,6 +166,7 @@ impl PyReplicaSync {
             ("catch_up_bytes_out", c.catch_up_bytes_out),
             ("catch_up_entries_out", c.catch_up_entries_out),
             ("repairs_asked", c.repairs_asked),
+            ("tables_asked", c.tables_asked),
         ] {
             d.set_item(name, value)?;
         }

@@ -31,10 +31,13 @@
 //! batch, and tracks per peer incarnation the sequence through which it has that peer's
 //! batches (a cursor). A connecting replica sends its cursors ([`ReplicaSync::catch_up_request`]);
 //! each peer answers ([`ReplicaSync::answer`]) only its own entries past the asker's cursor for
-//! it, all of them when it has none, and its whole session table only to a replica that knows
-//! no peer at all; the answer's last batch carries the peer's sequence, which moves the
-//! asker's cursor. A gap in a peer's sequence (batches lost, or published while the bus was
-//! away) asks that peer alone for what is missing ([`ReplicaSync::repair_requests`]), once.
+//! it, or its records and the live sessions it owns when it has none; the answer's last batch
+//! carries the peer's sequence, which moves the asker's cursor. A session is owned by the
+//! replica whose binding is held (the last heard to use it). A replica that knew no peer then
+//! asks one peer that answered for the sessions whose owner is none of those that answered
+//! (a replica since gone, or one that did not answer), so that each session arrives once. A
+//! gap in a peer's sequence (batches lost, or published while the bus was away) asks that
+//! peer alone for what is missing ([`ReplicaSync::repair_requests`]), once.
 //!
 //! Wire format (version 2, little-endian): `b"LSYN"`, version `u8`, replica name (`u16` length
 //! then UTF-8), incarnation `u64` (random per process start), sequence `u64`, the sender's
@@ -50,10 +53,12 @@
 //! sender's sequence through which the answer is complete.
 //!
 //! Catch-up request (version 1, little-endian): `b"LSYQ"`, version `u8`, the asker's name
-//! (`u16` length then UTF-8) and incarnation `u64`, flags `u8` (1: the asker knows no peer and
-//! wants every live session; 2: a target follows), the target's name and incarnation when
-//! flagged (only it answers), then `u32` count of cursors, each a peer's name, incarnation `u64`
-//! and the sequence `u64` through which the asker has its batches. A request without the magic
+//! (`u16` length then UTF-8) and incarnation `u64`, flags `u8` (1: sessions wanted: with a
+//! target, every live one whose owner is neither the asker nor a listed peer with a sequence
+//! above 0; without, from a first start of the release before, every live one; 2: a target
+//! follows), the target's name and incarnation when flagged (only it answers), then `u32`
+//! count of cursors, each a peer's name, incarnation `u64` and the sequence `u64` through
+//! which the asker has its batches. A request without the magic
 //! (the first format: the asker's name and incarnation as text) is answered in full.
 
 use std::collections::VecDeque;
@@ -66,7 +71,7 @@ use thiserror::Error;
 
 use super::inflight::InFlightSnapshot;
 use super::pool::{EndpointPool, Members};
-use super::sessions::Sessions;
+use super::sessions::{session_key, Sessions};
 use crate::prefix_index::{PrefixIndex, WorkerKey};
 use crate::protocols::BlockHash;
 
@@ -446,8 +451,11 @@ pub struct CatchUpRequest {
     /// The asker: its name and incarnation.
     pub replica: String,
     pub incarnation: u64,
-    /// The asker knows no peer at all (a first start): the answers carry every live session,
-    /// those learned from other replicas included.
+    /// With a target (asked after a first start's catch-up): the target's answer carries
+    /// every live session whose owner is neither the asker nor a peer listed with a sequence
+    /// above 0.
+    /// Without (a first start of the release before): every peer's carries every live
+    /// session.
     pub wants_sessions: bool,
     /// Only this replica (name, incarnation) answers (a gap repair); `None`: every peer does.
     pub target: Option<(String, u64)>,
@@ -606,6 +614,9 @@ pub struct SyncCounters {
     pub catch_up_entries_out: u64,
     /// Targeted catch-up requests made for a gap in a peer's batches.
     pub repairs_asked: u64,
+    /// Requests to one peer, after a first start's catch-up, for the sessions that no peer
+    /// that answered owns.
+    pub tables_asked: u64,
 }
 
 impl SyncCounters {
@@ -680,7 +691,27 @@ struct State {
     history: VecDeque<(f64, u64, SyncEntry)>,
     /// This replica's own session bindings, the same way (served to peers that know it).
     session_history: VecDeque<(f64, u64, SyncEntry)>,
+    /// Per live session: the replica whose binding it holds (its owner, the last one heard to
+    /// use it) and when that use was. A replica that knows no peer gets each peer's own
+    /// sessions from that peer, and the rest (owners gone, or that did not answer) from one.
+    owners: HashMap<String, (Arc<PeerId>, f64)>,
+    /// When `owners` was last rid of bindings idle for the session TTL.
+    owners_pruned: f64,
+    /// A first start's catch-up was asked: the next repair round asks one peer for the
+    /// sessions no answering peer owns.
+    table_pending: bool,
     counters: SyncCounters,
+}
+
+/// Which sessions a catch-up answer carries beside this replica's own.
+enum Table {
+    /// None else.
+    Own,
+    /// Every live one (a first start of the release before, or the first format's request).
+    All,
+    /// Those whose owner is none of these (the asker and the peers it has answers of) nor
+    /// this replica; this replica takes over those whose owner it has not heard lately.
+    Unowned(Vec<PeerId>),
 }
 
 /// `entry` with `age_s` more seconds of age.
@@ -702,6 +733,8 @@ fn aged(entry: &SyncEntry, extra_s: f64) -> SyncEntry {
 pub struct ReplicaSync {
     replica: String,
     incarnation: u64,
+    /// This replica as the owner of its sessions.
+    me: Arc<PeerId>,
     pool: Arc<EndpointPool>,
     index: Arc<PrefixIndex>,
     sessions: Arc<Sessions>,
@@ -728,6 +761,7 @@ impl ReplicaSync {
     ) -> ReplicaSync {
         journal.enable(options.journal_limit);
         ReplicaSync {
+            me: Arc::new((replica.clone(), incarnation)),
             replica,
             incarnation,
             pool,
@@ -801,6 +835,13 @@ impl ReplicaSync {
         while state.session_history.front().is_some_and(|(t, _, _)| now - t >= session_ttl) {
             state.session_history.pop_front();
         }
+        for e in &entries {
+            if let SyncEntry::Session { id, age_s, .. } = e {
+                let used = now - f64::from(*age_s);
+                state.owners.insert(id.clone(), (self.me.clone(), used));
+            }
+        }
+        self.prune_owners(&mut state, now);
         let header = header_size(&self.replica, &loads);
         let mut out = Vec::new();
         for chunk in chunks(entries, header, max_bytes) {
@@ -827,6 +868,24 @@ impl ReplicaSync {
         }
         state.last_loads = loads;
         out
+    }
+
+    /// Keeps the owners of sessions no larger than the session map: every second, and when
+    /// it outgrows the map (a client cycling new ids evicts bindings), it drops the owners
+    /// of bindings idle for the session TTL, then, still too large, those of bindings not
+    /// held.
+    fn prune_owners(&self, state: &mut State, now: f64) {
+        let limit = 2 * self.sessions.capacity() + 64;
+        if now - state.owners_pruned < 1.0 && state.owners.len() <= limit {
+            return;
+        }
+        state.owners_pruned = now;
+        let ttl = self.sessions.ttl();
+        state.owners.retain(|_, (_, used)| now - *used < ttl);
+        if state.owners.len() > limit {
+            let sessions = &self.sessions;
+            state.owners.retain(|id, _| sessions.with_bound(id, now, |_| Some(())).is_some());
+        }
     }
 
     /// Applies another replica's batch at `now`. A malformed batch changes nothing and is
@@ -876,12 +935,14 @@ impl ReplicaSync {
                 );
             }
         }
-        report.behind = self.note_live(&mut state, id, batch.seq, now);
+        report.behind = self.note_live(&mut state, id.clone(), batch.seq, now);
         if state.shared.contains_key(&batch.replica) {
             state.counters.identity_conflicts += 1;
             report.identity_conflict = true;
         }
-        let applied = self.apply_entries(&batch.entries, batch.hashing, &members, now);
+        let owner = Arc::new(id);
+        let applied =
+            self.apply_entries(&mut state, &batch.entries, batch.hashing, &members, now, &owner);
         report.records = applied.records;
         report.sessions = applied.sessions;
         report.records_mismatched = applied.records_mismatched;
@@ -894,6 +955,7 @@ impl ReplicaSync {
         c.sessions_applied += report.sessions;
         c.unknown_endpoints += unknown;
         c.add_mismatch(&report);
+        self.prune_owners(&mut state, now);
         self.refresh(&mut state, now);
         Ok(report)
     }
@@ -955,13 +1017,16 @@ impl ReplicaSync {
 
     /// Records and sessions of `entries` for endpoints in `members`; the rest are counted.
     /// The records of a sender that hashes prompts otherwise (`hashing`) are skipped: they
-    /// could never match here, and would only take index memory for their lifetime.
+    /// could never match here, and would only take index memory for their lifetime. A session
+    /// bound here (not older than the binding held) is `owner`'s.
     fn apply_entries(
         &self,
+        state: &mut State,
         entries: &[SyncEntry],
         hashing: Option<u64>,
         members: &Members,
         now: f64,
+        owner: &Arc<PeerId>,
     ) -> IncomingReport {
         let mut report = IncomingReport::default();
         let mismatched = hashing.is_some_and(|h| h != self.index.hashing_fingerprint());
@@ -986,7 +1051,10 @@ impl ReplicaSync {
                     }
                 }
                 SyncEntry::Session { id, .. } => {
-                    self.sessions.bind(id, endpoint, now, age_s);
+                    if self.sessions.bind(id, endpoint, now, age_s) {
+                        let key = session_key(id).into_owned();
+                        state.owners.insert(key, (owner.clone(), now - age_s));
+                    }
                     report.sessions += 1;
                 }
             }
@@ -1029,29 +1097,53 @@ impl ReplicaSync {
         expired
     }
 
-    fn request(&self, state: &State, target: Option<(String, u64)>) -> Vec<u8> {
+    fn request(&self, state: &State, target: Option<(String, u64)>, table: bool) -> Vec<u8> {
         let mut cursors: Vec<_> =
             state.cursors.iter().map(|(id, c)| (id.0.clone(), id.1, c.have)).collect();
         cursors.sort();
         encode_request(&CatchUpRequest {
             replica: self.replica.clone(),
             incarnation: self.incarnation,
-            wants_sessions: state.cursors.is_empty(),
+            wants_sessions: table,
             target,
             cursors,
         })
     }
 
     /// The request a connecting replica sends every peer: what it holds of each (see
-    /// [`CatchUpRequest`]), so that each answers only what is missing here.
+    /// [`CatchUpRequest`]), so that each answers only what is missing here, its own sessions
+    /// only. When it knows no peer yet (a first start), the next [`ReplicaSync::repair_requests`]
+    /// asks one peer that answered for the sessions no answering peer owns.
     pub fn catch_up_request(&self) -> Vec<u8> {
-        self.request(&self.state.lock(), None)
+        let mut state = self.state.lock();
+        if state.cursors.is_empty() {
+            state.table_pending = true;
+        }
+        self.request(&state, None, false)
     }
 
     /// One targeted request per peer whose batches are missing here (a gap, or first heard
     /// past its first batch) and not asked for yet; each is asked once until it answers.
+    /// After a first start's catch-up, the first of them asks one peer (the first by name of
+    /// those that answered) for the sessions that no peer it has heard owns: those of
+    /// replicas since gone, or that did not answer in time.
     pub fn repair_requests(&self) -> Vec<Vec<u8>> {
         let mut state = self.state.lock();
+        let mut out = Vec::new();
+        let mut table_from = None;
+        if std::mem::take(&mut state.table_pending) {
+            table_from = state
+                .cursors
+                .iter()
+                .min_by(|(a, x), (b, y)| (x.have == 0, *a).cmp(&(y.have == 0, *b)))
+                .map(|(id, _)| id.clone());
+            if let Some(id) = &table_from {
+                out.push(self.request(&state, Some(id.clone()), true));
+                if let Some(c) = state.cursors.get_mut(id) {
+                    c.asked = true;
+                }
+            }
+        }
         let mut behind: Vec<PeerId> = state
             .cursors
             .iter()
@@ -1059,27 +1151,30 @@ impl ReplicaSync {
             .map(|(id, _)| id.clone())
             .collect();
         behind.sort();
-        let out: Vec<_> = behind.iter().map(|id| self.request(&state, Some(id.clone()))).collect();
+        out.extend(behind.iter().map(|id| self.request(&state, Some(id.clone()), false)));
         for id in &behind {
             if let Some(c) = state.cursors.get_mut(id) {
                 c.asked = true;
             }
         }
-        state.counters.repairs_asked += out.len() as u64;
+        state.counters.repairs_asked += behind.len() as u64;
+        state.counters.tables_asked += u64::from(table_from.is_some());
         out
     }
 
     /// The answer to a peer's catch-up request (`request` as sent, the first format's
     /// included): this replica's records and session bindings journaled after the asker's
-    /// cursor for this incarnation (all of them younger than their TTL when it has none),
-    /// plus every live session when the asker knows no peer yet, each batch at most
-    /// `max_bytes`. The last batch carries this replica's sequence (the others 0): the asker
-    /// has everything through it once applied ([`ReplicaSync::apply_catch_up`]). Always one
-    /// batch at least, possibly without entries. Empty for a request of this replica's own,
-    /// one aimed at another replica, or a malformed one (counted).
+    /// cursor for this incarnation (its records younger than the record TTL and the live
+    /// sessions it owns when it has none), plus, for a request aimed at this replica that
+    /// wants sessions, every live session whose owner is none of the peers the asker has
+    /// (this replica then owns them), each batch at most `max_bytes`. The last batch carries
+    /// this replica's sequence (the others 0): the asker has everything through it once
+    /// applied ([`ReplicaSync::apply_catch_up`]). Always one batch at least, possibly without
+    /// entries. Empty for a request of this replica's own, one aimed at another replica, or a
+    /// malformed one (counted).
     pub fn answer(&self, request: &[u8], now: f64, max_bytes: usize) -> Vec<Vec<u8>> {
         let (after, table) = match decode_request(request) {
-            Ok(None) => (None, true),
+            Ok(None) => (None, Table::All),
             Ok(Some(r)) => {
                 let me = |name: &str, inc: u64| name == self.replica && inc == self.incarnation;
                 if me(&r.replica, r.incarnation)
@@ -1088,7 +1183,21 @@ impl ReplicaSync {
                     return Vec::new();
                 }
                 let after = r.cursors.iter().find(|(n, i, _)| me(n, *i)).map(|c| c.2);
-                (after, r.wants_sessions && after.is_none())
+                let table = match (r.wants_sessions, r.target.is_some()) {
+                    (false, _) => Table::Own,
+                    // A first start of the release before: every peer sends every session.
+                    (true, false) => Table::All,
+                    // Those the asker owns, or a peer it has answers of, it has.
+                    (true, true) => Table::Unowned(
+                        r.cursors
+                            .into_iter()
+                            .filter(|c| c.2 > 0)
+                            .map(|c| (c.0, c.1))
+                            .chain([(r.replica, r.incarnation)])
+                            .collect(),
+                    ),
+                };
+                (after, table)
             }
             Err(_) => {
                 self.state.lock().counters.malformed_in += 1;
@@ -1102,13 +1211,13 @@ impl ReplicaSync {
     /// `record_ttl` seconds (with their ages) and every live session (see
     /// [`ReplicaSync::answer`], which this is for an asker that knows nothing).
     pub fn catch_up(&self, now: f64, max_bytes: usize) -> Vec<Vec<u8>> {
-        self.answer_after(None, true, now, max_bytes)
+        self.answer_after(None, Table::All, now, max_bytes)
     }
 
     fn answer_after(
         &self,
         after: Option<u64>,
-        table: bool,
+        table: Table,
         now: f64,
         max_bytes: usize,
     ) -> Vec<Vec<u8>> {
@@ -1121,12 +1230,25 @@ impl ReplicaSync {
             .filter(|(t, seq, _)| *seq > after && now - t < self.record_ttl)
             .map(|(t, _, e)| aged(e, now - t))
             .collect();
-        if table {
-            entries.extend(self.sessions.live(now).into_iter().map(|s| SyncEntry::Session {
-                endpoint: s.endpoint,
-                id: s.id,
-                age_s: s.idle_s as f32,
-            }));
+        let live = |s: super::sessions::LiveSession| SyncEntry::Session {
+            endpoint: s.endpoint,
+            id: s.id,
+            age_s: s.idle_s as f32,
+        };
+        let owned_by = |state: &State, id: &str| state.owners.get(id).map(|(o, _)| o.clone());
+        if matches!(table, Table::All) {
+            entries.extend(self.sessions.live(now).into_iter().map(live));
+        } else if after == 0 {
+            // The asker has nothing of this replica: the live sessions it owns (each once,
+            // however often it was used, and only while this replica's binding holds).
+            let mine: Vec<_> = self
+                .sessions
+                .live(now)
+                .into_iter()
+                .filter(|s| owned_by(&state, &s.id).is_some_and(|o| o == self.me))
+                .map(live)
+                .collect();
+            entries.extend(mine);
         } else {
             entries.extend(
                 state
@@ -1135,6 +1257,28 @@ impl ReplicaSync {
                     .filter(|(t, seq, _)| *seq > after && now - t < session_ttl)
                     .map(|(t, _, e)| aged(e, now - t)),
             );
+        }
+        if let Table::Unowned(answered) = &table {
+            let covered = |o: &Arc<PeerId>| {
+                **o == *self.me || answered.iter().any(|p| p.0 == o.0 && p.1 == o.1)
+            };
+            let unowned: Vec<_> = self
+                .sessions
+                .live(now)
+                .into_iter()
+                .filter(|s| !owned_by(&state, &s.id).is_some_and(|o| covered(&o)))
+                .collect();
+            // Those of an owner gone here too (or of none known) are this replica's to hand
+            // on from now on: a later first start gets them from it at once (and from the
+            // table answer of a peer that still names the departed owner, once more). An
+            // owner live here that did not answer the asker keeps them.
+            for s in &unowned {
+                let gone = owned_by(&state, &s.id).is_none_or(|o| !state.peers.contains_key(&*o));
+                if gone {
+                    state.owners.insert(s.id.clone(), (self.me.clone(), now - s.idle_s));
+                }
+            }
+            entries.extend(unowned.into_iter().map(live));
         }
         let through = state.seq;
         let mut out: Vec<Vec<u8>> = Vec::new();
@@ -1165,8 +1309,11 @@ impl ReplicaSync {
     /// only adds.
     pub fn apply_catch_up(&self, data: &[u8], now: f64) -> Result<IncomingReport, SyncError> {
         let batch = self.decode_counted(data)?;
-        let report = self.apply_entries(&batch.entries, batch.hashing, &self.pool.snapshot(), now);
+        let members = self.pool.snapshot();
         let mut state = self.state.lock();
+        let sender = Arc::new((batch.replica.clone(), batch.incarnation));
+        let report =
+            self.apply_entries(&mut state, &batch.entries, batch.hashing, &members, now, &sender);
         let own = batch.replica == self.replica && batch.incarnation == self.incarnation;
         if batch.seq > 0 && !own {
             let c = state.cursors.entry((batch.replica, batch.incarnation)).or_default();
@@ -1185,6 +1332,7 @@ impl ReplicaSync {
         c.sessions_applied += report.sessions;
         c.unknown_endpoints += report.unknown_endpoints;
         c.add_mismatch(&report);
+        self.prune_owners(&mut state, now);
         Ok(report)
     }
 
@@ -1601,12 +1749,22 @@ mod tests {
         assert!(!two.sync.incoming(&later, 5.0).unwrap().behind);
         let request = two.sync.catch_up_request();
         assert_eq!(answer_entries(&one.sync.answer(&request, 5.0, 1 << 20)), (0, 0, 4));
-        // A replica that knows no one gets it all, sessions learned from others included.
+        // A replica that knows no one gets its records and the sessions it owns, not the
+        // sessions it learned from two (two sends them); then, asked alone, the sessions of
+        // owners that did not answer (here two's: only one did).
         let three = replica("three");
         let other = route(&two, 100, 2, 5.0);
         one.sync.incoming(&other, 5.0).unwrap();
         let request = three.sync.catch_up_request();
-        assert_eq!(answer_entries(&one.sync.answer(&request, 5.0, 1 << 20)), (15, 17, 4));
+        let answer = one.sync.answer(&request, 5.0, 1 << 20);
+        assert_eq!(answer_entries(&answer), (15, 15, 4));
+        for b in &answer {
+            three.sync.apply_catch_up(b, 5.0).unwrap();
+        }
+        let table = three.sync.repair_requests();
+        assert_eq!(table.len(), 1);
+        assert_eq!(answer_entries(&one.sync.answer(&table[0], 5.0, 1 << 20)), (0, 2, 4));
+        assert_eq!(three.sync.counters().tables_asked, 1);
         // One that knows another peer but not this one: its records and its own sessions.
         let fresh = replica("four");
         fresh.sync.incoming(&other, 5.0).unwrap();
@@ -1620,6 +1778,126 @@ mod tests {
         assert_eq!(one.sync.counters().malformed_in, 1);
         let c = one.sync.counters();
         assert!(c.catch_up_batches_out >= 6 && c.catch_up_bytes_out > 0, "{c:?}");
+    }
+
+    /// Every live session binding of `r` at `now`: (id, endpoint), sorted.
+    fn bindings(r: &Replica, now: f64) -> Vec<(String, WorkerKey)> {
+        let mut out: Vec<_> =
+            r.router.sessions().live(now).into_iter().map(|s| (s.id, s.endpoint)).collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// A catch-up of `new` from `peers` (the connect's request, then the repairs and the
+    /// session table request): the session entries each peer sent.
+    fn first_start(new: &Replica, peers: &[&Replica], now: f64) -> Vec<usize> {
+        let mut sent = vec![0; peers.len()];
+        let request = new.sync.catch_up_request();
+        let mut rounds = vec![request];
+        while !rounds.is_empty() {
+            for request in &rounds {
+                for (i, p) in peers.iter().enumerate() {
+                    let answer = p.sync.answer(request, now, 1 << 20);
+                    sent[i] += answer_entries(&answer).1;
+                    for b in &answer {
+                        new.sync.apply_catch_up(b, now).unwrap();
+                    }
+                }
+            }
+            rounds = new.sync.repair_requests();
+        }
+        sent
+    }
+
+    #[test]
+    fn a_new_replica_gets_each_session_once_even_of_a_replica_gone() {
+        // Probe: a replica that knew no peer got every peer's whole session table, so with 4
+        // peers of 25 sessions each it got 400 session entries for 100 sessions.
+        let peers: Vec<Replica> = ["p0", "p1", "p2", "p3"].into_iter().map(replica).collect();
+        let deliver = |from: usize, batch: &[u8], at: f64| {
+            for (i, p) in peers.iter().enumerate() {
+                if i != from {
+                    p.sync.incoming(batch, at).unwrap();
+                }
+            }
+        };
+        for (i, p) in peers.iter().enumerate() {
+            deliver(i, &route(p, 100 * i as u32, 25, 1.0), 1.0);
+        }
+        // A later use of p0's session s0 on p1: p1's binding wins everywhere, p1 owns it.
+        deliver(1, &route(&peers[1], 0, 1, 2.0), 2.0);
+        let everyone = bindings(&peers[0], 3.0);
+        assert_eq!(everyone.len(), 100);
+        assert!(peers.iter().all(|p| bindings(p, 3.0) == everyone));
+        let all: Vec<&Replica> = peers.iter().collect();
+        let new = replica("new");
+        let sent = first_start(&new, &all, 3.0);
+        assert_eq!(sent, [24, 26, 25, 25], "each session once, by its owner");
+        assert_eq!(bindings(&new, 3.0), everyone);
+        assert_eq!(new.sync.counters().tables_asked, 1);
+        // p3 is gone (every peer holds its sessions): the first peer by name hands them on.
+        let live = &all[..3];
+        let later = replica("later");
+        let sent = first_start(&later, live, 4.0);
+        assert_eq!(sent, [24 + 25, 26, 25]);
+        assert_eq!(bindings(&later, 4.0), bindings(&peers[0], 4.0));
+        assert_eq!(bindings(&later, 4.0).len(), 100);
+        // p0 has taken them over: the next new replica gets them from it at once, still once.
+        let last = replica("last");
+        assert_eq!(first_start(&last, live, 5.0), [24 + 25, 26, 25]);
+        assert_eq!(bindings(&last, 5.0).len(), 100);
+        // A session request aimed at a new replica: what it learned from the asker (p0's
+        // sessions and p3's, from p0) is the asker's, not sent back.
+        let pending = replica("pending");
+        let request = pending.sync.catch_up_request();
+        for b in peers[0].sync.answer(&request, 6.0, 1 << 20) {
+            pending.sync.apply_catch_up(&b, 6.0).unwrap();
+        }
+        pending.sync.incoming(&peers[0].sync.outgoing(6.0, true).unwrap(), 6.0).unwrap();
+        pending.sync.incoming(&later.sync.outgoing(6.0, true).unwrap(), 6.0).unwrap();
+        let table = pending.sync.repair_requests();
+        assert_eq!(table.len(), 1, "aimed at later, first by name");
+        assert!(peers[0].sync.answer(&table[0], 6.0, 1 << 20).is_empty());
+        let ask = encode_request(&CatchUpRequest {
+            replica: "p0".into(),
+            incarnation: 2,
+            wants_sessions: true,
+            target: Some(("later".into(), 5)),
+            cursors: vec![("later".into(), 5, 1)],
+        });
+        // p1's and p2's (not listed), not the 49 later has from p0 (p3's included).
+        assert_eq!(answer_entries(&later.sync.answer(&ask, 6.0, 1 << 20)).1, 26 + 25);
+        // The new replicas answer as peers too: a session they learned is theirs to hand on
+        // only when its owner is gone; here every owner answers.
+        let with_new: Vec<&Replica> = vec![&peers[0], &peers[1], &peers[2], &new];
+        let fresh = replica("fresh");
+        assert_eq!(first_start(&fresh, &with_new, 6.0), [24 + 25, 26, 25, 0]);
+        assert_eq!(bindings(&fresh, 6.0).len(), 100);
+    }
+
+    #[test]
+    fn session_owners_stay_as_few_as_the_sessions_held() {
+        let opts = RouterOptions { max_sessions: 8, ..RouterOptions::default() };
+        let pool = Arc::new(EndpointPool::new(StalePolicy::default()).unwrap());
+        pool.upsert(Endpoint { address: "a:8000".into(), ..Endpoint::new(key("a")) });
+        let index = Arc::new(PrefixIndex::new(IndexConfig::default()).unwrap());
+        let config = parse_config(&presets::preset("llm-d").unwrap()).unwrap();
+        let router = Router::new(pool, index, config, opts).unwrap();
+        let sync = router.replica_sync("one".into(), 1, SyncOptions::default());
+        let r = Replica { router, sync };
+        // A client cycling new session ids within one second.
+        for i in 0..50 {
+            route(&r, i, 1, 1.0);
+        }
+        assert!(r.sync.state.lock().owners.len() <= 2 * 8 + 64);
+        for i in 50..200 {
+            route(&r, i, 1, 1.5);
+        }
+        assert!(r.sync.state.lock().owners.len() <= 2 * 8 + 64);
+        assert_eq!(bindings(&r, 1.5).len(), 8);
+        // The 8 held are all this replica's: a first start gets them from it.
+        let new = replica("new");
+        assert_eq!(first_start(&new, &[&r], 2.0), [8]);
     }
 
     fn cached_on_any(r: &Replica, tokens: &[u32]) -> bool {

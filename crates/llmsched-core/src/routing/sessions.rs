@@ -99,6 +99,11 @@ impl Sessions {
         Sessions { state: Mutex::new(State::default()), ttl, max }
     }
 
+    /// Most bindings held.
+    pub fn capacity(&self) -> usize {
+        self.max
+    }
+
     /// Seconds a binding lives after its last use.
     pub fn ttl(&self) -> f64 {
         self.ttl
@@ -121,18 +126,19 @@ impl Sessions {
     }
 
     /// Binds `id` to `key` as used `idle_s` seconds before `now` (0: just now). A binding
-    /// already idle for the whole TTL is not made.
-    pub fn bind(&self, id: &str, key: &WorkerKey, now: f64, idle_s: f64) {
+    /// already idle for the whole TTL is not made. True when the binding is now this one
+    /// (false: already idle for the TTL, or a later use is bound).
+    pub fn bind(&self, id: &str, key: &WorkerKey, now: f64, idle_s: f64) -> bool {
         let expires = now + self.ttl - idle_s.max(0.0);
         if expires < now {
-            return;
+            return false;
         }
         let id = session_key(id);
         let mut state = self.state.lock();
         state.drop_expired(now);
         let shared = match state.bound.get_key_value_mut(&*id) {
             // A later use wins; an older report from another replica does not shorten it.
-            Some((_, (_, e))) if *e > expires => return,
+            Some((_, (_, e))) if *e > expires => return false,
             Some((shared, slot)) => {
                 *slot = (key.clone(), expires);
                 shared.clone()
@@ -148,6 +154,7 @@ impl Sessions {
         };
         state.order.push_back((shared, expires));
         state.compact();
+        true
     }
 
     /// Every binding live at `now`.
