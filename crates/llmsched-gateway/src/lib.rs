@@ -3709,6 +3709,16 @@ impl DoneEvent {
         if found.done_line {
             return (found, true);
         }
+        if self.tail[..self.tail_len].last() == Some(&b'\n') && data.len() >= DONE_KEEP {
+            // The usual case: the bytes before ended a line, so an event across the boundary
+            // is that line end and `data`'s start (`\n` opens no other prefix of the event).
+            if data.starts_with(b"data: [DONE]") || data.starts_with(b"data:[DONE]") {
+                return (found, true);
+            }
+            self.tail.copy_from_slice(&data[data.len() - DONE_KEEP..]);
+            self.tail_len = DONE_KEEP;
+            return (found, false);
+        }
         // The last bytes before `data` and its first ones: an event across the boundary (then
         // its `[` is among them).
         let head = &data[..data.len().min(DONE_KEEP)];
@@ -4765,6 +4775,11 @@ mod tests {
         "x",
         "{\"choices\":[",
         "data: [DONE]",
+        "\"stop_reason\": \"stop\"",
+        "\"prompt_tokens\":5,",
+        "metadata: x",
+        "data: {\"choices\":[{\"index\":0,\"text\":\"y\",\"finish_reason\":null,\
+         \"stop_reason\":null}]}\n\ndata: [DONE]\n\n",
     ];
 
     /// What the relay's scans tell of a stream, frame by frame: the tokens and usage so

@@ -4,8 +4,9 @@
 //! event) and a string `"finish_reason":` (the last token's, the stream's end near).
 //!
 //! Every one of these holds a `:`, once, so the frame is searched for that byte alone (16
-//! bytes at a time, [`colons`]) and each hit is told apart by the bytes around it; the
-//! searches of each needle over the whole frame (four to six a frame) are gone.
+//! bytes at a time, [`colons`]) and each hit is told apart by the bytes around it (first the
+//! four before it, which turn away most of the JSON keys); the searches of each needle over
+//! the whole frame (four to six a frame) are gone.
 
 /// What [`scan`] found in a frame.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -61,9 +62,24 @@ pub(crate) fn scan(data: &[u8]) -> Found {
     }
 }
 
-/// Tells what the `:` at `at` of `data` is ([`scan`]).
+/// The four bytes before the `:` of each needle, as a little-endian `u32` ([`colon`]):
+/// `data:`, `"finish_reason":` and `"completion_tokens":`.
+const DATA: u32 = u32::from_le_bytes(*b"data");
+const REASON: u32 = u32::from_le_bytes(*b"son\"");
+const TOKENS: u32 = u32::from_le_bytes(*b"ens\"");
+
+/// Tells what the `:` at `at` of `data` is ([`scan`]). Most of a frame's `:` end JSON keys
+/// that are none of the needles: one load of the four bytes before and three compares turn
+/// them away (no needle has fewer than four bytes before its `:`).
 #[inline]
 fn colon(data: &[u8], at: usize, found: &mut Found, usage_read: &mut bool) {
+    let key = match at.checked_sub(4).and_then(|from| data.get(from..at)) {
+        Some(&[a, b, c, d]) => u32::from_le_bytes([a, b, c, d]),
+        _ => return,
+    };
+    if key != DATA && key != REASON && key != TOKENS {
+        return;
+    }
     let (before, after) = (&data[..at], &data[at + 1..]);
     match before {
         [.., b'd', b'a', b't', b'a'] => {
@@ -161,7 +177,63 @@ mod tests {
         assert_eq!(found, Found { events: 1, ..Found::default() });
     }
 
+    #[test]
+    fn keys_ending_like_a_needle_are_told_apart_past_the_four_bytes() {
+        // `son"`, `ens"` and `data` before the `:`, but other keys (`stop_reason` is vLLM's).
+        let frame = b"data: {\"stop_reason\": \"x\",\"prompt_tokens\":5,\"reason\":\"y\",\
+            \"tens\":1,\"metadata\":2,\"xdata\":3,\"ens\":4}";
+        assert_eq!(scan(frame), Found { events: 1, ..Found::default() });
+        // A needle near the frame's start (fewer than four bytes before a `:`: none).
+        assert_eq!(scan(b":ata: ").events, 0);
+        assert_eq!(scan(b"a:data:").events, 0);
+        assert_eq!(scan(b"data: x").events, 1);
+        assert_eq!(scan(b"metadata: x").events, 1);
+        assert_eq!(scan(b"\"completion_tokens\":4").usage, Some(4));
+        assert!(scan(b"\"finish_reason\":\"stop\"").finish);
+    }
+
+    /// [`scan`] as a byte loop over the whole frame: each needle looked for at each offset.
+    fn scan_bytewise(data: &[u8]) -> Found {
+        let mut found = Found::default();
+        let at = |i: usize, needle: &[u8]| data[i..].starts_with(needle);
+        let mut usage_read = false;
+        for i in 0..data.len() {
+            if at(i, b"data: ") {
+                if at(i + 6, b"[DONE]") {
+                    found.done_field = true;
+                } else {
+                    found.events += 1;
+                }
+            }
+            if i > 0 && data[i - 1] == b'\n' && (at(i, b"data: [DONE]") || at(i, b"data:[DONE]")) {
+                found.done_line = true;
+            }
+            if at(i, b"\"finish_reason\":") {
+                let value = &data[i + 16..];
+                found.finish |= value.iter().find(|b| **b != b' ') == Some(&b'"');
+            }
+            if !usage_read && at(i, b"\"completion_tokens\":") {
+                usage_read = true;
+                found.usage = count(&data[i + 20..]);
+            }
+        }
+        found
+    }
+
     proptest::proptest! {
+        #[test]
+        fn a_frame_is_read_as_a_byte_loop_reads_it(pieces in proptest::collection::vec(
+            proptest::sample::select(vec![
+                &b"data"[..], b": ", b":", b"[DONE]", b"\n", b"\"", b"son\"", b"ens\"",
+                b"\"finish_reason\"", b"\"stop_reason\"", b"\"completion_tokens\"",
+                b"\"prompt_tokens\"", b" ", b"12", b"null", b"x", b"meta", b"{\"id\":",
+            ]),
+            0..40,
+        )) {
+            let frame: Vec<u8> = pieces.concat();
+            proptest::prop_assert_eq!(scan(&frame), scan_bytewise(&frame));
+        }
+
         #[test]
         fn colons_are_found_with_simd_as_without(chunk in proptest::array::uniform16(
             proptest::sample::select(vec![b':', b'9', b'z', 0, 0xba, 0x3b, 0x39, 0xff])
