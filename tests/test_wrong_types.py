@@ -44,6 +44,7 @@ WRONG: dict[str, Any] = {
     "bytes": b"x",
     "list": [object()],
     "dict": {},
+    "bool": True,  # an int to Python, and to the native layer 1 (an id, a count, a capacity)
 }
 """The wrong values tried, by the name that ends a test id."""
 
@@ -54,11 +55,12 @@ ACCEPTS: dict[str, set[str]] = {
     "opt_int": {"None"},
     "str": {"str"},
     "opt_str": {"None", "str"},
-    "num": {"float"},
-    "opt_num": {"None", "float"},
+    # Numbers (seconds, rates, fractions) are read as floats, a bool as 0.0 or 1.0: not probed.
+    "num": {"float", "bool"},
+    "opt_num": {"None", "float", "bool"},
     "id": {"str"},
     "opt_id": {"None", "str"},
-    "bool": set(),
+    "bool": {"bool"},
     "bytes": {"bytes"},
     "text": {"str", "bytes"},
     "ints": {"dict"},  # token ids or hashes: an empty dict is an empty iterable
@@ -1263,3 +1265,16 @@ def test_wrong_type_raises_llmsched_error_and_changes_nothing(
     assert word in str(exc), f"message does not name {word!r}: {exc}"
     if state is not None:
         assert state(structure) == before
+
+
+@pytest.mark.parametrize(("request_id", "tokens"), [(7, True), (True, 1)], ids=["tokens", "id"])
+def test_a_bool_is_no_token_count_or_request_id_mid_slice(request_id: Any, tokens: Any) -> None:
+    """Mid-slice (where the entry above's structure is not: it sits at a boundary, so a count
+    of 1 fails there anyway) a bool was counted as 1 token, or taken for request 1."""
+    tracker = SliceTracker("fixed", {"slice_tokens": 8}, endpoints=["a"])
+    tracker.admit(7, prompt_tokens=5, max_tokens=100, endpoint="a")
+    tracker.admit(1, prompt_tokens=5, max_tokens=100, endpoint="a")
+    before = [_fields(tracker.state(i)) for i in (1, 7)]
+    with pytest.raises(llmsched.InvalidTypeError, match="must be an int, got bool"):
+        tracker.record_tokens(request_id, tokens)
+    assert [_fields(tracker.state(i)) for i in (1, 7)] == before

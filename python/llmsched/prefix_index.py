@@ -168,6 +168,8 @@ class PrefixIndex:
         check_seed(seed)
         check_optional_str("model", model)
         for name, value in (("worker_capacity", worker_capacity), ("max_bytes", max_bytes)):
+            if isinstance(value, bool):  # an int to Python: True would bound the index to 1
+                raise InvalidTypeError(f"{name} must be an int or None, got bool")
             if value is not None and (not isinstance(value, int) or not 1 <= value < 2**64):
                 raise InvalidValueError(
                     f"{name} must be a positive int (below 2**64) or None, got {value!r}"
@@ -278,6 +280,8 @@ class PrefixIndex:
         """
         if type(parent) is int and not 0 <= parent < 2**64:
             raise InvalidValueError(f"parent must be a block hash in 0..2**64-1, got {parent}")
+        if type(parent) is bool:  # the native side would read it as block 0 or 1
+            raise InvalidTypeError("parent must be a block hash (an int) or None, got bool")
         try:
             return self._native.store(worker, hashes, parent, tier)
         except TypeError:  # name what the native conversion refused

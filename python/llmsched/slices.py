@@ -535,6 +535,9 @@ class SliceTracker:
 
         More than are left raises :class:`~llmsched.errors.SliceStateError`.
         """
+        if type(request_id) is bool or type(tokens) is bool:  # the native side takes 0 / 1
+            _check_int("request_id", request_id, 0, _U64)
+            _check_int("tokens", tokens, 0, _U32)
         try:
             return self._native.record_tokens(request_id, tokens)
         except (OverflowError, TypeError):
@@ -557,6 +560,8 @@ class SliceTracker:
         Mid-slice raises :class:`~llmsched.errors.SliceStateError`; nothing changes on error.
         """
         now = check_now(now)
+        if type(request_id) is bool:  # the native side would decide for request 0 or 1
+            _check_int("request_id", request_id, 0, _U64)
         try:
             return self._native.decide(request_id, finished, waiting, now)
         except (OverflowError, TypeError, ValueError):

@@ -318,17 +318,23 @@ def check_iterable(name: str, value: object) -> list[Any]:
 
 def check_int_like(name: str, value: object, *, optional: bool = False) -> None:
     """Raise unless ``value`` is what the native layer reads as an int: anything with
-    ``__index__`` (an ``int``, a numpy integer), or ``None`` when ``optional``. For the error
-    path of a native call, to name the argument it refused (its range is the core's to check).
+    ``__index__`` (an ``int``, a numpy integer) but a ``bool`` (which the native layer would
+    read as 0 or 1), or ``None`` when ``optional``. For the error path of a native call, to
+    name the argument it refused (its range is the core's to check), and before a native call
+    that would take a bool.
 
     >>> check_int_like("request_id", 1.5)
     Traceback (most recent call last):
         ...
     llmsched.errors.InvalidTypeError: request_id must be an int, got float
+    >>> check_int_like("max_sessions", True)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidTypeError: max_sessions must be an int, got bool
     """
     if optional and value is None:
         return
-    if not hasattr(type(value), "__index__"):
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         kind = "an int or None" if optional else "an int"
         raise InvalidTypeError(f"{name} must be {kind}, got {_type_name(value)}")
 
