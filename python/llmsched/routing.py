@@ -63,6 +63,7 @@ from llmsched.validation import (
     check_int,
     check_int_like,
     check_iterable,
+    check_no_empty_names,
     check_now,
     check_number_like,
     check_optional_str,
@@ -729,7 +730,9 @@ class Router:
         ``tokens`` (see ``allow_pseudo_tokens``).
 
         ``model`` restricts the endpoints to those serving it; ``lora`` names the adapter and
-        ``cache_salt`` isolates a tenant's cache (both are folded into the prompt hashes);
+        ``cache_salt`` isolates a tenant's cache (both are folded into the prompt hashes); each
+        is a non-empty str or None, ``""`` is refused (``InvalidValueError``), as an
+        :class:`Endpoint`'s empty ``model`` is;
         ``priority``, ``session_id`` and ``headers`` reach the plugins. Nothing changes until
         :meth:`Decision.started`. Raises NoEndpointError when no endpoint can serve it.
 
@@ -766,6 +769,8 @@ class Router:
             raise InvalidTypeError(f"priority must be an int, got {type(priority).__name__}")
         if not -(2**31) <= priority < 2**31:
             raise InvalidValueError(f"priority must fit in 32 bits, got {priority}")
+        if model == "" or lora == "" or cache_salt == "":
+            check_no_empty_names(model=model, lora=lora, cache_salt=cache_salt)
         header_items = [] if headers is None else _headers(headers)
         if now is None:
             clock = time.monotonic()

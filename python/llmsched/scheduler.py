@@ -93,6 +93,7 @@ from llmsched.routing import (
 from llmsched.types import SchedulerStats
 from llmsched.validation import (
     check_id,
+    check_no_empty_names,
     check_optional_str,
     check_utf8,
     describe_int,
@@ -173,7 +174,8 @@ class ScheduleRequest:
 
     ``tenant`` and ``priority`` place it in flow control (higher first; negative is
     sheddable); ``model``, ``lora``, ``session_id``, ``session_endpoint``, ``cache_salt`` and
-    ``headers`` reach the router as :meth:`Router.pick <llmsched.Router.pick>` takes them.
+    ``headers`` reach the router as :meth:`Router.pick <llmsched.Router.pick>` takes them (an
+    empty ``model``, ``lora`` or ``cache_salt`` is refused, as there).
     ``prompt_tokens`` is its size for flow control (default: the token count, or a quarter of
     the text's characters); ``size_bytes`` counts against byte limits; ``deadline``
     (absolute, on the flow controller's clock) and ``ttft_target_s`` feed the ``edf`` and
@@ -244,6 +246,9 @@ class ScheduleRequest:
                 raise InvalidRequestError(f"{name} must be a str or None, got {value!r}")
             if value is not None:
                 check_utf8(name, value, error=InvalidRequestError)
+        check_no_empty_names(
+            InvalidRequestError, model=self.model, lora=self.lora, cache_salt=self.cache_salt
+        )
         endpoint = self.session_endpoint
         if isinstance(endpoint, str):
             check_utf8("session_endpoint", endpoint, error=InvalidRequestError)

@@ -56,6 +56,7 @@ __all__ = [
     "check_int",
     "check_int_like",
     "check_iterable",
+    "check_no_empty_names",
     "check_now",
     "check_number_like",
     "check_optional_str",
@@ -267,6 +268,32 @@ def check_optional_str(name: str, value: object) -> str | None:
     if value is not None and not isinstance(value, str):
         raise InvalidTypeError(f"{name} must be a str or None, got {_type_name(value)}")
     return value
+
+
+_UNSET_NAMES = {"model": "any model", "lora": "the base model", "cache_salt": "no salt"}
+"""What ``None`` means for each name a request may give (``Router.pick``, ``ScheduleRequest``)."""
+
+
+def check_no_empty_names(
+    error: type[LlmschedError] = InvalidValueError, **names: str | None
+) -> None:
+    """Refuse an empty ``model``, ``lora`` or ``cache_salt`` of a request: each is a name or
+    None, and ``""`` is most likely an unset setting. It would not mean None: ``model=""``
+    would be served only by endpoints serving any model, and ``lora=""`` or ``cache_salt=""``
+    would hash the prompt into a namespace no engine's cache is in (vLLM and both gateways
+    refuse an empty ``cache_salt``). Raises ``error`` (InvalidValueError by default).
+
+    >>> check_no_empty_names(model="m", lora=None)
+    >>> check_no_empty_names(model="")
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: model must be a non-empty str or None (None: any model), got ''
+    """  # noqa: E501
+    for name, value in names.items():
+        if value == "":
+            raise error(
+                f"{name} must be a non-empty str or None (None: {_UNSET_NAMES[name]}), got ''"
+            )
 
 
 def check_bool(name: str, value: object) -> bool:
