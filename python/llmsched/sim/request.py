@@ -25,6 +25,13 @@ class Request:
     namespace) of the full blocks of the prompt followed by the output the request will
     generate, so a later turn that repeats both hits the cache. ``tokens`` are the prompt's
     token ids when the workload has them (a router that hashes prompts itself needs them).
+    ``output_len`` is at least 1: a request asking for none produces the token of its prefill
+    step (a trace line with ``output_length`` 0), while ``hashes`` cover only its prompt.
+
+    >>> no_blocks = np.zeros(0, np.uint64)
+    >>> asks_none = Request(0, arrival=0.0, prompt_len=4, output_len=0, hashes=no_blocks)
+    >>> asks_none.output_len
+    1
     """
 
     __slots__ = (

@@ -653,7 +653,9 @@ class PriorityWorkload(_Base):
 class TraceConfig:
     """Replay a JSONL trace: one object per line with ``timestamp``, ``input_length``,
     ``output_length`` and optionally ``hash_ids`` (Mooncake: one id per ``hash_block``-token
-    block; equal ids mean equal content), ``tenant``, ``priority``, ``session``.
+    block; equal ids mean equal content), ``tenant``, ``priority``, ``session``. A line with
+    ``output_length`` 0 runs as one output token (the token its prefill step produces: every
+    simulated request produces at least one, as an engine's ``max_tokens`` is at least 1).
     ``timestamp_unit`` is ``ms`` (Mooncake) or ``s``; ``time_scale`` divides the gaps
     (2 replays twice as fast); ``limit`` keeps the first lines."""
 
