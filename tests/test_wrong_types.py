@@ -44,7 +44,7 @@ WRONG: dict[str, Any] = {
     "bytes": b"x",
     "list": [object()],
     "dict": {},
-    "bool": True,  # an int to Python, and to the native layer 1 (an id, a count, a capacity)
+    "bool": True,  # an int to Python, read by the native layer as 1 (an id, a count, seconds)
 }
 """The wrong values tried, by the name that ends a test id."""
 
@@ -55,9 +55,8 @@ ACCEPTS: dict[str, set[str]] = {
     "opt_int": {"None"},
     "str": {"str"},
     "opt_str": {"None", "str"},
-    # Numbers (seconds, rates, fractions) are read as floats, a bool as 0.0 or 1.0: not probed.
-    "num": {"float", "bool"},
-    "opt_num": {"None", "float", "bool"},
+    "num": {"float"},
+    "opt_num": {"None", "float"},
     "id": {"str"},
     "opt_id": {"None", "str"},
     "bool": {"bool"},

@@ -271,6 +271,9 @@ class FlowController:
             _int64(f"FlowRequest.{name}", value)
         if isinstance(request.tenant, str):  # a wrong type is named when the native side refuses
             check_utf8("FlowRequest.tenant", request.tenant)
+        for name in ("deadline", "ttft_target"):  # the native side would read a bool as 0 or 1
+            if type(getattr(request, name)) is bool:
+                check_number_like(f"FlowRequest.{name}", getattr(request, name))
         t = self._now(now)
         try:
             refused = self._core.enqueue(

@@ -310,6 +310,8 @@ class PrefixIndex:
         0
         """
         now = _now(now)
+        if type(ttl_s) is bool:  # the native side would read it as 1 second
+            check_number_like("ttl_s", ttl_s)
         try:
             return self._native.record(worker, hashes, ttl_s, now)
         except TypeError:

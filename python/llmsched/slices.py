@@ -108,6 +108,9 @@ class SwitchCostModel:
     __slots__ = ("_native",)
 
     def __init__(self, **params: float) -> None:
+        for name, value in params.items():  # the native side would read a bool as 0 or 1
+            if type(value) is bool:
+                check_number_like(name, value)
         try:
             self._native = _llmsched.SwitchCostModel(_params(params, "cost model"))
         except ConfigError:
@@ -178,6 +181,11 @@ class SwitchCostModel:
             "priority_base": priority_base,
         }
         dims = {k: v for k, v in dims.items() if v is not None}
+        for name, number in gpu.items():  # the native side would read a bool as 0 or 1
+            check_number_like(f"gpu_{name}", number, optional=True)
+        for name, setting in dims.items():
+            if name not in ("model", "gpu"):
+                check_number_like(name, setting)
         for name, value in model.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"cost model dims: {name} must be a positive number, got {value}")
@@ -480,6 +488,13 @@ class SliceTracker:
         """
         _check_int("waiting", waiting, 0, _U32)
         check_number_like("kv_cache_usage", kv_cache_usage)
+        for field_name, value in (
+            ("kv_capacity_tokens", kv_capacity_tokens),
+            ("prefill_tokens_per_s", prefill_tokens_per_s),
+            ("decode_step_s", decode_step_s),
+        ):
+            if type(value) is bool:  # the native side would read it as 0.0 or 1.0
+                check_number_like(field_name, value)
         try:
             self._native.set_endpoint(
                 _endpoint_name(name),

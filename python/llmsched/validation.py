@@ -368,18 +368,24 @@ def check_int_like(name: str, value: object, *, optional: bool = False) -> None:
 
 def check_number_like(name: str, value: object, *, optional: bool = False) -> None:
     """Raise unless ``value`` is what the native layer reads as a float: anything with
-    ``__float__`` or ``__index__`` (an ``int``, a ``float``, a numpy scalar) but a ``str``, or
-    ``None`` when ``optional``. For the error path of a native call, as :func:`check_int_like`.
+    ``__float__`` or ``__index__`` (an ``int``, a ``float``, a numpy scalar) but a ``str`` or
+    a ``bool`` (a True where seconds, a rate or a share belong is a mistake, which the native
+    layer would read as 1.0), or ``None`` when ``optional``. For the error path of a native
+    call, as :func:`check_int_like`, and before a native call that would take a bool.
 
     >>> check_number_like("ttl_s", "5")
     Traceback (most recent call last):
         ...
     llmsched.errors.InvalidTypeError: ttl_s must be a number, got str
+    >>> check_number_like("ttl_s", True)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidTypeError: ttl_s must be a number, got bool
     """
     if optional and value is None:
         return
     kind = type(value)
-    if not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
+    if kind is bool or not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
         expected = "a number or None" if optional else "a number"
         raise InvalidTypeError(f"{name} must be {expected}, got {_type_name(value)}")
 
