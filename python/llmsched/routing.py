@@ -511,6 +511,7 @@ class Router:
         "_pseudo_lock",
         "_pseudo_ok",
         "_pseudo_picks",
+        "_reads_roles",
         "_sync",
         "_warnings",
     )
@@ -545,8 +546,10 @@ class Router:
         for name, value in (("record_ttl_s", record_ttl_s), ("session_ttl_s", session_ttl_s)):
             check_number_like(name, value, optional=True)
         check_int_like("max_sessions", max_sessions, optional=True)
-        native, functions = native_config(load_config(config))
+        loaded = load_config(config)
+        native, functions = native_config(loaded)
         info = _config_info(native, functions)
+        self._reads_roles = _reads_roles(loaded)
         _log_notes(info)
         warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]
         if index is None and info["precise"] is not None:
@@ -705,6 +708,21 @@ class Router:
     def warnings(self) -> list[str]:
         """The configuration's notes and the wiring it lacks, as logged when it was built."""
         return list(self._warnings)
+
+    @property
+    def reads_roles(self) -> bool:
+        """Whether the configuration can tell endpoints apart by their ``role``: it declares a
+        ``prefill-filter`` or ``decode-filter``, a P/D profile handler, or a filter that may
+        read roles or labels (a label selector, a decision tree, a ``python-filter``).
+        Otherwise an endpoint of role ``prefill`` is sent whole requests like any other
+        (:class:`~llmsched.Scheduler` notes such engines).
+
+        >>> Router(EndpointPool(["a"]), config="llm-d").reads_roles
+        False
+        >>> Router(EndpointPool(["a"]), config="llm-d-pd").reads_roles
+        True
+        """
+        return self._reads_roles
 
     def pick(
         self,
@@ -1200,6 +1218,33 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
             raise InvalidTypeError(f"messages[{i}]['content'] must be a str or a list of parts")
         out.append(f"<|{m['role']}|>\n{content}\n")
     return "".join(out)
+
+
+_ROLE_READERS = frozenset(
+    {
+        "prefill-filter",
+        "decode-filter",
+        "pd-profile-handler",
+        "disagg-profile-handler",
+        # Filters that may read a role, or a role label (llm-d's older P/D configs filter
+        # `llm-d.ai/role` with `by-label`).
+        "by-label",
+        "by-label-selector",
+        "label-selector-filter",
+        "decision-tree",
+        "decision-tree-filter",
+        "python-filter",
+    }
+)
+"""Plugin types that can tell endpoints apart by role (see :attr:`Router.reads_roles`)."""
+
+
+def _reads_roles(config: Mapping[str, Any]) -> bool:
+    """Whether a loaded (and accepted) config declares a plugin of ``_ROLE_READERS``."""
+    plugins = config.get("plugins")
+    return isinstance(plugins, list) and any(
+        isinstance(p, Mapping) and p.get("type") in _ROLE_READERS for p in plugins
+    )
 
 
 def native_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:

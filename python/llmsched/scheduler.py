@@ -862,7 +862,8 @@ class Scheduler:
                 self._warnings.append(note)
         self._config_notes = list(self._warnings)
         self._address_notes: list[str] = []
-        self._note_shared_addresses()
+        self._role_notes: list[str] = []
+        self._note_engine_set()
         self._subscriber: KVEventSubscriber | NativeKVEventSubscriber | None = None
         # The counts of the subscribers stopped so far (an engine change restarts the feed),
         # under ``_feed_lock`` with ``_subscriber``: ``kv_event_counters`` never goes down.
@@ -1023,7 +1024,7 @@ class Scheduler:
             self._engines[key] = checked
             self._enter_place(key)
             self.pool.add(checked.endpoint)
-            self._note_shared_addresses()
+            self._note_engine_set()
         self._feeds_changed()
         return key
 
@@ -1036,7 +1037,7 @@ class Scheduler:
             if endpoint not in self._engines:
                 raise UnknownEndpointError(f"endpoint {endpoint!r} is not scheduled")
             self._forget(endpoint)
-            self._note_shared_addresses()
+            self._note_engine_set()
         self._feeds_changed()
 
     def _forget(self, endpoint: EndpointId) -> None:
@@ -1099,7 +1100,7 @@ class Scheduler:
                 self._drained.discard(key)
                 self.pool.add(new[key].endpoint)
             if added or removed or changed:
-                self._note_shared_addresses()
+                self._note_engine_set()
         if added or removed or changed:
             self._feeds_changed()
         return added, removed, changed
@@ -1131,11 +1132,14 @@ class Scheduler:
         if not there:
             del self._at_place[place]
 
-    def _note_shared_addresses(self) -> None:
-        """Notes engines under several ids at one address and rank (each note logged once
-        while it holds, in :attr:`warnings` and ``stats()["config_warnings"]``): one engine
-        counted as several, its load and cache split between ids (one address listed under
-        two names, perhaps once per model it serves)."""
+    def _note_engine_set(self) -> None:
+        """Notes what in the engine set will route badly (each note logged once while it
+        holds, in :attr:`warnings` and ``stats()["config_warnings"]``): engines under several
+        ids at one address and rank (one engine counted as several, its load and cache split
+        between ids: one address listed under two names, perhaps once per model it serves),
+        and engines of role ``prefill`` under a router config that reads no role
+        (:attr:`Router.reads_roles <llmsched.Router.reads_roles>`: they are sent whole
+        requests, decode included, like any engine)."""
         notes = [
             f"engines {', '.join(map(repr, self._at_place[place]))} are all at {place[0]} "
             f"(rank {place[1]}): one engine under several ids has its load and cache counted "
@@ -1146,7 +1150,20 @@ class Scheduler:
             if note not in self._address_notes:
                 log.warning("%s", note)
         self._address_notes = notes
-        self._warnings = [*self._config_notes, *notes]
+        prefill = [k for k, e in self._engines.items() if e.endpoint.role == "prefill"]
+        roles = []
+        if prefill and not self.router.reads_roles:
+            shown = ", ".join(map(repr, prefill[:5])) + (", ..." if len(prefill) > 5 else "")
+            roles.append(
+                f"{len(prefill)} engine(s) of role prefill ({shown}), but the router config "
+                "reads no role (no prefill-filter / decode-filter or P/D profile handler): "
+                "they are sent whole requests, decode included, like any engine; route with a "
+                "P/D config (the llm-d-pd preset, say) or give them no role"
+            )
+        if roles and not self._role_notes:  # once while it holds, whichever engines
+            log.warning("%s", roles[0])
+        self._role_notes = roles
+        self._warnings = [*self._config_notes, *self._address_notes, *self._role_notes]
 
     def drain(self, endpoint: EndpointId) -> bool:
         """Takes an engine out of routing: no new request goes there, requests in flight
