@@ -762,10 +762,20 @@ def test_a_decision_used_out_of_order_raises_placement_error() -> None:
     with pytest.raises(PlacementError, match="already"):
         d.started(now=0.0)
     assert d.finished()
-    with pytest.raises(PlacementError, match="already"):
+    with pytest.raises(PlacementError, match="has finished"):
         d.started(now=0.0)
     assert pool.endpoints()[0]["in_flight_requests"] == 0  # nothing changed
     assert d.first_token() is False
+
+
+def test_starting_a_decision_finished_unstarted_says_it_finished() -> None:
+    # Probe 73: it said "started() was already called", which it never was.
+    pool = EndpointPool(["a"], stale_policy="ignore")
+    d = Router(pool, config="least-load").pick(tokens=[1], now=0.0)
+    assert d.finished()
+    with pytest.raises(PlacementError, match=r"has finished .*started\(\) must come before"):
+        d.started(now=0.0)
+    assert d.stage == "finished" and pool.endpoints()[0]["in_flight_requests"] == 0
 
 
 def test_a_time_beyond_a_floats_range_is_an_invalid_value() -> None:

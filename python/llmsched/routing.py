@@ -39,7 +39,7 @@ import numpy.typing as npt
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, native_tokens
 from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
-from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError, PlacementError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import (
@@ -958,8 +958,25 @@ class Decision:
         """The request is being sent: to the chosen endpoint, or to ``endpoint`` (e.g. a
         fallback). Adds it to the in-flight counts, records approximate prefix entries for the
         endpoints used, binds the session. Once only: again, or after :meth:`finished`, raises
-        :class:`~llmsched.errors.PlacementError` (a RuntimeError)."""
-        self._native.started(endpoint, _now(now))
+        :class:`~llmsched.errors.PlacementError` (a RuntimeError).
+
+        >>> d = Router(EndpointPool(["a"]), config="round-robin").pick(tokens=[1], now=0.0)
+        >>> d.finished()
+        True
+        >>> d.started(now=0.0)
+        Traceback (most recent call last):
+            ...
+        llmsched.errors.PlacementError: this decision has finished (finished(), or the end of its with block): started() must come before it
+        """  # noqa: E501
+        try:
+            self._native.started(endpoint, _now(now))
+        except PlacementError:
+            if self.stage == "finished":  # the native message says "already called"
+                raise PlacementError(
+                    "this decision has finished (finished(), or the end of its with block): "
+                    "started() must come before it"
+                ) from None
+            raise
 
     def first_token(self) -> bool:
         """The first token arrived: the prefill work is done. False if already noted or
