@@ -349,7 +349,14 @@ class PrefixIndex:
         return self._native.remove_worker(worker)
 
     def set_capacity(self, worker: Worker, blocks: int | None) -> int:
-        """Set (or lift, with None) ``worker``'s capacity in blocks; returns blocks evicted."""
+        """Set (or lift, with None) ``worker``'s capacity in blocks; returns blocks evicted.
+        A worker not known yet is registered (it holds nothing; the capacity holds from its
+        first block on), unlike :meth:`clear` and :meth:`remove_worker`, which refuse it.
+
+        >>> index = PrefixIndex(block_size=2)
+        >>> index.set_capacity("new", 8), index.workers()
+        (0, ['new'])
+        """
         if blocks is not None:
             if isinstance(blocks, bool) or not isinstance(blocks, int):
                 raise InvalidTypeError(
