@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import llmsched
@@ -148,6 +149,10 @@ def test_bad_input_raises_and_changes_nothing() -> None:
         (InvalidRequestError, "request_id must fit", lambda: ctrl.cancel(-(2**64))),
         (InvalidRequestError, "request_id must fit", lambda: ctrl.is_queued(2**64)),
         (InvalidRequestError, "request_id must fit", lambda: ctrl.is_running(2**64)),
+        # Probe 73: a negative id was a bare OverflowError from the unsigned conversion.
+        (InvalidRequestError, "request_id must be >= 0", lambda: ctrl.is_queued(-1)),
+        (InvalidRequestError, "request_id must be >= 0", lambda: ctrl.is_running(-1)),
+        (InvalidRequestError, "request_id must be >= 0", lambda: ctrl.is_queued(np.int64(-3))),
         (InvalidRequestError, "priority must fit", lambda: ctrl.jain_index(2**64)),
         (InvalidRequestError, "deadline", lambda: ctrl.enqueue(FlowRequest(2, deadline=math.inf))),
         (InvalidRequestError, "ttft_target", lambda: ctrl.enqueue(FlowRequest(2, ttft_target=-1))),

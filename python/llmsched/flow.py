@@ -36,6 +36,7 @@ import contextlib
 import copy
 import itertools
 import math
+import operator
 import os
 import sys
 import threading
@@ -180,6 +181,14 @@ def _int64(name: str, value: object) -> object:
     else:
         check_int_like(name, value)
     return value
+
+
+def _request_id(value: object) -> None:
+    """:func:`_int64`, and a negative id refused as the core refuses it elsewhere (its
+    unsigned conversion gave a bare OverflowError)."""
+    _int64("request_id", value)
+    if operator.index(value) < 0:  # type: ignore[arg-type]
+        raise InvalidRequestError(f"request_id must be >= 0, got {value}")
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -573,7 +582,7 @@ class FlowController:
         >>> FlowController().is_queued(3)
         False
         """
-        _int64("request_id", request_id)
+        _request_id(request_id)
         return self._core.is_queued(request_id)
 
     def is_running(self, request_id: int) -> bool:
@@ -582,7 +591,7 @@ class FlowController:
         >>> FlowController().is_running(3)
         False
         """
-        _int64("request_id", request_id)
+        _request_id(request_id)
         return self._core.is_running(request_id)
 
     def __len__(self) -> int:
