@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 import llmsched
@@ -1277,3 +1278,51 @@ def test_a_bool_is_no_token_count_or_request_id_mid_slice(request_id: Any, token
     with pytest.raises(llmsched.InvalidTypeError, match="must be an int, got bool"):
         tracker.record_tokens(request_id, tokens)
     assert [_fields(tracker.state(i)) for i in (1, 7)] == before
+
+
+OUT_OF_RANGE: dict[str, Any] = {
+    "minus-2**63-1": -(2**63) - 1,
+    "2**64": 2**64,
+    "np-int64-minus-1": np.int64(-1),
+    "np-uint64-max": np.uint64(2**64 - 1),
+}
+"""Ints the native layer's 64-bit (or unsigned) conversions cannot all take."""
+
+BEYOND_FLOATS = 10**400
+"""An int no float holds."""
+
+
+def _range_cases() -> Iterator[Any]:
+    for entry in ENTRIES:
+        if entry.xfail:
+            continue
+        for arg, kind in entry.kinds.items():
+            if kind in ("int", "opt_int", "opt_index", "id", "opt_id"):
+                values = OUT_OF_RANGE
+            elif kind in ("num", "opt_num"):
+                values = {"10**400": BEYOND_FLOATS}
+            else:
+                continue
+            for label, value in values.items():
+                yield pytest.param(entry, arg, value, id=f"{entry.name}-{arg}-{label}")
+
+
+@pytest.mark.parametrize(("entry", "arg", "value"), list(_range_cases()))
+def test_an_int_out_of_range_is_an_llmsched_error_or_taken(
+    entry: Entry, arg: str, value: Any
+) -> None:
+    """Probe 73: ``Router(max_sessions=-1)``, ``FlowController.is_queued(-1)``, numpy
+    integers past 64 bits signed as flow-control ids, ``PrefixIndex.store(parent=np.int64(-1))``
+    and ints beyond a float's range as seconds or shares raised a bare OverflowError. Each
+    value is either taken (it is in range for that argument) or refused with an exception of
+    :mod:`llmsched.errors`, changing nothing."""
+    structure, state = entry.make()
+    before = None if state is None else state(structure)
+    args = dict(entry.valid)
+    args[arg] = value
+    try:
+        entry.call(structure, **args)
+    except LlmschedError as exc:
+        assert isinstance(exc, (TypeError, ValueError, KeyError)), f"{type(exc).__name__}: {exc}"
+        if state is not None:
+            assert state(structure) == before

@@ -175,11 +175,10 @@ def _int64(name: str, value: object) -> object:
     at all, or is a bool (a numpy integer passes on, as the core reads it)."""
     if isinstance(value, bool):
         raise InvalidTypeError(f"{name} must be an int, got bool")
-    if type(value) is int:
-        if not -(2**63) <= value < 2**63:
-            raise InvalidRequestError(f"{name} must fit in 64 bits, got {value}")
-    else:
-        check_int_like(name, value)
+    if type(value) is not int:
+        check_int_like(name, value)  # a numpy integer: its range is checked as an int's
+    if not -(2**63) <= operator.index(value) < 2**63:  # type: ignore[arg-type]
+        raise InvalidRequestError(f"{name} must fit in 64 bits, got {value}")
     return value
 
 

@@ -20,6 +20,7 @@ expire), and queried with :meth:`PrefixIndex.match` on every request.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import time
 from collections.abc import Iterable
@@ -278,6 +279,12 @@ class PrefixIndex:
         >>> index.store(0, h[:2]), index.store(0, h[2:], parent=int(h[1]))
         (2, 1)
         """
+        if (
+            parent is not None
+            and type(parent) not in (int, bool)
+            and hasattr(type(parent), "__index__")
+        ):
+            parent = operator.index(parent)  # a numpy integer: its range is checked as an int's
         if type(parent) is int and not 0 <= parent < 2**64:
             raise InvalidValueError(f"parent must be a block hash in 0..2**64-1, got {parent}")
         if type(parent) is bool:  # the native side would read it as block 0 or 1
@@ -314,7 +321,7 @@ class PrefixIndex:
             check_number_like("ttl_s", ttl_s)
         try:
             return self._native.record(worker, hashes, ttl_s, now)
-        except TypeError:
+        except (TypeError, OverflowError):  # OverflowError: an int beyond a float's range
             check_number_like("ttl_s", ttl_s)
             raise
 

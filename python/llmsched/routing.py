@@ -25,6 +25,7 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -546,6 +547,11 @@ class Router:
         for name, value in (("record_ttl_s", record_ttl_s), ("session_ttl_s", session_ttl_s)):
             check_number_like(name, value, optional=True)
         check_int_like("max_sessions", max_sessions, optional=True)
+        if max_sessions is not None and not 1 <= operator.index(max_sessions) < 2**64:
+            # The native (unsigned) conversion gave a bare OverflowError.
+            raise InvalidValueError(
+                f"max_sessions must be in 1..2**64-1 or None, got {describe_int(max_sessions)}"
+            )
         loaded = load_config(config)
         native, functions = native_config(loaded)
         info = _config_info(native, functions)

@@ -504,7 +504,7 @@ class SliceTracker:
                 prefill_tokens_per_s,
                 decode_step_s,
             )
-        except TypeError:
+        except (TypeError, OverflowError):  # OverflowError: an int beyond a float's range
             for field_name, value in (
                 ("kv_capacity_tokens", kv_capacity_tokens),
                 ("prefill_tokens_per_s", prefill_tokens_per_s),

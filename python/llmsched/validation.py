@@ -221,7 +221,10 @@ def check_probability(name: str, value: object) -> float:
     """
     if not _is_number(value):
         raise InvalidTypeError(f"{name} must be a number in [0, 1], got {type(value).__name__}")
-    p = float(value)  # type: ignore[arg-type]
+    try:
+        p = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond a float's range
+        raise InvalidValueError(f"{name} must be in [0, 1], got {describe_int(value)}") from None
     if not 0.0 <= p <= 1.0:  # also false for nan
         raise InvalidValueError(f"{name} must be in [0, 1], got {value!r}")
     return p
@@ -381,13 +384,21 @@ def check_number_like(name: str, value: object, *, optional: bool = False) -> No
     Traceback (most recent call last):
         ...
     llmsched.errors.InvalidTypeError: ttl_s must be a number, got bool
-    """
+    >>> check_number_like("ttl_s", 10**400)
+    Traceback (most recent call last):
+        ...
+    llmsched.errors.InvalidValueError: ttl_s must be a number within a float's range, got an int of 1329 bits
+    """  # noqa: E501
     if optional and value is None:
         return
     kind = type(value)
     if kind is bool or not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
         expected = "a number or None" if optional else "a number"
         raise InvalidTypeError(f"{name} must be {expected}, got {_type_name(value)}")
+    if isinstance(value, int) and value.bit_length() > 1024:  # float() would overflow
+        raise InvalidValueError(
+            f"{name} must be a number within a float's range, got {describe_int(value)}"
+        )
 
 
 def is_utf8_text(text: str) -> bool:
