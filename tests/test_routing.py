@@ -861,3 +861,30 @@ def test_a_config_value_the_native_side_cannot_take_is_named(
         Router(EndpointPool(["a"]), config=config)
     with pytest.raises(ConfigError, match=message):
         config_info(config)
+
+
+def test_set_loras_takes_a_single_name_as_one_adapter() -> None:
+    # Probe 73: "sql-adapter" was read letter by letter: 11 one-letter adapters active, so a
+    # request for the adapter found it on no endpoint and routed without LoRA affinity.
+    pool = EndpointPool(["a", "b"], stale_policy="ignore")
+    pool.set_loras("b", "sql-adapter", "other", max_loras=4)
+    b = next(e for e in pool.endpoints() if e["id"] == "b")
+    assert (b["active_loras"], b["waiting_loras"]) == (["sql-adapter"], ["other"])
+    router = Router(
+        pool,
+        config={
+            "plugins": [{"type": "lora-affinity-scorer"}, {"type": "max-score-picker"}],
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [
+                        {"pluginRef": "lora-affinity-scorer"},
+                        {"pluginRef": "max-score-picker"},
+                    ],
+                }
+            ],
+        },
+    )
+    assert {router.pick(tokens=[1], lora="sql-adapter", now=0.0).endpoint for _ in range(8)} == {
+        "b"
+    }

@@ -320,16 +320,20 @@ class EndpointPool:
         max_loras: int = 0,
     ) -> None:
         """Set the LoRA adapters an endpoint has active (running requests) and waiting, and
-        how many it holds at once (an int in 0..2**32-1).
+        how many it holds at once (an int in 0..2**32-1). A single str is one adapter's name
+        (as ``SliceTracker(endpoints="a")`` is one endpoint), not its letters.
 
         >>> pool = EndpointPool(["a"])
         >>> pool.set_loras("a", ["sql"], [], max_loras=4)
         >>> pool.endpoints()[0]["active_loras"]
         ['sql']
+        >>> pool.set_loras("a", "sql-adapter", max_loras=4)
+        >>> pool.endpoints()[0]["active_loras"]
+        ['sql-adapter']
         """
         adapters = []
         for name, names in (("active", active), ("waiting", waiting)):
-            listed = check_iterable(name, names)
+            listed = [names] if isinstance(names, str) else check_iterable(name, names)
             for i, adapter in enumerate(listed):
                 check_utf8(f"{name}[{i}]", adapter)
             adapters.append(listed)
