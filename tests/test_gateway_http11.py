@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import pytest
 from _gateway_harness import (  # noqa: F401 (the fixture)
@@ -206,5 +207,127 @@ def test_only_the_bodys_type_coding_and_caching_headers_are_relayed(stream: bool
             assert b"content-type: " + kind in head
             for header in (b"server: engine", b"set-cookie", b"spoof"):
                 assert header not in head, head
+
+    run(go())
+
+
+async def _exchange_until_cut(port: int, data: bytes) -> bytes:
+    """As :func:`_exchange`, and a reset ends the answer too (what was read before it)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    received = b""
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := await reader.read(1 << 16):
+                    received += chunk
+        return received
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+_STREAM_BODY = f'{{"model":"{MODEL}","prompt":"hello","stream":true}}'
+_STREAM_REQUEST = (
+    "POST /v1/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+    f"Connection: close\r\nContent-Length: {len(_STREAM_BODY)}\r\n\r\n{_STREAM_BODY}"
+).encode()
+
+
+@pytest.mark.parametrize("status", [b"200 OK", b"400 Bad Request"])
+def test_a_json_answer_to_a_stream_request_cut_within_its_length_is_a_502(
+    status: bytes,
+) -> None:
+    # An engine answers a stream request with JSON (its refusal, or no stream) framed by a
+    # length, and closes 40 bytes short. The native plane relayed it as a stream: the head
+    # and the bytes it had, then its SSE error event, which filled the 40 bytes left, so the
+    # client read a whole answer of the engine's length (JSON with an event glued on).
+    payload = b'{"error":{"message":"bad field","type":"BadRequestError","code":400}}'
+    answer = (
+        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (len(payload) + 40) + payload
+    )
+
+    async def go() -> None:
+        async with in_front_of_raw(answer) as gateway:
+            data = await _exchange(gateway.port, _STREAM_REQUEST)
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 502"), data[:300]
+            assert json.loads(body)["error"]["message"].startswith(
+                "the engine's answer was cut off"
+            )
+
+    run(go())
+
+
+def test_a_long_json_answer_to_a_stream_request_cut_short_stays_short() -> None:
+    # Past the 8 MiB read whole, a JSON answer is relayed as it comes, under the engine's
+    # length: cut, the client must get fewer bytes than that length, never an error event
+    # that makes up the difference.
+    size = 9 << 20
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + b"Content-Length: %d\r\n\r\n" % (size + 50)
+        + b'{"choices":[{"text":"'
+        + b"x" * (size - 21)
+    )
+
+    async def go() -> None:
+        async with in_front_of_raw(answer) as gateway:
+            data = await _exchange_until_cut(gateway.port, _STREAM_REQUEST)
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), data[:300]
+            declared = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert declared == size + 50
+            assert len(body) < declared
+            assert b"data: " not in body[-200:]
+
+    run(go())
+
+
+@pytest.mark.parametrize(
+    ("key", "path"), [("wrong-key-0123", "/v1/completions"), ("good-key-0123", "/v1/nowhere")]
+)
+def test_a_request_refused_before_its_awaited_body_leaves_no_body_to_read(
+    key: str, path: str
+) -> None:
+    # A client sending `Expect: 100-continue` waits for the go-ahead before its body; refused
+    # first (an API key the gateway does not know), it sends no body, and may send its next
+    # request on the connection. The native plane read on for the refused body: the next
+    # request's first bytes were taken for it and the rest answered with a bare 400.
+    async def go() -> None:
+        keys = {"good-key-0123": {"tenant": "t"}}
+        async with rig(1, auth={"api_keys": keys}) as r:
+            reader, writer = await asyncio.open_connection("127.0.0.1", r.gateway.port)
+            try:
+                writer.write(
+                    (
+                        f"POST {path} HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer {key}\r\n"
+                        "Content-Type: application/json\r\nExpect: 100-continue\r\n"
+                        f"Content-Length: {len(BODY)}\r\n\r\n"
+                    ).encode()
+                )
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+                if head.startswith(b"HTTP/1.1 100"):
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+                assert head.split(b" ", 2)[1] in (b"401", b"404"), head
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                rest = b""
+                with contextlib.suppress(ConnectionError):
+                    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: g\r\n")
+                    writer.write(f"Authorization: Bearer {key}\r\n\r\n".encode())
+                    await writer.drain()
+                    rest = await asyncio.wait_for(reader.read(200), timeout=10)
+                # The connection closed, or the next request answered as sent.
+                assert not rest or rest.split(b" ", 2)[1] in (b"200", b"401"), rest
+            finally:
+                writer.close()
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
+            assert not r.engines[0].received
 
     run(go())

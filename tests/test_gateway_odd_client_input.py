@@ -179,6 +179,21 @@ def test_malformed_admin_entries_are_400_and_change_nothing() -> None:
             json.dumps({"host": "a%41", "port": 1}).encode(),
             'not an engine entry: engines: "http://a%41:1" is not an http:// URL',
         ),
+        # A lone surrogate escape in a text the engine set keeps: a 500 on both planes (the
+        # pool's InvalidValueError once the engine set was changing), or a 201 for a topic.
+        *(
+            (
+                b'{"host": "127.0.0.1", "port": 1, ' + field + b"}",
+                f"not an engine entry: {key} holds a lone surrogate escape",
+            )
+            for field, key in [
+                (b'"name": "\\ud800"', "name"),
+                (b'"model": "\\ud800"', "model"),
+                (b'"topic": "\\udc00x"', "topic"),
+                (b'"metrics_path": "/\\ud800"', "metrics_path"),
+                (b'"labels": {"a": "\\ud800"}', "labels['a']"),
+            ]
+        ),
     ]
 
     async def body() -> None:

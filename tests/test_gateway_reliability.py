@@ -391,6 +391,39 @@ def test_the_circuit_breaker_opens_on_a_failure_rate_and_closes_after_a_probe() 
     run(body())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_answers_cut_after_their_head_open_the_circuit_breaker(stream: bool) -> None:
+    """An engine that sends its answers' heads and then cuts them (a JSON answer short of its
+    length, a stream after its first event) fails every request it gets. The native plane
+    counted each as a success once the head came, so its breaker never opened; the Python
+    plane counts the cut."""
+
+    async def body() -> None:
+        health = {
+            "interval_s": None,
+            "breaker_min_requests": 6,
+            "breaker_failure_rate": 0.5,
+            "breaker_open_s": 30,
+            "failures_to_probe": 1000,
+        }
+        async with rig(engines=2, health=health, retries={"max_attempts": 1}) as r:
+            home = await _warm(r, SYSTEM + " cut")
+            worker = _worker(r, home)
+            r.engines[home].mode = "cut"
+            for i in range(60):  # cold prompts: about half are picked for the cutting engine
+                await raw_request(
+                    r,
+                    json.dumps({"model": MODEL, "prompt": f"{i} cut", "stream": stream}).encode(),
+                )
+                if r.gateway.health.state(worker) == "open":
+                    break
+            await until(lambda: r.gateway.health.state(worker) == "open")
+            assert r.metric("llmsched_gateway_breaker_opens_total", endpoint=worker) == 1
+            assert r.gateway.routable_endpoints() == [_worker(r, 1 - home)]
+
+    run(body())
+
+
 @pytest.mark.parametrize("mode", ["error500", "drop"])
 def test_requests_failing_on_every_engine_open_no_breaker(mode: str) -> None:
     """Probe 44's finding 14: inputs every engine answers with a 5xx (or drops), each retried

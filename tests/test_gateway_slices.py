@@ -278,3 +278,23 @@ def _slow(r: Rig, *, token_delay_s: float) -> tuple[FakeOpenAIEngine, dict[str, 
 
 def _sse_error(r: Rig) -> dict[str, str]:
     return {"endpoint": r.gateway.config.engines[0].worker_id, "outcome": "sse_error"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_the_engines_refusal_of_the_first_slice_is_the_clients_answer(stream: bool) -> None:
+    # A request the engine refuses (a prompt past its context, a field it does not take) is
+    # the client's mistake: unsliced, the client gets the engine's 4xx; sliced, it got the
+    # gateway's 502 "a slice failed: engine answered 400", without the engine's reason.
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            r.engines[0].mode = "error400"
+            request = {"model": MODEL, "prompt": "hi", "max_tokens": 9, "stream": stream}
+            async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                assert response.status == 400, await response.text()
+                assert response.headers["Content-Type"].startswith("application/json")
+                error = (await response.json())["error"]
+            assert error["type"] == "BadRequestError", error
+            assert len(r.engines[0].received) == 1
+            assert r.metric("llmsched_gateway_requests_total", route="completions", status="400")
+
+    run(body())

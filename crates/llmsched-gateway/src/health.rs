@@ -155,9 +155,51 @@ impl Health {
         } else {
             self.attempt_failures = 0;
         }
-        let Some(rate) = config.breaker_failure_rate else { return Change::None };
+        let Some(_) = config.breaker_failure_rate else { return Change::None };
         self.window.push_back((now, failed));
         self.window_failures += usize::from(failed);
+        self.judge(config, now, others_up)
+    }
+
+    /// An attempt recorded as a success when the engine's answer began ([`Health::attempt`])
+    /// was then cut off (its body failed, stalled past the read timeout, or an event stream
+    /// ended without its end): it counts as that failure instead, so an engine that cuts its
+    /// answers opens its breaker as one that fails them outright does. The latest success
+    /// left in the window becomes a failure (a failure is added where none is left).
+    pub fn cut(
+        &mut self,
+        config: &HealthConfig,
+        now: f64,
+        others_up: impl FnOnce() -> bool,
+    ) -> Change {
+        if self.state != State::Up {
+            return Change::None;
+        }
+        self.attempt_failures += 1;
+        if self.attempt_failures >= config.failures_to_probe {
+            self.suspect = true;
+        }
+        if config.breaker_failure_rate.is_none() {
+            return Change::None;
+        }
+        match self.window.iter_mut().rev().find(|(_, failed)| !*failed) {
+            Some(entry) => entry.1 = true,
+            None => self.window.push_back((now, true)),
+        }
+        self.window_failures += 1;
+        self.judge(config, now, others_up)
+    }
+
+    /// The breaker's judgement after the window changed: attempts older than
+    /// `breaker_window_s` leave it, and it opens at `breaker_failure_rate` (see
+    /// [`Health::attempt`]).
+    fn judge(
+        &mut self,
+        config: &HealthConfig,
+        now: f64,
+        others_up: impl FnOnce() -> bool,
+    ) -> Change {
+        let Some(rate) = config.breaker_failure_rate else { return Change::None };
         while self.window.front().is_some_and(|(t, _)| now - t > config.breaker_window_s) {
             if let Some((_, true)) = self.window.pop_front() {
                 self.window_failures -= 1;
@@ -282,6 +324,46 @@ mod tests {
         assert_eq!(health.probe(&config, true, 5.3), Change::None);
         assert_eq!(health.probe(&config, true, 6.3), Change::Back);
         assert_eq!(health.state, State::Up);
+    }
+
+    #[test]
+    fn answers_cut_after_their_head_open_the_breaker_as_failures_do() {
+        let config = HealthConfig {
+            breaker_min_requests: 4,
+            breaker_failure_rate: Some(0.9),
+            ..HealthConfig::default()
+        };
+        let mut health = Health::default();
+        // Each answer's head is a success; each cut then makes it a failure.
+        for i in 0..3 {
+            let now = f64::from(i) * 0.1;
+            assert_eq!(health.attempt(&config, None, now, || true), Change::None);
+            assert_eq!(health.cut(&config, now + 0.05, || true), Change::None);
+        }
+        assert_eq!((health.window.len(), health.window_failures), (3, 3));
+        assert_eq!(health.attempt(&config, None, 0.3, || true), Change::None);
+        assert_eq!(health.cut(&config, 0.35, || true), Change::Out(State::Open));
+        // Not the last engine only: as for any failure.
+        let mut last = Health::default();
+        for i in 0..6 {
+            let now = f64::from(i) * 0.1;
+            last.attempt(&config, None, now, || false);
+            assert_eq!(last.cut(&config, now, || false), Change::None);
+        }
+        assert!(last.suspect && last.state == State::Up);
+    }
+
+    #[test]
+    fn a_cut_with_no_success_left_in_the_window_adds_a_failure() {
+        let config = HealthConfig { breaker_min_requests: 100, ..HealthConfig::default() };
+        let mut health = Health::default();
+        health.attempt(&config, Some("status_5xx"), 0.0, || true);
+        health.cut(&config, 0.1, || true);
+        assert_eq!((health.window.len(), health.window_failures), (2, 2));
+        // Out of routing, nothing is counted.
+        health.state = State::Open;
+        assert_eq!(health.cut(&config, 0.2, || true), Change::None);
+        assert_eq!(health.window.len(), 2);
     }
 
     #[test]

@@ -432,6 +432,8 @@ struct Gateway {
     routing_changed: tokio::sync::Notify,
     /// Woken when failed attempts ask for confirming probes or take an engine out.
     suspect: tokio::sync::Notify,
+    /// Answers cut after their head, for the probe loop to charge to their engines.
+    cuts: Arc<CutReports>,
     /// Whether decisions hash the prompt (the router reads the prefix match, or
     /// `record_unread_prefixes` asks for its records anyway).
     hashes_prompts: bool,
@@ -445,6 +447,33 @@ struct Gateway {
     /// Lookups of unknown response ids in progress ([`Gateway::locate`]), shared by the
     /// requests naming one.
     locating: Mutex<Locating>,
+}
+
+/// Answers cut after their head (their attempt counted as a success then), reported by their
+/// relays, which hold no gateway: the probe loop charges each to its engine's health
+/// ([`Gateway::charge_cut`]) as soon as it is woken.
+#[derive(Default)]
+struct CutReports {
+    cut: Mutex<Vec<Arc<Upstream>>>,
+    wake: tokio::sync::Notify,
+}
+
+impl CutReports {
+    fn report(&self, upstream: Arc<Upstream>) {
+        self.cut.lock().unwrap_or_else(|e| e.into_inner()).push(upstream);
+        self.wake.notify_one();
+    }
+
+    fn take(&self) -> Vec<Arc<Upstream>> {
+        std::mem::take(&mut *self.cut.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// Where an answer cut after its head is charged: its engine, through the gateway's
+/// [`CutReports`].
+struct Charge {
+    reports: Arc<CutReports>,
+    upstream: Arc<Upstream>,
 }
 
 /// The work of a lookup of a stored response's engine ([`Gateway::locate`]).
@@ -748,6 +777,7 @@ fn build(
         block_size_hook: hooks.block_size,
         routing_changed: tokio::sync::Notify::new(),
         suspect: tokio::sync::Notify::new(),
+        cuts: Arc::new(CutReports::default()),
         hashes_prompts: config.record_unread_prefixes
             || source.router().config().reads_prefix_match(),
         session_tokens: session_token::SessionTokens::new(
@@ -1294,6 +1324,9 @@ async fn probes(gateway: Arc<Gateway>) {
     let tick = 0.1;
     let mut next_active = monotonic() + config.interval_s.unwrap_or(1e9);
     loop {
+        for upstream in gateway.cuts.take() {
+            gateway.charge_cut(&upstream);
+        }
         let now = monotonic();
         let mut wake = next_active;
         for upstream in &gateway.upstreams().list {
@@ -1308,6 +1341,7 @@ async fn probes(gateway: Arc<Gateway>) {
         tokio::select! {
             _ = tokio::time::sleep(sleep) => {}
             _ = gateway.suspect.notified() => continue,
+            _ = gateway.cuts.wake.notified() => continue,
         }
         let now = monotonic();
         let active = now >= next_active;
@@ -1615,6 +1649,21 @@ impl Gateway {
         self.apply(upstream, change);
     }
 
+    /// An answer of `upstream`'s was cut after its head, which counted as a success: the
+    /// failure it was ([`health::Health::cut`]), as the Python plane records it.
+    fn charge_cut(&self, upstream: &Upstream) {
+        let (change, suspect) = {
+            let mut health = upstream.health.lock().unwrap_or_else(|e| e.into_inner());
+            let others_up = || self.others_in_routing(upstream);
+            let change = health.cut(&self.config.health, monotonic(), others_up);
+            (change, health.suspect)
+        };
+        if suspect || change != health::Change::None {
+            self.suspect.notify_one();
+        }
+        self.apply(upstream, change);
+    }
+
     /// Whether an engine other than `upstream` is in routing, read from the pool alone (an
     /// engine down, open or drained has left it): no other engine's health lock is taken, as
     /// the caller holds `upstream`'s.
@@ -1686,7 +1735,8 @@ impl Gateway {
         };
         let path = route_of(request.uri().path());
         if let Some(refused) = encoding_refusal(method, path, request.headers()) {
-            self.drain_refused(request.into_body());
+            let (parts, body) = request.into_parts();
+            self.drain_refused(&parts.headers, body);
             return Ok(self.refuse_and_close(refused));
         }
         match (method, path) {
@@ -2019,8 +2069,12 @@ impl Gateway {
         let identity = match self.identify(request.headers()) {
             Ok(identity) => identity,
             Err(refused) => {
-                self.drain_refused(request.into_body());
-                return Err(refused);
+                let (parts, body) = request.into_parts();
+                self.drain_refused(&parts.headers, body);
+                // A client waiting for `100 Continue` sends no body after this final status:
+                // the connection is closed rather than read on for one.
+                let close = refused.close || awaits_continue(&parts.headers);
+                return Err(Refusal { close, ..refused });
             }
         };
         let (parts, body) = request.into_parts();
@@ -2029,8 +2083,18 @@ impl Gateway {
     }
 
     /// Reads and drops a refused request's body in the background (`drain_refused_body`,
-    /// within `body_timeout_s`).
-    fn drain_refused(&self, body: Incoming) {
+    /// within `body_timeout_s`), unless its client waits for `100 Continue` before sending it
+    /// ([`awaits_continue`]): that body is never asked for (reading it would send the `100
+    /// Continue` after the refusal, or take the client's next request for it), and the
+    /// connection closes after the refusal.
+    fn drain_refused(&self, headers: &HeaderMap, body: Incoming) {
+        if !awaits_continue(headers) {
+            self.drain_body(body);
+        }
+    }
+
+    /// Reads and drops a refused request's body in the background (`drain_refused_body`).
+    fn drain_body(&self, body: Incoming) {
         let total = Duration::from_secs_f64(self.config.body_timeout_s);
         tokio::spawn(drain_refused_body(body, self.config.max_body, total));
     }
@@ -2055,7 +2119,7 @@ impl Gateway {
             // Answered before the body is read: the rest is read and dropped meanwhile, or
             // the close over it would reset the connection and a client still sending it
             // would lose the 413.
-            self.drain_refused(body);
+            self.drain_refused(headers, body);
             return Err(too_large());
         }
         let no_room = || Refusal {
@@ -2071,7 +2135,7 @@ impl Gateway {
         let mut hold = self.bodies.hold();
         if let Some(length) = declared {
             if !hold.take(length) {
-                self.drain_refused(body);
+                self.drain_refused(headers, body);
                 return Err(no_room());
             }
         }
@@ -2105,12 +2169,14 @@ impl Gateway {
             };
             let Ok(data) = frame.into_data() else { continue }; // trailers
             read += data.len();
+            // The body is coming (a `100 Continue` went out if it was awaited): the rest is
+            // read and dropped.
             if read > max_body {
-                self.drain_refused(body);
+                self.drain_body(body);
                 return Err(too_large());
             }
             if declared.is_none() && !hold.take(data.len() as u64) {
-                self.drain_refused(body);
+                self.drain_body(body);
                 return Err(no_room());
             }
             match first {
@@ -2440,19 +2506,21 @@ impl Gateway {
                     engine: upstream.label.clone(),
                     scan: responses::IdScan::default(),
                 }),
+                charge: Some(Charge { reports: self.cuts.clone(), upstream: upstream.clone() }),
                 ..Relaying::completion(self, upstream, sse, deadline)
             };
             let token = self.sets_session_tokens.then(|| self.session_tokens.token(&upstream.id));
             // A JSON answer whose end is the connection's close is read whole and checked:
-            // a cut there looks like a complete answer.
-            let mut answered = if (sse || failed)
-                && !checked_whole(&answer)
-                && !length_framed_events(&answer, &relaying)
-            {
-                self.relay_from_first_frame(answer, relaying).await
-            } else {
-                self.answer_whole(answer, relaying).await
-            };
+            // a cut there looks like a complete answer. An answer framed by its length is read
+            // whole too (up to 8 MiB), whatever the request asked: an engine's JSON answer
+            // to a stream request (its refusal, or no stream at all) cut short is a 502, as on
+            // the Python plane, not a 200 whose relayed length hides the cut.
+            let mut answered =
+                if (sse || failed) && !checked_whole(&answer) && !length_framed(answer.headers()) {
+                    self.relay_from_first_frame(answer, relaying).await
+                } else {
+                    self.answer_whole(answer, relaying).await
+                };
             if let (Ok(answer), Some(token)) = (&mut answered, token) {
                 // The engine that served, for the client to echo (llm-d's session token).
                 if let Ok(value) = HeaderValue::try_from(token) {
@@ -2526,6 +2594,9 @@ impl Gateway {
                 let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
                 self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
                 self.counters.truncated.inc(&[&endpoint, "error"]);
+                if let Some(charge) = &relaying.charge {
+                    self.charge_cut(&charge.upstream);
+                }
                 return Err(Refusal::new(
                     502,
                     "upstream_error",
@@ -2978,6 +3049,9 @@ impl Gateway {
         let Some(bytes) = bytes.filter(whole) else {
             self.counters.upstream_errors.inc(&[&endpoint, "truncated"]);
             self.counters.truncated.inc(&[&endpoint, "error"]);
+            if let Some(charge) = &relaying.charge {
+                self.charge_cut(&charge.upstream);
+            }
             let message = if events {
                 "the engine's event stream ended without its end event ([DONE])"
             } else if at_close {
@@ -3252,6 +3326,8 @@ struct Relaying {
     responses: bool,
     /// Where a Responses stream's id is recorded (a 2xx answer to `POST /v1/responses`).
     id_scan: Option<OwnerScan>,
+    /// Where a cut is charged (a generation's answer, whose attempt counted as a success).
+    charge: Option<Charge>,
 }
 
 impl Relaying {
@@ -3269,6 +3345,7 @@ impl Relaying {
             deadline: None,
             responses: false,
             id_scan: None,
+            charge: None,
         }
     }
 
@@ -3287,6 +3364,7 @@ impl Relaying {
             deadline: gateway.config.total_timeout_s.map(|_| tokio::time::Instant::now() + left),
             responses: false,
             id_scan: None,
+            charge: None,
         }
     }
 
@@ -3383,8 +3461,10 @@ fn relay_parts(
         tail: *b"\n\n",
         share,
         chunked,
+        length_framed: !chunked && parts.headers.contains_key(CONTENT_LENGTH),
         responses: relaying.responses,
         id_scan: relaying.id_scan.filter(|_| event_stream),
+        charge: relaying.charge,
     });
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
@@ -3592,6 +3672,20 @@ fn ends_at_close(status: StatusCode, headers: &HeaderMap) -> bool {
 /// whole and checked for its end before anything is sent ([`Gateway::answer_whole`], up to 8
 /// MiB), because once its length is passed on, a missing `[DONE]` (or terminal event) could not
 /// be told to the client.
+/// Whether the client waits for a `100 Continue` before it sends its body (`Expect:
+/// 100-continue`). Refused before its body is read, it gets the final status instead and sends
+/// no body (RFC 9110 10.1.1): the connection must not be read on for one.
+fn awaits_continue(headers: &HeaderMap) -> bool {
+    headers
+        .get(hyper::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"100-continue"))
+}
+
+/// Whether an answer's body is framed by its `Content-Length` (and not chunked).
+fn length_framed(headers: &HeaderMap) -> bool {
+    headers.contains_key(CONTENT_LENGTH) && !headers.contains_key(TRANSFER_ENCODING)
+}
+
 fn length_framed_events(answer: &Response<Incoming>, relaying: &Relaying) -> bool {
     let headers = answer.headers();
     is_event_stream(headers)
@@ -3790,8 +3884,10 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
         tail: *b"\n\n",
         share: ReadShare::UNKNOWN,
         chunked: false,
+        length_framed: false,
         responses: false,
         id_scan: None,
+        charge: None,
     });
     *out.status_mut() = status;
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -4003,10 +4099,16 @@ pub struct Relay {
     share: ReadShare,
     /// Whether the engine's body is chunked (its frames' framing, for `share`).
     chunked: bool,
+    /// Whether the client's body is framed by the engine's `Content-Length`: a cut then gets
+    /// no error event, which would fill the length the client reads and pass for the answer's
+    /// end; it is cut short (the connection closed), and the client sees the missing bytes.
+    length_framed: bool,
     /// A Responses API answer (see [`Relaying`]'s field).
     responses: bool,
     /// Where a Responses stream's id is recorded, until it is found.
     id_scan: Option<OwnerScan>,
+    /// Where a cut is charged (see [`Relaying`]'s field).
+    charge: Option<Charge>,
 }
 
 /// The error that cuts a client's answer (hyper then closes the connection mid-body).
@@ -4200,7 +4302,14 @@ impl Relay {
     fn cut(&mut self) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
         self.broken = true;
         let endpoint = self.endpoint.clone().unwrap_or_else(|| Arc::from(""));
-        let sse = self.sse;
+        // An error event goes only where the gateway frames the body (chunked, or ended by
+        // the close): inside the engine's length it would pass for the answer's last bytes.
+        let sse = self.sse && !self.length_framed;
+        // Against the engine, unless the request's own deadline ended the answer.
+        let deadline_passed = self.deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
+        if let Some(charge) = self.charge.take().filter(|_| !deadline_passed) {
+            charge.reports.report(charge.upstream);
+        }
         if let Some(counters) = &self.counters {
             if let Some(route) = self.route {
                 counters.requests.inc(&[route, "aborted"]);

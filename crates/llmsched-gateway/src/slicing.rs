@@ -138,7 +138,18 @@ pub(crate) struct SlicedRequest {
     endpoint: Option<Arc<str>>,
     /// Whether part of the answer went to the client.
     started: bool,
+    /// The engine's own refusal (a 4xx) of the request's first slice: the client's answer,
+    /// as an unsliced request gets it (a prompt past the context, a field the engine does not
+    /// take), rather than the gateway's 502.
+    refused: Option<EngineRefusal>,
 }
+
+/// An engine's refusal as it answered it: status, content type and (the first 64 KiB of) body.
+type EngineRefusal = (StatusCode, Option<hyper::header::HeaderValue>, Bytes);
+
+/// The most of an engine's refusal that is passed on (vLLM's error bodies are a few hundred
+/// bytes).
+const REFUSAL_LIMIT: usize = 64 << 10;
 
 impl SlicedRequest {
     #[allow(clippy::too_many_arguments)]
@@ -166,6 +177,7 @@ impl SlicedRequest {
             charged: 0,
             endpoint: None,
             started: false,
+            refused: None,
         }
     }
 
@@ -197,6 +209,8 @@ enum Out {
     Data(Bytes),
     /// The request failed before anything was passed on (a 502 instead of a stream).
     Failed(String),
+    /// The engine refused the request's first slice: its answer instead of a stream.
+    Refused(EngineRefusal),
     /// The stream breaks off here (after its error event).
     Abort,
 }
@@ -264,7 +278,7 @@ impl SliceStream {
         match self.rx.poll_recv(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Some(Out::Data(bytes))) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-            Poll::Ready(Some(Out::Abort)) | Poll::Ready(Some(Out::Failed(_))) => {
+            Poll::Ready(Some(Out::Abort | Out::Failed(_) | Out::Refused(_))) => {
                 self.breaking = Some(false);
                 self.poll_frame(cx)
             }
@@ -323,7 +337,10 @@ impl Gateway {
                     self.counters.requests.inc(&[route, "200"]);
                     json_answer(StatusCode::OK, &whole)
                 }
-                Err(failed) => self.slice_refusal(route, run.endpoint.as_deref(), failed),
+                Err(failed) => match run.refused.take() {
+                    Some(refused) => self.engine_refusal(route, refused),
+                    None => self.slice_refusal(route, run.endpoint.as_deref(), failed),
+                },
             };
         }
         let (tx, mut rx) = mpsc::channel(16);
@@ -340,11 +357,16 @@ impl Gateway {
                 }
                 // The client left: nobody to tell.
                 Err(_) if tx.is_closed() => {}
-                Err(SliceFailed(message)) if !run.started => {
-                    let endpoint = run.endpoint.as_deref().unwrap_or("none");
-                    gateway.counters.upstream_errors.inc(&[endpoint, "slice"]);
-                    let _ = tx.send(Out::Failed(message)).await;
-                }
+                Err(SliceFailed(message)) if !run.started => match run.refused.take() {
+                    Some(refused) => {
+                        let _ = tx.send(Out::Refused(refused)).await;
+                    }
+                    None => {
+                        let endpoint = run.endpoint.as_deref().unwrap_or("none");
+                        gateway.counters.upstream_errors.inc(&[endpoint, "slice"]);
+                        let _ = tx.send(Out::Failed(message)).await;
+                    }
+                },
                 Err(SliceFailed(_)) => {
                     let endpoint = run.endpoint.as_deref().unwrap_or("none");
                     gateway.counters.upstream_errors.inc(&[endpoint, "slice"]);
@@ -371,6 +393,7 @@ impl Gateway {
                 };
                 crate::sliced_answer(stream)
             }
+            Some(Out::Refused(refused)) => self.engine_refusal(route, refused),
             Some(Out::Failed(message)) => self.refuse(
                 route,
                 Refusal::new(502, "upstream_error", format!("a slice failed: {message}")),
@@ -380,6 +403,16 @@ impl Gateway {
                 Refusal::new(502, "upstream_error", "a slice failed: the request ended"),
             ),
         }
+    }
+
+    /// The engine's refusal of a request's first slice, answered as it gave it.
+    fn engine_refusal(&self, route: &'static str, (status, kind, body): EngineRefusal) -> Answer {
+        self.counters.requests.inc(&[route, status.as_str()]);
+        let mut answer = crate::own(status, "application/json", body);
+        if let Some(kind) = kind {
+            answer.headers_mut().insert(CONTENT_TYPE, kind);
+        }
+        answer
     }
 
     fn slice_refusal(
@@ -453,8 +486,9 @@ impl Gateway {
                     body = run.assembler.next_request(u64::from(start.slice_tokens))?;
                 }
             }
+            let opening = first;
             first = false;
-            let called = self.call_slice(&upstream, run, &body, &mut ticket, out).await;
+            let called = self.call_slice(&upstream, run, &body, &mut ticket, out, opening).await;
             if let Err(failed) = called {
                 drop(ticket);
                 self.drop_record(router, &decision, &upstream.key);
@@ -503,6 +537,7 @@ impl Gateway {
         body: &Value,
         ticket: &mut llmsched_core::routing::Ticket,
         out: Option<&mpsc::Sender<Out>>,
+        opening: bool,
     ) -> Result<(), SliceFailed> {
         let path =
             if run.route == "chat" { &upstream.chat_path } else { &upstream.completions_path };
@@ -519,7 +554,17 @@ impl Gateway {
             .map_err(|_| SliceFailed("the engine did not answer in time".into()))?
             .map_err(|e| SliceFailed(format!("the engine could not be reached ({e})")))?;
         if answer.status() != StatusCode::OK {
-            return Err(SliceFailed(format!("engine answered {}", answer.status().as_u16())));
+            let status = answer.status();
+            if opening && status.is_client_error() {
+                // The engine refused the request itself: the client's own mistake.
+                let kind = answer.headers().get(CONTENT_TYPE).cloned();
+                let body = http_body_util::Limited::new(answer.into_body(), REFUSAL_LIMIT);
+                let read = tokio::time::timeout_at(wake_at(read, deadline), body.collect()).await;
+                if let Ok(Ok(collected)) = read {
+                    run.refused = Some((status, kind, collected.to_bytes()));
+                }
+            }
+            return Err(SliceFailed(format!("engine answered {}", status.as_u16())));
         }
         let mut body = answer.into_body();
         let mut buffered: Vec<u8> = Vec::new();

@@ -51,7 +51,18 @@ _WAITING_SAMPLE = 16
 
 
 class SliceFailed(Exception):
-    """An engine call of a sliced request failed (status or connection)."""
+    """An engine call of a sliced request failed (status or connection). ``answer``: the
+    engine's own refusal of the request's first slice (status, body, content type), which the
+    client gets as an unsliced request would."""
+
+    def __init__(self, message: str, answer: tuple[int, bytes, str] | None = None) -> None:
+        super().__init__(message)
+        self.answer = answer
+
+
+# The most of an engine's refusal that is passed on (vLLM's error bodies are a few hundred
+# bytes).
+_REFUSAL_LIMIT = 64 << 10
 
 
 def make_assembler(
@@ -154,10 +165,14 @@ class SlicedRequest:
             await response.write_eof()
             return response
         except SliceFailed as failed:
+            started = self._response
+            if started is None and failed.answer is not None:
+                status, data, kind = failed.answer
+                self.gateway.metrics.requests.labels(self.route, str(status)).inc()
+                return web.Response(status=status, body=data, headers={"Content-Type": kind})
             self.gateway.metrics.upstream_errors.labels(
                 self.endpoints[-1] if self.endpoints else "none", "slice"
             ).inc()
-            started = self._response
             if started is None:
                 return self.gateway.refuse(
                     self.route, _upstream_refusal(f"a slice failed: {failed}")
@@ -235,7 +250,15 @@ class SlicedRequest:
             timeout = None if deadline is None else self.gateway.upstream_timeout(deadline)
             async with session.post(url, json=body, timeout=timeout) as upstream:
                 if upstream.status != 200:
-                    raise SliceFailed(f"engine answered {upstream.status}")
+                    answer = None
+                    if len(self.endpoints) == 1 and 400 <= upstream.status < 500:
+                        # The engine refused the request itself (a prompt past its context, a
+                        # field it does not take): the client's own mistake, answered as the
+                        # engine gave it rather than as the gateway's 502.
+                        data = await upstream.content.read(_REFUSAL_LIMIT)
+                        kind = upstream.headers.get("Content-Type", "application/json")
+                        answer = (upstream.status, data, kind)
+                    raise SliceFailed(f"engine answered {upstream.status}", answer)
                 buffered = b""
                 first = True
                 async for data in upstream.content.iter_any():

@@ -57,6 +57,15 @@ def _host_part(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` has UTF-8 bytes (no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_host(host: object) -> str:
     if not isinstance(host, str) or not host or host != host.strip() or "/" in host:
         raise ConfigError(f"host must be a non-empty host name or address, got {host!r}")
@@ -244,6 +253,15 @@ class EngineSpec:
             isinstance(k, str) and isinstance(v, str) for k, v in self.labels.items()
         ):
             raise ConfigError(f"labels must map str to str, got {self.labels!r}")
+        # A lone surrogate (``"\\ud800"`` in a JSON entry, as the admin API takes it) is no
+        # text the router, the metrics or the native plane can hold: refused here, by name,
+        # rather than by the engine set after (an admin call's 500).
+        texts = {"host": self.host, "name": self.name, "model": self.model, "topic": self.topic}
+        texts["metrics_path"] = self.metrics_path
+        texts.update((f"labels[{k[:40]!a}]", f"{k}{v}") for k, v in self.labels.items())
+        for key, text in texts.items():
+            if text is not None and not _utf8(text):
+                raise ConfigError(f"{key} holds a lone surrogate escape, not UTF-8 text")
         # A private copy: a caller's later change to its dict must not reach a frozen spec.
         object.__setattr__(self, "labels", dict(self.labels))
 
