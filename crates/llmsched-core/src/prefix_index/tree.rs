@@ -817,7 +817,9 @@ impl Tree {
             if confirming {
                 node.changed();
             }
-            if leaf {
+            // A holding this store added (`add_holder`) already carries the new stamp: its leaf
+            // entry is in place, and removing and re-inserting it cost two B-tree descents.
+            if leaf && old != stamp {
                 let leaves = &mut self.workers[w as usize].leaves;
                 leaves.remove(&(old, cur));
                 leaves.insert((stamp, cur));

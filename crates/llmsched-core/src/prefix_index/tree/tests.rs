@@ -122,6 +122,38 @@ fn a_staged_run_onto_a_leaf_held_alone_extends_it() {
     shape(&t);
 }
 
+/// Every store that adds a holding (a new child, a branch inside another worker's edge, a
+/// shared prefix taken over, an extension) leaves each worker's leaf set exactly its leaves at
+/// their current stamps: a holding added by the store already carries the store's stamp, so
+/// touching the path does not re-enter it, and eviction then trims the least recent first.
+#[test]
+fn stores_that_add_holdings_keep_each_leaf_once_at_its_stamp() {
+    let c = chains();
+    let mut t = Tree::new();
+    let check = |t: &Tree| {
+        for w in 0..t.workers.len() as WorkerId {
+            t.check_leaves(w);
+        }
+    };
+    t.store(0, &c[0][..4], None, HELD).unwrap(); // a new child of the root
+    check(&t);
+    t.store(0, &c[0][4..6], Some(c[0][3]), HELD).unwrap(); // appended to its own leaf
+    check(&t);
+    t.store(1, &c[1], None, HELD).unwrap(); // the shared head taken over, then a new child
+    check(&t);
+    t.store(2, &c[0][..2], None, RECORDED).unwrap(); // a prefix of an edge: a split
+    check(&t);
+    t.store(2, &c[0][2..8], Some(c[0][1]), HELD).unwrap(); // confirmed, then new blocks
+    check(&t);
+    assert_eq!(t.stamp, 5, "a stamp per store");
+    // The oldest leaf of worker 0 is its own tail after the split, stamped by its second store.
+    let oldest = t.oldest_leaf_stamp(0);
+    assert_eq!(oldest, Some(2));
+    assert_eq!(t.evict_oldest_leaf(0, 1), 1);
+    check(&t);
+    shape(&t);
+}
+
 /// A worker extending its hold a chunk at a time into a long edge another worker holds alone
 /// (a chunked prefill of a shared prompt): each split leaves the longer tail where it is and
 /// moves the chunk's entries, so a store moves a few chunks' worth, not the rest of the edge.
