@@ -2,8 +2,9 @@
 
 What a production cluster of router replicas meets: two replicas given the same name, a burst
 larger than the bus takes in one message, a bus that stops answering while a replica stops, a
-peer slow to answer a catch-up, one replica cut off from the bus while the others carry on, a
-replica that restarts, a peer of another protocol version. Every wait is bounded, so a hang
+peer slow to answer a catch-up, a piece of a catch-up answer lost on the way, one replica cut
+off from the bus while the others carry on, a replica that restarts, a peer of another protocol
+version. Every wait is bounded, so a hang
 fails the test.
 """
 
@@ -328,6 +329,68 @@ def test_a_new_replica_gets_each_session_once_those_of_a_replica_gone_included(
             assert sum(served) == 180 + 240, served
             assert stats["tables_asked"] == 1
             assert sum(traffic) < 12_000, (sum(traffic), len(traffic))
+
+    run(body)
+
+
+def _lossy(sync: ClusterSync, drop: Callable[[bytes], bool]) -> Callable[[], None]:
+    """Fault injection: `sync`'s catch-up answers (messages to an inbox) for which `drop` says
+    so are lost on the way, as NATS may lose any message. Returns the repair."""
+    nc = sync._nc  # the test cuts into the replica's connection
+    assert nc is not None
+    real = nc.publish
+
+    async def publish(
+        subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        if subject.startswith("_INBOX.") and drop(payload):
+            return
+        await real(subject, payload, reply=reply, headers=headers)
+
+    nc.publish = publish  # type: ignore[method-assign]
+
+    def mend() -> None:
+        nc.publish = real  # type: ignore[method-assign]
+
+    return mend
+
+
+def test_a_lost_piece_of_a_long_catch_up_answer_is_asked_for_again(bus: NatsServer) -> None:
+    """A peer's catch-up answer to a new replica is several messages (100 prompts of 16,384
+    tokens: 800 kB of records, 256 kB a message), and the bus lost the first. The new replica
+    applied the rest, the last of which moved its cursor past everything: the lost records
+    never came. Now the pieces are numbered, the last is held back while one is missing, and
+    the peer is asked again."""
+
+    async def body() -> None:
+        a, new = cluster_router(0), cluster_router(1)
+        async with _synced((a, bus.url, "a")) as (sa,):
+            for i in range(100):
+                d = a.pick(tokens=_prompt(i, 16384))
+                d.started()
+                d.finished()
+            await _until(lambda: sa.stats()["entries_out"] >= 100, "a's records journaled")
+            lost: list[int] = []
+
+            def first_piece(payload: bytes) -> bool:
+                if payload and not lost:
+                    lost.append(len(payload))
+                    return True
+                return False
+
+            _lossy(sa, first_piece)
+            async with _synced((new, bus.url, "new")) as (sync,):
+
+                def every_prompt() -> bool:
+                    return all(
+                        new.pick(tokens=_prompt(i, 16384)).cached == 16384 for i in range(100)
+                    )
+
+                await _until(every_prompt, "every record on the new replica")
+                stats = sync.stats()
+            assert lost and sa.stats()["catch_up_batches_out"] >= 3 + 4
+            assert stats["catch_up_pieces_lost"] == 1, stats
+            assert stats["catch_up_re_asks"] == 1 and stats["catch_ups_incomplete"] == 0
 
     run(body)
 

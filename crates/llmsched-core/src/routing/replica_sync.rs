@@ -1162,6 +1162,14 @@ impl ReplicaSync {
         out
     }
 
+    /// A request aimed at peer `replica` (`incarnation`) alone for what it has that is missing
+    /// here (its answer to a request to every peer came without some of its pieces: an answer
+    /// that is not whole moves no cursor, so asking again brings all of it).
+    pub fn request_to(&self, replica: &str, incarnation: u64) -> Vec<u8> {
+        let state = self.state.lock();
+        self.request(&state, Some((replica.to_owned(), incarnation)), false)
+    }
+
     /// The answer to a peer's catch-up request (`request` as sent, the first format's
     /// included): this replica's records and session bindings journaled after the asker's
     /// cursor for this incarnation (its records younger than the record TTL and the live
@@ -1873,6 +1881,18 @@ mod tests {
         let fresh = replica("fresh");
         assert_eq!(first_start(&fresh, &with_new, 6.0), [24 + 25, 26, 25, 0]);
         assert_eq!(bindings(&fresh, 6.0).len(), 100);
+    }
+
+    #[test]
+    fn a_request_to_one_peer_is_answered_by_it_alone() {
+        let (one, two, three) = (replica("one"), replica("two"), replica("three"));
+        let batch = route(&one, 0, 3, 1.0);
+        three.sync.incoming(&batch, 1.0).unwrap();
+        let request = three.sync.request_to("one", 3);
+        assert!(two.sync.answer(&request, 1.0, 1 << 20).is_empty());
+        assert_eq!(answer_entries(&one.sync.answer(&request, 1.0, 1 << 20)), (0, 0, 1));
+        let request = three.sync.request_to("two", 3);
+        assert_eq!(answer_entries(&two.sync.answer(&request, 1.0, 1 << 20)), (0, 0, 0));
     }
 
     #[test]
