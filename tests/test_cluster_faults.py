@@ -109,8 +109,8 @@ def test_two_replicas_with_one_name_are_flagged_and_both_still_count(
                 d.finished()
                 await _until(lambda: _remote(c) == 5, "the sum to hold")
             await _until(lambda: sa.stats()["identity_conflicts"] >= 1, "the conflict at gw-0")
-            # The older of the two is taken for the other's previous life until it has kept
-            # speaking for longer than load_ttl_s: then it is alive, everywhere.
+            # The older of the two is taken for the other's previous life until it speaks
+            # again after the newer one did: then it is alive, everywhere.
             for sync in (sa, sb, sc):
                 await _until(lambda s=sync: s.stats()["shared_names"] == ["gw-0"], "the name")
             assert sc.stats()["identity_conflicts"] >= 1
@@ -122,6 +122,39 @@ def test_two_replicas_with_one_name_are_flagged_and_both_still_count(
         warned = [r for r in caplog.records if "more than one live replica" in r.getMessage()]
         # Once per replica that saw it (each of the three), never once per batch.
         assert 1 <= len(warned) <= 3, [r.getMessage() for r in warned]
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        run(body)
+
+
+def test_two_live_replicas_with_one_name_are_found_out_before_load_ttl(
+    bus: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With load_ttl_s at 30 s, two live replicas named gw-0 were flagged by the newer one and
+    the third replica only after 30 s: until then the older one's batches were dropped as a
+    previous life's, and its requests in flight were not counted. Now the older one speaking
+    again after the newer one did (their heartbeats interleave) shows both alive at once."""
+
+    async def body() -> None:
+        a, b, c = cluster_router(0), cluster_router(1), cluster_router(2)
+        members = ((a, bus.url, "gw-0"), (b, bus.url, "gw-0"), (c, bus.url, "gw-2"))
+        async with _synced(*members, load_ttl_s=30.0) as syncs:
+            held = []
+            for router, n in ((a, 2), (b, 3)):
+                for i in range(n):
+                    d = router.pick(tokens=_prompt(10 * n + i))
+                    d.started()
+                    held.append(d)
+            for sync in syncs:
+                await _until(lambda s=sync: s.stats()["shared_names"] == ["gw-0"], "the name")
+            await _until(lambda: _remote(c) == 5, "both replicas' counts at the third")
+            assert all(s.stats()["identity_conflicts"] >= 1 for s in syncs)
+            note = b.pick(tokens=_prompt(99)).explain().notes
+            assert any("uses this replica's name 'gw-0'" in n for n in note), note
+            for d in held:
+                d.finished()
+        warned = [r for r in caplog.records if "more than one live replica" in r.getMessage()]
+        assert len(warned) == 3, [r.getMessage() for r in warned]
 
     with caplog.at_level(logging.WARNING, logger="llmsched"):
         run(body)

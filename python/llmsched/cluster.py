@@ -35,8 +35,9 @@ again, twice at most (``catch_up_re_asks``). While the bus is unreachable the re
 on its own, exactly as without sync: batches are dropped and counted, peers' counts expire,
 and nothing raises; when the bus returns its peers see the gap in its batches and ask it for
 what it routed meanwhile. Replica names must be unique: two live replicas with one name are
-counted (``identity_conflicts``), listed (``shared_names``) and warned about once; a late
-batch of a restarted replica's previous life is dropped (``stale_in``).
+counted (``identity_conflicts``), listed (``shared_names``) and warned about once, as soon as
+the older one speaks again after the newer one did; a late batch of a restarted replica's
+previous life is dropped (``stale_in``).
 
 >>> from llmsched import EndpointPool, PrefixIndex, Router
 >>> router = Router(EndpointPool(["a", "b"]), PrefixIndex(block_size=16), config="llm-d")

@@ -22,8 +22,9 @@
 //! makes them from the start time): a newer incarnation replaces the older ones (a restart),
 //! and a batch of an older one that arrives after a newer one was heard (a previous life's
 //! batch, late) is dropped and counted ([`IncomingReport::stale`]). An older incarnation that
-//! keeps speaking for longer than `load_ttl`, or a newer one with this replica's own name, shows
-//! two live replicas sharing a name: both count, and the name is listed
+//! speaks again after the newer one spoke (their batches interleave: a dead life cannot answer
+//! back), or keeps speaking for longer than `load_ttl`, or a newer one with this replica's own
+//! name, shows two live replicas sharing a name: both count, and the name is listed
 //! ([`ReplicaSync::shared_names`]) and its batches counted. [`ReplicaSync::outgoing_split`]
 //! keeps every batch within the bus's message limit.
 //!
@@ -633,6 +634,8 @@ impl SyncCounters {
 struct Peer {
     seq: u64,
     last_seen: f64,
+    /// The tick of its last batch (see `State::ticks`).
+    tick: u64,
     loads: Vec<(WorkerKey, InFlightSnapshot)>,
 }
 
@@ -666,12 +669,21 @@ impl Cursor {
     }
 }
 
-/// An older incarnation heard after a newer one of its name: since when, and last.
+/// An older incarnation heard after a newer one of its name: since when, and last; how many
+/// turns it spoke in (a turn ends when a newer incarnation of the name speaks), and the tick
+/// of its last batch.
 #[derive(Debug, Clone, Copy)]
 struct Suspect {
     first: f64,
     last: f64,
+    turns: u32,
+    tick: u64,
 }
+
+/// Turns an older incarnation speaks in, alternating with a newer one of its name, before it
+/// is taken for a second live replica: its first turn may be a late batch (or a burst of
+/// them) of a previous life, but a dead life cannot speak again after the new one answered.
+const LIVE_TURNS: u32 = 2;
 
 #[derive(Debug, Default)]
 struct State {
@@ -684,6 +696,11 @@ struct State {
     suspects: HashMap<PeerId, Suspect>,
     /// Names used by more than one live replica (this one included), and since when.
     shared: HashMap<String, f64>,
+    /// Counts the batches this replica hears and sends, to order who spoke when (times may
+    /// tie).
+    ticks: u64,
+    /// The tick of this replica's last outgoing batch.
+    out_tick: u64,
     /// What this replica holds of each peer incarnation's journal (kept for the record TTL
     /// after its last news, so that a reconnect asks only for what it missed).
     cursors: HashMap<PeerId, Cursor>,
@@ -867,6 +884,10 @@ impl ReplicaSync {
             out.push(bytes);
         }
         state.last_loads = loads;
+        if !out.is_empty() {
+            state.ticks += 1;
+            state.out_tick = state.ticks;
+        }
         out
     }
 
@@ -905,6 +926,8 @@ impl ReplicaSync {
         let mut unknown =
             batch.loads.iter().filter(|(k, _)| members.get(k).is_none()).count() as u64;
         let id: PeerId = (batch.replica.clone(), batch.incarnation);
+        state.ticks += 1;
+        let tick = state.ticks;
         match state.peers.get_mut(&id) {
             // A batch more than `MAX_MISSED_COUNTED` behind the last is taken as the replica's
             // sequence starting over (below) rather than as a duplicate: one batch claiming a
@@ -921,17 +944,18 @@ impl ReplicaSync {
                 }
                 peer.seq = batch.seq;
                 peer.last_seen = now;
+                peer.tick = tick;
                 peer.loads = batch.loads;
             }
             None => {
-                if !self.admit_incarnation(&mut state, &id, now) {
+                if !self.admit_incarnation(&mut state, &id, now, tick) {
                     state.counters.stale_in += 1;
                     report.stale = true;
                     return Ok(report);
                 }
                 state.peers.insert(
                     id.clone(),
-                    Peer { seq: batch.seq, last_seen: now, loads: batch.loads },
+                    Peer { seq: batch.seq, last_seen: now, tick, loads: batch.loads },
                 );
             }
         }
@@ -976,21 +1000,36 @@ impl ReplicaSync {
         c.behind() && !c.asked
     }
 
-    /// A replica incarnation heard from for the first time: false when it is a late batch of
-    /// a previous life (a newer incarnation of its name, or this replica, was heard), unless
-    /// that life keeps speaking for longer than `load_ttl`: then it is alive, the name is
-    /// shared, and both count. A newer incarnation replaces the older ones (a restart), unless
-    /// the name is this replica's own or already shared.
-    fn admit_incarnation(&self, state: &mut State, id: &PeerId, now: f64) -> bool {
+    /// A replica incarnation heard from (batch `tick`) and not counted yet: false when it is
+    /// a late batch of a previous life (a newer incarnation of its name, or this replica, was
+    /// heard), unless that life speaks again after the newer one spoke since its last batch
+    /// (two turns, [`LIVE_TURNS`]), or keeps speaking for longer than `load_ttl`: then it is
+    /// alive, the name is shared, and both count. A newer incarnation replaces the older ones
+    /// (a restart), unless the name is this replica's own or already shared.
+    fn admit_incarnation(&self, state: &mut State, id: &PeerId, now: f64, tick: u64) -> bool {
         let (name, incarnation) = (&id.0, id.1);
         let own = *name == self.replica;
-        let newer_heard = (own && self.incarnation > incarnation)
-            || state.peers.keys().any(|p| p.0 == *name && p.1 > incarnation);
-        if newer_heard {
-            let suspect =
-                state.suspects.entry(id.clone()).or_insert(Suspect { first: now, last: now });
+        // When a newer incarnation of the name last spoke (0: none heard).
+        let newer = state
+            .peers
+            .iter()
+            .filter(|(p, _)| p.0 == *name && p.1 > incarnation)
+            .map(|(_, peer)| peer.tick.max(1))
+            .chain((own && self.incarnation > incarnation).then_some(state.out_tick.max(1)))
+            .max();
+        if let Some(newer_tick) = newer {
+            let suspect = state.suspects.entry(id.clone()).or_insert(Suspect {
+                first: now,
+                last: now,
+                turns: 0,
+                tick: 0,
+            });
+            if suspect.tick < newer_tick {
+                suspect.turns += 1;
+            }
             suspect.last = now;
-            if now - suspect.first <= self.options.load_ttl {
+            suspect.tick = tick;
+            if suspect.turns < LIVE_TURNS && now - suspect.first <= self.options.load_ttl {
                 return false;
             }
             state.suspects.remove(id);
@@ -1620,27 +1659,26 @@ mod tests {
         assert!(!report.identity_conflict);
         assert_eq!(remote_on_a(&one), 1);
         assert_eq!(one.sync.peers(), vec!["gw".to_string()]);
-        // The old incarnation speaks again: a late batch of its life, dropped, until it keeps
-        // speaking for longer than load_ttl (3 s): then it is alive, two replicas share the
-        // name, and their counts add up instead of replacing each other batch after batch.
-        let report = one.sync.incoming(&load_batch("gw", 1, 6, 4), 1.2).unwrap();
-        assert!(report.stale && !report.identity_conflict);
-        let mut t = 1.2;
-        for (inc, seq) in [(2, 2), (1, 7), (2, 3), (1, 8)] {
-            t += 0.5;
-            let report = one.sync.incoming(&load_batch("gw", inc, seq, 1), t).unwrap();
-            assert_eq!(report.stale, inc == 1, "{t}");
-            assert_eq!(remote_on_a(&one), 1);
+        // The old incarnation speaks again: late batches of its life (a burst), dropped...
+        for seq in [6, 7] {
+            let report = one.sync.incoming(&load_batch("gw", 1, seq, 4), 1.2).unwrap();
+            assert!(report.stale && !report.identity_conflict);
         }
+        // ...until it speaks again after the new one spoke (a dead life cannot): two
+        // replicas share the name at once, not after load_ttl (3 s), and their counts add up
+        // instead of replacing each other batch after batch.
+        assert!(!one.sync.incoming(&load_batch("gw", 2, 2, 1), 1.3).unwrap().stale);
+        assert_eq!(remote_on_a(&one), 1);
         assert!(one.sync.shared_names().is_empty());
-        assert_eq!(one.sync.counters().stale_in, 3);
-        let report = one.sync.incoming(&load_batch("gw", 1, 9, 4), 4.3).unwrap();
+        assert_eq!(one.sync.counters().stale_in, 2);
+        let report = one.sync.incoming(&load_batch("gw", 1, 8, 4), 1.4).unwrap();
         assert!(report.identity_conflict && !report.stale);
+        assert_eq!(one.sync.shared_names(), vec!["gw".to_string()]);
         for (t, (inc, seq)) in [(1, 10), (2, 4), (1, 11), (2, 5)].into_iter().enumerate() {
             one.sync
                 .incoming(
                     &load_batch("gw", inc, seq, if inc == 1 { 4 } else { 1 }),
-                    4.4 + t as f64 * 0.1,
+                    1.5 + t as f64 * 0.1,
                 )
                 .unwrap();
             assert_eq!(remote_on_a(&one), 5);
@@ -1649,7 +1687,7 @@ mod tests {
         assert_eq!(one.sync.peers(), vec!["gw".to_string()]);
         assert_eq!(one.sync.counters().identity_conflicts, 5);
         // One of them goes quiet: forgotten after load_ttl, and the name is unique again.
-        one.sync.incoming(&load_batch("gw", 2, 6, 1), 7.9).unwrap();
+        one.sync.incoming(&load_batch("gw", 2, 6, 1), 5.3).unwrap();
         assert_eq!(remote_on_a(&one), 1);
         assert!(one.sync.shared_names().is_empty());
     }
@@ -1680,6 +1718,23 @@ mod tests {
         one.sync.incoming(&load_batch("gw", 7, 2, 1), 4.2).unwrap();
         let report = one.sync.incoming(&load_batch("gw", 5, 41, 4), 5.0).unwrap();
         assert!(report.stale);
+    }
+
+    #[test]
+    fn an_older_life_of_this_replicas_name_that_speaks_after_it_is_a_second_replica_at_once() {
+        // Probe: two live replicas of one name were told apart from a restart only once the
+        // older kept speaking for load_ttl. "one" (incarnation 3) hears an older "one".
+        let one = replica("one");
+        let report = one.sync.incoming(&load_batch("one", 2, 1, 4), 1.0).unwrap();
+        assert!(report.stale);
+        assert!(one.sync.incoming(&load_batch("one", 2, 2, 4), 1.0).unwrap().stale);
+        one.sync.outgoing(1.0, true).unwrap();
+        let report = one.sync.incoming(&load_batch("one", 2, 3, 4), 1.0).unwrap();
+        assert!(report.identity_conflict && !report.stale, "{report:?}");
+        assert_eq!(one.sync.shared_names(), vec!["one".to_string()]);
+        assert_eq!(remote_on_a(&one), 4);
+        let c = one.sync.counters();
+        assert_eq!((c.stale_in, c.identity_conflicts), (2, 1));
     }
 
     #[test]
