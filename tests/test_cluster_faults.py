@@ -428,6 +428,53 @@ def test_a_lost_piece_of_a_long_catch_up_answer_is_asked_for_again(bus: NatsServ
     run(body)
 
 
+def test_a_new_replica_gets_a_departed_owners_sessions_once_whoever_answered_before(
+    bus: NatsServer,
+) -> None:
+    """r3 leaves; r0's answers to the next new replica, z1, are lost, so r1 answers its request
+    for the sessions no answering peer owns, and r1 took r3's sessions over in its own view
+    only. The next new replica, z2, then got them from r1 (as its own) and from r0 (asked for
+    those no answering peer owns, it still named r3): 300 session entries for 240 sessions."""
+
+    async def body() -> None:
+        routers = [cluster_router(i) for i in range(4)]
+        chats: dict[str, str] = {}
+
+        def holds_every_chat(router: Router) -> bool:
+            return all(
+                router.pick(tokens=_prompt(999), session_id=chat).endpoint == endpoint
+                for chat, endpoint in chats.items()
+            )
+
+        members = [(r, bus.url, f"r{i}") for i, r in enumerate(routers)]
+        async with _synced(*members) as syncs:
+            for i, router in enumerate(routers):
+                for j in range(60):
+                    d = router.pick(tokens=_prompt(100 * i + j, 16), session_id=f"chat-{i}-{j}")
+                    d.started()
+                    d.finished()
+                    chats[f"chat-{i}-{j}"] = d.endpoint
+            await _until(lambda: all(map(holds_every_chat, routers)), "every chat everywhere")
+            await asyncio.wait_for(syncs[3].stop(), 15)
+            for sync in syncs[:3]:  # r3 gone from every view (after load_ttl_s)
+                await _until(lambda s=sync: "r3" not in s.stats()["peers"], "r3 to expire")
+            mend = _lossy(syncs[0], lambda payload: True)
+            z1, z2 = cluster_router(8), cluster_router(9)
+            async with _synced((z1, bus.url, "z1")):
+                await _until(lambda: holds_every_chat(z1), "every chat on z1")
+                mend()
+                async with _synced((z2, bus.url, "z2")) as (sync,):
+                    await _until(lambda: holds_every_chat(z2), "every chat on z2")
+                    await _until(lambda: sync.stats()["tables_asked"] == 1, "z2's last request")
+                    await asyncio.sleep(0.5)  # its answer in
+                    stats = sync.stats()
+            # r1 answered z1's request for the sessions of r0 and r3 (and each first round).
+            assert syncs[1].stats()["catch_up_entries_out"] >= 4 * 60 + 120, "r1 asked by z1"
+            assert stats["sessions_applied"] == 240, stats["sessions_applied"]
+
+    run(body)
+
+
 def test_a_burst_over_the_bus_message_limit_still_reaches_the_peers(bus: NatsServer) -> None:
     """40 requests of 65,536 tokens between two flushes (a burst, or an event loop held up)
     journal 1.3 MB, over the server's 1 MiB message limit: the one batch was refused whole, so

@@ -1309,23 +1309,18 @@ impl ReplicaSync {
             let covered = |o: &Arc<PeerId>| {
                 **o == *self.me || answered.iter().any(|p| p.0 == o.0 && p.1 == o.1)
             };
-            let unowned: Vec<_> = self
+            // Owners are not taken over here: a peer that did (it answered for a departed
+            // owner's sessions once) was seen as their owner by the askers it answered but not
+            // by its peers, so a later first start got them from it and from the table answer
+            // of a peer that still named the departed owner. Every first start asks one peer
+            // for the sessions no answering peer owns, so they reach it once either way.
+            let unowned = self
                 .sessions
                 .live(now)
                 .into_iter()
                 .filter(|s| !owned_by(&state, &s.id).is_some_and(|o| covered(&o)))
-                .collect();
-            // Those of an owner gone here too (or of none known) are this replica's to hand
-            // on from now on: a later first start gets them from it at once (and from the
-            // table answer of a peer that still names the departed owner, once more). An
-            // owner live here that did not answer the asker keeps them.
-            for s in &unowned {
-                let gone = owned_by(&state, &s.id).is_none_or(|o| !state.peers.contains_key(&*o));
-                if gone {
-                    state.owners.insert(s.id.clone(), (self.me.clone(), now - s.idle_s));
-                }
-            }
-            entries.extend(unowned.into_iter().map(live));
+                .map(live);
+            entries.extend(unowned);
         }
         let through = state.seq;
         let mut out: Vec<Vec<u8>> = Vec::new();
@@ -1936,6 +1931,32 @@ mod tests {
         let fresh = replica("fresh");
         assert_eq!(first_start(&fresh, &with_new, 6.0), [24 + 25, 26, 25, 0]);
         assert_eq!(bindings(&fresh, 6.0).len(), 100);
+    }
+
+    #[test]
+    fn a_new_replica_gets_a_departed_owners_sessions_once_whoever_answered_before() {
+        // Probe: the peer that answered a first start's session request took over a departed
+        // replica's sessions in its own view only. When a later first start asked another
+        // peer (the first by name had not answered the earlier one), both sent them.
+        let peers: Vec<Replica> = ["p0", "p1", "p2", "p3"].into_iter().map(replica).collect();
+        for (i, p) in peers.iter().enumerate() {
+            let batch = route(p, 100 * i as u32, 25, 1.0);
+            for (j, q) in peers.iter().enumerate() {
+                if i != j {
+                    q.sync.incoming(&batch, 1.0).unwrap();
+                }
+            }
+        }
+        // p3 is gone; p0 does not answer x1, so p1 answers its session request.
+        let x1 = replica("x1");
+        assert_eq!(first_start(&x1, &[&peers[1], &peers[2]], 2.0), [25 + 25 + 25, 25]);
+        assert_eq!(bindings(&x1, 2.0).len(), 100);
+        // Every peer answers x2; p0 answers its session request: p3's sessions come once.
+        let x2 = replica("x2");
+        let all = [&peers[0], &peers[1], &peers[2], &x1];
+        assert_eq!(first_start(&x2, &all, 3.0), [25 + 25, 25, 25, 0]);
+        assert_eq!(x2.sync.counters().sessions_applied, 100);
+        assert_eq!(bindings(&x2, 3.0).len(), 100);
     }
 
     #[test]
