@@ -741,7 +741,7 @@ class ReplicaSync:
     def repair_requests(self) -> list[bytes]:
         """One catch-up request per peer with batches missing here, each asked once; after a
         first start's catch-up, first one request to one peer that answered for the sessions
-        whose owner did not answer (a replica since gone)."""
+        and records whose owner did not answer (a replica since gone)."""
     def expire(self, now: float) -> int:
         """Forgets silent replicas; returns how many."""
     def peers(self) -> list[str]:

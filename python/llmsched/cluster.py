@@ -27,8 +27,8 @@ several batches. A replica that connects asks its peers for a catch-up on
 ``<subject>.catchup``, saying how far it has each peer's batches: each answers only its own
 records and sessions past that (all of them, younger than their TTL, to a replica it is new
 to), so a short blip costs what was routed during it, not the peers' whole history. A
-replica that knew no peer then asks one peer for the sessions no answering peer owns (a
-departed replica's): each session arrives once. A gap in a peer's batches asks that peer alone
+replica that knew no peer then asks one peer for the sessions and records no answering peer
+owns (a departed replica's): each arrives once. A gap in a peer's batches asks that peer alone
 for the rest. The pieces of an answer are numbered (message headers): an answer missing one
 is not taken (its last piece, which moves the cursor, is held back) and that peer is asked
 again, twice at most (``catch_up_re_asks``). While the bus is unreachable the replica routes

@@ -36,7 +36,9 @@
 //! carries the peer's sequence, which moves the asker's cursor. A session is owned by the
 //! replica whose binding is held (the last heard to use it). A replica that knew no peer then
 //! asks one peer that answered for the sessions whose owner is none of those that answered
-//! (a replica since gone, or one that did not answer), so that each session arrives once. A
+//! (a replica since gone, or one that did not answer), so that each session arrives once, and
+//! for the records it applied from such replicas (a departed replica's engines, shared by every
+//! replica, still hold what it routed there). A
 //! gap in a peer's sequence (batches lost, or published while the bus was away) asks that
 //! peer alone for what is missing ([`ReplicaSync::repair_requests`]), once.
 //!
@@ -56,7 +58,8 @@
 //! Catch-up request (version 1, little-endian): `b"LSYQ"`, version `u8`, the asker's name
 //! (`u16` length then UTF-8) and incarnation `u64`, flags `u8` (1: sessions wanted: with a
 //! target, every live one whose owner is neither the asker nor a listed peer with a sequence
-//! above 0; without, from a first start of the release before, every live one; 2: a target
+//! above 0, and the records applied from such peers; without, from a first start of the
+//! release before, every live one; 2: a target
 //! follows), the target's name and incarnation when flagged (only it answers), then `u32`
 //! count of cursors, each a peer's name, incarnation `u64` and the sequence `u64` through
 //! which the asker has its batches. A request without the magic
@@ -701,6 +704,10 @@ struct State {
     ticks: u64,
     /// The tick of this replica's last outgoing batch.
     out_tick: u64,
+    /// Records applied from peers' batches, oldest first: when, whose (the sender), the entry
+    /// (as long as the own history). A first start's session request gets those whose sender
+    /// did not answer it (a replica since gone: the engines it routed to still hold them).
+    relayed: VecDeque<(f64, Arc<PeerId>, SyncEntry)>,
     /// What this replica holds of each peer incarnation's journal (kept for the record TTL
     /// after its last news, so that a reconnect asks only for what it missed).
     cursors: HashMap<PeerId, Cursor>,
@@ -1084,7 +1091,10 @@ impl ReplicaSync {
                     let ttl = self.record_ttl - age_s;
                     if ttl > 0.0 && !hashes.is_empty() {
                         match self.index.record(endpoint, hashes, ttl, now) {
-                            Ok(_) => report.records += 1,
+                            Ok(_) => {
+                                report.records += 1;
+                                self.relay(state, now - age_s, owner, entry);
+                            }
                             Err(_) => report.records_refused += 1,
                         }
                     }
@@ -1099,6 +1109,24 @@ impl ReplicaSync {
             }
         }
         report
+    }
+
+    /// Keeps a peer's record (made at `made`, `owner`'s) for a first start's session request,
+    /// as long as the own history: the last `history_limit`, younger than the record TTL.
+    fn relay(&self, state: &mut State, made: f64, owner: &Arc<PeerId>, entry: &SyncEntry) {
+        let limit = self.options.history_limit;
+        if limit == 0 {
+            return;
+        }
+        while state.relayed.len() >= limit
+            || state.relayed.front().is_some_and(|(t, _, _)| made - t >= self.record_ttl)
+        {
+            state.relayed.pop_front();
+        }
+        let SyncEntry::Record { endpoint, hashes, .. } = entry else { return };
+        let kept =
+            SyncEntry::Record { endpoint: endpoint.clone(), hashes: hashes.clone(), age_s: 0.0 };
+        state.relayed.push_back((made, owner.clone(), kept));
     }
 
     /// Forgets replicas not heard from within `load_ttl` and sets every endpoint's remote
@@ -1321,6 +1349,26 @@ impl ReplicaSync {
                 .filter(|s| !owned_by(&state, &s.id).is_some_and(|o| covered(&o)))
                 .map(live);
             entries.extend(unowned);
+            // The records of peers that did not answer (a replica gone: its engines, shared
+            // by every replica, still hold what it routed there), each once: a record that
+            // came twice (live, then in a repair's answer) is kept twice. A chain's last hash
+            // and length name it (block hashes are chained); the latest copy is sent.
+            let mut seen = hashbrown::HashSet::new();
+            let mut relayed: Vec<SyncEntry> = state
+                .relayed
+                .iter()
+                .rev()
+                .filter(|(t, o, _)| !covered(o) && now - t < self.record_ttl)
+                .filter(|(_, _, e)| match e {
+                    SyncEntry::Record { endpoint, hashes, .. } => {
+                        seen.insert((endpoint.clone(), hashes.last().copied(), hashes.len()))
+                    }
+                    SyncEntry::Session { .. } => true,
+                })
+                .map(|(t, _, e)| aged(e, now - t))
+                .collect();
+            relayed.reverse();
+            entries.extend(relayed);
         }
         let through = state.seq;
         let mut out: Vec<Vec<u8>> = Vec::new();
@@ -1808,8 +1856,8 @@ mod tests {
         let request = two.sync.catch_up_request();
         assert_eq!(answer_entries(&one.sync.answer(&request, 5.0, 1 << 20)), (0, 0, 4));
         // A replica that knows no one gets its records and the sessions it owns, not the
-        // sessions it learned from two (two sends them); then, asked alone, the sessions of
-        // owners that did not answer (here two's: only one did).
+        // sessions it learned from two (two sends them); then, asked alone, the sessions and
+        // records of owners that did not answer (here two's: only one did).
         let three = replica("three");
         let other = route(&two, 100, 2, 5.0);
         one.sync.incoming(&other, 5.0).unwrap();
@@ -1821,7 +1869,7 @@ mod tests {
         }
         let table = three.sync.repair_requests();
         assert_eq!(table.len(), 1);
-        assert_eq!(answer_entries(&one.sync.answer(&table[0], 5.0, 1 << 20)), (0, 2, 4));
+        assert_eq!(answer_entries(&one.sync.answer(&table[0], 5.0, 1 << 20)), (2, 2, 4));
         assert_eq!(three.sync.counters().tables_asked, 1);
         // One that knows another peer but not this one: its records and its own sessions.
         let fresh = replica("four");
@@ -1957,6 +2005,41 @@ mod tests {
         assert_eq!(first_start(&x2, &all, 3.0), [25 + 25, 25, 25, 0]);
         assert_eq!(x2.sync.counters().sessions_applied, 100);
         assert_eq!(bindings(&x2, 3.0).len(), 100);
+    }
+
+    #[test]
+    fn a_new_replica_gets_the_records_of_a_replica_gone() {
+        // Probe: a departed replica's prefix records reached no new replica (each peer
+        // answers only its own), though the engines it routed to still hold those prefixes.
+        let peers: Vec<Replica> = ["p0", "p1", "p2"].into_iter().map(replica).collect();
+        for (i, p) in peers.iter().enumerate() {
+            let batch = route(p, 100 * i as u32, 4, 1.0);
+            for (j, q) in peers.iter().enumerate() {
+                if i != j {
+                    q.sync.incoming(&batch, 1.0).unwrap();
+                }
+            }
+        }
+        // p0 got p2's records a second time (a repair's answer after the live batch).
+        for b in peers[2].sync.catch_up(1.0, 1 << 20) {
+            peers[0].sync.apply_catch_up(&b, 1.0).unwrap();
+        }
+        // p2 is gone: p0 (asked for what no answering peer owns) hands on its records, once.
+        let new = replica("new");
+        first_start(&new, &[&peers[0], &peers[1]], 2.0);
+        for i in (0..3).flat_map(|p| (0..4).map(move |j| 100 * p + j)) {
+            assert!(cached_on_any(&new, &prompt(i * 1000)), "prompt {i}");
+        }
+        assert_eq!(new.sync.counters().records_applied, 12, "each record once");
+        // Those of a peer that answered are its own to send, not relayed again; none older
+        // than the record TTL is relayed.
+        let later = replica("later");
+        let live = [&peers[0], &peers[1], &new];
+        first_start(&later, &live, 3.0);
+        assert_eq!(later.sync.counters().records_applied, 12);
+        let last = replica("last");
+        first_start(&last, &[&peers[0], &peers[1]], 1.0 + 61.0);
+        assert_eq!(last.sync.counters().records_applied, 0);
     }
 
     #[test]
