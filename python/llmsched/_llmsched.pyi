@@ -735,10 +735,13 @@ class ReplicaSync:
     def catch_up_request(self) -> bytes:
         """The catch-up request to send every peer: what this replica holds of each (each
         answers its own records and the sessions it owns)."""
+    def request_to(self, replica: str, incarnation: int) -> bytes:
+        """A catch-up request that peer `replica` (`incarnation`) alone answers: what it has
+        that is missing here (asked again when its answer came without some pieces)."""
     def repair_requests(self) -> list[bytes]:
         """One catch-up request per peer with batches missing here, each asked once; after a
         first start's catch-up, first one request to one peer that answered for the sessions
-        whose owner did not answer (a replica since gone)."""
+        and records whose owner did not answer (a replica since gone)."""
     def expire(self, now: float) -> int:
         """Forgets silent replicas; returns how many."""
     def peers(self) -> list[str]:

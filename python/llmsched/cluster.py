@@ -27,14 +27,17 @@ several batches. A replica that connects asks its peers for a catch-up on
 ``<subject>.catchup``, saying how far it has each peer's batches: each answers only its own
 records and sessions past that (all of them, younger than their TTL, to a replica it is new
 to), so a short blip costs what was routed during it, not the peers' whole history. A
-replica that knew no peer then asks one peer for the sessions no answering peer owns (a
-departed replica's): each session arrives once. A gap in a peer's batches asks that peer alone
-for the rest. While the bus is unreachable the replica routes on its own, exactly as without
-sync: batches are dropped and counted, peers' counts expire, and nothing raises; when the bus
-returns its peers see the gap in its batches and ask it for what it routed meanwhile. Replica
-names must be unique: two live replicas with one name are counted (``identity_conflicts``),
-listed (``shared_names``) and warned about once; a late batch of a restarted replica's previous
-life is dropped (``stale_in``).
+replica that knew no peer then asks one peer for the sessions and records no answering peer
+owns (a departed replica's): each arrives once. A gap in a peer's batches asks that peer alone
+for the rest. The pieces of an answer are numbered (message headers): an answer missing one
+is not taken (its last piece, which moves the cursor, is held back) and that peer is asked
+again, twice at most (``catch_up_re_asks``). While the bus is unreachable the replica routes
+on its own, exactly as without sync: batches are dropped and counted, peers' counts expire,
+and nothing raises; when the bus returns its peers see the gap in its batches and ask it for
+what it routed meanwhile. Replica names must be unique: two live replicas with one name are
+counted (``identity_conflicts``), listed (``shared_names``) and warned about once, as soon as
+the older one speaks again after the newer one did; a late batch of a restarted replica's
+previous life is dropped (``stale_in``).
 
 >>> from llmsched import EndpointPool, PrefixIndex, Router
 >>> router = Router(EndpointPool(["a", "b"]), PrefixIndex(block_size=16), config="llm-d")
@@ -58,6 +61,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, TypedDict
+from urllib.parse import quote, unquote
 
 from llmsched._aio import settled
 from llmsched._extras import require
@@ -90,6 +94,12 @@ class ConnectionCounters(TypedDict):
     catch_ups: int
     """Catch-up batches applied (a late start or a reconnect)."""
     catch_ups_served: int
+    catch_up_pieces_lost: int
+    """Pieces of peers' catch-up answers that never arrived (the numbering showed the hole)."""
+    catch_up_re_asks: int
+    """Requests sent again to one peer because its answer was not whole."""
+    catch_ups_incomplete: int
+    """Answers still not whole after the re-asks: what they missed stays missing."""
     usage_out: int
     """Usage messages published (rate-limit and fairness counters)."""
     usage_in: int
@@ -124,6 +134,16 @@ _MAX_USAGE_ITEMS = 10_000
 
 _DEFAULT_MAX_PAYLOAD = 1 << 20
 """The largest message a NATS server takes by default, used until the server says its own."""
+
+_PIECE = "Llmsched-Piece"
+"""Header of each message of a catch-up answer: ``i/n`` for piece ``i`` of ``n``, ``end/n``
+for the empty message that ends it."""
+
+_FROM = "Llmsched-From"
+"""Header naming the answering replica: its incarnation, a space, its URL-quoted name."""
+
+_RE_ASKS = 2
+"""How often a peer whose catch-up answer came without some of its pieces is asked again."""
 
 _STOP_TIMEOUT_S = 2
 """Seconds :meth:`ClusterSync.stop` waits for the bus to take the last batch before it closes
@@ -183,6 +203,43 @@ def _usage_from_json(data: bytes) -> Usage:
             raise ValueError(f"bad priority {priority!r}")
         tenants.append((item[0], priority, int(amount(item[2])), int(amount(item[3]))))
     return Usage(keys=keys, tenants=tenants)
+
+
+_PeerId = tuple[str, int]
+
+
+class _Answer:
+    """What arrived of one peer's numbered catch-up answer."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.got: set[int] = set()
+        self.last: bytes | None = None
+        """The last piece (it moves the cursor), held back while pieces are missing."""
+
+    @property
+    def whole(self) -> bool:
+        return len(self.got) >= self.total
+
+
+def _piece(msg: Msg) -> tuple[_PeerId, int | None, int] | None:
+    """A catch-up answer's message: who sent it, its piece number (None: the end) and the
+    number of pieces. None for a message without (valid) numbering (a replica of a release
+    before, which is taken as it comes)."""
+    headers = msg.headers
+    if not headers or _PIECE not in headers or _FROM not in headers:
+        return None
+    index, _, total = headers[_PIECE].partition("/")
+    incarnation, _, name = headers[_FROM].partition(" ")
+    try:
+        peer = (unquote(name, errors="strict"), int(incarnation))
+        n = int(total)
+        i = None if index == "end" else int(index)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not name or n < 1 or (i is not None and not 1 <= i <= n):
+        return None
+    return peer, i, n
 
 
 def _default_replica() -> str:
@@ -270,6 +327,9 @@ class ClusterSync:
             "publish_failures": 0,
             "catch_ups": 0,
             "catch_ups_served": 0,
+            "catch_up_pieces_lost": 0,
+            "catch_up_re_asks": 0,
+            "catch_ups_incomplete": 0,
             "usage_out": 0,
             "usage_in": 0,
             "usage_malformed": 0,
@@ -474,18 +534,24 @@ class ClusterSync:
     async def _on_catch_up_request(self, msg: Msg) -> None:
         if not msg.reply or self._nc is None:
             return
+        # One reply per batch, numbered, so that the asker sees a lost one; an empty marker
+        # ends the series. The server counts the headers in its message limit.
+        origin = f"{self._incarnation} {quote(self.replica, safe='')}"
+        headers_size = len(origin) + 128
         # Only what the asker misses of this replica's own journal; nothing for a request of
         # this replica's own, one aimed at another peer, or a malformed one.
-        max_bytes = min(256 * 1024, self._max_bytes(self._nc))
+        max_bytes = max(1024, min(256 * 1024, self._max_bytes(self._nc) - headers_size))
         batches = self._native.catch_up(self._clock(), max_bytes, msg.data)
         if not batches:
             return
         self._counters["catch_ups_served"] += 1
-        # One reply per batch; an empty marker ends the series.
+        n = len(batches)
         try:
-            for batch in batches:
-                await self._nc.publish(msg.reply, batch)
-            await self._nc.publish(msg.reply, b"")
+            for i, batch in enumerate(batches, 1):
+                await self._nc.publish(
+                    msg.reply, batch, headers={_PIECE: f"{i}/{n}", _FROM: origin}
+                )
+            await self._nc.publish(msg.reply, b"", headers={_PIECE: f"end/{n}", _FROM: origin})
         except (NatsError, OSError):
             self._counters["publish_failures"] += 1
 
@@ -509,7 +575,7 @@ class ClusterSync:
     async def _repair(self, nc: Client) -> None:
         """Asks each peer with batches missing here for them alone (each once)."""
         for request in self._native.repair_requests():
-            await self._catch_up(nc, request, expected=1)
+            await self._ask(nc, request, expected=1, targeted=True)
 
     async def _exchange(self, nc: Client) -> None:
         """On every (re)connect: a heartbeat at once, so that the peers see the gap in this
@@ -519,28 +585,74 @@ class ClusterSync:
         self._beat_now = True
         self._catching_up += 1
         try:
-            await self._catch_up(nc, self._native.catch_up_request(), len(self._native.peers()))
+            request = self._native.catch_up_request()
+            await self._ask(nc, request, len(self._native.peers()), targeted=False)
         finally:
             self._catching_up -= 1
         await self._repair(nc)
 
-    async def _catch_up(self, nc: Client, request: bytes, expected: int) -> None:
+    async def _ask(self, nc: Client, request: bytes, expected: int, *, targeted: bool) -> None:
+        """A catch-up `request` (see :meth:`_catch_up`), then each peer whose answer came
+        without some of its pieces asked again alone, :data:`_RE_ASKS` times at most (a
+        `targeted` request is sent again as it was: the cursors it carries did not move).
+        Still not whole after that, an answer's last piece is applied: what it missed stays
+        missing, as when nothing showed the loss, and a later gap of that peer is asked for
+        again (an unanswered repair would block that)."""
+        broken = await self._catch_up(nc, request, expected)
+        for _ in range(_RE_ASKS):
+            if not broken:
+                return
+            again: dict[_PeerId, _Answer] = {}
+            for peer in broken:
+                self._counters["catch_up_re_asks"] += 1
+                retry = request if targeted else self._native.request_to(*peer)
+                again.update(await self._catch_up(nc, retry, 1))
+            broken = again
+        for answer in broken.values():
+            self._counters["catch_ups_incomplete"] += 1
+            if answer.last is not None:
+                self._apply_catch_up(answer.last, "catch-up")
+
+    async def _catch_up(self, nc: Client, request: bytes, expected: int) -> dict[_PeerId, _Answer]:
         """Sends a catch-up `request`; applies what comes within the timeout. Each peer holds
         only its own records, so it listens until the `expected` peers have answered (an empty
         marker ends each answer), or for the whole timeout when it expects none (it knows of
-        none yet)."""
+        none yet). Returns the numbered answers that are not whole: their last piece, which
+        moves the asker's cursor past everything the answer carries, is held back."""
         inbox = nc.new_inbox()
         done = asyncio.Event()
         answers = 0
+        numbered: dict[_PeerId, _Answer] = {}
+        ended: set[_PeerId] = set()
 
-        async def on_reply(msg: Msg) -> None:
+        def answered() -> None:
             nonlocal answers
-            if msg.data:
-                self._apply_catch_up(msg.data, "catch-up")
-                return
             answers += 1
             if expected and answers >= expected:
                 done.set()
+
+        async def on_reply(msg: Msg) -> None:
+            piece = _piece(msg)
+            if piece is None:  # a peer of a release before: taken as it comes
+                if msg.data:
+                    self._apply_catch_up(msg.data, "catch-up")
+                else:
+                    answered()
+                return
+            peer, index, total = piece
+            answer = numbered.setdefault(peer, _Answer(total))
+            if index is not None and index not in answer.got and total == answer.total:
+                answer.got.add(index)
+                if index < total:
+                    self._apply_catch_up(msg.data, "catch-up")
+                else:
+                    answer.last = msg.data
+                if answer.whole and answer.last is not None:
+                    self._apply_catch_up(answer.last, "catch-up")
+                    answer.last = None
+            if (index is None or answer.whole) and peer not in ended:
+                ended.add(peer)
+                answered()
 
         try:
             sub = await nc.subscribe(inbox, cb=on_reply)
@@ -553,6 +665,10 @@ class ClusterSync:
             await sub.unsubscribe()
         except (NatsError, OSError):
             self._counters["publish_failures"] += 1
+        broken = {peer: a for peer, a in numbered.items() if not a.whole}
+        for answer in broken.values():
+            self._counters["catch_up_pieces_lost"] += answer.total - len(answer.got)
+        return broken
 
     async def _publish(self, nc: Client, *, heartbeat: bool) -> None:
         batches = self._native.outgoing(self._clock(), heartbeat, self._max_bytes(nc))

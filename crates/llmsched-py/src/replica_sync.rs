@@ -121,6 +121,16 @@ impl PyReplicaSync {
         Ok(PyBytes::new(py, &request))
     }
 
+    fn request_to<'py>(
+        &self,
+        py: Python<'py>,
+        replica: &str,
+        incarnation: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let request = detach(py, || self.inner.request_to(replica, incarnation))?;
+        Ok(PyBytes::new(py, &request))
+    }
+
     fn repair_requests<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let requests = detach(py, || self.inner.repair_requests())?;
         Ok(requests.iter().map(|b| PyBytes::new(py, b)).collect())

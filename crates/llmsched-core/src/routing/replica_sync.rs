@@ -22,8 +22,9 @@
 //! makes them from the start time): a newer incarnation replaces the older ones (a restart),
 //! and a batch of an older one that arrives after a newer one was heard (a previous life's
 //! batch, late) is dropped and counted ([`IncomingReport::stale`]). An older incarnation that
-//! keeps speaking for longer than `load_ttl`, or a newer one with this replica's own name, shows
-//! two live replicas sharing a name: both count, and the name is listed
+//! speaks again after the newer one spoke (their batches interleave: a dead life cannot answer
+//! back), or keeps speaking for longer than `load_ttl`, or a newer one with this replica's own
+//! name, shows two live replicas sharing a name: both count, and the name is listed
 //! ([`ReplicaSync::shared_names`]) and its batches counted. [`ReplicaSync::outgoing_split`]
 //! keeps every batch within the bus's message limit.
 //!
@@ -35,7 +36,9 @@
 //! carries the peer's sequence, which moves the asker's cursor. A session is owned by the
 //! replica whose binding is held (the last heard to use it). A replica that knew no peer then
 //! asks one peer that answered for the sessions whose owner is none of those that answered
-//! (a replica since gone, or one that did not answer), so that each session arrives once. A
+//! (a replica since gone, or one that did not answer), so that each session arrives once, and
+//! for the records it applied from such replicas (a departed replica's engines, shared by every
+//! replica, still hold what it routed there). A
 //! gap in a peer's sequence (batches lost, or published while the bus was away) asks that
 //! peer alone for what is missing ([`ReplicaSync::repair_requests`]), once.
 //!
@@ -55,7 +58,8 @@
 //! Catch-up request (version 1, little-endian): `b"LSYQ"`, version `u8`, the asker's name
 //! (`u16` length then UTF-8) and incarnation `u64`, flags `u8` (1: sessions wanted: with a
 //! target, every live one whose owner is neither the asker nor a listed peer with a sequence
-//! above 0; without, from a first start of the release before, every live one; 2: a target
+//! above 0, and the records applied from such peers; without, from a first start of the
+//! release before, every live one; 2: a target
 //! follows), the target's name and incarnation when flagged (only it answers), then `u32`
 //! count of cursors, each a peer's name, incarnation `u64` and the sequence `u64` through
 //! which the asker has its batches. A request without the magic
@@ -633,6 +637,8 @@ impl SyncCounters {
 struct Peer {
     seq: u64,
     last_seen: f64,
+    /// The tick of its last batch (see `State::ticks`).
+    tick: u64,
     loads: Vec<(WorkerKey, InFlightSnapshot)>,
 }
 
@@ -666,12 +672,21 @@ impl Cursor {
     }
 }
 
-/// An older incarnation heard after a newer one of its name: since when, and last.
+/// An older incarnation heard after a newer one of its name: since when, and last; how many
+/// turns it spoke in (a turn ends when a newer incarnation of the name speaks), and the tick
+/// of its last batch.
 #[derive(Debug, Clone, Copy)]
 struct Suspect {
     first: f64,
     last: f64,
+    turns: u32,
+    tick: u64,
 }
+
+/// Turns an older incarnation speaks in, alternating with a newer one of its name, before it
+/// is taken for a second live replica: its first turn may be a late batch (or a burst of
+/// them) of a previous life, but a dead life cannot speak again after the new one answered.
+const LIVE_TURNS: u32 = 2;
 
 #[derive(Debug, Default)]
 struct State {
@@ -684,6 +699,15 @@ struct State {
     suspects: HashMap<PeerId, Suspect>,
     /// Names used by more than one live replica (this one included), and since when.
     shared: HashMap<String, f64>,
+    /// Counts the batches this replica hears and sends, to order who spoke when (times may
+    /// tie).
+    ticks: u64,
+    /// The tick of this replica's last outgoing batch.
+    out_tick: u64,
+    /// Records applied from peers' batches, oldest first: when, whose (the sender), the entry
+    /// (as long as the own history). A first start's session request gets those whose sender
+    /// did not answer it (a replica since gone: the engines it routed to still hold them).
+    relayed: VecDeque<(f64, Arc<PeerId>, SyncEntry)>,
     /// What this replica holds of each peer incarnation's journal (kept for the record TTL
     /// after its last news, so that a reconnect asks only for what it missed).
     cursors: HashMap<PeerId, Cursor>,
@@ -867,6 +891,10 @@ impl ReplicaSync {
             out.push(bytes);
         }
         state.last_loads = loads;
+        if !out.is_empty() {
+            state.ticks += 1;
+            state.out_tick = state.ticks;
+        }
         out
     }
 
@@ -905,6 +933,8 @@ impl ReplicaSync {
         let mut unknown =
             batch.loads.iter().filter(|(k, _)| members.get(k).is_none()).count() as u64;
         let id: PeerId = (batch.replica.clone(), batch.incarnation);
+        state.ticks += 1;
+        let tick = state.ticks;
         match state.peers.get_mut(&id) {
             // A batch more than `MAX_MISSED_COUNTED` behind the last is taken as the replica's
             // sequence starting over (below) rather than as a duplicate: one batch claiming a
@@ -921,17 +951,18 @@ impl ReplicaSync {
                 }
                 peer.seq = batch.seq;
                 peer.last_seen = now;
+                peer.tick = tick;
                 peer.loads = batch.loads;
             }
             None => {
-                if !self.admit_incarnation(&mut state, &id, now) {
+                if !self.admit_incarnation(&mut state, &id, now, tick) {
                     state.counters.stale_in += 1;
                     report.stale = true;
                     return Ok(report);
                 }
                 state.peers.insert(
                     id.clone(),
-                    Peer { seq: batch.seq, last_seen: now, loads: batch.loads },
+                    Peer { seq: batch.seq, last_seen: now, tick, loads: batch.loads },
                 );
             }
         }
@@ -976,21 +1007,36 @@ impl ReplicaSync {
         c.behind() && !c.asked
     }
 
-    /// A replica incarnation heard from for the first time: false when it is a late batch of
-    /// a previous life (a newer incarnation of its name, or this replica, was heard), unless
-    /// that life keeps speaking for longer than `load_ttl`: then it is alive, the name is
-    /// shared, and both count. A newer incarnation replaces the older ones (a restart), unless
-    /// the name is this replica's own or already shared.
-    fn admit_incarnation(&self, state: &mut State, id: &PeerId, now: f64) -> bool {
+    /// A replica incarnation heard from (batch `tick`) and not counted yet: false when it is
+    /// a late batch of a previous life (a newer incarnation of its name, or this replica, was
+    /// heard), unless that life speaks again after the newer one spoke since its last batch
+    /// (two turns, [`LIVE_TURNS`]), or keeps speaking for longer than `load_ttl`: then it is
+    /// alive, the name is shared, and both count. A newer incarnation replaces the older ones
+    /// (a restart), unless the name is this replica's own or already shared.
+    fn admit_incarnation(&self, state: &mut State, id: &PeerId, now: f64, tick: u64) -> bool {
         let (name, incarnation) = (&id.0, id.1);
         let own = *name == self.replica;
-        let newer_heard = (own && self.incarnation > incarnation)
-            || state.peers.keys().any(|p| p.0 == *name && p.1 > incarnation);
-        if newer_heard {
-            let suspect =
-                state.suspects.entry(id.clone()).or_insert(Suspect { first: now, last: now });
+        // When a newer incarnation of the name last spoke (0: none heard).
+        let newer = state
+            .peers
+            .iter()
+            .filter(|(p, _)| p.0 == *name && p.1 > incarnation)
+            .map(|(_, peer)| peer.tick.max(1))
+            .chain((own && self.incarnation > incarnation).then_some(state.out_tick.max(1)))
+            .max();
+        if let Some(newer_tick) = newer {
+            let suspect = state.suspects.entry(id.clone()).or_insert(Suspect {
+                first: now,
+                last: now,
+                turns: 0,
+                tick: 0,
+            });
+            if suspect.tick < newer_tick {
+                suspect.turns += 1;
+            }
             suspect.last = now;
-            if now - suspect.first <= self.options.load_ttl {
+            suspect.tick = tick;
+            if suspect.turns < LIVE_TURNS && now - suspect.first <= self.options.load_ttl {
                 return false;
             }
             state.suspects.remove(id);
@@ -1045,7 +1091,10 @@ impl ReplicaSync {
                     let ttl = self.record_ttl - age_s;
                     if ttl > 0.0 && !hashes.is_empty() {
                         match self.index.record(endpoint, hashes, ttl, now) {
-                            Ok(_) => report.records += 1,
+                            Ok(_) => {
+                                report.records += 1;
+                                self.relay(state, now - age_s, owner, entry);
+                            }
                             Err(_) => report.records_refused += 1,
                         }
                     }
@@ -1060,6 +1109,24 @@ impl ReplicaSync {
             }
         }
         report
+    }
+
+    /// Keeps a peer's record (made at `made`, `owner`'s) for a first start's session request,
+    /// as long as the own history: the last `history_limit`, younger than the record TTL.
+    fn relay(&self, state: &mut State, made: f64, owner: &Arc<PeerId>, entry: &SyncEntry) {
+        let limit = self.options.history_limit;
+        if limit == 0 {
+            return;
+        }
+        while state.relayed.len() >= limit
+            || state.relayed.front().is_some_and(|(t, _, _)| made - t >= self.record_ttl)
+        {
+            state.relayed.pop_front();
+        }
+        let SyncEntry::Record { endpoint, hashes, .. } = entry else { return };
+        let kept =
+            SyncEntry::Record { endpoint: endpoint.clone(), hashes: hashes.clone(), age_s: 0.0 };
+        state.relayed.push_back((made, owner.clone(), kept));
     }
 
     /// Forgets replicas not heard from within `load_ttl` and sets every endpoint's remote
@@ -1162,6 +1229,14 @@ impl ReplicaSync {
         out
     }
 
+    /// A request aimed at peer `replica` (`incarnation`) alone for what it has that is missing
+    /// here (its answer to a request to every peer came without some of its pieces: an answer
+    /// that is not whole moves no cursor, so asking again brings all of it).
+    pub fn request_to(&self, replica: &str, incarnation: u64) -> Vec<u8> {
+        let state = self.state.lock();
+        self.request(&state, Some((replica.to_owned(), incarnation)), false)
+    }
+
     /// The answer to a peer's catch-up request (`request` as sent, the first format's
     /// included): this replica's records and session bindings journaled after the asker's
     /// cursor for this incarnation (its records younger than the record TTL and the live
@@ -1262,23 +1337,38 @@ impl ReplicaSync {
             let covered = |o: &Arc<PeerId>| {
                 **o == *self.me || answered.iter().any(|p| p.0 == o.0 && p.1 == o.1)
             };
-            let unowned: Vec<_> = self
+            // Owners are not taken over here: a peer that did (it answered for a departed
+            // owner's sessions once) was seen as their owner by the askers it answered but not
+            // by its peers, so a later first start got them from it and from the table answer
+            // of a peer that still named the departed owner. Every first start asks one peer
+            // for the sessions no answering peer owns, so they reach it once either way.
+            let unowned = self
                 .sessions
                 .live(now)
                 .into_iter()
                 .filter(|s| !owned_by(&state, &s.id).is_some_and(|o| covered(&o)))
+                .map(live);
+            entries.extend(unowned);
+            // The records of peers that did not answer (a replica gone: its engines, shared
+            // by every replica, still hold what it routed there), each once: a record that
+            // came twice (live, then in a repair's answer) is kept twice. A chain's last hash
+            // and length name it (block hashes are chained); the latest copy is sent.
+            let mut seen = hashbrown::HashSet::new();
+            let mut relayed: Vec<SyncEntry> = state
+                .relayed
+                .iter()
+                .rev()
+                .filter(|(t, o, _)| !covered(o) && now - t < self.record_ttl)
+                .filter(|(_, _, e)| match e {
+                    SyncEntry::Record { endpoint, hashes, .. } => {
+                        seen.insert((endpoint.clone(), hashes.last().copied(), hashes.len()))
+                    }
+                    SyncEntry::Session { .. } => true,
+                })
+                .map(|(t, _, e)| aged(e, now - t))
                 .collect();
-            // Those of an owner gone here too (or of none known) are this replica's to hand
-            // on from now on: a later first start gets them from it at once (and from the
-            // table answer of a peer that still names the departed owner, once more). An
-            // owner live here that did not answer the asker keeps them.
-            for s in &unowned {
-                let gone = owned_by(&state, &s.id).is_none_or(|o| !state.peers.contains_key(&*o));
-                if gone {
-                    state.owners.insert(s.id.clone(), (self.me.clone(), now - s.idle_s));
-                }
-            }
-            entries.extend(unowned.into_iter().map(live));
+            relayed.reverse();
+            entries.extend(relayed);
         }
         let through = state.seq;
         let mut out: Vec<Vec<u8>> = Vec::new();
@@ -1612,27 +1702,26 @@ mod tests {
         assert!(!report.identity_conflict);
         assert_eq!(remote_on_a(&one), 1);
         assert_eq!(one.sync.peers(), vec!["gw".to_string()]);
-        // The old incarnation speaks again: a late batch of its life, dropped, until it keeps
-        // speaking for longer than load_ttl (3 s): then it is alive, two replicas share the
-        // name, and their counts add up instead of replacing each other batch after batch.
-        let report = one.sync.incoming(&load_batch("gw", 1, 6, 4), 1.2).unwrap();
-        assert!(report.stale && !report.identity_conflict);
-        let mut t = 1.2;
-        for (inc, seq) in [(2, 2), (1, 7), (2, 3), (1, 8)] {
-            t += 0.5;
-            let report = one.sync.incoming(&load_batch("gw", inc, seq, 1), t).unwrap();
-            assert_eq!(report.stale, inc == 1, "{t}");
-            assert_eq!(remote_on_a(&one), 1);
+        // The old incarnation speaks again: late batches of its life (a burst), dropped...
+        for seq in [6, 7] {
+            let report = one.sync.incoming(&load_batch("gw", 1, seq, 4), 1.2).unwrap();
+            assert!(report.stale && !report.identity_conflict);
         }
+        // ...until it speaks again after the new one spoke (a dead life cannot): two
+        // replicas share the name at once, not after load_ttl (3 s), and their counts add up
+        // instead of replacing each other batch after batch.
+        assert!(!one.sync.incoming(&load_batch("gw", 2, 2, 1), 1.3).unwrap().stale);
+        assert_eq!(remote_on_a(&one), 1);
         assert!(one.sync.shared_names().is_empty());
-        assert_eq!(one.sync.counters().stale_in, 3);
-        let report = one.sync.incoming(&load_batch("gw", 1, 9, 4), 4.3).unwrap();
+        assert_eq!(one.sync.counters().stale_in, 2);
+        let report = one.sync.incoming(&load_batch("gw", 1, 8, 4), 1.4).unwrap();
         assert!(report.identity_conflict && !report.stale);
+        assert_eq!(one.sync.shared_names(), vec!["gw".to_string()]);
         for (t, (inc, seq)) in [(1, 10), (2, 4), (1, 11), (2, 5)].into_iter().enumerate() {
             one.sync
                 .incoming(
                     &load_batch("gw", inc, seq, if inc == 1 { 4 } else { 1 }),
-                    4.4 + t as f64 * 0.1,
+                    1.5 + t as f64 * 0.1,
                 )
                 .unwrap();
             assert_eq!(remote_on_a(&one), 5);
@@ -1641,7 +1730,7 @@ mod tests {
         assert_eq!(one.sync.peers(), vec!["gw".to_string()]);
         assert_eq!(one.sync.counters().identity_conflicts, 5);
         // One of them goes quiet: forgotten after load_ttl, and the name is unique again.
-        one.sync.incoming(&load_batch("gw", 2, 6, 1), 7.9).unwrap();
+        one.sync.incoming(&load_batch("gw", 2, 6, 1), 5.3).unwrap();
         assert_eq!(remote_on_a(&one), 1);
         assert!(one.sync.shared_names().is_empty());
     }
@@ -1672,6 +1761,23 @@ mod tests {
         one.sync.incoming(&load_batch("gw", 7, 2, 1), 4.2).unwrap();
         let report = one.sync.incoming(&load_batch("gw", 5, 41, 4), 5.0).unwrap();
         assert!(report.stale);
+    }
+
+    #[test]
+    fn an_older_life_of_this_replicas_name_that_speaks_after_it_is_a_second_replica_at_once() {
+        // Probe: two live replicas of one name were told apart from a restart only once the
+        // older kept speaking for load_ttl. "one" (incarnation 3) hears an older "one".
+        let one = replica("one");
+        let report = one.sync.incoming(&load_batch("one", 2, 1, 4), 1.0).unwrap();
+        assert!(report.stale);
+        assert!(one.sync.incoming(&load_batch("one", 2, 2, 4), 1.0).unwrap().stale);
+        one.sync.outgoing(1.0, true).unwrap();
+        let report = one.sync.incoming(&load_batch("one", 2, 3, 4), 1.0).unwrap();
+        assert!(report.identity_conflict && !report.stale, "{report:?}");
+        assert_eq!(one.sync.shared_names(), vec!["one".to_string()]);
+        assert_eq!(remote_on_a(&one), 4);
+        let c = one.sync.counters();
+        assert_eq!((c.stale_in, c.identity_conflicts), (2, 1));
     }
 
     #[test]
@@ -1750,8 +1856,8 @@ mod tests {
         let request = two.sync.catch_up_request();
         assert_eq!(answer_entries(&one.sync.answer(&request, 5.0, 1 << 20)), (0, 0, 4));
         // A replica that knows no one gets its records and the sessions it owns, not the
-        // sessions it learned from two (two sends them); then, asked alone, the sessions of
-        // owners that did not answer (here two's: only one did).
+        // sessions it learned from two (two sends them); then, asked alone, the sessions and
+        // records of owners that did not answer (here two's: only one did).
         let three = replica("three");
         let other = route(&two, 100, 2, 5.0);
         one.sync.incoming(&other, 5.0).unwrap();
@@ -1763,7 +1869,7 @@ mod tests {
         }
         let table = three.sync.repair_requests();
         assert_eq!(table.len(), 1);
-        assert_eq!(answer_entries(&one.sync.answer(&table[0], 5.0, 1 << 20)), (0, 2, 4));
+        assert_eq!(answer_entries(&one.sync.answer(&table[0], 5.0, 1 << 20)), (2, 2, 4));
         assert_eq!(three.sync.counters().tables_asked, 1);
         // One that knows another peer but not this one: its records and its own sessions.
         let fresh = replica("four");
@@ -1873,6 +1979,79 @@ mod tests {
         let fresh = replica("fresh");
         assert_eq!(first_start(&fresh, &with_new, 6.0), [24 + 25, 26, 25, 0]);
         assert_eq!(bindings(&fresh, 6.0).len(), 100);
+    }
+
+    #[test]
+    fn a_new_replica_gets_a_departed_owners_sessions_once_whoever_answered_before() {
+        // Probe: the peer that answered a first start's session request took over a departed
+        // replica's sessions in its own view only. When a later first start asked another
+        // peer (the first by name had not answered the earlier one), both sent them.
+        let peers: Vec<Replica> = ["p0", "p1", "p2", "p3"].into_iter().map(replica).collect();
+        for (i, p) in peers.iter().enumerate() {
+            let batch = route(p, 100 * i as u32, 25, 1.0);
+            for (j, q) in peers.iter().enumerate() {
+                if i != j {
+                    q.sync.incoming(&batch, 1.0).unwrap();
+                }
+            }
+        }
+        // p3 is gone; p0 does not answer x1, so p1 answers its session request.
+        let x1 = replica("x1");
+        assert_eq!(first_start(&x1, &[&peers[1], &peers[2]], 2.0), [25 + 25 + 25, 25]);
+        assert_eq!(bindings(&x1, 2.0).len(), 100);
+        // Every peer answers x2; p0 answers its session request: p3's sessions come once.
+        let x2 = replica("x2");
+        let all = [&peers[0], &peers[1], &peers[2], &x1];
+        assert_eq!(first_start(&x2, &all, 3.0), [25 + 25, 25, 25, 0]);
+        assert_eq!(x2.sync.counters().sessions_applied, 100);
+        assert_eq!(bindings(&x2, 3.0).len(), 100);
+    }
+
+    #[test]
+    fn a_new_replica_gets_the_records_of_a_replica_gone() {
+        // Probe: a departed replica's prefix records reached no new replica (each peer
+        // answers only its own), though the engines it routed to still hold those prefixes.
+        let peers: Vec<Replica> = ["p0", "p1", "p2"].into_iter().map(replica).collect();
+        for (i, p) in peers.iter().enumerate() {
+            let batch = route(p, 100 * i as u32, 4, 1.0);
+            for (j, q) in peers.iter().enumerate() {
+                if i != j {
+                    q.sync.incoming(&batch, 1.0).unwrap();
+                }
+            }
+        }
+        // p0 got p2's records a second time (a repair's answer after the live batch).
+        for b in peers[2].sync.catch_up(1.0, 1 << 20) {
+            peers[0].sync.apply_catch_up(&b, 1.0).unwrap();
+        }
+        // p2 is gone: p0 (asked for what no answering peer owns) hands on its records, once.
+        let new = replica("new");
+        first_start(&new, &[&peers[0], &peers[1]], 2.0);
+        for i in (0..3).flat_map(|p| (0..4).map(move |j| 100 * p + j)) {
+            assert!(cached_on_any(&new, &prompt(i * 1000)), "prompt {i}");
+        }
+        assert_eq!(new.sync.counters().records_applied, 12, "each record once");
+        // Those of a peer that answered are its own to send, not relayed again; none older
+        // than the record TTL is relayed.
+        let later = replica("later");
+        let live = [&peers[0], &peers[1], &new];
+        first_start(&later, &live, 3.0);
+        assert_eq!(later.sync.counters().records_applied, 12);
+        let last = replica("last");
+        first_start(&last, &[&peers[0], &peers[1]], 1.0 + 61.0);
+        assert_eq!(last.sync.counters().records_applied, 0);
+    }
+
+    #[test]
+    fn a_request_to_one_peer_is_answered_by_it_alone() {
+        let (one, two, three) = (replica("one"), replica("two"), replica("three"));
+        let batch = route(&one, 0, 3, 1.0);
+        three.sync.incoming(&batch, 1.0).unwrap();
+        let request = three.sync.request_to("one", 3);
+        assert!(two.sync.answer(&request, 1.0, 1 << 20).is_empty());
+        assert_eq!(answer_entries(&one.sync.answer(&request, 1.0, 1 << 20)), (0, 0, 1));
+        let request = three.sync.request_to("two", 3);
+        assert_eq!(answer_entries(&two.sync.answer(&request, 1.0, 1 << 20)), (0, 0, 0));
     }
 
     #[test]
