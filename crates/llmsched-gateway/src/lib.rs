@@ -1097,8 +1097,13 @@ async fn serve(gateway: Arc<Gateway>, listener: TcpListener, mut stop: watch::Re
                 deadline.request_arrived(total);
                 gateway.clone().handle(request)
             });
+            // One buffer per write rather than a queue of them (`writev(false)`): an SSE
+            // event's chunk (its size line, the data, the CRLF) is copied into it, which costs
+            // less than queueing three buffers and gathering them for `writev` (the bytes sent
+            // are the same, in a `write`).
             let _ = http1::Builder::new()
                 .timer(TokioTimer::new())
+                .writev(false)
                 .header_read_timeout(idle)
                 .max_headers(max_headers)
                 .serve_connection(TokioIo::new(io), service)
@@ -3635,12 +3640,26 @@ fn method_not_allowed(allowed: &'static str) -> Answer {
 /// Whether an answer's `Transfer-Encoding` names a coding besides `chunked` (`gzip, chunked`):
 /// hyper removes only the chunking, so the body would go on still coded, with nothing saying so.
 fn coded_transfer(headers: &HeaderMap) -> bool {
+    if chunked_alone(headers) {
+        return false;
+    }
     headers
         .get_all(TRANSFER_ENCODING)
         .iter()
         .flat_map(|v| v.to_str().unwrap_or("?").split(','))
         .map(str::trim)
         .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case("chunked"))
+}
+
+/// Whether an answer's `Transfer-Encoding` is the one value `chunked` (an engine's streamed
+/// answer), read without splitting the field ([`coded_transfer`] and [`ends_at_close`] read
+/// it so as well).
+fn chunked_alone(headers: &HeaderMap) -> bool {
+    let mut values = headers.get_all(TRANSFER_ENCODING).iter();
+    matches!(
+        (values.next(), values.next()),
+        (Some(value), None) if value.as_bytes().eq_ignore_ascii_case(b"chunked")
+    )
 }
 
 /// Whether an engine's answer ends where its connection closes (RFC 9112 6.3: no
@@ -3651,6 +3670,9 @@ fn ends_at_close(status: StatusCode, headers: &HeaderMap) -> bool {
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
     {
+        return false;
+    }
+    if chunked_alone(headers) {
         return false;
     }
     let last_coding = headers
@@ -3798,8 +3820,18 @@ impl DoneEvent {
     /// with its line ends made LF), and whether the event was seen (in them, or begun in the
     /// bytes before).
     fn read(&mut self, data: &[u8]) -> (sse_scan::Found, bool) {
-        let data = self.line_ends.to_lf(data);
-        let found = sse_scan::scan(&data);
+        // The line ends made LF only where the scan found a CR (then the LF bytes are read
+        // again): a stream of LF line ends is searched once.
+        let data = self.line_ends.next(data);
+        let mut found = sse_scan::scan(data);
+        let lf;
+        let data = if found.cr {
+            lf = responses::crs_to_lf(data);
+            found = sse_scan::scan(&lf);
+            &lf[..]
+        } else {
+            data
+        };
         if found.done_line {
             return (found, true);
         }
@@ -3989,6 +4021,9 @@ static COMPLETION_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 const HOLD_YIELDS: u8 = 8;
 /// Bytes of a held stream tail at most.
 const HOLD_BYTES: usize = 64 << 10;
+/// Bytes of room a held frame gets beyond twice its own size ([`Relay::hold`]): a usage event
+/// and `[DONE]`.
+const HELD_ROOM: usize = 512;
 /// Turns of the runtime SSE bytes from the middle of a stream are held while nothing more
 /// comes ([`Relay::hold`]): hyper's client hands over a frame it has already read within two
 /// (measured: with one, no fewer writes than without holding). Only while hyper holds more of
@@ -4434,8 +4469,11 @@ impl Body for Relay {
                 } else if let Some(data) = frame.data_ref().filter(|_| this.sse) {
                     let tail = this.ends_near(data, terminal, soon);
                     if tail || (gather && this.more_read()) {
-                        let data = bytes::BytesMut::from(&data[..]);
-                        return this.hold(Held { data, yields: 0, tail }, cx);
+                        // Room for what usually joins it (a stream's tail: its usage event
+                        // and `[DONE]`), so that the first join does not move it.
+                        let mut held = bytes::BytesMut::with_capacity(data.len() * 2 + HELD_ROOM);
+                        held.extend_from_slice(data);
+                        return this.hold(Held { data: held, yields: 0, tail }, cx);
                     }
                 }
                 Poll::Ready(Some(Ok(frame)))
@@ -4622,6 +4660,55 @@ mod tests {
         ));
         assert!(!ends_at_close(StatusCode::NO_CONTENT, &headers(&[])));
         assert!(!ends_at_close(StatusCode::NOT_MODIFIED, &headers(&[])));
+    }
+
+    #[test]
+    fn a_lone_chunked_is_read_as_the_split_field_reads_it() {
+        let headers = |values: &[&'static str]| {
+            let mut map = HeaderMap::new();
+            for value in values {
+                map.append(TRANSFER_ENCODING, HeaderValue::from_static(value));
+            }
+            map
+        };
+        // The split reading of the field, as before the shortcut.
+        let codings = |map: &HeaderMap| -> Vec<String> {
+            map.get_all(TRANSFER_ENCODING)
+                .iter()
+                .flat_map(|v| v.to_str().unwrap_or("?").split(','))
+                .map(|c| c.trim().to_ascii_lowercase())
+                .filter(|c| !c.is_empty())
+                .collect()
+        };
+        let ok = StatusCode::OK;
+        for values in [
+            &["chunked"][..],
+            &["Chunked"],
+            &["CHUNKED"],
+            &["chunked", "chunked"],
+            &["gzip", "chunked"],
+            &["chunked", "gzip"],
+            &["gzip, chunked"],
+            &["chunked,"],
+            &["chunkedx"],
+            &["chunk"],
+            &[""],
+            &[],
+        ] {
+            let map = headers(values);
+            let split = codings(&map);
+            let alone = chunked_alone(&map);
+            assert_eq!(
+                alone,
+                values.len() == 1 && split == ["chunked"] && !values[0].contains(',')
+            );
+            assert_eq!(coded_transfer(&map), split.iter().any(|c| c != "chunked"), "{values:?}");
+            let at_close = match split.last() {
+                Some(last) => last != "chunked",
+                None => true,
+            };
+            assert_eq!(ends_at_close(ok, &map), at_close, "{values:?}");
+        }
     }
 
     #[test]

@@ -855,28 +855,43 @@ pub struct LineEnds {
 impl LineEnds {
     /// `data`, the stream's next bytes, with each line end as LF (borrowed when it has no CR).
     pub fn to_lf<'a>(&mut self, data: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
+        let data = self.next(data);
+        if memchr::memchr(b'\r', data).is_none() {
+            return std::borrow::Cow::Borrowed(data);
+        }
+        std::borrow::Cow::Owned(crs_to_lf(data))
+    }
+
+    /// [`LineEnds::to_lf`] in two steps, for a caller that finds CRs itself (in a pass over
+    /// the bytes it makes anyway): `data` without the LF of a CRLF split before it, and the
+    /// stream's state moved past it. Where what is returned holds a CR, [`crs_to_lf`] of it is
+    /// what [`LineEnds::to_lf`] returns; else the bytes themselves.
+    pub fn next<'a>(&mut self, data: &'a [u8]) -> &'a [u8] {
         let data = match data {
             [b'\n', rest @ ..] if self.after_cr => rest,
             _ => data,
         };
-        let Some(&last) = data.last() else { return std::borrow::Cow::Borrowed(data) };
-        self.after_cr = last == b'\r';
-        if memchr::memchr(b'\r', data).is_none() {
-            return std::borrow::Cow::Borrowed(data);
+        if let Some(&last) = data.last() {
+            self.after_cr = last == b'\r';
         }
-        let mut lf = Vec::with_capacity(data.len());
-        let mut rest = data;
-        while let Some(at) = memchr::memchr(b'\r', rest) {
-            lf.extend_from_slice(&rest[..at]);
-            lf.push(b'\n');
-            rest = &rest[at + 1..];
-            if let [b'\n', after @ ..] = rest {
-                rest = after;
-            }
-        }
-        lf.extend_from_slice(rest);
-        std::borrow::Cow::Owned(lf)
+        data
     }
+}
+
+/// `data` with each CR, and each CRLF, made LF (the line ends of [`LineEnds::next`]'s bytes).
+pub fn crs_to_lf(data: &[u8]) -> Vec<u8> {
+    let mut lf = Vec::with_capacity(data.len());
+    let mut rest = data;
+    while let Some(at) = memchr::memchr(b'\r', rest) {
+        lf.extend_from_slice(&rest[..at]);
+        lf.push(b'\n');
+        rest = &rest[at + 1..];
+        if let [b'\n', after @ ..] = rest {
+            rest = after;
+        }
+    }
+    lf.extend_from_slice(rest);
+    lf
 }
 
 #[derive(Deserialize)]

@@ -6,7 +6,8 @@
 //! Every one of these holds a `:`, once, so the frame is searched for that byte alone (16
 //! bytes at a time, [`colons`]) and each hit is told apart by the bytes around it (first the
 //! four before it, which turn away most of the JSON keys); the searches of each needle over
-//! the whole frame (four to six a frame) are gone.
+//! the whole frame (four to six a frame) are gone. The same pass says whether the frame holds a
+//! CR (SSE allows CR and CRLF line ends, read as LF).
 
 /// What [`scan`] found in a frame.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -23,6 +24,10 @@ pub(crate) struct Found {
     pub done_line: bool,
     /// Whether a `"finish_reason":` has a string value (spaces skipped).
     pub finish: bool,
+    /// Whether the frame holds a CR (then its line ends are to be made LF and the frame read
+    /// again: [`crate::responses::LineEnds::next`]; found in the same pass, so that a stream
+    /// of LF line ends, the usual, is not searched for CRs again).
+    pub cr: bool,
 }
 
 impl Found {
@@ -37,29 +42,34 @@ impl Found {
 pub(crate) fn scan(data: &[u8]) -> Found {
     let mut found = Found::default();
     let mut usage_read = false;
-    let mut chunks = data.chunks_exact(16);
+    let mut crs = Crs::default();
     let mut base = 0;
-    loop {
-        let mut bits = match chunks.next() {
-            Some(chunk) => colons(chunk.try_into().unwrap_or(&[0; 16])),
-            None => {
-                // The last bytes, padded (a zero is no `:`).
-                let rest = chunks.remainder();
-                let mut last = [0; 16];
-                last[..rest.len()].copy_from_slice(rest);
-                colons(&last)
-            }
+    while base < data.len() {
+        let (from, mut bits) = match data.get(base..base + 16) {
+            Some(chunk) => (base, colons(chunk.try_into().unwrap_or(&[0; 16]), &mut crs)),
+            None => match data.last_chunk::<16>() {
+                // The frame's last 16 bytes, those read already masked off: no copy.
+                Some(last) => {
+                    let read = base - (data.len() - 16);
+                    (data.len() - 16, colons(last, &mut crs) >> read << read)
+                }
+                None => {
+                    // A frame shorter than 16 bytes, padded (a zero is no `:` and no CR).
+                    let mut last = [0; 16];
+                    last[..data.len()].copy_from_slice(data);
+                    (0, colons(&last, &mut crs))
+                }
+            },
         };
         while bits != 0 {
-            let at = base + bits.trailing_zeros() as usize;
+            let at = from + bits.trailing_zeros() as usize;
             bits &= bits - 1;
             colon(data, at, &mut found, &mut usage_read);
         }
         base += 16;
-        if base >= data.len() {
-            return found;
-        }
     }
+    found.cr = crs.any();
+    found
 }
 
 /// The four bytes before the `:` of each needle, as a little-endian `u32` ([`colon`]):
@@ -71,7 +81,7 @@ const TOKENS: u32 = u32::from_le_bytes(*b"ens\"");
 /// Tells what the `:` at `at` of `data` is ([`scan`]). Most of a frame's `:` end JSON keys
 /// that are none of the needles: one load of the four bytes before and three compares turn
 /// them away (no needle has fewer than four bytes before its `:`).
-#[inline]
+#[inline(always)]
 fn colon(data: &[u8], at: usize, found: &mut Found, usage_read: &mut bool) {
     let key = match at.checked_sub(4).and_then(|from| data.get(from..at)) {
         Some(&[a, b, c, d]) => u32::from_le_bytes([a, b, c, d]),
@@ -105,29 +115,73 @@ fn colon(data: &[u8], at: usize, found: &mut Found, usage_read: &mut bool) {
     }
 }
 
-/// Bit `i` set where `chunk[i]` is a `:` (SSE2, which every x86-64 processor has).
+/// Whether any of the chunks [`colons`] read held a CR: the compares or-ed together as they
+/// come, one test at the end.
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+#[derive(Clone, Copy)]
+struct Crs(std::arch::x86_64::__m128i);
+
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+impl Default for Crs {
+    fn default() -> Self {
+        // SAFETY: SSE2 is enabled at compile time; the load reads the 16 bytes of the array.
+        Crs(unsafe { std::arch::x86_64::_mm_loadu_si128([0u8; 16].as_ptr().cast()) })
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+impl Crs {
+    fn any(self) -> bool {
+        let mut lanes = [0u8; 16];
+        // SAFETY: SSE2 is enabled at compile time, and the store writes 16 bytes to an array
+        // of 16.
+        unsafe { std::arch::x86_64::_mm_storeu_si128(lanes.as_mut_ptr().cast(), self.0) };
+        lanes != [0; 16]
+    }
+}
+
+/// Bit `i` set where `chunk[i]` is a `:`; a CR among the bytes is noted in `crs` (SSE2, which
+/// every x86-64 processor has).
 #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
 #[inline]
-fn colons(chunk: &[u8; 16]) -> u32 {
-    use std::arch::x86_64::{_mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8};
+fn colons(chunk: &[u8; 16], crs: &mut Crs) -> u32 {
+    use std::arch::x86_64::{
+        _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+    };
     // SAFETY: SSE2 is enabled at compile time (the `cfg` above), and the load reads the 16
     // bytes of `chunk` (unaligned loads allowed).
     unsafe {
         let bytes = _mm_loadu_si128(chunk.as_ptr().cast());
+        crs.0 = _mm_or_si128(crs.0, _mm_cmpeq_epi8(bytes, _mm_set1_epi8(b'\r' as i8)));
         _mm_movemask_epi8(_mm_cmpeq_epi8(bytes, _mm_set1_epi8(b':' as i8))) as u32
     }
 }
 
+/// Whether any of the chunks [`colons`] read held a CR.
 #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
-fn colons(chunk: &[u8; 16]) -> u32 {
-    colons_portable(chunk)
+#[derive(Clone, Copy, Default)]
+struct Crs(u32);
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+impl Crs {
+    fn any(self) -> bool {
+        self.0 != 0
+    }
 }
 
-/// [`colons`] eight bytes at a time in a `u64`, without SIMD.
+#[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+fn colons(chunk: &[u8; 16], crs: &mut Crs) -> u32 {
+    crs.0 |= bytes_portable(chunk, b'\r');
+    bytes_portable(chunk, b':')
+}
+
+/// Bit `i` set where `chunk[i]` is `byte` ([`colons`]), eight bytes at a time in a `u64`,
+/// without SIMD.
 #[cfg_attr(all(target_arch = "x86_64", target_feature = "sse2", not(test)), allow(dead_code))]
-fn colons_portable(chunk: &[u8; 16]) -> u32 {
+fn bytes_portable(chunk: &[u8; 16], byte: u8) -> u32 {
     let word = |half: &[u8]| {
-        let x = u64::from_le_bytes(half.try_into().unwrap_or([0; 8])) ^ 0x3a3a_3a3a_3a3a_3a3a;
+        let x =
+            u64::from_le_bytes(half.try_into().unwrap_or([0; 8])) ^ u64::from_le_bytes([byte; 8]);
         // The high bit of each byte that is zero (exactly: no borrow between bytes).
         let high =
             !(((x & 0x7f7f_7f7f_7f7f_7f7f) + 0x7f7f_7f7f_7f7f_7f7f) | x | 0x7f7f_7f7f_7f7f_7f7f);
@@ -156,7 +210,14 @@ mod tests {
         let found = scan(frame);
         assert_eq!(
             found,
-            Found { events: 3, usage: Some(2), done_field: true, done_line: true, finish: true }
+            Found {
+                events: 3,
+                usage: Some(2),
+                done_field: true,
+                done_line: true,
+                finish: true,
+                cr: false
+            }
         );
         assert!(found.ends_soon());
     }
@@ -197,6 +258,7 @@ mod tests {
         let mut found = Found::default();
         let at = |i: usize, needle: &[u8]| data[i..].starts_with(needle);
         let mut usage_read = false;
+        found.cr = data.contains(&b'\r');
         for i in 0..data.len() {
             if at(i, b"data: ") {
                 if at(i + 6, b"[DONE]") {
@@ -226,7 +288,7 @@ mod tests {
             proptest::sample::select(vec![
                 &b"data"[..], b": ", b":", b"[DONE]", b"\n", b"\"", b"son\"", b"ens\"",
                 b"\"finish_reason\"", b"\"stop_reason\"", b"\"completion_tokens\"",
-                b"\"prompt_tokens\"", b" ", b"12", b"null", b"x", b"meta", b"{\"id\":",
+                b"\"prompt_tokens\"", b" ", b"12", b"null", b"x", b"meta", b"{\"id\":", b"\r",
             ]),
             0..40,
         )) {
@@ -236,11 +298,30 @@ mod tests {
 
         #[test]
         fn colons_are_found_with_simd_as_without(chunk in proptest::array::uniform16(
-            proptest::sample::select(vec![b':', b'9', b'z', 0, 0xba, 0x3b, 0x39, 0xff])
+            proptest::sample::select(vec![b':', b'9', b'z', 0, 0xba, 0x3b, 0x39, 0xff, b'\r', 0x8d])
         )) {
-            let slow = chunk.iter().enumerate().fold(0, |m, (i, b)| m | u32::from(*b == b':') << i);
-            proptest::prop_assert_eq!(colons(&chunk), slow);
-            proptest::prop_assert_eq!(colons_portable(&chunk), slow);
+            let slow = |byte: u8| {
+                chunk.iter().enumerate().fold(0, |m, (i, b)| m | u32::from(*b == byte) << i)
+            };
+            let mut crs = Crs::default();
+            proptest::prop_assert_eq!(colons(&chunk, &mut crs), slow(b':'));
+            proptest::prop_assert_eq!(crs.any(), slow(b'\r') != 0);
+            proptest::prop_assert_eq!(bytes_portable(&chunk, b':'), slow(b':'));
+            proptest::prop_assert_eq!(bytes_portable(&chunk, b'\r'), slow(b'\r'));
+        }
+    }
+
+    #[test]
+    fn every_length_and_offset_of_a_frame_is_read() {
+        // Needles across and at the ends of the 16-byte chunks, the last chunk read from the
+        // frame's end (overlapping) or padded.
+        for pad in 0..40 {
+            for tail in 0..20 {
+                for needle in [&b"data: [DONE]\r"[..], b"\"completion_tokens\":7", b"data: x"] {
+                    let frame = [vec![b'x'; pad], needle.to_vec(), vec![b':'; tail]].concat();
+                    assert_eq!(scan(&frame), scan_bytewise(&frame), "{pad} {tail} {needle:?}");
+                }
+            }
         }
     }
 
