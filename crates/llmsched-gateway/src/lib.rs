@@ -1137,7 +1137,9 @@ async fn refuse_connection(mut stream: tokio::net::TcpStream, open: OpenConnecti
     // Reads (and drops) what the client sends until it closes, bounded: closing over a request
     // left unread would reset the connection, and a client still writing it would lose the
     // 503 it had not read yet.
-    let mut sink = [0u8; 16 << 10];
+    // On the heap: an array here would be in every connection's task (this future is part
+    // of it), copied whole each time one is spawned.
+    let mut sink = vec![0u8; 16 << 10];
     let mut left = REFUSED_DRAIN_BYTES;
     let drain = async {
         while left > 0 {
@@ -1379,7 +1381,49 @@ async fn probes(gateway: Arc<Gateway>) {
     }
 }
 
-type Answer = Response<Relay>;
+type Answer = Response<AnswerBody>;
+
+/// The body of an answer to a client: the gateway's own, whole (an engine's answer read
+/// whole, a refusal), or passed on as it comes ([`Relay`]). The relay's state is boxed, so
+/// that the whole answers, and every answer moved between the request's futures and hyper's
+/// dispatcher, stay a few words.
+pub enum AnswerBody {
+    /// Sent as one frame.
+    Whole(Option<Bytes>),
+    /// An engine's answer (or a sliced request's stream), frame by frame.
+    Relayed(Box<Relay>),
+}
+
+impl Body for AnswerBody {
+    type Data = Bytes;
+    type Error = Cut;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Cut>>> {
+        match self.get_mut() {
+            AnswerBody::Whole(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            AnswerBody::Relayed(relay) => Pin::new(&mut **relay).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            AnswerBody::Whole(bytes) => bytes.is_none(),
+            AnswerBody::Relayed(relay) => relay.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            AnswerBody::Whole(bytes) => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            AnswerBody::Relayed(relay) => relay.size_hint(),
+        }
+    }
+}
 
 /// Whether `upstream` takes requests: in the pool, its last scrape answered, healthy.
 fn in_routing(upstream: &Upstream, pool: &llmsched_core::routing::pool::Members) -> bool {
@@ -1446,6 +1490,81 @@ static SESSION_HEADER_NAME: HeaderName = HeaderName::from_static(SESSION_HEADER)
 static SESSION_TOKEN_HEADER_NAME: HeaderName =
     HeaderName::from_static(session_token::SESSION_TOKEN_HEADER);
 const MAX_TOKEN_LIMIT: u64 = (1 << 31) - 1;
+
+/// What the gateway reads of a request's head, found in one pass over its fields (a request
+/// has a few): a lookup by name hashes the name and probes the map, so a field the request
+/// does not have is not looked up at all, and one it has is looked up as before (its first
+/// value, or all of them). Read before anything else ([`Gateway::handle`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct RequestFields {
+    /// The longest field, its name, value and `": "` (`limits.max_field_bytes`).
+    largest: usize,
+    /// How many `Host` fields.
+    hosts: usize,
+    length: bool,
+    transfer: bool,
+    encoding: bool,
+    authorization: bool,
+    api_key: bool,
+    tenant: bool,
+    priority: bool,
+    session: bool,
+    token: bool,
+    accept: bool,
+}
+
+static API_KEY_HEADER_NAME: HeaderName = HeaderName::from_static("x-api-key");
+
+impl RequestFields {
+    fn of(headers: &HeaderMap) -> RequestFields {
+        let mut fields = RequestFields::default();
+        for (name, value) in headers {
+            fields.largest = fields.largest.max(name.as_str().len() + value.len() + 2);
+            let seen = if name == hyper::header::HOST {
+                fields.hosts += 1;
+                continue;
+            } else if name == CONTENT_LENGTH {
+                &mut fields.length
+            } else if name == TRANSFER_ENCODING {
+                &mut fields.transfer
+            } else if name == hyper::header::CONTENT_ENCODING {
+                &mut fields.encoding
+            } else if name == hyper::header::AUTHORIZATION {
+                &mut fields.authorization
+            } else if name == hyper::header::ACCEPT {
+                &mut fields.accept
+            } else if name == TENANT_HEADER_NAME {
+                &mut fields.tenant
+            } else if name == PRIORITY_HEADER_NAME {
+                &mut fields.priority
+            } else if name == SESSION_HEADER_NAME {
+                &mut fields.session
+            } else if name == SESSION_TOKEN_HEADER_NAME {
+                &mut fields.token
+            } else if name == API_KEY_HEADER_NAME {
+                &mut fields.api_key
+            } else {
+                continue;
+            };
+            *seen = true;
+        }
+        fields
+    }
+
+    /// `headers.get(name)` for a field this pass found (`present`), without a lookup for one
+    /// it did not.
+    fn get<'h>(
+        present: bool,
+        headers: &'h HeaderMap,
+        name: &HeaderName,
+    ) -> Option<&'h HeaderValue> {
+        if present {
+            headers.get(name)
+        } else {
+            None
+        }
+    }
+}
 
 /// The sampling fields the gateway reads have the types the OpenAI API gives them; 400
 /// naming the field otherwise.
@@ -1730,7 +1849,10 @@ impl Gateway {
     }
 
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Result<Answer, io::Error> {
-        if let Some(refused) = self.oversized(&request).or_else(|| host_refusal(&request)) {
+        let fields = RequestFields::of(request.headers());
+        if let Some(refused) =
+            self.oversized(&request, &fields).or_else(|| host_refusal(&request, &fields))
+        {
             return Ok(self.refuse_and_close(refused));
         }
         // HEAD is GET without the body (hyper leaves it out), as the Python plane answers it.
@@ -1739,7 +1861,7 @@ impl Gateway {
             method => method,
         };
         let path = route_of(request.uri().path());
-        if let Some(refused) = encoding_refusal(method, path, request.headers()) {
+        if let Some(refused) = encoding_refusal(method, path, request.headers(), &fields) {
             let (parts, body) = request.into_parts();
             self.drain_refused(&parts.headers, body);
             return Ok(self.refuse_and_close(refused));
@@ -1758,15 +1880,15 @@ impl Gateway {
             (&Method::GET, "/v1/models") => Ok(self.models(&request).await),
             (&Method::POST, "/v1/completions") => {
                 let gone = ClientGone::new(&self.counters, "completions");
-                Ok(gone.answered(self.complete(request, "completions").await))
+                Ok(gone.answered(self.complete(request, "completions", &fields).await))
             }
             (&Method::POST, "/v1/chat/completions") => {
                 let gone = ClientGone::new(&self.counters, "chat");
-                Ok(gone.answered(self.complete(request, "chat").await))
+                Ok(gone.answered(self.complete(request, "chat", &fields).await))
             }
             (&Method::POST, "/v1/responses") => {
                 let gone = ClientGone::new(&self.counters, "responses");
-                Ok(gone.answered(self.complete(request, "responses").await))
+                Ok(gone.answered(self.complete(request, "responses", &fields).await))
             }
             (_, "/v1/responses/") => {
                 let gone = ClientGone::new(&self.counters, BY_ID_ROUTE);
@@ -1805,7 +1927,7 @@ impl Gateway {
     }
 
     /// A request head over the configured sizes (hyper bounds the number of headers).
-    fn oversized(&self, request: &Request<Incoming>) -> Option<Refusal> {
+    fn oversized(&self, request: &Request<Incoming>, fields: &RequestFields) -> Option<Refusal> {
         let target = request.uri().path_and_query().map_or(0, |p| p.as_str().len());
         if target > self.config.max_line_size {
             return Some(Refusal::new(
@@ -1814,8 +1936,7 @@ impl Gateway {
                 "the request line is too long",
             ));
         }
-        let field = self.config.max_field_size;
-        if request.headers().iter().any(|(n, v)| n.as_str().len() + v.len() + 2 > field) {
+        if fields.largest > self.config.max_field_size {
             return Some(Refusal::new(
                 431,
                 "invalid_request_error",
@@ -1958,15 +2079,18 @@ impl Gateway {
         refusal(&refused)
     }
 
-    fn identify(&self, headers: &HeaderMap) -> Result<Identity, Refusal> {
+    fn identify(&self, headers: &HeaderMap, fields: &RequestFields) -> Result<Identity, Refusal> {
         if self.keys.enabled() {
-            let presented = match headers.get(hyper::header::AUTHORIZATION) {
+            let authorization =
+                RequestFields::get(fields.authorization, headers, &hyper::header::AUTHORIZATION);
+            let presented = match authorization {
                 Some(value) => value.to_str().ok().and_then(|v| {
                     let (scheme, token) = v.split_once(' ')?;
                     let token = token.trim();
                     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
                 }),
-                None => headers.get("x-api-key").and_then(|v| v.to_str().ok()),
+                None => RequestFields::get(fields.api_key, headers, &API_KEY_HEADER_NAME)
+                    .and_then(|v| v.to_str().ok()),
             };
             let found = presented.and_then(|key| self.keys.identify(key));
             let Some(found) = found else {
@@ -1978,7 +2102,9 @@ impl Gateway {
                 limiter: found.limiter.clone(),
             });
         }
-        let header = |name: &'static HeaderName| match headers.get(name) {
+        let header = |present: bool, name: &'static HeaderName| match RequestFields::get(
+            present, headers, name,
+        ) {
             None => Ok(None),
             Some(value) => match std::str::from_utf8(value.as_bytes()) {
                 Ok(text) => Ok(Some(text)),
@@ -1990,12 +2116,14 @@ impl Gateway {
                 .param(name.as_str())),
             },
         };
-        let name = header(&TENANT_HEADER_NAME)?.filter(|t| !t.is_empty()).unwrap_or("default");
+        let name = header(fields.tenant, &TENANT_HEADER_NAME)?
+            .filter(|t| !t.is_empty())
+            .unwrap_or("default");
         let (tenant, folded) = self.tenants.admit(name, monotonic());
         if folded {
             self.counters.tenants_folded.fetch_add(1, Ordering::Relaxed);
         }
-        let priority = match header(&PRIORITY_HEADER_NAME)? {
+        let priority = match header(fields.priority, &PRIORITY_HEADER_NAME)? {
             None => 0,
             Some(text) => text.trim().parse::<i32>().map_err(|_| {
                 Refusal::new(
@@ -2010,7 +2138,8 @@ impl Gateway {
     }
 
     async fn models(&self, request: &Request<Incoming>) -> Answer {
-        if let Err(refused) = self.identify(request.headers()) {
+        let fields = RequestFields::of(request.headers());
+        if let Err(refused) = self.identify(request.headers(), &fields) {
             return self.refuse("models", refused);
         }
         if self.config.models.is_empty() {
@@ -2045,11 +2174,16 @@ impl Gateway {
         json_answer(StatusCode::OK, &json!({"object": "list", "data": data}))
     }
 
-    async fn complete(self: &Arc<Self>, request: Request<Incoming>, route: &'static str) -> Answer {
+    async fn complete(
+        self: &Arc<Self>,
+        request: Request<Incoming>,
+        route: &'static str,
+        fields: &RequestFields,
+    ) -> Answer {
         self.counters.received.fetch_add(1, Ordering::Relaxed);
         let arrived = monotonic();
         let deadline = arrived + self.config.total_timeout_s.unwrap_or(1e9);
-        match self.serve_completion(request, route, arrived, deadline).await {
+        match self.serve_completion(request, route, fields, arrived, deadline).await {
             Ok(answer) => answer,
             Err(refused) => {
                 let close = refused.close;
@@ -2070,8 +2204,9 @@ impl Gateway {
     async fn identified_body(
         &self,
         request: Request<Incoming>,
+        fields: &RequestFields,
     ) -> Result<(Identity, hyper::http::request::Parts, Bytes), Refusal> {
-        let identity = match self.identify(request.headers()) {
+        let identity = match self.identify(request.headers(), fields) {
             Ok(identity) => identity,
             Err(refused) => {
                 let (parts, body) = request.into_parts();
@@ -2083,7 +2218,7 @@ impl Gateway {
             }
         };
         let (parts, body) = request.into_parts();
-        let raw = self.read_body(&parts.headers, body).await?;
+        let raw = self.read_body(&parts.headers, fields, body).await?;
         Ok((identity, parts, raw))
     }
 
@@ -2110,9 +2245,13 @@ impl Gateway {
     /// closed: at once for a declared length that does not fit, as soon as a chunked body's
     /// next frame does not fit). The bytes are given back when this returns, whatever it
     /// returns, and when the request's future is dropped (its client gone).
-    async fn read_body(&self, headers: &HeaderMap, mut body: Incoming) -> Result<Bytes, Refusal> {
-        let declared = headers
-            .get(CONTENT_LENGTH)
+    async fn read_body(
+        &self,
+        headers: &HeaderMap,
+        fields: &RequestFields,
+        mut body: Incoming,
+    ) -> Result<Bytes, Refusal> {
+        let declared = RequestFields::get(fields.length, headers, &CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         let too_large = || Refusal {
@@ -2207,10 +2346,11 @@ impl Gateway {
         self: &Arc<Self>,
         request: Request<Incoming>,
         route: &'static str,
+        fields: &RequestFields,
         arrived: f64,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
-        let (identity, parts, raw) = self.identified_body(request).await?;
+        let (identity, parts, raw) = self.identified_body(request, fields).await?;
         let payload = Payload::parse(&raw).map_err(Refusal::unreadable)?;
         check_fields(&payload)?;
         let model = match (payload.raw("model"), payload.str("model")) {
@@ -2254,10 +2394,11 @@ impl Gateway {
         let Prompt { tokens, ids, size: prompt_size, previous } = prompt;
         let sse = payload.stream();
         let limiter = limited(&identity, prompt_size as u64)?;
-        let retry_after = self.config.retry_after_s.to_string();
+        // Made only for a refusal that sends it.
+        let retry_after = || self.config.retry_after_s.to_string();
         if !self.any_routable() {
             return Err(Refusal::new(503, "service_unavailable", "no engine is available")
-                .dropped("no-endpoints", retry_after));
+                .dropped("no-endpoints", retry_after()));
         }
         let mut queued_s = 0.0;
         let slot = match &self.flow {
@@ -2298,12 +2439,13 @@ impl Gateway {
                             kind,
                             format!("request not admitted: {}", outcome.reason()),
                         )
-                        .dropped(outcome.reason(), retry_after));
+                        .dropped(outcome.reason(), retry_after()));
                     }
                 }
             }
         };
-        let session = match parts.headers.get(&SESSION_HEADER_NAME) {
+        let session = match RequestFields::get(fields.session, &parts.headers, &SESSION_HEADER_NAME)
+        {
             None => None,
             Some(value) => Some(std::str::from_utf8(value.as_bytes()).map_err(|_| {
                 Refusal::new(
@@ -2314,7 +2456,7 @@ impl Gateway {
                 .param(SESSION_HEADER)
             })?),
         };
-        let session_endpoint = self.session_endpoint(&parts.headers);
+        let session_endpoint = self.session_endpoint(&parts.headers, fields);
         let meta = RequestMeta {
             // An adapter is served by its base model's engines; its cache blocks are keyed
             // by its name.
@@ -2338,12 +2480,13 @@ impl Gateway {
             None => None,
         };
         // The Responses API is never sliced.
-        let sliced = self
+        // Read in the condition, so that the assembler is no part of the waits that follow.
+        if let Some(assembler) = self
             .slicing
             .as_ref()
             .filter(|_| route != "responses")
-            .and_then(|s| s.assembler(&payload, route == "chat"));
-        if let Some(assembler) = sliced {
+            .and_then(|s| s.assembler(&payload, route == "chat"))
+        {
             self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
             let run = slicing::SlicedRequest::new(
                 assembler,
@@ -2356,7 +2499,7 @@ impl Gateway {
                 deadline,
                 Guards { slot, limiter },
             );
-            return Ok(self.serve_sliced(run).await);
+            return Ok(Box::pin(self.serve_sliced(run)).await);
         }
         let router = self.router();
         let before = monotonic();
@@ -2366,7 +2509,7 @@ impl Gateway {
             Ok(decision) => decision,
             Err(RoutingError::NoEndpoint { .. }) => {
                 return Err(Refusal::new(503, "service_unavailable", "no engine is available")
-                    .dropped("no-endpoints", retry_after));
+                    .dropped("no-endpoints", retry_after()));
             }
             Err(err) => return Err(Refusal::new(400, "invalid_request_error", err.to_string())),
         };
@@ -2403,7 +2546,7 @@ impl Gateway {
             let mut forward = Request::new(Full::new(raw.clone()));
             *forward.method_mut() = Method::POST;
             *forward.uri_mut() = path.clone();
-            forward_headers(&parts.headers, forward.headers_mut());
+            forward_headers(&parts.headers, fields, forward.headers_mut());
             if let (Some(header), Some(address)) = (&self.pd_header, &prefill) {
                 if let Ok(value) = HeaderValue::from_str(address) {
                     forward.headers_mut().insert(header.clone(), value);
@@ -2456,11 +2599,12 @@ impl Gateway {
                 Ok(Ok(answered)) => answered,
             };
             let (answer, lease) = answer;
+            let head = AnswerFields::of(answer.headers());
             if answer.status().is_informational()
                 || answer.status() == StatusCode::NO_CONTENT
                 || answer.status() == StatusCode::NOT_MODIFIED
                 || answer.status().as_u16() >= 600
-                || coded_transfer(answer.headers())
+                || head.coded_transfer(answer.headers())
             {
                 // A final 1xx (101 Switching Protocols to a plain POST): no answer at all, and
                 // nothing a client could use; the connection is the engine's now. A 204 or 304
@@ -2521,10 +2665,10 @@ impl Gateway {
             // to a stream request (its refusal, or no stream at all) cut short is a 502, as on
             // the Python plane, not a 200 whose relayed length hides the cut.
             let mut answered =
-                if (sse || failed) && !checked_whole(&answer) && !length_framed(answer.headers()) {
+                if (sse || failed) && !head.checked_whole(&answer) && !head.length_framed() {
                     self.relay_from_first_frame(answer, relaying).await
                 } else {
-                    self.answer_whole(answer, relaying).await
+                    self.answer_whole(answer, head, relaying).await
                 };
             if let (Ok(answer), Some(token)) = (&mut answered, token) {
                 // The engine that served, for the client to echo (llm-d's session token).
@@ -2541,8 +2685,8 @@ impl Gateway {
 
     /// The engine a request's `x-session-token` names, when it is one of the gateway's; any
     /// other token is ignored (and counted), as llm-d ignores it.
-    fn session_endpoint(&self, headers: &HeaderMap) -> Option<WorkerKey> {
-        let token = headers.get(&SESSION_TOKEN_HEADER_NAME)?;
+    fn session_endpoint(&self, headers: &HeaderMap, fields: &RequestFields) -> Option<WorkerKey> {
+        let token = RequestFields::get(fields.token, headers, &SESSION_TOKEN_HEADER_NAME)?;
         let key = self.session_tokens.endpoint(token.as_bytes()).map(WorkerKey::Str);
         let known = key.filter(|key| self.upstreams().by_key.contains_key(key));
         if known.is_none() {
@@ -2900,7 +3044,8 @@ impl Gateway {
         request: Request<Incoming>,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
-        let (identity, parts, raw) = self.identified_body(request).await?;
+        let fields = RequestFields::of(request.headers());
+        let (identity, parts, raw) = self.identified_body(request, &fields).await?;
         // A dot segment, or an escaped `/`, would name another path (for the engine, or a
         // proxy before it, that resolves them): no such path is served.
         let Some(target) = responses::by_id_target(parts.uri.path()) else {
@@ -2964,8 +3109,9 @@ impl Gateway {
         };
         // Ended by the connection's close, a cut looks like the end: read whole and checked.
         // (An answer to HEAD has no body whatever its headers say.)
-        if parts.method != Method::HEAD && checked_whole(&answer) {
-            return self.answer_whole(answer, relaying).await;
+        let head = AnswerFields::of(answer.headers());
+        if parts.method != Method::HEAD && head.checked_whole(&answer) {
+            return self.answer_whole(answer, head, relaying).await;
         }
         Ok(relay(answer, relaying))
     }
@@ -3021,18 +3167,20 @@ impl Gateway {
     async fn answer_whole(
         &self,
         answer: Response<Incoming>,
+        head: AnswerFields,
         mut relaying: Relaying,
     ) -> Result<Answer, Refusal> {
         const WHOLE_LIMIT: u64 = 8 << 20;
         // Ended by the connection's close (no length, not chunked): the body is read whole
         // whatever its size hint, and a JSON one must parse, or it was cut.
-        let at_close = checked_whole(&answer);
+        let at_close = head.checked_whole(&answer);
         if !at_close && answer.body().size_hint().upper().is_none_or(|n| n > WHOLE_LIMIT) {
-            return self.relay_from_first_frame(answer, relaying).await;
+            // Boxed: this rare wait would otherwise widen every JSON answer's future.
+            return Box::pin(self.relay_from_first_frame(answer, relaying)).await;
         }
         // Whether a body ended by the close must parse (read only for such a body).
         let must_parse = at_close && is_json(answer.headers());
-        let events = length_framed_events(&answer, &relaying);
+        let events = head.length_framed_events(&answer, &relaying);
         let (parts, body) = answer.into_parts();
         let wake = wake_at(relaying.read_timeout, relaying.deadline);
         let read =
@@ -3306,9 +3454,9 @@ fn request_truncation(
 /// What an engine gets of the client's headers: the content type (always JSON) and
 /// `Accept`. Nothing else (hosts, forwarding headers, keys, a client-sent prefill header)
 /// reaches it.
-fn forward_headers(from: &HeaderMap, to: &mut HeaderMap) {
+fn forward_headers(from: &HeaderMap, fields: &RequestFields, to: &mut HeaderMap) {
     to.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    if let Some(accept) = from.get(hyper::header::ACCEPT) {
+    if let Some(accept) = RequestFields::get(fields.accept, from, &hyper::header::ACCEPT) {
         to.insert(hyper::header::ACCEPT, accept.clone());
     }
 }
@@ -3438,7 +3586,7 @@ fn relay_parts(
         }
         _ => ReadShare::UNKNOWN,
     };
-    let mut out = Response::new(Relay {
+    let mut out = Response::new(AnswerBody::Relayed(Box::new(Relay {
         route: relaying.route,
         status: parts.status,
         inner: Some(body),
@@ -3451,7 +3599,6 @@ fn relay_parts(
         first: true,
         completion: relaying.completion,
         sse,
-        own: None,
         timer,
         timer_waker: None,
         last_frame: now,
@@ -3470,7 +3617,7 @@ fn relay_parts(
         responses: relaying.responses,
         id_scan: relaying.id_scan.filter(|_| event_stream),
         charge: relaying.charge,
-    });
+    })));
     *out.status_mut() = parts.status;
     for (name, value) in &parts.headers {
         // The length frames the body as relayed, unless the engine chunked it.
@@ -3527,8 +3674,8 @@ const OFFLOADED_PROMPT_BYTES: usize = 128 << 10;
 
 /// A 400 for a request without its one Host header (RFC 9112 3.2: an HTTP/1.1 request
 /// names exactly one; any request at most one), as the Python plane's parser answers it.
-fn host_refusal(request: &Request<Incoming>) -> Option<Refusal> {
-    let hosts = request.headers().get_all(hyper::header::HOST).iter().count();
+fn host_refusal(request: &Request<Incoming>, fields: &RequestFields) -> Option<Refusal> {
+    let hosts = fields.hosts;
     let missing = hosts == 0 && request.version() == hyper::Version::HTTP_11;
     (hosts > 1 || missing).then(|| {
         Refusal::new(400, "invalid_request_error", "the request needs exactly one Host header")
@@ -3541,7 +3688,12 @@ fn host_refusal(request: &Request<Incoming>) -> Option<Refusal> {
 /// before it is read (a compressed body would read as "not JSON", a plain one labelled
 /// compressed as JSON). As the Python plane answers it; an unknown path or method still gets
 /// its 404 or 405.
-fn encoding_refusal(method: &Method, path: &str, headers: &HeaderMap) -> Option<Refusal> {
+fn encoding_refusal(
+    method: &Method,
+    path: &str,
+    headers: &HeaderMap,
+    fields: &RequestFields,
+) -> Option<Refusal> {
     let served = match *method {
         Method::GET => matches!(path, "/health" | "/ready" | "/metrics" | "/v1/models"),
         Method::POST => {
@@ -3552,7 +3704,7 @@ fn encoding_refusal(method: &Method, path: &str, headers: &HeaderMap) -> Option<
     if !served && !path.starts_with("/admin/") && path != "/v1/responses/" {
         return None;
     }
-    if coded_transfer(headers) {
+    if fields.transfer && coded_transfer(headers) {
         // hyper removes only the chunking: the body would be read still coded (gzip).
         let codings: Vec<String> = headers
             .get_all(TRANSFER_ENCODING)
@@ -3571,6 +3723,9 @@ fn encoding_refusal(method: &Method, path: &str, headers: &HeaderMap) -> Option<
                 ),
             )
         });
+    }
+    if !fields.encoding {
+        return None;
     }
     let encoding = headers
         .get_all(hyper::header::CONTENT_ENCODING)
@@ -3687,13 +3842,6 @@ fn ends_at_close(status: StatusCode, headers: &HeaderMap) -> bool {
     }
 }
 
-/// Whether an answer must be read whole and checked before it is passed on: ended by the
-/// connection's close and no event stream (a stream is checked for its `[DONE]` as it is
-/// relayed, [`DoneScan`]).
-/// A generation's event stream, answered with success and framed by a Content-Length: read
-/// whole and checked for its end before anything is sent ([`Gateway::answer_whole`], up to 8
-/// MiB), because once its length is passed on, a missing `[DONE]` (or terminal event) could not
-/// be told to the client.
 /// Whether the client waits for a `100 Continue` before it sends its body (`Expect:
 /// 100-continue`). Refused before its body is read, it gets the final status instead and sends
 /// no body (RFC 9110 10.1.1): the connection must not be read on for one.
@@ -3701,20 +3849,6 @@ fn awaits_continue(headers: &HeaderMap) -> bool {
     headers
         .get(hyper::header::EXPECT)
         .is_some_and(|v| v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"100-continue"))
-}
-
-/// Whether an answer's body is framed by its `Content-Length` (and not chunked).
-fn length_framed(headers: &HeaderMap) -> bool {
-    headers.contains_key(CONTENT_LENGTH) && !headers.contains_key(TRANSFER_ENCODING)
-}
-
-fn length_framed_events(answer: &Response<Incoming>, relaying: &Relaying) -> bool {
-    let headers = answer.headers();
-    is_event_stream(headers)
-        && (relaying.completion || relaying.responses)
-        && answer.status().is_success()
-        && headers.contains_key(CONTENT_LENGTH)
-        && !headers.contains_key(TRANSFER_ENCODING)
 }
 
 /// Whether a whole event stream shows its end: its `[DONE]` event, or a Responses stream's
@@ -3729,8 +3863,76 @@ fn shows_its_end(stream: &[u8], responses: bool) -> bool {
     scan.whole()
 }
 
-fn checked_whole(answer: &Response<Incoming>) -> bool {
-    ends_at_close(answer.status(), answer.headers()) && !is_event_stream(answer.headers())
+/// What the gateway reads of an engine's answer head on every answer, found in one pass over
+/// its fields (an answer has a few), as [`RequestFields`] for a request: the functions above
+/// that look fields up by name, looking up only those the answer has.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct AnswerFields {
+    transfer: bool,
+    length: bool,
+    /// Its first `Content-Type` says `text/event-stream` ([`is_event_stream`]).
+    event_stream: bool,
+}
+
+impl AnswerFields {
+    fn of(headers: &HeaderMap) -> AnswerFields {
+        let mut fields = AnswerFields { transfer: false, length: false, event_stream: false };
+        let mut typed = false;
+        for (name, value) in headers {
+            if name == TRANSFER_ENCODING {
+                fields.transfer = true;
+            } else if name == CONTENT_LENGTH {
+                fields.length = true;
+            } else if name == CONTENT_TYPE && !typed {
+                typed = true;
+                fields.event_stream =
+                    value.to_str().is_ok_and(|v| v.starts_with("text/event-stream"));
+            }
+        }
+        fields
+    }
+
+    /// [`coded_transfer`].
+    fn coded_transfer(&self, headers: &HeaderMap) -> bool {
+        self.transfer && coded_transfer(headers)
+    }
+
+    /// [`ends_at_close`].
+    fn ends_at_close(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+        if self.transfer {
+            return ends_at_close(status, headers);
+        }
+        !(status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+            || self.length)
+    }
+
+    /// Whether an answer must be read whole and checked before it is passed on: ended by the
+    /// connection's close and no event stream (a stream is checked for its `[DONE]` as it is
+    /// relayed, [`DoneScan`]).
+    fn checked_whole(&self, answer: &Response<Incoming>) -> bool {
+        self.ends_at_close(answer.status(), answer.headers()) && !self.event_stream
+    }
+
+    /// A generation's event stream, answered with success and framed by a Content-Length:
+    /// read whole and checked for its end before anything is sent ([`Gateway::answer_whole`],
+    /// up to 8 MiB), because once its length is passed on, a missing `[DONE]` (or terminal
+    /// event) could not be told to the client.
+    fn length_framed_events(&self, answer: &Response<Incoming>, relaying: &Relaying) -> bool {
+        self.generation_framed(answer.status(), relaying.completion || relaying.responses)
+    }
+
+    /// Whether the answer's body is framed by its `Content-Length` (and not chunked).
+    fn length_framed(&self) -> bool {
+        self.length && !self.transfer
+    }
+
+    /// [`AnswerFields::length_framed_events`] of an answer with `status` to a `generation`
+    /// (a completion's, a response's).
+    fn generation_framed(&self, status: StatusCode, generation: bool) -> bool {
+        self.event_stream && generation && status.is_success() && self.length && !self.transfer
+    }
 }
 
 fn content_type(headers: &HeaderMap) -> &str {
@@ -3888,39 +4090,7 @@ fn due(
 }
 
 fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
-    let mut out = Response::new(Relay {
-        route: None,
-        status,
-        inner: None,
-        first_frame: None,
-        lease: None,
-        ticket: None,
-        guards: None,
-        counters: None,
-        endpoint: None,
-        first: false,
-        completion: false,
-        sse: false,
-        own: Some(body),
-        timer: None,
-        timer_waker: None,
-        last_frame: tokio::time::Instant::now(),
-        read_timeout: None,
-        deadline: None,
-        broken: false,
-        tokens: TokenCount::default(),
-        sliced: None,
-        held: None,
-        after_held: None,
-        done: DoneScan::Unneeded,
-        tail: *b"\n\n",
-        share: ReadShare::UNKNOWN,
-        chunked: false,
-        length_framed: false,
-        responses: false,
-        id_scan: None,
-        charge: None,
-    });
+    let mut out = Response::new(AnswerBody::Whole(Some(body)));
     *out.status_mut() = status;
     out.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     out
@@ -3928,10 +4098,11 @@ fn own(status: StatusCode, content_type: &'static str, body: Bytes) -> Answer {
 
 /// The SSE answer of a sliced request.
 fn sliced_answer(stream: slicing::SliceStream) -> Answer {
-    let mut out = own(StatusCode::OK, "text/event-stream; charset=utf-8", Bytes::new());
-    let body = out.body_mut();
-    body.own = None;
-    body.sliced = Some(Box::new(stream));
+    let mut relay = Relay::idle(StatusCode::OK);
+    relay.sliced = Some(Box::new(stream));
+    let mut out = Response::new(AnswerBody::Relayed(Box::new(relay)));
+    out.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
     out
 }
 
@@ -4106,7 +4277,6 @@ pub struct Relay {
     first: bool,
     completion: bool,
     sse: bool,
-    own: Option<Bytes>,
     /// Fires no earlier than the read timeout after `last_frame` (or at the deadline): set
     /// once, and moved on only when it fires, rather than reset at every frame.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -4159,6 +4329,42 @@ impl std::fmt::Display for Cut {
 impl std::error::Error for Cut {}
 
 impl Relay {
+    /// A relay with nothing to relay yet (for a sliced request's stream, `sliced`).
+    fn idle(status: StatusCode) -> Relay {
+        Relay {
+            route: None,
+            status,
+            inner: None,
+            first_frame: None,
+            lease: None,
+            ticket: None,
+            guards: None,
+            counters: None,
+            endpoint: None,
+            first: false,
+            completion: false,
+            sse: false,
+            timer: None,
+            timer_waker: None,
+            last_frame: tokio::time::Instant::now(),
+            read_timeout: None,
+            deadline: None,
+            broken: false,
+            tokens: TokenCount::default(),
+            sliced: None,
+            held: None,
+            after_held: None,
+            done: DoneScan::Unneeded,
+            tail: *b"\n\n",
+            share: ReadShare::UNKNOWN,
+            chunked: false,
+            length_framed: false,
+            responses: false,
+            id_scan: None,
+            charge: None,
+        }
+    }
+
     fn ended(&mut self, completed: bool) {
         self.inner = None;
         self.timer = None;
@@ -4393,9 +4599,6 @@ impl Body for Relay {
         if let Some(stream) = this.sliced.as_mut() {
             return stream.poll_frame(cx);
         }
-        if let Some(bytes) = this.own.take() {
-            return Poll::Ready(Some(Ok(Frame::data(bytes))));
-        }
         if let Some(frame) = this.after_held.take() {
             return Poll::Ready(Some(Ok(frame)));
         }
@@ -4487,7 +4690,7 @@ impl Body for Relay {
         }
         match &self.inner {
             Some(inner) => self.first_frame.is_none() && inner.is_end_stream() && self.done.whole(),
-            None => self.own.is_none() && !self.broken,
+            None => !self.broken,
         }
     }
 
@@ -4495,8 +4698,8 @@ impl Body for Relay {
         if self.sliced.is_some() {
             return SizeHint::default();
         }
-        match (&self.inner, &self.own) {
-            (Some(inner), _) => {
+        match &self.inner {
+            Some(inner) => {
                 // The frame read ahead is still to come.
                 let ahead =
                     self.first_frame.as_ref().and_then(Frame::data_ref).map_or(0, |d| d.len());
@@ -4508,8 +4711,7 @@ impl Body for Relay {
                 hint.set_lower(inner.lower() + ahead as u64);
                 hint
             }
-            (None, Some(bytes)) => SizeHint::with_exact(bytes.len() as u64),
-            (None, None) => SizeHint::with_exact(0),
+            None => SizeHint::with_exact(0),
         }
     }
 }
@@ -4985,9 +5187,8 @@ mod tests {
     /// The stream through [`Relay::received`] (an event stream of a completion, looking
     /// for its `[DONE]`).
     fn told_now(frames: &[&[u8]]) -> Told {
-        let mut answer = own(StatusCode::OK, "text/event-stream", Bytes::new());
-        let relay = answer.body_mut();
-        (relay.completion, relay.sse, relay.own) = (true, true, None);
+        let relay = &mut Relay::idle(StatusCode::OK);
+        (relay.completion, relay.sse) = (true, true);
         relay.done = DoneScan::Looking(DoneEvent::default());
         frames
             .iter()
@@ -5061,7 +5262,152 @@ mod tests {
         }
     }
 
+    /// The size of what `f` returns (a future), without running it.
+    fn returned_size<A, B, T>(_: impl FnOnce(A, B) -> T) -> usize {
+        std::mem::size_of::<T>()
+    }
+
+    /// Every move of a request's future (into hyper's dispatcher, into its caller's) and of its
+    /// answer copies it whole: the rare paths' parts are boxed, and so is a relayed answer's
+    /// state. Bounds with some room over the sizes of December 7 (handle 4,976 bytes, whole
+    /// answers 1,288, the answer 152, a refused connection 336), well under the sizes before
+    /// (7,952, 1,600, 840 and over 16 KiB).
+    #[test]
+    fn the_futures_and_answers_moved_per_request_stay_small() {
+        assert!(std::mem::size_of::<Answer>() <= 256);
+        let handle = returned_size(|g: Arc<Gateway>, r: Request<Incoming>| g.handle(r));
+        assert!(handle <= 6144, "{handle}");
+        let whole = returned_size(|g: &'static Gateway, r: Response<Incoming>| {
+            let fields = AnswerFields { transfer: false, length: false, event_stream: false };
+            g.answer_whole(r, fields, Relaying::plain(Arc::default()))
+        });
+        assert!(whole <= 1450, "{whole}");
+        let refused =
+            returned_size(|s: tokio::net::TcpStream, o: OpenConnection| refuse_connection(s, o));
+        assert!(refused <= 1024, "{refused}");
+    }
+
+    /// Header fields the gateway reads, their near misses, and others, each with values that
+    /// read differently.
+    const FIELD_NAMES: [&str; 16] = [
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "content-encoding",
+        "content-type",
+        "authorization",
+        "accept",
+        "accept-encoding",
+        "x-llmsched-tenant",
+        "x-llmsched-priority",
+        "x-session-id",
+        "x-session-token",
+        "x-session-i",
+        "x-api-key",
+        "x-api-keys",
+        "date",
+    ];
+    const FIELD_VALUES: [&[u8]; 14] = [
+        b"",
+        b"5",
+        b"chunked",
+        b"Chunked",
+        b"gzip, chunked",
+        b"chunked, gzip",
+        b" , ",
+        b"text/event-stream",
+        b"text/event-stream; charset=utf-8",
+        b"TEXT/EVENT-STREAM",
+        b"application/json",
+        b"\xfftext/event-stream",
+        b"identity",
+        b"a-rather-long-value-that-makes-the-field-the-largest-of-the-head",
+    ];
+
+    fn head_of(fields: &[(usize, usize)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for &(name, value) in fields {
+            let value = HeaderValue::from_bytes(FIELD_VALUES[value % FIELD_VALUES.len()]).unwrap();
+            map.append(HeaderName::from_static(FIELD_NAMES[name % FIELD_NAMES.len()]), value);
+        }
+        map
+    }
+
     proptest::proptest! {
+        /// One pass over a request's fields finds what the lookups by name found.
+        #[test]
+        fn the_request_fields_read_as_the_lookups_did(
+            fields in proptest::collection::vec((0usize..16, 0usize..14), 0..10),
+        ) {
+            let headers = head_of(&fields);
+            let read = RequestFields::of(&headers);
+            let largest =
+                headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 2).max().unwrap_or(0);
+            proptest::prop_assert_eq!(read.largest, largest);
+            proptest::prop_assert_eq!(
+                read.hosts,
+                headers.get_all(hyper::header::HOST).iter().count()
+            );
+            for (present, name) in [
+                (read.length, &CONTENT_LENGTH),
+                (read.transfer, &TRANSFER_ENCODING),
+                (read.encoding, &hyper::header::CONTENT_ENCODING),
+                (read.authorization, &hyper::header::AUTHORIZATION),
+                (read.accept, &hyper::header::ACCEPT),
+                (read.tenant, &TENANT_HEADER_NAME),
+                (read.priority, &PRIORITY_HEADER_NAME),
+                (read.session, &SESSION_HEADER_NAME),
+                (read.token, &SESSION_TOKEN_HEADER_NAME),
+                (read.api_key, &API_KEY_HEADER_NAME),
+            ] {
+                proptest::prop_assert_eq!(
+                    RequestFields::get(present, &headers, name),
+                    headers.get(name),
+                    "{}",
+                    name
+                );
+            }
+            for method in [Method::GET, Method::POST, Method::PUT] {
+                for path in ["/v1/completions", "/metrics", "/admin/", "/other"] {
+                    let now = encoding_refusal(&method, path, &headers, &read);
+                    let all = RequestFields { transfer: true, encoding: true, ..read };
+                    let before = encoding_refusal(&method, path, &headers, &all);
+                    proptest::prop_assert_eq!(
+                        now.map(|r| (r.status, r.message)),
+                        before.map(|r| (r.status, r.message))
+                    );
+                }
+            }
+        }
+
+        /// One pass over an answer's fields reads its framing and type as the lookups did.
+        #[test]
+        fn the_answer_fields_read_as_the_lookups_did(
+            fields in proptest::collection::vec((0usize..16, 0usize..14), 0..8),
+            status in proptest::sample::select(vec![100u16, 101, 200, 204, 206, 304, 404, 500]),
+        ) {
+            let headers = head_of(&fields);
+            let status = StatusCode::from_u16(status).unwrap();
+            let read = AnswerFields::of(&headers);
+            proptest::prop_assert_eq!(read.event_stream, is_event_stream(&headers));
+            proptest::prop_assert_eq!(read.coded_transfer(&headers), coded_transfer(&headers));
+            let at_close = ends_at_close(status, &headers);
+            proptest::prop_assert_eq!(read.ends_at_close(status, &headers), at_close);
+            // As `checked_whole` and `length_framed_events` read an answer before.
+            proptest::prop_assert_eq!(
+                read.ends_at_close(status, &headers) && !read.event_stream,
+                at_close && !is_event_stream(&headers)
+            );
+            for generation in [false, true] {
+                let before = is_event_stream(&headers)
+                    && generation
+                    && status.is_success()
+                    && headers.contains_key(CONTENT_LENGTH)
+                    && !headers.contains_key(TRANSFER_ENCODING);
+                proptest::prop_assert_eq!(read.generation_framed(status, generation), before);
+            }
+        }
+
         #[test]
         fn the_one_pass_reads_any_stream_as_the_searches_did(
             pieces in proptest::collection::vec(0..STREAM_PIECES.len(), 0..24),

@@ -260,7 +260,8 @@ impl Connections {
                 },
             }
         }
-        let mut conn = self.connect().await?;
+        // Boxed: connecting is rare, and its future would widen every request's.
+        let mut conn = Box::pin(self.connect()).await?;
         match conn.sender.send_request(request).await {
             Ok(answer) => Ok((answer, self.lease(conn))),
             Err(err) => Err(SendError::Broken(err)),

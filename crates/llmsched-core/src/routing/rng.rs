@@ -5,18 +5,23 @@
 use rand_core::{Rng, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
-/// The generator of one decision.
-pub struct DecisionRng(Xoshiro256PlusPlus);
+/// The generator of one decision, seeded at its first draw (most decisions draw nothing: a
+/// round-robin or a least-loaded pick).
+pub struct DecisionRng {
+    seed: u64,
+    rng: Option<Xoshiro256PlusPlus>,
+}
 
 impl DecisionRng {
     pub fn new(seed: u64, sequence: u64) -> Self {
         // Spread the sequence number so neighbouring decisions get unrelated streams.
         let mixed = seed ^ sequence.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17);
-        DecisionRng(Xoshiro256PlusPlus::seed_from_u64(mixed))
+        DecisionRng { seed: mixed, rng: None }
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.0.next_u64()
+        let seed = self.seed;
+        self.rng.get_or_insert_with(|| Xoshiro256PlusPlus::seed_from_u64(seed)).next_u64()
     }
 
     /// Uniform in [0, 1) with 53 bits.
@@ -37,5 +42,24 @@ impl DecisionRng {
     /// A standard Gumbel draw.
     pub fn gumbel(&mut self) -> f64 {
         -(-self.open_unit().ln()).ln()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Seeding at the first draw changes no draw: the same numbers as the generator seeded
+    /// when the decision starts.
+    #[test]
+    fn the_draws_are_those_of_the_generator_seeded_up_front() {
+        for (seed, sequence) in [(0u64, 0u64), (7, 42), (u64::MAX, 1 << 40)] {
+            let mut lazy = DecisionRng::new(seed, sequence);
+            let mixed = seed ^ sequence.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17);
+            let mut eager = Xoshiro256PlusPlus::seed_from_u64(mixed);
+            for _ in 0..16 {
+                assert_eq!(lazy.next_u64(), eager.next_u64());
+            }
+        }
     }
 }
