@@ -485,3 +485,23 @@ def test_chunked_extensions_into_long_shared_edges_agree_with_the_twin() -> None
     restored = PrefixIndex.loads(index.dumps())
     assert restored.match(chain).as_dict() == index.match(chain).as_dict()
     assert restored.match(branch).as_dict() == index.match(branch).as_dict()
+
+
+def test_a_cap_below_one_block_is_counted_and_warned_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Probe: with max_bytes=1 every store reported blocks newly held that were evicted at
+    once, counted only in evicted_blocks. stats()['max_bytes_emptied'] now counts it, and the
+    first time is warned of."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="llmsched")
+    index = PrefixIndex(block_size=2, max_bytes=1)
+    for k in range(3):
+        index.store("w", chain(index, 100 * k, 2))
+    index.record("w", chain(index, 1000, 2), 5.0, now=0.0)
+    stats = index.stats()
+    assert (stats["blocks"], stats["evicted_blocks"], stats["max_bytes_emptied"]) == (0, 8, 4)
+    warned = [r.getMessage() for r in caplog.records if "max_bytes=1 " in r.getMessage()]
+    assert len(warned) == 1
+    roomy = PrefixIndex(block_size=2, max_bytes=1 << 20)
+    roomy.store("w", chain(roomy, 0, 2))
+    assert roomy.stats()["max_bytes_emptied"] == 0

@@ -297,3 +297,32 @@ def test_extra_keys_and_multimodal_events_are_counted_apart_and_extra_keys_warne
     warned = [r.getMessage() for r in caplog.records if "extra keys" in r.getMessage()]
     assert len(warned) == 2 and "'e'" in warned[0] and "'f'" in warned[1]
     assert PrefixIndex(16).stats()["extra_keys"] == {}
+
+
+def test_a_hash_stored_again_with_other_content_replaces_the_old_and_is_warned_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Probe: an engine storing engine hash 7 again with other tokens left the first content
+    held by the worker for good (no BlockRemoved of 7 could reach it). The newer content now
+    replaces it, counted in the report and stats(), warned of once."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="llmsched")
+    index = PrefixIndex(block_size=16)
+    first, second = list(range(16)), list(range(100, 116))
+    index.apply_vllm_events("e", batch(stored([7], None, first)))
+    for _ in range(2):
+        report = index.apply_vllm_events("e", batch(stored([7], None, second)))
+        assert report["replaced"] == 1
+        assert index.match_tokens(first).as_dict() == {}
+        assert index.match_tokens(second).as_dict() == {"e": 1}
+        report = index.apply_vllm_events("e", batch(stored([7], None, first)))
+        assert report["replaced"] == 1
+    assert index.match_tokens(first).as_dict() == {"e": 1}
+    assert index.match_tokens(second).as_dict() == {}
+    report = index.apply_vllm_events("e", batch({"type": "BlockRemoved", "block_hashes": [7]}))
+    assert (report["blocks_removed"], report["unknown_removed"]) == (1, 0)
+    stats = index.stats()
+    assert (stats["blocks"], stats["replaced_engine_blocks"]) == (0, 4)
+    warned = [r.getMessage() for r in caplog.records if "again with other" in r.getMessage()]
+    assert len(warned) == 1 and "'e'" in warned[0]

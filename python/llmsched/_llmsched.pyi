@@ -245,6 +245,9 @@ class PrefixIndex:
     @property
     def event_batches(self) -> int:
         """Engine KV-event batches applied so far."""
+    @property
+    def max_bytes_emptied(self) -> int:
+        """Times the memory cap evicted every block (a cap too small for one block)."""
     def expire(self, now: float) -> int:
         """Drops approximate holdings older than their TTL; returns how many."""
     def holdings(self, worker: int | str) -> dict[int, tuple[list[str], bool]]:

@@ -154,7 +154,15 @@ class PrefixIndex:
     16
     """
 
-    __slots__ = ("_extra_keys", "_lock", "_mismatch", "_multimodal", "_native")
+    __slots__ = (
+        "_cap_watch",
+        "_extra_keys",
+        "_lock",
+        "_mismatch",
+        "_multimodal",
+        "_native",
+        "_replaced_warned",
+    )
 
     def __init__(
         self,
@@ -186,6 +194,9 @@ class PrefixIndex:
         # Stored events skipped for extra keys no request names / for content keys, by worker.
         self._extra_keys: dict[Worker, int] = {}
         self._multimodal: dict[Worker, int] = {}
+        # Whether a store should look for a cap too small for one block (warned once).
+        self._cap_watch = self._native.max_bytes is not None
+        self._replaced_warned = False
 
     @classmethod
     def _wrap(cls, native: _llmsched.PrefixIndex) -> PrefixIndex:
@@ -290,11 +301,14 @@ class PrefixIndex:
         if type(parent) is bool:  # the native side would read it as block 0 or 1
             raise InvalidTypeError("parent must be a block hash (an int) or None, got bool")
         try:
-            return self._native.store(worker, hashes, parent, tier)
+            added = self._native.store(worker, hashes, parent, tier)
         except TypeError:  # name what the native conversion refused
             check_int_like("parent", parent, optional=True)
             check_str("tier", tier)
             raise
+        if self._cap_watch:
+            self._check_cap()
+        return added
 
     def record(
         self,
@@ -320,10 +334,29 @@ class PrefixIndex:
         if type(ttl_s) is bool:  # the native side would read it as 1 second
             check_number_like("ttl_s", ttl_s)
         try:
-            return self._native.record(worker, hashes, ttl_s, now)
+            added = self._native.record(worker, hashes, ttl_s, now)
         except (TypeError, OverflowError):  # OverflowError: an int beyond a float's range
             check_number_like("ttl_s", ttl_s)
             raise
+        if self._cap_watch:
+            self._check_cap()
+        return added
+
+    def _check_cap(self) -> None:
+        """Warns once that ``max_bytes`` evicted every block (``stats()['max_bytes_emptied']``):
+        a cap too small for one block makes every store evict what it stored."""
+        if not self._native.max_bytes_emptied:
+            return
+        self._cap_watch = False
+        import logging  # only on this rare path: `import llmsched` stays light
+
+        logging.getLogger("llmsched").warning(
+            "prefix index: max_bytes=%d evicted every block the index held, those just stored "
+            "with them (see stats()['max_bytes_emptied']): the cap is too small for what was "
+            "stored and the index matches nothing. Raise max_bytes (an index of a few blocks "
+            "takes a few hundred bytes)",
+            self._native.max_bytes,
+        )
 
     def remove(self, worker: Worker, hashes: HashesLike, tier: Tier | None = None) -> int:
         """Drop ``worker``'s holding of each block (of ``tier`` only, if given); a block left in
@@ -482,7 +515,26 @@ class PrefixIndex:
             self.note_extra_keys(worker, report["extra_keys"])
         if report["multimodal"]:
             self.note_multimodal(worker, report["multimodal"])
+        if report["replaced"] and not self._replaced_warned:
+            self._warn_replaced(worker, report["replaced"])
+        if self._cap_watch:
+            self._check_cap()
         return report
+
+    def _warn_replaced(self, worker: Worker, replaced: int) -> None:
+        """Warns once that an engine stored a block hash again with other content
+        (``stats()['replaced_engine_blocks']``)."""
+        self._replaced_warned = True
+        import logging  # only on this rare path: `import llmsched` stays light
+
+        logging.getLogger("llmsched").warning(
+            "prefix index: worker %r stored %d engine block hash(es) again with other token "
+            "content (see stats()['replaced_engine_blocks']): the index keeps the newer "
+            "content and drops the older. Two engines reporting as one worker, or engine "
+            "block hashes that do not cover the blocks' content, cause this",
+            worker,
+            replaced,
+        )
 
     def note_block_size_mismatch(self, worker: Worker, skipped: int) -> None:
         """Counts stored events of ``worker`` skipped because the engine's block size is not a
@@ -599,7 +651,10 @@ class PrefixIndex:
         :attr:`block_size` (a warning is logged the first time for each worker);
         ``extra_keys`` and ``multimodal``: per worker, the stored events skipped for extra keys
         no request names (warned of, :meth:`note_extra_keys`) and for keys standing for content
-        beside the tokens (:meth:`note_multimodal`).
+        beside the tokens (:meth:`note_multimodal`); ``max_bytes_emptied``: times ``max_bytes``
+        evicted every block (a cap too small for one block; warned of once);
+        ``replaced_engine_blocks``: engine hashes a worker stored again with other content, the
+        older blocks released (warned of once).
         """
         stats = self._native.stats()
         with self._lock:

@@ -105,6 +105,13 @@ class IndexStats(TypedDict):
     evicted_blocks: int
     """Blocks evicted for ``worker_capacity`` or ``max_bytes`` since the index was made (or
     loaded)."""
+    max_bytes_emptied: int
+    """Times ``max_bytes`` evicted every block the index held, those just stored with them: the
+    cap is too small for what was stored (below one block, for a cap of a few bytes), and the
+    index holds nothing (a warning is logged the first time)."""
+    replaced_engine_blocks: int
+    """Engine blocks a worker stored again under the same engine hash with other content
+    (:class:`ApplyReport`'s ``replaced``; a warning is logged the first time)."""
     worker_blocks: dict[WorkerId, int]
     """Blocks held, per worker."""
     event_batches: int
@@ -145,6 +152,11 @@ class ApplyReport(TypedDict):
     multimodal: int
     """Stored events skipped because their blocks' extra keys stand for content beside their
     tokens (multimodal inputs, prompt embeddings): no prompt's hashes can match them."""
+    replaced: int
+    """Engine blocks stored under a hash the worker had stored with other content and still
+    held (a hash collision, or two engines reporting as one worker): the hash now names the new
+    content, and the worker's holding of the old blocks (and of what lies below them) is
+    released, as a removal of the hash would have released it."""
 
 
 ReportKey = Literal[
@@ -160,6 +172,7 @@ ReportKey = Literal[
     "other_groups",
     "extra_keys",
     "multimodal",
+    "replaced",
 ]
 """A key of :class:`ApplyReport`."""
 

@@ -590,6 +590,13 @@ impl PyPrefixIndex {
         self.inner.event_batches()
     }
 
+    /// Times the memory cap evicted every block (`stats()["max_bytes_emptied"]`), one atomic
+    /// load: the wrapper checks it after a store to warn once of a cap too small for a block.
+    #[getter]
+    fn max_bytes_emptied(&self) -> u64 {
+        self.inner.max_bytes_emptied()
+    }
+
     fn expire(&self, py: Python<'_>, now: f64) -> PyResult<u64> {
         detach(py, || self.inner.expire(now))
     }
@@ -626,6 +633,8 @@ impl PyPrefixIndex {
         out.set_item("engine_blocks", s.engine_blocks)?;
         out.set_item("bytes", s.bytes)?;
         out.set_item("evicted_blocks", s.evicted_blocks)?;
+        out.set_item("max_bytes_emptied", s.max_bytes_emptied)?;
+        out.set_item("replaced_engine_blocks", s.replaced_engine_blocks)?;
         let per_worker = PyDict::new(py);
         for (id, blocks) in s.worker_blocks {
             let name = self.name(py, id);
@@ -667,6 +676,7 @@ fn report_dict<'py>(py: Python<'py>, r: &ApplyReport) -> PyResult<Bound<'py, PyD
         ("other_groups", r.other_groups),
         ("extra_keys", r.extra_keys),
         ("multimodal", r.multimodal),
+        ("replaced", r.replaced),
     ];
     let (template, keys) = TEMPLATE.get_or_try_init(py, || -> PyResult<_> {
         let d = PyDict::new(py);

@@ -185,8 +185,10 @@ impl EngineMap {
         }
     }
 
-    /// Records that worker `w`'s engine block `engine` became `span`.
-    pub fn insert(&mut self, w: WorkerId, engine: u64, span: Span) {
+    /// Records that worker `w`'s engine block `engine` became `span`. Returns what `w`'s
+    /// lookup of `engine` gave before when that was other blocks (the engine stored the same
+    /// hash again with other content): the caller releases them.
+    pub fn insert(&mut self, w: WorkerId, engine: u64, span: Span) -> Option<Span> {
         self.ensure_worker(w);
         // `span.len` first: with engine blocks the size of the index's (no spans at all), that
         // spares every insert a read of the span shard's header, another cache line.
@@ -196,31 +198,34 @@ impl EngineMap {
         {
             // The common case (engine and index blocks alike): one probe of one table.
             match self.one.insert_new(engine, span.0) {
-                None => return,
-                Some(first) if first == span.0 => {
-                    if !self.own[w as usize].is_empty() {
-                        self.own[w as usize].remove(&engine);
-                    }
-                    return;
-                }
+                None => return self.take_own(w, engine, span),
+                Some(first) if first == span.0 => return self.take_own(w, engine, span),
                 Some(_) => {}
             }
         }
-        match self.shared(engine) {
-            Some(s) if s == span => {
-                self.own[w as usize].remove(&engine);
-            }
-            Some(_) => {
-                self.own[w as usize].insert(engine, span);
-            }
+        let previous = match self.shared(engine) {
+            Some(s) if s == span => self.own[w as usize].remove(&engine),
+            Some(s) => self.own[w as usize].insert(engine, span).or(Some(s)),
             None => {
                 if span.2 == 1 && span.0 == span.1 {
                     self.one.insert(engine, span.0);
                 } else {
                     self.span.insert(engine, span);
                 }
+                self.own[w as usize].remove(&engine)
             }
+        };
+        previous.filter(|&p| p != span)
+    }
+
+    /// Removes `w`'s own entry for `engine` now that the shared one is `span`; returns it if it
+    /// was other blocks.
+    fn take_own(&mut self, w: WorkerId, engine: u64, span: Span) -> Option<Span> {
+        let own = &mut self.own[w as usize];
+        if own.is_empty() {
+            return None;
         }
+        own.remove(&engine).filter(|&p| p != span)
     }
 
     /// Forgets worker `w`'s entry for `engine` after `w` stopped holding its first block: its

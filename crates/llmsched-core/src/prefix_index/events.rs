@@ -48,6 +48,10 @@ pub struct ApplyReport {
     /// tokens ([`BlockStored::content_extra_keys`]: multimodal inputs, prompt embeddings):
     /// no prompt's token hashes can match them, whatever the configuration.
     pub multimodal: u64,
+    /// Engine blocks stored again under a hash the worker had stored with other content (a
+    /// hash collision, or two engines reporting as one worker): the hash now names the new
+    /// content, and the worker's holding of the old blocks is released.
+    pub replaced: u64,
 }
 
 /// Applies `events` (the batch's events from some position on) for `w` into `report`, up to
@@ -163,11 +167,45 @@ fn store_chain(
     }
     let map = &mut st.workers.engine;
     map.warm(&ev.block_hashes);
+    let mut replaced = Vec::new();
     for (i, &engine_hash) in ev.block_hashes.iter().enumerate() {
         let span = &ours[i * per_engine_block..(i + 1) * per_engine_block];
-        map.insert(w, engine_hash, (span[0], span[span.len() - 1], span.len() as u32));
+        let span = (span[0], span[span.len() - 1], span.len() as u32);
+        if let Some(old) = map.insert(w, engine_hash, span) {
+            replaced.push(old);
+        }
     }
     report.blocks_stored += ev.block_hashes.len() as u64;
+    if !replaced.is_empty() {
+        release_replaced(st, w, &replaced, ours, report);
+    }
+}
+
+/// Releases `w`'s holding of the blocks that engine hashes it stored again with other content
+/// (`replaced`) named before: the engine's hash now names the new content, so no
+/// `BlockRemoved` could ever drop the old blocks. Counted where the worker held them. A
+/// replaced block is dropped as a removal of
+/// it would drop it (with what lies below it), unless the chain just stored runs through it
+/// (a cycle of engine hashes: a collision, or two engines reporting under one worker).
+fn release_replaced(
+    st: &mut State,
+    w: WorkerId,
+    replaced: &[(u64, u64, u32)],
+    ours: &[u64],
+    report: &mut ApplyReport,
+) {
+    let Some(&last) = ours.last() else { return };
+    for &(first, _, _) in replaced {
+        // Not held: another worker's entry (engines with their own hash seeds), or blocks
+        // already evicted.
+        if !st.tree.holds(w, first) {
+            continue;
+        }
+        report.replaced += 1;
+        if !st.tree.chain_contains(last, first) {
+            st.tree.drop_from(w, first);
+        }
+    }
 }
 
 fn apply_removed(st: &mut State, w: WorkerId, ev: &BlockRemoved, report: &mut ApplyReport) {

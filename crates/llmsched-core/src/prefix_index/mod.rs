@@ -137,6 +137,13 @@ pub struct IndexStats {
     pub bytes: u64,
     /// Blocks evicted for a worker's capacity or the memory cap, since the index was made.
     pub evicted_blocks: u64,
+    /// Times the memory cap evicted every block the index held, the blocks just stored with
+    /// them: `max_bytes` is too small for what was stored (below what one block takes, for
+    /// a cap of a few bytes), and the index holds nothing.
+    pub max_bytes_emptied: u64,
+    /// Engine blocks a worker stored again with other content under the same engine hash
+    /// ([`ApplyReport::replaced`]), since the index was made.
+    pub replaced_engine_blocks: u64,
 }
 
 /// Per-worker state kept beside the tree.
@@ -223,6 +230,10 @@ pub struct PrefixIndex {
     event_batches: std::sync::atomic::AtomicU64,
     /// Blocks evicted by [`PrefixIndex::enforce_bounds`].
     evicted_blocks: std::sync::atomic::AtomicU64,
+    /// See [`IndexStats::max_bytes_emptied`].
+    max_bytes_emptied: std::sync::atomic::AtomicU64,
+    /// See [`IndexStats::replaced_engine_blocks`].
+    replaced_engine_blocks: std::sync::atomic::AtomicU64,
 }
 
 // The running memory estimate that `max_bytes` is checked against and `stats()` reports: the
@@ -247,6 +258,8 @@ impl PrefixIndex {
             }),
             event_batches: std::sync::atomic::AtomicU64::new(0),
             evicted_blocks: std::sync::atomic::AtomicU64::new(0),
+            max_bytes_emptied: std::sync::atomic::AtomicU64::new(0),
+            replaced_engine_blocks: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -544,6 +557,10 @@ impl PrefixIndex {
         }
         crate::vllm_events::recycle(batch);
         self.event_batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if report.replaced > 0 {
+            let replaced = &self.replaced_engine_blocks;
+            replaced.fetch_add(report.replaced, std::sync::atomic::Ordering::Relaxed);
+        }
         report
     }
 
@@ -559,6 +576,12 @@ impl PrefixIndex {
     /// decoded).
     pub fn event_batches(&self) -> u64 {
         self.event_batches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// [`IndexStats::max_bytes_emptied`] alone (one atomic load: the bindings check it after
+    /// each store to warn once of a cap too small to hold a block).
+    pub fn max_bytes_emptied(&self) -> u64 {
+        self.max_bytes_emptied.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Every block `worker` holds: (hash, tier bits, confirmed), sorted by hash.
@@ -592,6 +615,10 @@ impl PrefixIndex {
             engine_blocks: st.workers.engine_entries(),
             bytes: estimated_bytes(&st),
             evicted_blocks: self.evicted_blocks.load(std::sync::atomic::Ordering::Relaxed),
+            max_bytes_emptied: self.max_bytes_emptied(),
+            replaced_engine_blocks: self
+                .replaced_engine_blocks
+                .load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -627,6 +654,8 @@ impl PrefixIndex {
             state: ReadMostlyLock::new(state),
             event_batches: std::sync::atomic::AtomicU64::new(0),
             evicted_blocks: std::sync::atomic::AtomicU64::new(0),
+            max_bytes_emptied: std::sync::atomic::AtomicU64::new(0),
+            replaced_engine_blocks: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -670,9 +699,15 @@ impl PrefixIndex {
             // it past the cap cannot be brought under it by evicting blocks (every block was
             // evicted, and the cap still not met). Evict until what is left fits with the
             // tables rebuilt for it, then rebuild them.
+            let mut by_cap = 0;
             while fitted_bytes(st) > max {
                 let Some(oldest) = oldest_worker(&st.tree) else { break };
-                evicted += st.tree.evict_oldest_leaf(oldest, u64::MAX);
+                by_cap += st.tree.evict_oldest_leaf(oldest, u64::MAX);
+            }
+            evicted += by_cap;
+            if by_cap > 0 && st.tree.blocks.len() == 0 {
+                // Not one block fits under the cap: every store is evicted at once.
+                self.max_bytes_emptied.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             let tree = &mut st.tree;
             tree.blocks.fit(&tree.nodes);
@@ -757,3 +792,5 @@ fn estimated_bytes(st: &State) -> u64 {
 mod clear_tests;
 #[cfg(test)]
 mod model_tests;
+#[cfg(test)]
+mod replace_tests;

@@ -1308,6 +1308,25 @@ impl Tree {
         out
     }
 
+    /// Whether block `target` lies on the chain from the root to `hash` inclusive.
+    pub fn chain_contains(&self, hash: u64, target: u64) -> bool {
+        let (Some(mut loc), Some(goal)) =
+            (self.blocks.get(&self.nodes, hash), self.blocks.get(&self.nodes, target))
+        else {
+            return false;
+        };
+        loop {
+            if loc.node == goal.node {
+                return goal.offset <= loc.offset;
+            }
+            let p = self.nodes[loc.node as usize].parent;
+            if p == ROOT {
+                return false;
+            }
+            loc = Loc { node: p, offset: (self.nodes[p as usize].hashes.len() - 1) as u32 };
+        }
+    }
+
     /// Drops expired approximate holdings (and, by prefix closure, what lies below them).
     pub fn expire(&mut self, now: f64) -> u64 {
         let mut expired: Vec<(WorkerId, u64)> = Vec::new();
