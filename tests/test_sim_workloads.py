@@ -374,6 +374,25 @@ def test_trace_without_hash_ids_gets_unique_content(tmp_path) -> None:
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "tenant": "a"}', "tenant"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "priority": 1.5}', "priority"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "session": [1]}', "session"),
+        # Probe: 10.9 tokens was read as 10 by both readers; an int timestamp past 2**63 said
+        # "must be a number >= 0"; an empty session id was taken as a session.
+        (
+            '{"timestamp": 0, "input_length": 10.9, "output_length": 1}',
+            r"input_length must be a whole number of tokens, got 10\.9",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1.5}',
+            r"output_length must be a whole number of tokens, got 1\.5",
+        ),
+        (
+            '{"timestamp": 9223372036854775808, "input_length": 5, "output_length": 1}',
+            r"timestamp is out of range: an integer must be below 2\*\*63, "
+            "got 9223372036854775808",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1, "session": ""}',
+            "session must not be an empty string",
+        ),
     ],
 )
 def test_both_trace_readers_name_the_bad_line(
@@ -384,6 +403,13 @@ def test_both_trace_readers_name_the_bad_line(
     spec = {"kind": "trace", "path": str(path)}
     with pytest.raises(ConfigError, match=f"bad.jsonl:2: .*{message}"):
         build_plan(spec, 0, BS, 0, native=build == "native")
+
+
+def test_both_trace_readers_take_whole_float_lengths(tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0.5, "input_length": 40.0, "output_length": 2.0}\n')
+    plan = assert_same_plan({"kind": "trace", "path": str(path)})
+    assert plan["prompt"].tolist() == [40]
 
 
 @pytest.mark.parametrize("build", ["python", "native"])

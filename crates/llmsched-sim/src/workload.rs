@@ -415,7 +415,7 @@ fn shown(value: Option<&Value>) -> String {
 fn tokens(value: Stamp) -> u64 {
     match value {
         Stamp::Int(i) => i as u64,
-        Stamp::Float(f) => f as u64, // Python's int(): truncation
+        Stamp::Float(f) => f as u64, // whole (read_trace refuses a fraction)
     }
 }
 
@@ -447,12 +447,27 @@ pub fn read_trace(
         };
         let mut nums = [Stamp::Int(0); 3];
         for (slot, key) in nums.iter_mut().zip(["timestamp", "input_length", "output_length"]) {
-            *slot = number(row.get(key)).ok_or_else(|| {
-                WorkloadError(format!(
-                    "trace {name}:{n}: {key} must be a number >= 0, got {}",
-                    shown(row.get(key))
-                ))
+            let value = row.get(key);
+            *slot = number(value).ok_or_else(|| {
+                WorkloadError(match value {
+                    Some(Value::Number(x)) if x.is_u64() => format!(
+                        "trace {name}:{n}: {key} is out of range: an integer must be below \
+                         2**63, got {x}"
+                    ),
+                    _ => format!(
+                        "trace {name}:{n}: {key} must be a number >= 0, got {}",
+                        shown(value)
+                    ),
+                })
             })?;
+            if let (Stamp::Float(f), true) = (*slot, key != "timestamp") {
+                if f.fract() != 0.0 {
+                    return err(format!(
+                        "trace {name}:{n}: {key} must be a whole number of tokens, got {}",
+                        shown(value)
+                    ));
+                }
+            }
         }
         let [timestamp, input, output] = nums;
         let (input_length, output_length) = (tokens(input), tokens(output));
@@ -500,6 +515,9 @@ pub fn read_trace(
         }
         let session = match row.get("session") {
             None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s.is_empty() => {
+                return err(format!("trace {name}:{n}: session must not be an empty string"))
+            }
             Some(Value::String(s)) => Some(s.clone()),
             Some(Value::Number(x)) if x.is_i64() || x.is_u64() => Some(x.to_string()),
             Some(other) => {
@@ -1126,11 +1144,37 @@ mod tests {
                 "cannot cover",
             ),
             ("{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"tenant\": \"a\"}", "tenant"),
+            (
+                "{\"timestamp\": 0, \"input_length\": 10.9, \"output_length\": 1}",
+                "input_length must be a whole number of tokens, got 10.9",
+            ),
+            (
+                "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 0.5}",
+                "output_length must be a whole number of tokens, got 0.5",
+            ),
+            (
+                "{\"timestamp\": 9223372036854775808, \"input_length\": 1, \"output_length\": 1}",
+                "timestamp is out of range: an integer must be below 2**63, got 9223372036854775808",
+            ),
+            (
+                "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"session\": \"\"}",
+                "session must not be an empty string",
+            ),
         ] {
             let text = format!("{{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}}\n{line}");
             let e = read_trace(&text, "t", &SPEC).unwrap_err().0;
             assert!(e.starts_with("trace t:2: ") && e.contains(what), "{e}");
         }
+    }
+
+    #[test]
+    fn whole_float_lengths_and_fractional_timestamps_are_read() {
+        let text = "{\"timestamp\": 0.25, \"input_length\": 10.0, \"output_length\": 2.0}";
+        let row = &read_trace(text, "t", &SPEC).unwrap()[0];
+        assert_eq!(
+            (row.timestamp, row.input_length, row.output_length),
+            (Stamp::Float(0.25), 10, 2)
+        );
     }
 
     #[test]

@@ -761,14 +761,22 @@ def _read_trace(cfg: TraceConfig) -> list[dict[str, Any]]:
             raise ConfigError(f"trace {path}:{n}: each line must be an object")
         for key in ("timestamp", "input_length", "output_length"):
             value = row.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > U64_TOP:
+                raise ConfigError(
+                    f"trace {path}:{n}: {key} is out of range: an integer must be below 2**63, "
+                    f"got {value!r}"
+                )
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or not value >= 0
                 or not math.isfinite(value)
-                or (_is_int(value) and value > U64_TOP)
             ):
                 raise ConfigError(f"trace {path}:{n}: {key} must be a number >= 0, got {value!r}")
+            if key != "timestamp" and isinstance(value, float) and not value.is_integer():
+                raise ConfigError(
+                    f"trace {path}:{n}: {key} must be a whole number of tokens, got {value!r}"
+                )
         row["input_length"] = int(row["input_length"])
         row["output_length"] = int(row["output_length"])
         if row["input_length"] < 1:
@@ -793,6 +801,8 @@ def _read_trace(cfg: TraceConfig) -> list[dict[str, Any]]:
             if value is not None and not (_is_int(value) and -(2**63) <= value < 2**63):
                 raise ConfigError(f"trace {path}:{n}: {key} must be an integer, got {value!r}")
         session = row.get("session")
+        if session == "":  # as Router.pick refuses model=""
+            raise ConfigError(f"trace {path}:{n}: session must not be an empty string")
         if (
             session is not None
             and not isinstance(session, str)
