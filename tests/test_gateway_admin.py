@@ -83,6 +83,21 @@ def test_engines_are_added_drained_resumed_and_removed_at_run_time() -> None:
     run(body())
 
 
+def test_an_admin_body_over_max_body_bytes_is_a_413() -> None:
+    """An engine entry over ``limits.max_body_bytes`` is refused as every other body over it
+    is (413); the native plane answered 400 "did not arrive whole"."""
+
+    async def body() -> None:
+        limits = {"max_body_bytes": 4096, "max_body_bytes_in_flight": 1 << 20}
+        async with rig(engines=1, admin={"token": TOKEN}, limits=limits) as r:
+            entry = {"host": "127.0.0.1", "port": 9, "x": "y" * 8192}
+            async with r.client.post(r.url("/admin/engines"), json=entry, headers=AUTH) as response:
+                assert response.status == 413, await response.text()
+            assert len(r.gateway.engines) == 1
+
+    run(body())
+
+
 def test_admin_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     base = {"engines": [{"host": "127.0.0.1", "port": 1}], "models": ["m"]}
     with pytest.raises(ConfigError, match="at least 16"):

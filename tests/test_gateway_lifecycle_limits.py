@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import pytest
 import uvloop
 import yaml
@@ -333,6 +334,75 @@ async def _post(r: Rig) -> tuple[int, str]:
     payload = {"model": MODEL, "prompt": "hi"}
     async with r.client.post(r.url("/v1/completions"), json=payload) as response:
         return response.status, await response.text()
+
+
+SLICES = {"enabled": True, "policy": "fixed", "params": {"slice_tokens": 4}}
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
+def test_total_s_passing_mid_stream_is_told_as_the_requests_timeout(sliced: bool) -> None:
+    """The engine sends a stream's first event, then nothing; ``timeouts.total_s`` passes
+    with part of the answer sent. The client was told "the engine's answer was cut off"
+    (502), blaming the engine for the gateway's own deadline: now the error event is the
+    request's timeout (type ``timeout``, code 504, naming total_s), counted as the request's
+    ``timeout``, not against the engine."""
+
+    async def body() -> None:
+        overrides: dict[str, Any] = {"timeouts": {"total_s": 0.5}}
+        if sliced:
+            overrides["slices"] = SLICES
+        async with rig(engines=1, answer_tokens=100, **overrides) as r:
+            r.engines[0].mode = "hang"  # the first event, then silence
+            payload = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "stream": True}
+            data = b""
+            async with r.client.post(r.url("/v1/completions"), json=payload) as response:
+                assert response.status == 200
+                with contextlib.suppress(aiohttp.ClientPayloadError):
+                    async for piece in response.content.iter_any():
+                        data += piece
+            events = [e for e in data.decode().split("\n\n") if e.strip()]
+            assert "[DONE]" not in data.decode()
+            assert len(events) >= 2, events  # part of the answer, then the error event
+            error = json.loads(events[-1].removeprefix("data: "))["error"]
+            assert error["type"] == "timeout" and error["code"] == 504, error
+            assert "timeouts.total_s" in error["message"]
+            assert rejections(r, "timeout") == 1
+            worker = r.gateway.config.engines[0].worker_id
+            errors = "llmsched_gateway_upstream_errors_total"
+            assert r.metric(errors, endpoint=worker, kind="truncated") == 0
+            assert r.metric(errors, endpoint=worker, kind="slice") == 0
+            cut = {"endpoint": worker, "outcome": "sse_error"}
+            assert r.metric("llmsched_gateway_truncated_answers_total", **cut) == 1
+
+    run(body())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_engine_event_past_8_mib_ends_a_sliced_request(stream: bool) -> None:
+    """A slice's engine call sends 20 MiB of one event without its blank line and holds the
+    connection: the gateway held all of it until the engine closed (here: never). Now an
+    event past 8 MiB (the bound of any engine answer read whole) ends the request: a 502
+    (nothing went out yet), counted as the engine's error."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+    engine = Engine(head, b"data: " + b"x" * (20 << 20), hold=True)
+
+    async def body() -> None:
+        async with gateway_before(engine, slices=SLICES) as r:
+            payload = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 12, "stream": stream}
+
+            async def ask() -> tuple[int, str]:
+                url = r.url("/v1/completions")
+                async with r.client.post(url, json=payload) as response:
+                    return response.status, await response.text()
+
+            status, text = await asyncio.wait_for(ask(), 15)
+            assert status == 502, text
+            assert "8 MiB" in json.loads(text)["error"]["message"]
+            worker = r.gateway.config.engines[0].worker_id
+            errors = "llmsched_gateway_upstream_errors_total"
+            assert r.metric(errors, endpoint=worker, kind="slice") == 1
+
+    run(body())
 
 
 # -- F3: connections over the cap get their 503 -------------------------------------------

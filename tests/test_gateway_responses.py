@@ -263,6 +263,35 @@ def test_a_stream_without_its_terminal_event_ends_with_an_error_event(mode: str)
 
 
 @pytest.mark.usefixtures("plane")
+def test_a_stream_the_requests_deadline_cuts_says_so_in_its_error_event() -> None:
+    """``timeouts.total_s`` passes after the stream's first event (the engine then goes
+    silent): the error event names the request's deadline (code ``timeout``), not the engine
+    (``upstream_error``), and the engine is not counted at fault."""
+
+    async def main() -> None:
+        async with rig(engines=1, timeouts={"total_s": 0.5}) as r:
+            r.engines[0].mode = "hang"
+            body = {"model": MODEL, "input": "hello", "stream": True}
+            async with r.client.post(r.url("/v1/responses"), json=body) as answer:
+                assert answer.status == 200
+                text = b""
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for chunk in answer.content.iter_any():
+                        text += chunk
+            name, data = text.decode().split("\n\n")[-2].split("\n")
+            assert name == "event: error"
+            error = json.loads(data.removeprefix("data: "))
+            assert (error["type"], error["code"]) == ("error", "timeout"), error
+            assert "timeouts.total_s" in error["message"]
+            worker = str(r.gateway.config.engines[0].worker_id)
+            errors = "llmsched_gateway_upstream_errors_total"
+            assert r.metric(errors, endpoint=worker, kind="truncated") == 0
+            assert r.metric("llmsched_gateway_rejections_total", reason="timeout") == 1
+
+    run(main())
+
+
+@pytest.mark.usefixtures("plane")
 def test_an_input_the_gateway_cannot_render_is_routed_unhashed() -> None:
     async def main() -> None:
         async with rig(engines=2) as r:

@@ -21,7 +21,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, StatusCode};
 use serde::Deserialize;
@@ -109,6 +109,7 @@ fn error(status: u16, message: impl Into<String>) -> (u16, Value) {
         401 => "invalid_api_key",
         404 => "not_found",
         409 => "conflict",
+        413 => "request_too_large",
         500 => "internal_error",
         _ => "invalid_request_error",
     };
@@ -189,6 +190,10 @@ impl Gateway {
         let timeout = Duration::from_secs_f64(self.config.body_timeout_s);
         let body = match tokio::time::timeout(timeout, read).await {
             Ok(Ok(body)) => body.to_bytes(),
+            // Past `limits.max_body_bytes`: the 413 every route answers.
+            Ok(Err(e)) if e.is::<LengthLimitError>() => {
+                return error(413, "the request body is too large")
+            }
             _ => return error(400, "not an engine entry: the body did not arrive whole"),
         };
         let Ok(text) = String::from_utf8(body.to_vec()) else {

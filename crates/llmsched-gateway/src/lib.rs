@@ -3529,9 +3529,21 @@ impl Relaying {
 }
 
 /// The 504 of a request whose deadline (`total_timeout_s`) passed before its answer began.
-fn deadline_refusal() -> Refusal {
-    Refusal::new(504, "timeout", "the request's deadline (timeouts.total_s) passed")
+pub(crate) fn deadline_refusal() -> Refusal {
+    Refusal::new(504, "timeout", DEADLINE_MESSAGE)
 }
+
+/// What a request whose deadline (`total_timeout_s`) passed is told.
+const DEADLINE_MESSAGE: &str = "the request's deadline (timeouts.total_s) passed";
+
+/// The error event ending an SSE answer the engine cut off (no `[DONE]` follows).
+pub(crate) const CUT_EVENT: &str = "data: {\"error\":{\"message\":\"the engine's answer was cut \
+off\",\"type\":\"upstream_error\",\"param\":null,\"code\":502}}\n\n";
+
+/// The error event ending an SSE answer the request's own deadline (`timeouts.total_s`) cut:
+/// the 504 it gets before its answer's head, as an event.
+pub(crate) const DEADLINE_EVENT: &str = "data: {\"error\":{\"message\":\"the request's deadline \
+(timeouts.total_s) passed\",\"type\":\"timeout\",\"param\":null,\"code\":504}}\n\n";
 
 fn relay(answer: Response<Incoming>, relaying: Relaying) -> Answer {
     let (parts, body) = answer.into_parts();
@@ -4556,7 +4568,13 @@ impl Relay {
                 counters.requests.inc(&[route, "aborted"]);
             }
             if self.completion || self.responses {
-                counters.upstream_errors.inc(&[&endpoint, "truncated"]);
+                if deadline_passed {
+                    // The gateway's own deadline, not the engine's failure (as before the
+                    // answer's head: the request's timeout).
+                    counters.rejections.inc(&["timeout"]);
+                } else {
+                    counters.upstream_errors.inc(&[&endpoint, "truncated"]);
+                }
                 counters.truncated.inc(&[&endpoint, if sse { "sse_error" } else { "reset" }]);
             }
         }
@@ -4564,20 +4582,16 @@ impl Relay {
         // `first` now marks whether the error event went out (see `poll_frame`).
         self.first = false;
         if sse {
-            let event = json!({"error": {
-                "message": "the engine's answer was cut off",
-                "type": "upstream_error",
-                "param": null,
-                "code": 502,
-            }});
             // A blank line first where the stream broke off inside an event: the error event
             // must parse on its own, not run on from the half-sent one.
             let gap = if self.tail == *b"\n\n" { "" } else { "\n\n" };
-            let text = if self.responses {
-                format!("{gap}{}", responses::CUT_EVENT)
-            } else {
-                format!("{gap}data: {event}\n\n")
+            let event = match (self.responses, deadline_passed) {
+                (true, false) => responses::CUT_EVENT,
+                (true, true) => responses::DEADLINE_EVENT,
+                (false, false) => CUT_EVENT,
+                (false, true) => DEADLINE_EVENT,
             };
+            let text = format!("{gap}{event}");
             // Complete events held back go out first, with the error event.
             let mut out = self.held.take().map(|held| held.data).unwrap_or_default();
             out.extend_from_slice(text.as_bytes());

@@ -53,6 +53,10 @@ pub const FIRST_EVENT_LIMIT: usize = 64 << 10;
 pub const CUT_EVENT: &str = "event: error\ndata: {\"type\":\"error\",\"code\":\"upstream_error\",\
 \"message\":\"the engine's answer was cut off\",\"param\":null}\n\n";
 
+/// The error event ending a stream the request's own deadline (`timeouts.total_s`) cut.
+pub const DEADLINE_EVENT: &str = "event: error\ndata: {\"type\":\"error\",\"code\":\"timeout\",\
+\"message\":\"the request's deadline (timeouts.total_s) passed\",\"param\":null}\n\n";
+
 /// The chat request (a JSON object) vLLM renders for the responses request `body` (models
 /// without the Harmony format), to be tokenized as a chat request is; `None` when `body` has
 /// something this conversion does not cover, which is then routed without prefix hashing.

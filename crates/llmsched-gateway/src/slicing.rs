@@ -39,7 +39,8 @@ use tokio::sync::mpsc;
 use crate::payload::Payload;
 use crate::truncation::Truncation;
 use crate::{
-    json_answer, monotonic, prompt_tokens, wake_at, Answer, Cut, Gateway, Guards, Refusal, Upstream,
+    deadline_refusal, json_answer, monotonic, prompt_tokens, wake_at, Answer, Cut, Gateway, Guards,
+    Refusal, Upstream, CUT_EVENT, DEADLINE_EVENT,
 };
 
 /// At most this many queued requests are described to the tracker at a boundary.
@@ -181,6 +182,12 @@ impl SlicedRequest {
         }
     }
 
+    /// Whether the request's deadline (`timeouts.total_s`) has passed: what ended a slice
+    /// that failed now, rather than its engine.
+    fn timed_out(&self) -> bool {
+        monotonic() >= self.deadline
+    }
+
     /// Hands the tokens not yet charged to flow control's slot and every token to the key's
     /// limiter (both charge them when dropped): those of the slice in progress too, streamed
     /// before a client left, as the unsliced path charges a stream its client left.
@@ -211,6 +218,8 @@ enum Out {
     Failed(String),
     /// The engine refused the request's first slice: its answer instead of a stream.
     Refused(EngineRefusal),
+    /// The request's deadline passed before anything was passed on (a 504 instead).
+    Deadline,
     /// The stream breaks off here (after its error event).
     Abort,
 }
@@ -278,7 +287,7 @@ impl SliceStream {
         match self.rx.poll_recv(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Some(Out::Data(bytes))) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-            Poll::Ready(Some(Out::Abort | Out::Failed(_) | Out::Refused(_))) => {
+            Poll::Ready(Some(Out::Abort | Out::Failed(_) | Out::Refused(_) | Out::Deadline)) => {
                 self.breaking = Some(false);
                 self.poll_frame(cx)
             }
@@ -320,8 +329,9 @@ fn sse(chunks: &[Value]) -> Bytes {
     Bytes::from(out)
 }
 
-const CUT_EVENT: &str = "data: {\"error\":{\"message\":\"the engine's answer was cut off\",\
-\"type\":\"upstream_error\",\"param\":null,\"code\":502}}\n\n";
+/// The most of one engine event held while its end (a blank line) is awaited: the 8 MiB the
+/// plane reads of any engine answer it holds whole. An event past it ends the request.
+pub(crate) const SLICE_EVENT_LIMIT: usize = 8 << 20;
 
 impl Gateway {
     /// Serves an admitted request in slices (see the module docs).
@@ -339,6 +349,7 @@ impl Gateway {
                 }
                 Err(failed) => match run.refused.take() {
                     Some(refused) => self.engine_refusal(route, refused),
+                    None if run.timed_out() => self.refuse(route, deadline_refusal()),
                     None => self.slice_refusal(route, run.endpoint.as_deref(), failed),
                 },
             };
@@ -361,6 +372,9 @@ impl Gateway {
                     Some(refused) => {
                         let _ = tx.send(Out::Refused(refused)).await;
                     }
+                    None if run.timed_out() => {
+                        let _ = tx.send(Out::Deadline).await;
+                    }
                     None => {
                         let endpoint = run.endpoint.as_deref().unwrap_or("none");
                         gateway.counters.upstream_errors.inc(&[endpoint, "slice"]);
@@ -369,12 +383,20 @@ impl Gateway {
                 },
                 Err(SliceFailed(_)) => {
                     let endpoint = run.endpoint.as_deref().unwrap_or("none");
-                    gateway.counters.upstream_errors.inc(&[endpoint, "slice"]);
+                    // The request's own deadline (`timeouts.total_s`) is no engine's failure:
+                    // the client is told so, and it counts as the request's timeout.
+                    let timed_out = run.timed_out();
+                    if timed_out {
+                        gateway.counters.rejections.inc(&["timeout"]);
+                    } else {
+                        gateway.counters.upstream_errors.inc(&[endpoint, "slice"]);
+                    }
                     gateway.counters.truncated.inc(&[endpoint, "sse_error"]);
                     gateway.counters.requests.inc(&[run.route, "aborted"]);
                     // Part of the stream went out: the client must not take it for a whole
                     // answer.
-                    let _ = tx.send(Out::Data(Bytes::from_static(CUT_EVENT.as_bytes()))).await;
+                    let event = if timed_out { DEADLINE_EVENT } else { CUT_EVENT };
+                    let _ = tx.send(Out::Data(Bytes::from_static(event.as_bytes()))).await;
                     let _ = tx.send(Out::Abort).await;
                 }
             }
@@ -394,6 +416,7 @@ impl Gateway {
                 crate::sliced_answer(stream)
             }
             Some(Out::Refused(refused)) => self.engine_refusal(route, refused),
+            Some(Out::Deadline) => self.refuse(route, deadline_refusal()),
             Some(Out::Failed(message)) => self.refuse(
                 route,
                 Refusal::new(502, "upstream_error", format!("a slice failed: {message}")),
@@ -568,6 +591,8 @@ impl Gateway {
         }
         let mut body = answer.into_body();
         let mut buffered: Vec<u8> = Vec::new();
+        // Where the search for the next event's end resumes (the buffer before it has none).
+        let mut scanned = 0;
         let mut first = true;
         loop {
             let frame = tokio::time::timeout_at(wake_at(read, deadline), body.frame())
@@ -582,9 +607,21 @@ impl Gateway {
             }
             buffered.extend_from_slice(&data);
             let mut chunks = Vec::new();
-            while let Some(at) = buffered.windows(2).position(|w| w == b"\n\n") {
+            while let Some(at) = buffered[scanned..].windows(2).position(|w| w == b"\n\n") {
+                let at = scanned + at;
                 let event: Vec<u8> = buffered.drain(..at + 2).collect();
                 chunks.extend(feed_event(&mut run.assembler, &event[..at])?);
+                scanned = 0;
+            }
+            // Its last byte may be the first of an end: the next search starts there.
+            scanned = buffered.len().saturating_sub(1);
+            if buffered.len() > SLICE_EVENT_LIMIT {
+                // Held whole until its end came, an event has a bound, as any engine answer
+                // the plane reads whole: past it the request ends (the engine's error).
+                return Err(SliceFailed(format!(
+                    "an event of the engine's stream exceeds {} MiB",
+                    SLICE_EVENT_LIMIT >> 20
+                )));
             }
             self.pass_on(run, &chunks, out).await?;
         }

@@ -1082,7 +1082,8 @@ class Gateway:
                 self.metrics.requests.labels(route, "client_gone").inc()
                 return response
             if relayed.cut or (done is not None and not done.seen):
-                self.metrics.upstream_errors.labels(engine, "truncated").inc()
+                timed_out = time.monotonic() >= deadline
+                self._count_cut(engine, timed_out=timed_out)
                 await self.abort_response(
                     request,
                     response,
@@ -1090,6 +1091,7 @@ class Gateway:
                     sse=sse,
                     mid_event=relayed.mid_event,
                     responses=True,
+                    timed_out=timed_out,
                 )
                 self.metrics.requests.labels(route, "aborted").inc()
                 return response
@@ -1798,8 +1800,10 @@ class Gateway:
                 if relayed.cut or (done is not None and not done.seen):
                     # Mid-answer failure (or an event stream ended by the connection's close
                     # without its [DONE]): the client already has bytes and must not take
-                    # what it got for a whole answer.
-                    self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
+                    # what it got for a whole answer. The request's own deadline is no
+                    # failure of the engine's, and the client is told which it was.
+                    timed_out = time.monotonic() >= deadline
+                    self._count_cut(endpoint, timed_out=timed_out)
                     self._cut_failure(endpoint, deadline)
                     await self.abort_response(
                         request,
@@ -1808,6 +1812,7 @@ class Gateway:
                         sse=sse,
                         mid_event=relayed.mid_event,
                         responses=responses,
+                        timed_out=timed_out,
                     )
                     self.metrics.requests.labels(route, "aborted").inc()
                     return response, counter.tokens()
@@ -1825,6 +1830,15 @@ class Gateway:
             else:
                 upstream.close()
 
+    def _count_cut(self, endpoint: str, *, timed_out: bool) -> None:
+        """Counts an answer that broke off after its status line: against the engine
+        (``upstream_errors{kind="truncated"}``), or, when the request's deadline
+        (``timeouts.total_s``) ended it, as the request's ``timeout`` rejection."""
+        if timed_out:
+            self.metrics.rejections.labels("timeout").inc()
+        else:
+            self.metrics.upstream_errors.labels(endpoint, "truncated").inc()
+
     async def abort_response(
         self,
         request: web.Request,
@@ -1834,22 +1848,29 @@ class Gateway:
         sse: bool,
         mid_event: bool = False,
         responses: bool = False,
+        timed_out: bool = False,
     ) -> None:
         """Ends a client response whose upstream answer broke off, so that no client takes it
         for complete: an SSE stream gets an error event and is closed without its final chunk
         (no ``[DONE]``); any other body is reset (RST), as Envoy and nginx do. Counted.
         ``mid_event``: the stream broke off inside an event, so a blank line goes first and
         the error event parses on its own. ``responses``: the stream is the Responses API's,
-        whose events are named (an ``error`` event). Package-internal."""
+        whose events are named (an ``error`` event). ``timed_out``: the request's own deadline
+        (``timeouts.total_s``) ended it, not the engine: the event says so (type ``timeout``,
+        code 504, the 504 a request gets when its deadline passes before its answer's head).
+        Package-internal."""
         protocol = request.protocol
         if sse:
-            message = "the engine's answer was cut off"
+            if timed_out:
+                message, kind, code = _DEADLINE_MESSAGE, "timeout", 504
+            else:
+                message, kind, code = "the engine's answer was cut off", "upstream_error", 502
             if responses:
-                error = {"type": "error", "code": "upstream_error", "message": message}
+                error = {"type": "error", "code": kind, "message": message}
                 event = b"event: error\ndata: " + json.dumps({**error, "param": None}).encode()
             else:
-                detail = {"message": message, "type": "upstream_error", "param": None}
-                event = b"data: " + json.dumps({"error": {**detail, "code": 502}}).encode()
+                detail = {"message": message, "type": kind, "param": None}
+                event = b"data: " + json.dumps({"error": {**detail, "code": code}}).encode()
             gap = b"\n\n" if mid_event else b""
             with contextlib.suppress(ConnectionError):
                 await response.write(gap + event + b"\n\n")
@@ -2349,8 +2370,12 @@ def _limit_refusal(reason: str, wait_s: float) -> Refusal:
     )
 
 
+# What a request whose deadline (timeouts.total_s) passed is told.
+_DEADLINE_MESSAGE = "the request's deadline (timeouts.total_s) passed"
+
+
 def _deadline_refusal() -> Refusal:
-    return Refusal(504, "timeout", "the request's deadline (timeouts.total_s) passed")
+    return Refusal(504, "timeout", _DEADLINE_MESSAGE)
 
 
 def _header(request: web.Request, name: str) -> str | None:

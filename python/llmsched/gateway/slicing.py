@@ -64,6 +64,10 @@ class SliceFailed(Exception):
 # bytes).
 _REFUSAL_LIMIT = 64 << 10
 
+# The most of one engine event held while its end (a blank line) is awaited: the 8 MiB the
+# gateway reads of any engine answer it holds whole. An event past it ends the request.
+_EVENT_LIMIT = 8 << 20
+
 
 def make_assembler(
     payload: Mapping[str, Any], route: str, default_max_tokens: int
@@ -170,16 +174,24 @@ class SlicedRequest:
                 status, data, kind = failed.answer
                 self.gateway.metrics.requests.labels(self.route, str(status)).inc()
                 return web.Response(status=status, body=data, headers={"Content-Type": kind})
-            self.gateway.metrics.upstream_errors.labels(
-                self.endpoints[-1] if self.endpoints else "none", "slice"
-            ).inc()
+            # The request's own deadline (timeouts.total_s) is no engine's failure: the client
+            # is told so (a 504, or its error event), counted as the request's timeout.
+            timed_out = self.deadline is not None and time.monotonic() >= self.deadline
+            endpoint = self.endpoints[-1] if self.endpoints else "none"
             if started is None:
+                if timed_out:
+                    return self.gateway.refuse(self.route, _deadline_refusal())
+                self.gateway.metrics.upstream_errors.labels(endpoint, "slice").inc()
                 return self.gateway.refuse(
                     self.route, _upstream_refusal(f"a slice failed: {failed}")
                 )
+            if timed_out:
+                self.gateway.metrics.rejections.labels("timeout").inc()
+            else:
+                self.gateway.metrics.upstream_errors.labels(endpoint, "slice").inc()
             # Part of the stream went out: the client must not take it for a whole answer.
             await self.gateway.abort_response(
-                request, started, self.endpoints[-1] if self.endpoints else "none", sse=True
+                request, started, endpoint, sse=True, timed_out=timed_out
             )
             return started
         finally:
@@ -259,19 +271,29 @@ class SlicedRequest:
                         kind = upstream.headers.get("Content-Type", "application/json")
                         answer = (upstream.status, data, kind)
                     raise SliceFailed(f"engine answered {upstream.status}", answer)
-                buffered = b""
+                buffered = bytearray()
                 first = True
                 async for data in upstream.content.iter_any():
                     if first:
                         placement.first_token()
                         first = False
+                    # An event's end may straddle two reads: the buffer's last byte with these.
+                    ends = b"\n\n" in buffered[-1:] + data
                     buffered += data
-                    *events, buffered = buffered.split(b"\n\n")
                     chunks: list[dict[str, Any]] = []
-                    for event in events:
-                        chunks.extend(self._feed(event))
+                    if ends:
+                        *events, rest = buffered.split(b"\n\n")
+                        buffered = bytearray(rest)
+                        for event in events:
+                            chunks.extend(self._feed(bytes(event)))
+                    if len(buffered) > _EVENT_LIMIT:
+                        # Held whole until its end came, an event has a bound, as any engine
+                        # answer the gateway reads whole: past it the request ends.
+                        raise SliceFailed(
+                            f"an event of the engine's stream exceeds {_EVENT_LIMIT >> 20} MiB"
+                        )
                     await self._pass_on(chunks)
-                tail = self._feed(buffered) if buffered.strip() else []
+                tail = self._feed(bytes(buffered)) if buffered.strip() else []
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise SliceFailed(type(exc).__name__) from None
         try:
@@ -377,3 +399,11 @@ def _upstream_refusal(message: str) -> Refusal:
     from llmsched.gateway.app import Refusal
 
     return Refusal(502, "upstream_error", message)
+
+
+def _deadline_refusal() -> Refusal:
+    """The 504 of a request whose deadline passed before its answer began (the gateway's own
+    answer to it, unsliced)."""
+    from llmsched.gateway.app import Refusal
+
+    return Refusal(504, "timeout", "the request's deadline (timeouts.total_s) passed")
