@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from llmsched.errors import ConfigError, InvalidTypeError
+from llmsched.validation import is_utf8_text
 
 __all__ = [
     "MAX_ALIASED_VALUES",
@@ -258,7 +259,7 @@ def _shape_problem(value: Any, *, secret: bool = False) -> str | None:
             continue
         if not isinstance(child, _CONTAINERS):
             count[0] += 1
-            if isinstance(child, str) and not _utf8(child):
+            if isinstance(child, str) and not is_utf8_text(child):
                 what = "a string" if secret else f"the string {child[:40]!a}"
                 return f"{what} holds a lone surrogate escape, not UTF-8"
         elif id(child) in open_ids:
@@ -273,14 +274,6 @@ def _shape_problem(value: Any, *, secret: bool = False) -> str | None:
         else:
             enter(child)
     return None
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class _DuplicateKey(ValueError):

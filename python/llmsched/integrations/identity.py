@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmsched.errors import ConfigError, InvalidTypeError
+from llmsched.validation import is_utf8_text
 
 if TYPE_CHECKING:
     from llmsched.routing import EndpointId, EndpointPool
@@ -55,15 +56,6 @@ ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 def _host_part(host: str) -> str:
     # IPv6 literals are bracketed so that "host:port" stays unambiguous.
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def _utf8(text: str) -> bool:
-    """Whether ``text`` has UTF-8 bytes (no lone surrogate)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_host(host: object) -> str:
@@ -260,7 +252,7 @@ class EngineSpec:
         texts["metrics_path"] = self.metrics_path
         texts.update((f"labels[{k[:40]!a}]", f"{k}{v}") for k, v in self.labels.items())
         for key, text in texts.items():
-            if text is not None and not _utf8(text):
+            if text is not None and not is_utf8_text(text):
                 raise ConfigError(f"{key} holds a lone surrogate escape, not UTF-8 text")
         # A private copy: a caller's later change to its dict must not reach a frozen spec.
         object.__setattr__(self, "labels", dict(self.labels))
