@@ -424,6 +424,31 @@ def test_answers_cut_after_their_head_open_the_circuit_breaker(stream: bool) -> 
     run(body())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_answers_cut_after_their_head_add_up_to_confirming_probes(stream: bool) -> None:
+    """Probe 74: an engine that sends its answers' heads and then cuts them fails every
+    request. The native plane counted each head as a success, which ended the run of failed
+    attempts, so ``failures_to_probe`` cuts in a row never asked for probes (the Python plane
+    counts a success at the answer's end). Now a cut adds to the run on both planes."""
+
+    async def body() -> None:
+        # No breaker, no active checks: only the run of failures asks for probes.
+        health = {"interval_s": None, "failures_to_probe": 3, "breaker_failure_rate": None}
+        async with rig(engines=1, health=health) as r:
+            worker = _worker(r, 0)
+            r.engines[0].mode = "cut"
+            probes = "llmsched_gateway_health_probes_total"
+            for i in range(3):
+                request = {"model": MODEL, "prompt": f"{i} cut", "stream": stream}
+                await raw_request(r, json.dumps(request).encode())
+            await until(lambda: r.metric(probes, endpoint=worker, result="ok") > 0)
+            # The engine answers its probe: it stays in routing.
+            assert r.gateway.health.state(worker) == "up"
+            assert r.metric("llmsched_gateway_ejections_total", endpoint=worker) == 0
+
+    run(body())
+
+
 @pytest.mark.parametrize("mode", ["error500", "drop"])
 def test_requests_failing_on_every_engine_open_no_breaker(mode: str) -> None:
     """Probe 44's finding 14: inputs every engine answers with a 5xx (or drops), each retried

@@ -2,7 +2,8 @@
 //! (`GET <engine><path>`) every `interval_s` for engines in routing; `unhealthy_threshold`
 //! failed probes in a row take an engine down, `healthy_threshold` good ones bring it back
 //! (a down engine is probed every `eject_s`); `failures_to_probe` failed attempts in a row
-//! start confirming probes at once. The circuit breaker opens when, over `breaker_window_s`,
+//! start confirming probes at once (an answer cut after its head is a failed attempt: a
+//! success at the head ends no run until its answer ends whole, [`Health::whole`]). The circuit breaker opens when, over `breaker_window_s`,
 //! at least `breaker_min_requests` attempts ended and `breaker_failure_rate` of them failed;
 //! it stays open `breaker_open_s`, then a probe decides (half-open). An operator may drain an
 //! engine (the admin API): no probes, no passive signals, until resumed. An engine down, with
@@ -90,6 +91,8 @@ pub struct Health {
     pub state: State,
     probe_failures: u32,
     probe_successes: u32,
+    /// Failed attempts in a row: ended by an answer that ended whole ([`Health::whole`]),
+    /// not by its head alone (the answer may still be cut).
     attempt_failures: u32,
     /// Set when failed attempts asked for confirming probes.
     pub suspect: bool,
@@ -131,6 +134,9 @@ impl Default for Health {
 impl Health {
     /// An attempt ended: `failure` is None for a success, else its kind (`connect` and
     /// `timeout` start confirming probes at once, others after `failures_to_probe` in a row).
+    /// A success here is its answer's head: it ends the run of failures only when the answer
+    /// ends whole ([`Health::whole`]), as the Python plane counts a success at the answer's
+    /// end; a cut ([`Health::cut`]) adds to the run instead.
     /// `others_up` says whether another engine is in routing, asked only when the breaker
     /// would open: it never opens on the last one (nowhere better to send, and a failure rate
     /// that requests provoke would shut every client out); confirming probes are asked
@@ -152,8 +158,6 @@ impl Health {
             if at_once || self.attempt_failures >= config.failures_to_probe {
                 self.suspect = true;
             }
-        } else {
-            self.attempt_failures = 0;
         }
         let Some(_) = config.breaker_failure_rate else { return Change::None };
         self.window.push_back((now, failed));
@@ -188,6 +192,13 @@ impl Health {
         }
         self.window_failures += 1;
         self.judge(config, now, others_up)
+    }
+
+    /// An answer whose head counted as a success ([`Health::attempt`]) ended whole: the run
+    /// of failed attempts ends. (One its client left, or its request's deadline ended, ends
+    /// no run and adds none: it says nothing about the engine.)
+    pub fn whole(&mut self) {
+        self.attempt_failures = 0;
     }
 
     /// The breaker's judgement after the window changed: attempts older than
@@ -244,6 +255,11 @@ impl Health {
             self.probe_failures = 0;
             self.probe_successes += 1;
             self.suspect = false;
+            if self.state == State::Up {
+                // The engine answered: the run of failed attempts that asked for the probe
+                // ends (as on the Python plane), or a cut after it would ask again at once.
+                self.attempt_failures = 0;
+            }
             let back = match self.state {
                 State::Up | State::Draining => false,
                 // Half-open: one good probe closes the breaker.
@@ -351,6 +367,41 @@ mod tests {
             assert_eq!(last.cut(&config, now, || false), Change::None);
         }
         assert!(last.suspect && last.state == State::Up);
+    }
+
+    #[test]
+    fn answers_cut_after_their_head_add_up_to_confirming_probes() {
+        // The breaker off: only the run of failures asks for probes.
+        let config = HealthConfig {
+            failures_to_probe: 3,
+            breaker_failure_rate: None,
+            ..HealthConfig::default()
+        };
+        let mut health = Health::default();
+        for i in 0..2 {
+            let now = f64::from(i);
+            health.attempt(&config, None, now, || true);
+            health.cut(&config, now + 0.5, || true);
+            assert!(!health.suspect, "{} cuts", i + 1);
+        }
+        // The third head counts as a success, but only its cut decides.
+        health.attempt(&config, None, 2.0, || true);
+        assert!(!health.suspect);
+        health.cut(&config, 2.5, || true);
+        assert!(health.suspect, "failures_to_probe cuts in a row ask for probes");
+        // An answer that ended whole ends the run.
+        let mut health = Health::default();
+        for i in 0..2 {
+            health.attempt(&config, None, f64::from(i), || true);
+            health.cut(&config, f64::from(i), || true);
+        }
+        health.attempt(&config, None, 2.0, || true);
+        health.whole();
+        for i in 3..5 {
+            health.attempt(&config, None, f64::from(i), || true);
+            health.cut(&config, f64::from(i), || true);
+        }
+        assert!(!health.suspect, "two cuts in a row since the whole answer");
     }
 
     #[test]

@@ -470,10 +470,18 @@ impl CutReports {
 }
 
 /// Where an answer cut after its head is charged: its engine, through the gateway's
-/// [`CutReports`].
+/// [`CutReports`]; an answer that ends whole ends its engine's run of failed attempts
+/// ([`Charge::whole`]).
 struct Charge {
     reports: Arc<CutReports>,
     upstream: Arc<Upstream>,
+}
+
+impl Charge {
+    /// The answer ended whole ([`health::Health::whole`]).
+    fn whole(self) {
+        self.upstream.health.lock().unwrap_or_else(|e| e.into_inner()).whole();
+    }
 }
 
 /// The work of a lookup of a stored response's engine ([`Gateway::locate`]).
@@ -2655,7 +2663,9 @@ impl Gateway {
                     engine: upstream.label.clone(),
                     scan: responses::IdScan::default(),
                 }),
-                charge: Some(Charge { reports: self.cuts.clone(), upstream: upstream.clone() }),
+                // A 5xx answer counted as the failure it is: cut or whole, nothing more.
+                charge: (!failed)
+                    .then(|| Charge { reports: self.cuts.clone(), upstream: upstream.clone() }),
                 ..Relaying::completion(self, upstream, sse, deadline)
             };
             let token = self.sets_session_tokens.then(|| self.session_tokens.token(&upstream.id));
@@ -3217,6 +3227,9 @@ impl Gateway {
         };
         if let Some(lease) = relaying.lease.take() {
             lease.release();
+        }
+        if let Some(charge) = relaying.charge.take() {
+            charge.whole();
         }
         let mut tokens = TokenCount { responses: relaying.responses, ..TokenCount::default() };
         if relaying.completion {
@@ -4380,6 +4393,9 @@ impl Relay {
     fn ended(&mut self, completed: bool) {
         self.inner = None;
         self.timer = None;
+        if let Some(charge) = self.charge.take().filter(|_| completed) {
+            charge.whole();
+        }
         match self.lease.take() {
             Some(lease) if completed => lease.release(),
             _ => {}

@@ -19,10 +19,11 @@ Signals:
   timed-out connection starts confirming probes at once, and ``failures_to_probe`` failed
   attempts in a row (5xx, answers cut off) start them too. ``unhealthy_threshold`` failed
   probes in a row take the engine down; one good probe ends the confirmation and the engine
-  stays up. An answer cut off after its status line (not by the request's own deadline) is a
-  failed attempt in the breaker's window on both planes; on the native plane, which counts the
-  attempt as a success when its status line comes, such cuts do not add up towards
-  ``failures_to_probe`` (each status line ends that run).
+  stays up. An answer cut off after its status line is a failed attempt on both planes, in the
+  breaker's window and towards ``failures_to_probe``: only an answer that ends whole ends the
+  run (the native plane counts the attempt in the breaker's window when its status line comes,
+  and turns it into a failure if the answer is then cut). An answer cut by the request's own
+  deadline (``timeouts.total_s``), or left by its client, counts neither way.
 - Active checks (``interval_s``, null: off) probe every up engine on a timer, so an engine that
   dies between requests is found before a request pays for it.
 
