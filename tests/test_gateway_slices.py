@@ -69,6 +69,53 @@ def test_a_streaming_chat_is_decoded_in_slices_as_one_stream() -> None:
     run(body())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_sliced_request_is_counted_in_requests_total(stream: bool) -> None:
+    """Probe 74: the Python plane left sliced answers out of ``requests_total`` (the native
+    plane counts them): the same traffic now gives the same metrics."""
+
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            for i in range(2):
+                response = await r.complete([1, 2, 3, i], max_tokens=10, stream=stream)
+                assert response.status == 200
+            ok = {"route": "completions", "status": "200"}
+            await until(lambda: r.metric("llmsched_gateway_requests_total", **ok) == 2)
+            assert r.metric("llmsched_gateway_slices_total") == 6
+
+    run(body())
+
+
+@pytest.mark.parametrize("line_end", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_slices_read_engine_events_with_any_sse_line_end(line_end: bytes, stream: bool) -> None:
+    """Probe 74: the slices split the engine's events at LF LF only; an engine (or a proxy
+    before it) that ends its lines with CRLF or a lone CR, as the SSE spec allows, broke every
+    sliced request. Both planes now read all three."""
+
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            r.engines[0].sse_line_end = line_end
+            response = await r.complete(list(range(1, 40)), max_tokens=10, stream=stream)
+            assert response.status == 200, await response.read()
+            data = await response.read()
+            if stream:
+                events = [e for e in data.decode().split("\n\n") if e]
+                assert events[-1] == "data: [DONE]"
+                chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+            else:
+                answer = json.loads(data)
+                assert answer["usage"]["completion_tokens"] == 10
+                text = answer["choices"][0]["text"]
+            assert text == "".join(f" t{i}" for i in range(10))
+            bodies = [q.body for q in r.engines[0].received]
+            assert [b["max_tokens"] for b in bodies] == [4, 4, 2]
+            assert r.metric("llmsched_gateway_slices_total") == 3
+
+    run(body())
+
+
 def test_requests_that_cannot_be_sliced_are_proxied_whole() -> None:
     async def body() -> None:
         async with rig(engines=1, answer_tokens=6, slices=SLICES) as r:
@@ -199,6 +246,9 @@ def test_a_slice_failing_after_the_stream_started_ends_it_without_done() -> None
             assert len(engine.received) == 2
             assert r.gateway.slice_tracker is not None and len(r.gateway.slice_tracker) == 0
             assert r.metric("llmsched_gateway_truncated_answers_total", **_sse_error(r)) == 1
+            # Counted as aborted on both planes (probe 74: the Python plane counted nothing).
+            aborted = {"route": "completions", "status": "aborted"}
+            await until(lambda: r.metric("llmsched_gateway_requests_total", **aborted) == 1)
 
     run(body())
 

@@ -594,6 +594,9 @@ impl Gateway {
         // Where the search for the next event's end resumes (the buffer before it has none).
         let mut scanned = 0;
         let mut first = true;
+        // Events end at a blank line, whichever line ends the engine (or a proxy before it)
+        // writes: the SSE spec allows CRLF and a lone CR besides LF.
+        let mut line_ends = crate::responses::LineEnds::default();
         loop {
             let frame = tokio::time::timeout_at(wake_at(read, deadline), body.frame())
                 .await
@@ -605,7 +608,7 @@ impl Gateway {
                 ticket.first_token();
                 first = false;
             }
-            buffered.extend_from_slice(&data);
+            buffered.extend_from_slice(&line_ends.to_lf(&data));
             let mut chunks = Vec::new();
             while let Some(at) = buffered[scanned..].windows(2).position(|w| w == b"\n\n") {
                 let at = scanned + at;

@@ -37,6 +37,7 @@ from llmsched.errors import (
     SliceStateError,
 )
 from llmsched.flow import FlowController
+from llmsched.gateway.responses import LineEnds
 from llmsched.scheduler import Admission, Placement, ScheduleRequest
 from llmsched.slices import SliceAssembler, SliceTracker, WaitingRequest
 from llmsched.tokenize import Truncation
@@ -163,10 +164,15 @@ class SlicedRequest:
                 # the tracker's slice follows without a decision.
                 slice_tokens = left if left > 0 else await self._boundary()
             if not self.stream:
-                return web.json_response(self.asm.response())
+                answer = web.json_response(self.asm.response())
+                self.gateway.metrics.requests.labels(self.route, "200").inc()
+                return answer
             response = await self._stream_response()
             await self._write(response, b"data: [DONE]\n\n")
             await response.write_eof()
+            # Counted as an unsliced answer is, as on the native plane (a client gone before
+            # its end is counted ``client_gone`` instead).
+            self.gateway.metrics.requests.labels(self.route, "200").inc()
             return response
         except SliceFailed as failed:
             started = self._response
@@ -193,6 +199,7 @@ class SlicedRequest:
             await self.gateway.abort_response(
                 request, started, endpoint, sse=True, timed_out=timed_out
             )
+            self.gateway.metrics.requests.labels(self.route, "aborted").inc()
             return started
         finally:
             self.tracker.remove(self.request_id)
@@ -273,10 +280,14 @@ class SlicedRequest:
                     raise SliceFailed(f"engine answered {upstream.status}", answer)
                 buffered = bytearray()
                 first = True
-                async for data in upstream.content.iter_any():
+                # Events end at a blank line, whichever line ends the engine (or a proxy
+                # before it) writes: the SSE spec allows CRLF and a lone CR besides LF.
+                line_ends = LineEnds()
+                async for raw in upstream.content.iter_any():
                     if first:
                         placement.first_token()
                         first = False
+                    data = line_ends.to_lf(raw)
                     # An event's end may straddle two reads: the buffer's last byte with these.
                     ends = b"\n\n" in buffered[-1:] + data
                     buffered += data

@@ -151,6 +151,9 @@ class FakeOpenAIEngine:
         self.models_body: bytes | None = None
         """The body of ``/v1/models`` answers, sent as given (None: the listing)."""
         self.models_requests = 0
+        self.sse_line_end = b"\n"
+        """The line end of streamed Completions and Chat Completions events (the SSE spec
+        allows ``b"\\r\\n"`` and ``b"\\r"`` besides ``b"\\n"``; each event ends with two)."""
         self.chunked_json = False
         """Send JSON answers of modes ``"cut"`` / ``"hang"`` chunked (no Content-Length)."""
         self.health_status = 200
@@ -525,6 +528,7 @@ class FakeOpenAIEngine:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
         written = bytearray()
+        end = self.sse_line_end * 2
         self.sent.append(b"")
         for i, piece in enumerate(pieces):
             if mode == "slow" and i:
@@ -539,18 +543,18 @@ class FakeOpenAIEngine:
             if mode == "cut_mid_event" and i:
                 await response.write(event[: len(event) // 2])
                 await self._stop_answering(request, "cut")
-            written += event + b"\n\n"
+            written += event + end
             self.sent[-1] = bytes(written)
-            await response.write(event + b"\n\n")
+            await response.write(event + end)
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = _full_answer(ident, created, body, pieces, chat=chat)["usage"]
             event = b"data: " + json.dumps({"id": ident, "choices": [], "usage": usage}).encode()
-            written += event + b"\n\n"
-            await response.write(event + b"\n\n")
+            written += event + end
+            await response.write(event + end)
         if mode != "no_done":
-            written += b"data: [DONE]\n\n"
+            written += b"data: [DONE]" + end
             self.sent[-1] = bytes(written)
-            await response.write(b"data: [DONE]\n\n")
+            await response.write(b"data: [DONE]" + end)
         await response.write_eof()
         return response
 
