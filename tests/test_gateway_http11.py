@@ -62,6 +62,72 @@ def _chunked(body: str) -> str:
     return f"{len(body):x}\r\n{body}\r\n0\r\n\r\n"
 
 
+@pytest.mark.parametrize(
+    ("framing", "sent"),
+    [
+        ("Content-Length: 100\r\n", BODY[:10]),
+        ("Content-Length: 100\r\n", ""),
+        ("Transfer-Encoding: chunked\r\n", _chunked(BODY)[:20]),
+    ],
+    ids=["length", "head_only", "chunked"],
+)
+def test_a_client_half_closing_mid_body_gets_a_400_naming_the_body(framing: str, sent: str) -> None:
+    """Probe 74: a client that shuts its write side down in the middle of its request's body
+    got nothing from the Python plane (aiohttp closes the connection at the end of input); the
+    native plane answered 400. Both answer it now, on the half left open."""
+
+    async def go() -> None:
+        async with rig(1) as r:
+            data = await _exchange_half_closed(
+                r.gateway.port,
+                (
+                    "POST /v1/completions HTTP/1.1\r\nHost: g\r\n"
+                    f"Content-Type: application/json\r\n{framing}\r\n{sent}"
+                ).encode(),
+            )
+            head, _, payload = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400"), data[:200]
+            error = json.loads(payload)["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["message"] == "the body did not arrive"
+            assert not r.engines[0].received
+
+    run(go())
+
+
+def test_a_client_half_closing_after_its_request_is_taken_for_gone() -> None:
+    """A client's close of its write side after a whole request is how a client that leaves
+    looks too: both planes end the connection (and the request) rather than answer it."""
+
+    async def go() -> None:
+        async with rig(1) as r:
+            data = await _exchange_half_closed(
+                r.gateway.port,
+                (
+                    "POST /v1/completions HTTP/1.1\r\nHost: g\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n"
+                    f"\r\n{BODY}"
+                ).encode(),
+            )
+            assert data == b""
+
+    run(go())
+
+
+async def _exchange_half_closed(port: int, data: bytes) -> bytes:
+    """Sends ``data``, shuts the write side down and reads until the gateway closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        writer.write_eof()
+        return await asyncio.wait_for(reader.read(), timeout=10)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
 @pytest.mark.parametrize("codings", ["gzip, chunked", "deflate,chunked"])
 def test_a_body_in_a_transfer_coding_besides_chunked_is_a_501(codings: str) -> None:
     # Only the chunking was removed: the body went on to be read as JSON still "coded"

@@ -95,6 +95,52 @@ def test_malformed_fields_are_400_naming_the_field(slices: bool) -> None:
     run(body())
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_body_with_a_utf8_byte_order_mark_is_served_and_forwarded_without_it(
+    route: str,
+) -> None:
+    """Probe 74: a JSON body that starts with a UTF-8 BOM was a 400 on both planes, while
+    vLLM (``json.loads`` of bytes) reads it. The gateway now drops the BOM, and the engine
+    gets the body without it (the fake engine, which reads text, refuses one with it)."""
+
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            fields = (
+                {"prompt": "hi"}
+                if route == "completions"
+                else {"messages": [{"role": "user", "content": "hi"}]}
+            )
+            path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+            status, text = await raw_request(r, b"\xef\xbb\xbf" + _body(**fields), path=path)
+            assert status == 200, text
+            assert r.engines[0].received[-1].body == {"model": MODEL, **fields}
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("codec", "name"),
+    [("utf-16", "UTF-16"), ("utf-16-le", "UTF-16"), ("utf-32", "UTF-32"), ("utf-32-be", "UTF-32")],
+)
+def test_a_body_in_utf16_or_utf32_is_a_400_naming_its_encoding(codec: str, name: str) -> None:
+    """Probe 74: JSON in UTF-16 or UTF-32 (which ``json.loads`` of bytes reads) is refused,
+    not transcoded, with a message that names its encoding, the same on both planes."""
+
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            data = json.dumps({"model": MODEL, "prompt": "hi"}).encode(codec)
+            status, text = await raw_request(r, data)
+            assert status == 400, text
+            error = json.loads(text)["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["message"] == (
+                f"the body is not valid JSON: it is encoded as {name} (send UTF-8)"
+            )
+            assert not r.engines[0].received
+
+    run(body())
+
+
 @pytest.mark.parametrize("header", ["x-session-id", "x-llmsched-tenant", "x-llmsched-priority"])
 def test_headers_that_are_not_utf8_are_400_naming_the_header(header: str) -> None:
     async def body() -> None:

@@ -1239,8 +1239,8 @@ def test_an_id_holding_a_lone_surrogate_is_the_same_400_on_both_planes() -> None
     """A lone surrogate escape (``"\\ud800"``: JSON, but no UTF-8 text) was named on the
     Python plane and "the body is not valid JSON" natively; now both name the field. A
     surrogate's UTF-8 form (which is no UTF-8) was a 500 on the Python plane (``json`` read
-    it as a lone surrogate, and its check looked at escapes only): not JSON on both, as a
-    UTF-16 body is."""
+    it as a lone surrogate, and its check looked at escapes only): not JSON on both; a UTF-16
+    body is refused naming its encoding (probe 74)."""
 
     async def main() -> None:
         async with rig(engines=1) as r:
@@ -1264,12 +1264,19 @@ def test_an_id_holding_a_lone_surrogate_is_the_same_400_on_both_planes() -> None
                 assert error == {**expected, "param": param or None}, fields
             text = json.dumps({"model": MODEL, "input": "x"})
             raw = b'{"model": "tiny", "input": "x", "previous_response_id": "r\xed\xa0\x80"}'
-            # A surrogate's UTF-8 form, UTF-16, and UTF-8 after a byte order mark.
-            for data in (raw, text.encode("utf-16"), b"\xef\xbb\xbf" + text.encode()):
+            # A surrogate's UTF-8 form, and UTF-16 (a UTF-8 byte order mark is dropped since
+            # probe 74: see test_gateway_input).
+            for data, message in [
+                (raw, "the body is not valid JSON"),
+                (
+                    text.encode("utf-16"),
+                    "the body is not valid JSON: it is encoded as UTF-16 (send UTF-8)",
+                ),
+            ]:
                 async with r.client.post(r.url("/v1/responses"), data=data) as answer:
                     assert answer.status == 400, data
                     error = (await answer.json())["error"]
-                    assert error["message"] == "the body is not valid JSON", data
+                    assert error["message"] == message, data
             assert not r.engines[0].received
 
     run(main())

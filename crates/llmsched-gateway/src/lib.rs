@@ -2336,7 +2336,9 @@ impl Gateway {
                 Some(_) => chunks.push(data),
             }
         }
-        Ok(match first {
+        // A UTF-8 byte order mark first is dropped (Python's `json.loads` of bytes, vLLM's
+        // reading, skips it): read and forwarded without it.
+        let body = match first {
             None => Bytes::new(),
             Some(first) if chunks.is_empty() => first,
             Some(first) => {
@@ -2347,6 +2349,11 @@ impl Gateway {
                 }
                 whole.freeze()
             }
+        };
+        Ok(if body.starts_with(payload::UTF8_BOM) {
+            body.slice(payload::UTF8_BOM.len()..)
+        } else {
+            body
         })
     }
 

@@ -26,6 +26,24 @@ use serde_json::Value;
 
 use crate::json_scan;
 
+/// The UTF-8 byte order mark, which a body may start with (Python's `json.loads` of bytes,
+/// vLLM's reading, skips it): the gateway reads and forwards the body without it.
+pub const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// `UTF-16` or `UTF-32` when a body that is not UTF-8 JSON is JSON in one of those (its byte
+/// order mark, or the zero bytes beside its first ASCII character), read as Python's
+/// `json.detect_encoding` reads them: such a body is refused by name rather than
+/// transcoded (the gateway forwards bodies as sent).
+pub fn wide_encoding(raw: &[u8]) -> Option<&'static str> {
+    match raw {
+        [0xFF, 0xFE, 0, 0, ..] | [0, 0, 0xFE, 0xFF, ..] => Some("UTF-32"),
+        [0xFF, 0xFE, ..] | [0xFE, 0xFF, ..] => Some("UTF-16"),
+        [0, 0, _, _, ..] | [_, 0, 0, 0, ..] => Some("UTF-32"),
+        [0, _, ..] | [_, 0, ..] => Some("UTF-16"),
+        _ => None,
+    }
+}
+
 /// Deepest nesting of arrays and objects accepted (chat content parts and tool schemas need a
 /// few levels).
 pub const MAX_DEPTH: usize = 64;
@@ -48,6 +66,9 @@ pub enum Problem {
     NotObject,
     /// Nested past [`MAX_DEPTH`] (or serde_json's own recursion limit).
     Nested,
+    /// Not JSON in UTF-8: JSON in UTF-16 or UTF-32 (named), which the gateway does not
+    /// transcode ([`wide_encoding`]).
+    Encoding(&'static str),
 }
 
 impl fmt::Display for Problem {
@@ -56,6 +77,12 @@ impl fmt::Display for Problem {
             Problem::NotJson => "the body is not valid JSON",
             Problem::NotObject => "the body must be a JSON object",
             Problem::Nested => "the body is nested too deeply",
+            Problem::Encoding(name) => {
+                return write!(
+                    f,
+                    "the body is not valid JSON: it is encoded as {name} (send UTF-8)"
+                )
+            }
             Problem::LoneSurrogate { path, in_key } => {
                 let at = if path.is_empty() { "body" } else { path };
                 return if *in_key {
@@ -132,7 +159,10 @@ impl<'a> Payload<'a> {
     pub fn parse(raw: &'a [u8]) -> Result<Payload<'a>, Problem> {
         match Payload::parse_plain(raw) {
             Some(payload) => Ok(payload),
-            None => Payload::parse_checked(raw),
+            None => Payload::parse_checked(raw).map_err(|problem| match problem {
+                Problem::NotJson => wide_encoding(raw).map_or(Problem::NotJson, Problem::Encoding),
+                problem => problem,
+            }),
         }
     }
 
@@ -712,6 +742,20 @@ mod tests {
             assert_eq!(parse(text).unwrap_err(), Problem::NotJson, "{text:?}");
         }
         assert!(Payload::parse(b"{\"a\": \"\xff\"}").is_err());
+        // JSON in UTF-16 or UTF-32 is refused by its name; a UTF-8 BOM is dropped first.
+        let utf16le: Vec<u8> = "{}".encode_utf16().flat_map(u16::to_le_bytes).collect();
+        let utf16be: Vec<u8> = "{}".encode_utf16().flat_map(u16::to_be_bytes).collect();
+        let utf32: Vec<u8> = "{}".chars().flat_map(|c| (c as u32).to_le_bytes()).collect();
+        for (body, name) in [(&utf16le, "UTF-16"), (&utf16be, "UTF-16"), (&utf32, "UTF-32")] {
+            assert_eq!(Payload::parse(body).err(), Some(Problem::Encoding(name)));
+            let mut marked =
+                if name == "UTF-16" { vec![0xFF, 0xFE] } else { vec![0xFF, 0xFE, 0, 0] };
+            marked.extend_from_slice(body);
+            assert_eq!(Payload::parse(&marked).err(), Some(Problem::Encoding(name)));
+        }
+        assert_eq!(Payload::parse(b"nope").err(), Some(Problem::NotJson));
+        // A UTF-8 BOM is no JSON: the gateway drops it before parsing.
+        assert_eq!(Payload::parse(b"\xEF\xBB\xBF{}").err(), Some(Problem::NotJson));
         // Not an object comes first, as the Python plane checks it first.
         for text in ["[]", "[1, {\"a\": 2}]", "3", "\"s\"", "true", "null", "[\"\\udfff\"]"] {
             assert_eq!(parse(text).unwrap_err(), Problem::NotObject, "{text:?}");

@@ -28,6 +28,7 @@ API's stored responses are reached through the engine that made them
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import hashlib
 import hmac
@@ -411,6 +412,9 @@ class Gateway:
             engine_block_sizes=self.scheduler.engine_block_size_mismatch,
         )
         self._bodies = _BodyBudget(cfg.limits.max_body_bytes_in_flight)
+        # The body each client connection is sending now, by its transport: a client that
+        # half-closes its connection mid-body gets its 400 (_HalfClosable).
+        self._reading: dict[object, aiohttp.StreamReader] = {}
         self.metrics.body_bytes_in_flight.set_function(lambda: self._bodies.held)
         self._keys = {
             hashlib.sha256(key.encode()).digest(): identity
@@ -579,7 +583,7 @@ class Gateway:
         self._send_guard_task = asyncio.create_task(self._send_guard.run())
         try:
             self._listener = await asyncio.get_running_loop().create_server(
-                _capped(server, limits.max_connections, self.metrics),
+                _capped(server, limits.max_connections, self.metrics, self._reading),
                 cfg.listen.host,
                 cfg.listen.port,
                 reuse_address=True,
@@ -1355,8 +1359,20 @@ class Gateway:
                     body += chunk
                 return bytes(body)
 
+            transport = request.transport
+            if transport is not None:
+                self._reading[transport] = request.content
             try:
-                return await asyncio.wait_for(chunks(), limits.body_timeout_s)
+                body = await asyncio.wait_for(chunks(), limits.body_timeout_s)
+                # A UTF-8 byte order mark first is dropped (Python's ``json.loads`` of bytes,
+                # vLLM's reading, skips it): read and forwarded without it, as natively.
+                return body.removeprefix(codecs.BOM_UTF8)
+            except _BodyCut:
+                # The client half-closed its connection before its body's end: answered on
+                # the half left open, as the native plane (hyper) answers it.
+                raise Refusal(
+                    400, "invalid_request_error", "the body did not arrive", close=True
+                ) from None
             except ConnectionResetError:
                 # The client went away while sending its body: nothing to answer, nothing to
                 # log (aiohttp logs a traceback per such request otherwise, noise any client
@@ -1369,6 +1385,9 @@ class Gateway:
                     f"the body did not arrive within {limits.body_timeout_s:g} s",
                     close=True,
                 ) from None
+            finally:
+                if transport is not None:
+                    self._reading.pop(transport, None)
 
     def _prompt(self, route: str, payload: dict[str, Any]) -> _Prompt:
         try:
@@ -2246,18 +2265,48 @@ def _presented_key(request: web.Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+def _wide_encoding(body: bytes) -> str | None:
+    """``"UTF-16"`` or ``"UTF-32"`` when ``body`` is JSON in one of those (its byte order
+    mark, or the zero bytes beside its first ASCII character), read as ``json.detect_encoding``
+    reads them: such a body is refused by name rather than transcoded, as on the native plane
+    (bodies are forwarded as sent).
+
+    >>> _wide_encoding('{"a": 1}'.encode("utf-16")), _wide_encoding('{}'.encode("utf-32-be"))
+    ('UTF-16', 'UTF-32')
+    >>> _wide_encoding(b'{"a": 1}') is None
+    True
+    """
+    if body.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        return "UTF-32"
+    if body.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "UTF-16"
+    head = body[:4]
+    if len(head) == 4 and (head[:2] == b"\0\0" or head[1:] == b"\0\0\0"):
+        return "UTF-32"
+    if b"\0" in head[:2]:
+        return "UTF-16"
+    return None
+
+
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         # UTF-8 only, as on the native plane: ``json.loads`` of bytes also reads UTF-16 and
         # UTF-32, and reads a surrogate's UTF-8 form (not UTF-8) as a lone surrogate, which
-        # the escape check below never saw (a 500 where such a string was encoded).
+        # the escape check below never saw (a 500 where such a string was encoded). (A UTF-8
+        # byte order mark was dropped as the body was read.)
         text = body.decode("utf-8")
         # NaN and Infinity are not JSON (the native plane and the engines refuse them).
         payload = json.loads(text, parse_constant=refuse_json_constant)
     except RecursionError:
         raise Refusal(400, "invalid_request_error", "the body is nested too deeply") from None
     except ValueError:
-        raise Refusal(400, "invalid_request_error", "the body is not valid JSON") from None
+        encoding = _wide_encoding(body)
+        message = (
+            "the body is not valid JSON"
+            if encoding is None
+            else f"the body is not valid JSON: it is encoded as {encoding} (send UTF-8)"
+        )
+        raise Refusal(400, "invalid_request_error", message) from None
     if not isinstance(payload, dict):
         raise Refusal(400, "invalid_request_error", "the body must be a JSON object")
     return payload
@@ -2640,17 +2689,79 @@ _NO_DECOMPRESSION: dict[str, Any] = (
 )
 
 
+class _BodyCut(Exception):
+    """A request's body ended early: its client half-closed the connection mid-body."""
+
+
+class _HalfClosable(asyncio.Protocol):
+    """aiohttp's handler of one client connection (``handler``, which gets every event),
+    save for a client that half-closes the connection (shuts down its write side) while its
+    request's body is read (``reading``: the body each connection sends now, by transport):
+    that body fails (:class:`_BodyCut`) and the transport stays open for the 400 that names
+    it, as the native plane answers it. aiohttp lets the transport close at any end of input
+    (which loses the answer): any other half-close still closes it, as the native plane does
+    too (a client's close is how it leaves)."""
+
+    __slots__ = ("_handler", "_reading", "_transport")
+
+    def __init__(self, handler: web.RequestHandler, reading: Mapping[object, Any]) -> None:
+        self._handler = handler
+        self._reading = reading
+        self._transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._handler.data_received(data)
+
+    def eof_received(self) -> bool:
+        if not self._cut_body():
+            # The request's handler may not have begun to read its body: it was woken when
+            # the request came, so it runs before this looks again.
+            asyncio.get_running_loop().call_soon(self._settle)
+        return True  # open for the answer (closed after it), or until _settle
+
+    def _cut_body(self) -> bool:
+        """Fails the body being read on this connection, if one is and has not ended."""
+        body = self._reading.get(self._transport)
+        if body is None or body.is_eof():
+            return False
+        body.set_exception(_BodyCut())
+        return True
+
+    def _settle(self) -> None:
+        transport = self._transport
+        if transport is None or self._cut_body():
+            return
+        # No body cut short: the end of input closes the connection, as aiohttp has it.
+        self._handler.eof_received()
+        transport.close()
+
+    def pause_writing(self) -> None:
+        self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._handler.connection_lost(exc)
+
+
 def _capped(
-    server: web.Server, cap: int, metrics: GatewayMetrics
+    server: web.Server, cap: int, metrics: GatewayMetrics, reading: Mapping[object, Any]
 ) -> Callable[[], asyncio.Protocol]:
-    """The listener's protocol factory: aiohttp's handler while fewer than ``cap`` client
-    connections are open, else a :class:`_Refuser` (a 503, then closed)."""
+    """The listener's protocol factory: aiohttp's handler (:class:`_HalfClosable`, with
+    ``reading``) while fewer than ``cap`` client connections are open, else a
+    :class:`_Refuser` (a 503, then closed)."""
     metrics.connections.set_function(lambda: len(server.connections))
 
     def accept() -> asyncio.Protocol:
         if len(server.connections) >= cap:
             metrics.connections_refused.inc()
             return _Refuser()
-        return server()
+        return _HalfClosable(server(), reading)
 
     return accept
