@@ -3,9 +3,10 @@
 //! failed probes in a row take an engine down, `healthy_threshold` good ones bring it back
 //! (a down engine is probed every `eject_s`); `failures_to_probe` failed attempts in a row
 //! start confirming probes at once (an answer cut after its head is a failed attempt: a
-//! success at the head ends no run until its answer ends whole, [`Health::whole`]). The circuit breaker opens when, over `breaker_window_s`,
-//! at least `breaker_min_requests` attempts ended and `breaker_failure_rate` of them failed;
-//! it stays open `breaker_open_s`, then a probe decides (half-open). An operator may drain an
+//! success at the head ends no run until its answer ends whole, [`Health::whole`]). The
+//! circuit breaker opens when, over `breaker_window_s`, at least `breaker_min_requests`
+//! attempts ended and `breaker_failure_rate` of them failed; it stays open
+//! `breaker_open_s`, then a probe decides (half-open). An operator may drain an
 //! engine (the admin API): no probes, no passive signals, until resumed. An engine down, with
 //! its breaker open or drained is out of the router's pool; back up, it is put back as it was.
 
