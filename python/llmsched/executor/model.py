@@ -305,6 +305,12 @@ class PagedKV:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> None:
+        # -1 and 2.5 failed in torch.zeros; a block size of 0 made a cache that holds nothing.
+        # No blocks is a cache: an expert-parallel rank with no sequence still runs each pass.
+        for name, size, low in (("num_blocks", num_blocks, 0), ("block_size", block_size, 1)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < low:
+                kind = "a positive int" if low else "an int >= 0"
+                raise ConfigError(f"{name} must be {kind}, got {size!r}")
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         kv_part = "num_blocks x block_size x num_layers x num_kv_heads x head_dim (KV cache)"
         _check_fits("PagedKV", {kv_part: 2 * math.prod(shape) * _dtype_bytes(config)}, device)
@@ -585,6 +591,38 @@ def _check_backend(config: ModelConfig, backend: object, device: torch.device) -
         )
 
 
+_BATCH_TENSORS = (
+    "token_ids",
+    "positions",
+    "slot_mapping",
+    "query_index",
+    "query_valid",
+    "kv_blocks",
+    "attn_mask",
+    "sample_rows",
+)
+"""The tensors of a :class:`ForwardBatch`, each on the model's device."""
+
+
+def _check_distinct_slots(batches: Sequence[ForwardBatch], block_size: int) -> None:
+    """ConfigError when two tokens of one forward pass write one KV slot (two sequences given
+    one block, or a block listed twice in a table): one overwrote the other's keys and values,
+    and the logits of both were wrong without a word."""
+    slots = [batch.slot_mapping for batch in batches if batch.num_tokens]
+    if not slots:
+        return
+    flat = torch.cat(slots)
+    unique, counts = torch.unique(flat, return_counts=True)
+    if unique.numel() == flat.numel():
+        return
+    slot = int(unique[counts > 1][0])
+    raise ConfigError(
+        f"KV slot {slot} (block {slot // block_size}, offset {slot % block_size}) is written by "
+        "two tokens of one forward pass; each sequence needs blocks of its own for the "
+        "positions it computes"
+    )
+
+
 def _check_placement(config: ModelConfig, placement: ExpertPlacement) -> None:
     if placement.num_layers != config.num_layers or placement.num_experts != config.num_experts:
         raise ConfigError(
@@ -862,6 +900,13 @@ has blocks of 16
                     f"batch {index} was built for blocks of {batch.block_size} tokens, the KV "
                     f"cache has blocks of {block_size}"
                 )
+            for name in _BATCH_TENSORS:
+                device = getattr(batch, name).device
+                if not _same_device(device, self.device):
+                    raise ConfigError(
+                        f"batch {index} is on {device}, the model is on {self.device} "
+                        f"(its {name}; build it with device={str(self.device)!r})"
+                    )
             if not batch.num_tokens:
                 continue
             low, high = int(batch.token_ids.min()), int(batch.token_ids.max())
@@ -882,6 +927,7 @@ has blocks of 16
                 raise ConfigError(
                     f"batch {index} uses block {top}; the KV cache has {num_blocks} blocks"
                 )
+        _check_distinct_slots(batches, block_size)
 
     def forward_dense(self, token_ids: TokensLike) -> Tensor:
         """Logits of every position of one sequence, attention without any cache (reference).
