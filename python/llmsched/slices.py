@@ -187,7 +187,13 @@ class SwitchCostModel:
             if name not in ("model", "gpu"):
                 check_number_like(name, setting)
         for name, value in model.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            # A numpy scalar was "must be a positive number, got 32": name what is wrong.
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(
+                    f"cost model dims: {name} must be a plain int or float (config is plain "
+                    f"data), got {type(value).__name__} {value}"
+                )
+            if not value > 0:
                 raise ConfigError(f"cost model dims: {name} must be a positive number, got {value}")
         self = cls.__new__(cls)
         try:
