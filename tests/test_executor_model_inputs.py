@@ -174,3 +174,28 @@ def test_kv_cache_sizes_are_checked(num_blocks: object, block_size: object, matc
         PagedKV(CONFIG, num_blocks, block_size)  # type: ignore[arg-type]
     # No blocks is a cache: an expert-parallel rank with no sequence still runs every pass.
     assert PagedKV(CONFIG, 0, 16).num_blocks == 0
+
+
+@pytest.mark.parametrize("build", [MoETransformer, LocalExperts.build])
+def test_a_device_this_machine_lacks_is_a_config_error(build: object) -> None:
+    # A bare RuntimeError from torch ("Found no NVIDIA driver", "Expected one of cpu, cuda,
+    # ... device type", an invalid device ordinal) from the memory check on.
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, on any machine
+    with pytest.raises(ConfigError, match=f"device '{missing}'"):
+        build(CONFIG, device=missing)  # type: ignore[operator]
+    with pytest.raises(ConfigError, match="device 'tpu': Expected one of cpu, cuda"):
+        build(CONFIG, device="tpu")  # type: ignore[operator]
+
+
+def test_a_kv_cache_on_a_device_this_machine_lacks_is_a_config_error() -> None:
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ConfigError, match=f"device '{missing}'"):
+        PagedKV(CONFIG, 2, 16, missing)
+
+
+@pytest.mark.parametrize(("device", "read_as"), [("cuda:256", "cuda:0"), ("cuda:255", "cuda")])
+def test_a_device_index_torch_wraps_is_refused(device: str, read_as: str) -> None:
+    # torch keeps a device index in 8 bits: on a GPU machine cuda:256 ran on GPU 0, and
+    # cuda:255 (index -1) on the current device, without a word.
+    with pytest.raises(ConfigError, match=f"index {device[5:]} is past .* read it as {read_as}\\)"):
+        MoETransformer(CONFIG, device=device)

@@ -53,6 +53,7 @@ __all__ = [
     "MoETransformer",
     "PagedKV",
     "SequenceChunk",
+    "checked_device",
     "checked_tokens",
     "device_memory_bytes",
     "seeded_tensor",
@@ -89,10 +90,13 @@ def device_memory_bytes(device: torch.device | str) -> int:
     Model and KV sizes past it are refused with a ConfigError before anything is allocated;
     where the memory cannot be read the bound is 1 TiB.
 
+    A device string torch does not know, or a CUDA device this machine lacks, is a
+    :class:`~llmsched.errors.ConfigError` (it was a bare RuntimeError from torch).
+
     >>> device_memory_bytes("cpu") > 0
     True
     """
-    device = torch.device(device)
+    device = checked_device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     try:
@@ -108,8 +112,40 @@ def device_memory_bytes(device: torch.device | str) -> int:
     return int(limit) if limit > 0 else _FALLBACK_MEMORY_BYTES
 
 
+def checked_device(device: torch.device | str) -> torch.device:
+    """``device`` as a torch device, or a :class:`~llmsched.errors.ConfigError` naming it for a
+    string torch does not parse or a CUDA device this machine does not have (torch's bare
+    RuntimeError otherwise, from the first allocation or memory query).
+
+    >>> checked_device("cpu")
+    device(type='cpu')
+    >>> checked_device("tpu")
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: device 'tpu': Expected one of cpu, cuda, ...
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r}: {str(exc).splitlines()[0]}") from None
+    written = device.rpartition(":")[2] if isinstance(device, str) and ":" in device else ""
+    if written.isdigit() and int(written) != parsed.index:
+        # torch keeps an index in 8 bits: cuda:256 was cuda:0 and cuda:255 the current device.
+        raise ConfigError(
+            f"device {device!r}: index {int(written)} is past torch's device indices (it read "
+            f"it as {parsed})"
+        )
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {str(device)!r}: no CUDA device on this machine")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ConfigError(f"device {str(device)!r}: this machine has {count} CUDA device(s)")
+    return parsed
+
+
 def _check_fits(what: str, parts: Mapping[str, int], device: torch.device | str) -> None:
-    device = torch.device(device)
+    device = checked_device(device)
     check_memory(what, parts, device_memory_bytes(device), str(device))
 
 
@@ -377,7 +413,7 @@ class ExpertStore:
         device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
-        self.device = torch.device(device)
+        self.device = checked_device(device)
         self.slots = list(slots)
         part = "num_layers x num_experts x hidden_size x expert_hidden_size (routed experts)"
         _check_fits("ExpertStore", {part: config.expert_bytes(len(self.slots))}, self.device)
@@ -676,7 +712,7 @@ class MoETransformer:
         device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
-        self.device = torch.device(device)
+        self.device = checked_device(device)
         # A given backend has built its experts already.
         _check_fits("MoETransformer", config.estimate_bytes(0 if backend else None), self.device)
         self.dtype = torch_dtype(config.dtype)
