@@ -711,7 +711,10 @@ class SliceAssembler:
     engine stream ends; both return the user-facing chunks (OpenAI streaming shape, one id,
     index 0). :attr:`done` says whether the response is complete; :attr:`last_slice_tokens`
     is what to pass to :meth:`SliceTracker.record_tokens`. Sampled (non-greedy) slicing is
-    equivalent in distribution, not token for token; ``n``, ``best_of``, ``echo``,
+    equivalent in distribution, not token for token: an int ``seed`` goes to the first slice
+    as given and to each continuation as a seed derived from it and the tokens generated so
+    far (vLLM seeds a generator per request, so the user's seed on every slice would replay
+    the first slice's draws at each slice start); ``n``, ``best_of``, ``echo``,
     ``logprobs``, ``truncate_prompt_tokens``, structured output, tool calling and
     ``continuous_usage_stats`` are not supported across slices (see docs/slices.md). Text
     positions count characters. The assembly runs in Rust

@@ -9,7 +9,9 @@
 //! Each slice's call is the user's request with `max_tokens = min(slice, remaining)`,
 //! `stream` on with usage, and the prompt continued by the output so far: token ids appended
 //! (`return_token_ids`) or text appended for a completion, a final assistant message continued
-//! (`continue_final_message`) for a chat. Engine chunks' text is released to the user as it
+//! (`continue_final_message`) for a chat. A request's integer `seed` goes to the first slice
+//! as given and to each continuation as a seed derived from it and the tokens generated so
+//! far, so that no slice replays another's random draws. Engine chunks' text is released to the user as it
 //! comes, except the last `max(len(stop)) - 1` characters, held back until the next text (or
 //! the end) shows whether a stop string straddles the boundary; the first stop occurrence to
 //! end (ties: the stop listed first) ends the response. With `min_tokens`, as vLLM checks stop
@@ -159,6 +161,31 @@ fn chars_back(text: &str, at: usize, n: usize) -> usize {
         return at;
     }
     text[..at].char_indices().rev().nth(n - 1).map_or(0, |(i, _)| i)
+}
+
+/// The bits of an integer `seed` (a negative one as its two's complement); None for anything
+/// else, which is sent on as given for the engine to judge.
+fn seed_bits(value: &Value) -> Option<u64> {
+    match value {
+        Value::Number(n) => n.as_u64().or_else(|| n.as_i64().map(|v| v as u64)),
+        _ => None,
+    }
+}
+
+/// The seed of the continuation that starts after `generated` tokens of a request seeded with
+/// `seed`: splitmix64 of the two, in `0..2**63` (vLLM takes a signed 64-bit seed).
+///
+/// vLLM seeds a generator of the request's own with its `seed`, so a continuation sent the
+/// user's seed would replay the first slice's random draws at every slice start: the tokens
+/// at the same offset of every slice would be drawn from one noise, correlated across
+/// boundaries as no unsliced run is. A seed of its own per continuation, fixed by the request's
+/// seed and where the slice starts, keeps a sliced run deterministic and its draws fresh.
+fn continuation_seed(seed: u64, generated: u64) -> u64 {
+    let mut z =
+        (seed ^ generated.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) >> 1
 }
 
 /// One sliced request's continuation calls and its stitched response.
@@ -588,6 +615,11 @@ impl SliceAssembler {
         }
         if self.min_tokens > 0 {
             body.insert("min_tokens".into(), min_left.min(max_tokens).into());
+        }
+        if self.generated_tokens > 0 {
+            if let Some(seed) = self.request.get("seed").and_then(seed_bits) {
+                body.insert("seed".into(), continuation_seed(seed, self.generated_tokens).into());
+            }
         }
         match self.api {
             Api::Completions => match &self.prompt_ids {
