@@ -463,6 +463,38 @@ def test_a_seeded_request_draws_afresh_on_every_slice() -> None:
         assert asm.next_request(1)["seed"] == seed
 
 
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_a_stop_token_id_is_the_stop_reason_as_unsliced(api: str) -> None:
+    # vLLM reports the stop token id that ended an answer as its stop_reason (an int); the
+    # sliced answer said null, streamed and whole, where the unsliced one says 7.
+    base = {"model": "m", "max_tokens": 9, "stop_token_ids": [7]}
+    if api == "chat":
+        request = {**base, "messages": [{"role": "user", "content": "hi"}]}
+    else:
+        request = {**base, "prompt": [1]}
+    asm = SliceAssembler(request, api=api)  # type: ignore[arg-type]
+
+    def chunk(text: str, ids: list[int], finish: str, stop: object = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "token_ids": ids, "finish_reason": finish}
+        choice["stop_reason"] = stop
+        if api == "chat":
+            choice["delta"] = {"content": text}
+        else:
+            choice["text"] = text
+        return {"id": "e", "created": 1, "choices": [choice]}
+
+    asm.next_request(3)
+    asm.feed(chunk("abc", [5, 6, 8], "length"))
+    assert asm.end_slice() == []
+    asm.next_request(3)
+    asm.feed(chunk("d", [7], "stop", 7))
+    end = asm.end_slice()
+    assert asm.done and asm.finish_reason == "stop"
+    assert end[-1]["choices"][0]["stop_reason"] == 7
+    assert asm.response()["choices"][0]["stop_reason"] == 7
+    assert asm.stop_reason is None  # no stop string ended it
+
+
 def test_continuation_request_shapes() -> None:
     chat = SliceAssembler(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}],

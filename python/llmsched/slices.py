@@ -776,7 +776,9 @@ class SliceAssembler:
 
     @property
     def stop_reason(self) -> str | None:
-        """The stop string that ended the response, if one did."""
+        """The stop string that ended the response, if one did. (A stop token id that ended
+        it is the ``stop_reason`` of the final chunk and of :meth:`response`, as vLLM gives
+        it, not this.)"""
         return self._native.stop_reason
 
     @property

@@ -226,6 +226,8 @@ pub struct SliceAssembler {
     recomputed: i64,
     finish_reason: Option<Value>,
     stop_reason: Option<String>,
+    /// The stop token id that ended the response (vLLM's `stop_reason` for `stop_token_ids`).
+    stop_token: Option<Value>,
     sent_role: bool,
     in_slice: bool,
     slice_max: u64,
@@ -285,6 +287,7 @@ impl SliceAssembler {
             recomputed: 0,
             finish_reason: None,
             stop_reason: None,
+            stop_token: None,
             sent_role: false,
             in_slice: false,
             slice_max: 0,
@@ -865,6 +868,7 @@ impl SliceAssembler {
             if !self.done() {
                 self.finish_reason = Some(reason);
                 self.stop_reason = self.slice_stop_reason.as_str().map(str::to_owned);
+                self.stop_token = Some(self.slice_stop_reason.clone()).filter(Value::is_number);
             }
         }
         let finish = self.finish_reason.clone();
@@ -975,12 +979,23 @@ impl SliceAssembler {
         choice.insert("logprobs".into(), Value::Null);
         let finished = finish_reason.is_some();
         choice.insert("finish_reason".into(), finish_reason.unwrap_or(Value::Null));
-        if let Some(stop) = self.stop_reason.as_ref().filter(|_| finished) {
-            choice.insert("stop_reason".into(), stop.clone().into());
+        let stop = if finished { self.stop_reason_value() } else { Value::Null };
+        if !stop.is_null() {
+            choice.insert("stop_reason".into(), stop);
         }
         let mut out = self.envelope(self.object(false));
         out.insert("choices".into(), json!([choice]));
         Value::Object(out)
+    }
+
+    /// The response's `stop_reason` as vLLM reports it: the stop string, or the stop token id
+    /// (an int) that ended it, else null.
+    fn stop_reason_value(&self) -> Value {
+        match (&self.stop_reason, &self.stop_token) {
+            (Some(stop), _) => Value::from(stop.as_str()),
+            (None, Some(token)) => token.clone(),
+            (None, None) => Value::Null,
+        }
     }
 
     fn usage_chunk(&self) -> Value {
@@ -1004,10 +1019,7 @@ impl SliceAssembler {
         };
         choice.insert("logprobs".into(), Value::Null);
         choice.insert("finish_reason".into(), finish.clone());
-        choice.insert(
-            "stop_reason".into(),
-            self.stop_reason.clone().map_or(Value::Null, Value::from),
-        );
+        choice.insert("stop_reason".into(), self.stop_reason_value());
         let mut out = self.envelope(self.object(true));
         out.insert("choices".into(), json!([choice]));
         out.insert("usage".into(), self.usage().as_openai());

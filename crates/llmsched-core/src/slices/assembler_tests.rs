@@ -291,3 +291,22 @@ fn a_seeded_request_gets_a_seed_of_its_own_per_continuation() {
     assert_ne!(continuation_seed(5, 3), continuation_seed(6, 3));
     assert!(continuation_seed(u64::MAX, u64::MAX) < 1 << 63);
 }
+
+#[test]
+fn a_stop_token_id_is_the_stop_reason_as_unsliced() {
+    let request = json!({"model": "m", "prompt": [1], "max_tokens": 9, "stop_token_ids": [7]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(3).unwrap();
+    asm.feed(&completion("ab", &[5, 6], Some("length"))).unwrap();
+    asm.feed(&completion("c", &[8], Some("length"))).unwrap();
+    asm.end_slice().unwrap();
+    asm.next_request(3).unwrap();
+    let mut last = completion("d", &[7], Some("stop"));
+    last["choices"][0]["stop_reason"] = json!(7);
+    asm.feed(&last).unwrap();
+    let end = asm.end_slice().unwrap();
+    assert!(asm.done());
+    assert_eq!(end.last().unwrap()["choices"][0]["stop_reason"], 7);
+    assert_eq!(asm.response().unwrap()["choices"][0]["stop_reason"], 7);
+    assert_eq!(asm.stop_reason(), None, "no stop string ended it");
+}
