@@ -428,6 +428,9 @@ TestSliceMachine = SliceMachine.TestCase
 # --------------------------------------------------------------------------------------------
 
 
+# Up to 5000 boundaries an example (base_quantum 1): past hypothesis's 200 ms deadline on a
+# loaded machine.
+@settings(deadline=None)
 @given(
     prompt=st.integers(0, 10_000),
     max_tokens=st.integers(1, 5000),
