@@ -113,3 +113,89 @@ def test_negative_starts_and_blocks_are_refused_when_built(
     # Both indexed their tables from the end.
     with pytest.raises(ConfigError, match=match):
         ForwardBatch.build([chunk], 16)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "match"),
+    [
+        # Two sequences given the same block: their keys went to the same slots, and the first
+        # attended to the second's keys (its logits off by about 2 against forward_dense).
+        (
+            [SequenceChunk([1, 2, 3], 0, [0, 1]), SequenceChunk([4, 5], 0, [0])],
+            r"KV slot 0 \(block 0, offset 0\) is written by two tokens",
+        ),
+        # One sequence whose table lists a block twice writes positions 0 and 2 to one slot.
+        ([SequenceChunk([1, 2, 3, 4], 0, [1, 1])], r"KV slot 2 \(block 1, offset 0\)"),
+    ],
+)
+def test_two_tokens_writing_one_kv_slot_are_refused(
+    model: MoETransformer, chunks: list[SequenceChunk], match: str
+) -> None:
+    kv = PagedKV(CONFIG, 2, 2)
+    batch = ForwardBatch.build(chunks, 2)
+    with pytest.raises(ConfigError, match=match):
+        _unchanged(model, kv, batch)
+
+
+def test_two_micro_batches_writing_one_kv_slot_are_refused(model: MoETransformer) -> None:
+    kv = PagedKV(CONFIG, 4, 16)
+    first = ForwardBatch.build([SequenceChunk([1, 2, 3], 0, [1])], 16)
+    second = ForwardBatch.build([SequenceChunk([4, 5], 0, [1])], 16)
+    before = kv.key.clone()
+    with pytest.raises(ConfigError, match=r"KV slot 16 \(block 1, offset 0\) is written by two"):
+        model.forward([first, second], kv)
+    assert torch.equal(kv.key, before)
+    # Reading a block another sequence computed earlier (a shared prefix) is fine.
+    model.forward([first], kv)
+    shared = ForwardBatch.build([SequenceChunk([9], 16, [1, 2])], 16)
+    model.forward([shared], kv)
+
+
+def test_a_batch_on_another_device_is_refused(model: MoETransformer) -> None:
+    kv = PagedKV(CONFIG, 2, 16)
+    # The meta device stands in for a GPU on a CPU-only machine: it was a bare RuntimeError
+    # (Tensor.item() cannot be called on meta tensors), on a GPU one from the embedding.
+    batch = ForwardBatch.build([SequenceChunk([1, 2, 3], 0, [0])], 16, device="meta")
+    with pytest.raises(ConfigError, match="batch 0 is on meta, the model is on cpu"):
+        _unchanged(model, kv, batch)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size", "match"),
+    [
+        (-1, 16, "num_blocks must be an int >= 0, got -1"),  # a bare RuntimeError
+        (2.5, 16, "num_blocks must be an int >= 0, got 2.5"),  # a bare TypeError
+        (2, 0, "block_size must be a positive int, got 0"),  # a cache that holds nothing
+        (2, True, "block_size must be a positive int, got True"),
+    ],
+)
+def test_kv_cache_sizes_are_checked(num_blocks: object, block_size: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        PagedKV(CONFIG, num_blocks, block_size)  # type: ignore[arg-type]
+    # No blocks is a cache: an expert-parallel rank with no sequence still runs every pass.
+    assert PagedKV(CONFIG, 0, 16).num_blocks == 0
+
+
+@pytest.mark.parametrize("build", [MoETransformer, LocalExperts.build])
+def test_a_device_this_machine_lacks_is_a_config_error(build: object) -> None:
+    # A bare RuntimeError from torch ("Found no NVIDIA driver", "Expected one of cpu, cuda,
+    # ... device type", an invalid device ordinal) from the memory check on.
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, on any machine
+    with pytest.raises(ConfigError, match=f"device '{missing}'"):
+        build(CONFIG, device=missing)  # type: ignore[operator]
+    with pytest.raises(ConfigError, match="device 'tpu': Expected one of cpu, cuda"):
+        build(CONFIG, device="tpu")  # type: ignore[operator]
+
+
+def test_a_kv_cache_on_a_device_this_machine_lacks_is_a_config_error() -> None:
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ConfigError, match=f"device '{missing}'"):
+        PagedKV(CONFIG, 2, 16, missing)
+
+
+@pytest.mark.parametrize(("device", "read_as"), [("cuda:256", "cuda:0"), ("cuda:255", "cuda")])
+def test_a_device_index_torch_wraps_is_refused(device: str, read_as: str) -> None:
+    # torch keeps a device index in 8 bits: on a GPU machine cuda:256 ran on GPU 0, and
+    # cuda:255 (index -1) on the current device, without a word.
+    with pytest.raises(ConfigError, match=f"index {device[5:]} is past .* read it as {read_as}\\)"):
+        MoETransformer(CONFIG, device=device)

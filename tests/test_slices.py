@@ -6,6 +6,7 @@ import heapq
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -124,6 +125,24 @@ def test_cost_model_formulas() -> None:
         SwitchCostModel(decode_step_s=0)
     with pytest.raises(ConfigError, match="layers"):
         SwitchCostModel.from_model(params=1e9, layers=0, kv_heads=1, head_dim=1)
+
+
+@pytest.mark.parametrize(
+    ("dims", "match"),
+    [
+        # Both said "must be a positive number, got 32" (or 8000000000.0).
+        ({"layers": np.int64(32)}, "layers must be a plain int or float .*, got int64 32"),
+        ({"params": np.float32(8e9)}, "params must be a plain int or float .*, got float32"),
+        ({"layers": True}, "layers must be a plain int or float .*, got bool True"),
+        ({"kv_heads": -8}, "kv_heads must be a positive number, got -8"),
+    ],
+)
+def test_from_model_names_what_is_wrong_with_a_dimension(
+    dims: dict[str, object], match: str
+) -> None:
+    base: dict[str, object] = {"params": 8e9, "layers": 32, "kv_heads": 8, "head_dim": 128}
+    with pytest.raises(ConfigError, match=match):
+        SwitchCostModel.from_model(**{**base, **dims})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -409,6 +428,9 @@ TestSliceMachine = SliceMachine.TestCase
 # --------------------------------------------------------------------------------------------
 
 
+# Up to 5000 boundaries an example (base_quantum 1): past hypothesis's 200 ms deadline on a
+# loaded machine.
+@settings(deadline=None)
 @given(
     prompt=st.integers(0, 10_000),
     max_tokens=st.integers(1, 5000),

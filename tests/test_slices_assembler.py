@@ -3,6 +3,7 @@ deterministic fake engine showing that slicing + recompute gives the uninterrupt
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -409,6 +410,89 @@ def _feed_slice(asm: SliceAssembler, text: str, ids: list[int] | None, finish: s
     n = len(ids) if ids is not None else len(text)
     asm.feed({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
     asm.end_slice()
+
+
+def _coin_engine(body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A sampled engine as vLLM seeds one: a generator of its own per request, seeded with the
+    request's ``seed``; each token a fair coin flip (id 1 or 2) drawn from it."""
+    rng = random.Random(body["seed"])
+    ids = [1 + rng.randrange(2) for _ in range(body["max_tokens"])]
+    text = "".join("ab"[i - 1] for i in ids)
+    choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": "length"}
+    yield {"id": "e", "created": 1, "choices": [choice]}
+    yield {"id": "e", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": len(ids)}}
+
+
+def _seeded_run(request: dict[str, Any], slice_tokens: int) -> tuple[list[int], list[object]]:
+    asm = SliceAssembler(request)
+    seeds = []
+    while not asm.done:
+        body = asm.next_request(slice_tokens)
+        seeds.append(body.get("seed"))
+        for chunk in _coin_engine(body):
+            asm.feed(chunk)
+        asm.end_slice()
+    return list(asm.generated_token_ids), seeds
+
+
+def test_a_seeded_request_draws_afresh_on_every_slice() -> None:
+    # Every continuation carried the user's seed, so each slice replayed the first slice's
+    # random draws: with one-token slices all 40 flips came out the same, a correlation across
+    # boundaries no unsliced run has (not "equivalent in distribution").
+    request = {"model": "m", "prompt": [5], "max_tokens": 40, "temperature": 1.0, "seed": 1234}
+    ids, seeds = _seeded_run(request, 1)
+    assert sorted(set(ids)) == [1, 2]
+    assert abs(ids.count(1) - 20) < 12  # a fair coin, not one side
+    assert seeds[0] == 1234  # the first slice is the unsliced request's own start
+    assert len(set(seeds)) == len(seeds)  # each continuation its own stream
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds)  # vLLM's seed range
+    # Deterministic: the same request sliced the same way gives the same tokens.
+    assert _seeded_run(request, 1) == (ids, seeds)
+    # The first slice of a sliced run is the unsliced run's first tokens.
+    whole, _ = _seeded_run(request, 40)
+    assert _seeded_run(request, 8)[0][:8] == whole[:8]
+    # Without a seed (the engine's own generator) or with one that is not an int, the field
+    # is sent as given.
+    for seed in (None, "7", 1.5):
+        asm = SliceAssembler({**request, "seed": seed})
+        asm.next_request(1)
+        choice = {"index": 0, "text": "a", "token_ids": [1], "finish_reason": "length"}
+        asm.feed({"choices": [choice]})
+        asm.feed({"choices": [], "usage": {"completion_tokens": 1}})
+        asm.end_slice()
+        assert asm.next_request(1)["seed"] == seed
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_a_stop_token_id_is_the_stop_reason_as_unsliced(api: str) -> None:
+    # vLLM reports the stop token id that ended an answer as its stop_reason (an int); the
+    # sliced answer said null, streamed and whole, where the unsliced one says 7.
+    base = {"model": "m", "max_tokens": 9, "stop_token_ids": [7]}
+    if api == "chat":
+        request = {**base, "messages": [{"role": "user", "content": "hi"}]}
+    else:
+        request = {**base, "prompt": [1]}
+    asm = SliceAssembler(request, api=api)  # type: ignore[arg-type]
+
+    def chunk(text: str, ids: list[int], finish: str, stop: object = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "token_ids": ids, "finish_reason": finish}
+        choice["stop_reason"] = stop
+        if api == "chat":
+            choice["delta"] = {"content": text}
+        else:
+            choice["text"] = text
+        return {"id": "e", "created": 1, "choices": [choice]}
+
+    asm.next_request(3)
+    asm.feed(chunk("abc", [5, 6, 8], "length"))
+    assert asm.end_slice() == []
+    asm.next_request(3)
+    asm.feed(chunk("d", [7], "stop", 7))
+    end = asm.end_slice()
+    assert asm.done and asm.finish_reason == "stop"
+    assert end[-1]["choices"][0]["stop_reason"] == 7
+    assert asm.response()["choices"][0]["stop_reason"] == 7
+    assert asm.stop_reason is None  # no stop string ended it
 
 
 def test_continuation_request_shapes() -> None:

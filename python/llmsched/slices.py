@@ -187,7 +187,13 @@ class SwitchCostModel:
             if name not in ("model", "gpu"):
                 check_number_like(name, setting)
         for name, value in model.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            # A numpy scalar was "must be a positive number, got 32": name what is wrong.
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(
+                    f"cost model dims: {name} must be a plain int or float (config is plain "
+                    f"data), got {type(value).__name__} {value}"
+                )
+            if not value > 0:
                 raise ConfigError(f"cost model dims: {name} must be a positive number, got {value}")
         self = cls.__new__(cls)
         try:
@@ -705,7 +711,10 @@ class SliceAssembler:
     engine stream ends; both return the user-facing chunks (OpenAI streaming shape, one id,
     index 0). :attr:`done` says whether the response is complete; :attr:`last_slice_tokens`
     is what to pass to :meth:`SliceTracker.record_tokens`. Sampled (non-greedy) slicing is
-    equivalent in distribution, not token for token; ``n``, ``best_of``, ``echo``,
+    equivalent in distribution, not token for token: an int ``seed`` goes to the first slice
+    as given and to each continuation as a seed derived from it and the tokens generated so
+    far (vLLM seeds a generator per request, so the user's seed on every slice would replay
+    the first slice's draws at each slice start); ``n``, ``best_of``, ``echo``,
     ``logprobs``, ``truncate_prompt_tokens``, structured output, tool calling and
     ``continuous_usage_stats`` are not supported across slices (see docs/slices.md). Text
     positions count characters. The assembly runs in Rust
@@ -767,7 +776,9 @@ class SliceAssembler:
 
     @property
     def stop_reason(self) -> str | None:
-        """The stop string that ended the response, if one did."""
+        """The stop string that ended the response, if one did. (A stop token id that ended
+        it is the ``stop_reason`` of the final chunk and of :meth:`response`, as vLLM gives
+        it, not this.)"""
         return self._native.stop_reason
 
     @property

@@ -30,7 +30,13 @@ import torch
 
 from llmsched.errors import ConfigError
 from llmsched.executor.config import DEFAULT_BLOCK_SIZE, ModelConfig
-from llmsched.executor.model import ForwardBatch, MoETransformer, PagedKV, SequenceChunk
+from llmsched.executor.model import (
+    ForwardBatch,
+    MoETransformer,
+    PagedKV,
+    SequenceChunk,
+    checked_device,
+)
 from llmsched.executor.step_time import StepSample, StepTimeProfile
 
 __all__ = ["CalibrationGrid", "calibrate", "torch_device"]
@@ -83,19 +89,9 @@ def torch_device(device: str) -> torch.device:
     ...
     llmsched.errors.ConfigError: device 'tpu': Expected one of cpu, cuda, ...
     """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device {device!r}: {str(exc).splitlines()[0]}") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
+    dev = checked_device(device)
+    if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {device!r}: calibrate runs on cpu or cuda")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r}: no CUDA device on this machine")
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise ConfigError(f"device {device!r}: this machine has {count} CUDA device(s)")
     return dev
 
 

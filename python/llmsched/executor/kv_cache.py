@@ -33,11 +33,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmsched.errors import ConfigError, InvalidValueError
+from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
 from llmsched.executor.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from llmsched.hashing import block_hashes
 
 __all__ = ["BlockPool", "CachedBlock", "KVCacheManager", "NoFreeBlocksError"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -61,8 +65,10 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, medium: str = "GPU") -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ConfigError("num_blocks and block_size must be positive")
+        for name, size in (("num_blocks", num_blocks), ("block_size", block_size)):
+            # 2.5 and "4" were bare TypeErrors, True a pool of one block.
+            if not _is_int(size) or size < 1:
+                raise ConfigError(f"{name} must be a positive int, got {size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.medium = medium
@@ -120,7 +126,15 @@ class BlockPool:
             self.ref_count[block] += 1
 
     def allocate(self, count: int) -> list[int]:
-        """``count`` blocks from the front of the free queue, evicting their hashes."""
+        """``count`` blocks from the front of the free queue, evicting their hashes.
+
+        ``count`` is an int >= 0 (InvalidTypeError, InvalidValueError: -1 gave no block
+        without a word, True one block).
+        """
+        if not _is_int(count):
+            raise InvalidTypeError(f"count must be an int, got {type(count).__name__}")
+        if count < 0:
+            raise InvalidValueError(f"count must be an int >= 0, got {count}")
         if count > self.num_free:
             raise NoFreeBlocksError(f"need {count} blocks, {self.num_free} free")
         blocks = []
@@ -171,10 +185,33 @@ class BlockPool:
     ) -> None:
         """Register full, computed ``blocks`` under ``hashes`` (chained after ``parent_hash``).
 
+        ``blocks`` are blocks of this pool a request holds, one hash each, and ``token_ids``
+        their ``len(blocks) * block_size`` tokens; anything else is an InvalidValueError and
+        nothing changes (a block outside the pool or a hash missing cached the blocks before
+        it, with no event, before a bare IndexError or ValueError; -1 was cached as block -1;
+        too few tokens published a ``BlockStored`` of a partial block; a free block was cached
+        at the front of the eviction queue).
+
         Blocks already cached, and blocks whose hash another block holds, are skipped; each run
         of newly cached blocks becomes one ``BlockStored`` event.
         """
         size = self.block_size
+        blocks = self._block_ids(blocks, "cache")
+        if len(hashes) != len(blocks):
+            raise InvalidValueError(
+                f"cache: {len(blocks)} blocks, {len(hashes)} hashes; give one hash per block"
+            )
+        if len(token_ids) != len(blocks) * size:
+            raise InvalidValueError(
+                f"cache: {len(blocks)} blocks of {size} tokens need {len(blocks) * size} token "
+                f"ids, got {len(token_ids)}"
+            )
+        for block in blocks:
+            if self.ref_count[block] == 0:
+                raise InvalidValueError(
+                    f"cache: block {block} is not held by any request (only computed blocks "
+                    "are cached)"
+                )
         run: list[int] = []
         run_parent = parent_hash
         parent = parent_hash

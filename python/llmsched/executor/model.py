@@ -53,6 +53,7 @@ __all__ = [
     "MoETransformer",
     "PagedKV",
     "SequenceChunk",
+    "checked_device",
     "checked_tokens",
     "device_memory_bytes",
     "seeded_tensor",
@@ -89,10 +90,13 @@ def device_memory_bytes(device: torch.device | str) -> int:
     Model and KV sizes past it are refused with a ConfigError before anything is allocated;
     where the memory cannot be read the bound is 1 TiB.
 
+    A device string torch does not know, or a CUDA device this machine lacks, is a
+    :class:`~llmsched.errors.ConfigError` (it was a bare RuntimeError from torch).
+
     >>> device_memory_bytes("cpu") > 0
     True
     """
-    device = torch.device(device)
+    device = checked_device(device)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     try:
@@ -108,8 +112,40 @@ def device_memory_bytes(device: torch.device | str) -> int:
     return int(limit) if limit > 0 else _FALLBACK_MEMORY_BYTES
 
 
+def checked_device(device: torch.device | str) -> torch.device:
+    """``device`` as a torch device, or a :class:`~llmsched.errors.ConfigError` naming it for a
+    string torch does not parse or a CUDA device this machine does not have (torch's bare
+    RuntimeError otherwise, from the first allocation or memory query).
+
+    >>> checked_device("cpu")
+    device(type='cpu')
+    >>> checked_device("tpu")
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: device 'tpu': Expected one of cpu, cuda, ...
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device {device!r}: {str(exc).splitlines()[0]}") from None
+    written = device.rpartition(":")[2] if isinstance(device, str) and ":" in device else ""
+    if written.isdigit() and int(written) != parsed.index:
+        # torch keeps an index in 8 bits: cuda:256 was cuda:0 and cuda:255 the current device.
+        raise ConfigError(
+            f"device {device!r}: index {int(written)} is past torch's device indices (it read "
+            f"it as {parsed})"
+        )
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {str(device)!r}: no CUDA device on this machine")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ConfigError(f"device {str(device)!r}: this machine has {count} CUDA device(s)")
+    return parsed
+
+
 def _check_fits(what: str, parts: Mapping[str, int], device: torch.device | str) -> None:
-    device = torch.device(device)
+    device = checked_device(device)
     check_memory(what, parts, device_memory_bytes(device), str(device))
 
 
@@ -305,6 +341,12 @@ class PagedKV:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> None:
+        # -1 and 2.5 failed in torch.zeros; a block size of 0 made a cache that holds nothing.
+        # No blocks is a cache: an expert-parallel rank with no sequence still runs each pass.
+        for name, size, low in (("num_blocks", num_blocks, 0), ("block_size", block_size, 1)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < low:
+                kind = "a positive int" if low else "an int >= 0"
+                raise ConfigError(f"{name} must be {kind}, got {size!r}")
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         kv_part = "num_blocks x block_size x num_layers x num_kv_heads x head_dim (KV cache)"
         _check_fits("PagedKV", {kv_part: 2 * math.prod(shape) * _dtype_bytes(config)}, device)
@@ -371,7 +413,7 @@ class ExpertStore:
         device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
-        self.device = torch.device(device)
+        self.device = checked_device(device)
         self.slots = list(slots)
         part = "num_layers x num_experts x hidden_size x expert_hidden_size (routed experts)"
         _check_fits("ExpertStore", {part: config.expert_bytes(len(self.slots))}, self.device)
@@ -585,6 +627,38 @@ def _check_backend(config: ModelConfig, backend: object, device: torch.device) -
         )
 
 
+_BATCH_TENSORS = (
+    "token_ids",
+    "positions",
+    "slot_mapping",
+    "query_index",
+    "query_valid",
+    "kv_blocks",
+    "attn_mask",
+    "sample_rows",
+)
+"""The tensors of a :class:`ForwardBatch`, each on the model's device."""
+
+
+def _check_distinct_slots(batches: Sequence[ForwardBatch], block_size: int) -> None:
+    """ConfigError when two tokens of one forward pass write one KV slot (two sequences given
+    one block, or a block listed twice in a table): one overwrote the other's keys and values,
+    and the logits of both were wrong without a word."""
+    slots = [batch.slot_mapping for batch in batches if batch.num_tokens]
+    if not slots:
+        return
+    flat = torch.cat(slots)
+    unique, counts = torch.unique(flat, return_counts=True)
+    if unique.numel() == flat.numel():
+        return
+    slot = int(unique[counts > 1][0])
+    raise ConfigError(
+        f"KV slot {slot} (block {slot // block_size}, offset {slot % block_size}) is written by "
+        "two tokens of one forward pass; each sequence needs blocks of its own for the "
+        "positions it computes"
+    )
+
+
 def _check_placement(config: ModelConfig, placement: ExpertPlacement) -> None:
     if placement.num_layers != config.num_layers or placement.num_experts != config.num_experts:
         raise ConfigError(
@@ -638,7 +712,7 @@ class MoETransformer:
         device: torch.device | str = "cpu",
     ) -> None:
         self.config = config
-        self.device = torch.device(device)
+        self.device = checked_device(device)
         # A given backend has built its experts already.
         _check_fits("MoETransformer", config.estimate_bytes(0 if backend else None), self.device)
         self.dtype = torch_dtype(config.dtype)
@@ -862,6 +936,13 @@ has blocks of 16
                     f"batch {index} was built for blocks of {batch.block_size} tokens, the KV "
                     f"cache has blocks of {block_size}"
                 )
+            for name in _BATCH_TENSORS:
+                device = getattr(batch, name).device
+                if not _same_device(device, self.device):
+                    raise ConfigError(
+                        f"batch {index} is on {device}, the model is on {self.device} "
+                        f"(its {name}; build it with device={str(self.device)!r})"
+                    )
             if not batch.num_tokens:
                 continue
             low, high = int(batch.token_ids.min()), int(batch.token_ids.max())
@@ -882,6 +963,7 @@ has blocks of 16
                 raise ConfigError(
                     f"batch {index} uses block {top}; the KV cache has {num_blocks} blocks"
                 )
+        _check_distinct_slots(batches, block_size)
 
     def forward_dense(self, token_ids: TokensLike) -> Tensor:
         """Logits of every position of one sequence, attention without any cache (reference).

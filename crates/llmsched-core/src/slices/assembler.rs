@@ -9,7 +9,9 @@
 //! Each slice's call is the user's request with `max_tokens = min(slice, remaining)`,
 //! `stream` on with usage, and the prompt continued by the output so far: token ids appended
 //! (`return_token_ids`) or text appended for a completion, a final assistant message continued
-//! (`continue_final_message`) for a chat. Engine chunks' text is released to the user as it
+//! (`continue_final_message`) for a chat. A request's integer `seed` goes to the first slice
+//! as given and to each continuation as a seed derived from it and the tokens generated so
+//! far, so that no slice replays another's random draws. Engine chunks' text is released to the user as it
 //! comes, except the last `max(len(stop)) - 1` characters, held back until the next text (or
 //! the end) shows whether a stop string straddles the boundary; the first stop occurrence to
 //! end (ties: the stop listed first) ends the response. With `min_tokens`, as vLLM checks stop
@@ -161,6 +163,31 @@ fn chars_back(text: &str, at: usize, n: usize) -> usize {
     text[..at].char_indices().rev().nth(n - 1).map_or(0, |(i, _)| i)
 }
 
+/// The bits of an integer `seed` (a negative one as its two's complement); None for anything
+/// else, which is sent on as given for the engine to judge.
+fn seed_bits(value: &Value) -> Option<u64> {
+    match value {
+        Value::Number(n) => n.as_u64().or_else(|| n.as_i64().map(|v| v as u64)),
+        _ => None,
+    }
+}
+
+/// The seed of the continuation that starts after `generated` tokens of a request seeded with
+/// `seed`: splitmix64 of the two, in `0..2**63` (vLLM takes a signed 64-bit seed).
+///
+/// vLLM seeds a generator of the request's own with its `seed`, so a continuation sent the
+/// user's seed would replay the first slice's random draws at every slice start: the tokens
+/// at the same offset of every slice would be drawn from one noise, correlated across
+/// boundaries as no unsliced run is. A seed of its own per continuation, fixed by the request's
+/// seed and where the slice starts, keeps a sliced run deterministic and its draws fresh.
+fn continuation_seed(seed: u64, generated: u64) -> u64 {
+    let mut z =
+        (seed ^ generated.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) >> 1
+}
+
 /// One sliced request's continuation calls and its stitched response.
 #[derive(Debug, Clone)]
 pub struct SliceAssembler {
@@ -199,6 +226,8 @@ pub struct SliceAssembler {
     recomputed: i64,
     finish_reason: Option<Value>,
     stop_reason: Option<String>,
+    /// The stop token id that ended the response (vLLM's `stop_reason` for `stop_token_ids`).
+    stop_token: Option<Value>,
     sent_role: bool,
     in_slice: bool,
     slice_max: u64,
@@ -258,6 +287,7 @@ impl SliceAssembler {
             recomputed: 0,
             finish_reason: None,
             stop_reason: None,
+            stop_token: None,
             sent_role: false,
             in_slice: false,
             slice_max: 0,
@@ -589,6 +619,11 @@ impl SliceAssembler {
         if self.min_tokens > 0 {
             body.insert("min_tokens".into(), min_left.min(max_tokens).into());
         }
+        if self.generated_tokens > 0 {
+            if let Some(seed) = self.request.get("seed").and_then(seed_bits) {
+                body.insert("seed".into(), continuation_seed(seed, self.generated_tokens).into());
+            }
+        }
         match self.api {
             Api::Completions => match &self.prompt_ids {
                 Some(ids) => {
@@ -833,6 +868,7 @@ impl SliceAssembler {
             if !self.done() {
                 self.finish_reason = Some(reason);
                 self.stop_reason = self.slice_stop_reason.as_str().map(str::to_owned);
+                self.stop_token = Some(self.slice_stop_reason.clone()).filter(Value::is_number);
             }
         }
         let finish = self.finish_reason.clone();
@@ -943,12 +979,23 @@ impl SliceAssembler {
         choice.insert("logprobs".into(), Value::Null);
         let finished = finish_reason.is_some();
         choice.insert("finish_reason".into(), finish_reason.unwrap_or(Value::Null));
-        if let Some(stop) = self.stop_reason.as_ref().filter(|_| finished) {
-            choice.insert("stop_reason".into(), stop.clone().into());
+        let stop = if finished { self.stop_reason_value() } else { Value::Null };
+        if !stop.is_null() {
+            choice.insert("stop_reason".into(), stop);
         }
         let mut out = self.envelope(self.object(false));
         out.insert("choices".into(), json!([choice]));
         Value::Object(out)
+    }
+
+    /// The response's `stop_reason` as vLLM reports it: the stop string, or the stop token id
+    /// (an int) that ended it, else null.
+    fn stop_reason_value(&self) -> Value {
+        match (&self.stop_reason, &self.stop_token) {
+            (Some(stop), _) => Value::from(stop.as_str()),
+            (None, Some(token)) => token.clone(),
+            (None, None) => Value::Null,
+        }
     }
 
     fn usage_chunk(&self) -> Value {
@@ -972,10 +1019,7 @@ impl SliceAssembler {
         };
         choice.insert("logprobs".into(), Value::Null);
         choice.insert("finish_reason".into(), finish.clone());
-        choice.insert(
-            "stop_reason".into(),
-            self.stop_reason.clone().map_or(Value::Null, Value::from),
-        );
+        choice.insert("stop_reason".into(), self.stop_reason_value());
         let mut out = self.envelope(self.object(true));
         out.insert("choices".into(), json!([choice]));
         out.insert("usage".into(), self.usage().as_openai());

@@ -270,3 +270,43 @@ fn produced_tokens_count_the_slice_in_progress() {
     asm.feed(&json!({"choices": [], "usage": {"completion_tokens": 99}})).unwrap();
     assert_eq!(asm.produced_tokens(), 4);
 }
+
+#[test]
+fn a_seeded_request_gets_a_seed_of_its_own_per_continuation() {
+    let request = json!({"model": "m", "prompt": [1], "max_tokens": 9, "seed": -5});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    let mut seeds = Vec::new();
+    for _ in 0..3 {
+        let body = asm.next_request(3).unwrap();
+        seeds.push(body["seed"].clone());
+        asm.feed(&completion("abc", &[5, 6, 7], Some("length"))).unwrap();
+        asm.end_slice().unwrap();
+    }
+    assert!(asm.done());
+    assert_eq!(seeds[0], -5, "the first slice is the user's request");
+    let derived: Vec<i64> = seeds[1..].iter().map(|s| s.as_i64().unwrap()).collect();
+    assert!(derived.iter().all(|s| *s >= 0), "{derived:?}");
+    assert_ne!(derived[0], derived[1]);
+    assert_eq!(continuation_seed(5, 3), continuation_seed(5, 3));
+    assert_ne!(continuation_seed(5, 3), continuation_seed(6, 3));
+    assert!(continuation_seed(u64::MAX, u64::MAX) < 1 << 63);
+}
+
+#[test]
+fn a_stop_token_id_is_the_stop_reason_as_unsliced() {
+    let request = json!({"model": "m", "prompt": [1], "max_tokens": 9, "stop_token_ids": [7]});
+    let mut asm = SliceAssembler::new(&request, Api::Completions, Default::default()).unwrap();
+    asm.next_request(3).unwrap();
+    asm.feed(&completion("ab", &[5, 6], Some("length"))).unwrap();
+    asm.feed(&completion("c", &[8], Some("length"))).unwrap();
+    asm.end_slice().unwrap();
+    asm.next_request(3).unwrap();
+    let mut last = completion("d", &[7], Some("stop"));
+    last["choices"][0]["stop_reason"] = json!(7);
+    asm.feed(&last).unwrap();
+    let end = asm.end_slice().unwrap();
+    assert!(asm.done());
+    assert_eq!(end.last().unwrap()["choices"][0]["stop_reason"], 7);
+    assert_eq!(asm.response().unwrap()["choices"][0]["stop_reason"], 7);
+    assert_eq!(asm.stop_reason(), None, "no stop string ended it");
+}
