@@ -269,6 +269,17 @@ class ScenarioConfig:
                 raise ConfigError(
                     f"unknown slices.policy {self.slices.policy!r}; known: {policy_names()}"
                 )
+        if self.flow.config:
+            # Checked here, enabled or not: it was read only when a run began, so a typo in a
+            # later variant's flow config stopped the comparison after the earlier variants
+            # ran, and one in a disabled flow section was never seen.
+            from llmsched.flow import resolve_config
+
+            try:
+                resolve_config(self.flow.controller_config())
+            except ConfigError as exc:
+                text = str(exc).removeprefix("flow config: ")
+                raise ConfigError(f"flow.config: {text}") from None
         for name in ("metrics_delay_s", "kv_events_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
