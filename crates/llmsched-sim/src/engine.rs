@@ -1988,7 +1988,10 @@ impl Replica {
     }
 
     fn schedule(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
-        let mut budget = w.cfg.max_num_batched_tokens as i64 - self.decode_n as i64;
+        // Saturating: a setting past i64::MAX (the scenario allows up to 2**64 - 1) wrapped to a
+        // negative budget, and every request was refused as one that never fits.
+        let limit = i64::try_from(w.cfg.max_num_batched_tokens).unwrap_or(i64::MAX);
+        let mut budget = limit - self.decode_n as i64;
         let mut preempted = false;
         let snapshot = self.prefilling.clone();
         for r in snapshot {
@@ -2052,7 +2055,8 @@ impl Replica {
 
     fn admit(&mut self, mut budget: i64, w: &mut World<'_>) -> Result<(), SimError> {
         let bs = w.bs;
-        let mut seats = w.cfg.max_num_seqs as i64 - self.running.len() as i64;
+        let seats_max = i64::try_from(w.cfg.max_num_seqs).unwrap_or(i64::MAX);
+        let mut seats = seats_max - self.running.len() as i64;
         while budget > 0 && seats > 0 {
             let Some(&r) = self.waiting.front() else { break };
             if !w.reqs[r].kv_started {
