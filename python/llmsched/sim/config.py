@@ -185,7 +185,8 @@ class SliceConfig:
 class FlowConfig:
     """Flow control in front of the router (:class:`llmsched.flow.FlowController`, built
     from ``config``, its llm-d style configuration): requests wait in priority bands until the
-    pool's saturation lets their band dispatch; refused or expired ones count as rejected."""
+    pool's saturation lets their band dispatch; refused or expired ones count as rejected.
+    ``config`` is checked when the scenario loads, enabled or not."""
 
     enabled: bool = False
     config: dict[str, Any] = field(default_factory=dict)
