@@ -148,3 +148,18 @@ def test_good_values_still_load() -> None:
         }
     )
     assert Simulation(cfg, "round-robin").run().summary()["completed"] == 3
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_a_flow_config_is_checked_when_the_scenario_loads(enabled: bool) -> None:
+    """Probe 76: the flow config was read only when a run began: a typo in a later variant's
+    stopped a comparison after the earlier variants had run, one in a disabled section was
+    never seen."""
+    flow = {"enabled": enabled, "config": {"default_bnad": {"ttl_s": 5}}}
+    with pytest.raises(ConfigError, match=r"flow\.config: unknown field `default_bnad`"):
+        ScenarioConfig.from_dict({"flow": flow})
+    variants = [{"name": "off"}, {"name": "on", "flow": flow}]
+    with pytest.raises(ConfigError, match=r"flow\.config: unknown field"):
+        ScenarioConfig.from_dict({"base": "priority", "variants": variants}).expand()
+    good = {"enabled": enabled, "config": {"default_band": {"ttl_s": 5}}}
+    assert ScenarioConfig.from_dict({"flow": good}).flow.config == good["config"]

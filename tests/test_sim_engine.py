@@ -282,7 +282,12 @@ def test_flow_control_protects_interactive_traffic() -> None:
 
 class _FakeFlow:
     """The slice of llmsched.flow's documented API the simulator uses: strict priority, at
-    most ``max_running`` dispatched at once, refusals above ``max_queued``."""
+    most ``max_running`` dispatched at once, refusals above ``max_queued``; ``resolve_config``
+    (which a scenario's ``flow.config`` goes through when it loads) takes any config."""
+
+    @staticmethod
+    def resolve_config(config):
+        return config
 
     class FlowRequest:
         def __init__(

@@ -225,3 +225,40 @@ def test_compare_runs_a_policy_object_on_the_rust_engine_outside_the_thread_pool
     policy = RoundRobin()
     (result,) = compare(scenario(), [policy], jobs=2, progress=False)
     assert result.engine_name == "rust" and policy.calls["pick"] == 40
+
+
+class _Herding(RoundRobin):
+    """Sends its first 30 requests to replica 0, then spreads them: its figures depend on
+    the state it starts from."""
+
+    def pick(self, req: Request, now: float) -> Any:
+        self._count("pick")
+        n = self.calls["pick"]
+        return (0 if n <= 30 else n % self.replicas), None
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_each_run_of_a_policy_object_starts_from_its_state_as_given(jobs: int) -> None:
+    """Probe 76: inline runs shared one Policy object, so a stateful policy began the second
+    variant where the first had left off (two identical variants differed, and ``jobs=1``
+    disagreed with ``jobs=2``, whose processes each get a copy)."""
+    from llmsched.sim.runner import compare
+
+    cfg = scenario(3, variants=[{"name": "a"}, {"name": "b"}])
+    policy = _Herding(3)
+    a, b = compare(cfg, [policy], jobs=jobs, progress=False)
+    assert a.policy == "py-rr [a]" and b.policy == "py-rr [b]"
+    assert a.summary()["ttft_s"] == b.summary()["ttft_s"]
+    (alone,) = compare(scenario(3), [_Herding(3)], jobs=1, progress=False)
+    assert a.summary()["ttft_s"] == alone.summary()["ttft_s"]
+
+
+def test_a_policy_object_that_cannot_be_copied_is_named() -> None:
+    import threading
+
+    from llmsched.sim.runner import compare
+
+    policy = RoundRobin()
+    policy.lock = threading.Lock()  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="'py-rr' runs more than once"):
+        compare(scenario(variants=[{"name": "a"}, {"name": "b"}]), [policy], progress=False)

@@ -105,3 +105,39 @@ def test_the_preempt_column_counts_preemptions_as_its_legend_says() -> None:
     assert int(row[-3]) == events == result.summary()["preemptions"]
     legend = next(line for line in TABLE_LEGEND.splitlines() if line.strip().startswith("preempt"))
     assert "requests preempted" not in legend and "preemptions" in legend
+
+
+def test_table_cells_stay_apart_for_long_names_and_long_times() -> None:
+    """Probe 76: a TTFT of 16402.5 s filled its 8-wide column and ran into the next one
+    ("16402.5s29557.0s"), and a variant's policy name past 28 characters pushed its row out of
+    line with the header."""
+    label = "a variant with a long label"
+    cfg = ScenarioConfig.from_dict(
+        {
+            "replicas": 1,
+            "engine": {"kv_tokens": 10_000, "max_num_seqs": 1},
+            "step_model": {"linear": {"b0": 1.0, "b1": 0.0, "b2": 0.0}, "profile": None},
+            "policies": ["round-robin"],
+            "variants": [{"name": label}],
+            "workload": {
+                "kind": "long_short",
+                "num_requests": 10,
+                "long_fraction": 0.0,
+                "short_input": 100,
+                "short_output": 2000,
+                "length_cv": 0.0,
+                "arrival": {"process": "constant", "rate": 1000.0},
+            },
+        }
+    )
+    from llmsched.sim.runner import compare
+
+    (result,) = compare(cfg, jobs=1, progress=False)
+    assert result.summary()["ttft_s"]["p90"] > 10_000
+    header, _, row = format_table([result]).splitlines()[:3]
+    assert len(row) == len(header)  # each figure under its column's name
+    name = f"round-robin [{label}]"
+    assert row.startswith(name + "  ")
+    cells = row[len(name) :].split()
+    assert len(cells) == 13  # out tok/s ... Jain, none run together
+    assert cells[2].endswith("s") and 10_000 < float(cells[3].rstrip("s")) < 10**6

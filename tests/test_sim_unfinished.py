@@ -65,3 +65,14 @@ def test_the_table_names_the_unfinished_requests() -> None:
     result = Simulation(cfg, "round-robin").run()
     unfinished = result.summary()["unfinished"]
     assert f"{unfinished} requests unfinished at max_time_s" in format_table([result])
+
+
+def test_the_table_names_each_policys_unfinished_requests() -> None:
+    """Probe 76: the footer gave one total over every policy, so a comparison did not say
+    which policy left its requests queued at the cut (and read better for it)."""
+    cfg = ScenarioConfig.from_dict({**OVERLOADED, "replicas": 2, "max_time_s": 4.0})
+    results = [Simulation(cfg, p).run() for p in ("round-robin", "prefix-only")]
+    counts = [r.summary()["unfinished"] for r in results]
+    assert all(counts)
+    table = format_table(results)
+    assert f"({counts[0]} under round-robin, {counts[1]} under prefix-only:" in table

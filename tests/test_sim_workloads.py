@@ -467,6 +467,35 @@ def test_a_workload_too_large_to_plan_is_refused_not_allocated(build: str, spec,
         build_plan(spec, 0, BS, 0, native=build == "native")
 
 
+@pytest.mark.parametrize("build", ["python", "native"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # 200,000 prompts of a million tokens: 2e11 tokens, 1.25e10 blocks to hash and hold.
+        {"kind": "long_short", "num_requests": 200_000, "long_fraction": 1.0,
+         "long_input": 1_000_000},
+        {"kind": "priority", "num_requests": 5_000_000, "batch_input": 100_000},
+        {"kind": "shared_prefix", "num_requests": 1_000_000, "output_len": 100_000},
+        {"kind": "agentic", "sessions": 1_000_000, "first_input": 100_000},
+    ],
+)  # fmt: skip
+def test_a_workload_of_too_many_tokens_to_plan_is_refused(build: str, spec) -> None:
+    """Probe 76: within the request limit, a plan's size is its tokens (a block hash and a
+    content id per block): 200,000 prompts of a million tokens went on allocating past 100 GB
+    where the limit on requests promised a bounded plan."""
+    with pytest.raises(ConfigError, match=r"tokens of prompts and outputs to plan"):
+        build_plan(spec, 0, BS, 0, native=build == "native")
+
+
+def test_a_million_default_requests_are_still_planned() -> None:
+    """The limit leaves room for a million default long_short requests (0.9 x (512 + 128) +
+    0.1 x (16,000 + 2,000) = 2,376 tokens each; they ran in 7.5 GB)."""
+    from llmsched.sim.workloads import MAX_PLAN_TOKENS, make_workload
+
+    assert MAX_PLAN_TOKENS > 1_000_000 * 2_376
+    make_workload({"kind": "long_short", "num_requests": 1_000_000})  # no ConfigError
+
+
 def test_scenario_slo_keys_and_max_time_are_checked() -> None:
     from llmsched.sim.config import ScenarioConfig
 

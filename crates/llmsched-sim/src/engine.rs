@@ -1988,7 +1988,10 @@ impl Replica {
     }
 
     fn schedule(&mut self, now: f64, w: &mut World<'_>) -> Result<(), SimError> {
-        let mut budget = w.cfg.max_num_batched_tokens as i64 - self.decode_n as i64;
+        // Saturating: a setting past i64::MAX (the scenario allows up to 2**64 - 1) wrapped to a
+        // negative budget, and every request was refused as one that never fits.
+        let limit = i64::try_from(w.cfg.max_num_batched_tokens).unwrap_or(i64::MAX);
+        let mut budget = limit - self.decode_n as i64;
         let mut preempted = false;
         let snapshot = self.prefilling.clone();
         for r in snapshot {
@@ -2052,9 +2055,11 @@ impl Replica {
 
     fn admit(&mut self, mut budget: i64, w: &mut World<'_>) -> Result<(), SimError> {
         let bs = w.bs;
-        let mut seats = w.cfg.max_num_seqs as i64 - self.running.len() as i64;
+        let seats_max = i64::try_from(w.cfg.max_num_seqs).unwrap_or(i64::MAX);
+        let mut seats = seats_max - self.running.len() as i64;
         while budget > 0 && seats > 0 {
             let Some(&r) = self.waiting.front() else { break };
+            let mut looked_up = None;
             if !w.reqs[r].kv_started {
                 let max_blocks = ((w.reqs[r].target - 1) / bs) as usize;
                 let hit = self.kv.start(w.reqs[r].id, self.hashes(w, r), max_blocks)? as u64;
@@ -2064,11 +2069,7 @@ impl Replica {
                 if q.kv_ready {
                     q.computed = q.computed.max(q.target - 1);
                 }
-                self.counters.hit_tokens += hit * bs;
-                self.counters.query_tokens += q.target;
-                if q.cached_tokens < 0 {
-                    q.cached_tokens = (hit * bs) as i64;
-                }
+                looked_up = Some(hit * bs);
             }
             let q = &mut w.reqs[r];
             let chunk = (q.target - q.computed).min(budget as u64);
@@ -2076,6 +2077,18 @@ impl Replica {
                 self.kv.free(q.id)?;
                 q.kv_started = false;
                 break;
+            }
+            if let Some(hit) = looked_up {
+                // vLLM's prefix-cache counters: recorded at admission (a lookup whose blocks
+                // did not fit is not counted; it is looked up again), and a preempted request's
+                // readmission is counted apart, outside `vllm:prefix_cache_queries`.
+                if q.preemptions == 0 {
+                    self.counters.hit_tokens += hit;
+                    self.counters.query_tokens += q.target;
+                }
+                if q.cached_tokens < 0 {
+                    q.cached_tokens = hit as i64;
+                }
             }
             self.waiting.pop_front();
             q.phase = PREFILL;

@@ -185,7 +185,8 @@ class SliceConfig:
 class FlowConfig:
     """Flow control in front of the router (:class:`llmsched.flow.FlowController`, built
     from ``config``, its llm-d style configuration): requests wait in priority bands until the
-    pool's saturation lets their band dispatch; refused or expired ones count as rejected."""
+    pool's saturation lets their band dispatch; refused or expired ones count as rejected.
+    ``config`` is checked when the scenario loads, enabled or not."""
 
     enabled: bool = False
     config: dict[str, Any] = field(default_factory=dict)
@@ -269,6 +270,17 @@ class ScenarioConfig:
                 raise ConfigError(
                     f"unknown slices.policy {self.slices.policy!r}; known: {policy_names()}"
                 )
+        if self.flow.config:
+            # Checked here, enabled or not: it was read only when a run began, so a typo in a
+            # later variant's flow config stopped the comparison after the earlier variants
+            # ran, and one in a disabled flow section was never seen.
+            from llmsched.flow import resolve_config
+
+            try:
+                resolve_config(self.flow.controller_config())
+            except ConfigError as exc:
+                text = str(exc).removeprefix("flow config: ")
+                raise ConfigError(f"flow.config: {text}") from None
         for name in ("metrics_delay_s", "kv_events_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")

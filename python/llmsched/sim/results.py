@@ -8,7 +8,9 @@ arrived. Every figure below covers the requests that left.
 Figures (``summary()``): TTFT, time per output token (TPOT, decode time over output tokens
 after the first), end-to-end latency (p50/p90/p99, seconds); output tokens/s and requests/s
 over the makespan (first arrival to last finish); the engines' prefix-cache hit rate (tokens
-hit over tokens queried at admission, vLLM's counters); prefill tokens computed and recomputed
+hit over tokens queried, counted once per request at its admission as vLLM's
+``prefix_cache_hits`` / ``prefix_cache_queries`` are: neither a lookup whose blocks did not fit
+nor a preempted request's readmission); prefill tokens computed and recomputed
 after preemption; KV use (``peak``: the most blocks a replica held at any instant;
 ``mean``: each replica's mean over ``[0, end]`` weighted by time, averaged over replicas);
 SLO attainment per priority with targets

@@ -11,6 +11,7 @@ results.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import multiprocessing
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from llmsched._extras import require
+from llmsched.errors import ConfigError
 from llmsched.sim import fast
 from llmsched.sim.config import ScenarioConfig
 from llmsched.sim.policies import PolicyLike
@@ -38,7 +40,7 @@ from llmsched.sim.simulator import Simulation
 __all__ = ["TABLE_LEGEND", "compare", "format_table", "policy_colours", "write_json", "write_plot"]
 
 TABLE_LEGEND = """\
-columns (times are simulated; ms or s as printed):
+columns (times are simulated; ms, s or d for days, as printed):
   out tok/s, req/s   output tokens and completed requests per simulated second (first arrival
                      to last finish)
   TTFT p50/p90/p99   time to first token, percentiles over completed requests
@@ -103,12 +105,16 @@ def compare(
     ``jobs`` at a time (default: one per CPU, at most one per run): Rust-engine runs in threads,
     Python-engine runs in separate processes, with a progress bar over simulated requests.
     ``engine`` is passed to each :class:`Simulation`. Results come back in (variant, policy)
-    order."""
-    runs = [
-        (cfg, p, label, engine)
-        for label, cfg in config.expand()
-        for p in (policies if policies is not None else cfg.policies)
-    ]
+    order. A :class:`~llmsched.sim.policies.Policy` object that runs more than once (in each
+    variant, or named twice) starts each run from its state as given: the first run inline
+    uses the object itself (in this process), every other run a deep copy taken before any run."""
+    runs = _own_policy_objects(
+        [
+            (cfg, p, label, engine)
+            for label, cfg in config.expand()
+            for p in (policies if policies is not None else cfg.policies)
+        ]
+    )
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(runs)))
     counter = multiprocessing.get_context("spawn").Value("q", 0)
     _init_worker(counter)
@@ -141,6 +147,44 @@ def compare(
         if bar is not None:
             bar.close()
         _init_worker(None)
+
+
+def _own_policy_objects(
+    runs: list[tuple[ScenarioConfig, PolicyLike, str, str]],
+) -> list[tuple[ScenarioConfig, PolicyLike, str, str]]:
+    """``runs`` with each later run of one :class:`~llmsched.sim.policies.Policy` object (a
+    variant's, or the object named twice) on a deep copy taken before any run: every run starts
+    from the object's state as given, inline or in a process (which gets a pickled copy).
+    Inline runs shared the object, so a stateful policy began the second variant where the
+    first left off, and ``jobs=1`` and ``jobs=2`` gave different figures.
+
+    >>> cfg = ScenarioConfig()
+    >>> class P:
+    ...     name = "p"
+    ...     def update_metrics(self, *a): ...
+    ...     def pick(self, req, now): ...
+    ...     def on_finished(self, req, now): ...
+    >>> obj = P()
+    >>> a, b = _own_policy_objects([(cfg, obj, "a", "auto"), (cfg, obj, "b", "auto")])
+    >>> a[1] is obj, b[1] is obj, type(b[1]) is P
+    (True, False, True)
+    """
+    seen: set[int] = set()
+    out = []
+    for cfg, policy, label, engine in runs:
+        if not isinstance(policy, (str, Mapping)):
+            if id(policy) in seen:
+                try:
+                    policy = copy.deepcopy(policy)
+                except Exception as exc:
+                    raise ConfigError(
+                        f"policy {getattr(policy, 'name', policy)!r} runs more than once in this "
+                        f"comparison and each run needs a copy of it (copy.deepcopy): {exc}"
+                    ) from exc
+            else:
+                seen.add(id(policy))
+        out.append((cfg, policy, label, engine))
+    return out
 
 
 def _threads(
@@ -208,36 +252,45 @@ def _expected_requests(config: ScenarioConfig) -> int:
 def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
     """The comparison table (one row per policy) and a timing footer; :data:`TABLE_LEGEND`
     explains the columns."""
-    header = (
-        f"{'policy':<28}{'out tok/s':>10}{'req/s':>7}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
-        f"{'TPOT p50':>9}{'E2E p90':>9}{'hit':>6}{'prefill':>9}{'recomp':>8}{'preempt':>8}"
-        f"{'SLO':>6}{'Jain':>6}"
-    )
+    # Every cell keeps a space before it: a variant's policy name past 28 characters, or a
+    # TTFT of 16402.5 s in an 8-wide column, ran into the next figure.
+    first = max([28, *(len(r.policy) + 2 for r in results)])
+    header = f"{'policy':<{first}}" + _cells([name for name, _ in _COLUMNS])
     lines = [header, "-" * len(header)]
-    total = unfinished = 0
+    total = 0
     refused: dict[str, int] = {}
+    unfinished: dict[str, int] = {}
     decision = wall = 0.0
     for r in results:
         s = r.summary()
         total += s["completed"]
-        unfinished += s["unfinished"]
+        if s["unfinished"]:
+            unfinished[s["policy"]] = s["unfinished"]
         if s["rejected"]:
             refused[s["policy"]] = s["rejected"]
         wall += s.get("wall_s", 0.0)
         decision += s.get("decision_share", 0.0) * s.get("wall_s", 0.0)
         if s["completed"] == 0:
-            lines.append(f"{s['policy']:<28} (no request completed)")
+            lines.append(f"{s['policy']:<{first}}(no request completed)")
             continue
         slo = s["slo_attainment"]
-        slo_all = f"{sum(slo.values()) / len(slo):>6.0%}" if slo else f"{'-':>6}"
-        lines.append(
-            f"{s['policy']:<28}{s['output_tok_s']:>10.0f}{s['requests_s']:>7.2f}"
-            f"{_secs(s['ttft_s']['p50']):>9}{_secs(s['ttft_s']['p90']):>8}"
-            f"{_secs(s['ttft_s']['p99']):>8}{_secs(s['tpot_s']['p50']):>9}"
-            f"{_secs(s['e2e_s']['p90']):>9}{s['prefix_hit_rate']:>6.0%}"
-            f"{s['prefill_tokens'] / 1e6:>8.1f}M{s['recomputed_tokens'] / 1e6:>7.2f}M"
-            f"{s['preemptions']:>8}{slo_all}{s['fairness_jain']:>6.2f}"
-        )
+        slo_all = f"{sum(slo.values()) / len(slo):.0%}" if slo else "-"
+        cells = [
+            f"{s['output_tok_s']:.0f}",
+            f"{s['requests_s']:.2f}",
+            _secs(s["ttft_s"]["p50"]),
+            _secs(s["ttft_s"]["p90"]),
+            _secs(s["ttft_s"]["p99"]),
+            _secs(s["tpot_s"]["p50"]),
+            _secs(s["e2e_s"]["p90"]),
+            f"{s['prefix_hit_rate']:.0%}",
+            f"{s['prefill_tokens'] / 1e6:.1f}M",
+            f"{s['recomputed_tokens'] / 1e6:.2f}M",
+            str(s["preemptions"]),
+            slo_all,
+            f"{s['fairness_jain']:.2f}",
+        ]
+        lines.append(f"{s['policy']:<{first}}" + _cells(cells))
     elapsed = wall_s if wall_s is not None else wall
     share = decision / wall if wall > 0 else 0.0
     engines = sorted({r.engine_name for r in results})
@@ -248,9 +301,12 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
         f"(engine: {' and '.join(engines)})"
     )
     if unfinished:
+        # Per policy: a policy that left most of its requests queued at the cut reads better in
+        # every column than one that served them, and the total did not say which it was.
+        counts = ", ".join(f"{n} under {policy}" for policy, n in unfinished.items())
         lines.append(
-            f"{unfinished} requests unfinished at max_time_s (arrived, still waiting or "
-            f"running): left out of every figure"
+            f"{sum(unfinished.values())} requests unfinished at max_time_s ({counts}: arrived, "
+            f"still waiting or running): left out of every figure"
         )
     if refused:
         # Refused requests are in no column but SLO: without this line a run that refused
@@ -270,12 +326,54 @@ def format_table(results: list[SimResult], wall_s: float | None = None) -> str:
     return "\n".join(lines)
 
 
+_COLUMNS = (
+    ("out tok/s", 10),
+    ("req/s", 7),
+    ("TTFT p50", 9),
+    ("p90", 8),
+    ("p99", 8),
+    ("TPOT p50", 9),
+    ("E2E p90", 9),
+    ("hit", 6),
+    ("prefill", 9),
+    ("recomp", 8),
+    ("preempt", 8),
+    ("SLO", 6),
+    ("Jain", 6),
+)
+"""The table's columns after the policy: (header, width)."""
+
+
+def _cells(texts: list[str]) -> str:
+    """``texts`` right-aligned in :data:`_COLUMNS`' widths, each after at least one space.
+
+    >>> _cells(["1", "2"])
+    '         1      2'
+    >>> _cells(["1", "12345678"])
+    '         1 12345678'
+    """
+    out = []
+    for text, (_, width) in zip(texts, _COLUMNS, strict=False):
+        out.append(f"{text:>{width}}" if len(text) < width else f" {text}")
+    return "".join(out)
+
+
 def _secs(x: float) -> str:
+    """A simulated duration in at most 7 characters: ms below 1 s, s (one decimal below
+    1,000 s) below 10**6 s, days beyond.
+
+    >>> [_secs(x) for x in (0.25, 12.34, 16402.5, 4e6, float("nan"))]
+    ['250ms', '12.3s', '16402s', '46d', '-']
+    """
     if x != x:  # nan
         return "-"
     if x < 1:
         return f"{x * 1e3:.0f}ms"
-    return f"{x:.1f}s"
+    if x < 1e3:
+        return f"{x:.1f}s"
+    if x < 1e6:
+        return f"{x:.0f}s"
+    return f"{x / 86400:.0f}d"
 
 
 def write_json(

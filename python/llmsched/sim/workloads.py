@@ -35,6 +35,7 @@ from llmsched.sim.request import Request
 from llmsched.validation import describe_int
 
 __all__ = [
+    "MAX_PLAN_TOKENS",
     "MAX_REQUESTS",
     "MAX_SHARED_TOKENS",
     "AgenticConfig",
@@ -55,8 +56,14 @@ VOCAB = 128_000
 U64_TOP = np.iinfo(np.int64).max
 MAX_TOKENS = 1 << 24  # the longest prompt or output a workload may draw or a trace ask for
 MAX_REQUESTS = 10_000_000
-"""Requests a workload may make (a session's turns each count): a plan takes tens of bytes a
-request, and simulating ten million takes hours."""
+"""Requests a workload may make (a session's turns each count): simulating ten million takes
+hours (and see :data:`MAX_PLAN_TOKENS` for the plan's memory)."""
+MAX_PLAN_TOKENS = 1 << 32
+"""Prompt and output tokens a synthetic workload's plan may write out, in expectation (the
+mean lengths times the requests; an agentic session's conversation once): the plan holds a
+block hash and a content id per block, about 22 bytes a 16-token block, and building it
+about 60 at its peak. A million default ``long_short`` requests (2.4e9 tokens) peaked at
+7.5 GB; unchecked, 200,000 prompts of a million tokens each went on allocating past 100 GB."""
 MAX_SHARED_TOKENS = 1 << 28
 """Tokens of the shared texts a workload writes out before its first request (system prompts,
 questions): 1 GiB of token ids."""
@@ -1002,9 +1009,10 @@ def _check_draws(kind: str, cfg: Any) -> None:
 
 
 def _check_sizes(kind: str, cfg: Any) -> None:
-    """ConfigError for a workload too large to plan: more than :data:`MAX_REQUESTS` requests
-    or :data:`MAX_SHARED_TOKENS` tokens of shared texts (a plan is written out in full before
-    the run: unchecked, a count of 1e11 was an allocation of terabytes, which aborts)."""
+    """ConfigError for a workload too large to plan: more than :data:`MAX_REQUESTS` requests,
+    :data:`MAX_SHARED_TOKENS` tokens of shared texts or :data:`MAX_PLAN_TOKENS` tokens in all
+    (a plan is written out in full before the run: unchecked, a count of 1e11 was an
+    allocation of terabytes, which aborts)."""
     for name in ("num_requests", "sessions", "followup_turns", "num_groups", "system_prompts"):
         value = getattr(cfg, name, 0)
         if isinstance(value, bool) or not isinstance(value, int):
@@ -1033,6 +1041,43 @@ def _check_sizes(kind: str, cfg: Any) -> None:
             f"workload ({kind}): {shared} tokens of shared prompts, more than the simulator "
             f"writes out ({MAX_SHARED_TOKENS})"
         )
+    tokens, keys = _plan_tokens(cfg)
+    if tokens > MAX_PLAN_TOKENS:
+        raise ConfigError(
+            f"workload ({kind}): about {tokens:.3g} tokens of prompts and outputs to plan "
+            f"({keys}), more than the simulator writes out ({MAX_PLAN_TOKENS}); "
+            f"make them fewer or shorter"
+        )
+
+
+def _plan_tokens(cfg: Any) -> tuple[float, str]:
+    """The prompt and output tokens a synthetic workload's plan writes out in expectation,
+    and the keys that set them (0 for a trace, whose lines give their own lengths).
+
+    >>> _plan_tokens(LongShortConfig(num_requests=10, long_fraction=0.5))[0]
+    93200.0
+    """
+
+    def mix(share: float, a: int, b: int) -> float:
+        return (1.0 - share) * max(a, 0) + share * max(b, 0)
+
+    per: float
+    if isinstance(cfg, AgenticConfig):
+        turns = max(cfg.followup_turns, 0) * (cfg.followup_input + cfg.followup_output)
+        per = cfg.first_input + cfg.first_output + turns
+        return float(cfg.sessions) * per, "sessions, first_input, followup_turns, ..."
+    if isinstance(cfg, SharedPrefixConfig):
+        per = cfg.system_prompt_len + cfg.question_len + cfg.output_len
+        return float(cfg.num_requests) * per, "num_requests, system_prompt_len, ..."
+    if isinstance(cfg, LongShortConfig):
+        short = cfg.short_input + cfg.short_output
+        per = mix(cfg.long_fraction, short, cfg.long_input + cfg.long_output)
+        return float(cfg.num_requests) * per, "num_requests, long_input, long_fraction, ..."
+    if isinstance(cfg, PriorityConfig):
+        interactive = cfg.interactive_input + cfg.interactive_output
+        per = mix(cfg.batch_fraction, interactive, cfg.batch_input + cfg.batch_output)
+        return float(cfg.num_requests) * per, "num_requests, batch_input, batch_fraction, ..."
+    return 0.0, ""
 
 
 def make_workload(

@@ -433,21 +433,28 @@ class Replica:
         seats = self.cfg.max_num_seqs - len(self.running)
         while waiting and budget > 0 and seats > 0:
             req = waiting[0]
+            looked_up = -1
             if not req.kv_started:
                 hit = kv.start(req.id, req.hashes, (req.target - 1) // bs)
                 req.kv_started = True
                 req.computed = hit * bs
                 if req.kv_ready:
                     req.computed = max(req.computed, req.target - 1)
-                self.hit_tokens += hit * bs
-                self.query_tokens += req.target
-                if req.cached_tokens < 0:
-                    req.cached_tokens = hit * bs
+                looked_up = hit * bs
             chunk = min(req.target - req.computed, budget)
             if not kv.allocate(req.id, req.computed + chunk):
                 kv.free(req.id)
                 req.kv_started = False
                 break
+            if looked_up >= 0:
+                # vLLM's prefix-cache counters: recorded at admission (a lookup whose blocks
+                # did not fit is looked up again, not counted), a preempted request's
+                # readmission apart from them (outside vllm:prefix_cache_queries).
+                if req.preemptions == 0:
+                    self.hit_tokens += looked_up
+                    self.query_tokens += req.target
+                if req.cached_tokens < 0:
+                    req.cached_tokens = looked_up
             if isinstance(waiting, deque):
                 waiting.popleft()
             else:
