@@ -14,6 +14,7 @@ from functools import cache
 import msgpack
 import numpy as np
 import pytest
+from _timing import per_second
 from _workload import BLOCK_SIZE, long_prompt, sessions
 
 from llmsched import PrefixIndex
@@ -104,7 +105,7 @@ def test_store(benchmark) -> None:
     benchmark.pedantic(run, setup=setup, rounds=10)
     blocks = sum(len(h) for h in _fresh_batch(0))
     benchmark.extra_info["blocks_per_round"] = blocks
-    benchmark.extra_info["blocks_per_s"] = round(blocks / benchmark.stats.stats.median)
+    per_second(benchmark, "blocks_per_s", blocks)
 
 
 def test_store_twin(benchmark) -> None:
@@ -121,7 +122,7 @@ def test_store_twin(benchmark) -> None:
 
     benchmark.pedantic(run, setup=setup, rounds=3)
     blocks = sum(len(h) for h in _fresh_batch(0))
-    benchmark.extra_info["blocks_per_s"] = round(blocks / benchmark.stats.stats.median)
+    per_second(benchmark, "blocks_per_s", blocks)
 
 
 def _payloads(events_per_batch: int = 64, blocks_per_event: int = 16) -> list[bytes]:
@@ -168,7 +169,7 @@ def test_apply_vllm_events(benchmark) -> None:
 
     benchmark.pedantic(run, setup=setup, rounds=10)
     blocks = 20 * 64 * 16
-    benchmark.extra_info["blocks_per_s"] = round(blocks / benchmark.stats.stats.median)
+    per_second(benchmark, "blocks_per_s", blocks)
 
 
 @pytest.mark.parametrize("workers", [64])

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from _timing import median_s, min_s, per_second
 from _workload import mooncake_trace
 
 from llmsched import PrefixIndex
@@ -57,7 +58,7 @@ def test_kv_cache_life_cycles(benchmark, native: bool) -> None:
     kv, _ = setup()[0]
     assert _life_cycles(kv, twice) == 0  # 32 chains do not fit in 20: every one is evicted
     benchmark.pedantic(_life_cycles, setup=setup, rounds=5 if native else 2)
-    benchmark.extra_info["blocks_per_s"] = round(64 * BLOCKS / benchmark.stats.stats.median)
+    per_second(benchmark, "blocks_per_s", 64 * BLOCKS)
 
 
 def test_kv_cache_twin_agrees() -> None:
@@ -82,7 +83,7 @@ def test_simulate_agentic(benchmark, policy: str, native: bool) -> None:
     summary = run()
     assert summary["completed"] == 600
     benchmark.pedantic(run, rounds=3 if native else 1)
-    benchmark.extra_info["sim_requests_per_wall_s"] = round(600 / benchmark.stats.stats.median)
+    per_second(benchmark, "sim_requests_per_wall_s", 600)
     benchmark.extra_info["decision_share"] = round(summary["decision_share"], 3)
 
 
@@ -103,7 +104,7 @@ def test_engines_simulate_agentic(benchmark, policy: str, engine: str) -> None:
     summary = result.summary()
     assert summary["completed"] == 600 and summary["engine"] == engine
     benchmark.pedantic(run, rounds=5 if engine == "rust" else 2)
-    benchmark.extra_info["sim_requests_per_wall_s"] = round(600 / benchmark.stats.stats.median)
+    per_second(benchmark, "sim_requests_per_wall_s", 600)
     benchmark.extra_info["decision_share"] = round(summary["decision_share"], 3)
 
 
@@ -143,7 +144,7 @@ def test_engines_simulate_features(benchmark, feature: str, engine: str) -> None
         assert np.array_equal(result.requests[key], other.requests[key]), key
     assert result.summary()["engine"] == engine
     benchmark.pedantic(run, rounds=3 if engine == "rust" else 1)
-    benchmark.extra_info["sim_requests_per_wall_s"] = round(n / benchmark.stats.stats.median)
+    per_second(benchmark, "sim_requests_per_wall_s", n)
 
 
 # -- router replicas in front of many engines (the Rust engine only: no twin) -----------------
@@ -186,7 +187,9 @@ def test_router_replicas_many_engines(benchmark, routers: int) -> None:
     assert summary["completed"] == n and summary["engine"] == "rust"
     benchmark.extra_info["items"] = n
     benchmark.extra_info["unit"] = "requests"
-    benchmark.extra_info["us_per_request"] = round(benchmark.stats.stats.median / n * 1e6)
+    median = median_s(benchmark)
+    if median is not None:
+        benchmark.extra_info["us_per_request"] = round(median / n * 1e6)
     benchmark.extra_info["feed_share"] = round(summary["feed_share"], 3)
 
 
@@ -260,17 +263,16 @@ def test_engines_simulate_policy_object(benchmark, engine: str) -> None:
     _same(result, Simulation(cfg, "round-robin", engine="rust").run())
     assert policies[0].calls == other_policy.calls and result.summary()["engine"] == engine
     benchmark.pedantic(run, rounds=5 if engine == "rust" else 1)
-    median = benchmark.stats.stats.median
-    benchmark.extra_info["sim_requests_per_wall_s"] = round(n / median)
+    per_second(benchmark, "sim_requests_per_wall_s", n)
     benchmark.extra_info["policy_calls"] = policies[0].calls
-    if engine == "rust":
+    fastest = min_s(benchmark)
+    if engine == "rust" and fastest is not None:
         # Best of each (the least disturbed run on a shared machine), the native runs after.
         native = []
         for _ in range(5):
             start = time.perf_counter()
             Simulation(cfg, "round-robin", engine="rust").run()
             native.append(time.perf_counter() - start)
-        fastest = benchmark.stats.stats.min
         benchmark.extra_info["native_router_s"] = round(min(native), 4)
         benchmark.extra_info["policy_s"] = round(fastest, 4)
         calls = policies[0].calls
@@ -323,9 +325,7 @@ def test_trace_end_to_end(benchmark, monkeypatch, mooncake: str, plan: str) -> N
         monkeypatch.undo()
     result = benchmark.pedantic(_end_to_end, args=(cfg,), rounds=3 if plan == "native" else 1)
     assert result.summary()["completed"] == TWIN_LINES
-    benchmark.extra_info["sim_requests_per_wall_s"] = round(
-        TWIN_LINES / benchmark.stats.stats.median
-    )
+    per_second(benchmark, "sim_requests_per_wall_s", TWIN_LINES)
 
 
 def test_trace_100k_end_to_end(benchmark, mooncake: str) -> None:
@@ -339,8 +339,6 @@ def test_trace_100k_end_to_end(benchmark, mooncake: str) -> None:
     assert summary["prefix_hit_rate"] > 0.2  # the shared contexts are found
     benchmark.extra_info["items"] = TRACE_LINES
     benchmark.extra_info["unit"] = "requests"
-    benchmark.extra_info["sim_requests_per_wall_s"] = round(
-        TRACE_LINES / benchmark.stats.stats.median
-    )
+    per_second(benchmark, "sim_requests_per_wall_s", TRACE_LINES)
     plan = fast.cached_plan(cfg)
     benchmark.extra_info["blocks"] = len(plan["hashes"])

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from _timing import per_second
 
 import llmsched
 from llmsched.reference import vllm_events as twin
@@ -55,4 +56,4 @@ def test_bench_decode_batch(benchmark: Any, decode: Any) -> None:
     assert sum(len(e["block_hashes"]) for e in decoded["events"]) == BLOCKS
     benchmark.group = "vllm_events_decode (64 events x 16 blocks x 16 tokens)"
     benchmark(decode, PAYLOAD)
-    benchmark.extra_info["blocks_per_s"] = BLOCKS / benchmark.stats.stats.median
+    per_second(benchmark, "blocks_per_s", BLOCKS, rounded=False)
