@@ -47,6 +47,7 @@ from llmsched.validation import (
     check_optional_str,
     check_seed,
     check_str,
+    is_bool,
 )
 
 __all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
@@ -298,7 +299,7 @@ class PrefixIndex:
             parent = operator.index(parent)  # a numpy integer: its range is checked as an int's
         if type(parent) is int and not 0 <= parent < 2**64:
             raise InvalidValueError(f"parent must be a block hash in 0..2**64-1, got {parent}")
-        if type(parent) is bool:  # the native side would read it as block 0 or 1
+        if is_bool(parent):  # the native side would read it as block 0 or 1
             raise InvalidTypeError("parent must be a block hash (an int) or None, got bool")
         try:
             added = self._native.store(worker, hashes, parent, tier)
@@ -331,7 +332,7 @@ class PrefixIndex:
         0
         """
         now = _now(now)
-        if type(ttl_s) is bool:  # the native side would read it as 1 second
+        if is_bool(ttl_s):  # the native side would read it as 1 second
             check_number_like("ttl_s", ttl_s)
         try:
             added = self._native.record(worker, hashes, ttl_s, now)
