@@ -517,15 +517,29 @@ class PrefixIndex:
         if report["multimodal"]:
             self.note_multimodal(worker, report["multimodal"])
         if report["replaced"] and not self._replaced_warned:
-            self._warn_replaced(worker, report["replaced"])
+            self.note_replaced_engine_blocks(worker, report["replaced"])
         if self._cap_watch:
             self._check_cap()
         return report
 
-    def _warn_replaced(self, worker: Worker, replaced: int) -> None:
-        """Warns once that an engine stored a block hash again with other content
-        (``stats()['replaced_engine_blocks']``)."""
-        self._replaced_warned = True
+    def note_replaced_engine_blocks(self, worker: Worker, replaced: int) -> None:
+        """Warns, the first time only, that ``worker`` stored ``replaced`` engine block hashes
+        again with other token content. The index counts them itself as it applies the events
+        (``stats()['replaced_engine_blocks']``); this is the warning alone.
+        :meth:`apply_vllm_events` calls it; so does a feed that applies events natively
+        (:class:`~llmsched.integrations.NativeKVEventSubscriber`).
+
+        >>> index = PrefixIndex(block_size=16)
+        >>> index.note_replaced_engine_blocks("w", 1)  # logged on the "llmsched" logger
+        >>> index.stats()["replaced_engine_blocks"]  # the index's own count, not this call's
+        0
+        """
+        check_id("worker", worker)
+        check_int("replaced", replaced)
+        with self._lock:
+            if self._replaced_warned or not replaced:
+                return
+            self._replaced_warned = True
         import logging  # only on this rare path: `import llmsched` stays light
 
         logging.getLogger("llmsched").warning(
