@@ -244,10 +244,11 @@ class PrefixIndex:
         """
     @property
     def event_batches(self) -> int:
-        """Engine KV-event batches applied so far."""
+        """Engine KV-event batches applied since the index was made or loaded."""
     @property
     def max_bytes_emptied(self) -> int:
-        """Times the memory cap evicted every block (a cap too small for one block)."""
+        """Times the memory cap evicted every block (a cap too small for one block), since
+        the index was made or loaded."""
     def expire(self, now: float) -> int:
         """Drops approximate holdings older than their TTL; returns how many."""
     def holdings(self, worker: int | str) -> dict[int, tuple[list[str], bool]]:
@@ -257,10 +258,10 @@ class PrefixIndex:
     def stats(self) -> IndexStats:
         """Counts: nodes, blocks, bytes, events applied and skipped."""
     def dumps(self, now: float) -> bytes:
-        """A snapshot of the index as bytes."""
+        """A snapshot of the index's content as bytes (not its counters)."""
     @staticmethod
     def loads(data: bytes, now: float) -> PrefixIndex:
-        """An index from a snapshot; `SnapshotError` when it is corrupt."""
+        """An index from a snapshot, its counters at 0; `SnapshotError` when it is corrupt."""
 
 # --- token slices (rust/py/slices.rs) ---
 

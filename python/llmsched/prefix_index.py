@@ -669,7 +669,9 @@ class PrefixIndex:
         beside the tokens (:meth:`note_multimodal`); ``max_bytes_emptied``: times ``max_bytes``
         evicted every block (a cap too small for one block; warned of once);
         ``replaced_engine_blocks``: engine hashes a worker stored again with other content, the
-        older blocks released (warned of once).
+        older blocks released (warned of once). The counters (``evicted_blocks`` and those
+        from ``event_batches`` on) count what this object saw: :meth:`loads` and unpickling
+        start them from 0 and warn again (see :class:`~llmsched.types.IndexStats`).
         """
         stats = self._native.stats()
         with self._lock:
@@ -680,12 +682,14 @@ class PrefixIndex:
         return stats
 
     def dumps(self) -> bytes:
-        """Serialise the index (approximate holdings keep their remaining lifetime)."""
+        """Serialise the index's content (approximate holdings keep their remaining lifetime);
+        not its counters (:meth:`stats`), which count what one object saw."""
         return self._native.dumps(time.monotonic())
 
     @classmethod
     def loads(cls, data: bytes) -> PrefixIndex:
-        """Rebuild an index from :meth:`dumps` output; SnapshotError if it is corrupt.
+        """Rebuild an index from :meth:`dumps` output; SnapshotError if it is corrupt. Its
+        counters (:meth:`stats`) start from 0, as a new index's.
 
         >>> index = PrefixIndex(block_size=2)
         >>> _ = index.store(1, index.hash_tokens([5, 6, 7, 8]))
