@@ -697,6 +697,9 @@ class SyncCounters(TypedDict):
     catch_up_entries_out: int
     repairs_asked: int
     """Catch-up requests aimed at one peer for a gap in its batches."""
+    repairs_unanswered: int
+    """Repairs (and first-start session requests) that got no answer at all, asked again and
+    given up: that peer's gap is asked for again when a later batch of it shows the gap."""
     tables_asked: int
     """After a first start's catch-up (each peer answers with its own sessions): requests to
     one peer for the sessions that no answering peer owns (of replicas since gone)."""
