@@ -442,6 +442,123 @@ def test_a_lost_piece_of_a_long_catch_up_answer_is_asked_for_again(bus: NatsServ
     run(body)
 
 
+def _drop_answers(sync: ClusterSync, answers: int) -> Callable[[], None]:
+    """Fault injection: `sync`'s next `answers` catch-up answers are lost whole (every piece
+    and the end marker). Returns the repair."""
+    left = [answers]
+
+    def whole(payload: bytes) -> bool:
+        if left[0] <= 0:
+            return False
+        if not payload:  # the end marker: that answer is all gone
+            left[0] -= 1
+        return True
+
+    return _lossy(sync, whole)
+
+
+def _drop_next_batch(sync: ClusterSync) -> None:
+    """Fault injection: `sync`'s next batch on the sync subject is lost on the way."""
+    nc = sync._nc  # the test cuts into the replica's connection
+    assert nc is not None
+    real = nc.publish
+
+    async def publish(
+        subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        if subject == sync.subject:
+            nc.publish = real  # type: ignore[method-assign]
+            return
+        await real(subject, payload, reply=reply, headers=headers)
+
+    nc.publish = publish  # type: ignore[method-assign]
+
+
+def _route(router: Router, i: int) -> None:
+    d = router.pick(tokens=_prompt(i))
+    d.started()
+    d.finished()
+
+
+# A peer that stays quiet: no heartbeat within a test, so only the catch-up can bring what
+# was missed.
+_QUIET = {"heartbeat_s": 30.0, "load_ttl_s": 60.0}
+
+
+async def _first_catch_ups(syncs: list[ClusterSync]) -> None:
+    """Until each replica's own first catch-up is done (its requests would mix with the
+    test's faults)."""
+    connecting = [s._tasks[0] for s in syncs]  # the test reads the connect tasks
+    await _until(lambda: all(t.done() for t in connecting), "the first catch-ups")
+
+
+def test_a_catch_up_answer_lost_whole_is_asked_for_again(bus: NatsServer) -> None:
+    """Probe 75: b reconnects after a cut, during which a routed a prompt; a's whole answer to
+    b's catch-up is lost. Nothing showed it (only a missing piece did): b lacked the record
+    until a's next batch showed the gap (a heartbeat, 30 s here). An answer that does not
+    come from a peer heard lately is now asked for again, from that peer alone."""
+
+    async def body() -> None:
+        cable = _Cable(bus.port)
+        await cable.mend()
+        a, b = cluster_router(0), cluster_router(1)
+        async with _synced((a, bus.url, "a"), (b, cable.url, "b"), **_QUIET) as (sa, sb):
+            await _first_catch_ups([sa, sb])
+            _route(a, 1)
+            await _until(lambda: sb.stats()["peers"] == ["a"], "b to hear a")
+            await cable.cut()
+            await _until(lambda: not sb.stats()["connected"], "b to lose the bus")
+            _route(a, 2)
+            await _until(lambda: sa.stats()["entries_out"] >= 2, "a's batch, lost to b")
+            _drop_answers(sa, 1)
+            await cable.mend()
+            await _until(lambda: b.pick(tokens=_prompt(2)).cached == 256, "a's record at b", 8)
+            stats = sb.stats()
+            assert stats["catch_ups_unanswered"] == 1, stats
+            assert stats["catch_up_re_asks"] == 1 and stats["catch_ups_incomplete"] == 0
+        await cable.cut()
+
+    run(body)
+
+
+@pytest.mark.parametrize("lost", [1, 3], ids=["re-asked", "given-up"])
+def test_a_repair_whose_answer_is_lost_is_asked_again(bus: NatsServer, lost: int) -> None:
+    """Probe 75: a's batch with prompt 2 is lost to b; the next shows b the gap and b asks a
+    for it alone, but the answer is lost whole. The peer stayed marked as asked: no later
+    batch asked again, and the record never came. Now the repair is asked again (twice at
+    most); still unanswered, it is given up, and the next batch that shows the gap asks
+    again."""
+
+    async def body() -> None:
+        a, b = cluster_router(0), cluster_router(1)
+        async with _synced((a, bus.url, "a"), (b, bus.url, "b"), **_QUIET) as (sa, sb):
+            await _first_catch_ups([sa, sb])
+            _route(a, 1)
+            await _until(lambda: b.pick(tokens=_prompt(1)).cached == 256, "a's first record")
+            _drop_next_batch(sa)
+            _route(a, 2)
+            await _until(lambda: sa.stats()["entries_out"] >= 2, "a's lost batch")
+            mend = _drop_answers(sa, lost)
+            _route(a, 3)
+            await _until(lambda: sb.stats()["repairs_asked"] == 1, "b's repair")
+            if lost == 1:
+                await _until(lambda: b.pick(tokens=_prompt(2)).cached == 256, "the re-asked", 8)
+                stats = sb.stats()
+                assert stats["repairs_unanswered"] == 0, stats
+            else:
+                await _until(lambda: sb.stats()["repairs_unanswered"] == 1, "the repair given up")
+                assert b.pick(tokens=_prompt(2)).cached == 0
+                mend()
+                _route(a, 4)  # its batch shows b the gap again
+                await _until(lambda: b.pick(tokens=_prompt(2)).cached == 256, "the re-asked", 8)
+                stats = sb.stats()
+                assert stats["repairs_asked"] == 2, stats
+            assert stats["catch_ups_unanswered"] == lost, stats
+            assert stats["catch_up_re_asks"] == min(lost, 2), stats
+
+    run(body)
+
+
 def test_a_new_replica_gets_a_departed_owners_sessions_once_whoever_answered_before(
     bus: NatsServer,
 ) -> None:

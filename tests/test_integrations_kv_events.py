@@ -335,6 +335,27 @@ def test_a_malformed_batch_is_lost_the_worker_resynced_and_logged_once(
     assert spec.worker_id in logged[0] and "batch 1 is malformed" in logged[0], logged
 
 
+def test_a_hash_stored_again_with_other_content_is_warned_once(
+    fake: FakeKVPublisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Probe 75: the native feed counted engine hashes stored again with other content
+    (``stats()['replaced_engine_blocks']``) but logged nothing, where the Python feed warns
+    once (through ``PrefixIndex.apply_vllm_events``). Both now warn once."""
+    index = PrefixIndex(block_size=BLOCK)
+    spec = spec_of(fake)
+    first, second = list(range(BLOCK)), list(range(100, 100 + BLOCK))
+    with caplog.at_level("WARNING", logger="llmsched"), Subscriber(index, [spec], **FAST) as sub:
+        assert fake.wait_subscribed()
+        for n, tokens in enumerate([first, second, first], 1):
+            fake.publish(event_batch(stored_event([7], None, tokens, BLOCK)))
+            wait(sub, lambda c, n=n: c["batches"] >= n)
+    assert index.stats()["replaced_engine_blocks"] == 2
+    assert index.match_tokens(first).as_dict() == {spec.worker_id: 1}
+    warned = [r.getMessage() for r in caplog.records if "again with other" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert repr(spec.worker_id) in warned[0], warned
+
+
 def test_reconnects_when_the_publisher_comes_back() -> None:
     index = PrefixIndex(block_size=BLOCK)
     first, second = script(4, seed=8), script(3, seed=9)

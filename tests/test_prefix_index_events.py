@@ -326,3 +326,63 @@ def test_a_hash_stored_again_with_other_content_replaces_the_old_and_is_warned_o
     assert (stats["blocks"], stats["replaced_engine_blocks"]) == (0, 4)
     warned = [r.getMessage() for r in caplog.records if "again with other" in r.getMessage()]
     assert len(warned) == 1 and "'e'" in warned[0]
+
+
+@pytest.mark.parametrize("rebuild", ["loads", "pickle"])
+def test_a_loaded_index_keeps_the_content_and_counts_from_zero(
+    rebuild: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Probe 75: the counters of stats() started from 0 after ``loads()`` / unpickling, which
+    no document said (only ``evicted_blocks``'s). Decided: a snapshot holds the index's
+    content, not what one object saw (a copy in another process counts its own, so summing
+    copies never counts an event twice); documented on each counter, and warned of anew."""
+    import logging
+    import pickle
+
+    caplog.set_level(logging.WARNING, logger="llmsched")
+    index = PrefixIndex(block_size=16)
+    first, second = list(range(16)), list(range(100, 116))
+    index.apply_vllm_events("e", batch(stored([7], None, first)))
+    index.apply_vllm_events("e", batch(stored([7], None, second)))  # replaced
+    index.apply_vllm_events("e", batch(stored([8], None, first[:8], block_size=8)))  # mismatch
+    index.apply_vllm_events("e", batch(stored([9], None, first, extra_keys=[["a", "b", "c"]])))
+    stats = index.stats()
+    counted = {
+        "event_batches": 4,
+        "replaced_engine_blocks": 1,
+        "block_size_mismatch": {"e": 1},
+        "extra_keys": {"e": 1},
+    }
+    assert {k: stats[k] for k in counted} == counted  # type: ignore[literal-required]
+    if rebuild == "loads":
+        loaded = PrefixIndex.loads(index.dumps())
+    else:
+        loaded = pickle.loads(pickle.dumps(index))
+    assert loaded.match_tokens(second).as_dict() == {"e": 1}
+    assert loaded.match_tokens(first).as_dict() == {}
+    after = loaded.stats()
+    assert loaded.holdings("e") == index.holdings("e")
+    assert after["blocks"] == stats["blocks"]
+    assert {k: after[k] for k in counted} == {  # type: ignore[literal-required]
+        "event_batches": 0,
+        "replaced_engine_blocks": 0,
+        "block_size_mismatch": {},
+        "extra_keys": {},
+    }
+    assert (after["evicted_blocks"], after["max_bytes_emptied"], after["multimodal"]) == (0, 0, {})
+    caplog.clear()
+    loaded.apply_vllm_events("e", batch(stored([7], None, first)))
+    assert loaded.stats()["replaced_engine_blocks"] == 1
+    warned = [r.getMessage() for r in caplog.records if "again with other" in r.getMessage()]
+    assert len(warned) == 1, warned
+
+
+def test_a_loaded_capped_index_counts_its_own_emptying() -> None:
+    """Probe 75: ``max_bytes_emptied`` of a loaded index counts from 0 (see above)."""
+    index = PrefixIndex(block_size=16, max_bytes=1)
+    index.store("w", index.hash_tokens(list(range(32))))
+    assert index.stats()["max_bytes_emptied"] == 1
+    loaded = PrefixIndex.loads(index.dumps())
+    assert loaded.stats()["max_bytes_emptied"] == 0
+    loaded.store("w", loaded.hash_tokens(list(range(32))))
+    assert loaded.stats()["max_bytes_emptied"] == 1

@@ -393,6 +393,32 @@ def test_trace_without_hash_ids_gets_unique_content(tmp_path) -> None:
             '{"timestamp": 0, "input_length": 5, "output_length": 1, "session": ""}',
             "session must not be an empty string",
         ),
+        # Probe 75: an integer of 2**64 or more was a float to the native reader: a timestamp
+        # of 2**64 was taken, a length said "must be <=", other fields showed 1.8e+19.
+        (
+            '{"timestamp": 18446744073709551616, "input_length": 5, "output_length": 1}',
+            r"timestamp is out of range: an integer must be below 2\*\*63, "
+            "got 18446744073709551616$",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 100000000000000000000000, "output_length": 1}',
+            r"input_length is out of range: an integer must be below 2\*\*63, "
+            "got 100000000000000000000000$",
+        ),
+        (
+            '{"timestamp": -9223372036854775809, "input_length": 5, "output_length": 1}',
+            "timestamp must be a number >= 0, got -9223372036854775809$",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1, '
+            '"priority": 18446744073709551616}',
+            "priority must be an integer, got 18446744073709551616$",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1, '
+            '"session": -18446744073709551616}',
+            "session must be a string or an integer, got -18446744073709551616$",
+        ),
     ],
 )
 def test_both_trace_readers_name_the_bad_line(
@@ -408,6 +434,14 @@ def test_both_trace_readers_name_the_bad_line(
 def test_both_trace_readers_take_whole_float_lengths(tmp_path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text('{"timestamp": 0.5, "input_length": 40.0, "output_length": 2.0}\n')
+    plan = assert_same_plan({"kind": "trace", "path": str(path)})
+    assert plan["prompt"].tolist() == [40]
+
+
+def test_both_trace_readers_take_a_float_timestamp_past_2_64(tmp_path) -> None:
+    # Only an integer literal that large is refused (probe 75); a float one is a float.
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 2e19, "input_length": 40, "output_length": 2}\n')
     plan = assert_same_plan({"kind": "trace", "path": str(path)})
     assert plan["prompt"].tolist() == [40]
 

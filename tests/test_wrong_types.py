@@ -46,6 +46,9 @@ WRONG: dict[str, Any] = {
     "list": [object()],
     "dict": {},
     "bool": True,  # an int to Python, read by the native layer as 1 (an id, a count, seconds)
+    # Probe 75: numpy's bool is no int subclass but has __float__: read as 1.0 where seconds,
+    # a rate or a share belong.
+    "np_bool": np.True_,
 }
 """The wrong values tried, by the name that ends a test id."""
 
@@ -60,7 +63,7 @@ ACCEPTS: dict[str, set[str]] = {
     "opt_num": {"None", "float"},
     "id": {"str"},
     "opt_id": {"None", "str"},
-    "bool": {"bool"},
+    "bool": {"bool", "np_bool"},  # a flag may be numpy's (not probed: either is fine)
     "bytes": {"bytes"},
     "text": {"str", "bytes"},
     "ints": {"dict"},  # token ids or hashes: an empty dict is an empty iterable

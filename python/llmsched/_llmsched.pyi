@@ -244,10 +244,11 @@ class PrefixIndex:
         """
     @property
     def event_batches(self) -> int:
-        """Engine KV-event batches applied so far."""
+        """Engine KV-event batches applied since the index was made or loaded."""
     @property
     def max_bytes_emptied(self) -> int:
-        """Times the memory cap evicted every block (a cap too small for one block)."""
+        """Times the memory cap evicted every block (a cap too small for one block), since
+        the index was made or loaded."""
     def expire(self, now: float) -> int:
         """Drops approximate holdings older than their TTL; returns how many."""
     def holdings(self, worker: int | str) -> dict[int, tuple[list[str], bool]]:
@@ -257,10 +258,10 @@ class PrefixIndex:
     def stats(self) -> IndexStats:
         """Counts: nodes, blocks, bytes, events applied and skipped."""
     def dumps(self, now: float) -> bytes:
-        """A snapshot of the index as bytes."""
+        """A snapshot of the index's content as bytes (not its counters)."""
     @staticmethod
     def loads(data: bytes, now: float) -> PrefixIndex:
-        """An index from a snapshot; `SnapshotError` when it is corrupt."""
+        """An index from a snapshot, its counters at 0; `SnapshotError` when it is corrupt."""
 
 # --- token slices (rust/py/slices.rs) ---
 
@@ -741,10 +742,16 @@ class ReplicaSync:
     def request_to(self, replica: str, incarnation: int) -> bytes:
         """A catch-up request that peer `replica` (`incarnation`) alone answers: what it has
         that is missing here (asked again when its answer came without some pieces)."""
-    def repair_requests(self) -> list[bytes]:
-        """One catch-up request per peer with batches missing here, each asked once; after a
-        first start's catch-up, first one request to one peer that answered for the sessions
-        and records whose owner did not answer (a replica since gone)."""
+    def repair_requests(self) -> list[tuple[str, int, bytes]]:
+        """``(replica, incarnation, request)``: one catch-up request per peer with batches
+        missing here, each asked once until answered or given up (:meth:`repair_unanswered`);
+        after a first start's catch-up, first one request to one peer that answered for the
+        sessions and records whose owner did not answer (a replica since gone)."""
+    def repair_unanswered(self, replica: str, incarnation: int) -> bool:
+        """Gives up the repair of that peer, unanswered: a later batch of it that shows the
+        gap asks again (counted in ``repairs_unanswered``); False when none is outstanding."""
+    def peer_ids(self) -> list[tuple[str, int]]:
+        """``(replica, incarnation)`` of every replica heard from within the load TTL."""
     def expire(self, now: float) -> int:
         """Forgets silent replicas; returns how many."""
     def peers(self) -> list[str]:

@@ -31,13 +31,16 @@ replica that knew no peer then asks one peer for the sessions and records no ans
 owns (a departed replica's): each arrives once. A gap in a peer's batches asks that peer alone
 for the rest. The pieces of an answer are numbered (message headers): an answer missing one
 is not taken (its last piece, which moves the cursor, is held back) and that peer is asked
-again, twice at most (``catch_up_re_asks``). While the bus is unreachable the replica routes
-on its own, exactly as without sync: batches are dropped and counted, peers' counts expire,
-and nothing raises; when the bus returns its peers see the gap in its batches and ask it for
-what it routed meanwhile. Replica names must be unique: two live replicas with one name are
-counted (``identity_conflicts``), listed (``shared_names``) and warned about once, as soon as
-the older one speaks again after the newer one did; a late batch of a restarted replica's
-previous life is dropped (``stale_in``).
+again, twice at most (``catch_up_re_asks``); so is a peer whose answer did not come at all (a
+catch-up answer or a repair's lost whole, ``catch_ups_unanswered``), and a repair still
+unanswered is given up (``repairs_unanswered``) so that the next batch showing the gap asks
+again. While the bus is unreachable the replica routes on its own, exactly as without sync:
+batches are dropped and counted, peers' counts expire, and nothing raises; when the bus
+returns its peers see the gap in its batches and ask it for what it routed meanwhile. Replica
+names must be unique: two live replicas with one name are counted (``identity_conflicts``),
+listed (``shared_names``) and warned about once, as soon as the older one speaks again after
+the newer one did; a late batch of a restarted replica's previous life is dropped
+(``stale_in``).
 
 >>> from llmsched import EndpointPool, PrefixIndex, Router
 >>> router = Router(EndpointPool(["a", "b"]), PrefixIndex(block_size=16), config="llm-d")
@@ -100,6 +103,10 @@ class ConnectionCounters(TypedDict):
     """Requests sent again to one peer because its answer was not whole."""
     catch_ups_incomplete: int
     """Answers still not whole after the re-asks: what they missed stays missing."""
+    catch_ups_unanswered: int
+    """Answers that did not come at all within ``catch_up_timeout_s`` (a peer's whole answer
+    to a catch-up, or the answer to a repair, lost on the way): that peer is asked again
+    alone, twice at most (counted in ``catch_up_re_asks``)."""
     usage_out: int
     """Usage messages published (rate-limit and fairness counters)."""
     usage_in: int
@@ -208,6 +215,28 @@ def _usage_from_json(data: bytes) -> Usage:
 _PeerId = tuple[str, int]
 
 
+class _Round:
+    """What came of one catch-up request."""
+
+    def __init__(self) -> None:
+        self.numbered: dict[_PeerId, _Answer] = {}
+        """The numbered answers, by peer (whole or not)."""
+        self.unnumbered = 0
+        """Messages of answers without numbering (peers of a release before, not named)."""
+        self.ended = 0
+        """Answers that ended: whole numbered ones, and end markers."""
+
+    @property
+    def broken(self) -> dict[_PeerId, _Answer]:
+        """The numbered answers that are not whole."""
+        return {peer: a for peer, a in self.numbered.items() if not a.whole}
+
+    @property
+    def silent(self) -> bool:
+        """Whether nothing at all came."""
+        return not self.numbered and not self.unnumbered
+
+
 class _Answer:
     """What arrived of one peer's numbered catch-up answer."""
 
@@ -266,7 +295,8 @@ class ClusterSync:
     :param journal_limit: most entries journaled between two flushes (the rest are counted).
     :param history_limit: most of this replica's records kept to serve late replicas (none
         older than the record TTL).
-    :param catch_up_timeout_s: how long a starting replica waits for a peer's catch-up.
+    :param catch_up_timeout_s: how long a starting replica waits for a peer's catch-up (and
+        a repair, or a re-ask, for its answer).
     :param clock: the router's clock (``time.monotonic`` unless the router is driven by another).
     """
 
@@ -330,6 +360,7 @@ class ClusterSync:
             "catch_up_pieces_lost": 0,
             "catch_up_re_asks": 0,
             "catch_ups_incomplete": 0,
+            "catch_ups_unanswered": 0,
             "usage_out": 0,
             "usage_in": 0,
             "usage_malformed": 0,
@@ -573,9 +604,11 @@ class ClusterSync:
             self._spawn(self._repair(self._nc), "llmsched-cluster-repair")
 
     async def _repair(self, nc: Client) -> None:
-        """Asks each peer with batches missing here for them alone (each once)."""
-        for request in self._native.repair_requests():
-            await self._ask(nc, request, expected=1, targeted=True)
+        """Asks each peer with batches missing here for them alone (each once: a repair that
+        got no answer at all is given up after the re-asks, and asked again when a later batch
+        of that peer shows the gap)."""
+        for name, incarnation, request in self._native.repair_requests():
+            await self._ask(nc, request, expected=1, target=(name, incarnation))
 
     async def _exchange(self, nc: Client) -> None:
         """On every (re)connect: a heartbeat at once, so that the peers see the gap in this
@@ -586,54 +619,71 @@ class ClusterSync:
         self._catching_up += 1
         try:
             request = self._native.catch_up_request()
-            await self._ask(nc, request, len(self._native.peers()), targeted=False)
+            await self._ask(nc, request, len(self._native.peers()), target=None)
         finally:
             self._catching_up -= 1
         await self._repair(nc)
 
-    async def _ask(self, nc: Client, request: bytes, expected: int, *, targeted: bool) -> None:
-        """A catch-up `request` (see :meth:`_catch_up`), then each peer whose answer came
-        without some of its pieces asked again alone, :data:`_RE_ASKS` times at most (a
-        `targeted` request is sent again as it was: the cursors it carries did not move).
-        Still not whole after that, an answer's last piece is applied: what it missed stays
-        missing, as when nothing showed the loss, and a later gap of that peer is asked for
-        again (an unanswered repair would block that)."""
-        broken = await self._catch_up(nc, request, expected)
+    async def _ask(
+        self, nc: Client, request: bytes, expected: int, *, target: _PeerId | None
+    ) -> None:
+        """A catch-up `request` (see :meth:`_catch_up`), to every peer or to `target` alone,
+        then each peer whose answer came without some of its pieces, or did not come at all
+        within the timeout, asked again alone, :data:`_RE_ASKS` times at most (a targeted
+        request is sent again as it was: the cursors it carries did not move). A request to
+        every peer misses a peer's answer when fewer than `expected` ended: the peers heard
+        lately that sent nothing numbered are asked. Still not whole after that, an answer's
+        last piece is applied: what it missed stays missing, as when nothing showed the loss,
+        and a later gap of that peer is asked for again; a repair still unanswered is given
+        up, so that a later batch of that peer showing the gap asks again."""
+        first = await self._catch_up(nc, request, expected)
+        broken = first.broken
+        silent: set[_PeerId] = set()
+        if target is not None:
+            if first.silent:
+                silent.add(target)
+        elif first.ended < expected:
+            silent = {(name, inc) for name, inc in self._native.peer_ids()} - set(first.numbered)
+        self._counters["catch_ups_unanswered"] += len(silent)
         for _ in range(_RE_ASKS):
-            if not broken:
-                return
-            again: dict[_PeerId, _Answer] = {}
-            for peer in broken:
-                self._counters["catch_up_re_asks"] += 1
-                retry = request if targeted else self._native.request_to(*peer)
-                again.update(await self._catch_up(nc, retry, 1))
-            broken = again
+            if not broken and not silent:
+                break
+            peers = sorted({*broken, *silent})
+            self._counters["catch_up_re_asks"] += len(peers)
+            # At once: a peer gone silent costs one timeout a round, not one per peer.
+            asks = [request if target else self._native.request_to(*p) for p in peers]
+            rounds = await asyncio.gather(*(self._catch_up(nc, ask, 1) for ask in asks))
+            broken = {k: a for r in rounds for k, a in r.broken.items()}
+            silent = {p for p, r in zip(peers, rounds, strict=True) if r.silent}
+            self._counters["catch_ups_unanswered"] += len(silent)
         for answer in broken.values():
             self._counters["catch_ups_incomplete"] += 1
             if answer.last is not None:
                 self._apply_catch_up(answer.last, "catch-up")
+        if target is not None and silent:
+            self._native.repair_unanswered(*target)
 
-    async def _catch_up(self, nc: Client, request: bytes, expected: int) -> dict[_PeerId, _Answer]:
+    async def _catch_up(self, nc: Client, request: bytes, expected: int) -> _Round:
         """Sends a catch-up `request`; applies what comes within the timeout. Each peer holds
         only its own records, so it listens until the `expected` peers have answered (an empty
         marker ends each answer), or for the whole timeout when it expects none (it knows of
-        none yet). Returns the numbered answers that are not whole: their last piece, which
-        moves the asker's cursor past everything the answer carries, is held back."""
+        none yet). Returns what came: the numbered answers that are not whole hold back their
+        last piece, which moves the asker's cursor past everything the answer carries."""
         inbox = nc.new_inbox()
         done = asyncio.Event()
-        answers = 0
-        numbered: dict[_PeerId, _Answer] = {}
+        got = _Round()
+        numbered = got.numbered
         ended: set[_PeerId] = set()
 
         def answered() -> None:
-            nonlocal answers
-            answers += 1
-            if expected and answers >= expected:
+            got.ended += 1
+            if expected and got.ended >= expected:
                 done.set()
 
         async def on_reply(msg: Msg) -> None:
             piece = _piece(msg)
             if piece is None:  # a peer of a release before: taken as it comes
+                got.unnumbered += 1
                 if msg.data:
                     self._apply_catch_up(msg.data, "catch-up")
                 else:
@@ -665,10 +715,9 @@ class ClusterSync:
             await sub.unsubscribe()
         except (NatsError, OSError):
             self._counters["publish_failures"] += 1
-        broken = {peer: a for peer, a in numbered.items() if not a.whole}
-        for answer in broken.values():
+        for answer in got.broken.values():
             self._counters["catch_up_pieces_lost"] += answer.total - len(answer.got)
-        return broken
+        return got
 
     async def _publish(self, nc: Client, *, heartbeat: bool) -> None:
         batches = self._native.outgoing(self._clock(), heartbeat, self._max_bytes(nc))

@@ -68,6 +68,7 @@ from llmsched.validation import (
     check_str,
     check_utf8,
     describe_int,
+    is_bool,
     is_finite_number,
 )
 
@@ -280,7 +281,7 @@ class FlowController:
         if isinstance(request.tenant, str):  # a wrong type is named when the native side refuses
             check_utf8("FlowRequest.tenant", request.tenant)
         for name in ("deadline", "ttft_target"):  # the native side would read a bool as 0 or 1
-            if type(getattr(request, name)) is bool:
+            if is_bool(getattr(request, name)):
                 check_number_like(f"FlowRequest.{name}", getattr(request, name))
         t = self._now(now)
         try:

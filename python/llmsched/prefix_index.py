@@ -47,6 +47,7 @@ from llmsched.validation import (
     check_optional_str,
     check_seed,
     check_str,
+    is_bool,
 )
 
 __all__ = ["DEFAULT_RECORD_TTL_S", "PrefixIndex", "PrefixMatch", "Tier", "Worker"]
@@ -298,7 +299,7 @@ class PrefixIndex:
             parent = operator.index(parent)  # a numpy integer: its range is checked as an int's
         if type(parent) is int and not 0 <= parent < 2**64:
             raise InvalidValueError(f"parent must be a block hash in 0..2**64-1, got {parent}")
-        if type(parent) is bool:  # the native side would read it as block 0 or 1
+        if is_bool(parent):  # the native side would read it as block 0 or 1
             raise InvalidTypeError("parent must be a block hash (an int) or None, got bool")
         try:
             added = self._native.store(worker, hashes, parent, tier)
@@ -331,7 +332,7 @@ class PrefixIndex:
         0
         """
         now = _now(now)
-        if type(ttl_s) is bool:  # the native side would read it as 1 second
+        if is_bool(ttl_s):  # the native side would read it as 1 second
             check_number_like("ttl_s", ttl_s)
         try:
             added = self._native.record(worker, hashes, ttl_s, now)
@@ -516,15 +517,29 @@ class PrefixIndex:
         if report["multimodal"]:
             self.note_multimodal(worker, report["multimodal"])
         if report["replaced"] and not self._replaced_warned:
-            self._warn_replaced(worker, report["replaced"])
+            self.note_replaced_engine_blocks(worker, report["replaced"])
         if self._cap_watch:
             self._check_cap()
         return report
 
-    def _warn_replaced(self, worker: Worker, replaced: int) -> None:
-        """Warns once that an engine stored a block hash again with other content
-        (``stats()['replaced_engine_blocks']``)."""
-        self._replaced_warned = True
+    def note_replaced_engine_blocks(self, worker: Worker, replaced: int) -> None:
+        """Warns, the first time only, that ``worker`` stored ``replaced`` engine block hashes
+        again with other token content. The index counts them itself as it applies the events
+        (``stats()['replaced_engine_blocks']``); this is the warning alone.
+        :meth:`apply_vllm_events` calls it; so does a feed that applies events natively
+        (:class:`~llmsched.integrations.NativeKVEventSubscriber`).
+
+        >>> index = PrefixIndex(block_size=16)
+        >>> index.note_replaced_engine_blocks("w", 1)  # logged on the "llmsched" logger
+        >>> index.stats()["replaced_engine_blocks"]  # the index's own count, not this call's
+        0
+        """
+        check_id("worker", worker)
+        check_int("replaced", replaced)
+        with self._lock:
+            if self._replaced_warned or not replaced:
+                return
+            self._replaced_warned = True
         import logging  # only on this rare path: `import llmsched` stays light
 
         logging.getLogger("llmsched").warning(
@@ -654,7 +669,9 @@ class PrefixIndex:
         beside the tokens (:meth:`note_multimodal`); ``max_bytes_emptied``: times ``max_bytes``
         evicted every block (a cap too small for one block; warned of once);
         ``replaced_engine_blocks``: engine hashes a worker stored again with other content, the
-        older blocks released (warned of once).
+        older blocks released (warned of once). The counters (``evicted_blocks`` and those
+        from ``event_batches`` on) count what this object saw: :meth:`loads` and unpickling
+        start them from 0 and warn again (see :class:`~llmsched.types.IndexStats`).
         """
         stats = self._native.stats()
         with self._lock:
@@ -665,12 +682,14 @@ class PrefixIndex:
         return stats
 
     def dumps(self) -> bytes:
-        """Serialise the index (approximate holdings keep their remaining lifetime)."""
+        """Serialise the index's content (approximate holdings keep their remaining lifetime);
+        not its counters (:meth:`stats`), which count what one object saw."""
         return self._native.dumps(time.monotonic())
 
     @classmethod
     def loads(cls, data: bytes) -> PrefixIndex:
-        """Rebuild an index from :meth:`dumps` output; SnapshotError if it is corrupt.
+        """Rebuild an index from :meth:`dumps` output; SnapshotError if it is corrupt. Its
+        counters (:meth:`stats`) start from 0, as a new index's.
 
         >>> index = PrefixIndex(block_size=2)
         >>> _ = index.store(1, index.hash_tokens([5, 6, 7, 8]))

@@ -37,6 +37,7 @@ from llmsched.validation import (
     check_number_like,
     check_str,
     check_utf8,
+    is_bool,
 )
 
 __all__ = [
@@ -109,7 +110,7 @@ class SwitchCostModel:
 
     def __init__(self, **params: float) -> None:
         for name, value in params.items():  # the native side would read a bool as 0 or 1
-            if type(value) is bool:
+            if is_bool(value):
                 check_number_like(name, value)
         try:
             self._native = _llmsched.SwitchCostModel(_params(params, "cost model"))
@@ -499,7 +500,7 @@ class SliceTracker:
             ("prefill_tokens_per_s", prefill_tokens_per_s),
             ("decode_step_s", decode_step_s),
         ):
-            if type(value) is bool:  # the native side would read it as 0.0 or 1.0
+            if is_bool(value):  # the native side would read it as 0.0 or 1.0
                 check_number_like(field_name, value)
         try:
             self._native.set_endpoint(
@@ -556,7 +557,7 @@ class SliceTracker:
 
         More than are left raises :class:`~llmsched.errors.SliceStateError`.
         """
-        if type(request_id) is bool or type(tokens) is bool:  # the native side takes 0 / 1
+        if is_bool(request_id) or is_bool(tokens):  # the native side takes 0 / 1
             _check_int("request_id", request_id, 0, _U64)
             _check_int("tokens", tokens, 0, _U32)
         try:
@@ -581,7 +582,7 @@ class SliceTracker:
         Mid-slice raises :class:`~llmsched.errors.SliceStateError`; nothing changes on error.
         """
         now = check_now(now)
-        if type(request_id) is bool:  # the native side would decide for request 0 or 1
+        if is_bool(request_id):  # the native side would decide for request 0 or 1
             _check_int("request_id", request_id, 0, _U64)
         try:
             return self._native.decide(request_id, finished, waiting, now)

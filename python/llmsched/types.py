@@ -88,7 +88,12 @@ The parameters belong to the policy (each plugin documents its own), so they sta
 
 
 class IndexStats(TypedDict):
-    """:meth:`llmsched.PrefixIndex.stats`: sizes of the index."""
+    """:meth:`llmsched.PrefixIndex.stats`: sizes of the index, and counters of what this
+    index object saw since it was made. A snapshot (:meth:`llmsched.PrefixIndex.dumps`,
+    pickling) keeps the index's content, not its counters: an index rebuilt from one
+    (:meth:`~llmsched.PrefixIndex.loads`, unpickling) counts from 0, and warns again of what
+    is warned of once, so a copy in another process counts its own (summing copies never
+    counts one event twice)."""
 
     workers: int
     """Workers known to the index."""
@@ -104,28 +109,33 @@ class IndexStats(TypedDict):
     """Approximate heap bytes used."""
     evicted_blocks: int
     """Blocks evicted for ``worker_capacity`` or ``max_bytes`` since the index was made (or
-    loaded)."""
+    loaded: every counter below starts from 0 in a loaded index)."""
     max_bytes_emptied: int
     """Times ``max_bytes`` evicted every block the index held, those just stored with them: the
     cap is too small for what was stored (below one block, for a cap of a few bytes), and the
-    index holds nothing (a warning is logged the first time)."""
+    index holds nothing (a warning is logged the first time), since the index was made or
+    loaded."""
     replaced_engine_blocks: int
     """Engine blocks a worker stored again under the same engine hash with other content
-    (:class:`ApplyReport`'s ``replaced``; a warning is logged the first time)."""
+    (:class:`ApplyReport`'s ``replaced``; a warning is logged the first time), since the index
+    was made or loaded."""
     worker_blocks: dict[WorkerId, int]
     """Blocks held, per worker."""
     event_batches: int
-    """Engine KV-event batches applied (:meth:`llmsched.PrefixIndex.apply_vllm_events`)."""
+    """Engine KV-event batches applied (:meth:`llmsched.PrefixIndex.apply_vllm_events`), since
+    the index was made or loaded."""
     block_size_mismatch: dict[WorkerId, int]
     """Per worker, stored events skipped because the engine's block size is not a multiple of
-    the index's (a warning is logged the first time for each worker)."""
+    the index's (a warning is logged the first time for each worker), since the index was made
+    or loaded."""
     extra_keys: dict[WorkerId, int]
     """Per worker, stored events skipped for extra keys no request's hashes can name
     (:class:`ApplyReport`'s ``extra_keys``; a warning is logged the first time for each
-    worker)."""
+    worker), since the index was made or loaded."""
     multimodal: dict[WorkerId, int]
     """Per worker, stored events skipped because their extra keys stand for content beside
-    their tokens (multimodal inputs, prompt embeddings; counted, not warned of)."""
+    their tokens (multimodal inputs, prompt embeddings; counted, not warned of), since the
+    index was made or loaded."""
 
 
 class ApplyReport(TypedDict):
@@ -687,6 +697,9 @@ class SyncCounters(TypedDict):
     catch_up_entries_out: int
     repairs_asked: int
     """Catch-up requests aimed at one peer for a gap in its batches."""
+    repairs_unanswered: int
+    """Repairs (and first-start session requests) that got no answer at all, asked again and
+    given up: that peer's gap is asked for again when a later batch of it shows the gap."""
     tables_asked: int
     """After a first start's catch-up (each peer answers with its own sessions): requests to
     one peer for the sessions that no answering peer owns (of replicas since gone)."""

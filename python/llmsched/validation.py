@@ -67,6 +67,7 @@ __all__ = [
     "check_str_mapping",
     "check_utf8",
     "describe_int",
+    "is_bool",
     "is_finite_number",
     "is_utf8_text",
     "refuse_json_constant",
@@ -75,6 +76,19 @@ __all__ = [
 U32_MAX = 2**32 - 1
 I64_MAX = 2**63 - 1
 U64_MAX = 2**64 - 1
+
+
+def is_bool(value: object) -> bool:
+    """Whether ``value`` is a ``bool`` or a numpy bool (``np.True_``: no ``int`` subclass, but
+    read by the native layer as 1.0 where a float belongs, and by numpy 1 as 1 where an int
+    does): a flag where a number, a count or an id belongs is a mistake.
+
+    >>> import numpy as np
+    >>> is_bool(True), is_bool(np.False_), is_bool(1), is_bool(np.int8(1))
+    (True, True, False, False)
+    """
+    kind = type(value)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
 
 
 def _is_number(value: object) -> bool:
@@ -181,7 +195,7 @@ def check_index(name: str, value: object, *, minimum: int = 0, maximum: int = I6
     llmsched.errors.InvalidValueError: max_loras must be at least 0, got -1
     """
     index = getattr(type(value), "__index__", None)
-    if index is None or type(value).__name__ in ("bool", "bool_"):
+    if index is None or is_bool(value):
         raise InvalidTypeError(f"{name} must be an int, got {_type_name(value)}")
     return check_int(name, int(index(value)), minimum=minimum, maximum=maximum)
 
@@ -348,10 +362,10 @@ def check_iterable(name: str, value: object) -> list[Any]:
 
 def check_int_like(name: str, value: object, *, optional: bool = False) -> None:
     """Raise unless ``value`` is what the native layer reads as an int: anything with
-    ``__index__`` (an ``int``, a numpy integer) but a ``bool`` (which the native layer would
-    read as 0 or 1), or ``None`` when ``optional``. For the error path of a native call, to
-    name the argument it refused (its range is the core's to check), and before a native call
-    that would take a bool.
+    ``__index__`` (an ``int``, a numpy integer) but a ``bool`` or numpy bool (which the native
+    layer would read as 0 or 1), or ``None`` when ``optional``. For the error path of a native
+    call, to name the argument it refused (its range is the core's to check), and before a
+    native call that would take a bool.
 
     >>> check_int_like("request_id", 1.5)
     Traceback (most recent call last):
@@ -364,7 +378,7 @@ def check_int_like(name: str, value: object, *, optional: bool = False) -> None:
     """
     if optional and value is None:
         return
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    if isinstance(value, bool) or is_bool(value) or not hasattr(type(value), "__index__"):
         kind = "an int or None" if optional else "an int"
         raise InvalidTypeError(f"{name} must be {kind}, got {_type_name(value)}")
 
@@ -372,8 +386,8 @@ def check_int_like(name: str, value: object, *, optional: bool = False) -> None:
 def check_number_like(name: str, value: object, *, optional: bool = False) -> None:
     """Raise unless ``value`` is what the native layer reads as a float: anything with
     ``__float__`` or ``__index__`` (an ``int``, a ``float``, a numpy scalar) but a ``str`` or
-    a ``bool`` (a True where seconds, a rate or a share belong is a mistake, which the native
-    layer would read as 1.0), or ``None`` when ``optional``. For the error path of a native
+    a ``bool`` or numpy bool (a True where seconds, a rate or a share belong is a mistake,
+    which the native layer would read as 1.0), or ``None`` when ``optional``. For the error path of a native
     call, as :func:`check_int_like`, and before a native call that would take a bool.
 
     >>> check_number_like("ttl_s", "5")
@@ -392,7 +406,7 @@ def check_number_like(name: str, value: object, *, optional: bool = False) -> No
     if optional and value is None:
         return
     kind = type(value)
-    if kind is bool or not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
+    if is_bool(value) or not (hasattr(kind, "__float__") or hasattr(kind, "__index__")):
         expected = "a number or None" if optional else "a number"
         raise InvalidTypeError(f"{name} must be {expected}, got {_type_name(value)}")
     if isinstance(value, int) and value.bit_length() > 1024:  # float() would overflow

@@ -39,9 +39,10 @@ fn unknown(worker: &str) -> PyErr {
 impl PyKvFeed {
     /// A feed into `index` of `engines` (`(worker, endpoint, bind, replay, topic)` tuples)
     /// with `options` (JSON of `llmsched_gateway::kv_events::KvOptions`); `on_mismatch(worker,
-    /// block_size_mismatch, extra_keys, multimodal)` is called, with the GIL, for a batch
-    /// whose stored events were skipped for their block size, for extra keys no request names
-    /// or for keys standing for content (the counts of each; never for a batch with none); `on_socket(workers, endpoint, action,
+    /// block_size_mismatch, extra_keys, multimodal, replaced)` is called, with the GIL, for a
+    /// batch whose stored events were skipped for their block size, for extra keys no request
+    /// names or for keys standing for content, or that stored engine hashes again with other
+    /// content (the counts of each; never for a batch with none); `on_socket(workers, endpoint, action,
     /// error)` each time opening a socket fails (`action` `bind` or `connect`, `error` what
     /// the OS or ZMQ said), once when it opens after failing (`error` None), and for the first
     /// peer connection an endpoint drops (`action` `drop`, `error` why), and for an engine's
@@ -70,10 +71,15 @@ impl PyKvFeed {
             .collect();
         let hook = on_mismatch.map(|callable| {
             Arc::new(move |worker: &str, report: &ApplyReport| {
-                let counts = (report.block_size_mismatch, report.extra_keys, report.multimodal);
+                let counts = (
+                    report.block_size_mismatch,
+                    report.extra_keys,
+                    report.multimodal,
+                    report.replaced,
+                );
                 Python::attach(|py| {
                     // A failing warning must not stop the feed.
-                    let _ = callable.call1(py, (worker, counts.0, counts.1, counts.2));
+                    let _ = callable.call1(py, (worker, counts.0, counts.1, counts.2, counts.3));
                 });
             }) as MismatchHook
         });

@@ -131,9 +131,22 @@ impl PyReplicaSync {
         Ok(PyBytes::new(py, &request))
     }
 
-    fn repair_requests<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-        let requests = detach(py, || self.inner.repair_requests())?;
-        Ok(requests.iter().map(|b| PyBytes::new(py, b)).collect())
+    /// `(replica, incarnation, request)` per peer to ask for a gap in its batches.
+    #[allow(clippy::type_complexity)]
+    fn repair_requests<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(String, u64, Bound<'py, PyBytes>)>> {
+        let requests = detach(py, || self.inner.repair_requests_to())?;
+        Ok(requests.into_iter().map(|((n, i), b)| (n, i, PyBytes::new(py, &b))).collect())
+    }
+
+    fn repair_unanswered(&self, py: Python<'_>, replica: &str, incarnation: u64) -> PyResult<bool> {
+        detach(py, || self.inner.repair_unanswered(replica, incarnation))
+    }
+
+    fn peer_ids(&self) -> Vec<(String, u64)> {
+        self.inner.peer_ids()
     }
 
     fn expire(&self, py: Python<'_>, now: f64) -> PyResult<usize> {
@@ -176,6 +189,7 @@ impl PyReplicaSync {
             ("catch_up_bytes_out", c.catch_up_bytes_out),
             ("catch_up_entries_out", c.catch_up_entries_out),
             ("repairs_asked", c.repairs_asked),
+            ("repairs_unanswered", c.repairs_unanswered),
             ("tables_asked", c.tables_asked),
         ] {
             d.set_item(name, value)?;

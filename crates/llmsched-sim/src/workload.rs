@@ -412,6 +412,27 @@ fn shown(value: Option<&Value>) -> String {
     value.map_or_else(|| "None".to_string(), Value::to_string)
 }
 
+/// The JSON text of `key` in `line` when that value is an integer literal too large for an
+/// `i64` or `u64` (serde_json reads those as floats; Python reads them as ints), else `None`.
+/// Only such a float is looked up (a second parse of the line), so a trace of ordinary rows
+/// is parsed once.
+fn big_int_literal(line: &str, value: Option<&Value>, key: &str) -> Option<String> {
+    let Some(Value::Number(n)) = value else { return None };
+    if !n.is_f64() || n.as_f64().is_some_and(|f| f.abs() < 9.2e18) {
+        return None;
+    }
+    let mut raw: std::collections::HashMap<String, Box<serde_json::value::RawValue>> =
+        serde_json::from_str(line).ok()?;
+    let text = raw.remove(key)?.get().trim().to_string();
+    let digits = text.strip_prefix('-').unwrap_or(&text);
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then_some(text)
+}
+
+/// [`shown`], with an integer literal past 64 bits written as in the file (as Python shows it).
+fn shown_in(line: &str, value: Option<&Value>, key: &str) -> String {
+    big_int_literal(line, value, key).unwrap_or_else(|| shown(value))
+}
+
 fn tokens(value: Stamp) -> u64 {
     match value {
         Stamp::Int(i) => i as u64,
@@ -448,15 +469,23 @@ pub fn read_trace(
         let mut nums = [Stamp::Int(0); 3];
         for (slot, key) in nums.iter_mut().zip(["timestamp", "input_length", "output_length"]) {
             let value = row.get(key);
-            *slot = number(value).ok_or_else(|| {
-                WorkloadError(match value {
-                    Some(Value::Number(x)) if x.is_u64() => format!(
+            // An integer of 2**64 or more is a float to serde_json: refuse it as Python does
+            // rather than take it as a huge timestamp or length.
+            let big = big_int_literal(line, value, key);
+            let number = if big.is_some() { None } else { number(value) };
+            *slot = number.ok_or_else(|| {
+                WorkloadError(match (value, big) {
+                    (_, Some(x)) if !x.starts_with('-') => format!(
                         "trace {name}:{n}: {key} is out of range: an integer must be below \
                          2**63, got {x}"
                     ),
-                    _ => format!(
+                    (Some(Value::Number(x)), _) if x.is_u64() => format!(
+                        "trace {name}:{n}: {key} is out of range: an integer must be below \
+                         2**63, got {x}"
+                    ),
+                    (_, big) => format!(
                         "trace {name}:{n}: {key} must be a number >= 0, got {}",
-                        shown(value)
+                        big.unwrap_or_else(|| shown(value))
                     ),
                 })
             })?;
@@ -508,7 +537,7 @@ pub fn read_trace(
                 .ok_or_else(|| {
                     WorkloadError(format!(
                         "trace {name}:{n}: {key} must be an integer, got {}",
-                        shown(row.get(key))
+                        shown_in(line, row.get(key), key)
                     ))
                 })?
                 .unwrap_or(0);
@@ -522,7 +551,8 @@ pub fn read_trace(
             Some(Value::Number(x)) if x.is_i64() || x.is_u64() => Some(x.to_string()),
             Some(other) => {
                 return err(format!(
-                    "trace {name}:{n}: session must be a string or an integer, got {other}"
+                    "trace {name}:{n}: session must be a string or an integer, got {}",
+                    shown_in(line, Some(other), "session")
                 ))
             }
         };
@@ -1160,6 +1190,28 @@ mod tests {
                 "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"session\": \"\"}",
                 "session must not be an empty string",
             ),
+            // Integers of 2**64 or more were floats to serde_json: a timestamp of 2**64 was
+            // taken, a length said "must be <=".
+            (
+                "{\"timestamp\": 18446744073709551616, \"input_length\": 1, \"output_length\": 1}",
+                "timestamp is out of range: an integer must be below 2**63, got 18446744073709551616",
+            ),
+            (
+                "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 100000000000000000000000}",
+                "output_length is out of range: an integer must be below 2**63, got 100000000000000000000000",
+            ),
+            (
+                "{\"timestamp\": -9223372036854775809, \"input_length\": 1, \"output_length\": 1}",
+                "timestamp must be a number >= 0, got -9223372036854775809",
+            ),
+            (
+                "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"tenant\": 18446744073709551616}",
+                "tenant must be an integer, got 18446744073709551616",
+            ),
+            (
+                "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"session\": 18446744073709551616}",
+                "session must be a string or an integer, got 18446744073709551616",
+            ),
         ] {
             let text = format!("{{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1}}\n{line}");
             let e = read_trace(&text, "t", &SPEC).unwrap_err().0;
@@ -1175,6 +1227,9 @@ mod tests {
             (row.timestamp, row.input_length, row.output_length),
             (Stamp::Float(0.25), 10, 2)
         );
+        // A float past 2**64 is still a float (only integer literals that big are refused).
+        let text = "{\"timestamp\": 2e19, \"input_length\": 1, \"output_length\": 1}";
+        assert_eq!(read_trace(text, "t", &SPEC).unwrap()[0].timestamp, Stamp::Float(2e19));
     }
 
     #[test]

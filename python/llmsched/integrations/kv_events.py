@@ -1340,15 +1340,25 @@ class KVEventSubscriber:
 
 
 class _SkippedEvents:
-    """What the native feed calls for a batch with skipped stored events: the index's counts
-    (and warnings) by cause, as :meth:`PrefixIndex.apply_vllm_events` keeps them."""
+    """What the native feed calls for a batch with skipped stored events, or engine hashes
+    stored again with other content: the index's counts (and warnings) by cause, as
+    :meth:`PrefixIndex.apply_vllm_events` keeps them."""
 
     __slots__ = ("_index",)
 
     def __init__(self, index: PrefixIndex) -> None:
         self._index = index
 
-    def note(self, worker: str, block_size_mismatch: int, extra_keys: int, multimodal: int) -> None:
+    def note(
+        self,
+        worker: str,
+        block_size_mismatch: int,
+        extra_keys: int,
+        multimodal: int,
+        replaced: int = 0,
+    ) -> None:
+        if replaced:  # counted by the index as it applied the batch: the warning alone
+            self._index.note_replaced_engine_blocks(worker, replaced)
         if block_size_mismatch:
             self._index.note_block_size_mismatch(worker, block_size_mismatch)
         if extra_keys:
@@ -1376,7 +1386,9 @@ class NativeKVEventSubscriber:
     :meth:`~llmsched.PrefixIndex.note_block_size_mismatch`, one whose events were skipped for
     their extra keys :meth:`~llmsched.PrefixIndex.note_extra_keys` or
     :meth:`~llmsched.PrefixIndex.note_multimodal` (counted, and the first two warned once,
-    as with :meth:`~llmsched.PrefixIndex.apply_vllm_events`), a failure to open a socket reaches
+    as with :meth:`~llmsched.PrefixIndex.apply_vllm_events`), one that stored engine hashes
+    again with other content :meth:`~llmsched.PrefixIndex.note_replaced_engine_blocks`
+    (counted by the index, warned once), a failure to open a socket reaches
     the log as :meth:`KVEventSubscriber.failing_sockets` says, and so does an engine's first
     malformed batch; those are the only calls into Python, and only under such a fault.
 

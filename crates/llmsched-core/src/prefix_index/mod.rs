@@ -135,14 +135,16 @@ pub struct IndexStats {
     pub worker_blocks: Vec<(WorkerId, u64)>,
     pub engine_blocks: usize,
     pub bytes: u64,
-    /// Blocks evicted for a worker's capacity or the memory cap, since the index was made.
+    /// Blocks evicted for a worker's capacity or the memory cap, since the index was made (or
+    /// loaded: [`PrefixIndex::loads`] starts every counter here from 0; a snapshot holds the
+    /// index's content, not its counters).
     pub evicted_blocks: u64,
     /// Times the memory cap evicted every block the index held, the blocks just stored with
     /// them: `max_bytes` is too small for what was stored (below what one block takes, for
-    /// a cap of a few bytes), and the index holds nothing.
+    /// a cap of a few bytes), and the index holds nothing. Since the index was made or loaded.
     pub max_bytes_emptied: u64,
     /// Engine blocks a worker stored again with other content under the same engine hash
-    /// ([`ApplyReport::replaced`]), since the index was made.
+    /// ([`ApplyReport::replaced`]), since the index was made or loaded.
     pub replaced_engine_blocks: u64,
 }
 
@@ -646,7 +648,9 @@ impl PrefixIndex {
         }
     }
 
-    /// Rebuilds an index from [`Self::dumps`] output, on a clock that reads `now`.
+    /// Rebuilds an index from [`Self::dumps`] output, on a clock that reads `now`. Its counters
+    /// ([`IndexStats`]' `evicted_blocks` and after, [`Self::event_batches`]) start from 0: they
+    /// count what one index object saw, and a snapshot holds content only.
     pub fn loads(data: &[u8], now: f64) -> Result<Self, IndexError> {
         let (config, state) = snapshot::load(data, now)?;
         Ok(PrefixIndex {

@@ -40,7 +40,9 @@
 //! for the records it applied from such replicas (a departed replica's engines, shared by every
 //! replica, still hold what it routed there). A
 //! gap in a peer's sequence (batches lost, or published while the bus was away) asks that
-//! peer alone for what is missing ([`ReplicaSync::repair_requests`]), once.
+//! peer alone for what is missing ([`ReplicaSync::repair_requests`]), once until answered; a
+//! repair the carrier gives up unanswered ([`ReplicaSync::repair_unanswered`]) is asked again
+//! when a later batch of that peer shows the gap.
 //!
 //! Wire format (version 2, little-endian): `b"LSYN"`, version `u8`, replica name (`u16` length
 //! then UTF-8), incarnation `u64` (random per process start), sequence `u64`, the sender's
@@ -618,6 +620,10 @@ pub struct SyncCounters {
     pub catch_up_entries_out: u64,
     /// Targeted catch-up requests made for a gap in a peer's batches.
     pub repairs_asked: u64,
+    /// Repairs (and a first start's session requests) given up unanswered
+    /// ([`ReplicaSync::repair_unanswered`]): that peer's gap is asked for again when a later
+    /// batch of it shows it, where it stayed "asked" for good.
+    pub repairs_unanswered: u64,
     /// Requests to one peer, after a first start's catch-up, for the sessions that no peer
     /// that answered owns.
     pub tables_asked: u64,
@@ -644,7 +650,7 @@ struct Peer {
 
 /// A peer: its name and incarnation. Two live replicas that share a name (a misconfiguration)
 /// are two peers, so that both their counts add up instead of replacing each other.
-type PeerId = (String, u64);
+pub type PeerId = (String, u64);
 
 /// What this replica holds of one peer incarnation's journal.
 #[derive(Debug, Default)]
@@ -1195,6 +1201,12 @@ impl ReplicaSync {
     /// those that answered) for the sessions that no peer it has heard owns: those of
     /// replicas since gone, or that did not answer in time.
     pub fn repair_requests(&self) -> Vec<Vec<u8>> {
+        self.repair_requests_to().into_iter().map(|(_, request)| request).collect()
+    }
+
+    /// [`ReplicaSync::repair_requests`], each with the peer it is aimed at (for
+    /// [`ReplicaSync::repair_unanswered`]).
+    pub fn repair_requests_to(&self) -> Vec<(PeerId, Vec<u8>)> {
         let mut state = self.state.lock();
         let mut out = Vec::new();
         let mut table_from = None;
@@ -1205,7 +1217,7 @@ impl ReplicaSync {
                 .min_by(|(a, x), (b, y)| (x.have == 0, *a).cmp(&(y.have == 0, *b)))
                 .map(|(id, _)| id.clone());
             if let Some(id) = &table_from {
-                out.push(self.request(&state, Some(id.clone()), true));
+                out.push((id.clone(), self.request(&state, Some(id.clone()), true)));
                 if let Some(c) = state.cursors.get_mut(id) {
                     c.asked = true;
                 }
@@ -1218,7 +1230,9 @@ impl ReplicaSync {
             .map(|(id, _)| id.clone())
             .collect();
         behind.sort();
-        out.extend(behind.iter().map(|id| self.request(&state, Some(id.clone()), false)));
+        out.extend(
+            behind.iter().map(|id| (id.clone(), self.request(&state, Some(id.clone()), false))),
+        );
         for id in &behind {
             if let Some(c) = state.cursors.get_mut(id) {
                 c.asked = true;
@@ -1227,6 +1241,28 @@ impl ReplicaSync {
         state.counters.repairs_asked += behind.len() as u64;
         state.counters.tables_asked += u64::from(table_from.is_some());
         out
+    }
+
+    /// The repair of peer `replica` (`incarnation`) asked by [`ReplicaSync::repair_requests`]
+    /// got no answer (asked again by the carrier, and still nothing: the answer was lost
+    /// whole, or the peer cannot answer): the peer is no longer taken as asked, so that a
+    /// later batch of it that shows the gap asks again. Counted (`repairs_unanswered`); false
+    /// when no repair of it is outstanding (an answer moved its cursor meanwhile).
+    pub fn repair_unanswered(&self, replica: &str, incarnation: u64) -> bool {
+        let mut state = self.state.lock();
+        let id = (replica.to_owned(), incarnation);
+        let Some(c) = state.cursors.get_mut(&id).filter(|c| c.asked) else { return false };
+        c.asked = false;
+        state.counters.repairs_unanswered += 1;
+        true
+    }
+
+    /// Every peer incarnation heard from within `load_ttl`, sorted (two when two live
+    /// replicas share a name): those a catch-up request to every peer expects an answer of.
+    pub fn peer_ids(&self) -> Vec<PeerId> {
+        let mut ids: Vec<PeerId> = self.state.lock().peers.keys().cloned().collect();
+        ids.sort();
+        ids
     }
 
     /// A request aimed at peer `replica` (`incarnation`) alone for what it has that is missing
@@ -2081,6 +2117,36 @@ mod tests {
 
     fn cached_on_any(r: &Replica, tokens: &[u32]) -> bool {
         ["a", "b", "c"].iter().any(|e| cached_on(r, tokens, e) == 256)
+    }
+
+    #[test]
+    fn a_repair_given_up_unanswered_is_asked_again_at_the_next_sign_of_the_gap() {
+        // Probe 75: a repair whose answer never came left the peer "asked" for good: later
+        // batches showing the same gap (or a new one) asked nothing.
+        let (one, two) = (replica("one"), replica("two"));
+        assert!(!two.sync.incoming(&route(&one, 0, 1, 1.0), 1.0).unwrap().behind);
+        let _lost = route(&one, 1, 2, 2.0);
+        assert!(two.sync.incoming(&route(&one, 3, 1, 3.0), 3.0).unwrap().behind);
+        let repairs = two.sync.repair_requests_to();
+        assert_eq!(repairs.iter().map(|r| &r.0).collect::<Vec<_>>(), [&("one".into(), 3)]);
+        // The answer is lost: still asked, so nothing more is asked.
+        assert!(!two.sync.incoming(&route(&one, 4, 1, 4.0), 4.0).unwrap().behind);
+        assert!(two.sync.repair_requests().is_empty());
+        assert!(two.sync.repair_unanswered("one", 3));
+        assert!(!two.sync.repair_unanswered("one", 3), "once");
+        assert!(!two.sync.repair_unanswered("nobody", 3));
+        assert_eq!(two.sync.counters().repairs_unanswered, 1);
+        // The next batch shows the gap again, and it is asked for (and answered this time).
+        assert!(two.sync.incoming(&route(&one, 5, 1, 5.0), 5.0).unwrap().behind);
+        let repairs = two.sync.repair_requests();
+        assert_eq!(repairs.len(), 1);
+        for b in one.sync.answer(&repairs[0], 5.0, 1 << 20) {
+            two.sync.apply_catch_up(&b, 5.0).unwrap();
+        }
+        assert!(cached_on_any(&two, &prompt(1000)) && cached_on_any(&two, &prompt(2000)));
+        assert!(!two.sync.repair_unanswered("one", 3), "answered: nothing outstanding");
+        assert!(!two.sync.incoming(&route(&one, 6, 1, 6.0), 6.0).unwrap().behind);
+        assert_eq!(two.sync.peer_ids(), [("one".to_string(), 3)]);
     }
 
     #[test]

@@ -156,8 +156,9 @@ struct Group {
 /// Called with a worker and the report of one batch some of whose stored events were skipped
 /// for a cause the embedder counts and warns about: the engine's block size is not a multiple
 /// of the index's (`block_size_mismatch`), their blocks carry extra keys no request's hashes
-/// can name (`extra_keys`), or keys standing for content beside the tokens (`multimodal`).
-/// Never called for a batch with none of these.
+/// can name (`extra_keys`), or keys standing for content beside the tokens (`multimodal`);
+/// also for a batch that stored engine hashes again with other content (`replaced`: the index
+/// counted them, the embedder warns). Never called for a batch with none of these.
 pub type MismatchHook = Arc<dyn Fn(&str, &ApplyReport) + Send + Sync>;
 
 /// What a socket did, for [`SocketHook`].

@@ -264,8 +264,9 @@ impl Wire for MemberWire<'_> {
         let member = &self.shared.members[self.member];
         let report =
             self.shared.index.apply_vllm_events(&member.key, payload).map_err(|e| e.to_string())?;
-        let skipped = report.block_size_mismatch + report.extra_keys + report.multimodal;
-        if let Some(hook) = self.shared.on_mismatch.as_ref().filter(|_| skipped > 0) {
+        let noted =
+            report.block_size_mismatch + report.extra_keys + report.multimodal + report.replaced;
+        if let Some(hook) = self.shared.on_mismatch.as_ref().filter(|_| noted > 0) {
             hook(&member.spec.worker, &report);
         }
         Ok(report)
