@@ -443,6 +443,8 @@ class SliceTracker:
         """An endpoint's last reported load."""
     def endpoint_names(self) -> list[str]:
         """The endpoints known to the tracker."""
+    def remove_endpoint(self, name: str) -> bool:
+        """Takes an endpoint out (no migration target until reported again)."""
     def admit(
         self, key: int, prompt_tokens: int, max_tokens: int, priority: int, endpoint: str
     ) -> tuple[int, int]:

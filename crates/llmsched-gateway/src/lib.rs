@@ -1704,6 +1704,8 @@ impl Gateway {
             }
         }
         if let Some(slicing) = &self.slicing {
+            // One that left is no migration target; one under another URL starts afresh.
+            slicing.remove_endpoints(&removed);
             slicing.add_endpoints(&added);
         }
         // One re-added under another URL is another engine (or this one restarted): it holds

@@ -670,6 +670,9 @@ class Gateway:
         if not (added or removed or changed):
             return [], []
         if self.slice_tracker is not None:
+            # One that left is no migration target; one at another address starts afresh.
+            for worker in removed + changed:
+                self.slice_tracker.remove_endpoint(worker)
             for worker in added + changed:
                 self.slice_tracker.set_endpoint(worker)
         self._specs = specs
