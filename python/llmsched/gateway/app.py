@@ -489,8 +489,8 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the running gateway."""
-        return f"http://{self.config.listen.host}:{self.port}"
+        """``http://host:port`` of the running gateway (an IPv6 address in brackets)."""
+        return self.config.listen.url(self.port)
 
     def _collect_usage(self) -> Usage:
         """What this replica took per rate-limited key (by its digest: the key never leaves)

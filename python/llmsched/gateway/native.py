@@ -422,8 +422,8 @@ class NativeGateway:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the running gateway."""
-        return f"http://{self.config.listen.host}:{self.port}"
+        """``http://host:port`` of the running gateway (an IPv6 address in brackets)."""
+        return self.config.listen.url(self.port)
 
     @property
     def engines(self) -> list[EngineSpec]:
