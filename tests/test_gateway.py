@@ -609,3 +609,19 @@ def test_a_prompt_given_as_embeddings_is_served_without_prefix_routing() -> None
                 assert response.status == 400, bad
 
     run(body())
+
+
+def test_a_gateway_listening_on_an_ipv6_address_gives_a_url_that_parses() -> None:
+    """Probe 78: ``gateway.url`` (and so ``llmsched serve``'s "listening on" line) wrote an
+    IPv6 listen address bare, ``http://::1:8000``, which no client parses."""
+
+    async def body() -> None:
+        async with rig(engines=1, listen={"host": "::1", "port": 0}) as r:
+            assert r.gateway.url == f"http://[::1]:{r.gateway.port}"
+            async with r.client.get(r.url("/ready")) as response:
+                assert response.status == 200
+            assert (await r.complete("over IPv6")).status == 200
+        async with rig(engines=1, listen={"host": "127.0.0.1", "port": 0}) as r:
+            assert r.gateway.url == f"http://127.0.0.1:{r.gateway.port}"
+
+    run(body())

@@ -7,6 +7,7 @@ on both data planes (``llmsched_gateway_config_warnings``,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,6 +18,7 @@ from llmsched import Scheduler
 from llmsched.gateway.config import load_config
 from llmsched.integrations import EngineSpec
 from llmsched.testing import FakeKVPublisher, event_batch, stored_event
+from llmsched.testing.openai_engine import FakeOpenAIEngine
 
 CONFIG_WARNINGS = "llmsched_gateway_config_warnings"
 MISMATCH = "llmsched_gateway_index_block_size_mismatch_total"
@@ -144,6 +146,40 @@ def test_a_removed_engine_takes_its_block_size_note_with_it() -> None:
     scheduler.remove_engine("a")
     assert scheduler.warnings == []
     assert scheduler.index.block_size_mismatch() == {"a": 1}  # the count stays
+
+
+def test_an_engine_removed_or_moved_takes_its_scraped_block_size_with_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The block size an engine's ``/metrics`` gave is the process's there: an engine removed
+    forgets it (it stayed for good, one entry per pod name discovery ever saw), and one back
+    at another address (a StatefulSet pod rescheduled under its name: another process) starts
+    without it, warned afresh if it gives the same size. Before, the old process's size stayed
+    listed, noted and exported as the engine's until the new one's /metrics gave another (never,
+    where it gives none)."""
+    caplog.set_level(logging.WARNING)
+    a = EngineSpec("10.0.0.7", 8000, name="a", kv_events="tcp://10.0.0.7:5557")
+    b = EngineSpec("10.0.0.8", 8000, name="b", kv_events="tcp://10.0.0.8:5557")
+    scheduler = Scheduler([a, b], router="round-robin", block_size=4)
+    scheduler.note_engine_block_size("a", 6)
+    scheduler.note_engine_block_size("b", 6)
+    assert scheduler.engine_block_size_mismatch() == {"a": 6, "b": 6}
+    assert scheduler.stats()["config_warnings"] == 2
+    moved = EngineSpec("10.0.0.9", 8000, name="a", kv_events="tcp://10.0.0.9:5557")
+    relabelled = EngineSpec("10.0.0.8", 8000, name="b", kv_events=b.kv_events, labels={"x": "y"})
+    scheduler.set_engines([moved, relabelled])
+    # The moved engine is another process; the relabelled one is the same process.
+    assert scheduler.engine_block_sizes() == {"b": 6}
+    assert scheduler.engine_block_size_mismatch() == {"b": 6}
+    assert scheduler.stats()["config_warnings"] == 1
+    scheduler.note_engine_block_size("a", 6)
+    assert len(_warnings(caplog, "'a': its /metrics gives a KV block size")) == 2
+    scheduler.set_engines([moved])
+    assert scheduler.engine_block_sizes() == {"a": 6}
+    scheduler.remove_engine("a")
+    assert scheduler.engine_block_sizes() == {}
+    scheduler.note_engine_block_size("a", 6)  # a scrape that ended after "a" left
+    assert scheduler.engine_block_sizes() == {}
 
 
 def test_the_callers_notes_are_listed_and_counted() -> None:
@@ -283,6 +319,40 @@ def test_gateway_compares_a_scraped_engine_block_size_where_it_matters(
                 else:
                     assert gauge == 0.0 and await _metric(r, CONFIG_WARNINGS) == 0.0
                     assert scheduler.warnings == [] and warned == []
+
+    run(go())
+
+
+@pytest.mark.usefixtures("plane")
+def test_an_engine_back_at_another_address_drops_the_old_process_s_block_size() -> None:
+    # Probe 78: the engine named "e" moves (a StatefulSet pod rescheduled under its name);
+    # the new process's /metrics gives no block size. The old process's 6 stayed exported,
+    # noted and counted as "e"'s for good.
+    async def go() -> None:
+        with FakeKVPublisher(topic="kv@e0") as publisher:
+            fields = [{**publisher.spec_kwargs(), "name": "e"}]
+            scrape = {"enabled": True, "interval_s": 0.05}
+            setup = _block_size_info(6)
+            async with (
+                FakeOpenAIEngine(model=MODEL) as moved,
+                rig(1, engine_fields=fields, setup=setup, scrape=scrape) as r,
+            ):
+                scheduler = r.gateway.scheduler
+                await until(lambda: scheduler.engine_block_sizes() == {"e": 6})
+                assert await _metric(r, ENGINE_BLOCK_SIZE, engine="e") == 6.0
+                old = r.gateway.config.engines[0]
+                spec = dataclasses.replace(old, port=moved.port)
+                await r.gateway.set_engines([spec])
+
+                async def scraped() -> None:
+                    before = r.gateway.pool.endpoints()[0]["timestamp"]
+                    await until(lambda: r.gateway.pool.endpoints()[0]["timestamp"] != before)
+
+                await scraped()  # the moved engine scraped twice since
+                await scraped()
+                assert scheduler.engine_block_sizes() == {}
+                assert await _metric(r, ENGINE_BLOCK_SIZE, engine="e") == 0.0
+                assert await _metric(r, CONFIG_WARNINGS) == 0.0
 
     run(go())
 

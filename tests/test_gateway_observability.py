@@ -4,6 +4,7 @@ API), on both data planes: every scrape parsed by ``prometheus_client``'s own pa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import aiohttp
@@ -19,6 +20,7 @@ from _gateway_harness import (  # noqa: F401 (the fixture)
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
+from llmsched.integrations import EngineSpec
 from llmsched.testing import FakeKVPublisher, event_batch, stored_event
 from llmsched.testing.openai_engine import FakeOpenAIEngine
 
@@ -285,3 +287,27 @@ def test_scrape_failure_counters_go_on_across_an_engine_change() -> None:
             await extra.stop()
 
     run(go())
+
+
+def test_engine_changes_are_counted_alike_on_both_planes() -> None:
+    """Probe 78: ``llmsched_gateway_engine_changes_total`` ("engines added, removed or
+    changed") counted an engine moved to another URL twice on the native plane (added and
+    removed) and one whose labels, role or model changed not at all; the Python plane counts
+    each once."""
+
+    async def body() -> None:
+        async with (
+            FakeOpenAIEngine(model=MODEL) as other,
+            rig(1, engine_fields=[{"name": "e"}]) as r,
+        ):
+            first = r.gateway.config.engines[0]
+            relabelled = dataclasses.replace(first, labels={"zone": "b"})
+            moved = dataclasses.replace(relabelled, port=other.port)
+            extra = EngineSpec("127.0.0.1", other.port, name="extra", model=MODEL)
+            counted = []
+            for engines in ([relabelled], [moved], [moved, extra], [extra]):
+                await r.gateway.set_engines(engines)
+                counted.append(await _sample(r, "llmsched_gateway_engine_changes_total"))
+            assert counted == [1.0, 2.0, 3.0, 4.0]
+
+    run(body())

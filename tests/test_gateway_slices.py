@@ -192,6 +192,45 @@ def test_a_slice_boundary_yields_to_a_waiting_higher_priority_request() -> None:
     run(body())
 
 
+@pytest.mark.parametrize("out", ["removed", "drained"])
+def test_an_engine_out_of_routing_is_no_migration_target(out: str) -> None:
+    """Probe 78: an engine that left the set (or routing) kept the idle load it last reported
+    in the slice tracker, the cheapest migration target: the boundary "migrated" there instead
+    of yielding, kept its flow-control slot, and the waiting request ran only after the whole
+    long one (the yield above, with a second engine that is gone)."""
+
+    async def body() -> None:
+        flow = {"saturation": {"type": "concurrency", "max_requests": 1}}
+        token = "admin-token-0123456789"
+        admin = {"token": token}
+        async with rig(engines=2, answer_tokens=100, slices=SLICES, flow=flow, admin=admin) as r:
+            first, second = r.gateway.config.engines
+            if out == "removed":
+                await r.gateway.set_engines([first])
+            else:
+                drain = r.url(f"/admin/engines/{second.worker_id}/drain")
+                auth = {"Authorization": f"Bearer {token}"}
+                async with r.client.post(drain, headers=auth) as response:
+                    assert response.status == 200
+            engine = r.engines[0]
+            engine.mode = "slow"
+            engine.token_delay_s = 0.05
+            long = asyncio.ensure_future(r.complete([1, 2, 3], max_tokens=12, stream=True))
+            while not engine.received:
+                await asyncio.sleep(0.005)
+            urgent = {"x-llmsched-priority": "5"}
+            short = await r.complete([7, 8, 9], max_tokens=2, headers=urgent)
+            assert short.status == 200
+            assert (await long).status == 200
+            order = [
+                q.body["prompt"][0] for q in sorted(engine.received, key=lambda q: q.received_at)
+            ]
+            assert not r.engines[1].received
+            assert order[0] == 1 and 7 in order and order.index(7) < len(order) - 1, order
+
+    run(body())
+
+
 def test_a_key_is_charged_every_output_token_of_a_sliced_request_that_yielded() -> None:
     """Flow control is charged at each yield; the key's token bucket once, with every output
     token: 3 prompt + 12 output of a 17-token bucket leave 2, short of the next 3-token

@@ -710,6 +710,13 @@ ENTRIES = [
         tracker_structure,
     ),
     Entry(
+        "SliceTracker.remove_endpoint",
+        lambda t, **kw: t.remove_endpoint(**kw),
+        {"name": "a"},
+        {"name": "str"},
+        tracker_structure,
+    ),
+    Entry(
         "SliceTracker.set_endpoint",
         lambda t, **kw: t.set_endpoint(**kw),
         {

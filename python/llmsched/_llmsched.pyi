@@ -444,6 +444,8 @@ class SliceTracker:
         """An endpoint's last reported load."""
     def endpoint_names(self) -> list[str]:
         """The endpoints known to the tracker."""
+    def remove_endpoint(self, name: str) -> bool:
+        """Takes an endpoint out (no migration target until reported again)."""
     def admit(
         self, key: int, prompt_tokens: int, max_tokens: int, priority: int, endpoint: str
     ) -> tuple[int, int]:
@@ -1126,8 +1128,12 @@ class NativeGateway:
         """Whether it serves."""
     def stop(self) -> None:
         """Stops listening, closes every connection and joins the runtime thread."""
-    def set_engines(self, engines: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
-        """Replaces the engines (`(id, base URL)` pairs); returns the ids added and removed."""
+    def set_engines(
+        self, engines: list[tuple[str, str]], changes: int | None = None
+    ) -> tuple[list[str], list[str]]:
+        """Replaces the engines (`(id, base URL)` pairs); returns the ids added and removed.
+        `changes`: the engine changes to count (None: each engine added, removed or moved,
+        once)."""
     def metrics_text(self) -> str:
         """The `/metrics` text."""
     def health_states(self) -> list[tuple[str, str]]:

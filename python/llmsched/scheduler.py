@@ -1049,6 +1049,15 @@ class Scheduler:
         if self.flow is not None:
             self.flow.remove_endpoint(str(endpoint))
         self._drop_worker(endpoint)
+        self._forget_block_size(endpoint)
+
+    def _forget_block_size(self, key: EndpointId) -> None:
+        """Forgets the KV block size ``key``'s ``/metrics`` gave and that it was warned of: it
+        was the process's that left (one coming back at another address is another)."""
+        with self._lock:
+            if self._engine_block_sizes.pop(key, None) is not None:
+                warned = self._block_sizes_warned
+                self._block_sizes_warned = {w for w in warned if w[0] != key}
 
     def _drop_worker(self, key: EndpointId) -> None:
         """Drops ``key``'s index entries, and again once the running feed has stopped."""
@@ -1093,6 +1102,7 @@ class Scheduler:
                 if new[key].endpoint.address != self._engines[key].endpoint.address:
                     # Routing by the old entries sent its prefixes to a cache that is gone.
                     self._drop_worker(key)
+                    self._forget_block_size(key)
             for key in added + changed:
                 self._leave_place(key)
                 self._engines[key] = new[key]
@@ -1691,8 +1701,11 @@ class Scheduler:
         index's, every block it stores will be skipped (the index can split an engine block
         only into whole blocks of its own) and its cache never matched: that is warned once
         per engine and size through logging and listed in :attr:`warnings` (before the first
-        event shows it). Without KV events the index holds the router's own decisions, hashed
-        at its own block size, and the engine's size does not matter: nothing is said.
+        event shows it). An engine removed, or back at another address (another process),
+        forgets its size and the warning; a size for an engine not scheduled (a scrape that
+        ended after it left) is ignored. Without KV events the index holds the router's own
+        decisions, hashed at its own block size, and the engine's size does not matter:
+        nothing is said.
 
         >>> from llmsched.integrations import EngineSpec
         >>> spec = EngineSpec("h", 1, kv_events="tcp://h:5557")
@@ -1706,7 +1719,9 @@ class Scheduler:
         """
         check_id("worker", worker)
         _check_int("block_size", block_size, 1, 2**32 - 1)
-        with self._lock:
+        with self._engines_lock, self._lock:
+            if worker not in self._engines:
+                return
             self._engine_block_sizes[worker] = block_size
             bad = self._block_size_unmatched(worker, block_size)
             first = bad and (worker, block_size) not in self._block_sizes_warned

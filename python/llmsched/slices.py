@@ -524,9 +524,26 @@ class SliceTracker:
         """The last load of endpoint ``name``, or None if unknown."""
         return self._native.endpoint_load(_endpoint_name(name))
 
+    def remove_endpoint(self, name: str) -> bool:
+        """Takes endpoint ``name`` out: it left the engine set, or routing (drained, down, its
+        breaker open). It is no migration target any more, whatever load it last reported,
+        and is not listed in :attr:`endpoints`; requests whose slices ran there keep it.
+        :meth:`set_endpoint` brings it back with a fresh load. False when it was unknown or
+        already out.
+
+        >>> t = SliceTracker("fixed", endpoints=["a", "b"])
+        >>> t.remove_endpoint("b"), t.remove_endpoint("b"), t.endpoints
+        (True, False, ['a'])
+        >>> t.set_endpoint("b")
+        >>> t.endpoints
+        ['a', 'b']
+        """
+        return self._native.remove_endpoint(_endpoint_name(name, "name"))
+
     @property
     def endpoints(self) -> list[str]:
-        """Known endpoint names, in the order they were first reported."""
+        """Known endpoint names (those taken out left out), in the order they were first
+        reported."""
         return self._native.endpoint_names()
 
     def admit(

@@ -542,6 +542,18 @@ impl GatewayHandle {
     }
 }
 
+/// How [`Gateway::replace_engines`] counts its changes in `engine_changes`.
+#[derive(Clone, Copy)]
+enum ChangeCount {
+    /// Not at all (the configured set the gateway starts with).
+    Uncounted,
+    /// Each engine added, removed or moved to another URL, once.
+    Own,
+    /// As many as the embedder says: it also sees changes that reach no upstream (an
+    /// engine's role, model or labels), which the Python plane counts alike.
+    Given(u64),
+}
+
 /// Seconds an idle upstream connection is kept open.
 const POOL_IDLE_S: u64 = 60;
 
@@ -803,7 +815,7 @@ fn build(
     };
     gateway.set_max_model_len(gateway.config.max_model_len);
     let engines = gateway.config.engines.clone();
-    gateway.replace_engines(&engines, false)?;
+    gateway.replace_engines(&engines, ChangeCount::Uncounted)?;
     Ok(gateway)
 }
 
@@ -991,6 +1003,17 @@ impl Running {
         engines: &[EngineEntry],
     ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
         self.gateway.set_engines(engines)
+    }
+
+    /// [`Self::set_engines`], counting `changes` engine changes (`engine_changes`) in place
+    /// of its own count: the embedder's, which also sees changes that reach no upstream (an
+    /// engine's role, model or labels).
+    pub fn set_engines_counting(
+        &self,
+        engines: &[EngineEntry],
+        changes: u64,
+    ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
+        self.gateway.replace_engines(engines, ChangeCount::Given(changes))
     }
 
     /// The `/metrics` text.
@@ -1653,15 +1676,14 @@ impl Gateway {
         &self,
         engines: &[EngineEntry],
     ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
-        self.replace_engines(engines, true)
+        self.replace_engines(engines, ChangeCount::Own)
     }
 
-    /// [`Gateway::set_engines`]; `counted`: the changes go to `engine_changes` (not the
-    /// configured set the gateway starts with).
+    /// [`Gateway::set_engines`]; `count`: how the changes go to `engine_changes`.
     fn replace_engines(
         &self,
         engines: &[EngineEntry],
-        counted: bool,
+        count: ChangeCount,
     ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
         let current = self.upstreams();
         let mut next = Upstreams::default();
@@ -1712,6 +1734,8 @@ impl Gateway {
             }
         }
         if let Some(slicing) = &self.slicing {
+            // One that left is no migration target; one under another URL starts afresh.
+            slicing.remove_endpoints(&removed);
             slicing.add_endpoints(&added);
         }
         // One re-added under another URL is another engine (or this one restarted): it holds
@@ -1726,11 +1750,15 @@ impl Gateway {
         for new in &added {
             self.owners.engine_joined(new);
         }
-        let changes = added.len() + removed.len();
+        // An engine moved to another URL is one change (it is both added and removed).
+        let moved = removed.iter().filter(|gone| added.contains(gone)).count();
+        let changes = match count {
+            ChangeCount::Uncounted => 0,
+            ChangeCount::Own => (added.len() + removed.len() - moved) as u64,
+            ChangeCount::Given(changes) => changes,
+        };
         *self.upstreams.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(next);
-        if counted {
-            self.counters.engine_changes.fetch_add(changes as u64, Ordering::Relaxed);
-        }
+        self.counters.engine_changes.fetch_add(changes, Ordering::Relaxed);
         // An engine both removed and re-added (a changed URL) is reported once each way.
         Ok((added, removed))
     }

@@ -96,6 +96,15 @@ impl Slicing {
         }
     }
 
+    /// Takes engines out of the tracker (they left the engine set): none is a migration
+    /// target on the load it last reported.
+    pub(crate) fn remove_endpoints(&self, endpoints: &[String]) {
+        let mut tracker = self.lock();
+        for name in endpoints {
+            tracker.remove_endpoint(name);
+        }
+    }
+
     /// Requests being decoded in slices now.
     pub(crate) fn tracked(&self) -> usize {
         self.lock().len()
@@ -663,7 +672,12 @@ impl Gateway {
             let mut tracker = slicing.lock();
             let snapshot = self.router().pool().snapshot();
             for upstream in &self.upstreams().list {
-                let Some(member) = snapshot.get(&upstream.key) else { continue };
+                let Some(member) = snapshot.get(&upstream.key) else {
+                    // Out of routing (drained, down, its breaker open): no migration target
+                    // on the load it last reported.
+                    tracker.remove_endpoint(&upstream.id);
+                    continue;
+                };
                 let metrics = member.metrics();
                 let report = EndpointReport {
                     kv_usage: metrics.kv_cache_usage.clamp(0.0, 1.0),

@@ -158,16 +158,23 @@ impl PyNativeGateway {
     /// Replaces the engines (`(id, base URL)` pairs); returns the ids added and removed. The shared
     /// router's pool is the caller's to update. An empty list leaves no engine (requests get a
     /// 503 until some come); ConfigError (nothing changed) on a repeated or malformed list.
+    /// `changes`: the engine changes to count (`engine_changes`), as the Python plane counts
+    /// them (None: the gateway's own count).
+    #[pyo3(signature = (engines, changes=None))]
     fn set_engines(
         &self,
         py: Python<'_>,
         engines: Vec<(String, String)>,
+        changes: Option<u64>,
     ) -> PyResult<(Vec<String>, Vec<String>)> {
         let engines: Vec<EngineEntry> =
             engines.into_iter().map(|(id, url)| EngineEntry::Named { id, url }).collect();
         let guard = self.running.lock();
         let running = guard.as_ref().ok_or_else(stopped)?;
-        let result = detach(py, || running.set_engines(&engines))?;
+        let result = detach(py, || match changes {
+            Some(changes) => running.set_engines_counting(&engines, changes),
+            None => running.set_engines(&engines),
+        })?;
         result.map_err(|e| ConfigError::new_err(e.to_string()))
     }
 

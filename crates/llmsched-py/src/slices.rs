@@ -283,6 +283,10 @@ impl PySliceTracker {
         self.inner.lock().endpoint_names().iter().map(|n| n.to_string()).collect()
     }
 
+    fn remove_endpoint(&self, name: &str) -> bool {
+        self.inner.lock().remove_endpoint(name)
+    }
+
     fn admit(
         &self,
         key: u64,

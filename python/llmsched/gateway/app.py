@@ -493,8 +493,8 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the running gateway."""
-        return f"http://{self.config.listen.host}:{self.port}"
+        """``http://host:port`` of the running gateway (an IPv6 address in brackets)."""
+        return self.config.listen.url(self.port)
 
     def _collect_usage(self) -> Usage:
         """What this replica took per rate-limited key (by its digest: the key never leaves)
@@ -674,6 +674,9 @@ class Gateway:
         if not (added or removed or changed):
             return [], []
         if self.slice_tracker is not None:
+            # One that left is no migration target; one at another address starts afresh.
+            for worker in removed + changed:
+                self.slice_tracker.remove_endpoint(worker)
             for worker in added + changed:
                 self.slice_tracker.set_endpoint(worker)
         self._specs = specs

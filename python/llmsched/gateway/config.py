@@ -77,6 +77,16 @@ class ListenConfig:
     host: str = "127.0.0.1"
     port: int = 8000
 
+    def url(self, port: int | None = None) -> str:
+        """``http://host:port``, an IPv6 address in brackets; ``port``: the port bound (for a
+        :attr:`port` of 0), else :attr:`port`.
+
+        >>> ListenConfig("::1", 8000).url(), ListenConfig().url(41000)
+        ('http://[::1]:8000', 'http://127.0.0.1:41000')
+        """
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"http://{host}:{self.port if port is None else port}"
+
 
 _LIMIT_FIELDS = ("requests_per_s", "burst_requests", "tokens_per_s", "burst_tokens")
 

@@ -422,8 +422,8 @@ class NativeGateway:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the running gateway."""
-        return f"http://{self.config.listen.host}:{self.port}"
+        """``http://host:port`` of the running gateway (an IPv6 address in brackets)."""
+        return self.config.listen.url(self.port)
 
     @property
     def engines(self) -> list[EngineSpec]:
@@ -670,7 +670,12 @@ class NativeGateway:
         self._specs = specs
         self.model_check.set_engines(specs.values())
         if self._native is not None:
-            self._native.set_engines([(s.worker_id, s.base_url) for s in specs.values()])
+            # Counted as the Python plane counts (an engine changed, at another URL or with
+            # another role, model or labels, is one change).
+            changes = len(added) + len(removed) + len(changed)
+            self._native.set_engines(
+                [(s.worker_id, s.base_url) for s in specs.values()], changes=changes
+            )
         log.info("engines now %s (added %s, removed %s)", sorted(specs), added, removed)
         await self.scheduler.feeds_settled()
         return added, removed

@@ -384,12 +384,21 @@ class SlicedRequest:
         return decision.next_slice_tokens
 
     def _report_loads(self) -> None:
+        """Reports the load of each engine in routing; the tracker's others (drained, down,
+        their breaker open) are taken out, so none is a migration target on the load it
+        last reported."""
+        reported = set()
         for endpoint in self.gateway.pool.endpoints():
+            name = str(endpoint["id"])
+            reported.add(name)
             self.tracker.set_endpoint(
-                str(endpoint["id"]),
+                name,
                 kv_cache_usage=float(endpoint["kv_cache_usage"]),
                 waiting=int(endpoint["waiting"]),
             )
+        for name in self.tracker.endpoints:
+            if name not in reported:
+                self.tracker.remove_endpoint(name)
 
     def _waiting(self) -> list[WaitingRequest]:
         """The requests queued in flow control, as the tracker sees them (their sizes are not

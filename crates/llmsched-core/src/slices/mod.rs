@@ -23,7 +23,8 @@
 //!   - benefit `B = t * x_R * sum_{i in L} w_i` (each of them starts R's slice earlier);
 //!   - yield cost `w_R * (t * sum x_i + p_evict * C / prefill_E + requeue_delay)`, with
 //!     `p_evict = clamp((sum_{i in L}(context_i + x_i) - free_kv_E) / C, 0, 1)`;
-//!   - migrate cost to an endpoint E' with nobody waiting and room for `C + x_R`:
+//!   - migrate cost to an endpoint E' with nobody waiting and room for `C + x_R` (one taken
+//!     out with [`SliceTracker::remove_endpoint`] is none until it is reported again):
 //!     `w_R * (C / prefill_E' + requeue_delay)` (full recompute, no pause);
 //!   - the cheaper of yield and the best migration is taken iff `B` exceeds its cost
 //!     (**Yield** or **Migrate**), else **Continue**. Ties go to yield (KV affinity).
@@ -224,6 +225,9 @@ struct Endpoint {
     name: Arc<str>,
     load: EndpointLoad,
     kv_free_tokens: f64,
+    /// Taken out ([`SliceTracker::remove_endpoint`]): no migration target, not listed, until
+    /// reported again. Its id stays, for the requests that still name it.
+    gone: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -331,17 +335,31 @@ impl SliceTracker {
         Ok(self.policy.quantum(level))
     }
 
-    /// Names of the known endpoints, in the order they were first reported.
+    /// Names of the known endpoints (those taken out left out), in the order they were first
+    /// reported.
     pub fn endpoint_names(&self) -> Vec<Arc<str>> {
-        self.endpoints.iter().map(|e| e.name.clone()).collect()
+        self.endpoints.iter().filter(|e| !e.gone).map(|e| e.name.clone()).collect()
     }
 
-    /// The last load of endpoint `name`.
+    /// The last load of endpoint `name` (None when unknown or taken out).
     pub fn endpoint_load(&self, name: &str) -> Option<EndpointLoad> {
-        self.endpoint_ids.get(name).map(|&id| self.endpoints[id as usize].load)
+        let endpoint = &self.endpoints[*self.endpoint_ids.get(name)? as usize];
+        (!endpoint.gone).then_some(endpoint.load)
     }
 
-    /// Adds endpoint `name` or updates its load.
+    /// Takes endpoint `name` out (it left the engine set, or routing: drained, down, its
+    /// breaker open): it is no migration target any more, whatever load it last reported, and
+    /// is not listed. Requests whose slices ran there keep it. [`Self::set_endpoint`] brings
+    /// it back with a fresh load (the cost model's for what the report leaves out). False
+    /// when it was unknown or already out.
+    pub fn remove_endpoint(&mut self, name: &str) -> bool {
+        match self.endpoint_ids.get(name) {
+            Some(&id) => !std::mem::replace(&mut self.endpoints[id as usize].gone, true),
+            None => false,
+        }
+    }
+
+    /// Adds endpoint `name` or updates its load (bringing it back when taken out).
     pub fn set_endpoint(&mut self, name: &str, report: EndpointReport) -> Result<(), SliceError> {
         let previous = self.endpoint_load(name);
         let base = previous.unwrap_or(EndpointLoad {
@@ -365,13 +383,14 @@ impl SliceTracker {
                 let endpoint = &mut self.endpoints[id as usize];
                 endpoint.load = load;
                 endpoint.kv_free_tokens = kv_free_tokens;
+                endpoint.gone = false;
             }
             None => {
                 let id = EndpointId::try_from(self.endpoints.len())
                     .map_err(|_| invalid("endpoint", "too many endpoints"))?;
                 let name: Arc<str> = Arc::from(name);
                 self.endpoint_ids.insert(name.clone(), id);
-                self.endpoints.push(Endpoint { name, load, kv_free_tokens });
+                self.endpoints.push(Endpoint { name, load, kv_free_tokens, gone: false });
             }
         }
         Ok(())
@@ -574,7 +593,8 @@ impl SliceTracker {
         }
     }
 
-    /// The cheapest endpoint other than `here` with nobody waiting and `room` free KV tokens.
+    /// The cheapest endpoint other than `here`, not taken out, with nobody waiting and `room`
+    /// free KV tokens.
     fn best_migration(
         &self,
         here: EndpointId,
@@ -584,7 +604,11 @@ impl SliceTracker {
     ) -> Option<(EndpointId, f64)> {
         let mut best: Option<(EndpointId, f64)> = None;
         for (id, endpoint) in (0..).zip(&self.endpoints) {
-            if id == here || endpoint.load.waiting > 0 || endpoint.kv_free_tokens < room {
+            if id == here
+                || endpoint.gone
+                || endpoint.load.waiting > 0
+                || endpoint.kv_free_tokens < room
+            {
                 continue;
             }
             let cost =

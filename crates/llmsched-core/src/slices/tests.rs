@@ -149,6 +149,33 @@ fn cost_and_benefit_follow_the_formulas() {
 }
 
 #[test]
+fn an_endpoint_taken_out_is_no_migration_target_until_reported_again() {
+    // Probe 78: an engine that left the gateway's set (or routing) kept the idle load it last
+    // reported, so it stayed the cheapest migration target: a boundary that should yield (and
+    // give the flow-control slot to the waiting request) "migrated" to an engine not there.
+    let mut t = tracker("fixed", r#"{"slice_tokens": 500}"#);
+    t.set_endpoint("c", EndpointReport::default()).unwrap();
+    t.admit(1, 1000, 10_000, 0, "a").unwrap();
+    t.admit(2, 1000, 10_000, 0, "a").unwrap();
+    assert!(t.remove_endpoint("c"));
+    assert!(!t.remove_endpoint("c") && !t.remove_endpoint("nowhere"));
+    assert_eq!(t.endpoint_names(), vec![Arc::<str>::from("a")]);
+    assert!(t.endpoint_load("c").is_none());
+    let d = boundary(&mut t, 1, &[short(400)]);
+    assert_eq!((d.action, d.endpoint.as_deref()), (Action::Yield, Some("a")));
+    assert_eq!(d.migrate_cost_s, None);
+    // Reported again (back in routing), with a fresh load: a target again.
+    t.set_endpoint("c", EndpointReport::default()).unwrap();
+    assert_eq!(t.endpoint_load("c").unwrap().kv_capacity_tokens, cost().kv_capacity_tokens);
+    let d = boundary(&mut t, 2, &[short(400)]);
+    assert_eq!((d.action, d.endpoint.as_deref()), (Action::Migrate, Some("c")));
+    // Requests on an endpoint taken out keep running there.
+    assert!(t.remove_endpoint("a"));
+    t.resume(1, "a").unwrap();
+    assert_eq!(&*t.get(1).unwrap().endpoint, "a");
+}
+
+#[test]
 fn priority_weights_tilt_the_decision() {
     let mut t = tracker("fixed", r#"{"slice_tokens": 100}"#);
     t.admit(1, 10, 10_000, 3, "a").unwrap(); // weight 8
