@@ -79,6 +79,7 @@ pub mod tokcache;
 pub mod tokenize;
 pub mod truncation;
 pub mod usage;
+mod waits;
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -118,6 +119,7 @@ pub use health::HealthConfig;
 pub use metrics::Counters;
 use payload::Payload;
 use truncation::Truncation;
+use waits::AttemptTimer;
 
 /// The most worker threads a gateway runs on (`threads`, `--threads`; the Python
 /// configuration's `native_threads` has the same bound).
@@ -2325,8 +2327,11 @@ impl Gateway {
         let mut first: Option<Bytes> = None;
         let mut chunks: Vec<Bytes> = Vec::new();
         let mut read = 0usize;
+        // One timer for the body's frames (made only if one is waited for).
+        let slot = std::pin::pin!(None);
+        let mut timer = AttemptTimer::new(slot);
         loop {
-            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            let frame = match timer.within(deadline, std::pin::pin!(body.frame())).await {
                 Err(_) => {
                     return Err(Refusal {
                         close: true,
@@ -2557,14 +2562,14 @@ impl Gateway {
             Err(err) => return Err(Refusal::new(400, "invalid_request_error", err.to_string())),
         };
         let prefill = decision.prefill().map(|p| decision.endpoint(p).address.clone());
-        // Borrowed from the decision (or the owner): no key is copied per request.
-        let mut ranked: Vec<&WorkerKey> =
-            decision.ranked().map(|c| &decision.endpoint(c).id).collect();
-        if let Some(owner) = &owner {
-            // Its engine, whatever the decision, and no other: any other would answer 404 for
-            // a response it never stored (a failed attempt there is a 502).
-            ranked = vec![&owner.key];
-        }
+        // Borrowed from the decision (or the owner), read as the attempts go: no key is
+        // copied, and no list is built, per request.
+        let mut by_rank = decision.ranked().map(|c| &decision.endpoint(c).id);
+        // Its engine, whatever the decision, and no other: any other would answer 404 for a
+        // response it never stored (a failed attempt there is a 502).
+        let mut owner_key = owner.as_ref().map(|owner| &owner.key);
+        let owned = owner_key.is_some();
+        let mut next_key = move || if owned { owner_key.take() } else { by_rank.next() };
         let upstreams = self.upstreams();
         let guards = Guards { slot, limiter };
         let attempts = self.config.retries + 1;
@@ -2572,7 +2577,10 @@ impl Gateway {
         // Failures the request itself may have caused (a 5xx, a connection dropped before
         // the status line), held until it ends: see `settle_held`.
         let mut held: Vec<(&Upstream, &'static str)> = Vec::new();
-        for &key in &ranked {
+        // The attempts' waits (an answer's head, then its body or first frame) on one timer.
+        let slot = std::pin::pin!(None);
+        let mut timer = AttemptTimer::new(slot);
+        while let Some(key) = next_key() {
             if tried == attempts {
                 break;
             }
@@ -2604,7 +2612,12 @@ impl Gateway {
             // (without a read timeout too).
             let left = (deadline - monotonic()).max(0.0);
             let wait = self.config.read_timeout_s.map_or(left, |read| read.min(left));
-            let answered = tokio::time::timeout(Duration::from_secs_f64(wait), sent).await;
+            // As `tokio::time::timeout` sets it (past `Instant`'s range: no bound).
+            let answered =
+                match tokio::time::Instant::now().checked_add(Duration::from_secs_f64(wait)) {
+                    Some(at) => timer.within(at, std::pin::pin!(sent)).await,
+                    None => Ok(sent.await),
+                };
             let answer = match answered {
                 Err(_) => {
                     // The engine has the request and may be running it: not sent again.
@@ -2711,9 +2724,9 @@ impl Gateway {
             // the Python plane, not a 200 whose relayed length hides the cut.
             let mut answered =
                 if (sse || failed) && !head.checked_whole(&answer) && !head.length_framed() {
-                    self.relay_from_first_frame(answer, relaying).await
+                    self.relay_from_first_frame(answer, relaying, &mut timer).await
                 } else {
-                    self.answer_whole(answer, head, relaying).await
+                    self.answer_whole(answer, head, relaying, &mut timer).await
                 };
             if let (Ok(answer), Some(token)) = (&mut answered, token) {
                 // The engine that served, for the client to echo (llm-d's session token).
@@ -2770,10 +2783,11 @@ impl Gateway {
         &self,
         answer: Response<Incoming>,
         relaying: Relaying,
+        timer: &mut AttemptTimer<'_>,
     ) -> Result<Answer, Refusal> {
         let (parts, mut body) = answer.into_parts();
         let wake = wake_at(relaying.read_timeout, relaying.deadline);
-        let first = match tokio::time::timeout_at(wake, body.frame()).await {
+        let first = match timer.within(wake, std::pin::pin!(body.frame())).await {
             Ok(Some(Ok(frame))) => Some(frame),
             Ok(None)
                 if !(is_event_stream(&parts.headers)
@@ -3156,7 +3170,9 @@ impl Gateway {
         // (An answer to HEAD has no body whatever its headers say.)
         let head = AnswerFields::of(answer.headers());
         if parts.method != Method::HEAD && head.checked_whole(&answer) {
-            return self.answer_whole(answer, head, relaying).await;
+            let slot = std::pin::pin!(None);
+            let mut timer = AttemptTimer::new(slot);
+            return self.answer_whole(answer, head, relaying, &mut timer).await;
         }
         Ok(relay(answer, relaying))
     }
@@ -3214,6 +3230,7 @@ impl Gateway {
         answer: Response<Incoming>,
         head: AnswerFields,
         mut relaying: Relaying,
+        timer: &mut AttemptTimer<'_>,
     ) -> Result<Answer, Refusal> {
         const WHOLE_LIMIT: u64 = 8 << 20;
         // Ended by the connection's close (no length, not chunked): the body is read whole
@@ -3221,15 +3238,16 @@ impl Gateway {
         let at_close = head.checked_whole(&answer);
         if !at_close && answer.body().size_hint().upper().is_none_or(|n| n > WHOLE_LIMIT) {
             // Boxed: this rare wait would otherwise widen every JSON answer's future.
-            return Box::pin(self.relay_from_first_frame(answer, relaying)).await;
+            return Box::pin(self.relay_from_first_frame(answer, relaying, timer)).await;
         }
         // Whether a body ended by the close must parse (read only for such a body).
         let must_parse = at_close && is_json(answer.headers());
         let events = head.length_framed_events(&answer, &relaying);
         let (parts, body) = answer.into_parts();
         let wake = wake_at(relaying.read_timeout, relaying.deadline);
-        let read =
-            tokio::time::timeout_at(wake, Limited::new(body, WHOLE_LIMIT as usize).collect()).await;
+        let read = timer
+            .within(wake, std::pin::pin!(Limited::new(body, WHOLE_LIMIT as usize).collect()))
+            .await;
         let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
         let route = relaying.route.unwrap_or("completions");
         let bytes = match read {
@@ -5327,6 +5345,9 @@ mod tests {
         }
     }
 
+    /// An attempt's timer, as `answer_whole` borrows it.
+    type Timer = &'static mut AttemptTimer<'static>;
+
     /// The size of what `f` returns (a future), without running it.
     fn returned_size<A, B, T>(_: impl FnOnce(A, B) -> T) -> usize {
         std::mem::size_of::<T>()
@@ -5342,9 +5363,9 @@ mod tests {
         assert!(std::mem::size_of::<Answer>() <= 256);
         let handle = returned_size(|g: Arc<Gateway>, r: Request<Incoming>| g.handle(r));
         assert!(handle <= 6144, "{handle}");
-        let whole = returned_size(|g: &'static Gateway, r: Response<Incoming>| {
+        let whole = returned_size(|g: &'static Gateway, r: (Response<Incoming>, Timer)| {
             let fields = AnswerFields { transfer: false, length: false, event_stream: false };
-            g.answer_whole(r, fields, Relaying::plain(Arc::default()))
+            g.answer_whole(r.0, fields, Relaying::plain(Arc::default()), r.1)
         });
         assert!(whole <= 1450, "{whole}");
         let refused =

@@ -46,12 +46,15 @@ pub fn parse(text: &str) -> Result<Scrape, RoutingError> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let keep = match name_of(line) {
+        // The name is read once, for the labels to keep and for the sample.
+        let name = name_of(line);
+        let keep = match name {
             Some(LORA_INFO) => LORA_LABELS,
             Some(CACHE_INFO) => &CACHE_LABELS[..1],
             _ => &[],
         };
-        let s = sample(line, keep).ok_or_else(|| unparsable(n, line))?;
+        let s = name.and_then(|name| named_sample(line, name, keep));
+        let s = s.ok_or_else(|| unparsable(n, line))?;
         if !s.value.is_finite() {
             continue; // NaN or an infinity is no load reading (the Python plane skips them too)
         }
@@ -162,7 +165,7 @@ pub fn parse_engine(text: &str) -> Result<EngineMetrics, RoutingError> {
             _ if sum.is_some() || kv_at.is_some() => &[],
             _ => continue,
         };
-        let s = sample(line, keep).ok_or_else(|| unparsable(n, line))?;
+        let s = named_sample(line, name, keep).ok_or_else(|| unparsable(n, line))?;
         if !s.value.is_finite() {
             continue; // NaN or an infinity is no load reading
         }
@@ -271,9 +274,10 @@ fn name_of(line: &str) -> Option<&str> {
     None
 }
 
-/// One `name{labels} value [timestamp]` line; of its labels, those named in `keep`.
-fn sample<'a>(line: &'a str, keep: &[&str]) -> Option<Sample<'a>> {
-    let name = name_of(line)?;
+/// One `name{labels} value [timestamp]` line, its name (`name_of(line)`) read already; of
+/// its labels, those named in `keep`.
+fn named_sample<'a>(line: &'a str, name: &'a str, keep: &[&str]) -> Option<Sample<'a>> {
+    debug_assert_eq!(name_of(line), Some(name));
     let mut rest = &line[name.len()..];
     let mut labels = Vec::new();
     if rest.starts_with('{') {

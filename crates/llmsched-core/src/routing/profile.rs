@@ -33,6 +33,12 @@ pub struct Profile {
 /// Marks a candidate no filter removed.
 pub const KEPT: u16 = u16::MAX;
 
+thread_local! {
+    /// The list [`Profile::run`] hands its picker, kept for the thread's next run (its
+    /// allocation reused; a picker's list is as long as the candidates at most).
+    static PICKED: std::cell::Cell<Vec<usize>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// What one profile run did, for the decision and for `explain`.
 #[derive(Debug, Clone, Default)]
 pub struct ProfileOutcome {
@@ -120,12 +126,19 @@ impl Profile {
                 *t += *s * ws.weight;
             }
         }
-        let mut order = Vec::with_capacity(self.picker.limit().min(k));
-        self.picker
-            .pick(ctx, current, &out.totals, rng, &mut order)
-            .map_err(|source| PluginError { plugin: self.picker_name.clone(), source })?;
+        // The picker's list, on the thread's reused one (a run nested in a plugin finds it
+        // taken, and makes its own): only the decision's own list is allocated per run.
+        let mut order = PICKED.take();
+        order.clear();
+        let picked = self.picker.pick(ctx, current, &out.totals, rng, &mut order);
         order.truncate(self.picker.limit());
-        out.order = order.into_iter().filter(|&i| i < k).map(|i| out.kept[i]).collect();
+        if picked.is_ok() {
+            out.order = Vec::with_capacity(order.len());
+            out.order.extend(order.iter().filter(|&&i| i < k).map(|&i| out.kept[i]));
+        }
+        order.clear();
+        PICKED.set(order);
+        picked.map_err(|source| PluginError { plugin: self.picker_name.clone(), source })?;
         Ok(out)
     }
 

@@ -488,3 +488,28 @@ fn positions_map_each_base_candidate_to_its_kept_slot_and_rank() {
         [(Some(0), None), (None, None), (Some(1), Some(0)), (Some(2), Some(1))]
     );
 }
+
+/// The picker's list is a thread's reused one (`Profile::run`): what a decision over a larger
+/// pool left in it never shows in a later decision's ranking, which is the one a thread that
+/// decided nothing before makes.
+#[test]
+fn a_decision_ranks_as_on_a_fresh_thread_after_a_larger_one() {
+    let ranked = |preset: &str, names: &[&str], seed: u64| -> Vec<Vec<String>> {
+        let s = Setup::new(names, StalePolicy::default());
+        let router = s.router(presets::preset(preset).unwrap(), seed);
+        (0..6)
+            .map(|_| {
+                let d = router.decide(&prompt(40), &RequestMeta::default(), 0.0).unwrap();
+                d.ranked().map(|c| name(&d, c)).collect()
+            })
+            .collect()
+    };
+    for preset in ["random", "round-robin", "llm-d"] {
+        let fresh = std::thread::spawn(move || ranked(preset, &["A", "B"], 7)).join().unwrap();
+        // This thread's list held six endpoints' picks last.
+        let large = ranked(preset, &["A", "B", "C", "D", "E", "F"], 3);
+        assert!(large.iter().all(|r| !r.is_empty()));
+        assert_eq!(ranked(preset, &["A", "B"], 7), fresh, "{preset}");
+        assert!(fresh.iter().flatten().all(|n| n == "A" || n == "B"), "{preset}");
+    }
+}
