@@ -107,3 +107,29 @@ def test_cli_policies_flag_and_errors(tmp_path, capsys) -> None:
     assert "unknown base scenario" in capsys.readouterr().err
     assert main(["sim", "--list"]) == 0
     assert "agentic" in capsys.readouterr().out
+
+
+def test_the_progress_bar_counts_a_traces_lines_without_reading_it_in_python(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bar's total is the trace's non-blank lines (at most ``limit``), counted without the
+    Python reader: it parsed and checked every line (and kept them all) just to count."""
+    import io
+
+    from llmsched.sim import workloads
+
+    lines = [json.dumps({"timestamp": t, "input_length": 32, "output_length": 2}) for t in range(7)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines[:3]) + "\n\n   \n" + "\n".join(lines[3:]) + "\n")
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("the Python trace reader ran")
+
+    monkeypatch.setattr(workloads, "_read_trace", refuse)
+    for limit, total in ((None, 7), (5, 5), (50, 7)):
+        workload = {"kind": "trace", "path": str(path), "timestamp_unit": "s", "limit": limit}
+        cfg = ScenarioConfig.from_dict({**TINY, "policies": ["random"], "workload": workload})
+        out = io.StringIO()
+        (result,) = compare(cfg, jobs=1, progress=True, out=out, engine="rust")
+        assert result.summary()["completed"] == total
+        assert f"/{total} " in out.getvalue() or f"/{total}[" in out.getvalue()

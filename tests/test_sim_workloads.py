@@ -540,3 +540,29 @@ def test_scenario_slo_keys_and_max_time_are_checked() -> None:
     for bad in (-1, 0, float("nan"), "1"):
         with pytest.raises(ConfigError, match="max_time_s"):
             ScenarioConfig.from_dict({**base, "max_time_s": bad})
+
+
+@pytest.mark.parametrize("build", ["python", "native"])
+def test_both_trace_readers_refuse_a_trace_past_max_plan_tokens_before_planning(
+    tmp_path, build: str
+) -> None:
+    """A trace's lengths were bounded line by line only: 129 lines of 2**24 + 2**24 tokens
+    (4.3e9, a plan of ~6 GB) were read and planned. Both readers refuse at the line that passes
+    MAX_PLAN_TOKENS, naming it, before the plan is built; ``limit`` replays the lines within."""
+    from llmsched.sim.workloads import MAX_PLAN_TOKENS, MAX_TOKENS
+
+    line = json.dumps({"timestamp": 0, "input_length": MAX_TOKENS, "output_length": MAX_TOKENS})
+    path = tmp_path / "big.jsonl"
+    path.write_text((line + "\n") * 129)
+    spec = {"kind": "trace", "path": str(path)}
+    assert 128 * 2 * MAX_TOKENS == MAX_PLAN_TOKENS
+    with pytest.raises(
+        ConfigError,
+        match=r"big\.jsonl:129: the lines up to here ask for 4328521728 tokens of prompts and "
+        r"outputs, more than the simulator writes out \(MAX_PLAN_TOKENS, 4294967296\)",
+    ):
+        build_plan(spec, 0, BS, 0, native=build == "native")
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2}\n' + line + "\n")
+    plan = build_plan({**spec, "path": str(small), "limit": 1}, 0, BS, 0, native=build == "native")
+    assert plan["prompt"].tolist() == [40]

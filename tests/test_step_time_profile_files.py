@@ -172,3 +172,56 @@ def test_sim_says_whose_steps_it_runs(tmp_path, capsys) -> None:
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"step model: linear, fitted to 'tiny' ({path}), 2048 KV tokens per replica" in out
+
+
+def _milliseconds(tmp_path: Path, name: str, scale: float) -> Path:
+    """The fitted profile with every coefficient times ``scale`` (1000: written in ms)."""
+    doc = _profile().to_dict()
+    doc["coefficients"] = {k: v * scale for k, v in doc["coefficients"].items()}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_coefficients_in_milliseconds_warn_once_per_profile_and_are_counted(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing noticed a profile written in milliseconds (b0 = 1, a 1.1 s decode step): the
+    simulator ran a model 1000x too slow. Both readers warn once per profile, naming its
+    file, count every load, and still load it (a slow CPU engine may be that slow)."""
+    from llmsched.sim.stepmodel import implausible_profiles
+
+    seconds = _milliseconds(tmp_path, "seconds.yaml", 1.0)
+    ms = _milliseconds(tmp_path, "ms.yaml", 1000.0)
+    with caplog.at_level("WARNING", logger="llmsched"):
+        assert load_step_model(seconds).b0 == pytest.approx(1e-3)
+        assert StepTimeProfile.load(seconds).coefficients["b0"] == pytest.approx(1e-3)
+        assert str(seconds) not in implausible_profiles() and not caplog.records
+        assert load_step_model(ms).b0 == pytest.approx(1.0)
+        StepTimeProfile.load(ms)
+        load_step_model(ms)
+    assert implausible_profiles()[str(ms)] == 3
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith(f"{ms}: step-time coefficients implausible as seconds")
+    assert "takes 1.1 s (b0 + b2)" in message and "implausible_profiles()" in message
+
+
+def test_inline_coefficients_in_milliseconds_name_the_scenario_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from llmsched.sim.stepmodel import StepModelConfig, build_step_model, implausible_profiles
+
+    before = implausible_profiles().get("step_model.linear", 0)
+    with caplog.at_level("WARNING", logger="llmsched"):
+        build_step_model(StepModelConfig(linear={"b0": 4.0, "b1": 0.031, "b2": 0.12}))
+    assert implausible_profiles()["step_model.linear"] == before + 1
+    warned = [r for r in caplog.records if r.getMessage().startswith("step_model.linear: ")]
+    assert len(warned) == (0 if before else 1)  # once per process and profile
+
+
+def test_a_step_of_an_hour_is_refused(tmp_path) -> None:
+    path = _milliseconds(tmp_path, "hours.yaml", 4e6)  # b0 of 4000 s
+    for load in (load_step_model, StepTimeProfile.load):
+        with pytest.raises(ConfigError, match=r"hours\.yaml: a step of one decoding request"):
+            load(path)

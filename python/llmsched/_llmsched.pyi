@@ -27,6 +27,7 @@ from llmsched.types import (
     PdNote,
     PluginInfo,
     ProfileData,
+    ProfileRow,
     SyncCounters,
     SyncReport,
     TokenizerCacheStats,
@@ -697,8 +698,11 @@ class Decision:
         """Cached prompt tokens per endpoint."""
     def pd(self) -> PdNote | None:
         """The prefill/decode decision, when a P/D handler ran."""
-    def explain_data(self) -> list[ProfileData]:
-        """Each profile's scores per endpoint and scorer."""
+    def explain_data(self, limit: int | None = None) -> list[ProfileData]:
+        """Each profile's scores per endpoint and scorer: at most `limit` rows per profile (the
+        table's first), the rest counted."""
+    def explain_row(self, profile: int, endpoint: EndpointId) -> ProfileRow | None:
+        """`endpoint`'s row in the `profile`-th profile run; None when it was not considered."""
     def started(self, endpoint: int | str | None, now: float) -> None:
         """Marks the request sent (to `endpoint`, default the chosen one); PlacementError when
         it was already started or finished."""

@@ -53,6 +53,7 @@ from llmsched.types import (
     PluginInfo,
     PreciseWiring,
     ProfileData,
+    ProfileRow,
     RequestInfo,
     SaturationThresholds,
 )
@@ -78,6 +79,7 @@ from llmsched.validation import (
 )
 
 __all__ = [
+    "EXPLAIN_ROWS",
     "ConfigInfo",
     "ConfigNote",
     "Decision",
@@ -119,6 +121,11 @@ scorers give it 0, utilization filters drop it), or the last metrics are used as
 ConfigLike = ConfigSource
 """A configuration: a dict, a preset name (see :meth:`Router.presets`), YAML / JSON text or a
 YAML / JSON path (read by :mod:`llmsched.config_loader`)."""
+
+EXPLAIN_ROWS = 1000
+"""Rows per profile :meth:`Decision.explain` builds by default: a pool of at most this many
+endpoints gets every row; a larger one the first rows of the table, the rest counted (building
+a Python row per endpoint took seconds at 200,000 endpoints)."""
 
 ScorerFunction = Callable[[RequestInfo, list[CandidateInfo]], Sequence[float]]
 """A ``python-scorer`` plugin's ``function``: one score in [0, 1] per candidate."""
@@ -1011,7 +1018,7 @@ class Decision:
     ) -> None:
         self.finished()
 
-    def explain(self) -> Explanation:
+    def explain(self, limit: int | None = EXPLAIN_ROWS) -> Explanation:
         """Per profile, per endpoint: every scorer's clamped score, the weighted total, the
         rank, or the filter that removed it. ``print()`` it for a table. Rows whose scores
         were forced (an endpoint with stale metrics counts as saturated: scorers that read
@@ -1020,41 +1027,58 @@ class Decision:
         index fed by engine events) and the router (a synced replica whose name another live
         replica uses).
 
+        ``limit`` (default :data:`EXPLAIN_ROWS`, 1000): at most that many rows per profile. A
+        larger pool keeps the table's first rows (the chosen endpoint and the fallbacks by
+        rank, then the highest totals, then the endpoints filters removed) and counts the rest
+        in :attr:`ProfileExplanation.omitted` (with how many reached the scorers and how many
+        each filter removed); :meth:`ProfileExplanation.row` still finds any endpoint, built on
+        demand. ``None``: a row for every endpoint, in pool order (seconds at 200,000).
+
         >>> pool = EndpointPool(["a", "b"], stale_policy="ignore")
         >>> pool.update("b", waiting=4)
         >>> d = Router(pool, config="least-load").pick(tokens=[1, 2, 3])
         >>> row = d.explain()["default"].row("b")
         >>> row.scores["queue-scorer"], row.total
         (0.0, 1.0)
+        >>> short = d.explain(limit=1)["default"]
+        >>> [r.endpoint for r in short.rows], short.omitted, short.row("b").total
+        (['a'], 1, 1.0)
         """
-        raw = self._native.explain_data()
-        notes = self._saturation_notes(raw)
-        profiles = [ProfileExplanation._from_raw(p, notes) for p in raw]
+        if limit is not None:
+            limit = check_int("limit", limit)
+        raw = self._native.explain_data(limit)
+        profiles = [
+            ProfileExplanation._from_raw(p, self._saturation_note, self._row_lookup(i))
+            for i, p in enumerate(raw)
+        ]
         request_notes = list(self._notes)
         sync = self._sync
         if sync is not None and sync.replica in sync.shared_names():
             request_notes.append(SHARED_REPLICA_NAME_NOTE.format(name=sync.replica))
         return Explanation(profiles=profiles, pd=self.pd(), notes=request_notes)
 
-    def _saturation_notes(self, raw: list[ProfileData]) -> dict[EndpointId, str]:
-        """Why each endpoint counted as saturated at the pick: the age then of the metrics the
-        pick read (not of the pool's metrics now, which may have been refreshed since, or gone
-        with the endpoint)."""
+    def _saturation_note(self, row: ProfileRow) -> str | None:
+        """Why ``row``'s endpoint counted as saturated at the pick (None: it did not): the age
+        then of the metrics the pick read (not of the pool's metrics now, which may have been
+        refreshed since, or gone with the endpoint)."""
+        if not row["saturated"]:
+            return None
+        stamp = row["metrics_timestamp"]
+        why = (
+            "no metrics reported"
+            if stamp is None
+            else f"metrics {self._now - stamp:.3g} s old at the pick"
+        )
         after = self._pool.stale_after_s
-        notes: dict[EndpointId, str] = {}
-        for row in raw[0]["rows"] if raw else ():
-            if not row["saturated"]:
-                continue
-            stamp = row["metrics_timestamp"]
-            why = (
-                "no metrics reported"
-                if stamp is None
-                else f"metrics {self._now - stamp:.3g} s old at the pick"
-            )
-            notes[row["endpoint"]] = (
-                f"saturated: {why} (stale after {after:g} s); scorers that read metrics gave 0"
-            )
-        return notes
+        return f"saturated: {why} (stale after {after:g} s); scorers that read metrics gave 0"
+
+    def _row_lookup(self, profile: int) -> Callable[[EndpointId], ProfileRow | None]:
+        native = self._native
+
+        def lookup(endpoint: EndpointId) -> ProfileRow | None:
+            return native.explain_row(profile, endpoint)
+
+        return lookup
 
     def __repr__(self) -> str:
         split = f", prefill={self.prefill_endpoint!r}" if self.disaggregated else ""
@@ -1094,10 +1118,25 @@ class ProfileExplanation:
     """Fail-open filters skipped because they would have removed every endpoint."""
     weights: dict[str, float]
     rows: list[EndpointScores]
+    """A row per endpoint considered, or the table's first ``limit`` rows (see
+    :meth:`Decision.explain`)."""
+    omitted: int = 0
+    """Endpoints considered without a row here (0: every endpoint has one)."""
+    omitted_kept: int = 0
+    """Of those, the ones that reached the scorers: unranked, with totals no higher than
+    any unranked row shown."""
+    omitted_removed_by: dict[str, int] = field(default_factory=dict)
+    """Of those, how many each filter removed."""
+    _lookup: Callable[[EndpointId], EndpointScores | None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @classmethod
     def _from_raw(
-        cls, raw: ProfileData, notes: Mapping[EndpointId, str] | None = None
+        cls,
+        raw: ProfileData,
+        note: Callable[[ProfileRow], str | None] | None = None,
+        lookup: Callable[[EndpointId], ProfileRow | None] | None = None,
     ) -> ProfileExplanation:
         # One label per scorer entry: a name the profile repeats gets "#2", ... rather than
         # merging entries and mismatching the score columns.
@@ -1109,33 +1148,50 @@ class ProfileExplanation:
                 label = f"{name}#{n}"
             names.append(label)
         weights = {label: w for label, (_, w) in zip(names, raw["scorers"], strict=True)}
-        rows = []
-        for r in raw["rows"]:
+
+        def build(r: ProfileRow) -> EndpointScores:
             scores = dict(zip(names, r["scores"], strict=True)) if r["scores"] is not None else {}
-            rows.append(
-                EndpointScores(
-                    endpoint=r["endpoint"],
-                    address=r["address"],
-                    cached_tokens=r["cached_tokens"],
-                    saturated=r["saturated"],
-                    removed_by=r["removed_by"],
-                    scores=scores,
-                    weighted={k: v * weights[k] for k, v in scores.items()},
-                    total=r["total"],
-                    rank=r["rank"],
-                    note=(notes or {}).get(r["endpoint"]) if r["saturated"] else None,
-                )
+            return EndpointScores(
+                endpoint=r["endpoint"],
+                address=r["address"],
+                cached_tokens=r["cached_tokens"],
+                saturated=r["saturated"],
+                removed_by=r["removed_by"],
+                scores=scores,
+                weighted={k: v * weights[k] for k, v in scores.items()},
+                total=r["total"],
+                rank=r["rank"],
+                note=note(r) if note is not None and r["saturated"] else None,
             )
+
+        def find(endpoint: EndpointId) -> EndpointScores | None:
+            found = lookup(endpoint) if lookup is not None else None
+            return None if found is None else build(found)
+
+        omitted = raw.get("omitted", 0)
         return cls(
-            raw["profile"], raw["picker"], raw["filters"], raw["skipped_filters"], weights, rows
+            raw["profile"],
+            raw["picker"],
+            raw["filters"],
+            raw["skipped_filters"],
+            weights,
+            [build(r) for r in raw["rows"]],
+            omitted=omitted,
+            omitted_kept=raw.get("omitted_kept", 0),
+            omitted_removed_by=dict(raw.get("omitted_removed_by", {})),
+            _lookup=find if omitted else None,
         )
 
     def row(self, endpoint: EndpointId) -> EndpointScores:
-        """The row of ``endpoint`` (KeyError if it was not considered)."""
+        """The row of ``endpoint`` (KeyError if it was not considered); one left out of
+        :attr:`rows` (:attr:`omitted`) is built on demand."""
         for r in self.rows:
             if r.endpoint == endpoint:
                 return r
-        raise KeyError(endpoint)
+        found = self._lookup(endpoint) if self._lookup is not None else None
+        if found is None:
+            raise KeyError(endpoint)
+        return found
 
     def __str__(self) -> str:
         names = list(self.weights)
@@ -1158,6 +1214,13 @@ class ProfileExplanation:
         widths = [max(len(row[i]) for row in lines if i < len(row)) for i in range(len(head))]
         title = f"profile {self.profile!r} (picker {self.picker})"
         body = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip() for row in lines]
+        if self.omitted:
+            removed = ", ".join(f"{n} by {f}" for f, n in self.omitted_removed_by.items())
+            body.append(
+                f"... {self.omitted} more endpoints not shown: {self.omitted_kept} scored"
+                + (f", removed {removed}" if removed else "")
+                + " (row() finds any of them)"
+            )
         return "\n".join([title, *body, *footnotes])
 
 

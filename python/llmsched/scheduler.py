@@ -79,12 +79,15 @@ from llmsched.errors import (
 from llmsched.flow import FlowController, FlowRequest
 from llmsched.prefix_index import PrefixIndex
 from llmsched.routing import (
+    EXPLAIN_ROWS,
     ConfigLike,
     Decision,
     Endpoint,
     EndpointId,
     EndpointPool,
+    EndpointScores,
     Explanation,
+    ProfileExplanation,
     Router,
     StalePolicy,
     config_info,
@@ -544,9 +547,10 @@ class Placement:
         """How it ended, or None while it is open."""
         return self._outcome
 
-    def explain(self) -> Explanation:
-        """The current decision's per-endpoint, per-scorer breakdown."""
-        return self.decision.explain()
+    def explain(self, limit: int | None = EXPLAIN_ROWS) -> Explanation:
+        """The current decision's per-endpoint, per-scorer breakdown (``limit``: see
+        :meth:`Decision.explain`)."""
+        return self.decision.explain(limit)
 
     # -- progress ------------------------------------------------------------------------
 
@@ -1876,13 +1880,21 @@ def _also_eligible(decision: Decision, considered: list[EndpointId]) -> list[End
     request must not (a prefill-only engine for a decode request, an endpoint another filter
     set aside); another profile's candidates (a P/D decision's prefill profile) do not count."""
     chosen = decision.endpoint
+
+    def row(profile: ProfileExplanation, endpoint: EndpointId) -> EndpointScores | None:
+        try:
+            return profile.row(endpoint)
+        except KeyError:
+            return None
+
     kept: set[EndpointId] | None = None
-    for profile in decision.explain().profiles:
-        rows = {row.endpoint: row for row in profile.rows}
-        mine = rows.get(chosen)
+    # No table: the rows of the endpoints asked about, built on demand (a large pool's full
+    # explanation took seconds).
+    for profile in decision.explain(limit=0).profiles:
+        mine = row(profile, chosen)
         if mine is None or mine.rank != 0:
             continue
-        ok = {e for e, row in rows.items() if row.removed_by is None}
+        ok = {e for e in considered if (r := row(profile, e)) is not None and r.removed_by is None}
         kept = ok if kept is None else kept & ok
     if kept is None:  # no profile ranked it first (a pinned endpoint): no more than before
         return []

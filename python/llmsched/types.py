@@ -387,6 +387,12 @@ class ProfileData(TypedDict):
     scorers: list[tuple[str, float]]
     """``(name, weight)`` per scorer."""
     rows: list[ProfileRow]
+    omitted: int
+    """Endpoints without a row (``explain_data(limit)``): 0 when every row is there."""
+    omitted_kept: int
+    """Of those, the ones that reached the scorers."""
+    omitted_removed_by: dict[str, int]
+    """Of those, the ones each filter removed."""
 
 
 # ---- flow control -------------------------------------------------------------------------

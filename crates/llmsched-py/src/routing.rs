@@ -21,7 +21,7 @@ use llmsched_core::routing::inflight::{Stage, Ticket};
 use llmsched_core::routing::plugin::{
     Candidate, Filter, OnEmpty, PluginResult, RequestContext, Scorer,
 };
-use llmsched_core::routing::profile::KEPT;
+use llmsched_core::routing::profile::{ProfileOutcome, KEPT};
 use llmsched_core::routing::registry::{
     decode, defaults_of, ParamDoc, ParamError, ParamKind, Plugin, PluginDoc, Registry,
 };
@@ -659,6 +659,45 @@ impl PyDecision {
     fn id<'py>(&self, py: Python<'py>, c: &Candidate) -> PyResult<Bound<'py, PyAny>> {
         key_object(py, &self.decision.endpoint(c).id)
     }
+
+    /// One row of `explain_data`: base candidate `b` in outcome `o`.
+    fn explain_row_dict<'py>(
+        &self,
+        py: Python<'py>,
+        o: &ProfileOutcome,
+        filters: &[&str],
+        b: usize,
+        (kept_at, rank): (Option<usize>, Option<usize>),
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let d = &self.decision;
+        let c = &d.base[b];
+        let r = PyDict::new(py);
+        r.set_item("endpoint", self.id(py, c)?)?;
+        r.set_item("address", &d.endpoint(c).address)?;
+        r.set_item("cached_tokens", d.cached_tokens(c))?;
+        r.set_item("saturated", c.saturated)?;
+        // The metrics' time as the pick read them (None: never reported), so that explain()
+        // says how old they were then, whatever the pool holds now.
+        let stamp = c.metrics.timestamp;
+        r.set_item("metrics_timestamp", stamp.is_finite().then_some(stamp))?;
+        let removed = o.removed_by[b];
+        r.set_item(
+            "removed_by",
+            if removed == KEPT { None } else { Some(filters[removed as usize]) },
+        )?;
+        if let Some(i) = kept_at {
+            // `kept_at` is Some: `kept` is not empty.
+            let scorers = o.scores.len() / o.kept.len();
+            let scores: Vec<f64> = (0..scorers).map(|j| o.score(j, i)).collect();
+            r.set_item("scores", scores)?;
+            r.set_item("total", o.totals.get(i).copied())?;
+        } else {
+            r.set_item("scores", py.None())?;
+            r.set_item("total", py.None())?;
+        }
+        r.set_item("rank", rank)?;
+        Ok(r)
+    }
 }
 
 #[pymethods]
@@ -734,8 +773,17 @@ impl PyDecision {
         Ok(Some(d))
     }
 
-    /// Raw material of `Decision.explain()`: one dict per profile run.
-    fn explain_data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// Raw material of `Decision.explain()`: one dict per profile run. `limit`: at most that
+    /// many rows per profile, the first in the table's order (by rank, then kept rows by total,
+    /// then removed rows), the rest counted in `omitted`, `omitted_kept` and
+    /// `omitted_removed_by`; None (or a profile with no more endpoints): every row, in pool
+    /// order.
+    #[pyo3(signature = (limit=None))]
+    fn explain_data<'py>(
+        &self,
+        py: Python<'py>,
+        limit: Option<usize>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let router = self.router.get();
         let d = &self.decision;
         let mut profiles = Vec::new();
@@ -754,39 +802,72 @@ impl PyDecision {
                 "scorers",
                 profile.scorers.iter().map(|s| (s.name.clone(), s.weight)).collect::<Vec<_>>(),
             )?;
-            let rows = PyList::empty(py);
             let positions = o.positions(d.base.len());
-            for ((b, c), &(kept_at, rank)) in d.base.iter().enumerate().zip(&positions) {
-                let r = PyDict::new(py);
-                r.set_item("endpoint", self.id(py, c)?)?;
-                r.set_item("address", &d.endpoint(c).address)?;
-                r.set_item("cached_tokens", d.cached_tokens(c))?;
-                r.set_item("saturated", c.saturated)?;
-                // The metrics' time as the pick read them (None: never reported), so that
-                // explain() says how old they were then, whatever the pool holds now.
-                let stamp = c.metrics.timestamp;
-                r.set_item("metrics_timestamp", stamp.is_finite().then_some(stamp))?;
-                let removed = o.removed_by[b];
-                r.set_item(
-                    "removed_by",
-                    if removed == KEPT { None } else { Some(filters[removed as usize]) },
-                )?;
-                if let Some(i) = kept_at {
-                    let scores: Vec<f64> =
-                        (0..profile.scorers.len()).map(|j| o.score(j, i)).collect();
-                    r.set_item("scores", scores)?;
-                    r.set_item("total", o.totals.get(i).copied())?;
-                } else {
-                    r.set_item("scores", py.None())?;
-                    r.set_item("total", py.None())?;
+            let shown: Vec<usize> = match limit {
+                Some(k) if k < d.base.len() => {
+                    // The table's order: ranked rows by rank, kept rows by total (highest
+                    // first), removed rows; ties in pool order.
+                    let class = |b: usize| match positions[b] {
+                        (_, Some(rank)) => (0, rank, 0.0),
+                        (Some(i), None) => (1, 0, -o.totals.get(i).copied().unwrap_or(0.0)),
+                        (None, None) => (2, 0, 0.0),
+                    };
+                    let mut all: Vec<usize> = (0..d.base.len()).collect();
+                    let cmp = |a: &usize, b: &usize| {
+                        let (ka, kb) = (class(*a), class(*b));
+                        (ka.0, ka.1).cmp(&(kb.0, kb.1)).then(ka.2.total_cmp(&kb.2)).then(a.cmp(b))
+                    };
+                    if k > 0 {
+                        all.select_nth_unstable_by(k - 1, cmp);
+                    }
+                    all.truncate(k);
+                    all.sort_unstable_by(cmp);
+                    all
                 }
-                r.set_item("rank", rank)?;
-                rows.append(r)?;
+                _ => (0..d.base.len()).collect(),
+            };
+            let mut is_shown = vec![false; d.base.len()];
+            let rows = PyList::empty(py);
+            for &b in &shown {
+                is_shown[b] = true;
+                rows.append(self.explain_row_dict(py, o, &filters, b, positions[b])?)?;
+            }
+            let mut omitted_kept = 0usize;
+            let mut omitted_removed: BTreeMap<&str, usize> = BTreeMap::new();
+            for (b, _) in is_shown.iter().enumerate().filter(|(_, s)| !**s) {
+                match o.removed_by[b] {
+                    KEPT => omitted_kept += 1,
+                    f => *omitted_removed.entry(filters[f as usize]).or_default() += 1,
+                }
             }
             p.set_item("rows", rows)?;
+            p.set_item("omitted", d.base.len() - shown.len())?;
+            p.set_item("omitted_kept", omitted_kept)?;
+            p.set_item("omitted_removed_by", omitted_removed)?;
             profiles.push(p);
         }
         PyList::new(py, profiles)
+    }
+
+    /// The explain row of `endpoint` in the `profile`-th profile run, None when it was not
+    /// considered (or no such run).
+    fn explain_row<'py>(
+        &self,
+        py: Python<'py>,
+        profile: usize,
+        endpoint: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let key = id_key(endpoint, "endpoint")?;
+        let d = &self.decision;
+        let Some(o) = d.outcomes.get(profile) else { return Ok(None) };
+        let Some(b) = d.base.iter().position(|c| d.endpoint(c).id == key) else {
+            return Ok(None);
+        };
+        let router = self.router.get();
+        let config = &router.inner.config().profiles[o.profile];
+        let filters: Vec<&str> = config.filters.iter().map(|f| f.name.as_str()).collect();
+        let position = o.positions(d.base.len())[b];
+        self.explain_row_dict(py, o, &filters, b, position).map(Some)
     }
 
     /// "picked", "sent", "decoding" or "finished".

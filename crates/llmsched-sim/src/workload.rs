@@ -448,16 +448,32 @@ fn small_int(value: Option<&Value>) -> Option<Option<i64>> {
     }
 }
 
+/// Prompt and output tokens a trace's lines may ask for in all (`workloads.MAX_PLAN_TOKENS`):
+/// the plan writes every one out, about 22 bytes a 16-token block.
+pub const MAX_PLAN_TOKENS: u64 = 1 << 32;
+
 /// The rows of a JSONL trace with the checks of `workloads._read_trace` (the same messages),
-/// sorted by timestamp (stable), keeping the first `limit` lines.
+/// sorted by timestamp (stable), keeping the first `limit` lines; refused at the line where
+/// the prompts and outputs pass [`MAX_PLAN_TOKENS`].
 pub fn read_trace(
     text: &str,
     name: &str,
     spec: &TraceSpec,
 ) -> Result<Vec<TraceRow>, WorkloadError> {
+    read_lines(text.lines().map(Ok), name, spec)
+}
+
+fn read_lines<S: AsRef<str>>(
+    lines: impl Iterator<Item = Result<S, WorkloadError>>,
+    name: &str,
+    spec: &TraceSpec,
+) -> Result<Vec<TraceRow>, WorkloadError> {
     let mut rows = Vec::new();
-    for (n, line) in text.lines().enumerate() {
+    let mut total: u64 = 0;
+    for (n, line) in lines.enumerate() {
         let n = n + 1;
+        let line = line?;
+        let line = line.as_ref();
         if line.trim().is_empty() {
             continue;
         }
@@ -506,6 +522,15 @@ pub fn read_trace(
         if input_length > MAX_TRACE_TOKENS || output_length > MAX_TRACE_TOKENS {
             return err(format!(
                 "trace {name}:{n}: input_length and output_length must be <= {MAX_TRACE_TOKENS}"
+            ));
+        }
+        // Each length is at most 2**24: no overflow before the sum passes 2**32.
+        total += input_length + output_length;
+        if total > MAX_PLAN_TOKENS {
+            return err(format!(
+                "trace {name}:{n}: the lines up to here ask for {total} tokens of prompts and \
+                 outputs, more than the simulator writes out (MAX_PLAN_TOKENS, \
+                 {MAX_PLAN_TOKENS}); replay fewer lines (limit)"
             ));
         }
         let hash_ids = match row.get("hash_ids") {
@@ -573,11 +598,13 @@ pub fn read_trace(
     Ok(rows)
 }
 
-/// [`read_trace`] on the file at `path`.
+/// [`read_trace`] on the file at `path`, read a line at a time.
 pub fn load_trace(path: &str, spec: &TraceSpec) -> Result<Vec<TraceRow>, WorkloadError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| WorkloadError(format!("trace {path}: cannot read: {e}")))?;
-    read_trace(&text, path, spec)
+    use std::io::BufRead;
+    let cannot = |e: std::io::Error| WorkloadError(format!("trace {path}: cannot read: {e}"));
+    let file = std::fs::File::open(path).map_err(cannot)?;
+    let lines = std::io::BufReader::new(file).lines().map(|line| line.map_err(cannot));
+    read_lines(lines, path, spec)
 }
 
 /// The dense content ids of a plan's hashes as the builder appends them (see
@@ -1217,6 +1244,25 @@ mod tests {
             let e = read_trace(&text, "t", &SPEC).unwrap_err().0;
             assert!(e.starts_with("trace t:2: ") && e.contains(what), "{e}");
         }
+    }
+
+    #[test]
+    fn a_trace_past_max_plan_tokens_is_refused_at_the_line_that_passes_it() {
+        // 128 lines of 2**24 + 2**24 tokens make 2**32 exactly; the 129th passes it.
+        let line = format!(
+            "{{\"timestamp\": 0, \"input_length\": {0}, \"output_length\": {0}}}\n",
+            MAX_TRACE_TOKENS
+        );
+        let text = line.repeat(129);
+        let e = read_trace(&text, "t", &SPEC).unwrap_err().0;
+        assert!(
+            e.starts_with("trace t:129: the lines up to here ask for 4328521728 tokens"),
+            "{e}"
+        );
+        assert!(e.contains("(MAX_PLAN_TOKENS, 4294967296)"), "{e}");
+        assert_eq!(read_trace(&line.repeat(128), "t", &SPEC).unwrap().len(), 128);
+        let limited = TraceSpec { limit: Some(128), ..SPEC };
+        assert_eq!(read_trace(&text, "t", &limited).unwrap().len(), 128);
     }
 
     #[test]

@@ -48,7 +48,12 @@ import yaml
 
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
-from llmsched.sim.stepmodel import CALIBRATE_TERMS, coefficient_seconds, kv_capacity
+from llmsched.sim.stepmodel import (
+    CALIBRATE_TERMS,
+    check_plausible,
+    coefficient_seconds,
+    kv_capacity,
+)
 from llmsched.validation import is_finite_number
 
 __all__ = ["FitError", "StepSample", "StepTimeProfile"]
@@ -330,7 +335,7 @@ class StepTimeProfile:
             for i, sample in enumerate(samples):
                 if not is_finite_number(sample.seconds) or not sample.seconds > 0:
                     raise ConfigError(f"sample {i} has seconds {sample.seconds!r}")
-            return cls(
+            profile = cls(
                 coefficients=values,
                 error=FitError(**data["fit_error"]),
                 linear_error=FitError(**data["linear_fit_error"]),
@@ -342,3 +347,5 @@ class StepTimeProfile:
             raise ConfigError(f"{path}: {exc}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: malformed profile: {exc}") from None
+        check_plausible(str(path), values["b0"], values["prefill_tokens"], values["decode_tokens"])
+        return profile

@@ -2,8 +2,18 @@
 
 It is the oracle of the property tests (same scores and choice as the native router for
 deterministic pickers) and the baseline of the benchmarks. It reads a configuration in the same
-llm-d shape (single profile or a P/D handler with a prefix-based decider), endpoints as plain
-dataclasses, and the cached blocks per endpoint from a prefix match.
+llm-d shape (a single profile, or ``pd-profile-handler`` / ``disagg-profile-handler`` with a
+prefix-based, load-aware or always-disagg decider), endpoints as plain dataclasses, and the
+cached blocks per endpoint from a prefix match.
+
+The P/D step mirrors the native ``run_handler``: the decode profile runs; the decider wants a
+prefill endpoint when the prompt tokens not cached on the decode endpoint are at least its
+``nonCachedTokens``; the prefill profile then runs, and its pick splits the request unless it
+found none (``no-prefill-endpoint``), it is the decode endpoint itself (``same-endpoint``), or
+a load-aware decider finds its queue (waiting plus in-flight requests still prefilling,
+infinite when saturated) longer than the decode endpoint's plus ``queueMargin``
+(``prefill-queue-longer``). :class:`ReferencePd` lists every (prefill endpoint, reason) the
+native decision may give when pickers tie.
 
 >>> from llmsched.reference.routing import ReferenceEndpoint, decide
 >>> config = {"plugins": [{"type": "queue-scorer"}],
@@ -11,6 +21,11 @@ dataclasses, and the cached blocks per endpoint from a prefix match.
 >>> eps = [ReferenceEndpoint("a", waiting=3), ReferenceEndpoint("b", waiting=1)]
 >>> decide(config, eps, cached={}, prompt_tokens=16, block_size=16).best
 ['b']
+>>> import llmsched.routing
+>>> pd = llmsched.routing.load_config("llm-d-pd")
+>>> eps = [ReferenceEndpoint("d", role="decode"), ReferenceEndpoint("p", role="prefill")]
+>>> decide(pd, eps, cached={}, prompt_tokens=512, block_size=16).pd
+ReferencePd(uncached_tokens=512, wanted=True, choices=[('p', 'split')])
 """
 
 from __future__ import annotations
@@ -22,7 +37,7 @@ from typing import Any
 
 from llmsched.reference.prefix_index import ReferencePrefixIndex
 
-__all__ = ["ReferenceDecision", "ReferenceEndpoint", "decide", "decide_tokens"]
+__all__ = ["ReferenceDecision", "ReferenceEndpoint", "ReferencePd", "decide", "decide_tokens"]
 
 
 @dataclass
@@ -51,11 +66,42 @@ class ReferenceProfileRun:
 
 
 @dataclass
+class ReferencePd:
+    """The P/D decision for one decode endpoint (the native ``Decision.pd()``)."""
+
+    uncached_tokens: int
+    """Prompt tokens not cached on the decode endpoint."""
+    wanted: bool
+    """Whether the decider asked for a prefill endpoint."""
+    choices: list[tuple[Any, str]]
+    """Every (prefill endpoint, reason) the native router may give: one per prefill pick the
+    picker could make, the endpoint None unless the reason is ``"split"``."""
+
+
+@dataclass
 class ReferenceDecision:
     runs: list[ReferenceProfileRun]
     best: list[Any]
     """Every endpoint the picker could choose (several when tied)."""
     prefill_best: list[Any] | None = None
+    """Every endpoint the prefill profile could choose, when it ran."""
+    pd: ReferencePd | None = None
+    """The P/D decision for ``decode_endpoint`` (default ``best[0]``), with a P/D handler
+    whose prefill stage can run."""
+
+
+@dataclass(frozen=True)
+class _Decider:
+    non_cached_tokens: int
+    queue_margin: float | None
+    """None: prefix-based (keeps every prefill pick); else load-aware."""
+
+    def keeps(self, decode: ReferenceEndpoint, prefill: ReferenceEndpoint) -> bool:
+        return self.queue_margin is None or _queue(prefill) <= _queue(decode) + self.queue_margin
+
+
+def _queue(e: ReferenceEndpoint) -> float:
+    return math.inf if e.saturated else float(e.waiting + e.in_flight_prefill_requests)
 
 
 def _lower_is_better(values: list[float]) -> list[float]:
@@ -201,9 +247,11 @@ def decide(
     prompt_tokens: int,
     block_size: int,
     session_endpoint: Any = None,
+    decode_endpoint: Any = None,
 ) -> ReferenceDecision:
     """The decision for a prompt of ``prompt_tokens`` tokens, ``cached[id]`` leading blocks of
-    which endpoint ``id`` holds."""
+    which endpoint ``id`` holds. With a P/D handler the P/D step follows ``decode_endpoint``,
+    one of the tied decode picks (default the first), as the native router follows its own."""
     plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
     profiles = {p["name"]: p for p in config["schedulingProfiles"]}
     ctx = {
@@ -212,25 +260,85 @@ def decide(
         "block_size": block_size,
         "session_endpoint": session_endpoint,
     }
-    handler = next((p for p in config["plugins"] if p["type"] == "pd-profile-handler"), None)
+    handler = next((p for p in config["plugins"] if p["type"] in _PD_HANDLERS), None)
     if handler is None:
         run, best = _run_profile(next(iter(profiles.values())), plugins, list(endpoints), ctx)
         return ReferenceDecision([run], best)
-    params = handler.get("parameters") or {}
-    decode_run, best = _run_profile(
-        profiles[params.get("decodeProfile", "decode")], plugins, list(endpoints), ctx
-    )
-    decider = plugins[params["deciderPluginName"]]
-    threshold = (decider.get("parameters") or {}).get("nonCachedTokens", 0)
-    # Every tied decode endpoint must agree for the oracle to be exact; use the first.
-    chosen = best[0]
-    uncached = prompt_tokens - min(prompt_tokens, ctx["cached"].get(chosen, 0) * block_size)
-    if uncached < threshold:
+    decode, prefill, decider = _pd_stages(handler, plugins, profiles)
+    decode_run, best = _run_profile(profiles[decode], plugins, list(endpoints), ctx)
+    if prefill is None or decider is None or not best:
         return ReferenceDecision([decode_run], best)
-    prefill_run, prefill_best = _run_profile(
-        profiles[params.get("prefillProfile", "prefill")], plugins, list(endpoints), ctx
+    chosen = best[0] if decode_endpoint is None else decode_endpoint
+    if chosen not in best:
+        raise ValueError(f"decode_endpoint {chosen!r} is not among the decode picks {best}")
+    uncached = prompt_tokens - min(prompt_tokens, ctx["cached"].get(chosen, 0) * block_size)
+    if uncached < decider.non_cached_tokens:
+        pd = ReferencePd(uncached, False, [(None, "below-threshold")])
+        return ReferenceDecision([decode_run], best, pd=pd)
+    prefill_run, prefill_best = _run_profile(profiles[prefill], plugins, list(endpoints), ctx)
+    by_id = {e.id: e for e in endpoints}
+    choices: list[tuple[Any, str]] = [] if prefill_best else [(None, "no-prefill-endpoint")]
+    for p in prefill_best:
+        if p == chosen:
+            choice: tuple[Any, str] = (None, "same-endpoint")
+        elif not decider.keeps(by_id[chosen], by_id[p]):
+            choice = (None, "prefill-queue-longer")
+        else:
+            choice = (p, "split")
+        if choice not in choices:
+            choices.append(choice)
+    pd = ReferencePd(uncached, True, choices)
+    return ReferenceDecision([decode_run, prefill_run], best, prefill_best, pd)
+
+
+_PD_HANDLERS = ("pd-profile-handler", "disagg-profile-handler")
+
+
+def _pd_stages(
+    handler: Mapping[str, Any], plugins: dict[str, Any], profiles: dict[str, Any]
+) -> tuple[str, str | None, _Decider | None]:
+    """The decode profile, the prefill profile and the decider, as the native config resolves
+    them; no prefill profile or decider when only the decode profile can run."""
+    params = handler.get("parameters") or {}
+    if handler["type"] == "pd-profile-handler":
+        decode = params.get("decodeProfile", "decode")
+        prefill = params.get("prefillProfile", "prefill")
+        if params.get("threshold") is not None:
+            return decode, prefill, _Decider(params["threshold"], None)
+        name = params.get("deciderPluginName")
+        if name is None:
+            # llm-d's default deciderPluginName, when such a plugin is declared.
+            if "prefix-based-pd-decider" not in plugins:
+                return decode, prefill, _Decider(0, None)
+            name = "prefix-based-pd-decider"
+        return decode, prefill, _decider(plugins[name])
+    nested = params.get("profiles") or {}
+    deciders = params.get("deciders") or {}
+
+    def first(*values: Any) -> Any:
+        return next((v for v in values if v is not None), None)
+
+    decode = first(nested.get("decode"), params.get("decodeProfile"), "decode")
+    prefill = first(nested.get("prefill"), params.get("prefillProfile"), "prefill")
+    name = first(
+        deciders.get("prefill"),
+        params.get("prefillDeciderPluginName"),
+        params.get("deciderPluginName"),
     )
-    return ReferenceDecision([decode_run, prefill_run], best, prefill_best)
+    if name is None or prefill not in profiles:
+        return decode, None, None
+    return decode, prefill, _decider(plugins[name])
+
+
+def _decider(plugin: Mapping[str, Any]) -> _Decider:
+    kind, params = plugin["type"], plugin.get("parameters") or {}
+    if kind == "always-disagg-pd-decider":
+        return _Decider(0, None)
+    if kind == "prefix-based-pd-decider":
+        return _Decider(params.get("nonCachedTokens", 0), None)
+    if kind == "load-aware-pd-decider":
+        return _Decider(params.get("nonCachedTokens", 0), float(params.get("queueMargin", 0.0)))
+    raise NotImplementedError(kind)
 
 
 def decide_tokens(

@@ -12,6 +12,7 @@ results.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import multiprocessing
@@ -229,12 +230,25 @@ def _tick(bar: Any, counter: Any) -> None:
         bar.refresh()
 
 
-def _expected_requests(config: ScenarioConfig) -> int:
-    from llmsched.sim.workloads import make_workload
+def _trace_lines(spec: Mapping[str, Any]) -> int:
+    """The requests a trace replays, for the progress bar: its non-blank lines, at most its
+    ``limit``, counted without parsing them (the run reads and checks them, and reports a
+    file it cannot read); 1 for a file it cannot read."""
+    limit = spec.get("limit")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        limit = None
+    try:
+        with open(str(spec.get("path", "")), "rb") as lines:
+            requests = (line for line in lines if not line.isspace())
+            return sum(1 for _ in itertools.islice(requests, limit))
+    except (OSError, TypeError, ValueError):
+        return 1
 
+
+def _expected_requests(config: ScenarioConfig) -> int:
     spec = dict(config.workload)
     if spec.get("kind") == "trace":
-        return max(1, make_workload(spec).expected_requests)
+        return max(1, _trace_lines(spec))
     for key in ("num_requests",):
         if key in spec:
             return int(spec[key])

@@ -55,7 +55,9 @@ the simulator pays per event, not per token.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -73,6 +75,8 @@ __all__ = [
     "ModelSpec",
     "RooflineStepModel",
     "StepModel",
+    "check_plausible",
+    "implausible_profiles",
     "load_step_model",
 ]
 
@@ -608,6 +612,72 @@ def coefficient_seconds(name: str, value: object) -> float:
     return number
 
 
+PLAUSIBLE_STEP_S = 1.0
+"""The longest plausible step of one decoding request (``b0 + b2``), in seconds: vLLM takes
+about 5-50 ms on a GPU and well under a second on a CPU. A profile past it (or past
+:data:`PLAUSIBLE_PREFILL_TOKEN_S` a prefill token) most likely gives milliseconds where seconds
+are expected, a model 1000x too slow: it is logged once per profile and counted
+(:func:`implausible_profiles`)."""
+PLAUSIBLE_PREFILL_TOKEN_S = 0.01
+"""The longest plausible prefill time per token (``b1``), in seconds (GPUs: about 1e-5)."""
+IMPOSSIBLE_STEP_S = 3600.0
+"""A one-request decode step of an hour or more is refused (ConfigError): milliseconds of
+over 3.6 s a step are no engine either."""
+
+logger = logging.getLogger("llmsched")
+_implausible: dict[str, int] = {}
+_implausible_lock = threading.Lock()
+
+
+def implausible_profiles() -> dict[str, int]:
+    """How many times each step-time profile (by where it is described: a file, or
+    ``<mapping>``) was loaded with coefficients implausibly large for seconds, since the
+    process started (see :data:`PLAUSIBLE_STEP_S`).
+
+    >>> isinstance(implausible_profiles(), dict)
+    True
+    """
+    with _implausible_lock:
+        return dict(_implausible)
+
+
+def check_plausible(where: str, b0: float, b1: float, b2: float) -> None:
+    """Warn once per ``where`` (logger ``llmsched``) and count a step-time profile whose
+    coefficients, read as seconds, make a one-request decode step longer than
+    :data:`PLAUSIBLE_STEP_S` or a prefill token longer than :data:`PLAUSIBLE_PREFILL_TOKEN_S`
+    (milliseconds written where seconds are expected); ConfigError from
+    :data:`IMPOSSIBLE_STEP_S` on.
+
+    >>> check_plausible("profile.yaml", 0.004, 3e-5, 1e-4)  # 4.1 ms a decode step: seconds
+    >>> check_plausible("profile.yaml", 4000.0, 0.0, 0.0)
+    Traceback (most recent call last):
+    ...
+    llmsched.errors.ConfigError: profile.yaml: a step of one decoding request takes 4000 s (b0 + b2), more than an hour: step-time coefficients are seconds, not milliseconds
+    """  # noqa: E501
+    step = b0 + b2
+    if step >= IMPOSSIBLE_STEP_S:
+        raise ConfigError(
+            f"{where}: a step of one decoding request takes {step:g} s (b0 + b2), more than an "
+            "hour: step-time coefficients are seconds, not milliseconds"
+        )
+    if step <= PLAUSIBLE_STEP_S and b1 <= PLAUSIBLE_PREFILL_TOKEN_S:
+        return
+    with _implausible_lock:
+        first = where not in _implausible
+        _implausible[where] = _implausible.get(where, 0) + 1
+    if first:
+        logger.warning(
+            "%s: step-time coefficients implausible as seconds: a step of one decoding request "
+            "takes %g s (b0 + b2) and a prefill token %g s (b1), where vLLM takes 5-50 ms a step "
+            "on a GPU; milliseconds given where seconds are expected make the model 1000x too "
+            "slow (coefficients are seconds); counted in "
+            "llmsched.sim.stepmodel.implausible_profiles()",
+            where,
+            step,
+            b1,
+        )
+
+
 def kv_capacity(value: object) -> int | None:
     """A KV capacity read from a file: None, or an int >= 1 (not a bool, a float or text);
     ConfigError otherwise.
@@ -728,7 +798,7 @@ def build_step_model(config: StepModelConfig) -> StepModel:
     if config.profile is not None:
         return load_step_model(config.profile)
     if config.linear is not None:
-        return load_step_model({"coefficients": config.linear})
+        return load_step_model({"coefficients": config.linear}, what="step_model.linear")
     if config.model not in MODELS:
         raise ConfigError(f"unknown model {config.model!r}; presets: {sorted(MODELS)}")
     if config.gpu not in GPUS:
@@ -742,9 +812,11 @@ def build_step_model(config: StepModelConfig) -> StepModel:
     )
 
 
-def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
+def load_step_model(
+    source: str | Path | Mapping[str, Any], *, what: str = "step model"
+) -> LinearStepModel:
     """A :class:`LinearStepModel` from a YAML / JSON file, text or mapping
-    (read by :mod:`llmsched.config_loader`).
+    (read by :mod:`llmsched.config_loader`; ``what`` names a mapping in messages).
 
     Schema (both spellings of the coefficients are accepted; absent attention, per-chunk and
     idle terms are 0)::
@@ -757,12 +829,14 @@ def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
     named ``b0, prefill_tokens, decode_tokens, prefill_tokens_sq, decode_context_tokens,
     prefill_requests, after_idle``; a profile from before these two terms has neither).
     Each coefficient is a finite number of seconds >= 0 (its text too: YAML reads ``4e-3`` as
-    text; a bool, such as YAML's ``yes``, is refused), ``kv_tokens`` a positive int.
+    text; a bool, such as YAML's ``yes``, is refused), ``kv_tokens`` a positive int. Seconds,
+    not milliseconds: coefficients implausible as seconds (:func:`check_plausible`) are logged
+    once per profile and counted, and a one-request step of an hour or more is refused.
 
     >>> load_step_model({"coefficients": {"b0": 0.001, "b1": 1e-5, "b2": 5e-5}}).b1
     1e-05
     """
-    doc = read_config(source, what="step model")
+    doc = read_config(source, what=what)
     where, data = doc.where(), doc.data
     if not isinstance(data.get("coefficients"), dict):
         raise ConfigError(f"{where}: needs a 'coefficients' mapping")
@@ -784,10 +858,14 @@ def load_step_model(source: str | Path | Mapping[str, Any]) -> LinearStepModel:
     model = data.get("model", meta.get("model", "fitted"))
     kv_tokens = data.get("kv_tokens")
     try:
-        return LinearStepModel(
+        loaded = LinearStepModel(
             **{t: coefficient_seconds(spelled[t], v) for t, v in coefficients.items()},
             kv_tokens=kv_tokens,
             model=str(model),
         )
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    # Keyed by the file, as StepTimeProfile.load keys it (a mapping or text: ``what``).
+    key = str(doc.path) if doc.path is not None else where
+    check_plausible(key, loaded.b0, loaded.b1, loaded.b2)
+    return loaded

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,7 +60,8 @@ MAX_REQUESTS = 10_000_000
 hours (and see :data:`MAX_PLAN_TOKENS` for the plan's memory)."""
 MAX_PLAN_TOKENS = 1 << 32
 """Prompt and output tokens a synthetic workload's plan may write out, in expectation (the
-mean lengths times the requests; an agentic session's conversation once): the plan holds a
+mean lengths times the requests; an agentic session's conversation once), and a trace's lines
+in all (refused at the line that passes it, before the plan is built): the plan holds a
 block hash and a content id per block, about 22 bytes a 16-token block, and building it
 about 60 at its peak. A million default ``long_short`` requests (2.4e9 tokens) peaked at
 7.5 GB; unchecked, 200,000 prompts of a million tokens each went on allocating past 100 GB."""
@@ -750,12 +751,20 @@ def _is_int(value: object) -> bool:
 
 
 def _read_trace(cfg: TraceConfig) -> list[dict[str, Any]]:
+    """The trace's rows, checked, sorted by timestamp: read a line at a time, and refused at
+    the line where its prompts and outputs pass :data:`MAX_PLAN_TOKENS` (before the plan that
+    writes them out is built)."""
     path = Path(cfg.path)
     try:
-        lines = path.read_text().splitlines()
+        with path.open() as lines:
+            return _trace_rows(cfg, path, lines)
     except OSError as exc:
         raise ConfigError(f"trace {path}: cannot read: {exc}") from None
+
+
+def _trace_rows(cfg: TraceConfig, path: Path, lines: Iterable[str]) -> list[dict[str, Any]]:
     rows = []
+    tokens = 0
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -791,6 +800,13 @@ def _read_trace(cfg: TraceConfig) -> list[dict[str, Any]]:
         if row["input_length"] > MAX_TOKENS or row["output_length"] > MAX_TOKENS:
             raise ConfigError(
                 f"trace {path}:{n}: input_length and output_length must be <= {MAX_TOKENS}"
+            )
+        tokens += row["input_length"] + row["output_length"]
+        if tokens > MAX_PLAN_TOKENS:
+            raise ConfigError(
+                f"trace {path}:{n}: the lines up to here ask for {tokens} tokens of prompts "
+                f"and outputs, more than the simulator writes out (MAX_PLAN_TOKENS, "
+                f"{MAX_PLAN_TOKENS}); replay fewer lines (limit)"
             )
         ids = row.get("hash_ids")
         if ids is None:
