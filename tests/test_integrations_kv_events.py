@@ -279,6 +279,32 @@ def test_foreign_topic_is_refused_even_when_zmq_prefix_matches(fake: FakeKVPubli
     assert index.match_tokens(list(range(100, 100 + BLOCK))).as_dict() == {spec.worker_id: 1}
 
 
+def test_an_engine_publishing_another_topic_is_counted_and_warned_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Probe 81: an engine whose --kv-events-config topic is not its spec's (``kv@b`` against
+    ``kv@a``, no prefix of it) sent nothing the subscriber's socket let through: no counter
+    moved, nothing was logged, and the engine's cache never reached the index. Its own socket
+    now takes every topic and refuses the others: counted, the first one logged."""
+    index = PrefixIndex(block_size=BLOCK)
+    batch = event_batch(stored_event([1], None, list(range(BLOCK)), BLOCK))
+    with (
+        FakeKVPublisher(topic="kv@b") as engine,
+        caplog.at_level("WARNING", logger="llmsched"),
+    ):
+        spec = spec_of(engine, topic="kv@a")
+        with Subscriber(index, [spec], **FAST) as sub:
+            assert engine.wait_subscribed()
+            for _ in range(3):
+                engine.publish(batch)
+            c = wait(sub, lambda c: c["topic_rejected"] >= 3)
+    assert c["batches"] == 0 and index.stats()["event_batches"] == 0
+    warned = [r.getMessage() for r in caplog.records if "topic_rejected" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "topic 'kv@b' arrived" in warned[0].replace('"', "'"), warned
+    assert "topic is 'kv@a'" in warned[0].replace('"', "'") and spec.worker_id in warned[0]
+
+
 def test_malformed_messages_are_counted_and_change_nothing(fake: FakeKVPublisher) -> None:
     """Messages that are not ``[topic, seq, payload]`` take no number and change nothing."""
     index = PrefixIndex(block_size=BLOCK)

@@ -19,7 +19,10 @@ canonical CBOR, ``h[-1] = NONE_HASH = sha256(cbor(seed))``, ``seed`` the string 
 supported: the LoRA name on every block and the cache salt on the first block (when non-empty),
 as vLLM orders them; multimodal and prompt-embedding keys are not supported. ``block_hashes``
 returns the 64-bit form vLLM publishes in KV events (the digest's last 8 bytes, big-endian);
-:func:`vllm_block_digests` returns the 32-byte digests.
+:func:`vllm_block_digests` returns the 32-byte digests. An engine's events carry these only
+under ``--prefix-caching-hash-algo sha256_cbor``: vLLM's default ``sha256`` hashes pickled
+objects, and its ``xxhash`` variants take a random seed per process unless ``PYTHONHASHSEED``
+is set (the prefix index hashes the events' token ids, so it never needs the engine's hashes).
 
 Token input: a numpy integer array of any width (read in place, never copied when 1-D,
 contiguous and native-endian), any integer buffer (``array.array``, ``memoryview``) or a list

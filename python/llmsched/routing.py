@@ -142,6 +142,102 @@ PSEUDO_TOKEN_NOTE = (
 )
 """Why a text pick on an index fed by engine events is flagged (logged once, in explain())."""
 
+TOKEN_MISMATCH_NOTE = (
+    "none of the prompts routed with tokens= was ever found in an engine's reported cache "
+    "({unconfirmed} checked, 0 found) while the engines' KV events flowed: the token ids given "
+    "to pick() are not the ones the engines cache (a chat template applied on one side only, "
+    "a BOS token added twice, another tokenizer), or the index hashes them under another "
+    "model, LoRA name or cache salt than the engines' events; tokenize as the engine does "
+    "(llmsched.tokenize.PromptTokenizer, see docs/integrations.md, 'Tokenizing as the engine "
+    "does') and compare a prompt's index.hash_tokens() with the blocks the engine reports"
+)
+"""Why a router's token prompts are flagged once none was ever confirmed by an engine's events
+(logged once, counted in :meth:`Router.stats`, in ``explain()`` from then on)."""
+
+TOKEN_CHECK_MIN_TOKENS = 512
+"""Prompts shorter than this are not checked: an engine caches whole blocks of its own size
+(up to a few hundred tokens), so a short prompt may leave nothing in its cache."""
+TOKEN_CHECK_EVERY_S = 1.0
+"""At most one prompt a second is sampled, and pending checks are looked at as often."""
+TOKEN_CHECK_AFTER_S = 5.0
+"""A sampled prompt's first block is looked for in the engines' reported cache from this long
+after its pick (prefill and the event's trip take that long)..."""
+TOKEN_CHECK_GIVE_UP_S = 60.0
+"""...until this long after it; then it counts as unconfirmed if KV events arrived meanwhile
+(otherwise the feed was idle or down and the prompt is not judged)."""
+TOKEN_CHECK_VERDICT = 32
+"""Unconfirmed prompts, with none confirmed, before the router warns."""
+_TOKEN_CHECK_PENDING = 64
+_FAR_FUTURE = 1e300  # a match at this time sees only blocks engines reported (records expired)
+
+
+class _TokenCheck:
+    """Whether the prompts a router is given as token ids ever reach the engines' KV events.
+
+    A sample of token picks (one a second at most, of at least :data:`TOKEN_CHECK_MIN_TOKENS`
+    tokens) remembers the prompt's first block hash; between :data:`TOKEN_CHECK_AFTER_S` and
+    :data:`TOKEN_CHECK_GIVE_UP_S` after the pick it is looked for among the blocks the engines
+    reported (a match past every record's expiry sees no routing records). One found anywhere
+    confirms the router's tokenization; :data:`TOKEN_CHECK_VERDICT` prompts not found while
+    events kept arriving, and none ever found, is warned of once (:data:`TOKEN_MISMATCH_NOTE`).
+    """
+
+    __slots__ = ("_lock", "_pending", "confirmed", "next_at", "unconfirmed", "warned")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.next_at = -math.inf  # when a pick should call step() next (read without lock)
+        # (pick time, first block hash, engine event batches applied by then)
+        self._pending: list[tuple[float, int, int]] = []
+        self.confirmed = 0
+        self.unconfirmed = 0
+        self.warned = False
+
+    def step(
+        self,
+        index: PrefixIndex,
+        tokens: Any,
+        lora: str | None,
+        cache_salt: str | None,
+        clock: float,
+    ) -> None:
+        """Judge the pending prompts that are due and sample this one."""
+        with self._lock:
+            if clock < self.next_at:
+                return
+            self.next_at = clock + TOKEN_CHECK_EVERY_S
+            batches = index.native.event_batches
+            if batches == 0:
+                return  # not fed by engine events (yet): nothing to compare with
+            keep = []
+            for at, first, seen in self._pending:
+                age = clock - at
+                if age < TOKEN_CHECK_AFTER_S:
+                    keep.append((at, first, seen))
+                elif index.match([first], now=_FAR_FUTURE).longest > 0:
+                    self.confirmed += 1
+                elif age < TOKEN_CHECK_GIVE_UP_S:
+                    keep.append((at, first, seen))
+                elif batches > seen:
+                    self.unconfirmed += 1
+            self._pending = keep
+            if len(tokens) >= TOKEN_CHECK_MIN_TOKENS and len(keep) < _TOKEN_CHECK_PENDING:
+                head = tokens[: index.block_size]
+                first = int(index.hash_tokens(head, lora=lora, cache_salt=cache_salt)[0])
+                self._pending.append((clock, first, batches))
+            warn = (
+                not self.warned and self.confirmed == 0 and self.unconfirmed >= TOKEN_CHECK_VERDICT
+            )
+            if warn:
+                self.warned = True
+        if warn:
+            _warn(f"router: {self.note()}")
+
+    def note(self) -> str:
+        """The warning, with the count of prompts checked."""
+        return TOKEN_MISMATCH_NOTE.format(unconfirmed=self.unconfirmed)
+
+
 SHARED_REPLICA_NAME_NOTE = (
     "replica sync: another live replica uses this replica's name {name!r}: give each replica "
     "its own name (cluster.replica; the default is host name and pid); its counts still add up"
@@ -525,6 +621,7 @@ class Router:
         "_pseudo_picks",
         "_reads_roles",
         "_sync",
+        "_token_check",
         "_warnings",
     )
 
@@ -551,6 +648,7 @@ class Router:
         # Picks run on many threads at once (no GIL on free-threaded CPython): `+= 1` alone
         # could lose counts there (probe 53 F3).
         self._pseudo_lock = threading.Lock()
+        self._token_check = _TokenCheck()
         if not isinstance(pool, EndpointPool):
             raise InvalidTypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
         if seed is not None:
@@ -710,11 +808,25 @@ class Router:
         events (see ``allow_pseudo_tokens``); they cannot match the engines' cached prefixes.
         ``config_warnings``: how many notes the configuration gave (:attr:`warnings`: settings
         without effect, a scorer that can never change a decision, wiring the caller lacks).
+        ``token_prompts_confirmed`` / ``token_prompts_unconfirmed``: of the token prompts
+        sampled on an index fed by engine events (one a second at most, of 512 tokens or more),
+        those whose first block an engine reported within 60 s of the pick, and those it did
+        not while events kept arriving. Many unconfirmed and none confirmed means the router is
+        given other token ids than the engines cache (a chat template or BOS token on one side
+        only, another tokenizer): warned once (logger ``llmsched``) and noted in every later
+        ``explain()``.
 
-        >>> Router(EndpointPool(["a"])).stats()
-        {'pseudo_token_picks': 0, 'config_warnings': 0}
+        >>> Router(EndpointPool(["a"])).stats()  # doctest: +NORMALIZE_WHITESPACE
+        {'pseudo_token_picks': 0, 'config_warnings': 0, 'token_prompts_confirmed': 0,
+         'token_prompts_unconfirmed': 0}
         """
-        return {"pseudo_token_picks": self._pseudo_picks, "config_warnings": len(self._warnings)}
+        check = self._token_check
+        return {
+            "pseudo_token_picks": self._pseudo_picks,
+            "config_warnings": len(self._warnings),
+            "token_prompts_confirmed": check.confirmed,
+            "token_prompts_unconfirmed": check.unconfirmed,
+        }
 
     @property
     def config_info(self) -> ConfigInfo:
@@ -839,8 +951,15 @@ class Router:
             check_str_mapping("headers", dict(header_items))
             raise
         notes: tuple[str, ...] = ()
-        if tokens is None and not self._pseudo_ok:  # a text or chat prompt
-            notes = self._pseudo_token_notes()
+        if tokens is None:
+            if not self._pseudo_ok:  # a text or chat prompt
+                notes = self._pseudo_token_notes()
+        else:
+            check = self._token_check
+            if clock >= check.next_at:  # at most once a second: the hot path reads a float
+                check.step(self._index, array, lora, cache_salt, clock)
+            if check.warned:
+                notes = (check.note(),)
         return Decision(native, self._pool, clock, notes, self._sync)
 
     def _pseudo_token_notes(self) -> tuple[str, ...]:

@@ -237,7 +237,9 @@ class _SocketLog:
     first peer connection each endpoint drops (``drop``: a protocol violation, a handshake
     that did not finish; counted in ``decode_errors`` or ``socket_errors``), logged as a
     WARNING once per endpoint; the socket is not failing for it. Both report an engine's
-    first malformed batch (``malformed``: skipped, the worker resynchronised), a WARNING."""
+    first malformed batch (``malformed``: skipped, the worker resynchronised), and the first
+    message on an engine's own socket whose topic is not the engine's (``topic``: refused,
+    counted in ``topic_rejected``), each a WARNING."""
 
     MAX_REMEMBERED = 256
     """Distinct failures remembered as logged (then the memory starts over)."""
@@ -252,7 +254,7 @@ class _SocketLog:
         failed with ``error``, or (None) succeeded after failing; or (``drop``) the socket
         dropped a peer's connection, for the reason ``error``."""
         engines = f"engine{'s' if len(workers) > 1 else ''} {', '.join(workers)}"
-        if action == "malformed":
+        if action in ("malformed", "topic"):
             log.warning("KV events of %s: %s", engines, error)
             return
         if action == "drop":
@@ -346,6 +348,7 @@ class _Publisher:
         # next replay starts at the last batch taken, to show the publisher did not start over.
         self.verify = False
         self.malformed_reported = False  # the first malformed batch is logged, not the others
+        self.foreign_reported = False  # so is the first message of another topic
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     # -- sockets ------------------------------------------------------------------------------
@@ -368,7 +371,10 @@ class _Publisher:
         monitor: zmq.Socket[bytes] | None = None
         try:
             _configure_sub(sub, self.owner)
-            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            # Every topic, the others refused below (counted, the first logged): subscribed to
+            # the engine's topic alone, a topic set otherwise on the engine left nothing
+            # arriving, and nothing said. A vLLM publisher sends one topic, so this costs nothing.
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
             monitor = sub.get_monitor_socket(_MONITOR_EVENTS)
             if self.spec.kv_events_bind:
                 sub.bind(endpoint)
@@ -476,6 +482,17 @@ class _Publisher:
         topic, seq_bytes, payload = frames
         if topic != self.topic:
             self.owner._bump(self, "topic_rejected")
+            if not self.foreign_reported:
+                self.foreign_reported = True
+                shown = topic[:200].decode("utf-8", "replace")
+                self.owner._socket_log.report(
+                    [self.worker],
+                    self.spec.kv_events or "",
+                    "topic",
+                    f"a message with topic {shown!r} arrived where the engine's topic is "
+                    f"{self.spec.topic!r}: refused (counted in topic_rejected; later ones are not "
+                    "logged); give the engine spec the topic of the engine's --kv-events-config",
+                )
             return
         seq = int.from_bytes(seq_bytes, "big", signed=True)
         if seq < 0:  # vLLM numbers batches from 0 as an int64; -1 only ends a replay

@@ -171,7 +171,8 @@ pub struct SocketReport<'a> {
     /// `bind` or `connect`; `drop` for a peer connection the socket dropped (a protocol
     /// violation, a handshake that did not finish), the first of the endpoint only;
     /// `malformed` for an engine's first batch that does not decode (skipped, the worker
-    /// resynchronised).
+    /// resynchronised); `topic` for the first message on an engine's own socket whose topic is
+    /// not the engine's (refused).
     pub action: &'static str,
     /// Why opening it failed (what the OS or ZMQ said), or why the peer was dropped; `None`:
     /// it opened after failing.

@@ -316,6 +316,8 @@ struct GroupTask {
     dealers: Vec<Option<Dealer>>,
     /// Whether a peer dropped by the SUB socket was logged.
     warned: bool,
+    /// Whether a message of another topic than its engine's was logged (own socket only).
+    foreign_warned: bool,
 }
 
 impl GroupTask {
@@ -425,6 +427,10 @@ impl GroupTask {
                 self.with_stream(members[0], |s, _| s.malformed());
             } else {
                 self.with_stream(members[0], |s, _| s.foreign_topic());
+                if let Some(topic) = frames.first().filter(|_| !self.foreign_warned) {
+                    self.foreign_warned = true;
+                    self.report_foreign_topic(members[0], topic);
+                }
             }
             return;
         };
@@ -479,6 +485,26 @@ impl GroupTask {
             .min_by(f64::total_cmp)
     }
 
+    /// Tells the embedder's hook (if any) of the first message on member `m`'s own socket whose
+    /// topic is not the engine's (refused, counted in `topic_rejected`).
+    fn report_foreign_topic(&self, m: usize, topic: &[u8]) {
+        let Some(hook) = self.shared.on_socket.as_ref() else { return };
+        let spec = &self.shared.members[m].spec;
+        let shown = String::from_utf8_lossy(&topic[..topic.len().min(200)]).into_owned();
+        let error = format!(
+            "a message with topic {shown:?} arrived where the engine's topic is {:?}: refused \
+             (counted in topic_rejected; later ones are not logged); give the engine spec the \
+             topic of the engine's --kv-events-config",
+            spec.topic
+        );
+        hook(&super::SocketReport {
+            workers: vec![spec.worker.as_str()],
+            endpoint: &spec.endpoint,
+            action: "topic",
+            error: Some(&error),
+        });
+    }
+
     /// Tells the embedder's hook (if any) what opening the socket gave.
     fn report(&self, error: Option<&str>) {
         let Some(hook) = self.shared.on_socket.as_ref() else { return };
@@ -502,8 +528,13 @@ impl GroupTask {
             let mut sub = SubSocket::with_options(options(&self.shared.options));
             let monitor = sub.monitor();
             let mut subscribed = Ok(());
+            // A socket of its own takes every topic and refuses the others itself, counted
+            // and logged: subscribed to its engine's topic alone, a topic set otherwise on the
+            // engine left nothing arriving, and nothing said (a publisher sends one topic).
+            let own = !self.shared_socket();
             for &m in &self.group().members {
-                let topic = self.shared.members[m].spec.topic.clone();
+                let topic =
+                    if own { String::new() } else { self.shared.members[m].spec.topic.clone() };
                 if let Err(e) = sub.subscribe(&topic).await {
                     subscribed = Err(e);
                 }
@@ -559,7 +590,7 @@ async fn group_task(shared: Arc<Shared>, group: usize) {
             replay.map(|endpoint| Dealer::new(endpoint, &shared.options, m, replies_tx.clone()))
         })
         .collect();
-    let mut task = GroupTask { shared, group, dealers, warned: false };
+    let mut task = GroupTask { shared, group, dealers, warned: false, foreign_warned: false };
     let (mut sub, mut monitor) = task.open().await;
     let mut monitoring = true;
     loop {
