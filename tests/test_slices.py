@@ -31,6 +31,7 @@ from llmsched.errors import (
 )
 from llmsched.reference.slices import SliceTracker as TwinTracker
 from llmsched.slices import (
+    SliceAssembler,
     SliceStart,
     SliceTracker,
     SwitchCostModel,
@@ -228,6 +229,37 @@ def test_the_native_model_checks_its_block_size_too() -> None:
         with pytest.raises(ConfigError, match=r"block_size must be an int in 1\.\.=65536"):
             _llmsched.SwitchCostModel({"block_size": bad})
     assert _llmsched.SwitchCostModel({"block_size": 2**16}).block_size == 2**16
+
+
+def test_admit_takes_numpy_integers_as_record_tokens_does() -> None:
+    """``record_tokens`` took numpy integers (the native layer reads them) where ``admit``
+    refused them with "must be an int, got int64"; the tracker now takes them everywhere, as
+    ``validation.check_index`` and the flow controller do (not numpy's bool)."""
+    t = SliceTracker("fixed", {"slice_tokens": 4}, endpoints=["a"])
+    start = t.admit(
+        np.uint64(1), prompt_tokens=np.int64(5), max_tokens=np.int32(6), endpoint="a",
+        priority=np.int8(-1),
+    )  # fmt: skip
+    assert start == SliceStart(0, 4)
+    state = t.state(np.int64(1))
+    assert state is not None and (state.context_tokens, state.priority) == (5, -1)
+    assert t.record_tokens(np.int64(1), np.int64(4)) == 0
+    assert t.quantum(np.int64(0)) == 4 and t.entry_level(np.int64(5)) == 0
+    for bad in (np.bool_(True), np.float64(5.0), 5.0):
+        with pytest.raises(InvalidTypeError, match="prompt_tokens must be an int"):
+            t.admit(2, prompt_tokens=bad, max_tokens=6, endpoint="a")  # type: ignore[arg-type]
+        with pytest.raises(InvalidTypeError, match="tokens must be an int"):
+            t.record_tokens(1, bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidValueError, match="prompt_tokens"):
+        t.admit(2, prompt_tokens=np.int64(-1), max_tokens=6, endpoint="a")
+    with pytest.raises(InvalidValueError, match="max_tokens"):
+        t.admit(2, prompt_tokens=np.uint32(2**32 - 1), max_tokens=np.int64(0), endpoint="a")
+    assert len(t) == 1
+    request = {"model": "m", "prompt": [1, 2], "max_tokens": 5}
+    asm = SliceAssembler(request, created=np.int64(7), default_max_tokens=np.uint32(9))
+    assert asm.next_request(np.int64(3))["max_tokens"] == 3
+    with pytest.raises(InvalidTypeError, match="slice_tokens must be an int"):
+        asm.next_request(np.bool_(True))  # type: ignore[arg-type]
 
 
 def _run_slice(t: Any, rid: int) -> None:

@@ -398,11 +398,15 @@ class SliceStart(NamedTuple):
     slice_tokens: int
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not low <= value <= high:
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    """``value`` as an ``int`` in ``low..high``: an ``int`` or a numpy integer (what the native
+    layer reads as one, as elsewhere: ``validation.check_index``), not a ``bool``."""
+    if type(value) is not int:
+        check_int_like(name, value)  # a numpy integer passes; a bool (numpy's too) does not
+    number = operator.index(value)  # type: ignore[arg-type]
+    if not low <= number <= high:
         raise InvalidValueError(f"{name} must be in {low}..{high}, got {value}")
+    return number
 
 
 def _explain_waiting(waiting: object) -> None:
@@ -594,17 +598,18 @@ class SliceTracker:
         endpoint: str,
         priority: int = 0,
     ) -> SliceStart:
-        """Start tracking a request whose first slice runs on ``endpoint``.
+        """Start tracking a request whose first slice runs on ``endpoint``. The counts and ids
+        are ints (numpy integers too, as everywhere the tracker takes an int; not bools).
 
         Raises :class:`~llmsched.errors.SliceStateError` if already tracked and
         :class:`~llmsched.errors.UnknownWorkerError` for an unknown endpoint.
         """
-        _check_int("request_id", request_id, 0, _U64)
-        _check_int("prompt_tokens", prompt_tokens, 0, _U32)
-        _check_int("max_tokens", max_tokens, 1, _U32)
-        _check_int("priority", priority, -_I32 - 1, _I32)
         level, slice_tokens = self._native.admit(
-            request_id, prompt_tokens, max_tokens, priority, _endpoint_name(endpoint)
+            _check_int("request_id", request_id, 0, _U64),
+            _check_int("prompt_tokens", prompt_tokens, 0, _U32),
+            _check_int("max_tokens", max_tokens, 1, _U32),
+            _check_int("priority", priority, -_I32 - 1, _I32),
+            _endpoint_name(endpoint),
         )
         return SliceStart(level, slice_tokens)
 
@@ -613,9 +618,9 @@ class SliceTracker:
 
         More than are left raises :class:`~llmsched.errors.SliceStateError`.
         """
-        if is_bool(request_id) or is_bool(tokens):  # the native side takes 0 / 1
-            _check_int("request_id", request_id, 0, _U64)
-            _check_int("tokens", tokens, 0, _U32)
+        if type(request_id) is not int or type(tokens) is not int:  # a bool: 0 or 1 natively
+            request_id = _check_int("request_id", request_id, 0, _U64)
+            tokens = _check_int("tokens", tokens, 0, _U32)
         try:
             return self._native.record_tokens(request_id, tokens)
         except (OverflowError, TypeError):
@@ -808,9 +813,9 @@ class SliceAssembler:
         if response_id is not None and not isinstance(response_id, str):
             raise InvalidTypeError(f"response_id must be a str, got {type(response_id).__name__}")
         if created is not None:
-            _check_int("created", created, -(2**63), 2**63 - 1)
+            created = _check_int("created", created, -(2**63), 2**63 - 1)
         if default_max_tokens is not None:
-            _check_int("default_max_tokens", default_max_tokens, 0, _U64)
+            default_max_tokens = _check_int("default_max_tokens", default_max_tokens, 0, _U64)
         self._api: Literal["completions", "chat"] = api
         self._native = _llmsched.SliceAssembler(
             dict(request), api, response_id, created, default_max_tokens, bool(forward_stop)
@@ -889,7 +894,7 @@ class SliceAssembler:
         Building it twice before feeding gives the same request.
         """
         if not self._native.done:
-            _check_int("slice_tokens", slice_tokens, 1, _U32)
+            slice_tokens = _check_int("slice_tokens", slice_tokens, 1, _U32)
         return self._native.next_request(slice_tokens)
 
     def feed(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
