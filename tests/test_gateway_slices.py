@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from _gateway_harness import MODEL, Rig, plane, rig, run, until  # noqa: F401 (the fixture)
 
+from llmsched.slices import SliceAssembler
 from llmsched.testing.openai_engine import OUTPUT_ID_BASE, FakeOpenAIEngine
 
 pytestmark = pytest.mark.usefixtures("plane")
@@ -385,5 +386,96 @@ def test_the_engines_refusal_of_the_first_slice_is_the_clients_answer(stream: bo
             assert error["type"] == "BadRequestError", error
             assert len(r.engines[0].received) == 1
             assert r.metric("llmsched_gateway_requests_total", route="completions", status="400")
+
+    run(body())
+
+
+def _assembler_seeds(request: dict[str, Any], slice_tokens: int) -> list[object]:
+    """The seeds :class:`SliceAssembler` sends with each slice of ``request`` when the engine
+    answers as the fake does (output token ``k`` has id ``OUTPUT_ID_BASE + k``)."""
+    asm = SliceAssembler(request)
+    seeds, done = [], 0
+    while not asm.done:
+        call = asm.next_request(slice_tokens)
+        seeds.append(call.get("seed"))
+        n = call["max_tokens"]
+        ids = [OUTPUT_ID_BASE + done + i for i in range(n)]
+        text = "".join(f" t{done + i}" for i in range(n))
+        choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": "length"}
+        asm.feed({"id": "e", "created": 1, "choices": [choice]})
+        asm.feed({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}})
+        asm.end_slice()
+        done += n
+    return seeds
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_seeded_sampled_request_sends_each_continuation_a_seed_of_its_own(stream: bool) -> None:
+    """Probe 77's fix through the gateways (it was checked on the assembler alone): the first
+    slice carries the client's seed, each continuation one derived from it and the tokens
+    generated so far (the user's seed on every slice replayed the first slice's draws)."""
+    request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 10}
+    request |= {"temperature": 1.0, "seed": 1234}
+
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES) as r:
+            for _ in range(2):
+                response = await r.complete(
+                    request["prompt"], **{k: v for k, v in request.items() if k != "prompt"},
+                    stream=stream,
+                )  # fmt: skip
+                assert response.status == 200, await response.read()
+            bodies = [q.body for q in sorted(r.engines[0].received, key=lambda q: q.received_at)]
+            assert [b["max_tokens"] for b in bodies] == [4, 4, 2] * 2
+            seeds = [b.get("seed") for b in bodies]
+            assert seeds[:3] == seeds[3:]  # reproducible for the same slicing
+            assert seeds[0] == 1234  # the first slice is the unsliced request's own start
+            assert len(set(seeds[:3])) == 3
+            assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds)  # vLLM's range
+            assert seeds[:3] == _assembler_seeds(request, 4)
+
+    run(body())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_an_answer_a_stop_token_ended_gives_its_id_as_stop_reason(api: str, stream: bool) -> None:
+    """Probe 77's fix through the gateways: the sliced answer said ``stop_reason`` null where
+    vLLM's unsliced answer gives the stop token id (an int), in the last streamed chunk and in
+    the whole answer."""
+    stop_id = OUTPUT_ID_BASE + 6  # the 7th output token, in the second slice of 4
+    request: dict[str, Any] = {"model": MODEL, "max_tokens": 10, "stop_token_ids": [stop_id]}
+    request["stream"] = stream
+    if api == "chat":
+        request["messages"] = [{"role": "user", "content": "Tell me a story"}]
+    else:
+        request["prompt"] = list(range(1, 40))
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+
+    async def answer(sliced: bool) -> tuple[str, object, object]:
+        overrides: dict[str, Any] = {"slices": SLICES} if sliced else {}
+        async with rig(engines=1, answer_tokens=100, **overrides) as r:
+            async with r.client.post(r.url(path), json=request) as response:
+                assert response.status == 200
+                raw = await response.read()
+            bodies = [q.body for q in r.engines[0].received]
+            assert [b["max_tokens"] for b in bodies] == ([4, 4] if sliced else [10])
+        if stream:
+            events = [e for e in raw.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            choices = [json.loads(e.removeprefix("data: "))["choices"] for e in events[:-1]]
+            choices = [c[0] for c in choices if c]
+            key = "delta" if api == "chat" else None
+            text = "".join((c[key].get("content") or "") if key else c["text"] for c in choices)
+            (last,) = [c for c in choices if c.get("finish_reason")]
+        else:
+            last = json.loads(raw)["choices"][0]
+            text = last["message"]["content"] if api == "chat" else last["text"]
+        return text, last["finish_reason"], last.get("stop_reason")
+
+    async def body() -> None:
+        want = ("".join(f" t{i}" for i in range(6)), "stop", stop_id)
+        assert await answer(sliced=False) == want  # the engine's own, relayed whole
+        assert await answer(sliced=True) == want
 
     run(body())

@@ -21,6 +21,17 @@ def test_the_cost_model_is_the_replicas() -> None:
     assert cost.prefill_tokens_per_s == pytest.approx(1000.0)
 
 
+def test_the_cost_model_has_the_replicas_block_size() -> None:
+    """A continuation recomputes its last KV block: the tracker prices it with the simulated
+    engine's block size (a size past the cost model's 65,536 is priced as 65,536)."""
+    slices = ScenarioConfig.from_dict({"engine": {"block_size": 32}}).slices
+    model = LinearStepModel(b0=0.02, b1=1e-3, b2=0.0)
+    cost = slices.cost_model(model, 4096, 32)
+    assert cost.block_size == 32 and cost.recompute_tokens(48) == 16
+    assert slices.cost_model(None, None, 2**20).block_size == 2**16
+    assert slices.cost_model(model).block_size == 16
+
+
 def _scenario(tmp_path: Path) -> dict[str, Any]:
     # One replica, one sequence slot, 4096 KV tokens, 1000 prompt tokens/s, 20 ms a step. A
     # 3000-token request is 128 tokens into its answer when a 3900-token one waits: yielding

@@ -20,8 +20,10 @@ from hypothesis.stateful import (
 )
 
 import llmsched
+from llmsched import _llmsched
 from llmsched.errors import (
     ConfigError,
+    InvalidTypeError,
     InvalidValueError,
     SliceStateError,
     UnknownRequestError,
@@ -29,6 +31,7 @@ from llmsched.errors import (
 )
 from llmsched.reference.slices import SliceTracker as TwinTracker
 from llmsched.slices import (
+    SliceAssembler,
     SliceStart,
     SliceTracker,
     SwitchCostModel,
@@ -182,6 +185,81 @@ def test_cost_helpers_accept_their_bounds() -> None:
     m = SwitchCostModel(priority_base=2.0)
     assert m.weight(-(2**31)) == 0.0 and m.weight(2**31 - 1) == float("inf")
     assert m.recompute_s(0) == 0.0 and evict_probability(0, 0, 0) == 0.0
+
+
+def test_a_continuation_is_charged_its_last_block() -> None:
+    """Probe 77: with nothing evicted the model charged no recompute, yet a continuation always
+    recomputes its last KV block (1 to ``block_size`` tokens; tests/test_slices_recompute.py
+    checks the count against the reference executor)."""
+    m = SwitchCostModel(prefill_tokens_per_s=1000, requeue_delay_s=0.0)
+    assert m.block_size == 16 and m.to_dict()["block_size"] == 16
+    assert [m.recompute_tokens(c) for c in (0, 1, 16, 17, 48, 50, 64)] == [0, 1, 16, 1, 16, 2, 16]
+    assert m.switch_s(48, demand_tokens=0, free_tokens=10**6) == pytest.approx(0.016)
+    assert m.recompute_tokens(1000, demand_tokens=1500, free_tokens=1000) == 500  # half evicted
+    assert m.recompute_tokens(1000, demand_tokens=1001, free_tokens=1000) == 8  # 1 < the tail
+    big = SwitchCostModel(block_size=256)
+    assert big.recompute_tokens(300) == 44 and big.to_dict()["block_size"] == 256
+    assert SwitchCostModel(**big.to_dict()).block_size == 256
+    dims = {"params": 8e9, "layers": 32, "kv_heads": 8, "head_dim": 128}
+    assert SwitchCostModel.from_model(**dims).block_size == 16
+    assert SwitchCostModel.from_model(**dims, block_size=32).recompute_tokens(48) == 16
+
+
+@pytest.mark.parametrize(
+    ("block_size", "error"),
+    [
+        (0, InvalidValueError),
+        (2**16 + 1, InvalidValueError),
+        (-16, InvalidValueError),
+        (16.0, InvalidTypeError),
+        (True, InvalidTypeError),
+        ("16", InvalidTypeError),
+    ],
+)
+def test_a_bad_block_size_is_named(block_size: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="block_size"):
+        SwitchCostModel(block_size=block_size)  # type: ignore[arg-type]
+    dims = {"params": 8e9, "layers": 32, "kv_heads": 8, "head_dim": 128}
+    with pytest.raises(error, match="block_size"):
+        SwitchCostModel.from_model(**dims, block_size=block_size)  # type: ignore[arg-type]
+
+
+def test_the_native_model_checks_its_block_size_too() -> None:
+    for bad in (0, 2**16 + 1):
+        with pytest.raises(ConfigError, match=r"block_size must be an int in 1\.\.=65536"):
+            _llmsched.SwitchCostModel({"block_size": bad})
+    assert _llmsched.SwitchCostModel({"block_size": 2**16}).block_size == 2**16
+
+
+def test_admit_takes_numpy_integers_as_record_tokens_does() -> None:
+    """``record_tokens`` took numpy integers (the native layer reads them) where ``admit``
+    refused them with "must be an int, got int64"; the tracker now takes them everywhere, as
+    ``validation.check_index`` and the flow controller do (not numpy's bool)."""
+    t = SliceTracker("fixed", {"slice_tokens": 4}, endpoints=["a"])
+    start = t.admit(
+        np.uint64(1), prompt_tokens=np.int64(5), max_tokens=np.int32(6), endpoint="a",
+        priority=np.int8(-1),
+    )  # fmt: skip
+    assert start == SliceStart(0, 4)
+    state = t.state(np.int64(1))
+    assert state is not None and (state.context_tokens, state.priority) == (5, -1)
+    assert t.record_tokens(np.int64(1), np.int64(4)) == 0
+    assert t.quantum(np.int64(0)) == 4 and t.entry_level(np.int64(5)) == 0
+    for bad in (np.bool_(True), np.float64(5.0), 5.0):
+        with pytest.raises(InvalidTypeError, match="prompt_tokens must be an int"):
+            t.admit(2, prompt_tokens=bad, max_tokens=6, endpoint="a")  # type: ignore[arg-type]
+        with pytest.raises(InvalidTypeError, match="tokens must be an int"):
+            t.record_tokens(1, bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidValueError, match="prompt_tokens"):
+        t.admit(2, prompt_tokens=np.int64(-1), max_tokens=6, endpoint="a")
+    with pytest.raises(InvalidValueError, match="max_tokens"):
+        t.admit(2, prompt_tokens=np.uint32(2**32 - 1), max_tokens=np.int64(0), endpoint="a")
+    assert len(t) == 1
+    request = {"model": "m", "prompt": [1, 2], "max_tokens": 5}
+    asm = SliceAssembler(request, created=np.int64(7), default_max_tokens=np.uint32(9))
+    assert asm.next_request(np.int64(3))["max_tokens"] == 3
+    with pytest.raises(InvalidTypeError, match="slice_tokens must be an int"):
+        asm.next_request(np.bool_(True))  # type: ignore[arg-type]
 
 
 def _run_slice(t: Any, rid: int) -> None:

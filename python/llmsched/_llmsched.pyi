@@ -289,14 +289,21 @@ class SwitchCostModel:
     @property
     def priority_base(self) -> float:
         """Base of the priority weight `priority_base ** priority`."""
+    @property
+    def block_size(self) -> int:
+        """The endpoint's KV block size, in tokens."""
     def weight(self, priority: int) -> float:
         """The weight of a request of this priority."""
     def recompute_s(self, context: float, prefill_tokens_per_s: float) -> float:
         """Seconds to recompute `context` tokens at a prefill rate."""
+    def recompute_tokens(self, evict_probability: float, context: float) -> float:
+        """Tokens a continuation recomputes: the evicted share of `context`, at least its last
+        KV block.
+        """
     def switch_s(
         self, evict_probability: float, context: float, prefill_tokens_per_s: float
     ) -> float:
-        """Expected cost of a switch: eviction probability times recompute time, plus the requeue
+        """Expected cost of a switch: the recompute time of `recompute_tokens`, plus the requeue
         delay.
         """
     def params(self) -> dict[str, Any]:

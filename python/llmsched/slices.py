@@ -29,6 +29,7 @@ from llmsched import _llmsched
 from llmsched._llmsched import EndpointLoad, SliceDecision, SliceState
 from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
 from llmsched.validation import (
+    check_block_size,
     check_bool,
     check_int,
     check_int_like,
@@ -91,13 +92,20 @@ def _params(params: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
 
 
 class SwitchCostModel:
-    """What ending a slice costs: ``p_evict * context / prefill_tokens_per_s + requeue_delay_s``.
+    """What ending a slice costs: ``recompute_tokens / prefill_tokens_per_s + requeue_delay_s``
+    seconds, where a continuation of ``context`` tokens recomputes
+    ``min(context, max(p_evict * context, tail))`` tokens: the share ``p_evict`` evicted while
+    it waited, and at least its last KV block, ``tail = context - floor((context - 1) /
+    block_size) * block_size`` (1 to ``block_size`` tokens), which a prefix-cache hit never
+    covers (only full blocks are cached, and the last token is always computed for its logits).
 
     Parameters (defaults: Llama-3-8B on one H100 SXM, derived once in Rust):
     ``prefill_tokens_per_s`` (recompute rate), ``decode_step_s`` (seconds per decode step),
     ``kv_capacity_tokens`` (KV cache size of an endpoint), ``requeue_delay_s`` (fixed cost of
-    sending the next slice) and ``priority_base`` (a request of priority ``p`` weighs
-    ``priority_base ** p``). Unknown names raise :class:`~llmsched.errors.ConfigError`.
+    sending the next slice), ``priority_base`` (a request of priority ``p`` weighs
+    ``priority_base ** p``) and ``block_size`` (the endpoint's KV block size in tokens, an int
+    from 1 to 65,536; default 16, what vLLM and the simulator use). Unknown names raise
+    :class:`~llmsched.errors.ConfigError`.
 
     >>> model = SwitchCostModel(decode_step_s=0.02)
     >>> model.decode_step_s
@@ -112,6 +120,8 @@ class SwitchCostModel:
         for name, value in params.items():  # the native side would read a bool as 0 or 1
             if is_bool(value):
                 check_number_like(name, value)
+        if "block_size" in params:  # serde's "invalid type: floating point" named no argument
+            check_block_size(params["block_size"])
         try:
             self._native = _llmsched.SwitchCostModel(_params(params, "cost model"))
         except ConfigError:
@@ -143,6 +153,7 @@ class SwitchCostModel:
         memory_fraction: float | None = None,
         requeue_delay_s: float | None = None,
         priority_base: float | None = None,
+        block_size: int | None = None,
     ) -> SwitchCostModel:
         """Derive the model from model dimensions and GPU numbers.
 
@@ -153,7 +164,7 @@ class SwitchCostModel:
         - ``decode_step_s = params * dtype_bytes / (gpu_hbm_bytes_per_s * bandwidth_efficiency)``.
 
         GPU numbers left out are an H100 SXM's; efficiencies 0.5 (compute), 0.7 (bandwidth),
-        memory fraction 0.9.
+        memory fraction 0.9; ``block_size`` (the engine's KV block size) 16.
 
         >>> m = SwitchCostModel.from_model(params=70e9, layers=80, kv_heads=8, head_dim=128,
         ...     dtype_bytes=1, gpu_memory_bytes=141e9, gpu_hbm_bytes_per_s=4.8e12)  # fp8, H200
@@ -180,12 +191,13 @@ class SwitchCostModel:
             "memory_fraction": memory_fraction,
             "requeue_delay_s": requeue_delay_s,
             "priority_base": priority_base,
+            "block_size": None if block_size is None else check_block_size(block_size),
         }
         dims = {k: v for k, v in dims.items() if v is not None}
         for name, number in gpu.items():  # the native side would read a bool as 0 or 1
             check_number_like(f"gpu_{name}", number, optional=True)
         for name, setting in dims.items():
-            if name not in ("model", "gpu"):
+            if name not in ("model", "gpu", "block_size"):
                 check_number_like(name, setting)
         for name, value in model.items():
             # A numpy scalar was "must be a positive number, got 32": name what is wrong.
@@ -205,7 +217,7 @@ class SwitchCostModel:
             for name, number in gpu.items():
                 check_number_like(f"gpu_{name}", number, optional=True)
             for name, setting in dims.items():
-                if name not in ("model", "gpu"):
+                if name not in ("model", "gpu", "block_size"):
                     check_number_like(name, setting)
             raise
         return self
@@ -234,6 +246,11 @@ class SwitchCostModel:
     def priority_base(self) -> float:
         """A request of priority ``p`` weighs ``priority_base ** p``."""
         return self._native.priority_base
+
+    @property
+    def block_size(self) -> int:
+        """The endpoint's KV block size, in tokens (a continuation recomputes its last block)."""
+        return self._native.block_size
 
     def weight(self, priority: int) -> float:
         """``priority_base ** priority``; ``priority`` is an int in ``-2**31..2**31-1``
@@ -266,6 +283,24 @@ class SwitchCostModel:
             _amount("prefill_tokens_per_s", rate, positive=True),
         )
 
+    def recompute_tokens(
+        self, context_tokens: float, *, demand_tokens: float = 0.0, free_tokens: float = 0.0
+    ) -> float:
+        """Tokens a continuation of a request with ``context_tokens`` of KV recomputes when the
+        work admitted meanwhile needs ``demand_tokens`` and the endpoint has ``free_tokens``:
+        ``min(context, max(p_evict * context, tail))``, with ``tail`` its last KV block (1 to
+        ``block_size`` tokens), recomputed even when nothing was evicted. The counts must be
+        finite and ``>= 0``.
+
+        >>> m = SwitchCostModel()  # block_size 16
+        >>> m.recompute_tokens(48), m.recompute_tokens(50)  # nothing evicted: the last block
+        (16.0, 2.0)
+        >>> m.recompute_tokens(1000, demand_tokens=1500, free_tokens=1000)  # half evicted
+        500.0
+        """
+        p_evict = evict_probability(context_tokens, demand_tokens, free_tokens)
+        return self._native.recompute_tokens(p_evict, float(context_tokens))
+
     def switch_s(
         self,
         context_tokens: float,
@@ -275,12 +310,15 @@ class SwitchCostModel:
         prefill_tokens_per_s: float | None = None,
     ) -> float:
         """Expected seconds a switch costs a request with ``context_tokens`` of KV when the work
-        admitted meanwhile needs ``demand_tokens`` and the endpoint has ``free_tokens``.
+        admitted meanwhile needs ``demand_tokens`` and the endpoint has ``free_tokens``:
+        :meth:`recompute_tokens` at the prefill rate, plus ``requeue_delay_s``.
         The token counts must be finite and ``>= 0``, the rate finite and ``> 0``.
 
         >>> m = SwitchCostModel(prefill_tokens_per_s=1000, requeue_delay_s=0.01)
         >>> m.switch_s(1000, demand_tokens=1500, free_tokens=1000)  # half evicted
         0.51
+        >>> round(m.switch_s(1000, demand_tokens=0, free_tokens=1000), 6)  # the last 8 tokens
+        0.018
         """
         rate = self.prefill_tokens_per_s if prefill_tokens_per_s is None else prefill_tokens_per_s
         rate = _amount("prefill_tokens_per_s", rate, positive=True)
@@ -288,10 +326,11 @@ class SwitchCostModel:
         return self._native.switch_s(p_evict, float(context_tokens), rate)
 
     def to_dict(self) -> dict[str, float]:
-        """The parameters as a plain dict (accepted back by the constructor).
+        """The parameters as a plain dict (accepted back by the constructor); ``block_size`` is
+        an int, the others floats.
 
-        >>> sorted(SwitchCostModel().to_dict())[:2]
-        ['decode_step_s', 'kv_capacity_tokens']
+        >>> sorted(SwitchCostModel().to_dict())[:3]
+        ['block_size', 'decode_step_s', 'kv_capacity_tokens']
         """
         return dict(self._native.params())
 
@@ -359,11 +398,15 @@ class SliceStart(NamedTuple):
     slice_tokens: int
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not low <= value <= high:
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    """``value`` as an ``int`` in ``low..high``: an ``int`` or a numpy integer (what the native
+    layer reads as one, as elsewhere: ``validation.check_index``), not a ``bool``."""
+    if type(value) is not int:
+        check_int_like(name, value)  # a numpy integer passes; a bool (numpy's too) does not
+    number = operator.index(value)  # type: ignore[arg-type]
+    if not low <= number <= high:
         raise InvalidValueError(f"{name} must be in {low}..{high}, got {value}")
+    return number
 
 
 def _explain_waiting(waiting: object) -> None:
@@ -555,17 +598,18 @@ class SliceTracker:
         endpoint: str,
         priority: int = 0,
     ) -> SliceStart:
-        """Start tracking a request whose first slice runs on ``endpoint``.
+        """Start tracking a request whose first slice runs on ``endpoint``. The counts and ids
+        are ints (numpy integers too, as everywhere the tracker takes an int; not bools).
 
         Raises :class:`~llmsched.errors.SliceStateError` if already tracked and
         :class:`~llmsched.errors.UnknownWorkerError` for an unknown endpoint.
         """
-        _check_int("request_id", request_id, 0, _U64)
-        _check_int("prompt_tokens", prompt_tokens, 0, _U32)
-        _check_int("max_tokens", max_tokens, 1, _U32)
-        _check_int("priority", priority, -_I32 - 1, _I32)
         level, slice_tokens = self._native.admit(
-            request_id, prompt_tokens, max_tokens, priority, _endpoint_name(endpoint)
+            _check_int("request_id", request_id, 0, _U64),
+            _check_int("prompt_tokens", prompt_tokens, 0, _U32),
+            _check_int("max_tokens", max_tokens, 1, _U32),
+            _check_int("priority", priority, -_I32 - 1, _I32),
+            _endpoint_name(endpoint),
         )
         return SliceStart(level, slice_tokens)
 
@@ -574,9 +618,9 @@ class SliceTracker:
 
         More than are left raises :class:`~llmsched.errors.SliceStateError`.
         """
-        if is_bool(request_id) or is_bool(tokens):  # the native side takes 0 / 1
-            _check_int("request_id", request_id, 0, _U64)
-            _check_int("tokens", tokens, 0, _U32)
+        if type(request_id) is not int or type(tokens) is not int:  # a bool: 0 or 1 natively
+            request_id = _check_int("request_id", request_id, 0, _U64)
+            tokens = _check_int("tokens", tokens, 0, _U32)
         try:
             return self._native.record_tokens(request_id, tokens)
         except (OverflowError, TypeError):
@@ -769,9 +813,9 @@ class SliceAssembler:
         if response_id is not None and not isinstance(response_id, str):
             raise InvalidTypeError(f"response_id must be a str, got {type(response_id).__name__}")
         if created is not None:
-            _check_int("created", created, -(2**63), 2**63 - 1)
+            created = _check_int("created", created, -(2**63), 2**63 - 1)
         if default_max_tokens is not None:
-            _check_int("default_max_tokens", default_max_tokens, 0, _U64)
+            default_max_tokens = _check_int("default_max_tokens", default_max_tokens, 0, _U64)
         self._api: Literal["completions", "chat"] = api
         self._native = _llmsched.SliceAssembler(
             dict(request), api, response_id, created, default_max_tokens, bool(forward_stop)
@@ -850,7 +894,7 @@ class SliceAssembler:
         Building it twice before feeding gives the same request.
         """
         if not self._native.done:
-            _check_int("slice_tokens", slice_tokens, 1, _U32)
+            slice_tokens = _check_int("slice_tokens", slice_tokens, 1, _U32)
         return self._native.next_request(slice_tokens)
 
     def feed(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -55,6 +55,10 @@ impl PySwitchCostModel {
     fn priority_base(&self) -> f64 {
         self.model.priority_base
     }
+    #[getter]
+    fn block_size(&self) -> u32 {
+        self.model.block_size
+    }
 
     fn weight(&self, priority: i32) -> f64 {
         self.model.weight(priority)
@@ -62,6 +66,10 @@ impl PySwitchCostModel {
 
     fn recompute_s(&self, context: f64, prefill_tokens_per_s: f64) -> f64 {
         core::SwitchCostModel::recompute_s(context, prefill_tokens_per_s)
+    }
+
+    fn recompute_tokens(&self, evict_probability: f64, context: f64) -> f64 {
+        self.model.recompute_tokens(evict_probability, context)
     }
 
     fn switch_s(&self, evict_probability: f64, context: f64, prefill_tokens_per_s: f64) -> f64 {

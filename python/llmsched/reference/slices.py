@@ -276,7 +276,12 @@ class SliceTracker:
             0.0 if context <= 0 else min(1.0, max(0.0, (demand - load.kv_free_tokens) / context))
         )
         w_r = self.weight(request.priority)
-        switch = p_evict * (context / load.prefill_tokens_per_s) + self.cost["requeue_delay_s"]
+        # A continuation recomputes at least its last KV block (only full blocks are cached and
+        # the last token is always computed); eviction takes the tail blocks first.
+        block = float(self.cost["block_size"])
+        tail = 0.0 if context <= 0 else context - math.floor((context - 1.0) / block) * block
+        recompute = 0.0 if context <= 0 else min(context, max(p_evict * context, tail))
+        switch = recompute / load.prefill_tokens_per_s + self.cost["requeue_delay_s"]
         yield_cost = w_r * (step * let_through + switch)
         best: tuple[str, float] | None = None
         for name, other in self.endpoint_loads.items():

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmsched._llmsched import MAX_BLOCK_SIZE
 from llmsched.config_loader import load_mapping
 from llmsched.errors import ConfigError
 from llmsched.sim.stepmodel import StepModelConfig
@@ -134,12 +135,16 @@ class SliceConfig:
     policy: str = ""
     params: dict[str, Any] = field(default_factory=dict)
 
-    def cost_model(self, model: object, kv_tokens: int | None = None) -> SwitchCostModel:
+    def cost_model(
+        self, model: object, kv_tokens: int | None = None, block_size: int | None = None
+    ) -> SwitchCostModel:
         """The tracker's switch-cost model, as both engines build it: from the model and GPU
         of a roofline step model; from a linear step model's coefficients (a prompt token
         costs ``b1``, a one-sequence decode step ``b0 + b2``); the defaults otherwise.
         ``kv_tokens`` is a simulated replica's KV capacity (what the engines hold): the
-        tracker weighs evictions against it.
+        tracker weighs evictions against it. ``block_size`` is the replicas' KV block size
+        (``engine.block_size``): a continuation recomputes its last block; one past the cost
+        model's bound (65,536 tokens) is priced as 65,536.
 
         >>> from llmsched.sim.stepmodel import LinearStepModel
         >>> cost = SliceConfig("fixed").cost_model(LinearStepModel(0.02, 5e-5, 0.0), 14_000)
@@ -153,6 +158,8 @@ class SliceConfig:
         # 426,788 tokens, 30 times the 14,000 of slices-small), else the tracker saw room that
         # was not there and never expected a yielded request to be evicted.
         own: dict[str, float] = {} if kv_tokens is None else {"kv_capacity_tokens": kv_tokens}
+        if block_size is not None:
+            own["block_size"] = min(block_size, MAX_BLOCK_SIZE)
         if isinstance(model, LinearStepModel):
             decode_s = model.step_time(decode_tokens=1)
             if decode_s > 0:  # b0 = b2 = 0 (prefill costs only): the default step stays

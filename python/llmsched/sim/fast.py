@@ -298,7 +298,8 @@ def run(
         flow, ttft = config.flow.controller_config(), config.flow.ttft_targets(config.slo)
     slices = None
     if config.slices.policy:
-        cost = config.slices.cost_model(model, kv_blocks * config.engine.block_size).native
+        block_size = config.engine.block_size
+        cost = config.slices.cost_model(model, kv_blocks * block_size, block_size).native
         slices = (config.slices.policy, config.slices.params, cost)
     settings = engine_settings(config, kv_blocks, model)
     named = None

@@ -35,7 +35,10 @@ failure with a body field ``x_fake_mode`` naming a mode (it wins over
 :attr:`~FakeOpenAIEngine.mode`).
 :attr:`FakeOpenAIEngine.health_status` scripts ``/health``.
 Fields vLLM checks (``max_tokens``, ``stream``, ``stream_options``, ``prompt``, ``messages``)
-get vLLM's 400 when malformed.
+get vLLM's 400 when malformed. Output token ``k`` reads `` t<k>`` with id
+``OUTPUT_ID_BASE + k``; one listed in ``stop_token_ids`` ends the answer as vLLM's stop token
+does: counted and in ``token_ids``, its text left out, ``finish_reason`` ``"stop"`` and the id
+as ``stop_reason`` (an answer ended otherwise has no ``stop_reason`` field).
 
 >>> import asyncio, aiohttp
 >>> async def demo():
@@ -510,14 +513,22 @@ class FakeOpenAIEngine:
         # Output token k reads " t<k>" with id OUTPUT_ID_BASE + k; a continuation (its
         # earlier output in the prompt) carries on the count.
         done = _generated_before(body, chat=chat)
+        stop_ids = body.get("stop_token_ids")
+        stop_reason = None
+        if isinstance(stop_ids, list):
+            hit = next((i for i in range(n) if OUTPUT_ID_BASE + done + i in stop_ids), None)
+            if hit is not None:
+                n, stop_reason = hit + 1, OUTPUT_ID_BASE + done + hit
         pieces = [f" t{done + i}" for i in range(n)]
+        if stop_reason is not None:
+            pieces[-1] = ""  # vLLM leaves a stop token's text out of the output
         ids = (
             [OUTPUT_ID_BASE + done + i for i in range(n)] if body.get("return_token_ids") else None
         )
         created = int(time.time())
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.received)}"
         if not body.get("stream"):
-            full = _full_answer(ident, created, body, pieces, chat=chat)
+            full = _full_answer(ident, created, body, pieces, chat=chat, stop_reason=stop_reason)
             if ids is not None:
                 full["choices"][0]["token_ids"] = ids
             answer = json.dumps(full).encode()
@@ -535,8 +546,10 @@ class FakeOpenAIEngine:
                 await asyncio.sleep(self.token_delay_s)
             if mode in ("cut", "hang") and i:
                 await self._stop_answering(request, mode)
-            finish = "length" if i == n - 1 else None
+            finish = None if i < n - 1 else "length" if stop_reason is None else "stop"
             chunk = _chunk(ident, created, body, piece, finish, chat=chat)
+            if finish == "stop":
+                chunk["choices"][0]["stop_reason"] = stop_reason
             if ids is not None:
                 chunk["choices"][0]["token_ids"] = [ids[i]]
             event = b"data: " + json.dumps(chunk).encode()
@@ -706,17 +719,26 @@ def _generated_before(body: dict[str, Any], *, chat: bool) -> int:
 
 
 def _full_answer(
-    ident: str, created: int, body: dict[str, Any], pieces: list[str], *, chat: bool
+    ident: str,
+    created: int,
+    body: dict[str, Any],
+    pieces: list[str],
+    *,
+    chat: bool,
+    stop_reason: int | None = None,
 ) -> dict[str, Any]:
     text = "".join(pieces)
+    finish = "length" if stop_reason is None else "stop"
     if chat:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "finish_reason": "length",
+            "finish_reason": finish,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if stop_reason is not None:
+        choice["stop_reason"] = stop_reason
     prompt_tokens = len(json.dumps(body.get("messages") or body.get("prompt"))) // 4
     return {
         "id": ident,

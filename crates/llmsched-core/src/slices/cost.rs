@@ -13,14 +13,27 @@
 //!   (hbm_bytes_per_s * bandwidth_efficiency)` (weights read once per step; KV reads ignored).
 //!
 //! The cost of a switch for a request with `context` tokens of KV on an endpoint is
-//! `switch_s = p_evict * context / prefill_tokens_per_s + requeue_delay_s`, where `p_evict`, the
+//! `switch_s = recompute_tokens / prefill_tokens_per_s + requeue_delay_s` with
+//! `recompute_tokens = min(context, max(p_evict * context, tail))`, where `p_evict`, the
 //! expected share of the context evicted before the request resumes, comes from the endpoint's
-//! free KV and the KV demand of the work admitted in the meantime (see [`evict_probability`]).
+//! free KV and the KV demand of the work admitted in the meantime (see [`evict_probability`]),
+//! and `tail = context - floor((context - 1) / block_size) * block_size` (1 to `block_size`
+//! tokens) is what a continuation recomputes with nothing evicted: only full blocks are cached,
+//! and a prefix-cache hit always leaves the last token to compute (its logits are needed), so
+//! the last block is recomputed, partial or full (vLLM's `get_computed_blocks`; the reference
+//! executor's `KVCacheManager.lookup`). Eviction takes a request's tail blocks first, so the
+//! evicted tokens and the tail overlap: the recompute is the larger of the two. All counts are
+//! tokens; `switch_s` is seconds.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::SliceError;
+use crate::hashing::MAX_BLOCK_SIZE;
+
+/// The KV block size, in tokens, that engines use by default (vLLM's on CUDA; the simulator's
+/// and the reference executor's default): what [`SwitchCostModel::block_size`] defaults to.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 /// Model dimensions that set compute and KV size.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -101,6 +114,8 @@ pub struct CostModelDims {
     pub memory_fraction: f64,
     pub requeue_delay_s: f64,
     pub priority_base: f64,
+    /// The engine's KV block size, in tokens.
+    pub block_size: u32,
 }
 
 impl Default for CostModelDims {
@@ -113,6 +128,7 @@ impl Default for CostModelDims {
             memory_fraction: 0.9,
             requeue_delay_s: 0.005,
             priority_base: 2.0,
+            block_size: DEFAULT_BLOCK_SIZE,
         }
     }
 }
@@ -132,6 +148,9 @@ pub struct SwitchCostModel {
     pub requeue_delay_s: f64,
     /// A request of priority `p` weighs `priority_base ** p`.
     pub priority_base: f64,
+    /// The endpoint's KV block size, in tokens (1 to 65,536; [`DEFAULT_BLOCK_SIZE`] by
+    /// default): a continuation recomputes its last block even when nothing was evicted.
+    pub block_size: u32,
 }
 
 impl Default for SwitchCostModel {
@@ -153,6 +172,7 @@ impl SwitchCostModel {
             kv_capacity_tokens: (usable / dims.model.kv_bytes_per_token()).max(0.0),
             requeue_delay_s: dims.requeue_delay_s,
             priority_base: dims.priority_base,
+            block_size: dims.block_size,
         }
     }
 
@@ -199,6 +219,9 @@ impl SwitchCostModel {
         if !(self.requeue_delay_s.is_finite() && self.requeue_delay_s >= 0.0) {
             return Err(bad_param("cost model", "requeue_delay_s", "must be finite and >= 0"));
         }
+        if !(1..=MAX_BLOCK_SIZE).contains(&(self.block_size as usize)) {
+            return Err(bad_param("cost model", "block_size", "must be an int in 1..=65536"));
+        }
         Ok(self)
     }
 
@@ -214,10 +237,25 @@ impl SwitchCostModel {
         context / prefill_tokens_per_s
     }
 
-    /// `p_evict * context / prefill_tokens_per_s + requeue_delay_s`.
+    /// Tokens a continuation of a request with `context` tokens recomputes when a share
+    /// `p_evict` of them was evicted: `min(context, max(p_evict * context, tail))`, where
+    /// `tail = context - floor((context - 1) / block_size) * block_size` is the last block, which
+    /// a prefix-cache hit never covers (module docs). 0 for no context.
+    #[inline]
+    pub fn recompute_tokens(&self, p_evict: f64, context: f64) -> f64 {
+        if context <= 0.0 {
+            return 0.0;
+        }
+        let block = f64::from(self.block_size.max(1));
+        let tail = context - ((context - 1.0) / block).floor() * block;
+        (p_evict * context).max(tail).min(context)
+    }
+
+    /// `recompute_tokens(p_evict, context) / prefill_tokens_per_s + requeue_delay_s`.
     #[inline]
     pub fn switch_s(&self, p_evict: f64, context: f64, prefill_tokens_per_s: f64) -> f64 {
-        p_evict * Self::recompute_s(context, prefill_tokens_per_s) + self.requeue_delay_s
+        Self::recompute_s(self.recompute_tokens(p_evict, context), prefill_tokens_per_s)
+            + self.requeue_delay_s
     }
 }
 
@@ -294,9 +332,49 @@ mod tests {
         let model = SwitchCostModel { requeue_delay_s: 0.01, ..SwitchCostModel::default() };
         let cost = model.switch_s(0.5, 2000.0, 10_000.0);
         assert!((cost - (0.1 + 0.01)).abs() < 1e-12);
+        // Nothing evicted: the last block (16 tokens of 2000) is still recomputed.
+        let cost = model.switch_s(0.0, 2000.0, 10_000.0);
+        assert!((cost - (16.0 / 10_000.0 + 0.01)).abs() < 1e-12, "{cost}");
         assert_eq!(model.weight(0), 1.0);
         assert_eq!(model.weight(2), 4.0);
         assert_eq!(model.weight(-1), 0.5);
+    }
+
+    #[test]
+    fn a_continuation_recomputes_its_last_block() {
+        let model = SwitchCostModel::default();
+        assert_eq!(model.block_size, 16);
+        // (context, p_evict, tokens recomputed)
+        let cases = [
+            (48.0, 0.0, 16.0),
+            (64.0, 0.0, 16.0),
+            (80.0, 0.0, 16.0),
+            (49.0, 0.0, 1.0),
+            (50.0, 0.0, 2.0),
+            (63.0, 0.0, 15.0),
+            (1.0, 0.0, 1.0),
+            (0.0, 0.0, 0.0),
+            (0.0, 1.0, 0.0),
+            (1000.0, 0.5, 500.0),
+            (1000.0, 0.001, 8.0), // 1 token evicted from the tail: the last 8 recomputed
+            (1000.0, 1.0, 1000.0),
+        ];
+        for (context, p, want) in cases {
+            assert_eq!(model.recompute_tokens(p, context), want, "{context} {p}");
+        }
+        let model = SwitchCostModel { block_size: 1, ..SwitchCostModel::default() };
+        assert_eq!(model.recompute_tokens(0.0, 48.0), 1.0);
+        let dims = json!({"block_size": 32});
+        assert_eq!(SwitchCostModel::from_dims_params(&dims).unwrap().block_size, 32);
+        let err = SwitchCostModel::from_params(&json!({"block_size": 0})).unwrap_err();
+        assert!(err.to_string().contains("block_size must be an int in 1..=65536"), "{err}");
+        let err = SwitchCostModel::from_params(&json!({"block_size": 65_537})).unwrap_err();
+        assert!(err.to_string().contains("block_size"), "{err}");
+        assert!(SwitchCostModel::from_params(&json!({"block_size": 65_536})).is_ok());
+        let err = SwitchCostModel::from_dims_params(&json!({"block_size": 0})).unwrap_err();
+        assert!(err.to_string().contains("block_size"), "{err}");
+        assert!(SwitchCostModel::from_params(&json!({"block_size": 2.5})).is_err());
+        assert!(SwitchCostModel::from_params(&json!({"block_size": -1})).is_err());
     }
 
     #[test]

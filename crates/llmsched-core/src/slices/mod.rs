@@ -21,8 +21,11 @@
 //! - otherwise the yield lets through `L`, the longest head of the waiting list (in dispatch
 //!   order, at least one) whose slices `x_i = min(quantum(level_i), expected_i)` fit in `x_R`:
 //!   - benefit `B = t * x_R * sum_{i in L} w_i` (each of them starts R's slice earlier);
-//!   - yield cost `w_R * (t * sum x_i + p_evict * C / prefill_E + requeue_delay)`, with
-//!     `p_evict = clamp((sum_{i in L}(context_i + x_i) - free_kv_E) / C, 0, 1)`;
+//!   - yield cost `w_R * (t * sum x_i + recompute / prefill_E + requeue_delay)`, with
+//!     `recompute = min(C, max(p_evict * C, tail))` tokens,
+//!     `p_evict = clamp((sum_{i in L}(context_i + x_i) - free_kv_E) / C, 0, 1)` and `tail` the
+//!     last KV block, which a continuation recomputes even with nothing evicted
+//!     ([`SwitchCostModel::recompute_tokens`]);
 //!   - migrate cost to an endpoint E' with nobody waiting and room for `C + x_R` (one taken
 //!     out with [`SliceTracker::remove_endpoint`] is none until it is reported again):
 //!     `w_R * (C / prefill_E' + requeue_delay)` (full recompute, no pause);
@@ -48,7 +51,9 @@ use hashbrown::HashMap;
 use thiserror::Error;
 
 pub use assembler::{Api, AssemblerOptions, AssemblyError, SliceAssembler, SliceUsage};
-pub use cost::{evict_probability, CostModelDims, GpuSpec, ModelDims, SwitchCostModel};
+pub use cost::{
+    evict_probability, CostModelDims, GpuSpec, ModelDims, SwitchCostModel, DEFAULT_BLOCK_SIZE,
+};
 pub use policy::{build_policy, policy_defaults, FixedSlice, Mlfq, SlicePolicy, REGISTRY};
 
 /// A request's id as the caller numbers it.

@@ -14,6 +14,7 @@ fn cost() -> SwitchCostModel {
         kv_capacity_tokens: 100_000.0,
         requeue_delay_s: 0.005,
         priority_base: 2.0,
+        block_size: 16,
     }
 }
 
@@ -173,6 +174,18 @@ fn an_endpoint_taken_out_is_no_migration_target_until_reported_again() {
     assert!(t.remove_endpoint("a"));
     t.resume(1, "a").unwrap();
     assert_eq!(&*t.get(1).unwrap().endpoint, "a");
+}
+
+#[test]
+fn a_yield_with_nothing_evicted_still_pays_for_the_last_block() {
+    let mut t = tracker("fixed", r#"{"slice_tokens": 100}"#);
+    t.admit(1, 10, 10_000, 0, "a").unwrap();
+    let d = boundary(&mut t, 1, &[short(20)]);
+    // Context 110 with 100,000 tokens free: nothing evicted, yet the continuation recomputes
+    // 110 - floor(109 / 16) * 16 = 14 tokens.
+    assert_eq!(d.evict_probability, 0.0);
+    let cost = STEP * 20.0 + 14.0 / PREFILL + 0.005;
+    assert!((d.yield_cost_s - cost).abs() < 1e-12, "{d:?}");
 }
 
 #[test]
