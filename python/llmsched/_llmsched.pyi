@@ -699,6 +699,9 @@ class Decision:
         """The prefill/decode decision, when a P/D handler ran."""
     def explain_data(self) -> list[ProfileData]:
         """Each profile's scores per endpoint and scorer."""
+    def again(self) -> Decision:
+        """A fresh decision with this one's choice, fallbacks and scores, not started: a
+        retry's (no new pick, so a round-robin cursor does not move)."""
     def started(self, endpoint: int | str | None, now: float) -> None:
         """Marks the request sent (to `endpoint`, default the chosen one); PlacementError when
         it was already started or finished."""
